@@ -1,0 +1,153 @@
+//! The control plane's admin HTTP: `/healthz`, `/readyz`, `/metrics` (open, for probes and
+//! scrapers) and `/admin/…` (behind `admin.token` when one is configured).
+//!
+//! Nothing here exports an internal address or a raw model card.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use axum::Router;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use continuum_proto::model::Worker;
+use serde_json::{Value, json};
+
+use crate::fleet::FleetPublisher;
+use crate::grpc::Replicas;
+use crate::metrics::Metrics;
+
+#[derive(Debug, Clone)]
+pub struct AdminState {
+    pub publisher: FleetPublisher,
+    pub replicas: Replicas,
+    pub metrics: Metrics,
+    /// Bearer token for `/admin/…`; `None` leaves the admin API open (validation warns).
+    pub token: Option<Arc<str>>,
+    /// Which discovery source feeds the fleet, for the workers listing.
+    pub source: &'static str,
+    pub namespaces: Arc<[String]>,
+}
+
+pub fn router(state: AdminState) -> Router {
+    let admin = Router::new()
+        .route("/admin/dynamo/workers", get(workers))
+        .route("/admin/fleet/replicas", get(replicas))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .merge(admin)
+        .with_state(state)
+}
+
+async fn require_token(State(state): State<AdminState>, request: Request, next: Next) -> Response {
+    let Some(expected) = state.token.as_deref() else { return next.run(request).await };
+    let presented = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match presented {
+        Some(token) if constant_time_eq(token.as_bytes(), expected.as_bytes()) => next.run(request).await,
+        _ => (
+            StatusCode::UNAUTHORIZED,
+            [(header::WWW_AUTHENTICATE, "Bearer")],
+            axum::Json(json!({"error": {"code": "unauthenticated", "message": "send Authorization: Bearer <admin.token>"}})),
+        )
+            .into_response(),
+    }
+}
+
+/// Compares without an early exit, so response timing does not reveal a matching prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
+    let current = state.publisher.current();
+    axum::Json(json!({
+        "ready": true,
+        "fleet": {"version": current.version(), "workers": current.view().workers().len()},
+        "replicas": state.replicas.list().len(),
+    }))
+}
+
+async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render())
+}
+
+async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
+    let current = state.publisher.current();
+    let workers: Vec<Value> = current.view().workers().values().map(|w| worker_json(w)).collect();
+    axum::Json(json!({
+        "enabled": true,
+        "connected": true,
+        "source": state.source,
+        "namespace": state.namespaces.first(),
+        "namespaces": state.namespaces.as_ref(),
+        "generation": current.version(),
+        "workers": workers,
+    }))
+}
+
+/// The seed's worker shape: `instance_id` in lowercase hex, `worker_id` in decimal (as a
+/// string: lease ids exceed 2^53 and would lose digits as JSON numbers in most clients).
+fn worker_json(worker: &Worker) -> Value {
+    let c = worker.capacity;
+    json!({
+        "instance_id": format!("{:x}", worker.key.instance_id),
+        "namespace": worker.key.namespace.as_ref(),
+        "worker_id": worker.key.instance_id.to_string(),
+        "role": worker.role.as_str(),
+        "model": worker.model,
+        "component": worker.component,
+        "endpoint": worker.endpoint,
+        "dp_start_rank": worker.dp_start_rank,
+        "dp_size": worker.dp_size,
+        "block_size": worker.block_size,
+        "capacity": {
+            "total_kv_blocks": c.total_kv_blocks,
+            "max_num_batched_tokens": c.max_num_batched_tokens,
+            "max_num_seqs": c.max_num_seqs,
+            "context_length": c.context_length,
+        },
+        "disaggregated_endpoint": worker.disaggregated_endpoint,
+    })
+}
+
+async fn replicas(State(state): State<AdminState>) -> impl IntoResponse {
+    let replicas: Vec<Value> = state
+        .replicas
+        .list()
+        .iter()
+        .map(|r| {
+            json!({
+                "replica_id": r.replica_id,
+                "sent_version": r.sent_version.load(Ordering::Relaxed),
+                "acked_version": r.acked_version.load(Ordering::Relaxed),
+                "nacks": r.nacks.load(Ordering::Relaxed),
+                "snapshots_sent": r.snapshots_sent.load(Ordering::Relaxed),
+                "queue_depth": r.queue_depth.load(Ordering::Relaxed),
+                "queue_high_water": r.queue_high_water.load(Ordering::Relaxed),
+            })
+        })
+        .collect();
+    axum::Json(json!({ "version": state.publisher.current().version(), "replicas": replicas }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::constant_time_eq;
+
+    #[test]
+    fn token_comparison_requires_equal_length_and_bytes() {
+        assert!(constant_time_eq(b"secret", b"secret"));
+        assert!(!constant_time_eq(b"secret", b"secreT"));
+        assert!(!constant_time_eq(b"secret", b"secret2"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
+}

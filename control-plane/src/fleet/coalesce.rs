@@ -1,0 +1,117 @@
+//! Coalesces load samples over a short window before they become a fleet delta.
+//!
+//! Publishers send a sample on every change (debounced at 1 ms upstream), so a busy fleet of
+//! thousands of ranks would otherwise bump the version thousands of times a second. Within a
+//! window only the latest sample per (worker, rank) survives.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use continuum_proto::model::{LoadKey, LoadSample};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{FleetChange, FleetPublisher};
+
+/// How long samples are gathered before they are published together.
+pub const LOAD_COALESCE_WINDOW: Duration = Duration::from_millis(20);
+
+/// Samples waiting for the next window. At most one entry per (worker, rank), so its size is
+/// bounded by the fleet's ranks; the channel into it is bounded too.
+const LOAD_CHANNEL_CAPACITY: usize = 4096;
+
+/// The sending side: load subscriptions hand samples here.
+#[derive(Debug, Clone)]
+pub struct LoadCoalescer {
+    tx: mpsc::Sender<(LoadKey, LoadSample)>,
+}
+
+impl LoadCoalescer {
+    /// Starts the coalescing task; it runs until `cancel` fires or every sender is dropped.
+    pub fn spawn(publisher: FleetPublisher, window: Duration, cancel: CancellationToken) -> Self {
+        let (tx, rx) = mpsc::channel(LOAD_CHANNEL_CAPACITY);
+        tokio::spawn(run(publisher, rx, window, cancel));
+        Self { tx }
+    }
+
+    /// Queues a sample; waits when the coalescer is a full channel behind (backpressure on the
+    /// subscriptions rather than unbounded memory).
+    pub async fn submit(&self, key: LoadKey, sample: LoadSample) {
+        // A closed channel means the control plane is shutting down; the sample has nowhere to go.
+        let _ = self.tx.send((key, sample)).await;
+    }
+}
+
+async fn run(
+    publisher: FleetPublisher,
+    mut rx: mpsc::Receiver<(LoadKey, LoadSample)>,
+    window: Duration,
+    cancel: CancellationToken,
+) {
+    let mut pending: HashMap<LoadKey, LoadSample> = HashMap::new();
+    let mut tick = tokio::time::interval(window);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => return,
+            received = rx.recv() => match received {
+                Some((key, sample)) => { pending.insert(key, sample); }
+                None => { flush(&publisher, &mut pending); return; }
+            },
+            _ = tick.tick() => flush(&publisher, &mut pending),
+        }
+    }
+}
+
+fn flush(publisher: &FleetPublisher, pending: &mut HashMap<LoadKey, LoadSample>) {
+    if pending.is_empty() {
+        return;
+    }
+    let loads = pending.drain().collect();
+    publisher.apply(FleetChange { loads, ..FleetChange::default() });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use continuum_proto::model::{Capacity, DataPlaneConfig, Load, Role, Worker, WorkerKey};
+
+    use super::*;
+
+    fn worker(id: u64) -> Arc<Worker> {
+        Arc::new(Worker {
+            key: WorkerKey::new("dynamo", id),
+            role: Role::Decode,
+            model: "tiny".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: Capacity::default(),
+            dp_start_rank: 0,
+            dp_size: 0,
+            disaggregated_endpoint: None,
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn samples_within_a_window_become_one_version() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        publisher.apply(FleetChange { upsert: vec![worker(1), worker(2)], ..FleetChange::default() });
+        let before = publisher.current().version();
+        let coalescer = LoadCoalescer::spawn(publisher.clone(), LOAD_COALESCE_WINDOW, CancellationToken::new());
+        // Let the interval's immediate first tick pass with nothing pending.
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        for used in 0..100u64 {
+            let sample = LoadSample { load: Load { kv_used_blocks: Some(used), ..Load::default() }, received_at: Instant::now() };
+            coalescer.submit(LoadKey { worker: WorkerKey::new("dynamo", 1 + used % 2), dp_rank: 0 }, sample).await;
+        }
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        let state = publisher.current();
+        assert_eq!(state.version(), before + 1, "100 samples in one window publish one version");
+        let used: Vec<_> = state.view().loads().values().map(|s| s.load.kv_used_blocks).collect();
+        assert_eq!(used, vec![Some(98), Some(99)], "the latest sample per rank wins");
+    }
+}

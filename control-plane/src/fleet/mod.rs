@@ -1,0 +1,63 @@
+//! The fleet the control plane publishes to its data-plane replicas.
+//!
+//! Discovery, load subscriptions and configuration reloads each submit [`FleetChange`]s to the
+//! one [`FleetPublisher`]; it commits them into a new immutable [`FleetState`] and publishes it
+//! on a `watch` channel that every Watch session follows. Load samples go through the
+//! [`LoadCoalescer`] first, so a busy fleet produces one delta per window, not one per sample.
+
+mod coalesce;
+mod state;
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use continuum_proto::model::DataPlaneConfig;
+use tokio::sync::watch;
+
+pub use coalesce::{LOAD_COALESCE_WINDOW, LoadCoalescer};
+pub use state::{Catchup, DELTA_LOG_CAPACITY, FleetChange, FleetState};
+
+/// The single writer of the published fleet state.
+#[derive(Debug, Clone)]
+pub struct FleetPublisher {
+    tx: watch::Sender<Arc<FleetState>>,
+}
+
+impl FleetPublisher {
+    /// A publisher whose first version is the wall clock in microseconds, so that versions keep
+    /// increasing across a control-plane restart (replicas log a version that goes backwards).
+    pub fn new(config: Arc<DataPlaneConfig>) -> Self {
+        let start = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros()).unwrap_or(0);
+        Self::starting_at(u64::try_from(start).unwrap_or(0), config)
+    }
+
+    pub fn starting_at(version: u64, config: Arc<DataPlaneConfig>) -> Self {
+        let (tx, _) = watch::channel(Arc::new(FleetState::new(version, config)));
+        Self { tx }
+    }
+
+    pub fn current(&self) -> Arc<FleetState> {
+        Arc::clone(&self.tx.borrow())
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<Arc<FleetState>> {
+        self.tx.subscribe()
+    }
+
+    /// Commits `change`; returns the new version, or `None` when nothing differed.
+    pub fn apply(&self, change: FleetChange) -> Option<u64> {
+        if change.is_empty() {
+            return None;
+        }
+        let mut committed = None;
+        self.tx.send_if_modified(|state| match state.commit(change) {
+            Some((next, _delta)) => {
+                committed = Some(next.version());
+                *state = Arc::new(next);
+                true
+            }
+            None => false,
+        });
+        committed
+    }
+}

@@ -1,0 +1,142 @@
+//! The published fleet state: the authoritative view plus a bounded log of the deltas that led
+//! to it. Pure: committing a change returns a new state and never touches the old one, so
+//! every Watch session reads a consistent pair without locks.
+
+use std::sync::Arc;
+
+use continuum_proto::model::{DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
+use continuum_proto::view::{FleetDelta, FleetView};
+use imbl::Vector;
+
+/// Deltas kept for replicas that are catching up. A replica further behind than this gets a
+/// full snapshot instead, so a slow replica never costs the control plane unbounded memory.
+pub const DELTA_LOG_CAPACITY: usize = 256;
+
+/// One version of the fleet as the control plane publishes it.
+#[derive(Clone, Debug, Default)]
+pub struct FleetState {
+    view: FleetView,
+    /// Consecutive deltas ending at `view.version()`, oldest first.
+    log: Vector<Arc<FleetDelta>>,
+}
+
+/// A change the control plane wants published. It may contain no-ops (an upsert of an
+/// identical worker, a removal of an absent one); committing filters them out, so idempotent
+/// resyncs do not bump the version.
+#[derive(Clone, Debug, Default)]
+pub struct FleetChange {
+    pub upsert: Vec<Arc<Worker>>,
+    pub remove: Vec<WorkerKey>,
+    pub loads: Vec<(LoadKey, LoadSample)>,
+    pub loads_removed: Vec<LoadKey>,
+    pub config: Option<Arc<DataPlaneConfig>>,
+}
+
+/// What a replica should be sent to bring it from the version it holds to the current one.
+#[derive(Clone, Debug)]
+pub enum Catchup {
+    UpToDate,
+    Delta(FleetDelta),
+    Snapshot(FleetView),
+}
+
+impl FleetState {
+    pub fn new(version: u64, config: Arc<DataPlaneConfig>) -> Self {
+        let view = FleetView::new(version, [], [], config).unwrap_or_default();
+        Self { view, log: Vector::new() }
+    }
+
+    pub fn view(&self) -> &FleetView {
+        &self.view
+    }
+
+    pub fn version(&self) -> u64 {
+        self.view.version()
+    }
+
+    /// The state after `change`, and the delta that was published, or `None` when the change
+    /// is a no-op against this state (the version does not move).
+    pub fn commit(&self, change: FleetChange) -> Option<(FleetState, Arc<FleetDelta>)> {
+        let delta = Arc::new(self.effective_delta(change));
+        if delta.is_empty() {
+            return None;
+        }
+        // The effective delta only names known workers and ranks, so it always applies.
+        let view = self.view.apply(&delta).ok()?;
+        let mut log = self.log.clone();
+        log.push_back(Arc::clone(&delta));
+        while log.len() > DELTA_LOG_CAPACITY {
+            log.pop_front();
+        }
+        Some((FleetState { view, log }, delta))
+    }
+
+    /// What to send a replica that holds `held` (None: nothing yet).
+    pub fn catchup(&self, held: Option<u64>) -> Catchup {
+        let Some(held) = held else { return Catchup::Snapshot(self.view.clone()) };
+        if held == self.version() {
+            return Catchup::UpToDate;
+        }
+        let Some(first) = self.log.front() else { return Catchup::Snapshot(self.view.clone()) };
+        if held < first.base_version || held > self.version() {
+            return Catchup::Snapshot(self.view.clone());
+        }
+        // Versions in the log are consecutive, so the delta based on `held` sits at this index.
+        let start = usize::try_from(held - first.base_version).unwrap_or(usize::MAX);
+        match FleetDelta::merge(self.log.iter().skip(start).map(Arc::as_ref)) {
+            Some(delta) => Catchup::Delta(delta),
+            None => Catchup::Snapshot(self.view.clone()),
+        }
+    }
+
+    /// The change reduced to what actually differs from this state, as a delta on top of it.
+    fn effective_delta(&self, change: FleetChange) -> FleetDelta {
+        let view = &self.view;
+        let version = view.version();
+        let removed: Vec<WorkerKey> = dedup(change.remove.into_iter().filter(|k| view.worker(k).is_some()));
+        let upserted: Vec<Arc<Worker>> = change
+            .upsert
+            .into_iter()
+            .filter(|w| view.worker(&w.key).is_none_or(|held| held != w) || removed.contains(&w.key))
+            .collect();
+        let serves = |key: &LoadKey| {
+            let worker = upserted.iter().rev().find(|w| w.key == key.worker).or_else(|| {
+                if removed.contains(&key.worker) { None } else { view.worker(&key.worker) }
+            });
+            worker.is_some_and(|w| w.dp_ranks().any(|r| r == key.dp_rank))
+        };
+        let loads: Vec<(LoadKey, LoadSample)> = change.loads.into_iter().filter(|(k, _)| serves(k)).collect();
+        let loads_removed =
+            dedup(change.loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !loads.iter().any(|(l, _)| l == k)));
+        let config = change.config.filter(|c| c != view.config());
+        FleetDelta { base_version: version, version: version + 1, upserted, removed, loads, loads_removed, config }
+    }
+}
+
+fn dedup<T: Ord>(items: impl Iterator<Item = T>) -> Vec<T> {
+    let mut items: Vec<T> = items.collect();
+    items.sort();
+    items.dedup();
+    items
+}
+
+impl FleetChange {
+    /// The change that makes the fleet's workers exactly `workers` (a discovery resync).
+    pub fn replace_workers(view: &FleetView, workers: impl IntoIterator<Item = Arc<Worker>>) -> Self {
+        let upsert: Vec<Arc<Worker>> = workers.into_iter().collect();
+        let keep: std::collections::BTreeSet<&WorkerKey> = upsert.iter().map(|w| &w.key).collect();
+        let remove = view.workers().keys().filter(|k| !keep.contains(k)).cloned().collect();
+        FleetChange { upsert, remove, ..FleetChange::default() }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.upsert.is_empty()
+            && self.remove.is_empty()
+            && self.loads.is_empty()
+            && self.loads_removed.is_empty()
+            && self.config.is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests;

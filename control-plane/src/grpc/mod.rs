@@ -1,0 +1,57 @@
+//! The control plane's gRPC server: `continuum.fleet.v1.Fleet`, `grpc.health.v1` and server
+//! reflection in both `v1` and `v1alpha` (grpcurl 1.8.6 speaks only the latter).
+
+mod service;
+mod session;
+
+use std::time::Duration;
+
+use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
+use continuum_proto::pb::fleet_server::FleetServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+
+pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
+pub use session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus};
+
+/// HTTP/2 keepalive: a replica whose connection went half-open is noticed within about
+/// interval + timeout, and its session (and memory) released.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("building gRPC reflection from the embedded descriptors failed: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error("gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Serves the Fleet service on `listener` until `shutdown` fires.
+pub async fn serve(listener: TcpListener, fleet: FleetService, shutdown: CancellationToken) -> Result<(), ServeError> {
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<FleetServer<FleetService>>().await;
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(continuum_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_v1 = reflection().build_v1()?;
+    let reflection_v1alpha = reflection().build_v1alpha()?;
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha)
+        .add_service(
+            FleetServer::new(fleet)
+                .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
+        )
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+        .await?;
+    Ok(())
+}

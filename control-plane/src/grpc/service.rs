@@ -1,0 +1,118 @@
+//! The `continuum.fleet.v1.Fleet` service: admits Watch streams and answers GetSnapshot.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use continuum_proto::convert::snapshot_to_wire;
+use continuum_proto::pb::{self, fleet_server::Fleet, watch_request::Kind};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
+use crate::fleet::FleetPublisher;
+use crate::metrics::Metrics;
+
+/// How long a new stream may take to send its Hello.
+pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest replica id accepted; it appears in logs and the admin API.
+pub const MAX_REPLICA_ID_BYTES: usize = 128;
+
+/// The replicas with an open Watch stream, for the admin API and tests.
+#[derive(Debug, Default, Clone)]
+pub struct Replicas {
+    inner: Arc<Mutex<BTreeMap<u64, Arc<ReplicaStatus>>>>,
+    next_id: Arc<AtomicU64>,
+}
+
+impl Replicas {
+    pub fn list(&self) -> Vec<Arc<ReplicaStatus>> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).values().cloned().collect()
+    }
+
+    fn insert(&self, status: Arc<ReplicaStatus>) -> u64 {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).insert(id, status);
+        id
+    }
+
+    fn remove(&self, id: u64) {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).remove(&id);
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct FleetService {
+    publisher: FleetPublisher,
+    replicas: Replicas,
+    metrics: Metrics,
+    /// Ends every session, so a graceful shutdown is not held open by long-lived streams.
+    shutdown: CancellationToken,
+}
+
+impl FleetService {
+    pub fn new(publisher: FleetPublisher, replicas: Replicas, metrics: Metrics, shutdown: CancellationToken) -> Self {
+        Self { publisher, replicas, metrics, shutdown }
+    }
+
+    /// The first message of a stream must be a Hello naming the replica.
+    async fn read_hello(&self, inbound: &mut Streaming<pb::WatchRequest>) -> Result<pb::Hello, Status> {
+        let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await;
+        let refused = |reason: &str, status: Status| {
+            self.metrics.watch_refused.with_label_values(&[reason]).inc();
+            status
+        };
+        let hello = match first {
+            Err(_) => return Err(refused("no_hello", Status::deadline_exceeded("no Hello within 10s of opening Watch"))),
+            Ok(Err(status)) => return Err(status),
+            Ok(Ok(None)) => return Err(refused("no_hello", Status::cancelled("stream closed before its Hello"))),
+            Ok(Ok(Some(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }))) => hello,
+            Ok(Ok(Some(_))) => {
+                return Err(refused("bad_hello", Status::invalid_argument("the first Watch message must be a Hello")));
+            }
+        };
+        if hello.replica_id.is_empty() || hello.replica_id.len() > MAX_REPLICA_ID_BYTES {
+            return Err(refused(
+                "bad_hello",
+                Status::invalid_argument(format!("Hello.replica_id must be 1 to {MAX_REPLICA_ID_BYTES} bytes")),
+            ));
+        }
+        Ok(hello)
+    }
+}
+
+#[tonic::async_trait]
+impl Fleet for FleetService {
+    type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
+
+    async fn watch(&self, request: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
+        let mut inbound = request.into_inner();
+        let hello = self.read_hello(&mut inbound).await?;
+        tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
+        let (tx, rx) = mpsc::channel(REPLICA_QUEUE_CAPACITY);
+        let status = Arc::new(ReplicaStatus::new(hello.replica_id));
+        let session = Session::new(self.publisher.subscribe(), inbound, tx, Arc::clone(&status), self.metrics.clone());
+        let (replicas, metrics, shutdown) = (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone());
+        let id = replicas.insert(Arc::clone(&status));
+        metrics.replicas_connected.inc();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = session.run() => {}
+                () = shutdown.cancelled() => {}
+            }
+            replicas.remove(id);
+            metrics.replicas_connected.dec();
+            tracing::info!(replica = %status.replica_id, "replica disconnected");
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        let state = self.publisher.current();
+        Ok(Response::new(snapshot_to_wire(state.view(), Instant::now())))
+    }
+}

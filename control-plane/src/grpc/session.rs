@@ -1,0 +1,197 @@
+//! One replica's Watch stream: sends a full snapshot, then deltas, and reads its acks.
+//!
+//! The session never queues more than [`REPLICA_QUEUE_CAPACITY`] updates for its replica. It
+//! waits for room in that queue *before* deciding what to send, so what it sends is always
+//! computed against the newest state: a replica that reads slowly receives fewer, larger deltas,
+//! and one that fell behind the delta log receives one fresh snapshot, never a backlog.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
+
+use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
+use continuum_proto::pb::{self, fleet_update::Body, watch_request::Kind};
+use tokio::sync::{mpsc, watch};
+use tonic::{Status, Streaming};
+
+use crate::fleet::{Catchup, FleetState};
+use crate::metrics::Metrics;
+
+/// Updates buffered for one replica at most (besides what HTTP/2 flow control holds).
+pub const REPLICA_QUEUE_CAPACITY: usize = 4;
+
+pub(crate) type Outbound = mpsc::Sender<Result<pb::FleetUpdate, Status>>;
+
+/// What the control plane knows about one connected replica; read by the admin API.
+#[derive(Debug)]
+pub struct ReplicaStatus {
+    pub replica_id: String,
+    pub sent_version: AtomicU64,
+    pub acked_version: AtomicU64,
+    pub nacks: AtomicU64,
+    pub snapshots_sent: AtomicU64,
+    pub queue_depth: AtomicUsize,
+    /// The deepest the replica's queue has been; never above [`REPLICA_QUEUE_CAPACITY`].
+    pub queue_high_water: AtomicUsize,
+}
+
+impl ReplicaStatus {
+    pub fn new(replica_id: String) -> Self {
+        Self {
+            replica_id,
+            sent_version: AtomicU64::new(0),
+            acked_version: AtomicU64::new(0),
+            nacks: AtomicU64::new(0),
+            snapshots_sent: AtomicU64::new(0),
+            queue_depth: AtomicUsize::new(0),
+            queue_high_water: AtomicUsize::new(0),
+        }
+    }
+}
+
+enum Event<'a> {
+    Inbound(Result<Option<pb::WatchRequest>, Status>),
+    Room(mpsc::Permit<'a, Result<pb::FleetUpdate, Status>>),
+}
+
+/// The last update sent, to match the reply that answers it.
+#[derive(Debug, Clone)]
+struct Sent {
+    version: u64,
+    nonce: String,
+    snapshot: bool,
+}
+
+pub(crate) struct Session {
+    state: watch::Receiver<Arc<FleetState>>,
+    inbound: Streaming<pb::WatchRequest>,
+    outbound: Outbound,
+    status: Arc<ReplicaStatus>,
+    metrics: Metrics,
+    /// The version the replica holds, as far as the session knows.
+    held: Option<u64>,
+    last_sent: Option<Sent>,
+    /// After a refused snapshot, the next one waits for a newer version instead of looping.
+    resync_after: Option<u64>,
+}
+
+impl Session {
+    pub(crate) fn new(
+        state: watch::Receiver<Arc<FleetState>>,
+        inbound: Streaming<pb::WatchRequest>,
+        outbound: Outbound,
+        status: Arc<ReplicaStatus>,
+        metrics: Metrics,
+    ) -> Self {
+        Self { state, inbound, outbound, status, metrics, held: None, last_sent: None, resync_after: None }
+    }
+
+    /// Runs until the replica goes away or the control plane shuts down.
+    pub(crate) async fn run(mut self) {
+        // A second handle, so a reserved permit does not borrow the session.
+        let outbound = self.outbound.clone();
+        loop {
+            let has_work = self.pending().is_some();
+            let event = tokio::select! {
+                biased;
+                message = self.inbound.message() => Event::Inbound(message),
+                permit = outbound.reserve(), if has_work => match permit {
+                    Ok(permit) => Event::Room(permit),
+                    Err(_) => return,
+                },
+                changed = self.state.changed(), if !has_work => match changed {
+                    Ok(()) => continue,
+                    Err(_) => return,
+                },
+            };
+            match event {
+                Event::Inbound(Ok(Some(request))) => self.on_request(request),
+                Event::Inbound(Ok(None)) => return,
+                Event::Inbound(Err(status)) => {
+                    tracing::debug!(replica = %self.status.replica_id, %status, "watch stream ended");
+                    return;
+                }
+                Event::Room(permit) => {
+                    if let Some(update) = self.next_update() {
+                        permit.send(Ok(update));
+                        self.record_queue_depth();
+                    }
+                }
+            }
+        }
+    }
+
+    /// What the replica needs next against the newest state, if anything.
+    fn pending(&self) -> Option<(Arc<FleetState>, Catchup)> {
+        let state = Arc::clone(&self.state.borrow());
+        if let Some(refused) = self.resync_after {
+            return (state.version() > refused).then(|| {
+                let view = state.view().clone();
+                (state, Catchup::Snapshot(view))
+            });
+        }
+        match state.catchup(self.held) {
+            Catchup::UpToDate => None,
+            catchup => Some((state, catchup)),
+        }
+    }
+
+    fn next_update(&mut self) -> Option<pb::FleetUpdate> {
+        self.state.borrow_and_update();
+        let (state, catchup) = self.pending()?;
+        let now = Instant::now();
+        let (body, kind) = match catchup {
+            Catchup::UpToDate => return None,
+            Catchup::Snapshot(view) => (Body::Snapshot(snapshot_to_wire(&view, now)), "snapshot"),
+            Catchup::Delta(delta) => (Body::Delta(delta_to_wire(&delta, now)), "delta"),
+        };
+        let version = state.version();
+        let nonce = format!("{:016x}", rand::random::<u64>());
+        let snapshot = kind == "snapshot";
+        self.metrics.updates_sent.with_label_values(&[kind]).inc();
+        if snapshot {
+            self.status.snapshots_sent.fetch_add(1, Ordering::Relaxed);
+        }
+        self.status.sent_version.store(version, Ordering::Relaxed);
+        self.held = Some(version);
+        self.resync_after = None;
+        self.last_sent = Some(Sent { version, nonce: nonce.clone(), snapshot });
+        Some(pb::FleetUpdate { version, nonce, body: Some(body) })
+    }
+
+    fn on_request(&mut self, request: pb::WatchRequest) {
+        match request.kind {
+            Some(Kind::Ack(ack)) => {
+                self.metrics.replica_replies.with_label_values(&["ack"]).inc();
+                self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
+            }
+            Some(Kind::Nack(nack)) => self.on_nack(nack),
+            Some(Kind::Hello(_)) | None => {
+                tracing::debug!(replica = %self.status.replica_id, "ignoring a repeated hello or empty message");
+            }
+        }
+        self.record_queue_depth();
+    }
+
+    /// A refusal leaves the replica's state unknown: resync it with a full snapshot.
+    fn on_nack(&mut self, nack: pb::Nack) {
+        self.metrics.replica_replies.with_label_values(&["nack"]).inc();
+        self.status.nacks.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            replica = %self.status.replica_id, version = nack.version, reason = %nack.reason,
+            "replica refused a fleet update; resyncing it with a full snapshot"
+        );
+        let refused_snapshot = self
+            .last_sent
+            .as_ref()
+            .is_some_and(|sent| sent.snapshot && sent.version == nack.version && sent.nonce == nack.nonce);
+        self.held = None;
+        self.resync_after = refused_snapshot.then_some(nack.version);
+    }
+
+    fn record_queue_depth(&self) {
+        let depth = self.outbound.max_capacity() - self.outbound.capacity();
+        self.status.queue_depth.store(depth, Ordering::Relaxed);
+        self.status.queue_high_water.fetch_max(depth, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,156 @@
+//! Follows the control plane's Watch stream and turns it into the replica's one snapshot.
+//!
+//! Lifecycle: connect, say Hello, apply every update (ACK) or refuse it (NACK, state kept, the
+//! control plane resyncs with a full snapshot), and on any loss reconnect with full-jitter
+//! backoff. The last-known-good view stays in place the whole time the control plane is away:
+//! workers are never dropped because the stream is quiet or gone.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
+use continuum_proto::convert::{Update, update_from_wire};
+use continuum_proto::pb::{self, fleet_client::FleetClient, watch_request::Kind};
+use continuum_proto::view::FleetView;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Endpoint;
+use tonic::{Code, Status};
+
+use super::backoff::Backoff;
+use super::handle::FleetHandle;
+use crate::metrics::Metrics;
+
+/// Reconnect delays: the first retry is quick, a long outage settles at one attempt every few
+/// seconds per replica.
+pub const RECONNECT_INITIAL: Duration = Duration::from_millis(100);
+pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
+/// A stream that stayed up this long resets the backoff to its floor.
+pub const STABLE_SESSION: Duration = Duration::from_secs(30);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Replies (acks, nacks) waiting to be sent; one per update received, so a handful suffices.
+const REPLY_QUEUE: usize = 8;
+
+/// Where and as whom to follow the fleet.
+#[derive(Debug, Clone)]
+pub struct FleetClientConfig {
+    pub control_plane: String,
+    pub replica_id: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("invalid control-plane URL: {0}")]
+    Url(#[source] tonic::transport::Error),
+    #[error("cannot reach the control plane: {0}")]
+    Connect(#[source] tonic::transport::Error),
+    #[error("control plane refused the stream: {0}")]
+    Status(#[from] Status),
+    #[error("control plane stopped reading replies")]
+    RepliesClosed,
+}
+
+impl SessionError {
+    /// Failures that an immediate retry will not fix get the longest delay.
+    fn is_persistent(&self) -> bool {
+        match self {
+            SessionError::Url(_) => true,
+            SessionError::Status(status) => matches!(
+                status.code(),
+                Code::Unimplemented | Code::InvalidArgument | Code::PermissionDenied | Code::Unauthenticated
+            ),
+            SessionError::Connect(_) | SessionError::RepliesClosed => false,
+        }
+    }
+}
+
+/// Follows the control plane until `cancel` fires.
+pub async fn run(config: FleetClientConfig, handle: Arc<FleetHandle>, metrics: Metrics, cancel: CancellationToken) {
+    let mut backoff = Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX);
+    loop {
+        let started = Instant::now();
+        let outcome = tokio::select! {
+            () = cancel.cancelled() => return,
+            outcome = follow(&config, &handle, &metrics) => outcome,
+        };
+        handle.touch(false);
+        metrics.stream_connected.set(0);
+        match &outcome {
+            Ok(()) => tracing::warn!("control plane closed the fleet stream; keeping the last-known-good view"),
+            Err(error) => tracing::warn!(%error, "fleet stream lost; keeping the last-known-good view"),
+        }
+        if started.elapsed() >= STABLE_SESSION {
+            backoff.reset();
+        }
+        if outcome.as_ref().is_err_and(SessionError::is_persistent) {
+            backoff.saturate();
+        }
+        metrics.reconnects.inc();
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+    }
+}
+
+/// One stream: Hello, then apply updates until the stream ends.
+async fn follow(config: &FleetClientConfig, handle: &FleetHandle, metrics: &Metrics) -> Result<(), SessionError> {
+    let endpoint = Endpoint::from_shared(config.control_plane.clone())
+        .map_err(SessionError::Url)?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(10));
+    let channel = endpoint.connect().await.map_err(SessionError::Connect)?;
+    let (replies, rx) = mpsc::channel(REPLY_QUEUE);
+    let hello = pb::Hello { replica_id: config.replica_id.clone(), version: handle.view().map(|v| v.version()) };
+    replies.send(request(Kind::Hello(hello))).await.map_err(|_| SessionError::RepliesClosed)?;
+    let mut updates = FleetClient::new(channel)
+        .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES)
+        .watch(ReceiverStream::new(rx)).await?.into_inner();
+    while let Some(update) = updates.message().await? {
+        let reply = apply(handle, update, metrics);
+        replies.send(request(reply)).await.map_err(|_| SessionError::RepliesClosed)?;
+    }
+    Ok(())
+}
+
+/// Applies one update to the handle, or explains why not; returns the reply to send.
+fn apply(handle: &FleetHandle, update: pb::FleetUpdate, metrics: &Metrics) -> Kind {
+    let (version, nonce) = (update.version, update.nonce.clone());
+    match next_view(handle.view().as_deref(), update) {
+        Ok(view) => {
+            metrics.updates.with_label_values(&["applied"]).inc();
+            metrics.stream_connected.set(1);
+            handle.store(view);
+            Kind::Ack(pb::Ack { version, nonce })
+        }
+        Err(reason) => {
+            metrics.updates.with_label_values(&["refused"]).inc();
+            tracing::warn!(version, %reason, "refusing a fleet update; keeping the current view");
+            Kind::Nack(pb::Nack { version, nonce, reason })
+        }
+    }
+}
+
+/// The view after `update`: a snapshot replaces, a delta must fit the view held.
+fn next_view(held: Option<&FleetView>, update: pb::FleetUpdate) -> Result<FleetView, String> {
+    match update_from_wire(update, Instant::now()).map_err(|e| e.to_string())? {
+        Update::Snapshot(view) => {
+            if let Some(held) = held.filter(|h| h.version() > view.version()) {
+                tracing::info!(held = held.version(), received = view.version(), "fleet version went backwards");
+            }
+            Ok(view)
+        }
+        Update::Delta(delta) => match held {
+            Some(held) => held.apply(&delta).map_err(|e| e.to_string()),
+            None => Err(format!("delta based on version {} arrived before any snapshot", delta.base_version)),
+        },
+    }
+}
+
+fn request(kind: Kind) -> pb::WatchRequest {
+    pb::WatchRequest { kind: Some(kind) }
+}

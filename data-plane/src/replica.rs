@@ -1,0 +1,67 @@
+//! Starting and stopping one replica: the fleet client and the HTTP server, wired together.
+//! The binary and the tests both start replicas through [`Replica::start`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::fleet::{self, FleetClientConfig, FleetHandle};
+use crate::http::{self, AppState};
+use crate::metrics::Metrics;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    #[error("metrics registry: {0}")]
+    Metrics(#[from] prometheus::Error),
+}
+
+/// A running replica.
+#[derive(Debug)]
+pub struct Replica {
+    pub local_addr: SocketAddr,
+    pub fleet: Arc<FleetHandle>,
+    pub metrics: Metrics,
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Replica {
+    /// Binds `listen` and starts following the control plane.
+    pub async fn start(listen: &str, config: FleetClientConfig) -> Result<Self, StartError> {
+        let listener =
+            TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen.to_string(), source })?;
+        let local_addr = listener.local_addr().map_err(|source| StartError::Bind { addr: listen.to_string(), source })?;
+        let fleet = Arc::new(FleetHandle::default());
+        let metrics = Metrics::new()?;
+        let cancel = CancellationToken::new();
+        let client = tokio::spawn(fleet::run(config, Arc::clone(&fleet), metrics.clone(), cancel.clone()));
+        let app = http::router(AppState { fleet: Arc::clone(&fleet), metrics: metrics.clone() });
+        let shutdown = cancel.clone();
+        let server = tokio::spawn(async move {
+            let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
+            if let Err(error) = serve.await {
+                tracing::error!(%error, "data-plane HTTP server failed");
+            }
+        });
+        tracing::info!(%local_addr, "data-plane replica listening");
+        Ok(Self { local_addr, fleet, metrics, cancel, tasks: vec![client, server] })
+    }
+
+    /// Stops both tasks and waits for them.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
+
+    /// Resolves when the replica is asked to stop (by [`Replica::shutdown`] elsewhere).
+    pub fn cancellation(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+}

@@ -1,0 +1,171 @@
+//! Domain types of the fleet view: what a worker is, its load, and the configuration the data
+//! plane needs. Both planes hold these; the wire types of `crate::pb` convert to and from them
+//! only at the edge (`crate::convert`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// A worker's identity across the fleet: its Dynamo namespace and instance id.
+///
+/// The instance id is the worker's etcd lease id. It is often above 2^53, so it is never
+/// carried through an `f64` (JSON numbers in JavaScript, for instance).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct WorkerKey {
+    pub namespace: Arc<str>,
+    pub instance_id: u64,
+}
+
+impl WorkerKey {
+    pub fn new(namespace: impl Into<Arc<str>>, instance_id: u64) -> Self {
+        Self { namespace: namespace.into(), instance_id }
+    }
+}
+
+impl fmt::Display for WorkerKey {
+    /// `namespace/hex`: the form Dynamo uses in etcd keys.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{:x}", self.namespace, self.instance_id)
+    }
+}
+
+/// What a worker does in a disaggregated (or aggregated) Dynamo graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Prefill,
+    Decode,
+    Aggregated,
+    /// An unrecognised `worker_type`: visible to operators, never routed to.
+    Unknown,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Aggregated => "aggregated",
+            Role::Unknown => "unknown",
+        }
+    }
+}
+
+/// Capacities a worker's model card advertises; absent when the card does not say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Capacity {
+    pub total_kv_blocks: Option<u64>,
+    pub max_num_batched_tokens: Option<u64>,
+    pub max_num_seqs: Option<u64>,
+    pub context_length: Option<u64>,
+}
+
+/// One routable (or at least visible) worker: everything the pickers need.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Worker {
+    pub key: WorkerKey,
+    pub role: Role,
+    pub model: String,
+    pub component: String,
+    pub endpoint: String,
+    pub block_size: Option<u32>,
+    pub capacity: Capacity,
+    pub dp_start_rank: u32,
+    /// 0 when the card declares no data parallelism; no rank header is sent then.
+    pub dp_size: u32,
+    pub disaggregated_endpoint: Option<String>,
+}
+
+impl Worker {
+    /// The dp ranks this worker serves: one candidate per rank, or rank 0 alone.
+    pub fn dp_ranks(&self) -> impl Iterator<Item = u32> + use<> {
+        let start = self.dp_start_rank;
+        start..start.saturating_add(self.dp_size.max(1))
+    }
+}
+
+/// One (worker, dp rank): the unit that load samples and KV overlap are kept for.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct LoadKey {
+    pub worker: WorkerKey,
+    pub dp_rank: u32,
+}
+
+/// A worker rank's ActiveLoad as published; `None` where the publisher sent nil.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Load {
+    pub active_decode_blocks: Option<u64>,
+    pub active_prefill_tokens: Option<u64>,
+    pub kv_used_blocks: Option<u64>,
+}
+
+/// A load sample and when it was received, so staleness can be judged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadSample {
+    pub load: Load,
+    pub received_at: Instant,
+}
+
+impl LoadSample {
+    pub fn age(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.received_at)
+    }
+}
+
+/// An OpenAI-wire backend the data plane may dispatch to (a direct-mode shim replica).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Backend {
+    pub name: String,
+    pub url: String,
+    pub models: Vec<String>,
+}
+
+/// The shim replicas that serve one Dynamo namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ShimPool {
+    pub namespace: String,
+    pub backends: Vec<String>,
+}
+
+/// Picker and staleness parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PickerParams {
+    pub max_staleness: Duration,
+    pub kv_enabled: bool,
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+    pub router_temperature: f64,
+    pub send_token_data: bool,
+}
+
+impl Default for PickerParams {
+    fn default() -> Self {
+        Self {
+            max_staleness: Duration::from_secs(3),
+            kv_enabled: false,
+            overlap_score_credit: 1.0,
+            prefill_load_scale: 1.0,
+            router_temperature: 0.0,
+            send_token_data: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct DisaggregatedServing {
+    pub enabled: bool,
+    pub fallback_to_unified: bool,
+}
+
+/// The part of the control plane's configuration that the data plane needs.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DataPlaneConfig {
+    pub backends: Vec<Backend>,
+    pub shim_pools: Vec<ShimPool>,
+    pub model_map: BTreeMap<String, String>,
+    pub picker: PickerParams,
+    pub disaggregated_serving: DisaggregatedServing,
+}

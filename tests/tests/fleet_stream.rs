@@ -1,0 +1,182 @@
+//! The Fleet stream over real gRPC on loopback: convergence, slow replicas, refusals.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use continuum_control_plane::fleet::{DELTA_LOG_CAPACITY, FleetChange, FleetPublisher};
+use continuum_control_plane::grpc::REPLICA_QUEUE_CAPACITY;
+use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
+use continuum_proto::convert::{Update, update_from_wire};
+use continuum_proto::model::{DataPlaneConfig, Load, LoadKey, LoadSample, WorkerKey};
+use continuum_proto::pb::{self, fleet_client::FleetClient, watch_request::Kind};
+use continuum_proto::view::FleetView;
+use continuum_tests::{TestControlPlane, publisher, start_replicas, wait_for_version, worker};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+const CONVERGE: Duration = Duration::from_secs(20);
+
+/// One random change: mostly upserts and removals, with some load samples and config edits.
+fn random_change(rng: &mut StdRng, view: &FleetView) -> FleetChange {
+    let id = rng.random_range(1..=400u64);
+    match rng.random_range(0..10) {
+        0..=4 => FleetChange { upsert: vec![worker("dynamo", id, &format!("m{}", rng.random_range(0..3)))], ..Default::default() },
+        5..=7 => FleetChange { remove: vec![WorkerKey::new("dynamo", id)], ..Default::default() },
+        8 => {
+            let loads = view
+                .workers()
+                .values()
+                .take(3)
+                .map(|w| {
+                    let load = Load { kv_used_blocks: Some(rng.random_range(0..1024)), ..Load::default() };
+                    (LoadKey { worker: w.key.clone(), dp_rank: w.dp_start_rank }, LoadSample { load, received_at: Instant::now() })
+                })
+                .collect();
+            FleetChange { loads, ..Default::default() }
+        }
+        _ => {
+            let mut config = DataPlaneConfig::default();
+            config.model_map.insert("alias".into(), format!("m{}", rng.random_range(0..3)));
+            FleetChange { config: Some(Arc::new(config)), ..Default::default() }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_replicas_converge_after_ten_thousand_random_changes() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let replicas = start_replicas(8, &control.url()).await?;
+    wait_for_version(&replicas, control.publisher.current().version(), CONVERGE).await?;
+
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut applied = 0;
+    for _ in 0..10_000 {
+        let change = random_change(&mut rng, control.publisher.current().view());
+        applied += usize::from(control.publisher.apply(change).is_some());
+    }
+    assert!(applied > 5_000, "the random stream must mostly change the fleet ({applied} changes applied)");
+
+    let expected = control.publisher.current();
+    wait_for_version(&replicas, expected.version(), CONVERGE).await?;
+    for replica in &replicas {
+        let view = replica.fleet.view().ok_or_else(|| anyhow::anyhow!("replica holds no view"))?;
+        assert!(view.same_content(expected.view()), "replica content differs from the control plane");
+        assert!(!view.workers().is_empty());
+    }
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    control.stop().await;
+    Ok(())
+}
+
+async fn open_watch(url: &str, replica_id: &str) -> anyhow::Result<(mpsc::Sender<pb::WatchRequest>, Streaming<pb::FleetUpdate>)> {
+    let mut client = FleetClient::connect(url.to_string()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+    let (tx, rx) = mpsc::channel(16);
+    let hello = pb::Hello { replica_id: replica_id.into(), version: None };
+    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }).await?;
+    let updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
+    Ok((tx, updates))
+}
+
+fn ack(update: &pb::FleetUpdate) -> pb::WatchRequest {
+    pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: update.version, nonce: update.nonce.clone() })) }
+}
+
+fn is_snapshot(update: &pb::FleetUpdate) -> bool {
+    matches!(update.body, Some(pb::fleet_update::Body::Snapshot(_)))
+}
+
+/// Applies an update to a test replica's view.
+fn fold(view: Option<FleetView>, update: pb::FleetUpdate) -> anyhow::Result<FleetView> {
+    match update_from_wire(update, Instant::now())? {
+        Update::Snapshot(view) => Ok(view),
+        Update::Delta(delta) => Ok(view.ok_or_else(|| anyhow::anyhow!("delta before snapshot"))?.apply(&delta)?),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stays_bounded() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let (_replies, mut updates) = open_watch(&control.url(), "stalled").await?;
+    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    assert!(is_snapshot(&first), "the first update on a stream is a full snapshot");
+    let mut view = fold(None, first)?;
+
+    // Large workers, so the changes overflow HTTP/2 buffers and the delta log while the
+    // replica reads nothing.
+    let big_model = "x".repeat(4096);
+    for id in 0..(DELTA_LOG_CAPACITY as u64 * 8) {
+        control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", id, &big_model)], ..Default::default() });
+        if id % 64 == 0 {
+            tokio::task::yield_now().await;
+        }
+    }
+    let status = control.replicas.list().into_iter().next().ok_or_else(|| anyhow::anyhow!("no session"))?;
+    let high_water = status.queue_high_water.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(high_water <= REPLICA_QUEUE_CAPACITY, "queue reached {high_water}");
+
+    let expected = control.publisher.current();
+    let mut resynced = false;
+    while view.version() != expected.version() {
+        let update = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+        resynced |= is_snapshot(&update);
+        view = fold(Some(view), update)?;
+    }
+    assert!(resynced, "a replica that fell behind the delta log is resynced with a snapshot");
+    assert!(view.same_content(expected.view()));
+    let high_water = status.queue_high_water.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(high_water <= REPLICA_QUEUE_CAPACITY, "queue reached {high_water}");
+    control.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let (replies, mut updates) = open_watch(&control.url(), "refuser").await?;
+    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    replies.send(ack(&first)).await?;
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 1, "m")], ..Default::default() });
+    let delta = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no delta"))?;
+    assert!(!is_snapshot(&delta));
+    let nack = pb::Nack { version: delta.version, nonce: delta.nonce.clone(), reason: "test refuses it".into() };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
+    let resync = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    assert!(is_snapshot(&resync), "a refused delta is followed by a full snapshot");
+    assert_eq!(resync.version, control.publisher.current().version());
+    let nacks = control.metrics.replica_replies.with_label_values(&["nack"]).get();
+    assert_eq!(nacks, 1);
+    control.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_hello_is_refused() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let mut client = FleetClient::connect(control.url()).await?;
+    let (tx, rx) = mpsc::channel(1);
+    tx.send(pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: 1, nonce: "x".into() })) }).await?;
+    let status = client.watch(ReceiverStream::new(rx)).await.err().ok_or_else(|| anyhow::anyhow!("accepted"))?;
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_hello"]).get(), 1);
+    control.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_snapshot_returns_the_published_view() -> anyhow::Result<()> {
+    let publisher = FleetPublisher::starting_at(41, Arc::new(DataPlaneConfig::default()));
+    publisher.apply(FleetChange { upsert: vec![worker("dynamo", u64::MAX - 5, "tiny")], ..Default::default() });
+    let control = TestControlPlane::start(publisher).await?;
+    let mut client = FleetClient::connect(control.url()).await?;
+    let snapshot = client.get_snapshot(pb::GetSnapshotRequest {}).await?.into_inner();
+    assert_eq!(snapshot.version, 42);
+    let key = snapshot.workers[0].key.clone().ok_or_else(|| anyhow::anyhow!("no key"))?;
+    assert_eq!(key.instance_id, u64::MAX - 5, "ids above 2^53 survive exactly");
+    control.stop().await;
+    Ok(())
+}
