@@ -1,1 +1,149 @@
-fn main() {}
+//! `continuum-control-plane [--config FILE] [--grpc-listen ADDR] [--admin-listen ADDR]`
+//! `continuum-control-plane config validate FILE` · `continuum-control-plane config show FILE`
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+use continuum_control_plane::config::{self, ConfigError};
+
+#[derive(Debug, Parser)]
+#[command(version, about = "Continuum's control plane: discovery, load signals and the Fleet stream")]
+struct Args {
+    /// The YAML configuration. Without it, the embedded default runs: a static demo fleet
+    /// that needs no etcd, Kubernetes or GPU.
+    #[arg(long, env = "CONTINUUM_CONFIG")]
+    config: Option<PathBuf>,
+    /// Overrides `control_plane.grpc_listen`.
+    #[arg(long)]
+    grpc_listen: Option<SocketAddr>,
+    /// Overrides `admin.listen`.
+    #[arg(long)]
+    admin_listen: Option<SocketAddr>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check or print a configuration file.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigAction {
+    /// Print every error and warning with its key path; exit non-zero on errors.
+    Validate { file: PathBuf },
+    /// Print the effective configuration (defaults filled in) with secrets masked.
+    Show { file: PathBuf },
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    match args.command {
+        Some(Command::Config { action: ConfigAction::Validate { file } }) => validate(&file),
+        Some(Command::Config { action: ConfigAction::Show { file } }) => show(&file),
+        None => run(args.config.as_deref(), ListenOverrides { grpc: args.grpc_listen, admin: args.admin_listen }).await,
+    }
+}
+
+fn validate(file: &Path) -> ExitCode {
+    match config::load_file(file) {
+        Ok(loaded) => {
+            for diagnostic in &loaded.diagnostics {
+                println!("{diagnostic}");
+            }
+            println!("{}: valid ({} warning(s))", file.display(), loaded.diagnostics.len());
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            report(file, &error);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn show(file: &Path) -> ExitCode {
+    match config::load_file(file) {
+        Ok(loaded) => {
+            print!("{}", loaded.config.to_masked_yaml());
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            report(file, &error);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn report(file: &Path, error: &ConfigError) {
+    match error {
+        ConfigError::Invalid(diagnostics) => {
+            for diagnostic in diagnostics {
+                println!("{diagnostic}");
+            }
+            let errors = diagnostics.iter().filter(|d| d.is_error()).count();
+            eprintln!("{}: invalid ({errors} error(s))", file.display());
+        }
+        other => eprintln!("error: {other}"),
+    }
+}
+
+async fn run(file: Option<&Path>, listen: ListenOverrides) -> ExitCode {
+    let config = match file {
+        Some(file) => match config::load_file(file) {
+            Ok(loaded) => {
+                for diagnostic in &loaded.diagnostics {
+                    tracing::warn!("{diagnostic}");
+                }
+                loaded.config
+            }
+            Err(error) => {
+                report(file, &error);
+                return ExitCode::from(2);
+            }
+        },
+        None => {
+            tracing::info!("no --config given: running the embedded default (a static demo fleet)");
+            config::embedded_default()
+        }
+    };
+    let control_plane = match ControlPlane::start(config, listen).await {
+        Ok(control_plane) => control_plane,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("continuum-control-plane: Fleet gRPC on {}, admin HTTP on {}", control_plane.grpc_addr, control_plane.admin_addr);
+    shutdown_signal().await;
+    control_plane.shutdown().await;
+    ExitCode::SUCCESS
+}
+
+/// SIGINT or SIGTERM (what Kubernetes sends).
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
+}

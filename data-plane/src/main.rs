@@ -39,11 +39,7 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let stop = replica.cancellation();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; shutting down"),
-        () = stop.cancelled() => {}
-    }
+    shutdown_signal().await;
     replica.shutdown().await;
     ExitCode::SUCCESS
 }
@@ -52,4 +48,21 @@ fn default_replica_id() -> String {
     let host = std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
     let host = if host.is_empty() { "replica".to_string() } else { host };
     format!("{host}-{}", std::process::id())
+}
+
+/// SIGINT or SIGTERM (what Kubernetes sends).
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+    }
+    tracing::info!("shutting down");
 }

@@ -59,9 +59,4 @@ impl Replica {
             let _ = task.await;
         }
     }
-
-    /// Resolves when the replica is asked to stop (by [`Replica::shutdown`] elsewhere).
-    pub fn cancellation(&self) -> CancellationToken {
-        self.cancel.clone()
-    }
 }

@@ -79,10 +79,13 @@ impl FleetHandle {
         self.version_tx.send_replace(version);
     }
 
-    /// Marks the link up (an update arrived) or down (the stream ended).
+    /// Marks the link up (an update arrived) or down (the stream ended). Failed reconnects
+    /// while down leave the view's age growing from the moment the link was lost.
     pub(crate) fn touch(&self, connected: bool) {
         let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
+        if connected || link.connected {
+            link.current_at = Some(Instant::now());
+        }
         link.connected = connected;
-        link.current_at = Some(Instant::now());
     }
 }

@@ -1,0 +1,147 @@
+//! The real control-plane binary: killed and restarted under its replicas, inspected with
+//! grpcurl, and its `config validate` command.
+
+use std::path::Path;
+use std::process::Output;
+use std::time::Duration;
+
+use continuum_proto::model::WorkerKey;
+use continuum_tests::process::{ControlPlaneProcess, free_port};
+use continuum_tests::{eventually, start_replicas, tools};
+
+const CONVERGE: Duration = Duration::from_secs(20);
+
+/// A static-fleet configuration with workers of the given ids.
+fn static_config(dir: &Path, name: &str, ids: &[u64]) -> anyhow::Result<std::path::PathBuf> {
+    let mut yaml = String::from("dynamo:\n  enabled: true\n  discovery:\n    source: static\n    static:\n      workers:\n");
+    for id in ids {
+        let role = if id % 2 == 0 { "decode" } else { "prefill" };
+        yaml.push_str(&format!("        - {{instance_id: {id}, role: {role}, model: tiny, block_size: 16}}\n"));
+    }
+    yaml.push_str("admin:\n  listen: \"127.0.0.1:0\"\n");
+    let path = dir.join(name);
+    std::fs::write(&path, yaml)?;
+    Ok(path)
+}
+
+fn ids(replica: &continuum_data_plane::replica::Replica) -> Vec<u64> {
+    replica.fleet.view().map(|v| v.workers().keys().map(|k| k.instance_id).collect()).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_keep_last_known_good_while_the_control_plane_is_killed_then_converge_on_its_new_fleet()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let before = static_config(dir.path(), "before.yaml", &[1, 2, 3, 4])?;
+    let after = static_config(dir.path(), "after.yaml", &[2, 3, 4, 5, 6])?;
+    let grpc = free_port()?;
+
+    let control = ControlPlaneProcess::start(&before, grpc).await?;
+    let replicas = start_replicas(2, &control.grpc_url()).await?;
+    for replica in &replicas {
+        eventually(CONVERGE, "first fleet", || async { ids(replica) == [1, 2, 3, 4] }).await?;
+    }
+
+    control.kill().await?;
+    for replica in &replicas {
+        eventually(CONVERGE, "the replica noticing the loss", || async {
+            !replica.fleet.status(std::time::Instant::now()).connected
+        })
+        .await?;
+    }
+    // Last-known-good: the workers stay, readiness stays, and the view's age grows.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for replica in &replicas {
+        assert_eq!(ids(replica), [1, 2, 3, 4], "workers are kept while the control plane is away");
+        let readyz: serde_json::Value =
+            reqwest::get(format!("http://{}/readyz", replica.local_addr)).await?.error_for_status()?.json().await?;
+        assert_eq!(readyz["ready"], true);
+        assert_eq!(readyz["fleet"]["connected"], false);
+        let age = readyz["fleet"]["snapshot_age_seconds"].as_f64().unwrap_or(0.0);
+        assert!(age >= 0.2, "snapshot age {age} reports the outage");
+        let metrics = reqwest::get(format!("http://{}/metrics", replica.local_addr)).await?.text().await?;
+        assert!(metrics.contains("continuum_fleet_stream_connected 0"), "{metrics}");
+    }
+
+    let control = ControlPlaneProcess::start(&after, grpc).await?;
+    for replica in &replicas {
+        eventually(CONVERGE, "the new fleet", || async { ids(replica) == [2, 3, 4, 5, 6] }).await?;
+        let view = replica.fleet.view().ok_or_else(|| anyhow::anyhow!("no view"))?;
+        assert!(view.worker(&WorkerKey::new("dynamo", 1)).is_none(), "a worker removed while away is gone");
+    }
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    control.kill().await?;
+    Ok(())
+}
+
+fn run(binary: &Path, args: &[&str]) -> anyhow::Result<Output> {
+    Ok(std::process::Command::new(binary).args(args).output()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcurl_lists_describes_and_reads_the_snapshot_over_reflection() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = static_config(dir.path(), "fleet.yaml", &[7_587_890_000_000_000_123, 2])?;
+    let control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let grpcurl = tools::grpcurl();
+    let addr = control.grpc_addr.to_string();
+
+    let list = run(&grpcurl, &["-plaintext", &addr, "list"])?;
+    let services = String::from_utf8(list.stdout)?;
+    assert!(list.status.success(), "{}", String::from_utf8_lossy(&list.stderr));
+    for service in ["continuum.fleet.v1.Fleet", "grpc.health.v1.Health"] {
+        assert!(services.lines().any(|l| l == service), "{service} missing from:\n{services}");
+    }
+
+    let describe = run(&grpcurl, &["-plaintext", &addr, "describe", "continuum.fleet.v1.Fleet"])?;
+    let text = String::from_utf8(describe.stdout)?;
+    assert!(text.contains("rpc Watch ( stream .continuum.fleet.v1.WatchRequest ) returns ( stream .continuum.fleet.v1.FleetUpdate )"), "{text}");
+    assert!(text.contains("rpc GetSnapshot"), "{text}");
+
+    let get = run(&grpcurl, &["-plaintext", &addr, "continuum.fleet.v1.Fleet/GetSnapshot"])?;
+    assert!(get.status.success(), "{}", String::from_utf8_lossy(&get.stderr));
+    let snapshot: serde_json::Value = serde_json::from_slice(&get.stdout)?;
+    let ids: Vec<&str> = snapshot["workers"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("no workers in {snapshot}"))?
+        .iter()
+        .filter_map(|w| w["key"]["instanceId"].as_str())
+        .collect();
+    // proto3 JSON renders uint64 as strings, so ids above 2^53 keep every digit.
+    assert_eq!(ids, ["2", "7587890000000000123"]);
+
+    let health = run(&grpcurl, &["-plaintext", &addr, "grpc.health.v1.Health/Check"])?;
+    assert!(String::from_utf8(health.stdout)?.contains("SERVING"));
+    control.kill().await?;
+    Ok(())
+}
+
+#[test]
+fn config_validate_prints_key_paths_and_fails_on_errors() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoint: [\"http://127.0.0.1:2379\"]\n  load:\n    max_staleness: 10ms\n",
+    )?;
+    let binary = tools::binary("continuum-control-plane");
+    let out = run(&binary, &["config", "validate", bad.to_str().unwrap_or_default()])?;
+    let stdout = String::from_utf8(out.stdout)?;
+    assert!(!out.status.success(), "an invalid config must fail validation:\n{stdout}");
+    assert!(stdout.contains("dynamo.discovery.etcd.endpoint"), "{stdout}");
+    assert!(stdout.contains("did you mean `endpoints`"), "{stdout}");
+    assert!(stdout.contains("dynamo.load.max_staleness"), "{stdout}");
+
+    let good = static_config(dir.path(), "good.yaml", &[1])?;
+    let out = run(&binary, &["config", "validate", good.to_str().unwrap_or_default()])?;
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let port = taken.local_addr()?.to_string();
+    let out = run(&binary, &["--config", good.to_str().unwrap_or_default(), "--grpc-listen", &port])?;
+    assert!(!out.status.success(), "a taken port must fail the start");
+    assert!(String::from_utf8(out.stderr)?.contains("cannot listen"));
+    Ok(())
+}

@@ -1,0 +1,126 @@
+//! A data-plane replica facing a control plane that sends updates it cannot apply: each is
+//! NACKed with a reason, the replica's view stays as it was, and the resync is applied.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
+use continuum_proto::model::{DataPlaneConfig, Load, LoadKey, LoadSample, WorkerKey};
+use continuum_proto::pb::{self, fleet_server::Fleet, fleet_server::FleetServer, fleet_update::Body, watch_request::Kind};
+use continuum_proto::view::{FleetDelta, FleetView};
+use continuum_tests::{start_replicas, wait_for_version, worker};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status, Streaming};
+
+/// A control plane that plays a script and reports every reply it receives.
+struct Scripted {
+    script: Vec<pb::FleetUpdate>,
+    replies: mpsc::UnboundedSender<pb::WatchRequest>,
+}
+
+#[tonic::async_trait]
+impl Fleet for Scripted {
+    type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
+
+    async fn watch(&self, request: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let (script, replies) = (self.script.clone(), self.replies.clone());
+        tokio::spawn(async move {
+            // The hello, then one reply per scripted update, sent one at a time.
+            let _hello = inbound.message().await;
+            for update in script {
+                if tx.send(Ok(update)).await.is_err() {
+                    return;
+                }
+                match inbound.message().await {
+                    Ok(Some(reply)) => {
+                        let _ = replies.send(reply);
+                    }
+                    _ => return,
+                }
+            }
+            // Hold the stream open so the replica stays connected.
+            std::future::pending::<()>().await;
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+}
+
+fn snapshot(version: u64, ids: &[u64]) -> pb::FleetUpdate {
+    let workers = ids.iter().map(|id| worker("dynamo", *id, "tiny"));
+    let view = FleetView::new(version, workers, [], Arc::new(DataPlaneConfig::default())).unwrap_or_default();
+    pb::FleetUpdate { version, nonce: format!("s{version}"), body: Some(Body::Snapshot(snapshot_to_wire(&view, Instant::now()))) }
+}
+
+fn delta(base: u64, version: u64, delta: FleetDelta) -> pb::FleetUpdate {
+    let delta = FleetDelta { base_version: base, version, ..delta };
+    pb::FleetUpdate { version, nonce: format!("d{version}"), body: Some(Body::Delta(delta_to_wire(&delta, Instant::now()))) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_resync() -> anyhow::Result<()> {
+    let sample = LoadSample { load: Load { kv_used_blocks: Some(3), ..Load::default() }, received_at: Instant::now() };
+    let script = vec![
+        snapshot(10, &[1]),
+        // Based on a version the replica does not hold.
+        delta(99, 100, FleetDelta { upserted: vec![worker("dynamo", 2, "tiny")], ..FleetDelta::default() }),
+        // A sample for a worker the view does not have.
+        delta(10, 11, FleetDelta { loads: vec![(LoadKey { worker: WorkerKey::new("dynamo", 9), dp_rank: 0 }, sample)], ..FleetDelta::default() }),
+        // No body at all.
+        pb::FleetUpdate { version: 11, nonce: "empty".into(), body: None },
+        // A worker without a role.
+        {
+            let mut bad = delta(10, 11, FleetDelta { upserted: vec![worker("dynamo", 3, "tiny")], ..FleetDelta::default() });
+            if let Some(Body::Delta(d)) = bad.body.as_mut() {
+                d.upserted[0].role = pb::Role::Unspecified.into();
+            }
+            bad
+        },
+        // The resync.
+        snapshot(12, &[1, 4]),
+    ];
+    let (replies_tx, mut replies) = mpsc::unbounded_channel();
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(FleetServer::new(Scripted { script, replies: replies_tx }))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let replica = start_replicas(1, &url).await?.remove(0);
+
+    let mut reasons = Vec::new();
+    for expected_ack in [true, false, false, false, false, true] {
+        let reply = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await?.ok_or_else(|| anyhow::anyhow!("no reply"))?;
+        match reply.kind {
+            Some(Kind::Ack(ack)) => assert!(expected_ack, "acked {ack:?}"),
+            Some(Kind::Nack(nack)) => {
+                assert!(!expected_ack, "nacked {nack:?}");
+                let view = replica.fleet.view().ok_or_else(|| anyhow::anyhow!("no view"))?;
+                assert_eq!(view.version(), 10, "a refused update leaves the view unchanged");
+                reasons.push(nack.reason);
+            }
+            other => anyhow::bail!("unexpected reply {other:?}"),
+        }
+    }
+    assert!(reasons[0].contains("based on version 99"), "{reasons:?}");
+    assert!(reasons[1].contains("no such worker"), "{reasons:?}");
+    assert!(reasons[2].contains("body is missing"), "{reasons:?}");
+    assert!(reasons[3].contains("role is unspecified"), "{reasons:?}");
+
+    wait_for_version(std::slice::from_ref(&replica), 12, Duration::from_secs(10)).await?;
+    let ids: Vec<u64> = replica.fleet.view().map(|v| v.workers().keys().map(|k| k.instance_id).collect()).unwrap_or_default();
+    assert_eq!(ids, [1, 4]);
+    let refused = replica.metrics.updates.with_label_values(&["refused"]).get();
+    assert_eq!(refused, 4);
+    replica.shutdown().await;
+    server.abort();
+    Ok(())
+}
