@@ -12,15 +12,17 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use continuum_proto::model::Worker;
 use serde_json::{Value, json};
 
+use crate::discovery::{DiscoveredWorker, Topic};
 use crate::fleet::FleetPublisher;
 use crate::grpc::Replicas;
 use crate::metrics::Metrics;
+use crate::sources::Registry;
 
 #[derive(Debug, Clone)]
 pub struct AdminState {
+    pub registry: Registry,
     pub publisher: FleetPublisher,
     pub replicas: Replicas,
     pub metrics: Metrics,
@@ -81,22 +83,29 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
 }
 
 async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
-    let current = state.publisher.current();
-    let workers: Vec<Value> = current.view().workers().values().map(|w| worker_json(w)).collect();
+    let current = state.registry.current();
+    let fleet = &current.fleet;
+    let workers: Vec<Value> = fleet.workers.iter().map(worker_json).collect();
+    let publishers = |topic| fleet.publishers.iter().filter(|p| p.topic == topic).count();
     axum::Json(json!({
         "enabled": true,
-        "connected": true,
+        "connected": state.metrics.discovery_connected.get() == 1 || state.source == "static",
         "source": state.source,
+        "signals": {"load": state.source != "static", "capacity": true},
         "namespace": state.namespaces.first(),
         "namespaces": state.namespaces.as_ref(),
-        "generation": current.version(),
+        "generation": current.generation,
         "workers": workers,
+        "load_publishers": publishers(Topic::KvMetrics),
+        "kv_event_publishers": publishers(Topic::KvEvents),
     }))
 }
 
 /// The seed's worker shape: `instance_id` in lowercase hex, `worker_id` in decimal (as a
 /// string: lease ids exceed 2^53 and would lose digits as JSON numbers in most clients).
-fn worker_json(worker: &Worker) -> Value {
+/// Never the transport address or the raw card.
+fn worker_json(discovered: &DiscoveredWorker) -> Value {
+    let worker = &discovered.worker;
     let c = worker.capacity;
     json!({
         "instance_id": format!("{:x}", worker.key.instance_id),
@@ -116,6 +125,9 @@ fn worker_json(worker: &Worker) -> Value {
             "context_length": c.context_length,
         },
         "disaggregated_endpoint": worker.disaggregated_endpoint,
+        "excluded": discovered.excluded.map(|e| e.to_string()),
+        "first_seen": humantime::format_rfc3339_seconds(discovered.first_seen).to_string(),
+        "last_updated": humantime::format_rfc3339_seconds(discovered.last_updated).to_string(),
     })
 }
 

@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -11,10 +12,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminState};
 use crate::config::{Config, DiscoverySource};
-use crate::fleet::{FleetChange, FleetPublisher};
+use crate::fleet::FleetPublisher;
 use crate::grpc::{self, FleetService, Replicas};
 use crate::metrics::Metrics;
-use crate::sources;
+use crate::sources::{self, Registry};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -58,11 +59,22 @@ impl ControlPlane {
         let cancel = CancellationToken::new();
         let mut tasks = vec![tokio::spawn(follow_gauges(publisher.clone(), metrics.clone(), cancel.clone()))];
 
+        let registry = Registry::new(publisher.clone());
         let source = match config.dynamo.discovery.source {
             DiscoverySource::Static => {
-                let workers = sources::static_workers(&config.dynamo.discovery.static_fleet);
-                publisher.apply(FleetChange::replace_workers(publisher.current().view(), workers));
+                registry.publish(sources::static_fleet(&config.dynamo.discovery.static_fleet, SystemTime::now()));
                 "static"
+            }
+            DiscoverySource::Etcd => {
+                let etcd = sources::etcd::run(
+                    config.dynamo.discovery.etcd.clone(),
+                    config.namespaces(),
+                    registry.clone(),
+                    metrics.clone(),
+                    cancel.clone(),
+                );
+                tasks.push(tokio::spawn(etcd));
+                "etcd"
             }
             other => return Err(StartError::SourceUnavailable(other.as_str())),
         };
@@ -76,6 +88,7 @@ impl ControlPlane {
         }));
 
         let admin_state = AdminState {
+            registry,
             publisher: publisher.clone(),
             replicas: replicas.clone(),
             metrics: metrics.clone(),

@@ -1,7 +1,10 @@
-
 //! The Continuum control plane: one per fleet. It discovers workers, follows their load and KV
 //! signals, and streams one versioned fleet view to every data-plane replica.
 pub mod admin;
+pub mod app;
 pub mod fleet;
 pub mod grpc;
 pub mod metrics;
+pub mod sources;
+pub mod discovery;
+pub mod config;

@@ -18,6 +18,11 @@ pub struct Metrics {
     pub replica_replies: IntCounterVec,
     /// Watch streams refused before they started, by `reason` (no_hello, bad_hello).
     pub watch_refused: IntCounterVec,
+    /// Discovery events by `kind` (put, delete, resync, malformed, oversized, over_capacity,
+    /// duplicate, unsupported, skipped, restart).
+    pub discovery_events: IntCounterVec,
+    /// 1 while every discovery watch is open.
+    pub discovery_connected: IntGauge,
 }
 
 impl Metrics {
@@ -39,6 +44,14 @@ impl Metrics {
                 Opts::new("continuum_fleet_watch_refused_total", "Watch streams refused before the first update"),
                 &["reason"],
             )?,
+            discovery_events: IntCounterVec::new(
+                Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),
+                &["kind"],
+            )?,
+            discovery_connected: IntGauge::new(
+                "continuum_dynamo_discovery_connected",
+                "1 while every discovery watch is open",
+            )?,
             registry,
         };
         for collector in [
@@ -48,6 +61,8 @@ impl Metrics {
             Box::new(metrics.updates_sent.clone()),
             Box::new(metrics.replica_replies.clone()),
             Box::new(metrics.watch_refused.clone()),
+            Box::new(metrics.discovery_events.clone()),
+            Box::new(metrics.discovery_connected.clone()),
         ] {
             metrics.registry.register(collector)?;
         }

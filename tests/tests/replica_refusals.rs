@@ -14,10 +14,12 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status, Streaming};
 
-/// A control plane that plays a script and reports every reply it receives.
+/// A control plane that plays a script and reports every reply it receives; it sends the next
+/// update only when the test says so, so the test can inspect the replica in between.
 struct Scripted {
     script: Vec<pb::FleetUpdate>,
     replies: mpsc::UnboundedSender<pb::WatchRequest>,
+    next: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<()>>>,
 }
 
 #[tonic::async_trait]
@@ -27,11 +29,14 @@ impl Fleet for Scripted {
     async fn watch(&self, request: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
-        let (script, replies) = (self.script.clone(), self.replies.clone());
+        let (script, replies, next) = (self.script.clone(), self.replies.clone(), Arc::clone(&self.next));
         tokio::spawn(async move {
             // The hello, then one reply per scripted update, sent one at a time.
             let _hello = inbound.message().await;
             for update in script {
+                if next.lock().await.recv().await.is_none() {
+                    return;
+                }
                 if tx.send(Ok(update)).await.is_err() {
                     return;
                 }
@@ -87,17 +92,20 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
         snapshot(12, &[1, 4]),
     ];
     let (replies_tx, mut replies) = mpsc::unbounded_channel();
+    let (next_tx, next_rx) = mpsc::unbounded_channel();
+    let next = Arc::new(tokio::sync::Mutex::new(next_rx));
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(FleetServer::new(Scripted { script, replies: replies_tx }))
+            .add_service(FleetServer::new(Scripted { script, replies: replies_tx, next }))
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     let replica = start_replicas(1, &url).await?.remove(0);
 
     let mut reasons = Vec::new();
     for expected_ack in [true, false, false, false, false, true] {
+        next_tx.send(())?;
         let reply = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await?.ok_or_else(|| anyhow::anyhow!("no reply"))?;
         match reply.kind {
             Some(Kind::Ack(ack)) => assert!(expected_ack, "acked {ack:?}"),

@@ -2,19 +2,20 @@
 //! external service, so the embedded default runs anywhere; validation has already refused
 //! duplicates, zero ids and missing roles.
 
-use std::sync::Arc;
+use std::time::SystemTime;
 
 use continuum_proto::model::{Role, Worker, WorkerKey};
 
 use crate::config::StaticDiscoveryConfig;
+use crate::discovery::{DiscoveredWorker, Fleet};
 
-/// The configured workers as the fleet publishes them.
-pub fn static_workers(config: &StaticDiscoveryConfig) -> Vec<Arc<Worker>> {
-    config
+/// The configured workers as discovery publishes them, first seen `now`.
+pub fn static_fleet(config: &StaticDiscoveryConfig, now: SystemTime) -> Fleet {
+    let workers = config
         .workers
         .iter()
-        .map(|w| {
-            Arc::new(Worker {
+        .map(|w| DiscoveredWorker {
+            worker: Worker {
                 key: WorkerKey::new(w.namespace.as_str(), w.instance_id),
                 role: w.role.map_or(Role::Unknown, Role::from),
                 model: w.model.clone(),
@@ -25,7 +26,12 @@ pub fn static_workers(config: &StaticDiscoveryConfig) -> Vec<Arc<Worker>> {
                 dp_start_rank: w.dp_start_rank,
                 dp_size: w.dp_size,
                 disaggregated_endpoint: None,
-            })
+            },
+            first_seen: now,
+            last_updated: now,
+            card: None,
+            excluded: None,
         })
-        .collect()
+        .collect();
+    Fleet { workers, publishers: Vec::new() }
 }

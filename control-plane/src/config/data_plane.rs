@@ -1,0 +1,84 @@
+//! Views derived from the configuration: the configured Dynamo namespaces and the part the
+//! data plane needs (streamed to every replica).
+
+use continuum_proto::model::{Backend, DataPlaneConfig, DisaggregatedServing, PickerParams, ShimPool};
+
+use super::Config;
+use super::discovery::DiscoverySource;
+use super::types::BackendConfig;
+
+impl Config {
+    /// The configured Dynamo namespaces, in order, without repeats: `namespaces` (or
+    /// `dynamo_namespaces`) when set, else the single scalar; for the static source, the
+    /// namespaces its workers name.
+    pub fn namespaces(&self) -> Vec<String> {
+        let discovery = &self.dynamo.discovery;
+        let listed: Vec<&String> = match discovery.source {
+            DiscoverySource::Etcd if discovery.etcd.namespaces.is_empty() => vec![&discovery.etcd.namespace],
+            DiscoverySource::Etcd => discovery.etcd.namespaces.iter().collect(),
+            DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {
+                let kube = &discovery.kubernetes;
+                if kube.dynamo_namespaces.is_empty() {
+                    vec![&kube.dynamo_namespace]
+                } else {
+                    kube.dynamo_namespaces.iter().collect()
+                }
+            }
+            DiscoverySource::Static => discovery.static_fleet.workers.iter().map(|w| &w.namespace).collect(),
+        };
+        let mut namespaces: Vec<String> = Vec::with_capacity(listed.len());
+        for namespace in listed {
+            if !namespaces.contains(namespace) {
+                namespaces.push(namespace.clone());
+            }
+        }
+        namespaces
+    }
+
+    /// What the data-plane replicas are sent: dispatchable backends, shim pools, the model map,
+    /// picker parameters and disaggregated serving.
+    pub fn data_plane_config(&self) -> DataPlaneConfig {
+        let dispatchable: Vec<&BackendConfig> = self.backends.iter().filter(|b| b.enabled && !b.internal).collect();
+        let backends = dispatchable
+            .iter()
+            .map(|b| Backend { name: b.name.clone(), url: b.url.clone(), models: b.models.clone() })
+            .collect();
+        // A replica the data plane was not given could never be dialled, so pools name only
+        // dispatchable backends (validation has warned about the others).
+        let usable = |names: &[String]| -> Vec<String> {
+            names.iter().filter(|n| dispatchable.iter().any(|b| &b.name == *n)).cloned().collect()
+        };
+        let shim = &self.dynamo.shim;
+        let shim_pools = if shim.pools.is_empty() {
+            let replicas = usable(&shim.backends);
+            let namespaces = if replicas.is_empty() { Vec::new() } else { self.namespaces() };
+            namespaces.into_iter().map(|namespace| ShimPool { namespace, backends: replicas.clone() }).collect()
+        } else {
+            let pools = shim.pools.iter();
+            pools.map(|p| ShimPool { namespace: p.namespace.clone(), backends: usable(&p.backends) }).collect()
+        };
+        DataPlaneConfig {
+            backends,
+            shim_pools,
+            model_map: shim.model_map.clone(),
+            picker: self.picker_params(),
+            disaggregated_serving: DisaggregatedServing {
+                enabled: self.disaggregated_serving.enabled,
+                fallback_to_unified: self.disaggregated_serving.fallback_to_unified,
+            },
+        }
+    }
+
+    fn picker_params(&self) -> PickerParams {
+        let kv = &self.dynamo.kv;
+        PickerParams {
+            max_staleness: self.dynamo.load.max_staleness,
+            // The KV term needs discovered publishers, so it is off whenever discovery is.
+            kv_enabled: self.dynamo.enabled && kv.enabled,
+            overlap_score_credit: kv.overlap_score_credit,
+            prefill_load_scale: kv.prefill_load_scale,
+            router_temperature: kv.router_temperature,
+            send_token_data: kv.send_token_data,
+        }
+    }
+}

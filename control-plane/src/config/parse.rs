@@ -1,0 +1,88 @@
+//! Typed parsing that reports every type error and every unknown key, not just the first.
+//!
+//! serde stops at the first error, so after each one the offending value is taken out of the
+//! document (a mapping entry is removed so the field takes its default; a sequence item is
+//! replaced by an empty placeholder so later indices keep their meaning) and parsing runs
+//! again. Every field of every config struct has a default, so this converges.
+
+use std::collections::{BTreeSet, HashMap};
+
+use serde_yaml_ng::{Mapping, Value};
+
+use super::Config;
+use super::diagnostic::Diagnostic;
+use super::path::{KeyPath, Segment};
+use super::unknown_keys;
+
+/// Bounds the re-parse loop: a file this broken has shown the operator enough.
+const MAX_TYPE_ERRORS: usize = 64;
+
+/// The parsed configuration (absent when the document could not be made to parse) and the
+/// type errors and unknown keys found on the way.
+pub(super) fn parse_lenient(mut document: Value) -> (Option<Config>, Vec<Diagnostic>) {
+    if document.is_null() {
+        document = Value::Mapping(Mapping::new());
+    }
+    let mut diagnostics = Vec::new();
+    let mut unknown = BTreeSet::new();
+    let mut attempts: HashMap<KeyPath, usize> = HashMap::new();
+    let mut config = None;
+    while diagnostics.len() < MAX_TYPE_ERRORS {
+        match parse_once(document.clone(), &mut unknown) {
+            Ok(parsed) => {
+                config = Some(parsed);
+                break;
+            }
+            Err((path, message)) => {
+                let Some(path) = path else {
+                    diagnostics.push(Diagnostic::error("", message));
+                    break;
+                };
+                let attempt = attempts.entry(path.clone()).or_insert(0);
+                if *attempt == 0 {
+                    diagnostics.push(Diagnostic::error(path.to_string(), message));
+                }
+                if !neutralize(&mut document, &path, *attempt) {
+                    break;
+                }
+                *attempt += 1;
+            }
+        }
+    }
+    diagnostics.extend(unknown_keys::describe(&unknown));
+    (config, diagnostics)
+}
+
+type ParseError = (Option<KeyPath>, String);
+
+fn parse_once(document: Value, unknown: &mut BTreeSet<KeyPath>) -> Result<Config, ParseError> {
+    let mut record = |path: serde_ignored::Path<'_>| {
+        unknown.insert(KeyPath::from_ignored(&path));
+    };
+    let deserializer = serde_ignored::Deserializer::new(document, &mut record);
+    serde_path_to_error::deserialize(deserializer).map_err(|error| {
+        let path = KeyPath::from_error_path(error.path());
+        (path, error.into_inner().to_string())
+    })
+}
+
+/// Takes the value at `path` out of the way; `false` when nothing more can be tried.
+fn neutralize(document: &mut Value, path: &KeyPath, attempt: usize) -> bool {
+    let Some((parent, last)) = path.split_last() else {
+        return false;
+    };
+    match (parent.lookup_mut(document), last) {
+        (Some(Value::Mapping(map)), Segment::Key(key)) if attempt == 0 => map.shift_remove(key.as_str()).is_some(),
+        (Some(Value::Sequence(items)), Segment::Index(index)) => {
+            let placeholders = [Value::Mapping(Mapping::new()), Value::String(String::new()), Value::Null];
+            match (items.get_mut(*index), placeholders.into_iter().nth(attempt)) {
+                (Some(item), Some(placeholder)) => {
+                    *item = placeholder;
+                    true
+                }
+                _ => false,
+            }
+        }
+        _ => false,
+    }
+}

@@ -1,0 +1,92 @@
+//! Key paths into the YAML document (`dynamo.discovery.etcd.endpoints[2]`), built from what
+//! serde_ignored and serde_path_to_error report, and navigable in a `serde_yaml_ng::Value`.
+
+use std::fmt;
+
+use serde_yaml_ng::Value;
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) enum Segment {
+    Key(String),
+    Index(usize),
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) struct KeyPath(pub(super) Vec<Segment>);
+
+impl KeyPath {
+    pub(super) fn child_key(&self, key: impl Into<String>) -> Self {
+        let mut segments = self.0.clone();
+        segments.push(Segment::Key(key.into()));
+        Self(segments)
+    }
+
+    pub(super) fn child_index(&self, index: usize) -> Self {
+        let mut segments = self.0.clone();
+        segments.push(Segment::Index(index));
+        Self(segments)
+    }
+
+    pub(super) fn split_last(&self) -> Option<(KeyPath, &Segment)> {
+        let (last, parent) = self.0.split_last()?;
+        Some((KeyPath(parent.to_vec()), last))
+    }
+
+    /// The ignored-key path serde_ignored reports; `Some` and newtype wrappers add no key.
+    pub(super) fn from_ignored(path: &serde_ignored::Path<'_>) -> Self {
+        use serde_ignored::Path;
+        match path {
+            Path::Root => Self::default(),
+            Path::Seq { parent, index } => Self::from_ignored(parent).child_index(*index),
+            Path::Map { parent, key } => Self::from_ignored(parent).child_key(key.clone()),
+            Path::Some { parent } | Path::NewtypeStruct { parent } | Path::NewtypeVariant { parent } => {
+                Self::from_ignored(parent)
+            }
+        }
+    }
+
+    /// The failing path serde_path_to_error reports; `None` when a segment has no name.
+    pub(super) fn from_error_path(path: &serde_path_to_error::Path) -> Option<Self> {
+        use serde_path_to_error::Segment as S;
+        let segments = path.iter().map(|segment| match segment {
+            S::Seq { index } => Some(Segment::Index(*index)),
+            S::Map { key } => Some(Segment::Key(key.clone())),
+            S::Enum { .. } | S::Unknown => None,
+        });
+        segments.collect::<Option<Vec<_>>>().map(Self)
+    }
+
+    /// The node this path names, if the document has one there.
+    pub(super) fn lookup_mut<'v>(&self, mut value: &'v mut Value) -> Option<&'v mut Value> {
+        for segment in &self.0 {
+            value = match (segment, value) {
+                (Segment::Key(key), Value::Mapping(map)) => map.get_mut(key.as_str())?,
+                (Segment::Index(index), Value::Sequence(seq)) => seq.get_mut(*index)?,
+                _ => return None,
+            };
+        }
+        Some(value)
+    }
+}
+
+impl fmt::Display for KeyPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (position, segment) in self.0.iter().enumerate() {
+            match segment {
+                Segment::Key(key) if position == 0 => f.write_str(key)?,
+                Segment::Key(key) => write!(f, ".{key}")?,
+                Segment::Index(index) => write!(f, "[{index}]")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `path` is `ancestor` itself or a key below it (`a.b` covers `a.b.c` and `a.b[0]`,
+/// not `a.bc`).
+pub(super) fn is_within(path: &str, ancestor: &str) -> bool {
+    match path.strip_prefix(ancestor) {
+        Some(rest) => rest.is_empty() || rest.starts_with('.') || rest.starts_with('['),
+        None => false,
+    }
+}

@@ -1,0 +1,98 @@
+//! `${VAR}` substitution in every string value of the document, before typed parsing, so
+//! secrets (`password: "${ETCD_PASSWORD}"`) stay out of the file. `$${` is a literal `${`.
+//! Substituted text is not scanned again, so a variable's value can never expand further.
+
+use serde_yaml_ng::Value;
+
+use super::diagnostic::Diagnostic;
+use super::path::KeyPath;
+
+/// Looks a variable up; `None` when unset.
+pub(super) type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// Substitutes in place. A value that cannot be substituted is reported at its key path and
+/// removed (a sequence item becomes `""`), so it takes its default and the rest of the
+/// document is still checked.
+pub(super) fn substitute_document(value: &mut Value, env: Env<'_>) -> Vec<Diagnostic> {
+    let mut diagnostics = Vec::new();
+    walk(value, &KeyPath::default(), env, &mut diagnostics);
+    diagnostics
+}
+
+fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnostic>) {
+    match value {
+        Value::String(text) => {
+            if let Err(message) = substitute(text, env).map(|new| *text = new) {
+                out.push(Diagnostic::error(path.to_string(), message));
+                text.clear();
+            }
+        }
+        Value::Sequence(items) => {
+            for (index, item) in items.iter_mut().enumerate() {
+                walk(item, &path.child_index(index), env, out);
+            }
+        }
+        Value::Mapping(map) => {
+            let mut failed = Vec::new();
+            for (key, item) in map.iter_mut() {
+                let before = out.len();
+                walk(item, &path.child_key(key_text(key)), env, out);
+                if out.len() > before && item.is_string() {
+                    failed.push(key.clone());
+                }
+            }
+            for key in failed {
+                map.shift_remove(&key);
+            }
+        }
+        Value::Tagged(tagged) => walk(&mut tagged.value, path, env, out),
+        Value::Null | Value::Bool(_) | Value::Number(_) => {}
+    }
+}
+
+/// The text of a mapping key as it appears in a key path.
+pub(super) fn key_text(key: &Value) -> String {
+    match key {
+        Value::String(text) => text.clone(),
+        Value::Number(number) => number.to_string(),
+        Value::Bool(flag) => flag.to_string(),
+        _ => "?".to_owned(),
+    }
+}
+
+/// Substitutes one string; the message says what is wrong and how to fix it.
+pub(super) fn substitute(text: &str, env: Env<'_>) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find('$') {
+        out.push_str(&rest[..start]);
+        let tail = &rest[start..];
+        if let Some(after) = tail.strip_prefix("$${") {
+            out.push_str("${");
+            rest = after;
+        } else if let Some(after) = tail.strip_prefix("${") {
+            let (name, after) = after
+                .split_once('}')
+                .ok_or("unterminated `${`; close it with `}` or write `$${` for a literal `${`")?;
+            out.push_str(&lookup(name, env)?);
+            rest = after;
+        } else {
+            out.push('$');
+            rest = &tail[1..];
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn lookup(name: &str, env: Env<'_>) -> Result<String, String> {
+    let mut chars = name.chars();
+    let valid = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !valid {
+        return Err(format!(
+            "`${{{name}}}` is not a variable reference (names are letters, digits and `_`); write `$${{` for a literal `${{`"
+        ));
+    }
+    env(name).ok_or_else(|| format!("environment variable `{name}` is not set"))
+}

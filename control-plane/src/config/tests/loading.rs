@@ -1,0 +1,176 @@
+//! Loading: the embedded default, `${VAR}` substitution, unknown keys, type errors, syntax
+//! errors and instance ids.
+
+use super::{diagnostics, load, loaded};
+use crate::config::{ConfigError, DiscoverySource, Severity, WorkerRole, embedded_default, load_file, load_str};
+
+#[test]
+fn embedded_default_validates_clean() {
+    let loaded = loaded(crate::config::embedded_default_yaml());
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let config = embedded_default();
+    assert_eq!(config, loaded.config);
+    assert!(config.dynamo.enabled && config.disaggregated_serving.enabled);
+    assert_eq!(config.dynamo.discovery.source, DiscoverySource::Static);
+    let workers = &config.dynamo.discovery.static_fleet.workers;
+    let roles: Vec<Option<WorkerRole>> = workers.iter().map(|w| w.role).collect();
+    let (p, d) = (Some(WorkerRole::Prefill), Some(WorkerRole::Decode));
+    assert_eq!(roles, vec![p, p, d, d]);
+    for worker in workers {
+        assert_eq!((worker.namespace.as_str(), worker.model.as_str()), ("dynamo", "tiny"));
+        assert_eq!(worker.block_size, Some(16));
+        assert_eq!(worker.capacity.total_kv_blocks, Some(1024));
+        assert_eq!(worker.capacity.max_num_batched_tokens, Some(8192));
+    }
+    assert_eq!(config.dynamo.shim.backends, vec!["demo-shim".to_owned()]);
+    assert_eq!(config.backends[0].url, "http://127.0.0.1:8000");
+}
+
+#[test]
+fn substitution_fills_every_string_from_the_environment() {
+    let yaml = "dynamo:\n  discovery:\n    etcd:\n      endpoints: ['${ETCD_HOST}:2379', 'b:2379']\n      auth: {username: router, password: '${ETCD_PASSWORD}'}\nadmin: {token: 'literal $${NOT_A_VAR} and $5'}";
+    let env = |name: &str| match name {
+        "ETCD_HOST" => Some("etcd-0".to_owned()),
+        "ETCD_PASSWORD" => Some("hunter2".to_owned()),
+        _ => None,
+    };
+    let config = match load_str(yaml, &env) {
+        Ok(loaded) => loaded.config,
+        Err(error) => panic!("{error}"),
+    };
+    let etcd = &config.dynamo.discovery.etcd;
+    assert_eq!(etcd.endpoints[0], "etcd-0:2379");
+    assert_eq!(etcd.auth.as_ref().map(|a| a.password.expose()), Some("hunter2"));
+    assert_eq!(config.admin.token.as_ref().map(|t| t.expose()), Some("literal ${NOT_A_VAR} and $5"));
+}
+
+#[test]
+fn unset_or_malformed_variables_are_errors_at_their_key_path() {
+    let yaml = "dynamo: {discovery: {etcd: {auth: {username: r, password: '${ETCD_PASSWORD}'}, endpoints: ['${HOST']}}}\nadmin: {token: '${}'}";
+    let found = diagnostics(yaml);
+    let expect = [
+        ("dynamo.discovery.etcd.auth.password", "`ETCD_PASSWORD` is not set"),
+        ("dynamo.discovery.etcd.endpoints[0]", "unterminated"),
+        ("admin.token", "not a variable reference"),
+    ];
+    for (path, fragment) in expect {
+        assert!(found.iter().any(|d| d.path == path && d.message.contains(fragment)), "{path}: {found:?}");
+    }
+    // The emptied password is not reported a second time by the auth rule.
+    assert_eq!(found.iter().filter(|d| d.path == "dynamo.discovery.etcd.auth.password").count(), 1);
+}
+
+#[test]
+fn unknown_keys_are_all_reported_with_suggestions() {
+    let yaml = "dynamo:\n  discovery:\n    etcd: {endpoint: ['a:2379'], namepsace: x}\n    static: {workers: [{instance_id: 1, rol: decode, model: m}]}\nbackend: []\nadmin: {zzz: 1}";
+    let found = diagnostics(yaml);
+    let expect = [
+        ("dynamo.discovery.etcd.endpoint", "unknown key `endpoint`; did you mean `endpoints`?"),
+        ("dynamo.discovery.etcd.namepsace", "did you mean `namespace`?"),
+        ("dynamo.discovery.static.workers[0].rol", "did you mean `role`?"),
+        ("backend", "did you mean `backends`?"),
+        ("admin.zzz", "unknown key `zzz`; known keys here: listen, token"),
+    ];
+    for (path, fragment) in expect {
+        let hit = found.iter().any(|d| d.severity == Severity::Error && d.path == path && d.message.contains(fragment));
+        assert!(hit, "{path} ~ {fragment}: {found:?}");
+    }
+}
+
+#[test]
+fn type_errors_are_all_reported_not_just_the_first() {
+    let yaml = "dynamo:\n  load: {max_staleness: soon}\n  event_bus: {max_sessions: many}\n  discovery:\n    etcd: {endpoints: ['a:2379', 42]}\n    static: {workers: [{instance_id: 1, role: decode, model: m}, {instance_id: -4, role: x, model: m}]}\nadmin: {token: ''}";
+    let found = diagnostics(yaml);
+    let paths = [
+        "dynamo.load.max_staleness",
+        "dynamo.event_bus.max_sessions",
+        "dynamo.discovery.etcd.endpoints[1]",
+        "dynamo.discovery.static.workers[1].instance_id",
+        "dynamo.discovery.static.workers[1].role",
+        "admin.token",
+    ];
+    for path in paths {
+        assert!(found.iter().any(|d| d.is_error() && d.path == path), "{path}: {found:?}");
+    }
+}
+
+#[test]
+fn syntax_errors_carry_a_position() {
+    match load("dynamo:\n  enabled: [true\n") {
+        Err(ConfigError::Syntax { line, column, .. }) => assert!(line > 0 && column > 0),
+        other => panic!("expected a syntax error, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_empty_document_is_the_default_configuration() {
+    let loaded = loaded("");
+    assert_eq!(loaded.config, crate::config::Config::default());
+    assert!(!loaded.has_errors());
+}
+
+#[test]
+fn load_file_reads_and_reports_missing_files() {
+    let dir = match tempfile::tempdir() {
+        Ok(dir) => dir,
+        Err(error) => panic!("{error}"),
+    };
+    let path = dir.path().join("continuum.yaml");
+    assert!(matches!(load_file(&path), Err(ConfigError::Read { .. })));
+    if let Err(error) = std::fs::write(&path, "admin: {listen: '127.0.0.1:9999'}\n") {
+        panic!("{error}");
+    }
+    match load_file(&path) {
+        Ok(loaded) => assert_eq!(loaded.config.admin.listen.port(), 9999),
+        Err(error) => panic!("{error}"),
+    }
+}
+
+#[test]
+fn instance_ids_parse_from_integers_and_hex_strings() {
+    let cases = [
+        ("18446744073709551557", 18_446_744_073_709_551_557_u64),
+        ("0x1a7f2b", 0x1a7f2b),
+        ("'0x1a7f2b'", 0x1a7f2b),
+        ("'1a7f2b'", 0x1a7f2b),
+        ("'FFFFFFFFFFFFFFC5'", 18_446_744_073_709_551_557),
+        ("7465265302745285", 7_465_265_302_745_285),
+    ];
+    for (written, expected) in cases {
+        let yaml = format!(
+            "dynamo: {{discovery: {{source: static, static: {{workers: [{{instance_id: {written}, role: decode, model: m}}]}}}}}}"
+        );
+        let config = loaded(&yaml).config;
+        assert_eq!(config.dynamo.discovery.static_fleet.workers[0].instance_id, expected, "{written}");
+    }
+}
+
+#[test]
+fn an_instance_id_beyond_64_bits_is_refused_with_its_path() {
+    // The YAML layer refuses integers past u64 before typed parsing, so this is a syntax error.
+    let yaml = "dynamo: {discovery: {static: {workers: [{instance_id: 18446744073709551616}]}}}";
+    match load(yaml) {
+        Err(error @ ConfigError::Syntax { .. }) => {
+            assert!(error.to_string().contains("workers[0].instance_id"), "{error}");
+        }
+        other => panic!("expected a syntax error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_large_instance_id_survives_a_show_round_trip_exactly() {
+    let yaml = "dynamo: {discovery: {source: static, static: {workers: [{instance_id: 18446744073709551557, role: decode, model: m}]}}}";
+    let shown = loaded(yaml).config.to_masked_yaml();
+    assert!(shown.contains("instance_id: 18446744073709551557"), "{shown}");
+    let again = loaded(&shown).config;
+    assert_eq!(again.dynamo.discovery.static_fleet.workers[0].instance_id, 18_446_744_073_709_551_557);
+}
+
+#[test]
+fn static_component_defaults_by_role() {
+    let yaml = "dynamo: {discovery: {source: static, static: {workers: [{instance_id: 1, role: prefill, model: m}, {instance_id: 2, role: decode, model: m}, {instance_id: 3, role: aggregated, model: m, component: vllm}]}}}";
+    let config = loaded(yaml).config;
+    let components: Vec<Option<&str>> =
+        config.dynamo.discovery.static_fleet.workers.iter().map(|w| w.component.as_deref()).collect();
+    assert_eq!(components, vec![Some("prefill"), Some("backend"), Some("vllm")]);
+}

@@ -1,0 +1,202 @@
+//! The rule table: each row is a document, the key path a diagnostic must name, its severity
+//! and a fragment of its message.
+
+use super::diagnostics;
+use crate::config::Severity::{self, Error, Warning};
+
+struct Row {
+    name: &'static str,
+    yaml: String,
+    severity: Severity,
+    path: &'static str,
+    fragment: &'static str,
+}
+
+fn row(
+    name: &'static str,
+    yaml: impl Into<String>,
+    severity: Severity,
+    path: &'static str,
+    fragment: &'static str,
+) -> Row {
+    Row { name, yaml: yaml.into(), severity, path, fragment }
+}
+
+/// A flow-style YAML list of `count` strings made by `item`.
+fn list(count: usize, item: impl Fn(usize) -> String) -> String {
+    let items: Vec<String> = (0..count).map(item).collect();
+    format!("[{}]", items.join(", "))
+}
+
+fn etcd(body: &str) -> String {
+    format!("dynamo: {{enabled: true, discovery: {{etcd: {body}}}}}")
+}
+
+fn kube_pods(body: &str) -> String {
+    format!("dynamo: {{enabled: true, discovery: {{source: kubernetes_pods, kubernetes: {body}}}}}")
+}
+
+fn static_workers(workers: &str) -> String {
+    format!("dynamo: {{enabled: true, discovery: {{source: static, static: {{workers: {workers}}}}}}}")
+}
+
+const SHIM_BACKEND: &str = "backends: [{name: shim-a, url: 'http://a:8000'}, {name: shim-b, url: 'http://b:8000'}]\n";
+
+fn with_shim(dynamo_extra: &str, shim: &str) -> String {
+    format!(
+        "{SHIM_BACKEND}disaggregated_serving: {{enabled: true}}\ndynamo: {{enabled: true, discovery: {{etcd: {{endpoints: ['etcd:2379']{dynamo_extra}}}}}, shim: {shim}}}"
+    )
+}
+
+fn event_bus(body: &str) -> String {
+    format!("dynamo: {{event_bus: {body}}}")
+}
+
+const PIN: &str = "blake3:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+const TOKEN: &str = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+#[rustfmt::skip]
+fn discovery_rows() -> Vec<Row> {
+    vec![
+        row("etcd endpoints required when enabled", "dynamo: {enabled: true}", Error, "dynamo.discovery.etcd.endpoints", "at least one"),
+        row("etcd endpoints bounded", etcd(&format!("{{endpoints: {}}}", list(17, |i| format!("'etcd-{i}:2379'")))), Error, "dynamo.discovery.etcd.endpoints", "at most 16"),
+        row("etcd endpoint with user:pass", etcd("{endpoints: ['http://user:pass@etcd:2379']}"), Error, "dynamo.discovery.etcd.endpoints[0]", "credentials"),
+        row("bare etcd endpoint with user@", etcd("{endpoints: ['etcd:2379', 'user@etcd:2379']}"), Error, "dynamo.discovery.etcd.endpoints[1]", "credentials"),
+        row("etcd endpoint with empty query", etcd("{endpoints: ['http://etcd:2379?']}"), Error, "dynamo.discovery.etcd.endpoints[0]", "query"),
+        row("etcd endpoint with empty fragment", etcd("{endpoints: ['http://etcd:2379#']}"), Error, "dynamo.discovery.etcd.endpoints[0]", "fragment"),
+        row("etcd endpoint with path", etcd("{endpoints: ['http://etcd:2379/v3']}"), Error, "dynamo.discovery.etcd.endpoints[0]", "path"),
+        row("etcd endpoint with other scheme", etcd("{endpoints: ['grpc://etcd:2379']}"), Error, "dynamo.discovery.etcd.endpoints[0]", "scheme"),
+        row("etcd endpoint without port", etcd("{endpoints: ['etcd']}"), Error, "dynamo.discovery.etcd.endpoints[0]", "port"),
+        row("etcd endpoint with unbracketed IPv6", etcd("{endpoints: ['::1:2379']}"), Error, "dynamo.discovery.etcd.endpoints[0]", "bracketed"),
+        row("etcd endpoints mixing schemes", etcd("{endpoints: ['http://a:2379', 'https://b:2379']}"), Error, "dynamo.discovery.etcd.endpoints", "mix"),
+        row("etcd tls with http", etcd("{endpoints: ['http://a:2379'], tls: {ca_cert: /ca.pem}}"), Error, "dynamo.discovery.etcd.tls", "http://"),
+        row("etcd client cert without key", etcd("{endpoints: ['https://a:2379'], tls: {client_cert: /c.pem}}"), Error, "dynamo.discovery.etcd.tls.client_key", "together"),
+        row("etcd auth over plaintext", etcd("{endpoints: ['a:2379'], auth: {username: r, password: p}}"), Warning, "dynamo.discovery.etcd.auth", "cleartext"),
+        row("etcd auth without password", etcd("{endpoints: ['https://a:2379'], auth: {username: r}}"), Error, "dynamo.discovery.etcd.auth.password", "must not be empty"),
+        row("namespace with slash", etcd("{endpoints: ['a:2379'], namespace: 'a/b'}"), Error, "dynamo.discovery.etcd.namespace", "`/`"),
+        row("namespace with whitespace", etcd("{endpoints: ['a:2379'], namespaces: ['ok', 'not ok']}"), Error, "dynamo.discovery.etcd.namespaces[1]", "whitespace"),
+        row("duplicate namespaces", etcd("{endpoints: ['a:2379'], namespaces: [prod, prod]}"), Error, "dynamo.discovery.etcd.namespaces[1]", "duplicates"),
+        row("namespaces bounded", etcd(&format!("{{endpoints: ['a:2379'], namespaces: {}}}", list(17, |i| format!("ns{i}")))), Error, "dynamo.discovery.etcd.namespaces", "at most 16"),
+        row("namespace exclusive with namespaces", etcd("{endpoints: ['a:2379'], namespace: prod, namespaces: [canary]}"), Error, "dynamo.discovery.etcd.namespace", "mutually exclusive"),
+        row("backoff max below initial", etcd("{endpoints: ['a:2379'], watch_reconnect_backoff: {initial: 5s, max: 1s}}"), Error, "dynamo.discovery.etcd.watch_reconnect_backoff.max", ">= initial"),
+        row("kubernetes namespace not a DNS label", kube_pods("{namespace: Dynamo_NS, model: m}"), Error, "dynamo.discovery.kubernetes.namespace", "DNS-1123"),
+        row("kubernetes dynamo_namespace empty", kube_pods("{namespace: dynamo, dynamo_namespace: '', model: m}"), Error, "dynamo.discovery.kubernetes.dynamo_namespace", "label value"),
+        row("kubernetes dynamo_namespaces exclusive", kube_pods("{namespace: d, dynamo_namespace: x, dynamo_namespaces: [a, b], models: [{component: c, model: m, dynamo_namespace: a}]}"), Error, "dynamo.discovery.kubernetes.dynamo_namespace", "mutually exclusive"),
+        row("kubernetes_pods needs a model", kube_pods("{namespace: dynamo}"), Error, "dynamo.discovery.kubernetes.model", "needs model"),
+        row("kubernetes_pods model and models", kube_pods("{namespace: dynamo, model: m, models: [{component: c, model: m}]}"), Error, "dynamo.discovery.kubernetes.models", "exactly one"),
+        row("kubernetes_pods model with whitespace", kube_pods("{namespace: dynamo, model: 'solar pro'}"), Error, "dynamo.discovery.kubernetes.model", "whitespace"),
+        row("kubernetes_pods duplicate component", kube_pods("{namespace: dynamo, models: [{component: c, model: a}, {component: c, model: b}]}"), Error, "dynamo.discovery.kubernetes.models[1].component", "duplicates"),
+        row("kubernetes_pods models bounded", kube_pods(&format!("{{namespace: dynamo, models: {}}}", list(257, |i| format!("{{component: c{i}, model: m}}")))), Error, "dynamo.discovery.kubernetes.models", "at most 256"),
+        row("kubernetes_pods models need dynamo_namespace", kube_pods("{namespace: d, dynamo_namespaces: [a, b], models: [{component: c, model: m}]}"), Error, "dynamo.discovery.kubernetes.models[0].dynamo_namespace", "required"),
+        row("kubernetes_pods has no load signals", kube_pods("{namespace: dynamo, model: m}"), Warning, "dynamo.discovery.source", "round-robin"),
+        row("kubernetes metadata ignores model", "dynamo: {discovery: {source: kubernetes, kubernetes: {namespace: dynamo, model: m}}}", Warning, "dynamo.discovery.kubernetes.model", "ignored"),
+        row("static duplicate identity", static_workers("[{instance_id: 7, role: decode, model: m}, {instance_id: '0x7', role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[1].instance_id", "duplicates dynamo.discovery.static.workers[0]"),
+        row("static instance_id zero", static_workers("[{instance_id: 0, role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[0].instance_id", "must not be 0"),
+        row("static role required", static_workers("[{instance_id: 1, model: m}]"), Error, "dynamo.discovery.static.workers[0].role", "required"),
+        row("static role unknown", static_workers("[{instance_id: 1, role: prefil, model: m}]"), Error, "dynamo.discovery.static.workers[0].role", "unknown variant"),
+        row("static model required", static_workers("[{instance_id: 1, role: prefill}]"), Error, "dynamo.discovery.static.workers[0].model", "model"),
+        row("static workers bounded", static_workers(&list(16_385, |i| format!("{{instance_id: {}, role: decode, model: m}}", i + 1))), Error, "dynamo.discovery.static.workers", "at most 16384"),
+        row("static workers ignored by other sources", "dynamo: {discovery: {static: {workers: [{instance_id: 1, role: decode, model: m}]}}}", Warning, "dynamo.discovery.static.workers", "ignored"),
+        row("instance_id negative", static_workers("[{instance_id: -5, role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[0].instance_id", "negative"),
+        row("instance_id not hex", static_workers("[{instance_id: 'worker-1', role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[0].instance_id", "hex"),
+    ]
+}
+
+#[rustfmt::skip]
+fn dynamo_rows() -> Vec<Row> {
+    vec![
+        row("max_staleness floor", "dynamo: {load: {max_staleness: 50ms}}", Error, "dynamo.load.max_staleness", "between 100ms and 5m"),
+        row("max_staleness ceiling", "dynamo: {load: {max_staleness: 10m}}", Error, "dynamo.load.max_staleness", "between 100ms and 5m"),
+        row("max_staleness not a duration", "dynamo: {load: {max_staleness: soon}}", Error, "dynamo.load.max_staleness", "invalid duration"),
+        row("direct_allow_cidrs entry", "dynamo: {load: {direct_allow_cidrs: ['10.0.0.0/8', '10.0.0.0/33']}}", Error, "dynamo.load.direct_allow_cidrs[1]", "prefix length"),
+        row("direct_allow_cidrs bounded", format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(65, |i| format!("'10.{i}.0.0/16'"))), Error, "dynamo.load.direct_allow_cidrs", "at most 64"),
+        row("direct_allow_cidrs unset", etcd("{endpoints: ['a:2379']}"), Warning, "dynamo.load.direct_allow_cidrs", "Pod CIDRs"),
+        row("broker transport without event bus", "dynamo: {enabled: true, discovery: {etcd: {endpoints: ['a:2379']}}, load: {transport: broker}}", Warning, "dynamo.load.transport", "event_bus"),
+        row("unknown transport", "dynamo: {load: {transport: zmq}}", Error, "dynamo.load.transport", "unknown variant"),
+        row("shim replica not a backend", with_shim("", "{backends: [nope]}"), Error, "dynamo.shim.backends[0]", "not a configured"),
+        row("shim replica listed twice", with_shim("", "{backends: [shim-a, shim-a]}"), Error, "dynamo.shim.backends[1]", "duplicates"),
+        row("shim replicas bounded", with_shim("", &format!("{{backends: {}}}", list(65, |i| format!("s{i}")))), Error, "dynamo.shim.backends", "at most 64"),
+        row("shim replica disabled", "backends: [{name: s, url: 'http://s:8000', enabled: false}]\ndynamo: {shim: {backends: [s]}}", Warning, "dynamo.shim.backends[0]", "enabled: false"),
+        row("shim while dynamo disabled", format!("{SHIM_BACKEND}dynamo: {{shim: {{backends: [shim-a]}}}}"), Warning, "dynamo.shim", "dynamo.enabled"),
+        row("several namespaces need pools", with_shim(", namespaces: [prod, canary]", "{backends: [shim-a]}"), Error, "dynamo.shim.backends", "shim.pools"),
+        row("namespace without pool", with_shim(", namespaces: [prod, canary]", "{pools: [{namespace: prod, backends: [shim-a]}]}"), Error, "dynamo.shim.pools", "`canary` has no pool"),
+        row("replica in two pools", with_shim(", namespaces: [prod, canary]", "{pools: [{namespace: prod, backends: [shim-a]}, {namespace: canary, backends: [shim-a]}]}"), Error, "dynamo.shim.pools[1].backends[0]", "already belongs"),
+        row("pool for an unwatched namespace", with_shim("", "{pools: [{namespace: other, backends: [shim-a]}]}"), Error, "dynamo.shim.pools[0].namespace", "not a configured"),
+        row("model_map empty target", with_shim("", "{backends: [shim-a], model_map: {qwen: ''}}"), Error, "dynamo.shim.model_map.qwen", "display_name"),
+        row("model_map bounded", format!("dynamo: {{shim: {{model_map: {{{}}}}}}}", (0..1025).map(|i| format!("m{i}: d")).collect::<Vec<_>>().join(", ")), Error, "dynamo.shim.model_map", "at most 1024"),
+        row("backend names unique", "backends: [{name: a, url: 'http://a'}, {name: a, url: 'http://b'}]", Error, "backends[1].name", "duplicates"),
+        row("backend url scheme", "backends: [{name: a, url: 'ftp://a'}]", Error, "backends[0].url", "http://"),
+        row("pinned artifact format", format!("dynamo: {{kv: {{pinned_artifacts: ['{PIN}', 'blake3:ABC']}}}}"), Error, "dynamo.kv.pinned_artifacts[1]", "64 lowercase hex"),
+        row("kv enabled with nothing pinned", "dynamo: {kv: {enabled: true}}", Warning, "dynamo.kv.pinned_artifacts", "pinned"),
+        row("conditional disaggregation warns", "dynamo: {kv: {conditional_disaggregation: {enabled: true}}}", Warning, "dynamo.kv.conditional_disaggregation.enabled", "503"),
+        row("decode_busy_threshold range", "dynamo: {kv: {conditional_disaggregation: {decode_busy_threshold: 1.5}}}", Error, "dynamo.kv.conditional_disaggregation.decode_busy_threshold", "between 0.0 and 1.0"),
+        row("negative overlap credit", "dynamo: {kv: {overlap_score_credit: -1.0}}", Error, "dynamo.kv.overlap_score_credit", ">= 0"),
+    ]
+}
+
+#[rustfmt::skip]
+fn listener_rows() -> Vec<Row> {
+    vec![
+        row("event bus buffer floor", event_bus("{max_streams_per_session: 1024, max_session_buffer_bytes: 1048576}"), Error, "dynamo.event_bus.max_session_buffer_bytes", "64 KiB"),
+        row("event bus needs tls", event_bus(&format!("{{enabled: true, tls: {{key: /k.pem}}, brokers: [{{id: b, token_hash: '{TOKEN}'}}]}}")), Error, "dynamo.event_bus.tls.cert", "required"),
+        row("event bus token hash format", event_bus("{brokers: [{id: b, token_hash: 'sha256:XYZ'}]}"), Error, "dynamo.event_bus.brokers[0].token_hash", "sha256:"),
+        row("event bus credential required", event_bus("{brokers: [{id: b, namespaces: [dynamo]}]}"), Error, "dynamo.event_bus.brokers[0].token_hash", "client_ca"),
+        row("event bus broker id lowercase", event_bus(&format!("{{brokers: [{{id: Broker-A, token_hash: '{TOKEN}'}}]}}")), Error, "dynamo.event_bus.brokers[0].id", "lowercase"),
+        row("event bus broker ids unique", event_bus(&format!("{{brokers: [{{id: b, token_hash: '{TOKEN}'}}, {{id: b, token_hash: '{TOKEN}'}}]}}")), Error, "dynamo.event_bus.brokers[1].id", "duplicates"),
+        row("event bus broker allowlist empty", event_bus(&format!("{{brokers: [{{id: b, token_hash: '{TOKEN}'}}]}}")), Warning, "dynamo.event_bus.brokers[0].namespaces", "any Dynamo namespace"),
+        row("event bus kv_listener namespaces", event_bus(&format!("{{brokers: [{{id: l, role: kv_listener, token_hash: '{TOKEN}', namespaces: [dynamo], backends: [v]}}]}}")), Error, "dynamo.event_bus.brokers[0].namespaces", "role: broker"),
+        row("event bus idle timeout", event_bus("{heartbeat_interval: 30s, idle_timeout: 30s}"), Error, "dynamo.event_bus.idle_timeout", "heartbeat_interval"),
+        row("event bus listen collides", format!("admin: {{listen: '0.0.0.0:7443'}}\n{}", event_bus(&format!("{{enabled: true, tls: {{cert: /c, key: /k}}, brokers: [{{id: b, token_hash: '{TOKEN}', namespaces: [dynamo]}}]}}"))), Error, "dynamo.event_bus.listen", "collides with admin.listen"),
+        row("admin collides with grpc", "control_plane: {grpc_listen: '127.0.0.1:9000'}\nadmin: {listen: '0.0.0.0:9000', token: t}", Error, "admin.listen", "collides with control_plane.grpc_listen"),
+        row("admin off-host without token", "admin: {listen: '0.0.0.0:9090'}", Warning, "admin.token", "not a loopback"),
+        row("admin token empty", "admin: {token: ''}", Error, "admin.token", "must not be empty"),
+        row("admin listen not an address", "admin: {listen: localhost}", Error, "admin.listen", "socket address"),
+    ]
+}
+
+#[test]
+fn every_rule_reports_at_its_key_path() {
+    let rows: Vec<Row> = [discovery_rows(), dynamo_rows(), listener_rows()].into_iter().flatten().collect();
+    assert!(rows.len() >= 30);
+    let mut failures = Vec::new();
+    for row in &rows {
+        let found = diagnostics(&row.yaml);
+        let hit =
+            found.iter().any(|d| d.severity == row.severity && d.path == row.path && d.message.contains(row.fragment));
+        let typo = found.iter().find(|d| d.message.starts_with("unknown key"));
+        if !hit || typo.is_some() {
+            let listed: Vec<String> = found.iter().map(ToString::to_string).collect();
+            failures.push(format!(
+                "{}: want {:?} at {} ~ {:?}; got:\n    {}",
+                row.name,
+                row.severity,
+                row.path,
+                row.fragment,
+                listed.join("\n    ")
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{} of {} rows failed:\n{}", failures.len(), rows.len(), failures.join("\n"));
+}
+
+/// Each bound admits exactly its limit: the rows above show one past it is refused.
+#[rustfmt::skip]
+#[test]
+fn values_at_each_bound_are_accepted() {
+    let cases = [
+        (etcd(&format!("{{endpoints: {}}}", list(16, |i| format!("'etcd-{i}:2379'")))), "dynamo.discovery.etcd.endpoints"),
+        (etcd(&format!("{{endpoints: ['a:2379'], namespaces: {}}}", list(16, |i| format!("ns{i}")))), "dynamo.discovery.etcd.namespaces"),
+        (kube_pods(&format!("{{namespace: dynamo, models: {}}}", list(256, |i| format!("{{component: c{i}, model: m}}")))), "dynamo.discovery.kubernetes.models"),
+        (static_workers(&list(16_384, |i| format!("{{instance_id: {}, role: decode, model: m}}", i + 1))), "dynamo.discovery.static.workers"),
+        (with_shim("", &format!("{{backends: {}}}", list(64, |i| format!("s{i}")))), "dynamo.shim.backends"),
+        (format!("dynamo: {{shim: {{model_map: {{{}}}}}}}", (0..1024).map(|i| format!("m{i}: d")).collect::<Vec<_>>().join(", ")), "dynamo.shim.model_map"),
+        (format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(64, |i| format!("'10.{i}.0.0/16'"))), "dynamo.load.direct_allow_cidrs"),
+        ("dynamo: {load: {max_staleness: 100ms}}".to_owned(), "dynamo.load.max_staleness"),
+        ("dynamo: {load: {max_staleness: 5m}}".to_owned(), "dynamo.load.max_staleness"),
+        (event_bus("{max_streams_per_session: 1024, max_session_buffer_bytes: 67108864}"), "dynamo.event_bus.max_session_buffer_bytes"),
+    ];
+    for (yaml, path) in cases {
+        let refused: Vec<_> = diagnostics(&yaml).into_iter().filter(|d| d.is_error() && d.path == path).collect();
+        assert!(refused.is_empty(), "{path}: {refused:?}");
+    }
+}

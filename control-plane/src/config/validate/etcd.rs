@@ -1,0 +1,139 @@
+//! `dynamo.discovery.etcd`: endpoints, scheme consistency, namespaces, TLS, auth and backoff.
+
+use std::net::Ipv6Addr;
+
+use super::Report;
+use super::names::{check_backoff, check_namespace, check_namespace_list, dynamo_namespace_message};
+use crate::config::Config;
+use crate::config::discovery::{DEFAULT_DYNAMO_NAMESPACE, DiscoverySource, EtcdConfig};
+
+/// etcd endpoints one watcher may be given.
+pub const MAX_ETCD_ENDPOINTS: usize = 16;
+
+const BASE: &str = "dynamo.discovery.etcd";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scheme {
+    Http,
+    Https,
+}
+
+pub(super) fn check(config: &Config, report: &mut Report) {
+    let etcd = &config.dynamo.discovery.etcd;
+    let active = config.dynamo.discovery.source == DiscoverySource::Etcd;
+    if active && config.dynamo.enabled && etcd.endpoints.is_empty() {
+        report.error(format!("{BASE}.endpoints"), "must list at least one etcd endpoint when dynamo.enabled is true");
+    }
+    let schemes = check_endpoints(etcd, report);
+    check_transport_security(etcd, &schemes, active, report);
+    check_namespaces(etcd, report);
+    check_backoff(report, &format!("{BASE}.watch_reconnect_backoff"), &etcd.watch_reconnect_backoff);
+}
+
+/// Checks every endpoint and returns the schemes of the valid ones.
+fn check_endpoints(etcd: &EtcdConfig, report: &mut Report) -> Vec<Scheme> {
+    if etcd.endpoints.len() > MAX_ETCD_ENDPOINTS {
+        report.error(
+            format!("{BASE}.endpoints"),
+            format!("lists {} endpoints; at most {MAX_ETCD_ENDPOINTS} are supported", etcd.endpoints.len()),
+        );
+    }
+    let mut schemes = Vec::new();
+    for (index, endpoint) in etcd.endpoints.iter().enumerate() {
+        match parse_endpoint(endpoint) {
+            Ok(scheme) => schemes.push(scheme),
+            Err(problem) => report.error(format!("{BASE}.endpoints[{index}]"), problem),
+        }
+    }
+    schemes
+}
+
+/// Accepts `http(s)://host:port` and bare `host:port` (which means `http://`).
+fn parse_endpoint(endpoint: &str) -> Result<Scheme, String> {
+    let (scheme, rest) = match endpoint.split_once("://") {
+        Some((name, rest)) if name.eq_ignore_ascii_case("http") => (Scheme::Http, rest),
+        Some((name, rest)) if name.eq_ignore_ascii_case("https") => (Scheme::Https, rest),
+        Some((name, _)) => return Err(format!("scheme `{name}://` is not supported; use http:// or https://")),
+        None => (Scheme::Http, endpoint),
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    if authority.contains('@') {
+        return Err("must not embed credentials (user:pass@host); use dynamo.discovery.etcd.auth".to_owned());
+    }
+    match tail.chars().next() {
+        Some('/') => return Err("must not have a path; give only scheme://host:port".to_owned()),
+        Some('?') => return Err("must not have a query string; give only scheme://host:port".to_owned()),
+        Some('#') => return Err("must not have a fragment; give only scheme://host:port".to_owned()),
+        _ => {}
+    }
+    check_host_port(authority)?;
+    Ok(scheme)
+}
+
+fn check_host_port(authority: &str) -> Result<(), String> {
+    let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
+        let (host, after) = bracketed.split_once(']').ok_or("has an unclosed `[` in its IPv6 host")?;
+        if host.parse::<Ipv6Addr>().is_err() {
+            return Err(format!("`[{host}]` is not an IPv6 address"));
+        }
+        (host, after.strip_prefix(':').ok_or("must give a port, e.g. [::1]:2379")?)
+    } else {
+        let (host, port) = authority.rsplit_once(':').ok_or("must give a port, e.g. etcd:2379")?;
+        if host.contains(':') {
+            return Err("IPv6 hosts must be bracketed, e.g. [::1]:2379".to_owned());
+        }
+        (host, port)
+    };
+    if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err("must name a host without whitespace".to_owned());
+    }
+    match port.parse::<u16>() {
+        Ok(port) if port != 0 => Ok(()),
+        _ => Err(format!("port `{port}` must be 1-65535")),
+    }
+}
+
+fn check_transport_security(etcd: &EtcdConfig, schemes: &[Scheme], active: bool, report: &mut Report) {
+    let plaintext = schemes.contains(&Scheme::Http);
+    if plaintext && schemes.contains(&Scheme::Https) {
+        report.error(format!("{BASE}.endpoints"), "must not mix http:// and https:// endpoints");
+    }
+    if let Some(tls) = &etcd.tls {
+        if plaintext {
+            report.error(format!("{BASE}.tls"), "cannot be combined with http:// endpoints; use https:// endpoints");
+        }
+        match (&tls.client_cert, &tls.client_key) {
+            (Some(_), None) => report.error(format!("{BASE}.tls.client_key"), "must be set together with client_cert"),
+            (None, Some(_)) => report.error(format!("{BASE}.tls.client_cert"), "must be set together with client_key"),
+            _ => {}
+        }
+    }
+    let Some(auth) = &etcd.auth else { return };
+    if auth.username.is_empty() {
+        report.error(format!("{BASE}.auth.username"), "must not be empty");
+    }
+    if auth.password.is_empty() {
+        report.error(format!("{BASE}.auth.password"), "must not be empty; e.g. password: \"${ETCD_PASSWORD}\"");
+    }
+    if active && plaintext && etcd.tls.is_none() {
+        report.warning(
+            format!("{BASE}.auth"),
+            "is sent over plaintext http://: etcd's Authenticate RPC and session token travel in cleartext; use https://",
+        );
+    }
+}
+
+fn check_namespaces(etcd: &EtcdConfig, report: &mut Report) {
+    check_namespace(report, &format!("{BASE}.namespace"), &etcd.namespace);
+    if etcd.namespaces.is_empty() {
+        return;
+    }
+    check_namespace_list(report, &format!("{BASE}.namespaces"), &etcd.namespaces, dynamo_namespace_message);
+    if etcd.namespace != DEFAULT_DYNAMO_NAMESPACE {
+        report.error(
+            format!("{BASE}.namespace"),
+            "is mutually exclusive with namespaces; list every namespace under namespaces",
+        );
+    }
+}

@@ -1,0 +1,113 @@
+//! `dynamo.load` (staleness, the direct-dial allow-list, the transport) and `dynamo.kv` (pins
+//! and picker parameters).
+
+use std::time::Duration;
+
+use super::Report;
+use crate::config::Config;
+use crate::config::discovery::DiscoverySource;
+use crate::config::signals::{KvConfig, LoadTransport};
+use crate::config::values::Cidr;
+
+/// Bounds of `dynamo.load.max_staleness`.
+pub const MIN_MAX_STALENESS: Duration = Duration::from_millis(100);
+pub const MAX_MAX_STALENESS: Duration = Duration::from_secs(300);
+/// Networks `dynamo.load.direct_allow_cidrs` may list.
+pub const MAX_DIRECT_ALLOW_CIDRS: usize = 64;
+
+const LOAD: &str = "dynamo.load";
+const KV: &str = "dynamo.kv";
+
+pub(super) fn check(config: &Config, report: &mut Report) {
+    check_load(config, report);
+    check_kv(&config.dynamo.kv, report);
+}
+
+fn check_load(config: &Config, report: &mut Report) {
+    let load = &config.dynamo.load;
+    if !(MIN_MAX_STALENESS..=MAX_MAX_STALENESS).contains(&load.max_staleness) {
+        report.error(format!("{LOAD}.max_staleness"), "must be between 100ms and 5m");
+    }
+    // Static workers have no publishers, so the dial policy and transport do not apply.
+    let subscribes = config.dynamo.enabled && config.dynamo.discovery.source != DiscoverySource::Static;
+    let path = format!("{LOAD}.direct_allow_cidrs");
+    match &load.direct_allow_cidrs {
+        None if subscribes && load.transport == LoadTransport::Direct => report.warning(
+            &path,
+            "is unset, so load publishers are dialled at any address they announce; list the worker Pod CIDRs (e.g. 10.0.0.0/8)",
+        ),
+        None => {}
+        Some(cidrs) => check_cidrs(&path, cidrs, report),
+    }
+    if subscribes && load.transport == LoadTransport::Broker && !config.dynamo.event_bus.enabled {
+        report.warning(
+            format!("{LOAD}.transport"),
+            "is broker but dynamo.event_bus.enabled is false: no broker can connect and subscriptions stay pending",
+        );
+    }
+}
+
+fn check_cidrs(path: &str, cidrs: &[String], report: &mut Report) {
+    if cidrs.len() > MAX_DIRECT_ALLOW_CIDRS {
+        report.error(path, format!("lists {} networks; at most {MAX_DIRECT_ALLOW_CIDRS} are supported", cidrs.len()));
+    }
+    if cidrs.is_empty() {
+        report
+            .warning(path, "is empty, so every direct-mode publisher is refused; omit it or list the worker Pod CIDRs");
+    }
+    for (index, cidr) in cidrs.iter().enumerate() {
+        if let Err(problem) = cidr.parse::<Cidr>() {
+            report.error(format!("{path}[{index}]"), problem);
+        }
+    }
+}
+
+fn check_kv(kv: &KvConfig, report: &mut Report) {
+    for (index, pin) in kv.pinned_artifacts.iter().enumerate() {
+        if !is_blake3_pin(pin) {
+            report.error(
+                format!("{KV}.pinned_artifacts[{index}]"),
+                format!("`{pin}` must be blake3: followed by 64 lowercase hex digits (b3sum output)"),
+            );
+        }
+    }
+    if kv.enabled && kv.pinned_artifacts.is_empty() {
+        report.warning(
+            format!("{KV}.pinned_artifacts"),
+            "is empty: no tokenizer is loaded until its blake3 checksum is pinned, so selection never gets the KV term",
+        );
+    }
+    if kv.artifact_cache_dir.as_os_str().is_empty() {
+        report.error(format!("{KV}.artifact_cache_dir"), "must not be empty");
+    }
+    let weights = [
+        ("overlap_score_credit", kv.overlap_score_credit),
+        ("prefill_load_scale", kv.prefill_load_scale),
+        ("router_temperature", kv.router_temperature),
+    ];
+    for (key, value) in weights {
+        if !value.is_finite() || value < 0.0 {
+            report.error(format!("{KV}.{key}"), format!("must be a finite number >= 0 (got {value})"));
+        }
+    }
+    let conditional = &kv.conditional_disaggregation;
+    if conditional.enabled {
+        report.warning(
+            format!("{KV}.conditional_disaggregation.enabled"),
+            "Dynamo 1.5 dynamo.frontend --router-mode direct refuses requests without a prefill id while prefill workers are registered (503)",
+        );
+    }
+    if let Some(threshold) = conditional.decode_busy_threshold
+        && !(0.0..=1.0).contains(&threshold)
+    {
+        report.error(
+            format!("{KV}.conditional_disaggregation.decode_busy_threshold"),
+            "must be a fraction of total_kv_blocks between 0.0 and 1.0",
+        );
+    }
+}
+
+fn is_blake3_pin(pin: &str) -> bool {
+    pin.strip_prefix("blake3:")
+        .is_some_and(|hex| hex.len() == 64 && hex.chars().all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c)))
+}

@@ -1,0 +1,156 @@
+//! `backends`, `dynamo.shim` and their cross-references: every shim replica is a configured
+//! OpenAI-wire backend, and with several namespaces each has exactly one pool.
+
+use std::collections::HashMap;
+
+use super::Report;
+use super::names::{check_namespace, duplicates};
+use crate::config::Config;
+use crate::config::types::{BackendConfig, BackendRole};
+
+/// Shim replicas `shim.backends` (or one pool) may list.
+pub const MAX_SHIM_BACKENDS: usize = 64;
+/// Entries `shim.model_map` may hold.
+pub const MAX_MODEL_MAP_ENTRIES: usize = 1024;
+
+const SHIM: &str = "dynamo.shim";
+
+pub(super) fn check(config: &Config, report: &mut Report) {
+    check_backends(&config.backends, report);
+    let by_name: HashMap<&str, &BackendConfig> = config.backends.iter().map(|b| (b.name.as_str(), b)).collect();
+    let shim = &config.dynamo.shim;
+    check_replicas(&format!("{SHIM}.backends"), &shim.backends, &by_name, report);
+    check_pools(config, &by_name, report);
+    check_model_map(config, report);
+    let listed = !shim.backends.is_empty() || !shim.pools.is_empty();
+    if listed && !(config.dynamo.enabled && config.disaggregated_serving.enabled) {
+        report.warning(
+            SHIM,
+            "lists shim replicas but dynamo.enabled or disaggregated_serving.enabled is false: no request is pinned through them",
+        );
+    }
+}
+
+fn check_backends(backends: &[BackendConfig], report: &mut Report) {
+    for (index, backend) in backends.iter().enumerate() {
+        let path = format!("backends[{index}]");
+        if backend.name.is_empty() {
+            report.error(format!("{path}.name"), "must not be empty");
+        }
+        if backend.kind.is_empty() {
+            report.error(format!("{path}.type"), "must not be empty (e.g. openai)");
+        }
+        if let Some(problem) = url_problem(&backend.url) {
+            report.error(format!("{path}.url"), problem);
+        }
+        for (model_index, model) in backend.models.iter().enumerate() {
+            if model.is_empty() {
+                report.error(format!("{path}.models[{model_index}]"), "must not be empty");
+            }
+        }
+    }
+    for (index, first) in duplicates(backends.iter().map(|b| b.name.as_str()).filter(|n| !n.is_empty())) {
+        report.error(format!("backends[{index}].name"), format!("duplicates backends[{first}].name"));
+    }
+}
+
+fn url_problem(url: &str) -> Option<String> {
+    let Some(rest) = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://")) else {
+        return Some(format!("`{url}` must be an http:// or https:// URL"));
+    };
+    let host = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    if host.is_empty() || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Some(format!("`{url}` must name a host and contain no whitespace"));
+    }
+    None
+}
+
+/// One list of shim replicas: bounded, unique, each a usable configured backend.
+fn check_replicas(path: &str, names: &[String], by_name: &HashMap<&str, &BackendConfig>, report: &mut Report) {
+    if names.len() > MAX_SHIM_BACKENDS {
+        report.error(path, format!("lists {} replicas; at most {MAX_SHIM_BACKENDS} are supported", names.len()));
+    }
+    for (index, first) in duplicates(names.iter()) {
+        report.error(format!("{path}[{index}]"), format!("duplicates {path}[{first}]"));
+    }
+    for (index, name) in names.iter().enumerate() {
+        let item = format!("{path}[{index}]");
+        match by_name.get(name.as_str()) {
+            None => report.error(item, format!("`{name}` is not a configured backends[].name")),
+            Some(backend) if backend.internal || !backend.enabled => report.warning(
+                item,
+                format!("backend `{name}` is internal: true or enabled: false, so it never receives shim traffic"),
+            ),
+            Some(backend) if backend.role != BackendRole::Unified => report.warning(
+                item,
+                format!("backend `{name}` should have role: unified (a direct-mode shim runs both phases itself)"),
+            ),
+            Some(_) => {}
+        }
+    }
+}
+
+fn check_pools(config: &Config, by_name: &HashMap<&str, &BackendConfig>, report: &mut Report) {
+    let shim = &config.dynamo.shim;
+    let namespaces = config.namespaces();
+    if shim.pools.is_empty() {
+        if namespaces.len() > 1 && !shim.backends.is_empty() {
+            report.error(
+                format!("{SHIM}.backends"),
+                "several Dynamo namespaces are configured: use shim.pools (one pool per namespace) instead",
+            );
+        }
+        return;
+    }
+    if !shim.backends.is_empty() {
+        report.error(format!("{SHIM}.backends"), "is mutually exclusive with shim.pools; list replicas per pool");
+    }
+    let mut pool_of_replica: HashMap<&str, usize> = HashMap::new();
+    for (index, pool) in shim.pools.iter().enumerate() {
+        let path = format!("{SHIM}.pools[{index}]");
+        check_namespace(report, &format!("{path}.namespace"), &pool.namespace);
+        if !pool.namespace.is_empty() && !namespaces.contains(&pool.namespace) {
+            report.error(
+                format!("{path}.namespace"),
+                format!("`{}` is not a configured Dynamo namespace", pool.namespace),
+            );
+        }
+        if pool.backends.is_empty() {
+            report.error(format!("{path}.backends"), "must list at least one shim replica");
+        }
+        check_replicas(&format!("{path}.backends"), &pool.backends, by_name, report);
+        for (replica_index, name) in pool.backends.iter().enumerate() {
+            let owner = *pool_of_replica.entry(name.as_str()).or_insert(index);
+            if owner != index {
+                report.error(
+                    format!("{path}.backends[{replica_index}]"),
+                    format!("`{name}` already belongs to {SHIM}.pools[{owner}]; a replica serves one namespace"),
+                );
+            }
+        }
+    }
+    for (index, first) in duplicates(shim.pools.iter().map(|p| p.namespace.as_str())) {
+        report.error(format!("{SHIM}.pools[{index}].namespace"), format!("duplicates {SHIM}.pools[{first}]"));
+    }
+    for namespace in namespaces.iter().filter(|ns| !shim.pools.iter().any(|p| &p.namespace == *ns)) {
+        report.error(
+            format!("{SHIM}.pools"),
+            format!("namespace `{namespace}` has no pool; every configured namespace needs one"),
+        );
+    }
+}
+
+fn check_model_map(config: &Config, report: &mut Report) {
+    let map = &config.dynamo.shim.model_map;
+    let path = format!("{SHIM}.model_map");
+    if map.len() > MAX_MODEL_MAP_ENTRIES {
+        report.error(&path, format!("has {} entries; at most {MAX_MODEL_MAP_ENTRIES} are supported", map.len()));
+    }
+    for (client_model, dynamo_model) in map {
+        if client_model.is_empty() {
+            report.error(&path, "has an entry with an empty client model id");
+        } else if dynamo_model.is_empty() {
+            report.error(format!("{path}.{client_model}"), "must name the Dynamo display_name");
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! `dynamo.discovery.static.workers`: Continuum's fixed fleet for demos and the embedded
+//! default. Identity is (namespace, instance_id), as for discovered workers.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use super::Report;
+use super::names::check_namespace;
+use crate::config::Config;
+use crate::config::discovery::{DiscoverySource, StaticWorkerConfig};
+
+/// The same ceiling the discovery reducer puts on records per keyspace.
+pub const MAX_STATIC_WORKERS: usize = 16_384;
+
+const BASE: &str = "dynamo.discovery.static.workers";
+
+pub(super) fn check(config: &Config, report: &mut Report) {
+    let workers = &config.dynamo.discovery.static_fleet.workers;
+    let source = config.dynamo.discovery.source;
+    if source == DiscoverySource::Static && config.dynamo.enabled && workers.is_empty() {
+        report.warning(BASE, "source is static but no workers are listed: nothing can be routed");
+    }
+    if source != DiscoverySource::Static && !workers.is_empty() {
+        report.warning(BASE, "are ignored: dynamo.discovery.source is not static");
+    }
+    if workers.len() > MAX_STATIC_WORKERS {
+        report.error(BASE, format!("lists {} workers; at most {MAX_STATIC_WORKERS} are supported", workers.len()));
+    }
+    for (index, worker) in workers.iter().enumerate() {
+        check_worker(&format!("{BASE}[{index}]"), worker, report);
+    }
+    check_identities(workers, report);
+}
+
+/// (namespace, instance_id) names one worker; zero ids are already refused on their own.
+fn check_identities(workers: &[StaticWorkerConfig], report: &mut Report) {
+    let mut first_index = HashMap::new();
+    for (index, worker) in workers.iter().enumerate().filter(|(_, w)| w.instance_id != 0) {
+        match first_index.entry((worker.namespace.as_str(), worker.instance_id)) {
+            Entry::Occupied(first) => report.error(
+                format!("{BASE}[{index}].instance_id"),
+                format!(
+                    "duplicates {BASE}[{}] (namespace `{}`, instance_id {:#x})",
+                    first.get(),
+                    worker.namespace,
+                    worker.instance_id
+                ),
+            ),
+            Entry::Vacant(slot) => {
+                slot.insert(index);
+            }
+        }
+    }
+}
+
+fn check_worker(path: &str, worker: &StaticWorkerConfig, report: &mut Report) {
+    check_namespace(report, &format!("{path}.namespace"), &worker.namespace);
+    if worker.instance_id == 0 {
+        report.error(format!("{path}.instance_id"), "is required and must not be 0");
+    }
+    if worker.role.is_none() {
+        report.error(format!("{path}.role"), "is required: prefill, decode or aggregated");
+    }
+    if worker.model.is_empty() {
+        report.error(format!("{path}.model"), "must name the model the worker serves");
+    }
+    if worker.component.as_deref() == Some("") {
+        report.error(format!("{path}.component"), "must not be empty; omit it for the role's default");
+    }
+    if worker.endpoint.is_empty() {
+        report.error(format!("{path}.endpoint"), "must not be empty");
+    }
+    if worker.block_size == Some(0) {
+        report.error(format!("{path}.block_size"), "must be greater than zero");
+    }
+}

@@ -1,0 +1,221 @@
+//! A worker's model card: the typed subset the router reads, plus the full card kept opaquely
+//! (bounded by [`MAX_RETAINED_CARD_BYTES`]) so later consumers can read fields without a
+//! schema change.
+//!
+//! The typed subset follows Dynamo's N-2 window: every field optional, unknown fields ignored.
+//! If the subset still fails to deserialise, the card keeps its raw form and no typed fields.
+
+use std::io;
+use std::sync::Arc;
+
+use continuum_proto::model::{Capacity, Role};
+use serde::{Deserialize, Deserializer};
+use serde_json::Value;
+
+/// The largest card kept opaquely. A larger card keeps only its typed subset.
+pub const MAX_RETAINED_CARD_BYTES: usize = 1024 * 1024;
+
+/// A parsed model card.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Card {
+    pub typed: TypedCard,
+    /// Why the typed subset could not be read, when it could not.
+    pub typed_error: Option<String>,
+    /// The card verbatim, unless it was larger than [`MAX_RETAINED_CARD_BYTES`].
+    pub raw: Option<Arc<Value>>,
+    /// The card's serialised size when it was too large to keep.
+    pub dropped_bytes: Option<usize>,
+}
+
+/// The card fields the router uses.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct TypedCard {
+    pub display_name: Option<String>,
+    pub worker_type: Option<String>,
+    pub kv_cache_block_size: Option<u32>,
+    pub model_suffix: Option<String>,
+    pub context_length: Option<u64>,
+    pub runtime_config: Option<RuntimeConfig>,
+}
+
+/// `card_json.runtime_config`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(default)]
+pub struct RuntimeConfig {
+    pub total_kv_blocks: Option<u64>,
+    pub max_num_batched_tokens: Option<u64>,
+    pub max_num_seqs: Option<u64>,
+    pub context_length: Option<u64>,
+    pub data_parallel_size: Option<u32>,
+    pub data_parallel_start_rank: Option<u32>,
+    #[serde(deserialize_with = "disaggregated_endpoint")]
+    pub disaggregated_endpoint: Option<String>,
+}
+
+impl Card {
+    /// Parses `card_json` (`null` when the record has none). `record_bytes` is the size of the
+    /// etcd value it came in: an upper bound on the card's compact size, which spares
+    /// re-serialising small cards to measure them.
+    pub fn parse(card_json: Value, record_bytes: usize) -> Self {
+        if card_json.is_null() {
+            return Self { typed: TypedCard::default(), typed_error: None, raw: None, dropped_bytes: None };
+        }
+        let (typed, typed_error) = match TypedCard::deserialize(&card_json) {
+            Ok(typed) => (typed, None),
+            Err(error) => (TypedCard::default(), Some(error.to_string())),
+        };
+        let size = if record_bytes <= MAX_RETAINED_CARD_BYTES { record_bytes } else { serialised_len(&card_json) };
+        let (raw, dropped_bytes) =
+            if size > MAX_RETAINED_CARD_BYTES { (None, Some(size)) } else { (Some(Arc::new(card_json)), None) };
+        Self { typed, typed_error, raw, dropped_bytes }
+    }
+
+    /// A card with a non-empty `model_suffix` describes a LoRA adapter, not a worker's base model.
+    pub fn is_adapter(&self) -> bool {
+        self.typed.model_suffix.as_deref().is_some_and(|s| !s.is_empty())
+    }
+
+    /// The role `worker_type` claims, read case-insensitively; unknown values claim none.
+    pub fn role_claim(&self) -> Option<Role> {
+        let worker_type = self.typed.worker_type.as_deref()?;
+        [Role::Prefill, Role::Decode, Role::Aggregated]
+            .into_iter()
+            .find(|r| r.as_str().eq_ignore_ascii_case(worker_type))
+    }
+
+    /// The release a card names, for diagnostics.
+    pub fn release(&self) -> Option<&str> {
+        let raw = self.raw.as_deref()?;
+        ["dynamo_version", "runtime_version", "version", "release"].into_iter().find_map(|f| raw.get(f)?.as_str())
+    }
+
+    /// Advertised capacities. Dynamo writes 0 for "not known" (the 1.6.1 mocker's
+    /// `context_length`), and no capacity of 0 is a usable limit, so 0 reads as absent.
+    pub fn capacity(&self) -> Capacity {
+        let rc = self.runtime_config();
+        Capacity {
+            total_kv_blocks: nonzero(rc.total_kv_blocks),
+            max_num_batched_tokens: nonzero(rc.max_num_batched_tokens),
+            max_num_seqs: nonzero(rc.max_num_seqs),
+            context_length: nonzero(rc.context_length).or(nonzero(self.typed.context_length)),
+        }
+    }
+
+    pub fn block_size(&self) -> Option<u32> {
+        self.typed.kv_cache_block_size.filter(|&b| b > 0)
+    }
+
+    pub fn runtime_config(&self) -> &RuntimeConfig {
+        static EMPTY: RuntimeConfig = RuntimeConfig {
+            total_kv_blocks: None,
+            max_num_batched_tokens: None,
+            max_num_seqs: None,
+            context_length: None,
+            data_parallel_size: None,
+            data_parallel_start_rank: None,
+            disaggregated_endpoint: None,
+        };
+        self.typed.runtime_config.as_ref().unwrap_or(&EMPTY)
+    }
+}
+
+fn nonzero(value: Option<u64>) -> Option<u64> {
+    value.filter(|&v| v > 0)
+}
+
+/// The seed documents a string (`dynamo/decode/generate`); SGLang prefill workers write
+/// `{bootstrap_host, bootstrap_port}`. Both are kept as text; other shapes read as absent
+/// rather than failing the whole typed subset.
+fn disaggregated_endpoint<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
+    Ok(match Value::deserialize(deserializer)? {
+        Value::String(text) => Some(text),
+        Value::Object(fields) => match (fields.get("bootstrap_host"), fields.get("bootstrap_port")) {
+            (Some(Value::String(host)), Some(Value::Number(port))) => Some(format!("{host}:{port}")),
+            (Some(Value::String(host)), _) => Some(host.clone()),
+            _ => None,
+        },
+        _ => None,
+    })
+}
+
+fn serialised_len(value: &Value) -> usize {
+    let mut counter = ByteCounter(0);
+    match serde_json::to_writer(&mut counter, value) {
+        Ok(()) => counter.0,
+        Err(_) => usize::MAX,
+    }
+}
+
+/// Measures a serialisation without allocating it.
+struct ByteCounter(usize);
+
+impl io::Write for ByteCounter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0 = self.0.saturating_add(buf.len());
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn worker_type_claims_a_role_case_insensitively() {
+        let cases = [
+            (json!({"worker_type": "prefill"}), Some(Role::Prefill)),
+            (json!({"worker_type": "Prefill"}), Some(Role::Prefill)),
+            (json!({"worker_type": "DECODE"}), Some(Role::Decode)),
+            (json!({"worker_type": "aggregated"}), Some(Role::Aggregated)),
+            (json!({"worker_type": "encoder"}), None),
+            (json!({"worker_type": null}), None),
+            (json!({}), None),
+        ];
+        for (card, want) in cases {
+            assert_eq!(Card::parse(card.clone(), 64).role_claim(), want, "{card}");
+        }
+    }
+
+    #[test]
+    fn disaggregated_endpoint_accepts_text_and_bootstrap_objects() {
+        let cases = [
+            (json!("dynamo/decode/generate"), Some("dynamo/decode/generate")),
+            (json!({"bootstrap_host": "10.0.0.4", "bootstrap_port": 8998}), Some("10.0.0.4:8998")),
+            (json!({"bootstrap_host": "10.0.0.4", "bootstrap_port": null}), Some("10.0.0.4")),
+            (json!(42), None),
+            (json!(null), None),
+        ];
+        for (value, want) in cases {
+            let card = Card::parse(json!({"runtime_config": {"disaggregated_endpoint": value}}), 128);
+            assert_eq!(card.typed_error, None);
+            assert_eq!(card.runtime_config().disaggregated_endpoint.as_deref(), want, "{value}");
+        }
+    }
+
+    #[test]
+    fn zero_capacities_read_as_absent() {
+        let card = Card::parse(
+            json!({"kv_cache_block_size": 0, "context_length": 4096,
+                   "runtime_config": {"total_kv_blocks": 0, "max_num_seqs": 8, "context_length": 0}}),
+            256,
+        );
+        let want = Capacity { max_num_seqs: Some(8), context_length: Some(4096), ..Capacity::default() };
+        assert_eq!((card.capacity(), card.block_size()), (want, None));
+    }
+
+    #[test]
+    fn typed_subset_failure_keeps_the_raw_card() {
+        let raw = json!({"display_name": "tiny", "kv_cache_block_size": "sixteen"});
+        let card = Card::parse(raw.clone(), 128);
+        assert!(card.typed_error.is_some());
+        assert_eq!(card.typed, TypedCard::default());
+        assert_eq!(card.raw.as_deref(), Some(&raw));
+    }
+}

@@ -1,0 +1,35 @@
+//! Dynamo worker discovery from etcd: the pure part.
+//!
+//! [`Reducer`] folds the events of a read-only etcd watch (range gets as
+//! [`WatchEvent::Resync`], then puts and deletes) into a [`Fleet`] of workers and event
+//! publishers. It does no I/O; the etcd shell that feeds it owns connections and backoff.
+//!
+//! * [`keys`]: which keyspace and watched namespace a key belongs to.
+//! * [`records`] and [`card`]: etcd values as typed records, tolerant across Dynamo's N-2 window.
+//! * `store`: records held by key, indexed by the identity each claims.
+//! * `join`: the rules that turn held records into workers and publishers.
+//! * `duplicates`: reporting identities claimed by several keys (all of which are refused).
+//! * [`Reducer`]: the fold, with the memory bounds [`MAX_RECORD_BYTES`],
+//!   [`MAX_RETAINED_CARD_BYTES`] and [`MAX_RECORDS_PER_KEYSPACE`].
+
+mod applied;
+pub mod card;
+mod duplicates;
+mod fleet;
+mod join;
+pub mod keys;
+pub mod records;
+mod reducer;
+mod store;
+mod wire_id;
+
+#[cfg(test)]
+mod tests;
+
+pub use applied::{Applied, EventKind};
+pub use card::MAX_RETAINED_CARD_BYTES;
+pub use fleet::{DiscoveredWorker, Exclusion, Fleet, Publisher, PublisherKey, Topic};
+pub use join::{component_role, resolve_role};
+pub use reducer::{KeyValue, MAX_RECORD_BYTES, Reducer, WatchEvent};
+pub use store::MAX_RECORDS_PER_KEYSPACE;
+pub use wire_id::parse_hex;

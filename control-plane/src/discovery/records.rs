@@ -1,0 +1,268 @@
+//! etcd values as typed records. Every value is fleet-authored and untrusted: a value either
+//! becomes a record, or is set aside with the reason (skipped, unsupported, malformed).
+//!
+//! Identity fields come from the value; namespace, scope and topic come from the key.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::card::Card;
+use super::fleet::Topic;
+use super::keys::{KeyPath, Keyspace, ParsedKey};
+use super::wire_id;
+
+/// The one endpoint that describes a routable worker.
+pub const GENERATE_ENDPOINT: &str = "generate";
+
+/// What an etcd value is, once read.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Parsed {
+    Endpoint(EndpointRecord),
+    Model(ModelRecord),
+    Channel(ChannelRecord),
+    Source(SourceRecord),
+    /// Valid but not for the router (other endpoints, adapter cards, other topics): silent.
+    Skipped(Skip),
+    /// Valid but of a kind the router cannot use (broker or NATS transports…): logged once.
+    Unsupported(String),
+    /// Not a record at all: logged once.
+    Malformed(RecordError),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skip {
+    NotGenerate,
+    AdapterCard,
+    OtherTopic,
+}
+
+/// Why a value is not a record.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    #[error("value is not a JSON {expected} record: {reason}")]
+    Json { expected: &'static str, reason: String },
+    #[error("value is a {found:?} record, but keys under {keyspace} hold {expected} records")]
+    WrongType { found: String, keyspace: Keyspace, expected: &'static str },
+    #[error("{expected} record has no {field}")]
+    Missing { expected: &'static str, field: &'static str },
+    #[error("event channel transport is {0}")]
+    Transport(&'static str),
+}
+
+/// An Endpoint record under `v1/instances/`; only `generate` endpoints become one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointRecord {
+    pub instance_id: u64,
+    pub component: String,
+    pub endpoint: String,
+}
+
+/// A base-model Model record under `v1/mdc/`. Empty component and endpoint mark a legacy card.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelRecord {
+    pub instance_id: u64,
+    pub component: String,
+    pub endpoint: String,
+    pub card: Card,
+}
+
+/// A direct-ZMQ `kv_metrics` or `kv-events` publisher.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChannelRecord {
+    pub publisher_id: u64,
+    pub topic: Topic,
+    pub component: Option<String>,
+    pub endpoint: Option<String>,
+    /// The `tcp://` endpoint: internal, never exported.
+    pub address: String,
+    /// The etcd lease the key is attached to: the worker's instance id.
+    pub lease: Option<u64>,
+}
+
+/// An EventSource record: which worker rank a publisher speaks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SourceRecord {
+    pub publisher_id: u64,
+    pub topic: Topic,
+    pub worker_id: Option<u64>,
+    pub dp_rank: Option<u32>,
+}
+
+/// Reads the value stored at `key`. `lease` is the etcd lease the key is attached to.
+pub fn parse(key: &ParsedKey, value: &[u8], lease: Option<u64>) -> Parsed {
+    let result = match key.keyspace {
+        Keyspace::Instances => endpoint(key, value),
+        Keyspace::Models => model(value),
+        Keyspace::EventChannels => channel(key, value, lease),
+        Keyspace::EventSources => source(key, value),
+    };
+    result.unwrap_or_else(Parsed::Malformed)
+}
+
+fn json_error(keyspace: Keyspace) -> impl Fn(serde_json::Error) -> RecordError {
+    move |e| RecordError::Json { expected: keyspace.record_type(), reason: e.to_string() }
+}
+
+/// Parses the value as an object and checks its `type` tag, which may be absent.
+fn object(keyspace: Keyspace, value: &[u8]) -> Result<Value, RecordError> {
+    let json: Value = serde_json::from_slice(value).map_err(json_error(keyspace))?;
+    match json.get("type") {
+        Some(Value::String(found)) if found != keyspace.record_type() => {
+            Err(RecordError::WrongType { found: found.clone(), keyspace, expected: keyspace.record_type() })
+        }
+        _ => Ok(json),
+    }
+}
+
+fn typed<T: for<'de> Deserialize<'de>>(keyspace: Keyspace, json: Value) -> Result<T, RecordError> {
+    serde_json::from_value(json).map_err(json_error(keyspace))
+}
+
+fn missing(keyspace: Keyspace, field: &'static str) -> RecordError {
+    RecordError::Missing { expected: keyspace.record_type(), field }
+}
+
+#[derive(Deserialize)]
+struct EndpointWire {
+    #[serde(default, deserialize_with = "wire_id::optional")]
+    instance_id: Option<u64>,
+    component: Option<String>,
+    endpoint: Option<String>,
+}
+
+fn endpoint(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
+    let wire: EndpointWire = typed(key.keyspace, object(key.keyspace, value)?)?;
+    let instance_id = wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?;
+    let (key_component, key_endpoint) = match &key.path {
+        KeyPath::Registry { component, endpoint } => (component.clone(), endpoint.clone()),
+        KeyPath::Event { .. } => (None, None),
+    };
+    let component = wire.component.filter(|c| !c.is_empty()).or(key_component).unwrap_or_default();
+    let endpoint = wire.endpoint.filter(|e| !e.is_empty()).or(key_endpoint).unwrap_or_default();
+    if endpoint != GENERATE_ENDPOINT {
+        return Ok(Parsed::Skipped(Skip::NotGenerate));
+    }
+    Ok(Parsed::Endpoint(EndpointRecord { instance_id, component, endpoint }))
+}
+
+#[derive(Deserialize)]
+struct ModelWire {
+    #[serde(default, deserialize_with = "wire_id::optional")]
+    instance_id: Option<u64>,
+    #[serde(default)]
+    component: Option<String>,
+    #[serde(default)]
+    endpoint: Option<String>,
+    #[serde(default)]
+    model_suffix: Option<String>,
+}
+
+fn model(value: &[u8]) -> Result<Parsed, RecordError> {
+    let keyspace = Keyspace::Models;
+    let mut json = object(keyspace, value)?;
+    let card_json = json.as_object_mut().and_then(|fields| fields.remove("card_json")).unwrap_or(Value::Null);
+    let wire: ModelWire = typed(keyspace, json)?;
+    let instance_id = wire.instance_id.ok_or_else(|| missing(keyspace, "instance_id"))?;
+    if wire.model_suffix.is_some_and(|s| !s.is_empty()) {
+        return Ok(Parsed::Skipped(Skip::AdapterCard));
+    }
+    let card = Card::parse(card_json, value.len());
+    if card.is_adapter() {
+        return Ok(Parsed::Skipped(Skip::AdapterCard));
+    }
+    let (component, endpoint) = (wire.component.unwrap_or_default(), wire.endpoint.unwrap_or_default());
+    Ok(Parsed::Model(ModelRecord { instance_id, component, endpoint, card }))
+}
+
+/// The key's scope and topic, or `None` for topics the router does not follow.
+fn event_scope(key: &ParsedKey) -> Option<(Topic, Option<String>, Option<String>)> {
+    match &key.path {
+        KeyPath::Event { component, endpoint, topic } => {
+            Some((Topic::parse(topic)?, component.clone(), endpoint.clone()))
+        }
+        KeyPath::Registry { .. } => None,
+    }
+}
+
+#[derive(Deserialize)]
+struct ChannelWire {
+    #[serde(default, deserialize_with = "wire_id::optional")]
+    instance_id: Option<u64>,
+    scope: Option<ScopeWire>,
+    transport: Option<TransportWire>,
+}
+
+#[derive(Deserialize)]
+struct ScopeWire {
+    kind: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct TransportWire {
+    kind: Option<String>,
+    config: Option<Value>,
+}
+
+const SCOPE_KINDS: [&str; 3] = ["namespace", "component", "endpoint"];
+
+fn channel(key: &ParsedKey, value: &[u8], lease: Option<u64>) -> Result<Parsed, RecordError> {
+    let Some((topic, component, endpoint)) = event_scope(key) else {
+        return Ok(Parsed::Skipped(Skip::OtherTopic));
+    };
+    let wire: ChannelWire = typed(key.keyspace, object(key.keyspace, value)?)?;
+    let publisher_id = wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?;
+    if let Some(kind) = wire.scope.and_then(|s| s.kind).filter(|k| !SCOPE_KINDS.contains(&k.as_str())) {
+        return Ok(Parsed::Unsupported(format!("scope kind {kind:?}")));
+    }
+    let transport = wire.transport.ok_or_else(|| missing(key.keyspace, "transport"))?;
+    let address = match zmq_address(transport)? {
+        Ok(address) => address,
+        Err(unsupported) => return Ok(Parsed::Unsupported(unsupported)),
+    };
+    Ok(Parsed::Channel(ChannelRecord { publisher_id, topic, component, endpoint, address, lease }))
+}
+
+/// The `tcp://` endpoint of a direct ZMQ transport; `Ok(Err(_))` for transports the router
+/// does not dial (broker, NATS, unknown, non-tcp).
+fn zmq_address(transport: TransportWire) -> Result<Result<String, String>, RecordError> {
+    let kind = transport.kind.ok_or(RecordError::Transport("missing its kind"))?;
+    if kind != "Zmq" {
+        return Ok(Err(format!("transport kind {kind:?}")));
+    }
+    let endpoint = transport.config.as_ref().and_then(|c| c.get("endpoint")).and_then(Value::as_str);
+    let endpoint = endpoint.ok_or(RecordError::Transport("Zmq without a config.endpoint"))?;
+    match endpoint.strip_prefix("tcp://") {
+        Some(rest) if !rest.is_empty() => Ok(Ok(endpoint.to_owned())),
+        _ => Ok(Err(format!("Zmq endpoint {endpoint:?}, not tcp://host:port"))),
+    }
+}
+
+#[derive(Deserialize)]
+struct SourceWire {
+    #[serde(default, deserialize_with = "wire_id::optional")]
+    publisher_id: Option<u64>,
+    metadata: Option<SourceMetadata>,
+}
+
+#[derive(Deserialize)]
+struct SourceMetadata {
+    worker: Option<SourceWorker>,
+}
+
+#[derive(Deserialize)]
+struct SourceWorker {
+    #[serde(default, deserialize_with = "wire_id::optional")]
+    worker_id: Option<u64>,
+    dp_rank: Option<u32>,
+}
+
+fn source(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
+    let Some((topic, _, _)) = event_scope(key) else {
+        return Ok(Parsed::Skipped(Skip::OtherTopic));
+    };
+    let wire: SourceWire = typed(key.keyspace, object(key.keyspace, value)?)?;
+    let publisher_id = wire.publisher_id.ok_or_else(|| missing(key.keyspace, "publisher_id"))?;
+    let worker = wire.metadata.and_then(|m| m.worker);
+    let (worker_id, dp_rank) = worker.map_or((None, None), |w| (w.worker_id, w.dp_rank));
+    Ok(Parsed::Source(SourceRecord { publisher_id, topic, worker_id, dp_rank }))
+}

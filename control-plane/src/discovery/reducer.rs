@@ -1,0 +1,324 @@
+//! The discovery reducer: a pure fold of etcd watch events into the discovered fleet.
+//!
+//! It holds records by etcd key and joins them by identity read from the value (see
+//! [`super::join`]). It never talks to etcd: the effectful shell range-gets, watches, and feeds
+//! every event here, including a [`WatchEvent::Resync`] after each reconnect. One reducer lives
+//! as long as its watcher, so `first_seen` survives reconnects.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use continuum_proto::model::WorkerKey;
+
+use super::applied::{Applied, EventKind};
+use super::duplicates::Conflicts;
+use super::fleet::{DiscoveredWorker, Fleet, Publisher, PublisherKey};
+use super::join;
+use super::keys::{self, Keyspace, ParsedKey};
+use super::records::{self, Parsed};
+use super::store::{Entry, EtcdKey, Identity, MAX_RECORDS_PER_KEYSPACE, Store};
+
+/// The largest etcd value parsed; larger values are refused unread. An order of magnitude
+/// above etcd's default 1.5 MiB `--max-request-bytes`.
+pub const MAX_RECORD_BYTES: usize = 16 * 1024 * 1024;
+
+/// One etcd key-value pair as the watch or a range get delivers it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyValue {
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    /// The lease the key is attached to (etcd's lease 0 is `None`). For event channels it is
+    /// the publishing worker's instance id.
+    pub lease: Option<u64>,
+}
+
+impl KeyValue {
+    pub fn new(key: impl Into<Vec<u8>>, value: impl Into<Vec<u8>>) -> Self {
+        Self { key: key.into(), value: value.into(), lease: None }
+    }
+
+    pub fn with_lease(self, lease: u64) -> Self {
+        Self { lease: (lease != 0).then_some(lease), ..self }
+    }
+}
+
+/// What the etcd shell observed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WatchEvent {
+    Put(KeyValue),
+    Delete {
+        key: Vec<u8>,
+    },
+    /// The full state from fresh range gets: replaces everything held. Identities that persist
+    /// keep `first_seen`, and records whose value is unchanged keep their `last_updated`.
+    Resync(Vec<KeyValue>),
+}
+
+/// The reducer's state. See the module documentation.
+#[derive(Clone, Debug)]
+pub struct Reducer {
+    namespaces: Vec<Arc<str>>,
+    store: Store,
+    conflicts: Conflicts,
+    workers: BTreeMap<WorkerKey, DiscoveredWorker>,
+    publishers: BTreeMap<PublisherKey, Publisher>,
+    capacity_warned: [bool; Keyspace::ALL.len()],
+}
+
+/// The bookkeeping of one event: counts, and the identities whose claimants changed.
+#[derive(Default)]
+struct Pass {
+    applied: Applied,
+    touched: BTreeSet<Identity>,
+}
+
+impl Pass {
+    fn touch(&mut self, entry: &Entry) {
+        self.touched.extend(entry.identity());
+    }
+}
+
+impl Reducer {
+    /// A reducer for the Dynamo namespaces watched (`DYN_NAMESPACE` values).
+    pub fn new(namespaces: Vec<String>) -> Self {
+        let mut watched: Vec<Arc<str>> = Vec::with_capacity(namespaces.len());
+        for namespace in namespaces {
+            if !watched.iter().any(|w| **w == *namespace) {
+                watched.push(Arc::from(namespace));
+            }
+        }
+        Self {
+            namespaces: watched,
+            store: Store::default(),
+            conflicts: Conflicts::default(),
+            workers: BTreeMap::new(),
+            publishers: BTreeMap::new(),
+            capacity_warned: [false; Keyspace::ALL.len()],
+        }
+    }
+
+    pub fn namespaces(&self) -> &[Arc<str>] {
+        &self.namespaces
+    }
+
+    /// Folds one event in.
+    pub fn apply(&mut self, event: WatchEvent, now: SystemTime) -> Applied {
+        let mut pass = Pass::default();
+        match event {
+            WatchEvent::Put(kv) => self.put(kv, now, None, &mut pass),
+            WatchEvent::Delete { key } => self.delete(&key, &mut pass),
+            WatchEvent::Resync(kvs) => self.resync(kvs, now, &mut pass),
+        }
+        self.refresh(pass, now)
+    }
+
+    /// The fleet as folded so far.
+    pub fn fleet(&self) -> Fleet {
+        Fleet {
+            workers: self.workers.values().cloned().collect(),
+            publishers: self.publishers.values().cloned().collect(),
+        }
+    }
+
+    /// Stops watching namespaces outside `keep` and drops their records, workers and
+    /// publishers. Kept namespaces are untouched.
+    pub fn prune_namespaces(&mut self, keep: &[String]) {
+        self.namespaces.retain(|ns| keep.iter().any(|k| **k == **ns));
+        for (keyspace, key) in self.store.keys_outside(&self.namespaces) {
+            self.store.remove(keyspace, &key);
+        }
+        let kept = |namespace: &Arc<str>| self.namespaces.contains(namespace);
+        self.workers.retain(|key, _| kept(&key.namespace));
+        self.publishers.retain(|key, _| kept(&key.namespace));
+        self.conflicts.retain(|identity| kept(identity.namespace()));
+    }
+
+    /// Holds `kv`, replacing what its key held. During a resync `prior` is the state before it,
+    /// so unchanged values keep their timestamps and set-aside values are not logged again.
+    fn put(&mut self, kv: KeyValue, now: SystemTime, mut prior: Option<&mut Store>, pass: &mut Pass) {
+        let Some((key, etcd_key)) = self.classify(&kv.key, pass) else {
+            return;
+        };
+        let keyspace = key.keyspace;
+        let previous = match self.store.remove(keyspace, &etcd_key) {
+            Some(entry) => {
+                pass.touch(&entry);
+                Some(entry)
+            }
+            None => prior.as_deref_mut().and_then(|p| p.remove(keyspace, &etcd_key)),
+        };
+        if kv.value.len() > MAX_RECORD_BYTES {
+            let bytes = kv.value.len();
+            tracing::warn!(key = %etcd_key, bytes, limit = MAX_RECORD_BYTES, "etcd value refused unread: too large");
+            pass.applied.add(EventKind::Oversized);
+            return;
+        }
+        if previous.is_none() && !self.has_room(keyspace, &etcd_key) {
+            pass.applied.add(EventKind::OverCapacity);
+            return;
+        }
+        let parsed = records::parse(&key, &kv.value, kv.lease);
+        pass.applied.add(kind_of(&parsed));
+        log_record(&etcd_key, &parsed, previous.as_ref().map(|p| &p.parsed));
+        let updated = match previous {
+            Some(previous) if prior.is_some() && previous.parsed == parsed => previous.updated,
+            _ => now,
+        };
+        let entry = Entry { namespace: key.namespace, parsed, updated };
+        pass.touch(&entry);
+        self.store.insert(keyspace, etcd_key, entry);
+    }
+
+    fn delete(&mut self, key: &[u8], pass: &mut Pass) {
+        let Some((key, etcd_key)) = self.classify(key, pass) else {
+            return;
+        };
+        pass.applied.add(EventKind::Delete);
+        if let Some(entry) = self.store.remove(key.keyspace, &etcd_key) {
+            pass.touch(&entry);
+        }
+    }
+
+    fn resync(&mut self, kvs: Vec<KeyValue>, now: SystemTime, pass: &mut Pass) {
+        pass.applied.add(EventKind::Resync);
+        let mut prior = std::mem::take(&mut self.store);
+        pass.touched.extend(prior.identities().cloned());
+        for kv in kvs {
+            self.put(kv, now, Some(&mut prior), pass);
+        }
+    }
+
+    /// The key's place, or `None` (counted) when it is not ours or not well-formed.
+    fn classify(&self, key: &[u8], pass: &mut Pass) -> Option<(ParsedKey, EtcdKey)> {
+        match keys::classify(&self.namespaces, key) {
+            Ok(Some(parsed)) => Some((parsed, Arc::from(String::from_utf8_lossy(key).as_ref()))),
+            Ok(None) => {
+                pass.applied.add(EventKind::Skipped);
+                None
+            }
+            Err(error) => {
+                tracing::warn!(key = %String::from_utf8_lossy(key), %error, "etcd key is not a Dynamo discovery key");
+                pass.applied.add(EventKind::Malformed);
+                None
+            }
+        }
+    }
+
+    /// Whether a new key fits in `keyspace`; warns once each time the keyspace fills up.
+    fn has_room(&mut self, keyspace: Keyspace, key: &str) -> bool {
+        let warned = &mut self.capacity_warned[keyspace.index()];
+        if !self.store.is_full(keyspace) {
+            *warned = false;
+            return true;
+        }
+        if !*warned {
+            tracing::warn!(
+                %keyspace,
+                limit = MAX_RECORDS_PER_KEYSPACE,
+                key,
+                "discovery keyspace is full; new keys are refused until held keys are deleted"
+            );
+            *warned = true;
+        }
+        false
+    }
+
+    /// Reports new conflicts and re-materialises every worker and publisher touched.
+    fn refresh(&mut self, pass: Pass, now: SystemTime) -> Applied {
+        let mut applied = pass.applied;
+        let mut workers = BTreeSet::new();
+        let mut publishers = BTreeSet::new();
+        for identity in &pass.touched {
+            if self.conflicts.check(&self.store, identity) {
+                applied.add(EventKind::Duplicate);
+            }
+            workers.extend(identity.worker().cloned());
+            publishers.extend(identity.publisher().cloned());
+        }
+        for key in workers {
+            applied.mark_changed(self.refresh_worker(key, now));
+        }
+        for key in publishers {
+            applied.mark_changed(self.refresh_publisher(key));
+        }
+        applied
+    }
+
+    fn refresh_worker(&mut self, key: WorkerKey, now: SystemTime) -> bool {
+        let previous = self.workers.get(&key);
+        let next = join::worker(&self.store, &key, previous, now);
+        if next.as_ref() == previous {
+            return false;
+        }
+        if let Some(exclusion) = next.as_ref().and_then(|w| w.excluded)
+            && previous.and_then(|p| p.excluded) != Some(exclusion)
+        {
+            tracing::warn!(
+                worker = %key,
+                %exclusion,
+                "Dynamo worker excluded: its component and model card disagree on its role"
+            );
+        }
+        match next {
+            Some(worker) => self.workers.insert(key, worker),
+            None => self.workers.remove(&key),
+        };
+        true
+    }
+
+    fn refresh_publisher(&mut self, key: PublisherKey) -> bool {
+        let next = join::publisher(&self.store, &key);
+        if next.as_ref() == self.publishers.get(&key) {
+            return false;
+        }
+        match next {
+            Some(publisher) => self.publishers.insert(key, publisher),
+            None => self.publishers.remove(&key),
+        };
+        true
+    }
+}
+
+fn kind_of(parsed: &Parsed) -> EventKind {
+    match parsed {
+        Parsed::Endpoint(_) | Parsed::Model(_) | Parsed::Channel(_) | Parsed::Source(_) => EventKind::Put,
+        Parsed::Skipped(_) => EventKind::Skipped,
+        Parsed::Unsupported(_) => EventKind::Unsupported,
+        Parsed::Malformed(_) => EventKind::Malformed,
+    }
+}
+
+/// Logs what a put deserves, once per key: a value is only logged when it differs in kind (or,
+/// for cards, in content) from what the key held before.
+fn log_record(key: &str, parsed: &Parsed, previous: Option<&Parsed>) {
+    match (parsed, previous) {
+        (Parsed::Malformed(_), Some(Parsed::Malformed(_))) | (Parsed::Unsupported(_), Some(Parsed::Unsupported(_))) => {
+        }
+        (Parsed::Malformed(error), _) => tracing::warn!(key, %error, "discovery record set aside: malformed"),
+        (Parsed::Unsupported(what), _) => {
+            tracing::warn!(
+                key,
+                unsupported = %what,
+                "event channel set aside: the router subscribes only to direct ZMQ over tcp://"
+            );
+        }
+        (Parsed::Model(model), previous) if previous != Some(parsed) => {
+            if let Some(error) = &model.card.typed_error {
+                tracing::warn!(key, %error, "model card fields unreadable; the worker is kept with its raw card");
+            }
+            if let Some(bytes) = model.card.dropped_bytes {
+                tracing::warn!(
+                    key,
+                    bytes,
+                    limit = super::card::MAX_RETAINED_CARD_BYTES,
+                    "model card too large to keep; only its typed fields are used"
+                );
+            }
+            if let Some(release) = model.card.release() {
+                tracing::debug!(key, release, instance_id = model.instance_id, "model card release");
+            }
+        }
+        _ => {}
+    }
+}

@@ -1,0 +1,197 @@
+//! The records held by etcd key, one map per keyspace, and the index from each identity read
+//! from a value to the keys that claim it. Two keys claiming one identity is a conflict the
+//! reducer refuses; the index is what makes that visible.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use continuum_proto::model::WorkerKey;
+
+use super::fleet::PublisherKey;
+use super::keys::Keyspace;
+use super::records::Parsed;
+
+/// The most distinct keys held per keyspace (instances, cards, channels and sources each).
+/// At the bound, held keys still update so live workers keep heartbeating; new keys are refused.
+pub const MAX_RECORDS_PER_KEYSPACE: usize = 16_384;
+
+pub(super) type EtcdKey = Arc<str>;
+
+/// One held etcd value.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Entry {
+    pub namespace: Arc<str>,
+    pub parsed: Parsed,
+    pub updated: SystemTime,
+}
+
+/// Which base card a Model record is: scoped to a component and endpoint, or legacy (both
+/// empty), which joins on the instance id alone.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) enum CardScope {
+    Scoped { component: String, endpoint: String },
+    Legacy,
+}
+
+/// The identity a record claims; upstream derives exactly one key from each.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) enum Identity {
+    Instance(WorkerKey),
+    Card(WorkerKey, CardScope),
+    Channel(PublisherKey),
+    Source(PublisherKey),
+}
+
+impl Identity {
+    pub fn keyspace(&self) -> Keyspace {
+        match self {
+            Identity::Instance(_) => Keyspace::Instances,
+            Identity::Card(..) => Keyspace::Models,
+            Identity::Channel(_) => Keyspace::EventChannels,
+            Identity::Source(_) => Keyspace::EventSources,
+        }
+    }
+
+    pub fn namespace(&self) -> &Arc<str> {
+        match self {
+            Identity::Instance(worker) | Identity::Card(worker, _) => &worker.namespace,
+            Identity::Channel(publisher) | Identity::Source(publisher) => &publisher.namespace,
+        }
+    }
+
+    pub fn worker(&self) -> Option<&WorkerKey> {
+        match self {
+            Identity::Instance(worker) | Identity::Card(worker, _) => Some(worker),
+            Identity::Channel(_) | Identity::Source(_) => None,
+        }
+    }
+
+    pub fn publisher(&self) -> Option<&PublisherKey> {
+        match self {
+            Identity::Channel(publisher) | Identity::Source(publisher) => Some(publisher),
+            Identity::Instance(_) | Identity::Card(..) => None,
+        }
+    }
+
+    pub fn record_kind(&self) -> &'static str {
+        match self {
+            Identity::Instance(_) => "generate instance",
+            Identity::Card(..) => "base model card",
+            Identity::Channel(_) => "event channel publisher",
+            Identity::Source(_) => "event source publisher",
+        }
+    }
+}
+
+impl fmt::Display for Identity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Identity::Instance(worker) => write!(f, "{worker}"),
+            Identity::Card(worker, CardScope::Legacy) => write!(f, "{worker} (legacy)"),
+            Identity::Card(worker, CardScope::Scoped { component, endpoint }) => {
+                write!(f, "{worker} ({component}/{endpoint})")
+            }
+            Identity::Channel(publisher) | Identity::Source(publisher) => write!(f, "{publisher}"),
+        }
+    }
+}
+
+impl Entry {
+    /// The identity this entry claims; set-aside values claim none.
+    pub fn identity(&self) -> Option<Identity> {
+        let worker = |id| WorkerKey::new(self.namespace.clone(), id);
+        let publisher = |publisher_id| PublisherKey { namespace: self.namespace.clone(), publisher_id };
+        match &self.parsed {
+            Parsed::Endpoint(record) => Some(Identity::Instance(worker(record.instance_id))),
+            Parsed::Model(record) => {
+                let scope = if record.component.is_empty() && record.endpoint.is_empty() {
+                    CardScope::Legacy
+                } else {
+                    CardScope::Scoped { component: record.component.clone(), endpoint: record.endpoint.clone() }
+                };
+                Some(Identity::Card(worker(record.instance_id), scope))
+            }
+            Parsed::Channel(record) => Some(Identity::Channel(publisher(record.publisher_id))),
+            Parsed::Source(record) => Some(Identity::Source(publisher(record.publisher_id))),
+            Parsed::Skipped(_) | Parsed::Unsupported(_) | Parsed::Malformed(_) => None,
+        }
+    }
+}
+
+/// Who claims an identity.
+#[derive(Debug)]
+pub(super) enum Claim<'a> {
+    Unclaimed,
+    Unique(&'a Entry),
+    /// Two or more keys: all of them are refused.
+    Contested,
+}
+
+/// Held entries and the identity index.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Store {
+    keyspaces: [BTreeMap<EtcdKey, Entry>; 4],
+    claims: BTreeMap<Identity, BTreeSet<EtcdKey>>,
+}
+
+impl Store {
+    /// Whether `keyspace` holds [`MAX_RECORDS_PER_KEYSPACE`] keys, so a new key must be refused.
+    pub fn is_full(&self, keyspace: Keyspace) -> bool {
+        self.map(keyspace).len() >= MAX_RECORDS_PER_KEYSPACE
+    }
+
+    /// Holds `entry` at `key`, which the caller has removed first.
+    pub fn insert(&mut self, keyspace: Keyspace, key: EtcdKey, entry: Entry) {
+        if let Some(identity) = entry.identity() {
+            self.claims.entry(identity).or_default().insert(key.clone());
+        }
+        self.keyspaces[keyspace.index()].insert(key, entry);
+    }
+
+    pub fn remove(&mut self, keyspace: Keyspace, key: &str) -> Option<Entry> {
+        let entry = self.keyspaces[keyspace.index()].remove(key)?;
+        if let Some(identity) = entry.identity()
+            && let Some(keys) = self.claims.get_mut(&identity)
+        {
+            keys.remove(key);
+            if keys.is_empty() {
+                self.claims.remove(&identity);
+            }
+        }
+        Some(entry)
+    }
+
+    pub fn claimants(&self, identity: &Identity) -> Option<&BTreeSet<EtcdKey>> {
+        self.claims.get(identity)
+    }
+
+    pub fn claim(&self, identity: &Identity) -> Claim<'_> {
+        let Some(keys) = self.claims.get(identity) else {
+            return Claim::Unclaimed;
+        };
+        match (keys.len(), keys.first()) {
+            (1, Some(key)) => self.map(identity.keyspace()).get(key).map_or(Claim::Unclaimed, Claim::Unique),
+            _ => Claim::Contested,
+        }
+    }
+
+    /// Every identity claimed by at least one held entry.
+    pub fn identities(&self) -> impl Iterator<Item = &Identity> {
+        self.claims.keys()
+    }
+
+    /// Keys held for namespaces outside `keep`.
+    pub fn keys_outside(&self, keep: &[Arc<str>]) -> Vec<(Keyspace, EtcdKey)> {
+        let outside = |entry: &Entry| !keep.contains(&entry.namespace);
+        Keyspace::ALL
+            .into_iter()
+            .flat_map(|ks| self.map(ks).iter().filter(|(_, e)| outside(e)).map(move |(key, _)| (ks, key.clone())))
+            .collect()
+    }
+
+    fn map(&self, keyspace: Keyspace) -> &BTreeMap<EtcdKey, Entry> {
+        &self.keyspaces[keyspace.index()]
+    }
+}

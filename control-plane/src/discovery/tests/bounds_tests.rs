@@ -1,0 +1,115 @@
+//! The three memory bounds on fleet-authored values, each hit exactly.
+
+use continuum_proto::model::Role;
+use serde_json::{Value, json};
+
+use super::super::{EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES};
+use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key};
+
+const ID: u64 = 0x6a6c_a228_814c_9742;
+
+/// `value` with a `padding` string added at `pointer` so that it serialises to `bytes` exactly.
+fn padded(mut value: Value, pointer: &str, bytes: usize) -> Vec<u8> {
+    let base = {
+        let mut probe = value.clone();
+        if let Some(Value::Object(fields)) = probe.pointer_mut(pointer) {
+            fields.insert("padding".into(), json!(""));
+        }
+        probe.to_string().len()
+    };
+    if let Some(Value::Object(fields)) = value.pointer_mut(pointer) {
+        fields.insert("padding".into(), json!("x".repeat(bytes.saturating_sub(base))));
+    }
+    let out = value.to_string().into_bytes();
+    assert_eq!(out.len(), bytes, "padding arithmetic");
+    out
+}
+
+#[test]
+fn records_above_max_record_bytes_are_refused_unread_while_neighbours_apply() {
+    let instance = |id: u64| instance_key(NS, "decode", "generate", id);
+    let value = |id: u64| endpoint_value("decode", "generate", json!(id));
+    let cases = [(MAX_RECORD_BYTES + 1, EventKind::Oversized, false), (MAX_RECORD_BYTES, EventKind::Put, true)];
+    for (bytes, kind, kept) in cases {
+        let mut sim = Sim::new();
+        sim.put(instance(1), &value(1));
+        sim.put(instance(2), &value(2));
+        let applied = sim.put_raw(instance(2), padded(value(2), "", bytes));
+        assert_eq!(counts(&applied), vec![(kind, 1)], "{bytes} bytes");
+        sim.put(instance(3), &value(3));
+        let want: Vec<u64> = if kept { vec![1, 2, 3] } else { vec![1, 3] };
+        assert_eq!(sim.worker_ids(), want, "{bytes} bytes: the oversized value also drops what its key held");
+    }
+}
+
+#[test]
+fn cards_above_max_retained_card_bytes_drop_the_blob_but_keep_typed_fields() -> anyhow::Result<()> {
+    let card_of = |bytes: usize| serde_json::from_slice::<Value>(&padded(card_json("prefill"), "", bytes));
+    let outside = padded(card_value("prefill", json!(ID), card_json("prefill")), "", MAX_RETAINED_CARD_BYTES + 200);
+    // (what, Model record, raw card kept)
+    let cases = [
+        (
+            "card one byte over",
+            card_value("prefill", json!(ID), card_of(MAX_RETAINED_CARD_BYTES + 1)?).to_string().into_bytes(),
+            false,
+        ),
+        (
+            "card exactly at the bound",
+            card_value("prefill", json!(ID), card_of(MAX_RETAINED_CARD_BYTES)?).to_string().into_bytes(),
+            true,
+        ),
+        ("record over, card small", outside, true),
+    ];
+    for (what, record, kept) in cases {
+        let mut sim = Sim::new();
+        let applied = sim.put_raw(card_key(NS, "prefill", ID), record);
+        sim.put(instance_key(NS, "prefill", "generate", ID), &endpoint_value("prefill", "generate", json!(ID)));
+        assert_eq!(counts(&applied), vec![(EventKind::Put, 1)], "{what}");
+        let worker = sim.worker(ID);
+        let typed = worker
+            .as_ref()
+            .map(|w| (w.worker.role, w.worker.model.as_str(), w.worker.block_size, w.worker.capacity.total_kv_blocks));
+        assert_eq!(typed, Some((Role::Prefill, "tiny", Some(16), Some(1024))), "{what}: typed fields");
+        assert_eq!(worker.and_then(|w| w.card).is_some(), kept, "{what}: raw card");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_full_keyspace_refuses_new_keys_but_updates_held_ones() {
+    let mut sim = Sim::new();
+    let key = |id: u64| instance_key(NS, "decode", "generate", id);
+    let value = |id: u64| endpoint_value("decode", "generate", json!(id));
+    for id in 1..=MAX_RECORDS_PER_KEYSPACE as u64 {
+        sim.put(key(id), &value(id));
+    }
+    let full = MAX_RECORDS_PER_KEYSPACE as u64;
+    let refused = sim.put(key(full + 1), &value(full + 1));
+    assert_eq!(counts(&refused), vec![(EventKind::OverCapacity, 1)]);
+    assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE);
+
+    let updated = sim.put(key(7), &endpoint_value("prefill", "generate", json!(7)));
+    assert_eq!(counts(&updated), vec![(EventKind::Put, 1)]);
+    assert_eq!(sim.worker(7).map(|w| w.worker.role), Some(Role::Prefill), "held keys still update");
+
+    let other_keyspace = sim.put(card_key(NS, "decode", 7), &card_value("decode", json!(7), card_json("decode")));
+    assert_eq!(counts(&other_keyspace), vec![(EventKind::Put, 1)], "each keyspace has its own bound");
+
+    sim.delete(key(1));
+    let admitted = sim.put(key(full + 1), &value(full + 1));
+    assert_eq!(counts(&admitted), vec![(EventKind::Put, 1)], "a deleted key frees room");
+    assert!(sim.worker(full + 1).is_some());
+}
+
+#[test]
+fn a_resync_larger_than_the_keyspace_keeps_the_first_keys() {
+    let mut sim = Sim::new();
+    let kvs: Vec<_> = (1..=MAX_RECORDS_PER_KEYSPACE as u64 + 2)
+        .map(|id| {
+            super::kv(instance_key(NS, "decode", "generate", id), &endpoint_value("decode", "generate", json!(id)))
+        })
+        .collect();
+    let applied = sim.apply(super::WatchEvent::Resync(kvs));
+    assert_eq!(applied.count(EventKind::OverCapacity), 2);
+    assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE);
+}
