@@ -15,6 +15,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub mod etcd;
 pub mod process;
 pub mod tools;
 

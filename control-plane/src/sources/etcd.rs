@@ -1,14 +1,14 @@
 //! The etcd discovery source: the effectful shell around the pure `discovery::Reducer`.
 //!
 //! Read-only by construction: this module issues range gets and watches and nothing else (no
-//! put, delete, lease grant or keep-alive). One pass connects, range-gets the three prefixes of
+//! put, delete, lease grant or keep-alive). One pass connects, range-gets the four prefixes of
 //! every watched namespace, folds them as a resync, opens a watch on each prefix at its get's
 //! revision + 1 (gapless), and folds every event until a stream ends. Then it waits a bounded,
 //! jittered backoff and starts over from scratch, which also recovers from compaction.
 
 use std::time::{Duration, Instant, SystemTime};
 
-use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions, WatchOptions};
+use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions, WatchClient, WatchOptions};
 use futures::StreamExt;
 use futures::stream::SelectAll;
 use tokio_util::sync::CancellationToken;
@@ -20,6 +20,11 @@ use crate::metrics::Metrics;
 
 /// Dial, authenticate and range-get must finish within this; the watches after it are unbounded.
 pub const SEED_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The largest etcd response accepted. Above `MAX_RECORD_BYTES` (16 MiB), so an oversized
+/// record reaches the reducer to be refused and counted instead of breaking the stream for
+/// every record beside it; and enough for a range get of a full keyspace of ordinary records.
+pub const MAX_ETCD_MESSAGE_BYTES: usize = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
@@ -37,10 +42,16 @@ pub enum PassError {
     Ended,
 }
 
-/// The three prefixes watched for one Dynamo namespace.
-pub fn prefixes(namespace: &str) -> [String; 3] {
+/// The prefixes watched for one Dynamo namespace: instances, model cards, event channels, and
+/// the event sources that map a kv-events publisher to its worker and dp rank.
+pub fn prefixes(namespace: &str) -> [String; 4] {
     let ns = percent_encode(namespace);
-    [format!("v1/instances/{namespace}/"), format!("v1/mdc/{namespace}/"), format!("v1/event_channels/namespace/{ns}/")]
+    [
+        format!("v1/instances/{namespace}/"),
+        format!("v1/mdc/{namespace}/"),
+        format!("v1/event_channels/namespace/{ns}/"),
+        format!("v1/event_sources/namespace/{ns}/"),
+    ]
 }
 
 /// Dynamo's key-segment encoding: ASCII alphanumerics, `-` and `_` pass, other bytes `%XX`.
@@ -89,14 +100,14 @@ async fn pass(
     watching_since: &mut Option<Instant>,
 ) -> Result<(), PassError> {
     let prefixes: Vec<String> = namespaces.iter().flat_map(|ns| prefixes(ns)).collect();
-    let (mut client, records, revisions) =
+    let (mut watcher, records, revisions) =
         tokio::time::timeout(SEED_TIMEOUT, seed(config, &prefixes)).await.map_err(|_| PassError::SeedTimeout)??;
     fold(reducer, WatchEvent::Resync(records), registry, metrics);
 
     let mut streams = SelectAll::new();
     for (prefix, revision) in prefixes.iter().zip(revisions) {
         let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
-        streams.push(client.watch(prefix.as_str(), Some(options)).await?);
+        streams.push(watcher.watch(prefix.as_str(), Some(options)).await?);
     }
     metrics.discovery_connected.set(1);
     *watching_since = Some(Instant::now());
@@ -123,16 +134,18 @@ async fn pass(
 }
 
 /// Connects and range-gets every prefix, recording each response's revision.
-async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(Client, Vec<KeyValue>, Vec<i64>), PassError> {
-    let mut client = Client::connect(&config.endpoints, Some(connect_options(config)?)).await?;
+async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(WatchClient, Vec<KeyValue>, Vec<i64>), PassError> {
+    let client = Client::connect(&config.endpoints, Some(connect_options(config)?)).await?;
+    let mut kv = client.kv_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
+    let watcher = client.watch_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let mut records = Vec::new();
     let mut revisions = Vec::with_capacity(prefixes.len());
     for prefix in prefixes {
-        let response = client.get(prefix.as_str(), Some(GetOptions::new().with_prefix())).await?;
+        let response = kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())).await?;
         revisions.push(response.header().map_or(0, |h| h.revision()));
         records.extend(response.kvs().iter().map(record));
     }
-    Ok((client, records, revisions))
+    Ok((watcher, records, revisions))
 }
 
 fn record(kv: &etcd_client::KeyValue) -> KeyValue {
@@ -187,7 +200,12 @@ mod tests {
     fn prefixes_percent_encode_the_event_channel_namespace_only() {
         assert_eq!(
             prefixes("ns.one"),
-            ["v1/instances/ns.one/".to_string(), "v1/mdc/ns.one/".to_string(), "v1/event_channels/namespace/ns%2Eone/".to_string()]
+            [
+                "v1/instances/ns.one/".to_string(),
+                "v1/mdc/ns.one/".to_string(),
+                "v1/event_channels/namespace/ns%2Eone/".to_string(),
+                "v1/event_sources/namespace/ns%2Eone/".to_string(),
+            ]
         );
     }
 }

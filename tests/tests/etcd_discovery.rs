@@ -1,0 +1,122 @@
+//! etcd discovery against a real etcd (Debian `etcd-server`): get-then-watch is gapless, a
+//! restarted etcd resyncs without losing or doubling anything, and oversized values are refused
+//! while their neighbours apply. The test writes the records as the workers would; the control
+//! plane only reads.
+
+use std::time::Duration;
+
+use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+use continuum_control_plane::config;
+use continuum_tests::etcd::{Etcd, decode_worker_records};
+use continuum_tests::eventually;
+
+const CONVERGE: Duration = Duration::from_secs(30);
+
+async fn control_plane(etcd: &Etcd) -> anyhow::Result<ControlPlane> {
+    let yaml = format!(
+        "dynamo:\n  enabled: true\n  discovery:\n    source: etcd\n    etcd:\n      endpoints: [\"{}\"]\n      \
+         watch_reconnect_backoff: {{initial: 100ms, max: 1s}}\n  load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n\
+         control_plane:\n  grpc_listen: \"127.0.0.1:0\"\nadmin:\n  listen: \"127.0.0.1:0\"\n",
+        etcd.client_url
+    );
+    let loaded = config::load_str(&yaml, &|_| None).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    Ok(ControlPlane::start(loaded.config, ListenOverrides::default()).await?)
+}
+
+fn worker_ids(control: &ControlPlane) -> Vec<u64> {
+    control.publisher.current().view().workers().keys().map(|k| k.instance_id).collect()
+}
+
+async fn put_workers(etcd: &Etcd, ids: impl IntoIterator<Item = u64>) -> anyhow::Result<()> {
+    let mut client = etcd.client().await?;
+    for id in ids {
+        for (key, value) in decode_worker_records("dynamo", id, "tiny") {
+            client.put(key, value, None).await?;
+        }
+    }
+    Ok(())
+}
+
+async fn delete_worker(etcd: &Etcd, id: u64) -> anyhow::Result<()> {
+    let mut client = etcd.client().await?;
+    for (key, _) in decode_worker_records("dynamo", id, "tiny") {
+        client.delete(key, None).await?;
+    }
+    Ok(())
+}
+
+/// Lease-like ids above 2^53, as real workers have.
+fn lease(i: u64) -> u64 {
+    7_587_890_000_000_000 + i
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_then_watch_is_gapless_under_concurrent_puts() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd = Etcd::start(dir.path(), &[]).await?;
+    put_workers(&etcd, (0..100).map(lease)).await?;
+    // Puts keep landing while the control plane range-gets and opens its watches.
+    let writer = {
+        let url = etcd.client_url.clone();
+        tokio::spawn(async move {
+            let mut client = etcd_client::Client::connect([url], None).await?;
+            for id in (100..400).map(lease) {
+                for (key, value) in decode_worker_records("dynamo", id, "tiny") {
+                    client.put(key, value, None).await?;
+                }
+            }
+            anyhow::Ok(())
+        })
+    };
+    let control = control_plane(&etcd).await?;
+    writer.await??;
+    let expected: Vec<u64> = (0..400).map(lease).collect();
+    eventually(CONVERGE, "all 400 workers", || async { worker_ids(&control) == expected }).await?;
+    let puts = control.metrics.discovery_events.with_label_values(&["put"]).get();
+    assert!(puts > 0, "watched puts are counted");
+    control.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_etcd_is_resynced_with_nothing_lost_or_doubled() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut etcd = Etcd::start(dir.path(), &[]).await?;
+    put_workers(&etcd, (0..10).map(lease)).await?;
+    let control = control_plane(&etcd).await?;
+    let first: Vec<u64> = (0..10).map(lease).collect();
+    eventually(CONVERGE, "the first ten workers", || async { worker_ids(&control) == first }).await?;
+    eventually(CONVERGE, "discovery connected", || async { control.metrics.discovery_connected.get() == 1 }).await?;
+
+    etcd.restart().await?;
+    // Changes made right after the restart, while the watcher may still be reconnecting.
+    delete_worker(&etcd, lease(3)).await?;
+    put_workers(&etcd, [lease(10), lease(11)]).await?;
+    let expected: Vec<u64> = (0..12).filter(|i| *i != 3).map(lease).collect();
+    eventually(CONVERGE, "the fleet after the restart", || async { worker_ids(&control) == expected }).await?;
+    let resyncs = control.metrics.discovery_events.with_label_values(&["resync"]).get();
+    assert!(resyncs >= 2, "a new pass resyncs from fresh range gets ({resyncs})");
+    control.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_value_is_refused_while_its_neighbours_apply() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd = Etcd::start(dir.path(), &["--max-request-bytes", "20971520"]).await?;
+    put_workers(&etcd, [lease(1), lease(2)]).await?;
+    let control = control_plane(&etcd).await?;
+    eventually(CONVERGE, "two workers", || async { worker_ids(&control).len() == 2 }).await?;
+
+    let mut client = etcd.client().await?;
+    let huge = format!("{{\"type\":\"Model\",\"pad\":\"{}\"}}", "x".repeat(16 * 1024 * 1024 + 1));
+    client.put(format!("v1/mdc/dynamo/backend/generate/{:x}", lease(3)), huge, None).await?;
+    put_workers(&etcd, [lease(4)]).await?;
+    eventually(CONVERGE, "the neighbour", || async { worker_ids(&control) == [lease(1), lease(2), lease(4)] }).await?;
+    eventually(CONVERGE, "the refusal counted", || async {
+        control.metrics.discovery_events.with_label_values(&["oversized"]).get() == 1
+    })
+    .await?;
+    control.shutdown().await;
+    Ok(())
+}
