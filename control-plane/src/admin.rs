@@ -69,13 +69,19 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Ready once discovery has produced its first full view (immediately for `static`); until
+/// then a replica would be handed an empty fleet.
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
     let current = state.publisher.current();
-    axum::Json(json!({
-        "ready": true,
+    let seeded = state.source == "static" || state.metrics.discovery_events.with_label_values(&["resync"]).get() > 0;
+    let code = if seeded { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let body = json!({
+        "ready": seeded,
+        "discovery": {"source": state.source, "connected": state.metrics.discovery_connected.get() == 1},
         "fleet": {"version": current.version(), "workers": current.view().workers().len()},
         "replicas": state.replicas.list().len(),
-    }))
+    });
+    (code, axum::Json(body))
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {

@@ -120,3 +120,60 @@ async fn an_oversized_value_is_refused_while_its_neighbours_apply() -> anyhow::R
     control.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_workers_lists_discovered_workers_behind_the_token_without_internal_addresses() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd = Etcd::start(dir.path(), &[]).await?;
+    put_workers(&etcd, [lease(7)]).await?;
+    let yaml = format!(
+        "dynamo:\n  enabled: true\n  discovery:\n    source: etcd\n    etcd:\n      endpoints: [\"{}\"]\n  load:\n    \
+         direct_allow_cidrs: [\"127.0.0.0/8\"]\ncontrol_plane:\n  grpc_listen: \"127.0.0.1:0\"\nadmin:\n  listen: \"127.0.0.1:0\"\n  \
+         token: \"${{ADMIN_TOKEN}}\"\n",
+        etcd.client_url
+    );
+    let env = |name: &str| (name == "ADMIN_TOKEN").then(|| "s3cret".to_string());
+    let loaded = config::load_str(&yaml, &env).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let control = ControlPlane::start(loaded.config, ListenOverrides::default()).await?;
+    eventually(CONVERGE, "the worker", || async { worker_ids(&control) == [lease(7)] }).await?;
+
+    let url = format!("http://{}/admin/dynamo/workers", control.admin_addr);
+    let client = reqwest::Client::new();
+    assert_eq!(client.get(&url).send().await?.status(), 401);
+    assert_eq!(client.get(&url).bearer_auth("wrong").send().await?.status(), 401);
+    let body = client.get(&url).bearer_auth("s3cret").send().await?.error_for_status()?.text().await?;
+    let json: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(json["source"], "etcd");
+    let worker = &json["workers"][0];
+    assert_eq!(worker["worker_id"], lease(7).to_string());
+    assert_eq!(worker["instance_id"], format!("{:x}", lease(7)));
+    assert_eq!(worker["role"], "decode");
+    assert_eq!(worker["model"], "tiny");
+    assert_eq!(worker["block_size"], 16);
+    assert_eq!(worker["capacity"]["total_kv_blocks"], 1024);
+    assert!(!body.contains("127.0.0.1:1"), "the worker's transport address leaked: {body}");
+    assert!(!body.contains("card_json"), "the raw card leaked: {body}");
+
+    let metrics = client.get(format!("http://{}/metrics", control.admin_addr)).send().await?.text().await?;
+    assert!(metrics.contains("continuum_dynamo_discovery_connected 1"), "{metrics}");
+    assert!(metrics.contains("continuum_dynamo_discovery_events_total{kind=\"resync\"}"), "{metrics}");
+    control.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_plane_is_not_ready_until_discovery_has_seeded() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let mut etcd = Etcd::start(dir.path(), &[]).await?;
+    etcd.kill().await?;
+    let control = control_plane(&etcd).await?;
+    let readyz = format!("http://{}/readyz", control.admin_addr);
+    assert_eq!(reqwest::get(&readyz).await?.status(), 503, "no etcd, no first view");
+    etcd.restart().await?;
+    eventually(CONVERGE, "readiness after the first resync", || async {
+        reqwest::get(&readyz).await.is_ok_and(|r| r.status() == 200)
+    })
+    .await?;
+    control.shutdown().await;
+    Ok(())
+}
