@@ -13,6 +13,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
+use tokio::sync::watch;
 
 use crate::discovery::{DiscoveredWorker, Topic};
 use crate::fleet::FleetPublisher;
@@ -26,6 +27,13 @@ pub struct AdminState {
     pub publisher: FleetPublisher,
     pub replicas: Replicas,
     pub metrics: Metrics,
+    /// What a configuration reload may change.
+    pub settings: watch::Receiver<AdminSettings>,
+}
+
+/// The reloadable part of the admin API's state.
+#[derive(Debug, Clone)]
+pub struct AdminSettings {
     /// Bearer token for `/admin/…`; `None` leaves the admin API open (validation warns).
     pub token: Option<Arc<str>>,
     /// Which discovery source feeds the fleet, for the workers listing.
@@ -47,7 +55,7 @@ pub fn router(state: AdminState) -> Router {
 }
 
 async fn require_token(State(state): State<AdminState>, request: Request, next: Next) -> Response {
-    let Some(expected) = state.token.as_deref() else { return next.run(request).await };
+    let Some(expected) = state.settings.borrow().token.clone() else { return next.run(request).await };
     let presented = request
         .headers()
         .get(header::AUTHORIZATION)
@@ -73,11 +81,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// then a replica would be handed an empty fleet.
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
     let current = state.publisher.current();
-    let seeded = state.source == "static" || state.metrics.discovery_events.with_label_values(&["resync"]).get() > 0;
+    let source = state.settings.borrow().source;
+    let seeded = source != "etcd" || state.metrics.discovery_events.with_label_values(&["resync"]).get() > 0;
     let code = if seeded { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = json!({
         "ready": seeded,
-        "discovery": {"source": state.source, "connected": state.metrics.discovery_connected.get() == 1},
+        "discovery": {"source": source, "connected": state.metrics.discovery_connected.get() == 1},
         "fleet": {"version": current.version(), "workers": current.view().workers().len()},
         "replicas": state.replicas.list().len(),
     });
@@ -90,16 +99,17 @@ async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
 
 async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
     let current = state.registry.current();
+    let settings = state.settings.borrow().clone();
     let fleet = &current.fleet;
     let workers: Vec<Value> = fleet.workers.iter().map(worker_json).collect();
     let publishers = |topic| fleet.publishers.iter().filter(|p| p.topic == topic).count();
     axum::Json(json!({
-        "enabled": true,
-        "connected": state.metrics.discovery_connected.get() == 1 || state.source == "static",
-        "source": state.source,
-        "signals": {"load": state.source != "static", "capacity": true},
-        "namespace": state.namespaces.first(),
-        "namespaces": state.namespaces.as_ref(),
+        "enabled": settings.source != "disabled",
+        "connected": state.metrics.discovery_connected.get() == 1 || settings.source != "etcd",
+        "source": settings.source,
+        "signals": {"load": settings.source == "etcd", "capacity": true},
+        "namespace": settings.namespaces.first(),
+        "namespaces": settings.namespaces.as_ref(),
         "generation": current.generation,
         "workers": workers,
         "load_publishers": publishers(Topic::KvMetrics),

@@ -4,18 +4,18 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{self, AdminState};
-use crate::config::{Config, DiscoverySource};
-use crate::fleet::FleetPublisher;
+use crate::admin::{self, AdminSettings, AdminState};
+use crate::config::Config;
+use crate::fleet::{FleetChange, FleetPublisher};
 use crate::grpc::{self, FleetService, Replicas};
 use crate::metrics::Metrics;
-use crate::sources::{self, Registry};
+use crate::sources::{DiscoverySupervisor, Registry, SourceUnavailable};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -23,8 +23,8 @@ pub enum StartError {
     Bind { what: &'static str, addr: SocketAddr, source: std::io::Error },
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
-    #[error("discovery source `{0}` is not available in this build yet; use `static` or `etcd`")]
-    SourceUnavailable(&'static str),
+    #[error(transparent)]
+    SourceUnavailable(#[from] SourceUnavailable),
 }
 
 /// Where to listen, when the command line overrides the configuration.
@@ -42,8 +42,25 @@ pub struct ControlPlane {
     pub publisher: FleetPublisher,
     pub replicas: Replicas,
     pub metrics: Metrics,
+    config: Config,
+    discovery: DiscoverySupervisor,
+    settings: watch::Sender<AdminSettings>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error(transparent)]
+    SourceUnavailable(#[from] SourceUnavailable),
+}
+
+fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSettings {
+    AdminSettings {
+        token: config.admin.token.as_ref().map(|t| Arc::from(t.expose())),
+        source: discovery.source(),
+        namespaces: config.namespaces().into(),
+    }
 }
 
 impl ControlPlane {
@@ -60,24 +77,8 @@ impl ControlPlane {
         let mut tasks = vec![tokio::spawn(follow_gauges(publisher.clone(), metrics.clone(), cancel.clone()))];
 
         let registry = Registry::new(publisher.clone());
-        let source = match config.dynamo.discovery.source {
-            DiscoverySource::Static => {
-                registry.publish(sources::static_fleet(&config.dynamo.discovery.static_fleet, SystemTime::now()));
-                "static"
-            }
-            DiscoverySource::Etcd => {
-                let etcd = sources::etcd::run(
-                    config.dynamo.discovery.etcd.clone(),
-                    config.namespaces(),
-                    registry.clone(),
-                    metrics.clone(),
-                    cancel.clone(),
-                );
-                tasks.push(tokio::spawn(etcd));
-                "etcd"
-            }
-            other => return Err(StartError::SourceUnavailable(other.as_str())),
-        };
+        let discovery = DiscoverySupervisor::start(&config, registry.clone(), metrics.clone(), cancel.clone())?;
+        let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));
 
         let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone());
         let shutdown = cancel.clone();
@@ -92,9 +93,7 @@ impl ControlPlane {
             publisher: publisher.clone(),
             replicas: replicas.clone(),
             metrics: metrics.clone(),
-            token: config.admin.token.as_ref().map(|t| Arc::from(t.expose())),
-            source,
-            namespaces: config.namespaces().into(),
+            settings: settings_rx,
         };
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
@@ -104,12 +103,33 @@ impl ControlPlane {
                 tracing::error!(%error, "admin HTTP server stopped");
             }
         }));
-        tracing::info!(%grpc_addr, %admin_addr, source, "control plane started");
-        Ok(Self { grpc_addr, admin_addr, publisher, replicas, metrics, cancel, tasks })
+        tracing::info!(%grpc_addr, %admin_addr, source = discovery.source(), "control plane started");
+        Ok(Self { grpc_addr, admin_addr, publisher, replicas, metrics, config, discovery, settings, cancel, tasks })
+    }
+
+    /// Applies a new configuration without a restart: the data plane's part goes out on the
+    /// Fleet stream at once, discovery follows its reload class, and the admin token and
+    /// listing change. Listen addresses need a restart; a change to them is logged and ignored.
+    pub async fn reload(&mut self, config: Config) -> Result<(), ReloadError> {
+        self.discovery.reload(&config).await?;
+        self.publisher.apply(FleetChange { config: Some(Arc::new(config.data_plane_config())), ..FleetChange::default() });
+        for (what, old, new) in [
+            ("control_plane.grpc_listen", self.config.control_plane.grpc_listen, config.control_plane.grpc_listen),
+            ("admin.listen", self.config.admin.listen, config.admin.listen),
+        ] {
+            if old != new {
+                tracing::warn!(key = what, %old, %new, "listen addresses change only on restart; keeping the current one");
+            }
+        }
+        self.settings.send_replace(admin_settings(&config, &self.discovery));
+        self.config = config;
+        tracing::info!("configuration reloaded");
+        Ok(())
     }
 
     /// Ends every Watch stream, stops the servers and waits for them.
-    pub async fn shutdown(self) {
+    pub async fn shutdown(mut self) {
+        self.discovery.stop().await;
         self.cancel.cancel();
         for task in self.tasks {
             let _ = task.await;

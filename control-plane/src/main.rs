@@ -118,7 +118,7 @@ async fn run(file: Option<&Path>, listen: ListenOverrides) -> ExitCode {
             config::embedded_default()
         }
     };
-    let control_plane = match ControlPlane::start(config, listen).await {
+    let mut control_plane = match ControlPlane::start(config, listen).await {
         Ok(control_plane) => control_plane,
         Err(error) => {
             eprintln!("error: {error}");
@@ -126,9 +126,46 @@ async fn run(file: Option<&Path>, listen: ListenOverrides) -> ExitCode {
         }
     };
     println!("continuum-control-plane: Fleet gRPC on {}, admin HTTP on {}", control_plane.grpc_addr, control_plane.admin_addr);
-    shutdown_signal().await;
+    let Ok(mut hangup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+        shutdown_signal().await;
+        control_plane.shutdown().await;
+        return ExitCode::SUCCESS;
+    };
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            _ = hangup.recv() => reload(&mut control_plane, file).await,
+        }
+    }
     control_plane.shutdown().await;
     ExitCode::SUCCESS
+}
+
+/// SIGHUP: re-read the configuration file and apply it; an invalid file changes nothing.
+async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>) {
+    let Some(file) = file else {
+        tracing::warn!("SIGHUP ignored: running the embedded default, there is no file to re-read");
+        return;
+    };
+    match config::load_file(file) {
+        Ok(loaded) => {
+            for diagnostic in &loaded.diagnostics {
+                tracing::warn!("{diagnostic}");
+            }
+            if let Err(error) = control_plane.reload(loaded.config).await {
+                tracing::error!(%error, "configuration reload refused; keeping the running configuration");
+            }
+        }
+        Err(ConfigError::Invalid(diagnostics)) => {
+            for diagnostic in diagnostics.iter().filter(|d| d.is_error()) {
+                tracing::error!("{diagnostic}");
+            }
+            tracing::error!(file = %file.display(), "configuration reload refused; keeping the running configuration");
+        }
+        Err(error) => tracing::error!(%error, "configuration reload refused; keeping the running configuration"),
+    }
 }
 
 /// SIGINT or SIGTERM (what Kubernetes sends).

@@ -1,59 +1,93 @@
-//! A real etcd (Debian's `etcd-server`) on free loopback ports, for discovery tests. The test
-//! itself plays the Dynamo workers' part and writes records; the router only reads.
+//! A real etcd (Debian's `etcd-server`) on free loopback ports, for discovery tests: plaintext
+//! or https with client certificates, driven by `etcd_client` or `etcdctl`. The test itself
+//! plays the Dynamo workers' part and writes records; the router only reads.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
 use tokio::process::{Child, Command};
 
 use crate::eventually;
+use crate::pki::Pki;
 use crate::process::free_port;
 
-/// A running etcd member; killed when dropped.
+/// A running etcd member; killed when dropped. Its log is `etcd.log` beside its data.
 #[derive(Debug)]
 pub struct Etcd {
     child: Option<Child>,
     pub client_url: String,
     peer_url: String,
+    metrics_url: String,
     data_dir: PathBuf,
+    log: PathBuf,
     extra: Vec<String>,
+    tls: Option<Pki>,
 }
 
 impl Etcd {
     /// Starts a single-member cluster in `dir` with extra flags (e.g. `--max-request-bytes`).
     pub async fn start(dir: &Path, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::start_with(dir, extra, None).await
+    }
+
+    /// Starts a member that serves clients only over https and requires a client certificate
+    /// signed by `pki`'s CA (`--client-cert-auth`).
+    pub async fn start_tls(dir: &Path, pki: &Pki, extra: &[&str]) -> anyhow::Result<Self> {
+        Self::start_with(dir, extra, Some(pki.clone())).await
+    }
+
+    async fn start_with(dir: &Path, extra: &[&str], tls: Option<Pki>) -> anyhow::Result<Self> {
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let mut etcd = Self {
             child: None,
-            client_url: format!("http://{}", free_port()?),
+            client_url: format!("{scheme}://{}", free_port()?),
             peer_url: format!("http://{}", free_port()?),
+            metrics_url: format!("http://{}", free_port()?),
             data_dir: dir.join("etcd-data"),
+            log: dir.join("etcd.log"),
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            tls,
         };
         etcd.spawn().await?;
         Ok(etcd)
     }
 
     async fn spawn(&mut self) -> anyhow::Result<()> {
-        let child = Command::new("etcd")
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let mut command = Command::new("etcd");
+        command
             .args(["--name", "continuum-test", "--data-dir"])
             .arg(&self.data_dir)
             .args(["--listen-client-urls", &self.client_url, "--advertise-client-urls", &self.client_url])
             .args(["--listen-peer-urls", &self.peer_url, "--initial-advertise-peer-urls", &self.peer_url])
             .args(["--initial-cluster", &format!("continuum-test={}", self.peer_url)])
-            .args(["--listen-metrics-urls", &format!("http://{}", free_port()?)])
+            .args(["--listen-metrics-urls", &self.metrics_url]);
+        if let Some(pki) = &self.tls {
+            command
+                .arg("--cert-file")
+                .arg(&pki.server_cert)
+                .arg("--key-file")
+                .arg(&pki.server_key)
+                .arg("--trusted-ca-file")
+                .arg(&pki.ca_cert)
+                .arg("--client-cert-auth");
+        }
+        let child = command
             .args(&self.extra)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| anyhow::anyhow!("cannot start etcd (run scripts/test to install etcd-server): {e}"))?;
         self.child = Some(child);
-        let url = self.client_url.clone();
+        let (url, options) = (self.client_url.clone(), self.connect_options()?);
         eventually(Duration::from_secs(20), "etcd to answer", || {
-            let url = url.clone();
+            let (url, options) = (url.clone(), options.clone());
             async move {
-                match etcd_client::Client::connect([url], None).await {
+                match etcd_client::Client::connect([url], options).await {
                     Ok(mut client) => client.get("health-probe", None).await.is_ok(),
                     Err(_) => false,
                 }
@@ -62,8 +96,56 @@ impl Etcd {
         .await
     }
 
+    /// A client with full access (before `auth enable`), over TLS when the member serves it.
     pub async fn client(&self) -> anyhow::Result<etcd_client::Client> {
-        Ok(etcd_client::Client::connect([self.client_url.as_str()], None).await?)
+        Ok(etcd_client::Client::connect([self.client_url.as_str()], self.connect_options()?).await?)
+    }
+
+    /// A client authenticated as `user`.
+    pub async fn client_as(&self, user: &str, password: &str) -> anyhow::Result<etcd_client::Client> {
+        let options = self.connect_options()?.unwrap_or_default().with_user(user, password);
+        Ok(etcd_client::Client::connect([self.client_url.as_str()], Some(options)).await?)
+    }
+
+    fn connect_options(&self) -> anyhow::Result<Option<ConnectOptions>> {
+        let Some(pki) = &self.tls else { return Ok(None) };
+        let tls = TlsOptions::new()
+            .ca_certificate(Certificate::from_pem(std::fs::read(&pki.ca_cert)?))
+            .identity(Identity::from_pem(std::fs::read(&pki.client_cert)?, std::fs::read(&pki.client_key)?))
+            .domain_name("localhost");
+        Ok(Some(ConnectOptions::new().with_tls(tls)))
+    }
+
+    /// The client listener's address, for a proxy in front of it.
+    pub fn client_addr(&self) -> anyhow::Result<SocketAddr> {
+        let authority = self.client_url.split_once("://").map_or(self.client_url.as_str(), |(_, rest)| rest);
+        Ok(authority.parse()?)
+    }
+
+    /// Runs `etcdctl` (API v3) against this member and returns its stdout.
+    pub async fn ctl(&self, args: &[&str]) -> anyhow::Result<String> {
+        let mut command = Command::new("etcdctl");
+        command.env("ETCDCTL_API", "3").arg(format!("--endpoints={}", self.client_url));
+        if let Some(pki) = &self.tls {
+            command.arg("--cacert").arg(&pki.ca_cert).arg("--cert").arg(&pki.client_cert).arg("--key").arg(&pki.client_key);
+        }
+        let output = command.args(args).kill_on_drop(true).output().await?;
+        anyhow::ensure!(
+            output.status.success(),
+            "etcdctl {args:?} failed: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    /// The value of an unlabelled gauge or counter on etcd's metrics listener.
+    pub async fn metric(&self, name: &str) -> anyhow::Result<f64> {
+        let text = reqwest::get(format!("{}/metrics", self.metrics_url)).await?.error_for_status()?.text().await?;
+        let value = text
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+            .ok_or_else(|| anyhow::anyhow!("etcd exports no metric {name}"))?;
+        Ok(value.trim().parse()?)
     }
 
     /// SIGKILL, then start again on the same ports and data.

@@ -16,7 +16,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 pub mod etcd;
+pub mod pki;
 pub mod process;
+pub mod proxy;
 pub mod tools;
 
 /// A Fleet gRPC server on a loopback port, serving `publisher`.

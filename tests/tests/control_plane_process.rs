@@ -145,3 +145,29 @@ fn config_validate_prints_key_paths_and_fails_on_errors() -> anyhow::Result<()> 
     assert!(String::from_utf8(out.stderr)?.contains("cannot listen"));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_configuration_file_and_replicas_follow() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
+    let control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let replicas = start_replicas(1, &control.grpc_url()).await?;
+    eventually(CONVERGE, "first fleet", || async { ids(&replicas[0]) == [1, 2] }).await?;
+
+    // An invalid file is refused and changes nothing.
+    std::fs::write(&config, "dynamo:\n  enabled: yes please\n")?;
+    let pid = control.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status()?.success());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ids(&replicas[0]), [1, 2], "a refused reload changes nothing");
+    let mut control = control;
+    assert!(control.child.try_wait()?.is_none(), "a refused reload does not stop the control plane");
+    static_config(dir.path(), "fleet.yaml", &[2, 3])?;
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status()?.success());
+    eventually(CONVERGE, "the reloaded fleet", || async { ids(&replicas[0]) == [2, 3] }).await?;
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    control.kill().await?;
+    Ok(())
+}

@@ -3,7 +3,10 @@
 
 pub mod etcd;
 mod registry;
+pub mod reload;
 mod static_fleet;
+mod supervisor;
 
 pub use registry::{Generation, Registry};
 pub use static_fleet::static_fleet;
+pub use supervisor::{DiscoverySupervisor, STOP_GRACE, SourceUnavailable};

@@ -39,6 +39,17 @@ impl Registry {
         self.tx.subscribe()
     }
 
+    /// Drops every worker and publisher outside `keep` (a namespace removed on reload), keeping
+    /// the rest routable without interruption.
+    pub fn prune_namespaces(&self, keep: &[String]) {
+        let current = self.current();
+        let kept = |ns: &str| keep.iter().any(|k| k == ns);
+        let mut fleet = current.fleet.clone();
+        fleet.workers.retain(|w| kept(&w.worker.key.namespace));
+        fleet.publishers.retain(|p| kept(&p.namespace));
+        self.publish(fleet);
+    }
+
     /// Publishes `fleet` if it differs from the current one; routable workers go on to the
     /// data plane's view.
     pub fn publish(&self, fleet: Fleet) {

@@ -1,0 +1,120 @@
+//! The discovery supervisor: runs the configured source and replaces it on reload, following
+//! the reload classes of `reload`. Stopping a watcher waits up to [`STOP_GRACE`] before
+//! aborting it, so a transition never hangs on a stuck etcd call.
+
+use std::time::{Duration, SystemTime};
+
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::registry::Registry;
+use super::reload::{DiscoveryReload, RegistryOnRestart, classify};
+use super::{etcd, static_fleet};
+use crate::config::{Config, DiscoverySource};
+use crate::discovery::Fleet;
+use crate::metrics::Metrics;
+
+/// How long a stopping watcher may take to finish before it is aborted.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// A source this build cannot run.
+#[derive(Debug, thiserror::Error)]
+#[error("discovery source `{0}` is not available in this build yet; use `static` or `etcd`")]
+pub struct SourceUnavailable(pub &'static str);
+
+#[derive(Debug)]
+pub struct DiscoverySupervisor {
+    registry: Registry,
+    metrics: Metrics,
+    config: Config,
+    running: Option<(CancellationToken, JoinHandle<()>)>,
+    shutdown: CancellationToken,
+}
+
+impl DiscoverySupervisor {
+    /// Starts discovery as `config` says.
+    pub fn start(config: &Config, registry: Registry, metrics: Metrics, shutdown: CancellationToken) -> Result<Self, SourceUnavailable> {
+        check_available(config)?;
+        let mut supervisor = Self { registry, metrics, config: config.clone(), running: None, shutdown };
+        supervisor.launch();
+        Ok(supervisor)
+    }
+
+    /// The source name for the admin API.
+    pub fn source(&self) -> &'static str {
+        if self.config.dynamo.enabled { self.config.dynamo.discovery.source.as_str() } else { "disabled" }
+    }
+
+    /// Applies a new configuration's discovery section.
+    pub async fn reload(&mut self, new: &Config) -> Result<(), SourceUnavailable> {
+        check_available(new)?;
+        let action = classify(&self.config, new);
+        self.config = new.clone();
+        match action {
+            DiscoveryReload::Keep => {}
+            DiscoveryReload::Stop => {
+                self.stop().await;
+                self.registry.publish(Fleet::default());
+                tracing::info!("discovery stopped: dynamo.enabled is false");
+            }
+            DiscoveryReload::Restart { reason, registry } => {
+                tracing::info!(reason = reason.as_str(), "replacing the discovery watcher");
+                self.metrics.discovery_events.with_label_values(&["restart"]).inc();
+                self.stop().await;
+                match registry {
+                    RegistryOnRestart::Keep => {}
+                    RegistryOnRestart::Reset => self.registry.publish(Fleet::default()),
+                    RegistryOnRestart::Prune { keep } => self.registry.prune_namespaces(&keep),
+                }
+                self.launch();
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops the running watcher: cancel, wait up to [`STOP_GRACE`], then abort.
+    pub async fn stop(&mut self) {
+        let Some((cancel, mut task)) = self.running.take() else { return };
+        cancel.cancel();
+        if tokio::time::timeout(STOP_GRACE, &mut task).await.is_err() {
+            tracing::warn!("discovery watcher did not stop within {STOP_GRACE:?}; aborting it");
+            task.abort();
+        }
+        self.metrics.discovery_connected.set(0);
+    }
+
+    fn launch(&mut self) {
+        if !self.config.dynamo.enabled {
+            tracing::info!("discovery is disabled (dynamo.enabled: false)");
+            return;
+        }
+        let discovery = &self.config.dynamo.discovery;
+        match discovery.source {
+            DiscoverySource::Static => {
+                self.registry.publish(static_fleet::static_fleet(&discovery.static_fleet, SystemTime::now()));
+            }
+            DiscoverySource::Etcd => {
+                let cancel = self.shutdown.child_token();
+                let task = tokio::spawn(etcd::run(
+                    discovery.etcd.clone(),
+                    self.config.namespaces(),
+                    self.registry.clone(),
+                    self.metrics.clone(),
+                    cancel.clone(),
+                ));
+                self.running = Some((cancel, task));
+            }
+            // Refused by `check_available` before we get here.
+            DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {}
+        }
+    }
+}
+
+fn check_available(config: &Config) -> Result<(), SourceUnavailable> {
+    match config.dynamo.discovery.source {
+        DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods if config.dynamo.enabled => {
+            Err(SourceUnavailable(config.dynamo.discovery.source.as_str()))
+        }
+        _ => Ok(()),
+    }
+}
