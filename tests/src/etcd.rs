@@ -138,7 +138,8 @@ impl Etcd {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
-    /// The value of an unlabelled gauge or counter on etcd's metrics listener.
+    /// The value of one sample on etcd's metrics listener, named exactly as exported: the
+    /// metric name followed by its labels, if it has any.
     pub async fn metric(&self, name: &str) -> anyhow::Result<f64> {
         let text = reqwest::get(format!("{}/metrics", self.metrics_url)).await?.error_for_status()?.text().await?;
         let value = text
@@ -179,4 +180,40 @@ pub fn decode_worker_records(namespace: &str, lease: u64, model: &str) -> Vec<(S
         (format!("v1/mdc/{namespace}/backend/generate/{lease:x}"), card.to_string()),
         (format!("v1/instances/{namespace}/backend/generate/{lease:x}"), instance.to_string()),
     ]
+}
+
+/// Lease-like instance ids above 2^53, as real workers have.
+pub fn lease(i: u64) -> u64 {
+    7_587_890_000_000_000 + i
+}
+
+/// Registers decode workers with the given ids in namespace `dynamo`, as the workers would.
+pub async fn put_workers(client: &mut etcd_client::Client, ids: impl IntoIterator<Item = u64>) -> anyhow::Result<()> {
+    for id in ids {
+        for (key, value) in decode_worker_records("dynamo", id, "tiny") {
+            client.put(key, value, None).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Deregisters a worker written by [`put_workers`].
+pub async fn delete_worker(client: &mut etcd_client::Client, id: u64) -> anyhow::Result<()> {
+    for (key, _) in decode_worker_records("dynamo", id, "tiny") {
+        client.delete(key, None).await?;
+    }
+    Ok(())
+}
+
+/// A control-plane configuration that discovers namespace `dynamo` through etcd with the given
+/// `dynamo.discovery.etcd` section (JSON is YAML), a fast reconnect backoff unless it sets one,
+/// and every listener on a loopback port 0.
+pub fn discovery_yaml(mut etcd: serde_json::Value) -> String {
+    if let Some(section) = etcd.as_object_mut() {
+        section.entry("watch_reconnect_backoff").or_insert(serde_json::json!({"initial": "100ms", "max": "1s"}));
+    }
+    format!(
+        "dynamo:\n  enabled: true\n  discovery:\n    source: etcd\n    etcd: {etcd}\n  load:\n    \
+         direct_allow_cidrs: [\"127.0.0.0/8\"]\ncontrol_plane:\n  grpc_listen: \"127.0.0.1:0\"\nadmin:\n  listen: \"127.0.0.1:0\"\n"
+    )
 }

@@ -15,7 +15,10 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+pub mod bench;
+pub mod dynamo;
 pub mod etcd;
+pub mod netns;
 pub mod pki;
 pub mod process;
 pub mod proxy;
@@ -85,6 +88,21 @@ pub async fn wait_for_version(replicas: &[Replica], version: u64, timeout: Durat
             tokio::time::timeout(left, changes.changed())
                 .await
                 .map_err(|_| anyhow::anyhow!("replica at {held:?}, not at version {version}, after {timeout:?}"))??;
+        }
+    }
+    Ok(())
+}
+
+/// Waits until every replica's view holds `key`.
+pub async fn wait_until_worker(replicas: &[Replica], key: &WorkerKey, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    for replica in replicas {
+        let mut changes = replica.fleet.subscribe();
+        while replica.fleet.view().is_none_or(|v| v.worker(key).is_none()) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::time::timeout(left, changes.changed())
+                .await
+                .map_err(|_| anyhow::anyhow!("replica does not hold worker {key} after {timeout:?}"))??;
         }
     }
     Ok(())

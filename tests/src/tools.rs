@@ -14,6 +14,27 @@ pub fn grpcurl() -> PathBuf {
     find("CONTINUUM_GRPCURL", &[workspace_root().join(".venv/bin/grpcurl")], "grpcurl")
 }
 
+/// The Python of the venv that holds Dynamo 1.6.1 (`ai-dynamo`, for `dynamo.mocker`). No
+/// fallback to `python3` on PATH: that one would lack Dynamo and fail less clearly.
+pub fn python() -> PathBuf {
+    if let Some(path) = std::env::var_os("CONTINUUM_PYTHON") {
+        return PathBuf::from(path);
+    }
+    let venv = workspace_root().join(".venv/bin/python");
+    assert!(venv.exists(), "no {}: run scripts/test once (it installs Dynamo) or set CONTINUUM_PYTHON", venv.display());
+    venv
+}
+
+/// The steering repository's `shared/` folder, which sits beside the clone (locally and in CI).
+pub fn shared_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"))
+}
+
+/// The fixtures captured from real Dynamo 1.6.1 processes, with the tiny model they served.
+pub fn dynamo_fixtures() -> PathBuf {
+    shared_dir().join("fixtures/dynamo-1.6.1")
+}
+
 /// A workspace binary built by cargo for this test run.
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();

@@ -7,16 +7,18 @@ use std::time::SystemTime;
 
 use continuum_proto::model::{Role, Worker, WorkerKey};
 
-/// The discovered fleet, both lists sorted by identity.
+use super::entries::Entries;
+
+/// The discovered fleet, both maps ordered by identity. Persistent: cloning it is `O(1)`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Fleet {
-    pub workers: Vec<DiscoveredWorker>,
-    pub publishers: Vec<Publisher>,
+    pub workers: Entries<WorkerKey, DiscoveredWorker>,
+    pub publishers: Entries<PublisherKey, Publisher>,
 }
 
 impl Fleet {
     pub fn worker(&self, key: &WorkerKey) -> Option<&DiscoveredWorker> {
-        self.workers.iter().find(|w| &w.worker.key == key)
+        self.workers.get(key)
     }
 
     /// Workers a picker may route to: not excluded and with a known role.

@@ -14,6 +14,7 @@
 
 mod applied;
 pub mod card;
+mod entries;
 mod duplicates;
 mod fleet;
 mod join;
@@ -28,6 +29,7 @@ mod tests;
 
 pub use applied::{Applied, EventKind};
 pub use card::MAX_RETAINED_CARD_BYTES;
+pub use entries::{Change, Entries};
 pub use fleet::{DiscoveredWorker, Exclusion, Fleet, Publisher, PublisherKey, Topic};
 pub use join::{component_role, resolve_role};
 pub use reducer::{KeyValue, MAX_RECORD_BYTES, Reducer, WatchEvent};

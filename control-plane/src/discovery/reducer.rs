@@ -5,7 +5,7 @@
 //! every event here, including a [`WatchEvent::Resync`] after each reconnect. One reducer lives
 //! as long as its watcher, so `first_seen` survives reconnects.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -13,7 +13,7 @@ use continuum_proto::model::WorkerKey;
 
 use super::applied::{Applied, EventKind};
 use super::duplicates::Conflicts;
-use super::fleet::{DiscoveredWorker, Fleet, Publisher, PublisherKey};
+use super::fleet::{Fleet, PublisherKey};
 use super::join;
 use super::keys::{self, Keyspace, ParsedKey};
 use super::records::{self, Parsed};
@@ -61,8 +61,8 @@ pub struct Reducer {
     namespaces: Vec<Arc<str>>,
     store: Store,
     conflicts: Conflicts,
-    workers: BTreeMap<WorkerKey, DiscoveredWorker>,
-    publishers: BTreeMap<PublisherKey, Publisher>,
+    /// The materialised fleet, kept up to date per identity; `fleet()` hands out a clone.
+    fleet: Fleet,
     capacity_warned: [bool; Keyspace::ALL.len()],
 }
 
@@ -92,8 +92,7 @@ impl Reducer {
             namespaces: watched,
             store: Store::default(),
             conflicts: Conflicts::default(),
-            workers: BTreeMap::new(),
-            publishers: BTreeMap::new(),
+            fleet: Fleet::default(),
             capacity_warned: [false; Keyspace::ALL.len()],
         }
     }
@@ -115,10 +114,7 @@ impl Reducer {
 
     /// The fleet as folded so far.
     pub fn fleet(&self) -> Fleet {
-        Fleet {
-            workers: self.workers.values().cloned().collect(),
-            publishers: self.publishers.values().cloned().collect(),
-        }
+        self.fleet.clone()
     }
 
     /// Stops watching namespaces outside `keep` and drops their records, workers and
@@ -129,8 +125,8 @@ impl Reducer {
             self.store.remove(keyspace, &key);
         }
         let kept = |namespace: &Arc<str>| self.namespaces.contains(namespace);
-        self.workers.retain(|key, _| kept(&key.namespace));
-        self.publishers.retain(|key, _| kept(&key.namespace));
+        self.fleet.workers.retain(|key, _| kept(&key.namespace));
+        self.fleet.publishers.retain(|key, _| kept(&key.namespace));
         self.conflicts.retain(|identity| kept(identity.namespace()));
     }
 
@@ -246,7 +242,7 @@ impl Reducer {
     }
 
     fn refresh_worker(&mut self, key: WorkerKey, now: SystemTime) -> bool {
-        let previous = self.workers.get(&key);
+        let previous = self.fleet.workers.get(&key);
         let next = join::worker(&self.store, &key, previous, now);
         if next.as_ref() == previous {
             return false;
@@ -261,20 +257,20 @@ impl Reducer {
             );
         }
         match next {
-            Some(worker) => self.workers.insert(key, worker),
-            None => self.workers.remove(&key),
+            Some(worker) => self.fleet.workers.insert(key, worker),
+            None => self.fleet.workers.remove(&key),
         };
         true
     }
 
     fn refresh_publisher(&mut self, key: PublisherKey) -> bool {
         let next = join::publisher(&self.store, &key);
-        if next.as_ref() == self.publishers.get(&key) {
+        if next.as_ref() == self.fleet.publishers.get(&key) {
             return false;
         }
         match next {
-            Some(publisher) => self.publishers.insert(key, publisher),
-            None => self.publishers.remove(&key),
+            Some(publisher) => self.fleet.publishers.insert(key, publisher),
+            None => self.fleet.publishers.remove(&key),
         };
         true
     }

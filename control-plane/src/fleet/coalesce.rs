@@ -2,7 +2,8 @@
 //!
 //! Publishers send a sample on every change (debounced at 1 ms upstream), so a busy fleet of
 //! thousands of ranks would otherwise bump the version thousands of times a second. Within a
-//! window only the latest sample per (worker, rank) survives.
+//! window only the latest sample per (worker, rank) survives. A removal (the load store dropped
+//! the rank's sample) travels the same queue, so it cannot overtake or be overtaken by a sample.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -23,7 +24,7 @@ const LOAD_CHANNEL_CAPACITY: usize = 4096;
 /// The sending side: load subscriptions hand samples here.
 #[derive(Debug, Clone)]
 pub struct LoadCoalescer {
-    tx: mpsc::Sender<(LoadKey, LoadSample)>,
+    tx: mpsc::Sender<(LoadKey, Option<LoadSample>)>,
 }
 
 impl LoadCoalescer {
@@ -38,17 +39,25 @@ impl LoadCoalescer {
     /// subscriptions rather than unbounded memory).
     pub async fn submit(&self, key: LoadKey, sample: LoadSample) {
         // A closed channel means the control plane is shutting down; the sample has nowhere to go.
-        let _ = self.tx.send((key, sample)).await;
+        let _ = self.tx.send((key, Some(sample))).await;
+    }
+
+    /// Queues the removal of ranks' samples (replicas then read them as never sampled).
+    pub async fn remove(&self, keys: impl IntoIterator<Item = LoadKey>) {
+        for key in keys {
+            // As in `submit`: a closed channel means shutdown.
+            let _ = self.tx.send((key, None)).await;
+        }
     }
 }
 
 async fn run(
     publisher: FleetPublisher,
-    mut rx: mpsc::Receiver<(LoadKey, LoadSample)>,
+    mut rx: mpsc::Receiver<(LoadKey, Option<LoadSample>)>,
     window: Duration,
     cancel: CancellationToken,
 ) {
-    let mut pending: HashMap<LoadKey, LoadSample> = HashMap::new();
+    let mut pending: HashMap<LoadKey, Option<LoadSample>> = HashMap::new();
     let mut tick = tokio::time::interval(window);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -64,12 +73,18 @@ async fn run(
     }
 }
 
-fn flush(publisher: &FleetPublisher, pending: &mut HashMap<LoadKey, LoadSample>) {
+fn flush(publisher: &FleetPublisher, pending: &mut HashMap<LoadKey, Option<LoadSample>>) {
     if pending.is_empty() {
         return;
     }
-    let loads = pending.drain().collect();
-    publisher.apply(FleetChange { loads, ..FleetChange::default() });
+    let (mut loads, mut loads_removed) = (Vec::new(), Vec::new());
+    for (key, sample) in pending.drain() {
+        match sample {
+            Some(sample) => loads.push((key, sample)),
+            None => loads_removed.push(key),
+        }
+    }
+    publisher.apply(FleetChange { loads, loads_removed, ..FleetChange::default() });
 }
 
 #[cfg(test)]
@@ -113,5 +128,26 @@ mod tests {
         assert_eq!(state.version(), before + 1, "100 samples in one window publish one version");
         let used: Vec<_> = state.view().loads().values().map(|s| s.load.kv_used_blocks).collect();
         assert_eq!(used, vec![Some(98), Some(99)], "the latest sample per rank wins");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_removal_reaches_the_view_and_a_later_sample_in_the_window_wins() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        publisher.apply(FleetChange { upsert: vec![worker(1), worker(2)], ..FleetChange::default() });
+        let coalescer = LoadCoalescer::spawn(publisher.clone(), LOAD_COALESCE_WINDOW, CancellationToken::new());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let key = |id| LoadKey { worker: WorkerKey::new("dynamo", id), dp_rank: 0 };
+        let sample = |used| LoadSample { load: Load { kv_used_blocks: Some(used), ..Load::default() }, received_at: Instant::now() };
+        coalescer.submit(key(1), sample(5)).await;
+        coalescer.submit(key(2), sample(6)).await;
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        assert_eq!(publisher.current().view().loads().len(), 2);
+
+        coalescer.remove([key(1), key(2)]).await;
+        coalescer.submit(key(2), sample(7)).await;
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        let state = publisher.current();
+        let loads: Vec<_> = state.view().loads().iter().map(|(k, s)| (k.worker.instance_id, s.load.kv_used_blocks)).collect();
+        assert_eq!(loads, vec![(2, Some(7))], "rank 1 removed; rank 2's later sample wins over its removal");
     }
 }

@@ -121,14 +121,6 @@ fn dedup<T: Ord>(items: impl Iterator<Item = T>) -> Vec<T> {
 }
 
 impl FleetChange {
-    /// The change that makes the fleet's workers exactly `workers` (a discovery resync).
-    pub fn replace_workers(view: &FleetView, workers: impl IntoIterator<Item = Arc<Worker>>) -> Self {
-        let upsert: Vec<Arc<Worker>> = workers.into_iter().collect();
-        let keep: std::collections::BTreeSet<&WorkerKey> = upsert.iter().map(|w| &w.key).collect();
-        let remove = view.workers().keys().filter(|k| !keep.contains(k)).cloned().collect();
-        FleetChange { upsert, remove, ..FleetChange::default() }
-    }
-
     pub fn is_empty(&self) -> bool {
         self.upsert.is_empty()
             && self.remove.is_empty()

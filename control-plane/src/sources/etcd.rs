@@ -120,15 +120,21 @@ async fn pass(
             return Err(PassError::Cancelled(response.cancel_reason().to_string()));
         }
         let now = SystemTime::now();
+        let mut changed = false;
         for event in response.events() {
             let Some(kv) = event.kv() else { continue };
             let folded = match event.event_type() {
                 etcd_client::EventType::Put => WatchEvent::Put(record(kv)),
                 etcd_client::EventType::Delete => WatchEvent::Delete { key: kv.key().to_vec() },
             };
-            count(&reducer.apply(folded, now), metrics);
+            let applied = reducer.apply(folded, now);
+            changed |= applied.fleet_changed();
+            count(&applied, metrics);
         }
-        registry.publish(reducer.fleet());
+        // Heartbeat re-puts change nothing; only a changed fleet is rebuilt and published.
+        if changed {
+            registry.publish(reducer.fleet());
+        }
     }
     Err(PassError::Ended)
 }

@@ -7,14 +7,14 @@ use std::time::SystemTime;
 use continuum_proto::model::{Role, Worker, WorkerKey};
 
 use crate::config::StaticDiscoveryConfig;
-use crate::discovery::{DiscoveredWorker, Fleet};
+use crate::discovery::{DiscoveredWorker, Entries, Fleet};
 
 /// The configured workers as discovery publishes them, first seen `now`.
 pub fn static_fleet(config: &StaticDiscoveryConfig, now: SystemTime) -> Fleet {
     let workers = config
         .workers
         .iter()
-        .map(|w| DiscoveredWorker {
+        .map(|w| (WorkerKey::new(w.namespace.as_str(), w.instance_id), DiscoveredWorker {
             worker: Worker {
                 key: WorkerKey::new(w.namespace.as_str(), w.instance_id),
                 role: w.role.map_or(Role::Unknown, Role::from),
@@ -31,7 +31,7 @@ pub fn static_fleet(config: &StaticDiscoveryConfig, now: SystemTime) -> Fleet {
             last_updated: now,
             card: None,
             excluded: None,
-        })
+        }))
         .collect();
-    Fleet { workers, publishers: Vec::new() }
+    Fleet { workers, publishers: Entries::default() }
 }

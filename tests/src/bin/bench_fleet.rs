@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use continuum_control_plane::fleet::FleetChange;
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::view::FleetDelta;
+use continuum_tests::bench::{Quantiles, arg, write_section};
 use continuum_tests::{TestControlPlane, publisher, start_replicas, wait_for_version, worker};
 use prost::Message;
 
@@ -27,12 +28,7 @@ struct Row {
 
 #[tokio::main(flavor = "multi_thread")]
 async fn main() -> anyhow::Result<()> {
-    let iterations: usize = std::env::args()
-        .skip_while(|a| a != "--iterations")
-        .nth(1)
-        .map(|n| n.parse())
-        .transpose()?
-        .unwrap_or(200);
+    let iterations = arg("--iterations", 200)?;
     let mut rows = Vec::new();
     let mut sizes = Vec::new();
     for &workers in &FLEETS {
@@ -44,8 +40,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let table = render(&rows, &sizes, iterations);
     println!("{table}");
-    write_section(&table)?;
-    Ok(())
+    write_section("bench-fleet", "Fleet stream", "cargo run --release -p continuum-tests --bin bench-fleet", &table)
 }
 
 /// Changes one worker `iterations` times and times each until every replica holds it.
@@ -64,9 +59,8 @@ async fn propagation(workers: usize, replicas: usize, iterations: usize) -> anyh
         wait_for_version(&started, version, Duration::from_secs(10)).await?;
         samples.push(t0.elapsed());
     }
-    samples.sort();
-    let at = |q: f64| samples[((samples.len() as f64 - 1.0) * q).round() as usize];
-    let row = Row { workers, replicas, p50: at(0.5), p99: at(0.99), max: at(1.0) };
+    let q = Quantiles::of(samples);
+    let row = Row { workers, replicas, p50: q.p50, p99: q.p99, max: q.max };
     for replica in started {
         replica.shutdown().await;
     }
@@ -115,41 +109,4 @@ fn render(rows: &[Row], sizes: &[(usize, usize, usize)], iterations: usize) -> S
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
-}
-
-/// Replaces the text between this benchmark's markers in docs/benchmarks.md.
-fn write_section(table: &str) -> anyhow::Result<()> {
-    let path = continuum_tests::tools::workspace_root().join("docs/benchmarks.md");
-    let (begin, end) = ("<!-- bench-fleet:begin -->", "<!-- bench-fleet:end -->");
-    let doc = std::fs::read_to_string(&path).unwrap_or_default();
-    let machine = machine_facts();
-    let section = format!(
-        "{begin}\nMeasured {} with `cargo run --release -p continuum-tests --bin bench-fleet` on {machine}.\n\n{table}{end}",
-        date()
-    );
-    let updated = match (doc.find(begin), doc.find(end)) {
-        (Some(b), Some(e)) if b < e => format!("{}{section}{}", &doc[..b], &doc[e + end.len()..]),
-        _ => format!("{doc}\n## Fleet stream\n\n{section}\n"),
-    };
-    std::fs::write(&path, updated)?;
-    eprintln!("wrote {}", path.display());
-    Ok(())
-}
-
-fn machine_facts() -> String {
-    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
-        .unwrap_or_else(|| "unknown CPU".into());
-    format!("{cpus} cores ({model})")
-}
-
-fn date() -> String {
-    std::process::Command::new("date")
-        .arg("+%Y-%m-%d")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .map_or_else(|| "recently".into(), |s| s.trim().to_string())
 }

@@ -71,6 +71,7 @@ fn discovery_rows() -> Vec<Row> {
         row("etcd endpoints mixing schemes", etcd("{endpoints: ['http://a:2379', 'https://b:2379']}"), Error, "dynamo.discovery.etcd.endpoints", "mix"),
         row("etcd tls with http", etcd("{endpoints: ['http://a:2379'], tls: {ca_cert: /ca.pem}}"), Error, "dynamo.discovery.etcd.tls", "http://"),
         row("etcd client cert without key", etcd("{endpoints: ['https://a:2379'], tls: {client_cert: /c.pem}}"), Error, "dynamo.discovery.etcd.tls.client_key", "together"),
+        row("etcd tls without a CA", etcd("{endpoints: ['https://a:2379'], tls: {server_name: etcd}}"), Error, "dynamo.discovery.etcd.tls.ca_cert", "required"),
         row("etcd auth over plaintext", etcd("{endpoints: ['a:2379'], auth: {username: r, password: p}}"), Warning, "dynamo.discovery.etcd.auth", "cleartext"),
         row("etcd auth without password", etcd("{endpoints: ['https://a:2379'], auth: {username: r}}"), Error, "dynamo.discovery.etcd.auth.password", "must not be empty"),
         row("namespace with slash", etcd("{endpoints: ['a:2379'], namespace: 'a/b'}"), Error, "dynamo.discovery.etcd.namespace", "`/`"),

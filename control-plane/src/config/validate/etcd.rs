@@ -103,6 +103,10 @@ fn check_transport_security(etcd: &EtcdConfig, schemes: &[Scheme], active: bool,
         if plaintext {
             report.error(format!("{BASE}.tls"), "cannot be combined with http:// endpoints; use https:// endpoints");
         }
+        if tls.ca_cert.is_none() {
+            // The etcd client trusts no system roots: without a CA nothing would verify.
+            report.error(format!("{BASE}.tls.ca_cert"), "is required with tls: name the CA that signed etcd's certificate");
+        }
         match (&tls.client_cert, &tls.client_key) {
             (Some(_), None) => report.error(format!("{BASE}.tls.client_key"), "must be set together with client_cert"),
             (None, Some(_)) => report.error(format!("{BASE}.tls.client_cert"), "must be set together with client_key"),

@@ -41,16 +41,6 @@ fn identical_upsert_does_not_bump_the_version() {
 }
 
 #[test]
-fn replacing_workers_removes_the_missing_ones() {
-    let (s1, _) = state().commit(upsert(vec![worker(1, "a"), worker(2, "a")])).unwrap();
-    let change = FleetChange::replace_workers(s1.view(), vec![worker(2, "a"), worker(3, "a")]);
-    let (s2, delta) = s1.commit(change).unwrap();
-    assert_eq!(delta.removed, vec![WorkerKey::new("dynamo", 1)]);
-    assert_eq!(delta.upserted, vec![worker(3, "a")], "the unchanged worker is not resent");
-    assert_eq!(s2.view().workers().keys().map(|k| k.instance_id).collect::<Vec<_>>(), vec![2, 3]);
-}
-
-#[test]
 fn samples_for_unknown_workers_or_ranks_are_dropped() {
     let (s1, _) = state().commit(upsert(vec![worker(1, "a")])).unwrap();
     let change = FleetChange {
