@@ -54,7 +54,9 @@ impl Role {
     }
 }
 
-/// Capacities a worker's model card advertises; absent when the card does not say.
+/// Capacities a worker's model card advertises; absent when the card does not say. Like
+/// Dynamo's card, they are per data-parallel rank: a dp=2 worker with `total_kv_blocks: 24`
+/// has 24 blocks on each rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Capacity {
     pub total_kv_blocks: Option<u64>,

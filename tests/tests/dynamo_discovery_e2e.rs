@@ -231,6 +231,7 @@ fn assert_describes(entry: &Value, worker: &Worker) {
     assert_eq!(entry["block_size"], 16, "{label}: {entry}");
     assert_eq!(entry["capacity"]["total_kv_blocks"], worker.mocker.kv_blocks, "{label}: {entry}");
     assert_eq!(entry["capacity"]["max_num_seqs"], 256, "{label}: the mocker's default: {entry}");
+    assert_eq!(entry["capacity"]["context_length"], 4096, "{label}: the tiny model's own limit: {entry}");
     assert_eq!(entry["capacity"]["max_num_batched_tokens"], 8192, "{label}: the mocker's default: {entry}");
     assert_eq!(entry["dp_start_rank"], 0, "{label}: {entry}");
     assert_eq!(entry["dp_size"], worker.mocker.dp_size, "{label}: {entry}");

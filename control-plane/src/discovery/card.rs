@@ -36,6 +36,9 @@ pub struct TypedCard {
     pub kv_cache_block_size: Option<u32>,
     pub model_suffix: Option<String>,
     pub context_length: Option<u64>,
+    /// The model's own limit from its config; what the card falls back to when the engine did
+    /// not state a serving limit (the 1.6.1 mocker writes `context_length: 0` beside 4096 here).
+    pub architectural_max_context_length: Option<u64>,
     pub runtime_config: Option<RuntimeConfig>,
 }
 
@@ -98,7 +101,9 @@ impl Card {
             total_kv_blocks: nonzero(rc.total_kv_blocks),
             max_num_batched_tokens: nonzero(rc.max_num_batched_tokens),
             max_num_seqs: nonzero(rc.max_num_seqs),
-            context_length: nonzero(rc.context_length).or(nonzero(self.typed.context_length)),
+            context_length: nonzero(rc.context_length)
+                .or(nonzero(self.typed.context_length))
+                .or(nonzero(self.typed.architectural_max_context_length)),
         }
     }
 

@@ -19,7 +19,9 @@ fn tiny(id: u64, role: Role, component: &str, total_kv_blocks: u64, dp_size: u32
             total_kv_blocks: Some(total_kv_blocks),
             max_num_batched_tokens: Some(8192),
             max_num_seqs: Some(256),
-            context_length: None,
+            // The 1.6.1 card says `context_length: 0` (unknown) beside the model's own
+            // `architectural_max_context_length: 4096`.
+            context_length: Some(4096),
         },
         dp_start_rank: 0,
         dp_size,
