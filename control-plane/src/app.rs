@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminSettings, AdminState};
 use crate::config::Config;
+use crate::gauges;
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::grpc::{self, FleetService, Replicas};
 use crate::metrics::Metrics;
@@ -74,9 +75,11 @@ impl ControlPlane {
         let publisher = FleetPublisher::new(Arc::new(config.data_plane_config()));
         let replicas = Replicas::default();
         let cancel = CancellationToken::new();
-        let mut tasks = vec![tokio::spawn(follow_gauges(publisher.clone(), metrics.clone(), cancel.clone()))];
-
         let registry = Registry::new(publisher.clone());
+        let mut tasks = vec![
+            tokio::spawn(gauges::follow_fleet(publisher.subscribe(), metrics.clone(), cancel.clone())),
+            tokio::spawn(gauges::follow_registry(registry.subscribe(), metrics.clone(), cancel.clone())),
+        ];
         let discovery = DiscoverySupervisor::start(&config, registry.clone(), metrics.clone(), cancel.clone())?;
         let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));
 
@@ -143,20 +146,4 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 
 fn local_addr(what: &'static str, listener: &TcpListener) -> Result<SocketAddr, StartError> {
     listener.local_addr().map_err(|source| StartError::Bind { what, addr: SocketAddr::from(([0, 0, 0, 0], 0)), source })
-}
-
-/// Keeps the fleet gauges in step with the published view.
-async fn follow_gauges(publisher: FleetPublisher, metrics: Metrics, cancel: CancellationToken) {
-    let mut states = publisher.subscribe();
-    loop {
-        {
-            let state = states.borrow_and_update();
-            metrics.fleet_version.set(i64::try_from(state.version()).unwrap_or(i64::MAX));
-            metrics.fleet_workers.set(i64::try_from(state.view().workers().len()).unwrap_or(i64::MAX));
-        }
-        tokio::select! {
-            () = cancel.cancelled() => return,
-            changed = states.changed() => if changed.is_err() { return },
-        }
-    }
 }

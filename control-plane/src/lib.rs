@@ -3,6 +3,7 @@
 pub mod admin;
 pub mod app;
 pub mod fleet;
+pub mod gauges;
 pub mod grpc;
 pub mod metrics;
 pub mod sources;

@@ -1,7 +1,7 @@
 //! The control plane's Prometheus metrics. One registry per process (not the global default),
 //! so tests can run several control planes side by side. Every label set is closed.
 
-use prometheus::{Encoder, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -23,6 +23,12 @@ pub struct Metrics {
     pub discovery_events: IntCounterVec,
     /// 1 while every discovery watch is open.
     pub discovery_connected: IntGauge,
+    /// Discovered workers by `role` (prefill, decode, aggregated, unknown, excluded).
+    pub registry_workers: IntGaugeVec,
+    /// Discovered event publishers by `topic` (kv_metrics, kv-events).
+    pub registry_publishers: IntGaugeVec,
+    /// The discovery registry's generation.
+    pub registry_generation: IntGauge,
 }
 
 impl Metrics {
@@ -52,6 +58,18 @@ impl Metrics {
                 "continuum_dynamo_discovery_connected",
                 "1 while every discovery watch is open",
             )?,
+            registry_workers: IntGaugeVec::new(
+                Opts::new("continuum_dynamo_workers", "Discovered workers by role"),
+                &["role"],
+            )?,
+            registry_publishers: IntGaugeVec::new(
+                Opts::new("continuum_dynamo_publishers", "Discovered event publishers by topic"),
+                &["topic"],
+            )?,
+            registry_generation: IntGauge::new(
+                "continuum_dynamo_registry_generation",
+                "Generation of the discovery registry",
+            )?,
             registry,
         };
         for collector in [
@@ -63,6 +81,9 @@ impl Metrics {
             Box::new(metrics.watch_refused.clone()),
             Box::new(metrics.discovery_events.clone()),
             Box::new(metrics.discovery_connected.clone()),
+            Box::new(metrics.registry_workers.clone()),
+            Box::new(metrics.registry_publishers.clone()),
+            Box::new(metrics.registry_generation.clone()),
         ] {
             metrics.registry.register(collector)?;
         }
