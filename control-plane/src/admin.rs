@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use axum::Router;
 use axum::extract::{Request, State};
@@ -12,12 +13,14 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use continuum_proto::model::{LoadKey, LoadSample};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use crate::discovery::{DiscoveredWorker, Topic};
 use crate::fleet::FleetPublisher;
 use crate::grpc::Replicas;
+use crate::load::{LoadView, Reading, SubscriptionStatus, transport_label};
 use crate::metrics::Metrics;
 use crate::sources::Registry;
 
@@ -29,6 +32,8 @@ pub struct AdminState {
     pub metrics: Metrics,
     /// What a configuration reload may change.
     pub settings: watch::Receiver<AdminSettings>,
+    /// The load store and the running load subscriptions.
+    pub load: LoadView,
 }
 
 /// The reloadable part of the admin API's state.
@@ -44,6 +49,7 @@ pub struct AdminSettings {
 pub fn router(state: AdminState) -> Router {
     let admin = Router::new()
         .route("/admin/dynamo/workers", get(workers))
+        .route("/admin/dynamo/loads", get(loads))
         .route("/admin/fleet/replicas", get(replicas))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
@@ -114,7 +120,67 @@ async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
         "workers": workers,
         "load_publishers": publishers(Topic::KvMetrics),
         "kv_event_publishers": publishers(Topic::KvEvents),
+        "subscriptions": state.load.subscriptions().iter().map(|s| subscription_json(s)).collect::<Vec<_>>(),
     }))
+}
+
+/// A running subscription as the seed shows it: never the publisher's address.
+fn subscription_json(status: &SubscriptionStatus) -> Value {
+    json!({
+        "family": status.family,
+        "publisher_id": status.publisher.publisher_id.to_string(),
+        "namespace": status.publisher.namespace.as_ref(),
+        "component": status.component,
+        "state": status.state().map(|s| s.as_str()),
+        "transport": transport_label(status.transport),
+    })
+}
+
+/// Every held load sample with how a picker reads it, and every sample in the published fleet
+/// view with its version, so an operator (or a test) can compare what the store holds with
+/// what the replicas were sent.
+async fn loads(State(state): State<AdminState>) -> impl IntoResponse {
+    let now = Instant::now();
+    let published = state.publisher.current();
+    let (held, max_staleness) = {
+        let store = state.load.store.lock();
+        let mut entries: Vec<_> = store.iter().collect();
+        entries.sort_by(|a, b| a.0.cmp(b.0));
+        let held: Vec<Value> = entries
+            .into_iter()
+            .map(|(key, held)| {
+                let mut entry = load_json(key, &held.sample, now);
+                entry["publisher_id"] = json!(held.publisher_id.to_string());
+                entry["sequence"] = json!(held.sequence);
+                entry["reading"] = json!(match store.reading(key, now) {
+                    Reading::Fresh(_) => "fresh",
+                    Reading::Quiet => "quiet",
+                    Reading::SilentUnderLoad => "silent_under_load",
+                });
+                entry
+            })
+            .collect();
+        (held, store.max_staleness())
+    };
+    let sent: Vec<Value> = published.view().loads().iter().map(|(key, sample)| load_json(key, sample, now)).collect();
+    axum::Json(json!({
+        "max_staleness_ms": u64::try_from(max_staleness.as_millis()).unwrap_or(u64::MAX),
+        "store": held,
+        "fleet": {"version": published.version(), "loads": sent},
+    }))
+}
+
+fn load_json(key: &LoadKey, sample: &LoadSample, now: Instant) -> Value {
+    json!({
+        "namespace": key.worker.namespace.as_ref(),
+        "worker_id": key.worker.instance_id.to_string(),
+        "instance_id": format!("{:x}", key.worker.instance_id),
+        "dp_rank": key.dp_rank,
+        "active_decode_blocks": sample.load.active_decode_blocks,
+        "active_prefill_tokens": sample.load.active_prefill_tokens,
+        "kv_used_blocks": sample.load.kv_used_blocks,
+        "age_ms": u64::try_from(sample.age(now).as_millis()).unwrap_or(u64::MAX),
+    })
 }
 
 /// The seed's worker shape: `instance_id` in lowercase hex, `worker_id` in decimal (as a

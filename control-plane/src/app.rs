@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::gauges;
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::grpc::{self, FleetService, Replicas};
+use crate::load::{LoadOptions, LoadSupervisor};
 use crate::metrics::Metrics;
 use crate::sources::{DiscoverySupervisor, Registry, SourceUnavailable};
 
@@ -45,6 +46,7 @@ pub struct ControlPlane {
     pub metrics: Metrics,
     config: Config,
     discovery: DiscoverySupervisor,
+    load: LoadSupervisor,
     settings: watch::Sender<AdminSettings>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
@@ -80,6 +82,14 @@ impl ControlPlane {
             tokio::spawn(gauges::follow_fleet(publisher.subscribe(), metrics.clone(), cancel.clone())),
             tokio::spawn(gauges::follow_registry(registry.subscribe(), metrics.clone(), cancel.clone())),
         ];
+        let load = LoadSupervisor::start(
+            &config.dynamo.load,
+            LoadOptions::default(),
+            registry.subscribe(),
+            publisher.clone(),
+            &metrics,
+            cancel.child_token(),
+        );
         let discovery = DiscoverySupervisor::start(&config, registry.clone(), metrics.clone(), cancel.clone())?;
         let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));
 
@@ -97,6 +107,7 @@ impl ControlPlane {
             replicas: replicas.clone(),
             metrics: metrics.clone(),
             settings: settings_rx,
+            load: load.view(),
         };
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
@@ -107,7 +118,7 @@ impl ControlPlane {
             }
         }));
         tracing::info!(%grpc_addr, %admin_addr, source = discovery.source(), "control plane started");
-        Ok(Self { grpc_addr, admin_addr, publisher, replicas, metrics, config, discovery, settings, cancel, tasks })
+        Ok(Self { grpc_addr, admin_addr, publisher, replicas, metrics, config, discovery, load, settings, cancel, tasks })
     }
 
     /// Applies a new configuration without a restart: the data plane's part goes out on the
@@ -115,6 +126,7 @@ impl ControlPlane {
     /// listing change. Listen addresses need a restart; a change to them is logged and ignored.
     pub async fn reload(&mut self, config: Config) -> Result<(), ReloadError> {
         self.discovery.reload(&config).await?;
+        self.load.reload(&config.dynamo.load);
         self.publisher.apply(FleetChange { config: Some(Arc::new(config.data_plane_config())), ..FleetChange::default() });
         for (what, old, new) in [
             ("control_plane.grpc_listen", self.config.control_plane.grpc_listen, config.control_plane.grpc_listen),
@@ -133,6 +145,7 @@ impl ControlPlane {
     /// Ends every Watch stream, stops the servers and waits for them.
     pub async fn shutdown(mut self) {
         self.discovery.stop().await;
+        self.load.stop().await;
         self.cancel.cancel();
         for task in self.tasks {
             let _ = task.await;

@@ -5,6 +5,7 @@ pub mod app;
 pub mod fleet;
 pub mod gauges;
 pub mod grpc;
+pub mod load;
 pub mod metrics;
 pub mod sources;
 pub mod discovery;

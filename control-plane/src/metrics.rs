@@ -1,7 +1,10 @@
 //! The control plane's Prometheus metrics. One registry per process (not the global default),
 //! so tests can run several control planes side by side. Every label set is closed.
 
-use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use crate::config::LoadTransport;
+use crate::load::{LoadEvent, LoadGauges, SubscriptionState, transport_label};
 
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -18,6 +21,10 @@ pub struct Metrics {
     pub replica_replies: IntCounterVec,
     /// Watch streams refused before they started, by `reason` (no_hello, bad_hello).
     pub watch_refused: IntCounterVec,
+    /// Dispatch reports dropped because the backlog book was a full queue behind.
+    pub dispatch_reports_dropped: IntCounter,
+    /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
+    pub dispatches_refused: IntCounter,
     /// Discovery events by `kind` (put, delete, resync, malformed, oversized, over_capacity,
     /// duplicate, unsupported, skipped, restart).
     pub discovery_events: IntCounterVec,
@@ -29,6 +36,12 @@ pub struct Metrics {
     pub registry_publishers: IntGaugeVec,
     /// The discovery registry's generation.
     pub registry_generation: IntGauge,
+    /// kv_metrics messages by `result` (see `load::LoadEvent`).
+    pub load_events: IntCounterVec,
+    /// Running kv_metrics subscriptions by `state` and `transport`.
+    pub load_subscriptions: IntGaugeVec,
+    /// Per-rank load fields, labelled `namespace`, `worker` (hex) and `dp_rank`.
+    pub load_gauges: LoadGauges,
 }
 
 impl Metrics {
@@ -50,6 +63,14 @@ impl Metrics {
                 Opts::new("continuum_fleet_watch_refused_total", "Watch streams refused before the first update"),
                 &["reason"],
             )?,
+            dispatch_reports_dropped: IntCounter::new(
+                "continuum_fleet_dispatch_reports_dropped_total",
+                "Replica dispatch reports dropped because the backlog book was behind",
+            )?,
+            dispatches_refused: IntCounter::new(
+                "continuum_fleet_dispatches_refused_total",
+                "Reported dispatches refused: an unknown rank, or past a replica's bound",
+            )?,
             discovery_events: IntCounterVec::new(
                 Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),
                 &["kind"],
@@ -70,8 +91,25 @@ impl Metrics {
                 "continuum_dynamo_registry_generation",
                 "Generation of the discovery registry",
             )?,
+            load_events: IntCounterVec::new(
+                Opts::new("continuum_dynamo_load_events_total", "kv_metrics messages and sessions by result"),
+                &["result"],
+            )?,
+            load_subscriptions: IntGaugeVec::new(
+                Opts::new("continuum_dynamo_load_subscriptions", "Running kv_metrics subscriptions by state and transport"),
+                &["state", "transport"],
+            )?,
+            load_gauges: LoadGauges::new()?,
             registry,
         };
+        for event in LoadEvent::ALL {
+            metrics.load_events.with_label_values(&[event.as_str()]);
+        }
+        for state in SubscriptionState::ALL {
+            for transport in [LoadTransport::Direct, LoadTransport::Broker] {
+                metrics.load_subscriptions.with_label_values(&[state.as_str(), transport_label(transport)]);
+            }
+        }
         for collector in [
             Box::new(metrics.fleet_version.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(metrics.fleet_workers.clone()),
@@ -79,11 +117,18 @@ impl Metrics {
             Box::new(metrics.updates_sent.clone()),
             Box::new(metrics.replica_replies.clone()),
             Box::new(metrics.watch_refused.clone()),
+            Box::new(metrics.dispatch_reports_dropped.clone()),
+            Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.discovery_events.clone()),
             Box::new(metrics.discovery_connected.clone()),
             Box::new(metrics.registry_workers.clone()),
             Box::new(metrics.registry_publishers.clone()),
             Box::new(metrics.registry_generation.clone()),
+            Box::new(metrics.load_events.clone()),
+            Box::new(metrics.load_subscriptions.clone()),
+            Box::new(metrics.load_gauges.active_decode_blocks.clone()),
+            Box::new(metrics.load_gauges.active_prefill_tokens.clone()),
+            Box::new(metrics.load_gauges.kv_used_blocks.clone()),
         ] {
             metrics.registry.register(collector)?;
         }

@@ -1,7 +1,9 @@
 //! The data plane's Prometheus metrics. One registry per replica (not the global default), so
 //! tests can run several replicas in one process. Every label set is closed.
 
-use prometheus::{Encoder, Gauge, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 use crate::fleet::FleetStatus;
 
@@ -20,7 +22,82 @@ pub struct Metrics {
     pub view_workers: IntGauge,
     /// How long the view has been last-known-good rather than current (0 while connected).
     pub snapshot_age_seconds: Gauge,
+    /// Shim dispatch failures by `phase` ([`ErrorPhase`]).
+    pub disaggregated_errors: IntCounterVec,
+    /// Routed requests by `routing_path` ([`RoutingPath`]), once per request.
+    pub disaggregated_requests: IntCounterVec,
+    /// Time until the response head, by `ingress` ([`Ingress`]) and `status_class` (2xx..5xx).
+    pub request_duration: HistogramVec,
+    /// Each shim replica's circuit breaker by `backend` (configured names): 0 closed, 1
+    /// half-open, 2 open.
+    pub shim_replica_state: IntGaugeVec,
+    /// Dispatch reports dropped: the queue to the control plane was full.
+    pub dispatch_reports_dropped: IntCounter,
 }
+
+/// Where a shim dispatch failed: `orchestration` (the frontend refused the pinned pair) or
+/// `decode` (every other shim failure, mid-stream breaks included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorPhase {
+    Orchestration,
+    Decode,
+}
+
+impl ErrorPhase {
+    pub const ALL: [ErrorPhase; 2] = [ErrorPhase::Orchestration, ErrorPhase::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorPhase::Orchestration => "orchestration",
+            ErrorPhase::Decode => "decode",
+        }
+    }
+}
+
+/// How a request was finally sent: pinned to a prefill and a decode worker, pinned to one
+/// aggregated (or lone decode) worker, unpinned because disaggregated serving is off, or
+/// unpinned as the fallback after a pinned failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoutingPath {
+    Disaggregated,
+    Aggregated,
+    Unified,
+    UnifiedFallback,
+}
+
+impl RoutingPath {
+    pub const ALL: [RoutingPath; 4] =
+        [RoutingPath::Disaggregated, RoutingPath::Aggregated, RoutingPath::Unified, RoutingPath::UnifiedFallback];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RoutingPath::Disaggregated => "disaggregated",
+            RoutingPath::Aggregated => "aggregated",
+            RoutingPath::Unified => "unified",
+            RoutingPath::UnifiedFallback => "unified_fallback",
+        }
+    }
+}
+
+/// The traffic ingresses, for the latency histogram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ingress {
+    ChatCompletions,
+    Models,
+}
+
+impl Ingress {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Ingress::ChatCompletions => "chat_completions",
+            Ingress::Models => "models",
+        }
+    }
+}
+
+/// Latency buckets from a cached reply to a long buffered generation.
+const LATENCY_BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
+const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
@@ -37,11 +114,38 @@ impl Metrics {
             reconnects: IntCounter::new("continuum_fleet_reconnects_total", "Reconnections to the control plane")?,
             view_version: IntGauge::new("continuum_fleet_view_version", "Version of the fleet view held")?,
             view_workers: IntGauge::new("continuum_fleet_view_workers", "Workers in the fleet view held")?,
+            dispatch_reports_dropped: IntCounter::new(
+                "continuum_fleet_dispatch_reports_dropped_total",
+                "Dispatch reports to the control plane dropped because the queue was full",
+            )?,
             snapshot_age_seconds: Gauge::new(
                 "continuum_fleet_snapshot_age_seconds",
                 "Seconds the fleet view has been last-known-good instead of current (0 while connected)",
             )?,
+            disaggregated_errors: IntCounterVec::new(
+                Opts::new("continuum_disaggregated_errors_total", "Shim dispatch failures, by phase"),
+                &["phase"],
+            )?,
+            disaggregated_requests: IntCounterVec::new(
+                Opts::new("continuum_disaggregated_requests_total", "Routed requests, by the path they finally took"),
+                &["routing_path"],
+            )?,
+            request_duration: HistogramVec::new(
+                HistogramOpts::new("continuum_request_duration_seconds", "Time from request to response head")
+                    .buckets(LATENCY_BUCKETS.to_vec()),
+                &["ingress", "status_class"],
+            )?,
+            shim_replica_state: IntGaugeVec::new(
+                Opts::new("continuum_shim_replica_state", "Shim replica circuit breaker: 0 closed, 1 half-open, 2 open"),
+                &["backend"],
+            )?,
         };
+        for phase in ErrorPhase::ALL {
+            metrics.disaggregated_errors.with_label_values(&[phase.as_str()]);
+        }
+        for path in RoutingPath::ALL {
+            metrics.disaggregated_requests.with_label_values(&[path.as_str()]);
+        }
         for collector in [
             Box::new(metrics.stream_connected.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(metrics.updates.clone()),
@@ -49,10 +153,28 @@ impl Metrics {
             Box::new(metrics.view_version.clone()),
             Box::new(metrics.view_workers.clone()),
             Box::new(metrics.snapshot_age_seconds.clone()),
+            Box::new(metrics.dispatch_reports_dropped.clone()),
+            Box::new(metrics.disaggregated_errors.clone()),
+            Box::new(metrics.disaggregated_requests.clone()),
+            Box::new(metrics.request_duration.clone()),
+            Box::new(metrics.shim_replica_state.clone()),
         ] {
             metrics.registry.register(collector)?;
         }
         Ok(metrics)
+    }
+
+    pub fn error(&self, phase: ErrorPhase) {
+        self.disaggregated_errors.with_label_values(&[phase.as_str()]).inc();
+    }
+
+    pub fn routed(&self, path: RoutingPath) {
+        self.disaggregated_requests.with_label_values(&[path.as_str()]).inc();
+    }
+
+    pub fn observe(&self, ingress: Ingress, status: u16, seconds: f64) {
+        let class = STATUS_CLASSES.get(usize::from(status / 100).saturating_sub(1)).copied().unwrap_or("5xx");
+        self.request_duration.with_label_values(&[ingress.as_str(), class]).observe(seconds);
     }
 
     /// The text exposition, with the fleet gauges brought up to date first.

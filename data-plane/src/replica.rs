@@ -8,7 +8,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::fleet::{self, FleetClientConfig, FleetHandle};
+use crate::fleet::{self, DispatchReporter, FleetClientConfig, FleetHandle};
 use crate::http::{self, AppState};
 use crate::metrics::Metrics;
 
@@ -25,6 +25,8 @@ pub enum StartError {
 pub struct Replica {
     pub local_addr: SocketAddr,
     pub fleet: Arc<FleetHandle>,
+    /// Where dispatches are reported for fleet-wide accounting.
+    pub reporter: Arc<DispatchReporter>,
     pub metrics: Metrics,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
@@ -39,7 +41,14 @@ impl Replica {
         let fleet = Arc::new(FleetHandle::default());
         let metrics = Metrics::new()?;
         let cancel = CancellationToken::new();
-        let client = tokio::spawn(fleet::run(config, Arc::clone(&fleet), metrics.clone(), cancel.clone()));
+        let reporter = Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone()));
+        let client = tokio::spawn(fleet::run(
+            config,
+            Arc::clone(&fleet),
+            Arc::clone(&reporter),
+            metrics.clone(),
+            cancel.clone(),
+        ));
         let app = http::router(AppState { fleet: Arc::clone(&fleet), metrics: metrics.clone() });
         let shutdown = cancel.clone();
         let server = tokio::spawn(async move {
@@ -49,7 +58,7 @@ impl Replica {
             }
         });
         tracing::info!(%local_addr, "data-plane replica listening");
-        Ok(Self { local_addr, fleet, metrics, cancel, tasks: vec![client, server] })
+        Ok(Self { local_addr, fleet, reporter, metrics, cancel, tasks: vec![client, server] })
     }
 
     /// Stops both tasks and waits for them.

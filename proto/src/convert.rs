@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::model::{
-    Backend, Capacity, DataPlaneConfig, DisaggregatedServing, Load, LoadKey, LoadSample, PickerParams, Role,
+    Backend, Backlog, Capacity, DataPlaneConfig, DisaggregatedServing, Load, LoadKey, LoadSample, PickerParams, Role,
     ShimPool, Worker, WorkerKey,
 };
 use crate::pb;
@@ -252,6 +252,27 @@ impl From<&DataPlaneConfig> for pb::DataPlaneConfig {
     }
 }
 
+fn backlog_to_wire(key: &LoadKey, backlog: &Backlog) -> pb::Backlog {
+    pb::Backlog {
+        key: Some(key.into()),
+        prefill_tokens: backlog.prefill_tokens,
+        decode_blocks: backlog.decode_blocks,
+        dispatches: backlog.dispatches,
+    }
+}
+
+fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeError> {
+    let key = LoadKey::try_from(backlog.key.ok_or(DecodeError::Missing("backlog.key"))?)?;
+    Ok((
+        key,
+        Backlog { prefill_tokens: backlog.prefill_tokens, decode_blocks: backlog.decode_blocks, dispatches: backlog.dispatches },
+    ))
+}
+
+fn decode_backlogs(backlogs: Vec<pb::Backlog>) -> Result<Vec<(LoadKey, Backlog)>, DecodeError> {
+    backlogs.into_iter().map(backlog_from_wire).collect()
+}
+
 /// Encodes a whole view; load ages are measured against `now`.
 pub fn snapshot_to_wire(view: &FleetView, now: Instant) -> pb::Snapshot {
     pb::Snapshot {
@@ -259,6 +280,7 @@ pub fn snapshot_to_wire(view: &FleetView, now: Instant) -> pb::Snapshot {
         workers: view.workers().values().map(|w| pb::Worker::from(w.as_ref())).collect(),
         loads: view.loads().iter().map(|(k, s)| load_to_wire(k, s, now)).collect(),
         config: Some(view.config().as_ref().into()),
+        backlogs: view.backlogs().iter().map(|(k, b)| backlog_to_wire(k, b)).collect(),
     }
 }
 
@@ -267,7 +289,8 @@ pub fn snapshot_from_wire(snapshot: pb::Snapshot, now: Instant) -> Result<FleetV
     let config = DataPlaneConfig::try_from(snapshot.config.ok_or(DecodeError::Missing("snapshot.config"))?)?;
     let workers = decode_workers(snapshot.workers)?;
     let loads = decode_loads(snapshot.loads, now)?;
-    Ok(FleetView::new(snapshot.version, workers, loads, Arc::new(config))?)
+    let backlogs = decode_backlogs(snapshot.backlogs)?;
+    Ok(FleetView::new(snapshot.version, workers, loads, Arc::new(config))?.with_backlogs(backlogs)?)
 }
 
 pub fn delta_to_wire(delta: &FleetDelta, now: Instant) -> pb::Delta {
@@ -278,6 +301,8 @@ pub fn delta_to_wire(delta: &FleetDelta, now: Instant) -> pb::Delta {
         loads: delta.loads.iter().map(|(k, s)| load_to_wire(k, s, now)).collect(),
         loads_removed: delta.loads_removed.iter().map(pb::LoadKey::from).collect(),
         config: delta.config.as_deref().map(pb::DataPlaneConfig::from),
+        backlogs: delta.backlogs.iter().map(|(k, b)| backlog_to_wire(k, b)).collect(),
+        backlogs_removed: delta.backlogs_removed.iter().map(pb::LoadKey::from).collect(),
     }
 }
 
@@ -290,6 +315,8 @@ pub fn delta_from_wire(version: u64, delta: pb::Delta, now: Instant) -> Result<F
         loads: decode_loads(delta.loads, now)?,
         loads_removed: delta.loads_removed.into_iter().map(LoadKey::try_from).collect::<Result<_, _>>()?,
         config: delta.config.map(DataPlaneConfig::try_from).transpose()?.map(Arc::new),
+        backlogs: decode_backlogs(delta.backlogs)?,
+        backlogs_removed: delta.backlogs_removed.into_iter().map(LoadKey::try_from).collect::<Result<_, _>>()?,
     })
 }
 

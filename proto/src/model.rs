@@ -117,6 +117,15 @@ impl LoadSample {
     }
 }
 
+/// Unanswered dispatches on one rank, summed over every replica: requests pinned to it since
+/// its last load sample. The picker adds them to the rank's backlog.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Backlog {
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+    pub dispatches: u32,
+}
+
 /// An OpenAI-wire backend the data plane may dispatch to (a direct-mode shim replica).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Backend {

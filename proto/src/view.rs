@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use imbl::OrdMap;
 
-use crate::model::{DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
+use crate::model::{Backlog, DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
 
 /// An immutable, versioned view of the fleet.
 #[derive(Clone, Debug, Default)]
@@ -18,6 +18,7 @@ pub struct FleetView {
     version: u64,
     workers: OrdMap<WorkerKey, Arc<Worker>>,
     loads: OrdMap<LoadKey, LoadSample>,
+    backlogs: OrdMap<LoadKey, Backlog>,
     config: Arc<DataPlaneConfig>,
 }
 
@@ -31,6 +32,8 @@ pub struct FleetDelta {
     pub loads: Vec<(LoadKey, LoadSample)>,
     pub loads_removed: Vec<LoadKey>,
     pub config: Option<Arc<DataPlaneConfig>>,
+    pub backlogs: Vec<(LoadKey, Backlog)>,
+    pub backlogs_removed: Vec<LoadKey>,
 }
 
 /// Why a delta cannot be applied to a view. The replica refuses (NACKs) it and keeps its state.
@@ -58,9 +61,19 @@ impl FleetView {
             version,
             workers: workers.into_iter().map(|w| (w.key.clone(), w)).collect(),
             loads: OrdMap::new(),
+            backlogs: OrdMap::new(),
             config,
         };
         view.with_loads(loads)
+    }
+
+    /// The same view with these backlogs (from a full snapshot).
+    pub fn with_backlogs(mut self, backlogs: impl IntoIterator<Item = (LoadKey, Backlog)>) -> Result<Self, ApplyError> {
+        for (key, backlog) in backlogs {
+            self.check_load_key(&key)?;
+            self.backlogs.insert(key, backlog);
+        }
+        Ok(self)
     }
 
     pub fn version(&self) -> u64 {
@@ -81,6 +94,11 @@ impl FleetView {
 
     pub fn config(&self) -> &Arc<DataPlaneConfig> {
         &self.config
+    }
+
+    /// Unanswered dispatches per rank, fleet-wide.
+    pub fn backlogs(&self) -> &OrdMap<LoadKey, Backlog> {
+        &self.backlogs
     }
 
     /// The view after `delta`, or why it does not fit this view. `self` is never changed.
@@ -105,7 +123,10 @@ impl FleetView {
         if let Some(config) = &delta.config {
             next.config = Arc::clone(config);
         }
-        next.with_loads(delta.loads.iter().cloned())
+        for key in &delta.backlogs_removed {
+            next.backlogs.remove(key);
+        }
+        next.with_loads(delta.loads.iter().cloned())?.with_backlogs(delta.backlogs.iter().cloned())
     }
 
     /// Same workers, loads and configuration, ignoring versions and receipt times: what
@@ -113,6 +134,7 @@ impl FleetView {
     pub fn same_content(&self, other: &FleetView) -> bool {
         self.workers == other.workers
             && self.config == other.config
+            && self.backlogs == other.backlogs
             && self.loads.len() == other.loads.len()
             && self.loads.iter().zip(other.loads.iter()).all(|((ka, a), (kb, b))| ka == kb && a.load == b.load)
     }
@@ -120,7 +142,9 @@ impl FleetView {
     fn remove_worker(&mut self, key: &WorkerKey) {
         if let Some(worker) = self.workers.remove(key) {
             for dp_rank in worker.dp_ranks() {
-                self.loads.remove(&LoadKey { worker: key.clone(), dp_rank });
+                let rank = LoadKey { worker: key.clone(), dp_rank };
+                self.loads.remove(&rank);
+                self.backlogs.remove(&rank);
             }
         }
     }
@@ -129,7 +153,9 @@ impl FleetView {
         // A worker whose ranks shrank keeps no samples for the ranks it gave up.
         if let Some(old) = self.workers.get(&worker.key).cloned() {
             for dp_rank in old.dp_ranks().filter(|r| !worker.dp_ranks().any(|n| n == *r)) {
-                self.loads.remove(&LoadKey { worker: worker.key.clone(), dp_rank });
+                let rank = LoadKey { worker: worker.key.clone(), dp_rank };
+                self.loads.remove(&rank);
+                self.backlogs.remove(&rank);
             }
         }
         self.workers.insert(worker.key.clone(), Arc::clone(worker));
@@ -168,6 +194,8 @@ impl FleetDelta {
             && self.loads.is_empty()
             && self.loads_removed.is_empty()
             && self.config.is_none()
+            && self.backlogs.is_empty()
+            && self.backlogs_removed.is_empty()
     }
 
     /// One delta equivalent to applying `deltas` in order. They must be consecutive.
@@ -194,6 +222,7 @@ struct Merge {
     removed: BTreeSet<WorkerKey>,
     upserted: BTreeMap<WorkerKey, Arc<Worker>>,
     loads: BTreeMap<LoadKey, Option<LoadSample>>,
+    backlogs: BTreeMap<LoadKey, Option<Backlog>>,
     config: Option<Arc<DataPlaneConfig>>,
 }
 
@@ -204,10 +233,13 @@ impl Merge {
             self.upserted.remove(key);
             self.removed.insert(key.clone());
             self.loads.retain(|k, _| &k.worker != key);
+            self.backlogs.retain(|k, _| &k.worker != key);
         }
         for worker in &delta.upserted {
             // Samples carried for ranks the worker gave up would not fit it any more.
-            self.loads.retain(|k, _| k.worker != worker.key || worker.dp_ranks().any(|r| r == k.dp_rank));
+            let fits = |k: &LoadKey| k.worker != worker.key || worker.dp_ranks().any(|r| r == k.dp_rank);
+            self.loads.retain(|k, _| fits(k));
+            self.backlogs.retain(|k, _| fits(k));
             self.upserted.insert(worker.key.clone(), Arc::clone(worker));
         }
         for key in &delta.loads_removed {
@@ -218,6 +250,12 @@ impl Merge {
         }
         if let Some(config) = &delta.config {
             self.config = Some(Arc::clone(config));
+        }
+        for key in &delta.backlogs_removed {
+            self.backlogs.insert(key.clone(), None);
+        }
+        for (key, backlog) in &delta.backlogs {
+            self.backlogs.insert(key.clone(), Some(*backlog));
         }
     }
 
@@ -234,6 +272,12 @@ impl Merge {
             match sample {
                 Some(sample) => delta.loads.push((key, sample)),
                 None => delta.loads_removed.push(key),
+            }
+        }
+        for (key, backlog) in self.backlogs {
+            match backlog {
+                Some(backlog) => delta.backlogs.push((key, backlog)),
+                None => delta.backlogs_removed.push(key),
             }
         }
         delta

@@ -59,6 +59,25 @@ pub async fn start_etcd(ns: &NetNs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The environment every Dynamo process of the namespace runs with (the README's): etcd
+/// discovery, the TCP request plane and the ZMQ event plane, all on loopback, offline.
+pub fn dynamo_env(command: &mut Command) {
+    let host = "127.0.0.1";
+    command.envs([
+        ("ETCD_ENDPOINTS", ETCD_URL),
+        ("DYN_NAMESPACE", NAMESPACE),
+        ("DYN_DISCOVERY_BACKEND", "etcd"),
+        ("DYN_REQUEST_PLANE", "tcp"),
+        ("DYN_EVENT_PLANE", "zmq"),
+        ("DYN_TCP_RPC_HOST", host),
+        ("DYN_TCP_RESPONSE_STREAM_HOST", host),
+        ("DYN_EVENT_PLANE_HOST", host),
+        ("DYN_SYSTEM_HOST", host),
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+    ]);
+}
+
 /// A `dynamo.mocker` worker's disaggregation mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -108,20 +127,7 @@ impl Mocker {
         command.args(["--data-parallel-size", &self.dp_size.to_string()]);
         // No simulated engine time: the workers stay idle here, and the test measures discovery.
         command.args(["--speedup-ratio", "0"]);
-        let host = "127.0.0.1";
-        command.envs([
-            ("ETCD_ENDPOINTS", ETCD_URL),
-            ("DYN_NAMESPACE", NAMESPACE),
-            ("DYN_DISCOVERY_BACKEND", "etcd"),
-            ("DYN_REQUEST_PLANE", "tcp"),
-            ("DYN_EVENT_PLANE", "zmq"),
-            ("DYN_TCP_RPC_HOST", host),
-            ("DYN_TCP_RESPONSE_STREAM_HOST", host),
-            ("DYN_EVENT_PLANE_HOST", host),
-            ("DYN_SYSTEM_HOST", host),
-            ("HF_HUB_OFFLINE", "1"),
-            ("TRANSFORMERS_OFFLINE", "1"),
-        ]);
+        dynamo_env(&mut command);
         command
     }
 

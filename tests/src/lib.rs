@@ -17,12 +17,15 @@ use tokio_util::sync::CancellationToken;
 
 pub mod bench;
 pub mod dynamo;
+pub mod dynamo_load;
 pub mod etcd;
+pub mod load;
 pub mod netns;
 pub mod pki;
 pub mod process;
 pub mod proxy;
 pub mod tools;
+pub mod zmtp_peer;
 
 /// A Fleet gRPC server on a loopback port, serving `publisher`.
 #[derive(Debug)]

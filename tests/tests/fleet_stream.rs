@@ -180,3 +180,42 @@ async fn get_snapshot_returns_the_published_view() -> anyhow::Result<()> {
     control.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatches_reported_by_one_replica_reach_every_replica_until_answered() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 7, "m")], ..Default::default() });
+    let replicas = start_replicas(2, &control.url()).await?;
+    wait_for_version(&replicas, control.publisher.current().version(), CONVERGE).await?;
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    let backlog_at = |replica: &continuum_data_plane::replica::Replica| {
+        replica.fleet.view().and_then(|v| v.backlogs().get(&rank).copied())
+    };
+
+    let first = replicas[0].reporter.started(&rank, 160, 10);
+    let second = replicas[0].reporter.started(&rank, 32, 2);
+    continuum_tests::eventually(CONVERGE, "the other replica seeing both dispatches", || async {
+        backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 2 && b.prefill_tokens == 192 && b.decode_blocks == 12)
+    })
+    .await?;
+
+    replicas[0].reporter.ended(first);
+    continuum_tests::eventually(CONVERGE, "the ended dispatch leaving", || async {
+        backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 1 && b.prefill_tokens == 32)
+    })
+    .await?;
+
+    // A load sample received after the dispatch answers it.
+    let sample = LoadSample { load: Load { kv_used_blocks: Some(4), ..Load::default() }, received_at: Instant::now() };
+    control.publisher.apply(FleetChange { loads: vec![(rank.clone(), sample)], ..Default::default() });
+    continuum_tests::eventually(CONVERGE, "the answered backlog leaving", || async {
+        backlog_at(&replicas[1]).is_none() && backlog_at(&replicas[0]).is_none()
+    })
+    .await?;
+    replicas[0].reporter.ended(second);
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    control.stop().await;
+    Ok(())
+}

@@ -5,6 +5,7 @@
 //! on a `watch` channel that every Watch session follows. Load samples go through the
 //! [`LoadCoalescer`] first, so a busy fleet produces one delta per window, not one per sample.
 
+mod backlog;
 mod coalesce;
 mod state;
 
@@ -14,6 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use continuum_proto::model::DataPlaneConfig;
 use tokio::sync::watch;
 
+pub use backlog::{BACKLOG_WINDOW, BacklogBook, DISPATCH_MAX_AGE, MAX_DISPATCHES_PER_REPLICA};
 pub use coalesce::{LOAD_COALESCE_WINDOW, LoadCoalescer};
 pub use state::{Catchup, DELTA_LOG_CAPACITY, FleetChange, FleetState};
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use continuum_proto::model::{DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
+use continuum_proto::model::{Backlog, DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
 use continuum_proto::view::{FleetDelta, FleetView};
 use imbl::Vector;
 
@@ -30,6 +30,8 @@ pub struct FleetChange {
     pub loads: Vec<(LoadKey, LoadSample)>,
     pub loads_removed: Vec<LoadKey>,
     pub config: Option<Arc<DataPlaneConfig>>,
+    pub backlogs: Vec<(LoadKey, Backlog)>,
+    pub backlogs_removed: Vec<LoadKey>,
 }
 
 /// What a replica should be sent to bring it from the version it holds to the current one.
@@ -109,7 +111,28 @@ impl FleetState {
         let loads_removed =
             dedup(change.loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !loads.iter().any(|(l, _)| l == k)));
         let config = change.config.filter(|c| c != view.config());
-        FleetDelta { base_version: version, version: version + 1, upserted, removed, loads, loads_removed, config }
+        let backlogs: Vec<(LoadKey, Backlog)> = change
+            .backlogs
+            .into_iter()
+            .filter(|(k, b)| serves(k) && view.backlogs().get(k) != Some(b))
+            .collect();
+        let backlogs_removed = dedup(
+            change
+                .backlogs_removed
+                .into_iter()
+                .filter(|k| view.backlogs().contains_key(k) && !backlogs.iter().any(|(b, _)| b == k)),
+        );
+        FleetDelta {
+            base_version: version,
+            version: version + 1,
+            upserted,
+            removed,
+            loads,
+            loads_removed,
+            config,
+            backlogs,
+            backlogs_removed,
+        }
     }
 }
 
@@ -127,6 +150,8 @@ impl FleetChange {
             && self.loads.is_empty()
             && self.loads_removed.is_empty()
             && self.config.is_none()
+            && self.backlogs.is_empty()
+            && self.backlogs_removed.is_empty()
     }
 }
 

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
-use crate::fleet::FleetPublisher;
+use crate::fleet::{BacklogBook, FleetPublisher};
 use crate::metrics::Metrics;
 
 /// How long a new stream may take to send its Hello.
@@ -52,11 +52,14 @@ pub struct FleetService {
     metrics: Metrics,
     /// Ends every session, so a graceful shutdown is not held open by long-lived streams.
     shutdown: CancellationToken,
+    book: BacklogBook,
 }
 
 impl FleetService {
+    /// The service, with its fleet-wide dispatch book (a task that lives until `shutdown`).
     pub fn new(publisher: FleetPublisher, replicas: Replicas, metrics: Metrics, shutdown: CancellationToken) -> Self {
-        Self { publisher, replicas, metrics, shutdown }
+        let book = BacklogBook::spawn(publisher.clone(), metrics.dispatches_refused.clone(), shutdown.clone());
+        Self { publisher, replicas, metrics, shutdown, book }
     }
 
     /// The first message of a stream must be a Hello naming the replica.
@@ -95,9 +98,11 @@ impl Fleet for FleetService {
         tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
         let (tx, rx) = mpsc::channel(REPLICA_QUEUE_CAPACITY);
         let status = Arc::new(ReplicaStatus::new(hello.replica_id));
-        let session = Session::new(self.publisher.subscribe(), inbound, tx, Arc::clone(&status), self.metrics.clone());
-        let (replicas, metrics, shutdown) = (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone());
+        let (replicas, metrics, shutdown, book) =
+            (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone(), self.book.clone());
         let id = replicas.insert(Arc::clone(&status));
+        let session =
+            Session::new(self.publisher.subscribe(), (inbound, tx), Arc::clone(&status), metrics.clone(), (book.clone(), id));
         metrics.replicas_connected.inc();
         tokio::spawn(async move {
             tokio::select! {
@@ -105,6 +110,7 @@ impl Fleet for FleetService {
                 () = shutdown.cancelled() => {}
             }
             replicas.remove(id);
+            book.replica_gone(id);
             metrics.replicas_connected.dec();
             tracing::info!(replica = %status.replica_id, "replica disconnected");
         });

@@ -14,7 +14,7 @@ use continuum_proto::pb::{self, fleet_update::Body, watch_request::Kind};
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
-use crate::fleet::{Catchup, FleetState};
+use crate::fleet::{BacklogBook, Catchup, FleetState};
 use crate::metrics::Metrics;
 
 /// Updates buffered for one replica at most (besides what HTTP/2 flow control holds).
@@ -68,6 +68,9 @@ pub(crate) struct Session {
     outbound: Outbound,
     status: Arc<ReplicaStatus>,
     metrics: Metrics,
+    /// Where the replica's dispatch reports go, under this session's id.
+    book: BacklogBook,
+    session_id: u64,
     /// The version the replica holds, as far as the session knows.
     held: Option<u64>,
     last_sent: Option<Sent>,
@@ -78,12 +81,23 @@ pub(crate) struct Session {
 impl Session {
     pub(crate) fn new(
         state: watch::Receiver<Arc<FleetState>>,
-        inbound: Streaming<pb::WatchRequest>,
-        outbound: Outbound,
+        (inbound, outbound): (Streaming<pb::WatchRequest>, Outbound),
         status: Arc<ReplicaStatus>,
         metrics: Metrics,
+        (book, session_id): (BacklogBook, u64),
     ) -> Self {
-        Self { state, inbound, outbound, status, metrics, held: None, last_sent: None, resync_after: None }
+        Self {
+            state,
+            inbound,
+            outbound,
+            status,
+            metrics,
+            book,
+            session_id,
+            held: None,
+            last_sent: None,
+            resync_after: None,
+        }
     }
 
     /// Runs until the replica goes away or the control plane shuts down.
@@ -166,6 +180,11 @@ impl Session {
                 self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
             }
             Some(Kind::Nack(nack)) => self.on_nack(nack),
+            Some(Kind::Dispatches(report)) => {
+                if !self.book.report(self.session_id, report) {
+                    self.metrics.dispatch_reports_dropped.inc();
+                }
+            }
             Some(Kind::Hello(_)) | None => {
                 tracing::debug!(replica = %self.status.replica_id, "ignoring a repeated hello or empty message");
             }

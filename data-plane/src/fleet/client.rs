@@ -20,6 +20,7 @@ use tonic::{Code, Status};
 
 use super::backoff::Backoff;
 use super::handle::FleetHandle;
+use super::reporter::{self, DispatchEvent, DispatchReporter};
 use crate::metrics::Metrics;
 
 /// Reconnect delays: the first retry is quick, a long outage settles at one attempt every few
@@ -66,14 +67,25 @@ impl SessionError {
 }
 
 /// Follows the control plane until `cancel` fires.
-pub async fn run(config: FleetClientConfig, handle: Arc<FleetHandle>, metrics: Metrics, cancel: CancellationToken) {
+pub async fn run(
+    config: FleetClientConfig,
+    handle: Arc<FleetHandle>,
+    reporter: Arc<DispatchReporter>,
+    metrics: Metrics,
+    cancel: CancellationToken,
+) {
     let mut backoff = Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX);
+    let Some(mut reports) = reporter.take_receiver() else {
+        tracing::error!("the dispatch reporter is already followed by another fleet client");
+        return;
+    };
     loop {
         let started = Instant::now();
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            outcome = follow(&config, &handle, &metrics) => outcome,
+            outcome = follow(&config, &handle, &mut reports, &metrics) => outcome,
         };
+        reporter::discard(&mut reports);
         handle.touch(false);
         metrics.stream_connected.set(0);
         match &outcome {
@@ -94,8 +106,13 @@ pub async fn run(config: FleetClientConfig, handle: Arc<FleetHandle>, metrics: M
     }
 }
 
-/// One stream: Hello, then apply updates until the stream ends.
-async fn follow(config: &FleetClientConfig, handle: &FleetHandle, metrics: &Metrics) -> Result<(), SessionError> {
+/// One stream: Hello, then apply updates and send dispatch reports until the stream ends.
+async fn follow(
+    config: &FleetClientConfig,
+    handle: &FleetHandle,
+    reports: &mut mpsc::Receiver<DispatchEvent>,
+    metrics: &Metrics,
+) -> Result<(), SessionError> {
     let endpoint = Endpoint::from_shared(config.control_plane.clone())
         .map_err(SessionError::Url)?
         .connect_timeout(CONNECT_TIMEOUT)
@@ -110,11 +127,17 @@ async fn follow(config: &FleetClientConfig, handle: &FleetHandle, metrics: &Metr
         .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES)
         .watch(ReceiverStream::new(rx)).await?.into_inner();
-    while let Some(update) = updates.message().await? {
-        let reply = apply(handle, update, metrics);
+    reporter::discard(reports);
+    loop {
+        let reply = tokio::select! {
+            update = updates.message() => match update? {
+                Some(update) => apply(handle, update, metrics),
+                None => return Ok(()),
+            },
+            Some(event) = reports.recv() => Kind::Dispatches(reporter::batch(event, reports)),
+        };
         replies.send(request(reply)).await.map_err(|_| SessionError::RepliesClosed)?;
     }
-    Ok(())
 }
 
 /// Applies one update to the handle, or explains why not; returns the reply to send.

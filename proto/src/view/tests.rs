@@ -4,7 +4,7 @@ use std::time::Instant;
 use proptest::prelude::*;
 
 use super::*;
-use crate::model::{Capacity, Load, Role};
+use crate::model::{Backlog, Capacity, Load, Role};
 
 fn worker(id: u64, dp_size: u32) -> Arc<Worker> {
     Arc::new(Worker {
@@ -92,6 +92,8 @@ enum Op {
     Remove(u64),
     Load(u64, u32, u64),
     Unload(u64, u32),
+    Backlog(u64, u32, u64),
+    Unbacklog(u64, u32),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -100,6 +102,8 @@ fn op() -> impl Strategy<Value = Op> {
         (0..6u64).prop_map(Op::Remove),
         (0..6u64, 0..3u32, 0..100u64).prop_map(|(id, r, u)| Op::Load(id, r, u)),
         (0..6u64, 0..3u32).prop_map(|(id, r)| Op::Unload(id, r)),
+        (0..6u64, 0..3u32, 1..100u64).prop_map(|(id, r, n)| Op::Backlog(id, r, n)),
+        (0..6u64, 0..3u32).prop_map(|(id, r)| Op::Unbacklog(id, r)),
     ]
 }
 
@@ -112,6 +116,11 @@ fn delta_for(view: &FleetView, op: &Op) -> Option<FleetDelta> {
         Op::Remove(id) => FleetDelta { removed: vec![WorkerKey::new("dynamo", id)], ..base },
         Op::Load(id, r, u) => FleetDelta { loads: vec![(load_key(id, r), sample(u))], ..base },
         Op::Unload(id, r) => FleetDelta { loads_removed: vec![load_key(id, r)], ..base },
+        Op::Backlog(id, r, n) => {
+            let backlog = Backlog { prefill_tokens: n * 16, decode_blocks: n, dispatches: 1 };
+            FleetDelta { backlogs: vec![(load_key(id, r), backlog)], ..base }
+        }
+        Op::Unbacklog(id, r) => FleetDelta { backlogs_removed: vec![load_key(id, r)], ..base },
     };
     view.apply(&d).ok().map(|_| d)
 }
@@ -134,4 +143,15 @@ proptest! {
             prop_assert_eq!(via_merge.version(), view.version());
         }
     }
+}
+
+#[test]
+fn removing_a_worker_drops_its_backlog() {
+    let backlog = Backlog { prefill_tokens: 100, decode_blocks: 7, dispatches: 2 };
+    let view = FleetView::default()
+        .apply(&FleetDelta { upserted: vec![worker(1, 1)], backlogs: vec![(load_key(1, 0), backlog)], ..delta(0) })
+        .unwrap();
+    assert_eq!(view.backlogs().get(&load_key(1, 0)), Some(&backlog));
+    let view = view.apply(&FleetDelta { removed: vec![WorkerKey::new("dynamo", 1)], ..delta(1) }).unwrap();
+    assert!(view.backlogs().is_empty());
 }

@@ -1,0 +1,105 @@
+//! Dialling a publisher's fleet-authored `tcp://host:port`: resolve the host once, keep only
+//! the addresses `dynamo.load.direct_allow_cidrs` allows, and connect to one of those very
+//! addresses, so DNS cannot change the answer between the policy check and the connection.
+//! Resolution and connection share [`ZmtpLimits::connect_timeout`](super::zmtp::ZmtpLimits).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+
+use crate::config::Cidr;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("the publisher address is not tcp://host:port")]
+    BadAddress,
+    #[error("resolving the publisher's host: {0}")]
+    Resolve(std::io::Error),
+    #[error("the publisher's host resolves to {0:?}, none inside dynamo.load.direct_allow_cidrs; add the worker Pod network")]
+    NotAllowed(Vec<IpAddr>),
+    #[error("connecting: {0}")]
+    Connect(std::io::Error),
+    #[error("no connection within {0:?}")]
+    Timeout(Duration),
+}
+
+/// `host` and `port` of `tcp://host:port` (`[v6]:port` too).
+pub fn parse_tcp_address(address: &str) -> Result<(&str, u16), DialError> {
+    let rest = address.strip_prefix("tcp://").ok_or(DialError::BadAddress)?;
+    let (host, port) = rest.rsplit_once(':').ok_or(DialError::BadAddress)?;
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let port: u16 = port.parse().map_err(|_| DialError::BadAddress)?;
+    if host.is_empty() || host == "*" || port == 0 {
+        return Err(DialError::BadAddress);
+    }
+    Ok((host, port))
+}
+
+/// Whether `ip` may be dialled under `allow` (`None`: anything, the historical behaviour).
+pub fn allowed(ip: IpAddr, allow: Option<&[Cidr]>) -> bool {
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    allow.is_none_or(|cidrs| cidrs.iter().any(|c| c.contains(ip)))
+}
+
+/// Resolves `address` once and connects to the first allowed address that answers.
+pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> Result<TcpStream, DialError> {
+    let (host, port) = parse_tcp_address(address)?;
+    let attempt = async {
+        let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await.map_err(DialError::Resolve)?.collect();
+        let permitted: Vec<SocketAddr> = resolved.iter().copied().filter(|a| allowed(a.ip(), allow)).collect();
+        if permitted.is_empty() {
+            return Err(DialError::NotAllowed(resolved.iter().map(SocketAddr::ip).collect()));
+        }
+        let mut last = None;
+        for addr in permitted {
+            match TcpStream::connect(addr).await {
+                Ok(stream) => return Ok(stream),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(DialError::Connect(last.unwrap_or_else(|| std::io::ErrorKind::NotConnected.into())))
+    };
+    tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(DialError::Timeout(timeout)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_addresses_parse_and_everything_else_is_refused() {
+        assert_eq!(parse_tcp_address("tcp://127.0.0.1:37331").ok(), Some(("127.0.0.1", 37331)));
+        assert_eq!(parse_tcp_address("tcp://[fd00::7]:41000").ok(), Some(("fd00::7", 41000)));
+        assert_eq!(parse_tcp_address("tcp://worker-0.dynamo:5555").ok(), Some(("worker-0.dynamo", 5555)));
+        for bad in ["udp://1.2.3.4:5", "tcp://1.2.3.4", "tcp://:5", "tcp://*:5555", "tcp://h:0", "tcp://h:99999", "ipc:///x"] {
+            assert!(parse_tcp_address(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_allow_list_admits_only_its_networks() {
+        let allow: Vec<Cidr> = ["10.0.0.0/8", "fd00::/8"].iter().filter_map(|c| c.parse().ok()).collect();
+        assert!(allowed("10.1.2.3".parse().unwrap(), Some(&allow)));
+        assert!(allowed("fd00::1".parse().unwrap(), Some(&allow)));
+        assert!(allowed("::ffff:10.0.0.1".parse().unwrap(), Some(&allow)), "v4-mapped v6 is judged as v4");
+        assert!(!allowed("127.0.0.1".parse().unwrap(), Some(&allow)));
+        assert!(!allowed("192.168.0.1".parse().unwrap(), Some(&[])), "an empty list allows nothing");
+        assert!(allowed("192.168.0.1".parse().unwrap(), None), "no list allows anything");
+    }
+
+    #[tokio::test]
+    async fn a_hostname_resolving_outside_the_list_is_never_dialled() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let allow: Vec<Cidr> = vec!["10.0.0.0/8".parse().unwrap()];
+        let refused = dial(&format!("tcp://localhost:{port}"), Some(&allow), Duration::from_secs(2)).await;
+        assert!(matches!(refused, Err(DialError::NotAllowed(_))), "{refused:?}");
+        let loopback: Vec<Cidr> = vec!["127.0.0.0/8".parse().unwrap()];
+        dial(&format!("tcp://127.0.0.1:{port}"), Some(&loopback), Duration::from_secs(2)).await.unwrap();
+        let (_accepted, _) = listener.accept().await.unwrap();
+    }
+}

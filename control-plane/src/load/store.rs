@@ -1,0 +1,237 @@
+//! The load store: the latest ActiveLoad sample per (worker, dp rank), with when it was
+//! received and which publisher incarnation and sequence it came from.
+//!
+//! Pure: every method takes the time it needs (`now`), so the staleness rules are tested
+//! without clocks. The shell shares it behind one mutex ([`SharedLoadStore`]); every
+//! operation is a few map lookups, except [`LoadStore::set_live_and_retain`] (once per
+//! registry generation), and none is held across an await.
+//!
+//! * Admission: only ranks of live workers (the registry's current generation) are held, and
+//!   at most [`MAX_LOAD_ENTRIES`] of them.
+//! * Order: a sample at or below the held sequence of the same publisher is a duplicate; a
+//!   sample from another publisher id (the worker's publisher restarted) replaces the held one
+//!   whatever its sequence.
+//! * Staleness: [`LoadStore::fresh`] returns a sample only while it is younger than `max_age`;
+//!   [`LoadStore::reading`] tells a picker how to read a rank without a fresh sample.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use continuum_proto::model::{Load, LoadKey, LoadSample, WorkerKey};
+
+use super::events::LoadEvent;
+use super::gauges::LoadGauges;
+use crate::discovery::PublisherKey;
+
+/// The most (worker, dp rank) samples held.
+pub const MAX_LOAD_ENTRIES: usize = 65_536;
+/// `dynamo.load.max_staleness` when the configuration does not say.
+pub const DEFAULT_MAX_STALENESS: Duration = Duration::from_secs(3);
+
+/// A held sample and where it came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeldSample {
+    pub sample: LoadSample,
+    pub publisher_id: u64,
+    pub sequence: u64,
+}
+
+/// How a picker reads a rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reading {
+    /// A sample younger than `max_staleness`.
+    Fresh(Load),
+    /// Never published, or the last sample reported no backlog: counts as idle, because a
+    /// worker that goes idle publishes zero and then falls silent.
+    Quiet,
+    /// The last sample, now stale, reported a backlog: maybe a stalled engine, so no cost.
+    SilentUnderLoad,
+}
+
+impl Reading {
+    /// The reading of `held` at `now` under `max_age`.
+    pub fn of(held: Option<&LoadSample>, now: Instant, max_age: Duration) -> Self {
+        match held {
+            Some(s) if s.age(now) <= max_age => Reading::Fresh(s.load),
+            Some(s) if has_backlog(&s.load) => Reading::SilentUnderLoad,
+            _ => Reading::Quiet,
+        }
+    }
+}
+
+/// Whether any field the publisher set is above zero.
+pub fn has_backlog(load: &Load) -> bool {
+    [load.active_decode_blocks, load.active_prefill_tokens, load.kv_used_blocks].into_iter().flatten().any(|v| v > 0)
+}
+
+#[derive(Debug)]
+pub struct LoadStore {
+    entries: HashMap<LoadKey, HeldSample>,
+    /// The keys each publisher's samples are held under, to drop them on a reconnect or gap.
+    by_publisher: HashMap<PublisherKey, Vec<LoadKey>>,
+    /// Live workers and the ranks they serve.
+    live: HashMap<WorkerKey, Range<u32>>,
+    max_staleness: Duration,
+    capacity: usize,
+    gauges: Option<LoadGauges>,
+}
+
+impl LoadStore {
+    pub fn new(gauges: Option<LoadGauges>) -> Self {
+        Self::with_capacity(MAX_LOAD_ENTRIES, gauges)
+    }
+
+    /// A store holding at most `capacity` samples (tests use a small one).
+    pub fn with_capacity(capacity: usize, gauges: Option<LoadGauges>) -> Self {
+        Self {
+            entries: HashMap::new(),
+            by_publisher: HashMap::new(),
+            live: HashMap::new(),
+            max_staleness: DEFAULT_MAX_STALENESS,
+            capacity,
+            gauges,
+        }
+    }
+
+    /// Holds `load` for `key`, received at `now` from `publisher` at `sequence`.
+    pub fn apply(
+        &mut self,
+        key: LoadKey,
+        publisher: &PublisherKey,
+        sequence: u64,
+        load: Load,
+        now: Instant,
+    ) -> Result<LoadSample, LoadEvent> {
+        if !self.live.get(&key.worker).is_some_and(|ranks| ranks.contains(&key.dp_rank)) {
+            return Err(LoadEvent::IdentityMismatch);
+        }
+        match self.entries.get(&key) {
+            Some(held) if held.publisher_id == publisher.publisher_id && sequence <= held.sequence => {
+                return Err(LoadEvent::Duplicate);
+            }
+            Some(held) if held.publisher_id != publisher.publisher_id => {
+                let previous = PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
+                self.unindex(&previous, &key);
+            }
+            Some(_) => {}
+            None if self.entries.len() >= self.capacity => return Err(LoadEvent::OverCapacity),
+            None => {}
+        }
+        let sample = LoadSample { load, received_at: now };
+        let replaced = self.entries.insert(key.clone(), HeldSample { sample, publisher_id: publisher.publisher_id, sequence });
+        let indexed = self.by_publisher.entry(publisher.clone()).or_default();
+        if replaced.is_none_or(|held| held.publisher_id != publisher.publisher_id) {
+            indexed.push(key.clone());
+        }
+        if let Some(gauges) = &self.gauges {
+            gauges.set(&key, &load);
+        }
+        Ok(sample)
+    }
+
+    /// Drops every sample held from `publisher` (it reconnected, or skipped a sequence, or
+    /// stopped); returns their keys.
+    pub fn drop_publisher(&mut self, publisher: &PublisherKey) -> Vec<LoadKey> {
+        let keys = self.by_publisher.remove(publisher).unwrap_or_default();
+        for key in &keys {
+            self.entries.remove(key);
+            if let Some(gauges) = &self.gauges {
+                gauges.remove(key);
+            }
+        }
+        keys
+    }
+
+    /// Makes `live` the admission gate and drops samples for anything outside it (departed
+    /// workers, ranks a worker no longer serves), with their gauge series; returns their keys.
+    pub fn set_live_and_retain(&mut self, live: HashMap<WorkerKey, Range<u32>>) -> Vec<LoadKey> {
+        self.live = live;
+        let live = &self.live;
+        let gone: Vec<LoadKey> = self
+            .entries
+            .keys()
+            .filter(|k| !live.get(&k.worker).is_some_and(|ranks| ranks.contains(&k.dp_rank)))
+            .cloned()
+            .collect();
+        for key in &gone {
+            if let Some(held) = self.entries.remove(key) {
+                let publisher = PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
+                self.unindex(&publisher, key);
+            }
+            if let Some(gauges) = &self.gauges {
+                gauges.remove(key);
+            }
+        }
+        gone
+    }
+
+    fn unindex(&mut self, publisher: &PublisherKey, key: &LoadKey) {
+        if let Some(keys) = self.by_publisher.get_mut(publisher) {
+            keys.retain(|k| k != key);
+            if keys.is_empty() {
+                self.by_publisher.remove(publisher);
+            }
+        }
+    }
+
+    /// The sample for `key` if it is at most `max_age` old at `now`.
+    pub fn fresh(&self, key: &LoadKey, max_age: Duration, now: Instant) -> Option<&LoadSample> {
+        self.entries.get(key).map(|held| &held.sample).filter(|s| s.age(now) <= max_age)
+    }
+
+    /// [`Self::fresh`] under `dynamo.load.max_staleness`.
+    pub fn fresh_default(&self, key: &LoadKey, now: Instant) -> Option<&LoadSample> {
+        self.fresh(key, self.max_staleness, now)
+    }
+
+    /// How a picker should read `key` at `now`.
+    pub fn reading(&self, key: &LoadKey, now: Instant) -> Reading {
+        Reading::of(self.entries.get(key).map(|held| &held.sample), now, self.max_staleness)
+    }
+
+    pub fn max_staleness(&self) -> Duration {
+        self.max_staleness
+    }
+
+    /// Takes effect on the next freshness check.
+    pub fn set_max_staleness(&mut self, max_staleness: Duration) {
+        self.max_staleness = max_staleness;
+    }
+
+    pub fn get(&self, key: &LoadKey) -> Option<&HeldSample> {
+        self.entries.get(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Every held sample, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&LoadKey, &HeldSample)> {
+        self.entries.iter()
+    }
+}
+
+/// The store shared by the subscriptions, the supervisor and the admin API.
+#[derive(Debug, Clone)]
+pub struct SharedLoadStore(Arc<Mutex<LoadStore>>);
+
+impl SharedLoadStore {
+    pub fn new(store: LoadStore) -> Self {
+        Self(Arc::new(Mutex::new(store)))
+    }
+
+    /// The store; a panic elsewhere while holding it leaves plain data, so poisoning is ignored.
+    pub fn lock(&self) -> MutexGuard<'_, LoadStore> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests;

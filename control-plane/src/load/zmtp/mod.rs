@@ -1,0 +1,128 @@
+//! A bounded ZMTP 3.x SUB client: just enough of ZeroMQ to receive one topic from a PUB socket
+//! whose address, and every byte it sends, the fleet authors.
+//!
+//! The `zeromq` crate allocates whatever frame length the wire declares; this client checks
+//! every declared length against a ceiling before it allocates or reads, holds at most one
+//! message, and keeps an idle subscription at 2,624 bytes of buffers. It supports NULL security,
+//! READY as SUB, ZMTP 3.0 subscription messages (`0x01` + topic), and PING (answered with PONG);
+//! anything else a PUB would not send is a protocol violation that ends the session.
+//!
+//! | bound | kv_metrics | kv-events | why |
+//! |---|---|---|---|
+//! | [`ZmtpLimits::max_frame_bytes`] | 16,389 B (16 KiB payload + 5 B header) | 1 MiB | Dynamo's frame: `0x01`, u32 length, envelope |
+//! | [`MAX_TOPIC_BYTES`] | 255 B | 255 B | a topic is a short frame; known topics are ≤ 23 B |
+//! | [`ZmtpLimits::max_message_bytes`] | topic + 2 ids + frame = 16,660 B | 1 MiB + 271 B | one 4-frame message |
+//! | [`MAX_FRAMES_PER_MESSAGE`] | 4 | 4 | topic, publisher id, sequence, frame |
+//! | [`MAX_COMMAND_BYTES`] | 512 B | 512 B | READY with a few properties; PING carries ≤ 16 B |
+//! | [`ZmtpLimits::max_discard_bytes`] | 1 MiB | 16 MiB | larger frames are skipped unread up to here, past it the session ends |
+//! | [`INITIAL_BUFFER_BYTES`] | 512 B, doubling up to the message ceiling | same | grow on demand |
+//! | [`READ_BUFFER_BYTES`] / [`WRITE_BUFFER_BYTES`] | 2 KiB / 64 B | same | the greeting is exactly 64 B |
+//! | [`CONNECT_TIMEOUT`] | 10 s | 10 s | resolving the host and the TCP connect |
+//! | [`HANDSHAKE_TIMEOUT`] | 10 s | 10 s | greeting, READY both ways and the subscription (slowloris) |
+//!
+//! A frame over `max_frame_bytes` (or a message over `max_message_bytes`, or a fifth frame) is
+//! not buffered: its bytes are read through the 2 KiB read buffer and dropped, and the message is
+//! reported as [`Dropped`], so one bad message does not end a healthy session. A declared length
+//! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once.
+
+mod buffer;
+mod subscriber;
+mod wire;
+
+use std::time::Duration;
+
+pub use buffer::MessageBuffer;
+pub use subscriber::{Dropped, Incoming, Message, ZmtpSubscriber};
+pub use wire::{GREETING_BYTES, greeting, parse_greeting};
+
+/// Longest topic frame buffered; longer first frames are dropped unread.
+pub const MAX_TOPIC_BYTES: usize = 255;
+/// Frames in one message: topic, publisher id, sequence, Dynamo frame.
+pub const MAX_FRAMES_PER_MESSAGE: usize = 4;
+/// Longest command frame (READY, PING, ERROR…) accepted.
+pub const MAX_COMMAND_BYTES: usize = 512;
+/// The message buffer's first capacity; it doubles on demand up to its ceiling.
+pub const INITIAL_BUFFER_BYTES: usize = 512;
+/// The socket read buffer.
+pub const READ_BUFFER_BYTES: usize = 2048;
+/// The socket write buffer: the greeting, READY, the subscription and PONG each fit.
+pub const WRITE_BUFFER_BYTES: usize = 64;
+/// Resolving the publisher's host and connecting to it.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// From the connection to the subscription being sent.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Dynamo's frame header before the envelope: version byte and u32 length.
+pub const DYNAMO_FRAME_HEADER_BYTES: usize = 5;
+/// The largest kv_metrics envelope (the seed's 16 KiB).
+pub const KV_METRICS_MAX_PAYLOAD_BYTES: usize = 16 * 1024;
+/// The largest kv-events frame: batches of up to 128 events or 8,192 blocks.
+pub const KV_EVENTS_MAX_FRAME_BYTES: usize = 1024 * 1024;
+/// The two u64 frames after the topic.
+const ID_FRAMES_BYTES: usize = 16;
+/// A message buffer larger than this is released after its message, so a burst of large
+/// kv-events does not pin a megabyte per idle subscription.
+pub const SHRINK_ABOVE_BYTES: usize = 64 * 1024;
+
+/// The ceilings one subscription family runs under.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ZmtpLimits {
+    /// Largest message frame buffered.
+    pub max_frame_bytes: usize,
+    /// Largest message (all frames) buffered.
+    pub max_message_bytes: usize,
+    /// Largest frame skipped without ending the session.
+    pub max_discard_bytes: u64,
+    pub connect_timeout: Duration,
+    pub handshake_timeout: Duration,
+}
+
+impl ZmtpLimits {
+    /// ActiveLoad samples (`kv_metrics`).
+    pub const KV_METRICS: Self = Self::for_frames(KV_METRICS_MAX_PAYLOAD_BYTES + DYNAMO_FRAME_HEADER_BYTES, 1024 * 1024);
+    /// KV cache events (`kv-events`).
+    pub const KV_EVENTS: Self = Self::for_frames(KV_EVENTS_MAX_FRAME_BYTES, 16 * 1024 * 1024);
+
+    const fn for_frames(max_frame_bytes: usize, max_discard_bytes: u64) -> Self {
+        Self {
+            max_frame_bytes,
+            max_message_bytes: MAX_TOPIC_BYTES + ID_FRAMES_BYTES + max_frame_bytes,
+            max_discard_bytes,
+            connect_timeout: CONNECT_TIMEOUT,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+        }
+    }
+
+    /// The message buffer never grows past this: a whole message plus one command frame,
+    /// which may arrive between two frames of it.
+    pub const fn buffer_ceiling(&self) -> usize {
+        self.max_message_bytes + MAX_COMMAND_BYTES
+    }
+}
+
+/// Why a session ended. [`ZmtpError::is_violation`] tells the peer's faults (counted as
+/// `transport_refused`) from the network's.
+#[derive(Debug, thiserror::Error)]
+pub enum ZmtpError {
+    #[error("connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the publisher closed the connection")]
+    Closed,
+    #[error("the handshake did not complete within {0:?}")]
+    HandshakeTimeout(Duration),
+    #[error("protocol violation: {0}")]
+    Protocol(&'static str),
+    #[error("a frame declares {declared} bytes, over the {ceiling}-byte ceiling")]
+    FrameTooLarge { declared: u64, ceiling: u64 },
+    #[error("the publisher sent ERROR: {0}")]
+    PeerError(String),
+}
+
+impl ZmtpError {
+    /// The publisher broke the protocol or a bound (as opposed to a network failure).
+    pub fn is_violation(&self) -> bool {
+        !matches!(self, ZmtpError::Io(_) | ZmtpError::Closed)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,242 @@
+//! The client against scripted peers over an in-memory pipe: the handshake, framing, and each
+//! bound at its edge.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream, duplex};
+
+use super::*;
+
+const PIPE_BYTES: usize = 1 << 20;
+
+fn pub_greeting() -> Vec<u8> {
+    let mut g = wire::greeting().to_vec();
+    g[32] = 1;
+    g
+}
+
+fn ready(socket_type: &[u8]) -> Vec<u8> {
+    let mut body = vec![5];
+    body.extend_from_slice(b"READY");
+    body.push(11);
+    body.extend_from_slice(b"Socket-Type");
+    body.extend_from_slice(&u32::try_from(socket_type.len()).unwrap().to_be_bytes());
+    body.extend_from_slice(socket_type);
+    command(&body)
+}
+
+fn command(body: &[u8]) -> Vec<u8> {
+    let mut out = vec![wire::FLAG_COMMAND, u8::try_from(body.len()).unwrap()];
+    out.extend_from_slice(body);
+    out
+}
+
+fn frame(more: bool, body: &[u8]) -> Vec<u8> {
+    let flag = if more { wire::FLAG_MORE } else { 0 };
+    let mut out = match u8::try_from(body.len()) {
+        Ok(len) => vec![flag, len],
+        Err(_) => {
+            let mut header = vec![flag | wire::FLAG_LONG];
+            header.extend_from_slice(&u64::try_from(body.len()).unwrap().to_be_bytes());
+            header
+        }
+    };
+    out.extend_from_slice(body);
+    out
+}
+
+fn message(frames: &[&[u8]]) -> Vec<u8> {
+    frames.iter().enumerate().flat_map(|(i, f)| frame(i + 1 < frames.len(), f)).collect()
+}
+
+fn kv_message(sequence: u8) -> Vec<u8> {
+    message(&[b"kv_metrics", &[0, 0, 0, 0, 0, 0, 0, 9], &[0, 0, 0, 0, 0, 0, 0, sequence], &[1, 0, 0, 0, 0]])
+}
+
+/// A subscriber whose peer has already written `script` after its greeting and READY.
+async fn subscriber(script: &[u8]) -> (Result<ZmtpSubscriber<DuplexStream>, ZmtpError>, DuplexStream) {
+    let (ours, mut peer) = duplex(PIPE_BYTES);
+    let mut bytes = pub_greeting();
+    bytes.extend(ready(b"PUB"));
+    bytes.extend_from_slice(script);
+    peer.write_all(&bytes).await.unwrap();
+    (ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await, peer)
+}
+
+async fn next_message(session: &mut ZmtpSubscriber<DuplexStream>) -> Result<Vec<Vec<u8>>, String> {
+    match session.recv().await {
+        Ok(Incoming::Message(m)) => Ok((0..m.len()).map(|i| m.frame(i).unwrap().to_vec()).collect()),
+        Ok(Incoming::Dropped(d)) => Err(format!("dropped {d:?}")),
+        Err(e) => Err(format!("error {e}")),
+    }
+}
+
+#[tokio::test]
+async fn the_handshake_sends_greeting_ready_as_sub_and_a_zmtp30_subscription() {
+    let (session, mut peer) = subscriber(&kv_message(0)).await;
+    let mut session = session.unwrap();
+    let mut sent = vec![0u8; 64 + 27 + 13];
+    peer.read_exact(&mut sent).await.unwrap();
+    assert_eq!(&sent[..64], &wire::greeting()[..]);
+    assert_eq!(&sent[10..12], &[3, 0], "ZMTP 3.0, so the PUB expects subscription messages");
+    assert_eq!(&sent[12..16], b"NULL");
+    assert_eq!(&sent[64..91], &ready(b"SUB")[..]);
+    assert_eq!(&sent[91..], &[0, 11, 1, b'k', b'v', b'_', b'm', b'e', b't', b'r', b'i', b'c', b's']);
+    let frames = next_message(&mut session).await.unwrap();
+    assert_eq!(frames[0], b"kv_metrics");
+    assert_eq!(frames.len(), 4);
+    assert_eq!(session.buffered_capacity(), 2048 + 64 + 512, "an idle session holds 2,624 bytes of buffers");
+}
+
+#[tokio::test]
+async fn ping_is_answered_with_pong_carrying_its_context() {
+    let mut ping = vec![4];
+    ping.extend_from_slice(b"PING");
+    ping.extend_from_slice(&[0, 10]);
+    ping.extend_from_slice(b"ctx");
+    let mut script = command(&ping);
+    script.extend(kv_message(1));
+    let (session, mut peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    assert!(next_message(&mut session).await.is_ok());
+    let mut sent = vec![0u8; 64 + 27 + 13 + 10];
+    peer.read_exact(&mut sent).await.unwrap();
+    assert_eq!(&sent[104..], &[wire::FLAG_COMMAND, 8, 4, b'P', b'O', b'N', b'G', b'c', b't', b'x']);
+}
+
+#[tokio::test]
+async fn a_frame_length_of_2_pow_63_ends_the_session_before_any_allocation() {
+    let mut script = vec![wire::FLAG_LONG];
+    script.extend_from_slice(&(1u64 << 63).to_be_bytes());
+    let (session, _peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    let error = session.recv().await.err().unwrap();
+    assert!(matches!(error, ZmtpError::FrameTooLarge { declared, .. } if declared == 1 << 63), "{error}");
+    assert!(error.is_violation());
+    assert_eq!(session.message_capacity().0, INITIAL_BUFFER_BYTES);
+}
+
+#[tokio::test]
+async fn an_oversized_frame_is_skipped_unbuffered_and_the_next_message_arrives() {
+    let big = vec![7u8; 17 * 1024];
+    let mut script = message(&[b"kv_metrics", &[0; 8], &[0; 8], &big]);
+    script.extend(kv_message(2));
+    let (session, _peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    assert_eq!(next_message(&mut session).await, Err("dropped Oversized".into()));
+    assert!(next_message(&mut session).await.is_ok());
+    let (capacity, ceiling) = session.message_capacity();
+    assert!(capacity <= 1024, "the skipped frame was never buffered: {capacity}");
+    assert!(ceiling <= ZmtpLimits::KV_METRICS.max_message_bytes + MAX_COMMAND_BYTES);
+}
+
+#[tokio::test]
+async fn a_frame_at_the_ceiling_is_buffered_and_the_buffer_stops_there() {
+    let payload = vec![7u8; ZmtpLimits::KV_METRICS.max_frame_bytes];
+    let topic = [b'k'; MAX_TOPIC_BYTES];
+    let script = message(&[&topic, &[0; 8], &[0; 8], &payload]);
+    let (session, _peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    let frames = next_message(&mut session).await.unwrap();
+    assert_eq!(frames[3].len(), ZmtpLimits::KV_METRICS.max_frame_bytes);
+    let (capacity, ceiling) = session.message_capacity();
+    assert_eq!(capacity, ceiling, "clamped to the ceiling instead of doubling to 32 KiB");
+    assert_eq!(ceiling, ZmtpLimits::KV_METRICS.max_message_bytes + MAX_COMMAND_BYTES);
+}
+
+#[tokio::test]
+async fn a_fifth_frame_drops_the_message_and_the_session_goes_on() {
+    let mut script = message(&[b"kv_metrics", &[0; 8], &[0; 8], &[1, 0, 0, 0, 0], b"extra"]);
+    script.extend(kv_message(3));
+    let (session, _peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    assert_eq!(next_message(&mut session).await, Err("dropped TooManyFrames".into()));
+    assert!(next_message(&mut session).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_long_first_frame_is_not_a_topic_we_buffer() {
+    let mut script = message(&[&[b'x'; 300], &[0; 8]]);
+    script.extend(kv_message(3));
+    let (session, _peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    assert_eq!(next_message(&mut session).await, Err("dropped TopicTooLong".into()));
+    assert!(next_message(&mut session).await.is_ok());
+}
+
+#[tokio::test]
+async fn an_endless_greeting_times_out() {
+    let (ours, mut peer) = duplex(PIPE_BYTES);
+    let limits = ZmtpLimits { handshake_timeout: Duration::from_millis(200), ..ZmtpLimits::KV_METRICS };
+    let slowloris = tokio::spawn(async move {
+        for _ in 0..100 {
+            if peer.write_all(&[0xFF]).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    let result = ZmtpSubscriber::handshake(ours, limits, b"kv_metrics").await;
+    assert!(matches!(result, Err(ZmtpError::HandshakeTimeout(_))), "{:?}", result.err());
+    slowloris.abort();
+}
+
+#[tokio::test]
+async fn handshake_refusals() {
+    let cases: [(&str, Vec<u8>); 7] = [
+        ("HTTP instead of ZMTP", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".iter().copied().chain([0; 64]).collect()),
+        ("ZMTP 2", { let mut g = pub_greeting(); g[10] = 1; g }),
+        ("PLAIN security", { let mut g = pub_greeting(); g[12..17].copy_from_slice(b"PLAIN"); g }),
+        ("a REQ socket", [pub_greeting(), ready(b"REQ")].concat()),
+        ("a message before READY", [pub_greeting(), kv_message(0)].concat()),
+        ("ERROR", [pub_greeting(), command(&[5, b'E', b'R', b'R', b'O', b'R', 2, b'n', b'o'])].concat()),
+        ("READY without Socket-Type", [pub_greeting(), command(&[5, b'R', b'E', b'A', b'D', b'Y'])].concat()),
+    ];
+    for (what, script) in cases {
+        let (ours, mut peer) = duplex(PIPE_BYTES);
+        peer.write_all(&script).await.unwrap();
+        let result = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await;
+        let error = result.err().unwrap_or_else(|| panic!("{what} was accepted"));
+        assert!(error.is_violation(), "{what}: {error}");
+    }
+}
+
+#[tokio::test]
+async fn framing_violations_end_the_session() {
+    let long_command = {
+        let mut c = vec![wire::FLAG_COMMAND | wire::FLAG_LONG];
+        c.extend_from_slice(&600u64.to_be_bytes());
+        c.extend(std::iter::repeat_n(0, 600));
+        c
+    };
+    let cases: [(&str, Vec<u8>); 4] = [
+        ("reserved flag bits", vec![0x80, 0]),
+        ("a command with MORE", vec![wire::FLAG_COMMAND | wire::FLAG_MORE, 0]),
+        ("a 600-byte command", long_command),
+        ("a second READY", ready(b"PUB")),
+    ];
+    for (what, script) in cases {
+        let (session, _peer) = subscriber(&script).await;
+        let error = session.unwrap().recv().await.err().unwrap_or_else(|| panic!("{what} was accepted"));
+        assert!(error.is_violation(), "{what}: {error}");
+    }
+}
+
+#[tokio::test]
+async fn a_closed_connection_is_not_a_violation() {
+    let (session, peer) = subscriber(&kv_message(0)[..5]).await;
+    let mut session = session.unwrap();
+    drop(peer);
+    let error = session.recv().await.err().unwrap();
+    assert!(matches!(error, ZmtpError::Closed), "{error}");
+    assert!(!error.is_violation());
+}
+
+#[tokio::test]
+async fn a_frame_skipped_past_the_discard_bound_ends_the_session() {
+    let mut script = vec![wire::FLAG_LONG];
+    script.extend_from_slice(&(ZmtpLimits::KV_METRICS.max_discard_bytes + 1).to_be_bytes());
+    let (session, _peer) = subscriber(&script).await;
+    let error = session.unwrap().recv().await.err().unwrap();
+    assert!(matches!(error, ZmtpError::FrameTooLarge { .. }), "{error}");
+}

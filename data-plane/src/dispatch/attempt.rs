@@ -1,0 +1,90 @@
+//! Sending one request to a pool: replicas in rotation, skipping open breakers, moving on to the
+//! next replica only when the connection failed (the request never reached a shim) and the
+//! retry budget allows. The same headers, pins included, go to every replica tried.
+
+use std::time::Instant;
+
+use axum::http::header::{ACCEPT, CONTENT_TYPE};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+
+use super::budget::MAX_ATTEMPTS;
+use super::pool::{ShimReplica, rotated};
+use super::{Dispatcher, Failure, SendError};
+use crate::routing::headers::{strip_client_routing, write_pins};
+use crate::routing::picker::Selection;
+
+/// The outbound headers of a pinned request. They are built fresh (nothing of the client's is
+/// forwarded) and stripped once more before the pins are written, so no routing header but the
+/// picker's can ever leave.
+pub(super) fn pinned_headers(stream: bool, selection: &Selection) -> HeaderMap {
+    let mut headers = unpinned_headers(stream);
+    strip_client_routing(&mut headers);
+    write_pins(&mut headers, selection);
+    headers
+}
+
+pub(super) fn unpinned_headers(stream: bool) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    let accept = if stream { "text/event-stream" } else { "application/json" };
+    headers.insert(ACCEPT, HeaderValue::from_static(accept));
+    headers
+}
+
+impl Dispatcher {
+    /// The first response head any replica of `replicas` gives, or why none did.
+    pub(super) async fn send(
+        &self,
+        replicas: &[ShimReplica],
+        headers: &HeaderMap,
+        body: &Bytes,
+        stream: bool,
+    ) -> Result<(ShimReplica, Response<Incoming>), Failure> {
+        self.budget.deposit();
+        let head_timeout = if stream { self.settings.stream_head_timeout } else { self.settings.buffered_timeout };
+        let mut attempts = 0;
+        let mut last: Option<SendError> = None;
+        for replica in rotated(replicas.to_vec(), self.next_start()) {
+            if attempts == MAX_ATTEMPTS {
+                break;
+            }
+            if !self.health.usable(&replica.name, &replica.url, Instant::now()) {
+                continue;
+            }
+            if attempts > 0 && !self.budget.withdraw() {
+                return Err(last.map_or(Failure::NoReplica, Failure::BudgetSpent));
+            }
+            if !self.health.admit(&replica.name, &replica.url, Instant::now()) {
+                continue;
+            }
+            attempts += 1;
+            match self.client.send(request(&replica, headers, body), head_timeout).await {
+                Ok(response) => {
+                    self.health.record(&replica.name, &replica.url, true, Instant::now());
+                    return Ok((replica, response));
+                }
+                Err(error) => {
+                    self.health.record(&replica.name, &replica.url, false, Instant::now());
+                    tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
+                    let retry = error.before_request_sent();
+                    last = Some(error);
+                    if !retry {
+                        break;
+                    }
+                }
+            }
+        }
+        Err(last.map_or(Failure::NoReplica, Failure::Send))
+    }
+}
+
+fn request(replica: &ShimReplica, headers: &HeaderMap, body: &Bytes) -> Request<Full<Bytes>> {
+    let mut request = Request::new(Full::new(body.clone()));
+    *request.method_mut() = Method::POST;
+    *request.uri_mut() = replica.endpoint.clone();
+    *request.headers_mut() = headers.clone();
+    request
+}

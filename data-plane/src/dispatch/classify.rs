@@ -1,0 +1,84 @@
+//! What a shim's non-2xx answer means, per the seed's failure semantics applied to what the
+//! real `dynamo.frontend --router-mode direct` 1.6.1 sends. A pure function of the status, the
+//! (bounded) body and whether the request streams.
+//!
+//! | shim answer | verdict |
+//! |---|---|
+//! | body names the missing prefill id (any status) | `PrefillRefused`: 503, no retry, no fallback |
+//! | 404 (model gone: empty body, or "Model not found") | `ModelGone` |
+//! | 4xx other than 408 and 429, on a streaming request | `Relay`: passed to the client as is |
+//! | anything else, 1.6.1's generic 500 included | `DecodeFailed`: fallback or `disaggregated_decode_failed` |
+
+use axum::http::StatusCode;
+
+/// The refusal of a direct-mode frontend whose request lacks the prefill pin (the seed's
+/// `DIRECT_MODE_PREFILL_ID_ERROR`). 1.6.1 logs it but answers a generic 500 instead.
+pub const DIRECT_MODE_PREFILL_ID_ERROR: &str = "Prefill worker ID required in Direct routing mode";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    PrefillRefused,
+    ModelGone,
+    Relay,
+    DecodeFailed,
+}
+
+pub fn classify(status: StatusCode, body: &[u8], stream: bool) -> Verdict {
+    if names_missing_prefill(body) {
+        Verdict::PrefillRefused
+    } else if status == StatusCode::NOT_FOUND {
+        Verdict::ModelGone
+    } else if stream && status.is_client_error() && !retryable_client_error(status) {
+        Verdict::Relay
+    } else {
+        Verdict::DecodeFailed
+    }
+}
+
+/// 408 and 429 say "not now", not "bad request": they take the failure arm even when streaming.
+fn retryable_client_error(status: StatusCode) -> bool {
+    status == StatusCode::REQUEST_TIMEOUT || status == StatusCode::TOO_MANY_REQUESTS
+}
+
+fn names_missing_prefill(body: &[u8]) -> bool {
+    let needle = DIRECT_MODE_PREFILL_ID_ERROR.as_bytes();
+    body.windows(needle.len()).any(|w| w.eq_ignore_ascii_case(needle))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GENERIC_500: &str = r#"{"message":"Failed to generate completions","type":"Internal Server Error","code":500}"#;
+    const INVALID_400: &str = r#"{"message":"Invalid request","type":"Bad Request","code":400}"#;
+    const DP_RANK_400: &str = r#"{"message":"dp_rank 5 is out of bounds for dp_size 1","type":"Bad Request","code":400}"#;
+    const DEAD_503: &str = r#"{"message":"Service temporarily unavailable","type":"Service Unavailable","code":503}"#;
+    const NAMED_REFUSAL: &str = "Prefill worker ID required in Direct routing mode but none found in request.";
+
+    #[test]
+    fn verdicts_follow_the_seed_table() {
+        use Verdict::*;
+        let rows: [(u16, &str, bool, Verdict); 16] = [
+            (500, GENERIC_500, false, DecodeFailed),
+            (500, GENERIC_500, true, DecodeFailed),
+            (500, NAMED_REFUSAL, false, PrefillRefused),
+            (503, NAMED_REFUSAL, true, PrefillRefused),
+            (400, &NAMED_REFUSAL.to_ascii_lowercase(), false, PrefillRefused),
+            (400, INVALID_400, false, DecodeFailed),
+            (400, INVALID_400, true, Relay),
+            (400, DP_RANK_400, true, Relay),
+            (422, "", true, Relay),
+            (408, "", true, DecodeFailed),
+            (429, "", true, DecodeFailed),
+            (503, DEAD_503, false, DecodeFailed),
+            (503, DEAD_503, true, DecodeFailed),
+            (404, "", false, ModelGone),
+            (404, r#"{"message":"Model not found","type":"Not Found","code":404}"#, true, ModelGone),
+            (502, "", true, DecodeFailed),
+        ];
+        for (status, body, stream, expected) in rows {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::IM_A_TEAPOT);
+            assert_eq!(classify(status, body.as_bytes(), stream), expected, "{status} {body:?} stream={stream}");
+        }
+    }
+}

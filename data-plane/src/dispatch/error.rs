@@ -1,0 +1,63 @@
+//! Why a dispatch did not produce a response to relay. The ingress maps these to HTTP.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+
+use super::client::SendError;
+
+/// What went wrong on one leg (the pinned send, or its unpinned fallback).
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    #[error("no shim replica of the pool was available")]
+    NoReplica,
+    #[error("the retry budget is spent")]
+    BudgetSpent(#[source] SendError),
+    #[error(transparent)]
+    Send(SendError),
+    #[error("the shim answered {0}")]
+    Status(StatusCode),
+    #[error("the shim's response body failed: {0}")]
+    Body(String),
+    #[error("the shim's response did not finish within {0:?}")]
+    BodyTimeout(Duration),
+}
+
+impl Failure {
+    /// Whether the failure says "not now" (overload, unreachable) rather than "broken".
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            Failure::NoReplica | Failure::BudgetSpent(_) => true,
+            Failure::Send(error) => error.before_request_sent(),
+            Failure::Status(status) => {
+                *status == StatusCode::SERVICE_UNAVAILABLE || *status == StatusCode::TOO_MANY_REQUESTS
+            }
+            Failure::Body(_) | Failure::BodyTimeout(_) => false,
+        }
+    }
+
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Failure::Send(SendError::HeadTimeout(_)) | Failure::BodyTimeout(_))
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DispatchError {
+    /// The frontend refused the pinned pair for lack of a prefill pin.
+    #[error("the shim of namespace {namespace} refused the pinned request: prefill worker id required")]
+    PrefillRefused { namespace: Arc<str> },
+    /// The frontend no longer lists the model (its workers are gone).
+    #[error("the shim no longer serves the model")]
+    ModelGone,
+    /// The pinned request failed, and so did its unpinned fallback when one was sent.
+    #[error("the pinned request failed: {cause}")]
+    DecodeFailed {
+        #[source]
+        cause: Failure,
+        fallback: Option<Failure>,
+    },
+    /// An unpinned request found no replica to answer it.
+    #[error("no backend answered the unpinned request: {0}")]
+    Unreachable(#[source] Failure),
+}

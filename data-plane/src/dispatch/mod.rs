@@ -1,0 +1,210 @@
+//! Shim dispatch: sends a picked request to a replica of its namespace's
+//! `dynamo.frontend --router-mode direct` pool with the pins written, and turns the answer into
+//! the response the client gets, per the seed's failure semantics.
+//!
+//! - Connection failures retry on another replica of the pool with the same pins, within
+//!   [`budget::MAX_ATTEMPTS`] and the [`RetryBudget`]; workers are never re-selected.
+//! - Each replica has a circuit breaker ([`breaker`]) fed by those outcomes.
+//! - A refusal naming the missing prefill id is a 503; every other failure takes the decode arm:
+//!   an unpinned resend to the pool when `fallback_to_unified`, else `disaggregated_decode_failed`.
+//! - A pinned dispatch is recorded in the ledger and ended when its response ends ([`DispatchEnd`]).
+
+mod attempt;
+pub mod breaker;
+pub mod budget;
+pub mod classify;
+mod client;
+mod error;
+mod ledger;
+pub mod pool;
+pub mod relay;
+mod respond;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::response::Response;
+use bytes::Bytes;
+use continuum_proto::model::DataPlaneConfig;
+
+pub use breaker::{BreakerSettings, ShimHealth};
+pub use budget::RetryBudget;
+pub use client::{SendError, ShimClient};
+pub use error::{DispatchError, Failure};
+pub use ledger::DispatchEnd;
+pub use pool::ShimReplica;
+
+use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
+use crate::routing::picker::Selection;
+use respond::Answer;
+
+/// Connecting to a shim replica; past it the next replica is tried.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// A buffered request's whole exchange: the frontend answers only once generation is done.
+pub const BUFFERED_RESPONSE_TIMEOUT: Duration = Duration::from_secs(300);
+/// A streaming request's response head, which the frontend sends once the stream starts.
+pub const STREAM_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Bounds and timeouts of dispatch; the defaults are the named constants.
+#[derive(Debug, Clone, Copy)]
+pub struct DispatchSettings {
+    pub connect_timeout: Duration,
+    pub buffered_timeout: Duration,
+    pub stream_head_timeout: Duration,
+    pub stream_idle_timeout: Duration,
+    pub breaker: BreakerSettings,
+}
+
+impl Default for DispatchSettings {
+    fn default() -> Self {
+        Self {
+            connect_timeout: CONNECT_TIMEOUT,
+            buffered_timeout: BUFFERED_RESPONSE_TIMEOUT,
+            stream_head_timeout: STREAM_HEAD_TIMEOUT,
+            stream_idle_timeout: relay::STREAM_IDLE_TIMEOUT,
+            breaker: BreakerSettings::default(),
+        }
+    }
+}
+
+/// One request, ready to send: the outbound body (the client's, stripped of routing) and where.
+#[derive(Debug)]
+pub struct Plan {
+    pub body: Bytes,
+    pub stream: bool,
+    /// The client asked (`x-backend`) to see the chosen backend and workers.
+    pub disclose: bool,
+    pub route: Route,
+}
+
+#[derive(Debug)]
+pub enum Route {
+    Pinned(Pinned),
+    /// Disaggregated serving is off: the request goes unpinned to the backends serving the model.
+    Unified { replicas: Vec<ShimReplica> },
+}
+
+#[derive(Debug)]
+pub struct Pinned {
+    pub selection: Selection,
+    /// The selection's namespace pool.
+    pub replicas: Vec<ShimReplica>,
+    pub fallback_to_unified: bool,
+    pub dispatch: DispatchEnd,
+}
+
+/// The replica's dispatcher: one pooled client, the breakers and the retry budget.
+#[derive(Debug)]
+pub struct Dispatcher {
+    client: ShimClient,
+    health: ShimHealth,
+    budget: RetryBudget,
+    settings: DispatchSettings,
+    cursor: AtomicUsize,
+    metrics: Metrics,
+}
+
+impl Dispatcher {
+    pub fn new(settings: DispatchSettings, metrics: Metrics) -> Self {
+        Self {
+            client: ShimClient::new(settings.connect_timeout),
+            health: ShimHealth::new(settings.breaker),
+            budget: RetryBudget::default(),
+            settings,
+            cursor: AtomicUsize::new(0),
+            metrics,
+        }
+    }
+
+    /// Whether a request to `replica` would be let through now.
+    pub fn usable(&self, replica: &ShimReplica, now: Instant) -> bool {
+        self.health.usable(&replica.name, &replica.url, now)
+    }
+
+    pub async fn run(&self, plan: Plan) -> Result<Response, DispatchError> {
+        match plan.route {
+            Route::Pinned(pinned) => self.pinned(plan.body, plan.stream, plan.disclose, pinned).await,
+            Route::Unified { replicas } => {
+                self.metrics.routed(RoutingPath::Unified);
+                self.unpinned(&plan.body, plan.stream, replicas, true).await.map_err(DispatchError::Unreachable)
+            }
+        }
+    }
+
+    async fn pinned(&self, body: Bytes, stream: bool, disclose: bool, pinned: Pinned) -> Result<Response, DispatchError> {
+        let Pinned { selection, replicas, fallback_to_unified, dispatch } = pinned;
+        let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
+        let headers = attempt::pinned_headers(stream, &selection);
+        let mut dispatch = Some(dispatch);
+        let failure = match self.send(&replicas, &headers, &body, stream).await {
+            Err(failure) => failure,
+            Ok((replica, response)) => {
+                let shown = disclose.then_some((replica.name.as_str(), &selection));
+                match self.answer(response, stream, dispatch.take(), shown).await {
+                    Answer::Relay(response) => {
+                        self.metrics.routed(path);
+                        return Ok(response);
+                    }
+                    Answer::PrefillRefused => {
+                        self.metrics.routed(path);
+                        self.metrics.error(ErrorPhase::Orchestration);
+                        return Err(DispatchError::PrefillRefused { namespace: selection.namespace.clone() });
+                    }
+                    Answer::ModelGone => {
+                        self.metrics.routed(path);
+                        self.metrics.error(ErrorPhase::Decode);
+                        return Err(DispatchError::ModelGone);
+                    }
+                    Answer::Failed(failure) => failure,
+                }
+            }
+        };
+        // The decode arm: the pinned dispatch has ended, whatever the fallback does.
+        drop(dispatch);
+        self.metrics.error(ErrorPhase::Decode);
+        tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
+        if !fallback_to_unified {
+            self.metrics.routed(path);
+            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });
+        }
+        self.metrics.routed(RoutingPath::UnifiedFallback);
+        self.unpinned(&body, stream, replicas, false)
+            .await
+            .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback) })
+    }
+
+    /// Sends without pins. `relay_errors`: pass any HTTP answer through as is (plain unified
+    /// routing); otherwise (a fallback) only a success counts.
+    async fn unpinned(&self, body: &Bytes, stream: bool, replicas: Vec<ShimReplica>, relay_errors: bool) -> Result<Response, Failure> {
+        let headers = attempt::unpinned_headers(stream);
+        let (_, response) = self.send(&replicas, &headers, body, stream).await?;
+        if relay_errors {
+            return self.pass_through(response, stream).await;
+        }
+        match self.answer(response, stream, None, None).await {
+            Answer::Relay(response) if response.status().is_success() => Ok(response),
+            Answer::Relay(response) => Err(Failure::Status(response.status())),
+            Answer::PrefillRefused => Err(Failure::Status(axum::http::StatusCode::SERVICE_UNAVAILABLE)),
+            Answer::ModelGone => Err(Failure::Status(axum::http::StatusCode::NOT_FOUND)),
+            Answer::Failed(failure) => Err(failure),
+        }
+    }
+
+    /// Refreshes the breaker gauge: every replica of a configured pool, and no other.
+    pub fn export_health(&self, config: &DataPlaneConfig) {
+        let pooled = |name: &str| config.shim_pools.iter().any(|p| p.backends.iter().any(|b| b == name));
+        let states = self.health.states(pooled);
+        let gauge = &self.metrics.shim_replica_state;
+        gauge.reset();
+        for name in config.shim_pools.iter().flat_map(|p| &p.backends) {
+            gauge.with_label_values(&[name.as_str()]).set(0);
+        }
+        for (name, state) in states {
+            gauge.with_label_values(&[name.as_str()]).set(state.gauge_value());
+        }
+    }
+
+    fn next_start(&self) -> usize {
+        self.cursor.fetch_add(1, Ordering::Relaxed)
+    }
+}

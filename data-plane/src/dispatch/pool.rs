@@ -1,0 +1,115 @@
+//! Which shim replicas may carry a request: a namespace's pool (`shim_pools` names backends,
+//! `backends` gives their URLs), or for unpinned routing the backends that list the model.
+
+use axum::http::Uri;
+use continuum_proto::model::DataPlaneConfig;
+
+/// The OpenAI chat ingress every shim replica serves.
+pub const CHAT_COMPLETIONS_PATH: &str = "/v1/chat/completions";
+
+/// One dialable shim replica.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShimReplica {
+    /// The backend's configured name: the breaker key and the metric label. Never its URL,
+    /// which is an internal address.
+    pub name: String,
+    /// The configured base URL, which the breaker watches for changes.
+    pub url: String,
+    /// The chat completions endpoint on it.
+    pub endpoint: Uri,
+}
+
+/// The replicas of `namespace`'s pool that have a dialable URL, in configuration order.
+pub fn namespace_pool(config: &DataPlaneConfig, namespace: &str) -> Vec<ShimReplica> {
+    let Some(pool) = config.shim_pools.iter().find(|p| p.namespace == namespace) else {
+        return Vec::new();
+    };
+    pool.backends.iter().filter_map(|name| replica(config, name)).collect()
+}
+
+/// The namespaces that have a shim pool, in configuration order.
+pub fn pooled_namespaces(config: &DataPlaneConfig) -> impl Iterator<Item = &str> {
+    config.shim_pools.iter().map(|p| p.namespace.as_str())
+}
+
+/// Backends that list `model` among theirs: the targets of unpinned (unified) routing.
+pub fn serving_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplica> {
+    let serving = config.backends.iter().filter(|b| b.models.iter().any(|m| m == model));
+    serving.filter_map(|b| replica(config, &b.name)).collect()
+}
+
+/// `replicas` starting at `start` (modulo their number), so that successive requests spread
+/// over a pool and each retry moves on to the next replica.
+pub fn rotated(mut replicas: Vec<ShimReplica>, start: usize) -> Vec<ShimReplica> {
+    if !replicas.is_empty() {
+        let len = replicas.len();
+        replicas.rotate_left(start % len);
+    }
+    replicas
+}
+
+fn replica(config: &DataPlaneConfig, name: &str) -> Option<ShimReplica> {
+    let backend = config.backends.iter().find(|b| b.name == name)?;
+    match endpoint(&backend.url) {
+        Some(endpoint) => Some(ShimReplica { name: backend.name.clone(), url: backend.url.clone(), endpoint }),
+        None => {
+            tracing::debug!(backend = name, "shim backend URL is not a dialable http:// URL; skipping it");
+            None
+        }
+    }
+}
+
+/// `base` joined with the chat path. Only plain `http://` is dialled: shims sit next to the
+/// data plane inside the cluster.
+fn endpoint(base: &str) -> Option<Uri> {
+    let uri: Uri = format!("{}{CHAT_COMPLETIONS_PATH}", base.trim_end_matches('/')).parse().ok()?;
+    (uri.scheme_str() == Some("http") && uri.authority().is_some()).then_some(uri)
+}
+
+#[cfg(test)]
+mod tests {
+    use continuum_proto::model::{Backend, ShimPool};
+
+    use super::*;
+
+    fn config() -> DataPlaneConfig {
+        let backend = |name: &str, url: &str, models: &[&str]| Backend {
+            name: name.into(),
+            url: url.into(),
+            models: models.iter().map(|m| m.to_string()).collect(),
+        };
+        DataPlaneConfig {
+            backends: vec![
+                backend("a", "http://10.0.0.1:8000/", &["tiny"]),
+                backend("b", "http://10.0.0.2:8000/prefix", &[]),
+                backend("tls", "https://10.0.0.3:8443", &["tiny"]),
+            ],
+            shim_pools: vec![ShimPool { namespace: "prod".into(), backends: vec!["a".into(), "b".into(), "tls".into(), "gone".into()] }],
+            ..DataPlaneConfig::default()
+        }
+    }
+
+    #[test]
+    fn a_pool_keeps_dialable_replicas_in_order() {
+        let pool = namespace_pool(&config(), "prod");
+        let names: Vec<&str> = pool.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert_eq!(pool[0].endpoint, "http://10.0.0.1:8000/v1/chat/completions");
+        assert_eq!(pool[1].endpoint, "http://10.0.0.2:8000/prefix/v1/chat/completions");
+        assert!(namespace_pool(&config(), "canary").is_empty());
+    }
+
+    #[test]
+    fn unified_targets_are_the_backends_listing_the_model() {
+        let names: Vec<String> = serving_backends(&config(), "tiny").into_iter().map(|r| r.name).collect();
+        assert_eq!(names, ["a"]);
+    }
+
+    #[test]
+    fn rotation_starts_at_the_cursor() {
+        let names = |start| -> Vec<String> { rotated(namespace_pool(&config(), "prod"), start).into_iter().map(|r| r.name).collect() };
+        assert_eq!(names(0), ["a", "b"]);
+        assert_eq!(names(3), ["b", "a"]);
+        assert!(rotated(Vec::new(), 5).is_empty());
+    }
+}

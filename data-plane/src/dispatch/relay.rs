@@ -1,0 +1,100 @@
+//! Relaying a shim's SSE stream to the client frame by frame, never buffering it.
+//!
+//! The relayed body owns the request's [`DispatchEnd`]: the dispatch ends in the ledger when the
+//! stream completes, fails, or is dropped because the client went away. A stream that breaks
+//! (the shim's connection fails, or no frame arrives for the idle timeout) ends with one SSE
+//! error event, so the client always sees an end and never a hang.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use prometheus::IntCounter;
+use serde_json::json;
+use tokio::time::{Instant, Sleep};
+
+use super::ledger::DispatchEnd;
+
+/// No frame from the shim for this long ends a relayed stream with an error event.
+pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug)]
+pub struct RelayBody {
+    inner: Incoming,
+    idle: Duration,
+    deadline: Pin<Box<Sleep>>,
+    done: bool,
+    dispatch: Option<DispatchEnd>,
+    /// Counts a stream that broke after it started.
+    failures: Option<IntCounter>,
+}
+
+impl RelayBody {
+    pub fn new(inner: Incoming, idle: Duration, dispatch: Option<DispatchEnd>, failures: Option<IntCounter>) -> Self {
+        let deadline = Box::pin(tokio::time::sleep(idle));
+        Self { inner, idle, deadline, done: false, dispatch, failures }
+    }
+
+    fn finish(&mut self) {
+        self.done = true;
+        self.dispatch.take();
+    }
+
+    fn fail(&mut self, code: &'static str, message: &str) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.finish();
+        if let Some(failures) = &self.failures {
+            failures.inc();
+        }
+        Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))
+    }
+}
+
+impl Body for RelayBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let next = Instant::now() + this.idle;
+                this.deadline.as_mut().reset(next);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(error))) => {
+                tracing::warn!(%error, "shim stream failed mid-way");
+                this.fail("stream_interrupted", "The response stream from the model server broke off before it finished. Retry the request.")
+            }
+            Poll::Ready(None) => {
+                this.finish();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                ready!(this.deadline.as_mut().poll(cx));
+                tracing::warn!(idle = ?this.idle, "shim stream idle too long; ending it");
+                this.fail("stream_timeout", "The model server sent nothing for too long and the stream was ended. Retry the request.")
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// One SSE event carrying an OpenAI-shaped error, as streaming clients expect mid-stream.
+pub fn sse_error_event(code: &str, message: &str) -> Bytes {
+    let error = json!({"error": {"message": message, "type": "server_error", "code": code}});
+    Bytes::from(format!("data: {error}\n\n"))
+}

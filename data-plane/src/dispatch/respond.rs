@@ -1,0 +1,123 @@
+//! Turning a shim's response into the client's: a success is relayed (streams frame by frame,
+//! buffered bodies read whole and bounded), and anything else is read (bounded) and classified.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use super::classify::{Verdict, classify};
+use super::relay::RelayBody;
+use super::{DispatchEnd, Dispatcher, Failure};
+use crate::metrics::ErrorPhase;
+use crate::routing::headers::{disclose, strip_response};
+use crate::routing::picker::Selection;
+
+/// The largest buffered completion relayed.
+pub const MAX_BUFFERED_RESPONSE_BYTES: usize = 32 << 20;
+/// The most of a refusal's body read to classify (and, for relayed 4xx, to pass on).
+pub const MAX_ERROR_BODY_BYTES: usize = 64 << 10;
+/// Reading a refusal's body.
+pub const ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Shim response headers a client may see; the rest (hop-by-hop, server, date) stay here.
+const RELAYED_HEADERS: [axum::http::HeaderName; 2] = [CONTENT_TYPE, CACHE_CONTROL];
+
+#[derive(Debug)]
+pub(super) enum Answer {
+    Relay(Response),
+    PrefillRefused,
+    ModelGone,
+    Failed(Failure),
+}
+
+impl Dispatcher {
+    /// What a pinned (or fallback) response means. `dispatch` ends when the relayed body ends,
+    /// or here for anything not relayed. `shown` is what to disclose.
+    pub(super) async fn answer(
+        &self,
+        response: Response<Incoming>,
+        stream: bool,
+        dispatch: Option<DispatchEnd>,
+        shown: Option<(&str, &Selection)>,
+    ) -> Answer {
+        let status = response.status();
+        let mut answer = if status.is_success() {
+            match self.success(response, stream, dispatch).await {
+                Ok(response) => Answer::Relay(response),
+                Err(failure) => Answer::Failed(failure),
+            }
+        } else {
+            drop(dispatch);
+            let (parts, body) = response.into_parts();
+            let body = read_error_body(body).await;
+            match classify(status, &body, stream) {
+                Verdict::PrefillRefused => Answer::PrefillRefused,
+                Verdict::ModelGone => Answer::ModelGone,
+                Verdict::Relay => Answer::Relay(rebuild(status, &parts.headers, Body::from(body))),
+                Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
+            }
+        };
+        if let (Answer::Relay(response), Some((backend, selection))) = (&mut answer, shown) {
+            disclose(response.headers_mut(), backend, selection);
+        }
+        answer
+    }
+
+    /// Any answer relayed as is (plain unpinned routing).
+    pub(super) async fn pass_through(&self, response: Response<Incoming>, stream: bool) -> Result<Response, Failure> {
+        let status = response.status();
+        if status.is_success() {
+            return self.success(response, stream, None).await;
+        }
+        let (parts, body) = response.into_parts();
+        Ok(rebuild(status, &parts.headers, Body::from(read_error_body(body).await)))
+    }
+
+    async fn success(&self, response: Response<Incoming>, stream: bool, dispatch: Option<DispatchEnd>) -> Result<Response, Failure> {
+        let (parts, body) = response.into_parts();
+        let body = if stream {
+            let failures = dispatch.is_some().then(|| {
+                self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()])
+            });
+            Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, dispatch, failures))
+        } else {
+            let bytes = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, self.settings.buffered_timeout).await?;
+            drop(dispatch);
+            Body::from(bytes)
+        };
+        Ok(rebuild(parts.status, &parts.headers, body))
+    }
+}
+
+/// A client response with the shim's status and the relayable part of its headers.
+fn rebuild(status: StatusCode, shim_headers: &HeaderMap, body: Body) -> Response {
+    let mut response = Response::new(body);
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for name in RELAYED_HEADERS {
+        if let Some(value) = shim_headers.get(&name) {
+            headers.insert(name, value.clone());
+        }
+    }
+    strip_response(headers);
+    response
+}
+
+async fn read_whole(body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, Failure> {
+    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
+        Err(_) => Err(Failure::BodyTimeout(timeout)),
+        Ok(Err(error)) => Err(Failure::Body(error.to_string())),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    }
+}
+
+/// A refusal's body, or nothing when it is too large or too slow: the status alone decides then.
+async fn read_error_body(body: Incoming) -> Bytes {
+    read_whole(body, MAX_ERROR_BODY_BYTES, ERROR_BODY_TIMEOUT).await.unwrap_or_default()
+}

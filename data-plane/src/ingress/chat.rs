@@ -1,0 +1,44 @@
+//! `POST /v1/chat/completions`, in the pipeline's explicit phases: ingress (read and validate) →
+//! strip (client routing headers and body fields) → pick → upstream request → relay.
+
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+
+use super::error::ApiError;
+use super::request::{ChatRequest, RequestError};
+use super::select::{self, SelectError};
+use crate::dispatch::Plan;
+use crate::http::AppState;
+use crate::metrics::Ingress;
+use crate::routing::headers::{strip_body_routing, strip_client_routing, wants_disclosure};
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let started = Instant::now();
+    let response = serve(&state, headers, body).await.unwrap_or_else(IntoResponse::into_response);
+    state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
+    response
+}
+
+async fn serve(state: &AppState, mut headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    // Ingress.
+    let mut request = ChatRequest::parse(&body.map_err(RequestError::from)?)?;
+    // Strip: the client's routing never travels further than this.
+    let disclose = wants_disclosure(&headers);
+    strip_client_routing(&mut headers);
+    strip_body_routing(&mut request.body);
+    let body = Bytes::from(serde_json::to_vec(&request.body).map_err(RequestError::Json)?);
+    // Pick.
+    let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
+    let route = select::route(state, &view, &request, Instant::now())?;
+    // Upstream request and relay.
+    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, route }).await?)
+}

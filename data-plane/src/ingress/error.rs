@@ -1,0 +1,134 @@
+//! The HTTP edge for errors: every failure a client can see becomes an OpenAI-shaped body
+//! `{"error":{"message","type","code"}}` with a stable `code`, a message that says what happened
+//! and what to do, and never an internal address.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use super::request::RequestError;
+use super::select::SelectError;
+use crate::dispatch::{DispatchError, Failure};
+
+/// Client-supplied model names are echoed in messages, cut to this many characters.
+const MAX_ECHOED_MODEL_CHARS: usize = 128;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self { status, code, message: message.into() }
+    }
+
+    /// The OpenAI `type`: the client's mistake, or ours.
+    fn kind(&self) -> &'static str {
+        if self.status.is_client_error() { "invalid_request_error" } else { "server_error" }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": {"message": self.message, "type": self.kind(), "code": self.code}});
+        (self.status, Json(body)).into_response()
+    }
+}
+
+impl From<RequestError> for ApiError {
+    fn from(error: RequestError) -> Self {
+        match error {
+            RequestError::TooLarge => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                format!("{error}. Shorten the prompt or send large content by reference."),
+            ),
+            other => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Invalid request: {other}.")),
+        }
+    }
+}
+
+impl From<SelectError> for ApiError {
+    fn from(error: SelectError) -> Self {
+        match error {
+            SelectError::NoFleetView => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "fleet_unavailable",
+                "This router has not yet received the fleet from its control plane. Retry in a few seconds.",
+            ),
+            SelectError::ModelNotFound { model } => ApiError::new(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                format!("The model {} is not served by any worker. List the available models with GET /v1/models.", echo(&model)),
+            ),
+            SelectError::ShimUnavailable { model } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shim_unavailable",
+                format!(
+                    "No Dynamo frontend replica is available for the workers serving {}: every replica is failing or none is configured. Retry shortly.",
+                    echo(&model)
+                ),
+            ),
+            SelectError::NoWorkers { model } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_workers",
+                format!("No worker serving {} can take a request right now. Retry shortly.", echo(&model)),
+            ),
+        }
+    }
+}
+
+impl From<DispatchError> for ApiError {
+    fn from(error: DispatchError) -> Self {
+        match error {
+            DispatchError::PrefillRefused { .. } => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "disaggregated_prefill_decode_unavailable",
+                "The model server refused the request because no prefill worker was assigned to it. Retry shortly; if it persists, the fleet's prefill workers may be unavailable.",
+            ),
+            DispatchError::ModelGone => ApiError::new(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                "The model server no longer serves this model (its workers have gone). List the available models with GET /v1/models.",
+            ),
+            DispatchError::DecodeFailed { cause, fallback } => decode_failed(&cause, fallback.as_ref()),
+            DispatchError::Unreachable(_) => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shim_unavailable",
+                "No backend serving this model could be reached. Retry shortly.",
+            ),
+        }
+    }
+}
+
+/// The decode arm's answer: 503 when the failure says "not now", 504 for a timeout, else 502.
+fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
+    let status = if cause.is_unavailable() {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else if cause.is_timeout() {
+        StatusCode::GATEWAY_TIMEOUT
+    } else {
+        StatusCode::BAD_GATEWAY
+    };
+    let what = match cause {
+        Failure::Status(shim_status) => format!("the Dynamo frontend answered {}", shim_status.as_u16()),
+        _ if cause.is_unavailable() => "no Dynamo frontend replica could be reached".to_string(),
+        _ if cause.is_timeout() => "the Dynamo frontend did not answer in time".to_string(),
+        _ => "the exchange with the Dynamo frontend broke off".to_string(),
+    };
+    let retried = if fallback.is_some() { " and the retry without worker pins also failed" } else { "" };
+    ApiError::new(
+        status,
+        "disaggregated_decode_failed",
+        format!("The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."),
+    )
+}
+
+fn echo(model: &str) -> String {
+    let cut: String = model.chars().take(MAX_ECHOED_MODEL_CHARS).collect();
+    format!("{cut:?}")
+}

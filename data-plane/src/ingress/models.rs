@@ -1,0 +1,67 @@
+//! `GET /v1/models`: the models that routable workers serve, under the ids clients use. A
+//! display name the model map targets is listed under its client ids instead.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use continuum_proto::model::Role;
+use continuum_proto::view::FleetView;
+use serde_json::json;
+
+use super::error::ApiError;
+use super::select::SelectError;
+use crate::http::AppState;
+use crate::metrics::Ingress;
+
+pub async fn list_models(State(state): State<AppState>) -> Response {
+    let started = Instant::now();
+    let response = match state.fleet.view() {
+        Some(view) => Json(models_body(&view)).into_response(),
+        None => ApiError::from(SelectError::NoFleetView).into_response(),
+    };
+    state.metrics.observe(Ingress::Models, response.status().as_u16(), started.elapsed().as_secs_f64());
+    response
+}
+
+fn models_body(view: &FleetView) -> serde_json::Value {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let data: Vec<_> = client_ids(view)
+        .into_iter()
+        .map(|id| json!({"id": id, "object": "model", "created": created, "owned_by": "continuum"}))
+        .collect();
+    json!({"object": "list", "data": data})
+}
+
+/// Client ids of the models served by routable workers (a known role, in a namespace with a
+/// shim pool), sorted.
+pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
+    let config = view.config();
+    let pooled: BTreeSet<&str> = config.shim_pools.iter().filter(|p| !p.backends.is_empty()).map(|p| p.namespace.as_str()).collect();
+    let served: BTreeSet<&str> = view
+        .workers()
+        .values()
+        .filter(|w| w.role != Role::Unknown && pooled.contains(&*w.key.namespace))
+        .map(|w| w.model.as_str())
+        .collect();
+    served.into_iter().flat_map(|display| ids_for(display, &config.model_map)).collect()
+}
+
+fn ids_for(display: &str, model_map: &BTreeMap<String, String>) -> Vec<String> {
+    let aliases: Vec<String> = model_map.iter().filter(|(_, target)| *target == display).map(|(id, _)| id.clone()).collect();
+    if aliases.is_empty() { vec![display.to_string()] } else { aliases }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mapped_display_names_are_listed_under_their_client_ids() {
+        let map = BTreeMap::from([("qwen".to_string(), "Qwen/Qwen3".to_string()), ("q3".to_string(), "Qwen/Qwen3".to_string())]);
+        assert_eq!(ids_for("Qwen/Qwen3", &map), ["q3", "qwen"]);
+        assert_eq!(ids_for("tiny", &map), ["tiny"]);
+    }
+}

@@ -1,0 +1,154 @@
+//! Header and body hygiene around a shim dispatch.
+//!
+//! Clients never choose workers. Every header the Dynamo 1.6.1 frontend reads as a pin (the
+//! whole `x-dynamo-*` family and its unprefixed aliases) and every `nvext` routing field is
+//! removed from the client's request, at the ingress and again just before dispatch; the
+//! picker's pins are then written in their place. Responses never carry a pin back: the chosen
+//! backend and workers are disclosed only to a client that asks with `x-backend`.
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use serde_json::Value;
+
+use crate::routing::picker::Selection;
+
+/// Every header whose name starts with this belongs to Dynamo, whatever follows.
+pub const DYNAMO_PREFIX: &str = "x-dynamo-";
+
+/// Unprefixed pin aliases the 1.6.1 frontend also honours.
+pub const PIN_ALIASES: [&str; 5] =
+    ["x-worker-instance-id", "x-prefill-instance-id", "x-dp-rank", "x-data-parallel-rank", "x-prefill-dp-rank"];
+
+/// The decode (or aggregated) worker's instance id, decimal.
+pub const WORKER_INSTANCE_ID: &str = "x-dynamo-worker-instance-id";
+/// The prefill worker's instance id, decimal.
+pub const PREFILL_INSTANCE_ID: &str = "x-dynamo-prefill-instance-id";
+/// The decode worker's dp rank. The frontend also applies it to prefill when no prefill rank is sent.
+pub const DP_RANK: &str = "x-dynamo-dp-rank";
+/// The prefill worker's dp rank.
+pub const PREFILL_DP_RANK: &str = "x-dynamo-prefill-dp-rank";
+
+/// `nvext` request fields that choose workers or ranks, or replace the prompt the picker
+/// estimated (`token_data` skips tokenization). `worker_id` is the frontend's echo field; a
+/// client has no reason to send it. Every other `nvext` field (`extra_fields`, `agent_hints`,
+/// sampling switches) is the client's to send.
+pub const NVEXT_ROUTING_FIELDS: [&str; 9] = [
+    "backend_instance_id",
+    "prefill_worker_id",
+    "decode_worker_id",
+    "dp_rank",
+    "prefill_dp_rank",
+    "decode_dp_rank",
+    "data_parallel_rank",
+    "token_data",
+    "worker_id",
+];
+
+/// A client asks for disclosure with this request header, even blank.
+pub const DISCLOSURE_REQUEST: &str = "x-backend";
+pub const DISCLOSED_BACKEND: &str = "x-continuum-backend";
+pub const DISCLOSED_DECODE_WORKER: &str = "x-continuum-decode-worker";
+pub const DISCLOSED_DECODE_DP_RANK: &str = "x-continuum-decode-dp-rank";
+pub const DISCLOSED_PREFILL_WORKER: &str = "x-continuum-prefill-worker";
+pub const DISCLOSED_PREFILL_DP_RANK: &str = "x-continuum-prefill-dp-rank";
+
+/// Whether the frontend could read this header name as routing. Names in a `HeaderMap` are
+/// already lowercase, so this is case-insensitive for every header a client can send.
+pub fn is_routing_header(name: &str) -> bool {
+    name.starts_with(DYNAMO_PREFIX) || PIN_ALIASES.contains(&name)
+}
+
+/// Removes every routing header (all values of each) a client sent.
+pub fn strip_client_routing(headers: &mut HeaderMap) {
+    let routing: Vec<HeaderName> = headers.keys().filter(|name| is_routing_header(name.as_str())).cloned().collect();
+    for name in routing {
+        headers.remove(name);
+    }
+}
+
+/// Removes the `nvext` routing fields of a request body, keeping every other `nvext` field.
+///
+/// An `nvext` object that held only routing fields is removed whole, so the frontend sees the
+/// request as if the client had sent no extension; an `nvext` the client sent empty (or not
+/// as an object) is forwarded as sent, since it chooses nothing.
+pub fn strip_body_routing(body: &mut Value) {
+    let Some(request) = body.as_object_mut() else {
+        return;
+    };
+    let Some(Value::Object(nvext)) = request.get_mut("nvext") else {
+        return;
+    };
+    let sent = nvext.len();
+    nvext.retain(|field, _| !NVEXT_ROUTING_FIELDS.contains(&field.as_str()));
+    if sent > 0 && nvext.is_empty() {
+        request.remove("nvext");
+    }
+}
+
+/// Writes the picker's pins, replacing any pin header already present.
+///
+/// Instance ids are decimal (the frontend treats hex as absent). A rank is sent, 0 included,
+/// whenever the worker declares data parallelism. The frontend applies `x-dynamo-dp-rank` to
+/// the prefill worker too when no prefill rank is sent, so a ranked decode pin beside an
+/// unranked prefill pin sends prefill rank 0 explicitly. No prefill header is written without
+/// a prefill pin, and the picker never pairs one with an aggregated worker.
+pub fn write_pins(headers: &mut HeaderMap, selection: &Selection) {
+    for name in [WORKER_INSTANCE_ID, PREFILL_INSTANCE_ID, DP_RANK, PREFILL_DP_RANK] {
+        headers.remove(name);
+    }
+    let decode = &selection.decode;
+    insert_decimal(headers, WORKER_INSTANCE_ID, decode.worker.instance_id);
+    if let Some(rank) = decode.dp_rank {
+        insert_decimal(headers, DP_RANK, rank.into());
+    }
+    if let Some(prefill) = &selection.prefill {
+        insert_decimal(headers, PREFILL_INSTANCE_ID, prefill.worker.instance_id);
+        if let Some(rank) = prefill.dp_rank.or(decode.dp_rank.map(|_| 0)) {
+            insert_decimal(headers, PREFILL_DP_RANK, rank.into());
+        }
+    }
+}
+
+/// Removes every routing header from a shim response: no `x-dynamo-*` header (nor an alias,
+/// which would name a worker just the same) reaches the client.
+pub fn strip_response(headers: &mut HeaderMap) {
+    strip_client_routing(headers);
+}
+
+/// Whether the client asked to see the chosen backend and workers.
+pub fn wants_disclosure(request_headers: &HeaderMap) -> bool {
+    request_headers.contains_key(DISCLOSURE_REQUEST)
+}
+
+/// Writes the chosen backend and workers (decimal ids, ranks when declared) on a response.
+/// Call it only when [`wants_disclosure`] holds for the request. A backend name that is not a
+/// valid header value (names come from configuration) is left out rather than mangled.
+pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
+    for name in [DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK] {
+        headers.remove(name);
+    }
+    match HeaderValue::from_str(backend) {
+        Ok(value) => {
+            headers.insert(DISCLOSED_BACKEND, value);
+        }
+        Err(_) => {
+            headers.remove(DISCLOSED_BACKEND);
+        }
+    }
+    insert_decimal(headers, DISCLOSED_DECODE_WORKER, selection.decode.worker.instance_id);
+    if let Some(rank) = selection.decode.dp_rank {
+        insert_decimal(headers, DISCLOSED_DECODE_DP_RANK, rank.into());
+    }
+    if let Some(prefill) = &selection.prefill {
+        insert_decimal(headers, DISCLOSED_PREFILL_WORKER, prefill.worker.instance_id);
+        if let Some(rank) = prefill.dp_rank {
+            insert_decimal(headers, DISCLOSED_PREFILL_DP_RANK, rank.into());
+        }
+    }
+}
+
+fn insert_decimal(headers: &mut HeaderMap, name: &'static str, value: u64) {
+    headers.insert(HeaderName::from_static(name), HeaderValue::from(value));
+}
+
+#[cfg(test)]
+mod tests;

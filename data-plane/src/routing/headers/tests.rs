@@ -1,0 +1,232 @@
+use std::sync::Arc;
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use continuum_proto::model::WorkerKey;
+use serde_json::{Value, json};
+
+use super::*;
+use crate::routing::picker::{Pin, Reason, Selection};
+
+/// Header name and value pairs, as a client or shim sent them.
+type Pairs<'a> = &'a [(&'a str, &'a str)];
+
+fn headers(pairs: Pairs<'_>) -> HeaderMap {
+    let mut map = HeaderMap::new();
+    for (name, value) in pairs {
+        let name = HeaderName::from_bytes(name.as_bytes()).expect("test header name");
+        map.append(name, HeaderValue::from_str(value).expect("test header value"));
+    }
+    map
+}
+
+fn names(map: &HeaderMap) -> Vec<String> {
+    let mut names: Vec<String> = map.keys().map(|n| n.as_str().to_string()).collect();
+    names.sort();
+    names
+}
+
+fn pin(id: u64, dp_rank: Option<u32>) -> Pin {
+    Pin { worker: WorkerKey::new("dynamo", id), dp_rank }
+}
+
+fn selection(decode: Pin, prefill: Option<Pin>) -> Selection {
+    Selection {
+        namespace: Arc::from("dynamo"),
+        model: "tiny".into(),
+        decode,
+        prefill_reason: Some(if prefill.is_some() { Reason::Load } else { Reason::NoPrefillPool }),
+        prefill,
+        decode_reason: Reason::Load,
+    }
+}
+
+fn value<'a>(map: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    map.get(name).map(|v| v.to_str().expect("ascii"))
+}
+
+#[test]
+fn client_routing_headers_are_stripped_and_others_kept() {
+    let cases: &[(&str, Pairs<'_>, &[&str])] = &[
+        (
+            "canonical pins",
+            &[(WORKER_INSTANCE_ID, "1"), (PREFILL_INSTANCE_ID, "2"), (DP_RANK, "0"), (PREFILL_DP_RANK, "1")],
+            &[],
+        ),
+        ("alias worker id", &[("x-worker-instance-id", "1")], &[]),
+        ("alias prefill id", &[("x-prefill-instance-id", "1")], &[]),
+        ("alias dp rank", &[("x-dp-rank", "1")], &[]),
+        ("alias data parallel rank", &[("x-data-parallel-rank", "1")], &[]),
+        ("alias prefill dp rank", &[("x-prefill-dp-rank", "1")], &[]),
+        ("any x-dynamo- header", &[("x-dynamo-anything-new", "x"), ("x-dynamo-", "x")], &[]),
+        (
+            "mixed case",
+            &[("X-Dynamo-Worker-Instance-Id", "1"), ("X-PREFILL-INSTANCE-ID", "2"), ("X-Dp-Rank", "0")],
+            &[],
+        ),
+        (
+            "repeated",
+            &[(WORKER_INSTANCE_ID, "1"), (WORKER_INSTANCE_ID, "2"), ("x-dp-rank", "0"), ("x-dp-rank", "1")],
+            &[],
+        ),
+        ("hex values", &[(WORKER_INSTANCE_ID, "0x6a6c"), ("x-worker-instance-id", "6a6cdeadbeef")], &[]),
+        (
+            "mentions dynamo but is not routing",
+            &[("x-my-dynamo-id", "1"), ("dynamo-worker", "2"), ("x-dynamo", "3"), ("x-dynamoworker", "4")],
+            &["dynamo-worker", "x-dynamo", "x-dynamoworker", "x-my-dynamo-id"],
+        ),
+        (
+            "ordinary headers kept",
+            &[
+                ("content-type", "application/json"),
+                ("authorization", "Bearer k"),
+                ("x-backend", ""),
+                ("x-dynamo-dp-rank", "1"),
+            ],
+            &["authorization", "content-type", "x-backend"],
+        ),
+        (
+            "near-miss alias kept",
+            &[("x-worker-instance", "1"), ("x-dp-ranks", "1")],
+            &["x-dp-ranks", "x-worker-instance"],
+        ),
+    ];
+    for (name, sent, kept) in cases {
+        let mut map = headers(sent);
+        strip_client_routing(&mut map);
+        let mut expected: Vec<String> = kept.iter().map(|k| k.to_string()).collect();
+        expected.sort();
+        assert_eq!(names(&map), expected, "{name}");
+    }
+}
+
+#[test]
+fn kept_headers_keep_every_value() {
+    let mut map = headers(&[("accept", "a"), ("accept", "b"), ("x-dynamo-dp-rank", "1")]);
+    strip_client_routing(&mut map);
+    let values: Vec<&str> = map.get_all("accept").iter().map(|v| v.to_str().expect("ascii")).collect();
+    assert_eq!(values, ["a", "b"]);
+}
+
+#[test]
+fn body_routing_fields_are_stripped_and_other_nvext_fields_kept() {
+    let cases: &[(&str, Value, Value)] = &[
+        (
+            "fixture body ids beside extra_fields",
+            json!({"model": "tiny", "nvext": {"extra_fields": ["worker_id"], "backend_instance_id": 7668682560356784121_u64, "prefill_worker_id": 7668682560356784106_u64}}),
+            json!({"model": "tiny", "nvext": {"extra_fields": ["worker_id"]}}),
+        ),
+        (
+            "every routing field",
+            json!({"nvext": {"backend_instance_id": 1, "prefill_worker_id": 2, "decode_worker_id": 3, "dp_rank": 0,
+                "prefill_dp_rank": 1, "decode_dp_rank": 1, "data_parallel_rank": 1, "token_data": [1, 2, 3],
+                "worker_id": {"decode_worker_id": 3}, "greed_sampling": true}}),
+            json!({"nvext": {"greed_sampling": true}}),
+        ),
+        (
+            "only routing fields: nvext removed",
+            json!({"model": "m", "nvext": {"token_data": [1]}}),
+            json!({"model": "m"}),
+        ),
+        ("client's empty nvext forwarded", json!({"nvext": {}}), json!({"nvext": {}})),
+        ("nvext not an object forwarded", json!({"nvext": null}), json!({"nvext": null})),
+        (
+            "hex string ids stripped too",
+            json!({"nvext": {"backend_instance_id": "0x1f", "annotations": ["a"]}}),
+            json!({"nvext": {"annotations": ["a"]}}),
+        ),
+        ("no nvext", json!({"model": "m", "backend_instance_id": 1}), json!({"model": "m", "backend_instance_id": 1})),
+        ("not an object", json!([1, 2]), json!([1, 2])),
+    ];
+    for (name, sent, expected) in cases {
+        let mut body = sent.clone();
+        strip_body_routing(&mut body);
+        assert_eq!(&body, expected, "{name}");
+    }
+}
+
+#[test]
+fn pins_are_decimal_with_ranks_only_when_declared() {
+    let big = 7_668_682_560_356_784_121_u64;
+    let cases: &[(&str, Selection, Pairs<'_>)] = &[
+        ("aggregated, no dp", selection(pin(big, None), None), &[(WORKER_INSTANCE_ID, "7668682560356784121")]),
+        (
+            "aggregated, dp rank 0 is sent",
+            selection(pin(5, Some(0)), None),
+            &[(WORKER_INSTANCE_ID, "5"), (DP_RANK, "0")],
+        ),
+        (
+            "disaggregated, no dp",
+            selection(pin(5, None), Some(pin(6, None))),
+            &[(WORKER_INSTANCE_ID, "5"), (PREFILL_INSTANCE_ID, "6")],
+        ),
+        (
+            "disaggregated, both ranked",
+            selection(pin(5, Some(1)), Some(pin(6, Some(0)))),
+            &[(WORKER_INSTANCE_ID, "5"), (DP_RANK, "1"), (PREFILL_INSTANCE_ID, "6"), (PREFILL_DP_RANK, "0")],
+        ),
+        (
+            "ranked decode beside unranked prefill sends prefill rank 0",
+            selection(pin(5, Some(1)), Some(pin(6, None))),
+            &[(WORKER_INSTANCE_ID, "5"), (DP_RANK, "1"), (PREFILL_INSTANCE_ID, "6"), (PREFILL_DP_RANK, "0")],
+        ),
+        (
+            "unranked decode beside ranked prefill",
+            selection(pin(5, None), Some(pin(6, Some(3)))),
+            &[(WORKER_INSTANCE_ID, "5"), (PREFILL_INSTANCE_ID, "6"), (PREFILL_DP_RANK, "3")],
+        ),
+    ];
+    for (name, selection, expected) in cases {
+        let mut map = headers(&[
+            (WORKER_INSTANCE_ID, "999"),
+            (PREFILL_INSTANCE_ID, "998"),
+            (PREFILL_DP_RANK, "7"),
+            ("accept", "x"),
+        ]);
+        write_pins(&mut map, selection);
+        let mut want: Vec<(String, String)> = expected.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
+        want.push(("accept".into(), "x".into()));
+        want.sort();
+        let mut got: Vec<(String, String)> =
+            map.iter().map(|(n, v)| (n.as_str().to_string(), v.to_str().expect("ascii").to_string())).collect();
+        got.sort();
+        assert_eq!(got, want, "{name}");
+    }
+}
+
+#[test]
+fn responses_never_echo_dynamo_headers() {
+    let mut map = headers(&[
+        ("content-type", "text/event-stream"),
+        ("x-dynamo-worker-instance-id", "5"),
+        ("X-Dynamo-Request-Id", "r"),
+        ("x-worker-instance-id", "5"),
+        ("x-request-id", "kept"),
+    ]);
+    strip_response(&mut map);
+    assert_eq!(names(&map), ["content-type", "x-request-id"]);
+}
+
+#[test]
+fn disclosure_is_asked_for_by_x_backend_even_blank() {
+    assert!(wants_disclosure(&headers(&[("x-backend", "")])));
+    assert!(wants_disclosure(&headers(&[("X-Backend", "shim-a")])));
+    assert!(!wants_disclosure(&headers(&[("x-backends", "1"), ("backend", "1")])));
+}
+
+#[test]
+fn disclosure_names_backend_and_decimal_workers() {
+    let mut map = HeaderMap::new();
+    disclose(&mut map, "shim-a", &selection(pin(5, Some(1)), Some(pin(6, None))));
+    assert_eq!(value(&map, DISCLOSED_BACKEND), Some("shim-a"));
+    assert_eq!(value(&map, DISCLOSED_DECODE_WORKER), Some("5"));
+    assert_eq!(value(&map, DISCLOSED_DECODE_DP_RANK), Some("1"));
+    assert_eq!(value(&map, DISCLOSED_PREFILL_WORKER), Some("6"));
+    assert_eq!(value(&map, DISCLOSED_PREFILL_DP_RANK), None);
+
+    disclose(&mut map, "bad\nname", &selection(pin(7, None), None));
+    assert_eq!(value(&map, DISCLOSED_BACKEND), None, "an invalid name is left out");
+    assert_eq!(value(&map, DISCLOSED_DECODE_WORKER), Some("7"));
+    assert_eq!(value(&map, DISCLOSED_DECODE_DP_RANK), None);
+    assert_eq!(value(&map, DISCLOSED_PREFILL_WORKER), None, "no prefill worker is disclosed without one");
+    assert!(map.keys().all(|n| !n.as_str().starts_with(DYNAMO_PREFIX)));
+}

@@ -1,0 +1,75 @@
+//! Which worker ranks may serve a request, by the seed's mixed-namespace rules.
+//!
+//! Dynamo serves no pair of a prefill worker and an aggregated worker. So, per namespace and
+//! model: a namespace with prefill AND decode workers pairs them, and its aggregated workers
+//! are not decode candidates; in any other namespace decode and aggregated workers are decode
+//! candidates. A worker of unknown role is never routed to. Each dp rank is one candidate.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use continuum_proto::model::{LoadKey, Role, Worker};
+use continuum_proto::view::FleetView;
+
+use super::Pin;
+
+/// One (worker, dp rank).
+#[derive(Clone, Debug)]
+pub(super) struct Candidate {
+    pub worker: Arc<Worker>,
+    pub rank: u32,
+}
+
+impl Candidate {
+    pub fn pin(&self) -> Pin {
+        Pin { worker: self.worker.key.clone(), dp_rank: (self.worker.dp_size > 0).then_some(self.rank) }
+    }
+
+    /// The key its load samples are kept under.
+    pub fn load_key(&self) -> LoadKey {
+        LoadKey { worker: self.worker.key.clone(), dp_rank: self.rank }
+    }
+}
+
+/// The decode candidates of every eligible namespace, compared together (graph-local
+/// dispatch), and each namespace's prefill pool, searched only in the decode winner's.
+#[derive(Debug, Default)]
+pub(super) struct Pools {
+    pub decode: Vec<Candidate>,
+    pub prefill: BTreeMap<Arc<str>, Vec<Candidate>>,
+}
+
+#[derive(Debug, Default)]
+struct ByRole {
+    prefill: Vec<Arc<Worker>>,
+    decode: Vec<Arc<Worker>>,
+    aggregated: Vec<Arc<Worker>>,
+}
+
+pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>) -> Pools {
+    let allowed = |worker: &Worker| namespaces.is_none_or(|names| names.iter().any(|n| *n == *worker.key.namespace));
+    let mut by_namespace: BTreeMap<Arc<str>, ByRole> = BTreeMap::new();
+    for worker in view.workers().values().filter(|w| w.model == model && allowed(w)) {
+        let roles = by_namespace.entry(Arc::clone(&worker.key.namespace)).or_default();
+        match worker.role {
+            Role::Prefill => roles.prefill.push(Arc::clone(worker)),
+            Role::Decode => roles.decode.push(Arc::clone(worker)),
+            Role::Aggregated => roles.aggregated.push(Arc::clone(worker)),
+            Role::Unknown => {}
+        }
+    }
+    let mut pools = Pools::default();
+    for (namespace, roles) in by_namespace {
+        let pairs = !roles.prefill.is_empty() && !roles.decode.is_empty();
+        let aggregated = if pairs { &[][..] } else { &roles.aggregated[..] };
+        pools.decode.extend(ranks(roles.decode.iter().chain(aggregated)));
+        if !roles.prefill.is_empty() {
+            pools.prefill.insert(namespace, ranks(roles.prefill.iter()).collect());
+        }
+    }
+    pools
+}
+
+fn ranks<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>) -> impl Iterator<Item = Candidate> {
+    workers.flat_map(|worker| worker.dp_ranks().map(|rank| Candidate { worker: Arc::clone(worker), rank }))
+}

@@ -1,0 +1,155 @@
+//! The seed's load-only cost formulas, and the rule that turns a phase's costs into the set
+//! of candidates its round-robin cursor chooses among.
+//!
+//! * prefill cost = active_prefill_tokens / max_num_batched_tokens
+//! * decode cost = (active_decode_blocks + ceil(prompt_tokens / block_size)) / total_kv_blocks
+//!
+//! The replica's unanswered dispatches add to the backlog (prefill tokens, decode blocks).
+
+use std::cmp::Ordering;
+use std::time::{Duration, Instant};
+
+use continuum_proto::model::{Capacity, Load, LoadSample};
+
+use super::Reason;
+use super::ledger::RankBacklog;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) enum Phase {
+    Prefill,
+    Decode,
+}
+
+/// A cost as an exact fraction, so equal loads on equal capacities tie and rotate.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Cost {
+    backlog: u64,
+    /// Never zero.
+    capacity: u64,
+}
+
+impl Cost {
+    #[cfg(test)]
+    pub(super) fn as_f64(self) -> f64 {
+        self.backlog as f64 / self.capacity as f64
+    }
+}
+
+impl PartialEq for Cost {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Cost {}
+
+impl PartialOrd for Cost {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Cost {
+    fn cmp(&self, other: &Self) -> Ordering {
+        let left = u128::from(self.backlog) * u128::from(other.capacity);
+        let right = u128::from(other.backlog) * u128::from(self.capacity);
+        left.cmp(&right)
+    }
+}
+
+/// What a rank's last sample says about one phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Standing {
+    /// A sample younger than `max_staleness` carrying the phase's field: its backlog.
+    Fresh(u64),
+    /// Never published, or the last (stale) sample reported no backlog: idle.
+    Quiet,
+    /// Silent under load (stale sample with a backlog), or a fresh sample without the
+    /// phase's field: no defined cost.
+    Unknown,
+}
+
+pub(super) fn standing(phase: Phase, sample: Option<&LoadSample>, max_staleness: Duration, now: Instant) -> Standing {
+    let Some(sample) = sample else {
+        return Standing::Quiet;
+    };
+    if sample.age(now) < max_staleness {
+        return phase_load(phase, &sample.load).map_or(Standing::Unknown, Standing::Fresh);
+    }
+    if reports_backlog(&sample.load) { Standing::Unknown } else { Standing::Quiet }
+}
+
+/// The phase's backlog field; `active_decode_blocks` falls back to `kv_used_blocks` when nil
+/// (dynamo.vllm and the mocker fill only the latter).
+fn phase_load(phase: Phase, load: &Load) -> Option<u64> {
+    match phase {
+        Phase::Prefill => load.active_prefill_tokens,
+        Phase::Decode => load.active_decode_blocks.or(load.kv_used_blocks),
+    }
+}
+
+fn reports_backlog(load: &Load) -> bool {
+    [load.active_decode_blocks, load.active_prefill_tokens, load.kv_used_blocks].into_iter().flatten().any(|n| n > 0)
+}
+
+/// The inputs of one candidate's cost in one phase.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct CostInputs<'a> {
+    pub capacity: &'a Capacity,
+    pub block_size: Option<u32>,
+    pub prompt_tokens: u64,
+    pub standing: Standing,
+    pub unanswered: RankBacklog,
+}
+
+/// The phase's cost, or `None` when undefined: no usable sample, or the card lacks the
+/// capacity (or block size) the formula divides by.
+pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
+    let sampled = match inputs.standing {
+        Standing::Fresh(backlog) => backlog,
+        Standing::Quiet => 0,
+        Standing::Unknown => return None,
+    };
+    match phase {
+        Phase::Prefill => {
+            let capacity = inputs.capacity.max_num_batched_tokens.filter(|n| *n > 0)?;
+            Some(Cost { backlog: sampled.saturating_add(inputs.unanswered.prefill_tokens), capacity })
+        }
+        Phase::Decode => {
+            let capacity = inputs.capacity.total_kv_blocks.filter(|n| *n > 0)?;
+            let block_size = inputs.block_size.filter(|n| *n > 0)?;
+            let request = inputs.prompt_tokens.div_ceil(u64::from(block_size));
+            let backlog = sampled.saturating_add(inputs.unanswered.decode_blocks).saturating_add(request);
+            Some(Cost { backlog, capacity })
+        }
+    }
+}
+
+/// One candidate as the choice rule sees it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Scored {
+    pub cost: Option<Cost>,
+    /// Its cost comes from a fresh sample carrying the phase's field.
+    pub fresh: bool,
+    pub stalled: bool,
+}
+
+/// The candidates (indices into `scored`) the phase's cursor rotates among, and why.
+///
+/// When a candidate has a fresh sample (and a defined cost), the lowest defined cost wins and
+/// ties rotate; stalled candidates are passed over while another has a cost. Otherwise the
+/// load stream tells nothing, so every candidate rotates, stalls ignored. Empty input gives
+/// an empty set.
+pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
+    if !scored.iter().any(|s| s.fresh && s.cost.is_some()) {
+        return (Reason::RoundRobinStale, (0..scored.len()).collect());
+    }
+    let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
+    let eligible = |s: &Scored| s.cost.filter(|_| !(s.stalled && healthy_exists));
+    let best = scored.iter().filter_map(eligible).min();
+    let ties = scored.iter().enumerate().filter(|(_, s)| best.is_some() && eligible(s) == best).map(|(i, _)| i);
+    (Reason::Load, ties.collect())
+}
+
+#[cfg(test)]
+mod tests;

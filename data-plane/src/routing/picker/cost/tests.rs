@@ -1,0 +1,211 @@
+use std::time::{Duration, Instant};
+
+use continuum_proto::model::{Capacity, Load, LoadSample};
+
+use super::*;
+
+const STALE: Duration = Duration::from_secs(3);
+
+fn load(decode: Option<u64>, prefill: Option<u64>, used: Option<u64>) -> Load {
+    Load { active_decode_blocks: decode, active_prefill_tokens: prefill, kv_used_blocks: used }
+}
+
+fn capacity(total_kv_blocks: Option<u64>, max_num_batched_tokens: Option<u64>) -> Capacity {
+    Capacity { total_kv_blocks, max_num_batched_tokens, ..Capacity::default() }
+}
+
+fn inputs(capacity: &Capacity, block_size: Option<u32>, prompt_tokens: u64, standing: Standing) -> CostInputs<'_> {
+    CostInputs { capacity, block_size, prompt_tokens, standing, unanswered: RankBacklog::default() }
+}
+
+#[test]
+fn standing_of_a_rank_by_its_last_sample() {
+    let now = Instant::now();
+    let fresh = now - Duration::from_secs(1);
+    let stale = now - STALE;
+    // (case, phase, sample, expected)
+    let cases: &[(&str, Phase, Option<LoadSample>, Standing)] = &[
+        ("never published is quiet", Phase::Decode, None, Standing::Quiet),
+        ("fresh decode blocks", Phase::Decode, Some(sample(load(Some(7), None, Some(9)), fresh)), Standing::Fresh(7)),
+        (
+            "nil decode blocks fall back to kv_used",
+            Phase::Decode,
+            Some(sample(load(None, None, Some(9)), fresh)),
+            Standing::Fresh(9),
+        ),
+        (
+            "fresh prefill tokens",
+            Phase::Prefill,
+            Some(sample(load(None, Some(300), Some(9)), fresh)),
+            Standing::Fresh(300),
+        ),
+        (
+            "fresh without the phase's field",
+            Phase::Prefill,
+            Some(sample(load(None, None, Some(0)), fresh)),
+            Standing::Unknown,
+        ),
+        ("fresh with every field nil", Phase::Decode, Some(sample(load(None, None, None), fresh)), Standing::Unknown),
+        (
+            "stale at exactly max_staleness",
+            Phase::Decode,
+            Some(sample(load(None, None, Some(0)), stale)),
+            Standing::Quiet,
+        ),
+        (
+            "stale idle sample is quiet",
+            Phase::Prefill,
+            Some(sample(load(None, Some(0), Some(0)), stale)),
+            Standing::Quiet,
+        ),
+        (
+            "stale sample under load is silent",
+            Phase::Decode,
+            Some(sample(load(None, None, Some(4)), stale)),
+            Standing::Unknown,
+        ),
+        (
+            "stale backlog in another field is silent",
+            Phase::Decode,
+            Some(sample(load(Some(0), Some(12), None), stale)),
+            Standing::Unknown,
+        ),
+    ];
+    for (name, phase, sample, expected) in cases {
+        assert_eq!(standing(*phase, sample.as_ref(), STALE, now), *expected, "{name}");
+    }
+}
+
+fn sample(load: Load, received_at: Instant) -> LoadSample {
+    LoadSample { load, received_at }
+}
+
+/// (case, phase, capacity, block size, prompt tokens, standing, expected cost)
+type Formula<'a> = (&'a str, Phase, &'a Capacity, Option<u32>, u64, Standing, Option<f64>);
+
+#[test]
+fn cost_formulas() {
+    let full = capacity(Some(1000), Some(2048));
+    let no_kv = capacity(None, Some(2048));
+    let no_batch = capacity(Some(1000), None);
+    let zero = capacity(Some(0), Some(0));
+    let cases: &[Formula<'_>] = &[
+        (
+            "prefill = tokens / max_num_batched_tokens",
+            Phase::Prefill,
+            &full,
+            Some(16),
+            999,
+            Standing::Fresh(512),
+            Some(0.25),
+        ),
+        ("prefill of a quiet rank is zero", Phase::Prefill, &full, Some(16), 999, Standing::Quiet, Some(0.0)),
+        ("prefill needs max_num_batched_tokens", Phase::Prefill, &no_batch, Some(16), 1, Standing::Fresh(1), None),
+        (
+            "decode = (blocks + ceil(prompt / bs)) / total",
+            Phase::Decode,
+            &full,
+            Some(16),
+            33,
+            Standing::Fresh(97),
+            Some(0.1),
+        ),
+        ("decode of a quiet rank counts the request", Phase::Decode, &full, Some(16), 160, Standing::Quiet, Some(0.01)),
+        ("decode with no prompt", Phase::Decode, &full, Some(16), 0, Standing::Fresh(500), Some(0.5)),
+        ("decode needs total_kv_blocks", Phase::Decode, &no_kv, Some(16), 1, Standing::Fresh(1), None),
+        ("decode needs a block size", Phase::Decode, &full, None, 1, Standing::Fresh(1), None),
+        ("zero capacities are undefined", Phase::Decode, &zero, Some(16), 1, Standing::Fresh(1), None),
+        ("zero capacities are undefined (prefill)", Phase::Prefill, &zero, Some(16), 1, Standing::Fresh(1), None),
+        ("unknown standing has no cost", Phase::Decode, &full, Some(16), 1, Standing::Unknown, None),
+    ];
+    for (name, phase, capacity, block_size, prompt, standing, expected) in cases {
+        let got = cost(*phase, &inputs(capacity, *block_size, *prompt, *standing)).map(Cost::as_f64);
+        assert_eq!(got, *expected, "{name}");
+    }
+}
+
+#[test]
+fn unanswered_dispatches_add_to_the_backlog() {
+    let full = capacity(Some(100), Some(1000));
+    let unanswered = RankBacklog { prefill_tokens: 250, decode_blocks: 9, stalled: false };
+    let with = |standing| CostInputs { unanswered, ..inputs(&full, Some(16), 16, standing) };
+    assert_eq!(cost(Phase::Prefill, &with(Standing::Fresh(250))).map(Cost::as_f64), Some(0.5));
+    assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(10))).map(Cost::as_f64), Some(0.2));
+    assert_eq!(cost(Phase::Decode, &with(Standing::Quiet)).map(Cost::as_f64), Some(0.1), "a quiet rank fills up too");
+}
+
+#[test]
+fn costs_compare_exactly() {
+    let a = Cost { backlog: 1, capacity: 3 };
+    let b = Cost { backlog: 2, capacity: 6 };
+    let c = Cost { backlog: u64::MAX, capacity: u64::MAX - 1 };
+    let d = Cost { backlog: u64::MAX - 1, capacity: u64::MAX - 2 };
+    assert_eq!(a, b);
+    assert!(c < d, "(2^64-1)/(2^64-2) < (2^64-2)/(2^64-3), which f64 cannot tell apart");
+}
+
+fn scored(cost: Option<(u64, u64)>, fresh: bool, stalled: bool) -> Scored {
+    Scored { cost: cost.map(|(backlog, capacity)| Cost { backlog, capacity }), fresh, stalled }
+}
+
+#[test]
+fn contender_rules() {
+    let cases: &[(&str, Vec<Scored>, Reason, Vec<usize>)] = &[
+        ("no candidates", vec![], Reason::RoundRobinStale, vec![]),
+        (
+            "lowest defined cost wins",
+            vec![scored(Some((5, 10)), true, false), scored(Some((1, 10)), true, false)],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "equal costs tie (different capacities)",
+            vec![
+                scored(Some((2, 10)), true, false),
+                scored(Some((4, 20)), true, false),
+                scored(Some((5, 20)), true, false),
+            ],
+            Reason::Load,
+            vec![0, 1],
+        ),
+        (
+            "a quiet rank competes on its zero backlog",
+            vec![scored(Some((3, 10)), true, false), scored(Some((0, 10)), false, false)],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "silent under load is not chosen while another has a cost",
+            vec![scored(None, false, false), scored(Some((9, 10)), true, false)],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "no fresh sample anywhere: every candidate rotates",
+            vec![scored(Some((0, 10)), false, false), scored(None, false, false), scored(Some((0, 10)), false, true)],
+            Reason::RoundRobinStale,
+            vec![0, 1, 2],
+        ),
+        (
+            "a fresh sample without a defined cost does not count",
+            vec![scored(None, true, false), scored(Some((0, 10)), false, false)],
+            Reason::RoundRobinStale,
+            vec![0, 1],
+        ),
+        (
+            "stalled is passed over while another has a cost",
+            vec![scored(Some((0, 10)), true, true), scored(Some((9, 10)), false, false)],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "stalled everywhere: lowest cost still wins",
+            vec![scored(Some((5, 10)), true, true), scored(Some((1, 10)), true, true), scored(None, false, false)],
+            Reason::Load,
+            vec![1],
+        ),
+    ];
+    for (name, scored, reason, expected) in cases {
+        assert_eq!(contenders(scored), (*reason, expected.clone()), "{name}");
+    }
+}

@@ -1,0 +1,151 @@
+//! The default picker: the seed's load-only costs over the fleet view's samples plus this
+//! replica's unanswered dispatches. Per-phase round-robin cursors rotate ties and stand in for
+//! costs when the load stream tells nothing.
+//!
+//! Graph-local: decode candidates of every eligible namespace compete together; the prefill
+//! worker is then chosen within the decode winner's namespace.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use continuum_proto::model::{LoadSample, Role};
+use continuum_proto::view::FleetView;
+use prometheus::IntCounterVec;
+
+use super::candidates::{self, Candidate};
+use super::cost::{self, CostInputs, Phase, Scored, Standing};
+use super::ledger::{self, DispatchLedger};
+use super::{PickRequest, Picker, Reason, Selection};
+
+/// Round-robin cursors held at once. Models and namespaces come from the fleet, so the map is
+/// bounded; past the bound it starts over, which only resets rotation.
+pub const MAX_CURSORS: usize = 4096;
+
+#[derive(Debug)]
+pub struct LoadBasedPicker {
+    ledger: Arc<DispatchLedger>,
+    /// `continuum_dynamo_selection_total{role, reason}`.
+    selections: IntCounterVec,
+    /// Per phase, model and (for prefill) namespace, keyed by hash: two pools sharing a cursor
+    /// after a collision still rotate.
+    cursors: Mutex<HashMap<u64, usize>>,
+}
+
+impl LoadBasedPicker {
+    /// `selections` must have the labels `role` and `reason` (see `Metrics::selections`).
+    pub fn new(ledger: Arc<DispatchLedger>, selections: IntCounterVec) -> Self {
+        Self { ledger, selections, cursors: Mutex::new(HashMap::new()) }
+    }
+
+    /// The ledger the dispatch phase records this picker's pins in.
+    pub fn ledger(&self) -> &Arc<DispatchLedger> {
+        &self.ledger
+    }
+
+    /// The candidates a phase's cursor chooses among, and why.
+    fn contenders(
+        &self,
+        view: &FleetView,
+        phase: Phase,
+        candidates: &[Candidate],
+        prompt_tokens: u64,
+        now: Instant,
+    ) -> (Reason, Vec<usize>) {
+        let max_staleness = view.config().picker.max_staleness;
+        let samples: Vec<Option<&LoadSample>> = candidates.iter().map(|c| view.loads().get(&c.load_key())).collect();
+        let queries: Vec<_> = candidates
+            .iter()
+            .zip(&samples)
+            .map(|(c, sample)| (ledger::rank_key(&c.pin()), sample.map(|s| s.received_at)))
+            .collect();
+        let unanswered = self.ledger.backlogs(&queries, now);
+        let scored: Vec<Scored> = candidates
+            .iter()
+            .zip(samples)
+            .zip(unanswered)
+            .map(|((candidate, sample), unanswered)| {
+                let standing = cost::standing(phase, sample, max_staleness, now);
+                let inputs = CostInputs {
+                    capacity: &candidate.worker.capacity,
+                    block_size: candidate.worker.block_size,
+                    prompt_tokens,
+                    standing,
+                    unanswered,
+                };
+                let fresh = matches!(standing, Standing::Fresh(_));
+                Scored { cost: cost::cost(phase, &inputs), fresh, stalled: unanswered.stalled }
+            })
+            .collect();
+        cost::contenders(&scored)
+    }
+
+    /// One candidate of `candidates`, chosen by the phase's cursor among the contenders.
+    fn choose<'c>(
+        &self,
+        view: &FleetView,
+        phase: Phase,
+        candidates: &'c [Candidate],
+        cursor: impl Hash,
+        request: &PickRequest<'_>,
+        now: Instant,
+    ) -> Option<(&'c Candidate, Reason)> {
+        let (reason, contenders) = self.contenders(view, phase, candidates, request.prompt_tokens, now);
+        if contenders.is_empty() {
+            return None;
+        }
+        let turn = self.advance(cursor) % contenders.len();
+        let chosen = contenders.get(turn).and_then(|i| candidates.get(*i))?;
+        Some((chosen, reason))
+    }
+
+    fn advance(&self, cursor: impl Hash) -> usize {
+        let mut hasher = DefaultHasher::new();
+        cursor.hash(&mut hasher);
+        let key = hasher.finish();
+        let mut cursors = self.cursors.lock().unwrap_or_else(PoisonError::into_inner);
+        if cursors.len() >= MAX_CURSORS && !cursors.contains_key(&key) {
+            cursors.clear();
+        }
+        let turn = cursors.entry(key).or_default();
+        let current = *turn;
+        *turn = turn.wrapping_add(1);
+        current
+    }
+
+    fn count(&self, role: &str, reason: Reason) {
+        // A counter built with other labels only loses the count; selection goes on.
+        if let Ok(counter) = self.selections.get_metric_with_label_values(&[role, reason.as_str()]) {
+            counter.inc();
+        }
+    }
+}
+
+impl Picker for LoadBasedPicker {
+    fn pick(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Option<Selection> {
+        let pools = candidates::pools(view, request.model, request.namespaces);
+        let decode_cursor = (Phase::Decode, request.model);
+        let (decode, decode_reason) = self.choose(view, Phase::Decode, &pools.decode, decode_cursor, request, now)?;
+        let namespace = Arc::clone(&decode.worker.key.namespace);
+        let pool = pools.prefill.get(&namespace).filter(|_| decode.worker.role == Role::Decode);
+        let prefill = pool.and_then(|pool| {
+            let cursor = (Phase::Prefill, request.model, &*namespace);
+            self.choose(view, Phase::Prefill, pool, cursor, request, now)
+        });
+        let (prefill, prefill_reason) = match prefill {
+            Some((candidate, reason)) => (Some(candidate.pin()), reason),
+            None => (None, Reason::NoPrefillPool),
+        };
+        self.count("decode", decode_reason);
+        self.count("prefill", prefill_reason);
+        Some(Selection {
+            namespace,
+            model: request.model.to_string(),
+            decode: decode.pin(),
+            prefill,
+            decode_reason,
+            prefill_reason: Some(prefill_reason),
+        })
+    }
+}

@@ -1,0 +1,96 @@
+//! Worker selection for a shim dispatch: which decode (or aggregated) worker rank serves a
+//! request and, in a disaggregated namespace, which prefill worker rank hands it over.
+//!
+//! A picker reads one immutable [`FleetView`] and the replica's [`DispatchLedger`] of requests
+//! it pinned since the workers' last load samples; it performs no I/O. The dispatch phase
+//! records each pin in the ledger when it sends the request and ends it when the request ends.
+
+mod candidates;
+mod cost;
+mod estimate;
+mod ledger;
+mod load_based;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use continuum_proto::model::WorkerKey;
+use continuum_proto::view::FleetView;
+
+pub use estimate::estimate_prompt_tokens;
+pub use ledger::{
+    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, RankBacklog, STALL_AFTER, STALL_MIN_BLOCKS,
+    UNANSWERED_FOR, dispatch_block_size,
+};
+pub use load_based::LoadBasedPicker;
+
+/// One worker rank to pin.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Pin {
+    pub worker: WorkerKey,
+    /// `Some(rank)` exactly when the worker declares data parallelism (`dp_size > 0`); the
+    /// rank header is sent then, 0 included.
+    pub dp_rank: Option<u32>,
+}
+
+/// Why a worker was chosen: the `reason` label of `continuum_dynamo_selection_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The lowest defined cost, ties rotating.
+    Load,
+    /// No candidate had a fresh sample carrying the phase's load: plain rotation.
+    RoundRobinStale,
+    /// No prefill worker: an aggregated decode winner, or a namespace without a prefill pool.
+    NoPrefillPool,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Load => "load",
+            Reason::RoundRobinStale => "round_robin_stale",
+            Reason::NoPrefillPool => "no_prefill_pool",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The workers one request is pinned to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    /// The namespace of both pins; its shim pool serves the request.
+    pub namespace: Arc<str>,
+    /// The Dynamo model name the workers serve (after the model map).
+    pub model: String,
+    pub decode: Pin,
+    /// `None` for an aggregated decode worker or a namespace without prefill workers.
+    pub prefill: Option<Pin>,
+    pub decode_reason: Reason,
+    /// The load-based picker always sets it: `NoPrefillPool` when `prefill` is `None`.
+    pub prefill_reason: Option<Reason>,
+}
+
+/// What the picker needs to know about one request.
+#[derive(Clone, Copy, Debug)]
+pub struct PickRequest<'a> {
+    /// The Dynamo display name, already mapped through the model map.
+    pub model: &'a str,
+    /// From [`estimate_prompt_tokens`].
+    pub prompt_tokens: u64,
+    /// Namespaces with a usable shim replica; `None` means all.
+    pub namespaces: Option<&'a [String]>,
+}
+
+/// Chooses the workers for a request, or `None` when no routable worker serves the model.
+pub trait Picker: Send + Sync + fmt::Debug {
+    fn pick(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Option<Selection>;
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,484 @@
+//! The load-based picker's rules, end to end over a fleet view, and its invariants as a
+//! property test.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use continuum_proto::model::{
+    Capacity, DataPlaneConfig, Load, LoadKey, LoadSample, PickerParams, Role, Worker, WorkerKey,
+};
+use continuum_proto::view::FleetView;
+use prometheus::{IntCounterVec, Opts};
+use proptest::prelude::*;
+
+use super::*;
+
+const BLOCK: u32 = 16;
+
+fn worker(namespace: &str, id: u64, role: Role) -> Worker {
+    Worker {
+        key: WorkerKey::new(namespace, id),
+        role,
+        model: "tiny".into(),
+        component: "backend".into(),
+        endpoint: "generate".into(),
+        block_size: Some(BLOCK),
+        capacity: Capacity { total_kv_blocks: Some(1000), max_num_batched_tokens: Some(2048), ..Capacity::default() },
+        dp_start_rank: 0,
+        dp_size: 0,
+        disaggregated_endpoint: None,
+    }
+}
+
+fn agg(id: u64) -> Worker {
+    worker("ns", id, Role::Aggregated)
+}
+
+fn dp(mut worker: Worker, dp_size: u32) -> Worker {
+    worker.dp_size = dp_size;
+    worker
+}
+
+/// A fleet and the instant the test picks at; samples are placed relative to it.
+struct Fleet {
+    now: Instant,
+    workers: Vec<Worker>,
+    loads: Vec<(LoadKey, LoadSample)>,
+    max_staleness: Duration,
+}
+
+impl Fleet {
+    fn new(workers: impl IntoIterator<Item = Worker>) -> Self {
+        let now = Instant::now() + Duration::from_secs(600);
+        Self { now, workers: workers.into_iter().collect(), loads: Vec::new(), max_staleness: Duration::from_secs(3) }
+    }
+
+    /// Rank `rank` of worker `id` (namespace of the first worker with that id) reported `load`, `age` ago.
+    fn sample(mut self, id: u64, rank: u32, load: Load, age: Duration) -> Self {
+        let namespace = self.workers.iter().find(|w| w.key.instance_id == id).map(|w| Arc::clone(&w.key.namespace));
+        let key = LoadKey { worker: WorkerKey::new(namespace.unwrap_or_else(|| Arc::from("ns")), id), dp_rank: rank };
+        self.loads.push((key, LoadSample { load, received_at: self.now - age }));
+        self
+    }
+
+    fn used(self, id: u64, rank: u32, kv_used_blocks: u64, age: Duration) -> Self {
+        self.sample(id, rank, Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() }, age)
+    }
+
+    fn view(&self) -> FleetView {
+        let config = DataPlaneConfig {
+            picker: PickerParams { max_staleness: self.max_staleness, ..PickerParams::default() },
+            ..DataPlaneConfig::default()
+        };
+        FleetView::new(1, self.workers.iter().cloned().map(Arc::new), self.loads.clone(), Arc::new(config))
+            .expect("view")
+    }
+}
+
+const FRESH: Duration = Duration::from_secs(1);
+const STALE: Duration = Duration::from_secs(10);
+
+fn selections() -> IntCounterVec {
+    IntCounterVec::new(Opts::new("continuum_dynamo_selection_total", "test"), &["role", "reason"]).expect("counter")
+}
+
+fn picker() -> LoadBasedPicker {
+    LoadBasedPicker::new(Arc::new(DispatchLedger::new()), selections())
+}
+
+fn request(prompt_tokens: u64) -> PickRequest<'static> {
+    PickRequest { model: "tiny", prompt_tokens, namespaces: None }
+}
+
+fn pick(picker: &LoadBasedPicker, fleet: &Fleet) -> Selection {
+    picker.pick(&fleet.view(), &request(32), fleet.now).expect("a selection")
+}
+
+/// Decode instance ids over `n` picks.
+fn decode_ids(picker: &LoadBasedPicker, fleet: &Fleet, n: usize) -> Vec<u64> {
+    (0..n).map(|_| pick(picker, fleet).decode.worker.instance_id).collect()
+}
+
+#[test]
+fn decode_rules_table() {
+    // (rule, fleet, picks, expected decode ids, expected reason)
+    let cases: Vec<(&str, Fleet, Vec<u64>, Reason)> = vec![
+        (
+            "fresh: lowest decode cost wins",
+            Fleet::new([agg(1), agg(2)]).used(1, 0, 500, FRESH).used(2, 0, 100, FRESH),
+            vec![2, 2, 2],
+            Reason::Load,
+        ),
+        (
+            "active_decode_blocks is preferred to kv_used_blocks",
+            Fleet::new([agg(1), agg(2)])
+                .sample(
+                    1,
+                    0,
+                    Load { active_decode_blocks: Some(10), kv_used_blocks: Some(900), ..Load::default() },
+                    FRESH,
+                )
+                .used(2, 0, 100, FRESH),
+            vec![1, 1],
+            Reason::Load,
+        ),
+        (
+            "quiet (never published) competes as idle",
+            Fleet::new([agg(1), agg(2)]).used(1, 0, 100, FRESH),
+            vec![2, 2],
+            Reason::Load,
+        ),
+        (
+            "quiet (last sample idle, now stale) competes as idle",
+            Fleet::new([agg(1), agg(2)]).used(1, 0, 100, FRESH).used(2, 0, 0, STALE),
+            vec![2, 2],
+            Reason::Load,
+        ),
+        (
+            "silent under load is not chosen while another has a cost",
+            Fleet::new([agg(1), agg(2)]).used(1, 0, 900, FRESH).used(2, 0, 5, STALE),
+            vec![1, 1, 1],
+            Reason::Load,
+        ),
+        (
+            "no fresh sample anywhere: round robin across all",
+            Fleet::new([agg(1), agg(2), agg(3)]).used(1, 0, 900, STALE).used(2, 0, 0, STALE),
+            vec![1, 2, 3, 1],
+            Reason::RoundRobinStale,
+        ),
+        ("never published anywhere: round robin", Fleet::new([agg(1), agg(2)]), vec![1, 2, 1], Reason::RoundRobinStale),
+        (
+            "equal costs rotate",
+            Fleet::new([agg(1), agg(2), agg(3)]).used(1, 0, 7, FRESH).used(2, 0, 7, FRESH).used(3, 0, 8, FRESH),
+            vec![1, 2, 1, 2],
+            Reason::Load,
+        ),
+        (
+            "a card without capacity has no cost",
+            Fleet::new([agg(1), Worker { capacity: Capacity::default(), ..agg(2) }])
+                .used(1, 0, 900, FRESH)
+                .used(2, 0, 0, FRESH),
+            vec![1, 1],
+            Reason::Load,
+        ),
+        (
+            "unknown role is never routed, however idle",
+            Fleet::new([agg(1), worker("ns", 2, Role::Unknown)]).used(1, 0, 900, FRESH),
+            vec![1, 1],
+            Reason::Load,
+        ),
+        (
+            "prefill workers are not decode candidates",
+            Fleet::new([agg(1), worker("ns", 2, Role::Prefill)]),
+            vec![1, 1],
+            Reason::RoundRobinStale,
+        ),
+        (
+            "another model's workers are not candidates",
+            Fleet::new([agg(1), Worker { model: "other".into(), ..agg(2) }]),
+            vec![1, 1],
+            Reason::RoundRobinStale,
+        ),
+    ];
+    for (rule, fleet, expected, reason) in cases {
+        let picker = picker();
+        assert_eq!(decode_ids(&picker, &fleet, expected.len()), expected, "{rule}");
+        assert_eq!(pick(&picker, &fleet).decode_reason, reason, "{rule}");
+    }
+}
+
+#[test]
+fn dp_ranks_are_candidates_with_rank_pins_only_when_declared() {
+    let fleet = Fleet::new([dp(agg(1), 2)]).used(1, 0, 100, FRESH).used(1, 1, 10, FRESH);
+    assert_eq!(pick(&picker(), &fleet).decode, Pin { worker: WorkerKey::new("ns", 1), dp_rank: Some(1) });
+
+    let quiet = Fleet::new([dp(agg(1), 2)]);
+    let quiet_picker = picker();
+    let ranks: Vec<Option<u32>> = (0..4).map(|_| pick(&quiet_picker, &quiet).decode.dp_rank).collect();
+    assert_eq!(ranks, [Some(0), Some(1), Some(0), Some(1)], "a quiet dp=2 worker uses both ranks");
+
+    let single = Fleet::new([dp(agg(1), 1)]);
+    assert_eq!(pick(&picker(), &single).decode.dp_rank, Some(0), "dp declared: rank 0 is pinned");
+    let none = Fleet::new([agg(1)]);
+    assert_eq!(pick(&picker(), &none).decode.dp_rank, None, "no dp declared: no rank");
+}
+
+#[test]
+fn dp_ranks_start_at_the_declared_start_rank() {
+    let fleet = Fleet::new([Worker { dp_start_rank: 2, ..dp(agg(1), 2) }]);
+    let picker = picker();
+    let ranks: Vec<Option<u32>> = (0..2).map(|_| pick(&picker, &fleet).decode.dp_rank).collect();
+    assert_eq!(ranks, [Some(2), Some(3)]);
+}
+
+fn record(picker: &LoadBasedPicker, selection: &Selection, tokens: u64, at: Instant) -> DispatchId {
+    picker.ledger().record(selection, tokens, BLOCK, at)
+}
+
+#[test]
+fn a_stalled_worker_is_passed_over_while_another_has_a_cost() {
+    let mut fleet =
+        Fleet::new([agg(1), agg(2)]).used(1, 0, 0, STALL_AFTER + FRESH).used(2, 0, 500, STALL_AFTER + FRESH);
+    fleet.max_staleness = Duration::from_secs(10);
+    let picker = picker();
+    let first = pick(&picker, &fleet);
+    assert_eq!(first.decode.worker.instance_id, 1);
+    record(&picker, &first, 32, fleet.now - STALL_AFTER);
+    assert_eq!(decode_ids(&picker, &fleet, 2), [2, 2], "two blocks unanswered for 5 s");
+
+    // Without a fresh sample anywhere, nothing could have answered: stalls are ignored.
+    fleet.max_staleness = Duration::from_secs(3);
+    let picker_stale = LoadBasedPicker::new(Arc::clone(picker.ledger()), selections());
+    let quiet = Fleet { loads: Vec::new(), ..fleet };
+    assert_eq!(decode_ids(&picker_stale, &quiet, 2), [1, 2]);
+}
+
+#[test]
+fn an_ended_or_single_block_dispatch_never_stalls() {
+    let mut fleet =
+        Fleet::new([agg(1), agg(2)]).used(1, 0, 0, STALL_AFTER + FRESH).used(2, 0, 500, STALL_AFTER + FRESH);
+    fleet.max_staleness = Duration::from_secs(10);
+    let picker = picker();
+    let first = pick(&picker, &fleet);
+    let ended = record(&picker, &first, 320, fleet.now - STALL_AFTER);
+    picker.ledger().end(ended, fleet.now);
+    record(&picker, &first, 16, fleet.now - STALL_AFTER);
+    assert_eq!(decode_ids(&picker, &fleet, 2), [1, 1]);
+}
+
+#[test]
+fn a_burst_between_samples_spreads_thanks_to_the_ledger() {
+    // Worker 1 looks idle, worker 2 carries 40 blocks; each request adds 10 blocks.
+    let fleet = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 40, FRESH);
+    let blind = picker();
+    assert!(decode_ids(&blind, &fleet, 20).iter().all(|id| *id == 1), "without the ledger one worker takes the burst");
+
+    let picker = picker();
+    let mut counts = BTreeMap::new();
+    for _ in 0..20 {
+        let selection = pick(&picker, &fleet);
+        record(&picker, &selection, 160, fleet.now);
+        *counts.entry(selection.decode.worker.instance_id).or_insert(0) += 1;
+    }
+    assert_eq!(counts, BTreeMap::from([(1, 12), (2, 8)]), "worker 1 fills up to its peer's load, then they alternate");
+}
+
+#[test]
+fn a_sample_newer_than_the_dispatches_replaces_their_backlog() {
+    let fleet = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 40, FRESH);
+    let picker = picker();
+    for _ in 0..6 {
+        let selection = pick(&picker, &fleet);
+        record(&picker, &selection, 160, fleet.now - FRESH - FRESH);
+    }
+    assert_eq!(decode_ids(&picker, &fleet, 3), [1, 1, 1], "older dispatches were answered by the samples");
+}
+
+fn pair_fleet() -> Fleet {
+    Fleet::new([
+        worker("a", 1, Role::Prefill),
+        worker("a", 2, Role::Decode),
+        worker("a", 3, Role::Aggregated),
+        worker("b", 4, Role::Decode),
+        worker("b", 5, Role::Aggregated),
+        worker("c", 6, Role::Prefill),
+        worker("c", 7, Role::Aggregated),
+    ])
+}
+
+#[test]
+fn mixed_namespaces() {
+    let fleet = pair_fleet();
+    let picker = picker();
+    let mut seen = BTreeMap::new();
+    for _ in 0..12 {
+        let s = pick(&picker, &fleet);
+        seen.insert(s.decode.worker.instance_id, (s.prefill.map(|p| p.worker.instance_id), s.prefill_reason));
+    }
+    let no_pool = Some(Reason::NoPrefillPool);
+    let expected = BTreeMap::from([
+        (2, (Some(1), Some(Reason::RoundRobinStale))),
+        (4, (None, no_pool)),
+        (5, (None, no_pool)),
+        (7, (None, no_pool)),
+    ]);
+    assert_eq!(seen, expected, "a's aggregated worker is out; b's and c's aggregated workers serve alone");
+}
+
+#[test]
+fn graph_local_prefill_comes_from_the_decode_winners_namespace() {
+    let prefill = |ns, id| worker(ns, id, Role::Prefill);
+    let decode = |ns, id| worker(ns, id, Role::Decode);
+    let tokens = |n| Load { active_prefill_tokens: Some(n), kv_used_blocks: Some(0), ..Load::default() };
+    let fleet = Fleet::new([prefill("a", 1), decode("a", 2), prefill("b", 3), prefill("b", 4), decode("b", 5)])
+        .used(2, 0, 900, FRESH)
+        .used(5, 0, 10, FRESH)
+        .sample(1, 0, tokens(0), FRESH)
+        .sample(3, 0, tokens(1024), FRESH)
+        .sample(4, 0, tokens(512), FRESH);
+    let picker = picker();
+    let s = pick(&picker, &fleet);
+    assert_eq!(&*s.namespace, "b");
+    assert_eq!(s.decode.worker, WorkerKey::new("b", 5));
+    assert_eq!(s.prefill, Some(Pin { worker: WorkerKey::new("b", 4), dp_rank: None }));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::Load)));
+}
+
+#[test]
+fn prefill_without_prefill_tokens_rotates() {
+    // The mocker and dynamo.vllm publish no active_prefill_tokens.
+    let fleet =
+        Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Prefill), worker("a", 3, Role::Decode)])
+            .used(1, 0, 0, FRESH)
+            .used(2, 0, 50, FRESH);
+    let picker = picker();
+    let picks: Vec<_> = (0..4).map(|_| pick(&picker, &fleet)).collect();
+    let ids: Vec<u64> = picks.iter().filter_map(|s| s.prefill.as_ref()).map(|p| p.worker.instance_id).collect();
+    assert_eq!(ids, [1, 2, 1, 2]);
+    assert!(picks.iter().all(|s| s.prefill_reason == Some(Reason::RoundRobinStale)));
+}
+
+#[test]
+fn namespace_filter_and_missing_model() {
+    let fleet = pair_fleet();
+    let picker = picker();
+    let only_b = ["b".to_string()];
+    let request = PickRequest { namespaces: Some(&only_b), ..request(1) };
+    for _ in 0..4 {
+        let s = picker.pick(&fleet.view(), &request, fleet.now).expect("b serves");
+        assert_eq!(&*s.namespace, "b");
+    }
+    let none: [String; 0] = [];
+    assert!(picker.pick(&fleet.view(), &PickRequest { namespaces: Some(&none), ..request }, fleet.now).is_none());
+    assert!(picker.pick(&fleet.view(), &PickRequest { model: "absent", ..request }, fleet.now).is_none());
+    let prefill_only = Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Unknown)]);
+    assert!(picker.pick(&prefill_only.view(), &request, prefill_only.now).is_none(), "no decode candidate");
+}
+
+#[test]
+fn every_selection_is_counted_by_role_and_reason() {
+    let counter = selections();
+    let picker = LoadBasedPicker::new(Arc::new(DispatchLedger::new()), counter.clone());
+    let fleet = pair_fleet();
+    for _ in 0..4 {
+        pick(&picker, &fleet);
+    }
+    let count = |role: &str, reason: Reason| counter.with_label_values(&[role, reason.as_str()]).get();
+    assert_eq!(count("decode", Reason::RoundRobinStale), 4);
+    assert_eq!(count("prefill", Reason::RoundRobinStale), 1);
+    assert_eq!(count("prefill", Reason::NoPrefillPool), 3);
+
+    let mislabelled = IntCounterVec::new(Opts::new("x", "x"), &["only"]).expect("counter");
+    let odd = LoadBasedPicker::new(Arc::new(DispatchLedger::new()), mislabelled);
+    assert!(odd.pick(&fleet.view(), &request(1), fleet.now).is_some(), "a mislabelled counter never stops picking");
+}
+
+#[test]
+fn reason_labels() {
+    let labels = [Reason::Load, Reason::RoundRobinStale, Reason::NoPrefillPool].map(Reason::as_str);
+    assert_eq!(labels, ["load", "round_robin_stale", "no_prefill_pool"]);
+}
+
+// --- property: the picker only ever returns candidates, and never pairs prefill with aggregated.
+
+fn arb_worker() -> impl Strategy<Value = Worker> {
+    let role = prop_oneof![Just(Role::Prefill), Just(Role::Decode), Just(Role::Aggregated), Just(Role::Unknown)];
+    let capacity = (proptest::option::of(0..200u64), proptest::option::of(0..4096u64)).prop_map(
+        |(total_kv_blocks, max_num_batched_tokens)| Capacity {
+            total_kv_blocks,
+            max_num_batched_tokens,
+            ..Capacity::default()
+        },
+    );
+    (0..3usize, 1..6u64, role, 0..2usize, 0..3u32, 0..3u32, proptest::option::of(0..32u32), capacity).prop_map(
+        |(ns, id, role, model, dp_size, start, block_size, capacity)| Worker {
+            key: WorkerKey::new(["a", "b", "c"][ns], id),
+            role,
+            model: ["tiny", "other"][model].into(),
+            block_size,
+            capacity,
+            dp_size,
+            dp_start_rank: start,
+            ..worker("a", 0, Role::Aggregated)
+        },
+    )
+}
+
+fn arb_load() -> impl Strategy<Value = (Load, u64)> {
+    let field = || proptest::option::of(0..300u64);
+    ((field(), field(), field()), 0..12_000u64).prop_map(|((d, p, u), age_ms)| {
+        (Load { active_decode_blocks: d, active_prefill_tokens: p, kv_used_blocks: u }, age_ms)
+    })
+}
+
+proptest! {
+    #[test]
+    fn picks_only_candidates_and_never_pairs_prefill_with_aggregated(
+        workers in proptest::collection::vec(arb_worker(), 0..10),
+        loads in proptest::collection::vec(arb_load(), 30),
+        filter in proptest::option::of(proptest::sample::subsequence(vec!["a", "b", "c"], 0..=3)),
+        picks in 1..6usize,
+        dispatches in proptest::collection::vec((0..400u64, 0..8_000u64), 0..6),
+    ) {
+        let mut by_key = BTreeMap::new();
+        for w in workers { by_key.insert(w.key.clone(), w); }
+        let mut fleet = Fleet::new(by_key.into_values());
+        let ranks: Vec<LoadKey> = fleet.workers.iter()
+            .flat_map(|w| w.dp_ranks().map(|dp_rank| LoadKey { worker: w.key.clone(), dp_rank }))
+            .collect();
+        for (key, (load, age_ms)) in ranks.into_iter().zip(loads) {
+            if age_ms % 5 != 0 {
+                fleet.loads.push((key, LoadSample { load, received_at: fleet.now - Duration::from_millis(age_ms) }));
+            }
+        }
+        let view = fleet.view();
+        let names: Option<Vec<String>> = filter.map(|f| f.into_iter().map(String::from).collect());
+        let request = PickRequest { model: "tiny", prompt_tokens: 100, namespaces: names.as_deref() };
+        let picker = picker();
+        for i in 0..picks {
+            let Some(s) = picker.pick(&view, &request, fleet.now) else {
+                let any = view.workers().values().any(|w| w.model == "tiny"
+                    && matches!(w.role, Role::Decode | Role::Aggregated)
+                    && names.as_ref().is_none_or(|n| n.iter().any(|x| *x == *w.key.namespace)));
+                prop_assert!(!any, "a decode candidate existed but nothing was picked");
+                continue;
+            };
+            let decode = view.worker(&s.decode.worker).expect("decode worker is in the view");
+            prop_assert_eq!(&decode.model, "tiny");
+            prop_assert!(matches!(decode.role, Role::Decode | Role::Aggregated));
+            prop_assert!(names.as_ref().is_none_or(|n| n.iter().any(|x| *x == *decode.key.namespace)));
+            prop_assert_eq!(&s.namespace, &decode.key.namespace);
+            check_rank(decode, s.decode.dp_rank)?;
+            let pairs_here = |role| view.workers().values().any(|w| w.model == "tiny" && w.key.namespace == decode.key.namespace && w.role == role);
+            if decode.role == Role::Aggregated {
+                prop_assert!(s.prefill.is_none(), "prefill paired with an aggregated worker");
+                prop_assert!(!(pairs_here(Role::Prefill) && pairs_here(Role::Decode)), "aggregated chosen beside a prefill/decode pool");
+            }
+            match &s.prefill {
+                Some(p) => {
+                    let prefill = view.worker(&p.worker).expect("prefill worker is in the view");
+                    prop_assert_eq!(prefill.role, Role::Prefill);
+                    prop_assert_eq!(&prefill.model, "tiny");
+                    prop_assert_eq!(&prefill.key.namespace, &decode.key.namespace);
+                    check_rank(prefill, p.dp_rank)?;
+                }
+                None => prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool)),
+            }
+            if let Some((tokens, ago)) = dispatches.get(i) {
+                picker.ledger().record(&s, *tokens, BLOCK, fleet.now - Duration::from_millis(*ago));
+            }
+        }
+    }
+}
+
+fn check_rank(worker: &Worker, dp_rank: Option<u32>) -> Result<(), TestCaseError> {
+    match dp_rank {
+        Some(rank) => {
+            prop_assert!(worker.dp_size > 0, "rank pinned on a worker without dp");
+            prop_assert!(worker.dp_ranks().any(|r| r == rank), "rank {} outside the worker's ranks", rank);
+        }
+        None => prop_assert_eq!(worker.dp_size, 0, "dp declared but no rank pinned"),
+    }
+    Ok(())
+}
