@@ -1,5 +1,5 @@
-//! The replica's HTTP surface: health, readiness with the fleet view's detail, and metrics.
-//! Traffic ingresses join this router in the routing module.
+//! The replica's HTTP surface: the traffic ingresses ([`crate::ingress`]), health, readiness
+//! with the fleet view's detail, and metrics.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,17 +11,26 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use serde_json::json;
 
-use crate::fleet::FleetHandle;
+use crate::dispatch::Dispatcher;
+use crate::fleet::{DispatchReporter, FleetHandle};
+use crate::ingress;
 use crate::metrics::Metrics;
+use crate::routing::picker::{DispatchLedger, Picker};
 
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub fleet: Arc<FleetHandle>,
     pub metrics: Metrics,
+    pub picker: Arc<dyn Picker>,
+    /// The pins this replica has in flight; the picker reads it, dispatch records and ends them.
+    pub ledger: Arc<DispatchLedger>,
+    /// Where pins and their ends are reported for fleet-wide accounting.
+    pub reporter: Arc<DispatchReporter>,
+    pub dispatcher: Arc<Dispatcher>,
 }
 
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    ingress::routes()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -48,6 +57,9 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    if let Some(view) = state.fleet.view() {
+        state.dispatcher.export_health(view.config());
+    }
     let text = state.metrics.render(state.fleet.status(Instant::now()));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }

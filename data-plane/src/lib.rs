@@ -1,7 +1,10 @@
 //! A Continuum data-plane replica: stateless, configured with little more than its listen
 //! address and the control plane's address. Everything else arrives on the Fleet stream.
 
+pub mod dispatch;
 pub mod fleet;
 pub mod http;
+pub mod ingress;
 pub mod metrics;
 pub mod replica;
+pub mod routing;

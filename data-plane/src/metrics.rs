@@ -31,8 +31,13 @@ pub struct Metrics {
     /// Each shim replica's circuit breaker by `backend` (configured names): 0 closed, 1
     /// half-open, 2 open.
     pub shim_replica_state: IntGaugeVec,
+    /// Sends moved on to another shim replica after a connection failure.
+    pub shim_retries: IntCounter,
     /// Dispatch reports dropped: the queue to the control plane was full.
     pub dispatch_reports_dropped: IntCounter,
+    /// Worker selections for shim dispatch, by `role` (prefill, decode) and `reason` (load,
+    /// round_robin_stale, no_prefill_pool); see `routing::picker::Reason`.
+    pub selections: IntCounterVec,
 }
 
 /// Where a shim dispatch failed: `orchestration` (the frontend refused the pinned pair) or
@@ -139,6 +144,14 @@ impl Metrics {
                 Opts::new("continuum_shim_replica_state", "Shim replica circuit breaker: 0 closed, 1 half-open, 2 open"),
                 &["backend"],
             )?,
+            shim_retries: IntCounter::new(
+                "continuum_shim_retries_total",
+                "Sends moved on to another shim replica after a connection failure",
+            )?,
+            selections: IntCounterVec::new(
+                Opts::new("continuum_dynamo_selection_total", "Worker selections for shim dispatch, by role and reason"),
+                &["role", "reason"],
+            )?,
         };
         for phase in ErrorPhase::ALL {
             metrics.disaggregated_errors.with_label_values(&[phase.as_str()]);
@@ -158,6 +171,8 @@ impl Metrics {
             Box::new(metrics.disaggregated_requests.clone()),
             Box::new(metrics.request_duration.clone()),
             Box::new(metrics.shim_replica_state.clone()),
+            Box::new(metrics.shim_retries.clone()),
+            Box::new(metrics.selections.clone()),
         ] {
             metrics.registry.register(collector)?;
         }

@@ -8,9 +8,11 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::dispatch::{DispatchSettings, Dispatcher};
 use crate::fleet::{self, DispatchReporter, FleetClientConfig, FleetHandle};
 use crate::http::{self, AppState};
 use crate::metrics::Metrics;
+use crate::routing::picker::{DispatchLedger, LoadBasedPicker};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -28,6 +30,8 @@ pub struct Replica {
     /// Where dispatches are reported for fleet-wide accounting.
     pub reporter: Arc<DispatchReporter>,
     pub metrics: Metrics,
+    /// The pins this replica has in flight.
+    pub ledger: Arc<DispatchLedger>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -35,9 +39,19 @@ pub struct Replica {
 impl Replica {
     /// Binds `listen` and starts following the control plane.
     pub async fn start(listen: &str, config: FleetClientConfig) -> Result<Self, StartError> {
+        Self::start_with(listen, config, DispatchSettings::default()).await
+    }
+
+    /// [`Replica::start`] with dispatch bounds other than the defaults (tests shorten them).
+    pub async fn start_with(
+        listen: &str,
+        config: FleetClientConfig,
+        dispatch: DispatchSettings,
+    ) -> Result<Self, StartError> {
         let listener =
             TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen.to_string(), source })?;
-        let local_addr = listener.local_addr().map_err(|source| StartError::Bind { addr: listen.to_string(), source })?;
+        let local_addr =
+            listener.local_addr().map_err(|source| StartError::Bind { addr: listen.to_string(), source })?;
         let fleet = Arc::new(FleetHandle::default());
         let metrics = Metrics::new()?;
         let cancel = CancellationToken::new();
@@ -49,7 +63,18 @@ impl Replica {
             metrics.clone(),
             cancel.clone(),
         ));
-        let app = http::router(AppState { fleet: Arc::clone(&fleet), metrics: metrics.clone() });
+        let ledger = Arc::new(DispatchLedger::new());
+        let picker = Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone()));
+        let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
+        let state = AppState {
+            fleet: Arc::clone(&fleet),
+            metrics: metrics.clone(),
+            picker,
+            ledger: Arc::clone(&ledger),
+            reporter: Arc::clone(&reporter),
+            dispatcher,
+        };
+        let app = http::router(state);
         let shutdown = cancel.clone();
         let server = tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
@@ -58,7 +83,7 @@ impl Replica {
             }
         });
         tracing::info!(%local_addr, "data-plane replica listening");
-        Ok(Self { local_addr, fleet, reporter, metrics, cancel, tasks: vec![client, server] })
+        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, server] })
     }
 
     /// Stops both tasks and waits for them.

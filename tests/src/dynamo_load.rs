@@ -44,7 +44,14 @@ pub async fn start_frontend(ns: &NetNs) -> anyhow::Result<String> {
 }
 
 /// A chat completion pinned to `worker` rank `rank` through the frontend; its HTTP status.
-pub async fn chat(ns: &NetNs, frontend: &str, worker: u64, rank: u32, words: usize, max_tokens: u32) -> anyhow::Result<u16> {
+pub async fn chat(
+    ns: &NetNs,
+    frontend: &str,
+    worker: u64,
+    rank: u32,
+    words: usize,
+    max_tokens: u32,
+) -> anyhow::Result<u16> {
     let prompt: Vec<String> = (0..words).map(|i| format!("word{}", i % 97)).collect();
     let body = serde_json::json!({
         "model": "tiny",
@@ -120,7 +127,10 @@ impl Tap {
         let mut lines = BufReader::new(stdout).lines();
         let ready = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
         if !matches!(&ready, Ok(Ok(Some(line))) if line.contains("ready")) {
-            bail!("the pyzmq tap did not start (run scripts/test to install pyzmq):\n{}", ns.log_tail("kv-metrics-tap"));
+            bail!(
+                "the pyzmq tap did not start (run scripts/test to install pyzmq):\n{}",
+                ns.log_tail("kv-metrics-tap")
+            );
         }
         // A SUB's subscription reaches the PUB shortly after connect (the slow joiner).
         tokio::time::sleep(Duration::from_millis(300)).await;

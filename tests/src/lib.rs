@@ -24,6 +24,7 @@ pub mod netns;
 pub mod pki;
 pub mod process;
 pub mod proxy;
+pub mod shim_stub;
 pub mod tools;
 pub mod zmtp_peer;
 

@@ -189,7 +189,12 @@ impl KvMetricsSample {
         let mut frame = vec![1];
         frame.extend_from_slice(&u32::try_from(envelope.len()).unwrap_or(u32::MAX).to_be_bytes());
         frame.extend(envelope);
-        vec![b"kv_metrics".to_vec(), self.publisher_id.to_be_bytes().to_vec(), self.sequence.to_be_bytes().to_vec(), frame]
+        vec![
+            b"kv_metrics".to_vec(),
+            self.publisher_id.to_be_bytes().to_vec(),
+            self.sequence.to_be_bytes().to_vec(),
+            frame,
+        ]
     }
 }
 

@@ -24,7 +24,8 @@ const DP1: Mocker = Mocker { mode: Mode::Aggregated, kv_blocks: 64, dp_size: 1 }
 const SETTLE: Duration = Duration::from_secs(2);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_store_and_every_replica_hold_each_ranks_kv_used_blocks_as_the_real_workers_publish_them() -> anyhow::Result<()> {
+async fn the_store_and_every_replica_hold_each_ranks_kv_used_blocks_as_the_real_workers_publish_them()
+-> anyhow::Result<()> {
     let ns = NetNs::create()?;
     dynamo::start_etcd(&ns).await?;
     let watch = InstanceWatch::start(&ns).await?;
@@ -45,28 +46,51 @@ async fn the_store_and_every_replica_hold_each_ranks_kv_used_blocks_as_the_real_
         for &(worker, rank) in &targets {
             for n in 0..3 {
                 let (ns, frontend) = (&ns, frontend.as_str());
-                requests.push(async move { dynamo_load::chat(ns, frontend, worker, rank, 60 + 40 * n + 10 * round, 24).await });
+                requests.push(async move {
+                    dynamo_load::chat(ns, frontend, worker, rank, 60 + 40 * n + 10 * round, 24).await
+                });
             }
         }
-        let statuses = futures::future::join_all(requests).await;
+        // Read the store while the requests run, so in-flight (non-zero) samples are compared.
+        let done = std::sync::atomic::AtomicBool::new(false);
+        let poll = async {
+            let mut taken = Vec::new();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                taken.push(ns.get_json(&format!("{admin}/admin/dynamo/loads")).await);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            taken
+        };
+        let send = async {
+            let statuses = futures::future::join_all(requests).await;
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            statuses
+        };
+        let (statuses, taken) = tokio::join!(send, poll);
         for status in statuses {
             ensure!(status? == 200, "a pinned chat completion failed:\n{}", ns.log_tail("frontend"));
         }
-        snapshots.push(ns.get_json(&format!("{admin}/admin/dynamo/loads")).await?);
+        for snapshot in taken {
+            snapshots.push(snapshot?);
+        }
     }
     tap.settle(SETTLE, Duration::from_secs(30)).await?;
 
     let tapped = tap.all();
     let by_sequence: BTreeMap<(u64, u64), Tapped> = tapped.iter().map(|t| ((t.publisher_id, t.sequence), *t)).collect();
     let latest = tap.latest();
-    ensure!(latest.len() == 3, "the tap saw ranks {:?}, want both ranks of the dp=2 worker and the dp=1 worker", latest.keys());
+    ensure!(
+        latest.len() == 3,
+        "the tap saw ranks {:?}, want both ranks of the dp=2 worker and the dp=1 worker",
+        latest.keys()
+    );
     ensure!(
         tapped.iter().any(|t| t.kv_used_blocks.unwrap_or(0) > 0),
         "the workers never reported used blocks under load: {tapped:?}"
     );
 
     // While the load changed: every sample the store held was a real message, as published.
-    let mut checked = 0;
+    let (mut checked, mut busy) = (0, 0);
     for snapshot in &snapshots {
         for entry in snapshot["store"].as_array().context("store")? {
             let publisher: u64 = entry["publisher_id"].as_str().context("publisher_id")?.parse()?;
@@ -76,24 +100,33 @@ async fn the_store_and_every_replica_hold_each_ranks_kv_used_blocks_as_the_real_
                 assert_eq!(entry["dp_rank"].as_u64(), Some(u64::from(t.dp_rank)), "{entry}");
                 assert_eq!(entry["worker_id"].as_str(), Some(t.worker_id.to_string().as_str()), "{entry}");
                 checked += 1;
+                busy += usize::from(t.kv_used_blocks.unwrap_or(0) > 0);
             }
         }
     }
-    ensure!(checked > 0, "no store snapshot matched a tapped message");
+    ensure!(
+        busy > 0,
+        "no store snapshot taken under load matched a tapped message with used blocks ({checked} idle ones did)"
+    );
 
     // Settled: the store holds each rank's last message, the fleet view the same values, and
     // both replicas acked that version.
     let settled = settled_view(&ns, &admin, &latest).await?;
-    println!("{checked} in-flight store samples matched the tap; settled: {settled}");
+    println!("{checked} store samples read under load matched the tap ({busy} with used blocks); settled: {settled}");
 
     let workers = ns.get_json(&format!("{admin}/admin/dynamo/workers")).await?;
     ensure!(!workers.to_string().contains("tcp://"), "the admin API exported a publisher address: {workers}");
     let (_, metrics) = ns.get(&format!("{admin}/metrics")).await?;
     for (worker, rank) in targets {
-        let series = format!("continuum_dynamo_worker_kv_used_blocks{{dp_rank=\"{rank}\",namespace=\"dynamo\",worker=\"{worker:x}\"}}");
+        let series = format!(
+            "continuum_dynamo_worker_kv_used_blocks{{dp_rank=\"{rank}\",namespace=\"dynamo\",worker=\"{worker:x}\"}}"
+        );
         ensure!(metrics.contains(&series), "no {series} in\n{metrics}");
     }
-    ensure!(!metrics.contains("continuum_dynamo_load_events_total{result=\"applied\"} 0"), "nothing applied:\n{metrics}");
+    ensure!(
+        !metrics.contains("continuum_dynamo_load_events_total{result=\"applied\"} 0"),
+        "nothing applied:\n{metrics}"
+    );
     Ok(())
 }
 
@@ -143,10 +176,17 @@ async fn settled_view(ns: &NetNs, admin: &str, latest: &BTreeMap<(u64, u32), Tap
 async fn check_settled(ns: &NetNs, admin: &str, latest: &BTreeMap<(u64, u32), Tapped>) -> anyhow::Result<String> {
     let loads = ns.get_json(&format!("{admin}/admin/dynamo/loads")).await?;
     let key = |e: &Value| -> anyhow::Result<(u64, u32)> {
-        Ok((e["worker_id"].as_str().context("worker_id")?.parse()?, u32::try_from(e["dp_rank"].as_u64().context("dp_rank")?)?))
+        Ok((
+            e["worker_id"].as_str().context("worker_id")?.parse()?,
+            u32::try_from(e["dp_rank"].as_u64().context("dp_rank")?)?,
+        ))
     };
-    let store: BTreeMap<(u64, u32), Value> =
-        loads["store"].as_array().context("store")?.iter().map(|e| Ok((key(e)?, e.clone()))).collect::<anyhow::Result<_>>()?;
+    let store: BTreeMap<(u64, u32), Value> = loads["store"]
+        .as_array()
+        .context("store")?
+        .iter()
+        .map(|e| Ok((key(e)?, e.clone())))
+        .collect::<anyhow::Result<_>>()?;
     let fleet: BTreeMap<(u64, u32), Value> = loads["fleet"]["loads"]
         .as_array()
         .context("fleet loads")?
@@ -164,8 +204,12 @@ async fn check_settled(ns: &NetNs, admin: &str, latest: &BTreeMap<(u64, u32), Ta
     }
     let version = loads["fleet"]["version"].as_u64().context("version")?;
     let replicas = ns.get_json(&format!("{admin}/admin/fleet/replicas")).await?;
-    let acked: Vec<u64> =
-        replicas["replicas"].as_array().context("replicas")?.iter().filter_map(|r| r["acked_version"].as_u64()).collect();
+    let acked: Vec<u64> = replicas["replicas"]
+        .as_array()
+        .context("replicas")?
+        .iter()
+        .filter_map(|r| r["acked_version"].as_u64())
+        .collect();
     let current = replicas["version"].as_u64().context("current version")?;
     ensure!(current == version, "the fleet moved on from {version} to {current} meanwhile");
     ensure!(acked == [version, version], "replicas acked {acked:?}, want both at {version}");

@@ -42,8 +42,14 @@ fn key(worker: u64, rank: u32) -> LoadKey {
 }
 
 fn hostile(sequence: u64, rank: u32, used: u64) -> Vec<Vec<u8>> {
-    KvMetricsSample { publisher_id: HOSTILE_PUBLISHER, sequence, worker_id: HOSTILE_WORKER, dp_rank: rank, kv_used_blocks: used }
-        .frames()
+    KvMetricsSample {
+        publisher_id: HOSTILE_PUBLISHER,
+        sequence,
+        worker_id: HOSTILE_WORKER,
+        dp_rank: rank,
+        kv_used_blocks: used,
+    }
+    .frames()
 }
 
 struct Harness {
@@ -62,12 +68,19 @@ impl Harness {
     /// Runs `case`, then waits until `label` went up (by exactly one when `exact`; a refused
     /// handshake repeats with backoff) and nothing but `applied` (the healthy publisher) moved
     /// besides; the healthy sample must advance meanwhile.
-    async fn expect(&self, case: &str, label: &str, exact: bool, run: impl AsyncFnOnce() -> anyhow::Result<()>) -> anyhow::Result<()> {
+    async fn expect(
+        &self,
+        case: &str,
+        label: &str,
+        exact: bool,
+        run: impl AsyncFnOnce() -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
         let before = self.counts();
         let healthy_before = self.healthy_sequence();
         run().await.with_context(|| case.to_string())?;
         let index = LABELS.iter().position(|l| *l == label).context("label")?;
-        eventually(WAIT, &format!("{case} counted as {label}"), || async { self.load.events(label) > before[index] }).await?;
+        eventually(WAIT, &format!("{case} counted as {label}"), || async { self.load.events(label) > before[index] })
+            .await?;
         eventually(WAIT, &format!("the healthy subscription updating after {case}"), || async {
             self.healthy_sequence() > healthy_before
         })
@@ -83,7 +96,11 @@ impl Harness {
         }
         let status = self.load.subscription(HOSTILE_PUBLISHER).context("hostile subscription")?;
         let ceiling = ZmtpLimits::KV_METRICS.buffer_ceiling();
-        assert!(status.buffer_high_water() <= 1024, "{case}: the hostile buffer grew to {}", status.buffer_high_water());
+        assert!(
+            status.buffer_high_water() <= 1024,
+            "{case}: the hostile buffer grew to {}",
+            status.buffer_high_water()
+        );
         assert!(status.buffer_high_water() <= ceiling);
         Ok(())
     }
@@ -94,13 +111,16 @@ async fn healthy(mut peer: RawPublisher) {
     let mut sequence = 0;
     loop {
         let Ok(mut connection) = peer.connection(Duration::from_secs(60)).await else { return };
-        while send(&mut connection, KvMetricsSample {
-            publisher_id: HEALTHY_PUBLISHER,
-            sequence,
-            worker_id: HEALTHY_WORKER,
-            dp_rank: 0,
-            kv_used_blocks: sequence % 50,
-        })
+        while send(
+            &mut connection,
+            KvMetricsSample {
+                publisher_id: HEALTHY_PUBLISHER,
+                sequence,
+                worker_id: HEALTHY_WORKER,
+                dp_rank: 0,
+                kv_used_blocks: sequence % 50,
+            },
+        )
         .await
         {
             sequence += 1;
@@ -180,7 +200,13 @@ async fn each_hostile_message_is_counted_under_its_label_within_bounds_while_a_h
     .await?;
 
     h.expect("a publisher id that differs from the discovery record", "identity_mismatch", true, async || {
-        let forged = KvMetricsSample { publisher_id: HOSTILE_PUBLISHER + 1, sequence: 5, worker_id: HOSTILE_WORKER, dp_rank: 0, kv_used_blocks: 9 };
+        let forged = KvMetricsSample {
+            publisher_id: HOSTILE_PUBLISHER + 1,
+            sequence: 5,
+            worker_id: HOSTILE_WORKER,
+            dp_rank: 0,
+            kv_used_blocks: 9,
+        };
         conn.send_frames(&forged.frames()).await
     })
     .await?;
@@ -208,7 +234,10 @@ async fn each_hostile_message_is_counted_under_its_label_within_bounds_while_a_h
         conn.send_frames(&hostile(5, 0, 7)).await
     })
     .await?;
-    assert_eq!(h.load.view.store.lock().get(&key(HOSTILE_WORKER, 0)).map(|s| s.sample.load.kv_used_blocks), Some(Some(6)));
+    assert_eq!(
+        h.load.view.store.lock().get(&key(HOSTILE_WORKER, 0)).map(|s| s.sample.load.kv_used_blocks),
+        Some(Some(6))
+    );
 
     h.expect("a frame length of 2^63", "transport_refused", true, async || {
         let mut bytes = vec![0x02];
@@ -218,6 +247,11 @@ async fn each_hostile_message_is_counted_under_its_label_within_bounds_while_a_h
     .await?;
     assert!(conn.closed_within(WAIT).await, "the session was closed");
     let mut conn = hostile_peer.connection(WAIT).await.context("the hostile subscription reconnects with backoff")?;
+    assert_eq!(
+        h.load.subscription(HEALTHY_PUBLISHER).map(|s| s.sessions()),
+        Some(1),
+        "the healthy session never dropped"
+    );
     eventually(WAIT, "the reconnect dropping the hostile publisher's held samples", || async {
         h.load.view.store.lock().get(&key(HOSTILE_WORKER, 0)).is_none()
     })

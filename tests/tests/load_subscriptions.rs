@@ -30,7 +30,8 @@ async fn of_1100_publishers_the_1024_lowest_ids_are_admitted_and_removing_100_ad
     // Publisher ids descend as ports ascend, so admission by id is not admission by address.
     let id = |i: u64| 10_000 + (PUBLISHERS - i) * 7;
     let workers = (0..PUBLISHERS).map(|i| worker(1 + i, 1)).collect();
-    let publishers = (0..PUBLISHERS).map(|i| kv_metrics_publisher(id(i), 1 + i, peers[i as usize].endpoint())).collect();
+    let publishers =
+        (0..PUBLISHERS).map(|i| kv_metrics_publisher(id(i), 1 + i, peers[i as usize].endpoint())).collect();
     let load = TestLoad::start(&loopback_config(), test_options())?;
     load.registry.publish(fleet(workers, publishers));
 
@@ -53,7 +54,8 @@ async fn of_1100_publishers_the_1024_lowest_ids_are_admitted_and_removing_100_ad
     current.publishers.retain(|_, p| !removed.contains(&p.publisher_id));
     let started = std::time::Instant::now();
     load.registry.publish(current);
-    eventually(WAIT, "the 76 left out so far connected", || async { gauge(&load, "connected", "direct") == 1000 }).await?;
+    eventually(WAIT, "the 76 left out so far connected", || async { gauge(&load, "connected", "direct") == 1000 })
+        .await?;
     let stopped_and_admitted_in = started.elapsed();
     let admitted: BTreeSet<u64> = states(&load).iter().map(|(id, _)| *id).collect();
     assert_eq!(admitted, all_ids[100..].iter().copied().collect::<BTreeSet<u64>>());
@@ -98,13 +100,17 @@ async fn a_publisher_outside_direct_allow_cidrs_is_never_dialled() -> anyhow::Re
     eventually(WAIT, "a not_allowed refusal", || async { load.events("not_allowed") > 0 }).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(peer.try_connection().is_none(), "nothing connected to a 127.0.0.1 publisher under 10.0.0.0/8");
-    assert!(matches!(load.subscription(7).and_then(|s| s.state()), Some(SubscriptionState::Backoff | SubscriptionState::Connecting)));
+    assert!(matches!(
+        load.subscription(7).and_then(|s| s.state()),
+        Some(SubscriptionState::Backoff | SubscriptionState::Connecting)
+    ));
     load.stop().await;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn switching_the_transport_restarts_only_subscriptions_and_each_reconnect_drops_held_samples() -> anyhow::Result<()> {
+async fn switching_the_transport_restarts_only_subscriptions_and_each_reconnect_drops_held_samples()
+-> anyhow::Result<()> {
     let mut peer = RawPublisher::bind().await?;
     let mut config = loopback_config();
     let load = TestLoad::start(&config, test_options())?;
@@ -112,9 +118,13 @@ async fn switching_the_transport_restarts_only_subscriptions_and_each_reconnect_
     let mut connection = peer.connection(WAIT).await?;
     let sample = |sequence| KvMetricsSample { publisher_id: 7, sequence, worker_id: 1, dp_rank: 0, kv_used_blocks: 4 };
     connection.send_frames(&sample(40).frames()).await?;
-    let key = continuum_proto::model::LoadKey { worker: continuum_proto::model::WorkerKey::new("dynamo", 1), dp_rank: 0 };
+    let key =
+        continuum_proto::model::LoadKey { worker: continuum_proto::model::WorkerKey::new("dynamo", 1), dp_rank: 0 };
     eventually(WAIT, "the sample in the store", || async { load.view.store.lock().get(&key).is_some() }).await?;
-    eventually(WAIT, "the sample on the fleet stream", || async { load.publisher.current().view().loads().contains_key(&key) }).await?;
+    eventually(WAIT, "the sample on the fleet stream", || async {
+        load.publisher.current().view().loads().contains_key(&key)
+    })
+    .await?;
     let generation = load.registry.current().generation;
 
     config.transport = LoadTransport::Broker;
@@ -132,15 +142,22 @@ async fn switching_the_transport_restarts_only_subscriptions_and_each_reconnect_
     config.transport = LoadTransport::Direct;
     load.supervisor.reload(&config);
     let _connection = peer.connection(WAIT).await?;
-    eventually(WAIT, "the reconnect dropping the held sample", || async { load.view.store.lock().get(&key).is_none() }).await?;
-    eventually(WAIT, "the replicas told to drop it too", || async { !load.publisher.current().view().loads().contains_key(&key) }).await?;
+    eventually(WAIT, "the reconnect dropping the held sample", || async { load.view.store.lock().get(&key).is_none() })
+        .await?;
+    eventually(WAIT, "the replicas told to drop it too", || async {
+        !load.publisher.current().view().loads().contains_key(&key)
+    })
+    .await?;
     assert_eq!(gauge(&load, "connected", "direct"), 1);
     assert_eq!(gauge(&load, "pending", "broker"), 0);
 
     let mut staleness = config.clone();
     staleness.max_staleness = Duration::from_millis(250);
     load.supervisor.reload(&staleness);
-    eventually(WAIT, "max_staleness applied at once", || async { load.view.store.lock().max_staleness() == Duration::from_millis(250) }).await?;
+    eventually(WAIT, "max_staleness applied at once", || async {
+        load.view.store.lock().max_staleness() == Duration::from_millis(250)
+    })
+    .await?;
     assert_eq!(gauge(&load, "connected", "direct"), 1, "a max_staleness change restarts nothing");
     load.stop().await;
     Ok(())
@@ -153,18 +170,31 @@ async fn a_departed_worker_loses_its_samples_and_its_subscription() -> anyhow::R
     load.registry.publish(fleet(vec![worker(1, 2)], vec![kv_metrics_publisher(7, 1, peer.endpoint())]));
     let mut connection = peer.connection(WAIT).await?;
     for (sequence, rank) in [(0, 0), (1, 1)] {
-        let sample = KvMetricsSample { publisher_id: 7, sequence, worker_id: 1, dp_rank: rank, kv_used_blocks: 3 + u64::from(rank) };
+        let sample = KvMetricsSample {
+            publisher_id: 7,
+            sequence,
+            worker_id: 1,
+            dp_rank: rank,
+            kv_used_blocks: 3 + u64::from(rank),
+        };
         connection.send_frames(&sample.frames()).await?;
     }
-    eventually(WAIT, "both ranks on the fleet stream", || async { load.publisher.current().view().loads().len() == 2 }).await?;
+    eventually(WAIT, "both ranks on the fleet stream", || async { load.publisher.current().view().loads().len() == 2 })
+        .await?;
     let text = load.metrics.render();
-    assert!(text.contains("continuum_dynamo_worker_kv_used_blocks{dp_rank=\"1\",namespace=\"dynamo\",worker=\"1\"} 4"), "{text}");
+    assert!(
+        text.contains("continuum_dynamo_worker_kv_used_blocks{dp_rank=\"1\",namespace=\"dynamo\",worker=\"1\"} 4"),
+        "{text}"
+    );
 
     load.registry.publish(fleet(vec![], vec![]));
     eventually(WAIT, "the store emptied", || async { load.view.store.lock().is_empty() }).await?;
     eventually(WAIT, "the subscription stopped", || async { load.view.subscriptions().is_empty() }).await?;
     assert!(connection.closed_within(WAIT).await);
-    assert!(!load.metrics.render().contains("continuum_dynamo_worker_kv_used_blocks{"), "the series left with the worker");
+    assert!(
+        !load.metrics.render().contains("continuum_dynamo_worker_kv_used_blocks{"),
+        "the series left with the worker"
+    );
     assert_eq!(gauge(&load, "connected", "direct"), 0);
     load.stop().await;
     Ok(())

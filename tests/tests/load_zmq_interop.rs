@@ -47,7 +47,8 @@ fn key(worker: u64) -> LoadKey {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_libzmq_publisher_with_heartbeats_keeps_one_session_and_every_sample_applies() -> anyhow::Result<()> {
     // The script swaps the envelope's sequence (a u64 after 0xcf) for the frame's.
-    let mut frames = KvMetricsSample { publisher_id: 77, sequence: 0, worker_id: 5, dp_rank: 0, kv_used_blocks: 2 }.frames();
+    let mut frames =
+        KvMetricsSample { publisher_id: 77, sequence: 0, worker_id: 5, dp_rank: 0, kv_used_blocks: 2 }.frames();
     let marker = [0xcfu8, 0, 0, 0, 0, 0, 0, 0, 0];
     let at = frames[3].windows(9).position(|w| w == marker).context("the sequence field")?;
     frames[3].splice(at + 1..at + 9, *b"SEQUENCE");
@@ -59,10 +60,12 @@ async fn a_libzmq_publisher_with_heartbeats_keeps_one_session_and_every_sample_a
         .kill_on_drop(true)
         .spawn()?;
     let mut lines = BufReader::new(child.stdout.take().context("stdout")?).lines();
-    let port: u16 = tokio::time::timeout(WAIT, lines.next_line()).await??.context("no port (is pyzmq installed?)")?.parse()?;
+    let port: u16 =
+        tokio::time::timeout(WAIT, lines.next_line()).await??.context("no port (is pyzmq installed?)")?.parse()?;
 
     let load = TestLoad::start(&loopback_config(), test_options())?;
-    load.registry.publish(fleet(vec![worker(5, 1)], vec![kv_metrics_publisher(77, 5, format!("tcp://127.0.0.1:{port}"))]));
+    load.registry
+        .publish(fleet(vec![worker(5, 1)], vec![kv_metrics_publisher(77, 5, format!("tcp://127.0.0.1:{port}"))]));
     eventually(WAIT, "samples from libzmq", || async { load.events("applied") > 5 }).await?;
     // Well past the 1 s heartbeat timeout: PONGs kept the one session alive.
     let before = load.events("applied");
@@ -78,6 +81,7 @@ async fn a_libzmq_publisher_with_heartbeats_keeps_one_session_and_every_sample_a
     assert_eq!(held, Some(Some(2)));
     let status = load.subscription(77).context("subscription")?;
     assert_eq!(status.state().map(|s| s.as_str()), Some("connected"));
+    assert_eq!(status.sessions(), 1, "libzmq never dropped the session");
     load.stop().await;
     child.kill().await?;
     Ok(())
@@ -92,8 +96,10 @@ async fn a_zeromq_crate_publisher_is_read_like_a_dynamo_worker() -> anyhow::Resu
     // A PUB drops what it sends before the subscription arrives: send until one lands.
     let deadline = std::time::Instant::now() + WAIT;
     for sequence in 1.. {
-        let frames = KvMetricsSample { publisher_id: 88, sequence, worker_id: 6, dp_rank: 0, kv_used_blocks: sequence }.frames();
-        let message = ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>()).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let frames =
+            KvMetricsSample { publisher_id: 88, sequence, worker_id: 6, dp_rank: 0, kv_used_blocks: sequence }.frames();
+        let message = ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>())
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
         socket.send(message).await?;
         tokio::time::sleep(Duration::from_millis(20)).await;
         if load.view.store.lock().get(&key(6)).is_some() {

@@ -93,11 +93,11 @@ impl FleetState {
 
     /// The change reduced to what actually differs from this state, as a delta on top of it.
     fn effective_delta(&self, change: FleetChange) -> FleetDelta {
+        let FleetChange { upsert, remove, loads, mut loads_removed, config, backlogs, mut backlogs_removed } = change;
         let view = &self.view;
         let version = view.version();
-        let removed: Vec<WorkerKey> = dedup(change.remove.into_iter().filter(|k| view.worker(k).is_some()));
-        let upserted: Vec<Arc<Worker>> = change
-            .upsert
+        let removed: Vec<WorkerKey> = dedup(remove.into_iter().filter(|k| view.worker(k).is_some()));
+        let upserted: Vec<Arc<Worker>> = upsert
             .into_iter()
             .filter(|w| view.worker(&w.key).is_none_or(|held| held != w) || removed.contains(&w.key))
             .collect();
@@ -107,18 +107,18 @@ impl FleetState {
             });
             worker.is_some_and(|w| w.dp_ranks().any(|r| r == key.dp_rank))
         };
-        let loads: Vec<(LoadKey, LoadSample)> = change.loads.into_iter().filter(|(k, _)| serves(k)).collect();
+        // Ranks an upserted worker gives up lose their samples and backlogs explicitly, so that
+        // a merged delta (for a replica catching up) drops them as the sequence did.
+        let given_up = given_up_ranks(view, &upserted);
+        loads_removed.extend(given_up.iter().cloned());
+        backlogs_removed.extend(given_up);
+        let loads: Vec<(LoadKey, LoadSample)> = loads.into_iter().filter(|(k, _)| serves(k)).collect();
         let loads_removed =
-            dedup(change.loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !loads.iter().any(|(l, _)| l == k)));
-        let config = change.config.filter(|c| c != view.config());
-        let backlogs: Vec<(LoadKey, Backlog)> = change
-            .backlogs
-            .into_iter()
-            .filter(|(k, b)| serves(k) && view.backlogs().get(k) != Some(b))
-            .collect();
+            dedup(loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !loads.iter().any(|(l, _)| l == k)));
+        let backlogs: Vec<(LoadKey, Backlog)> =
+            backlogs.into_iter().filter(|(k, b)| serves(k) && view.backlogs().get(k) != Some(b)).collect();
         let backlogs_removed = dedup(
-            change
-                .backlogs_removed
+            backlogs_removed
                 .into_iter()
                 .filter(|k| view.backlogs().contains_key(k) && !backlogs.iter().any(|(b, _)| b == k)),
         );
@@ -129,11 +129,23 @@ impl FleetState {
             removed,
             loads,
             loads_removed,
-            config,
+            config: config.filter(|c| c != view.config()),
             backlogs,
             backlogs_removed,
         }
     }
+}
+
+/// The ranks that workers held in `view` no longer serve once `upserted`.
+fn given_up_ranks(view: &FleetView, upserted: &[Arc<Worker>]) -> Vec<LoadKey> {
+    let mut given_up = Vec::new();
+    for worker in upserted {
+        let Some(held) = view.worker(&worker.key) else { continue };
+        for dp_rank in held.dp_ranks().filter(|r| !worker.dp_ranks().any(|n| n == *r)) {
+            given_up.push(LoadKey { worker: worker.key.clone(), dp_rank });
+        }
+    }
+    given_up
 }
 
 fn dedup<T: Ord>(items: impl Iterator<Item = T>) -> Vec<T> {

@@ -16,7 +16,9 @@ pub enum DialError {
     BadAddress,
     #[error("resolving the publisher's host: {0}")]
     Resolve(std::io::Error),
-    #[error("the publisher's host resolves to {0:?}, none inside dynamo.load.direct_allow_cidrs; add the worker Pod network")]
+    #[error(
+        "the publisher's host resolves to {0:?}, none inside dynamo.load.direct_allow_cidrs; add the worker Pod network"
+    )]
     NotAllowed(Vec<IpAddr>),
     #[error("connecting: {0}")]
     Connect(std::io::Error),
@@ -49,7 +51,8 @@ pub fn allowed(ip: IpAddr, allow: Option<&[Cidr]>) -> bool {
 pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> Result<TcpStream, DialError> {
     let (host, port) = parse_tcp_address(address)?;
     let attempt = async {
-        let resolved: Vec<SocketAddr> = tokio::net::lookup_host((host, port)).await.map_err(DialError::Resolve)?.collect();
+        let resolved: Vec<SocketAddr> =
+            tokio::net::lookup_host((host, port)).await.map_err(DialError::Resolve)?.collect();
         let permitted: Vec<SocketAddr> = resolved.iter().copied().filter(|a| allowed(a.ip(), allow)).collect();
         if permitted.is_empty() {
             return Err(DialError::NotAllowed(resolved.iter().map(SocketAddr::ip).collect()));
@@ -75,7 +78,9 @@ mod tests {
         assert_eq!(parse_tcp_address("tcp://127.0.0.1:37331").ok(), Some(("127.0.0.1", 37331)));
         assert_eq!(parse_tcp_address("tcp://[fd00::7]:41000").ok(), Some(("fd00::7", 41000)));
         assert_eq!(parse_tcp_address("tcp://worker-0.dynamo:5555").ok(), Some(("worker-0.dynamo", 5555)));
-        for bad in ["udp://1.2.3.4:5", "tcp://1.2.3.4", "tcp://:5", "tcp://*:5555", "tcp://h:0", "tcp://h:99999", "ipc:///x"] {
+        for bad in
+            ["udp://1.2.3.4:5", "tcp://1.2.3.4", "tcp://:5", "tcp://*:5555", "tcp://h:0", "tcp://h:99999", "ipc:///x"]
+        {
             assert!(parse_tcp_address(bad).is_err(), "{bad}");
         }
     }

@@ -26,7 +26,10 @@ impl LoadGauges {
                 "continuum_dynamo_worker_active_prefill_tokens",
                 "Active prefill tokens in the rank's last ActiveLoad sample",
             )?,
-            kv_used_blocks: gauge("continuum_dynamo_worker_kv_used_blocks", "KV blocks in use in the rank's last ActiveLoad sample")?,
+            kv_used_blocks: gauge(
+                "continuum_dynamo_worker_kv_used_blocks",
+                "KV blocks in use in the rank's last ActiveLoad sample",
+            )?,
         })
     }
 

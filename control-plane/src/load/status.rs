@@ -2,7 +2,7 @@
 //! `continuum_dynamo_load_subscriptions{state, transport}`. A status counts in the gauge under
 //! its current state from its first state until it is dropped with its subscription.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 use prometheus::IntGaugeVec;
 
@@ -20,8 +20,12 @@ pub enum SubscriptionState {
 }
 
 impl SubscriptionState {
-    pub const ALL: [SubscriptionState; 4] =
-        [SubscriptionState::Pending, SubscriptionState::Connecting, SubscriptionState::Connected, SubscriptionState::Backoff];
+    pub const ALL: [SubscriptionState; 4] = [
+        SubscriptionState::Pending,
+        SubscriptionState::Connecting,
+        SubscriptionState::Connected,
+        SubscriptionState::Backoff,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -63,6 +67,8 @@ pub struct SubscriptionStatus {
     state: AtomicU8,
     /// The largest message buffer any session of this subscription has held.
     buffer_high_water: AtomicUsize,
+    /// Sessions that reached `connected`.
+    sessions: AtomicU64,
     gauge: IntGaugeVec,
 }
 
@@ -74,12 +80,26 @@ impl SubscriptionStatus {
         transport: LoadTransport,
         gauge: IntGaugeVec,
     ) -> Self {
-        Self { family, publisher, component, transport, state: AtomicU8::new(0), buffer_high_water: AtomicUsize::new(0), gauge }
+        Self {
+            family,
+            publisher,
+            component,
+            transport,
+            state: AtomicU8::new(0),
+            buffer_high_water: AtomicUsize::new(0),
+            sessions: AtomicU64::new(0),
+            gauge,
+        }
     }
 
     /// Notes the session's message buffer capacity.
     pub fn note_buffer(&self, capacity: usize) {
         self.buffer_high_water.fetch_max(capacity, Ordering::Relaxed);
+    }
+
+    /// How many sessions reached `connected` (1 while the first one lasts).
+    pub fn sessions(&self) -> u64 {
+        self.sessions.load(Ordering::Relaxed)
     }
 
     /// The largest message buffer held so far (bytes).
@@ -96,6 +116,9 @@ impl SubscriptionStatus {
         let previous = self.state.swap(state.code(), Ordering::Relaxed);
         if previous == state.code() {
             return;
+        }
+        if state == SubscriptionState::Connected {
+            self.sessions.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(previous) = SubscriptionState::from_code(previous) {
             self.series(previous).dec();

@@ -112,7 +112,8 @@ impl LoadStore {
                 return Err(LoadEvent::Duplicate);
             }
             Some(held) if held.publisher_id != publisher.publisher_id => {
-                let previous = PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
+                let previous =
+                    PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
                 self.unindex(&previous, &key);
             }
             Some(_) => {}
@@ -120,7 +121,8 @@ impl LoadStore {
             None => {}
         }
         let sample = LoadSample { load, received_at: now };
-        let replaced = self.entries.insert(key.clone(), HeldSample { sample, publisher_id: publisher.publisher_id, sequence });
+        let replaced =
+            self.entries.insert(key.clone(), HeldSample { sample, publisher_id: publisher.publisher_id, sequence });
         let indexed = self.by_publisher.entry(publisher.clone()).or_default();
         if replaced.is_none_or(|held| held.publisher_id != publisher.publisher_id) {
             indexed.push(key.clone());
@@ -157,7 +159,8 @@ impl LoadStore {
             .collect();
         for key in &gone {
             if let Some(held) = self.entries.remove(key) {
-                let publisher = PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
+                let publisher =
+                    PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
                 self.unindex(&publisher, key);
             }
             if let Some(gauges) = &self.gauges {

@@ -253,7 +253,11 @@ impl Actor {
             self.over_cap = over_cap;
             if over_cap > 0 {
                 let cap = self.options.max_subscriptions;
-                tracing::warn!(cap, left_out = over_cap, "more kv_metrics publishers than subscriptions allowed; the highest publisher ids read as quiet");
+                tracing::warn!(
+                    cap,
+                    left_out = over_cap,
+                    "more kv_metrics publishers than subscriptions allowed; the highest publisher ids read as quiet"
+                );
             }
         }
         all.into_iter().take(self.options.max_subscriptions).collect()
@@ -328,3 +332,6 @@ fn live_ranks(fleet: &Fleet) -> HashMap<WorkerKey, Range<u32>> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests;

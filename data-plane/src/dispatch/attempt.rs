@@ -2,7 +2,7 @@
 //! next replica only when the connection failed (the request never reached a shim) and the
 //! retry budget allows. The same headers, pins included, go to every replica tried.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::http::header::{ACCEPT, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
@@ -60,15 +60,13 @@ impl Dispatcher {
             if !self.health.admit(&replica.name, &replica.url, Instant::now()) {
                 continue;
             }
+            if attempts > 0 {
+                self.metrics.shim_retries.inc();
+            }
             attempts += 1;
-            match self.client.send(request(&replica, headers, body), head_timeout).await {
-                Ok(response) => {
-                    self.health.record(&replica.name, &replica.url, true, Instant::now());
-                    return Ok((replica, response));
-                }
+            match self.attempt(&replica, headers, body, head_timeout).await {
+                Ok(response) => return Ok((replica, response)),
                 Err(error) => {
-                    self.health.record(&replica.name, &replica.url, false, Instant::now());
-                    tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
                     let retry = error.before_request_sent();
                     last = Some(error);
                     if !retry {
@@ -78,6 +76,24 @@ impl Dispatcher {
             }
         }
         Err(last.map_or(Failure::NoReplica, Failure::Send))
+    }
+}
+
+impl Dispatcher {
+    /// One send to one replica, its outcome fed to the replica's breaker.
+    async fn attempt(
+        &self,
+        replica: &ShimReplica,
+        headers: &HeaderMap,
+        body: &Bytes,
+        head_timeout: Duration,
+    ) -> Result<Response<Incoming>, SendError> {
+        let outcome = self.client.send(request(replica, headers, body), head_timeout).await;
+        self.health.record(&replica.name, &replica.url, outcome.is_ok(), Instant::now());
+        if let Err(error) = &outcome {
+            tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
+        }
+        outcome
     }
 }
 

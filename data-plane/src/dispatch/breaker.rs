@@ -135,7 +135,11 @@ impl ShimHealth {
     pub fn record(&self, name: &str, url: &str, healthy: bool, now: Instant) {
         self.with(name, url, |breaker, settings| {
             let before = breaker.state();
-            if healthy { breaker.on_success() } else { breaker.on_failure(now, settings) }
+            if healthy {
+                breaker.on_success()
+            } else {
+                breaker.on_failure(now, settings)
+            }
             let after = breaker.state();
             if before != after {
                 tracing::warn!(backend = name, ?before, ?after, "shim replica circuit breaker changed state");

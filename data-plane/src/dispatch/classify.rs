@@ -49,9 +49,11 @@ fn names_missing_prefill(body: &[u8]) -> bool {
 mod tests {
     use super::*;
 
-    const GENERIC_500: &str = r#"{"message":"Failed to generate completions","type":"Internal Server Error","code":500}"#;
+    const GENERIC_500: &str =
+        r#"{"message":"Failed to generate completions","type":"Internal Server Error","code":500}"#;
     const INVALID_400: &str = r#"{"message":"Invalid request","type":"Bad Request","code":400}"#;
-    const DP_RANK_400: &str = r#"{"message":"dp_rank 5 is out of bounds for dp_size 1","type":"Bad Request","code":400}"#;
+    const DP_RANK_400: &str =
+        r#"{"message":"dp_rank 5 is out of bounds for dp_size 1","type":"Bad Request","code":400}"#;
     const DEAD_503: &str = r#"{"message":"Service temporarily unavailable","type":"Service Unavailable","code":503}"#;
     const NAMED_REFUSAL: &str = "Prefill worker ID required in Direct routing mode but none found in request.";
 

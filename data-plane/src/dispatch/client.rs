@@ -53,7 +53,11 @@ impl ShimClient {
     }
 
     /// Sends `request` and waits at most `head_timeout` for the response head.
-    pub async fn send(&self, request: Request<Full<Bytes>>, head_timeout: Duration) -> Result<Response<Incoming>, SendError> {
+    pub async fn send(
+        &self,
+        request: Request<Full<Bytes>>,
+        head_timeout: Duration,
+    ) -> Result<Response<Incoming>, SendError> {
         match tokio::time::timeout(head_timeout, self.inner.request(request)).await {
             Err(_) => Err(SendError::HeadTimeout(head_timeout)),
             Ok(Err(error)) if error.is_connect() => Err(SendError::Connect(error)),

@@ -1,31 +1,50 @@
-//! Ties one pinned dispatch's entry in the [`DispatchLedger`] to the life of its request.
+//! Ties one pinned dispatch's accounting to the life of its request: this replica's
+//! [`DispatchLedger`] (read by its picker at once) and the [`DispatchReporter`] (folded by the
+//! control plane into the fleet-wide backlogs every replica's picker reads).
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use continuum_proto::view::FleetView;
 
+use crate::fleet::DispatchReporter;
 use crate::routing::picker::{DispatchId, DispatchLedger, Selection, dispatch_block_size};
 
-/// Ends its dispatch in the ledger when dropped: when the response body completes, the request
-/// is refused or fails, or the client goes away and the response is dropped unfinished.
+/// Ends its dispatch in the ledger and reports the end when dropped: when the response body
+/// completes, the request is refused or fails, or the client goes away mid-response.
 #[derive(Debug)]
 pub struct DispatchEnd {
     ledger: Arc<DispatchLedger>,
     id: DispatchId,
+    reporter: Arc<DispatchReporter>,
+    /// Reported legs: the prefill rank's (if any) and the decode rank's.
+    reported: [Option<u64>; 2],
 }
 
 impl DispatchEnd {
-    /// Records a dispatch of `prompt_tokens` pinned as `selection`.
-    pub fn record(ledger: &Arc<DispatchLedger>, view: &FleetView, selection: &Selection, prompt_tokens: u64) -> Self {
+    /// Records a dispatch of `prompt_tokens` pinned as `selection`: its prompt on the prefill
+    /// rank, its blocks on the decode rank, as the ledger counts them.
+    pub fn record(
+        ledger: &Arc<DispatchLedger>,
+        reporter: &Arc<DispatchReporter>,
+        view: &FleetView,
+        selection: &Selection,
+        prompt_tokens: u64,
+    ) -> Self {
         let block_size = dispatch_block_size(view, selection);
         let id = ledger.record(selection, prompt_tokens, block_size, Instant::now());
-        Self { ledger: Arc::clone(ledger), id }
+        let blocks = prompt_tokens.div_ceil(u64::from(block_size.max(1)));
+        let prefill = selection.prefill.as_ref().map(|pin| reporter.started(&pin.rank_key(), prompt_tokens, 0));
+        let decode = reporter.started(&selection.decode.rank_key(), 0, blocks);
+        Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported: [prefill, Some(decode)] }
     }
 }
 
 impl Drop for DispatchEnd {
     fn drop(&mut self) {
         self.ledger.end(self.id, Instant::now());
+        for id in self.reported.iter().flatten() {
+            self.reporter.ended(*id);
+        }
     }
 }

@@ -33,6 +33,7 @@ pub use client::{SendError, ShimClient};
 pub use error::{DispatchError, Failure};
 pub use ledger::DispatchEnd;
 pub use pool::ShimReplica;
+pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
 use crate::routing::picker::Selection;
@@ -81,7 +82,9 @@ pub struct Plan {
 pub enum Route {
     Pinned(Pinned),
     /// Disaggregated serving is off: the request goes unpinned to the backends serving the model.
-    Unified { replicas: Vec<ShimReplica> },
+    Unified {
+        replicas: Vec<ShimReplica>,
+    },
 }
 
 #[derive(Debug)]
@@ -91,6 +94,14 @@ pub struct Pinned {
     pub replicas: Vec<ShimReplica>,
     pub fallback_to_unified: bool,
     pub dispatch: DispatchEnd,
+}
+
+/// A pinned send's result: final (relayed, or refused without fallback), or a failure that
+/// takes the decode arm.
+#[derive(Debug)]
+enum PinnedOutcome {
+    Final(Result<Response, DispatchError>),
+    Failed(Failure),
 }
 
 /// The replica's dispatcher: one pooled client, the breakers and the retry budget.
@@ -131,36 +142,23 @@ impl Dispatcher {
         }
     }
 
-    async fn pinned(&self, body: Bytes, stream: bool, disclose: bool, pinned: Pinned) -> Result<Response, DispatchError> {
+    async fn pinned(
+        &self,
+        body: Bytes,
+        stream: bool,
+        disclose: bool,
+        pinned: Pinned,
+    ) -> Result<Response, DispatchError> {
         let Pinned { selection, replicas, fallback_to_unified, dispatch } = pinned;
         let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
-        let headers = attempt::pinned_headers(stream, &selection);
-        let mut dispatch = Some(dispatch);
-        let failure = match self.send(&replicas, &headers, &body, stream).await {
-            Err(failure) => failure,
-            Ok((replica, response)) => {
-                let shown = disclose.then_some((replica.name.as_str(), &selection));
-                match self.answer(response, stream, dispatch.take(), shown).await {
-                    Answer::Relay(response) => {
-                        self.metrics.routed(path);
-                        return Ok(response);
-                    }
-                    Answer::PrefillRefused => {
-                        self.metrics.routed(path);
-                        self.metrics.error(ErrorPhase::Orchestration);
-                        return Err(DispatchError::PrefillRefused { namespace: selection.namespace.clone() });
-                    }
-                    Answer::ModelGone => {
-                        self.metrics.routed(path);
-                        self.metrics.error(ErrorPhase::Decode);
-                        return Err(DispatchError::ModelGone);
-                    }
-                    Answer::Failed(failure) => failure,
-                }
+        let failure = match self.send_pinned(&body, stream, disclose, &selection, &replicas, dispatch).await {
+            PinnedOutcome::Final(outcome) => {
+                self.metrics.routed(path);
+                return outcome;
             }
+            PinnedOutcome::Failed(failure) => failure,
         };
-        // The decode arm: the pinned dispatch has ended, whatever the fallback does.
-        drop(dispatch);
+        // The decode arm. The pinned dispatch has ended, whatever the fallback does.
         self.metrics.error(ErrorPhase::Decode);
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
         if !fallback_to_unified {
@@ -173,9 +171,46 @@ impl Dispatcher {
             .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback) })
     }
 
+    /// The pinned send and what its answer means. `dispatch` ends with the relayed body, or
+    /// before this returns for anything else.
+    async fn send_pinned(
+        &self,
+        body: &Bytes,
+        stream: bool,
+        disclose: bool,
+        selection: &Selection,
+        replicas: &[ShimReplica],
+        dispatch: DispatchEnd,
+    ) -> PinnedOutcome {
+        let headers = attempt::pinned_headers(stream, selection);
+        let (replica, response) = match self.send(replicas, &headers, body, stream).await {
+            Ok(sent) => sent,
+            Err(failure) => return PinnedOutcome::Failed(failure),
+        };
+        let shown = disclose.then_some((replica.name.as_str(), selection));
+        match self.answer(response, stream, Some(dispatch), shown).await {
+            Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
+            Answer::PrefillRefused => {
+                self.metrics.error(ErrorPhase::Orchestration);
+                PinnedOutcome::Final(Err(DispatchError::PrefillRefused { namespace: selection.namespace.clone() }))
+            }
+            Answer::ModelGone => {
+                self.metrics.error(ErrorPhase::Decode);
+                PinnedOutcome::Final(Err(DispatchError::ModelGone))
+            }
+            Answer::Failed(failure) => PinnedOutcome::Failed(failure),
+        }
+    }
+
     /// Sends without pins. `relay_errors`: pass any HTTP answer through as is (plain unified
     /// routing); otherwise (a fallback) only a success counts.
-    async fn unpinned(&self, body: &Bytes, stream: bool, replicas: Vec<ShimReplica>, relay_errors: bool) -> Result<Response, Failure> {
+    async fn unpinned(
+        &self,
+        body: &Bytes,
+        stream: bool,
+        replicas: Vec<ShimReplica>,
+        relay_errors: bool,
+    ) -> Result<Response, Failure> {
         let headers = attempt::unpinned_headers(stream);
         let (_, response) = self.send(&replicas, &headers, body, stream).await?;
         if relay_errors {

@@ -84,7 +84,10 @@ mod tests {
                 backend("b", "http://10.0.0.2:8000/prefix", &[]),
                 backend("tls", "https://10.0.0.3:8443", &["tiny"]),
             ],
-            shim_pools: vec![ShimPool { namespace: "prod".into(), backends: vec!["a".into(), "b".into(), "tls".into(), "gone".into()] }],
+            shim_pools: vec![ShimPool {
+                namespace: "prod".into(),
+                backends: vec!["a".into(), "b".into(), "tls".into(), "gone".into()],
+            }],
             ..DataPlaneConfig::default()
         }
     }
@@ -107,7 +110,9 @@ mod tests {
 
     #[test]
     fn rotation_starts_at_the_cursor() {
-        let names = |start| -> Vec<String> { rotated(namespace_pool(&config(), "prod"), start).into_iter().map(|r| r.name).collect() };
+        let names = |start| -> Vec<String> {
+            rotated(namespace_pool(&config(), "prod"), start).into_iter().map(|r| r.name).collect()
+        };
         assert_eq!(names(0), ["a", "b"]);
         assert_eq!(names(3), ["b", "a"]);
         assert!(rotated(Vec::new(), 5).is_empty());

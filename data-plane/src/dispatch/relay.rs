@@ -70,7 +70,10 @@ impl Body for RelayBody {
             }
             Poll::Ready(Some(Err(error))) => {
                 tracing::warn!(%error, "shim stream failed mid-way");
-                this.fail("stream_interrupted", "The response stream from the model server broke off before it finished. Retry the request.")
+                this.fail(
+                    "stream_interrupted",
+                    "The response stream from the model server broke off before it finished. Retry the request.",
+                )
             }
             Poll::Ready(None) => {
                 this.finish();
@@ -79,7 +82,10 @@ impl Body for RelayBody {
             Poll::Pending => {
                 ready!(this.deadline.as_mut().poll(cx));
                 tracing::warn!(idle = ?this.idle, "shim stream idle too long; ending it");
-                this.fail("stream_timeout", "The model server sent nothing for too long and the stream was ended. Retry the request.")
+                this.fail(
+                    "stream_timeout",
+                    "The model server sent nothing for too long and the stream was ended. Retry the request.",
+                )
             }
         }
     }

@@ -79,12 +79,17 @@ impl Dispatcher {
         Ok(rebuild(status, &parts.headers, Body::from(read_error_body(body).await)))
     }
 
-    async fn success(&self, response: Response<Incoming>, stream: bool, dispatch: Option<DispatchEnd>) -> Result<Response, Failure> {
+    async fn success(
+        &self,
+        response: Response<Incoming>,
+        stream: bool,
+        dispatch: Option<DispatchEnd>,
+    ) -> Result<Response, Failure> {
         let (parts, body) = response.into_parts();
         let body = if stream {
-            let failures = dispatch.is_some().then(|| {
-                self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()])
-            });
+            let failures = dispatch
+                .is_some()
+                .then(|| self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]));
             Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, dispatch, failures))
         } else {
             let bytes = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, self.settings.buffered_timeout).await?;

@@ -28,7 +28,11 @@ pub async fn chat_completions(
     response
 }
 
-async fn serve(state: &AppState, mut headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+async fn serve(
+    state: &AppState,
+    mut headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
     // Ingress.
     let mut request = ChatRequest::parse(&body.map_err(RequestError::from)?)?;
     // Strip: the client's routing never travels further than this.

@@ -63,7 +63,10 @@ impl From<SelectError> for ApiError {
             SelectError::ModelNotFound { model } => ApiError::new(
                 StatusCode::NOT_FOUND,
                 "model_not_found",
-                format!("The model {} is not served by any worker. List the available models with GET /v1/models.", echo(&model)),
+                format!(
+                    "The model {} is not served by any worker. List the available models with GET /v1/models.",
+                    echo(&model)
+                ),
             ),
             SelectError::ShimUnavailable { model } => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -124,11 +127,38 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
     ApiError::new(
         status,
         "disaggregated_decode_failed",
-        format!("The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."),
+        format!(
+            "The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."
+        ),
     )
 }
 
 fn echo(model: &str) -> String {
     let cut: String = model.chars().take(MAX_ECHOED_MODEL_CHARS).collect();
     format!("{cut:?}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_client_model_is_echoed_cut_short() {
+        let model = "m".repeat(10 * MAX_ECHOED_MODEL_CHARS);
+        let error = ApiError::from(SelectError::ModelNotFound { model });
+        assert_eq!((error.status, error.code), (StatusCode::NOT_FOUND, "model_not_found"));
+        assert!(error.message.contains(&"m".repeat(MAX_ECHOED_MODEL_CHARS)));
+        assert!(!error.message.contains(&"m".repeat(MAX_ECHOED_MODEL_CHARS + 1)));
+    }
+
+    #[test]
+    fn decode_failures_say_unavailable_timeout_or_bad_gateway() {
+        let status = |cause: Failure| decode_failed(&cause, None).status;
+        assert_eq!(status(Failure::NoReplica), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(status(Failure::Status(StatusCode::TOO_MANY_REQUESTS)), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(status(Failure::Status(StatusCode::INTERNAL_SERVER_ERROR)), StatusCode::BAD_GATEWAY);
+        assert_eq!(status(Failure::BodyTimeout(std::time::Duration::from_secs(1))), StatusCode::GATEWAY_TIMEOUT);
+        let both = decode_failed(&Failure::Status(StatusCode::BAD_REQUEST), Some(&Failure::NoReplica));
+        assert!(both.message.contains("answered 400") && both.message.contains("without worker pins also failed"));
+    }
 }

@@ -39,7 +39,8 @@ fn models_body(view: &FleetView) -> serde_json::Value {
 /// shim pool), sorted.
 pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
     let config = view.config();
-    let pooled: BTreeSet<&str> = config.shim_pools.iter().filter(|p| !p.backends.is_empty()).map(|p| p.namespace.as_str()).collect();
+    let pooled: BTreeSet<&str> =
+        config.shim_pools.iter().filter(|p| !p.backends.is_empty()).map(|p| p.namespace.as_str()).collect();
     let served: BTreeSet<&str> = view
         .workers()
         .values()
@@ -50,7 +51,8 @@ pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
 }
 
 fn ids_for(display: &str, model_map: &BTreeMap<String, String>) -> Vec<String> {
-    let aliases: Vec<String> = model_map.iter().filter(|(_, target)| *target == display).map(|(id, _)| id.clone()).collect();
+    let aliases: Vec<String> =
+        model_map.iter().filter(|(_, target)| *target == display).map(|(id, _)| id.clone()).collect();
     if aliases.is_empty() { vec![display.to_string()] } else { aliases }
 }
 
@@ -60,7 +62,10 @@ mod tests {
 
     #[test]
     fn mapped_display_names_are_listed_under_their_client_ids() {
-        let map = BTreeMap::from([("qwen".to_string(), "Qwen/Qwen3".to_string()), ("q3".to_string(), "Qwen/Qwen3".to_string())]);
+        let map = BTreeMap::from([
+            ("qwen".to_string(), "Qwen/Qwen3".to_string()),
+            ("q3".to_string(), "Qwen/Qwen3".to_string()),
+        ]);
         assert_eq!(ids_for("Qwen/Qwen3", &map), ["q3", "qwen"]);
         assert_eq!(ids_for("tiny", &map), ["tiny"]);
     }

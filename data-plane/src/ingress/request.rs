@@ -45,7 +45,11 @@ impl ChatRequest {
         let object = body.as_object().ok_or(RequestError::Shape("the request body must be a JSON object"))?;
         let model = match object.get("model") {
             Some(Value::String(model)) if !model.is_empty() => model.clone(),
-            _ => return Err(RequestError::Shape("`model` must be a non-empty string naming a model from GET /v1/models")),
+            _ => {
+                return Err(RequestError::Shape(
+                    "`model` must be a non-empty string naming a model from GET /v1/models",
+                ));
+            }
         };
         match object.get("messages") {
             Some(Value::Array(messages)) if !messages.is_empty() => {}
@@ -70,7 +74,9 @@ mod tests {
 
     #[test]
     fn reads_model_and_stream_and_keeps_the_body_whole() {
-        let request = parse(r#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"nvext":{"x":1}}"#).unwrap();
+        let request =
+            parse(r#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"nvext":{"x":1}}"#)
+                .unwrap();
         assert_eq!((request.model.as_str(), request.stream), ("qwen", true));
         assert_eq!(request.body["nvext"]["x"], 1);
         assert!(!parse(r#"{"model":"m","messages":[{}],"stream":null}"#).unwrap().stream);

@@ -43,7 +43,7 @@ pub fn route(state: &AppState, view: &FleetView, request: &ChatRequest, now: Ins
         return Err(why_not(view, display, &usable, &request.model));
     };
     let replicas = namespace_pool(config, &selection.namespace);
-    let dispatch = DispatchEnd::record(&state.ledger, view, &selection, prompt_tokens);
+    let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens);
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     Ok(Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }))
 }

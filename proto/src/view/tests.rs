@@ -112,7 +112,18 @@ fn op() -> impl Strategy<Value = Op> {
 fn delta_for(view: &FleetView, op: &Op) -> Option<FleetDelta> {
     let base = delta(view.version());
     let d = match *op {
-        Op::Upsert(id, dp) => FleetDelta { upserted: vec![worker(id, dp)], ..base },
+        // Deltas name the samples and backlogs of ranks a worker gives up explicitly, as the
+        // control plane's do, so that a merged delta drops them too.
+        Op::Upsert(id, dp) => {
+            let next = worker(id, dp);
+            let given_up = |k: &LoadKey| k.worker == next.key && !next.dp_ranks().any(|r| r == k.dp_rank);
+            FleetDelta {
+                loads_removed: view.loads().keys().filter(|k| given_up(k)).cloned().collect(),
+                backlogs_removed: view.backlogs().keys().filter(|k| given_up(k)).cloned().collect(),
+                upserted: vec![next],
+                ..base
+            }
+        }
         Op::Remove(id) => FleetDelta { removed: vec![WorkerKey::new("dynamo", id)], ..base },
         Op::Load(id, r, u) => FleetDelta { loads: vec![(load_key(id, r), sample(u))], ..base },
         Op::Unload(id, r) => FleetDelta { loads_removed: vec![load_key(id, r)], ..base },

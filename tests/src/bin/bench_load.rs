@@ -38,23 +38,31 @@ fn main() -> anyhow::Result<()> {
     let framed = one_core.block_on(framed_rate(&frames, Duration::from_secs(u64::try_from(seconds)?)))?;
     let buffers = one_core.block_on(idle_session_buffers())?;
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let (per_subscription, registry_only, total) = runtime.block_on(idle_subscriptions(subscriptions))?;
+    let (per_subscription, registry_only, _) = runtime.block_on(idle_subscriptions(subscriptions))?;
 
+    let subscriptions_only = per_subscription * i64::try_from(subscriptions)?;
     let table = format!(
         "| measure | result |\n|---|---|\n\
          | kv_metrics frames decoded per second, one core ({} captured frames, decode only) | {:.0} ({:.0} ns each) |\n\
          | messages framed by the ZMTP client and decoded per second, one core (in-memory pipe) | {:.0} |\n\
-         | buffers of an idle subscription (read + write + message) | {} B |\n\
-         | heap per idle connected subscription, all of it (task, socket, status, buffers) | {} B |\n\
-         | heap for {subscriptions} idle connected subscriptions | {:.2} MiB (fleet and registry alone: {:.2} MiB, not counted) |\n",
+         | buffers of an idle subscription (read + write + message; the seed's bound is 2.6 KiB) | {} B |\n\
+         | heap per idle connected subscription, all of it (task, socket registration, status, buffers) | {} B |\n\
+         | heap for {subscriptions} idle connected subscriptions | {:.2} MiB, of which buffers {:.2} MiB |\n\
+         | heap of the discovered fleet and registry for them (not counted above) | {:.2} MiB |\n\
+         | load average when measured (1 min; other builds share the 2 cores) | {} |\n",
         frames.len(),
         decode,
         1e9 / decode,
         framed,
         buffers,
         per_subscription,
-        total as f64 / 1048576.0,
+        subscriptions_only as f64 / 1048576.0,
+        (buffers * subscriptions) as f64 / 1048576.0,
         registry_only as f64 / 1048576.0,
+        std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|l| l.split_whitespace().next().map(String::from))
+            .unwrap_or_default(),
     );
     println!("{table}");
     if std::env::args().any(|a| a == "--write") {
@@ -78,7 +86,12 @@ fn captured_frames() -> anyhow::Result<Vec<(Vec<Vec<u8>>, u64)>> {
             if message["topic"] != "kv_metrics" {
                 continue;
             }
-            let frames = message["frames_hex"].as_array().context("frames_hex")?.iter().map(|f| hex(f.as_str().unwrap_or_default())).collect();
+            let frames = message["frames_hex"]
+                .as_array()
+                .context("frames_hex")?
+                .iter()
+                .map(|f| hex(f.as_str().unwrap_or_default()))
+                .collect();
             let publisher = message["decoded"]["publisher_id_frame_u64be"].as_u64().context("publisher id")?;
             out.push((frames, publisher));
         }
@@ -154,7 +167,11 @@ async fn idle_subscriptions(n: usize) -> anyhow::Result<(i64, i64, i64)> {
     let endpoints: Vec<String> = BufReader::new(stdout).lines().take(n).collect::<Result<_, _>>()?;
     let fleet_of = || {
         let workers = (0..n as u64).map(|i| worker(1 + i, 1)).collect();
-        let publishers = endpoints.iter().enumerate().map(|(i, e)| kv_metrics_publisher(1 + i as u64, 1 + i as u64, e.clone())).collect();
+        let publishers = endpoints
+            .iter()
+            .enumerate()
+            .map(|(i, e)| kv_metrics_publisher(1 + i as u64, 1 + i as u64, e.clone()))
+            .collect();
         fleet(workers, publishers)
     };
 

@@ -81,3 +81,22 @@ fn a_replica_behind_the_log_or_new_gets_a_snapshot() {
     assert!(matches!(s.catchup(Some(s.version() + 3)), Catchup::Snapshot(_)), "a version from the future resyncs");
     assert!(matches!(s.catchup(Some(s.version() - 3)), Catchup::Delta(_)));
 }
+
+#[test]
+fn a_replica_behind_a_rank_shrink_and_regrow_converges_on_the_merged_delta() {
+    let with_ranks = |dp_size| {
+        let mut w = (*worker(1, "m")).clone();
+        w.dp_size = dp_size;
+        Arc::new(w)
+    };
+    let rank1 = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank: 1 };
+    let (s1, _) = state().commit(upsert(vec![with_ranks(2)])).unwrap();
+    let (s2, _) = s1.commit(FleetChange { loads: vec![(rank1.clone(), sample(3))], ..FleetChange::default() }).unwrap();
+    let replica = s2.view().clone();
+    let (s3, shrink) = s2.commit(upsert(vec![with_ranks(1)])).unwrap();
+    assert_eq!(shrink.loads_removed, [rank1.clone()], "a given-up rank's sample is removed explicitly");
+    let (s4, _) = s3.commit(upsert(vec![with_ranks(2)])).unwrap();
+    assert!(s4.view().loads().get(&rank1).is_none());
+    let Catchup::Delta(merged) = s4.catchup(Some(replica.version())) else { panic!("expected a delta") };
+    assert!(replica.apply(&merged).unwrap().same_content(s4.view()));
+}

@@ -57,7 +57,8 @@ fn every_captured_kv_metrics_frame_decodes_to_its_recorded_values() -> anyhow::R
         for message in messages.iter().filter(|m| m["topic"] == "kv_metrics") {
             let recorded = &message["decoded"];
             let publisher = recorded["publisher_id_frame_u64be"].as_u64().context("publisher id")?;
-            let got = decode(&frames(message), publisher).map_err(|e| anyhow::anyhow!("{file}: {e:?} for {message}"))?;
+            let got =
+                decode(&frames(message), publisher).map_err(|e| anyhow::anyhow!("{file}: {e:?} for {message}"))?;
             let payload = &recorded["payload"];
             let want = KvMetrics {
                 publisher_id: publisher,
@@ -93,7 +94,9 @@ fn every_captured_kv_metrics_frame_decodes_to_its_recorded_values() -> anyhow::R
 #[test]
 fn the_dp2_worker_publishes_both_ranks_on_one_channel() -> anyhow::Result<()> {
     let mut ranks = std::collections::BTreeSet::new();
-    for message in captured("agg/zmq-messages-under-load-evictions.jsonl")?.iter().filter(|m| m["topic"] == "kv_metrics") {
+    for message in
+        captured("agg/zmq-messages-under-load-evictions.jsonl")?.iter().filter(|m| m["topic"] == "kv_metrics")
+    {
         let publisher = message["decoded"]["publisher_id_frame_u64be"].as_u64().context("id")?;
         let got = decode(&frames(message), publisher).map_err(|e| anyhow::anyhow!("{e:?}"))?;
         ranks.insert((got.publisher_id, got.worker_id, got.dp_rank));
@@ -141,9 +144,14 @@ fn each_refusal_is_counted_under_its_label() {
         f(&mut frames);
         decode(&frames, publisher)
     };
-    let cases: [(&str, Box<dyn Fn(&mut Vec<Vec<u8>>)>, LoadEvent); 12] = [
+    type Mutation = Box<dyn Fn(&mut Vec<Vec<u8>>)>;
+    let cases: [(&str, Mutation, LoadEvent); 12] = [
         ("version byte 2", Box::new(|f| f[3][0] = 2), LoadEvent::UnknownVersion),
-        ("17 KiB declared", Box::new(|f| f[3][1..5].copy_from_slice(&(17u32 * 1024).to_be_bytes())), LoadEvent::Oversized),
+        (
+            "17 KiB declared",
+            Box::new(|f| f[3][1..5].copy_from_slice(&(17u32 * 1024).to_be_bytes())),
+            LoadEvent::Oversized,
+        ),
         ("u32::MAX declared", Box::new(|f| f[3][1..5].copy_from_slice(&u32::MAX.to_be_bytes())), LoadEvent::Oversized),
         ("declared length disagrees", Box::new(|f| f[3][4] -= 1), LoadEvent::Malformed),
         ("invalid msgpack", Box::new(|f| *f = with_envelope(&[0xc1, 0xc1, 0xc1])), LoadEvent::Malformed),
@@ -228,13 +236,25 @@ fn positional_arrays_decode_like_named_maps_and_nil_stays_absent() {
 
     let older = cat(&[array(4), uint(7), uint(0), uint(5), nil()]);
     let got = decode(&frames_for(envelope_map(9, 5, "kv_metrics", &older), 9, 5), 9).unwrap();
-    assert_eq!(got.load, Load { active_decode_blocks: Some(5), active_prefill_tokens: None, kv_used_blocks: None }, "a missing trailing field is absent");
+    assert_eq!(
+        got.load,
+        Load { active_decode_blocks: Some(5), active_prefill_tokens: None, kv_used_blocks: None },
+        "a missing trailing field is absent"
+    );
 }
 
 #[test]
 fn unknown_map_keys_are_ignored_and_missing_ones_are_absent() {
     use mp::*;
-    let payload = cat(&[map(3), str("worker_id"), uint(7), str("future_field"), cat(&[array(2), uint(1), str("x")]), str("kv_used_blocks"), uint(9)]);
+    let payload = cat(&[
+        map(3),
+        str("worker_id"),
+        uint(7),
+        str("future_field"),
+        cat(&[array(2), uint(1), str("x")]),
+        str("kv_used_blocks"),
+        uint(9),
+    ]);
     let got = decode(&frames_for(envelope_map(9, 0, "kv_metrics", &payload), 9, 0), 9).unwrap();
     assert_eq!((got.worker_id, got.dp_rank), (7, 0), "no dp_rank reads as rank 0");
     assert_eq!(got.load, Load { kv_used_blocks: Some(9), ..Load::default() });
@@ -267,4 +287,33 @@ fn deeply_nested_msgpack_is_refused_without_exhausting_the_stack() {
 #[test]
 fn the_largest_payload_fits_the_transport_frame_ceiling() {
     assert_eq!(ZmtpLimits::KV_METRICS.max_frame_bytes, KV_METRICS_MAX_PAYLOAD_BYTES + 5);
+}
+
+mod fuzz {
+    //! Arbitrary frames, and real frames with arbitrary bytes flipped: decoding returns a label
+    //! or a sample, and never panics.
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2048))]
+
+        #[test]
+        fn arbitrary_frames_never_panic(frames in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 0..6)) {
+            let _ = decode(&frames, 1);
+        }
+
+        #[test]
+        fn corrupted_real_frames_never_panic(flips in proptest::collection::vec((0usize..4, any::<prop::sample::Index>(), any::<u8>()), 1..8)) {
+            let (mut frames, publisher) = sample();
+            for (frame, at, byte) in flips {
+                let target = &mut frames[frame];
+                let i = at.index(target.len());
+                target[i] = byte;
+            }
+            let _ = decode(&frames, publisher);
+        }
+    }
 }

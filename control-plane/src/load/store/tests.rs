@@ -24,7 +24,8 @@ fn used(blocks: u64) -> Load {
 /// Workers 1 (ranks 0..2) and 2 (rank 0) are live.
 fn store() -> LoadStore {
     let mut store = LoadStore::new(None);
-    store.set_live_and_retain(HashMap::from([(WorkerKey::new("dynamo", 1), 0..2), (WorkerKey::new("dynamo", 2), 0..1)]));
+    store
+        .set_live_and_retain(HashMap::from([(WorkerKey::new("dynamo", 1), 0..2), (WorkerKey::new("dynamo", 2), 0..1)]));
     store
 }
 
@@ -53,7 +54,11 @@ fn a_restarted_publisher_replaces_the_held_sample_whatever_its_sequence() {
 fn only_live_workers_and_ranks_are_admitted() {
     let (mut store, now) = (store(), Instant::now());
     assert_eq!(store.apply(key(3, 0), &publisher(10), 0, used(1), now), Err(LoadEvent::IdentityMismatch));
-    assert_eq!(store.apply(key(2, 1), &publisher(10), 0, used(1), now), Err(LoadEvent::IdentityMismatch), "rank 1 of a dp=1 worker");
+    assert_eq!(
+        store.apply(key(2, 1), &publisher(10), 0, used(1), now),
+        Err(LoadEvent::IdentityMismatch),
+        "rank 1 of a dp=1 worker"
+    );
     assert!(store.is_empty());
 }
 
@@ -79,7 +84,10 @@ fn the_production_store_holds_65536_entries_and_refuses_the_next() {
         store.apply(key(1, rank), &publisher(10), u64::from(rank), used(1), now).unwrap();
     }
     assert_eq!(store.len(), MAX_LOAD_ENTRIES);
-    assert_eq!(store.apply(key(1, ranks - 1), &publisher(10), u64::from(ranks), used(1), now), Err(LoadEvent::OverCapacity));
+    assert_eq!(
+        store.apply(key(1, ranks - 1), &publisher(10), u64::from(ranks), used(1), now),
+        Err(LoadEvent::OverCapacity)
+    );
 }
 
 #[test]
@@ -120,7 +128,10 @@ fn set_live_and_retain_evicts_departed_workers_and_ranks_with_their_gauges() {
     registry.register(Box::new(gauges.kv_used_blocks.clone())).unwrap();
     registry.register(Box::new(gauges.active_decode_blocks.clone())).unwrap();
     let mut store = LoadStore::new(Some(gauges.clone()));
-    store.set_live_and_retain(HashMap::from([(WorkerKey::new("dynamo", 0xab), 0..2), (WorkerKey::new("dynamo", 2), 0..1)]));
+    store.set_live_and_retain(HashMap::from([
+        (WorkerKey::new("dynamo", 0xab), 0..2),
+        (WorkerKey::new("dynamo", 2), 0..1),
+    ]));
     let now = Instant::now();
     store.apply(key(0xab, 0), &publisher(10), 0, used(3), now).unwrap();
     store.apply(key(0xab, 1), &publisher(10), 1, used(4), now).unwrap();

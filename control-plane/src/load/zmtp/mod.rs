@@ -78,7 +78,8 @@ pub struct ZmtpLimits {
 
 impl ZmtpLimits {
     /// ActiveLoad samples (`kv_metrics`).
-    pub const KV_METRICS: Self = Self::for_frames(KV_METRICS_MAX_PAYLOAD_BYTES + DYNAMO_FRAME_HEADER_BYTES, 1024 * 1024);
+    pub const KV_METRICS: Self =
+        Self::for_frames(KV_METRICS_MAX_PAYLOAD_BYTES + DYNAMO_FRAME_HEADER_BYTES, 1024 * 1024);
     /// KV cache events (`kv-events`).
     pub const KV_EVENTS: Self = Self::for_frames(KV_EVENTS_MAX_FRAME_BYTES, 16 * 1024 * 1024);
 

@@ -169,7 +169,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
         } else if index == 0 && too_big(MAX_TOPIC_BYTES) {
             Some(Dropped::TopicTooLong)
         } else if too_big(limits.max_frame_bytes)
-            || !u64::try_from(limits.max_message_bytes.saturating_sub(self.message.len())).is_ok_and(|room| size <= room)
+            || !u64::try_from(limits.max_message_bytes.saturating_sub(self.message.len()))
+                .is_ok_and(|room| size <= room)
         {
             Some(Dropped::Oversized)
         } else {

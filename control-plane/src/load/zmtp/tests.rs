@@ -185,8 +185,16 @@ async fn an_endless_greeting_times_out() {
 async fn handshake_refusals() {
     let cases: [(&str, Vec<u8>); 7] = [
         ("HTTP instead of ZMTP", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".iter().copied().chain([0; 64]).collect()),
-        ("ZMTP 2", { let mut g = pub_greeting(); g[10] = 1; g }),
-        ("PLAIN security", { let mut g = pub_greeting(); g[12..17].copy_from_slice(b"PLAIN"); g }),
+        ("ZMTP 2", {
+            let mut g = pub_greeting();
+            g[10] = 1;
+            g
+        }),
+        ("PLAIN security", {
+            let mut g = pub_greeting();
+            g[12..17].copy_from_slice(b"PLAIN");
+            g
+        }),
         ("a REQ socket", [pub_greeting(), ready(b"REQ")].concat()),
         ("a message before READY", [pub_greeting(), kv_message(0)].concat()),
         ("ERROR", [pub_greeting(), command(&[5, b'E', b'R', b'R', b'O', b'R', 2, b'n', b'o'])].concat()),
@@ -239,4 +247,63 @@ async fn a_frame_skipped_past_the_discard_bound_ends_the_session() {
     let (session, _peer) = subscriber(&script).await;
     let error = session.unwrap().recv().await.err().unwrap();
     assert!(matches!(error, ZmtpError::FrameTooLarge { .. }), "{error}");
+}
+
+mod fuzz {
+    //! Arbitrary bytes from a subscribed publisher: the session may end, but it never panics,
+    //! never buffers past its ceiling, and never hangs on bytes it has.
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn arbitrary_bytes_after_the_handshake_stay_within_bounds(bytes in proptest::collection::vec(any::<u8>(), 0..4096)) {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                let (session, peer) = subscriber(&bytes).await;
+                let mut session = session.unwrap();
+                drop(peer);
+                for _ in 0..10_000 {
+                    if session.recv().await.is_err() {
+                        break;
+                    }
+                }
+                let (capacity, ceiling) = session.message_capacity();
+                prop_assert!(capacity <= ceiling);
+                Ok(())
+            })?;
+        }
+
+        #[test]
+        fn valid_frames_with_arbitrary_lengths_stay_within_bounds(
+            frames in proptest::collection::vec((any::<bool>(), any::<bool>(), 0u64..40_000), 1..8),
+        ) {
+            let mut script = Vec::new();
+            for (more, long, len) in frames {
+                let flags = u8::from(more) | if long { wire::FLAG_LONG } else { 0 };
+                script.push(flags);
+                if long {
+                    script.extend_from_slice(&len.to_be_bytes());
+                } else {
+                    script.push(u8::try_from(len % 256).unwrap());
+                }
+                let body = if long { len } else { len % 256 };
+                script.extend(std::iter::repeat_n(0x5a, usize::try_from(body).unwrap()));
+            }
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                let (session, peer) = subscriber(&script).await;
+                let mut session = session.unwrap();
+                drop(peer);
+                while session.recv().await.is_ok() {}
+                let (capacity, ceiling) = session.message_capacity();
+                prop_assert!(capacity <= ceiling);
+                Ok(())
+            })?;
+        }
+    }
 }

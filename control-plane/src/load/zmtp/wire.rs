@@ -68,11 +68,17 @@ pub fn parse_flags(flags: u8) -> Result<FrameHeader, ZmtpError> {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Command<'a> {
     /// READY with the peer's socket type.
-    Ready { socket_type: &'a [u8] },
+    Ready {
+        socket_type: &'a [u8],
+    },
     /// PING's context, to echo in PONG.
-    Ping { context: &'a [u8] },
+    Ping {
+        context: &'a [u8],
+    },
     Pong,
-    Error { reason: &'a [u8] },
+    Error {
+        reason: &'a [u8],
+    },
     /// A command a PUB does not send to a SUB; ignored.
     Other,
 }

@@ -14,10 +14,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use continuum_proto::model::LoadKey;
+use continuum_proto::model::{Backlog, LoadKey};
 use continuum_proto::view::FleetView;
 
-use super::{Pin, Selection};
+use super::Selection;
 
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);
@@ -52,6 +52,26 @@ pub struct RankBacklog {
     pub decode_blocks: u64,
     /// A dispatch of at least [`STALL_MIN_BLOCKS`] has gone unanswered for [`STALL_AFTER`].
     pub stalled: bool,
+}
+
+impl RankBacklog {
+    /// This replica's backlog joined with the fleet-wide one the control plane streams.
+    ///
+    /// The fleet-wide sum already holds this replica's reported dispatches, a stream turn
+    /// late; the local ledger holds them at once. Adding the two would count each of this
+    /// replica's dispatches twice, so each field takes the larger: the fleet's once it has
+    /// caught up, the replica's own until then. Stalls stay local: only this replica knows
+    /// which of its dispatches are a pair's decode leg.
+    pub fn with_fleet(self, fleet: Option<&Backlog>) -> Self {
+        let Some(fleet) = fleet else {
+            return self;
+        };
+        Self {
+            prefill_tokens: self.prefill_tokens.max(fleet.prefill_tokens),
+            decode_blocks: self.decode_blocks.max(fleet.decode_blocks),
+            stalled: self.stalled,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -116,13 +136,13 @@ impl DispatchLedger {
         let legs = match &selection.prefill {
             Some(prefill) => {
                 let prefill_leg = Leg { prefill_tokens: prompt_tokens, decode_blocks: 0, ..decode };
-                state.push(rank_key(prefill), prefill_leg);
-                state.push(rank_key(&selection.decode), Leg { stall_blocks: 0, ..decode });
-                [Some(rank_key(prefill)), Some(rank_key(&selection.decode))]
+                state.push(prefill.rank_key(), prefill_leg);
+                state.push(selection.decode.rank_key(), Leg { stall_blocks: 0, ..decode });
+                [Some(prefill.rank_key()), Some(selection.decode.rank_key())]
             }
             None => {
-                state.push(rank_key(&selection.decode), decode);
-                [Some(rank_key(&selection.decode)), None]
+                state.push(selection.decode.rank_key(), decode);
+                [Some(selection.decode.rank_key()), None]
             }
         };
         state.dispatches.insert(id, legs);
@@ -225,11 +245,6 @@ impl State {
             self.expire(key, now);
         }
     }
-}
-
-/// The ledger's key for a pin: its rank, or 0 for a worker without data parallelism.
-pub(super) fn rank_key(pin: &Pin) -> LoadKey {
-    LoadKey { worker: pin.worker.clone(), dp_rank: pin.dp_rank.unwrap_or(0) }
 }
 
 /// The block size to record a dispatch with: the decode worker's, else [`FALLBACK_BLOCK_SIZE`].

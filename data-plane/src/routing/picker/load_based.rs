@@ -1,5 +1,5 @@
-//! The default picker: the seed's load-only costs over the fleet view's samples plus this
-//! replica's unanswered dispatches. Per-phase round-robin cursors rotate ties and stand in for
+//! The default picker: the seed's load-only costs over the fleet view's samples plus the
+//! unanswered dispatches (this replica's ledger, joined with the fleet-wide backlogs). Per-phase round-robin cursors rotate ties and stand in for
 //! costs when the load stream tells nothing.
 //!
 //! Graph-local: decode candidates of every eligible namespace compete together; the prefill
@@ -16,7 +16,7 @@ use prometheus::IntCounterVec;
 
 use super::candidates::{self, Candidate};
 use super::cost::{self, CostInputs, Phase, Scored, Standing};
-use super::ledger::{self, DispatchLedger};
+use super::ledger::DispatchLedger;
 use super::{PickRequest, Picker, Reason, Selection};
 
 /// Round-robin cursors held at once. Models and namespaces come from the fleet, so the map is
@@ -58,9 +58,11 @@ impl LoadBasedPicker {
         let queries: Vec<_> = candidates
             .iter()
             .zip(&samples)
-            .map(|(c, sample)| (ledger::rank_key(&c.pin()), sample.map(|s| s.received_at)))
+            .map(|(c, sample)| (c.pin().rank_key(), sample.map(|s| s.received_at)))
             .collect();
-        let unanswered = self.ledger.backlogs(&queries, now);
+        let local = self.ledger.backlogs(&queries, now);
+        let unanswered =
+            candidates.iter().zip(local).map(|(c, local)| local.with_fleet(view.backlogs().get(&c.load_key())));
         let scored: Vec<Scored> = candidates
             .iter()
             .zip(samples)

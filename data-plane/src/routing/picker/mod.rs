@@ -15,7 +15,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use continuum_proto::model::WorkerKey;
+use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_proto::view::FleetView;
 
 pub use estimate::estimate_prompt_tokens;
@@ -32,6 +32,14 @@ pub struct Pin {
     /// `Some(rank)` exactly when the worker declares data parallelism (`dp_size > 0`); the
     /// rank header is sent then, 0 included.
     pub dp_rank: Option<u32>,
+}
+
+impl Pin {
+    /// The (worker, rank) its load and backlog are kept under: its rank, or 0 for a worker
+    /// without data parallelism (which Dynamo serves as rank 0). Report dispatches under it.
+    pub fn rank_key(&self) -> LoadKey {
+        LoadKey { worker: self.worker.clone(), dp_rank: self.dp_rank.unwrap_or(0) }
+    }
 }
 
 /// Why a worker was chosen: the `reason` label of `continuum_dynamo_selection_total`.

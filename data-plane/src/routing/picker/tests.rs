@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use continuum_proto::model::{
-    Capacity, DataPlaneConfig, Load, LoadKey, LoadSample, PickerParams, Role, Worker, WorkerKey,
+    Backlog, Capacity, DataPlaneConfig, Load, LoadKey, LoadSample, PickerParams, Role, Worker, WorkerKey,
 };
 use continuum_proto::view::FleetView;
 use prometheus::{IntCounterVec, Opts};
@@ -45,13 +45,20 @@ struct Fleet {
     now: Instant,
     workers: Vec<Worker>,
     loads: Vec<(LoadKey, LoadSample)>,
+    backlogs: Vec<(LoadKey, Backlog)>,
     max_staleness: Duration,
 }
 
 impl Fleet {
     fn new(workers: impl IntoIterator<Item = Worker>) -> Self {
         let now = Instant::now() + Duration::from_secs(600);
-        Self { now, workers: workers.into_iter().collect(), loads: Vec::new(), max_staleness: Duration::from_secs(3) }
+        Self {
+            now,
+            workers: workers.into_iter().collect(),
+            loads: Vec::new(),
+            backlogs: Vec::new(),
+            max_staleness: Duration::from_secs(3),
+        }
     }
 
     /// Rank `rank` of worker `id` (namespace of the first worker with that id) reported `load`, `age` ago.
@@ -66,12 +73,20 @@ impl Fleet {
         self.sample(id, rank, Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() }, age)
     }
 
+    /// The control plane's fleet-wide backlog of decode blocks on a rank of worker `id` (namespace "ns").
+    fn backlog(mut self, id: u64, rank: u32, decode_blocks: u64) -> Self {
+        let key = LoadKey { worker: WorkerKey::new("ns", id), dp_rank: rank };
+        self.backlogs.push((key, Backlog { decode_blocks, dispatches: 1, ..Backlog::default() }));
+        self
+    }
+
     fn view(&self) -> FleetView {
         let config = DataPlaneConfig {
             picker: PickerParams { max_staleness: self.max_staleness, ..PickerParams::default() },
             ..DataPlaneConfig::default()
         };
         FleetView::new(1, self.workers.iter().cloned().map(Arc::new), self.loads.clone(), Arc::new(config))
+            .and_then(|view| view.with_backlogs(self.backlogs.clone()))
             .expect("view")
     }
 }
@@ -273,6 +288,20 @@ fn a_sample_newer_than_the_dispatches_replaces_their_backlog() {
         record(&picker, &selection, 160, fleet.now - FRESH - FRESH);
     }
     assert_eq!(decode_ids(&picker, &fleet, 3), [1, 1, 1], "older dispatches were answered by the samples");
+}
+
+#[test]
+fn fleet_wide_backlogs_count_once() {
+    // Other replicas sent worker 1 fifty blocks since its sample.
+    let busy = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 15, FRESH).backlog(1, 0, 50);
+    assert_eq!(decode_ids(&picker(), &busy, 2), [2, 2]);
+
+    // This replica's own ten blocks, already in the fleet-wide sum, count once: 0 + 10 < 15.
+    let own = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 15, FRESH).backlog(1, 0, 10);
+    let picker = picker();
+    let first = pick(&picker, &own);
+    record(&picker, &first, 160, own.now);
+    assert_eq!(decode_ids(&picker, &own, 1), [1]);
 }
 
 fn pair_fleet() -> Fleet {

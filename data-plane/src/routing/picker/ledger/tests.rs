@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use continuum_proto::model::{Capacity, DataPlaneConfig, LoadKey, Role, Worker, WorkerKey};
+use continuum_proto::model::{Backlog, Capacity, DataPlaneConfig, LoadKey, Role, Worker, WorkerKey};
 use continuum_proto::view::FleetView;
 
 use super::*;
@@ -180,4 +180,13 @@ fn block_size_comes_from_the_decode_worker_card() {
     assert_eq!(dispatch_block_size(&view, &alone(pin(2, None))), FALLBACK_BLOCK_SIZE);
     assert_eq!(dispatch_block_size(&view, &alone(pin(3, None))), FALLBACK_BLOCK_SIZE);
     assert_eq!(dispatch_block_size(&view, &alone(pin(9, None))), FALLBACK_BLOCK_SIZE);
+}
+
+#[test]
+fn the_fleet_backlog_joins_the_local_one_field_by_field_without_adding() {
+    let local = rank(100, 3, true);
+    assert_eq!(local.with_fleet(None), local);
+    let fleet = Backlog { prefill_tokens: 50, decode_blocks: 9, dispatches: 4 };
+    assert_eq!(local.with_fleet(Some(&fleet)), rank(100, 9, true));
+    assert_eq!(RankBacklog::default().with_fleet(Some(&fleet)), rank(50, 9, false), "stalls stay local");
 }

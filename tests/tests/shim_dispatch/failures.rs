@@ -1,0 +1,136 @@
+//! The seed's failure semantics applied to the answers the real 1.6.1 frontend gives, replayed
+//! byte for byte from the captured exchanges.
+
+use anyhow::Context;
+use axum::http::StatusCode;
+use continuum_data_plane::dispatch::{MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
+use continuum_tests::shim_stub::{Reply, StubShim, fixture_reply};
+use continuum_tests::tools;
+use serde_json::{Value, json};
+
+use super::{Harness, MODEL, chat, config, disaggregated_fleet, error_of, sample};
+
+/// A refusal that names the missing prefill id, as a release that puts 1.6.1's log diagnostic
+/// (captured with `DYN_LOG=debug`) into the response body would send it.
+fn named_prefill_refusal() -> anyhow::Result<Reply> {
+    let path = tools::dynamo_fixtures().join("disagg/http-exchanges-with-diagnostics.jsonl");
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let diagnostic = text
+        .lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .find(|e| e["name"] == "no_headers_nonstream")
+        .and_then(|e| e["frontend_log_diagnostics"][0].as_str().map(str::to_string))
+        .context("no diagnostic for no_headers_nonstream")?;
+    let body = json!({"message": diagnostic, "type": "Internal Server Error", "code": 500}).to_string();
+    Ok(Reply::Fixed {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        content_type: Some("application/json".into()),
+        body: body.into(),
+    })
+}
+
+/// A refusal naming the prefill id past [`MAX_ERROR_BODY_BYTES`]: too large to read, so the
+/// status alone decides.
+fn oversized_refusal() -> anyhow::Result<Reply> {
+    let Reply::Fixed { status, content_type, body } = named_prefill_refusal()? else {
+        anyhow::bail!("not a fixed reply")
+    };
+    let mut padded = vec![b' '; MAX_ERROR_BODY_BYTES];
+    padded.extend_from_slice(&body);
+    Ok(Reply::Fixed { status, content_type, body: padded.into() })
+}
+
+fn oversized_completion() -> Reply {
+    let body = vec![b' '; MAX_BUFFERED_RESPONSE_BYTES + 1];
+    Reply::Fixed { status: StatusCode::OK, content_type: Some("application/json".into()), body: body.into() }
+}
+
+fn disagg(name: &str) -> anyhow::Result<Reply> {
+    fixture_reply("disagg", name)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    const DECODE_FAILED: Option<&str> = Some("disaggregated_decode_failed");
+    const PREFILL_REFUSED: Option<&str> = Some("disaggregated_prefill_decode_unavailable");
+    const RELAYED: Option<&str> = None;
+    let dead = "after_decode_sigkill_pinned_to_dead_decode";
+    // (case, shim answer, streaming, status the client sees, error code or relayed as is)
+    let rows: Vec<(&str, Reply, bool, u16, Option<&str>)> = vec![
+        ("generic 500", disagg("no_headers_nonstream")?, false, 502, DECODE_FAILED),
+        ("generic 500, streaming", disagg("no_headers_stream")?, true, 502, DECODE_FAILED),
+        ("prefill id without decode id", disagg("prefill_only_header_nonstream")?, false, 502, DECODE_FAILED),
+        ("unknown worker id", disagg("unknown_decode_id")?, false, 502, DECODE_FAILED),
+        ("unknown worker id, streaming", disagg("unknown_decode_id")?, true, 400, RELAYED),
+        ("dp rank out of range, streaming", disagg("decode_dp_rank_out_of_range")?, true, 400, RELAYED),
+        ("dead worker, live lease", disagg(dead)?, false, 503, DECODE_FAILED),
+        ("dead worker, streaming", disagg(dead)?, true, 503, DECODE_FAILED),
+        ("model gone", disagg("after_lease_expiry_pinned_to_dead_decode")?, false, 404, Some("model_not_found")),
+        ("names the prefill id", named_prefill_refusal()?, false, 503, PREFILL_REFUSED),
+        ("names the prefill id, streaming", named_prefill_refusal()?, true, 503, PREFILL_REFUSED),
+        ("refusal too large to read", oversized_refusal()?, false, 502, DECODE_FAILED),
+        ("completion too large to relay", oversized_completion(), false, 502, DECODE_FAILED),
+    ];
+    let rows_len = rows.len();
+    for (case, reply, stream, status, code) in rows {
+        let relayed = match &reply {
+            Reply::Fixed { body, .. } => body.clone(),
+            _ => Default::default(),
+        };
+        shim.push(reply);
+        let response = harness.post(&chat(MODEL, stream)).await?;
+        match code {
+            Some(code) => assert_eq!(error_of(response).await?, (status, code.to_string()), "{case}"),
+            None => {
+                assert_eq!(response.status().as_u16(), status, "{case}");
+                assert_eq!(response.bytes().await?, relayed, "{case}: relayed as is");
+            }
+        }
+    }
+    assert_eq!(shim.received().len(), rows_len, "no refusal is retried or re-picked");
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(9.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(13.0));
+    assert!(harness.replica.ledger.is_empty(), "every refused dispatch has ended");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_pinned_request_falls_back_unpinned_when_configured() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let mut config = config(&[("shim-a", shim.url())]);
+    config.disaggregated_serving.fallback_to_unified = true;
+    let harness = Harness::start(disaggregated_fleet(), config).await?;
+
+    shim.push(disagg("no_headers_nonstream")?);
+    let response = harness.post(&chat(MODEL, false)).await?;
+    assert_eq!(response.status(), 200, "the unpinned resend answered");
+    let received = shim.received();
+    assert!(received[0].header("x-dynamo-worker-instance-id").is_some());
+    assert!(
+        received[1].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")),
+        "the fallback carries no pins"
+    );
+
+    shim.push(named_prefill_refusal()?);
+    let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (503, "disaggregated_prefill_decode_unavailable"));
+    assert_eq!(shim.received().len(), 3, "a prefill refusal never falls back");
+
+    shim.push(disagg("no_headers_nonstream")?);
+    shim.push(disagg("no_headers_nonstream")?);
+    let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"), "both legs failed");
+
+    let metrics = harness.metrics().await?;
+    assert_eq!(
+        sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified_fallback"}"#),
+        Some(2.0)
+    );
+    harness.stop().await;
+    Ok(())
+}

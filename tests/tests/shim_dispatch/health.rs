@@ -1,0 +1,121 @@
+//! Shim replica health: connection failures move on to another replica of the pool with the same
+//! pins; consecutive failures open a replica's breaker, and a probe after the cooldown closes it.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use continuum_data_plane::dispatch::budget::MAX_ATTEMPTS;
+use continuum_data_plane::dispatch::{BreakerSettings, DispatchSettings};
+use continuum_tests::eventually;
+use continuum_tests::shim_stub::StubShim;
+
+use super::{DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, error_of, sample};
+
+/// A loopback address nothing listens on (bound, then released).
+async fn refused_addr() -> anyhow::Result<SocketAddr> {
+    Ok(tokio::net::TcpListener::bind("127.0.0.1:0").await?.local_addr()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_failures_retry_on_another_replica_with_the_same_pins() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let dead = format!("http://{}", refused_addr().await?);
+    let harness =
+        Harness::start(disaggregated_fleet(), config(&[("shim-dead", dead), ("shim-live", shim.url())])).await?;
+    // Rotation starts every other request on the dead replica; all must succeed.
+    for stream in [false, true, false, true] {
+        let response = harness.post(&chat(MODEL, stream)).await?;
+        assert_eq!(response.status(), 200);
+        response.bytes().await?;
+    }
+    let received = shim.received();
+    assert_eq!(received.len(), 4, "each request reached the live replica exactly once");
+    for request in received {
+        assert_eq!(request.header("x-dynamo-worker-instance-id"), Some(DECODE_ID.to_string().as_str()));
+        assert_eq!(request.header("x-dynamo-prefill-instance-id"), Some(PREFILL_ID.to_string().as_str()));
+    }
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim-live"}"#), Some(0.0));
+    assert_eq!(
+        sample(&metrics, "continuum_shim_retries_total"),
+        Some(2.0),
+        "the two requests that started on the dead replica moved on"
+    );
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert!(harness.replica.ledger.is_empty());
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() -> anyhow::Result<()> {
+    let addr = refused_addr().await?;
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_millis(300) };
+    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let harness =
+        Harness::start_with(disaggregated_fleet(), config(&[("shim-a", format!("http://{addr}"))]), settings).await?;
+    let state = r#"continuum_shim_replica_state{backend="shim-a"}"#;
+
+    for _ in 0..2 {
+        let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+        assert_eq!(
+            (status, code.as_str()),
+            (503, "disaggregated_decode_failed"),
+            "the pool's only replica refuses connections"
+        );
+    }
+    assert_eq!(sample(&harness.metrics().await?, state), Some(2.0), "open after two consecutive failures");
+    let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (503, "shim_unavailable"), "an open breaker leaves no usable replica");
+
+    let shim = StubShim::start_on(&addr.to_string()).await?;
+    eventually(Duration::from_secs(10), "the half-open probe to succeed", || async {
+        harness.post(&chat(MODEL, false)).await.is_ok_and(|r| r.status() == 200)
+    })
+    .await?;
+    assert_eq!(sample(&harness.metrics().await?, state), Some(0.0), "closed again");
+    assert!(!shim.received().is_empty());
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_tries_at_most_the_attempt_bound_of_replicas() -> anyhow::Result<()> {
+    let mut pool = Vec::new();
+    for i in 0..MAX_ATTEMPTS + 2 {
+        pool.push((format!("dead-{i}"), format!("http://{}", refused_addr().await?)));
+    }
+    let pool: Vec<(&str, String)> = pool.iter().map(|(name, url)| (name.as_str(), url.clone())).collect();
+    let harness = Harness::start(disaggregated_fleet(), config(&pool)).await?;
+    let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (503, "disaggregated_decode_failed"));
+    let retries = sample(&harness.metrics().await?, "continuum_shim_retries_total");
+    assert_eq!(retries, Some((MAX_ATTEMPTS - 1) as f64), "the first attempt and MAX_ATTEMPTS - 1 retries");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shim_that_never_answers_times_out_instead_of_hanging() -> anyhow::Result<()> {
+    // Accepts connections and reads nothing, answers nothing.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", silent.local_addr()?);
+    let held = tokio::spawn(async move {
+        let mut connections = Vec::new();
+        while let Ok((socket, _)) = silent.accept().await {
+            connections.push(socket);
+        }
+    });
+    let timeout = Duration::from_millis(300);
+    let settings =
+        DispatchSettings { buffered_timeout: timeout, stream_head_timeout: timeout, ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-silent", url)]), settings).await?;
+    for stream in [false, true] {
+        let (status, code) = error_of(harness.post(&chat(MODEL, stream)).await?).await?;
+        assert_eq!((status, code.as_str()), (504, "disaggregated_decode_failed"), "stream={stream}");
+    }
+    assert!(harness.replica.ledger.is_empty());
+    harness.stop().await;
+    held.abort();
+    Ok(())
+}

@@ -1,0 +1,57 @@
+//! The ingress phase: OpenAI errors for what cannot be routed, the body limit, and `/v1/models`.
+
+use continuum_control_plane::fleet::FleetChange;
+use continuum_data_plane::ingress::MAX_REQUEST_BODY_BYTES;
+use continuum_proto::model::{Role, WorkerKey};
+use continuum_tests::shim_stub::StubShim;
+use serde_json::{Value, json};
+
+use super::{CLIENT_MODEL, DECODE_ID, Harness, MODEL, NAMESPACE, chat, config, disaggregated_fleet, error_of, worker};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_cannot_be_routed_get_openai_errors() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let url = harness.url("/v1/chat/completions");
+    let send = |body: Vec<u8>| harness.http.post(&url).header("content-type", "application/json").body(body).send();
+
+    assert_eq!(error_of(send(b"{key}".to_vec()).await?).await?, (400, "invalid_request".into()));
+    assert_eq!(error_of(send(br#"{"model":"tiny"}"#.to_vec()).await?).await?, (400, "invalid_request".into()));
+    let mut huge = chat(MODEL, false);
+    huge["messages"][0]["content"] = json!("x".repeat(MAX_REQUEST_BODY_BYTES));
+    assert_eq!(error_of(send(serde_json::to_vec(&huge)?).await?).await?, (413, "request_too_large".into()));
+    assert_eq!(error_of(harness.post(&chat("no-such-model", false)).await?).await?, (404, "model_not_found".into()));
+
+    // Only the prefill worker is left: the model is served, but nobody can decode it.
+    harness
+        .change(FleetChange { remove: vec![WorkerKey::new(NAMESPACE, DECODE_ID)], ..FleetChange::default() })
+        .await?;
+    assert_eq!(error_of(harness.post(&chat(MODEL, false)).await?).await?, (503, "no_workers".into()));
+    assert!(shim.received().is_empty(), "nothing unroutable reached the shim");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let mut workers = disaggregated_fleet();
+    workers.push(worker(11, Role::Aggregated, "plain", 0));
+    workers.push(worker(12, Role::Unknown, "ghost", 0));
+    let mut unpooled = (*worker(13, Role::Aggregated, "elsewhere", 0)).clone();
+    unpooled.key = WorkerKey::new("no-pool", 13);
+    workers.push(unpooled.into());
+    let harness = Harness::start(workers, config(&[("shim-a", shim.url())])).await?;
+
+    let models: Value = harness.http.get(harness.url("/v1/models")).send().await?.json().await?;
+    assert_eq!(models["object"], "list");
+    let ids: Vec<&str> = models["data"].as_array().into_iter().flatten().filter_map(|m| m["id"].as_str()).collect();
+    assert_eq!(
+        ids,
+        ["plain", CLIENT_MODEL],
+        "mapped names under their client id; unknown roles and unpooled namespaces left out"
+    );
+    assert!(models["data"].as_array().into_iter().flatten().all(|m| m["object"] == "model"));
+    harness.stop().await;
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! What leaves for the shim: the picker's pins in decimal, the client's model id, and nothing a
+//! client sent about routing; and what comes back: no pin, unless the client asked.
+
+use continuum_proto::model::Role;
+use continuum_tests::shim_stub::StubShim;
+use serde_json::{Value, json};
+
+use super::{CLIENT_MODEL, DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, worker};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pins_leave_in_decimal_and_the_body_keeps_the_client_model() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+
+    let response = harness.post(&chat(CLIENT_MODEL, false)).await?;
+    assert_eq!(response.status(), 200);
+    let headers = response.headers().clone();
+    let completion: Value = response.json().await?;
+    assert_eq!(completion["nvext"]["worker_id"]["decode_worker_id"], DECODE_ID);
+    assert_eq!(completion["nvext"]["worker_id"]["prefill_worker_id"], PREFILL_ID);
+    assert!(
+        headers
+            .keys()
+            .all(|name| !name.as_str().starts_with("x-dynamo-") && !name.as_str().starts_with("x-continuum-"))
+    );
+
+    let received = shim.received();
+    let [request] = received.as_slice() else { anyhow::bail!("the shim received {} requests", received.len()) };
+    assert_eq!(request.header("x-dynamo-worker-instance-id"), Some(DECODE_ID.to_string().as_str()));
+    assert_eq!(request.header("x-dynamo-prefill-instance-id"), Some(PREFILL_ID.to_string().as_str()));
+    assert_eq!(request.header("x-dynamo-dp-rank"), None, "no rank for a worker without data parallelism");
+    assert_eq!(request.body["model"], CLIENT_MODEL, "the model map is for picking only");
+    assert_eq!(request.body["messages"], chat(CLIENT_MODEL, false)["messages"]);
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spoofed_client_pins_never_reach_the_shim() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let spoofed = [
+        "X-Dynamo-Worker-Instance-Id",
+        "x-dynamo-prefill-instance-id",
+        "X-DYNAMO-DP-RANK",
+        "x-dynamo-prefill-dp-rank",
+        "X-Dynamo-Anything-Else",
+        "X-Worker-Instance-Id",
+        "x-prefill-instance-id",
+        "X-Dp-Rank",
+        "x-data-parallel-rank",
+        "X-PREFILL-DP-RANK",
+    ];
+    let mut body = chat(MODEL, false);
+    body["nvext"] = json!({
+        "backend_instance_id": 12345, "prefill_worker_id": 12345, "decode_worker_id": 12345,
+        "token_data": [1, 2, 3], "extra_fields": ["worker_id"],
+    });
+    for stream in [false, true] {
+        body["stream"] = json!(stream);
+        let mut request = harness.http.post(harness.url("/v1/chat/completions")).json(&body);
+        for name in spoofed {
+            request = request.header(name, "12345").header(name, "0x3039");
+        }
+        assert_eq!(request.send().await?.status(), 200);
+    }
+
+    let expected = [
+        ("x-dynamo-prefill-instance-id".to_string(), PREFILL_ID.to_string()),
+        ("x-dynamo-worker-instance-id".to_string(), DECODE_ID.to_string()),
+    ];
+    let received = shim.received();
+    assert_eq!(received.len(), 2);
+    for request in received {
+        let mut routing: Vec<(String, String)> = request
+            .headers
+            .iter()
+            .filter(|(name, _)| name.as_str().starts_with("x-"))
+            .map(|(name, value)| (name.to_string(), value.to_str().unwrap_or("?").to_string()))
+            .collect();
+        routing.sort();
+        assert_eq!(routing, expected, "only the picker's pins, once each");
+        assert_eq!(
+            request.body["nvext"],
+            json!({"extra_fields": ["worker_id"]}),
+            "routing fields stripped, the rest kept"
+        );
+    }
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aggregated_worker_is_pinned_alone_with_its_rank() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let aggregated = worker(7_668_682_560_356_784_048, Role::Aggregated, MODEL, 2);
+    let harness = Harness::start(vec![aggregated], config(&[("shim-a", shim.url())])).await?;
+    let mut ranks = Vec::new();
+    for _ in 0..4 {
+        assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200);
+    }
+    for received in shim.received() {
+        assert_eq!(received.header("x-dynamo-worker-instance-id"), Some("7668682560356784048"));
+        assert_eq!(
+            received.header("x-dynamo-prefill-instance-id"),
+            None,
+            "never a prefill pin beside an aggregated worker"
+        );
+        ranks.push(received.header("x-dynamo-dp-rank").map(str::to_string));
+    }
+    ranks.sort();
+    ranks.dedup();
+    assert_eq!(ranks, [Some("0".to_string()), Some("1".to_string())], "both ranks are used");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chosen_backend_and_workers_are_disclosed_only_on_x_backend() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let response = harness
+        .http
+        .post(harness.url("/v1/chat/completions"))
+        .header("x-backend", "")
+        .json(&chat(MODEL, true))
+        .send()
+        .await?;
+    assert_eq!(response.status(), 200);
+    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    assert_eq!(header("x-continuum-backend").as_deref(), Some("shim-a"));
+    assert_eq!(header("x-continuum-decode-worker"), Some(DECODE_ID.to_string()));
+    assert_eq!(header("x-continuum-prefill-worker"), Some(PREFILL_ID.to_string()));
+    assert!(response.headers().keys().all(|name| !name.as_str().starts_with("x-dynamo-")));
+    assert!(response.text().await?.ends_with("data: [DONE]\n\n"));
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_disaggregated_serving_off_requests_go_unpinned_to_backends_listing_the_model() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let mut config = config(&[("shim-a", shim.url())]);
+    config.disaggregated_serving.enabled = false;
+    config.backends[0].models = vec![MODEL.to_string()];
+    let harness = Harness::start(disaggregated_fleet(), config).await?;
+    assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200);
+    let received = shim.received();
+    assert!(received[0].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")));
+    let (status, code) = super::error_of(harness.post(&chat(CLIENT_MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (404, "model_not_found"), "no backend lists the client id");
+    let metrics = harness.metrics().await?;
+    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(1.0));
+    harness.stop().await;
+    Ok(())
+}

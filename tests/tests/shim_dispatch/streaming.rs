@@ -1,0 +1,130 @@
+//! SSE relay: frame by frame with nothing buffered, an error event (never a hang) when the shim's
+//! stream breaks or goes silent, and the dispatch ended however the stream ends.
+
+use std::time::Duration;
+
+use axum::body::Bytes;
+use continuum_data_plane::dispatch::DispatchSettings;
+use continuum_proto::model::{LoadKey, WorkerKey};
+use continuum_tests::eventually;
+use continuum_tests::shim_stub::StubShim;
+use serde_json::Value;
+
+use super::{DECODE_ID, Harness, MODEL, NAMESPACE, PREFILL_ID, chat, config, disaggregated_fleet, sample};
+
+const FIRST: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"one\"}}]}\n\n";
+const SECOND: &str = "data: {\"choices\":[{\"delta\":{\"content\":\"two\"}}]}\n\n";
+const DONE: &str = "data: [DONE]\n\n";
+
+async fn next_text(response: &mut reqwest::Response) -> anyhow::Result<Option<String>> {
+    Ok(response.chunk().await?.map(|chunk| String::from_utf8_lossy(&chunk).into_owned()))
+}
+
+/// The OpenAI error `code` carried by an SSE error event.
+fn event_code(event: &str) -> Option<String> {
+    let data: Value = serde_json::from_str(event.strip_prefix("data: ")?.trim()).ok()?;
+    data["error"]["code"].as_str().map(str::to_string)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sse_frames_are_relayed_one_at_a_time() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    assert_eq!(harness.replica.ledger.len(), 1, "the dispatch is in flight while the stream is open");
+
+    // Each frame is read by the client before the shim is allowed to send the next.
+    for frame in [FIRST, SECOND, DONE] {
+        gate.send(Ok(Bytes::from(frame))).await?;
+        assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
+    }
+    drop(gate);
+    assert_eq!(next_text(&mut response).await?, None);
+    assert!(harness.replica.ledger.is_empty(), "the dispatch ended with the stream");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    gate.send(Err("engine died".into())).await?;
+    let event = next_text(&mut response).await?.unwrap_or_default();
+    assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event}");
+    assert_eq!(next_text(&mut response).await?, None, "the stream ends after the error event");
+    assert!(harness.replica.ledger.is_empty());
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_ends_with_a_timeout_event() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(300), ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    // The gate stays open and silent: the relay must give up on its own.
+    let event = next_text(&mut response).await?.unwrap_or_default();
+    assert_eq!(event_code(&event).as_deref(), Some("stream_timeout"), "{event}");
+    assert_eq!(next_text(&mut response).await?, None);
+    assert!(harness.replica.ledger.is_empty());
+    drop(gate);
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_ends_its_dispatch() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    assert_eq!(harness.replica.ledger.len(), 1);
+    drop(response);
+    let ledger = &harness.replica.ledger;
+    eventually(Duration::from_secs(10), "the cancelled stream's dispatch to end", || async { ledger.is_empty() })
+        .await?;
+    drop(gate);
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_stream_loads_its_ranks_fleet_wide_until_it_ends() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let rank = |id| LoadKey { worker: WorkerKey::new(NAMESPACE, id), dp_rank: 0 };
+    let backlog = |id| harness.replica.fleet.view().and_then(|v| v.backlogs().get(&rank(id)).copied());
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+
+    // The control plane folds the report into the view it streams back to every replica.
+    eventually(Duration::from_secs(10), "both legs reported", || async {
+        backlog(PREFILL_ID).is_some_and(|b| b.prefill_tokens > 0 && b.decode_blocks == 0)
+            && backlog(DECODE_ID).is_some_and(|b| b.decode_blocks > 0 && b.prefill_tokens == 0)
+    })
+    .await?;
+    drop(gate);
+    assert_eq!(next_text(&mut response).await?, None);
+    eventually(Duration::from_secs(10), "the ended stream leaving the backlogs", || async {
+        backlog(PREFILL_ID).is_none() && backlog(DECODE_ID).is_none()
+    })
+    .await?;
+    harness.stop().await;
+    Ok(())
+}
