@@ -17,7 +17,7 @@ use crate::fleet::{FleetChange, FleetPublisher};
 use crate::grpc::{self, FleetService, Replicas};
 use crate::load::{LoadOptions, LoadSupervisor};
 use crate::metrics::Metrics;
-use crate::sources::{DiscoverySupervisor, Registry, SourceUnavailable};
+use crate::sources::{DiscoverySupervisor, Registry, SourceError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -26,7 +26,7 @@ pub enum StartError {
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
     #[error(transparent)]
-    SourceUnavailable(#[from] SourceUnavailable),
+    Source(#[from] SourceError),
 }
 
 /// Where to listen, when the command line overrides the configuration.
@@ -55,7 +55,7 @@ pub struct ControlPlane {
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
     #[error(transparent)]
-    SourceUnavailable(#[from] SourceUnavailable),
+    Source(#[from] SourceError),
 }
 
 fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSettings {

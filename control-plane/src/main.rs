@@ -1,4 +1,4 @@
-//! `continuum-control-plane [--config FILE] [--grpc-listen ADDR] [--admin-listen ADDR]`
+//! `continuum-control-plane [--config FILE] [--grpc-listen ADDR] [--admin-listen ADDR] [--simulator-shim-listen ADDR]`
 //! `continuum-control-plane config validate FILE` · `continuum-control-plane config show FILE`
 
 use std::net::SocketAddr;
@@ -12,8 +12,8 @@ use continuum_control_plane::config::{self, ConfigError};
 #[derive(Debug, Parser)]
 #[command(version, about = "Continuum's control plane: discovery, load signals and the Fleet stream")]
 struct Args {
-    /// The YAML configuration. Without it, the embedded default runs: a static demo fleet
-    /// that needs no etcd, Kubernetes or GPU.
+    /// The YAML configuration. Without it, the embedded default runs: a simulated demo fleet
+    /// and shim that need no etcd, Kubernetes or GPU.
     #[arg(long, env = "CONTINUUM_CONFIG")]
     config: Option<PathBuf>,
     /// Overrides `control_plane.grpc_listen`.
@@ -22,6 +22,10 @@ struct Args {
     /// Overrides `admin.listen`.
     #[arg(long)]
     admin_listen: Option<SocketAddr>,
+    /// Overrides `dynamo.discovery.simulator.shim_listen`, and moves the backends that pointed
+    /// at the old address with it.
+    #[arg(long, env = "CONTINUUM_SIMULATOR_SHIM_LISTEN")]
+    simulator_shim_listen: Option<SocketAddr>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -53,7 +57,10 @@ async fn main() -> ExitCode {
     match args.command {
         Some(Command::Config { action: ConfigAction::Validate { file } }) => validate(&file),
         Some(Command::Config { action: ConfigAction::Show { file } }) => show(&file),
-        None => run(args.config.as_deref(), ListenOverrides { grpc: args.grpc_listen, admin: args.admin_listen }).await,
+        None => {
+            let listen = ListenOverrides { grpc: args.grpc_listen, admin: args.admin_listen };
+            run(args.config.as_deref(), listen, args.simulator_shim_listen).await
+        }
     }
 }
 
@@ -99,8 +106,8 @@ fn report(file: &Path, error: &ConfigError) {
     }
 }
 
-async fn run(file: Option<&Path>, listen: ListenOverrides) -> ExitCode {
-    let config = match file {
+async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAddr>) -> ExitCode {
+    let mut config = match file {
         Some(file) => match config::load_file(file) {
             Ok(loaded) => {
                 for diagnostic in &loaded.diagnostics {
@@ -114,10 +121,13 @@ async fn run(file: Option<&Path>, listen: ListenOverrides) -> ExitCode {
             }
         },
         None => {
-            tracing::info!("no --config given: running the embedded default (a static demo fleet)");
+            tracing::info!("no --config given: running the embedded default (a simulated demo fleet)");
             config::embedded_default()
         }
     };
+    if let Some(addr) = shim {
+        config.move_simulator_shim(addr);
+    }
     let mut control_plane = match ControlPlane::start(config, listen).await {
         Ok(control_plane) => control_plane,
         Err(error) => {
@@ -136,7 +146,7 @@ async fn run(file: Option<&Path>, listen: ListenOverrides) -> ExitCode {
     loop {
         tokio::select! {
             () = &mut shutdown => break,
-            _ = hangup.recv() => reload(&mut control_plane, file).await,
+            _ = hangup.recv() => reload(&mut control_plane, file, shim).await,
         }
     }
     control_plane.shutdown().await;
@@ -144,15 +154,18 @@ async fn run(file: Option<&Path>, listen: ListenOverrides) -> ExitCode {
 }
 
 /// SIGHUP: re-read the configuration file and apply it; an invalid file changes nothing.
-async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>) {
+async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>, shim: Option<SocketAddr>) {
     let Some(file) = file else {
         tracing::warn!("SIGHUP ignored: running the embedded default, there is no file to re-read");
         return;
     };
     match config::load_file(file) {
-        Ok(loaded) => {
+        Ok(mut loaded) => {
             for diagnostic in &loaded.diagnostics {
                 tracing::warn!("{diagnostic}");
+            }
+            if let Some(addr) = shim {
+                loaded.config.move_simulator_shim(addr);
             }
             if let Err(error) = control_plane.reload(loaded.config).await {
                 tracing::error!(%error, "configuration reload refused; keeping the running configuration");

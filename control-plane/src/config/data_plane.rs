@@ -25,6 +25,7 @@ impl Config {
                 }
             }
             DiscoverySource::Static => discovery.static_fleet.workers.iter().map(|w| &w.namespace).collect(),
+            DiscoverySource::Simulator => vec![&discovery.simulator.namespace],
         };
         let mut namespaces: Vec<String> = Vec::with_capacity(listed.len());
         for namespace in listed {

@@ -1,5 +1,5 @@
 //! `dynamo.discovery`: which source lists the worker fleet (etcd, the Kubernetes metadata or
-//! Pod sources, or Continuum's static list) and how to reach it.
+//! Pod sources, Continuum's static list or its simulated fleet) and how to reach it.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -7,6 +7,7 @@ use std::time::Duration;
 use continuum_proto::model::{Capacity, Role};
 use serde::{Deserialize, Serialize};
 
+use super::simulator::SimulatorConfig;
 use super::values::{Secret, duration, instance_id};
 
 /// Dynamo's `DYN_NAMESPACE` default.
@@ -20,6 +21,7 @@ pub struct DiscoveryConfig {
     pub kubernetes: KubernetesConfig,
     #[serde(rename = "static")]
     pub static_fleet: StaticDiscoveryConfig,
+    pub simulator: SimulatorConfig,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -31,6 +33,8 @@ pub enum DiscoverySource {
     KubernetesPods,
     /// Continuum's own: a fixed list of workers, no external service.
     Static,
+    /// Continuum's own: an embedded simulated fleet and shim, for the demo.
+    Simulator,
 }
 
 impl DiscoverySource {
@@ -41,6 +45,7 @@ impl DiscoverySource {
             DiscoverySource::Kubernetes => "kubernetes",
             DiscoverySource::KubernetesPods => "kubernetes_pods",
             DiscoverySource::Static => "static",
+            DiscoverySource::Simulator => "simulator",
         }
     }
 }

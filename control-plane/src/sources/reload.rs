@@ -75,6 +75,9 @@ pub fn classify(old: &Config, new: &Config) -> DiscoveryReload {
         DiscoverySource::Static if os.static_fleet != ns.static_fleet => {
             restart(RestartReason::Other, RegistryOnRestart::Keep)
         }
+        DiscoverySource::Simulator if os.simulator != ns.simulator => {
+            restart(RestartReason::Other, RegistryOnRestart::Reset)
+        }
         DiscoverySource::Etcd => classify_etcd(old, new),
         _ => DiscoveryReload::Keep,
     }

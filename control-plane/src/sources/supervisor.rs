@@ -9,6 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::Registry;
 use super::reload::{DiscoveryReload, RegistryOnRestart, classify};
+use super::simulator::{Simulator, SimulatorError};
 use super::{etcd, static_fleet};
 use crate::config::{Config, DiscoverySource};
 use crate::discovery::Fleet;
@@ -19,8 +20,17 @@ pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// A source this build cannot run.
 #[derive(Debug, thiserror::Error)]
-#[error("discovery source `{0}` is not available in this build yet; use `static` or `etcd`")]
+#[error("discovery source `{0}` is not available in this build yet; use `static`, `simulator` or `etcd`")]
 pub struct SourceUnavailable(pub &'static str);
+
+/// Why a discovery source could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error(transparent)]
+    Unavailable(#[from] SourceUnavailable),
+    #[error(transparent)]
+    Simulator(#[from] SimulatorError),
+}
 
 #[derive(Debug)]
 pub struct DiscoverySupervisor {
@@ -33,10 +43,10 @@ pub struct DiscoverySupervisor {
 
 impl DiscoverySupervisor {
     /// Starts discovery as `config` says.
-    pub fn start(config: &Config, registry: Registry, metrics: Metrics, shutdown: CancellationToken) -> Result<Self, SourceUnavailable> {
+    pub fn start(config: &Config, registry: Registry, metrics: Metrics, shutdown: CancellationToken) -> Result<Self, SourceError> {
         check_available(config)?;
         let mut supervisor = Self { registry, metrics, config: config.clone(), running: None, shutdown };
-        supervisor.launch();
+        supervisor.launch()?;
         Ok(supervisor)
     }
 
@@ -46,7 +56,7 @@ impl DiscoverySupervisor {
     }
 
     /// Applies a new configuration's discovery section.
-    pub async fn reload(&mut self, new: &Config) -> Result<(), SourceUnavailable> {
+    pub async fn reload(&mut self, new: &Config) -> Result<(), SourceError> {
         check_available(new)?;
         let action = classify(&self.config, new);
         self.config = new.clone();
@@ -66,7 +76,7 @@ impl DiscoverySupervisor {
                     RegistryOnRestart::Reset => self.registry.publish(Fleet::default()),
                     RegistryOnRestart::Prune { keep } => self.registry.prune_namespaces(&keep),
                 }
-                self.launch();
+                self.launch()?;
             }
         }
         Ok(())
@@ -83,10 +93,10 @@ impl DiscoverySupervisor {
         self.metrics.discovery_connected.set(0);
     }
 
-    fn launch(&mut self) {
+    fn launch(&mut self) -> Result<(), SimulatorError> {
         if !self.config.dynamo.enabled {
             tracing::info!("discovery is disabled (dynamo.enabled: false)");
-            return;
+            return Ok(());
         }
         let discovery = &self.config.dynamo.discovery;
         match discovery.source {
@@ -104,9 +114,16 @@ impl DiscoverySupervisor {
                 ));
                 self.running = Some((cancel, task));
             }
+            DiscoverySource::Simulator => {
+                let simulator = Simulator::bind(&discovery.simulator)?;
+                let cancel = self.shutdown.child_token();
+                let task = tokio::spawn(simulator.run(self.registry.clone(), cancel.clone()));
+                self.running = Some((cancel, task));
+            }
             // Refused by `check_available` before we get here.
             DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {}
         }
+        Ok(())
     }
 }
 

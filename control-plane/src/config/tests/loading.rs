@@ -11,19 +11,34 @@ fn embedded_default_validates_clean() {
     let config = embedded_default();
     assert_eq!(config, loaded.config);
     assert!(config.dynamo.enabled && config.disaggregated_serving.enabled);
-    assert_eq!(config.dynamo.discovery.source, DiscoverySource::Static);
-    let workers = &config.dynamo.discovery.static_fleet.workers;
-    let roles: Vec<Option<WorkerRole>> = workers.iter().map(|w| w.role).collect();
-    let (p, d) = (Some(WorkerRole::Prefill), Some(WorkerRole::Decode));
-    assert_eq!(roles, vec![p, p, d, d]);
-    for worker in workers {
-        assert_eq!((worker.namespace.as_str(), worker.model.as_str()), ("dynamo", "tiny"));
-        assert_eq!(worker.block_size, Some(16));
-        assert_eq!(worker.capacity.total_kv_blocks, Some(1024));
-        assert_eq!(worker.capacity.max_num_batched_tokens, Some(8192));
-    }
+    assert_eq!(config.dynamo.discovery.source, DiscoverySource::Simulator);
+    let simulator = &config.dynamo.discovery.simulator;
+    assert_eq!((simulator.namespace.as_str(), simulator.model.as_str()), ("dynamo", "tiny"));
+    assert_eq!((simulator.prefill, simulator.decode, simulator.block_size), (2, 2, 16));
+    assert_eq!(simulator.total_kv_blocks, 1024);
+    assert_eq!(simulator.shim_listen.to_string(), "127.0.0.1:8000");
     assert_eq!(config.dynamo.shim.backends, vec!["demo-shim".to_owned()]);
     assert_eq!(config.backends[0].url, "http://127.0.0.1:8000");
+}
+
+#[test]
+fn static_fleet_example_validates_clean() {
+    let text = include_str!("../../../../deploy/examples/static-fleet.yaml");
+    let loaded = loaded(text);
+    assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
+    let roles: Vec<Option<WorkerRole>> = loaded.config.dynamo.discovery.static_fleet.workers.iter().map(|w| w.role).collect();
+    let (p, d) = (Some(WorkerRole::Prefill), Some(WorkerRole::Decode));
+    assert_eq!(roles, vec![p, p, d, d]);
+}
+
+#[test]
+fn moving_the_simulator_shim_moves_its_backend() {
+    let mut config = embedded_default();
+    let addr: std::net::SocketAddr = "127.0.0.1:18000".parse().unwrap_or_else(|e| panic!("{e}"));
+    config.move_simulator_shim(addr);
+    assert_eq!(config.dynamo.discovery.simulator.shim_listen, addr);
+    assert_eq!(config.backends[0].url, "http://127.0.0.1:18000");
+    assert!(config.validate().iter().all(|d| !d.is_error()));
 }
 
 #[test]

@@ -36,6 +36,10 @@ fn kube_pods(body: &str) -> String {
     format!("dynamo: {{enabled: true, discovery: {{source: kubernetes_pods, kubernetes: {body}}}}}")
 }
 
+fn simulator(body: &str) -> String {
+    format!("dynamo: {{enabled: true, discovery: {{source: simulator, simulator: {body}}}}}")
+}
+
 fn static_workers(workers: &str) -> String {
     format!("dynamo: {{enabled: true, discovery: {{source: static, static: {{workers: {workers}}}}}}}")
 }
@@ -100,6 +104,14 @@ fn discovery_rows() -> Vec<Row> {
         row("static workers ignored by other sources", "dynamo: {discovery: {static: {workers: [{instance_id: 1, role: decode, model: m}]}}}", Warning, "dynamo.discovery.static.workers", "ignored"),
         row("instance_id negative", static_workers("[{instance_id: -5, role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[0].instance_id", "negative"),
         row("instance_id not hex", static_workers("[{instance_id: 'worker-1', role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[0].instance_id", "hex"),
+        row("simulator model required", simulator("{model: ''}"), Error, "dynamo.discovery.simulator.model", "model"),
+        row("simulator needs decode workers", simulator("{decode: 0}"), Error, "dynamo.discovery.simulator.decode", "at least 1"),
+        row("simulator workers bounded", simulator("{prefill: 65}"), Error, "dynamo.discovery.simulator.prefill", "at most 64"),
+        row("simulator block_size zero", simulator("{block_size: 0}"), Error, "dynamo.discovery.simulator.block_size", "greater than zero"),
+        row("simulator total_kv_blocks zero", simulator("{total_kv_blocks: 0}"), Error, "dynamo.discovery.simulator.total_kv_blocks", "greater than zero"),
+        row("simulator namespace with slash", simulator("{namespace: 'a/b'}"), Error, "dynamo.discovery.simulator.namespace", "`/`"),
+        row("simulator shim_listen not an address", simulator("{shim_listen: 'port 8000'}"), Error, "dynamo.discovery.simulator.shim_listen", "address"),
+        row("simulator shim without a backend", simulator("{shim_listen: '127.0.0.1:8001'}"), Warning, "dynamo.discovery.simulator.shim_listen", "no entry of `backends`"),
     ]
 }
 
@@ -189,6 +201,8 @@ fn values_at_each_bound_are_accepted() {
         (etcd(&format!("{{endpoints: ['a:2379'], namespaces: {}}}", list(16, |i| format!("ns{i}")))), "dynamo.discovery.etcd.namespaces"),
         (kube_pods(&format!("{{namespace: dynamo, models: {}}}", list(256, |i| format!("{{component: c{i}, model: m}}")))), "dynamo.discovery.kubernetes.models"),
         (static_workers(&list(16_384, |i| format!("{{instance_id: {}, role: decode, model: m}}", i + 1))), "dynamo.discovery.static.workers"),
+        (simulator("{prefill: 64, decode: 64}"), "dynamo.discovery.simulator.prefill"),
+        (simulator("{prefill: 64, decode: 64}"), "dynamo.discovery.simulator.decode"),
         (with_shim("", &format!("{{backends: {}}}", list(64, |i| format!("s{i}")))), "dynamo.shim.backends"),
         (format!("dynamo: {{shim: {{model_map: {{{}}}}}}}", (0..1024).map(|i| format!("m{i}: d")).collect::<Vec<_>>().join(", ")), "dynamo.shim.model_map"),
         (format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(64, |i| format!("'10.{i}.0.0/16'"))), "dynamo.load.direct_allow_cidrs"),

@@ -8,6 +8,7 @@ mod listeners;
 mod load_kv;
 mod names;
 mod shim;
+mod simulator;
 mod static_fleet;
 
 pub use etcd::MAX_ETCD_ENDPOINTS;
@@ -16,6 +17,7 @@ pub use kubernetes::MAX_KUBERNETES_MODELS;
 pub use load_kv::{MAX_DIRECT_ALLOW_CIDRS, MAX_MAX_STALENESS, MIN_MAX_STALENESS};
 pub use names::MAX_DYNAMO_NAMESPACES;
 pub use shim::{MAX_MODEL_MAP_ENTRIES, MAX_SHIM_BACKENDS};
+pub use simulator::MAX_SIMULATED_WORKERS;
 pub use static_fleet::MAX_STATIC_WORKERS;
 
 use super::Config;
@@ -41,6 +43,7 @@ pub(super) fn validate(config: &Config) -> Vec<Diagnostic> {
     etcd::check(config, &mut report);
     kubernetes::check(config, &mut report);
     static_fleet::check(config, &mut report);
+    simulator::check(config, &mut report);
     shim::check(config, &mut report);
     load_kv::check(config, &mut report);
     event_bus::check(config, &mut report);

@@ -1,0 +1,52 @@
+//! `dynamo.discovery.simulator`: Continuum's embedded simulated fleet for the demo. Workers
+//! publish real ZMTP kv_metrics frames on loopback and a direct-mode shim answers pinned
+//! requests, so the whole router runs without etcd, Kubernetes or a GPU.
+
+use std::net::{Ipv4Addr, SocketAddr};
+
+use serde::{Deserialize, Serialize};
+
+use super::discovery::DEFAULT_DYNAMO_NAMESPACE;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SimulatorConfig {
+    /// The model every simulated worker serves (and the shim lists).
+    pub model: String,
+    pub namespace: String,
+    /// How many prefill workers; 0 makes the decode workers aggregated.
+    pub prefill: u32,
+    pub decode: u32,
+    pub block_size: u32,
+    pub total_kv_blocks: u64,
+    /// Where the simulated `dynamo.frontend --router-mode direct` shim listens; a backend in
+    /// `backends` should point at it.
+    pub shim_listen: SocketAddr,
+}
+
+impl Default for SimulatorConfig {
+    fn default() -> Self {
+        Self {
+            model: "tiny".to_owned(),
+            namespace: DEFAULT_DYNAMO_NAMESPACE.to_owned(),
+            prefill: 2,
+            decode: 2,
+            block_size: 16,
+            total_kv_blocks: 1024,
+            shim_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 8000)),
+        }
+    }
+}
+
+impl crate::config::Config {
+    /// Moves the simulator's shim to `addr`, and every backend that pointed at the old address
+    /// with it, so tests and demos can run the embedded default on a free port.
+    pub fn move_simulator_shim(&mut self, addr: SocketAddr) {
+        let simulator = &mut self.dynamo.discovery.simulator;
+        let old = format!("http://{}", simulator.shim_listen);
+        simulator.shim_listen = addr;
+        for backend in self.backends.iter_mut().filter(|b| b.url.trim_end_matches('/') == old) {
+            backend.url = format!("http://{addr}");
+        }
+    }
+}

@@ -1,0 +1,43 @@
+//! `dynamo.discovery.simulator`: the embedded simulated fleet's size and shape.
+
+use super::Report;
+use super::names::check_namespace;
+use crate::config::Config;
+use crate::config::discovery::DiscoverySource;
+
+/// Most simulated workers per role: each holds a loopback listener and its tasks.
+pub const MAX_SIMULATED_WORKERS: u32 = 64;
+
+const BASE: &str = "dynamo.discovery.simulator";
+
+pub(super) fn check(config: &Config, report: &mut Report) {
+    if config.dynamo.discovery.source != DiscoverySource::Simulator {
+        return;
+    }
+    let simulator = &config.dynamo.discovery.simulator;
+    check_namespace(report, &format!("{BASE}.namespace"), &simulator.namespace);
+    if simulator.model.is_empty() {
+        report.error(format!("{BASE}.model"), "must name the model the simulated workers serve");
+    }
+    for (key, count) in [("prefill", simulator.prefill), ("decode", simulator.decode)] {
+        if count > MAX_SIMULATED_WORKERS {
+            report.error(format!("{BASE}.{key}"), format!("is {count}; at most {MAX_SIMULATED_WORKERS} are supported"));
+        }
+    }
+    if simulator.decode == 0 {
+        report.error(format!("{BASE}.decode"), "must be at least 1: decode (or aggregated) workers answer requests");
+    }
+    if simulator.block_size == 0 {
+        report.error(format!("{BASE}.block_size"), "must be greater than zero");
+    }
+    if simulator.total_kv_blocks == 0 {
+        report.error(format!("{BASE}.total_kv_blocks"), "must be greater than zero");
+    }
+    let shim = format!("http://{}", simulator.shim_listen);
+    if !config.backends.iter().any(|b| b.url.trim_end_matches('/') == shim) {
+        report.warning(
+            format!("{BASE}.shim_listen"),
+            format!("no entry of `backends` has url {shim}: the data plane will not reach the simulated shim"),
+        );
+    }
+}

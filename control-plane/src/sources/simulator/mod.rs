@@ -1,0 +1,155 @@
+//! The `simulator` discovery source: an embedded simulated fleet for the demo. It binds one
+//! loopback ZMTP PUB listener per simulated worker and the shim's listener when it starts (so
+//! a taken port fails the start), publishes the workers and their kv_metrics publishers
+//! through the registry like any discovered fleet (the load supervisor subscribes to them over
+//! real ZMTP), and serves the shim until cancelled. Reloading it rebinds everything.
+
+mod pins;
+mod publisher;
+mod shim;
+mod workers;
+
+use std::net::{Ipv4Addr, SocketAddr, TcpListener as StdListener};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use continuum_proto::model::{Capacity, Role, Worker, WorkerKey};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use self::shim::Shim;
+use self::workers::SimulatedWorker;
+use super::registry::Registry;
+use crate::config::SimulatorConfig;
+use crate::discovery::{DiscoveredWorker, Fleet, Publisher, PublisherKey, Topic};
+
+/// The first simulated worker's instance id; the rest follow (prefill workers first).
+pub const FIRST_WORKER_ID: u64 = 0x1a7f_2b00_0001;
+/// Publisher ids are distinct from worker ids, as a real publisher incarnation's are.
+pub const PUBLISHER_ID_OFFSET: u64 = 0x5b87_0000_0000;
+/// The batch size the simulated workers' capacity declares.
+pub const MAX_NUM_BATCHED_TOKENS: u64 = 8192;
+
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "simulated fleet: cannot listen for {what} on {addr}: {source} (is another process using the port? \
+     change dynamo.discovery.simulator.shim_listen, or pass --simulator-shim-listen)"
+)]
+pub struct SimulatorError {
+    what: &'static str,
+    addr: SocketAddr,
+    source: std::io::Error,
+}
+
+/// A bound simulated fleet, ready to run.
+#[derive(Debug)]
+pub struct Simulator {
+    fleet: Fleet,
+    publishers: Vec<(TcpListener, Arc<SimulatedWorker>)>,
+    shim_listener: TcpListener,
+    shim: Arc<Shim>,
+}
+
+impl Simulator {
+    /// Binds every listener the simulated fleet needs.
+    pub fn bind(config: &SimulatorConfig) -> Result<Self, SimulatorError> {
+        let shim_listener = bind("the simulated shim", config.shim_listen)?;
+        let namespace: Arc<str> = Arc::from(config.namespace.as_str());
+        let (mut fleet, mut publishers) = (Fleet::default(), Vec::new());
+        let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+        let roles = std::iter::repeat_n(Role::Prefill, count(config.prefill)).chain(std::iter::repeat_n(
+            if config.prefill == 0 { Role::Aggregated } else { Role::Decode },
+            count(config.decode),
+        ));
+        for (id, role) in (FIRST_WORKER_ID..).zip(roles) {
+            let listener = bind("a simulated kv_metrics publisher", SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
+            let address = listener.local_addr().map_err(|source| SimulatorError {
+                what: "a simulated kv_metrics publisher",
+                addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+                source,
+            })?;
+            let worker = Arc::new(SimulatedWorker::new(id, id + PUBLISHER_ID_OFFSET, config.total_kv_blocks));
+            let key = WorkerKey::new(namespace.clone(), id);
+            fleet.workers.insert(key.clone(), discovered(config, key.clone(), role));
+            let publisher = kv_metrics_publisher(&namespace, key, role, worker.publisher_id, address);
+            fleet
+                .publishers
+                .insert(PublisherKey { namespace: namespace.clone(), publisher_id: worker.publisher_id }, publisher);
+            if role == Role::Prefill { &mut prefill } else { &mut decode }.push(Arc::clone(&worker));
+            publishers.push((listener, worker));
+        }
+        let shim =
+            Arc::new(Shim { model: config.model.clone(), block_size: u64::from(config.block_size), prefill, decode });
+        Ok(Self { fleet, publishers, shim_listener, shim })
+    }
+
+    /// Publishes the fleet and serves its publishers and shim until `cancel`.
+    pub async fn run(self, registry: Registry, cancel: CancellationToken) {
+        let shim_addr = self.shim_listener.local_addr().ok();
+        for (listener, worker) in self.publishers {
+            tokio::spawn(publisher::serve(listener, worker, cancel.clone()));
+        }
+        registry.publish(self.fleet);
+        tracing::info!(shim = ?shim_addr, "simulated fleet running");
+        let serve =
+            axum::serve(self.shim_listener, shim::router(self.shim)).with_graceful_shutdown(cancel.cancelled_owned());
+        if let Err(error) = serve.await {
+            tracing::error!(%error, "the simulated shim stopped");
+        }
+    }
+}
+
+fn count(n: u32) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, SimulatorError> {
+    let error = |source| SimulatorError { what, addr, source };
+    let listener = StdListener::bind(addr).map_err(error)?;
+    listener.set_nonblocking(true).map_err(error)?;
+    TcpListener::from_std(listener).map_err(error)
+}
+
+fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role) -> DiscoveredWorker {
+    let now = SystemTime::now();
+    let worker = Worker {
+        key,
+        role,
+        model: config.model.clone(),
+        component: component(role).to_owned(),
+        endpoint: "generate".to_owned(),
+        block_size: Some(config.block_size),
+        capacity: Capacity {
+            total_kv_blocks: Some(config.total_kv_blocks),
+            max_num_batched_tokens: Some(MAX_NUM_BATCHED_TOKENS),
+            ..Capacity::default()
+        },
+        dp_start_rank: 0,
+        dp_size: 0,
+        disaggregated_endpoint: None,
+    };
+    DiscoveredWorker { worker, first_seen: now, last_updated: now, card: None, excluded: None }
+}
+
+fn kv_metrics_publisher(
+    namespace: &Arc<str>,
+    worker: WorkerKey,
+    role: Role,
+    publisher_id: u64,
+    address: SocketAddr,
+) -> Publisher {
+    Publisher {
+        publisher_id,
+        namespace: namespace.clone(),
+        component: Some(component(role).to_owned()),
+        endpoint: Some("generate".to_owned()),
+        topic: Topic::KvMetrics,
+        worker: Some(worker),
+        dp_rank: None,
+        address: format!("tcp://{address}"),
+    }
+}
+
+fn component(role: Role) -> &'static str {
+    if role == Role::Prefill { "prefill" } else { "backend" }
+}

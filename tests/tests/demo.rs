@@ -1,0 +1,84 @@
+//! The demo, end to end: the real control-plane binary on its embedded default (no
+//! `--config`), whose simulated fleet publishes real ZMTP kv_metrics frames and serves a
+//! direct-mode shim, and a data-plane replica following it. A routed chat request comes back
+//! 200 with the pins the replica chose echoed by the shim, and the simulated publishers' load
+//! samples reach the replica's fleet view.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context;
+use continuum_proto::model::Role;
+use continuum_tests::process::free_port;
+use continuum_tests::{eventually, start_replicas, tools};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// The control plane on its embedded default, every port free; killed when dropped.
+async fn embedded_default_control_plane() -> anyhow::Result<(Child, String)> {
+    let (grpc, shim) = (free_port()?, free_port()?);
+    let mut child = Command::new(tools::binary("continuum-control-plane"))
+        .args(["--grpc-listen", &grpc.to_string(), "--admin-listen", "127.0.0.1:0"])
+        .args(["--simulator-shim-listen", &shim.to_string()])
+        .env_remove("CONTINUUM_CONFIG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .context("the control plane printed nothing")??
+        .context("the control plane exited before listening")?;
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok((child, format!("http://{grpc}")))
+}
+
+fn header(response: &reqwest::Response, name: &str) -> anyhow::Result<u64> {
+    let value = response.headers().get(name).with_context(|| format!("no {name} header"))?;
+    Ok(value.to_str()?.parse()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow::Result<()> {
+    let (_control_plane, url) = embedded_default_control_plane().await?;
+    let replicas = start_replicas(1, &url).await?;
+    let replica = &replicas[0];
+    eventually(WAIT, "four simulated workers in the replica's view", || async {
+        replica.fleet.view().is_some_and(|v| v.workers().len() == 4)
+    })
+    .await?;
+
+    let client = reqwest::Client::new();
+    let request = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                         "nvext": {"extra_fields": ["worker_id"]}});
+    let response = client
+        .post(format!("http://{}/v1/chat/completions", replica.local_addr))
+        .header("x-backend", "show")
+        .json(&request)
+        .send()
+        .await?;
+    assert_eq!(response.status(), 200);
+    let (decode, prefill) =
+        (header(&response, "x-continuum-decode-worker")?, header(&response, "x-continuum-prefill-worker")?);
+    let body: Value = response.json().await?;
+    let echoed = &body["nvext"]["worker_id"];
+    assert_eq!(echoed["decode_worker_id"].as_u64(), Some(decode), "{body}");
+    assert_eq!(echoed["prefill_worker_id"].as_u64(), Some(prefill), "{body}");
+
+    let view = replica.fleet.view().context("no fleet view")?;
+    let role = |id: u64| view.workers().values().find(|w| w.key.instance_id == id).map(|w| w.role);
+    assert_eq!((role(prefill), role(decode)), (Some(Role::Prefill), Some(Role::Decode)));
+
+    eventually(WAIT, "load samples from all four simulated publishers", || async {
+        replica.fleet.view().is_some_and(|v| v.loads().len() == 4)
+    })
+    .await?;
+    let view = replica.fleet.view().context("no fleet view")?;
+    assert!(view.loads().iter().all(|(key, sample)| key.dp_rank == 0 && sample.load.kv_used_blocks.is_some()));
+    Ok(())
+}
