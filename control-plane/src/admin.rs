@@ -72,7 +72,9 @@ async fn require_token(State(state): State<AdminState>, request: Request, next: 
         _ => (
             StatusCode::UNAUTHORIZED,
             [(header::WWW_AUTHENTICATE, "Bearer")],
-            axum::Json(json!({"error": {"code": "unauthenticated", "message": "send Authorization: Bearer <admin.token>"}})),
+            axum::Json(
+                json!({"error": {"code": "unauthenticated", "message": "send Authorization: Bearer <admin.token>"}}),
+            ),
         )
             .into_response(),
     }

@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminSettings, AdminState};
 use crate::config::Config;
-use crate::gauges;
 use crate::fleet::{FleetChange, FleetPublisher};
+use crate::gauges;
 use crate::grpc::{self, FleetService, Replicas};
 use crate::load::{LoadOptions, LoadSupervisor};
 use crate::metrics::Metrics;
@@ -68,7 +68,8 @@ fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSett
 
 impl ControlPlane {
     pub async fn start(config: Config, listen: ListenOverrides) -> Result<Self, StartError> {
-        let grpc_listener = bind("the Fleet gRPC service", listen.grpc.unwrap_or(config.control_plane.grpc_listen)).await?;
+        let grpc_listener =
+            bind("the Fleet gRPC service", listen.grpc.unwrap_or(config.control_plane.grpc_listen)).await?;
         let admin_listener = bind("admin HTTP", listen.admin.unwrap_or(config.admin.listen)).await?;
         let grpc_addr = local_addr("the Fleet gRPC service", &grpc_listener)?;
         let admin_addr = local_addr("admin HTTP", &admin_listener)?;
@@ -118,7 +119,19 @@ impl ControlPlane {
             }
         }));
         tracing::info!(%grpc_addr, %admin_addr, source = discovery.source(), "control plane started");
-        Ok(Self { grpc_addr, admin_addr, publisher, replicas, metrics, config, discovery, load, settings, cancel, tasks })
+        Ok(Self {
+            grpc_addr,
+            admin_addr,
+            publisher,
+            replicas,
+            metrics,
+            config,
+            discovery,
+            load,
+            settings,
+            cancel,
+            tasks,
+        })
     }
 
     /// Applies a new configuration without a restart: the data plane's part goes out on the
@@ -127,7 +140,8 @@ impl ControlPlane {
     pub async fn reload(&mut self, config: Config) -> Result<(), ReloadError> {
         self.discovery.reload(&config).await?;
         self.load.reload(&config.dynamo.load);
-        self.publisher.apply(FleetChange { config: Some(Arc::new(config.data_plane_config())), ..FleetChange::default() });
+        self.publisher
+            .apply(FleetChange { config: Some(Arc::new(config.data_plane_config())), ..FleetChange::default() });
         for (what, old, new) in [
             ("control_plane.grpc_listen", self.config.control_plane.grpc_listen, config.control_plane.grpc_listen),
             ("admin.listen", self.config.admin.listen, config.admin.listen),

@@ -23,7 +23,11 @@ pub async fn follow_fleet(states: watch::Receiver<Arc<FleetState>>, metrics: Met
 
 /// `continuum_dynamo_workers{role}`, `continuum_dynamo_publishers{topic}` and
 /// `continuum_dynamo_registry_generation`.
-pub async fn follow_registry(generations: watch::Receiver<Arc<Generation>>, metrics: Metrics, cancel: CancellationToken) {
+pub async fn follow_registry(
+    generations: watch::Receiver<Arc<Generation>>,
+    metrics: Metrics,
+    cancel: CancellationToken,
+) {
     follow(generations, cancel, |current| {
         let workers = &current.fleet.workers;
         let role = |role: Role| workers.iter().filter(|w| w.excluded.is_none() && w.worker.role == role).count();

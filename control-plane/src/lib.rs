@@ -2,11 +2,11 @@
 //! signals, and streams one versioned fleet view to every data-plane replica.
 pub mod admin;
 pub mod app;
+pub mod config;
+pub mod discovery;
 pub mod fleet;
 pub mod gauges;
 pub mod grpc;
 pub mod load;
 pub mod metrics;
 pub mod sources;
-pub mod discovery;
-pub mod config;

@@ -135,7 +135,10 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             return ExitCode::FAILURE;
         }
     };
-    println!("continuum-control-plane: Fleet gRPC on {}, admin HTTP on {}", control_plane.grpc_addr, control_plane.admin_addr);
+    println!(
+        "continuum-control-plane: Fleet gRPC on {}, admin HTTP on {}",
+        control_plane.grpc_addr, control_plane.admin_addr
+    );
     let Ok(mut hangup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
         shutdown_signal().await;
         control_plane.shutdown().await;

@@ -96,7 +96,10 @@ impl Metrics {
                 &["result"],
             )?,
             load_subscriptions: IntGaugeVec::new(
-                Opts::new("continuum_dynamo_load_subscriptions", "Running kv_metrics subscriptions by state and transport"),
+                Opts::new(
+                    "continuum_dynamo_load_subscriptions",
+                    "Running kv_metrics subscriptions by state and transport",
+                ),
                 &["state", "transport"],
             )?,
             load_gauges: LoadGauges::new()?,

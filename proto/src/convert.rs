@@ -265,7 +265,11 @@ fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeE
     let key = LoadKey::try_from(backlog.key.ok_or(DecodeError::Missing("backlog.key"))?)?;
     Ok((
         key,
-        Backlog { prefill_tokens: backlog.prefill_tokens, decode_blocks: backlog.decode_blocks, dispatches: backlog.dispatches },
+        Backlog {
+            prefill_tokens: backlog.prefill_tokens,
+            decode_blocks: backlog.decode_blocks,
+            dispatches: backlog.dispatches,
+        },
     ))
 }
 

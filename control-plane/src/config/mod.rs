@@ -32,8 +32,8 @@ pub use discovery::{
 };
 pub use event_bus::{BrokerConfig, BrokerRole, EventBusConfig, EventBusTlsConfig};
 pub use load::{Loaded, embedded_default, embedded_default_yaml, load_file, load_str};
-pub use simulator::SimulatorConfig;
 pub use signals::{ConditionalDisaggregationConfig, KvConfig, LoadConfig, LoadTransport, ShimConfig, ShimPoolConfig};
+pub use simulator::SimulatorConfig;
 pub use types::{
     AdminConfig, BackendConfig, BackendRole, Config, ControlPlaneConfig, DisaggregatedServingConfig, DynamoConfig,
 };

@@ -28,7 +28,11 @@ impl<K: Ord + Clone, V: PartialEq> PartialEq for Entries<K, V> {
     fn eq(&self, other: &Self) -> bool {
         self.0.ptr_eq(&other.0)
             || (self.0.len() == other.0.len()
-                && self.0.iter().zip(other.0.iter()).all(|((ka, a), (kb, b))| ka == kb && (Arc::ptr_eq(a, b) || a == b)))
+                && self
+                    .0
+                    .iter()
+                    .zip(other.0.iter())
+                    .all(|((ka, a), (kb, b))| ka == kb && (Arc::ptr_eq(a, b) || a == b)))
     }
 }
 

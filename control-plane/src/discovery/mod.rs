@@ -14,8 +14,8 @@
 
 mod applied;
 pub mod card;
-mod entries;
 mod duplicates;
+mod entries;
 mod fleet;
 mod join;
 pub mod keys;

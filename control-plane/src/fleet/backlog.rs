@@ -95,7 +95,8 @@ impl Book {
                 continue;
             }
             *held += 1;
-            let dispatch = Dispatch { prefill_tokens: started.prefill_tokens, decode_blocks: started.decode_blocks, at };
+            let dispatch =
+                Dispatch { prefill_tokens: started.prefill_tokens, decode_blocks: started.decode_blocks, at };
             self.by_rank.entry(key.clone()).or_default().insert((replica, started.id), dispatch);
             self.where_is.insert((replica, started.id), key.clone());
             self.dirty.insert(key);
@@ -162,7 +163,12 @@ fn sum<'a>(dispatches: impl Iterator<Item = &'a Dispatch>) -> Backlog {
     })
 }
 
-async fn run(publisher: FleetPublisher, mut rx: mpsc::Receiver<Command>, refused: IntCounter, cancel: CancellationToken) {
+async fn run(
+    publisher: FleetPublisher,
+    mut rx: mpsc::Receiver<Command>,
+    refused: IntCounter,
+    cancel: CancellationToken,
+) {
     let mut book = Book::default();
     let mut exported = 0;
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();

@@ -120,7 +120,10 @@ mod tests {
         // Let the interval's immediate first tick pass with nothing pending.
         tokio::time::sleep(Duration::from_millis(1)).await;
         for used in 0..100u64 {
-            let sample = LoadSample { load: Load { kv_used_blocks: Some(used), ..Load::default() }, received_at: Instant::now() };
+            let sample = LoadSample {
+                load: Load { kv_used_blocks: Some(used), ..Load::default() },
+                received_at: Instant::now(),
+            };
             coalescer.submit(LoadKey { worker: WorkerKey::new("dynamo", 1 + used % 2), dp_rank: 0 }, sample).await;
         }
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
@@ -137,7 +140,10 @@ mod tests {
         let coalescer = LoadCoalescer::spawn(publisher.clone(), LOAD_COALESCE_WINDOW, CancellationToken::new());
         tokio::time::sleep(Duration::from_millis(1)).await;
         let key = |id| LoadKey { worker: WorkerKey::new("dynamo", id), dp_rank: 0 };
-        let sample = |used| LoadSample { load: Load { kv_used_blocks: Some(used), ..Load::default() }, received_at: Instant::now() };
+        let sample = |used| LoadSample {
+            load: Load { kv_used_blocks: Some(used), ..Load::default() },
+            received_at: Instant::now(),
+        };
         coalescer.submit(key(1), sample(5)).await;
         coalescer.submit(key(2), sample(6)).await;
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
@@ -147,7 +153,8 @@ mod tests {
         coalescer.submit(key(2), sample(7)).await;
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
         let state = publisher.current();
-        let loads: Vec<_> = state.view().loads().iter().map(|(k, s)| (k.worker.instance_id, s.load.kv_used_blocks)).collect();
+        let loads: Vec<_> =
+            state.view().loads().iter().map(|(k, s)| (k.worker.instance_id, s.load.kv_used_blocks)).collect();
         assert_eq!(loads, vec![(2, Some(7))], "rank 1 removed; rank 2's later sample wins over its removal");
     }
 }

@@ -102,9 +102,11 @@ impl FleetState {
             .filter(|w| view.worker(&w.key).is_none_or(|held| held != w) || removed.contains(&w.key))
             .collect();
         let serves = |key: &LoadKey| {
-            let worker = upserted.iter().rev().find(|w| w.key == key.worker).or_else(|| {
-                if removed.contains(&key.worker) { None } else { view.worker(&key.worker) }
-            });
+            let worker = upserted
+                .iter()
+                .rev()
+                .find(|w| w.key == key.worker)
+                .or_else(|| if removed.contains(&key.worker) { None } else { view.worker(&key.worker) });
             worker.is_some_and(|w| w.dp_ranks().any(|r| r == key.dp_rank))
         };
         // Ranks an upserted worker gives up lose their samples and backlogs explicitly, so that
@@ -113,8 +115,9 @@ impl FleetState {
         loads_removed.extend(given_up.iter().cloned());
         backlogs_removed.extend(given_up);
         let loads: Vec<(LoadKey, LoadSample)> = loads.into_iter().filter(|(k, _)| serves(k)).collect();
-        let loads_removed =
-            dedup(loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !loads.iter().any(|(l, _)| l == k)));
+        let loads_removed = dedup(
+            loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !loads.iter().any(|(l, _)| l == k)),
+        );
         let backlogs: Vec<(LoadKey, Backlog)> =
             backlogs.into_iter().filter(|(k, b)| serves(k) && view.backlogs().get(k) != Some(b)).collect();
         let backlogs_removed = dedup(

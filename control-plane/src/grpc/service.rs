@@ -70,7 +70,9 @@ impl FleetService {
             status
         };
         let hello = match first {
-            Err(_) => return Err(refused("no_hello", Status::deadline_exceeded("no Hello within 10s of opening Watch"))),
+            Err(_) => {
+                return Err(refused("no_hello", Status::deadline_exceeded("no Hello within 10s of opening Watch")));
+            }
             Ok(Err(status)) => return Err(status),
             Ok(Ok(None)) => return Err(refused("no_hello", Status::cancelled("stream closed before its Hello"))),
             Ok(Ok(Some(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }))) => hello,
@@ -92,7 +94,10 @@ impl FleetService {
 impl Fleet for FleetService {
     type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
 
-    async fn watch(&self, request: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
+    async fn watch(
+        &self,
+        request: Request<Streaming<pb::WatchRequest>>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
         let mut inbound = request.into_inner();
         let hello = self.read_hello(&mut inbound).await?;
         tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
@@ -101,8 +106,13 @@ impl Fleet for FleetService {
         let (replicas, metrics, shutdown, book) =
             (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone(), self.book.clone());
         let id = replicas.insert(Arc::clone(&status));
-        let session =
-            Session::new(self.publisher.subscribe(), (inbound, tx), Arc::clone(&status), metrics.clone(), (book.clone(), id));
+        let session = Session::new(
+            self.publisher.subscribe(),
+            (inbound, tx),
+            Arc::clone(&status),
+            metrics.clone(),
+            (book.clone(), id),
+        );
         metrics.replicas_connected.inc();
         tokio::spawn(async move {
             tokio::select! {

@@ -58,12 +58,24 @@ pub fn prefixes(namespace: &str) -> [String; 4] {
 fn percent_encode(segment: &str) -> String {
     segment
         .bytes()
-        .map(|b| if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' { char::from(b).to_string() } else { format!("%{b:02X}") })
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
         .collect()
 }
 
 /// Runs passes until `cancel` fires. The reducer lives across passes, so `first_seen` survives.
-pub async fn run(config: EtcdConfig, namespaces: Vec<String>, registry: Registry, metrics: Metrics, cancel: CancellationToken) {
+pub async fn run(
+    config: EtcdConfig,
+    namespaces: Vec<String>,
+    registry: Registry,
+    metrics: Metrics,
+    cancel: CancellationToken,
+) {
     let mut reducer = Reducer::new(namespaces.clone());
     let backoff = &config.watch_reconnect_backoff;
     let mut delay = backoff.initial;
@@ -159,10 +171,9 @@ fn record(kv: &etcd_client::KeyValue) -> KeyValue {
 }
 
 fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
-    let mut options = ConnectOptions::new().with_connect_timeout(Duration::from_secs(10)).with_keep_alive(
-        Duration::from_secs(10),
-        Duration::from_secs(10),
-    );
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(10))
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(10));
     if let Some(auth) = &config.auth {
         options = options.with_user(auth.username.clone(), auth.password.expose());
     }
@@ -172,7 +183,8 @@ fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
             tls_options = tls_options.ca_certificate(Certificate::from_pem(read(ca)?));
         }
         if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
-            tls_options = tls_options.identity(Identity::from_pem(read(cert)?, read(std::path::Path::new(key.expose()))?));
+            tls_options =
+                tls_options.identity(Identity::from_pem(read(cert)?, read(std::path::Path::new(key.expose()))?));
         }
         if let Some(name) = &tls.server_name {
             tls_options = tls_options.domain_name(name.clone());

@@ -18,7 +18,10 @@ pub enum DiscoveryReload {
     Keep,
     /// Discovery turned off: stop the watcher and empty the registry (not counted as a restart).
     Stop,
-    Restart { reason: RestartReason, registry: RegistryOnRestart },
+    Restart {
+        reason: RestartReason,
+        registry: RegistryOnRestart,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,7 +158,9 @@ mod tests {
             ),
             (
                 "endpoints",
-                config("    source: etcd\n    etcd:\n      endpoints: [\"http://127.0.0.1:2380\"]\n      namespaces: [a, b]\n"),
+                config(
+                    "    source: etcd\n    etcd:\n      endpoints: [\"http://127.0.0.1:2380\"]\n      namespaces: [a, b]\n",
+                ),
                 restart(RestartReason::Connection, RegistryOnRestart::Reset),
             ),
             (
@@ -163,11 +168,7 @@ mod tests {
                 etcd("      namespaces: [a, b]\n      auth: {username: u, password: \"${PW}\"}\n"),
                 restart(RestartReason::Connection, RegistryOnRestart::Reset),
             ),
-            (
-                "source",
-                config("    source: static\n"),
-                restart(RestartReason::Source, RegistryOnRestart::Reset),
-            ),
+            ("source", config("    source: static\n"), restart(RestartReason::Source, RegistryOnRestart::Reset)),
         ];
         for (name, new, expected) in cases {
             assert_eq!(classify(&base, &new), expected, "{name}");

@@ -14,24 +14,29 @@ pub fn static_fleet(config: &StaticDiscoveryConfig, now: SystemTime) -> Fleet {
     let workers = config
         .workers
         .iter()
-        .map(|w| (WorkerKey::new(w.namespace.as_str(), w.instance_id), DiscoveredWorker {
-            worker: Worker {
-                key: WorkerKey::new(w.namespace.as_str(), w.instance_id),
-                role: w.role.map_or(Role::Unknown, Role::from),
-                model: w.model.clone(),
-                component: w.component().to_string(),
-                endpoint: w.endpoint.clone(),
-                block_size: w.block_size,
-                capacity: w.capacity,
-                dp_start_rank: w.dp_start_rank,
-                dp_size: w.dp_size,
-                disaggregated_endpoint: None,
-            },
-            first_seen: now,
-            last_updated: now,
-            card: None,
-            excluded: None,
-        }))
+        .map(|w| {
+            (
+                WorkerKey::new(w.namespace.as_str(), w.instance_id),
+                DiscoveredWorker {
+                    worker: Worker {
+                        key: WorkerKey::new(w.namespace.as_str(), w.instance_id),
+                        role: w.role.map_or(Role::Unknown, Role::from),
+                        model: w.model.clone(),
+                        component: w.component().to_string(),
+                        endpoint: w.endpoint.clone(),
+                        block_size: w.block_size,
+                        capacity: w.capacity,
+                        dp_start_rank: w.dp_start_rank,
+                        dp_size: w.dp_size,
+                        disaggregated_endpoint: None,
+                    },
+                    first_seen: now,
+                    last_updated: now,
+                    card: None,
+                    excluded: None,
+                },
+            )
+        })
         .collect();
     Fleet { workers, publishers: Entries::default() }
 }

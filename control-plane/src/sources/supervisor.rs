@@ -43,7 +43,12 @@ pub struct DiscoverySupervisor {
 
 impl DiscoverySupervisor {
     /// Starts discovery as `config` says.
-    pub fn start(config: &Config, registry: Registry, metrics: Metrics, shutdown: CancellationToken) -> Result<Self, SourceError> {
+    pub fn start(
+        config: &Config,
+        registry: Registry,
+        metrics: Metrics,
+        shutdown: CancellationToken,
+    ) -> Result<Self, SourceError> {
         check_available(config)?;
         let mut supervisor = Self { registry, metrics, config: config.clone(), running: None, shutdown };
         supervisor.launch()?;

@@ -26,7 +26,8 @@ fn static_fleet_example_validates_clean() {
     let text = include_str!("../../../../deploy/examples/static-fleet.yaml");
     let loaded = loaded(text);
     assert!(loaded.diagnostics.is_empty(), "{:?}", loaded.diagnostics);
-    let roles: Vec<Option<WorkerRole>> = loaded.config.dynamo.discovery.static_fleet.workers.iter().map(|w| w.role).collect();
+    let roles: Vec<Option<WorkerRole>> =
+        loaded.config.dynamo.discovery.static_fleet.workers.iter().map(|w| w.role).collect();
     let (p, d) = (Some(WorkerRole::Prefill), Some(WorkerRole::Decode));
     assert_eq!(roles, vec![p, p, d, d]);
 }

@@ -38,9 +38,13 @@ fn masked_yaml_never_shows_a_secret() {
 fn masked_yaml_is_the_effective_configuration_and_loads_back() {
     let config = embedded_default();
     let shown = config.to_masked_yaml();
-    for default in
-        ["max_staleness: 3s", "initial: 500ms", "max: 30s", "grpc_listen: 127.0.0.1:50051", "shim_listen: 127.0.0.1:8000"]
-    {
+    for default in [
+        "max_staleness: 3s",
+        "initial: 500ms",
+        "max: 30s",
+        "grpc_listen: 127.0.0.1:50051",
+        "shim_listen: 127.0.0.1:8000",
+    ] {
         assert!(shown.contains(default), "{default} missing from:\n{shown}");
     }
     assert_eq!(loaded(&shown).config, config);

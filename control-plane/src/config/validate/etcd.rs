@@ -105,7 +105,10 @@ fn check_transport_security(etcd: &EtcdConfig, schemes: &[Scheme], active: bool,
         }
         if tls.ca_cert.is_none() {
             // The etcd client trusts no system roots: without a CA nothing would verify.
-            report.error(format!("{BASE}.tls.ca_cert"), "is required with tls: name the CA that signed etcd's certificate");
+            report.error(
+                format!("{BASE}.tls.ca_cert"),
+                "is required with tls: name the CA that signed etcd's certificate",
+            );
         }
         match (&tls.client_cert, &tls.client_key) {
             (Some(_), None) => report.error(format!("{BASE}.tls.client_key"), "must be set together with client_cert"),

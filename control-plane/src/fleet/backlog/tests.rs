@@ -44,7 +44,8 @@ fn reports_from_several_replicas_sum_per_rank_and_ends_subtract() {
     book.report(1, report(vec![started(1, 0, 160), started(2, 1, 32)], vec![]), t0, &state);
     book.report(2, report(vec![started(1, 0, 320)], vec![]), t0, &state);
     let change = book.take_change();
-    let sums: Vec<_> = change.backlogs.iter().map(|(k, b)| (k.dp_rank, b.prefill_tokens, b.decode_blocks, b.dispatches)).collect();
+    let sums: Vec<_> =
+        change.backlogs.iter().map(|(k, b)| (k.dp_rank, b.prefill_tokens, b.decode_blocks, b.dispatches)).collect();
     assert_eq!(sums, [(0, 480, 30, 2), (1, 32, 2, 1)], "replica ids are separate id spaces");
 
     book.report(1, report(vec![], vec![1, 2]), t0, &state);
@@ -72,8 +73,12 @@ fn a_sample_received_after_a_dispatch_answers_it() {
     let t0 = Instant::now();
     book.report(1, report(vec![started(1, 0, 16)], vec![]), t0, &state);
     book.take_change();
-    let sample = LoadSample { load: Load { kv_used_blocks: Some(1), ..Load::default() }, received_at: t0 + Duration::from_millis(5) };
-    let Some((answered, _)) = state.commit(FleetChange { loads: vec![(rank(0), sample)], ..FleetChange::default() }) else {
+    let sample = LoadSample {
+        load: Load { kv_used_blocks: Some(1), ..Load::default() },
+        received_at: t0 + Duration::from_millis(5),
+    };
+    let Some((answered, _)) = state.commit(FleetChange { loads: vec![(rank(0), sample)], ..FleetChange::default() })
+    else {
         panic!("a sample is a change");
     };
     book.expire(&answered, t0 + Duration::from_millis(6));
