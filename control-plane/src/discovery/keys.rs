@@ -168,7 +168,7 @@ pub fn decode_segment(segment: &str) -> Result<String, KeyError> {
     String::from_utf8(decoded).map_err(|_| bad())
 }
 
-/// Dynamo's segment encoding, for building keys in tests and diagnostics.
+/// Dynamo's segment encoding: ASCII alphanumerics, `-` and `_` pass, other bytes `%XX`.
 pub fn encode_segment(value: &str) -> String {
     value
         .bytes()

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::Registry;
 use crate::config::EtcdConfig;
-use crate::discovery::{Applied, KeyValue, Reducer, WatchEvent};
+use crate::discovery::{Applied, KeyValue, Reducer, WatchEvent, keys};
 use crate::metrics::Metrics;
 
 /// Dial, authenticate and range-get must finish within this; the watches after it are unbounded.
@@ -45,27 +45,13 @@ pub enum PassError {
 /// The prefixes watched for one Dynamo namespace: instances, model cards, event channels, and
 /// the event sources that map a kv-events publisher to its worker and dp rank.
 pub fn prefixes(namespace: &str) -> [String; 4] {
-    let ns = percent_encode(namespace);
+    let ns = keys::encode_segment(namespace);
     [
         format!("v1/instances/{namespace}/"),
         format!("v1/mdc/{namespace}/"),
         format!("v1/event_channels/namespace/{ns}/"),
         format!("v1/event_sources/namespace/{ns}/"),
     ]
-}
-
-/// Dynamo's key-segment encoding: ASCII alphanumerics, `-` and `_` pass, other bytes `%XX`.
-fn percent_encode(segment: &str) -> String {
-    segment
-        .bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' {
-                char::from(b).to_string()
-            } else {
-                format!("%{b:02X}")
-            }
-        })
-        .collect()
 }
 
 /// Runs passes until `cancel` fires. The reducer lives across passes, so `first_seen` survives.
