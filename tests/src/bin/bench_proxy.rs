@@ -1,0 +1,273 @@
+//! Data-plane benchmark: requests per second and added latency (p50, p99) of one data-plane
+//! replica with picking on (a disaggregated fleet of 2 prefill + 2 decode workers, pins written,
+//! dispatches recorded and reported), against nginx reverse-proxying to the same stub shim, on
+//! the same machine in the same run. A keep-alive hyper load generator sends the same chat
+//! completion with fixed concurrency straight to the stub (the baseline), through nginx and
+//! through the data plane; each proxy gets one thread. Three rounds; the median one is reported.
+//!
+//! `cargo run --release -p continuum-tests --bin bench-proxy -- [--requests 20000] [--concurrency 32] [--warmup 2000] [--rounds 3] [--write]`
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::http::{HeaderMap, Request, StatusCode, Uri, header};
+use axum::routing::post;
+use bytes::Bytes;
+use continuum_control_plane::fleet::FleetChange;
+use continuum_data_plane::fleet::FleetClientConfig;
+use continuum_data_plane::replica::Replica;
+use continuum_data_plane::routing::headers::PREFILL_INSTANCE_ID;
+use continuum_proto::model::{Backend, DataPlaneConfig, DisaggregatedServing, ShimPool};
+use continuum_tests::bench::{Quantiles, arg, write_section};
+use continuum_tests::nginx::Nginx;
+use continuum_tests::{TestControlPlane, publisher, wait_for_version, worker};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::runtime::Runtime;
+
+const COMMAND: &str = "cargo run --release -p continuum-tests --bin bench-proxy -- --write";
+const NAMESPACE: &str = "dynamo";
+const MODEL: &str = "tiny";
+const CLIENT_MODEL: &str = "tiny-chat";
+/// Prefill ids are 0 mod 3 and decode ids 1 mod 3 (see `continuum_tests::worker`).
+const WORKER_IDS: [u64; 4] = [3, 4, 6, 7];
+const REQUEST: &str = r#"{"model":"tiny-chat","messages":[{"role":"user","content":"hello there"}],"max_tokens":8}"#;
+const COMPLETION: &str = r#"{"id":"chatcmpl-stub","object":"chat.completion","model":"tiny","choices":[{"index":0,"message":{"role":"assistant","content":"stub"},"finish_reason":"stop"}],"usage":{"prompt_tokens":2,"completion_tokens":1,"total_tokens":3}}"#;
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// One path's measurement.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    rps: f64,
+    latency: Quantiles,
+}
+
+/// One round: direct to the stub, through nginx, through the data plane.
+#[derive(Debug, Clone, Copy)]
+struct Round {
+    direct: Run,
+    nginx: Run,
+    data_plane: Run,
+}
+
+impl Round {
+    fn rps_ratio(&self) -> f64 {
+        self.data_plane.rps / self.nginx.rps
+    }
+
+    fn added_p99_ratio(&self) -> f64 {
+        added(self.data_plane.latency.p99, self.direct.latency.p99)
+            / added(self.nginx.latency.p99, self.direct.latency.p99)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    requests: usize,
+    concurrency: usize,
+    warmup: usize,
+}
+
+fn main() -> anyhow::Result<()> {
+    if let Err(error) = Nginx::binary() {
+        eprintln!("bench-proxy: {error}");
+        std::process::exit(2);
+    }
+    let load = Load { requests: arg("--requests", 20_000)?, concurrency: arg("--concurrency", 32)?, warmup: arg("--warmup", 2_000)? };
+    let rounds = arg("--rounds", 3)?.max(1);
+    // Each server gets its own runtime, like a process of its own: one thread for the stub, one
+    // for the control plane, one for the data plane (nginx runs one process); the load
+    // generator drives from this thread.
+    let stub_rt = runtime("stub", 1)?;
+    let control_rt = runtime("control-plane", 1)?;
+    let proxy_rt = runtime("data-plane", 1)?;
+    let load_rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+
+    let pinned = Arc::new(AtomicU64::new(0));
+    let stub = stub_rt.block_on(start_stub(Arc::clone(&pinned)))?;
+    let control = control_rt.block_on(start_control_plane(stub))?;
+    let replica = proxy_rt.block_on(start_replica(&control))?;
+    let nginx = load_rt.block_on(Nginx::start(stub))?;
+
+    let targets = [("direct", stub), ("nginx", nginx.addr), ("data plane", replica.local_addr)];
+    let client = load_client(load.concurrency);
+    let mut measured = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let runs = load_rt.block_on(measure_round(&client, &targets, load, round))?;
+        measured.push(runs);
+    }
+    let through_data_plane = pinned.load(Ordering::Relaxed);
+    let expected = (rounds * (load.requests + load.warmup)) as u64;
+    anyhow::ensure!(through_data_plane >= expected, "only {through_data_plane} of {expected} requests arrived pinned");
+
+    let table = table(&measured, load, &nginx.version);
+    println!("{table}");
+    drop(nginx);
+    proxy_rt.block_on(replica.shutdown());
+    control_rt.block_on(control.stop());
+    if std::env::args().any(|a| a == "--write") {
+        write_section("bench-proxy", "Data plane vs nginx", COMMAND, &table)?;
+    }
+    Ok(())
+}
+
+fn runtime(name: &str, threads: usize) -> anyhow::Result<Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(threads).thread_name(name).enable_all().build()?)
+}
+
+/// The stub shim: answers every chat completion at once with a fixed body, counting the
+/// requests that arrive with a prefill pin.
+async fn start_stub(pinned: Arc<AtomicU64>) -> anyhow::Result<SocketAddr> {
+    let answer = move |headers: HeaderMap, _body: Bytes| {
+        if headers.contains_key(PREFILL_INSTANCE_ID) {
+            pinned.fetch_add(1, Ordering::Relaxed);
+        }
+        std::future::ready(([(header::CONTENT_TYPE, "application/json")], COMPLETION))
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let app = Router::new().route("/v1/chat/completions", post(answer));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(addr)
+}
+
+/// A control plane serving 2 prefill + 2 decode workers behind one shim pool: the stub.
+async fn start_control_plane(stub: SocketAddr) -> anyhow::Result<TestControlPlane> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let config = DataPlaneConfig {
+        backends: vec![Backend { name: "stub".into(), url: format!("http://{stub}"), models: vec![] }],
+        shim_pools: vec![ShimPool { namespace: NAMESPACE.into(), backends: vec!["stub".into()] }],
+        model_map: [(CLIENT_MODEL.to_string(), MODEL.to_string())].into(),
+        disaggregated_serving: DisaggregatedServing { enabled: true, fallback_to_unified: false },
+        ..DataPlaneConfig::default()
+    };
+    let upsert = WORKER_IDS.iter().map(|id| worker(NAMESPACE, *id, MODEL)).collect();
+    control.publisher.apply(FleetChange { upsert, config: Some(Arc::new(config)), ..FleetChange::default() });
+    Ok(control)
+}
+
+async fn start_replica(control: &TestControlPlane) -> anyhow::Result<Replica> {
+    let follow = FleetClientConfig { control_plane: control.url(), replica_id: "bench-proxy".into() };
+    let replica = Replica::start("127.0.0.1:0", follow).await?;
+    let version = control.publisher.current().version();
+    wait_for_version(std::slice::from_ref(&replica), version, Duration::from_secs(20)).await?;
+    Ok(replica)
+}
+
+fn load_client(concurrency: usize) -> HttpClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).pool_max_idle_per_host(concurrency).build(connector)
+}
+
+/// Every target once, warm-up first; the order rotates from round to round.
+async fn measure_round(
+    client: &HttpClient,
+    targets: &[(&str, SocketAddr); 3],
+    load: Load,
+    round: usize,
+) -> anyhow::Result<Round> {
+    let mut runs = [None; 3];
+    for i in (0..3).map(|i| (i + round) % 3) {
+        let (name, addr) = targets[i];
+        let uri: Uri = format!("http://{addr}/v1/chat/completions").parse()?;
+        drive(client, &uri, load.warmup, load.concurrency).await?;
+        let run = drive(client, &uri, load.requests, load.concurrency).await?;
+        eprintln!(
+            "round {}: {name:<10} {:>8.0} req/s  p50 {:>5} µs  p99 {:>5} µs",
+            round + 1,
+            run.rps,
+            run.latency.p50.as_micros(),
+            run.latency.p99.as_micros()
+        );
+        runs[i] = Some(run);
+    }
+    let [Some(direct), Some(nginx), Some(data_plane)] = runs else { anyhow::bail!("a target was not measured") };
+    Ok(Round { direct, nginx, data_plane })
+}
+
+/// `total` requests from `concurrency` keep-alive callers; each latency runs from sending the
+/// request to reading the whole response body.
+async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize) -> anyhow::Result<Run> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut callers = tokio::task::JoinSet::new();
+    for _ in 0..concurrency {
+        let (client, uri, next) = (client.clone(), uri.clone(), Arc::clone(&next));
+        callers.spawn(async move {
+            let mut samples = Vec::with_capacity(total / concurrency + 1);
+            while next.fetch_add(1, Ordering::Relaxed) < total {
+                let sent = Instant::now();
+                call(&client, &uri).await?;
+                samples.push(sent.elapsed());
+            }
+            anyhow::Ok(samples)
+        });
+    }
+    let mut samples = Vec::with_capacity(total);
+    while let Some(caller) = callers.join_next().await {
+        samples.extend(caller??);
+    }
+    let rps = total as f64 / started.elapsed().as_secs_f64();
+    Ok(Run { rps, latency: Quantiles::of(samples) })
+}
+
+async fn call(client: &HttpClient, uri: &Uri) -> anyhow::Result<()> {
+    let request = Request::post(uri.clone())
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Full::new(Bytes::from_static(REQUEST.as_bytes())))?;
+    let response = client.request(request).await?;
+    let status = response.status();
+    let body = response.into_body().collect().await?.to_bytes();
+    anyhow::ensure!(status == StatusCode::OK, "{uri} answered {status}: {}", String::from_utf8_lossy(&body));
+    Ok(())
+}
+
+/// Latency a proxy adds over the direct path, in microseconds.
+fn added(proxied: Duration, direct: Duration) -> f64 {
+    proxied.as_secs_f64() * 1e6 - direct.as_secs_f64() * 1e6
+}
+
+fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
+    let mut by_ratio: Vec<&Round> = rounds.iter().collect();
+    by_ratio.sort_by(|a, b| a.rps_ratio().total_cmp(&b.rps_ratio()));
+    let median = by_ratio[by_ratio.len() / 2];
+    let index = rounds.iter().position(|r| std::ptr::eq(r, median)).unwrap_or(0) + 1;
+    let row = |path: &str, run: &Run, added_to: Option<&Run>| {
+        let (p50, p99) = added_to.map_or(("—".into(), "—".into()), |d| {
+            (format!("{:.0}", added(run.latency.p50, d.latency.p50)), format!("{:.0}", added(run.latency.p99, d.latency.p99)))
+        });
+        format!(
+            "| {path} | {:.0} | {} | {} | {p50} | {p99} |\n",
+            run.rps,
+            run.latency.p50.as_micros(),
+            run.latency.p99.as_micros()
+        )
+    };
+    let all: Vec<String> = rounds.iter().map(|r| format!("{:.2}×/{:.2}×", r.rps_ratio(), r.added_p99_ratio())).collect();
+    format!(
+        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) |\n|---|---|---|---|---|---|\n{}{}{}\n\
+         - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
+         - Round {index} of {} shown, the median by throughput ratio; every round's (throughput ratio / added-p99 ratio): {}.\n\
+         - Each path: {} requests at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\
+         - Same machine, same run, loopback. The stub, the load generator, each proxy (one thread each: nginx `worker_processes 1`, the data plane a one-thread runtime) and the in-process control plane share the cores, so these are relative numbers.\n\
+         - The data plane does more than nginx: it parses and validates the JSON, strips routing headers and fields and re-serializes the body, picks a prefill and a decode worker among 2 + 2, writes the pins, records the dispatch in its ledger and reports it to the control plane, and keeps metrics.\n",
+        row("direct to the stub (baseline)", &median.direct, None),
+        row(&format!("{nginx} (`proxy_pass`, upstream keepalive)"), &median.nginx, Some(&median.direct)),
+        row("Continuum data plane (picking on)", &median.data_plane, Some(&median.direct)),
+        median.rps_ratio(),
+        median.added_p99_ratio(),
+        rounds.len(),
+        all.join(", "),
+        load.requests,
+        load.concurrency,
+        load.warmup,
+        std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next().map(String::from)).unwrap_or_default(),
+    )
+}

@@ -1,0 +1,304 @@
+//! Routing end to end against the real Dynamo 1.6.1 fleet: `dynamo.mocker` workers, the real
+//! `dynamo.frontend --router-mode direct` as the shim, the real control plane and data-plane
+//! replicas, all inside a private network namespace.
+//!
+//! Every request asks the replica to disclose its pins (`x-backend`) and the frontend to echo
+//! the pins it used (`nvext.extra_fields: ["worker_id"]`); the two must agree every time, which
+//! proves the picker's choice, and nothing else, reached the frontend.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
+use continuum_tests::dynamo_routing::{
+    self, Answer, FRONTEND, Outcome, Pins, RoutedContinuum, buffered_echo, chat_body, post_chat, streamed_echo,
+};
+use continuum_tests::netns::NetNs;
+use serde_json::json;
+
+const PREFILL: Mocker = Mocker { mode: Mode::Prefill, kv_blocks: 1024, dp_size: 1 };
+const DECODE: Mocker = Mocker { mode: Mode::Decode, kv_blocks: 1024, dp_size: 1 };
+const AGGREGATED_DP2: Mocker = Mocker { mode: Mode::Aggregated, kv_blocks: 512, dp_size: 2 };
+
+/// The request count through the replicas.
+const REQUESTS: usize = 200;
+const SPOOFED_REQUESTS: usize = 20;
+/// Requests sent around the control plane's SIGKILL (it dies after the first quarter).
+const REQUESTS_AROUND_CONTROL_PLANE_KILL: usize = 40;
+const REQUESTS_AFTER_DECODE_KILL: usize = 20;
+/// A healthy request; generous for a loaded 2-core machine (they take tens of milliseconds).
+const REQUEST_MAX_TIME: Duration = Duration::from_secs(20);
+/// A request pinned to a SIGKILLed worker must be answered within this, not hang.
+const FAILURE_MAX_TIME: Duration = Duration::from_secs(15);
+/// The frontend may list the model before it can serve a disaggregated request.
+const WARM_UP_WITHIN: Duration = Duration::from_secs(15);
+const MAX_TOKENS: u32 = 4;
+/// An id no worker has.
+const UNKNOWN_ID: u64 = 12345;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_replicas_route_on_after_the_control_plane_and_a_decode_worker_die()
+-> anyhow::Result<()> {
+    let began = Instant::now();
+    let ns = NetNs::create()?;
+    dynamo::start_etcd(&ns).await?;
+    let watch = InstanceWatch::start(&ns).await?;
+    let continuum = RoutedContinuum::start(&ns, 2, false).await?;
+    dynamo_routing::start_frontend(&ns)?;
+    let prefill = PREFILL.start(&ns, &watch, "prefill").await?.instance.instance_id;
+    let decode_a = DECODE.start(&ns, &watch, "decode-a").await?;
+    let decode_b = DECODE.start(&ns, &watch, "decode-b").await?.instance.instance_id;
+    let fleet = Fleet {
+        ns: &ns,
+        replicas: &continuum.replicas,
+        prefill,
+        decodes: vec![decode_a.instance.instance_id, decode_b],
+    };
+    continuum.wait_for_workers(&ns, 3).await?;
+    dynamo_routing::wait_model_listed(&ns, "frontend", &format!("http://{FRONTEND}"), "tiny").await?;
+    for replica in &continuum.replicas {
+        dynamo_routing::wait_model_listed(&ns, "replica", replica, "tiny").await?;
+    }
+    let warm_up = fleet.warm_up().await?;
+    let mut report = vec![format!("fleet up and first request answered after {:?} ({warm_up})", began.elapsed())];
+
+    let phase = Instant::now();
+    let mut spread: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+    for n in 0..REQUESTS {
+        let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
+        let pins = fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
+        *spread.entry((replica, pins.decode)).or_default() += 1;
+    }
+    report.push(format!(
+        "{REQUESTS} requests (half streaming, alternating replicas): all 200, echo == disclosed pins, in {:?}; (replica, decode) -> count {spread:?}",
+        phase.elapsed()
+    ));
+
+    let phase = Instant::now();
+    for n in 0..SPOOFED_REQUESTS {
+        let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
+        // Each would make the frontend refuse (400) or pin elsewhere, had it arrived: the roles
+        // swapped, or an id no worker has, and a rank out of range.
+        let (decode, prefill) = if n % 2 == 0 { (prefill, fleet.decodes[n / 2 % 2]) } else { (UNKNOWN_ID, UNKNOWN_ID) };
+        let (decode, prefill) = (decode.to_string(), prefill.to_string());
+        let headers = [
+            ("x-dynamo-worker-instance-id", decode.as_str()),
+            ("X-Worker-Instance-Id", decode.as_str()),
+            ("X-Dynamo-Prefill-Instance-Id", prefill.as_str()),
+            ("x-PREFILL-instance-id", prefill.as_str()),
+            ("X-Dynamo-Dp-Rank", "5"),
+            ("x-dp-rank", "5"),
+            ("X-Data-Parallel-Rank", "5"),
+            ("x-dynamo-prefill-dp-rank", "5"),
+            ("X-Prefill-Dp-Rank", "5"),
+        ];
+        let mut body = chat_body(n, stream, MAX_TOKENS);
+        body["nvext"]["backend_instance_id"] = json!(decode.parse::<u64>()?);
+        body["nvext"]["prefill_worker_id"] = json!(prefill.parse::<u64>()?);
+        body["nvext"]["decode_worker_id"] = json!(decode.parse::<u64>()?);
+        let pins = fleet.routed(n, replica, stream, &headers, &body).await?;
+        ensure!(
+            pins.decode.to_string() != decode && pins.prefill.map(|p| p.to_string()) != Some(prefill.clone()),
+            "spoofed request {n}: the frontend used the spoofed pins (decode {decode}, prefill {prefill}): {pins:?}"
+        );
+    }
+    report.push(format!(
+        "{SPOOFED_REQUESTS} requests with every pin header alias (mixed case) and nvext ids spoofed: all 200 with the picker's pins, in {:?}",
+        phase.elapsed()
+    ));
+
+    let phase = Instant::now();
+    let mut served_after_kill = BTreeSet::new();
+    for n in 0..REQUESTS_AROUND_CONTROL_PLANE_KILL {
+        if n == REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
+            let status = ns.kill(continuum.control_plane_pid)?;
+            report.push(format!("control plane SIGKILLed ({status}) after {n} requests of this phase"));
+        }
+        let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
+        fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
+        if n >= REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
+            served_after_kill.insert(replica);
+        }
+    }
+    ensure!(served_after_kill.len() == 2, "both replicas must have routed after the control plane died");
+    report.push(format!(
+        "{REQUESTS_AROUND_CONTROL_PLANE_KILL} requests around the control-plane SIGKILL: all 200 on both replicas, echo == disclosed, in {:?}",
+        phase.elapsed()
+    ));
+
+    // The control plane is gone, so every replica keeps the dead worker in its last-known-good
+    // view: requests pinned to it must fail as specified, promptly.
+    ns.kill(decode_a.pid)?;
+    let phase = Instant::now();
+    let (mut ok, mut failed, mut slowest) = (0, BTreeMap::<(u16, String), usize>::new(), Duration::ZERO);
+    for n in 0..REQUESTS_AFTER_DECODE_KILL {
+        let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
+        let sent = Instant::now();
+        let answer = match fleet
+            .send(replica, &[("x-backend", "any")], &chat_body(n, stream, MAX_TOKENS), FAILURE_MAX_TIME)
+            .await?
+        {
+            Outcome::TimedOut => bail!("request {n} after the decode SIGKILL hung past {FAILURE_MAX_TIME:?}"),
+            Outcome::Answered(answer) => answer,
+        };
+        slowest = slowest.max(sent.elapsed());
+        if answer.status == 200 {
+            let pins = fleet.check(n, &answer, stream)?;
+            ensure!(pins.decode == decode_b, "request {n} answered 200 from the killed decode worker: {pins:?}");
+            ok += 1;
+            continue;
+        }
+        let code = answer.error_code().unwrap_or_default();
+        ensure!(
+            matches!(answer.status, 502 | 503) && code == "disaggregated_decode_failed",
+            "request {n} after the decode SIGKILL: want 200 or 502/503 disaggregated_decode_failed, got {} {}",
+            answer.status,
+            answer.body
+        );
+        *failed.entry((answer.status, code)).or_default() += 1;
+    }
+    // The frozen view still holds the dead worker, so the failure arm must have been taken.
+    ensure!(!failed.is_empty(), "no request was pinned to the killed decode worker; the failure arm went untested");
+    report.push(format!(
+        "{REQUESTS_AFTER_DECODE_KILL} requests after SIGKILL of decode {} (control plane dead): {ok} x 200 from decode {decode_b}, failures {failed:?}, slowest {slowest:?}, phase {:?}",
+        decode_a.instance.instance_id,
+        phase.elapsed()
+    ));
+    report.push(format!("whole test: {:?}", began.elapsed()));
+    println!("{}", report.join("\n"));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_worker_with_two_dp_ranks_is_pinned_to_both_ranks() -> anyhow::Result<()> {
+    let began = Instant::now();
+    let ns = NetNs::create()?;
+    dynamo::start_etcd(&ns).await?;
+    let watch = InstanceWatch::start(&ns).await?;
+    let continuum = RoutedContinuum::start(&ns, 1, false).await?;
+    dynamo_routing::start_frontend(&ns)?;
+    let worker = AGGREGATED_DP2.start(&ns, &watch, "aggregated").await?.instance.instance_id;
+    continuum.wait_for_workers(&ns, 1).await?;
+    dynamo_routing::wait_model_listed(&ns, "frontend", &format!("http://{FRONTEND}"), "tiny").await?;
+    dynamo_routing::wait_model_listed(&ns, "replica", &continuum.replicas[0], "tiny").await?;
+    let fleet = Fleet { ns: &ns, replicas: &continuum.replicas, prefill: worker, decodes: vec![worker] };
+    let warm_up = fleet.warm_up().await?;
+
+    let mut ranks: BTreeMap<u64, usize> = BTreeMap::new();
+    for n in 0..20 {
+        let stream = n % 2 == 0;
+        let pins = fleet.routed(n, 0, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
+        let rank = pins.decode_dp_rank.with_context(|| format!("request {n}: no dp rank echoed: {pins:?}"))?;
+        *ranks.entry(rank).or_default() += 1;
+    }
+    ensure!(ranks.keys().copied().eq([0, 1]), "both dp ranks must be used, got {ranks:?}");
+    println!(
+        "aggregated dp=2 ({warm_up}): 20 requests, echoed decode_dp_rank -> count {ranks:?}; whole test {:?}",
+        began.elapsed()
+    );
+    Ok(())
+}
+
+/// The fleet as a client of the replicas sees it.
+struct Fleet<'a> {
+    ns: &'a NetNs,
+    replicas: &'a [String],
+    /// The prefill worker's id (the aggregated worker's, where there is no prefill).
+    prefill: u64,
+    decodes: Vec<u64>,
+}
+
+impl Fleet<'_> {
+    async fn send(
+        &self,
+        replica: usize,
+        headers: &[(&str, &str)],
+        body: &serde_json::Value,
+        max_time: Duration,
+    ) -> anyhow::Result<Outcome> {
+        post_chat(self.ns, &self.replicas[replica], body, headers, max_time).await
+    }
+
+    /// Sends through the first replica until one request succeeds, within [`WARM_UP_WITHIN`].
+    async fn warm_up(&self) -> anyhow::Result<String> {
+        let started = Instant::now();
+        for attempt in 1.. {
+            let body = chat_body(0, false, MAX_TOKENS);
+            let last = match self.send(0, &[("x-backend", "any")], &body, REQUEST_MAX_TIME).await? {
+                Outcome::Answered(answer) if answer.status == 200 => {
+                    return Ok(format!("warm-up: {attempt} attempt(s), {:?}", started.elapsed()));
+                }
+                other => other,
+            };
+            if started.elapsed() > WARM_UP_WITHIN {
+                bail!(
+                    "no request succeeded within {WARM_UP_WITHIN:?}; the last: {last:?}\n{}",
+                    self.ns.log_tail("frontend")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        unreachable!("the warm-up loop returns or bails")
+    }
+
+    /// Sends request `n` with `x-backend` (plus `headers`); it must succeed with the disclosed
+    /// pins echoed by the frontend. Returns them.
+    async fn routed(
+        &self,
+        n: usize,
+        replica: usize,
+        stream: bool,
+        headers: &[(&str, &str)],
+        body: &serde_json::Value,
+    ) -> anyhow::Result<Pins> {
+        let headers: Vec<(&str, &str)> = [("x-backend", "any")].into_iter().chain(headers.iter().copied()).collect();
+        let answer = match self.send(replica, &headers, body, REQUEST_MAX_TIME).await? {
+            Outcome::TimedOut => bail!("request {n} to replica {replica} hung past {REQUEST_MAX_TIME:?}"),
+            Outcome::Answered(answer) => answer,
+        };
+        ensure!(
+            answer.status == 200,
+            "request {n} (stream {stream}) to replica {replica}: {} {}",
+            answer.status,
+            answer.body
+        );
+        self.check(n, &answer, stream)
+    }
+
+    /// The echo equals the disclosure, names workers of this fleet, and no pin header came back.
+    fn check(&self, n: usize, answer: &Answer, stream: bool) -> anyhow::Result<Pins> {
+        let disclosed = answer.disclosed()?;
+        let echoed = if stream { streamed_echo(&answer.body)? } else { buffered_echo(&answer.body)? };
+        if stream {
+            ensure!(
+                answer.header("content-type").is_some_and(|c| c.starts_with("text/event-stream")),
+                "request {n}: {answer:?}"
+            );
+        }
+        ensure!(
+            self.decodes.contains(&echoed.decode),
+            "request {n}: decode {} is not a worker of this fleet",
+            echoed.decode
+        );
+        let agree = match disclosed.prefill {
+            // Disaggregated: the echo names exactly the disclosed pair.
+            Some(prefill) => {
+                echoed.decode == disclosed.decode
+                    && echoed.prefill == Some(prefill)
+                    && prefill == self.prefill
+                    && disclosed.decode_dp_rank.is_none_or(|rank| echoed.decode_dp_rank == Some(rank))
+            }
+            // Aggregated: the frontend echoes the worker as its own prefill, and the rank used.
+            None => {
+                echoed.decode == disclosed.decode
+                    && echoed.decode_dp_rank == disclosed.decode_dp_rank
+                    && echoed.prefill.is_none_or(|p| p == echoed.decode)
+            }
+        };
+        ensure!(agree, "request {n}: the replica disclosed {disclosed:?}, the frontend echoed {echoed:?}");
+        let leaked: Vec<_> = answer.headers.iter().filter(|(h, _)| h.starts_with("x-dynamo-")).collect();
+        ensure!(leaked.is_empty(), "request {n}: pin headers reached the client: {leaked:?}");
+        Ok(echoed)
+    }
+}
