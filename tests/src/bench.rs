@@ -36,7 +36,7 @@ pub fn write_section(id: &str, title: &str, command: &str, table: &str) -> anyho
     let section = format!("{begin}\nMeasured {} with `{command}` on {}.\n\n{table}{end}", date(), machine_facts());
     let updated = match (doc.find(&begin), doc.find(&end)) {
         (Some(b), Some(e)) if b < e => format!("{}{section}{}", &doc[..b], &doc[e + end.len()..]),
-        _ => format!("{}\n## {title}\n\n{section}\n", doc.trim_end()),
+        _ => format!("{}\n\n## {title}\n\n{section}\n", doc.trim_end()),
     };
     std::fs::write(&path, updated)?;
     eprintln!("wrote {}", path.display());

@@ -33,7 +33,9 @@ impl Nginx {
             .chain([PathBuf::from("/usr/sbin")])
             .map(|dir| dir.join("nginx"))
             .find(|candidate| candidate.is_file())
-            .ok_or_else(|| anyhow::anyhow!("nginx is not installed; install the Debian package: apt-get install -y nginx"))
+            .ok_or_else(|| {
+                anyhow::anyhow!("nginx is not installed; install the Debian package: apt-get install -y nginx")
+            })
     }
 
     /// Starts nginx (one process, one event loop) in front of `upstream` and waits until it
@@ -68,7 +70,11 @@ impl Nginx {
                 let log = std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default();
                 anyhow::bail!("nginx exited with {status} before listening:\n{log}");
             }
-            anyhow::ensure!(tokio::time::Instant::now() < deadline, "nginx did not listen on {} within {STARTUP:?}", self.addr);
+            anyhow::ensure!(
+                tokio::time::Instant::now() < deadline,
+                "nginx did not listen on {} within {STARTUP:?}",
+                self.addr
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         Ok(())

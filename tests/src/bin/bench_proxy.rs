@@ -79,7 +79,11 @@ fn main() -> anyhow::Result<()> {
         eprintln!("bench-proxy: {error}");
         std::process::exit(2);
     }
-    let load = Load { requests: arg("--requests", 20_000)?, concurrency: arg("--concurrency", 32)?, warmup: arg("--warmup", 2_000)? };
+    let load = Load {
+        requests: arg("--requests", 20_000)?,
+        concurrency: arg("--concurrency", 32)?,
+        warmup: arg("--warmup", 2_000)?,
+    };
     let rounds = arg("--rounds", 3)?.max(1);
     // Each server gets its own runtime, like a process of its own: one thread for the stub, one
     // for the control plane, one for the data plane (nginx runs one process); the load
@@ -241,7 +245,10 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
     let index = rounds.iter().position(|r| std::ptr::eq(r, median)).unwrap_or(0) + 1;
     let row = |path: &str, run: &Run, added_to: Option<&Run>| {
         let (p50, p99) = added_to.map_or(("—".into(), "—".into()), |d| {
-            (format!("{:.0}", added(run.latency.p50, d.latency.p50)), format!("{:.0}", added(run.latency.p99, d.latency.p99)))
+            (
+                format!("{:.0}", added(run.latency.p50, d.latency.p50)),
+                format!("{:.0}", added(run.latency.p99, d.latency.p99)),
+            )
         });
         format!(
             "| {path} | {:.0} | {} | {} | {p50} | {p99} |\n",
@@ -250,7 +257,8 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
             run.latency.p99.as_micros()
         )
     };
-    let all: Vec<String> = rounds.iter().map(|r| format!("{:.2}×/{:.2}×", r.rps_ratio(), r.added_p99_ratio())).collect();
+    let all: Vec<String> =
+        rounds.iter().map(|r| format!("{:.2}×/{:.2}×", r.rps_ratio(), r.added_p99_ratio())).collect();
     format!(
         "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) |\n|---|---|---|---|---|---|\n{}{}{}\n\
          - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
@@ -268,6 +276,9 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
         load.requests,
         load.concurrency,
         load.warmup,
-        std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split_whitespace().next().map(String::from)).unwrap_or_default(),
+        std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|l| l.split_whitespace().next().map(String::from))
+            .unwrap_or_default(),
     )
 }

@@ -1,0 +1,117 @@
+//! Fleet-wide unanswered-dispatch accounting, end to end: four data-plane replicas share one
+//! burst between two load samples and spread it the way one router would, because each sees the
+//! dispatches the others pinned (reported on their Watch streams, summed by the control plane).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use continuum_control_plane::fleet::FleetChange;
+use continuum_data_plane::replica::Replica;
+use continuum_proto::model::{
+    Backend, Capacity, DataPlaneConfig, DisaggregatedServing, Load, LoadKey, LoadSample, PickerParams, Role, ShimPool,
+    Worker, WorkerKey,
+};
+use continuum_tests::shim_stub::StubShim;
+use continuum_tests::{TestControlPlane, publisher, start_replicas, wait_for_version};
+
+const REPLICAS: usize = 4;
+const REQUESTS: usize = 64;
+/// Between two requests: longer than the control plane's 2 ms backlog window plus the stream,
+/// so a replica can know of the previous request when the next one arrives elsewhere.
+const PACING: Duration = Duration::from_millis(6);
+/// The idle worker starts this many blocks below the others.
+const HEAD_START_BLOCKS: u64 = 128;
+
+fn worker(id: u64) -> Arc<Worker> {
+    Arc::new(Worker {
+        key: WorkerKey::new("dynamo", id),
+        role: Role::Aggregated,
+        model: "tiny".into(),
+        component: "backend".into(),
+        endpoint: "generate".into(),
+        block_size: Some(16),
+        capacity: Capacity { total_kv_blocks: Some(1024), max_num_batched_tokens: Some(8192), ..Capacity::default() },
+        dp_start_rank: 0,
+        dp_size: 0,
+        disaggregated_endpoint: None,
+    })
+}
+
+fn config(shim: &StubShim) -> DataPlaneConfig {
+    DataPlaneConfig {
+        backends: vec![Backend { name: "shim".into(), url: shim.url(), models: vec![] }],
+        shim_pools: vec![ShimPool { namespace: "dynamo".into(), backends: vec!["shim".into()] }],
+        picker: PickerParams { max_staleness: Duration::from_secs(60), ..PickerParams::default() },
+        disaggregated_serving: DisaggregatedServing { enabled: true, fallback_to_unified: false },
+        ..DataPlaneConfig::default()
+    }
+}
+
+/// About 160 prompt tokens (10 blocks of 16) by the data plane's estimate.
+fn request() -> serde_json::Value {
+    let words = "alpha beta gamma delta ".repeat(30);
+    serde_json::json!({"model": "tiny", "stream": true, "messages": [{"role": "user", "content": words}]})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    // Every request is held open, so its dispatch stays unanswered for the whole burst.
+    let gates: Vec<_> = (0..REQUESTS).map(|_| shim.push_stream()).collect();
+    let control = TestControlPlane::start(publisher()).await?;
+    let workers: Vec<_> = (1..=4).map(worker).collect();
+    let now = Instant::now();
+    let samples = (1..=4u64)
+        .map(|id| {
+            let used = if id == 1 { 0 } else { HEAD_START_BLOCKS };
+            let load = Load { kv_used_blocks: Some(used), ..Load::default() };
+            (LoadKey { worker: WorkerKey::new("dynamo", id), dp_rank: 0 }, LoadSample { load, received_at: now })
+        })
+        .collect();
+    control.publisher.apply(FleetChange {
+        upsert: workers,
+        loads: samples,
+        config: Some(Arc::new(config(&shim))),
+        ..FleetChange::default()
+    });
+    let replicas = start_replicas(REPLICAS, &control.url()).await?;
+    wait_for_version(&replicas, control.publisher.current().version(), Duration::from_secs(20)).await?;
+
+    let client = reqwest::Client::new();
+    let mut inflight = Vec::new();
+    for i in 0..REQUESTS {
+        let url = format!("http://{}/v1/chat/completions", replicas[i % REPLICAS].local_addr);
+        let request = client.post(url).json(&request()).send();
+        inflight.push(tokio::spawn(request));
+        tokio::time::sleep(PACING).await;
+    }
+    let mut received = shim.count();
+    tokio::time::timeout(Duration::from_secs(20), received.wait_for(|n| *n >= REQUESTS)).await??;
+
+    let mut pins: BTreeMap<String, usize> = BTreeMap::new();
+    for request in shim.received() {
+        let pin = request.header("x-dynamo-worker-instance-id").unwrap_or("none").to_string();
+        *pins.entry(pin).or_default() += 1;
+    }
+    // One router would give the idle worker about 26 of the 64 (its 128-block head start
+    // filled at 10 blocks a request, then an even share); four replicas that each saw only
+    // their own dispatches would give it about 61.
+    let idle = pins.get("1").copied().unwrap_or(0);
+    assert!((14..=40).contains(&idle), "the idle worker took {idle} of {REQUESTS}: {pins:?}");
+    for busy in ["2", "3", "4"] {
+        let n = pins.get(busy).copied().unwrap_or(0);
+        assert!(n >= 5, "worker {busy} took {n} of {REQUESTS}: {pins:?}");
+    }
+
+    drop(gates);
+    for request in inflight {
+        let _ = request.await;
+    }
+    for replica in replicas {
+        Replica::shutdown(replica).await;
+    }
+    control.stop().await;
+    shim.stop();
+    Ok(())
+}
