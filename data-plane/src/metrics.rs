@@ -2,7 +2,8 @@
 //! tests can run several replicas in one process. Every label set is closed.
 
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
 };
 
 use crate::fleet::FleetStatus;
@@ -35,6 +36,8 @@ pub struct Metrics {
     pub shim_retries: IntCounter,
     /// Dispatch reports dropped: the queue to the control plane was full.
     pub dispatch_reports_dropped: IntCounter,
+    /// Dispatches the local ledger would not hold (at its capacity).
+    pub ledger_refused: IntCounter,
     /// Worker selections for shim dispatch, by `role` (prefill, decode) and `reason` (load,
     /// round_robin_stale, no_prefill_pool); see `routing::picker::Reason`.
     pub selections: IntCounterVec,
@@ -101,7 +104,8 @@ impl Ingress {
 }
 
 /// Latency buckets from a cached reply to a long buffered generation.
-const LATENCY_BUCKETS: [f64; 14] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
+const LATENCY_BUCKETS: [f64; 14] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 impl Metrics {
@@ -141,15 +145,25 @@ impl Metrics {
                 &["ingress", "status_class"],
             )?,
             shim_replica_state: IntGaugeVec::new(
-                Opts::new("continuum_shim_replica_state", "Shim replica circuit breaker: 0 closed, 1 half-open, 2 open"),
+                Opts::new(
+                    "continuum_shim_replica_state",
+                    "Shim replica circuit breaker: 0 closed, 1 half-open, 2 open",
+                ),
                 &["backend"],
+            )?,
+            ledger_refused: IntCounter::new(
+                "continuum_dispatch_ledger_refused_total",
+                "Dispatches the replica's ledger refused because it held its maximum",
             )?,
             shim_retries: IntCounter::new(
                 "continuum_shim_retries_total",
                 "Sends moved on to another shim replica after a connection failure",
             )?,
             selections: IntCounterVec::new(
-                Opts::new("continuum_dynamo_selection_total", "Worker selections for shim dispatch, by role and reason"),
+                Opts::new(
+                    "continuum_dynamo_selection_total",
+                    "Worker selections for shim dispatch, by role and reason",
+                ),
                 &["role", "reason"],
             )?,
         };
@@ -167,6 +181,7 @@ impl Metrics {
             Box::new(metrics.view_workers.clone()),
             Box::new(metrics.snapshot_age_seconds.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
+            Box::new(metrics.ledger_refused.clone()),
             Box::new(metrics.disaggregated_errors.clone()),
             Box::new(metrics.disaggregated_requests.clone()),
             Box::new(metrics.request_duration.clone()),

@@ -63,7 +63,7 @@ impl Replica {
             metrics.clone(),
             cancel.clone(),
         ));
-        let ledger = Arc::new(DispatchLedger::new());
+        let ledger = Arc::new(DispatchLedger::counting_refusals(metrics.ledger_refused.clone()));
         let picker = Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone()));
         let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
         let state = AppState {

@@ -126,7 +126,9 @@ async fn follow(
     let mut updates = FleetClient::new(channel)
         .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES)
-        .watch(ReceiverStream::new(rx)).await?.into_inner();
+        .watch(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
     reporter::discard(reports);
     loop {
         let reply = tokio::select! {

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use continuum_proto::model::{Backlog, LoadKey};
 use continuum_proto::view::FleetView;
+use prometheus::IntCounter;
 
 use super::Selection;
 
@@ -79,6 +80,8 @@ pub struct DispatchLedger {
     capacity: usize,
     state: Mutex<State>,
     refused: AtomicU64,
+    /// The replica's registered metric for refusals, when it has one.
+    refused_metric: Option<IntCounter>,
 }
 
 #[derive(Debug, Default)]
@@ -113,8 +116,13 @@ impl DispatchLedger {
         Self::with_capacity(LEDGER_CAPACITY)
     }
 
+    /// A ledger whose refusals count on `refused` (the replica's registered metric).
+    pub fn counting_refusals(refused: IntCounter) -> Self {
+        Self { refused_metric: Some(refused), ..Self::new() }
+    }
+
     pub fn with_capacity(capacity: usize) -> Self {
-        Self { capacity, state: Mutex::new(State::default()), refused: AtomicU64::new(0) }
+        Self { capacity, state: Mutex::new(State::default()), refused: AtomicU64::new(0), refused_metric: None }
     }
 
     /// Records a dispatch of `prompt_tokens` pinned as `selection`. `block_size` is the decode
@@ -128,6 +136,9 @@ impl DispatchLedger {
         if state.dispatches.len() >= self.capacity {
             drop(state);
             self.refused.fetch_add(1, Ordering::Relaxed);
+            if let Some(metric) = &self.refused_metric {
+                metric.inc();
+            }
             return DispatchId::UNRECORDED;
         }
         state.next_id = state.next_id.wrapping_add(1).max(1);

@@ -154,6 +154,17 @@ fn default_capacity_is_the_named_bound() {
 }
 
 #[test]
+fn refusals_reach_the_replica_metric() {
+    let metric = prometheus::IntCounter::new("refused_total", "test").unwrap();
+    let ledger = DispatchLedger::counting_refusals(metric.clone());
+    let t0 = Instant::now();
+    for id in 0..LEDGER_CAPACITY as u64 + 3 {
+        ledger.record(&alone(pin(id % 64, None)), 1, 16, t0);
+    }
+    assert_eq!(metric.get(), 3);
+}
+
+#[test]
 fn block_size_comes_from_the_decode_worker_card() {
     let worker = |id: u64, block_size: Option<u32>| {
         Arc::new(Worker {
