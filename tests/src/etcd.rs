@@ -127,7 +127,13 @@ impl Etcd {
         let mut command = Command::new("etcdctl");
         command.env("ETCDCTL_API", "3").arg(format!("--endpoints={}", self.client_url));
         if let Some(pki) = &self.tls {
-            command.arg("--cacert").arg(&pki.ca_cert).arg("--cert").arg(&pki.client_cert).arg("--key").arg(&pki.client_key);
+            command
+                .arg("--cacert")
+                .arg(&pki.ca_cert)
+                .arg("--cert")
+                .arg(&pki.client_cert)
+                .arg("--key")
+                .arg(&pki.client_key);
         }
         let output = command.args(args).kill_on_drop(true).output().await?;
         anyhow::ensure!(

@@ -28,7 +28,8 @@ impl Pki {
         let mut ca_params = CertificateParams::new(Vec::new())?;
         ca_params.distinguished_name.push(DnType::CommonName, "continuum test CA");
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::CrlSign];
+        ca_params.key_usages =
+            vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::CrlSign];
         let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
 
         let pki = Self {

@@ -91,7 +91,11 @@ async fn relay(client: TcpStream, upstream: SocketAddr, running: watch::Receiver
     up.and(down)
 }
 
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut running: watch::Receiver<bool>) -> std::io::Result<()> {
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut running: watch::Receiver<bool>,
+) -> std::io::Result<()> {
     let mut buf = vec![0; 64 * 1024];
     loop {
         if running.wait_for(|r| *r).await.is_err() {

@@ -13,7 +13,8 @@ const CONVERGE: Duration = Duration::from_secs(20);
 
 /// A static-fleet configuration with workers of the given ids.
 fn static_config(dir: &Path, name: &str, ids: &[u64]) -> anyhow::Result<std::path::PathBuf> {
-    let mut yaml = String::from("dynamo:\n  enabled: true\n  discovery:\n    source: static\n    static:\n      workers:\n");
+    let mut yaml =
+        String::from("dynamo:\n  enabled: true\n  discovery:\n    source: static\n    static:\n      workers:\n");
     for id in ids {
         let role = if id % 2 == 0 { "decode" } else { "prefill" };
         yaml.push_str(&format!("        - {{instance_id: {id}, role: {role}, model: tiny, block_size: 16}}\n"));
@@ -97,7 +98,12 @@ async fn grpcurl_lists_describes_and_reads_the_snapshot_over_reflection() -> any
 
     let describe = run(&grpcurl, &["-plaintext", &addr, "describe", "continuum.fleet.v1.Fleet"])?;
     let text = String::from_utf8(describe.stdout)?;
-    assert!(text.contains("rpc Watch ( stream .continuum.fleet.v1.WatchRequest ) returns ( stream .continuum.fleet.v1.FleetUpdate )"), "{text}");
+    assert!(
+        text.contains(
+            "rpc Watch ( stream .continuum.fleet.v1.WatchRequest ) returns ( stream .continuum.fleet.v1.FleetUpdate )"
+        ),
+        "{text}"
+    );
     assert!(text.contains("rpc GetSnapshot"), "{text}");
 
     let get = run(&grpcurl, &["-plaintext", &addr, "continuum.fleet.v1.Fleet/GetSnapshot"])?;

@@ -23,7 +23,9 @@ fn config(etcd: &Etcd, discovery: &str, namespaces: &[&str]) -> anyhow::Result<C
     }
     yaml.push_str("backends:\n");
     for ns in namespaces {
-        yaml.push_str(&format!("  - {{name: shim-{ns}, type: openai, url: \"http://127.0.0.1:8000\", role: unified}}\n"));
+        yaml.push_str(&format!(
+            "  - {{name: shim-{ns}, type: openai, url: \"http://127.0.0.1:8000\", role: unified}}\n"
+        ));
     }
     yaml.push_str("control_plane:\n  grpc_listen: \"127.0.0.1:0\"\nadmin:\n  listen: \"127.0.0.1:0\"\n");
     let loaded = config::load_str(&yaml, &|_| None).map_err(|e| anyhow::anyhow!("{e:?}\n{yaml}"))?;
@@ -77,7 +79,10 @@ async fn removing_a_namespace_prunes_it_and_kept_graphs_stay_routable() -> anyho
     put_worker(&etcd, "prod", 12).await?;
     eventually(CONVERGE, "the kept graph's new worker", || async { workers(&control).len() == 2 }).await?;
     assert_eq!(workers(&control), [("prod".to_string(), 11), ("prod".to_string(), 12)]);
-    assert!(!removed_since(&control, before, &WorkerKey::new("prod", 11)), "a kept worker was dropped during the reload");
+    assert!(
+        !removed_since(&control, before, &WorkerKey::new("prod", 11)),
+        "a kept worker was dropped during the reload"
+    );
     control.shutdown().await;
     Ok(())
 }

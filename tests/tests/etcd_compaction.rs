@@ -112,7 +112,8 @@ async fn a_watcher_compacted_past_while_stalled_resyncs_to_exactly_the_current_f
     let expected = [lease(0), lease(2), lease(3), lease(5), lease(6), lease(7)];
     eventually(CONVERGE, "exactly the current fleet", || async { worker_ids(&control) == expected }).await?;
     eventually(CONVERGE, "a resync after the compaction", || async { resyncs(&control) > seeded }).await?;
-    eventually(CONVERGE, "discovery connected again", || async { control.metrics.discovery_connected.get() == 1 }).await?;
+    eventually(CONVERGE, "discovery connected again", || async { control.metrics.discovery_connected.get() == 1 })
+        .await?;
     let compacted = format!("etcd compacted past revision {head}");
     assert!(logs.text().contains(&compacted), "no compacted watch response was logged:\n{}", logs.text());
     control.shutdown().await;

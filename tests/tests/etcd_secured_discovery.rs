@@ -153,7 +153,8 @@ async fn a_wrong_etcd_password_never_connects() -> anyhow::Result<()> {
     let etcd = etcd_with_read_only_router(dir.path()).await?;
     put_workers(&mut etcd.client_as("root", ROOT_PASSWORD).await?, (0..3).map(lease)).await?;
 
-    let control = control_plane(json!({"endpoints": [etcd.client_url], "auth": router_auth("not-the-password")})).await?;
+    let control =
+        control_plane(json!({"endpoints": [etcd.client_url], "auth": router_auth("not-the-password")})).await?;
     eventually(CONVERGE, "etcd to refuse the password on several passes", || async {
         etcd.metric(REFUSED_AUTHENTICATIONS).await.is_ok_and(|n| n >= FAILED_PASSES as f64)
     })

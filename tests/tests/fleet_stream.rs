@@ -23,7 +23,10 @@ const CONVERGE: Duration = Duration::from_secs(20);
 fn random_change(rng: &mut StdRng, view: &FleetView) -> FleetChange {
     let id = rng.random_range(1..=400u64);
     match rng.random_range(0..10) {
-        0..=4 => FleetChange { upsert: vec![worker("dynamo", id, &format!("m{}", rng.random_range(0..3)))], ..Default::default() },
+        0..=4 => FleetChange {
+            upsert: vec![worker("dynamo", id, &format!("m{}", rng.random_range(0..3)))],
+            ..Default::default()
+        },
         5..=7 => FleetChange { remove: vec![WorkerKey::new("dynamo", id)], ..Default::default() },
         8 => {
             let loads = view
@@ -32,7 +35,10 @@ fn random_change(rng: &mut StdRng, view: &FleetView) -> FleetChange {
                 .take(3)
                 .map(|w| {
                     let load = Load { kv_used_blocks: Some(rng.random_range(0..1024)), ..Load::default() };
-                    (LoadKey { worker: w.key.clone(), dp_rank: w.dp_start_rank }, LoadSample { load, received_at: Instant::now() })
+                    (
+                        LoadKey { worker: w.key.clone(), dp_rank: w.dp_start_rank },
+                        LoadSample { load, received_at: Instant::now() },
+                    )
                 })
                 .collect();
             FleetChange { loads, ..Default::default() }
@@ -73,7 +79,10 @@ async fn eight_replicas_converge_after_ten_thousand_random_changes() -> anyhow::
     Ok(())
 }
 
-async fn open_watch(url: &str, replica_id: &str) -> anyhow::Result<(mpsc::Sender<pb::WatchRequest>, Streaming<pb::FleetUpdate>)> {
+async fn open_watch(
+    url: &str,
+    replica_id: &str,
+) -> anyhow::Result<(mpsc::Sender<pb::WatchRequest>, Streaming<pb::FleetUpdate>)> {
     let mut client = FleetClient::connect(url.to_string()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
     let (tx, rx) = mpsc::channel(16);
     let hello = pb::Hello { replica_id: replica_id.into(), version: None };
@@ -122,7 +131,8 @@ async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stay
     let expected = control.publisher.current();
     let mut resynced = false;
     while view.version() != expected.version() {
-        let update = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+        let update =
+            tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
         resynced |= is_snapshot(&update);
         view = fold(Some(view), update)?;
     }
@@ -145,7 +155,8 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     assert!(!is_snapshot(&delta));
     let nack = pb::Nack { version: delta.version, nonce: delta.nonce.clone(), reason: "test refuses it".into() };
     replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
-    let resync = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    let resync =
+        tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
     assert!(is_snapshot(&resync), "a refused delta is followed by a full snapshot");
     assert_eq!(resync.version, control.publisher.current().version());
     let nacks = control.metrics.replica_replies.with_label_values(&["nack"]).get();

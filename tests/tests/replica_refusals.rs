@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::model::{DataPlaneConfig, Load, LoadKey, LoadSample, WorkerKey};
-use continuum_proto::pb::{self, fleet_server::Fleet, fleet_server::FleetServer, fleet_update::Body, watch_request::Kind};
+use continuum_proto::pb::{
+    self, fleet_server::Fleet, fleet_server::FleetServer, fleet_update::Body, watch_request::Kind,
+};
 use continuum_proto::view::{FleetDelta, FleetView};
 use continuum_tests::{start_replicas, wait_for_version, worker};
 use tokio::net::TcpListener;
@@ -26,7 +28,10 @@ struct Scripted {
 impl Fleet for Scripted {
     type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
 
-    async fn watch(&self, request: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
+    async fn watch(
+        &self,
+        request: Request<Streaming<pb::WatchRequest>>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let (script, replies, next) = (self.script.clone(), self.replies.clone(), Arc::clone(&self.next));
@@ -61,12 +66,20 @@ impl Fleet for Scripted {
 fn snapshot(version: u64, ids: &[u64]) -> pb::FleetUpdate {
     let workers = ids.iter().map(|id| worker("dynamo", *id, "tiny"));
     let view = FleetView::new(version, workers, [], Arc::new(DataPlaneConfig::default())).unwrap_or_default();
-    pb::FleetUpdate { version, nonce: format!("s{version}"), body: Some(Body::Snapshot(snapshot_to_wire(&view, Instant::now()))) }
+    pb::FleetUpdate {
+        version,
+        nonce: format!("s{version}"),
+        body: Some(Body::Snapshot(snapshot_to_wire(&view, Instant::now()))),
+    }
 }
 
 fn delta(base: u64, version: u64, delta: FleetDelta) -> pb::FleetUpdate {
     let delta = FleetDelta { base_version: base, version, ..delta };
-    pb::FleetUpdate { version, nonce: format!("d{version}"), body: Some(Body::Delta(delta_to_wire(&delta, Instant::now()))) }
+    pb::FleetUpdate {
+        version,
+        nonce: format!("d{version}"),
+        body: Some(Body::Delta(delta_to_wire(&delta, Instant::now()))),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,12 +90,20 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
         // Based on a version the replica does not hold.
         delta(99, 100, FleetDelta { upserted: vec![worker("dynamo", 2, "tiny")], ..FleetDelta::default() }),
         // A sample for a worker the view does not have.
-        delta(10, 11, FleetDelta { loads: vec![(LoadKey { worker: WorkerKey::new("dynamo", 9), dp_rank: 0 }, sample)], ..FleetDelta::default() }),
+        delta(
+            10,
+            11,
+            FleetDelta {
+                loads: vec![(LoadKey { worker: WorkerKey::new("dynamo", 9), dp_rank: 0 }, sample)],
+                ..FleetDelta::default()
+            },
+        ),
         // No body at all.
         pb::FleetUpdate { version: 11, nonce: "empty".into(), body: None },
         // A worker without a role.
         {
-            let mut bad = delta(10, 11, FleetDelta { upserted: vec![worker("dynamo", 3, "tiny")], ..FleetDelta::default() });
+            let mut bad =
+                delta(10, 11, FleetDelta { upserted: vec![worker("dynamo", 3, "tiny")], ..FleetDelta::default() });
             if let Some(Body::Delta(d)) = bad.body.as_mut() {
                 d.upserted[0].role = pb::Role::Unspecified.into();
             }
@@ -106,7 +127,9 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
     let mut reasons = Vec::new();
     for expected_ack in [true, false, false, false, false, true] {
         next_tx.send(())?;
-        let reply = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await?.ok_or_else(|| anyhow::anyhow!("no reply"))?;
+        let reply = tokio::time::timeout(Duration::from_secs(10), replies.recv())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no reply"))?;
         match reply.kind {
             Some(Kind::Ack(ack)) => assert!(expected_ack, "acked {ack:?}"),
             Some(Kind::Nack(nack)) => {
@@ -124,7 +147,8 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
     assert!(reasons[3].contains("role is unspecified"), "{reasons:?}");
 
     wait_for_version(std::slice::from_ref(&replica), 12, Duration::from_secs(10)).await?;
-    let ids: Vec<u64> = replica.fleet.view().map(|v| v.workers().keys().map(|k| k.instance_id).collect()).unwrap_or_default();
+    let ids: Vec<u64> =
+        replica.fleet.view().map(|v| v.workers().keys().map(|k| k.instance_id).collect()).unwrap_or_default();
     assert_eq!(ids, [1, 4]);
     let refused = replica.metrics.updates.with_label_values(&["refused"]).get();
     assert_eq!(refused, 4);

@@ -42,7 +42,12 @@ async fn main() -> anyhow::Result<()> {
         ms(latency.max),
     );
     println!("{table}");
-    write_section("bench-discovery", "Discovery", "cargo run --release -p continuum-tests --bin bench-discovery", &table)
+    write_section(
+        "bench-discovery",
+        "Discovery",
+        "cargo run --release -p continuum-tests --bin bench-discovery",
+        &table,
+    )
 }
 
 #[derive(Debug)]
@@ -119,8 +124,10 @@ async fn put_to_replicas(iterations: usize) -> anyhow::Result<Quantiles> {
     let mut samples = Vec::with_capacity(iterations);
     for i in 0..iterations as u64 {
         let id = FIRST_LEASE + seeded + i;
-        let ops: Vec<TxnOp> =
-            decode_worker_records("dynamo", id, "Qwen/Qwen3-32B").into_iter().map(|(k, v)| TxnOp::put(k, v, None)).collect();
+        let ops: Vec<TxnOp> = decode_worker_records("dynamo", id, "Qwen/Qwen3-32B")
+            .into_iter()
+            .map(|(k, v)| TxnOp::put(k, v, None))
+            .collect();
         let start = Instant::now();
         client.txn(Txn::new().and_then(ops)).await?;
         wait_until_worker(&replicas, &WorkerKey::new("dynamo", id), Duration::from_secs(10)).await?;
