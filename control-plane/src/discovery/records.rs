@@ -18,7 +18,8 @@ pub const GENERATE_ENDPOINT: &str = "generate";
 #[derive(Clone, Debug, PartialEq)]
 pub enum Parsed {
     Endpoint(EndpointRecord),
-    Model(ModelRecord),
+    /// Boxed: a card is much larger than the other records.
+    Model(Box<ModelRecord>),
     Channel(ChannelRecord),
     Source(SourceRecord),
     /// Valid but not for the router (other endpoints, adapter cards, other topics): silent.
@@ -171,7 +172,7 @@ fn model(value: &[u8]) -> Result<Parsed, RecordError> {
         return Ok(Parsed::Skipped(Skip::AdapterCard));
     }
     let (component, endpoint) = (wire.component.unwrap_or_default(), wire.endpoint.unwrap_or_default());
-    Ok(Parsed::Model(ModelRecord { instance_id, component, endpoint, card }))
+    Ok(Parsed::Model(Box::new(ModelRecord { instance_id, component, endpoint, card })))
 }
 
 /// The key's scope and topic, or `None` for topics the router does not follow.
