@@ -20,6 +20,7 @@ pub mod pool;
 pub mod relay;
 mod respond;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -32,7 +33,7 @@ pub use budget::RetryBudget;
 pub use client::{SendError, ShimClient};
 pub use error::{DispatchError, Failure};
 pub use ledger::DispatchEnd;
-pub use pool::ShimReplica;
+pub use pool::{PoolCache, ShimPools, ShimReplica};
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
@@ -113,6 +114,7 @@ pub struct Dispatcher {
     settings: DispatchSettings,
     cursor: AtomicUsize,
     metrics: Metrics,
+    pools: PoolCache,
 }
 
 impl Dispatcher {
@@ -124,7 +126,13 @@ impl Dispatcher {
             settings,
             cursor: AtomicUsize::new(0),
             metrics,
+            pools: PoolCache::default(),
         }
+    }
+
+    /// The shim pools of `config`, resolved once per configuration.
+    pub fn pools(&self, config: &Arc<DataPlaneConfig>) -> Arc<ShimPools> {
+        self.pools.get(config)
     }
 
     /// Whether a request to `replica` would be let through now.

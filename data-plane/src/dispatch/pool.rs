@@ -1,6 +1,9 @@
 //! Which shim replicas may carry a request: a namespace's pool (`shim_pools` names backends,
 //! `backends` gives their URLs), or for unpinned routing the backends that list the model.
 
+use std::sync::Arc;
+
+use arc_swap::ArcSwapOption;
 use axum::http::Uri;
 use continuum_proto::model::DataPlaneConfig;
 
@@ -20,15 +23,60 @@ pub struct ShimReplica {
 }
 
 /// The replicas of `namespace`'s pool that have a dialable URL, in configuration order.
-pub fn namespace_pool(config: &DataPlaneConfig, namespace: &str) -> Vec<ShimReplica> {
+fn namespace_pool(config: &DataPlaneConfig, namespace: &str) -> Vec<ShimReplica> {
     let Some(pool) = config.shim_pools.iter().find(|p| p.namespace == namespace) else {
         return Vec::new();
     };
     pool.backends.iter().filter_map(|name| replica(config, name)).collect()
 }
 
+/// Every namespace's pool, resolved (URLs parsed) once per configuration rather than per request.
+#[derive(Debug, Default)]
+pub struct ShimPools {
+    pools: Vec<(String, Vec<ShimReplica>)>,
+}
+
+impl ShimPools {
+    pub fn resolve(config: &DataPlaneConfig) -> Self {
+        Self { pools: pooled_namespaces(config).map(|ns| (ns.to_string(), namespace_pool(config, ns))).collect() }
+    }
+
+    /// The namespaces with a pool and their replicas, in configuration order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &[ShimReplica])> {
+        self.pools.iter().map(|(ns, replicas)| (ns.as_str(), replicas.as_slice()))
+    }
+
+    pub fn pool(&self, namespace: &str) -> &[ShimReplica] {
+        self.iter().find(|(ns, _)| *ns == namespace).map_or(&[], |(_, replicas)| replicas)
+    }
+}
+
+/// The pools of the configuration in force, resolved again only when the configuration changes
+/// (a new `Arc` from the Fleet stream).
+#[derive(Debug, Default)]
+pub struct PoolCache {
+    current: ArcSwapOption<Resolved>,
+}
+
+#[derive(Debug)]
+struct Resolved {
+    config: Arc<DataPlaneConfig>,
+    pools: Arc<ShimPools>,
+}
+
+impl PoolCache {
+    pub fn get(&self, config: &Arc<DataPlaneConfig>) -> Arc<ShimPools> {
+        if let Some(resolved) = self.current.load().as_ref().filter(|r| Arc::ptr_eq(&r.config, config)) {
+            return Arc::clone(&resolved.pools);
+        }
+        let pools = Arc::new(ShimPools::resolve(config));
+        self.current.store(Some(Arc::new(Resolved { config: Arc::clone(config), pools: Arc::clone(&pools) })));
+        pools
+    }
+}
+
 /// The namespaces that have a shim pool, in configuration order.
-pub fn pooled_namespaces(config: &DataPlaneConfig) -> impl Iterator<Item = &str> {
+fn pooled_namespaces(config: &DataPlaneConfig) -> impl Iterator<Item = &str> {
     config.shim_pools.iter().map(|p| p.namespace.as_str())
 }
 
@@ -90,6 +138,17 @@ mod tests {
             }],
             ..DataPlaneConfig::default()
         }
+    }
+
+    #[test]
+    fn the_cache_resolves_again_only_for_a_new_configuration() {
+        let cache = PoolCache::default();
+        let first = Arc::new(config());
+        let pools = cache.get(&first);
+        assert!(Arc::ptr_eq(&pools, &cache.get(&first)), "same configuration, same resolution");
+        assert_eq!(pools.pool("a").to_vec(), namespace_pool(&first, "a"));
+        let second = Arc::new(config());
+        assert!(!Arc::ptr_eq(&pools, &cache.get(&second)));
     }
 
     #[test]

@@ -8,7 +8,7 @@ use continuum_proto::model::Role;
 use continuum_proto::view::FleetView;
 
 use super::request::ChatRequest;
-use crate::dispatch::pool::{namespace_pool, pooled_namespaces, serving_backends};
+use crate::dispatch::pool::{ShimPools, serving_backends};
 use crate::dispatch::{DispatchEnd, Pinned, Route};
 use crate::http::AppState;
 use crate::routing::picker::{PickRequest, estimate_prompt_tokens};
@@ -36,24 +36,25 @@ pub fn route(state: &AppState, view: &FleetView, request: &ChatRequest, now: Ins
         return Ok(Route::Unified { replicas });
     }
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
-    let usable = usable_namespaces(state, view, now);
+    let pools = state.dispatcher.pools(config);
+    let usable = usable_namespaces(state, &pools, now);
     let prompt_tokens = estimate_prompt_tokens(&request.body);
     let pick = PickRequest { model: display, prompt_tokens, namespaces: Some(&usable) };
     let Some(selection) = state.picker.pick(view, &pick, now) else {
         return Err(why_not(view, display, &usable, &request.model));
     };
-    let replicas = namespace_pool(config, &selection.namespace);
+    let replicas = pools.pool(&selection.namespace).to_vec();
     let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens);
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     Ok(Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }))
 }
 
 /// Namespaces whose pool has at least one replica a request would be let through to now.
-fn usable_namespaces(state: &AppState, view: &FleetView, now: Instant) -> Vec<String> {
-    let config = view.config();
-    pooled_namespaces(config)
-        .filter(|namespace| namespace_pool(config, namespace).iter().any(|r| state.dispatcher.usable(r, now)))
-        .map(str::to_string)
+fn usable_namespaces(state: &AppState, pools: &ShimPools, now: Instant) -> Vec<String> {
+    pools
+        .iter()
+        .filter(|(_, replicas)| replicas.iter().any(|r| state.dispatcher.usable(r, now)))
+        .map(|(namespace, _)| namespace.to_string())
         .collect()
 }
 
