@@ -15,6 +15,7 @@ use crate::config::Config;
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::gauges;
 use crate::grpc::{self, FleetService, Replicas};
+use crate::kv::{KvSupervisor, kv_options};
 use crate::load::{LoadOptions, LoadSupervisor};
 use crate::metrics::Metrics;
 use crate::sources::{DiscoverySupervisor, Registry, SourceError};
@@ -47,6 +48,7 @@ pub struct ControlPlane {
     config: Config,
     discovery: DiscoverySupervisor,
     load: LoadSupervisor,
+    kv: KvSupervisor,
     settings: watch::Sender<AdminSettings>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
@@ -91,10 +93,12 @@ impl ControlPlane {
             &metrics,
             cancel.child_token(),
         );
+        let kv = KvSupervisor::start(&config, kv_options(), registry.subscribe(), &metrics, cancel.child_token());
         let discovery = DiscoverySupervisor::start(&config, registry.clone(), metrics.clone(), cancel.clone())?;
         let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));
 
-        let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone());
+        let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone())
+            .with_kv(kv.handle());
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(error) = grpc::serve(grpc_listener, service, shutdown).await {
@@ -128,6 +132,7 @@ impl ControlPlane {
             config,
             discovery,
             load,
+            kv,
             settings,
             cancel,
             tasks,
@@ -140,6 +145,7 @@ impl ControlPlane {
     pub async fn reload(&mut self, config: Config) -> Result<(), ReloadError> {
         self.discovery.reload(&config).await?;
         self.load.reload(&config.dynamo.load);
+        self.kv.reload(&config).await;
         self.publisher
             .apply(FleetChange { config: Some(Arc::new(config.data_plane_config())), ..FleetChange::default() });
         for (what, old, new) in [
@@ -160,6 +166,7 @@ impl ControlPlane {
     pub async fn shutdown(mut self) {
         self.discovery.stop().await;
         self.load.stop().await;
+        self.kv.stop().await;
         self.cancel.cancel();
         for task in self.tasks {
             let _ = task.await;

@@ -7,6 +7,7 @@ pub mod discovery;
 pub mod fleet;
 pub mod gauges;
 pub mod grpc;
+pub mod kv;
 pub mod load;
 pub mod metrics;
 pub mod sources;

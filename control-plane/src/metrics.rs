@@ -4,6 +4,7 @@
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::config::LoadTransport;
+use crate::kv::KvEventResult;
 use crate::load::{LoadEvent, LoadGauges, SubscriptionState, transport_label};
 
 #[derive(Clone, Debug)]
@@ -42,6 +43,14 @@ pub struct Metrics {
     pub load_subscriptions: IntGaugeVec,
     /// Per-rank load fields, labelled `namespace`, `worker` (hex) and `dp_rank`.
     pub load_gauges: LoadGauges,
+    /// kv-events events (and refused messages and sessions) by `result` (see `kv::KvEventResult`).
+    pub kv_events: IntCounterVec,
+    /// Running kv-events subscriptions by `state` and `transport`.
+    pub kv_subscriptions: IntGaugeVec,
+    /// The KV index's size: `nodes`, `ownerships`, `ranks`, `bytes`.
+    pub kv_index: IntGaugeVec,
+    /// FindMatches calls by `result` (ok, disabled, too_many_hashes).
+    pub kv_find_matches: IntCounterVec,
 }
 
 impl Metrics {
@@ -103,14 +112,37 @@ impl Metrics {
                 &["state", "transport"],
             )?,
             load_gauges: LoadGauges::new()?,
+            kv_events: IntCounterVec::new(
+                Opts::new("continuum_dynamo_kv_events_total", "kv-events events, messages and sessions by result"),
+                &["result"],
+            )?,
+            kv_subscriptions: IntGaugeVec::new(
+                Opts::new(
+                    "continuum_dynamo_kv_subscriptions",
+                    "Running kv-events subscriptions by state and transport",
+                ),
+                &["state", "transport"],
+            )?,
+            kv_index: IntGaugeVec::new(
+                Opts::new("continuum_dynamo_kv_index", "Size of the KV radix index"),
+                &["what"],
+            )?,
+            kv_find_matches: IntCounterVec::new(
+                Opts::new("continuum_dynamo_kv_find_matches_total", "FindMatches calls by result"),
+                &["result"],
+            )?,
             registry,
         };
         for event in LoadEvent::ALL {
             metrics.load_events.with_label_values(&[event.as_str()]);
         }
+        for result in KvEventResult::ALL {
+            metrics.kv_events.with_label_values(&[result.as_str()]);
+        }
         for state in SubscriptionState::ALL {
             for transport in [LoadTransport::Direct, LoadTransport::Broker] {
                 metrics.load_subscriptions.with_label_values(&[state.as_str(), transport_label(transport)]);
+                metrics.kv_subscriptions.with_label_values(&[state.as_str(), transport_label(transport)]);
             }
         }
         for collector in [
@@ -132,6 +164,10 @@ impl Metrics {
             Box::new(metrics.load_gauges.active_decode_blocks.clone()),
             Box::new(metrics.load_gauges.active_prefill_tokens.clone()),
             Box::new(metrics.load_gauges.kv_used_blocks.clone()),
+            Box::new(metrics.kv_events.clone()),
+            Box::new(metrics.kv_subscriptions.clone()),
+            Box::new(metrics.kv_index.clone()),
+            Box::new(metrics.kv_find_matches.clone()),
         ] {
             metrics.registry.register(collector)?;
         }

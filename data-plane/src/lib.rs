@@ -5,6 +5,7 @@ pub mod dispatch;
 pub mod fleet;
 pub mod http;
 pub mod ingress;
+pub mod kv;
 pub mod metrics;
 pub mod replica;
 pub mod routing;

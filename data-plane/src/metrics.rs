@@ -7,6 +7,7 @@ use prometheus::{
 };
 
 use crate::fleet::FleetStatus;
+use crate::routing::picker::KvSelectionResult;
 
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -41,6 +42,11 @@ pub struct Metrics {
     /// Worker selections for shim dispatch, by `role` (prefill, decode) and `reason` (load,
     /// round_robin_stale, no_prefill_pool); see `routing::picker::Reason`.
     pub selections: IntCounterVec,
+    /// KV-aware selections by `result` (overlap, no_overlap, bypass, or why there was no KV
+    /// term); see `routing::picker::KvSelectionResult`.
+    pub kv_selections: IntCounterVec,
+    /// KV tokenizer artifact outcomes by `result`; see `kv::artifacts::ArtifactResult`.
+    pub kv_artifacts: IntCounterVec,
 }
 
 /// Where a shim dispatch failed: `orchestration` (the frontend refused the pinned pair) or
@@ -166,12 +172,26 @@ impl Metrics {
                 ),
                 &["role", "reason"],
             )?,
+            kv_selections: IntCounterVec::new(
+                Opts::new("continuum_dynamo_kv_selection_total", "KV-aware worker selections, by result"),
+                &["result"],
+            )?,
+            kv_artifacts: IntCounterVec::new(
+                Opts::new("continuum_dynamo_kv_artifacts_total", "KV tokenizer and template artifacts, by outcome"),
+                &["result"],
+            )?,
         };
         for phase in ErrorPhase::ALL {
             metrics.disaggregated_errors.with_label_values(&[phase.as_str()]);
         }
         for path in RoutingPath::ALL {
             metrics.disaggregated_requests.with_label_values(&[path.as_str()]);
+        }
+        for result in crate::kv::artifacts::ArtifactResult::ALL {
+            metrics.kv_artifacts.with_label_values(&[result.as_str()]);
+        }
+        for result in KvSelectionResult::ALL {
+            metrics.kv_selections.with_label_values(&[result.as_str()]);
         }
         for collector in [
             Box::new(metrics.stream_connected.clone()) as Box<dyn prometheus::core::Collector>,
@@ -188,6 +208,8 @@ impl Metrics {
             Box::new(metrics.shim_replica_state.clone()),
             Box::new(metrics.shim_retries.clone()),
             Box::new(metrics.selections.clone()),
+            Box::new(metrics.kv_selections.clone()),
+            Box::new(metrics.kv_artifacts.clone()),
         ] {
             metrics.registry.register(collector)?;
         }

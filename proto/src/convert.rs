@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::model::{
-    Backend, Backlog, Capacity, DataPlaneConfig, DisaggregatedServing, Load, LoadKey, LoadSample, PickerParams, Role,
-    ShimPool, Worker, WorkerKey,
+    Backend, Backlog, Capacity, CheckedFile, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, Load, LoadKey,
+    LoadSample, ModelArtifacts, PickerParams, Role, ShimPool, Worker, WorkerKey,
 };
 use crate::pb;
 use crate::view::{ApplyError, FleetDelta, FleetView};
@@ -95,6 +95,7 @@ impl TryFrom<pb::Worker> for Worker {
             dp_start_rank: worker.dp_start_rank,
             dp_size: worker.dp_size,
             disaggregated_endpoint: worker.disaggregated_endpoint,
+            artifacts: worker.artifacts.map(|a| Arc::new(artifacts_from_wire(a))),
         })
     }
 }
@@ -118,7 +119,26 @@ impl From<&Worker> for pb::Worker {
             dp_start_rank: worker.dp_start_rank,
             dp_size: worker.dp_size,
             disaggregated_endpoint: worker.disaggregated_endpoint.clone(),
+            artifacts: worker.artifacts.as_deref().map(artifacts_to_wire),
         }
+    }
+}
+
+fn artifacts_from_wire(a: pb::ModelArtifacts) -> ModelArtifacts {
+    let file = |f: pb::CheckedFile| CheckedFile { uri: f.uri, checksum: f.checksum, size: f.size };
+    ModelArtifacts {
+        tokenizer: a.tokenizer.map(file),
+        tokenizer_config: a.tokenizer_config.map(file),
+        chat_template: a.chat_template.map(file),
+    }
+}
+
+fn artifacts_to_wire(a: &ModelArtifacts) -> pb::ModelArtifacts {
+    let file = |f: &CheckedFile| pb::CheckedFile { uri: f.uri.clone(), checksum: f.checksum.clone(), size: f.size };
+    pb::ModelArtifacts {
+        tokenizer: a.tokenizer.as_ref().map(file),
+        tokenizer_config: a.tokenizer_config.as_ref().map(file),
+        chat_template: a.chat_template.as_ref().map(file),
     }
 }
 
@@ -189,10 +209,16 @@ impl TryFrom<pb::DataPlaneConfig> for DataPlaneConfig {
                 return Err(DecodeError::InvalidPicker { field, value: value.to_string() });
             }
         }
+        if let Some(threshold) = picker.decode_busy_threshold
+            && (!threshold.is_finite() || threshold < 0.0)
+        {
+            return Err(DecodeError::InvalidPicker { field: "decode_busy_threshold", value: threshold.to_string() });
+        }
         if picker.max_staleness_ms == 0 {
             return Err(DecodeError::InvalidPicker { field: "max_staleness_ms", value: "0".into() });
         }
         let disagg = config.disaggregated_serving.unwrap_or_default();
+        let kv = config.kv_artifacts.unwrap_or_default();
         Ok(DataPlaneConfig {
             backends: config
                 .backends
@@ -212,10 +238,18 @@ impl TryFrom<pb::DataPlaneConfig> for DataPlaneConfig {
                 prefill_load_scale: picker.prefill_load_scale,
                 router_temperature: picker.router_temperature,
                 send_token_data: picker.send_token_data,
+                conditional_disaggregation: picker.conditional_disaggregation,
+                decode_busy_threshold: picker.decode_busy_threshold,
             },
             disaggregated_serving: DisaggregatedServing {
                 enabled: disagg.enabled,
                 fallback_to_unified: disagg.fallback_to_unified,
+            },
+            kv_artifacts: KvArtifactPolicy {
+                pinned: kv.pinned,
+                allow_http: kv.allow_http,
+                allow_hf: kv.allow_hf,
+                cache_dir: kv.cache_dir,
             },
         })
     }
@@ -243,10 +277,18 @@ impl From<&DataPlaneConfig> for pb::DataPlaneConfig {
                 prefill_load_scale: p.prefill_load_scale,
                 router_temperature: p.router_temperature,
                 send_token_data: p.send_token_data,
+                conditional_disaggregation: p.conditional_disaggregation,
+                decode_busy_threshold: p.decode_busy_threshold,
             }),
             disaggregated_serving: Some(pb::DisaggregatedServing {
                 enabled: config.disaggregated_serving.enabled,
                 fallback_to_unified: config.disaggregated_serving.fallback_to_unified,
+            }),
+            kv_artifacts: Some(pb::KvArtifacts {
+                pinned: config.kv_artifacts.pinned.clone(),
+                allow_http: config.kv_artifacts.allow_http,
+                allow_hf: config.kv_artifacts.allow_hf,
+                cache_dir: config.kv_artifacts.cache_dir.clone(),
             }),
         }
     }

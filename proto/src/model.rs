@@ -79,6 +79,29 @@ pub struct Worker {
     /// 0 when the card declares no data parallelism; no rank header is sent then.
     pub dp_size: u32,
     pub disaggregated_endpoint: Option<String>,
+    /// The card's tokenizer and template files; `None` when the card names none.
+    pub artifacts: Option<Arc<ModelArtifacts>>,
+}
+
+/// A model card's CheckedFile: where a file is and the blake3 checksum it must have.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct CheckedFile {
+    /// A path, `file://`, `http(s)://` or `hf://` URI, as the card wrote it.
+    pub uri: String,
+    /// `blake3:<64 hex>`.
+    pub checksum: String,
+    pub size: u64,
+}
+
+/// The files a replica needs to render and tokenize prompts the way the workers do.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ModelArtifacts {
+    /// `tokenizer.hf_tokenizer_json`.
+    pub tokenizer: Option<CheckedFile>,
+    /// `prompt_formatter.hf_tokenizer_config_json`: the chat template and special tokens.
+    pub tokenizer_config: Option<CheckedFile>,
+    /// `chat_template_file.*`, when the template lives in its own file.
+    pub chat_template: Option<CheckedFile>,
 }
 
 impl Worker {
@@ -150,6 +173,10 @@ pub struct PickerParams {
     pub prefill_load_scale: f64,
     pub router_temperature: f64,
     pub send_token_data: bool,
+    /// `kv.conditional_disaggregation.enabled`: a decode worker may prefill locally.
+    pub conditional_disaggregation: bool,
+    /// Fraction of `total_kv_blocks` a decode worker may hold and still prefill locally.
+    pub decode_busy_threshold: Option<f64>,
 }
 
 impl Default for PickerParams {
@@ -161,6 +188,8 @@ impl Default for PickerParams {
             prefill_load_scale: 1.0,
             router_temperature: 0.0,
             send_token_data: false,
+            conditional_disaggregation: false,
+            decode_busy_threshold: None,
         }
     }
 }
@@ -179,4 +208,15 @@ pub struct DataPlaneConfig {
     pub model_map: BTreeMap<String, String>,
     pub picker: PickerParams,
     pub disaggregated_serving: DisaggregatedServing,
+    pub kv_artifacts: KvArtifactPolicy,
+}
+
+/// `dynamo.kv`'s artifact policy: what a replica may fetch, cache and load.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct KvArtifactPolicy {
+    /// Checksums (`blake3:<64 hex>`) the operator reviewed; nothing else is loaded.
+    pub pinned: Vec<String>,
+    pub allow_http: bool,
+    pub allow_hf: bool,
+    pub cache_dir: String,
 }

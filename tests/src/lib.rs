@@ -155,5 +155,6 @@ pub fn worker(namespace: &str, id: u64, model: &str) -> Arc<Worker> {
         dp_start_rank: 0,
         dp_size: u32::try_from(id % 3).unwrap_or(0),
         disaggregated_endpoint: None,
+        artifacts: None,
     })
 }

@@ -83,6 +83,7 @@ pub fn worker(id: u64, dp_size: u32) -> DiscoveredWorker {
             dp_start_rank: 0,
             dp_size,
             disaggregated_endpoint: None,
+            artifacts: None,
         },
         first_seen: SystemTime::UNIX_EPOCH,
         last_updated: SystemTime::UNIX_EPOCH,

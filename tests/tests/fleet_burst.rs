@@ -35,6 +35,7 @@ fn worker(id: u64) -> Arc<Worker> {
         dp_start_rank: 0,
         dp_size: 0,
         disaggregated_endpoint: None,
+        artifacts: None,
     })
 }
 

@@ -61,6 +61,13 @@ impl Fleet for Scripted {
     async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
         Err(Status::unimplemented("scripted"))
     }
+
+    async fn find_matches(
+        &self,
+        _: Request<pb::FindMatchesRequest>,
+    ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
 }
 
 fn snapshot(version: u64, ids: &[u64]) -> pb::FleetUpdate {

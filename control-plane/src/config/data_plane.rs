@@ -1,7 +1,7 @@
 //! Views derived from the configuration: the configured Dynamo namespaces and the part the
 //! data plane needs (streamed to every replica).
 
-use continuum_proto::model::{Backend, DataPlaneConfig, DisaggregatedServing, PickerParams, ShimPool};
+use continuum_proto::model::{Backend, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, PickerParams, ShimPool};
 
 use super::Config;
 use super::discovery::DiscoverySource;
@@ -58,6 +58,7 @@ impl Config {
             let pools = shim.pools.iter();
             pools.map(|p| ShimPool { namespace: p.namespace.clone(), backends: usable(&p.backends) }).collect()
         };
+        let kv = &self.dynamo.kv;
         DataPlaneConfig {
             backends,
             shim_pools,
@@ -66,6 +67,12 @@ impl Config {
             disaggregated_serving: DisaggregatedServing {
                 enabled: self.disaggregated_serving.enabled,
                 fallback_to_unified: self.disaggregated_serving.fallback_to_unified,
+            },
+            kv_artifacts: KvArtifactPolicy {
+                pinned: kv.pinned_artifacts.clone(),
+                allow_http: kv.allow_http_artifacts,
+                allow_hf: kv.allow_hf_artifacts,
+                cache_dir: kv.artifact_cache_dir.display().to_string(),
             },
         }
     }
@@ -80,6 +87,8 @@ impl Config {
             prefill_load_scale: kv.prefill_load_scale,
             router_temperature: kv.router_temperature,
             send_token_data: kv.send_token_data,
+            conditional_disaggregation: kv.conditional_disaggregation.enabled,
+            decode_busy_threshold: kv.conditional_disaggregation.decode_busy_threshold,
         }
     }
 }

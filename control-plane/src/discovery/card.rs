@@ -8,7 +8,7 @@
 use std::io;
 use std::sync::Arc;
 
-use continuum_proto::model::{Capacity, Role};
+use continuum_proto::model::{Capacity, CheckedFile, ModelArtifacts, Role};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
@@ -40,6 +40,33 @@ pub struct TypedCard {
     /// not state a serving limit (the 1.6.1 mocker writes `context_length: 0` beside 4096 here).
     pub architectural_max_context_length: Option<u64>,
     pub runtime_config: Option<RuntimeConfig>,
+    /// `{hf_tokenizer_json: CheckedFile}`.
+    pub tokenizer: Option<ArtifactSlot>,
+    /// `{hf_tokenizer_config_json: CheckedFile}`: the chat template and special tokens.
+    pub prompt_formatter: Option<ArtifactSlot>,
+    /// The chat template, when it lives in its own file.
+    pub chat_template_file: Option<ArtifactSlot>,
+}
+
+/// One of a card's artifact slots: an externally tagged enum (`{"hf_tokenizer_json": {..}}`)
+/// whose variant names differ per slot and per Dynamo version, so any tag is accepted and the
+/// first CheckedFile inside is taken.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ArtifactSlot(pub Option<CheckedFile>);
+
+impl<'de> Deserialize<'de> for ArtifactSlot {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        struct Record {
+            path: String,
+            checksum: String,
+            #[serde(default)]
+            size: u64,
+        }
+        let tagged = std::collections::BTreeMap::<String, Value>::deserialize(deserializer)?;
+        let file = tagged.into_values().find_map(|value| Record::deserialize(value).ok());
+        Ok(Self(file.map(|r| CheckedFile { uri: r.path, checksum: r.checksum, size: r.size })))
+    }
 }
 
 /// `card_json.runtime_config`.
@@ -105,6 +132,17 @@ impl Card {
                 .or(nonzero(self.typed.context_length))
                 .or(nonzero(self.typed.architectural_max_context_length)),
         }
+    }
+
+    /// The files a replica renders prompts with; `None` when the card names none.
+    pub fn artifacts(&self) -> Option<ModelArtifacts> {
+        let slot = |s: &Option<ArtifactSlot>| s.as_ref().and_then(|s| s.0.clone());
+        let artifacts = ModelArtifacts {
+            tokenizer: slot(&self.typed.tokenizer),
+            tokenizer_config: slot(&self.typed.prompt_formatter),
+            chat_template: slot(&self.typed.chat_template_file),
+        };
+        (artifacts != ModelArtifacts::default()).then_some(artifacts)
     }
 
     pub fn block_size(&self) -> Option<u32> {

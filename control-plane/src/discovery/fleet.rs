@@ -110,6 +110,12 @@ pub struct PublisherKey {
     pub publisher_id: u64,
 }
 
+impl Publisher {
+    pub fn key(&self) -> PublisherKey {
+        PublisherKey { namespace: self.namespace.clone(), publisher_id: self.publisher_id }
+    }
+}
+
 impl fmt::Display for PublisherKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}/{:x}", self.namespace, self.publisher_id)

@@ -7,6 +7,7 @@
 //! * A publisher is exactly one supported channel for its id; its event source, when exactly
 //!   one, gives the dp rank (and the worker, when the key had no lease).
 
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use continuum_proto::model::{Role, Worker, WorkerKey};
@@ -93,6 +94,7 @@ fn describe(key: &WorkerKey, instance: &EndpointRecord, card: Option<&Card>) -> 
         dp_start_rank: rc.and_then(|rc| rc.data_parallel_start_rank).unwrap_or(0),
         dp_size: rc.and_then(|rc| rc.data_parallel_size).unwrap_or(0),
         disaggregated_endpoint: rc.and_then(|rc| rc.disaggregated_endpoint.clone()),
+        artifacts: card.and_then(Card::artifacts).map(Arc::new),
     };
     (worker, excluded)
 }

@@ -108,6 +108,7 @@ mod tests {
             dp_start_rank: 0,
             dp_size: 0,
             disaggregated_endpoint: None,
+            artifacts: None,
         })
     }
 

@@ -1,4 +1,5 @@
-//! The `continuum.fleet.v1.Fleet` service: admits Watch streams and answers GetSnapshot.
+//! The `continuum.fleet.v1.Fleet` service: admits Watch streams, answers GetSnapshot, and looks
+//! up KV prefix overlap for FindMatches.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +15,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use crate::fleet::{BacklogBook, FleetPublisher};
+use crate::kv::{KvHandle, MAX_FIND_MATCHES_HASHES};
 use crate::metrics::Metrics;
 
 /// How long a new stream may take to send its Hello.
@@ -53,13 +55,19 @@ pub struct FleetService {
     /// Ends every session, so a graceful shutdown is not held open by long-lived streams.
     shutdown: CancellationToken,
     book: BacklogBook,
+    kv: KvHandle,
 }
 
 impl FleetService {
     /// The service, with its fleet-wide dispatch book (a task that lives until `shutdown`).
     pub fn new(publisher: FleetPublisher, replicas: Replicas, metrics: Metrics, shutdown: CancellationToken) -> Self {
         let book = BacklogBook::spawn(publisher.clone(), metrics.dispatches_refused.clone(), shutdown.clone());
-        Self { publisher, replicas, metrics, shutdown, book }
+        Self { publisher, replicas, metrics, shutdown, book, kv: KvHandle::default() }
+    }
+
+    /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
+    pub fn with_kv(self, kv: KvHandle) -> Self {
+        Self { kv, ..self }
     }
 
     /// The first message of a stream must be a Hello naming the replica.
@@ -130,5 +138,35 @@ impl Fleet for FleetService {
     async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
         let state = self.publisher.current();
         Ok(Response::new(snapshot_to_wire(state.view(), Instant::now())))
+    }
+
+    async fn find_matches(
+        &self,
+        request: Request<pb::FindMatchesRequest>,
+    ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+        let hashes = request.into_inner().block_hashes;
+        let count = |result: &str| self.metrics.kv_find_matches.with_label_values(&[result]).inc();
+        if hashes.len() > MAX_FIND_MATCHES_HASHES {
+            count("too_many_hashes");
+            return Err(Status::invalid_argument(format!(
+                "{} block hashes; at most {MAX_FIND_MATCHES_HASHES} are looked up",
+                hashes.len()
+            )));
+        }
+        let Some(matches) = self.kv.find_matches(&hashes) else {
+            count("disabled");
+            return Err(Status::failed_precondition("the KV index is off: dynamo.kv.enabled is false"));
+        };
+        count("ok");
+        let overlaps = matches
+            .as_slice()
+            .iter()
+            .map(|(rank, blocks)| pb::RankOverlap {
+                instance_id: rank.worker_id,
+                dp_rank: rank.dp_rank,
+                blocks: *blocks,
+            })
+            .collect();
+        Ok(Response::new(pb::FindMatchesResponse { overlaps }))
     }
 }

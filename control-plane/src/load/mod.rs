@@ -2,10 +2,12 @@
 //! publisher sends whenever its load changes.
 //!
 //! * [`zmtp`]: a bounded ZMTP 3.x SUB client (every ceiling is in its header).
-//! * [`decode`]: Dynamo's 4-frame message and msgpack envelope into a sample.
+//! * [`envelope`]: Dynamo's 4-frame message and msgpack envelope (kv-events shares it).
+//! * [`decode`]: a kv_metrics payload into a sample.
 //! * [`store`]: the latest sample per (worker, dp rank), staleness, and the quiet reading.
-//! * `subscription`: one task per publisher (dial, session, reconnect with backoff).
-//! * [`supervisor`]: follows the registry, admits at most 1,024 subscriptions, reloads.
+//! * [`subscription`]: one task per publisher (dial, session, reconnect with backoff), generic
+//!   over the [`Feed`] its messages go to; `feed` is the kv_metrics one.
+//! * [`supervisor`]: follows the registry, admits at most 1,024 subscriptions per feed, reloads.
 //! * [`events`], `gauges`, `status`: what is counted and exported.
 //!
 //! Samples go from the store through the fleet's `LoadCoalescer` to the data-plane replicas,
@@ -14,17 +16,23 @@
 mod backoff;
 pub mod decode;
 pub mod dial;
+pub mod envelope;
 pub mod events;
+mod feed;
 mod gauges;
 mod status;
 pub mod store;
-mod subscription;
+pub mod subscription;
 pub mod supervisor;
 pub mod zmtp;
 
 pub use backoff::{Backoff, RECONNECT_INITIAL, RECONNECT_MAX, STABLE_SESSION};
 pub use events::LoadEvent;
+pub use feed::live_ranks;
 pub use gauges::LoadGauges;
 pub use status::{SubscriptionState, SubscriptionStatus, transport_label};
 pub use store::{HeldSample, LoadStore, MAX_LOAD_ENTRIES, Reading, SharedLoadStore};
-pub use supervisor::{LoadOptions, LoadSupervisor, LoadView, MAX_LOAD_SUBSCRIPTIONS, STOP_GRACE, Subscriptions};
+pub use subscription::{DialPolicy, Dropped, Feed, Refusal};
+pub use supervisor::{
+    LoadOptions, LoadSupervisor, LoadView, MAX_LOAD_SUBSCRIPTIONS, STOP_GRACE, Subscriptions, Supervisor, dial_policy,
+};

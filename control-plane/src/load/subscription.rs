@@ -1,46 +1,74 @@
-//! One kv_metrics subscription: a task that dials its publisher, runs a bounded ZMTP session,
-//! and hands each decoded sample to the load store and on to the replicas, until cancelled.
+//! One publisher subscription: a task that dials its publisher, runs a bounded ZMTP session,
+//! and hands each message to its [`Feed`] (kv_metrics → the load store, kv-events → the KV
+//! index), until cancelled.
 //!
-//! Lifecycle: `connecting` → `connected` (the publisher's held samples are dropped, since
-//! changes may have been missed while away) → on any failure `backoff` with full jitter →
+//! Lifecycle: `connecting` → `connected` (the feed forgets what the publisher told it before,
+//! since changes may have been missed while away) → on any failure `backoff` with full jitter →
 //! `connecting` again. Under `transport: broker`, which this build cannot carry, it stays
 //! `pending` and never dials directly.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use continuum_proto::model::{LoadKey, LoadSample, WorkerKey};
-use prometheus::IntCounterVec;
+use prometheus::IntGaugeVec;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::Backoff;
-use super::decode::{KV_METRICS_TOPIC, KvMetrics, decode_kv_metrics};
 use super::dial::{self, DialError};
-use super::events::LoadEvent;
 use super::status::{SubscriptionState, SubscriptionStatus};
-use super::store::SharedLoadStore;
-use super::zmtp::{Dropped, Incoming, ZmtpError, ZmtpLimits, ZmtpSubscriber};
+use super::zmtp::{Incoming, Message, ZmtpError, ZmtpLimits, ZmtpSubscriber};
 use crate::config::{Cidr, LoadTransport};
-use crate::discovery::{Publisher, PublisherKey};
-use crate::fleet::LoadCoalescer;
+use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 
-/// What every subscription shares.
+pub use super::zmtp::Dropped;
+
+/// Why a session was refused by us or broke a bound, for the feed to count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The publisher broke ZMTP or a transport bound, or announced an unusable address.
+    Transport,
+    /// The publisher's address resolves only outside the direct-dial allow-list.
+    NotAllowed,
+}
+
+/// What subscriptions of one topic do with their publishers' streams.
+pub trait Feed: Send + Sync + 'static {
+    /// Per-session state (message order), reset on every connection.
+    type Session: Default + Send;
+
+    /// The discovery topic this feed subscribes to; its name is the ZMTP subscription prefix.
+    fn topic(&self) -> Topic;
+    /// `continuum_dynamo_{load,kv}_subscriptions{state, transport}`.
+    fn gauge(&self) -> &IntGaugeVec;
+    /// A session connected: what the publisher said before may be missing changes.
+    fn connected(&self, publisher: &Publisher) -> impl Future<Output = ()> + Send;
+    /// One received message, or one the transport dropped unread.
+    fn message(
+        &self,
+        publisher: &Publisher,
+        session: &mut Self::Session,
+        message: Result<Message<'_>, Dropped>,
+    ) -> impl Future<Output = ()> + Send;
+    /// The session ended (or, under `transport: broker`, never started). What the publisher
+    /// said is kept: a reconnect or a staleness rule decides its fate.
+    fn disconnected(&self, _publisher: &Publisher) {}
+    /// A session was refused; counted under the feed's own labels.
+    fn refused(&self, refusal: Refusal);
+    /// The publisher's subscription stopped for good (departed, replaced or restarted).
+    fn departed(&self, publisher: &PublisherKey) -> impl Future<Output = ()> + Send;
+    /// A new registry generation: only its workers and ranks may be held.
+    fn set_live(&self, fleet: &Fleet) -> impl Future<Output = ()> + Send;
+}
+
+/// What every subscription of one feed shares.
 #[derive(Debug)]
-pub struct SubscriptionContext {
-    pub store: SharedLoadStore,
-    pub sink: LoadCoalescer,
-    /// `continuum_dynamo_load_events_total{result}`.
-    pub events: IntCounterVec,
+pub struct SubscriptionContext<F> {
+    pub feed: F,
     pub limits: ZmtpLimits,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
     pub stable_session: Duration,
-}
-
-impl SubscriptionContext {
-    fn count(&self, event: LoadEvent) {
-        self.events.with_label_values(&[event.as_str()]).inc();
-    }
 }
 
 /// How subscriptions reach their publishers; a change restarts them all.
@@ -60,8 +88,8 @@ enum SessionEnd {
 }
 
 /// Runs the subscription until `cancel` fires.
-pub async fn run(
-    ctx: Arc<SubscriptionContext>,
+pub async fn run<F: Feed>(
+    ctx: Arc<SubscriptionContext<F>>,
     publisher: Publisher,
     policy: DialPolicy,
     status: Arc<SubscriptionStatus>,
@@ -70,6 +98,7 @@ pub async fn run(
     if policy.transport == LoadTransport::Broker {
         // No event-bus carrier in this build: wait, never fall back to dialling directly.
         status.set(SubscriptionState::Pending);
+        ctx.feed.disconnected(&publisher);
         cancel.cancelled().await;
         return;
     }
@@ -82,7 +111,8 @@ pub async fn run(
             () = cancel.cancelled() => return,
             ended = session(&ctx, &publisher, &policy, &status) => ended,
         };
-        report(&ctx, &publisher, &ended);
+        ctx.feed.disconnected(&publisher);
+        report(&ctx.feed, &publisher, &ended);
         backoff.session_ended(started.elapsed(), ctx.stable_session);
         status.set(SubscriptionState::Backoff);
         tokio::select! {
@@ -93,28 +123,29 @@ pub async fn run(
     }
 }
 
-fn report(ctx: &SubscriptionContext, publisher: &Publisher, ended: &SessionEnd) {
+fn report<F: Feed>(feed: &F, publisher: &Publisher, ended: &SessionEnd) {
     let id = publisher.publisher_id;
     let namespace = publisher.namespace.as_ref();
+    let topic = feed.topic().as_str();
     match ended {
         SessionEnd::Zmtp(error) if error.is_violation() => {
-            ctx.count(LoadEvent::TransportRefused);
-            tracing::warn!(publisher_id = id, namespace, %error, "kv_metrics publisher refused; reconnecting with backoff");
+            feed.refused(Refusal::Transport);
+            tracing::warn!(publisher_id = id, namespace, topic, %error, "publisher refused; reconnecting with backoff");
         }
         SessionEnd::Dial(error @ DialError::NotAllowed(_)) => {
-            ctx.count(LoadEvent::NotAllowed);
-            tracing::warn!(publisher_id = id, namespace, %error, "kv_metrics publisher not dialled");
+            feed.refused(Refusal::NotAllowed);
+            tracing::warn!(publisher_id = id, namespace, topic, %error, "publisher not dialled");
         }
         SessionEnd::Dial(error @ DialError::BadAddress) => {
-            ctx.count(LoadEvent::TransportRefused);
-            tracing::warn!(publisher_id = id, namespace, %error, "kv_metrics publisher not dialled");
+            feed.refused(Refusal::Transport);
+            tracing::warn!(publisher_id = id, namespace, topic, %error, "publisher not dialled");
         }
-        _ => tracing::debug!(publisher_id = id, namespace, error = %ended, "kv_metrics session ended"),
+        _ => tracing::debug!(publisher_id = id, namespace, topic, error = %ended, "session ended"),
     }
 }
 
-async fn session(
-    ctx: &SubscriptionContext,
+async fn session<F: Feed>(
+    ctx: &SubscriptionContext<F>,
     publisher: &Publisher,
     policy: &DialPolicy,
     status: &SubscriptionStatus,
@@ -125,95 +156,24 @@ async fn session(
     }
 }
 
-async fn connected_session(
-    ctx: &SubscriptionContext,
+async fn connected_session<F: Feed>(
+    ctx: &SubscriptionContext<F>,
     publisher: &Publisher,
     policy: &DialPolicy,
     status: &SubscriptionStatus,
 ) -> Result<std::convert::Infallible, SessionEnd> {
     let stream = dial::dial(&publisher.address, policy.allow.as_deref(), ctx.limits.connect_timeout).await?;
-    let mut session = ZmtpSubscriber::handshake(stream, ctx.limits, KV_METRICS_TOPIC.as_bytes()).await?;
+    let topic = ctx.feed.topic().as_str();
+    let mut session = ZmtpSubscriber::handshake(stream, ctx.limits, topic.as_bytes()).await?;
     status.set(SubscriptionState::Connected);
-    let key = PublisherKey { namespace: publisher.namespace.clone(), publisher_id: publisher.publisher_id };
-    let dropped = ctx.store.lock().drop_publisher(&key);
-    ctx.sink.remove(dropped).await;
-    let mut order = StreamOrder::default();
+    ctx.feed.connected(publisher).await;
+    let mut state = F::Session::default();
     loop {
         status.note_buffer(session.message_capacity().0);
-        let decoded = match session.recv().await? {
-            Incoming::Dropped(reason) => Err(dropped_event(reason)),
-            Incoming::Message(message) => {
-                decode_kv_metrics((0..message.len()).filter_map(|i| message.frame(i)), publisher.publisher_id)
-            }
+        let message = match session.recv().await? {
+            Incoming::Dropped(reason) => Err(reason),
+            Incoming::Message(message) => Ok(message),
         };
-        let outcome = decoded.and_then(|m| accept(ctx, publisher, &key, &mut order, m));
-        match outcome {
-            Ok(accepted) => {
-                ctx.sink.remove(accepted.removed).await;
-                if let Some((key, sample)) = accepted.sample {
-                    ctx.sink.submit(key, sample).await;
-                }
-            }
-            Err(event) => ctx.count(event),
-        }
-    }
-}
-
-fn dropped_event(reason: Dropped) -> LoadEvent {
-    match reason {
-        Dropped::Oversized => LoadEvent::Oversized,
-        Dropped::TooManyFrames => LoadEvent::Malformed,
-        Dropped::TopicTooLong => LoadEvent::TopicMismatch,
-    }
-}
-
-/// The highest sequence seen on this connection: at or below it is a duplicate, past the next
-/// one is a gap. Reset on every connection, since the stream starts wherever the publisher is.
-#[derive(Debug, Default)]
-struct StreamOrder {
-    last: Option<u64>,
-}
-
-struct Accepted {
-    /// Keys whose samples the store dropped (a gap), for the replicas.
-    removed: Vec<LoadKey>,
-    sample: Option<(LoadKey, LoadSample)>,
-}
-
-/// Orders, checks and stores one decoded sample; an `Err` is the label it is counted under.
-fn accept(
-    ctx: &SubscriptionContext,
-    publisher: &Publisher,
-    key: &PublisherKey,
-    order: &mut StreamOrder,
-    m: KvMetrics,
-) -> Result<Accepted, LoadEvent> {
-    if publisher.worker.as_ref().is_some_and(|w| w.instance_id != m.worker_id) {
-        return Err(LoadEvent::IdentityMismatch);
-    }
-    let gap = match order.last {
-        Some(last) if m.sequence <= last => return Err(LoadEvent::Duplicate),
-        Some(last) => m.sequence > last + 1,
-        None => false,
-    };
-    order.last = Some(m.sequence);
-    let load_key = LoadKey { worker: WorkerKey::new(publisher.namespace.clone(), m.worker_id), dp_rank: m.dp_rank };
-    let now = std::time::Instant::now();
-    let mut store = ctx.store.lock();
-    let removed = if gap {
-        ctx.count(LoadEvent::SequenceGap);
-        store.drop_publisher(key)
-    } else {
-        Vec::new()
-    };
-    match store.apply(load_key.clone(), key, m.sequence, m.load, now) {
-        Ok(sample) => {
-            ctx.count(LoadEvent::Applied);
-            Ok(Accepted { removed, sample: Some((load_key, sample)) })
-        }
-        Err(event) => {
-            ctx.count(event);
-            Ok(Accepted { removed, sample: None })
-        }
+        ctx.feed.message(publisher, &mut state, message).await;
     }
 }

@@ -1,32 +1,30 @@
-//! The load supervisor: one actor task that follows the registry's generations and runs one
-//! subscription task per admitted kv_metrics publisher.
+//! Subscription supervisors: one actor task per feed (kv_metrics, kv-events) that follows the
+//! registry's generations and runs one subscription task per admitted publisher of its topic.
 //!
-//! * Every generation: the store's live gate is replaced (`set_live_and_retain`), departed or
+//! * Every generation: the feed's live gate is replaced (`Feed::set_live`), departed or
 //!   changed publishers' tasks are cancelled together (each gets [`STOP_GRACE`], then is
-//!   aborted) and their held samples dropped, and new publishers' tasks start.
+//!   aborted) and what they held dropped (`Feed::departed`), and new publishers' tasks start.
 //! * Admission: at most [`MAX_LOAD_SUBSCRIPTIONS`] run, the lowest publisher ids first, so a
 //!   fleet cannot exhaust the process's file descriptors; when some go, the next are admitted.
 //! * Reload: `max_staleness` applies at once; a `transport` or `direct_allow_cidrs` change
 //!   restarts only the subscriptions (each drops its samples when it connects again).
 
-use std::collections::{BTreeMap, HashMap};
-use std::ops::Range;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use continuum_proto::model::WorkerKey;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::{RECONNECT_INITIAL, RECONNECT_MAX, STABLE_SESSION};
-use super::decode::KV_METRICS_TOPIC;
+use super::feed::LoadFeed;
 use super::status::SubscriptionStatus;
 use super::store::{LoadStore, SharedLoadStore};
-use super::subscription::{self, DialPolicy, SubscriptionContext};
+use super::subscription::{self, DialPolicy, Feed, SubscriptionContext};
 use super::zmtp::ZmtpLimits;
 use crate::config::{LoadConfig, LoadTransport};
-use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
+use crate::discovery::{Fleet, Publisher, PublisherKey};
 use crate::fleet::{FleetPublisher, LOAD_COALESCE_WINDOW, LoadCoalescer};
 use crate::metrics::Metrics;
 use crate::sources::Generation;
@@ -60,20 +58,6 @@ impl Default for LoadOptions {
     }
 }
 
-/// The reloadable part of `dynamo.load`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Settings {
-    policy: DialPolicy,
-    max_staleness: Duration,
-}
-
-impl From<&LoadConfig> for Settings {
-    fn from(config: &LoadConfig) -> Self {
-        let allow = config.allow_cidrs().map(Arc::from);
-        Self { policy: DialPolicy { transport: config.transport, allow }, max_staleness: config.max_staleness }
-    }
-}
-
 /// The running subscriptions, for the admin API.
 pub type Subscriptions = Arc<[Arc<SubscriptionStatus>]>;
 
@@ -90,12 +74,11 @@ impl LoadView {
     }
 }
 
+/// The kv_metrics subscriptions and the store they fill.
 #[derive(Debug)]
 pub struct LoadSupervisor {
-    settings: watch::Sender<Settings>,
-    view: LoadView,
-    cancel: CancellationToken,
-    task: Option<JoinHandle<()>>,
+    subscriptions: Supervisor,
+    store: SharedLoadStore,
 }
 
 impl LoadSupervisor {
@@ -108,49 +91,84 @@ impl LoadSupervisor {
         metrics: &Metrics,
         cancel: CancellationToken,
     ) -> Self {
-        let settings = Settings::from(config);
         let mut store = LoadStore::new(Some(metrics.load_gauges.clone()));
-        store.set_max_staleness(settings.max_staleness);
+        store.set_max_staleness(config.max_staleness);
         let store = SharedLoadStore::new(store);
-        let ctx = Arc::new(SubscriptionContext {
+        let feed = LoadFeed {
             store: store.clone(),
             sink: LoadCoalescer::spawn(publisher, LOAD_COALESCE_WINDOW, cancel.clone()),
             events: metrics.load_events.clone(),
+            gauge: metrics.load_subscriptions.clone(),
+        };
+        let subscriptions = Supervisor::start(feed, dial_policy(config), options, registry, cancel);
+        Self { subscriptions, store }
+    }
+
+    /// Applies a reloaded `dynamo.load`: staleness at once, a dial policy change restarts
+    /// the subscriptions (each drops its samples when it connects again).
+    pub fn reload(&self, config: &LoadConfig) {
+        self.store.lock().set_max_staleness(config.max_staleness);
+        self.subscriptions.set_policy(dial_policy(config));
+    }
+
+    pub fn view(&self) -> LoadView {
+        LoadView { store: self.store.clone(), subscriptions: self.subscriptions.statuses() }
+    }
+
+    /// Stops every subscription (concurrently, with the grace) and the supervisor.
+    pub async fn stop(&mut self) {
+        self.subscriptions.stop().await;
+    }
+}
+
+pub fn dial_policy(config: &LoadConfig) -> DialPolicy {
+    DialPolicy { transport: config.transport, allow: config.allow_cidrs().map(Arc::from) }
+}
+
+/// One actor task running a subscription per admitted publisher of a feed's topic.
+#[derive(Debug)]
+pub struct Supervisor {
+    policy: watch::Sender<DialPolicy>,
+    statuses: watch::Receiver<Subscriptions>,
+    cancel: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Supervisor {
+    pub fn start<F: Feed>(
+        feed: F,
+        policy: DialPolicy,
+        options: LoadOptions,
+        registry: watch::Receiver<Arc<Generation>>,
+        cancel: CancellationToken,
+    ) -> Self {
+        let ctx = Arc::new(SubscriptionContext {
+            feed,
             limits: options.limits,
             backoff_initial: options.backoff_initial,
             backoff_max: options.backoff_max,
             stable_session: options.stable_session,
         });
-        let (statuses, subscriptions) = watch::channel(Subscriptions::from(Vec::new()));
-        let (settings_tx, settings_rx) = watch::channel(settings.clone());
-        let actor = Actor {
-            ctx,
-            options,
-            settings,
-            gauge: metrics.load_subscriptions.clone(),
-            running: BTreeMap::new(),
-            statuses,
-            over_cap: 0,
-        };
-        let task = tokio::spawn(actor.run(registry, settings_rx, cancel.clone()));
-        Self { settings: settings_tx, view: LoadView { store, subscriptions }, cancel, task: Some(task) }
+        let (statuses_tx, statuses) = watch::channel(Subscriptions::from(Vec::new()));
+        let (policy_tx, policy_rx) = watch::channel(policy.clone());
+        let actor = Actor { ctx, options, policy, running: BTreeMap::new(), statuses: statuses_tx, over_cap: 0 };
+        let task = tokio::spawn(actor.run(registry, policy_rx, cancel.clone()));
+        Self { policy: policy_tx, statuses, cancel, task: Some(task) }
     }
 
-    /// Applies a reloaded `dynamo.load`.
-    pub fn reload(&self, config: &LoadConfig) {
-        let new = Settings::from(config);
-        self.settings.send_if_modified(|held| {
+    /// A changed dial policy restarts every subscription under it.
+    pub fn set_policy(&self, new: DialPolicy) {
+        self.policy.send_if_modified(|held| {
             let changed = *held != new;
             *held = new;
             changed
         });
     }
 
-    pub fn view(&self) -> LoadView {
-        self.view.clone()
+    pub fn statuses(&self) -> watch::Receiver<Subscriptions> {
+        self.statuses.clone()
     }
 
-    /// Stops every subscription (concurrently, with the grace) and the supervisor.
     pub async fn stop(&mut self) {
         self.cancel.cancel();
         if let Some(task) = self.task.take() {
@@ -169,22 +187,21 @@ struct Running {
     task: JoinHandle<()>,
 }
 
-struct Actor {
-    ctx: Arc<SubscriptionContext>,
+struct Actor<F> {
+    ctx: Arc<SubscriptionContext<F>>,
     options: LoadOptions,
-    settings: Settings,
-    gauge: prometheus::IntGaugeVec,
+    policy: DialPolicy,
     running: BTreeMap<AdmissionKey, Running>,
     statuses: watch::Sender<Subscriptions>,
     /// Publishers left out by the cap at the last reconcile, to log changes only.
     over_cap: usize,
 }
 
-impl Actor {
+impl<F: Feed> Actor<F> {
     async fn run(
         mut self,
         mut registry: watch::Receiver<Arc<Generation>>,
-        mut settings: watch::Receiver<Settings>,
+        mut policy: watch::Receiver<DialPolicy>,
         cancel: CancellationToken,
     ) {
         let mut registry_open = true;
@@ -199,10 +216,10 @@ impl Actor {
                         stop_all(all, self.options.stop_grace).await;
                         return;
                     }
-                    changed = settings.changed() => {
+                    changed = policy.changed() => {
                         if changed.is_ok() {
-                            let new = settings.borrow_and_update().clone();
-                            self.apply_settings(new, &generation.fleet).await;
+                            let new = policy.borrow_and_update().clone();
+                            self.apply_policy(new, &generation.fleet).await;
                         }
                     }
                     changed = registry.changed(), if registry_open => {
@@ -215,8 +232,7 @@ impl Actor {
     }
 
     async fn reconcile(&mut self, fleet: &Fleet) {
-        let evicted = self.ctx.store.lock().set_live_and_retain(live_ranks(fleet));
-        self.ctx.sink.remove(evicted).await;
+        self.ctx.feed.set_live(fleet).await;
         let admitted = self.admitted(fleet);
         let stale: Vec<AdmissionKey> = self
             .running
@@ -228,8 +244,7 @@ impl Actor {
         let departed: Vec<PublisherKey> = stopping.iter().map(|r| r.status.publisher.clone()).collect();
         stop_all(stopping, self.options.stop_grace).await;
         for publisher in departed {
-            let dropped = self.ctx.store.lock().drop_publisher(&publisher);
-            self.ctx.sink.remove(dropped).await;
+            self.ctx.feed.departed(&publisher).await;
         }
         for (key, publisher) in admitted {
             if !self.running.contains_key(&key) {
@@ -240,12 +255,13 @@ impl Actor {
         self.publish_statuses();
     }
 
-    /// The kv_metrics publishers to run, lowest ids first, at most the cap.
+    /// The feed's publishers to run, lowest ids first, at most the cap.
     fn admitted<'a>(&mut self, fleet: &'a Fleet) -> BTreeMap<AdmissionKey, &'a Publisher> {
+        let topic = self.ctx.feed.topic();
         let all: BTreeMap<AdmissionKey, &Publisher> = fleet
             .publishers
             .iter()
-            .filter(|p| p.topic == Topic::KvMetrics)
+            .filter(|p| p.topic == topic)
             .map(|p| ((p.publisher_id, p.namespace.clone()), p))
             .collect();
         let over_cap = all.len().saturating_sub(self.options.max_subscriptions);
@@ -256,42 +272,40 @@ impl Actor {
                 tracing::warn!(
                     cap,
                     left_out = over_cap,
-                    "more kv_metrics publishers than subscriptions allowed; the highest publisher ids read as quiet"
+                    topic = topic.as_str(),
+                    "more publishers than subscriptions allowed; the highest publisher ids are not subscribed"
                 );
             }
         }
         all.into_iter().take(self.options.max_subscriptions).collect()
     }
 
-    async fn apply_settings(&mut self, new: Settings, fleet: &Fleet) {
-        if new.max_staleness != self.settings.max_staleness {
-            self.ctx.store.lock().set_max_staleness(new.max_staleness);
+    async fn apply_policy(&mut self, new: DialPolicy, fleet: &Fleet) {
+        if new == self.policy {
+            return;
         }
-        let restart = new.policy != self.settings.policy;
-        self.settings = new;
-        if restart {
-            tracing::info!(transport = ?self.settings.policy.transport, "restarting kv_metrics subscriptions under the new dial policy");
-            let all = std::mem::take(&mut self.running).into_values().collect();
-            stop_all(all, self.options.stop_grace).await;
-            self.reconcile(fleet).await;
-        }
+        self.policy = new;
+        let topic = self.ctx.feed.topic().as_str();
+        tracing::info!(transport = ?self.policy.transport, topic, "restarting subscriptions under the new dial policy");
+        let all = std::mem::take(&mut self.running).into_values().collect();
+        stop_all(all, self.options.stop_grace).await;
+        self.reconcile(fleet).await;
     }
 
     fn spawn(&self, publisher: Publisher) -> Running {
-        let key = PublisherKey { namespace: publisher.namespace.clone(), publisher_id: publisher.publisher_id };
-        let transport: LoadTransport = self.settings.policy.transport;
+        let transport: LoadTransport = self.policy.transport;
         let status = Arc::new(SubscriptionStatus::new(
-            KV_METRICS_TOPIC,
-            key,
+            self.ctx.feed.topic().as_str(),
+            publisher.key(),
             publisher.component.clone(),
             transport,
-            self.gauge.clone(),
+            self.ctx.feed.gauge().clone(),
         ));
         let cancel = CancellationToken::new();
         let task = tokio::spawn(subscription::run(
             Arc::clone(&self.ctx),
             publisher.clone(),
-            self.settings.policy.clone(),
+            self.policy.clone(),
             Arc::clone(&status),
             cancel.clone(),
         ));
@@ -313,24 +327,12 @@ async fn stop_all(subscriptions: Vec<Running>, grace: Duration) {
     futures::future::join_all(subscriptions.into_iter().map(|running| async move {
         let mut task = running.task;
         if tokio::time::timeout(grace, &mut task).await.is_err() {
-            tracing::warn!(publisher = %running.status.publisher, "kv_metrics subscription did not stop within {grace:?}; aborting it");
+            tracing::warn!(publisher = %running.status.publisher, "subscription did not stop within {grace:?}; aborting it");
             task.abort();
             let _ = task.await;
         }
     }))
     .await;
-}
-
-/// The ranks each discovered worker serves: the store's admission gate.
-fn live_ranks(fleet: &Fleet) -> HashMap<WorkerKey, Range<u32>> {
-    fleet
-        .workers
-        .iter()
-        .map(|w| {
-            let start = w.worker.dp_start_rank;
-            (w.worker.key.clone(), start..start.saturating_add(w.worker.dp_size.max(1)))
-        })
-        .collect()
 }
 
 #[cfg(test)]

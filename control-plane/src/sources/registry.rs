@@ -107,6 +107,7 @@ mod tests {
             dp_start_rank: 0,
             dp_size: 0,
             disaggregated_endpoint: None,
+            artifacts: None,
         };
         let now = SystemTime::now();
         (key, DiscoveredWorker { worker, first_seen: now, last_updated: now, card: None, excluded: None })

@@ -29,6 +29,7 @@ pub fn static_fleet(config: &StaticDiscoveryConfig, now: SystemTime) -> Fleet {
                         dp_start_rank: w.dp_start_rank,
                         dp_size: w.dp_size,
                         disaggregated_endpoint: None,
+                        artifacts: None,
                     },
                     first_seen: now,
                     last_updated: now,

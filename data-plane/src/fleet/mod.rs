@@ -1,10 +1,13 @@
-//! The data plane's copy of the fleet, fed by the control plane's Watch stream.
+//! The data plane's copy of the fleet, fed by the control plane's Watch stream, and its KV
+//! overlap lookups.
 
 mod backoff;
 mod client;
 mod handle;
+mod matches;
 mod reporter;
 
 pub use client::{FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
 pub use handle::{FleetHandle, FleetStatus};
+pub use matches::{FIND_MATCHES_DEADLINE, MatchesClient, MatchesError, RankOverlap};
 pub use reporter::{DispatchEvent, DispatchReporter, MAX_REPORT_BATCH, REPORT_QUEUE};

@@ -18,6 +18,7 @@ fn worker(id: u64, dp_size: u32) -> Arc<Worker> {
         dp_start_rank: 0,
         dp_size,
         disaggregated_endpoint: None,
+        artifacts: None,
     })
 }
 

@@ -47,6 +47,7 @@ pub fn worker(id: u64, role: Role, model: &str, dp_size: u32) -> Arc<Worker> {
         dp_start_rank: 0,
         dp_size,
         disaggregated_endpoint: None,
+        artifacts: None,
     })
 }
 

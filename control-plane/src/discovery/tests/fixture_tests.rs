@@ -1,7 +1,9 @@
 //! The real 1.6.1 captures: a disaggregated pair (prefill + decode registered as `backend`)
 //! and an aggregated worker with two dp ranks.
 
-use continuum_proto::model::{Capacity, Role, Worker, WorkerKey};
+use std::sync::Arc;
+
+use continuum_proto::model::{Capacity, CheckedFile, ModelArtifacts, Role, Worker, WorkerKey};
 
 use super::super::{EventKind, Fleet, Publisher, Reducer, Topic, WatchEvent};
 use super::fixtures::{dump, instance_id, watch};
@@ -26,6 +28,25 @@ fn tiny(id: u64, role: Role, component: &str, total_kv_blocks: u64, dp_size: u32
         dp_start_rank: 0,
         dp_size,
         disaggregated_endpoint: None,
+        artifacts: Some(Arc::new(tiny_artifacts())),
+    }
+}
+
+/// The CheckedFile slots every 1.6.1 tiny card carries (the mocker's `--model-path`).
+fn tiny_artifacts() -> ModelArtifacts {
+    let file = |name: &str, checksum: &str, size| CheckedFile {
+        uri: format!("/tmp/dynpeer/tinymodel/{name}"),
+        checksum: format!("blake3:{checksum}"),
+        size,
+    };
+    ModelArtifacts {
+        tokenizer: Some(file("tokenizer.json", "4b790d1231b2081593931289dcc9559ead3dd4d6df27357da278e0c93ec60884", 252_970)),
+        tokenizer_config: Some(file(
+            "tokenizer_config.json",
+            "27b8fcaa163eb33d9b725dace88912192dd40899d37f80fa4343ea37539b4772",
+            472,
+        )),
+        chat_template: None,
     }
 }
 

@@ -16,6 +16,7 @@ fn state_with(dp_size: u32) -> FleetState {
         dp_start_rank: 0,
         dp_size,
         disaggregated_endpoint: None,
+        artifacts: None,
     });
     let state = FleetState::new(1, Arc::new(DataPlaneConfig::default()));
     match state.commit(FleetChange { upsert: vec![worker], ..FleetChange::default() }) {

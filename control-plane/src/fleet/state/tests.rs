@@ -17,6 +17,7 @@ fn worker(id: u64, model: &str) -> Arc<Worker> {
         dp_start_rank: 0,
         dp_size: 0,
         disaggregated_endpoint: None,
+        artifacts: None,
     })
 }
 

@@ -1,12 +1,14 @@
 //! Stopping subscriptions: concurrently, each within the grace.
 
 use super::*;
+use crate::config::LoadTransport;
 use crate::discovery::PublisherKey;
+use crate::discovery::Topic;
 
 fn running(id: u64, task: JoinHandle<()>, cancel: CancellationToken) -> Running {
     let gauge = prometheus::IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap();
     let key = PublisherKey { namespace: "dynamo".into(), publisher_id: id };
-    let status = Arc::new(SubscriptionStatus::new(KV_METRICS_TOPIC, key, None, LoadTransport::Direct, gauge));
+    let status = Arc::new(SubscriptionStatus::new("kv_metrics", key, None, LoadTransport::Direct, gauge));
     let publisher = Publisher {
         publisher_id: id,
         namespace: "dynamo".into(),

@@ -127,6 +127,7 @@ fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role) -> Discovere
         dp_start_rank: 0,
         dp_size: 0,
         disaggregated_endpoint: None,
+        artifacts: None,
     };
     DiscoveredWorker { worker, first_seen: now, last_updated: now, card: None, excluded: None }
 }

@@ -81,7 +81,7 @@ pub(super) fn standing(phase: Phase, sample: Option<&LoadSample>, max_staleness:
 
 /// The phase's backlog field; `active_decode_blocks` falls back to `kv_used_blocks` when nil
 /// (dynamo.vllm and the mocker fill only the latter).
-fn phase_load(phase: Phase, load: &Load) -> Option<u64> {
+pub(super) fn phase_load(phase: Phase, load: &Load) -> Option<u64> {
     match phase {
         Phase::Prefill => load.active_prefill_tokens,
         Phase::Decode => load.active_decode_blocks.or(load.kv_used_blocks),

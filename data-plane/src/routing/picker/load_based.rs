@@ -1,6 +1,7 @@
 //! The default picker: the seed's load-only costs over the fleet view's samples plus the
-//! unanswered dispatches (this replica's ledger, joined with the fleet-wide backlogs). Per-phase round-robin cursors rotate ties and stand in for
-//! costs when the load stream tells nothing.
+//! unanswered dispatches (this replica's ledger, joined with the fleet-wide backlogs).
+//! Per-phase round-robin cursors rotate ties and stand in for costs when the load stream tells
+//! nothing. The KV-aware picker reuses its rank states, cursors and counters.
 //!
 //! Graph-local: decode candidates of every eligible namespace compete together; the prefill
 //! worker is then chosen within the decode winner's namespace.
@@ -16,12 +17,19 @@ use prometheus::IntCounterVec;
 
 use super::candidates::{self, Candidate};
 use super::cost::{self, CostInputs, Phase, Scored, Standing};
-use super::ledger::DispatchLedger;
+use super::ledger::{DispatchLedger, RankBacklog};
 use super::{PickRequest, Picker, Reason, Selection};
 
 /// Round-robin cursors held at once. Models and namespaces come from the fleet, so the map is
 /// bounded; past the bound it starts over, which only resets rotation.
 pub const MAX_CURSORS: usize = 4096;
+
+/// One candidate rank as the load stream and the unanswered dispatches leave it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RankState<'v> {
+    pub sample: Option<&'v LoadSample>,
+    pub unanswered: RankBacklog,
+}
 
 #[derive(Debug)]
 pub struct LoadBasedPicker {
@@ -44,6 +52,27 @@ impl LoadBasedPicker {
         &self.ledger
     }
 
+    /// Each candidate's last sample and what its unanswered dispatches add to it: this
+    /// replica's ledger joined with the fleet-wide backlogs, under one ledger acquisition.
+    pub(super) fn ranks<'v>(&self, view: &'v FleetView, candidates: &[Candidate], now: Instant) -> Vec<RankState<'v>> {
+        let samples: Vec<Option<&LoadSample>> = candidates.iter().map(|c| view.loads().get(&c.load_key())).collect();
+        let queries: Vec<_> = candidates
+            .iter()
+            .zip(&samples)
+            .map(|(c, sample)| (c.pin().rank_key(), sample.map(|s| s.received_at)))
+            .collect();
+        let local = self.ledger.backlogs(&queries, now);
+        candidates
+            .iter()
+            .zip(samples)
+            .zip(local)
+            .map(|((c, sample), local)| RankState {
+                sample,
+                unanswered: local.with_fleet(view.backlogs().get(&c.load_key())),
+            })
+            .collect()
+    }
+
     /// The candidates a phase's cursor chooses among, and why.
     fn contenders(
         &self,
@@ -54,37 +83,27 @@ impl LoadBasedPicker {
         now: Instant,
     ) -> (Reason, Vec<usize>) {
         let max_staleness = view.config().picker.max_staleness;
-        let samples: Vec<Option<&LoadSample>> = candidates.iter().map(|c| view.loads().get(&c.load_key())).collect();
-        let queries: Vec<_> = candidates
-            .iter()
-            .zip(&samples)
-            .map(|(c, sample)| (c.pin().rank_key(), sample.map(|s| s.received_at)))
-            .collect();
-        let local = self.ledger.backlogs(&queries, now);
-        let unanswered =
-            candidates.iter().zip(local).map(|(c, local)| local.with_fleet(view.backlogs().get(&c.load_key())));
         let scored: Vec<Scored> = candidates
             .iter()
-            .zip(samples)
-            .zip(unanswered)
-            .map(|((candidate, sample), unanswered)| {
-                let standing = cost::standing(phase, sample, max_staleness, now);
+            .zip(self.ranks(view, candidates, now))
+            .map(|(candidate, rank)| {
+                let standing = cost::standing(phase, rank.sample, max_staleness, now);
                 let inputs = CostInputs {
                     capacity: &candidate.worker.capacity,
                     block_size: candidate.worker.block_size,
                     prompt_tokens,
                     standing,
-                    unanswered,
+                    unanswered: rank.unanswered,
                 };
                 let fresh = matches!(standing, Standing::Fresh(_));
-                Scored { cost: cost::cost(phase, &inputs), fresh, stalled: unanswered.stalled }
+                Scored { cost: cost::cost(phase, &inputs), fresh, stalled: rank.unanswered.stalled }
             })
             .collect();
         cost::contenders(&scored)
     }
 
     /// One candidate of `candidates`, chosen by the phase's cursor among the contenders.
-    fn choose<'c>(
+    pub(super) fn choose<'c>(
         &self,
         view: &FleetView,
         phase: Phase,
@@ -102,7 +121,8 @@ impl LoadBasedPicker {
         Some((chosen, reason))
     }
 
-    fn advance(&self, cursor: impl Hash) -> usize {
+    /// The cursor's current turn, moving it on: successive calls with one cursor rotate.
+    pub(super) fn advance(&self, cursor: impl Hash) -> usize {
         let mut hasher = DefaultHasher::new();
         cursor.hash(&mut hasher);
         let key = hasher.finish();
@@ -116,7 +136,8 @@ impl LoadBasedPicker {
         current
     }
 
-    fn count(&self, role: &str, reason: Reason) {
+    /// Counts a selection on `continuum_dynamo_selection_total{role, reason}`.
+    pub(super) fn count(&self, role: &str, reason: Reason) {
         // A counter built with other labels only loses the count; selection goes on.
         if let Ok(counter) = self.selections.get_metric_with_label_values(&[role, reason.as_str()]) {
             counter.inc();

@@ -8,6 +8,7 @@
 mod candidates;
 mod cost;
 mod estimate;
+mod kv_aware;
 mod ledger;
 mod load_based;
 
@@ -19,6 +20,10 @@ use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_proto::view::FleetView;
 
 pub use estimate::estimate_prompt_tokens;
+pub use kv_aware::{
+    CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD, KvAwarePicker, KvSelectionResult, KvTerm,
+    Overlaps,
+};
 pub use ledger::{
     DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, RankBacklog, STALL_AFTER, STALL_MIN_BLOCKS,
     UNANSWERED_FOR, dispatch_block_size,
@@ -51,6 +56,11 @@ pub enum Reason {
     RoundRobinStale,
     /// No prefill worker: an aggregated decode winner, or a namespace without a prefill pool.
     NoPrefillPool,
+    /// The KV-aware formula (overlap credit plus load) chose the worker.
+    KvAware,
+    /// Conditional disaggregation: the chosen decode worker prefills the request itself, so no
+    /// prefill worker is pinned.
+    ConditionalBypass,
 }
 
 impl Reason {
@@ -59,6 +69,8 @@ impl Reason {
             Reason::Load => "load",
             Reason::RoundRobinStale => "round_robin_stale",
             Reason::NoPrefillPool => "no_prefill_pool",
+            Reason::KvAware => "kv_aware",
+            Reason::ConditionalBypass => "conditional_bypass",
         }
     }
 }
@@ -80,7 +92,8 @@ pub struct Selection {
     /// `None` for an aggregated decode worker or a namespace without prefill workers.
     pub prefill: Option<Pin>,
     pub decode_reason: Reason,
-    /// The load-based picker always sets it: `NoPrefillPool` when `prefill` is `None`.
+    /// The pickers always set it: `NoPrefillPool` when `prefill` is `None`, or
+    /// `ConditionalBypass` when the decode worker prefills locally (`prefill` is `None` too).
     pub prefill_reason: Option<Reason>,
 }
 

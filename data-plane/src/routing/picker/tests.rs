@@ -28,6 +28,7 @@ fn worker(namespace: &str, id: u64, role: Role) -> Worker {
         dp_start_rank: 0,
         dp_size: 0,
         disaggregated_endpoint: None,
+        artifacts: None,
     }
 }
 

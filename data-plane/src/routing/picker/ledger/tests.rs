@@ -178,6 +178,7 @@ fn block_size_comes_from_the_decode_worker_card() {
             dp_start_rank: 0,
             dp_size: 0,
             disaggregated_endpoint: None,
+            artifacts: None,
         })
     };
     let view = FleetView::new(

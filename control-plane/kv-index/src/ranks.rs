@@ -1,0 +1,173 @@
+//! Ranks and what each holds: the lookup from a rank's engine block hashes to tree nodes.
+//!
+//! A `RankKey` is interned to a dense `u32` so owner lists stay 4 bytes an owner; ids of ranks
+//! that hold nothing any more are released and reused. A rank's lookup is a table of 16-byte
+//! entries (engine hash, node). Two engine hashes of one rank may name the same node (the same
+//! tokens under another salt, or an engine that re-hashes); the rare extra references are
+//! counted on the side so the common entry stays small.
+
+use std::collections::HashMap;
+
+use hashbrown::HashTable;
+
+use crate::hash::Mixer;
+
+/// One data-parallel rank of one worker: the unit that owns KV blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RankKey {
+    /// The worker's instance id.
+    pub worker_id: u64,
+    /// The data-parallel rank within the worker (0 without data parallelism).
+    pub dp_rank: u32,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    block_hash: u64,
+    node: u32,
+}
+
+#[derive(Debug)]
+pub(crate) struct Rank {
+    pub(crate) key: RankKey,
+    held: HashTable<Held>,
+    /// Nodes this rank reaches through more than one engine hash, and how many more.
+    extra_refs: HashMap<u32, u32>,
+}
+
+impl Rank {
+    pub(crate) fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    pub(crate) fn node_of(&self, mixer: &Mixer, block_hash: u64) -> Option<u32> {
+        self.held.find(mixer.one(block_hash), |h| h.block_hash == block_hash).map(|h| h.node)
+    }
+
+    /// Points `block_hash` at `node` and returns the node it named before, if any.
+    pub(crate) fn hold(&mut self, mixer: &Mixer, block_hash: u64, node: u32) -> Option<u32> {
+        let hash = mixer.one(block_hash);
+        match self.held.find_mut(hash, |h| h.block_hash == block_hash) {
+            Some(held) => Some(std::mem::replace(&mut held.node, node)),
+            None => {
+                self.held.insert_unique(hash, Held { block_hash, node }, |h| mixer.one(h.block_hash));
+                None
+            }
+        }
+    }
+
+    pub(crate) fn release(&mut self, mixer: &Mixer, block_hash: u64) -> Option<u32> {
+        let entry = self.held.find_entry(mixer.one(block_hash), |h| h.block_hash == block_hash).ok()?;
+        Some(entry.remove().0.node)
+    }
+
+    pub(crate) fn add_extra_ref(&mut self, node: u32) {
+        *self.extra_refs.entry(node).or_default() += 1;
+    }
+
+    /// Drops one extra reference to `node`; false when none was left (the rank's last reference).
+    pub(crate) fn drop_extra_ref(&mut self, node: u32) -> bool {
+        if self.extra_refs.is_empty() {
+            return false;
+        }
+        let Some(refs) = self.extra_refs.get_mut(&node) else { return false };
+        *refs -= 1;
+        if *refs == 0 {
+            self.extra_refs.remove(&node);
+        }
+        true
+    }
+
+    pub(crate) fn nodes(&self) -> impl Iterator<Item = u32> + '_ {
+        self.held.iter().map(|h| h.node)
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.held.allocation_size() + self.extra_refs.capacity() * (size_of::<(u32, u32)>() + 1)
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Ranks {
+    ids: HashMap<RankKey, u32>,
+    slots: Vec<Option<Rank>>,
+    free: Vec<u32>,
+}
+
+impl Ranks {
+    pub(crate) fn id(&self, key: RankKey) -> Option<u32> {
+        self.ids.get(&key).copied()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// The id of `key`, interning it if new. Ids are bounded by the ownership ceiling: a rank
+    /// is interned only to hold a block and released when it holds none.
+    pub(crate) fn intern(&mut self, key: RankKey) -> u32 {
+        if let Some(id) = self.id(key) {
+            return id;
+        }
+        let rank = Rank { key, held: HashTable::new(), extra_refs: HashMap::new() };
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.slots[id as usize] = Some(rank);
+                id
+            }
+            None => {
+                self.slots.push(Some(rank));
+                u32::try_from(self.slots.len() - 1).unwrap_or(u32::MAX)
+            }
+        };
+        self.ids.insert(key, id);
+        id
+    }
+
+    /// Forgets `id` and hands back what it held.
+    pub(crate) fn take(&mut self, id: u32) -> Option<Rank> {
+        let rank = self.slots.get_mut(id as usize)?.take()?;
+        self.ids.remove(&rank.key);
+        self.free.push(id);
+        Some(rank)
+    }
+
+    /// One more than the highest id in use (ids are dense, reused after release).
+    pub(crate) fn id_bound(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub(crate) fn get(&self, id: u32) -> Option<&Rank> {
+        self.slots.get(id as usize)?.as_ref()
+    }
+
+    pub(crate) fn get_mut(&mut self, id: u32) -> Option<&mut Rank> {
+        self.slots.get_mut(id as usize)?.as_mut()
+    }
+
+    pub(crate) fn key(&self, id: u32) -> Option<RankKey> {
+        self.get(id).map(|r| r.key)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u32, &Rank)> {
+        self.slots.iter().enumerate().filter_map(|(id, r)| Some((id as u32, r.as_ref()?)))
+    }
+
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.ids.capacity() * (size_of::<(RankKey, u32)>() + 1)
+            + self.slots.capacity() * size_of::<Option<Rank>>()
+            + self.free.capacity() * size_of::<u32>()
+            + self.iter().map(|(_, r)| r.heap_bytes()).sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+impl Rank {
+    pub(crate) fn extra_refs(&self, node: u32) -> u32 {
+        self.extra_refs.get(&node).copied().unwrap_or(0)
+    }
+
+    pub(crate) fn extra_refs_total(&self) -> usize {
+        self.extra_refs.values().map(|n| *n as usize).sum()
+    }
+}

@@ -1,0 +1,234 @@
+use super::{chain, engine, rank, sorted, tiny};
+use crate::{KvIndex, KvResult, Limits, RankKey, StoredBlock};
+
+#[test]
+fn scores_are_contiguous_prefixes_from_the_root() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &chain(&[10, 11, 12, 13]));
+    index.apply_stored(rank(2), None, &chain(&[10, 11]));
+    index.apply_stored(rank(3), None, &chain(&[20]));
+    // Rank 4 holds blocks 0, 1 and 3 of the request: it scores 2.
+    index.apply_stored(rank(4), None, &chain(&[10, 11, 12, 13]));
+    index.apply_removed(rank(4), &[engine(12)]);
+    index.check_invariants();
+
+    let matches = index.find_matches(&[10, 11, 12, 13, 14]);
+    assert_eq!(matches.as_slice().last(), Some(&(rank(1), 4)));
+    assert!(matches.as_slice().windows(2).all(|w| w[0].1 <= w[1].1), "ascending order");
+    assert_eq!(sorted(&index, &[10, 11, 12, 13, 14]), vec![(rank(1), 4), (rank(2), 2), (rank(4), 2)]);
+    assert_eq!(matches.best(), 4);
+    assert_eq!(matches.score(rank(3)), 0);
+    assert!(index.find_matches(&[11, 12]).is_empty(), "no match that does not start at the root");
+    assert!(index.find_matches(&[]).is_empty());
+}
+
+#[test]
+fn a_chain_can_continue_under_a_held_parent() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &chain(&[1, 2]));
+    let outcome = index.apply_stored(rank(1), Some(engine(2)), &chain(&[3, 4]));
+    assert_eq!(outcome.get(KvResult::Applied), 2);
+    assert_eq!(sorted(&index, &[1, 2, 3, 4]), vec![(rank(1), 4)]);
+    index.check_invariants();
+}
+
+#[test]
+fn unknown_parent_refuses_the_whole_event() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &chain(&[1, 2]));
+    // Another rank's block is not a parent for this one.
+    let outcome = index.apply_stored(rank(2), Some(engine(2)), &chain(&[3, 4]));
+    assert_eq!((outcome.get(KvResult::UnknownParent), outcome.blocks()), (2, 2));
+    assert_eq!(outcome.summary(), Some(KvResult::UnknownParent));
+    let outcome = index.apply_stored(rank(1), Some(999), &chain(&[3]));
+    assert_eq!(outcome.get(KvResult::UnknownParent), 1);
+    let stats = index.stats();
+    assert_eq!((stats.nodes, stats.ownerships, stats.ranks), (2, 2, 1));
+    index.check_invariants();
+}
+
+#[test]
+fn storing_the_same_chain_twice_is_idempotent() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &chain(&[1, 2, 3]));
+    let before = index.stats();
+    let outcome = index.apply_stored(rank(1), None, &chain(&[1, 2, 3]));
+    assert_eq!((outcome.get(KvResult::Duplicate), outcome.blocks()), (3, 3));
+    assert_eq!(index.stats(), before);
+    // One remove undoes the store: duplicates did not add references.
+    index.apply_removed(rank(1), &[engine(3)]);
+    assert_eq!(sorted(&index, &[1, 2, 3]), vec![(rank(1), 2)]);
+    index.check_invariants();
+}
+
+#[test]
+fn two_engine_hashes_for_one_node_keep_it_until_both_are_removed() {
+    let mut index = KvIndex::default();
+    let salted = |b: u64, t: u64| StoredBlock { block_hash: b, tokens_hash: t };
+    index.apply_stored(rank(1), None, &[salted(100, 1)]);
+    let outcome = index.apply_stored(rank(1), None, &[salted(200, 1)]);
+    assert_eq!(outcome.get(KvResult::Applied), 1);
+    assert_eq!((index.stats().ownerships, index.stats().nodes), (2, 1));
+    index.apply_removed(rank(1), &[100]);
+    assert_eq!(sorted(&index, &[1]), vec![(rank(1), 1)], "still held through hash 200");
+    index.check_invariants();
+    index.apply_removed(rank(1), &[200]);
+    assert!(index.find_matches(&[1]).is_empty());
+    assert_eq!(index.stats().nodes, 0);
+    index.check_invariants();
+}
+
+#[test]
+fn an_engine_hash_stored_under_another_prefix_moves() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &[StoredBlock { block_hash: 5, tokens_hash: 1 }]);
+    index.apply_stored(rank(1), None, &[StoredBlock { block_hash: 5, tokens_hash: 2 }]);
+    assert_eq!(sorted(&index, &[2]), vec![(rank(1), 1)]);
+    assert!(index.find_matches(&[1]).is_empty(), "the old node was released and freed");
+    assert_eq!((index.stats().nodes, index.stats().ownerships), (1, 1));
+    index.check_invariants();
+}
+
+#[test]
+fn removing_frees_empty_chains_up_to_a_shared_parent() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &chain(&[1, 2, 3]));
+    index.apply_stored(rank(2), None, &chain(&[1, 9]));
+    let outcome = index.apply_removed(rank(1), &[engine(3), engine(2), engine(1), 12345]);
+    assert_eq!((outcome.get(KvResult::Applied), outcome.get(KvResult::UnknownBlock)), (3, 1));
+    assert_eq!(index.stats().nodes, 2, "node 1 survives for rank 2, nodes 2 and 3 are freed");
+    assert_eq!(index.rank_blocks(rank(1)), 0);
+    assert_eq!(index.stats().ranks, 1, "a rank holding nothing is forgotten");
+    let outcome = index.apply_removed(rank(7), &[1, 2]);
+    assert_eq!(outcome.get(KvResult::UnknownBlock), 2);
+    index.check_invariants();
+}
+
+#[test]
+fn removing_a_middle_block_keeps_its_descendants_as_parents() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &chain(&[1, 2, 3]));
+    index.apply_removed(rank(1), &[engine(2)]);
+    assert_eq!(sorted(&index, &[1, 2, 3]), vec![(rank(1), 1)]);
+    let outcome = index.apply_stored(rank(1), Some(engine(3)), &chain(&[4]));
+    assert_eq!(outcome.get(KvResult::Applied), 1);
+    index.check_invariants();
+}
+
+#[test]
+fn clear_and_retain_drop_whole_ranks() {
+    let mut index = KvIndex::default();
+    for w in 0..4 {
+        let r = RankKey { worker_id: w / 2, dp_rank: (w % 2) as u32 };
+        index.apply_stored(r, None, &chain(&[1, 2, 100 + w]));
+    }
+    assert_eq!(index.clear_rank(RankKey { worker_id: 0, dp_rank: 1 }), 3);
+    assert_eq!(index.clear_rank(RankKey { worker_id: 0, dp_rank: 1 }), 0);
+    index.check_invariants();
+    assert_eq!(index.retain_ranks(|r| r.worker_id != 1), 2);
+    let mut left: Vec<_> = index.ranks().collect();
+    left.sort();
+    assert_eq!(left, vec![RankKey { worker_id: 0, dp_rank: 0 }]);
+    assert_eq!(index.stats().nodes, 3);
+    index.check_invariants();
+    index.retain_ranks(|_| false);
+    assert_eq!(index.stats(), crate::IndexStats { heap_bytes: index.stats().heap_bytes, ..Default::default() });
+    index.check_invariants();
+}
+
+#[test]
+fn hashes_above_i64_max_work() {
+    let mut index = KvIndex::default();
+    let big = [u64::MAX, u64::MAX - 1, (i64::MAX as u64) + 1];
+    let blocks: Vec<_> = big.iter().map(|&t| StoredBlock { block_hash: t, tokens_hash: t }).collect();
+    index.apply_stored(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, None, &blocks);
+    index.apply_stored(rank(2), Some(u64::MAX), &[]);
+    let outcome = index.apply_stored(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, Some(u64::MAX - 1), &chain(&[5]));
+    assert_eq!(outcome.get(KvResult::Applied), 1);
+    assert_eq!(sorted(&index, &big), vec![(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, 3)]);
+    index.apply_removed(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, &[u64::MAX]);
+    assert!(index.find_matches(&big).is_empty());
+    index.check_invariants();
+}
+
+#[test]
+fn node_ceiling_refuses_the_rest_of_the_chain() {
+    let mut index = KvIndex::new(tiny(3, 100, 100, 100));
+    let outcome = index.apply_stored(rank(1), None, &chain(&[1, 2, 3, 4, 5]));
+    assert_eq!((outcome.get(KvResult::Applied), outcome.get(KvResult::OverCapacity)), (3, 2));
+    // A neighbour can still share existing nodes, but not add one.
+    let outcome = index.apply_stored(rank(2), None, &chain(&[1, 2, 9]));
+    assert_eq!((outcome.get(KvResult::Applied), outcome.get(KvResult::OverCapacity)), (2, 1));
+    assert_eq!(sorted(&index, &[1, 2, 3, 4]), vec![(rank(1), 3), (rank(2), 2)]);
+    assert_eq!(index.stats().nodes, 3);
+    index.check_invariants();
+    // Freeing a node makes room again.
+    index.apply_removed(rank(1), &[engine(3)]);
+    assert_eq!(index.apply_stored(rank(2), Some(engine(2)), &chain(&[9])).get(KvResult::Applied), 1);
+    index.check_invariants();
+}
+
+#[test]
+fn per_rank_ceiling_leaves_other_ranks_alone() {
+    let mut index = KvIndex::new(tiny(100, 2, 100, 100));
+    let outcome = index.apply_stored(rank(1), None, &chain(&[1, 2, 3]));
+    assert_eq!((outcome.get(KvResult::Applied), outcome.get(KvResult::OverCapacity)), (2, 1));
+    assert_eq!(index.rank_blocks(rank(1)), 2);
+    // A duplicate is not a new block, and another rank has its own allowance.
+    assert_eq!(index.apply_stored(rank(1), None, &chain(&[1, 2])).get(KvResult::Duplicate), 2);
+    assert_eq!(index.apply_stored(rank(2), None, &chain(&[1, 2])).get(KvResult::Applied), 2);
+    assert_eq!(sorted(&index, &[1, 2, 3]), vec![(rank(1), 2), (rank(2), 2)]);
+    index.check_invariants();
+}
+
+#[test]
+fn ownership_ceiling_is_shared_by_all_ranks() {
+    let mut index = KvIndex::new(tiny(100, 100, 3, 100));
+    index.apply_stored(rank(1), None, &chain(&[1, 2]));
+    let outcome = index.apply_stored(rank(2), None, &chain(&[1, 2]));
+    assert_eq!((outcome.get(KvResult::Applied), outcome.get(KvResult::OverCapacity)), (1, 1));
+    assert_eq!(index.stats().ownerships, 3);
+    assert_eq!(sorted(&index, &[1, 2]), vec![(rank(1), 2), (rank(2), 1)]);
+    index.check_invariants();
+}
+
+#[test]
+fn owners_per_node_ceiling_refuses_one_more_rank() {
+    let mut index = KvIndex::new(tiny(100, 100, 100, 2));
+    index.apply_stored(rank(1), None, &chain(&[1]));
+    index.apply_stored(rank(2), None, &chain(&[1]));
+    let outcome = index.apply_stored(rank(3), None, &chain(&[1, 2]));
+    assert_eq!((outcome.get(KvResult::OverCapacity), outcome.blocks()), (2, 2));
+    assert_eq!(index.stats().ranks, 2, "a refused rank is not interned");
+    // An owner adding a second hash for the same node is not one more owner.
+    let again = [StoredBlock { block_hash: 77, tokens_hash: 1 }];
+    assert_eq!(index.apply_stored(rank(1), None, &again).get(KvResult::Applied), 1);
+    // Other nodes are unaffected.
+    assert_eq!(index.apply_stored(rank(3), None, &chain(&[5])).get(KvResult::Applied), 1);
+    index.check_invariants();
+}
+
+#[test]
+fn seed_limits_are_the_default() {
+    assert_eq!(KvIndex::default().limits(), Limits::SEED);
+    assert_eq!(Limits::SEED.max_blocks, 1_048_576);
+    assert_eq!(Limits::SEED.max_blocks_per_rank, 262_144);
+    assert_eq!(Limits::SEED.max_ownerships, 8_388_608);
+    assert_eq!(Limits::SEED.max_owners_per_node, 4_096);
+}
+
+#[test]
+fn heap_figure_grows_with_content_and_comes_back_down() {
+    let mut index = KvIndex::default();
+    let empty = index.stats().heap_bytes;
+    for w in 0..64 {
+        let tokens: Vec<u64> = (0..64).map(|i| if i < 16 { i } else { w * 1000 + i }).collect();
+        index.apply_stored(rank(w), None, &chain(&tokens));
+    }
+    let full = index.stats();
+    // At least the per-block payload: a 16-byte lookup entry per ownership, 16-byte edge per node.
+    assert!(full.heap_bytes > empty + 16 * (full.ownerships + full.nodes), "{full:?}");
+    index.retain_ranks(|_| false);
+    assert!(index.stats().heap_bytes < full.heap_bytes);
+    index.check_invariants();
+}

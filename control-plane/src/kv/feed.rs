@@ -1,0 +1,126 @@
+//! The kv-events feed: each message from a worker rank's publisher goes through the
+//! [`KvIndexer`]'s gates into the shared index, and every result is counted.
+
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Instant;
+
+use prometheus::{IntCounterVec, IntGaugeVec};
+
+use super::indexer::{KvIndexer, LiveRanks, PublisherMapping};
+use super::result::{KvCounts, KvEventResult};
+use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
+use crate::load::zmtp::Message;
+use crate::load::{Dropped, Feed, Refusal};
+
+/// The index behind one lock: event batches write, `FindMatches` reads.
+#[derive(Debug, Clone, Default)]
+pub struct SharedKvIndexer(Arc<RwLock<KvIndexer>>);
+
+impl SharedKvIndexer {
+    pub fn new(indexer: KvIndexer) -> Self {
+        Self(Arc::new(RwLock::new(indexer)))
+    }
+
+    /// A panic while holding the lock cannot leave the index half-changed in a way that matters
+    /// more than losing it, so a poisoned lock is used as is.
+    pub fn read(&self) -> RwLockReadGuard<'_, KvIndexer> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn write(&self) -> RwLockWriteGuard<'_, KvIndexer> {
+        self.0.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[derive(Debug)]
+pub struct KvFeed {
+    pub indexer: SharedKvIndexer,
+    /// `continuum_dynamo_kv_events_total{result}`.
+    pub events: IntCounterVec,
+    /// `continuum_dynamo_kv_subscriptions{state, transport}`.
+    pub gauge: IntGaugeVec,
+}
+
+impl KvFeed {
+    fn count(&self, counts: &KvCounts) {
+        for (result, n) in counts.iter() {
+            if n > 0 {
+                self.events.with_label_values(&[result.as_str()]).inc_by(u64::from(n));
+            }
+        }
+    }
+
+    fn count_one(&self, result: KvEventResult) {
+        self.events.with_label_values(&[result.as_str()]).inc();
+    }
+}
+
+impl Feed for KvFeed {
+    /// Event-id cursors live in the indexer: they must outlive a reconnect, so a gap spanning
+    /// it is seen.
+    type Session = ();
+
+    fn topic(&self) -> Topic {
+        Topic::KvEvents
+    }
+
+    fn gauge(&self) -> &IntGaugeVec {
+        &self.gauge
+    }
+
+    async fn connected(&self, publisher: &Publisher) {
+        self.indexer.write().publisher_up(publisher.publisher_id);
+    }
+
+    async fn message(&self, publisher: &Publisher, (): &mut (), message: Result<Message<'_>, Dropped>) {
+        let message = match message {
+            Ok(message) => message,
+            Err(Dropped::Oversized) => return self.count_one(KvEventResult::Oversized),
+            Err(Dropped::TooManyFrames) => return self.count_one(KvEventResult::Malformed),
+            Err(Dropped::TopicTooLong) => return self.count_one(KvEventResult::TopicMismatch),
+        };
+        // A channel whose worker discovery could not name speaks for nobody.
+        let Some(worker) = &publisher.worker else {
+            return self.count_one(KvEventResult::IdentityMismatch);
+        };
+        let mapping = PublisherMapping {
+            publisher_id: publisher.publisher_id,
+            worker_id: worker.instance_id,
+            dp_rank: publisher.dp_rank,
+        };
+        let frames = (0..message.len()).filter_map(|i| message.frame(i));
+        let counts = self.indexer.write().apply_message(&mapping, frames);
+        self.count(&counts);
+    }
+
+    fn disconnected(&self, publisher: &Publisher) {
+        self.indexer.write().publisher_down(publisher.publisher_id, Instant::now());
+    }
+
+    fn refused(&self, refusal: Refusal) {
+        self.count_one(match refusal {
+            Refusal::Transport => KvEventResult::TransportRefused,
+            Refusal::NotAllowed => KvEventResult::NotAllowed,
+        });
+    }
+
+    async fn departed(&self, publisher: &PublisherKey) {
+        self.indexer.write().drop_publisher(publisher.publisher_id);
+    }
+
+    async fn set_live(&self, fleet: &Fleet) {
+        self.indexer.write().set_live(live_ranks(fleet));
+    }
+}
+
+/// Live worker ids and the ranks each declares: the index's identity gate. Instance ids are
+/// etcd lease ids, unique across namespaces.
+fn live_ranks(fleet: &Fleet) -> LiveRanks {
+    let mut live = HashMap::with_capacity(fleet.workers.len());
+    for w in fleet.workers.iter() {
+        let start = w.worker.dp_start_rank;
+        live.insert(w.worker.key.instance_id, start..start.saturating_add(w.worker.dp_size.max(1)));
+    }
+    live
+}

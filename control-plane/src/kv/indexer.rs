@@ -1,0 +1,247 @@
+//! `KvIndexer`: the KV index plus the rules that decide which events may change it.
+//!
+//! Per event, in order:
+//! 1. Identity: the event's worker must be the publisher's (its `v1/event_sources` record), its
+//!    rank the publisher's rank when the record names one, and the pair live with the rank in
+//!    the worker's declared range (`identity_mismatch`). Refused events move no cursor.
+//! 2. Cursor, per (publisher, worker, dp_rank): an event id at or below it is a `replay`; a jump
+//!    past the next id clears the rank (`gap`) and the event then applies, so the rank rebuilds
+//!    from root-anchored chains (no snapshot recovery: the router stays off Dynamo's request
+//!    plane). The first event of a rank sets the cursor. A publisher holds at most
+//!    [`MAX_CURSORS_PER_PUBLISHER`] cursors (`over_capacity` past that).
+//! 3. Tier: only the worker's device cache is indexed (`other_tier`); the cursor still moves,
+//!    since every tier shares the publisher's event ids.
+//! 4. The index applies it (`applied`, `duplicate`, `unknown_parent`, `unknown_block`,
+//!    `over_capacity`).
+//!
+//! Cursors survive a session drop and reconnect: events missed meanwhile show up as a gap.
+//! A subscription disconnected or pending for [`KV_EVENTS_STALE_AFTER`] loses its ranks
+//! ([`KvIndexer::clear_stale`]), and one stopped for good loses them at once
+//! ([`KvIndexer::drop_publisher`]). Silence alone is not staleness: an idle worker publishes
+//! nothing and still holds its cache.
+//!
+//! Pure: time is an argument, and nothing here blocks or spawns.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use continuum_kv_index::{KvIndex, Limits, Matches, RankKey};
+
+use super::decode::{KvEvent, KvEventData, decode_kv_events};
+use super::result::{KvCounts, KvEventResult};
+
+/// Rank cursors one publisher may hold (seed: "4096 (worker, dp_rank) cursors per subscription").
+pub const MAX_CURSORS_PER_PUBLISHER: usize = 4_096;
+/// How long a kv-events subscription may stay disconnected or pending before its ranks are
+/// cleared (seed: `KV_EVENTS_STALE_AFTER`).
+pub const KV_EVENTS_STALE_AFTER: Duration = Duration::from_secs(60);
+
+/// Who a kv-events publisher speaks for, from its discovery records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PublisherMapping {
+    /// The channel's `instance_id`: frames and envelope must carry it.
+    pub publisher_id: u64,
+    /// The worker it publishes for (the channel key's lease, or the event source's `worker_id`).
+    pub worker_id: u64,
+    /// The event source's `dp_rank`; `None` lets the publisher speak for any declared rank.
+    pub dp_rank: Option<u32>,
+}
+
+/// Live worker ids and the dp ranks each declares (`data_parallel_start_rank` ..
+/// `+ data_parallel_size`).
+pub type LiveRanks = HashMap<u64, Range<u32>>;
+
+#[derive(Debug, Default)]
+struct Publisher {
+    /// The last event id applied or skipped per rank.
+    cursors: HashMap<RankKey, u64>,
+    /// Since when the subscription has been down, if it is.
+    down_since: Option<Instant>,
+}
+
+/// The device-tier KV index and the per-publisher state that guards it.
+#[derive(Debug, Default)]
+pub struct KvIndexer {
+    index: KvIndex,
+    live: LiveRanks,
+    publishers: HashMap<u64, Publisher>,
+}
+
+impl KvIndexer {
+    /// An empty indexer whose index enforces `limits`; nothing is live until [`Self::set_live`].
+    pub fn new(limits: Limits) -> Self {
+        KvIndexer { index: KvIndex::new(limits), live: LiveRanks::new(), publishers: HashMap::new() }
+    }
+
+    /// Decodes one message from `publisher` and applies its events.
+    pub fn apply_message<'a>(
+        &mut self,
+        publisher: &PublisherMapping,
+        frames: impl IntoIterator<Item = &'a [u8]>,
+    ) -> KvCounts {
+        match decode_kv_events(frames, publisher.publisher_id) {
+            Ok(batch) => self.apply_events(publisher, &batch.events),
+            Err(refused) => {
+                let mut counts = KvCounts::default();
+                counts.add(refused.into());
+                counts
+            }
+        }
+    }
+
+    /// Applies decoded events from `publisher`, in order.
+    pub fn apply_events(&mut self, publisher: &PublisherMapping, events: &[KvEvent]) -> KvCounts {
+        let mut counts = KvCounts::default();
+        for event in events {
+            let result = self.apply_event(publisher, event, &mut counts);
+            counts.add(result);
+        }
+        counts
+    }
+
+    fn apply_event(&mut self, publisher: &PublisherMapping, event: &KvEvent, counts: &mut KvCounts) -> KvEventResult {
+        let rank = RankKey { worker_id: event.worker_id, dp_rank: event.dp_rank };
+        if !self.admits(publisher, rank) {
+            return KvEventResult::IdentityMismatch;
+        }
+        match self.advance_cursor(publisher.publisher_id, rank, event.event_id) {
+            Cursor::Next => {}
+            Cursor::Gap => {
+                self.index.clear_rank(rank);
+                counts.add(KvEventResult::Gap);
+            }
+            Cursor::Replay => return KvEventResult::Replay,
+            Cursor::Full => return KvEventResult::OverCapacity,
+        }
+        if !event.is_worker_device() {
+            return KvEventResult::OtherTier;
+        }
+        let outcome = match &event.data {
+            KvEventData::Stored(stored) => self.index.apply_stored(rank, stored.parent_hash, &stored.blocks),
+            KvEventData::Removed(hashes) => self.index.apply_removed(rank, hashes),
+            KvEventData::Cleared => {
+                self.index.clear_rank(rank);
+                return KvEventResult::Applied;
+            }
+        };
+        counts.blocks.merge(&outcome);
+        outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from)
+    }
+
+    fn admits(&self, publisher: &PublisherMapping, rank: RankKey) -> bool {
+        rank.worker_id == publisher.worker_id
+            && publisher.dp_rank.is_none_or(|r| r == rank.dp_rank)
+            && self.is_live(rank)
+    }
+
+    fn is_live(&self, rank: RankKey) -> bool {
+        declares(&self.live, rank)
+    }
+
+    fn advance_cursor(&mut self, publisher_id: u64, rank: RankKey, event_id: u64) -> Cursor {
+        let cursors = &mut self.publishers.entry(publisher_id).or_default().cursors;
+        let full = cursors.len() >= MAX_CURSORS_PER_PUBLISHER;
+        match cursors.get_mut(&rank) {
+            Some(cursor) if event_id <= *cursor => Cursor::Replay,
+            Some(cursor) => {
+                let gap = event_id > cursor.saturating_add(1);
+                *cursor = event_id;
+                if gap { Cursor::Gap } else { Cursor::Next }
+            }
+            None if full => Cursor::Full,
+            None => {
+                cursors.insert(rank, event_id);
+                Cursor::Next
+            }
+        }
+    }
+
+    /// Replaces the live workers and their declared ranks at once; ranks no longer live lose
+    /// their blocks and cursors. Returns how many ranks were cleared from the index.
+    pub fn set_live(&mut self, live: LiveRanks) -> usize {
+        self.live = live;
+        let live = &self.live;
+        for publisher in self.publishers.values_mut() {
+            publisher.cursors.retain(|rank, _| declares(live, *rank));
+        }
+        self.index.retain_ranks(|rank| declares(live, rank))
+    }
+
+    /// The publisher's subscription stopped for good: its ranks lose their blocks and cursors.
+    /// Returns how many ranks were cleared.
+    pub fn drop_publisher(&mut self, publisher_id: u64) -> usize {
+        let Some(publisher) = self.publishers.remove(&publisher_id) else {
+            return 0;
+        };
+        let mut cleared = 0;
+        for rank in publisher.cursors.keys() {
+            if self.index.clear_rank(*rank) > 0 {
+                cleared += 1;
+            }
+        }
+        cleared
+    }
+
+    /// The publisher's session ended (or is pending); cursors are kept. Calling it again while
+    /// down keeps the first instant.
+    pub fn publisher_down(&mut self, publisher_id: u64, now: Instant) {
+        if let Some(publisher) = self.publishers.get_mut(&publisher_id) {
+            publisher.down_since.get_or_insert(now);
+        }
+    }
+
+    /// The publisher's session is up again.
+    pub fn publisher_up(&mut self, publisher_id: u64) {
+        if let Some(publisher) = self.publishers.get_mut(&publisher_id) {
+            publisher.down_since = None;
+        }
+    }
+
+    /// Drops every publisher down for at least `stale_after` (normally [`KV_EVENTS_STALE_AFTER`])
+    /// as [`Self::drop_publisher`] does. Returns the publisher ids dropped, to log.
+    pub fn clear_stale(&mut self, now: Instant, stale_after: Duration) -> Vec<u64> {
+        let stale: Vec<u64> = self
+            .publishers
+            .iter()
+            .filter(|(_, p)| p.down_since.is_some_and(|since| now.saturating_duration_since(since) >= stale_after))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &stale {
+            self.drop_publisher(*id);
+        }
+        stale
+    }
+
+    /// Each rank's longest contiguous prefix of a request's block tokens hashes.
+    pub fn find_matches(&self, tokens_hashes: &[u64]) -> Matches {
+        self.index.find_matches(tokens_hashes)
+    }
+
+    /// The index, for stats and the admin API.
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    /// The cursor of one rank on one publisher, if it has one.
+    pub fn cursor(&self, publisher_id: u64, rank: RankKey) -> Option<u64> {
+        self.publishers.get(&publisher_id)?.cursors.get(&rank).copied()
+    }
+}
+
+fn declares(live: &LiveRanks, rank: RankKey) -> bool {
+    live.get(&rank.worker_id).is_some_and(|ranks| ranks.contains(&rank.dp_rank))
+}
+
+enum Cursor {
+    /// The next id, or the rank's first.
+    Next,
+    /// Ids were skipped: the cursor moved past them.
+    Gap,
+    Replay,
+    /// A new rank, but the publisher has no cursor left.
+    Full,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,379 @@
+//! The indexer's rules, driven by real Dynamo 1.6.1 captures where they exist: the agg dp=2
+//! worker's publishers and live ranks come from its etcd dump, its events from the captured
+//! streams, and the resulting index is checked against a plain replay model.
+
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+
+use anyhow::Context;
+use serde_json::Value;
+
+use super::*;
+use crate::kv::decode::{KvEventBatch, ResidencyDomain, StorageTier, Stored, StoredBlock};
+use crate::kv::fixtures::{self, frames};
+
+const AGG_DUMP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1/agg/etcd-dump.jsonl");
+
+/// The agg run's etcd records: its kv-events publishers' mappings and its live ranks.
+fn agg_discovery() -> anyhow::Result<(HashMap<u64, PublisherMapping>, LiveRanks)> {
+    let text = std::fs::read_to_string(Path::new(AGG_DUMP))?;
+    let (mut publishers, mut live) = (HashMap::new(), LiveRanks::new());
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let record: Value = serde_json::from_str(line)?;
+        let (key, value) = (record["key"].as_str().context("key")?, &record["value"]);
+        if key.starts_with("v1/event_sources/") && value["topic"] == "kv-events" {
+            let worker = &value["metadata"]["worker"];
+            let publisher_id = value["publisher_id"].as_u64().context("publisher_id")?;
+            let mapping = PublisherMapping {
+                publisher_id,
+                worker_id: worker["worker_id"].as_u64().context("worker_id")?,
+                dp_rank: Some(u32::try_from(worker["dp_rank"].as_u64().context("dp_rank")?)?),
+            };
+            publishers.insert(publisher_id, mapping);
+        } else if key.starts_with("v1/mdc/") {
+            let rc = &value["card_json"]["runtime_config"];
+            let start = u32::try_from(rc["data_parallel_start_rank"].as_u64().context("start")?)?;
+            let size = u32::try_from(rc["data_parallel_size"].as_u64().context("size")?)?;
+            live.insert(value["instance_id"].as_u64().context("instance_id")?, start..start + size);
+        }
+    }
+    Ok((publishers, live))
+}
+
+/// The kv-events messages of one capture, in the order received: (publisher, frames).
+fn kv_messages(file: &str) -> anyhow::Result<Vec<(u64, Vec<Vec<u8>>)>> {
+    fixtures::captured(file)?
+        .iter()
+        .filter(|m| m["topic"] == "kv-events")
+        .map(|m| Ok((m["decoded"]["publisher_id_frame_u64be"].as_u64().context("publisher")?, frames(m))))
+        .collect()
+}
+
+fn decoded(frames: &[Vec<u8>], publisher: u64) -> KvEventBatch {
+    crate::kv::decode::decode_kv_events(frames.iter().map(Vec::as_slice), publisher).unwrap()
+}
+
+/// What each rank holds by the plainest reading of the events: engine hash → tokens path.
+#[derive(Default)]
+struct Model {
+    ranks: HashMap<RankKey, HashMap<u64, Vec<u64>>>,
+}
+
+impl Model {
+    fn apply(&mut self, event: &KvEvent) {
+        let rank = RankKey { worker_id: event.worker_id, dp_rank: event.dp_rank };
+        let held = self.ranks.entry(rank).or_default();
+        match &event.data {
+            KvEventData::Stored(stored) => {
+                let mut path = match stored.parent_hash {
+                    None => Vec::new(),
+                    Some(parent) => match held.get(&parent) {
+                        Some(path) => path.clone(),
+                        None => return,
+                    },
+                };
+                for block in &stored.blocks {
+                    path.push(block.tokens_hash);
+                    held.insert(block.block_hash, path.clone());
+                }
+            }
+            KvEventData::Removed(hashes) => hashes.iter().for_each(|h| drop(held.remove(h))),
+            KvEventData::Cleared => held.clear(),
+        }
+    }
+
+    /// The rank's longest prefix of `path` it holds node by node.
+    fn score(&self, rank: RankKey, path: &[u64]) -> u32 {
+        let paths: HashSet<&[u64]> =
+            self.ranks.get(&rank).map(|h| h.values().map(Vec::as_slice).collect()).unwrap_or_default();
+        let held = (1..=path.len()).take_while(|n| paths.contains(&path[..*n])).count();
+        u32::try_from(held).unwrap()
+    }
+
+    /// Asserts the indexer's contents equal the model's: blocks per rank, and every rank's score
+    /// for every path any rank holds.
+    fn assert_matches(&self, indexer: &KvIndexer) {
+        let index_ranks: HashSet<RankKey> = indexer.index().ranks().collect();
+        let model_ranks: HashSet<RankKey> = self.ranks.iter().filter(|(_, h)| !h.is_empty()).map(|(r, _)| *r).collect();
+        assert_eq!(index_ranks, model_ranks);
+        let mut checked = 0;
+        for (rank, held) in &self.ranks {
+            assert_eq!(indexer.index().rank_blocks(*rank), held.len(), "{rank:?}");
+            for path in held.values() {
+                let matches = indexer.find_matches(path);
+                for other in self.ranks.keys() {
+                    assert_eq!(matches.score(*other), self.score(*other, path), "{other:?} on {path:?}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 0 || self.ranks.values().all(HashMap::is_empty));
+    }
+}
+
+/// Replays `messages` into a fresh indexer live per the agg dump; returns it, the counts, and
+/// the model fed every event the indexer was expected to apply.
+fn replay(messages: &[(u64, Vec<Vec<u8>>)]) -> anyhow::Result<(KvIndexer, KvCounts, Model)> {
+    let (publishers, live) = agg_discovery()?;
+    let mut indexer = KvIndexer::default();
+    indexer.set_live(live);
+    let (mut counts, mut model) = (KvCounts::default(), Model::default());
+    for (publisher, frames) in messages {
+        let mapping = publishers.get(publisher).context("every captured publisher has an event source")?;
+        counts.merge(&indexer.apply_message(mapping, frames.iter().map(Vec::as_slice)));
+        decoded(frames, *publisher).events.iter().for_each(|e| model.apply(e));
+    }
+    Ok((indexer, counts, model))
+}
+
+#[test]
+fn the_dp2_runs_replayed_in_order_index_what_a_plain_replay_holds() -> anyhow::Result<()> {
+    let short = kv_messages("agg/zmq-messages.jsonl")?;
+    let (indexer, counts, model) = replay(&short)?;
+    model.assert_matches(&indexer);
+    assert_eq!(counts.iter().collect::<Vec<_>>(), [(KvEventResult::Applied, 6)]);
+    assert_eq!(indexer.index().stats().ranks, 2, "both dp ranks of the one worker");
+
+    let evictions = kv_messages("agg/zmq-messages-under-load-evictions.jsonl")?;
+    let (indexer, counts, model) = replay(&evictions)?;
+    model.assert_matches(&indexer);
+    for refused in
+        [KvEventResult::Replay, KvEventResult::Gap, KvEventResult::IdentityMismatch, KvEventResult::OtherTier]
+    {
+        assert_eq!(counts.get(refused), 0, "{refused:?}");
+    }
+    assert!(counts.get(KvEventResult::Applied) > 20, "{counts:?}");
+    assert!(counts.get(KvEventResult::UnknownBlock) > 0, "the capture starts mid-stream: {counts:?}");
+    assert!(counts.blocks.get(continuum_kv_index::KvResult::Applied) > 300, "{counts:?}");
+    Ok(())
+}
+
+#[test]
+fn a_replayed_stream_is_skipped_and_changes_nothing() -> anyhow::Result<()> {
+    let evictions = kv_messages("agg/zmq-messages-under-load-evictions.jsonl")?;
+    let (publishers, _) = agg_discovery()?;
+    let (mut indexer, _, model) = replay(&evictions)?;
+    let events: usize = evictions.iter().map(|(p, f)| decoded(f, *p).events.len()).sum();
+    let mut again = KvCounts::default();
+    for (publisher, frames) in &evictions {
+        again.merge(&indexer.apply_message(&publishers[publisher], frames.iter().map(Vec::as_slice)));
+    }
+    assert_eq!(again.iter().collect::<Vec<_>>(), [(KvEventResult::Replay, u32::try_from(events)?)]);
+    model.assert_matches(&indexer);
+    Ok(())
+}
+
+#[test]
+fn a_missed_message_clears_the_rank_and_it_rebuilds_from_what_follows() -> anyhow::Result<()> {
+    let mut evictions = kv_messages("agg/zmq-messages-under-load-evictions.jsonl")?;
+    let (lost_publisher, lost_frames) = evictions.remove(10);
+    let lost_rank = decoded(&lost_frames, lost_publisher).events[0].dp_rank;
+    let resumes = 10 + evictions[10..].iter().position(|(p, _)| *p == lost_publisher).context("later")?;
+    // The model of the gap: the rank starts over at its publisher's next message. Checked right
+    // after it (later evictions would hide stale blocks) and at the end.
+    for end in [resumes + 1, evictions.len()] {
+        let (indexer, counts, _) = replay(&evictions[..end])?;
+        assert_eq!(counts.get(KvEventResult::Gap), 1, "{counts:?}");
+        let mut model = Model::default();
+        for (i, (publisher, frames)) in evictions[..end].iter().enumerate() {
+            if i == resumes {
+                model.ranks.retain(|rank, _| rank.dp_rank != lost_rank);
+            }
+            decoded(frames, *publisher).events.iter().for_each(|e| model.apply(e));
+        }
+        model.assert_matches(&indexer);
+    }
+    Ok(())
+}
+
+const WORKER: u64 = 7_668_682_560_356_784_048;
+const PUBLISHER: PublisherMapping = PublisherMapping { publisher_id: 9, worker_id: WORKER, dp_rank: None };
+
+fn event(dp_rank: u32, event_id: u64, data: KvEventData) -> KvEvent {
+    KvEvent {
+        worker_id: WORKER,
+        dp_rank,
+        event_id,
+        storage_tier: StorageTier::Device,
+        residency_domain: ResidencyDomain::Worker,
+        data,
+    }
+}
+
+fn stored(dp_rank: u32, event_id: u64, parent: Option<u64>, hashes: &[u64]) -> KvEvent {
+    let blocks = hashes.iter().map(|h| StoredBlock { block_hash: *h, tokens_hash: h + 1000 }).collect();
+    event(dp_rank, event_id, KvEventData::Stored(Stored { parent_hash: parent, start_position: None, blocks }))
+}
+
+fn live_indexer(ranks: Range<u32>) -> KvIndexer {
+    let mut indexer = KvIndexer::default();
+    indexer.set_live(LiveRanks::from([(WORKER, ranks)]));
+    indexer
+}
+
+fn results(counts: &KvCounts) -> Vec<(&'static str, u32)> {
+    counts.iter().map(|(r, n)| (r.as_str(), n)).collect()
+}
+
+fn rank(dp_rank: u32) -> RankKey {
+    RankKey { worker_id: WORKER, dp_rank }
+}
+
+#[test]
+fn the_first_event_sets_the_cursor_and_a_jump_clears_before_applying() {
+    let mut indexer = live_indexer(0..1);
+    let counts = indexer.apply_events(&PUBLISHER, &[stored(0, 378, None, &[1, 2]), stored(0, 379, Some(2), &[3])]);
+    assert_eq!(results(&counts), [("applied", 2)], "mid-stream start is not a gap");
+    assert_eq!(indexer.find_matches(&[1001, 1002, 1003]).score(rank(0)), 3);
+
+    let counts = indexer.apply_events(&PUBLISHER, &[stored(0, 385, None, &[5])]);
+    assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
+    assert_eq!(indexer.index().rank_blocks(rank(0)), 1, "the earlier chain was cleared");
+    assert_eq!(indexer.cursor(9, rank(0)), Some(385));
+    let counts = indexer.apply_events(&PUBLISHER, &[stored(0, 380, Some(2), &[4]), stored(0, 385, None, &[6])]);
+    assert_eq!(results(&counts), [("replay", 2)]);
+}
+
+#[test]
+fn events_outside_the_publishers_live_identity_are_refused_and_move_no_cursor() {
+    let mut indexer = live_indexer(0..2);
+    let other_worker = KvEvent { worker_id: WORKER + 1, ..stored(0, 1, None, &[1]) };
+    let pinned = PublisherMapping { dp_rank: Some(1), ..PUBLISHER };
+    let cases = [
+        ("another worker's event", PUBLISHER, other_worker),
+        ("a rank past the declared range", PUBLISHER, stored(2, 1, None, &[1])),
+        ("a rank the event source does not name", pinned, stored(0, 1, None, &[1])),
+        (
+            "a publisher mapped to another worker",
+            PublisherMapping { worker_id: 5, ..PUBLISHER },
+            stored(0, 1, None, &[1]),
+        ),
+    ];
+    for (what, publisher, event) in cases {
+        let counts = indexer.apply_events(&publisher, &[event]);
+        assert_eq!(results(&counts), [("identity_mismatch", 1)], "{what}");
+    }
+    assert_eq!(indexer.index().stats().ranks, 0);
+    assert_eq!(indexer.cursor(9, rank(0)), None);
+    assert_eq!(results(&indexer.apply_events(&pinned, &[stored(1, 1, None, &[1])])), [("applied", 1)]);
+
+    let mut nothing_live = KvIndexer::default();
+    assert_eq!(
+        results(&nothing_live.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1])])),
+        [("identity_mismatch", 1)]
+    );
+}
+
+#[test]
+fn set_live_clears_departed_ranks_and_their_cursors() {
+    let mut indexer = live_indexer(0..2);
+    indexer.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1]), stored(1, 1, None, &[1])]);
+    assert_eq!(indexer.set_live(LiveRanks::from([(WORKER, 1..2)])), 1, "rank 0 is no longer declared");
+    assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(1), 1)]);
+    assert_eq!((indexer.cursor(9, rank(0)), indexer.cursor(9, rank(1))), (None, Some(1)));
+    assert_eq!(results(&indexer.apply_events(&PUBLISHER, &[stored(0, 50, None, &[1])])), [("identity_mismatch", 1)]);
+
+    indexer.set_live(LiveRanks::from([(WORKER, 0..2)]));
+    assert_eq!(
+        results(&indexer.apply_events(&PUBLISHER, &[stored(0, 50, None, &[1])])),
+        [("applied", 1)],
+        "a rank that comes back starts a fresh cursor: no gap"
+    );
+    assert_eq!(indexer.set_live(LiveRanks::new()), 2);
+    assert_eq!(indexer.index().stats().nodes, 0);
+}
+
+#[test]
+fn other_tiers_and_domains_are_not_indexed_but_move_the_cursor() {
+    let mut indexer = live_indexer(0..1);
+    let disk = KvEvent { storage_tier: StorageTier::Disk, ..stored(0, 1, None, &[1]) };
+    let owner = KvEvent { residency_domain: ResidencyDomain::CacheOwner, ..stored(0, 2, None, &[2]) };
+    let counts = indexer.apply_events(&PUBLISHER, &[disk, owner, stored(0, 3, None, &[3])]);
+    assert_eq!(results(&counts), [("applied", 1), ("other_tier", 2)], "event 3 follows 2: no gap");
+    assert!(indexer.find_matches(&[1001]).is_empty());
+    assert_eq!(indexer.find_matches(&[1003]).score(rank(0)), 1);
+}
+
+#[test]
+fn cleared_removed_and_unknown_parent_reach_the_index() {
+    let mut indexer = live_indexer(0..1);
+    let counts = indexer.apply_events(
+        &PUBLISHER,
+        &[
+            stored(0, 1, None, &[1, 2]),
+            stored(0, 2, Some(99), &[3]),
+            event(0, 3, KvEventData::Removed(vec![2, 42])),
+            stored(0, 4, None, &[1]),
+        ],
+    );
+    assert_eq!(results(&counts), [("applied", 1), ("duplicate", 1), ("unknown_block", 1), ("unknown_parent", 1)]);
+    assert_eq!(counts.blocks.blocks(), 2 + 1 + 2 + 1);
+    assert_eq!(indexer.find_matches(&[1001, 1002]).score(rank(0)), 1);
+    let counts = indexer.apply_events(&PUBLISHER, &[event(0, 5, KvEventData::Cleared)]);
+    assert_eq!(results(&counts), [("applied", 1)]);
+    assert_eq!(indexer.index().stats().ranks, 0);
+}
+
+#[test]
+fn a_publisher_holds_at_most_4096_rank_cursors() {
+    let ranks = u32::try_from(MAX_CURSORS_PER_PUBLISHER).unwrap();
+    let mut indexer = live_indexer(0..ranks + 1);
+    let events: Vec<KvEvent> = (0..=ranks).map(|r| event(r, 1, KvEventData::Cleared)).collect();
+    let counts = indexer.apply_events(&PUBLISHER, &events);
+    assert_eq!(results(&counts), [("applied", ranks), ("over_capacity", 1)]);
+    assert_eq!(indexer.cursor(9, rank(ranks)), None);
+    let another = PublisherMapping { publisher_id: 10, ..PUBLISHER };
+    assert_eq!(results(&indexer.apply_events(&another, &[event(ranks, 1, KvEventData::Cleared)])), [("applied", 1)]);
+}
+
+#[test]
+fn a_publisher_stopped_for_good_loses_its_ranks_at_once() {
+    let mut indexer = live_indexer(0..2);
+    indexer.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1]), stored(1, 1, None, &[1])]);
+    let other = PublisherMapping { publisher_id: 10, dp_rank: Some(1), ..PUBLISHER };
+    indexer.apply_events(&other, &[stored(1, 7, None, &[2])]);
+    assert_eq!(indexer.drop_publisher(9), 2);
+    assert_eq!(indexer.cursor(9, rank(0)), None);
+    assert!(indexer.find_matches(&[1001]).is_empty());
+    assert_eq!(indexer.cursor(10, rank(1)), Some(7), "the other publisher keeps its cursor");
+    assert_eq!(indexer.drop_publisher(9), 0);
+}
+
+#[test]
+fn a_subscription_down_for_the_stale_limit_loses_its_ranks_and_a_quiet_one_does_not() {
+    let t0 = Instant::now();
+    let mut indexer = live_indexer(0..2);
+    let other = PublisherMapping { publisher_id: 10, dp_rank: Some(1), ..PUBLISHER };
+    indexer.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1])]);
+    indexer.apply_events(&other, &[stored(1, 1, None, &[1])]);
+
+    indexer.publisher_down(9, t0);
+    indexer.publisher_down(9, t0 + Duration::from_secs(30));
+    let just_before = t0 + KV_EVENTS_STALE_AFTER - Duration::from_millis(1);
+    assert!(indexer.clear_stale(just_before, KV_EVENTS_STALE_AFTER).is_empty());
+    assert_eq!(indexer.clear_stale(t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER), [9]);
+    assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(1), 1)], "publisher 10 was quiet, not down");
+    assert_eq!(indexer.cursor(9, rank(0)), None);
+
+    // Down, then up again within the limit: cursors carry over and missed events show as a gap.
+    indexer.publisher_down(10, t0);
+    indexer.publisher_up(10);
+    assert!(indexer.clear_stale(t0 + Duration::from_secs(3600), KV_EVENTS_STALE_AFTER).is_empty());
+    let counts = indexer.apply_events(&other, &[stored(1, 5, None, &[3])]);
+    assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
+}
+
+#[test]
+fn refused_messages_count_once_under_their_label() {
+    let (publishers, live) = agg_discovery().unwrap();
+    let mut indexer = KvIndexer::default();
+    indexer.set_live(live);
+    let (publisher, mut frames) = kv_messages("agg/zmq-messages.jsonl").unwrap().remove(0);
+    frames[3].truncate(20);
+    let counts = indexer.apply_message(&publishers[&publisher], frames.iter().map(Vec::as_slice));
+    assert_eq!(results(&counts), [("malformed", 1)]);
+    let wrong = PublisherMapping { publisher_id: publisher + 1, ..publishers[&publisher] };
+    let (_, frames) = kv_messages("agg/zmq-messages.jsonl").unwrap().remove(0);
+    assert_eq!(results(&indexer.apply_message(&wrong, frames.iter().map(Vec::as_slice))), [("identity_mismatch", 1)]);
+    assert_eq!(indexer.index().stats().ranks, 0);
+}

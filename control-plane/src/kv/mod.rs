@@ -1,0 +1,25 @@
+//! KV cache events: which prompt-prefix blocks each worker rank holds in device memory, from the
+//! block stored/removed events its `kv-events` publisher sends.
+//!
+//! * [`decode`]: Dynamo's 4-frame message and its batch of RouterEvents.
+//! * [`indexer`]: the radix index (`continuum-kv-index`) behind the identity gate, per-rank
+//!   event-id cursors, the device-tier filter and the staleness cut-off.
+//! * [`result`]: what each event did, under a closed label set.
+//!
+//! * [`feed`]: the subscription feed (ZMTP sessions under `ZmtpLimits::KV_EVENTS`, shared with
+//!   kv_metrics) that applies each message to the shared index.
+//! * [`service`]: subscriptions on and off with `dynamo.kv.enabled`, the staleness sweep, and
+//!   the handle `FindMatches` reads.
+
+pub mod decode;
+pub mod feed;
+pub mod indexer;
+pub mod result;
+pub mod service;
+
+pub use indexer::{KV_EVENTS_STALE_AFTER, KvIndexer, LiveRanks, MAX_CURSORS_PER_PUBLISHER, PublisherMapping};
+pub use result::{KvCounts, KvEventResult};
+pub use service::{KvHandle, KvSupervisor, MAX_FIND_MATCHES_HASHES, kv_options};
+
+#[cfg(test)]
+mod fixtures;

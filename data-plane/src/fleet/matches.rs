@@ -1,0 +1,67 @@
+//! `FindMatches`: asks the control plane's KV index how much of a request's prefix each rank
+//! holds, under a deadline tight enough to sit on the request path. Any miss (deadline, error,
+//! the index switched off) is the caller's cue to pick without the KV term.
+
+use std::time::Duration;
+
+use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
+use continuum_proto::pb::{self, fleet_client::FleetClient};
+use tonic::transport::{Channel, Endpoint};
+
+/// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
+/// ≤ 2 ms)"): past it the request is scored on load alone.
+pub const FIND_MATCHES_DEADLINE: Duration = Duration::from_millis(2);
+
+/// One rank's overlap: (instance id, dp rank, blocks).
+pub type RankOverlap = (u64, u32, u32);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MatchesError {
+    #[error("FindMatches took longer than {0:?}")]
+    Deadline(Duration),
+    #[error("FindMatches failed: {0}")]
+    Status(#[from] tonic::Status),
+}
+
+impl MatchesError {
+    /// The `continuum_dynamo_kv_selection_total{result}` a miss is counted under.
+    pub fn label(&self) -> &'static str {
+        match self {
+            MatchesError::Deadline(_) => "index_timeout",
+            MatchesError::Status(_) => "index_unavailable",
+        }
+    }
+}
+
+/// A lazily connected client on its own HTTP/2 connection, so lookups never queue behind a
+/// large snapshot on the Watch stream.
+#[derive(Debug, Clone)]
+pub struct MatchesClient {
+    client: FleetClient<Channel>,
+    deadline: Duration,
+}
+
+impl MatchesClient {
+    pub fn new(control_plane: &str, deadline: Duration) -> Result<Self, tonic::transport::Error> {
+        let channel = Endpoint::from_shared(control_plane.to_string())?
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        let client = FleetClient::new(channel).max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+        Ok(Self { client, deadline })
+    }
+
+    pub fn deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// Each rank's contiguous overlap with `block_hashes`; ranks holding none are absent.
+    pub async fn find_matches(&self, block_hashes: Vec<u64>) -> Result<Vec<RankOverlap>, MatchesError> {
+        let mut client = self.client.clone();
+        let call = client.find_matches(pb::FindMatchesRequest { block_hashes });
+        let reply =
+            tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))??;
+        Ok(reply.into_inner().overlaps.into_iter().map(|o| (o.instance_id, o.dp_rank, o.blocks)).collect())
+    }
+}

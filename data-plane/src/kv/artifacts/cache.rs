@@ -1,0 +1,160 @@
+//! The content-addressed artifact cache: `<cache_dir>/blobs/<64 hex>`, owner-only (directories
+//! 0700, files 0600). A blob is re-hashed on every read and evicted when it no longer matches
+//! its name, so a file modified on disk is never loaded. Blocking I/O: call it from the blocking
+//! pool.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use super::card::Checksum;
+
+/// The largest artifact the router reads, fetches or caches.
+pub const MAX_ARTIFACT_BYTES: u64 = 64 << 20;
+
+#[derive(Debug)]
+pub struct BlobCache {
+    blobs: PathBuf,
+}
+
+/// What a cache read found.
+#[derive(Debug)]
+pub enum CacheRead {
+    Hit(Vec<u8>),
+    Miss,
+    /// The blob did not hash to its name (or outgrew the size cap) and was removed.
+    Evicted(EvictReason),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvictReason {
+    ChecksumMismatch,
+    TooLarge,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("larger than the {MAX_ARTIFACT_BYTES}-byte artifact cap")]
+    TooLarge,
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+impl BlobCache {
+    /// Creates `dir/blobs` if needed and makes both owner-only, whatever they were before.
+    pub fn open(dir: &Path) -> io::Result<Self> {
+        let blobs = dir.join("blobs");
+        fs::DirBuilder::new().recursive(true).mode(0o700).create(&blobs)?;
+        for path in [dir, blobs.as_path()] {
+            fs::set_permissions(path, fs::Permissions::from_mode(0o700))?;
+        }
+        Ok(Self { blobs })
+    }
+
+    pub fn path(&self, checksum: &Checksum) -> PathBuf {
+        self.blobs.join(checksum.hex())
+    }
+
+    pub fn read(&self, checksum: &Checksum) -> io::Result<CacheRead> {
+        let path = self.path(checksum);
+        let bytes = match read_bounded(&path) {
+            Ok(bytes) => bytes,
+            Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::NotFound => return Ok(CacheRead::Miss),
+            Err(ReadError::Io(e)) => return Err(e),
+            Err(ReadError::TooLarge) => return self.evict(&path, EvictReason::TooLarge),
+        };
+        if checksum.matches(&bytes) {
+            Ok(CacheRead::Hit(bytes))
+        } else {
+            self.evict(&path, EvictReason::ChecksumMismatch)
+        }
+    }
+
+    /// Stores verified bytes: written to a temporary file, then renamed into place, so a reader
+    /// never sees half a blob.
+    pub fn write(&self, checksum: &Checksum, bytes: &[u8]) -> io::Result<()> {
+        let path = self.path(checksum);
+        let temp = self.blobs.join(format!(".{}.{}.tmp", checksum.hex(), std::process::id()));
+        let result = (|| {
+            let mut file = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temp)?;
+            file.write_all(bytes)?;
+            file.sync_all()?;
+            fs::rename(&temp, &path)
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&temp);
+        }
+        result
+    }
+
+    fn evict(&self, path: &Path, reason: EvictReason) -> io::Result<CacheRead> {
+        tracing::warn!(path = %path.display(), ?reason, "evicting a cached KV artifact that no longer matches its checksum");
+        match fs::remove_file(path) {
+            Ok(()) => Ok(CacheRead::Evicted(reason)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(CacheRead::Evicted(reason)),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Reads a whole file, refusing it as soon as it proves larger than [`MAX_ARTIFACT_BYTES`]
+/// (by its metadata, or while reading if it grows), so a huge file is never buffered.
+pub fn read_bounded(path: &Path) -> Result<Vec<u8>, ReadError> {
+    let file = File::open(path)?;
+    let declared = file.metadata()?.len();
+    if declared > MAX_ARTIFACT_BYTES {
+        return Err(ReadError::TooLarge);
+    }
+    let mut bytes = Vec::with_capacity(usize::try_from(declared).unwrap_or(0));
+    file.take(MAX_ARTIFACT_BYTES + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_ARTIFACT_BYTES {
+        return Err(ReadError::TooLarge);
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mode(path: &Path) -> u32 {
+        fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn cache_is_owner_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("kv");
+        fs::DirBuilder::new().mode(0o755).create(&root).unwrap();
+        let cache = BlobCache::open(&root).unwrap();
+        assert_eq!(mode(&root), 0o700, "an existing directory is tightened");
+        assert_eq!(mode(&root.join("blobs")), 0o700);
+        let checksum = Checksum::of(b"tokenizer");
+        cache.write(&checksum, b"tokenizer").unwrap();
+        assert_eq!(mode(&cache.path(&checksum)), 0o600);
+    }
+
+    #[test]
+    fn a_tampered_blob_is_evicted_not_returned() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = BlobCache::open(dir.path()).unwrap();
+        let checksum = Checksum::of(b"good");
+        cache.write(&checksum, b"good").unwrap();
+        assert!(matches!(cache.read(&checksum).unwrap(), CacheRead::Hit(b) if b == b"good"));
+        fs::write(cache.path(&checksum), b"evil").unwrap();
+        assert!(matches!(cache.read(&checksum).unwrap(), CacheRead::Evicted(EvictReason::ChecksumMismatch)));
+        assert!(!cache.path(&checksum).exists());
+        assert!(matches!(cache.read(&checksum).unwrap(), CacheRead::Miss));
+    }
+
+    #[test]
+    fn an_oversized_file_is_refused_before_it_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("big");
+        File::create(&path).unwrap().set_len(MAX_ARTIFACT_BYTES + 1).unwrap();
+        assert!(matches!(read_bounded(&path), Err(ReadError::TooLarge)));
+        File::create(&path).unwrap().set_len(MAX_ARTIFACT_BYTES).unwrap();
+        assert_eq!(read_bounded(&path).unwrap().len() as u64, MAX_ARTIFACT_BYTES);
+    }
+}

@@ -1,0 +1,245 @@
+//! Where an artifact's bytes come from. Classifying a card's `path` is pure: a local path or
+//! `file://` is always allowed, `http(s)://` only under `allow_http_artifacts`, `hf://` only
+//! under `allow_hf_artifacts`. Fetching is the effect: bounded to [`MAX_ARTIFACT_BYTES`] while
+//! the body streams, with a deadline.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use axum::http::{Request, StatusCode, Uri, header};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use super::cache::MAX_ARTIFACT_BYTES;
+
+/// An artifact fetch (connect, head and whole body) must finish within this.
+pub const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Redirects followed for one fetch (the Hub redirects `resolve/` URLs to its CDN).
+pub const MAX_REDIRECTS: usize = 5;
+/// The Hub, when `HF_ENDPOINT` is unset.
+pub const DEFAULT_HF_ENDPOINT: &str = "https://huggingface.co";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    Local(PathBuf),
+    Http(Uri),
+    /// `hf://<org>/<repo>[@<revision>]/<file>`.
+    Hf {
+        repo: String,
+        revision: String,
+        file: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    #[error("{0}:// artifacts are disabled by configuration (kv.allow_{0}_artifacts: false)")]
+    Refused(&'static str),
+    #[error("the artifact path {0:?} uses a scheme the router cannot fetch")]
+    Unsupported(String),
+    #[error("the artifact URI {0:?} is malformed")]
+    Malformed(String),
+}
+
+/// The scheme switches of the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schemes {
+    pub allow_http: bool,
+    pub allow_hf: bool,
+}
+
+impl Source {
+    pub fn classify(path: &str, schemes: Schemes) -> Result<Self, SourceError> {
+        let malformed = || SourceError::Malformed(path.chars().take(200).collect());
+        if let Some(rest) = path.strip_prefix("file://") {
+            return Ok(Source::Local(PathBuf::from(rest)));
+        }
+        if path.starts_with("http://") || path.starts_with("https://") {
+            if !schemes.allow_http {
+                return Err(SourceError::Refused("http"));
+            }
+            return path.parse::<Uri>().map(Source::Http).map_err(|_| malformed());
+        }
+        if let Some(rest) = path.strip_prefix("hf://") {
+            if !schemes.allow_hf {
+                return Err(SourceError::Refused("hf"));
+            }
+            return parse_hf(rest).ok_or_else(malformed);
+        }
+        if path.contains("://") {
+            return Err(SourceError::Unsupported(path.chars().take(200).collect()));
+        }
+        Ok(Source::Local(PathBuf::from(path)))
+    }
+}
+
+fn parse_hf(rest: &str) -> Option<Source> {
+    let mut segments = rest.splitn(3, '/');
+    let (org, repo_rev, file) = (segments.next()?, segments.next()?, segments.next()?);
+    let (repo, revision) = repo_rev.split_once('@').unwrap_or((repo_rev, "main"));
+    let name_ok = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    let file_ok = !file.is_empty() && file.split('/').all(|s| name_ok(s) && s != "." && s != "..");
+    (name_ok(org) && name_ok(repo) && name_ok(revision) && file_ok).then(|| Source::Hf {
+        repo: format!("{org}/{repo}"),
+        revision: revision.to_string(),
+        file: file.to_string(),
+    })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("the artifact is larger than the {MAX_ARTIFACT_BYTES}-byte cap")]
+    TooLarge,
+    #[error("fetching {uri} failed: {reason}")]
+    Failed { uri: String, reason: String },
+}
+
+/// Fetches `http://` artifacts (and the Hub through an `http://` `HF_ENDPOINT` mirror) with the
+/// data plane's hyper client. It speaks no TLS: an `https://` URI fails with a message saying so.
+#[derive(Debug, Clone)]
+pub struct Fetcher {
+    client: Client<HttpConnector, Empty<Bytes>>,
+    hf_endpoint: String,
+    hf_token: Option<String>,
+}
+
+impl Fetcher {
+    /// Reads `HF_ENDPOINT` and `HF_TOKEN` from the environment.
+    pub fn from_env() -> Self {
+        let hf_endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| DEFAULT_HF_ENDPOINT.to_string());
+        Self::new(hf_endpoint, std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()))
+    }
+
+    pub fn new(hf_endpoint: String, hf_token: Option<String>) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        Self { client, hf_endpoint: hf_endpoint.trim_end_matches('/').to_string(), hf_token }
+    }
+
+    /// The Hub URL of an `hf://` artifact.
+    pub fn hf_url(&self, repo: &str, revision: &str, file: &str) -> String {
+        format!("{}/{repo}/resolve/{revision}/{file}", self.hf_endpoint)
+    }
+
+    /// Fetches a remote source; local sources are read on the blocking pool by the caller.
+    pub async fn fetch(&self, source: &Source) -> Result<Vec<u8>, FetchError> {
+        let (uri, token) = match source {
+            Source::Http(uri) => (uri.to_string(), None),
+            Source::Hf { repo, revision, file } => (self.hf_url(repo, revision, file), self.hf_token.clone()),
+            Source::Local(path) => {
+                return Err(FetchError::Failed { uri: path.display().to_string(), reason: "not remote".into() });
+            }
+        };
+        let failed = |reason: String| FetchError::Failed { uri: uri.clone(), reason };
+        tokio::time::timeout(FETCH_TIMEOUT, self.follow(&uri, token.as_deref()))
+            .await
+            .map_err(|_| failed(format!("no complete response within {FETCH_TIMEOUT:?}")))?
+    }
+
+    async fn follow(&self, uri: &str, token: Option<&str>) -> Result<Vec<u8>, FetchError> {
+        let mut current: Uri = uri.parse().map_err(|_| fail(uri, "malformed URI"))?;
+        let origin = current.authority().cloned();
+        for _ in 0..=MAX_REDIRECTS {
+            if current.scheme_str() != Some("http") {
+                return Err(fail(
+                    uri,
+                    "https:// needs TLS, which the router's artifact client does not speak; serve the artifact over http:// or from a local path",
+                ));
+            }
+            let mut request = Request::get(current.clone());
+            // The token goes to the configured endpoint only, never to where it redirects.
+            if let Some(token) = token.filter(|_| current.authority() == origin.as_ref()) {
+                request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
+            }
+            let request = request.body(Empty::new()).map_err(|e| fail(uri, &e.to_string()))?;
+            let response = self.client.request(request).await.map_err(|e| fail(uri, &e.to_string()))?;
+            let status = response.status();
+            if status.is_redirection() {
+                let location = response.headers().get(header::LOCATION).and_then(|l| l.to_str().ok());
+                current = resolve_redirect(&current, location.ok_or_else(|| fail(uri, "redirect without Location"))?)
+                    .ok_or_else(|| fail(uri, "unusable redirect Location"))?;
+                continue;
+            }
+            if status != StatusCode::OK {
+                return Err(fail(uri, &format!("status {status}")));
+            }
+            return read_body(response.into_body(), uri).await;
+        }
+        Err(fail(uri, &format!("more than {MAX_REDIRECTS} redirects")))
+    }
+}
+
+fn fail(uri: &str, reason: &str) -> FetchError {
+    FetchError::Failed { uri: uri.to_string(), reason: reason.to_string() }
+}
+
+fn resolve_redirect(base: &Uri, location: &str) -> Option<Uri> {
+    if location.starts_with('/') {
+        let authority = base.authority()?;
+        return format!("{}://{authority}{location}", base.scheme_str()?).parse().ok();
+    }
+    location.parse().ok()
+}
+
+/// Streams the body, refusing it the moment it passes the cap (or declares that it will).
+async fn read_body(mut body: hyper::body::Incoming, uri: &str) -> Result<Vec<u8>, FetchError> {
+    if http_body::Body::size_hint(&body).lower() > MAX_ARTIFACT_BYTES {
+        return Err(FetchError::TooLarge);
+    }
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| fail(uri, &e.to_string()))?;
+        if let Some(data) = frame.data_ref() {
+            if (bytes.len() + data.len()) as u64 > MAX_ARTIFACT_BYTES {
+                return Err(FetchError::TooLarge);
+            }
+            bytes.extend_from_slice(data);
+        }
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: Schemes = Schemes { allow_http: true, allow_hf: true };
+    const DEFAULTS: Schemes = Schemes { allow_http: true, allow_hf: false };
+
+    #[test]
+    fn local_paths_are_always_allowed() {
+        let none = Schemes { allow_http: false, allow_hf: false };
+        assert_eq!(Source::classify("/m/tokenizer.json", none), Ok(Source::Local("/m/tokenizer.json".into())));
+        assert_eq!(Source::classify("file:///m/t.json", none), Ok(Source::Local("/m/t.json".into())));
+    }
+
+    #[test]
+    fn remote_schemes_follow_the_policy() {
+        assert!(matches!(Source::classify("http://10.0.0.1:9090/t.json", DEFAULTS), Ok(Source::Http(_))));
+        let no_http = Schemes { allow_http: false, allow_hf: false };
+        assert_eq!(Source::classify("https://w/t.json", no_http), Err(SourceError::Refused("http")));
+        assert_eq!(Source::classify("hf://Qwen/Qwen3-0.6B/tokenizer.json", DEFAULTS), Err(SourceError::Refused("hf")));
+        assert!(matches!(Source::classify("nats://x/bucket/t.json", ALL), Err(SourceError::Unsupported(_))));
+    }
+
+    #[test]
+    fn hf_uris_name_a_repo_revision_and_file() {
+        assert_eq!(
+            Source::classify("hf://Qwen/Qwen3-0.6B@a1b2/sub/tokenizer.json", ALL),
+            Ok(Source::Hf {
+                repo: "Qwen/Qwen3-0.6B".into(),
+                revision: "a1b2".into(),
+                file: "sub/tokenizer.json".into()
+            })
+        );
+        for bad in ["hf://Qwen/tokenizer.json", "hf://Qwen/Q/../etc/passwd", "hf://Q w/r/f", "hf://a/b/"] {
+            assert!(matches!(Source::classify(bad, ALL), Err(SourceError::Malformed(_))), "{bad}");
+        }
+        let fetcher = Fetcher::new("http://mirror:8080/".into(), None);
+        assert_eq!(fetcher.hf_url("Qwen/Q", "main", "t.json"), "http://mirror:8080/Qwen/Q/resolve/main/t.json");
+    }
+}

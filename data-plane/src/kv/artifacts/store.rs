@@ -1,0 +1,390 @@
+//! The loaded tokenizers: at most [`MAX_LOADED_TOKENIZERS`] artifact sets holding at most
+//! [`MAX_LOADED_BYTES`] of artifact bytes, least recently used evicted first; at most
+//! [`MAX_CONCURRENT_LOADS`] loads at once; a failed load not retried for [`FAILED_LOAD_RETRY`].
+//! Nothing unpinned is read, and every byte loaded has matched its checksum.
+
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use prometheus::IntCounterVec;
+use serde_json::Value;
+use tokenizers::{AddedToken, Tokenizer};
+use tokio::sync::Semaphore;
+
+use super::cache::{BlobCache, CacheRead, EvictReason, MAX_ARTIFACT_BYTES, ReadError, read_bounded};
+use super::card::{ArtifactKey, CheckedFile, Checksum, ModelArtifacts};
+use super::source::{FetchError, Fetcher, Source, SourceError};
+use super::{ArtifactPolicy, ArtifactResult};
+use crate::kv::Fallback;
+use crate::kv::render::ChatTemplate;
+
+/// Loaded tokenizer + template sets kept in memory.
+pub const MAX_LOADED_TOKENIZERS: usize = 16;
+/// Artifact bytes the loaded sets may add up to.
+pub const MAX_LOADED_BYTES: u64 = 256 << 20;
+/// Loads (fetch, verify, parse) running at once.
+pub const MAX_CONCURRENT_LOADS: usize = 2;
+/// How long a failed load is left alone before a request may start it again.
+pub const FAILED_LOAD_RETRY: Duration = Duration::from_secs(300);
+/// Distinct (model, checksum) pairs remembered so an unpinned checksum is logged once.
+const MAX_LOGGED_UNPINNED: usize = 4096;
+
+/// The time source; tests inject one they can move.
+pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
+
+/// A tokenizer and chat template built from verified, pinned bytes.
+#[derive(Debug)]
+pub struct LoadedArtifacts {
+    pub key: ArtifactKey,
+    pub tokenizer: Tokenizer,
+    pub template: ChatTemplate,
+    /// The artifacts' total size, charged against [`MAX_LOADED_BYTES`].
+    pub bytes: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("artifact {0} is not in kv.pinned_artifacts; review it (b3sum) and pin it to enable KV scoring")]
+    Unpinned(Checksum),
+    #[error("{path}: {source}")]
+    Source { path: String, source: SourceError },
+    #[error("{path}: the artifact is larger than {MAX_ARTIFACT_BYTES} bytes")]
+    TooLarge { path: String },
+    #[error("{path}: the bytes do not match the card's checksum {checksum}")]
+    ChecksumMismatch { path: String, checksum: Checksum },
+    #[error("{0}")]
+    Fetch(String),
+    #[error("the artifacts verified but are unusable: {0}")]
+    Invalid(String),
+    #[error("this artifact set failed to load recently; it is retried {FAILED_LOAD_RETRY:?} after the failure")]
+    RetryLater,
+}
+
+impl LoadError {
+    /// The counter label, or `None` for outcomes that are not counted again.
+    fn result(&self) -> Option<ArtifactResult> {
+        Some(match self {
+            LoadError::Unpinned(_) => ArtifactResult::Unpinned,
+            LoadError::Source { source: SourceError::Refused(_), .. } => ArtifactResult::RefusedScheme,
+            LoadError::Source { .. } => ArtifactResult::Unsupported,
+            LoadError::TooLarge { .. } => ArtifactResult::TooLarge,
+            LoadError::ChecksumMismatch { .. } => ArtifactResult::ChecksumMismatch,
+            LoadError::Fetch(_) => ArtifactResult::FetchFailed,
+            LoadError::Invalid(_) => ArtifactResult::Invalid,
+            LoadError::RetryLater => return None,
+        })
+    }
+}
+
+#[derive(Clone)]
+pub struct ArtifactStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ArtifactStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArtifactStore").field("loaded", &self.state().loaded.len()).finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    policy: Mutex<Arc<ArtifactPolicy>>,
+    cache: BlobCache,
+    fetcher: Fetcher,
+    loads: Semaphore,
+    state: Mutex<State>,
+    counter: IntCounterVec,
+    clock: Clock,
+}
+
+#[derive(Default)]
+struct State {
+    loaded: HashMap<ArtifactKey, Slot>,
+    bytes: u64,
+    retry_at: HashMap<ArtifactKey, Instant>,
+    loading: HashSet<ArtifactKey>,
+    logged_unpinned: HashSet<(String, Checksum)>,
+}
+
+struct Slot {
+    artifacts: Arc<LoadedArtifacts>,
+    used: Instant,
+}
+
+impl ArtifactStore {
+    /// `counter` is `continuum_dynamo_kv_artifacts_total`, labelled `result`. Opens (and
+    /// tightens) the policy's cache directory.
+    pub fn new(policy: ArtifactPolicy, fetcher: Fetcher, counter: IntCounterVec, clock: Clock) -> io::Result<Self> {
+        let cache = BlobCache::open(&policy.artifact_cache_dir)?;
+        for result in ArtifactResult::ALL {
+            counter.with_label_values(&[result.as_str()]);
+        }
+        let inner = Inner {
+            policy: Mutex::new(Arc::new(policy)),
+            cache,
+            fetcher,
+            loads: Semaphore::new(MAX_CONCURRENT_LOADS),
+            state: Mutex::new(State::default()),
+            counter,
+            clock,
+        };
+        Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// A system clock for [`ArtifactStore::new`].
+    pub fn system_clock() -> Clock {
+        Arc::new(Instant::now)
+    }
+
+    /// Applies a reloaded policy (the cache directory is fixed at creation). Tokenizers whose
+    /// artifacts are no longer pinned are dropped at once.
+    pub fn set_policy(&self, policy: ArtifactPolicy) {
+        let mut state = self.state();
+        let unpinned: Vec<ArtifactKey> =
+            state.loaded.keys().filter(|key| policy.unpinned(key).is_some()).copied().collect();
+        for key in unpinned {
+            if let Some(slot) = state.loaded.remove(&key) {
+                state.bytes -= slot.artifacts.bytes;
+                self.count(ArtifactResult::Evicted);
+            }
+        }
+        *self.inner.policy.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
+    }
+
+    /// The request path: never waits. A loaded tokenizer, or the reason to score without a KV
+    /// term (starting a background load when none is running or backing off).
+    pub fn lookup(&self, model: &str, artifacts: &ModelArtifacts) -> Result<Arc<LoadedArtifacts>, Fallback> {
+        let key = artifacts.key();
+        if let Some(checksum) = self.policy().unpinned(&key) {
+            self.refuse_unpinned(model, checksum);
+            return Err(Fallback::ArtifactUnpinned);
+        }
+        let now = (self.inner.clock)();
+        let mut state = self.state();
+        if let Some(slot) = state.loaded.get_mut(&key) {
+            slot.used = now;
+            return Ok(slot.artifacts.clone());
+        }
+        let backing_off = state.retry_at.get(&key).is_some_and(|at| now < *at);
+        if !backing_off && !state.loading.contains(&key) {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                state.loading.insert(key);
+                let (store, model, artifacts) = (self.clone(), model.to_string(), artifacts.clone());
+                runtime.spawn(async move {
+                    let _ = store.load(&model, &artifacts).await;
+                    store.state().loading.remove(&artifacts.key());
+                });
+            }
+        }
+        Err(Fallback::TokenizerUnavailable)
+    }
+
+    /// Loads (or returns the loaded) artifact set, waiting for a load slot.
+    pub async fn load(&self, model: &str, artifacts: &ModelArtifacts) -> Result<Arc<LoadedArtifacts>, LoadError> {
+        let key = artifacts.key();
+        if let Some(checksum) = self.policy().unpinned(&key) {
+            self.refuse_unpinned(model, checksum);
+            return Err(LoadError::Unpinned(checksum));
+        }
+        {
+            let now = (self.inner.clock)();
+            let state = self.state();
+            if let Some(slot) = state.loaded.get(&key) {
+                return Ok(slot.artifacts.clone());
+            }
+            if state.retry_at.get(&key).is_some_and(|at| now < *at) {
+                return Err(LoadError::RetryLater);
+            }
+        }
+        let _permit = self.inner.loads.acquire().await.map_err(|_| LoadError::RetryLater)?;
+        match self.load_now(artifacts).await {
+            Ok(loaded) => {
+                self.insert(loaded.clone());
+                self.state().retry_at.remove(&key);
+                self.count(ArtifactResult::Loaded);
+                Ok(loaded)
+            }
+            Err(error) => {
+                tracing::warn!(model, %error, "KV tokenizer artifacts failed to load; the model is scored without KV overlap");
+                if let Some(result) = error.result() {
+                    self.count(result);
+                }
+                let retry = (self.inner.clock)() + FAILED_LOAD_RETRY;
+                self.state().retry_at.insert(key, retry);
+                Err(error)
+            }
+        }
+    }
+
+    /// How many artifact sets are loaded, and their bytes.
+    pub fn loaded(&self) -> (usize, u64) {
+        let state = self.state();
+        (state.loaded.len(), state.bytes)
+    }
+
+    async fn load_now(&self, artifacts: &ModelArtifacts) -> Result<Arc<LoadedArtifacts>, LoadError> {
+        let tokenizer = self.resolve(&artifacts.tokenizer).await?;
+        let config = self.resolve(&artifacts.tokenizer_config).await?;
+        let template = match &artifacts.chat_template {
+            Some(file) => Some(self.resolve(file).await?),
+            None => None,
+        };
+        let key = artifacts.key();
+        tokio::task::spawn_blocking(move || build(key, &tokenizer, &config, template.as_deref()))
+            .await
+            .map_err(|e| LoadError::Invalid(format!("the loading task failed: {e}")))?
+            .map(Arc::new)
+    }
+
+    /// Verified bytes of one artifact: from the blob cache, or from its source (then cached).
+    async fn resolve(&self, file: &CheckedFile) -> Result<Vec<u8>, LoadError> {
+        let checksum = file.checksum;
+        let store = self.clone();
+        let cached = tokio::task::spawn_blocking(move || store.inner.cache.read(&checksum)).await;
+        match cached {
+            Ok(Ok(CacheRead::Hit(bytes))) => {
+                self.count(ArtifactResult::Cached);
+                return Ok(bytes);
+            }
+            Ok(Ok(CacheRead::Evicted(EvictReason::ChecksumMismatch))) => self.count(ArtifactResult::ChecksumMismatch),
+            Ok(Ok(CacheRead::Evicted(EvictReason::TooLarge))) => self.count(ArtifactResult::TooLarge),
+            Ok(Ok(CacheRead::Miss)) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "the KV artifact cache could not be read; reading the source"),
+            Err(error) => tracing::warn!(%error, "the KV artifact cache read task failed; reading the source"),
+        }
+        let bytes = self.read_source(file).await?;
+        if !checksum.matches(&bytes) {
+            return Err(LoadError::ChecksumMismatch { path: file.path.clone(), checksum });
+        }
+        self.count(ArtifactResult::Fetched);
+        let store = self.clone();
+        let copy = bytes.clone();
+        match tokio::task::spawn_blocking(move || store.inner.cache.write(&checksum, &copy)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "a KV artifact could not be cached; it is used anyway"),
+            Err(error) => tracing::warn!(%error, "the KV artifact cache write task failed"),
+        }
+        Ok(bytes)
+    }
+
+    async fn read_source(&self, file: &CheckedFile) -> Result<Vec<u8>, LoadError> {
+        let path = file.path.clone();
+        if file.size.is_some_and(|size| size > MAX_ARTIFACT_BYTES) {
+            return Err(LoadError::TooLarge { path });
+        }
+        let source = Source::classify(&path, self.policy().schemes())
+            .map_err(|source| LoadError::Source { path: path.clone(), source })?;
+        match source {
+            Source::Local(local) => match tokio::task::spawn_blocking(move || read_bounded(&local)).await {
+                Ok(Ok(bytes)) => Ok(bytes),
+                Ok(Err(ReadError::TooLarge)) => Err(LoadError::TooLarge { path }),
+                Ok(Err(ReadError::Io(error))) => Err(LoadError::Fetch(format!("{path}: {error}"))),
+                Err(error) => Err(LoadError::Fetch(format!("{path}: the read task failed: {error}"))),
+            },
+            remote => match self.inner.fetcher.fetch(&remote).await {
+                Ok(bytes) => Ok(bytes),
+                Err(FetchError::TooLarge) => Err(LoadError::TooLarge { path }),
+                Err(error) => Err(LoadError::Fetch(error.to_string())),
+            },
+        }
+    }
+
+    fn insert(&self, loaded: Arc<LoadedArtifacts>) {
+        let now = (self.inner.clock)();
+        let mut state = self.state();
+        if let Some(old) = state.loaded.remove(&loaded.key) {
+            state.bytes -= old.artifacts.bytes;
+        }
+        while !state.loaded.is_empty()
+            && (state.loaded.len() >= MAX_LOADED_TOKENIZERS || state.bytes + loaded.bytes > MAX_LOADED_BYTES)
+        {
+            let Some(oldest) = state.loaded.iter().min_by_key(|(_, slot)| slot.used).map(|(key, _)| *key) else {
+                break;
+            };
+            if let Some(slot) = state.loaded.remove(&oldest) {
+                state.bytes -= slot.artifacts.bytes;
+                self.count(ArtifactResult::Evicted);
+            }
+        }
+        state.bytes += loaded.bytes;
+        state.loaded.insert(loaded.key, Slot { artifacts: loaded, used: now });
+    }
+
+    fn refuse_unpinned(&self, model: &str, checksum: Checksum) {
+        self.count(ArtifactResult::Unpinned);
+        let mut state = self.state();
+        if state.logged_unpinned.len() >= MAX_LOGGED_UNPINNED {
+            state.logged_unpinned.clear();
+        }
+        if state.logged_unpinned.insert((model.to_string(), checksum)) {
+            tracing::warn!(model, %checksum, "a KV tokenizer artifact is not pinned; review it and add it to kv.pinned_artifacts");
+        }
+    }
+
+    fn policy(&self) -> Arc<ArtifactPolicy> {
+        self.inner.policy.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Counts an outcome decided outside the store (an unsupported block size).
+    pub fn record(&self, result: ArtifactResult) {
+        self.count(result);
+    }
+
+    fn count(&self, result: ArtifactResult) {
+        self.inner.counter.with_label_values(&[result.as_str()]).inc();
+    }
+}
+
+/// Parses verified bytes into a tokenizer and template (blocking: run on the blocking pool).
+fn build(
+    key: ArtifactKey,
+    tokenizer_json: &[u8],
+    config_json: &[u8],
+    template: Option<&[u8]>,
+) -> Result<LoadedArtifacts, LoadError> {
+    let mut tokenizer =
+        Tokenizer::from_bytes(tokenizer_json).map_err(|e| LoadError::Invalid(format!("tokenizer.json: {e}")))?;
+    let config: Value =
+        serde_json::from_slice(config_json).map_err(|e| LoadError::Invalid(format!("tokenizer_config.json: {e}")))?;
+    merge_config_special_tokens(&mut tokenizer, &config)
+        .map_err(|e| LoadError::Invalid(format!("tokenizer_config.json added_tokens_decoder: {e}")))?;
+    let template_source = template
+        .map(|bytes| {
+            std::str::from_utf8(bytes).map_err(|_| LoadError::Invalid("the chat template is not UTF-8".into()))
+        })
+        .transpose()?;
+    let bytes = (tokenizer_json.len() + config_json.len() + template.map_or(0, <[u8]>::len)) as u64;
+    let template = ChatTemplate::new(&config, template_source).map_err(|e| LoadError::Invalid(e.to_string()))?;
+    Ok(LoadedArtifacts { key, tokenizer, template, bytes })
+}
+
+/// dynamo.frontend promotes `tokenizer_config.json`'s `added_tokens_decoder` entries marked
+/// special onto the tokenizer, so a special token declared only there still encodes as one id.
+fn merge_config_special_tokens(tokenizer: &mut Tokenizer, config: &Value) -> tokenizers::Result<()> {
+    let Some(decoder) = config.get("added_tokens_decoder").and_then(Value::as_object) else { return Ok(()) };
+    let flag = |spec: &Value, name: &str| spec.get(name).and_then(Value::as_bool).unwrap_or(false);
+    let tokens: Vec<AddedToken> = decoder
+        .values()
+        .filter(|spec| flag(spec, "special"))
+        .filter_map(|spec| {
+            let content = spec.get("content").and_then(Value::as_str).filter(|c| !c.is_empty())?;
+            Some(
+                AddedToken::from(content.to_string(), true)
+                    .single_word(flag(spec, "single_word"))
+                    .lstrip(flag(spec, "lstrip"))
+                    .rstrip(flag(spec, "rstrip"))
+                    .normalized(flag(spec, "normalized")),
+            )
+        })
+        .collect();
+    if !tokens.is_empty() {
+        tokenizer.add_special_tokens(tokens)?;
+    }
+    Ok(())
+}

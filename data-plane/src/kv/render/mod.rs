@@ -1,0 +1,147 @@
+//! Prompt → tokens → block hashes, on the blocking pool and inside the seed's bounds: a permit
+//! per core (clamped to 4..=32) waited for at most 20 ms, a 2 s deadline for the whole job, the
+//! template's fuel and 1 MiB output cap, and 1,048,576 tokens. Every refusal is a [`Fallback`]:
+//! the request is still served, scored without a KV term.
+
+mod strftime;
+mod template;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::sync::Semaphore;
+
+pub use template::{ChatTemplate, MAX_RENDERED_BYTES, RENDER_FUEL, RenderError, TemplateError};
+
+use super::Fallback;
+use super::artifacts::LoadedArtifacts;
+use super::hashing::{BlockSize, LocalBlockHash, SaltHash, block_hashes};
+
+/// Tokens one prompt may encode to.
+pub const MAX_PROMPT_TOKENS: usize = 1_048_576;
+/// Fewest and most concurrent renders, whatever the core count.
+pub const MIN_RENDER_PERMITS: usize = 4;
+pub const MAX_RENDER_PERMITS: usize = 32;
+/// How long a request waits for a render permit before scoring without KV.
+pub const PERMIT_WAIT: Duration = Duration::from_millis(20);
+/// How long a render (permit wait included) may take before the request stops waiting for it.
+pub const RENDER_DEADLINE: Duration = Duration::from_secs(2);
+
+/// The bounds a [`Renderer`] enforces; [`RenderLimits::default`] is the seed's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenderLimits {
+    pub permits: usize,
+    pub permit_wait: Duration,
+    pub deadline: Duration,
+    pub max_tokens: usize,
+}
+
+impl Default for RenderLimits {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        Self {
+            permits: cores.clamp(MIN_RENDER_PERMITS, MAX_RENDER_PERMITS),
+            permit_wait: PERMIT_WAIT,
+            deadline: RENDER_DEADLINE,
+            max_tokens: MAX_PROMPT_TOKENS,
+        }
+    }
+}
+
+/// A rendered, tokenized and hashed prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedPrompt {
+    /// The token ids dynamo.frontend would send the worker for the same request.
+    pub tokens: Vec<u32>,
+    /// Block hashes for each requested block size, in the order the sizes were given.
+    pub hashes: Vec<(BlockSize, Vec<LocalBlockHash>)>,
+}
+
+impl PreparedPrompt {
+    pub fn hashes_for(&self, block_size: BlockSize) -> Option<&[LocalBlockHash]> {
+        self.hashes.iter().find(|(size, _)| *size == block_size).map(|(_, hashes)| hashes.as_slice())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Renderer {
+    permits: Arc<Semaphore>,
+    limits: RenderLimits,
+}
+
+impl Default for Renderer {
+    fn default() -> Self {
+        Self::new(RenderLimits::default())
+    }
+}
+
+impl Renderer {
+    pub fn new(limits: RenderLimits) -> Self {
+        Self { permits: Arc::new(Semaphore::new(limits.permits)), limits }
+    }
+
+    pub fn limits(&self) -> RenderLimits {
+        self.limits
+    }
+
+    /// Renders `request` (an OpenAI chat-completions body) with the model's template, encodes it
+    /// as dynamo.frontend does (no added special tokens), and hashes every complete block.
+    pub async fn prepare(
+        &self,
+        artifacts: Arc<LoadedArtifacts>,
+        request: &Value,
+        block_sizes: &[BlockSize],
+        salt: SaltHash,
+    ) -> Result<PreparedPrompt, Fallback> {
+        let started = tokio::time::Instant::now();
+        let permit = tokio::time::timeout(self.limits.permit_wait, self.permits.clone().acquire_owned())
+            .await
+            .map_err(|_| Fallback::RenderUnavailable)?
+            .map_err(|_| Fallback::RenderUnavailable)?;
+        let (request, sizes, max_tokens) = (request.clone(), block_sizes.to_vec(), self.limits.max_tokens);
+        let job = tokio::task::spawn_blocking(move || {
+            // The permit is held until the job ends, even past the deadline, so abandoned
+            // renders still count against the bound.
+            let _permit = permit;
+            prepare_blocking(&artifacts, &request, &sizes, salt, max_tokens)
+        });
+        let remaining = self.limits.deadline.saturating_sub(started.elapsed());
+        match tokio::time::timeout(remaining, job).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) | Err(_) => Err(Fallback::RenderUnavailable),
+        }
+    }
+}
+
+/// The pure core of a render: template, encode, hash.
+pub fn prepare_blocking(
+    artifacts: &LoadedArtifacts,
+    request: &Value,
+    block_sizes: &[BlockSize],
+    salt: SaltHash,
+    max_tokens: usize,
+) -> Result<PreparedPrompt, Fallback> {
+    let text = artifacts.template.render(request).map_err(|error| match error {
+        RenderError::TooLarge => Fallback::PromptTooLarge,
+        RenderError::OutOfFuel | RenderError::NoMessages | RenderError::Template(_) => {
+            tracing::debug!(%error, "chat template render failed");
+            Fallback::RenderUnavailable
+        }
+    })?;
+    let tokens = encode(artifacts, &text)?;
+    if tokens.len() > max_tokens {
+        return Err(Fallback::PromptTooLarge);
+    }
+    let hashes = block_sizes.iter().map(|&size| (size, block_hashes(&tokens, size, salt))).collect();
+    Ok(PreparedPrompt { tokens, hashes })
+}
+
+/// dynamo.frontend encodes a rendered chat prompt with `add_special_tokens = false`: the
+/// template already wrote whatever BOS it wants.
+pub fn encode(artifacts: &LoadedArtifacts, text: &str) -> Result<Vec<u32>, Fallback> {
+    artifacts.tokenizer.encode(text, false).map(|encoding| encoding.get_ids().to_vec()).map_err(|error| {
+        tracing::debug!(%error, "tokenizer encode failed");
+        Fallback::RenderUnavailable
+    })
+}

@@ -1,0 +1,407 @@
+//! End-to-end tests of the prompt path against the real Dynamo 1.6.1 captures: the tiny model's
+//! tokenizer and chatml template, its model card, and the kv-events its mocker published.
+
+use std::collections::{BTreeSet, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use prometheus::{IntCounterVec, Opts};
+use serde_json::{Value, json};
+
+use super::artifacts::{
+    ArtifactPolicy, ArtifactStore, CheckedFile, Checksum, Clock, FAILED_LOAD_RETRY, Fetcher, LoadError,
+    LoadedArtifacts, MAX_LOADED_TOKENIZERS, ModelArtifacts,
+};
+use super::hashing::{BlockSize, LocalBlockHash, SaltHash};
+use super::render::{RenderLimits, Renderer, prepare_blocking};
+use super::{Fallback, KvPrompt, request_cache_salt};
+
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1");
+
+fn fixture(path: &str) -> PathBuf {
+    Path::new(FIXTURES).join(path)
+}
+
+pub(crate) fn tinymodel_config() -> Value {
+    serde_json::from_slice(&std::fs::read(fixture("tinymodel/tokenizer_config.json")).unwrap()).unwrap()
+}
+
+/// The tiny model's card with its paths pointing at `dir` (the capture recorded /tmp/dynpeer).
+fn card_in(dir: &Path) -> ModelArtifacts {
+    let file = |name: &str| {
+        let path = dir.join(name);
+        let bytes = std::fs::read(fixture(&format!("tinymodel/{name}"))).unwrap();
+        CheckedFile { path: path.display().to_string(), checksum: Checksum::of(&bytes), size: Some(bytes.len() as u64) }
+    };
+    ModelArtifacts {
+        tokenizer: file("tokenizer.json"),
+        tokenizer_config: file("tokenizer_config.json"),
+        chat_template: None,
+    }
+}
+
+fn counter() -> IntCounterVec {
+    IntCounterVec::new(Opts::new("continuum_dynamo_kv_artifacts_total", "test"), &["result"]).unwrap()
+}
+
+fn count(counter: &IntCounterVec, result: &str) -> u64 {
+    counter.with_label_values(&[result]).get()
+}
+
+/// A clock the test moves by hand.
+fn manual_clock() -> (Clock, Arc<AtomicU64>) {
+    let start = Instant::now();
+    let offset = Arc::new(AtomicU64::new(0));
+    let read = offset.clone();
+    (Arc::new(move || start + Duration::from_secs(read.load(Ordering::SeqCst))), offset)
+}
+
+struct Harness {
+    store: ArtifactStore,
+    counter: IntCounterVec,
+    cache_dir: tempfile::TempDir,
+    offset: Arc<AtomicU64>,
+}
+
+fn harness(pinned: impl IntoIterator<Item = Checksum>) -> Harness {
+    let cache_dir = tempfile::tempdir().unwrap();
+    harness_in(cache_dir, pinned)
+}
+
+fn harness_in(cache_dir: tempfile::TempDir, pinned: impl IntoIterator<Item = Checksum>) -> Harness {
+    let mut policy = ArtifactPolicy::new(cache_dir.path().join("kv"));
+    policy.pinned_artifacts = pinned.into_iter().collect();
+    let counter = counter();
+    let (clock, offset) = manual_clock();
+    let store =
+        ArtifactStore::new(policy, Fetcher::new("http://127.0.0.1:9".into(), None), counter.clone(), clock).unwrap();
+    Harness { store, counter, cache_dir, offset }
+}
+
+fn pinned(card: &ModelArtifacts) -> Vec<Checksum> {
+    card.files().map(|f| f.checksum).collect()
+}
+
+async fn loaded_tinymodel() -> Arc<LoadedArtifacts> {
+    let card = card_in(&fixture("tinymodel"));
+    let h = harness(pinned(&card));
+    h.store.load("tiny", &card).await.unwrap()
+}
+
+fn chat(content: &str) -> Value {
+    json!({"model": "tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 4})
+}
+
+fn sizes(sizes: &[u32]) -> Vec<BlockSize> {
+    sizes.iter().map(|&s| BlockSize::new(s).unwrap()).collect()
+}
+
+/// Every `tokens_hash` the aggregated mocker published in `stored` kv-events.
+fn published_tokens_hashes() -> HashSet<u64> {
+    let text = std::fs::read_to_string(fixture("agg/zmq-messages.jsonl")).unwrap();
+    let mut hashes = HashSet::new();
+    for line in text.lines() {
+        let record: Value = serde_json::from_str(line).unwrap();
+        for event in record.pointer("/decoded/payload").and_then(Value::as_array).into_iter().flatten() {
+            let blocks = event.pointer("/event/data/stored/blocks").and_then(Value::as_array);
+            hashes.extend(blocks.into_iter().flatten().filter_map(|b| b["tokens_hash"].as_u64()));
+        }
+    }
+    hashes
+}
+
+/// The chat requests of the capture whose responses report `prompt_tokens`.
+fn captured_prompts() -> Vec<(String, Value, usize)> {
+    let text = std::fs::read_to_string(fixture("agg/http-exchanges.jsonl")).unwrap();
+    text.lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter_map(|exchange| {
+            let name = exchange["name"].as_str()?.to_string();
+            let body = exchange.pointer("/response/body").and_then(Value::as_str)?;
+            let usage = body.split("\"prompt_tokens\":").nth(1)?;
+            let tokens = usage.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok()?;
+            Some((name, exchange["request"]["body"].clone(), tokens))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn tinymodel_prompts_hash_to_what_the_real_mocker_published() {
+    let artifacts = loaded_tinymodel().await;
+    let published = published_tokens_hashes();
+    let prompts: Vec<_> = captured_prompts().into_iter().filter(|(name, ..)| name.starts_with("kv_prompt_")).collect();
+    assert_eq!(prompts.len(), 4, "the capture holds kv_prompt_0..3");
+    for (name, request, prompt_tokens) in prompts {
+        let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::default(), 1 << 20).unwrap();
+        assert_eq!(prepared.tokens.len(), prompt_tokens, "{name}: token count as dynamo.frontend reported");
+        let hashes = prepared.hashes_for(BlockSize::new(16).unwrap()).unwrap();
+        assert_eq!(hashes.len(), prompt_tokens / 16, "{name}");
+        for LocalBlockHash(hash) in hashes {
+            assert!(published.contains(hash), "{name}: block hash {hash} was never published by the worker");
+        }
+    }
+}
+
+#[tokio::test]
+async fn first_captured_block_is_the_hello_world_prompt() {
+    let artifacts = loaded_tinymodel().await;
+    let request = chat("Hello world, the quick brown fox");
+    let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16, 32]), SaltHash::default(), 1 << 20).unwrap();
+    assert_eq!(prepared.tokens.len(), 17);
+    assert_eq!(prepared.hashes_for(BlockSize::new(16).unwrap()).unwrap(), [LocalBlockHash(9_503_089_339_561_884_111)]);
+    assert_eq!(prepared.hashes_for(BlockSize::new(32).unwrap()).unwrap(), []);
+    // A salt changes every hash; the tokens stay the same.
+    let salted =
+        prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::new(Some("s"), None), 1 << 20).unwrap();
+    assert_eq!(salted.tokens, prepared.tokens);
+    assert_ne!(salted.hashes, prepared.hashes);
+}
+
+#[tokio::test]
+async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
+    let card = card_in(&fixture("tinymodel"));
+    let h = harness(pinned(&card));
+    let kv = KvPrompt::new(h.store.clone(), Renderer::default());
+    let request = chat("Hello world, the quick brown fox");
+    let first = kv.prepare("tiny", &[card.clone(), card.clone()], &request, &[16], None, None).await;
+    assert_eq!(first, Err(Fallback::TokenizerUnavailable), "the first request starts the load and does not wait");
+    for _ in 0..200 {
+        if h.store.loaded().0 == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let prepared = kv.prepare("tiny", &[card.clone(), card.clone()], &request, &[16], None, None).await.unwrap();
+    assert_eq!(prepared.hashes_for(BlockSize::new(16).unwrap()).unwrap(), [LocalBlockHash(9_503_089_339_561_884_111)]);
+    assert_eq!(count(&h.counter, "loaded"), 1);
+    assert_eq!(count(&h.counter, "fetched"), 2);
+
+    let mut upgraded = card.clone();
+    upgraded.tokenizer_config.checksum = Checksum::of(b"another template");
+    let disagree = kv.prepare("tiny", &[card.clone(), upgraded], &request, &[16], None, None).await;
+    assert_eq!(disagree, Err(Fallback::TokenizerUnavailable));
+
+    let bad_sizes = kv.prepare("tiny", &[card.clone()], &request, &[8, 70_000], None, None).await;
+    assert_eq!(bad_sizes, Err(Fallback::TokenizerUnavailable));
+    assert_eq!(count(&h.counter, "unsupported"), 2);
+    let three = kv.prepare("tiny", &[card], &request, &[16, 32, 64], None, None).await.unwrap();
+    assert_eq!(three.hashes.len(), 2, "at most two block sizes per model");
+    assert_eq!(count(&h.counter, "unsupported"), 3);
+}
+
+#[tokio::test]
+async fn unpinned_artifacts_are_never_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let card = card_in(dir.path()); // the files do not even exist: nothing may try to read them
+    let mut partly = pinned(&card);
+    partly.pop();
+    let h = harness(partly);
+    assert_eq!(h.store.lookup("tiny", &card).unwrap_err(), Fallback::ArtifactUnpinned);
+    assert!(
+        matches!(h.store.load("tiny", &card).await, Err(LoadError::Unpinned(c)) if c == card.tokenizer_config.checksum)
+    );
+    assert_eq!(count(&h.counter, "unpinned"), 2);
+    assert_eq!(count(&h.counter, "fetch_failed") + count(&h.counter, "fetched"), 0);
+    let blobs = std::fs::read_dir(h.cache_dir.path().join("kv/blobs")).unwrap().count();
+    assert_eq!(blobs, 0, "nothing was cached");
+}
+
+fn copy_tinymodel(dir: &Path) {
+    for name in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture(&format!("tinymodel/{name}")), dir.join(name)).unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_tampered_source_is_never_loaded() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_tinymodel(dir.path());
+    let card = card_in(dir.path());
+    let tampered = tinymodel_config().to_string().replace("<|im_start|>", "<|evil|>");
+    std::fs::write(dir.path().join("tokenizer_config.json"), tampered).unwrap();
+    let h = harness(pinned(&card));
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::ChecksumMismatch { .. })));
+    assert_eq!(count(&h.counter, "checksum_mismatch"), 1);
+    assert_eq!(count(&h.counter, "loaded"), 0);
+    assert_eq!(h.store.loaded(), (0, 0));
+    assert!(!h.cache_dir.path().join("kv/blobs").join(card.tokenizer_config.checksum.hex()).exists());
+}
+
+#[tokio::test]
+async fn a_tampered_cache_blob_is_evicted_and_the_source_reverified() {
+    let card = card_in(&fixture("tinymodel"));
+    let first = harness(pinned(&card));
+    first.store.load("tiny", &card).await.unwrap();
+    let blob = first.cache_dir.path().join("kv/blobs").join(card.tokenizer_config.checksum.hex());
+    assert!(blob.exists());
+    let tampered = tinymodel_config().to_string().replace("<|im_start|>", "<|evil|>");
+    std::fs::write(&blob, tampered).unwrap();
+
+    // A fresh store over the same cache, as after a restart.
+    let second = harness_in(first.cache_dir, pinned(&card));
+    let loaded = second.store.load("tiny", &card).await.unwrap();
+    assert_eq!(count(&second.counter, "checksum_mismatch"), 1);
+    assert_eq!(count(&second.counter, "cached"), 1, "the untouched tokenizer.json blob verified");
+    assert_eq!(count(&second.counter, "fetched"), 1, "the config was read again from its source");
+    let text = loaded.template.render(&chat("hi")).unwrap();
+    assert!(text.starts_with("<|im_start|>user") && !text.contains("evil"));
+    assert!(Checksum::of(&std::fs::read(&blob).unwrap()) == card.tokenizer_config.checksum, "the blob was rewritten");
+}
+
+#[tokio::test]
+async fn oversized_and_refused_artifacts_are_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_tinymodel(dir.path());
+    let mut card = card_in(dir.path());
+    card.tokenizer.size = Some(65 << 20);
+    let h = harness(pinned(&card));
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::TooLarge { .. })));
+    assert_eq!(count(&h.counter, "too_large"), 1);
+
+    let mut hub = card_in(dir.path());
+    hub.tokenizer.path = "hf://Qwen/Qwen3-0.6B/tokenizer.json".into();
+    let h = harness(pinned(&hub));
+    assert!(matches!(h.store.load("tiny", &hub).await, Err(LoadError::Source { .. })));
+    assert_eq!(count(&h.counter, "refused_scheme"), 1);
+    assert_eq!(count(&h.counter, "fetched"), 0, "nothing was read once one artifact was refused");
+}
+
+#[tokio::test]
+async fn a_failed_load_is_retried_after_five_minutes() {
+    let dir = tempfile::tempdir().unwrap();
+    let card = card_in(dir.path()); // missing files: the read fails
+    let h = harness(pinned(&card));
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::Fetch(_))));
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::RetryLater)));
+    assert_eq!(h.store.lookup("tiny", &card).unwrap_err(), Fallback::TokenizerUnavailable);
+    assert_eq!(count(&h.counter, "fetch_failed"), 1, "no second attempt while backing off");
+    h.offset.store(FAILED_LOAD_RETRY.as_secs() - 1, Ordering::SeqCst);
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::RetryLater)));
+    copy_tinymodel(dir.path());
+    h.offset.store(FAILED_LOAD_RETRY.as_secs(), Ordering::SeqCst);
+    h.store.load("tiny", &card).await.unwrap();
+    assert_eq!(count(&h.counter, "loaded"), 1);
+}
+
+#[tokio::test]
+async fn loaded_tokenizers_are_bounded_and_unpinning_drops_them() {
+    let dir = tempfile::tempdir().unwrap();
+    copy_tinymodel(dir.path());
+    let mut cards = Vec::new();
+    for i in 0..=MAX_LOADED_TOKENIZERS {
+        let mut config = tinymodel_config();
+        config["variant"] = json!(i);
+        let path = dir.path().join(format!("tokenizer_config_{i}.json"));
+        std::fs::write(&path, config.to_string()).unwrap();
+        let mut card = card_in(dir.path());
+        card.tokenizer_config = CheckedFile {
+            path: path.display().to_string(),
+            checksum: Checksum::of(config.to_string().as_bytes()),
+            size: None,
+        };
+        cards.push(card);
+    }
+    let all: BTreeSet<Checksum> = cards.iter().flat_map(pinned).collect();
+    let h = harness(all.clone());
+    for (i, card) in cards.iter().enumerate() {
+        h.offset.store(i as u64, Ordering::SeqCst);
+        h.store.load("tiny", card).await.unwrap();
+    }
+    assert_eq!(h.store.loaded().0, MAX_LOADED_TOKENIZERS);
+    assert_eq!(count(&h.counter, "evicted"), 1);
+    assert_eq!(h.store.lookup("tiny", &cards[0]).unwrap_err(), Fallback::TokenizerUnavailable, "the oldest went");
+    assert!(h.store.lookup("tiny", &cards[1]).is_ok());
+
+    let mut policy = ArtifactPolicy::new(h.cache_dir.path().join("kv"));
+    policy.pinned_artifacts = all.into_iter().filter(|c| *c != cards[1].tokenizer_config.checksum).collect();
+    h.store.set_policy(policy);
+    assert_eq!(h.store.loaded().0, MAX_LOADED_TOKENIZERS - 1);
+    assert_eq!(h.store.lookup("tiny", &cards[1]).unwrap_err(), Fallback::ArtifactUnpinned);
+}
+
+#[tokio::test]
+async fn rendering_limits_fall_back() {
+    let artifacts = loaded_tinymodel().await;
+    let size16 = sizes(&[16]);
+    let huge = chat(&"x".repeat(1 << 20));
+    assert_eq!(
+        prepare_blocking(&artifacts, &huge, &size16, SaltHash::default(), 1 << 20),
+        Err(Fallback::PromptTooLarge)
+    );
+    let request = chat("Hello world, the quick brown fox");
+    assert_eq!(prepare_blocking(&artifacts, &request, &size16, SaltHash::default(), 16), Err(Fallback::PromptTooLarge));
+    assert!(prepare_blocking(&artifacts, &request, &size16, SaltHash::default(), 17).is_ok());
+    assert_eq!(
+        prepare_blocking(&artifacts, &json!({"model": "tiny"}), &size16, SaltHash::default(), 17),
+        Err(Fallback::RenderUnavailable)
+    );
+}
+
+/// The tiny tokenizer with a template that burns its whole fuel budget.
+fn looping_artifacts(template: &Arc<LoadedArtifacts>) -> Arc<LoadedArtifacts> {
+    let config =
+        json!({"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"});
+    Arc::new(LoadedArtifacts {
+        key: template.key,
+        tokenizer: template.tokenizer.clone(),
+        template: super::render::ChatTemplate::new(&config, None).unwrap(),
+        bytes: 0,
+    })
+}
+
+#[tokio::test]
+async fn fuel_permit_wait_and_deadline_fall_back() {
+    let artifacts = loaded_tinymodel().await;
+    let looping = looping_artifacts(&artifacts);
+    let request = chat("hi");
+    let size16 = sizes(&[16]);
+    let relaxed = RenderLimits {
+        permits: 1,
+        permit_wait: Duration::from_secs(5),
+        deadline: Duration::from_secs(60),
+        ..RenderLimits::default()
+    };
+    let renderer = Renderer::new(relaxed);
+    let fuel = renderer.prepare(looping.clone(), &request, &size16, SaltHash::default()).await;
+    assert_eq!(fuel, Err(Fallback::RenderUnavailable), "out of fuel");
+
+    // One permit, held by a long render: the next request waits 20 ms and gives up.
+    let one = Renderer::new(RenderLimits { permits: 1, deadline: Duration::from_secs(60), ..RenderLimits::default() });
+    let busy = tokio::spawn({
+        let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
+        async move { one.prepare(looping, &request, &size16, SaltHash::default()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let started = Instant::now();
+    assert_eq!(
+        one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await,
+        Err(Fallback::RenderUnavailable)
+    );
+    assert!(started.elapsed() < Duration::from_secs(1), "gave up after the permit wait, not the render");
+    assert_eq!(busy.await.unwrap(), Err(Fallback::RenderUnavailable));
+    assert!(
+        one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_ok(),
+        "the permit came back"
+    );
+
+    // The deadline covers the render itself.
+    let hasty = Renderer::new(RenderLimits { deadline: Duration::from_millis(1), ..RenderLimits::default() });
+    let started = Instant::now();
+    assert_eq!(hasty.prepare(looping, &request, &size16, SaltHash::default()).await, Err(Fallback::RenderUnavailable));
+    assert!(started.elapsed() < Duration::from_millis(500));
+}
+
+#[test]
+fn fallback_labels_are_the_selection_results() {
+    let labels: Vec<_> = Fallback::ALL.iter().map(|f| f.as_str()).collect();
+    assert_eq!(labels, ["prompt_too_large", "render_unavailable", "tokenizer_unavailable", "artifact_unpinned"]);
+}
+
+#[test]
+fn cache_salt_is_read_from_nvext_first() {
+    assert_eq!(request_cache_salt(&json!({"nvext": {"cache_salt": "a"}, "cache_salt": "b"})), Some("a"));
+    assert_eq!(request_cache_salt(&json!({"cache_salt": "b"})), Some("b"));
+    assert_eq!(request_cache_salt(&json!({})), None);
+}

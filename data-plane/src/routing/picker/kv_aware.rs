@@ -1,0 +1,271 @@
+//! The KV-aware picker: the load-based picker's rank states, ledger, cursors and counters,
+//! with the seed's overlap-credited formula choosing the worker that prefills the request.
+//!
+//! Which ranks prefill: in a namespace that pairs prefill and decode workers, its prefill
+//! ranks; in any other namespace, its decode candidates (aggregated workers, or decode
+//! workers without a prefill pool), which prefill their own requests. All of them compete on
+//! the formula together (graph-local: prefill workers only where a decode worker can take
+//! the hand-over). A prefill winner's decode worker is then chosen within its namespace by the
+//! load-only rule, or, under conditional disaggregation, by the decode term less the overlap
+//! credit, after which the decode worker may prefill the request itself (a bypass).
+//!
+//! Without a KV term ([`KvTerm::Unavailable`]) the load-based picker decides alone. Every
+//! selection counts one `continuum_dynamo_kv_selection_total{result}`.
+
+mod formula;
+mod term;
+
+use std::collections::BTreeSet;
+use std::hash::Hash;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use continuum_proto::model::Role;
+use continuum_proto::view::FleetView;
+use prometheus::IntCounterVec;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+pub use self::formula::{CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD};
+use self::formula::{Draw, Logit, Prompt, Scored, Weights};
+pub use self::term::{KvSelectionResult, KvTerm, Overlaps};
+use super::candidates::{self, Candidate, Pools};
+use super::cost::Phase;
+use super::ledger::DispatchLedger;
+use super::load_based::LoadBasedPicker;
+use super::{PickRequest, Picker, Reason, Selection};
+
+/// Distinguishes the KV competitions' cursors from the load-based picker's.
+const KV_CURSOR: &str = "kv";
+
+#[derive(Debug)]
+pub struct KvAwarePicker {
+    load: LoadBasedPicker,
+    /// `continuum_dynamo_kv_selection_total{result}`.
+    kv_selections: IntCounterVec,
+    /// Draws for softmax sampling above temperature 0.
+    rng: Mutex<StdRng>,
+}
+
+/// One rank chosen by a KV competition.
+struct Chosen<'c> {
+    candidate: &'c Candidate,
+    reason: Reason,
+    /// The rank's full formula; `None` when its backlog was unknown.
+    logit: Option<Logit>,
+    /// The rank's backlog came from a fresh sample.
+    fresh: bool,
+}
+
+/// What every rank of one request is scored against.
+struct Scoring<'a> {
+    view: &'a FleetView,
+    prompt: Prompt,
+    block_size: u32,
+    overlaps: &'a Overlaps,
+    weights: Weights,
+    now: Instant,
+}
+
+impl Scoring<'_> {
+    /// The rank's overlap; a rank whose card declares another block size cannot have matched
+    /// hashes of this one.
+    fn overlap(&self, candidate: &Candidate) -> u32 {
+        if candidate.worker.block_size.is_some_and(|size| size != self.block_size) {
+            return 0;
+        }
+        self.overlaps.get(candidate.worker.key.instance_id, candidate.rank)
+    }
+}
+
+impl KvAwarePicker {
+    /// `selections` must have the labels `role` and `reason`, `kv_selections` the label
+    /// `result` (see `Metrics::selections` and `Metrics::kv_selections`).
+    pub fn new(ledger: Arc<DispatchLedger>, selections: IntCounterVec, kv_selections: IntCounterVec) -> Self {
+        Self { load: LoadBasedPicker::new(ledger, selections), kv_selections, rng: Mutex::new(StdRng::from_os_rng()) }
+    }
+
+    /// The same picker with a reproducible sampling sequence (tests, benchmarks).
+    pub fn with_seed(self, seed: u64) -> Self {
+        Self { rng: Mutex::new(StdRng::seed_from_u64(seed)), ..self }
+    }
+
+    /// The ledger the dispatch phase records this picker's pins in.
+    pub fn ledger(&self) -> &Arc<DispatchLedger> {
+        self.load.ledger()
+    }
+
+    /// The load-only picker it falls back to (sharing its ledger and counters).
+    pub fn load_based(&self) -> &LoadBasedPicker {
+        &self.load
+    }
+
+    /// Chooses the workers for `request`, or `None` when no routable worker serves the model.
+    /// `request.prompt_tokens` is used only without a KV term; with one, `isl_tokens` is.
+    pub fn pick(&self, view: &FleetView, request: &PickRequest<'_>, kv: KvTerm<'_>, now: Instant) -> Option<Selection> {
+        let (isl_tokens, block_size, overlaps) = match kv {
+            KvTerm::Scored { isl_tokens, block_size, overlaps } => (isl_tokens, block_size, overlaps),
+            KvTerm::Unavailable(result) => {
+                let selection = self.load.pick(view, request, now)?;
+                self.count_result(result);
+                return Some(selection);
+            }
+        };
+        let scoring = Scoring {
+            view,
+            prompt: Prompt::new(isl_tokens, block_size),
+            block_size,
+            overlaps,
+            weights: Weights::new(&view.config().picker),
+            now,
+        };
+        let request = PickRequest { prompt_tokens: isl_tokens, ..*request };
+        let pools = candidates::pools(view, request.model, request.namespaces);
+        let prefilling = prefilling(&pools);
+        let cursor = (KV_CURSOR, Phase::Prefill, request.model);
+        let winner = self.compete(&scoring, &prefilling, cursor, |logit| logit.cost)?;
+        let overlap = overlap_result(scoring.overlap(winner.candidate));
+        if winner.candidate.worker.role != Role::Prefill {
+            let selection = Selection {
+                namespace: Arc::clone(&winner.candidate.worker.key.namespace),
+                model: request.model.to_string(),
+                decode: winner.candidate.pin(),
+                prefill: None,
+                decode_reason: winner.reason,
+                prefill_reason: Some(Reason::NoPrefillPool),
+            };
+            return Some(self.finish(selection, overlap));
+        }
+        let selection = self.pair(&scoring, &pools, &winner, &request)?;
+        let bypassed = selection.prefill_reason == Some(Reason::ConditionalBypass);
+        Some(self.finish(selection, if bypassed { KvSelectionResult::Bypass } else { overlap }))
+    }
+
+    /// The decode worker for a prefill winner, within its namespace: by the load-only rule, or
+    /// under conditional disaggregation by the decode term less the overlap credit, possibly
+    /// prefilling the request itself (a bypass: no prefill pin, reason `ConditionalBypass`).
+    fn pair(
+        &self,
+        scoring: &Scoring<'_>,
+        pools: &Pools,
+        prefill: &Chosen<'_>,
+        request: &PickRequest<'_>,
+    ) -> Option<Selection> {
+        let namespace = &prefill.candidate.worker.key.namespace;
+        let decoders: Vec<Candidate> =
+            pools.decode.iter().filter(|c| c.worker.key.namespace == *namespace).cloned().collect();
+        let selection = |decode: &Candidate, decode_reason| Selection {
+            namespace: Arc::clone(namespace),
+            model: request.model.to_string(),
+            decode: decode.pin(),
+            prefill: Some(prefill.candidate.pin()),
+            decode_reason,
+            prefill_reason: Some(prefill.reason),
+        };
+        if !scoring.view.config().picker.conditional_disaggregation {
+            let cursor = (Phase::Decode, request.model, &**namespace);
+            let (decode, reason) =
+                self.load.choose(scoring.view, Phase::Decode, &decoders, cursor, request, scoring.now)?;
+            return Some(selection(decode, reason));
+        }
+        let cursor = (KV_CURSOR, Phase::Decode, request.model, &**namespace);
+        let decode = self.compete(scoring, &decoders, cursor, formula::conditional_decode_cost)?;
+        if !self.bypasses(scoring, &decode) {
+            return Some(selection(decode.candidate, decode.reason));
+        }
+        Some(Selection {
+            prefill: None,
+            prefill_reason: Some(Reason::ConditionalBypass),
+            ..selection(decode.candidate, Reason::ConditionalBypass)
+        })
+    }
+
+    /// One of `candidates` by the seed's rules, each rank's formula reduced to a cost by `cost`.
+    fn compete<'c>(
+        &self,
+        scoring: &Scoring<'_>,
+        candidates: &'c [Candidate],
+        cursor: impl Hash,
+        cost: impl Fn(&Logit) -> f64,
+    ) -> Option<Chosen<'c>> {
+        let max_staleness = scoring.view.config().picker.max_staleness;
+        let ranks = self.load.ranks(scoring.view, candidates, scoring.now);
+        let rated: Vec<(Option<Logit>, Scored)> = candidates
+            .iter()
+            .zip(ranks)
+            .map(|(candidate, rank)| {
+                let phase = if candidate.worker.role == Role::Prefill { Phase::Prefill } else { Phase::Decode };
+                let (load, fresh) = formula::rank_load(phase, rank.sample, rank.unanswered, max_staleness, scoring.now);
+                let overlap = scoring.overlap(candidate);
+                let logit = load.map(|load| formula::worker_logit(load, overlap, scoring.prompt, &scoring.weights));
+                let stale_cost = formula::stale_cost(overlap, scoring.prompt, &scoring.weights);
+                let scored =
+                    Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.unanswered.stalled, stale_cost };
+                (logit, scored)
+            })
+            .collect();
+        let scored: Vec<Scored> = rated.iter().map(|(_, scored)| *scored).collect();
+        let (reason, draw) = formula::contenders(&scored, scoring.weights.temperature);
+        let index = match draw {
+            Draw::Rotate(among) if among.is_empty() => return None,
+            Draw::Rotate(among) => among.get(self.load.advance(cursor) % among.len()).copied()?,
+            Draw::Sample(entries) => {
+                let costs: Vec<f64> = entries.iter().map(|(_, cost)| *cost).collect();
+                let at = formula::softmax_sample_index(&costs, scoring.weights.temperature, self.draw());
+                entries.get(at).map(|(i, _)| *i)?
+            }
+        };
+        let (logit, scored) = rated.get(index)?;
+        Some(Chosen { candidate: candidates.get(index)?, reason, logit: *logit, fresh: scored.fresh })
+    }
+
+    /// Whether the chosen decode worker should prefill the request itself: the ISL bound on
+    /// its own overlap, then the busy-threshold veto on its projected decode blocks.
+    fn bypasses(&self, scoring: &Scoring<'_>, decode: &Chosen<'_>) -> bool {
+        if !formula::prefill_locally(scoring.prompt, scoring.overlap(decode.candidate)) {
+            return false;
+        }
+        let projected = decode.logit.filter(|_| decode.fresh).map(|logit| logit.decode_cost_blocks);
+        let threshold = scoring.view.config().picker.decode_busy_threshold;
+        formula::decode_has_room(threshold, projected, decode.candidate.worker.capacity.total_kv_blocks)
+    }
+
+    fn draw(&self) -> f64 {
+        self.rng.lock().unwrap_or_else(PoisonError::into_inner).random::<f64>()
+    }
+
+    fn finish(&self, selection: Selection, result: KvSelectionResult) -> Selection {
+        self.load.count("decode", selection.decode_reason);
+        self.load.count("prefill", selection.prefill_reason.unwrap_or(Reason::NoPrefillPool));
+        self.count_result(result);
+        selection
+    }
+
+    fn count_result(&self, result: KvSelectionResult) {
+        // A counter built with other labels only loses the count; selection goes on.
+        if let Ok(counter) = self.kv_selections.get_metric_with_label_values(&[result.as_str()]) {
+            counter.inc();
+        }
+    }
+}
+
+/// The ranks that would prefill the request: the prefill ranks of namespaces that pair prefill
+/// with decode workers, and the decode candidates of every other namespace.
+fn prefilling(pools: &Pools) -> Vec<Candidate> {
+    let paired: BTreeSet<&Arc<str>> = pools
+        .decode
+        .iter()
+        .filter(|c| c.worker.role == Role::Decode && pools.prefill.contains_key(&c.worker.key.namespace))
+        .map(|c| &c.worker.key.namespace)
+        .collect();
+    let serving_alone = pools.decode.iter().filter(|c| !paired.contains(&c.worker.key.namespace)).cloned();
+    let prefill = paired.iter().filter_map(|namespace| pools.prefill.get(*namespace)).flatten().cloned();
+    serving_alone.chain(prefill).collect()
+}
+
+fn overlap_result(overlap: u32) -> KvSelectionResult {
+    if overlap > 0 { KvSelectionResult::Overlap } else { KvSelectionResult::NoOverlap }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,275 @@
+//! The KV-aware cost of one rank (upstream's `worker_logit`, as the seed states it), the rule
+//! that turns a set of costs into contenders, softmax sampling above temperature 0, and
+//! conditional disaggregation's per-request decision. Pure: no clock, no locks, no randomness
+//! of its own (the sampler takes its uniform draw as an argument).
+//!
+//! For a rank holding `overlap_blocks` of an `isl`-token prompt in blocks of `bs` tokens:
+//!
+//! ```text
+//! cached_tokens         = min(overlap_blocks * bs, isl)
+//! raw_prefill_tokens    = active_prefill_tokens + (isl - cached_tokens) + cached_tokens
+//! raw_prefill_blocks    = raw_prefill_tokens / bs
+//! overlap_credit_blocks = overlap_score_credit * overlap_blocks
+//! adjusted_prefill      = max(0, raw_prefill_blocks - overlap_credit_blocks)
+//! decode_cost_blocks    = active_decode_blocks + max(0, ceil(isl / bs) - overlap_blocks)
+//! cost                  = prefill_load_scale * adjusted_prefill + decode_cost_blocks
+//! ```
+//!
+//! `raw_prefill_tokens` is the seed's formula verbatim: the cached tokens cancel, so the prefix
+//! earns its discount only through `overlap_credit_blocks` (and the decode term).
+
+use std::cmp::Ordering;
+use std::time::{Duration, Instant};
+
+use continuum_proto::model::{LoadSample, PickerParams};
+
+use super::super::Reason;
+use super::super::cost::{self, Phase, Standing};
+use super::super::ledger::RankBacklog;
+
+/// `IslBoundingPolicy`'s default absolute bound (upstream `--router-conditional-disagg`): a
+/// decode worker prefills locally only when fewer than this many prompt tokens are not
+/// already in its cache…
+pub const CONDITIONAL_EFF_ISL_THRESHOLD: u64 = 2048;
+/// …and when those uncached tokens are less than this fraction of the prompt.
+pub const CONDITIONAL_EFF_ISL_RATIO_THRESHOLD: f64 = 0.7;
+
+/// The configured weights, made safe: a negative or non-finite value counts as 0 (a credit or
+/// scale of 0 drops its term; a temperature of 0 picks the lowest cost).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Weights {
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+    pub temperature: f64,
+}
+
+impl Weights {
+    pub fn new(params: &PickerParams) -> Self {
+        let sane = |x: f64| if x.is_finite() && x > 0.0 { x } else { 0.0 };
+        Self {
+            overlap_score_credit: sane(params.overlap_score_credit),
+            prefill_load_scale: sane(params.prefill_load_scale),
+            temperature: sane(params.router_temperature),
+        }
+    }
+}
+
+/// The request's prompt: its length and the block size everything is counted in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Prompt {
+    pub isl: u64,
+    /// Never zero.
+    pub block_size: u64,
+}
+
+impl Prompt {
+    /// A block size of 0 (never produced by the hasher) counts as 1 rather than dividing by 0.
+    pub fn new(isl: u64, block_size: u32) -> Self {
+        Self { isl, block_size: u64::from(block_size.max(1)) }
+    }
+
+    pub fn blocks(self) -> u64 {
+        self.isl.div_ceil(self.block_size)
+    }
+}
+
+/// What a rank already carries: its sample's backlog plus its unanswered dispatches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct RankLoad {
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+}
+
+/// Every step of one rank's cost, kept so tests (and logs) can check each term.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Logit {
+    pub overlap_blocks: u64,
+    pub cached_tokens: u64,
+    pub raw_prefill_tokens: u64,
+    pub raw_prefill_blocks: f64,
+    pub overlap_credit_blocks: f64,
+    pub adjusted_prefill: f64,
+    pub decode_cost_blocks: u64,
+    pub cost: f64,
+}
+
+pub(super) fn worker_logit(load: RankLoad, overlap_blocks: u32, prompt: Prompt, weights: &Weights) -> Logit {
+    let overlap_blocks = u64::from(overlap_blocks);
+    let cached_tokens = overlap_blocks.saturating_mul(prompt.block_size).min(prompt.isl);
+    let raw_prefill_tokens =
+        load.active_prefill_tokens.saturating_add(prompt.isl - cached_tokens).saturating_add(cached_tokens);
+    let raw_prefill_blocks = raw_prefill_tokens as f64 / prompt.block_size as f64;
+    let overlap_credit_blocks = weights.overlap_score_credit * overlap_blocks as f64;
+    let adjusted_prefill = (raw_prefill_blocks - overlap_credit_blocks).max(0.0);
+    let decode_cost_blocks = load.active_decode_blocks.saturating_add(prompt.blocks().saturating_sub(overlap_blocks));
+    let cost = weights.prefill_load_scale * adjusted_prefill + decode_cost_blocks as f64;
+    Logit {
+        overlap_blocks,
+        cached_tokens,
+        raw_prefill_tokens,
+        raw_prefill_blocks,
+        overlap_credit_blocks,
+        adjusted_prefill,
+        decode_cost_blocks,
+        cost,
+    }
+}
+
+/// The cost when no rank has a fresh backlog: overlap and request size alone.
+pub(super) fn stale_cost(overlap_blocks: u32, prompt: Prompt, weights: &Weights) -> f64 {
+    prompt.isl as f64 / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
+}
+
+/// A decode worker's cost under conditional disaggregation: its decode term less the credit
+/// for the prefix it would not have to prefill.
+pub(super) fn conditional_decode_cost(logit: &Logit) -> f64 {
+    (logit.decode_cost_blocks as f64 - logit.overlap_credit_blocks).max(0.0)
+}
+
+/// A rank's load for the formula, and whether it comes from a fresh sample carrying the
+/// backlog of the rank's phase (prefill tokens for a prefill worker, decode blocks for a
+/// worker that decodes). `None` when that backlog is unknown (see [`Standing::Unknown`]); the
+/// other phase's field is added when a fresh sample carries it.
+pub(super) fn rank_load(
+    phase: Phase,
+    sample: Option<&LoadSample>,
+    unanswered: RankBacklog,
+    max_staleness: Duration,
+    now: Instant,
+) -> (Option<RankLoad>, bool) {
+    let standing = cost::standing(phase, sample, max_staleness, now);
+    let backlog = match standing {
+        Standing::Fresh(n) => n,
+        Standing::Quiet => 0,
+        Standing::Unknown => return (None, false),
+    };
+    let other_phase = match phase {
+        Phase::Prefill => Phase::Decode,
+        Phase::Decode => Phase::Prefill,
+    };
+    let other =
+        sample.filter(|s| s.age(now) < max_staleness).and_then(|s| cost::phase_load(other_phase, &s.load)).unwrap_or(0);
+    let (prefill, decode) = match phase {
+        Phase::Prefill => (backlog, other),
+        Phase::Decode => (other, backlog),
+    };
+    let load = RankLoad {
+        active_prefill_tokens: prefill.saturating_add(unanswered.prefill_tokens),
+        active_decode_blocks: decode.saturating_add(unanswered.decode_blocks),
+    };
+    (Some(load), matches!(standing, Standing::Fresh(_)))
+}
+
+/// One candidate as the choice rule sees it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Scored {
+    /// The full formula; `None` when the rank's backlog is unknown.
+    pub cost: Option<f64>,
+    pub fresh: bool,
+    pub stalled: bool,
+    /// Overlap and request size alone, for when no rank is fresh.
+    pub stale_cost: f64,
+}
+
+/// How the winner is drawn from the contenders (indices into the scored slice).
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum Draw {
+    /// The phase's cursor rotates among these.
+    Rotate(Vec<usize>),
+    /// Softmax sampling over these costs.
+    Sample(Vec<(usize, f64)>),
+}
+
+/// The seed's selection rules over one phase's candidates.
+///
+/// When a rank has a fresh sample carrying its phase's backlog, the fresh and the quiet ranks
+/// compete on the full formula and the others sit out; stalled ranks are passed over while a
+/// healthy one competes. Otherwise every rank competes on overlap and request size, and the
+/// cursor rotates (`round_robin_stale`) only among ties. Temperature 0 takes the lowest cost,
+/// ties rotating; above 0 the contenders are sampled.
+pub(super) fn contenders(scored: &[Scored], temperature: f64) -> (Reason, Draw) {
+    if scored.iter().any(|s| s.fresh && s.cost.is_some()) {
+        let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
+        let eligible: Vec<(usize, f64)> = scored
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !(s.stalled && healthy_exists))
+            .filter_map(|(i, s)| s.cost.map(|cost| (i, cost)))
+            .collect();
+        return (Reason::KvAware, lowest_or_sampled(eligible, temperature));
+    }
+    let all: Vec<(usize, f64)> = scored.iter().map(|s| s.stale_cost).enumerate().collect();
+    let uniform = all.windows(2).all(|pair| matches!(pair, [(_, a), (_, b)] if a.total_cmp(b) == Ordering::Equal));
+    if uniform {
+        return (Reason::RoundRobinStale, Draw::Rotate((0..scored.len()).collect()));
+    }
+    match lowest_or_sampled(all, temperature) {
+        Draw::Rotate(ties) if ties.len() > 1 => (Reason::RoundRobinStale, Draw::Rotate(ties)),
+        draw => (Reason::KvAware, draw),
+    }
+}
+
+fn lowest_or_sampled(entries: Vec<(usize, f64)>, temperature: f64) -> Draw {
+    if temperature > 0.0 && entries.len() > 1 {
+        return Draw::Sample(entries);
+    }
+    let best = entries.iter().map(|(_, cost)| *cost).min_by(f64::total_cmp);
+    let ties = entries.iter().filter(|(_, cost)| best.is_some_and(|b| cost.total_cmp(&b) == Ordering::Equal));
+    Draw::Rotate(ties.map(|(i, _)| *i).collect())
+}
+
+/// Upstream's `softmax_sample_index` normalisation: costs are rescaled to `[0, 1]` by their
+/// range before dividing by the temperature, so the temperature means the same for any
+/// fleet size or load. Weights are `exp(-(cost - min) / ((max - min) * temperature))`; equal
+/// (or non-finite-range) costs are equally likely. `sample` is a uniform draw in `[0, 1)`.
+/// Returns an index into `costs` (0 when empty).
+pub(super) fn softmax_sample_index(costs: &[f64], temperature: f64, sample: f64) -> usize {
+    let (lo, hi) = costs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), c| (lo.min(*c), hi.max(*c)));
+    let range = hi - lo;
+    let weights: Vec<f64> = if range > 0.0 && range.is_finite() && temperature > 0.0 {
+        costs.iter().map(|c| (-(c - lo) / (range * temperature)).exp()).collect()
+    } else {
+        vec![1.0; costs.len()]
+    };
+    let total: f64 = weights.iter().sum();
+    let target = sample.clamp(0.0, 1.0) * total;
+    let mut cumulative = 0.0;
+    for (i, weight) in weights.iter().enumerate() {
+        cumulative += weight;
+        if target < cumulative {
+            return i;
+        }
+    }
+    costs.len().saturating_sub(1)
+}
+
+/// Upstream's `IslBoundingPolicy`: the decode worker prefills the request itself when the
+/// tokens it does not hold are both few (< [`CONDITIONAL_EFF_ISL_THRESHOLD`]) and a small part
+/// of the prompt (< [`CONDITIONAL_EFF_ISL_RATIO_THRESHOLD`]).
+pub(super) fn prefill_locally(prompt: Prompt, decode_overlap_blocks: u32) -> bool {
+    let cached = u64::from(decode_overlap_blocks).saturating_mul(prompt.block_size);
+    let uncached = prompt.isl.saturating_sub(cached);
+    let ratio = uncached as f64 / prompt.isl.max(1) as f64;
+    uncached < CONDITIONAL_EFF_ISL_THRESHOLD && ratio < CONDITIONAL_EFF_ISL_RATIO_THRESHOLD
+}
+
+/// The `decode_busy_threshold` veto: with a threshold, the decode worker's projected decode
+/// blocks (its fresh backlog, unanswered dispatches and this request's uncached blocks) must
+/// be at or below `threshold * total_kv_blocks`; without a fresh sample or a capacity the
+/// answer is no. Without a threshold there is nothing to veto.
+pub(super) fn decode_has_room(
+    threshold: Option<f64>,
+    projected_blocks: Option<u64>,
+    total_kv_blocks: Option<u64>,
+) -> bool {
+    let Some(threshold) = threshold else {
+        return true;
+    };
+    match (projected_blocks, total_kv_blocks.filter(|n| *n > 0)) {
+        (Some(projected), Some(total)) => projected as f64 <= threshold * total as f64,
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,648 @@
+//! The KV-aware picker's rules end to end over a fleet view.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use continuum_proto::model::{
+    Backlog, Capacity, DataPlaneConfig, Load, LoadKey, LoadSample, PickerParams, Role, Worker, WorkerKey,
+};
+use continuum_proto::view::FleetView;
+use prometheus::{IntCounterVec, Opts};
+use proptest::prelude::*;
+
+use super::super::{DispatchLedger, Pin};
+use super::*;
+
+const BLOCK: u32 = 16;
+const FRESH: Duration = Duration::from_secs(1);
+const STALE: Duration = Duration::from_secs(10);
+
+fn worker(namespace: &str, id: u64, role: Role) -> Worker {
+    Worker {
+        key: WorkerKey::new(namespace, id),
+        role,
+        model: "tiny".into(),
+        component: "backend".into(),
+        endpoint: "generate".into(),
+        block_size: Some(BLOCK),
+        capacity: Capacity { total_kv_blocks: Some(1000), max_num_batched_tokens: Some(2048), ..Capacity::default() },
+        dp_start_rank: 0,
+        dp_size: 0,
+        disaggregated_endpoint: None,
+        artifacts: None,
+    }
+}
+
+fn agg(id: u64) -> Worker {
+    worker("ns", id, Role::Aggregated)
+}
+
+fn used(kv_used_blocks: u64) -> Load {
+    Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() }
+}
+
+fn prefilling(active_prefill_tokens: u64) -> Load {
+    Load { active_prefill_tokens: Some(active_prefill_tokens), kv_used_blocks: Some(0), ..Load::default() }
+}
+
+/// A fleet, its picker parameters, and the instant the test picks at.
+struct Fleet {
+    now: Instant,
+    workers: Vec<Worker>,
+    loads: Vec<(LoadKey, LoadSample)>,
+    backlogs: Vec<(LoadKey, Backlog)>,
+    params: PickerParams,
+}
+
+impl Fleet {
+    fn new(workers: impl IntoIterator<Item = Worker>) -> Self {
+        Self {
+            now: Instant::now() + Duration::from_secs(600),
+            workers: workers.into_iter().collect(),
+            loads: Vec::new(),
+            backlogs: Vec::new(),
+            params: PickerParams { kv_enabled: true, ..PickerParams::default() },
+        }
+    }
+
+    fn key(&self, id: u64, rank: u32) -> LoadKey {
+        let worker = self.workers.iter().find(|w| w.key.instance_id == id).map(|w| w.key.clone());
+        LoadKey { worker: worker.unwrap_or_else(|| WorkerKey::new("ns", id)), dp_rank: rank }
+    }
+
+    /// Worker `id` (rank 0) reported `load`, `age` ago.
+    fn sample(mut self, id: u64, load: Load, age: Duration) -> Self {
+        let key = self.key(id, 0);
+        self.loads.push((key, LoadSample { load, received_at: self.now - age }));
+        self
+    }
+
+    fn backlog(mut self, id: u64, backlog: Backlog) -> Self {
+        let key = self.key(id, 0);
+        self.backlogs.push((key, backlog));
+        self
+    }
+
+    fn params(mut self, params: PickerParams) -> Self {
+        self.params = PickerParams { kv_enabled: true, ..params };
+        self
+    }
+
+    fn view(&self) -> FleetView {
+        let config = DataPlaneConfig { picker: self.params, ..DataPlaneConfig::default() };
+        FleetView::new(1, self.workers.iter().cloned().map(Arc::new), self.loads.clone(), Arc::new(config))
+            .and_then(|view| view.with_backlogs(self.backlogs.clone()))
+            .expect("view")
+    }
+}
+
+struct Counters {
+    selections: IntCounterVec,
+    kv: IntCounterVec,
+}
+
+impl Counters {
+    fn new() -> Self {
+        let selections = IntCounterVec::new(Opts::new("selections", "test"), &["role", "reason"]).expect("counter");
+        let kv = IntCounterVec::new(Opts::new("kv", "test"), &["result"]).expect("counter");
+        Self { selections, kv }
+    }
+
+    fn picker(&self) -> KvAwarePicker {
+        KvAwarePicker::new(Arc::new(DispatchLedger::new()), self.selections.clone(), self.kv.clone()).with_seed(7)
+    }
+
+    fn result(&self, result: KvSelectionResult) -> u64 {
+        self.kv.with_label_values(&[result.as_str()]).get()
+    }
+
+    fn selection(&self, role: &str, reason: Reason) -> u64 {
+        self.selections.with_label_values(&[role, reason.as_str()]).get()
+    }
+}
+
+fn picker() -> KvAwarePicker {
+    Counters::new().picker()
+}
+
+fn request() -> PickRequest<'static> {
+    PickRequest { model: "tiny", prompt_tokens: 1, namespaces: None }
+}
+
+fn overlaps(triples: &[(u64, u32, u32)]) -> Overlaps {
+    triples.iter().copied().collect()
+}
+
+fn scored(isl_tokens: u64, overlaps: &Overlaps) -> KvTerm<'_> {
+    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps }
+}
+
+fn pick(picker: &KvAwarePicker, fleet: &Fleet, kv: KvTerm<'_>) -> Selection {
+    picker.pick(&fleet.view(), &request(), kv, fleet.now).expect("a selection")
+}
+
+/// (decode id, prefill id) over `n` picks.
+fn picks(picker: &KvAwarePicker, fleet: &Fleet, kv: KvTerm<'_>, n: usize) -> Vec<(u64, Option<u64>)> {
+    (0..n).map(|_| ids(&pick(picker, fleet, kv))).collect()
+}
+
+fn ids(selection: &Selection) -> (u64, Option<u64>) {
+    (selection.decode.worker.instance_id, selection.prefill.as_ref().map(|p| p.worker.instance_id))
+}
+
+#[test]
+fn overlap_wins_against_equal_load() {
+    // 128 tokens (8 blocks), both at 10 blocks. Worker 1: 8 + (10 + 8) = 26; worker 2, holding
+    // 4 blocks: (8 - 4) + (10 + 4) = 18.
+    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, used(10), FRESH).sample(2, used(10), FRESH);
+    let held = overlaps(&[(2, 0, 4)]);
+    let counters = Counters::new();
+    let picker = counters.picker();
+    assert_eq!(picks(&picker, &fleet, scored(128, &held), 3), [(2, None); 3]);
+    let s = pick(&picker, &fleet, scored(128, &held));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::NoPrefillPool)));
+    assert_eq!(counters.result(KvSelectionResult::Overlap), 4);
+    assert_eq!(counters.selection("decode", Reason::KvAware), 4);
+}
+
+#[test]
+fn load_beats_overlap_when_the_gap_is_large() {
+    // 128 tokens; worker 2 holds all 8 blocks. Idle worker 1 costs 8 + 8 = 16; worker 2 costs
+    // 0 + (busy + 0): it wins at 10 busy blocks (10 < 16), loses at 100 (100 > 16).
+    let held = overlaps(&[(2, 0, 8)]);
+    let close = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(10), FRESH);
+    assert_eq!(picks(&picker(), &close, scored(128, &held), 2), [(2, None); 2]);
+    let far = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(100), FRESH);
+    let counters = Counters::new();
+    assert_eq!(picks(&counters.picker(), &far, scored(128, &held), 2), [(1, None); 2]);
+    assert_eq!(counters.result(KvSelectionResult::NoOverlap), 2, "the winner held nothing");
+}
+
+#[test]
+fn prefill_load_scale_and_credit_weigh_the_terms() {
+    // Worker 1: 320 queued prefill tokens; worker 2: 25 decode blocks; 16-token prompt.
+    // scale 1: 1: 21 + 1 = 22, 2: 1 + 26 = 27 → 1. scale 2: 1: 42 + 1 = 43, 2: 2 + 26 = 28 → 2.
+    let fleet = Fleet::new([agg(1), agg(2)])
+        .sample(1, Load { active_prefill_tokens: Some(320), kv_used_blocks: Some(0), ..Load::default() }, FRESH)
+        .sample(2, used(25), FRESH);
+    let none = Overlaps::default();
+    assert_eq!(picks(&picker(), &fleet, scored(16, &none), 1), [(1, None)]);
+    let doubled = fleet.params(PickerParams { prefill_load_scale: 2.0, ..PickerParams::default() });
+    assert_eq!(picks(&picker(), &doubled, scored(16, &none), 1), [(2, None)]);
+
+    // Credit: worker 2 holds 8 of 8 blocks but carries 12 more decode blocks than worker 1.
+    // credit 1: 1: 8 + 8 = 16, 2: 0 + 12 = 12 → 2. credit 0: 2: 8 + 12 = 20 → 1.
+    let held = overlaps(&[(2, 0, 8)]);
+    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(12), FRESH);
+    assert_eq!(picks(&picker(), &fleet, scored(128, &held), 1), [(2, None)]);
+    let uncredited = fleet.params(PickerParams { overlap_score_credit: 0.0, ..PickerParams::default() });
+    assert_eq!(picks(&picker(), &uncredited, scored(128, &held), 1), [(1, None)]);
+}
+
+#[test]
+fn temperature_zero_ties_rotate_by_a_deterministic_cursor() {
+    let fleet = Fleet::new([agg(1), agg(2), agg(3)]).sample(1, used(5), FRESH).sample(2, used(5), FRESH).sample(
+        3,
+        used(6),
+        FRESH,
+    );
+    let none = Overlaps::default();
+    let first = picks(&picker(), &fleet, scored(64, &none), 4);
+    assert_eq!(first, [(1, None), (2, None), (1, None), (2, None)]);
+    assert_eq!(picks(&picker(), &fleet, scored(64, &none), 4), first, "a new picker rotates the same way");
+}
+
+#[test]
+fn temperature_sampling_follows_the_softmax() {
+    // 16-token prompt; 0, 5 and 10 busy blocks cost 2, 7 and 12. Normalised by their range,
+    // temperature 1 weighs them 1, e^-0.5, e^-1: p = 0.506, 0.307, 0.186.
+    let fleet = Fleet::new([agg(1), agg(2), agg(3)])
+        .sample(1, used(0), FRESH)
+        .sample(2, used(5), FRESH)
+        .sample(3, used(10), FRESH)
+        .params(PickerParams { router_temperature: 1.0, ..PickerParams::default() });
+    let none = Overlaps::default();
+    let draws = 4000;
+    let frequencies = |fleet: &Fleet| {
+        let picker = picker();
+        let mut counts = BTreeMap::new();
+        for (decode, _) in picks(&picker, fleet, scored(16, &none), draws) {
+            *counts.entry(decode).or_insert(0usize) += 1;
+        }
+        let share = |id| counts.get(&id).copied().unwrap_or(0) as f64 / draws as f64;
+        (share(1), share(2), share(3))
+    };
+    let (p1, p2, p3) = frequencies(&fleet);
+    assert!(p1 > p2 && p2 > p3, "cheaper is likelier: {p1} {p2} {p3}");
+    assert!((0.46..0.55).contains(&p1), "{p1}");
+    assert!((0.27..0.35).contains(&p2), "{p2}");
+    assert!((0.15..0.22).contains(&p3), "{p3}");
+
+    let cold = Fleet { params: PickerParams { router_temperature: 0.05, ..fleet.params }, ..fleet };
+    let (p1, _, _) = frequencies(&cold);
+    assert!(p1 > 0.99, "a low temperature nearly always takes the cheapest: {p1}");
+}
+
+#[test]
+fn fresh_and_quiet_ranks_compete_and_the_others_sit_out() {
+    // 64 tokens (4 blocks). 1 is fresh at 50 blocks (58); 2 never published (quiet: 8);
+    // 3 went silent under load and sits out although it holds the whole prefix.
+    let fleet = Fleet::new([agg(1), agg(2), agg(3)]).sample(1, used(50), FRESH).sample(3, used(40), STALE);
+    let held = overlaps(&[(3, 0, 4)]);
+    assert_eq!(picks(&picker(), &fleet, scored(64, &held), 3), [(2, None); 3]);
+    // A stale but idle sample is quiet, so 3 competes again: 0 + 0 = 0.
+    let idle = Fleet::new([agg(1), agg(2), agg(3)]).sample(1, used(50), FRESH).sample(3, used(0), STALE);
+    assert_eq!(picks(&picker(), &idle, scored(64, &held), 2), [(3, None); 2]);
+}
+
+fn vllm_prefill_pool() -> Fleet {
+    // dynamo.vllm prefill workers publish no active_prefill_tokens: no fresh prefill backlog.
+    Fleet::new([
+        worker("a", 1, Role::Prefill),
+        worker("a", 2, Role::Prefill),
+        worker("a", 3, Role::Prefill),
+        worker("a", 4, Role::Decode),
+    ])
+    .sample(1, used(0), FRESH)
+    .sample(2, used(90), FRESH)
+    .sample(3, used(0), FRESH)
+}
+
+#[test]
+fn without_a_fresh_prefill_backlog_overlap_and_size_decide() {
+    let fleet = vllm_prefill_pool();
+    let held = overlaps(&[(2, 0, 3), (3, 0, 1)]);
+    let counters = Counters::new();
+    let picker = counters.picker();
+    assert_eq!(picks(&picker, &fleet, scored(100, &held), 3), [(4, Some(2)); 3], "most overlap, load unknown");
+    assert_eq!(pick(&picker, &fleet, scored(100, &held)).prefill_reason, Some(Reason::KvAware));
+
+    let none = Overlaps::default();
+    let picker = self::picker();
+    let rotation = picks(&picker, &fleet, scored(100, &none), 4);
+    assert_eq!(rotation, [(4, Some(1)), (4, Some(2)), (4, Some(3)), (4, Some(1))]);
+    assert_eq!(pick(&picker, &fleet, scored(100, &none)).prefill_reason, Some(Reason::RoundRobinStale));
+
+    let tied = overlaps(&[(1, 0, 2), (3, 0, 2)]);
+    let picker = self::picker();
+    let rotation = picks(&picker, &fleet, scored(100, &tied), 4);
+    assert_eq!(rotation, [(4, Some(1)), (4, Some(3)), (4, Some(1)), (4, Some(3))], "only the tied rotate");
+    assert_eq!(pick(&picker, &fleet, scored(100, &tied)).prefill_reason, Some(Reason::RoundRobinStale));
+}
+
+#[test]
+fn an_aggregated_fleet_adds_prefill_tokens_when_sampled() {
+    // 16 tokens. 1: 10 blocks and 320 queued prefill tokens: (320 + 16) / 16 + 11 = 32;
+    // 2: 20 blocks, no prefill field: 1 + 21 = 22. Without the prefill tokens 1 would win (12).
+    let fleet = Fleet::new([agg(1), agg(2)])
+        .sample(1, Load { active_prefill_tokens: Some(320), kv_used_blocks: Some(10), ..Load::default() }, FRESH)
+        .sample(2, used(20), FRESH);
+    let none = Overlaps::default();
+    assert_eq!(picks(&picker(), &fleet, scored(16, &none), 2), [(2, None); 2]);
+    let quieter = Fleet::new([agg(1), agg(2)]).sample(1, used(10), FRESH).sample(2, used(20), FRESH);
+    assert_eq!(picks(&picker(), &quieter, scored(16, &none), 2), [(1, None); 2]);
+}
+
+#[test]
+fn the_kv_term_picks_the_prefill_worker_and_decode_stays_load_only() {
+    let fleet = Fleet::new([
+        worker("a", 1, Role::Prefill),
+        worker("a", 2, Role::Prefill),
+        worker("a", 3, Role::Decode),
+        worker("a", 4, Role::Decode),
+    ])
+    .sample(1, prefilling(0), FRESH)
+    .sample(2, prefilling(0), FRESH)
+    .sample(3, used(100), FRESH)
+    .sample(4, used(10), FRESH);
+    // Decode worker 3 holding the prefix does not matter without conditional disaggregation.
+    let held = overlaps(&[(2, 0, 4), (3, 0, 8)]);
+    let counters = Counters::new();
+    let picker = counters.picker();
+    let s = pick(&picker, &fleet, scored(128, &held));
+    assert_eq!(ids(&s), (4, Some(2)));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::KvAware)));
+    assert_eq!(counters.result(KvSelectionResult::Overlap), 1);
+    assert_eq!(counters.selection("prefill", Reason::KvAware), 1);
+    assert_eq!(counters.selection("decode", Reason::Load), 1);
+}
+
+fn mixed_fleet() -> Fleet {
+    Fleet::new([
+        worker("a", 1, Role::Prefill),
+        worker("a", 2, Role::Decode),
+        worker("a", 3, Role::Aggregated),
+        worker("b", 4, Role::Aggregated),
+        worker("c", 5, Role::Prefill),
+        worker("c", 6, Role::Aggregated),
+    ])
+}
+
+#[test]
+fn prefill_workers_compete_only_beside_a_decode_worker() {
+    let fleet = mixed_fleet();
+    // c's prefill worker 5 and a's aggregated worker 3 hold the most, but neither may serve.
+    let held = overlaps(&[(5, 0, 8), (3, 0, 8), (1, 0, 4)]);
+    assert_eq!(picks(&picker(), &fleet, scored(128, &held), 3), [(2, Some(1)); 3]);
+    // c is scored as aggregated: its aggregated worker 6 serves alone.
+    let held = overlaps(&[(5, 0, 8), (6, 0, 6), (1, 0, 4)]);
+    let s = pick(&picker(), &fleet, scored(128, &held));
+    assert_eq!((ids(&s), s.prefill_reason), ((6, None), Some(Reason::NoPrefillPool)));
+}
+
+#[test]
+fn prefill_beside_aggregated_workers_alone_leaves_the_fleet_aggregated() {
+    let fleet = Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Aggregated)]);
+    let held = overlaps(&[(1, 0, 8)]);
+    assert_eq!(picks(&picker(), &fleet, scored(128, &held), 3), [(2, None); 3]);
+    let prefill_only = Fleet::new([worker("a", 1, Role::Prefill)]);
+    assert!(picker().pick(&prefill_only.view(), &request(), scored(128, &held), prefill_only.now).is_none());
+}
+
+#[test]
+fn mixed_namespaces_rotate_across_every_prefilling_rank() {
+    let fleet = mixed_fleet();
+    let none = Overlaps::default();
+    let picker = picker();
+    let mut seen = BTreeMap::new();
+    for (decode, prefill) in picks(&picker, &fleet, scored(64, &none), 9) {
+        *seen.entry((decode, prefill)).or_insert(0) += 1;
+    }
+    // b's 4 and c's 6 serve alone; a pairs 1 with 2.
+    assert_eq!(seen, BTreeMap::from([((2, Some(1)), 3), ((4, None), 3), ((6, None), 3)]));
+}
+
+#[test]
+fn the_namespace_filter_and_missing_models() {
+    let fleet = mixed_fleet();
+    let only_b = ["b".to_string()];
+    let held = overlaps(&[(1, 0, 8)]);
+    let filtered = PickRequest { namespaces: Some(&only_b), ..request() };
+    let s = picker().pick(&fleet.view(), &filtered, scored(128, &held), fleet.now).expect("b serves");
+    assert_eq!(ids(&s), (4, None));
+    let absent = PickRequest { model: "absent", ..request() };
+    let counters = Counters::new();
+    assert!(counters.picker().pick(&fleet.view(), &absent, scored(128, &held), fleet.now).is_none());
+    let unavailable = KvTerm::Unavailable(KvSelectionResult::TokenizerUnavailable);
+    assert!(counters.picker().pick(&fleet.view(), &absent, unavailable, fleet.now).is_none());
+    assert!(KvSelectionResult::ALL.iter().all(|r| counters.result(*r) == 0), "nothing selected, nothing counted");
+}
+
+#[test]
+fn a_rank_of_another_block_size_earns_no_credit() {
+    let big = Worker { block_size: Some(32), ..agg(2) };
+    let fleet = Fleet::new([agg(1), big]).sample(1, used(0), FRESH).sample(2, used(0), FRESH);
+    let held = overlaps(&[(2, 0, 8)]);
+    assert_eq!(picks(&picker(), &fleet, scored(128, &held), 2), [(1, None), (2, None)], "a tie: no credit for 2");
+}
+
+#[test]
+fn dp_ranks_are_scored_by_their_own_overlap() {
+    let fleet = Fleet::new([Worker { dp_size: 2, ..agg(1) }, agg(2)]);
+    let held = overlaps(&[(1, 1, 3), (1, 0, 1)]);
+    let s = pick(&picker(), &fleet, scored(128, &held));
+    assert_eq!(s.decode, Pin { worker: WorkerKey::new("ns", 1), dp_rank: Some(1) });
+}
+
+#[test]
+fn unanswered_dispatches_and_fleet_backlogs_add_to_the_formula() {
+    // Equal and idle: the first pick goes to 1; its 10 unanswered blocks send the next to 2.
+    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(0), FRESH);
+    let none = Overlaps::default();
+    let picker = picker();
+    let first = pick(&picker, &fleet, scored(160, &none));
+    assert_eq!(ids(&first), (1, None));
+    picker.ledger().record(&first, 160, BLOCK, fleet.now);
+    assert_eq!(picks(&picker, &fleet, scored(160, &none), 2), [(2, None); 2]);
+
+    // Other replicas sent 1 fifty blocks: 2 bits outweigh its 2-block overlap.
+    let busy = Fleet::new([agg(1), agg(2)])
+        .sample(1, used(0), FRESH)
+        .sample(2, used(0), FRESH)
+        .backlog(1, Backlog { decode_blocks: 50, dispatches: 1, ..Backlog::default() });
+    let held = overlaps(&[(1, 0, 2)]);
+    assert_eq!(picks(&self::picker(), &busy, scored(160, &held), 2), [(2, None); 2]);
+
+    // A pinned prefill leg adds its tokens to the prefill worker until its next sample.
+    let pair = Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Prefill), worker("a", 3, Role::Decode)])
+        .sample(1, prefilling(0), FRESH)
+        .sample(2, prefilling(0), FRESH);
+    let picker = self::picker();
+    let first = pick(&picker, &pair, scored(160, &none));
+    assert_eq!(ids(&first), (3, Some(1)));
+    picker.ledger().record(&first, 160, BLOCK, pair.now);
+    assert_eq!(picks(&picker, &pair, scored(160, &none), 2), [(3, Some(2)); 2]);
+}
+
+fn conditional_fleet(decode_2: Load, decode_3: Load) -> Fleet {
+    Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Decode), worker("a", 3, Role::Decode)])
+        .sample(1, prefilling(0), FRESH)
+        .sample(2, decode_2, FRESH)
+        .sample(3, decode_3, FRESH)
+        .params(PickerParams { conditional_disaggregation: true, ..PickerParams::default() })
+}
+
+#[test]
+fn conditional_disaggregation_lets_the_decode_worker_holding_the_prefix_prefill() {
+    // 1024 tokens (64 blocks); decode worker 2 holds 60: 64 tokens uncached (< 2048, 6%).
+    // Its conditional cost max(0, 30 + 4 - 60) = 0 beats 3's 20 + 64 = 84, though the load-only
+    // rule (30 + 64 vs 20 + 64) would choose 3.
+    let fleet = conditional_fleet(used(30), used(20));
+    let held = overlaps(&[(2, 0, 60)]);
+    let counters = Counters::new();
+    let s = pick(&counters.picker(), &fleet, scored(1024, &held));
+    assert_eq!(ids(&s), (2, None));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::ConditionalBypass, Some(Reason::ConditionalBypass)));
+    assert_eq!(counters.result(KvSelectionResult::Bypass), 1);
+    assert_eq!(counters.selection("decode", Reason::ConditionalBypass), 1);
+
+    // A quarter cached (768 tokens, 75% uncached): the decode worker is still chosen by the
+    // conditional cost (30 + 48 - 16 = 62 < 84), but the prefill worker does the work.
+    let quarter = overlaps(&[(2, 0, 16)]);
+    let s = pick(&counters.picker(), &fleet, scored(1024, &quarter));
+    assert_eq!((ids(&s), s.decode_reason), ((2, Some(1)), Reason::KvAware));
+
+    // Off (the default): load-only decode, never a bypass.
+    let off = Fleet { params: PickerParams { conditional_disaggregation: false, ..fleet.params }, ..fleet };
+    let s = pick(&counters.picker(), &off, scored(1024, &held));
+    assert_eq!((ids(&s), s.decode_reason), ((3, Some(1)), Reason::Load));
+    assert_eq!(counters.result(KvSelectionResult::Bypass), 1);
+}
+
+#[test]
+fn the_busy_threshold_vetoes_a_bypass() {
+    let held = overlaps(&[(2, 0, 60)]);
+    let threshold =
+        |fleet: Fleet, t| Fleet { params: PickerParams { decode_busy_threshold: Some(t), ..fleet.params }, ..fleet };
+    // total_kv_blocks 1000, threshold 0.5: projected 496 + 4 = 500 is at the line; 497 + 4 over.
+    // (Worker 3 carries 900 so that 2 stays the chosen decode worker.)
+    let at = threshold(conditional_fleet(used(496), used(900)), 0.5);
+    assert_eq!(ids(&pick(&picker(), &at, scored(1024, &held))), (2, None));
+    let over = threshold(conditional_fleet(used(497), used(900)), 0.5);
+    assert_eq!(ids(&pick(&picker(), &over, scored(1024, &held))), (2, Some(1)));
+
+    // No fresh sample, or no capacity on the card, vetoes too.
+    let lone = |decode: Worker| {
+        Fleet::new([worker("a", 1, Role::Prefill), decode])
+            .sample(1, prefilling(0), FRESH)
+            .params(PickerParams { conditional_disaggregation: true, ..PickerParams::default() })
+    };
+    let unsampled = threshold(lone(worker("a", 2, Role::Decode)), 0.9);
+    assert_eq!(ids(&pick(&picker(), &unsampled, scored(1024, &held))), (2, Some(1)));
+    let no_capacity = Worker { capacity: Capacity::default(), ..worker("a", 2, Role::Decode) };
+    let uncapped = threshold(lone(no_capacity).sample(2, used(0), FRESH), 0.9);
+    assert_eq!(ids(&pick(&picker(), &uncapped, scored(1024, &held))), (2, Some(1)));
+    // Without a threshold nothing is vetoed, sample or not.
+    let unsampled = lone(worker("a", 2, Role::Decode));
+    assert_eq!(ids(&pick(&picker(), &unsampled, scored(1024, &held))), (2, None));
+}
+
+#[test]
+fn an_unavailable_term_falls_back_to_load_only_selection_and_counts_its_result() {
+    let fleet = Fleet::new([
+        worker("a", 1, Role::Prefill),
+        worker("a", 2, Role::Prefill),
+        worker("a", 3, Role::Decode),
+        worker("b", 4, Role::Aggregated),
+    ])
+    .sample(1, prefilling(500), FRESH)
+    .sample(2, prefilling(0), FRESH)
+    .sample(3, used(10), FRESH)
+    .sample(4, used(300), FRESH);
+    let counters = Counters::new();
+    let picker = counters.picker();
+    let load_only = super::super::LoadBasedPicker::new(Arc::new(DispatchLedger::new()), Counters::new().selections);
+    for result in [KvSelectionResult::TokenizerUnavailable, KvSelectionResult::IndexTimeout] {
+        let s = pick(&picker, &fleet, KvTerm::Unavailable(result));
+        let expected = load_only.pick(&fleet.view(), &request(), fleet.now).expect("a selection");
+        assert_eq!(s, expected);
+        assert_eq!(ids(&s), (3, Some(2)));
+        assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::Load)));
+        assert_eq!(counters.result(result), 1);
+    }
+    assert_eq!(counters.selection("decode", Reason::Load), 2);
+    assert_eq!(counters.selection("prefill", Reason::KvAware), 0);
+}
+
+#[test]
+fn a_mislabelled_counter_never_stops_picking() {
+    let odd = IntCounterVec::new(Opts::new("x", "x"), &["a", "b", "c"]).expect("counter");
+    let picker = KvAwarePicker::new(Arc::new(DispatchLedger::new()), odd.clone(), odd);
+    let fleet = Fleet::new([agg(1)]);
+    let none = Overlaps::default();
+    assert!(picker.pick(&fleet.view(), &request(), scored(16, &none), fleet.now).is_some());
+}
+
+#[test]
+fn labels() {
+    assert_eq!([Reason::KvAware, Reason::ConditionalBypass].map(Reason::as_str), ["kv_aware", "conditional_bypass"]);
+    let results = KvSelectionResult::ALL.map(KvSelectionResult::as_str);
+    assert_eq!(
+        results,
+        [
+            "overlap",
+            "no_overlap",
+            "tokenizer_unavailable",
+            "prompt_too_large",
+            "render_unavailable",
+            "artifact_unpinned",
+            "bypass",
+            "index_unavailable",
+            "index_timeout"
+        ]
+    );
+}
+
+#[test]
+fn overlaps_keep_the_longest_match_per_rank() {
+    let overlaps = Overlaps::from(vec![(1, 0, 3), (1, 0, 5), (1, 0, 2), (1, 1, 4), (2, 0, 0)]);
+    assert_eq!((overlaps.get(1, 0), overlaps.get(1, 1), overlaps.get(2, 0), overlaps.get(9, 0)), (5, 4, 0, 0));
+    assert_eq!(overlaps.len(), 2, "zero-block entries are as if absent");
+    assert!(Overlaps::default().is_empty());
+}
+
+// --- property: only candidates are picked, prefill only beside a decode worker of its
+// namespace, and a bypass only under conditional disaggregation.
+
+fn arb_worker() -> impl Strategy<Value = Worker> {
+    let role = prop_oneof![Just(Role::Prefill), Just(Role::Decode), Just(Role::Aggregated), Just(Role::Unknown)];
+    (0..3usize, 1..6u64, role, 0..2usize, 0..3u32, proptest::option::of(prop_oneof![Just(16u32), Just(32)])).prop_map(
+        |(ns, id, role, model, dp_size, block_size)| Worker {
+            key: WorkerKey::new(["a", "b", "c"][ns], id),
+            role,
+            model: ["tiny", "other"][model].into(),
+            block_size,
+            dp_size,
+            ..worker("a", 0, Role::Aggregated)
+        },
+    )
+}
+
+fn arb_load() -> impl Strategy<Value = (Load, u64)> {
+    let field = || proptest::option::of(0..300u64);
+    ((field(), field(), field()), 0..12_000u64).prop_map(|((d, p, u), age_ms)| {
+        (Load { active_decode_blocks: d, active_prefill_tokens: p, kv_used_blocks: u }, age_ms)
+    })
+}
+
+proptest! {
+    #[test]
+    fn picks_only_candidates_and_bypasses_only_when_enabled(
+        workers in proptest::collection::vec(arb_worker(), 0..10),
+        loads in proptest::collection::vec(arb_load(), 30),
+        held in proptest::collection::vec((1..6u64, 0..3u32, 0..80u32), 0..12),
+        isl in 0..2000u64,
+        temperature in prop_oneof![Just(0.0), 0.01..2.0f64],
+        conditional in any::<bool>(),
+        threshold in proptest::option::of(0.0..1.5f64),
+    ) {
+        let mut by_key = BTreeMap::new();
+        for w in workers { by_key.insert(w.key.clone(), w); }
+        let mut fleet = Fleet::new(by_key.into_values()).params(PickerParams {
+            router_temperature: temperature,
+            conditional_disaggregation: conditional,
+            decode_busy_threshold: threshold,
+            ..PickerParams::default()
+        });
+        let ranks: Vec<LoadKey> = fleet.workers.iter()
+            .flat_map(|w| w.dp_ranks().map(|dp_rank| LoadKey { worker: w.key.clone(), dp_rank }))
+            .collect();
+        for (key, (load, age_ms)) in ranks.into_iter().zip(loads) {
+            if age_ms % 5 != 0 {
+                fleet.loads.push((key, LoadSample { load, received_at: fleet.now - Duration::from_millis(age_ms) }));
+            }
+        }
+        let view = fleet.view();
+        let overlaps: Overlaps = held.into_iter().collect();
+        let picker = picker();
+        for _ in 0..3 {
+            let Some(s) = picker.pick(&view, &request(), scored(isl, &overlaps), fleet.now) else {
+                let any = view.workers().values().any(|w| w.model == "tiny" && matches!(w.role, Role::Decode | Role::Aggregated));
+                prop_assert!(!any, "a decode candidate existed but nothing was picked");
+                continue;
+            };
+            let decode = view.worker(&s.decode.worker).expect("decode worker is in the view");
+            prop_assert_eq!(&decode.model, "tiny");
+            prop_assert!(matches!(decode.role, Role::Decode | Role::Aggregated));
+            prop_assert_eq!(&s.namespace, &decode.key.namespace);
+            let here = |role| view.workers().values().any(|w| w.model == "tiny" && w.key.namespace == decode.key.namespace && w.role == role);
+            match &s.prefill {
+                Some(p) => {
+                    let prefill = view.worker(&p.worker).expect("prefill worker is in the view");
+                    prop_assert_eq!(prefill.role, Role::Prefill);
+                    prop_assert_eq!(decode.role, Role::Decode);
+                    prop_assert_eq!(&prefill.key.namespace, &decode.key.namespace);
+                }
+                None if s.prefill_reason == Some(Reason::ConditionalBypass) => {
+                    prop_assert!(conditional, "a bypass without conditional disaggregation");
+                    prop_assert_eq!(decode.role, Role::Decode);
+                }
+                None => {
+                    prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool));
+                    prop_assert!(!(here(Role::Prefill) && here(Role::Decode)), "a pair namespace served without prefill");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! The control plane's kv-events path over loopback TCP: discovery publishers → bounded ZMTP
+//! subscriptions → the identity-gated index → `FindMatches`, replaying the real Dynamo 1.6.1
+//! capture of an aggregated worker evicting under load.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use continuum_control_plane::config::{self, Config};
+use continuum_control_plane::discovery::{Publisher, Topic};
+use continuum_control_plane::kv::{KvCounts, KvEventResult, KvIndexer, KvSupervisor, PublisherMapping, kv_options};
+use continuum_control_plane::load::LoadOptions;
+use continuum_control_plane::load::zmtp::ZmtpLimits;
+use continuum_control_plane::metrics::Metrics;
+use continuum_control_plane::sources::Registry;
+use continuum_kv_index::Limits;
+use continuum_proto::model::WorkerKey;
+use continuum_tests::eventually;
+use continuum_tests::load::{NAMESPACE, fleet, worker};
+use continuum_tests::tools::dynamo_fixtures;
+use continuum_tests::zmtp_peer::{PeerConnection, RawPublisher};
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// One captured kv-events message: its publisher, worker, rank and raw frames.
+#[derive(Clone)]
+struct Captured {
+    publisher_id: u64,
+    worker_id: u64,
+    dp_rank: u32,
+    frames: Vec<Vec<u8>>,
+}
+
+fn captured_stream() -> anyhow::Result<Vec<Captured>> {
+    let path = dynamo_fixtures().join("agg/zmq-messages-under-load-evictions.jsonl");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let message: Value = serde_json::from_str(line)?;
+        if message["topic"] != "kv-events" {
+            continue;
+        }
+        let frames = message["frames_hex"]
+            .as_array()
+            .context("frames_hex")?
+            .iter()
+            .map(|f| hex(f.as_str().unwrap_or_default()))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let first = &message["decoded"]["payload"][0];
+        out.push(Captured {
+            publisher_id: message["decoded"]["publisher_id_frame_u64be"].as_u64().context("publisher id")?,
+            worker_id: first["worker_id"].as_u64().context("worker_id")?,
+            dp_rank: u32::try_from(first["event"]["dp_rank"].as_u64().unwrap_or(0))?,
+            frames,
+        });
+    }
+    Ok(out)
+}
+
+fn hex(text: &str) -> anyhow::Result<Vec<u8>> {
+    (0..text.len()).step_by(2).map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?)).collect()
+}
+
+fn kv_publisher(c: &Captured, worker_id: u64, address: String) -> Publisher {
+    Publisher {
+        publisher_id: c.publisher_id,
+        namespace: NAMESPACE.into(),
+        component: Some("backend".into()),
+        endpoint: Some("generate".into()),
+        topic: Topic::KvEvents,
+        worker: Some(WorkerKey::new(NAMESPACE, worker_id)),
+        dp_rank: Some(c.dp_rank),
+        address,
+    }
+}
+
+fn kv_config() -> anyhow::Result<Config> {
+    // Discovery is the test's own registry; the endpoint only satisfies validation.
+    let yaml = "dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"http://127.0.0.1:9\"]\n  \
+                load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n  kv:\n    enabled: true\n";
+    Ok(config::load_str(yaml, &|_| None).map_err(|e| anyhow::anyhow!("{e:?}"))?.config)
+}
+
+fn options() -> LoadOptions {
+    LoadOptions {
+        limits: ZmtpLimits { handshake_timeout: Duration::from_millis(300), ..ZmtpLimits::KV_EVENTS },
+        backoff_initial: Duration::from_millis(20),
+        backoff_max: Duration::from_millis(100),
+        ..kv_options()
+    }
+}
+
+struct TestKv {
+    registry: Registry,
+    metrics: Metrics,
+    supervisor: KvSupervisor,
+}
+
+impl TestKv {
+    fn start() -> anyhow::Result<Self> {
+        let registry = Registry::new(continuum_tests::publisher());
+        let metrics = Metrics::new()?;
+        let supervisor =
+            KvSupervisor::start(&kv_config()?, options(), registry.subscribe(), &metrics, CancellationToken::new());
+        Ok(Self { registry, metrics, supervisor })
+    }
+
+    fn events(&self, result: &str) -> u64 {
+        self.metrics.kv_events.with_label_values(&[result]).get()
+    }
+}
+
+async fn send_all(connection: &mut PeerConnection, messages: &[&Captured]) -> anyhow::Result<()> {
+    for m in messages {
+        connection.send_frames(&m.frames).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_eviction_stream_indexed_over_zmtp_matches_the_same_stream_applied_in_process() -> anyhow::Result<()> {
+    let stream = captured_stream()?;
+    let first = stream.first().context("the capture holds kv-events")?;
+    let ours: Vec<&Captured> = stream.iter().filter(|c| c.publisher_id == first.publisher_id).collect();
+    assert!(ours.len() > 20, "a long stream: {} messages", ours.len());
+
+    // The reference: the same frames applied in-process to a bare indexer.
+    let mut reference = KvIndexer::new(Limits::default());
+    reference.set_live([(first.worker_id, 0..2)].into_iter().collect());
+    let mapping =
+        PublisherMapping { publisher_id: first.publisher_id, worker_id: first.worker_id, dp_rank: Some(first.dp_rank) };
+    let mut expected = KvCounts::default();
+    for m in &ours {
+        expected.merge(&reference.apply_message(&mapping, m.frames.iter().map(Vec::as_slice)));
+    }
+    let summary: Vec<_> = expected.iter().filter(|(_, n)| *n > 0).map(|(r, n)| (r.as_str(), n)).collect();
+    assert!(reference.index().stats().nodes > 0, "the stream leaves blocks in the index: {summary:?}");
+    assert!(expected.get(KvEventResult::Applied) > 20, "mostly applied events");
+
+    let kv = TestKv::start()?;
+    let mut peer = RawPublisher::bind().await?;
+    kv.registry
+        .publish(fleet(vec![worker(first.worker_id, 2)], vec![kv_publisher(first, first.worker_id, peer.endpoint())]));
+    let mut connection = peer.connection(WAIT).await?;
+    send_all(&mut connection, &ours).await?;
+    let handle = kv.supervisor.handle();
+    // Every event reaches the same result over ZMTP as in process.
+    eventually(WAIT, "every event counted as in process", || async {
+        KvEventResult::ALL.iter().all(|r| kv.events(r.as_str()) == u64::from(expected.get(*r)))
+    })
+    .await?;
+
+    // Every chain the stream stored scores the same in both indexes.
+    let mut compared = 0;
+    for m in &ours {
+        let decoded =
+            continuum_control_plane::kv::decode::decode_kv_events(m.frames.iter().map(Vec::as_slice), m.publisher_id)
+                .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        for event in &decoded.events {
+            if let continuum_control_plane::kv::decode::KvEventData::Stored(stored) = &event.data {
+                let hashes: Vec<u64> = stored.blocks.iter().map(|b| b.tokens_hash).collect();
+                let over_zmtp = handle.find_matches(&hashes).context("kv enabled")?;
+                assert_eq!(over_zmtp.as_slice(), reference.find_matches(&hashes).as_slice());
+                compared += 1;
+            }
+        }
+    }
+    assert!(compared > 10, "compared {compared} chains");
+    assert_eq!(kv.events("identity_mismatch"), 0);
+    assert_eq!(kv.events("malformed"), 0);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour_keeps_indexing_until_its_worker_departs()
+-> anyhow::Result<()> {
+    let stream = captured_stream()?;
+    let first = stream.first().context("the capture holds kv-events")?;
+    let stored_first = continuum_control_plane::kv::decode::decode_kv_events(
+        first.frames.iter().map(Vec::as_slice),
+        first.publisher_id,
+    )
+    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let hashes: Vec<u64> = stored_first
+        .events
+        .iter()
+        .filter_map(|e| match &e.data {
+            continuum_control_plane::kv::decode::KvEventData::Stored(s) => Some(s.blocks.iter().map(|b| b.tokens_hash)),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert!(!hashes.is_empty());
+
+    let kv = TestKv::start()?;
+    let (mut healthy, mut hostile) = (RawPublisher::bind().await?, RawPublisher::bind().await?);
+    // The hostile publisher's record names another worker, and a publisher id its frames do
+    // not carry.
+    let other_worker = first.worker_id ^ 0xffff;
+    let hostile_record = Captured { publisher_id: first.publisher_id + 1, frames: Vec::new(), ..*first };
+    let publishers = vec![
+        kv_publisher(first, first.worker_id, healthy.endpoint()),
+        kv_publisher(&hostile_record, other_worker, hostile.endpoint()),
+    ];
+    kv.registry.publish(fleet(vec![worker(first.worker_id, 2), worker(other_worker, 1)], publishers));
+    let mut good = healthy.connection(WAIT).await?;
+    let mut bad = hostile.connection(WAIT).await?;
+    // Garbage, a wrong topic, and a message claiming another publisher.
+    bad.send_frames(&[b"kv-events".to_vec(), vec![0; 8], vec![0; 8], vec![1, 0, 0, 0, 3, 0xc1, 0xc1, 0xc1]]).await?;
+    bad.send_frames(&first.frames).await?;
+    good.send_frames(&first.frames).await?;
+    let handle = kv.supervisor.handle();
+    eventually(WAIT, "the healthy rank holds the chain", || async {
+        handle.find_matches(&hashes).is_some_and(|m| {
+            m.as_slice().iter().any(|(r, n)| r.worker_id == first.worker_id && *n as usize == hashes.len())
+        })
+    })
+    .await?;
+    eventually(WAIT, "both refusals counted", || async {
+        kv.events("malformed") + kv.events("identity_mismatch") >= 2
+    })
+    .await?;
+
+    // The worker departs: its rank's blocks go with it.
+    kv.registry.publish(fleet(vec![worker(other_worker, 1)], vec![]));
+    eventually(WAIT, "the departed worker's blocks are gone", || async {
+        handle.find_matches(&hashes).is_some_and(|m| m.is_empty())
+    })
+    .await?;
+    Ok(())
+}
