@@ -14,8 +14,9 @@ use serde_json::json;
 use crate::dispatch::Dispatcher;
 use crate::fleet::{DispatchReporter, FleetHandle};
 use crate::ingress;
+use crate::ingress::KvRouting;
 use crate::metrics::Metrics;
-use crate::routing::picker::{DispatchLedger, Picker};
+use crate::routing::picker::{DispatchLedger, KvAwarePicker, Picker};
 
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -27,6 +28,15 @@ pub struct AppState {
     /// Where pins and their ends are reported for fleet-wide accounting.
     pub reporter: Arc<DispatchReporter>,
     pub dispatcher: Arc<Dispatcher>,
+    /// KV-aware selection; `None` leaves every pick to `picker`.
+    pub kv: Option<Arc<KvSelection>>,
+}
+
+/// The KV term's machinery and the picker that scores with it.
+#[derive(Debug)]
+pub struct KvSelection {
+    pub routing: KvRouting,
+    pub picker: KvAwarePicker,
 }
 
 pub fn router(state: AppState) -> Router {

@@ -1,8 +1,9 @@
-//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID]`
+//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--find-matches-deadline 2ms]`
 
 use std::process::ExitCode;
 
 use clap::Parser;
+use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::fleet::FleetClientConfig;
 use continuum_data_plane::replica::Replica;
 
@@ -18,6 +19,9 @@ struct Args {
     /// This replica's name in the control plane's logs and admin API (default: host-pid).
     #[arg(long, env = "CONTINUUM_REPLICA_ID")]
     replica_id: Option<String>,
+    /// How long a KV overlap lookup may hold a request before it is scored on load alone.
+    #[arg(long, env = "CONTINUUM_FIND_MATCHES_DEADLINE", default_value = "2ms", value_parser = humantime::parse_duration)]
+    find_matches_deadline: std::time::Duration,
 }
 
 #[tokio::main]
@@ -32,7 +36,8 @@ async fn main() -> ExitCode {
     }
     let replica_id = args.replica_id.unwrap_or_else(default_replica_id);
     let config = FleetClientConfig { control_plane: args.control_plane, replica_id };
-    let replica = match Replica::start(&args.listen, config).await {
+    let started = Replica::start_full(&args.listen, config, DispatchSettings::default(), args.find_matches_deadline);
+    let replica = match started.await {
         Ok(replica) => replica,
         Err(error) => {
             eprintln!("error: {error}");

@@ -3,16 +3,19 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::{DispatchSettings, Dispatcher};
-use crate::fleet::{self, DispatchReporter, FleetClientConfig, FleetHandle};
-use crate::http::{self, AppState};
+use crate::fleet::{self, DispatchReporter, FIND_MATCHES_DEADLINE, FleetClientConfig, FleetHandle, MatchesClient};
+use crate::http::{self, AppState, KvSelection};
+use crate::ingress::KvRouting;
+use crate::kv::render::Renderer;
 use crate::metrics::Metrics;
-use crate::routing::picker::{DispatchLedger, LoadBasedPicker};
+use crate::routing::picker::{DispatchLedger, KvAwarePicker, LoadBasedPicker};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -20,6 +23,8 @@ pub enum StartError {
     Bind { addr: String, source: std::io::Error },
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
+    #[error("invalid control-plane URL {url:?}: {source}")]
+    ControlPlaneUrl { url: String, source: tonic::transport::Error },
 }
 
 /// A running replica.
@@ -48,6 +53,16 @@ impl Replica {
         config: FleetClientConfig,
         dispatch: DispatchSettings,
     ) -> Result<Self, StartError> {
+        Self::start_full(listen, config, dispatch, FIND_MATCHES_DEADLINE).await
+    }
+
+    /// Every knob: also the deadline of a `FindMatches` lookup on the request path.
+    pub async fn start_full(
+        listen: &str,
+        config: FleetClientConfig,
+        dispatch: DispatchSettings,
+        find_matches_deadline: Duration,
+    ) -> Result<Self, StartError> {
         let listener =
             TcpListener::bind(listen).await.map_err(|source| StartError::Bind { addr: listen.to_string(), source })?;
         let local_addr =
@@ -56,6 +71,8 @@ impl Replica {
         let metrics = Metrics::new()?;
         let cancel = CancellationToken::new();
         let reporter = Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone()));
+        let matches = MatchesClient::new(&config.control_plane, find_matches_deadline)
+            .map_err(|source| StartError::ControlPlaneUrl { url: config.control_plane.clone(), source })?;
         let client = tokio::spawn(fleet::run(
             config,
             Arc::clone(&fleet),
@@ -66,6 +83,10 @@ impl Replica {
         let ledger = Arc::new(DispatchLedger::counting_refusals(metrics.ledger_refused.clone()));
         let picker = Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone()));
         let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
+        let kv = Arc::new(KvSelection {
+            routing: KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone()),
+            picker: KvAwarePicker::new(Arc::clone(&ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
+        });
         let state = AppState {
             fleet: Arc::clone(&fleet),
             metrics: metrics.clone(),
@@ -73,6 +94,7 @@ impl Replica {
             ledger: Arc::clone(&ledger),
             reporter: Arc::clone(&reporter),
             dispatcher,
+            kv: Some(kv),
         };
         let app = http::router(state);
         let shutdown = cancel.clone();

@@ -15,7 +15,8 @@ use crate::tools;
 
 /// The frontend's HTTP listener, the data plane's only shim replica.
 pub const FRONTEND: &str = "127.0.0.1:8000";
-const CONTROL_PLANE_GRPC: &str = "127.0.0.1:7000";
+/// The control plane's Fleet gRPC service.
+pub const CONTROL_PLANE_GRPC: &str = "127.0.0.1:7000";
 const CONTROL_PLANE_ADMIN: &str = "127.0.0.1:7001";
 const FIRST_REPLICA_PORT: u16 = 8001;
 /// A cold start on a busy 2-core machine (the README measured about 1 s).
@@ -64,8 +65,13 @@ pub struct RoutedContinuum {
 impl RoutedContinuum {
     /// Starts the control plane, then `replicas` replicas, each once `/readyz` answers 200.
     pub async fn start(ns: &NetNs, replicas: u16, fallback_to_unified: bool) -> anyhow::Result<Self> {
+        Self::start_with(ns, replicas, &control_plane_yaml(fallback_to_unified), &[]).await
+    }
+
+    /// [`RoutedContinuum::start`] with the control plane's YAML and extra replica arguments.
+    pub async fn start_with(ns: &NetNs, replicas: u16, yaml: &str, replica_args: &[&str]) -> anyhow::Result<Self> {
         let config = ns.dir().join("control-plane.yaml");
-        std::fs::write(&config, control_plane_yaml(fallback_to_unified))?;
+        std::fs::write(&config, yaml)?;
         let mut command = ns.command(tools::binary("continuum-control-plane"));
         command.arg("--config").arg(&config);
         let control_plane_pid = ns.spawn("control-plane", command)?;
@@ -77,6 +83,7 @@ impl RoutedContinuum {
             let mut command = ns.command(tools::binary("continuum-data-plane"));
             command.args(["--listen", &listen, "--control-plane", &format!("http://{CONTROL_PLANE_GRPC}")]);
             command.args(["--replica-id", &format!("r{n}")]);
+            command.args(replica_args);
             let label = format!("replica-r{n}");
             let pid = ns.spawn(&label, command)?;
             let url = format!("http://{listen}");

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 pub mod bench;
 pub mod dynamo;
+pub mod dynamo_kv;
 pub mod dynamo_load;
 pub mod dynamo_routing;
 pub mod etcd;

@@ -107,9 +107,7 @@ impl KvIndex {
                 None => outcome.add(KvResult::UnknownBlock, 1),
             }
         }
-        if self.ranks.get(id).is_some_and(|r| r.len() == 0) {
-            self.ranks.take(id);
-        }
+        self.forget_if_empty(id);
         outcome
     }
 
@@ -179,31 +177,37 @@ impl KvIndex {
                 return Err(Refused);
             }
         }
-        let already_owner = matches!((child, *id), (Some(node), Some(id)) if self.tree.owners(node).contains(id));
-        match child {
-            None if self.tree.len() >= self.limits.max_blocks => return Err(Refused),
-            Some(node) if !already_owner && self.tree.owners(node).len() >= self.limits.max_owners_per_node => {
-                return Err(Refused);
-            }
-            _ => {}
+        if child.is_none() && (self.tree.len() >= self.limits.max_blocks || self.limits.max_owners_per_node == 0) {
+            return Err(Refused);
         }
 
         let rank_id = *id.get_or_insert_with(|| self.ranks.intern(rank));
         let node = child.unwrap_or_else(|| self.tree.add_child(parent, block.tokens_hash));
+        // Last check, made while adding: the owners-per-node ceiling. A new node cannot be full.
+        let Some(added) = self.tree.add_owner(node, rank_id, self.limits.max_owners_per_node) else {
+            self.forget_if_empty(rank_id);
+            return Err(Refused);
+        };
         let Some(state) = self.ranks.get_mut(rank_id) else { return Err(Refused) };
-        let previous = state.hold(&self.mixer, block.block_hash, node);
-        if already_owner {
+        state.hold(&self.mixer, block.block_hash, node, held);
+        if !added {
+            // Another of the rank's hashes already names this node.
             state.add_extra_ref(node);
-        } else {
-            self.tree.add_owner(node, rank_id);
         }
-        match previous {
+        match held {
             // The hash moved to another prefix: release the old node only after the new one is
             // owned, so pruning the old chain cannot free the new node's ancestors.
             Some(old) => self.drop_reference(rank_id, old),
             None => self.ownerships += 1,
         }
         Ok((node, KvResult::Applied))
+    }
+
+    /// Releases a rank interned for a block that was then refused.
+    fn forget_if_empty(&mut self, id: u32) {
+        if self.ranks.get(id).is_some_and(|r| r.len() == 0) {
+            self.ranks.take(id);
+        }
     }
 
     /// Drops one of rank `id`'s references to `node`, and its ownership with the last one.

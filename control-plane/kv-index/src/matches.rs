@@ -7,8 +7,8 @@
 //! reached. The walk stops as soon as no rank is left.
 
 use crate::index::KvIndex;
-use crate::ranks::RankKey;
 use crate::owners::Owners;
+use crate::ranks::RankKey;
 use crate::tree::ROOT;
 
 /// Overlap scores of one request, reusable across requests to avoid allocating.

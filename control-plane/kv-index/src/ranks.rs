@@ -44,15 +44,14 @@ impl Rank {
         self.held.find(mixer.one(block_hash), |h| h.block_hash == block_hash).map(|h| h.node)
     }
 
-    /// Points `block_hash` at `node` and returns the node it named before, if any.
-    pub(crate) fn hold(&mut self, mixer: &Mixer, block_hash: u64, node: u32) -> Option<u32> {
+    /// Points `block_hash` at `node`. `previous` is what `node_of` said (the caller looked it up
+    /// to decide), so a new hash is inserted without probing again.
+    pub(crate) fn hold(&mut self, mixer: &Mixer, block_hash: u64, node: u32, previous: Option<u32>) {
         let hash = mixer.one(block_hash);
-        match self.held.find_mut(hash, |h| h.block_hash == block_hash) {
-            Some(held) => Some(std::mem::replace(&mut held.node, node)),
-            None => {
-                self.held.insert_unique(hash, Held { block_hash, node }, |h| mixer.one(h.block_hash));
-                None
-            }
+        if previous.is_none() {
+            self.held.insert_unique(hash, Held { block_hash, node }, |h| mixer.one(h.block_hash));
+        } else if let Some(held) = self.held.find_mut(hash, |h| h.block_hash == block_hash) {
+            held.node = node;
         }
     }
 

@@ -57,7 +57,8 @@ pub(crate) struct Tree {
 
 impl Tree {
     pub(crate) fn new(mixer: Mixer) -> Tree {
-        let mut tree = Tree { chunks: Vec::new(), free: Vec::new(), edges: HashTable::new(), live: 0, mixer, owner_heap: 0 };
+        let mut tree =
+            Tree { chunks: Vec::new(), free: Vec::new(), edges: HashTable::new(), live: 0, mixer, owner_heap: 0 };
         tree.push(Node::new(FREED, 0));
         tree
     }
@@ -112,8 +113,15 @@ impl Tree {
         &self.node(node).owners
     }
 
-    pub(crate) fn add_owner(&mut self, node: u32, rank: u32) -> bool {
-        self.edit_owners(node, |owners| owners.insert(rank))
+    /// Adds `rank` to `node`'s owners unless they number `max` already: `Some(true)` if added,
+    /// `Some(false)` if it was one, `None` if full.
+    pub(crate) fn add_owner(&mut self, node: u32, rank: u32, max: usize) -> Option<bool> {
+        let mut added = None;
+        self.edit_owners(node, |owners| {
+            added = owners.try_insert(rank, max);
+            added == Some(true)
+        });
+        added
     }
 
     /// Drops `rank`'s ownership of `node`, then frees `node` and every ancestor left without

@@ -48,11 +48,14 @@ pub struct TypedCard {
     pub chat_template_file: Option<ArtifactSlot>,
 }
 
-/// One of a card's artifact slots: an externally tagged enum (`{"hf_tokenizer_json": {..}}`)
-/// whose variant names differ per slot and per Dynamo version, so any tag is accepted and the
-/// first CheckedFile inside is taken.
+/// One of a card's artifact slots: an externally tagged enum (`{"hf_tokenizer_json": {..}}`).
+/// Only the Hugging Face kinds a replica can render with are kept; any other kind (GGUF, a
+/// newer Dynamo's) reads as absent, so the model is scored without a KV term.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ArtifactSlot(pub Option<CheckedFile>);
+
+/// The slot kinds a replica renders with: tokenizer.json, tokenizer_config.json, a Jinja file.
+const RENDERABLE_KINDS: [&str; 3] = ["hf_tokenizer_json", "hf_tokenizer_config_json", "hf_chat_template"];
 
 impl<'de> Deserialize<'de> for ArtifactSlot {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -64,7 +67,10 @@ impl<'de> Deserialize<'de> for ArtifactSlot {
             size: u64,
         }
         let tagged = std::collections::BTreeMap::<String, Value>::deserialize(deserializer)?;
-        let file = tagged.into_values().find_map(|value| Record::deserialize(value).ok());
+        let file = tagged
+            .into_iter()
+            .filter(|(kind, _)| RENDERABLE_KINDS.contains(&kind.as_str()))
+            .find_map(|(_, value)| Record::deserialize(value).ok());
         Ok(Self(file.map(|r| CheckedFile { uri: r.path, checksum: r.checksum, size: r.size })))
     }
 }

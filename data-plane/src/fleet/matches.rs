@@ -23,16 +23,6 @@ pub enum MatchesError {
     Status(#[from] tonic::Status),
 }
 
-impl MatchesError {
-    /// The `continuum_dynamo_kv_selection_total{result}` a miss is counted under.
-    pub fn label(&self) -> &'static str {
-        match self {
-            MatchesError::Deadline(_) => "index_timeout",
-            MatchesError::Status(_) => "index_unavailable",
-        }
-    }
-}
-
 /// A lazily connected client on its own HTTP/2 connection, so lookups never queue behind a
 /// large snapshot on the Watch stream.
 #[derive(Debug, Clone)]

@@ -15,7 +15,7 @@ use super::select::{self, SelectError};
 use crate::dispatch::Plan;
 use crate::http::AppState;
 use crate::metrics::Ingress;
-use crate::routing::headers::{strip_body_routing, strip_client_routing, wants_disclosure};
+use crate::routing::headers::{attach_token_data, strip_body_routing, strip_client_routing, wants_disclosure};
 
 pub async fn chat_completions(
     State(state): State<AppState>,
@@ -39,10 +39,13 @@ async fn serve(
     let disclose = wants_disclosure(&headers);
     strip_client_routing(&mut headers);
     strip_body_routing(&mut request.body);
-    let body = Bytes::from(serde_json::to_vec(&request.body).map_err(RequestError::Json)?);
     // Pick.
     let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
-    let route = select::route(state, &view, &request, Instant::now())?;
+    let routed = select::route(state, &view, &request).await?;
     // Upstream request and relay.
-    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, route }).await?)
+    if let Some(tokens) = routed.token_data {
+        attach_token_data(&mut request.body, tokens);
+    }
+    let body = Bytes::from(serde_json::to_vec(&request.body).map_err(RequestError::Json)?);
+    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, route: routed.route }).await?)
 }

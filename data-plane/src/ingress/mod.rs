@@ -5,6 +5,7 @@
 
 mod chat;
 pub mod error;
+mod kv;
 mod models;
 pub mod request;
 pub mod select;
@@ -13,6 +14,7 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 
+pub use kv::{KvRouting, Term};
 pub use models::client_ids;
 pub use request::MAX_REQUEST_BODY_BYTES;
 

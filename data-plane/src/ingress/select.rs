@@ -7,11 +7,12 @@ use std::time::Instant;
 use continuum_proto::model::Role;
 use continuum_proto::view::FleetView;
 
+use super::kv::Term;
 use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, serving_backends};
 use crate::dispatch::{DispatchEnd, Pinned, Route};
 use crate::http::AppState;
-use crate::routing::picker::{PickRequest, estimate_prompt_tokens};
+use crate::routing::picker::{KvTerm, PickRequest, estimate_prompt_tokens};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SelectError {
@@ -25,28 +26,56 @@ pub enum SelectError {
     NoWorkers { model: String },
 }
 
+/// How a request goes out.
+#[derive(Debug)]
+pub struct Routed {
+    pub route: Route,
+    /// The rendered prompt tokens, for `nvext.token_data` when `kv.send_token_data` is on.
+    pub token_data: Option<Vec<u32>>,
+}
+
 /// Chooses how `request` is sent.
-pub fn route(state: &AppState, view: &FleetView, request: &ChatRequest, now: Instant) -> Result<Route, SelectError> {
+pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) -> Result<Routed, SelectError> {
     let config = view.config();
     if !config.disaggregated_serving.enabled {
         let replicas = serving_backends(config, &request.model);
         if replicas.is_empty() {
             return Err(SelectError::ModelNotFound { model: request.model.clone() });
         }
-        return Ok(Route::Unified { replicas });
+        return Ok(Routed { route: Route::Unified { replicas }, token_data: None });
     }
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
+    let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
+    let term = match kv {
+        Some(kv) => Some(kv.routing.term(view, display, &request.body).await),
+        None => None,
+    };
+    // Rendering and the index lookup take time: the pick runs on the clock after them.
+    let now = Instant::now();
     let pools = state.dispatcher.pools(config);
     let usable = usable_namespaces(state, &pools, now);
-    let prompt_tokens = estimate_prompt_tokens(&request.body);
-    let pick = PickRequest { model: display, prompt_tokens, namespaces: Some(&usable) };
-    let Some(selection) = state.picker.pick(view, &pick, now) else {
-        return Err(why_not(view, display, &usable, &request.model));
+    let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&usable) };
+    let (selection, prompt_tokens, tokens) = match (kv, term) {
+        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps })) => {
+            let isl_tokens = tokens.len() as u64;
+            let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps };
+            (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens))
+        }
+        (Some(kv), Some(Term::Unavailable(result))) => {
+            let estimate = estimate_prompt_tokens(&request.body);
+            (kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now), estimate, None)
+        }
+        _ => {
+            let estimate = estimate_prompt_tokens(&request.body);
+            (state.picker.pick(view, &pick(estimate), now), estimate, None)
+        }
     };
+    let selection = selection.ok_or_else(|| why_not(view, display, &usable, &request.model))?;
     let replicas = pools.pool(&selection.namespace).to_vec();
     let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens);
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
-    Ok(Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }))
+    let token_data = tokens.filter(|_| config.picker.send_token_data);
+    Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })
 }
 
 /// Namespaces whose pool has at least one replica a request would be let through to now.

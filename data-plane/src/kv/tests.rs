@@ -183,7 +183,7 @@ async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
     let disagree = kv.prepare("tiny", &[card.clone(), upgraded], &request, &[16], None, None).await;
     assert_eq!(disagree, Err(Fallback::TokenizerUnavailable));
 
-    let bad_sizes = kv.prepare("tiny", &[card.clone()], &request, &[8, 70_000], None, None).await;
+    let bad_sizes = kv.prepare("tiny", std::slice::from_ref(&card), &request, &[8, 70_000], None, None).await;
     assert_eq!(bad_sizes, Err(Fallback::TokenizerUnavailable));
     assert_eq!(count(&h.counter, "unsupported"), 2);
     let three = kv.prepare("tiny", &[card], &request, &[16, 32, 64], None, None).await.unwrap();

@@ -84,6 +84,19 @@ pub fn strip_body_routing(body: &mut Value) {
     }
 }
 
+/// Hands the frontend the router's rendered prompt as `nvext.token_data`, so it skips
+/// tokenizing again (`kv.send_token_data`). Only after [`strip_body_routing`]: a client's own
+/// `token_data` never reaches a shim.
+pub fn attach_token_data(body: &mut Value, tokens: Vec<u32>) {
+    let Some(request) = body.as_object_mut() else {
+        return;
+    };
+    let nvext = request.entry("nvext").or_insert_with(|| Value::Object(serde_json::Map::new()));
+    if let Value::Object(nvext) = nvext {
+        nvext.insert("token_data".into(), Value::from(tokens));
+    }
+}
+
 /// Writes the picker's pins, replacing any pin header already present.
 ///
 /// Instance ids are decimal (the frontend treats hex as absent). A rank is sent, 0 included,

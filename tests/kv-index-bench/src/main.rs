@@ -19,7 +19,7 @@ use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 static GLOBAL: &StatsAlloc<std::alloc::System> = &INSTRUMENTED_SYSTEM;
 
 const SEED: u64 = 0x5EED_CAFE;
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 /// What one index measured.
 #[derive(Debug, Default)]

@@ -16,7 +16,10 @@ pub fn events(events: &[Event]) -> Vec<OurEvent> {
             Event::Stored { rank, parent, blocks } => OurEvent::Stored {
                 rank: *rank,
                 parent: *parent,
-                blocks: blocks.iter().map(|&(block_hash, tokens_hash)| StoredBlock { block_hash, tokens_hash }).collect(),
+                blocks: blocks
+                    .iter()
+                    .map(|&(block_hash, tokens_hash)| StoredBlock { block_hash, tokens_hash })
+                    .collect(),
             },
             Event::Removed { rank, hashes } => OurEvent::Removed { rank: *rank, hashes: hashes.clone() },
         })

@@ -146,7 +146,7 @@ fn conversation(artifacts: &LoadedArtifacts, target: usize) -> anyhow::Result<Va
             return Ok(request);
         }
         let role = if messages.len() % 2 == 1 { "user" } else { "assistant" };
-        let words_left = (target - tokens) / 2 + 1;
-        messages.push(json!({"role": role, "content": words(words_left.min(400))}));
+        // About two tokens a pseudo-word: approach the target without overshooting by much.
+        messages.push(json!({"role": role, "content": words(((target - tokens) / 3).clamp(1, 1000))}));
     }
 }

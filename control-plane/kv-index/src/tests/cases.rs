@@ -143,7 +143,8 @@ fn hashes_above_i64_max_work() {
     let blocks: Vec<_> = big.iter().map(|&t| StoredBlock { block_hash: t, tokens_hash: t }).collect();
     index.apply_stored(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, None, &blocks);
     index.apply_stored(rank(2), Some(u64::MAX), &[]);
-    let outcome = index.apply_stored(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, Some(u64::MAX - 1), &chain(&[5]));
+    let outcome =
+        index.apply_stored(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, Some(u64::MAX - 1), &chain(&[5]));
     assert_eq!(outcome.get(KvResult::Applied), 1);
     assert_eq!(sorted(&index, &big), vec![(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, 3)]);
     index.apply_removed(RankKey { worker_id: u64::MAX, dp_rank: u32::MAX }, &[u64::MAX]);

@@ -148,7 +148,8 @@ fn run(limits: Option<Limits>, ops: &[Op], match_every: usize) {
     for (step, op) in ops.iter().enumerate() {
         match op {
             Op::Stored { rank, parent, blocks } => {
-                let chain: Vec<_> = blocks.iter().map(|&(block_hash, tokens_hash)| StoredBlock { block_hash, tokens_hash }).collect();
+                let chain: Vec<_> =
+                    blocks.iter().map(|&(block_hash, tokens_hash)| StoredBlock { block_hash, tokens_hash }).collect();
                 let got = index.apply_stored(key(*rank), *parent, &chain);
                 assert_eq!(got, model.stored(*rank, *parent, blocks), "{op:?}");
             }
@@ -174,7 +175,11 @@ fn run(limits: Option<Limits>, ops: &[Op], match_every: usize) {
         if step % match_every == 0 || step + 1 == ops.len() {
             let paths = model.paths();
             for query in model.queries() {
-                assert_eq!(super::sorted(&index, &query), Model::matches(&paths, &query), "query {query:?} after {op:?}");
+                assert_eq!(
+                    super::sorted(&index, &query),
+                    Model::matches(&paths, &query),
+                    "query {query:?} after {op:?}"
+                );
             }
         }
     }

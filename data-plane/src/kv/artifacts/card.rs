@@ -113,6 +113,23 @@ impl ModelArtifacts {
         })
     }
 
+    /// The slots as the control plane streams them (already narrowed to the Hugging Face kinds).
+    pub fn from_fleet(artifacts: &continuum_proto::model::ModelArtifacts) -> Result<Self, CardError> {
+        let file = |slot: &'static str, f: &continuum_proto::model::CheckedFile| -> Result<CheckedFile, CardError> {
+            let checksum =
+                f.checksum.parse().map_err(|e: ChecksumError| CardError::Malformed { slot, reason: e.to_string() })?;
+            Ok(CheckedFile { path: f.uri.clone(), checksum, size: Some(f.size) })
+        };
+        let required = |slot: &'static str, f: &Option<continuum_proto::model::CheckedFile>| {
+            f.as_ref().ok_or(CardError::Missing(slot)).and_then(|f| file(slot, f))
+        };
+        Ok(Self {
+            tokenizer: required("tokenizer", &artifacts.tokenizer)?,
+            tokenizer_config: required("prompt_formatter", &artifacts.tokenizer_config)?,
+            chat_template: artifacts.chat_template.as_ref().map(|f| file("chat_template_file", f)).transpose()?,
+        })
+    }
+
     pub fn key(&self) -> ArtifactKey {
         ArtifactKey {
             tokenizer: self.tokenizer.checksum,

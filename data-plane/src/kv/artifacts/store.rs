@@ -168,15 +168,16 @@ impl ArtifactStore {
             return Ok(slot.artifacts.clone());
         }
         let backing_off = state.retry_at.get(&key).is_some_and(|at| now < *at);
-        if !backing_off && !state.loading.contains(&key) {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                state.loading.insert(key);
-                let (store, model, artifacts) = (self.clone(), model.to_string(), artifacts.clone());
-                runtime.spawn(async move {
-                    let _ = store.load(&model, &artifacts).await;
-                    store.state().loading.remove(&artifacts.key());
-                });
-            }
+        if !backing_off
+            && !state.loading.contains(&key)
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            state.loading.insert(key);
+            let (store, model, artifacts) = (self.clone(), model.to_string(), artifacts.clone());
+            runtime.spawn(async move {
+                let _ = store.load(&model, &artifacts).await;
+                store.state().loading.remove(&artifacts.key());
+            });
         }
         Err(Fallback::TokenizerUnavailable)
     }

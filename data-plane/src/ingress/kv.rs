@@ -1,0 +1,167 @@
+//! The KV term of a pick: render and hash the prompt as the model's workers would, ask the
+//! control plane's index which ranks hold its prefix, and hand both to the KV-aware picker.
+//! Every miss on the way (artifacts, rendering, the index) becomes a counted result and the
+//! request is scored on load alone; the client never sees it.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use continuum_proto::model::{KvArtifactPolicy, Role};
+use continuum_proto::view::FleetView;
+use prometheus::IntCounterVec;
+use serde_json::Value;
+
+use crate::fleet::{MatchesClient, MatchesError};
+use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
+use crate::kv::render::Renderer;
+use crate::kv::{Fallback, KvPrompt, request_cache_salt};
+use crate::routing::picker::{KvSelectionResult, Overlaps};
+
+/// What the picker scores a request with.
+#[derive(Debug)]
+pub enum Term {
+    Scored {
+        /// Rendered prompt tokens.
+        tokens: Vec<u32>,
+        block_size: u32,
+        overlaps: Overlaps,
+    },
+    Unavailable(KvSelectionResult),
+}
+
+/// The replica's KV machinery: the prompt preparer (built when the fleet's configuration first
+/// names an artifact cache) and the `FindMatches` client.
+#[derive(Debug)]
+pub struct KvRouting {
+    matches: MatchesClient,
+    renderer: Renderer,
+    artifacts_counter: IntCounterVec,
+    prompt: Mutex<Preparer>,
+}
+
+#[derive(Debug, Default)]
+struct Preparer {
+    held: Option<Held>,
+    /// The cache directory that last failed to open, so the failure is logged once.
+    failed_dir: Option<String>,
+}
+
+#[derive(Debug)]
+struct Held {
+    policy: KvArtifactPolicy,
+    prompt: Arc<KvPrompt>,
+}
+
+impl KvRouting {
+    pub fn new(matches: MatchesClient, renderer: Renderer, artifacts_counter: IntCounterVec) -> Self {
+        Self { matches, renderer, artifacts_counter, prompt: Mutex::default() }
+    }
+
+    /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name).
+    pub async fn term(&self, view: &FleetView, model: &str, body: &Value) -> Term {
+        let Some(prompt) = self.prompt(&view.config().kv_artifacts) else {
+            return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
+        };
+        let Some((cards, block_sizes)) = model_artifacts(view, model) else {
+            return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
+        };
+        let prepared = match prompt.prepare(model, &cards, body, &block_sizes, request_cache_salt(body), None).await {
+            Ok(prepared) => prepared,
+            Err(fallback) => return Term::Unavailable(selection_result(fallback)),
+        };
+        // The fleet's most common block size: ranks of another size earn no credit.
+        let Some((block_size, hashes)) = prepared.hashes.first() else {
+            return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
+        };
+        let hashes = hashes.iter().map(|h| h.0).collect();
+        match self.matches.find_matches(hashes).await {
+            Ok(overlaps) => {
+                Term::Scored { tokens: prepared.tokens, block_size: block_size.get(), overlaps: overlaps.into() }
+            }
+            Err(error) => {
+                tracing::debug!(%error, "scoring without the KV term");
+                Term::Unavailable(match error {
+                    MatchesError::Deadline(_) => KvSelectionResult::IndexTimeout,
+                    MatchesError::Status(_) => KvSelectionResult::IndexUnavailable,
+                })
+            }
+        }
+    }
+
+    /// The preparer under the fleet's artifact policy: a changed policy applies at once (a
+    /// removed pin drops its tokenizer), a changed cache directory starts a new store.
+    fn prompt(&self, policy: &KvArtifactPolicy) -> Option<Arc<KvPrompt>> {
+        let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
+        match preparer.held.as_mut() {
+            Some(h) if h.policy == *policy => return Some(Arc::clone(&h.prompt)),
+            Some(h) if h.policy.cache_dir == policy.cache_dir => {
+                h.prompt.store().set_policy(artifact_policy(policy));
+                h.policy = policy.clone();
+                return Some(Arc::clone(&h.prompt));
+            }
+            _ => {}
+        }
+        let store = ArtifactStore::new(
+            artifact_policy(policy),
+            Fetcher::from_env(),
+            self.artifacts_counter.clone(),
+            ArtifactStore::system_clock(),
+        );
+        match store {
+            Ok(store) => {
+                let prompt = Arc::new(KvPrompt::new(store, self.renderer.clone()));
+                *preparer = Preparer {
+                    held: Some(Held { policy: policy.clone(), prompt: Arc::clone(&prompt) }),
+                    failed_dir: None,
+                };
+                Some(prompt)
+            }
+            Err(error) => {
+                if preparer.failed_dir.as_deref() != Some(&policy.cache_dir) {
+                    tracing::warn!(dir = %policy.cache_dir, %error, "cannot open the KV artifact cache; scoring without the KV term");
+                    preparer.failed_dir = Some(policy.cache_dir.clone());
+                }
+                None
+            }
+        }
+    }
+}
+
+/// The cards of every routable worker serving `model`, and their block sizes, most common
+/// first; `None` when a worker's card names no renderable tokenizer.
+fn model_artifacts(view: &FleetView, model: &str) -> Option<(Vec<ModelArtifacts>, Vec<u32>)> {
+    let mut cards = Vec::new();
+    let mut sizes: Vec<(u32, usize)> = Vec::new();
+    for worker in view.workers().values().filter(|w| w.model == model && w.role != Role::Unknown) {
+        cards.push(ModelArtifacts::from_fleet(worker.artifacts.as_deref()?).ok()?);
+        if let Some(size) = worker.block_size {
+            match sizes.iter_mut().find(|(s, _)| *s == size) {
+                Some((_, n)) => *n += 1,
+                None => sizes.push((size, 1)),
+            }
+        }
+    }
+    sizes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    Some((cards, sizes.into_iter().map(|(s, _)| s).collect()))
+}
+
+fn artifact_policy(policy: &KvArtifactPolicy) -> ArtifactPolicy {
+    // The control plane validates the pins; one that does not parse pins nothing.
+    let pinned: BTreeSet<Checksum> = policy.pinned.iter().filter_map(|c| c.parse().ok()).collect();
+    ArtifactPolicy {
+        allow_http_artifacts: policy.allow_http,
+        allow_hf_artifacts: policy.allow_hf,
+        pinned_artifacts: pinned,
+        artifact_cache_dir: PathBuf::from(&policy.cache_dir),
+    }
+}
+
+fn selection_result(fallback: Fallback) -> KvSelectionResult {
+    match fallback {
+        Fallback::PromptTooLarge => KvSelectionResult::PromptTooLarge,
+        Fallback::RenderUnavailable => KvSelectionResult::RenderUnavailable,
+        Fallback::TokenizerUnavailable => KvSelectionResult::TokenizerUnavailable,
+        Fallback::ArtifactUnpinned => KvSelectionResult::ArtifactUnpinned,
+    }
+}
