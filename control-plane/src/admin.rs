@@ -20,6 +20,7 @@ use tokio::sync::watch;
 use crate::discovery::{DiscoveredWorker, Topic};
 use crate::fleet::FleetPublisher;
 use crate::grpc::Replicas;
+use crate::kv::KvView;
 use crate::load::{LoadView, Reading, SubscriptionStatus, transport_label};
 use crate::metrics::Metrics;
 use crate::sources::Registry;
@@ -34,6 +35,8 @@ pub struct AdminState {
     pub settings: watch::Receiver<AdminSettings>,
     /// The load store and the running load subscriptions.
     pub load: LoadView,
+    /// The KV index and the running kv-events subscriptions.
+    pub kv: KvView,
 }
 
 /// The reloadable part of the admin API's state.
@@ -122,11 +125,31 @@ async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
         "workers": workers,
         "load_publishers": publishers(Topic::KvMetrics),
         "kv_event_publishers": publishers(Topic::KvEvents),
-        "subscriptions": state.load.subscriptions().iter().map(|s| subscription_json(s)).collect::<Vec<_>>(),
+        "subscriptions": state
+            .load
+            .subscriptions()
+            .iter()
+            .chain(state.kv.subscriptions().iter())
+            .map(|s| subscription_json(s))
+            .collect::<Vec<_>>(),
+        "kv_index": kv_index_json(&state.kv),
     }))
 }
 
-/// A running subscription as the seed shows it: never the publisher's address.
+/// The KV index's size: the same four figures as `continuum_dynamo_kv_index{what}`, read now.
+fn kv_index_json(kv: &KvView) -> Value {
+    let stats = kv.stats();
+    json!({
+        "enabled": kv.enabled(),
+        "nodes": stats.nodes,
+        "ownerships": stats.ownerships,
+        "ranks": stats.ranks,
+        "bytes": stats.heap_bytes,
+    })
+}
+
+/// A running subscription (kv_metrics or kv_events) as the seed shows it: never the
+/// publisher's address.
 fn subscription_json(status: &SubscriptionStatus) -> Value {
     json!({
         "family": status.family,
@@ -135,6 +158,8 @@ fn subscription_json(status: &SubscriptionStatus) -> Value {
         "component": status.component,
         "state": status.state().map(|s| s.as_str()),
         "transport": transport_label(status.transport),
+        "sessions": status.sessions(),
+        "buffer_high_water_bytes": status.buffer_high_water(),
     })
 }
 

@@ -113,6 +113,7 @@ impl ControlPlane {
             metrics: metrics.clone(),
             settings: settings_rx,
             load: load.view(),
+            kv: kv.view(),
         };
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {

@@ -4,7 +4,7 @@
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::config::LoadTransport;
-use crate::kv::KvEventResult;
+use crate::kv::{KvEventResult, ProvisionalResult};
 use crate::load::{LoadEvent, LoadGauges, SubscriptionState, transport_label};
 
 #[derive(Clone, Debug)]
@@ -51,6 +51,10 @@ pub struct Metrics {
     pub kv_index: IntGaugeVec,
     /// FindMatches calls by `result` (ok, disabled, too_many_hashes).
     pub kv_find_matches: IntCounterVec,
+    /// Provisional prefix chains by `result` (see `kv::ProvisionalResult`).
+    pub kv_provisional: IntCounterVec,
+    /// Provisional chains held: `chains`, `hashes`.
+    pub kv_provisional_held: IntGaugeVec,
 }
 
 impl Metrics {
@@ -131,6 +135,20 @@ impl Metrics {
                 Opts::new("continuum_dynamo_kv_find_matches_total", "FindMatches calls by result"),
                 &["result"],
             )?,
+            kv_provisional: IntCounterVec::new(
+                Opts::new(
+                    "continuum_dynamo_kv_provisional_total",
+                    "Provisional prefix credits from pinned dispatches by result",
+                ),
+                &["result"],
+            )?,
+            kv_provisional_held: IntGaugeVec::new(
+                Opts::new(
+                    "continuum_dynamo_kv_provisional_held",
+                    "Provisional prefix chains held, and their block hashes",
+                ),
+                &["what"],
+            )?,
             registry,
         };
         for event in LoadEvent::ALL {
@@ -138,6 +156,9 @@ impl Metrics {
         }
         for result in KvEventResult::ALL {
             metrics.kv_events.with_label_values(&[result.as_str()]);
+        }
+        for result in ProvisionalResult::ALL {
+            metrics.kv_provisional.with_label_values(&[result.as_str()]);
         }
         for state in SubscriptionState::ALL {
             for transport in [LoadTransport::Direct, LoadTransport::Broker] {
@@ -168,6 +189,8 @@ impl Metrics {
             Box::new(metrics.kv_subscriptions.clone()),
             Box::new(metrics.kv_index.clone()),
             Box::new(metrics.kv_find_matches.clone()),
+            Box::new(metrics.kv_provisional.clone()),
+            Box::new(metrics.kv_provisional_held.clone()),
         ] {
             metrics.registry.register(collector)?;
         }

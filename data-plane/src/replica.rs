@@ -9,7 +9,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::dispatch::{DispatchSettings, Dispatcher};
+use crate::dispatch::{DispatchSettings, Dispatcher, probe};
 use crate::fleet::{self, DispatchReporter, FIND_MATCHES_DEADLINE, FleetClientConfig, FleetHandle, MatchesClient};
 use crate::http::{self, AppState, KvSelection};
 use crate::ingress::KvRouting;
@@ -83,6 +83,7 @@ impl Replica {
         let ledger = Arc::new(DispatchLedger::counting_refusals(metrics.ledger_refused.clone()));
         let picker = Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone()));
         let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
+        let prober = tokio::spawn(probe::run(Arc::clone(&dispatcher), Arc::clone(&fleet), cancel.clone()));
         let kv = Arc::new(KvSelection {
             routing: KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone()),
             picker: KvAwarePicker::new(Arc::clone(&ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
@@ -105,7 +106,7 @@ impl Replica {
             }
         });
         tracing::info!(%local_addr, "data-plane replica listening");
-        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, server] })
+        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, prober, server] })
     }
 
     /// Stops both tasks and waits for them.

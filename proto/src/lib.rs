@@ -19,3 +19,10 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// to well under 4 MiB (see docs/benchmarks.md); the headroom covers long model names and
 /// large load tables without letting a broken peer make the other side buffer without bound.
 pub const MAX_FLEET_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Block hashes one `DispatchStarted` carries at most: a 65,536-token prefix in 16-token
+/// blocks. A replica cuts longer chains; the control plane cuts what a peer sends past it.
+pub const MAX_DISPATCH_BLOCK_HASHES: usize = 4_096;
+/// Block hashes one `DispatchReport` carries at most (512 KiB), so a burst of long prompts
+/// cannot make a report large; dispatches past it are reported without their hashes.
+pub const MAX_REPORT_BLOCK_HASHES: usize = 65_536;

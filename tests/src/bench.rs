@@ -7,6 +7,7 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy)]
 pub struct Quantiles {
     pub p50: Duration,
+    pub p90: Duration,
     pub p99: Duration,
     pub max: Duration,
 }
@@ -18,7 +19,7 @@ impl Quantiles {
             let index = ((samples.len().saturating_sub(1)) as f64 * q).round() as usize;
             samples.get(index).copied().unwrap_or_default()
         };
-        Self { p50: at(0.5), p99: at(0.99), max: at(1.0) }
+        Self { p50: at(0.5), p90: at(0.9), p99: at(0.99), max: at(1.0) }
     }
 }
 

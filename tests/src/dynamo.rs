@@ -117,7 +117,7 @@ pub struct Worker {
 }
 
 impl Mocker {
-    fn command(&self, ns: &NetNs) -> Command {
+    fn command(&self, ns: &NetNs, extra: &[&str]) -> Command {
         let mut command = ns.command(tools::python());
         command.args(["-m", "dynamo.mocker", "--model-path"]).arg(tools::dynamo_fixtures().join("tinymodel"));
         // Without --kv-bytes-per-token the mocker imports `transformers` to compute it.
@@ -127,6 +127,8 @@ impl Mocker {
         command.args(["--data-parallel-size", &self.dp_size.to_string()]);
         // No simulated engine time: the workers stay idle here, and the test measures discovery.
         command.args(["--speedup-ratio", "0"]);
+        // argparse keeps an option's last value, so these override the defaults above.
+        command.args(extra);
         dynamo_env(&mut command);
         command
     }
@@ -134,8 +136,20 @@ impl Mocker {
     /// Starts the worker and waits for its `generate` instance in `watch`. Start mockers one at
     /// a time: the next instance the watch sees is taken to be this one's.
     pub async fn start(self, ns: &NetNs, watch: &InstanceWatch, label: &str) -> anyhow::Result<Worker> {
+        self.start_with(ns, watch, label, &[]).await
+    }
+
+    /// [`Mocker::start`] with extra mocker arguments (`--speedup-ratio 1.0` to simulate the
+    /// engine's timing), which override this harness's defaults.
+    pub async fn start_with(
+        self,
+        ns: &NetNs,
+        watch: &InstanceWatch,
+        label: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<Worker> {
         let before = watch.count();
-        let pid = ns.spawn(label, self.command(ns))?;
+        let pid = ns.spawn(label, self.command(ns, extra))?;
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
             if let Some(instance) = watch.wait_nth(before, Duration::from_millis(100)).await {

@@ -143,3 +143,34 @@ pub async fn channel_endpoints(ns: &NetNs, topic: &str) -> anyhow::Result<Vec<St
     }
     Ok(endpoints)
 }
+
+/// The fixture model's `tokenizer.json` and `tokenizer_config.json`, pinned by content (the
+/// checksums `dynamo.kv.pinned_artifacts` lists).
+pub fn tinymodel_pins() -> anyhow::Result<Vec<String>> {
+    ["tokenizer.json", "tokenizer_config.json"]
+        .iter()
+        .map(|f| {
+            let bytes = std::fs::read(tools::dynamo_fixtures().join("tinymodel").join(f))?;
+            Ok(continuum_data_plane::kv::artifacts::Checksum::of(&bytes).to_string())
+        })
+        .collect()
+}
+
+/// [`crate::dynamo_routing::control_plane_yaml`] with KV-aware selection on: the tiny model's
+/// artifacts pinned, cached under `cache_dir`. `extra_kv` is more `dynamo.kv` settings, one
+/// `key: value` a line.
+pub fn kv_control_plane_yaml(cache_dir: &std::path::Path, extra_kv: &[&str]) -> anyhow::Result<String> {
+    let pinned: Vec<String> = tinymodel_pins()?.into_iter().map(|p| format!("\"{p}\"")).collect();
+    let mut kv = format!(
+        "  kv:\n    enabled: true\n    artifact_cache_dir: \"{}\"\n    pinned_artifacts: [{}]\n",
+        cache_dir.display(),
+        pinned.join(", ")
+    );
+    for line in extra_kv {
+        kv.push_str(&format!("    {line}\n"));
+    }
+    let base = crate::dynamo_routing::control_plane_yaml(false);
+    let (head, rest) =
+        base.split_once("  discovery:\n").ok_or_else(|| anyhow::anyhow!("the base YAML has no dynamo.discovery"))?;
+    Ok(format!("{head}{kv}  discovery:\n{rest}"))
+}

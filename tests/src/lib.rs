@@ -29,6 +29,7 @@ pub mod process;
 pub mod proxy;
 pub mod shim_stub;
 pub mod tools;
+pub mod workload;
 pub mod zmtp_peer;
 
 /// A Fleet gRPC server on a loopback port, serving `publisher`.

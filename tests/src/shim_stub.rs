@@ -6,6 +6,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::{Context, anyhow};
@@ -14,7 +15,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{get, post};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
@@ -54,6 +55,8 @@ struct Shared {
     script: Mutex<VecDeque<Reply>>,
     received: Mutex<Vec<Received>>,
     count: watch::Sender<usize>,
+    /// What `GET /live` answers: 200 while true, 503 otherwise.
+    down: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -73,7 +76,10 @@ impl StubShim {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared::default());
-        let app = Router::new().route("/v1/chat/completions", post(answer)).with_state(Arc::clone(&shared));
+        let app = Router::new()
+            .route("/v1/chat/completions", post(answer))
+            .route("/live", get(live))
+            .with_state(Arc::clone(&shared));
         let task = tokio::spawn(async move {
             let _ = axum::serve(listener, app).await;
         });
@@ -105,6 +111,11 @@ impl StubShim {
         self.shared.count.subscribe()
     }
 
+    /// Makes `GET /live` answer 503 (or 200 again), as a frontend on its way down would.
+    pub fn set_live(&self, live: bool) {
+        self.shared.down.store(!live, Ordering::Relaxed);
+    }
+
     pub fn stop(self) {
         self.task.abort();
     }
@@ -124,6 +135,14 @@ pub fn fixture_reply(run: &str, name: &str) -> anyhow::Result<Reply> {
     let content_type = response["headers"]["content-type"].as_str().map(str::to_string);
     let body = Bytes::from(response["body"].as_str().unwrap_or_default().to_string());
     Ok(Reply::Fixed { status, content_type, body })
+}
+
+async fn live(State(shared): State<Arc<Shared>>) -> Response {
+    if shared.down.load(Ordering::Relaxed) {
+        (StatusCode::SERVICE_UNAVAILABLE, "{\"status\":\"notready\"}").into_response()
+    } else {
+        (StatusCode::OK, "{\"status\":\"live\"}").into_response()
+    }
 }
 
 async fn answer(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {

@@ -35,11 +35,15 @@ pub fn dynamo_fixtures() -> PathBuf {
     shared_dir().join("fixtures/dynamo-1.6.1")
 }
 
-/// A workspace binary built by cargo for this test run.
+/// A workspace binary built by cargo for this test run, or beside the running benchmark binary
+/// (of the same profile: `cargo build --release --bins` for a release benchmark).
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap_or_default();
+    let mut dir = exe.parent().map(PathBuf::from).unwrap_or_default();
     // Integration tests live in target/<profile>/deps; binaries one level up.
-    let dir = exe.parent().and_then(|deps| deps.parent()).map(PathBuf::from).unwrap_or_default();
+    if dir.file_name().is_some_and(|d| d == "deps") {
+        dir.pop();
+    }
     dir.join(name)
 }
 

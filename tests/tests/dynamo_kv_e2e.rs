@@ -14,14 +14,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
-use continuum_data_plane::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
+use continuum_data_plane::kv::artifacts::{ArtifactPolicy, ArtifactStore, Fetcher, ModelArtifacts};
 use continuum_data_plane::kv::hashing::BlockSize;
 use continuum_data_plane::kv::render::Renderer;
 use continuum_data_plane::kv::{KvPrompt, PreparedPrompt};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
-use continuum_tests::dynamo_kv::{KvTap, channel_endpoints};
+use continuum_tests::dynamo_kv::{KvTap, channel_endpoints, kv_control_plane_yaml, tinymodel_pins};
 use continuum_tests::dynamo_routing::{
-    self, CONTROL_PLANE_GRPC, FRONTEND, Outcome, Pins, RoutedContinuum, control_plane_yaml, post_chat,
+    self, CONTROL_PLANE_GRPC, FRONTEND, Outcome, Pins, RoutedContinuum, post_chat,
 };
 use continuum_tests::netns::NetNs;
 use continuum_tests::tools::{self, dynamo_fixtures};
@@ -36,24 +36,12 @@ const FIND_MATCHES_DEADLINE: &str = "200ms";
 const TURNS: usize = 6;
 const UNRELATED: usize = 6;
 
-/// The fixture model's tokenizer.json and tokenizer_config.json, pinned by content.
 fn pins() -> anyhow::Result<Vec<String>> {
-    ["tokenizer.json", "tokenizer_config.json"]
-        .iter()
-        .map(|f| Ok(Checksum::of(&std::fs::read(dynamo_fixtures().join("tinymodel").join(f))?).to_string()))
-        .collect()
+    tinymodel_pins()
 }
 
 fn kv_yaml(cache_dir: &std::path::Path) -> anyhow::Result<String> {
-    let pinned: Vec<String> = pins()?.into_iter().map(|p| format!("\"{p}\"")).collect();
-    let kv = format!(
-        "  kv:\n    enabled: true\n    artifact_cache_dir: \"{}\"\n    pinned_artifacts: [{}]\n",
-        cache_dir.display(),
-        pinned.join(", ")
-    );
-    let base = control_plane_yaml(false);
-    let (head, rest) = base.split_once("  discovery:\n").context("the base YAML has dynamo.discovery")?;
-    Ok(format!("{head}{kv}  discovery:\n{rest}"))
+    kv_control_plane_yaml(cache_dir, &[])
 }
 
 /// A long system prompt shared by every turn of conversation `n`, then the turns so far.

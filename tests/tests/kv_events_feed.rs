@@ -2,14 +2,17 @@
 //! subscriptions → the identity-gated index → `FindMatches`, replaying the real Dynamo 1.6.1
 //! capture of an aggregated worker evicting under load.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use continuum_control_plane::admin::{self, AdminSettings, AdminState};
 use continuum_control_plane::config::{self, Config};
 use continuum_control_plane::discovery::{Publisher, Topic};
+use continuum_control_plane::grpc::Replicas;
 use continuum_control_plane::kv::{KvCounts, KvEventResult, KvIndexer, KvSupervisor, PublisherMapping, kv_options};
-use continuum_control_plane::load::LoadOptions;
 use continuum_control_plane::load::zmtp::ZmtpLimits;
+use continuum_control_plane::load::{LoadOptions, LoadSupervisor};
 use continuum_control_plane::metrics::Metrics;
 use continuum_control_plane::sources::Registry;
 use continuum_kv_index::Limits;
@@ -19,6 +22,7 @@ use continuum_tests::load::{NAMESPACE, fleet, worker};
 use continuum_tests::tools::dynamo_fixtures;
 use continuum_tests::zmtp_peer::{PeerConnection, RawPublisher};
 use serde_json::Value;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -229,4 +233,100 @@ async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour
     })
     .await?;
     Ok(())
+}
+
+/// `GET /admin/dynamo/workers` lists the kv-events subscription beside the kv_metrics ones
+/// (state, sessions, buffer high water, never the publisher's address) and the index's size,
+/// and follows a reload that switches the KV term off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_workers_listing_shows_kv_events_subscriptions_and_the_index_size_without_addresses()
+-> anyhow::Result<()> {
+    let stream = captured_stream()?;
+    let first = stream.first().context("the capture holds kv-events")?;
+    let ours: Vec<&Captured> = stream.iter().filter(|c| c.publisher_id == first.publisher_id).collect();
+    let mut kv = TestKv::start()?;
+    let mut peer = RawPublisher::bind().await?;
+    let address = peer.endpoint();
+    kv.registry
+        .publish(fleet(vec![worker(first.worker_id, 2)], vec![kv_publisher(first, first.worker_id, address.clone())]));
+    let mut connection = peer.connection(WAIT).await?;
+    send_all(&mut connection, &ours).await?;
+    eventually(WAIT, "the stream applied", || async { kv.events("applied") > 20 }).await?;
+
+    let cancel = CancellationToken::new();
+    let admin = start_admin(&kv, cancel.clone()).await?;
+    let url = format!("http://{admin}/admin/dynamo/workers");
+    let body: Value = reqwest::get(&url).await?.json().await?;
+    let text = body.to_string();
+    assert!(!text.contains(&address) && !text.contains("127.0.0.1"), "the listing exported an address: {text}");
+    assert_eq!(body["kv_event_publishers"], 1, "{body}");
+    let subscriptions = body["subscriptions"].as_array().context("subscriptions")?;
+    let kv_events: Vec<&Value> = subscriptions.iter().filter(|s| s["family"] == "kv-events").collect();
+    assert_eq!(kv_events.len(), 1, "{body}");
+    let subscription = kv_events[0];
+    assert_eq!(subscription["publisher_id"], first.publisher_id.to_string());
+    assert_eq!(subscription["state"], "connected");
+    assert_eq!(subscription["transport"], "direct");
+    assert_eq!(subscription["sessions"], 1);
+    let high_water = subscription["buffer_high_water_bytes"].as_u64().context("buffer_high_water_bytes")?;
+    assert!(high_water >= 512, "the session's message buffer grew from 512 bytes: {subscription}");
+
+    let stats = kv.supervisor.handle().stats();
+    let index = &body["kv_index"];
+    assert_eq!(index["enabled"], true);
+    assert!(stats.nodes > 0 && stats.ownerships >= stats.nodes, "{stats:?}");
+    assert_eq!(index["nodes"].as_u64(), Some(stats.nodes as u64), "{index}");
+    assert_eq!(index["ownerships"].as_u64(), Some(stats.ownerships as u64), "{index}");
+    assert_eq!(index["ranks"].as_u64(), Some(stats.ranks as u64), "{index}");
+    assert_eq!(index["bytes"].as_u64(), Some(stats.heap_bytes as u64), "{index}");
+
+    // Switching the KV term off stops the subscription and empties the index: the listing
+    // follows without a restart of the admin server.
+    let off = config::load_str(
+        "dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"http://127.0.0.1:9\"]\n  \
+         load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n  kv:\n    enabled: false\n",
+        &|_| None,
+    )
+    .map_err(|e| anyhow::anyhow!("{e:?}"))?
+    .config;
+    kv.supervisor.reload(&off).await;
+    let body: Value = reqwest::get(&url).await?.json().await?;
+    let subscriptions = body["subscriptions"].as_array().context("subscriptions")?;
+    assert!(subscriptions.iter().all(|s| s["family"] != "kv-events"), "{body}");
+    assert_eq!(body["kv_index"]["enabled"], false, "{body}");
+    assert_eq!(body["kv_index"]["nodes"], 0, "{body}");
+    cancel.cancel();
+    kv.supervisor.stop().await;
+    Ok(())
+}
+
+/// The control plane's admin router over the test's registry, metrics and KV supervisor (no
+/// token), on a loopback port; it stops with `cancel`.
+async fn start_admin(kv: &TestKv, cancel: CancellationToken) -> anyhow::Result<std::net::SocketAddr> {
+    let publisher = continuum_tests::publisher();
+    let load = LoadSupervisor::start(
+        &kv_config()?.dynamo.load,
+        LoadOptions::default(),
+        kv.registry.subscribe(),
+        publisher.clone(),
+        &kv.metrics,
+        cancel.child_token(),
+    );
+    let settings = AdminSettings { token: None, source: "etcd", namespaces: Arc::from(vec![NAMESPACE.to_string()]) };
+    let state = AdminState {
+        registry: kv.registry.clone(),
+        publisher,
+        replicas: Replicas::default(),
+        metrics: kv.metrics.clone(),
+        settings: watch::channel(settings).1,
+        load: load.view(),
+        kv: kv.supervisor.view(),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _load = load;
+        let _ = axum::serve(listener, admin::router(state)).with_graceful_shutdown(cancel.cancelled_owned()).await;
+    });
+    Ok(addr)
 }

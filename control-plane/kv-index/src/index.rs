@@ -2,9 +2,10 @@
 
 use crate::hash::Mixer;
 use crate::limits::Limits;
+use crate::lookup::Probe;
 use crate::outcome::{KvResult, Outcome};
 use crate::ranks::{RankKey, Ranks};
-use crate::tree::{ROOT, Tree};
+use crate::tree::{BlockRef, ROOT, Tree};
 
 /// One block of a `stored` event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -19,8 +20,10 @@ pub struct StoredBlock {
 /// Sizes of the index, for metrics and the admin API.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IndexStats {
-    /// Tree nodes, the root excluded (bounded by `Limits::max_blocks`).
+    /// Distinct prefix blocks in the tree (bounded by `Limits::max_blocks`).
     pub nodes: usize,
+    /// Runs (path-compressed tree nodes) holding those blocks, the root excluded.
+    pub runs: usize,
     /// `(rank, engine block hash)` ownerships (bounded by `Limits::max_ownerships`).
     pub ownerships: usize,
     /// Ranks holding at least one block.
@@ -66,25 +69,29 @@ impl KvIndex {
     pub fn apply_stored(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {
         let mut outcome = Outcome::default();
         let mut id = self.ranks.id(rank);
-        let parent = match parent_hash {
-            None => Some(ROOT),
-            Some(hash) => id.and_then(|id| self.ranks.get(id)?.node_of(&self.mixer, hash)),
+        let at = match parent_hash {
+            None => Some(Position { run: ROOT, end: 0 }),
+            Some(hash) => id.and_then(|id| self.ranks.get(id)?.block_of(&self.mixer, hash)).map(|b| self.position(b)),
         };
-        let Some(mut parent) = parent else {
+        let Some(at) = at else {
             outcome.add(KvResult::UnknownParent, blocks.len());
             return outcome;
         };
+        if let Some(rank) = id.and_then(|id| self.ranks.get(id)) {
+            rank.touch(&self.mixer, blocks.iter().map(|b| b.block_hash));
+        }
+        let mut walk = Walk { at, pending: None };
         for (i, block) in blocks.iter().enumerate() {
-            match self.store_block(rank, &mut id, parent, block) {
-                Ok((node, result)) => {
-                    outcome.add(result, 1);
-                    parent = node;
-                }
+            match self.store_block(rank, &mut id, &mut walk, block, blocks.len() - i) {
+                Ok(result) => outcome.add(result, 1),
                 Err(Refused) => {
                     outcome.add(KvResult::OverCapacity, blocks.len() - i);
                     break;
                 }
             }
+        }
+        if let Some(id) = id {
+            self.commit(&mut walk, id);
         }
         outcome
     }
@@ -96,6 +103,9 @@ impl KvIndex {
             outcome.add(KvResult::UnknownBlock, block_hashes.len());
             return outcome;
         };
+        if let Some(rank) = self.ranks.get(id) {
+            rank.touch(&self.mixer, block_hashes.iter().copied());
+        }
         for &hash in block_hashes {
             let released = self.ranks.get_mut(id).and_then(|r| r.release(&self.mixer, hash));
             match released {
@@ -118,10 +128,14 @@ impl KvIndex {
             return 0;
         };
         let (id, held) = held;
-        for node in held.nodes() {
-            // A node reached by several of the rank's hashes appears once per hash; only the
-            // first removal finds the rank among its owners.
-            self.tree.remove_owner(node, id);
+        // The rank owns every block of each run it holds one of, and loses them all: drop it
+        // from each run once. Runs are found before any is freed (a freed run's segment may be
+        // truncated), and none is freed before its turn since the rank still owns it.
+        let mut runs: Vec<u32> = held.blocks().map(|block| self.tree.locate(block).0).collect();
+        runs.sort_unstable();
+        runs.dedup();
+        for run in runs {
+            self.tree.remove_owner(run, id);
         }
         self.ownerships -= held.len();
         held.len()
@@ -149,26 +163,59 @@ impl KvIndex {
     /// Current sizes.
     pub fn stats(&self) -> IndexStats {
         IndexStats {
-            nodes: self.tree.len(),
+            nodes: self.tree.blocks(),
+            runs: self.tree.runs(),
             ownerships: self.ownerships,
             ranks: self.ranks.len(),
             heap_bytes: size_of::<KvIndex>() + self.tree.heap_bytes() + self.ranks.heap_bytes(),
         }
     }
 
+    /// The position just after `block`.
+    fn position(&self, block: BlockRef) -> Position {
+        let (run, index) = self.tree.locate(block);
+        Position { run, end: index + 1 }
+    }
+
+    /// Stores one block of a chain at the walk's position and advances it; `left` counts this
+    /// block and the rest of the chain (a new segment makes room for them).
     fn store_block(
         &mut self,
         rank: RankKey,
         id: &mut Option<u32>,
-        parent: u32,
+        walk: &mut Walk,
         block: &StoredBlock,
-    ) -> Result<(u32, KvResult), Refused> {
-        let child = self.tree.child(parent, block.tokens_hash);
-        let held = id.and_then(|id| self.ranks.get(id)?.node_of(&self.mixer, block.block_hash));
-        if let Some(node) = child
-            && held == Some(node)
+        left: usize,
+    ) -> Result<KvResult, Refused> {
+        let Position { run, end } = walk.at;
+        let tokens_hash = block.tokens_hash;
+        // Where the block already is in the tree: next in the current run, or a child run.
+        let target = if end < self.tree.len(run) {
+            (self.tree.hash_at(run, end) == tokens_hash).then_some(Position { run, end: end + 1 })
+        } else {
+            self.tree.child(run, tokens_hash).map(|child| Position { run: child, end: 1 })
+        };
+        let probe = match *id {
+            Some(id) => self.ranks.get(id).map(|r| r.probe(&self.mixer, block.block_hash)),
+            None => None,
+        };
+        let held = match probe {
+            Some(Probe::Found(_, block)) => Some(block),
+            _ => None,
+        };
+        let target_block = target.map(|t| self.tree.block_ref(t.run, t.end - 1));
+        if let Some(t) = target
+            && held.is_some()
+            && held == target_block
         {
-            return Ok((node, KvResult::Duplicate));
+            // The rank owns the target's run, so no range of it is pending.
+            if t.run != run
+                && let Some(id) = *id
+            {
+                self.commit(walk, id);
+            }
+            walk.at = t;
+            return Ok(KvResult::Duplicate);
         }
         // Every ceiling is checked before anything changes, so a refusal leaves no trace.
         if held.is_none() {
@@ -177,30 +224,86 @@ impl KvIndex {
                 return Err(Refused);
             }
         }
-        if child.is_none() && (self.tree.len() >= self.limits.max_blocks || self.limits.max_owners_per_node == 0) {
-            return Err(Refused);
+        match target {
+            None if self.tree.blocks() >= self.limits.max_blocks || self.limits.max_owners_per_node == 0 => {
+                return Err(Refused);
+            }
+            Some(t) if !(t.run == run && walk.pending.is_some()) => {
+                let owners = self.tree.owners(t.run);
+                let owner = id.is_some_and(|id| owners.contains(id));
+                if !owner && owners.len() >= self.limits.max_owners_per_node {
+                    return Err(Refused);
+                }
+            }
+            _ => {}
         }
 
         let rank_id = *id.get_or_insert_with(|| self.ranks.intern(rank));
-        let node = child.unwrap_or_else(|| self.tree.add_child(parent, block.tokens_hash));
-        // Last check, made while adding: the owners-per-node ceiling. A new node cannot be full.
-        let Some(added) = self.tree.add_owner(node, rank_id, self.limits.max_owners_per_node) else {
-            self.forget_if_empty(rank_id);
-            return Err(Refused);
+        let moved = held.is_some();
+        let stored = match (target, target_block) {
+            (Some(mut t), Some(stored)) => {
+                if t.run != run || moved {
+                    // Leaving the run (or about to release a block): own its pending range now.
+                    self.commit(walk, rank_id);
+                }
+                if moved {
+                    // The commit may have split the target's run: find it by its stable identity.
+                    t = self.position(stored);
+                }
+                walk.at = t;
+                if self.tree.owners(t.run).contains(rank_id) {
+                    // Another of the rank's hashes already names this block.
+                    if let Some(state) = self.ranks.get_mut(rank_id) {
+                        state.add_extra_ref(stored);
+                    }
+                } else if walk.pending.is_none() {
+                    walk.pending = Some(t.end - 1);
+                }
+                if moved {
+                    self.commit(walk, rank_id);
+                }
+                stored
+            }
+            _ => {
+                self.commit(walk, rank_id);
+                let Position { run, end } = walk.at;
+                if end == self.tree.len(run) && self.tree.try_extend(run, rank_id, tokens_hash) {
+                    walk.at.end += 1;
+                } else {
+                    let parent = if end < self.tree.len(run) { self.tree.split(run, end) } else { run };
+                    let child = self.tree.add_run(parent, tokens_hash, left, rank_id);
+                    walk.at = Position { run: child, end: 1 };
+                }
+                self.tree.block_ref(walk.at.run, walk.at.end - 1)
+            }
         };
         let Some(state) = self.ranks.get_mut(rank_id) else { return Err(Refused) };
-        state.hold(&self.mixer, block.block_hash, node, held);
-        if !added {
-            // Another of the rank's hashes already names this node.
-            state.add_extra_ref(node);
-        }
+        // The probe is still good: only the tree and the extra references changed since.
+        let probe = match probe {
+            Some(probe) => probe,
+            None => state.probe(&self.mixer, block.block_hash),
+        };
+        state.hold(&self.mixer, probe, block.block_hash, stored);
         match held {
-            // The hash moved to another prefix: release the old node only after the new one is
-            // owned, so pruning the old chain cannot free the new node's ancestors.
-            Some(old) => self.drop_reference(rank_id, old),
+            // The hash moved to another prefix: release the old block only after the new one is
+            // owned, so pruning the old chain cannot free the new block's ancestors; then find
+            // the walk's position again, as releasing may have split its run.
+            Some(old) => {
+                self.drop_reference(rank_id, old);
+                walk.at = self.position(stored);
+            }
             None => self.ownerships += 1,
         }
-        Ok((node, KvResult::Applied))
+        Ok(KvResult::Applied)
+    }
+
+    /// Makes rank `id` an owner of the walk's pending range (blocks it took in the current run,
+    /// which it did not own), splitting the run so the range is a run of its own.
+    fn commit(&mut self, walk: &mut Walk, id: u32) {
+        if let Some(from) = walk.pending.take() {
+            let run = self.tree.add_owner_range(walk.at.run, from, walk.at.end, id);
+            walk.at = Position { run, end: self.tree.len(run) };
+        }
     }
 
     /// Releases a rank interned for a block that was then refused.
@@ -210,11 +313,26 @@ impl KvIndex {
         }
     }
 
-    /// Drops one of rank `id`'s references to `node`, and its ownership with the last one.
-    fn drop_reference(&mut self, id: u32, node: u32) {
-        let had_extra = self.ranks.get_mut(id).is_some_and(|r| r.drop_extra_ref(node));
+    /// Drops one of rank `id`'s references to `block`, and its ownership with the last one.
+    fn drop_reference(&mut self, id: u32, block: BlockRef) {
+        let had_extra = self.ranks.get_mut(id).is_some_and(|r| r.drop_extra_ref(block));
         if !had_extra {
-            self.tree.remove_owner(node, id);
+            self.tree.remove_block_owner(block, id);
         }
     }
+}
+
+/// A place in the tree: just after the first `end` blocks of `run`.
+#[derive(Debug, Clone, Copy)]
+struct Position {
+    run: u32,
+    end: u32,
+}
+
+/// A stored chain's walk: where it is, and from which block of the current run the rank takes
+/// ownership (it did not own the run). Owners are per run, so those blocks become owned in one
+/// step when the walk leaves the run ([`KvIndex::commit`]) rather than one block at a time.
+struct Walk {
+    at: Position,
+    pending: Option<u32>,
 }

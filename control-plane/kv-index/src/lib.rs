@@ -7,10 +7,13 @@
 //! # Model
 //!
 //! - A [`RankKey`] (`worker_id`, `dp_rank`) owns blocks.
-//! - Tree nodes are keyed by `tokens_hash` (Dynamo's `LocalBlockHash`, the hash of one block's
-//!   tokens) as a path from the root, so two ranks holding the same prompt prefix share nodes.
+//! - Tree blocks are keyed by `tokens_hash` (Dynamo's `LocalBlockHash`, the hash of one block's
+//!   tokens) as a path from the root, so two ranks holding the same prompt prefix share blocks.
+//!   The tree is path-compressed: a node is a run of consecutive blocks with one owner set, split
+//!   only where owners diverge or a branch starts, so a shared prefix costs one node and one
+//!   owner entry per rank, not one per block (see `tree.rs`).
 //! - Each rank has a lookup from its engine `block_hash` (Dynamo's `ExternalSequenceBlockHash`)
-//!   to a node; events name blocks by engine hash.
+//!   to a block; events name blocks by engine hash.
 //!
 //! # Events
 //!
@@ -18,19 +21,19 @@
 //!   engine hash + tokens hash) form a chain under `parent_hash`, an engine hash the rank already
 //!   holds, or the root for `None`. A parent the rank does not hold refuses the whole event (every
 //!   block counts as `unknown_parent`; nothing is inserted). Storing a block the rank already
-//!   holds at the same node is `duplicate` and changes nothing, so replaying an event is
+//!   holds at the same block is `duplicate` and changes nothing, so replaying an event is
 //!   idempotent. Storing a held engine hash under a different prefix moves it (`applied`). A
-//!   second engine hash naming a node the rank already owns adds a reference: the rank keeps
-//!   owning the node until its last such hash is removed.
+//!   second engine hash naming a block the rank already owns adds a reference: the rank keeps
+//!   owning the block until its last such hash is removed.
 //! - [`KvIndex::apply_removed`]`(rank, block_hashes)`: drops those engine hashes (`applied`), or
-//!   counts `unknown_block` for hashes the rank does not hold. The rank keeps the node's
+//!   counts `unknown_block` for hashes the rank does not hold. The rank keeps the block's
 //!   descendants it holds: they no longer score (matches are contiguous) but still anchor later
 //!   `stored` events that name them as parent.
 //! - [`KvIndex::clear_rank`] drops everything a rank holds (`cleared` events, gaps);
 //!   [`KvIndex::retain_ranks`] clears the ranks a predicate rejects (departed workers).
 //!
-//! A node lives while a rank owns it or it has children; the last owner leaving a leaf frees it
-//! and every ancestor left empty. A rank that holds nothing is forgotten.
+//! A block lives while a rank owns it or it has descendants; the last owner leaving a leaf frees
+//! it and every ancestor left empty. A rank that holds nothing is forgotten.
 //!
 //! # Bounds
 //!
@@ -38,7 +41,8 @@
 //! [`MAX_INDEX_OWNERSHIPS`], [`MAX_OWNERS_PER_NODE`]). A block that would exceed any ceiling is
 //! refused as `over_capacity`, and so is the rest of its chain (it could not anchor). The index
 //! never panics on event content and never exceeds a ceiling; a refusal changes nothing.
-//! [`IndexStats::heap_bytes`] reports the heap held.
+//! [`IndexStats::heap_bytes`] reports the heap held; [`IndexStats::nodes`] counts blocks (what
+//! [`MAX_INDEX_BLOCKS`] bounds), [`IndexStats::runs`] the compressed nodes holding them.
 //!
 //! # Results
 //!
@@ -59,6 +63,7 @@
 mod hash;
 mod index;
 mod limits;
+mod lookup;
 mod matches;
 mod outcome;
 mod owners;

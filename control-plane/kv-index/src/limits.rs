@@ -1,9 +1,11 @@
 //! The compiled-in ceilings of the index (seed: "Index structure and compiled-in bounds").
 //!
 //! Every ceiling counts something that costs memory, so together they bound the index's heap
-//! whatever the fleet sends: nodes, per-rank block lookups, and owner lists.
+//! whatever the fleet sends: tree blocks (and so runs and segments), per-rank block lookups, and
+//! owner lists.
 
-/// Tree nodes (distinct prefix blocks) the index holds at most, the root excluded.
+/// Distinct prefix blocks (tree positions, however they are grouped in runs) the index holds at
+/// most.
 pub const MAX_INDEX_BLOCKS: usize = 1_048_576;
 /// Engine block hashes one `(worker_id, dp_rank)` may hold at most.
 pub const MAX_BLOCKS_PER_RANK: usize = 262_144;
@@ -35,8 +37,9 @@ impl Limits {
         max_owners_per_node: MAX_OWNERS_PER_NODE,
     };
 
-    /// Node indices are `u32` and index 0 is the root, so no configuration may ask for more
-    /// nodes than that leaves; larger values are clamped rather than trusted.
+    /// Run and segment indices are `u32` (run 0 is the root, and `u32::MAX` marks free and empty
+    /// slots), and there are never more runs or segments than blocks, so no configuration may
+    /// ask for more blocks than that leaves; larger values are clamped rather than trusted.
     pub(crate) fn clamped(self) -> Limits {
         let node_cap = (u32::MAX - 1) as usize;
         Limits { max_blocks: self.max_blocks.min(node_cap), ..self }

@@ -1,10 +1,11 @@
 //! `find_matches`: each rank's longest contiguous prefix of a request's blocks.
 //!
-//! The walk keeps the ranks that own every node so far: a list when few, a bitset over rank ids
-//! when many. At each depth it finds the next node (at most one table probe), then keeps the
-//! ranks that also own it: a list is filtered rank by rank, a bitset is intersected with a
-//! popular node's owner bitset 32 ranks a word. A rank that drops out scores the depth it
-//! reached. The walk stops as soon as no rank is left.
+//! The walk keeps the ranks that own every run so far: a list when few, a bitset over rank ids
+//! when many. At each run it finds the next one (at most one table probe), counts how many of
+//! its blocks the request shares, then keeps the ranks that also own it: a list is filtered rank
+//! by rank, a bitset is intersected with a popular run's owner bitset 32 ranks a word. A rank
+//! that drops out scores the depth it reached before the run; the ranks left score through the
+//! shared blocks. The walk stops as soon as no rank is left or the request leaves a run.
 
 use crate::index::KvIndex;
 use crate::owners::Owners;
@@ -80,13 +81,19 @@ impl KvIndex {
         active.clear();
         bits.clear();
         let mut listed = true;
-        let mut node = ROOT;
+        let mut first = true;
+        let mut run = ROOT;
         let mut depth = 0u32;
+        let mut rest = tokens_hashes;
         let mut drop = |id: u32, depth: u32| scores.extend(self.ranks.key(id).map(|k| (k, depth)));
-        for &tokens_hash in tokens_hashes {
-            let Some(child) = self.tree.child(node, tokens_hash) else { break };
+        while let Some(&next) = rest.first() {
+            let Some(child) = self.tree.child(run, next) else { break };
+            // The child's first block matches; count how many more of its run the request shares.
+            let hashes = self.tree.hashes(child);
+            let shared = 1 + hashes[1..].iter().zip(&rest[1..]).take_while(|(a, b)| a == b).count();
             let owners = self.tree.owners(child);
-            let remaining = if depth == 0 {
+            let remaining = if first {
+                first = false;
                 listed = owners.len() <= MAX_LISTED;
                 if listed {
                     owners.for_each(|id| active.push(id));
@@ -109,8 +116,12 @@ impl KvIndex {
             if remaining == 0 {
                 break;
             }
-            depth = depth.saturating_add(1);
-            node = child;
+            depth = depth.saturating_add(u32::try_from(shared).unwrap_or(u32::MAX));
+            if shared < hashes.len() {
+                break;
+            }
+            rest = &rest[shared..];
+            run = child;
         }
         if listed {
             active.iter().for_each(|&id| drop(id, depth));

@@ -6,7 +6,7 @@
 //! testing and removing an owner stay O(1) however popular the prefix (a 1,024-rank fleet costs
 //! 128 bytes a node).
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) enum Owners {
     #[default]
     Empty,
@@ -48,19 +48,6 @@ impl Owners {
                 None => v.binary_search(&id).is_ok(),
             },
         }
-    }
-
-    /// Adds `id` unless the set already holds `max` others: `Some(true)` if added, `Some(false)` if
-    /// already there, `None` if full. One pass over the set, so a popular node is touched once.
-    pub(crate) fn try_insert(&mut self, id: u32, max: usize) -> Option<bool> {
-        let full = match self {
-            Owners::Empty => max == 0,
-            Owners::One(one) => *one != id && max <= 1,
-            // A bitset of this many words cannot hold `max` ids: no need to count them.
-            Owners::Many(v) if is_bitset(v) => (v.len() - 1) * 32 >= max && !self.contains(id) && self.len() >= max,
-            Owners::Many(ids) => ids.len() >= max && ids.binary_search(&id).is_err(),
-        };
-        if full { None } else { Some(self.insert(id)) }
     }
 
     /// Adds `id`; false if it was already there.

@@ -1,16 +1,16 @@
-//! Ranks and what each holds: the lookup from a rank's engine block hashes to tree nodes.
+//! Ranks and what each holds: the lookup from a rank's engine block hashes to tree blocks.
 //!
 //! A `RankKey` is interned to a dense `u32` so owner lists stay 4 bytes an owner; ids of ranks
 //! that hold nothing any more are released and reused. A rank's lookup is a table of 16-byte
-//! entries (engine hash, node). Two engine hashes of one rank may name the same node (the same
+//! entries (engine hash, block): see `lookup.rs`. Two engine hashes of one rank may name the same block (the same
 //! tokens under another salt, or an engine that re-hashes); the rare extra references are
 //! counted on the side so the common entry stays small.
 
 use std::collections::HashMap;
 
-use hashbrown::HashTable;
-
 use crate::hash::Mixer;
+use crate::lookup::{Lookup, Probe};
+use crate::tree::BlockRef;
 
 /// One data-parallel rank of one worker: the unit that owns KV blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -21,18 +21,13 @@ pub struct RankKey {
     pub dp_rank: u32,
 }
 
-#[derive(Debug, Clone, Copy)]
-struct Held {
-    block_hash: u64,
-    node: u32,
-}
-
 #[derive(Debug)]
 pub(crate) struct Rank {
     pub(crate) key: RankKey,
-    held: HashTable<Held>,
-    /// Nodes this rank reaches through more than one engine hash, and how many more.
-    extra_refs: HashMap<u32, u32>,
+    held: Lookup,
+    /// Blocks (by `BlockRef::key`) this rank reaches through more than one engine hash, and how
+    /// many more.
+    extra_refs: HashMap<u64, u32>,
 }
 
 impl Rank {
@@ -40,49 +35,53 @@ impl Rank {
         self.held.len()
     }
 
-    pub(crate) fn node_of(&self, mixer: &Mixer, block_hash: u64) -> Option<u32> {
-        self.held.find(mixer.one(block_hash), |h| h.block_hash == block_hash).map(|h| h.node)
+    pub(crate) fn block_of(&self, mixer: &Mixer, block_hash: u64) -> Option<BlockRef> {
+        self.held.get(mixer, block_hash)
     }
 
-    /// Points `block_hash` at `node`. `previous` is what `node_of` said (the caller looked it up
-    /// to decide), so a new hash is inserted without probing again.
-    pub(crate) fn hold(&mut self, mixer: &Mixer, block_hash: u64, node: u32, previous: Option<u32>) {
-        let hash = mixer.one(block_hash);
-        if previous.is_none() {
-            self.held.insert_unique(hash, Held { block_hash, node }, |h| mixer.one(h.block_hash));
-        } else if let Some(held) = self.held.find_mut(hash, |h| h.block_hash == block_hash) {
-            held.node = node;
-        }
+    /// Finds `block_hash` or where it would go: see [`Lookup::probe`].
+    pub(crate) fn probe(&self, mixer: &Mixer, block_hash: u64) -> Probe {
+        self.held.probe(mixer, block_hash)
     }
 
-    pub(crate) fn release(&mut self, mixer: &Mixer, block_hash: u64) -> Option<u32> {
-        let entry = self.held.find_entry(mixer.one(block_hash), |h| h.block_hash == block_hash).ok()?;
-        Some(entry.remove().0.node)
+    /// Points `block_hash` at `block`, where `probe` (with no change since) said it goes.
+    pub(crate) fn hold(&mut self, mixer: &Mixer, probe: Probe, block_hash: u64, block: BlockRef) {
+        self.held.insert(mixer, probe, block_hash, block);
     }
 
-    pub(crate) fn add_extra_ref(&mut self, node: u32) {
-        *self.extra_refs.entry(node).or_default() += 1;
+    /// See [`Lookup::touch`].
+    pub(crate) fn touch(&self, mixer: &Mixer, block_hashes: impl Iterator<Item = u64>) {
+        self.held.touch(mixer, block_hashes);
     }
 
-    /// Drops one extra reference to `node`; false when none was left (the rank's last reference).
-    pub(crate) fn drop_extra_ref(&mut self, node: u32) -> bool {
+    pub(crate) fn release(&mut self, mixer: &Mixer, block_hash: u64) -> Option<BlockRef> {
+        self.held.remove(mixer, block_hash)
+    }
+
+    pub(crate) fn add_extra_ref(&mut self, block: BlockRef) {
+        *self.extra_refs.entry(block.key()).or_default() += 1;
+    }
+
+    /// Drops one extra reference to `block`; false when none was left (the rank's last
+    /// reference).
+    pub(crate) fn drop_extra_ref(&mut self, block: BlockRef) -> bool {
         if self.extra_refs.is_empty() {
             return false;
         }
-        let Some(refs) = self.extra_refs.get_mut(&node) else { return false };
+        let Some(refs) = self.extra_refs.get_mut(&block.key()) else { return false };
         *refs -= 1;
         if *refs == 0 {
-            self.extra_refs.remove(&node);
+            self.extra_refs.remove(&block.key());
         }
         true
     }
 
-    pub(crate) fn nodes(&self) -> impl Iterator<Item = u32> + '_ {
-        self.held.iter().map(|h| h.node)
+    pub(crate) fn blocks(&self) -> impl Iterator<Item = BlockRef> + '_ {
+        self.held.iter()
     }
 
     fn heap_bytes(&self) -> usize {
-        self.held.allocation_size() + self.extra_refs.capacity() * (size_of::<(u32, u32)>() + 1)
+        self.held.heap_bytes() + self.extra_refs.capacity() * (size_of::<(u64, u32)>() + 1)
     }
 }
 
@@ -108,7 +107,7 @@ impl Ranks {
         if let Some(id) = self.id(key) {
             return id;
         }
-        let rank = Rank { key, held: HashTable::new(), extra_refs: HashMap::new() };
+        let rank = Rank { key, held: Lookup::default(), extra_refs: HashMap::new() };
         let id = match self.free.pop() {
             Some(id) => {
                 self.slots[id as usize] = Some(rank);
@@ -162,8 +161,8 @@ impl Ranks {
 
 #[cfg(test)]
 impl Rank {
-    pub(crate) fn extra_refs(&self, node: u32) -> u32 {
-        self.extra_refs.get(&node).copied().unwrap_or(0)
+    pub(crate) fn extra_refs(&self, block: BlockRef) -> u32 {
+        self.extra_refs.get(&block.key()).copied().unwrap_or(0)
     }
 
     pub(crate) fn extra_refs_total(&self) -> usize {

@@ -1,12 +1,23 @@
-//! The prefix tree: an arena of nodes keyed by `tokens_hash` from the root.
+//! The prefix tree, path-compressed: a node is a run of consecutive blocks with one owner set.
 //!
-//! Nodes live in fixed-size chunks addressed by `u32` (a growing `Vec` would keep up to half its
-//! capacity idle after a doubling; a chunk wastes at most one chunk). A node's first child is
-//! linked from the node itself, so a chain (the common shape: a conversation's own blocks) needs
-//! no table at all, and extending one touches only the node just created. Further children go in
-//! one table mapping `(parent, tokens_hash)` to the child, 16 bytes an entry, so a branch point
-//! costs one probe whatever its fan-out. A node lives while some rank owns it or it has
-//! children; freed slots are reused.
+//! A conversation's own blocks, or a system prompt every rank shares, form one run, so walking,
+//! owning or matching them costs one node touch and one owner-set touch for the whole run
+//! instead of one per block. A run is split only where owners diverge (a rank holds part of
+//! it) or a branch starts mid-run; a leaf owned by one rank grows in place when that rank
+//! extends its chain.
+//!
+//! A run's tokens hashes live in a segment (a `Vec<u64>` per chain as first stored). Runs view
+//! consecutive ranges of their segment, and a block's identity is its segment and offset
+//! ([`BlockRef`]): splitting a run changes no block's identity, so the ranks' lookups, which
+//! name blocks, never need rewriting. A segment's runs always cover it from offset 0 with no
+//! gap, each the parent of the next, so only its last run can be freed (its ancestors are the
+//! others): freeing truncates the segment, and no dead hash outlives its block.
+//!
+//! Runs and segments live in fixed-size chunks addressed by `u32` (a growing `Vec` would keep up
+//! to half its capacity idle after a doubling; a chunk wastes at most one chunk). A run's first
+//! child is linked from the run itself; further children go in one table mapping
+//! `(parent, first tokens_hash)` to the child, 16 bytes an entry. A run lives while some rank
+//! owns it or it has children; freed slots are reused.
 
 use hashbrown::HashTable;
 
@@ -18,10 +29,31 @@ const CHUNK_BITS: u32 = 12;
 const CHUNK: usize = 1 << CHUNK_BITS;
 const FREED: u32 = u32::MAX;
 const NONE: u32 = u32::MAX;
+/// A segment grows to at most this many blocks; a longer chain continues in a new one. Bounds
+/// the cost of finding and inserting a run in its segment's sorted list.
+const SEGMENT_CAP: usize = 1024;
 
-#[derive(Debug)]
-struct Node {
-    tokens_hash: u64,
+/// One block's identity: its segment and offset there, unchanged when runs split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct BlockRef {
+    pub(crate) segment: u32,
+    pub(crate) offset: u32,
+}
+
+impl BlockRef {
+    pub(crate) fn key(self) -> u64 {
+        (u64::from(self.segment) << 32) | u64::from(self.offset)
+    }
+}
+
+#[derive(Debug, Default)]
+struct Run {
+    /// The tokens hash of the run's first block, copied here so finding a child needs no
+    /// segment access.
+    first_hash: u64,
+    segment: u32,
+    start: u32,
+    len: u32,
     /// `FREED` while the slot is on the free list.
     parent: u32,
     /// All children: `first_child` (if not `NONE`) and those in the edge table.
@@ -31,9 +63,22 @@ struct Node {
     owners: Owners,
 }
 
-impl Node {
-    fn new(parent: u32, tokens_hash: u64) -> Node {
-        Node { tokens_hash, parent, children: 0, first_child: NONE, owners: Owners::Empty }
+#[derive(Debug, Default)]
+struct Segment {
+    hashes: Vec<u64>,
+    /// `(start, run)` of the runs viewing this segment, ascending by start, the first at 0, each
+    /// ending where the next starts and the last at `hashes.len()`. Empty while free.
+    runs: Vec<(u32, u32)>,
+}
+
+impl Segment {
+    fn heap_bytes(&self) -> usize {
+        self.hashes.capacity() * size_of::<u64>() + self.runs.capacity() * size_of::<(u32, u32)>()
+    }
+
+    /// Index in `runs` of the run holding `offset`.
+    fn run_index(&self, offset: u32) -> usize {
+        self.runs.partition_point(|(start, _)| *start <= offset).saturating_sub(1)
     }
 }
 
@@ -44,36 +89,141 @@ struct Edge {
     child: u32,
 }
 
+/// Fixed-size chunks of slots addressed by `u32`, with a free list.
+#[derive(Debug)]
+struct Arena<T> {
+    chunks: Vec<Vec<T>>,
+    free: Vec<u32>,
+}
+
+impl<T> Arena<T> {
+    fn new() -> Arena<T> {
+        Arena { chunks: Vec::new(), free: Vec::new() }
+    }
+
+    fn alloc(&mut self, value: T) -> u32 {
+        if let Some(slot) = self.free.pop() {
+            *self.get_mut(slot) = value;
+            return slot;
+        }
+        if self.chunks.last().is_none_or(|chunk| chunk.len() == CHUNK) {
+            self.chunks.push(Vec::with_capacity(CHUNK));
+        }
+        let chunk_index = self.chunks.len() - 1;
+        let chunk = &mut self.chunks[chunk_index];
+        let id = (chunk_index << CHUNK_BITS) + chunk.len();
+        chunk.push(value);
+        // Limits::clamped keeps the block count (and so runs and segments) below u32::MAX.
+        u32::try_from(id).unwrap_or(FREED)
+    }
+
+    fn release(&mut self, id: u32) {
+        self.free.push(id);
+    }
+
+    #[inline]
+    fn get(&self, id: u32) -> &T {
+        &self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+
+    #[inline]
+    fn get_mut(&mut self, id: u32) -> &mut T {
+        &mut self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
+    }
+
+    fn heap_bytes(&self) -> usize {
+        self.chunks.capacity() * size_of::<Vec<T>>()
+            + self.chunks.len() * CHUNK * size_of::<T>()
+            + self.free.capacity() * size_of::<u32>()
+    }
+
+    #[cfg(test)]
+    fn slots(&self) -> usize {
+        self.chunks.iter().map(Vec::len).sum()
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct Tree {
-    chunks: Vec<Vec<Node>>,
-    free: Vec<u32>,
+    runs: Arena<Run>,
+    segments: Arena<Segment>,
     edges: HashTable<Edge>,
-    live: usize,
+    /// Live blocks, the root excluded.
+    blocks: usize,
+    /// Live runs, the root excluded.
+    live_runs: usize,
     mixer: Mixer,
-    /// Bytes held by owner lists that spilled to the heap, kept current on every change.
-    owner_heap: usize,
+    /// Bytes held by owner lists that spilled to the heap and by segments, kept current.
+    spilled: usize,
 }
 
 impl Tree {
     pub(crate) fn new(mixer: Mixer) -> Tree {
-        let mut tree =
-            Tree { chunks: Vec::new(), free: Vec::new(), edges: HashTable::new(), live: 0, mixer, owner_heap: 0 };
-        tree.push(Node::new(FREED, 0));
+        let mut tree = Tree {
+            runs: Arena::new(),
+            segments: Arena::new(),
+            edges: HashTable::new(),
+            blocks: 0,
+            live_runs: 0,
+            mixer,
+            spilled: 0,
+        };
+        tree.runs.alloc(Run { parent: FREED, first_child: NONE, ..Run::default() });
         tree
     }
 
-    /// Live nodes, the root excluded.
-    pub(crate) fn len(&self) -> usize {
-        self.live
+    /// Live blocks, the root excluded.
+    pub(crate) fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Live runs, the root excluded.
+    pub(crate) fn runs(&self) -> usize {
+        self.live_runs
+    }
+
+    #[inline]
+    pub(crate) fn len(&self, run: u32) -> u32 {
+        self.runs.get(run).len
+    }
+
+    /// The run's tokens hashes.
+    #[inline]
+    pub(crate) fn hashes(&self, run: u32) -> &[u64] {
+        let r = self.runs.get(run);
+        if r.len == 0 {
+            return &[];
+        }
+        let start = r.start as usize;
+        &self.segments.get(r.segment).hashes[start..start + r.len as usize]
+    }
+
+    #[inline]
+    pub(crate) fn hash_at(&self, run: u32, index: u32) -> u64 {
+        let r = self.runs.get(run);
+        self.segments.get(r.segment).hashes[(r.start + index) as usize]
+    }
+
+    #[inline]
+    pub(crate) fn block_ref(&self, run: u32, index: u32) -> BlockRef {
+        let r = self.runs.get(run);
+        BlockRef { segment: r.segment, offset: r.start + index }
+    }
+
+    /// The run holding `block` and the block's index in it.
+    #[inline]
+    pub(crate) fn locate(&self, block: BlockRef) -> (u32, u32) {
+        let segment = self.segments.get(block.segment);
+        let (start, run) = segment.runs[segment.run_index(block.offset)];
+        (run, block.offset - start)
     }
 
     #[inline]
     pub(crate) fn child(&self, parent: u32, tokens_hash: u64) -> Option<u32> {
-        let p = self.node(parent);
+        let p = self.runs.get(parent);
         let mut in_table = p.children;
         if p.first_child != NONE {
-            if self.node(p.first_child).tokens_hash == tokens_hash {
+            if self.runs.get(p.first_child).first_hash == tokens_hash {
                 return Some(p.first_child);
             }
             in_table -= 1;
@@ -85,169 +235,287 @@ impl Tree {
         self.edges.find(hash, |e| e.parent == parent && e.tokens_hash == tokens_hash).map(|e| e.child)
     }
 
-    /// Creates the child of `parent` for `tokens_hash`; the caller checked it is absent and that
-    /// the node ceiling allows one more.
-    pub(crate) fn add_child(&mut self, parent: u32, tokens_hash: u64) -> u32 {
-        let node = Node::new(parent, tokens_hash);
-        let child = match self.free.pop() {
-            Some(slot) => {
-                *self.node_mut(slot) = node;
-                slot
-            }
-            None => self.push(node),
-        };
-        self.live += 1;
-        let p = self.node_mut(parent);
+    #[inline]
+    pub(crate) fn owners(&self, run: u32) -> &Owners {
+        &self.runs.get(run).owners
+    }
+
+    /// Creates a one-block run under `parent` starting a new segment (with room for `expected`
+    /// blocks), owned by `rank`. The caller checked the child is absent and the ceilings allow it.
+    pub(crate) fn add_run(&mut self, parent: u32, tokens_hash: u64, expected: usize, rank: u32) -> u32 {
+        let mut hashes = Vec::with_capacity(expected.clamp(1, SEGMENT_CAP));
+        hashes.push(tokens_hash);
+        let segment = self.segments.alloc(Segment { hashes, runs: Vec::with_capacity(1) });
+        let run = self.runs.alloc(Run {
+            first_hash: tokens_hash,
+            segment,
+            start: 0,
+            len: 1,
+            parent,
+            children: 0,
+            first_child: NONE,
+            owners: Owners::One(rank),
+        });
+        let s = self.segments.get_mut(segment);
+        s.runs.push((0, run));
+        self.spilled += s.heap_bytes();
+        self.blocks += 1;
+        self.live_runs += 1;
+        self.link(parent, tokens_hash, run);
+        run
+    }
+
+    /// Appends a block to `run` if that keeps every invariant: a leaf owned by `rank` alone, the
+    /// last of its segment, with room left.
+    pub(crate) fn try_extend(&mut self, run: u32, rank: u32, tokens_hash: u64) -> bool {
+        if run == ROOT {
+            return false;
+        }
+        let r = self.runs.get(run);
+        if r.children != 0 || !matches!(r.owners, Owners::One(only) if only == rank) {
+            return false;
+        }
+        let (segment, end) = (r.segment, (r.start + r.len) as usize);
+        let s = self.segments.get_mut(segment);
+        if s.hashes.len() != end || end >= SEGMENT_CAP {
+            return false;
+        }
+        let before = s.hashes.capacity();
+        s.hashes.push(tokens_hash);
+        self.spilled = self.spilled + s.hashes.capacity() * size_of::<u64>() - before * size_of::<u64>();
+        self.runs.get_mut(run).len += 1;
+        self.blocks += 1;
+        true
+    }
+
+    /// Splits `run` before its block `at` (`0 < at < len`): the blocks before move to a new run
+    /// (returned) with the same owners; `run` keeps the rest and its children.
+    pub(crate) fn split(&mut self, run: u32, at: u32) -> u32 {
+        let r = self.runs.get(run);
+        debug_assert!(at > 0 && at < r.len);
+        let (segment, start, parent, first_hash) = (r.segment, r.start, r.parent, r.first_hash);
+        let owners = r.owners.clone();
+        self.spilled += owners.heap_bytes();
+        let prefix =
+            self.runs.alloc(Run { first_hash, segment, start, len: at, parent, children: 1, first_child: run, owners });
+        self.relink(parent, first_hash, run, prefix);
+        let s = self.segments.get_mut(segment);
+        let index = s.run_index(start);
+        s.runs[index].1 = prefix;
+        let before = s.runs.capacity();
+        s.runs.insert(index + 1, (start + at, run));
+        let next_hash = s.hashes[(start + at) as usize];
+        self.spilled = self.spilled + s.runs.capacity() * size_of::<(u32, u32)>() - before * size_of::<(u32, u32)>();
+        let r = self.runs.get_mut(run);
+        r.start += at;
+        r.len -= at;
+        r.parent = prefix;
+        r.first_hash = next_hash;
+        self.live_runs += 1;
+        prefix
+    }
+
+    /// Adds `rank` to the owners of blocks `from..to` of `run`, splitting it so that range is a
+    /// run of its own; returns that run.
+    pub(crate) fn add_owner_range(&mut self, run: u32, from: u32, to: u32, rank: u32) -> u32 {
+        if from > 0 {
+            self.split(run, from);
+        }
+        let middle = if to - from < self.len(run) { self.split(run, to - from) } else { run };
+        self.edit_owners(middle, |owners| owners.insert(rank));
+        middle
+    }
+
+    /// Drops `rank`'s ownership of one block, then frees what is left without owners and
+    /// children.
+    pub(crate) fn remove_block_owner(&mut self, block: BlockRef, rank: u32) {
+        let (run, index) = self.locate(block);
+        let r = self.runs.get(run);
+        if index + 1 == r.len && r.len > 1 && r.children == 0 && matches!(r.owners, Owners::One(only) if only == rank) {
+            // The tail of a leaf only this rank owns (an engine evicting a leaf): just shorten it.
+            self.runs.get_mut(run).len -= 1;
+            self.blocks -= 1;
+            self.truncate_segment(block.segment, block.offset);
+            return;
+        }
+        if index > 0 {
+            self.split(run, index);
+        }
+        let single = if self.len(run) > 1 { self.split(run, 1) } else { run };
+        self.remove_owner(single, rank);
+    }
+
+    /// Drops `rank` from a whole run's owners (the rank holds none of its blocks any more), then
+    /// frees what is left without owners and children.
+    pub(crate) fn remove_owner(&mut self, run: u32, rank: u32) {
+        if self.edit_owners(run, |owners| owners.remove(rank)) {
+            self.prune(run);
+        }
+    }
+
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.runs.heap_bytes() + self.segments.heap_bytes() + self.edges.allocation_size() + self.spilled
+    }
+
+    fn edit_owners(&mut self, run: u32, edit: impl FnOnce(&mut Owners) -> bool) -> bool {
+        let owners = &mut self.runs.get_mut(run).owners;
+        let before = owners.heap_bytes();
+        let changed = edit(owners);
+        let after = owners.heap_bytes();
+        self.spilled = self.spilled + after - before;
+        changed
+    }
+
+    fn link(&mut self, parent: u32, tokens_hash: u64, child: u32) {
+        let p = self.runs.get_mut(parent);
         p.children += 1;
         if p.first_child == NONE {
             p.first_child = child;
-            return child;
+            return;
         }
         let mixer = self.mixer;
         let hash = mixer.pair(tokens_hash, parent);
         self.edges.insert_unique(hash, Edge { tokens_hash, parent, child }, |e| mixer.pair(e.tokens_hash, e.parent));
-        child
     }
 
-    pub(crate) fn owners(&self, node: u32) -> &Owners {
-        &self.node(node).owners
-    }
-
-    /// Adds `rank` to `node`'s owners unless they number `max` already: `Some(true)` if added,
-    /// `Some(false)` if it was one, `None` if full.
-    pub(crate) fn add_owner(&mut self, node: u32, rank: u32, max: usize) -> Option<bool> {
-        let mut added = None;
-        self.edit_owners(node, |owners| {
-            added = owners.try_insert(rank, max);
-            added == Some(true)
-        });
-        added
-    }
-
-    /// Drops `rank`'s ownership of `node`, then frees `node` and every ancestor left without
-    /// owners and children.
-    pub(crate) fn remove_owner(&mut self, node: u32, rank: u32) -> bool {
-        let removed = self.edit_owners(node, |owners| owners.remove(rank));
-        if removed {
-            self.prune(node);
+    /// Points `parent`'s link to `old` (first tokens hash `tokens_hash`) at `new`.
+    fn relink(&mut self, parent: u32, tokens_hash: u64, old: u32, new: u32) {
+        let p = self.runs.get_mut(parent);
+        if p.first_child == old {
+            p.first_child = new;
+            return;
         }
-        removed
+        let hash = self.mixer.pair(tokens_hash, parent);
+        if let Some(edge) = self.edges.find_mut(hash, |e| e.child == old) {
+            edge.child = new;
+        }
     }
 
-    pub(crate) fn heap_bytes(&self) -> usize {
-        self.chunks.capacity() * size_of::<Vec<Node>>()
-            + self.chunks.len() * CHUNK * size_of::<Node>()
-            + self.free.capacity() * size_of::<u32>()
-            + self.edges.allocation_size()
-            + self.owner_heap
+    /// Drops the segment's hashes from `offset` on (its last run was shortened or freed), and
+    /// gives memory back once most of it is idle.
+    fn truncate_segment(&mut self, segment: u32, offset: u32) {
+        let s = self.segments.get_mut(segment);
+        let before = s.heap_bytes();
+        s.hashes.truncate(offset as usize);
+        if s.hashes.len() * 4 <= s.hashes.capacity() {
+            s.hashes.shrink_to(s.hashes.len() * 2);
+        }
+        self.spilled = self.spilled + s.heap_bytes() - before;
     }
 
-    fn edit_owners(&mut self, node: u32, edit: impl FnOnce(&mut Owners) -> bool) -> bool {
-        let owners = &mut self.node_mut(node).owners;
-        let before = owners.heap_bytes();
-        let changed = edit(owners);
-        let after = owners.heap_bytes();
-        self.owner_heap = self.owner_heap + after - before;
-        changed
-    }
-
-    fn prune(&mut self, mut node: u32) {
-        while node != ROOT {
-            let n = self.node(node);
-            if n.children > 0 || !n.owners.is_empty() {
+    fn prune(&mut self, mut run: u32) {
+        while run != ROOT {
+            let r = self.runs.get(run);
+            if r.children > 0 || !r.owners.is_empty() {
                 return;
             }
-            let (parent, tokens_hash) = (n.parent, n.tokens_hash);
-            let freed = self.node_mut(node);
+            let (parent, first_hash, segment, start, len) = (r.parent, r.first_hash, r.segment, r.start, r.len);
+            let freed = self.runs.get_mut(run);
             freed.parent = FREED;
             freed.owners = Owners::Empty;
-            self.free.push(node);
-            self.live -= 1;
-            let p = self.node_mut(parent);
+            self.runs.release(run);
+            self.live_runs -= 1;
+            self.blocks -= len as usize;
+            // Only a segment's last run can be childless: drop it from the segment.
+            let s = self.segments.get_mut(segment);
+            s.runs.pop();
+            if s.runs.is_empty() {
+                self.spilled -= s.heap_bytes();
+                *s = Segment::default();
+                self.segments.release(segment);
+            } else {
+                self.truncate_segment(segment, start);
+            }
+            let p = self.runs.get_mut(parent);
             p.children -= 1;
-            if p.first_child == node {
+            if p.first_child == run {
                 p.first_child = NONE;
             } else {
-                let hash = self.mixer.pair(tokens_hash, parent);
-                if let Ok(entry) = self.edges.find_entry(hash, |e| e.child == node) {
+                let hash = self.mixer.pair(first_hash, parent);
+                if let Ok(entry) = self.edges.find_entry(hash, |e| e.child == run) {
                     entry.remove();
                 }
             }
-            node = parent;
+            run = parent;
         }
-    }
-
-    fn push(&mut self, node: Node) -> u32 {
-        if self.chunks.last().is_none_or(|chunk| chunk.len() == CHUNK) {
-            self.chunks.push(Vec::with_capacity(CHUNK));
-        }
-        let chunk_index = self.chunks.len() - 1;
-        let chunk = &mut self.chunks[chunk_index];
-        let id = (chunk_index << CHUNK_BITS) + chunk.len();
-        chunk.push(node);
-        // Limits::clamped keeps the node count below u32::MAX, so the id always fits.
-        u32::try_from(id).unwrap_or(FREED)
-    }
-
-    fn node(&self, id: u32) -> &Node {
-        &self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
-    }
-
-    fn node_mut(&mut self, id: u32) -> &mut Node {
-        &mut self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)]
     }
 }
 
 #[cfg(test)]
 impl Tree {
-    /// Checks the tree's own invariants and returns, per live node, its owners (for the index's
-    /// cross-checks): every edge names a live node whose parent and tokens hash agree, child
-    /// counts match the edges, no live non-root node is both ownerless and childless, owner lists
-    /// are strictly sorted, and the owner heap figure is current.
-    pub(crate) fn check(&self) -> Vec<(u32, Vec<u32>)> {
+    /// Checks the tree's own invariants and returns, per live block, its owners (for the index's
+    /// cross-checks): every link names a live run whose parent and first tokens hash agree,
+    /// child counts match the links, no live run is empty, ownerless and childless, segments
+    /// are covered by their runs from 0 without gaps, owner lists are well formed, and the
+    /// block, run and heap figures are current.
+    pub(crate) fn check(&self) -> Vec<(BlockRef, Vec<u32>)> {
         let mut children = std::collections::HashMap::<u32, u32>::new();
         let mut live = Vec::new();
-        // Walk the first-child links from the root and every table child.
         let mut stack = vec![ROOT];
-        let mut linked = Vec::new();
         while let Some(id) = stack.pop() {
-            let first = self.node(id).first_child;
+            let first = self.runs.get(id).first_child;
             if first != NONE {
-                let node = self.node(first);
-                assert_eq!(node.parent, id, "first child {first} of {id} names another parent");
+                assert_eq!(self.runs.get(first).parent, id, "first child {first} of {id} names another parent");
                 *children.entry(id).or_default() += 1;
-                linked.push(first);
+                live.push(first);
                 stack.push(first);
             }
-            stack.extend(self.edges.iter().filter(|e| e.parent == id).map(|e| e.child));
+            for edge in self.edges.iter().filter(|e| e.parent == id) {
+                assert!(first != edge.child, "child both linked and in the table");
+                let run = self.runs.get(edge.child);
+                assert_eq!((run.parent, run.first_hash), (edge.parent, edge.tokens_hash));
+                *children.entry(id).or_default() += 1;
+                live.push(edge.child);
+                stack.push(edge.child);
+            }
         }
-        live.extend(&linked);
-        for edge in &self.edges {
-            assert!(self.node(edge.parent).first_child != edge.child, "child both linked and in the table");
-            let node = self.node(edge.child);
-            assert_ne!(node.parent, FREED, "edge to freed node {}", edge.child);
-            assert_eq!((node.parent, node.tokens_hash), (edge.parent, edge.tokens_hash));
-            assert_ne!(self.node(edge.parent).parent == FREED, edge.parent != ROOT, "parent freed");
-            *children.entry(edge.parent).or_default() += 1;
-            live.push(edge.child);
-        }
-        let mut owner_heap = 0;
+        assert_eq!(live.len(), self.live_runs);
+        let linked = live.iter().chain([ROOT].iter()).filter(|r| self.runs.get(**r).first_child != NONE).count();
+        assert_eq!(self.edges.len() + linked, live.len(), "edges to unreachable runs");
+        let mut spilled = 0;
+        let mut blocks = 0;
+        let mut segments = std::collections::BTreeSet::new();
+        let mut result = Vec::new();
         for &id in live.iter().chain([ROOT].iter()) {
-            let node = self.node(id);
-            assert_eq!(node.children, children.get(&id).copied().unwrap_or(0), "child count of {id}");
-            assert!(id == ROOT || node.children > 0 || !node.owners.is_empty(), "orphan node {id}");
-            node.owners.check();
-            owner_heap += node.owners.heap_bytes();
+            let run = self.runs.get(id);
+            assert_eq!(run.children, children.get(&id).copied().unwrap_or(0), "child count of {id}");
+            run.owners.check();
+            spilled += run.owners.heap_bytes();
+            if id == ROOT {
+                assert!(run.owners.is_empty());
+                continue;
+            }
+            assert!(run.len > 0, "empty run {id}");
+            assert!(run.children > 0 || !run.owners.is_empty(), "orphan run {id}");
+            assert_eq!(run.first_hash, self.hash_at(id, 0));
+            blocks += run.len as usize;
+            segments.insert(run.segment);
+            let mut owners = Vec::new();
+            run.owners.for_each(|o| owners.push(o));
+            for i in 0..run.len {
+                let block = self.block_ref(id, i);
+                assert_eq!(self.locate(block), (id, i));
+                result.push((block, owners.clone()));
+            }
         }
-        assert_eq!(owner_heap, self.owner_heap);
-        assert_eq!(live.len(), self.live);
-        let slots = self.chunks.iter().map(Vec::len).sum::<usize>();
-        assert_eq!(slots, 1 + live.len() + self.free.len(), "leaked slots");
-        let owners_of = |id: u32| {
-            let mut ids = Vec::new();
-            self.node(id).owners.for_each(|o| ids.push(o));
-            ids
-        };
-        live.iter().map(|&id| (id, owners_of(id))).collect()
+        for &segment in &segments {
+            let s = self.segments.get(segment);
+            spilled += s.heap_bytes();
+            assert_eq!(s.runs.first().map(|r| r.0), Some(0));
+            for (i, &(start, run)) in s.runs.iter().enumerate() {
+                let r = self.runs.get(run);
+                assert_eq!((r.segment, r.start), (segment, start), "segment {segment} lists run {run}");
+                let end = s.runs.get(i + 1).map_or(s.hashes.len() as u32, |next| next.0);
+                assert_eq!(start + r.len, end, "gap in segment {segment}");
+                if i > 0 {
+                    assert_eq!(r.parent, s.runs[i - 1].1, "runs of a segment form a chain");
+                }
+            }
+        }
+        assert_eq!(spilled, self.spilled);
+        assert_eq!(blocks, self.blocks);
+        assert_eq!(self.runs.slots(), 1 + live.len() + self.runs.free.len(), "leaked runs");
+        assert_eq!(self.segments.slots(), segments.len() + self.segments.free.len(), "leaked segments");
+        result
     }
 }

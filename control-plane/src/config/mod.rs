@@ -32,14 +32,17 @@ pub use discovery::{
 };
 pub use event_bus::{BrokerConfig, BrokerRole, EventBusConfig, EventBusTlsConfig};
 pub use load::{Loaded, embedded_default, embedded_default_yaml, load_file, load_str};
-pub use signals::{ConditionalDisaggregationConfig, KvConfig, LoadConfig, LoadTransport, ShimConfig, ShimPoolConfig};
+pub use signals::{
+    ConditionalDisaggregationConfig, DEFAULT_PROVISIONAL_TTL, KvConfig, LoadConfig, LoadTransport, ShimConfig,
+    ShimPoolConfig,
+};
 pub use simulator::SimulatorConfig;
 pub use types::{
     AdminConfig, BackendConfig, BackendRole, Config, ControlPlaneConfig, DisaggregatedServingConfig, DynamoConfig,
 };
 pub use validate::{
     MAX_DIRECT_ALLOW_CIDRS, MAX_DYNAMO_NAMESPACES, MAX_ETCD_ENDPOINTS, MAX_KUBERNETES_MODELS, MAX_MAX_STALENESS,
-    MAX_MODEL_MAP_ENTRIES, MAX_SHIM_BACKENDS, MAX_SIMULATED_WORKERS, MAX_STATIC_WORKERS, MIN_MAX_STALENESS,
-    MIN_SESSION_BUFFER_BYTES_PER_STREAM,
+    MAX_MODEL_MAP_ENTRIES, MAX_PROVISIONAL_TTL, MAX_SHIM_BACKENDS, MAX_SIMULATED_WORKERS, MAX_STATIC_WORKERS,
+    MIN_MAX_STALENESS, MIN_SESSION_BUFFER_BYTES_PER_STREAM,
 };
 pub use values::{Cidr, MASK, Secret, parse_hex_instance_id};

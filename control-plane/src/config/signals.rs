@@ -65,6 +65,11 @@ pub struct ShimPoolConfig {
     pub backends: Vec<String>,
 }
 
+/// `dynamo.kv.provisional_ttl` by default: a few times the usual dispatch-to-`stored`-event
+/// delay (prefill of a long prompt plus the engine's event batch), short enough that a pin the
+/// worker never honoured stops attracting requests quickly.
+pub const DEFAULT_PROVISIONAL_TTL: Duration = Duration::from_secs(2);
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KvConfig {
@@ -78,6 +83,11 @@ pub struct KvConfig {
     pub prefill_load_scale: f64,
     pub router_temperature: f64,
     pub send_token_data: bool,
+    /// How long a pinned request's prefix counts as held by the rank that prefills it, before
+    /// that rank's kv-events confirm it; zero turns the provisional credit off (see
+    /// `kv::provisional`).
+    #[serde(with = "duration")]
+    pub provisional_ttl: Duration,
     pub conditional_disaggregation: ConditionalDisaggregationConfig,
 }
 
@@ -93,6 +103,7 @@ impl Default for KvConfig {
             prefill_load_scale: 1.0,
             router_temperature: 0.0,
             send_token_data: false,
+            provisional_ttl: DEFAULT_PROVISIONAL_TTL,
             conditional_disaggregation: ConditionalDisaggregationConfig::default(),
         }
     }

@@ -120,6 +120,7 @@ impl Fleet for FleetService {
             Arc::clone(&status),
             metrics.clone(),
             (book.clone(), id),
+            self.kv.clone(),
         );
         metrics.replicas_connected.inc();
         tokio::spawn(async move {
@@ -153,19 +154,14 @@ impl Fleet for FleetService {
                 hashes.len()
             )));
         }
-        let Some(matches) = self.kv.find_matches(&hashes) else {
+        let Some(overlaps) = self.kv.overlaps(&hashes) else {
             count("disabled");
             return Err(Status::failed_precondition("the KV index is off: dynamo.kv.enabled is false"));
         };
         count("ok");
-        let overlaps = matches
-            .as_slice()
-            .iter()
-            .map(|(rank, blocks)| pb::RankOverlap {
-                instance_id: rank.worker_id,
-                dp_rank: rank.dp_rank,
-                blocks: *blocks,
-            })
+        let overlaps = overlaps
+            .into_iter()
+            .map(|(rank, blocks)| pb::RankOverlap { instance_id: rank.worker_id, dp_rank: rank.dp_rank, blocks })
             .collect();
         Ok(Response::new(pb::FindMatchesResponse { overlaps }))
     }

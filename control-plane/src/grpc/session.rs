@@ -9,12 +9,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
+use continuum_kv_index::RankKey;
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::pb::{self, fleet_update::Body, watch_request::Kind};
+use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES};
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
 use crate::fleet::{BacklogBook, Catchup, FleetState};
+use crate::kv::KvHandle;
 use crate::metrics::Metrics;
 
 /// Updates buffered for one replica at most (besides what HTTP/2 flow control holds).
@@ -71,6 +74,8 @@ pub(crate) struct Session {
     /// Where the replica's dispatch reports go, under this session's id.
     book: BacklogBook,
     session_id: u64,
+    /// Where the reported dispatches' prefix chains are credited provisionally.
+    kv: KvHandle,
     /// The version the replica holds, as far as the session knows.
     held: Option<u64>,
     last_sent: Option<Sent>,
@@ -85,6 +90,7 @@ impl Session {
         status: Arc<ReplicaStatus>,
         metrics: Metrics,
         (book, session_id): (BacklogBook, u64),
+        kv: KvHandle,
     ) -> Self {
         Self {
             state,
@@ -94,6 +100,7 @@ impl Session {
             metrics,
             book,
             session_id,
+            kv,
             held: None,
             last_sent: None,
             resync_after: None,
@@ -180,7 +187,8 @@ impl Session {
                 self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
             }
             Some(Kind::Nack(nack)) => self.on_nack(nack),
-            Some(Kind::Dispatches(report)) => {
+            Some(Kind::Dispatches(mut report)) => {
+                self.credit_prefixes(&mut report);
                 if !self.book.report(self.session_id, report) {
                     self.metrics.dispatch_reports_dropped.inc();
                 }
@@ -190,6 +198,22 @@ impl Session {
             }
         }
         self.record_queue_depth();
+    }
+
+    /// Credits each started dispatch's prefix chain to its rank, and takes the chains out of
+    /// the report: the backlog book does not need them, and its queue should not hold them.
+    /// Past the per-dispatch and per-report bounds a chain is cut; its prefix is still a chain.
+    fn credit_prefixes(&self, report: &mut pb::DispatchReport) {
+        let mut budget = MAX_REPORT_BLOCK_HASHES;
+        for started in &mut report.started {
+            let mut hashes = std::mem::take(&mut started.block_hashes);
+            hashes.truncate(MAX_DISPATCH_BLOCK_HASHES.min(budget));
+            budget -= hashes.len();
+            let rank = started.rank.as_ref().and_then(|k| Some((k.worker.as_ref()?.instance_id, k.dp_rank)));
+            if let Some((worker_id, dp_rank)) = rank.filter(|_| !hashes.is_empty()) {
+                self.kv.credit_provisional(RankKey { worker_id, dp_rank }, &hashes);
+            }
+        }
     }
 
     /// A refusal leaves the replica's state unknown: resync it with a full snapshot.

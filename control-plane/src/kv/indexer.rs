@@ -135,7 +135,8 @@ impl KvIndexer {
             && self.is_live(rank)
     }
 
-    fn is_live(&self, rank: RankKey) -> bool {
+    /// Whether `rank` belongs to a live worker that declares it.
+    pub fn is_live(&self, rank: RankKey) -> bool {
         declares(&self.live, rank)
     }
 

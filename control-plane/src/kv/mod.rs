@@ -8,18 +8,22 @@
 //!
 //! * [`feed`]: the subscription feed (ZMTP sessions under `ZmtpLimits::KV_EVENTS`, shared with
 //!   kv_metrics) that applies each message to the shared index.
+//! * [`provisional`]: prefixes credited to the rank a request was pinned to, until its
+//!   kv-events confirm them or `dynamo.kv.provisional_ttl` passes.
 //! * [`service`]: subscriptions on and off with `dynamo.kv.enabled`, the staleness sweep, and
 //!   the handle `FindMatches` reads.
 
 pub mod decode;
 pub mod feed;
 pub mod indexer;
+pub mod provisional;
 pub mod result;
 pub mod service;
 
 pub use indexer::{KV_EVENTS_STALE_AFTER, KvIndexer, LiveRanks, MAX_CURSORS_PER_PUBLISHER, PublisherMapping};
+pub use provisional::{ProvisionalCounts, ProvisionalIndex, ProvisionalResult};
 pub use result::{KvCounts, KvEventResult};
-pub use service::{KvHandle, KvSupervisor, MAX_FIND_MATCHES_HASHES, kv_options};
+pub use service::{KvHandle, KvSupervisor, KvView, MAX_FIND_MATCHES_HASHES, kv_options};
 
 #[cfg(test)]
 mod fixtures;

@@ -1,20 +1,22 @@
 //! The KV side of the control plane at run time: kv-events subscriptions feeding the shared
 //! index while `dynamo.kv.enabled`, a sweeper that drops publishers down past
-//! [`KV_EVENTS_STALE_AFTER`] and exports the index's size, and the [`KvHandle`] the Fleet
-//! service answers `FindMatches` from.
+//! [`KV_EVENTS_STALE_AFTER`], prunes provisional chains and exports both indexes' sizes, and
+//! the [`KvHandle`] the Fleet service answers `FindMatches` from and credits dispatched
+//! prefixes to.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use continuum_kv_index::{Limits, Matches};
-use prometheus::IntGaugeVec;
+use continuum_kv_index::{IndexStats, Limits, Matches, RankKey};
+use prometheus::{IntCounterVec, IntGaugeVec};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::feed::{KvFeed, SharedKvIndexer};
 use super::indexer::{KV_EVENTS_STALE_AFTER, KvIndexer};
+use super::provisional::{ProvisionalIndex, ProvisionalResult};
 use crate::config::Config;
 use crate::load::zmtp::ZmtpLimits;
 use crate::load::{LoadOptions, Subscriptions, Supervisor, dial_policy};
@@ -32,12 +34,79 @@ pub const MAX_FIND_MATCHES_HASHES: usize = 65_536;
 pub struct KvHandle {
     indexer: SharedKvIndexer,
     enabled: Arc<AtomicBool>,
+    /// Never locked while the indexer's lock is wanted, except by the sweep (indexer first).
+    provisional: Arc<Mutex<ProvisionalIndex>>,
 }
 
 impl KvHandle {
-    /// Each rank's contiguous prefix overlap, or `None` while `dynamo.kv.enabled` is false.
+    /// A handle around an index built elsewhere, answering while `enabled`. The supervisor
+    /// builds its own; this is for benchmarks and tests that fill an index directly (through
+    /// [`KvIndexer::apply_events`], so the identity gate still applies) and serve it with
+    /// `FleetService::with_kv`.
+    pub fn new(indexer: SharedKvIndexer, enabled: bool) -> Self {
+        Self { indexer, enabled: Arc::new(AtomicBool::new(enabled)), provisional: Arc::default() }
+    }
+
+    /// The index's size now (a read lock held for a handful of loads).
+    pub fn stats(&self) -> IndexStats {
+        self.indexer.read().index().stats()
+    }
+
+    /// Each rank's contiguous prefix overlap in the index, or `None` while `dynamo.kv.enabled`
+    /// is false.
     pub fn find_matches(&self, block_hashes: &[u64]) -> Option<Matches> {
         self.enabled.load(Ordering::Relaxed).then(|| self.indexer.read().find_matches(block_hashes))
+    }
+
+    /// What `FindMatches` answers: each rank's larger of its indexed and provisional overlap,
+    /// ascending by score, or `None` while `dynamo.kv.enabled` is false.
+    pub fn overlaps(&self, block_hashes: &[u64]) -> Option<Vec<(RankKey, u32)>> {
+        let indexed = self.find_matches(block_hashes)?;
+        Some(self.provisional().merge(block_hashes, indexed.as_slice(), Instant::now()))
+    }
+
+    /// Credits a dispatched request's prefix chain to the live `rank` that prefills it, for
+    /// `dynamo.kv.provisional_ttl` (see [`ProvisionalIndex`]).
+    pub fn credit_provisional(&self, rank: RankKey, block_hashes: &[u64]) -> ProvisionalResult {
+        if !self.enabled.load(Ordering::Relaxed) || block_hashes.is_empty() {
+            return ProvisionalResult::Refused;
+        }
+        let live = self.indexer.read().is_live(rank);
+        self.provisional().credit(rank, block_hashes, live, Instant::now())
+    }
+
+    /// Sets how long credited chains count (zero: off, and drops what is held). The supervisor
+    /// sets it from `dynamo.kv.provisional_ttl`; a handle built with [`KvHandle::new`] starts off.
+    pub fn set_provisional_ttl(&self, ttl: Duration) {
+        self.provisional().set_ttl(ttl);
+    }
+
+    fn provisional(&self) -> MutexGuard<'_, ProvisionalIndex> {
+        self.provisional.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What the admin API reads: the index and whichever kv-events subscriptions are running. It
+/// outlives a reload that stops or restarts them.
+#[derive(Debug, Clone)]
+pub struct KvView {
+    handle: KvHandle,
+    subscriptions: watch::Receiver<Option<watch::Receiver<Subscriptions>>>,
+}
+
+impl KvView {
+    /// Whether `dynamo.kv.enabled` (with discovery on) has the subscriptions running.
+    pub fn enabled(&self) -> bool {
+        self.handle.enabled.load(Ordering::Relaxed)
+    }
+
+    /// The running kv-events subscriptions (none while the KV term is off).
+    pub fn subscriptions(&self) -> Subscriptions {
+        self.subscriptions.borrow().as_ref().map_or_else(|| Subscriptions::from(Vec::new()), |s| s.borrow().clone())
+    }
+
+    pub fn stats(&self) -> IndexStats {
+        self.handle.stats()
     }
 }
 
@@ -45,6 +114,8 @@ impl KvHandle {
 #[derive(Debug)]
 pub struct KvSupervisor {
     handle: KvHandle,
+    /// The running subscriptions' statuses, for [`KvView`].
+    statuses: watch::Sender<Option<watch::Receiver<Subscriptions>>>,
     feed_parts: FeedParts,
     subscriptions: Option<Supervisor>,
     registry: watch::Receiver<Arc<Generation>>,
@@ -73,11 +144,20 @@ impl KvSupervisor {
         metrics: &Metrics,
         cancel: CancellationToken,
     ) -> Self {
-        let handle =
-            KvHandle { indexer: SharedKvIndexer::new(KvIndexer::new(Limits::default())), enabled: Arc::default() };
-        let sweeper = tokio::spawn(sweep(handle.indexer.clone(), metrics.kv_index.clone(), cancel.clone()));
+        let handle = KvHandle {
+            indexer: SharedKvIndexer::new(KvIndexer::new(Limits::default())),
+            enabled: Arc::default(),
+            provisional: Arc::new(Mutex::new(ProvisionalIndex::new(config.dynamo.kv.provisional_ttl))),
+        };
+        let sweep_metrics = SweepMetrics {
+            index: metrics.kv_index.clone(),
+            provisional: metrics.kv_provisional.clone(),
+            provisional_held: metrics.kv_provisional_held.clone(),
+        };
+        let sweeper = tokio::spawn(sweep(handle.clone(), sweep_metrics, cancel.clone()));
         let mut supervisor = Self {
             handle,
+            statuses: watch::Sender::new(None),
             feed_parts: FeedParts { events: metrics.kv_events.clone(), gauge: metrics.kv_subscriptions.clone() },
             subscriptions: None,
             registry,
@@ -93,6 +173,11 @@ impl KvSupervisor {
         self.handle.clone()
     }
 
+    /// What the admin API shows; it follows reloads.
+    pub fn view(&self) -> KvView {
+        KvView { handle: self.handle.clone(), subscriptions: self.statuses.subscribe() }
+    }
+
     /// The running kv-events subscriptions, for the admin API.
     pub fn subscriptions(&self) -> Subscriptions {
         self.subscriptions.as_ref().map_or_else(|| Subscriptions::from(Vec::new()), |s| s.statuses().borrow().clone())
@@ -104,15 +189,18 @@ impl KvSupervisor {
         if !kv_on(config)
             && let Some(mut running) = self.subscriptions.take()
         {
+            self.statuses.send_replace(None);
             running.stop().await;
             self.handle.enabled.store(false, Ordering::Relaxed);
             *self.handle.indexer.write() = KvIndexer::new(Limits::default());
+            self.handle.provisional().clear();
             tracing::info!("dynamo.kv disabled: kv-events subscriptions stopped and the index emptied");
         }
         self.apply(config);
     }
 
     fn apply(&mut self, config: &Config) {
+        self.handle.set_provisional_ttl(config.dynamo.kv.provisional_ttl);
         let policy = dial_policy(&config.dynamo.load);
         match &self.subscriptions {
             Some(running) => running.set_policy(policy),
@@ -124,6 +212,7 @@ impl KvSupervisor {
                 };
                 let running =
                     Supervisor::start(feed, policy, self.options, self.registry.clone(), self.cancel.child_token());
+                self.statuses.send_replace(Some(running.statuses()));
                 self.subscriptions = Some(running);
                 self.handle.enabled.store(true, Ordering::Relaxed);
             }
@@ -132,6 +221,7 @@ impl KvSupervisor {
     }
 
     pub async fn stop(&mut self) {
+        self.statuses.send_replace(None);
         if let Some(mut running) = self.subscriptions.take() {
             running.stop().await;
         }
@@ -147,7 +237,16 @@ fn kv_on(config: &Config) -> bool {
     config.dynamo.enabled && config.dynamo.kv.enabled
 }
 
-async fn sweep(indexer: SharedKvIndexer, gauges: IntGaugeVec, cancel: CancellationToken) {
+/// What the sweep exports.
+#[derive(Debug)]
+struct SweepMetrics {
+    index: IntGaugeVec,
+    provisional: IntCounterVec,
+    provisional_held: IntGaugeVec,
+}
+
+async fn sweep(handle: KvHandle, metrics: SweepMetrics, cancel: CancellationToken) {
+    let indexer = &handle.indexer;
     let mut every = tokio::time::interval(SWEEP_EVERY);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -172,7 +271,25 @@ async fn sweep(indexer: SharedKvIndexer, gauges: IntGaugeVec, cancel: Cancellati
             ("ranks", stats.ranks),
             ("bytes", stats.heap_bytes),
         ] {
-            gauges.with_label_values(&[what]).set(i64::try_from(value).unwrap_or(i64::MAX));
+            metrics.index.with_label_values(&[what]).set(i64::try_from(value).unwrap_or(i64::MAX));
         }
+        sweep_provisional(&handle, &metrics);
+    }
+}
+
+/// Drops expired chains and those of departed ranks, and exports the provisional counts.
+fn sweep_provisional(handle: &KvHandle, metrics: &SweepMetrics) {
+    let (counts, (chains, hashes)) = {
+        let indexer = handle.indexer.read();
+        let mut provisional = handle.provisional();
+        provisional.expire(Instant::now());
+        provisional.retain_live(|rank| indexer.is_live(rank));
+        (provisional.take_counts(), provisional.size())
+    };
+    for (result, n) in counts.iter() {
+        metrics.provisional.with_label_values(&[result.as_str()]).inc_by(n);
+    }
+    for (what, value) in [("chains", chains), ("hashes", hashes)] {
+        metrics.provisional_held.with_label_values(&[what]).set(i64::try_from(value).unwrap_or(i64::MAX));
     }
 }

@@ -11,7 +11,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 
 use super::budget::MAX_ATTEMPTS;
-use super::pool::{ShimReplica, rotated};
+use super::pool::{ShimReplica, rotation};
 use super::{Dispatcher, Failure, SendError};
 use crate::routing::headers::{strip_client_routing, write_pins};
 use crate::routing::picker::Selection;
@@ -36,18 +36,18 @@ pub(super) fn unpinned_headers(stream: bool) -> HeaderMap {
 
 impl Dispatcher {
     /// The first response head any replica of `replicas` gives, or why none did.
-    pub(super) async fn send(
+    pub(super) async fn send<'r>(
         &self,
-        replicas: &[ShimReplica],
+        replicas: &'r [ShimReplica],
         headers: &HeaderMap,
         body: &Bytes,
         stream: bool,
-    ) -> Result<(ShimReplica, Response<Incoming>), Failure> {
+    ) -> Result<(&'r ShimReplica, Response<Incoming>), Failure> {
         self.budget.deposit();
         let head_timeout = if stream { self.settings.stream_head_timeout } else { self.settings.buffered_timeout };
         let mut attempts = 0;
         let mut last: Option<SendError> = None;
-        for replica in rotated(replicas.to_vec(), self.next_start()) {
+        for replica in rotation(replicas, self.next_start()) {
             if attempts == MAX_ATTEMPTS {
                 break;
             }
@@ -64,7 +64,7 @@ impl Dispatcher {
                 self.metrics.shim_retries.inc();
             }
             attempts += 1;
-            match self.attempt(&replica, headers, body, head_timeout).await {
+            match self.attempt(replica, headers, body, head_timeout).await {
                 Ok(response) => return Ok((replica, response)),
                 Err(error) => {
                     let retry = error.before_request_sent();

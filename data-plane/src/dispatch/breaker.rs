@@ -1,5 +1,6 @@
-//! Passive health of the shim replicas: one circuit breaker per replica, fed by the outcome of
-//! every dispatch to it.
+//! Health of the shim replicas: one circuit breaker per replica, fed by the outcome of every
+//! dispatch to it (passive), beside the verdict of its periodic `GET /live` probe (active, see
+//! `probe`). A replica is used only while both allow it.
 //!
 //! Only the replica's own failures count: a refused or timed-out connection, or no response head
 //! in time. Any HTTP answer, even a 5xx about a worker, proves the shim is alive. After
@@ -111,12 +112,35 @@ impl Breaker {
     }
 }
 
-/// The breakers of every shim replica this data plane has dispatched to, by backend name. A
-/// backend whose URL changed on reload starts over with a closed breaker.
+/// Consecutive failed probes that take a replica out (Envoy's `unhealthy_threshold` default).
+pub const UNHEALTHY_AFTER_PROBES: u32 = 2;
+
+/// A replica's active-probe verdict: out after [`UNHEALTHY_AFTER_PROBES`] consecutive failed
+/// probes, back at the first one that succeeds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Probed {
+    failures: u32,
+}
+
+impl Probed {
+    pub fn down(&self) -> bool {
+        self.failures >= UNHEALTHY_AFTER_PROBES
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Replica {
+    url: String,
+    breaker: Breaker,
+    probed: Probed,
+}
+
+/// The breakers and probe verdicts of every shim replica, by backend name. A backend whose URL
+/// changed on reload starts over, closed and up.
 #[derive(Debug, Default)]
 pub struct ShimHealth {
     settings: BreakerSettings,
-    replicas: Mutex<HashMap<String, (String, Breaker)>>,
+    replicas: Mutex<HashMap<String, Replica>>,
 }
 
 impl ShimHealth {
@@ -125,15 +149,37 @@ impl ShimHealth {
     }
 
     pub fn usable(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.with(name, url, |breaker, settings| breaker.usable(now, settings))
+        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.usable(now, settings))
     }
 
     pub fn admit(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.with(name, url, |breaker, settings| breaker.admit(now, settings))
+        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
+    }
+
+    /// A probe's outcome. A successful one also closes an open breaker: the breaker counts only
+    /// connection-level failures, which a live answer disproves.
+    pub fn record_probe(&self, name: &str, url: &str, live: bool) {
+        self.with(name, url, |r, _| {
+            let was_down = r.probed.down();
+            if live {
+                r.probed = Probed::default();
+                if r.breaker.state() != BreakerState::Closed {
+                    r.breaker.on_success();
+                }
+            } else {
+                r.probed.failures = r.probed.failures.saturating_add(1);
+            }
+            match (was_down, r.probed.down()) {
+                (false, true) => tracing::warn!(backend = name, "shim replica failed its liveness probes; taken out"),
+                (true, false) => tracing::info!(backend = name, "shim replica answers its liveness probe again"),
+                _ => {}
+            }
+        });
     }
 
     pub fn record(&self, name: &str, url: &str, healthy: bool, now: Instant) {
-        self.with(name, url, |breaker, settings| {
+        self.with(name, url, |r, settings| {
+            let breaker = &mut r.breaker;
             let before = breaker.state();
             if healthy {
                 breaker.on_success()
@@ -147,20 +193,25 @@ impl ShimHealth {
         });
     }
 
-    /// Every replica's state, for the gauge; replicas no longer in `keep` are forgotten.
+    /// Every replica's state, for the gauge (a replica down by its probes reads as open);
+    /// replicas no longer in `keep` are forgotten.
     pub fn states(&self, keep: impl Fn(&str) -> bool) -> Vec<(String, BreakerState)> {
         let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
         replicas.retain(|name, _| keep(name));
-        replicas.iter().map(|(name, (_, breaker))| (name.clone(), breaker.state())).collect()
+        replicas
+            .iter()
+            .map(|(name, r)| (name.clone(), if r.probed.down() { BreakerState::Open } else { r.breaker.state() }))
+            .collect()
     }
 
-    fn with<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Breaker, &BreakerSettings) -> T) -> T {
+    fn with<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
         let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
-        let entry = replicas.entry(name.to_string()).or_insert_with(|| (url.to_string(), Breaker::default()));
-        if entry.0 != url {
-            *entry = (url.to_string(), Breaker::default());
+        let entry =
+            replicas.entry(name.to_string()).or_insert_with(|| Replica { url: url.to_string(), ..Replica::default() });
+        if entry.url != url {
+            *entry = Replica { url: url.to_string(), ..Replica::default() };
         }
-        f(&mut entry.1, &self.settings)
+        f(entry, &self.settings)
     }
 }
 
@@ -223,6 +274,24 @@ mod tests {
         failed(&mut breaker, 3, now);
         assert!(breaker.admit(now + SETTINGS.cooldown, &SETTINGS));
         assert!(breaker.admit(now + SETTINGS.cooldown * 2, &SETTINGS));
+    }
+
+    #[test]
+    fn two_failed_probes_take_a_replica_out_and_one_live_probe_brings_it_back_with_its_breaker_closed() {
+        let health = ShimHealth::new(SETTINGS);
+        let now = Instant::now();
+        health.record_probe("shim", "http://a", false);
+        assert!(health.usable("shim", "http://a", now), "one failed probe is not enough");
+        health.record_probe("shim", "http://a", false);
+        assert!(!health.usable("shim", "http://a", now));
+        assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown * 10), "no breaker probe either");
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
+        for _ in 0..3 {
+            health.record("shim", "http://a", false, now);
+        }
+        health.record_probe("shim", "http://a", true);
+        assert!(health.usable("shim", "http://a", now), "a live answer closes the open breaker too");
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
     }
 
     #[test]

@@ -23,19 +23,27 @@ pub struct DispatchEnd {
 
 impl DispatchEnd {
     /// Records a dispatch of `prompt_tokens` pinned as `selection`: its prompt on the prefill
-    /// rank, its blocks on the decode rank, as the ledger counts them.
+    /// rank, its blocks on the decode rank, as the ledger counts them. `block_hashes` (the
+    /// prompt's prefix chain, empty without the KV term) goes with the rank that prefills: the
+    /// prefill pin, or the decode pin when the request is served aggregated.
     pub fn record(
         ledger: &Arc<DispatchLedger>,
         reporter: &Arc<DispatchReporter>,
         view: &FleetView,
         selection: &Selection,
         prompt_tokens: u64,
+        block_hashes: Vec<u64>,
     ) -> Self {
         let block_size = dispatch_block_size(view, selection);
         let id = ledger.record(selection, prompt_tokens, block_size, Instant::now());
         let blocks = prompt_tokens.div_ceil(u64::from(block_size.max(1)));
-        let prefill = selection.prefill.as_ref().map(|pin| reporter.started(&pin.rank_key(), prompt_tokens, 0));
-        let decode = reporter.started(&selection.decode.rank_key(), 0, blocks);
+        let (prefill, decode) = match &selection.prefill {
+            Some(pin) => (
+                Some(reporter.started_with_prefix(&pin.rank_key(), prompt_tokens, 0, block_hashes)),
+                reporter.started(&selection.decode.rank_key(), 0, blocks),
+            ),
+            None => (None, reporter.started_with_prefix(&selection.decode.rank_key(), 0, blocks, block_hashes)),
+        };
         Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported: [prefill, Some(decode)] }
     }
 }

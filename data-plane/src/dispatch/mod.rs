@@ -17,6 +17,7 @@ mod client;
 mod error;
 mod ledger;
 pub mod pool;
+pub mod probe;
 pub mod relay;
 mod respond;
 
@@ -34,6 +35,7 @@ pub use client::{SendError, ShimClient};
 pub use error::{DispatchError, Failure};
 pub use ledger::DispatchEnd;
 pub use pool::{PoolCache, ShimPools, ShimReplica};
+pub use probe::ProbeSettings;
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
@@ -55,6 +57,7 @@ pub struct DispatchSettings {
     pub stream_head_timeout: Duration,
     pub stream_idle_timeout: Duration,
     pub breaker: BreakerSettings,
+    pub probe: ProbeSettings,
 }
 
 impl Default for DispatchSettings {
@@ -65,6 +68,7 @@ impl Default for DispatchSettings {
             stream_head_timeout: STREAM_HEAD_TIMEOUT,
             stream_idle_timeout: relay::STREAM_IDLE_TIMEOUT,
             breaker: BreakerSettings::default(),
+            probe: ProbeSettings::default(),
         }
     }
 }
@@ -133,6 +137,23 @@ impl Dispatcher {
     /// The shim pools of `config`, resolved once per configuration.
     pub fn pools(&self, config: &Arc<DataPlaneConfig>) -> Arc<ShimPools> {
         self.pools.get(config)
+    }
+
+    pub fn settings(&self) -> &DispatchSettings {
+        &self.settings
+    }
+
+    /// Sends a health probe on the pooled client; its status, or why there was none.
+    pub async fn send_probe(
+        &self,
+        request: axum::http::Request<http_body_util::Full<Bytes>>,
+        timeout: Duration,
+    ) -> Result<axum::http::StatusCode, SendError> {
+        self.client.send(request, timeout).await.map(|response| response.status())
+    }
+
+    pub fn record_probe(&self, name: &str, url: &str, live: bool) {
+        self.health.record_probe(name, url, live);
     }
 
     /// Whether a request to `replica` would be let through now.

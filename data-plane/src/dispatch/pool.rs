@@ -96,6 +96,12 @@ pub fn rotated(mut replicas: Vec<ShimReplica>, start: usize) -> Vec<ShimReplica>
     replicas
 }
 
+/// [`rotated`] without the copy: `replicas` in that order, borrowed.
+pub fn rotation(replicas: &[ShimReplica], start: usize) -> impl Iterator<Item = &ShimReplica> {
+    let len = replicas.len();
+    (0..len).filter_map(move |i| replicas.get((start % len + i) % len))
+}
+
 fn replica(config: &DataPlaneConfig, name: &str) -> Option<ShimReplica> {
     let backend = config.backends.iter().find(|b| b.name == name)?;
     match endpoint(&backend.url) {
@@ -175,5 +181,10 @@ mod tests {
         assert_eq!(names(0), ["a", "b"]);
         assert_eq!(names(3), ["b", "a"]);
         assert!(rotated(Vec::new(), 5).is_empty());
+        let pool = namespace_pool(&config(), "prod");
+        for start in 0..4 {
+            assert_eq!(rotation(&pool, start).cloned().collect::<Vec<_>>(), rotated(pool.clone(), start));
+        }
+        assert_eq!(rotation(&[], 5).count(), 0);
     }
 }

@@ -30,6 +30,9 @@ pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
 /// A stream that stayed up this long resets the backoff to its floor.
 pub const STABLE_SESSION: Duration = Duration::from_secs(30);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Dispatch reports go out at most this often. Well under the control plane's backlog window
+/// (2 ms), so a report still reaches the next publication of the fleet-wide backlogs.
+pub const REPORT_INTERVAL: Duration = Duration::from_millis(1);
 /// Replies (acks, nacks) waiting to be sent; one per update received, so a handful suffices.
 const REPLY_QUEUE: usize = 8;
 
@@ -130,13 +133,28 @@ async fn follow(
         .await?
         .into_inner();
     reporter::discard(reports);
+    let mut last_report = Instant::now();
     loop {
         let reply = tokio::select! {
             update = updates.message() => match update? {
                 Some(update) => apply(handle, update, metrics),
                 None => return Ok(()),
             },
-            Some(event) = reports.recv() => Kind::Dispatches(reporter::batch(event, reports)),
+            Some(event) = reports.recv() => {
+                // At most one report per interval: under load the events of a whole interval
+                // share one message (and one wake-up of the control plane), and a dispatch
+                // that ends within it is never reported at all.
+                let since = last_report.elapsed();
+                if since < REPORT_INTERVAL {
+                    tokio::time::sleep(REPORT_INTERVAL - since).await;
+                }
+                last_report = Instant::now();
+                let report = reporter::batch(event, reports);
+                if report.started.is_empty() && report.ended.is_empty() {
+                    continue;
+                }
+                Kind::Dispatches(report)
+            }
         };
         replies.send(request(reply)).await.map_err(|_| SessionError::RepliesClosed)?;
     }

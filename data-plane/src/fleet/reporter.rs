@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use continuum_proto::model::LoadKey;
-use continuum_proto::pb;
+use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
 use prometheus::IntCounter;
 use tokio::sync::mpsc;
 
@@ -20,7 +20,7 @@ pub const MAX_REPORT_BATCH: usize = 512;
 
 #[derive(Debug)]
 pub enum DispatchEvent {
-    Started { id: u64, rank: LoadKey, prefill_tokens: u64, decode_blocks: u64 },
+    Started { id: u64, rank: LoadKey, prefill_tokens: u64, decode_blocks: u64, block_hashes: Vec<u64> },
     Ended(u64),
 }
 
@@ -40,8 +40,22 @@ impl DispatchReporter {
 
     /// Reports a dispatch pinned to `rank`; returns its id for [`DispatchReporter::ended`].
     pub fn started(&self, rank: &LoadKey, prefill_tokens: u64, decode_blocks: u64) -> u64 {
+        self.started_with_prefix(rank, prefill_tokens, decode_blocks, Vec::new())
+    }
+
+    /// As [`DispatchReporter::started`], for the rank that prefills a request whose prompt
+    /// hashes to `block_hashes` (cut to [`MAX_DISPATCH_BLOCK_HASHES`]): the control plane
+    /// credits that prefix to the rank provisionally, fleet-wide.
+    pub fn started_with_prefix(
+        &self,
+        rank: &LoadKey,
+        prefill_tokens: u64,
+        decode_blocks: u64,
+        mut block_hashes: Vec<u64>,
+    ) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.send(DispatchEvent::Started { id, rank: rank.clone(), prefill_tokens, decode_blocks });
+        block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES);
+        self.send(DispatchEvent::Started { id, rank: rank.clone(), prefill_tokens, decode_blocks, block_hashes });
         id
     }
 
@@ -61,12 +75,20 @@ impl DispatchReporter {
     }
 }
 
-/// Folds `first` and whatever else is queued (up to the batch bound) into one report.
+/// Folds `first` and whatever else is queued (up to the batch bound) into one report. Past
+/// [`MAX_REPORT_BLOCK_HASHES`] in the report, dispatches go without their block hashes: the
+/// backlog still counts them, only their provisional credit is lost.
 pub(crate) fn batch(first: DispatchEvent, rx: &mut mpsc::Receiver<DispatchEvent>) -> pb::DispatchReport {
     let mut report = pb::DispatchReport::default();
+    let mut hashes_left = MAX_REPORT_BLOCK_HASHES;
     let mut add = |event| match event {
-        DispatchEvent::Started { id, rank, prefill_tokens, decode_blocks } => {
-            report.started.push(pb::DispatchStarted { id, rank: Some((&rank).into()), prefill_tokens, decode_blocks });
+        DispatchEvent::Started { id, rank, prefill_tokens, decode_blocks, mut block_hashes } => {
+            if block_hashes.len() > hashes_left {
+                block_hashes = Vec::new();
+            }
+            hashes_left -= block_hashes.len();
+            let rank = Some((&rank).into());
+            report.started.push(pb::DispatchStarted { id, rank, prefill_tokens, decode_blocks, block_hashes });
         }
         DispatchEvent::Ended(id) => report.ended.push(id),
     };
@@ -84,4 +106,45 @@ pub(crate) fn batch(first: DispatchEvent, rx: &mut mpsc::Receiver<DispatchEvent>
 /// replica's dispatches when its session ended, so ends for them would name nothing.
 pub(crate) fn discard(rx: &mut mpsc::Receiver<DispatchEvent>) {
     while rx.try_recv().is_ok() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use continuum_proto::model::WorkerKey;
+
+    use super::*;
+
+    fn rank() -> LoadKey {
+        LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 }
+    }
+
+    #[test]
+    fn a_dispatch_carries_at_most_its_bound_of_block_hashes() {
+        let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
+        let mut rx = reporter.take_receiver().expect("receiver");
+        reporter.started_with_prefix(&rank(), 64, 0, (0..MAX_DISPATCH_BLOCK_HASHES as u64 + 9).collect());
+        let first = rx.try_recv().expect("queued");
+        let report = batch(first, &mut rx);
+        assert_eq!(report.started[0].block_hashes.len(), MAX_DISPATCH_BLOCK_HASHES);
+        assert_eq!(report.started[0].block_hashes[..3], [0, 1, 2], "the chain is cut at its end");
+    }
+
+    #[test]
+    fn past_the_report_bound_dispatches_go_without_their_hashes_but_are_still_reported() {
+        let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
+        let mut rx = reporter.take_receiver().expect("receiver");
+        let per = MAX_DISPATCH_BLOCK_HASHES;
+        let fit = MAX_REPORT_BLOCK_HASHES / per;
+        for _ in 0..=fit {
+            reporter.started_with_prefix(&rank(), 64, 0, vec![1; per]);
+        }
+        reporter.started(&rank(), 0, 4);
+        let first = rx.try_recv().expect("queued");
+        let report = batch(first, &mut rx);
+        assert_eq!(report.started.len(), fit + 2);
+        let carried: Vec<usize> = report.started.iter().map(|s| s.block_hashes.len()).collect();
+        assert!(carried[..fit].iter().all(|n| *n == per));
+        assert_eq!(carried[fit..], [0, 0]);
+        assert_eq!(carried.iter().sum::<usize>(), MAX_REPORT_BLOCK_HASHES);
+    }
 }

@@ -7,6 +7,7 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::{KvArtifactPolicy, Role};
 use continuum_proto::view::FleetView;
 use prometheus::IntCounterVec;
@@ -26,6 +27,9 @@ pub enum Term {
         tokens: Vec<u32>,
         block_size: u32,
         overlaps: Overlaps,
+        /// The prompt's block hashes at `block_size` (at most [`MAX_DISPATCH_BLOCK_HASHES`]),
+        /// reported with the dispatch so the control plane credits them provisionally.
+        block_hashes: Vec<u64>,
     },
     Unavailable(KvSelectionResult),
 }
@@ -74,11 +78,14 @@ impl KvRouting {
         let Some((block_size, hashes)) = prepared.hashes.first() else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
-        let hashes = hashes.iter().map(|h| h.0).collect();
-        match self.matches.find_matches(hashes).await {
-            Ok(overlaps) => {
-                Term::Scored { tokens: prepared.tokens, block_size: block_size.get(), overlaps: overlaps.into() }
-            }
+        let block_hashes = hashes.iter().take(MAX_DISPATCH_BLOCK_HASHES).map(|h| h.0).collect();
+        match self.matches.find_matches(hashes.iter().map(|h| h.0).collect()).await {
+            Ok(overlaps) => Term::Scored {
+                tokens: prepared.tokens,
+                block_size: block_size.get(),
+                overlaps: overlaps.into(),
+                block_hashes,
+            },
             Err(error) => {
                 tracing::debug!(%error, "scoring without the KV term");
                 Term::Unavailable(match error {

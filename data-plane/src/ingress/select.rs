@@ -55,24 +55,24 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let pools = state.dispatcher.pools(config);
     let usable = usable_namespaces(state, &pools, now);
     let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&usable) };
-    let (selection, prompt_tokens, tokens) = match (kv, term) {
-        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps })) => {
+    let (selection, prompt_tokens, tokens, block_hashes) = match (kv, term) {
+        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes })) => {
             let isl_tokens = tokens.len() as u64;
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps };
-            (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens))
+            (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), block_hashes)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
             let estimate = estimate_prompt_tokens(&request.body);
-            (kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now), estimate, None)
+            (kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now), estimate, None, Vec::new())
         }
         _ => {
             let estimate = estimate_prompt_tokens(&request.body);
-            (state.picker.pick(view, &pick(estimate), now), estimate, None)
+            (state.picker.pick(view, &pick(estimate), now), estimate, None, Vec::new())
         }
     };
     let selection = selection.ok_or_else(|| why_not(view, display, &usable, &request.model))?;
     let replicas = pools.pool(&selection.namespace).to_vec();
-    let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens);
+    let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, block_hashes);
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     let token_data = tokens.filter(|_| config.picker.send_token_data);
     Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })

@@ -1,11 +1,12 @@
 //! Shim replica health: connection failures move on to another replica of the pool with the same
-//! pins; consecutive failures open a replica's breaker, and a probe after the cooldown closes it.
+//! pins; consecutive failures open a replica's breaker, and a probe after the cooldown closes it;
+//! a replica failing its liveness probes is skipped until it answers again.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use continuum_data_plane::dispatch::budget::MAX_ATTEMPTS;
-use continuum_data_plane::dispatch::{BreakerSettings, DispatchSettings};
+use continuum_data_plane::dispatch::{BreakerSettings, DispatchSettings, ProbeSettings};
 use continuum_tests::eventually;
 use continuum_tests::shim_stub::StubShim;
 
@@ -117,5 +118,42 @@ async fn a_shim_that_never_answers_times_out_instead_of_hanging() -> anyhow::Res
     assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
     held.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_failing_its_liveness_probes_is_skipped_before_any_request_fails_and_returns_when_live()
+-> anyhow::Result<()> {
+    let (sick, well) = (StubShim::start().await?, StubShim::start().await?);
+    let probe = ProbeSettings { interval: Duration::from_millis(50), timeout: Duration::from_millis(500) };
+    let settings = DispatchSettings { probe, ..DispatchSettings::default() };
+    let pool = config(&[("shim-sick", sick.url()), ("shim-well", well.url())]);
+    let harness = Harness::start_with(disaggregated_fleet(), pool, settings).await?;
+    let state = r#"continuum_shim_replica_state{backend="shim-sick"}"#;
+
+    sick.set_live(false);
+    eventually(Duration::from_secs(10), "the sick replica taken out by its probes", || async {
+        harness.metrics().await.is_ok_and(|m| sample(&m, state) == Some(2.0))
+    })
+    .await?;
+    for stream in [false, true, false, true] {
+        let response = harness.post(&chat(MODEL, stream)).await?;
+        assert_eq!(response.status(), 200);
+        response.bytes().await?;
+    }
+    assert!(sick.received().is_empty(), "no request was sent to the replica its probes took out");
+    assert_eq!(well.received().len(), 4);
+    assert_eq!(sample(&harness.metrics().await?, "continuum_shim_retries_total"), Some(0.0), "nothing had to fail");
+
+    sick.set_live(true);
+    eventually(Duration::from_secs(10), "the replica back after a live probe", || async {
+        harness.metrics().await.is_ok_and(|m| sample(&m, state) == Some(0.0))
+    })
+    .await?;
+    for _ in 0..4 {
+        harness.post(&chat(MODEL, false)).await?.bytes().await?;
+    }
+    assert!(!sick.received().is_empty(), "rotation uses the replica again");
+    harness.stop().await;
     Ok(())
 }

@@ -233,3 +233,26 @@ fn heap_figure_grows_with_content_and_comes_back_down() {
     assert!(index.stats().heap_bytes < full.heap_bytes);
     index.check_invariants();
 }
+
+#[test]
+fn a_shared_prefix_is_one_run_split_only_where_owners_diverge() {
+    let mut index = KvIndex::default();
+    let prefix: Vec<u64> = (0..30).collect();
+    index.apply_stored(rank(1), None, &chain(&prefix));
+    // Continuing its own leaf grows the run in place.
+    index.apply_stored(rank(1), Some(engine(29)), &chain(&[100, 101]));
+    assert_eq!((index.stats().nodes, index.stats().runs), (32, 1));
+    // A second rank sharing the first 30 blocks: one split where it branches, one new run.
+    let theirs: Vec<u64> = prefix.iter().copied().chain([200]).collect();
+    let outcome = index.apply_stored(rank(2), None, &chain(&theirs));
+    assert_eq!(outcome.get(KvResult::Applied), 31, "outcomes still count blocks");
+    assert_eq!((index.stats().nodes, index.stats().runs, index.stats().ownerships), (33, 3, 63));
+    // Removing a middle block splits the shared run around it, for that rank only.
+    index.apply_removed(rank(2), &[engine(10)]);
+    assert_eq!((index.stats().nodes, index.stats().runs), (33, 5));
+    assert_eq!(sorted(&index, &theirs), vec![(rank(1), 30), (rank(2), 10)]);
+    // Evicting the leaf tail first shortens it, then frees it.
+    index.apply_removed(rank(1), &[engine(101), engine(100)]);
+    assert_eq!((index.stats().nodes, index.stats().runs), (31, 4));
+    index.check_invariants();
+}

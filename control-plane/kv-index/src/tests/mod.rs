@@ -6,6 +6,7 @@ mod model;
 
 use std::collections::HashMap;
 
+use crate::tree::BlockRef;
 use crate::{KvIndex, Limits, RankKey, StoredBlock};
 
 pub(crate) fn rank(worker_id: u64) -> RankKey {
@@ -38,15 +39,15 @@ impl KvIndex {
     /// matches come out in ascending score order.
     pub(crate) fn check_invariants(&self) {
         let live = self.tree.check();
-        let mut refs: HashMap<(u32, u32), u32> = HashMap::new();
+        let mut refs: HashMap<(u32, BlockRef), u32> = HashMap::new();
         let mut total = 0;
         for (id, r) in self.ranks.iter() {
             assert!(r.len() > 0, "empty rank kept");
             assert!(r.len() <= self.limits.max_blocks_per_rank);
             assert_eq!(self.ranks.id(r.key), Some(id));
             total += r.len();
-            for node in r.nodes() {
-                *refs.entry((id, node)).or_default() += 1;
+            for block in r.blocks() {
+                *refs.entry((id, block)).or_default() += 1;
             }
             let extra: usize = refs.iter().filter(|((i, _), _)| *i == id).map(|(_, n)| (*n - 1) as usize).sum();
             assert_eq!(extra, r.extra_refs_total(), "extra refs of rank {id}");
@@ -54,12 +55,12 @@ impl KvIndex {
         assert_eq!(total, self.ownerships);
         assert_eq!(self.ranks.len(), self.ranks.iter().count());
         let mut owned = 0;
-        for (node, owners) in &live {
+        for (block, owners) in &live {
             assert!(owners.len() <= self.limits.max_owners_per_node);
             for id in owners {
-                let n = refs.get(&(*id, *node)).copied().unwrap_or(0);
-                assert!(n > 0, "rank {id} owns node {node} through no hash");
-                let rank = self.ranks.get(*id).map(|r| r.extra_refs(*node));
+                let n = refs.get(&(*id, *block)).copied().unwrap_or(0);
+                assert!(n > 0, "rank {id} owns block {block:?} through no hash");
+                let rank = self.ranks.get(*id).map(|r| r.extra_refs(*block));
                 assert_eq!(rank, Some(n - 1));
                 owned += 1;
             }

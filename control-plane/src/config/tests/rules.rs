@@ -144,6 +144,19 @@ fn dynamo_rows() -> Vec<Row> {
         row("conditional disaggregation warns", "dynamo: {kv: {conditional_disaggregation: {enabled: true}}}", Warning, "dynamo.kv.conditional_disaggregation.enabled", "503"),
         row("decode_busy_threshold range", "dynamo: {kv: {conditional_disaggregation: {decode_busy_threshold: 1.5}}}", Error, "dynamo.kv.conditional_disaggregation.decode_busy_threshold", "between 0.0 and 1.0"),
         row("negative overlap credit", "dynamo: {kv: {overlap_score_credit: -1.0}}", Error, "dynamo.kv.overlap_score_credit", ">= 0"),
+        row("pin under another algorithm", format!("dynamo: {{kv: {{pinned_artifacts: ['{TOKEN}']}}}}"), Error, "dynamo.kv.pinned_artifacts[0]", "blake3:"),
+        row("pin with a short digest", "dynamo: {kv: {pinned_artifacts: ['blake3:0123abcd']}}", Error, "dynamo.kv.pinned_artifacts[0]", "64 lowercase hex"),
+        row("kv enabled with an empty pin list", "dynamo: {kv: {enabled: true, pinned_artifacts: []}}", Warning, "dynamo.kv.pinned_artifacts", "is empty"),
+        row("conditional disaggregation names the 1.5.x refusal", "dynamo: {kv: {conditional_disaggregation: {enabled: true}}}", Warning, "dynamo.kv.conditional_disaggregation.enabled", "without a prefill id"),
+        row("negative decode_busy_threshold", "dynamo: {kv: {conditional_disaggregation: {decode_busy_threshold: -0.1}}}", Error, "dynamo.kv.conditional_disaggregation.decode_busy_threshold", "between 0.0 and 1.0"),
+        row("NaN decode_busy_threshold", "dynamo: {kv: {conditional_disaggregation: {decode_busy_threshold: .nan}}}", Error, "dynamo.kv.conditional_disaggregation.decode_busy_threshold", "between 0.0 and 1.0"),
+        row("infinite overlap credit", "dynamo: {kv: {overlap_score_credit: .inf}}", Error, "dynamo.kv.overlap_score_credit", "finite"),
+        row("negative prefill_load_scale", "dynamo: {kv: {prefill_load_scale: -0.5}}", Error, "dynamo.kv.prefill_load_scale", ">= 0"),
+        row("NaN prefill_load_scale", "dynamo: {kv: {prefill_load_scale: .nan}}", Error, "dynamo.kv.prefill_load_scale", "finite"),
+        row("negative router_temperature", "dynamo: {kv: {router_temperature: -1}}", Error, "dynamo.kv.router_temperature", ">= 0"),
+        row("infinite router_temperature", "dynamo: {kv: {router_temperature: .inf}}", Error, "dynamo.kv.router_temperature", "finite"),
+        row("provisional_ttl ceiling", "dynamo: {kv: {provisional_ttl: 61s}}", Error, "dynamo.kv.provisional_ttl", "at most 60s"),
+        row("provisional_ttl not a duration", "dynamo: {kv: {provisional_ttl: brief}}", Error, "dynamo.kv.provisional_ttl", "invalid duration"),
     ]
 }
 
@@ -208,6 +221,11 @@ fn values_at_each_bound_are_accepted() {
         (format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(64, |i| format!("'10.{i}.0.0/16'"))), "dynamo.load.direct_allow_cidrs"),
         ("dynamo: {load: {max_staleness: 100ms}}".to_owned(), "dynamo.load.max_staleness"),
         ("dynamo: {load: {max_staleness: 5m}}".to_owned(), "dynamo.load.max_staleness"),
+        ("dynamo: {kv: {conditional_disaggregation: {decode_busy_threshold: 0.0}}}".to_owned(), "dynamo.kv.conditional_disaggregation.decode_busy_threshold"),
+        ("dynamo: {kv: {conditional_disaggregation: {decode_busy_threshold: 1.0}}}".to_owned(), "dynamo.kv.conditional_disaggregation.decode_busy_threshold"),
+        ("dynamo: {kv: {overlap_score_credit: 0.0, prefill_load_scale: 0.0, router_temperature: 0.0}}".to_owned(), "dynamo.kv.overlap_score_credit"),
+        ("dynamo: {kv: {overlap_score_credit: 0.0, prefill_load_scale: 0.0, router_temperature: 0.0}}".to_owned(), "dynamo.kv.prefill_load_scale"),
+        ("dynamo: {kv: {overlap_score_credit: 0.0, prefill_load_scale: 0.0, router_temperature: 0.0}}".to_owned(), "dynamo.kv.router_temperature"),
         (event_bus("{max_streams_per_session: 1024, max_session_buffer_bytes: 67108864}"), "dynamo.event_bus.max_session_buffer_bytes"),
     ];
     for (yaml, path) in cases {

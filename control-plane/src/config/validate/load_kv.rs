@@ -14,6 +14,9 @@ pub const MIN_MAX_STALENESS: Duration = Duration::from_millis(100);
 pub const MAX_MAX_STALENESS: Duration = Duration::from_secs(300);
 /// Networks `dynamo.load.direct_allow_cidrs` may list.
 pub const MAX_DIRECT_ALLOW_CIDRS: usize = 64;
+/// Longest `dynamo.kv.provisional_ttl`: past it a pin the worker never honoured would keep
+/// attracting its prefix long after the kv-events should have answered.
+pub const MAX_PROVISIONAL_TTL: Duration = Duration::from_secs(60);
 
 const LOAD: &str = "dynamo.load";
 const KV: &str = "dynamo.kv";
@@ -90,19 +93,25 @@ fn check_kv(kv: &KvConfig, report: &mut Report) {
             report.error(format!("{KV}.{key}"), format!("must be a finite number >= 0 (got {value})"));
         }
     }
+    if kv.provisional_ttl > MAX_PROVISIONAL_TTL {
+        report.error(format!("{KV}.provisional_ttl"), "must be at most 60s (0s turns the provisional credit off)");
+    }
     let conditional = &kv.conditional_disaggregation;
     if conditional.enabled {
         report.warning(
             format!("{KV}.conditional_disaggregation.enabled"),
-            "Dynamo 1.5 dynamo.frontend --router-mode direct refuses requests without a prefill id while prefill workers are registered (503)",
+            "on Dynamo 1.5.x, dynamo.frontend --router-mode direct rejects requests without a prefill id whenever prefill \
+             workers are registered, so a conditional bypass answers 503 disaggregated_prefill_decode_unavailable; \
+             enable it only for frontends that accept a decode-only pin",
         );
     }
+    // `contains` is false for NaN, so a NaN threshold is refused too.
     if let Some(threshold) = conditional.decode_busy_threshold
         && !(0.0..=1.0).contains(&threshold)
     {
         report.error(
             format!("{KV}.conditional_disaggregation.decode_busy_threshold"),
-            "must be a fraction of total_kv_blocks between 0.0 and 1.0",
+            format!("must be a fraction of total_kv_blocks between 0.0 and 1.0 (got {threshold})"),
         );
     }
 }

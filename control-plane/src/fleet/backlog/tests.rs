@@ -30,7 +30,8 @@ fn rank(dp_rank: u32) -> LoadKey {
 }
 
 fn started(id: u64, dp_rank: u32, tokens: u64) -> pb::DispatchStarted {
-    pb::DispatchStarted { id, rank: Some((&rank(dp_rank)).into()), prefill_tokens: tokens, decode_blocks: tokens / 16 }
+    let rank = Some((&rank(dp_rank)).into());
+    pb::DispatchStarted { id, rank, prefill_tokens: tokens, decode_blocks: tokens / 16, block_hashes: Vec::new() }
 }
 
 fn report(started: Vec<pb::DispatchStarted>, ended: Vec<u64>) -> pb::DispatchReport {

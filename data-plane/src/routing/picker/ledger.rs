@@ -9,7 +9,7 @@
 //! One mutex guards the state; every critical section is a few map operations, and the picker
 //! queries all its candidates under a single acquisition.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -19,6 +19,7 @@ use continuum_proto::view::FleetView;
 use prometheus::IntCounter;
 
 use super::Selection;
+use super::fast_hash::FastMap;
 
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);
@@ -88,10 +89,58 @@ pub struct DispatchLedger {
 struct State {
     next_id: u64,
     /// Legs per rank, in dispatch order.
-    ranks: HashMap<LoadKey, VecDeque<Leg>>,
+    ranks: FastMap<LoadKey, Rank>,
     /// The ranks each live dispatch has legs on.
-    dispatches: HashMap<DispatchId, [Option<LoadKey>; 2]>,
+    dispatches: FastMap<DispatchId, [Option<LoadKey>; 2]>,
     last_sweep: Option<Instant>,
+}
+
+/// One rank's legs, with their sums kept up to date so that the common query (every leg
+/// unanswered, none old enough to stall) costs no walk over them.
+#[derive(Debug, Default)]
+struct Rank {
+    /// In recording order, which is id order.
+    legs: VecDeque<Leg>,
+    prefill_tokens: u64,
+    decode_blocks: u64,
+    /// No leg is older than this; exact except after expiry pops, which recompute it.
+    oldest: Option<Instant>,
+}
+
+impl Rank {
+    fn push(&mut self, leg: Leg) {
+        self.prefill_tokens = self.prefill_tokens.saturating_add(leg.prefill_tokens);
+        self.decode_blocks = self.decode_blocks.saturating_add(leg.decode_blocks);
+        self.oldest = Some(self.oldest.map_or(leg.at, |oldest| oldest.min(leg.at)));
+        self.legs.push_back(leg);
+    }
+
+    fn take(&mut self, id: DispatchId) {
+        let found = match self.legs.binary_search_by_key(&id.0, |leg| leg.id.0) {
+            Ok(index) => Some(index),
+            // Ids only leave order if the counter wrapped; look the slow way then.
+            Err(_) => self.legs.iter().position(|leg| leg.id == id),
+        };
+        if let Some(leg) = found.and_then(|index| self.legs.remove(index)) {
+            self.forget(&leg);
+            if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
+                self.oldest = self.legs.iter().map(|leg| leg.at).min();
+            }
+        }
+    }
+
+    fn pop_expired(&mut self, now: Instant) -> Option<DispatchId> {
+        let leg = self.legs.front().filter(|leg| now.saturating_duration_since(leg.at) >= UNANSWERED_FOR)?;
+        let leg = *leg;
+        self.legs.pop_front();
+        self.forget(&leg);
+        Some(leg.id)
+    }
+
+    fn forget(&mut self, leg: &Leg) {
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(leg.prefill_tokens);
+        self.decode_blocks = self.decode_blocks.saturating_sub(leg.decode_blocks);
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -197,7 +246,7 @@ impl DispatchLedger {
 
 impl State {
     fn push(&mut self, key: LoadKey, leg: Leg) {
-        self.ranks.entry(key).or_default().push_back(leg);
+        self.ranks.entry(key).or_default().push(leg);
     }
 
     fn remove(&mut self, id: DispatchId) {
@@ -205,9 +254,9 @@ impl State {
             return;
         };
         for key in keys.into_iter().flatten() {
-            if let Some(legs) = self.ranks.get_mut(&key) {
-                legs.retain(|leg| leg.id != id);
-                if legs.is_empty() {
+            if let Some(rank) = self.ranks.get_mut(&key) {
+                rank.take(id);
+                if rank.legs.is_empty() {
                     self.ranks.remove(&key);
                 }
             }
@@ -217,13 +266,22 @@ impl State {
     fn backlog(&mut self, key: &LoadKey, sampled_at: Option<Instant>, now: Instant) -> RankBacklog {
         self.expire(key, now);
         let mut backlog = RankBacklog::default();
-        let Some(legs) = self.ranks.get(key) else {
+        let Some(rank) = self.ranks.get(key) else {
             return backlog;
         };
+        // Every leg is younger than the stall age and no sample answers any: the sums are it.
+        if let Some(oldest) = rank.oldest
+            && now.saturating_duration_since(oldest) < STALL_AFTER
+            && sampled_at.is_none_or(|at| at <= oldest)
+        {
+            backlog.prefill_tokens = rank.prefill_tokens;
+            backlog.decode_blocks = rank.decode_blocks;
+            return backlog;
+        }
         let unanswered = |leg: &&Leg| {
             sampled_at.is_none_or(|at| at <= leg.at) && now.saturating_duration_since(leg.at) < UNANSWERED_FOR
         };
-        for leg in legs.iter().filter(unanswered) {
+        for leg in rank.legs.iter().filter(unanswered) {
             backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(leg.prefill_tokens);
             backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.decode_blocks);
             let waited = now.saturating_duration_since(leg.at);
@@ -234,17 +292,21 @@ impl State {
 
     /// Drops a rank's legs older than [`UNANSWERED_FOR`], with their dispatches.
     fn expire(&mut self, key: &LoadKey, now: Instant) {
-        let Some(legs) = self.ranks.get_mut(key) else {
+        let Some(rank) = self.ranks.get_mut(key) else {
             return;
         };
-        let mut expired = Vec::new();
-        while legs.front().is_some_and(|leg| now.saturating_duration_since(leg.at) >= UNANSWERED_FOR) {
-            expired.extend(legs.pop_front().map(|leg| leg.id));
+        if rank.oldest.is_none_or(|oldest| now.saturating_duration_since(oldest) < UNANSWERED_FOR) {
+            return;
         }
+        let mut expired = Vec::new();
+        while let Some(id) = rank.pop_expired(now) {
+            expired.push(id);
+        }
+        rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
         for id in expired {
             self.remove(id);
         }
-        if self.ranks.get(key).is_some_and(VecDeque::is_empty) {
+        if self.ranks.get(key).is_some_and(|rank| rank.legs.is_empty()) {
             self.ranks.remove(key);
         }
     }

@@ -8,6 +8,7 @@
 mod candidates;
 mod cost;
 mod estimate;
+pub(crate) mod fast_hash;
 mod kv_aware;
 mod ledger;
 mod load_based;

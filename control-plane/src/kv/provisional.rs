@@ -1,0 +1,234 @@
+//! Provisional overlap: the prompt prefix of every pinned request, credited to the rank that
+//! prefills it at dispatch, before that rank's kv-events report the blocks.
+//!
+//! Between a dispatch and the worker's `stored` events there is a window (queueing, prefill,
+//! the event batch) in which the index does not know the rank is about to hold the prefix.
+//! Without a credit, N simultaneous requests for a new prefix each see no overlap anywhere and
+//! spread by load, so each worker prefills the same prefix. Replicas report the chain with the
+//! dispatch (`DispatchStarted.block_hashes`); every replica's `FindMatches` then scores each rank
+//! with the longer of its indexed overlap and its provisional one.
+//!
+//! A chain lives until `dynamo.kv.provisional_ttl` passes, the index confirms it (the rank's
+//! indexed overlap covers the whole chain: dropped at the lookup that sees it), or its rank
+//! departs. Dynamo's router has the same idea as a side indexer of routing decisions merged
+//! into the device scores by per-worker max (`router_predicted_ttl_secs`,
+//! `DYN_ROUTER_PREDICTED_TTL_SECS`, off unless set); here it is shared by every replica, so
+//! requests through different replicas land together too.
+//!
+//! Bounded: [`MAX_CHAINS_PER_RANK`] per rank, [`MAX_CHAINS`] and [`MAX_HASHES`] in all; past a
+//! bound the oldest chain goes (`evicted`). Pure: time is an argument.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use continuum_kv_index::RankKey;
+
+/// Live chains one rank holds at most: its most recent distinct prefixes.
+pub const MAX_CHAINS_PER_RANK: usize = 32;
+/// Live chains held at most, over all ranks.
+pub const MAX_CHAINS: usize = 4_096;
+/// Block hashes held at most, over all chains (8 MiB).
+pub const MAX_HASHES: usize = 1 << 20;
+
+/// What happened to a provisional chain, as counted by
+/// `continuum_dynamo_kv_provisional_total{result}`. The label set is closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProvisionalResult {
+    /// A chain was credited to its rank.
+    Credited,
+    /// A chain's rank is not a live one (or the credit is off): nothing was held.
+    Refused,
+    /// The TTL passed before the index confirmed it.
+    Expired,
+    /// The rank's indexed overlap covered the whole chain.
+    Confirmed,
+    /// A bound pushed the chain out before its TTL.
+    Evicted,
+    /// The chain's rank left the fleet.
+    Departed,
+}
+
+impl ProvisionalResult {
+    pub const ALL: [ProvisionalResult; 6] = [
+        ProvisionalResult::Credited,
+        ProvisionalResult::Refused,
+        ProvisionalResult::Expired,
+        ProvisionalResult::Confirmed,
+        ProvisionalResult::Evicted,
+        ProvisionalResult::Departed,
+    ];
+
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ProvisionalResult::Credited => "credited",
+            ProvisionalResult::Refused => "refused",
+            ProvisionalResult::Expired => "expired",
+            ProvisionalResult::Confirmed => "confirmed",
+            ProvisionalResult::Evicted => "evicted",
+            ProvisionalResult::Departed => "departed",
+        }
+    }
+}
+
+/// Chains per [`ProvisionalResult`] since the counts were last taken.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProvisionalCounts([u64; ProvisionalResult::ALL.len()]);
+
+impl ProvisionalCounts {
+    pub fn get(&self, result: ProvisionalResult) -> u64 {
+        self.0[result as usize]
+    }
+
+    /// The results with a non-zero count, in label order.
+    pub fn iter(&self) -> impl Iterator<Item = (ProvisionalResult, u64)> + '_ {
+        ProvisionalResult::ALL.into_iter().map(|r| (r, self.get(r))).filter(|(_, n)| *n > 0)
+    }
+
+    fn add(&mut self, result: ProvisionalResult, n: u64) {
+        let slot = &mut self.0[result as usize];
+        *slot = slot.saturating_add(n);
+    }
+}
+
+#[derive(Debug)]
+struct Chain {
+    rank: RankKey,
+    hashes: Box<[u64]>,
+    expires: Instant,
+}
+
+/// Recent provisional chains, oldest first.
+#[derive(Debug, Default)]
+pub struct ProvisionalIndex {
+    /// Zero turns the credit off.
+    ttl: Duration,
+    chains: VecDeque<Chain>,
+    hashes: usize,
+    counts: ProvisionalCounts,
+}
+
+impl ProvisionalIndex {
+    /// An empty index crediting chains for `ttl` (zero: off).
+    pub fn new(ttl: Duration) -> Self {
+        Self { ttl, ..Self::default() }
+    }
+
+    /// Changes the TTL of chains credited from now on; zero turns the credit off and drops
+    /// every chain held.
+    pub fn set_ttl(&mut self, ttl: Duration) {
+        self.ttl = ttl;
+        if ttl.is_zero() {
+            self.clear();
+        }
+    }
+
+    /// Drops every chain (counted as evicted).
+    pub fn clear(&mut self) {
+        self.counts.add(ProvisionalResult::Evicted, self.chains.len() as u64);
+        self.chains.clear();
+        self.hashes = 0;
+    }
+
+    /// Credits `hashes` (a request's prefix chain) to `rank` until `now + ttl`. A chain of the
+    /// rank that is a prefix of this one is replaced by it. Returns what happened.
+    pub fn credit(&mut self, rank: RankKey, hashes: &[u64], live: bool, now: Instant) -> ProvisionalResult {
+        if hashes.is_empty() {
+            return ProvisionalResult::Refused;
+        }
+        if !live || self.ttl.is_zero() || hashes.len() > MAX_HASHES {
+            self.counts.add(ProvisionalResult::Refused, 1);
+            return ProvisionalResult::Refused;
+        }
+        self.expire(now);
+        self.remove_where(|c| c.rank == rank && hashes.starts_with(&c.hashes), None);
+        while self.chains.iter().filter(|c| c.rank == rank).count() >= MAX_CHAINS_PER_RANK {
+            self.remove_where(|c| c.rank == rank, Some(ProvisionalResult::Evicted));
+        }
+        while self.chains.len() >= MAX_CHAINS || self.hashes + hashes.len() > MAX_HASHES {
+            self.remove_where(|_| true, Some(ProvisionalResult::Evicted));
+        }
+        self.hashes += hashes.len();
+        self.chains.push_back(Chain { rank, hashes: hashes.into(), expires: now + self.ttl });
+        self.counts.add(ProvisionalResult::Credited, 1);
+        ProvisionalResult::Credited
+    }
+
+    /// Each rank's overlap with `query`: the larger of its indexed score (`indexed`, as
+    /// `FindMatches` on the index returned it) and the longest contiguous prefix of `query` one of
+    /// its live chains holds. Ascending by score, as the index orders its matches. Chains the
+    /// index confirmed are dropped.
+    pub fn merge(&mut self, query: &[u64], indexed: &[(RankKey, u32)], now: Instant) -> Vec<(RankKey, u32)> {
+        let mut scores: HashMap<RankKey, u32> = indexed.iter().copied().collect();
+        if !self.chains.is_empty() && !query.is_empty() {
+            let indexed = |rank| indexed.iter().find(|(r, _)| *r == rank).map_or(0, |(_, s)| *s);
+            let mut confirmed = false;
+            for chain in self.chains.iter().filter(|c| c.expires > now) {
+                let shared = common_prefix(query, &chain.hashes);
+                if shared == 0 {
+                    continue;
+                }
+                let blocks = u32::try_from(shared).unwrap_or(u32::MAX);
+                confirmed |= shared == chain.hashes.len() && indexed(chain.rank) >= blocks;
+                let score = scores.entry(chain.rank).or_default();
+                *score = (*score).max(blocks);
+            }
+            if confirmed {
+                let confirms = |c: &Chain| {
+                    let blocks = u32::try_from(c.hashes.len()).unwrap_or(u32::MAX);
+                    query.starts_with(&c.hashes) && indexed(c.rank) >= blocks
+                };
+                self.remove_where(confirms, Some(ProvisionalResult::Confirmed));
+            }
+        }
+        let mut merged: Vec<(RankKey, u32)> = scores.into_iter().collect();
+        merged.sort_unstable_by_key(|(rank, score)| (*score, *rank));
+        merged
+    }
+
+    /// Drops chains whose TTL has passed.
+    pub fn expire(&mut self, now: Instant) {
+        self.remove_where(|c| c.expires <= now, Some(ProvisionalResult::Expired));
+    }
+
+    /// Drops chains of ranks `live` no longer admits.
+    pub fn retain_live(&mut self, live: impl Fn(RankKey) -> bool) {
+        self.remove_where(|c| !live(c.rank), Some(ProvisionalResult::Departed));
+    }
+
+    /// Counts since the last call, for the metrics.
+    pub fn take_counts(&mut self) -> ProvisionalCounts {
+        std::mem::take(&mut self.counts)
+    }
+
+    /// Live and expired-but-not-yet-swept chains held, and their block hashes.
+    pub fn size(&self) -> (usize, usize) {
+        (self.chains.len(), self.hashes)
+    }
+
+    /// Removes every chain `doomed` picks (only the oldest one when `counted` is `Evicted`,
+    /// so eviction frees one slot at a time), counting them under `counted`.
+    fn remove_where(&mut self, doomed: impl Fn(&Chain) -> bool, counted: Option<ProvisionalResult>) {
+        let only_oldest = counted == Some(ProvisionalResult::Evicted);
+        let mut removed = 0;
+        let mut hashes = 0;
+        self.chains.retain(|c| {
+            let gone = doomed(c) && !(only_oldest && removed > 0);
+            if gone {
+                removed += 1;
+                hashes += c.hashes.len();
+            }
+            !gone
+        });
+        self.hashes -= hashes;
+        if let Some(result) = counted {
+            self.counts.add(result, removed);
+        }
+    }
+}
+
+fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+use super::*;
+
+const TTL: Duration = Duration::from_secs(2);
+
+fn rank(worker_id: u64) -> RankKey {
+    RankKey { worker_id, dp_rank: 0 }
+}
+
+fn chain(first: u64, len: u64) -> Vec<u64> {
+    (first..first + len).collect()
+}
+
+#[test]
+fn a_credited_chain_scores_the_longest_contiguous_prefix_of_the_query() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    assert_eq!(index.credit(rank(1), &[10, 11, 12, 13], true, now), ProvisionalResult::Credited);
+    // Shares the first two blocks, then leaves the chain: a later match does not count.
+    assert_eq!(index.merge(&[10, 11, 99, 13], &[], now), [(rank(1), 2)]);
+    assert_eq!(index.merge(&[10, 11, 12, 13, 14], &[], now), [(rank(1), 4)]);
+    assert!(index.merge(&[11, 12], &[], now).is_empty(), "a match must start at the first block");
+    assert!(index.merge(&[], &[], now).is_empty());
+}
+
+#[test]
+fn each_rank_scores_the_larger_of_its_indexed_and_provisional_overlap() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    index.credit(rank(1), &chain(10, 3), true, now);
+    index.credit(rank(2), &chain(10, 1), true, now);
+    let query = chain(10, 8);
+    let indexed = [(rank(3), 1), (rank(2), 5), (rank(1), 2)];
+    assert_eq!(index.merge(&query, &indexed, now), [(rank(3), 1), (rank(1), 3), (rank(2), 5)]);
+}
+
+#[test]
+fn a_chain_stops_counting_when_its_ttl_passes_and_is_swept_as_expired() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    index.credit(rank(1), &chain(10, 4), true, now);
+    assert_eq!(index.merge(&chain(10, 4), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
+    assert!(index.merge(&chain(10, 4), &[], now + TTL).is_empty(), "expired at its deadline, before the sweep");
+    assert_eq!(index.size(), (1, 4));
+    index.expire(now + TTL);
+    assert_eq!(index.size(), (0, 0));
+    let counts = index.take_counts();
+    assert_eq!((counts.get(ProvisionalResult::Credited), counts.get(ProvisionalResult::Expired)), (1, 1));
+    assert_eq!(index.take_counts(), ProvisionalCounts::default(), "counts are taken once");
+}
+
+#[test]
+fn a_zero_ttl_turns_the_credit_off_and_drops_what_was_held() {
+    let now = Instant::now();
+    let mut off = ProvisionalIndex::new(Duration::ZERO);
+    assert_eq!(off.credit(rank(1), &chain(10, 4), true, now), ProvisionalResult::Refused);
+    assert!(off.merge(&chain(10, 4), &[], now).is_empty());
+
+    let mut on = ProvisionalIndex::new(TTL);
+    on.credit(rank(1), &chain(10, 4), true, now);
+    on.set_ttl(Duration::ZERO);
+    assert!(on.merge(&chain(10, 4), &[], now).is_empty());
+    assert_eq!(on.size(), (0, 0));
+}
+
+#[test]
+fn a_rank_that_is_not_live_earns_no_credit_and_a_departed_one_loses_its_chains() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    assert_eq!(index.credit(rank(9), &chain(10, 4), false, now), ProvisionalResult::Refused);
+    index.credit(rank(1), &chain(10, 4), true, now);
+    index.credit(rank(2), &chain(10, 4), true, now);
+    index.retain_live(|r| r == rank(2));
+    assert_eq!(index.merge(&chain(10, 4), &[], now), [(rank(2), 4)]);
+    let counts = index.take_counts();
+    assert_eq!((counts.get(ProvisionalResult::Refused), counts.get(ProvisionalResult::Departed)), (1, 1));
+}
+
+#[test]
+fn a_chain_the_index_covers_is_dropped_as_confirmed() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    index.credit(rank(1), &chain(10, 3), true, now);
+    // The index holds only two of its three blocks: not confirmed yet.
+    assert_eq!(index.merge(&chain(10, 6), &[(rank(1), 2)], now), [(rank(1), 3)]);
+    assert_eq!(index.size().0, 1);
+    // Another rank's indexed blocks confirm nothing.
+    index.merge(&chain(10, 6), &[(rank(2), 6)], now);
+    assert_eq!(index.size().0, 1);
+    assert_eq!(index.merge(&chain(10, 6), &[(rank(1), 5)], now), [(rank(1), 5)]);
+    assert_eq!(index.size(), (0, 0));
+    assert_eq!(index.take_counts().get(ProvisionalResult::Confirmed), 1);
+}
+
+#[test]
+fn a_longer_chain_replaces_its_prefix_on_the_same_rank() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    index.credit(rank(1), &chain(10, 2), true, now);
+    index.credit(rank(1), &chain(10, 2), true, now);
+    index.credit(rank(1), &chain(10, 5), true, now);
+    assert_eq!(index.size(), (1, 5));
+    index.credit(rank(2), &chain(10, 2), true, now);
+    assert_eq!(index.size(), (2, 7), "another rank's chain is its own");
+}
+
+#[test]
+fn a_rank_holds_at_most_its_bound_of_chains_and_loses_the_oldest() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    for i in 0..=MAX_CHAINS_PER_RANK as u64 {
+        index.credit(rank(1), &[1_000 * (i + 1)], true, now);
+    }
+    assert_eq!(index.size().0, MAX_CHAINS_PER_RANK);
+    assert!(index.merge(&[1_000], &[], now).is_empty(), "the oldest chain went");
+    assert_eq!(index.merge(&[2_000], &[], now), [(rank(1), 1)]);
+    assert_eq!(index.take_counts().get(ProvisionalResult::Evicted), 1);
+}
+
+#[test]
+fn the_whole_index_holds_at_most_its_chain_and_hash_bounds() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    for i in 0..=MAX_CHAINS as u64 {
+        index.credit(rank(i), &[7], true, now);
+    }
+    assert_eq!(index.size(), (MAX_CHAINS, MAX_CHAINS));
+    assert!(index.merge(&[7], &[], now).iter().all(|(r, _)| *r != rank(0)), "the oldest chain went");
+
+    let mut index = ProvisionalIndex::new(TTL);
+    let half = chain(0, (MAX_HASHES / 2) as u64);
+    index.credit(rank(1), &half, true, now);
+    index.credit(rank(2), &half, true, now);
+    assert_eq!(index.size(), (2, MAX_HASHES));
+    index.credit(rank(3), &[1], true, now);
+    assert_eq!(index.size(), (2, MAX_HASHES / 2 + 1));
+    assert_eq!(index.merge(&[0], &[], now), [(rank(2), 1)]);
+    assert_eq!(index.credit(rank(4), &chain(0, MAX_HASHES as u64 + 1), true, now), ProvisionalResult::Refused);
+}
+
+#[test]
+fn labels_are_distinct_snake_case() {
+    let mut labels: Vec<_> = ProvisionalResult::ALL.iter().map(|r| r.as_str()).collect();
+    assert!(labels.iter().all(|l| l.chars().all(|c| c.is_ascii_lowercase() || c == '_')));
+    labels.sort_unstable();
+    labels.dedup();
+    assert_eq!(labels.len(), ProvisionalResult::ALL.len());
+}

@@ -1,0 +1,796 @@
+//! Routing benchmark against the real Dynamo 1.6.1 fleet: etcd and `dynamo.mocker` workers
+//! (simulated engine timing, a 640-block KV cache each) in a private network namespace, and the
+//! same seeded workloads driven through four routers:
+//!
+//! * `dynamo.frontend --router-mode round-robin`;
+//! * `dynamo.frontend --router-mode kv` (Dynamo's own KV-aware router);
+//! * Continuum, load-based: two data-plane replicas pinning workers through the frontend's
+//!   `--router-mode direct`;
+//! * Continuum, KV-aware: the same, with `dynamo.kv` on (replicas render, hash and ask the
+//!   control plane's index).
+//!
+//! Each router gets a fresh namespace and fleet; each run uses content no cache holds (a new
+//! content seed), the same content for every router. The client runs inside the namespace:
+//! this binary again, in its hidden `--client` mode, streaming each request and reading its
+//! time to first token, end-to-end time and `usage.prompt_tokens_details.cached_tokens`.
+//!
+//! `cargo build --release --bins && cargo run --release -p continuum-tests --bin bench-routing -- [--runs 3] [--requests 256] [--quick] [--write]`
+//!
+//! Runs as root (network namespaces). `--quick`: one run of 128 requests, aggregated fleet,
+//! the 8×2 shared-prefix and unique workloads only.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use continuum_tests::bench::{arg, write_section};
+use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
+use continuum_tests::dynamo_kv::kv_control_plane_yaml;
+use continuum_tests::dynamo_routing::{self, FRONTEND, Outcome, RoutedContinuum, post_chat};
+use continuum_tests::netns::NetNs;
+use continuum_tests::tools;
+use continuum_tests::workload::{self, Message, Shape, Spec, Workload};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+
+const COMMAND: &str =
+    "cargo build --release --bins && cargo run --release -p continuum-tests --bin bench-routing -- --write";
+/// Mocker flags beyond the harness's: simulated engine timing at real speed (suits 2 cores).
+const MOCKER_ARGS: [&str; 2] = ["--speedup-ratio", "1.0"];
+const KV_BLOCKS: u64 = 640;
+const MAX_TOKENS: u32 = 16;
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+/// The frontend may list the model before it can serve (disaggregated) requests.
+const WARM_UP_WITHIN: Duration = Duration::from_secs(30);
+/// Lets the last kv-events and load samples of a run settle before the next starts.
+const BETWEEN_RUNS: Duration = Duration::from_secs(1);
+/// "Within 5%" in the issue's targets.
+const TOLERANCE: f64 = 0.05;
+/// Where the control plane's `dynamo.kv` settings live, to see whether provisional overlap
+/// credit can be switched off.
+const SIGNALS_RS: &str = "control-plane/src/config/signals.rs";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Fleet {
+    Aggregated,
+    Disaggregated,
+}
+
+impl Fleet {
+    fn label(self) -> &'static str {
+        match self {
+            Fleet::Aggregated => "agg (2 workers)",
+            Fleet::Disaggregated => "disagg (2 prefill + 2 decode)",
+        }
+    }
+
+    fn mockers(self) -> Vec<(&'static str, Mocker)> {
+        let mocker = |mode| Mocker { mode, kv_blocks: KV_BLOCKS, dp_size: 1 };
+        match self {
+            Fleet::Aggregated => vec![("agg-a", mocker(Mode::Aggregated)), ("agg-b", mocker(Mode::Aggregated))],
+            Fleet::Disaggregated => vec![
+                ("prefill-a", mocker(Mode::Prefill)),
+                ("prefill-b", mocker(Mode::Prefill)),
+                ("decode-a", mocker(Mode::Decode)),
+                ("decode-b", mocker(Mode::Decode)),
+            ],
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Router {
+    RoundRobin,
+    DynamoKv,
+    ContinuumLoad,
+    ContinuumKv,
+    ContinuumKvNoProvisional,
+}
+
+impl Router {
+    fn label(self) -> &'static str {
+        match self {
+            Router::RoundRobin => "Dynamo round-robin",
+            Router::DynamoKv => "Dynamo kv",
+            Router::ContinuumLoad => "Continuum load-based",
+            Router::ContinuumKv => "Continuum KV-aware",
+            Router::ContinuumKvNoProvisional => "Continuum KV-aware, provisional credit off",
+        }
+    }
+
+    fn is_continuum(self) -> bool {
+        matches!(self, Router::ContinuumLoad | Router::ContinuumKv | Router::ContinuumKvNoProvisional)
+    }
+}
+
+/// A named workload; its seed is set per run.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    name: &'static str,
+    spec: Spec,
+}
+
+impl Case {
+    fn shared(&self) -> bool {
+        matches!(self.spec.shape, Shape::SharedPrefix { .. })
+    }
+}
+
+fn cases(requests: usize, quick: bool) -> Vec<Case> {
+    let shared = |groups, users, concurrency| Spec {
+        shape: Shape::SharedPrefix { groups, users, system_tokens: 1500, turn_tokens: 60 },
+        requests,
+        max_tokens: MAX_TOKENS,
+        concurrency,
+        max_think_ms: 500,
+        seed: 0,
+    };
+    let unique = Spec {
+        shape: Shape::Unique { prompt_tokens: 1560 },
+        requests,
+        max_tokens: MAX_TOKENS,
+        concurrency: 8,
+        max_think_ms: 0,
+        seed: 0,
+    };
+    let mut cases = vec![Case { name: "shared prefix 8×2", spec: shared(8, 2, 8) }];
+    if !quick {
+        cases.push(Case { name: "shared prefix 13×3 (larger)", spec: shared(13, 3, 12) });
+    }
+    cases.push(Case { name: "unique prompts", spec: unique });
+    cases
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(at) = args.iter().position(|a| a == "--client") {
+        let (file, bases) = (args.get(at + 1).context("--client FILE BASES")?, args.get(at + 2).context("BASES")?);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        return runtime.block_on(client::run(Path::new(file), bases));
+    }
+    let quick = args.iter().any(|a| a == "--quick");
+    let runs = arg("--runs", if quick { 1 } else { 3 })?.max(1);
+    let requests = arg("--requests", if quick { 128 } else { 256 })?;
+    let seed = u64::try_from(arg("--seed", 1)?)?;
+    for binary in ["continuum-control-plane", "continuum-data-plane"] {
+        let path = tools::binary(binary);
+        ensure!(path.exists(), "no {}: run `cargo build --release --bins` first", path.display());
+    }
+    let fleets = if quick { vec![Fleet::Aggregated] } else { vec![Fleet::Aggregated, Fleet::Disaggregated] };
+    let provisional = provisional_ttl_exists();
+    let mut routers = vec![Router::RoundRobin, Router::DynamoKv, Router::ContinuumLoad, Router::ContinuumKv];
+    if provisional {
+        routers.push(Router::ContinuumKvNoProvisional);
+    }
+    let cases = cases(requests, quick);
+    let tokenizer = tokenizers::Tokenizer::from_file(tools::dynamo_fixtures().join("tinymodel/tokenizer.json"))
+        .map_err(|e| anyhow::anyhow!("the fixture tokenizer: {e}"))?;
+    let mut count = |text: &str| tokenizer.encode(text, false).map_or(0, |e| e.len());
+    // The same content for every router: run r of case c has its own seed.
+    let mut workloads: BTreeMap<(usize, usize), Workload> = BTreeMap::new();
+    for (c, case) in cases.iter().enumerate() {
+        for run in 0..runs {
+            let spec = Spec { seed: seed * 1_000_000 + (c * 1000 + run) as u64, ..case.spec };
+            workloads.insert((c, run), workload::generate(spec, &mut count));
+        }
+    }
+
+    let began = Instant::now();
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut results: BTreeMap<(Fleet, usize, Router), Vec<RunStats>> = BTreeMap::new();
+    for &fleet in &fleets {
+        for &router in &routers {
+            let cell = Instant::now();
+            let stats = runtime.block_on(bench_router(fleet, router, &cases, runs, &workloads))?;
+            eprintln!("{} / {}: {:?}", fleet.label(), router.label(), cell.elapsed());
+            for ((c, _), s) in stats {
+                results.entry((fleet, c, router)).or_default().push(s);
+            }
+        }
+    }
+    let report = Report { fleets, routers, cases, runs, requests, results, provisional };
+    let table = report.render(began.elapsed());
+    println!("{table}");
+    if args.iter().any(|a| a == "--write") {
+        write_section("bench-routing", "Routing: Continuum vs Dynamo's routers (real mockers)", COMMAND, &table)?;
+    }
+    Ok(())
+}
+
+/// Whether the control plane knows `dynamo.kv.provisional_ttl` (another change adds it).
+fn provisional_ttl_exists() -> bool {
+    std::fs::read_to_string(tools::workspace_root().join(SIGNALS_RS)).is_ok_and(|s| s.contains("provisional_ttl"))
+}
+
+/// One router on one fleet: every case's runs, in a fresh namespace.
+async fn bench_router(
+    fleet: Fleet,
+    router: Router,
+    cases: &[Case],
+    runs: usize,
+    workloads: &BTreeMap<(usize, usize), Workload>,
+) -> anyhow::Result<Vec<((usize, usize), RunStats)>> {
+    let ns = NetNs::create()?;
+    dynamo::start_etcd(&ns).await?;
+    let watch = InstanceWatch::start(&ns).await?;
+    let frontend = format!("http://{FRONTEND}");
+    let continuum = match router {
+        Router::RoundRobin | Router::DynamoKv => {
+            let mode = if router == Router::RoundRobin { "round-robin" } else { "kv" };
+            dynamo_routing::start_frontend_routing(&ns, mode)?;
+            None
+        }
+        Router::ContinuumLoad | Router::ContinuumKv | Router::ContinuumKvNoProvisional => {
+            let cache = ns.dir().join("kv-artifacts");
+            let yaml = match router {
+                Router::ContinuumLoad => dynamo_routing::control_plane_yaml(false),
+                Router::ContinuumKv => kv_control_plane_yaml(&cache, &[])?,
+                _ => kv_control_plane_yaml(&cache, &["provisional_ttl: 0s"])?,
+            };
+            let continuum = RoutedContinuum::start_with(&ns, 2, &yaml, &[]).await?;
+            dynamo_routing::start_frontend(&ns)?;
+            Some(continuum)
+        }
+    };
+    let mockers = fleet.mockers();
+    for (label, mocker) in &mockers {
+        mocker.start_with(&ns, &watch, label, &MOCKER_ARGS).await?;
+    }
+    dynamo_routing::wait_model_listed(&ns, "frontend", &frontend, "tiny").await?;
+    let bases = match &continuum {
+        Some(continuum) => {
+            continuum.wait_for_workers(&ns, mockers.len()).await?;
+            for replica in &continuum.replicas {
+                dynamo_routing::wait_model_listed(&ns, "replica", replica, "tiny").await?;
+            }
+            continuum.replicas.clone()
+        }
+        None => vec![frontend],
+    };
+    for base in &bases {
+        warm_up(&ns, base, router).await?;
+    }
+
+    let mut out = Vec::new();
+    for (c, case) in cases.iter().enumerate() {
+        for run in 0..runs {
+            let workload = workloads.get(&(c, run)).context("a generated workload")?;
+            let before = selections(&ns, &bases, router).await?;
+            let file = ns.dir().join(format!("workload-{c}-{run}.json"));
+            std::fs::write(&file, serde_json::to_vec(workload)?)?;
+            let mut client = ns.command(std::env::current_exe()?);
+            client.arg("--client").arg(&file).arg(bases.join(","));
+            let output = ns.run(client).await.with_context(|| format!("the client, {} run {run}", case.name))?;
+            let answer: client::Answer = serde_json::from_str(&output)?;
+            let after = selections(&ns, &bases, router).await?;
+            let kv = after.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0))).collect();
+            let stats = RunStats::of(&answer, kv);
+            eprintln!("  {} run {run}: {}", case.name, stats.brief());
+            out.push(((c, run), stats));
+            tokio::time::sleep(BETWEEN_RUNS).await;
+        }
+    }
+    Ok(out)
+}
+
+/// Until `base` answers a short request with 200 (a disaggregated frontend lists the model
+/// before it can serve), then, for a KV-aware replica, until its tokenizer is loaded.
+async fn warm_up(ns: &NetNs, base: &str, router: Router) -> anyhow::Result<()> {
+    let deadline = Instant::now() + WARM_UP_WITHIN;
+    for n in 0.. {
+        let body = json!({"model": "tiny", "messages": [{"role": "user", "content": format!("warm up {n}")}],
+                          "max_tokens": 2, "stream": false});
+        let last = match post_chat(ns, base, &body, &[], REQUEST_TIMEOUT).await? {
+            Outcome::Answered(a) if a.status == 200 => break,
+            Outcome::Answered(a) => format!("{} {}", a.status, a.body),
+            Outcome::TimedOut => "timed out".to_string(),
+        };
+        ensure!(Instant::now() < deadline, "{base} did not answer 200 within {WARM_UP_WITHIN:?}: {last}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    if matches!(router, Router::ContinuumKv | Router::ContinuumKvNoProvisional) {
+        let series = "continuum_dynamo_kv_artifacts_total{result=\"loaded\"}";
+        while metric(&ns.get(&format!("{base}/metrics")).await?.1, series) == 0.0 {
+            ensure!(Instant::now() < deadline, "{base} never loaded the tiny model's tokenizer");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
+
+/// `continuum_dynamo_kv_selection_total` by result, summed over the replicas.
+async fn selections(ns: &NetNs, bases: &[String], router: Router) -> anyhow::Result<BTreeMap<String, f64>> {
+    let mut total = BTreeMap::new();
+    if !router.is_continuum() {
+        return Ok(total);
+    }
+    let prefix = "continuum_dynamo_kv_selection_total{result=\"";
+    for base in bases {
+        let (_, text) = ns.get(&format!("{base}/metrics")).await?;
+        for line in text.lines().filter_map(|l| l.strip_prefix(prefix)) {
+            let Some((result, value)) = line.split_once("\"}") else { continue };
+            *total.entry(result.to_string()).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    Ok(total)
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+}
+
+/// The figures of one run.
+#[derive(Debug, Clone, Default)]
+struct RunStats {
+    requests_per_s: f64,
+    output_tokens_per_s: f64,
+    ttft_mean: f64,
+    ttft_p50: f64,
+    ttft_p90: f64,
+    ttft_p99: f64,
+    e2e_p50: f64,
+    e2e_p99: f64,
+    /// Cached prompt tokens over prompt tokens; `None` if no response reported cached tokens.
+    hit_rate: Option<f64>,
+    failed: usize,
+    /// `continuum_dynamo_kv_selection_total` increments during the run, by result.
+    kv: BTreeMap<String, f64>,
+    /// Requests per serving worker (decode, or aggregated).
+    spread: BTreeMap<u64, usize>,
+}
+
+impl RunStats {
+    fn of(answer: &client::Answer, kv: BTreeMap<String, f64>) -> Self {
+        let ok: Vec<&client::Outcome> = answer.results.iter().filter(|r| r.error.is_none()).collect();
+        let wall = answer.wall_ms.max(1.0) / 1000.0;
+        let mut ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
+        let mut e2e: Vec<f64> = ok.iter().map(|r| r.e2e_ms).collect();
+        ttft.sort_by(f64::total_cmp);
+        e2e.sort_by(f64::total_cmp);
+        let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
+        let reported = ok.iter().any(|r| r.cached_tokens.is_some());
+        let cached = reported.then(|| ok.iter().filter_map(|r| r.cached_tokens).sum::<u64>());
+        let mut spread = BTreeMap::new();
+        for r in &ok {
+            *spread.entry(r.decode_worker.unwrap_or(0)).or_insert(0) += 1;
+        }
+        Self {
+            requests_per_s: ok.len() as f64 / wall,
+            output_tokens_per_s: ok.iter().map(|r| r.completion_tokens).sum::<u64>() as f64 / wall,
+            ttft_mean: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
+            ttft_p50: quantile(&ttft, 0.5),
+            ttft_p90: quantile(&ttft, 0.9),
+            ttft_p99: quantile(&ttft, 0.99),
+            e2e_p50: quantile(&e2e, 0.5),
+            e2e_p99: quantile(&e2e, 0.99),
+            hit_rate: cached.filter(|_| prompt > 0).map(|c| c as f64 / prompt as f64),
+            failed: answer.results.len() - ok.len(),
+            kv,
+            spread,
+        }
+    }
+
+    fn brief(&self) -> String {
+        format!(
+            "{:.2} req/s, TTFT p50 {:.0} p90 {:.0} ms, e2e p50 {:.0} ms, hit {}, failed {}, workers {:?}, kv {:?}",
+            self.requests_per_s,
+            self.ttft_p50,
+            self.ttft_p90,
+            self.e2e_p50,
+            self.hit_rate.map_or("n/a".into(), |h| format!("{h:.2}")),
+            self.failed,
+            self.spread.values().collect::<Vec<_>>(),
+            self.kv
+        )
+    }
+}
+
+/// Nearest-rank quantile of sorted samples.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let index = ((sorted.len().saturating_sub(1)) as f64 * q).round() as usize;
+    sorted.get(index).copied().unwrap_or(f64::NAN)
+}
+
+/// A figure over a cell's runs: the median and the spread (min, max).
+#[derive(Debug, Clone, Copy)]
+struct Figure {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+impl Figure {
+    fn of(runs: &[RunStats], get: impl Fn(&RunStats) -> Option<f64>) -> Option<Self> {
+        let mut values: Vec<f64> = runs.iter().filter_map(get).collect();
+        if values.is_empty() {
+            return None;
+        }
+        values.sort_by(f64::total_cmp);
+        let n = values.len();
+        let median = if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 };
+        Some(Self { median, min: values[0], max: values[n - 1] })
+    }
+
+    fn show(fig: Option<Self>, decimals: usize) -> String {
+        let Some(f) = fig else { return "n/a".into() };
+        if f.min == f.max {
+            return format!("{:.*}", decimals, f.median);
+        }
+        format!("{:.*} ({:.*}–{:.*})", decimals, f.median, decimals, f.min, decimals, f.max)
+    }
+}
+
+/// The figures of the table, with whether higher is better.
+const FIGURES: [(&str, bool, usize); 9] = [
+    ("req/s", true, 2),
+    ("output tok/s", true, 1),
+    ("TTFT mean ms", false, 0),
+    ("TTFT p50 ms", false, 0),
+    ("TTFT p90 ms", false, 0),
+    ("TTFT p99 ms", false, 0),
+    ("e2e p50 ms", false, 0),
+    ("e2e p99 ms", false, 0),
+    ("hit rate", true, 2),
+];
+
+fn figure_of(runs: &[RunStats], index: usize) -> Option<Figure> {
+    Figure::of(runs, |r| match index {
+        0 => Some(r.requests_per_s),
+        1 => Some(r.output_tokens_per_s),
+        2 => Some(r.ttft_mean),
+        3 => Some(r.ttft_p50),
+        4 => Some(r.ttft_p90),
+        5 => Some(r.ttft_p99),
+        6 => Some(r.e2e_p50),
+        7 => Some(r.e2e_p99),
+        _ => r.hit_rate,
+    })
+}
+
+struct Report {
+    fleets: Vec<Fleet>,
+    routers: Vec<Router>,
+    cases: Vec<Case>,
+    runs: usize,
+    requests: usize,
+    results: BTreeMap<(Fleet, usize, Router), Vec<RunStats>>,
+    provisional: bool,
+}
+
+impl Report {
+    fn render(&self, took: Duration) -> String {
+        let mut out = String::new();
+        out.push_str(&format!(
+            "{}. Took {:.1} min. Each figure is the median of {} run(s) of {} requests, with the spread (min–max) \
+             in brackets. Workers: `dynamo.mocker` with `--block-size 16 --num-gpu-blocks-override {KV_BLOCKS} \
+             --speedup-ratio 1.0` (its polynomial timing charges prefill by uncached prompt tokens), {MAX_TOKENS} \
+             output tokens, streaming. Shared prefix: groups × users conversations, 1,500-token system prompt per \
+             group, 60-token user turns, think time 0–500 ms, groups started 150 ms apart (+0–400 ms each); \
+             concurrency 8 (8×2) and 12 (13×3). Unique prompts: 1,560 fresh tokens each, concurrency 8. Hit rate \
+             = Σ `usage.prompt_tokens_details.cached_tokens` / Σ prompt tokens. Continuum: 2 data-plane replicas \
+             (requests alternate between them) pinning workers through `dynamo.frontend --router-mode direct`; \
+             KV-aware with `dynamo.kv` on, the tiny model's artifacts pinned, `--find-matches-deadline` at its \
+             default (2 ms).\n\n",
+            memory_facts(),
+            took.as_secs_f64() / 60.0,
+            self.runs,
+            self.requests,
+        ));
+        if !self.provisional {
+            out.push_str(
+                "The cell \"Continuum KV-aware, provisional credit off\" is absent: `dynamo.kv.provisional_ttl` \
+                 did not exist in the control plane when this ran.\n\n",
+            );
+        }
+        for &fleet in &self.fleets {
+            for (c, case) in self.cases.iter().enumerate() {
+                out.push_str(&format!("**{} — {}**\n\n| router |", fleet.label(), case.name));
+                for (name, _, _) in FIGURES {
+                    out.push_str(&format!(" {name} |"));
+                }
+                out.push_str(" failed |\n|---|");
+                out.push_str(&"---|".repeat(FIGURES.len() + 1));
+                out.push('\n');
+                for &router in &self.routers {
+                    let runs = self.cell(fleet, c, router);
+                    out.push_str(&format!("| {} |", router.label()));
+                    for (i, (_, _, decimals)) in FIGURES.iter().enumerate() {
+                        out.push_str(&format!(" {} |", Figure::show(figure_of(runs, i), *decimals)));
+                    }
+                    out.push_str(&format!(" {} |\n", runs.iter().map(|r| r.failed).sum::<usize>()));
+                }
+                out.push('\n');
+            }
+        }
+        out.push_str(&self.selections());
+        out.push_str(&self.verdicts());
+        out
+    }
+
+    fn cell(&self, fleet: Fleet, case: usize, router: Router) -> &[RunStats] {
+        self.results.get(&(fleet, case, router)).map_or(&[], Vec::as_slice)
+    }
+
+    /// What the KV-aware replicas' selections came to, so a reader sees whether the 2 ms
+    /// `FindMatches` deadline bit.
+    fn selections(&self) -> String {
+        let mut out = String::from(
+            "KV-aware selections over all runs (`continuum_dynamo_kv_selection_total` by result, both replicas):\n\n",
+        );
+        for &fleet in &self.fleets {
+            for (c, case) in self.cases.iter().enumerate() {
+                for &router in self.routers.iter().filter(|r| matches!(r, Router::ContinuumKv | Router::ContinuumKvNoProvisional)) {
+                    let mut total: BTreeMap<&str, f64> = BTreeMap::new();
+                    for run in self.cell(fleet, c, router) {
+                        for (k, v) in &run.kv {
+                            *total.entry(k).or_insert(0.0) += v;
+                        }
+                    }
+                    let shown: Vec<String> =
+                        total.iter().filter(|(_, v)| **v > 0.0).map(|(k, v)| format!("{k} {v:.0}")).collect();
+                    out.push_str(&format!(
+                        "* {} — {} — {}: {}\n",
+                        fleet.label(),
+                        case.name,
+                        router.label(),
+                        if shown.is_empty() { "none".into() } else { shown.join(", ") }
+                    ));
+                }
+            }
+        }
+        out.push('\n');
+        out
+    }
+
+    /// The issue's targets, checked cell by cell, with what the runs say about each loss.
+    fn verdicts(&self) -> String {
+        let mut out = String::from("Targets (medians):\n\n");
+        for &fleet in &self.fleets {
+            for (c, case) in self.cases.iter().enumerate() {
+                if case.shared() {
+                    out.push_str(&self.shared_verdict(fleet, c, case));
+                } else {
+                    for router in [Router::ContinuumLoad, Router::ContinuumKv] {
+                        out.push_str(&self.unique_verdict(fleet, c, case, router));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn median(&self, fleet: Fleet, c: usize, router: Router, figure: usize) -> f64 {
+        figure_of(self.cell(fleet, c, router), figure).map_or(f64::NAN, |f| f.median)
+    }
+
+    fn shared_verdict(&self, fleet: Fleet, c: usize, case: &Case) -> String {
+        let (ours, theirs) = (Router::ContinuumKv, Router::DynamoKv);
+        let m = |router, figure| self.median(fleet, c, router, figure);
+        let (p90, their_p90) = (m(ours, 4), m(theirs, 4));
+        let (hit, their_hit) = (m(ours, 8), m(theirs, 8));
+        let (rps, their_rps) = (m(ours, 0), m(theirs, 0));
+        let mut losses = Vec::new();
+        if !(p90 < their_p90) {
+            losses.push(format!("TTFT p90 {p90:.0} ms vs {their_p90:.0} ms"));
+        }
+        if !(hit > their_hit) {
+            losses.push(format!("hit rate {hit:.2} vs {their_hit:.2}"));
+        }
+        if !(rps >= their_rps * (1.0 - TOLERANCE)) {
+            losses.push(format!("{rps:.2} req/s vs {their_rps:.2} (more than 5% lower)"));
+        }
+        let head = format!("* {} — {}: Continuum KV-aware vs Dynamo kv", fleet.label(), case.name);
+        if losses.is_empty() {
+            return format!(
+                "{head}: **meets** (TTFT p90 {p90:.0} vs {their_p90:.0} ms, hit rate {hit:.2} vs {their_hit:.2}, \
+                 {rps:.2} vs {their_rps:.2} req/s).\n"
+            );
+        }
+        format!("{head}: **loses** on {}. {}\n", losses.join("; "), self.why(fleet, c, ours))
+    }
+
+    fn unique_verdict(&self, fleet: Fleet, c: usize, case: &Case, ours: Router) -> String {
+        let mut losses = Vec::new();
+        for (i, (name, higher_better, _)) in FIGURES.iter().enumerate().take(8) {
+            let (a, b) = (self.median(fleet, c, ours, i), self.median(fleet, c, Router::RoundRobin, i));
+            let within = if *higher_better { a >= b * (1.0 - TOLERANCE) } else { a <= b * (1.0 + TOLERANCE) };
+            if !within {
+                losses.push(format!("{name} {a:.1} vs {b:.1} ({:+.0}%)", (a / b - 1.0) * 100.0));
+            }
+        }
+        let head = format!("* {} — {}: {} vs Dynamo round-robin", fleet.label(), case.name, ours.label());
+        if losses.is_empty() {
+            return format!("{head}: **meets** (every figure within 5%).\n");
+        }
+        format!("{head}: **loses** on {}. {}\n", losses.join("; "), self.why(fleet, c, ours))
+    }
+
+    /// What the measurements say about a losing Continuum cell.
+    fn why(&self, fleet: Fleet, c: usize, ours: Router) -> String {
+        let runs = self.cell(fleet, c, ours);
+        let total = |key: &str| runs.iter().map(|r| r.kv.get(key).copied().unwrap_or(0.0)).sum::<f64>();
+        let selected: f64 = runs.iter().flat_map(|r| r.kv.values()).sum();
+        let mut why = Vec::new();
+        let timeouts = total("index_timeout") + total("index_unavailable");
+        if timeouts > 0.0 {
+            why.push(format!(
+                "{timeouts:.0} of {selected:.0} selections got no FindMatches answer within the deadline (scored on \
+                 load alone)"
+            ));
+        }
+        let fallbacks = total("tokenizer_unavailable") + total("render_unavailable") + total("prompt_too_large");
+        if fallbacks > 0.0 {
+            why.push(format!("{fallbacks:.0} selections fell back before hashing"));
+        }
+        let rr = Router::RoundRobin;
+        let hop = self.median(fleet, c, ours, 6) - self.median(fleet, c, rr, 6);
+        why.push(format!(
+            "Continuum's path has one more HTTP hop (client → replica → frontend) and two more processes on the \
+             same 2 cores; its e2e p50 is {hop:+.0} ms against round-robin's"
+        ));
+        let failed: usize = runs.iter().map(|r| r.failed).sum();
+        if failed > 0 {
+            why.push(format!("{failed} requests failed"));
+        }
+        format!("Measured: {}.", why.join("; "))
+    }
+}
+
+fn memory_facts() -> String {
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find(|l| l.starts_with("MemTotal")).map(|l| l.split_whitespace().nth(1).map(String::from)))
+        .flatten()
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or("unknown memory".into(), |kb| format!("{:.0} GiB memory", kb / 1048576.0));
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(String::from))
+        .unwrap_or_default();
+    format!("Machine: {mem}, load average {load} at the end")
+}
+
+/// The client, run inside the namespace: drives a workload at its concurrency and prints one
+/// JSON [`Answer`].
+mod client {
+    use super::*;
+    use tokio::sync::Semaphore;
+
+    /// One request's outcome.
+    #[derive(Debug, Clone, Serialize, Deserialize)]
+    pub struct Outcome {
+        pub conversation: usize,
+        pub turn: usize,
+        pub ttft_ms: Option<f64>,
+        pub e2e_ms: f64,
+        pub prompt_tokens: u64,
+        pub cached_tokens: Option<u64>,
+        pub completion_tokens: u64,
+        pub decode_worker: Option<u64>,
+        pub error: Option<String>,
+    }
+
+    #[derive(Debug, Serialize, Deserialize)]
+    pub struct Answer {
+        pub wall_ms: f64,
+        pub results: Vec<Outcome>,
+    }
+
+    pub async fn run(file: &Path, bases: &str) -> anyhow::Result<()> {
+        let workload: Workload = serde_json::from_slice(&std::fs::read(file)?)?;
+        let bases: Arc<Vec<String>> = Arc::new(bases.split(',').map(str::to_string).collect());
+        let http = reqwest::Client::builder().no_proxy().timeout(REQUEST_TIMEOUT).build()?;
+        let permits = Arc::new(Semaphore::new(workload.spec.concurrency.max(1)));
+        let started = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for conversation in workload.conversations {
+            let (http, permits, bases) = (http.clone(), Arc::clone(&permits), Arc::clone(&bases));
+            let max_tokens = workload.spec.max_tokens;
+            tasks.spawn(async move {
+                tokio::time::sleep_until((started + Duration::from_millis(conversation.start_ms)).into()).await;
+                let mut out = Vec::with_capacity(conversation.turns.len());
+                for (turn, step) in conversation.turns.iter().enumerate() {
+                    tokio::time::sleep(Duration::from_millis(step.think_ms)).await;
+                    let Ok(_permit) = permits.acquire().await else { break };
+                    // Requests alternate between the replicas, as a load balancer in front would.
+                    let base = &bases[(conversation.id + turn) % bases.len()];
+                    let mut outcome = one(&http, base, &step.messages, max_tokens).await;
+                    (outcome.conversation, outcome.turn) = (conversation.id, turn);
+                    out.push(outcome);
+                }
+                out
+            });
+        }
+        let mut results = Vec::new();
+        while let Some(done) = tasks.join_next().await {
+            results.extend(done?);
+        }
+        let answer = Answer { wall_ms: started.elapsed().as_secs_f64() * 1000.0, results };
+        println!("{}", serde_json::to_string(&answer)?);
+        Ok(())
+    }
+
+    async fn one(http: &reqwest::Client, base: &str, messages: &[Message], max_tokens: u32) -> Outcome {
+        let began = Instant::now();
+        let mut outcome = Outcome {
+            conversation: 0,
+            turn: 0,
+            ttft_ms: None,
+            e2e_ms: 0.0,
+            prompt_tokens: 0,
+            cached_tokens: None,
+            completion_tokens: 0,
+            decode_worker: None,
+            error: None,
+        };
+        if let Err(error) = stream(http, base, messages, max_tokens, began, &mut outcome).await {
+            outcome.error = Some(format!("{error:#}"));
+        }
+        outcome.e2e_ms = began.elapsed().as_secs_f64() * 1000.0;
+        outcome
+    }
+
+    async fn stream(
+        http: &reqwest::Client,
+        base: &str,
+        messages: &[Message],
+        max_tokens: u32,
+        began: Instant,
+        outcome: &mut Outcome,
+    ) -> anyhow::Result<()> {
+        let body = json!({
+            "model": "tiny",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "nvext": {"extra_fields": ["worker_id", "timing"]},
+        });
+        let mut response = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await?;
+        let status = response.status();
+        if !status.is_success() {
+            bail!("{status}: {}", response.text().await.unwrap_or_default());
+        }
+        let mut pending: Vec<u8> = Vec::new();
+        let mut done = false;
+        while let Some(chunk) = response.chunk().await? {
+            pending.extend_from_slice(&chunk);
+            while let Some(end) = pending.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=end).collect();
+                let Some(data) = std::str::from_utf8(&line).ok().and_then(|l| l.trim().strip_prefix("data:")) else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let event: Value = serde_json::from_str(data).with_context(|| format!("an SSE event: {data}"))?;
+                read_event(&event, began, outcome);
+            }
+        }
+        ensure!(done, "the stream ended without data: [DONE]");
+        ensure!(outcome.ttft_ms.is_some(), "no content chunk");
+        Ok(())
+    }
+
+    fn read_event(event: &Value, began: Instant, outcome: &mut Outcome) {
+        let has_content = event["choices"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|c| c["delta"]["content"].as_str().is_some_and(|s| !s.is_empty())));
+        if has_content && outcome.ttft_ms.is_none() {
+            outcome.ttft_ms = Some(began.elapsed().as_secs_f64() * 1000.0);
+        }
+        if let Some(worker) = event["nvext"]["worker_id"]["decode_worker_id"].as_u64() {
+            outcome.decode_worker = Some(worker);
+        }
+        let usage = &event["usage"];
+        if usage.is_object() {
+            outcome.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
+            outcome.completion_tokens = usage["completion_tokens"].as_u64().unwrap_or(0);
+            outcome.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"].as_u64().or(outcome.cached_tokens);
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! Provisional overlap over the Fleet gRPC service: a prefix one replica reports with a pinned
+//! dispatch (`DispatchStarted.block_hashes`) is what another replica's `FindMatches` sees on
+//! that rank at once, before any kv-event, until `dynamo.kv.provisional_ttl` passes; with the
+//! TTL at 0s the same report credits nothing. That shared answer is what makes simultaneous
+//! requests for a new prefix through different replicas pick the same rank: each replica's
+//! KV-aware picker scores the rank with the overlap `FindMatches` returns.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use continuum_control_plane::config::{self, Config};
+use continuum_control_plane::grpc::{self, FleetService, Replicas};
+use continuum_control_plane::kv::{KvSupervisor, kv_options};
+use continuum_control_plane::metrics::Metrics;
+use continuum_control_plane::sources::Registry;
+use continuum_kv_index::RankKey;
+use continuum_proto::pb::{self, fleet_client::FleetClient, watch_request::Kind};
+use continuum_tests::eventually;
+use continuum_tests::load::{NAMESPACE, fleet, worker};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+const WAIT: Duration = Duration::from_secs(20);
+const TTL: Duration = Duration::from_millis(1500);
+const FIRST: u64 = 0x51;
+const SECOND: u64 = 0x52;
+
+fn kv_config(ttl: &str) -> anyhow::Result<Config> {
+    // Discovery is the test's own registry; the endpoint only satisfies validation.
+    let yaml = format!(
+        "dynamo:\n  enabled: true\n  discovery:\n    etcd:\n      endpoints: [\"http://127.0.0.1:9\"]\n  \
+         load:\n    direct_allow_cidrs: [\"127.0.0.0/8\"]\n  kv:\n    enabled: true\n    provisional_ttl: {ttl}\n"
+    );
+    Ok(config::load_str(&yaml, &|_| None).map_err(|e| anyhow::anyhow!("{e:?}"))?.config)
+}
+
+/// A control plane serving Fleet with a KV supervisor whose live workers are `FIRST` and
+/// `SECOND`, one rank each.
+struct Plane {
+    url: String,
+    metrics: Metrics,
+    supervisor: KvSupervisor,
+    _registry: Registry,
+    cancel: CancellationToken,
+}
+
+impl Plane {
+    async fn start(ttl: &str) -> anyhow::Result<Self> {
+        let registry = Registry::new(continuum_tests::publisher());
+        let metrics = Metrics::new()?;
+        let cancel = CancellationToken::new();
+        let supervisor =
+            KvSupervisor::start(&kv_config(ttl)?, kv_options(), registry.subscribe(), &metrics, cancel.child_token());
+        registry.publish(fleet(vec![worker(FIRST, 1), worker(SECOND, 1)], vec![]));
+        let handle = supervisor.handle();
+        eventually(WAIT, "both workers are live in the KV index", || async {
+            handle.find_matches(&[]).is_some()
+                && [FIRST, SECOND].iter().all(|w| {
+                    // A throwaway chain no query below shares: refused until the rank is live.
+                    let rank = RankKey { worker_id: *w, dp_rank: 0 };
+                    handle.credit_provisional(rank, &[u64::MAX - w]).as_str() != "refused"
+                })
+        })
+        .await?;
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let service =
+            FleetService::new(continuum_tests::publisher(), Replicas::default(), metrics.clone(), cancel.clone())
+                .with_kv(handle);
+        tokio::spawn(grpc::serve(listener, service, cancel.clone()));
+        Ok(Self { url, metrics, supervisor, _registry: registry, cancel })
+    }
+
+    async fn client(&self) -> anyhow::Result<FleetClient<Channel>> {
+        let mut last = None;
+        for _ in 0..50 {
+            match FleetClient::connect(self.url.clone()).await {
+                Ok(client) => return Ok(client),
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Err(last.context("no connection attempt")?.into())
+    }
+
+    fn provisional(&self, result: &str) -> u64 {
+        self.metrics.kv_provisional.with_label_values(&[result]).get()
+    }
+}
+
+/// A replica's Watch stream: its Hello sent, ready for dispatch reports.
+async fn watch(client: &mut FleetClient<Channel>, replica_id: &str) -> anyhow::Result<mpsc::Sender<pb::WatchRequest>> {
+    let (tx, rx) = mpsc::channel(8);
+    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: replica_id.into(), version: None })) })
+        .await?;
+    let mut updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
+    // Keep reading so the session never stalls on a full queue.
+    tokio::spawn(async move { while let Ok(Some(_)) = updates.message().await {} });
+    Ok(tx)
+}
+
+fn started(id: u64, worker_id: u64, block_hashes: Vec<u64>) -> pb::WatchRequest {
+    let rank =
+        pb::LoadKey { worker: Some(pb::WorkerKey { namespace: NAMESPACE.into(), instance_id: worker_id }), dp_rank: 0 };
+    let started = pb::DispatchStarted { id, rank: Some(rank), prefill_tokens: 64, decode_blocks: 4, block_hashes };
+    pb::WatchRequest { kind: Some(Kind::Dispatches(pb::DispatchReport { started: vec![started], ended: vec![] })) }
+}
+
+async fn overlaps(client: &mut FleetClient<Channel>, hashes: &[u64]) -> anyhow::Result<Vec<(u64, u32)>> {
+    let reply = client.find_matches(pb::FindMatchesRequest { block_hashes: hashes.to_vec() }).await?.into_inner();
+    Ok(reply.overlaps.into_iter().map(|o| (o.instance_id, o.blocks)).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_one_replica_pins_is_credited_to_its_rank_for_every_replica_until_the_ttl_passes() -> anyhow::Result<()>
+{
+    let plane = Plane::start("1500ms").await?;
+    let (mut first, mut second) = (plane.client().await?, plane.client().await?);
+    let reporter = watch(&mut first, "replica-a").await?;
+    let _other = watch(&mut second, "replica-b").await?;
+
+    // A new prefix: no worker has published it, so neither replica sees it anywhere yet.
+    let prefix: Vec<u64> = (1_000..1_012).collect();
+    let mut query = prefix.clone();
+    query.extend([9_001, 9_002]);
+    assert!(overlaps(&mut second, &query).await?.is_empty());
+
+    // Replica A pins a request for it to FIRST; replica B's lookup now credits FIRST with the
+    // whole prefix (not the blocks past it), and SECOND with nothing.
+    reporter.send(started(1, FIRST, prefix.clone())).await?;
+    let t0 = std::time::Instant::now();
+    eventually(WAIT, "replica B sees A's pin as FIRST's overlap", || {
+        let (mut client, query) = (second.clone(), query.clone());
+        async move { overlaps(&mut client, &query).await.is_ok_and(|o| o == [(FIRST, 12)]) }
+    })
+    .await?;
+    assert!(t0.elapsed() < TTL, "credited well within the TTL");
+    // A query sharing only the first blocks scores only those.
+    assert_eq!(overlaps(&mut second, &prefix[..5]).await?, [(FIRST, 5)]);
+
+    // The TTL passes with no kv-event confirming it: the credit is gone for everyone.
+    eventually(WAIT, "the credit expires", || {
+        let (mut client, query) = (first.clone(), query.clone());
+        async move { overlaps(&mut client, &query).await.is_ok_and(|o| o.is_empty()) }
+    })
+    .await?;
+    assert!(t0.elapsed() >= TTL - Duration::from_millis(100), "not before the TTL: {:?}", t0.elapsed());
+    eventually(WAIT, "the sweep counts it expired", || async { plane.provisional("expired") >= 1 }).await?;
+    assert!(plane.provisional("credited") >= 1);
+    plane.cancel.cancel();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_ttl_reloaded_in_turns_the_credit_off_so_the_same_report_credits_nothing() -> anyhow::Result<()> {
+    let mut plane = Plane::start("2s").await?;
+    let mut client = plane.client().await?;
+    let reporter = watch(&mut client, "replica-a").await?;
+    let prefix: Vec<u64> = (2_000..2_008).collect();
+    reporter.send(started(1, SECOND, prefix.clone())).await?;
+    eventually(WAIT, "credited while on", || {
+        let (mut client, prefix) = (client.clone(), prefix.clone());
+        async move { overlaps(&mut client, &prefix).await.is_ok_and(|o| o == [(SECOND, 8)]) }
+    })
+    .await?;
+
+    // Off: what was held goes at once, and a new report is refused (and counted).
+    plane.supervisor.reload(&kv_config("0s")?).await;
+    assert!(overlaps(&mut client, &prefix).await?.is_empty(), "turning it off drops held chains");
+    let refused_before = plane.provisional("refused");
+    let fresh: Vec<u64> = (3_000..3_008).collect();
+    reporter.send(started(2, SECOND, fresh.clone())).await?;
+    eventually(WAIT, "the report reached the control plane and was refused", || async {
+        plane.provisional("refused") > refused_before
+    })
+    .await?;
+    assert!(overlaps(&mut client, &fresh).await?.is_empty(), "off: requests for a new prefix may split");
+    plane.cancel.cancel();
+    Ok(())
+}
