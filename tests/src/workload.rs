@@ -113,8 +113,7 @@ fn shared_prefix(
     turn_tokens: usize,
 ) -> Vec<Conversation> {
     let total = groups * users;
-    let systems: Vec<String> =
-        (0..groups).map(|g| format!("g{g} {}", lexicon.text(rng, system_tokens))).collect();
+    let systems: Vec<String> = (0..groups).map(|g| format!("g{g} {}", lexicon.text(rng, system_tokens))).collect();
     let mut conversations = Vec::with_capacity(total);
     for id in 0..total {
         let group = id % groups;

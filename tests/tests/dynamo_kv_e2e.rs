@@ -20,9 +20,7 @@ use continuum_data_plane::kv::render::Renderer;
 use continuum_data_plane::kv::{KvPrompt, PreparedPrompt};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_kv::{KvTap, channel_endpoints, kv_control_plane_yaml, tinymodel_pins};
-use continuum_tests::dynamo_routing::{
-    self, CONTROL_PLANE_GRPC, FRONTEND, Outcome, Pins, RoutedContinuum, post_chat,
-};
+use continuum_tests::dynamo_routing::{self, CONTROL_PLANE_GRPC, FRONTEND, Outcome, Pins, RoutedContinuum, post_chat};
 use continuum_tests::netns::NetNs;
 use continuum_tests::tools::{self, dynamo_fixtures};
 use serde_json::{Value, json};
@@ -146,7 +144,8 @@ async fn block_hashes_match_the_workers_and_conversations_stick_to_the_rank_hold
     let disclose = [("x-backend", "any")];
     for replica in &continuum.replicas {
         answered(&ns, replica, &conversation(98, 1), &disclose).await?;
-        wait_metric(&ns, &format!("{replica}/metrics"), "continuum_dynamo_kv_artifacts_total{result=\"loaded\"}").await?;
+        wait_metric(&ns, &format!("{replica}/metrics"), "continuum_dynamo_kv_artifacts_total{result=\"loaded\"}")
+            .await?;
     }
     let overlap_before = overlap_selections(&ns, &continuum).await?;
 

@@ -81,11 +81,28 @@ impl KvIndex {
             rank.touch(&self.mixer, blocks.iter().map(|b| b.block_hash));
         }
         let mut walk = Walk { at, pending: None };
-        for (i, block) in blocks.iter().enumerate() {
+        let mut i = 0;
+        while let Some(block) = blocks.get(i) {
+            if let Some(rank_id) = id {
+                let taken = match walk.pending {
+                    None => self.extend_leaf(rank_id, &mut walk, &blocks[i..]),
+                    Some(_) => self.take_shared(rank_id, &mut walk, &blocks[i..]),
+                };
+                if taken > 0 {
+                    outcome.add(KvResult::Applied, taken);
+                    i += taken;
+                    continue;
+                }
+            }
             match self.store_block(rank, &mut id, &mut walk, block, blocks.len() - i) {
-                Ok(result) => outcome.add(result, 1),
+                Ok(result) => {
+                    outcome.add(result, 1);
+                    i += 1;
+                }
                 Err(Refused) => {
                     outcome.add(KvResult::OverCapacity, blocks.len() - i);
+                    // A segment started for this chain made room for all of it.
+                    self.tree.trim(walk.at.run);
                     break;
                 }
             }
@@ -295,6 +312,62 @@ impl KvIndex {
             None => self.ownerships += 1,
         }
         Ok(KvResult::Applied)
+    }
+
+    /// The common case of a stored chain, done block after block without the general checks:
+    /// the walk is at the end of a leaf run rank `id` alone owns and the blocks are new to the
+    /// rank, so each one only appends to the run and to the rank's lookup. Stops (returning how
+    /// many it stored) at the first block that needs more: one the rank holds, or a ceiling.
+    fn extend_leaf(&mut self, id: u32, walk: &mut Walk, blocks: &[StoredBlock]) -> usize {
+        let Some(state) = self.ranks.get_mut(id) else { return 0 };
+        let mut stored = 0;
+        for block in blocks {
+            let Position { run, end } = walk.at;
+            if end != self.tree.len(run)
+                || state.len() >= self.limits.max_blocks_per_rank
+                || self.ownerships >= self.limits.max_ownerships
+                || self.tree.blocks() >= self.limits.max_blocks
+            {
+                break;
+            }
+            let probe = state.probe(&self.mixer, block.block_hash);
+            if matches!(probe, Probe::Found(..)) || !self.tree.try_extend(run, id, block.tokens_hash) {
+                break;
+            }
+            state.hold(&self.mixer, probe, block.block_hash, self.tree.block_ref(run, end));
+            self.ownerships += 1;
+            walk.at.end += 1;
+            stored += 1;
+        }
+        stored
+    }
+
+    /// The other common case, done the same way: the walk is inside a run another rank owns
+    /// (a shared prefix) and has begun taking it, so each next block the chain shares with the
+    /// run, new to the rank, only extends the pending range and the rank's lookup.
+    fn take_shared(&mut self, id: u32, walk: &mut Walk, blocks: &[StoredBlock]) -> usize {
+        let Some(state) = self.ranks.get_mut(id) else { return 0 };
+        let run = walk.at.run;
+        let hashes = self.tree.hashes(run);
+        let mut taken = 0;
+        for block in blocks {
+            let end = walk.at.end;
+            if hashes.get(end as usize) != Some(&block.tokens_hash)
+                || state.len() >= self.limits.max_blocks_per_rank
+                || self.ownerships >= self.limits.max_ownerships
+            {
+                break;
+            }
+            let probe = state.probe(&self.mixer, block.block_hash);
+            if matches!(probe, Probe::Found(..)) {
+                break;
+            }
+            state.hold(&self.mixer, probe, block.block_hash, self.tree.block_ref(run, end));
+            self.ownerships += 1;
+            walk.at.end += 1;
+            taken += 1;
+        }
+        taken
     }
 
     /// Makes rank `id` an owner of the walk's pending range (blocks it took in the current run,

@@ -345,6 +345,19 @@ impl Tree {
         self.remove_owner(single, rank);
     }
 
+    /// Gives back the room `run`'s segment kept for blocks that were then refused.
+    pub(crate) fn trim(&mut self, run: u32) {
+        if run == ROOT {
+            return;
+        }
+        let s = self.segments.get_mut(self.runs.get(run).segment);
+        if s.hashes.capacity() > 2 * s.hashes.len() {
+            let before = s.heap_bytes();
+            s.hashes.shrink_to_fit();
+            self.spilled = self.spilled + s.heap_bytes() - before;
+        }
+    }
+
     /// Drops `rank` from a whole run's owners (the rank holds none of its blocks any more), then
     /// frees what is left without owners and children.
     pub(crate) fn remove_owner(&mut self, run: u32, rank: u32) {

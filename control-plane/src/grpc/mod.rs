@@ -9,8 +9,8 @@ use std::time::Duration;
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::fleet_server::FleetServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus};
@@ -51,7 +51,10 @@ pub async fn serve(listener: TcpListener, fleet: FleetService, shutdown: Cancell
                 .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
         )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown.cancelled_owned())
+        // `Server::tcp_nodelay` covers only the sockets `serve` binds itself: accepted ones
+        // need it set here, or Nagle holds a small FindMatches reply for the client's delayed
+        // ACK (~40 ms, twenty times the lookup's 2 ms deadline).
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown.cancelled_owned())
         .await?;
     Ok(())
 }

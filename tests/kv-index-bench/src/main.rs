@@ -160,8 +160,10 @@ fn latency(queries: &[Vec<u64>], mut measure: impl FnMut(&[u64]) -> Duration) ->
     (times[times.len() / 2], times[times.len() * 99 / 100])
 }
 
+/// Live bytes: stats_alloc already books a realloc's growth under `bytes_allocated` and its
+/// shrinking under `bytes_deallocated` (`bytes_reallocated` is the same change again).
 fn net(stats: stats_alloc::Stats) -> i64 {
     let allocated = i64::try_from(stats.bytes_allocated).unwrap_or(i64::MAX);
     let freed = i64::try_from(stats.bytes_deallocated).unwrap_or(i64::MAX);
-    allocated - freed + i64::try_from(stats.bytes_reallocated).unwrap_or(0)
+    allocated - freed
 }

@@ -228,6 +228,9 @@ fn table(stats: &IndexStats, rows: &[Row], mean_hashes: f64) -> String {
         stats.ownerships,
         stats.heap_bytes as f64 / (1024.0 * 1024.0),
     );
+    // A shared 2-core machine: the tail quantiles move with whatever else runs.
+    let load = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| l.split(' ').next().map(str::to_string));
+    out.push_str(&format!("1-minute load average at the start: {}.\n\n", load.as_deref().unwrap_or("unknown")));
     out.push_str("| path | calls | p50 | p99 | max | calls/s | > 2 ms deadline | ranks per answer |\n");
     out.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for r in rows {
