@@ -1,10 +1,13 @@
-//! Benchmark: `continuum-kv-index` against `dynamo-kv-router` 1.6.1's `RadixTree` on one
-//! deterministic workload (see `workload.rs`), in one process.
+//! Benchmark: `continuum-kv-index` against `dynamo-kv-router` 1.6.1 on one deterministic
+//! workload (see `workload.rs`), in one process, twice over: against its bare `RadixTree` (the data
+//! structures alone) and against its `KvIndexer` (the channel-fed actor its router runs). Our side
+//! is the bare index both times.
 //!
 //! Run: `CARGO_TARGET_DIR=/work/target-kvbench cargo run --release` in this directory; `--write`
 //! also replaces the `bench-kv-index` section of `docs/benchmarks.md`.
 
 mod dynamo;
+mod dynamo_indexer;
 mod ours;
 mod report;
 mod workload;
@@ -57,6 +60,12 @@ fn main() {
 
     let mut ours_fig = Figures::default();
     let mut dyn_fig = Figures::default();
+    let mut actor_fig = Figures::default();
+    // Drives the sending side of `KvIndexer`; its actor runs on its own thread and runtime.
+    let rt = match tokio::runtime::Builder::new_current_thread().build() {
+        Ok(rt) => rt,
+        Err(e) => panic!("cannot build a tokio runtime: {e}"),
+    };
     let mut our_index = KvIndex::default();
     let mut dyn_tree = RadixTree::new();
     // Rounds alternate which index goes first; each round builds a fresh index.
@@ -79,8 +88,23 @@ fn main() {
                 dyn_tree = tree;
             }
         }
-        eprintln!("round {round}: ours {:?}, dynamo {:?}", ours_fig.apply[round], dyn_fig.apply[round]);
+        // Dynamo's KvIndexer last in every round, so the RadixTree pair above runs as it always did.
+        let events = dynamo::events(&w.events);
+        let threads = dynamo_indexer::threads();
+        let indexer = dynamo_indexer::new();
+        let start = Instant::now();
+        rt.block_on(dynamo_indexer::apply(&indexer, events));
+        actor_fig.apply.push(start.elapsed());
+        dynamo_indexer::shut_down(indexer, threads);
+        eprintln!(
+            "round {round}: ours {:?}, dynamo RadixTree {:?}, dynamo KvIndexer {:?}",
+            ours_fig.apply[round], dyn_fig.apply[round], actor_fig.apply[round]
+        );
     }
+    let threads = dynamo_indexer::threads();
+    let indexer = dynamo_indexer::new();
+    actor_fig.refused = rt.block_on(dynamo_indexer::apply_counting_refusals(&indexer, dynamo::events(&w.events)));
+    dynamo_indexer::shut_down(indexer, threads);
 
     // Memory: build each index once more, feeding a clone of each event that the apply consumes,
     // so the net heap change is the index alone.
@@ -107,11 +131,25 @@ fn main() {
     dyn_fig.heap_bytes = net(region.change());
     drop(dyn_events);
 
+    // KvIndexer: the tree plus what the actor keeps (its runtime, channels), counted across threads.
+    let dyn_events = dynamo::events(&w.events);
+    let region = Region::new(GLOBAL);
+    let indexer = dynamo_indexer::new();
+    rt.block_on(dynamo_indexer::apply(&indexer, dyn_events.clone()));
+    actor_fig.heap_bytes = net(region.change());
+    drop(dyn_events);
+
     // Scores: both must agree on every query.
     let mut mismatches = 0;
     for q in &w.queries {
         if ours::scores(&index, q) != dynamo::scores(&tree, dynamo::query(q)) {
             mismatches += 1;
+        }
+    }
+    let mut actor_mismatches = 0;
+    for q in &w.queries {
+        if ours::scores(&index, q) != rt.block_on(dynamo_indexer::scores(&indexer, dynamo::query(q))) {
+            actor_mismatches += 1;
         }
     }
     let matched = w.queries.iter().filter(|q| !index.find_matches(q).is_empty()).count();
@@ -129,11 +167,33 @@ fn main() {
         start.elapsed()
     });
     (dyn_fig.p50, dyn_fig.p99) = (p50, p99);
+    // Through its async API: the send, the actor's turn, and the reply, as the router waits for it.
+    let (p50, p99) = latency(&w.queries, |q| {
+        let query = dynamo::query(q);
+        rt.block_on(async {
+            let start = Instant::now();
+            std::hint::black_box(dynamo_indexer::find_matches(&indexer, query).await);
+            start.elapsed()
+        })
+    });
+    (actor_fig.p50, actor_fig.p99) = (p50, p99);
 
-    let table = report::render(&w, &ours_fig, &dyn_fig, &stats, mismatches, matched);
+    let table = report::render(
+        &w,
+        &ours_fig,
+        &[
+            report::Theirs { figures: &dyn_fig, mismatches, kind: report::Kind::RadixTree },
+            report::Theirs { figures: &actor_fig, mismatches: actor_mismatches, kind: report::Kind::KvIndexer },
+        ],
+        &stats,
+        matched,
+    );
     println!("{table}");
-    if mismatches > 0 {
-        eprintln!("{mismatches} of {} queries scored differently", w.queries.len());
+    if mismatches + actor_mismatches > 0 {
+        eprintln!(
+            "{mismatches} (RadixTree) and {actor_mismatches} (KvIndexer) of {} queries scored differently",
+            w.queries.len()
+        );
         std::process::exit(1);
     }
     if write {

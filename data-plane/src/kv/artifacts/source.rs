@@ -1,19 +1,28 @@
 //! Where an artifact's bytes come from. Classifying a card's `path` is pure: a local path or
 //! `file://` is always allowed, `http(s)://` only under `allow_http_artifacts`, `hf://` only
-//! under `allow_hf_artifacts`. Fetching is the effect: bounded to [`MAX_ARTIFACT_BYTES`] while
-//! the body streams, with a deadline.
+//! under `allow_hf_artifacts`. Fetching is the effect: over plain http or TLS (certificates
+//! verified against the Mozilla roots, plus an operator's CA bundle for private mirrors), bounded
+//! to [`MAX_ARTIFACT_BYTES`] while the body streams, with a deadline.
+
+#[cfg(test)]
+mod https_tests;
+mod tls;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{Request, StatusCode, Uri, header};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use rustls::RootCertStore;
 
 use super::cache::MAX_ARTIFACT_BYTES;
+pub use tls::TlsSetupError;
 
 /// An artifact fetch (connect, head and whole body) must finish within this.
 pub const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -97,27 +106,70 @@ pub enum FetchError {
     Failed { uri: String, reason: String },
 }
 
-/// Fetches `http://` artifacts (and the Hub through an `http://` `HF_ENDPOINT` mirror) with the
-/// data plane's hyper client. It speaks no TLS: an `https://` URI fails with a message saying so.
+/// Read by [`Fetcher::from_env`]: a PEM bundle of CA certificates trusted in addition to the
+/// Mozilla roots (a private mirror's CA).
+pub const ARTIFACT_CA_FILE_ENV: &str = "CONTINUUM_ARTIFACT_CA_FILE";
+/// Connecting (TCP only) must finish within this; the whole fetch within [`FETCH_TIMEOUT`].
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+type HttpsClient = Client<HttpsConnector<HttpConnector>, Empty<Bytes>>;
+
+/// Fetches `http://` and `https://` artifacts, and the Hub at `HF_ENDPOINT`, with a hyper
+/// client that verifies server certificates against the Mozilla roots (compiled in, no system
+/// store) and any extra roots added with [`Fetcher::with_extra_roots`].
 #[derive(Debug, Clone)]
 pub struct Fetcher {
-    client: Client<HttpConnector, Empty<Bytes>>,
+    /// `Err` only if rustls refused the configuration (it cannot with ring's default provider);
+    /// then every fetch fails with the reason instead of the router failing to start.
+    client: Result<HttpsClient, Arc<str>>,
+    roots: Arc<RootCertStore>,
     hf_endpoint: String,
     hf_token: Option<String>,
 }
 
 impl Fetcher {
-    /// Reads `HF_ENDPOINT` and `HF_TOKEN` from the environment.
+    /// Reads `HF_ENDPOINT`, `HF_TOKEN` and [`ARTIFACT_CA_FILE_ENV`]. A CA file that cannot be
+    /// read or parsed is logged and ignored: the fetcher then trusts only the Mozilla roots, so
+    /// a private mirror fails closed (`fetch_failed`) rather than being trusted blindly.
     pub fn from_env() -> Self {
         let hf_endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| DEFAULT_HF_ENDPOINT.to_string());
-        Self::new(hf_endpoint, std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()))
+        let fetcher = Self::new(hf_endpoint, std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()));
+        let Some(path) = std::env::var_os(ARTIFACT_CA_FILE_ENV).filter(|p| !p.is_empty()) else {
+            return fetcher;
+        };
+        let pem = match std::fs::read(&path) {
+            Ok(pem) => pem,
+            Err(e) => {
+                tracing::error!(path = %path.to_string_lossy(), error = %e, "{ARTIFACT_CA_FILE_ENV}: cannot read the CA bundle; trusting only the Mozilla roots");
+                return fetcher;
+            }
+        };
+        match fetcher.clone().with_extra_roots(&pem) {
+            Ok(extended) => extended,
+            Err(e) => {
+                tracing::error!(path = %path.to_string_lossy(), error = %e, "{ARTIFACT_CA_FILE_ENV}: unusable CA bundle; trusting only the Mozilla roots");
+                fetcher
+            }
+        }
     }
 
     pub fn new(hf_endpoint: String, hf_token: Option<String>) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        let client = Client::builder(TokioExecutor::new()).build(connector);
-        Self { client, hf_endpoint: hf_endpoint.trim_end_matches('/').to_string(), hf_token }
+        let roots = Arc::new(tls::mozilla_roots());
+        Self {
+            client: build_client(&roots).map_err(|e| Arc::from(e.to_string())),
+            roots,
+            hf_endpoint: hf_endpoint.trim_end_matches('/').to_string(),
+            hf_token,
+        }
+    }
+
+    /// Also trusts the CA certificates of a PEM bundle (every `CERTIFICATE` block; other blocks
+    /// are skipped). Fails, changing nothing, if the bundle holds no usable CA certificate.
+    pub fn with_extra_roots(self, pem: &[u8]) -> Result<Self, TlsSetupError> {
+        let mut roots = RootCertStore::clone(&self.roots);
+        tls::add_pem_roots(&mut roots, pem)?;
+        let client = build_client(&roots)?;
+        Ok(Self { client: Ok(client), roots: Arc::new(roots), ..self })
     }
 
     /// The Hub URL of an `hf://` artifact.
@@ -141,27 +193,32 @@ impl Fetcher {
     }
 
     async fn follow(&self, uri: &str, token: Option<&str>) -> Result<Vec<u8>, FetchError> {
+        let client = self.client.as_ref().map_err(|reason| fail(uri, reason))?;
         let mut current: Uri = uri.parse().map_err(|_| fail(uri, "malformed URI"))?;
-        let origin = current.authority().cloned();
+        // The token's origin is scheme and authority: the same host over http is another origin.
+        let origin = (current.scheme().cloned(), current.authority().cloned());
         for _ in 0..=MAX_REDIRECTS {
-            if current.scheme_str() != Some("http") {
-                return Err(fail(
-                    uri,
-                    "https:// needs TLS, which the router's artifact client does not speak; serve the artifact over http:// or from a local path",
-                ));
+            if !matches!(current.scheme_str(), Some("http" | "https")) {
+                return Err(fail(uri, &format!("{current} is neither http:// nor https://")));
             }
             let mut request = Request::get(current.clone());
             // The token goes to the configured endpoint only, never to where it redirects.
-            if let Some(token) = token.filter(|_| current.authority() == origin.as_ref()) {
+            let at_origin = current.scheme() == origin.0.as_ref() && current.authority() == origin.1.as_ref();
+            if let Some(token) = token.filter(|_| at_origin) {
                 request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
             }
             let request = request.body(Empty::new()).map_err(|e| fail(uri, &e.to_string()))?;
-            let response = self.client.request(request).await.map_err(|e| fail(uri, &e.to_string()))?;
+            let response = client.request(request).await.map_err(|e| fail(uri, &error_chain(&e)))?;
             let status = response.status();
             if status.is_redirection() {
                 let location = response.headers().get(header::LOCATION).and_then(|l| l.to_str().ok());
-                current = resolve_redirect(&current, location.ok_or_else(|| fail(uri, "redirect without Location"))?)
+                let next = resolve_redirect(&current, location.ok_or_else(|| fail(uri, "redirect without Location"))?)
                     .ok_or_else(|| fail(uri, "unusable redirect Location"))?;
+                // What TLS protected must not be re-fetched in the clear (and tampered with).
+                if current.scheme_str() == Some("https") && next.scheme_str() != Some("https") {
+                    return Err(fail(uri, &format!("refused a redirect from https:// down to {next}")));
+                }
+                current = next;
                 continue;
             }
             if status != StatusCode::OK {
@@ -171,6 +228,31 @@ impl Fetcher {
         }
         Err(fail(uri, &format!("more than {MAX_REDIRECTS} redirects")))
     }
+}
+
+/// http:// and https:// (TLS 1.2 / 1.3, HTTP/1.1) with the given trust anchors.
+fn build_client(roots: &RootCertStore) -> Result<HttpsClient, TlsSetupError> {
+    let config = tls::client_config(roots.clone())?;
+    let mut http = HttpConnector::new();
+    http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+    // The https connector wraps this one and needs it to accept https:// URIs.
+    http.enforce_http(false);
+    let connector =
+        HttpsConnectorBuilder::new().with_tls_config(config).https_or_http().enable_http1().wrap_connector(http);
+    Ok(Client::builder(TokioExecutor::new()).build(connector))
+}
+
+/// hyper's own message ("client error (Connect)") hides the cause, e.g. rustls's
+/// "invalid peer certificate: UnknownIssuer"; the whole chain is what an operator needs.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut reason = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        reason.push_str(": ");
+        reason.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    reason
 }
 
 fn fail(uri: &str, reason: &str) -> FetchError {
