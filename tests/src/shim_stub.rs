@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use anyhow::{Context, anyhow};
@@ -57,6 +57,9 @@ struct Shared {
     count: watch::Sender<usize>,
     /// What `GET /live` answers: 200 while true, 503 otherwise.
     down: AtomicBool,
+    /// A decode worker whose pinned requests get the frontend's generic 500, as for a dead
+    /// worker (0: none).
+    failing_worker: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -111,6 +114,12 @@ impl StubShim {
         self.shared.count.subscribe()
     }
 
+    /// Answers every request pinned to decode worker `id` with a 500, as 1.6.1 does when the
+    /// worker is gone; other requests are answered as usual.
+    pub fn fail_worker(&self, id: u64) {
+        self.shared.failing_worker.store(id, Ordering::Relaxed);
+    }
+
     /// Makes `GET /live` answer 503 (or 200 again), as a frontend on its way down would.
     pub fn set_live(&self, live: bool) {
         self.shared.down.store(!live, Ordering::Relaxed);
@@ -147,7 +156,15 @@ async fn live(State(shared): State<Arc<Shared>>) -> Response {
 
 async fn answer(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let reply = shared.script.lock().unwrap_or_else(PoisonError::into_inner).pop_front().unwrap_or(Reply::Echo);
+    let failing = shared.failing_worker.load(Ordering::Relaxed);
+    let pinned_to_failing = failing != 0
+        && headers.get("x-dynamo-worker-instance-id").and_then(|v| v.to_str().ok())
+            == Some(failing.to_string().as_str());
+    let reply = if pinned_to_failing {
+        Reply::Fixed { status: StatusCode::INTERNAL_SERVER_ERROR, content_type: None, body: Bytes::from_static(b"{}") }
+    } else {
+        shared.script.lock().unwrap_or_else(PoisonError::into_inner).pop_front().unwrap_or(Reply::Echo)
+    };
     let stream = body["stream"] == true;
     let echo = echo(&headers, &body);
     shared.received.lock().unwrap_or_else(PoisonError::into_inner).push(Received { headers, body });

@@ -48,6 +48,13 @@ impl DispatchEnd {
     }
 }
 
+impl DispatchEnd {
+    /// The ledger the dispatch is recorded in (and whose outlier record its outcome feeds).
+    pub fn ledger(&self) -> &Arc<DispatchLedger> {
+        &self.ledger
+    }
+}
+
 impl Drop for DispatchEnd {
     fn drop(&mut self) {
         self.ledger.end(self.id, Instant::now());

@@ -180,13 +180,23 @@ impl Dispatcher {
     ) -> Result<Response, DispatchError> {
         let Pinned { selection, replicas, fallback_to_unified, dispatch } = pinned;
         let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
+        let ledger = Arc::clone(dispatch.ledger());
+        let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
         let failure = match self.send_pinned(&body, stream, disclose, &selection, &replicas, dispatch).await {
             PinnedOutcome::Final(outcome) => {
+                if outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
+                    ledger.outliers().succeeded(&ranks);
+                }
                 self.metrics.routed(path);
                 return outcome;
             }
             PinnedOutcome::Failed(failure) => failure,
         };
+        // The shim answered, but not with a response: the pinned workers are the suspects.
+        // (A shim that could not be reached says nothing about them.)
+        if matches!(failure, Failure::Status(_) | Failure::Body(_) | Failure::BodyTimeout(_)) {
+            ledger.outliers().failed(&ranks, Instant::now());
+        }
         // The decode arm. The pinned dispatch has ended, whatever the fallback does.
         self.metrics.error(ErrorPhase::Decode);
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");

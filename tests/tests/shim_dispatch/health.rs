@@ -1,6 +1,7 @@
 //! Shim replica health: connection failures move on to another replica of the pool with the same
 //! pins; consecutive failures open a replica's breaker, and a probe after the cooldown closes it;
-//! a replica failing its liveness probes is skipped until it answers again.
+//! a replica failing its liveness probes is skipped until it answers again; a worker whose
+//! pinned requests keep failing is skipped for a while.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -10,7 +11,10 @@ use continuum_data_plane::dispatch::{BreakerSettings, DispatchSettings, ProbeSet
 use continuum_tests::eventually;
 use continuum_tests::shim_stub::StubShim;
 
-use super::{DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, error_of, sample};
+use continuum_data_plane::routing::picker::EJECT_AFTER;
+use continuum_proto::model::Role;
+
+use super::{DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, error_of, sample, worker};
 
 /// A loopback address nothing listens on (bound, then released).
 async fn refused_addr() -> anyhow::Result<SocketAddr> {
@@ -154,6 +158,34 @@ async fn a_replica_failing_its_liveness_probes_is_skipped_before_any_request_fai
         harness.post(&chat(MODEL, false)).await?.bytes().await?;
     }
     assert!(!sick.received().is_empty(), "rotation uses the replica again");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_pinned_requests_keep_failing_is_skipped_by_the_replica_on_its_own() -> anyhow::Result<()> {
+    const DEAD: u64 = 0x5eed_0001;
+    const ALIVE: u64 = 0x5eed_0002;
+    let shim = StubShim::start().await?;
+    shim.fail_worker(DEAD);
+    let fleet = vec![worker(DEAD, Role::Aggregated, MODEL, 0), worker(ALIVE, Role::Aggregated, MODEL, 0)];
+    // The control plane never removes the dead worker here, as when it is unreachable.
+    let harness = Harness::start(fleet, config(&[("shim", shim.url())])).await?;
+    let mut answered = 0;
+    for _ in 0..12 {
+        let response = harness.post(&chat(MODEL, false)).await?;
+        if response.status() == 200 {
+            answered += 1;
+        }
+        response.bytes().await?;
+    }
+    let to_dead = shim
+        .received()
+        .iter()
+        .filter(|r| r.header("x-dynamo-worker-instance-id") == Some(DEAD.to_string().as_str()))
+        .count();
+    assert_eq!(to_dead, EJECT_AFTER as usize, "after {EJECT_AFTER} failures the dead worker is skipped");
+    assert_eq!(answered, 12 - to_dead, "every other request was served by the live worker");
     harness.stop().await;
     Ok(())
 }

@@ -7,11 +7,13 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use continuum_proto::model::{LoadKey, Role, Worker};
 use continuum_proto::view::FleetView;
 
 use super::Pin;
+use super::outliers::Outliers;
 
 /// One (worker, dp rank).
 #[derive(Clone, Debug)]
@@ -37,6 +39,18 @@ impl Candidate {
 pub(super) struct Pools {
     pub decode: Vec<Candidate>,
     pub prefill: BTreeMap<Arc<str>, Vec<Candidate>>,
+}
+
+impl Pools {
+    /// Drops the ranks this replica's pinned dispatches keep failing on, per list, unless a
+    /// list would be left empty.
+    pub fn skip_ejected(mut self, outliers: &Outliers, now: Instant) -> Self {
+        outliers.filter(&mut self.decode, Candidate::load_key, now);
+        for pool in self.prefill.values_mut() {
+            outliers.filter(pool, Candidate::load_key, now);
+        }
+        self
+    }
 }
 
 #[derive(Debug, Default)]

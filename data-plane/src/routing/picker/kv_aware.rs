@@ -120,7 +120,8 @@ impl KvAwarePicker {
             now,
         };
         let request = PickRequest { prompt_tokens: isl_tokens, ..*request };
-        let pools = candidates::pools(view, request.model, request.namespaces);
+        let pools =
+            candidates::pools(view, request.model, request.namespaces).skip_ejected(self.ledger().outliers(), now);
         let prefilling = prefilling(&pools);
         let cursor = (KV_CURSOR, Phase::Prefill, request.model);
         let winner = self.compete(&scoring, &prefilling, cursor, |logit| logit.cost)?;

@@ -20,6 +20,7 @@ use prometheus::IntCounter;
 
 use super::Selection;
 use super::fast_hash::FastMap;
+use super::outliers::Outliers;
 
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);
@@ -83,6 +84,8 @@ pub struct DispatchLedger {
     refused: AtomicU64,
     /// The replica's registered metric for refusals, when it has one.
     refused_metric: Option<IntCounter>,
+    /// Ranks whose pinned dispatches keep failing.
+    outliers: Outliers,
 }
 
 #[derive(Debug, Default)]
@@ -165,13 +168,24 @@ impl DispatchLedger {
         Self::with_capacity(LEDGER_CAPACITY)
     }
 
+    /// The ranks this replica's pinned dispatches keep failing on; pickers skip them.
+    pub fn outliers(&self) -> &Outliers {
+        &self.outliers
+    }
+
     /// A ledger whose refusals count on `refused` (the replica's registered metric).
     pub fn counting_refusals(refused: IntCounter) -> Self {
         Self { refused_metric: Some(refused), ..Self::new() }
     }
 
     pub fn with_capacity(capacity: usize) -> Self {
-        Self { capacity, state: Mutex::new(State::default()), refused: AtomicU64::new(0), refused_metric: None }
+        Self {
+            capacity,
+            state: Mutex::new(State::default()),
+            refused: AtomicU64::new(0),
+            refused_metric: None,
+            outliers: Outliers::default(),
+        }
     }
 
     /// Records a dispatch of `prompt_tokens` pinned as `selection`. `block_size` is the decode

@@ -147,7 +147,8 @@ impl LoadBasedPicker {
 
 impl Picker for LoadBasedPicker {
     fn pick(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Option<Selection> {
-        let pools = candidates::pools(view, request.model, request.namespaces);
+        let pools =
+            candidates::pools(view, request.model, request.namespaces).skip_ejected(self.ledger.outliers(), now);
         let decode_cursor = (Phase::Decode, request.model);
         let (decode, decode_reason) = self.choose(view, Phase::Decode, &pools.decode, decode_cursor, request, now)?;
         let namespace = Arc::clone(&decode.worker.key.namespace);

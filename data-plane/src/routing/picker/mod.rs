@@ -12,6 +12,7 @@ pub(crate) mod fast_hash;
 mod kv_aware;
 mod ledger;
 mod load_based;
+mod outliers;
 
 use std::fmt;
 use std::sync::Arc;
@@ -30,6 +31,7 @@ pub use ledger::{
     UNANSWERED_FOR, dispatch_block_size,
 };
 pub use load_based::LoadBasedPicker;
+pub use outliers::{EJECT_AFTER, EJECTION, Outliers};
 
 /// One worker rank to pin.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
