@@ -35,6 +35,36 @@ pub fn dynamo_fixtures() -> PathBuf {
     shared_dir().join("fixtures/dynamo-1.6.1")
 }
 
+/// One message of a captured `*/zmq-messages*.jsonl` fixture file: the raw frames (from
+/// `frames_hex`) beside the capture's own decode.
+#[derive(Debug, Clone)]
+pub struct CapturedMessage {
+    pub topic: String,
+    pub frames: Vec<Vec<u8>>,
+    pub decoded: serde_json::Value,
+}
+
+/// Every message of the fixture file `file` (relative to [`dynamo_fixtures`]), in order.
+pub fn captured_messages(file: &str) -> anyhow::Result<Vec<CapturedMessage>> {
+    use anyhow::Context;
+    let path = dynamo_fixtures().join(file);
+    let text = std::fs::read_to_string(&path).with_context(|| path.display().to_string())?;
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        let message: serde_json::Value = serde_json::from_str(line)?;
+        let frames = message["frames_hex"].as_array().context("frames_hex")?;
+        let frames = frames.iter().map(|f| unhex(f.as_str().unwrap_or_default())).collect::<anyhow::Result<_>>()?;
+        let topic = message["topic"].as_str().unwrap_or_default().to_string();
+        out.push(CapturedMessage { topic, frames, decoded: message["decoded"].clone() });
+    }
+    Ok(out)
+}
+
+fn unhex(text: &str) -> anyhow::Result<Vec<u8>> {
+    anyhow::ensure!(text.len().is_multiple_of(2), "odd-length hex frame");
+    (0..text.len()).step_by(2).map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?)).collect()
+}
+
 /// A workspace binary built by cargo for this test run, or beside the running benchmark binary
 /// (of the same profile: `cargo build --release --bins` for a release benchmark).
 pub fn binary(name: &str) -> PathBuf {

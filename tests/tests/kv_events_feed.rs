@@ -19,7 +19,7 @@ use continuum_kv_index::Limits;
 use continuum_proto::model::WorkerKey;
 use continuum_tests::eventually;
 use continuum_tests::load::{NAMESPACE, fleet, worker};
-use continuum_tests::tools::dynamo_fixtures;
+use continuum_tests::tools::captured_messages;
 use continuum_tests::zmtp_peer::{PeerConnection, RawPublisher};
 use serde_json::Value;
 use tokio::sync::watch;
@@ -37,33 +37,18 @@ struct Captured {
 }
 
 fn captured_stream() -> anyhow::Result<Vec<Captured>> {
-    let path = dynamo_fixtures().join("agg/zmq-messages-under-load-evictions.jsonl");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = Vec::new();
-    for line in text.lines() {
-        let message: Value = serde_json::from_str(line)?;
-        if message["topic"] != "kv-events" {
-            continue;
-        }
-        let frames = message["frames_hex"]
-            .as_array()
-            .context("frames_hex")?
-            .iter()
-            .map(|f| hex(f.as_str().unwrap_or_default()))
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        let first = &message["decoded"]["payload"][0];
+    let messages = captured_messages("agg/zmq-messages-under-load-evictions.jsonl")?;
+    for message in messages.into_iter().filter(|m| m.topic == "kv-events") {
+        let first = &message.decoded["payload"][0];
         out.push(Captured {
-            publisher_id: message["decoded"]["publisher_id_frame_u64be"].as_u64().context("publisher id")?,
+            publisher_id: message.decoded["publisher_id_frame_u64be"].as_u64().context("publisher id")?,
             worker_id: first["worker_id"].as_u64().context("worker_id")?,
             dp_rank: u32::try_from(first["event"]["dp_rank"].as_u64().unwrap_or(0))?,
-            frames,
+            frames: message.frames,
         });
     }
     Ok(out)
-}
-
-fn hex(text: &str) -> anyhow::Result<Vec<u8>> {
-    (0..text.len()).step_by(2).map(|i| Ok(u8::from_str_radix(&text[i..i + 2], 16)?)).collect()
 }
 
 fn kv_publisher(c: &Captured, worker_id: u64, address: String) -> Publisher {

@@ -17,7 +17,6 @@ use continuum_tests::bench::{arg, write_section};
 use continuum_tests::load::{TestLoad, fleet, kv_metrics_publisher, loopback_config, test_options, worker};
 use continuum_tests::zmtp_peer::{RawPublisher, encode_message, pub_handshake};
 use continuum_tests::{eventually, tools};
-use serde_json::Value;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tokio::io::AsyncWriteExt;
 
@@ -80,27 +79,12 @@ fn main() -> anyhow::Result<()> {
 fn captured_frames() -> anyhow::Result<Vec<(Vec<Vec<u8>>, u64)>> {
     let mut out = Vec::new();
     for file in ["agg/zmq-messages.jsonl", "agg/zmq-messages-under-load-evictions.jsonl", "disagg/zmq-messages.jsonl"] {
-        let text = std::fs::read_to_string(tools::dynamo_fixtures().join(file)).with_context(|| file.to_string())?;
-        for line in text.lines().filter(|l| !l.is_empty()) {
-            let message: Value = serde_json::from_str(line)?;
-            if message["topic"] != "kv_metrics" {
-                continue;
-            }
-            let frames = message["frames_hex"]
-                .as_array()
-                .context("frames_hex")?
-                .iter()
-                .map(|f| hex(f.as_str().unwrap_or_default()))
-                .collect();
-            let publisher = message["decoded"]["publisher_id_frame_u64be"].as_u64().context("publisher id")?;
-            out.push((frames, publisher));
+        for message in tools::captured_messages(file)?.into_iter().filter(|m| m.topic == "kv_metrics") {
+            let publisher = message.decoded["publisher_id_frame_u64be"].as_u64().context("publisher id")?;
+            out.push((message.frames, publisher));
         }
     }
     Ok(out)
-}
-
-fn hex(text: &str) -> Vec<u8> {
-    (0..text.len() / 2).filter_map(|i| u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()).collect()
 }
 
 fn decode_rate(frames: &[(Vec<Vec<u8>>, u64)], run: Duration) -> anyhow::Result<f64> {
