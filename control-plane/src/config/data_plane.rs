@@ -1,7 +1,9 @@
 //! Views derived from the configuration: the configured Dynamo namespaces and the part the
 //! data plane needs (streamed to every replica).
 
-use continuum_proto::model::{Backend, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, PickerParams, ShimPool};
+use continuum_proto::model::{
+    Backend, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, PickerParams, ShimPool,
+};
 
 use super::Config;
 use super::discovery::DiscoverySource;

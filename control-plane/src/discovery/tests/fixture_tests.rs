@@ -40,7 +40,11 @@ fn tiny_artifacts() -> ModelArtifacts {
         size,
     };
     ModelArtifacts {
-        tokenizer: Some(file("tokenizer.json", "4b790d1231b2081593931289dcc9559ead3dd4d6df27357da278e0c93ec60884", 252_970)),
+        tokenizer: Some(file(
+            "tokenizer.json",
+            "4b790d1231b2081593931289dcc9559ead3dd4d6df27357da278e0c93ec60884",
+            252_970,
+        )),
         tokenizer_config: Some(file(
             "tokenizer_config.json",
             "27b8fcaa163eb33d9b725dace88912192dd40899d37f80fa4343ea37539b4772",
