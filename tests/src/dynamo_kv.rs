@@ -7,13 +7,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 use crate::dynamo::{self, NAMESPACE};
+use crate::dynamo_load::start_tap;
 use crate::netns::NetNs;
 use crate::tools;
-
-const START_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One kv-events event as the tap decoded it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,16 +61,7 @@ pub struct KvTap {
 impl KvTap {
     /// Starts the tap on `endpoints` and returns once it is subscribed.
     pub async fn start(ns: &NetNs, endpoints: &[String]) -> anyhow::Result<Self> {
-        let mut command = ns.command(tools::python());
-        command.arg("-c").arg(TAP).args(endpoints);
-        let (_, stdout) = ns.spawn_reading("kv-events-tap", command)?;
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
-        if !matches!(&ready, Ok(Ok(Some(line))) if line.contains("ready")) {
-            bail!("the pyzmq kv-events tap did not start:\n{}", ns.log_tail("kv-events-tap"));
-        }
-        // A SUB's subscription reaches the PUB shortly after connect (the slow joiner).
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut lines = start_tap(ns, "kv-events-tap", TAP, endpoints).await?;
         let tap = Self::default();
         let seen = Arc::clone(&tap.seen);
         tokio::spawn(async move {

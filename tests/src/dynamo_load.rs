@@ -9,9 +9,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader, Lines};
+use tokio::process::ChildStdout;
 
-use crate::dynamo::{self, NAMESPACE};
+use crate::dynamo;
 use crate::netns::NetNs;
 use crate::tools;
 
@@ -69,18 +70,7 @@ pub async fn chat(
 
 /// The `tcp://` endpoints of every kv_metrics channel registered in the namespace's etcd.
 pub async fn kv_metrics_endpoints(ns: &NetNs) -> anyhow::Result<Vec<String>> {
-    let mut get = dynamo::etcdctl(ns);
-    get.args(["get", "--prefix", &format!("v1/event_channels/namespace/{NAMESPACE}/"), "--print-value-only"]);
-    let mut endpoints = Vec::new();
-    for line in ns.run(get).await?.lines().filter(|l| !l.is_empty()) {
-        let record: Value = serde_json::from_str(line)?;
-        if record["topic"] == "kv_metrics"
-            && let Some(endpoint) = record["transport"]["config"]["endpoint"].as_str()
-        {
-            endpoints.push(endpoint.to_string());
-        }
-    }
-    Ok(endpoints)
+    crate::dynamo_kv::channel_endpoints(ns, "kv_metrics").await
 }
 
 /// One kv_metrics message as the tap decoded it.
@@ -121,19 +111,7 @@ pub struct Tap {
 impl Tap {
     /// Starts the tap on `endpoints` and returns once it is subscribed.
     pub async fn start(ns: &NetNs, endpoints: &[String]) -> anyhow::Result<Self> {
-        let mut command = ns.command(tools::python());
-        command.arg("-c").arg(TAP).args(endpoints);
-        let (_, stdout) = ns.spawn_reading("kv-metrics-tap", command)?;
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
-        if !matches!(&ready, Ok(Ok(Some(line))) if line.contains("ready")) {
-            bail!(
-                "the pyzmq tap did not start (run scripts/test to install pyzmq):\n{}",
-                ns.log_tail("kv-metrics-tap")
-            );
-        }
-        // A SUB's subscription reaches the PUB shortly after connect (the slow joiner).
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut lines = start_tap(ns, "kv-metrics-tap", TAP, endpoints).await?;
         let tap = Self::default();
         let seen = Arc::clone(&tap.seen);
         tokio::spawn(async move {
@@ -176,4 +154,25 @@ impl Tap {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// Starts the pyzmq tap `script` (it prints `{"ready": true}` once subscribed, then one JSON
+/// line per message) on `endpoints`, and returns its output lines once it is subscribed.
+pub(crate) async fn start_tap(
+    ns: &NetNs,
+    label: &str,
+    script: &str,
+    endpoints: &[String],
+) -> anyhow::Result<Lines<BufReader<ChildStdout>>> {
+    let mut command = ns.command(tools::python());
+    command.arg("-c").arg(script).args(endpoints);
+    let (_, stdout) = ns.spawn_reading(label, command)?;
+    let mut lines = BufReader::new(stdout).lines();
+    let ready = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
+    if !matches!(&ready, Ok(Ok(Some(line))) if line.contains("ready")) {
+        bail!("the pyzmq tap did not start (run scripts/test to install pyzmq):\n{}", ns.log_tail(label));
+    }
+    // A SUB's subscription reaches the PUB shortly after connect (the slow joiner).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    Ok(lines)
 }
