@@ -3,13 +3,14 @@
 //! Every miss on the way (artifacts, rendering, the index) becomes a counted result and the
 //! request is scored on load alone; the client never sees it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
-use continuum_proto::model::{KvArtifactPolicy, Role};
+use continuum_proto::model::{KvArtifactPolicy, Role, Worker, WorkerKey};
 use continuum_proto::view::FleetView;
+use imbl::OrdMap;
 use prometheus::IntCounterVec;
 use serde_json::Value;
 
@@ -42,6 +43,26 @@ pub struct KvRouting {
     renderer: Renderer,
     artifacts_counter: IntCounterVec,
     prompt: Mutex<Preparer>,
+    models: Mutex<ModelCache>,
+}
+
+/// Each model's parsed cards and block sizes, kept while the fleet's worker map is the same
+/// one (load samples change far more often than workers, and replace only the loads).
+#[derive(Debug, Default)]
+struct ModelCache {
+    workers: Option<OrdMap<WorkerKey, Arc<Worker>>>,
+    models: HashMap<String, Option<Arc<ModelCards>>>,
+}
+
+/// Most models whose cards are kept at once; past it the cache starts over.
+const MAX_CACHED_MODELS: usize = 256;
+
+/// The cards of every routable worker serving a model, and their block sizes, most common
+/// first.
+#[derive(Debug)]
+struct ModelCards {
+    cards: Vec<ModelArtifacts>,
+    block_sizes: Vec<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -59,7 +80,7 @@ struct Held {
 
 impl KvRouting {
     pub fn new(matches: MatchesClient, renderer: Renderer, artifacts_counter: IntCounterVec) -> Self {
-        Self { matches, renderer, artifacts_counter, prompt: Mutex::default() }
+        Self { matches, renderer, artifacts_counter, prompt: Mutex::default(), models: Mutex::default() }
     }
 
     /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name).
@@ -67,10 +88,11 @@ impl KvRouting {
         let Some(prompt) = self.prompt(&view.config().kv_artifacts) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
-        let Some((cards, block_sizes)) = model_artifacts(view, model) else {
+        let Some(model_cards) = self.model_cards(view, model) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
-        let prepared = match prompt.prepare(model, &cards, body, &block_sizes, request_cache_salt(body), None).await {
+        let ModelCards { cards, block_sizes } = &*model_cards;
+        let prepared = match prompt.prepare(model, cards, body, block_sizes, request_cache_salt(body), None).await {
             Ok(prepared) => prepared,
             Err(fallback) => return Term::Unavailable(selection_result(fallback)),
         };
@@ -94,6 +116,17 @@ impl KvRouting {
                 })
             }
         }
+    }
+
+    /// `model`'s cards, parsed once per worker map rather than on every request.
+    fn model_cards(&self, view: &FleetView, model: &str) -> Option<Arc<ModelCards>> {
+        let mut cache = self.models.lock().unwrap_or_else(PoisonError::into_inner);
+        if !cache.workers.as_ref().is_some_and(|held| held.ptr_eq(view.workers()))
+            || cache.models.len() >= MAX_CACHED_MODELS
+        {
+            *cache = ModelCache { workers: Some(view.workers().clone()), models: HashMap::new() };
+        }
+        cache.models.entry(model.to_string()).or_insert_with(|| model_artifacts(view, model).map(Arc::new)).clone()
     }
 
     /// The preparer under the fleet's artifact policy: a changed policy applies at once (a
@@ -135,9 +168,8 @@ impl KvRouting {
     }
 }
 
-/// The cards of every routable worker serving `model`, and their block sizes, most common
-/// first; `None` when a worker's card names no renderable tokenizer.
-fn model_artifacts(view: &FleetView, model: &str) -> Option<(Vec<ModelArtifacts>, Vec<u32>)> {
+/// `model`'s [`ModelCards`]; `None` when a worker's card names no renderable tokenizer.
+fn model_artifacts(view: &FleetView, model: &str) -> Option<ModelCards> {
     let mut cards = Vec::new();
     let mut sizes: Vec<(u32, usize)> = Vec::new();
     for worker in view.workers().values().filter(|w| w.model == model && w.role != Role::Unknown) {
@@ -150,7 +182,7 @@ fn model_artifacts(view: &FleetView, model: &str) -> Option<(Vec<ModelArtifacts>
         }
     }
     sizes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    Some((cards, sizes.into_iter().map(|(s, _)| s).collect()))
+    Some(ModelCards { cards, block_sizes: sizes.into_iter().map(|(s, _)| s).collect() })
 }
 
 fn artifact_policy(policy: &KvArtifactPolicy) -> ArtifactPolicy {

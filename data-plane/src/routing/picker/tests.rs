@@ -14,9 +14,10 @@ use proptest::prelude::*;
 
 use super::*;
 
-const BLOCK: u32 = 16;
+/// Shared with the KV-aware picker's tests.
+pub(super) const BLOCK: u32 = 16;
 
-fn worker(namespace: &str, id: u64, role: Role) -> Worker {
+pub(super) fn worker(namespace: &str, id: u64, role: Role) -> Worker {
     Worker {
         key: WorkerKey::new(namespace, id),
         role,
@@ -32,7 +33,7 @@ fn worker(namespace: &str, id: u64, role: Role) -> Worker {
     }
 }
 
-fn agg(id: u64) -> Worker {
+pub(super) fn agg(id: u64) -> Worker {
     worker("ns", id, Role::Aggregated)
 }
 
@@ -92,8 +93,8 @@ impl Fleet {
     }
 }
 
-const FRESH: Duration = Duration::from_secs(1);
-const STALE: Duration = Duration::from_secs(10);
+pub(super) const FRESH: Duration = Duration::from_secs(1);
+pub(super) const STALE: Duration = Duration::from_secs(10);
 
 fn selections() -> IntCounterVec {
     IntCounterVec::new(Opts::new("continuum_dynamo_selection_total", "test"), &["role", "reason"]).expect("counter")

@@ -11,32 +11,9 @@ use continuum_proto::view::FleetView;
 use prometheus::{IntCounterVec, Opts};
 use proptest::prelude::*;
 
+use super::super::tests::{BLOCK, FRESH, STALE, agg, worker};
 use super::super::{DispatchLedger, Pin};
 use super::*;
-
-const BLOCK: u32 = 16;
-const FRESH: Duration = Duration::from_secs(1);
-const STALE: Duration = Duration::from_secs(10);
-
-fn worker(namespace: &str, id: u64, role: Role) -> Worker {
-    Worker {
-        key: WorkerKey::new(namespace, id),
-        role,
-        model: "tiny".into(),
-        component: "backend".into(),
-        endpoint: "generate".into(),
-        block_size: Some(BLOCK),
-        capacity: Capacity { total_kv_blocks: Some(1000), max_num_batched_tokens: Some(2048), ..Capacity::default() },
-        dp_start_rank: 0,
-        dp_size: 0,
-        disaggregated_endpoint: None,
-        artifacts: None,
-    }
-}
-
-fn agg(id: u64) -> Worker {
-    worker("ns", id, Role::Aggregated)
-}
 
 fn used(kv_used_blocks: u64) -> Load {
     Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() }
