@@ -44,12 +44,12 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(state)
+        .with_state(Arc::new(state))
 }
 
 /// Ready once a fleet view is held, even a stale one: last-known-good keeps routing while the
 /// control plane is away. The detail says how old it is.
-async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
+async fn readyz(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let status = state.fleet.status(Instant::now());
     let ready = status.version.is_some();
     let body = json!({
@@ -66,7 +66,7 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     (code, axum::Json(body))
 }
 
-async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     if let Some(view) = state.fleet.view() {
         state.dispatcher.export_health(view.config());
     }

@@ -1,9 +1,11 @@
 //! The data plane's Prometheus metrics. One registry per replica (not the global default), so
 //! tests can run several replicas in one process. Every label set is closed.
 
+use std::sync::{Arc, OnceLock};
+
 use prometheus::{
-    Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
 };
 
 use crate::fleet::FleetStatus;
@@ -47,6 +49,21 @@ pub struct Metrics {
     pub kv_selections: IntCounterVec,
     /// KV tokenizer artifact outcomes by `result`; see `kv::artifacts::ArtifactResult`.
     pub kv_artifacts: IntCounterVec,
+    /// The request path's series, looked up once rather than hashed by label on every request.
+    hot: Arc<Hot>,
+}
+
+/// Children of the vectors above for the label sets every request touches. The vectors are
+/// never reset, so these stay the registered series.
+#[derive(Debug)]
+struct Hot {
+    /// By [`Ingress`] then status class (an index into [`STATUS_CLASSES`]); created on first use,
+    /// as `with_label_values` would, so the exposition lists only classes that occurred.
+    durations: [[OnceLock<Histogram>; STATUS_CLASSES.len()]; Ingress::ALL.len()],
+    /// In [`RoutingPath::ALL`] order.
+    routed: [IntCounter; RoutingPath::ALL.len()],
+    /// In [`ErrorPhase::ALL`] order.
+    errors: [IntCounter; ErrorPhase::ALL.len()],
 }
 
 /// Where a shim dispatch failed: `orchestration` (the frontend refused the pinned pair) or
@@ -101,6 +118,8 @@ pub enum Ingress {
 }
 
 impl Ingress {
+    pub const ALL: [Ingress; 2] = [Ingress::ChatCompletions, Ingress::Models];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Ingress::ChatCompletions => "chat_completions",
@@ -116,6 +135,19 @@ const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
+        let disaggregated_errors = IntCounterVec::new(
+            Opts::new("continuum_disaggregated_errors_total", "Shim dispatch failures, by phase"),
+            &["phase"],
+        )?;
+        let disaggregated_requests = IntCounterVec::new(
+            Opts::new("continuum_disaggregated_requests_total", "Routed requests, by the path they finally took"),
+            &["routing_path"],
+        )?;
+        let hot = Arc::new(Hot {
+            durations: Default::default(),
+            routed: RoutingPath::ALL.map(|path| disaggregated_requests.with_label_values(&[path.as_str()])),
+            errors: ErrorPhase::ALL.map(|phase| disaggregated_errors.with_label_values(&[phase.as_str()])),
+        });
         let metrics = Self {
             registry: Registry::new(),
             stream_connected: IntGauge::new(
@@ -137,14 +169,8 @@ impl Metrics {
                 "continuum_fleet_snapshot_age_seconds",
                 "Seconds the fleet view has been last-known-good instead of current (0 while connected)",
             )?,
-            disaggregated_errors: IntCounterVec::new(
-                Opts::new("continuum_disaggregated_errors_total", "Shim dispatch failures, by phase"),
-                &["phase"],
-            )?,
-            disaggregated_requests: IntCounterVec::new(
-                Opts::new("continuum_disaggregated_requests_total", "Routed requests, by the path they finally took"),
-                &["routing_path"],
-            )?,
+            disaggregated_errors,
+            disaggregated_requests,
             request_duration: HistogramVec::new(
                 HistogramOpts::new("continuum_request_duration_seconds", "Time from request to response head")
                     .buckets(LATENCY_BUCKETS.to_vec()),
@@ -180,13 +206,8 @@ impl Metrics {
                 Opts::new("continuum_dynamo_kv_artifacts_total", "KV tokenizer and template artifacts, by outcome"),
                 &["result"],
             )?,
+            hot,
         };
-        for phase in ErrorPhase::ALL {
-            metrics.disaggregated_errors.with_label_values(&[phase.as_str()]);
-        }
-        for path in RoutingPath::ALL {
-            metrics.disaggregated_requests.with_label_values(&[path.as_str()]);
-        }
         for result in crate::kv::artifacts::ArtifactResult::ALL {
             metrics.kv_artifacts.with_label_values(&[result.as_str()]);
         }
@@ -217,16 +238,20 @@ impl Metrics {
     }
 
     pub fn error(&self, phase: ErrorPhase) {
-        self.disaggregated_errors.with_label_values(&[phase.as_str()]).inc();
+        self.hot.errors[phase as usize].inc();
     }
 
     pub fn routed(&self, path: RoutingPath) {
-        self.disaggregated_requests.with_label_values(&[path.as_str()]).inc();
+        self.hot.routed[path as usize].inc();
     }
 
     pub fn observe(&self, ingress: Ingress, status: u16, seconds: f64) {
-        let class = STATUS_CLASSES.get(usize::from(status / 100).saturating_sub(1)).copied().unwrap_or("5xx");
-        self.request_duration.with_label_values(&[ingress.as_str(), class]).observe(seconds);
+        // 1xx..5xx; a status outside them counts as 5xx.
+        let class = usize::from(status / 100).checked_sub(1).filter(|c| *c < STATUS_CLASSES.len()).unwrap_or(4);
+        let histogram = self.hot.durations[ingress as usize][class].get_or_init(|| {
+            self.request_duration.with_label_values(&[ingress.as_str(), STATUS_CLASSES.get(class).unwrap_or(&"5xx")])
+        });
+        histogram.observe(seconds);
     }
 
     /// The text exposition, with the fleet gauges brought up to date first.

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -100,6 +101,12 @@ impl Replica {
         let app = http::router(state);
         let shutdown = cancel.clone();
         let server = tokio::spawn(async move {
+            // Responses go out whole, so Nagle's algorithm could only hold one back for an ACK.
+            let listener = listener.tap_io(|tcp| {
+                if let Err(error) = tcp.set_nodelay(true) {
+                    tracing::debug!(%error, "could not set TCP_NODELAY on a client connection");
+                }
+            });
             let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
             if let Err(error) = serve.await {
                 tracing::error!(%error, "data-plane HTTP server failed");

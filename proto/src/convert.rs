@@ -294,16 +294,20 @@ impl From<&DataPlaneConfig> for pb::DataPlaneConfig {
     }
 }
 
-fn backlog_to_wire(key: &LoadKey, backlog: &Backlog) -> pb::Backlog {
+fn backlog_to_wire(key: &LoadKey, backlog: &Backlog, now: Instant) -> pb::Backlog {
     pb::Backlog {
         key: Some(key.into()),
         prefill_tokens: backlog.prefill_tokens,
         decode_blocks: backlog.decode_blocks,
         dispatches: backlog.dispatches,
+        foreign_decode_blocks: backlog.foreign_decode_blocks,
+        age_us: backlog
+            .as_of
+            .map(|at| u64::try_from(now.saturating_duration_since(at).as_micros()).unwrap_or(u64::MAX)),
     }
 }
 
-fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeError> {
+fn backlog_from_wire(backlog: pb::Backlog, now: Instant) -> Result<(LoadKey, Backlog), DecodeError> {
     let key = LoadKey::try_from(backlog.key.ok_or(DecodeError::Missing("backlog.key"))?)?;
     Ok((
         key,
@@ -311,12 +315,14 @@ fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeE
             prefill_tokens: backlog.prefill_tokens,
             decode_blocks: backlog.decode_blocks,
             dispatches: backlog.dispatches,
+            foreign_decode_blocks: backlog.foreign_decode_blocks,
+            as_of: backlog.age_us.map(|age| instant_before(now, Duration::from_micros(age))),
         },
     ))
 }
 
-fn decode_backlogs(backlogs: Vec<pb::Backlog>) -> Result<Vec<(LoadKey, Backlog)>, DecodeError> {
-    backlogs.into_iter().map(backlog_from_wire).collect()
+fn decode_backlogs(backlogs: Vec<pb::Backlog>, now: Instant) -> Result<Vec<(LoadKey, Backlog)>, DecodeError> {
+    backlogs.into_iter().map(|b| backlog_from_wire(b, now)).collect()
 }
 
 /// Encodes a whole view; load ages are measured against `now`.
@@ -326,7 +332,7 @@ pub fn snapshot_to_wire(view: &FleetView, now: Instant) -> pb::Snapshot {
         workers: view.workers().values().map(|w| pb::Worker::from(w.as_ref())).collect(),
         loads: view.loads().iter().map(|(k, s)| load_to_wire(k, s, now)).collect(),
         config: Some(view.config().as_ref().into()),
-        backlogs: view.backlogs().iter().map(|(k, b)| backlog_to_wire(k, b)).collect(),
+        backlogs: view.backlogs().iter().map(|(k, b)| backlog_to_wire(k, b, now)).collect(),
     }
 }
 
@@ -335,7 +341,7 @@ pub fn snapshot_from_wire(snapshot: pb::Snapshot, now: Instant) -> Result<FleetV
     let config = DataPlaneConfig::try_from(snapshot.config.ok_or(DecodeError::Missing("snapshot.config"))?)?;
     let workers = decode_workers(snapshot.workers)?;
     let loads = decode_loads(snapshot.loads, now)?;
-    let backlogs = decode_backlogs(snapshot.backlogs)?;
+    let backlogs = decode_backlogs(snapshot.backlogs, now)?;
     Ok(FleetView::new(snapshot.version, workers, loads, Arc::new(config))?.with_backlogs(backlogs)?)
 }
 
@@ -347,7 +353,7 @@ pub fn delta_to_wire(delta: &FleetDelta, now: Instant) -> pb::Delta {
         loads: delta.loads.iter().map(|(k, s)| load_to_wire(k, s, now)).collect(),
         loads_removed: delta.loads_removed.iter().map(pb::LoadKey::from).collect(),
         config: delta.config.as_deref().map(pb::DataPlaneConfig::from),
-        backlogs: delta.backlogs.iter().map(|(k, b)| backlog_to_wire(k, b)).collect(),
+        backlogs: delta.backlogs.iter().map(|(k, b)| backlog_to_wire(k, b, now)).collect(),
         backlogs_removed: delta.backlogs_removed.iter().map(pb::LoadKey::from).collect(),
     }
 }
@@ -361,7 +367,7 @@ pub fn delta_from_wire(version: u64, delta: pb::Delta, now: Instant) -> Result<F
         loads: decode_loads(delta.loads, now)?,
         loads_removed: delta.loads_removed.into_iter().map(LoadKey::try_from).collect::<Result<_, _>>()?,
         config: delta.config.map(DataPlaneConfig::try_from).transpose()?.map(Arc::new),
-        backlogs: decode_backlogs(delta.backlogs)?,
+        backlogs: decode_backlogs(delta.backlogs, now)?,
         backlogs_removed: delta.backlogs_removed.into_iter().map(LoadKey::try_from).collect::<Result<_, _>>()?,
     })
 }

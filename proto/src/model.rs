@@ -140,13 +140,21 @@ impl LoadSample {
     }
 }
 
-/// Unanswered dispatches on one rank, summed over every replica: requests pinned to it since
-/// its last load sample. The picker adds them to the rank's backlog.
+/// Dispatches in flight on one rank, summed over every replica: prefill tokens of those no
+/// load sample has answered yet, decode blocks of all until they end.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Backlog {
     pub prefill_tokens: u64,
     pub decode_blocks: u64,
     pub dispatches: u32,
+    /// Decode blocks the rank's last sample showed beyond the dispatches in flight when it
+    /// arrived: load the fleet did not send. `None` without a sample carrying decode blocks.
+    /// When present, a rank's decode backlog is this plus `decode_blocks`.
+    pub foreign_decode_blocks: Option<u64>,
+    /// When the control plane summed the reports: a replica's own dispatches started or ended
+    /// since are not in the sums yet.
+    #[serde(skip)]
+    pub as_of: Option<Instant>,
 }
 
 /// An OpenAI-wire backend the data plane may dispatch to (a direct-mode shim replica).

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use continuum_control_plane::fleet::{DELTA_LOG_CAPACITY, FleetChange, FleetPublisher};
+use continuum_control_plane::fleet::{DELTA_LOG_CAPACITY, FleetChange, FleetPublisher, SAMPLE_LAG};
 use continuum_control_plane::grpc::REPLICA_QUEUE_CAPACITY;
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::convert::{Update, update_from_wire};
@@ -193,7 +193,7 @@ async fn get_snapshot_returns_the_published_view() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dispatches_reported_by_one_replica_reach_every_replica_until_answered() -> anyhow::Result<()> {
+async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
     control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 7, "m")], ..Default::default() });
     let replicas = start_replicas(2, &control.url()).await?;
@@ -216,14 +216,38 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_answered()
     })
     .await?;
 
-    // A load sample received after the dispatch answers it.
-    let sample = LoadSample { load: Load { kv_used_blocks: Some(4), ..Load::default() }, received_at: Instant::now() };
-    control.publisher.apply(FleetChange { loads: vec![(rank.clone(), sample)], ..Default::default() });
-    continuum_tests::eventually(CONVERGE, "the answered backlog leaving", || async {
-        backlog_at(&replicas[1]).is_none() && backlog_at(&replicas[0]).is_none()
+    // A load sample: what it shows beyond the 2 blocks in flight is foreign load (once the
+    // ended dispatch's blocks can no longer be in it).
+    tokio::time::sleep(SAMPLE_LAG).await;
+    let sample = |kv_used_blocks| {
+        let load = Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() };
+        FleetChange {
+            loads: vec![(rank.clone(), LoadSample { load, received_at: Instant::now() })],
+            ..Default::default()
+        }
+    };
+    control.publisher.apply(sample(4));
+    continuum_tests::eventually(CONVERGE, "the sample measured", || async {
+        backlog_at(&replicas[1]).is_some_and(|b| b.foreign_decode_blocks == Some(2) && b.decode_blocks == 2)
+    })
+    .await?;
+    replicas[0].reporter.prefilled(second);
+    continuum_tests::eventually(CONVERGE, "the prompt prefilled", || async {
+        backlog_at(&replicas[1]).is_some_and(|b| b.prefill_tokens == 0 && b.decode_blocks == 2)
     })
     .await?;
     replicas[0].reporter.ended(second);
+    continuum_tests::eventually(CONVERGE, "nothing in flight", || async {
+        backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 0 && b.decode_blocks == 0)
+    })
+    .await?;
+    // A sample after the last end shows the worker as it is: the rank's record goes.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    control.publisher.apply(sample(0));
+    continuum_tests::eventually(CONVERGE, "the settled backlog leaving", || async {
+        backlog_at(&replicas[1]).is_none() && backlog_at(&replicas[0]).is_none()
+    })
+    .await?;
     for replica in replicas {
         replica.shutdown().await;
     }

@@ -106,7 +106,9 @@ fn started(id: u64, worker_id: u64, block_hashes: Vec<u64>) -> pb::WatchRequest 
     let rank =
         pb::LoadKey { worker: Some(pb::WorkerKey { namespace: NAMESPACE.into(), instance_id: worker_id }), dp_rank: 0 };
     let started = pb::DispatchStarted { id, rank: Some(rank), prefill_tokens: 64, decode_blocks: 4, block_hashes };
-    pb::WatchRequest { kind: Some(Kind::Dispatches(pb::DispatchReport { started: vec![started], ended: vec![] })) }
+    pb::WatchRequest {
+        kind: Some(Kind::Dispatches(pb::DispatchReport { started: vec![started], ..Default::default() })),
+    }
 }
 
 async fn overlaps(client: &mut FleetClient<Channel>, hashes: &[u64]) -> anyhow::Result<Vec<(u64, u32)>> {

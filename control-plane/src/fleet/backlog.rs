@@ -1,20 +1,34 @@
-//! Fleet-wide unanswered-dispatch accounting.
+//! Fleet-wide dispatch accounting.
 //!
-//! Every replica reports the requests it pins (and their end) on its Watch stream. The book sums
-//! them per rank and publishes the sums as backlogs in the fleet view, so every replica sees the
-//! requests all replicas sent since a rank's last load sample. Without it N replicas choose the
-//! same "least loaded" worker between two samples (Dynamo #589; SGLang's gateway shares the
-//! problem). A dispatch leaves the backlog when it ends, when a load sample received after it
-//! answers its rank, when its replica disconnects, or after [`DISPATCH_MAX_AGE`].
+//! Every replica reports the requests it pins (and their end) on its Watch stream. The book
+//! keeps each dispatch until it ends and publishes per-rank sums as backlogs in the fleet view,
+//! so every replica sees the requests all replicas have in flight. Without it N replicas choose
+//! the same "least loaded" worker between two samples (Dynamo #589; SGLang's gateway shares the
+//! problem).
+//!
+//! Decode load is tracked the way Dynamo's KV router tracks it, from the requests the router
+//! itself sent, because a worker's samples lag in both directions: a sample taken just before a
+//! burst of requests finished still shows their blocks (every replica then sends the next burst
+//! elsewhere), and a sample taken before a new request reached the engine does not show it yet.
+//! The book therefore publishes, per rank, the decode blocks of every dispatch in flight plus
+//! the *foreign* part of the last sample: what it showed beyond the dispatches in flight when it
+//! arrived (load the fleet did not send, such as another router's); ends shortly before a
+//! sample may still be in it, so they do not count as foreign. Prefill tokens count until the
+//! response begins (the replica reports the first token), again as Dynamo's router does.
+//!
+//! A dispatch leaves the book when it ends, when its replica disconnects, or after
+//! [`IN_FLIGHT_MAX_AGE`] (a lost end). A rank's record is removed once nothing is in flight and
+//! a sample received after the last end shows what the worker holds, or [`DISPATCH_MAX_AGE`]
+//! after that end if none comes.
 //!
 //! One task owns the book (commands over a bounded channel); changes are published at most once
 //! per [`BACKLOG_WINDOW`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use continuum_proto::model::{Backlog, LoadKey};
+use continuum_proto::model::{Backlog, Load, LoadKey};
 use continuum_proto::pb;
 use prometheus::IntCounter;
 use tokio::sync::{mpsc, watch};
@@ -22,12 +36,20 @@ use tokio_util::sync::CancellationToken;
 
 use super::{FleetChange, FleetPublisher, FleetState};
 
-/// A dispatch no sample has answered counts this long at most (the seed's 30 seconds).
+/// A dispatch no sample has answered adds its prefill tokens this long at most (the seed's 30
+/// seconds); a rank's record outlives its last end by at most this long.
 pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
+/// A dispatch whose end never arrives stops counting after this long.
+pub const IN_FLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
 /// Outstanding dispatches one replica may hold in the book; more are refused and counted.
 pub const MAX_DISPATCHES_PER_REPLICA: usize = 65_536;
 /// Backlog changes are published at most this often: short, so a burst spreads across replicas.
 pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
+/// A sample received this soon after a dispatch ended may still show its blocks: workers
+/// publish on their own schedule (the 1.6.1 mocker every 50–200 ms per rank under load).
+pub const SAMPLE_LAG: Duration = Duration::from_millis(250);
+/// Ended dispatches remembered per rank for that, at most.
+const MAX_ENDED_PER_RANK: usize = 4096;
 /// Reports waiting for the book; a full queue drops the report (and counts it) rather than
 /// stalling a Watch session.
 const COMMAND_QUEUE: usize = 4096;
@@ -63,16 +85,89 @@ impl BacklogBook {
 }
 
 #[derive(Debug, Clone, Copy)]
+struct Ended {
+    at: Instant,
+    blocks: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
 struct Dispatch {
     prefill_tokens: u64,
     decode_blocks: u64,
     at: Instant,
 }
 
+/// One rank's dispatches in flight and what its last sample showed beyond them.
+#[derive(Debug, Default)]
+struct Rank {
+    dispatches: BTreeMap<(u64, u64), Dispatch>,
+    /// When the sample `foreign` was measured against was received.
+    sampled_at: Option<Instant>,
+    /// Decode blocks that sample showed beyond the dispatches in flight when it arrived;
+    /// `None` without a sample carrying decode blocks.
+    foreign: Option<u64>,
+    /// When the last dispatch on this rank ended.
+    last_end: Option<Instant>,
+    /// Dispatches ended within [`SAMPLE_LAG`], oldest first.
+    ended: VecDeque<Ended>,
+    /// What was last published (without its time), so an unchanged sum is not streamed again.
+    published: Option<Backlog>,
+}
+
+impl Rank {
+    fn backlog(&self) -> Backlog {
+        let mut backlog = Backlog { foreign_decode_blocks: self.foreign, ..Backlog::default() };
+        for dispatch in self.dispatches.values() {
+            backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens);
+            backlog.decode_blocks = backlog.decode_blocks.saturating_add(dispatch.decode_blocks);
+            backlog.dispatches = backlog.dispatches.saturating_add(1);
+        }
+        backlog
+    }
+
+    /// Measures a new sample against the dispatches in flight before it arrived, and those
+    /// that ended too shortly before it for the worker to have published their end.
+    fn sampled(&mut self, received_at: Option<Instant>, load: Option<&Load>) {
+        self.sampled_at = received_at;
+        let Some(at) = received_at else {
+            self.foreign = None;
+            return;
+        };
+        let in_flight = self.dispatches.values().filter(|d| d.at < at).map(|d| d.decode_blocks);
+        let lately = self.ended.iter().filter(|e| at.saturating_duration_since(e.at) < SAMPLE_LAG).map(|e| e.blocks);
+        let own = in_flight.chain(lately).fold(0u64, u64::saturating_add);
+        self.foreign = load.and_then(decode_blocks).map(|shown| shown.saturating_sub(own));
+    }
+
+    fn ended(&mut self, dispatch: Dispatch, now: Instant) {
+        self.last_end = Some(now);
+        self.ended.push_back(Ended { at: now, blocks: dispatch.decode_blocks });
+        while self.ended.len() > MAX_ENDED_PER_RANK
+            || self.ended.front().is_some_and(|e| now.saturating_duration_since(e.at) >= SAMPLE_LAG)
+        {
+            self.ended.pop_front();
+        }
+    }
+
+    /// Nothing in flight, and a sample since the last end shows the worker as it is.
+    fn settled(&self, now: Instant) -> bool {
+        self.dispatches.is_empty()
+            && self.last_end.is_none_or(|end| {
+                self.sampled_at.is_some_and(|at| at > end) || now.saturating_duration_since(end) >= DISPATCH_MAX_AGE
+            })
+    }
+}
+
+/// A sample's decode backlog, as the pickers read it: `active_decode_blocks`, else
+/// `kv_used_blocks` (dynamo.vllm and the mocker fill only the latter).
+fn decode_blocks(load: &Load) -> Option<u64> {
+    load.active_decode_blocks.or(load.kv_used_blocks)
+}
+
 /// The book itself: pure, driven by the task below.
 #[derive(Debug, Default)]
 struct Book {
-    by_rank: HashMap<LoadKey, BTreeMap<(u64, u64), Dispatch>>,
+    ranks: HashMap<LoadKey, Rank>,
     where_is: HashMap<(u64, u64), LoadKey>,
     per_replica: HashMap<u64, usize>,
     dirty: BTreeSet<LoadKey>,
@@ -82,9 +177,6 @@ struct Book {
 
 impl Book {
     fn report(&mut self, replica: u64, report: pb::DispatchReport, at: Instant, state: &FleetState) {
-        for id in report.ended {
-            self.end((replica, id));
-        }
         for started in report.started {
             let Some(key) = started.rank.and_then(|k| LoadKey::try_from(k).ok()) else { continue };
             // Only ranks the fleet has: a report cannot make the book grow with invented keys.
@@ -97,19 +189,41 @@ impl Book {
             *held += 1;
             let dispatch =
                 Dispatch { prefill_tokens: started.prefill_tokens, decode_blocks: started.decode_blocks, at };
-            self.by_rank.entry(key.clone()).or_default().insert((replica, started.id), dispatch);
+            let rank = self.ranks.entry(key.clone()).or_insert_with(|| {
+                // A new record starts from the sample the view holds now, so that sample's
+                // whole backlog counts as foreign until the next one.
+                let sample = state.view().loads().get(&key);
+                let mut rank = Rank::default();
+                rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
+                rank
+            });
+            rank.dispatches.insert((replica, started.id), dispatch);
             self.where_is.insert((replica, started.id), key.clone());
             self.dirty.insert(key);
         }
+        // After the starts: a dispatch may start, begin answering and end within one report.
+        for id in report.prefilled {
+            self.prefilled((replica, id));
+        }
+        for id in report.ended {
+            self.end((replica, id), at);
+        }
     }
 
-    fn end(&mut self, id: (u64, u64)) {
+    fn prefilled(&mut self, id: (u64, u64)) {
+        let Some(key) = self.where_is.get(&id) else { return };
+        if let Some(dispatch) = self.ranks.get_mut(key).and_then(|rank| rank.dispatches.get_mut(&id)) {
+            dispatch.prefill_tokens = 0;
+            self.dirty.insert(key.clone());
+        }
+    }
+
+    fn end(&mut self, id: (u64, u64), now: Instant) {
         let Some(key) = self.where_is.remove(&id) else { return };
-        if let Some(dispatches) = self.by_rank.get_mut(&key) {
-            dispatches.remove(&id);
-            if dispatches.is_empty() {
-                self.by_rank.remove(&key);
-            }
+        if let Some(rank) = self.ranks.get_mut(&key)
+            && let Some(dispatch) = rank.dispatches.remove(&id)
+        {
+            rank.ended(dispatch, now);
         }
         if let Some(held) = self.per_replica.get_mut(&id.0) {
             *held = held.saturating_sub(1);
@@ -117,50 +231,56 @@ impl Book {
         self.dirty.insert(key);
     }
 
-    fn replica_gone(&mut self, replica: u64) {
+    fn replica_gone(&mut self, replica: u64, now: Instant) {
         let ids: Vec<(u64, u64)> = self.where_is.keys().filter(|(r, _)| *r == replica).copied().collect();
         for id in ids {
-            self.end(id);
+            self.end(id, now);
         }
         self.per_replica.remove(&replica);
     }
 
-    /// Drops dispatches answered by a sample received after them, or older than the limit.
+    /// Measures new samples, drops dispatches whose end never came, and marks every rank for
+    /// a publish check (unchanged sums are not streamed).
     fn expire(&mut self, state: &FleetState, now: Instant) {
-        let mut done = Vec::new();
-        for (key, dispatches) in &self.by_rank {
-            let answered_at = state.view().loads().get(key).map(|s| s.received_at);
-            for (id, dispatch) in dispatches {
-                let answered = answered_at.is_some_and(|at| at > dispatch.at);
-                if answered || now.saturating_duration_since(dispatch.at) >= DISPATCH_MAX_AGE {
-                    done.push(*id);
-                }
+        let mut lost = Vec::new();
+        for (key, rank) in &mut self.ranks {
+            let sample = state.view().loads().get(key);
+            let received_at = sample.map(|s| s.received_at);
+            if received_at != rank.sampled_at {
+                rank.sampled(received_at, sample.map(|s| &s.load));
             }
+            let stale =
+                rank.dispatches.iter().filter(|(_, d)| now.saturating_duration_since(d.at) >= IN_FLIGHT_MAX_AGE);
+            lost.extend(stale.map(|(id, _)| *id));
+            self.dirty.insert(key.clone());
         }
-        for id in done {
-            self.end(id);
+        for id in lost {
+            self.end(id, now);
         }
     }
 
-    /// The published change for every rank whose sum moved.
-    fn take_change(&mut self) -> FleetChange {
+    /// The published change for every rank whose sum moved, and the removal of every settled
+    /// rank.
+    fn take_change(&mut self, now: Instant) -> FleetChange {
         let mut change = FleetChange::default();
         for key in std::mem::take(&mut self.dirty) {
-            match self.by_rank.get(&key) {
-                Some(dispatches) => change.backlogs.push((key, sum(dispatches.values()))),
-                None => change.backlogs_removed.push(key),
+            let Some(rank) = self.ranks.get_mut(&key) else { continue };
+            if rank.settled(now) {
+                if rank.published.is_some() {
+                    change.backlogs_removed.push(key.clone());
+                }
+                self.ranks.remove(&key);
+                continue;
+            }
+            let backlog = rank.backlog();
+            if rank.published != Some(backlog) {
+                rank.published = Some(backlog);
+                // Every report received so far is in the sums.
+                change.backlogs.push((key, Backlog { as_of: Some(now), ..backlog }));
             }
         }
         change
     }
-}
-
-fn sum<'a>(dispatches: impl Iterator<Item = &'a Dispatch>) -> Backlog {
-    dispatches.fold(Backlog::default(), |acc, d| Backlog {
-        prefill_tokens: acc.prefill_tokens.saturating_add(d.prefill_tokens),
-        decode_blocks: acc.decode_blocks.saturating_add(d.decode_blocks),
-        dispatches: acc.dispatches.saturating_add(1),
-    })
 }
 
 async fn run(
@@ -180,16 +300,20 @@ async fn run(
             () = cancel.cancelled() => return,
             command = rx.recv() => match command {
                 Some(Command::Report { replica, report, at }) => book.report(replica, report, at, &states.borrow()),
-                Some(Command::ReplicaGone { replica }) => book.replica_gone(replica),
+                Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
                 None => return,
             },
             _ = tick.tick() => {
-                if !book.by_rank.is_empty() {
+                let now = Instant::now();
+                if !book.ranks.is_empty() {
                     let state = Arc::clone(&states.borrow_and_update());
-                    book.expire(&state, Instant::now());
+                    book.expire(&state, now);
                 }
                 if !book.dirty.is_empty() {
-                    publisher.apply(book.take_change());
+                    let change = book.take_change(now);
+                    if !change.backlogs.is_empty() || !change.backlogs_removed.is_empty() {
+                        publisher.apply(change);
+                    }
                 }
                 refused.inc_by(book.refused - exported);
                 exported = book.refused;

@@ -7,11 +7,10 @@ use std::time::{Duration, Instant};
 use axum::http::header::{ACCEPT, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
 use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
 
 use super::budget::MAX_ATTEMPTS;
 use super::pool::{ShimReplica, rotation};
+use super::shim_body::ShimBody;
 use super::{Dispatcher, Failure, SendError};
 use crate::routing::headers::{strip_client_routing, write_pins};
 use crate::routing::picker::Selection;
@@ -42,7 +41,7 @@ impl Dispatcher {
         headers: &HeaderMap,
         body: &Bytes,
         stream: bool,
-    ) -> Result<(&'r ShimReplica, Response<Incoming>), Failure> {
+    ) -> Result<(&'r ShimReplica, Response<ShimBody>), Failure> {
         self.budget.deposit();
         let head_timeout = if stream { self.settings.stream_head_timeout } else { self.settings.buffered_timeout };
         let mut attempts = 0;
@@ -87,7 +86,7 @@ impl Dispatcher {
         headers: &HeaderMap,
         body: &Bytes,
         head_timeout: Duration,
-    ) -> Result<Response<Incoming>, SendError> {
+    ) -> Result<Response<ShimBody>, SendError> {
         let outcome = self.client.send(request(replica, headers, body), head_timeout).await;
         self.health.record(&replica.name, &replica.url, outcome.is_ok(), Instant::now());
         if let Err(error) = &outcome {
@@ -97,8 +96,8 @@ impl Dispatcher {
     }
 }
 
-fn request(replica: &ShimReplica, headers: &HeaderMap, body: &Bytes) -> Request<Full<Bytes>> {
-    let mut request = Request::new(Full::new(body.clone()));
+fn request(replica: &ShimReplica, headers: &HeaderMap, body: &Bytes) -> Request<Bytes> {
+    let mut request = Request::new(body.clone());
     *request.method_mut() = Method::POST;
     *request.uri_mut() = replica.endpoint.clone();
     *request.headers_mut() = headers.clone();

@@ -1,29 +1,48 @@
-//! The pooled HTTP/1.1 client the data plane dials shim replicas with: keep-alive connections
-//! reused across requests, a bounded connect, and a deadline on the response head.
+//! The HTTP/1.1 client the data plane dials shim replicas with: keep-alive connections reused
+//! across requests ([`connections`](super::connections)), a bounded connect, and a deadline on
+//! the response head.
+//!
+//! Each exchange runs on the task that sends it: the request (head and body) is written in one
+//! system call and the response head read on the same task, and its body is read as the
+//! consumer polls it ([`ShimBody`]). No task per connection, no channel between the request and
+//! its connection: a proxied request costs the wake-ups of its own sockets only.
 
-use std::time::Duration;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use axum::http::{Request, Response};
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use axum::http::{Request, Response, Uri};
+use bytes::{Buf, Bytes};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio_util::io::read_buf;
 
-/// Idle keep-alive connections to one shim replica kept for reuse.
-pub const POOL_MAX_IDLE_PER_HOST: usize = 256;
-/// An idle pooled connection is closed after this long.
-pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+use super::connections::{Conn, IdleConnections, READ_CHUNK};
+use super::shim_body::{Return, ShimBody};
+use super::wire::{self, WireError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
     #[error("could not connect to the shim replica: {0}")]
-    Connect(#[source] hyper_util::client::legacy::Error),
+    Connect(#[source] io::Error),
     #[error("the exchange with the shim replica failed: {0}")]
-    Exchange(#[source] hyper_util::client::legacy::Error),
+    Exchange(#[source] ExchangeError),
     #[error("the shim replica sent no response head within {0:?}")]
     HeadTimeout(Duration),
+}
+
+/// Why an exchange on an established connection failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("the connection closed before a response head arrived")]
+    Closed,
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error("the shim URL {0} has no dialable authority")]
+    Uri(Uri),
 }
 
 impl SendError {
@@ -36,33 +55,109 @@ impl SendError {
 
 #[derive(Debug, Clone)]
 pub struct ShimClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
+    idle: Arc<IdleConnections>,
+    connect_timeout: Duration,
 }
 
 impl ShimClient {
     pub fn new(connect_timeout: Duration) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(connect_timeout));
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_max_idle_per_host(POOL_MAX_IDLE_PER_HOST)
-            .pool_timer(TokioTimer::new())
-            .build(connector);
-        Self { inner }
+        Self { idle: Arc::default(), connect_timeout }
     }
 
     /// Sends `request` and waits at most `head_timeout` for the response head.
-    pub async fn send(
-        &self,
-        request: Request<Full<Bytes>>,
-        head_timeout: Duration,
-    ) -> Result<Response<Incoming>, SendError> {
-        match tokio::time::timeout(head_timeout, self.inner.request(request)).await {
+    pub async fn send(&self, request: Request<Bytes>, head_timeout: Duration) -> Result<Response<ShimBody>, SendError> {
+        match tokio::time::timeout(head_timeout, self.exchange(request)).await {
             Err(_) => Err(SendError::HeadTimeout(head_timeout)),
-            Ok(Err(error)) if error.is_connect() => Err(SendError::Connect(error)),
-            Ok(Err(error)) => Err(SendError::Exchange(error)),
-            Ok(Ok(response)) => Ok(response),
+            Ok(outcome) => outcome,
+        }
+    }
+
+    /// Idle connections held to the authority (`host:port`) of `uri`.
+    pub fn idle_connections(&self, uri: &Uri) -> usize {
+        uri.authority().map_or(0, |a| self.idle.count(a.as_str()))
+    }
+
+    async fn exchange(&self, request: Request<Bytes>) -> Result<Response<ShimBody>, SendError> {
+        let (parts, body) = request.into_parts();
+        let authority = parts.uri.authority().ok_or_else(|| exchange(ExchangeError::Uri(parts.uri.clone())))?;
+        let reused = self.idle.take(authority.as_str(), Instant::now());
+        let was_reused = reused.is_some();
+        let mut conn = match reused {
+            Some(conn) => conn,
+            None => self.connect(authority.as_str(), authority.port_u16().unwrap_or(80)).await?,
+        };
+        conn.write.clear();
+        wire::encode_request(&mut conn.write, &parts.method, &parts.uri, &parts.headers, &body);
+        if let Err(error) = conn.stream.write_all(&conn.write).await {
+            // A kept connection the shim has just closed takes nothing: the request goes out
+            // once more, on a new one.
+            if !was_reused {
+                return Err(exchange(error.into()));
+            }
+            let mut fresh = self.connect(authority.as_str(), authority.port_u16().unwrap_or(80)).await?;
+            std::mem::swap(&mut fresh.write, &mut conn.write);
+            conn = fresh;
+            conn.stream.write_all(&conn.write).await.map_err(|e| exchange(e.into()))?;
+        }
+        let head = read_head(&mut conn).await.map_err(exchange)?;
+        let back = head.keep_alive.then(|| Return { idle: Arc::clone(&self.idle), authority: authority.to_string() });
+        let mut response = Response::new(ShimBody::new(conn, head.framing, back));
+        *response.status_mut() = head.status;
+        *response.headers_mut() = head.headers;
+        Ok(response)
+    }
+
+    /// A new connection to `authority`, trying each address it resolves to in turn.
+    async fn connect(&self, authority: &str, port: u16) -> Result<Conn, SendError> {
+        let dial = async {
+            let addrs: Vec<SocketAddr> = match authority.parse::<SocketAddr>() {
+                Ok(addr) => vec![addr],
+                Err(_) => {
+                    let host = authority.rsplit_once(':').map_or(authority, |(host, _)| host);
+                    let host = host.trim_start_matches('[').trim_end_matches(']');
+                    tokio::net::lookup_host((host, port)).await?.collect()
+                }
+            };
+            let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{authority} resolved to no address"));
+            for addr in addrs {
+                match TcpStream::connect(addr).await {
+                    Ok(stream) => return Ok(stream),
+                    Err(error) => last = error,
+                }
+            }
+            Err(last)
+        };
+        let stream = match tokio::time::timeout(self.connect_timeout, dial).await {
+            Err(_) => {
+                let message = format!("no connection to {authority} within {:?}", self.connect_timeout);
+                return Err(SendError::Connect(io::Error::new(io::ErrorKind::TimedOut, message)));
+            }
+            Ok(Err(error)) => return Err(SendError::Connect(error)),
+            Ok(Ok(stream)) => stream,
+        };
+        // Requests are written whole: Nagle's algorithm could only delay them.
+        stream.set_nodelay(true).map_err(SendError::Connect)?;
+        Ok(Conn::new(stream))
+    }
+}
+
+fn exchange(error: ExchangeError) -> SendError {
+    SendError::Exchange(error)
+}
+
+/// Reads until a whole response head is in, leaving the bytes past it in the read buffer.
+async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
+    conn.read.clear();
+    loop {
+        if conn.read.capacity() - conn.read.len() < READ_CHUNK / 4 {
+            conn.read.reserve(READ_CHUNK);
+        }
+        if read_buf(&mut conn.stream, &mut conn.read).await? == 0 {
+            return Err(ExchangeError::Closed);
+        }
+        if let Some((head, length)) = wire::parse_head(&conn.read)? {
+            conn.read.advance(length);
+            return Ok(head);
         }
     }
 }

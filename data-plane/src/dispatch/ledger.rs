@@ -19,6 +19,7 @@ pub struct DispatchEnd {
     reporter: Arc<DispatchReporter>,
     /// Reported legs: the prefill rank's (if any) and the decode rank's.
     reported: [Option<u64>; 2],
+    prefilled: bool,
 }
 
 impl DispatchEnd {
@@ -36,15 +37,31 @@ impl DispatchEnd {
     ) -> Self {
         let block_size = dispatch_block_size(view, selection);
         let id = ledger.record(selection, prompt_tokens, block_size, Instant::now());
-        let blocks = prompt_tokens.div_ceil(u64::from(block_size.max(1)));
+        let blocks = selection.decode_blocks(prompt_tokens, block_size);
         let (prefill, decode) = match &selection.prefill {
             Some(pin) => (
                 Some(reporter.started_with_prefix(&pin.rank_key(), prompt_tokens, 0, block_hashes)),
                 reporter.started(&selection.decode.rank_key(), 0, blocks),
             ),
-            None => (None, reporter.started_with_prefix(&selection.decode.rank_key(), 0, blocks, block_hashes)),
+            None => {
+                let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
+                (None, reporter.started_with_prefix(&selection.decode.rank_key(), tokens, blocks, block_hashes))
+            }
         };
-        Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported: [prefill, Some(decode)] }
+        let reported = [prefill, Some(decode)];
+        Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported, prefilled: false }
+    }
+
+    /// The response began (its first token): the prompt no longer loads the rank that
+    /// prefilled it. Only the first call counts.
+    pub fn prefilled(&mut self) {
+        if std::mem::replace(&mut self.prefilled, true) {
+            return;
+        }
+        self.ledger.prefilled(self.id);
+        for id in self.reported.iter().flatten() {
+            self.reporter.prefilled(*id);
+        }
     }
 }
 

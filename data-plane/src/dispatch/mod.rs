@@ -14,12 +14,15 @@ pub mod breaker;
 pub mod budget;
 pub mod classify;
 mod client;
+mod connections;
 mod error;
 mod ledger;
 pub mod pool;
 pub mod probe;
 pub mod relay;
 mod respond;
+pub mod shim_body;
+pub mod wire;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,7 +34,8 @@ use continuum_proto::model::DataPlaneConfig;
 
 pub use breaker::{BreakerSettings, ShimHealth};
 pub use budget::RetryBudget;
-pub use client::{SendError, ShimClient};
+pub use client::{ExchangeError, SendError, ShimClient};
+pub use connections::{IDLE_TIMEOUT, MAX_IDLE_PER_AUTHORITY};
 pub use error::{DispatchError, Failure};
 pub use ledger::DispatchEnd;
 pub use pool::{PoolCache, ShimPools, ShimReplica};
@@ -146,7 +150,7 @@ impl Dispatcher {
     /// Sends a health probe on the pooled client; its status, or why there was none.
     pub async fn send_probe(
         &self,
-        request: axum::http::Request<http_body_util::Full<Bytes>>,
+        request: axum::http::Request<Bytes>,
         timeout: Duration,
     ) -> Result<axum::http::StatusCode, SendError> {
         self.client.send(request, timeout).await.map(|response| response.status())

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use axum::http::{Method, Request, Uri};
 use bytes::Bytes;
-use http_body_util::Full;
 use tokio_util::sync::CancellationToken;
 
 use super::Dispatcher;
@@ -65,7 +64,7 @@ async fn probe(dispatcher: &Dispatcher, base: &str, timeout: Duration) -> bool {
     let Ok(uri) = format!("{}{PROBE_PATH}", base.trim_end_matches('/')).parse::<Uri>() else {
         return false;
     };
-    let Ok(request) = Request::builder().method(Method::GET).uri(uri).body(Full::new(Bytes::new())) else {
+    let Ok(request) = Request::builder().method(Method::GET).uri(uri).body(Bytes::new()) else {
         return false;
     };
     dispatcher.send_probe(request, timeout).await.is_ok_and(|status| status.is_success())

@@ -12,19 +12,19 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use prometheus::IntCounter;
 use serde_json::json;
 use tokio::time::{Instant, Sleep};
 
 use super::ledger::DispatchEnd;
+use super::shim_body::ShimBody;
 
 /// No frame from the shim for this long ends a relayed stream with an error event.
 pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug)]
 pub struct RelayBody {
-    inner: Incoming,
+    inner: ShimBody,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
     done: bool,
@@ -34,7 +34,7 @@ pub struct RelayBody {
 }
 
 impl RelayBody {
-    pub fn new(inner: Incoming, idle: Duration, dispatch: Option<DispatchEnd>, failures: Option<IntCounter>) -> Self {
+    pub fn new(inner: ShimBody, idle: Duration, dispatch: Option<DispatchEnd>, failures: Option<IntCounter>) -> Self {
         let deadline = Box::pin(tokio::time::sleep(idle));
         Self { inner, idle, deadline, done: false, dispatch, failures }
     }
@@ -64,6 +64,9 @@ impl Body for RelayBody {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(dispatch) = &mut this.dispatch {
+                    dispatch.prefilled();
+                }
                 let next = Instant::now() + this.idle;
                 this.deadline.as_mut().reset(next);
                 Poll::Ready(Some(Ok(frame)))

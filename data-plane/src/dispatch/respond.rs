@@ -9,10 +9,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 
 use super::classify::{Verdict, classify};
 use super::relay::RelayBody;
+use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
 use crate::metrics::ErrorPhase;
 use crate::routing::headers::{disclose, strip_response};
@@ -41,7 +41,7 @@ impl Dispatcher {
     /// or here for anything not relayed. `shown` is what to disclose.
     pub(super) async fn answer(
         &self,
-        response: Response<Incoming>,
+        response: Response<ShimBody>,
         stream: bool,
         dispatch: Option<DispatchEnd>,
         shown: Option<(&str, &Selection)>,
@@ -70,7 +70,7 @@ impl Dispatcher {
     }
 
     /// Any answer relayed as is (plain unpinned routing).
-    pub(super) async fn pass_through(&self, response: Response<Incoming>, stream: bool) -> Result<Response, Failure> {
+    pub(super) async fn pass_through(&self, response: Response<ShimBody>, stream: bool) -> Result<Response, Failure> {
         let status = response.status();
         if status.is_success() {
             return self.success(response, stream, None).await;
@@ -81,7 +81,7 @@ impl Dispatcher {
 
     async fn success(
         &self,
-        response: Response<Incoming>,
+        response: Response<ShimBody>,
         stream: bool,
         dispatch: Option<DispatchEnd>,
     ) -> Result<Response, Failure> {
@@ -114,7 +114,7 @@ fn rebuild(status: StatusCode, shim_headers: &HeaderMap, body: Body) -> Response
     response
 }
 
-async fn read_whole(body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, Failure> {
+async fn read_whole(body: ShimBody, limit: usize, timeout: Duration) -> Result<Bytes, Failure> {
     match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
         Err(_) => Err(Failure::BodyTimeout(timeout)),
         Ok(Err(error)) => Err(Failure::Body(error.to_string())),
@@ -123,6 +123,6 @@ async fn read_whole(body: Incoming, limit: usize, timeout: Duration) -> Result<B
 }
 
 /// A refusal's body, or nothing when it is too large or too slow: the status alone decides then.
-async fn read_error_body(body: Incoming) -> Bytes {
+async fn read_error_body(body: ShimBody) -> Bytes {
     read_whole(body, MAX_ERROR_BODY_BYTES, ERROR_BODY_TIMEOUT).await.unwrap_or_default()
 }

@@ -150,7 +150,7 @@ async fn follow(
                 }
                 last_report = Instant::now();
                 let report = reporter::batch(event, reports);
-                if report.started.is_empty() && report.ended.is_empty() {
+                if report.started.is_empty() && report.ended.is_empty() && report.prefilled.is_empty() {
                     continue;
                 }
                 Kind::Dispatches(report)

@@ -22,6 +22,7 @@ pub const MAX_REPORT_BATCH: usize = 512;
 pub enum DispatchEvent {
     Started { id: u64, rank: LoadKey, prefill_tokens: u64, decode_blocks: u64, block_hashes: Vec<u64> },
     Ended(u64),
+    Prefilled(u64),
 }
 
 #[derive(Debug)]
@@ -63,6 +64,11 @@ impl DispatchReporter {
         self.send(DispatchEvent::Ended(id));
     }
 
+    /// The dispatch's response began: its prompt is prefilled.
+    pub fn prefilled(&self, id: u64) {
+        self.send(DispatchEvent::Prefilled(id));
+    }
+
     fn send(&self, event: DispatchEvent) {
         if self.tx.try_send(event).is_err() {
             self.dropped.inc();
@@ -91,6 +97,7 @@ pub(crate) fn batch(first: DispatchEvent, rx: &mut mpsc::Receiver<DispatchEvent>
             report.started.push(pb::DispatchStarted { id, rank, prefill_tokens, decode_blocks, block_hashes });
         }
         DispatchEvent::Ended(id) => report.ended.push(id),
+        DispatchEvent::Prefilled(id) => report.prefilled.push(id),
     };
     add(first);
     for _ in 1..MAX_REPORT_BATCH {

@@ -1,10 +1,11 @@
 //! `POST /v1/chat/completions`, in the pipeline's explicit phases: ingress (read and validate) →
 //! strip (client routing headers and body fields) → pick → upstream request → relay.
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -17,12 +18,13 @@ use crate::http::AppState;
 use crate::metrics::Ingress;
 use crate::routing::headers::{attach_token_data, strip_body_routing, strip_client_routing, wants_disclosure};
 
-pub async fn chat_completions(
-    State(state): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub async fn chat_completions(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let started = Instant::now();
+    // The headers are taken rather than cloned (as the `HeaderMap` extractor would); the body
+    // goes through the `Bytes` extractor all the same, so the route's body limit applies.
+    let (mut parts, body) = request.into_parts();
+    let headers = std::mem::take(&mut parts.headers);
+    let body = Bytes::from_request(Request::from_parts(parts, body), &state).await;
     let response = serve(&state, headers, body).await.unwrap_or_else(IntoResponse::into_response);
     state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
     response

@@ -6,6 +6,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::{KvArtifactPolicy, Role, Worker, WorkerKey};
@@ -14,6 +15,7 @@ use imbl::OrdMap;
 use prometheus::IntCounterVec;
 use serde_json::Value;
 
+use super::recent::RecentAnswers;
 use crate::fleet::{MatchesClient, MatchesError};
 use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
 use crate::kv::render::Renderer;
@@ -31,6 +33,9 @@ pub enum Term {
         /// The prompt's block hashes at `block_size` (at most [`MAX_DISPATCH_BLOCK_HASHES`]),
         /// reported with the dispatch so the control plane credits them provisionally.
         block_hashes: Vec<u64>,
+        /// The index missed its deadline (or failed) and `overlaps` is a recent answer for
+        /// the prompt's prefix.
+        recent: bool,
     },
     Unavailable(KvSelectionResult),
 }
@@ -44,6 +49,7 @@ pub struct KvRouting {
     artifacts_counter: IntCounterVec,
     prompt: Mutex<Preparer>,
     models: Mutex<ModelCache>,
+    recent: RecentAnswers,
 }
 
 /// Each model's parsed cards and block sizes, kept while the fleet's worker map is the same
@@ -80,7 +86,14 @@ struct Held {
 
 impl KvRouting {
     pub fn new(matches: MatchesClient, renderer: Renderer, artifacts_counter: IntCounterVec) -> Self {
-        Self { matches, renderer, artifacts_counter, prompt: Mutex::default(), models: Mutex::default() }
+        Self {
+            matches,
+            renderer,
+            artifacts_counter,
+            prompt: Mutex::default(),
+            models: Mutex::default(),
+            recent: RecentAnswers::default(),
+        }
     }
 
     /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name).
@@ -100,21 +113,30 @@ impl KvRouting {
         let Some((block_size, hashes)) = prepared.hashes.first() else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
-        let block_hashes = hashes.iter().take(MAX_DISPATCH_BLOCK_HASHES).map(|h| h.0).collect();
-        match self.matches.find_matches(hashes.iter().map(|h| h.0).collect()).await {
-            Ok(overlaps) => Term::Scored {
-                tokens: prepared.tokens,
-                block_size: block_size.get(),
-                overlaps: overlaps.into(),
-                block_hashes,
-            },
-            Err(error) => {
-                tracing::debug!(%error, "scoring without the KV term");
-                Term::Unavailable(match error {
-                    MatchesError::Deadline(_) => KvSelectionResult::IndexTimeout,
-                    MatchesError::Status(_) => KvSelectionResult::IndexUnavailable,
-                })
+        let chain: Vec<u64> = hashes.iter().map(|h| h.0).collect();
+        let block_hashes = chain.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect();
+        let (overlaps, recent) = match self.matches.find_matches(chain.clone()).await {
+            Ok(overlaps) => {
+                self.recent.remember(&chain, &overlaps, Instant::now());
+                (overlaps, false)
             }
+            Err(error) => match self.recent.recall(&chain, Instant::now()) {
+                Some(overlaps) => (overlaps, true),
+                None => {
+                    tracing::debug!(%error, "scoring without the KV term");
+                    return Term::Unavailable(match error {
+                        MatchesError::Deadline(_) => KvSelectionResult::IndexTimeout,
+                        MatchesError::Status(_) => KvSelectionResult::IndexUnavailable,
+                    });
+                }
+            },
+        };
+        Term::Scored {
+            tokens: prepared.tokens,
+            block_size: block_size.get(),
+            overlaps: overlaps.into(),
+            block_hashes,
+            recent,
         }
     }
 

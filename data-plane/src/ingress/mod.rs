@@ -7,8 +7,11 @@ mod chat;
 pub mod error;
 mod kv;
 mod models;
+mod recent;
 pub mod request;
 pub mod select;
+
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
@@ -20,7 +23,7 @@ pub use request::MAX_REQUEST_BODY_BYTES;
 
 use crate::http::AppState;
 
-pub fn routes() -> Router<AppState> {
+pub fn routes() -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(models::list_models))

@@ -2,6 +2,7 @@
 //! display name the model map targets is listed under its client ids instead.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -16,7 +17,7 @@ use super::select::SelectError;
 use crate::http::AppState;
 use crate::metrics::Ingress;
 
-pub async fn list_models(State(state): State<AppState>) -> Response {
+pub async fn list_models(State(state): State<Arc<AppState>>) -> Response {
     let started = Instant::now();
     let response = match state.fleet.view() {
         Some(view) => Json(models_body(&view)).into_response(),

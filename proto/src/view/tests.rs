@@ -129,7 +129,7 @@ fn delta_for(view: &FleetView, op: &Op) -> Option<FleetDelta> {
         Op::Load(id, r, u) => FleetDelta { loads: vec![(load_key(id, r), sample(u))], ..base },
         Op::Unload(id, r) => FleetDelta { loads_removed: vec![load_key(id, r)], ..base },
         Op::Backlog(id, r, n) => {
-            let backlog = Backlog { prefill_tokens: n * 16, decode_blocks: n, dispatches: 1 };
+            let backlog = Backlog { prefill_tokens: n * 16, decode_blocks: n, dispatches: 1, ..Backlog::default() };
             FleetDelta { backlogs: vec![(load_key(id, r), backlog)], ..base }
         }
         Op::Unbacklog(id, r) => FleetDelta { backlogs_removed: vec![load_key(id, r)], ..base },
@@ -159,7 +159,8 @@ proptest! {
 
 #[test]
 fn removing_a_worker_drops_its_backlog() {
-    let backlog = Backlog { prefill_tokens: 100, decode_blocks: 7, dispatches: 2 };
+    let backlog =
+        Backlog { prefill_tokens: 100, decode_blocks: 7, dispatches: 2, foreign_decode_blocks: Some(4), as_of: None };
     let view = FleetView::default()
         .apply(&FleetDelta { upserted: vec![worker(1, 1)], backlogs: vec![(load_key(1, 0), backlog)], ..delta(0) })
         .unwrap();

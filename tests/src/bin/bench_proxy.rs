@@ -14,15 +14,16 @@ use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::http::{HeaderMap, Request, StatusCode, Uri, header};
-use axum::routing::post;
+use axum::routing::{get, post};
 use bytes::Bytes;
 use continuum_control_plane::fleet::FleetChange;
+use continuum_data_plane::dispatch::MAX_IDLE_PER_AUTHORITY;
 use continuum_data_plane::fleet::FleetClientConfig;
 use continuum_data_plane::replica::Replica;
 use continuum_data_plane::routing::headers::PREFILL_INSTANCE_ID;
 use continuum_proto::model::{Backend, DataPlaneConfig, DisaggregatedServing, ShimPool};
 use continuum_tests::bench::{Quantiles, arg, write_section};
-use continuum_tests::nginx::Nginx;
+use continuum_tests::nginx::{Nginx, UPSTREAM_KEEPALIVE};
 use continuum_tests::{TestControlPlane, publisher, wait_for_version, worker};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -126,7 +127,8 @@ fn runtime(name: &str, threads: usize) -> anyhow::Result<Runtime> {
 }
 
 /// The stub shim: answers every chat completion at once with a fixed body, counting the
-/// requests that arrive with a prefill pin.
+/// requests that arrive with a prefill pin, and answers the data plane's liveness probe
+/// (`GET /live`) as the Dynamo frontend does.
 async fn start_stub(pinned: Arc<AtomicU64>) -> anyhow::Result<SocketAddr> {
     let answer = move |headers: HeaderMap, _body: Bytes| {
         if headers.contains_key(PREFILL_INSTANCE_ID) {
@@ -136,7 +138,10 @@ async fn start_stub(pinned: Arc<AtomicU64>) -> anyhow::Result<SocketAddr> {
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    let app = Router::new().route("/v1/chat/completions", post(answer));
+    let app = Router::new().route("/v1/chat/completions", post(answer)).route(
+        "/live",
+        get(|| std::future::ready(([(header::CONTENT_TYPE, "application/json")], r#"{"status":"live"}"#))),
+    );
     tokio::spawn(async move { axum::serve(listener, app).await });
     Ok(addr)
 }
@@ -265,6 +270,7 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
          - Round {index} of {} shown, the median by throughput ratio; every round's (throughput ratio / added-p99 ratio): {}.\n\
          - Each path: {} requests at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\
          - Same machine, same run, loopback. The stub, the load generator, each proxy (one thread each: nginx `worker_processes 1`, the data plane a one-thread runtime) and the in-process control plane share the cores, so these are relative numbers.\n\
+         - Both proxies keep idle keep-alive connections to the stub: nginx `keepalive {UPSTREAM_KEEPALIVE}`, the data plane its own HTTP/1.1 client (at most {MAX_IDLE_PER_AUTHORITY} idle per shim replica), which writes each request in one system call and reads the answer on the request's own task.\n\
          - The data plane does more than nginx: it parses and validates the JSON, strips routing headers and fields and re-serializes the body, picks a prefill and a decode worker among 2 + 2, writes the pins, records the dispatch in its ledger and reports it to the control plane, and keeps metrics.\n",
         row("direct to the stub (baseline)", &median.direct, None),
         row(&format!("{nginx} (`proxy_pass`, upstream keepalive)"), &median.nginx, Some(&median.direct)),

@@ -17,7 +17,9 @@
 //! `cargo build --release --bins && cargo run --release -p continuum-tests --bin bench-routing -- [--runs 3] [--requests 256] [--quick] [--write]`
 //!
 //! Runs as root (network namespaces). `--quick`: one run of 128 requests, aggregated fleet,
-//! the 8×2 shared-prefix and unique workloads only.
+//! the 8×2 shared-prefix and unique workloads only. To investigate a cell: `--only-fleets agg`,
+//! `--only-routers round-robin,continuum-load`, `--only-cases unique` (a name prefix) and
+//! `--dump DIR` (every run's per-request outcomes as JSON); a filtered run is never written.
 
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
@@ -67,6 +69,13 @@ impl Fleet {
         }
     }
 
+    fn slug(self) -> &'static str {
+        match self {
+            Fleet::Aggregated => "agg",
+            Fleet::Disaggregated => "disagg",
+        }
+    }
+
     fn mockers(self) -> Vec<(&'static str, Mocker)> {
         let mocker = |mode| Mocker { mode, kv_blocks: KV_BLOCKS, dp_size: 1 };
         match self {
@@ -98,6 +107,17 @@ impl Router {
             Router::ContinuumLoad => "Continuum load-based",
             Router::ContinuumKv => "Continuum KV-aware",
             Router::ContinuumKvNoProvisional => "Continuum KV-aware, provisional credit off",
+        }
+    }
+
+    /// The name `--only-routers` and `--dump` use.
+    fn slug(self) -> &'static str {
+        match self {
+            Router::RoundRobin => "round-robin",
+            Router::DynamoKv => "dynamo-kv",
+            Router::ContinuumLoad => "continuum-load",
+            Router::ContinuumKv => "continuum-kv",
+            Router::ContinuumKvNoProvisional => "continuum-kv-no-provisional",
         }
     }
 
@@ -152,6 +172,10 @@ fn cases(requests: usize, quick: bool) -> Vec<Case> {
     cases
 }
 
+fn value_of<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == flag).and_then(|at| args.get(at + 1)).map(String::as_str)
+}
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "--client") {
@@ -167,13 +191,27 @@ fn main() -> anyhow::Result<()> {
         let path = tools::binary(binary);
         ensure!(path.exists(), "no {}: run `cargo build --release --bins` first", path.display());
     }
-    let fleets = if quick { vec![Fleet::Aggregated] } else { vec![Fleet::Aggregated, Fleet::Disaggregated] };
+    let mut fleets = if quick { vec![Fleet::Aggregated] } else { vec![Fleet::Aggregated, Fleet::Disaggregated] };
+    if let Some(only) = value_of(&args, "--only-fleets") {
+        fleets.retain(|f| only.split(',').any(|o| o == f.slug()));
+    }
     let provisional = provisional_ttl_exists();
     let mut routers = vec![Router::RoundRobin, Router::DynamoKv, Router::ContinuumLoad, Router::ContinuumKv];
     if provisional {
         routers.push(Router::ContinuumKvNoProvisional);
     }
-    let cases = cases(requests, quick);
+    // Investigation filters: `--only-routers round-robin,continuum-load` `--only-cases unique`.
+    if let Some(only) = value_of(&args, "--only-routers") {
+        routers.retain(|r| only.split(',').any(|o| o == r.slug()));
+    }
+    let mut cases = cases(requests, quick);
+    if let Some(only) = value_of(&args, "--only-cases") {
+        cases.retain(|c| only.split(',').any(|o| c.name.starts_with(o)));
+    }
+    ensure!(!routers.is_empty() && !cases.is_empty(), "the filters left nothing to run");
+    let dump = value_of(&args, "--dump").map(std::path::PathBuf::from);
+    let filtered = ["--only-fleets", "--only-routers", "--only-cases"].iter().any(|f| value_of(&args, f).is_some());
+    ensure!(!(filtered && args.iter().any(|a| a == "--write")), "a filtered run is not the whole table: drop --write");
     let tokenizer = tokenizers::Tokenizer::from_file(tools::dynamo_fixtures().join("tinymodel/tokenizer.json"))
         .map_err(|e| anyhow::anyhow!("the fixture tokenizer: {e}"))?;
     let mut count = |text: &str| tokenizer.encode(text, false).map_or(0, |e| e.len());
@@ -192,7 +230,7 @@ fn main() -> anyhow::Result<()> {
     for &fleet in &fleets {
         for &router in &routers {
             let cell = Instant::now();
-            let stats = runtime.block_on(bench_router(fleet, router, &cases, runs, &workloads))?;
+            let stats = runtime.block_on(bench_router(fleet, router, &cases, runs, &workloads, dump.as_deref()))?;
             eprintln!("{} / {}: {:?}", fleet.label(), router.label(), cell.elapsed());
             for ((c, _), s) in stats {
                 results.entry((fleet, c, router)).or_default().push(s);
@@ -221,6 +259,7 @@ async fn bench_router(
     cases: &[Case],
     runs: usize,
     workloads: &BTreeMap<(usize, usize), Workload>,
+    dump: Option<&Path>,
 ) -> anyhow::Result<Vec<((usize, usize), RunStats)>> {
     let ns = NetNs::create()?;
     dynamo::start_etcd(&ns).await?;
@@ -274,6 +313,11 @@ async fn bench_router(
             client.arg("--client").arg(&file).arg(bases.join(","));
             let output = ns.run(client).await.with_context(|| format!("the client, {} run {run}", case.name))?;
             let answer: client::Answer = serde_json::from_str(&output)?;
+            if let Some(dir) = dump {
+                std::fs::create_dir_all(dir)?;
+                let name = format!("{}-{}-{c}-{run}.json", fleet.slug(), router.slug());
+                std::fs::write(dir.join(name), &output)?;
+            }
             let after = selections(&ns, &bases, router).await?;
             let kv = after.iter().map(|(k, v)| (k.clone(), v - before.get(k).copied().unwrap_or(0.0))).collect();
             let stats = RunStats::of(&answer, kv);
@@ -679,6 +723,8 @@ mod client {
     pub struct Outcome {
         pub conversation: usize,
         pub turn: usize,
+        /// When the request was sent, from the run's start.
+        pub start_ms: f64,
         pub ttft_ms: Option<f64>,
         pub e2e_ms: f64,
         pub prompt_tokens: u64,
@@ -712,8 +758,9 @@ mod client {
                     let Ok(_permit) = permits.acquire().await else { break };
                     // Requests alternate between the replicas, as a load balancer in front would.
                     let base = &bases[(conversation.id + turn) % bases.len()];
+                    let start_ms = started.elapsed().as_secs_f64() * 1000.0;
                     let mut outcome = one(&http, base, &step.messages, max_tokens).await;
-                    (outcome.conversation, outcome.turn) = (conversation.id, turn);
+                    (outcome.conversation, outcome.turn, outcome.start_ms) = (conversation.id, turn, start_ms);
                     out.push(outcome);
                 }
                 out
@@ -733,6 +780,7 @@ mod client {
         let mut outcome = Outcome {
             conversation: 0,
             turn: 0,
+            start_ms: 0.0,
             ttft_ms: None,
             e2e_ms: 0.0,
             prompt_tokens: 0,

@@ -119,10 +119,22 @@ async fn an_open_stream_loads_its_ranks_fleet_wide_until_it_ends() -> anyhow::Re
             && backlog(DECODE_ID).is_some_and(|b| b.decode_blocks > 0 && b.prefill_tokens == 0)
     })
     .await?;
+    // The first token: the prompt is prefilled, so it no longer loads the prefill rank; the
+    // request's blocks stay on the decode rank until it ends.
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    eventually(Duration::from_secs(10), "the prefill leg prefilled", || async {
+        backlog(PREFILL_ID).is_some_and(|b| b.prefill_tokens == 0 && b.dispatches == 1)
+            && backlog(DECODE_ID).is_some_and(|b| b.decode_blocks > 0)
+    })
+    .await?;
     drop(gate);
     assert_eq!(next_text(&mut response).await?, None);
+    // Until a sample shows the ranks after the end, the control plane keeps publishing them
+    // (with nothing in flight), so a lagging sample is not read as load.
+    let idle = |id| backlog(id).is_none_or(|b| b.dispatches == 0 && b.decode_blocks == 0 && b.prefill_tokens == 0);
     eventually(Duration::from_secs(10), "the ended stream leaving the backlogs", || async {
-        backlog(PREFILL_ID).is_none() && backlog(DECODE_ID).is_none()
+        idle(PREFILL_ID) && idle(DECODE_ID)
     })
     .await?;
     harness.stop().await;

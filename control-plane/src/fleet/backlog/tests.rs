@@ -35,7 +35,24 @@ fn started(id: u64, dp_rank: u32, tokens: u64) -> pb::DispatchStarted {
 }
 
 fn report(started: Vec<pb::DispatchStarted>, ended: Vec<u64>) -> pb::DispatchReport {
-    pb::DispatchReport { started, ended }
+    pb::DispatchReport { started, ended, prefilled: Vec::new() }
+}
+
+fn sampled(state: &FleetState, dp_rank: u32, kv_used_blocks: u64, received_at: Instant) -> FleetState {
+    let sample = LoadSample { load: Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() }, received_at };
+    match state.commit(FleetChange { loads: vec![(rank(dp_rank), sample)], ..FleetChange::default() }) {
+        Some((state, _)) => state,
+        None => panic!("a sample is a change"),
+    }
+}
+
+/// (dp rank, prefill tokens, decode blocks, dispatches, foreign decode blocks) per published rank.
+fn sums(change: &FleetChange) -> Vec<(u32, u64, u64, u32, Option<u64>)> {
+    change
+        .backlogs
+        .iter()
+        .map(|(k, b)| (k.dp_rank, b.prefill_tokens, b.decode_blocks, b.dispatches, b.foreign_decode_blocks))
+        .collect()
 }
 
 #[test]
@@ -45,15 +62,20 @@ fn reports_from_several_replicas_sum_per_rank_and_ends_subtract() {
     let t0 = Instant::now();
     book.report(1, report(vec![started(1, 0, 160), started(2, 1, 32)], vec![]), t0, &state);
     book.report(2, report(vec![started(1, 0, 320)], vec![]), t0, &state);
-    let change = book.take_change();
-    let sums: Vec<_> =
-        change.backlogs.iter().map(|(k, b)| (k.dp_rank, b.prefill_tokens, b.decode_blocks, b.dispatches)).collect();
-    assert_eq!(sums, [(0, 480, 30, 2), (1, 32, 2, 1)], "replica ids are separate id spaces");
+    let change = book.take_change(t0);
+    assert_eq!(sums(&change), [(0, 480, 30, 2, None), (1, 32, 2, 1, None)], "replica ids are separate id spaces");
 
     book.report(1, report(vec![], vec![1, 2]), t0, &state);
-    let change = book.take_change();
-    assert_eq!(change.backlogs.iter().map(|(k, b)| (k.dp_rank, b.prefill_tokens)).collect::<Vec<_>>(), [(0, 320)]);
-    assert_eq!(change.backlogs_removed, [rank(1)], "a rank with nothing outstanding is removed");
+    let change = book.take_change(t0);
+    assert_eq!(sums(&change), [(0, 320, 20, 1, None), (1, 0, 0, 0, None)]);
+    assert!(change.backlogs_removed.is_empty(), "an end is published until a sample shows it");
+
+    let later = t0 + Duration::from_millis(5);
+    let shown = sampled(&sampled(&state, 1, 0, later), 0, 20, later);
+    book.expire(&shown, later);
+    let change = book.take_change(later);
+    assert_eq!(change.backlogs_removed, [rank(1)], "a rank settled by a sample after its last end is removed");
+    assert_eq!(sums(&change), [(0, 320, 20, 1, Some(0))], "a sample changes neither the prefill nor the decode sums");
 }
 
 #[test]
@@ -65,41 +87,121 @@ fn reports_for_ranks_the_fleet_does_not_have_are_refused() {
     stranger.rank = Some((&LoadKey { worker: WorkerKey::new("dynamo", 99), dp_rank: 0 }).into());
     book.report(1, report(vec![stranger], vec![]), Instant::now(), &state);
     assert_eq!(book.refused, 2);
-    assert!(book.take_change().backlogs.is_empty());
+    assert!(book.take_change(Instant::now()).backlogs.is_empty());
 }
 
 #[test]
-fn a_sample_received_after_a_dispatch_answers_it() {
+fn prefill_counts_until_the_first_token_and_decode_until_the_end() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    book.report(1, report(vec![started(1, 0, 160), started(2, 0, 32)], vec![]), t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 192, 12, 2, None)]);
+    book.report(1, pb::DispatchReport { prefilled: vec![1], ..Default::default() }, t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 32, 12, 2, None)]);
+    book.report(1, report(vec![], vec![1]), t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 32, 2, 1, None)]);
+}
+
+#[test]
+fn a_dispatch_that_starts_and_ends_within_one_report_leaves_nothing() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let whole = pb::DispatchReport { started: vec![started(1, 0, 160)], ended: vec![1], prefilled: vec![1] };
+    book.report(1, whole, t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 0, 0, 0, None)]);
+    assert!(book.where_is.is_empty());
+}
+
+/// The herd this accounting exists to stop: a burst's requests all end, but the worker's last
+/// sample was taken before they did and still shows their blocks. Read as "sample plus new
+/// dispatches", every replica would send the next burst to the other worker.
+#[test]
+fn a_sample_that_still_shows_ended_requests_counts_nothing_for_them() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let burst = (1..=8).map(|id| started(id, 0, 1600)).collect();
+    book.report(1, report(burst, vec![]), t0, &state);
+    // The engine holds all eight (800 blocks) when it publishes.
+    let busy = sampled(&state, 0, 800, t0 + Duration::from_millis(300));
+    book.expire(&busy, t0 + Duration::from_millis(301));
+    assert_eq!(sums(&book.take_change(t0)), [(0, 12800, 800, 8, Some(0))], "all of the sample is the fleet's own");
+    // All eight end; no sample since.
+    book.report(1, report(vec![], (1..=8).collect()), t0 + Duration::from_millis(600), &busy);
+    book.expire(&busy, t0 + Duration::from_millis(601));
+    let change = book.take_change(t0 + Duration::from_millis(601));
+    assert_eq!(sums(&change), [(0, 0, 0, 0, Some(0))], "backlog 0 + 0, not the sample's 800");
+    // A sample published before the ends but received after them still shows them: not foreign.
+    let late = sampled(&busy, 0, 800, t0 + Duration::from_millis(650));
+    book.expire(&late, t0 + Duration::from_millis(651));
+    assert_eq!(sums(&book.take_change(t0)), [], "foreign stays 0");
+    // Past the lag, what a sample shows is the worker's.
+    let later = t0 + Duration::from_millis(600) + SAMPLE_LAG;
+    book.report(1, report(vec![started(9, 0, 160)], vec![]), later, &late);
+    let other = sampled(&late, 0, 50, later + Duration::from_millis(1));
+    book.expire(&other, later + Duration::from_millis(2));
+    assert_eq!(sums(&book.take_change(later)), [(0, 160, 10, 1, Some(40))]);
+}
+
+/// The other lag: a new request has not reached the engine when its worker publishes, so the
+/// sample does not show it; the request's blocks still count.
+#[test]
+fn a_sample_taken_before_a_request_arrived_does_not_erase_it() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
+    let early = sampled(&state, 0, 0, t0 + Duration::from_millis(2));
+    book.expire(&early, t0 + Duration::from_millis(3));
+    assert_eq!(sums(&book.take_change(t0)), [(0, 1600, 100, 1, Some(0))], "100 blocks in flight, none foreign");
+}
+
+#[test]
+fn load_the_fleet_did_not_send_is_foreign() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    // Another router keeps 300 blocks busy on the rank.
+    let other = sampled(&state, 0, 300, t0);
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0 + Duration::from_millis(1), &other);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 1600, 100, 1, Some(300))], "a new record counts the sample whole");
+    let both = sampled(&other, 0, 400, t0 + Duration::from_millis(50));
+    book.expire(&both, t0 + Duration::from_millis(51));
+    assert_eq!(sums(&book.take_change(t0)), [], "foreign: 400 shown - 100 in flight, unchanged");
+}
+
+#[test]
+fn unchanged_sums_are_not_published_again() {
     let state = state_with(0);
     let mut book = Book::default();
     let t0 = Instant::now();
     book.report(1, report(vec![started(1, 0, 16)], vec![]), t0, &state);
-    book.take_change();
-    let sample = LoadSample {
-        load: Load { kv_used_blocks: Some(1), ..Load::default() },
-        received_at: t0 + Duration::from_millis(5),
-    };
-    let Some((answered, _)) = state.commit(FleetChange { loads: vec![(rank(0), sample)], ..FleetChange::default() })
-    else {
-        panic!("a sample is a change");
-    };
-    book.expire(&answered, t0 + Duration::from_millis(6));
-    assert_eq!(book.take_change().backlogs_removed, [rank(0)]);
+    let change = book.take_change(t0);
+    assert_eq!(change.backlogs.len(), 1);
+    assert_eq!(change.backlogs[0].1.as_of, Some(t0), "stamped with when the reports were summed");
+    book.expire(&state, t0 + Duration::from_millis(2));
+    assert!(book.take_change(t0).backlogs.is_empty());
 }
 
 #[test]
-fn dispatches_age_out_and_leave_with_their_replica() {
+fn dispatches_whose_end_never_comes_age_out_and_leave_with_their_replica() {
     let state = state_with(0);
     let mut book = Book::default();
     let t0 = Instant::now();
     book.report(1, report(vec![started(1, 0, 16)], vec![]), t0, &state);
     book.report(2, report(vec![started(1, 0, 16)], vec![]), t0 + Duration::from_secs(20), &state);
-    book.expire(&state, t0 + DISPATCH_MAX_AGE);
-    book.take_change();
-    assert_eq!(book.by_rank.get(&rank(0)).map(|d| d.len()), Some(1), "only the old dispatch aged out");
-    book.replica_gone(2);
-    assert!(book.by_rank.is_empty());
-    assert_eq!(book.take_change().backlogs_removed, [rank(0)]);
+    book.expire(&state, t0 + IN_FLIGHT_MAX_AGE);
+    book.take_change(t0 + IN_FLIGHT_MAX_AGE);
+    assert_eq!(book.ranks.get(&rank(0)).map(|r| r.dispatches.len()), Some(1), "only the old dispatch aged out");
+    book.replica_gone(2, t0 + IN_FLIGHT_MAX_AGE);
+    assert!(book.ranks.get(&rank(0)).is_some_and(|r| r.dispatches.is_empty()));
+    // No sample ever comes: the record goes DISPATCH_MAX_AGE after the last end.
+    let much_later = t0 + IN_FLIGHT_MAX_AGE + DISPATCH_MAX_AGE;
+    book.expire(&state, much_later);
+    assert_eq!(book.take_change(much_later).backlogs_removed, [rank(0)]);
+    assert!(book.ranks.is_empty());
 }
 
 #[test]

@@ -4,7 +4,9 @@
 //! * prefill cost = active_prefill_tokens / max_num_batched_tokens
 //! * decode cost = (active_decode_blocks + ceil(prompt_tokens / block_size)) / total_kv_blocks
 //!
-//! The replica's unanswered dispatches add to the backlog (prefill tokens, decode blocks).
+//! The replica's unanswered dispatches add to the backlog (prefill tokens, decode blocks);
+//! where the control plane measured a rank's foreign load, the decode backlog is that plus the
+//! fleet's dispatches in flight instead (see [`RankBacklog::decode_backlog`]).
 
 use std::cmp::Ordering;
 use std::time::{Duration, Instant};
@@ -119,7 +121,7 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
             let capacity = inputs.capacity.total_kv_blocks.filter(|n| *n > 0)?;
             let block_size = inputs.block_size.filter(|n| *n > 0)?;
             let request = inputs.prompt_tokens.div_ceil(u64::from(block_size));
-            let backlog = sampled.saturating_add(inputs.unanswered.decode_blocks).saturating_add(request);
+            let backlog = inputs.unanswered.decode_backlog(sampled).saturating_add(request);
             Some(Cost { backlog, capacity })
         }
     }

@@ -103,8 +103,8 @@ impl KvAwarePicker {
     /// Chooses the workers for `request`, or `None` when no routable worker serves the model.
     /// `request.prompt_tokens` is used only without a KV term; with one, `isl_tokens` is.
     pub fn pick(&self, view: &FleetView, request: &PickRequest<'_>, kv: KvTerm<'_>, now: Instant) -> Option<Selection> {
-        let (isl_tokens, block_size, overlaps) = match kv {
-            KvTerm::Scored { isl_tokens, block_size, overlaps } => (isl_tokens, block_size, overlaps),
+        let (isl_tokens, block_size, overlaps, recent) = match kv {
+            KvTerm::Scored { isl_tokens, block_size, overlaps, recent } => (isl_tokens, block_size, overlaps, recent),
             KvTerm::Unavailable(result) => {
                 let selection = self.load.pick(view, request, now)?;
                 self.count_result(result);
@@ -125,7 +125,8 @@ impl KvAwarePicker {
         let prefilling = prefilling(&pools);
         let cursor = (KV_CURSOR, Phase::Prefill, request.model);
         let winner = self.compete(&scoring, &prefilling, cursor, |logit| logit.cost)?;
-        let overlap = overlap_result(scoring.overlap(winner.candidate));
+        let overlap =
+            if recent { KvSelectionResult::IndexRecent } else { overlap_result(scoring.overlap(winner.candidate)) };
         if winner.candidate.worker.role != Role::Prefill {
             let selection = Selection {
                 namespace: Arc::clone(&winner.candidate.worker.key.namespace),
@@ -134,6 +135,7 @@ impl KvAwarePicker {
                 prefill: None,
                 decode_reason: winner.reason,
                 prefill_reason: Some(Reason::NoPrefillPool),
+                decode_cached_blocks: u64::from(scoring.overlap(winner.candidate)),
             };
             return Some(self.finish(selection, overlap));
         }
@@ -162,6 +164,7 @@ impl KvAwarePicker {
             prefill: Some(prefill.candidate.pin()),
             decode_reason,
             prefill_reason: Some(prefill.reason),
+            decode_cached_blocks: u64::from(scoring.overlap(decode)),
         };
         if !scoring.view.config().picker.conditional_disaggregation {
             let cursor = (Phase::Decode, request.model, &**namespace);

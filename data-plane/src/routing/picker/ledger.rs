@@ -1,10 +1,14 @@
-//! The replica's own unanswered dispatches, per worker rank.
+//! The replica's own dispatches in flight, per worker rank.
 //!
-//! Workers publish load only when it changes, so between two samples the picker would send a
-//! whole burst to the worker that looked idle. Each dispatch therefore adds its prompt tokens
-//! (prefill leg) and blocks (decode leg) to its ranks' backlog until a sample newer than the
-//! dispatch arrives from that rank, the request ends, or [`UNANSWERED_FOR`] passes. A dispatch
-//! of [`STALL_MIN_BLOCKS`] or more left unanswered for [`STALL_AFTER`] marks its rank stalled.
+//! Workers publish load only when it changes, and their samples lag both a request's arrival
+//! and its end, so between two samples the picker would send a whole burst to the worker that
+//! looked idle. Each dispatch therefore adds to its ranks' backlog: its prompt tokens to the
+//! rank that prefills it until the response begins (the first token), and its blocks to the
+//! decode rank until it ends, as Dynamo's KV router counts them. Decode blocks are also kept
+//! apart as "unanswered" until a sample newer than the dispatch arrives, for the seed's rule
+//! where the control plane has not measured the rank's foreign load. Nothing counts longer
+//! than [`UNANSWERED_FOR`]. A dispatch of [`STALL_MIN_BLOCKS`] or more left unanswered for
+//! [`STALL_AFTER`] marks its rank stalled.
 //!
 //! One mutex guards the state; every critical section is a few map operations, and the picker
 //! queries all its candidates under a single acquisition.
@@ -34,6 +38,11 @@ pub const LEDGER_CAPACITY: usize = 65_536;
 pub const FALLBACK_BLOCK_SIZE: u32 = 16;
 /// How often recording sweeps out expired dispatches of ranks nobody queries any more.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// How long an ended dispatch is remembered, to take it out of a fleet-wide sum taken before
+/// it ended (the control plane's sums trail this replica's reports by a few milliseconds)…
+const ENDED_MEMORY: Duration = Duration::from_secs(1);
+/// …and how many per rank at most.
+const ENDED_PER_RANK: usize = 1024;
 
 /// A recorded dispatch, to end when its request finishes, is refused, fails or is cancelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -48,11 +57,25 @@ impl DispatchId {
     }
 }
 
-/// What a rank's unanswered dispatches add to its last sample.
+/// What a rank's dispatches add to its last sample.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RankBacklog {
+    /// Of the dispatches whose response has not begun.
     pub prefill_tokens: u64,
+    /// Of the dispatches no sample has answered.
     pub decode_blocks: u64,
+    /// Of every dispatch in flight, answered or not.
+    pub in_flight_decode_blocks: u64,
+    /// Decode blocks of this replica's dispatches that started after the fleet-wide sums were
+    /// taken and are in flight, and of those that started before and ended since: what the
+    /// sums do not know yet.
+    pub started_since_fleet: u64,
+    pub ended_since_fleet: u64,
+    /// What the rank's last sample showed beyond the fleet's dispatches in flight when it
+    /// arrived (the control plane measures it). When known, the rank's decode backlog is this
+    /// plus `in_flight_decode_blocks` instead of the sample plus `decode_blocks`: samples lag
+    /// both a burst's ends and a new request's arrival at the engine.
+    pub foreign_decode_blocks: Option<u64>,
     /// A dispatch of at least [`STALL_MIN_BLOCKS`] has gone unanswered for [`STALL_AFTER`].
     pub stalled: bool,
 }
@@ -69,10 +92,31 @@ impl RankBacklog {
         let Some(fleet) = fleet else {
             return self;
         };
+        let in_flight_decode_blocks = match fleet.as_of {
+            // The fleet's sum as of its time, brought up to date with what this replica did since.
+            Some(_) => {
+                fleet.decode_blocks.saturating_add(self.started_since_fleet).saturating_sub(self.ended_since_fleet)
+            }
+            None => self.in_flight_decode_blocks.max(fleet.decode_blocks),
+        };
         Self {
             prefill_tokens: self.prefill_tokens.max(fleet.prefill_tokens),
             decode_blocks: self.decode_blocks.max(fleet.decode_blocks),
+            in_flight_decode_blocks,
+            foreign_decode_blocks: fleet.foreign_decode_blocks,
+            started_since_fleet: 0,
+            ended_since_fleet: 0,
             stalled: self.stalled,
+        }
+    }
+
+    /// The rank's decode backlog given its sample's (`sampled`): the fleet's own dispatches in
+    /// flight plus the sample's foreign part when the control plane measured it, else the
+    /// sample plus the unanswered dispatches (the seed's rule).
+    pub fn decode_backlog(&self, sampled: u64) -> u64 {
+        match self.foreign_decode_blocks {
+            Some(foreign) => foreign.saturating_add(self.in_flight_decode_blocks),
+            None => sampled.saturating_add(self.decode_blocks),
         }
     }
 }
@@ -108,6 +152,15 @@ struct Rank {
     decode_blocks: u64,
     /// No leg is older than this; exact except after expiry pops, which recompute it.
     oldest: Option<Instant>,
+    /// Recently ended legs with decode blocks, in end order.
+    ended: VecDeque<Ended>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Ended {
+    at: Instant,
+    ended: Instant,
+    decode_blocks: u64,
 }
 
 impl Rank {
@@ -118,7 +171,13 @@ impl Rank {
         self.legs.push_back(leg);
     }
 
-    fn take(&mut self, id: DispatchId) {
+    fn prefilled(&mut self, id: DispatchId) {
+        if let Some(leg) = self.legs.iter_mut().find(|leg| leg.id == id) {
+            self.prefill_tokens = self.prefill_tokens.saturating_sub(std::mem::take(&mut leg.prefill_tokens));
+        }
+    }
+
+    fn take(&mut self, id: DispatchId, now: Instant) {
         let found = match self.legs.binary_search_by_key(&id.0, |leg| leg.id.0) {
             Ok(index) => Some(index),
             // Ids only leave order if the counter wrapped; look the slow way then.
@@ -126,6 +185,10 @@ impl Rank {
         };
         if let Some(leg) = found.and_then(|index| self.legs.remove(index)) {
             self.forget(&leg);
+            if leg.decode_blocks > 0 {
+                self.ended.push_back(Ended { at: leg.at, ended: now, decode_blocks: leg.decode_blocks });
+            }
+            self.prune_ended(now);
             if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
                 self.oldest = self.legs.iter().map(|leg| leg.at).min();
             }
@@ -138,6 +201,26 @@ impl Rank {
         self.legs.pop_front();
         self.forget(&leg);
         Some(leg.id)
+    }
+
+    fn prune_ended(&mut self, now: Instant) {
+        while self.ended.len() > ENDED_PER_RANK
+            || self.ended.front().is_some_and(|e| now.saturating_duration_since(e.ended) >= ENDED_MEMORY)
+        {
+            self.ended.pop_front();
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.legs.is_empty() && self.ended.is_empty()
+    }
+
+    /// Decode blocks this replica started since `as_of` (still in flight) and ended since
+    /// `as_of` (started before it).
+    fn since(&self, as_of: Instant) -> (u64, u64) {
+        let started = self.legs.iter().rev().take_while(|leg| leg.at > as_of).map(|leg| leg.decode_blocks);
+        let ended = self.ended.iter().rev().take_while(|e| e.ended > as_of).filter(|e| e.at <= as_of);
+        (started.fold(0, u64::saturating_add), ended.map(|e| e.decode_blocks).fold(0, u64::saturating_add))
     }
 
     fn forget(&mut self, leg: &Leg) {
@@ -191,7 +274,7 @@ impl DispatchLedger {
     /// Records a dispatch of `prompt_tokens` pinned as `selection`. `block_size` is the decode
     /// worker's (see [`dispatch_block_size`]); 0 counts as 1.
     pub fn record(&self, selection: &Selection, prompt_tokens: u64, block_size: u32, now: Instant) -> DispatchId {
-        let blocks = prompt_tokens.div_ceil(u64::from(block_size.max(1)));
+        let blocks = selection.decode_blocks(prompt_tokens, block_size);
         let mut state = self.lock();
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
             state.sweep(now);
@@ -215,7 +298,9 @@ impl DispatchLedger {
                 [Some(prefill.rank_key()), Some(selection.decode.rank_key())]
             }
             None => {
-                state.push(selection.decode.rank_key(), decode);
+                // An aggregated rank prefills the request itself.
+                let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
+                state.push(selection.decode.rank_key(), Leg { prefill_tokens, ..decode });
                 [Some(selection.decode.rank_key()), None]
             }
         };
@@ -227,16 +312,39 @@ impl DispatchLedger {
     /// longer loads its workers nor counts toward a stall. Ending twice does nothing.
     pub fn end(&self, id: DispatchId, now: Instant) {
         let mut state = self.lock();
-        state.remove(id);
+        state.remove(id, now);
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
             state.sweep(now);
         }
     }
 
-    /// The backlog of each rank, given when its last sample was received (`None`: never).
-    pub fn backlogs(&self, ranks: &[(LoadKey, Option<Instant>)], now: Instant) -> Vec<RankBacklog> {
+    /// The dispatch's response began: its prompt no longer loads the rank that prefilled it.
+    pub fn prefilled(&self, id: DispatchId) {
         let mut state = self.lock();
-        ranks.iter().map(|(key, sampled_at)| state.backlog(key, *sampled_at, now)).collect()
+        let Some(keys) = state.dispatches.get(&id).cloned() else {
+            return;
+        };
+        for key in keys.iter().flatten() {
+            if let Some(rank) = state.ranks.get_mut(key) {
+                rank.prefilled(id);
+            }
+        }
+    }
+
+    /// The backlog of each rank, given when its last sample was received and when the fleet's
+    /// sums for it were taken (`None`: never, or no sums).
+    pub fn backlogs(&self, ranks: &[(LoadKey, Option<Instant>, Option<Instant>)], now: Instant) -> Vec<RankBacklog> {
+        let mut state = self.lock();
+        ranks
+            .iter()
+            .map(|(key, sampled_at, fleet_as_of)| {
+                let mut backlog = state.backlog(key, *sampled_at, now);
+                if let (Some(as_of), Some(rank)) = (fleet_as_of, state.ranks.get(key)) {
+                    (backlog.started_since_fleet, backlog.ended_since_fleet) = rank.since(*as_of);
+                }
+                backlog
+            })
+            .collect()
     }
 
     /// Dispatches refused because the ledger was full.
@@ -263,14 +371,14 @@ impl State {
         self.ranks.entry(key).or_default().push(leg);
     }
 
-    fn remove(&mut self, id: DispatchId) {
+    fn remove(&mut self, id: DispatchId, now: Instant) {
         let Some(keys) = self.dispatches.remove(&id) else {
             return;
         };
         for key in keys.into_iter().flatten() {
             if let Some(rank) = self.ranks.get_mut(&key) {
-                rank.take(id);
-                if rank.legs.is_empty() {
+                rank.take(id, now);
+                if rank.is_empty() {
                     self.ranks.remove(&key);
                 }
             }
@@ -290,13 +398,15 @@ impl State {
         {
             backlog.prefill_tokens = rank.prefill_tokens;
             backlog.decode_blocks = rank.decode_blocks;
+            backlog.in_flight_decode_blocks = rank.decode_blocks;
             return backlog;
         }
+        backlog.in_flight_decode_blocks = rank.decode_blocks;
+        backlog.prefill_tokens = rank.prefill_tokens;
         let unanswered = |leg: &&Leg| {
             sampled_at.is_none_or(|at| at <= leg.at) && now.saturating_duration_since(leg.at) < UNANSWERED_FOR
         };
         for leg in rank.legs.iter().filter(unanswered) {
-            backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(leg.prefill_tokens);
             backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.decode_blocks);
             let waited = now.saturating_duration_since(leg.at);
             backlog.stalled |= leg.stall_blocks >= STALL_MIN_BLOCKS && waited >= STALL_AFTER;
@@ -304,23 +414,24 @@ impl State {
         backlog
     }
 
-    /// Drops a rank's legs older than [`UNANSWERED_FOR`], with their dispatches.
+    /// Drops a rank's legs older than [`UNANSWERED_FOR`], with their dispatches, and the ended
+    /// legs it no longer needs to remember.
     fn expire(&mut self, key: &LoadKey, now: Instant) {
         let Some(rank) = self.ranks.get_mut(key) else {
             return;
         };
-        if rank.oldest.is_none_or(|oldest| now.saturating_duration_since(oldest) < UNANSWERED_FOR) {
-            return;
+        rank.prune_ended(now);
+        if rank.oldest.is_some_and(|oldest| now.saturating_duration_since(oldest) >= UNANSWERED_FOR) {
+            let mut expired = Vec::new();
+            while let Some(id) = rank.pop_expired(now) {
+                expired.push(id);
+            }
+            rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
+            for id in expired {
+                self.remove(id, now);
+            }
         }
-        let mut expired = Vec::new();
-        while let Some(id) = rank.pop_expired(now) {
-            expired.push(id);
-        }
-        rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
-        for id in expired {
-            self.remove(id);
-        }
-        if self.ranks.get(key).is_some_and(|rank| rank.legs.is_empty()) {
+        if self.ranks.get(key).is_some_and(Rank::is_empty) {
             self.ranks.remove(key);
         }
     }

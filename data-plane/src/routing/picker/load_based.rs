@@ -59,7 +59,10 @@ impl LoadBasedPicker {
         let queries: Vec<_> = candidates
             .iter()
             .zip(&samples)
-            .map(|(c, sample)| (c.pin().rank_key(), sample.map(|s| s.received_at)))
+            .map(|(c, sample)| {
+                let fleet_as_of = view.backlogs().get(&c.load_key()).and_then(|b| b.as_of);
+                (c.pin().rank_key(), sample.map(|s| s.received_at), fleet_as_of)
+            })
             .collect();
         let local = self.ledger.backlogs(&queries, now);
         candidates
@@ -170,6 +173,7 @@ impl Picker for LoadBasedPicker {
             prefill,
             decode_reason,
             prefill_reason: Some(prefill_reason),
+            decode_cached_blocks: 0,
         })
     }
 }

@@ -127,11 +127,18 @@ fn cost_formulas() {
 #[test]
 fn unanswered_dispatches_add_to_the_backlog() {
     let full = capacity(Some(100), Some(1000));
-    let unanswered = RankBacklog { prefill_tokens: 250, decode_blocks: 9, stalled: false };
+    let unanswered =
+        RankBacklog { prefill_tokens: 250, decode_blocks: 9, in_flight_decode_blocks: 9, ..Default::default() };
     let with = |standing| CostInputs { unanswered, ..inputs(&full, Some(16), 16, standing) };
     assert_eq!(cost(Phase::Prefill, &with(Standing::Fresh(250))).map(Cost::as_f64), Some(0.5));
     assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(10))).map(Cost::as_f64), Some(0.2));
     assert_eq!(cost(Phase::Decode, &with(Standing::Quiet)).map(Cost::as_f64), Some(0.1), "a quiet rank fills up too");
+    // Measured by the control plane: 5 foreign blocks + 9 in flight + 1 for the request,
+    // whatever the (lagging) sample says.
+    let measured = RankBacklog { foreign_decode_blocks: Some(5), ..unanswered };
+    let with = |standing| CostInputs { unanswered: measured, ..inputs(&full, Some(16), 16, standing) };
+    assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(700))).map(Cost::as_f64), Some(0.15));
+    assert_eq!(cost(Phase::Decode, &with(Standing::Unknown)).map(Cost::as_f64), None, "freshness still rules");
 }
 
 #[test]

@@ -155,7 +155,7 @@ pub(super) fn rank_load(
     };
     let load = RankLoad {
         active_prefill_tokens: prefill.saturating_add(unanswered.prefill_tokens),
-        active_decode_blocks: decode.saturating_add(unanswered.decode_blocks),
+        active_decode_blocks: unanswered.decode_backlog(decode),
     };
     (Some(load), matches!(standing, Standing::Fresh(_)))
 }

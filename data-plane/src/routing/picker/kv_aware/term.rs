@@ -15,6 +15,9 @@ pub enum KvTerm<'a> {
         /// in it; a rank whose card declares another size cannot have matched the hashes.
         block_size: u32,
         overlaps: &'a Overlaps,
+        /// `overlaps` is the replica's recent answer for the prompt's prefix, standing in for
+        /// a lookup that missed its deadline: counted `index_recent`.
+        recent: bool,
     },
     /// No KV term: the request is picked by the load-only rules and the result is counted.
     Unavailable(KvSelectionResult),
@@ -83,10 +86,13 @@ pub enum KvSelectionResult {
     IndexUnavailable,
     /// `FindMatches` did not answer within its deadline.
     IndexTimeout,
+    /// `FindMatches` missed its deadline or failed, and a recent answer for the prompt's
+    /// prefix scored it.
+    IndexRecent,
 }
 
 impl KvSelectionResult {
-    pub const ALL: [KvSelectionResult; 9] = [
+    pub const ALL: [KvSelectionResult; 10] = [
         KvSelectionResult::Overlap,
         KvSelectionResult::NoOverlap,
         KvSelectionResult::TokenizerUnavailable,
@@ -96,6 +102,7 @@ impl KvSelectionResult {
         KvSelectionResult::Bypass,
         KvSelectionResult::IndexUnavailable,
         KvSelectionResult::IndexTimeout,
+        KvSelectionResult::IndexRecent,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -109,6 +116,7 @@ impl KvSelectionResult {
             KvSelectionResult::Bypass => "bypass",
             KvSelectionResult::IndexUnavailable => "index_unavailable",
             KvSelectionResult::IndexTimeout => "index_timeout",
+            KvSelectionResult::IndexRecent => "index_recent",
         }
     }
 }

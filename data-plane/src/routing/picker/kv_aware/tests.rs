@@ -112,7 +112,7 @@ fn overlaps(triples: &[(u64, u32, u32)]) -> Overlaps {
 }
 
 fn scored(isl_tokens: u64, overlaps: &Overlaps) -> KvTerm<'_> {
-    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps }
+    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps, recent: false }
 }
 
 fn pick(picker: &KvAwarePicker, fleet: &Fleet, kv: KvTerm<'_>) -> Selection {
@@ -139,8 +139,21 @@ fn overlap_wins_against_equal_load() {
     assert_eq!(picks(&picker, &fleet, scored(128, &held), 3), [(2, None); 3]);
     let s = pick(&picker, &fleet, scored(128, &held));
     assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::NoPrefillPool)));
+    assert_eq!(s.decode_cached_blocks, 4, "the winner's overlap: its dispatch adds only the other 4 blocks");
     assert_eq!(counters.result(KvSelectionResult::Overlap), 4);
     assert_eq!(counters.selection("decode", Reason::KvAware), 4);
+}
+
+#[test]
+fn a_recent_answer_scores_like_the_index_and_is_counted_apart() {
+    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, used(10), FRESH).sample(2, used(10), FRESH);
+    let held = overlaps(&[(2, 0, 4)]);
+    let counters = Counters::new();
+    let picker = counters.picker();
+    let recent = KvTerm::Scored { isl_tokens: 128, block_size: BLOCK, overlaps: &held, recent: true };
+    assert_eq!(ids(&pick(&picker, &fleet, recent)), (2, None));
+    assert_eq!(counters.result(KvSelectionResult::IndexRecent), 1);
+    assert_eq!(counters.result(KvSelectionResult::Overlap), 0);
 }
 
 #[test]
@@ -299,6 +312,7 @@ fn the_kv_term_picks_the_prefill_worker_and_decode_stays_load_only() {
     let picker = counters.picker();
     let s = pick(&picker, &fleet, scored(128, &held));
     assert_eq!(ids(&s), (4, Some(2)));
+    assert_eq!(s.decode_cached_blocks, 0, "the decode worker chosen holds none of the prompt");
     assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::KvAware)));
     assert_eq!(counters.result(KvSelectionResult::Overlap), 1);
     assert_eq!(counters.selection("prefill", Reason::KvAware), 1);
@@ -526,7 +540,8 @@ fn labels() {
             "artifact_unpinned",
             "bypass",
             "index_unavailable",
-            "index_timeout"
+            "index_timeout",
+            "index_recent"
         ]
     );
 }

@@ -23,6 +23,7 @@ fn pair(decode: u64, prefill: u64) -> Selection {
         prefill: Some(pin(prefill, None)),
         decode_reason: Reason::Load,
         prefill_reason: Some(Reason::Load),
+        decode_cached_blocks: 0,
     }
 }
 
@@ -31,11 +32,12 @@ fn alone(decode: Pin) -> Selection {
 }
 
 fn backlog(ledger: &DispatchLedger, key: LoadKey, sampled_at: Option<Instant>, now: Instant) -> RankBacklog {
-    ledger.backlogs(&[(key, sampled_at)], now)[0]
+    ledger.backlogs(&[(key, sampled_at, None)], now)[0]
 }
 
-const fn rank(prefill_tokens: u64, decode_blocks: u64, stalled: bool) -> RankBacklog {
-    RankBacklog { prefill_tokens, decode_blocks, stalled }
+/// A rank whose dispatches in flight are all unanswered.
+fn rank(prefill_tokens: u64, decode_blocks: u64, stalled: bool) -> RankBacklog {
+    RankBacklog { prefill_tokens, decode_blocks, in_flight_decode_blocks: decode_blocks, stalled, ..Default::default() }
 }
 
 #[test]
@@ -61,8 +63,38 @@ fn a_sample_newer_than_the_dispatch_answers_it() {
         ("newer sample", Some(t1 + Duration::from_millis(1)), 0),
     ];
     for (name, sampled_at, blocks) in cases {
-        assert_eq!(backlog(&ledger, key(1, 0), sampled_at, t1).decode_blocks, blocks, "{name}");
+        let got = backlog(&ledger, key(1, 0), sampled_at, t1);
+        assert_eq!(got.decode_blocks, blocks, "{name}");
+        assert_eq!(got.in_flight_decode_blocks, 2, "{name}: in flight until it ends, answered or not");
     }
+}
+
+#[test]
+fn blocks_the_decode_rank_already_holds_are_not_added_again() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    // 100 tokens = 7 blocks of 16, 5 of them (80 tokens) cached on the aggregated rank.
+    ledger.record(&Selection { decode_cached_blocks: 5, ..alone(pin(1, None)) }, 100, 16, t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 2, false));
+    ledger.record(&Selection { decode_cached_blocks: 9, ..alone(pin(1, None)) }, 100, 16, t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 2, false), "never below zero");
+}
+
+#[test]
+fn prompt_tokens_load_the_prefilling_rank_until_the_response_begins() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let aggregated = ledger.record(&alone(pin(1, None)), 64, 16, t0);
+    let paired = ledger.record(&pair(2, 3), 32, 16, t0);
+    let answered = Some(t0 + Duration::from_millis(1));
+    assert_eq!(backlog(&ledger, key(1, 0), answered, t0).prefill_tokens, 64, "a sample does not answer a prefill");
+    assert_eq!(backlog(&ledger, key(3, 0), answered, t0).prefill_tokens, 32);
+    assert_eq!(backlog(&ledger, key(2, 0), None, t0).prefill_tokens, 0, "the decode leg of a pair prefills nothing");
+    ledger.prefilled(aggregated);
+    ledger.prefilled(paired);
+    ledger.prefilled(paired);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(0, 4, false), "its blocks stay until it ends");
+    assert_eq!(backlog(&ledger, key(3, 0), None, t0), rank(0, 0, false));
 }
 
 #[test]
@@ -198,7 +230,47 @@ fn block_size_comes_from_the_decode_worker_card() {
 fn the_fleet_backlog_joins_the_local_one_field_by_field_without_adding() {
     let local = rank(100, 3, true);
     assert_eq!(local.with_fleet(None), local);
-    let fleet = Backlog { prefill_tokens: 50, decode_blocks: 9, dispatches: 4 };
+    let fleet = Backlog { prefill_tokens: 50, decode_blocks: 9, dispatches: 4, ..Backlog::default() };
     assert_eq!(local.with_fleet(Some(&fleet)), rank(100, 9, true));
     assert_eq!(RankBacklog::default().with_fleet(Some(&fleet)), rank(50, 9, false), "stalls stay local");
+    let measured = Backlog { foreign_decode_blocks: Some(7), ..fleet };
+    assert_eq!(local.with_fleet(Some(&measured)).foreign_decode_blocks, Some(7), "only the fleet measures it");
+}
+
+#[test]
+fn the_decode_backlog_is_foreign_plus_in_flight_once_the_fleet_measured_it() {
+    let answered = RankBacklog { decode_blocks: 0, in_flight_decode_blocks: 40, ..RankBacklog::default() };
+    assert_eq!(answered.decode_backlog(500), 500, "the seed's rule: the sample plus unanswered dispatches");
+    let measured = RankBacklog { foreign_decode_blocks: Some(3), ..answered };
+    assert_eq!(measured.decode_backlog(500), 43, "a stale sample's 500 blocks do not count twice");
+}
+
+/// The fleet's sums trail this replica's reports: a burst that just ended on a rank is still in
+/// them. Brought up to date with what this replica did since they were taken, the sums drop
+/// the ended burst at once and count the new dispatch, instead of keeping the larger of two
+/// views (which would hold the ended burst until the sums caught up).
+#[test]
+fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let burst: Vec<DispatchId> = (0..8).map(|_| ledger.record(&alone(pin(1, None)), 1600, 16, t0)).collect();
+    let as_of = t0 + Duration::from_millis(1);
+    let fleet = Backlog { decode_blocks: 800, dispatches: 8, as_of: Some(as_of), ..Backlog::default() };
+    let t1 = t0 + Duration::from_millis(2);
+    for id in burst {
+        ledger.end(id, t1);
+    }
+    ledger.record(&alone(pin(1, None)), 160, 16, t1);
+    let local = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0];
+    assert_eq!((local.started_since_fleet, local.ended_since_fleet), (10, 800));
+    assert_eq!(local.with_fleet(Some(&fleet)).in_flight_decode_blocks, 10, "800 + 10 - 800");
+    let stale = Backlog { as_of: None, ..fleet };
+    assert_eq!(local.with_fleet(Some(&stale)).in_flight_decode_blocks, 800, "without a time: the larger view");
+    // Another replica's 30 blocks are in the sums too, and stay.
+    let shared = Backlog { decode_blocks: 830, ..fleet };
+    assert_eq!(local.with_fleet(Some(&shared)).in_flight_decode_blocks, 40);
+    // Ended dispatches are remembered for a while only.
+    let later = t1 + Duration::from_secs(2);
+    let forgotten = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], later)[0];
+    assert_eq!(forgotten.ended_since_fleet, 0);
 }

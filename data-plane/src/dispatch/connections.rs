@@ -1,0 +1,138 @@
+//! Idle keep-alive connections to the shim replicas, by authority (`host:port`), for reuse.
+//!
+//! No task watches an idle connection: a connection is checked when it is taken (one the shim
+//! closed, or sent something on unasked, is dropped then), and expired ones are dropped as the
+//! list is touched. At most [`MAX_IDLE_PER_AUTHORITY`] are kept per authority, so the memory held
+//! is bounded by the configured replicas.
+
+use std::collections::HashMap;
+use std::io::ErrorKind;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::net::TcpStream;
+
+/// Idle keep-alive connections to one shim replica kept for reuse.
+pub const MAX_IDLE_PER_AUTHORITY: usize = 256;
+/// An idle connection is not reused after this long.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// What a connection's read buffer starts with, and grows by when it runs out: a buffered
+/// completion or a few SSE events.
+pub const READ_CHUNK: usize = 16 << 10;
+
+/// One HTTP/1.1 connection and the bytes read from it that nothing has consumed yet.
+#[derive(Debug)]
+pub struct Conn {
+    pub stream: TcpStream,
+    pub read: BytesMut,
+    /// The request being written; kept so its allocation serves the next request too.
+    pub write: Vec<u8>,
+}
+
+impl Conn {
+    pub fn new(stream: TcpStream) -> Self {
+        Self { stream, read: BytesMut::with_capacity(READ_CHUNK), write: Vec::new() }
+    }
+
+    /// Whether the connection can carry another request: nothing unread, and the shim has not
+    /// closed it or sent anything since. Costs no system call while the socket has not become
+    /// readable since the last read.
+    fn reusable(&self) -> bool {
+        self.read.is_empty()
+            && matches!(self.stream.try_read(&mut [0u8; 1]), Err(error) if error.kind() == ErrorKind::WouldBlock)
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct IdleConnections {
+    idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
+}
+
+impl IdleConnections {
+    /// The most recently returned usable connection to `authority`, if any.
+    pub fn take(&self, authority: &str, now: Instant) -> Option<Conn> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let conns = idle.get_mut(authority)?;
+        while let Some((conn, since)) = conns.pop() {
+            if now.saturating_duration_since(since) < IDLE_TIMEOUT && conn.reusable() {
+                return Some(conn);
+            }
+        }
+        None
+    }
+
+    /// Keeps `conn` for reuse, unless `authority` already has its fill.
+    pub fn put(&self, authority: &str, conn: Conn, now: Instant) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let conns = match idle.get_mut(authority) {
+            Some(conns) => conns,
+            None => idle.entry(authority.to_string()).or_default(),
+        };
+        // The oldest are at the front: expired ones go first.
+        let expired = conns.iter().take_while(|(_, since)| now.saturating_duration_since(*since) >= IDLE_TIMEOUT);
+        let expired = expired.count();
+        conns.drain(..expired);
+        if conns.len() < MAX_IDLE_PER_AUTHORITY {
+            conns.push((conn, now));
+        }
+    }
+
+    /// Idle connections held for `authority`.
+    pub fn count(&self, authority: &str) -> usize {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner).get(authority).map_or(0, Vec::len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    async fn pair(listener: &TcpListener) -> (Conn, TcpStream) {
+        let client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        (Conn::new(client), server)
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_shim_closed_or_wrote_on_is_not_reused() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let idle = IdleConnections::default();
+        let now = Instant::now();
+        let (open, _kept) = pair(&listener).await;
+        let (closed, server) = pair(&listener).await;
+        let (chatty, mut talker) = pair(&listener).await;
+        drop(server);
+        talker.write_all(b"HTTP/1.1 200 OK\r\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        idle.put("a", open, now);
+        idle.put("a", closed, now);
+        idle.put("a", chatty, now);
+        assert_eq!(idle.count("a"), 3);
+        assert!(idle.take("a", now).is_some(), "the open connection is found under the broken ones");
+        assert!(idle.take("a", now).is_none());
+        assert!(idle.take("b", now).is_none());
+    }
+
+    #[tokio::test]
+    async fn expired_connections_are_dropped_and_the_fill_is_bounded() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let idle = IdleConnections::default();
+        let then = Instant::now();
+        let mut servers = Vec::new();
+        for _ in 0..MAX_IDLE_PER_AUTHORITY + 2 {
+            let (conn, server) = pair(&listener).await;
+            servers.push(server);
+            idle.put("a", conn, then);
+        }
+        assert_eq!(idle.count("a"), MAX_IDLE_PER_AUTHORITY);
+        let later = then + IDLE_TIMEOUT;
+        assert!(idle.take("a", later).is_none(), "every connection has expired");
+        let (conn, _server) = pair(&listener).await;
+        idle.put("a", conn, later);
+        assert_eq!(idle.count("a"), 1);
+    }
+}

@@ -1,0 +1,333 @@
+//! HTTP/1.1 as the shim client speaks it, as pure functions over bytes: a request written in
+//! one buffer (head and body, so it leaves in one write), a response head parsed with its body
+//! framing, and a chunked-body decoder that works on whatever part of the body has arrived.
+//!
+//! Only what a `dynamo.frontend` (a hyper server) sends needs reading: `Content-Length` or
+//! chunked bodies, a body running to the close otherwise, and no body where HTTP says so.
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
+use bytes::{Buf, Bytes, BytesMut};
+
+/// The most headers a response head may carry.
+pub const MAX_HEADERS: usize = 64;
+/// The largest response head accepted.
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
+/// The longest chunk-size line (size, extensions) or trailer line accepted.
+const MAX_CHUNK_LINE_BYTES: usize = 4 << 10;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("malformed response head: {0}")]
+    Head(String),
+    #[error("the response head is larger than {MAX_HEAD_BYTES} bytes")]
+    HeadTooLarge,
+    #[error("malformed chunked body: {0}")]
+    Chunk(&'static str),
+}
+
+/// How a response body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// Exactly this many bytes follow (zero: no body at all).
+    Length(u64),
+    Chunked,
+    /// The body runs until the shim closes the connection.
+    UntilClose,
+}
+
+/// A parsed response head.
+#[derive(Debug)]
+pub struct Head {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub framing: Framing,
+    /// Whether the connection may carry another request once this body is read.
+    pub keep_alive: bool,
+}
+
+/// Writes `method uri` with `headers` and `body` into `out`: the origin-form target, `host`
+/// from the URI, and `content-length` whenever a body is sent.
+pub fn encode_request(out: &mut Vec<u8>, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u8]) {
+    out.reserve(256 + body.len());
+    out.extend_from_slice(method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(uri.authority().map_or("", |a| a.as_str()).as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        if is_framing_header(name) {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !body.is_empty() || *method == Method::POST {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(body.len().to_string().as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body);
+}
+
+/// Headers the client owns: the body's framing and the connection's persistence.
+fn is_framing_header(name: &HeaderName) -> bool {
+    use axum::http::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+    [HOST, CONTENT_LENGTH, TRANSFER_ENCODING, CONNECTION].contains(name)
+}
+
+/// The response head at the start of `buf` and its length, or `None` while it is incomplete.
+/// Informational (1xx) heads are skipped: the length covers them too.
+pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, WireError> {
+    let mut offset = 0;
+    loop {
+        let Some(rest) = buf.get(offset..) else { return Ok(None) };
+        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut response = httparse::Response::new(&mut slots);
+        let length = match response.parse(rest) {
+            Ok(httparse::Status::Complete(length)) => length,
+            Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => return Err(WireError::HeadTooLarge),
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(error) => return Err(WireError::Head(error.to_string())),
+        };
+        let code = response.code.unwrap_or(0);
+        let status = StatusCode::from_u16(code).map_err(|_| WireError::Head(format!("status {code}")))?;
+        if status.is_informational() && status != StatusCode::SWITCHING_PROTOCOLS {
+            offset += length;
+            continue;
+        }
+        let mut headers = HeaderMap::with_capacity(response.headers.len());
+        for header in response.headers.iter() {
+            let name = HeaderName::from_bytes(header.name.as_bytes())
+                .map_err(|_| WireError::Head(format!("header name {:?}", header.name)))?;
+            let value = HeaderValue::from_bytes(header.value)
+                .map_err(|_| WireError::Head(format!("value of header {}", header.name)))?;
+            headers.append(name, value);
+        }
+        let framing = framing(status, &headers)?;
+        let keep_alive = response.version == Some(1) && !has_token(&headers, "connection", "close");
+        return Ok(Some((Head { status, headers, framing, keep_alive }, offset + length)));
+    }
+}
+
+/// RFC 9112 §6.3: no body for 204 and 304; chunked when it is the final transfer coding; else
+/// the one `Content-Length`; else until the close.
+fn framing(status: StatusCode, headers: &HeaderMap) -> Result<Framing, WireError> {
+    if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
+        return Ok(Framing::Length(0));
+    }
+    if let Some(coding) = headers.get_all("transfer-encoding").iter().next_back() {
+        let last = coding.to_str().ok().and_then(|c| c.rsplit(',').next()).map(str::trim);
+        return match last {
+            Some(last) if last.eq_ignore_ascii_case("chunked") => Ok(Framing::Chunked),
+            _ => Ok(Framing::UntilClose),
+        };
+    }
+    let mut lengths = headers.get_all("content-length").iter();
+    let Some(first) = lengths.next() else { return Ok(Framing::UntilClose) };
+    let parse = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let length = parse(first).ok_or_else(|| WireError::Head("content-length".into()))?;
+    if lengths.any(|other| parse(other) != Some(length)) {
+        return Err(WireError::Head("conflicting content-length values".into()));
+    }
+    Ok(Framing::Length(length))
+}
+
+fn has_token(headers: &HeaderMap, name: &str, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// What the chunked decoder could make of the bytes so far.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decoded {
+    Data(Bytes),
+    /// The body (trailers included) is complete.
+    End,
+    /// More bytes are needed.
+    More,
+}
+
+/// A chunked-body decoder. It consumes from the front of the buffer it is given and leaves
+/// whatever follows the body (nothing, on a well-behaved connection).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Chunked {
+    #[default]
+    Size,
+    Data(u64),
+    DataEnd,
+    Trailers,
+    Done,
+}
+
+impl Chunked {
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, WireError> {
+        loop {
+            match *self {
+                Chunked::Done => return Ok(Decoded::End),
+                Chunked::Size => {
+                    let Some(line) = take_line(buf)? else { return Ok(Decoded::More) };
+                    let digits = line.split(|b| *b == b';').next().unwrap_or_default();
+                    let size = std::str::from_utf8(digits)
+                        .ok()
+                        .map(str::trim)
+                        .filter(|d| !d.is_empty() && d.len() <= 16)
+                        .and_then(|d| u64::from_str_radix(d, 16).ok())
+                        .ok_or(WireError::Chunk("chunk size"))?;
+                    *self = if size == 0 { Chunked::Trailers } else { Chunked::Data(size) };
+                }
+                Chunked::Data(left) => {
+                    if buf.is_empty() {
+                        return Ok(Decoded::More);
+                    }
+                    let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
+                    let data = buf.split_to(n).freeze();
+                    let left = left - n as u64;
+                    *self = if left == 0 { Chunked::DataEnd } else { Chunked::Data(left) };
+                    return Ok(Decoded::Data(data));
+                }
+                Chunked::DataEnd => {
+                    if buf.len() < 2 {
+                        return Ok(Decoded::More);
+                    }
+                    if &buf[..2] != b"\r\n" {
+                        return Err(WireError::Chunk("chunk not followed by CRLF"));
+                    }
+                    buf.advance(2);
+                    *self = Chunked::Size;
+                }
+                Chunked::Trailers => {
+                    let Some(line) = take_line(buf)? else { return Ok(Decoded::More) };
+                    if line.is_empty() {
+                        *self = Chunked::Done;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One CRLF-terminated line off the front of `buf` (without its CRLF), or `None` if it has not
+/// all arrived.
+fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, WireError> {
+    match buf.windows(2).position(|w| w == b"\r\n") {
+        Some(end) => {
+            let line = buf.split_to(end).freeze();
+            buf.advance(2);
+            Ok(Some(line))
+        }
+        None if buf.len() > MAX_CHUNK_LINE_BYTES => Err(WireError::Chunk("line too long")),
+        None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(text: &str) -> (Head, usize) {
+        parse_head(text.as_bytes()).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_request_goes_out_in_origin_form_with_its_length_and_without_client_framing() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("x-dynamo-worker-instance-id", HeaderValue::from_static("7"));
+        headers.insert("content-length", HeaderValue::from_static("999"));
+        headers.insert("connection", HeaderValue::from_static("close"));
+        let uri: Uri = "http://10.0.0.1:8000/v1/chat/completions".parse().unwrap();
+        let mut out = Vec::new();
+        encode_request(&mut out, &Method::POST, &uri, &headers, b"{}");
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: 10.0.0.1:8000\r\ncontent-type: application/json\r\n\
+             x-dynamo-worker-instance-id: 7\r\ncontent-length: 2\r\n\r\n{}"
+        );
+        let mut out = Vec::new();
+        encode_request(&mut out, &Method::GET, &"http://h/live".parse().unwrap(), &HeaderMap::new(), b"");
+        assert_eq!(String::from_utf8(out).unwrap(), "GET /live HTTP/1.1\r\nhost: h\r\n\r\n");
+    }
+
+    #[test]
+    fn heads_are_read_whole_with_their_framing() {
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
+        let text = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Type: a/b\r\n\r\nhello";
+        let (h, n) = head(text);
+        assert_eq!((h.status, h.framing, h.keep_alive, n), (StatusCode::OK, Framing::Length(5), true, text.len() - 5));
+        assert_eq!(h.headers["content-type"], "a/b");
+        let (h, _) = head("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 3\r\n\r\n");
+        assert_eq!(h.framing, Framing::Chunked);
+        assert_eq!(head("HTTP/1.1 200 OK\r\n\r\n").0.framing, Framing::UntilClose);
+        assert_eq!(head("HTTP/1.1 204 No Content\r\n\r\n").0.framing, Framing::Length(0));
+        assert!(!head("HTTP/1.1 200 OK\r\nconnection: keep-alive, Close\r\n\r\n").0.keep_alive);
+        assert!(!head("HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n").0.keep_alive);
+        let text = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n";
+        let (h, n) = head(text);
+        assert_eq!((h.status, n), (StatusCode::SERVICE_UNAVAILABLE, text.len()));
+    }
+
+    #[test]
+    fn malformed_heads_are_refused_and_say_why() {
+        let bad = |text: &str| parse_head(text.as_bytes()).unwrap_err().to_string();
+        assert!(bad("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").contains("content-length"));
+        assert!(bad("HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n").contains("conflicting"));
+        assert!(bad("SMTP ready\r\n\r\n").contains("malformed"));
+        let endless = format!("HTTP/1.1 200 OK\r\nx: {}", "a".repeat(MAX_HEAD_BYTES));
+        assert_eq!(parse_head(endless.as_bytes()).unwrap_err(), WireError::HeadTooLarge);
+    }
+
+    #[test]
+    fn a_chunked_body_decodes_from_any_split() {
+        let wire = b"5;ext=1\r\nhello\r\n1\r\n \r\n6\r\nworld!\r\n0\r\ntrailer: x\r\n\r\nNEXT";
+        for split in 0..wire.len() {
+            let mut decoder = Chunked::default();
+            let mut buf = BytesMut::from(&wire[..split]);
+            let mut body = Vec::new();
+            let mut fed = false;
+            loop {
+                match decoder.decode(&mut buf).unwrap() {
+                    Decoded::Data(data) => body.extend_from_slice(&data),
+                    Decoded::End => {
+                        if !fed {
+                            buf.extend_from_slice(&wire[split..]);
+                        }
+                        break;
+                    }
+                    Decoded::More => {
+                        assert!(!fed, "split {split}: stalled with everything fed");
+                        buf.extend_from_slice(&wire[split..]);
+                        fed = true;
+                    }
+                }
+            }
+            assert_eq!(body, b"hello world!", "split {split}");
+            assert_eq!(&buf[..], b"NEXT", "split {split}: what follows the body is left");
+        }
+    }
+
+    #[test]
+    fn a_broken_chunked_body_is_refused() {
+        let decode = |wire: &[u8]| {
+            let mut decoder = Chunked::default();
+            let mut buf = BytesMut::from(wire);
+            loop {
+                match decoder.decode(&mut buf) {
+                    Ok(Decoded::Data(_)) => {}
+                    other => return other,
+                }
+            }
+        };
+        assert_eq!(decode(b"zz\r\n"), Err(WireError::Chunk("chunk size")));
+        assert_eq!(decode(b"2\r\nabc\r\n"), Err(WireError::Chunk("chunk not followed by CRLF")));
+        assert_eq!(decode(b"11111111111111111\r\n"), Err(WireError::Chunk("chunk size")));
+        assert_eq!(decode(&[b'1'; MAX_CHUNK_LINE_BYTES + 1]), Err(WireError::Chunk("line too long")));
+    }
+}

@@ -1,0 +1,148 @@
+//! The index's recent answers, for a request whose `FindMatches` misses its deadline.
+//!
+//! On a busy machine a lookup sometimes takes longer than its (tight) deadline, and a request
+//! scored on load alone usually lands away from the rank holding its prefix: a cache miss that
+//! costs a whole prefill. Conversations and shared system prompts repeat prefixes within
+//! seconds, so the replica keeps each answer for [`RECENT_FOR`] under its prompt's prefix, and
+//! a missed lookup is scored on the answer for the longest prefix it shares with an earlier
+//! one. An old answer can only overstate what a rank still holds (blocks get evicted, and
+//! provisional credit for them expires), which is why it serves only a miss and only briefly.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::fleet::RankOverlap;
+
+/// How long an answer stands in for a missed lookup.
+pub const RECENT_FOR: Duration = Duration::from_secs(5);
+/// Prefix keys held at once; the oldest go first.
+pub const MAX_RECENT: usize = 8192;
+/// Besides under its whole prompt, an answer is kept under every this many blocks of it, so a
+/// request sharing only a leading part (another user of the same system prompt) finds it.
+const EVERY: usize = 16;
+
+#[derive(Debug, Default)]
+pub struct RecentAnswers {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    by_prefix: HashMap<u64, Entry>,
+    /// Insertion order, for eviction; a key re-inserted later is skipped when its old turn comes.
+    order: VecDeque<(u64, Instant)>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    at: Instant,
+    /// The prefix's length in blocks: no rank can hold more of it than that.
+    blocks: u32,
+    answer: Arc<[RankOverlap]>,
+}
+
+impl RecentAnswers {
+    /// Keeps `answer`, the index's reply for the prompt whose block hashes are `hashes`.
+    pub fn remember(&self, hashes: &[u64], answer: &[RankOverlap], now: Instant) {
+        if hashes.is_empty() {
+            return;
+        }
+        let answer: Arc<[RankOverlap]> = answer.into();
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        for (at, key) in prefix_keys(hashes).enumerate() {
+            let blocks = at + 1;
+            if blocks % EVERY == 0 || blocks == hashes.len() {
+                let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
+                inner.by_prefix.insert(key, Entry { at: now, blocks, answer: Arc::clone(&answer) });
+                inner.order.push_back((key, now));
+            }
+        }
+        inner.evict(now);
+    }
+
+    /// The recent answer for the longest prefix of `hashes` that one was kept under, each
+    /// rank's blocks capped at that prefix's length.
+    pub fn recall(&self, hashes: &[u64], now: Instant) -> Option<Vec<RankOverlap>> {
+        let keys: Vec<u64> = prefix_keys(hashes).collect();
+        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let entry = keys
+            .iter()
+            .rev()
+            .filter_map(|key| inner.by_prefix.get(key))
+            .find(|entry| now.saturating_duration_since(entry.at) < RECENT_FOR)?;
+        Some(entry.answer.iter().map(|&(worker, rank, blocks)| (worker, rank, blocks.min(entry.blocks))).collect())
+    }
+}
+
+impl Inner {
+    fn evict(&mut self, now: Instant) {
+        while let Some(&(key, at)) = self.order.front() {
+            let bounded = self.by_prefix.len() <= MAX_RECENT && self.order.len() <= 4 * MAX_RECENT;
+            if bounded && now.saturating_duration_since(at) < RECENT_FOR {
+                break;
+            }
+            self.order.pop_front();
+            if self.by_prefix.get(&key).is_some_and(|entry| entry.at == at) {
+                self.by_prefix.remove(&key);
+            }
+        }
+    }
+}
+
+/// One key per block naming the whole prefix up to it: block hashes are per block, not chained.
+fn prefix_keys(hashes: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    hashes.iter().scan(0u64, |chain, hash| {
+        *chain = xxh3_64_with_seed(&hash.to_le_bytes(), *chain);
+        Some(*chain)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(blocks: std::ops::Range<u64>) -> Vec<u64> {
+        blocks.collect()
+    }
+
+    #[test]
+    fn a_longer_prompt_finds_the_answer_for_its_prefix() {
+        let recent = RecentAnswers::default();
+        let t0 = Instant::now();
+        recent.remember(&chain(0..40), &[(7, 0, 40), (8, 1, 12)], t0);
+        assert_eq!(recent.recall(&chain(0..50), t0), Some(vec![(7, 0, 40), (8, 1, 12)]), "the next turn");
+        // Another user of the same first 32 blocks: the answer kept at block 32, capped there.
+        let mut other = chain(0..32);
+        other.extend(100..120);
+        assert_eq!(recent.recall(&other, t0), Some(vec![(7, 0, 32), (8, 1, 12)]));
+        let mut stranger = vec![99];
+        stranger.extend(1..40);
+        assert_eq!(recent.recall(&stranger, t0), None, "keys name whole prefixes, not single blocks");
+    }
+
+    #[test]
+    fn answers_stand_in_briefly_and_in_bounded_number() {
+        let recent = RecentAnswers::default();
+        let t0 = Instant::now();
+        recent.remember(&chain(0..16), &[(7, 0, 16)], t0);
+        assert!(recent.recall(&chain(0..16), t0 + RECENT_FOR).is_none(), "too old");
+        for n in 0..MAX_RECENT as u64 + 10 {
+            recent.remember(&[n + 1000], &[(7, 0, 1)], t0);
+        }
+        let inner = recent.inner.lock().expect("unpoisoned");
+        assert_eq!(inner.by_prefix.len(), MAX_RECENT);
+    }
+
+    #[test]
+    fn the_newest_answer_for_a_prefix_wins() {
+        let recent = RecentAnswers::default();
+        let t0 = Instant::now();
+        recent.remember(&chain(0..16), &[(7, 0, 16)], t0);
+        recent.remember(&chain(0..16), &[(8, 0, 16)], t0 + Duration::from_secs(1));
+        assert_eq!(recent.recall(&chain(0..16), t0 + Duration::from_secs(2)), Some(vec![(8, 0, 16)]));
+        assert!(recent.recall(&[], t0).is_none());
+    }
+}
