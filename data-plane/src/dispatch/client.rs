@@ -30,6 +30,8 @@ pub enum SendError {
     Exchange(#[source] ExchangeError),
     #[error("the shim replica sent no response head within {0:?}")]
     HeadTimeout(Duration),
+    #[error("the shim URL {0} is not plain http://, the only scheme the data plane speaks to shims")]
+    UnsupportedScheme(Uri),
 }
 
 /// Why an exchange on an established connection failed.
@@ -46,10 +48,10 @@ pub enum ExchangeError {
 }
 
 impl SendError {
-    /// Only a failed connection proves the request never reached the shim, so only then may it
-    /// be sent again to another replica.
+    /// Only a failed connection (or a refused scheme) proves the request never reached the
+    /// shim, so only then may it be sent again to another replica.
     pub fn before_request_sent(&self) -> bool {
-        matches!(self, SendError::Connect(_))
+        matches!(self, SendError::Connect(_) | SendError::UnsupportedScheme(_))
     }
 }
 
@@ -79,6 +81,11 @@ impl ShimClient {
 
     async fn exchange(&self, request: Request<Bytes>) -> Result<Response<ShimBody>, SendError> {
         let (parts, body) = request.into_parts();
+        // Plain HTTP only (the shim runs beside the workers): an https:// shim is refused
+        // before anything is sent rather than spoken to in plaintext.
+        if parts.uri.scheme_str() != Some("http") {
+            return Err(SendError::UnsupportedScheme(parts.uri.clone()));
+        }
         let authority = parts.uri.authority().ok_or_else(|| exchange(ExchangeError::Uri(parts.uri.clone())))?;
         let reused = self.idle.take(authority.as_str(), Instant::now());
         let was_reused = reused.is_some();
@@ -159,5 +166,24 @@ async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
             conn.read.advance(length);
             return Ok(head);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_shim_url_that_is_not_plain_http_is_refused_before_anything_is_sent() {
+        // A listener that would record any connection: nothing may reach it.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let client = ShimClient::new(Duration::from_secs(1));
+        let request = Request::post(format!("https://{addr}/v1/chat/completions")).body(Bytes::new()).expect("request");
+        let error = client.send(request, Duration::from_secs(1)).await.expect_err("refused");
+        assert!(matches!(error, SendError::UnsupportedScheme(_)), "{error}");
+        assert!(error.before_request_sent(), "another (http) replica may take it");
+        let accepted = tokio::time::timeout(Duration::from_millis(50), listener.accept()).await;
+        assert!(accepted.is_err(), "no connection was made");
     }
 }

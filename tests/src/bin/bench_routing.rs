@@ -393,6 +393,11 @@ struct RunStats {
     kv: BTreeMap<String, f64>,
     /// Requests per serving worker (decode, or aggregated).
     spread: BTreeMap<u64, usize>,
+    /// Later turns served by another worker than the conversation's previous turn…
+    moved: usize,
+    /// …and later turns on the same worker that still missed the cache (evicted under KV
+    /// pressure): half or more of the prompt uncached.
+    evicted: usize,
 }
 
 impl RunStats {
@@ -410,6 +415,19 @@ impl RunStats {
         for r in &ok {
             *spread.entry(r.decode_worker.unwrap_or(0)).or_insert(0) += 1;
         }
+        let mut turns: BTreeMap<(usize, usize), &client::Outcome> = BTreeMap::new();
+        for r in &ok {
+            turns.insert((r.conversation, r.turn), r);
+        }
+        let (mut moved, mut evicted) = (0, 0);
+        for (&(conversation, turn), r) in &turns {
+            let Some(previous) = turn.checked_sub(1).and_then(|t| turns.get(&(conversation, t))) else { continue };
+            if previous.decode_worker != r.decode_worker {
+                moved += 1;
+            } else if r.cached_tokens.unwrap_or(0) * 2 < r.prompt_tokens {
+                evicted += 1;
+            }
+        }
         Self {
             requests_per_s: ok.len() as f64 / wall,
             output_tokens_per_s: ok.iter().map(|r| r.completion_tokens).sum::<u64>() as f64 / wall,
@@ -423,6 +441,8 @@ impl RunStats {
             failed: answer.results.len() - ok.len(),
             kv,
             spread,
+            moved,
+            evicted,
         }
     }
 
@@ -675,6 +695,21 @@ impl Report {
             why.push(format!(
                 "{timeouts:.0} of {selected:.0} selections got no FindMatches answer within the deadline (scored on \
                  load alone)"
+            ));
+        }
+        let recent = total("index_recent");
+        if recent > 0.0 {
+            why.push(format!("{recent:.0} more missed it and were scored on a recent answer for their prefix"));
+        }
+        if self.cases.get(c).is_some_and(Case::shared) {
+            let sum = |router, get: fn(&RunStats) -> usize| self.cell(fleet, c, router).iter().map(get).sum::<usize>();
+            why.push(format!(
+                "over all runs, later turns moved to another worker {} times (theirs {}) and missed the cache on the \
+                 same worker (evicted under KV pressure) {} times (theirs {})",
+                sum(ours, |r| r.moved),
+                sum(theirs, |r| r.moved),
+                sum(ours, |r| r.evicted),
+                sum(theirs, |r| r.evicted)
             ));
         }
         let fallbacks = total("tokenizer_unavailable") + total("render_unavailable") + total("prompt_too_large");
