@@ -96,7 +96,7 @@ impl FleetView {
         &self.config
     }
 
-    /// Unanswered dispatches per rank, fleet-wide.
+    /// Dispatches in flight per rank, fleet-wide.
     pub fn backlogs(&self) -> &OrdMap<LoadKey, Backlog> {
         &self.backlogs
     }

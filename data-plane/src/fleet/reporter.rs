@@ -1,6 +1,6 @@
 //! Reports this replica's dispatches to the control plane, on the Watch stream it already holds.
 //!
-//! The control plane sums every replica's unanswered dispatches per rank and streams them back
+//! The control plane sums every replica's dispatches in flight per rank and streams them back
 //! as backlogs, so replicas spread a burst between two load samples. Reporting never blocks a
 //! request: events go into a bounded queue and are dropped (and counted) when it is full or the
 //! stream is down; a dropped report only makes the fleet-wide view briefly less complete.

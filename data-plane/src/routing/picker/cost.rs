@@ -4,7 +4,7 @@
 //! * prefill cost = active_prefill_tokens / max_num_batched_tokens
 //! * decode cost = (active_decode_blocks + ceil(prompt_tokens / block_size)) / total_kv_blocks
 //!
-//! The replica's unanswered dispatches add to the backlog (prefill tokens, decode blocks);
+//! The fleet's dispatches add to the backlog (prefill tokens, decode blocks);
 //! where the control plane measured a rank's foreign load, the decode backlog is that plus the
 //! fleet's dispatches in flight instead (see [`RankBacklog::decode_backlog`]).
 
@@ -101,7 +101,7 @@ pub(super) struct CostInputs<'a> {
     pub block_size: Option<u32>,
     pub prompt_tokens: u64,
     pub standing: Standing,
-    pub unanswered: RankBacklog,
+    pub dispatched: RankBacklog,
 }
 
 /// The phase's cost, or `None` when undefined: no usable sample, or the card lacks the
@@ -115,13 +115,13 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
     match phase {
         Phase::Prefill => {
             let capacity = inputs.capacity.max_num_batched_tokens.filter(|n| *n > 0)?;
-            Some(Cost { backlog: sampled.saturating_add(inputs.unanswered.prefill_tokens), capacity })
+            Some(Cost { backlog: sampled.saturating_add(inputs.dispatched.prefill_tokens), capacity })
         }
         Phase::Decode => {
             let capacity = inputs.capacity.total_kv_blocks.filter(|n| *n > 0)?;
             let block_size = inputs.block_size.filter(|n| *n > 0)?;
             let request = inputs.prompt_tokens.div_ceil(u64::from(block_size));
-            let backlog = inputs.unanswered.decode_backlog(sampled).saturating_add(request);
+            let backlog = inputs.dispatched.decode_backlog(sampled).saturating_add(request);
             Some(Cost { backlog, capacity })
         }
     }

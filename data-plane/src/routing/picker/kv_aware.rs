@@ -199,12 +199,12 @@ impl KvAwarePicker {
             .zip(ranks)
             .map(|(candidate, rank)| {
                 let phase = if candidate.worker.role == Role::Prefill { Phase::Prefill } else { Phase::Decode };
-                let (load, fresh) = formula::rank_load(phase, rank.sample, rank.unanswered, max_staleness, scoring.now);
+                let (load, fresh) = formula::rank_load(phase, rank.sample, rank.dispatched, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);
                 let logit = load.map(|load| formula::worker_logit(load, overlap, scoring.prompt, &scoring.weights));
                 let stale_cost = formula::stale_cost(overlap, scoring.prompt, &scoring.weights);
                 let scored =
-                    Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.unanswered.stalled, stale_cost };
+                    Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.dispatched.stalled, stale_cost };
                 (logit, scored)
             })
             .collect();

@@ -1,5 +1,5 @@
 //! The default picker: the seed's load-only costs over the fleet view's samples plus the
-//! unanswered dispatches (this replica's ledger, joined with the fleet-wide backlogs).
+//! fleet's dispatches (this replica's ledger, joined with the fleet-wide backlogs).
 //! Per-phase round-robin cursors rotate ties and stand in for costs when the load stream tells
 //! nothing. The KV-aware picker reuses its rank states, cursors and counters.
 //!
@@ -24,11 +24,11 @@ use super::{PickRequest, Picker, Reason, Selection};
 /// bounded; past the bound it starts over, which only resets rotation.
 pub const MAX_CURSORS: usize = 4096;
 
-/// One candidate rank as the load stream and the unanswered dispatches leave it.
+/// One candidate rank as the load stream and the fleet's dispatches leave it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct RankState<'v> {
     pub sample: Option<&'v LoadSample>,
-    pub unanswered: RankBacklog,
+    pub dispatched: RankBacklog,
 }
 
 #[derive(Debug)]
@@ -52,7 +52,7 @@ impl LoadBasedPicker {
         &self.ledger
     }
 
-    /// Each candidate's last sample and what its unanswered dispatches add to it: this
+    /// Each candidate's last sample and what the fleet's dispatches add to it: this
     /// replica's ledger joined with the fleet-wide backlogs, under one ledger acquisition.
     pub(super) fn ranks<'v>(&self, view: &'v FleetView, candidates: &[Candidate], now: Instant) -> Vec<RankState<'v>> {
         let samples: Vec<Option<&LoadSample>> = candidates.iter().map(|c| view.loads().get(&c.load_key())).collect();
@@ -71,7 +71,7 @@ impl LoadBasedPicker {
             .zip(local)
             .map(|((c, sample), local)| RankState {
                 sample,
-                unanswered: local.with_fleet(view.backlogs().get(&c.load_key())),
+                dispatched: local.with_fleet(view.backlogs().get(&c.load_key())),
             })
             .collect()
     }
@@ -96,10 +96,10 @@ impl LoadBasedPicker {
                     block_size: candidate.worker.block_size,
                     prompt_tokens,
                     standing,
-                    unanswered: rank.unanswered,
+                    dispatched: rank.dispatched,
                 };
                 let fresh = matches!(standing, Standing::Fresh(_));
-                Scored { cost: cost::cost(phase, &inputs), fresh, stalled: rank.unanswered.stalled }
+                Scored { cost: cost::cost(phase, &inputs), fresh, stalled: rank.dispatched.stalled }
             })
             .collect();
         cost::contenders(&scored)

@@ -15,7 +15,7 @@ fn capacity(total_kv_blocks: Option<u64>, max_num_batched_tokens: Option<u64>) -
 }
 
 fn inputs(capacity: &Capacity, block_size: Option<u32>, prompt_tokens: u64, standing: Standing) -> CostInputs<'_> {
-    CostInputs { capacity, block_size, prompt_tokens, standing, unanswered: RankBacklog::default() }
+    CostInputs { capacity, block_size, prompt_tokens, standing, dispatched: RankBacklog::default() }
 }
 
 #[test]
@@ -129,14 +129,14 @@ fn unanswered_dispatches_add_to_the_backlog() {
     let full = capacity(Some(100), Some(1000));
     let unanswered =
         RankBacklog { prefill_tokens: 250, decode_blocks: 9, in_flight_decode_blocks: 9, ..Default::default() };
-    let with = |standing| CostInputs { unanswered, ..inputs(&full, Some(16), 16, standing) };
+    let with = |standing| CostInputs { dispatched: unanswered, ..inputs(&full, Some(16), 16, standing) };
     assert_eq!(cost(Phase::Prefill, &with(Standing::Fresh(250))).map(Cost::as_f64), Some(0.5));
     assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(10))).map(Cost::as_f64), Some(0.2));
     assert_eq!(cost(Phase::Decode, &with(Standing::Quiet)).map(Cost::as_f64), Some(0.1), "a quiet rank fills up too");
     // Measured by the control plane: 5 foreign blocks + 9 in flight + 1 for the request,
     // whatever the (lagging) sample says.
     let measured = RankBacklog { foreign_decode_blocks: Some(5), ..unanswered };
-    let with = |standing| CostInputs { unanswered: measured, ..inputs(&full, Some(16), 16, standing) };
+    let with = |standing| CostInputs { dispatched: measured, ..inputs(&full, Some(16), 16, standing) };
     assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(700))).map(Cost::as_f64), Some(0.15));
     assert_eq!(cost(Phase::Decode, &with(Standing::Unknown)).map(Cost::as_f64), None, "freshness still rules");
 }

@@ -73,7 +73,7 @@ impl Prompt {
     }
 }
 
-/// What a rank already carries: its sample's backlog plus its unanswered dispatches.
+/// What a rank already carries: its sample's backlog and the fleet's dispatches on it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct RankLoad {
     pub active_prefill_tokens: u64,
@@ -133,7 +133,7 @@ pub(super) fn conditional_decode_cost(logit: &Logit) -> f64 {
 pub(super) fn rank_load(
     phase: Phase,
     sample: Option<&LoadSample>,
-    unanswered: RankBacklog,
+    dispatched: RankBacklog,
     max_staleness: Duration,
     now: Instant,
 ) -> (Option<RankLoad>, bool) {
@@ -154,8 +154,8 @@ pub(super) fn rank_load(
         Phase::Decode => (other, backlog),
     };
     let load = RankLoad {
-        active_prefill_tokens: prefill.saturating_add(unanswered.prefill_tokens),
-        active_decode_blocks: unanswered.decode_backlog(decode),
+        active_prefill_tokens: prefill.saturating_add(dispatched.prefill_tokens),
+        active_decode_blocks: dispatched.decode_backlog(decode),
     };
     (Some(load), matches!(standing, Standing::Fresh(_)))
 }
@@ -254,7 +254,7 @@ pub(super) fn prefill_locally(prompt: Prompt, decode_overlap_blocks: u32) -> boo
 }
 
 /// The `decode_busy_threshold` veto: with a threshold, the decode worker's projected decode
-/// blocks (its fresh backlog, unanswered dispatches and this request's uncached blocks) must
+/// blocks (its backlog, the fleet's dispatches and this request's uncached blocks) must
 /// be at or below `threshold * total_kv_blocks`; without a fresh sample or a capacity the
 /// answer is no. Without a threshold there is nothing to veto.
 pub(super) fn decode_has_room(
