@@ -25,7 +25,12 @@ impl Quantiles {
 
 /// `--name N` from the command line, or `default`.
 pub fn arg(name: &str, default: usize) -> anyhow::Result<usize> {
-    Ok(std::env::args().skip_while(|a| a != name).nth(1).map(|n| n.parse()).transpose()?.unwrap_or(default))
+    Ok(text_arg(name).map(|n| n.parse()).transpose()?.unwrap_or(default))
+}
+
+/// The value after `--name` on the command line, if given.
+pub fn text_arg(name: &str) -> Option<String> {
+    std::env::args().skip_while(|a| a != name).nth(1)
 }
 
 /// Replaces the text between `<!-- {id}:begin -->` and `<!-- {id}:end -->` in

@@ -239,20 +239,24 @@ impl Book {
         self.per_replica.remove(&replica);
     }
 
-    /// Measures new samples, drops dispatches whose end never came, and marks every rank for
-    /// a publish check (unchanged sums are not streamed).
+    /// Measures new samples, drops dispatches whose end never came, and marks the ranks whose
+    /// sums may have moved for a publish check (unchanged sums are not streamed).
     fn expire(&mut self, state: &FleetState, now: Instant) {
         let mut lost = Vec::new();
         for (key, rank) in &mut self.ranks {
             let sample = state.view().loads().get(key);
             let received_at = sample.map(|s| s.received_at);
+            // A sum changes with a new sample (its foreign part) or an end (marked by `end`);
+            // a rank with nothing in flight may also settle with time.
             if received_at != rank.sampled_at {
                 rank.sampled(received_at, sample.map(|s| &s.load));
+                self.dirty.insert(key.clone());
+            } else if rank.dispatches.is_empty() {
+                self.dirty.insert(key.clone());
             }
             let stale =
                 rank.dispatches.iter().filter(|(_, d)| now.saturating_duration_since(d.at) >= IN_FLIGHT_MAX_AGE);
             lost.extend(stale.map(|(id, _)| *id));
-            self.dirty.insert(key.clone());
         }
         for id in lost {
             self.end(id, now);

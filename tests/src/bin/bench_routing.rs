@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use continuum_tests::bench::{arg, write_section};
+use continuum_tests::bench::{arg, text_arg, write_section};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_kv::kv_control_plane_yaml;
 use continuum_tests::dynamo_routing::{self, FRONTEND, Outcome, RoutedContinuum, post_chat};
@@ -172,10 +172,6 @@ fn cases(requests: usize, quick: bool) -> Vec<Case> {
     cases
 }
 
-fn value_of<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
-    args.iter().position(|a| a == flag).and_then(|at| args.get(at + 1)).map(String::as_str)
-}
-
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if let Some(at) = args.iter().position(|a| a == "--client") {
@@ -192,7 +188,7 @@ fn main() -> anyhow::Result<()> {
         ensure!(path.exists(), "no {}: run `cargo build --release --bins` first", path.display());
     }
     let mut fleets = if quick { vec![Fleet::Aggregated] } else { vec![Fleet::Aggregated, Fleet::Disaggregated] };
-    if let Some(only) = value_of(&args, "--only-fleets") {
+    if let Some(only) = text_arg("--only-fleets") {
         fleets.retain(|f| only.split(',').any(|o| o == f.slug()));
     }
     let provisional = provisional_ttl_exists();
@@ -201,16 +197,16 @@ fn main() -> anyhow::Result<()> {
         routers.push(Router::ContinuumKvNoProvisional);
     }
     // Investigation filters: `--only-routers round-robin,continuum-load` `--only-cases unique`.
-    if let Some(only) = value_of(&args, "--only-routers") {
+    if let Some(only) = text_arg("--only-routers") {
         routers.retain(|r| only.split(',').any(|o| o == r.slug()));
     }
     let mut cases = cases(requests, quick);
-    if let Some(only) = value_of(&args, "--only-cases") {
+    if let Some(only) = text_arg("--only-cases") {
         cases.retain(|c| only.split(',').any(|o| c.name.starts_with(o)));
     }
     ensure!(!routers.is_empty() && !cases.is_empty(), "the filters left nothing to run");
-    let dump = value_of(&args, "--dump").map(std::path::PathBuf::from);
-    let filtered = ["--only-fleets", "--only-routers", "--only-cases"].iter().any(|f| value_of(&args, f).is_some());
+    let dump = text_arg("--dump").map(std::path::PathBuf::from);
+    let filtered = ["--only-fleets", "--only-routers", "--only-cases"].iter().any(|f| text_arg(f).is_some());
     ensure!(!(filtered && args.iter().any(|a| a == "--write")), "a filtered run is not the whole table: drop --write");
     let tokenizer = tokenizers::Tokenizer::from_file(tools::dynamo_fixtures().join("tinymodel/tokenizer.json"))
         .map_err(|e| anyhow::anyhow!("the fixture tokenizer: {e}"))?;

@@ -171,19 +171,23 @@ impl Rank {
         self.legs.push_back(leg);
     }
 
+    /// Where dispatch `id`'s leg is.
+    fn position(&self, id: DispatchId) -> Option<usize> {
+        match self.legs.binary_search_by_key(&id.0, |leg| leg.id.0) {
+            Ok(index) => Some(index),
+            // Ids only leave order if the counter wrapped; look the slow way then.
+            Err(_) => self.legs.iter().position(|leg| leg.id == id),
+        }
+    }
+
     fn prefilled(&mut self, id: DispatchId) {
-        if let Some(leg) = self.legs.iter_mut().find(|leg| leg.id == id) {
+        if let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) {
             self.prefill_tokens = self.prefill_tokens.saturating_sub(std::mem::take(&mut leg.prefill_tokens));
         }
     }
 
     fn take(&mut self, id: DispatchId, now: Instant) {
-        let found = match self.legs.binary_search_by_key(&id.0, |leg| leg.id.0) {
-            Ok(index) => Some(index),
-            // Ids only leave order if the counter wrapped; look the slow way then.
-            Err(_) => self.legs.iter().position(|leg| leg.id == id),
-        };
-        if let Some(leg) = found.and_then(|index| self.legs.remove(index)) {
+        if let Some(leg) = self.position(id).and_then(|index| self.legs.remove(index)) {
             self.forget(&leg);
             if leg.decode_blocks > 0 {
                 self.ended.push_back(Ended { at: leg.at, ended: now, decode_blocks: leg.decode_blocks });

@@ -11,7 +11,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use continuum_proto::model::{LoadSample, Role};
+use continuum_proto::model::{Backlog, LoadSample, Role};
 use continuum_proto::view::FleetView;
 use prometheus::IntCounterVec;
 
@@ -55,24 +55,20 @@ impl LoadBasedPicker {
     /// Each candidate's last sample and what the fleet's dispatches add to it: this
     /// replica's ledger joined with the fleet-wide backlogs, under one ledger acquisition.
     pub(super) fn ranks<'v>(&self, view: &'v FleetView, candidates: &[Candidate], now: Instant) -> Vec<RankState<'v>> {
-        let samples: Vec<Option<&LoadSample>> = candidates.iter().map(|c| view.loads().get(&c.load_key())).collect();
-        let queries: Vec<_> = candidates
-            .iter()
-            .zip(&samples)
-            .map(|(c, sample)| {
-                let fleet_as_of = view.backlogs().get(&c.load_key()).and_then(|b| b.as_of);
-                (c.pin().rank_key(), sample.map(|s| s.received_at), fleet_as_of)
-            })
-            .collect();
+        let mut views: Vec<(Option<&LoadSample>, Option<&Backlog>)> = Vec::with_capacity(candidates.len());
+        let mut queries = Vec::with_capacity(candidates.len());
+        for candidate in candidates {
+            let key = candidate.load_key();
+            let (sample, fleet) = (view.loads().get(&key), view.backlogs().get(&key));
+            // The ledger keys dispatches by their pin.
+            queries.push((candidate.pin().rank_key(), sample.map(|s| s.received_at), fleet.and_then(|b| b.as_of)));
+            views.push((sample, fleet));
+        }
         let local = self.ledger.backlogs(&queries, now);
-        candidates
-            .iter()
-            .zip(samples)
+        views
+            .into_iter()
             .zip(local)
-            .map(|((c, sample), local)| RankState {
-                sample,
-                dispatched: local.with_fleet(view.backlogs().get(&c.load_key())),
-            })
+            .map(|((sample, fleet), local)| RankState { sample, dispatched: local.with_fleet(fleet) })
             .collect()
     }
 
