@@ -1,7 +1,9 @@
 //! The `continuum.fleet.v1` contract between the control plane and its data-plane replicas:
 //! the generated gRPC code ([`pb`]), the domain types both planes hold ([`model`]), the fleet
-//! view with its deltas ([`view`]) and the conversions between wire and domain ([`convert`]).
+//! view with its deltas ([`view`]), the conversions between wire and domain ([`convert`]) and
+//! the count of a rank's blocks in flight both planes keep ([`active`]).
 
+pub mod active;
 pub mod convert;
 pub mod model;
 pub mod view;

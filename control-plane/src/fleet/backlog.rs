@@ -10,10 +10,11 @@
 //! itself sent, because a worker's samples lag in both directions: a sample taken just before a
 //! burst of requests finished still shows their blocks (every replica then sends the next burst
 //! elsewhere), and a sample taken before a new request reached the engine does not show it yet.
-//! The book therefore publishes, per rank, the decode blocks of every dispatch in flight plus
-//! the *foreign* part of the last sample: what it showed beyond the dispatches in flight when it
-//! arrived (load the fleet did not send, such as another router's); ends shortly before a
-//! sample may still be in it, so they do not count as foreign. Prefill tokens count until the
+//! The book therefore publishes, per rank, the distinct blocks of every dispatch in flight (a
+//! block several dispatches share counts once, while any of them holds it: see
+//! [`ActiveBlocks`]) plus the *foreign* part of the last sample: what it showed beyond the
+//! dispatches in flight when it arrived (load the fleet did not send, such as another
+//! router's); ends shortly before a sample may still be in it, so they do not count as foreign. Prefill tokens count until the
 //! response begins (the replica reports the first token), again as Dynamo's router does.
 //!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
@@ -28,6 +29,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
 use continuum_proto::model::{Backlog, Load, LoadKey};
 use continuum_proto::pb;
 use prometheus::IntCounter;
@@ -87,13 +89,18 @@ impl BacklogBook {
 #[derive(Debug, Clone, Copy)]
 struct Ended {
     at: Instant,
+    /// The blocks the end freed on the rank.
     blocks: u64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 struct Dispatch {
     prefill_tokens: u64,
     decode_blocks: u64,
+    /// The prompt's prefix chain, for counting shared blocks once; empty past the book's bound.
+    block_hashes: Vec<u64>,
+    /// The blocks it added to its rank's distinct total when it started.
+    added: u64,
     at: Instant,
 }
 
@@ -101,6 +108,8 @@ struct Dispatch {
 #[derive(Debug, Default)]
 struct Rank {
     dispatches: BTreeMap<(u64, u64), Dispatch>,
+    /// The distinct decode blocks of `dispatches`.
+    active: ActiveBlocks,
     /// When the sample `foreign` was measured against was received.
     sampled_at: Option<Instant>,
     /// Decode blocks that sample showed beyond the dispatches in flight when it arrived;
@@ -116,13 +125,19 @@ struct Rank {
 
 impl Rank {
     fn backlog(&self) -> Backlog {
-        let mut backlog = Backlog { foreign_decode_blocks: self.foreign, ..Backlog::default() };
+        let mut backlog =
+            Backlog { foreign_decode_blocks: self.foreign, decode_blocks: self.active.total(), ..Backlog::default() };
         for dispatch in self.dispatches.values() {
             backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens);
-            backlog.decode_blocks = backlog.decode_blocks.saturating_add(dispatch.decode_blocks);
             backlog.dispatches = backlog.dispatches.saturating_add(1);
         }
         backlog
+    }
+
+    /// Starts dispatch `id` (new to the book).
+    fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch) {
+        dispatch.added = self.active.add(&dispatch.block_hashes, dispatch.decode_blocks);
+        self.dispatches.insert(id, dispatch);
     }
 
     /// Measures a new sample against the dispatches in flight before it arrived, and those
@@ -133,20 +148,26 @@ impl Rank {
             self.foreign = None;
             return;
         };
-        let in_flight = self.dispatches.values().filter(|d| d.at < at).map(|d| d.decode_blocks);
+        // What was in flight when it arrived: everything less what started since.
+        let since = self.dispatches.values().filter(|d| d.at >= at).map(|d| d.added).fold(0u64, u64::saturating_add);
+        let in_flight = self.active.total().saturating_sub(since);
         let lately = self.ended.iter().filter(|e| at.saturating_duration_since(e.at) < SAMPLE_LAG).map(|e| e.blocks);
-        let own = in_flight.chain(lately).fold(0u64, u64::saturating_add);
+        let own = lately.fold(in_flight, u64::saturating_add);
         self.foreign = load.and_then(decode_blocks).map(|shown| shown.saturating_sub(own));
     }
 
-    fn ended(&mut self, dispatch: Dispatch, now: Instant) {
+    /// Ends dispatch `id`; returns the hashes it held.
+    fn end(&mut self, id: (u64, u64), now: Instant) -> usize {
+        let Some(dispatch) = self.dispatches.remove(&id) else { return 0 };
+        let freed = self.active.remove(&dispatch.block_hashes, dispatch.decode_blocks);
         self.last_end = Some(now);
-        self.ended.push_back(Ended { at: now, blocks: dispatch.decode_blocks });
+        self.ended.push_back(Ended { at: now, blocks: freed });
         while self.ended.len() > MAX_ENDED_PER_RANK
             || self.ended.front().is_some_and(|e| now.saturating_duration_since(e.at) >= SAMPLE_LAG)
         {
             self.ended.pop_front();
         }
+        dispatch.block_hashes.len()
     }
 
     /// Nothing in flight, and a sample since the last end shows the worker as it is.
@@ -171,6 +192,8 @@ struct Book {
     where_is: HashMap<(u64, u64), LoadKey>,
     per_replica: HashMap<u64, usize>,
     dirty: BTreeSet<LoadKey>,
+    /// Block hashes the dispatches in flight hold, at most [`MAX_ACTIVE_BLOCK_HASHES`].
+    held_hashes: usize,
     /// Dispatches refused: for a rank the fleet does not have, or past the replica's bound.
     refused: u64,
 }
@@ -187,8 +210,23 @@ impl Book {
                 continue;
             }
             *held += 1;
-            let dispatch =
-                Dispatch { prefill_tokens: started.prefill_tokens, decode_blocks: started.decode_blocks, at };
+            let id = (replica, started.id);
+            // A repeated id replaces its dispatch.
+            self.end(id, at);
+            let mut block_hashes = started.block_hashes;
+            // Only the leading `decode_blocks` are the rank's to hold (none on a prefill leg).
+            block_hashes.truncate(usize::try_from(started.decode_blocks).unwrap_or(usize::MAX));
+            if self.held_hashes + block_hashes.len() > MAX_ACTIVE_BLOCK_HASHES {
+                block_hashes = Vec::new();
+            }
+            self.held_hashes += block_hashes.len();
+            let dispatch = Dispatch {
+                prefill_tokens: started.prefill_tokens,
+                decode_blocks: started.decode_blocks,
+                block_hashes,
+                added: 0,
+                at,
+            };
             let rank = self.ranks.entry(key.clone()).or_insert_with(|| {
                 // A new record starts from the sample the view holds now, so that sample's
                 // whole backlog counts as foreign until the next one.
@@ -197,8 +235,8 @@ impl Book {
                 rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
                 rank
             });
-            rank.dispatches.insert((replica, started.id), dispatch);
-            self.where_is.insert((replica, started.id), key.clone());
+            rank.start(id, dispatch);
+            self.where_is.insert(id, key.clone());
             self.dirty.insert(key);
         }
         // After the starts: a dispatch may start, begin answering and end within one report.
@@ -220,10 +258,8 @@ impl Book {
 
     fn end(&mut self, id: (u64, u64), now: Instant) {
         let Some(key) = self.where_is.remove(&id) else { return };
-        if let Some(rank) = self.ranks.get_mut(&key)
-            && let Some(dispatch) = rank.dispatches.remove(&id)
-        {
-            rank.ended(dispatch, now);
+        if let Some(rank) = self.ranks.get_mut(&key) {
+            self.held_hashes -= rank.end(id, now);
         }
         if let Some(held) = self.per_replica.get_mut(&id.0) {
             *held = held.saturating_sub(1);

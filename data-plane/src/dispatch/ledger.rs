@@ -8,7 +8,7 @@ use std::time::Instant;
 use continuum_proto::view::FleetView;
 
 use crate::fleet::DispatchReporter;
-use crate::routing::picker::{DispatchId, DispatchLedger, Selection, dispatch_block_size};
+use crate::routing::picker::{DispatchId, DispatchLedger, PromptChain, Selection, dispatch_block_size, prompt_blocks};
 
 /// Ends its dispatch in the ledger and reports the end when dropped: when the response body
 /// completes, the request is refused or fails, or the client goes away mid-response.
@@ -23,29 +23,31 @@ pub struct DispatchEnd {
 }
 
 impl DispatchEnd {
-    /// Records a dispatch of `prompt_tokens` pinned as `selection`: its prompt on the prefill
-    /// rank, its blocks on the decode rank, as the ledger counts them. `block_hashes` (the
-    /// prompt's prefix chain, empty without the KV term) goes with the rank that prefills: the
-    /// prefill pin, or the decode pin when the request is served aggregated.
+    /// Records a dispatch of `prompt_tokens` pinned as `selection`: its prompt on the rank that
+    /// prefills it, its blocks on the decode rank, as the ledger counts them. The prompt's
+    /// `chain` (empty without the KV term) goes with both pins: the control plane credits it
+    /// to them provisionally and counts blocks shared on the decode rank once.
     pub fn record(
         ledger: &Arc<DispatchLedger>,
         reporter: &Arc<DispatchReporter>,
         view: &FleetView,
         selection: &Selection,
         prompt_tokens: u64,
-        block_hashes: Vec<u64>,
+        chain: &PromptChain,
     ) -> Self {
         let block_size = dispatch_block_size(view, selection);
-        let id = ledger.record(selection, prompt_tokens, block_size, Instant::now());
-        let blocks = selection.decode_blocks(prompt_tokens, block_size);
+        let hashes = chain.at_block_size(block_size);
+        let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now());
+        let blocks = prompt_blocks(prompt_tokens, block_size);
+        let decode = selection.decode.rank_key();
         let (prefill, decode) = match &selection.prefill {
             Some(pin) => (
-                Some(reporter.started_with_prefix(&pin.rank_key(), prompt_tokens, 0, block_hashes)),
-                reporter.started(&selection.decode.rank_key(), 0, blocks),
+                Some(reporter.started(&pin.rank_key(), prompt_tokens, 0, chain.hashes.clone())),
+                reporter.started(&decode, 0, blocks, hashes.to_vec()),
             ),
             None => {
                 let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
-                (None, reporter.started_with_prefix(&selection.decode.rank_key(), tokens, blocks, block_hashes))
+                (None, reporter.started(&decode, tokens, blocks, hashes.to_vec()))
             }
         };
         let reported = [prefill, Some(decode)];

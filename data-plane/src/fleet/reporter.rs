@@ -39,21 +39,11 @@ impl DispatchReporter {
         Self { tx, rx: Mutex::new(Some(rx)), next_id: AtomicU64::new(1), dropped }
     }
 
-    /// Reports a dispatch pinned to `rank`; returns its id for [`DispatchReporter::ended`].
-    pub fn started(&self, rank: &LoadKey, prefill_tokens: u64, decode_blocks: u64) -> u64 {
-        self.started_with_prefix(rank, prefill_tokens, decode_blocks, Vec::new())
-    }
-
-    /// As [`DispatchReporter::started`], for the rank that prefills a request whose prompt
-    /// hashes to `block_hashes` (cut to [`MAX_DISPATCH_BLOCK_HASHES`]): the control plane
-    /// credits that prefix to the rank provisionally, fleet-wide.
-    pub fn started_with_prefix(
-        &self,
-        rank: &LoadKey,
-        prefill_tokens: u64,
-        decode_blocks: u64,
-        mut block_hashes: Vec<u64>,
-    ) -> u64 {
+    /// Reports a dispatch pinned to `rank`, whose prompt hashes to `block_hashes` (empty when
+    /// unknown; cut to [`MAX_DISPATCH_BLOCK_HASHES`]): the control plane credits that prefix
+    /// to the rank provisionally, fleet-wide, and counts decode blocks dispatches share once.
+    /// Returns its id for [`DispatchReporter::ended`].
+    pub fn started(&self, rank: &LoadKey, prefill_tokens: u64, decode_blocks: u64, mut block_hashes: Vec<u64>) -> u64 {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES);
         self.send(DispatchEvent::Started { id, rank: rank.clone(), prefill_tokens, decode_blocks, block_hashes });
@@ -129,7 +119,7 @@ mod tests {
     fn a_dispatch_carries_at_most_its_bound_of_block_hashes() {
         let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
         let mut rx = reporter.take_receiver().expect("receiver");
-        reporter.started_with_prefix(&rank(), 64, 0, (0..MAX_DISPATCH_BLOCK_HASHES as u64 + 9).collect());
+        reporter.started(&rank(), 64, 0, (0..MAX_DISPATCH_BLOCK_HASHES as u64 + 9).collect());
         let first = rx.try_recv().expect("queued");
         let report = batch(first, &mut rx);
         assert_eq!(report.started[0].block_hashes.len(), MAX_DISPATCH_BLOCK_HASHES);
@@ -143,9 +133,9 @@ mod tests {
         let per = MAX_DISPATCH_BLOCK_HASHES;
         let fit = MAX_REPORT_BLOCK_HASHES / per;
         for _ in 0..=fit {
-            reporter.started_with_prefix(&rank(), 64, 0, vec![1; per]);
+            reporter.started(&rank(), 64, 0, vec![1; per]);
         }
-        reporter.started(&rank(), 0, 4);
+        reporter.started(&rank(), 0, 4, Vec::new());
         let first = rx.try_recv().expect("queued");
         let report = batch(first, &mut rx);
         assert_eq!(report.started.len(), fit + 2);

@@ -12,7 +12,7 @@ use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, serving_backends};
 use crate::dispatch::{DispatchEnd, Pinned, Route};
 use crate::http::AppState;
-use crate::routing::picker::{KvTerm, PickRequest, estimate_prompt_tokens};
+use crate::routing::picker::{KvTerm, PickRequest, PromptChain, estimate_prompt_tokens};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SelectError {
@@ -55,24 +55,30 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let pools = state.dispatcher.pools(config);
     let usable = usable_namespaces(state, &pools, now);
     let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&usable) };
-    let (selection, prompt_tokens, tokens, block_hashes) = match (kv, term) {
+    let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
         (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, recent })) => {
             let isl_tokens = tokens.len() as u64;
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, recent };
-            (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), block_hashes)
+            let chain = PromptChain { block_size, hashes: block_hashes };
+            (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
             let estimate = estimate_prompt_tokens(&request.body);
-            (kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now), estimate, None, Vec::new())
+            (
+                kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now),
+                estimate,
+                None,
+                PromptChain::default(),
+            )
         }
         _ => {
             let estimate = estimate_prompt_tokens(&request.body);
-            (state.picker.pick(view, &pick(estimate), now), estimate, None, Vec::new())
+            (state.picker.pick(view, &pick(estimate), now), estimate, None, PromptChain::default())
         }
     };
     let selection = selection.ok_or_else(|| why_not(view, display, &usable, &request.model))?;
     let replicas = pools.pool(&selection.namespace).to_vec();
-    let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, block_hashes);
+    let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain);
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     let token_data = tokens.filter(|_| config.picker.send_token_data);
     Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })

@@ -213,3 +213,46 @@ fn a_replica_holds_a_bounded_number_of_dispatches() {
     assert_eq!(book.where_is.len(), MAX_DISPATCHES_PER_REPLICA);
     assert_eq!(book.refused, 10);
 }
+
+/// A dispatch of `hashes.len()` full blocks and a partial one, its chain reported.
+fn chained(id: u64, hashes: &[u64]) -> pb::DispatchStarted {
+    let blocks = hashes.len() as u64 + 1;
+    pb::DispatchStarted { block_hashes: hashes.to_vec(), decode_blocks: blocks, ..started(id, 0, 0) }
+}
+
+#[test]
+fn blocks_dispatches_share_count_once_across_replicas_until_the_last_holder_ends() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    // Two users of one 4-block system prompt, through two replicas.
+    book.report(1, report(vec![chained(1, &[1, 2, 3, 4, 10])], vec![]), t0, &state);
+    book.report(2, report(vec![chained(1, &[1, 2, 3, 4, 20])], vec![]), t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 0, 6 + 2, 2, None)], "the shared prompt counts once");
+    book.report(1, report(vec![], vec![1]), t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 0, 6, 1, None)], "held while the other user's request runs");
+    // A sample showing what the worker holds: none of it is foreign.
+    let shown = sampled(&state, 0, 6, t0 + Duration::from_millis(1));
+    book.expire(&shown, t0 + Duration::from_millis(1));
+    assert_eq!(sums(&book.take_change(t0)), [(0, 0, 6, 1, Some(0))]);
+    let later = t0 + Duration::from_millis(2);
+    book.report(2, report(vec![], vec![1]), later, &state);
+    assert_eq!(sums(&book.take_change(later)), [(0, 0, 0, 0, Some(0))]);
+    assert_eq!(book.held_hashes, 0, "every hash is released with its dispatch");
+}
+
+#[test]
+fn a_prefill_leg_holds_no_hashes_and_the_books_hashes_are_bounded() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let prefill_leg = pb::DispatchStarted { decode_blocks: 0, ..chained(1, &[1, 2, 3]) };
+    book.report(1, report(vec![prefill_leg], vec![]), t0, &state);
+    assert_eq!(book.held_hashes, 0);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 0, 0, 1, None)]);
+
+    book.held_hashes = MAX_ACTIVE_BLOCK_HASHES - 1;
+    book.report(1, report(vec![chained(2, &[1, 2]), chained(3, &[1, 2])], vec![]), t0, &state);
+    assert_eq!(book.held_hashes, MAX_ACTIVE_BLOCK_HASHES - 1, "past the bound, chains are not held…");
+    assert_eq!(sums(&book.take_change(t0)), [(0, 0, 6, 3, None)], "…and their blocks count whole");
+}

@@ -4,7 +4,8 @@
 //! and its end, so between two samples the picker would send a whole burst to the worker that
 //! looked idle. Each dispatch therefore adds to its ranks' backlog: its prompt tokens to the
 //! rank that prefills it until the response begins (the first token), and its blocks to the
-//! decode rank until it ends, as Dynamo's KV router counts them. Decode blocks are also kept
+//! decode rank until it ends, as Dynamo's KV router counts them (blocks that dispatches in
+//! flight on a rank share count once: [`ActiveBlocks`]). Decode blocks are also kept
 //! apart as "unanswered" until a sample newer than the dispatch arrives, for the seed's rule
 //! where the control plane has not measured the rank's foreign load. Nothing counts longer
 //! than [`UNANSWERED_FOR`]. A dispatch of [`STALL_MIN_BLOCKS`] or more left unanswered for
@@ -18,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
 use continuum_proto::model::{Backlog, LoadKey};
 use continuum_proto::view::FleetView;
 use prometheus::IntCounter;
@@ -139,6 +141,8 @@ struct State {
     ranks: FastMap<LoadKey, Rank>,
     /// The ranks each live dispatch has legs on.
     dispatches: FastMap<DispatchId, [Option<LoadKey>; 2]>,
+    /// Block hashes the legs hold, at most [`MAX_ACTIVE_BLOCK_HASHES`].
+    held_hashes: usize,
     last_sweep: Option<Instant>,
 }
 
@@ -149,7 +153,8 @@ struct Rank {
     /// In recording order, which is id order.
     legs: VecDeque<Leg>,
     prefill_tokens: u64,
-    decode_blocks: u64,
+    /// The legs' distinct decode blocks.
+    active: ActiveBlocks,
     /// No leg is older than this; exact except after expiry pops, which recompute it.
     oldest: Option<Instant>,
     /// Recently ended legs with decode blocks, in end order.
@@ -160,13 +165,14 @@ struct Rank {
 struct Ended {
     at: Instant,
     ended: Instant,
+    /// The decode blocks its end freed.
     decode_blocks: u64,
 }
 
 impl Rank {
-    fn push(&mut self, leg: Leg) {
+    fn push(&mut self, mut leg: Leg) {
         self.prefill_tokens = self.prefill_tokens.saturating_add(leg.prefill_tokens);
-        self.decode_blocks = self.decode_blocks.saturating_add(leg.decode_blocks);
+        leg.added = self.active.add(&leg.block_hashes, leg.decode_blocks);
         self.oldest = Some(self.oldest.map_or(leg.at, |oldest| oldest.min(leg.at)));
         self.legs.push_back(leg);
     }
@@ -186,25 +192,26 @@ impl Rank {
         }
     }
 
-    fn take(&mut self, id: DispatchId, now: Instant) {
-        if let Some(leg) = self.position(id).and_then(|index| self.legs.remove(index)) {
-            self.forget(&leg);
-            if leg.decode_blocks > 0 {
-                self.ended.push_back(Ended { at: leg.at, ended: now, decode_blocks: leg.decode_blocks });
-            }
-            self.prune_ended(now);
-            if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
-                self.oldest = self.legs.iter().map(|leg| leg.at).min();
-            }
+    /// Ends dispatch `id`'s leg; returns the hashes it held.
+    fn take(&mut self, id: DispatchId, now: Instant) -> usize {
+        let Some(leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
+        let freed = self.forget(&leg);
+        if freed > 0 {
+            self.ended.push_back(Ended { at: leg.at, ended: now, decode_blocks: freed });
         }
+        self.prune_ended(now);
+        if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
+            self.oldest = self.legs.iter().map(|leg| leg.at).min();
+        }
+        leg.block_hashes.len()
     }
 
-    fn pop_expired(&mut self, now: Instant) -> Option<DispatchId> {
-        let leg = self.legs.front().filter(|leg| now.saturating_duration_since(leg.at) >= UNANSWERED_FOR)?;
-        let leg = *leg;
-        self.legs.pop_front();
+    /// Drops the oldest leg if it has expired; returns its dispatch and the hashes it held.
+    fn pop_expired(&mut self, now: Instant) -> Option<(DispatchId, usize)> {
+        self.legs.front().filter(|leg| now.saturating_duration_since(leg.at) >= UNANSWERED_FOR)?;
+        let leg = self.legs.pop_front()?;
         self.forget(&leg);
-        Some(leg.id)
+        Some((leg.id, leg.block_hashes.len()))
     }
 
     fn prune_ended(&mut self, now: Instant) {
@@ -222,23 +229,28 @@ impl Rank {
     /// Decode blocks this replica started since `as_of` (still in flight) and ended since
     /// `as_of` (started before it).
     fn since(&self, as_of: Instant) -> (u64, u64) {
-        let started = self.legs.iter().rev().take_while(|leg| leg.at > as_of).map(|leg| leg.decode_blocks);
+        let started = self.legs.iter().rev().take_while(|leg| leg.at > as_of).map(|leg| leg.added);
         let ended = self.ended.iter().rev().take_while(|e| e.ended > as_of).filter(|e| e.at <= as_of);
         (started.fold(0, u64::saturating_add), ended.map(|e| e.decode_blocks).fold(0, u64::saturating_add))
     }
 
-    fn forget(&mut self, leg: &Leg) {
+    /// Takes a leg's load off the rank; returns the decode blocks that freed.
+    fn forget(&mut self, leg: &Leg) -> u64 {
         self.prefill_tokens = self.prefill_tokens.saturating_sub(leg.prefill_tokens);
-        self.decode_blocks = self.decode_blocks.saturating_sub(leg.decode_blocks);
+        self.active.remove(&leg.block_hashes, leg.decode_blocks)
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Leg {
     id: DispatchId,
     at: Instant,
     prefill_tokens: u64,
     decode_blocks: u64,
+    /// The prompt's prefix chain on the decode leg, for counting shared blocks once.
+    block_hashes: Box<[u64]>,
+    /// The blocks it added to its rank's distinct total.
+    added: u64,
     /// Blocks that count toward a stall: zero for the decode leg of a prefill+decode pair,
     /// which receives the request only after the prefill finishes.
     stall_blocks: u64,
@@ -276,9 +288,17 @@ impl DispatchLedger {
     }
 
     /// Records a dispatch of `prompt_tokens` pinned as `selection`. `block_size` is the decode
-    /// worker's (see [`dispatch_block_size`]); 0 counts as 1.
-    pub fn record(&self, selection: &Selection, prompt_tokens: u64, block_size: u32, now: Instant) -> DispatchId {
-        let blocks = selection.decode_blocks(prompt_tokens, block_size);
+    /// worker's (see [`dispatch_block_size`]); 0 counts as 1. `block_hashes` is the prompt's
+    /// prefix chain at that block size (empty when unknown).
+    pub fn record(
+        &self,
+        selection: &Selection,
+        prompt_tokens: u64,
+        block_size: u32,
+        block_hashes: &[u64],
+        now: Instant,
+    ) -> DispatchId {
+        let blocks = prompt_blocks(prompt_tokens, block_size);
         let mut state = self.lock();
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
             state.sweep(now);
@@ -293,18 +313,32 @@ impl DispatchLedger {
         }
         state.next_id = state.next_id.wrapping_add(1).max(1);
         let id = DispatchId(state.next_id);
-        let decode = Leg { id, at: now, prefill_tokens: 0, decode_blocks: blocks, stall_blocks: blocks };
+        let block_hashes: Box<[u64]> = if state.held_hashes + block_hashes.len() <= MAX_ACTIVE_BLOCK_HASHES {
+            block_hashes.iter().copied().take(usize::try_from(blocks).unwrap_or(usize::MAX)).collect()
+        } else {
+            Box::default()
+        };
+        state.held_hashes += block_hashes.len();
+        let leg = |prefill_tokens, decode_blocks, stall_blocks, block_hashes| Leg {
+            id,
+            at: now,
+            prefill_tokens,
+            decode_blocks,
+            block_hashes,
+            added: 0,
+            stall_blocks,
+        };
         let legs = match &selection.prefill {
             Some(prefill) => {
-                let prefill_leg = Leg { prefill_tokens: prompt_tokens, decode_blocks: 0, ..decode };
-                state.push(prefill.rank_key(), prefill_leg);
-                state.push(selection.decode.rank_key(), Leg { stall_blocks: 0, ..decode });
+                state.push(prefill.rank_key(), leg(prompt_tokens, 0, blocks, Box::default()));
+                // The decode leg receives the request only after the prefill: no stall.
+                state.push(selection.decode.rank_key(), leg(0, blocks, 0, block_hashes));
                 [Some(prefill.rank_key()), Some(selection.decode.rank_key())]
             }
             None => {
                 // An aggregated rank prefills the request itself.
                 let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
-                state.push(selection.decode.rank_key(), Leg { prefill_tokens, ..decode });
+                state.push(selection.decode.rank_key(), leg(prefill_tokens, blocks, blocks, block_hashes));
                 [Some(selection.decode.rank_key()), None]
             }
         };
@@ -381,7 +415,7 @@ impl State {
         };
         for key in keys.into_iter().flatten() {
             if let Some(rank) = self.ranks.get_mut(&key) {
-                rank.take(id, now);
+                self.held_hashes -= rank.take(id, now);
                 if rank.is_empty() {
                     self.ranks.remove(&key);
                 }
@@ -401,17 +435,17 @@ impl State {
             && sampled_at.is_none_or(|at| at <= oldest)
         {
             backlog.prefill_tokens = rank.prefill_tokens;
-            backlog.decode_blocks = rank.decode_blocks;
-            backlog.in_flight_decode_blocks = rank.decode_blocks;
+            backlog.decode_blocks = rank.active.total();
+            backlog.in_flight_decode_blocks = rank.active.total();
             return backlog;
         }
-        backlog.in_flight_decode_blocks = rank.decode_blocks;
+        backlog.in_flight_decode_blocks = rank.active.total();
         backlog.prefill_tokens = rank.prefill_tokens;
         let unanswered = |leg: &&Leg| {
             sampled_at.is_none_or(|at| at <= leg.at) && now.saturating_duration_since(leg.at) < UNANSWERED_FOR
         };
         for leg in rank.legs.iter().filter(unanswered) {
-            backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.decode_blocks);
+            backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.added);
             let waited = now.saturating_duration_since(leg.at);
             backlog.stalled |= leg.stall_blocks >= STALL_MIN_BLOCKS && waited >= STALL_AFTER;
         }
@@ -427,9 +461,13 @@ impl State {
         rank.prune_ended(now);
         if rank.oldest.is_some_and(|oldest| now.saturating_duration_since(oldest) >= UNANSWERED_FOR) {
             let mut expired = Vec::new();
-            while let Some(id) = rank.pop_expired(now) {
+            let mut freed_hashes = 0;
+            while let Some((id, hashes)) = rank.pop_expired(now) {
                 expired.push(id);
+                freed_hashes += hashes;
             }
+            self.held_hashes -= freed_hashes;
+            let Some(rank) = self.ranks.get_mut(key) else { return };
             rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
             for id in expired {
                 self.remove(id, now);
@@ -447,6 +485,27 @@ impl State {
             self.expire(key, now);
         }
     }
+}
+
+/// A prompt's prefix chain: the hashes of its full blocks at `block_size`, as the KV term
+/// computed them (empty without one).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PromptChain {
+    pub block_size: u32,
+    pub hashes: Vec<u64>,
+}
+
+impl PromptChain {
+    /// The chain as a rank of `block_size` holds it: none when its blocks are another size.
+    pub fn at_block_size(&self, block_size: u32) -> &[u64] {
+        if block_size == self.block_size { &self.hashes } else { &[] }
+    }
+}
+
+/// The blocks a prompt of `prompt_tokens` fills at `block_size` (0 counts as 1): what its
+/// dispatch holds on its decode rank.
+pub fn prompt_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
+    prompt_tokens.div_ceil(u64::from(block_size.max(1)))
 }
 
 /// The block size to record a dispatch with: the decode worker's, else [`FALLBACK_BLOCK_SIZE`].

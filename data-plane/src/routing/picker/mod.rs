@@ -27,8 +27,8 @@ pub use kv_aware::{
     Overlaps,
 };
 pub use ledger::{
-    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, RankBacklog, STALL_AFTER, STALL_MIN_BLOCKS,
-    UNANSWERED_FOR, dispatch_block_size,
+    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, PromptChain, RankBacklog, STALL_AFTER,
+    STALL_MIN_BLOCKS, UNANSWERED_FOR, dispatch_block_size, prompt_blocks,
 };
 pub use load_based::LoadBasedPicker;
 pub use outliers::{EJECT_AFTER, EJECTION, Outliers};
@@ -98,18 +98,12 @@ pub struct Selection {
     /// The pickers always set it: `NoPrefillPool` when `prefill` is `None`, or
     /// `ConditionalBypass` when the decode worker prefills locally (`prefill` is `None` too).
     pub prefill_reason: Option<Reason>,
-    /// Prompt blocks the decode rank already holds (its overlap; KV-aware picks only). The
-    /// engine shares cached blocks between requests, so the dispatch adds only the rest to
-    /// the rank's decode backlog.
+    /// Prompt blocks the decode rank already holds (its overlap; KV-aware picks only): an
+    /// aggregated rank prefills only the rest.
     pub decode_cached_blocks: u64,
 }
 
 impl Selection {
-    /// The blocks a dispatch of `prompt_tokens` adds to its decode rank.
-    pub fn decode_blocks(&self, prompt_tokens: u64, block_size: u32) -> u64 {
-        prompt_tokens.div_ceil(u64::from(block_size.max(1))).saturating_sub(self.decode_cached_blocks)
-    }
-
     /// The prompt tokens an aggregated decode rank must still prefill: those past the blocks
     /// it holds.
     pub fn uncached_prompt_tokens(&self, prompt_tokens: u64, block_size: u32) -> u64 {

@@ -230,7 +230,7 @@ fn dp_ranks_start_at_the_declared_start_rank() {
 }
 
 fn record(picker: &LoadBasedPicker, selection: &Selection, tokens: u64, at: Instant) -> DispatchId {
-    picker.ledger().record(selection, tokens, BLOCK, at)
+    picker.ledger().record(selection, tokens, BLOCK, &[], at)
 }
 
 #[test]
@@ -497,7 +497,7 @@ proptest! {
                 None => prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool)),
             }
             if let Some((tokens, ago)) = dispatches.get(i) {
-                picker.ledger().record(&s, *tokens, BLOCK, fleet.now - Duration::from_millis(*ago));
+                picker.ledger().record(&s, *tokens, BLOCK, &[], fleet.now - Duration::from_millis(*ago));
             }
         }
     }

@@ -404,7 +404,7 @@ fn unanswered_dispatches_and_fleet_backlogs_add_to_the_formula() {
     let picker = picker();
     let first = pick(&picker, &fleet, scored(160, &none));
     assert_eq!(ids(&first), (1, None));
-    picker.ledger().record(&first, 160, BLOCK, fleet.now);
+    picker.ledger().record(&first, 160, BLOCK, &[], fleet.now);
     assert_eq!(picks(&picker, &fleet, scored(160, &none), 2), [(2, None); 2]);
 
     // Other replicas sent 1 fifty blocks: 2 bits outweigh its 2-block overlap.
@@ -422,7 +422,7 @@ fn unanswered_dispatches_and_fleet_backlogs_add_to_the_formula() {
     let picker = self::picker();
     let first = pick(&picker, &pair, scored(160, &none));
     assert_eq!(ids(&first), (3, Some(1)));
-    picker.ledger().record(&first, 160, BLOCK, pair.now);
+    picker.ledger().record(&first, 160, BLOCK, &[], pair.now);
     assert_eq!(picks(&picker, &pair, scored(160, &none), 2), [(3, Some(2)); 2]);
 }
 

@@ -44,7 +44,7 @@ fn rank(prefill_tokens: u64, decode_blocks: u64, stalled: bool) -> RankBacklog {
 fn pair_adds_prompt_tokens_to_prefill_and_blocks_to_decode() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    ledger.record(&pair(1, 2), 33, 16, t0);
+    ledger.record(&pair(1, 2), 33, 16, &[], t0);
     assert_eq!(backlog(&ledger, key(2, 0), None, t0), rank(33, 0, false));
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(0, 3, false));
     assert_eq!(backlog(&ledger, key(3, 0), None, t0), RankBacklog::default());
@@ -55,7 +55,7 @@ fn a_sample_newer_than_the_dispatch_answers_it() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
     let t1 = t0 + Duration::from_millis(10);
-    ledger.record(&alone(pin(1, None)), 32, 16, t1);
+    ledger.record(&alone(pin(1, None)), 32, 16, &[], t1);
     let cases = [
         ("no sample yet", None, 2),
         ("older sample", Some(t0), 2),
@@ -70,22 +70,44 @@ fn a_sample_newer_than_the_dispatch_answers_it() {
 }
 
 #[test]
-fn blocks_the_decode_rank_already_holds_are_not_added_again() {
+fn blocks_dispatches_share_count_once_until_the_last_ends() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    // 100 tokens = 7 blocks of 16, 5 of them (80 tokens) cached on the aggregated rank.
-    ledger.record(&Selection { decode_cached_blocks: 5, ..alone(pin(1, None)) }, 100, 16, t0);
-    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 2, false));
-    ledger.record(&Selection { decode_cached_blocks: 9, ..alone(pin(1, None)) }, 100, 16, t0);
-    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 2, false), "never below zero");
+    let system: Vec<u64> = (1..=5).collect();
+    let turn = |last: u64| -> Vec<u64> { system.iter().copied().chain([last]).collect() };
+    // 100 tokens = 6 full blocks of 16 (hashed) and a partial one; 5 blocks are a shared prompt.
+    let first = ledger.record(&alone(pin(1, None)), 100, 16, &turn(10), t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 7);
+    let second = ledger.record(&alone(pin(1, None)), 100, 16, &turn(11), t0);
+    assert_eq!(
+        backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks,
+        7 + 2,
+        "the second adds its own full block and its partial one"
+    );
+    ledger.end(first, t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 7, "the shared prompt stays held");
+    ledger.end(second, t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 0);
+}
+
+#[test]
+fn a_rank_that_caches_the_prompt_prefills_only_the_rest_but_holds_every_block() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    // 100 tokens = 7 blocks of 16, 5 of them (80 tokens) cached on the aggregated rank: cached
+    // blocks still occupy the rank while the request runs.
+    ledger.record(&Selection { decode_cached_blocks: 5, ..alone(pin(1, None)) }, 100, 16, &[], t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 7, false));
+    ledger.record(&Selection { decode_cached_blocks: 9, ..alone(pin(1, None)) }, 100, 16, &[], t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 14, false), "never below zero");
 }
 
 #[test]
 fn prompt_tokens_load_the_prefilling_rank_until_the_response_begins() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let aggregated = ledger.record(&alone(pin(1, None)), 64, 16, t0);
-    let paired = ledger.record(&pair(2, 3), 32, 16, t0);
+    let aggregated = ledger.record(&alone(pin(1, None)), 64, 16, &[], t0);
+    let paired = ledger.record(&pair(2, 3), 32, 16, &[], t0);
     let answered = Some(t0 + Duration::from_millis(1));
     assert_eq!(backlog(&ledger, key(1, 0), answered, t0).prefill_tokens, 64, "a sample does not answer a prefill");
     assert_eq!(backlog(&ledger, key(3, 0), answered, t0).prefill_tokens, 32);
@@ -101,7 +123,7 @@ fn prompt_tokens_load_the_prefilling_rank_until_the_response_begins() {
 fn dispatches_count_for_thirty_seconds_at_most() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    ledger.record(&alone(pin(1, None)), 16, 16, t0);
+    ledger.record(&alone(pin(1, None)), 16, 16, &[], t0);
     assert_eq!(backlog(&ledger, key(1, 0), None, t0 + UNANSWERED_FOR - Duration::from_millis(1)).decode_blocks, 1);
     assert_eq!(backlog(&ledger, key(1, 0), None, t0 + UNANSWERED_FOR).decode_blocks, 0);
     assert!(ledger.is_empty(), "the expired dispatch is forgotten");
@@ -111,8 +133,8 @@ fn dispatches_count_for_thirty_seconds_at_most() {
 fn ended_dispatches_stop_counting_and_ending_twice_is_harmless() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let first = ledger.record(&pair(1, 2), 64, 16, t0);
-    ledger.record(&pair(1, 2), 16, 16, t0);
+    let first = ledger.record(&pair(1, 2), 64, 16, &[], t0);
+    ledger.record(&pair(1, 2), 16, 16, &[], t0);
     ledger.end(first, t0);
     ledger.end(first, t0);
     ledger.end(DispatchId::UNRECORDED, t0);
@@ -125,7 +147,7 @@ fn ended_dispatches_stop_counting_and_ending_twice_is_harmless() {
 fn dp_ranks_are_kept_apart() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    ledger.record(&alone(pin(1, Some(1))), 32, 16, t0);
+    ledger.record(&alone(pin(1, Some(1))), 32, 16, &[], t0);
     assert_eq!(backlog(&ledger, key(1, 1), None, t0).decode_blocks, 2);
     assert_eq!(backlog(&ledger, key(1, 0), None, t0).decode_blocks, 0);
 }
@@ -145,7 +167,7 @@ fn stall_rules() {
     ];
     for (name, selection, tokens, rank_key, ended, sampled, stalled) in cases {
         let ledger = DispatchLedger::new();
-        let id = ledger.record(selection, *tokens, 16, t0);
+        let id = ledger.record(selection, *tokens, 16, &[], t0);
         if *ended {
             ledger.end(id, t0);
         }
@@ -162,15 +184,15 @@ fn stall_rules() {
 fn a_full_ledger_refuses_and_counts_then_recovers_after_expiry() {
     let ledger = DispatchLedger::with_capacity(2);
     let t0 = Instant::now();
-    assert!(ledger.record(&alone(pin(1, None)), 16, 16, t0).is_recorded());
-    assert!(ledger.record(&alone(pin(2, None)), 16, 16, t0).is_recorded());
-    let refused = ledger.record(&alone(pin(3, None)), 16, 16, t0);
+    assert!(ledger.record(&alone(pin(1, None)), 16, 16, &[], t0).is_recorded());
+    assert!(ledger.record(&alone(pin(2, None)), 16, 16, &[], t0).is_recorded());
+    let refused = ledger.record(&alone(pin(3, None)), 16, 16, &[], t0);
     assert!(!refused.is_recorded());
     assert_eq!(ledger.refused_total(), 1);
     ledger.end(refused, t0);
     assert_eq!(ledger.len(), 2);
     // Ranks nobody queries are swept when recording, so the ledger takes dispatches again.
-    assert!(ledger.record(&alone(pin(3, None)), 16, 16, t0 + UNANSWERED_FOR).is_recorded());
+    assert!(ledger.record(&alone(pin(3, None)), 16, 16, &[], t0 + UNANSWERED_FOR).is_recorded());
     assert_eq!(ledger.len(), 1);
 }
 
@@ -179,9 +201,9 @@ fn default_capacity_is_the_named_bound() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
     for id in 0..LEDGER_CAPACITY as u64 {
-        assert!(ledger.record(&alone(pin(id % 64, None)), 1, 16, t0).is_recorded());
+        assert!(ledger.record(&alone(pin(id % 64, None)), 1, 16, &[], t0).is_recorded());
     }
-    assert!(!ledger.record(&alone(pin(1, None)), 1, 16, t0).is_recorded());
+    assert!(!ledger.record(&alone(pin(1, None)), 1, 16, &[], t0).is_recorded());
     assert_eq!(ledger.refused_total(), 1);
 }
 
@@ -191,7 +213,7 @@ fn refusals_reach_the_replica_metric() {
     let ledger = DispatchLedger::counting_refusals(metric.clone());
     let t0 = Instant::now();
     for id in 0..LEDGER_CAPACITY as u64 + 3 {
-        ledger.record(&alone(pin(id % 64, None)), 1, 16, t0);
+        ledger.record(&alone(pin(id % 64, None)), 1, 16, &[], t0);
     }
     assert_eq!(metric.get(), 3);
 }
@@ -253,14 +275,14 @@ fn the_decode_backlog_is_foreign_plus_in_flight_once_the_fleet_measured_it() {
 fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let burst: Vec<DispatchId> = (0..8).map(|_| ledger.record(&alone(pin(1, None)), 1600, 16, t0)).collect();
+    let burst: Vec<DispatchId> = (0..8).map(|_| ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0)).collect();
     let as_of = t0 + Duration::from_millis(1);
     let fleet = Backlog { decode_blocks: 800, dispatches: 8, as_of: Some(as_of), ..Backlog::default() };
     let t1 = t0 + Duration::from_millis(2);
     for id in burst {
         ledger.end(id, t1);
     }
-    ledger.record(&alone(pin(1, None)), 160, 16, t1);
+    ledger.record(&alone(pin(1, None)), 160, 16, &[], t1);
     let local = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0];
     assert_eq!((local.started_since_fleet, local.ended_since_fleet), (10, 800));
     assert_eq!(local.with_fleet(Some(&fleet)).in_flight_decode_blocks, 10, "800 + 10 - 800");

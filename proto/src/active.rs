@@ -1,0 +1,123 @@
+//! The KV blocks a rank's requests in flight hold, the way Dynamo's KV router counts them
+//! (`ActiveSequences`): a block that several requests share (a common system prompt, earlier
+//! turns of one conversation) counts once, and keeps counting until the last request holding
+//! it ends.
+//!
+//! Counting each request's blocks separately overstates a rank serving one prefix many times;
+//! counting only the blocks a rank did not already cache understates a rank serving many
+//! prefixes it cached earlier, which then looks idle while every request lands on it. Both
+//! planes keep this same count: the control plane over the whole fleet's dispatches, each
+//! replica over its own until the fleet's sum catches up.
+
+use std::collections::HashMap;
+
+/// Block hashes held for deduplication at once, by the control plane's book and by each
+/// replica's ledger. A dispatch that would pass it counts its blocks without deduplication
+/// (an overstatement, never a loss), so a flood of long prompts cannot grow memory.
+pub const MAX_ACTIVE_BLOCK_HASHES: usize = 1 << 22;
+
+/// One rank's blocks in flight.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ActiveBlocks {
+    /// Each hashed block, with how many requests in flight hold it.
+    refs: HashMap<u64, u32>,
+    /// Blocks of requests in flight that have no hash: a prompt's partial last block, a chain
+    /// cut at its bound, a dispatch reported without its chain.
+    unhashed: u64,
+}
+
+impl ActiveBlocks {
+    /// Adds a request of `blocks` blocks whose leading blocks hash to `hashes` (a prompt's
+    /// prefix chain; hashes past `blocks` are not the request's); returns how many blocks the
+    /// rank's total grew by.
+    pub fn add(&mut self, hashes: &[u64], blocks: u64) -> u64 {
+        let (hashes, unhashed) = split(hashes, blocks);
+        let mut added = 0;
+        for hash in hashes {
+            let refs = self.refs.entry(*hash).or_insert(0);
+            added += u64::from(*refs == 0);
+            *refs = refs.saturating_add(1);
+        }
+        self.unhashed = self.unhashed.saturating_add(unhashed);
+        added + unhashed
+    }
+
+    /// Removes a request added with the same `hashes` and `blocks`; returns how many blocks
+    /// the rank's total shrank by (those no other request in flight holds).
+    pub fn remove(&mut self, hashes: &[u64], blocks: u64) -> u64 {
+        let (hashes, unhashed) = split(hashes, blocks);
+        let mut freed = 0;
+        for hash in hashes {
+            if let Some(refs) = self.refs.get_mut(hash) {
+                *refs -= 1;
+                if *refs == 0 {
+                    self.refs.remove(hash);
+                    freed += 1;
+                }
+            }
+        }
+        let unhashed = unhashed.min(self.unhashed);
+        self.unhashed -= unhashed;
+        freed + unhashed
+    }
+
+    /// Distinct blocks held.
+    pub fn total(&self) -> u64 {
+        (self.refs.len() as u64).saturating_add(self.unhashed)
+    }
+
+    /// Hashes held (what [`MAX_ACTIVE_BLOCK_HASHES`] bounds).
+    pub fn hashes(&self) -> usize {
+        self.refs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.total() == 0
+    }
+}
+
+/// A request's hashed blocks and how many more it has.
+fn split(hashes: &[u64], blocks: u64) -> (&[u64], u64) {
+    let hashed = hashes.get(..usize::try_from(blocks).unwrap_or(usize::MAX)).unwrap_or(hashes);
+    (hashed, blocks - hashed.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shared_prefix_counts_once_until_its_last_holder_ends() {
+        let mut rank = ActiveBlocks::default();
+        // Two turns of one conversation: 3 blocks shared, the second adds 2 hashed + 1 partial.
+        assert_eq!(rank.add(&[1, 2, 3], 4), 4, "3 hashed blocks and a partial one");
+        assert_eq!(rank.add(&[1, 2, 3, 4, 5], 6), 3, "only blocks 4, 5 and the partial are new");
+        assert_eq!(rank.total(), 7);
+        assert_eq!(rank.remove(&[1, 2, 3], 4), 1, "the shared blocks stay: the second turn holds them");
+        assert_eq!(rank.total(), 6);
+        assert_eq!(rank.remove(&[1, 2, 3, 4, 5], 6), 6);
+        assert!(rank.is_empty());
+        assert_eq!(rank.hashes(), 0, "nothing is left behind");
+    }
+
+    #[test]
+    fn requests_without_chains_count_whole() {
+        let mut rank = ActiveBlocks::default();
+        assert_eq!(rank.add(&[], 10), 10);
+        assert_eq!(rank.add(&[], 10), 10, "without hashes nothing can be known to be shared");
+        assert_eq!(rank.total(), 20);
+        assert_eq!(rank.remove(&[], 10), 10);
+        assert_eq!(rank.total(), 10);
+    }
+
+    #[test]
+    fn a_removal_that_was_never_added_cannot_go_below_zero() {
+        let mut rank = ActiveBlocks::default();
+        rank.add(&[7], 2);
+        assert_eq!(rank.remove(&[8, 9], 5), 1, "unknown hashes free nothing; the unhashed part is capped");
+        assert_eq!(rank.total(), 1);
+        assert_eq!(rank.add(&[1, 2, 3], 1), 1, "hashes past the request's blocks are not its own");
+        assert_eq!(rank.add(&[4, 5], 0), 0, "a prefill leg holds no decode blocks");
+        assert_eq!(rank.total(), 2);
+    }
+}
