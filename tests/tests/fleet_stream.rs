@@ -203,8 +203,8 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end()
         replica.fleet.view().and_then(|v| v.backlogs().get(&rank).copied())
     };
 
-    let first = replicas[0].reporter.started(&rank, 160, 10);
-    let second = replicas[0].reporter.started(&rank, 32, 2);
+    let first = replicas[0].reporter.started(&rank, 160, 10, Vec::new());
+    let second = replicas[0].reporter.started(&rank, 32, 2, Vec::new());
     continuum_tests::eventually(CONVERGE, "the other replica seeing both dispatches", || async {
         backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 2 && b.prefill_tokens == 192 && b.decode_blocks == 12)
     })
@@ -246,6 +246,37 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end()
     control.publisher.apply(sample(0));
     continuum_tests::eventually(CONVERGE, "the settled backlog leaving", || async {
         backlog_at(&replicas[1]).is_none() && backlog_at(&replicas[0]).is_none()
+    })
+    .await?;
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    control.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_dispatches_share_through_different_replicas_counts_once() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 7, "m")], ..Default::default() });
+    let replicas = start_replicas(2, &control.url()).await?;
+    wait_for_version(&replicas, control.publisher.current().version(), CONVERGE).await?;
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    let decode_blocks = |replica: &continuum_data_plane::replica::Replica| {
+        replica.fleet.view().and_then(|v| v.backlogs().get(&rank).map(|b| (b.dispatches, b.decode_blocks)))
+    };
+    // Two users of one 8-block system prompt, each with 2 blocks of their own, one per replica.
+    let system: Vec<u64> = (1..=8).collect();
+    let chain = |user: u64| system.iter().copied().chain([user, user + 1]).collect::<Vec<u64>>();
+    let first = replicas[0].reporter.started(&rank, 0, 10, chain(100));
+    replicas[1].reporter.started(&rank, 0, 10, chain(200));
+    continuum_tests::eventually(CONVERGE, "both replicas counting the shared prompt once", || async {
+        replicas.iter().all(|r| decode_blocks(r) == Some((2, 8 + 2 + 2)))
+    })
+    .await?;
+    replicas[0].reporter.ended(first);
+    continuum_tests::eventually(CONVERGE, "the prompt held by the request still running", || async {
+        replicas.iter().all(|r| decode_blocks(r) == Some((1, 10)))
     })
     .await?;
     for replica in replicas {

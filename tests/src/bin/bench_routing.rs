@@ -322,6 +322,15 @@ async fn bench_router(
             tokio::time::sleep(BETWEEN_RUNS).await;
         }
     }
+    if let Some(dir) = dump {
+        // The processes' logs too (`RUST_LOG=continuum_data_plane::routing=debug` explains each pick).
+        for entry in std::fs::read_dir(ns.dir())? {
+            let path = entry?.path();
+            if let Some(name) = path.file_name().and_then(|n| n.to_str()).filter(|n| n.ends_with(".log")) {
+                std::fs::copy(&path, dir.join(format!("{}-{}-{name}", fleet.slug(), router.slug())))?;
+            }
+        }
+    }
     Ok(out)
 }
 

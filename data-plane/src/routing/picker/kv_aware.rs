@@ -219,6 +219,9 @@ impl KvAwarePicker {
                 entries.get(at).map(|(i, _)| *i)?
             }
         };
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            explain(candidates, &rated, index);
+        }
         let (logit, scored) = rated.get(index)?;
         Some(Chosen { candidate: candidates.get(index)?, reason, logit: *logit, fresh: scored.fresh })
     }
@@ -265,6 +268,29 @@ fn prefilling(pools: &Pools) -> Vec<Candidate> {
     let serving_alone = pools.decode.iter().filter(|c| !paired.contains(&c.worker.key.namespace)).cloned();
     let prefill = paired.iter().filter_map(|namespace| pools.prefill.get(*namespace)).flatten().cloned();
     serving_alone.chain(prefill).collect()
+}
+
+/// Logs one competition: each rank's formula terms and the winner (debug level).
+fn explain(candidates: &[Candidate], rated: &[(Option<Logit>, Scored)], winner: usize) {
+    use std::fmt::Write;
+    let mut ranks = String::new();
+    for (i, (candidate, (logit, scored))) in candidates.iter().zip(rated).enumerate() {
+        let mark = if i == winner { "*" } else { "" };
+        let _ = write!(ranks, " {mark}{}/{}", candidate.worker.key.instance_id, candidate.rank);
+        let _ = match logit {
+            Some(l) => write!(
+                ranks,
+                "[overlap {} prefill {} decode {} cost {:.1}{}]",
+                l.overlap_blocks,
+                l.raw_prefill_tokens.saturating_sub(l.cached_tokens),
+                l.decode_cost_blocks,
+                l.cost,
+                if scored.fresh { "" } else { " not fresh" }
+            ),
+            None => write!(ranks, "[unknown]"),
+        };
+    }
+    tracing::debug!(target: "continuum_data_plane::routing::pick", "{ranks}");
 }
 
 fn overlap_result(overlap: u32) -> KvSelectionResult {
