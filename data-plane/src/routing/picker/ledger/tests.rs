@@ -78,16 +78,19 @@ fn blocks_dispatches_share_count_once_until_the_last_ends() {
     // 100 tokens = 6 full blocks of 16 (hashed) and a partial one; 5 blocks are a shared prompt.
     let first = ledger.record(&alone(pin(1, None)), 100, 16, &turn(10), t0);
     assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 7);
-    let second = ledger.record(&alone(pin(1, None)), 100, 16, &turn(11), t0);
+    let t1 = t0 + Duration::from_millis(1);
+    let second = ledger.record(&alone(pin(1, None)), 100, 16, &turn(11), t1);
     assert_eq!(
-        backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks,
+        backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks,
         7 + 2,
         "the second adds its own full block and its partial one"
     );
-    ledger.end(first, t0);
-    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 7, "the shared prompt stays held");
-    ledger.end(second, t0);
-    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 0);
+    let since_first = ledger.backlogs(&[(key(1, 0), None, Some(t0))], t1)[0];
+    assert_eq!(since_first.started_since_fleet, 2, "what the fleet's sums lack is what the second added");
+    ledger.end(first, t1);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks, 7, "the shared prompt stays held");
+    ledger.end(second, t1);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks, 0);
 }
 
 #[test]
