@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use axum::http::header::{ACCEPT, CONTENT_TYPE};
-use axum::http::{HeaderMap, HeaderValue, Method, Request, Response};
+use axum::http::{HeaderMap, HeaderValue, Response};
 use bytes::Bytes;
 
 use super::budget::MAX_ATTEMPTS;
@@ -87,19 +87,11 @@ impl Dispatcher {
         body: &Bytes,
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
-        let outcome = self.client.send(request(replica, headers, body), head_timeout).await;
+        let outcome = self.client.post(&replica.endpoint, headers, body, head_timeout).await;
         self.health.record(&replica.name, &replica.url, outcome.is_ok(), Instant::now());
         if let Err(error) = &outcome {
             tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
         }
         outcome
     }
-}
-
-fn request(replica: &ShimReplica, headers: &HeaderMap, body: &Bytes) -> Request<Bytes> {
-    let mut request = Request::new(body.clone());
-    *request.method_mut() = Method::POST;
-    *request.uri_mut() = replica.endpoint.clone();
-    *request.headers_mut() = headers.clone();
-    request
 }

@@ -92,7 +92,7 @@ pub enum Route {
     Pinned(Pinned),
     /// Disaggregated serving is off: the request goes unpinned to the backends serving the model.
     Unified {
-        replicas: Vec<ShimReplica>,
+        replicas: Arc<[ShimReplica]>,
     },
 }
 
@@ -100,7 +100,7 @@ pub enum Route {
 pub struct Pinned {
     pub selection: Selection,
     /// The selection's namespace pool.
-    pub replicas: Vec<ShimReplica>,
+    pub replicas: Arc<[ShimReplica]>,
     pub fallback_to_unified: bool,
     pub dispatch: DispatchEnd,
 }
@@ -251,7 +251,7 @@ impl Dispatcher {
         &self,
         body: &Bytes,
         stream: bool,
-        replicas: Vec<ShimReplica>,
+        replicas: Arc<[ShimReplica]>,
         relay_errors: bool,
     ) -> Result<Response, Failure> {
         let headers = attempt::unpinned_headers(stream);

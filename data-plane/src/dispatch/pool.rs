@@ -31,23 +31,43 @@ fn namespace_pool(config: &DataPlaneConfig, namespace: &str) -> Vec<ShimReplica>
 }
 
 /// Every namespace's pool, resolved (URLs parsed) once per configuration rather than per request.
+/// Pools are shared (`Arc`), so a request holds its pool without copying it.
 #[derive(Debug, Default)]
 pub struct ShimPools {
-    pools: Vec<(String, Vec<ShimReplica>)>,
+    /// The pooled namespaces, in configuration order, parallel to `pools`.
+    namespaces: Vec<String>,
+    pools: Vec<Arc<[ShimReplica]>>,
 }
 
 impl ShimPools {
     pub fn resolve(config: &DataPlaneConfig) -> Self {
-        Self { pools: pooled_namespaces(config).map(|ns| (ns.to_string(), namespace_pool(config, ns))).collect() }
+        let namespaces: Vec<String> = pooled_namespaces(config).map(str::to_string).collect();
+        let pools = namespaces.iter().map(|ns| namespace_pool(config, ns).into()).collect();
+        Self { namespaces, pools }
     }
 
     /// The namespaces with a pool and their replicas, in configuration order.
     pub fn iter(&self) -> impl Iterator<Item = (&str, &[ShimReplica])> {
-        self.pools.iter().map(|(ns, replicas)| (ns.as_str(), replicas.as_slice()))
+        self.namespaces.iter().map(String::as_str).zip(self.pools.iter().map(|replicas| &replicas[..]))
+    }
+
+    /// The namespaces with a pool, in configuration order.
+    pub fn namespaces(&self) -> &[String] {
+        &self.namespaces
     }
 
     pub fn pool(&self, namespace: &str) -> &[ShimReplica] {
-        self.iter().find(|(ns, _)| *ns == namespace).map_or(&[], |(_, replicas)| replicas)
+        self.shared(namespace).map_or(&[], |replicas| replicas)
+    }
+
+    /// `namespace`'s pool, shared rather than copied (empty when it has none).
+    pub fn pool_shared(&self, namespace: &str) -> Arc<[ShimReplica]> {
+        self.shared(namespace).map_or_else(|| Arc::from([]), Arc::clone)
+    }
+
+    fn shared(&self, namespace: &str) -> Option<&Arc<[ShimReplica]>> {
+        let index = self.namespaces.iter().position(|ns| ns == namespace)?;
+        self.pools.get(index)
     }
 }
 

@@ -5,6 +5,8 @@
 //! Only what a `dynamo.frontend` (a hyper server) sends needs reading: `Content-Length` or
 //! chunked bodies, a body running to the close otherwise, and no body where HTTP says so.
 
+use std::io::Write;
+
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -66,7 +68,8 @@ pub fn encode_request(out: &mut Vec<u8>, method: &Method, uri: &Uri, headers: &H
     }
     if !body.is_empty() || *method == Method::POST {
         out.extend_from_slice(b"content-length: ");
-        out.extend_from_slice(body.len().to_string().as_bytes());
+        // Writing into a `Vec` cannot fail.
+        let _ = write!(out, "{}", body.len());
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");

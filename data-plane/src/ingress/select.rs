@@ -2,6 +2,7 @@
 //! `model_map` to the Dynamo display name for candidate matching only; the picker runs over the
 //! namespaces that have a usable shim replica; a pinned route is recorded in the ledger.
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use continuum_proto::model::Role;
@@ -9,7 +10,7 @@ use continuum_proto::view::FleetView;
 
 use super::kv::Term;
 use super::request::ChatRequest;
-use crate::dispatch::pool::{ShimPools, serving_backends};
+use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends};
 use crate::dispatch::{DispatchEnd, Pinned, Route};
 use crate::http::AppState;
 use crate::routing::picker::{KvTerm, PickRequest, PromptChain, estimate_prompt_tokens};
@@ -42,7 +43,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         if replicas.is_empty() {
             return Err(SelectError::ModelNotFound { model: request.model.clone() });
         }
-        return Ok(Routed { route: Route::Unified { replicas }, token_data: None });
+        return Ok(Routed { route: Route::Unified { replicas: replicas.into() }, token_data: None });
     }
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
     let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
@@ -54,7 +55,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let now = Instant::now();
     let pools = state.dispatcher.pools(config);
     let usable = usable_namespaces(state, &pools, now);
-    let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&usable) };
+    let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&*usable) };
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
         (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, recent })) => {
             let isl_tokens = tokens.len() as u64;
@@ -77,20 +78,22 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         }
     };
     let selection = selection.ok_or_else(|| why_not(view, display, &usable, &request.model))?;
-    let replicas = pools.pool(&selection.namespace).to_vec();
+    let replicas = pools.pool_shared(&selection.namespace);
     let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain);
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     let token_data = tokens.filter(|_| config.picker.send_token_data);
     Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })
 }
 
-/// Namespaces whose pool has at least one replica a request would be let through to now.
-fn usable_namespaces(state: &AppState, pools: &ShimPools, now: Instant) -> Vec<String> {
-    pools
-        .iter()
-        .filter(|(_, replicas)| replicas.iter().any(|r| state.dispatcher.usable(r, now)))
-        .map(|(namespace, _)| namespace.to_string())
-        .collect()
+/// Namespaces whose pool has at least one replica a request would be let through to now: all of
+/// them, borrowed, while every pool has one (the usual case), else a filtered copy.
+fn usable_namespaces<'p>(state: &AppState, pools: &'p ShimPools, now: Instant) -> Cow<'p, [String]> {
+    let usable = |replicas: &[ShimReplica]| replicas.iter().any(|r| state.dispatcher.usable(r, now));
+    if pools.iter().all(|(_, replicas)| usable(replicas)) {
+        return Cow::Borrowed(pools.namespaces());
+    }
+    let filtered = pools.iter().filter(|(_, replicas)| usable(replicas)).map(|(namespace, _)| namespace.to_string());
+    Cow::Owned(filtered.collect())
 }
 
 /// Why the picker found nobody: the model is served nowhere, only where no shim is usable, or
