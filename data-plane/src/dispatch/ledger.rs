@@ -8,7 +8,9 @@ use std::time::Instant;
 use continuum_proto::view::FleetView;
 
 use crate::fleet::DispatchReporter;
-use crate::routing::picker::{DispatchId, DispatchLedger, PromptChain, Selection, dispatch_block_size, prompt_blocks};
+use crate::routing::picker::{
+    DispatchId, DispatchLedger, PromptChain, Selection, dispatch_block_size, pin_block_size, prompt_blocks,
+};
 
 /// Ends its dispatch in the ledger and reports the end when dropped: when the response body
 /// completes, the request is refused or fails, or the client goes away mid-response.
@@ -25,8 +27,9 @@ pub struct DispatchEnd {
 impl DispatchEnd {
     /// Records a dispatch of `prompt_tokens` pinned as `selection`: its prompt on the rank that
     /// prefills it, its blocks on the decode rank, as the ledger counts them. The prompt's
-    /// `chain` (empty without the KV term) goes with both pins: the control plane credits it
-    /// to them provisionally and counts blocks shared on the decode rank once.
+    /// `chain` (empty without the KV term) goes with each pin whose worker has its block size:
+    /// the control plane credits it to them provisionally and counts blocks shared on the
+    /// decode rank once.
     pub fn record(
         ledger: &Arc<DispatchLedger>,
         reporter: &Arc<DispatchReporter>,
@@ -42,7 +45,12 @@ impl DispatchEnd {
         let decode = selection.decode.rank_key();
         let (prefill, decode) = match &selection.prefill {
             Some(pin) => (
-                Some(reporter.started(&pin.rank_key(), prompt_tokens, 0, chain.hashes.clone())),
+                Some(reporter.started(
+                    &pin.rank_key(),
+                    prompt_tokens,
+                    0,
+                    chain.at_block_size(pin_block_size(view, pin)).to_vec(),
+                )),
                 reporter.started(&decode, 0, blocks, hashes.to_vec()),
             ),
             None => {

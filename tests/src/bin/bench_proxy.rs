@@ -3,9 +3,10 @@
 //! dispatches recorded and reported), against nginx reverse-proxying to the same stub shim, on
 //! the same machine in the same run. A keep-alive hyper load generator sends the same chat
 //! completion with fixed concurrency straight to the stub (the baseline), through nginx and
-//! through the data plane; each proxy gets one thread. Three rounds; the median one is reported.
+//! through the data plane; each proxy gets one thread. Nine rounds, the median one reported:
+//! single rounds on 2 shared cores swing by ±25%.
 //!
-//! `cargo run --release -p continuum-tests --bin bench-proxy -- [--requests 20000] [--concurrency 32] [--warmup 2000] [--rounds 3] [--write]`
+//! `cargo run --release -p continuum-tests --bin bench-proxy -- [--requests 50000] [--concurrency 32] [--warmup 2000] [--rounds 9] [--write]`
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -81,11 +82,11 @@ fn main() -> anyhow::Result<()> {
         std::process::exit(2);
     }
     let load = Load {
-        requests: arg("--requests", 20_000)?,
+        requests: arg("--requests", 50_000)?,
         concurrency: arg("--concurrency", 32)?,
         warmup: arg("--warmup", 2_000)?,
     };
-    let rounds = arg("--rounds", 3)?.max(1);
+    let rounds = arg("--rounds", 9)?.max(1);
     // Each server gets its own runtime, like a process of its own: one thread for the stub, one
     // for the control plane, one for the data plane (nginx runs one process); the load
     // generator drives from this thread.

@@ -24,9 +24,9 @@ use continuum_proto::model::{Backlog, LoadKey};
 use continuum_proto::view::FleetView;
 use prometheus::IntCounter;
 
-use super::Selection;
 use super::fast_hash::FastMap;
 use super::outliers::Outliers;
+use super::{Pin, Selection};
 
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);
@@ -508,9 +508,14 @@ pub fn prompt_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
     prompt_tokens.div_ceil(u64::from(block_size.max(1)))
 }
 
-/// The block size to record a dispatch with: the decode worker's, else [`FALLBACK_BLOCK_SIZE`].
+/// The block size to record a dispatch with: the decode worker's (see [`pin_block_size`]).
 pub fn dispatch_block_size(view: &FleetView, selection: &Selection) -> u32 {
-    view.worker(&selection.decode.worker)
+    pin_block_size(view, &selection.decode)
+}
+
+/// A pinned worker's block size, else [`FALLBACK_BLOCK_SIZE`].
+pub fn pin_block_size(view: &FleetView, pin: &Pin) -> u32 {
+    view.worker(&pin.worker)
         .and_then(|worker| worker.block_size)
         .filter(|size| *size > 0)
         .unwrap_or(FALLBACK_BLOCK_SIZE)
