@@ -14,8 +14,9 @@
 //! block several dispatches share counts once, while any of them holds it: see
 //! [`ActiveBlocks`]) plus the *foreign* part of the last sample: what it showed beyond the
 //! dispatches in flight when it arrived (load the fleet did not send, such as another
-//! router's); ends shortly before a sample may still be in it, so they do not count as foreign. Prefill tokens count until the
-//! response begins (the replica reports the first token), again as Dynamo's router does.
+//! router's); ends shortly before a sample may still be in it, so they do not count as
+//! foreign. Prefill tokens count until the response begins (the replica reports the first
+//! token), again as Dynamo's router does.
 //!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
 //! [`IN_FLIGHT_MAX_AGE`] (a lost end). A rank's record is removed once nothing is in flight and
