@@ -26,6 +26,7 @@ pub struct Metrics {
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
     pub dispatches_refused: IntCounter,
+    pub dispatch_chains_dropped: IntCounter,
     /// Discovery events by `kind` (put, delete, resync, malformed, oversized, over_capacity,
     /// duplicate, unsupported, skipped, restart).
     pub discovery_events: IntCounterVec,
@@ -83,6 +84,10 @@ impl Metrics {
             dispatches_refused: IntCounter::new(
                 "continuum_fleet_dispatches_refused_total",
                 "Reported dispatches refused: an unknown rank, or past a replica's bound",
+            )?,
+            dispatch_chains_dropped: IntCounter::new(
+                "continuum_fleet_dispatch_chains_dropped_total",
+                "Dispatch prefix chains not held past the book's hash bound (their blocks count whole)",
             )?,
             discovery_events: IntCounterVec::new(
                 Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),
@@ -175,6 +180,7 @@ impl Metrics {
             Box::new(metrics.watch_refused.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
             Box::new(metrics.dispatches_refused.clone()),
+            Box::new(metrics.dispatch_chains_dropped.clone()),
             Box::new(metrics.discovery_events.clone()),
             Box::new(metrics.discovery_connected.clone()),
             Box::new(metrics.registry_workers.clone()),

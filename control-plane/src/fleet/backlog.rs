@@ -62,6 +62,15 @@ enum Command {
     ReplicaGone { replica: u64 },
 }
 
+/// What the book counts on the control plane's registry.
+#[derive(Debug, Clone)]
+pub struct BookCounters {
+    /// Dispatches the book would not hold.
+    pub refused: IntCounter,
+    /// Prefix chains not held past [`MAX_ACTIVE_BLOCK_HASHES`].
+    pub chains_dropped: IntCounter,
+}
+
 /// The handle sessions use.
 #[derive(Debug, Clone)]
 pub struct BacklogBook {
@@ -69,10 +78,10 @@ pub struct BacklogBook {
 }
 
 impl BacklogBook {
-    /// Starts the book's task; `refused` counts dispatches the book would not hold.
-    pub fn spawn(publisher: FleetPublisher, refused: IntCounter, cancel: CancellationToken) -> Self {
+    /// Starts the book's task.
+    pub fn spawn(publisher: FleetPublisher, counters: BookCounters, cancel: CancellationToken) -> Self {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
-        tokio::spawn(run(publisher, rx, refused, cancel));
+        tokio::spawn(run(publisher, rx, counters, cancel));
         Self { tx }
     }
 
@@ -197,6 +206,8 @@ struct Book {
     held_hashes: usize,
     /// Dispatches refused: for a rank the fleet does not have, or past the replica's bound.
     refused: u64,
+    /// Chains not held past the hash bound.
+    chains_dropped: u64,
 }
 
 impl Book {
@@ -219,6 +230,7 @@ impl Book {
             block_hashes.truncate(usize::try_from(started.decode_blocks).unwrap_or(usize::MAX));
             if self.held_hashes + block_hashes.len() > MAX_ACTIVE_BLOCK_HASHES {
                 block_hashes = Vec::new();
+                self.chains_dropped += 1;
             }
             self.held_hashes += block_hashes.len();
             let dispatch = Dispatch {
@@ -327,11 +339,12 @@ impl Book {
 async fn run(
     publisher: FleetPublisher,
     mut rx: mpsc::Receiver<Command>,
-    refused: IntCounter,
+    counters: BookCounters,
     cancel: CancellationToken,
 ) {
     let mut book = Book::default();
-    let mut exported = 0;
+    // What the counters already hold of the book's totals.
+    let (mut refused, mut chains_dropped) = (0, 0);
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -356,8 +369,9 @@ async fn run(
                         publisher.apply(change);
                     }
                 }
-                refused.inc_by(book.refused - exported);
-                exported = book.refused;
+                counters.refused.inc_by(book.refused - refused);
+                counters.chains_dropped.inc_by(book.chains_dropped - chains_dropped);
+                (refused, chains_dropped) = (book.refused, book.chains_dropped);
             }
         }
     }

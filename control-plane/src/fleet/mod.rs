@@ -16,7 +16,8 @@ use continuum_proto::model::DataPlaneConfig;
 use tokio::sync::watch;
 
 pub use backlog::{
-    BACKLOG_WINDOW, BacklogBook, DISPATCH_MAX_AGE, IN_FLIGHT_MAX_AGE, MAX_DISPATCHES_PER_REPLICA, SAMPLE_LAG,
+    BACKLOG_WINDOW, BacklogBook, BookCounters, DISPATCH_MAX_AGE, IN_FLIGHT_MAX_AGE, MAX_DISPATCHES_PER_REPLICA,
+    SAMPLE_LAG,
 };
 pub use coalesce::{LOAD_COALESCE_WINDOW, LoadCoalescer};
 pub use state::{Catchup, DELTA_LOG_CAPACITY, FleetChange, FleetState};

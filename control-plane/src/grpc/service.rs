@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
-use crate::fleet::{BacklogBook, FleetPublisher};
+use crate::fleet::{BacklogBook, BookCounters, FleetPublisher};
 use crate::kv::{KvHandle, MAX_FIND_MATCHES_HASHES};
 use crate::metrics::Metrics;
 
@@ -61,7 +61,14 @@ pub struct FleetService {
 impl FleetService {
     /// The service, with its fleet-wide dispatch book (a task that lives until `shutdown`).
     pub fn new(publisher: FleetPublisher, replicas: Replicas, metrics: Metrics, shutdown: CancellationToken) -> Self {
-        let book = BacklogBook::spawn(publisher.clone(), metrics.dispatches_refused.clone(), shutdown.clone());
+        let book = BacklogBook::spawn(
+            publisher.clone(),
+            BookCounters {
+                refused: metrics.dispatches_refused.clone(),
+                chains_dropped: metrics.dispatch_chains_dropped.clone(),
+            },
+            shutdown.clone(),
+        );
         Self { publisher, replicas, metrics, shutdown, book, kv: KvHandle::default() }
     }
 

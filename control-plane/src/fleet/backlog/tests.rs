@@ -254,5 +254,6 @@ fn a_prefill_leg_holds_no_hashes_and_the_books_hashes_are_bounded() {
     book.held_hashes = MAX_ACTIVE_BLOCK_HASHES - 1;
     book.report(1, report(vec![chained(2, &[1, 2]), chained(3, &[1, 2])], vec![]), t0, &state);
     assert_eq!(book.held_hashes, MAX_ACTIVE_BLOCK_HASHES - 1, "past the bound, chains are not held…");
+    assert_eq!(book.chains_dropped, 2, "…are counted…");
     assert_eq!(sums(&book.take_change(t0)), [(0, 0, 6, 3, None)], "…and their blocks count whole");
 }
