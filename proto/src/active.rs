@@ -19,7 +19,9 @@ pub const MAX_ACTIVE_BLOCK_HASHES: usize = 1 << 22;
 /// One rank's blocks in flight.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ActiveBlocks {
-    /// Each hashed block, with how many requests in flight hold it.
+    /// Each hashed block, with how many requests in flight hold it. The keys are prompt
+    /// hashes a client can steer, so the map keeps std's keyed hasher rather than using them
+    /// as their own hash.
     refs: HashMap<u64, u32>,
     /// Blocks of requests in flight that have no hash: a prompt's partial last block, a chain
     /// cut at its bound, a dispatch reported without its chain.
