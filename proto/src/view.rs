@@ -236,10 +236,11 @@ impl Merge {
             self.backlogs.retain(|k, _| &k.worker != key);
         }
         for worker in &delta.upserted {
-            // Samples carried for ranks the worker gave up would not fit it any more.
+            // Samples carried for ranks the worker gave up would not fit it any more. Their
+            // removals stay: the base view may still hold what they remove.
             let fits = |k: &LoadKey| k.worker != worker.key || worker.dp_ranks().any(|r| r == k.dp_rank);
-            self.loads.retain(|k, _| fits(k));
-            self.backlogs.retain(|k, _| fits(k));
+            self.loads.retain(|k, sample| sample.is_none() || fits(k));
+            self.backlogs.retain(|k, backlog| backlog.is_none() || fits(k));
             self.upserted.insert(worker.key.clone(), Arc::clone(worker));
         }
         for key in &delta.loads_removed {
