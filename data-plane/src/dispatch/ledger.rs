@@ -42,7 +42,7 @@ impl DispatchEnd {
         let hashes = chain.at_block_size(block_size);
         let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now());
         let blocks = prompt_blocks(prompt_tokens, block_size);
-        let decode = selection.decode.rank_key();
+        let decode_rank = selection.decode.rank_key();
         let (prefill, decode) = match &selection.prefill {
             Some(pin) => (
                 Some(reporter.started(
@@ -51,11 +51,11 @@ impl DispatchEnd {
                     0,
                     chain.at_block_size(pin_block_size(view, pin)).to_vec(),
                 )),
-                reporter.started(&decode, 0, blocks, hashes.to_vec()),
+                reporter.started(&decode_rank, 0, blocks, hashes.to_vec()),
             ),
             None => {
                 let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
-                (None, reporter.started(&decode, tokens, blocks, hashes.to_vec()))
+                (None, reporter.started(&decode_rank, tokens, blocks, hashes.to_vec()))
             }
         };
         let reported = [prefill, Some(decode)];

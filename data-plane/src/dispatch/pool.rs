@@ -56,18 +56,10 @@ impl ShimPools {
         &self.namespaces
     }
 
-    pub fn pool(&self, namespace: &str) -> &[ShimReplica] {
-        self.shared(namespace).map_or(&[], |replicas| replicas)
-    }
-
     /// `namespace`'s pool, shared rather than copied (empty when it has none).
-    pub fn pool_shared(&self, namespace: &str) -> Arc<[ShimReplica]> {
-        self.shared(namespace).map_or_else(|| Arc::from([]), Arc::clone)
-    }
-
-    fn shared(&self, namespace: &str) -> Option<&Arc<[ShimReplica]>> {
-        let index = self.namespaces.iter().position(|ns| ns == namespace)?;
-        self.pools.get(index)
+    pub fn pool(&self, namespace: &str) -> Arc<[ShimReplica]> {
+        let index = self.namespaces.iter().position(|ns| ns == namespace);
+        index.and_then(|i| self.pools.get(i)).map_or_else(|| Arc::from([]), Arc::clone)
     }
 }
 

@@ -78,7 +78,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         }
     };
     let selection = selection.ok_or_else(|| why_not(view, display, &usable, &request.model))?;
-    let replicas = pools.pool_shared(&selection.namespace);
+    let replicas = pools.pool(&selection.namespace);
     let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain);
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     let token_data = tokens.filter(|_| config.picker.send_token_data);

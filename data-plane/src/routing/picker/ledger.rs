@@ -466,9 +466,8 @@ impl State {
                 expired.push(id);
                 freed_hashes += hashes;
             }
-            self.held_hashes -= freed_hashes;
-            let Some(rank) = self.ranks.get_mut(key) else { return };
             rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
+            self.held_hashes -= freed_hashes;
             for id in expired {
                 self.remove(id, now);
             }
