@@ -7,7 +7,7 @@
 //! * Continuum, load-based: two data-plane replicas pinning workers through the frontend's
 //!   `--router-mode direct`;
 //! * Continuum, KV-aware: the same, with `dynamo.kv` on (replicas render, hash and ask the
-//!   control plane's index).
+//!   control plane's index) and `send_token_data` (the frontend takes the replica's tokens).
 //!
 //! Each router gets a fresh namespace and fleet; each run uses content no cache holds (a new
 //! content seed), the same content for every router. The client runs inside the namespace:
@@ -271,8 +271,8 @@ async fn bench_router(
             let cache = ns.dir().join("kv-artifacts");
             let yaml = match router {
                 Router::ContinuumLoad => dynamo_routing::control_plane_yaml(false),
-                Router::ContinuumKv => kv_control_plane_yaml(&cache, &[])?,
-                _ => kv_control_plane_yaml(&cache, &["provisional_ttl: 0s"])?,
+                Router::ContinuumKv => kv_control_plane_yaml(&cache, &["send_token_data: true"])?,
+                _ => kv_control_plane_yaml(&cache, &["send_token_data: true", "provisional_ttl: 0s"])?,
             };
             let continuum = RoutedContinuum::start_with(&ns, 2, &yaml, &[]).await?;
             dynamo_routing::start_frontend(&ns)?;
@@ -550,8 +550,9 @@ impl Report {
              concurrency 8 (8×2) and 12 (13×3). Unique prompts: 1,560 fresh tokens each, concurrency 8. Hit rate \
              = Σ `usage.prompt_tokens_details.cached_tokens` / Σ prompt tokens. Continuum: 2 data-plane replicas \
              (requests alternate between them) pinning workers through `dynamo.frontend --router-mode direct`; \
-             KV-aware with `dynamo.kv` on, the tiny model's artifacts pinned, `--find-matches-deadline` at its \
-             default (2 ms).\n\n",
+             KV-aware with `dynamo.kv` on, the tiny model's artifacts pinned, `send_token_data: true` (the \
+             frontend takes the router's tokens instead of tokenizing the prompt again), `--find-matches-deadline` \
+             at its default (2 ms).\n\n",
             memory_facts(),
             took.as_secs_f64() / 60.0,
             self.runs,

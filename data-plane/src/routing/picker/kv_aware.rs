@@ -202,7 +202,7 @@ impl KvAwarePicker {
                 let (load, fresh) = formula::rank_load(phase, rank.sample, rank.dispatched, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);
                 let logit = load.map(|load| formula::worker_logit(load, overlap, scoring.prompt, &scoring.weights));
-                let stale_cost = formula::stale_cost(overlap, scoring.prompt, &scoring.weights);
+                let stale_cost = formula::stale_cost(overlap, scoring.prompt, rank.dispatched.prefill_tokens, &scoring.weights);
                 let scored =
                     Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.dispatched.stalled, stale_cost };
                 (logit, scored)

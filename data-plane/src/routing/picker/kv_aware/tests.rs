@@ -282,6 +282,22 @@ fn without_a_fresh_prefill_backlog_overlap_and_size_decide() {
 }
 
 #[test]
+fn without_a_fresh_prefill_backlog_the_fleets_unanswered_prefills_still_count() {
+    // Other replicas have a 1,600-token prompt unanswered on prefill worker 1 and 160 tokens
+    // on 2: with no overlap anywhere, 3 wins every time instead of the cursor's rotation.
+    let fleet = vllm_prefill_pool()
+        .backlog(1, Backlog { prefill_tokens: 1600, dispatches: 1, ..Backlog::default() })
+        .backlog(2, Backlog { prefill_tokens: 160, dispatches: 1, ..Backlog::default() });
+    let none = Overlaps::default();
+    let picker = self::picker();
+    assert_eq!(picks(&picker, &fleet, scored(100, &none), 3), [(4, Some(3)); 3]);
+    assert_eq!(pick(&picker, &fleet, scored(100, &none)).prefill_reason, Some(Reason::KvAware));
+    // An overlap still outweighs a smaller queue: 2 holds 12 blocks (credit 12 > 160/16 = 10).
+    let held = overlaps(&[(2, 0, 12)]);
+    assert_eq!(picks(&self::picker(), &fleet, scored(200, &held), 1), [(4, Some(2))]);
+}
+
+#[test]
 fn an_aggregated_fleet_adds_prefill_tokens_when_sampled() {
     // 16 tokens. 1: 10 blocks and 320 queued prefill tokens: (320 + 16) / 16 + 11 = 32;
     // 2: 20 blocks, no prefill field: 1 + 21 = 22. Without the prefill tokens 1 would win (12).
