@@ -25,8 +25,8 @@ pub struct DispatchEnd {
 }
 
 impl DispatchEnd {
-    /// Records a dispatch of `prompt_tokens` pinned as `selection`: its prompt on the rank that
-    /// prefills it, its blocks on the decode rank, as the ledger counts them. The prompt's
+    /// Records a dispatch of `prompt_tokens` pinned as `selection`: the prompt tokens the rank
+    /// that prefills it does not hold, its blocks on the decode rank, as the ledger counts them. The prompt's
     /// `chain` (empty without the KV term) goes with each pin whose worker has its block size:
     /// the control plane credits it to them provisionally and counts blocks shared on the
     /// decode rank once.
@@ -43,20 +43,18 @@ impl DispatchEnd {
         let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now());
         let blocks = prompt_blocks(prompt_tokens, block_size);
         let decode_rank = selection.decode.rank_key();
+        let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
         let (prefill, decode) = match &selection.prefill {
             Some(pin) => (
                 Some(reporter.started(
                     &pin.rank_key(),
-                    prompt_tokens,
+                    tokens,
                     0,
                     chain.at_block_size(pin_block_size(view, pin)).to_vec(),
                 )),
                 reporter.started(&decode_rank, 0, blocks, hashes.to_vec()),
             ),
-            None => {
-                let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
-                (None, reporter.started(&decode_rank, tokens, blocks, hashes.to_vec()))
-            }
+            None => (None, reporter.started(&decode_rank, tokens, blocks, hashes.to_vec())),
         };
         let reported = [prefill, Some(decode)];
         Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported, prefilled: false }

@@ -135,7 +135,7 @@ impl KvAwarePicker {
                 prefill: None,
                 decode_reason: winner.reason,
                 prefill_reason: Some(Reason::NoPrefillPool),
-                decode_cached_blocks: u64::from(scoring.overlap(winner.candidate)),
+                cached_blocks: u64::from(scoring.overlap(winner.candidate)),
             };
             return Some(self.finish(selection, overlap));
         }
@@ -164,7 +164,7 @@ impl KvAwarePicker {
             prefill: Some(prefill.candidate.pin()),
             decode_reason,
             prefill_reason: Some(prefill.reason),
-            decode_cached_blocks: u64::from(scoring.overlap(decode)),
+            cached_blocks: u64::from(scoring.overlap(prefill.candidate)),
         };
         if !scoring.view.config().picker.conditional_disaggregation {
             let cursor = (Phase::Decode, request.model, &**namespace);
@@ -180,6 +180,7 @@ impl KvAwarePicker {
         Some(Selection {
             prefill: None,
             prefill_reason: Some(Reason::ConditionalBypass),
+            cached_blocks: u64::from(scoring.overlap(decode.candidate)),
             ..selection(decode.candidate, Reason::ConditionalBypass)
         })
     }
@@ -202,7 +203,7 @@ impl KvAwarePicker {
                 let (load, fresh) = formula::rank_load(phase, rank.sample, rank.dispatched, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);
                 let logit = load.map(|load| formula::worker_logit(load, overlap, scoring.prompt, &scoring.weights));
-                let stale_cost = formula::stale_cost(overlap, scoring.prompt, rank.dispatched.prefill_tokens, &scoring.weights);
+                let stale_cost = formula::stale_cost(overlap, scoring.prompt, &scoring.weights);
                 let scored =
                     Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.dispatched.stalled, stale_cost };
                 (logit, scored)

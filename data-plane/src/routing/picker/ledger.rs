@@ -328,16 +328,16 @@ impl DispatchLedger {
             added: 0,
             stall_blocks,
         };
+        let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
         let legs = match &selection.prefill {
             Some(prefill) => {
-                state.push(prefill.rank_key(), leg(prompt_tokens, 0, blocks, Box::default()));
+                state.push(prefill.rank_key(), leg(prefill_tokens, 0, blocks, Box::default()));
                 // The decode leg receives the request only after the prefill: no stall.
                 state.push(selection.decode.rank_key(), leg(0, blocks, 0, block_hashes));
                 [Some(prefill.rank_key()), Some(selection.decode.rank_key())]
             }
             None => {
                 // An aggregated rank prefills the request itself.
-                let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
                 state.push(selection.decode.rank_key(), leg(prefill_tokens, blocks, blocks, block_hashes));
                 [Some(selection.decode.rank_key()), None]
             }

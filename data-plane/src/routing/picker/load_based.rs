@@ -169,7 +169,7 @@ impl Picker for LoadBasedPicker {
             prefill,
             decode_reason,
             prefill_reason: Some(prefill_reason),
-            decode_cached_blocks: 0,
+            cached_blocks: 0,
         })
     }
 }

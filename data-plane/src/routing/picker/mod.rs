@@ -98,16 +98,16 @@ pub struct Selection {
     /// The pickers always set it: `NoPrefillPool` when `prefill` is `None`, or
     /// `ConditionalBypass` when the decode worker prefills locally (`prefill` is `None` too).
     pub prefill_reason: Option<Reason>,
-    /// Prompt blocks the decode rank already holds (its overlap; KV-aware picks only): an
-    /// aggregated rank prefills only the rest.
-    pub decode_cached_blocks: u64,
+    /// Prompt blocks the rank that prefills already holds (its overlap; KV-aware picks only):
+    /// the prefill rank of a pair, or else the decode rank. It prefills only the rest.
+    pub cached_blocks: u64,
 }
 
 impl Selection {
-    /// The prompt tokens an aggregated decode rank must still prefill: those past the blocks
-    /// it holds.
+    /// The prompt tokens the rank that prefills must still compute: those past the blocks it
+    /// holds. Dynamo's router counts a request's prefill load the same way.
     pub fn uncached_prompt_tokens(&self, prompt_tokens: u64, block_size: u32) -> u64 {
-        prompt_tokens.saturating_sub(self.decode_cached_blocks.saturating_mul(u64::from(block_size.max(1))))
+        prompt_tokens.saturating_sub(self.cached_blocks.saturating_mul(u64::from(block_size.max(1))))
     }
 }
 

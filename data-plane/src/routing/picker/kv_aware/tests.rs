@@ -139,7 +139,7 @@ fn overlap_wins_against_equal_load() {
     assert_eq!(picks(&picker, &fleet, scored(128, &held), 3), [(2, None); 3]);
     let s = pick(&picker, &fleet, scored(128, &held));
     assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::NoPrefillPool)));
-    assert_eq!(s.decode_cached_blocks, 4, "the winner's overlap: its dispatch adds only the other 4 blocks");
+    assert_eq!(s.cached_blocks, 4, "the winner's overlap: its dispatch adds only the other 4 blocks");
     assert_eq!(counters.result(KvSelectionResult::Overlap), 4);
     assert_eq!(counters.selection("decode", Reason::KvAware), 4);
 }
@@ -282,22 +282,6 @@ fn without_a_fresh_prefill_backlog_overlap_and_size_decide() {
 }
 
 #[test]
-fn without_a_fresh_prefill_backlog_the_fleets_unanswered_prefills_still_count() {
-    // Other replicas have a 1,600-token prompt unanswered on prefill worker 1 and 160 tokens
-    // on 2: with no overlap anywhere, 3 wins every time instead of the cursor's rotation.
-    let fleet = vllm_prefill_pool()
-        .backlog(1, Backlog { prefill_tokens: 1600, dispatches: 1, ..Backlog::default() })
-        .backlog(2, Backlog { prefill_tokens: 160, dispatches: 1, ..Backlog::default() });
-    let none = Overlaps::default();
-    let picker = self::picker();
-    assert_eq!(picks(&picker, &fleet, scored(100, &none), 3), [(4, Some(3)); 3]);
-    assert_eq!(pick(&picker, &fleet, scored(100, &none)).prefill_reason, Some(Reason::KvAware));
-    // An overlap still outweighs a smaller queue: 2 holds 12 blocks (credit 12 > 160/16 = 10).
-    let held = overlaps(&[(2, 0, 12)]);
-    assert_eq!(picks(&self::picker(), &fleet, scored(200, &held), 1), [(4, Some(2))]);
-}
-
-#[test]
 fn an_aggregated_fleet_adds_prefill_tokens_when_sampled() {
     // 16 tokens. 1: 10 blocks and 320 queued prefill tokens: (320 + 16) / 16 + 11 = 32;
     // 2: 20 blocks, no prefill field: 1 + 21 = 22. Without the prefill tokens 1 would win (12).
@@ -328,7 +312,7 @@ fn the_kv_term_picks_the_prefill_worker_and_decode_stays_load_only() {
     let picker = counters.picker();
     let s = pick(&picker, &fleet, scored(128, &held));
     assert_eq!(ids(&s), (4, Some(2)));
-    assert_eq!(s.decode_cached_blocks, 0, "the decode worker chosen holds none of the prompt");
+    assert_eq!(s.cached_blocks, 4, "the prefill winner's overlap: it prefills only the other 4 blocks");
     assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::KvAware)));
     assert_eq!(counters.result(KvSelectionResult::Overlap), 1);
     assert_eq!(counters.selection("prefill", Reason::KvAware), 1);

@@ -51,11 +51,8 @@ fn cached_tokens_cap_at_the_prompt_and_terms_never_go_negative() {
 #[test]
 fn the_stale_and_conditional_costs() {
     let prompt = Prompt::new(100, 16);
-    assert_eq!(stale_cost(3, prompt, 0, &weights(1.0, 1.0)), 6.25 - 3.0);
-    assert_eq!(stale_cost(3, prompt, 0, &weights(0.5, 1.0)), 6.25 - 1.5);
-    // The fleet's unanswered prefill dispatches on the rank add to the request's own tokens.
-    assert_eq!(stale_cost(3, prompt, 60, &weights(1.0, 1.0)), 10.0 - 3.0);
-    assert_eq!(stale_cost(0, prompt, u64::MAX, &weights(1.0, 1.0)), u64::MAX as f64 / 16.0, "saturating");
+    assert_eq!(stale_cost(3, prompt, &weights(1.0, 1.0)), 6.25 - 3.0);
+    assert_eq!(stale_cost(3, prompt, &weights(0.5, 1.0)), 6.25 - 1.5);
     let logit = worker_logit(load(200, 10), 3, prompt, &weights(1.0, 1.0));
     assert_eq!(conditional_decode_cost(&logit), 14.0 - 3.0);
     let covered = worker_logit(load(0, 0), 7, prompt, &weights(1.0, 1.0));
