@@ -26,10 +26,10 @@ pub struct DispatchEnd {
 
 impl DispatchEnd {
     /// Records a dispatch of `prompt_tokens` pinned as `selection`: the prompt tokens the rank
-    /// that prefills it does not hold, its blocks on the decode rank, as the ledger counts them. The prompt's
-    /// `chain` (empty without the KV term) goes with each pin whose worker has its block size:
-    /// the control plane credits it to them provisionally and counts blocks shared on the
-    /// decode rank once.
+    /// that prefills it does not hold, and its blocks on the decode rank, as the ledger counts
+    /// them. The prompt's `chain` (empty without the KV term) goes with each pin whose worker
+    /// has its block size: the control plane credits it to them provisionally and counts
+    /// blocks shared on the decode rank once.
     pub fn record(
         ledger: &Arc<DispatchLedger>,
         reporter: &Arc<DispatchReporter>,
