@@ -26,6 +26,7 @@ pub struct Metrics {
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
     pub dispatches_refused: IntCounter,
+    /// Reported prefix chains the book did not hold past its hash bound (their blocks count whole).
     pub dispatch_chains_dropped: IntCounter,
     /// Discovery events by `kind` (put, delete, resync, malformed, oversized, over_capacity,
     /// duplicate, unsupported, skipped, restart).
