@@ -39,12 +39,12 @@ pub struct KvSelection {
     pub picker: KvAwarePicker,
 }
 
-pub fn router(state: AppState) -> Router {
+pub fn router(state: Arc<AppState>) -> Router {
     ingress::routes()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(Arc::new(state))
+        .with_state(state)
 }
 
 /// Ready once a fleet view is held, even a stale one: last-known-good keeps routing while the

@@ -9,3 +9,4 @@ pub mod kv;
 pub mod metrics;
 pub mod replica;
 pub mod routing;
+pub mod server;

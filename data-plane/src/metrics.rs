@@ -10,6 +10,7 @@ use prometheus::{
 
 use crate::fleet::FleetStatus;
 use crate::routing::picker::KvSelectionResult;
+use crate::server::head::HeadError;
 
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -49,6 +50,9 @@ pub struct Metrics {
     pub kv_selections: IntCounterVec,
     /// KV tokenizer artifact outcomes by `result`; see `kv::artifacts::ArtifactResult`.
     pub kv_artifacts: IntCounterVec,
+    /// Client requests refused before routing because they could not be read, by `reason`
+    /// (malformed, head_too_large, body_too_large, framing).
+    pub http_refused: IntCounterVec,
     /// The request path's series, looked up once rather than hashed by label on every request.
     hot: Arc<Hot>,
 }
@@ -131,6 +135,8 @@ impl Ingress {
 /// Latency buckets from a cached reply to a long buffered generation.
 const LATENCY_BUCKETS: [f64; 14] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
+/// The `reason`s of `continuum_http_requests_refused_total`.
+const HEAD_REFUSALS: [&str; 4] = ["malformed", "head_too_large", "body_too_large", "framing"];
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 impl Metrics {
@@ -206,8 +212,18 @@ impl Metrics {
                 Opts::new("continuum_dynamo_kv_artifacts_total", "KV tokenizer and template artifacts, by outcome"),
                 &["result"],
             )?,
+            http_refused: IntCounterVec::new(
+                Opts::new(
+                    "continuum_http_requests_refused_total",
+                    "Client requests refused because they could not be read as HTTP/1.1, by reason",
+                ),
+                &["reason"],
+            )?,
             hot,
         };
+        for reason in HEAD_REFUSALS {
+            metrics.http_refused.with_label_values(&[reason]);
+        }
         for result in crate::kv::artifacts::ArtifactResult::ALL {
             metrics.kv_artifacts.with_label_values(&[result.as_str()]);
         }
@@ -228,6 +244,7 @@ impl Metrics {
             Box::new(metrics.request_duration.clone()),
             Box::new(metrics.shim_replica_state.clone()),
             Box::new(metrics.shim_retries.clone()),
+            Box::new(metrics.http_refused.clone()),
             Box::new(metrics.selections.clone()),
             Box::new(metrics.kv_selections.clone()),
             Box::new(metrics.kv_artifacts.clone()),
@@ -243,6 +260,17 @@ impl Metrics {
 
     pub fn routed(&self, path: RoutingPath) {
         self.hot.routed[path as usize].inc();
+    }
+
+    /// Counts a request refused because it could not be read.
+    pub fn refused(&self, error: &HeadError) {
+        let reason = match error {
+            HeadError::Malformed(_) => "malformed",
+            HeadError::TooLarge => "head_too_large",
+            HeadError::BodyTooLarge => "body_too_large",
+            HeadError::Framing(_) => "framing",
+        };
+        self.http_refused.with_label_values(&[reason]).inc();
     }
 
     pub fn observe(&self, ingress: Ingress, status: u16, seconds: f64) {

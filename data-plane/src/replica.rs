@@ -5,7 +5,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -17,6 +16,7 @@ use crate::ingress::KvRouting;
 use crate::kv::render::Renderer;
 use crate::metrics::Metrics;
 use crate::routing::picker::{DispatchLedger, KvAwarePicker, LoadBasedPicker};
+use crate::server;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -98,20 +98,9 @@ impl Replica {
             dispatcher,
             kv: Some(kv),
         };
-        let app = http::router(state);
-        let shutdown = cancel.clone();
-        let server = tokio::spawn(async move {
-            // Responses go out whole, so Nagle's algorithm could only hold one back for an ACK.
-            let listener = listener.tap_io(|tcp| {
-                if let Err(error) = tcp.set_nodelay(true) {
-                    tracing::debug!(%error, "could not set TCP_NODELAY on a client connection");
-                }
-            });
-            let serve = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
-            if let Err(error) = serve.await {
-                tracing::error!(%error, "data-plane HTTP server failed");
-            }
-        });
+        let state = Arc::new(state);
+        let app = server::App { router: http::router(Arc::clone(&state)), state };
+        let server = tokio::spawn(server::serve(listener, app, cancel.clone()));
         tracing::info!(%local_addr, "data-plane replica listening");
         Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, prober, server] })
     }

@@ -81,6 +81,13 @@ impl Nginx {
     }
 }
 
+impl Nginx {
+    /// The one nginx process (`master_process off`): its worker.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
 impl Drop for Nginx {
     fn drop(&mut self) {
         // SIGKILL by PID: with `master_process off` there is no worker left behind.

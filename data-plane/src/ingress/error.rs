@@ -10,6 +10,7 @@ use serde_json::json;
 use super::request::RequestError;
 use super::select::SelectError;
 use crate::dispatch::{DispatchError, Failure};
+use crate::server::head::HeadError;
 
 /// Client-supplied model names are echoed in messages, cut to this many characters.
 const MAX_ECHOED_MODEL_CHARS: usize = 128;
@@ -49,6 +50,17 @@ impl From<RequestError> for ApiError {
             ),
             other => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Invalid request: {other}.")),
         }
+    }
+}
+
+impl From<HeadError> for ApiError {
+    fn from(error: HeadError) -> Self {
+        let code = match error {
+            HeadError::BodyTooLarge => "request_too_large",
+            HeadError::TooLarge => "request_head_too_large",
+            HeadError::Malformed(_) | HeadError::Framing(_) => "invalid_request",
+        };
+        ApiError::new(error.status(), code, format!("Invalid HTTP request: {error}."))
     }
 }
 

@@ -3,7 +3,7 @@
 //! Handlers are thin: they read the request, call the routing and dispatch phases, and map
 //! errors to OpenAI-shaped bodies at this edge ([`error`]).
 
-mod chat;
+pub mod chat;
 pub mod error;
 mod kv;
 mod models;

@@ -4,7 +4,12 @@
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use bytes::Bytes;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
 use serde_json::Value;
+
+use crate::routing::headers::{attach_token_data, strip_body_routing};
+use crate::routing::picker::PromptText;
 
 /// The largest request body accepted: long multi-turn prompts with inline images fit.
 pub const MAX_REQUEST_BODY_BYTES: usize = 8 << 20;
@@ -31,36 +36,83 @@ impl From<BytesRejection> for RequestError {
     }
 }
 
-/// A chat completion request as the client sent it; `body` keeps the client's model id.
+/// A chat completion request as the client sent it, read in one pass without building a JSON
+/// tree: what routing needs is measured as the body is parsed, and the body itself is kept as
+/// bytes, forwarded as they came unless something in them must change ([`ChatRequest::outbound`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatRequest {
-    pub body: Value,
+    /// The body exactly as the client sent it; `model` in it is the client's model id.
+    pub raw: Bytes,
     pub model: String,
     pub stream: bool,
+    /// The picker's estimate of the prompt's tokens, from its prompt fields.
+    pub prompt_estimate: u64,
+    /// The body has an `nvext` member, which may hold routing fields to strip.
+    has_nvext: bool,
+}
+
+/// The members routing reads; everything else is only checked to be valid JSON.
+#[derive(Deserialize)]
+struct Members {
+    model: Option<Value>,
+    stream: Option<Value>,
+    messages: Option<PromptText>,
+    prompt: Option<PromptText>,
+    input: Option<PromptText>,
+    system: Option<PromptText>,
+    tools: Option<PromptText>,
+    nvext: Option<IgnoredAny>,
 }
 
 impl ChatRequest {
-    pub fn parse(bytes: &Bytes) -> Result<Self, RequestError> {
-        let body: Value = serde_json::from_slice(bytes).map_err(RequestError::Json)?;
-        let object = body.as_object().ok_or(RequestError::Shape("the request body must be a JSON object"))?;
-        let model = match object.get("model") {
-            Some(Value::String(model)) if !model.is_empty() => model.clone(),
+    pub fn parse(raw: Bytes) -> Result<Self, RequestError> {
+        if raw.trim_ascii_start().first() != Some(&b'{') {
+            serde_json::from_slice::<IgnoredAny>(&raw).map_err(RequestError::Json)?;
+            return Err(RequestError::Shape("the request body must be a JSON object"));
+        }
+        let members: Members = serde_json::from_slice(&raw).map_err(RequestError::Json)?;
+        let model = match members.model {
+            Some(Value::String(model)) if !model.is_empty() => model,
             _ => {
                 return Err(RequestError::Shape(
                     "`model` must be a non-empty string naming a model from GET /v1/models",
                 ));
             }
         };
-        match object.get("messages") {
-            Some(Value::Array(messages)) if !messages.is_empty() => {}
+        let messages = match members.messages {
+            Some(messages @ PromptText { items: Some(1..), .. }) => messages,
             _ => return Err(RequestError::Shape("`messages` must be a non-empty array of chat messages")),
-        }
-        let stream = match object.get("stream") {
+        };
+        let stream = match members.stream {
             None | Some(Value::Null) => false,
-            Some(Value::Bool(stream)) => *stream,
+            Some(Value::Bool(stream)) => stream,
             Some(_) => return Err(RequestError::Shape("`stream` must be true or false")),
         };
-        Ok(Self { body, model, stream })
+        let prompt_estimate = [Some(messages), members.prompt, members.input, members.system, members.tools]
+            .iter()
+            .flatten()
+            .fold(0u64, |sum, field| sum.saturating_add(field.tokens));
+        Ok(Self { raw, model, stream, prompt_estimate, has_nvext: members.nvext.is_some() })
+    }
+
+    /// The body as a JSON tree, parsed anew (KV rendering reads it).
+    pub fn tree(&self) -> Result<Value, RequestError> {
+        serde_json::from_slice(&self.raw).map_err(RequestError::Json)
+    }
+
+    /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
+    /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
+    /// forwarded byte for byte, without re-serializing it.
+    pub fn outbound(&self, token_data: Option<Vec<u32>>) -> Result<Bytes, RequestError> {
+        if !self.has_nvext && token_data.is_none() {
+            return Ok(self.raw.clone());
+        }
+        let mut body = self.tree()?;
+        strip_body_routing(&mut body);
+        if let Some(tokens) = token_data {
+            attach_token_data(&mut body, tokens);
+        }
+        Ok(Bytes::from(serde_json::to_vec(&body).map_err(RequestError::Json)?))
     }
 }
 
@@ -69,23 +121,56 @@ mod tests {
     use super::*;
 
     fn parse(text: &str) -> Result<ChatRequest, String> {
-        ChatRequest::parse(&Bytes::from(text.to_string())).map_err(|e| e.to_string())
+        ChatRequest::parse(Bytes::from(text.to_string())).map_err(|e| e.to_string())
     }
 
     #[test]
-    fn reads_model_and_stream_and_keeps_the_body_whole() {
-        let request =
-            parse(r#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"nvext":{"x":1}}"#)
-                .unwrap();
-        assert_eq!((request.model.as_str(), request.stream), ("qwen", true));
-        assert_eq!(request.body["nvext"]["x"], 1);
+    fn reads_model_stream_and_prompt_size_and_keeps_the_body_whole() {
+        let text = r#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"nvext":{"x":1}}"#;
+        let request = parse(text).unwrap();
+        assert_eq!((request.model.as_str(), request.stream, request.prompt_estimate), ("qwen", true, 2 + 2));
+        assert_eq!(request.tree().unwrap()["nvext"]["x"], 1);
         assert!(!parse(r#"{"model":"m","messages":[{}],"stream":null}"#).unwrap().stream);
+        let prompt_fields =
+            r#"{"model":"m","messages":[{"content":"abcdefgh"}],"system":"abcd","tools":[{"n":"abcd"}]}"#;
+        assert_eq!(parse(prompt_fields).unwrap().prompt_estimate, 2 + 2 + 2);
+    }
+
+    #[test]
+    fn a_body_without_routing_fields_goes_out_byte_for_byte() {
+        // Spacing and member order as the client wrote them: nothing was re-serialized.
+        let text = r#"{ "messages": [{"role":"user","content":"hi"}],  "model":"m", "nvext_like": 1 }"#;
+        let request = parse(text).unwrap();
+        assert_eq!(request.outbound(None).unwrap(), text.as_bytes());
+    }
+
+    #[test]
+    fn a_body_with_nvext_goes_out_stripped_and_with_token_data_when_given() {
+        let text = r#"{"model":"m","messages":[{}],"nvext":{"backend_instance_id":7,"token_data":[9],"extra_fields":["worker_id"]}}"#;
+        let request = parse(text).unwrap();
+        let out: Value = serde_json::from_slice(&request.outbound(None).unwrap()).unwrap();
+        assert_eq!(out["nvext"], serde_json::json!({"extra_fields": ["worker_id"]}));
+        let out: Value = serde_json::from_slice(&request.outbound(Some(vec![1, 2])).unwrap()).unwrap();
+        assert_eq!(out["nvext"]["token_data"], serde_json::json!([1, 2]), "the router's tokens, not the client's");
+        // Escaped member names are names all the same.
+        let escaped = parse(r#"{"model":"m","messages":[{}],"nv\u0065xt":{"backend_instance_id":7}}"#).unwrap();
+        let out: Value = serde_json::from_slice(&escaped.outbound(None).unwrap()).unwrap();
+        assert!(out.get("nvext").is_none(), "{out}");
+        let plain = parse(r#"{"model":"m","messages":[{}]}"#).unwrap();
+        let out: Value = serde_json::from_slice(&plain.outbound(Some(vec![3])).unwrap()).unwrap();
+        assert_eq!(out["nvext"]["token_data"], serde_json::json!([3]));
     }
 
     #[test]
     fn refuses_what_cannot_be_routed_and_says_why() {
         let rows = [
             ("{key}", "not valid JSON"),
+            ("", "not valid JSON"),
+            ("[1", "not valid JSON"),
+            (r#"{"model":"m","messages":[{}]} trailing"#, "not valid JSON"),
+            (r#"{"model":"m","model":"n","messages":[{}]}"#, "not valid JSON"),
+            (r#"{"model":"m","messages":{}}"#, "`messages`"),
+            (r#"{"model":"m","messages":"hi"}"#, "`messages`"),
             ("[1]", "must be a JSON object"),
             (r#"{"messages":[{}]}"#, "`model`"),
             (r#"{"model":"","messages":[{}]}"#, "`model`"),

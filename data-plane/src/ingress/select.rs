@@ -13,7 +13,7 @@ use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends};
 use crate::dispatch::{DispatchEnd, Pinned, Route};
 use crate::http::AppState;
-use crate::routing::picker::{KvTerm, PickRequest, PromptChain, estimate_prompt_tokens};
+use crate::routing::picker::{KvSelectionResult, KvTerm, PickRequest, PromptChain};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SelectError {
@@ -48,7 +48,11 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
     let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
     let term = match kv {
-        Some(kv) => Some(kv.routing.term(view, display, &request.body).await),
+        Some(kv) => Some(match request.tree() {
+            Ok(body) => kv.routing.term(view, display, &body).await,
+            // Not for a body the ingress accepted; scored on load alone if it ever happens.
+            Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),
+        }),
         None => None,
     };
     // Rendering and the index lookup take time: the pick runs on the clock after them.
@@ -64,7 +68,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
-            let estimate = estimate_prompt_tokens(&request.body);
+            let estimate = request.prompt_estimate;
             (
                 kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now),
                 estimate,
@@ -73,7 +77,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             )
         }
         _ => {
-            let estimate = estimate_prompt_tokens(&request.body);
+            let estimate = request.prompt_estimate;
             (state.picker.pick(view, &pick(estimate), now), estimate, None, PromptChain::default())
         }
     };

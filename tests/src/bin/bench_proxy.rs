@@ -32,6 +32,9 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::runtime::Runtime;
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const COMMAND: &str = "cargo run --release -p continuum-tests --bin bench-proxy -- --write";
 const NAMESPACE: &str = "dynamo";
 const MODEL: &str = "tiny";
@@ -48,6 +51,8 @@ type HttpClient = Client<HttpConnector, Full<Bytes>>;
 struct Run {
     rps: f64,
     latency: Quantiles,
+    /// The proxy's CPU time (user and kernel) per request, in µs; `None` for the baseline.
+    cpu_us: Option<f64>,
 }
 
 /// One round: direct to the stub, through nginx, through the data plane.
@@ -92,7 +97,7 @@ fn main() -> anyhow::Result<()> {
     // generator drives from this thread.
     let stub_rt = runtime("stub", 1)?;
     let control_rt = runtime("control-plane", 1)?;
-    let proxy_rt = runtime("data-plane", 1)?;
+    let proxy_rt = OneThread::start("data-plane")?;
     let load_rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
 
     let pinned = Arc::new(AtomicU64::new(0));
@@ -101,7 +106,11 @@ fn main() -> anyhow::Result<()> {
     let replica = proxy_rt.block_on(start_replica(&control))?;
     let nginx = load_rt.block_on(Nginx::start(stub))?;
 
-    let targets = [("direct", stub), ("nginx", nginx.addr), ("data plane", replica.local_addr)];
+    let targets = [
+        Target { name: "direct", addr: stub, cpu: None },
+        Target { name: "nginx", addr: nginx.addr, cpu: Some(format!("/proc/{}/schedstat", nginx.pid())) },
+        Target { name: "data plane", addr: replica.local_addr, cpu: Some(format!("{}/schedstat", proxy_rt.task_dir)) },
+    ];
     let client = load_client(load.concurrency);
     let mut measured = Vec::with_capacity(rounds);
     for round in 0..rounds {
@@ -121,6 +130,45 @@ fn main() -> anyhow::Result<()> {
         write_section("bench-proxy", "Data plane vs nginx", COMMAND, &table)?;
     }
     Ok(())
+}
+
+/// A current-thread runtime driven by a thread of its own, until dropped.
+struct OneThread {
+    handle: tokio::runtime::Handle,
+    /// `/proc/<pid>/task/<tid>` of the thread.
+    task_dir: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl OneThread {
+    fn start(name: &str) -> anyhow::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (told, task_dir) = std::sync::mpsc::channel();
+        let thread = std::thread::Builder::new().name(name.to_string()).spawn(move || {
+            let _ = told.send(std::fs::read_link("/proc/thread-self").map(|p| format!("/proc/{}", p.display())));
+            let _ = runtime.block_on(stopped);
+        })?;
+        let task_dir = task_dir.recv()??;
+        Ok(Self { handle, task_dir, stop: Some(stop), thread: Some(thread) })
+    }
+
+    fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        self.handle.block_on(future)
+    }
+}
+
+impl Drop for OneThread {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 fn runtime(name: &str, threads: usize) -> anyhow::Result<Runtime> {
@@ -177,29 +225,44 @@ fn load_client(concurrency: usize) -> HttpClient {
 }
 
 /// Every target once, warm-up first; the order rotates from round to round.
-async fn measure_round(
-    client: &HttpClient,
-    targets: &[(&str, SocketAddr); 3],
-    load: Load,
-    round: usize,
-) -> anyhow::Result<Round> {
+async fn measure_round(client: &HttpClient, targets: &[Target; 3], load: Load, round: usize) -> anyhow::Result<Round> {
     let mut runs = [None; 3];
     for i in (0..3).map(|i| (i + round) % 3) {
-        let (name, addr) = targets[i];
+        let Target { name, addr, cpu } = &targets[i];
         let uri: Uri = format!("http://{addr}/v1/chat/completions").parse()?;
         drive(client, &uri, load.warmup, load.concurrency).await?;
-        let run = drive(client, &uri, load.requests, load.concurrency).await?;
+        let before = cpu.as_deref().map(cpu_ns).transpose()?;
+        let mut run = drive(client, &uri, load.requests, load.concurrency).await?;
+        if let (Some(before), Some(path)) = (before, cpu.as_deref()) {
+            run.cpu_us = Some((cpu_ns(path)? - before) as f64 / 1e3 / load.requests as f64);
+        }
         eprintln!(
-            "round {}: {name:<10} {:>8.0} req/s  p50 {:>5} µs  p99 {:>5} µs",
+            "round {}: {name:<10} {:>8.0} req/s  p50 {:>5} µs  p99 {:>5} µs  cpu {:>5.1} µs/request",
             round + 1,
             run.rps,
             run.latency.p50.as_micros(),
-            run.latency.p99.as_micros()
+            run.latency.p99.as_micros(),
+            run.cpu_us.unwrap_or_default()
         );
         runs[i] = Some(run);
     }
     let [Some(direct), Some(nginx), Some(data_plane)] = runs else { anyhow::bail!("a target was not measured") };
     Ok(Round { direct, nginx, data_plane })
+}
+
+/// A path to measure, and where its proxy's CPU time is read.
+struct Target {
+    name: &'static str,
+    addr: SocketAddr,
+    /// The proxy's `schedstat` (nanoseconds on a CPU first): one process or one thread.
+    cpu: Option<String>,
+}
+
+/// Nanoseconds a process or thread has run on a CPU, from its `schedstat`.
+fn cpu_ns(schedstat: &str) -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string(schedstat)?;
+    let first = text.split_whitespace().next().unwrap_or_default();
+    first.parse().map_err(|_| anyhow::anyhow!("{schedstat}: unexpected contents {text:?}"))
 }
 
 /// `total` requests from `concurrency` keep-alive callers; each latency runs from sending the
@@ -225,7 +288,7 @@ async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize)
         samples.extend(caller??);
     }
     let rps = total as f64 / started.elapsed().as_secs_f64();
-    Ok(Run { rps, latency: Quantiles::of(samples) })
+    Ok(Run { rps, latency: Quantiles::of(samples), cpu_us: None })
 }
 
 async fn call(client: &HttpClient, uri: &Uri) -> anyhow::Result<()> {
@@ -256,8 +319,9 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
                 format!("{:.0}", added(run.latency.p99, d.latency.p99)),
             )
         });
+        let cpu = run.cpu_us.map_or("—".into(), |us| format!("{us:.1}"));
         format!(
-            "| {path} | {:.0} | {} | {} | {p50} | {p99} |\n",
+            "| {path} | {:.0} | {} | {} | {p50} | {p99} | {cpu} |\n",
             run.rps,
             run.latency.p50.as_micros(),
             run.latency.p99.as_micros()
@@ -266,7 +330,7 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
     let all: Vec<String> =
         rounds.iter().map(|r| format!("{:.2}×/{:.2}×", r.rps_ratio(), r.added_p99_ratio())).collect();
     format!(
-        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) |\n|---|---|---|---|---|---|\n{}{}{}\n\
+        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request (µs) |\n|---|---|---|---|---|---|---|\n{}{}{}\n\
          - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
          - Round {index} of {} shown, the median by throughput ratio; every round's (throughput ratio / added-p99 ratio): {}.\n\
          - Each path: {} requests at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\

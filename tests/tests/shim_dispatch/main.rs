@@ -4,6 +4,7 @@
 
 mod failures;
 mod health;
+mod http1;
 mod ingress;
 mod pins;
 mod streaming;

@@ -1,39 +1,114 @@
 //! The coarse prompt-size estimate of the load-based picker: characters and words, no
 //! tokenizer. It only needs to rank workers, so being within a small factor is enough.
 
-use serde_json::Value;
+use std::fmt;
+
+use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 /// English-like text runs about four characters per token…
 const CHARS_PER_TOKEN: u64 = 4;
 /// …and about four tokens per three words; short words and punctuation push it up.
 const TOKENS_PER_WORD: (u64, u64) = (4, 3);
 
-/// Request fields whose text reaches the prompt: chat messages, completion prompts, Responses
-/// input, an Anthropic system prompt, and tool definitions (which chat templates render).
-const PROMPT_FIELDS: [&str; 5] = ["messages", "prompt", "input", "system", "tools"];
-
 /// Fields whose strings are not prompt text: media (a base64 image is not a million tokens)
 /// and content-part tags.
 const SKIPPED_FIELDS: [&str; 6] = ["image_url", "input_audio", "image", "file", "source", "type"];
 
-/// Estimated prompt tokens of an OpenAI (or Anthropic, or Responses) request body: for every
-/// string in the prompt fields, the larger of characters / 4 and words × 4 / 3, rounded up.
-/// Role names and other short strings count too, which stands in for the chat template.
-pub fn estimate_prompt_tokens(body: &Value) -> u64 {
-    PROMPT_FIELDS.iter().filter_map(|field| body.get(field)).map(text_tokens).fold(0, u64::saturating_add)
+/// The estimated tokens of one prompt field of a request body (chat `messages`, a completion
+/// `prompt`, Responses `input`, an Anthropic `system`, `tools`, which chat templates render):
+/// for every string in it, the larger of characters / 4 and words × 4 / 3, rounded up. Role
+/// names and other short strings count too, which stands in for the chat template.
+///
+/// Read while the body is parsed, without building a tree of it. Nesting is bounded by
+/// serde_json's parser (128 levels), so the recursion is too.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromptText {
+    pub tokens: u64,
+    /// The number of items when the field is an array.
+    pub items: Option<usize>,
 }
 
-/// Nesting is bounded by serde_json's parser (128 levels), so this recursion is too.
-fn text_tokens(value: &Value) -> u64 {
-    match value {
-        Value::String(text) => string_tokens(text),
-        Value::Array(items) => items.iter().map(text_tokens).fold(0, u64::saturating_add),
-        Value::Object(fields) => fields
-            .iter()
-            .filter(|(name, _)| !SKIPPED_FIELDS.contains(&name.as_str()))
-            .map(|(_, value)| text_tokens(value))
-            .fold(0, u64::saturating_add),
-        Value::Null | Value::Bool(_) | Value::Number(_) => 0,
+impl<'de> Deserialize<'de> for PromptText {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(TextVisitor)
+    }
+}
+
+struct TextVisitor;
+
+impl<'de> Visitor<'de> for TextVisitor {
+    type Value = PromptText;
+
+    fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_str<E>(self, text: &str) -> Result<PromptText, E> {
+        Ok(PromptText { tokens: string_tokens(text), items: None })
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<PromptText, E> {
+        Ok(PromptText::default())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<PromptText, E> {
+        Ok(PromptText::default())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<PromptText, E> {
+        Ok(PromptText::default())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<PromptText, E> {
+        Ok(PromptText::default())
+    }
+
+    fn visit_unit<E>(self) -> Result<PromptText, E> {
+        Ok(PromptText::default())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<PromptText, A::Error> {
+        let (mut tokens, mut count) = (0u64, 0usize);
+        while let Some(item) = items.next_element::<PromptText>()? {
+            tokens = tokens.saturating_add(item.tokens);
+            count += 1;
+        }
+        Ok(PromptText { tokens, items: Some(count) })
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut fields: A) -> Result<PromptText, A::Error> {
+        let mut tokens = 0u64;
+        while let Some(name) = fields.next_key::<FieldName>()? {
+            if name.skipped {
+                fields.next_value::<IgnoredAny>()?;
+            } else {
+                tokens = tokens.saturating_add(fields.next_value::<PromptText>()?.tokens);
+            }
+        }
+        Ok(PromptText { tokens, items: None })
+    }
+}
+
+/// An object key, read only for whether its value is skipped ([`SKIPPED_FIELDS`]).
+struct FieldName {
+    skipped: bool,
+}
+
+impl<'de> Deserialize<'de> for FieldName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct NameVisitor;
+        impl Visitor<'_> for NameVisitor {
+            type Value = FieldName;
+
+            fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
+                formatter.write_str("an object key")
+            }
+
+            fn visit_str<E>(self, name: &str) -> Result<FieldName, E> {
+                Ok(FieldName { skipped: SKIPPED_FIELDS.contains(&name) })
+            }
+        }
+        deserializer.deserialize_str(NameVisitor)
     }
 }
 
@@ -46,9 +121,28 @@ fn string_tokens(text: &str) -> u64 {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde::Deserialize;
+    use serde_json::{Value, json};
 
     use super::*;
+
+    /// The prompt fields a chat request's parse reads, summed as the picker gets them.
+    fn estimate(body: &Value) -> u64 {
+        #[derive(Deserialize)]
+        struct Fields {
+            messages: Option<PromptText>,
+            prompt: Option<PromptText>,
+            input: Option<PromptText>,
+            system: Option<PromptText>,
+            tools: Option<PromptText>,
+        }
+        let fields: Fields = serde_json::from_str(&body.to_string()).unwrap();
+        [fields.messages, fields.prompt, fields.input, fields.system, fields.tools]
+            .iter()
+            .flatten()
+            .map(|f| f.tokens)
+            .sum()
+    }
 
     #[test]
     fn estimates_follow_characters_or_words_whichever_is_larger() {
@@ -77,12 +171,21 @@ mod tests {
             ("numbers and booleans are not text", json!({"messages": [{"role": "u", "content": null, "n": 5}]}), 2),
         ];
         for (name, body, expected) in cases {
-            assert_eq!(estimate_prompt_tokens(body), *expected, "{name}");
+            assert_eq!(estimate(body), *expected, "{name}");
         }
     }
 
     #[test]
+    fn arrays_report_their_length() {
+        let text: PromptText = serde_json::from_str(r#"[{"role":"user","content":"hi"},{"x":[1,2]}]"#).unwrap();
+        assert_eq!(text.items, Some(2));
+        assert_eq!(serde_json::from_str::<PromptText>(r#""hi""#).unwrap().items, None);
+    }
+
+    #[test]
     fn multibyte_text_counts_characters_not_bytes() {
-        assert_eq!(estimate_prompt_tokens(&json!({"prompt": "ééééé"})), 2);
+        assert_eq!(estimate(&json!({"prompt": "ééééé"})), 2);
+        let escaped: PromptText = serde_json::from_str(r#""\u00e9\u00e9\u00e9\u00e9\u00e9""#).unwrap();
+        assert_eq!(escaped.tokens, 2, "escaped text counts as decoded");
     }
 }

@@ -21,7 +21,7 @@ use std::time::Instant;
 use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_proto::view::FleetView;
 
-pub use estimate::estimate_prompt_tokens;
+pub use estimate::PromptText;
 pub use kv_aware::{
     CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD, KvAwarePicker, KvSelectionResult, KvTerm,
     Overlaps,
@@ -116,7 +116,7 @@ impl Selection {
 pub struct PickRequest<'a> {
     /// The Dynamo display name, already mapped through the model map.
     pub model: &'a str,
-    /// From [`estimate_prompt_tokens`].
+    /// Estimated from the prompt fields ([`PromptText`]).
     pub prompt_tokens: u64,
     /// Namespaces with a usable shim replica; `None` means all.
     pub namespaces: Option<&'a [String]>,

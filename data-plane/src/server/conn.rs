@@ -1,0 +1,371 @@
+//! One client connection: read a request, answer it, and again while the connection lasts.
+//!
+//! Chat completions go straight to [`chat::respond`]; every other request goes through the axum
+//! router, so the replica's smaller endpoints keep their extractors and tests. A response is
+//! written with as few system calls as its body allows: the head and every frame that is ready
+//! leave in one write, so a buffered completion is one write and a stream one write per burst
+//! of events.
+
+use std::future::Future;
+use std::io;
+use std::pin::{Pin, pin};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Method, Request, StatusCode, Version};
+use axum::response::{IntoResponse, Response};
+use bytes::{Buf, Bytes, BytesMut};
+use futures::FutureExt;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Sleep;
+use tokio_util::sync::CancellationToken;
+use tower_service::Service;
+
+use super::App;
+use super::head::{
+    BodyFraming, HeadError, LAST_CHUNK, RequestHead, ResponseFraming, encode_chunk, encode_response, parse_request,
+};
+use crate::dispatch::wire::{Chunked, Decoded};
+use crate::ingress::error::ApiError;
+use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
+
+/// A keep-alive connection with no request in progress is closed after this long.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
+/// A request's head and body must arrive within this long of its first byte.
+pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// What a connection's read buffer starts with and grows by.
+const READ_CHUNK: usize = 8 << 10;
+/// A read buffer grown past this (a large body) is let go once its request is answered, so an
+/// idle connection holds at most this much.
+const KEPT_READ_CAPACITY: usize = 64 << 10;
+/// Bytes of pipelined requests read while a response is pending; past it, reading waits.
+const MAX_PIPELINED_BYTES: usize = 64 << 10;
+/// How far behind the idle timer may run before it is re-armed.
+const IDLE_DEADLINE_SLACK: Duration = Duration::from_secs(1);
+/// After a refusal, how long and how much of the client's unread body is read and discarded.
+const LINGER_TIME: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 2 * MAX_REQUEST_BODY_BYTES;
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// Why a connection stops.
+enum Stop {
+    /// The client closed it, the server is shutting down, or it idled out: nothing to answer.
+    Quietly,
+    /// The request cannot be read: answer this and close.
+    Refuse(HeadError),
+}
+
+impl From<io::Error> for Stop {
+    fn from(_: io::Error) -> Self {
+        Stop::Quietly
+    }
+}
+
+struct Connection {
+    stream: TcpStream,
+    read: BytesMut,
+    write: Vec<u8>,
+    /// When the connection idles out; one timer for the connection's life, moved forward.
+    idle: Pin<Box<Sleep>>,
+}
+
+pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationToken) {
+    let mut conn = Connection {
+        stream,
+        read: BytesMut::with_capacity(READ_CHUNK),
+        write: Vec::with_capacity(1024),
+        idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
+    };
+    loop {
+        let (head, body) = match conn.read_request(&shutdown).await {
+            Ok(request) => request,
+            Err(Stop::Quietly) => return,
+            Err(Stop::Refuse(error)) => {
+                app.state.metrics.refused(&error);
+                let response = ApiError::from(error).into_response();
+                if conn.write_response(response, Version::HTTP_11, false, false).await.is_ok() {
+                    conn.linger().await;
+                }
+                return;
+            }
+        };
+        let keep_alive = head.keep_alive && !shutdown.is_cancelled();
+        let head_only = head.method == Method::HEAD;
+        let version = head.version;
+        let Some(response) = conn.until_client_leaves(app.respond(head, body)).await else { return };
+        match conn.write_response(response, version, keep_alive, head_only).await {
+            Ok(true) => {}
+            _ => return,
+        }
+        if conn.read.capacity() > KEPT_READ_CAPACITY {
+            conn.read = BytesMut::from(&conn.read[..]);
+        }
+    }
+}
+
+impl App {
+    /// The response to one request: chat completions on the fast path, the rest via the router.
+    async fn respond(&self, head: RequestHead, body: Bytes) -> Response {
+        let path = head.target.split('?').next().unwrap_or_default();
+        if head.method == Method::POST && path == "/v1/chat/completions" {
+            return chat::respond(&self.state, head.headers, Ok(body)).await;
+        }
+        let mut request = Request::new(Body::from(body));
+        *request.method_mut() = head.method;
+        *request.version_mut() = head.version;
+        *request.headers_mut() = head.headers;
+        match head.target.parse() {
+            Ok(uri) => *request.uri_mut() = uri,
+            Err(_) => return ApiError::from(HeadError::Malformed("request target".into())).into_response(),
+        }
+        // The router is always ready and never fails: its errors are responses.
+        match self.router.clone().call(request).await {
+            Ok(response) => response,
+            Err(infallible) => match infallible {},
+        }
+    }
+}
+
+impl Connection {
+    /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
+    /// byte (and not at all once shutdown begins), then [`REQUEST_READ_TIMEOUT`] for the rest.
+    async fn read_request(&mut self, shutdown: &CancellationToken) -> Result<(RequestHead, Bytes), Stop> {
+        if self.read.is_empty() {
+            self.refresh_idle_deadline();
+            self.make_room();
+            let Connection { stream, read, idle, .. } = self;
+            tokio::select! {
+                biased;
+                read = stream.read_buf(read) => match read {
+                    Ok(0) | Err(_) => return Err(Stop::Quietly),
+                    Ok(_) => {}
+                },
+                () = idle.as_mut() => return Err(Stop::Quietly),
+                () = shutdown.cancelled() => return Err(Stop::Quietly),
+            }
+        }
+        // Usually the whole request came with its first bytes: no reading left to time.
+        if let Some(request) = self.buffered_request()? {
+            return Ok(request);
+        }
+        match tokio::time::timeout(REQUEST_READ_TIMEOUT, self.read_rest()).await {
+            Ok(request) => request,
+            Err(_) => Err(Stop::Quietly),
+        }
+    }
+
+    /// Moves the idle deadline to [`IDLE_TIMEOUT`] from now. The timer is re-armed only once
+    /// it is a second behind, not for every request: the deadline needs no finer grain.
+    fn refresh_idle_deadline(&mut self) {
+        let deadline = tokio::time::Instant::now() + IDLE_TIMEOUT;
+        if deadline.duration_since(self.idle.deadline()) > IDLE_DEADLINE_SLACK {
+            self.idle.as_mut().reset(deadline);
+        }
+    }
+
+    /// The request at the front of the read buffer if it is all there (head and a
+    /// `Content-Length` body), taken off the buffer; else `None`, the buffer untouched.
+    fn buffered_request(&mut self) -> Result<Option<(RequestHead, Bytes)>, Stop> {
+        let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? else { return Ok(None) };
+        let BodyFraming::Length(body) = head.body else { return Ok(None) };
+        if self.read.len() - length < body {
+            return Ok(None);
+        }
+        self.read.advance(length);
+        let body = self.take_body(body);
+        Ok(Some((head, body)))
+    }
+
+    fn take_body(&mut self, length: usize) -> Bytes {
+        let body = Bytes::copy_from_slice(&self.read[..length]);
+        self.read.advance(length);
+        body
+    }
+
+    async fn read_rest(&mut self) -> Result<(RequestHead, Bytes), Stop> {
+        let head = loop {
+            if let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
+                self.read.advance(length);
+                break head;
+            }
+            self.fill().await?;
+        };
+        let body = match head.body {
+            BodyFraming::Length(length) => {
+                if self.read.len() < length && head.expects_continue {
+                    self.stream.write_all(CONTINUE).await?;
+                }
+                self.read.reserve(length.saturating_sub(self.read.len()));
+                while self.read.len() < length {
+                    self.fill().await?;
+                }
+                self.take_body(length)
+            }
+            BodyFraming::Chunked => {
+                if self.read.is_empty() && head.expects_continue {
+                    self.stream.write_all(CONTINUE).await?;
+                }
+                self.read_chunked().await?
+            }
+        };
+        Ok((head, body))
+    }
+
+    async fn read_chunked(&mut self) -> Result<Bytes, Stop> {
+        let mut decoder = Chunked::default();
+        let mut body = BytesMut::new();
+        loop {
+            match decoder.decode(&mut self.read) {
+                Ok(Decoded::Data(data)) if body.len() + data.len() > MAX_REQUEST_BODY_BYTES => {
+                    return Err(Stop::Refuse(HeadError::BodyTooLarge));
+                }
+                Ok(Decoded::Data(data)) => body.extend_from_slice(&data),
+                Ok(Decoded::End) => return Ok(body.freeze()),
+                Ok(Decoded::More) => self.fill().await?,
+                Err(error) => return Err(Stop::Refuse(HeadError::Malformed(error.to_string()))),
+            }
+        }
+    }
+
+    fn make_room(&mut self) {
+        if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
+            self.read.reserve(READ_CHUNK);
+        }
+    }
+
+    /// Reads what has arrived; the client closing is an error here (a request was expected).
+    async fn fill(&mut self) -> io::Result<()> {
+        self.make_room();
+        match self.stream.read_buf(&mut self.read).await? {
+            0 => Err(io::ErrorKind::UnexpectedEof.into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Closes after a refusal the way a client still sending its body can read: the answer is
+    /// already written, so stop writing and discard what arrives, for a bounded time and
+    /// amount, before closing. Closing with unread bytes would reset the connection, and the
+    /// client could lose the answer to the reset.
+    async fn linger(&mut self) {
+        if self.stream.shutdown().await.is_err() {
+            return;
+        }
+        let drain = async {
+            let mut discarded = 0;
+            while discarded < LINGER_BYTES {
+                self.read.clear();
+                self.make_room();
+                match self.stream.read_buf(&mut self.read).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => discarded += n,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(LINGER_TIME, drain).await;
+    }
+
+    /// Runs `work` (making a response, or waiting for its next frame) while watching the
+    /// client: if it closes the connection first, `work` is dropped (which ends the dispatch
+    /// behind it) and `None` returned. Bytes of a pipelined next request are kept for later,
+    /// up to a bound.
+    async fn until_client_leaves<T>(&mut self, work: impl Future<Output = T>) -> Option<T> {
+        let mut work = pin!(work);
+        loop {
+            let room = self.read.len() < MAX_PIPELINED_BYTES;
+            tokio::select! {
+                biased;
+                done = &mut work => return Some(done),
+                read = self.stream.read_buf(&mut self.read), if room => match read {
+                    Ok(0) | Err(_) => return None,
+                    Ok(_) => {}
+                },
+            }
+        }
+    }
+
+    /// Writes `response`; whether the connection can carry another request after it.
+    async fn write_response(
+        &mut self,
+        response: Response,
+        version: Version,
+        keep_alive: bool,
+        head_only: bool,
+    ) -> io::Result<bool> {
+        let (parts, mut body) = response.into_parts();
+        let status = parts.status;
+        let bodiless =
+            status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+        let framing = match http_body::Body::size_hint(&body).exact() {
+            _ if bodiless => ResponseFraming::NoBody,
+            Some(length) => ResponseFraming::Length(length),
+            None if version == Version::HTTP_11 => ResponseFraming::Chunked,
+            None => ResponseFraming::UntilClose,
+        };
+        let keep_alive = keep_alive && framing != ResponseFraming::UntilClose;
+        self.write.clear();
+        encode_response(&mut self.write, status, &parts.headers, framing, keep_alive);
+        if bodiless || head_only {
+            self.stream.write_all(&self.write).await?;
+            return Ok(keep_alive);
+        }
+        let mut frames = Frames { framing, ended: false, broken: false };
+        frames.gather_ready(&mut body, &mut self.write);
+        self.stream.write_all(&self.write).await?;
+        while !frames.ended {
+            self.write.clear();
+            let frame = self.until_client_leaves(body.frame()).await.ok_or(io::ErrorKind::ConnectionReset)?;
+            frames.append(frame, &mut self.write);
+            frames.gather_ready(&mut body, &mut self.write);
+            self.stream.write_all(&self.write).await?;
+        }
+        // A body that broke off cannot be ended properly: closing tells the client it is cut.
+        Ok(keep_alive && !frames.broken)
+    }
+}
+
+/// Framing a response body's frames into the write buffer.
+struct Frames {
+    framing: ResponseFraming,
+    ended: bool,
+    broken: bool,
+}
+
+type Frame = Option<Result<http_body::Frame<Bytes>, axum::Error>>;
+
+impl Frames {
+    /// Appends every frame the body has ready now, without waiting.
+    fn gather_ready(&mut self, body: &mut Body, out: &mut Vec<u8>) {
+        while !self.ended {
+            match body.frame().now_or_never() {
+                Some(frame) => self.append(frame, out),
+                None => return,
+            }
+        }
+    }
+
+    fn append(&mut self, frame: Frame, out: &mut Vec<u8>) {
+        match frame {
+            Some(Ok(frame)) => {
+                // Trailers are not relayed.
+                let Ok(data) = frame.into_data() else { return };
+                match self.framing {
+                    ResponseFraming::Chunked => encode_chunk(out, &data),
+                    _ => out.extend_from_slice(&data),
+                }
+            }
+            None => {
+                self.ended = true;
+                if self.framing == ResponseFraming::Chunked {
+                    out.extend_from_slice(LAST_CHUNK);
+                }
+            }
+            Some(Err(error)) => {
+                tracing::debug!(%error, "a response body failed while being written");
+                self.ended = true;
+                self.broken = true;
+            }
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! HTTP/1.x as the replica's server speaks it, as pure functions over bytes: a request head
+//! parsed with its body framing and persistence, and a response head written with the framing
+//! the server chose. The connection loop ([`super::conn`]) owns the sockets.
+
+use std::io::Write;
+
+use axum::http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
+
+use crate::ingress::MAX_REQUEST_BODY_BYTES;
+
+/// The most headers a request head may carry.
+pub const MAX_HEADERS: usize = 64;
+/// The largest request head accepted.
+pub const MAX_HEAD_BYTES: usize = 64 << 10;
+
+/// Why a request head was refused; each maps to the status the client is answered with, after
+/// which the connection closes (its framing can no longer be trusted).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HeadError {
+    #[error("malformed request head: {0}")]
+    Malformed(String),
+    #[error("the request head is larger than {MAX_HEAD_BYTES} bytes or has more than {MAX_HEADERS} headers")]
+    TooLarge,
+    #[error("the request body is larger than {MAX_REQUEST_BODY_BYTES} bytes")]
+    BodyTooLarge,
+    #[error("{0}")]
+    Framing(&'static str),
+}
+
+impl HeadError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            HeadError::Malformed(_) | HeadError::Framing(_) => StatusCode::BAD_REQUEST,
+            HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+        }
+    }
+}
+
+/// How a request body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyFraming {
+    /// Exactly this many bytes follow (zero: no body).
+    Length(usize),
+    Chunked,
+}
+
+/// A parsed request head.
+#[derive(Debug)]
+pub struct RequestHead {
+    pub method: Method,
+    /// The request target as sent (origin form: path and query).
+    pub target: String,
+    pub version: Version,
+    pub headers: HeaderMap,
+    pub body: BodyFraming,
+    /// Whether the connection may carry another request after this one's response.
+    pub keep_alive: bool,
+    /// The client waits for `100 Continue` before sending its body.
+    pub expects_continue: bool,
+}
+
+/// The request head at the start of `buf` and its length, or `None` while it is incomplete.
+pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadError> {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut request = httparse::Request::new(&mut slots);
+    let length = match request.parse(buf) {
+        Ok(httparse::Status::Complete(length)) => length,
+        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => return Err(HeadError::TooLarge),
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(error) => return Err(HeadError::Malformed(error.to_string())),
+    };
+    if length > MAX_HEAD_BYTES {
+        return Err(HeadError::TooLarge);
+    }
+    let method = Method::from_bytes(request.method.unwrap_or_default().as_bytes())
+        .map_err(|_| HeadError::Malformed("method".into()))?;
+    let version = if request.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
+    let mut headers = HeaderMap::with_capacity(request.headers.len());
+    for header in request.headers.iter() {
+        let name = HeaderName::from_bytes(header.name.as_bytes())
+            .map_err(|_| HeadError::Malformed(format!("header name {:?}", header.name)))?;
+        let value = HeaderValue::from_bytes(header.value)
+            .map_err(|_| HeadError::Malformed(format!("value of header {name}")))?;
+        headers.append(name, value);
+    }
+    let body = body_framing(&headers)?;
+    let keep_alive = match version {
+        Version::HTTP_11 => !has_token(&headers, &CONNECTION, "close"),
+        _ => has_token(&headers, &CONNECTION, "keep-alive"),
+    };
+    let expects_continue = version == Version::HTTP_11
+        && headers.get("expect").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+    let target = request.path.unwrap_or("/").to_string();
+    Ok(Some((RequestHead { method, target, version, headers, body, keep_alive, expects_continue }, length)))
+}
+
+/// RFC 9112 §6.3 for requests, strictly: a request that carries both `Transfer-Encoding` and
+/// `Content-Length`, conflicting lengths, or a coding other than a final `chunked` is refused,
+/// since a proxy that guesses its framing can be made to read a second, smuggled request.
+fn body_framing(headers: &HeaderMap) -> Result<BodyFraming, HeadError> {
+    let mut codings = headers.get_all(TRANSFER_ENCODING).iter().peekable();
+    if codings.peek().is_some() {
+        if headers.contains_key(CONTENT_LENGTH) {
+            return Err(HeadError::Framing("a request may not carry both Transfer-Encoding and Content-Length"));
+        }
+        let last = codings.next_back().and_then(|v| v.to_str().ok()).and_then(|v| v.rsplit(',').next());
+        return match last.map(str::trim) {
+            Some(last) if last.eq_ignore_ascii_case("chunked") => Ok(BodyFraming::Chunked),
+            _ => Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`")),
+        };
+    }
+    let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
+    let Some(first) = lengths.next() else { return Ok(BodyFraming::Length(0)) };
+    let parse = |v: &HeaderValue| {
+        let digits = v.to_str().ok()?.trim();
+        digits.bytes().all(|b| b.is_ascii_digit()).then(|| digits.parse::<u64>().ok()).flatten()
+    };
+    let length = parse(first).ok_or(HeadError::Framing("Content-Length is not a number"))?;
+    if lengths.any(|other| parse(other) != Some(length)) {
+        return Err(HeadError::Framing("conflicting Content-Length values"));
+    }
+    match usize::try_from(length) {
+        Ok(length) if length <= MAX_REQUEST_BODY_BYTES => Ok(BodyFraming::Length(length)),
+        _ => Err(HeadError::BodyTooLarge),
+    }
+}
+
+fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// How a response body goes out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseFraming {
+    /// `Content-Length`: the size is known before the first byte.
+    Length(u64),
+    /// Chunked: a stream, to an HTTP/1.1 client.
+    Chunked,
+    /// Neither: a stream to an HTTP/1.0 client, ended by closing the connection.
+    UntilClose,
+    /// No body by its status (1xx, 204, 304): no framing header either.
+    NoBody,
+}
+
+/// Writes a response head into `out`: the status line, the response's own headers except the
+/// framing and persistence ones (the server owns those), then the framing and, when the
+/// connection ends after this response, `connection: close`.
+pub fn encode_response(
+    out: &mut Vec<u8>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    framing: ResponseFraming,
+    keep_alive: bool,
+) {
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("Unknown").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        if *name == CONTENT_LENGTH || *name == TRANSFER_ENCODING || *name == CONNECTION || name == "keep-alive" {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    match framing {
+        // Writing into a `Vec` cannot fail.
+        ResponseFraming::Length(length) => {
+            let _ = write!(out, "content-length: {length}\r\n");
+        }
+        ResponseFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+        ResponseFraming::UntilClose | ResponseFraming::NoBody => {}
+    }
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Appends one chunk of a chunked body (nothing for an empty one: that would end the body).
+pub fn encode_chunk(out: &mut Vec<u8>, data: &[u8]) {
+    if data.is_empty() {
+        return;
+    }
+    let _ = write!(out, "{:x}\r\n", data.len());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The end of a chunked body: the last chunk, no trailers.
+pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Option<(RequestHead, usize)>, HeadError> {
+        parse_request(text.as_bytes())
+    }
+
+    fn head(text: &str) -> RequestHead {
+        parse(text).unwrap().unwrap().0
+    }
+
+    #[test]
+    fn a_request_head_is_read_whole_with_its_framing_and_persistence() {
+        assert!(parse("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n").unwrap().is_none());
+        let text = "POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}";
+        let (h, n) = parse(text).unwrap().unwrap();
+        assert_eq!(n, text.len() - 2, "the body is left in the buffer");
+        assert_eq!(
+            (h.method, h.target.as_str(), h.body),
+            (Method::POST, "/v1/chat/completions?x=1", BodyFraming::Length(2))
+        );
+        assert!(h.keep_alive && !h.expects_continue);
+        assert_eq!(h.headers["host"], "x");
+
+        let rows = [
+            ("GET / HTTP/1.1\r\n\r\n", BodyFraming::Length(0), true),
+            ("GET / HTTP/1.1\r\nConnection: Keep-Alive, CLOSE\r\n\r\n", BodyFraming::Length(0), false),
+            ("GET / HTTP/1.0\r\n\r\n", BodyFraming::Length(0), false),
+            ("GET / HTTP/1.0\r\nconnection: keep-alive\r\n\r\n", BodyFraming::Length(0), true),
+            ("POST / HTTP/1.1\r\ntransfer-encoding: gzip, chunked\r\n\r\n", BodyFraming::Chunked, true),
+            ("POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n", BodyFraming::Length(5), true),
+        ];
+        for (text, body, keep_alive) in rows {
+            let h = head(text);
+            assert_eq!((h.body, h.keep_alive), (body, keep_alive), "{text:?}");
+        }
+        assert!(head("POST / HTTP/1.1\r\nExpect: 100-Continue\r\ncontent-length: 1\r\n\r\n").expects_continue);
+        assert!(!head("POST / HTTP/1.0\r\nexpect: 100-continue\r\ncontent-length: 1\r\n\r\n").expects_continue);
+    }
+
+    #[test]
+    fn heads_whose_framing_cannot_be_trusted_are_refused_and_say_why() {
+        let refused = |text: &str| parse(text).unwrap_err();
+        let rows = [
+            ("POST / HTTP/1.1\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n", "both"),
+            ("POST / HTTP/1.1\r\ntransfer-encoding: chunked, gzip\r\n\r\n", "final `chunked`"),
+            ("POST / HTTP/1.1\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n", "conflicting"),
+            ("POST / HTTP/1.1\r\ncontent-length: +1\r\n\r\n", "not a number"),
+            ("POST / HTTP/1.1\r\ncontent-length: x\r\n\r\n", "not a number"),
+            ("GET / HTTP/1.1\r\nbad header\r\n\r\n", "malformed"),
+            ("\x16\x03\x01 TLS hello\r\n\r\n", "malformed"),
+        ];
+        for (text, says) in rows {
+            let error = refused(text);
+            assert!(error.to_string().contains(says), "{text:?}: {error}");
+            assert_eq!(error.status(), StatusCode::BAD_REQUEST, "{text:?}");
+        }
+        let huge = format!("POST / HTTP/1.1\r\ncontent-length: {}\r\n\r\n", MAX_REQUEST_BODY_BYTES + 1);
+        assert_eq!(refused(&huge), HeadError::BodyTooLarge);
+        assert_eq!(refused(&huge).status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let endless = format!("GET / HTTP/1.1\r\nx: {}", "a".repeat(MAX_HEAD_BYTES));
+        assert_eq!(refused(&endless), HeadError::TooLarge);
+        let many: String = (0..=MAX_HEADERS).map(|i| format!("h{i}: v\r\n")).collect();
+        assert_eq!(
+            refused(&format!("GET / HTTP/1.1\r\n{many}\r\n")).status(),
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+        );
+    }
+
+    #[test]
+    fn a_response_head_carries_the_servers_framing_not_the_handlers() {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", HeaderValue::from_static("application/json"));
+        headers.insert("content-length", HeaderValue::from_static("999"));
+        headers.insert("connection", HeaderValue::from_static("upgrade"));
+        let encode = |framing, keep_alive| {
+            let mut out = Vec::new();
+            encode_response(&mut out, StatusCode::OK, &headers, framing, keep_alive);
+            String::from_utf8(out).unwrap()
+        };
+        assert_eq!(
+            encode(ResponseFraming::Length(2), true),
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
+        );
+        assert_eq!(
+            encode(ResponseFraming::Chunked, false),
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+        );
+        assert_eq!(
+            encode(ResponseFraming::UntilClose, false),
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+        );
+        let mut out = Vec::new();
+        encode_chunk(&mut out, b"data: {}\n\n");
+        encode_chunk(&mut out, b"");
+        out.extend_from_slice(LAST_CHUNK);
+        assert_eq!(out, b"a\r\ndata: {}\n\n\r\n0\r\n\r\n");
+    }
+}

@@ -1,0 +1,61 @@
+//! The replica's HTTP/1.1 server: an accept loop and one task per client connection.
+//!
+//! The data plane's hot path is a proxy hop, so its server is built for that: a request is read
+//! into one buffer and parsed in place ([`head`]), a chat completion goes to its handler without
+//! a routing layer in between, and a response leaves in as few writes as its body allows
+//! ([`conn`]). The other endpoints are served by the axum router the connection hands them to.
+//! Measured against hyper + axum in `docs/benchmarks.md` (Data plane vs nginx).
+
+mod conn;
+pub mod head;
+
+use std::io::ErrorKind;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+pub use conn::{IDLE_TIMEOUT, REQUEST_READ_TIMEOUT};
+
+use crate::http::AppState;
+
+/// What every connection serves with.
+#[derive(Debug, Clone)]
+pub struct App {
+    pub state: Arc<AppState>,
+    /// Every endpoint but the chat completions fast path.
+    pub router: Router,
+}
+
+/// Accepts connections until `shutdown`, then waits for the ones open to finish their current
+/// request (idle ones close at once).
+pub async fn serve(listener: TcpListener, app: App, shutdown: CancellationToken) {
+    let connections = TaskTracker::new();
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                // Responses go out whole, so Nagle's algorithm could only hold one back.
+                if let Err(error) = stream.set_nodelay(true) {
+                    tracing::debug!(%error, "could not set TCP_NODELAY on a client connection");
+                }
+                connections.spawn(conn::serve(stream, app.clone(), shutdown.clone()));
+            }
+            // The client gave up before it was accepted: nothing to do.
+            Err(error) if matches!(error.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset) => {}
+            // Out of file descriptors or memory: back off rather than spin.
+            Err(error) => {
+                tracing::warn!(%error, "accepting a client connection failed; retrying shortly");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    connections.close();
+    connections.wait().await;
+}

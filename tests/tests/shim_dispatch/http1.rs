@@ -1,0 +1,191 @@
+//! The replica's own HTTP/1.1 server, spoken to over raw sockets: pipelining, chunked bodies,
+//! `Expect: 100-continue`, HTTP/1.0, refusals of heads that cannot be trusted, and shutdown.
+
+use std::time::Duration;
+
+use continuum_tests::shim_stub::StubShim;
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::{Harness, MODEL, chat, config, disaggregated_fleet, sample};
+
+const PATIENCE: Duration = Duration::from_secs(10);
+
+/// One response read off a raw connection: status, head (lowercased) and body.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    head: String,
+    body: Vec<u8>,
+}
+
+/// Reads one response with a `Content-Length` body (or none) from `stream`, keeping any bytes
+/// past it in `pending`.
+async fn read_answer(stream: &mut TcpStream, pending: &mut Vec<u8>) -> anyhow::Result<Answer> {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&pending[..end]).to_lowercase();
+            let status = head.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+            let length = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(Ok(0), |v| v.trim().parse::<usize>())?;
+            if status == 100 || pending.len() >= end + 4 + length {
+                let body = pending[end + 4..end + 4 + if status == 100 { 0 } else { length }].to_vec();
+                let used = end + 4 + body.len();
+                pending.drain(..used);
+                return Ok(Answer { status, head, body });
+            }
+        }
+        let n = tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await??;
+        anyhow::ensure!(
+            n > 0,
+            "the connection closed mid-response; read so far: {:?}",
+            String::from_utf8_lossy(pending)
+        );
+        pending.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Whether the server closes `stream` (EOF) within the patience.
+async fn closes(stream: &mut TcpStream) -> bool {
+    let mut rest = Vec::new();
+    matches!(tokio::time::timeout(PATIENCE, stream.read_to_end(&mut rest)).await, Ok(Ok(_)))
+}
+
+fn chat_head(extra: &str, length: usize) -> String {
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{extra}content-length: {length}\r\n\r\n"
+    )
+}
+
+/// The completion's object type: the stub's echo, relayed whole.
+fn object_of(answer: &Answer) -> anyhow::Result<String> {
+    let body: Value = serde_json::from_slice(&answer.body)?;
+    Ok(body["object"].as_str().unwrap_or_default().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_requests_are_answered_in_order_on_one_connection() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    let mut wire = Vec::new();
+    for _ in 0..3 {
+        wire.extend_from_slice(chat_head("", body.len()).as_bytes());
+        wire.extend_from_slice(&body);
+    }
+    wire.extend_from_slice(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n");
+    stream.write_all(&wire).await?;
+    let mut pending = Vec::new();
+    for _ in 0..3 {
+        let answer = read_answer(&mut stream, &mut pending).await?;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        assert!(!answer.head.contains("x-dynamo"), "{}", answer.head);
+        assert_eq!(object_of(&answer)?, "chat.completion");
+    }
+    let health = read_answer(&mut stream, &mut pending).await?;
+    assert_eq!((health.status, health.body.as_slice()), (200, &b"ok\n"[..]), "the router's endpoints, in turn");
+    assert_eq!(shim.received().len(), 3);
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_bodies_and_expect_continue_are_understood() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    let mut pending = Vec::new();
+
+    // The body waits for the go-ahead.
+    stream.write_all(chat_head("expect: 100-continue\r\n", body.len()).as_bytes()).await?;
+    let go = read_answer(&mut stream, &mut pending).await?;
+    assert_eq!(go.status, 100, "{go:?}");
+    stream.write_all(&body).await?;
+    assert_eq!(read_answer(&mut stream, &mut pending).await?.status, 200);
+
+    // A chunked body, split at an awkward place, with a trailer.
+    let (first, second) = body.split_at(7);
+    let chunked = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{}\r\n{:x}\r\n{}\r\n0\r\nx-trailer: 1\r\n\r\n",
+        first.len(),
+        String::from_utf8_lossy(first),
+        second.len(),
+        String::from_utf8_lossy(second)
+    );
+    stream.write_all(chunked.as_bytes()).await?;
+    let answer = read_answer(&mut stream, &mut pending).await?;
+    assert_eq!((answer.status, object_of(&answer)?.as_str()), (200, "chat.completion"));
+    let received = shim.received();
+    assert_eq!(received.len(), 2);
+    assert!(received.iter().all(|r| r.body == chat(MODEL, false)), "both bodies arrived whole");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let rows: [(&str, u16, &str); 4] = [
+        ("GET / HTTP/1.1\r\nbad header\r\n\r\n", 400, "malformed"),
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
+            400,
+            "framing",
+        ),
+        ("POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 99999999999\r\n\r\n", 413, "body_too_large"),
+        ("POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", 400, "malformed"),
+    ];
+    for (wire, status, reason) in rows {
+        let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+        stream.write_all(wire.as_bytes()).await?;
+        let answer = read_answer(&mut stream, &mut Vec::new()).await?;
+        assert_eq!(answer.status, status, "{wire:?}: {answer:?}");
+        assert!(answer.head.contains("connection: close"), "{wire:?}: {}", answer.head);
+        let error: Value = serde_json::from_slice(&answer.body)?;
+        assert!(error["error"]["message"].as_str().is_some_and(|m| m.len() > 20), "{error}");
+        assert!(closes(&mut stream).await, "{wire:?}: the connection is closed after a refusal");
+        let metrics = harness.metrics().await?;
+        let series = format!("continuum_http_requests_refused_total{{reason=\"{reason}\"}}");
+        assert!(sample(&metrics, &series).is_some_and(|n| n >= 1.0), "{series} not counted");
+    }
+    assert!(shim.received().is_empty(), "nothing refused reached the shim");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_1_0_clients_are_answered_then_closed() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    let head = chat_head("", body.len()).replace("HTTP/1.1", "HTTP/1.0");
+    stream.write_all(&[head.as_bytes(), &body].concat()).await?;
+    let answer = read_answer(&mut stream, &mut Vec::new()).await?;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    assert!(answer.head.contains("connection: close"), "{}", answer.head);
+    assert!(closes(&mut stream).await);
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_idle_keep_alive_connections() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    stream.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await?;
+    assert_eq!(read_answer(&mut stream, &mut Vec::new()).await?.status, 200);
+    // The connection is idle and kept alive; stopping the replica must not wait on it.
+    tokio::time::timeout(PATIENCE, harness.stop()).await?;
+    assert!(closes(&mut stream).await);
+    Ok(())
+}
