@@ -12,20 +12,11 @@ use super::budget::MAX_ATTEMPTS;
 use super::pool::{ShimReplica, rotation};
 use super::shim_body::ShimBody;
 use super::{Dispatcher, Failure, SendError};
-use crate::routing::headers::{strip_client_routing, write_pins};
-use crate::routing::picker::Selection;
+use crate::routing::headers::Pins;
 
-/// The outbound headers of a pinned request. They are built fresh (nothing of the client's is
-/// forwarded) and stripped once more before the pins are written, so no routing header but the
-/// picker's can ever leave.
-pub(super) fn pinned_headers(stream: bool, selection: &Selection) -> HeaderMap {
-    let mut headers = unpinned_headers(stream);
-    strip_client_routing(&mut headers);
-    write_pins(&mut headers, selection);
-    headers
-}
-
-pub(super) fn unpinned_headers(stream: bool) -> HeaderMap {
+/// The headers of every request to a shim, the dispatcher's own: nothing of the client's is
+/// forwarded, and the encoder writes no routing header but the pins.
+pub(super) fn shim_headers(stream: bool) -> HeaderMap {
     let mut headers = HeaderMap::new();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     let accept = if stream { "text/event-stream" } else { "application/json" };
@@ -38,7 +29,7 @@ impl Dispatcher {
     pub(super) async fn send<'r>(
         &self,
         replicas: &'r [ShimReplica],
-        headers: &HeaderMap,
+        pins: Pins,
         body: &Bytes,
         stream: bool,
     ) -> Result<(&'r ShimReplica, Response<ShimBody>), Failure> {
@@ -63,7 +54,7 @@ impl Dispatcher {
                 self.metrics.shim_retries.inc();
             }
             attempts += 1;
-            match self.attempt(replica, headers, body, head_timeout).await {
+            match self.attempt(replica, stream, pins, body, head_timeout).await {
                 Ok(response) => return Ok((replica, response)),
                 Err(error) => {
                     let retry = error.before_request_sent();
@@ -83,11 +74,13 @@ impl Dispatcher {
     async fn attempt(
         &self,
         replica: &ShimReplica,
-        headers: &HeaderMap,
+        stream: bool,
+        pins: Pins,
         body: &Bytes,
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
-        let outcome = self.client.post(&replica.endpoint, headers, body, head_timeout).await;
+        let headers = &self.headers[usize::from(stream)];
+        let outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
         self.health.record(&replica.name, &replica.url, outcome.is_ok(), Instant::now());
         if let Err(error) = &outcome {
             tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");

@@ -21,6 +21,7 @@ use tokio_util::io::read_buf;
 use super::connections::{Conn, IdleConnections, READ_CHUNK};
 use super::shim_body::{Return, ShimBody};
 use super::wire::{self, WireError};
+use crate::routing::headers::Pins;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
@@ -71,21 +72,28 @@ impl ShimClient {
         let (parts, body) = request.into_parts();
         self.send_within(
             head_timeout,
-            Outbound { method: &parts.method, uri: &parts.uri, headers: &parts.headers, body: &body },
+            Outbound {
+                method: &parts.method,
+                uri: &parts.uri,
+                headers: &parts.headers,
+                pins: Pins::default(),
+                body: &body,
+            },
         )
         .await
     }
 
-    /// POSTs `body` with `headers` to `uri`, borrowing them (a retry sends the very same), and
-    /// waits at most `head_timeout` for the response head.
+    /// POSTs `body` with `headers` and `pins` to `uri`, borrowing them (a retry sends the very
+    /// same), and waits at most `head_timeout` for the response head.
     pub async fn post(
         &self,
         uri: &Uri,
         headers: &HeaderMap,
+        pins: Pins,
         body: &[u8],
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
-        self.send_within(head_timeout, Outbound { method: &Method::POST, uri, headers, body }).await
+        self.send_within(head_timeout, Outbound { method: &Method::POST, uri, headers, pins, body }).await
     }
 
     async fn send_within(
@@ -105,7 +113,7 @@ impl ShimClient {
     }
 
     async fn exchange(&self, request: Outbound<'_>) -> Result<Response<ShimBody>, SendError> {
-        let Outbound { method, uri, headers, body } = request;
+        let Outbound { method, uri, headers, pins, body } = request;
         // Plain HTTP only (the shim runs beside the workers): an https:// shim is refused
         // before anything is sent rather than spoken to in plaintext.
         if uri.scheme_str() != Some("http") {
@@ -124,7 +132,7 @@ impl ShimClient {
             None => self.connect(authority.as_str(), authority.port_u16().unwrap_or(80)).await?,
         };
         conn.write.clear();
-        wire::encode_request(&mut conn.write, method, uri, headers, body);
+        wire::encode_request(&mut conn.write, method, uri, headers, pins, body);
         if let Err(error) = conn.stream.write_all(&conn.write).await {
             // A kept connection the shim has just closed takes nothing: the request goes out
             // once more, on a new one.
@@ -184,6 +192,7 @@ struct Outbound<'a> {
     method: &'a Method,
     uri: &'a Uri,
     headers: &'a HeaderMap,
+    pins: Pins,
     body: &'a [u8],
 }
 

@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use axum::http::HeaderMap;
 use axum::response::Response;
 use bytes::Bytes;
 use continuum_proto::model::DataPlaneConfig;
@@ -43,6 +44,7 @@ pub use probe::ProbeSettings;
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
+use crate::routing::headers::{Pins, pins};
 use crate::routing::picker::Selection;
 use respond::Answer;
 
@@ -123,6 +125,8 @@ pub struct Dispatcher {
     cursor: AtomicUsize,
     metrics: Metrics,
     pools: PoolCache,
+    /// The headers of a buffered and of a streaming request ([`attempt::shim_headers`]).
+    headers: [HeaderMap; 2],
 }
 
 impl Dispatcher {
@@ -135,6 +139,7 @@ impl Dispatcher {
             cursor: AtomicUsize::new(0),
             metrics,
             pools: PoolCache::default(),
+            headers: [false, true].map(attempt::shim_headers),
         }
     }
 
@@ -225,8 +230,7 @@ impl Dispatcher {
         replicas: &[ShimReplica],
         dispatch: DispatchEnd,
     ) -> PinnedOutcome {
-        let headers = attempt::pinned_headers(stream, selection);
-        let (replica, response) = match self.send(replicas, &headers, body, stream).await {
+        let (replica, response) = match self.send(replicas, pins(selection), body, stream).await {
             Ok(sent) => sent,
             Err(failure) => return PinnedOutcome::Failed(failure),
         };
@@ -254,8 +258,7 @@ impl Dispatcher {
         replicas: Arc<[ShimReplica]>,
         relay_errors: bool,
     ) -> Result<Response, Failure> {
-        let headers = attempt::unpinned_headers(stream);
-        let (_, response) = self.send(&replicas, &headers, body, stream).await?;
+        let (_, response) = self.send(&replicas, Pins::default(), body, stream).await?;
         if relay_errors {
             return self.pass_through(response, stream).await;
         }

@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
@@ -24,9 +23,6 @@ pub const MAX_BUFFERED_RESPONSE_BYTES: usize = 32 << 20;
 pub const MAX_ERROR_BODY_BYTES: usize = 64 << 10;
 /// Reading a refusal's body.
 pub const ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// Shim response headers a client may see; the rest (hop-by-hop, server, date) stay here.
-const RELAYED_HEADERS: [axum::http::HeaderName; 2] = [CONTENT_TYPE, CACHE_CONTROL];
 
 #[derive(Debug)]
 pub(super) enum Answer {
@@ -59,7 +55,7 @@ impl Dispatcher {
             match classify(status, &body, stream) {
                 Verdict::PrefillRefused => Answer::PrefillRefused,
                 Verdict::ModelGone => Answer::ModelGone,
-                Verdict::Relay => Answer::Relay(rebuild(status, &parts.headers, Body::from(body))),
+                Verdict::Relay => Answer::Relay(rebuild(status, parts.headers, Body::from(body))),
                 Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
             }
         };
@@ -76,7 +72,7 @@ impl Dispatcher {
             return self.success(response, stream, None).await;
         }
         let (parts, body) = response.into_parts();
-        Ok(rebuild(status, &parts.headers, Body::from(read_error_body(body).await)))
+        Ok(rebuild(status, parts.headers, Body::from(read_error_body(body).await)))
     }
 
     async fn success(
@@ -96,21 +92,18 @@ impl Dispatcher {
             drop(dispatch);
             Body::from(bytes)
         };
-        Ok(rebuild(parts.status, &parts.headers, body))
+        Ok(rebuild(parts.status, parts.headers, body))
     }
 }
 
-/// A client response with the shim's status and the relayable part of its headers.
-fn rebuild(status: StatusCode, shim_headers: &HeaderMap, body: Body) -> Response {
+/// A client response with the shim's status and headers: only the relayable ones were kept
+/// when its head was parsed ([`RELAYED_HEADERS`](super::wire::RELAYED_HEADERS)), and no routing
+/// header passes even so.
+fn rebuild(status: StatusCode, mut shim_headers: HeaderMap, body: Body) -> Response {
+    strip_response(&mut shim_headers);
     let mut response = Response::new(body);
     *response.status_mut() = status;
-    let headers = response.headers_mut();
-    for name in RELAYED_HEADERS {
-        if let Some(value) = shim_headers.get(&name) {
-            headers.insert(name, value.clone());
-        }
-    }
-    strip_response(headers);
+    *response.headers_mut() = shim_headers;
     response
 }
 

@@ -7,8 +7,11 @@
 
 use std::io::Write;
 
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use bytes::{Buf, Bytes, BytesMut};
+
+use crate::routing::headers::{Pins, is_routing_header};
 
 /// The most headers a response head may carry.
 pub const MAX_HEADERS: usize = 64;
@@ -37,19 +40,27 @@ pub enum Framing {
     UntilClose,
 }
 
+/// Response headers a client may see: the content's type and caching. The rest (hop-by-hop,
+/// `server`, `date`, anything a frontend adds) are read for the framing and dropped at the
+/// parse, so a relayed response never carries them.
+pub const RELAYED_HEADERS: [HeaderName; 2] = [CONTENT_TYPE, CACHE_CONTROL];
+
 /// A parsed response head.
 #[derive(Debug)]
 pub struct Head {
     pub status: StatusCode,
+    /// Only the [`RELAYED_HEADERS`].
     pub headers: HeaderMap,
     pub framing: Framing,
     /// Whether the connection may carry another request once this body is read.
     pub keep_alive: bool,
 }
 
-/// Writes `method uri` with `headers` and `body` into `out`: the origin-form target, `host`
-/// from the URI, and `content-length` whenever a body is sent.
-pub fn encode_request(out: &mut Vec<u8>, method: &Method, uri: &Uri, headers: &HeaderMap, body: &[u8]) {
+/// Writes `method uri` with `headers`, `pins` and `body` into `out`: the origin-form target,
+/// `host` from the URI, and `content-length` whenever a body is sent. Header hygiene applies
+/// here, just before dispatch: of `headers`, no routing header is written, so the pins are
+/// the only ones that can leave.
+pub fn encode_request(out: &mut Vec<u8>, method: &Method, uri: &Uri, headers: &HeaderMap, pins: Pins, body: &[u8]) {
     out.reserve(256 + body.len());
     out.extend_from_slice(method.as_str().as_bytes());
     out.push(b' ');
@@ -58,13 +69,17 @@ pub fn encode_request(out: &mut Vec<u8>, method: &Method, uri: &Uri, headers: &H
     out.extend_from_slice(uri.authority().map_or("", |a| a.as_str()).as_bytes());
     out.extend_from_slice(b"\r\n");
     for (name, value) in headers {
-        if is_framing_header(name) {
+        if is_framing_header(name) || is_routing_header(name.as_str()) {
             continue;
         }
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
+    }
+    for (name, value) in pins.iter() {
+        // Writing into a `Vec` cannot fail.
+        let _ = write!(out, "{name}: {value}\r\n");
     }
     if !body.is_empty() || *method == Method::POST {
         out.extend_from_slice(b"content-length: ");
@@ -102,36 +117,37 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, WireError> {
             offset += length;
             continue;
         }
-        let mut headers = HeaderMap::with_capacity(response.headers.len());
-        for header in response.headers.iter() {
-            let name = HeaderName::from_bytes(header.name.as_bytes())
-                .map_err(|_| WireError::Head(format!("header name {:?}", header.name)))?;
-            let value = HeaderValue::from_bytes(header.value)
-                .map_err(|_| WireError::Head(format!("value of header {}", header.name)))?;
-            headers.append(name, value);
+        let raw = &*response.headers;
+        let mut headers = HeaderMap::new();
+        for name in RELAYED_HEADERS {
+            for value in values(raw, name.as_str()) {
+                let value =
+                    HeaderValue::from_bytes(value).map_err(|_| WireError::Head(format!("value of header {name}")))?;
+                headers.append(name.clone(), value);
+            }
         }
-        let framing = framing(status, &headers)?;
-        let keep_alive = response.version == Some(1) && !has_token(&headers, "connection", "close");
+        let framing = framing(status, raw)?;
+        let keep_alive = response.version == Some(1) && !has_token(raw, "connection", "close");
         return Ok(Some((Head { status, headers, framing, keep_alive }, offset + length)));
     }
 }
 
 /// RFC 9112 §6.3: no body for 204 and 304; chunked when it is the final transfer coding; else
 /// the one `Content-Length`; else until the close.
-fn framing(status: StatusCode, headers: &HeaderMap) -> Result<Framing, WireError> {
+fn framing(status: StatusCode, raw: &[httparse::Header<'_>]) -> Result<Framing, WireError> {
     if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok(Framing::Length(0));
     }
-    if let Some(coding) = headers.get_all("transfer-encoding").iter().next_back() {
-        let last = coding.to_str().ok().and_then(|c| c.rsplit(',').next()).map(str::trim);
-        return match last {
-            Some(last) if last.eq_ignore_ascii_case("chunked") => Ok(Framing::Chunked),
-            _ => Ok(Framing::UntilClose),
+    if let Some(coding) = values(raw, "transfer-encoding").next_back() {
+        let last = coding.rsplit(|b| *b == b',').next().unwrap_or_default();
+        return match last.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+            true => Ok(Framing::Chunked),
+            false => Ok(Framing::UntilClose),
         };
     }
-    let mut lengths = headers.get_all("content-length").iter();
+    let mut lengths = values(raw, "content-length");
     let Some(first) = lengths.next() else { return Ok(Framing::UntilClose) };
-    let parse = |v: &HeaderValue| v.to_str().ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let parse = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<u64>().ok());
     let length = parse(first).ok_or_else(|| WireError::Head("content-length".into()))?;
     if lengths.any(|other| parse(other) != Some(length)) {
         return Err(WireError::Head("conflicting content-length values".into()));
@@ -139,13 +155,16 @@ fn framing(status: StatusCode, headers: &HeaderMap) -> Result<Framing, WireError
     Ok(Framing::Length(length))
 }
 
-fn has_token(headers: &HeaderMap, name: &str, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
+/// The values of every header named `name` (case-insensitively), in order.
+pub(crate) fn values<'h>(raw: &'h [httparse::Header<'_>], name: &'h str) -> impl DoubleEndedIterator<Item = &'h [u8]> {
+    raw.iter().filter(move |h| h.name.eq_ignore_ascii_case(name)).map(|h| h.value)
+}
+
+/// Whether a comma-separated header `name` lists `token` (case-insensitively).
+pub(crate) fn has_token(raw: &[httparse::Header<'_>], name: &str, token: &str) -> bool {
+    values(raw, name)
+        .flat_map(|v| v.split(|b| *b == b','))
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
 }
 
 /// What the chunked decoder could make of the bytes so far.
@@ -233,7 +252,11 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, WireError> {
 
 #[cfg(test)]
 mod tests {
+    use continuum_proto::model::WorkerKey;
+
     use super::*;
+    use crate::routing::headers::pins;
+    use crate::routing::picker::{Pin, Reason, Selection};
 
     fn head(text: &str) -> (Head, usize) {
         parse_head(text.as_bytes()).unwrap().unwrap()
@@ -246,25 +269,45 @@ mod tests {
         headers.insert("x-dynamo-worker-instance-id", HeaderValue::from_static("7"));
         headers.insert("content-length", HeaderValue::from_static("999"));
         headers.insert("connection", HeaderValue::from_static("close"));
+        headers.insert("x-worker-instance-id", HeaderValue::from_static("8"));
         let uri: Uri = "http://10.0.0.1:8000/v1/chat/completions".parse().unwrap();
         let mut out = Vec::new();
-        encode_request(&mut out, &Method::POST, &uri, &headers, b"{}");
+        let pin = |id| Pin { worker: WorkerKey::new("dynamo", id), dp_rank: None };
+        let selection = Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: pin(5),
+            prefill: Some(pin(6)),
+            decode_reason: Reason::Load,
+            prefill_reason: Some(Reason::Load),
+            cached_blocks: 0,
+        };
+        encode_request(&mut out, &Method::POST, &uri, &headers, pins(&selection), b"{}");
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "POST /v1/chat/completions HTTP/1.1\r\nhost: 10.0.0.1:8000\r\ncontent-type: application/json\r\n\
-             x-dynamo-worker-instance-id: 7\r\ncontent-length: 2\r\n\r\n{}"
+             x-dynamo-worker-instance-id: 5\r\nx-dynamo-prefill-instance-id: 6\r\ncontent-length: 2\r\n\r\n{}",
+            "the pins are the only routing headers written"
         );
         let mut out = Vec::new();
-        encode_request(&mut out, &Method::GET, &"http://h/live".parse().unwrap(), &HeaderMap::new(), b"");
+        encode_request(
+            &mut out,
+            &Method::GET,
+            &"http://h/live".parse().unwrap(),
+            &HeaderMap::new(),
+            Pins::default(),
+            b"",
+        );
         assert_eq!(String::from_utf8(out).unwrap(), "GET /live HTTP/1.1\r\nhost: h\r\n\r\n");
     }
 
     #[test]
     fn heads_are_read_whole_with_their_framing() {
         assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none());
-        let text = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Type: a/b\r\n\r\nhello";
+        let text = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Type: a/b\r\ndate: x\r\nx-dynamo-worker-instance-id: 7\r\n\r\nhello";
         let (h, n) = head(text);
         assert_eq!((h.status, h.framing, h.keep_alive, n), (StatusCode::OK, Framing::Length(5), true, text.len() - 5));
+        assert_eq!(h.headers.keys().collect::<Vec<_>>(), ["content-type"], "only relayable headers are kept");
         assert_eq!(h.headers["content-type"], "a/b");
         let (h, _) = head("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 3\r\n\r\n");
         assert_eq!(h.framing, Framing::Chunked);

@@ -42,25 +42,18 @@ impl IntoResponse for ApiError {
 
 impl From<RequestError> for ApiError {
     fn from(error: RequestError) -> Self {
-        match error {
-            RequestError::TooLarge => ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "request_too_large",
-                format!("{error}. Shorten the prompt or send large content by reference."),
-            ),
-            other => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Invalid request: {other}.")),
-        }
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Invalid request: {error}."))
     }
 }
 
 impl From<HeadError> for ApiError {
     fn from(error: HeadError) -> Self {
-        let code = match error {
-            HeadError::BodyTooLarge => "request_too_large",
-            HeadError::TooLarge => "request_head_too_large",
-            HeadError::Malformed(_) | HeadError::Framing(_) => "invalid_request",
+        let (code, advice) = match error {
+            HeadError::BodyTooLarge => ("request_too_large", " Shorten the prompt or send large content by reference."),
+            HeadError::TooLarge => ("request_head_too_large", " Send fewer or shorter headers."),
+            HeadError::Malformed(_) | HeadError::Framing(_) => ("invalid_request", ""),
         };
-        ApiError::new(error.status(), code, format!("Invalid HTTP request: {error}."))
+        ApiError::new(error.status(), code, format!("Invalid HTTP request: {error}.{advice}"))
     }
 }
 

@@ -1,5 +1,6 @@
 //! The OpenAI traffic ingresses a replica serves beside its health and metrics endpoints:
-//! `POST /v1/chat/completions` (buffered, or streamed as SSE) and `GET /v1/models`.
+//! `POST /v1/chat/completions` (buffered, or streamed as SSE), which the replica's server calls
+//! directly ([`chat::respond`]), and `GET /v1/models`, served by the router with the rest.
 //! Handlers are thin: they read the request, call the routing and dispatch phases, and map
 //! errors to OpenAI-shaped bodies at this edge ([`error`]).
 
@@ -14,8 +15,7 @@ pub mod select;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
+use axum::routing::get;
 
 pub use kv::{KvRouting, Term};
 pub use models::client_ids;
@@ -23,9 +23,8 @@ pub use request::MAX_REQUEST_BODY_BYTES;
 
 use crate::http::AppState;
 
+/// The ingresses the router serves. Request bodies reach it already bounded by the server
+/// ([`MAX_REQUEST_BODY_BYTES`]).
 pub fn routes() -> Router<Arc<AppState>> {
-    Router::new()
-        .route("/v1/chat/completions", post(chat::chat_completions))
-        .route("/v1/models", get(models::list_models))
-        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY_BYTES))
+    Router::new().route("/v1/models", get(models::list_models))
 }

@@ -1,8 +1,6 @@
 //! The ingress phase's reading of a chat completion request: bounded, valid JSON, and just
 //! enough of the OpenAI shape checked to route it. Everything else is the frontend's to judge.
 
-use axum::extract::rejection::BytesRejection;
-use axum::http::StatusCode;
 use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
@@ -11,29 +9,16 @@ use serde_json::Value;
 use crate::routing::headers::{attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
 
-/// The largest request body accepted: long multi-turn prompts with inline images fit.
+/// The largest request body accepted (the server refuses larger ones before reading them):
+/// long multi-turn prompts with inline images fit.
 pub const MAX_REQUEST_BODY_BYTES: usize = 8 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
-    #[error("the request body is larger than {MAX_REQUEST_BODY_BYTES} bytes")]
-    TooLarge,
-    #[error("the request body could not be read: {0}")]
-    Unreadable(#[source] BytesRejection),
     #[error("the request body is not valid JSON: {0}")]
     Json(#[source] serde_json::Error),
     #[error("{0}")]
     Shape(&'static str),
-}
-
-impl From<BytesRejection> for RequestError {
-    fn from(rejection: BytesRejection) -> Self {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            RequestError::TooLarge
-        } else {
-            RequestError::Unreadable(rejection)
-        }
-    }
 }
 
 /// A chat completion request as the client sent it, read in one pass without building a JSON

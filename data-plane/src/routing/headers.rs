@@ -1,10 +1,13 @@
 //! Header and body hygiene around a shim dispatch.
 //!
 //! Clients never choose workers. Every header the Dynamo 1.6.1 frontend reads as a pin (the
-//! whole `x-dynamo-*` family and its unprefixed aliases) and every `nvext` routing field is
-//! removed from the client's request, at the ingress and again just before dispatch; the
-//! picker's pins are then written in their place. Responses never carry a pin back: the chosen
-//! backend and workers are disclosed only to a client that asks with `x-backend`.
+//! whole `x-dynamo-*` family and its unprefixed aliases) and every `nvext` routing field is kept
+//! from the shim twice over: at the ingress, the server carries none of a chat completion's
+//! headers past its head and the body's routing fields are stripped
+//! ([`strip_body_routing`]); just before dispatch, the encoder writes no routing header
+//! ([`is_routing_header`]) but the picker's [`pins`]. Responses never carry a pin back
+//! ([`strip_response`]): the chosen backend and workers are disclosed only to a client that
+//! asks with `x-backend`.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
@@ -97,28 +100,33 @@ pub fn attach_token_data(body: &mut Value, tokens: Vec<u32>) {
     }
 }
 
-/// Writes the picker's pins, replacing any pin header already present.
+/// The picker's pins as headers: (name, decimal value) pairs, the only routing headers a
+/// request to a shim carries (the encoder drops any other; see `dispatch::wire`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pins([Option<(&'static str, u64)>; 4]);
+
+impl Pins {
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        self.0.iter().flatten().copied()
+    }
+}
+
+/// The pins of a selection.
 ///
 /// Instance ids are decimal (the frontend treats hex as absent). A rank is sent, 0 included,
 /// whenever the worker declares data parallelism. The frontend applies `x-dynamo-dp-rank` to
 /// the prefill worker too when no prefill rank is sent, so a ranked decode pin beside an
 /// unranked prefill pin sends prefill rank 0 explicitly. No prefill header is written without
 /// a prefill pin, and the picker never pairs one with an aggregated worker.
-pub fn write_pins(headers: &mut HeaderMap, selection: &Selection) {
-    for name in [WORKER_INSTANCE_ID, PREFILL_INSTANCE_ID, DP_RANK, PREFILL_DP_RANK] {
-        headers.remove(name);
-    }
+pub fn pins(selection: &Selection) -> Pins {
     let decode = &selection.decode;
-    insert_decimal(headers, WORKER_INSTANCE_ID, decode.worker.instance_id);
-    if let Some(rank) = decode.dp_rank {
-        insert_decimal(headers, DP_RANK, rank.into());
-    }
-    if let Some(prefill) = &selection.prefill {
-        insert_decimal(headers, PREFILL_INSTANCE_ID, prefill.worker.instance_id);
-        if let Some(rank) = prefill.dp_rank.or(decode.dp_rank.map(|_| 0)) {
-            insert_decimal(headers, PREFILL_DP_RANK, rank.into());
-        }
-    }
+    let prefill = selection.prefill.as_ref();
+    Pins([
+        Some((WORKER_INSTANCE_ID, decode.worker.instance_id)),
+        decode.dp_rank.map(|rank| (DP_RANK, rank.into())),
+        prefill.map(|p| (PREFILL_INSTANCE_ID, p.worker.instance_id)),
+        prefill.and_then(|p| p.dp_rank.or(decode.dp_rank.map(|_| 0))).map(|rank| (PREFILL_DP_RANK, rank.into())),
+    ])
 }
 
 /// Removes every routing header from a shim response: no `x-dynamo-*` header (nor an alias,
@@ -127,13 +135,14 @@ pub fn strip_response(headers: &mut HeaderMap) {
     strip_client_routing(headers);
 }
 
-/// Whether the client asked to see the chosen backend and workers.
-pub fn wants_disclosure(request_headers: &HeaderMap) -> bool {
-    request_headers.contains_key(DISCLOSURE_REQUEST)
+/// Whether a request header (by its name as sent, any case) asks to see the chosen backend and
+/// workers; its value does not matter.
+pub fn asks_disclosure(name: &str) -> bool {
+    name.eq_ignore_ascii_case(DISCLOSURE_REQUEST)
 }
 
 /// Writes the chosen backend and workers (decimal ids, ranks when declared) on a response.
-/// Call it only when [`wants_disclosure`] holds for the request. A backend name that is not a
+/// Call it only when the request [`asks_disclosure`]. A backend name that is not a
 /// valid header value (names come from configuration) is left out rather than mangled.
 pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
     for name in [DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK] {

@@ -25,7 +25,8 @@ use tower_service::Service;
 
 use super::App;
 use super::head::{
-    BodyFraming, HeadError, LAST_CHUNK, RequestHead, ResponseFraming, encode_chunk, encode_response, parse_request,
+    BodyFraming, HeadError, LAST_CHUNK, RequestHead, ResponseFraming, Route, encode_chunk, encode_response,
+    parse_request,
 };
 use crate::dispatch::wire::{Chunked, Decoded};
 use crate::ingress::error::ApiError;
@@ -108,9 +109,8 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
 impl App {
     /// The response to one request: chat completions on the fast path, the rest via the router.
     async fn respond(&self, head: RequestHead, body: Bytes) -> Response {
-        let path = head.target.split('?').next().unwrap_or_default();
-        if head.method == Method::POST && path == "/v1/chat/completions" {
-            return chat::respond(&self.state, head.headers, Ok(body)).await;
+        if head.route == Route::ChatCompletions {
+            return chat::respond(&self.state, head.disclose, body).await;
         }
         let mut request = Request::new(Body::from(body));
         *request.method_mut() = head.method;

@@ -7,7 +7,9 @@ use std::io::Write;
 use axum::http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 
+use crate::dispatch::wire::{has_token, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
+use crate::routing::headers::asks_disclosure;
 
 /// The most headers a request head may carry.
 pub const MAX_HEADERS: usize = 64;
@@ -46,6 +48,15 @@ pub enum BodyFraming {
     Chunked,
 }
 
+/// Where a request is served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `POST /v1/chat/completions`: the proxy hop, served without a routing layer.
+    ChatCompletions,
+    /// Everything else, through the axum router.
+    Router,
+}
+
 /// A parsed request head.
 #[derive(Debug)]
 pub struct RequestHead {
@@ -53,7 +64,12 @@ pub struct RequestHead {
     /// The request target as sent (origin form: path and query).
     pub target: String,
     pub version: Version,
+    pub route: Route,
+    /// The headers, for the router. Empty for a chat completion: none of the client's headers
+    /// is carried past its head, so none can reach a shim.
     pub headers: HeaderMap,
+    /// The client asked to see the chosen backend and workers (`x-backend`).
+    pub disclose: bool,
     pub body: BodyFraming,
     /// Whether the connection may carry another request after this one's response.
     pub keep_alive: bool,
@@ -78,45 +94,70 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     let method = Method::from_bytes(request.method.unwrap_or_default().as_bytes())
         .map_err(|_| HeadError::Malformed("method".into()))?;
     let version = if request.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
-    let mut headers = HeaderMap::with_capacity(request.headers.len());
-    for header in request.headers.iter() {
+    let target = request.path.unwrap_or("/");
+    let path = target.split('?').next().unwrap_or_default();
+    let route = if method == Method::POST && path == CHAT_COMPLETIONS { Route::ChatCompletions } else { Route::Router };
+    let raw = &*request.headers;
+    let headers = match route {
+        Route::ChatCompletions => HeaderMap::new(),
+        Route::Router => header_map(raw)?,
+    };
+    let body = body_framing(raw)?;
+    let keep_alive = match version {
+        Version::HTTP_11 => !has_token(raw, "connection", "close"),
+        _ => has_token(raw, "connection", "keep-alive"),
+    };
+    let expects_continue = version == Version::HTTP_11
+        && values(raw, "expect").any(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
+    let disclose = raw.iter().any(|h| asks_disclosure(h.name));
+    let head = RequestHead {
+        method,
+        target: target.to_string(),
+        version,
+        route,
+        headers,
+        disclose,
+        body,
+        keep_alive,
+        expects_continue,
+    };
+    Ok(Some((head, length)))
+}
+
+const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+
+fn header_map(raw: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
+    let mut headers = HeaderMap::with_capacity(raw.len());
+    for header in raw {
         let name = HeaderName::from_bytes(header.name.as_bytes())
             .map_err(|_| HeadError::Malformed(format!("header name {:?}", header.name)))?;
         let value = HeaderValue::from_bytes(header.value)
             .map_err(|_| HeadError::Malformed(format!("value of header {name}")))?;
         headers.append(name, value);
     }
-    let body = body_framing(&headers)?;
-    let keep_alive = match version {
-        Version::HTTP_11 => !has_token(&headers, &CONNECTION, "close"),
-        _ => has_token(&headers, &CONNECTION, "keep-alive"),
-    };
-    let expects_continue = version == Version::HTTP_11
-        && headers.get("expect").is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-    let target = request.path.unwrap_or("/").to_string();
-    Ok(Some((RequestHead { method, target, version, headers, body, keep_alive, expects_continue }, length)))
+    Ok(headers)
 }
 
 /// RFC 9112 §6.3 for requests, strictly: a request that carries both `Transfer-Encoding` and
 /// `Content-Length`, conflicting lengths, or a coding other than a final `chunked` is refused,
 /// since a proxy that guesses its framing can be made to read a second, smuggled request.
-fn body_framing(headers: &HeaderMap) -> Result<BodyFraming, HeadError> {
-    let mut codings = headers.get_all(TRANSFER_ENCODING).iter().peekable();
-    if codings.peek().is_some() {
-        if headers.contains_key(CONTENT_LENGTH) {
+fn body_framing(raw: &[httparse::Header<'_>]) -> Result<BodyFraming, HeadError> {
+    if let Some(last) = values(raw, "transfer-encoding").next_back() {
+        if values(raw, "content-length").next().is_some() {
             return Err(HeadError::Framing("a request may not carry both Transfer-Encoding and Content-Length"));
         }
-        let last = codings.next_back().and_then(|v| v.to_str().ok()).and_then(|v| v.rsplit(',').next());
-        return match last.map(str::trim) {
-            Some(last) if last.eq_ignore_ascii_case("chunked") => Ok(BodyFraming::Chunked),
-            _ => Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`")),
+        let last = last.rsplit(|b| *b == b',').next().unwrap_or_default();
+        return match last.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+            true => Ok(BodyFraming::Chunked),
+            false => Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`")),
         };
     }
-    let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
+    let mut lengths = values(raw, "content-length");
     let Some(first) = lengths.next() else { return Ok(BodyFraming::Length(0)) };
-    let parse = |v: &HeaderValue| {
-        let digits = v.to_str().ok()?.trim();
-        digits.bytes().all(|b| b.is_ascii_digit()).then(|| digits.parse::<u64>().ok()).flatten()
+    let parse = |v: &[u8]| {
+        let digits = v.trim_ascii();
+        let all_digits = !digits.is_empty() && digits.iter().all(u8::is_ascii_digit);
+        all_digits.then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok()).flatten()
     };
     let length = parse(first).ok_or(HeadError::Framing("Content-Length is not a number"))?;
     if lengths.any(|other| parse(other) != Some(length)) {
@@ -126,15 +167,6 @@ fn body_framing(headers: &HeaderMap) -> Result<BodyFraming, HeadError> {
         Ok(length) if length <= MAX_REQUEST_BODY_BYTES => Ok(BodyFraming::Length(length)),
         _ => Err(HeadError::BodyTooLarge),
     }
-}
-
-fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
-    headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
 }
 
 /// How a response body goes out.
@@ -223,8 +255,12 @@ mod tests {
             (h.method, h.target.as_str(), h.body),
             (Method::POST, "/v1/chat/completions?x=1", BodyFraming::Length(2))
         );
-        assert!(h.keep_alive && !h.expects_continue);
-        assert_eq!(h.headers["host"], "x");
+        assert!(h.keep_alive && !h.expects_continue && !h.disclose);
+        assert_eq!(h.route, Route::ChatCompletions);
+        assert!(h.headers.is_empty(), "no client header is kept for a chat completion");
+        let h = head("GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Backend: \r\n\r\n");
+        assert_eq!((h.route, h.disclose, h.headers["host"].as_bytes()), (Route::Router, true, &b"x"[..]));
+        assert_eq!(head("GET /v1/chat/completions HTTP/1.1\r\n\r\n").route, Route::Router);
 
         let rows = [
             ("GET / HTTP/1.1\r\n\r\n", BodyFraming::Length(0), true),

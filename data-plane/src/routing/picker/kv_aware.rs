@@ -32,7 +32,7 @@ pub use self::term::{KvSelectionResult, KvTerm, Overlaps};
 use super::candidates::{self, Candidate, Pools};
 use super::cost::Phase;
 use super::ledger::DispatchLedger;
-use super::load_based::LoadBasedPicker;
+use super::load_based::{DECODE, LoadBasedPicker, PREFILL};
 use super::{PickRequest, Picker, Reason, Selection};
 
 /// Distinguishes the KV competitions' cursors from the load-based picker's.
@@ -243,8 +243,8 @@ impl KvAwarePicker {
     }
 
     fn finish(&self, selection: Selection, result: KvSelectionResult) -> Selection {
-        self.load.count("decode", selection.decode_reason);
-        self.load.count("prefill", selection.prefill_reason.unwrap_or(Reason::NoPrefillPool));
+        self.load.count(DECODE, selection.decode_reason);
+        self.load.count(PREFILL, selection.prefill_reason.unwrap_or(Reason::NoPrefillPool));
         self.count_result(result);
         selection
     }

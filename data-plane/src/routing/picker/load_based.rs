@@ -8,21 +8,26 @@
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Instant;
 
 use continuum_proto::model::{Backlog, LoadSample, Role};
 use continuum_proto::view::FleetView;
-use prometheus::IntCounterVec;
+use prometheus::{IntCounter, IntCounterVec};
 
 use super::candidates::{self, Candidate};
 use super::cost::{self, CostInputs, Phase, Scored, Standing};
 use super::ledger::{DispatchLedger, RankBacklog};
-use super::{PickRequest, Picker, Reason, Selection};
+use super::{PickRequest, Picker, REASONS, Reason, Selection};
 
 /// Round-robin cursors held at once. Models and namespaces come from the fleet, so the map is
 /// bounded; past the bound it starts over, which only resets rotation.
 pub const MAX_CURSORS: usize = 4096;
+
+/// A `role` label of `continuum_dynamo_selection_total` and its index.
+pub(super) type SelectedRole = (usize, &'static str);
+pub(super) const DECODE: SelectedRole = (0, "decode");
+pub(super) const PREFILL: SelectedRole = (1, "prefill");
 
 /// One candidate rank as the load stream and the fleet's dispatches leave it.
 #[derive(Clone, Copy, Debug)]
@@ -36,6 +41,8 @@ pub struct LoadBasedPicker {
     ledger: Arc<DispatchLedger>,
     /// `continuum_dynamo_selection_total{role, reason}`.
     selections: IntCounterVec,
+    /// Its series by role ([`DECODE`], [`PREFILL`]) and reason, looked up on first use.
+    counters: [[OnceLock<Option<IntCounter>>; REASONS]; 2],
     /// Per phase, model and (for prefill) namespace, keyed by hash: two pools sharing a cursor
     /// after a collision still rotate.
     cursors: Mutex<HashMap<u64, usize>>,
@@ -44,7 +51,7 @@ pub struct LoadBasedPicker {
 impl LoadBasedPicker {
     /// `selections` must have the labels `role` and `reason` (see `Metrics::selections`).
     pub fn new(ledger: Arc<DispatchLedger>, selections: IntCounterVec) -> Self {
-        Self { ledger, selections, cursors: Mutex::new(HashMap::new()) }
+        Self { ledger, selections, counters: Default::default(), cursors: Mutex::new(HashMap::new()) }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.
@@ -136,10 +143,16 @@ impl LoadBasedPicker {
     }
 
     /// Counts a selection on `continuum_dynamo_selection_total{role, reason}`.
-    pub(super) fn count(&self, role: &str, reason: Reason) {
+    pub(super) fn count(&self, (index, role): SelectedRole, reason: Reason) {
         // A counter built with other labels only loses the count; selection goes on.
-        if let Ok(counter) = self.selections.get_metric_with_label_values(&[role, reason.as_str()]) {
-            counter.inc();
+        let lookup = || self.selections.get_metric_with_label_values(&[role, reason.as_str()]).ok();
+        let counted = match self.counters.get(index).and_then(|by_reason| by_reason.get(reason as usize)) {
+            Some(slot) => slot.get_or_init(lookup).as_ref(),
+            None => None,
+        };
+        match counted {
+            Some(counter) => counter.inc(),
+            None => lookup().iter().for_each(IntCounter::inc),
         }
     }
 }
@@ -160,8 +173,8 @@ impl Picker for LoadBasedPicker {
             Some((candidate, reason)) => (Some(candidate.pin()), reason),
             None => (None, Reason::NoPrefillPool),
         };
-        self.count("decode", decode_reason);
-        self.count("prefill", prefill_reason);
+        self.count(DECODE, decode_reason);
+        self.count(PREFILL, prefill_reason);
         Some(Selection {
             namespace,
             model: request.model.to_string(),

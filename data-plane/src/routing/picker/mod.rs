@@ -50,6 +50,9 @@ impl Pin {
     }
 }
 
+/// How many [`Reason`]s there are.
+pub const REASONS: usize = Reason::ALL.len();
+
 /// Why a worker was chosen: the `reason` label of `continuum_dynamo_selection_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
@@ -67,6 +70,9 @@ pub enum Reason {
 }
 
 impl Reason {
+    pub const ALL: [Reason; 5] =
+        [Reason::Load, Reason::RoundRobinStale, Reason::NoPrefillPool, Reason::KvAware, Reason::ConditionalBypass];
+
     pub fn as_str(self) -> &'static str {
         match self {
             Reason::Load => "load",
