@@ -1,4 +1,4 @@
-//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--find-matches-deadline 2ms]`
+//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--find-matches-deadline 2ms] [--worker-threads N]`
 
 use std::process::ExitCode;
 
@@ -6,6 +6,11 @@ use clap::Parser;
 use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::fleet::FleetClientConfig;
 use continuum_data_plane::replica::Replica;
+
+/// The request path allocates and frees small buffers on every request; mimalloc's per-thread
+/// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmarks.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(Debug, Parser)]
 #[command(version, about = "A stateless Continuum data-plane replica")]
@@ -22,14 +27,36 @@ struct Args {
     /// How long a KV overlap lookup may hold a request before it is scored on load alone.
     #[arg(long, env = "CONTINUUM_FIND_MATCHES_DEADLINE", default_value = "2ms", value_parser = humantime::parse_duration)]
     find_matches_deadline: std::time::Duration,
+    /// Threads serving requests (default: one per core). With 1 the replica runs on a single
+    /// thread with no work stealing: the least CPU per request, as `bench-proxy` measures it.
+    #[arg(long, env = "CONTINUUM_WORKER_THREADS")]
+    worker_threads: Option<usize>,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let args = Args::parse();
+    let runtime = match args.worker_threads {
+        Some(0) => {
+            eprintln!("error: --worker-threads must be at least 1");
+            return ExitCode::from(2);
+        }
+        Some(1) => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        Some(threads) => tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build(),
+        None => tokio::runtime::Builder::new_multi_thread().enable_all().build(),
+    };
+    match runtime {
+        Ok(runtime) => runtime.block_on(run(args)),
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> ExitCode {
     if !(args.control_plane.starts_with("http://") || args.control_plane.starts_with("https://")) {
         eprintln!("error: --control-plane must be an http:// or https:// URL, got {:?}", args.control_plane);
         return ExitCode::from(2);

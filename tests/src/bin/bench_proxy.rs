@@ -3,7 +3,8 @@
 //! dispatches recorded and reported), against nginx reverse-proxying to the same stub shim, on
 //! the same machine in the same run. A keep-alive hyper load generator sends the same chat
 //! completion with fixed concurrency straight to the stub (the baseline), through nginx and
-//! through the data plane; each proxy gets one thread. Nine rounds, the median one reported:
+//! through the data plane; each proxy gets one thread, and each one's CPU time per request is
+//! measured too. Nine rounds, the median one reported:
 //! single rounds on 2 shared cores swing by ±25%.
 //!
 //! `cargo run --release -p continuum-tests --bin bench-proxy -- [--requests 50000] [--concurrency 32] [--warmup 2000] [--rounds 9] [--write]`
@@ -32,6 +33,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::runtime::Runtime;
 
+/// The data-plane binary's allocator, so the replica in this process allocates as it does.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -66,6 +68,11 @@ struct Round {
 impl Round {
     fn rps_ratio(&self) -> f64 {
         self.data_plane.rps / self.nginx.rps
+    }
+
+    /// The data plane's CPU time per request over nginx's.
+    fn cpu_ratio(&self) -> Option<f64> {
+        Some(self.data_plane.cpu_us? / self.nginx.cpu_us?)
     }
 
     fn added_p99_ratio(&self) -> f64 {
@@ -329,14 +336,18 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
     };
     let all: Vec<String> =
         rounds.iter().map(|r| format!("{:.2}×/{:.2}×", r.rps_ratio(), r.added_p99_ratio())).collect();
+    let mut cpu_ratios: Vec<f64> = rounds.iter().filter_map(Round::cpu_ratio).collect();
+    cpu_ratios.sort_by(f64::total_cmp);
+    let cpu_ratio = cpu_ratios.get(cpu_ratios.len() / 2).copied().unwrap_or(f64::NAN);
     format!(
         "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request (µs) |\n|---|---|---|---|---|---|---|\n{}{}{}\n\
          - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
          - Round {index} of {} shown, the median by throughput ratio; every round's (throughput ratio / added-p99 ratio): {}.\n\
+         - CPU per request, data plane / nginx, median over the rounds: **{cpu_ratio:.2}×**. It is the thread's (nginx: the process's) time on a CPU, user and kernel, during its path's measured requests, from `schedstat`; it steadies the comparison where throughput swings with how the scheduler places four busy threads on two cores.\n\
          - Each path: {} requests at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\
-         - Same machine, same run, loopback. The stub, the load generator, each proxy (one thread each: nginx `worker_processes 1`, the data plane a one-thread runtime) and the in-process control plane share the cores, so these are relative numbers.\n\
-         - Both proxies keep idle keep-alive connections to the stub: nginx `keepalive {UPSTREAM_KEEPALIVE}`, the data plane its own HTTP/1.1 client (at most {MAX_IDLE_PER_AUTHORITY} idle per shim replica), which writes each request in one system call and reads the answer on the request's own task.\n\
-         - The data plane does more than nginx: it parses and validates the JSON, strips routing headers and fields and re-serializes the body, picks a prefill and a decode worker among 2 + 2, writes the pins, records the dispatch in its ledger and reports it to the control plane, and keeps metrics.\n",
+         - Same machine, same run, loopback. The stub, the load generator, each proxy (one thread each: nginx `worker_processes 1`, the data plane a current-thread runtime on a thread of its own, with its control-plane stream) and the in-process control plane share the cores, so these are relative numbers. The benchmark binary allocates with mimalloc, as the data-plane binary does.\n\
+         - Both proxies keep idle keep-alive connections to the stub: nginx `keepalive {UPSTREAM_KEEPALIVE}`, the data plane its own HTTP/1.1 client (at most {MAX_IDLE_PER_AUTHORITY} idle per shim replica), which writes each request in one system call and reads the answer on the request's own task. The data plane serves clients with its own HTTP/1.1 server (`data-plane/src/server`).\n\
+         - The data plane does more than nginx: it parses and validates the JSON (forwarding the body as sent when nothing in it must change), picks a prefill and a decode worker among 2 + 2, writes the pins, records the dispatch in its ledger and reports it to the control plane over gRPC (and applies the backlogs it streams back), and keeps metrics.\n",
         row("direct to the stub (baseline)", &median.direct, None),
         row(&format!("{nginx} (`proxy_pass`, upstream keepalive)"), &median.nginx, Some(&median.direct)),
         row("Continuum data plane (picking on)", &median.data_plane, Some(&median.direct)),
