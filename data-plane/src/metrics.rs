@@ -50,6 +50,8 @@ pub struct Metrics {
     pub kv_selections: IntCounterVec,
     /// KV tokenizer artifact outcomes by `result`; see `kv::artifacts::ArtifactResult`.
     pub kv_artifacts: IntCounterVec,
+    /// Client connections open.
+    pub http_connections: IntGauge,
     /// Client requests refused before routing because they could not be read, by `reason`
     /// (malformed, head_too_large, body_too_large, framing).
     pub http_refused: IntCounterVec,
@@ -212,6 +214,7 @@ impl Metrics {
                 Opts::new("continuum_dynamo_kv_artifacts_total", "KV tokenizer and template artifacts, by outcome"),
                 &["result"],
             )?,
+            http_connections: IntGauge::new("continuum_http_connections", "Client connections open")?,
             http_refused: IntCounterVec::new(
                 Opts::new(
                     "continuum_http_requests_refused_total",
@@ -245,6 +248,7 @@ impl Metrics {
             Box::new(metrics.shim_replica_state.clone()),
             Box::new(metrics.shim_retries.clone()),
             Box::new(metrics.http_refused.clone()),
+            Box::new(metrics.http_connections.clone()),
             Box::new(metrics.selections.clone()),
             Box::new(metrics.kv_selections.clone()),
             Box::new(metrics.kv_artifacts.clone()),

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -30,22 +31,35 @@ pub struct App {
     pub router: Router,
 }
 
+/// Client connections served at once. Past it the server stops accepting until one closes, so
+/// new clients wait in the listen backlog: memory stays bounded (each connection holds at most
+/// [`conn`]'s buffers) however many clients connect.
+pub const MAX_CONNECTIONS: usize = 16_384;
+
 /// Accepts connections until `shutdown`, then waits for the ones open to finish their current
 /// request (idle ones close at once).
 pub async fn serve(listener: TcpListener, app: App, shutdown: CancellationToken) {
     let connections = TaskTracker::new();
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
-            accepted = listener.accept() => accepted,
+            accepted = accept(&listener, &slots) => accepted,
         };
         match accepted {
-            Ok((stream, _)) => {
+            Ok((stream, slot)) => {
                 // Responses go out whole, so Nagle's algorithm could only hold one back.
                 if let Err(error) = stream.set_nodelay(true) {
                     tracing::debug!(%error, "could not set TCP_NODELAY on a client connection");
                 }
-                connections.spawn(conn::serve(stream, app.clone(), shutdown.clone()));
+                let gauge = app.state.metrics.http_connections.clone();
+                gauge.inc();
+                let (app, shutdown) = (app.clone(), shutdown.clone());
+                connections.spawn(async move {
+                    conn::serve(stream, app, shutdown).await;
+                    gauge.dec();
+                    drop(slot);
+                });
             }
             // The client gave up before it was accepted: nothing to do.
             Err(error) if matches!(error.kind(), ErrorKind::ConnectionAborted | ErrorKind::ConnectionReset) => {}
@@ -58,4 +72,12 @@ pub async fn serve(listener: TcpListener, app: App, shutdown: CancellationToken)
     }
     connections.close();
     connections.wait().await;
+}
+
+/// The next connection, once a slot is free for it.
+async fn accept(listener: &TcpListener, slots: &Arc<Semaphore>) -> std::io::Result<(TcpStream, OwnedSemaphorePermit)> {
+    // The semaphore is never closed.
+    let slot = Arc::clone(slots).acquire_owned().await.map_err(std::io::Error::other)?;
+    let (stream, _) = listener.accept().await?;
+    Ok((stream, slot))
 }

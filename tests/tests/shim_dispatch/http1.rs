@@ -184,6 +184,8 @@ async fn shutdown_closes_idle_keep_alive_connections() -> anyhow::Result<()> {
     let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
     stream.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await?;
     assert_eq!(read_answer(&mut stream, &mut Vec::new()).await?.status, 200);
+    let open = sample(&harness.metrics().await?, "continuum_http_connections");
+    assert_eq!(open, Some(2.0), "this connection and the one asking for the metrics");
     // The connection is idle and kept alive; stopping the replica must not wait on it.
     tokio::time::timeout(PATIENCE, harness.stop()).await?;
     assert!(closes(&mut stream).await);
