@@ -25,7 +25,7 @@ use tower_service::Service;
 
 use super::App;
 use super::head::{
-    BodyFraming, HeadError, LAST_CHUNK, RequestHead, ResponseFraming, Route, encode_chunk, encode_response,
+    BodyFraming, HeadError, LAST_CHUNK, RequestHead, ResponseFraming, Route, encode_chunk, encode_response, http_date,
     parse_request,
 };
 use crate::dispatch::wire::{Chunked, Decoded};
@@ -305,7 +305,7 @@ impl Connection {
         };
         let keep_alive = keep_alive && framing != ResponseFraming::UntilClose;
         self.write.clear();
-        encode_response(&mut self.write, status, &parts.headers, framing, keep_alive);
+        encode_response(&mut self.write, status, &parts.headers, framing, keep_alive, &http_date());
         if bodiless || head_only {
             self.stream.write_all(&self.write).await?;
             return Ok(keep_alive);

@@ -2,9 +2,12 @@
 //! parsed with its body framing and persistence, and a response head written with the framing
 //! the server chose. The connection loop ([`super::conn`]) owns the sockets.
 
+use std::cell::RefCell;
 use std::io::Write;
+use std::rc::Rc;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use axum::http::header::{CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+use axum::http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 
 use crate::dispatch::wire::{has_token, values};
@@ -182,23 +185,29 @@ pub enum ResponseFraming {
     NoBody,
 }
 
-/// Writes a response head into `out`: the status line, the response's own headers except the
-/// framing and persistence ones (the server owns those), then the framing and, when the
-/// connection ends after this response, `connection: close`.
+/// Writes a response head into `out`: the status line, `date`, the response's own headers
+/// except the framing, persistence and date ones (the server owns those), then the framing
+/// and, when the connection ends after this response, `connection: close`.
 pub fn encode_response(
     out: &mut Vec<u8>,
     status: StatusCode,
     headers: &HeaderMap,
     framing: ResponseFraming,
     keep_alive: bool,
+    date: &str,
 ) {
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("Unknown").as_bytes());
+    out.extend_from_slice(b"\r\ndate: ");
+    out.extend_from_slice(date.as_bytes());
     out.extend_from_slice(b"\r\n");
     for (name, value) in headers {
-        if *name == CONTENT_LENGTH || *name == TRANSFER_ENCODING || *name == CONNECTION || name == "keep-alive" {
+        if *name == CONTENT_LENGTH || *name == TRANSFER_ENCODING || *name == CONNECTION || *name == DATE {
+            continue;
+        }
+        if name == "keep-alive" {
             continue;
         }
         out.extend_from_slice(name.as_str().as_bytes());
@@ -218,6 +227,22 @@ pub fn encode_response(
         out.extend_from_slice(b"connection: close\r\n");
     }
     out.extend_from_slice(b"\r\n");
+}
+
+/// The `date` header's value for now (IMF-fixdate), formatted at most once a second per thread.
+pub fn http_date() -> Rc<str> {
+    thread_local! {
+        static CACHED: RefCell<(u64, Rc<str>)> = RefCell::new((u64::MAX, Rc::from("")));
+    }
+    let now = SystemTime::now();
+    let second = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    CACHED.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        if cached.0 != second {
+            *cached = (second, Rc::from(httpdate::fmt_http_date(now)));
+        }
+        Rc::clone(&cached.1)
+    })
 }
 
 /// Appends one chunk of a chunked body (nothing for an empty one: that would end the body).
@@ -313,23 +338,26 @@ mod tests {
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.insert("content-length", HeaderValue::from_static("999"));
         headers.insert("connection", HeaderValue::from_static("upgrade"));
+        headers.insert("date", HeaderValue::from_static("the shim's"));
         let encode = |framing, keep_alive| {
             let mut out = Vec::new();
-            encode_response(&mut out, StatusCode::OK, &headers, framing, keep_alive);
+            encode_response(&mut out, StatusCode::OK, &headers, framing, keep_alive, "Sun, 06 Nov 1994 08:49:37 GMT");
             String::from_utf8(out).unwrap()
         };
         assert_eq!(
             encode(ResponseFraming::Length(2), true),
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
+            "HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
         );
         assert_eq!(
             encode(ResponseFraming::Chunked, false),
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            "HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
         );
         assert_eq!(
             encode(ResponseFraming::UntilClose, false),
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+            "HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
         );
+        let date = http_date();
+        assert!(httpdate::parse_http_date(&date).is_ok(), "{date}");
         let mut out = Vec::new();
         encode_chunk(&mut out, b"data: {}\n\n");
         encode_chunk(&mut out, b"");
