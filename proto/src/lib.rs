@@ -5,6 +5,7 @@
 
 pub mod active;
 pub mod convert;
+pub mod fast_hash;
 pub mod model;
 pub mod view;
 

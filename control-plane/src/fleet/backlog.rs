@@ -26,11 +26,12 @@
 //! One task owns the book (commands over a bounded channel); changes are published at most once
 //! per [`BACKLOG_WINDOW`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
+use continuum_proto::fast_hash::FastMap;
 use continuum_proto::model::{Backlog, Load, LoadKey};
 use continuum_proto::pb;
 use prometheus::IntCounter;
@@ -131,6 +132,8 @@ struct Rank {
     ended: VecDeque<Ended>,
     /// What was last published (without its time), so an unchanged sum is not streamed again.
     published: Option<Backlog>,
+    /// Marked for the next publish check (its key is in the book's `dirty`).
+    dirty: bool,
 }
 
 impl Rank {
@@ -195,13 +198,22 @@ fn decode_blocks(load: &Load) -> Option<u64> {
     load.active_decode_blocks.or(load.kv_used_blocks)
 }
 
+/// Marks `rank` (kept under `key`) for the next publish check, once however often it moves.
+fn mark(dirty: &mut Vec<LoadKey>, key: &LoadKey, rank: &mut Rank) {
+    if !rank.dirty {
+        rank.dirty = true;
+        dirty.push(key.clone());
+    }
+}
+
 /// The book itself: pure, driven by the task below.
 #[derive(Debug, Default)]
 struct Book {
-    ranks: HashMap<LoadKey, Rank>,
-    where_is: HashMap<(u64, u64), LoadKey>,
-    per_replica: HashMap<u64, usize>,
-    dirty: BTreeSet<LoadKey>,
+    ranks: FastMap<LoadKey, Rank>,
+    where_is: FastMap<(u64, u64), LoadKey>,
+    per_replica: FastMap<u64, usize>,
+    /// Ranks whose sums may have moved since the last publish check, each once.
+    dirty: Vec<LoadKey>,
     /// Block hashes the dispatches in flight hold, at most [`MAX_ACTIVE_BLOCK_HASHES`].
     held_hashes: usize,
     /// Dispatches refused: for a rank the fleet does not have, or past the replica's bound.
@@ -249,8 +261,8 @@ impl Book {
                 rank
             });
             rank.start(id, dispatch);
-            self.where_is.insert(id, key.clone());
-            self.dirty.insert(key);
+            mark(&mut self.dirty, &key, rank);
+            self.where_is.insert(id, key);
         }
         // After the starts: a dispatch may start, begin answering and end within one report.
         for id in report.prefilled {
@@ -263,9 +275,10 @@ impl Book {
 
     fn prefilled(&mut self, id: (u64, u64)) {
         let Some(key) = self.where_is.get(&id) else { return };
-        if let Some(dispatch) = self.ranks.get_mut(key).and_then(|rank| rank.dispatches.get_mut(&id)) {
+        let Some(rank) = self.ranks.get_mut(key) else { return };
+        if let Some(dispatch) = rank.dispatches.get_mut(&id) {
             dispatch.prefill_tokens = 0;
-            self.dirty.insert(key.clone());
+            mark(&mut self.dirty, key, rank);
         }
     }
 
@@ -273,11 +286,11 @@ impl Book {
         let Some(key) = self.where_is.remove(&id) else { return };
         if let Some(rank) = self.ranks.get_mut(&key) {
             self.held_hashes -= rank.end(id, now);
+            mark(&mut self.dirty, &key, rank);
         }
         if let Some(held) = self.per_replica.get_mut(&id.0) {
             *held = held.saturating_sub(1);
         }
-        self.dirty.insert(key);
     }
 
     fn replica_gone(&mut self, replica: u64, now: Instant) {
@@ -299,9 +312,9 @@ impl Book {
             // a rank with nothing in flight may also settle with time.
             if received_at != rank.sampled_at {
                 rank.sampled(received_at, sample.map(|s| &s.load));
-                self.dirty.insert(key.clone());
+                mark(&mut self.dirty, key, rank);
             } else if rank.dispatches.is_empty() {
-                self.dirty.insert(key.clone());
+                mark(&mut self.dirty, key, rank);
             }
             let stale =
                 rank.dispatches.iter().filter(|(_, d)| now.saturating_duration_since(d.at) >= IN_FLIGHT_MAX_AGE);
@@ -318,6 +331,7 @@ impl Book {
         let mut change = FleetChange::default();
         for key in std::mem::take(&mut self.dirty) {
             let Some(rank) = self.ranks.get_mut(&key) else { continue };
+            rank.dirty = false;
             if rank.settled(now) {
                 if rank.published.is_some() {
                     change.backlogs_removed.push(key.clone());

@@ -24,9 +24,9 @@ use continuum_proto::model::{Backlog, LoadKey};
 use continuum_proto::view::FleetView;
 use prometheus::IntCounter;
 
-use super::fast_hash::FastMap;
 use super::outliers::Outliers;
 use super::{Pin, Selection};
+use continuum_proto::fast_hash::FastMap;
 
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);

@@ -8,7 +8,6 @@
 mod candidates;
 mod cost;
 mod estimate;
-pub(crate) mod fast_hash;
 mod kv_aware;
 mod ledger;
 mod load_based;

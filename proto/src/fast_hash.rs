@@ -1,7 +1,7 @@
-//! A small multiplicative hasher (the Fx scheme) for the request path's maps, whose keys are
-//! worker ranks, dispatch ids and backend names: all from the fleet or this replica, never
-//! chosen by a client, so SipHash's flooding resistance buys nothing there and costs a
-//! noticeable share of a request.
+//! A small multiplicative hasher (the Fx scheme) for the hot maps of the request path and of
+//! the control plane's backlog book, whose keys are worker ranks, dispatch ids and backend
+//! names: all from the fleet or a replica, never chosen by a client, so SipHash's flooding
+//! resistance buys nothing there and costs a noticeable share of a request.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
