@@ -4,7 +4,7 @@
 //! into one buffer and parsed in place ([`head`]), a chat completion goes to its handler without
 //! a routing layer in between, and a response leaves in as few writes as its body allows
 //! ([`conn`]). The other endpoints are served by the axum router the connection hands them to.
-//! Measured against hyper + axum in `docs/benchmarks.md` (Data plane vs nginx).
+//! Its cost per request is measured against nginx in `docs/benchmarks.md` (Data plane vs nginx).
 
 mod conn;
 pub mod head;
@@ -18,8 +18,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-
-pub use conn::{IDLE_TIMEOUT, REQUEST_READ_TIMEOUT};
 
 use crate::http::AppState;
 
