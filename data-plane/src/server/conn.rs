@@ -197,7 +197,8 @@ impl Connection {
                 if self.read.len() < length && head.expects_continue {
                     self.stream.write_all(CONTINUE).await?;
                 }
-                self.read.reserve(length.saturating_sub(self.read.len()));
+                // The buffer grows as the body arrives, not by what the head announces: a
+                // client that announces 8 MiB and sends nothing holds no more than its reads.
                 while self.read.len() < length {
                     self.fill().await?;
                 }
