@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use continuum_tests::eventually;
 use continuum_tests::shim_stub::StubShim;
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -157,6 +158,24 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
         assert!(sample(&metrics, &series).is_some_and(|n| n >= 1.0), "{series} not counted");
     }
     assert!(shim.received().is_empty(), "nothing refused reached the shim");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_its_buffered_answer_ends_its_dispatch() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    // The shim holds its answer open: the replica waits to read it whole.
+    let gate = shim.push_stream();
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    stream.write_all(&[chat_head("", body.len()).as_bytes(), &body].concat()).await?;
+    let ledger = &harness.replica.ledger;
+    eventually(PATIENCE, "the dispatch to be recorded", || async { ledger.len() == 1 }).await?;
+    drop(stream);
+    eventually(PATIENCE, "the dispatch of the client that left to end", || async { ledger.is_empty() }).await?;
+    drop(gate);
     harness.stop().await;
     Ok(())
 }
