@@ -203,13 +203,7 @@ pub fn encode_response(
     out.extend_from_slice(b"\r\ndate: ");
     out.extend_from_slice(date.as_bytes());
     out.extend_from_slice(b"\r\n");
-    for (name, value) in headers {
-        if *name == CONTENT_LENGTH || *name == TRANSFER_ENCODING || *name == CONNECTION || *name == DATE {
-            continue;
-        }
-        if name == "keep-alive" {
-            continue;
-        }
+    for (name, value) in headers.iter().filter(|(name, _)| !server_owned(name)) {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
@@ -243,6 +237,11 @@ pub fn http_date() -> Rc<str> {
         }
         Rc::clone(&cached.1)
     })
+}
+
+/// Response headers the server writes itself, whatever the handler set.
+fn server_owned(name: &HeaderName) -> bool {
+    [CONTENT_LENGTH, TRANSFER_ENCODING, CONNECTION, DATE].contains(name) || name == "keep-alive"
 }
 
 /// Appends one chunk of a chunked body (nothing for an empty one: that would end the body).
