@@ -138,21 +138,47 @@ fn framing(status: StatusCode, raw: &[httparse::Header<'_>]) -> Result<Framing, 
     if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok(Framing::Length(0));
     }
-    if let Some(coding) = values(raw, "transfer-encoding").next_back() {
-        let last = coding.rsplit(|b| *b == b',').next().unwrap_or_default();
-        return match last.trim_ascii().eq_ignore_ascii_case(b"chunked") {
-            true => Ok(Framing::Chunked),
-            false => Ok(Framing::UntilClose),
-        };
+    if let Some(chunked) = final_coding_chunked(raw) {
+        return Ok(if chunked { Framing::Chunked } else { Framing::UntilClose });
     }
+    match content_length(raw) {
+        Ok(Some(length)) => Ok(Framing::Length(length)),
+        Ok(None) => Ok(Framing::UntilClose),
+        Err(LengthError::NotANumber) => Err(WireError::Head("content-length".into())),
+        Err(LengthError::Conflicting) => Err(WireError::Head("conflicting content-length values".into())),
+    }
+}
+
+/// Whether the last transfer coding a head lists is `chunked`; `None` without
+/// `Transfer-Encoding`. Requests and responses alike are framed by the final coding.
+pub(crate) fn final_coding_chunked(raw: &[httparse::Header<'_>]) -> Option<bool> {
+    let last = values(raw, "transfer-encoding").next_back()?;
+    let last = last.rsplit(|b| *b == b',').next().unwrap_or_default();
+    Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+}
+
+/// Why a head's `Content-Length` cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LengthError {
+    NotANumber,
+    Conflicting,
+}
+
+/// A head's one `Content-Length` (`None` without one). Values must be plain digits, and
+/// repeated values must agree: a length read two ways is how requests get smuggled.
+pub(crate) fn content_length(raw: &[httparse::Header<'_>]) -> Result<Option<u64>, LengthError> {
+    let parse = |v: &[u8]| {
+        let digits = v.trim_ascii();
+        let all_digits = !digits.is_empty() && digits.iter().all(u8::is_ascii_digit);
+        all_digits.then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok()).flatten()
+    };
     let mut lengths = values(raw, "content-length");
-    let Some(first) = lengths.next() else { return Ok(Framing::UntilClose) };
-    let parse = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<u64>().ok());
-    let length = parse(first).ok_or_else(|| WireError::Head("content-length".into()))?;
+    let Some(first) = lengths.next() else { return Ok(None) };
+    let length = parse(first).ok_or(LengthError::NotANumber)?;
     if lengths.any(|other| parse(other) != Some(length)) {
-        return Err(WireError::Head("conflicting content-length values".into()));
+        return Err(LengthError::Conflicting);
     }
-    Ok(Framing::Length(length))
+    Ok(Some(length))
 }
 
 /// The values of every header named `name` (case-insensitively), in order.

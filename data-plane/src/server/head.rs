@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 
-use crate::dispatch::wire::{has_token, values};
+use crate::dispatch::wire::{LengthError, content_length, final_coding_chunked, has_token, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::routing::headers::asks_disclosure;
 
@@ -145,27 +145,20 @@ fn header_map(raw: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
 /// `Content-Length`, conflicting lengths, or a coding other than a final `chunked` is refused,
 /// since a proxy that guesses its framing can be made to read a second, smuggled request.
 fn body_framing(raw: &[httparse::Header<'_>]) -> Result<BodyFraming, HeadError> {
-    if let Some(last) = values(raw, "transfer-encoding").next_back() {
+    if let Some(chunked) = final_coding_chunked(raw) {
         if values(raw, "content-length").next().is_some() {
             return Err(HeadError::Framing("a request may not carry both Transfer-Encoding and Content-Length"));
         }
-        let last = last.rsplit(|b| *b == b',').next().unwrap_or_default();
-        return match last.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+        return match chunked {
             true => Ok(BodyFraming::Chunked),
             false => Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`")),
         };
     }
-    let mut lengths = values(raw, "content-length");
-    let Some(first) = lengths.next() else { return Ok(BodyFraming::Length(0)) };
-    let parse = |v: &[u8]| {
-        let digits = v.trim_ascii();
-        let all_digits = !digits.is_empty() && digits.iter().all(u8::is_ascii_digit);
-        all_digits.then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok()).flatten()
+    let length = match content_length(raw) {
+        Ok(length) => length.unwrap_or(0),
+        Err(LengthError::NotANumber) => return Err(HeadError::Framing("Content-Length is not a number")),
+        Err(LengthError::Conflicting) => return Err(HeadError::Framing("conflicting Content-Length values")),
     };
-    let length = parse(first).ok_or(HeadError::Framing("Content-Length is not a number"))?;
-    if lengths.any(|other| parse(other) != Some(length)) {
-        return Err(HeadError::Framing("conflicting Content-Length values"));
-    }
     match usize::try_from(length) {
         Ok(length) if length <= MAX_REQUEST_BODY_BYTES => Ok(BodyFraming::Length(length)),
         _ => Err(HeadError::BodyTooLarge),
