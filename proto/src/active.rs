@@ -63,6 +63,14 @@ impl ActiveBlocks {
         freed + unhashed
     }
 
+    /// How many leading blocks of a prompt hashing to `hashes` are held: the blocks a request
+    /// for it would share with the requests in flight instead of adding (Dynamo's
+    /// `ActiveSequences` overlap depth).
+    pub fn depth(&self, hashes: &[u64]) -> u32 {
+        let held = hashes.iter().take_while(|hash| self.refs.contains_key(hash)).count();
+        u32::try_from(held).unwrap_or(u32::MAX)
+    }
+
     /// Distinct blocks held.
     pub fn total(&self) -> u64 {
         (self.refs.len() as u64).saturating_add(self.unhashed)
@@ -95,11 +103,14 @@ mod tests {
         assert_eq!(rank.add(&[1, 2, 3], 4), 4, "3 hashed blocks and a partial one");
         assert_eq!(rank.add(&[1, 2, 3, 4, 5], 6), 3, "only blocks 4, 5 and the partial are new");
         assert_eq!(rank.total(), 7);
+        assert_eq!(rank.depth(&[1, 2, 3, 4, 9, 5]), 4, "contiguous from the first block");
+        assert_eq!(rank.depth(&[9, 1, 2]), 0);
         assert_eq!(rank.remove(&[1, 2, 3], 4), 1, "the shared blocks stay: the second turn holds them");
         assert_eq!(rank.total(), 6);
         assert_eq!(rank.remove(&[1, 2, 3, 4, 5], 6), 6);
         assert!(rank.is_empty());
         assert_eq!(rank.hashes(), 0, "nothing is left behind");
+        assert_eq!(rank.depth(&[1, 2]), 0, "an ended request shares nothing");
     }
 
     #[test]

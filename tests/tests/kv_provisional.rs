@@ -3,7 +3,9 @@
 //! that rank at once, before any kv-event, until `dynamo.kv.provisional_ttl` passes; with the
 //! TTL at 0s the same report credits nothing. That shared answer is what makes simultaneous
 //! requests for a new prefix through different replicas pick the same rank: each replica's
-//! KV-aware picker scores the rank with the overlap `FindMatches` returns.
+//! KV-aware picker scores the rank with the overlap `FindMatches` returns. The same reports
+//! tell `FindMatches` which of those blocks requests in flight hold (`active_blocks`), until
+//! they end.
 
 use std::time::Duration;
 
@@ -49,7 +51,9 @@ struct Plane {
 
 impl Plane {
     async fn start(ttl: &str) -> anyhow::Result<Self> {
-        let registry = Registry::new(continuum_tests::publisher());
+        // One publisher: the backlog book holds dispatches only for ranks the fleet has.
+        let publisher = continuum_tests::publisher();
+        let registry = Registry::new(publisher.clone());
         let metrics = Metrics::new()?;
         let cancel = CancellationToken::new();
         let supervisor =
@@ -68,8 +72,7 @@ impl Plane {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);
         let service =
-            FleetService::new(continuum_tests::publisher(), Replicas::default(), metrics.clone(), cancel.clone())
-                .with_kv(handle);
+            FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone()).with_kv(handle);
         tokio::spawn(grpc::serve(listener, service, cancel.clone()));
         Ok(Self { url, metrics, supervisor, _registry: registry, cancel })
     }
@@ -111,9 +114,18 @@ fn started(id: u64, worker_id: u64, block_hashes: Vec<u64>) -> pb::WatchRequest 
     }
 }
 
+fn ended(id: u64) -> pb::WatchRequest {
+    pb::WatchRequest { kind: Some(Kind::Dispatches(pb::DispatchReport { ended: vec![id], ..Default::default() })) }
+}
+
 async fn overlaps(client: &mut FleetClient<Channel>, hashes: &[u64]) -> anyhow::Result<Vec<(u64, u32)>> {
+    Ok(held(client, hashes).await?.into_iter().map(|(rank, blocks, _)| (rank, blocks)).collect())
+}
+
+/// Each rank's (instance id, blocks, active blocks).
+async fn held(client: &mut FleetClient<Channel>, hashes: &[u64]) -> anyhow::Result<Vec<(u64, u32, u32)>> {
     let reply = client.find_matches(pb::FindMatchesRequest { block_hashes: hashes.to_vec() }).await?.into_inner();
-    Ok(reply.overlaps.into_iter().map(|o| (o.instance_id, o.blocks)).collect())
+    Ok(reply.overlaps.into_iter().map(|o| (o.instance_id, o.blocks, o.active_blocks)).collect())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,6 +192,34 @@ async fn a_zero_ttl_reloaded_in_turns_the_credit_off_so_the_same_report_credits_
     })
     .await?;
     assert!(overlaps(&mut client, &fresh).await?.is_empty(), "off: requests for a new prefix may split");
+    plane.cancel.cancel();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_blocks_a_dispatch_in_flight_holds_are_its_ranks_active_overlap_until_it_ends() -> anyhow::Result<()> {
+    let plane = Plane::start("60s").await?;
+    let mut client = plane.client().await?;
+    let reporter = watch(&mut client, "replica-a").await?;
+    let prefix: Vec<u64> = (4_000..4_012).collect();
+    // A decode dispatch of 4 blocks (`started` reports 4) of a 12-block chain: FIRST holds
+    // all 12 provisionally, and its request in flight holds the first 4.
+    reporter.send(started(1, FIRST, prefix.clone())).await?;
+    eventually(WAIT, "the dispatch's blocks are FIRST's active overlap", || {
+        let (mut client, prefix) = (client.clone(), prefix.clone());
+        async move { held(&mut client, &prefix).await.is_ok_and(|o| o == [(FIRST, 12, 4)]) }
+    })
+    .await?;
+    // A prompt that leaves the chain after 2 blocks shares only those.
+    assert_eq!(held(&mut client, &[4_000, 4_001, 7]).await?, [(FIRST, 2, 2)]);
+
+    // Its end frees them; the provisional credit stays until its TTL.
+    reporter.send(ended(1)).await?;
+    eventually(WAIT, "nothing in flight holds them", || {
+        let (mut client, prefix) = (client.clone(), prefix.clone());
+        async move { held(&mut client, &prefix).await.is_ok_and(|o| o == [(FIRST, 12, 0)]) }
+    })
+    .await?;
     plane.cancel.cancel();
     Ok(())
 }

@@ -12,7 +12,7 @@
 //! elsewhere), and a sample taken before a new request reached the engine does not show it yet.
 //! The book therefore publishes, per rank, the distinct blocks of every dispatch in flight (a
 //! block several dispatches share counts once, while any of them holds it: see
-//! [`ActiveBlocks`]) plus the *foreign* part of the last sample: what it showed beyond the
+//! [`ActiveIndex`], which `FindMatches` reads too) plus the *foreign* part of the last sample: what it showed beyond the
 //! dispatches in flight when it arrived (load the fleet did not send, such as another
 //! router's); ends shortly before a sample may still be in it, so they do not count as
 //! foreign. Prefill tokens count until the response begins (the replica reports the first
@@ -30,7 +30,8 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
+use continuum_kv_index::RankKey;
+use continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES;
 use continuum_proto::fast_hash::FastMap;
 use continuum_proto::model::{Backlog, Load, LoadKey};
 use continuum_proto::pb;
@@ -38,7 +39,7 @@ use prometheus::IntCounter;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::{FleetChange, FleetPublisher, FleetState};
+use super::{ActiveIndex, FleetChange, FleetPublisher, FleetState};
 
 /// A dispatch no sample has answered adds its prefill tokens this long at most (the seed's 30
 /// seconds); a rank's record outlives its last end by at most this long.
@@ -79,10 +80,15 @@ pub struct BacklogBook {
 }
 
 impl BacklogBook {
-    /// Starts the book's task.
-    pub fn spawn(publisher: FleetPublisher, counters: BookCounters, cancel: CancellationToken) -> Self {
+    /// Starts the book's task, which keeps the blocks in flight in `active`.
+    pub fn spawn(
+        publisher: FleetPublisher,
+        active: ActiveIndex,
+        counters: BookCounters,
+        cancel: CancellationToken,
+    ) -> Self {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
-        tokio::spawn(run(publisher, rx, counters, cancel));
+        tokio::spawn(run(publisher, Book { active, ..Book::default() }, rx, counters, cancel));
         Self { tx }
     }
 
@@ -119,8 +125,9 @@ struct Dispatch {
 #[derive(Debug, Default)]
 struct Rank {
     dispatches: BTreeMap<(u64, u64), Dispatch>,
-    /// The distinct decode blocks of `dispatches`.
-    active: ActiveBlocks,
+    /// The distinct decode blocks of `dispatches` (their hashes are in the book's
+    /// [`ActiveIndex`]).
+    active: u64,
     /// When the sample `foreign` was measured against was received.
     sampled_at: Option<Instant>,
     /// Decode blocks that sample showed beyond the dispatches in flight when it arrived;
@@ -139,7 +146,7 @@ struct Rank {
 impl Rank {
     fn backlog(&self) -> Backlog {
         let mut backlog =
-            Backlog { foreign_decode_blocks: self.foreign, decode_blocks: self.active.total(), ..Backlog::default() };
+            Backlog { foreign_decode_blocks: self.foreign, decode_blocks: self.active, ..Backlog::default() };
         for dispatch in self.dispatches.values() {
             backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens);
             backlog.dispatches = backlog.dispatches.saturating_add(1);
@@ -147,9 +154,10 @@ impl Rank {
         backlog
     }
 
-    /// Starts dispatch `id` (new to the book).
-    fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch) {
-        dispatch.added = self.active.add(&dispatch.block_hashes, dispatch.decode_blocks);
+    /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
+    fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
+        dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
+        self.active = self.active.saturating_add(dispatch.added);
         self.dispatches.insert(id, dispatch);
     }
 
@@ -163,16 +171,17 @@ impl Rank {
         };
         // What was in flight when it arrived: everything less what started since.
         let since = self.dispatches.values().filter(|d| d.at >= at).map(|d| d.added).fold(0u64, u64::saturating_add);
-        let in_flight = self.active.total().saturating_sub(since);
+        let in_flight = self.active.saturating_sub(since);
         let lately = self.ended.iter().filter(|e| at.saturating_duration_since(e.at) < SAMPLE_LAG).map(|e| e.blocks);
         let own = lately.fold(in_flight, u64::saturating_add);
         self.foreign = load.and_then(decode_blocks).map(|shown| shown.saturating_sub(own));
     }
 
-    /// Ends dispatch `id`; returns the hashes it held.
-    fn end(&mut self, id: (u64, u64), now: Instant) -> usize {
+    /// Ends dispatch `id` on `rank`; returns the hashes it held.
+    fn end(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
         let Some(dispatch) = self.dispatches.remove(&id) else { return 0 };
-        let freed = self.active.remove(&dispatch.block_hashes, dispatch.decode_blocks);
+        let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
+        self.active = self.active.saturating_sub(freed);
         self.last_end = Some(now);
         self.ended.push_back(Ended { at: now, blocks: freed });
         while self.ended.len() > MAX_ENDED_PER_RANK
@@ -206,10 +215,18 @@ fn mark(dirty: &mut Vec<LoadKey>, key: &LoadKey, rank: &mut Rank) {
     }
 }
 
-/// The book itself: pure, driven by the task below.
+/// The rank a `FindMatches` answer names for a book's key: instance ids are Dynamo lease ids,
+/// unique across namespaces.
+fn rank_key(key: &LoadKey) -> RankKey {
+    RankKey { worker_id: key.worker.instance_id, dp_rank: key.dp_rank }
+}
+
+/// The book itself, driven by the task below: pure but for the [`ActiveIndex`] it shares.
 #[derive(Debug, Default)]
 struct Book {
     ranks: FastMap<LoadKey, Rank>,
+    /// The hashes of every dispatch in flight, per rank.
+    active: ActiveIndex,
     where_is: FastMap<(u64, u64), LoadKey>,
     per_replica: FastMap<u64, usize>,
     /// Ranks whose sums may have moved since the last publish check, each once.
@@ -260,7 +277,7 @@ impl Book {
                 rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
                 rank
             });
-            rank.start(id, dispatch);
+            rank.start(id, dispatch, &self.active, rank_key(&key));
             mark(&mut self.dirty, &key, rank);
             self.where_is.insert(id, key);
         }
@@ -285,7 +302,7 @@ impl Book {
     fn end(&mut self, id: (u64, u64), now: Instant) {
         let Some(key) = self.where_is.remove(&id) else { return };
         if let Some(rank) = self.ranks.get_mut(&key) {
-            self.held_hashes -= rank.end(id, now);
+            self.held_hashes -= rank.end(id, now, &self.active, rank_key(&key));
             mark(&mut self.dirty, &key, rank);
         }
         if let Some(held) = self.per_replica.get_mut(&id.0) {
@@ -352,11 +369,11 @@ impl Book {
 
 async fn run(
     publisher: FleetPublisher,
+    mut book: Book,
     mut rx: mpsc::Receiver<Command>,
     counters: BookCounters,
     cancel: CancellationToken,
 ) {
-    let mut book = Book::default();
     // What the counters already hold of the book's totals.
     let (mut refused, mut chains_dropped) = (0, 0);
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();

@@ -5,6 +5,7 @@
 //! on a `watch` channel that every Watch session follows. Load samples go through the
 //! [`LoadCoalescer`] first, so a busy fleet produces one delta per window, not one per sample.
 
+mod active;
 mod backlog;
 mod coalesce;
 mod state;
@@ -15,6 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use continuum_proto::model::DataPlaneConfig;
 use tokio::sync::watch;
 
+pub use active::ActiveIndex;
 pub use backlog::{
     BACKLOG_WINDOW, BacklogBook, BookCounters, DISPATCH_MAX_AGE, IN_FLIGHT_MAX_AGE, MAX_DISPATCHES_PER_REPLICA,
     SAMPLE_LAG,

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
-use crate::fleet::{BacklogBook, BookCounters, FleetPublisher};
+use crate::fleet::{ActiveIndex, BacklogBook, BookCounters, FleetPublisher};
 use crate::kv::{KvHandle, MAX_FIND_MATCHES_HASHES};
 use crate::metrics::Metrics;
 
@@ -55,21 +55,25 @@ pub struct FleetService {
     /// Ends every session, so a graceful shutdown is not held open by long-lived streams.
     shutdown: CancellationToken,
     book: BacklogBook,
+    /// The blocks the book's dispatches in flight hold, for `FindMatches`' active overlaps.
+    active: ActiveIndex,
     kv: KvHandle,
 }
 
 impl FleetService {
     /// The service, with its fleet-wide dispatch book (a task that lives until `shutdown`).
     pub fn new(publisher: FleetPublisher, replicas: Replicas, metrics: Metrics, shutdown: CancellationToken) -> Self {
+        let active = ActiveIndex::default();
         let book = BacklogBook::spawn(
             publisher.clone(),
+            active.clone(),
             BookCounters {
                 refused: metrics.dispatches_refused.clone(),
                 chains_dropped: metrics.dispatch_chains_dropped.clone(),
             },
             shutdown.clone(),
         );
-        Self { publisher, replicas, metrics, shutdown, book, kv: KvHandle::default() }
+        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default() }
     }
 
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
@@ -166,9 +170,18 @@ impl Fleet for FleetService {
             return Err(Status::failed_precondition("the KV index is off: dynamo.kv.enabled is false"));
         };
         count("ok");
+        // A rank holding blocks in flight holds them in its cache (or provisionally), so the
+        // ranks listed are the only ones whose active overlap can matter.
+        let active = self.active.depths(&hashes, overlaps.iter().map(|(rank, _)| *rank));
         let overlaps = overlaps
             .into_iter()
-            .map(|(rank, blocks)| pb::RankOverlap { instance_id: rank.worker_id, dp_rank: rank.dp_rank, blocks })
+            .zip(active)
+            .map(|((rank, blocks), active_blocks)| pb::RankOverlap {
+                instance_id: rank.worker_id,
+                dp_rank: rank.dp_rank,
+                blocks,
+                active_blocks: active_blocks.min(blocks),
+            })
             .collect();
         Ok(Response::new(pb::FindMatchesResponse { overlaps }))
     }

@@ -27,9 +27,9 @@ pub struct DispatchEnd {
 impl DispatchEnd {
     /// Records a dispatch of `prompt_tokens` pinned as `selection`: the prompt tokens the rank
     /// that prefills it does not hold, and its blocks on the decode rank, as the ledger counts
-    /// them. The prompt's `chain` (empty without the KV term) goes with each pin whose worker
-    /// has its block size: the control plane credits it to them provisionally and counts
-    /// blocks shared on the decode rank once.
+    /// them. The prompt's `chain` (empty without the KV term) goes with each pin that prefills
+    /// it, at that worker's block size: the control plane credits it to the rank
+    /// provisionally and, on an aggregated rank, counts blocks its requests share once.
     pub fn record(
         ledger: &Arc<DispatchLedger>,
         reporter: &Arc<DispatchReporter>,
@@ -52,7 +52,8 @@ impl DispatchEnd {
                     0,
                     chain.at_block_size(pin_block_size(view, pin)).to_vec(),
                 )),
-                reporter.started(&decode_rank, 0, blocks, hashes.to_vec()),
+                // Transferred KV shares nothing (see `shares_prefix_blocks`).
+                reporter.started(&decode_rank, 0, blocks, Vec::new()),
             ),
             None => (None, reporter.started(&decode_rank, tokens, blocks, hashes.to_vec())),
         };

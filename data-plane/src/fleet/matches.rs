@@ -8,12 +8,11 @@ use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
 use tonic::transport::{Channel, Endpoint};
 
+use crate::routing::picker::RankOverlap;
+
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
 /// ≤ 2 ms)"): past it the request is scored on load alone.
 pub const FIND_MATCHES_DEADLINE: Duration = Duration::from_millis(2);
-
-/// One rank's overlap: (instance id, dp rank, blocks).
-pub type RankOverlap = (u64, u32, u32);
 
 #[derive(Debug, thiserror::Error)]
 pub enum MatchesError {
@@ -46,12 +45,21 @@ impl MatchesClient {
         self.deadline
     }
 
-    /// Each rank's contiguous overlap with `block_hashes`; ranks holding none are absent.
+    /// Each rank's contiguous overlap with `block_hashes` and the part of it the fleet's
+    /// requests in flight hold; ranks holding none are absent.
     pub async fn find_matches(&self, block_hashes: Vec<u64>) -> Result<Vec<RankOverlap>, MatchesError> {
         let mut client = self.client.clone();
         let call = client.find_matches(pb::FindMatchesRequest { block_hashes });
         let reply =
             tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))??;
-        Ok(reply.into_inner().overlaps.into_iter().map(|o| (o.instance_id, o.dp_rank, o.blocks)).collect())
+        let overlaps = reply.into_inner().overlaps.into_iter();
+        Ok(overlaps
+            .map(|o| RankOverlap {
+                instance_id: o.instance_id,
+                dp_rank: o.dp_rank,
+                blocks: o.blocks,
+                active: o.active_blocks,
+            })
+            .collect())
     }
 }

@@ -9,5 +9,5 @@ mod reporter;
 
 pub use client::{FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
 pub use handle::{FleetHandle, FleetStatus};
-pub use matches::{FIND_MATCHES_DEADLINE, MatchesClient, MatchesError, RankOverlap};
+pub use matches::{FIND_MATCHES_DEADLINE, MatchesClient, MatchesError};
 pub use reporter::{DispatchEvent, DispatchReporter, MAX_REPORT_BATCH, REPORT_QUEUE};

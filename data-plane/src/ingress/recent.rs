@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::fleet::RankOverlap;
+use crate::routing::picker::RankOverlap;
 
 /// How long an answer stands in for a missed lookup.
 pub const RECENT_FOR: Duration = Duration::from_secs(5);
@@ -73,7 +73,7 @@ impl RecentAnswers {
             .rev()
             .filter_map(|key| inner.by_prefix.get(key))
             .find(|entry| now.saturating_duration_since(entry.at) < RECENT_FOR)?;
-        Some(entry.answer.iter().map(|&(worker, rank, blocks)| (worker, rank, blocks.min(entry.blocks))).collect())
+        Some(entry.answer.iter().map(|overlap| overlap.capped(entry.blocks)).collect())
     }
 }
 
@@ -108,16 +108,23 @@ mod tests {
         blocks.collect()
     }
 
+    fn held(overlaps: &[(u64, u32, u32, u32)]) -> Vec<RankOverlap> {
+        overlaps
+            .iter()
+            .map(|&(instance_id, dp_rank, blocks, active)| RankOverlap { instance_id, dp_rank, blocks, active })
+            .collect()
+    }
+
     #[test]
     fn a_longer_prompt_finds_the_answer_for_its_prefix() {
         let recent = RecentAnswers::default();
         let t0 = Instant::now();
-        recent.remember(&chain(0..40), &[(7, 0, 40), (8, 1, 12)], t0);
-        assert_eq!(recent.recall(&chain(0..50), t0), Some(vec![(7, 0, 40), (8, 1, 12)]), "the next turn");
+        recent.remember(&chain(0..40), &held(&[(7, 0, 40, 36), (8, 1, 12, 0)]), t0);
+        assert_eq!(recent.recall(&chain(0..50), t0), Some(held(&[(7, 0, 40, 36), (8, 1, 12, 0)])), "the next turn");
         // Another user of the same first 32 blocks: the answer kept at block 32, capped there.
         let mut other = chain(0..32);
         other.extend(100..120);
-        assert_eq!(recent.recall(&other, t0), Some(vec![(7, 0, 32), (8, 1, 12)]));
+        assert_eq!(recent.recall(&other, t0), Some(held(&[(7, 0, 32, 32), (8, 1, 12, 0)])));
         let mut stranger = vec![99];
         stranger.extend(1..40);
         assert_eq!(recent.recall(&stranger, t0), None, "keys name whole prefixes, not single blocks");
@@ -127,10 +134,10 @@ mod tests {
     fn answers_stand_in_briefly_and_in_bounded_number() {
         let recent = RecentAnswers::default();
         let t0 = Instant::now();
-        recent.remember(&chain(0..16), &[(7, 0, 16)], t0);
+        recent.remember(&chain(0..16), &held(&[(7, 0, 16, 0)]), t0);
         assert!(recent.recall(&chain(0..16), t0 + RECENT_FOR).is_none(), "too old");
         for n in 0..MAX_RECENT as u64 + 10 {
-            recent.remember(&[n + 1000], &[(7, 0, 1)], t0);
+            recent.remember(&[n + 1000], &held(&[(7, 0, 1, 0)]), t0);
         }
         let inner = recent.inner.lock().expect("unpoisoned");
         assert_eq!(inner.by_prefix.len(), MAX_RECENT);
@@ -140,9 +147,9 @@ mod tests {
     fn the_newest_answer_for_a_prefix_wins() {
         let recent = RecentAnswers::default();
         let t0 = Instant::now();
-        recent.remember(&chain(0..16), &[(7, 0, 16)], t0);
-        recent.remember(&chain(0..16), &[(8, 0, 16)], t0 + Duration::from_secs(1));
-        assert_eq!(recent.recall(&chain(0..16), t0 + Duration::from_secs(2)), Some(vec![(8, 0, 16)]));
+        recent.remember(&chain(0..16), &held(&[(7, 0, 16, 0)]), t0);
+        recent.remember(&chain(0..16), &held(&[(8, 0, 16, 0)]), t0 + Duration::from_secs(1));
+        assert_eq!(recent.recall(&chain(0..16), t0 + Duration::from_secs(2)), Some(held(&[(8, 0, 16, 0)])));
         assert!(recent.recall(&[], t0).is_none());
     }
 }

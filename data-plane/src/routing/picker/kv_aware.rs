@@ -28,7 +28,7 @@ use rand::{Rng, SeedableRng};
 
 pub use self::formula::{CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD};
 use self::formula::{Draw, Logit, Prompt, Scored, Weights};
-pub use self::term::{KvSelectionResult, KvTerm, Overlaps};
+pub use self::term::{KvSelectionResult, KvTerm, Overlaps, RankOverlap};
 use super::candidates::{self, Candidate, Pools};
 use super::cost::Phase;
 use super::ledger::DispatchLedger;
@@ -75,6 +75,14 @@ impl Scoring<'_> {
             return 0;
         }
         self.overlaps.get(candidate.worker.key.instance_id, candidate.rank)
+    }
+
+    /// Of the rank's overlap, the blocks its requests in flight hold.
+    fn active_overlap(&self, candidate: &Candidate) -> u32 {
+        if candidate.worker.block_size.is_some_and(|size| size != self.block_size) {
+            return 0;
+        }
+        self.overlaps.active(candidate.worker.key.instance_id, candidate.rank)
     }
 }
 
@@ -202,7 +210,9 @@ impl KvAwarePicker {
                 let phase = if candidate.worker.role == Role::Prefill { Phase::Prefill } else { Phase::Decode };
                 let (load, fresh) = formula::rank_load(phase, rank.sample, rank.dispatched, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);
-                let logit = load.map(|load| formula::worker_logit(load, overlap, scoring.prompt, &scoring.weights));
+                let active = scoring.active_overlap(candidate);
+                let logit =
+                    load.map(|load| formula::worker_logit(load, overlap, active, scoring.prompt, &scoring.weights));
                 let stale_cost = formula::stale_cost(overlap, scoring.prompt, &scoring.weights);
                 let scored =
                     Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.dispatched.stalled, stale_cost };

@@ -123,6 +123,19 @@ impl RankBacklog {
     }
 }
 
+/// Whether the decode rank of `selection` shares the prompt's blocks with its other requests
+/// in flight, so that a block several of them hold counts once.
+///
+/// An aggregated rank (or a decode rank prefilling locally) computes the prompt into its own
+/// prefix cache, and requests with a common prefix share those blocks. A decode worker of a
+/// pair receives each request's KV by transfer into fresh blocks: Dynamo 1.6.1's decode
+/// workers publish no kv-events and the mocker's decode side caches nothing, so two requests
+/// with one system prompt hold it twice. Counting it once there let requests pile onto a
+/// decode worker that was in fact out of memory (measured in `docs/benchmarks.md`).
+fn shares_prefix_blocks(selection: &Selection) -> bool {
+    selection.prefill.is_none()
+}
+
 #[derive(Debug)]
 pub struct DispatchLedger {
     capacity: usize,
@@ -289,7 +302,9 @@ impl DispatchLedger {
 
     /// Records a dispatch of `prompt_tokens` pinned as `selection`. `block_size` is the decode
     /// worker's (see [`dispatch_block_size`]); 0 counts as 1. `block_hashes` is the prompt's
-    /// prefix chain at that block size (empty when unknown).
+    /// prefix chain at that block size (empty when unknown): the blocks an aggregated rank
+    /// shares with its other requests in flight. A decode worker of a pair shares none (see
+    /// [`shares_prefix_blocks`]).
     pub fn record(
         &self,
         selection: &Selection,
@@ -313,6 +328,7 @@ impl DispatchLedger {
         }
         state.next_id = state.next_id.wrapping_add(1).max(1);
         let id = DispatchId(state.next_id);
+        let block_hashes = if shares_prefix_blocks(selection) { block_hashes } else { &[] };
         let block_hashes: Box<[u64]> = if state.held_hashes + block_hashes.len() <= MAX_ACTIVE_BLOCK_HASHES {
             block_hashes.iter().copied().take(usize::try_from(blocks).unwrap_or(usize::MAX)).collect()
         } else {

@@ -3,7 +3,8 @@
 //! conditional disaggregation's per-request decision. Pure: no clock, no locks, no randomness
 //! of its own (the sampler takes its uniform draw as an argument).
 //!
-//! For a rank holding `overlap_blocks` of an `isl`-token prompt in blocks of `bs` tokens:
+//! For a rank holding `overlap_blocks` of an `isl`-token prompt in blocks of `bs` tokens, of
+//! which its requests in flight hold `active_overlap_blocks`:
 //!
 //! ```text
 //! cached_tokens         = min(overlap_blocks * bs, isl)
@@ -11,12 +12,19 @@
 //! raw_prefill_blocks    = raw_prefill_tokens / bs
 //! overlap_credit_blocks = overlap_score_credit * overlap_blocks
 //! adjusted_prefill      = max(0, raw_prefill_blocks - overlap_credit_blocks)
-//! decode_cost_blocks    = active_decode_blocks + max(0, ceil(isl / bs) - overlap_blocks)
+//! decode_cost_blocks    = active_decode_blocks + max(0, ceil(isl / bs) - active_overlap_blocks)
 //! cost                  = prefill_load_scale * adjusted_prefill + decode_cost_blocks
 //! ```
 //!
 //! `raw_prefill_tokens` is the seed's formula verbatim: the cached tokens cancel, so the prefix
-//! earns its discount only through `overlap_credit_blocks` (and the decode term).
+//! earns its discount through `overlap_credit_blocks`.
+//!
+//! The decode term departs from the seed, which subtracts `overlap_blocks` there too, and
+//! follows Dynamo's router (`ActiveSequences`: a request adds the blocks no request in flight
+//! on the worker holds). A cached prefix nobody is using costs no prefill, but serving the
+//! request makes all of it active memory again; crediting it twice drew every later turn to
+//! whichever rank cached most, until that rank's requests ran out of KV memory and evicted
+//! the very prefixes that drew them (measured in `docs/benchmarks.md`).
 
 use std::cmp::Ordering;
 use std::time::{Duration, Instant};
@@ -93,15 +101,22 @@ pub(super) struct Logit {
     pub cost: f64,
 }
 
-pub(super) fn worker_logit(load: RankLoad, overlap_blocks: u32, prompt: Prompt, weights: &Weights) -> Logit {
+pub(super) fn worker_logit(
+    load: RankLoad,
+    overlap_blocks: u32,
+    active_overlap_blocks: u32,
+    prompt: Prompt,
+    weights: &Weights,
+) -> Logit {
     let overlap_blocks = u64::from(overlap_blocks);
+    let shared_blocks = u64::from(active_overlap_blocks).min(overlap_blocks);
     let cached_tokens = overlap_blocks.saturating_mul(prompt.block_size).min(prompt.isl);
     let raw_prefill_tokens =
         load.active_prefill_tokens.saturating_add(prompt.isl - cached_tokens).saturating_add(cached_tokens);
     let raw_prefill_blocks = raw_prefill_tokens as f64 / prompt.block_size as f64;
     let overlap_credit_blocks = weights.overlap_score_credit * overlap_blocks as f64;
     let adjusted_prefill = (raw_prefill_blocks - overlap_credit_blocks).max(0.0);
-    let decode_cost_blocks = load.active_decode_blocks.saturating_add(prompt.blocks().saturating_sub(overlap_blocks));
+    let decode_cost_blocks = load.active_decode_blocks.saturating_add(prompt.blocks().saturating_sub(shared_blocks));
     let cost = weights.prefill_load_scale * adjusted_prefill + decode_cost_blocks as f64;
     Logit {
         overlap_blocks,

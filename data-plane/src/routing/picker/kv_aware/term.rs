@@ -23,45 +23,76 @@ pub enum KvTerm<'a> {
     Unavailable(KvSelectionResult),
 }
 
-/// Per (instance id, dp rank): the blocks of the request's prefix the rank holds, contiguous
-/// from the first. Ranks absent hold none. Instance ids are Dynamo lease ids, unique across
-/// namespaces, so they need no namespace.
+/// One rank's share of a request's prefix, as `FindMatches` answers it. Instance ids are
+/// Dynamo lease ids, unique across namespaces, so they need no namespace.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RankOverlap {
+    pub instance_id: u64,
+    pub dp_rank: u32,
+    /// Blocks of the prefix the rank holds (cached, or credited provisionally), contiguous
+    /// from the first.
+    pub blocks: u32,
+    /// Of those, the blocks the fleet's requests in flight on the rank hold: the request
+    /// would share them rather than make them active again.
+    pub active: u32,
+}
+
+impl RankOverlap {
+    /// A rank caching `blocks` of the prefix, none of them held by a request in flight.
+    pub fn cached(instance_id: u64, dp_rank: u32, blocks: u32) -> Self {
+        Self { instance_id, dp_rank, blocks, active: 0 }
+    }
+
+    /// The same overlap for a prefix of at most `blocks` blocks.
+    pub fn capped(self, blocks: u32) -> Self {
+        Self { blocks: self.blocks.min(blocks), active: self.active.min(blocks), ..self }
+    }
+}
+
+/// Per (instance id, dp rank): the rank's [`RankOverlap`]. Ranks absent hold none.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Overlaps {
-    blocks: HashMap<(u64, u32), u32>,
+    /// (blocks, active) per rank.
+    held: HashMap<(u64, u32), (u32, u32)>,
 }
 
 impl Overlaps {
     /// The blocks rank `dp_rank` of `instance_id` holds (0 when absent).
     pub fn get(&self, instance_id: u64, dp_rank: u32) -> u32 {
-        self.blocks.get(&(instance_id, dp_rank)).copied().unwrap_or(0)
+        self.held.get(&(instance_id, dp_rank)).map_or(0, |(blocks, _)| *blocks)
+    }
+
+    /// Of [`Overlaps::get`], the blocks its requests in flight hold (0 when absent).
+    pub fn active(&self, instance_id: u64, dp_rank: u32) -> u32 {
+        self.held.get(&(instance_id, dp_rank)).map_or(0, |(_, active)| *active)
     }
 
     pub fn len(&self) -> usize {
-        self.blocks.len()
+        self.held.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
+        self.held.is_empty()
     }
 }
 
-/// From `(instance_id, dp_rank, blocks)` triples (a `FindMatches` reply). A rank listed twice
-/// keeps its longer match; zero-block entries are dropped, as if absent.
-impl FromIterator<(u64, u32, u32)> for Overlaps {
-    fn from_iter<I: IntoIterator<Item = (u64, u32, u32)>>(iter: I) -> Self {
-        let mut blocks: HashMap<(u64, u32), u32> = HashMap::new();
-        for (instance_id, dp_rank, n) in iter.into_iter().filter(|(_, _, n)| *n > 0) {
-            let held = blocks.entry((instance_id, dp_rank)).or_default();
-            *held = (*held).max(n);
+/// From a `FindMatches` reply. A rank listed twice keeps its longer matches; zero-block
+/// entries are dropped, as if absent; a rank's active blocks never exceed its blocks.
+impl FromIterator<RankOverlap> for Overlaps {
+    fn from_iter<I: IntoIterator<Item = RankOverlap>>(iter: I) -> Self {
+        let mut held: HashMap<(u64, u32), (u32, u32)> = HashMap::new();
+        for overlap in iter.into_iter().filter(|o| o.blocks > 0) {
+            let (blocks, active) = held.entry((overlap.instance_id, overlap.dp_rank)).or_default();
+            *blocks = (*blocks).max(overlap.blocks);
+            *active = (*active).max(overlap.active.min(overlap.blocks));
         }
-        Self { blocks }
+        Self { held }
     }
 }
 
-impl From<Vec<(u64, u32, u32)>> for Overlaps {
-    fn from(triples: Vec<(u64, u32, u32)>) -> Self {
-        triples.into_iter().collect()
+impl From<Vec<RankOverlap>> for Overlaps {
+    fn from(reply: Vec<RankOverlap>) -> Self {
+        reply.into_iter().collect()
     }
 }
 

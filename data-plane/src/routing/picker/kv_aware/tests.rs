@@ -108,7 +108,7 @@ fn request() -> PickRequest<'static> {
 }
 
 fn overlaps(triples: &[(u64, u32, u32)]) -> Overlaps {
-    triples.iter().copied().collect()
+    triples.iter().map(|&(instance_id, dp_rank, blocks)| RankOverlap::cached(instance_id, dp_rank, blocks)).collect()
 }
 
 fn scored(isl_tokens: u64, overlaps: &Overlaps) -> KvTerm<'_> {
@@ -158,15 +158,34 @@ fn a_recent_answer_scores_like_the_index_and_is_counted_apart() {
 
 #[test]
 fn load_beats_overlap_when_the_gap_is_large() {
-    // 128 tokens; worker 2 holds all 8 blocks. Idle worker 1 costs 8 + 8 = 16; worker 2 costs
-    // 0 + (busy + 0): it wins at 10 busy blocks (10 < 16), loses at 100 (100 > 16).
+    // 128 tokens; worker 2 caches all 8 blocks (no request in flight holds them). Idle worker 1
+    // costs 8 + 8 = 16; worker 2 costs 0 + (busy + 8): it wins at 5 busy blocks (13 < 16),
+    // loses at 100 (108 > 16).
     let held = overlaps(&[(2, 0, 8)]);
-    let close = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(10), FRESH);
+    let close = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(5), FRESH);
     assert_eq!(picks(&picker(), &close, scored(128, &held), 2), [(2, None); 2]);
     let far = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(100), FRESH);
     let counters = Counters::new();
     assert_eq!(picks(&counters.picker(), &far, scored(128, &held), 2), [(1, None); 2]);
     assert_eq!(counters.result(KvSelectionResult::NoOverlap), 2, "the winner held nothing");
+}
+
+#[test]
+fn blocks_requests_in_flight_hold_are_shared() {
+    // Both cache all 8 blocks of a 128-token prompt; worker 2 carries 6 more decode blocks,
+    // but its requests in flight hold the whole prefix, so serving it there adds none:
+    // 1: 0 + (0 + 8) = 8, 2: 0 + (6 + 0) = 6 → 2. Without the requests in flight, 1.
+    let in_flight = |active| {
+        [
+            RankOverlap { instance_id: 1, dp_rank: 0, blocks: 8, active: 0 },
+            RankOverlap { instance_id: 2, dp_rank: 0, blocks: 8, active },
+        ]
+        .into_iter()
+        .collect::<Overlaps>()
+    };
+    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(6), FRESH);
+    assert_eq!(picks(&picker(), &fleet, scored(128, &in_flight(8)), 1), [(2, None)]);
+    assert_eq!(picks(&picker(), &fleet, scored(128, &in_flight(0)), 1), [(1, None)]);
 }
 
 #[test]
@@ -181,10 +200,10 @@ fn prefill_load_scale_and_credit_weigh_the_terms() {
     let doubled = fleet.params(PickerParams { prefill_load_scale: 2.0, ..PickerParams::default() });
     assert_eq!(picks(&picker(), &doubled, scored(16, &none), 1), [(2, None)]);
 
-    // Credit: worker 2 holds 8 of 8 blocks but carries 12 more decode blocks than worker 1.
-    // credit 1: 1: 8 + 8 = 16, 2: 0 + 12 = 12 → 2. credit 0: 2: 8 + 12 = 20 → 1.
+    // Credit: worker 2 caches 8 of 8 blocks but carries 4 more decode blocks than worker 1.
+    // credit 1: 1: 8 + 8 = 16, 2: 0 + 4 + 8 = 12 → 2. credit 0: 2: 8 + 12 = 20 → 1.
     let held = overlaps(&[(2, 0, 8)]);
-    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(12), FRESH);
+    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(4), FRESH);
     assert_eq!(picks(&picker(), &fleet, scored(128, &held), 1), [(2, None)]);
     let uncredited = fleet.params(PickerParams { overlap_score_credit: 0.0, ..PickerParams::default() });
     assert_eq!(picks(&picker(), &uncredited, scored(128, &held), 1), [(1, None)]);
@@ -466,11 +485,12 @@ fn the_busy_threshold_vetoes_a_bypass() {
     let held = overlaps(&[(2, 0, 60)]);
     let threshold =
         |fleet: Fleet, t| Fleet { params: PickerParams { decode_busy_threshold: Some(t), ..fleet.params }, ..fleet };
-    // total_kv_blocks 1000, threshold 0.5: projected 496 + 4 = 500 is at the line; 497 + 4 over.
-    // (Worker 3 carries 900 so that 2 stays the chosen decode worker.)
-    let at = threshold(conditional_fleet(used(496), used(900)), 0.5);
+    // total_kv_blocks 1000, threshold 0.5: serving the 64-block prompt makes all of it active
+    // (none of its 60 cached blocks is in flight), so projected 436 + 64 = 500 is at the line;
+    // 437 + 64 over. (Worker 3 carries 900 so that 2 stays the chosen decode worker.)
+    let at = threshold(conditional_fleet(used(436), used(900)), 0.5);
     assert_eq!(ids(&pick(&picker(), &at, scored(1024, &held))), (2, None));
-    let over = threshold(conditional_fleet(used(497), used(900)), 0.5);
+    let over = threshold(conditional_fleet(used(437), used(900)), 0.5);
     assert_eq!(ids(&pick(&picker(), &over, scored(1024, &held))), (2, Some(1)));
 
     // No fresh sample, or no capacity on the card, vetoes too.
@@ -548,8 +568,15 @@ fn labels() {
 
 #[test]
 fn overlaps_keep_the_longest_match_per_rank() {
-    let overlaps = Overlaps::from(vec![(1, 0, 3), (1, 0, 5), (1, 0, 2), (1, 1, 4), (2, 0, 0)]);
+    let held = |instance_id, dp_rank, blocks, active| RankOverlap { instance_id, dp_rank, blocks, active };
+    let overlaps =
+        Overlaps::from(vec![held(1, 0, 3, 3), held(1, 0, 5, 1), held(1, 0, 2, 0), held(1, 1, 4, 9), held(2, 0, 0, 0)]);
     assert_eq!((overlaps.get(1, 0), overlaps.get(1, 1), overlaps.get(2, 0), overlaps.get(9, 0)), (5, 4, 0, 0));
+    assert_eq!(
+        (overlaps.active(1, 0), overlaps.active(1, 1), overlaps.active(9, 0)),
+        (3, 4, 0),
+        "never past the blocks"
+    );
     assert_eq!(overlaps.len(), 2, "zero-block entries are as if absent");
     assert!(Overlaps::default().is_empty());
 }
@@ -583,7 +610,7 @@ proptest! {
     fn picks_only_candidates_and_bypasses_only_when_enabled(
         workers in proptest::collection::vec(arb_worker(), 0..10),
         loads in proptest::collection::vec(arb_load(), 30),
-        held in proptest::collection::vec((1..6u64, 0..3u32, 0..80u32), 0..12),
+        held in proptest::collection::vec((1..6u64, 0..3u32, 0..80u32, 0..80u32), 0..12),
         isl in 0..2000u64,
         temperature in prop_oneof![Just(0.0), 0.01..2.0f64],
         conditional in any::<bool>(),
@@ -606,7 +633,10 @@ proptest! {
             }
         }
         let view = fleet.view();
-        let overlaps: Overlaps = held.into_iter().collect();
+        let overlaps: Overlaps = held
+            .into_iter()
+            .map(|(instance_id, dp_rank, blocks, active)| RankOverlap { instance_id, dp_rank, blocks, active })
+            .collect();
         let picker = picker();
         for _ in 0..3 {
             let Some(s) = picker.pick(&view, &request(), scored(isl, &overlaps), fleet.now) else {

@@ -94,6 +94,18 @@ fn blocks_dispatches_share_count_once_until_the_last_ends() {
 }
 
 #[test]
+fn a_decode_worker_of_a_pair_holds_every_request_whole() {
+    // Transferred KV lands in fresh blocks: two requests with one 5-block system prompt hold
+    // it twice on the decode worker, whatever chain they come with.
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let chain: Vec<u64> = (1..=6).collect();
+    ledger.record(&pair(1, 2), 100, 16, &chain, t0);
+    ledger.record(&pair(1, 2), 100, 16, &chain, t0);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 14);
+}
+
+#[test]
 fn a_rank_that_caches_the_prompt_prefills_only_the_rest_but_holds_every_block() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();

@@ -14,10 +14,10 @@ fn load(active_prefill_tokens: u64, active_decode_blocks: u64) -> RankLoad {
 
 #[test]
 fn worker_logit_on_hand_computed_examples() {
-    // isl 100, bs 16, 3 blocks held, 200 prefill tokens and 10 decode blocks queued:
-    // cached 48; raw 200 + 52 + 48 = 300 tokens = 18.75 blocks; credit 3; adjusted 15.75;
-    // decode 10 + (7 - 3) = 14; cost 15.75 + 14 = 29.75.
-    let logit = worker_logit(load(200, 10), 3, Prompt::new(100, 16), &weights(1.0, 1.0));
+    // isl 100, bs 16, 3 blocks held (2 by requests in flight), 200 prefill tokens and 10
+    // decode blocks queued: cached 48; raw 200 + 52 + 48 = 300 tokens = 18.75 blocks; credit
+    // 3; adjusted 15.75; decode 10 + (7 - 2) = 15; cost 15.75 + 15 = 30.75.
+    let logit = worker_logit(load(200, 10), 3, 2, Prompt::new(100, 16), &weights(1.0, 1.0));
     let expected = Logit {
         overlap_blocks: 3,
         cached_tokens: 48,
@@ -25,26 +25,31 @@ fn worker_logit_on_hand_computed_examples() {
         raw_prefill_blocks: 18.75,
         overlap_credit_blocks: 3.0,
         adjusted_prefill: 15.75,
-        decode_cost_blocks: 14,
-        cost: 29.75,
+        decode_cost_blocks: 15,
+        cost: 30.75,
     };
     assert_eq!(logit, expected);
+    // The same rank with nothing in flight sharing the prefix: decode 10 + 7.
+    let idle = worker_logit(load(200, 10), 3, 0, Prompt::new(100, 16), &weights(1.0, 1.0));
+    assert_eq!((idle.adjusted_prefill, idle.decode_cost_blocks, idle.cost), (15.75, 17, 32.75));
 
     // credit 0.5, scale 2, isl 64, 2 of 4 blocks held, 32 prefill tokens, 5 decode blocks:
-    // raw 96 tokens = 6 blocks; credit 1; adjusted 5; decode 5 + 2 = 7; cost 2 * 5 + 7 = 17.
-    let logit = worker_logit(load(32, 5), 2, Prompt::new(64, 16), &weights(0.5, 2.0));
+    // raw 96 tokens = 6 blocks; credit 1; adjusted 5; both held blocks in flight: decode
+    // 5 + 2 = 7; cost 2 * 5 + 7 = 17.
+    let logit = worker_logit(load(32, 5), 2, 2, Prompt::new(64, 16), &weights(0.5, 2.0));
     assert_eq!((logit.adjusted_prefill, logit.decode_cost_blocks, logit.cost), (5.0, 7, 17.0));
 }
 
 #[test]
 fn cached_tokens_cap_at_the_prompt_and_terms_never_go_negative() {
     // 5 blocks held of a 20-token prompt (2 blocks): cached 20, credit 5 > 1.25 raw blocks.
-    let logit = worker_logit(load(0, 0), 5, Prompt::new(20, 16), &weights(1.0, 2.0));
+    let logit = worker_logit(load(0, 0), 5, 9, Prompt::new(20, 16), &weights(1.0, 2.0));
     assert_eq!(logit.cached_tokens, 20);
     assert_eq!(logit.raw_prefill_tokens, 20, "the seed's raw prefill tokens: cached tokens cancel");
-    assert_eq!((logit.adjusted_prefill, logit.decode_cost_blocks, logit.cost), (0.0, 0, 0.0));
+    assert_eq!((logit.adjusted_prefill, logit.decode_cost_blocks, logit.cost), (0.0, 0, 0.0), "active capped at held");
     // Saturating, not overflowing, at the extremes.
-    let huge = worker_logit(load(u64::MAX, u64::MAX), u32::MAX, Prompt::new(u64::MAX, 16), &weights(1.0, 1.0));
+    let huge =
+        worker_logit(load(u64::MAX, u64::MAX), u32::MAX, u32::MAX, Prompt::new(u64::MAX, 16), &weights(1.0, 1.0));
     assert!(huge.cost.is_finite());
 }
 
@@ -53,9 +58,9 @@ fn the_stale_and_conditional_costs() {
     let prompt = Prompt::new(100, 16);
     assert_eq!(stale_cost(3, prompt, &weights(1.0, 1.0)), 6.25 - 3.0);
     assert_eq!(stale_cost(3, prompt, &weights(0.5, 1.0)), 6.25 - 1.5);
-    let logit = worker_logit(load(200, 10), 3, prompt, &weights(1.0, 1.0));
+    let logit = worker_logit(load(200, 10), 3, 3, prompt, &weights(1.0, 1.0));
     assert_eq!(conditional_decode_cost(&logit), 14.0 - 3.0);
-    let covered = worker_logit(load(0, 0), 7, prompt, &weights(1.0, 1.0));
+    let covered = worker_logit(load(0, 0), 7, 7, prompt, &weights(1.0, 1.0));
     assert_eq!(conditional_decode_cost(&covered), 0.0, "never below zero");
 }
 

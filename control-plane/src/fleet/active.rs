@@ -1,0 +1,81 @@
+//! The blocks every rank's dispatches in flight hold, fleet-wide: written by the backlog book
+//! as reports arrive, read by `FindMatches`.
+//!
+//! A request routed to a rank adds to that rank's active KV memory only the blocks no request
+//! in flight there already holds. The book counts each rank's distinct blocks for its backlog;
+//! this index lets `FindMatches` also say, per rank, how much of a new request's prefix those
+//! requests share (Dynamo's router charges a worker's decode term with exactly these new
+//! blocks: `ActiveSequences` overlap depth). A rank that merely caches the prefix still has to
+//! make all of it active again, so the cached overlap alone would understate its cost.
+//!
+//! Bounded by the book: it holds at most [`MAX_ACTIVE_BLOCK_HASHES`] hashes in all, and a
+//! rank's entry goes when its last block does.
+//!
+//! [`MAX_ACTIVE_BLOCK_HASHES`]: continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use continuum_kv_index::RankKey;
+use continuum_proto::active::ActiveBlocks;
+use continuum_proto::fast_hash::FastMap;
+
+#[derive(Debug, Clone, Default)]
+pub struct ActiveIndex {
+    ranks: Arc<Mutex<FastMap<RankKey, ActiveBlocks>>>,
+}
+
+impl ActiveIndex {
+    /// Adds a request of `blocks` blocks hashing to `hashes` on `rank`; returns how many
+    /// blocks the rank's distinct total grew by (see [`ActiveBlocks::add`]).
+    pub(super) fn add(&self, rank: RankKey, hashes: &[u64], blocks: u64) -> u64 {
+        self.lock().entry(rank).or_default().add(hashes, blocks)
+    }
+
+    /// Removes a request added with the same arguments; returns how many blocks the rank's
+    /// distinct total shrank by.
+    pub(super) fn remove(&self, rank: RankKey, hashes: &[u64], blocks: u64) -> u64 {
+        let mut ranks = self.lock();
+        let Some(held) = ranks.get_mut(&rank) else { return 0 };
+        let freed = held.remove(hashes, blocks);
+        if held.is_empty() {
+            ranks.remove(&rank);
+        }
+        freed
+    }
+
+    /// For each of `ranks`, how many leading blocks of `hashes` its requests in flight hold.
+    pub fn depths(&self, hashes: &[u64], ranks: impl IntoIterator<Item = RankKey>) -> Vec<u32> {
+        let held = self.lock();
+        ranks.into_iter().map(|rank| held.get(&rank).map_or(0, |blocks| blocks.depth(hashes))).collect()
+    }
+
+    /// Ranks with blocks in flight.
+    #[cfg(test)]
+    fn ranks(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FastMap<RankKey, ActiveBlocks>> {
+        self.ranks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: RankKey = RankKey { worker_id: 1, dp_rank: 0 };
+    const B: RankKey = RankKey { worker_id: 1, dp_rank: 1 };
+
+    #[test]
+    fn depths_are_per_rank_and_end_with_their_requests() {
+        let index = ActiveIndex::default();
+        assert_eq!(index.add(A, &[1, 2, 3], 4), 4);
+        assert_eq!(index.add(B, &[1, 9], 2), 2);
+        assert_eq!(index.depths(&[1, 2, 3, 4], [A, B, RankKey { worker_id: 2, dp_rank: 0 }]), vec![3, 1, 0]);
+        assert_eq!(index.remove(A, &[1, 2, 3], 4), 4);
+        assert_eq!(index.depths(&[1, 2], [A, B]), vec![0, 1]);
+        assert_eq!(index.ranks(), 1, "a rank with nothing in flight leaves the index");
+        assert_eq!(index.remove(A, &[1, 2, 3], 4), 0, "a second removal frees nothing");
+    }
+}
