@@ -62,13 +62,18 @@ impl DispatchEnd {
     }
 
     /// The response began (its first token): the prompt no longer loads the rank that
-    /// prefilled it. Only the first call counts.
+    /// prefilled it. A prefill worker's leg is over then (one report ends it); the rank that
+    /// decodes keeps its blocks until the end. Only the first call counts.
     pub fn prefilled(&mut self) {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
         }
         self.ledger.prefilled(self.id);
-        for id in self.reported.iter().flatten() {
+        let [prefill, decode] = &mut self.reported;
+        if let Some(id) = prefill.take() {
+            self.reporter.ended(id);
+        }
+        if let Some(id) = decode {
             self.reporter.prefilled(*id);
         }
     }
