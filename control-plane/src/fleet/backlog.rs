@@ -12,10 +12,10 @@
 //! elsewhere), and a sample taken before a new request reached the engine does not show it yet.
 //! The book therefore publishes, per rank, the distinct blocks of every dispatch in flight (a
 //! block several dispatches share counts once, while any of them holds it: see
-//! [`ActiveIndex`], which `FindMatches` reads too) plus the *foreign* part of the last sample: what it showed beyond the
-//! dispatches in flight when it arrived (load the fleet did not send, such as another
-//! router's); ends shortly before a sample may still be in it, so they do not count as
-//! foreign. Prefill tokens count until the response begins (the replica reports the first
+//! [`ActiveIndex`], which `FindMatches` reads too) plus the *foreign* part of the last
+//! sample: what it showed beyond the dispatches in flight when it arrived (load the fleet did
+//! not send, such as another router's); ends shortly before a sample may still be in it, so
+//! they do not count as foreign. Prefill tokens count until the response begins (the replica reports the first
 //! token), again as Dynamo's router does.
 //!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after

@@ -128,10 +128,10 @@ impl RankBacklog {
 ///
 /// An aggregated rank (or a decode rank prefilling locally) computes the prompt into its own
 /// prefix cache, and requests with a common prefix share those blocks. A decode worker of a
-/// pair receives each request's KV by transfer into fresh blocks: Dynamo 1.6.1's decode
-/// workers publish no kv-events and the mocker's decode side caches nothing, so two requests
-/// with one system prompt hold it twice. Counting it once there let requests pile onto a
-/// decode worker that was in fact out of memory (measured in `docs/benchmarks.md`).
+/// pair receives each request's KV by transfer, and nothing shows it sharing blocks between
+/// requests (Dynamo 1.6.1's decode workers publish no kv-events), so two requests with one
+/// system prompt count it twice. Counting it once made a full decode worker look half empty,
+/// and requests piled onto it to wait for memory (measured in `docs/benchmarks.md`).
 fn shares_prefix_blocks(selection: &Selection) -> bool {
     selection.prefill.is_none()
 }
