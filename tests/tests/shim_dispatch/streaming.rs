@@ -119,13 +119,13 @@ async fn an_open_stream_loads_its_ranks_fleet_wide_until_it_ends() -> anyhow::Re
             && backlog(DECODE_ID).is_some_and(|b| b.decode_blocks > 0 && b.prefill_tokens == 0)
     })
     .await?;
-    // The first token: the prompt is prefilled, so it no longer loads the prefill rank; the
-    // request's blocks stay on the decode rank until it ends.
+    // The first token: the prompt is prefilled, so the prefill leg is over (it no longer loads
+    // the prefill rank at all); the request's blocks stay on the decode rank until it ends.
     gate.send(Ok(Bytes::from(FIRST))).await?;
     assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
-    eventually(Duration::from_secs(10), "the prefill leg prefilled", || async {
-        backlog(PREFILL_ID).is_some_and(|b| b.prefill_tokens == 0 && b.dispatches == 1)
-            && backlog(DECODE_ID).is_some_and(|b| b.decode_blocks > 0)
+    eventually(Duration::from_secs(10), "the prefill leg ended", || async {
+        backlog(PREFILL_ID).is_none_or(|b| b.prefill_tokens == 0 && b.dispatches == 0)
+            && backlog(DECODE_ID).is_some_and(|b| b.decode_blocks > 0 && b.dispatches == 1)
     })
     .await?;
     drop(gate);
