@@ -304,7 +304,7 @@ impl DispatchLedger {
     /// worker's (see [`dispatch_block_size`]); 0 counts as 1. `block_hashes` is the prompt's
     /// prefix chain at that block size (empty when unknown): the blocks an aggregated rank
     /// shares with its other requests in flight. A decode worker of a pair shares none (see
-    /// [`shares_prefix_blocks`]).
+    /// `shares_prefix_blocks`).
     pub fn record(
         &self,
         selection: &Selection,
