@@ -223,3 +223,16 @@ async fn the_blocks_a_dispatch_in_flight_holds_are_its_ranks_active_overlap_unti
     plane.cancel.cancel();
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatch_for_a_rank_the_fleet_lacks_is_refused_and_counted_by_an_idle_book() -> anyhow::Result<()> {
+    let plane = Plane::start("2s").await?;
+    let mut client = plane.client().await?;
+    let reporter = watch(&mut client, "replica-a").await?;
+    // The book holds nothing, so it has no window to wake for but the count it owes.
+    reporter.send(started(1, 0x99, vec![7_000, 7_001])).await?;
+    eventually(WAIT, "the refusal is counted", || async { plane.metrics.dispatches_refused.get() == 1 }).await?;
+    assert!(held(&mut client, &[7_000, 7_001]).await?.is_empty(), "a refused dispatch holds nothing");
+    plane.cancel.cancel();
+    Ok(())
+}

@@ -24,7 +24,7 @@
 //! after that end if none comes.
 //!
 //! One task owns the book (commands over a bounded channel); changes are published at most once
-//! per [`BACKLOG_WINDOW`].
+//! per [`BACKLOG_WINDOW`], and the task does not wake per window while the book holds nothing.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -380,6 +380,11 @@ async fn run(
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        // With nothing held, nothing to publish and no count to export, the book sleeps until a
+        // report comes instead of waking every window.
+        let busy = !book.ranks.is_empty()
+            || !book.dirty.is_empty()
+            || (book.refused, book.chains_dropped) != (refused, chains_dropped);
         tokio::select! {
             biased;
             () = cancel.cancelled() => return,
@@ -388,7 +393,7 @@ async fn run(
                 Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
                 None => return,
             },
-            _ = tick.tick() => {
+            _ = tick.tick(), if busy => {
                 let now = Instant::now();
                 if !book.ranks.is_empty() {
                     let state = Arc::clone(&states.borrow_and_update());
