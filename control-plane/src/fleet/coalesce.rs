@@ -68,7 +68,8 @@ async fn run(
                 Some((key, sample)) => { pending.insert(key, sample); }
                 None => { flush(&publisher, &mut pending); return; }
             },
-            _ = tick.tick() => flush(&publisher, &mut pending),
+            // Nothing pending, nothing to wake for.
+            _ = tick.tick(), if !pending.is_empty() => flush(&publisher, &mut pending),
         }
     }
 }
