@@ -130,8 +130,8 @@ impl RankBacklog {
 /// prefix cache, and requests with a common prefix share those blocks. A decode worker of a
 /// pair receives each request's KV by transfer, and nothing shows it sharing blocks between
 /// requests (Dynamo 1.6.1's decode workers publish no kv-events), so two requests with one
-/// system prompt count it twice. Counting it once made a full decode worker look half empty,
-/// and requests piled onto it to wait for memory (measured in `docs/benchmarks.md`).
+/// system prompt count it twice. Counted that way, both Dynamo's router and ours see decode
+/// workers start making requests wait at about their capacity (`docs/benchmarks.md`).
 fn shares_prefix_blocks(selection: &Selection) -> bool {
     selection.prefill.is_none()
 }

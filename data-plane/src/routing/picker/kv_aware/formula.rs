@@ -22,9 +22,8 @@
 //! The decode term departs from the seed, which subtracts `overlap_blocks` there too, and
 //! follows Dynamo's router (`ActiveSequences`: a request adds the blocks no request in flight
 //! on the worker holds). A cached prefix nobody is using costs no prefill, but serving the
-//! request makes all of it active memory again; crediting it twice drew every later turn to
-//! whichever rank cached most, until that rank's requests ran out of KV memory and evicted
-//! the very prefixes that drew them (measured in `docs/benchmarks.md`).
+//! request makes all of it active memory again, so the seed's version credits such a prefix
+//! twice. Same-run comparisons with Dynamo's router are in `docs/benchmarks.md`.
 
 use std::cmp::Ordering;
 use std::time::{Duration, Instant};
