@@ -91,6 +91,8 @@ pub(super) struct RankLoad {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct Logit {
     pub overlap_blocks: u64,
+    /// Of `overlap_blocks`, those the rank's requests in flight hold.
+    pub shared_blocks: u64,
     pub cached_tokens: u64,
     pub raw_prefill_tokens: u64,
     pub raw_prefill_blocks: f64,
@@ -119,6 +121,7 @@ pub(super) fn worker_logit(
     let cost = weights.prefill_load_scale * adjusted_prefill + decode_cost_blocks as f64;
     Logit {
         overlap_blocks,
+        shared_blocks,
         cached_tokens,
         raw_prefill_tokens,
         raw_prefill_blocks,

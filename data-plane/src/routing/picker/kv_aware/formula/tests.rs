@@ -20,6 +20,7 @@ fn worker_logit_on_hand_computed_examples() {
     let logit = worker_logit(load(200, 10), 3, 2, Prompt::new(100, 16), &weights(1.0, 1.0));
     let expected = Logit {
         overlap_blocks: 3,
+        shared_blocks: 2,
         cached_tokens: 48,
         raw_prefill_tokens: 300,
         raw_prefill_blocks: 18.75,
