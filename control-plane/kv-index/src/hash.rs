@@ -14,10 +14,41 @@ pub(crate) struct Mixer {
     multiplier: u64,
 }
 
+/// Of hashbrown's 128 tag values, how many 1,024 sequential keys must reach under a mixer.
+const SPREAD: usize = 100;
+
 impl Mixer {
+    /// A mixer with a fresh random seed and multiplier. About one random odd multiplier in
+    /// twenty folds structured keys (sequential ids, near-equal hashes) into a few dozen tag
+    /// values or fewer, which would slow every probe of the tables it keys; such a draw is
+    /// refused and drawn again.
     pub(crate) fn random() -> Mixer {
         let state = RandomState::new();
-        Mixer { seed: state.hash_one(0x5eed_u64), multiplier: state.hash_one(0xfeed_u64) | 1 }
+        let mut attempt = 0u64;
+        loop {
+            let mixer = Mixer {
+                seed: state.hash_one((0x5eed_u64, attempt)),
+                multiplier: state.hash_one((0xfeed_u64, attempt)) | 1,
+            };
+            if mixer.spreads() {
+                return mixer;
+            }
+            attempt += 1;
+        }
+    }
+
+    /// Whether sequential keys, and one key under sequential contexts, reach at least
+    /// [`SPREAD`] of hashbrown's tag values (the top 7 bits of a hash).
+    fn spreads(&self) -> bool {
+        let distinct_tags = |hashes: &mut dyn Iterator<Item = u64>| {
+            let mut seen = [false; 128];
+            for hash in hashes {
+                seen[(hash >> 57) as usize] = true;
+            }
+            seen.iter().filter(|seen| **seen).count()
+        };
+        distinct_tags(&mut (0..1024u64).map(|key| self.one(key))) >= SPREAD
+            && distinct_tags(&mut (0..1024u32).map(|context| self.pair(7, context))) >= SPREAD
     }
 
     /// The hash of one 64-bit key.
@@ -42,6 +73,13 @@ fn fold(a: u64, b: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_multiplier_that_clusters_structured_keys_is_refused() {
+        // Multiplying by 1 leaves the top bits of small keys equal: one tag for all of them.
+        assert!(!Mixer { seed: 0, multiplier: 1 }.spreads());
+        assert!((0..200).all(|_| Mixer::random().spreads()), "every drawn mixer spreads");
+    }
 
     #[test]
     fn small_integers_spread_over_the_tag_bits() {
