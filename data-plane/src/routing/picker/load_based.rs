@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use continuum_proto::model::{Backlog, LoadSample, Role};
@@ -39,10 +39,9 @@ pub(super) struct RankState<'v> {
 #[derive(Debug)]
 pub struct LoadBasedPicker {
     ledger: Arc<DispatchLedger>,
-    /// `continuum_dynamo_selection_total{role, reason}`.
-    selections: IntCounterVec,
-    /// Its series by role ([`DECODE`], [`PREFILL`]) and reason, looked up on first use.
-    counters: [[OnceLock<Option<IntCounter>>; REASONS]; 2],
+    /// `continuum_dynamo_selection_total{role, reason}`, by role ([`DECODE`], [`PREFILL`])
+    /// and reason, looked up once; `None` if the vector was built with other labels.
+    counters: Option<[[IntCounter; REASONS]; 2]>,
     /// Per phase, model and (for prefill) namespace, keyed by hash: two pools sharing a cursor
     /// after a collision still rotate.
     cursors: Mutex<HashMap<u64, usize>>,
@@ -51,7 +50,7 @@ pub struct LoadBasedPicker {
 impl LoadBasedPicker {
     /// `selections` must have the labels `role` and `reason` (see `Metrics::selections`).
     pub fn new(ledger: Arc<DispatchLedger>, selections: IntCounterVec) -> Self {
-        Self { ledger, selections, counters: Default::default(), cursors: Mutex::new(HashMap::new()) }
+        Self { ledger, counters: series(&selections), cursors: Mutex::new(HashMap::new()) }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.
@@ -143,18 +142,24 @@ impl LoadBasedPicker {
     }
 
     /// Counts a selection on `continuum_dynamo_selection_total{role, reason}`.
-    pub(super) fn count(&self, (index, role): SelectedRole, reason: Reason) {
-        // A counter built with other labels only loses the count; selection goes on.
-        let lookup = || self.selections.get_metric_with_label_values(&[role, reason.as_str()]).ok();
-        let counted = match self.counters.get(index).and_then(|by_reason| by_reason.get(reason as usize)) {
-            Some(slot) => slot.get_or_init(lookup).as_ref(),
-            None => None,
-        };
-        match counted {
-            Some(counter) => counter.inc(),
-            None => lookup().iter().for_each(IntCounter::inc),
+    pub(super) fn count(&self, (index, _): SelectedRole, reason: Reason) {
+        // A vector built with other labels only loses the counts; selection goes on.
+        if let Some(counter) = self.counters.as_ref().and_then(|c| c.get(index)?.get(reason as usize)) {
+            counter.inc();
         }
     }
+}
+
+/// Every series of `selections` by role and reason; `None` if it was built with other labels.
+fn series(selections: &IntCounterVec) -> Option<[[IntCounter; REASONS]; 2]> {
+    let row = |role| -> Option<[IntCounter; REASONS]> {
+        let row: Vec<IntCounter> = Reason::ALL
+            .iter()
+            .map(|reason| selections.get_metric_with_label_values(&[role, reason.as_str()]).ok())
+            .collect::<Option<_>>()?;
+        row.try_into().ok()
+    };
+    Some([row(DECODE.1)?, row(PREFILL.1)?])
 }
 
 impl Picker for LoadBasedPicker {
