@@ -5,12 +5,11 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::{Certificate, ConnectOptions, Identity, TlsOptions};
 use tokio::process::{Child, Command};
 
-use crate::eventually;
 use crate::pki::Pki;
 use crate::process::free_port;
 
@@ -43,20 +42,31 @@ impl Etcd {
         let scheme = if tls.is_some() { "https" } else { "http" };
         let mut etcd = Self {
             child: None,
-            client_url: format!("{scheme}://{}", free_port()?),
-            peer_url: format!("http://{}", free_port()?),
-            metrics_url: format!("http://{}", free_port()?),
+            client_url: String::new(),
+            peer_url: String::new(),
+            metrics_url: String::new(),
             data_dir: dir.join("etcd-data"),
             log: dir.join("etcd.log"),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             tls,
         };
-        etcd.spawn().await?;
-        Ok(etcd)
+        // A port found free can be taken by a parallel test before etcd binds it; etcd then
+        // exits at once, and a first start simply tries three fresh ports again.
+        let mut attempts = 0;
+        loop {
+            etcd.client_url = format!("{scheme}://{}", free_port()?);
+            etcd.peer_url = format!("http://{}", free_port()?);
+            etcd.metrics_url = format!("http://{}", free_port()?);
+            match etcd.spawn().await {
+                Err(e) if attempts < 3 && e.to_string().contains("address already in use") => attempts += 1,
+                outcome => return outcome.map(|()| etcd),
+            }
+        }
     }
 
     async fn spawn(&mut self) -> anyhow::Result<()> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let log_start = log.metadata()?.len();
         let mut command = Command::new("etcd");
         command
             .args(["--name", "continuum-test", "--data-dir"])
@@ -75,25 +85,34 @@ impl Etcd {
                 .arg(&pki.ca_cert)
                 .arg("--client-cert-auth");
         }
-        let child = command
+        let mut child = command
             .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(log)
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| anyhow::anyhow!("cannot start etcd (run scripts/test to install etcd-server): {e}"))?;
-        self.child = Some(child);
-        let (url, options) = (self.client_url.clone(), self.connect_options()?);
-        eventually(Duration::from_secs(20), "etcd to answer", || {
-            let (url, options) = (url.clone(), options.clone());
-            async move {
-                match etcd_client::Client::connect([url], options).await {
-                    Ok(mut client) => client.get("health-probe", None).await.is_ok(),
-                    Err(_) => false,
-                }
+        let options = self.connect_options()?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                let log = std::fs::read(&self.log).unwrap_or_default();
+                let ours = String::from_utf8_lossy(log.get(log_start as usize..).unwrap_or_default()).into_owned();
+                let lines: Vec<&str> = ours.lines().collect();
+                let tail = lines[lines.len().saturating_sub(5)..].join("\n");
+                anyhow::bail!("etcd exited ({status}) before answering; its log ends:\n{tail}");
             }
-        })
-        .await
+            let answered = match etcd_client::Client::connect([self.client_url.as_str()], options.clone()).await {
+                Ok(mut client) => client.get("health-probe", None).await.is_ok(),
+                Err(_) => false,
+            };
+            if answered {
+                self.child = Some(child);
+                return Ok(());
+            }
+            anyhow::ensure!(Instant::now() < deadline, "etcd did not answer on {} within 30s", self.client_url);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// A client with full access (before `auth enable`), over TLS when the member serves it.
