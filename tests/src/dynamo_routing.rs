@@ -29,14 +29,15 @@ const CURL_TIMED_OUT: i32 = 28;
 /// Starts `python -m dynamo.frontend --router-mode direct` on [`FRONTEND`] with the README's
 /// environment. Returns its pid.
 pub fn start_frontend(ns: &NetNs) -> anyhow::Result<u32> {
-    start_frontend_routing(ns, "direct")
+    start_frontend_routing(ns, "direct", &[])
 }
 
 /// [`start_frontend`] with another `--router-mode` (`round-robin`, `kv`, …): Dynamo routing on
 /// its own, for comparison.
-pub fn start_frontend_routing(ns: &NetNs, router_mode: &str) -> anyhow::Result<u32> {
+pub fn start_frontend_routing(ns: &NetNs, router_mode: &str, extra: &[&str]) -> anyhow::Result<u32> {
     let mut command = ns.command(tools::python());
     command.args(["-m", "dynamo.frontend", "--router-mode", router_mode, "--http-host", "127.0.0.1"]);
+    command.args(extra);
     command.args(["--http-port", FRONTEND.rsplit(':').next().unwrap_or("8000")]);
     dynamo_env(&mut command);
     ns.spawn("frontend", command)
