@@ -51,14 +51,18 @@ impl Etcd {
             tls,
         };
         // A port found free can be taken by a parallel test before etcd binds it; etcd then
-        // exits at once, and a first start simply tries three fresh ports again.
+        // exits at once, and a first start tries fresh ports (and fresh data, which would
+        // remember the old peer address) up to three more times.
         let mut attempts = 0;
         loop {
             etcd.client_url = format!("{scheme}://{}", free_port()?);
             etcd.peer_url = format!("http://{}", free_port()?);
             etcd.metrics_url = format!("http://{}", free_port()?);
             match etcd.spawn().await {
-                Err(e) if attempts < 3 && e.to_string().contains("address already in use") => attempts += 1,
+                Err(e) if attempts < 3 && e.to_string().contains("address already in use") => {
+                    attempts += 1;
+                    let _ = std::fs::remove_dir_all(&etcd.data_dir);
+                }
                 outcome => return outcome.map(|()| etcd),
             }
         }

@@ -582,8 +582,8 @@ impl Report {
         let mut out = String::new();
         out.push_str(&format!(
             "{}. Took {:.1} min. Each figure is the median of {} run(s) of {} requests, with the spread (min–max) \
-             in brackets; the targets' TTFT p90 is taken over all runs' requests pooled. Workers: `dynamo.mocker` with `--block-size 16 --num-gpu-blocks-override {KV_BLOCKS} \
-             --speedup-ratio 1.0` (its polynomial timing charges prefill by uncached prompt tokens), {MAX_TOKENS} \
+             in brackets; the targets' TTFT p90 is taken over all runs' requests pooled. Workers: `dynamo.mocker` \
+             with `--block-size 16 --num-gpu-blocks-override {KV_BLOCKS} --speedup-ratio 1.0` (its polynomial timing charges prefill by uncached prompt tokens), {MAX_TOKENS} \
              output tokens, streaming. Shared prefix: groups × users conversations, 1,500-token system prompt per \
              group, 60-token user turns, think time 0–500 ms, groups started 150 ms apart (+0–400 ms each); \
              concurrency 8 (8×2) and 12 (13×3). Unique prompts: 1,560 fresh tokens each, concurrency 8. Hit rate \
