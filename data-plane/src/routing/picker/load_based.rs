@@ -88,9 +88,10 @@ impl LoadBasedPicker {
         now: Instant,
     ) -> (Reason, Vec<usize>) {
         let max_staleness = view.config().picker.max_staleness;
+        let ranks = self.ranks(view, candidates, now);
         let scored: Vec<Scored> = candidates
             .iter()
-            .zip(self.ranks(view, candidates, now))
+            .zip(&ranks)
             .map(|(candidate, rank)| {
                 let standing = cost::standing(phase, rank.sample, max_staleness, now);
                 let inputs = CostInputs {
@@ -104,6 +105,9 @@ impl LoadBasedPicker {
                 Scored { cost: cost::cost(phase, &inputs), fresh, stalled: rank.dispatched.stalled }
             })
             .collect();
+        if tracing::enabled!(target: "continuum_data_plane::routing::pick", tracing::Level::DEBUG) {
+            explain(phase, candidates, &ranks, &scored, max_staleness, now);
+        }
         cost::contenders(&scored)
     }
 
@@ -190,4 +194,35 @@ impl Picker for LoadBasedPicker {
             cached_blocks: 0,
         })
     }
+}
+
+/// One pick's inputs per candidate, at debug level: the sample the cost started from, what the
+/// fleet's dispatches add, and the cost.
+fn explain(
+    phase: Phase,
+    candidates: &[Candidate],
+    ranks: &[RankState<'_>],
+    scored: &[Scored],
+    max_staleness: std::time::Duration,
+    now: Instant,
+) {
+    use std::fmt::Write;
+    let mut line = format!("{phase:?}:");
+    for ((candidate, rank), scored) in candidates.iter().zip(ranks).zip(scored) {
+        let d = &rank.dispatched;
+        let _ = write!(
+            line,
+            " {}/{}[{:?} age {:?} foreign {:?} in flight {} unanswered {} prefill {} cost {:?}]",
+            candidate.worker.key.instance_id,
+            candidate.rank,
+            cost::standing(phase, rank.sample, max_staleness, now),
+            rank.sample.map(|s| s.age(now)),
+            d.foreign_decode_blocks,
+            d.in_flight_decode_blocks,
+            d.decode_blocks,
+            d.prefill_tokens,
+            scored.cost,
+        );
+    }
+    tracing::debug!(target: "continuum_data_plane::routing::pick", "{line}");
 }
