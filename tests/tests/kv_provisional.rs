@@ -128,6 +128,34 @@ async fn held(client: &mut FleetClient<Channel>, hashes: &[u64]) -> anyhow::Resu
     Ok(reply.overlaps.into_iter().map(|o| (o.instance_id, o.blocks, o.active_blocks)).collect())
 }
 
+/// Waits until `FindMatches` for `hashes` answers `want` as [`overlaps`] reads it.
+async fn until_overlaps(
+    client: &FleetClient<Channel>,
+    hashes: &[u64],
+    want: &[(u64, u32)],
+    what: &str,
+) -> anyhow::Result<()> {
+    eventually(WAIT, what, || {
+        let mut client = client.clone();
+        async move { overlaps(&mut client, hashes).await.is_ok_and(|o| o == want) }
+    })
+    .await
+}
+
+/// Waits until `FindMatches` for `hashes` answers `want` as [`held`] reads it.
+async fn until_held(
+    client: &FleetClient<Channel>,
+    hashes: &[u64],
+    want: &[(u64, u32, u32)],
+    what: &str,
+) -> anyhow::Result<()> {
+    eventually(WAIT, what, || {
+        let mut client = client.clone();
+        async move { held(&mut client, hashes).await.is_ok_and(|o| o == want) }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_one_replica_pins_is_credited_to_its_rank_for_every_replica_until_the_ttl_passes() -> anyhow::Result<()>
 {
@@ -146,21 +174,13 @@ async fn a_prefix_one_replica_pins_is_credited_to_its_rank_for_every_replica_unt
     // whole prefix (not the blocks past it), and SECOND with nothing.
     reporter.send(started(1, FIRST, prefix.clone())).await?;
     let t0 = std::time::Instant::now();
-    eventually(WAIT, "replica B sees A's pin as FIRST's overlap", || {
-        let (mut client, query) = (second.clone(), query.clone());
-        async move { overlaps(&mut client, &query).await.is_ok_and(|o| o == [(FIRST, 12)]) }
-    })
-    .await?;
+    until_overlaps(&second, &query, &[(FIRST, 12)], "replica B sees A's pin as FIRST's overlap").await?;
     assert!(t0.elapsed() < TTL, "credited well within the TTL");
     // A query sharing only the first blocks scores only those.
     assert_eq!(overlaps(&mut second, &prefix[..5]).await?, [(FIRST, 5)]);
 
     // The TTL passes with no kv-event confirming it: the credit is gone for everyone.
-    eventually(WAIT, "the credit expires", || {
-        let (mut client, query) = (first.clone(), query.clone());
-        async move { overlaps(&mut client, &query).await.is_ok_and(|o| o.is_empty()) }
-    })
-    .await?;
+    until_overlaps(&first, &query, &[], "the credit expires").await?;
     assert!(t0.elapsed() >= TTL - Duration::from_millis(100), "not before the TTL: {:?}", t0.elapsed());
     eventually(WAIT, "the sweep counts it expired", || async { plane.provisional("expired") >= 1 }).await?;
     assert!(plane.provisional("credited") >= 1);
@@ -175,11 +195,7 @@ async fn a_zero_ttl_reloaded_in_turns_the_credit_off_so_the_same_report_credits_
     let reporter = watch(&mut client, "replica-a").await?;
     let prefix: Vec<u64> = (2_000..2_008).collect();
     reporter.send(started(1, SECOND, prefix.clone())).await?;
-    eventually(WAIT, "credited while on", || {
-        let (mut client, prefix) = (client.clone(), prefix.clone());
-        async move { overlaps(&mut client, &prefix).await.is_ok_and(|o| o == [(SECOND, 8)]) }
-    })
-    .await?;
+    until_overlaps(&client, &prefix, &[(SECOND, 8)], "credited while on").await?;
 
     // Off: what was held goes at once, and a new report is refused (and counted).
     plane.supervisor.reload(&kv_config("0s")?).await;
@@ -205,21 +221,13 @@ async fn the_blocks_a_dispatch_in_flight_holds_are_its_ranks_active_overlap_unti
     // A decode dispatch of 4 blocks (`started` reports 4) of a 12-block chain: FIRST holds
     // all 12 provisionally, and its request in flight holds the first 4.
     reporter.send(started(1, FIRST, prefix.clone())).await?;
-    eventually(WAIT, "the dispatch's blocks are FIRST's active overlap", || {
-        let (mut client, prefix) = (client.clone(), prefix.clone());
-        async move { held(&mut client, &prefix).await.is_ok_and(|o| o == [(FIRST, 12, 4)]) }
-    })
-    .await?;
+    until_held(&client, &prefix, &[(FIRST, 12, 4)], "the dispatch's blocks are FIRST's active overlap").await?;
     // A prompt that leaves the chain after 2 blocks shares only those.
     assert_eq!(held(&mut client, &[4_000, 4_001, 7]).await?, [(FIRST, 2, 2)]);
 
     // Its end frees them; the provisional credit stays until its TTL.
     reporter.send(ended(1)).await?;
-    eventually(WAIT, "nothing in flight holds them", || {
-        let (mut client, prefix) = (client.clone(), prefix.clone());
-        async move { held(&mut client, &prefix).await.is_ok_and(|o| o == [(FIRST, 12, 0)]) }
-    })
-    .await?;
+    until_held(&client, &prefix, &[(FIRST, 12, 0)], "nothing in flight holds them").await?;
     plane.cancel.cancel();
     Ok(())
 }

@@ -23,6 +23,7 @@
 //! `--only-routers round-robin,continuum-load`, `--only-cases unique` (a name prefix) and
 //! `--dump DIR` (every run's per-request outcomes as JSON); a filtered run is never written.
 
+use std::borrow::Cow;
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -113,14 +114,14 @@ enum Router {
 }
 
 impl Router {
-    fn label(self) -> &'static str {
+    fn label(self) -> Cow<'static, str> {
         match self {
-            Router::RoundRobin => "Dynamo round-robin",
-            Router::DynamoKv => "Dynamo kv",
-            Router::DynamoKvScaled => "Dynamo kv, `--router-prefill-load-scale 3`",
-            Router::ContinuumLoad => "Continuum load-based",
-            Router::ContinuumKv => "Continuum KV-aware",
-            Router::ContinuumKvNoProvisional => "Continuum KV-aware, provisional credit off",
+            Router::RoundRobin => "Dynamo round-robin".into(),
+            Router::DynamoKv => "Dynamo kv".into(),
+            Router::DynamoKvScaled => format!("Dynamo kv, `--router-prefill-load-scale {PREFILL_LOAD_SCALE}`").into(),
+            Router::ContinuumLoad => "Continuum load-based".into(),
+            Router::ContinuumKv => "Continuum KV-aware".into(),
+            Router::ContinuumKvNoProvisional => "Continuum KV-aware, provisional credit off".into(),
         }
     }
 
