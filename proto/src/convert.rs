@@ -301,6 +301,7 @@ fn backlog_to_wire(key: &LoadKey, backlog: &Backlog, now: Instant) -> pb::Backlo
         decode_blocks: backlog.decode_blocks,
         dispatches: backlog.dispatches,
         foreign_decode_blocks: backlog.foreign_decode_blocks,
+        ending_decode_blocks: backlog.ending_decode_blocks,
         age_us: backlog
             .as_of
             .map(|at| u64::try_from(now.saturating_duration_since(at).as_micros()).unwrap_or(u64::MAX)),
@@ -316,6 +317,7 @@ fn backlog_from_wire(backlog: pb::Backlog, now: Instant) -> Result<(LoadKey, Bac
             decode_blocks: backlog.decode_blocks,
             dispatches: backlog.dispatches,
             foreign_decode_blocks: backlog.foreign_decode_blocks,
+            ending_decode_blocks: backlog.ending_decode_blocks,
             as_of: backlog.age_us.map(|age| instant_before(now, Duration::from_micros(age))),
         },
     ))

@@ -151,6 +151,9 @@ pub struct Backlog {
     /// arrived: load the fleet did not send. `None` without a sample carrying decode blocks.
     /// When present, a rank's decode backlog is this plus `decode_blocks`.
     pub foreign_decode_blocks: Option<u64>,
+    /// Of `decode_blocks`, those of dispatches expected to end before a request dispatched
+    /// now reaches the rank by hand-over from a prefill worker.
+    pub ending_decode_blocks: u64,
     /// When the control plane summed the reports: a replica's own dispatches started or ended
     /// since are not in the sums yet.
     #[serde(skip)]

@@ -18,6 +18,15 @@
 //! they do not count as foreign. Prefill tokens count until the response begins (the replica reports the first
 //! token), again as Dynamo's router does.
 //!
+//! A decode worker paired with prefill workers receives a request only after its prefill, and
+//! the replicas must pin it when they dispatch (direct mode), where Dynamo's frontend picks it
+//! at hand-over. Its backlog then should not count the requests that will have ended by the
+//! time the new one arrives. Each rank learns how long its requests decode (first token to end)
+//! and how long they take to answer (dispatch to first token); a dispatch that has decoded for
+//! longer than its expected decode time less about half the time to answer (the prefill's
+//! share of it, to the hand-over) is published as *ending* ([`Timing`]). The replicas discount
+//! it only when pinning a decode worker that receives the request by hand-over.
+//!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
 //! [`IN_FLIGHT_MAX_AGE`] (a lost end). A rank's record is removed once nothing is in flight and
 //! a sample received after the last end shows what the worker holds, or [`DISPATCH_MAX_AGE`]
@@ -53,6 +62,8 @@ pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
 /// A sample received this soon after a dispatch ended may still show its blocks: workers
 /// publish on their own schedule (the 1.6.1 mocker every 50–200 ms per rank under load).
 pub const SAMPLE_LAG: Duration = Duration::from_millis(250);
+/// Each new measurement moves a rank's decode and first-token time estimates by this fraction.
+const TIMING_WEIGHT: f64 = 0.125;
 /// Ended dispatches remembered per rank for that, at most.
 const MAX_ENDED_PER_RANK: usize = 4096;
 /// Reports waiting for the book; a full queue drops the report (and counts it) rather than
@@ -119,6 +130,33 @@ struct Dispatch {
     /// The blocks it added to its rank's distinct total when it started.
     added: u64,
     at: Instant,
+    /// When its first token was reported.
+    answered: Option<Instant>,
+}
+
+/// A rank's smoothed times from dispatch to first token and from first token to end, learned
+/// from the dispatches that went through it.
+#[derive(Debug, Default, Clone, Copy)]
+struct Timing {
+    first_token: Option<Duration>,
+    decode: Option<Duration>,
+}
+
+impl Timing {
+    fn observe(estimate: &mut Option<Duration>, measured: Duration) {
+        *estimate = Some(match *estimate {
+            Some(old) => old.mul_f64(1.0 - TIMING_WEIGHT) + measured.mul_f64(TIMING_WEIGHT),
+            None => measured,
+        });
+    }
+
+    /// How long a dispatch must have decoded to be expected to end before a request
+    /// dispatched now reaches the rank by hand-over: its decode time less about the prefill's
+    /// share of the time to first token (half of it; the rest is the hand-over and the
+    /// decode worker's first step). `None` until both times have been measured.
+    fn ending_after(&self) -> Option<Duration> {
+        Some(self.decode?.saturating_sub(self.first_token? / 2))
+    }
 }
 
 /// One rank's dispatches in flight and what its last sample showed beyond them.
@@ -141,12 +179,20 @@ struct Rank {
     published: Option<Backlog>,
     /// Marked for the next publish check (its key is in the book's `dirty`).
     dirty: bool,
+    timing: Timing,
+    /// The blocks of the dispatches in flight expected to end before a hand-over (see
+    /// [`Timing::ending_after`]), as of the last [`Rank::refresh_ending`].
+    ending: u64,
 }
 
 impl Rank {
     fn backlog(&self) -> Backlog {
-        let mut backlog =
-            Backlog { foreign_decode_blocks: self.foreign, decode_blocks: self.active, ..Backlog::default() };
+        let mut backlog = Backlog {
+            foreign_decode_blocks: self.foreign,
+            decode_blocks: self.active,
+            ending_decode_blocks: self.ending.min(self.active),
+            ..Backlog::default()
+        };
         for dispatch in self.dispatches.values() {
             backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens);
             backlog.dispatches = backlog.dispatches.saturating_add(1);
@@ -177,13 +223,41 @@ impl Rank {
         self.foreign = load.and_then(decode_blocks).map(|shown| shown.saturating_sub(own));
     }
 
+    /// Its first token came at `at`: it is now decoding.
+    fn answered(&mut self, id: (u64, u64), at: Instant) {
+        let Some(dispatch) = self.dispatches.get_mut(&id) else { return };
+        dispatch.prefill_tokens = 0;
+        if dispatch.answered.is_none() {
+            dispatch.answered = Some(at);
+            Timing::observe(&mut self.timing.first_token, at.saturating_duration_since(dispatch.at));
+        }
+    }
+
+    /// Recounts the blocks expected to end before a hand-over; whether the count moved.
+    fn refresh_ending(&mut self, now: Instant) -> bool {
+        let ending = match self.timing.ending_after() {
+            Some(after) => self
+                .dispatches
+                .values()
+                .filter(|d| d.answered.is_some_and(|at| now.saturating_duration_since(at) >= after))
+                .map(|d| d.added)
+                .fold(0u64, u64::saturating_add),
+            None => 0,
+        };
+        std::mem::replace(&mut self.ending, ending) != ending
+    }
+
     /// Ends dispatch `id` on `rank`; returns the hashes it held.
     fn end(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
         let Some(dispatch) = self.dispatches.remove(&id) else { return 0 };
+        if let Some(answered) = dispatch.answered {
+            Timing::observe(&mut self.timing.decode, now.saturating_duration_since(answered));
+        }
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);
         self.last_end = Some(now);
         self.ended.push_back(Ended { at: now, blocks: freed });
+        self.refresh_ending(now);
         while self.ended.len() > MAX_ENDED_PER_RANK
             || self.ended.front().is_some_and(|e| now.saturating_duration_since(e.at) >= SAMPLE_LAG)
         {
@@ -268,6 +342,7 @@ impl Book {
                 block_hashes,
                 added: 0,
                 at,
+                answered: None,
             };
             let rank = self.ranks.entry(key.clone()).or_insert_with(|| {
                 // A new record starts from the sample the view holds now, so that sample's
@@ -283,20 +358,18 @@ impl Book {
         }
         // After the starts: a dispatch may start, begin answering and end within one report.
         for id in report.prefilled {
-            self.prefilled((replica, id));
+            self.prefilled((replica, id), at);
         }
         for id in report.ended {
             self.end((replica, id), at);
         }
     }
 
-    fn prefilled(&mut self, id: (u64, u64)) {
+    fn prefilled(&mut self, id: (u64, u64), at: Instant) {
         let Some(key) = self.where_is.get(&id) else { return };
         let Some(rank) = self.ranks.get_mut(key) else { return };
-        if let Some(dispatch) = rank.dispatches.get_mut(&id) {
-            dispatch.prefill_tokens = 0;
-            mark(&mut self.dirty, key, rank);
-        }
+        rank.answered(id, at);
+        mark(&mut self.dirty, key, rank);
     }
 
     fn end(&mut self, id: (u64, u64), now: Instant) {
@@ -331,6 +404,10 @@ impl Book {
                 rank.sampled(received_at, sample.map(|s| &s.load));
                 mark(&mut self.dirty, key, rank);
             } else if rank.dispatches.is_empty() {
+                mark(&mut self.dirty, key, rank);
+            }
+            // Dispatches become "ending" with time alone.
+            if rank.refresh_ending(now) {
                 mark(&mut self.dirty, key, rank);
             }
             let stale =

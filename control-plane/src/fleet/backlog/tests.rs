@@ -257,3 +257,38 @@ fn a_prefill_leg_holds_no_hashes_and_the_books_hashes_are_bounded() {
     assert_eq!(book.chains_dropped, 2, "…are counted…");
     assert_eq!(sums(&book.take_change(t0)), [(0, 0, 6, 3, None)], "…and their blocks count whole");
 }
+
+/// A decode worker reached by hand-over gets a new request one prefill after it is pinned; the
+/// dispatches that will have ended by then are published apart, once the rank's decode and
+/// first-token times are known.
+#[test]
+fn dispatches_that_have_decoded_about_as_long_as_the_rank_takes_are_published_as_ending() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    // The rank's sums after a publish check at `at`.
+    let ending = |book: &mut Book, at: Instant| -> Option<u64> {
+        book.expire(&state, at);
+        book.take_change(at);
+        book.ranks.get(&rank(0)).map(|r| r.backlog().ending_decode_blocks)
+    };
+    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
+    // The first request teaches the rank: 100 ms to its first token, then 400 ms of decode.
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
+    book.report(1, prefilled(1), t0 + ms(100), &state);
+    assert_eq!(ending(&mut book, t0 + ms(480)), Some(0), "nothing is known of the decode time yet");
+    book.report(1, report(vec![], vec![1]), t0 + ms(500), &state);
+    // The second one is expected to end 400 ms after its first token. A request pinned now
+    // arrives after its prefill, about half of the 100 ms to a first token: from 350 ms on.
+    book.report(1, report(vec![started(2, 0, 1600)], vec![]), t0 + ms(500), &state);
+    book.report(1, prefilled(2), t0 + ms(600), &state);
+    assert_eq!(ending(&mut book, t0 + ms(900)), Some(0));
+    book.expire(&state, t0 + ms(950));
+    let published = sums(&book.take_change(t0 + ms(950)));
+    let ending_now = book.ranks.get(&rank(0)).map(|r| r.backlog().ending_decode_blocks);
+    assert_eq!(ending_now, Some(100), "decoding for 350 ms");
+    assert_eq!(published, [(0, 0, 100, 1, None)], "published with time alone; the blocks are still in flight");
+    book.report(1, report(vec![], vec![2]), t0 + ms(990), &state);
+    assert_eq!(ending(&mut book, t0 + ms(991)), Some(0), "an end takes it out of both");
+}

@@ -6,7 +6,9 @@
 //!
 //! The fleet's dispatches add to the backlog (prefill tokens, decode blocks);
 //! where the control plane measured a rank's foreign load, the decode backlog is that plus the
-//! fleet's dispatches in flight instead (see [`RankBacklog::decode_backlog`]).
+//! fleet's dispatches in flight instead (see [`RankBacklog::decode_backlog`]). A decode worker
+//! that receives the request by hand-over is charged what will be left when it arrives
+//! ([`RankBacklog::handover_decode_backlog`]).
 
 use std::cmp::Ordering;
 use std::time::{Duration, Instant};
@@ -102,6 +104,9 @@ pub(super) struct CostInputs<'a> {
     pub prompt_tokens: u64,
     pub standing: Standing,
     pub dispatched: RankBacklog,
+    /// The request reaches the rank by hand-over after a prefill elsewhere (a decode worker
+    /// of a prefill/decode pair): dispatches expected to end by then do not count.
+    pub handover: bool,
 }
 
 /// The phase's cost, or `None` when undefined: no usable sample, or the card lacks the
@@ -121,7 +126,13 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
             let capacity = inputs.capacity.total_kv_blocks.filter(|n| *n > 0)?;
             let block_size = inputs.block_size.filter(|n| *n > 0)?;
             let request = inputs.prompt_tokens.div_ceil(u64::from(block_size));
-            let backlog = inputs.dispatched.decode_backlog(sampled).saturating_add(request);
+            let dispatched = &inputs.dispatched;
+            let backlog = if inputs.handover {
+                dispatched.handover_decode_backlog(sampled)
+            } else {
+                dispatched.decode_backlog(sampled)
+            };
+            let backlog = backlog.saturating_add(request);
             Some(Cost { backlog, capacity })
         }
     }

@@ -78,6 +78,9 @@ pub struct RankBacklog {
     /// plus `in_flight_decode_blocks` instead of the sample plus `decode_blocks`: samples lag
     /// both a burst's ends and a new request's arrival at the engine.
     pub foreign_decode_blocks: Option<u64>,
+    /// Of the decode blocks in flight, those the control plane expects to end before a request
+    /// dispatched now reaches the rank by hand-over (less those this replica saw end since).
+    pub ending_decode_blocks: u64,
     /// A dispatch of at least [`STALL_MIN_BLOCKS`] has gone unanswered for [`STALL_AFTER`].
     pub stalled: bool,
 }
@@ -94,18 +97,21 @@ impl RankBacklog {
         let Some(fleet) = fleet else {
             return self;
         };
-        let in_flight_decode_blocks = match fleet.as_of {
+        let (in_flight_decode_blocks, ending_decode_blocks) = match fleet.as_of {
             // The fleet's sum as of its time, brought up to date with what this replica did since.
-            Some(_) => {
-                fleet.decode_blocks.saturating_add(self.started_since_fleet).saturating_sub(self.ended_since_fleet)
-            }
-            None => self.in_flight_decode_blocks.max(fleet.decode_blocks),
+            // What ended since was most likely among the ending, so it is not subtracted twice.
+            Some(_) => (
+                fleet.decode_blocks.saturating_add(self.started_since_fleet).saturating_sub(self.ended_since_fleet),
+                fleet.ending_decode_blocks.saturating_sub(self.ended_since_fleet),
+            ),
+            None => (self.in_flight_decode_blocks.max(fleet.decode_blocks), fleet.ending_decode_blocks),
         };
         Self {
             prefill_tokens: self.prefill_tokens.max(fleet.prefill_tokens),
             decode_blocks: self.decode_blocks.max(fleet.decode_blocks),
             in_flight_decode_blocks,
             foreign_decode_blocks: fleet.foreign_decode_blocks,
+            ending_decode_blocks,
             started_since_fleet: 0,
             ended_since_fleet: 0,
             stalled: self.stalled,
@@ -120,6 +126,14 @@ impl RankBacklog {
             Some(foreign) => foreign.saturating_add(self.in_flight_decode_blocks),
             None => sampled.saturating_add(self.decode_blocks),
         }
+    }
+
+    /// The decode backlog a request will find if it reaches the rank by hand-over after its
+    /// prefill: [`Self::decode_backlog`] less the dispatches expected to have ended by then.
+    /// A direct-mode router pins the decode worker at dispatch, one prefill before Dynamo's
+    /// frontend would choose it.
+    pub fn handover_decode_backlog(&self, sampled: u64) -> u64 {
+        self.decode_backlog(sampled).saturating_sub(self.ending_decode_blocks)
     }
 }
 

@@ -100,6 +100,9 @@ impl LoadBasedPicker {
                     prompt_tokens,
                     standing,
                     dispatched: rank.dispatched,
+                    // A decode worker is paired with prefill workers. If its namespace has none
+                    // left, it prefills itself, and the discount comes about a prefill early.
+                    handover: candidate.worker.role == Role::Decode,
                 };
                 let fresh = matches!(standing, Standing::Fresh(_));
                 Scored { cost: cost::cost(phase, &inputs), fresh, stalled: rank.dispatched.stalled }
@@ -212,13 +215,14 @@ fn explain(
         let d = &rank.dispatched;
         let _ = write!(
             line,
-            " {}/{}[{:?} age {:?} foreign {:?} in flight {} unanswered {} prefill {} cost {:?}]",
+            " {}/{}[{:?} age {:?} foreign {:?} in flight {} ending {} unanswered {} prefill {} cost {:?}]",
             candidate.worker.key.instance_id,
             candidate.rank,
             cost::standing(phase, rank.sample, max_staleness, now),
             rank.sample.map(|s| s.age(now)),
             d.foreign_decode_blocks,
             d.in_flight_decode_blocks,
+            d.ending_decode_blocks,
             d.decode_blocks,
             d.prefill_tokens,
             scored.cost,

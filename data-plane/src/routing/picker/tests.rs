@@ -76,9 +76,13 @@ impl Fleet {
     }
 
     /// The control plane's fleet-wide backlog of decode blocks on a rank of worker `id` (namespace "ns").
-    fn backlog(mut self, id: u64, rank: u32, decode_blocks: u64) -> Self {
+    fn backlog(self, id: u64, rank: u32, decode_blocks: u64) -> Self {
+        self.fleet_backlog(id, rank, Backlog { decode_blocks, dispatches: 1, ..Backlog::default() })
+    }
+
+    fn fleet_backlog(mut self, id: u64, rank: u32, backlog: Backlog) -> Self {
         let key = LoadKey { worker: WorkerKey::new("ns", id), dp_rank: rank };
-        self.backlogs.push((key, Backlog { decode_blocks, dispatches: 1, ..Backlog::default() }));
+        self.backlogs.push((key, backlog));
         self
     }
 
@@ -304,6 +308,31 @@ fn fleet_wide_backlogs_count_once() {
     let first = pick(&picker, &own);
     record(&picker, &first, 160, own.now);
     assert_eq!(decode_ids(&picker, &own, 1), [1]);
+}
+
+#[test]
+fn a_decode_worker_reached_by_hand_over_is_charged_what_will_be_left_when_the_request_arrives() {
+    // Worker 1 carries more blocks, but most of them belong to requests about to end; worker 2's
+    // requests have just begun.
+    let backlogs = |fleet: Fleet| {
+        let measured = Backlog { foreign_decode_blocks: Some(0), dispatches: 4, ..Backlog::default() };
+        fleet
+            .used(1, 0, 600, FRESH)
+            .used(2, 0, 300, FRESH)
+            .fleet_backlog(1, 0, Backlog { decode_blocks: 600, ending_decode_blocks: 450, ..measured })
+            .fleet_backlog(2, 0, Backlog { decode_blocks: 300, ending_decode_blocks: 0, ..measured })
+    };
+    let paired =
+        backlogs(Fleet::new([worker("ns", 1, Role::Decode), worker("ns", 2, Role::Decode)])).used(3, 0, 0, FRESH);
+    let paired = Fleet { workers: [paired.workers.clone(), vec![worker("ns", 3, Role::Prefill)]].concat(), ..paired };
+    let picker = picker();
+    let selection = pick(&picker, &paired);
+    assert_eq!(selection.decode.worker.instance_id, 1, "150 blocks left by hand-over against 300");
+    assert_eq!(selection.prefill.map(|p| p.worker.instance_id), Some(3));
+
+    // An aggregated worker takes the request at once: the ending requests still hold their blocks.
+    let aggregated = backlogs(Fleet::new([agg(1), agg(2)]));
+    assert_eq!(decode_ids(&picker, &aggregated, 2), [2, 2]);
 }
 
 fn pair_fleet() -> Fleet {

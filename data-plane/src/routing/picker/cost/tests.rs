@@ -15,7 +15,7 @@ fn capacity(total_kv_blocks: Option<u64>, max_num_batched_tokens: Option<u64>) -
 }
 
 fn inputs(capacity: &Capacity, block_size: Option<u32>, prompt_tokens: u64, standing: Standing) -> CostInputs<'_> {
-    CostInputs { capacity, block_size, prompt_tokens, standing, dispatched: RankBacklog::default() }
+    CostInputs { capacity, block_size, prompt_tokens, standing, dispatched: RankBacklog::default(), handover: false }
 }
 
 #[test]

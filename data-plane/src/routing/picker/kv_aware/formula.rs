@@ -132,15 +132,25 @@ pub(super) fn worker_logit(
     }
 }
 
-/// The cost when no rank has a fresh backlog: overlap and request size alone.
+/// The share of a paired request's time to first token its prefill takes, about: the rest is
+/// the hand-over and the decode worker's first step. The fleet's prefill dispatches count until
+/// the first token, so they weigh this much in [`stale_cost`]; the control plane makes the same
+/// assumption when it predicts a decode worker's load at hand-over.
+pub const PREFILL_SHARE_OF_FIRST_TOKEN: f64 = 0.5;
+
+/// The cost when no rank has a fresh backlog (workers that publish no `active_prefill_tokens`,
+/// as the 1.6.1 mocker's and dynamo.vllm's prefill workers): overlap and request size, as the
+/// seed states it, plus the fleet's own prefill dispatches in flight on the rank.
 ///
-/// Adding the fleet's own unanswered prefill dispatches here was measured and dropped: on a
-/// prefill/decode fleet a prefill dispatch stays unanswered until the decode worker's first
-/// token, twice as long as the prefill itself, so the term pushed requests away from the worker
-/// holding their prefix (shared-prefix TTFT p90 160 → 180–194 ms) for no clear gain on unique
-/// prompts.
-pub(super) fn stale_cost(overlap_blocks: u32, prompt: Prompt, weights: &Weights) -> f64 {
-    prompt.isl as f64 / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
+/// The seed leaves load out here, so a prefix's rank takes every request for it however long its
+/// queue: on the prefill/decode shared-prefix benchmark one prefill worker took twice the other's
+/// requests, and 23% of prefills waited behind another (Dynamo's router, which counts its own
+/// dispatches: 9%). A prefill dispatch counts until its response begins, about twice as long as
+/// the prefill, so its tokens weigh [`PREFILL_SHARE_OF_FIRST_TOKEN`]: counted whole, the term
+/// pushed requests away from their prefix (TTFT p90 160 → 180–194 ms in an earlier build).
+pub(super) fn stale_cost(overlap_blocks: u32, in_flight_prefill_tokens: u64, prompt: Prompt, weights: &Weights) -> f64 {
+    let queued = PREFILL_SHARE_OF_FIRST_TOKEN * in_flight_prefill_tokens as f64;
+    (prompt.isl as f64 + queued) / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
 }
 
 /// A decode worker's cost under conditional disaggregation: its decode term less the credit

@@ -300,6 +300,21 @@ fn without_a_fresh_prefill_backlog_overlap_and_size_decide() {
     assert_eq!(pick(&picker, &fleet, scored(100, &tied)).prefill_reason, Some(Reason::RoundRobinStale));
 }
 
+/// The fleet's own prefill dispatches in flight are the one load signal left when prefill
+/// workers publish none; they count at half weight, since they count until the first token.
+#[test]
+fn without_a_fresh_prefill_backlog_the_fleets_prefill_dispatches_weigh_in() {
+    let queued = |tokens| Backlog { prefill_tokens: tokens, dispatches: 1, ..Backlog::default() };
+    // Worker 2 holds 3 blocks more than 1 and 3, but has 160 tokens queued: 5 blocks at half weight.
+    let held = overlaps(&[(2, 0, 3)]);
+    let busy = vllm_prefill_pool().backlog(2, queued(160));
+    let picker = self::picker();
+    assert_eq!(picks(&picker, &busy, scored(100, &held), 2), [(4, Some(1)), (4, Some(3))], "tied at 100/16 + 0");
+    // 64 tokens queued are 2 blocks: the prefix still wins.
+    let light = vllm_prefill_pool().backlog(2, queued(64));
+    assert_eq!(picks(&picker, &light, scored(100, &held), 2), [(4, Some(2)); 2]);
+}
+
 #[test]
 fn an_aggregated_fleet_adds_prefill_tokens_when_sampled() {
     // 16 tokens. 1: 10 blocks and 320 queued prefill tokens: (320 + 16) / 16 + 11 = 32;

@@ -285,6 +285,35 @@ fn the_decode_backlog_is_foreign_plus_in_flight_once_the_fleet_measured_it() {
     assert_eq!(answered.decode_backlog(500), 500, "the seed's rule: the sample plus unanswered dispatches");
     let measured = RankBacklog { foreign_decode_blocks: Some(3), ..answered };
     assert_eq!(measured.decode_backlog(500), 43, "a stale sample's 500 blocks do not count twice");
+    let ending = RankBacklog { ending_decode_blocks: 30, ..measured };
+    assert_eq!(ending.decode_backlog(500), 43, "now, the ending dispatches still hold their blocks");
+    assert_eq!(ending.handover_decode_backlog(500), 13, "by hand-over they will have ended");
+    assert_eq!(RankBacklog { ending_decode_blocks: 90, ..measured }.handover_decode_backlog(500), 0);
+}
+
+/// An ending dispatch this replica saw end since the fleet's sums were taken is subtracted
+/// once: it has left the blocks in flight, so it no longer counts as ending.
+#[test]
+fn dispatches_this_replica_saw_end_are_not_discounted_twice() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let id = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0);
+    let as_of = t0 + Duration::from_millis(1);
+    let fleet = Backlog {
+        decode_blocks: 300,
+        ending_decode_blocks: 250,
+        foreign_decode_blocks: Some(0),
+        as_of: Some(as_of),
+        ..Backlog::default()
+    };
+    let t1 = t0 + Duration::from_millis(2);
+    let before = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0].with_fleet(Some(&fleet));
+    assert_eq!((before.in_flight_decode_blocks, before.ending_decode_blocks), (300, 250));
+    assert_eq!(before.handover_decode_backlog(0), 50);
+    ledger.end(id, t1);
+    let after = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0].with_fleet(Some(&fleet));
+    assert_eq!((after.in_flight_decode_blocks, after.ending_decode_blocks), (200, 150));
+    assert_eq!(after.handover_decode_backlog(0), 50, "its end changes nothing at hand-over");
 }
 
 /// The fleet's sums trail this replica's reports: a burst that just ended on a rank is still in
