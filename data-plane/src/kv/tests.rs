@@ -20,7 +20,7 @@ use super::{Fallback, KvPrompt, request_cache_salt};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1");
 
-fn fixture(path: &str) -> PathBuf {
+pub(crate) fn fixture(path: &str) -> PathBuf {
     Path::new(FIXTURES).join(path)
 }
 
@@ -346,6 +346,7 @@ fn looping_artifacts(template: &Arc<LoadedArtifacts>) -> Arc<LoadedArtifacts> {
     Arc::new(LoadedArtifacts {
         key: template.key,
         tokenizer: template.tokenizer.clone(),
+        pieces: super::render::PieceCache::for_tokenizer(&template.tokenizer),
         template: super::render::ChatTemplate::new(&config, None).unwrap(),
         bytes: 0,
     })

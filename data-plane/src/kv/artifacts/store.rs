@@ -18,7 +18,7 @@ use super::card::{ArtifactKey, CheckedFile, Checksum, ModelArtifacts};
 use super::source::{FetchError, Fetcher, Source, SourceError};
 use super::{ArtifactPolicy, ArtifactResult};
 use crate::kv::Fallback;
-use crate::kv::render::ChatTemplate;
+use crate::kv::render::{ChatTemplate, PieceCache};
 
 /// Loaded tokenizer + template sets kept in memory.
 pub const MAX_LOADED_TOKENIZERS: usize = 16;
@@ -39,6 +39,8 @@ pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 pub struct LoadedArtifacts {
     pub key: ArtifactKey,
     pub tokenizer: Tokenizer,
+    /// The tokenizer's prompt pieces encoded so far.
+    pub pieces: PieceCache,
     pub template: ChatTemplate,
     /// The artifacts' total size, charged against [`MAX_LOADED_BYTES`].
     pub bytes: u64,
@@ -362,7 +364,8 @@ fn build(
         .transpose()?;
     let bytes = (tokenizer_json.len() + config_json.len() + template.map_or(0, <[u8]>::len)) as u64;
     let template = ChatTemplate::new(&config, template_source).map_err(|e| LoadError::Invalid(e.to_string()))?;
-    Ok(LoadedArtifacts { key, tokenizer, template, bytes })
+    let pieces = PieceCache::for_tokenizer(&tokenizer);
+    Ok(LoadedArtifacts { key, tokenizer, pieces, template, bytes })
 }
 
 /// dynamo.frontend promotes `tokenizer_config.json`'s `added_tokens_decoder` entries marked

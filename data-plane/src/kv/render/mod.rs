@@ -3,6 +3,7 @@
 //! template's fuel and 1 MiB output cap, and 1,048,576 tokens. Every refusal is a [`Fallback`]:
 //! the request is still served, scored without a KV term.
 
+mod pieces;
 mod strftime;
 mod template;
 
@@ -12,6 +13,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
+pub use pieces::{MAX_CACHED_BYTES, MIN_CACHED_PIECE, PieceCache};
 pub use template::{ChatTemplate, MAX_RENDERED_BYTES, RENDER_FUEL, RenderError, TemplateError};
 
 use super::Fallback;
@@ -138,9 +140,10 @@ pub fn prepare_blocking(
 }
 
 /// dynamo.frontend encodes a rendered chat prompt with `add_special_tokens = false`: the
-/// template already wrote whatever BOS it wants.
+/// template already wrote whatever BOS it wants. Pieces seen before come from the tokenizer's
+/// [`PieceCache`].
 pub fn encode(artifacts: &LoadedArtifacts, text: &str) -> Result<Vec<u32>, Fallback> {
-    artifacts.tokenizer.encode(text, false).map(|encoding| encoding.get_ids().to_vec()).map_err(|error| {
+    artifacts.pieces.encode(&artifacts.tokenizer, text).map_err(|error| {
         tracing::debug!(%error, "tokenizer encode failed");
         Fallback::RenderUnavailable
     })

@@ -1,0 +1,98 @@
+use proptest::prelude::*;
+use tokenizers::Tokenizer;
+
+use super::*;
+use crate::kv::tests::fixture;
+
+fn tiny() -> Tokenizer {
+    Tokenizer::from_file(fixture("tinymodel/tokenizer.json")).expect("the fixture tokenizer")
+}
+
+fn whole(tokenizer: &Tokenizer, text: &str) -> Vec<u32> {
+    tokenizer.encode(text, false).expect("encodes").get_ids().to_vec()
+}
+
+fn chatml(system: &str, turns: &[&str]) -> String {
+    let mut text = format!("<|im_start|>system\n{system}<|im_end|>\n");
+    for (i, turn) in turns.iter().enumerate() {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        text.push_str(&format!("<|im_start|>{role}\n{turn}<|im_end|>\n"));
+    }
+    text + "<|im_start|>assistant\n"
+}
+
+#[test]
+fn a_conversation_encodes_as_the_whole_does_and_its_pieces_are_reused() {
+    let tokenizer = tiny();
+    let cache = PieceCache::for_tokenizer(&tokenizer);
+    assert!(cache.enabled(), "the fixture's markers match before normalization");
+    assert_eq!(cache.len(), 0, "the probe leaves nothing behind");
+    let system = "You are a careful assistant. ".repeat(40);
+    let first = chatml(&system, &["What is the capital of France? Answer briefly, please, in a single word."]);
+    assert_eq!(cache.encode(&tokenizer, &first).unwrap(), whole(&tokenizer, &first));
+    let held = cache.len();
+    assert!(held >= 2, "the system prompt and the long turn are kept: {held}");
+    let second = chatml(
+        &system,
+        &[
+            "What is the capital of France? Answer briefly, please, in a single word.",
+            "Paris.",
+            "And of Italy? Answer just as briefly, and spell it out in full.",
+        ],
+    );
+    assert_eq!(cache.encode(&tokenizer, &second).unwrap(), whole(&tokenizer, &second));
+    assert_eq!(cache.len(), held + 1, "only the new long turn is new; short pieces are not kept");
+}
+
+#[test]
+fn a_tokenizer_matching_added_tokens_after_normalization_encodes_prompts_whole() {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("tinymodel/tokenizer.json")).unwrap()).unwrap();
+    json["added_tokens"][1]["normalized"] = true.into();
+    let tokenizer = Tokenizer::from_bytes(serde_json::to_vec(&json).unwrap()).expect("still a tokenizer");
+    let cache = PieceCache::for_tokenizer(&tokenizer);
+    assert!(!cache.enabled());
+    let text = chatml(&"Long system prompt. ".repeat(10), &["hello there, how are you doing today my friend?"]);
+    assert_eq!(cache.encode(&tokenizer, &text).unwrap(), whole(&tokenizer, &text));
+    assert_eq!(cache.len(), 0);
+}
+
+#[test]
+fn the_cache_starts_over_past_its_bound() {
+    let mut pieces = Pieces::default();
+    let big = "x".repeat(MAX_CACHED_BYTES / 2);
+    pieces.insert(&big, Arc::from(vec![1u32]));
+    assert_eq!(pieces.ids.len(), 1);
+    pieces.insert(&big[1..], Arc::from(vec![2u32]));
+    assert_eq!(pieces.ids.len(), 1, "the second would pass the bound: the first went");
+    assert!(pieces.bytes <= MAX_CACHED_BYTES);
+    pieces.insert(&"y".repeat(MAX_CACHED_BYTES + 1), Arc::from(vec![3u32]));
+    assert_eq!(pieces.ids.len(), 1, "a piece larger than the bound is never kept");
+}
+
+fn fragment() -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just("<|im_start|>".to_string()),
+        Just("<|im_end|>".to_string()),
+        Just("<|endoftext|>".to_string()),
+        Just("<|im_start".to_string()),
+        "[a-zA-Z0-9 ,.!?'\n\t]{0,40}",
+        "[ \u{e9}\u{4e2d}\u{1f600}x]{0,12}",
+        Just("The same long system prompt that many conversations share, word for word.\n".to_string()),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Whatever the text, pieces cold or cached encode as the whole does.
+    #[test]
+    fn pieces_encode_as_the_whole_does(fragments in prop::collection::vec(fragment(), 0..24)) {
+        let tokenizer = tiny();
+        let cache = PieceCache::for_tokenizer(&tokenizer);
+        let text: String = fragments.concat();
+        let expected = whole(&tokenizer, &text);
+        prop_assert_eq!(cache.encode(&tokenizer, &text).unwrap(), expected.clone());
+        prop_assert_eq!(cache.encode(&tokenizer, &text).unwrap(), expected);
+    }
+}
