@@ -322,9 +322,11 @@ fn a_decode_worker_reached_by_hand_over_is_charged_what_will_be_left_when_the_re
             .fleet_backlog(1, 0, Backlog { decode_blocks: 600, ending_decode_blocks: 450, ..measured })
             .fleet_backlog(2, 0, Backlog { decode_blocks: 300, ending_decode_blocks: 0, ..measured })
     };
-    let paired =
-        backlogs(Fleet::new([worker("ns", 1, Role::Decode), worker("ns", 2, Role::Decode)])).used(3, 0, 0, FRESH);
-    let paired = Fleet { workers: [paired.workers.clone(), vec![worker("ns", 3, Role::Prefill)]].concat(), ..paired };
+    let paired = backlogs(Fleet::new([
+        worker("ns", 1, Role::Decode),
+        worker("ns", 2, Role::Decode),
+        worker("ns", 3, Role::Prefill),
+    ]));
     let picker = picker();
     let selection = pick(&picker, &paired);
     assert_eq!(selection.decode.worker.instance_id, 1, "150 blocks left by hand-over against 300");

@@ -136,7 +136,7 @@ pub(super) fn worker_logit(
 /// the hand-over and the decode worker's first step. The fleet's prefill dispatches count until
 /// the first token, so they weigh this much in [`stale_cost`]; the control plane makes the same
 /// assumption when it predicts a decode worker's load at hand-over.
-pub const PREFILL_SHARE_OF_FIRST_TOKEN: f64 = 0.5;
+pub(super) const PREFILL_SHARE_OF_FIRST_TOKEN: f64 = 0.5;
 
 /// The cost when no rank has a fresh backlog (workers that publish no `active_prefill_tokens`,
 /// as the 1.6.1 mocker's and dynamo.vllm's prefill workers): overlap and request size, as the
