@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
-pub use pieces::{MAX_CACHED_BYTES, MIN_CACHED_PIECE, PieceCache};
+pub use pieces::PieceCache;
 pub use template::{ChatTemplate, MAX_RENDERED_BYTES, RENDER_FUEL, RenderError, TemplateError};
 
 use super::Fallback;

@@ -74,7 +74,9 @@ impl PieceCache {
         }
     }
 
-    pub fn enabled(&self) -> bool {
+    /// Whether prompts are encoded by pieces (tests).
+    #[cfg(test)]
+    fn enabled(&self) -> bool {
         self.enabled
     }
 
