@@ -5,12 +5,13 @@
 //! are not decode candidates; in any other namespace decode and aggregated workers are decode
 //! candidates. A worker of unknown role is never routed to. Each dp rank is one candidate.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use continuum_proto::model::{LoadKey, Role, Worker};
+use continuum_proto::model::{LoadKey, Role, Worker, WorkerKey};
 use continuum_proto::view::FleetView;
+use imbl::OrdMap;
 
 use super::Pin;
 use super::outliers::Outliers;
@@ -35,7 +36,7 @@ impl Candidate {
 
 /// The decode candidates of every eligible namespace, compared together (graph-local
 /// dispatch), and each namespace's prefill pool, searched only in the decode winner's.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(super) struct Pools {
     pub decode: Vec<Candidate>,
     pub prefill: BTreeMap<Arc<str>, Vec<Candidate>>,
@@ -43,13 +44,71 @@ pub(super) struct Pools {
 
 impl Pools {
     /// Drops the ranks this replica's pinned dispatches keep failing on, per list, unless a
-    /// list would be left empty.
-    pub fn skip_ejected(mut self, outliers: &Outliers, now: Instant) -> Self {
-        outliers.filter(&mut self.decode, Candidate::load_key, now);
-        for pool in self.prefill.values_mut() {
+    /// list would be left empty. Shared pools are copied only when some rank is ejected.
+    pub fn skip_ejected(self: Arc<Self>, outliers: &Outliers, now: Instant) -> Arc<Self> {
+        if outliers.is_empty() {
+            return self;
+        }
+        let mut pools = Arc::unwrap_or_clone(self);
+        outliers.filter(&mut pools.decode, Candidate::load_key, now);
+        for pool in pools.prefill.values_mut() {
             outliers.filter(pool, Candidate::load_key, now);
         }
-        self
+        Arc::new(pools)
+    }
+}
+
+/// (Model, namespace filter) pairs whose pools are kept at once; past it the cache starts over.
+/// Models and shim namespaces come from the operator's configuration, so a handful is usual.
+pub(super) const MAX_CACHED_POOLS: usize = 256;
+
+/// Each model's pools, listed once per set of workers rather than per request: the fleet's
+/// workers change far less often than requests arrive, and listing them costs O(fleet).
+///
+/// A view's workers map is persistent: views that share it (every load-only update) share its
+/// root, so one pointer comparison tells whether the pools still hold. The cache keeps the map
+/// it listed alive, so a new map can never reuse its address.
+#[derive(Debug, Default)]
+pub(super) struct PoolCache {
+    held: Mutex<Listed>,
+}
+
+/// A namespace filter (`None`: all namespaces) and the pools it leaves.
+type Filtered = (Option<Vec<String>>, Arc<Pools>);
+
+#[derive(Debug, Default)]
+struct Listed {
+    workers: OrdMap<WorkerKey, Arc<Worker>>,
+    by_model: HashMap<String, Vec<Filtered>>,
+    entries: usize,
+}
+
+impl PoolCache {
+    /// The pools of `model` among `namespaces` (`None`: all) in `view`, as [`pools`] lists them.
+    pub fn get(&self, view: &FleetView, model: &str, namespaces: Option<&[String]>) -> Arc<Pools> {
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        if !held.workers.ptr_eq(view.workers()) {
+            *held = Listed { workers: view.workers().clone(), ..Listed::default() };
+        }
+        let listed = held.by_model.get(model).and_then(|lists| lists.iter().find(|(f, _)| f.as_deref() == namespaces));
+        if let Some((_, pools)) = listed {
+            return Arc::clone(pools);
+        }
+        let listed = Arc::new(pools(view, model, namespaces));
+        if held.entries >= MAX_CACHED_POOLS {
+            held.by_model.clear();
+            held.entries = 0;
+        }
+        held.entries += 1;
+        let filter = namespaces.map(<[String]>::to_vec);
+        held.by_model.entry(model.to_string()).or_default().push((filter, Arc::clone(&listed)));
+        listed
+    }
+
+    /// Listings held.
+    #[cfg(test)]
+    pub fn held(&self) -> usize {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner).entries
     }
 }
 

@@ -29,7 +29,7 @@ use rand::{Rng, SeedableRng};
 pub use self::formula::{CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD};
 use self::formula::{Draw, Logit, Prompt, Scored, Weights};
 pub use self::term::{KvSelectionResult, KvTerm, Overlaps, RankOverlap};
-use super::candidates::{self, Candidate, Pools};
+use super::candidates::{Candidate, Pools};
 use super::cost::Phase;
 use super::ledger::DispatchLedger;
 use super::load_based::{DECODE, LoadBasedPicker, PREFILL};
@@ -128,8 +128,7 @@ impl KvAwarePicker {
             now,
         };
         let request = PickRequest { prompt_tokens: isl_tokens, ..*request };
-        let pools =
-            candidates::pools(view, request.model, request.namespaces).skip_ejected(self.ledger().outliers(), now);
+        let pools = self.load.pools(view, &request, now);
         let prefilling = prefilling(&pools);
         let cursor = (KV_CURSOR, Phase::Prefill, request.model);
         let winner = self.compete(&scoring, &prefilling, cursor, |logit| logit.cost)?;

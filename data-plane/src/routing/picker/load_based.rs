@@ -15,7 +15,7 @@ use continuum_proto::model::{Backlog, LoadSample, Role};
 use continuum_proto::view::FleetView;
 use prometheus::{IntCounter, IntCounterVec};
 
-use super::candidates::{self, Candidate};
+use super::candidates::{Candidate, PoolCache, Pools};
 use super::cost::{self, CostInputs, Phase, Scored, Standing};
 use super::ledger::{DispatchLedger, RankBacklog};
 use super::{PickRequest, Picker, REASONS, Reason, Selection};
@@ -45,17 +45,23 @@ pub struct LoadBasedPicker {
     /// Per phase, model and (for prefill) namespace, keyed by hash: two pools sharing a cursor
     /// after a collision still rotate.
     cursors: Mutex<HashMap<u64, usize>>,
+    pools: PoolCache,
 }
 
 impl LoadBasedPicker {
     /// `selections` must have the labels `role` and `reason` (see `Metrics::selections`).
     pub fn new(ledger: Arc<DispatchLedger>, selections: IntCounterVec) -> Self {
-        Self { ledger, counters: series(&selections), cursors: Mutex::new(HashMap::new()) }
+        Self { ledger, counters: series(&selections), cursors: Mutex::new(HashMap::new()), pools: PoolCache::default() }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.
     pub fn ledger(&self) -> &Arc<DispatchLedger> {
         &self.ledger
+    }
+
+    /// The ranks that may serve `request`, less those this replica's dispatches keep failing on.
+    pub(super) fn pools(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Arc<Pools> {
+        self.pools.get(view, request.model, request.namespaces).skip_ejected(self.ledger.outliers(), now)
     }
 
     /// Each candidate's last sample and what the fleet's dispatches add to it: this
@@ -171,8 +177,7 @@ fn series(selections: &IntCounterVec) -> Option<[[IntCounter; REASONS]; 2]> {
 
 impl Picker for LoadBasedPicker {
     fn pick(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Option<Selection> {
-        let pools =
-            candidates::pools(view, request.model, request.namespaces).skip_ejected(self.ledger.outliers(), now);
+        let pools = self.pools(view, request, now);
         let decode_cursor = (Phase::Decode, request.model);
         let (decode, decode_reason) = self.choose(view, Phase::Decode, &pools.decode, decode_cursor, request, now)?;
         let namespace = Arc::clone(&decode.worker.key.namespace);

@@ -60,6 +60,11 @@ impl Outliers {
         }
     }
 
+    /// Whether every rank's last pinned dispatch answered: there is nothing to skip.
+    pub fn is_empty(&self) -> bool {
+        self.ranks.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
+    }
+
     pub fn ejected(&self, rank: &LoadKey, now: Instant) -> bool {
         let held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
         held.get(rank).and_then(|r| r.ejected_until).is_some_and(|until| until > now)
@@ -67,7 +72,7 @@ impl Outliers {
 
     /// Drops the ejected ranks of `candidates`, unless that would drop them all.
     pub fn filter<T>(&self, candidates: &mut Vec<T>, key: impl Fn(&T) -> LoadKey, now: Instant) {
-        if self.ranks.lock().unwrap_or_else(PoisonError::into_inner).is_empty() {
+        if self.is_empty() {
             return;
         }
         if candidates.iter().all(|c| self.ejected(&key(c), now)) {

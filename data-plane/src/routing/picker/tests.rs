@@ -8,10 +8,11 @@ use std::time::{Duration, Instant};
 use continuum_proto::model::{
     Backlog, Capacity, DataPlaneConfig, Load, LoadKey, LoadSample, PickerParams, Role, Worker, WorkerKey,
 };
-use continuum_proto::view::FleetView;
+use continuum_proto::view::{FleetDelta, FleetView};
 use prometheus::{IntCounterVec, Opts};
 use proptest::prelude::*;
 
+use super::candidates::{MAX_CACHED_POOLS, PoolCache, Pools};
 use super::*;
 
 /// Shared with the KV-aware picker's tests.
@@ -416,6 +417,60 @@ fn namespace_filter_and_missing_model() {
     assert!(picker.pick(&fleet.view(), &PickRequest { model: "absent", ..request }, fleet.now).is_none());
     let prefill_only = Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Unknown)]);
     assert!(picker.pick(&prefill_only.view(), &request, prefill_only.now).is_none(), "no decode candidate");
+}
+
+#[test]
+fn pools_are_listed_once_per_workers_map_and_follow_its_changes() {
+    let fleet = pair_fleet();
+    let view = fleet.view();
+    let cache = PoolCache::default();
+    let (only_a, only_b) = (["a".to_string()], ["b".to_string()]);
+    let a = cache.get(&view, "tiny", Some(&only_a));
+    let b = cache.get(&view, "tiny", Some(&only_b));
+    assert!(a.decode.iter().all(|c| &*c.worker.key.namespace == "a"), "{a:?}");
+    assert!(b.decode.iter().all(|c| &*c.worker.key.namespace == "b"), "{b:?}");
+    assert!(Arc::ptr_eq(&a, &cache.get(&view, "tiny", Some(&only_a))), "a filter keeps its own listing");
+    assert!(cache.get(&view, "absent", None).decode.is_empty());
+
+    // A load-only update shares the workers map: nothing is listed again.
+    let sample = LoadSample { load: Load::default(), received_at: fleet.now };
+    let loads_only = FleetDelta {
+        base_version: 1,
+        version: 2,
+        loads: vec![(LoadKey { worker: WorkerKey::new("a", 2), dp_rank: 0 }, sample)],
+        ..FleetDelta::default()
+    };
+    let view = view.apply(&loads_only).expect("delta");
+    assert!(Arc::ptr_eq(&a, &cache.get(&view, "tiny", Some(&only_a))));
+
+    // A worker joining or leaving is seen at once.
+    let joined = FleetDelta {
+        base_version: 2,
+        version: 3,
+        upserted: vec![Arc::new(worker("a", 9, Role::Decode))],
+        ..FleetDelta::default()
+    };
+    let view = view.apply(&joined).expect("delta");
+    let ids = |pools: &Pools| pools.decode.iter().map(|c| c.worker.key.instance_id).collect::<Vec<_>>();
+    assert_eq!(ids(&cache.get(&view, "tiny", Some(&only_a))), [2, 9]);
+    let left =
+        FleetDelta { base_version: 3, version: 4, removed: vec![WorkerKey::new("a", 2)], ..FleetDelta::default() };
+    let view = view.apply(&left).expect("delta");
+    assert_eq!(ids(&cache.get(&view, "tiny", Some(&only_a))), [9]);
+}
+
+#[test]
+fn the_pool_cache_is_bounded_and_stays_correct_past_its_bound() {
+    let fleet = pair_fleet();
+    let view = fleet.view();
+    let cache = PoolCache::default();
+    let filters: Vec<[String; 1]> = (0..MAX_CACHED_POOLS + 8).map(|i| [format!("n{i}")]).collect();
+    for filter in &filters {
+        assert!(cache.get(&view, "tiny", Some(filter)).decode.is_empty());
+    }
+    assert!(cache.held() <= MAX_CACHED_POOLS);
+    let only_b = ["b".to_string()];
+    assert_eq!(cache.get(&view, "tiny", Some(&only_b)).decode.len(), 2);
 }
 
 #[test]
