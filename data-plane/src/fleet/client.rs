@@ -142,8 +142,7 @@ async fn follow(
             },
             Some(event) = reports.recv() => {
                 // At most one report per interval: under load the events of a whole interval
-                // share one message (and one wake-up of the control plane), and a dispatch
-                // that ends within it is never reported at all.
+                // share one message (and one wake-up of the control plane).
                 let since = last_report.elapsed();
                 if since < REPORT_INTERVAL {
                     tokio::time::sleep(REPORT_INTERVAL - since).await;
