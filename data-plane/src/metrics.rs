@@ -50,6 +50,9 @@ pub struct Metrics {
     pub kv_selections: IntCounterVec,
     /// KV tokenizer artifact outcomes by `result`; see `kv::artifacts::ArtifactResult`.
     pub kv_artifacts: IntCounterVec,
+    /// Time the KV term of a selection took, by `stage` ([`KV_TERM_STAGES`]): what KV-aware
+    /// routing adds to a request's latency before the pick.
+    pub kv_term_seconds: HistogramVec,
     /// Client connections open.
     pub http_connections: IntGauge,
     /// Client requests refused before routing because they could not be read, by `reason`
@@ -137,6 +140,12 @@ impl Ingress {
 /// Latency buckets from a cached reply to a long buffered generation.
 const LATENCY_BUCKETS: [f64; 14] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
+/// `stage`s of `continuum_dynamo_kv_term_seconds`: rendering, tokenizing and hashing the
+/// prompt, then asking the control plane's index which ranks hold its prefix.
+pub const KV_TERM_STAGES: [&str; 2] = ["prepare", "find_matches"];
+/// From a cached prompt's tens of microseconds to the lookup deadlines operators set.
+const KV_TERM_BUCKETS: [f64; 12] =
+    [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
 /// The `reason`s of `continuum_http_requests_refused_total`.
 const HEAD_REFUSALS: [&str; 4] = ["malformed", "head_too_large", "body_too_large", "framing"];
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
@@ -214,6 +223,14 @@ impl Metrics {
                 Opts::new("continuum_dynamo_kv_artifacts_total", "KV tokenizer and template artifacts, by outcome"),
                 &["result"],
             )?,
+            kv_term_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "continuum_dynamo_kv_term_seconds",
+                    "Time the KV term of a selection took, by stage: prepare (render, tokenize, hash the prompt), find_matches (the control plane's index lookup)",
+                )
+                .buckets(KV_TERM_BUCKETS.to_vec()),
+                &["stage"],
+            )?,
             http_connections: IntGauge::new("continuum_http_connections", "Client connections open")?,
             http_refused: IntCounterVec::new(
                 Opts::new(
@@ -232,6 +249,9 @@ impl Metrics {
         }
         for result in KvSelectionResult::ALL {
             metrics.kv_selections.with_label_values(&[result.as_str()]);
+        }
+        for stage in KV_TERM_STAGES {
+            metrics.kv_term_seconds.with_label_values(&[stage]);
         }
         for collector in [
             Box::new(metrics.stream_connected.clone()) as Box<dyn prometheus::core::Collector>,
@@ -252,6 +272,7 @@ impl Metrics {
             Box::new(metrics.selections.clone()),
             Box::new(metrics.kv_selections.clone()),
             Box::new(metrics.kv_artifacts.clone()),
+            Box::new(metrics.kv_term_seconds.clone()),
         ] {
             metrics.registry.register(collector)?;
         }

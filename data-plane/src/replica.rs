@@ -86,7 +86,12 @@ impl Replica {
         let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
         let prober = tokio::spawn(probe::run(Arc::clone(&dispatcher), Arc::clone(&fleet), cancel.clone()));
         let kv = Arc::new(KvSelection {
-            routing: KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone()),
+            routing: KvRouting::new(
+                matches,
+                Renderer::default(),
+                metrics.kv_artifacts.clone(),
+                &metrics.kv_term_seconds,
+            ),
             picker: KvAwarePicker::new(Arc::clone(&ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
         });
         let state = AppState {

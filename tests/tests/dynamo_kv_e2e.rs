@@ -182,8 +182,13 @@ async fn overlap_selections(ns: &NetNs, continuum: &RoutedContinuum) -> anyhow::
     let mut overlap = 0.0;
     for replica in &continuum.replicas {
         let (_, text) = ns.get(&format!("{replica}/metrics")).await?;
-        overlap += metric(&text, "continuum_dynamo_kv_selection_total{result=\"overlap\"}");
+        let scored = metric(&text, "continuum_dynamo_kv_selection_total{result=\"overlap\"}");
         ensure!(metric(&text, "continuum_dynamo_kv_selection_total{result=\"artifact_unpinned\"}") == 0.0);
+        // Every scored selection was timed at both stages of its KV term.
+        let timed =
+            |stage: &str| metric(&text, &format!("continuum_dynamo_kv_term_seconds_count{{stage=\"{stage}\"}}"));
+        ensure!(timed("find_matches") >= scored && timed("prepare") >= timed("find_matches"), "{text}");
+        overlap += scored;
     }
     Ok(overlap)
 }

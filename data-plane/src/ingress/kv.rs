@@ -12,7 +12,7 @@ use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::{KvArtifactPolicy, Role, Worker, WorkerKey};
 use continuum_proto::view::FleetView;
 use imbl::OrdMap;
-use prometheus::IntCounterVec;
+use prometheus::{Histogram, HistogramVec, IntCounterVec};
 use serde_json::Value;
 
 use super::recent::RecentAnswers;
@@ -50,6 +50,9 @@ pub struct KvRouting {
     prompt: Mutex<Preparer>,
     models: Mutex<ModelCache>,
     recent: RecentAnswers,
+    /// `continuum_dynamo_kv_term_seconds` by stage.
+    prepare_seconds: Histogram,
+    find_matches_seconds: Histogram,
 }
 
 /// Each model's parsed cards and block sizes, kept while the fleet's worker map is the same
@@ -85,7 +88,13 @@ struct Held {
 }
 
 impl KvRouting {
-    pub fn new(matches: MatchesClient, renderer: Renderer, artifacts_counter: IntCounterVec) -> Self {
+    /// `term_seconds` must have the one label `stage` (see `Metrics::kv_term_seconds`).
+    pub fn new(
+        matches: MatchesClient,
+        renderer: Renderer,
+        artifacts_counter: IntCounterVec,
+        term_seconds: &HistogramVec,
+    ) -> Self {
         Self {
             matches,
             renderer,
@@ -93,6 +102,8 @@ impl KvRouting {
             prompt: Mutex::default(),
             models: Mutex::default(),
             recent: RecentAnswers::default(),
+            prepare_seconds: term_seconds.with_label_values(&["prepare"]),
+            find_matches_seconds: term_seconds.with_label_values(&["find_matches"]),
         }
     }
 
@@ -105,7 +116,10 @@ impl KvRouting {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
         let ModelCards { cards, block_sizes } = &*model_cards;
-        let prepared = match prompt.prepare(model, cards, body, block_sizes, request_cache_salt(body), None).await {
+        let started = Instant::now();
+        let prepared = prompt.prepare(model, cards, body, block_sizes, request_cache_salt(body), None).await;
+        self.prepare_seconds.observe(started.elapsed().as_secs_f64());
+        let prepared = match prepared {
             Ok(prepared) => prepared,
             Err(fallback) => return Term::Unavailable(selection_result(fallback)),
         };
@@ -115,7 +129,10 @@ impl KvRouting {
         };
         let chain: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let block_hashes = chain.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect();
-        let (overlaps, recent) = match self.matches.find_matches(chain.clone()).await {
+        let started = Instant::now();
+        let answer = self.matches.find_matches(chain.clone()).await;
+        self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
+        let (overlaps, recent) = match answer {
             Ok(overlaps) => {
                 self.recent.remember(&chain, &overlaps, Instant::now());
                 (overlaps, false)

@@ -396,18 +396,33 @@ async fn warm_up(ns: &NetNs, base: &str, router: Router) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `continuum_dynamo_kv_selection_total` by result, summed over the replicas.
+/// Keys of the KV term's timing in a run's `kv` figures, before the stage name; selection
+/// results are keyed by their bare name.
+const TERM_PREFIX: &str = "term ";
+const TERM_SECONDS: &str = "term seconds ";
+const TERM_COUNT: &str = "term count ";
+
+/// `continuum_dynamo_kv_selection_total` by result, and `continuum_dynamo_kv_term_seconds`'s
+/// sum and count by stage (keyed [`TERM_SECONDS`] / [`TERM_COUNT`] and the stage), summed over
+/// the replicas.
 async fn selections(ns: &NetNs, bases: &[String], router: Router) -> anyhow::Result<BTreeMap<String, f64>> {
     let mut total = BTreeMap::new();
     if !router.is_continuum() {
         return Ok(total);
     }
-    let prefix = "continuum_dynamo_kv_selection_total{result=\"";
+    let series = [
+        ("continuum_dynamo_kv_selection_total{result=\"", ""),
+        ("continuum_dynamo_kv_term_seconds_sum{stage=\"", TERM_SECONDS),
+        ("continuum_dynamo_kv_term_seconds_count{stage=\"", TERM_COUNT),
+    ];
     for base in bases {
         let (_, text) = ns.get(&format!("{base}/metrics")).await?;
-        for line in text.lines().filter_map(|l| l.strip_prefix(prefix)) {
-            let Some((result, value)) = line.split_once("\"}") else { continue };
-            *total.entry(result.to_string()).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
+        for line in text.lines() {
+            let Some((key, rest)) = series.iter().find_map(|(p, key)| Some((*key, line.strip_prefix(p)?))) else {
+                continue;
+            };
+            let Some((label, value)) = rest.split_once("\"}") else { continue };
+            *total.entry(format!("{key}{label}")).or_insert(0.0) += value.trim().parse::<f64>().unwrap_or(0.0);
         }
     }
     Ok(total)
@@ -653,10 +668,24 @@ impl Report {
                             *total.entry(k).or_insert(0.0) += v;
                         }
                     }
-                    let shown: Vec<String> =
-                        total.iter().filter(|(_, v)| **v > 0.0).map(|(k, v)| format!("{k} {v:.0}")).collect();
+                    let shown: Vec<String> = total
+                        .iter()
+                        .filter(|(k, v)| **v > 0.0 && !k.starts_with(TERM_PREFIX))
+                        .map(|(k, v)| format!("{k} {v:.0}"))
+                        .collect();
+                    let mean_ms = |stage: &str| {
+                        let count = total.get(format!("{TERM_COUNT}{stage}").as_str()).copied().unwrap_or(0.0);
+                        let seconds = total.get(format!("{TERM_SECONDS}{stage}").as_str()).copied().unwrap_or(0.0);
+                        (count > 0.0).then(|| 1000.0 * seconds / count)
+                    };
+                    let timing = match (mean_ms("prepare"), mean_ms("find_matches")) {
+                        (Some(prepare), Some(lookup)) => format!(
+                            "; KV term per selection (mean): prepare {prepare:.2} ms, FindMatches {lookup:.2} ms"
+                        ),
+                        _ => String::new(),
+                    };
                     out.push_str(&format!(
-                        "* {} — {} — {}: {}\n",
+                        "* {} — {} — {}: {}{timing}\n",
                         fleet.label(),
                         case.name,
                         router.label(),
@@ -677,11 +706,17 @@ impl Report {
         );
         for &fleet in &self.fleets {
             for (c, case) in self.cases.iter().enumerate().filter(|(_, case)| case.runs_on(fleet)) {
+                // A partial run (`--only-routers`) judges only the pairs it measured.
+                let measured = |a, b| !self.cell(fleet, c, a).is_empty() && !self.cell(fleet, c, b).is_empty();
                 if case.shared() {
-                    out.push_str(&self.shared_verdict(fleet, c, case));
+                    if measured(Router::ContinuumKv, Router::DynamoKv) {
+                        out.push_str(&self.shared_verdict(fleet, c, case));
+                    }
                 } else {
                     for router in [Router::ContinuumLoad, Router::ContinuumKv] {
-                        out.push_str(&self.unique_verdict(fleet, c, case, router));
+                        if measured(router, Router::RoundRobin) {
+                            out.push_str(&self.unique_verdict(fleet, c, case, router));
+                        }
                     }
                 }
             }
@@ -769,7 +804,8 @@ impl Report {
     fn why(&self, fleet: Fleet, c: usize, ours: Router, theirs: Router) -> String {
         let runs = self.cell(fleet, c, ours);
         let total = |key: &str| runs.iter().map(|r| r.kv.get(key).copied().unwrap_or(0.0)).sum::<f64>();
-        let selected: f64 = runs.iter().flat_map(|r| r.kv.values()).sum();
+        let selected: f64 =
+            runs.iter().flat_map(|r| &r.kv).filter(|(k, _)| !k.starts_with(TERM_PREFIX)).map(|(_, v)| v).sum();
         let mut why = Vec::new();
         let timeouts = total("index_timeout") + total("index_unavailable");
         if timeouts > 0.0 {
