@@ -367,6 +367,11 @@ async fn bench_router(
                 std::fs::copy(&path, dir.join(format!("{}-{}-{name}", fleet.slug(), router.slug())))?;
             }
         }
+        // And the replicas' metrics, whose histograms show where a request's time went.
+        for (i, base) in bases.iter().enumerate().filter(|_| router.is_continuum()) {
+            let (_, text) = ns.get(&format!("{base}/metrics")).await?;
+            std::fs::write(dir.join(format!("{}-{}-replica-{i}-metrics.txt", fleet.slug(), router.slug())), text)?;
+        }
     }
     Ok(out)
 }
