@@ -12,6 +12,27 @@ use imbl::OrdMap;
 
 use crate::model::{Backlog, DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
 
+/// Values derived from a fleet's workers (a model's candidates, its parsed cards), kept while
+/// views share one workers map: load-only updates keep the map's persistent root, so one
+/// pointer comparison tells whether the values still hold. Holding the map keeps a new one from
+/// reusing its address.
+#[derive(Debug, Default)]
+pub struct WorkersMemo<V> {
+    workers: OrdMap<WorkerKey, Arc<Worker>>,
+    values: V,
+}
+
+impl<V: Default> WorkersMemo<V> {
+    /// The values derived from `view`'s workers: those held, or new ones if its workers changed.
+    pub fn for_view(&mut self, view: &FleetView) -> &mut V {
+        if !self.workers.ptr_eq(&view.workers) {
+            self.workers = view.workers.clone();
+            self.values = V::default();
+        }
+        &mut self.values
+    }
+}
+
 /// An immutable, versioned view of the fleet.
 #[derive(Clone, Debug, Default)]
 pub struct FleetView {

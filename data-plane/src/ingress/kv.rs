@@ -9,9 +9,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
-use continuum_proto::model::{KvArtifactPolicy, Role, Worker, WorkerKey};
-use continuum_proto::view::FleetView;
-use imbl::OrdMap;
+use continuum_proto::model::{KvArtifactPolicy, Role};
+use continuum_proto::view::{FleetView, WorkersMemo};
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
 use serde_json::Value;
 
@@ -57,11 +56,7 @@ pub struct KvRouting {
 
 /// Each model's parsed cards and block sizes, kept while the fleet's worker map is the same
 /// one (load samples change far more often than workers, and replace only the loads).
-#[derive(Debug, Default)]
-struct ModelCache {
-    workers: Option<OrdMap<WorkerKey, Arc<Worker>>>,
-    models: HashMap<String, Option<Arc<ModelCards>>>,
-}
+type ModelCache = WorkersMemo<HashMap<String, Option<Arc<ModelCards>>>>;
 
 /// Most models whose cards are kept at once; past it the cache starts over.
 const MAX_CACHED_MODELS: usize = 256;
@@ -160,12 +155,11 @@ impl KvRouting {
     /// `model`'s cards, parsed once per worker map rather than on every request.
     fn model_cards(&self, view: &FleetView, model: &str) -> Option<Arc<ModelCards>> {
         let mut cache = self.models.lock().unwrap_or_else(PoisonError::into_inner);
-        if !cache.workers.as_ref().is_some_and(|held| held.ptr_eq(view.workers()))
-            || cache.models.len() >= MAX_CACHED_MODELS
-        {
-            *cache = ModelCache { workers: Some(view.workers().clone()), models: HashMap::new() };
+        let models = cache.for_view(view);
+        if models.len() >= MAX_CACHED_MODELS {
+            models.clear();
         }
-        cache.models.entry(model.to_string()).or_insert_with(|| model_artifacts(view, model).map(Arc::new)).clone()
+        models.entry(model.to_string()).or_insert_with(|| model_artifacts(view, model).map(Arc::new)).clone()
     }
 
     /// The preparer under the fleet's artifact policy: a changed policy applies at once (a

@@ -9,9 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
-use continuum_proto::model::{LoadKey, Role, Worker, WorkerKey};
-use continuum_proto::view::FleetView;
-use imbl::OrdMap;
+use continuum_proto::model::{LoadKey, Role, Worker};
+use continuum_proto::view::{FleetView, WorkersMemo};
 
 use super::Pin;
 use super::outliers::Outliers;
@@ -64,13 +63,9 @@ pub(super) const MAX_CACHED_POOLS: usize = 256;
 
 /// Each model's pools, listed once per set of workers rather than per request: the fleet's
 /// workers change far less often than requests arrive, and listing them costs O(fleet).
-///
-/// A view's workers map is persistent: views that share it (every load-only update) share its
-/// root, so one pointer comparison tells whether the pools still hold. The cache keeps the map
-/// it listed alive, so a new map can never reuse its address.
 #[derive(Debug, Default)]
 pub(super) struct PoolCache {
-    held: Mutex<Listed>,
+    held: Mutex<WorkersMemo<Listed>>,
 }
 
 /// A namespace filter (`None`: all namespaces) and the pools it leaves.
@@ -78,7 +73,6 @@ type Filtered = (Option<Vec<String>>, Arc<Pools>);
 
 #[derive(Debug, Default)]
 struct Listed {
-    workers: OrdMap<WorkerKey, Arc<Worker>>,
     by_model: HashMap<String, Vec<Filtered>>,
     entries: usize,
 }
@@ -86,10 +80,8 @@ struct Listed {
 impl PoolCache {
     /// The pools of `model` among `namespaces` (`None`: all) in `view`, as [`pools`] lists them.
     pub fn get(&self, view: &FleetView, model: &str, namespaces: Option<&[String]>) -> Arc<Pools> {
-        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        if !held.workers.ptr_eq(view.workers()) {
-            *held = Listed { workers: view.workers().clone(), ..Listed::default() };
-        }
+        let mut memo = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = memo.for_view(view);
         let listed = held.by_model.get(model).and_then(|lists| lists.iter().find(|(f, _)| f.as_deref() == namespaces));
         if let Some((_, pools)) = listed {
             return Arc::clone(pools);
@@ -105,10 +97,10 @@ impl PoolCache {
         listed
     }
 
-    /// Listings held.
+    /// Listings held for `view`'s workers.
     #[cfg(test)]
-    pub fn held(&self) -> usize {
-        self.held.lock().unwrap_or_else(PoisonError::into_inner).entries
+    pub fn held(&self, view: &FleetView) -> usize {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner).for_view(view).entries
     }
 }
 

@@ -468,7 +468,7 @@ fn the_pool_cache_is_bounded_and_stays_correct_past_its_bound() {
     for filter in &filters {
         assert!(cache.get(&view, "tiny", Some(filter)).decode.is_empty());
     }
-    assert!(cache.held() <= MAX_CACHED_POOLS);
+    assert!(cache.held(&view) <= MAX_CACHED_POOLS);
     let only_b = ["b".to_string()];
     assert_eq!(cache.get(&view, "tiny", Some(&only_b)).decode.len(), 2);
 }
