@@ -97,6 +97,13 @@ impl FleetView {
         Ok(self)
     }
 
+    /// The same view without the fleet-wide backlogs: what a replica keeps once its stream is
+    /// lost. The control plane stops adding other replicas' dispatches and taking out their
+    /// ends then, so the sums would freeze with requests that finished long ago in them.
+    pub fn without_backlogs(&self) -> Self {
+        Self { backlogs: OrdMap::new(), ..self.clone() }
+    }
+
     pub fn version(&self) -> u64 {
         self.version
     }

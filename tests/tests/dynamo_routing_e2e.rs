@@ -47,13 +47,12 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     let continuum = RoutedContinuum::start(&ns, 2, false).await?;
     dynamo_routing::start_frontend(&ns)?;
     let prefill = PREFILL.start(&ns, &watch, "prefill").await?.instance.instance_id;
-    let decode_a = DECODE.start(&ns, &watch, "decode-a").await?;
-    let decode_b = DECODE.start(&ns, &watch, "decode-b").await?.instance.instance_id;
+    let decoders = [DECODE.start(&ns, &watch, "decode-a").await?, DECODE.start(&ns, &watch, "decode-b").await?];
     let fleet = Fleet {
         ns: &ns,
         replicas: &continuum.replicas,
         prefill,
-        decodes: vec![decode_a.instance.instance_id, decode_b],
+        decodes: decoders.iter().map(|d| d.instance.instance_id).collect(),
     };
     continuum.wait_for_workers(&ns, 3).await?;
     dynamo_routing::wait_model_listed(&ns, "frontend", &format!("http://{FRONTEND}"), "tiny").await?;
@@ -110,15 +109,17 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
 
     let phase = Instant::now();
     let mut served_after_kill = BTreeSet::new();
+    let mut decodes_after_kill: BTreeMap<u64, usize> = BTreeMap::new();
     for n in 0..REQUESTS_AROUND_CONTROL_PLANE_KILL {
         if n == REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
             let status = ns.kill(continuum.control_plane_pid)?;
             report.push(format!("control plane SIGKILLed ({status}) after {n} requests of this phase"));
         }
         let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
-        fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
+        let pins = fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
         if n >= REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
             served_after_kill.insert(replica);
+            *decodes_after_kill.entry(pins.decode).or_default() += 1;
         }
     }
     ensure!(served_after_kill.len() == 2, "both replicas must have routed after the control plane died");
@@ -128,8 +129,16 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     ));
 
     // The control plane is gone, so every replica keeps the dead worker in its last-known-good
-    // view: requests pinned to it must fail as specified, promptly.
-    ns.kill(decode_a.pid)?;
+    // view: requests pinned to it must fail as specified, promptly. The victim is the decode
+    // worker the replicas chose most since the control plane died: their load samples froze
+    // with it, so a worker whose last sample showed a request may be passed over until they go
+    // stale, and killing that one would leave the failure arm untested.
+    let busiest = decodes_after_kill.iter().max_by_key(|(_, n)| **n).map(|(id, _)| *id);
+    let (victim, survivor) = match &decoders {
+        [a, b] if busiest == Some(b.instance.instance_id) => (b, a.instance.instance_id),
+        [a, b] => (a, b.instance.instance_id),
+    };
+    ns.kill(victim.pid)?;
     let phase = Instant::now();
     let (mut ok, mut failed, mut slowest) = (0, BTreeMap::<(u16, String), usize>::new(), Duration::ZERO);
     for n in 0..REQUESTS_AFTER_DECODE_KILL {
@@ -145,7 +154,7 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         slowest = slowest.max(sent.elapsed());
         if answer.status == 200 {
             let pins = fleet.check(n, &answer, stream)?;
-            ensure!(pins.decode == decode_b, "request {n} answered 200 from the killed decode worker: {pins:?}");
+            ensure!(pins.decode == survivor, "request {n} answered 200 from the killed decode worker: {pins:?}");
             ok += 1;
             continue;
         }
@@ -161,8 +170,8 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     // The frozen view still holds the dead worker, so the failure arm must have been taken.
     ensure!(!failed.is_empty(), "no request was pinned to the killed decode worker; the failure arm went untested");
     report.push(format!(
-        "{REQUESTS_AFTER_DECODE_KILL} requests after SIGKILL of decode {} (control plane dead): {ok} x 200 from decode {decode_b}, failures {failed:?}, slowest {slowest:?}, phase {:?}",
-        decode_a.instance.instance_id,
+        "{REQUESTS_AFTER_DECODE_KILL} requests after SIGKILL of decode {} (control plane dead; decode -> requests since: {decodes_after_kill:?}): {ok} x 200 from decode {survivor}, failures {failed:?}, slowest {slowest:?}, phase {:?}",
+        victim.instance.instance_id,
         phase.elapsed()
     ));
     report.push(format!("whole test: {:?}", began.elapsed()));

@@ -285,3 +285,30 @@ async fn a_prefix_dispatches_share_through_different_replicas_counts_once() -> a
     control.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_loses_the_control_plane_keeps_its_workers_but_not_the_frozen_backlogs() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 7, "m")], ..Default::default() });
+    let replicas = start_replicas(2, &control.url()).await?;
+    wait_for_version(&replicas, control.publisher.current().version(), CONVERGE).await?;
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    // A dispatch whose end the other replica will never learn of: the control plane dies first.
+    replicas[0].reporter.started(&rank, 160, 10, Vec::new());
+    continuum_tests::eventually(CONVERGE, "the other replica seeing the dispatch", || async {
+        replicas[1].fleet.view().is_some_and(|v| v.backlogs().contains_key(&rank))
+    })
+    .await?;
+
+    control.stop().await;
+    continuum_tests::eventually(CONVERGE, "the frozen backlog dropped", || async {
+        replicas[1].fleet.view().is_some_and(|v| v.backlogs().is_empty())
+    })
+    .await?;
+    let view = replicas[1].fleet.view().expect("last-known-good");
+    anyhow::ensure!(view.worker(&rank.worker).is_some(), "the worker stays routable on last-known-good");
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    Ok(())
+}

@@ -89,7 +89,7 @@ pub async fn run(
             outcome = follow(&config, &handle, &mut reports, &metrics) => outcome,
         };
         reporter::discard(&mut reports);
-        handle.touch(false);
+        handle.detach();
         metrics.stream_connected.set(0);
         match &outcome {
             Ok(()) => tracing::warn!("control plane closed the fleet stream; keeping the last-known-good view"),
@@ -124,7 +124,7 @@ async fn follow(
         .keep_alive_timeout(Duration::from_secs(10));
     let channel = endpoint.connect().await.map_err(SessionError::Connect)?;
     let (replies, rx) = mpsc::channel(REPLY_QUEUE);
-    let hello = pb::Hello { replica_id: config.replica_id.clone(), version: handle.view().map(|v| v.version()) };
+    let hello = pb::Hello { replica_id: config.replica_id.clone(), version: handle.resume_from() };
     replies.send(request(Kind::Hello(hello))).await.map_err(|_| SessionError::RepliesClosed)?;
     let mut updates = FleetClient::new(channel)
         .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)

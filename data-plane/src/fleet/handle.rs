@@ -19,6 +19,9 @@ pub struct FleetHandle {
 #[derive(Debug, Clone, Copy)]
 struct Link {
     connected: bool,
+    /// The held view lost part of its content when the stream was lost (see
+    /// [`FleetHandle::detach`]), so the next stream must start from a full snapshot.
+    partial: bool,
     /// When the held view was last known to be current: the last update received, or the
     /// moment the stream was lost.
     current_at: Option<Instant>,
@@ -39,7 +42,7 @@ impl Default for FleetHandle {
     fn default() -> Self {
         Self {
             view: ArcSwapOption::empty(),
-            link: Mutex::new(Link { connected: false, current_at: None }),
+            link: Mutex::new(Link { connected: false, partial: false, current_at: None }),
             version_tx: watch::channel(0).0,
         }
     }
@@ -79,13 +82,91 @@ impl FleetHandle {
         self.version_tx.send_replace(version);
     }
 
+    /// The version to resume the next stream from: the held view's, unless the view is
+    /// missing content the control plane would not resend with a delta.
+    pub(crate) fn resume_from(&self) -> Option<u64> {
+        let partial = self.link.lock().unwrap_or_else(PoisonError::into_inner).partial;
+        self.view().filter(|_| !partial).map(|view| view.version())
+    }
+
+    /// The stream is lost: the view becomes last-known-good. Its workers, loads and
+    /// configuration stay; its fleet-wide backlogs go, since nothing takes the ends of other
+    /// replicas' dispatches out of them any more (frozen, they would keep a worker looking busy
+    /// with requests finished long ago). The picker counts this replica's own dispatches until
+    /// the stream is back.
+    pub(crate) fn detach(&self) {
+        if let Some(view) = self.view().filter(|view| !view.backlogs().is_empty()) {
+            self.view.store(Some(Arc::new(view.without_backlogs())));
+            self.link.lock().unwrap_or_else(PoisonError::into_inner).partial = true;
+        }
+        self.touch(false);
+    }
+
     /// Marks the link up (an update arrived) or down (the stream ended). Failed reconnects
     /// while down leave the view's age growing from the moment the link was lost.
-    pub(crate) fn touch(&self, connected: bool) {
+    fn touch(&self, connected: bool) {
         let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
         if connected || link.connected {
             link.current_at = Some(Instant::now());
         }
+        if connected {
+            link.partial = false;
+        }
         link.connected = connected;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use continuum_proto::model::{Backlog, Capacity, LoadKey, Role, Worker, WorkerKey};
+
+    use super::*;
+
+    fn view(version: u64, backlog: Option<Backlog>) -> FleetView {
+        let worker = Worker {
+            key: WorkerKey::new("dynamo", 7),
+            role: Role::Decode,
+            model: "tiny".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: Capacity::default(),
+            dp_start_rank: 0,
+            dp_size: 1,
+            disaggregated_endpoint: None,
+            artifacts: None,
+        };
+        let rank = LoadKey { worker: worker.key.clone(), dp_rank: 0 };
+        FleetView::new(version, [Arc::new(worker)], [], Arc::default())
+            .and_then(|view| view.with_backlogs(backlog.map(|b| (rank, b))))
+            .expect("a valid view")
+    }
+
+    #[test]
+    fn a_lost_stream_drops_the_frozen_backlogs_and_resumes_from_a_snapshot() {
+        let handle = FleetHandle::default();
+        assert_eq!(handle.resume_from(), None, "nothing held: a snapshot");
+        let backlog = Backlog { decode_blocks: 40, dispatches: 3, ..Backlog::default() };
+        handle.store(view(5, Some(backlog)));
+        assert_eq!(handle.resume_from(), Some(5));
+
+        handle.detach();
+        let held = handle.view().expect("last-known-good stays");
+        assert_eq!((held.version(), held.workers().len()), (5, 1), "workers and version are kept");
+        assert!(held.backlogs().is_empty(), "the frozen fleet-wide backlogs are gone");
+        assert!(!handle.status(Instant::now()).connected);
+        assert_eq!(handle.resume_from(), None, "a delta would not bring the dropped backlogs back");
+
+        handle.store(view(9, Some(backlog)));
+        assert_eq!(handle.resume_from(), Some(9), "a snapshot makes the view whole again");
+    }
+
+    #[test]
+    fn a_view_without_backlogs_resumes_with_a_delta_after_a_lost_stream() {
+        let handle = FleetHandle::default();
+        handle.store(view(3, None));
+        handle.detach();
+        assert_eq!(handle.resume_from(), Some(3));
+        assert_eq!(handle.view().map(|v| v.version()), Some(3));
     }
 }
