@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,10 +14,32 @@ use serde::{Deserialize, Serialize};
 ///
 /// The instance id is the worker's etcd lease id. It is often above 2^53, so it is never
 /// carried through an `f64` (JSON numbers in JavaScript, for instance).
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+///
+/// Keys are compared and hashed on the request path (the ledger's and the views' maps), so both
+/// start with the instance id: lease ids are random 64-bit numbers, all but unique on their
+/// own, and the namespace is compared only when they match (by pointer first, since a fleet's
+/// keys share one `Arc` per namespace).
+#[derive(Clone, Debug, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct WorkerKey {
     pub namespace: Arc<str>,
     pub instance_id: u64,
+}
+
+impl PartialEq for WorkerKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.instance_id == other.instance_id
+            && (Arc::ptr_eq(&self.namespace, &other.namespace) || self.namespace == other.namespace)
+    }
+}
+
+impl Eq for WorkerKey {}
+
+impl Hash for WorkerKey {
+    /// The instance id alone: equal keys have equal ids, and keys that differ only by
+    /// namespace (the same lease id in two namespaces) merely share a bucket.
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.instance_id.hash(state);
+    }
 }
 
 impl WorkerKey {
@@ -230,4 +253,26 @@ pub struct KvArtifactPolicy {
     pub allow_http: bool,
     pub allow_hf: bool,
     pub cache_dir: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    #[test]
+    fn worker_keys_compare_by_namespace_and_id_whatever_their_allocation() {
+        let a = WorkerKey::new("dynamo", 7);
+        assert_eq!(a, WorkerKey::new(String::from("dynamo"), 7), "equal content in another Arc");
+        assert_ne!(a, WorkerKey::new("other", 7), "the same lease id in another namespace");
+        assert_ne!(a, WorkerKey::new("dynamo", 8));
+        let mut map = HashMap::new();
+        map.insert(a.clone(), 1);
+        map.insert(WorkerKey::new("other", 7), 2);
+        map.insert(WorkerKey::new(String::from("dynamo"), 7), 3);
+        assert_eq!(map.len(), 2, "keys sharing an id share a bucket, not an entry");
+        assert_eq!(map[&a], 3);
+        assert_eq!(map[&WorkerKey::new("other", 7)], 2);
+    }
 }

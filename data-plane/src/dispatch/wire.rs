@@ -5,8 +5,6 @@
 //! Only what a `dynamo.frontend` (a hyper server) sends needs reading: `Content-Length` or
 //! chunked bodies, a body running to the close otherwise, and no body where HTTP says so.
 
-use std::io::Write;
-
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use bytes::{Buf, Bytes, BytesMut};
@@ -77,14 +75,16 @@ pub fn encode_request(out: &mut Vec<u8>, method: &Method, uri: &Uri, headers: &H
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+    let mut decimal = itoa::Buffer::new();
     for (name, value) in pins.iter() {
-        // Writing into a `Vec` cannot fail.
-        let _ = write!(out, "{name}: {value}\r\n");
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(decimal.format(value).as_bytes());
+        out.extend_from_slice(b"\r\n");
     }
     if !body.is_empty() || *method == Method::POST {
         out.extend_from_slice(b"content-length: ");
-        // Writing into a `Vec` cannot fail.
-        let _ = write!(out, "{}", body.len());
+        out.extend_from_slice(decimal.format(body.len()).as_bytes());
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");

@@ -203,9 +203,10 @@ pub fn encode_response(
         out.extend_from_slice(b"\r\n");
     }
     match framing {
-        // Writing into a `Vec` cannot fail.
         ResponseFraming::Length(length) => {
-            let _ = write!(out, "content-length: {length}\r\n");
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(itoa::Buffer::new().format(length).as_bytes());
+            out.extend_from_slice(b"\r\n");
         }
         ResponseFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
         ResponseFraming::UntilClose | ResponseFraming::NoBody => {}

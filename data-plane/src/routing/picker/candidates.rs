@@ -15,21 +15,26 @@ use continuum_proto::view::{FleetView, WorkersMemo};
 use super::Pin;
 use super::outliers::Outliers;
 
-/// One (worker, dp rank).
+/// One (worker, dp rank), with the keys the picker looks it up by, built once with its pool.
 #[derive(Clone, Debug)]
 pub(super) struct Candidate {
     pub worker: Arc<Worker>,
     pub rank: u32,
+    /// The key its load samples, backlogs and outlier record are kept under.
+    pub load_key: LoadKey,
+    /// The key this replica's ledger keeps its dispatches under: its pin's rank.
+    pub pin_key: LoadKey,
 }
 
 impl Candidate {
-    pub fn pin(&self) -> Pin {
-        Pin { worker: self.worker.key.clone(), dp_rank: (self.worker.dp_size > 0).then_some(self.rank) }
+    pub fn new(worker: Arc<Worker>, rank: u32) -> Self {
+        let load_key = LoadKey { worker: worker.key.clone(), dp_rank: rank };
+        let pin = Pin { worker: worker.key.clone(), dp_rank: (worker.dp_size > 0).then_some(rank) };
+        Self { pin_key: pin.rank_key(), load_key, worker, rank }
     }
 
-    /// The key its load samples are kept under.
-    pub fn load_key(&self) -> LoadKey {
-        LoadKey { worker: self.worker.key.clone(), dp_rank: self.rank }
+    pub fn pin(&self) -> Pin {
+        Pin { worker: self.worker.key.clone(), dp_rank: (self.worker.dp_size > 0).then_some(self.rank) }
     }
 }
 
@@ -49,9 +54,9 @@ impl Pools {
             return self;
         }
         let mut pools = Arc::unwrap_or_clone(self);
-        outliers.filter(&mut pools.decode, Candidate::load_key, now);
+        outliers.filter(&mut pools.decode, |c| c.load_key.clone(), now);
         for pool in pools.prefill.values_mut() {
-            outliers.filter(pool, Candidate::load_key, now);
+            outliers.filter(pool, |c| c.load_key.clone(), now);
         }
         Arc::new(pools)
     }
@@ -136,5 +141,5 @@ pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>
 }
 
 fn ranks<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>) -> impl Iterator<Item = Candidate> {
-    workers.flat_map(|worker| worker.dp_ranks().map(|rank| Candidate { worker: Arc::clone(worker), rank }))
+    workers.flat_map(|worker| worker.dp_ranks().map(|rank| Candidate::new(Arc::clone(worker), rank)))
 }

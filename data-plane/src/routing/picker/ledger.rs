@@ -14,6 +14,7 @@
 //! One mutex guards the state; every critical section is a few map operations, and the picker
 //! queries all its candidates under a single acquisition.
 
+use std::borrow::Borrow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -401,11 +402,16 @@ impl DispatchLedger {
 
     /// The backlog of each rank, given when its last sample was received and when the fleet's
     /// sums for it were taken (`None`: never, or no sums).
-    pub fn backlogs(&self, ranks: &[(LoadKey, Option<Instant>, Option<Instant>)], now: Instant) -> Vec<RankBacklog> {
+    pub fn backlogs<K: Borrow<LoadKey>>(
+        &self,
+        ranks: &[(K, Option<Instant>, Option<Instant>)],
+        now: Instant,
+    ) -> Vec<RankBacklog> {
         let mut state = self.lock();
         ranks
             .iter()
             .map(|(key, sampled_at, fleet_as_of)| {
+                let key = key.borrow();
                 let mut backlog = state.backlog(key, *sampled_at, now);
                 if let (Some(as_of), Some(rank)) = (fleet_as_of, state.ranks.get(key)) {
                     (backlog.started_since_fleet, backlog.ended_since_fleet) = rank.since(*as_of);

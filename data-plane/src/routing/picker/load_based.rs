@@ -6,11 +6,11 @@
 //! Graph-local: decode candidates of every eligible namespace compete together; the prefill
 //! worker is then chosen within the decode winner's namespace.
 
-use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
+use continuum_proto::fast_hash::{FastHasher, FastMap};
 use continuum_proto::model::{Backlog, LoadSample, Role};
 use continuum_proto::view::FleetView;
 use prometheus::{IntCounter, IntCounterVec};
@@ -44,14 +44,14 @@ pub struct LoadBasedPicker {
     counters: Option<[[IntCounter; REASONS]; 2]>,
     /// Per phase, model and (for prefill) namespace, keyed by hash: two pools sharing a cursor
     /// after a collision still rotate.
-    cursors: Mutex<HashMap<u64, usize>>,
+    cursors: Mutex<FastMap<u64, usize>>,
     pools: PoolCache,
 }
 
 impl LoadBasedPicker {
     /// `selections` must have the labels `role` and `reason` (see `Metrics::selections`).
     pub fn new(ledger: Arc<DispatchLedger>, selections: IntCounterVec) -> Self {
-        Self { ledger, counters: series(&selections), cursors: Mutex::new(HashMap::new()), pools: PoolCache::default() }
+        Self { ledger, counters: series(&selections), cursors: Mutex::default(), pools: PoolCache::default() }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.
@@ -70,10 +70,10 @@ impl LoadBasedPicker {
         let mut views: Vec<(Option<&LoadSample>, Option<&Backlog>)> = Vec::with_capacity(candidates.len());
         let mut queries = Vec::with_capacity(candidates.len());
         for candidate in candidates {
-            let key = candidate.load_key();
-            let (sample, fleet) = (view.loads().get(&key), view.backlogs().get(&key));
+            let key = &candidate.load_key;
+            let (sample, fleet) = (view.loads().get(key), view.backlogs().get(key));
             // The ledger keys dispatches by their pin.
-            queries.push((candidate.pin().rank_key(), sample.map(|s| s.received_at), fleet.and_then(|b| b.as_of)));
+            queries.push((&candidate.pin_key, sample.map(|s| s.received_at), fleet.and_then(|b| b.as_of)));
             views.push((sample, fleet));
         }
         let local = self.ledger.backlogs(&queries, now);
@@ -141,7 +141,9 @@ impl LoadBasedPicker {
 
     /// The cursor's current turn, moving it on: successive calls with one cursor rotate.
     pub(super) fn advance(&self, cursor: impl Hash) -> usize {
-        let mut hasher = DefaultHasher::new();
+        // Cursors are keyed by models and namespaces of the fleet (a request for an unknown model
+        // never reaches one), so a fast hash will do.
+        let mut hasher = FastHasher::default();
         cursor.hash(&mut hasher);
         let key = hasher.finish();
         let mut cursors = self.cursors.lock().unwrap_or_else(PoisonError::into_inner);
