@@ -15,11 +15,12 @@ use serde::{Deserialize, Serialize};
 /// The instance id is the worker's etcd lease id. It is often above 2^53, so it is never
 /// carried through an `f64` (JSON numbers in JavaScript, for instance).
 ///
-/// Keys are compared and hashed on the request path (the ledger's and the views' maps), so both
-/// start with the instance id: lease ids are random 64-bit numbers, all but unique on their
-/// own, and the namespace is compared only when they match (by pointer first, since a fleet's
-/// keys share one `Arc` per namespace).
-#[derive(Clone, Debug, PartialOrd, Ord, Serialize, Deserialize)]
+/// Keys are compared, ordered and hashed on the request path (the views' ordered maps, the
+/// ledger's hash maps), so all three start with the instance id: lease ids are random 64-bit
+/// numbers, all but unique on their own, and the namespace is compared only when they match
+/// (by pointer first: keys cloned from one worker share it). Maps of keys therefore iterate
+/// in instance-id order, not grouped by namespace.
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct WorkerKey {
     pub namespace: Arc<str>,
     pub instance_id: u64,
@@ -33,6 +34,26 @@ impl PartialEq for WorkerKey {
 }
 
 impl Eq for WorkerKey {}
+
+impl Ord for WorkerKey {
+    /// By instance id, then namespace: the fleet's ordered maps (workers, loads, backlogs)
+    /// then settle almost every comparison on one integer instead of a string.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.instance_id.cmp(&other.instance_id).then_with(|| {
+            if Arc::ptr_eq(&self.namespace, &other.namespace) {
+                std::cmp::Ordering::Equal
+            } else {
+                self.namespace.cmp(&other.namespace)
+            }
+        })
+    }
+}
+
+impl PartialOrd for WorkerKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
 
 impl Hash for WorkerKey {
     /// The instance id alone: equal keys have equal ids, and keys that differ only by
@@ -274,5 +295,12 @@ mod tests {
         assert_eq!(map.len(), 2, "keys sharing an id share a bucket, not an entry");
         assert_eq!(map[&a], 3);
         assert_eq!(map[&WorkerKey::new("other", 7)], 2);
+    }
+
+    #[test]
+    fn worker_keys_order_by_instance_id_then_namespace() {
+        assert!(WorkerKey::new("b", 1) < WorkerKey::new("a", 2));
+        assert!(WorkerKey::new("a", 7) < WorkerKey::new("b", 7));
+        assert_eq!(WorkerKey::new("a", 7).cmp(&WorkerKey::new(String::from("a"), 7)), std::cmp::Ordering::Equal);
     }
 }

@@ -42,7 +42,9 @@ async fn put_worker(etcd: &Etcd, namespace: &str, id: u64) -> anyhow::Result<()>
 
 fn workers(control: &ControlPlane) -> Vec<(String, u64)> {
     let state = control.publisher.current();
-    state.view().workers().keys().map(|k| (k.namespace.to_string(), k.instance_id)).collect()
+    let mut workers: Vec<_> = state.view().workers().keys().map(|k| (k.namespace.to_string(), k.instance_id)).collect();
+    workers.sort();
+    workers
 }
 
 /// Whether any delta published since `version` removed `key`.
