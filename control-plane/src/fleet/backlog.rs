@@ -257,7 +257,8 @@ impl Rank {
         self.active = self.active.saturating_sub(freed);
         self.last_end = Some(now);
         self.ended.push_back(Ended { at: now, blocks: freed });
-        self.refresh_ending(now);
+        // `ending` is recounted by the publish check (`Book::expire`) before any sum is taken,
+        // not here: recounting walks every dispatch of the rank, and ends come one by one.
         while self.ended.len() > MAX_ENDED_PER_RANK
             || self.ended.front().is_some_and(|e| now.saturating_duration_since(e.at) >= SAMPLE_LAG)
         {
