@@ -29,13 +29,18 @@ pub(super) struct Candidate {
 impl Candidate {
     pub fn new(worker: Arc<Worker>, rank: u32) -> Self {
         let load_key = LoadKey { worker: worker.key.clone(), dp_rank: rank };
-        let pin = Pin { worker: worker.key.clone(), dp_rank: (worker.dp_size > 0).then_some(rank) };
-        Self { pin_key: pin.rank_key(), load_key, worker, rank }
+        let pin_key = pin_of(&worker, rank).rank_key();
+        Self { worker, rank, load_key, pin_key }
     }
 
     pub fn pin(&self) -> Pin {
-        Pin { worker: self.worker.key.clone(), dp_rank: (self.worker.dp_size > 0).then_some(self.rank) }
+        pin_of(&self.worker, self.rank)
     }
+}
+
+/// A rank is pinned only when its worker declares data parallelism.
+fn pin_of(worker: &Worker, rank: u32) -> Pin {
+    Pin { worker: worker.key.clone(), dp_rank: (worker.dp_size > 0).then_some(rank) }
 }
 
 /// The decode candidates of every eligible namespace, compared together (graph-local
