@@ -27,9 +27,10 @@ pub struct DispatchEnd {
 impl DispatchEnd {
     /// Records a dispatch of `prompt_tokens` pinned as `selection`: the prompt tokens the rank
     /// that prefills it does not hold, and its blocks on the decode rank, as the ledger counts
-    /// them. The prompt's `chain` (empty without the KV term) goes with each pin that prefills
-    /// it, at that worker's block size: the control plane credits it to the rank
-    /// provisionally and, on an aggregated rank, counts blocks its requests share once.
+    /// them. The prompt's `chain` (empty without the KV term) goes with each pin, at that
+    /// worker's block size: the control plane credits it to the rank provisionally (a decode
+    /// worker keeps the KV it receives, as a prefilling rank keeps what it computes) and, on
+    /// the rank that decodes, counts blocks its requests share once.
     pub fn record(
         ledger: &Arc<DispatchLedger>,
         reporter: &Arc<DispatchReporter>,
@@ -52,8 +53,12 @@ impl DispatchEnd {
                     0,
                     chain.at_block_size(pin_block_size(view, pin)).to_vec(),
                 )),
-                // Transferred KV shares nothing (see `shares_prefix_blocks`).
-                reporter.started(&decode_rank, 0, blocks, Vec::new()),
+                reporter.started(
+                    &decode_rank,
+                    0,
+                    blocks,
+                    chain.at_block_size(pin_block_size(view, &selection.decode)).to_vec(),
+                ),
             ),
             None => (None, reporter.started(&decode_rank, tokens, blocks, hashes.to_vec())),
         };

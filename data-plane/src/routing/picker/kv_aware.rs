@@ -6,8 +6,12 @@
 //! workers without a prefill pool), which prefill their own requests. All of them compete on
 //! the formula together (graph-local: prefill workers only where a decode worker can take
 //! the hand-over). A prefill winner's decode worker is then chosen within its namespace by the
-//! load-only rule, or, under conditional disaggregation, by the decode term less the overlap
-//! credit, after which the decode worker may prefill the request itself (a bypass).
+//! decode term less the overlap credit: a decode worker keeps the KV it receives in its prefix
+//! cache, and the dispatch report credits the prompt's chain to it as to any pinned rank, so
+//! requests sharing a prompt find their decode worker again, as Dynamo's router sends them
+//! (the seed's load-only rule here left half the fleet's decode hits unused; docs/kv.md).
+//! Under conditional disaggregation the decode worker may then prefill the request itself (a
+//! bypass).
 //!
 //! Without a KV term ([`KvTerm::Unavailable`]) the load-based picker decides alone. Every
 //! selection counts one `continuum_dynamo_kv_selection_total{result}`.
@@ -151,9 +155,9 @@ impl KvAwarePicker {
         Some(self.finish(selection, if bypassed { KvSelectionResult::Bypass } else { overlap }))
     }
 
-    /// The decode worker for a prefill winner, within its namespace: by the load-only rule, or
-    /// under conditional disaggregation by the decode term less the overlap credit, possibly
-    /// prefilling the request itself (a bypass: no prefill pin, reason `ConditionalBypass`).
+    /// The decode worker for a prefill winner, within its namespace, by the decode term less
+    /// the overlap credit; under conditional disaggregation possibly prefilling the request
+    /// itself (a bypass: no prefill pin, reason `ConditionalBypass`).
     fn pair(
         &self,
         scoring: &Scoring<'_>,
@@ -173,14 +177,11 @@ impl KvAwarePicker {
             prefill_reason: Some(prefill.reason),
             cached_blocks: u64::from(scoring.overlap(prefill.candidate)),
         };
-        if !scoring.view.config().picker.conditional_disaggregation {
-            let cursor = (Phase::Decode, request.model, &**namespace);
-            let (decode, reason) =
-                self.load.choose(scoring.view, Phase::Decode, &decoders, cursor, request, scoring.now)?;
-            return Some(selection(decode, reason));
-        }
         let cursor = (KV_CURSOR, Phase::Decode, request.model, &**namespace);
         let decode = self.compete(scoring, &decoders, cursor, formula::conditional_decode_cost)?;
+        if !scoring.view.config().picker.conditional_disaggregation {
+            return Some(selection(decode.candidate, decode.reason));
+        }
         if !self.bypasses(scoring, &decode) {
             return Some(selection(decode.candidate, decode.reason));
         }
@@ -207,7 +208,9 @@ impl KvAwarePicker {
             .zip(ranks)
             .map(|(candidate, rank)| {
                 let phase = if candidate.worker.role == Role::Prefill { Phase::Prefill } else { Phase::Decode };
-                let (load, fresh) = formula::rank_load(phase, rank.sample, rank.dispatched, max_staleness, scoring.now);
+                let handover = candidate.worker.role == Role::Decode;
+                let (load, fresh) =
+                    formula::rank_load(phase, rank.sample, rank.dispatched, handover, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);
                 let active = scoring.active_overlap(candidate);
                 let logit =

@@ -138,19 +138,6 @@ impl RankBacklog {
     }
 }
 
-/// Whether the decode rank of `selection` shares the prompt's blocks with its other requests
-/// in flight, so that a block several of them hold counts once.
-///
-/// An aggregated rank (or a decode rank prefilling locally) computes the prompt into its own
-/// prefix cache, and requests with a common prefix share those blocks. A decode worker of a
-/// pair receives each request's KV by transfer, and nothing shows it sharing blocks between
-/// requests (Dynamo 1.6.1's decode workers publish no kv-events), so two requests with one
-/// system prompt count it twice. Counted that way, both Dynamo's router and ours see decode
-/// workers start making requests wait at about their capacity (`docs/benchmarks.md`).
-fn shares_prefix_blocks(selection: &Selection) -> bool {
-    selection.prefill.is_none()
-}
-
 #[derive(Debug)]
 pub struct DispatchLedger {
     capacity: usize,
@@ -317,9 +304,11 @@ impl DispatchLedger {
 
     /// Records a dispatch of `prompt_tokens` pinned as `selection`. `block_size` is the decode
     /// worker's (see [`dispatch_block_size`]); 0 counts as 1. `block_hashes` is the prompt's
-    /// prefix chain at that block size (empty when unknown): the blocks an aggregated rank
-    /// shares with its other requests in flight. A decode worker of a pair shares none (see
-    /// `shares_prefix_blocks`).
+    /// prefix chain at that block size (empty when unknown): the blocks the decode rank shares
+    /// with its other requests in flight. An aggregated rank computes them into its prefix
+    /// cache; a decode worker of a pair keeps the KV it receives in its own (the 1.6.1 mocker's
+    /// decode workers answer a prompt whose prefix an earlier request brought with
+    /// `cached_tokens`), so on both a block several requests hold counts once.
     pub fn record(
         &self,
         selection: &Selection,
@@ -343,7 +332,6 @@ impl DispatchLedger {
         }
         state.next_id = state.next_id.wrapping_add(1).max(1);
         let id = DispatchId(state.next_id);
-        let block_hashes = if shares_prefix_blocks(selection) { block_hashes } else { &[] };
         let block_hashes: Box<[u64]> = if state.held_hashes + block_hashes.len() <= MAX_ACTIVE_BLOCK_HASHES {
             block_hashes.iter().copied().take(usize::try_from(blocks).unwrap_or(usize::MAX)).collect()
         } else {

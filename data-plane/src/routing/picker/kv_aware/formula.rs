@@ -178,11 +178,14 @@ pub(super) fn conditional_decode_cost(logit: &Logit) -> f64 {
 /// A rank's load for the formula, and whether it comes from a fresh sample carrying the
 /// backlog of the rank's phase (prefill tokens for a prefill worker, decode blocks for a
 /// worker that decodes). `None` when that backlog is unknown (see [`Standing::Unknown`]); the
-/// other phase's field is added when a fresh sample carries it.
+/// other phase's field is added when a fresh sample carries it. A decode worker of a pair
+/// (`handover`) receives the request after its prefill, so dispatches expected to end by
+/// then do not count ([`RankBacklog::handover_decode_backlog`]), as in the load-only rule.
 pub(super) fn rank_load(
     phase: Phase,
     sample: Option<&LoadSample>,
     dispatched: RankBacklog,
+    handover: bool,
     max_staleness: Duration,
     now: Instant,
 ) -> (Option<RankLoad>, bool) {
@@ -204,7 +207,11 @@ pub(super) fn rank_load(
     };
     let load = RankLoad {
         active_prefill_tokens: prefill.saturating_add(dispatched.prefill_tokens),
-        active_decode_blocks: dispatched.decode_backlog(decode),
+        active_decode_blocks: if handover {
+            dispatched.handover_decode_backlog(decode)
+        } else {
+            dispatched.decode_backlog(decode)
+        },
     };
     (Some(load), matches!(standing, Standing::Fresh(_)))
 }

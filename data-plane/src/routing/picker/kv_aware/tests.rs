@@ -339,28 +339,33 @@ fn an_aggregated_fleet_adds_prefill_tokens_when_sampled() {
 }
 
 #[test]
-fn the_kv_term_picks_the_prefill_worker_and_decode_stays_load_only() {
-    let fleet = Fleet::new([
-        worker("a", 1, Role::Prefill),
-        worker("a", 2, Role::Prefill),
-        worker("a", 3, Role::Decode),
-        worker("a", 4, Role::Decode),
-    ])
-    .sample(1, prefilling(0), FRESH)
-    .sample(2, prefilling(0), FRESH)
-    .sample(3, used(100), FRESH)
-    .sample(4, used(10), FRESH);
-    // Decode worker 3 holding the prefix does not matter without conditional disaggregation.
+fn the_kv_term_picks_the_prefill_worker_and_the_decode_worker_holding_the_prompt() {
+    let fleet = |decode_3: u64| {
+        Fleet::new([
+            worker("a", 1, Role::Prefill),
+            worker("a", 2, Role::Prefill),
+            worker("a", 3, Role::Decode),
+            worker("a", 4, Role::Decode),
+        ])
+        .sample(1, prefilling(0), FRESH)
+        .sample(2, prefilling(0), FRESH)
+        .sample(3, used(decode_3), FRESH)
+        .sample(4, used(10), FRESH)
+    };
+    // Decode worker 3 holds the 8-block prompt (credited when an earlier request went there):
+    // at equal load its cost is 10 + 8 - 8 = 10 against 4's 10 + 8.
     let held = overlaps(&[(2, 0, 4), (3, 0, 8)]);
     let counters = Counters::new();
     let picker = counters.picker();
-    let s = pick(&picker, &fleet, scored(128, &held));
-    assert_eq!(ids(&s), (4, Some(2)));
+    let s = pick(&picker, &fleet(10), scored(128, &held));
+    assert_eq!(ids(&s), (3, Some(2)));
     assert_eq!(s.cached_blocks, 4, "the prefill winner's overlap: it prefills only the other 4 blocks");
-    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::KvAware)));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::KvAware)));
     assert_eq!(counters.result(KvSelectionResult::Overlap), 1);
     assert_eq!(counters.selection("prefill", Reason::KvAware), 1);
-    assert_eq!(counters.selection("decode", Reason::Load), 1);
+    assert_eq!(counters.selection("decode", Reason::KvAware), 1);
+    // Load still wins a large gap: 100 + 8 - 8 against 18.
+    assert_eq!(ids(&pick(&picker, &fleet(100), scored(128, &held))), (4, Some(2)));
 }
 
 fn mixed_fleet() -> Fleet {
@@ -498,10 +503,10 @@ fn conditional_disaggregation_lets_the_decode_worker_holding_the_prefix_prefill(
     let s = pick(&counters.picker(), &fleet, scored(1024, &quarter));
     assert_eq!((ids(&s), s.decode_reason), ((2, Some(1)), Reason::KvAware));
 
-    // Off (the default): load-only decode, never a bypass.
+    // Off (the default): the same decode worker, by the same cost, and never a bypass.
     let off = Fleet { params: PickerParams { conditional_disaggregation: false, ..fleet.params }, ..fleet };
     let s = pick(&counters.picker(), &off, scored(1024, &held));
-    assert_eq!((ids(&s), s.decode_reason), ((3, Some(1)), Reason::Load));
+    assert_eq!((ids(&s), s.decode_reason), ((2, Some(1)), Reason::KvAware));
     assert_eq!(counters.result(KvSelectionResult::Bypass), 1);
 }
 

@@ -94,15 +94,16 @@ fn blocks_dispatches_share_count_once_until_the_last_ends() {
 }
 
 #[test]
-fn a_decode_worker_of_a_pair_holds_every_request_whole() {
-    // Transferred KV lands in fresh blocks: two requests with one 5-block system prompt hold
-    // it twice on the decode worker, whatever chain they come with.
+fn a_decode_worker_of_a_pair_holds_a_shared_prompt_once() {
+    // The decode worker keeps the KV it receives in its prefix cache: two requests with one
+    // 6-block chain of a 7-block prompt hold 6 shared blocks and one each.
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
     let chain: Vec<u64> = (1..=6).collect();
     ledger.record(&pair(1, 2), 100, 16, &chain, t0);
     ledger.record(&pair(1, 2), 100, 16, &chain, t0);
-    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 14);
+    assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 8);
+    assert_eq!(backlog(&ledger, key(2, 0), None, t0).in_flight_decode_blocks, 0, "the prefill leg holds nothing");
 }
 
 #[test]

@@ -115,8 +115,14 @@ fn rank_load_takes_the_phase_backlog_and_the_other_field_when_fresh() {
         ("stale under load: unknown", Phase::Decode, Some(stale(vllm)), (None, false)),
     ];
     for (case, phase, sample, expected) in cases {
-        assert_eq!(rank_load(phase, sample.as_ref(), unanswered, max, now), expected, "{case}");
+        assert_eq!(rank_load(phase, sample.as_ref(), unanswered, false, max, now), expected, "{case}");
     }
+    // A decode worker of a pair gets the request after its prefill: of its 10 blocks, the 2
+    // expected to end by then do not count.
+    let ending = RankBacklog { ending_decode_blocks: 2, ..unanswered };
+    let sample = fresh(vllm);
+    assert_eq!(rank_load(Phase::Decode, Some(&sample), ending, true, max, now), (Some(load(50, 8)), true));
+    assert_eq!(rank_load(Phase::Decode, Some(&sample), ending, false, max, now), (Some(load(50, 10)), true));
 }
 
 fn scored(cost: Option<f64>, fresh: bool, stalled: bool, stale_cost: f64) -> Scored {
