@@ -43,25 +43,13 @@ impl DispatchEnd {
         let hashes = chain.at_block_size(block_size);
         let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now());
         let blocks = prompt_blocks(prompt_tokens, block_size);
-        let decode_rank = selection.decode.rank_key();
         let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
-        let (prefill, decode) = match &selection.prefill {
-            Some(pin) => (
-                Some(reporter.started(
-                    &pin.rank_key(),
-                    tokens,
-                    0,
-                    chain.at_block_size(pin_block_size(view, pin)).to_vec(),
-                )),
-                reporter.started(
-                    &decode_rank,
-                    0,
-                    blocks,
-                    chain.at_block_size(pin_block_size(view, &selection.decode)).to_vec(),
-                ),
-            ),
-            None => (None, reporter.started(&decode_rank, tokens, blocks, hashes.to_vec())),
-        };
+        let prefill = selection.prefill.as_ref().map(|pin| {
+            reporter.started(&pin.rank_key(), tokens, 0, chain.at_block_size(pin_block_size(view, pin)).to_vec())
+        });
+        // Without a prefill pin the decode rank prefills the request itself.
+        let decode_tokens = if prefill.is_some() { 0 } else { tokens };
+        let decode = reporter.started(&selection.decode.rank_key(), decode_tokens, blocks, hashes.to_vec());
         let reported = [prefill, Some(decode)];
         Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported, prefilled: false }
     }

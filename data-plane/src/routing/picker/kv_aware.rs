@@ -179,10 +179,7 @@ impl KvAwarePicker {
         };
         let cursor = (KV_CURSOR, Phase::Decode, request.model, &**namespace);
         let decode = self.compete(scoring, &decoders, cursor, formula::conditional_decode_cost)?;
-        if !scoring.view.config().picker.conditional_disaggregation {
-            return Some(selection(decode.candidate, decode.reason));
-        }
-        if !self.bypasses(scoring, &decode) {
+        if !scoring.view.config().picker.conditional_disaggregation || !self.bypasses(scoring, &decode) {
             return Some(selection(decode.candidate, decode.reason));
         }
         Some(Selection {
