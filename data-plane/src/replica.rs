@@ -94,6 +94,7 @@ impl Replica {
             ),
             picker: KvAwarePicker::new(Arc::clone(&ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
         });
+        let prewarm = tokio::spawn(prewarm_kv(Arc::clone(&kv), Arc::clone(&fleet), cancel.clone()));
         let state = AppState {
             fleet: Arc::clone(&fleet),
             metrics: metrics.clone(),
@@ -107,7 +108,7 @@ impl Replica {
         let app = server::App { router: http::router(Arc::clone(&state)), state };
         let server = tokio::spawn(server::serve(listener, app, cancel.clone()));
         tracing::info!(%local_addr, "data-plane replica listening");
-        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, prober, server] })
+        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, prober, prewarm, server] })
     }
 
     /// Stops both tasks and waits for them.
@@ -115,6 +116,20 @@ impl Replica {
         self.cancel.cancel();
         for task in self.tasks {
             let _ = task.await;
+        }
+    }
+}
+
+/// Prewarms the KV term for each new view (cheap unless its workers or policy changed).
+async fn prewarm_kv(kv: Arc<KvSelection>, fleet: Arc<FleetHandle>, cancel: CancellationToken) {
+    let mut versions = fleet.subscribe();
+    loop {
+        if let Some(view) = fleet.view() {
+            kv.routing.prewarm(&view);
+        }
+        tokio::select! {
+            () = cancel.cancelled() => return,
+            changed = versions.changed() => if changed.is_err() { return },
         }
     }
 }

@@ -32,8 +32,9 @@
 //! a sample received after the last end shows what the worker holds, or [`DISPATCH_MAX_AGE`]
 //! after that end if none comes.
 //!
-//! One task owns the book (commands over a bounded channel); changes are published at most once
-//! per [`BACKLOG_WINDOW`], and the task does not wake per window while the book holds nothing.
+//! One task owns the book (commands over a bounded channel). The first change after a quiet
+//! [`BACKLOG_WINDOW`] is published at once; after that, changes are published at most once per
+//! window. The task does not wake per window while the book holds nothing.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -457,6 +458,8 @@ async fn run(
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // On the runtime's clock, as the tick is.
+    let mut last_published: Option<tokio::time::Instant> = None;
     loop {
         // With nothing held, nothing to publish and no count to export, the book sleeps until a
         // report comes instead of waking every window.
@@ -466,22 +469,29 @@ async fn run(
         tokio::select! {
             biased;
             () = cancel.cancelled() => return,
-            command = rx.recv() => match command {
-                Some(Command::Report { replica, report, at }) => book.report(replica, report, at, &states.borrow()),
-                Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
-                None => return,
-            },
-            _ = tick.tick(), if busy => {
-                let now = Instant::now();
-                if !book.ranks.is_empty() {
-                    let state = Arc::clone(&states.borrow_and_update());
-                    book.expire(&state, now);
+            command = rx.recv() => {
+                match command {
+                    Some(Command::Report { replica, report, at }) => book.report(replica, report, at, &states.borrow()),
+                    Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
+                    None => return,
                 }
-                if !book.dirty.is_empty() {
-                    let change = book.take_change(now);
-                    if !change.backlogs.is_empty() || !change.backlogs_removed.is_empty() {
-                        publisher.apply(change);
-                    }
+                // Leading edge: the first change after a quiet window goes out at once, so the
+                // other replicas learn of a lone dispatch or end without waiting up to a window
+                // for the tick (requests arriving a millisecond apart through different replicas
+                // otherwise pile onto the worker that looked free); a stream of reports is paced
+                // by the tick, one publication per window.
+                let paced = tokio::time::Instant::now();
+                if last_published.is_none_or(|at| paced.saturating_duration_since(at) >= BACKLOG_WINDOW)
+                    && publish(&mut book, &publisher, &mut states, Instant::now())
+                {
+                    last_published = Some(paced);
+                    // The next publication waits a whole window from this one.
+                    tick.reset();
+                }
+            }
+            _ = tick.tick(), if busy => {
+                if publish(&mut book, &publisher, &mut states, Instant::now()) {
+                    last_published = Some(tokio::time::Instant::now());
                 }
                 counters.refused.inc_by(book.refused - refused);
                 counters.chains_dropped.inc_by(book.chains_dropped - chains_dropped);
@@ -489,6 +499,29 @@ async fn run(
             }
         }
     }
+}
+
+/// Brings the book up to date with the newest samples and time, and publishes the sums that
+/// moved; `true` when it published.
+fn publish(
+    book: &mut Book,
+    publisher: &FleetPublisher,
+    states: &mut watch::Receiver<Arc<FleetState>>,
+    now: Instant,
+) -> bool {
+    if !book.ranks.is_empty() {
+        let state = Arc::clone(&states.borrow_and_update());
+        book.expire(&state, now);
+    }
+    if book.dirty.is_empty() {
+        return false;
+    }
+    let change = book.take_change(now);
+    let changed = !change.backlogs.is_empty() || !change.backlogs_removed.is_empty();
+    if changed {
+        publisher.apply(change);
+    }
+    changed
 }
 
 #[cfg(test)]

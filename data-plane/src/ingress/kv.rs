@@ -48,6 +48,8 @@ pub struct KvRouting {
     artifacts_counter: IntCounterVec,
     prompt: Mutex<Preparer>,
     models: Mutex<ModelCache>,
+    /// The artifact policy the fleet's models were last prewarmed under, per worker map.
+    prewarmed: Mutex<WorkersMemo<Option<KvArtifactPolicy>>>,
     recent: RecentAnswers,
     /// `continuum_dynamo_kv_term_seconds` by stage.
     prepare_seconds: Histogram,
@@ -96,6 +98,7 @@ impl KvRouting {
             artifacts_counter,
             prompt: Mutex::default(),
             models: Mutex::default(),
+            prewarmed: Mutex::default(),
             recent: RecentAnswers::default(),
             prepare_seconds: term_seconds.with_label_values(&["prepare"]),
             find_matches_seconds: term_seconds.with_label_values(&["find_matches"]),
@@ -149,6 +152,32 @@ impl KvRouting {
             overlaps: overlaps.into(),
             block_hashes,
             recent,
+        }
+    }
+
+    /// Starts loading the tokenizer of every model the fleet serves when its workers or the
+    /// artifact policy change, so that a replica's first requests for a model are scored with
+    /// their KV term rather than on load alone while the load runs (and do not share the cores
+    /// with it): a real model's tokenizer takes hundreds of milliseconds to parse.
+    pub fn prewarm(&self, view: &FleetView) {
+        let config = view.config();
+        if !config.picker.kv_enabled {
+            return;
+        }
+        {
+            let mut prewarmed = self.prewarmed.lock().unwrap_or_else(PoisonError::into_inner);
+            let policy = prewarmed.for_view(view);
+            if policy.as_ref() == Some(&config.kv_artifacts) {
+                return;
+            }
+            *policy = Some(config.kv_artifacts.clone());
+        }
+        let Some(prompt) = self.prompt(&config.kv_artifacts) else { return };
+        let models: BTreeSet<&str> = view.workers().values().map(|worker| worker.model.as_str()).collect();
+        for model in models {
+            if let Some(card) = self.model_cards(view, model).and_then(|cards| cards.cards.first().cloned()) {
+                prompt.store().prewarm(model, &card);
+            }
         }
     }
 

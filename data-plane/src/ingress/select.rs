@@ -55,7 +55,13 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         }),
         None => None,
     };
-    // Rendering and the index lookup take time: the pick runs on the clock after them.
+    // Rendering and the index lookup take milliseconds: the pick runs on the clock and the
+    // fleet view after them, so it counts what the other replicas dispatched meanwhile (a
+    // burst arriving through several replicas otherwise lands on whichever worker looked free
+    // when it arrived).
+    let latest = term.as_ref().and_then(|_| state.fleet.view());
+    let view = latest.as_deref().unwrap_or(view);
+    let config = view.config();
     let now = Instant::now();
     let pools = state.dispatcher.pools(config);
     let usable = usable_namespaces(state, &pools, now);
@@ -111,5 +117,91 @@ fn why_not(view: &FleetView, display: &str, usable: &[String], client_model: &st
         SelectError::ShimUnavailable { model }
     } else {
         SelectError::NoWorkers { model }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use continuum_proto::model::{
+        Backend, Capacity, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, PickerParams, ShimPool, Worker,
+        WorkerKey,
+    };
+
+    use super::*;
+    use crate::dispatch::{DispatchSettings, Dispatcher};
+    use crate::fleet::{DispatchReporter, FleetHandle, MatchesClient};
+    use crate::http::KvSelection;
+    use crate::ingress::KvRouting;
+    use crate::kv::render::Renderer;
+    use crate::metrics::Metrics;
+    use crate::routing::picker::{DispatchLedger, KvAwarePicker, LoadBasedPicker};
+
+    /// A KV-aware fleet of one aggregated worker, `id`, behind one shim.
+    fn view(version: u64, id: u64, cache_dir: &str) -> FleetView {
+        let worker = Worker {
+            key: WorkerKey::new("ns", id),
+            role: Role::Aggregated,
+            model: "tiny".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: Capacity::default(),
+            dp_start_rank: 0,
+            dp_size: 0,
+            disaggregated_endpoint: None,
+            artifacts: None,
+        };
+        let config = DataPlaneConfig {
+            backends: vec![Backend { name: "shim".into(), url: "http://127.0.0.1:9/".into(), models: Vec::new() }],
+            shim_pools: vec![ShimPool { namespace: "ns".into(), backends: vec!["shim".into()] }],
+            picker: PickerParams { kv_enabled: true, ..PickerParams::default() },
+            disaggregated_serving: DisaggregatedServing { enabled: true, fallback_to_unified: false },
+            kv_artifacts: KvArtifactPolicy { cache_dir: cache_dir.into(), ..KvArtifactPolicy::default() },
+            ..DataPlaneConfig::default()
+        };
+        FleetView::new(version, [Arc::new(worker)], [], Arc::new(config)).expect("view")
+    }
+
+    fn state() -> AppState {
+        let metrics = Metrics::new().expect("metrics");
+        let ledger = Arc::new(DispatchLedger::new());
+        let matches = MatchesClient::new("http://127.0.0.1:9", Duration::from_millis(10)).expect("url");
+        let kv = KvSelection {
+            routing: KvRouting::new(
+                matches,
+                Renderer::default(),
+                metrics.kv_artifacts.clone(),
+                &metrics.kv_term_seconds,
+            ),
+            picker: KvAwarePicker::new(Arc::clone(&ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
+        };
+        AppState {
+            fleet: Arc::new(FleetHandle::default()),
+            picker: Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone())),
+            ledger,
+            reporter: Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone())),
+            dispatcher: Arc::new(Dispatcher::new(DispatchSettings::default(), metrics.clone())),
+            kv: Some(Arc::new(kv)),
+            metrics,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_kv_aware_pick_runs_on_the_view_held_after_the_kv_term_not_the_one_the_request_came_with() {
+        let state = state();
+        let dir = tempfile::tempdir().expect("dir");
+        let cache_dir = dir.path().display().to_string();
+        let arrived = view(1, 7, &cache_dir);
+        // While the prompt was rendered and looked up, worker 7 left and worker 8 came.
+        state.fleet.store(view(2, 8, &cache_dir));
+        let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hi"}]}"#);
+        let request = ChatRequest::parse(body).expect("request");
+        let routed = route(&state, &arrived, &request).await.expect("routed");
+        let Route::Pinned(pinned) = routed.route else { panic!("disaggregated serving pins") };
+        assert_eq!(pinned.selection.decode.worker.instance_id, 8);
     }
 }

@@ -167,12 +167,7 @@ async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
     let request = chat("Hello world, the quick brown fox");
     let first = kv.prepare("tiny", &[card.clone(), card.clone()], &request, &[16], None, None).await;
     assert_eq!(first, Err(Fallback::TokenizerUnavailable), "the first request starts the load and does not wait");
-    for _ in 0..200 {
-        if h.store.loaded().0 == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    assert!(until_loaded(&h.store, 1).await);
     let prepared = kv.prepare("tiny", &[card.clone(), card.clone()], &request, &[16], None, None).await.unwrap();
     assert_eq!(prepared.hashes_for(BlockSize::new(16).unwrap()).unwrap(), [LocalBlockHash(9_503_089_339_561_884_111)]);
     assert_eq!(count(&h.counter, "loaded"), 1);
@@ -189,6 +184,40 @@ async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
     let three = kv.prepare("tiny", &[card], &request, &[16, 32, 64], None, None).await.unwrap();
     assert_eq!(three.hashes.len(), 2, "at most two block sizes per model");
     assert_eq!(count(&h.counter, "unsupported"), 3);
+}
+
+/// Waits (a bounded while) for the store to hold `n` loaded artifact sets.
+async fn until_loaded(store: &ArtifactStore, n: usize) -> bool {
+    for _ in 0..200 {
+        if store.loaded().0 == n {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+#[tokio::test]
+async fn prewarming_loads_pinned_artifacts_before_the_first_request_and_never_touches_unpinned_ones() {
+    let card = card_in(&fixture("tinymodel"));
+    let h = harness(pinned(&card));
+    h.store.prewarm("tiny", &card);
+    assert!(until_loaded(&h.store, 1).await, "the prewarm loaded the tokenizer");
+    let kv = KvPrompt::new(h.store.clone(), Renderer::default());
+    let request = chat("Hello world, the quick brown fox");
+    let first = kv.prepare("tiny", std::slice::from_ref(&card), &request, &[16], None, None).await;
+    assert!(first.is_ok(), "the first request is scored with its KV term");
+    h.store.prewarm("tiny", &card);
+    assert_eq!(count(&h.counter, "loaded"), 1, "a loaded set is not loaded again");
+
+    let dir = tempfile::tempdir().unwrap();
+    let unpinned = card_in(dir.path());
+    let h = harness(Vec::new());
+    h.store.prewarm("tiny", &unpinned);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(h.store.loaded().0, 0);
+    assert_eq!(count(&h.counter, "unpinned"), 0, "a refusal is counted when a request meets it");
+    assert_eq!(count(&h.counter, "fetched") + count(&h.counter, "loaded"), 0);
 }
 
 #[tokio::test]

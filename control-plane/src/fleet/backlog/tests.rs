@@ -2,10 +2,22 @@ use std::time::{Duration, Instant};
 
 use continuum_proto::model::{Capacity, DataPlaneConfig, Load, LoadSample, Role, Worker, WorkerKey};
 
+use prometheus::IntCounter;
+use tokio_util::sync::CancellationToken;
+
 use super::*;
+use crate::fleet::ActiveIndex;
 
 fn state_with(dp_size: u32) -> FleetState {
-    let worker = Arc::new(Worker {
+    let state = FleetState::new(1, Arc::new(DataPlaneConfig::default()));
+    match state.commit(FleetChange { upsert: vec![decode_worker(dp_size)], ..FleetChange::default() }) {
+        Some((state, _)) => state,
+        None => panic!("upsert is a change"),
+    }
+}
+
+fn decode_worker(dp_size: u32) -> Arc<Worker> {
+    Arc::new(Worker {
         key: WorkerKey::new("dynamo", 1),
         role: Role::Decode,
         model: "tiny".into(),
@@ -17,12 +29,7 @@ fn state_with(dp_size: u32) -> FleetState {
         dp_size,
         disaggregated_endpoint: None,
         artifacts: None,
-    });
-    let state = FleetState::new(1, Arc::new(DataPlaneConfig::default()));
-    match state.commit(FleetChange { upsert: vec![worker], ..FleetChange::default() }) {
-        Some((state, _)) => state,
-        None => panic!("upsert is a change"),
-    }
+    })
 }
 
 fn rank(dp_rank: u32) -> LoadKey {
@@ -291,4 +298,49 @@ fn dispatches_that_have_decoded_about_as_long_as_the_rank_takes_are_published_as
     assert_eq!(published, [(0, 0, 100, 1, None)], "published with time alone; the blocks are still in flight");
     book.report(1, report(vec![], vec![2]), t0 + ms(990), &state);
     assert_eq!(ending(&mut book, t0 + ms(991)), Some(0), "an end takes it out of both");
+}
+
+/// The dispatches the published view holds on `rank(0)`.
+fn published_dispatches(publisher: &FleetPublisher) -> Option<u32> {
+    publisher.current().view().backlogs().get(&rank(0)).map(|b| b.dispatches)
+}
+
+/// Lets the book's task run without letting (paused) time move.
+async fn until_published(publisher: &FleetPublisher, dispatches: u32) -> bool {
+    for _ in 0..100 {
+        if published_dispatches(publisher) == Some(dispatches) {
+            return true;
+        }
+        tokio::task::yield_now().await;
+    }
+    false
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them_once_per_window() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    publisher.apply(FleetChange { upsert: vec![decode_worker(1)], ..FleetChange::default() });
+    let counter = |name| IntCounter::new(name, name).expect("counter");
+    let counters = BookCounters { refused: counter("refused"), chains_dropped: counter("chains") };
+    let cancel = CancellationToken::new();
+    let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters, cancel.clone());
+
+    assert!(book.report(7, report(vec![started(1, 0, 64), started(2, 0, 64)], vec![])));
+    assert!(until_published(&publisher, 2).await, "the first report is published without time passing");
+    // Ticks pass with nothing to publish; the book still holds the dispatches.
+    tokio::time::advance(BACKLOG_WINDOW * 2 + BACKLOG_WINDOW / 2).await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert!(book.report(7, report(vec![], vec![1])));
+    assert!(
+        until_published(&publisher, 1).await,
+        "an end after a quiet window reaches the replicas at once, not at the next tick"
+    );
+    // Right after a publication, the next change waits for the window to pass.
+    assert!(book.report(7, report(vec![], vec![2])));
+    assert!(!until_published(&publisher, 0).await, "published twice within one window");
+    tokio::time::advance(BACKLOG_WINDOW).await;
+    assert!(until_published(&publisher, 0).await, "the tick publishes what the window held back");
+    cancel.cancel();
 }

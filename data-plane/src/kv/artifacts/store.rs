@@ -169,6 +169,27 @@ impl ArtifactStore {
             slot.used = now;
             return Ok(slot.artifacts.clone());
         }
+        self.start_load(&mut state, model, artifacts, now);
+        Err(Fallback::TokenizerUnavailable)
+    }
+
+    /// Starts loading `artifacts` in the background ahead of any request, unless they are
+    /// loaded, loading, backing off after a failure or not pinned (a refusal is counted and
+    /// logged when a request meets it, not here).
+    pub fn prewarm(&self, model: &str, artifacts: &ModelArtifacts) {
+        if self.policy().unpinned(&artifacts.key()).is_some() {
+            return;
+        }
+        let now = (self.inner.clock)();
+        let mut state = self.state();
+        if !state.loaded.contains_key(&artifacts.key()) {
+            self.start_load(&mut state, model, artifacts, now);
+        }
+    }
+
+    /// A background load of `artifacts`, unless one is running or the last failed too recently.
+    fn start_load(&self, state: &mut State, model: &str, artifacts: &ModelArtifacts, now: Instant) {
+        let key = artifacts.key();
         let backing_off = state.retry_at.get(&key).is_some_and(|at| now < *at);
         if !backing_off
             && !state.loading.contains(&key)
@@ -181,7 +202,6 @@ impl ArtifactStore {
                 store.state().loading.remove(&artifacts.key());
             });
         }
-        Err(Fallback::TokenizerUnavailable)
     }
 
     /// Loads (or returns the loaded) artifact set, waiting for a load slot.
