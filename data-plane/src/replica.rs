@@ -111,7 +111,7 @@ impl Replica {
         Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, prober, prewarm, server] })
     }
 
-    /// Stops both tasks and waits for them.
+    /// Stops its tasks and waits for them.
     pub async fn shutdown(self) {
         self.cancel.cancel();
         for task in self.tasks {
