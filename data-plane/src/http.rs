@@ -12,9 +12,10 @@ use axum::routing::get;
 use serde_json::json;
 
 use crate::dispatch::Dispatcher;
-use crate::fleet::{DispatchReporter, FleetHandle};
+use crate::fleet::{DispatchReporter, FleetHandle, MatchesClient};
 use crate::ingress;
 use crate::ingress::KvRouting;
+use crate::kv::render::Renderer;
 use crate::metrics::Metrics;
 use crate::routing::picker::{DispatchLedger, KvAwarePicker, Picker};
 
@@ -37,6 +38,22 @@ pub struct AppState {
 pub struct KvSelection {
     pub routing: KvRouting,
     pub picker: KvAwarePicker,
+}
+
+impl KvSelection {
+    /// Asking the control plane's index through `matches`, scoring on `ledger`'s dispatches
+    /// and counting on `metrics`.
+    pub fn new(matches: MatchesClient, ledger: &Arc<DispatchLedger>, metrics: &Metrics) -> Self {
+        Self {
+            routing: KvRouting::new(
+                matches,
+                Renderer::default(),
+                metrics.kv_artifacts.clone(),
+                &metrics.kv_term_seconds,
+            ),
+            picker: KvAwarePicker::new(Arc::clone(ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
+        }
+    }
 }
 
 pub fn router(state: Arc<AppState>) -> Router {

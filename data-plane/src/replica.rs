@@ -12,10 +12,8 @@ use tokio_util::sync::CancellationToken;
 use crate::dispatch::{DispatchSettings, Dispatcher, probe};
 use crate::fleet::{self, DispatchReporter, FIND_MATCHES_DEADLINE, FleetClientConfig, FleetHandle, MatchesClient};
 use crate::http::{self, AppState, KvSelection};
-use crate::ingress::KvRouting;
-use crate::kv::render::Renderer;
 use crate::metrics::Metrics;
-use crate::routing::picker::{DispatchLedger, KvAwarePicker, LoadBasedPicker};
+use crate::routing::picker::{DispatchLedger, LoadBasedPicker};
 use crate::server;
 
 #[derive(Debug, thiserror::Error)]
@@ -85,15 +83,7 @@ impl Replica {
         let picker = Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone()));
         let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
         let prober = tokio::spawn(probe::run(Arc::clone(&dispatcher), Arc::clone(&fleet), cancel.clone()));
-        let kv = Arc::new(KvSelection {
-            routing: KvRouting::new(
-                matches,
-                Renderer::default(),
-                metrics.kv_artifacts.clone(),
-                &metrics.kv_term_seconds,
-            ),
-            picker: KvAwarePicker::new(Arc::clone(&ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
-        });
+        let kv = Arc::new(KvSelection::new(matches, &ledger, &metrics));
         let prewarm = tokio::spawn(prewarm_kv(Arc::clone(&kv), Arc::clone(&fleet), cancel.clone()));
         let state = AppState {
             fleet: Arc::clone(&fleet),

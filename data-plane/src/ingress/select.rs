@@ -135,10 +135,8 @@ mod tests {
     use crate::dispatch::{DispatchSettings, Dispatcher};
     use crate::fleet::{DispatchReporter, FleetHandle, MatchesClient};
     use crate::http::KvSelection;
-    use crate::ingress::KvRouting;
-    use crate::kv::render::Renderer;
     use crate::metrics::Metrics;
-    use crate::routing::picker::{DispatchLedger, KvAwarePicker, LoadBasedPicker};
+    use crate::routing::picker::{DispatchLedger, LoadBasedPicker};
 
     /// A KV-aware fleet of one aggregated worker, `id`, behind one shim.
     fn view(version: u64, id: u64, cache_dir: &str) -> FleetView {
@@ -170,15 +168,7 @@ mod tests {
         let metrics = Metrics::new().expect("metrics");
         let ledger = Arc::new(DispatchLedger::new());
         let matches = MatchesClient::new("http://127.0.0.1:9", Duration::from_millis(10)).expect("url");
-        let kv = KvSelection {
-            routing: KvRouting::new(
-                matches,
-                Renderer::default(),
-                metrics.kv_artifacts.clone(),
-                &metrics.kv_term_seconds,
-            ),
-            picker: KvAwarePicker::new(Arc::clone(&ledger), metrics.selections.clone(), metrics.kv_selections.clone()),
-        };
+        let kv = KvSelection::new(matches, &ledger, &metrics);
         AppState {
             fleet: Arc::new(FleetHandle::default()),
             picker: Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone())),
