@@ -97,9 +97,10 @@ impl KvAwarePicker {
         Self { load: LoadBasedPicker::new(ledger, selections), kv_selections, rng: Mutex::new(StdRng::from_os_rng()) }
     }
 
-    /// The same picker with a reproducible sampling sequence (tests, benchmarks).
+    /// The same picker with reproducible picks (tests, benchmarks): a seeded sampling sequence,
+    /// and ties rotating from the first contender.
     pub fn with_seed(self, seed: u64) -> Self {
-        Self { rng: Mutex::new(StdRng::seed_from_u64(seed)), ..self }
+        Self { load: self.load.from_first_contender(), rng: Mutex::new(StdRng::seed_from_u64(seed)), ..self }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.

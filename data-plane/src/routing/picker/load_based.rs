@@ -45,13 +45,29 @@ pub struct LoadBasedPicker {
     /// Per phase, model and (for prefill) namespace, keyed by hash: two pools sharing a cursor
     /// after a collision still rotate.
     cursors: Mutex<FastMap<u64, usize>>,
+    /// Where a new cursor starts: random per picker, as Envoy starts each round robin at a
+    /// random host. Replicas started together then do not walk tied workers in step; from the
+    /// first candidate, every replica's first request into an idle fleet would land on one
+    /// worker before the fleet-wide backlogs could tell them apart.
+    cursor_start: usize,
     pools: PoolCache,
 }
 
 impl LoadBasedPicker {
     /// `selections` must have the labels `role` and `reason` (see `Metrics::selections`).
     pub fn new(ledger: Arc<DispatchLedger>, selections: IntCounterVec) -> Self {
-        Self { ledger, counters: series(&selections), cursors: Mutex::default(), pools: PoolCache::default() }
+        Self {
+            ledger,
+            counters: series(&selections),
+            cursors: Mutex::default(),
+            cursor_start: usize::from(rand::random::<u16>()),
+            pools: PoolCache::default(),
+        }
+    }
+
+    /// The same picker with every cursor starting at the first contender (a reproducible rotation).
+    pub fn from_first_contender(self) -> Self {
+        Self { cursor_start: 0, ..self }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.
@@ -150,7 +166,7 @@ impl LoadBasedPicker {
         if cursors.len() >= MAX_CURSORS && !cursors.contains_key(&key) {
             cursors.clear();
         }
-        let turn = cursors.entry(key).or_default();
+        let turn = cursors.entry(key).or_insert(self.cursor_start);
         let current = *turn;
         *turn = turn.wrapping_add(1);
         current

@@ -1,7 +1,7 @@
 //! The load-based picker's rules, end to end over a fleet view, and its invariants as a
 //! property test.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -106,7 +106,7 @@ fn selections() -> IntCounterVec {
 }
 
 fn picker() -> LoadBasedPicker {
-    LoadBasedPicker::new(Arc::new(DispatchLedger::new()), selections())
+    LoadBasedPicker::new(Arc::new(DispatchLedger::new()), selections()).from_first_contender()
 }
 
 fn request(prompt_tokens: u64) -> PickRequest<'static> {
@@ -239,6 +239,23 @@ fn record(picker: &LoadBasedPicker, selection: &Selection, tokens: u64, at: Inst
 }
 
 #[test]
+fn new_pickers_start_rotating_at_independent_places() {
+    // Replicas start together, and every pick into an idle fleet is a tie. Were their cursors all
+    // to start at the first contender, each replica's first request would land on one worker.
+    let fleet = Fleet::new([agg(1), agg(2)]);
+    let firsts: BTreeSet<u64> = (0..64)
+        .map(|_| {
+            let replica = LoadBasedPicker::new(Arc::new(DispatchLedger::new()), selections());
+            let rotation = decode_ids(&replica, &fleet, 2);
+            assert_ne!(rotation[0], rotation[1], "each still rotates");
+            rotation[0]
+        })
+        .collect();
+    // 64 random starts agree with probability 2^-63.
+    assert_eq!(firsts, BTreeSet::from([1, 2]));
+}
+
+#[test]
 fn a_stalled_worker_is_passed_over_while_another_has_a_cost() {
     let mut fleet =
         Fleet::new([agg(1), agg(2)]).used(1, 0, 0, STALL_AFTER + FRESH).used(2, 0, 500, STALL_AFTER + FRESH);
@@ -251,7 +268,7 @@ fn a_stalled_worker_is_passed_over_while_another_has_a_cost() {
 
     // Without a fresh sample anywhere, nothing could have answered: stalls are ignored.
     fleet.max_staleness = Duration::from_secs(3);
-    let picker_stale = LoadBasedPicker::new(Arc::clone(picker.ledger()), selections());
+    let picker_stale = LoadBasedPicker::new(Arc::clone(picker.ledger()), selections()).from_first_contender();
     let quiet = Fleet { loads: Vec::new(), ..fleet };
     assert_eq!(decode_ids(&picker_stale, &quiet, 2), [1, 2]);
 }

@@ -553,7 +553,8 @@ fn an_unavailable_term_falls_back_to_load_only_selection_and_counts_its_result()
     .sample(4, used(300), FRESH);
     let counters = Counters::new();
     let picker = counters.picker();
-    let load_only = super::super::LoadBasedPicker::new(Arc::new(DispatchLedger::new()), Counters::new().selections);
+    let load_only = super::super::LoadBasedPicker::new(Arc::new(DispatchLedger::new()), Counters::new().selections)
+        .from_first_contender();
     for result in [KvSelectionResult::TokenizerUnavailable, KvSelectionResult::IndexTimeout] {
         let s = pick(&picker, &fleet, KvTerm::Unavailable(result));
         let expected = load_only.pick(&fleet.view(), &request(), fleet.now).expect("a selection");
