@@ -61,7 +61,7 @@ impl DispatchEnd {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
         }
-        self.ledger.prefilled(self.id);
+        self.ledger.prefilled(self.id, Instant::now());
         let [prefill, decode] = &mut self.reported;
         if let Some(id) = prefill.take() {
             self.reporter.ended(id);

@@ -69,11 +69,8 @@ pub struct RankBacklog {
     pub decode_blocks: u64,
     /// Of every dispatch in flight, answered or not.
     pub in_flight_decode_blocks: u64,
-    /// Decode blocks of this replica's dispatches that started after the fleet-wide sums were
-    /// taken and are in flight, and of those that started before and ended since: what the
-    /// sums do not know yet.
-    pub started_since_fleet: u64,
-    pub ended_since_fleet: u64,
+    /// What this replica did since the fleet-wide sums were taken.
+    pub since_fleet: SinceFleet,
     /// What the rank's last sample showed beyond the fleet's dispatches in flight when it
     /// arrived (the control plane measures it). When known, the rank's decode backlog is this
     /// plus `in_flight_decode_blocks` instead of the sample plus `decode_blocks`: samples lag
@@ -86,35 +83,56 @@ pub struct RankBacklog {
     pub stalled: bool,
 }
 
+/// What this replica's dispatches did on a rank since the fleet-wide sums were taken, which
+/// the sums do not hold yet.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SinceFleet {
+    /// Decode blocks of dispatches started since and still in flight.
+    pub decode_started: u64,
+    /// Decode blocks of dispatches started before and ended since.
+    pub decode_ended: u64,
+    /// Prompt tokens of dispatches started since whose response has not begun.
+    pub prefill_started: u64,
+    /// Prompt tokens of dispatches started before whose response began (or that ended) since.
+    pub prefill_done: u64,
+}
+
 impl RankBacklog {
     /// This replica's backlog joined with the fleet-wide one the control plane streams.
     ///
-    /// The fleet-wide sum already holds this replica's reported dispatches, a stream turn
-    /// late; the local ledger holds them at once. Adding the two would count each of this
-    /// replica's dispatches twice, so each field takes the larger: the fleet's once it has
-    /// caught up, the replica's own until then. Stalls stay local: only this replica knows
-    /// which of its dispatches are a pair's decode leg.
+    /// The fleet-wide sums already hold this replica's reported dispatches, a stream turn
+    /// late; the local ledger holds them at once. With the time the sums were taken, they are
+    /// brought up to date with what this replica did since. Taking the larger of the two
+    /// instead would drop dispatches: a rank with one of this replica's prompts queued and
+    /// another replica's in the sums would count one, not two, until the sums caught up, so a
+    /// burst through several replicas would stack its prompts on one worker. Without a time,
+    /// each field takes the larger. Stalls stay local: only this replica knows which of its
+    /// dispatches are a pair's decode leg.
     pub fn with_fleet(self, fleet: Option<&Backlog>) -> Self {
         let Some(fleet) = fleet else {
             return self;
         };
-        let (in_flight_decode_blocks, ending_decode_blocks) = match fleet.as_of {
-            // The fleet's sum as of its time, brought up to date with what this replica did since.
+        let since = self.since_fleet;
+        let (prefill_tokens, in_flight_decode_blocks, ending_decode_blocks) = match fleet.as_of {
             // What ended since was most likely among the ending, so it is not subtracted twice.
             Some(_) => (
-                fleet.decode_blocks.saturating_add(self.started_since_fleet).saturating_sub(self.ended_since_fleet),
-                fleet.ending_decode_blocks.saturating_sub(self.ended_since_fleet),
+                fleet.prefill_tokens.saturating_add(since.prefill_started).saturating_sub(since.prefill_done),
+                fleet.decode_blocks.saturating_add(since.decode_started).saturating_sub(since.decode_ended),
+                fleet.ending_decode_blocks.saturating_sub(since.decode_ended),
             ),
-            None => (self.in_flight_decode_blocks.max(fleet.decode_blocks), fleet.ending_decode_blocks),
+            None => (
+                self.prefill_tokens.max(fleet.prefill_tokens),
+                self.in_flight_decode_blocks.max(fleet.decode_blocks),
+                fleet.ending_decode_blocks,
+            ),
         };
         Self {
-            prefill_tokens: self.prefill_tokens.max(fleet.prefill_tokens),
+            prefill_tokens,
             decode_blocks: self.decode_blocks.max(fleet.decode_blocks),
             in_flight_decode_blocks,
             foreign_decode_blocks: fleet.foreign_decode_blocks,
             ending_decode_blocks,
-            started_since_fleet: 0,
-            ended_since_fleet: 0,
+            since_fleet: SinceFleet::default(),
             stalled: self.stalled,
         }
     }
@@ -174,6 +192,16 @@ struct Rank {
     oldest: Option<Instant>,
     /// Recently ended legs with decode blocks, in end order.
     ended: VecDeque<Ended>,
+    /// Recent legs whose prompt stopped loading the rank, in that order.
+    prefills_done: VecDeque<PrefillDone>,
+}
+
+/// A leg's prompt tokens stopped counting at `done`: its response began, or it ended first.
+#[derive(Clone, Copy, Debug)]
+struct PrefillDone {
+    at: Instant,
+    done: Instant,
+    tokens: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -201,15 +229,28 @@ impl Rank {
         }
     }
 
-    fn prefilled(&mut self, id: DispatchId) {
+    fn prefilled(&mut self, id: DispatchId, now: Instant) {
         if let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) {
-            self.prefill_tokens = self.prefill_tokens.saturating_sub(std::mem::take(&mut leg.prefill_tokens));
+            let tokens = std::mem::take(&mut leg.prefill_tokens);
+            let at = leg.at;
+            self.prefill_done(at, tokens, now);
+        }
+    }
+
+    /// A leg's `tokens` no longer load the rank.
+    fn prefill_done(&mut self, at: Instant, tokens: u64, now: Instant) {
+        if tokens > 0 {
+            self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
+            self.prefills_done.push_back(PrefillDone { at, done: now, tokens });
         }
     }
 
     /// Ends dispatch `id`'s leg; returns the hashes it held.
     fn take(&mut self, id: DispatchId, now: Instant) -> usize {
-        let Some(leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
+        let Some(mut leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
+        // A prompt still queued when its dispatch ends stops loading the rank now.
+        let tokens = std::mem::take(&mut leg.prefill_tokens);
+        self.prefill_done(leg.at, tokens, now);
         let freed = self.forget(&leg);
         if freed > 0 {
             self.ended.push_back(Ended { at: leg.at, ended: now, decode_blocks: freed });
@@ -230,23 +271,32 @@ impl Rank {
     }
 
     fn prune_ended(&mut self, now: Instant) {
-        while self.ended.len() > ENDED_PER_RANK
-            || self.ended.front().is_some_and(|e| now.saturating_duration_since(e.ended) >= ENDED_MEMORY)
-        {
+        let forgotten = |ended: Instant| now.saturating_duration_since(ended) >= ENDED_MEMORY;
+        while self.ended.len() > ENDED_PER_RANK || self.ended.front().is_some_and(|e| forgotten(e.ended)) {
             self.ended.pop_front();
+        }
+        while self.prefills_done.len() > ENDED_PER_RANK || self.prefills_done.front().is_some_and(|p| forgotten(p.done))
+        {
+            self.prefills_done.pop_front();
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.legs.is_empty() && self.ended.is_empty()
+        self.legs.is_empty() && self.ended.is_empty() && self.prefills_done.is_empty()
     }
 
-    /// Decode blocks this replica started since `as_of` (still in flight) and ended since
-    /// `as_of` (started before it).
-    fn since(&self, as_of: Instant) -> (u64, u64) {
-        let started = self.legs.iter().rev().take_while(|leg| leg.at > as_of).map(|leg| leg.added);
+    /// What this replica's legs did since `as_of`.
+    fn since(&self, as_of: Instant) -> SinceFleet {
+        let sum = |values: &mut dyn Iterator<Item = u64>| values.fold(0, u64::saturating_add);
+        let started = || self.legs.iter().rev().take_while(|leg| leg.at > as_of);
         let ended = self.ended.iter().rev().take_while(|e| e.ended > as_of).filter(|e| e.at <= as_of);
-        (started.fold(0, u64::saturating_add), ended.map(|e| e.decode_blocks).fold(0, u64::saturating_add))
+        let done = self.prefills_done.iter().rev().take_while(|p| p.done > as_of).filter(|p| p.at <= as_of);
+        SinceFleet {
+            decode_started: sum(&mut started().map(|leg| leg.added)),
+            decode_ended: sum(&mut ended.map(|e| e.decode_blocks)),
+            prefill_started: sum(&mut started().map(|leg| leg.prefill_tokens)),
+            prefill_done: sum(&mut done.map(|p| p.tokens)),
+        }
     }
 
     /// Takes a leg's load off the rank; returns the decode blocks that freed.
@@ -376,14 +426,14 @@ impl DispatchLedger {
     }
 
     /// The dispatch's response began: its prompt no longer loads the rank that prefilled it.
-    pub fn prefilled(&self, id: DispatchId) {
+    pub fn prefilled(&self, id: DispatchId, now: Instant) {
         let mut state = self.lock();
         let Some(keys) = state.dispatches.get(&id).cloned() else {
             return;
         };
         for key in keys.iter().flatten() {
             if let Some(rank) = state.ranks.get_mut(key) {
-                rank.prefilled(id);
+                rank.prefilled(id, now);
             }
         }
     }
@@ -402,7 +452,7 @@ impl DispatchLedger {
                 let key = key.borrow();
                 let mut backlog = state.backlog(key, *sampled_at, now);
                 if let (Some(as_of), Some(rank)) = (fleet_as_of, state.ranks.get(key)) {
-                    (backlog.started_since_fleet, backlog.ended_since_fleet) = rank.since(*as_of);
+                    backlog.since_fleet = rank.since(*as_of);
                 }
                 backlog
             })

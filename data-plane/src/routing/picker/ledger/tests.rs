@@ -86,7 +86,7 @@ fn blocks_dispatches_share_count_once_until_the_last_ends() {
         "the second adds its own full block and its partial one"
     );
     let since_first = ledger.backlogs(&[(key(1, 0), None, Some(t0))], t1)[0];
-    assert_eq!(since_first.started_since_fleet, 2, "what the fleet's sums lack is what the second added");
+    assert_eq!(since_first.since_fleet.decode_started, 2, "what the fleet's sums lack is what the second added");
     ledger.end(first, t1);
     assert_eq!(backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks, 7, "the shared prompt stays held");
     ledger.end(second, t1);
@@ -133,9 +133,9 @@ fn prompt_tokens_load_the_prefilling_rank_until_the_response_begins() {
     assert_eq!(backlog(&ledger, key(1, 0), answered, t0).prefill_tokens, 64, "a sample does not answer a prefill");
     assert_eq!(backlog(&ledger, key(3, 0), answered, t0).prefill_tokens, 32);
     assert_eq!(backlog(&ledger, key(2, 0), None, t0).prefill_tokens, 0, "the decode leg of a pair prefills nothing");
-    ledger.prefilled(aggregated);
-    ledger.prefilled(paired);
-    ledger.prefilled(paired);
+    ledger.prefilled(aggregated, t0);
+    ledger.prefilled(paired, t0);
+    ledger.prefilled(paired, t0);
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(0, 4, false), "its blocks stay until it ends");
     assert_eq!(backlog(&ledger, key(3, 0), None, t0), rank(0, 0, false));
 }
@@ -334,7 +334,7 @@ fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
     }
     ledger.record(&alone(pin(1, None)), 160, 16, &[], t1);
     let local = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0];
-    assert_eq!((local.started_since_fleet, local.ended_since_fleet), (10, 800));
+    assert_eq!((local.since_fleet.decode_started, local.since_fleet.decode_ended), (10, 800));
     assert_eq!(local.with_fleet(Some(&fleet)).in_flight_decode_blocks, 10, "800 + 10 - 800");
     let stale = Backlog { as_of: None, ..fleet };
     assert_eq!(local.with_fleet(Some(&stale)).in_flight_decode_blocks, 800, "without a time: the larger view");
@@ -344,5 +344,38 @@ fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
     // Ended dispatches are remembered for a while only.
     let later = t1 + Duration::from_secs(2);
     let forgotten = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], later)[0];
-    assert_eq!(forgotten.ended_since_fleet, 0);
+    assert_eq!(forgotten.since_fleet.decode_ended, 0);
+}
+
+/// Two replicas each queue a prompt on a rank; the fleet's sums hold both. This replica then
+/// queues another. The rank has three prompts queued: the larger of the two views would count
+/// two, and a burst arriving through several replicas would stack its prompts on one worker.
+#[test]
+fn the_fleet_sums_of_queued_prompts_are_brought_up_to_date_with_this_replicas_own() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let first = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0);
+    let as_of = t0 + Duration::from_millis(1);
+    // This replica's first prompt and another replica's.
+    let fleet =
+        Backlog { prefill_tokens: 3200, decode_blocks: 200, dispatches: 2, as_of: Some(as_of), ..Backlog::default() };
+    let joined = |now| ledger.backlogs(&[(key(1, 0), None, Some(as_of))], now)[0].with_fleet(Some(&fleet));
+
+    let t1 = t0 + Duration::from_millis(2);
+    let third = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t1);
+    assert_eq!(joined(t1).prefill_tokens, 4800, "3200 in the sums + 1600 queued since");
+    let larger = Backlog { as_of: None, ..fleet };
+    let local = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0];
+    assert_eq!(local.with_fleet(Some(&larger)).prefill_tokens, 3200, "without a time: the larger view");
+
+    // The first prompt's response begins: the sums still hold it.
+    let t2 = t0 + Duration::from_millis(3);
+    ledger.prefilled(first, t2);
+    assert_eq!(joined(t2).prefill_tokens, 3200, "3200 + 1600 - 1600");
+    // The third is cancelled before its response began.
+    ledger.end(third, t2);
+    assert_eq!(joined(t2).prefill_tokens, 1600, "the other replica's prompt is all that is queued");
+    // Once the first has ended too, the ledger still remembers for a while what left the sums.
+    ledger.end(first, t2);
+    assert_eq!(joined(t2).prefill_tokens, 1600);
 }
