@@ -231,8 +231,7 @@ impl Rank {
 
     fn prefilled(&mut self, id: DispatchId, now: Instant) {
         if let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) {
-            let tokens = std::mem::take(&mut leg.prefill_tokens);
-            let at = leg.at;
+            let (at, tokens) = (leg.at, std::mem::take(&mut leg.prefill_tokens));
             self.prefill_done(at, tokens, now);
         }
     }
@@ -287,15 +286,17 @@ impl Rank {
 
     /// What this replica's legs did since `as_of`.
     fn since(&self, as_of: Instant) -> SinceFleet {
-        let sum = |values: &mut dyn Iterator<Item = u64>| values.fold(0, u64::saturating_add);
+        fn total(values: impl Iterator<Item = u64>) -> u64 {
+            values.fold(0, u64::saturating_add)
+        }
         let started = || self.legs.iter().rev().take_while(|leg| leg.at > as_of);
         let ended = self.ended.iter().rev().take_while(|e| e.ended > as_of).filter(|e| e.at <= as_of);
         let done = self.prefills_done.iter().rev().take_while(|p| p.done > as_of).filter(|p| p.at <= as_of);
         SinceFleet {
-            decode_started: sum(&mut started().map(|leg| leg.added)),
-            decode_ended: sum(&mut ended.map(|e| e.decode_blocks)),
-            prefill_started: sum(&mut started().map(|leg| leg.prefill_tokens)),
-            prefill_done: sum(&mut done.map(|p| p.tokens)),
+            decode_started: total(started().map(|leg| leg.added)),
+            decode_ended: total(ended.map(|e| e.decode_blocks)),
+            prefill_started: total(started().map(|leg| leg.prefill_tokens)),
+            prefill_done: total(done.map(|p| p.tokens)),
         }
     }
 
