@@ -289,13 +289,19 @@ impl Rank {
         fn total(values: impl Iterator<Item = u64>) -> u64 {
             values.fold(0, u64::saturating_add)
         }
-        let started = || self.legs.iter().rev().take_while(|leg| leg.at > as_of);
+        // One pass over the legs the sums lack, newest first.
+        let (decode_started, prefill_started) = self.legs.iter().rev().take_while(|leg| leg.at > as_of).fold(
+            (0, 0),
+            |(blocks, tokens): (u64, u64), leg| {
+                (blocks.saturating_add(leg.added), tokens.saturating_add(leg.prefill_tokens))
+            },
+        );
         let ended = self.ended.iter().rev().take_while(|e| e.ended > as_of).filter(|e| e.at <= as_of);
         let done = self.prefills_done.iter().rev().take_while(|p| p.done > as_of).filter(|p| p.at <= as_of);
         SinceFleet {
-            decode_started: total(started().map(|leg| leg.added)),
+            decode_started,
             decode_ended: total(ended.map(|e| e.decode_blocks)),
-            prefill_started: total(started().map(|leg| leg.prefill_tokens)),
+            prefill_started,
             prefill_done: total(done.map(|p| p.tokens)),
         }
     }
