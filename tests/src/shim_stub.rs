@@ -24,6 +24,37 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::tools;
 
+/// A loopback port where connections are refused, reserved for as long as this lives: a socket
+/// bound to it that never listens. A port that was merely free a moment ago is not enough for a
+/// test that expects refusals: a parallel test's listener may take it, or an outgoing connection
+/// may pick it as its own ephemeral port and connect to itself (TCP simultaneous open), and the
+/// "dead" replica then answers garbage (a 502, not the refusal's 503).
+#[derive(Debug)]
+pub struct RefusingPort {
+    socket: tokio::net::TcpSocket,
+    addr: SocketAddr,
+}
+
+impl RefusingPort {
+    pub fn reserve() -> anyhow::Result<Self> {
+        // No SO_REUSEADDR: any other bind of this port conflicts until the socket is dropped.
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        let addr = socket.local_addr()?;
+        Ok(Self { socket, addr })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Frees the port (for a server that must come back on it) and says which it was.
+    pub fn release(self) -> SocketAddr {
+        drop(self.socket);
+        self.addr
+    }
+}
+
 /// One request as the stub received it.
 #[derive(Debug, Clone)]
 pub struct Received {

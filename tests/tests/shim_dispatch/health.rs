@@ -3,30 +3,24 @@
 //! a replica failing its liveness probes is skipped until it answers again; a worker whose
 //! pinned requests keep failing is skipped for a while.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use continuum_data_plane::dispatch::budget::MAX_ATTEMPTS;
 use continuum_data_plane::dispatch::{BreakerSettings, DispatchSettings, ProbeSettings};
 use continuum_tests::eventually;
-use continuum_tests::shim_stub::StubShim;
+use continuum_tests::shim_stub::{RefusingPort, StubShim};
 
 use continuum_data_plane::routing::picker::EJECT_AFTER;
 use continuum_proto::model::Role;
 
 use super::{DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, error_of, sample, worker};
 
-/// A loopback address nothing listens on (bound, then released).
-async fn refused_addr() -> anyhow::Result<SocketAddr> {
-    Ok(tokio::net::TcpListener::bind("127.0.0.1:0").await?.local_addr()?)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_failures_retry_on_another_replica_with_the_same_pins() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
-    let dead = format!("http://{}", refused_addr().await?);
+    let dead = RefusingPort::reserve()?;
     let harness =
-        Harness::start(disaggregated_fleet(), config(&[("shim-dead", dead), ("shim-live", shim.url())])).await?;
+        Harness::start(disaggregated_fleet(), config(&[("shim-dead", dead.url()), ("shim-live", shim.url())])).await?;
     // Rotation starts every other request on the dead replica; all must succeed.
     for stream in [false, true, false, true] {
         let response = harness.post(&chat(MODEL, stream)).await?;
@@ -54,11 +48,11 @@ async fn connection_failures_retry_on_another_replica_with_the_same_pins() -> an
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() -> anyhow::Result<()> {
-    let addr = refused_addr().await?;
+    let refusing = RefusingPort::reserve()?;
     let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_millis(300) };
     let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
     let harness =
-        Harness::start_with(disaggregated_fleet(), config(&[("shim-a", format!("http://{addr}"))]), settings).await?;
+        Harness::start_with(disaggregated_fleet(), config(&[("shim-a", refusing.url())]), settings).await?;
     let state = r#"continuum_shim_replica_state{backend="shim-a"}"#;
 
     for _ in 0..2 {
@@ -73,7 +67,7 @@ async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() ->
     let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (503, "shim_unavailable"), "an open breaker leaves no usable replica");
 
-    let shim = StubShim::start_on(&addr.to_string()).await?;
+    let shim = StubShim::start_on(&refusing.release().to_string()).await?;
     eventually(Duration::from_secs(10), "the half-open probe to succeed", || async {
         harness.post(&chat(MODEL, false)).await.is_ok_and(|r| r.status() == 200)
     })
@@ -86,11 +80,9 @@ async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_tries_at_most_the_attempt_bound_of_replicas() -> anyhow::Result<()> {
-    let mut pool = Vec::new();
-    for i in 0..MAX_ATTEMPTS + 2 {
-        pool.push((format!("dead-{i}"), format!("http://{}", refused_addr().await?)));
-    }
-    let pool: Vec<(&str, String)> = pool.iter().map(|(name, url)| (name.as_str(), url.clone())).collect();
+    let refusing = (0..MAX_ATTEMPTS + 2).map(|_| RefusingPort::reserve()).collect::<anyhow::Result<Vec<_>>>()?;
+    let names: Vec<String> = (0..refusing.len()).map(|i| format!("dead-{i}")).collect();
+    let pool: Vec<(&str, String)> = names.iter().map(String::as_str).zip(refusing.iter().map(RefusingPort::url)).collect();
     let harness = Harness::start(disaggregated_fleet(), config(&pool)).await?;
     let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (503, "disaggregated_decode_failed"));
