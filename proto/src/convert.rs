@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::model::{
     Backend, Backlog, Capacity, CheckedFile, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, Load, LoadKey,
-    LoadSample, ModelArtifacts, PickerParams, Role, ShimPool, Worker, WorkerKey,
+    LoadSample, ModelArtifacts, PickerParams, ReportsFolded, Role, ShimPool, Worker, WorkerKey,
 };
 use crate::pb;
 use crate::view::{ApplyError, FleetDelta, FleetView};
@@ -294,7 +294,7 @@ impl From<&DataPlaneConfig> for pb::DataPlaneConfig {
     }
 }
 
-fn backlog_to_wire(key: &LoadKey, backlog: &Backlog, now: Instant) -> pb::Backlog {
+fn backlog_to_wire(key: &LoadKey, backlog: &Backlog) -> pb::Backlog {
     pb::Backlog {
         key: Some(key.into()),
         prefill_tokens: backlog.prefill_tokens,
@@ -302,13 +302,10 @@ fn backlog_to_wire(key: &LoadKey, backlog: &Backlog, now: Instant) -> pb::Backlo
         dispatches: backlog.dispatches,
         foreign_decode_blocks: backlog.foreign_decode_blocks,
         ending_decode_blocks: backlog.ending_decode_blocks,
-        age_us: backlog
-            .as_of
-            .map(|at| u64::try_from(now.saturating_duration_since(at).as_micros()).unwrap_or(u64::MAX)),
     }
 }
 
-fn backlog_from_wire(backlog: pb::Backlog, now: Instant) -> Result<(LoadKey, Backlog), DecodeError> {
+fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeError> {
     let key = LoadKey::try_from(backlog.key.ok_or(DecodeError::Missing("backlog.key"))?)?;
     Ok((
         key,
@@ -318,13 +315,24 @@ fn backlog_from_wire(backlog: pb::Backlog, now: Instant) -> Result<(LoadKey, Bac
             dispatches: backlog.dispatches,
             foreign_decode_blocks: backlog.foreign_decode_blocks,
             ending_decode_blocks: backlog.ending_decode_blocks,
-            as_of: backlog.age_us.map(|age| instant_before(now, Duration::from_micros(age))),
         },
     ))
 }
 
-fn decode_backlogs(backlogs: Vec<pb::Backlog>, now: Instant) -> Result<Vec<(LoadKey, Backlog)>, DecodeError> {
-    backlogs.into_iter().map(|b| backlog_from_wire(b, now)).collect()
+impl From<ReportsFolded> for pb::ReportsFolded {
+    fn from(folded: ReportsFolded) -> Self {
+        Self { first_op: folded.first_op, last_op: folded.last_op }
+    }
+}
+
+impl From<pb::ReportsFolded> for ReportsFolded {
+    fn from(folded: pb::ReportsFolded) -> Self {
+        Self { first_op: folded.first_op, last_op: folded.last_op }
+    }
+}
+
+fn decode_backlogs(backlogs: Vec<pb::Backlog>) -> Result<Vec<(LoadKey, Backlog)>, DecodeError> {
+    backlogs.into_iter().map(backlog_from_wire).collect()
 }
 
 /// Encodes a whole view; load ages are measured against `now`.
@@ -334,7 +342,7 @@ pub fn snapshot_to_wire(view: &FleetView, now: Instant) -> pb::Snapshot {
         workers: view.workers().values().map(|w| pb::Worker::from(w.as_ref())).collect(),
         loads: view.loads().iter().map(|(k, s)| load_to_wire(k, s, now)).collect(),
         config: Some(view.config().as_ref().into()),
-        backlogs: view.backlogs().iter().map(|(k, b)| backlog_to_wire(k, b, now)).collect(),
+        backlogs: view.backlogs().iter().map(|(k, b)| backlog_to_wire(k, b)).collect(),
     }
 }
 
@@ -343,7 +351,7 @@ pub fn snapshot_from_wire(snapshot: pb::Snapshot, now: Instant) -> Result<FleetV
     let config = DataPlaneConfig::try_from(snapshot.config.ok_or(DecodeError::Missing("snapshot.config"))?)?;
     let workers = decode_workers(snapshot.workers)?;
     let loads = decode_loads(snapshot.loads, now)?;
-    let backlogs = decode_backlogs(snapshot.backlogs, now)?;
+    let backlogs = decode_backlogs(snapshot.backlogs)?;
     Ok(FleetView::new(snapshot.version, workers, loads, Arc::new(config))?.with_backlogs(backlogs)?)
 }
 
@@ -355,7 +363,7 @@ pub fn delta_to_wire(delta: &FleetDelta, now: Instant) -> pb::Delta {
         loads: delta.loads.iter().map(|(k, s)| load_to_wire(k, s, now)).collect(),
         loads_removed: delta.loads_removed.iter().map(pb::LoadKey::from).collect(),
         config: delta.config.as_deref().map(pb::DataPlaneConfig::from),
-        backlogs: delta.backlogs.iter().map(|(k, b)| backlog_to_wire(k, b, now)).collect(),
+        backlogs: delta.backlogs.iter().map(|(k, b)| backlog_to_wire(k, b)).collect(),
         backlogs_removed: delta.backlogs_removed.iter().map(pb::LoadKey::from).collect(),
     }
 }
@@ -369,7 +377,7 @@ pub fn delta_from_wire(version: u64, delta: pb::Delta, now: Instant) -> Result<F
         loads: decode_loads(delta.loads, now)?,
         loads_removed: delta.loads_removed.into_iter().map(LoadKey::try_from).collect::<Result<_, _>>()?,
         config: delta.config.map(DataPlaneConfig::try_from).transpose()?.map(Arc::new),
-        backlogs: decode_backlogs(delta.backlogs, now)?,
+        backlogs: decode_backlogs(delta.backlogs)?,
         backlogs_removed: delta.backlogs_removed.into_iter().map(LoadKey::try_from).collect::<Result<_, _>>()?,
     })
 }

@@ -198,10 +198,22 @@ pub struct Backlog {
     /// Of `decode_blocks`, those of dispatches expected to end before a request dispatched
     /// now reaches the rank by hand-over from a prefill worker.
     pub ending_decode_blocks: u64,
-    /// When the control plane summed the reports: a replica's own dispatches started or ended
-    /// since are not in the sums yet.
-    #[serde(skip)]
-    pub as_of: Option<Instant>,
+}
+
+/// Which of one replica's reported operations the fleet-wide backlogs hold: `first_op`
+/// through `last_op`. A replica numbers its operations (a dispatch recorded, its first token,
+/// its end) in the order it performs them; those outside the range are its own to add.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ReportsFolded {
+    pub first_op: u64,
+    pub last_op: u64,
+}
+
+impl ReportsFolded {
+    /// Whether operation `op` is in the sums.
+    pub fn holds(&self, op: u64) -> bool {
+        (self.first_op..=self.last_op).contains(&op)
+    }
 }
 
 /// An OpenAI-wire backend the data plane may dispatch to (a direct-mode shim replica).

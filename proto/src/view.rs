@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use imbl::OrdMap;
 
-use crate::model::{Backlog, DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
+use crate::model::{Backlog, DataPlaneConfig, LoadKey, LoadSample, ReportsFolded, Worker, WorkerKey};
 
 /// Values derived from a fleet's workers (a model's candidates, its parsed cards), kept while
 /// views share one workers map: load-only updates keep the map's persistent root, so one
@@ -40,6 +40,9 @@ pub struct FleetView {
     workers: OrdMap<WorkerKey, Arc<Worker>>,
     loads: OrdMap<LoadKey, LoadSample>,
     backlogs: OrdMap<LoadKey, Backlog>,
+    /// On a replica: which of its own reported operations `backlogs` hold (the control plane
+    /// says with each update; `None` until it has summed one, and on the control plane).
+    reports_folded: Option<ReportsFolded>,
     config: Arc<DataPlaneConfig>,
 }
 
@@ -83,6 +86,7 @@ impl FleetView {
             workers: workers.into_iter().map(|w| (w.key.clone(), w)).collect(),
             loads: OrdMap::new(),
             backlogs: OrdMap::new(),
+            reports_folded: None,
             config,
         };
         view.with_loads(loads)
@@ -101,7 +105,12 @@ impl FleetView {
     /// lost. The control plane stops adding other replicas' dispatches and taking out their
     /// ends then, so the sums would freeze with requests that finished long ago in them.
     pub fn without_backlogs(&self) -> Self {
-        Self { backlogs: OrdMap::new(), ..self.clone() }
+        Self { backlogs: OrdMap::new(), reports_folded: None, ..self.clone() }
+    }
+
+    /// The same view, whose backlogs hold these of the replica's reported operations.
+    pub fn with_reports_folded(self, reports_folded: Option<ReportsFolded>) -> Self {
+        Self { reports_folded, ..self }
     }
 
     pub fn version(&self) -> u64 {
@@ -127,6 +136,11 @@ impl FleetView {
     /// Dispatches in flight per rank, fleet-wide.
     pub fn backlogs(&self) -> &OrdMap<LoadKey, Backlog> {
         &self.backlogs
+    }
+
+    /// Which of this replica's reported operations [`Self::backlogs`] hold.
+    pub fn reports_folded(&self) -> Option<ReportsFolded> {
+        self.reports_folded
     }
 
     /// The view after `delta`, or why it does not fit this view. `self` is never changed.

@@ -7,7 +7,7 @@ use continuum_control_plane::fleet::{DELTA_LOG_CAPACITY, FleetChange, FleetPubli
 use continuum_control_plane::grpc::REPLICA_QUEUE_CAPACITY;
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::convert::{Update, update_from_wire};
-use continuum_proto::model::{DataPlaneConfig, Load, LoadKey, LoadSample, WorkerKey};
+use continuum_proto::model::{DataPlaneConfig, Load, LoadKey, LoadSample, ReportsFolded, WorkerKey};
 use continuum_proto::pb::{self, fleet_client::FleetClient, watch_request::Kind};
 use continuum_proto::view::FleetView;
 use continuum_tests::{TestControlPlane, publisher, start_replicas, wait_for_version, worker};
@@ -203,14 +203,23 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end()
         replica.fleet.view().and_then(|v| v.backlogs().get(&rank).copied())
     };
 
-    let first = replicas[0].reporter.started(&rank, 160, 10, Vec::new());
-    let second = replicas[0].reporter.started(&rank, 32, 2, Vec::new());
+    let first = replicas[0].reporter.operation(|report| report.started(&rank, 160, 10, Vec::new()));
+    let second = replicas[0].reporter.operation(|report| report.started(&rank, 32, 2, Vec::new()));
     continuum_tests::eventually(CONVERGE, "the other replica seeing both dispatches", || async {
         backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 2 && b.prefill_tokens == 192 && b.decode_blocks == 12)
     })
     .await?;
+    // Each replica is told which of its own operations the sums hold: the reporting replica
+    // its two, the other none.
+    let folded =
+        |replica: &continuum_data_plane::replica::Replica| replica.fleet.view().and_then(|v| v.reports_folded());
+    continuum_tests::eventually(CONVERGE, "the reporting replica told its operations are summed", || async {
+        folded(&replicas[0]) == Some(ReportsFolded { first_op: 1, last_op: 2 })
+    })
+    .await?;
+    assert_eq!(folded(&replicas[1]), None);
 
-    replicas[0].reporter.ended(first);
+    replicas[0].reporter.operation(|report| report.ended(first));
     continuum_tests::eventually(CONVERGE, "the ended dispatch leaving", || async {
         backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 1 && b.prefill_tokens == 32)
     })
@@ -231,12 +240,12 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end()
         backlog_at(&replicas[1]).is_some_and(|b| b.foreign_decode_blocks == Some(2) && b.decode_blocks == 2)
     })
     .await?;
-    replicas[0].reporter.prefilled(second);
+    replicas[0].reporter.operation(|report| report.prefilled(second));
     continuum_tests::eventually(CONVERGE, "the prompt prefilled", || async {
         backlog_at(&replicas[1]).is_some_and(|b| b.prefill_tokens == 0 && b.decode_blocks == 2)
     })
     .await?;
-    replicas[0].reporter.ended(second);
+    replicas[0].reporter.operation(|report| report.ended(second));
     continuum_tests::eventually(CONVERGE, "nothing in flight", || async {
         backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 0 && b.decode_blocks == 0)
     })
@@ -268,13 +277,13 @@ async fn a_prefix_dispatches_share_through_different_replicas_counts_once() -> a
     // Two users of one 8-block system prompt, each with 2 blocks of their own, one per replica.
     let system: Vec<u64> = (1..=8).collect();
     let chain = |user: u64| system.iter().copied().chain([user, user + 1]).collect::<Vec<u64>>();
-    let first = replicas[0].reporter.started(&rank, 0, 10, chain(100));
-    replicas[1].reporter.started(&rank, 0, 10, chain(200));
+    let first = replicas[0].reporter.operation(|report| report.started(&rank, 0, 10, chain(100)));
+    replicas[1].reporter.operation(|report| report.started(&rank, 0, 10, chain(200)));
     continuum_tests::eventually(CONVERGE, "both replicas counting the shared prompt once", || async {
         replicas.iter().all(|r| decode_blocks(r) == Some((2, 8 + 2 + 2)))
     })
     .await?;
-    replicas[0].reporter.ended(first);
+    replicas[0].reporter.operation(|report| report.ended(first));
     continuum_tests::eventually(CONVERGE, "the prompt held by the request still running", || async {
         replicas.iter().all(|r| decode_blocks(r) == Some((1, 10)))
     })
@@ -294,7 +303,7 @@ async fn a_replica_that_loses_the_control_plane_keeps_its_workers_but_not_the_fr
     wait_for_version(&replicas, control.publisher.current().version(), CONVERGE).await?;
     let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
     // A dispatch whose end the other replica will never learn of: the control plane dies first.
-    replicas[0].reporter.started(&rank, 160, 10, Vec::new());
+    replicas[0].reporter.operation(|report| report.started(&rank, 160, 10, Vec::new()));
     continuum_tests::eventually(CONVERGE, "the other replica seeing the dispatch", || async {
         replicas[1].fleet.view().is_some_and(|v| v.backlogs().contains_key(&rank))
     })

@@ -77,6 +77,7 @@ fn snapshot(version: u64, ids: &[u64]) -> pb::FleetUpdate {
         version,
         nonce: format!("s{version}"),
         body: Some(Body::Snapshot(snapshot_to_wire(&view, Instant::now()))),
+        reports_folded: None,
     }
 }
 
@@ -86,6 +87,7 @@ fn delta(base: u64, version: u64, delta: FleetDelta) -> pb::FleetUpdate {
         version,
         nonce: format!("d{version}"),
         body: Some(Body::Delta(delta_to_wire(&delta, Instant::now()))),
+        reports_folded: None,
     }
 }
 
@@ -106,7 +108,7 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
             },
         ),
         // No body at all.
-        pb::FleetUpdate { version: 11, nonce: "empty".into(), body: None },
+        pb::FleetUpdate { version: 11, nonce: "empty".into(), body: None, reports_folded: None },
         // A worker without a role.
         {
             let mut bad =

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use continuum_kv_index::RankKey;
 use continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES;
 use continuum_proto::fast_hash::FastMap;
-use continuum_proto::model::{Backlog, Load, LoadKey};
+use continuum_proto::model::{Backlog, Load, LoadKey, ReportsFolded};
 use continuum_proto::pb;
 use prometheus::IntCounter;
 use tokio::sync::{mpsc, watch};
@@ -313,10 +313,18 @@ struct Book {
     refused: u64,
     /// Chains not held past the hash bound.
     chains_dropped: u64,
+    /// Per replica (session), the operations its reports brought into the sums.
+    folded: FastMap<u64, ReportsFolded>,
 }
 
 impl Book {
     fn report(&mut self, replica: u64, report: pb::DispatchReport, at: Instant, state: &FleetState) {
+        // A session's reports arrive in the order its replica numbered them.
+        if report.last_op > 0 {
+            let (first_op, last_op) = (report.first_op, report.last_op);
+            let folded = self.folded.entry(replica).or_insert(ReportsFolded { first_op, last_op });
+            folded.last_op = folded.last_op.max(last_op);
+        }
         for started in report.started {
             let Some(key) = started.rank.and_then(|k| LoadKey::try_from(k).ok()) else { continue };
             // Only ranks the fleet has: a report cannot make the book grow with invented keys.
@@ -391,6 +399,7 @@ impl Book {
             self.end(id, now);
         }
         self.per_replica.remove(&replica);
+        self.folded.remove(&replica);
     }
 
     /// Measures new samples, drops dispatches whose end never came, and marks the ranks whose
@@ -438,10 +447,11 @@ impl Book {
             let backlog = rank.backlog();
             if rank.published != Some(backlog) {
                 rank.published = Some(backlog);
-                // Every report received so far is in the sums.
-                change.backlogs.push((key, Backlog { as_of: Some(now), ..backlog }));
+                change.backlogs.push((key, backlog));
             }
         }
+        // Every report received so far is in the sums.
+        change.reports_folded = Some(Arc::new(self.folded.clone()));
         change
     }
 }

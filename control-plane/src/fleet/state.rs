@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use continuum_proto::model::{Backlog, DataPlaneConfig, LoadKey, LoadSample, Worker, WorkerKey};
+use continuum_proto::fast_hash::FastMap;
+use continuum_proto::model::{Backlog, DataPlaneConfig, LoadKey, LoadSample, ReportsFolded, Worker, WorkerKey};
 use continuum_proto::view::{FleetDelta, FleetView};
 use imbl::Vector;
 
@@ -18,6 +19,8 @@ pub struct FleetState {
     view: FleetView,
     /// Consecutive deltas ending at `view.version()`, oldest first.
     log: Vector<Arc<FleetDelta>>,
+    /// Per Watch session, which of its replica's reported operations the view's backlogs hold.
+    reports_folded: Arc<FastMap<u64, ReportsFolded>>,
 }
 
 /// A change the control plane wants published. It may contain no-ops (an upsert of an
@@ -32,6 +35,9 @@ pub struct FleetChange {
     pub config: Option<Arc<DataPlaneConfig>>,
     pub backlogs: Vec<(LoadKey, Backlog)>,
     pub backlogs_removed: Vec<LoadKey>,
+    /// Which reported operations the backlogs now hold, per session (replaces the map whole;
+    /// it goes out with the change it came with, never alone).
+    pub reports_folded: Option<Arc<FastMap<u64, ReportsFolded>>>,
 }
 
 /// What a replica should be sent to bring it from the version it holds to the current one.
@@ -45,7 +51,7 @@ pub enum Catchup {
 impl FleetState {
     pub fn new(version: u64, config: Arc<DataPlaneConfig>) -> Self {
         let view = FleetView::new(version, [], [], config).unwrap_or_default();
-        Self { view, log: Vector::new() }
+        Self { view, log: Vector::new(), reports_folded: Arc::default() }
     }
 
     pub fn view(&self) -> &FleetView {
@@ -56,9 +62,15 @@ impl FleetState {
         self.view.version()
     }
 
+    /// Which of session `session`'s reported operations this version's backlogs hold.
+    pub fn reports_folded(&self, session: u64) -> Option<ReportsFolded> {
+        self.reports_folded.get(&session).copied()
+    }
+
     /// The state after `change`, and the delta that was published, or `None` when the change
     /// is a no-op against this state (the version does not move).
-    pub fn commit(&self, change: FleetChange) -> Option<(FleetState, Arc<FleetDelta>)> {
+    pub fn commit(&self, mut change: FleetChange) -> Option<(FleetState, Arc<FleetDelta>)> {
+        let reports_folded = change.reports_folded.take().unwrap_or_else(|| Arc::clone(&self.reports_folded));
         let delta = Arc::new(self.effective_delta(change));
         if delta.is_empty() {
             return None;
@@ -70,7 +82,7 @@ impl FleetState {
         while log.len() > DELTA_LOG_CAPACITY {
             log.pop_front();
         }
-        Some((FleetState { view, log }, delta))
+        Some((FleetState { view, log, reports_folded }, delta))
     }
 
     /// What to send a replica that holds `held` (None: nothing yet).
@@ -93,7 +105,8 @@ impl FleetState {
 
     /// The change reduced to what actually differs from this state, as a delta on top of it.
     fn effective_delta(&self, change: FleetChange) -> FleetDelta {
-        let FleetChange { upsert, remove, loads, mut loads_removed, config, backlogs, mut backlogs_removed } = change;
+        let FleetChange { upsert, remove, loads, mut loads_removed, config, backlogs, mut backlogs_removed, .. } =
+            change;
         let view = &self.view;
         let version = view.version();
         let removed: Vec<WorkerKey> = dedup(remove.into_iter().filter(|k| view.worker(k).is_some()));

@@ -177,7 +177,8 @@ impl Session {
         self.held = Some(version);
         self.resync_after = None;
         self.last_sent = Some(Sent { version, nonce: nonce.clone(), snapshot });
-        Some(pb::FleetUpdate { version, nonce, body: Some(body) })
+        let reports_folded = state.reports_folded(self.session_id).map(pb::ReportsFolded::from);
+        Some(pb::FleetUpdate { version, nonce, body: Some(body), reports_folded })
     }
 
     fn on_request(&mut self, request: pb::WatchRequest) {

@@ -1,6 +1,8 @@
 //! Ties one pinned dispatch's accounting to the life of its request: this replica's
 //! [`DispatchLedger`] (read by its picker at once) and the [`DispatchReporter`] (folded by the
-//! control plane into the fleet-wide backlogs every replica's picker reads).
+//! control plane into the fleet-wide backlogs every replica's picker reads). Each step is one
+//! reported operation, recorded in the ledger under its number, so the picker can tell exactly
+//! which of its own steps the fleet's sums hold. Lock order: the reporter's, then the ledger's.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -41,16 +43,18 @@ impl DispatchEnd {
     ) -> Self {
         let block_size = dispatch_block_size(view, selection);
         let hashes = chain.at_block_size(block_size);
-        let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now());
         let blocks = prompt_blocks(prompt_tokens, block_size);
         let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
-        let prefill = selection.prefill.as_ref().map(|pin| {
-            reporter.started(&pin.rank_key(), tokens, 0, chain.at_block_size(pin_block_size(view, pin)).to_vec())
+        let (id, reported) = reporter.operation(|report| {
+            let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now(), report.op());
+            let prefill = selection.prefill.as_ref().map(|pin| {
+                report.started(&pin.rank_key(), tokens, 0, chain.at_block_size(pin_block_size(view, pin)).to_vec())
+            });
+            // Without a prefill pin the decode rank prefills the request itself.
+            let decode_tokens = if prefill.is_some() { 0 } else { tokens };
+            let decode = report.started(&selection.decode.rank_key(), decode_tokens, blocks, hashes.to_vec());
+            (id, [prefill, Some(decode)])
         });
-        // Without a prefill pin the decode rank prefills the request itself.
-        let decode_tokens = if prefill.is_some() { 0 } else { tokens };
-        let decode = reporter.started(&selection.decode.rank_key(), decode_tokens, blocks, hashes.to_vec());
-        let reported = [prefill, Some(decode)];
         Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported, prefilled: false }
     }
 
@@ -61,14 +65,16 @@ impl DispatchEnd {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
         }
-        self.ledger.prefilled(self.id, Instant::now());
         let [prefill, decode] = &mut self.reported;
-        if let Some(id) = prefill.take() {
-            self.reporter.ended(id);
-        }
-        if let Some(id) = decode {
-            self.reporter.prefilled(*id);
-        }
+        self.reporter.operation(|report| {
+            self.ledger.prefilled(self.id, Instant::now(), report.op());
+            if let Some(id) = prefill.take() {
+                report.ended(id);
+            }
+            if let Some(id) = decode {
+                report.prefilled(*id);
+            }
+        });
     }
 }
 
@@ -81,9 +87,11 @@ impl DispatchEnd {
 
 impl Drop for DispatchEnd {
     fn drop(&mut self) {
-        self.ledger.end(self.id, Instant::now());
-        for id in self.reported.iter().flatten() {
-            self.reporter.ended(*id);
-        }
+        self.reporter.operation(|report| {
+            self.ledger.end(self.id, Instant::now(), report.op());
+            for id in self.reported.iter().flatten() {
+                report.ended(*id);
+            }
+        });
     }
 }

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::convert::{Update, update_from_wire};
+use continuum_proto::model::ReportsFolded;
 use continuum_proto::pb::{self, fleet_client::FleetClient, watch_request::Kind};
 use continuum_proto::view::FleetView;
 use tokio::sync::mpsc;
@@ -20,7 +21,7 @@ use tonic::{Code, Status};
 
 use super::backoff::Backoff;
 use super::handle::FleetHandle;
-use super::reporter::{self, DispatchEvent, DispatchReporter};
+use super::reporter::{self, DispatchReporter, Operation};
 use crate::metrics::Metrics;
 
 /// Reconnect delays: the first retry is quick, a long outage settles at one attempt every few
@@ -113,7 +114,7 @@ pub async fn run(
 async fn follow(
     config: &FleetClientConfig,
     handle: &FleetHandle,
-    reports: &mut mpsc::Receiver<DispatchEvent>,
+    reports: &mut mpsc::Receiver<Operation>,
     metrics: &Metrics,
 ) -> Result<(), SessionError> {
     let endpoint = Endpoint::from_shared(config.control_plane.clone())
@@ -140,7 +141,7 @@ async fn follow(
                 Some(update) => apply(handle, update, metrics),
                 None => return Ok(()),
             },
-            Some(event) = reports.recv() => {
+            Some(operation) = reports.recv() => {
                 // At most one report per interval: under load the events of a whole interval
                 // share one message (and one wake-up of the control plane).
                 let since = last_report.elapsed();
@@ -148,7 +149,7 @@ async fn follow(
                     tokio::time::sleep(REPORT_INTERVAL - since).await;
                 }
                 last_report = Instant::now();
-                let report = reporter::batch(event, reports);
+                let report = reporter::batch(operation, reports);
                 if report.started.is_empty() && report.ended.is_empty() && report.prefilled.is_empty() {
                     continue;
                 }
@@ -177,9 +178,11 @@ fn apply(handle: &FleetHandle, update: pb::FleetUpdate, metrics: &Metrics) -> Ki
     }
 }
 
-/// The view after `update`: a snapshot replaces, a delta must fit the view held.
+/// The view after `update`: a snapshot replaces, a delta must fit the view held. Its backlogs
+/// hold the reported operations the update names, and no others.
 fn next_view(held: Option<&FleetView>, update: pb::FleetUpdate) -> Result<FleetView, String> {
-    match update_from_wire(update, Instant::now()).map_err(|e| e.to_string())? {
+    let folded = update.reports_folded.map(ReportsFolded::from);
+    let view = match update_from_wire(update, Instant::now()).map_err(|e| e.to_string())? {
         Update::Snapshot(view) => {
             if let Some(held) = held.filter(|h| h.version() > view.version()) {
                 tracing::info!(held = held.version(), received = view.version(), "fleet version went backwards");
@@ -190,7 +193,8 @@ fn next_view(held: Option<&FleetView>, update: pb::FleetUpdate) -> Result<FleetV
             Some(held) => held.apply(&delta).map_err(|e| e.to_string()),
             None => Err(format!("delta based on version {} arrived before any snapshot", delta.base_version)),
         },
-    }
+    }?;
+    Ok(view.with_reports_folded(folded))
 }
 
 fn request(kind: Kind) -> pb::WatchRequest {

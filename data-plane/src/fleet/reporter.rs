@@ -2,10 +2,14 @@
 //!
 //! The control plane sums every replica's dispatches in flight per rank and streams them back
 //! as backlogs, so replicas spread a burst between two load samples. Reporting never blocks a
-//! request: events go into a bounded queue and are dropped (and counted) when it is full or the
-//! stream is down; a dropped report only makes the fleet-wide view briefly less complete.
+//! request: operations go into a bounded queue and are dropped (and counted) when it is full or
+//! the stream is down; a dropped report only makes the fleet-wide view briefly less complete.
+//!
+//! Each operation (a dispatch recorded, its first token, its end) is numbered, and queued whole
+//! in number order: the replica's ledger records it under the same number, and the control
+//! plane says which numbers its sums hold, so the replica adds exactly its own operations the
+//! sums lack ([`continuum_proto::model::ReportsFolded`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use continuum_proto::model::LoadKey;
@@ -13,9 +17,10 @@ use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
 use prometheus::IntCounter;
 use tokio::sync::mpsc;
 
-/// Events waiting to be reported; one batch per stream turn drains them.
+/// Operations waiting to be reported; one batch per stream turn drains them.
 pub const REPORT_QUEUE: usize = 8192;
-/// Events folded into one `DispatchReport` at most.
+/// Events folded into one `DispatchReport` at most (a report never splits an operation, so it
+/// may hold one more).
 pub const MAX_REPORT_BATCH: usize = 512;
 
 #[derive(Debug)]
@@ -25,75 +30,131 @@ pub enum DispatchEvent {
     Prefilled(u64),
 }
 
+/// One numbered operation and the events it reports.
+#[derive(Debug)]
+pub struct Operation {
+    number: u64,
+    events: Vec<DispatchEvent>,
+}
+
+/// The numbers handed out so far; held while an operation is performed and queued.
+#[derive(Debug)]
+struct Numbers {
+    next_op: u64,
+    next_dispatch: u64,
+}
+
 #[derive(Debug)]
 pub struct DispatchReporter {
-    tx: mpsc::Sender<DispatchEvent>,
-    rx: Mutex<Option<mpsc::Receiver<DispatchEvent>>>,
-    next_id: AtomicU64,
+    tx: mpsc::Sender<Operation>,
+    rx: Mutex<Option<mpsc::Receiver<Operation>>>,
+    numbers: Mutex<Numbers>,
     dropped: IntCounter,
 }
 
-impl DispatchReporter {
-    pub fn new(dropped: IntCounter) -> Self {
-        let (tx, rx) = mpsc::channel(REPORT_QUEUE);
-        Self { tx, rx: Mutex::new(Some(rx)), next_id: AtomicU64::new(1), dropped }
+/// What an operation reports, while it is performed.
+#[derive(Debug)]
+pub struct Report<'a> {
+    numbers: &'a mut Numbers,
+    events: Vec<DispatchEvent>,
+}
+
+impl Report<'_> {
+    /// The operation's number, to record it under.
+    pub fn op(&self) -> u64 {
+        self.numbers.next_op
     }
 
     /// Reports a dispatch pinned to `rank`, whose prompt hashes to `block_hashes` (empty when
     /// unknown; cut to [`MAX_DISPATCH_BLOCK_HASHES`]): the control plane credits that prefix
     /// to the rank provisionally, fleet-wide, and counts decode blocks dispatches share once.
-    /// Returns its id for [`DispatchReporter::ended`].
-    pub fn started(&self, rank: &LoadKey, prefill_tokens: u64, decode_blocks: u64, mut block_hashes: Vec<u64>) -> u64 {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+    /// Returns its id for [`Report::ended`].
+    pub fn started(
+        &mut self,
+        rank: &LoadKey,
+        prefill_tokens: u64,
+        decode_blocks: u64,
+        mut block_hashes: Vec<u64>,
+    ) -> u64 {
+        let id = self.numbers.next_dispatch;
+        self.numbers.next_dispatch += 1;
         block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES);
-        self.send(DispatchEvent::Started { id, rank: rank.clone(), prefill_tokens, decode_blocks, block_hashes });
+        self.events.push(DispatchEvent::Started {
+            id,
+            rank: rank.clone(),
+            prefill_tokens,
+            decode_blocks,
+            block_hashes,
+        });
         id
     }
 
-    pub fn ended(&self, id: u64) {
-        self.send(DispatchEvent::Ended(id));
+    pub fn ended(&mut self, id: u64) {
+        self.events.push(DispatchEvent::Ended(id));
     }
 
     /// The dispatch's response began: its prompt is prefilled.
-    pub fn prefilled(&self, id: u64) {
-        self.send(DispatchEvent::Prefilled(id));
+    pub fn prefilled(&mut self, id: u64) {
+        self.events.push(DispatchEvent::Prefilled(id));
+    }
+}
+
+impl DispatchReporter {
+    pub fn new(dropped: IntCounter) -> Self {
+        let (tx, rx) = mpsc::channel(REPORT_QUEUE);
+        let numbers = Numbers { next_op: 1, next_dispatch: 1 };
+        Self { tx, rx: Mutex::new(Some(rx)), numbers: Mutex::new(numbers), dropped }
     }
 
-    fn send(&self, event: DispatchEvent) {
-        if self.tx.try_send(event).is_err() {
+    /// Performs one operation: `perform` records it under its number ([`Report::op`]) and says
+    /// what it reports; then it is queued whole. One operation at a time, so the queue holds
+    /// them in number order, and a record `perform` keeps (the ledger's) in the same order.
+    pub fn operation<R>(&self, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
+        let mut numbers = self.numbers.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut report = Report { numbers: &mut numbers, events: Vec::with_capacity(2) };
+        let result = perform(&mut report);
+        let Report { events, .. } = report;
+        let number = numbers.next_op;
+        numbers.next_op += 1;
+        if !events.is_empty() && self.tx.try_send(Operation { number, events }).is_err() {
             self.dropped.inc();
         }
+        result
     }
 
     /// The receiving end, for the fleet client (taken once).
-    pub(crate) fn take_receiver(&self) -> Option<mpsc::Receiver<DispatchEvent>> {
+    pub(crate) fn take_receiver(&self) -> Option<mpsc::Receiver<Operation>> {
         self.rx.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 }
 
-/// Folds `first` and whatever else is queued (up to the batch bound) into one report. Past
-/// [`MAX_REPORT_BLOCK_HASHES`] in the report, dispatches go without their block hashes: the
-/// backlog still counts them, only their provisional credit is lost.
-pub(crate) fn batch(first: DispatchEvent, rx: &mut mpsc::Receiver<DispatchEvent>) -> pb::DispatchReport {
-    let mut report = pb::DispatchReport::default();
+/// Folds `first` and whatever else is queued (up to the batch bound, in whole operations) into
+/// one report. Past [`MAX_REPORT_BLOCK_HASHES`] in the report, dispatches go without their
+/// block hashes: the backlog still counts them, only their provisional credit is lost.
+pub(crate) fn batch(first: Operation, rx: &mut mpsc::Receiver<Operation>) -> pb::DispatchReport {
+    let mut report = pb::DispatchReport { first_op: first.number, ..pb::DispatchReport::default() };
     let mut hashes_left = MAX_REPORT_BLOCK_HASHES;
-    let mut add = |event| match event {
-        DispatchEvent::Started { id, rank, prefill_tokens, decode_blocks, mut block_hashes } => {
-            if block_hashes.len() > hashes_left {
-                block_hashes = Vec::new();
+    let mut events = 0;
+    let mut next = Some(first);
+    while let Some(operation) = next.take() {
+        report.last_op = operation.number;
+        events += operation.events.len();
+        for event in operation.events {
+            match event {
+                DispatchEvent::Started { id, rank, prefill_tokens, decode_blocks, mut block_hashes } => {
+                    if block_hashes.len() > hashes_left {
+                        block_hashes = Vec::new();
+                    }
+                    hashes_left -= block_hashes.len();
+                    let rank = Some((&rank).into());
+                    report.started.push(pb::DispatchStarted { id, rank, prefill_tokens, decode_blocks, block_hashes });
+                }
+                DispatchEvent::Ended(id) => report.ended.push(id),
+                DispatchEvent::Prefilled(id) => report.prefilled.push(id),
             }
-            hashes_left -= block_hashes.len();
-            let rank = Some((&rank).into());
-            report.started.push(pb::DispatchStarted { id, rank, prefill_tokens, decode_blocks, block_hashes });
         }
-        DispatchEvent::Ended(id) => report.ended.push(id),
-        DispatchEvent::Prefilled(id) => report.prefilled.push(id),
-    };
-    add(first);
-    for _ in 1..MAX_REPORT_BATCH {
-        match rx.try_recv() {
-            Ok(event) => add(event),
-            Err(_) => break,
+        if events < MAX_REPORT_BATCH {
+            next = rx.try_recv().ok();
         }
     }
     report
@@ -101,7 +162,7 @@ pub(crate) fn batch(first: DispatchEvent, rx: &mut mpsc::Receiver<DispatchEvent>
 
 /// Discards what queued up while the stream was down: the control plane forgot this
 /// replica's dispatches when its session ended, so ends for them would name nothing.
-pub(crate) fn discard(rx: &mut mpsc::Receiver<DispatchEvent>) {
+pub(crate) fn discard(rx: &mut mpsc::Receiver<Operation>) {
     while rx.try_recv().is_ok() {}
 }
 
@@ -115,33 +176,82 @@ mod tests {
         LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 }
     }
 
+    fn reporter() -> (DispatchReporter, mpsc::Receiver<Operation>) {
+        let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
+        let rx = reporter.take_receiver().expect("receiver");
+        (reporter, rx)
+    }
+
+    fn start(reporter: &DispatchReporter, prefill_tokens: u64, decode_blocks: u64, hashes: Vec<u64>) -> u64 {
+        reporter.operation(|report| report.started(&rank(), prefill_tokens, decode_blocks, hashes))
+    }
+
+    fn next_report(rx: &mut mpsc::Receiver<Operation>) -> pb::DispatchReport {
+        let first = rx.try_recv().expect("queued");
+        batch(first, rx)
+    }
+
     #[test]
     fn a_dispatch_carries_at_most_its_bound_of_block_hashes() {
-        let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
-        let mut rx = reporter.take_receiver().expect("receiver");
-        reporter.started(&rank(), 64, 0, (0..MAX_DISPATCH_BLOCK_HASHES as u64 + 9).collect());
-        let first = rx.try_recv().expect("queued");
-        let report = batch(first, &mut rx);
+        let (reporter, mut rx) = reporter();
+        start(&reporter, 64, 0, (0..MAX_DISPATCH_BLOCK_HASHES as u64 + 9).collect());
+        let report = next_report(&mut rx);
         assert_eq!(report.started[0].block_hashes.len(), MAX_DISPATCH_BLOCK_HASHES);
         assert_eq!(report.started[0].block_hashes[..3], [0, 1, 2], "the chain is cut at its end");
     }
 
     #[test]
     fn past_the_report_bound_dispatches_go_without_their_hashes_but_are_still_reported() {
-        let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
-        let mut rx = reporter.take_receiver().expect("receiver");
+        let (reporter, mut rx) = reporter();
         let per = MAX_DISPATCH_BLOCK_HASHES;
         let fit = MAX_REPORT_BLOCK_HASHES / per;
         for _ in 0..=fit {
-            reporter.started(&rank(), 64, 0, vec![1; per]);
+            start(&reporter, 64, 0, vec![1; per]);
         }
-        reporter.started(&rank(), 0, 4, Vec::new());
-        let first = rx.try_recv().expect("queued");
-        let report = batch(first, &mut rx);
+        start(&reporter, 0, 4, Vec::new());
+        let report = next_report(&mut rx);
         assert_eq!(report.started.len(), fit + 2);
         let carried: Vec<usize> = report.started.iter().map(|s| s.block_hashes.len()).collect();
         assert!(carried[..fit].iter().all(|n| *n == per));
         assert_eq!(carried[fit..], [0, 0]);
         assert_eq!(carried.iter().sum::<usize>(), MAX_REPORT_BLOCK_HASHES);
+    }
+
+    #[test]
+    fn operations_are_numbered_in_order_and_a_report_never_splits_one() {
+        let (reporter, mut rx) = reporter();
+        // Operation 1 starts a pair's two legs; the operations after it start and end one each.
+        let (numbered, ids) = reporter.operation(|report| {
+            let ids = (report.started(&rank(), 64, 0, Vec::new()), report.started(&rank(), 0, 4, Vec::new()));
+            (report.op(), ids)
+        });
+        assert_eq!(numbered, 1);
+        // MAX_REPORT_BATCH - 1 events so far, then two more in one operation: past the bound.
+        for _ in 0..MAX_REPORT_BATCH - 3 {
+            start(&reporter, 16, 1, Vec::new());
+        }
+        let last = reporter.operation(|report| {
+            report.ended(ids.0);
+            report.ended(ids.1);
+            report.op()
+        });
+        start(&reporter, 16, 1, Vec::new());
+
+        let report = next_report(&mut rx);
+        assert_eq!((report.first_op, report.last_op), (1, last), "the ending pair went whole");
+        assert_eq!(report.started.len() + report.ended.len(), MAX_REPORT_BATCH + 1);
+        assert_eq!(report.ended, [ids.0, ids.1]);
+        let rest = next_report(&mut rx);
+        assert_eq!((rest.first_op, rest.last_op), (last + 1, last + 1));
+    }
+
+    #[test]
+    fn an_operation_that_reports_nothing_still_takes_its_number() {
+        let (reporter, mut rx) = reporter();
+        assert_eq!(reporter.operation(|report| report.op()), 1);
+        start(&reporter, 16, 1, Vec::new());
+        let report = next_report(&mut rx);
+        assert_eq!((report.first_op, report.last_op), (2, 2));
+        assert!(rx.try_recv().is_err(), "the silent operation queued nothing");
     }
 }

@@ -165,7 +165,6 @@ fn removing_a_worker_drops_its_backlog() {
         dispatches: 2,
         foreign_decode_blocks: Some(4),
         ending_decode_blocks: 3,
-        as_of: None,
     };
     let view = FleetView::default()
         .apply(&FleetDelta { upserted: vec![worker(1, 1)], backlogs: vec![(load_key(1, 0), backlog)], ..delta(0) })

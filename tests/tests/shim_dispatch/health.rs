@@ -51,8 +51,7 @@ async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() ->
     let refusing = RefusingPort::reserve()?;
     let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_millis(300) };
     let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
-    let harness =
-        Harness::start_with(disaggregated_fleet(), config(&[("shim-a", refusing.url())]), settings).await?;
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", refusing.url())]), settings).await?;
     let state = r#"continuum_shim_replica_state{backend="shim-a"}"#;
 
     for _ in 0..2 {
@@ -82,7 +81,8 @@ async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() ->
 async fn a_request_tries_at_most_the_attempt_bound_of_replicas() -> anyhow::Result<()> {
     let refusing = (0..MAX_ATTEMPTS + 2).map(|_| RefusingPort::reserve()).collect::<anyhow::Result<Vec<_>>>()?;
     let names: Vec<String> = (0..refusing.len()).map(|i| format!("dead-{i}")).collect();
-    let pool: Vec<(&str, String)> = names.iter().map(String::as_str).zip(refusing.iter().map(RefusingPort::url)).collect();
+    let pool: Vec<(&str, String)> =
+        names.iter().map(String::as_str).zip(refusing.iter().map(RefusingPort::url)).collect();
     let harness = Harness::start(disaggregated_fleet(), config(&pool)).await?;
     let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (503, "disaggregated_decode_failed"));

@@ -42,7 +42,7 @@ fn started(id: u64, dp_rank: u32, tokens: u64) -> pb::DispatchStarted {
 }
 
 fn report(started: Vec<pb::DispatchStarted>, ended: Vec<u64>) -> pb::DispatchReport {
-    pb::DispatchReport { started, ended, prefilled: Vec::new() }
+    pb::DispatchReport { started, ended, ..pb::DispatchReport::default() }
 }
 
 fn sampled(state: &FleetState, dp_rank: u32, kv_used_blocks: u64, received_at: Instant) -> FleetState {
@@ -115,7 +115,12 @@ fn a_dispatch_that_starts_and_ends_within_one_report_leaves_nothing() {
     let state = state_with(0);
     let mut book = Book::default();
     let t0 = Instant::now();
-    let whole = pb::DispatchReport { started: vec![started(1, 0, 160)], ended: vec![1], prefilled: vec![1] };
+    let whole = pb::DispatchReport {
+        started: vec![started(1, 0, 160)],
+        ended: vec![1],
+        prefilled: vec![1],
+        ..Default::default()
+    };
     book.report(1, whole, t0, &state);
     assert_eq!(sums(&book.take_change(t0)), [(0, 0, 0, 0, None)]);
     assert!(book.where_is.is_empty());
@@ -187,9 +192,28 @@ fn unchanged_sums_are_not_published_again() {
     book.report(1, report(vec![started(1, 0, 16)], vec![]), t0, &state);
     let change = book.take_change(t0);
     assert_eq!(change.backlogs.len(), 1);
-    assert_eq!(change.backlogs[0].1.as_of, Some(t0), "stamped with when the reports were summed");
     book.expire(&state, t0 + Duration::from_millis(2));
     assert!(book.take_change(t0).backlogs.is_empty());
+}
+
+#[test]
+fn the_sums_say_which_of_each_replicas_operations_they_hold() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let numbered = |first_op, last_op, started| pb::DispatchReport { started, first_op, last_op, ..Default::default() };
+    // Replica 1's first report on this stream carries its operations 7 to 9 (it ran before).
+    book.report(1, numbered(7, 9, vec![started(1, 0, 16)]), t0, &state);
+    book.report(2, numbered(1, 1, vec![started(1, 0, 16)]), t0, &state);
+    book.report(1, numbered(10, 12, vec![started(2, 0, 16)]), t0, &state);
+    let folded = book.take_change(t0).reports_folded.expect("published with the sums");
+    assert_eq!(folded.get(&1), Some(&ReportsFolded { first_op: 7, last_op: 12 }));
+    assert_eq!(folded.get(&2), Some(&ReportsFolded { first_op: 1, last_op: 1 }));
+
+    book.replica_gone(2, t0);
+    let folded = book.take_change(t0).reports_folded.expect("published with the sums");
+    assert_eq!(folded.get(&2), None, "a new stream starts a new range");
+    assert_eq!(folded.len(), 1);
 }
 
 #[test]

@@ -21,7 +21,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
-use continuum_proto::model::{Backlog, LoadKey};
+use continuum_proto::model::{Backlog, LoadKey, ReportsFolded};
 use continuum_proto::view::FleetView;
 use prometheus::IntCounter;
 
@@ -47,6 +47,11 @@ const ENDED_MEMORY: Duration = Duration::from_secs(1);
 /// …and how many per rank at most.
 const ENDED_PER_RANK: usize = 1024;
 
+/// The operation number of what was never reported (the ledger's own expiry, a test's
+/// dispatch): an end by it is not among what the fleet's sums lack. Reported operations count
+/// from 1, so ends stay in operation order.
+pub const NOT_REPORTED: u64 = 0;
+
 /// A recorded dispatch, to end when its request finishes, is refused, fails or is cancelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DispatchId(u64);
@@ -69,8 +74,9 @@ pub struct RankBacklog {
     pub decode_blocks: u64,
     /// Of every dispatch in flight, answered or not.
     pub in_flight_decode_blocks: u64,
-    /// What this replica did since the fleet-wide sums were taken.
-    pub since_fleet: SinceFleet,
+    /// What this replica did that the fleet-wide sums do not hold; `None` when the control
+    /// plane has not said which of its reports they hold.
+    pub since_fleet: Option<SinceFleet>,
     /// What the rank's last sample showed beyond the fleet's dispatches in flight when it
     /// arrived (the control plane measures it). When known, the rank's decode backlog is this
     /// plus `in_flight_decode_blocks` instead of the sample plus `decode_blocks`: samples lag
@@ -83,17 +89,18 @@ pub struct RankBacklog {
     pub stalled: bool,
 }
 
-/// What this replica's dispatches did on a rank since the fleet-wide sums were taken, which
-/// the sums do not hold yet.
+/// What this replica's dispatches did on a rank that the fleet-wide sums do not hold: the
+/// operations outside the range the control plane said it summed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SinceFleet {
-    /// Decode blocks of dispatches started since and still in flight.
+    /// Decode blocks of dispatches in flight whose start the sums lack.
     pub decode_started: u64,
-    /// Decode blocks of dispatches started before and ended since.
+    /// Decode blocks of dispatches whose start the sums hold and whose end they lack.
     pub decode_ended: u64,
-    /// Prompt tokens of dispatches started since whose response has not begun.
+    /// Prompt tokens of dispatches whose start the sums lack and whose response has not begun.
     pub prefill_started: u64,
-    /// Prompt tokens of dispatches started before whose response began (or that ended) since.
+    /// Prompt tokens of dispatches whose start the sums hold and whose first token (or end)
+    /// they lack.
     pub prefill_done: u64,
 }
 
@@ -101,21 +108,20 @@ impl RankBacklog {
     /// This replica's backlog joined with the fleet-wide one the control plane streams.
     ///
     /// The fleet-wide sums already hold this replica's reported dispatches, a stream turn
-    /// late; the local ledger holds them at once. With the time the sums were taken, they are
-    /// brought up to date with what this replica did since. Taking the larger of the two
+    /// late; the local ledger holds them at once. Told which of its operations the sums hold,
+    /// the replica brings them up to date with exactly the rest. Taking the larger of the two
     /// instead would drop dispatches: a rank with one of this replica's prompts queued and
     /// another replica's in the sums would count one, not two, until the sums caught up, so a
-    /// burst through several replicas would stack its prompts on one worker. Without a time,
-    /// each field takes the larger. Stalls stay local: only this replica knows which of its
+    /// burst through several replicas would stack its prompts on one worker. Untold, each
+    /// field takes the larger. Stalls stay local: only this replica knows which of its
     /// dispatches are a pair's decode leg.
     pub fn with_fleet(self, fleet: Option<&Backlog>) -> Self {
         let Some(fleet) = fleet else {
             return self;
         };
-        let since = self.since_fleet;
-        let (prefill_tokens, in_flight_decode_blocks, ending_decode_blocks) = match fleet.as_of {
+        let (prefill_tokens, in_flight_decode_blocks, ending_decode_blocks) = match self.since_fleet {
             // What ended since was most likely among the ending, so it is not subtracted twice.
-            Some(_) => (
+            Some(since) => (
                 fleet.prefill_tokens.saturating_add(since.prefill_started).saturating_sub(since.prefill_done),
                 fleet.decode_blocks.saturating_add(since.decode_started).saturating_sub(since.decode_ended),
                 fleet.ending_decode_blocks.saturating_sub(since.decode_ended),
@@ -132,7 +138,7 @@ impl RankBacklog {
             in_flight_decode_blocks,
             foreign_decode_blocks: fleet.foreign_decode_blocks,
             ending_decode_blocks,
-            since_fleet: SinceFleet::default(),
+            since_fleet: None,
             stalled: self.stalled,
         }
     }
@@ -196,18 +202,21 @@ struct Rank {
     prefills_done: VecDeque<PrefillDone>,
 }
 
-/// A leg's prompt tokens stopped counting at `done`: its response began, or it ended first.
+/// A leg's prompt tokens stopped counting at `done`, by operation `done_op`: its response
+/// began, or it ended first.
 #[derive(Clone, Copy, Debug)]
 struct PrefillDone {
-    at: Instant,
+    started_op: u64,
     done: Instant,
+    done_op: u64,
     tokens: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Ended {
-    at: Instant,
+    started_op: u64,
     ended: Instant,
+    ended_op: u64,
     /// The decode blocks its end freed.
     decode_blocks: u64,
 }
@@ -229,30 +238,33 @@ impl Rank {
         }
     }
 
-    fn prefilled(&mut self, id: DispatchId, now: Instant) {
+    fn prefilled(&mut self, id: DispatchId, now: Instant, op: u64) {
         if let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) {
-            let (at, tokens) = (leg.at, std::mem::take(&mut leg.prefill_tokens));
-            self.prefill_done(at, tokens, now);
+            let (started_op, tokens) = (leg.op, std::mem::take(&mut leg.prefill_tokens));
+            self.prefill_done(started_op, tokens, now, op);
         }
     }
 
-    /// A leg's `tokens` no longer load the rank.
-    fn prefill_done(&mut self, at: Instant, tokens: u64, now: Instant) {
+    /// A leg's `tokens` no longer load the rank. What was not reported is not remembered: the
+    /// fleet's sums will not take it out, so neither may the join.
+    fn prefill_done(&mut self, started_op: u64, tokens: u64, now: Instant, op: u64) {
         if tokens > 0 {
             self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
-            self.prefills_done.push_back(PrefillDone { at, done: now, tokens });
+            if op != NOT_REPORTED {
+                self.prefills_done.push_back(PrefillDone { started_op, done: now, done_op: op, tokens });
+            }
         }
     }
 
-    /// Ends dispatch `id`'s leg; returns the hashes it held.
-    fn take(&mut self, id: DispatchId, now: Instant) -> usize {
+    /// Ends dispatch `id`'s leg by operation `op`; returns the hashes it held.
+    fn take(&mut self, id: DispatchId, now: Instant, op: u64) -> usize {
         let Some(mut leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
         // A prompt still queued when its dispatch ends stops loading the rank now.
         let tokens = std::mem::take(&mut leg.prefill_tokens);
-        self.prefill_done(leg.at, tokens, now);
+        self.prefill_done(leg.op, tokens, now, op);
         let freed = self.forget(&leg);
-        if freed > 0 {
-            self.ended.push_back(Ended { at: leg.at, ended: now, decode_blocks: freed });
+        if freed > 0 && op != NOT_REPORTED {
+            self.ended.push_back(Ended { started_op: leg.op, ended: now, ended_op: op, decode_blocks: freed });
         }
         self.prune_ended(now);
         if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
@@ -284,20 +296,23 @@ impl Rank {
         self.legs.is_empty() && self.ended.is_empty() && self.prefills_done.is_empty()
     }
 
-    /// What this replica's legs did since `as_of`.
-    fn since(&self, as_of: Instant) -> SinceFleet {
+    /// What this replica's legs did that sums holding operations `folded` lack.
+    ///
+    /// Legs, ends and first tokens are kept in operation order, so only their ends are walked:
+    /// the newest, past the range, and (for legs) the oldest, from before the range (recorded
+    /// before this stream's first report: the control plane never had them).
+    fn since(&self, folded: ReportsFolded) -> SinceFleet {
         fn total(values: impl Iterator<Item = u64>) -> u64 {
             values.fold(0, u64::saturating_add)
         }
-        // One pass over the legs the sums lack, newest first.
-        let (decode_started, prefill_started) = self.legs.iter().rev().take_while(|leg| leg.at > as_of).fold(
-            (0, 0),
-            |(blocks, tokens): (u64, u64), leg| {
-                (blocks.saturating_add(leg.added), tokens.saturating_add(leg.prefill_tokens))
-            },
-        );
-        let ended = self.ended.iter().rev().take_while(|e| e.ended > as_of).filter(|e| e.at <= as_of);
-        let done = self.prefills_done.iter().rev().take_while(|p| p.done > as_of).filter(|p| p.at <= as_of);
+        let newer = self.legs.iter().rev().take_while(|leg| leg.op > folded.last_op);
+        let older = self.legs.iter().take_while(|leg| leg.op < folded.first_op && leg.op <= folded.last_op);
+        let (decode_started, prefill_started) = newer.chain(older).fold((0, 0), |(blocks, tokens): (u64, u64), leg| {
+            (blocks.saturating_add(leg.added), tokens.saturating_add(leg.prefill_tokens))
+        });
+        let ended = self.ended.iter().rev().take_while(|e| e.ended_op > folded.last_op);
+        let done = self.prefills_done.iter().rev().take_while(|p| p.done_op > folded.last_op);
+        let (ended, done) = (ended.filter(|e| folded.holds(e.started_op)), done.filter(|p| folded.holds(p.started_op)));
         SinceFleet {
             decode_started,
             decode_ended: total(ended.map(|e| e.decode_blocks)),
@@ -317,6 +332,8 @@ impl Rank {
 struct Leg {
     id: DispatchId,
     at: Instant,
+    /// The operation that recorded it.
+    op: u64,
     prefill_tokens: u64,
     decode_blocks: u64,
     /// The prompt's prefix chain on the decode leg, for counting shared blocks once.
@@ -359,7 +376,8 @@ impl DispatchLedger {
         }
     }
 
-    /// Records a dispatch of `prompt_tokens` pinned as `selection`. `block_size` is the decode
+    /// Records a dispatch of `prompt_tokens` pinned as `selection`, by operation `op` (its
+    /// report's number: operations are recorded in number order). `block_size` is the decode
     /// worker's (see [`dispatch_block_size`]); 0 counts as 1. `block_hashes` is the prompt's
     /// prefix chain at that block size (empty when unknown): the blocks the decode rank shares
     /// with its other requests in flight. An aggregated rank computes them into its prefix
@@ -373,6 +391,7 @@ impl DispatchLedger {
         block_size: u32,
         block_hashes: &[u64],
         now: Instant,
+        op: u64,
     ) -> DispatchId {
         let blocks = prompt_blocks(prompt_tokens, block_size);
         let mut state = self.lock();
@@ -398,6 +417,7 @@ impl DispatchLedger {
         let leg = |prefill_tokens, decode_blocks, stall_blocks, block_hashes| Leg {
             id,
             at: now,
+            op,
             prefill_tokens,
             decode_blocks,
             block_hashes,
@@ -422,45 +442,47 @@ impl DispatchLedger {
         id
     }
 
-    /// Ends a dispatch: its request finished, was refused, failed or was cancelled, so it no
-    /// longer loads its workers nor counts toward a stall. Ending twice does nothing.
-    pub fn end(&self, id: DispatchId, now: Instant) {
+    /// Ends a dispatch by operation `op`: its request finished, was refused, failed or was
+    /// cancelled, so it no longer loads its workers nor counts toward a stall. Ending twice
+    /// does nothing.
+    pub fn end(&self, id: DispatchId, now: Instant, op: u64) {
         let mut state = self.lock();
-        state.remove(id, now);
+        state.remove(id, now, op);
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
             state.sweep(now);
         }
     }
 
-    /// The dispatch's response began: its prompt no longer loads the rank that prefilled it.
-    pub fn prefilled(&self, id: DispatchId, now: Instant) {
+    /// The dispatch's response began (operation `op`): its prompt no longer loads the rank that
+    /// prefilled it.
+    pub fn prefilled(&self, id: DispatchId, now: Instant, op: u64) {
         let mut state = self.lock();
         let Some(keys) = state.dispatches.get(&id).cloned() else {
             return;
         };
         for key in keys.iter().flatten() {
             if let Some(rank) = state.ranks.get_mut(key) {
-                rank.prefilled(id, now);
+                rank.prefilled(id, now, op);
             }
         }
     }
 
-    /// The backlog of each rank, given when its last sample was received and when the fleet's
-    /// sums for it were taken (`None`: never, or no sums).
+    /// The backlog of each rank, given when its last sample was received (`None`: never), and
+    /// which of this replica's operations the fleet's sums hold (`None`: unknown).
     pub fn backlogs<K: Borrow<LoadKey>>(
         &self,
-        ranks: &[(K, Option<Instant>, Option<Instant>)],
+        ranks: &[(K, Option<Instant>)],
+        folded: Option<ReportsFolded>,
         now: Instant,
     ) -> Vec<RankBacklog> {
         let mut state = self.lock();
         ranks
             .iter()
-            .map(|(key, sampled_at, fleet_as_of)| {
+            .map(|(key, sampled_at)| {
                 let key = key.borrow();
                 let mut backlog = state.backlog(key, *sampled_at, now);
-                if let (Some(as_of), Some(rank)) = (fleet_as_of, state.ranks.get(key)) {
-                    backlog.since_fleet = rank.since(*as_of);
-                }
+                backlog.since_fleet =
+                    folded.map(|folded| state.ranks.get(key).map(|rank| rank.since(folded)).unwrap_or_default());
                 backlog
             })
             .collect()
@@ -490,13 +512,13 @@ impl State {
         self.ranks.entry(key).or_default().push(leg);
     }
 
-    fn remove(&mut self, id: DispatchId, now: Instant) {
+    fn remove(&mut self, id: DispatchId, now: Instant, op: u64) {
         let Some(keys) = self.dispatches.remove(&id) else {
             return;
         };
         for key in keys.into_iter().flatten() {
             if let Some(rank) = self.ranks.get_mut(&key) {
-                self.held_hashes -= rank.take(id, now);
+                self.held_hashes -= rank.take(id, now, op);
                 if rank.is_empty() {
                     self.ranks.remove(&key);
                 }
@@ -550,7 +572,7 @@ impl State {
             rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
             self.held_hashes -= freed_hashes;
             for id in expired {
-                self.remove(id, now);
+                self.remove(id, now, NOT_REPORTED);
             }
         }
         if self.ranks.get(key).is_some_and(Rank::is_empty) {

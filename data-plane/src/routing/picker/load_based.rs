@@ -89,10 +89,10 @@ impl LoadBasedPicker {
             let key = &candidate.load_key;
             let (sample, fleet) = (view.loads().get(key), view.backlogs().get(key));
             // The ledger keys dispatches by their pin.
-            queries.push((&candidate.pin_key, sample.map(|s| s.received_at), fleet.and_then(|b| b.as_of)));
+            queries.push((&candidate.pin_key, sample.map(|s| s.received_at)));
             views.push((sample, fleet));
         }
-        let local = self.ledger.backlogs(&queries, now);
+        let local = self.ledger.backlogs(&queries, view.reports_folded(), now);
         views
             .into_iter()
             .zip(local)

@@ -235,7 +235,7 @@ fn dp_ranks_start_at_the_declared_start_rank() {
 }
 
 fn record(picker: &LoadBasedPicker, selection: &Selection, tokens: u64, at: Instant) -> DispatchId {
-    picker.ledger().record(selection, tokens, BLOCK, &[], at)
+    picker.ledger().record(selection, tokens, BLOCK, &[], at, NOT_REPORTED)
 }
 
 #[test]
@@ -281,7 +281,7 @@ fn an_ended_or_single_block_dispatch_never_stalls() {
     let picker = picker();
     let first = pick(&picker, &fleet);
     let ended = record(&picker, &first, 320, fleet.now - STALL_AFTER);
-    picker.ledger().end(ended, fleet.now);
+    picker.ledger().end(ended, fleet.now, NOT_REPORTED);
     record(&picker, &first, 16, fleet.now - STALL_AFTER);
     assert_eq!(decode_ids(&picker, &fleet, 2), [1, 1]);
 }
@@ -600,7 +600,7 @@ proptest! {
                 None => prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool)),
             }
             if let Some((tokens, ago)) = dispatches.get(i) {
-                picker.ledger().record(&s, *tokens, BLOCK, &[], fleet.now - Duration::from_millis(*ago));
+                picker.ledger().record(&s, *tokens, BLOCK, &[], fleet.now - Duration::from_millis(*ago), NOT_REPORTED);
             }
         }
     }

@@ -12,7 +12,7 @@ use prometheus::{IntCounterVec, Opts};
 use proptest::prelude::*;
 
 use super::super::tests::{BLOCK, FRESH, STALE, agg, worker};
-use super::super::{DispatchLedger, Pin};
+use super::super::{DispatchLedger, NOT_REPORTED, Pin};
 use super::*;
 
 fn used(kv_used_blocks: u64) -> Load {
@@ -453,7 +453,7 @@ fn unanswered_dispatches_and_fleet_backlogs_add_to_the_formula() {
     let picker = picker();
     let first = pick(&picker, &fleet, scored(160, &none));
     assert_eq!(ids(&first), (1, None));
-    picker.ledger().record(&first, 160, BLOCK, &[], fleet.now);
+    picker.ledger().record(&first, 160, BLOCK, &[], fleet.now, NOT_REPORTED);
     assert_eq!(picks(&picker, &fleet, scored(160, &none), 2), [(2, None); 2]);
 
     // Other replicas sent 1 fifty blocks: 2 bits outweigh its 2-block overlap.
@@ -471,7 +471,7 @@ fn unanswered_dispatches_and_fleet_backlogs_add_to_the_formula() {
     let picker = self::picker();
     let first = pick(&picker, &pair, scored(160, &none));
     assert_eq!(ids(&first), (3, Some(1)));
-    picker.ledger().record(&first, 160, BLOCK, &[], pair.now);
+    picker.ledger().record(&first, 160, BLOCK, &[], pair.now, NOT_REPORTED);
     assert_eq!(picks(&picker, &pair, scored(160, &none), 2), [(3, Some(2)); 2]);
 }
 

@@ -1,7 +1,8 @@
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use continuum_proto::model::{Backlog, Capacity, DataPlaneConfig, LoadKey, Role, Worker, WorkerKey};
+use continuum_proto::model::{Backlog, Capacity, DataPlaneConfig, LoadKey, ReportsFolded, Role, Worker, WorkerKey};
 use continuum_proto::view::FleetView;
 
 use super::*;
@@ -31,8 +32,36 @@ fn alone(decode: Pin) -> Selection {
     Selection { decode, prefill: None, prefill_reason: Some(Reason::NoPrefillPool), ..pair(0, 0) }
 }
 
+thread_local! {
+    static OPS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The next operation's number: a test's operations are numbered in the order it performs
+/// them, from 1, as a replica's reporter numbers them.
+fn op() -> u64 {
+    OPS.with(|ops| {
+        ops.set(ops.get() + 1);
+        ops.get()
+    })
+}
+
+/// The number the last operation took.
+fn last_op() -> u64 {
+    OPS.with(Cell::get)
+}
+
+/// Sums holding operations `first_op` through `last_op`.
+fn folded(first_op: u64, last_op: u64) -> Option<ReportsFolded> {
+    Some(ReportsFolded { first_op, last_op })
+}
+
 fn backlog(ledger: &DispatchLedger, key: LoadKey, sampled_at: Option<Instant>, now: Instant) -> RankBacklog {
-    ledger.backlogs(&[(key, sampled_at, None)], now)[0]
+    ledger.backlogs(&[(key, sampled_at)], None, now)[0]
+}
+
+/// What the ledger adds to sums holding `folded` on rank 1.
+fn joined(ledger: &DispatchLedger, folded: Option<ReportsFolded>, now: Instant) -> RankBacklog {
+    ledger.backlogs(&[(key(1, 0), None)], folded, now)[0]
 }
 
 /// A rank whose dispatches in flight are all unanswered.
@@ -44,7 +73,7 @@ fn rank(prefill_tokens: u64, decode_blocks: u64, stalled: bool) -> RankBacklog {
 fn pair_adds_prompt_tokens_to_prefill_and_blocks_to_decode() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    ledger.record(&pair(1, 2), 33, 16, &[], t0);
+    ledger.record(&pair(1, 2), 33, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(2, 0), None, t0), rank(33, 0, false));
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(0, 3, false));
     assert_eq!(backlog(&ledger, key(3, 0), None, t0), RankBacklog::default());
@@ -55,7 +84,7 @@ fn a_sample_newer_than_the_dispatch_answers_it() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
     let t1 = t0 + Duration::from_millis(10);
-    ledger.record(&alone(pin(1, None)), 32, 16, &[], t1);
+    ledger.record(&alone(pin(1, None)), 32, 16, &[], t1, op());
     let cases = [
         ("no sample yet", None, 2),
         ("older sample", Some(t0), 2),
@@ -76,20 +105,20 @@ fn blocks_dispatches_share_count_once_until_the_last_ends() {
     let system: Vec<u64> = (1..=5).collect();
     let turn = |last: u64| -> Vec<u64> { system.iter().copied().chain([last]).collect() };
     // 100 tokens = 6 full blocks of 16 (hashed) and a partial one; 5 blocks are a shared prompt.
-    let first = ledger.record(&alone(pin(1, None)), 100, 16, &turn(10), t0);
+    let first = ledger.record(&alone(pin(1, None)), 100, 16, &turn(10), t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 7);
     let t1 = t0 + Duration::from_millis(1);
-    let second = ledger.record(&alone(pin(1, None)), 100, 16, &turn(11), t1);
+    let second = ledger.record(&alone(pin(1, None)), 100, 16, &turn(11), t1, op());
     assert_eq!(
         backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks,
         7 + 2,
         "the second adds its own full block and its partial one"
     );
-    let since_first = ledger.backlogs(&[(key(1, 0), None, Some(t0))], t1)[0];
-    assert_eq!(since_first.since_fleet.decode_started, 2, "what the fleet's sums lack is what the second added");
-    ledger.end(first, t1);
+    let since_first = joined(&ledger, folded(1, 1), t1).since_fleet.expect("told what the sums hold");
+    assert_eq!(since_first.decode_started, 2, "what the fleet's sums lack is what the second added");
+    ledger.end(first, t1, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks, 7, "the shared prompt stays held");
-    ledger.end(second, t1);
+    ledger.end(second, t1, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks, 0);
 }
 
@@ -100,8 +129,8 @@ fn a_decode_worker_of_a_pair_holds_a_shared_prompt_once() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
     let chain: Vec<u64> = (1..=6).collect();
-    ledger.record(&pair(1, 2), 100, 16, &chain, t0);
-    ledger.record(&pair(1, 2), 100, 16, &chain, t0);
+    ledger.record(&pair(1, 2), 100, 16, &chain, t0, op());
+    ledger.record(&pair(1, 2), 100, 16, &chain, t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0).in_flight_decode_blocks, 8);
     assert_eq!(backlog(&ledger, key(2, 0), None, t0).in_flight_decode_blocks, 0, "the prefill leg holds nothing");
 }
@@ -112,13 +141,13 @@ fn a_rank_that_caches_the_prompt_prefills_only_the_rest_but_holds_every_block() 
     let t0 = Instant::now();
     // 100 tokens = 7 blocks of 16, 5 of them (80 tokens) cached on the aggregated rank: cached
     // blocks still occupy the rank while the request runs.
-    ledger.record(&Selection { cached_blocks: 5, ..alone(pin(1, None)) }, 100, 16, &[], t0);
+    ledger.record(&Selection { cached_blocks: 5, ..alone(pin(1, None)) }, 100, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 7, false));
-    ledger.record(&Selection { cached_blocks: 9, ..alone(pin(1, None)) }, 100, 16, &[], t0);
+    ledger.record(&Selection { cached_blocks: 9, ..alone(pin(1, None)) }, 100, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 14, false), "never below zero");
     // A pair's prefill rank holding 5 blocks prefills only the rest too; its decode rank
     // receives every block.
-    ledger.record(&Selection { cached_blocks: 5, ..pair(2, 3) }, 100, 16, &[], t0);
+    ledger.record(&Selection { cached_blocks: 5, ..pair(2, 3) }, 100, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(3, 0), None, t0).prefill_tokens, 20);
     assert_eq!(backlog(&ledger, key(2, 0), None, t0), rank(0, 7, false));
 }
@@ -127,15 +156,15 @@ fn a_rank_that_caches_the_prompt_prefills_only_the_rest_but_holds_every_block() 
 fn prompt_tokens_load_the_prefilling_rank_until_the_response_begins() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let aggregated = ledger.record(&alone(pin(1, None)), 64, 16, &[], t0);
-    let paired = ledger.record(&pair(2, 3), 32, 16, &[], t0);
+    let aggregated = ledger.record(&alone(pin(1, None)), 64, 16, &[], t0, op());
+    let paired = ledger.record(&pair(2, 3), 32, 16, &[], t0, op());
     let answered = Some(t0 + Duration::from_millis(1));
     assert_eq!(backlog(&ledger, key(1, 0), answered, t0).prefill_tokens, 64, "a sample does not answer a prefill");
     assert_eq!(backlog(&ledger, key(3, 0), answered, t0).prefill_tokens, 32);
     assert_eq!(backlog(&ledger, key(2, 0), None, t0).prefill_tokens, 0, "the decode leg of a pair prefills nothing");
-    ledger.prefilled(aggregated, t0);
-    ledger.prefilled(paired, t0);
-    ledger.prefilled(paired, t0);
+    ledger.prefilled(aggregated, t0, op());
+    ledger.prefilled(paired, t0, op());
+    ledger.prefilled(paired, t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(0, 4, false), "its blocks stay until it ends");
     assert_eq!(backlog(&ledger, key(3, 0), None, t0), rank(0, 0, false));
 }
@@ -144,7 +173,7 @@ fn prompt_tokens_load_the_prefilling_rank_until_the_response_begins() {
 fn dispatches_count_for_thirty_seconds_at_most() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    ledger.record(&alone(pin(1, None)), 16, 16, &[], t0);
+    ledger.record(&alone(pin(1, None)), 16, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0 + UNANSWERED_FOR - Duration::from_millis(1)).decode_blocks, 1);
     assert_eq!(backlog(&ledger, key(1, 0), None, t0 + UNANSWERED_FOR).decode_blocks, 0);
     assert!(ledger.is_empty(), "the expired dispatch is forgotten");
@@ -154,11 +183,11 @@ fn dispatches_count_for_thirty_seconds_at_most() {
 fn ended_dispatches_stop_counting_and_ending_twice_is_harmless() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let first = ledger.record(&pair(1, 2), 64, 16, &[], t0);
-    ledger.record(&pair(1, 2), 16, 16, &[], t0);
-    ledger.end(first, t0);
-    ledger.end(first, t0);
-    ledger.end(DispatchId::UNRECORDED, t0);
+    let first = ledger.record(&pair(1, 2), 64, 16, &[], t0, op());
+    ledger.record(&pair(1, 2), 16, 16, &[], t0, op());
+    ledger.end(first, t0, op());
+    ledger.end(first, t0, op());
+    ledger.end(DispatchId::UNRECORDED, t0, op());
     assert_eq!(backlog(&ledger, key(2, 0), None, t0), rank(16, 0, false));
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(0, 1, false));
     assert_eq!(ledger.len(), 1);
@@ -168,7 +197,7 @@ fn ended_dispatches_stop_counting_and_ending_twice_is_harmless() {
 fn dp_ranks_are_kept_apart() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    ledger.record(&alone(pin(1, Some(1))), 32, 16, &[], t0);
+    ledger.record(&alone(pin(1, Some(1))), 32, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(1, 1), None, t0).decode_blocks, 2);
     assert_eq!(backlog(&ledger, key(1, 0), None, t0).decode_blocks, 0);
 }
@@ -188,9 +217,9 @@ fn stall_rules() {
     ];
     for (name, selection, tokens, rank_key, ended, sampled, stalled) in cases {
         let ledger = DispatchLedger::new();
-        let id = ledger.record(selection, *tokens, 16, &[], t0);
+        let id = ledger.record(selection, *tokens, 16, &[], t0, op());
         if *ended {
-            ledger.end(id, t0);
+            ledger.end(id, t0, op());
         }
         let sampled_at = sampled.then_some(t0 + Duration::from_millis(1));
         assert!(
@@ -205,15 +234,15 @@ fn stall_rules() {
 fn a_full_ledger_refuses_and_counts_then_recovers_after_expiry() {
     let ledger = DispatchLedger::with_capacity(2);
     let t0 = Instant::now();
-    assert!(ledger.record(&alone(pin(1, None)), 16, 16, &[], t0).is_recorded());
-    assert!(ledger.record(&alone(pin(2, None)), 16, 16, &[], t0).is_recorded());
-    let refused = ledger.record(&alone(pin(3, None)), 16, 16, &[], t0);
+    assert!(ledger.record(&alone(pin(1, None)), 16, 16, &[], t0, op()).is_recorded());
+    assert!(ledger.record(&alone(pin(2, None)), 16, 16, &[], t0, op()).is_recorded());
+    let refused = ledger.record(&alone(pin(3, None)), 16, 16, &[], t0, op());
     assert!(!refused.is_recorded());
     assert_eq!(ledger.refused_total(), 1);
-    ledger.end(refused, t0);
+    ledger.end(refused, t0, op());
     assert_eq!(ledger.len(), 2);
     // Ranks nobody queries are swept when recording, so the ledger takes dispatches again.
-    assert!(ledger.record(&alone(pin(3, None)), 16, 16, &[], t0 + UNANSWERED_FOR).is_recorded());
+    assert!(ledger.record(&alone(pin(3, None)), 16, 16, &[], t0 + UNANSWERED_FOR, op()).is_recorded());
     assert_eq!(ledger.len(), 1);
 }
 
@@ -222,9 +251,9 @@ fn default_capacity_is_the_named_bound() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
     for id in 0..LEDGER_CAPACITY as u64 {
-        assert!(ledger.record(&alone(pin(id % 64, None)), 1, 16, &[], t0).is_recorded());
+        assert!(ledger.record(&alone(pin(id % 64, None)), 1, 16, &[], t0, op()).is_recorded());
     }
-    assert!(!ledger.record(&alone(pin(1, None)), 1, 16, &[], t0).is_recorded());
+    assert!(!ledger.record(&alone(pin(1, None)), 1, 16, &[], t0, op()).is_recorded());
     assert_eq!(ledger.refused_total(), 1);
 }
 
@@ -234,7 +263,7 @@ fn refusals_reach_the_replica_metric() {
     let ledger = DispatchLedger::counting_refusals(metric.clone());
     let t0 = Instant::now();
     for id in 0..LEDGER_CAPACITY as u64 + 3 {
-        ledger.record(&alone(pin(id % 64, None)), 1, 16, &[], t0);
+        ledger.record(&alone(pin(id % 64, None)), 1, 16, &[], t0, op());
     }
     assert_eq!(metric.get(), 3);
 }
@@ -298,53 +327,51 @@ fn the_decode_backlog_is_foreign_plus_in_flight_once_the_fleet_measured_it() {
 fn dispatches_this_replica_saw_end_are_not_discounted_twice() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let id = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0);
-    let as_of = t0 + Duration::from_millis(1);
-    let fleet = Backlog {
-        decode_blocks: 300,
-        ending_decode_blocks: 250,
-        foreign_decode_blocks: Some(0),
-        as_of: Some(as_of),
-        ..Backlog::default()
-    };
+    let id = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0, op());
+    let sums = folded(1, last_op());
+    let fleet =
+        Backlog { decode_blocks: 300, ending_decode_blocks: 250, foreign_decode_blocks: Some(0), ..Backlog::default() };
     let t1 = t0 + Duration::from_millis(2);
-    let before = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0].with_fleet(Some(&fleet));
+    let before = joined(&ledger, sums, t1).with_fleet(Some(&fleet));
     assert_eq!((before.in_flight_decode_blocks, before.ending_decode_blocks), (300, 250));
     assert_eq!(before.handover_decode_backlog(0), 50);
-    ledger.end(id, t1);
-    let after = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0].with_fleet(Some(&fleet));
+    ledger.end(id, t1, op());
+    let after = joined(&ledger, sums, t1).with_fleet(Some(&fleet));
     assert_eq!((after.in_flight_decode_blocks, after.ending_decode_blocks), (200, 150));
     assert_eq!(after.handover_decode_backlog(0), 50, "its end changes nothing at hand-over");
 }
 
 /// The fleet's sums trail this replica's reports: a burst that just ended on a rank is still in
-/// them. Brought up to date with what this replica did since they were taken, the sums drop
-/// the ended burst at once and count the new dispatch, instead of keeping the larger of two
-/// views (which would hold the ended burst until the sums caught up).
+/// them. Brought up to date with the operations they do not hold, the sums drop the ended
+/// burst at once and count the new dispatch, instead of keeping the larger of two views (which
+/// would hold the ended burst until the sums caught up).
 #[test]
 fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let burst: Vec<DispatchId> = (0..8).map(|_| ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0)).collect();
-    let as_of = t0 + Duration::from_millis(1);
-    let fleet = Backlog { decode_blocks: 800, dispatches: 8, as_of: Some(as_of), ..Backlog::default() };
+    let burst: Vec<DispatchId> = (0..8).map(|_| ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0, op())).collect();
+    let sums = folded(1, last_op());
+    let fleet = Backlog { decode_blocks: 800, dispatches: 8, ..Backlog::default() };
     let t1 = t0 + Duration::from_millis(2);
     for id in burst {
-        ledger.end(id, t1);
+        ledger.end(id, t1, op());
     }
-    ledger.record(&alone(pin(1, None)), 160, 16, &[], t1);
-    let local = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0];
-    assert_eq!((local.since_fleet.decode_started, local.since_fleet.decode_ended), (10, 800));
+    ledger.record(&alone(pin(1, None)), 160, 16, &[], t1, op());
+    let local = joined(&ledger, sums, t1);
+    let since = local.since_fleet.expect("told what the sums hold");
+    assert_eq!((since.decode_started, since.decode_ended), (10, 800));
     assert_eq!(local.with_fleet(Some(&fleet)).in_flight_decode_blocks, 10, "800 + 10 - 800");
-    let stale = Backlog { as_of: None, ..fleet };
-    assert_eq!(local.with_fleet(Some(&stale)).in_flight_decode_blocks, 800, "without a time: the larger view");
+    let untold = joined(&ledger, None, t1);
+    assert_eq!(untold.with_fleet(Some(&fleet)).in_flight_decode_blocks, 800, "untold: the larger view");
     // Another replica's 30 blocks are in the sums too, and stay.
     let shared = Backlog { decode_blocks: 830, ..fleet };
     assert_eq!(local.with_fleet(Some(&shared)).in_flight_decode_blocks, 40);
+    // Once the sums hold every operation, nothing is the ledger's to add.
+    let caught_up = joined(&ledger, folded(1, last_op()), t1).since_fleet.expect("told");
+    assert_eq!(caught_up, SinceFleet::default());
     // Ended dispatches are remembered for a while only.
     let later = t1 + Duration::from_secs(2);
-    let forgotten = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], later)[0];
-    assert_eq!(forgotten.since_fleet.decode_ended, 0);
+    assert_eq!(joined(&ledger, sums, later).since_fleet.expect("told").decode_ended, 0);
 }
 
 /// Two replicas each queue a prompt on a rank; the fleet's sums hold both. This replica then
@@ -354,28 +381,54 @@ fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
 fn the_fleet_sums_of_queued_prompts_are_brought_up_to_date_with_this_replicas_own() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let first = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0);
-    let as_of = t0 + Duration::from_millis(1);
+    let first = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0, op());
     // This replica's first prompt and another replica's.
-    let fleet =
-        Backlog { prefill_tokens: 3200, decode_blocks: 200, dispatches: 2, as_of: Some(as_of), ..Backlog::default() };
-    let joined = |now| ledger.backlogs(&[(key(1, 0), None, Some(as_of))], now)[0].with_fleet(Some(&fleet));
+    let sums = folded(1, last_op());
+    let fleet = Backlog { prefill_tokens: 3200, decode_blocks: 200, dispatches: 2, ..Backlog::default() };
+    let queued = |now| joined(&ledger, sums, now).with_fleet(Some(&fleet)).prefill_tokens;
 
     let t1 = t0 + Duration::from_millis(2);
-    let third = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t1);
-    assert_eq!(joined(t1).prefill_tokens, 4800, "3200 in the sums + 1600 queued since");
-    let larger = Backlog { as_of: None, ..fleet };
-    let local = ledger.backlogs(&[(key(1, 0), None, Some(as_of))], t1)[0];
-    assert_eq!(local.with_fleet(Some(&larger)).prefill_tokens, 3200, "without a time: the larger view");
+    let third = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t1, op());
+    assert_eq!(queued(t1), 4800, "3200 in the sums + 1600 queued since");
+    let untold = joined(&ledger, None, t1);
+    assert_eq!(untold.with_fleet(Some(&fleet)).prefill_tokens, 3200, "untold: the larger view");
 
     // The first prompt's response begins: the sums still hold it.
     let t2 = t0 + Duration::from_millis(3);
-    ledger.prefilled(first, t2);
-    assert_eq!(joined(t2).prefill_tokens, 3200, "3200 + 1600 - 1600");
+    ledger.prefilled(first, t2, op());
+    assert_eq!(queued(t2), 3200, "3200 + 1600 - 1600");
     // The third is cancelled before its response began.
-    ledger.end(third, t2);
-    assert_eq!(joined(t2).prefill_tokens, 1600, "the other replica's prompt is all that is queued");
+    ledger.end(third, t2, op());
+    assert_eq!(queued(t2), 1600, "the other replica's prompt is all that is queued");
     // Once the first has ended too, the ledger still remembers for a while what left the sums.
-    ledger.end(first, t2);
-    assert_eq!(joined(t2).prefill_tokens, 1600);
+    ledger.end(first, t2, op());
+    assert_eq!(queued(t2), 1600);
+}
+
+/// What the age of the sums could not tell: a dispatch recorded *before* the sums were taken
+/// whose report had not reached the control plane yet, and dispatches recorded before this
+/// stream's first report (the control plane never had them). Both are the ledger's to add.
+#[test]
+fn operations_outside_the_range_the_sums_hold_are_added_whatever_their_time() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    // Recorded while the stream was down: operation 1, never reported to this stream.
+    let before_stream = ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, op());
+    // Reported on the new stream: operations 2 and 3; the sums hold the first of them only.
+    ledger.record(&alone(pin(1, None)), 320, 16, &[], t0, op());
+    let in_flight = ledger.record(&alone(pin(1, None)), 480, 16, &[], t0, op());
+    let sums = folded(2, 2);
+    let fleet = Backlog { prefill_tokens: 320, decode_blocks: 20, dispatches: 1, ..Backlog::default() };
+
+    let now = t0 + Duration::from_millis(5);
+    let since = joined(&ledger, sums, now).since_fleet.expect("told");
+    assert_eq!((since.decode_started, since.prefill_started), (10 + 30, 160 + 480));
+    let total = joined(&ledger, sums, now).with_fleet(Some(&fleet));
+    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (960, 60), "all three, once each");
+
+    // Ends of dispatches the sums never held take nothing out of them.
+    ledger.end(before_stream, now, op());
+    ledger.end(in_flight, now, op());
+    let since = joined(&ledger, sums, now).since_fleet.expect("told");
+    assert_eq!(since, SinceFleet::default(), "only operation 2 is in flight, and the sums hold it");
 }
