@@ -209,13 +209,6 @@ pub struct ReportsFolded {
     pub last_op: u64,
 }
 
-impl ReportsFolded {
-    /// Whether operation `op` is in the sums.
-    pub fn holds(&self, op: u64) -> bool {
-        (self.first_op..=self.last_op).contains(&op)
-    }
-}
-
 /// An OpenAI-wire backend the data plane may dispatch to (a direct-mode shim replica).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Backend {

@@ -29,6 +29,9 @@ use super::outliers::Outliers;
 use super::{Pin, Selection};
 use continuum_proto::fast_hash::FastMap;
 
+mod changes;
+use changes::Changes;
+
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);
 /// A dispatch unanswered this long may mean a stalled engine.
@@ -41,11 +44,6 @@ pub const LEDGER_CAPACITY: usize = 65_536;
 pub const FALLBACK_BLOCK_SIZE: u32 = 16;
 /// How often recording sweeps out expired dispatches of ranks nobody queries any more.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-/// How long an ended dispatch is remembered, to take it out of a fleet-wide sum taken before
-/// it ended (the control plane's sums trail this replica's reports by a few milliseconds)…
-const ENDED_MEMORY: Duration = Duration::from_secs(1);
-/// …and how many per rank at most.
-const ENDED_PER_RANK: usize = 1024;
 
 /// The operation number of what was never reported (the ledger's own expiry, a test's
 /// dispatch): an end by it is not among what the fleet's sums lack. Reported operations count
@@ -89,18 +87,18 @@ pub struct RankBacklog {
     pub stalled: bool,
 }
 
-/// What this replica's dispatches did on a rank that the fleet-wide sums do not hold: the
-/// operations outside the range the control plane said it summed.
+/// What this replica's operations did to a rank that the fleet-wide sums do not hold: those
+/// after the range the control plane said it summed (a dispatch that started and ended there
+/// adds and takes away the same), and the legs in flight from before the range.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SinceFleet {
-    /// Decode blocks of dispatches in flight whose start the sums lack.
+    /// Decode blocks the rank's dispatches added.
     pub decode_started: u64,
-    /// Decode blocks of dispatches whose start the sums hold and whose end they lack.
+    /// Decode blocks their ends freed.
     pub decode_ended: u64,
-    /// Prompt tokens of dispatches whose start the sums lack and whose response has not begun.
+    /// Prompt tokens they queued.
     pub prefill_started: u64,
-    /// Prompt tokens of dispatches whose start the sums hold and whose first token (or end)
-    /// they lack.
+    /// Prompt tokens that stopped loading the rank: the response began, or the dispatch ended.
     pub prefill_done: u64,
 }
 
@@ -196,35 +194,17 @@ struct Rank {
     active: ActiveBlocks,
     /// No leg is older than this; exact except after expiry pops, which recompute it.
     oldest: Option<Instant>,
-    /// Recently ended legs with decode blocks, in end order.
-    ended: VecDeque<Ended>,
-    /// Recent legs whose prompt stopped loading the rank, in that order.
-    prefills_done: VecDeque<PrefillDone>,
-}
-
-/// A leg's prompt tokens stopped counting at `done`, by operation `done_op`: its response
-/// began, or it ended first.
-#[derive(Clone, Copy, Debug)]
-struct PrefillDone {
-    started_op: u64,
-    done: Instant,
-    done_op: u64,
-    tokens: u64,
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Ended {
-    started_op: u64,
-    ended: Instant,
-    ended_op: u64,
-    /// The decode blocks its end freed.
-    decode_blocks: u64,
+    /// What the reported operations did to the rank lately, for the fleet join.
+    changes: Changes,
 }
 
 impl Rank {
     fn push(&mut self, mut leg: Leg) {
         self.prefill_tokens = self.prefill_tokens.saturating_add(leg.prefill_tokens);
         leg.added = self.active.add(&leg.block_hashes, leg.decode_blocks);
+        let started =
+            SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };
+        self.changed(leg.op, leg.at, started);
         self.oldest = Some(self.oldest.map_or(leg.at, |oldest| oldest.min(leg.at)));
         self.legs.push_back(leg);
     }
@@ -240,33 +220,28 @@ impl Rank {
 
     fn prefilled(&mut self, id: DispatchId, now: Instant, op: u64) {
         if let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) {
-            let (started_op, tokens) = (leg.op, std::mem::take(&mut leg.prefill_tokens));
-            self.prefill_done(started_op, tokens, now, op);
+            let tokens = std::mem::take(&mut leg.prefill_tokens);
+            self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
+            self.changed(op, now, SinceFleet { prefill_done: tokens, ..Default::default() });
         }
     }
 
-    /// A leg's `tokens` no longer load the rank. What was not reported is not remembered: the
-    /// fleet's sums will not take it out, so neither may the join.
-    fn prefill_done(&mut self, started_op: u64, tokens: u64, now: Instant, op: u64) {
-        if tokens > 0 {
-            self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
-            if op != NOT_REPORTED {
-                self.prefills_done.push_back(PrefillDone { started_op, done: now, done_op: op, tokens });
-            }
+    /// Operation `op` changed the rank by `change`. What was not reported is not remembered:
+    /// the fleet's sums will not show it, so the join must not make up for it.
+    fn changed(&mut self, op: u64, at: Instant, change: SinceFleet) {
+        if op != NOT_REPORTED && change != SinceFleet::default() {
+            self.changes.record(op, at, change);
         }
     }
 
     /// Ends dispatch `id`'s leg by operation `op`; returns the hashes it held.
     fn take(&mut self, id: DispatchId, now: Instant, op: u64) -> usize {
-        let Some(mut leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
+        let Some(leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
         // A prompt still queued when its dispatch ends stops loading the rank now.
-        let tokens = std::mem::take(&mut leg.prefill_tokens);
-        self.prefill_done(leg.op, tokens, now, op);
+        let tokens = leg.prefill_tokens;
         let freed = self.forget(&leg);
-        if freed > 0 && op != NOT_REPORTED {
-            self.ended.push_back(Ended { started_op: leg.op, ended: now, ended_op: op, decode_blocks: freed });
-        }
-        self.prune_ended(now);
+        self.changed(op, now, SinceFleet { decode_ended: freed, prefill_done: tokens, ..Default::default() });
+        self.changes.forget(now);
         if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
             self.oldest = self.legs.iter().map(|leg| leg.at).min();
         }
@@ -281,44 +256,23 @@ impl Rank {
         Some((leg.id, leg.block_hashes.len()))
     }
 
-    fn prune_ended(&mut self, now: Instant) {
-        let forgotten = |ended: Instant| now.saturating_duration_since(ended) >= ENDED_MEMORY;
-        while self.ended.len() > ENDED_PER_RANK || self.ended.front().is_some_and(|e| forgotten(e.ended)) {
-            self.ended.pop_front();
-        }
-        while self.prefills_done.len() > ENDED_PER_RANK || self.prefills_done.front().is_some_and(|p| forgotten(p.done))
-        {
-            self.prefills_done.pop_front();
-        }
-    }
-
     fn is_empty(&self) -> bool {
-        self.legs.is_empty() && self.ended.is_empty() && self.prefills_done.is_empty()
+        self.legs.is_empty() && self.changes.is_empty()
     }
 
-    /// What this replica's legs did that sums holding operations `folded` lack.
-    ///
-    /// Legs, ends and first tokens are kept in operation order, so only their ends are walked:
-    /// the newest, past the range, and (for legs) the oldest, from before the range (recorded
-    /// before this stream's first report: the control plane never had them).
+    /// What this replica's operations did to the rank that sums holding operations `folded`
+    /// lack: those after the range, and the legs still in flight from before it (recorded
+    /// before this stream's first report: the control plane never had them). The end of such
+    /// a leg counts among the operations after the range for the few milliseconds until the
+    /// sums hold it, as though the sums had held its start.
     fn since(&self, folded: ReportsFolded) -> SinceFleet {
-        fn total(values: impl Iterator<Item = u64>) -> u64 {
-            values.fold(0, u64::saturating_add)
-        }
-        let newer = self.legs.iter().rev().take_while(|leg| leg.op > folded.last_op);
-        let older = self.legs.iter().take_while(|leg| leg.op < folded.first_op && leg.op <= folded.last_op);
-        let (decode_started, prefill_started) = newer.chain(older).fold((0, 0), |(blocks, tokens): (u64, u64), leg| {
-            (blocks.saturating_add(leg.added), tokens.saturating_add(leg.prefill_tokens))
-        });
-        let ended = self.ended.iter().rev().take_while(|e| e.ended_op > folded.last_op);
-        let done = self.prefills_done.iter().rev().take_while(|p| p.done_op > folded.last_op);
-        let (ended, done) = (ended.filter(|e| folded.holds(e.started_op)), done.filter(|p| folded.holds(p.started_op)));
-        SinceFleet {
-            decode_started,
-            decode_ended: total(ended.map(|e| e.decode_blocks)),
-            prefill_started,
-            prefill_done: total(done.map(|p| p.tokens)),
-        }
+        let after = self.changes.after(folded.last_op);
+        let unreported = self.legs.iter().take_while(|leg| leg.op < folded.first_op);
+        unreported.fold(after, |since, leg| SinceFleet {
+            decode_started: since.decode_started.saturating_add(leg.added),
+            prefill_started: since.prefill_started.saturating_add(leg.prefill_tokens),
+            ..since
+        })
     }
 
     /// Takes a leg's load off the rank; returns the decode blocks that freed.
@@ -561,7 +515,7 @@ impl State {
         let Some(rank) = self.ranks.get_mut(key) else {
             return;
         };
-        rank.prune_ended(now);
+        rank.changes.forget(now);
         if rank.oldest.is_some_and(|oldest| now.saturating_duration_since(oldest) >= UNANSWERED_FOR) {
             let mut expired = Vec::new();
             let mut freed_hashes = 0;

@@ -426,9 +426,13 @@ fn operations_outside_the_range_the_sums_hold_are_added_whatever_their_time() {
     let total = joined(&ledger, sums, now).with_fleet(Some(&fleet));
     assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (960, 60), "all three, once each");
 
-    // Ends of dispatches the sums never held take nothing out of them.
-    ledger.end(before_stream, now, op());
+    // The newest ends before the sums hold it: its start and end cancel out.
     ledger.end(in_flight, now, op());
-    let since = joined(&ledger, sums, now).since_fleet.expect("told");
-    assert_eq!(since, SinceFleet::default(), "only operation 2 is in flight, and the sums hold it");
+    let total = joined(&ledger, sums, now).with_fleet(Some(&fleet));
+    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320 + 160, 20 + 10));
+    // The one from before the stream ends: once the sums hold that end, it is as if they had
+    // held its start (for the few milliseconds before, the end counts against the sums).
+    ledger.end(before_stream, now, op());
+    let total = joined(&ledger, folded(2, last_op()), now).with_fleet(Some(&fleet));
+    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320, 20), "only operation 2 is in flight");
 }

@@ -1,0 +1,180 @@
+//! What one rank's reported operations did to its load, in operation order, with running
+//! totals: the part of them that sums holding operations up to `last_op` lack is two lookups,
+//! however far the sums trail.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use super::SinceFleet;
+
+/// How long a change is remembered: the control plane's sums trail this replica's reports by a
+/// few milliseconds…
+pub(super) const CHANGE_MEMORY: Duration = Duration::from_secs(1);
+/// …and how many per rank at most.
+pub(super) const CHANGES_PER_RANK: usize = 1024;
+
+#[derive(Debug, Default)]
+pub(super) struct Changes {
+    /// In operation order; each holds the totals up to and including it.
+    entries: VecDeque<Change>,
+    /// The totals up to the first entry, exclusive (of the changes already forgotten).
+    forgotten: SinceFleet,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Change {
+    op: u64,
+    at: Instant,
+    totals: SinceFleet,
+}
+
+impl Changes {
+    /// Operation `op` (no older than the last recorded) changed the rank by `change`.
+    pub(super) fn record(&mut self, op: u64, at: Instant, change: SinceFleet) {
+        let before = self.entries.back().map_or(self.forgotten, |last| last.totals);
+        let totals = before.plus(change);
+        match self.entries.back_mut() {
+            // One operation's effects on a rank (a prompt queued and its blocks held) are one entry.
+            Some(last) if last.op == op => last.totals = totals,
+            _ => self.entries.push_back(Change { op, at, totals }),
+        }
+        self.forget(at);
+    }
+
+    /// What the operations after `last_op` did.
+    pub(super) fn after(&self, last_op: u64) -> SinceFleet {
+        let Some(last) = self.entries.back() else { return SinceFleet::default() };
+        let first_after = self.first_after(last_op);
+        let before = match first_after.checked_sub(1) {
+            Some(index) => self.entries[index].totals,
+            None => self.forgotten,
+        };
+        last.totals.minus(before)
+    }
+
+    /// The first entry of an operation after `last_op`. The sums trail by a few milliseconds,
+    /// so it is near the newest end: galloping back from there touches a few recent (cached)
+    /// entries, where a binary search over the whole memory would miss the cache at each step.
+    fn first_after(&self, last_op: u64) -> usize {
+        let len = self.entries.len();
+        let mut back = 1;
+        while back <= len && self.entries[len - back].op > last_op {
+            back *= 2;
+        }
+        // Entries from `high` on are after `last_op`; the one at `low` (if any) is not.
+        let (mut low, mut high) = (len.saturating_sub(back), len - back / 2);
+        while low < high {
+            let middle = low + (high - low) / 2;
+            if self.entries[middle].op <= last_op {
+                low = middle + 1;
+            } else {
+                high = middle;
+            }
+        }
+        low
+    }
+
+    /// Drops changes older than [`CHANGE_MEMORY`], and the oldest past [`CHANGES_PER_RANK`].
+    pub(super) fn forget(&mut self, now: Instant) {
+        while self.entries.len() > CHANGES_PER_RANK
+            || self.entries.front().is_some_and(|c| now.saturating_duration_since(c.at) >= CHANGE_MEMORY)
+        {
+            if let Some(change) = self.entries.pop_front() {
+                self.forgotten = change.totals;
+            }
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+impl SinceFleet {
+    /// Running totals wrap rather than saturate, so that differences of two stay exact.
+    fn plus(self, other: Self) -> Self {
+        Self {
+            decode_started: self.decode_started.wrapping_add(other.decode_started),
+            decode_ended: self.decode_ended.wrapping_add(other.decode_ended),
+            prefill_started: self.prefill_started.wrapping_add(other.prefill_started),
+            prefill_done: self.prefill_done.wrapping_add(other.prefill_done),
+        }
+    }
+
+    fn minus(self, other: Self) -> Self {
+        Self {
+            decode_started: self.decode_started.wrapping_sub(other.decode_started),
+            decode_ended: self.decode_ended.wrapping_sub(other.decode_ended),
+            prefill_started: self.prefill_started.wrapping_sub(other.prefill_started),
+            prefill_done: self.prefill_done.wrapping_sub(other.prefill_done),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn started(blocks: u64) -> SinceFleet {
+        SinceFleet { decode_started: blocks, ..SinceFleet::default() }
+    }
+
+    fn ended(blocks: u64) -> SinceFleet {
+        SinceFleet { decode_ended: blocks, ..SinceFleet::default() }
+    }
+
+    #[test]
+    fn what_operations_after_a_point_did_is_the_difference_of_two_totals() {
+        let mut changes = Changes::default();
+        let t0 = Instant::now();
+        changes.record(1, t0, started(10));
+        changes.record(2, t0, started(5));
+        changes.record(2, t0, SinceFleet { prefill_started: 80, ..SinceFleet::default() });
+        changes.record(4, t0, ended(10));
+        assert_eq!(
+            changes.after(0),
+            SinceFleet { decode_started: 15, decode_ended: 10, prefill_started: 80, prefill_done: 0 }
+        );
+        assert_eq!(
+            changes.after(1),
+            SinceFleet { decode_started: 5, decode_ended: 10, prefill_started: 80, prefill_done: 0 }
+        );
+        assert_eq!(changes.after(3), ended(10), "operation 3 changed nothing here");
+        assert_eq!(changes.after(4), SinceFleet::default());
+        assert_eq!(changes.after(u64::MAX), SinceFleet::default());
+    }
+
+    #[test]
+    fn the_first_change_after_a_point_is_found_from_any_point() {
+        let t0 = Instant::now();
+        for len in 0..40u64 {
+            let mut changes = Changes::default();
+            // Operations 2, 4, 6…: points between, on and around them.
+            for op in 1..=len {
+                changes.record(2 * op, t0, started(1));
+            }
+            for point in 0..=2 * len + 2 {
+                let expected = changes.entries.partition_point(|c| c.op <= point);
+                assert_eq!(changes.first_after(point), expected, "{len} entries, after {point}");
+            }
+        }
+    }
+
+    #[test]
+    fn forgotten_changes_leave_the_totals_of_the_rest_exact() {
+        let mut changes = Changes::default();
+        let t0 = Instant::now();
+        changes.record(1, t0, started(10));
+        let later = t0 + CHANGE_MEMORY;
+        changes.record(2, later, ended(3));
+        assert_eq!(changes.entries.len(), 1, "the first is forgotten a memory later");
+        assert_eq!(changes.after(0), ended(3), "what is forgotten no longer counts");
+        assert_eq!(changes.after(1), ended(3));
+        for op in 3..3 + CHANGES_PER_RANK as u64 {
+            changes.record(op, later, started(1));
+        }
+        assert_eq!(changes.entries.len(), CHANGES_PER_RANK, "the bound dropped the oldest, operation 2");
+        assert_eq!(changes.after(0), started(CHANGES_PER_RANK as u64));
+        assert_eq!(changes.after(3), started(CHANGES_PER_RANK as u64 - 1));
+    }
+}
