@@ -10,4 +10,4 @@ mod reporter;
 pub use client::{FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
 pub use handle::{FleetHandle, FleetStatus};
 pub use matches::{FIND_MATCHES_DEADLINE, MatchesClient, MatchesError};
-pub use reporter::{DispatchEvent, DispatchReporter, MAX_REPORT_BATCH, REPORT_QUEUE, Report};
+pub use reporter::{DispatchReporter, MAX_REPORT_BATCH, REPORT_QUEUE, Report};

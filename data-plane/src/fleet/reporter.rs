@@ -24,7 +24,7 @@ pub const REPORT_QUEUE: usize = 8192;
 pub const MAX_REPORT_BATCH: usize = 512;
 
 #[derive(Debug)]
-pub enum DispatchEvent {
+enum DispatchEvent {
     Started { id: u64, rank: LoadKey, prefill_tokens: u64, decode_blocks: u64, block_hashes: Vec<u64> },
     Ended(u64),
     Prefilled(u64),

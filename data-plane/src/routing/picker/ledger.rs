@@ -46,8 +46,8 @@ pub const FALLBACK_BLOCK_SIZE: u32 = 16;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// The operation number of what was never reported (the ledger's own expiry, a test's
-/// dispatch): an end by it is not among what the fleet's sums lack. Reported operations count
-/// from 1, so ends stay in operation order.
+/// dispatch): what it changes is not remembered for the fleet join, since the fleet's sums
+/// will never show it. Reported operations count from 1.
 pub const NOT_REPORTED: u64 = 0;
 
 /// A recorded dispatch, to end when its request finishes, is refused, fails or is cancelled.

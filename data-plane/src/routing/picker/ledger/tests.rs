@@ -1,9 +1,11 @@
 use std::cell::Cell;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use continuum_proto::model::{Backlog, Capacity, DataPlaneConfig, LoadKey, ReportsFolded, Role, Worker, WorkerKey};
 use continuum_proto::view::FleetView;
+use proptest::prelude::*;
 
 use super::*;
 use crate::routing::picker::{Pin, Reason, Selection};
@@ -435,4 +437,89 @@ fn operations_outside_the_range_the_sums_hold_are_added_whatever_their_time() {
     ledger.end(before_stream, now, op());
     let total = joined(&ledger, folded(2, last_op()), now).with_fleet(Some(&fleet));
     assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320, 20), "only operation 2 is in flight");
+}
+
+/// One step of a replica's dispatches on one rank, for the join's property test.
+#[derive(Clone, Debug)]
+enum Step {
+    Record {
+        tokens: u64,
+    },
+    /// The response of the `n`th dispatch still in flight (modulo their count) began.
+    Prefilled(usize),
+    /// The `n`th dispatch still in flight (modulo their count) ended.
+    End(usize),
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    let step = prop_oneof![
+        (1..2000u64).prop_map(|tokens| Step::Record { tokens }),
+        any::<usize>().prop_map(Step::Prefilled),
+        any::<usize>().prop_map(Step::End),
+    ];
+    proptest::collection::vec(step, 1..40)
+}
+
+/// The control plane's sums after folding a prefix of the operations: what each dispatch
+/// reported, as the book counts it (prompt tokens until the first token, blocks until the end).
+#[derive(Clone, Default)]
+struct Sums {
+    in_flight: BTreeMap<usize, (u64, u64)>,
+}
+
+impl Sums {
+    fn backlog(&self) -> Backlog {
+        let (prefill_tokens, decode_blocks) =
+            self.in_flight.values().fold((0, 0), |(tokens, blocks), (t, b)| (tokens + t, blocks + b));
+        Backlog { prefill_tokens, decode_blocks, ..Backlog::default() }
+    }
+}
+
+proptest! {
+    /// Whatever the operations and however far the sums trail them, the sums joined with what
+    /// the ledger says they lack are exactly what the ledger holds.
+    #[test]
+    fn the_join_is_exact_wherever_the_sums_stand(script in steps()) {
+        let ledger = DispatchLedger::new();
+        let t0 = Instant::now();
+        // Dispatch index → ledger id, in flight; and each operation's effect on the sums.
+        let mut live: Vec<(usize, DispatchId)> = Vec::new();
+        let mut folded_after: Vec<Sums> = vec![Sums::default()];
+        for (op, step) in (1u64..).zip(&script) {
+            let mut sums = folded_after.last().cloned().unwrap_or_default();
+            match *step {
+                Step::Record { tokens } => {
+                    let id = ledger.record(&alone(pin(1, None)), tokens, 16, &[], t0, op);
+                    let index = op as usize;
+                    live.push((index, id));
+                    sums.in_flight.insert(index, (tokens, tokens.div_ceil(16)));
+                }
+                Step::Prefilled(n) if !live.is_empty() => {
+                    let (index, id) = live[n % live.len()];
+                    ledger.prefilled(id, t0, op);
+                    if let Some(entry) = sums.in_flight.get_mut(&index) {
+                        entry.0 = 0;
+                    }
+                }
+                Step::End(n) if !live.is_empty() => {
+                    let (index, id) = live.remove(n % live.len());
+                    ledger.end(id, t0, op);
+                    sums.in_flight.remove(&index);
+                }
+                // Nothing in flight: an operation that reports nothing still takes its number.
+                Step::Prefilled(_) | Step::End(_) => {}
+            }
+            folded_after.push(sums);
+        }
+        let truth = backlog(&ledger, key(1, 0), None, t0);
+        for (last_op, sums) in folded_after.iter().enumerate() {
+            // Through operation 0: the sums hold nothing of this replica's yet.
+            let joined = joined(&ledger, folded(1, last_op as u64), t0).with_fleet(Some(&sums.backlog()));
+            prop_assert_eq!(
+                (joined.prefill_tokens, joined.in_flight_decode_blocks),
+                (truth.prefill_tokens, truth.in_flight_decode_blocks),
+                "sums through operation {}", last_op
+            );
+        }
+    }
 }
