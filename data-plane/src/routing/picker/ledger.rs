@@ -241,7 +241,6 @@ impl Rank {
         let tokens = leg.prefill_tokens;
         let freed = self.forget(&leg);
         self.changed(op, now, SinceFleet { decode_ended: freed, prefill_done: tokens, ..Default::default() });
-        self.changes.forget(now);
         if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
             self.oldest = self.legs.iter().map(|leg| leg.at).min();
         }
@@ -265,7 +264,7 @@ impl Rank {
     /// before this stream's first report: the control plane never had them). The end of such
     /// a leg counts among the operations after the range for the few milliseconds until the
     /// sums hold it, as though the sums had held its start.
-    fn since(&self, folded: ReportsFolded) -> SinceFleet {
+    fn since(&mut self, folded: ReportsFolded) -> SinceFleet {
         let after = self.changes.after(folded.last_op);
         let unreported = self.legs.iter().take_while(|leg| leg.op < folded.first_op);
         unreported.fold(after, |since, leg| SinceFleet {
@@ -436,7 +435,7 @@ impl DispatchLedger {
                 let key = key.borrow();
                 let mut backlog = state.backlog(key, *sampled_at, now);
                 backlog.since_fleet =
-                    folded.map(|folded| state.ranks.get(key).map(|rank| rank.since(folded)).unwrap_or_default());
+                    folded.map(|folded| state.ranks.get_mut(key).map(|rank| rank.since(folded)).unwrap_or_default());
                 backlog
             })
             .collect()

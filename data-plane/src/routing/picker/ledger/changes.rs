@@ -19,6 +19,10 @@ pub(super) struct Changes {
     entries: VecDeque<Change>,
     /// The totals up to the first entry, exclusive (of the changes already forgotten).
     forgotten: SinceFleet,
+    /// The totals through the operation last asked about. The sums stand still between two
+    /// updates of the view while every pick asks, and what happened through an operation
+    /// never changes (later operations only add entries after it).
+    asked: Option<(u64, SinceFleet)>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -38,18 +42,27 @@ impl Changes {
             Some(last) if last.op == op => last.totals = totals,
             _ => self.entries.push_back(Change { op, at, totals }),
         }
-        self.forget(at);
+        // The bound, without reading the oldest entry's time: age is the sweep's to enforce.
+        if self.entries.len() > CHANGES_PER_RANK {
+            self.drop_oldest();
+        }
     }
 
     /// What the operations after `last_op` did.
-    pub(super) fn after(&self, last_op: u64) -> SinceFleet {
-        let Some(last) = self.entries.back() else { return SinceFleet::default() };
-        let first_after = self.first_after(last_op);
-        let before = match first_after.checked_sub(1) {
-            Some(index) => self.entries[index].totals,
-            None => self.forgotten,
+    pub(super) fn after(&mut self, last_op: u64) -> SinceFleet {
+        let Some(last) = self.entries.back().map(|change| change.totals) else { return SinceFleet::default() };
+        let through = match self.asked {
+            Some((asked, through)) if asked == last_op => through,
+            _ => {
+                let through = match self.first_after(last_op).checked_sub(1) {
+                    Some(index) => self.entries[index].totals,
+                    None => self.forgotten,
+                };
+                self.asked = Some((last_op, through));
+                through
+            }
         };
-        last.totals.minus(before)
+        last.minus(through)
     }
 
     /// The first entry of an operation after `last_op`. The sums trail by a few milliseconds,
@@ -79,9 +92,13 @@ impl Changes {
         while self.entries.len() > CHANGES_PER_RANK
             || self.entries.front().is_some_and(|c| now.saturating_duration_since(c.at) >= CHANGE_MEMORY)
         {
-            if let Some(change) = self.entries.pop_front() {
-                self.forgotten = change.totals;
-            }
+            self.drop_oldest();
+        }
+    }
+
+    fn drop_oldest(&mut self) {
+        if let Some(change) = self.entries.pop_front() {
+            self.forgotten = change.totals;
         }
     }
 
@@ -142,6 +159,11 @@ mod tests {
         assert_eq!(changes.after(3), ended(10), "operation 3 changed nothing here");
         assert_eq!(changes.after(4), SinceFleet::default());
         assert_eq!(changes.after(u64::MAX), SinceFleet::default());
+        // Asked again about the same point (as every pick between two updates does), after more
+        // operations: they count too.
+        assert_eq!(changes.after(3), ended(10));
+        changes.record(5, t0, started(7));
+        assert_eq!(changes.after(3), SinceFleet { decode_started: 7, decode_ended: 10, ..SinceFleet::default() });
     }
 
     #[test]
@@ -167,6 +189,7 @@ mod tests {
         changes.record(1, t0, started(10));
         let later = t0 + CHANGE_MEMORY;
         changes.record(2, later, ended(3));
+        changes.forget(later);
         assert_eq!(changes.entries.len(), 1, "the first is forgotten a memory later");
         assert_eq!(changes.after(0), ended(3), "what is forgotten no longer counts");
         assert_eq!(changes.after(1), ended(3));
