@@ -8,7 +8,8 @@
 //! Each operation (a dispatch recorded, its first token, its end) is numbered, and queued whole
 //! in number order: the replica's ledger records it under the same number, and the control
 //! plane says which numbers its sums hold, so the replica adds exactly its own operations the
-//! sums lack ([`continuum_proto::model::ReportsFolded`]).
+//! sums lack ([`continuum_proto::model::ReportsFolded`]). One the queue has no room for goes
+//! unnumbered, so the ledger knows the sums will never hold it.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -16,6 +17,8 @@ use continuum_proto::model::LoadKey;
 use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
 use prometheus::IntCounter;
 use tokio::sync::mpsc;
+
+use crate::routing::picker::NOT_REPORTED;
 
 /// Operations waiting to be reported; one batch per stream turn drains them.
 pub const REPORT_QUEUE: usize = 8192;
@@ -55,14 +58,16 @@ pub struct DispatchReporter {
 /// What an operation reports, while it is performed.
 #[derive(Debug)]
 pub struct Report<'a> {
+    op: u64,
     numbers: &'a mut Numbers,
     events: Vec<DispatchEvent>,
 }
 
 impl Report<'_> {
-    /// The operation's number, to record it under.
+    /// The operation's number, to record it under: [`NOT_REPORTED`] when the queue has no
+    /// room for it.
     pub fn op(&self) -> u64 {
-        self.numbers.next_op
+        self.op
     }
 
     /// Reports a dispatch pinned to `rank`, whose prompt hashes to `block_hashes` (empty when
@@ -109,15 +114,25 @@ impl DispatchReporter {
     /// Performs one operation: `perform` records it under its number ([`Report::op`]) and says
     /// what it reports; then it is queued whole. One operation at a time, so the queue holds
     /// them in number order, and a record `perform` keeps (the ledger's) in the same order.
+    /// Its place in the queue is taken first: an operation the queue has no room for is
+    /// performed unnumbered, so the record knows the fleet's sums will never hold it.
     pub fn operation<R>(&self, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
         let mut numbers = self.numbers.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut report = Report { numbers: &mut numbers, events: Vec::with_capacity(2) };
+        let place = self.tx.try_reserve();
+        let op = if place.is_ok() { numbers.next_op } else { NOT_REPORTED };
+        let mut report = Report { op, numbers: &mut numbers, events: Vec::with_capacity(2) };
         let result = perform(&mut report);
         let Report { events, .. } = report;
-        let number = numbers.next_op;
-        numbers.next_op += 1;
-        if !events.is_empty() && self.tx.try_send(Operation { number, events }).is_err() {
-            self.dropped.inc();
+        match place {
+            Ok(place) => {
+                numbers.next_op += 1;
+                // An operation that reports nothing gives its place back.
+                if !events.is_empty() {
+                    place.send(Operation { number: op, events });
+                }
+            }
+            Err(_) if !events.is_empty() => self.dropped.inc(),
+            Err(_) => {}
         }
         result
     }
@@ -243,6 +258,26 @@ mod tests {
         assert_eq!(report.ended, [ids.0, ids.1]);
         let rest = next_report(&mut rx);
         assert_eq!((rest.first_op, rest.last_op), (last + 1, last + 1));
+    }
+
+    #[test]
+    fn an_operation_the_queue_has_no_room_for_goes_unnumbered_and_counted() {
+        let (reporter, mut rx) = reporter();
+        for _ in 0..REPORT_QUEUE {
+            start(&reporter, 16, 1, Vec::new());
+        }
+        let op = reporter.operation(|report| {
+            report.started(&rank(), 16, 1, Vec::new());
+            report.op()
+        });
+        assert_eq!(op, NOT_REPORTED, "a full queue");
+        assert_eq!(reporter.dropped.get(), 1);
+        assert_eq!(next_report(&mut rx).first_op, 1);
+        let op = reporter.operation(|report| {
+            report.started(&rank(), 16, 1, Vec::new());
+            report.op()
+        });
+        assert_eq!(op, REPORT_QUEUE as u64 + 1, "numbers stay consecutive over what was dropped");
     }
 
     #[test]

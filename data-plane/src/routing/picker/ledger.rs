@@ -45,9 +45,9 @@ pub const FALLBACK_BLOCK_SIZE: u32 = 16;
 /// How often recording sweeps out expired dispatches of ranks nobody queries any more.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
-/// The operation number of what was never reported (the ledger's own expiry, a test's
-/// dispatch): what it changes is not remembered for the fleet join, since the fleet's sums
-/// will never show it. Reported operations count from 1.
+/// The operation number of what was never reported (an operation the report queue had no room
+/// for, the ledger's own expiry, a test's dispatch): what it changes is not remembered for the
+/// fleet join, since the fleet's sums will never show it. Reported operations count from 1.
 pub const NOT_REPORTED: u64 = 0;
 
 /// A recorded dispatch, to end when its request finishes, is refused, fails or is cancelled.
@@ -196,12 +196,27 @@ struct Rank {
     oldest: Option<Instant>,
     /// What the reported operations did to the rank lately, for the fleet join.
     changes: Changes,
+    /// What the legs recorded unreported hold: the fleet's sums never will.
+    unreported: Unreported,
+}
+
+/// The load of legs whose recording was never reported (its operation found the report queue
+/// full): the join adds it whatever the sums hold, and their first tokens and ends change
+/// nothing the sums show.
+#[derive(Clone, Copy, Debug, Default)]
+struct Unreported {
+    decode_blocks: u64,
+    prefill_tokens: u64,
 }
 
 impl Rank {
     fn push(&mut self, mut leg: Leg) {
         self.prefill_tokens = self.prefill_tokens.saturating_add(leg.prefill_tokens);
         leg.added = self.active.add(&leg.block_hashes, leg.decode_blocks);
+        if leg.op == NOT_REPORTED {
+            self.unreported.decode_blocks = self.unreported.decode_blocks.saturating_add(leg.added);
+            self.unreported.prefill_tokens = self.unreported.prefill_tokens.saturating_add(leg.prefill_tokens);
+        }
         let started =
             SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };
         self.changed(leg.op, leg.at, started);
@@ -219,11 +234,14 @@ impl Rank {
     }
 
     fn prefilled(&mut self, id: DispatchId, now: Instant, op: u64) {
-        if let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) {
-            let tokens = std::mem::take(&mut leg.prefill_tokens);
-            self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
-            self.changed(op, now, SinceFleet { prefill_done: tokens, ..Default::default() });
+        let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) else { return };
+        let (recorded_by, tokens) = (leg.op, std::mem::take(&mut leg.prefill_tokens));
+        self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
+        if recorded_by == NOT_REPORTED {
+            self.unreported.prefill_tokens = self.unreported.prefill_tokens.saturating_sub(tokens);
         }
+        let op = reported_for(recorded_by, op);
+        self.changed(op, now, SinceFleet { prefill_done: tokens, ..Default::default() });
     }
 
     /// Operation `op` changed the rank by `change`. What was not reported is not remembered:
@@ -240,6 +258,7 @@ impl Rank {
         // A prompt still queued when its dispatch ends stops loading the rank now.
         let tokens = leg.prefill_tokens;
         let freed = self.forget(&leg);
+        let op = reported_for(leg.op, op);
         self.changed(op, now, SinceFleet { decode_ended: freed, prefill_done: tokens, ..Default::default() });
         if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
             self.oldest = self.legs.iter().map(|leg| leg.at).min();
@@ -266,19 +285,35 @@ impl Rank {
     /// sums hold it, as though the sums had held its start.
     fn since(&mut self, folded: ReportsFolded) -> SinceFleet {
         let after = self.changes.after(folded.last_op);
-        let unreported = self.legs.iter().take_while(|leg| leg.op < folded.first_op);
-        unreported.fold(after, |since, leg| SinceFleet {
-            decode_started: since.decode_started.saturating_add(leg.added),
-            prefill_started: since.prefill_started.saturating_add(leg.prefill_tokens),
-            ..since
-        })
+        let mut since = SinceFleet {
+            decode_started: after.decode_started.saturating_add(self.unreported.decode_blocks),
+            prefill_started: after.prefill_started.saturating_add(self.unreported.prefill_tokens),
+            ..after
+        };
+        let before_range = self.legs.iter().take_while(|leg| leg.op < folded.first_op);
+        for leg in before_range.filter(|leg| leg.op != NOT_REPORTED) {
+            since.decode_started = since.decode_started.saturating_add(leg.added);
+            since.prefill_started = since.prefill_started.saturating_add(leg.prefill_tokens);
+        }
+        since
     }
 
     /// Takes a leg's load off the rank; returns the decode blocks that freed.
     fn forget(&mut self, leg: &Leg) -> u64 {
         self.prefill_tokens = self.prefill_tokens.saturating_sub(leg.prefill_tokens);
+        if leg.op == NOT_REPORTED {
+            self.unreported.decode_blocks = self.unreported.decode_blocks.saturating_sub(leg.added);
+            self.unreported.prefill_tokens = self.unreported.prefill_tokens.saturating_sub(leg.prefill_tokens);
+        }
         self.active.remove(&leg.block_hashes, leg.decode_blocks)
     }
+}
+
+/// The operation to remember a change to a leg recorded by `recorded_by` under: none when the
+/// recording went unreported, since the control plane ignores what happens to a dispatch it
+/// never had.
+fn reported_for(recorded_by: u64, op: u64) -> u64 {
+    if recorded_by == NOT_REPORTED { NOT_REPORTED } else { op }
 }
 
 #[derive(Clone, Debug)]

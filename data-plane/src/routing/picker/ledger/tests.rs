@@ -445,6 +445,10 @@ enum Step {
     Record {
         tokens: u64,
     },
+    /// A dispatch whose recording found the report queue full.
+    RecordUnreported {
+        tokens: u64,
+    },
     /// The response of the `n`th dispatch still in flight (modulo their count) began.
     Prefilled(usize),
     /// The `n`th dispatch still in flight (modulo their count) ended.
@@ -454,6 +458,7 @@ enum Step {
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     let step = prop_oneof![
         (1..2000u64).prop_map(|tokens| Step::Record { tokens }),
+        (1..2000u64).prop_map(|tokens| Step::RecordUnreported { tokens }),
         any::<usize>().prop_map(Step::Prefilled),
         any::<usize>().prop_map(Step::End),
     ];
@@ -476,8 +481,9 @@ impl Sums {
 }
 
 proptest! {
-    /// Whatever the operations and however far the sums trail them, the sums joined with what
-    /// the ledger says they lack are exactly what the ledger holds.
+    /// Whatever the operations (some of them never reported) and however far the sums trail
+    /// them, the sums joined with what the ledger says they lack are exactly what the ledger
+    /// holds.
     #[test]
     fn the_join_is_exact_wherever_the_sums_stand(script in steps()) {
         let ledger = DispatchLedger::new();
@@ -493,6 +499,11 @@ proptest! {
                     let index = op as usize;
                     live.push((index, id));
                     sums.in_flight.insert(index, (tokens, tokens.div_ceil(16)));
+                }
+                Step::RecordUnreported { tokens } => {
+                    // The control plane never hears of it, nor so of its first token or end.
+                    let id = ledger.record(&alone(pin(1, None)), tokens, 16, &[], t0, NOT_REPORTED);
+                    live.push((op as usize, id));
                 }
                 Step::Prefilled(n) if !live.is_empty() => {
                     let (index, id) = live[n % live.len()];
