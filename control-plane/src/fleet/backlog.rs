@@ -450,8 +450,10 @@ impl Book {
                 change.backlogs.push((key, backlog));
             }
         }
-        // Every report received so far is in the sums.
-        change.reports_folded = Some(Arc::new(self.folded.clone()));
+        // Every report received so far is in the sums; the ranges go out with them, or not at all.
+        if !change.backlogs.is_empty() || !change.backlogs_removed.is_empty() {
+            change.reports_folded = Some(Arc::new(self.folded.clone()));
+        }
         change
     }
 }

@@ -59,7 +59,8 @@ pub struct DispatchReporter {
 #[derive(Debug)]
 pub struct Report<'a> {
     op: u64,
-    numbers: &'a mut Numbers,
+    /// The next dispatch id.
+    next_dispatch: &'a mut u64,
     events: Vec<DispatchEvent>,
 }
 
@@ -81,8 +82,8 @@ impl Report<'_> {
         decode_blocks: u64,
         mut block_hashes: Vec<u64>,
     ) -> u64 {
-        let id = self.numbers.next_dispatch;
-        self.numbers.next_dispatch += 1;
+        let id = *self.next_dispatch;
+        *self.next_dispatch += 1;
         block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES);
         self.events.push(DispatchEvent::Started {
             id,
@@ -120,7 +121,7 @@ impl DispatchReporter {
         let mut numbers = self.numbers.lock().unwrap_or_else(PoisonError::into_inner);
         let place = self.tx.try_reserve();
         let op = if place.is_ok() { numbers.next_op } else { NOT_REPORTED };
-        let mut report = Report { op, numbers: &mut numbers, events: Vec::with_capacity(2) };
+        let mut report = Report { op, next_dispatch: &mut numbers.next_dispatch, events: Vec::with_capacity(2) };
         let result = perform(&mut report);
         let Report { events, .. } = report;
         match place {
