@@ -23,7 +23,8 @@ const MAX_MISSES: usize = 64;
 pub enum Shape {
     /// `groups` × `users` conversations; the users of a group share a system prompt.
     SharedPrefix { groups: usize, users: usize, system_tokens: usize, turn_tokens: usize },
-    /// One single-turn conversation per request, each with a fresh prompt.
+    /// Fresh prompts, sent by `concurrency` clients one after another with a think time
+    /// between two: a client's turns carry only their own prompt.
     Unique { prompt_tokens: usize },
 }
 
@@ -88,17 +89,7 @@ pub fn generate(spec: Spec, count: &mut dyn FnMut(&str) -> usize) -> Workload {
         Shape::SharedPrefix { groups, users, system_tokens, turn_tokens } => {
             shared_prefix(&spec, &mut rng, &lexicon, groups.max(1), users.max(1), system_tokens, turn_tokens)
         }
-        Shape::Unique { prompt_tokens } => (0..spec.requests)
-            .map(|id| Conversation {
-                id,
-                group: id,
-                start_ms: 0,
-                turns: vec![Turn {
-                    think_ms: 0,
-                    messages: vec![message("user", format!("r{id} {}", lexicon.text(&mut rng, prompt_tokens)))],
-                }],
-            })
-            .collect(),
+        Shape::Unique { prompt_tokens } => unique(&spec, &mut rng, &lexicon, prompt_tokens),
     };
     Workload { spec, conversations }
 }
@@ -135,6 +126,27 @@ fn shared_prefix(
     // Interleave the groups' users so no group's conversations sit together in the order the
     // client starts them.
     conversations.sort_by_key(|c| (c.start_ms, c.id));
+    conversations
+}
+
+/// `spec.concurrency` clients, request `i` the turn `i / clients` of client `i % clients`, all
+/// starting at once. Think times break the lockstep a closed loop without them falls into: each
+/// request would then be sent the instant another ends, so the arrivals keep one phase against
+/// an engine's fixed step cadence (the 1.6.1 mocker steps its decode batch every ~27 ms), and a
+/// router's first-token times measure that phase as much as its choices.
+fn unique(spec: &Spec, rng: &mut StdRng, lexicon: &Lexicon, prompt_tokens: usize) -> Vec<Conversation> {
+    // Every prompt first, in request order, then the timing: the content of a seed stays the
+    // same whatever the think times.
+    let prompts: Vec<String> =
+        (0..spec.requests).map(|id| format!("r{id} {}", lexicon.text(rng, prompt_tokens))).collect();
+    let clients = spec.concurrency.clamp(1, spec.requests.max(1));
+    let mut conversations: Vec<Conversation> =
+        (0..clients).map(|id| Conversation { id, group: id, start_ms: 0, turns: Vec::new() }).collect();
+    for (request, prompt) in prompts.into_iter().enumerate() {
+        let conversation = &mut conversations[request % clients];
+        let think_ms = if conversation.turns.is_empty() { 0 } else { rng.random_range(0..=spec.max_think_ms) };
+        conversation.turns.push(Turn { think_ms, messages: vec![message("user", prompt)] });
+    }
     conversations
 }
 
@@ -253,13 +265,37 @@ mod tests {
         let spec = Spec { shape: Shape::Unique { prompt_tokens: 1560 }, requests: 20, ..SHARED };
         let w = generate(spec, &mut count);
         assert_eq!(w.requests(), 20);
+        assert_eq!(w.conversations.len(), spec.concurrency, "one conversation per client");
         let mut firsts = std::collections::BTreeSet::new();
         for c in &w.conversations {
-            let text = &c.turns[0].messages[0].content;
-            let n = count(text);
-            assert!((1550..=1570).contains(&n), "prompt of {n} tokens");
-            // Even the first block (16 tokens) differs between requests.
-            assert!(firsts.insert(text.split(' ').take(6).collect::<Vec<_>>().join(" ")));
+            assert_eq!(c.turns[0].think_ms, 0, "every client starts at once");
+            for turn in &c.turns {
+                assert_eq!(turn.messages.len(), 1, "a turn carries only its own prompt");
+                assert!(turn.think_ms <= spec.max_think_ms);
+                let text = &turn.messages[0].content;
+                let n = count(text);
+                assert!((1550..=1570).contains(&n), "prompt of {n} tokens");
+                // Even the first block (16 tokens) differs between requests.
+                assert!(firsts.insert(text.split(' ').take(6).collect::<Vec<_>>().join(" ")));
+            }
         }
+        assert!(w.conversations.iter().flat_map(|c| &c.turns[1..]).any(|t| t.think_ms > 0), "clients think");
+    }
+
+    #[test]
+    fn unique_prompts_keep_their_content_whatever_the_think_times() {
+        let tokenizer = tokenizer();
+        let mut count = counter(&tokenizer);
+        let spec = Spec { shape: Shape::Unique { prompt_tokens: 64 }, requests: 10, ..SHARED };
+        let prompts = |w: &Workload| {
+            let mut all: Vec<String> =
+                w.conversations.iter().flat_map(|c| &c.turns).map(|t| t.messages[0].content.clone()).collect();
+            all.sort();
+            all
+        };
+        let thinking = generate(spec, &mut count);
+        let lockstep = generate(Spec { max_think_ms: 0, ..spec }, &mut count);
+        assert_eq!(prompts(&thinking), prompts(&lockstep));
+        assert!(lockstep.conversations.iter().flat_map(|c| &c.turns).all(|t| t.think_ms == 0));
     }
 }

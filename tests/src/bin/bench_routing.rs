@@ -21,7 +21,8 @@
 //! Runs as root (network namespaces). `--quick`: one run of 128 requests, aggregated fleet,
 //! the 8×2 shared-prefix and unique workloads only. To investigate a cell: `--only-fleets agg`,
 //! `--only-routers round-robin,continuum-load`, `--only-cases unique` (a name prefix) and
-//! `--dump DIR` (every run's per-request outcomes as JSON); a filtered run is never written.
+//! `--dump DIR` (every run's per-request outcomes as JSON); `--unique-think-ms 0` sends the
+//! unique prompts in lockstep (each the instant another ends). A filtered run is never written.
 
 use std::borrow::Cow;
 use std::cmp::Ordering;
@@ -162,7 +163,11 @@ impl Case {
     }
 }
 
-fn cases(requests: usize, quick: bool) -> Vec<Case> {
+/// Think time of the unique-prompt clients between two requests: uniform in 0 to this. Enough
+/// to spread their arrivals over several of an engine's decode steps.
+const UNIQUE_THINK_MS: u64 = 200;
+
+fn cases(requests: usize, quick: bool, unique_think_ms: u64) -> Vec<Case> {
     let shared = |groups, users, concurrency| Spec {
         shape: Shape::SharedPrefix { groups, users, system_tokens: 1500, turn_tokens: 60 },
         requests,
@@ -176,7 +181,7 @@ fn cases(requests: usize, quick: bool) -> Vec<Case> {
         requests,
         max_tokens: MAX_TOKENS,
         concurrency: 8,
-        max_think_ms: 0,
+        max_think_ms: unique_think_ms,
         seed: 0,
     };
     let mut cases = vec![Case { name: "shared prefix 8×2", spec: shared(8, 2, 8), larger: false }];
@@ -217,14 +222,17 @@ fn main() -> anyhow::Result<()> {
     if let Some(only) = text_arg("--only-routers") {
         routers.retain(|r| only.split(',').any(|o| o == r.slug()));
     }
-    let mut cases = cases(requests, quick);
+    // `--unique-think-ms 0`: the lockstep closed loop, to investigate phase effects.
+    let unique_think_ms = u64::try_from(arg("--unique-think-ms", UNIQUE_THINK_MS as usize)?)?;
+    let mut cases = cases(requests, quick, unique_think_ms);
     if let Some(only) = text_arg("--only-cases") {
         cases.retain(|c| only.split(',').any(|o| c.name.starts_with(o)));
     }
     ensure!(!routers.is_empty() && !cases.is_empty(), "the filters left nothing to run");
     let dump = text_arg("--dump").map(std::path::PathBuf::from);
-    let filtered =
-        ["--only-fleets", "--only-routers", "--only-cases", "--kv-settings"].iter().any(|f| text_arg(f).is_some());
+    let filtered = ["--only-fleets", "--only-routers", "--only-cases", "--kv-settings", "--unique-think-ms"]
+        .iter()
+        .any(|f| text_arg(f).is_some());
     ensure!(!(filtered && args.iter().any(|a| a == "--write")), "a filtered run is not the whole table: drop --write");
     let tokenizer = tokenizers::Tokenizer::from_file(tools::dynamo_fixtures().join("tinymodel/tokenizer.json"))
         .map_err(|e| anyhow::anyhow!("the fixture tokenizer: {e}"))?;
@@ -607,7 +615,7 @@ impl Report {
              with `--block-size 16 --num-gpu-blocks-override {KV_BLOCKS} --speedup-ratio 1.0` (its polynomial timing charges prefill by uncached prompt tokens), {MAX_TOKENS} \
              output tokens, streaming. Shared prefix: groups × users conversations, 1,500-token system prompt per \
              group, 60-token user turns, think time 0–500 ms, groups started 150 ms apart (+0–400 ms each); \
-             concurrency 8 (8×2) and 12 (13×3). Unique prompts: 1,560 fresh tokens each, concurrency 8. Hit rate \
+             concurrency 8 (8×2) and 12 (13×3). Unique prompts: 1,560 fresh tokens each, 8 clients sending one after another with a think time of 0–{UNIQUE_THINK_MS} ms. Hit rate \
              = Σ `usage.prompt_tokens_details.cached_tokens` / Σ prompt tokens. Continuum: 2 data-plane replicas \
              (requests alternate between them) pinning workers through `dynamo.frontend --router-mode direct`; \
              KV-aware with `dynamo.kv` on, the tiny model's artifacts pinned, `prefill_load_scale: \
