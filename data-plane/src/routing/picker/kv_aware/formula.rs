@@ -12,21 +12,20 @@
 //! raw_prefill_blocks    = raw_prefill_tokens / bs
 //! overlap_credit_blocks = overlap_score_credit * overlap_blocks
 //! adjusted_prefill      = max(0, raw_prefill_blocks - overlap_credit_blocks)
-//! queued_prefill_blocks = active_prefill_tokens / bs
-//! request_prefill       = max(0, adjusted_prefill - queued_prefill_blocks)
 //! decode_cost_blocks    = active_decode_blocks + max(0, ceil(isl / bs) - active_overlap_blocks)
-//! cost                  = prefill_load_scale * request_prefill + queued_prefill_blocks + decode_cost_blocks
+//! cost                  = prefill_load_scale * adjusted_prefill + decode_cost_blocks
 //! ```
 //!
 //! `raw_prefill_tokens` is the seed's formula verbatim: the cached tokens cancel, so the prefix
 //! earns its discount through `overlap_credit_blocks`.
 //!
-//! The scale departs from the seed, which multiplies all of `adjusted_prefill`: here it weighs
-//! the request's own prefill after its credit (what cache affinity saves), while the prefill
-//! already queued on the rank counts once, like its decode blocks. Scaled, the queue outweighed
-//! decode memory: in the closed-loop benchmarks a worker finishing a wave of prefills looked
-//! busier than one holding more requests, and the requests split 5 to 3 (`docs/kv.md`). At the
-//! default scale of 1 the two agree, unless the credit exceeds the request's own prefill.
+//! The scale weighs all of `adjusted_prefill`, the prefill already queued on the rank as well as
+//! the request's own, as the seed states it: a request that lands behind a prefill waits for it
+//! to finish, while requests decoding beside it barely delay its first token. An earlier build
+//! counted the queue once, like decode blocks, because the benchmark's unique-prompt clients
+//! sent in lockstep and a worker still prefilling the start of a wave looked busier than one
+//! holding more requests; without the lockstep, counting it once sent a request behind a
+//! running prefill whenever the other worker decoded two requests more (`docs/kv.md`).
 //!
 //! The decode term departs from the seed, which subtracts `overlap_blocks` there too, and
 //! follows Dynamo's router (`ActiveSequences`: a request adds the blocks no request in flight
@@ -107,9 +106,6 @@ pub(super) struct Logit {
     pub raw_prefill_blocks: f64,
     pub overlap_credit_blocks: f64,
     pub adjusted_prefill: f64,
-    pub queued_prefill_blocks: f64,
-    /// The request's own prefill after its credit: what `prefill_load_scale` weighs.
-    pub request_prefill: f64,
     pub decode_cost_blocks: u64,
     pub cost: f64,
 }
@@ -129,10 +125,8 @@ pub(super) fn worker_logit(
     let raw_prefill_blocks = raw_prefill_tokens as f64 / prompt.block_size as f64;
     let overlap_credit_blocks = weights.overlap_score_credit * overlap_blocks as f64;
     let adjusted_prefill = (raw_prefill_blocks - overlap_credit_blocks).max(0.0);
-    let queued_prefill_blocks = load.active_prefill_tokens as f64 / prompt.block_size as f64;
-    let request_prefill = (adjusted_prefill - queued_prefill_blocks).max(0.0);
     let decode_cost_blocks = load.active_decode_blocks.saturating_add(prompt.blocks().saturating_sub(shared_blocks));
-    let cost = weights.prefill_load_scale * request_prefill + queued_prefill_blocks + decode_cost_blocks as f64;
+    let cost = weights.prefill_load_scale * adjusted_prefill + decode_cost_blocks as f64;
     Logit {
         overlap_blocks,
         shared_blocks,
@@ -141,8 +135,6 @@ pub(super) fn worker_logit(
         raw_prefill_blocks,
         overlap_credit_blocks,
         adjusted_prefill,
-        queued_prefill_blocks,
-        request_prefill,
         decode_cost_blocks,
         cost,
     }

@@ -190,7 +190,7 @@ fn blocks_requests_in_flight_hold_are_shared() {
 
 #[test]
 fn prefill_load_scale_and_credit_weigh_the_terms() {
-    // The scale weighs the request's own prefill: worker 2 holds all 8 blocks of a 128-token
+    // The scale weighs the request's prefill: worker 2 holds all 8 blocks of a 128-token
     // prompt but 12 more decode blocks. scale 1: 1: 8 + 8 = 16, 2: 0 + 12 + 8 = 20 → 1.
     // scale 2: 1: 16 + 8 = 24, 2: 20 → 2.
     let held = overlaps(&[(2, 0, 8)]);
@@ -199,16 +199,16 @@ fn prefill_load_scale_and_credit_weigh_the_terms() {
     let doubled = fleet.params(PickerParams { prefill_load_scale: 2.0, ..PickerParams::default() });
     assert_eq!(picks(&picker(), &doubled, scored(128, &held), 1), [(2, None)]);
 
-    // …but not the prefill already queued, which counts once like decode blocks. Worker 1: 320
-    // queued prefill tokens; worker 2: 25 decode blocks; 16-token prompt. scale 1: 1: 1 + 20 +
-    // 1 = 22, 2: 1 + 26 = 27 → 1. scale 2: 1: 2 + 20 + 1 = 23, 2: 2 + 26 = 28 → still 1.
+    // …and the prefill already queued, which a request waits behind. Worker 1: 320 queued
+    // prefill tokens; worker 2: 25 decode blocks; 16-token prompt. scale 1: 1: 20 + 1 + 1 =
+    // 22, 2: 1 + 26 = 27 → 1. scale 2: 1: 2 * 21 + 1 = 43, 2: 2 * 1 + 26 = 28 → 2.
     let fleet = Fleet::new([agg(1), agg(2)])
         .sample(1, Load { active_prefill_tokens: Some(320), kv_used_blocks: Some(0), ..Load::default() }, FRESH)
         .sample(2, used(25), FRESH);
     let none = Overlaps::default();
     assert_eq!(picks(&picker(), &fleet, scored(16, &none), 1), [(1, None)]);
     let doubled = fleet.params(PickerParams { prefill_load_scale: 2.0, ..PickerParams::default() });
-    assert_eq!(picks(&picker(), &doubled, scored(16, &none), 1), [(1, None)]);
+    assert_eq!(picks(&picker(), &doubled, scored(16, &none), 1), [(2, None)]);
 
     // Credit: worker 2 caches 8 of 8 blocks but carries 4 more decode blocks than worker 1.
     // credit 1: 1: 8 + 8 = 16, 2: 0 + 4 + 8 = 12 → 2. credit 0: 2: 8 + 12 = 20 → 1.

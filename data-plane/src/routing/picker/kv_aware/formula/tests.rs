@@ -16,8 +16,7 @@ fn load(active_prefill_tokens: u64, active_decode_blocks: u64) -> RankLoad {
 fn worker_logit_on_hand_computed_examples() {
     // isl 100, bs 16, 3 blocks held (2 by requests in flight), 200 prefill tokens and 10
     // decode blocks queued: cached 48; raw 200 + 52 + 48 = 300 tokens = 18.75 blocks; credit
-    // 3; adjusted 15.75, of which 12.5 queued and 3.25 the request's own; decode 10 + (7 - 2)
-    // = 15; cost 3.25 + 12.5 + 15 = 30.75 (at scale 1, the seed's adjusted + decode).
+    // 3; adjusted 15.75; decode 10 + (7 - 2) = 15; cost 15.75 + 15 = 30.75.
     let logit = worker_logit(load(200, 10), 3, 2, Prompt::new(100, 16), &weights(1.0, 1.0));
     let expected = Logit {
         overlap_blocks: 3,
@@ -27,8 +26,6 @@ fn worker_logit_on_hand_computed_examples() {
         raw_prefill_blocks: 18.75,
         overlap_credit_blocks: 3.0,
         adjusted_prefill: 15.75,
-        queued_prefill_blocks: 12.5,
-        request_prefill: 3.25,
         decode_cost_blocks: 15,
         cost: 30.75,
     };
@@ -38,10 +35,10 @@ fn worker_logit_on_hand_computed_examples() {
     assert_eq!((idle.adjusted_prefill, idle.decode_cost_blocks, idle.cost), (15.75, 17, 32.75));
 
     // credit 0.5, scale 2, isl 64, 2 of 4 blocks held, 32 prefill tokens, 5 decode blocks:
-    // raw 96 tokens = 6 blocks; credit 1; adjusted 5: 2 queued, 3 the request's own; both held
-    // blocks in flight: decode 5 + 2 = 7; cost 2 * 3 + 2 + 7 = 15 (the queue is not scaled).
+    // raw 96 tokens = 6 blocks; credit 1; adjusted 5, the 2 queued blocks among them; both held
+    // blocks in flight: decode 5 + 2 = 7; cost 2 * 5 + 7 = 17 (the queue is scaled too).
     let logit = worker_logit(load(32, 5), 2, 2, Prompt::new(64, 16), &weights(0.5, 2.0));
-    assert_eq!((logit.request_prefill, logit.decode_cost_blocks, logit.cost), (3.0, 7, 15.0));
+    assert_eq!((logit.adjusted_prefill, logit.decode_cost_blocks, logit.cost), (5.0, 7, 17.0));
 }
 
 #[test]
@@ -50,7 +47,7 @@ fn cached_tokens_cap_at_the_prompt_and_terms_never_go_negative() {
     let logit = worker_logit(load(0, 0), 5, 9, Prompt::new(20, 16), &weights(1.0, 2.0));
     assert_eq!(logit.cached_tokens, 20);
     assert_eq!(logit.raw_prefill_tokens, 20, "the seed's raw prefill tokens: cached tokens cancel");
-    assert_eq!((logit.request_prefill, logit.decode_cost_blocks, logit.cost), (0.0, 0, 0.0), "active capped at held");
+    assert_eq!((logit.adjusted_prefill, logit.decode_cost_blocks, logit.cost), (0.0, 0, 0.0), "active capped at held");
     // Saturating, not overflowing, at the extremes.
     let huge =
         worker_logit(load(u64::MAX, u64::MAX), u32::MAX, u32::MAX, Prompt::new(u64::MAX, 16), &weights(1.0, 1.0));
