@@ -31,11 +31,9 @@ pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
 /// A stream that stayed up this long resets the backoff to its floor.
 pub const STABLE_SESSION: Duration = Duration::from_secs(30);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// Dispatch reports go out at most this often, the control plane's backlog window (2 ms): under
-/// load each publication of the fleet-wide backlogs then folds about one report per replica.
-/// An operation after a quiet interval goes out at once; under load one waits at most this long
-/// for its report. The replica's own view is exact either way (the join by operation number).
-pub const REPORT_INTERVAL: Duration = Duration::from_millis(2);
+/// Dispatch reports go out at most this often. Well under the control plane's backlog window
+/// (2 ms), so a report still reaches the next publication of the fleet-wide backlogs.
+pub const REPORT_INTERVAL: Duration = Duration::from_millis(1);
 /// Replies (acks, nacks) waiting to be sent; one per update received, so a handful suffices.
 const REPLY_QUEUE: usize = 8;
 
