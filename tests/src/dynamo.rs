@@ -1,5 +1,5 @@
 //! The real Dynamo 1.6.1 fleet inside a [`NetNs`]: etcd, `dynamo.mocker` workers started as
-//! `shared/fixtures/dynamo-1.6.1/README.md` describes, the test's own watch on their etcd
+//! `tests/fixtures/dynamo-1.6.1/README.md` describes, the test's own watch on their etcd
 //! records, and the real Continuum control plane and replicas that discover them.
 //!
 //! Ports are fixed: the namespace is private, so nothing else holds them, and they sit below

@@ -25,14 +25,10 @@ pub fn python() -> PathBuf {
     venv
 }
 
-/// The steering repository's `shared/` folder, which sits beside the clone (locally and in CI).
-pub fn shared_dir() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"))
-}
-
-/// The fixtures captured from real Dynamo 1.6.1 processes, with the tiny model they served.
+/// The fixtures captured from real Dynamo 1.6.1 processes, with the tiny model they served
+/// (`tests/fixtures`, copied from the steering repository's `shared/fixtures`).
 pub fn dynamo_fixtures() -> PathBuf {
-    shared_dir().join("fixtures/dynamo-1.6.1")
+    workspace_root().join("tests/fixtures/dynamo-1.6.1")
 }
 
 /// One message of a captured `*/zmq-messages*.jsonl` fixture file: the raw frames (from

@@ -1,12 +1,14 @@
-//! The real Dynamo 1.6.1 captures under `shared/fixtures/dynamo-1.6.1`, for the kv tests.
+//! The real Dynamo 1.6.1 captures under `tests/fixtures/dynamo-1.6.1`, for the crate's tests.
 
 use std::path::Path;
 
 use anyhow::Context;
 use serde_json::Value;
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1");
-const CAPTURES: [&str; 3] =
+/// The captures, in the workspace (copied from the steering repository's `shared/fixtures`).
+pub const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/dynamo-1.6.1");
+/// The capture files holding ZMQ messages.
+pub const CAPTURES: [&str; 3] =
     ["agg/zmq-messages.jsonl", "agg/zmq-messages-under-load-evictions.jsonl", "disagg/zmq-messages.jsonl"];
 const SAMPLES: &str = "zmq-samples.json";
 
@@ -14,7 +16,7 @@ const SAMPLES: &str = "zmq-samples.json";
 pub fn captured(file: &str) -> anyhow::Result<Vec<Value>> {
     let path = Path::new(FIXTURES).join(file);
     let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("{}: the shared/ checkout must sit beside the workspace", path.display()))?;
+        .with_context(|| format!("{}: a captured Dynamo 1.6.1 fixture", path.display()))?;
     text.lines().filter(|l| !l.trim().is_empty()).map(|l| Ok(serde_json::from_str(l)?)).collect()
 }
 

@@ -26,4 +26,4 @@ pub use result::{KvCounts, KvEventResult};
 pub use service::{KvHandle, KvSupervisor, KvView, MAX_FIND_MATCHES_HASHES, kv_options};
 
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;

@@ -18,7 +18,8 @@ use super::hashing::{BlockSize, LocalBlockHash, SaltHash};
 use super::render::{RenderLimits, Renderer, prepare_blocking};
 use super::{Fallback, KvPrompt, request_cache_salt};
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1");
+/// The real Dynamo 1.6.1 captures and tiny model, in the workspace.
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/dynamo-1.6.1");
 
 pub(crate) fn fixture(path: &str) -> PathBuf {
     Path::new(FIXTURES).join(path)

@@ -1,5 +1,4 @@
-//! Loads the real Dynamo 1.6.1 etcd captures from `shared/fixtures/dynamo-1.6.1`, which sits
-//! beside the workspace checkout.
+//! Loads the real Dynamo 1.6.1 etcd captures from `tests/fixtures/dynamo-1.6.1`.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -8,17 +7,12 @@ use anyhow::{Context, bail};
 use serde_json::Value;
 
 use super::super::{KeyValue, WatchEvent};
-
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1");
+use crate::kv::fixtures::FIXTURES;
 
 fn dir(run: &str) -> anyhow::Result<PathBuf> {
     let root = Path::new(FIXTURES);
     if !root.is_dir() {
-        bail!(
-            "Dynamo 1.6.1 fixtures not found at {}: these tests read the `shared/` checkout that sits beside the \
-             workspace (shared/fixtures/dynamo-1.6.1); clone or mount it there",
-            root.display()
-        );
+        bail!("Dynamo 1.6.1 fixtures not found at {}: they are part of the workspace (tests/fixtures)", root.display());
     }
     Ok(root.join(run))
 }

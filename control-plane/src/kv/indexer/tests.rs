@@ -12,11 +12,9 @@ use super::*;
 use crate::kv::decode::{KvEventBatch, ResidencyDomain, StorageTier, Stored, StoredBlock};
 use crate::kv::fixtures::{self, frames};
 
-const AGG_DUMP: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1/agg/etcd-dump.jsonl");
-
 /// The agg run's etcd records: its kv-events publishers' mappings and its live ranks.
 fn agg_discovery() -> anyhow::Result<(HashMap<u64, PublisherMapping>, LiveRanks)> {
-    let text = std::fs::read_to_string(Path::new(AGG_DUMP))?;
+    let text = std::fs::read_to_string(Path::new(fixtures::FIXTURES).join("agg/etcd-dump.jsonl"))?;
     let (mut publishers, mut live) = (HashMap::new(), LiveRanks::new());
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let record: Value = serde_json::from_str(line)?;

@@ -9,16 +9,7 @@ use serde_json::Value;
 use super::*;
 use crate::load::zmtp::ZmtpLimits;
 
-const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1");
-const CAPTURES: [&str; 3] =
-    ["agg/zmq-messages.jsonl", "agg/zmq-messages-under-load-evictions.jsonl", "disagg/zmq-messages.jsonl"];
-
-fn captured(file: &str) -> anyhow::Result<Vec<Value>> {
-    let path = Path::new(FIXTURES).join(file);
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("{}: the shared/ checkout must sit beside the workspace", path.display()))?;
-    text.lines().filter(|l| !l.trim().is_empty()).map(|l| Ok(serde_json::from_str(l)?)).collect()
-}
+use crate::kv::fixtures::{CAPTURES, FIXTURES, captured};
 
 /// Every captured message: the three runs and the one-per-kind samples.
 fn all_messages() -> anyhow::Result<Vec<Value>> {

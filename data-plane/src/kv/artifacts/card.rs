@@ -175,8 +175,8 @@ mod tests {
     use super::*;
 
     pub(crate) fn fixture_card() -> Value {
-        let dump = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/dynamo-1.6.1/agg/etcd-dump.jsonl");
-        let text = std::fs::read_to_string(dump).expect("shared/fixtures sits beside the workspace");
+        let dump = crate::kv::tests::fixture("agg/etcd-dump.jsonl");
+        let text = std::fs::read_to_string(dump).expect("the captured agg etcd dump");
         text.lines()
             .map(|line| serde_json::from_str::<Value>(line).expect("a JSON line"))
             .find(|record| record["key"].as_str().is_some_and(|k| k.starts_with("v1/mdc/")))
