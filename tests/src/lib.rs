@@ -25,6 +25,7 @@ pub mod load;
 pub mod netns;
 pub mod nginx;
 pub mod pki;
+pub mod placement;
 pub mod process;
 pub mod proxy;
 pub mod shim_stub;

@@ -37,6 +37,7 @@ use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_kv::kv_control_plane_yaml;
 use continuum_tests::dynamo_routing::{self, FRONTEND, Outcome, RoutedContinuum, post_chat};
 use continuum_tests::netns::NetNs;
+use continuum_tests::placement::{Placement, Served, placement};
 use continuum_tests::tools;
 use continuum_tests::workload::{self, Message, Shape, Spec, Workload};
 use serde::{Deserialize, Serialize};
@@ -470,6 +471,8 @@ struct RunStats {
     /// …and later turns on the same worker that still missed the cache (evicted under KV
     /// pressure): half or more of the prompt uncached.
     evicted: usize,
+    /// Where requests waited behind another's prefill, and what the slowest decoded beside.
+    placement: Placement,
 }
 
 impl RunStats {
@@ -500,7 +503,15 @@ impl RunStats {
                 evicted += 1;
             }
         }
+        let served: Vec<Served> = ok
+            .iter()
+            .filter_map(|r| {
+                let (ttft_ms, worker) = (r.ttft_ms?, r.decode_worker?);
+                Some(Served { start_ms: r.start_ms, ttft_ms, e2e_ms: r.e2e_ms, worker })
+            })
+            .collect();
         Self {
+            placement: placement(&served),
             requests_per_s: ok.len() as f64 / wall,
             output_tokens_per_s: ok.iter().map(|r| r.completion_tokens).sum::<u64>() as f64 / wall,
             ttft_mean: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
@@ -842,6 +853,11 @@ impl Report {
                 sum(theirs, |r| r.evicted)
             ));
         }
+        // The client sees the worker that served a request; on an aggregated fleet it also
+        // prefilled it, so that is where the request queued.
+        if fleet == Fleet::Aggregated && self.cases.get(c).is_some_and(|case| !case.shared()) {
+            why.push(self.queueing(fleet, c, ours, theirs));
+        }
         let fallbacks = total("tokenizer_unavailable") + total("render_unavailable") + total("prompt_too_large");
         if fallbacks > 0.0 {
             why.push(format!("{fallbacks:.0} selections fell back before hashing"));
@@ -858,6 +874,34 @@ impl Report {
             why.push(format!("{failed} requests failed"));
         }
         format!("Measured: {}.", why.join("; "))
+    }
+
+    /// Where an aggregated cell's requests waited and what its slowest decoded beside, per run
+    /// on average, against the peer's (see [`placement`]).
+    fn queueing(&self, fleet: Fleet, c: usize, ours: Router, theirs: Router) -> String {
+        let mean = |router, get: fn(&Placement) -> f64| {
+            let runs = self.cell(fleet, c, router);
+            runs.iter().map(|r| get(&r.placement)).sum::<f64>() / runs.len().max(1) as f64
+        };
+        let both = |get: fn(&Placement) -> f64, decimals: usize| {
+            format!("{:.*} (theirs {:.*})", decimals, mean(ours, get), decimals, mean(theirs, get))
+        };
+        let mut told = format!(
+            "per run, {} requests were sent while another on their worker still awaited its first token, {} of them \
+             while another worker had none awaiting; the slowest 1% ran beside {} other requests on their worker \
+             and saw {} more sent there while they decoded",
+            both(|p| p.queued as f64, 0),
+            both(|p| p.avoidable as f64, 0),
+            both(|p| p.tail_beside, 1),
+            both(|p| p.tail_prefills, 1),
+        );
+        if ours == Router::ContinuumLoad {
+            told.push_str(
+                " (the seed's load-only cost scores an aggregated worker by its decode blocks, not by the prefill it \
+                 is running)",
+            );
+        }
+        told
     }
 }
 

@@ -1,0 +1,127 @@
+//! Where a routing run's requests waited, from what the client saw of each: when it was sent,
+//! its first token, its end and the worker that served it.
+//!
+//! The 1.6.1 mocker prefills the requests that arrived during a step in the next one, so a
+//! request sent while another on its worker still awaits its first token waits behind that
+//! prefill. A router could have spared it only if another worker had none awaiting. And every
+//! prefill that begins on a worker lengthens the decode steps of the requests already there,
+//! so the end-to-end tail is the requests that decoded beside the most.
+
+/// One answered request, as the client saw it (milliseconds from the run's start).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Served {
+    pub start_ms: f64,
+    pub ttft_ms: f64,
+    pub e2e_ms: f64,
+    pub worker: u64,
+}
+
+impl Served {
+    fn awaits_first_token(&self, at: f64) -> bool {
+        self.start_ms <= at && at < self.start_ms + self.ttft_ms
+    }
+
+    fn end_ms(&self) -> f64 {
+        self.start_ms + self.e2e_ms
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Placement {
+    /// Requests sent while another request on their worker still awaited its first token…
+    pub queued: usize,
+    /// …of which another worker had none awaiting: a router could have spared them the wait.
+    pub avoidable: usize,
+    /// The slowest 1% end to end: the other requests in flight on their worker, on average
+    /// over their time…
+    pub tail_beside: f64,
+    /// …and the requests sent to their worker while they decoded (after their first token).
+    pub tail_prefills: f64,
+}
+
+/// How `served` queued on its workers (every worker that served one of them).
+pub fn placement(served: &[Served]) -> Placement {
+    let mut workers: Vec<u64> = served.iter().map(|s| s.worker).collect();
+    workers.sort_unstable();
+    workers.dedup();
+    let mut placement = Placement::default();
+    for (i, request) in served.iter().enumerate() {
+        let awaiting = |worker: u64| {
+            served
+                .iter()
+                .enumerate()
+                .any(|(j, other)| j != i && other.worker == worker && other.awaits_first_token(request.start_ms))
+        };
+        if awaiting(request.worker) {
+            placement.queued += 1;
+            if workers.iter().any(|w| *w != request.worker && !awaiting(*w)) {
+                placement.avoidable += 1;
+            }
+        }
+    }
+    let mut by_e2e: Vec<usize> = (0..served.len()).collect();
+    by_e2e.sort_by(|a, b| served[*b].e2e_ms.total_cmp(&served[*a].e2e_ms));
+    let tail = &by_e2e[..served.len().div_ceil(100)];
+    for &i in tail {
+        let request = &served[i];
+        let decoding = request.start_ms + request.ttft_ms..request.end_ms();
+        let mut beside = 0.0;
+        for (_, other) in served.iter().enumerate().filter(|(j, o)| *j != i && o.worker == request.worker) {
+            let overlap = request.end_ms().min(other.end_ms()) - request.start_ms.max(other.start_ms);
+            beside += overlap.max(0.0) / request.e2e_ms.max(f64::EPSILON);
+            if decoding.contains(&other.start_ms) {
+                placement.tail_prefills += 1.0;
+            }
+        }
+        placement.tail_beside += beside;
+    }
+    if !tail.is_empty() {
+        placement.tail_beside /= tail.len() as f64;
+        placement.tail_prefills /= tail.len() as f64;
+    }
+    placement
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn served(start_ms: f64, ttft_ms: f64, e2e_ms: f64, worker: u64) -> Served {
+        Served { start_ms, ttft_ms, e2e_ms, worker }
+    }
+
+    #[test]
+    fn a_request_behind_a_prefill_queued_and_was_avoidable_only_if_another_worker_was_free() {
+        // 2 is sent to worker 1 while 1 awaits its first token there; worker 2 is idle.
+        let free_elsewhere = [served(0.0, 50.0, 500.0, 1), served(10.0, 80.0, 500.0, 1), served(600.0, 40.0, 400.0, 2)];
+        assert_eq!(placement(&free_elsewhere).queued, 1);
+        assert_eq!(placement(&free_elsewhere).avoidable, 1);
+        // Worker 2 is prefilling too: no worker was free.
+        let both_busy = [served(0.0, 50.0, 500.0, 1), served(10.0, 80.0, 500.0, 1), served(5.0, 40.0, 400.0, 2)];
+        assert_eq!(placement(&both_busy).queued, 1);
+        assert_eq!(placement(&both_busy).avoidable, 0);
+        // Sent after the first token: decoding beside it is not queueing.
+        let after_first_token = [served(0.0, 50.0, 500.0, 1), served(60.0, 40.0, 500.0, 1)];
+        assert_eq!(placement(&after_first_token).queued, 0);
+    }
+
+    #[test]
+    fn the_tail_is_told_by_what_ran_beside_it_and_what_arrived_while_it_decoded() {
+        // The slowest (0) has 1 beside it the whole time and 2 half the time; 2 arrived while
+        // it decoded. Worker 2's request never ran beside it.
+        let run = [
+            served(0.0, 50.0, 1000.0, 1),
+            served(0.0, 50.0, 1000.0, 1),
+            served(500.0, 50.0, 500.0, 1),
+            served(0.0, 50.0, 999.0, 2),
+        ];
+        let placement = placement(&run);
+        assert_eq!(placement.tail_beside, 1.5, "one request is the slowest 1% of four");
+        assert_eq!(placement.tail_prefills, 1.0, "the one sent at 500 ms, after the first token at 50 ms");
+    }
+
+    #[test]
+    fn nothing_served_tells_nothing() {
+        assert_eq!(placement(&[]), Placement::default());
+    }
+}
