@@ -1,11 +1,13 @@
 //! Where a routing run's requests waited, from what the client saw of each: when it was sent,
-//! its first token, its end and the worker that served it.
+//! its first token, its end and the workers that prefilled and decoded it (Dynamo's
+//! `nvext.worker_id` echo).
 //!
 //! The 1.6.1 mocker prefills the requests that arrived during a step in the next one, so a
-//! request sent while another on its worker still awaits its first token waits behind that
-//! prefill. A router could have spared it only if another worker had none awaiting. And every
-//! prefill that begins on a worker lengthens the decode steps of the requests already there,
-//! so the end-to-end tail is the requests that decoded beside the most.
+//! request sent while another on its prefilling worker still awaits its first token waits
+//! behind that prefill. A router could have spared it only if another worker that prefills had
+//! none awaiting. And every prefill that begins on an aggregated worker lengthens the decode
+//! steps of the requests already there, so the end-to-end tail is the requests that decoded
+//! beside the most.
 
 /// One answered request, as the client saw it (milliseconds from the run's start).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -13,7 +15,9 @@ pub struct Served {
     pub start_ms: f64,
     pub ttft_ms: f64,
     pub e2e_ms: f64,
-    pub worker: u64,
+    /// The same worker on an aggregated fleet.
+    pub prefill_worker: u64,
+    pub decode_worker: u64,
 }
 
 impl Served {
@@ -28,33 +32,34 @@ impl Served {
 
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Placement {
-    /// Requests sent while another request on their worker still awaited its first token…
+    /// Requests sent while another request on their prefilling worker still awaited its first
+    /// token…
     pub queued: usize,
-    /// …of which another worker had none awaiting: a router could have spared them the wait.
+    /// …of which another worker that prefills had none awaiting: a router could have spared
+    /// them the wait.
     pub avoidable: usize,
-    /// The slowest 1% end to end: the other requests in flight on their worker, on average
-    /// over their time…
+    /// The slowest 1% end to end: the other requests in flight on their decode worker, on
+    /// average over their time…
     pub tail_beside: f64,
-    /// …and the requests sent to their worker while they decoded (after their first token).
+    /// …and the requests sent to that worker while they decoded (after their first token).
     pub tail_prefills: f64,
 }
 
-/// How `served` queued on its workers (every worker that served one of them).
+/// How `served` queued on its workers (every worker that prefilled one of them).
 pub fn placement(served: &[Served]) -> Placement {
-    let mut workers: Vec<u64> = served.iter().map(|s| s.worker).collect();
-    workers.sort_unstable();
-    workers.dedup();
+    let mut prefilling: Vec<u64> = served.iter().map(|s| s.prefill_worker).collect();
+    prefilling.sort_unstable();
+    prefilling.dedup();
     let mut placement = Placement::default();
     for (i, request) in served.iter().enumerate() {
         let awaiting = |worker: u64| {
-            served
-                .iter()
-                .enumerate()
-                .any(|(j, other)| j != i && other.worker == worker && other.awaits_first_token(request.start_ms))
+            served.iter().enumerate().any(|(j, other)| {
+                j != i && other.prefill_worker == worker && other.awaits_first_token(request.start_ms)
+            })
         };
-        if awaiting(request.worker) {
+        if awaiting(request.prefill_worker) {
             placement.queued += 1;
-            if workers.iter().any(|w| *w != request.worker && !awaiting(*w)) {
+            if prefilling.iter().any(|w| *w != request.prefill_worker && !awaiting(*w)) {
                 placement.avoidable += 1;
             }
         }
@@ -65,15 +70,14 @@ pub fn placement(served: &[Served]) -> Placement {
     for &i in tail {
         let request = &served[i];
         let decoding = request.start_ms + request.ttft_ms..request.end_ms();
-        let mut beside = 0.0;
-        for (_, other) in served.iter().enumerate().filter(|(j, o)| *j != i && o.worker == request.worker) {
+        let beside = served.iter().enumerate().filter(|(j, o)| *j != i && o.decode_worker == request.decode_worker);
+        for (_, other) in beside {
             let overlap = request.end_ms().min(other.end_ms()) - request.start_ms.max(other.start_ms);
-            beside += overlap.max(0.0) / request.e2e_ms.max(f64::EPSILON);
+            placement.tail_beside += overlap.max(0.0) / request.e2e_ms.max(f64::EPSILON);
             if decoding.contains(&other.start_ms) {
                 placement.tail_prefills += 1.0;
             }
         }
-        placement.tail_beside += beside;
     }
     if !tail.is_empty() {
         placement.tail_beside /= tail.len() as f64;
@@ -86,8 +90,13 @@ pub fn placement(served: &[Served]) -> Placement {
 mod tests {
     use super::*;
 
+    /// On an aggregated worker, which prefills what it decodes.
     fn served(start_ms: f64, ttft_ms: f64, e2e_ms: f64, worker: u64) -> Served {
-        Served { start_ms, ttft_ms, e2e_ms, worker }
+        Served { start_ms, ttft_ms, e2e_ms, prefill_worker: worker, decode_worker: worker }
+    }
+
+    fn paired(start_ms: f64, prefill_worker: u64, decode_worker: u64) -> Served {
+        Served { start_ms, ttft_ms: 50.0, e2e_ms: 500.0, prefill_worker, decode_worker }
     }
 
     #[test]
@@ -118,6 +127,19 @@ mod tests {
         let placement = placement(&run);
         assert_eq!(placement.tail_beside, 1.5, "one request is the slowest 1% of four");
         assert_eq!(placement.tail_prefills, 1.0, "the one sent at 500 ms, after the first token at 50 ms");
+    }
+
+    #[test]
+    fn a_pair_queues_on_its_prefill_worker_and_decodes_beside_its_decode_workers_requests() {
+        // Prefill workers 10 and 11, decode workers 20 and 21. 1 is sent while 0 awaits its first
+        // token on prefill worker 10, with 11 free; they decode on different workers.
+        let free_prefill_worker = [paired(0.0, 10, 20), paired(10.0, 10, 21), paired(600.0, 11, 20)];
+        assert_eq!(placement(&free_prefill_worker).queued, 1);
+        assert_eq!(placement(&free_prefill_worker).avoidable, 1);
+        // Same decode worker, different prefill workers: no queueing, but decoding side by side.
+        let side_by_side = [paired(0.0, 10, 20), paired(0.0, 11, 20)];
+        assert_eq!(placement(&side_by_side).queued, 0);
+        assert_eq!(placement(&side_by_side).tail_beside, 1.0);
     }
 
     #[test]

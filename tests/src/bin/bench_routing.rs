@@ -506,8 +506,9 @@ impl RunStats {
         let served: Vec<Served> = ok
             .iter()
             .filter_map(|r| {
-                let (ttft_ms, worker) = (r.ttft_ms?, r.decode_worker?);
-                Some(Served { start_ms: r.start_ms, ttft_ms, e2e_ms: r.e2e_ms, worker })
+                let (ttft_ms, decode_worker) = (r.ttft_ms?, r.decode_worker?);
+                let prefill_worker = r.prefill_worker.unwrap_or(decode_worker);
+                Some(Served { start_ms: r.start_ms, ttft_ms, e2e_ms: r.e2e_ms, prefill_worker, decode_worker })
             })
             .collect();
         Self {
@@ -853,9 +854,7 @@ impl Report {
                 sum(theirs, |r| r.evicted)
             ));
         }
-        // The client sees the worker that served a request; on an aggregated fleet it also
-        // prefilled it, so that is where the request queued.
-        if fleet == Fleet::Aggregated && self.cases.get(c).is_some_and(|case| !case.shared()) {
+        if self.cases.get(c).is_some_and(|case| !case.shared()) {
             why.push(self.queueing(fleet, c, ours, theirs));
         }
         let fallbacks = total("tokenizer_unavailable") + total("render_unavailable") + total("prompt_too_large");
@@ -876,8 +875,8 @@ impl Report {
         format!("Measured: {}.", why.join("; "))
     }
 
-    /// Where an aggregated cell's requests waited and what its slowest decoded beside, per run
-    /// on average, against the peer's (see [`placement`]).
+    /// Where a cell's requests waited for their prefill and what its slowest decoded beside,
+    /// per run on average, against the peer's (see [`placement`]).
     fn queueing(&self, fleet: Fleet, c: usize, ours: Router, theirs: Router) -> String {
         let mean = |router, get: fn(&Placement) -> f64| {
             let runs = self.cell(fleet, c, router);
@@ -887,15 +886,15 @@ impl Report {
             format!("{:.*} (theirs {:.*})", decimals, mean(ours, get), decimals, mean(theirs, get))
         };
         let mut told = format!(
-            "per run, {} requests were sent while another on their worker still awaited its first token, {} of them \
-             while another worker had none awaiting; the slowest 1% ran beside {} other requests on their worker \
-             and saw {} more sent there while they decoded",
+            "per run, {} requests were sent while another on their prefilling worker still awaited its first token, \
+             {} of them while another such worker had none awaiting; the slowest 1% ran beside {} other requests on \
+             their decode worker and saw {} more sent there while they decoded",
             both(|p| p.queued as f64, 0),
             both(|p| p.avoidable as f64, 0),
             both(|p| p.tail_beside, 1),
             both(|p| p.tail_prefills, 1),
         );
-        if ours == Router::ContinuumLoad {
+        if ours == Router::ContinuumLoad && fleet == Fleet::Aggregated {
             told.push_str(
                 " (the seed's load-only cost scores an aggregated worker by its decode blocks, not by the prefill it \
                  is running)",
@@ -940,6 +939,9 @@ mod client {
         pub cached_tokens: Option<u64>,
         pub completion_tokens: u64,
         pub decode_worker: Option<u64>,
+        /// The worker that prefilled it: the decode worker on an aggregated fleet.
+        #[serde(default)]
+        pub prefill_worker: Option<u64>,
         pub error: Option<String>,
     }
 
@@ -996,6 +998,7 @@ mod client {
             cached_tokens: None,
             completion_tokens: 0,
             decode_worker: None,
+            prefill_worker: None,
             error: None,
         };
         if let Err(error) = stream(http, base, messages, max_tokens, began, &mut outcome).await {
@@ -1056,8 +1059,12 @@ mod client {
         if has_content && outcome.ttft_ms.is_none() {
             outcome.ttft_ms = Some(began.elapsed().as_secs_f64() * 1000.0);
         }
-        if let Some(worker) = event["nvext"]["worker_id"]["decode_worker_id"].as_u64() {
+        let pins = &event["nvext"]["worker_id"];
+        if let Some(worker) = pins["decode_worker_id"].as_u64() {
             outcome.decode_worker = Some(worker);
+        }
+        if let Some(worker) = pins["prefill_worker_id"].as_u64() {
+            outcome.prefill_worker = Some(worker);
         }
         let usage = &event["usage"];
         if usage.is_object() {
