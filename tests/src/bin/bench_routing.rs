@@ -940,7 +940,6 @@ mod client {
         pub completion_tokens: u64,
         pub decode_worker: Option<u64>,
         /// The worker that prefilled it: the decode worker on an aggregated fleet.
-        #[serde(default)]
         pub prefill_worker: Option<u64>,
         pub error: Option<String>,
     }
