@@ -73,10 +73,12 @@ impl NetNs {
     }
 
     /// `program` run inside the namespace (`ip netns exec` execs it, so the child's pid is the
-    /// program's own), without proxy settings.
+    /// program's own), without proxy settings, with its temporary files in [`Self::dir`]: Dynamo's
+    /// processes each leave a logging configuration in `$TMPDIR`, which would otherwise pile up
+    /// in `/tmp` run after run.
     pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
         let mut command = Command::new("ip");
-        command.args(["netns", "exec", &self.name]).arg(program);
+        command.args(["netns", "exec", &self.name]).arg(program).env("TMPDIR", self.dir());
         for var in PROXY_VARS {
             command.env_remove(var);
         }

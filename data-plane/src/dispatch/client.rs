@@ -129,7 +129,9 @@ impl ShimClient {
         let was_reused = reused.is_some();
         let mut conn = match reused {
             Some(conn) => conn,
-            None => self.connect(authority.as_str(), authority.port_u16().unwrap_or(80)).await?,
+            // Boxed, here and below: a new connection is the rare case, and its future inline
+            // would be moved with every request's (the ancestors' futures are as large as it).
+            None => Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?,
         };
         conn.write.clear();
         wire::encode_request(&mut conn.write, method, uri, headers, pins, body);
@@ -139,7 +141,7 @@ impl ShimClient {
             if !was_reused {
                 return Err(exchange(error.into()));
             }
-            let mut fresh = self.connect(authority.as_str(), authority.port_u16().unwrap_or(80)).await?;
+            let mut fresh = Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?;
             std::mem::swap(&mut fresh.write, &mut conn.write);
             conn = fresh;
             conn.stream.write_all(&conn.write).await.map_err(|e| exchange(e.into()))?;

@@ -214,7 +214,8 @@ impl Dispatcher {
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });
         }
         self.metrics.routed(RoutingPath::UnifiedFallback);
-        self.unpinned(&body, stream, replicas, false)
+        // Boxed: the fallback is rare, and inline its future would enlarge every request's.
+        Box::pin(self.unpinned(&body, stream, replicas, false))
             .await
             .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback) })
     }

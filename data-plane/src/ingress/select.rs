@@ -49,7 +49,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
     let term = match kv {
         Some(kv) => Some(match request.tree() {
-            Ok(body) => kv.routing.term(view, display, &body).await,
+            // Boxed: rendering and the lookup take milliseconds, and inline this future would
+            // double the size of every request's, load-only ones too.
+            Ok(body) => Box::pin(kv.routing.term(view, display, &body)).await,
             // Not for a body the ingress accepted; scored on load alone if it ever happens.
             Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),
         }),
