@@ -161,8 +161,10 @@ impl Timing {
 }
 
 /// One rank's dispatches in flight and what its last sample showed beyond them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Rank {
+    /// The rank's key in the fleet view (its backlog's, its samples').
+    key: LoadKey,
     dispatches: BTreeMap<(u64, u64), Dispatch>,
     /// The distinct decode blocks of `dispatches` (their hashes are in the book's
     /// [`ActiveIndex`]).
@@ -187,6 +189,27 @@ struct Rank {
 }
 
 impl Rank {
+    /// A new record starts from the sample the view holds now, so that sample's whole backlog
+    /// counts as foreign until the next one.
+    fn new(key: LoadKey, state: &FleetState) -> Self {
+        let sample = state.view().loads().get(&key);
+        let mut rank = Rank {
+            key,
+            dispatches: BTreeMap::new(),
+            active: 0,
+            sampled_at: None,
+            foreign: None,
+            last_end: None,
+            ended: VecDeque::new(),
+            published: None,
+            dirty: false,
+            timing: Timing::default(),
+            ending: 0,
+        };
+        rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
+        rank
+    }
+
     fn backlog(&self) -> Backlog {
         let mut backlog = Backlog {
             foreign_decode_blocks: self.foreign,
@@ -284,29 +307,37 @@ fn decode_blocks(load: &Load) -> Option<u64> {
 }
 
 /// Marks `rank` (kept under `key`) for the next publish check, once however often it moves.
-fn mark(dirty: &mut Vec<LoadKey>, key: &LoadKey, rank: &mut Rank) {
+fn mark(dirty: &mut Vec<RankKey>, key: RankKey, rank: &mut Rank) {
     if !rank.dirty {
         rank.dirty = true;
-        dirty.push(key.clone());
+        dirty.push(key);
     }
 }
 
-/// The rank a `FindMatches` answer names for a book's key: instance ids are Dynamo lease ids,
-/// unique across namespaces.
-fn rank_key(key: &LoadKey) -> RankKey {
-    RankKey { worker_id: key.worker.instance_id, dp_rank: key.dp_rank }
+/// The book's key for a reported rank, the one a `FindMatches` answer names, read without
+/// allocating; `None` without a worker. Instance ids are Dynamo lease ids, unique across
+/// namespaces, so two integers stand for the rank's [`LoadKey`] without its namespace to hash,
+/// compare or allocate for every dispatch reported.
+fn reported_rank(key: &pb::LoadKey) -> Option<RankKey> {
+    let worker = key.worker.as_ref()?;
+    Some(RankKey { worker_id: worker.instance_id, dp_rank: key.dp_rank })
+}
+
+/// Whether the fleet view has `key`'s worker, with that dp rank.
+fn in_fleet(state: &FleetState, key: &LoadKey) -> bool {
+    state.view().worker(&key.worker).is_some_and(|w| w.dp_ranks().any(|r| r == key.dp_rank))
 }
 
 /// The book itself, driven by the task below: pure but for the [`ActiveIndex`] it shares.
 #[derive(Debug, Default)]
 struct Book {
-    ranks: FastMap<LoadKey, Rank>,
+    ranks: FastMap<RankKey, Rank>,
     /// The hashes of every dispatch in flight, per rank.
     active: ActiveIndex,
-    where_is: FastMap<(u64, u64), LoadKey>,
+    where_is: FastMap<(u64, u64), RankKey>,
     per_replica: FastMap<u64, usize>,
     /// Ranks whose sums may have moved since the last publish check, each once.
-    dirty: Vec<LoadKey>,
+    dirty: Vec<RankKey>,
     /// Block hashes the dispatches in flight hold, at most [`MAX_ACTIVE_BLOCK_HASHES`].
     held_hashes: usize,
     /// Dispatches refused: for a rank the fleet does not have, or past the replica's bound.
@@ -326,15 +357,14 @@ impl Book {
             folded.last_op = folded.last_op.max(last_op);
         }
         for started in report.started {
-            let Some(key) = started.rank.and_then(|k| LoadKey::try_from(k).ok()) else { continue };
-            // Only ranks the fleet has: a report cannot make the book grow with invented keys.
-            let known = state.view().worker(&key.worker).is_some_and(|w| w.dp_ranks().any(|r| r == key.dp_rank));
-            let held = self.per_replica.entry(replica).or_default();
-            if !known || *held >= MAX_DISPATCHES_PER_REPLICA {
+            let Some(reported) = started.rank.as_ref() else { continue };
+            let Some(key) = reported_rank(reported) else { continue };
+            let held = self.per_replica.get(&replica).copied().unwrap_or_default();
+            if held >= MAX_DISPATCHES_PER_REPLICA || !self.admit(key, reported, state) {
                 self.refused += 1;
                 continue;
             }
-            *held += 1;
+            *self.per_replica.entry(replica).or_default() += 1;
             let id = (replica, started.id);
             // A repeated id replaces its dispatch.
             self.end(id, at);
@@ -354,16 +384,10 @@ impl Book {
                 at,
                 answered: None,
             };
-            let rank = self.ranks.entry(key.clone()).or_insert_with(|| {
-                // A new record starts from the sample the view holds now, so that sample's
-                // whole backlog counts as foreign until the next one.
-                let sample = state.view().loads().get(&key);
-                let mut rank = Rank::default();
-                rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
-                rank
-            });
-            rank.start(id, dispatch, &self.active, rank_key(&key));
-            mark(&mut self.dirty, &key, rank);
+            // Admitted, so held: ends never remove a record.
+            let Some(rank) = self.ranks.get_mut(&key) else { continue };
+            rank.start(id, dispatch, &self.active, key);
+            mark(&mut self.dirty, key, rank);
             self.where_is.insert(id, key);
         }
         // After the starts: a dispatch may start, begin answering and end within one report.
@@ -375,9 +399,25 @@ impl Book {
         }
     }
 
+    /// Whether `key`, reported as `reported`, is a rank the fleet has: a report cannot make the
+    /// book grow with invented keys. A rank new to the book gets its record here; one the book
+    /// holds is looked up by its integers, and the namespace only compared.
+    fn admit(&mut self, key: RankKey, reported: &pb::LoadKey, state: &FleetState) -> bool {
+        if let Some(rank) = self.ranks.get(&key) {
+            let namespace = reported.worker.as_ref().map_or("", |w| w.namespace.as_str());
+            return *rank.key.worker.namespace == *namespace && in_fleet(state, &rank.key);
+        }
+        let Ok(load_key) = LoadKey::try_from(reported.clone()) else { return false };
+        if !in_fleet(state, &load_key) {
+            return false;
+        }
+        self.ranks.insert(key, Rank::new(load_key, state));
+        true
+    }
+
     fn prefilled(&mut self, id: (u64, u64), at: Instant) {
-        let Some(key) = self.where_is.get(&id) else { return };
-        let Some(rank) = self.ranks.get_mut(key) else { return };
+        let Some(&key) = self.where_is.get(&id) else { return };
+        let Some(rank) = self.ranks.get_mut(&key) else { return };
         rank.answered(id, at);
         mark(&mut self.dirty, key, rank);
     }
@@ -385,8 +425,8 @@ impl Book {
     fn end(&mut self, id: (u64, u64), now: Instant) {
         let Some(key) = self.where_is.remove(&id) else { return };
         if let Some(rank) = self.ranks.get_mut(&key) {
-            self.held_hashes -= rank.end(id, now, &self.active, rank_key(&key));
-            mark(&mut self.dirty, &key, rank);
+            self.held_hashes -= rank.end(id, now, &self.active, key);
+            mark(&mut self.dirty, key, rank);
         }
         if let Some(held) = self.per_replica.get_mut(&id.0) {
             *held = held.saturating_sub(1);
@@ -406,8 +446,8 @@ impl Book {
     /// sums may have moved for a publish check (unchanged sums are not streamed).
     fn expire(&mut self, state: &FleetState, now: Instant) {
         let mut lost = Vec::new();
-        for (key, rank) in &mut self.ranks {
-            let sample = state.view().loads().get(key);
+        for (&key, rank) in &mut self.ranks {
+            let sample = state.view().loads().get(&rank.key);
             let received_at = sample.map(|s| s.received_at);
             // A sum changes with a new sample (its foreign part) or an end (marked by `end`);
             // a rank with nothing in flight may also settle with time.
@@ -439,7 +479,7 @@ impl Book {
             rank.dirty = false;
             if rank.settled(now) {
                 if rank.published.is_some() {
-                    change.backlogs_removed.push(key.clone());
+                    change.backlogs_removed.push(rank.key.clone());
                 }
                 self.ranks.remove(&key);
                 continue;
@@ -447,7 +487,7 @@ impl Book {
             let backlog = rank.backlog();
             if rank.published != Some(backlog) {
                 rank.published = Some(backlog);
-                change.backlogs.push((key, backlog));
+                change.backlogs.push((rank.key.clone(), backlog));
             }
         }
         // Every report received so far is in the sums; the ranges go out with them, or not at all.

@@ -4,8 +4,9 @@
 //! the same machine in the same run. A keep-alive hyper load generator sends the same chat
 //! completion with fixed concurrency straight to the stub (the baseline), through nginx and
 //! through the data plane; each proxy gets one thread, and each one's CPU time per request is
-//! measured too. Nine rounds, the median one reported:
-//! single rounds on 2 shared cores swing by ±25%.
+//! measured too, and the in-process control plane's while the data plane is measured. Nine
+//! rounds; the table pools every round's requests of a path (single rounds on 2 shared cores
+//! swing by ±25%, and one round's p99 more), and lists each round's ratios.
 //!
 //! `cargo run --release -p continuum-tests --bin bench-proxy -- [--requests 50000] [--concurrency 32] [--warmup 2000] [--rounds 9] [--write]`
 
@@ -55,6 +56,47 @@ struct Run {
     latency: Quantiles,
     /// The proxy's CPU time (user and kernel) per request, in µs; `None` for the baseline.
     cpu_us: Option<f64>,
+}
+
+/// Every round's requests of one path together.
+#[derive(Debug, Default)]
+struct Pooled {
+    requests: usize,
+    elapsed: Duration,
+    samples: Vec<Duration>,
+    /// The proxy's CPU time over all its measured requests.
+    cpu_ns: u64,
+    /// The in-process control plane's CPU time while the path was measured.
+    control_ns: u64,
+}
+
+impl Pooled {
+    fn add(&mut self, drove: Drove, cpu_ns: Option<u64>, control_ns: Option<u64>) {
+        self.requests += drove.samples.len();
+        self.elapsed += drove.elapsed;
+        self.samples.extend(drove.samples);
+        self.cpu_ns += cpu_ns.unwrap_or_default();
+        self.control_ns += control_ns.unwrap_or_default();
+    }
+
+    fn run(&self) -> Run {
+        let per_request_us = |ns: u64| ns as f64 / 1e3 / self.requests.max(1) as f64;
+        Run {
+            rps: self.requests as f64 / self.elapsed.as_secs_f64(),
+            latency: Quantiles::of(self.samples.clone()),
+            cpu_us: (self.cpu_ns > 0).then(|| per_request_us(self.cpu_ns)),
+        }
+    }
+
+    fn control_us(&self) -> f64 {
+        self.control_ns as f64 / 1e3 / self.requests.max(1) as f64
+    }
+}
+
+/// What driving one path gave: every request's latency, and how long they all took.
+struct Drove {
+    samples: Vec<Duration>,
+    elapsed: Duration,
 }
 
 /// One round: direct to the stub, through nginx, through the data plane.
@@ -120,15 +162,16 @@ fn main() -> anyhow::Result<()> {
     ];
     let client = load_client(load.concurrency);
     let mut measured = Vec::with_capacity(rounds);
+    let mut pooled: [Pooled; 3] = Default::default();
     for round in 0..rounds {
-        let runs = load_rt.block_on(measure_round(&client, &targets, load, round))?;
+        let runs = load_rt.block_on(measure_round(&client, &targets, load, round, &mut pooled))?;
         measured.push(runs);
     }
     let through_data_plane = pinned.load(Ordering::Relaxed);
     let expected = (rounds * (load.requests + load.warmup)) as u64;
     anyhow::ensure!(through_data_plane >= expected, "only {through_data_plane} of {expected} requests arrived pinned");
 
-    let table = table(&measured, load, &nginx.version);
+    let table = table(&measured, &pooled, load, &nginx.version);
     println!("{table}");
     drop(nginx);
     proxy_rt.block_on(replica.shutdown());
@@ -231,18 +274,34 @@ fn load_client(concurrency: usize) -> HttpClient {
     Client::builder(TokioExecutor::new()).pool_max_idle_per_host(concurrency).build(connector)
 }
 
-/// Every target once, warm-up first; the order rotates from round to round.
-async fn measure_round(client: &HttpClient, targets: &[Target; 3], load: Load, round: usize) -> anyhow::Result<Round> {
+/// Every target once, warm-up first; the order rotates from round to round. Each path's
+/// requests are added to its pool too.
+async fn measure_round(
+    client: &HttpClient,
+    targets: &[Target; 3],
+    load: Load,
+    round: usize,
+    pooled: &mut [Pooled; 3],
+) -> anyhow::Result<Round> {
     let mut runs = [None; 3];
     for i in (0..3).map(|i| (i + round) % 3) {
         let Target { name, addr, cpu } = &targets[i];
         let uri: Uri = format!("http://{addr}/v1/chat/completions").parse()?;
         drive(client, &uri, load.warmup, load.concurrency).await?;
         let before = cpu.as_deref().map(cpu_ns).transpose()?;
-        let mut run = drive(client, &uri, load.requests, load.concurrency).await?;
-        if let (Some(before), Some(path)) = (before, cpu.as_deref()) {
-            run.cpu_us = Some((cpu_ns(path)? - before) as f64 / 1e3 / load.requests as f64);
-        }
+        let control_before = (i == DATA_PLANE).then(control_plane_ns).transpose()?;
+        let drove = drive(client, &uri, load.requests, load.concurrency).await?;
+        let used = match (before, cpu.as_deref()) {
+            (Some(before), Some(path)) => Some(cpu_ns(path)? - before),
+            _ => None,
+        };
+        let control_used = control_before.map(|before| control_plane_ns().map(|now| now - before)).transpose()?;
+        let run = Run {
+            rps: drove.samples.len() as f64 / drove.elapsed.as_secs_f64(),
+            latency: Quantiles::of(drove.samples.clone()),
+            cpu_us: used.map(|ns| ns as f64 / 1e3 / load.requests as f64),
+        };
+        pooled[i].add(drove, used, control_used);
         eprintln!(
             "round {}: {name:<10} {:>8.0} req/s  p50 {:>5} µs  p99 {:>5} µs  cpu {:>5.1} µs/request",
             round + 1,
@@ -265,6 +324,22 @@ struct Target {
     cpu: Option<String>,
 }
 
+/// Where the data plane is in [`Round`]'s order of targets.
+const DATA_PLANE: usize = 2;
+
+/// Nanoseconds the in-process control plane's threads (its runtime's, all named
+/// `control-plane`) have run on a CPU.
+fn control_plane_ns() -> anyhow::Result<u64> {
+    let mut total = 0;
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let dir = task?.path();
+        if std::fs::read_to_string(dir.join("comm")).is_ok_and(|comm| comm.trim() == "control-plane") {
+            total += cpu_ns(&dir.join("schedstat").display().to_string())?;
+        }
+    }
+    Ok(total)
+}
+
 /// Nanoseconds a process or thread has run on a CPU, from its `schedstat`.
 fn cpu_ns(schedstat: &str) -> anyhow::Result<u64> {
     let text = std::fs::read_to_string(schedstat)?;
@@ -274,7 +349,7 @@ fn cpu_ns(schedstat: &str) -> anyhow::Result<u64> {
 
 /// `total` requests from `concurrency` keep-alive callers; each latency runs from sending the
 /// request to reading the whole response body.
-async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize) -> anyhow::Result<Run> {
+async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize) -> anyhow::Result<Drove> {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut callers = tokio::task::JoinSet::new();
@@ -294,8 +369,7 @@ async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize)
     while let Some(caller) = callers.join_next().await {
         samples.extend(caller??);
     }
-    let rps = total as f64 / started.elapsed().as_secs_f64();
-    Ok(Run { rps, latency: Quantiles::of(samples), cpu_us: None })
+    Ok(Drove { samples, elapsed: started.elapsed() })
 }
 
 async fn call(client: &HttpClient, uri: &Uri) -> anyhow::Result<()> {
@@ -314,7 +388,9 @@ fn added(proxied: Duration, direct: Duration) -> f64 {
     proxied.as_secs_f64() * 1e6 - direct.as_secs_f64() * 1e6
 }
 
-fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
+fn table(rounds: &[Round], pooled: &[Pooled; 3], load: Load, nginx: &str) -> String {
+    let [direct, through_nginx, data_plane] = pooled;
+    let all = Round { direct: direct.run(), nginx: through_nginx.run(), data_plane: data_plane.run() };
     let mut by_ratio: Vec<&Round> = rounds.iter().collect();
     by_ratio.sort_by(|a, b| a.rps_ratio().total_cmp(&b.rps_ratio()));
     let median = by_ratio[by_ratio.len() / 2];
@@ -334,27 +410,30 @@ fn table(rounds: &[Round], load: Load, nginx: &str) -> String {
             run.latency.p99.as_micros()
         )
     };
-    let all: Vec<String> =
+    let each: Vec<String> =
         rounds.iter().map(|r| format!("{:.2}×/{:.2}×", r.rps_ratio(), r.added_p99_ratio())).collect();
-    let mut cpu_ratios: Vec<f64> = rounds.iter().filter_map(Round::cpu_ratio).collect();
-    cpu_ratios.sort_by(f64::total_cmp);
-    let cpu_ratio = cpu_ratios.get(cpu_ratios.len() / 2).copied().unwrap_or(f64::NAN);
+    let cpu_ratio = all.cpu_ratio().unwrap_or(f64::NAN);
+    let control_us = data_plane.control_us();
+    let with_control =
+        all.data_plane.cpu_us.zip(all.nginx.cpu_us).map_or(f64::NAN, |(dp, nginx)| (dp + control_us) / nginx);
     format!(
         "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request (µs) |\n|---|---|---|---|---|---|---|\n{}{}{}\n\
          - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
-         - Round {index} of {} shown, the median by throughput ratio; every round's (throughput ratio / added-p99 ratio): {}.\n\
-         - CPU per request, data plane / nginx, median over the rounds: **{cpu_ratio:.2}×**. It is the thread's (nginx: the process's) time on a CPU, user and kernel, during its path's measured requests, from `schedstat`; it steadies the comparison where throughput swings with how the scheduler places four busy threads on two cores.\n\
-         - Each path: {} requests at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\
+         - Every figure pools a path's requests over all {} rounds: requests/s is their number over the time they took, the latencies their quantiles. Added latency is the path's quantile less the direct path's. The median round by throughput ratio (round {index}) gave {:.2}×/{:.2}×; every round's (throughput ratio / added-p99 ratio): {}.\n\
+         - CPU per request, data plane / nginx: **{cpu_ratio:.2}×**. It is the thread's (nginx: the process's) time on a CPU, user and kernel, during its path's measured requests, from `schedstat`; it steadies the comparison where throughput swings with how the scheduler places four busy threads on two cores. The in-process control plane's threads ran {control_us:.1} µs per data-plane request besides (folding the reports, streaming the backlogs), on the same cores: with it, **{with_control:.2}×**.\n\
+         - Each path: {} requests per round at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\
          - Same machine, same run, loopback. The stub, the load generator, each proxy (one thread each: nginx `worker_processes 1`, the data plane a current-thread runtime on a thread of its own, with its control-plane stream) and the in-process control plane share the cores, so these are relative numbers. The benchmark binary allocates with mimalloc, as the data-plane binary does.\n\
          - Both proxies keep idle keep-alive connections to the stub: nginx `keepalive {UPSTREAM_KEEPALIVE}`, the data plane its own HTTP/1.1 client (at most {MAX_IDLE_PER_AUTHORITY} idle per shim replica), which writes each request in one system call and reads the answer on the request's own task. The data plane serves clients with its own HTTP/1.1 server (`data-plane/src/server`).\n\
          - The data plane does more than nginx: it parses and validates the JSON (forwarding the body as sent when nothing in it must change), picks a prefill and a decode worker among 2 + 2, writes the pins, records the dispatch in its ledger and reports it to the control plane over gRPC (and applies the backlogs it streams back), and keeps metrics.\n",
-        row("direct to the stub (baseline)", &median.direct, None),
-        row(&format!("{nginx} (`proxy_pass`, upstream keepalive)"), &median.nginx, Some(&median.direct)),
-        row("Continuum data plane (picking on)", &median.data_plane, Some(&median.direct)),
+        row("direct to the stub (baseline)", &all.direct, None),
+        row(&format!("{nginx} (`proxy_pass`, upstream keepalive)"), &all.nginx, Some(&all.direct)),
+        row("Continuum data plane (picking on)", &all.data_plane, Some(&all.direct)),
+        all.rps_ratio(),
+        all.added_p99_ratio(),
+        rounds.len(),
         median.rps_ratio(),
         median.added_p99_ratio(),
-        rounds.len(),
-        all.join(", "),
+        each.join(", "),
         load.requests,
         load.concurrency,
         load.warmup,

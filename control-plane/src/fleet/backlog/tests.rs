@@ -36,6 +36,11 @@ fn rank(dp_rank: u32) -> LoadKey {
     LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank }
 }
 
+/// The book's key for `rank(dp_rank)`.
+fn book_key(dp_rank: u32) -> RankKey {
+    RankKey { worker_id: 1, dp_rank }
+}
+
 fn started(id: u64, dp_rank: u32, tokens: u64) -> pb::DispatchStarted {
     let rank = Some((&rank(dp_rank)).into());
     pb::DispatchStarted { id, rank, prefill_tokens: tokens, decode_blocks: tokens / 16, block_hashes: Vec::new() }
@@ -95,6 +100,32 @@ fn reports_for_ranks_the_fleet_does_not_have_are_refused() {
     book.report(1, report(vec![stranger], vec![]), Instant::now(), &state);
     assert_eq!(book.refused, 2);
     assert!(book.take_change(Instant::now()).backlogs.is_empty());
+}
+
+#[test]
+fn a_held_rank_takes_reports_only_under_its_own_namespace_and_while_its_worker_serves() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    book.report(1, report(vec![started(1, 0, 16)], vec![]), t0, &state);
+    // The book finds the held rank by its instance id; the same id under another namespace
+    // (or none) is not that rank.
+    let mut impostor = started(2, 0, 16);
+    impostor.rank = Some((&LoadKey { worker: WorkerKey::new("other", 1), dp_rank: 0 }).into());
+    let mut unnamed = started(3, 0, 16);
+    unnamed.rank =
+        Some(pb::LoadKey { worker: Some(pb::WorkerKey { namespace: String::new(), instance_id: 1 }), dp_rank: 0 });
+    book.report(1, report(vec![impostor, unnamed], vec![]), t0, &state);
+    assert_eq!(book.refused, 2);
+    // Once the worker has left the fleet, its held rank takes no new dispatch.
+    let Some((gone, _)) =
+        state.commit(FleetChange { remove: vec![WorkerKey::new("dynamo", 1)], ..FleetChange::default() })
+    else {
+        panic!("a removal is a change")
+    };
+    book.report(1, report(vec![started(4, 0, 16)], vec![]), t0, &gone);
+    assert_eq!(book.refused, 3);
+    assert_eq!(book.where_is.keys().copied().collect::<Vec<_>>(), [(1, 1)]);
 }
 
 #[test]
@@ -225,9 +256,9 @@ fn dispatches_whose_end_never_comes_age_out_and_leave_with_their_replica() {
     book.report(2, report(vec![started(1, 0, 16)], vec![]), t0 + Duration::from_secs(20), &state);
     book.expire(&state, t0 + IN_FLIGHT_MAX_AGE);
     book.take_change(t0 + IN_FLIGHT_MAX_AGE);
-    assert_eq!(book.ranks.get(&rank(0)).map(|r| r.dispatches.len()), Some(1), "only the old dispatch aged out");
+    assert_eq!(book.ranks.get(&book_key(0)).map(|r| r.dispatches.len()), Some(1), "only the old dispatch aged out");
     book.replica_gone(2, t0 + IN_FLIGHT_MAX_AGE);
-    assert!(book.ranks.get(&rank(0)).is_some_and(|r| r.dispatches.is_empty()));
+    assert!(book.ranks.get(&book_key(0)).is_some_and(|r| r.dispatches.is_empty()));
     // No sample ever comes: the record goes DISPATCH_MAX_AGE after the last end.
     let much_later = t0 + IN_FLIGHT_MAX_AGE + DISPATCH_MAX_AGE;
     book.expire(&state, much_later);
@@ -302,7 +333,7 @@ fn dispatches_that_have_decoded_about_as_long_as_the_rank_takes_are_published_as
     let ending = |book: &mut Book, at: Instant| -> Option<u64> {
         book.expire(&state, at);
         book.take_change(at);
-        book.ranks.get(&rank(0)).map(|r| r.backlog().ending_decode_blocks)
+        book.ranks.get(&book_key(0)).map(|r| r.backlog().ending_decode_blocks)
     };
     let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
     // The first request teaches the rank: 100 ms to its first token, then 400 ms of decode.
@@ -317,7 +348,7 @@ fn dispatches_that_have_decoded_about_as_long_as_the_rank_takes_are_published_as
     assert_eq!(ending(&mut book, t0 + ms(900)), Some(0));
     book.expire(&state, t0 + ms(950));
     let published = sums(&book.take_change(t0 + ms(950)));
-    let ending_now = book.ranks.get(&rank(0)).map(|r| r.backlog().ending_decode_blocks);
+    let ending_now = book.ranks.get(&book_key(0)).map(|r| r.backlog().ending_decode_blocks);
     assert_eq!(ending_now, Some(100), "decoding for 350 ms");
     assert_eq!(published, [(0, 0, 100, 1, None)], "published with time alone; the blocks are still in flight");
     book.report(1, report(vec![], vec![2]), t0 + ms(990), &state);
