@@ -36,7 +36,7 @@
 //! [`BACKLOG_WINDOW`] is published at once; after that, changes are published at most once per
 //! window. The task does not wake per window while the book holds nothing.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -165,7 +165,7 @@ impl Timing {
 struct Rank {
     /// The rank's key in the fleet view (its backlog's, its samples').
     key: LoadKey,
-    dispatches: BTreeMap<(u64, u64), Dispatch>,
+    dispatches: FastMap<(u64, u64), Dispatch>,
     /// The distinct decode blocks of `dispatches` (their hashes are in the book's
     /// [`ActiveIndex`]).
     active: u64,
@@ -195,7 +195,7 @@ impl Rank {
         let sample = state.view().loads().get(&key);
         let mut rank = Rank {
             key,
-            dispatches: BTreeMap::new(),
+            dispatches: FastMap::default(),
             active: 0,
             sampled_at: None,
             foreign: None,
