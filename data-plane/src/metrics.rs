@@ -141,8 +141,9 @@ impl Ingress {
 const LATENCY_BUCKETS: [f64; 14] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
 /// `stage`s of `continuum_dynamo_kv_term_seconds`: rendering, tokenizing and hashing the
-/// prompt, then asking the control plane's index which ranks hold its prefix.
-pub const KV_TERM_STAGES: [&str; 2] = ["prepare", "find_matches"];
+/// prompt, then asking the control plane's index which ranks hold its prefix; and, within
+/// the first, the wait before the render ran (for a permit and a blocking-pool thread).
+pub const KV_TERM_STAGES: [&str; 3] = ["prepare", "find_matches", "queue"];
 /// From a cached prompt's tens of microseconds to the lookup deadlines operators set.
 const KV_TERM_BUCKETS: [f64; 12] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
@@ -226,7 +227,7 @@ impl Metrics {
             kv_term_seconds: HistogramVec::new(
                 HistogramOpts::new(
                     "continuum_dynamo_kv_term_seconds",
-                    "Time the KV term of a selection took, by stage: prepare (render, tokenize, hash the prompt), find_matches (the control plane's index lookup)",
+                    "Time the KV term of a selection took, by stage: prepare (render, tokenize, hash the prompt), find_matches (the control plane's index lookup); queue is the part of prepare spent waiting for a render permit and a blocking-pool thread",
                 )
                 .buckets(KV_TERM_BUCKETS.to_vec()),
                 &["stage"],

@@ -94,7 +94,7 @@ impl KvRouting {
     ) -> Self {
         Self {
             matches,
-            renderer,
+            renderer: renderer.observing_queue(term_seconds.with_label_values(&["queue"])),
             artifacts_counter,
             prompt: Mutex::default(),
             models: Mutex::default(),

@@ -424,6 +424,28 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
     assert!(started.elapsed() < Duration::from_millis(500));
 }
 
+#[tokio::test]
+async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_permit_none() {
+    let artifacts = loaded_tinymodel().await;
+    let looping = looping_artifacts(&artifacts);
+    let (request, size16) = (chat("hi"), sizes(&[16]));
+    let queued = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("queued", "queued")).unwrap();
+    let limits = RenderLimits { permits: 1, deadline: Duration::from_secs(60), ..RenderLimits::default() };
+    let one = Renderer::new(limits).observing_queue(queued.clone());
+    assert!(one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_ok());
+    assert_eq!(queued.get_sample_count(), 1);
+    // A long render holds the only permit: the next request gives up at the permit wait
+    // without running, so it has no wait to observe.
+    let busy = tokio::spawn({
+        let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
+        async move { one.prepare(looping, &request, &size16, SaltHash::default()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert!(one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_err());
+    assert!(busy.await.unwrap().is_err());
+    assert_eq!(queued.get_sample_count(), 2, "the long render ran; the refused one did not");
+}
+
 #[test]
 fn fallback_labels_are_the_selection_results() {
     let labels: Vec<_> = Fallback::ALL.iter().map(|f| f.as_str()).collect();

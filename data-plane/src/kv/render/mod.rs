@@ -10,6 +10,7 @@ mod template;
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus::Histogram;
 use serde_json::Value;
 use tokio::sync::Semaphore;
 
@@ -70,6 +71,8 @@ impl PreparedPrompt {
 pub struct Renderer {
     permits: Arc<Semaphore>,
     limits: RenderLimits,
+    /// Observes how long each render waited for its permit and a blocking-pool thread.
+    queued: Option<Histogram>,
 }
 
 impl Default for Renderer {
@@ -80,7 +83,14 @@ impl Default for Renderer {
 
 impl Renderer {
     pub fn new(limits: RenderLimits) -> Self {
-        Self { permits: Arc::new(Semaphore::new(limits.permits)), limits }
+        Self { permits: Arc::new(Semaphore::new(limits.permits)), limits, queued: None }
+    }
+
+    /// The same renderer, observing in `queued` how long each render waits before it runs: for
+    /// its permit, then for a thread of the blocking pool to pick it up. On a busy host that
+    /// wait, not the render, can be most of a prompt's preparation.
+    pub fn observing_queue(self, queued: Histogram) -> Self {
+        Self { queued: Some(queued), ..self }
     }
 
     pub fn limits(&self) -> RenderLimits {
@@ -102,7 +112,11 @@ impl Renderer {
             .map_err(|_| Fallback::RenderUnavailable)?
             .map_err(|_| Fallback::RenderUnavailable)?;
         let (request, sizes, max_tokens) = (request.clone(), block_sizes.to_vec(), self.limits.max_tokens);
+        let queued = self.queued.clone();
         let job = tokio::task::spawn_blocking(move || {
+            if let Some(queued) = queued {
+                queued.observe(started.elapsed().as_secs_f64());
+            }
             // The permit is held until the job ends, even past the deadline, so abandoned
             // renders still count against the bound.
             let _permit = permit;
