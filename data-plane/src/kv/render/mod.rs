@@ -87,8 +87,8 @@ impl Renderer {
     }
 
     /// The same renderer, observing in `queued` how long each render waits before it runs: for
-    /// its permit, then for a thread of the blocking pool to pick it up. On a busy host that
-    /// wait, not the render, can be most of a prompt's preparation.
+    /// its permit, then for a thread of the blocking pool to pick it up. It tells a slow
+    /// preparation that waited from one whose render ran long.
     pub fn observing_queue(self, queued: Histogram) -> Self {
         Self { queued: Some(queued), ..self }
     }
