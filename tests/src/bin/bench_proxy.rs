@@ -58,45 +58,41 @@ struct Run {
     cpu_us: Option<f64>,
 }
 
-/// Every round's requests of one path together.
+/// Requests of one path, one round's or every round's together: each one's latency, how long
+/// they all took, and the CPU time spent on them.
 #[derive(Debug, Default)]
 struct Pooled {
-    requests: usize,
-    elapsed: Duration,
     samples: Vec<Duration>,
-    /// The proxy's CPU time over all its measured requests.
+    elapsed: Duration,
+    /// The proxy's CPU time; 0 for the baseline.
     cpu_ns: u64,
     /// The in-process control plane's CPU time while the path was measured.
     control_ns: u64,
 }
 
 impl Pooled {
-    fn add(&mut self, drove: Drove, cpu_ns: Option<u64>, control_ns: Option<u64>) {
-        self.requests += drove.samples.len();
-        self.elapsed += drove.elapsed;
-        self.samples.extend(drove.samples);
-        self.cpu_ns += cpu_ns.unwrap_or_default();
-        self.control_ns += control_ns.unwrap_or_default();
+    fn add(&mut self, round: Pooled) {
+        self.samples.extend(round.samples);
+        self.elapsed += round.elapsed;
+        self.cpu_ns += round.cpu_ns;
+        self.control_ns += round.control_ns;
     }
 
     fn run(&self) -> Run {
-        let per_request_us = |ns: u64| ns as f64 / 1e3 / self.requests.max(1) as f64;
         Run {
-            rps: self.requests as f64 / self.elapsed.as_secs_f64(),
+            rps: self.samples.len() as f64 / self.elapsed.as_secs_f64(),
             latency: Quantiles::of(self.samples.clone()),
-            cpu_us: (self.cpu_ns > 0).then(|| per_request_us(self.cpu_ns)),
+            cpu_us: (self.cpu_ns > 0).then(|| self.per_request_us(self.cpu_ns)),
         }
     }
 
     fn control_us(&self) -> f64 {
-        self.control_ns as f64 / 1e3 / self.requests.max(1) as f64
+        self.per_request_us(self.control_ns)
     }
-}
 
-/// What driving one path gave: every request's latency, and how long they all took.
-struct Drove {
-    samples: Vec<Duration>,
-    elapsed: Duration,
+    fn per_request_us(&self, ns: u64) -> f64 {
+        ns as f64 / 1e3 / self.samples.len().max(1) as f64
+    }
 }
 
 /// One round: direct to the stub, through nginx, through the data plane.
@@ -290,18 +286,15 @@ async fn measure_round(
         drive(client, &uri, load.warmup, load.concurrency).await?;
         let before = cpu.as_deref().map(cpu_ns).transpose()?;
         let control_before = (i == DATA_PLANE).then(control_plane_ns).transpose()?;
-        let drove = drive(client, &uri, load.requests, load.concurrency).await?;
-        let used = match (before, cpu.as_deref()) {
-            (Some(before), Some(path)) => Some(cpu_ns(path)? - before),
-            _ => None,
-        };
-        let control_used = control_before.map(|before| control_plane_ns().map(|now| now - before)).transpose()?;
-        let run = Run {
-            rps: drove.samples.len() as f64 / drove.elapsed.as_secs_f64(),
-            latency: Quantiles::of(drove.samples.clone()),
-            cpu_us: used.map(|ns| ns as f64 / 1e3 / load.requests as f64),
-        };
-        pooled[i].add(drove, used, control_used);
+        let mut measured = drive(client, &uri, load.requests, load.concurrency).await?;
+        if let (Some(before), Some(path)) = (before, cpu.as_deref()) {
+            measured.cpu_ns = cpu_ns(path)? - before;
+        }
+        if let Some(before) = control_before {
+            measured.control_ns = control_plane_ns()? - before;
+        }
+        let run = measured.run();
+        pooled[i].add(measured);
         eprintln!(
             "round {}: {name:<10} {:>8.0} req/s  p50 {:>5} µs  p99 {:>5} µs  cpu {:>5.1} µs/request",
             round + 1,
@@ -349,7 +342,7 @@ fn cpu_ns(schedstat: &str) -> anyhow::Result<u64> {
 
 /// `total` requests from `concurrency` keep-alive callers; each latency runs from sending the
 /// request to reading the whole response body.
-async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize) -> anyhow::Result<Drove> {
+async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize) -> anyhow::Result<Pooled> {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut callers = tokio::task::JoinSet::new();
@@ -369,7 +362,7 @@ async fn drive(client: &HttpClient, uri: &Uri, total: usize, concurrency: usize)
     while let Some(caller) = callers.join_next().await {
         samples.extend(caller??);
     }
-    Ok(Drove { samples, elapsed: started.elapsed() })
+    Ok(Pooled { samples, elapsed: started.elapsed(), ..Pooled::default() })
 }
 
 async fn call(client: &HttpClient, uri: &Uri) -> anyhow::Result<()> {
