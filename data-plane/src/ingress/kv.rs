@@ -19,7 +19,7 @@ use crate::fleet::{MatchesClient, MatchesError};
 use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
 use crate::kv::render::Renderer;
 use crate::kv::{Fallback, KvPrompt, request_cache_salt};
-use crate::routing::picker::{KvSelectionResult, Overlaps};
+use crate::routing::picker::{IndexAnswer, KvSelectionResult, Overlaps};
 
 /// What the picker scores a request with.
 #[derive(Debug)]
@@ -32,9 +32,9 @@ pub enum Term {
         /// The prompt's block hashes at `block_size` (at most [`MAX_DISPATCH_BLOCK_HASHES`]),
         /// reported with the dispatch so the control plane credits them provisionally.
         block_hashes: Vec<u64>,
-        /// The index missed its deadline (or failed) and `overlaps` is a recent answer for
-        /// the prompt's prefix.
-        recent: bool,
+        /// Where `overlaps` came from: the index, a recent answer standing in for a missed
+        /// lookup, or nothing (no rank credited).
+        answer: IndexAnswer,
     },
     Unavailable(KvSelectionResult),
 }
@@ -130,29 +130,24 @@ impl KvRouting {
         let started = Instant::now();
         let answer = self.matches.find_matches(chain.clone()).await;
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
-        let (overlaps, recent) = match answer {
+        let (overlaps, answer) = match answer {
             Ok(overlaps) => {
                 self.recent.remember(&chain, &overlaps, Instant::now());
-                (overlaps, false)
+                (overlaps.into(), IndexAnswer::Answered)
             }
             Err(error) => match self.recent.recall(&chain, Instant::now()) {
-                Some(overlaps) => (overlaps, true),
+                Some(overlaps) => (overlaps.into(), IndexAnswer::Recent),
                 None => {
-                    tracing::debug!(%error, "scoring without the KV term");
-                    return Term::Unavailable(match error {
+                    tracing::debug!(%error, "scoring without overlap credit");
+                    let result = match error {
                         MatchesError::Deadline(_) => KvSelectionResult::IndexTimeout,
                         MatchesError::Status(_) => KvSelectionResult::IndexUnavailable,
-                    });
+                    };
+                    (Overlaps::default(), IndexAnswer::Missed(result))
                 }
             },
         };
-        Term::Scored {
-            tokens: prepared.tokens,
-            block_size: block_size.get(),
-            overlaps: overlaps.into(),
-            block_hashes,
-            recent,
-        }
+        Term::Scored { tokens: prepared.tokens, block_size: block_size.get(), overlaps, block_hashes, answer }
     }
 
     /// Starts loading the tokenizer of every model the fleet serves when its workers or the

@@ -69,9 +69,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let usable = usable_namespaces(state, &pools, now);
     let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&*usable) };
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
-        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, recent })) => {
+        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer })) => {
             let isl_tokens = tokens.len() as u64;
-            let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, recent };
+            let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
             let chain = PromptChain { block_size, hashes: block_hashes };
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
         }

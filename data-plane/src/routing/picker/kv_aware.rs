@@ -32,7 +32,7 @@ use rand::{Rng, SeedableRng};
 
 pub use self::formula::{CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD};
 use self::formula::{Draw, Logit, Prompt, Scored, Weights};
-pub use self::term::{KvSelectionResult, KvTerm, Overlaps, RankOverlap};
+pub use self::term::{IndexAnswer, KvSelectionResult, KvTerm, Overlaps, RankOverlap};
 use super::candidates::{Candidate, Pools};
 use super::cost::Phase;
 use super::ledger::DispatchLedger;
@@ -116,8 +116,8 @@ impl KvAwarePicker {
     /// Chooses the workers for `request`, or `None` when no routable worker serves the model.
     /// `request.prompt_tokens` is used only without a KV term; with one, `isl_tokens` is.
     pub fn pick(&self, view: &FleetView, request: &PickRequest<'_>, kv: KvTerm<'_>, now: Instant) -> Option<Selection> {
-        let (isl_tokens, block_size, overlaps, recent) = match kv {
-            KvTerm::Scored { isl_tokens, block_size, overlaps, recent } => (isl_tokens, block_size, overlaps, recent),
+        let (isl_tokens, block_size, overlaps, answer) = match kv {
+            KvTerm::Scored { isl_tokens, block_size, overlaps, answer } => (isl_tokens, block_size, overlaps, answer),
             KvTerm::Unavailable(result) => {
                 let selection = self.load.pick(view, request, now)?;
                 self.count_result(result);
@@ -137,8 +137,11 @@ impl KvAwarePicker {
         let prefilling = prefilling(&pools);
         let cursor = (KV_CURSOR, Phase::Prefill, request.model);
         let winner = self.compete(&scoring, &prefilling, cursor, |logit| logit.cost)?;
-        let overlap =
-            if recent { KvSelectionResult::IndexRecent } else { overlap_result(scoring.overlap(winner.candidate)) };
+        let overlap = match answer {
+            IndexAnswer::Answered => overlap_result(scoring.overlap(winner.candidate)),
+            IndexAnswer::Recent => KvSelectionResult::IndexRecent,
+            IndexAnswer::Missed(result) => result,
+        };
         if winner.candidate.worker.role != Role::Prefill {
             let selection = Selection {
                 namespace: Arc::clone(&winner.candidate.worker.key.namespace),

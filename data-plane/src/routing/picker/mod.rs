@@ -22,8 +22,8 @@ use continuum_proto::view::FleetView;
 
 pub use estimate::PromptText;
 pub use kv_aware::{
-    CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD, KvAwarePicker, KvSelectionResult, KvTerm,
-    Overlaps, RankOverlap,
+    CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD, IndexAnswer, KvAwarePicker, KvSelectionResult,
+    KvTerm, Overlaps, RankOverlap,
 };
 pub use ledger::{
     DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, NOT_REPORTED, PromptChain, RankBacklog,

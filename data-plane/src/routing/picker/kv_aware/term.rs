@@ -15,12 +15,28 @@ pub enum KvTerm<'a> {
         /// in it; a rank whose card declares another size cannot have matched the hashes.
         block_size: u32,
         overlaps: &'a Overlaps,
-        /// `overlaps` is the replica's recent answer for the prompt's prefix, standing in for
-        /// a lookup that missed its deadline: counted `index_recent`.
-        recent: bool,
+        /// Where `overlaps` came from.
+        answer: IndexAnswer,
     },
     /// No KV term: the request is picked by the load-only rules and the result is counted.
     Unavailable(KvSelectionResult),
+}
+
+/// Where a scored term's overlaps came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IndexAnswer {
+    /// The control plane's index answered `FindMatches`.
+    Answered,
+    /// The lookup missed its deadline or failed, and the replica's recent answer for the
+    /// prompt's prefix stands in: counted `index_recent`.
+    Recent,
+    /// The lookup missed its deadline or failed with no recent answer to stand in: no rank is
+    /// credited an overlap, and the selection is counted with this result (`index_timeout` or
+    /// `index_unavailable`). The prompt was rendered all the same, so the formula still weighs
+    /// its exact length against every rank's prefill and decode load; the load-only rules
+    /// would score an aggregated worker by its decode blocks alone and queue the request
+    /// behind a prefill.
+    Missed(KvSelectionResult),
 }
 
 /// One rank's share of a request's prefix, as `FindMatches` answers it. Instance ids are

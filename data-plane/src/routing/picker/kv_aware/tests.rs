@@ -112,7 +112,7 @@ fn overlaps(triples: &[(u64, u32, u32)]) -> Overlaps {
 }
 
 fn scored(isl_tokens: u64, overlaps: &Overlaps) -> KvTerm<'_> {
-    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps, recent: false }
+    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps, answer: IndexAnswer::Answered }
 }
 
 fn pick(picker: &KvAwarePicker, fleet: &Fleet, kv: KvTerm<'_>) -> Selection {
@@ -150,10 +150,33 @@ fn a_recent_answer_scores_like_the_index_and_is_counted_apart() {
     let held = overlaps(&[(2, 0, 4)]);
     let counters = Counters::new();
     let picker = counters.picker();
-    let recent = KvTerm::Scored { isl_tokens: 128, block_size: BLOCK, overlaps: &held, recent: true };
+    let recent = KvTerm::Scored { isl_tokens: 128, block_size: BLOCK, overlaps: &held, answer: IndexAnswer::Recent };
     assert_eq!(ids(&pick(&picker, &fleet, recent)), (2, None));
     assert_eq!(counters.result(KvSelectionResult::IndexRecent), 1);
     assert_eq!(counters.result(KvSelectionResult::Overlap), 0);
+}
+
+#[test]
+fn a_missed_lookup_scores_the_rendered_prompt_on_the_formula_without_overlap_credit() {
+    // Worker 1 is prefilling 1,500 tokens with nothing decoding; worker 2 decodes 50 blocks and
+    // prefills nothing. 128 tokens (8 blocks): worker 1 costs (1500 + 128) / 16 + 8 = 109.75,
+    // worker 2 costs 8 + 50 + 8 = 66. The load-only rules see decode blocks alone and would
+    // queue the request behind worker 1's prefill.
+    let fleet = Fleet::new([agg(1), agg(2)]).sample(1, prefilling(1500), FRESH).sample(2, used(50), FRESH);
+    let load_only = super::super::LoadBasedPicker::new(Arc::new(DispatchLedger::new()), Counters::new().selections);
+    assert_eq!(ids(&load_only.pick(&fleet.view(), &request(), fleet.now).expect("a selection")), (1, None));
+    let counters = Counters::new();
+    let picker = counters.picker();
+    let none = Overlaps::default();
+    for result in [KvSelectionResult::IndexTimeout, KvSelectionResult::IndexUnavailable] {
+        let missed =
+            KvTerm::Scored { isl_tokens: 128, block_size: BLOCK, overlaps: &none, answer: IndexAnswer::Missed(result) };
+        let s = pick(&picker, &fleet, missed);
+        assert_eq!(ids(&s), (2, None));
+        assert_eq!((s.decode_reason, s.cached_blocks), (Reason::KvAware, 0));
+        assert_eq!(counters.result(result), 1, "counted as the miss it was");
+    }
+    assert_eq!(counters.result(KvSelectionResult::NoOverlap), 0);
 }
 
 #[test]
@@ -555,7 +578,7 @@ fn an_unavailable_term_falls_back_to_load_only_selection_and_counts_its_result()
     let picker = counters.picker();
     let load_only = super::super::LoadBasedPicker::new(Arc::new(DispatchLedger::new()), Counters::new().selections)
         .from_first_contender();
-    for result in [KvSelectionResult::TokenizerUnavailable, KvSelectionResult::IndexTimeout] {
+    for result in [KvSelectionResult::TokenizerUnavailable, KvSelectionResult::RenderUnavailable] {
         let s = pick(&picker, &fleet, KvTerm::Unavailable(result));
         let expected = load_only.pick(&fleet.view(), &request(), fleet.now).expect("a selection");
         assert_eq!(s, expected);
