@@ -24,7 +24,7 @@ struct Args {
     /// This replica's name in the control plane's logs and admin API (default: host-pid).
     #[arg(long, env = "CONTINUUM_REPLICA_ID")]
     replica_id: Option<String>,
-    /// How long a KV overlap lookup may hold a request before it is scored on load alone.
+    /// How long a KV overlap lookup may hold a request before it is scored without overlap credit.
     #[arg(long, env = "CONTINUUM_FIND_MATCHES_DEADLINE", default_value = "2ms", value_parser = humantime::parse_duration)]
     find_matches_deadline: std::time::Duration,
     /// Threads serving requests (default: one per core). With 1 the replica runs on a single

@@ -142,8 +142,9 @@ const LATENCY_BUCKETS: [f64; 14] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
 /// `stage`s of `continuum_dynamo_kv_term_seconds`: rendering, tokenizing and hashing the
 /// prompt, then asking the control plane's index which ranks hold its prefix; and, within
-/// the first, the wait before the render ran (for a permit and a blocking-pool thread).
-pub const KV_TERM_STAGES: [&str; 3] = ["prepare", "find_matches", "queue"];
+/// the first, the wait before the render ran (for a permit and a blocking-pool thread) and
+/// the render's own run on that thread.
+pub const KV_TERM_STAGES: [&str; 4] = ["prepare", "find_matches", "queue", "render"];
 /// From a cached prompt's tens of microseconds to the lookup deadlines operators set.
 const KV_TERM_BUCKETS: [f64; 12] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
@@ -227,7 +228,7 @@ impl Metrics {
             kv_term_seconds: HistogramVec::new(
                 HistogramOpts::new(
                     "continuum_dynamo_kv_term_seconds",
-                    "Time the KV term of a selection took, by stage: prepare (render, tokenize, hash the prompt), find_matches (the control plane's index lookup); queue is the part of prepare spent waiting for a render permit and a blocking-pool thread",
+                    "Time the KV term of a selection took, by stage: prepare (render, tokenize, hash the prompt), find_matches (the control plane's index lookup); queue is the part of prepare spent waiting for a render permit and a blocking-pool thread, render the part spent running on that thread",
                 )
                 .buckets(KV_TERM_BUCKETS.to_vec()),
                 &["stage"],

@@ -11,7 +11,7 @@ use tonic::transport::{Channel, Endpoint};
 use crate::routing::picker::RankOverlap;
 
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
-/// ≤ 2 ms)"): past it the request is scored on load alone.
+/// ≤ 2 ms)"): past it the request is scored without overlap credit.
 pub const FIND_MATCHES_DEADLINE: Duration = Duration::from_millis(2);
 
 #[derive(Debug, thiserror::Error)]

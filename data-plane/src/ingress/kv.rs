@@ -1,7 +1,7 @@
 //! The KV term of a pick: render and hash the prompt as the model's workers would, ask the
 //! control plane's index which ranks hold its prefix, and hand both to the KV-aware picker.
 //! Every miss on the way (artifacts, rendering, the index) becomes a counted result and the
-//! request is scored on load alone; the client never sees it.
+//! request is scored without overlap credit; the client never sees it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -17,7 +17,7 @@ use serde_json::Value;
 use super::recent::RecentAnswers;
 use crate::fleet::{MatchesClient, MatchesError};
 use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
-use crate::kv::render::Renderer;
+use crate::kv::render::{RenderStages, Renderer};
 use crate::kv::{Fallback, KvPrompt, request_cache_salt};
 use crate::routing::picker::{IndexAnswer, KvSelectionResult, Overlaps};
 
@@ -94,7 +94,10 @@ impl KvRouting {
     ) -> Self {
         Self {
             matches,
-            renderer: renderer.observing_queue(term_seconds.with_label_values(&["queue"])),
+            renderer: renderer.observing(RenderStages {
+                queued: term_seconds.with_label_values(&["queue"]),
+                ran: term_seconds.with_label_values(&["render"]),
+            }),
             artifacts_counter,
             prompt: Mutex::default(),
             models: Mutex::default(),

@@ -1,7 +1,7 @@
 //! The index's recent answers, for a request whose `FindMatches` misses its deadline.
 //!
 //! On a busy machine a lookup sometimes takes longer than its (tight) deadline, and a request
-//! scored on load alone usually lands away from the rank holding its prefix: a cache miss that
+//! scored without overlap credit usually lands away from the rank holding its prefix: a cache miss that
 //! costs a whole prefill. Conversations and shared system prompts repeat prefixes within
 //! seconds, so the replica keeps each answer for [`RECENT_FOR`] under its prompt's prefix, and
 //! a missed lookup is scored on the answer for the longest prefix it shares with an earlier

@@ -129,8 +129,8 @@ mod tests {
 
     use bytes::Bytes;
     use continuum_proto::model::{
-        Backend, Capacity, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, PickerParams, ShimPool, Worker,
-        WorkerKey,
+        Backend, Capacity, CheckedFile, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, Load, LoadKey,
+        LoadSample, ModelArtifacts, PickerParams, ShimPool, Worker, WorkerKey,
     };
 
     use super::*;
@@ -142,6 +142,18 @@ mod tests {
 
     /// A KV-aware fleet of one aggregated worker, `id`, behind one shim.
     fn view(version: u64, id: u64, cache_dir: &str) -> FleetView {
+        kv_view(version, id, None, cache_dir, Vec::new())
+    }
+
+    /// The same fleet with the worker's card naming `artifacts`, `pinned` reviewed, and the
+    /// rendered prompt sent on as `nvext.token_data`.
+    fn kv_view(
+        version: u64,
+        id: u64,
+        artifacts: Option<ModelArtifacts>,
+        cache_dir: &str,
+        pinned: Vec<String>,
+    ) -> FleetView {
         let worker = Worker {
             key: WorkerKey::new("ns", id),
             role: Role::Aggregated,
@@ -153,17 +165,23 @@ mod tests {
             dp_start_rank: 0,
             dp_size: 0,
             disaggregated_endpoint: None,
-            artifacts: None,
+            artifacts: artifacts.map(Arc::new),
         };
         let config = DataPlaneConfig {
             backends: vec![Backend { name: "shim".into(), url: "http://127.0.0.1:9/".into(), models: Vec::new() }],
             shim_pools: vec![ShimPool { namespace: "ns".into(), backends: vec!["shim".into()] }],
-            picker: PickerParams { kv_enabled: true, ..PickerParams::default() },
+            picker: PickerParams { kv_enabled: true, send_token_data: true, ..PickerParams::default() },
             disaggregated_serving: DisaggregatedServing { enabled: true, fallback_to_unified: false },
-            kv_artifacts: KvArtifactPolicy { cache_dir: cache_dir.into(), ..KvArtifactPolicy::default() },
+            kv_artifacts: KvArtifactPolicy { cache_dir: cache_dir.into(), pinned, ..KvArtifactPolicy::default() },
             ..DataPlaneConfig::default()
         };
-        FleetView::new(version, [Arc::new(worker)], [], Arc::new(config)).expect("view")
+        // A fresh sample: the KV formula, not a rotation, decides.
+        let sample = LoadSample {
+            load: Load { kv_used_blocks: Some(0), active_prefill_tokens: Some(0), ..Load::default() },
+            received_at: Instant::now(),
+        };
+        let loads = [(LoadKey { worker: worker.key.clone(), dp_rank: 0 }, sample)];
+        FleetView::new(version, [Arc::new(worker)], loads, Arc::new(config)).expect("view")
     }
 
     fn state() -> AppState {
@@ -195,5 +213,56 @@ mod tests {
         let routed = route(&state, &arrived, &request).await.expect("routed");
         let Route::Pinned(pinned) = routed.route else { panic!("disaggregated serving pins") };
         assert_eq!(pinned.selection.decode.worker.instance_id, 8);
+    }
+
+    /// The tiny model's files as a worker's card streams them, and their checksums to pin.
+    fn tinymodel_card() -> (ModelArtifacts, Vec<String>) {
+        let file = |name: &str| {
+            let path = crate::kv::tests::fixture(&format!("tinymodel/{name}"));
+            let bytes = std::fs::read(&path).expect("the fixture");
+            let checksum = crate::kv::artifacts::Checksum::of(&bytes).to_string();
+            CheckedFile { uri: path.display().to_string(), checksum, size: bytes.len() as u64 }
+        };
+        let card = ModelArtifacts {
+            tokenizer: Some(file("tokenizer.json")),
+            tokenizer_config: Some(file("tokenizer_config.json")),
+            chat_template: None,
+        };
+        let pinned = [&card.tokenizer, &card.tokenizer_config].into_iter().flatten().map(|f| f.checksum.clone());
+        (card.clone(), pinned.collect())
+    }
+
+    #[tokio::test]
+    async fn a_prompt_whose_lookup_fails_is_still_scored_on_the_formula_and_sent_with_its_tokens() {
+        // The state's FindMatches client dials a port nobody listens on: every lookup fails.
+        let state = state();
+        let dir = tempfile::tempdir().expect("dir");
+        let (card, pinned) = tinymodel_card();
+        let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), pinned);
+        state.fleet.store(fleet.clone());
+        let kv = state.kv.as_ref().expect("KV selection");
+        kv.routing.prewarm(&fleet);
+        let loaded = || state.metrics.kv_artifacts.with_label_values(&["loaded"]).get();
+        for _ in 0..500 {
+            if loaded() > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(loaded(), 1, "the pinned tokenizer loads");
+
+        let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hello there"}]}"#);
+        let request = ChatRequest::parse(body).expect("request");
+        let routed = route(&state, &fleet, &request).await.expect("routed");
+        let tokens = routed.token_data.expect("the rendered prompt goes on to the frontend");
+        assert!(!tokens.is_empty());
+        let Route::Pinned(pinned) = routed.route else { panic!("disaggregated serving pins") };
+        assert_eq!(pinned.selection.decode.worker.instance_id, 7);
+        let counted = |result: &str| state.metrics.kv_selections.with_label_values(&[result]).get();
+        // Refused at once, or past the 10 ms deadline on a busy machine: a miss either way.
+        assert_eq!(counted("index_unavailable") + counted("index_timeout"), 1, "counted as the miss it was");
+        assert_eq!(counted("no_overlap"), 0);
+        let by_formula = state.metrics.selections.with_label_values(&["decode", "kv_aware"]).get();
+        assert_eq!(by_formula, 1, "the KV formula chose the worker, not the load-only rules");
     }
 }

@@ -15,7 +15,7 @@ use super::artifacts::{
     LoadedArtifacts, MAX_LOADED_TOKENIZERS, ModelArtifacts,
 };
 use super::hashing::{BlockSize, LocalBlockHash, SaltHash};
-use super::render::{RenderLimits, Renderer, prepare_blocking};
+use super::render::{RenderLimits, RenderStages, Renderer, prepare_blocking};
 use super::{Fallback, KvPrompt, request_cache_salt};
 
 /// The real Dynamo 1.6.1 captures and tiny model, in the workspace.
@@ -429,11 +429,16 @@ async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_per
     let artifacts = loaded_tinymodel().await;
     let looping = looping_artifacts(&artifacts);
     let (request, size16) = (chat("hi"), sizes(&[16]));
-    let queued = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("queued", "queued")).unwrap();
+    let histogram = |name: &str| prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(name, name)).unwrap();
+    let (queued, ran) = (histogram("queued"), histogram("ran"));
     let limits = RenderLimits { permits: 1, deadline: Duration::from_secs(60), ..RenderLimits::default() };
-    let one = Renderer::new(limits).observing_queue(queued.clone());
+    let stages = RenderStages { queued: queued.clone(), ran: ran.clone() };
+    let one = Renderer::new(limits).observing(stages);
+    let started = Instant::now();
     assert!(one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_ok());
-    assert_eq!(queued.get_sample_count(), 1);
+    let took = started.elapsed().as_secs_f64();
+    assert_eq!((queued.get_sample_count(), ran.get_sample_count()), (1, 1));
+    assert!(queued.get_sample_sum() + ran.get_sample_sum() <= took, "both stages lie within the preparation");
     // A long render holds the only permit: the next request gives up at the permit wait
     // without running, so it has no wait to observe.
     let busy = tokio::spawn({
@@ -444,6 +449,7 @@ async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_per
     assert!(one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_err());
     assert!(busy.await.unwrap().is_err());
     assert_eq!(queued.get_sample_count(), 2, "the long render ran; the refused one did not");
+    assert_eq!(ran.get_sample_count(), 2, "the long render's run is observed when it ends");
 }
 
 #[test]

@@ -703,8 +703,13 @@ impl Report {
                         let seconds = total.get(format!("{TERM_SECONDS}{stage}").as_str()).copied().unwrap_or(0.0);
                         (count > 0.0).then(|| 1000.0 * seconds / count)
                     };
-                    let queued = mean_ms("queue")
-                        .map_or(String::new(), |queue| format!(" (of which waiting to run {queue:.2} ms)"));
+                    let queued = match (mean_ms("queue"), mean_ms("render")) {
+                        (Some(queue), Some(render)) => {
+                            format!(" (of which waiting to run {queue:.2} ms, running {render:.2} ms)")
+                        }
+                        (Some(queue), None) => format!(" (of which waiting to run {queue:.2} ms)"),
+                        _ => String::new(),
+                    };
                     let timing = match (mean_ms("prepare"), mean_ms("find_matches")) {
                         (Some(prepare), Some(lookup)) => format!(
                             "; KV term per selection (mean): prepare {prepare:.2} ms{queued}, FindMatches {lookup:.2} ms"

@@ -71,8 +71,17 @@ impl PreparedPrompt {
 pub struct Renderer {
     permits: Arc<Semaphore>,
     limits: RenderLimits,
-    /// Observes how long each render waited for its permit and a blocking-pool thread.
-    queued: Option<Histogram>,
+    stages: Option<RenderStages>,
+}
+
+/// Where a render's time goes, observed per render that runs.
+#[derive(Debug, Clone)]
+pub struct RenderStages {
+    /// The wait for a permit and then for a blocking-pool thread to pick the job up.
+    pub queued: Histogram,
+    /// The job itself on that thread: template, encode, hash. What is left of a preparation's
+    /// time beyond these two is the hand-back to the request's task.
+    pub ran: Histogram,
 }
 
 impl Default for Renderer {
@@ -83,14 +92,14 @@ impl Default for Renderer {
 
 impl Renderer {
     pub fn new(limits: RenderLimits) -> Self {
-        Self { permits: Arc::new(Semaphore::new(limits.permits)), limits, queued: None }
+        Self { permits: Arc::new(Semaphore::new(limits.permits)), limits, stages: None }
     }
 
-    /// The same renderer, observing in `queued` how long each render waits before it runs: for
-    /// its permit, then for a thread of the blocking pool to pick it up. It tells a slow
-    /// preparation that waited from one whose render ran long.
-    pub fn observing_queue(self, queued: Histogram) -> Self {
-        Self { queued: Some(queued), ..self }
+    /// The same renderer, observing how long each render waits before it runs and how long it
+    /// runs: it tells a slow preparation that waited, or ran long, from one whose result took
+    /// long to reach its request.
+    pub fn observing(self, stages: RenderStages) -> Self {
+        Self { stages: Some(stages), ..self }
     }
 
     pub fn limits(&self) -> RenderLimits {
@@ -112,15 +121,20 @@ impl Renderer {
             .map_err(|_| Fallback::RenderUnavailable)?
             .map_err(|_| Fallback::RenderUnavailable)?;
         let (request, sizes, max_tokens) = (request.clone(), block_sizes.to_vec(), self.limits.max_tokens);
-        let queued = self.queued.clone();
+        let stages = self.stages.clone();
         let job = tokio::task::spawn_blocking(move || {
-            if let Some(queued) = queued {
-                queued.observe(started.elapsed().as_secs_f64());
+            let running = tokio::time::Instant::now();
+            if let Some(stages) = &stages {
+                stages.queued.observe(running.duration_since(started).as_secs_f64());
             }
             // The permit is held until the job ends, even past the deadline, so abandoned
             // renders still count against the bound.
             let _permit = permit;
-            prepare_blocking(&artifacts, &request, &sizes, salt, max_tokens)
+            let prepared = prepare_blocking(&artifacts, &request, &sizes, salt, max_tokens);
+            if let Some(stages) = &stages {
+                stages.ran.observe(running.elapsed().as_secs_f64());
+            }
+            prepared
         });
         let remaining = self.limits.deadline.saturating_sub(started.elapsed());
         match tokio::time::timeout(remaining, job).await {
