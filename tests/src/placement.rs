@@ -5,9 +5,11 @@
 //! The 1.6.1 mocker prefills the requests that arrived during a step in the next one, so a
 //! request sent while another on its prefilling worker still awaits its first token waits
 //! behind that prefill. A router could have spared it only if another worker that prefills had
-//! none awaiting. And every prefill that begins on an aggregated worker lengthens the decode
-//! steps of the requests already there, so the end-to-end tail is the requests that decoded
-//! beside the most.
+//! none awaiting. When every such worker has as many awaiting, the one whose newest awaiting
+//! request was sent first should answer first: sending to another makes the request wait
+//! behind a prefill that began later. And every prefill that begins on an aggregated worker
+//! lengthens the decode steps of the requests already there, so the end-to-end tail is the
+//! requests that decoded beside the most.
 
 /// One answered request, as the client saw it (milliseconds from the run's start).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -38,6 +40,11 @@ pub struct Placement {
     /// …of which another worker that prefills had none awaiting: a router could have spared
     /// them the wait.
     pub avoidable: usize,
+    /// Queued requests sent while every worker that prefills had as many awaiting…
+    pub level: usize,
+    /// …of which their worker's newest awaiting request was sent after another such worker's
+    /// newest: they queued behind the prefill that began later.
+    pub behind_later: usize,
     /// The slowest 1% end to end: the other requests in flight on their decode worker, on
     /// average over their time…
     pub tail_beside: f64,
@@ -52,15 +59,27 @@ pub fn placement(served: &[Served]) -> Placement {
     prefilling.dedup();
     let mut placement = Placement::default();
     for (i, request) in served.iter().enumerate() {
+        // How many requests await their first token on `worker`, and when the newest was sent.
         let awaiting = |worker: u64| {
-            served.iter().enumerate().any(|(j, other)| {
-                j != i && other.prefill_worker == worker && other.awaits_first_token(request.start_ms)
-            })
+            let on_worker = served.iter().enumerate().filter(|(j, other)| {
+                *j != i && other.prefill_worker == worker && other.awaits_first_token(request.start_ms)
+            });
+            on_worker.fold((0, f64::NEG_INFINITY), |(n, newest), (_, other)| (n + 1, other.start_ms.max(newest)))
         };
-        if awaiting(request.prefill_worker) {
-            placement.queued += 1;
-            if prefilling.iter().any(|w| *w != request.prefill_worker && !awaiting(*w)) {
-                placement.avoidable += 1;
+        let (mine, my_newest) = awaiting(request.prefill_worker);
+        if mine == 0 {
+            continue;
+        }
+        placement.queued += 1;
+        let others: Vec<(usize, f64)> =
+            prefilling.iter().filter(|w| **w != request.prefill_worker).map(|w| awaiting(*w)).collect();
+        if others.iter().any(|(n, _)| *n == 0) {
+            placement.avoidable += 1;
+        }
+        if others.iter().all(|(n, _)| *n == mine) {
+            placement.level += 1;
+            if others.iter().any(|(_, newest)| *newest < my_newest) {
+                placement.behind_later += 1;
             }
         }
     }
@@ -112,6 +131,28 @@ mod tests {
         // Sent after the first token: decoding beside it is not queueing.
         let after_first_token = [served(0.0, 50.0, 500.0, 1), served(60.0, 40.0, 500.0, 1)];
         assert_eq!(placement(&after_first_token).queued, 0);
+    }
+
+    #[test]
+    fn with_level_queues_a_request_sent_behind_the_prefill_that_began_later_is_counted() {
+        // Both workers have one request awaiting its first token when 2 is sent at 20 ms:
+        // worker 1's since 0 ms, worker 2's since 15 ms.
+        let behind_later = [served(0.0, 50.0, 500.0, 1), served(15.0, 50.0, 500.0, 2), served(20.0, 80.0, 500.0, 2)];
+        let counted = placement(&behind_later);
+        assert_eq!((counted.queued, counted.level, counted.behind_later), (1, 1, 1));
+        // Sent to worker 1, whose prefill began first.
+        let behind_earlier = [served(0.0, 50.0, 500.0, 1), served(15.0, 50.0, 500.0, 2), served(20.0, 80.0, 500.0, 1)];
+        let counted = placement(&behind_earlier);
+        assert_eq!((counted.queued, counted.level, counted.behind_later), (1, 1, 0));
+        // Worker 1 has two awaiting: the queues are not level, whatever the order.
+        let uneven = [
+            served(0.0, 50.0, 500.0, 1),
+            served(1.0, 50.0, 500.0, 1),
+            served(15.0, 50.0, 500.0, 2),
+            served(20.0, 80.0, 500.0, 2),
+        ];
+        let counted = placement(&uneven);
+        assert_eq!((counted.level, counted.behind_later), (0, 0));
     }
 
     #[test]

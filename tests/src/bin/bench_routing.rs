@@ -894,10 +894,13 @@ impl Report {
         };
         let mut told = format!(
             "per run, {} requests were sent while another on their prefilling worker still awaited its first token, \
-             {} of them while another such worker had none awaiting; the slowest 1% ran beside {} other requests on \
-             their decode worker and saw {} more sent there while they decoded",
+             {} of them while another such worker had none awaiting, and {} of the {} sent while every such worker \
+             had as many awaiting went to one whose newest had been sent later (it answers later); the slowest 1% \
+             ran beside {} other requests on their decode worker and saw {} more sent there while they decoded",
             both(|p| p.queued as f64, 0),
             both(|p| p.avoidable as f64, 0),
+            both(|p| p.behind_later as f64, 0),
+            both(|p| p.level as f64, 0),
             both(|p| p.tail_beside, 1),
             both(|p| p.tail_prefills, 1),
         );
