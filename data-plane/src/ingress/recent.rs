@@ -1,12 +1,13 @@
 //! The index's recent answers, for a request whose `FindMatches` misses its deadline.
 //!
 //! On a busy machine a lookup sometimes takes longer than its (tight) deadline, and a request
-//! scored without overlap credit usually lands away from the rank holding its prefix: a cache miss that
-//! costs a whole prefill. Conversations and shared system prompts repeat prefixes within
-//! seconds, so the replica keeps each answer for [`RECENT_FOR`] under its prompt's prefix, and
-//! a missed lookup is scored on the answer for the longest prefix it shares with an earlier
-//! one. An old answer can only overstate what a rank still holds (blocks get evicted, and
-//! provisional credit for them expires), which is why it serves only a miss and only briefly.
+//! scored without overlap credit usually lands away from the rank holding its prefix: a cache
+//! miss that costs a whole prefill. Conversations and shared system prompts repeat prefixes
+//! within seconds, so the replica keeps each answer for [`RECENT_FOR`] under its prompt's
+//! prefix, and a missed lookup is scored on the answer for the longest prefix it shares with an
+//! earlier one. An old answer can only overstate what a rank still holds (blocks get evicted,
+//! and provisional credit for them expires), which is why it serves only a miss and only
+//! briefly.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};

@@ -229,7 +229,8 @@ mod tests {
             chat_template: None,
         };
         let pinned = [&card.tokenizer, &card.tokenizer_config].into_iter().flatten().map(|f| f.checksum.clone());
-        (card.clone(), pinned.collect())
+        let pinned = pinned.collect();
+        (card, pinned)
     }
 
     #[tokio::test]
