@@ -707,7 +707,6 @@ impl Report {
                         (Some(queue), Some(render)) => {
                             format!(" (of which waiting to run {queue:.2} ms, running {render:.2} ms)")
                         }
-                        (Some(queue), None) => format!(" (of which waiting to run {queue:.2} ms)"),
                         _ => String::new(),
                     };
                     let timing = match (mean_ms("prepare"), mean_ms("find_matches")) {
