@@ -302,6 +302,7 @@ fn backlog_to_wire(key: &LoadKey, backlog: &Backlog) -> pb::Backlog {
         dispatches: backlog.dispatches,
         foreign_decode_blocks: backlog.foreign_decode_blocks,
         ending_decode_blocks: backlog.ending_decode_blocks,
+        prefilled_tokens: backlog.prefilled_tokens,
     }
 }
 
@@ -315,6 +316,7 @@ fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeE
             dispatches: backlog.dispatches,
             foreign_decode_blocks: backlog.foreign_decode_blocks,
             ending_decode_blocks: backlog.ending_decode_blocks,
+            prefilled_tokens: backlog.prefilled_tokens,
         },
     ))
 }

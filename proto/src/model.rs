@@ -198,6 +198,10 @@ pub struct Backlog {
     /// Of `decode_blocks`, those of dispatches expected to end before a request dispatched
     /// now reaches the rank by hand-over from a prefill worker.
     pub ending_decode_blocks: u64,
+    /// Of `prefill_tokens`, those the rank is expected to have prefilled already: its oldest
+    /// dispatch awaiting a first token is part way through its prefill, and a request sent
+    /// now waits only for the rest of it.
+    pub prefilled_tokens: u64,
 }
 
 /// Which of one replica's reported operations the fleet-wide backlogs hold: `first_op`

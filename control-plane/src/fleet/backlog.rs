@@ -27,6 +27,17 @@
 //! share of it, to the hand-over) is published as *ending* ([`Timing`]). The replicas discount
 //! it only when pinning a decode worker that receives the request by hand-over.
 //!
+//! A rank's prefills run one after another, so a request sent to it waits for the rest of the
+//! one under way, not for all of it. The book publishes how far that one should have got: the
+//! oldest dispatch awaiting its first token began prefilling when it was dispatched or when
+//! the rank's previous first token came, whichever is later, and a prefill of its size takes
+//! about what the rank's dispatches that found nothing else prefilling took to their first
+//! token ([`PrefillTime`]: a line through their sizes and times).
+//! Its tokens times the elapsed share, in eighths (so the sum moves a few times per prefill,
+//! not every window) and at most seven of them, are published as *prefilled*. Without it the
+//! seed's formula counts a prefill whole until its first token, and two ranks each prefilling
+//! one prompt look alike however near one is to done (`docs/kv.md`).
+//!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
 //! [`IN_FLIGHT_MAX_AGE`] (a lost end). A rank's record is removed once nothing is in flight and
 //! a sample received after the last end shows what the worker holds, or [`DISPATCH_MAX_AGE`]
@@ -51,6 +62,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::{ActiveIndex, FleetChange, FleetPublisher, FleetState};
 
+mod prefill_time;
+use prefill_time::PrefillTime;
+
 /// A dispatch no sample has answered adds its prefill tokens this long at most (the seed's 30
 /// seconds); a rank's record outlives its last end by at most this long.
 pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
@@ -63,6 +77,8 @@ pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
 /// A sample received this soon after a dispatch ended may still show its blocks: workers
 /// publish on their own schedule (the 1.6.1 mocker every 50–200 ms per rank under load).
 pub const SAMPLE_LAG: Duration = Duration::from_millis(250);
+/// A prefill under way is credited in steps of one part in this many of its expected time.
+const PROGRESS_STEPS: u64 = 8;
 /// Each new measurement moves a rank's decode and first-token time estimates by this fraction.
 const TIMING_WEIGHT: f64 = 0.125;
 /// Ended dispatches remembered per rank for that, at most.
@@ -133,6 +149,9 @@ struct Dispatch {
     at: Instant,
     /// When its first token was reported.
     answered: Option<Instant>,
+    /// It had tokens to prefill, and no other dispatch on its rank was prefilling when it
+    /// started: its time to first token is a prefill's alone.
+    alone: bool,
 }
 
 /// A rank's smoothed times from dispatch to first token and from first token to end, learned
@@ -140,6 +159,9 @@ struct Dispatch {
 #[derive(Debug, Default, Clone, Copy)]
 struct Timing {
     first_token: Option<Duration>,
+    /// From dispatch to first token of the dispatches that found nothing else prefilling, by
+    /// their size.
+    prefill: PrefillTime,
     decode: Option<Duration>,
 }
 
@@ -157,6 +179,16 @@ impl Timing {
     /// decode worker's first step). `None` until both times have been measured.
     fn ending_after(&self) -> Option<Duration> {
         Some(self.decode?.saturating_sub(self.first_token? / 2))
+    }
+
+    /// How many [`PROGRESS_STEPS`] of a `tokens` prefill that began `elapsed` ago should be
+    /// done, at most all but one (a prefill past its expected time is late, not done); 0 until a
+    /// prefill alone has been measured.
+    fn progress_steps(&self, tokens: u64, elapsed: Duration) -> u64 {
+        let Some(prefill) = self.prefill.expected(tokens).filter(|p| !p.is_zero()) else { return 0 };
+        let steps = elapsed.as_secs_f64() / prefill.as_secs_f64() * PROGRESS_STEPS as f64;
+        // `as` saturates; the ratio is finite and non-negative.
+        (steps as u64).min(PROGRESS_STEPS - 1)
     }
 }
 
@@ -184,8 +216,13 @@ struct Rank {
     dirty: bool,
     timing: Timing,
     /// The blocks of the dispatches in flight expected to end before a hand-over (see
-    /// [`Timing::ending_after`]), as of the last [`Rank::refresh_ending`].
+    /// [`Timing::ending_after`]), as of the last [`Rank::refresh_timed`].
     ending: u64,
+    /// The tokens of the prefill under way expected to be done, as of the last
+    /// [`Rank::refresh_timed`].
+    prefilled: u64,
+    /// When the rank's latest prefill ended (its first token was reported).
+    last_answered: Option<Instant>,
 }
 
 impl Rank {
@@ -205,6 +242,8 @@ impl Rank {
             dirty: false,
             timing: Timing::default(),
             ending: 0,
+            prefilled: 0,
+            last_answered: None,
         };
         rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
         rank
@@ -221,11 +260,13 @@ impl Rank {
             backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens);
             backlog.dispatches = backlog.dispatches.saturating_add(1);
         }
+        backlog.prefilled_tokens = self.prefilled.min(backlog.prefill_tokens);
         backlog
     }
 
     /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
     fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
+        dispatch.alone = dispatch.prefill_tokens > 0 && self.dispatches.values().all(|d| d.prefill_tokens == 0);
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
         self.dispatches.insert(id, dispatch);
@@ -250,15 +291,26 @@ impl Rank {
     /// Its first token came at `at`: it is now decoding.
     fn answered(&mut self, id: (u64, u64), at: Instant) {
         let Some(dispatch) = self.dispatches.get_mut(&id) else { return };
-        dispatch.prefill_tokens = 0;
+        let tokens = std::mem::take(&mut dispatch.prefill_tokens);
         if dispatch.answered.is_none() {
             dispatch.answered = Some(at);
-            Timing::observe(&mut self.timing.first_token, at.saturating_duration_since(dispatch.at));
+            let waited = at.saturating_duration_since(dispatch.at);
+            Timing::observe(&mut self.timing.first_token, waited);
+            if dispatch.alone {
+                self.timing.prefill.observe(tokens, waited);
+            }
+        }
+        if tokens > 0 {
+            // The next prefill on the rank begins no earlier.
+            self.last_answered = self.last_answered.max(Some(at));
         }
     }
 
-    /// Recounts the blocks expected to end before a hand-over; whether the count moved.
-    fn refresh_ending(&mut self, now: Instant) -> bool {
+    /// Recounts what moves with time alone: the blocks expected to end before a hand-over and
+    /// the tokens of the prefill under way expected to be done; whether either moved.
+    fn refresh_timed(&mut self, now: Instant) -> bool {
+        let prefilled = self.prefill_progress(now);
+        let prefilled_moved = std::mem::replace(&mut self.prefilled, prefilled) != prefilled;
         let ending = match self.timing.ending_after() {
             Some(after) => self
                 .dispatches
@@ -268,7 +320,21 @@ impl Rank {
                 .fold(0u64, u64::saturating_add),
             None => 0,
         };
-        std::mem::replace(&mut self.ending, ending) != ending
+        let ending_moved = std::mem::replace(&mut self.ending, ending) != ending;
+        prefilled_moved || ending_moved
+    }
+
+    /// The tokens of the rank's oldest dispatch still prefilling that should be
+    /// prefilled by `now`: it began when it was dispatched or when the rank's previous first
+    /// token came (it waited for that prefill), whichever is later.
+    fn prefill_progress(&self, now: Instant) -> u64 {
+        // A dispatch's tokens are zeroed at its first token.
+        let head = self.dispatches.iter().filter(|(_, d)| d.prefill_tokens > 0).min_by_key(|(id, d)| (d.at, **id));
+        let Some((_, head)) = head else { return 0 };
+        let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
+        let steps = self.timing.progress_steps(head.prefill_tokens, now.saturating_duration_since(began));
+        // At most a prompt's tokens times 7: no overflow.
+        head.prefill_tokens.saturating_mul(steps) / PROGRESS_STEPS
     }
 
     /// Ends dispatch `id` on `rank`; returns the hashes it held.
@@ -383,6 +449,7 @@ impl Book {
                 added: 0,
                 at,
                 answered: None,
+                alone: false,
             };
             // Admitted, so held: ends never remove a record.
             let Some(rank) = self.ranks.get_mut(&key) else { continue };
@@ -457,8 +524,8 @@ impl Book {
             } else if rank.dispatches.is_empty() {
                 mark(&mut self.dirty, key, rank);
             }
-            // Dispatches become "ending" with time alone.
-            if rank.refresh_ending(now) {
+            // Dispatches become "ending", and prefills progress, with time alone.
+            if rank.refresh_timed(now) {
                 mark(&mut self.dirty, key, rank);
             }
             let stale =

@@ -355,6 +355,38 @@ fn dispatches_that_have_decoded_about_as_long_as_the_rank_takes_are_published_as
     assert_eq!(ending(&mut book, t0 + ms(991)), Some(0), "an end takes it out of both");
 }
 
+/// A request sent to a rank waits for the rest of the prefill under way, not all of it: the
+/// oldest prefill's tokens are published as done in eighths of the time a prefill alone takes
+/// there, from its dispatch or the previous first token, whichever is later.
+#[test]
+fn the_prefill_under_way_is_published_as_done_in_eighths_of_a_prefill_alone() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    // (prefill tokens, of them prefilled) after a publish check at `at`.
+    let prefill = |book: &mut Book, at: Instant| -> Option<(u64, u64)> {
+        book.expire(&state, at);
+        book.take_change(at);
+        book.ranks.get(&book_key(0)).map(|r| r.backlog()).map(|b| (b.prefill_tokens, b.prefilled_tokens))
+    };
+    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
+    assert_eq!(prefill(&mut book, t0 + ms(79)), Some((1600, 0)), "no prefill alone measured yet");
+    // Dispatched while 1 was prefilling: its time to first token is not a prefill's alone.
+    book.report(1, report(vec![started(2, 0, 800)], vec![]), t0 + ms(40), &state);
+    book.report(1, prefilled(1), t0 + ms(80), &state);
+    assert_eq!(prefill(&mut book, t0 + ms(80)), Some((800, 0)), "2 began prefilling just now");
+    assert_eq!(prefill(&mut book, t0 + ms(119)), Some((800, 300)), "39 of 80 ms: 3 eighths");
+    book.report(1, prefilled(2), t0 + ms(200), &state);
+    // Only 1 was measured alone (80 ms); 2's 160 ms would have halved every later credit.
+    book.report(1, report(vec![started(3, 0, 1600), started(4, 0, 1600)], vec![]), t0 + ms(300), &state);
+    assert_eq!(prefill(&mut book, t0 + ms(320)), Some((3200, 400)), "the oldest alone progresses");
+    assert_eq!(prefill(&mut book, t0 + ms(500)), Some((3200, 1400)), "late is never done: 7 eighths at most");
+    book.report(1, prefilled(3), t0 + ms(510), &state);
+    assert_eq!(prefill(&mut book, t0 + ms(510)), Some((1600, 0)), "4 waited for 3 and begins now");
+}
+
 /// The dispatches the published view holds on `rank(0)`.
 fn published_dispatches(publisher: &FleetPublisher) -> Option<u32> {
     publisher.current().view().backlogs().get(&rank(0)).map(|b| b.dispatches)

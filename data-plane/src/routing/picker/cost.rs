@@ -120,7 +120,7 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
     match phase {
         Phase::Prefill => {
             let capacity = inputs.capacity.max_num_batched_tokens.filter(|n| *n > 0)?;
-            Some(Cost { backlog: sampled.saturating_add(inputs.dispatched.prefill_tokens), capacity })
+            Some(Cost { backlog: sampled.saturating_add(inputs.dispatched.queued_prefill_tokens()), capacity })
         }
         Phase::Decode => {
             let capacity = inputs.capacity.total_kv_blocks.filter(|n| *n > 0)?;

@@ -83,6 +83,9 @@ pub struct RankBacklog {
     /// Of the decode blocks in flight, those the control plane expects to end before a request
     /// dispatched now reaches the rank by hand-over (less those this replica saw end since).
     pub ending_decode_blocks: u64,
+    /// Of `prefill_tokens`, those the control plane expects the rank to have prefilled already
+    /// (the prefill under way, part done), less those this replica saw answered since.
+    pub prefilled_tokens: u64,
     /// A dispatch of at least [`STALL_MIN_BLOCKS`] has gone unanswered for [`STALL_AFTER`].
     pub stalled: bool,
 }
@@ -117,17 +120,20 @@ impl RankBacklog {
         let Some(fleet) = fleet else {
             return self;
         };
-        let (prefill_tokens, in_flight_decode_blocks, ending_decode_blocks) = match self.since_fleet {
-            // What ended since was most likely among the ending, so it is not subtracted twice.
+        let (prefill_tokens, in_flight_decode_blocks, ending_decode_blocks, prefilled_tokens) = match self.since_fleet {
+            // What ended since was most likely among the ending, and a prefill done since most
+            // likely the one under way, so neither is subtracted twice.
             Some(since) => (
                 fleet.prefill_tokens.saturating_add(since.prefill_started).saturating_sub(since.prefill_done),
                 fleet.decode_blocks.saturating_add(since.decode_started).saturating_sub(since.decode_ended),
                 fleet.ending_decode_blocks.saturating_sub(since.decode_ended),
+                fleet.prefilled_tokens.saturating_sub(since.prefill_done),
             ),
             None => (
                 self.prefill_tokens.max(fleet.prefill_tokens),
                 self.in_flight_decode_blocks.max(fleet.decode_blocks),
                 fleet.ending_decode_blocks,
+                fleet.prefilled_tokens,
             ),
         };
         Self {
@@ -136,9 +142,16 @@ impl RankBacklog {
             in_flight_decode_blocks,
             foreign_decode_blocks: fleet.foreign_decode_blocks,
             ending_decode_blocks,
+            prefilled_tokens,
             since_fleet: None,
             stalled: self.stalled,
         }
+    }
+
+    /// The prompt tokens the fleet's dispatches still have to prefill on the rank: those queued,
+    /// less what the prefill under way should have done.
+    pub fn queued_prefill_tokens(&self) -> u64 {
+        self.prefill_tokens.saturating_sub(self.prefilled_tokens)
     }
 
     /// The rank's decode backlog given its sample's (`sampled`): the fleet's own dispatches in

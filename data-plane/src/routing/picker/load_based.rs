@@ -238,7 +238,7 @@ fn explain(
         let d = &rank.dispatched;
         let _ = write!(
             line,
-            " {}/{}[{:?} age {:?} foreign {:?} in flight {} ending {} unanswered {} prefill {} cost {:?}]",
+            " {}/{}[{:?} age {:?} foreign {:?} in flight {} ending {} unanswered {} prefill {} (done {}) cost {:?}]",
             candidate.worker.key.instance_id,
             candidate.rank,
             cost::standing(phase, rank.sample, max_staleness, now),
@@ -248,6 +248,7 @@ fn explain(
             d.ending_decode_blocks,
             d.decode_blocks,
             d.prefill_tokens,
+            d.prefilled_tokens,
             scored.cost,
         );
     }

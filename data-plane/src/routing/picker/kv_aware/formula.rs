@@ -21,7 +21,9 @@
 //!
 //! The scale weighs all of `adjusted_prefill`, the prefill already queued on the rank as well as
 //! the request's own, as the seed states it: a request that lands behind a prefill waits for it
-//! to finish, while requests decoding beside it barely delay its first token. An earlier build
+//! to finish, while requests decoding beside it barely delay its first token. The queue is the
+//! fleet's prefill tokens less what the prefill under way should have done
+//! ([`RankBacklog::queued_prefill_tokens`]): a request waits only for the rest of it. An earlier build
 //! counted the queue once, like decode blocks, because the benchmark's unique-prompt clients
 //! sent in lockstep and a worker still prefilling the start of a wave looked busier than one
 //! holding more requests; without the lockstep, counting it once sent a request behind a
@@ -156,6 +158,8 @@ pub(super) const PREFILL_SHARE_OF_FIRST_TOKEN: f64 = 0.5;
 /// dispatches: 9%). A prefill dispatch counts until its response begins, about twice as long as
 /// the prefill, so its tokens weigh [`PREFILL_SHARE_OF_FIRST_TOKEN`]: counted whole, the term
 /// pushed requests away from their prefix (TTFT p90 160 → 180–194 ms in an earlier build).
+/// The credit for the prefill under way is not taken here: the half weight already stands for
+/// a queue that drains while the requests wait.
 pub(super) fn stale_cost(overlap_blocks: u32, in_flight_prefill_tokens: u64, prompt: Prompt, weights: &Weights) -> f64 {
     let queued = PREFILL_SHARE_OF_FIRST_TOKEN * in_flight_prefill_tokens as f64;
     (prompt.isl as f64 + queued) / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
@@ -198,7 +202,7 @@ pub(super) fn rank_load(
         Phase::Decode => (other, backlog),
     };
     let load = RankLoad {
-        active_prefill_tokens: prefill.saturating_add(dispatched.prefill_tokens),
+        active_prefill_tokens: prefill.saturating_add(dispatched.queued_prefill_tokens()),
         active_decode_blocks: if handover {
             dispatched.handover_decode_backlog(decode)
         } else {

@@ -468,6 +468,35 @@ fn dp_ranks_are_scored_by_their_own_overlap() {
     assert_eq!(s.decode, Pin { worker: WorkerKey::new("ns", 1), dp_rank: Some(1) });
 }
 
+/// Two aggregated workers each prefilling one 1,600-token prompt: a request waits for the rest
+/// of the one under way. Worker 1 decodes one request more (100 blocks), but its prefill is
+/// half done; at scale 3 the formula sends the request there once the fleet says so.
+#[test]
+fn the_prefill_under_way_counts_only_what_is_left_of_it() {
+    let queued = |decode_blocks, prefilled_tokens| Backlog {
+        prefill_tokens: 1600,
+        prefilled_tokens,
+        decode_blocks,
+        dispatches: 1,
+        foreign_decode_blocks: Some(0),
+        ..Backlog::default()
+    };
+    let none = Overlaps::default();
+    let scale = PickerParams { prefill_load_scale: 3.0, ..PickerParams::default() };
+    let level = |prefilled_tokens| {
+        Fleet::new([agg(1), agg(2)])
+            .sample(1, used(0), FRESH)
+            .sample(2, used(0), FRESH)
+            .backlog(1, queued(200, prefilled_tokens))
+            .backlog(2, queued(100, 0))
+            .params(scale)
+    };
+    // 1: 3 * (100 + 10) + 200 + 10 = 540; 2: 3 * 110 + 110 = 440.
+    assert_eq!(picks(&picker(), &level(0), scored(160, &none), 1), [(2, None)]);
+    // 1: 3 * (50 + 10) + 210 = 390.
+    assert_eq!(picks(&picker(), &level(800), scored(160, &none), 1), [(1, None)]);
+}
+
 #[test]
 fn unanswered_dispatches_and_fleet_backlogs_add_to_the_formula() {
     // Equal and idle: the first pick goes to 1; its 10 unanswered blocks send the next to 2.

@@ -343,6 +343,31 @@ fn dispatches_this_replica_saw_end_are_not_discounted_twice() {
     assert_eq!(after.handover_decode_backlog(0), 50, "its end changes nothing at hand-over");
 }
 
+/// The control plane credits the prefill under way with what it should have done; a prefill
+/// this replica saw answered since the sums were taken was most likely that one, so its
+/// tokens leave both the queue and the credit, and nothing is taken off twice.
+#[test]
+fn the_prefill_under_way_is_credited_once_and_not_after_this_replica_saw_it_answered() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let first = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0, op());
+    let sums = folded(1, last_op());
+    // This replica's prompt, half done, and another replica's behind it.
+    let fleet = Backlog { prefill_tokens: 3200, prefilled_tokens: 800, dispatches: 2, ..Backlog::default() };
+    let t1 = t0 + Duration::from_millis(2);
+    let before = joined(&ledger, sums, t1).with_fleet(Some(&fleet));
+    assert_eq!((before.prefill_tokens, before.queued_prefill_tokens()), (3200, 2400));
+    ledger.prefilled(first, t1, op());
+    let after = joined(&ledger, sums, t1).with_fleet(Some(&fleet));
+    assert_eq!((after.prefill_tokens, after.queued_prefill_tokens()), (1600, 1600), "the other prompt, whole");
+    let untold = joined(&ledger, None, t1).with_fleet(Some(&fleet));
+    assert_eq!(untold.queued_prefill_tokens(), 2400, "untold: the sums and their credit");
+    assert_eq!(
+        RankBacklog { prefill_tokens: 100, prefilled_tokens: 300, ..RankBacklog::default() }.queued_prefill_tokens(),
+        0
+    );
+}
+
 /// The fleet's sums trail this replica's reports: a burst that just ended on a rank is still in
 /// them. Brought up to date with the operations they do not hold, the sums drop the ended
 /// burst at once and count the new dispatch, instead of keeping the larger of two views (which
