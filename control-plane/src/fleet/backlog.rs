@@ -29,7 +29,7 @@
 //!
 //! A rank's prefills run one after another, so a request sent to it waits for the rest of the
 //! one under way, not for all of it. The book publishes how far that one should have got: the
-//! oldest dispatch awaiting its first token began prefilling when it was dispatched or when
+//! oldest dispatch still awaiting its first token began prefilling when it was dispatched or when
 //! the rank's previous first token came, whichever is later, and a prefill of its size takes
 //! about what the rank's dispatches that found nothing else prefilling took to their first
 //! token ([`PrefillTime`]: a line through their sizes and times).
@@ -333,7 +333,6 @@ impl Rank {
         let Some((_, head)) = head else { return 0 };
         let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
         let steps = self.timing.progress_steps(head.prefill_tokens, now.saturating_duration_since(began));
-        // At most a prompt's tokens times 7: no overflow.
         head.prefill_tokens.saturating_mul(steps) / PROGRESS_STEPS
     }
 

@@ -216,8 +216,12 @@ impl KvAwarePicker {
                 let active = scoring.active_overlap(candidate);
                 let logit =
                     load.map(|load| formula::worker_logit(load, overlap, active, scoring.prompt, &scoring.weights));
-                let stale_cost =
-                    formula::stale_cost(overlap, rank.dispatched.prefill_tokens, scoring.prompt, &scoring.weights);
+                let stale_cost = formula::stale_cost(
+                    overlap,
+                    rank.dispatched.queued_prefill_tokens(),
+                    scoring.prompt,
+                    &scoring.weights,
+                );
                 let scored =
                     Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.dispatched.stalled, stale_cost };
                 (logit, scored)

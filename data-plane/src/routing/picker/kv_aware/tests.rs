@@ -348,6 +348,21 @@ fn without_a_fresh_prefill_backlog_the_fleets_prefill_dispatches_weigh_in() {
     assert_eq!(picks(&picker, &light, scored(100, &held), 2), [(4, Some(2)); 2]);
 }
 
+/// Without a fresh backlog too, a request waits only for the rest of the prefill under way:
+/// of two prefill workers each prefilling one prompt, the one further on wins, where the
+/// cursor used to break the tie.
+#[test]
+fn without_a_fresh_prefill_backlog_the_prefill_under_way_counts_only_what_is_left() {
+    let queued =
+        |prefilled_tokens| Backlog { prefill_tokens: 1600, prefilled_tokens, dispatches: 1, ..Backlog::default() };
+    let none = Overlaps::default();
+    let level = vllm_prefill_pool().backlog(1, queued(0)).backlog(2, queued(0)).backlog(3, queued(0));
+    let picker = self::picker();
+    assert_eq!(picks(&picker, &level, scored(160, &none), 3), [(4, Some(1)), (4, Some(2)), (4, Some(3))], "tied");
+    let further = vllm_prefill_pool().backlog(1, queued(0)).backlog(2, queued(600)).backlog(3, queued(200));
+    assert_eq!(picks(&picker, &further, scored(160, &none), 3), [(4, Some(2)); 3]);
+}
+
 #[test]
 fn an_aggregated_fleet_adds_prefill_tokens_when_sampled() {
     // 16 tokens. 1: 10 blocks and 320 queued prefill tokens: (320 + 16) / 16 + 11 = 32;
