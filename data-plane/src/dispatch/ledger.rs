@@ -59,8 +59,9 @@ impl DispatchEnd {
     }
 
     /// The response began (its first token): the prompt no longer loads the rank that
-    /// prefilled it. A prefill worker's leg is over then (one report ends it); the rank that
-    /// decodes keeps its blocks until the end. Only the first call counts.
+    /// prefilled it. A prefill worker's leg is over then (one report says it prefilled, so the
+    /// control plane learns the rank's prefill time, and ends it); the rank that decodes keeps
+    /// its blocks until the end. Only the first call counts.
     pub fn prefilled(&mut self) {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
@@ -69,6 +70,7 @@ impl DispatchEnd {
         self.reporter.operation(|report| {
             self.ledger.prefilled(self.id, Instant::now(), report.op());
             if let Some(id) = prefill.take() {
+                report.prefilled(id);
                 report.ended(id);
             }
             if let Some(id) = decode {
@@ -93,5 +95,49 @@ impl Drop for DispatchEnd {
                 report.ended(*id);
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use continuum_proto::model::{DataPlaneConfig, WorkerKey};
+    use prometheus::IntCounter;
+
+    use super::*;
+    use crate::fleet::batch;
+    use crate::routing::picker::{Pin, Reason};
+
+    /// A paired dispatch's prefill leg is reported as prefilled, then ended, at the first token:
+    /// the control plane learns the prefill worker's prefill time from it (and when its next
+    /// prefill may begin), which an end alone does not tell.
+    #[tokio::test]
+    async fn a_prefill_leg_is_reported_prefilled_then_ended_at_the_first_token() {
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let mut rx = reporter.take_receiver().expect("receiver");
+        let ledger = Arc::new(DispatchLedger::new());
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let pin = |id| Pin { worker: WorkerKey::new("dynamo", id), dp_rank: None };
+        let selection = Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: pin(2),
+            prefill: Some(pin(1)),
+            decode_reason: Reason::Load,
+            prefill_reason: Some(Reason::Load),
+            cached_blocks: 0,
+        };
+        // Each step's report, folded alone.
+        let mut next = || batch(rx.try_recv().expect("an operation"), &mut rx);
+        let mut end = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default());
+        let started = next();
+        end.prefilled();
+        let prefilled = next();
+        drop(end);
+        let ended = next();
+        let legs: Vec<(u64, u64)> = started.started.iter().map(|s| (s.id, s.prefill_tokens)).collect();
+        let [(prefill_leg, 160), (decode_leg, 0)] = legs.as_slice() else { panic!("two legs: {legs:?}") };
+        assert_eq!(prefilled.prefilled, [*prefill_leg, *decode_leg], "both legs' first token");
+        assert_eq!(prefilled.ended, [*prefill_leg], "and the prefill leg is over");
+        assert_eq!(ended.ended, [*decode_leg]);
     }
 }
