@@ -23,11 +23,12 @@
 //! the request's own, as the seed states it: a request that lands behind a prefill waits for it
 //! to finish, while requests decoding beside it barely delay its first token. The queue is the
 //! fleet's prefill tokens less what the prefill under way should have done
-//! ([`RankBacklog::queued_prefill_tokens`]): a request waits only for the rest of it. An earlier build
-//! counted the queue once, like decode blocks, because the benchmark's unique-prompt clients
-//! sent in lockstep and a worker still prefilling the start of a wave looked busier than one
-//! holding more requests; without the lockstep, counting it once sent a request behind a
-//! running prefill whenever the other worker decoded two requests more (`docs/kv.md`).
+//! ([`RankBacklog::queued_prefill_tokens`]): a request waits only for the rest of it. An
+//! earlier build counted the queue once, like decode blocks, because the benchmark's
+//! unique-prompt clients sent in lockstep and a worker still prefilling the start of a wave
+//! looked busier than one holding more requests; without the lockstep, counting it once sent a
+//! request behind a running prefill whenever the other worker decoded two requests more
+//! (`docs/kv.md`).
 //!
 //! The decode term departs from the seed, which subtracts `overlap_blocks` there too, and
 //! follows Dynamo's router (`ActiveSequences`: a request adds the blocks no request in flight
