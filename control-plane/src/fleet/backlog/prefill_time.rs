@@ -30,8 +30,8 @@ pub(super) struct PrefillTime {
 impl PrefillTime {
     pub fn observe(&mut self, tokens: u64, took: Duration) {
         let (t, y) = (tokens as f64, took.as_secs_f64());
-        let keep = if self.weight == 0.0 { 0.0 } else { 1.0 - WEIGHT };
-        let add = if self.weight == 0.0 { 1.0 } else { WEIGHT };
+        // The first observation is the whole fit.
+        let (keep, add) = if self.weight == 0.0 { (0.0, 1.0) } else { (1.0 - WEIGHT, WEIGHT) };
         self.weight = keep * self.weight + add;
         self.t = keep * self.t + add * t;
         self.tt = keep * self.tt + add * t * t;
