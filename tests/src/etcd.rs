@@ -178,10 +178,20 @@ impl Etcd {
         Ok(value.trim().parse()?)
     }
 
-    /// SIGKILL, then start again on the same ports and data.
+    /// SIGKILL, then start again on the same ports and data. The ports were picked free but
+    /// released for etcd to bind, so while it is down another test's connection may take one
+    /// as its ephemeral port; the start is retried until that connection lets go (5 s at most).
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         self.kill().await?;
-        self.spawn().await
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match self.spawn().await {
+                Err(e) if Instant::now() < deadline && e.to_string().contains("address already in use") => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                outcome => return outcome,
+            }
+        }
     }
 
     pub async fn kill(&mut self) -> anyhow::Result<()> {
