@@ -12,6 +12,12 @@ use continuum_data_plane::replica::Replica;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// How long an idle blocking-pool thread lives (tokio's default: 10 s). Prompts render on
+/// these threads; a burst after a quiet spell would otherwise start new ones and render slower
+/// (`data-plane/src/kv/render/warm.rs`). At most one thread per render permit (4–32) plus the
+/// rare artifact loads are idle at once.
+const BLOCKING_THREAD_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(600);
+
 #[derive(Debug, Parser)]
 #[command(version, about = "A stateless Continuum data-plane replica")]
 struct Args {
@@ -38,15 +44,20 @@ fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let args = Args::parse();
-    let runtime = match args.worker_threads {
+    let mut builder = match args.worker_threads {
         Some(0) => {
             eprintln!("error: --worker-threads must be at least 1");
             return ExitCode::from(2);
         }
-        Some(1) => tokio::runtime::Builder::new_current_thread().enable_all().build(),
-        Some(threads) => tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build(),
-        None => tokio::runtime::Builder::new_multi_thread().enable_all().build(),
+        Some(1) => tokio::runtime::Builder::new_current_thread(),
+        Some(threads) => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(threads);
+            builder
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
     };
+    let runtime = builder.enable_all().thread_keep_alive(BLOCKING_THREAD_KEEP_ALIVE).build();
     match runtime {
         Ok(runtime) => runtime.block_on(run(args)),
         Err(error) => {

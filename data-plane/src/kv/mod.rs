@@ -67,7 +67,15 @@ pub struct KvPrompt {
 }
 
 impl KvPrompt {
+    /// The store warms `renderer` on every tokenizer it loads, before serving it.
     pub fn new(store: ArtifactStore, renderer: Renderer) -> Self {
+        let warming = renderer.clone();
+        store.warm_with(Box::new(move |artifacts| {
+            let renderer = warming.clone();
+            Box::pin(async move {
+                renderer.warm(artifacts).await;
+            })
+        }));
         Self { store, renderer, logged_sizes: Mutex::new(HashSet::new()) }
     }
 

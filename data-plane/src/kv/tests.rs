@@ -15,7 +15,7 @@ use super::artifacts::{
     LoadedArtifacts, MAX_LOADED_TOKENIZERS, ModelArtifacts,
 };
 use super::hashing::{BlockSize, LocalBlockHash, SaltHash};
-use super::render::{RenderLimits, RenderStages, Renderer, prepare_blocking};
+use super::render::{RenderLimits, RenderStages, Renderer, Warmed, prepare_blocking};
 use super::{Fallback, KvPrompt, request_cache_salt};
 
 /// The real Dynamo 1.6.1 captures and tiny model, in the workspace.
@@ -219,6 +219,38 @@ async fn prewarming_loads_pinned_artifacts_before_the_first_request_and_never_to
     assert_eq!(h.store.loaded().0, 0);
     assert_eq!(count(&h.counter, "unpinned"), 0, "a refusal is counted when a request meets it");
     assert_eq!(count(&h.counter, "fetched") + count(&h.counter, "loaded"), 0);
+}
+
+#[tokio::test]
+async fn a_loaded_tokenizer_is_warmed_once_before_any_request_sees_it() {
+    let card = card_in(&fixture("tinymodel"));
+    let h = harness(pinned(&card));
+    let (store, warmed) = (h.store.clone(), Arc::new(AtomicU64::new(0)));
+    let seen = Arc::clone(&warmed);
+    h.store.warm_with(Box::new(move |artifacts| {
+        // While the warm runs, the store does not serve the set yet.
+        let served = store.loaded().0 > 0;
+        let seen = Arc::clone(&seen);
+        Box::pin(async move {
+            assert!(!served, "the tokenizer is served only once warm");
+            assert!(artifacts.tokenizer.get_vocab_size(true) > 0);
+            seen.fetch_add(1, Ordering::SeqCst);
+        })
+    }));
+    h.store.load("tiny", &card).await.unwrap();
+    h.store.load("tiny", &card).await.unwrap();
+    assert_eq!(warmed.load(Ordering::SeqCst), 1, "a set already loaded is not warmed again");
+}
+
+#[tokio::test]
+async fn warming_renders_a_long_probe_on_each_permit_s_own_thread() {
+    let artifacts = loaded_tinymodel().await;
+    let renderer = Renderer::new(RenderLimits { permits: 4, ..RenderLimits::default() });
+    let warmed = renderer.warm(Arc::clone(&artifacts)).await;
+    assert_eq!(warmed, Warmed { rendered: 4, threads: 4 });
+    let request = chat("the probes left no pieces behind");
+    let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::default(), 1 << 20).unwrap();
+    assert!(!prepared.tokens.is_empty());
 }
 
 #[tokio::test]

@@ -16,7 +16,7 @@ pub use card::{ArtifactKey, CardError, CheckedFile, Checksum, ChecksumError, Mod
 pub use source::{ARTIFACT_CA_FILE_ENV, DEFAULT_HF_ENDPOINT, Fetcher, Schemes, Source, SourceError, TlsSetupError};
 pub use store::{
     ArtifactStore, Clock, FAILED_LOAD_RETRY, LoadError, LoadedArtifacts, MAX_CONCURRENT_LOADS, MAX_LOADED_BYTES,
-    MAX_LOADED_TOKENIZERS,
+    MAX_LOADED_TOKENIZERS, Warm,
 };
 
 use std::collections::BTreeSet;

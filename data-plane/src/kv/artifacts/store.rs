@@ -4,8 +4,10 @@
 //! Nothing unpinned is read, and every byte loaded has matched its checksum.
 
 use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::io;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use prometheus::IntCounterVec;
@@ -33,6 +35,10 @@ const MAX_LOGGED_UNPINNED: usize = 4096;
 
 /// The time source; tests inject one they can move.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
+
+/// What runs on a freshly built artifact set before the store serves it (see
+/// [`ArtifactStore::warm_with`]).
+pub type Warm = Box<dyn Fn(Arc<LoadedArtifacts>) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
 /// A tokenizer and chat template built from verified, pinned bytes.
 #[derive(Debug)]
@@ -99,6 +105,7 @@ struct Inner {
     state: Mutex<State>,
     counter: IntCounterVec,
     clock: Clock,
+    warm: OnceLock<Warm>,
 }
 
 #[derive(Default)]
@@ -131,8 +138,16 @@ impl ArtifactStore {
             state: Mutex::new(State::default()),
             counter,
             clock,
+            warm: OnceLock::new(),
         };
         Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// Runs `warm` on every artifact set this store builds, before serving it: a request never
+    /// meets a tokenizer whose first renders are still paying one-time costs. Set once; a
+    /// second call is ignored.
+    pub fn warm_with(&self, warm: Warm) {
+        let _ = self.inner.warm.set(warm);
     }
 
     /// A system clock for [`ArtifactStore::new`].
@@ -255,10 +270,14 @@ impl ArtifactStore {
             None => None,
         };
         let key = artifacts.key();
-        tokio::task::spawn_blocking(move || build(key, &tokenizer, &config, template.as_deref()))
+        let loaded = tokio::task::spawn_blocking(move || build(key, &tokenizer, &config, template.as_deref()))
             .await
             .map_err(|e| LoadError::Invalid(format!("the loading task failed: {e}")))?
-            .map(Arc::new)
+            .map(Arc::new)?;
+        if let Some(warm) = self.inner.warm.get() {
+            warm(Arc::clone(&loaded)).await;
+        }
+        Ok(loaded)
     }
 
     /// Verified bytes of one artifact: from the blob cache, or from its source (then cached).

@@ -6,6 +6,7 @@
 mod pieces;
 mod strftime;
 mod template;
+mod warm;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,6 +17,7 @@ use tokio::sync::Semaphore;
 
 pub use pieces::PieceCache;
 pub use template::{ChatTemplate, MAX_RENDERED_BYTES, RENDER_FUEL, RenderError, TemplateError};
+pub use warm::Warmed;
 
 use super::Fallback;
 use super::artifacts::LoadedArtifacts;
@@ -104,6 +106,13 @@ impl Renderer {
 
     pub fn limits(&self) -> RenderLimits {
         self.limits
+    }
+
+    /// Renders a probe prompt with `artifacts` on as many blocking-pool threads at once as
+    /// there are permits, so the first burst of requests after a tokenizer loads renders on
+    /// warm threads and memory (`warm.rs`).
+    pub async fn warm(&self, artifacts: Arc<LoadedArtifacts>) -> Warmed {
+        warm::warm(artifacts, self.limits.permits).await
     }
 
     /// Renders `request` (an OpenAI chat-completions body) with the model's template, encodes it
