@@ -40,19 +40,19 @@ pub(super) async fn warm(artifacts: Arc<LoadedArtifacts>, threads: usize) -> War
             let (artifacts, running) = (Arc::clone(&artifacts), Arc::clone(&running));
             tokio::task::spawn_blocking(move || {
                 running.fetch_add(1, Ordering::AcqRel);
-                let tokens = probe_tokens(&artifacts, probe);
+                let rendered = render_probe(&artifacts, probe).is_some();
                 let deadline = Instant::now() + WARM_WAIT;
                 while running.load(Ordering::Acquire) < threads && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                (tokens, std::thread::current().id())
+                (rendered, std::thread::current().id())
             })
         })
         .collect();
     let (mut rendered, mut ids) = (0, HashSet::new());
     for probe in probes {
-        if let Ok((tokens, id)) = probe.await {
-            rendered += usize::from(tokens.is_some());
+        if let Ok((ok, id)) = probe.await {
+            rendered += usize::from(ok);
             ids.insert(id);
         }
     }
@@ -61,14 +61,13 @@ pub(super) async fn warm(artifacts: Arc<LoadedArtifacts>, threads: usize) -> War
     warmed
 }
 
-/// One probe's render, encode and hash; its token count, or `None` when it failed. It
-/// encodes the text whole, past the piece cache, so the probe's text stays out of it.
-fn probe_tokens(artifacts: &LoadedArtifacts, probe: usize) -> Option<usize> {
+/// One probe's render, encode and hash; `None` when a step failed. It encodes the text whole,
+/// past the piece cache, so the probe's text stays out of it.
+fn render_probe(artifacts: &LoadedArtifacts, probe: usize) -> Option<()> {
     let text = artifacts.template.render(&probe_request(probe)).ok()?;
     let encoding = artifacts.tokenizer.encode(text.as_str(), false).ok()?;
-    let size = BlockSize::new(16).ok()?;
-    let _ = block_hashes(encoding.get_ids(), size, SaltHash::default());
-    Some(encoding.get_ids().len())
+    block_hashes(encoding.get_ids(), BlockSize::new(16).ok()?, SaltHash::default());
+    Some(())
 }
 
 /// A system and a user message of pseudo-words, different for each probe.
