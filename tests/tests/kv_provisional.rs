@@ -244,3 +244,26 @@ async fn a_dispatch_for_a_rank_the_fleet_lacks_is_refused_and_counted_by_an_idle
     plane.cancel.cancel();
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookups_through_any_replica_are_numbered_in_the_order_they_are_answered() -> anyhow::Result<()> {
+    let plane = Plane::start("2s").await?;
+    let (mut first, mut second) = (plane.client().await?, plane.client().await?);
+    // One fleet-wide sequence, whichever replica asks: what lets replicas that see the same
+    // tie rotate it between them instead of each taking its own first contender.
+    let mut turns = Vec::new();
+    for _ in 0..3 {
+        turns.push(turn(&mut first).await?);
+        turns.push(turn(&mut second).await?);
+    }
+    assert!(turns[0] > 0, "turns count from 1: {turns:?}");
+    let consecutive: Vec<u64> = (turns[0]..turns[0] + 6).collect();
+    assert_eq!(turns, consecutive);
+    plane.cancel.cancel();
+    Ok(())
+}
+
+/// The turn `FindMatches` numbers a lookup with.
+async fn turn(client: &mut FleetClient<Channel>) -> anyhow::Result<u64> {
+    Ok(client.find_matches(pb::FindMatchesRequest { block_hashes: vec![5_000] }).await?.into_inner().turn)
+}

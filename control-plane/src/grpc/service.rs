@@ -58,6 +58,8 @@ pub struct FleetService {
     /// The blocks the book's dispatches in flight hold, for `FindMatches`' active overlaps.
     active: ActiveIndex,
     kv: KvHandle,
+    /// Lookups answered so far: each answer's `turn` (see [`FleetService::find_matches`]).
+    lookups: Arc<AtomicU64>,
 }
 
 impl FleetService {
@@ -73,7 +75,8 @@ impl FleetService {
             },
             shutdown.clone(),
         );
-        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default() }
+        let lookups = Arc::default();
+        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), lookups }
     }
 
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
@@ -183,6 +186,9 @@ impl Fleet for FleetService {
                 active_blocks: active_blocks.min(blocks),
             })
             .collect();
-        Ok(Response::new(pb::FindMatchesResponse { overlaps }))
+        // Numbered last, so that two lookups answered in one order carry turns in that order.
+        // Replicas rotate ties by it: a fleet-wide cursor that costs no round trip of its own.
+        let turn = self.lookups.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        Ok(Response::new(pb::FindMatchesResponse { overlaps, turn }))
     }
 }

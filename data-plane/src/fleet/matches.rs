@@ -46,20 +46,33 @@ impl MatchesClient {
     }
 
     /// Each rank's contiguous overlap with `block_hashes` and the part of it the fleet's
-    /// requests in flight hold; ranks holding none are absent.
-    pub async fn find_matches(&self, block_hashes: Vec<u64>) -> Result<Vec<RankOverlap>, MatchesError> {
+    /// requests in flight hold, with the lookup's fleet-wide turn.
+    pub async fn find_matches(&self, block_hashes: Vec<u64>) -> Result<Matches, MatchesError> {
         let mut client = self.client.clone();
         let call = client.find_matches(pb::FindMatchesRequest { block_hashes });
         let reply =
             tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))??;
-        let overlaps = reply.into_inner().overlaps.into_iter();
-        Ok(overlaps
+        let reply = reply.into_inner();
+        let overlaps = reply
+            .overlaps
+            .into_iter()
             .map(|o| RankOverlap {
                 instance_id: o.instance_id,
                 dp_rank: o.dp_rank,
                 blocks: o.blocks,
                 active: o.active_blocks,
             })
-            .collect())
+            .collect();
+        Ok(Matches { overlaps, turn: reply.turn })
     }
+}
+
+/// One lookup's answer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Matches {
+    /// Ranks holding none of the prefix are absent.
+    pub overlaps: Vec<RankOverlap>,
+    /// The lookup's place among all the control plane has answered (0: unnumbered), by which
+    /// the picker rotates ties.
+    pub turn: u64,
 }

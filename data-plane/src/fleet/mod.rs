@@ -9,7 +9,7 @@ mod reporter;
 
 pub use client::{FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
 pub use handle::{FleetHandle, FleetStatus};
-pub use matches::{FIND_MATCHES_DEADLINE, MatchesClient, MatchesError};
+pub use matches::{FIND_MATCHES_DEADLINE, Matches, MatchesClient, MatchesError};
 #[cfg(test)]
 pub(crate) use reporter::batch;
 pub use reporter::{DispatchReporter, MAX_REPORT_BATCH, REPORT_QUEUE, Report};

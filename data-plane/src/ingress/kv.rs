@@ -15,7 +15,7 @@ use prometheus::{Histogram, HistogramVec, IntCounterVec};
 use serde_json::Value;
 
 use super::recent::RecentAnswers;
-use crate::fleet::{MatchesClient, MatchesError};
+use crate::fleet::{Matches, MatchesClient, MatchesError};
 use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
 use crate::kv::render::{RenderStages, Renderer};
 use crate::kv::{Fallback, KvPrompt, request_cache_salt};
@@ -134,9 +134,9 @@ impl KvRouting {
         let answer = self.matches.find_matches(chain.clone()).await;
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
         let (overlaps, answer) = match answer {
-            Ok(overlaps) => {
+            Ok(Matches { overlaps, turn }) => {
                 self.recent.remember(&chain, &overlaps, Instant::now());
-                (overlaps.into(), IndexAnswer::Answered)
+                (overlaps.into(), IndexAnswer::Answered { turn })
             }
             Err(error) => match self.recent.recall(&chain, Instant::now()) {
                 Some(overlaps) => (overlaps.into(), IndexAnswer::Recent),

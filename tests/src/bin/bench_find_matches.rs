@@ -177,7 +177,7 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
                     let mut ranks = 0;
                     for query in queries.iter().skip(lane).step_by(concurrency) {
                         let t0 = Instant::now();
-                        let overlaps = client.find_matches(query.clone()).await?;
+                        let overlaps = client.find_matches(query.clone()).await?.overlaps;
                         samples.push(t0.elapsed());
                         ranks += overlaps.len();
                     }

@@ -68,6 +68,8 @@ struct Scoring<'a> {
     block_size: u32,
     overlaps: &'a Overlaps,
     weights: Weights,
+    /// The lookup's fleet-wide turn, when the control plane numbered it.
+    turn: Option<u64>,
     now: Instant,
 }
 
@@ -130,6 +132,10 @@ impl KvAwarePicker {
             block_size,
             overlaps,
             weights: Weights::new(&view.config().picker),
+            turn: match answer {
+                IndexAnswer::Answered { turn } if turn > 0 => Some(turn),
+                _ => None,
+            },
             now,
         };
         let request = PickRequest { prompt_tokens: isl_tokens, ..*request };
@@ -138,7 +144,7 @@ impl KvAwarePicker {
         let cursor = (KV_CURSOR, Phase::Prefill, request.model);
         let winner = self.compete(&scoring, &prefilling, cursor, |logit| logit.cost)?;
         let overlap = match answer {
-            IndexAnswer::Answered => overlap_result(scoring.overlap(winner.candidate)),
+            IndexAnswer::Answered { .. } => overlap_result(scoring.overlap(winner.candidate)),
             IndexAnswer::Recent => KvSelectionResult::IndexRecent,
             IndexAnswer::Missed(result) => result,
         };
@@ -231,7 +237,7 @@ impl KvAwarePicker {
         let (reason, draw) = formula::contenders(&scored, scoring.weights.temperature);
         let index = match draw {
             Draw::Rotate(among) if among.is_empty() => return None,
-            Draw::Rotate(among) => among.get(self.load.advance(cursor) % among.len()).copied()?,
+            Draw::Rotate(among) => among.get(self.rotation(scoring.turn, cursor, among.len())).copied()?,
             Draw::Sample(entries) => {
                 let costs: Vec<f64> = entries.iter().map(|(_, cost)| *cost).collect();
                 let at = formula::softmax_sample_index(&costs, scoring.weights.temperature, self.draw());
@@ -243,6 +249,19 @@ impl KvAwarePicker {
         }
         let (logit, scored) = rated.get(index)?;
         Some(Chosen { candidate: candidates.get(index)?, reason, logit: *logit, fresh: scored.fresh })
+    }
+
+    /// Where among `len` tied contenders the rotation stands. With the lookup's fleet-wide turn,
+    /// at the turn: picks through different replicas that see the same tie at once (each
+    /// without the other's pick yet) take consecutive turns, so they split as one process's
+    /// round-robin would, where cursors of their own would often agree. Without one (a recent
+    /// answer or none), at the replica's cursor for the phase.
+    fn rotation(&self, turn: Option<u64>, cursor: impl Hash, len: usize) -> usize {
+        match turn {
+            // The remainder is below `len`, so it fits.
+            Some(turn) => usize::try_from(turn % len.max(1) as u64).unwrap_or(0),
+            None => self.load.advance(cursor) % len.max(1),
+        }
     }
 
     /// Whether the chosen decode worker should prefill the request itself: the ISL bound on

@@ -244,7 +244,7 @@ pub(super) enum Draw {
 /// compete on the full formula and the others sit out; stalled ranks are passed over while a
 /// healthy one competes. Otherwise every rank competes on overlap and request size, and the
 /// cursor rotates (`round_robin_stale`) only among ties. Temperature 0 takes the lowest cost,
-/// ties rotating; above 0 the contenders are sampled.
+/// ties (within [`TIE_TOLERANCE`]) rotating; above 0 the contenders are sampled.
 pub(super) fn contenders(scored: &[Scored], temperature: f64) -> (Reason, Draw) {
     if scored.iter().any(|s| s.fresh && s.cost.is_some()) {
         let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
@@ -267,12 +267,21 @@ pub(super) fn contenders(scored: &[Scored], temperature: f64) -> (Reason, Draw) 
     }
 }
 
+/// Costs at most this far above the lowest tie with it. Costs count KV blocks, and the queues
+/// they weigh are estimates (the prefill under way is interpolated from the time it has run),
+/// so half a block is no difference the formula can resolve. The pick log of a burst through
+/// two replicas showed both taking the same worker because it was one token of queued prefill
+/// ahead (6,090 against 6,091): as a tie, the lookups' fleet-wide turns split it.
+pub(super) const TIE_TOLERANCE: f64 = 0.5;
+
 fn lowest_or_sampled(entries: Vec<(usize, f64)>, temperature: f64) -> Draw {
     if temperature > 0.0 && entries.len() > 1 {
         return Draw::Sample(entries);
     }
-    let best = entries.iter().map(|(_, cost)| *cost).min_by(f64::total_cmp);
-    let ties = entries.iter().filter(|(_, cost)| best.is_some_and(|b| cost.total_cmp(&b) == Ordering::Equal));
+    let Some(best) = entries.iter().map(|(_, cost)| *cost).min_by(f64::total_cmp) else {
+        return Draw::Rotate(Vec::new());
+    };
+    let ties = entries.iter().filter(|(_, cost)| cost.total_cmp(&(best + TIE_TOLERANCE)) != Ordering::Greater);
     Draw::Rotate(ties.map(|(i, _)| *i).collect())
 }
 

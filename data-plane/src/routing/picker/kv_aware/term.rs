@@ -25,8 +25,10 @@ pub enum KvTerm<'a> {
 /// Where a scored term's overlaps came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IndexAnswer {
-    /// The control plane's index answered `FindMatches`.
-    Answered,
+    /// The control plane's index answered `FindMatches`, numbering the lookup `turn` among all
+    /// it has answered (0: unnumbered). Ties rotate by the turn, so replicas that see the same
+    /// tie at once take different ranks.
+    Answered { turn: u64 },
     /// The lookup missed its deadline or failed, and the replica's recent answer for the
     /// prompt's prefix stands in: counted `index_recent`.
     Recent,

@@ -112,7 +112,7 @@ fn overlaps(triples: &[(u64, u32, u32)]) -> Overlaps {
 }
 
 fn scored(isl_tokens: u64, overlaps: &Overlaps) -> KvTerm<'_> {
-    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps, answer: IndexAnswer::Answered }
+    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps, answer: IndexAnswer::Answered { turn: 0 } }
 }
 
 fn pick(picker: &KvAwarePicker, fleet: &Fleet, kv: KvTerm<'_>) -> Selection {
@@ -253,6 +253,39 @@ fn temperature_zero_ties_rotate_by_a_deterministic_cursor() {
     let first = picks(&picker(), &fleet, scored(64, &none), 4);
     assert_eq!(first, [(1, None), (2, None), (1, None), (2, None)]);
     assert_eq!(picks(&picker(), &fleet, scored(64, &none), 4), first, "a new picker rotates the same way");
+}
+
+/// Two replicas picking at the same instant from the same view, neither holding the other's
+/// pick yet (each picker has a ledger and cursors of its own): the burst's race that a pick log
+/// traced, both taking the prefill worker one token of queued prefill ahead.
+#[test]
+fn replicas_seeing_the_same_tie_at_once_split_it_by_their_lookups_turns() {
+    let queued = |tokens| Backlog { prefill_tokens: tokens, dispatches: 4, ..Backlog::default() };
+    let pair = |second_queue| {
+        Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Prefill), worker("a", 4, Role::Decode)])
+            .sample(1, used(0), FRESH)
+            .sample(2, used(0), FRESH)
+            .sample(4, used(0), FRESH)
+            .backlog(1, queued(6_090))
+            .backlog(2, queued(second_queue))
+    };
+    let none = Overlaps::default();
+    let lookup = |answer| KvTerm::Scored { isl_tokens: 1_560, block_size: BLOCK, overlaps: &none, answer };
+    let at_once = |fleet: &Fleet, first, second| {
+        let (a, b) = (picker(), picker());
+        [ids(&pick(&a, fleet, lookup(first))), ids(&pick(&b, fleet, lookup(second)))]
+    };
+    let turn = |turn| IndexAnswer::Answered { turn };
+
+    let near_tie = pair(6_091);
+    assert_eq!(at_once(&near_tie, turn(41), turn(42)), [(4, Some(2)), (4, Some(1))], "consecutive turns split");
+    assert_eq!(at_once(&near_tie, turn(42), turn(41)), [(4, Some(1)), (4, Some(2))]);
+    // Without turns (recent answers stand in, or an unnumbered control plane), each replica's
+    // own cursor: both start at the first contender.
+    assert_eq!(at_once(&near_tie, IndexAnswer::Recent, IndexAnswer::Recent), [(4, Some(1)); 2]);
+    assert_eq!(at_once(&near_tie, turn(0), turn(0)), [(4, Some(1)); 2]);
+    // A real difference is no tie: 110 tokens more queued (at half weight, 3.4 blocks).
+    assert_eq!(at_once(&pair(6_200), turn(41), turn(42)), [(4, Some(1)); 2]);
 }
 
 #[test]

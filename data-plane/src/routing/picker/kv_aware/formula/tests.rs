@@ -148,6 +148,12 @@ fn contenders_follow_the_seed_rules() {
             (Reason::KvAware, Draw::Rotate(vec![0, 2])),
         ),
         (
+            "costs within half a block of the lowest tie with it",
+            vec![fresh(5.6), fresh(5.4), fresh(5.0)],
+            0.0,
+            (Reason::KvAware, Draw::Rotate(vec![1, 2])),
+        ),
+        (
             "a stalled rank is passed over while another competes",
             vec![scored(Some(1.0), true, true, 0.0), fresh(9.0)],
             0.0,
@@ -176,6 +182,12 @@ fn contenders_follow_the_seed_rules() {
             vec![unknown(3.0), unknown(6.0), stale(3.0)],
             0.0,
             (Reason::RoundRobinStale, Draw::Rotate(vec![0, 2])),
+        ),
+        (
+            "no fresh rank: a token of queued prefill apart is a tie",
+            vec![unknown(380.0), unknown(380.03), unknown(381.0)],
+            0.0,
+            (Reason::RoundRobinStale, Draw::Rotate(vec![0, 1])),
         ),
         (
             "no fresh rank and nothing to tell apart: plain rotation",
