@@ -9,6 +9,7 @@
 
 use std::ffi::OsStr;
 use std::fs::File;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -202,16 +203,21 @@ impl NetNs {
 
 impl Drop for NetNs {
     fn drop(&mut self) {
+        // Writes that fail are ignored: `eprintln!` panics on a closed stderr (a benchmark piped
+        // into `head`), and a panic here, often during another's unwinding, aborts before the
+        // processes and the namespace are gone.
+        let mut stderr = std::io::stderr();
         let children = std::mem::take(self.children.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()));
         // Last started first: the workers go before the etcd they would otherwise retry.
         for mut spawned in children.into_iter().rev() {
             let _ = spawned.child.kill();
             let _ = spawned.child.wait();
-            eprintln!("--- {} ({}) log tail ---\n{}", spawned.label, spawned.child.id(), self.log_tail(&spawned.label));
+            let tail = self.log_tail(&spawned.label);
+            let _ = writeln!(stderr, "--- {} ({}) log tail ---\n{tail}", spawned.label, spawned.child.id());
         }
         kill_everything_in(&self.name);
         if let Err(error) = ip(&["netns", "delete", &self.name]) {
-            eprintln!("cannot delete the network namespace {}: {error:#}", self.name);
+            let _ = writeln!(stderr, "cannot delete the network namespace {}: {error:#}", self.name);
         }
     }
 }
