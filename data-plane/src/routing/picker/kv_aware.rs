@@ -254,8 +254,8 @@ impl KvAwarePicker {
     /// Where among `len` tied contenders the rotation stands. With the lookup's fleet-wide turn,
     /// at the turn: picks through different replicas that see the same tie at once (each
     /// without the other's pick yet) take consecutive turns, so they split as one process's
-    /// round-robin would, where cursors of their own would often agree. Without one (a recent
-    /// answer or none), at the replica's cursor for the phase.
+    /// round-robin would, where cursors of their own agree as often as not. Without one (a
+    /// recent answer or none), at the replica's cursor for the phase.
     fn rotation(&self, turn: Option<u64>, cursor: impl Hash, len: usize) -> usize {
         match turn {
             // The remainder is below `len`, so it fits.
