@@ -124,7 +124,10 @@ async fn overlaps(client: &mut FleetClient<Channel>, hashes: &[u64]) -> anyhow::
 
 /// Each rank's (instance id, blocks, active blocks).
 async fn held(client: &mut FleetClient<Channel>, hashes: &[u64]) -> anyhow::Result<Vec<(u64, u32, u32)>> {
-    let reply = client.find_matches(pb::FindMatchesRequest { block_hashes: hashes.to_vec() }).await?.into_inner();
+    let reply = client
+        .find_matches(pb::FindMatchesRequest { block_hashes: hashes.to_vec(), ..Default::default() })
+        .await?
+        .into_inner();
     Ok(reply.overlaps.into_iter().map(|o| (o.instance_id, o.blocks, o.active_blocks)).collect())
 }
 
@@ -246,24 +249,26 @@ async fn a_dispatch_for_a_rank_the_fleet_lacks_is_refused_and_counted_by_an_idle
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lookups_through_any_replica_are_numbered_in_the_order_they_are_answered() -> anyhow::Result<()> {
+async fn lookups_through_any_replica_are_numbered_per_model_in_the_order_they_are_answered() -> anyhow::Result<()> {
     let plane = Plane::start("2s").await?;
     let (mut first, mut second) = (plane.client().await?, plane.client().await?);
-    // One fleet-wide sequence, whichever replica asks: what lets replicas that see the same
-    // tie rotate it between them instead of each taking its own first contender.
+    // One sequence per model, whichever replica asks: what lets replicas that see the same tie
+    // rotate it between them instead of each taking its own first contender. Another model's
+    // lookups in between leave it consecutive.
     let mut turns = Vec::new();
     for _ in 0..3 {
-        turns.push(turn(&mut first).await?);
-        turns.push(turn(&mut second).await?);
+        turns.push(turn(&mut first, "tiny").await?);
+        turn(&mut second, "other").await?;
+        turns.push(turn(&mut second, "tiny").await?);
     }
-    assert!(turns[0] > 0, "turns count from 1: {turns:?}");
-    let consecutive: Vec<u64> = (turns[0]..turns[0] + 6).collect();
-    assert_eq!(turns, consecutive);
+    assert_eq!(turns, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(turn(&mut first, "other").await?, 4);
     plane.cancel.cancel();
     Ok(())
 }
 
-/// The turn `FindMatches` numbers a lookup with.
-async fn turn(client: &mut FleetClient<Channel>) -> anyhow::Result<u64> {
-    Ok(client.find_matches(pb::FindMatchesRequest { block_hashes: vec![5_000] }).await?.into_inner().turn)
+/// The turn `FindMatches` numbers a lookup for `model` with.
+async fn turn(client: &mut FleetClient<Channel>, model: &str) -> anyhow::Result<u64> {
+    let lookup = pb::FindMatchesRequest { block_hashes: vec![5_000], model: model.into() };
+    Ok(client.find_matches(lookup).await?.into_inner().turn)
 }

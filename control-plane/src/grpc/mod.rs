@@ -3,6 +3,7 @@
 
 mod service;
 mod session;
+mod turns;
 
 use std::time::Duration;
 
@@ -14,6 +15,7 @@ use tonic::transport::server::TcpIncoming;
 
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus};
+pub use turns::MAX_TURN_MODELS;
 
 /// HTTP/2 keepalive: a replica whose connection went half-open is noticed within about
 /// interval + timeout, and its session (and memory) released.

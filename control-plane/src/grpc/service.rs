@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
+use super::turns::Turns;
 use crate::fleet::{ActiveIndex, BacklogBook, BookCounters, FleetPublisher};
 use crate::kv::{KvHandle, MAX_FIND_MATCHES_HASHES};
 use crate::metrics::Metrics;
@@ -58,8 +59,8 @@ pub struct FleetService {
     /// The blocks the book's dispatches in flight hold, for `FindMatches`' active overlaps.
     active: ActiveIndex,
     kv: KvHandle,
-    /// Lookups answered so far: each answer's `turn` (see [`FleetService::find_matches`]).
-    lookups: Arc<AtomicU64>,
+    /// Each answer's `turn`, per model.
+    turns: Arc<Turns>,
 }
 
 impl FleetService {
@@ -75,8 +76,8 @@ impl FleetService {
             },
             shutdown.clone(),
         );
-        let lookups = Arc::default();
-        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), lookups }
+        let turns = Arc::default();
+        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns }
     }
 
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
@@ -159,7 +160,7 @@ impl Fleet for FleetService {
         &self,
         request: Request<pb::FindMatchesRequest>,
     ) -> Result<Response<pb::FindMatchesResponse>, Status> {
-        let hashes = request.into_inner().block_hashes;
+        let pb::FindMatchesRequest { block_hashes: hashes, model } = request.into_inner();
         let count = |result: &str| self.metrics.kv_find_matches.with_label_values(&[result]).inc();
         if hashes.len() > MAX_FIND_MATCHES_HASHES {
             count("too_many_hashes");
@@ -188,7 +189,7 @@ impl Fleet for FleetService {
             .collect();
         // Numbered last, so that two lookups answered in one order carry turns in that order.
         // Replicas rotate ties by it: a fleet-wide cursor that costs no round trip of its own.
-        let turn = self.lookups.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        let turn = self.turns.next(&model);
         Ok(Response::new(pb::FindMatchesResponse { overlaps, turn }))
     }
 }

@@ -46,10 +46,10 @@ impl MatchesClient {
     }
 
     /// Each rank's contiguous overlap with `block_hashes` and the part of it the fleet's
-    /// requests in flight hold, with the lookup's fleet-wide turn.
-    pub async fn find_matches(&self, block_hashes: Vec<u64>) -> Result<Matches, MatchesError> {
+    /// requests in flight hold, with the lookup's fleet-wide turn among `model`'s.
+    pub async fn find_matches(&self, block_hashes: Vec<u64>, model: &str) -> Result<Matches, MatchesError> {
         let mut client = self.client.clone();
-        let call = client.find_matches(pb::FindMatchesRequest { block_hashes });
+        let call = client.find_matches(pb::FindMatchesRequest { block_hashes, model: model.to_string() });
         let reply =
             tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))??;
         let reply = reply.into_inner();
@@ -72,7 +72,7 @@ impl MatchesClient {
 pub struct Matches {
     /// Ranks holding none of the prefix are absent.
     pub overlaps: Vec<RankOverlap>,
-    /// The lookup's place among all the control plane has answered (0: unnumbered), by which
-    /// the picker rotates ties.
+    /// The lookup's place among those the control plane has answered for the model
+    /// (0: unnumbered), by which the picker rotates ties.
     pub turn: u64,
 }

@@ -131,7 +131,7 @@ impl KvRouting {
         let chain: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let block_hashes = chain.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect();
         let started = Instant::now();
-        let answer = self.matches.find_matches(chain.clone()).await;
+        let answer = self.matches.find_matches(chain.clone(), model).await;
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
         let (overlaps, answer) = match answer {
             Ok(Matches { overlaps, turn }) => {

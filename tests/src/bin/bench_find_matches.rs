@@ -163,7 +163,7 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
     let client = MatchesClient::new(&url, MEASURE_DEADLINE)?;
     // Connect and warm up.
     for query in queries.iter().take(500) {
-        client.find_matches(query.clone()).await?;
+        client.find_matches(query.clone(), "bench").await?;
     }
     let queries: Arc<[Vec<u64>]> = queries.into();
     let mut rows = Vec::new();
@@ -177,7 +177,7 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
                     let mut ranks = 0;
                     for query in queries.iter().skip(lane).step_by(concurrency) {
                         let t0 = Instant::now();
-                        let overlaps = client.find_matches(query.clone()).await?.overlaps;
+                        let overlaps = client.find_matches(query.clone(), "bench").await?.overlaps;
                         samples.push(t0.elapsed());
                         ranks += overlaps.len();
                     }
