@@ -11,6 +11,7 @@ pub mod render;
 use std::collections::HashSet;
 use std::sync::Mutex;
 
+use futures::FutureExt;
 use serde_json::Value;
 
 use self::artifacts::{ArtifactResult, ArtifactStore, ModelArtifacts, fleet_key};
@@ -72,9 +73,7 @@ impl KvPrompt {
         let warming = renderer.clone();
         store.warm_with(Box::new(move |artifacts| {
             let renderer = warming.clone();
-            Box::pin(async move {
-                renderer.warm(artifacts).await;
-            })
+            async move { renderer.warm(artifacts).await }.map(drop).boxed()
         }));
         Self { store, renderer, logged_sizes: Mutex::new(HashSet::new()) }
     }

@@ -4,12 +4,11 @@
 //! Nothing unpinned is read, and every byte loaded has matched its checksum.
 
 use std::collections::{HashMap, HashSet};
-use std::future::Future;
 use std::io;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use prometheus::IntCounterVec;
 use serde_json::Value;
 use tokenizers::{AddedToken, Tokenizer};
@@ -38,7 +37,7 @@ pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
 
 /// What runs on a freshly built artifact set before the store serves it (see
 /// [`ArtifactStore::warm_with`]).
-pub type Warm = Box<dyn Fn(Arc<LoadedArtifacts>) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
+pub type Warm = Box<dyn Fn(Arc<LoadedArtifacts>) -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// A tokenizer and chat template built from verified, pinned bytes.
 #[derive(Debug)]

@@ -132,10 +132,7 @@ impl KvAwarePicker {
             block_size,
             overlaps,
             weights: Weights::new(&view.config().picker),
-            turn: match answer {
-                IndexAnswer::Answered { turn } if turn > 0 => Some(turn),
-                _ => None,
-            },
+            turn: answer.turn(),
             now,
         };
         let request = PickRequest { prompt_tokens: isl_tokens, ..*request };

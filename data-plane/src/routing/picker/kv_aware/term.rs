@@ -41,6 +41,16 @@ pub enum IndexAnswer {
     Missed(KvSelectionResult),
 }
 
+impl IndexAnswer {
+    /// The lookup's fleet-wide turn, when the control plane answered and numbered it.
+    pub fn turn(self) -> Option<u64> {
+        match self {
+            IndexAnswer::Answered { turn } if turn > 0 => Some(turn),
+            _ => None,
+        }
+    }
+}
+
 /// One rank's share of a request's prefix, as `FindMatches` answers it. Instance ids are
 /// Dynamo lease ids, unique across namespaces, so they need no namespace.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
