@@ -217,11 +217,8 @@ impl KvAwarePicker {
                     formula::rank_load(phase, rank.sample, rank.dispatched, handover, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);
                 let active = scoring.active_overlap(candidate);
-                let capacity = candidate.worker.capacity.total_kv_blocks;
-                let logit = load.map(|load| {
-                    let surviving = formula::surviving_overlap(load, overlap, active, scoring.prompt, capacity);
-                    formula::worker_logit(load, surviving, active, scoring.prompt, &scoring.weights)
-                });
+                let logit =
+                    load.map(|load| formula::worker_logit(load, overlap, active, scoring.prompt, &scoring.weights));
                 let stale_cost = formula::stale_cost(
                     overlap,
                     rank.dispatched.queued_prefill_tokens(),

@@ -17,10 +17,7 @@
 //! ```
 //!
 //! `raw_prefill_tokens` is the seed's formula verbatim: the cached tokens cancel, so the prefix
-//! earns its discount through `overlap_credit_blocks`. On a rank whose decode term is past its
-//! `total_kv_blocks`, `overlap_blocks` is first cut to `active_overlap_blocks`
-//! ([`surviving_overlap`]): a request that must wait for memory there cannot count on a prefix
-//! no running request holds.
+//! earns its discount through `overlap_credit_blocks`.
 //!
 //! The scale weighs all of `adjusted_prefill`, the prefill already queued on the rank as well as
 //! the request's own, as the seed states it: a request that lands behind a prefill waits for it
@@ -144,31 +141,6 @@ pub(super) fn worker_logit(
         decode_cost_blocks,
         cost,
     }
-}
-
-/// The overlap a rank can count on when the request arrives. A rank whose decode term is past
-/// its capacity (its blocks in use, plus the request's blocks no request in flight holds, above
-/// `total_kv_blocks`) admits the request only once some of its requests end. Until then each
-/// block its running requests allocate evicts the least recently used cached block that no
-/// request holds, so of the prefix only what its requests in flight hold is sure to be there.
-/// Credited whole, a prefix drew later turns to a worker already out of memory. There they
-/// waited, and often found the prefix evicted and prefilled all of it: in a dumped 13×3 run, 81
-/// of 770 picks chose a rank past its 640 blocks while the other had room
-/// (`docs/benchmarks.md`). A rank with room, or without a capacity on its card, keeps its whole
-/// overlap.
-pub(super) fn surviving_overlap(
-    load: RankLoad,
-    overlap_blocks: u32,
-    active_overlap_blocks: u32,
-    prompt: Prompt,
-    total_kv_blocks: Option<u64>,
-) -> u32 {
-    let Some(capacity) = total_kv_blocks.filter(|n| *n > 0) else {
-        return overlap_blocks;
-    };
-    let shared = active_overlap_blocks.min(overlap_blocks);
-    let needed = load.active_decode_blocks.saturating_add(prompt.blocks().saturating_sub(u64::from(shared)));
-    if needed > capacity { shared } else { overlap_blocks }
 }
 
 /// The share of a paired request's time to first token its prefill takes, about: the rest is

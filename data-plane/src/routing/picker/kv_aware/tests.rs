@@ -212,29 +212,6 @@ fn blocks_requests_in_flight_hold_are_shared() {
 }
 
 #[test]
-fn a_prefix_on_a_rank_out_of_memory_counts_only_where_requests_in_flight_hold_it() {
-    // 1,600 tokens (100 blocks), prefill scale 3, capacity 1,000 blocks. Worker 2 caches 90
-    // blocks of the prompt; worker 1 none, with 880 blocks in use: 3·100 + 980 = 1,280.
-    let fleet = |busy_2| {
-        Fleet::new([agg(1), agg(2)])
-            .sample(1, used(880), FRESH)
-            .sample(2, used(busy_2), FRESH)
-            .params(PickerParams { prefill_load_scale: 3.0, ..PickerParams::default() })
-    };
-    let held = |active| [RankOverlap { instance_id: 2, dp_rank: 0, blocks: 90, active }].into_iter().collect();
-    // Room for the request's 100 blocks (895 + 100 ≤ 1,000): 3·10 + 995 = 1,025 → the prefix.
-    assert_eq!(picks(&picker(), &fleet(895), scored(1600, &held(0)), 1), [(2, None)]);
-    // 905 + 100 > 1,000: it would wait for memory while its idle prefix is evicted, so the
-    // prefix earns nothing: 3·100 + 1,005 = 1,305 → worker 1.
-    let counters = Counters::new();
-    assert_eq!(picks(&counters.picker(), &fleet(905), scored(1600, &held(0)), 1), [(1, None)]);
-    assert_eq!(counters.result(KvSelectionResult::NoOverlap), 1);
-    // Its requests in flight hold 40 of the blocks and 950 are in use: 950 + 60 > 1,000, the
-    // 40 still count: 3·60 + 1,010 = 1,190 → worker 2.
-    assert_eq!(picks(&picker(), &fleet(950), scored(1600, &held(40)), 1), [(2, None)]);
-}
-
-#[test]
 fn prefill_load_scale_and_credit_weigh_the_terms() {
     // The scale weighs the request's prefill: worker 2 holds all 8 blocks of a 128-token
     // prompt but 12 more decode blocks. scale 1: 1: 8 + 8 = 16, 2: 0 + 12 + 8 = 20 → 1.

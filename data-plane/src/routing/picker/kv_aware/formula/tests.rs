@@ -67,26 +67,6 @@ fn the_stale_and_conditional_costs() {
 }
 
 #[test]
-fn a_rank_past_its_capacity_counts_only_the_overlap_its_requests_in_flight_hold() {
-    // A 100-token prompt is 7 blocks of 16; 5 of them cached on the rank, 2 held in flight.
-    let prompt = Prompt::new(100, 16);
-    let capacity = Some(100);
-    // 95 blocks in use + 5 the request adds = 100: at capacity, the whole overlap counts.
-    assert_eq!(surviving_overlap(load(0, 95), 5, 2, prompt, capacity), 5);
-    // One block more and the request waits for memory: only the 2 held blocks are sure.
-    assert_eq!(surviving_overlap(load(0, 96), 5, 2, prompt, capacity), 2);
-    assert_eq!(surviving_overlap(load(0, 96), 5, 0, prompt, capacity), 0);
-    // Held counts are capped at the overlap, as in the formula.
-    assert_eq!(surviving_overlap(load(0, 500), 3, 9, prompt, capacity), 3);
-    // The prefill queue is not memory; no capacity (or 0) on the card: the overlap stands.
-    assert_eq!(surviving_overlap(load(10_000, 10), 5, 0, prompt, capacity), 5);
-    assert_eq!(surviving_overlap(load(0, 500), 5, 0, prompt, None), 5);
-    assert_eq!(surviving_overlap(load(0, 500), 5, 0, prompt, Some(0)), 5);
-    // Saturating at the extremes.
-    assert_eq!(surviving_overlap(load(0, u64::MAX), 5, 1, Prompt::new(u64::MAX, 16), capacity), 1);
-}
-
-#[test]
 fn block_size_zero_counts_as_one() {
     assert_eq!(Prompt::new(10, 0), Prompt { isl: 10, block_size: 1 });
     assert_eq!(Prompt::new(33, 16).blocks(), 3);
