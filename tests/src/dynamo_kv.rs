@@ -158,6 +158,12 @@ pub fn kv_control_plane_yaml(cache_dir: &std::path::Path, extra_kv: &[&str]) -> 
     for line in extra_kv {
         kv.push_str(&format!("    {line}\n"));
     }
+    with_kv_section(&kv)
+}
+
+/// The routing tests' control-plane YAML with `kv` (a `  kv:` section, indented as under
+/// `dynamo`) added: with `enabled` left out, it only sets the pickers' weights.
+pub fn with_kv_section(kv: &str) -> anyhow::Result<String> {
     let base = crate::dynamo_routing::control_plane_yaml(false);
     let (head, rest) =
         base.split_once("  discovery:\n").ok_or_else(|| anyhow::anyhow!("the base YAML has no dynamo.discovery"))?;

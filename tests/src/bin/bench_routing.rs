@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use continuum_tests::bench::{arg, text_arg, write_section};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
-use continuum_tests::dynamo_kv::kv_control_plane_yaml;
+use continuum_tests::dynamo_kv::{kv_control_plane_yaml, with_kv_section};
 use continuum_tests::dynamo_routing::{self, FRONTEND, Outcome, RoutedContinuum, post_chat};
 use continuum_tests::netns::NetNs;
 use continuum_tests::placement::{Placement, Served, placement};
@@ -53,10 +53,12 @@ const KV_BLOCKS: u64 = 640;
 /// and at 2 ms one lookup in ten missed its deadline on the larger shared-prefix workload
 /// (scored on a recent answer or on load alone). 10 ms let every one be answered.
 const FIND_MATCHES_DEADLINE: &str = "10ms";
-/// `dynamo.kv.prefill_load_scale` for Continuum KV-aware (the seed's default is 1): under KV
+/// `dynamo.kv.prefill_load_scale` for both Continuum pickers (the seed's default is 1): under KV
 /// pressure a prompt prefilled on a rank that lacks its prefix also evicts blocks other
-/// conversations will need, so cache affinity is worth more than one request's prefill. Dynamo
-/// kv runs once at its default and once with the same scale (`--router-prefill-load-scale`).
+/// conversations will need, so cache affinity is worth more than one request's prefill; and a
+/// request queued behind another's prefill waits for all of it, while decoding beside one more
+/// request barely delays its first token. Dynamo kv runs once at its default and once with the
+/// same scale (`--router-prefill-load-scale`).
 const PREFILL_LOAD_SCALE: &str = "3";
 const MAX_TOKENS: u32 = 16;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
@@ -304,20 +306,23 @@ async fn bench_router(
         Router::ContinuumLoad | Router::ContinuumKv | Router::ContinuumKvNoProvisional => {
             let cache = ns.dir().join("kv-artifacts");
             // Investigation: `--kv-settings "prefill_load_scale: 2;router_temperature: 0.1"`
-            // sets `dynamo.kv` keys for both KV-aware variants.
+            // sets `dynamo.kv` keys for both KV-aware variants (the scale for load-based too).
             let tuned = text_arg("--kv-settings").unwrap_or_default();
             let mut kv: Vec<&str> = tuned.split(';').map(str::trim).filter(|s| !s.is_empty()).collect();
-            let scale = format!("prefill_load_scale: {PREFILL_LOAD_SCALE}");
-            if !tuned.contains("prefill_load_scale") {
-                kv.push(&scale);
-            }
-            kv.push("send_token_data: true");
-            if router == Router::ContinuumKvNoProvisional {
-                kv.push("provisional_ttl: 0s");
-            }
+            let default_scale = format!("prefill_load_scale: {PREFILL_LOAD_SCALE}");
+            let scale = kv.iter().find(|s| s.starts_with("prefill_load_scale")).copied().unwrap_or(&default_scale);
             let yaml = match router {
-                Router::ContinuumLoad => dynamo_routing::control_plane_yaml(false),
-                _ => kv_control_plane_yaml(&cache, &kv)?,
+                Router::ContinuumLoad => with_kv_section(&format!("  kv:\n    {scale}\n"))?,
+                _ => {
+                    if !tuned.contains("prefill_load_scale") {
+                        kv.push(&default_scale);
+                    }
+                    kv.push("send_token_data: true");
+                    if router == Router::ContinuumKvNoProvisional {
+                        kv.push("provisional_ttl: 0s");
+                    }
+                    kv_control_plane_yaml(&cache, &kv)?
+                }
             };
             let replica_args = ["--find-matches-deadline", FIND_MATCHES_DEADLINE];
             let continuum = RoutedContinuum::start_with(&ns, 2, &yaml, &replica_args).await?;
@@ -630,9 +635,9 @@ impl Report {
              concurrency 8 (8×2) and 12 (13×3). Unique prompts: 1,560 fresh tokens each, 8 clients sending one after another with a think time of 0–{UNIQUE_THINK_MS} ms. Hit rate \
              = Σ `usage.prompt_tokens_details.cached_tokens` / Σ prompt tokens. Continuum: 2 data-plane replicas \
              (requests alternate between them) pinning workers through `dynamo.frontend --router-mode direct`; \
-             KV-aware with `dynamo.kv` on, the tiny model's artifacts pinned, `prefill_load_scale: \
-             {PREFILL_LOAD_SCALE}` (the seed's default is 1; Dynamo kv is shown at its default and at the same \
-             scale), `send_token_data: true` (the frontend takes the router's tokens instead of tokenizing the \
+             both at `prefill_load_scale: {PREFILL_LOAD_SCALE}` (the seed's default is 1; Dynamo kv is shown at \
+             its default and at the same scale); KV-aware with `dynamo.kv` on, the tiny model's artifacts \
+             pinned, `send_token_data: true` (the frontend takes the router's tokens instead of tokenizing the \
              prompt again), `--find-matches-deadline \
              {FIND_MATCHES_DEADLINE}` (the default, 2 ms, suits a control plane with a core of its own; here one \
              lookup in ten missed it).\n\n",

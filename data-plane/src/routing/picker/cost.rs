@@ -2,7 +2,18 @@
 //! of candidates its round-robin cursor chooses among.
 //!
 //! * prefill cost = active_prefill_tokens / max_num_batched_tokens
-//! * decode cost = (active_decode_blocks + ceil(prompt_tokens / block_size)) / total_kv_blocks
+//! * decode cost = (active_decode_blocks + ceil(prompt_tokens / block_size)
+//!   + prefill_load_scale * ceil(queued_prefill_tokens / block_size)) / total_kv_blocks
+//!
+//! The decode cost's prefill term departs from the seed, which scores a worker that prefills
+//! its own requests (an aggregated worker) by its decode memory alone. A request sent to such a
+//! worker while it prefills another waits for that prefill before its own begins, whatever its
+//! decode memory; decoding beside more requests delays a first token far less. On the
+//! aggregated unique-prompt benchmark the seed's cost sent a third of the requests behind a
+//! running prefill while the other worker had none, and lost to round-robin by a fifth on TTFT
+//! p90 in every table (`docs/benchmarks.md`). Dynamo's KV router, with no overlap, counts the
+//! same queue at the same scale (`--router-prefill-load-scale`). A decode worker of a pair
+//! prefills nothing, so the term is zero there.
 //!
 //! The fleet's dispatches add to the backlog (prefill tokens, decode blocks);
 //! where the control plane measured a rank's foreign load, the decode backlog is that plus the
@@ -92,6 +103,16 @@ pub(super) fn phase_load(phase: Phase, load: &Load) -> Option<u64> {
     }
 }
 
+/// The phase's field of a sample younger than `max_staleness`; 0 when there is none.
+pub(super) fn fresh_load(phase: Phase, sample: Option<&LoadSample>, max_staleness: Duration, now: Instant) -> u64 {
+    sample.filter(|s| s.age(now) < max_staleness).and_then(|s| phase_load(phase, &s.load)).unwrap_or(0)
+}
+
+/// A configured weight made safe: a negative or non-finite value counts as 0 (the term drops).
+pub(super) fn weight(x: f64) -> f64 {
+    if x.is_finite() && x > 0.0 { x } else { 0.0 }
+}
+
 fn reports_backlog(load: &Load) -> bool {
     [load.active_decode_blocks, load.active_prefill_tokens, load.kv_used_blocks].into_iter().flatten().any(|n| n > 0)
 }
@@ -107,6 +128,13 @@ pub(super) struct CostInputs<'a> {
     /// The request reaches the rank by hand-over after a prefill elsewhere (a decode worker
     /// of a prefill/decode pair): dispatches expected to end by then do not count.
     pub handover: bool,
+    /// For the decode phase: prompt tokens the rank must prefill before a request sent now
+    /// starts its own (a fresh sample's `active_prefill_tokens` and the fleet's queued
+    /// dispatches); zero for a rank that prefills nothing.
+    pub queued_prefill_tokens: u64,
+    /// What a queued prefill block weighs against a decode block (`prefill_load_scale`,
+    /// non-negative and finite).
+    pub prefill_load_scale: f64,
 }
 
 /// The phase's cost, or `None` when undefined: no usable sample, or the card lacks the
@@ -132,7 +160,10 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
             } else {
                 dispatched.decode_backlog(sampled)
             };
-            let backlog = backlog.saturating_add(request);
+            let queued = inputs.queued_prefill_tokens.div_ceil(u64::from(block_size));
+            // Rounded so that equal queues still tie exactly; the cast saturates.
+            let queued = (inputs.prefill_load_scale * queued as f64).round() as u64;
+            let backlog = backlog.saturating_add(request).saturating_add(queued);
             Some(Cost { backlog, capacity })
         }
     }

@@ -109,22 +109,34 @@ impl LoadBasedPicker {
         prompt_tokens: u64,
         now: Instant,
     ) -> (Reason, Vec<usize>) {
-        let max_staleness = view.config().picker.max_staleness;
+        let params = &view.config().picker;
+        let max_staleness = params.max_staleness;
+        let prefill_load_scale = cost::weight(params.prefill_load_scale);
         let ranks = self.ranks(view, candidates, now);
         let scored: Vec<Scored> = candidates
             .iter()
             .zip(&ranks)
             .map(|(candidate, rank)| {
                 let standing = cost::standing(phase, rank.sample, max_staleness, now);
+                // A decode worker is paired with prefill workers. If its namespace has none
+                // left, it prefills itself, and the discount comes about a prefill early.
+                let handover = candidate.worker.role == Role::Decode;
+                let queued_prefill_tokens = match phase {
+                    Phase::Prefill => 0,
+                    // The fleet's dispatches queue prefill only on a rank that prefills them.
+                    Phase::Decode if handover => rank.dispatched.queued_prefill_tokens(),
+                    Phase::Decode => cost::fresh_load(Phase::Prefill, rank.sample, max_staleness, now)
+                        .saturating_add(rank.dispatched.queued_prefill_tokens()),
+                };
                 let inputs = CostInputs {
                     capacity: &candidate.worker.capacity,
                     block_size: candidate.worker.block_size,
                     prompt_tokens,
                     standing,
                     dispatched: rank.dispatched,
-                    // A decode worker is paired with prefill workers. If its namespace has none
-                    // left, it prefills itself, and the discount comes about a prefill early.
-                    handover: candidate.worker.role == Role::Decode,
+                    handover,
+                    queued_prefill_tokens,
+                    prefill_load_scale,
                 };
                 let fresh = matches!(standing, Standing::Fresh(_));
                 Scored { cost: cost::cost(phase, &inputs), fresh, stalled: rank.dispatched.stalled }

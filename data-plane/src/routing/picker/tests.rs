@@ -50,6 +50,7 @@ struct Fleet {
     loads: Vec<(LoadKey, LoadSample)>,
     backlogs: Vec<(LoadKey, Backlog)>,
     max_staleness: Duration,
+    prefill_load_scale: f64,
 }
 
 impl Fleet {
@@ -61,6 +62,7 @@ impl Fleet {
             loads: Vec::new(),
             backlogs: Vec::new(),
             max_staleness: Duration::from_secs(3),
+            prefill_load_scale: PickerParams::default().prefill_load_scale,
         }
     }
 
@@ -89,7 +91,11 @@ impl Fleet {
 
     fn view(&self) -> FleetView {
         let config = DataPlaneConfig {
-            picker: PickerParams { max_staleness: self.max_staleness, ..PickerParams::default() },
+            picker: PickerParams {
+                max_staleness: self.max_staleness,
+                prefill_load_scale: self.prefill_load_scale,
+                ..PickerParams::default()
+            },
             ..DataPlaneConfig::default()
         };
         FleetView::new(1, self.workers.iter().cloned().map(Arc::new), self.loads.clone(), Arc::new(config))
@@ -300,12 +306,35 @@ fn a_burst_between_samples_spreads_thanks_to_the_ledger() {
         record(&picker, &selection, 160, fleet.now);
         *counts.entry(selection.decode.worker.instance_id).or_insert(0) += 1;
     }
-    assert_eq!(counts, BTreeMap::from([(1, 12), (2, 8)]), "worker 1 fills up to its peer's load, then they alternate");
+    // Each request adds 10 blocks to decode and 10 of prefill still queued (none is answered).
+    assert_eq!(counts, BTreeMap::from([(1, 11), (2, 9)]), "worker 1 fills up to its peer's load, then they alternate");
+}
+
+#[test]
+fn an_aggregated_worker_still_prefilling_is_charged_its_queue() {
+    // Worker 1 has just been sent a 320-token prompt (20 blocks to decode, 20 to prefill first);
+    // worker 2 decodes 30 blocks. The request adds 2 blocks either way.
+    let pick_after_a_dispatch = |prefill_load_scale| {
+        let fleet =
+            Fleet { prefill_load_scale, ..Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 30, FRESH) };
+        let picker = picker();
+        let first = pick(&picker, &fleet);
+        assert_eq!(first.decode.worker.instance_id, 1, "idle against 30 blocks");
+        let dispatch = record(&picker, &first, 320, fleet.now);
+        let next = pick(&picker, &fleet).decode.worker.instance_id;
+        // Its response began: the prefill no longer queues, its blocks still decode (20 < 30).
+        picker.ledger().prefilled(dispatch, fleet.now, NOT_REPORTED);
+        (next, pick(&picker, &fleet).decode.worker.instance_id)
+    };
+    assert_eq!(pick_after_a_dispatch(0.0), (1, 1), "the seed's cost: 22 against 32 blocks");
+    assert_eq!(pick_after_a_dispatch(1.0), (2, 1), "42 against 32 blocks while the prompt prefills");
 }
 
 #[test]
 fn a_sample_newer_than_the_dispatches_replaces_their_backlog() {
-    let fleet = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 40, FRESH);
+    // Decode blocks alone: the unanswered prompts would still queue their prefill.
+    let fleet =
+        Fleet { prefill_load_scale: 0.0, ..Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 40, FRESH) };
     let picker = picker();
     for _ in 0..6 {
         let selection = pick(&picker, &fleet);
@@ -320,8 +349,12 @@ fn fleet_wide_backlogs_count_once() {
     let busy = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 15, FRESH).backlog(1, 0, 50);
     assert_eq!(decode_ids(&picker(), &busy, 2), [2, 2]);
 
-    // This replica's own ten blocks, already in the fleet-wide sum, count once: 0 + 10 < 15.
-    let own = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 15, FRESH).backlog(1, 0, 10);
+    // This replica's own ten blocks, already in the fleet-wide sum, count once: 0 + 10 < 15
+    // (decode blocks alone: its prompt's prefill is not in the fleet-wide sum given here).
+    let own = Fleet {
+        prefill_load_scale: 0.0,
+        ..Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 15, FRESH).backlog(1, 0, 10)
+    };
     let picker = picker();
     let first = pick(&picker, &own);
     record(&picker, &first, 160, own.now);

@@ -15,7 +15,16 @@ fn capacity(total_kv_blocks: Option<u64>, max_num_batched_tokens: Option<u64>) -
 }
 
 fn inputs(capacity: &Capacity, block_size: Option<u32>, prompt_tokens: u64, standing: Standing) -> CostInputs<'_> {
-    CostInputs { capacity, block_size, prompt_tokens, standing, dispatched: RankBacklog::default(), handover: false }
+    CostInputs {
+        capacity,
+        block_size,
+        prompt_tokens,
+        standing,
+        dispatched: RankBacklog::default(),
+        handover: false,
+        queued_prefill_tokens: 0,
+        prefill_load_scale: 1.0,
+    }
 }
 
 #[test]
@@ -139,6 +148,23 @@ fn unanswered_dispatches_add_to_the_backlog() {
     let with = |standing| CostInputs { dispatched: measured, ..inputs(&full, Some(16), 16, standing) };
     assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(700))).map(Cost::as_f64), Some(0.15));
     assert_eq!(cost(Phase::Decode, &with(Standing::Unknown)).map(Cost::as_f64), None, "freshness still rules");
+}
+
+#[test]
+fn a_rank_that_prefills_is_charged_its_queued_prefill() {
+    let full = capacity(Some(100), Some(1000));
+    // 16 blocks decoding, a 16-token request, and 17 tokens queued (2 blocks, rounded up).
+    let queued = |scale| CostInputs {
+        queued_prefill_tokens: 17,
+        prefill_load_scale: scale,
+        ..inputs(&full, Some(16), 16, Standing::Fresh(16))
+    };
+    let decode = |scale| cost(Phase::Decode, &queued(scale)).map(Cost::as_f64);
+    assert_eq!(decode(0.0), Some(0.17), "scale 0: the seed's decode cost");
+    assert_eq!(decode(1.0), Some(0.19));
+    assert_eq!(decode(3.0), Some(0.23));
+    assert_eq!(decode(1.25), Some(0.20), "2.5 blocks rounds to an integer backlog, so equal queues tie");
+    assert_eq!(cost(Phase::Prefill, &queued(3.0)).map(Cost::as_f64), Some(0.016), "the prefill phase is the seed's");
 }
 
 #[test]

@@ -63,11 +63,10 @@ pub(super) struct Weights {
 
 impl Weights {
     pub fn new(params: &PickerParams) -> Self {
-        let sane = |x: f64| if x.is_finite() && x > 0.0 { x } else { 0.0 };
         Self {
-            overlap_score_credit: sane(params.overlap_score_credit),
-            prefill_load_scale: sane(params.prefill_load_scale),
-            temperature: sane(params.router_temperature),
+            overlap_score_credit: cost::weight(params.overlap_score_credit),
+            prefill_load_scale: cost::weight(params.prefill_load_scale),
+            temperature: cost::weight(params.router_temperature),
         }
     }
 }
@@ -201,8 +200,7 @@ pub(super) fn rank_load(
         Phase::Prefill => Phase::Decode,
         Phase::Decode => Phase::Prefill,
     };
-    let other =
-        sample.filter(|s| s.age(now) < max_staleness).and_then(|s| cost::phase_load(other_phase, &s.load)).unwrap_or(0);
+    let other = cost::fresh_load(other_phase, sample, max_staleness, now);
     let (prefill, decode) = match phase {
         Phase::Prefill => (backlog, other),
         Phase::Decode => (other, backlog),

@@ -160,11 +160,8 @@ fn a_recent_answer_scores_like_the_index_and_is_counted_apart() {
 fn a_missed_lookup_scores_the_rendered_prompt_on_the_formula_without_overlap_credit() {
     // Worker 1 is prefilling 1,500 tokens with nothing decoding; worker 2 decodes 50 blocks and
     // prefills nothing. 128 tokens (8 blocks): worker 1 costs (1500 + 128) / 16 + 8 = 109.75,
-    // worker 2 costs 8 + 50 + 8 = 66. The load-only rules see decode blocks alone and would
-    // queue the request behind worker 1's prefill.
+    // worker 2 costs 8 + 50 + 8 = 66.
     let fleet = Fleet::new([agg(1), agg(2)]).sample(1, prefilling(1500), FRESH).sample(2, used(50), FRESH);
-    let load_only = super::super::LoadBasedPicker::new(Arc::new(DispatchLedger::new()), Counters::new().selections);
-    assert_eq!(ids(&load_only.pick(&fleet.view(), &request(), fleet.now).expect("a selection")), (1, None));
     let counters = Counters::new();
     let picker = counters.picker();
     let none = Overlaps::default();
