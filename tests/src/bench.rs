@@ -71,3 +71,79 @@ fn date() -> String {
         .and_then(|o| String::from_utf8(o.stdout).ok())
         .map_or_else(|| "recently".into(), |s| s.trim().to_string())
 }
+
+/// A bootstrap interval of `q`-quantile(ours) − `q`-quantile(theirs), each side's requests
+/// pooled over its runs: the central `confidence` share of `rounds` resamples. Each resample
+/// draws a side's runs with replacement, then each drawn run's requests with replacement
+/// (the hierarchical bootstrap), so the spread between runs counts, not only the spread
+/// between requests of one run. Seeded: the same runs give the same interval. `None` when a
+/// side has no requests.
+pub fn quantile_difference_interval(
+    ours: &[Vec<f64>],
+    theirs: &[Vec<f64>],
+    q: f64,
+    confidence: f64,
+    rounds: usize,
+) -> Option<(f64, f64)> {
+    use rand::{Rng, SeedableRng};
+    if [ours, theirs].iter().any(|runs| runs.iter().all(Vec::is_empty)) {
+        return None;
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed);
+    let mut resample = |runs: &[Vec<f64>], pooled: &mut Vec<f64>| {
+        pooled.clear();
+        for _ in 0..runs.len() {
+            let run = &runs[rng.random_range(0..runs.len())];
+            pooled.extend((0..run.len()).map(|_| run[rng.random_range(0..run.len())]));
+        }
+        pooled.sort_by(f64::total_cmp);
+        pooled_quantile(pooled, q)
+    };
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    let mut differences: Vec<f64> = Vec::with_capacity(rounds);
+    while differences.len() < rounds.max(1) {
+        let difference = resample(ours, &mut a) - resample(theirs, &mut b);
+        // A resample of only empty runs has no quantile; draw again.
+        if difference.is_finite() {
+            differences.push(difference);
+        }
+    }
+    differences.sort_by(f64::total_cmp);
+    let tail = (1.0 - confidence.clamp(0.0, 1.0)) / 2.0;
+    Some((pooled_quantile(&differences, tail), pooled_quantile(&differences, 1.0 - tail)))
+}
+
+/// The `q`-quantile of sorted values by nearest rank; NaN when empty.
+fn pooled_quantile(sorted: &[f64], q: f64) -> f64 {
+    let index = ((sorted.len().saturating_sub(1)) as f64 * q).round() as usize;
+    sorted.get(index).copied().unwrap_or(f64::NAN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runs(offset: f64) -> Vec<Vec<f64>> {
+        (0..3).map(|r| (0..200).map(|i| offset + f64::from(i) + f64::from(r) * 5.0).collect()).collect()
+    }
+
+    #[test]
+    fn the_interval_brackets_a_true_difference_and_excludes_zero_when_it_is_large() {
+        let (lo, hi) = quantile_difference_interval(&runs(0.0), &runs(50.0), 0.9, 0.95, 500).expect("an interval");
+        assert!(lo <= -50.0 && -50.0 <= hi, "({lo}, {hi}) holds the true −50");
+        assert!(hi < 0.0, "a 50-unit shift is told apart from run-to-run noise of 10");
+    }
+
+    #[test]
+    fn the_interval_straddles_zero_between_equal_sides_and_is_reproducible() {
+        let once = quantile_difference_interval(&runs(0.0), &runs(0.0), 0.9, 0.95, 500).expect("an interval");
+        assert!(once.0 < 0.0 && 0.0 < once.1, "{once:?}");
+        assert_eq!(quantile_difference_interval(&runs(0.0), &runs(0.0), 0.9, 0.95, 500), Some(once));
+    }
+
+    #[test]
+    fn empty_sides_have_no_interval() {
+        assert_eq!(quantile_difference_interval(&[vec![]], &runs(0.0), 0.9, 0.95, 10), None);
+        assert_eq!(quantile_difference_interval(&runs(0.0), &[], 0.9, 0.95, 10), None);
+    }
+}

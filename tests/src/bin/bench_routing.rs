@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use continuum_tests::bench::{arg, text_arg, write_section};
+use continuum_tests::bench::{arg, quantile_difference_interval, text_arg, write_section};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_kv::{kv_control_plane_yaml, with_kv_section};
 use continuum_tests::dynamo_routing::{self, FRONTEND, Outcome, RoutedContinuum, post_chat};
@@ -61,6 +61,8 @@ const FIND_MATCHES_DEADLINE: &str = "10ms";
 /// same scale (`--router-prefill-load-scale`).
 const PREFILL_LOAD_SCALE: &str = "3";
 const MAX_TOKENS: u32 = 16;
+/// Resamples behind each shared-prefix verdict's interval.
+const BOOTSTRAP_ROUNDS: usize = 2000;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 /// The frontend may list the model before it can serve (disaggregated) requests.
 const WARM_UP_WITHIN: Duration = Duration::from_secs(30);
@@ -791,13 +793,28 @@ impl Report {
         }
         let head = format!("* {} — {}: Continuum KV-aware vs Dynamo kv", fleet.label(), case.name);
         let control = self.same_scale(fleet, c);
+        let spread = self.p90_interval(fleet, c, ours, theirs);
         if losses.is_empty() {
             return format!(
                 "{head}: **meets** (pooled TTFT p90 {p90:.0} vs {their_p90:.0} ms, hit rate {hit:.2} vs {their_hit:.2}, \
-                 {rps:.2} vs {their_rps:.2} req/s).{control}\n"
+                 {rps:.2} vs {their_rps:.2} req/s).{spread}{control}\n"
             );
         }
-        format!("{head}: **loses** on {}. {}{control}\n", losses.join("; "), self.why(fleet, c, ours, theirs))
+        format!("{head}: **loses** on {}.{spread} {}{control}\n", losses.join("; "), self.why(fleet, c, ours, theirs))
+    }
+
+    /// How far apart the two pooled TTFT p90s could be, given how much runs and requests vary:
+    /// a difference inside the interval's reach is not one these runs can tell.
+    fn p90_interval(&self, fleet: Fleet, c: usize, ours: Router, theirs: Router) -> String {
+        let ttfts = |router| self.cell(fleet, c, router).iter().map(|r| r.ttft.clone()).collect::<Vec<_>>();
+        match quantile_difference_interval(&ttfts(ours), &ttfts(theirs), 0.9, 0.95, BOOTSTRAP_ROUNDS) {
+            Some((lo, hi)) => format!(
+                " Pooled TTFT p90 less theirs: 95% bootstrap interval (runs, then requests, resampled) {lo:+.0} to \
+                 {hi:+.0} ms{}.",
+                if lo < 0.0 && hi > 0.0 { ": within what these runs can tell apart" } else { "" }
+            ),
+            None => String::new(),
+        }
     }
 
     /// The control for Continuum's tuning: Dynamo kv given the same prefill load scale, so a
@@ -833,7 +850,12 @@ impl Report {
         if losses.is_empty() {
             return format!("{head}: **meets** (every figure within 5%).\n");
         }
-        format!("{head}: **loses** on {}. {}\n", losses.join("; "), self.why(fleet, c, ours, Router::RoundRobin))
+        let spread = self.p90_interval(fleet, c, ours, Router::RoundRobin);
+        format!(
+            "{head}: **loses** on {}.{spread} {}\n",
+            losses.join("; "),
+            self.why(fleet, c, ours, Router::RoundRobin)
+        )
     }
 
     /// What the measurements say about a losing Continuum cell.
@@ -910,8 +932,8 @@ impl Report {
         );
         if ours == Router::ContinuumLoad && fleet == Fleet::Aggregated {
             told.push_str(
-                " (the seed's load-only cost scores an aggregated worker by its decode blocks, not by the prefill it \
-                 is running)",
+                " (the load-only cost weighs a worker's queued prefill against its decode blocks, both counted from \
+                 a character and word estimate of each prompt, not from its tokens)",
             );
         }
         told
