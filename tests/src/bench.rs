@@ -97,7 +97,7 @@ pub fn quantile_difference_interval(
             pooled.extend((0..run.len()).map(|_| run[rng.random_range(0..run.len())]));
         }
         pooled.sort_by(f64::total_cmp);
-        pooled_quantile(pooled, q)
+        quantile(pooled, q)
     };
     let (mut a, mut b) = (Vec::new(), Vec::new());
     let mut differences: Vec<f64> = Vec::with_capacity(rounds);
@@ -110,11 +110,11 @@ pub fn quantile_difference_interval(
     }
     differences.sort_by(f64::total_cmp);
     let tail = (1.0 - confidence.clamp(0.0, 1.0)) / 2.0;
-    Some((pooled_quantile(&differences, tail), pooled_quantile(&differences, 1.0 - tail)))
+    Some((quantile(&differences, tail), quantile(&differences, 1.0 - tail)))
 }
 
 /// The `q`-quantile of sorted values by nearest rank; NaN when empty.
-fn pooled_quantile(sorted: &[f64], q: f64) -> f64 {
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     let index = ((sorted.len().saturating_sub(1)) as f64 * q).round() as usize;
     sorted.get(index).copied().unwrap_or(f64::NAN)
 }

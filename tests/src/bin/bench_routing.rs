@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use continuum_tests::bench::{arg, quantile_difference_interval, text_arg, write_section};
+use continuum_tests::bench::{arg, quantile, quantile_difference_interval, text_arg, write_section};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_kv::{kv_control_plane_yaml, with_kv_section};
 use continuum_tests::dynamo_routing::{self, FRONTEND, Outcome, RoutedContinuum, post_chat};
@@ -554,11 +554,6 @@ impl RunStats {
 }
 
 /// Nearest-rank quantile of sorted samples.
-fn quantile(sorted: &[f64], q: f64) -> f64 {
-    let index = ((sorted.len().saturating_sub(1)) as f64 * q).round() as usize;
-    sorted.get(index).copied().unwrap_or(f64::NAN)
-}
-
 /// A figure over a cell's runs: the median and the spread (min, max).
 #[derive(Debug, Clone, Copy)]
 struct Figure {
