@@ -8,7 +8,7 @@ use continuum_data_plane::fleet::FleetClientConfig;
 use continuum_data_plane::replica::Replica;
 
 /// The request path allocates and frees small buffers on every request; mimalloc's per-thread
-/// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmarks.md).
+/// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmark-notes.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -1,6 +1,6 @@
 //! Warming the render path when a tokenizer loads. A replica's first renders pay one-time
 //! costs that later ones do not: new blocking-pool threads, and the allocator's first touch of
-//! the memory an encode's buffers take. On the benchmark's 2 cores (`docs/benchmarks.md`) the
+//! the memory an encode's buffers take. On the benchmark's 2 cores (`docs/benchmark-notes.md`, session 21) the
 //! first burst's renders ran 25–100 ms against 2–5 ms once warm, and that burst's requests were
 //! the run's slowest. So before a loaded tokenizer is served, one probe prompt is rendered on
 //! each of the renderer's permits' worth of threads at once.

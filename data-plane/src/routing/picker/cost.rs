@@ -11,7 +11,7 @@
 //! decode memory; decoding beside more requests delays a first token far less. On the
 //! aggregated unique-prompt benchmark the seed's cost sent a third of the requests behind a
 //! running prefill while the other worker had none, and lost to round-robin by a fifth on TTFT
-//! p90 in every table (`docs/benchmarks.md`). Dynamo's KV router, with no overlap, counts the
+//! p90 in every table (`docs/benchmark-notes.md`). Dynamo's KV router, with no overlap, counts the
 //! same queue at the same scale (`--router-prefill-load-scale`). A decode worker of a pair
 //! prefills nothing, so the term is zero there.
 //!

@@ -34,7 +34,7 @@
 //! follows Dynamo's router (`ActiveSequences`: a request adds the blocks no request in flight
 //! on the worker holds). A cached prefix nobody is using costs no prefill, but serving the
 //! request makes all of it active memory again, so the seed's version credits such a prefix
-//! twice. Same-run comparisons with Dynamo's router are in `docs/benchmarks.md`.
+//! twice. Same-run comparisons with Dynamo's router are in `docs/benchmark-notes.md`.
 
 use std::cmp::Ordering;
 use std::time::{Duration, Instant};
