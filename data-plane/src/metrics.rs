@@ -4,8 +4,8 @@
 use std::sync::{Arc, OnceLock};
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::fleet::FleetStatus;
@@ -42,6 +42,8 @@ pub struct Metrics {
     pub dispatch_reports_dropped: IntCounter,
     /// Dispatches the local ledger would not hold (at its capacity).
     pub ledger_refused: IntCounter,
+    /// The learnt ratio of counted to estimated prompt tokens, by `model` (load-only sizing).
+    pub prompt_estimate_ratio: GaugeVec,
     /// Worker selections for shim dispatch, by `role` (prefill, decode) and `reason` (load,
     /// round_robin_stale, no_prefill_pool); see `routing::picker::Reason`.
     pub selections: IntCounterVec,
@@ -202,6 +204,13 @@ impl Metrics {
                 ),
                 &["backend"],
             )?,
+            prompt_estimate_ratio: GaugeVec::new(
+                Opts::new(
+                    "continuum_prompt_estimate_ratio",
+                    "Prompt tokens the model counted over the load-only estimate, learnt from answers' usage",
+                ),
+                &["model"],
+            )?,
             ledger_refused: IntCounter::new(
                 "continuum_dispatch_ledger_refused_total",
                 "Dispatches the replica's ledger refused because it held its maximum",
@@ -264,6 +273,7 @@ impl Metrics {
             Box::new(metrics.snapshot_age_seconds.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
             Box::new(metrics.ledger_refused.clone()),
+            Box::new(metrics.prompt_estimate_ratio.clone()),
             Box::new(metrics.disaggregated_errors.clone()),
             Box::new(metrics.disaggregated_requests.clone()),
             Box::new(metrics.request_duration.clone()),

@@ -79,7 +79,10 @@ impl Replica {
             metrics.clone(),
             cancel.clone(),
         ));
-        let ledger = Arc::new(DispatchLedger::counting_refusals(metrics.ledger_refused.clone()));
+        let ledger = Arc::new(DispatchLedger::with_metrics(
+            metrics.ledger_refused.clone(),
+            metrics.prompt_estimate_ratio.clone(),
+        ));
         let picker = Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone()));
         let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
         let prober = tokio::spawn(probe::run(Arc::clone(&dispatcher), Arc::clone(&fleet), cancel.clone()));

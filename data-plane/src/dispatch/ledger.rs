@@ -12,6 +12,7 @@ use continuum_proto::view::FleetView;
 use crate::fleet::DispatchReporter;
 use crate::routing::picker::{
     DispatchId, DispatchLedger, PromptChain, Selection, dispatch_block_size, pin_block_size, prompt_blocks,
+    usage_prompt_tokens,
 };
 
 /// Ends its dispatch in the ledger and reports the end when dropped: when the response body
@@ -24,6 +25,16 @@ pub struct DispatchEnd {
     /// Reported legs: the prefill rank's (if any) and the decode rank's.
     reported: [Option<u64>; 2],
     prefilled: bool,
+    /// What the prompt was sized by, until its answer states the tokens the model counted;
+    /// `None` when the prompt was tokenized. Boxed, to keep every request's future small.
+    estimated: Option<Box<Estimated>>,
+}
+
+/// A prompt sized by the load-only estimate, for calibrating the model's [`PromptSizes`](crate::routing::picker::PromptSizes).
+#[derive(Debug)]
+struct Estimated {
+    model: Box<str>,
+    tokens: u64,
 }
 
 impl DispatchEnd {
@@ -55,7 +66,32 @@ impl DispatchEnd {
             let decode = report.started(&selection.decode.rank_key(), decode_tokens, blocks, hashes.to_vec());
             (id, [prefill, Some(decode)])
         });
-        Self { ledger: Arc::clone(ledger), id, reporter: Arc::clone(reporter), reported, prefilled: false }
+        Self {
+            ledger: Arc::clone(ledger),
+            id,
+            reporter: Arc::clone(reporter),
+            reported,
+            prefilled: false,
+            estimated: None,
+        }
+    }
+
+    /// The prompt was sized by the load-only `estimate` for `model`: its answer's usage
+    /// calibrates later estimates.
+    pub fn sized_by_estimate(&mut self, model: &str, estimate: u64) {
+        self.estimated = Some(Box::new(Estimated { model: model.into(), tokens: estimate }));
+    }
+
+    /// Part or all of the answer's body: the first `usage.prompt_tokens` in it teaches the
+    /// ledger's [`PromptSizes`](crate::routing::picker::PromptSizes) how far the estimate was off.
+    pub fn observe(&mut self, body: &[u8]) {
+        let Some(estimated) = &self.estimated else {
+            return;
+        };
+        if let Some(counted) = usage_prompt_tokens(body) {
+            self.ledger.prompt_sizes().learn(&estimated.model, estimated.tokens, counted);
+            self.estimated = None;
+        }
     }
 
     /// The response began (its first token): the prompt no longer loads the rank that
@@ -139,5 +175,40 @@ mod tests {
         assert_eq!(prefilled.prefilled, [*prefill_leg, *decode_leg], "both legs' first token");
         assert_eq!(prefilled.ended, [*prefill_leg], "and the prefill leg is over");
         assert_eq!(ended.ended, [*decode_leg]);
+    }
+
+    /// A prompt sized by the load-only estimate calibrates the model's later estimates by its
+    /// answer's usage, once; a tokenized prompt's answer teaches nothing.
+    #[tokio::test]
+    async fn an_estimated_prompts_answer_calibrates_the_models_estimates() {
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let _rx = reporter.take_receiver().expect("receiver");
+        let ledger = Arc::new(DispatchLedger::new());
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let selection = Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
+            prefill: None,
+            decode_reason: Reason::Load,
+            prefill_reason: None,
+            cached_blocks: 0,
+        };
+        let usage = br#"data: {"choices":[],"usage":{"prompt_tokens":1500,"completion_tokens":16}}"#;
+
+        let mut tokenized = DispatchEnd::record(&ledger, &reporter, &view, &selection, 1500, &PromptChain::default());
+        tokenized.observe(usage);
+        assert_eq!(ledger.prompt_sizes().factor("tiny"), 1.0);
+
+        let mut estimated = DispatchEnd::record(&ledger, &reporter, &view, &selection, 750, &PromptChain::default());
+        estimated.sized_by_estimate("tiny", 750);
+        estimated.observe(br#"data: {"choices":[{"delta":{"content":"hi"}}]}"#);
+        assert_eq!(ledger.prompt_sizes().factor("tiny"), 1.0, "no usage in this chunk");
+        estimated.observe(usage);
+        let learnt = ledger.prompt_sizes().factor("tiny");
+        assert!(learnt > 1.0, "counted twice the estimate: {learnt}");
+        estimated.observe(usage);
+        assert_eq!(ledger.prompt_sizes().factor("tiny"), learnt, "one answer counts once");
+        assert!(ledger.prompt_sizes().tokens("tiny", 750) > 750);
     }
 }

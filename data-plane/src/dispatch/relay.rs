@@ -66,6 +66,9 @@ impl Body for RelayBody {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(dispatch) = &mut this.dispatch {
                     dispatch.prefilled();
+                    if let Some(data) = frame.data_ref() {
+                        dispatch.observe(data);
+                    }
                 }
                 let next = Instant::now() + this.idle;
                 this.deadline.as_mut().reset(next);

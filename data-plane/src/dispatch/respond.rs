@@ -89,7 +89,9 @@ impl Dispatcher {
             Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, dispatch, failures))
         } else {
             let bytes = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, self.settings.buffered_timeout).await?;
-            drop(dispatch);
+            if let Some(mut dispatch) = dispatch {
+                dispatch.observe(&bytes);
+            }
             Body::from(bytes)
         };
         Ok(rebuild(parts.status, parts.headers, body))

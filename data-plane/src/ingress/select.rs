@@ -76,7 +76,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
-            let estimate = request.prompt_estimate;
+            let estimate = sized(state, display, request);
             (
                 kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now),
                 estimate,
@@ -85,16 +85,24 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             )
         }
         _ => {
-            let estimate = request.prompt_estimate;
+            let estimate = sized(state, display, request);
             (state.picker.pick(view, &pick(estimate), now), estimate, None, PromptChain::default())
         }
     };
     let selection = selection.ok_or_else(|| why_not(view, display, &usable, &request.model))?;
     let replicas = pools.pool(&selection.namespace);
-    let dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain);
+    let mut dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain);
+    if tokens.is_none() {
+        dispatch.sized_by_estimate(display, request.prompt_estimate);
+    }
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     let token_data = tokens.filter(|_| config.picker.send_token_data);
     Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })
+}
+
+/// The request's prompt tokens by the load-only estimate, calibrated for the model.
+fn sized(state: &AppState, model: &str, request: &ChatRequest) -> u64 {
+    state.ledger.prompt_sizes().tokens(model, request.prompt_estimate)
 }
 
 /// Namespaces whose pool has at least one replica a request would be let through to now: all of

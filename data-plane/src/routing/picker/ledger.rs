@@ -23,9 +23,10 @@ use std::time::{Duration, Instant};
 use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
 use continuum_proto::model::{Backlog, LoadKey, ReportsFolded};
 use continuum_proto::view::FleetView;
-use prometheus::IntCounter;
+use prometheus::{GaugeVec, IntCounter};
 
 use super::outliers::Outliers;
+use super::sizing::PromptSizes;
 use super::{Pin, Selection};
 use continuum_proto::fast_hash::FastMap;
 
@@ -182,6 +183,8 @@ pub struct DispatchLedger {
     refused_metric: Option<IntCounter>,
     /// Ranks whose pinned dispatches keep failing.
     outliers: Outliers,
+    /// How the load-only estimate compares with the tokens each model counts.
+    prompt_sizes: PromptSizes,
 }
 
 #[derive(Debug, Default)]
@@ -362,9 +365,16 @@ impl DispatchLedger {
         &self.outliers
     }
 
-    /// A ledger whose refusals count on `refused` (the replica's registered metric).
-    pub fn counting_refusals(refused: IntCounter) -> Self {
-        Self { refused_metric: Some(refused), ..Self::new() }
+    /// The load-only prompt estimate, calibrated per model by the answers to dispatches
+    /// recorded here.
+    pub fn prompt_sizes(&self) -> &PromptSizes {
+        &self.prompt_sizes
+    }
+
+    /// A ledger whose refusals count on `refused` and whose learnt prompt-size ratios show on
+    /// `ratios` (the replica's registered metrics).
+    pub fn with_metrics(refused: IntCounter, ratios: GaugeVec) -> Self {
+        Self { refused_metric: Some(refused), prompt_sizes: PromptSizes::showing_on(ratios), ..Self::new() }
     }
 
     pub fn with_capacity(capacity: usize) -> Self {
@@ -374,6 +384,7 @@ impl DispatchLedger {
             refused: AtomicU64::new(0),
             refused_metric: None,
             outliers: Outliers::default(),
+            prompt_sizes: PromptSizes::default(),
         }
     }
 

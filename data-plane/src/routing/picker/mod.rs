@@ -12,6 +12,7 @@ mod kv_aware;
 mod ledger;
 mod load_based;
 mod outliers;
+mod sizing;
 
 use std::fmt;
 use std::sync::Arc;
@@ -31,6 +32,7 @@ pub use ledger::{
 };
 pub use load_based::LoadBasedPicker;
 pub use outliers::{EJECT_AFTER, EJECTION, Outliers};
+pub use sizing::{PromptSizes, usage_prompt_tokens};
 
 /// One worker rank to pin.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

@@ -260,14 +260,18 @@ fn default_capacity_is_the_named_bound() {
 }
 
 #[test]
-fn refusals_reach_the_replica_metric() {
+fn refusals_and_prompt_size_ratios_reach_the_replica_metrics() {
     let metric = prometheus::IntCounter::new("refused_total", "test").unwrap();
-    let ledger = DispatchLedger::counting_refusals(metric.clone());
+    let ratios = prometheus::GaugeVec::new(prometheus::Opts::new("ratio", "test"), &["model"]).unwrap();
+    let ledger = DispatchLedger::with_metrics(metric.clone(), ratios.clone());
     let t0 = Instant::now();
     for id in 0..LEDGER_CAPACITY as u64 + 3 {
         ledger.record(&alone(pin(id % 64, None)), 1, 16, &[], t0, op());
     }
     assert_eq!(metric.get(), 3);
+    ledger.prompt_sizes().learn("tiny", 100, 200);
+    assert_eq!(ratios.with_label_values(&["tiny"]).get(), ledger.prompt_sizes().factor("tiny"));
+    assert!(ratios.with_label_values(&["tiny"]).get() > 1.0);
 }
 
 #[test]

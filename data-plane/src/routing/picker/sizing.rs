@@ -1,0 +1,180 @@
+//! The load-only rules' prompt sizes, calibrated per model against the tokens the model counts.
+//!
+//! Without a tokenizer a prompt is sized by characters and words ([`super::PromptText`]), which
+//! suits English and a production model's vocabulary: about four characters a token. It can be
+//! off by a large factor elsewhere (CJK text runs about one character a token; the benchmark's
+//! fixture tokenizer, with short pieces, counts about twice the estimate). An estimate off by a
+//! factor weighs a worker's queued prefill wrongly against its decode memory, so the load-only
+//! cost sends requests behind running prefills. Every answer states what the model counted
+//! (`usage.prompt_tokens`, in a buffered body or a stream's last chunk when the client asked for
+//! usage), so each replica learns, per model, the ratio of that count to its estimate and sizes
+//! later prompts by it.
+//!
+//! The ratio is a moving average in log space (a prompt twice too large and one half too small
+//! cancel), each observation clamped to [`FACTOR_BOUNDS`], so one odd answer moves it a little
+//! and a hostile or broken one cannot move it far. At most [`MAX_CALIBRATED_MODELS`] models are
+//! learnt; others keep the plain estimate.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
+
+use prometheus::GaugeVec;
+
+/// The most models whose ratio a replica keeps.
+pub const MAX_CALIBRATED_MODELS: usize = 256;
+/// The ratio stays within these bounds: a tokenizer is not eight times off a character count.
+pub const FACTOR_BOUNDS: (f64, f64) = (0.125, 8.0);
+/// The weight of each new observation: about ten answers take the ratio most of the way.
+const LEARNING_RATE: f64 = 0.2;
+
+#[derive(Debug, Default)]
+pub struct PromptSizes {
+    factors: Mutex<HashMap<Box<str>, f64>>,
+    /// `continuum_prompt_estimate_ratio{model}`, when the replica registered it.
+    gauge: Option<GaugeVec>,
+}
+
+impl PromptSizes {
+    /// Ratios that also show on `gauge` (label `model`; at most [`MAX_CALIBRATED_MODELS`]).
+    pub fn showing_on(gauge: GaugeVec) -> Self {
+        Self { gauge: Some(gauge), ..Self::default() }
+    }
+
+    /// The tokens a prompt `estimate`d at this many is likely to have for `model`.
+    pub fn tokens(&self, model: &str, estimate: u64) -> u64 {
+        // A float to integer cast saturates; the factor is finite and positive.
+        (estimate as f64 * self.factor(model)).round() as u64
+    }
+
+    /// The model's learnt ratio of counted to estimated tokens (1 before any answer).
+    pub fn factor(&self, model: &str) -> f64 {
+        self.factors.lock().unwrap_or_else(PoisonError::into_inner).get(model).copied().unwrap_or(1.0)
+    }
+
+    /// One answer: a prompt estimated at `estimate` tokens was counted as `counted`.
+    pub fn learn(&self, model: &str, estimate: u64, counted: u64) {
+        if estimate == 0 || counted == 0 {
+            return;
+        }
+        let mut factors = self.factors.lock().unwrap_or_else(PoisonError::into_inner);
+        let factor = if let Some(factor) = factors.get_mut(model) {
+            *factor = next_factor(*factor, estimate, counted);
+            *factor
+        } else if factors.len() < MAX_CALIBRATED_MODELS {
+            let factor = next_factor(1.0, estimate, counted);
+            factors.insert(model.into(), factor);
+            factor
+        } else {
+            return;
+        };
+        drop(factors);
+        // A gauge built with other labels only loses the figure; sizing goes on.
+        if let Some(gauge) = self.gauge.as_ref().and_then(|g| g.get_metric_with_label_values(&[model]).ok()) {
+            gauge.set(factor);
+        }
+    }
+}
+
+/// The ratio after one more observation.
+fn next_factor(current: f64, estimate: u64, counted: u64) -> f64 {
+    let (low, high) = FACTOR_BOUNDS;
+    let observed = (counted as f64 / estimate as f64).clamp(low, high);
+    ((1.0 - LEARNING_RATE) * current.ln() + LEARNING_RATE * observed.ln()).exp().clamp(low, high)
+}
+
+/// The `prompt_tokens` of an OpenAI `usage` object in a response body or SSE chunk, if there is
+/// one. Model text cannot fake it: inside a JSON string every quote is escaped, so the key's
+/// closing `":` never appears there.
+pub fn usage_prompt_tokens(body: &[u8]) -> Option<u64> {
+    const KEY: &[u8] = b"\"prompt_tokens\":";
+    let at = body.windows(KEY.len()).position(|window| window == KEY)?;
+    let rest = body.get(at + KEY.len()..)?;
+    let digits = rest.iter().skip_while(|b| b.is_ascii_whitespace());
+    let mut value: u64 = 0;
+    let mut any = false;
+    for byte in digits.take_while(|b| b.is_ascii_digit()) {
+        value = value.checked_mul(10)?.checked_add(u64::from(byte - b'0'))?;
+        any = true;
+    }
+    any.then_some(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_factor_moves_toward_the_observed_ratio_and_settles_there() {
+        let sizes = PromptSizes::default();
+        assert_eq!(sizes.tokens("tiny", 750), 750, "no answer yet: the plain estimate");
+        sizes.learn("tiny", 750, 1500);
+        let first = sizes.factor("tiny");
+        assert!(first > 1.0 && first < 2.0, "one answer moves it part of the way: {first}");
+        for _ in 0..40 {
+            sizes.learn("tiny", 750, 1500);
+        }
+        assert!((sizes.factor("tiny") - 2.0).abs() < 0.01, "{}", sizes.factor("tiny"));
+        assert_eq!(sizes.tokens("tiny", 750), 1500);
+        assert_eq!(sizes.tokens("other", 750), 750, "models learn apart");
+    }
+
+    #[test]
+    fn odd_answers_are_bounded() {
+        let sizes = PromptSizes::default();
+        for _ in 0..200 {
+            sizes.learn("m", 1, u64::MAX);
+        }
+        let bounded = sizes.factor("m");
+        assert!((bounded - FACTOR_BOUNDS.1).abs() < 1e-9, "{bounded}");
+        sizes.learn("m", 0, 10);
+        sizes.learn("m", 10, 0);
+        assert_eq!(sizes.factor("m"), bounded, "an empty estimate or count teaches nothing");
+        assert_eq!(sizes.tokens("m", u64::MAX), u64::MAX, "sizes saturate");
+        // A single answer a thousand times off moves a settled ratio by a fifth of its clamp.
+        let settled = PromptSizes::default();
+        for _ in 0..60 {
+            settled.learn("m", 100, 100);
+        }
+        settled.learn("m", 1, 1000);
+        let moved = settled.factor("m");
+        assert!((moved - 8f64.powf(LEARNING_RATE)).abs() < 1e-9, "{moved}");
+    }
+
+    #[test]
+    fn at_most_so_many_models_are_learnt() {
+        let sizes = PromptSizes::default();
+        for i in 0..MAX_CALIBRATED_MODELS + 10 {
+            sizes.learn(&format!("model-{i}"), 100, 200);
+        }
+        assert_eq!(sizes.factors.lock().unwrap().len(), MAX_CALIBRATED_MODELS);
+        assert_eq!(sizes.factor(&format!("model-{}", MAX_CALIBRATED_MODELS + 5)), 1.0);
+    }
+
+    #[test]
+    fn usage_is_read_from_bodies_and_chunks() {
+        let cases: &[(&str, &[u8], Option<u64>)] = &[
+            (
+                "buffered completion",
+                br#"{"choices":[],"usage":{"prompt_tokens":1571,"completion_tokens":16,"total_tokens":1587}}"#,
+                Some(1571),
+            ),
+            (
+                "stream's last chunk",
+                b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\": 42,\"prompt_tokens_details\":{\"cached_tokens\":16}}}\n\n",
+                Some(42),
+            ),
+            (
+                "details alone are not the count",
+                br#"{"usage":{"prompt_tokens_details":{"cached_tokens":16}}}"#,
+                None,
+            ),
+            ("no usage", br#"{"choices":[{"delta":{"content":"hi"}}]}"#, None),
+            ("model text cannot fake it", br#"{"delta":{"content":"\"prompt_tokens\":9"}}"#, None),
+            ("not a number", br#"{"usage":{"prompt_tokens":null}}"#, None),
+            ("too large", br#"{"usage":{"prompt_tokens":99999999999999999999999}}"#, None),
+        ];
+        for (name, body, expected) in cases {
+            assert_eq!(usage_prompt_tokens(body), *expected, "{name}");
+        }
+    }
+}
