@@ -71,6 +71,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
         (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer })) => {
             let isl_tokens = tokens.len() as u64;
+            // A rendered prompt is counted as the model counts it: the load-only estimate of
+            // the requests that lose their KV term learns from every one that keeps it.
+            state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
             let chain = PromptChain { block_size, hashes: block_hashes };
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
@@ -146,7 +149,7 @@ mod tests {
     use crate::fleet::{DispatchReporter, FleetHandle, MatchesClient};
     use crate::http::KvSelection;
     use crate::metrics::Metrics;
-    use crate::routing::picker::{DispatchLedger, LoadBasedPicker};
+    use crate::routing::picker::{DispatchLedger, LoadBasedPicker, PromptSizes};
 
     /// A KV-aware fleet of one aggregated worker, `id`, behind one shim.
     fn view(version: u64, id: u64, cache_dir: &str) -> FleetView {
@@ -273,5 +276,10 @@ mod tests {
         assert_eq!(counted("no_overlap"), 0);
         let by_formula = state.metrics.selections.with_label_values(&["decode", "kv_aware"]).get();
         assert_eq!(by_formula, 1, "the KV formula chose the worker, not the load-only rules");
+        let factor = state.ledger.prompt_sizes().factor("tiny");
+        assert_ne!(factor, 1.0, "the rendered count calibrates the estimate of prompts without one");
+        let one_answer = PromptSizes::default();
+        one_answer.learn("tiny", request.prompt_estimate, tokens.len() as u64);
+        assert_eq!(factor, one_answer.factor("tiny"), "one observation: the prompt's estimate against its tokens");
     }
 }
