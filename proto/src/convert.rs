@@ -303,6 +303,7 @@ fn backlog_to_wire(key: &LoadKey, backlog: &Backlog) -> pb::Backlog {
         foreign_decode_blocks: backlog.foreign_decode_blocks,
         ending_decode_blocks: backlog.ending_decode_blocks,
         prefilled_tokens: backlog.prefilled_tokens,
+        last_dispatch: backlog.last_dispatch,
     }
 }
 
@@ -317,6 +318,7 @@ fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeE
             foreign_decode_blocks: backlog.foreign_decode_blocks,
             ending_decode_blocks: backlog.ending_decode_blocks,
             prefilled_tokens: backlog.prefilled_tokens,
+            last_dispatch: backlog.last_dispatch,
         },
     ))
 }

@@ -202,6 +202,9 @@ pub struct Backlog {
     /// dispatch awaiting a first token is part way through its prefill, and a request sent
     /// now waits only for the rest of it.
     pub prefilled_tokens: u64,
+    /// The order, among every dispatch the control plane folded since it started, of the
+    /// rank's newest: larger is more recent, 0 none.
+    pub last_dispatch: u64,
 }
 
 /// Which of one replica's reported operations the fleet-wide backlogs hold: `first_op`

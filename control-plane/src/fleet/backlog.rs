@@ -223,6 +223,9 @@ struct Rank {
     prefilled: u64,
     /// When the rank's latest prefill ended (its first token was reported).
     last_answered: Option<Instant>,
+    /// The book's count of dispatches folded when the rank's newest was (see
+    /// [`Backlog::last_dispatch`]).
+    last_dispatch: u64,
 }
 
 impl Rank {
@@ -244,6 +247,7 @@ impl Rank {
             ending: 0,
             prefilled: 0,
             last_answered: None,
+            last_dispatch: 0,
         };
         rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
         rank
@@ -254,6 +258,7 @@ impl Rank {
             foreign_decode_blocks: self.foreign,
             decode_blocks: self.active,
             ending_decode_blocks: self.ending.min(self.active),
+            last_dispatch: self.last_dispatch,
             ..Backlog::default()
         };
         for dispatch in self.dispatches.values() {
@@ -411,6 +416,9 @@ struct Book {
     chains_dropped: u64,
     /// Per replica (session), the operations its reports brought into the sums.
     folded: FastMap<u64, ReportsFolded>,
+    /// Dispatches admitted since the book started: each rank's newest is stamped with the
+    /// count, which orders ranks by how recently the fleet sent them one.
+    dispatched: u64,
 }
 
 impl Book {
@@ -452,6 +460,8 @@ impl Book {
             };
             // Admitted, so held: ends never remove a record.
             let Some(rank) = self.ranks.get_mut(&key) else { continue };
+            self.dispatched += 1;
+            rank.last_dispatch = self.dispatched;
             rank.start(id, dispatch, &self.active, key);
             mark(&mut self.dirty, key, rank);
             self.where_is.insert(id, key);

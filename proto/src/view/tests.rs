@@ -166,6 +166,7 @@ fn removing_a_worker_drops_its_backlog() {
         foreign_decode_blocks: Some(4),
         ending_decode_blocks: 3,
         prefilled_tokens: 60,
+        last_dispatch: 9,
     };
     let view = FleetView::default()
         .apply(&FleetDelta { upserted: vec![worker(1, 1)], backlogs: vec![(load_key(1, 0), backlog)], ..delta(0) })

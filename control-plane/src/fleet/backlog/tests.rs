@@ -91,6 +91,26 @@ fn reports_from_several_replicas_sum_per_rank_and_ends_subtract() {
 }
 
 #[test]
+fn each_ranks_newest_dispatch_is_stamped_with_the_books_count() {
+    let state = state_with(2);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let newest = |change: &FleetChange| -> Vec<(u32, u64)> {
+        change.backlogs.iter().map(|(k, b)| (k.dp_rank, b.last_dispatch)).collect()
+    };
+    book.report(1, report(vec![started(1, 0, 16), started(2, 1, 16)], vec![]), t0, &state);
+    assert_eq!(newest(&book.take_change(t0)), [(0, 1), (1, 2)]);
+    // Another replica's dispatch to rank 0 makes it the more recent one; an end changes nothing.
+    book.report(2, report(vec![started(1, 0, 16)], vec![]), t0, &state);
+    book.report(1, report(vec![], vec![1]), t0, &state);
+    assert_eq!(newest(&book.take_change(t0)), [(0, 3)]);
+    let mut stranger = started(3, 0, 16);
+    stranger.rank = Some((&LoadKey { worker: WorkerKey::new("dynamo", 99), dp_rank: 0 }).into());
+    book.report(1, report(vec![stranger, started(4, 1, 16)], vec![]), t0, &state);
+    assert_eq!(newest(&book.take_change(t0)), [(1, 4)], "a refused dispatch takes no number");
+}
+
+#[test]
 fn reports_for_ranks_the_fleet_does_not_have_are_refused() {
     let state = state_with(0);
     let mut book = Book::default();

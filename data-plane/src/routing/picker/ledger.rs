@@ -89,6 +89,25 @@ pub struct RankBacklog {
     pub prefilled_tokens: u64,
     /// A dispatch of at least [`STALL_MIN_BLOCKS`] has gone unanswered for [`STALL_AFTER`].
     pub stalled: bool,
+    /// How recently the fleet sent the rank a dispatch.
+    pub last_dispatch: LastDispatch,
+}
+
+/// How recently the fleet sent a rank a dispatch: pickers break ties toward the rank that went
+/// longest without one, as a round robin does, whichever replica sent the others.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LastDispatch {
+    /// The control plane's number for the newest dispatch its sums hold (0: none); larger is
+    /// more recent.
+    Folded(u64),
+    /// When this replica sent one the sums do not hold yet: more recent than any they hold.
+    Local(Instant),
+}
+
+impl Default for LastDispatch {
+    fn default() -> Self {
+        Self::Folded(0)
+    }
 }
 
 /// What this replica's operations did to a rank that the fleet-wide sums do not hold: those
@@ -146,6 +165,7 @@ impl RankBacklog {
             prefilled_tokens,
             since_fleet: None,
             stalled: self.stalled,
+            last_dispatch: self.last_dispatch.max(LastDispatch::Folded(fleet.last_dispatch)),
         }
     }
 
@@ -238,6 +258,13 @@ impl Rank {
         self.changed(leg.op, leg.at, started);
         self.oldest = Some(self.oldest.map_or(leg.at, |oldest| oldest.min(leg.at)));
         self.legs.push_back(leg);
+    }
+
+    /// This replica's newest leg on the rank, when sums holding operations `folded` lack it.
+    fn last_dispatch(&self, folded: Option<ReportsFolded>) -> LastDispatch {
+        let Some(newest) = self.legs.back() else { return LastDispatch::default() };
+        let held = folded.is_some_and(|f| newest.op != NOT_REPORTED && (f.first_op..=f.last_op).contains(&newest.op));
+        if held { LastDispatch::default() } else { LastDispatch::Local(newest.at) }
     }
 
     /// Where dispatch `id`'s leg is.
@@ -493,8 +520,9 @@ impl DispatchLedger {
             .map(|(key, sampled_at)| {
                 let key = key.borrow();
                 let mut backlog = state.backlog(key, *sampled_at, now);
-                backlog.since_fleet =
-                    folded.map(|folded| state.ranks.get_mut(key).map(|rank| rank.since(folded)).unwrap_or_default());
+                let rank = state.ranks.get_mut(key);
+                backlog.last_dispatch = rank.as_deref().map_or_else(LastDispatch::default, |r| r.last_dispatch(folded));
+                backlog.since_fleet = folded.map(|folded| rank.map(|rank| rank.since(folded)).unwrap_or_default());
                 backlog
             })
             .collect()

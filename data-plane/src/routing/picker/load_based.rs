@@ -139,7 +139,8 @@ impl LoadBasedPicker {
                     prefill_load_scale,
                 };
                 let fresh = matches!(standing, Standing::Fresh(_));
-                Scored { cost: cost::cost(phase, &inputs), fresh, stalled: rank.dispatched.stalled }
+                let (stalled, last_dispatch) = (rank.dispatched.stalled, rank.dispatched.last_dispatch);
+                Scored { cost: cost::cost(phase, &inputs), fresh, stalled, last_dispatch }
             })
             .collect();
         if tracing::enabled!(target: "continuum_data_plane::routing::pick", tracing::Level::DEBUG) {

@@ -177,8 +177,14 @@ fn decode_rules_table() {
         ),
         ("never published anywhere: round robin", Fleet::new([agg(1), agg(2)]), vec![1, 2, 1], Reason::RoundRobinStale),
         (
-            "equal costs rotate",
-            Fleet::new([agg(1), agg(2), agg(3)]).used(1, 0, 7, FRESH).used(2, 0, 7, FRESH).used(3, 0, 8, FRESH),
+            "equal costs rotate; more than a request (2 blocks) busier does not",
+            Fleet::new([agg(1), agg(2), agg(3)]).used(1, 0, 7, FRESH).used(2, 0, 7, FRESH).used(3, 0, 10, FRESH),
+            vec![1, 2, 1, 2],
+            Reason::Load,
+        ),
+        (
+            "at most a request busier rotates with the lightest",
+            Fleet::new([agg(1), agg(2), agg(3)]).used(1, 0, 9, FRESH).used(2, 0, 7, FRESH).used(3, 0, 10, FRESH),
             vec![1, 2, 1, 2],
             Reason::Load,
         ),
@@ -259,6 +265,35 @@ fn new_pickers_start_rotating_at_independent_places() {
         .collect();
     // 64 random starts agree with probability 2^-63.
     assert_eq!(firsts, BTreeSet::from([1, 2]));
+}
+
+#[test]
+fn ranks_a_request_apart_take_arrivals_in_turn_whoever_sent_the_last() {
+    // Requests of 32 tokens are 2 blocks. Rank 1 decodes one request fewer than rank 2.
+    let fleet = Fleet::new([agg(1), agg(2)]).used(1, 0, 8, FRESH).used(2, 0, 10, FRESH);
+    let replica = picker();
+    let first = pick(&replica, &fleet);
+    assert_eq!(first.decode.worker.instance_id, 1);
+    record(&replica, &first, 32, fleet.now);
+    // Equal now, and rank 1 had the last dispatch: rank 2, whichever way the cursor turns
+    // (these picks are not recorded).
+    assert_eq!(decode_ids(&replica, &fleet, 2), [2, 2]);
+
+    // The other replicas' dispatches, through the control plane's numbers: two ranks a request
+    // apart go to the one the fleet sent nothing for longest, not the lighter one.
+    let fleet_wide = |last_on_1, last_on_2| {
+        let sent = |last_dispatch| Backlog { last_dispatch, ..Backlog::default() };
+        Fleet::new([agg(1), agg(2)])
+            .used(1, 0, 8, FRESH)
+            .used(2, 0, 10, FRESH)
+            .fleet_backlog(1, 0, sent(last_on_1))
+            .fleet_backlog(2, 0, sent(last_on_2))
+    };
+    assert_eq!(decode_ids(&picker(), &fleet_wide(7, 3), 2), [2, 2]);
+    assert_eq!(decode_ids(&picker(), &fleet_wide(3, 7), 2), [1, 1]);
+    let far = Fleet::new([agg(1), agg(2)]).used(1, 0, 8, FRESH).used(2, 0, 11, FRESH);
+    let far = far.fleet_backlog(1, 0, Backlog { last_dispatch: 7, ..Backlog::default() });
+    assert_eq!(decode_ids(&picker(), &far, 2), [1, 1], "more than a request busier loses, however long idle");
 }
 
 #[test]

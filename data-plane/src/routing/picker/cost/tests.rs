@@ -169,20 +169,37 @@ fn a_rank_that_prefills_is_charged_its_queued_prefill() {
 
 #[test]
 fn costs_compare_exactly() {
-    let a = Cost { backlog: 1, capacity: 3 };
-    let b = Cost { backlog: 2, capacity: 6 };
-    let c = Cost { backlog: u64::MAX, capacity: u64::MAX - 1 };
-    let d = Cost { backlog: u64::MAX - 1, capacity: u64::MAX - 2 };
-    assert_eq!(a, b);
+    let a = Cost { backlog: 1, capacity: 3, own: 0 };
+    let b = Cost { backlog: 2, capacity: 6, own: 1 };
+    let c = Cost { backlog: u64::MAX, capacity: u64::MAX - 1, own: 0 };
+    let d = Cost { backlog: u64::MAX - 1, capacity: u64::MAX - 2, own: 0 };
+    assert_eq!(a, b, "the request's own share is not compared");
     assert!(c < d, "(2^64-1)/(2^64-2) < (2^64-2)/(2^64-3), which f64 cannot tell apart");
 }
 
 fn scored(cost: Option<(u64, u64)>, fresh: bool, stalled: bool) -> Scored {
-    Scored { cost: cost.map(|(backlog, capacity)| Cost { backlog, capacity }), fresh, stalled }
+    let cost = cost.map(|(backlog, capacity)| Cost { backlog, capacity, own: 0 });
+    Scored { cost, fresh, stalled, last_dispatch: LastDispatch::default() }
+}
+
+/// A fresh, healthy rank whose `backlog` (of `capacity`) includes the request's `own` blocks.
+fn with_request(backlog: u64, own: u64, capacity: u64) -> Scored {
+    Scored {
+        cost: Some(Cost { backlog, capacity, own }),
+        fresh: true,
+        stalled: false,
+        last_dispatch: LastDispatch::default(),
+    }
+}
+
+/// `scored` as last sent a dispatch at `last_dispatch`.
+fn sent(scored: Scored, last_dispatch: LastDispatch) -> Scored {
+    Scored { last_dispatch, ..scored }
 }
 
 #[test]
 fn contender_rules() {
+    let now = Instant::now();
     let cases: &[(&str, Vec<Scored>, Reason, Vec<usize>)] = &[
         ("no candidates", vec![], Reason::RoundRobinStale, vec![]),
         (
@@ -200,6 +217,52 @@ fn contender_rules() {
             ],
             Reason::Load,
             vec![0, 1],
+        ),
+        (
+            "a rank at most one request busier ties with the best",
+            vec![with_request(30, 10, 100), with_request(20, 10, 100), with_request(31, 10, 100)],
+            Reason::Load,
+            vec![0, 1],
+        ),
+        (
+            "one request busier, on different capacities",
+            vec![with_request(40, 20, 200), with_request(10, 5, 100)],
+            Reason::Load,
+            vec![0, 1],
+        ),
+        (
+            "more than one request busier loses",
+            vec![with_request(200, 10, 1000), with_request(189, 10, 1000)],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "of the tied, the rank that went longest without a dispatch",
+            vec![
+                sent(with_request(30, 10, 100), LastDispatch::Folded(5)),
+                sent(with_request(20, 10, 100), LastDispatch::Folded(7)),
+                sent(with_request(25, 10, 100), LastDispatch::Folded(5)),
+            ],
+            Reason::Load,
+            vec![0, 2],
+        ),
+        (
+            "a dispatch the fleet's sums do not hold yet is the most recent",
+            vec![
+                sent(with_request(20, 10, 100), LastDispatch::Local(now)),
+                sent(with_request(20, 10, 100), LastDispatch::Folded(u64::MAX)),
+            ],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "recency does not outweigh a request's difference in cost",
+            vec![
+                sent(with_request(21, 10, 100), LastDispatch::Folded(1)),
+                sent(with_request(10, 10, 100), LastDispatch::Folded(9)),
+            ],
+            Reason::Load,
+            vec![1],
         ),
         (
             "a quiet rank competes on its zero backlog",

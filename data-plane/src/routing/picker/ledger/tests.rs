@@ -57,13 +57,33 @@ fn folded(first_op: u64, last_op: u64) -> Option<ReportsFolded> {
     Some(ReportsFolded { first_op, last_op })
 }
 
+/// The rank's sums (how recently it was sent a dispatch has a test of its own).
 fn backlog(ledger: &DispatchLedger, key: LoadKey, sampled_at: Option<Instant>, now: Instant) -> RankBacklog {
-    ledger.backlogs(&[(key, sampled_at)], None, now)[0]
+    RankBacklog { last_dispatch: LastDispatch::default(), ..ledger.backlogs(&[(key, sampled_at)], None, now)[0] }
 }
 
 /// What the ledger adds to sums holding `folded` on rank 1.
 fn joined(ledger: &DispatchLedger, folded: Option<ReportsFolded>, now: Instant) -> RankBacklog {
-    ledger.backlogs(&[(key(1, 0), None)], folded, now)[0]
+    RankBacklog { last_dispatch: LastDispatch::default(), ..ledger.backlogs(&[(key(1, 0), None)], folded, now)[0] }
+}
+
+#[test]
+fn a_dispatch_the_fleets_sums_lack_is_the_ranks_most_recent() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let t1 = t0 + Duration::from_millis(1);
+    let last = |folded| ledger.backlogs(&[(key(1, 0), None), (key(3, 0), None)], folded, t1);
+    assert_eq!(last(None)[0].last_dispatch, LastDispatch::default(), "never sent one");
+    ledger.record(&pair(1, 2), 33, 16, &[], t0, 4);
+    ledger.record(&pair(3, 2), 33, 16, &[], t1, 5);
+    let untold = last(None);
+    assert_eq!([untold[0].last_dispatch, untold[1].last_dispatch], [LastDispatch::Local(t0), LastDispatch::Local(t1)]);
+    let lacking = last(Some(ReportsFolded { first_op: 1, last_op: 4 }));
+    assert_eq!(lacking[0].last_dispatch, LastDispatch::default(), "the sums hold it: theirs is the rank's number");
+    assert_eq!(lacking[1].last_dispatch, LastDispatch::Local(t1));
+    let fleet = Backlog { last_dispatch: 12, ..Backlog::default() };
+    assert_eq!(lacking[0].with_fleet(Some(&fleet)).last_dispatch, LastDispatch::Folded(12));
+    assert_eq!(lacking[1].with_fleet(Some(&fleet)).last_dispatch, LastDispatch::Local(t1), "newer than any they hold");
 }
 
 /// A rank whose dispatches in flight are all unanswered.
