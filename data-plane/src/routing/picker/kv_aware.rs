@@ -225,13 +225,20 @@ impl KvAwarePicker {
                     scoring.prompt,
                     &scoring.weights,
                 );
-                let scored =
-                    Scored { cost: logit.as_ref().map(&cost), fresh, stalled: rank.dispatched.stalled, stale_cost };
+                let scored = Scored {
+                    cost: logit.as_ref().map(&cost),
+                    fresh,
+                    stalled: rank.dispatched.stalled,
+                    stale_cost,
+                    last_dispatch: rank.dispatched.last_dispatch,
+                };
                 (logit, scored)
             })
             .collect();
         let scored: Vec<Scored> = rated.iter().map(|(_, scored)| *scored).collect();
-        let (reason, draw) = formula::contenders(&scored, scoring.weights.temperature);
+        let any_overlap = candidates.iter().any(|candidate| scoring.overlap(candidate) > 0);
+        let tie = formula::tie_width(scoring.prompt, any_overlap);
+        let (reason, draw) = formula::contenders(&scored, scoring.weights.temperature, tie);
         let index = match draw {
             Draw::Rotate(among) if among.is_empty() => return None,
             Draw::Rotate(among) => among.get(self.rotation(scoring.turn, cursor, among.len())).copied()?,

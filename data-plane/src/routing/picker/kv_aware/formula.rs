@@ -43,7 +43,7 @@ use continuum_proto::model::{LoadSample, PickerParams};
 
 use super::super::Reason;
 use super::super::cost::{self, Phase, Standing};
-use super::super::ledger::RankBacklog;
+use super::super::ledger::{LastDispatch, RankBacklog};
 
 /// `IslBoundingPolicy`'s default absolute bound (upstream `--router-conditional-disagg`): a
 /// decode worker prefills locally only when fewer than this many prompt tokens are not
@@ -225,6 +225,7 @@ pub(super) struct Scored {
     pub stalled: bool,
     /// Overlap and request size alone, for when no rank is fresh.
     pub stale_cost: f64,
+    pub last_dispatch: LastDispatch,
 }
 
 /// How the winner is drawn from the contenders (indices into the scored slice).
@@ -242,8 +243,9 @@ pub(super) enum Draw {
 /// compete on the full formula and the others sit out; stalled ranks are passed over while a
 /// healthy one competes. Otherwise every rank competes on overlap and request size, and the
 /// cursor rotates (`round_robin_stale`) only among ties. Temperature 0 takes the lowest cost,
-/// ties (within [`TIE_TOLERANCE`]) rotating; above 0 the contenders are sampled.
-pub(super) fn contenders(scored: &[Scored], temperature: f64) -> (Reason, Draw) {
+/// ties (costs at most `tie` above it) going to the ranks the fleet sent a dispatch longest ago
+/// and rotating among those; above 0 the contenders are sampled.
+pub(super) fn contenders(scored: &[Scored], temperature: f64, tie: f64) -> (Reason, Draw) {
     if scored.iter().any(|s| s.fresh && s.cost.is_some()) {
         let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
         let eligible: Vec<(usize, f64)> = scored
@@ -252,14 +254,18 @@ pub(super) fn contenders(scored: &[Scored], temperature: f64) -> (Reason, Draw) 
             .filter(|(_, s)| !(s.stalled && healthy_exists))
             .filter_map(|(i, s)| s.cost.map(|cost| (i, cost)))
             .collect();
-        return (Reason::KvAware, lowest_or_sampled(eligible, temperature));
+        let draw = match lowest_or_sampled(eligible, temperature, tie) {
+            Draw::Rotate(ties) => Draw::Rotate(longest_idle(ties, scored)),
+            sampled => sampled,
+        };
+        return (Reason::KvAware, draw);
     }
     let all: Vec<(usize, f64)> = scored.iter().map(|s| s.stale_cost).enumerate().collect();
     let uniform = all.windows(2).all(|pair| matches!(pair, [(_, a), (_, b)] if a.total_cmp(b) == Ordering::Equal));
     if uniform {
         return (Reason::RoundRobinStale, Draw::Rotate((0..scored.len()).collect()));
     }
-    match lowest_or_sampled(all, temperature) {
+    match lowest_or_sampled(all, temperature, TIE_TOLERANCE) {
         Draw::Rotate(ties) if ties.len() > 1 => (Reason::RoundRobinStale, Draw::Rotate(ties)),
         draw => (Reason::KvAware, draw),
     }
@@ -272,14 +278,29 @@ pub(super) fn contenders(scored: &[Scored], temperature: f64) -> (Reason, Draw) 
 /// ahead (6,090 against 6,091): as a tie, the lookups' fleet-wide turns split it.
 pub(super) const TIE_TOLERANCE: f64 = 0.5;
 
-fn lowest_or_sampled(entries: Vec<(usize, f64)>, temperature: f64) -> Draw {
+/// How far above the lowest cost a rank ties with it. With nothing to reuse on any rank, the
+/// formula is a load-only cost and ties are one request wide, as the load-only picker's
+/// (`cost::contenders` says why); else [`TIE_TOLERANCE`], so that a rank's cached prefix is
+/// never traded for a rotation.
+pub(super) fn tie_width(prompt: Prompt, any_overlap: bool) -> f64 {
+    if any_overlap { TIE_TOLERANCE } else { (prompt.blocks() as f64).max(TIE_TOLERANCE) }
+}
+
+/// Of `ties`, those the fleet sent a dispatch longest ago (see `cost::contenders`).
+fn longest_idle(ties: Vec<usize>, scored: &[Scored]) -> Vec<usize> {
+    let last = |i: &usize| scored.get(*i).map(|s| s.last_dispatch);
+    let Some(longest) = ties.iter().filter_map(last).min() else { return ties };
+    ties.into_iter().filter(|i| last(i) == Some(longest)).collect()
+}
+
+fn lowest_or_sampled(entries: Vec<(usize, f64)>, temperature: f64, tie: f64) -> Draw {
     if temperature > 0.0 && entries.len() > 1 {
         return Draw::Sample(entries);
     }
     let Some(best) = entries.iter().map(|(_, cost)| *cost).min_by(f64::total_cmp) else {
         return Draw::Rotate(Vec::new());
     };
-    let ties = entries.iter().filter(|(_, cost)| cost.total_cmp(&(best + TIE_TOLERANCE)) != Ordering::Greater);
+    let ties = entries.iter().filter(|(_, cost)| cost.total_cmp(&(best + tie)) != Ordering::Greater);
     Draw::Rotate(ties.map(|(i, _)| *i).collect())
 }
 

@@ -241,9 +241,10 @@ fn prefill_load_scale_and_credit_weigh_the_terms() {
 
 #[test]
 fn temperature_zero_ties_rotate_by_a_deterministic_cursor() {
+    // With nothing cached anywhere a tie is one request (4 blocks) wide: worker 3 is 5 busier.
     let fleet = Fleet::new([agg(1), agg(2), agg(3)]).sample(1, used(5), FRESH).sample(2, used(5), FRESH).sample(
         3,
-        used(6),
+        used(10),
         FRESH,
     );
     let none = Overlaps::default();

@@ -123,7 +123,7 @@ fn rank_load_takes_the_phase_backlog_and_the_other_field_when_fresh() {
 }
 
 fn scored(cost: Option<f64>, fresh: bool, stalled: bool, stale_cost: f64) -> Scored {
-    Scored { cost, fresh, stalled, stale_cost }
+    Scored { cost, fresh, stalled, stale_cost, last_dispatch: LastDispatch::default() }
 }
 
 #[test]
@@ -204,8 +204,25 @@ fn contenders_follow_the_seed_rules() {
         ("nobody", vec![], 0.0, (Reason::RoundRobinStale, Draw::Rotate(vec![]))),
     ];
     for (rule, scored, temperature, expected) in cases {
-        assert_eq!(contenders(&scored, temperature), expected, "{rule}");
+        assert_eq!(contenders(&scored, temperature, TIE_TOLERANCE), expected, "{rule}");
     }
+}
+
+#[test]
+fn ties_go_to_the_ranks_sent_a_dispatch_longest_ago_and_widen_when_nothing_overlaps() {
+    let sent =
+        |cost, last| Scored { last_dispatch: LastDispatch::Folded(last), ..scored(Some(cost), true, false, 0.0) };
+    let ranks = [sent(300.0, 9), sent(340.0, 4), sent(300.0, 4), sent(300.0, 2)];
+    let prompt = Prompt::new(1_560, 16);
+    assert_eq!(tie_width(prompt, true), TIE_TOLERANCE, "a cached prefix is never traded for a turn");
+    assert_eq!(tie_width(prompt, false), 98.0, "nothing to reuse: one request's blocks");
+    assert_eq!(tie_width(Prompt::new(0, 16), false), TIE_TOLERANCE);
+    let at = |tie| contenders(&ranks[..3], 0.0, tie);
+    assert_eq!(at(TIE_TOLERANCE), (Reason::KvAware, Draw::Rotate(vec![2])), "of the lowest, the longest idle");
+    assert_eq!(at(98.0), (Reason::KvAware, Draw::Rotate(vec![1, 2])), "a request wide: rank 1 ties, idle as long");
+    assert_eq!(contenders(&ranks, 0.0, 98.0), (Reason::KvAware, Draw::Rotate(vec![3])));
+    let sampled = contenders(&ranks[..2], 0.5, 98.0);
+    assert_eq!(sampled, (Reason::KvAware, Draw::Sample(vec![(0, 300.0), (1, 340.0)])), "sampling ignores recency");
 }
 
 #[test]
