@@ -956,7 +956,7 @@ impl Report {
         if ours == Router::ContinuumLoad && fleet == Fleet::Aggregated {
             told.push_str(
                 " (the load-only cost weighs a worker's queued prefill against its decode blocks, both counted from \
-                 a character and word estimate of each prompt, not from its tokens)",
+                 a character and word estimate of each prompt, calibrated by the token counts of earlier answers)",
             );
         }
         told
