@@ -190,8 +190,9 @@ pub(super) struct Scored {
 ///
 /// When a candidate has a fresh sample (and a defined cost), the lowest defined cost wins and
 /// ties rotate; stalled candidates are passed over while another has a cost. Otherwise the
-/// load stream tells nothing, so every candidate rotates, stalls ignored. Empty input gives
-/// an empty set.
+/// load stream tells nothing, so every candidate rotates, stalls ignored: a round robin across
+/// the fleet's replicas, since the candidates the fleet sent a dispatch longest ago go first
+/// (see below). Empty input gives an empty set.
 ///
 /// A tie is wider than equality: a rank whose cost without the request is no higher than
 /// the best's with it (at most one request's blocks busier) ties with the best. The seed ties
@@ -200,27 +201,30 @@ pub(super) struct Scored {
 /// request decoding on its worker: rotating among ranks that close spreads those stalls as
 /// round-robin does, instead of heaping them on one rank (on the benchmark's aggregated unique
 /// prompts, the slowest hundredth saw 3.1 arrivals while they decoded against round-robin's
-/// 2.2; `docs/benchmark-notes.md`). A rank more than a request busier, counting its queued
-/// prefill at `prefill_load_scale`, still loses.
+/// 2.4, and their e2e p99 was 6% above its; `docs/benchmark-notes.md`, "Arrivals in turn"). A
+/// rank more than a request busier, counting its queued prefill at `prefill_load_scale`,
+/// still loses.
 ///
 /// Of the tied, those that went longest without a dispatch from the fleet remain: two ranks
 /// one request apart then take arrivals in turn, whichever replica sends them, where a
 /// replica's own cursor would send two in a row to one rank half the time.
 pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
     if !scored.iter().any(|s| s.fresh && s.cost.is_some()) {
-        return (Reason::RoundRobinStale, (0..scored.len()).collect());
+        return (Reason::RoundRobinStale, longest_idle(scored, |_| true));
     }
     let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
     let eligible = |s: &Scored| s.cost.filter(|_| !(s.stalled && healthy_exists));
     let Some(best) = scored.iter().filter_map(eligible).min() else {
         return (Reason::Load, Vec::new());
     };
-    let tied = |s: &&Scored| eligible(s).is_some_and(|c| c.before_request() <= best);
-    let Some(longest_idle) = scored.iter().filter(tied).map(|s| s.last_dispatch).min() else {
-        return (Reason::Load, Vec::new());
-    };
-    let ties = scored.iter().enumerate().filter(|(_, s)| tied(s) && s.last_dispatch == longest_idle);
-    (Reason::Load, ties.map(|(i, _)| i).collect())
+    (Reason::Load, longest_idle(scored, |s| eligible(s).is_some_and(|c| c.before_request() <= best)))
+}
+
+/// The indices of the candidates `among` selects that the fleet sent a dispatch longest ago.
+fn longest_idle(scored: &[Scored], among: impl Fn(&Scored) -> bool) -> Vec<usize> {
+    let longest = scored.iter().filter(|s| among(s)).map(|s| s.last_dispatch).min();
+    let idle = scored.iter().enumerate().filter(|(_, s)| among(s) && Some(s.last_dispatch) == longest);
+    idle.map(|(i, _)| i).collect()
 }
 
 #[cfg(test)]

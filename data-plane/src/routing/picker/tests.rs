@@ -311,7 +311,11 @@ fn a_stalled_worker_is_passed_over_while_another_has_a_cost() {
     fleet.max_staleness = Duration::from_secs(3);
     let picker_stale = LoadBasedPicker::new(Arc::clone(picker.ledger()), selections()).from_first_contender();
     let quiet = Fleet { loads: Vec::new(), ..fleet };
-    assert_eq!(decode_ids(&picker_stale, &quiet, 2), [1, 2]);
+    // The round robin goes to the worker sent a dispatch longest ago: 2, then the stalled 1.
+    let second = pick(&picker_stale, &quiet);
+    assert_eq!(second.decode.worker.instance_id, 2);
+    record(&picker_stale, &second, 32, quiet.now);
+    assert_eq!(decode_ids(&picker_stale, &quiet, 1), [1], "stalled, and still its turn");
 }
 
 #[test]

@@ -283,6 +283,16 @@ fn contender_rules() {
             vec![0, 1, 2],
         ),
         (
+            "no fresh sample anywhere: a round robin across replicas, the longest idle first",
+            vec![
+                sent(scored(None, false, false), LastDispatch::Folded(4)),
+                sent(scored(None, false, false), LastDispatch::Folded(3)),
+                sent(scored(Some((0, 10)), false, false), LastDispatch::Local(now)),
+            ],
+            Reason::RoundRobinStale,
+            vec![1],
+        ),
+        (
             "a fresh sample without a defined cost does not count",
             vec![scored(None, true, false), scored(Some((0, 10)), false, false)],
             Reason::RoundRobinStale,
