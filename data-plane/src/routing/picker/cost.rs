@@ -222,9 +222,7 @@ pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
 
 /// The indices of the candidates `among` selects that the fleet sent a dispatch longest ago.
 fn longest_idle(scored: &[Scored], among: impl Fn(&Scored) -> bool) -> Vec<usize> {
-    let longest = scored.iter().filter(|s| among(s)).map(|s| s.last_dispatch).min();
-    let idle = scored.iter().enumerate().filter(|(_, s)| among(s) && Some(s.last_dispatch) == longest);
-    idle.map(|(i, _)| i).collect()
+    LastDispatch::longest_idle(scored.iter().enumerate().filter(|(_, s)| among(s)).map(|(i, s)| (i, s.last_dispatch)))
 }
 
 #[cfg(test)]

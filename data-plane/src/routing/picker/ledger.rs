@@ -104,6 +104,15 @@ pub enum LastDispatch {
     Local(Instant),
 }
 
+impl LastDispatch {
+    /// Of `candidates` (index, last dispatch), the indices of those the fleet sent a dispatch
+    /// longest ago.
+    pub fn longest_idle(candidates: impl Iterator<Item = (usize, Self)> + Clone) -> Vec<usize> {
+        let longest = candidates.clone().map(|(_, last)| last).min();
+        candidates.filter(|(_, last)| Some(*last) == longest).map(|(i, _)| i).collect()
+    }
+}
+
 impl Default for LastDispatch {
     fn default() -> Self {
         Self::Folded(0)

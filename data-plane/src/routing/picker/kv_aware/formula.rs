@@ -288,9 +288,7 @@ pub(super) fn tie_width(prompt: Prompt, any_overlap: bool) -> f64 {
 
 /// Of `ties`, those the fleet sent a dispatch longest ago (see `cost::contenders`).
 fn longest_idle(ties: Vec<usize>, scored: &[Scored]) -> Vec<usize> {
-    let last = |i: &usize| scored.get(*i).map(|s| s.last_dispatch);
-    let Some(longest) = ties.iter().filter_map(last).min() else { return ties };
-    ties.into_iter().filter(|i| last(i) == Some(longest)).collect()
+    LastDispatch::longest_idle(ties.iter().filter_map(|&i| Some((i, scored.get(i)?.last_dispatch))))
 }
 
 fn lowest_or_sampled(entries: Vec<(usize, f64)>, temperature: f64, tie: f64) -> Draw {
