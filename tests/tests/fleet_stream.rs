@@ -7,7 +7,7 @@ use continuum_control_plane::fleet::{DELTA_LOG_CAPACITY, FleetChange, FleetPubli
 use continuum_control_plane::grpc::REPLICA_QUEUE_CAPACITY;
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::convert::{Update, update_from_wire};
-use continuum_proto::model::{DataPlaneConfig, Load, LoadKey, LoadSample, ReportsFolded, WorkerKey};
+use continuum_proto::model::{Backlog, DataPlaneConfig, Load, LoadKey, LoadSample, ReportsFolded, WorkerKey};
 use continuum_proto::pb::{self, fleet_client::FleetClient, watch_request::Kind};
 use continuum_proto::view::FleetView;
 use continuum_tests::{TestControlPlane, publisher, start_replicas, wait_for_version, worker};
@@ -250,11 +250,13 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end()
         backlog_at(&replicas[1]).is_some_and(|b| b.dispatches == 0 && b.decode_blocks == 0)
     })
     .await?;
-    // A sample after the last end shows the worker as it is: the rank's record goes.
-    tokio::time::sleep(Duration::from_millis(5)).await;
+    // A sample the lag after the last end shows the worker as it is: the rank's sums go, and
+    // only its place in the fleet's dispatch order (the second dispatch the book numbered) stays.
+    tokio::time::sleep(SAMPLE_LAG).await;
     control.publisher.apply(sample(0));
+    let settled = Backlog { last_dispatch: 2, ..Backlog::default() };
     continuum_tests::eventually(CONVERGE, "the settled backlog leaving", || async {
-        backlog_at(&replicas[1]).is_none() && backlog_at(&replicas[0]).is_none()
+        backlog_at(&replicas[1]) == Some(settled) && backlog_at(&replicas[0]) == Some(settled)
     })
     .await?;
     for replica in replicas {

@@ -40,8 +40,11 @@
 //!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
 //! [`IN_FLIGHT_MAX_AGE`] (a lost end). A rank's record is removed once nothing is in flight and
-//! a sample received after the last end shows what the worker holds, or [`DISPATCH_MAX_AGE`]
-//! after that end if none comes.
+//! a sample received [`SAMPLE_LAG`] after the last end shows what the worker holds, or [`DISPATCH_MAX_AGE`]
+//! after that end if none comes. Its published backlog is then zero but for its place in the
+//! fleet's dispatch order (`last_dispatch`): pickers send ties to the rank idle longest, and a
+//! rank that settles within a request's time would otherwise look idle forever, taking every
+//! tie of a trickle of requests.
 //!
 //! One task owns the book (commands over a bounded channel). The first change after a quiet
 //! [`BACKLOG_WINDOW`] is published at once; after that, changes are published at most once per
@@ -361,11 +364,14 @@ impl Rank {
         dispatch.block_hashes.len()
     }
 
-    /// Nothing in flight, and a sample since the last end shows the worker as it is.
+    /// Nothing in flight, and a sample shows the worker as it is: one received [`SAMPLE_LAG`]
+    /// after the last end (an earlier one may still show the ended requests, and without the
+    /// sums a picker would read them as load).
     fn settled(&self, now: Instant) -> bool {
         self.dispatches.is_empty()
             && self.last_end.is_none_or(|end| {
-                self.sampled_at.is_some_and(|at| at > end) || now.saturating_duration_since(end) >= DISPATCH_MAX_AGE
+                self.sampled_at.is_some_and(|at| at.saturating_duration_since(end) >= SAMPLE_LAG)
+                    || now.saturating_duration_since(end) >= DISPATCH_MAX_AGE
             })
     }
 }
@@ -546,16 +552,17 @@ impl Book {
         }
     }
 
-    /// The published change for every rank whose sum moved, and the removal of every settled
-    /// rank.
+    /// The published change for every rank whose sum moved; a settled rank's record goes, and
+    /// its sums with it.
     fn take_change(&mut self, now: Instant) -> FleetChange {
         let mut change = FleetChange::default();
         for key in std::mem::take(&mut self.dirty) {
             let Some(rank) = self.ranks.get_mut(&key) else { continue };
             rank.dirty = false;
             if rank.settled(now) {
-                if rank.published.is_some() {
-                    change.backlogs_removed.push(rank.key.clone());
+                let idle = Backlog { last_dispatch: rank.last_dispatch, ..Backlog::default() };
+                if rank.published != Some(idle) {
+                    change.backlogs.push((rank.key.clone(), idle));
                 }
                 self.ranks.remove(&key);
                 continue;
@@ -567,7 +574,7 @@ impl Book {
             }
         }
         // Every report received so far is in the sums; the ranges go out with them, or not at all.
-        if !change.backlogs.is_empty() || !change.backlogs_removed.is_empty() {
+        if !change.backlogs.is_empty() {
             change.reports_folded = Some(Arc::new(self.folded.clone()));
         }
         change
@@ -645,7 +652,7 @@ fn publish(
         return false;
     }
     let change = book.take_change(now);
-    let changed = !change.backlogs.is_empty() || !change.backlogs_removed.is_empty();
+    let changed = !change.backlogs.is_empty();
     if changed {
         publisher.apply(change);
     }

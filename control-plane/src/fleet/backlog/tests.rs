@@ -82,12 +82,40 @@ fn reports_from_several_replicas_sum_per_rank_and_ends_subtract() {
     assert_eq!(sums(&change), [(0, 320, 20, 1, None), (1, 0, 0, 0, None)]);
     assert!(change.backlogs_removed.is_empty(), "an end is published until a sample shows it");
 
-    let later = t0 + Duration::from_millis(5);
+    let later = t0 + SAMPLE_LAG;
     let shown = sampled(&sampled(&state, 1, 0, later), 0, 20, later);
     book.expire(&shown, later);
     let change = book.take_change(later);
-    assert_eq!(change.backlogs_removed, [rank(1)], "a rank settled by a sample after its last end is removed");
-    assert_eq!(sums(&change), [(0, 320, 20, 1, Some(0))], "a sample changes neither the prefill nor the decode sums");
+    assert!(!book.ranks.contains_key(&book_key(1)), "a rank settled by a sample after its last end leaves the book");
+    assert_eq!(
+        sums(&change),
+        [(0, 320, 20, 1, Some(0))],
+        "a sample changes neither the prefill nor the decode sums; rank 1 was published in its settled form already"
+    );
+}
+
+#[test]
+fn a_settled_rank_keeps_only_its_place_in_the_dispatch_order() {
+    let t0 = Instant::now();
+    let state = sampled(&state_with(0), 0, 3, t0);
+    let mut book = Book::default();
+    book.report(1, report(vec![started(1, 0, 160)], vec![]), t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 160, 10, 1, Some(3))]);
+    let ended = t0 + Duration::from_millis(40);
+    book.report(1, report(vec![], vec![1]), ended, &state);
+    // A sample within the lag may still show the ended request: the sums stay.
+    let early = sampled(&state, 0, 13, ended + SAMPLE_LAG / 2);
+    book.expire(&early, ended + SAMPLE_LAG / 2);
+    assert_eq!(sums(&book.take_change(ended + SAMPLE_LAG / 2)), [(0, 0, 0, 0, Some(3))]);
+    let shown = sampled(&early, 0, 3, ended + SAMPLE_LAG);
+    book.expire(&shown, ended + SAMPLE_LAG);
+    let change = book.take_change(ended + SAMPLE_LAG);
+    assert_eq!(change.backlogs, [(rank(0), Backlog { last_dispatch: 1, ..Backlog::default() })]);
+    assert!(book.ranks.is_empty());
+    // The next dispatch anywhere is numbered after it.
+    book.report(2, report(vec![started(1, 0, 16)], vec![]), ended + SAMPLE_LAG, &shown);
+    let change = book.take_change(ended + SAMPLE_LAG);
+    assert_eq!(change.backlogs.iter().map(|(_, b)| b.last_dispatch).collect::<Vec<_>>(), [2]);
 }
 
 #[test]
@@ -282,7 +310,8 @@ fn dispatches_whose_end_never_comes_age_out_and_leave_with_their_replica() {
     // No sample ever comes: the record goes DISPATCH_MAX_AGE after the last end.
     let much_later = t0 + IN_FLIGHT_MAX_AGE + DISPATCH_MAX_AGE;
     book.expire(&state, much_later);
-    assert_eq!(book.take_change(much_later).backlogs_removed, [rank(0)]);
+    let change = book.take_change(much_later);
+    assert_eq!(change.backlogs, [(rank(0), Backlog { last_dispatch: 2, ..Backlog::default() })]);
     assert!(book.ranks.is_empty());
 }
 

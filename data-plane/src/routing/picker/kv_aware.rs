@@ -322,12 +322,13 @@ fn explain(candidates: &[Candidate], rated: &[(Option<Logit>, Scored)], winner: 
         let _ = match logit {
             Some(l) => write!(
                 ranks,
-                "[overlap {} in flight {} prefill {} decode {} cost {:.1}{}]",
+                "[overlap {} in flight {} prefill {} decode {} cost {:.1} last {:?}{}]",
                 l.overlap_blocks,
                 l.shared_blocks,
                 l.raw_prefill_tokens.saturating_sub(l.cached_tokens),
                 l.decode_cost_blocks,
                 l.cost,
+                scored.last_dispatch,
                 if scored.fresh { "" } else { " not fresh" }
             ),
             None => write!(ranks, "[unknown]"),

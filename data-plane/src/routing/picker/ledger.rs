@@ -243,6 +243,9 @@ struct Rank {
     changes: Changes,
     /// What the legs recorded unreported hold: the fleet's sums never will.
     unreported: Unreported,
+    /// The newest leg's recording (operation, time), kept after it ends for as long as the
+    /// rank is: a request may end before the fleet's sums hold its start.
+    newest: Option<(u64, Instant)>,
 }
 
 /// The load of legs whose recording was never reported (its operation found the report queue
@@ -266,14 +269,16 @@ impl Rank {
             SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };
         self.changed(leg.op, leg.at, started);
         self.oldest = Some(self.oldest.map_or(leg.at, |oldest| oldest.min(leg.at)));
+        self.newest = Some((leg.op, leg.at));
         self.legs.push_back(leg);
     }
 
-    /// This replica's newest leg on the rank, when sums holding operations `folded` lack it.
+    /// This replica's newest leg on the rank, ended or not, when sums holding operations
+    /// `folded` lack it.
     fn last_dispatch(&self, folded: Option<ReportsFolded>) -> LastDispatch {
-        let Some(newest) = self.legs.back() else { return LastDispatch::default() };
-        let held = folded.is_some_and(|f| newest.op != NOT_REPORTED && (f.first_op..=f.last_op).contains(&newest.op));
-        if held { LastDispatch::default() } else { LastDispatch::Local(newest.at) }
+        let Some((op, at)) = self.newest else { return LastDispatch::default() };
+        let held = folded.is_some_and(|f| op != NOT_REPORTED && (f.first_op..=f.last_op).contains(&op));
+        if held { LastDispatch::default() } else { LastDispatch::Local(at) }
     }
 
     /// Where dispatch `id`'s leg is.

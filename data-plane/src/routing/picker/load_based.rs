@@ -251,7 +251,7 @@ fn explain(
         let d = &rank.dispatched;
         let _ = write!(
             line,
-            " {}/{}[{:?} age {:?} foreign {:?} in flight {} ending {} unanswered {} prefill {} (done {}) cost {:?}]",
+            " {}/{}[{:?} age {:?} foreign {:?} in flight {} ending {} unanswered {} prefill {} (done {}) cost {:?} last {:?}]",
             candidate.worker.key.instance_id,
             candidate.rank,
             cost::standing(phase, rank.sample, max_staleness, now),
@@ -263,6 +263,7 @@ fn explain(
             d.prefill_tokens,
             d.prefilled_tokens,
             scored.cost,
+            scored.last_dispatch,
         );
     }
     tracing::debug!(target: "continuum_data_plane::routing::pick", "{line}");

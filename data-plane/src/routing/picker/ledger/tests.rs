@@ -75,7 +75,7 @@ fn a_dispatch_the_fleets_sums_lack_is_the_ranks_most_recent() {
     let last = |folded| ledger.backlogs(&[(key(1, 0), None), (key(3, 0), None)], folded, t1);
     assert_eq!(last(None)[0].last_dispatch, LastDispatch::default(), "never sent one");
     ledger.record(&pair(1, 2), 33, 16, &[], t0, 4);
-    ledger.record(&pair(3, 2), 33, 16, &[], t1, 5);
+    let newest = ledger.record(&pair(3, 2), 33, 16, &[], t1, 5);
     let untold = last(None);
     assert_eq!([untold[0].last_dispatch, untold[1].last_dispatch], [LastDispatch::Local(t0), LastDispatch::Local(t1)]);
     let lacking = last(Some(ReportsFolded { first_op: 1, last_op: 4 }));
@@ -84,6 +84,12 @@ fn a_dispatch_the_fleets_sums_lack_is_the_ranks_most_recent() {
     let fleet = Backlog { last_dispatch: 12, ..Backlog::default() };
     assert_eq!(lacking[0].with_fleet(Some(&fleet)).last_dispatch, LastDispatch::Folded(12));
     assert_eq!(lacking[1].with_fleet(Some(&fleet)).last_dispatch, LastDispatch::Local(t1), "newer than any they hold");
+    // A short request can end before the sums hold its start: it stays the rank's newest.
+    ledger.end(newest, t1, 6);
+    let ended = last(Some(ReportsFolded { first_op: 1, last_op: 4 }));
+    assert_eq!(ended[1].last_dispatch, LastDispatch::Local(t1), "ended, and still unknown to the sums");
+    let held = last(Some(ReportsFolded { first_op: 1, last_op: 6 }));
+    assert_eq!(held[1].last_dispatch, LastDispatch::default(), "the sums hold it now");
 }
 
 /// A rank whose dispatches in flight are all unanswered.
