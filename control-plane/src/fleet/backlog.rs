@@ -40,11 +40,11 @@
 //!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
 //! [`IN_FLIGHT_MAX_AGE`] (a lost end). A rank's record is removed once nothing is in flight and
-//! a sample received [`SAMPLE_LAG`] after the last end shows what the worker holds, or [`DISPATCH_MAX_AGE`]
-//! after that end if none comes. Its published backlog is then zero but for its place in the
-//! fleet's dispatch order (`last_dispatch`): pickers send ties to the rank idle longest, and a
-//! rank that settles within a request's time would otherwise look idle forever, taking every
-//! tie of a trickle of requests.
+//! a sample received [`SAMPLE_LAG`] after the last end shows what the worker holds, or
+//! [`DISPATCH_MAX_AGE`] after that end if none comes. Its published backlog is then zero but
+//! for its place in the fleet's dispatch order (`last_dispatch`): pickers send ties to the rank
+//! idle longest, and a rank that settles within a request's time would otherwise look idle
+//! forever, taking every tie of a trickle of requests.
 //!
 //! One task owns the book (commands over a bounded channel). The first change after a quiet
 //! [`BACKLOG_WINDOW`] is published at once; after that, changes are published at most once per
