@@ -109,8 +109,10 @@ fn table(rows: &[Row]) -> String {
         "\nThe full path renders the chatml template (minijinja, fuel-metered), encodes the text with \
          `add_special_tokens = false` and hashes every complete 16-token block; the bare encode is \
          `tokenizers` alone on the already-rendered text. Target: full ≤ 1.3× bare, cold (the ratios). \
-         With its pieces cached (`data-plane/src/kv/render/pieces.rs`), only the text between chat \
-         markers that was not seen before is encoded.\n",
+         The full path encodes the pieces between chat markers with the lean byte-level BPE encoder \
+         (`data-plane/src/kv/render/bpe.rs`), which gives `tokenizers`' ids for this tokenizer, so \
+         cold it runs below the bare encode. With its pieces cached \
+         (`data-plane/src/kv/render/pieces.rs`), only the text that was not seen before is encoded.\n",
     );
     out
 }

@@ -3,6 +3,7 @@
 //! template's fuel and 1 MiB output cap, and 1,048,576 tokens. Every refusal is a [`Fallback`]:
 //! the request is still served, scored without a KV term.
 
+mod bpe;
 mod pieces;
 mod strftime;
 mod template;

@@ -15,11 +15,16 @@
 //!
 //! Bounded: at most [`MAX_CACHED_BYTES`] of pieces and ids per tokenizer; past it the cache
 //! starts over. Pieces shorter than [`MIN_CACHED_PIECE`] bytes are encoded each time.
+//!
+//! A piece not seen before is encoded by [`ByteLevelBpe`] when the tokenizer is one it
+//! reproduces, by `tokenizers` otherwise.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokenizers::{NormalizerWrapper, OffsetReferential, OffsetType, Tokenizer};
+
+use super::bpe::ByteLevelBpe;
 
 /// Text and ids one tokenizer's cache holds at most, in bytes.
 pub const MAX_CACHED_BYTES: usize = 32 << 20;
@@ -32,6 +37,8 @@ const ENTRY_OVERHEAD: usize = 64;
 pub struct PieceCache {
     /// Whether this tokenizer's pieces are independent (see the module docs).
     enabled: bool,
+    /// The lean encoder for new pieces, when the tokenizer is one it reproduces.
+    bpe: Option<ByteLevelBpe>,
     pieces: Mutex<Pieces>,
 }
 
@@ -45,7 +52,7 @@ impl PieceCache {
     /// A cache for `tokenizer`, on only if its pieces encode independently and a probe text
     /// made of its own markers encodes the same whole and by pieces.
     pub fn for_tokenizer(tokenizer: &Tokenizer) -> Self {
-        let off = Self { enabled: false, pieces: Mutex::default() };
+        let off = Self { enabled: false, bpe: None, pieces: Mutex::default() };
         let added = tokenizer.get_added_tokens_decoder();
         if added.values().any(|token| token.normalized)
             || tokenizer.get_truncation().is_some()
@@ -60,7 +67,10 @@ impl PieceCache {
             probe.push_str(marker);
             probe.push_str("system\nYou are  a helpful assistant; answer in one line.\n  ");
         }
-        let on = Self { enabled: true, ..off };
+        let bpe = ByteLevelBpe::for_tokenizer(tokenizer)
+            .inspect_err(|why| tracing::debug!(%why, "encoding new prompt pieces with `tokenizers`"))
+            .ok();
+        let on = Self { enabled: true, bpe, ..off };
         let whole = tokenizer.encode(probe.as_str(), false).map(|e| e.get_ids().to_vec());
         match (whole, on.encode(tokenizer, &probe)) {
             (Ok(whole), Ok(pieces)) if whole == pieces => {
@@ -69,7 +79,7 @@ impl PieceCache {
             }
             _ => {
                 tracing::warn!("this tokenizer's prompt pieces do not encode independently; encoding prompts whole");
-                Self { enabled: false, ..on }
+                Self { enabled: false, bpe: None, ..on }
             }
         }
     }
@@ -78,6 +88,12 @@ impl PieceCache {
     #[cfg(test)]
     fn enabled(&self) -> bool {
         self.enabled
+    }
+
+    /// Whether new pieces are encoded by [`ByteLevelBpe`] (tests).
+    #[cfg(test)]
+    pub(crate) fn lean(&self) -> bool {
+        self.bpe.is_some()
     }
 
     /// `text`'s ids as `tokenizer.encode(text, false)` gives them.
@@ -103,7 +119,11 @@ impl PieceCache {
         {
             return Ok(Arc::clone(ids));
         }
-        let ids: Arc<[u32]> = tokenizer.encode(piece, false)?.get_ids().into();
+        let mut ids = Vec::new();
+        let ids: Arc<[u32]> = match self.bpe.as_ref().and_then(|bpe| bpe.encode(piece, &mut ids)) {
+            Some(()) => ids.into(),
+            None => tokenizer.encode(piece, false)?.get_ids().into(),
+        };
         if piece.len() >= MIN_CACHED_PIECE {
             self.pieces.lock().unwrap_or_else(PoisonError::into_inner).insert(piece, Arc::clone(&ids));
         }

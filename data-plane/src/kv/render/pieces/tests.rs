@@ -26,6 +26,7 @@ fn a_conversation_encodes_as_the_whole_does_and_its_pieces_are_reused() {
     let tokenizer = tiny();
     let cache = PieceCache::for_tokenizer(&tokenizer);
     assert!(cache.enabled(), "the fixture's markers match before normalization");
+    assert!(cache.lean(), "new pieces are encoded without `tokenizers`");
     assert_eq!(cache.len(), 0, "the probe leaves nothing behind");
     let system = "You are a careful assistant. ".repeat(40);
     let first = chatml(&system, &["What is the capital of France? Answer briefly, please, in a single word."]);
