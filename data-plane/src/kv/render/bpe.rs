@@ -58,8 +58,8 @@ impl ByteLevelBpe {
     /// The encoder for `tokenizer`, if its configuration is one this reproduces and it encodes
     /// the probe text as `tokenizer` does. Added tokens are the caller's to split out first.
     pub fn for_tokenizer(tokenizer: &Tokenizer) -> Result<Self, Unsupported> {
-        let json: Value = serde_json::from_str(&tokenizer.to_string(false).map_err(|e| unsupported(e.to_string()))?)
-            .map_err(|e| unsupported(e.to_string()))?;
+        // Once per tokenizer load, on the blocking pool; the configuration is dropped after.
+        let json = serde_json::to_value(tokenizer).map_err(|e| unsupported(e.to_string()))?;
         let encoder = Self::from_config(&json)?;
         let probe = match tokenizer.encode(PROBE, false) {
             Ok(encoding) => encoding.get_ids().to_vec(),

@@ -68,7 +68,9 @@ impl PieceCache {
             probe.push_str("system\nYou are  a helpful assistant; answer in one line.\n  ");
         }
         let bpe = ByteLevelBpe::for_tokenizer(tokenizer)
-            .inspect_err(|why| tracing::debug!(%why, "encoding new prompt pieces with `tokenizers`"))
+            .inspect_err(
+                |why| tracing::info!(%why, "encoding new prompt pieces with `tokenizers`, not the lean encoder"),
+            )
             .ok();
         let on = Self { enabled: true, bpe, ..off };
         let whole = tokenizer.encode(probe.as_str(), false).map(|e| e.get_ids().to_vec());
