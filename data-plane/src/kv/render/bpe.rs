@@ -8,10 +8,10 @@
 //! `tokenizers` build uses), map each byte to its byte-level symbol, and apply the merges in the
 //! order `tokenizers` does (lowest rank first, leftmost on a tie; `ignore_merges` honoured).
 //!
-//! Exact by construction for the configurations it accepts, and checked: [`ByteLevelBpe::for_tokenizer`]
-//! declines any other configuration, and declines a tokenizer whose ids differ from `tokenizers`'
-//! on a probe text. A piece it cannot encode (a byte without a symbol in the vocabulary, a regex
-//! that gives up) is left to `tokenizers`.
+//! Exact by construction for the configurations it accepts, and checked:
+//! [`ByteLevelBpe::for_tokenizer`] declines any other configuration, and declines a tokenizer
+//! whose ids differ from `tokenizers`' on a probe text. A piece it cannot encode (a byte without a
+//! symbol in the vocabulary, a regex that gives up) is left to `tokenizers`.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
