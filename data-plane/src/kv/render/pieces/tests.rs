@@ -59,6 +59,22 @@ fn a_tokenizer_matching_added_tokens_after_normalization_encodes_prompts_whole()
 }
 
 #[test]
+fn a_piece_the_lean_encoder_leaves_is_encoded_by_tokenizers() {
+    let mut json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("tinymodel/tokenizer.json")).unwrap()).unwrap();
+    // Under NFC the lean encoder takes ASCII pieces only; this prompt's turn is not ASCII.
+    json["normalizer"] = serde_json::json!({"type": "NFC"});
+    let tokenizer = Tokenizer::from_bytes(serde_json::to_vec(&json).unwrap()).expect("still a tokenizer");
+    let cache = PieceCache::for_tokenizer(&tokenizer);
+    assert!(cache.enabled() && cache.lean());
+    let text = chatml(
+        &"A plain ASCII system prompt. ".repeat(4),
+        &["Cafe\u{301} cre\u{300}me bru\u{302}le\u{301}e, s'il vous plai\u{302}t!"],
+    );
+    assert_eq!(cache.encode(&tokenizer, &text).unwrap(), whole(&tokenizer, &text));
+}
+
+#[test]
 fn the_cache_starts_over_past_its_bound() {
     let mut pieces = Pieces::default();
     let big = "x".repeat(MAX_CACHED_BYTES / 2);
