@@ -142,12 +142,6 @@ pub(super) fn worker_logit(
     }
 }
 
-/// The share of a paired request's time to first token its prefill takes, about: the rest is
-/// the hand-over and the decode worker's first step. The fleet's prefill dispatches count until
-/// the first token, so they weigh this much in [`stale_cost`]; the control plane makes the same
-/// assumption when it predicts a decode worker's load at hand-over.
-pub(super) const PREFILL_SHARE_OF_FIRST_TOKEN: f64 = 0.5;
-
 /// The cost when no rank has a fresh backlog (workers that publish no `active_prefill_tokens`,
 /// as the 1.6.1 mocker's and dynamo.vllm's prefill workers): overlap and request size, as the
 /// seed states it, plus the fleet's own prefill dispatches in flight on the rank.
@@ -155,18 +149,20 @@ pub(super) const PREFILL_SHARE_OF_FIRST_TOKEN: f64 = 0.5;
 /// The seed leaves load out here, so a prefix's rank takes every request for it however long its
 /// queue: on the prefill/decode shared-prefix benchmark one prefill worker took twice the other's
 /// requests, and 23% of prefills waited behind another (Dynamo's router, which counts its own
-/// dispatches: 9%). A prefill dispatch counts until its response begins, about twice as long as
-/// the prefill, so its tokens weigh [`PREFILL_SHARE_OF_FIRST_TOKEN`]: counted whole, the term
-/// pushed requests away from their prefix (TTFT p90 160 → 180–194 ms in an earlier build).
+/// dispatches: 9%).
 ///
 /// The tokens are the queue less what the prefill under way should have done
-/// ([`RankBacklog::queued_prefill_tokens`]). Two prefill workers each prefilling one prompt
+/// ([`RankBacklog::queued_prefill_tokens`]), so they count whole: what is left to prefill is
+/// what a request sent there waits for. Two prefill workers each prefilling one prompt
 /// otherwise tie, and the cursor, not the prefill that began first, broke the tie: on the
 /// prefill/decode unique-prompt benchmark 29 of 56 such requests per run went behind the
 /// prefill that began later (round-robin, which never sends to the worker it used last: 0 of
-/// 62).
+/// 62). Before that discount existed the tokens weighed half, since a dispatch counts until its
+/// first token, about twice the prefill; with it, half weight discounted the prefill under way
+/// twice and sent requests behind it while the other worker was idle (measured in
+/// `docs/benchmark-notes.md`, session 28).
 pub(super) fn stale_cost(overlap_blocks: u32, queued_prefill_tokens: u64, prompt: Prompt, weights: &Weights) -> f64 {
-    let queued = PREFILL_SHARE_OF_FIRST_TOKEN * queued_prefill_tokens as f64;
+    let queued = queued_prefill_tokens as f64;
     (prompt.isl as f64 + queued) / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
 }
 

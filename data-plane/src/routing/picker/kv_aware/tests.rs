@@ -282,7 +282,7 @@ fn replicas_seeing_the_same_tie_at_once_split_it_by_their_lookups_turns() {
     // own cursor: both start at the first contender.
     assert_eq!(at_once(&near_tie, IndexAnswer::Recent, IndexAnswer::Recent), [(4, Some(1)); 2]);
     assert_eq!(at_once(&near_tie, turn(0), turn(0)), [(4, Some(1)); 2]);
-    // A real difference is no tie: 110 tokens more queued (at half weight, 3.4 blocks).
+    // A real difference is no tie: 110 tokens more queued (6.9 blocks).
     assert_eq!(at_once(&pair(6_200), turn(41), turn(42)), [(4, Some(1)); 2]);
 }
 
@@ -365,17 +365,17 @@ fn without_a_fresh_prefill_backlog_overlap_and_size_decide() {
 }
 
 /// The fleet's own prefill dispatches in flight are the one load signal left when prefill
-/// workers publish none; they count at half weight, since they count until the first token.
+/// workers publish none; what is left of them to prefill counts whole.
 #[test]
 fn without_a_fresh_prefill_backlog_the_fleets_prefill_dispatches_weigh_in() {
     let queued = |tokens| Backlog { prefill_tokens: tokens, dispatches: 1, ..Backlog::default() };
-    // Worker 2 holds 3 blocks more than 1 and 3, but has 160 tokens queued: 5 blocks at half weight.
+    // Worker 2 holds 3 blocks more than 1 and 3, but has 80 tokens queued: 5 blocks.
     let held = overlaps(&[(2, 0, 3)]);
-    let busy = vllm_prefill_pool().backlog(2, queued(160));
+    let busy = vllm_prefill_pool().backlog(2, queued(80));
     let picker = self::picker();
     assert_eq!(picks(&picker, &busy, scored(100, &held), 2), [(4, Some(1)), (4, Some(3))], "tied at 100/16 + 0");
-    // 64 tokens queued are 2 blocks: the prefix still wins.
-    let light = vllm_prefill_pool().backlog(2, queued(64));
+    // 32 tokens queued are 2 blocks: the prefix still wins.
+    let light = vllm_prefill_pool().backlog(2, queued(32));
     assert_eq!(picks(&picker, &light, scored(100, &held), 2), [(4, Some(2)); 2]);
 }
 

@@ -59,7 +59,7 @@ fn the_stale_and_conditional_costs() {
     let prompt = Prompt::new(100, 16);
     assert_eq!(stale_cost(3, 0, prompt, &weights(1.0, 1.0)), 6.25 - 3.0);
     assert_eq!(stale_cost(3, 0, prompt, &weights(0.5, 1.0)), 6.25 - 1.5);
-    assert_eq!(stale_cost(3, 320, prompt, &weights(1.0, 1.0)), 6.25 + 10.0 - 3.0, "half of 320 tokens in flight");
+    assert_eq!(stale_cost(3, 320, prompt, &weights(1.0, 1.0)), 6.25 + 20.0 - 3.0, "320 tokens left to prefill");
     let logit = worker_logit(load(200, 10), 3, 3, prompt, &weights(1.0, 1.0));
     assert_eq!(conditional_decode_cost(&logit), 14.0 - 3.0);
     let covered = worker_logit(load(0, 0), 7, 7, prompt, &weights(1.0, 1.0));
