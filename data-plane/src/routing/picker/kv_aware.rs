@@ -331,7 +331,7 @@ fn explain(candidates: &[Candidate], rated: &[(Option<Logit>, Scored)], winner: 
                 scored.last_dispatch,
                 if scored.fresh { "" } else { " not fresh" }
             ),
-            None => write!(ranks, "[unknown]"),
+            None => write!(ranks, "[no fresh backlog: cost {:.1} last {:?}]", scored.stale_cost, scored.last_dispatch),
         };
     }
     tracing::debug!(target: "continuum_data_plane::routing::pick", "{ranks}");

@@ -611,7 +611,8 @@ fn arb_worker() -> impl Strategy<Value = Worker> {
     )
 }
 
-fn arb_load() -> impl Strategy<Value = (Load, u64)> {
+/// A sample of any shape (each field absent or up to 300) and its age in milliseconds.
+pub(super) fn arb_load() -> impl Strategy<Value = (Load, u64)> {
     let field = || proptest::option::of(0..300u64);
     ((field(), field(), field()), 0..12_000u64).prop_map(|((d, p, u), age_ms)| {
         (Load { active_decode_blocks: d, active_prefill_tokens: p, kv_used_blocks: u }, age_ms)

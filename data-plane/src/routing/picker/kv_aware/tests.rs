@@ -11,7 +11,7 @@ use continuum_proto::view::FleetView;
 use prometheus::{IntCounterVec, Opts};
 use proptest::prelude::*;
 
-use super::super::tests::{BLOCK, FRESH, STALE, agg, worker};
+use super::super::tests::{BLOCK, FRESH, STALE, agg, arb_load, worker};
 use super::super::{DispatchLedger, NOT_REPORTED, Pin};
 use super::*;
 
@@ -725,13 +725,6 @@ fn arb_worker() -> impl Strategy<Value = Worker> {
             ..worker("a", 0, Role::Aggregated)
         },
     )
-}
-
-fn arb_load() -> impl Strategy<Value = (Load, u64)> {
-    let field = || proptest::option::of(0..300u64);
-    ((field(), field(), field()), 0..12_000u64).prop_map(|((d, p, u), age_ms)| {
-        (Load { active_decode_blocks: d, active_prefill_tokens: p, kv_used_blocks: u }, age_ms)
-    })
 }
 
 proptest! {
