@@ -162,8 +162,8 @@ pub(super) fn worker_logit(
 /// twice and sent requests behind it while the other worker was idle (measured in
 /// `docs/benchmark-notes.md`, session 28).
 pub(super) fn stale_cost(overlap_blocks: u32, queued_prefill_tokens: u64, prompt: Prompt, weights: &Weights) -> f64 {
-    let queued = queued_prefill_tokens as f64;
-    (prompt.isl as f64 + queued) / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
+    let tokens = prompt.isl.saturating_add(queued_prefill_tokens) as f64;
+    tokens / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
 }
 
 /// A decode worker's cost under conditional disaggregation: its decode term less the credit
