@@ -225,10 +225,14 @@ impl KvAwarePicker {
                     scoring.prompt,
                     &scoring.weights,
                 );
+                // A prefill worker holds a prompt's KV only until the hand-over.
+                let full = phase == Phase::Decode
+                    && formula::over_capacity(logit.as_ref(), candidate.worker.capacity.total_kv_blocks);
                 let scored = Scored {
                     cost: logit.as_ref().map(&cost),
                     fresh,
                     stalled: rank.dispatched.stalled,
+                    full,
                     stale_cost,
                     last_dispatch: rank.dispatched.last_dispatch,
                 };
@@ -322,14 +326,15 @@ fn explain(candidates: &[Candidate], rated: &[(Option<Logit>, Scored)], winner: 
         let _ = match logit {
             Some(l) => write!(
                 ranks,
-                "[overlap {} in flight {} prefill {} decode {} cost {:.1} last {:?}{}]",
+                "[overlap {} in flight {} prefill {} decode {} cost {:.1} last {:?}{}{}]",
                 l.overlap_blocks,
                 l.shared_blocks,
                 l.raw_prefill_tokens.saturating_sub(l.cached_tokens),
                 l.decode_cost_blocks,
                 l.cost,
                 scored.last_dispatch,
-                if scored.fresh { "" } else { " not fresh" }
+                if scored.fresh { "" } else { " not fresh" },
+                if scored.full { " full" } else { "" }
             ),
             None => write!(ranks, "[no fresh backlog: cost {:.1} last {:?}]", scored.stale_cost, scored.last_dispatch),
         };

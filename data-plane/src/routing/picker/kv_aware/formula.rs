@@ -35,6 +35,11 @@
 //! on the worker holds). A cached prefix nobody is using costs no prefill, but serving the
 //! request makes all of it active memory again, so the seed's version credits such a prefix
 //! twice. Same-run comparisons with Dynamo's router are in `docs/benchmark-notes.md`.
+//!
+//! The choice rule departs from the seed once more: a rank without room for the request
+//! ([`over_capacity`]) sits out while another has room, however cheap its cached prefix makes
+//! it. The formula prices memory linearly, but an engine queues a request that does not fit
+//! until running requests end (`docs/kv.md`).
 
 use std::cmp::Ordering;
 use std::time::{Duration, Instant};
@@ -166,6 +171,18 @@ pub(super) fn stale_cost(overlap_blocks: u32, queued_prefill_tokens: u64, prompt
     tokens / prompt.block_size as f64 - weights.overlap_score_credit * f64::from(overlap_blocks)
 }
 
+/// Whether a rank that decodes would have to wait for KV memory: its projected decode blocks
+/// (backlog, the fleet's dispatches and the request's blocks no request in flight holds) exceed
+/// the blocks its card declares. Such a request is not admitted until running requests end,
+/// and in the meantime the blocks they allocate evict the idle cached prefix it was sent for.
+/// Unknown capacity never counts as full.
+pub(super) fn over_capacity(logit: Option<&Logit>, total_kv_blocks: Option<u64>) -> bool {
+    match (logit, total_kv_blocks.filter(|n| *n > 0)) {
+        (Some(logit), Some(total)) => logit.decode_cost_blocks > total,
+        _ => false,
+    }
+}
+
 /// A decode worker's cost under conditional disaggregation: its decode term less the credit
 /// for the prefix it would not have to prefill.
 pub(super) fn conditional_decode_cost(logit: &Logit) -> f64 {
@@ -219,6 +236,8 @@ pub(super) struct Scored {
     pub cost: Option<f64>,
     pub fresh: bool,
     pub stalled: bool,
+    /// The rank's KV memory cannot hold the request beside its backlog ([`over_capacity`]).
+    pub full: bool,
     /// Overlap and request size alone, for when no rank is fresh.
     pub stale_cost: f64,
     pub last_dispatch: LastDispatch,
@@ -237,17 +256,20 @@ pub(super) enum Draw {
 ///
 /// When a rank has a fresh sample carrying its phase's backlog, the fresh and the quiet ranks
 /// compete on the full formula and the others sit out; stalled ranks are passed over while a
-/// healthy one competes. Otherwise every rank competes on overlap and request size, and the
-/// cursor rotates (`round_robin_stale`) only among ties. Temperature 0 takes the lowest cost,
-/// ties (costs at most `tie` above it) going to the ranks the fleet sent a dispatch longest ago
-/// and rotating among those; above 0 the contenders are sampled.
+/// healthy one competes, and full ranks while one with room does. Otherwise every rank
+/// competes on overlap and request size, and the cursor rotates (`round_robin_stale`) only
+/// among ties. Temperature 0 takes the lowest cost, ties (costs at most `tie` above it) going
+/// to the ranks the fleet sent a dispatch longest ago and rotating among those; above 0 the
+/// contenders are sampled.
 pub(super) fn contenders(scored: &[Scored], temperature: f64, tie: f64) -> (Reason, Draw) {
     if scored.iter().any(|s| s.fresh && s.cost.is_some()) {
         let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
+        let healthy = |s: &&Scored| !(s.stalled && healthy_exists);
+        let room_exists = scored.iter().filter(healthy).any(|s| s.cost.is_some() && !s.full);
         let eligible: Vec<(usize, f64)> = scored
             .iter()
             .enumerate()
-            .filter(|(_, s)| !(s.stalled && healthy_exists))
+            .filter(|(_, s)| healthy(s) && !(s.full && room_exists))
             .filter_map(|(i, s)| s.cost.map(|cost| (i, cost)))
             .collect();
         let draw = match lowest_or_sampled(eligible, temperature, tie) {

@@ -129,6 +129,21 @@ fn ids(selection: &Selection) -> (u64, Option<u64>) {
 }
 
 #[test]
+fn a_cached_prefix_draws_no_request_onto_a_rank_without_room_while_another_has_it() {
+    // 1,600 tokens (100 blocks), worker 2 holding 90 of them idle; 1,000 blocks each, scale 3.
+    // Worker 1 at 800 blocks: 3 * 100 + (800 + 100) = 1,200. Worker 2 at 850: 3 * 10 + 950 =
+    // 980, and its 950 blocks fit. At 950 it costs 1,080 but needs 1,050 blocks.
+    let held = overlaps(&[(2, 0, 90)]);
+    let params = PickerParams { prefill_load_scale: 3.0, ..PickerParams::default() };
+    let fleet =
+        |one, two| Fleet::new([agg(1), agg(2)]).sample(1, used(one), FRESH).sample(2, used(two), FRESH).params(params);
+    let winner = |one, two| ids(&pick(&picker(), &fleet(one, two), scored(1_600, &held))).0;
+    assert_eq!(winner(800, 850), 2, "room for it: the prefix wins");
+    assert_eq!(winner(800, 950), 1, "no room beside the prefix, room elsewhere");
+    assert_eq!(winner(950, 950), 2, "no room anywhere: the formula decides");
+}
+
+#[test]
 fn overlap_wins_against_equal_load() {
     // 128 tokens (8 blocks), both at 10 blocks. Worker 1: 8 + (10 + 8) = 26; worker 2, holding
     // 4 blocks: (8 - 4) + (10 + 4) = 18.

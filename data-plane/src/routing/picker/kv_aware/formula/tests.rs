@@ -123,7 +123,7 @@ fn rank_load_takes_the_phase_backlog_and_the_other_field_when_fresh() {
 }
 
 fn scored(cost: Option<f64>, fresh: bool, stalled: bool, stale_cost: f64) -> Scored {
-    Scored { cost, fresh, stalled, stale_cost, last_dispatch: LastDispatch::default() }
+    Scored { cost, fresh, stalled, full: false, stale_cost, last_dispatch: LastDispatch::default() }
 }
 
 #[test]
@@ -132,6 +132,7 @@ fn contenders_follow_the_seed_rules() {
     let quiet = |cost| scored(Some(cost), false, false, 0.0);
     let unknown = |stale_cost| scored(None, false, false, stale_cost);
     let stale = |stale_cost| scored(Some(1.0), false, false, stale_cost);
+    let full = |cost| Scored { full: true, ..scored(cost, true, false, 0.0) };
     // (rule, scored, temperature, expected)
     type Case = (&'static str, Vec<Scored>, f64, (Reason, Draw));
     let cases: Vec<Case> = vec![
@@ -164,6 +165,30 @@ fn contenders_follow_the_seed_rules() {
             vec![scored(Some(4.0), true, true, 0.0), scored(Some(2.0), true, true, 0.0)],
             0.0,
             (Reason::KvAware, Draw::Rotate(vec![1])),
+        ),
+        (
+            "a full rank is passed over while one with room competes, however cheap",
+            vec![full(Some(100.0)), fresh(900.0), full(Some(50.0))],
+            0.0,
+            (Reason::KvAware, Draw::Rotate(vec![1])),
+        ),
+        (
+            "all full: they compete on the formula",
+            vec![full(Some(700.0)), full(Some(650.0))],
+            0.0,
+            (Reason::KvAware, Draw::Rotate(vec![1])),
+        ),
+        (
+            "room on a stalled rank only: the full ones compete",
+            vec![scored(Some(1.0), true, true, 0.0), full(Some(9.0)), full(Some(8.0))],
+            0.0,
+            (Reason::KvAware, Draw::Rotate(vec![2])),
+        ),
+        (
+            "no fresh rank: fullness plays no part in overlap and size",
+            vec![Scored { full: true, ..unknown(2.0) }, unknown(3.0)],
+            0.0,
+            (Reason::KvAware, Draw::Rotate(vec![0])),
         ),
         (
             "above temperature 0 the eligible are sampled",
@@ -206,6 +231,22 @@ fn contenders_follow_the_seed_rules() {
     for (rule, scored, temperature, expected) in cases {
         assert_eq!(contenders(&scored, temperature, TIE_TOLERANCE), expected, "{rule}");
     }
+}
+
+#[test]
+fn a_rank_is_full_when_its_projected_decode_blocks_pass_its_capacity() {
+    let weights = Weights { overlap_score_credit: 1.0, prefill_load_scale: 1.0, temperature: 0.0 };
+    let prompt = Prompt::new(160, 16);
+    // 630 blocks in use, 10 more for the request: exactly the capacity still fits.
+    let at = |active_decode_blocks, shared| {
+        worker_logit(RankLoad { active_prefill_tokens: 0, active_decode_blocks }, shared, shared, prompt, &weights)
+    };
+    assert!(!over_capacity(Some(&at(630, 0)), Some(640)));
+    assert!(over_capacity(Some(&at(631, 0)), Some(640)));
+    assert!(!over_capacity(Some(&at(635, 5)), Some(640)), "blocks a request in flight holds are not new");
+    assert!(!over_capacity(Some(&at(10_000, 0)), None), "unknown capacity");
+    assert!(!over_capacity(Some(&at(10_000, 0)), Some(0)), "a card declaring no blocks");
+    assert!(!over_capacity(None, Some(640)), "unknown backlog");
 }
 
 #[test]
