@@ -16,7 +16,10 @@
 //! this binary again, in its hidden `--client` mode, streaming each request and reading its
 //! time to first token, end-to-end time and `usage.prompt_tokens_details.cached_tokens`.
 //!
-//! `cargo build --release --bins && cargo run --release -p continuum-tests --bin bench-routing -- [--runs 3] [--requests 256] [--quick] [--write]`
+//! `cargo build --release --bins && cargo run --release -p continuum-tests --bin bench-routing -- [--runs 5] [--requests 256] [--quick] [--write]`
+//!
+//! Five runs a cell by default: over three, single invocations of the shared-prefix cells moved
+//! by 20–80 ms of TTFT p90, more than the routers differ (`docs/benchmark-notes.md`).
 //!
 //! Runs as root (network namespaces). `--quick`: one run of 128 requests, aggregated fleet,
 //! the 8×2 shared-prefix and unique workloads only. To investigate a cell: `--only-fleets agg`,
@@ -206,7 +209,7 @@ fn main() -> anyhow::Result<()> {
         return runtime.block_on(client::run(Path::new(file), bases));
     }
     let quick = args.iter().any(|a| a == "--quick");
-    let runs = arg("--runs", if quick { 1 } else { 3 })?.max(1);
+    let runs = arg("--runs", if quick { 1 } else { 5 })?.max(1);
     let requests = arg("--requests", if quick { 128 } else { 256 })?;
     let seed = u64::try_from(arg("--seed", 1)?)?;
     for binary in ["continuum-control-plane", "continuum-data-plane"] {
