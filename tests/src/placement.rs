@@ -32,6 +32,22 @@ impl Served {
     }
 }
 
+/// Requests sent within this long of a run's first are its opening burst: the clients start
+/// together, on a cold fleet, before any worker has answered or any load has been reported.
+pub const OPENING_MS: f64 = 20.0;
+
+/// A run's opening burst: how it split across the workers that prefill, and how slow it was.
+/// Its requests are a run's slowest first tokens on unique prompts, so they decide a pooled
+/// TTFT p99.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Opening {
+    pub requests: usize,
+    /// A worker that prefills took more than its even share of the burst.
+    pub uneven: bool,
+    /// The burst's slowest first token.
+    pub slowest_ttft_ms: f64,
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Placement {
     /// Requests sent while another request on their prefilling worker still awaited its first
@@ -50,6 +66,32 @@ pub struct Placement {
     pub tail_beside: f64,
     /// …and the requests sent to that worker while they decoded (after their first token).
     pub tail_prefills: f64,
+    pub opening: Opening,
+}
+
+fn in_opening(served: &[Served]) -> impl Fn(&Served) -> bool {
+    let first = served.iter().map(|s| s.start_ms).fold(f64::INFINITY, f64::min);
+    move |s| s.start_ms < first + OPENING_MS
+}
+
+/// The first tokens of `served` outside its opening burst, sorted.
+pub fn ttft_after_opening(served: &[Served]) -> Vec<f64> {
+    let opening = in_opening(served);
+    let mut ttft: Vec<f64> = served.iter().filter(|s| !opening(s)).map(|s| s.ttft_ms).collect();
+    ttft.sort_by(f64::total_cmp);
+    ttft
+}
+
+fn opening(served: &[Served], prefilling: &[u64]) -> Opening {
+    let in_opening = in_opening(served);
+    let burst: Vec<&Served> = served.iter().filter(|s| in_opening(s)).collect();
+    let even_share = burst.len().div_ceil(prefilling.len().max(1));
+    let on = |worker: u64| burst.iter().filter(|s| s.prefill_worker == worker).count();
+    Opening {
+        requests: burst.len(),
+        uneven: prefilling.iter().any(|w| on(*w) > even_share),
+        slowest_ttft_ms: burst.iter().map(|s| s.ttft_ms).fold(0.0, f64::max),
+    }
 }
 
 /// How `served` queued on its workers (every worker that prefilled one of them).
@@ -57,7 +99,7 @@ pub fn placement(served: &[Served]) -> Placement {
     let mut prefilling: Vec<u64> = served.iter().map(|s| s.prefill_worker).collect();
     prefilling.sort_unstable();
     prefilling.dedup();
-    let mut placement = Placement::default();
+    let mut placement = Placement { opening: opening(served, &prefilling), ..Placement::default() };
     for (i, request) in served.iter().enumerate() {
         // How many requests await their first token on `worker`, and when the newest was sent.
         let awaiting = |worker: u64| {
@@ -181,6 +223,25 @@ mod tests {
         let side_by_side = [paired(0.0, 10, 20), paired(0.0, 11, 20)];
         assert_eq!(placement(&side_by_side).queued, 0);
         assert_eq!(placement(&side_by_side).tail_beside, 1.0);
+    }
+
+    #[test]
+    fn an_opening_burst_is_uneven_when_a_worker_takes_more_than_its_share() {
+        // Five requests within 20 ms of the first: three on worker 1, two on worker 2.
+        let mut run = vec![
+            served(100.0, 180.0, 500.0, 1),
+            served(101.0, 230.0, 500.0, 1),
+            served(105.0, 150.0, 500.0, 2),
+            served(110.0, 90.0, 500.0, 2),
+            served(119.0, 120.0, 500.0, 1),
+            served(120.0, 400.0, 500.0, 2),
+            served(300.0, 60.0, 500.0, 1),
+        ];
+        let burst = placement(&run).opening;
+        assert_eq!(burst, Opening { requests: 5, uneven: false, slowest_ttft_ms: 230.0 }, "3 of 5 is the even share");
+        assert_eq!(ttft_after_opening(&run), vec![60.0, 400.0], "sent 20 ms or more after the first");
+        run[3].prefill_worker = 1;
+        assert!(placement(&run).opening.uneven, "4 of 5 on one worker");
     }
 
     #[test]

@@ -40,7 +40,7 @@ use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_kv::{kv_control_plane_yaml, with_kv_section};
 use continuum_tests::dynamo_routing::{self, FRONTEND, Outcome, RoutedContinuum, post_chat};
 use continuum_tests::netns::NetNs;
-use continuum_tests::placement::{Placement, Served, placement};
+use continuum_tests::placement::{OPENING_MS, Placement, Served, placement, ttft_after_opening};
 use continuum_tests::tools;
 use continuum_tests::workload::{self, Message, Shape, Spec, Workload};
 use serde::{Deserialize, Serialize};
@@ -485,6 +485,8 @@ struct RunStats {
     evicted: usize,
     /// Where requests waited behind another's prefill, and what the slowest decoded beside.
     placement: Placement,
+    /// The first tokens outside the run's opening burst, sorted.
+    ttft_after_opening: Vec<f64>,
 }
 
 impl RunStats {
@@ -525,6 +527,7 @@ impl RunStats {
             .collect();
         Self {
             placement: placement(&served),
+            ttft_after_opening: ttft_after_opening(&served),
             requests_per_s: ok.len() as f64 / wall,
             output_tokens_per_s: ok.iter().map(|r| r.completion_tokens).sum::<u64>() as f64 / wall,
             ttft_mean: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
@@ -956,6 +959,7 @@ impl Report {
             both(|p| p.tail_beside, 1),
             both(|p| p.tail_prefills, 1),
         );
+        told.push_str(&self.openings(fleet, c, ours, theirs));
         if ours == Router::ContinuumLoad && fleet == Fleet::Aggregated {
             told.push_str(
                 " (the load-only cost weighs a worker's queued prefill against its decode blocks, both counted from \
@@ -963,6 +967,29 @@ impl Report {
             );
         }
         told
+    }
+
+    /// How the runs' opening bursts split and how slow they were, and the pooled TTFT p99
+    /// without them: on unique prompts those bursts are a cell's slowest first tokens.
+    fn openings(&self, fleet: Fleet, c: usize, ours: Router, theirs: Router) -> String {
+        let of = |router| {
+            let runs = self.cell(fleet, c, router);
+            let uneven = runs.iter().filter(|r| r.placement.opening.uneven).count();
+            let slowest: Vec<String> =
+                runs.iter().map(|r| format!("{:.0}", r.placement.opening.slowest_ttft_ms)).collect();
+            let mut rest: Vec<f64> = runs.iter().flat_map(|r| r.ttft_after_opening.iter().copied()).collect();
+            rest.sort_by(f64::total_cmp);
+            (uneven, runs.len(), slowest.join(", "), quantile(&rest, 0.99))
+        };
+        let requests = self.cell(fleet, c, ours).first().map_or(0, |r| r.placement.opening.requests);
+        let ((uneven, runs, slowest, p99), (their_uneven, their_runs, their_slowest, their_p99)) =
+            (of(ours), of(theirs));
+        format!(
+            "; the runs' opening bursts ({requests} requests within {OPENING_MS:.0} ms, cold) gave a worker that \
+             prefills more than its share in {uneven} of {runs} runs (theirs {their_uneven} of {their_runs}), their \
+             slowest first tokens at {slowest} ms (theirs {their_slowest} ms); without them, pooled TTFT p99 is \
+             {p99:.1} vs {their_p99:.1} ms"
+        )
     }
 }
 
