@@ -66,6 +66,7 @@ pub struct Placement {
     pub tail_beside: f64,
     /// …and the requests sent to that worker while they decoded (after their first token).
     pub tail_prefills: f64,
+    /// The run's opening burst.
     pub opening: Opening,
 }
 
@@ -76,15 +77,15 @@ fn in_opening(served: &[Served]) -> impl Fn(&Served) -> bool {
 
 /// The first tokens of `served` outside its opening burst, sorted.
 pub fn ttft_after_opening(served: &[Served]) -> Vec<f64> {
-    let opening = in_opening(served);
-    let mut ttft: Vec<f64> = served.iter().filter(|s| !opening(s)).map(|s| s.ttft_ms).collect();
+    let in_burst = in_opening(served);
+    let mut ttft: Vec<f64> = served.iter().filter(|s| !in_burst(s)).map(|s| s.ttft_ms).collect();
     ttft.sort_by(f64::total_cmp);
     ttft
 }
 
 fn opening(served: &[Served], prefilling: &[u64]) -> Opening {
-    let in_opening = in_opening(served);
-    let burst: Vec<&Served> = served.iter().filter(|s| in_opening(s)).collect();
+    let in_burst = in_opening(served);
+    let burst: Vec<&Served> = served.iter().filter(|s| in_burst(s)).collect();
     let even_share = burst.len().div_ceil(prefilling.len().max(1));
     let on = |worker: u64| burst.iter().filter(|s| s.prefill_worker == worker).count();
     Opening {
