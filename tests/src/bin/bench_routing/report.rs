@@ -393,3 +393,53 @@ fn memory_facts() -> String {
         .unwrap_or_default();
     format!("Machine: {mem}, load average {load} at the end")
 }
+
+#[cfg(test)]
+mod tests {
+    use continuum_tests::placement::Opening;
+
+    use super::*;
+
+    /// A unique-prompt run: 120 first tokens of 100 ms and 120 ms, then its opening burst's 8.
+    fn run(burst_ttft_ms: f64, uneven: bool) -> RunStats {
+        let after: Vec<f64> = (0..120).map(|i| if i % 2 == 0 { 100.0 } else { 120.0 }).collect();
+        let mut ttft = after.clone();
+        ttft.extend([burst_ttft_ms; 8]);
+        ttft.sort_by(f64::total_cmp);
+        let placement = Placement {
+            opening: Opening { requests: 8, uneven, slowest_ttft_ms: burst_ttft_ms },
+            ..Placement::default()
+        };
+        RunStats { e2e: vec![500.0; ttft.len()], ttft, ttft_after_opening: after, placement, ..RunStats::default() }
+    }
+
+    #[test]
+    fn a_unique_cell_lost_in_its_opening_bursts_says_how_they_split() {
+        let cases = cases(128, false, UNIQUE_THINK_MS);
+        let c = cases.iter().position(|case| !case.shared()).expect("a unique-prompt case");
+        let fleet = Fleet::Disaggregated;
+        let results = BTreeMap::from([
+            ((fleet, c, Router::RoundRobin), vec![run(190.0, false), run(190.0, false)]),
+            ((fleet, c, Router::ContinuumKv), vec![run(230.0, true), run(190.0, false)]),
+        ]);
+        let report = Report {
+            fleets: vec![fleet],
+            routers: vec![Router::RoundRobin, Router::ContinuumKv],
+            cases: cases.clone(),
+            runs: 2,
+            requests: 128,
+            results,
+            provisional: true,
+        };
+        let verdict = report.unique_verdict(fleet, c, &cases[c], Router::ContinuumKv);
+        assert!(verdict.contains("**loses** on pooled TTFT p99 ms 230.0 vs 190.0"), "{verdict}");
+        assert!(
+            verdict.contains(
+                "the runs' opening bursts (8 requests within 20 ms, cold) gave a worker that prefills more than its \
+                 share in 1 of 2 runs (theirs 0 of 2), their slowest first tokens at 230, 190 ms (theirs 190, 190 \
+                 ms); without them, pooled TTFT p99 is 120.0 vs 120.0 ms"
+            ),
+            "{verdict}"
+        );
+    }
+}
