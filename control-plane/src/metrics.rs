@@ -53,6 +53,9 @@ pub struct Metrics {
     pub kv_index: IntGaugeVec,
     /// FindMatches calls by `result` (ok, disabled, too_many_hashes).
     pub kv_find_matches: IntCounterVec,
+    /// FindMatches answers that suggested a rank weighed against recent lookups (some had gone
+    /// to a contender); tie-breaks are not counted.
+    pub kv_find_matches_suggested: IntCounter,
     /// Provisional prefix chains by `result` (see `kv::ProvisionalResult`).
     pub kv_provisional: IntCounterVec,
     /// Provisional chains held: `chains`, `hashes`.
@@ -141,6 +144,10 @@ impl Metrics {
                 Opts::new("continuum_dynamo_kv_find_matches_total", "FindMatches calls by result"),
                 &["result"],
             )?,
+            kv_find_matches_suggested: IntCounter::new(
+                "continuum_dynamo_kv_find_matches_suggested_total",
+                "FindMatches answers that suggested a rank, weighing the lookups of the last few milliseconds",
+            )?,
             kv_provisional: IntCounterVec::new(
                 Opts::new(
                     "continuum_dynamo_kv_provisional_total",
@@ -196,6 +203,7 @@ impl Metrics {
             Box::new(metrics.kv_subscriptions.clone()),
             Box::new(metrics.kv_index.clone()),
             Box::new(metrics.kv_find_matches.clone()),
+            Box::new(metrics.kv_find_matches_suggested.clone()),
             Box::new(metrics.kv_provisional.clone()),
             Box::new(metrics.kv_provisional_held.clone()),
         ] {

@@ -108,7 +108,8 @@ async fn watch(client: &mut FleetClient<Channel>, replica_id: &str) -> anyhow::R
 fn started(id: u64, worker_id: u64, block_hashes: Vec<u64>) -> pb::WatchRequest {
     let rank =
         pb::LoadKey { worker: Some(pb::WorkerKey { namespace: NAMESPACE.into(), instance_id: worker_id }), dp_rank: 0 };
-    let started = pb::DispatchStarted { id, rank: Some(rank), prefill_tokens: 64, decode_blocks: 4, block_hashes };
+    let started =
+        pb::DispatchStarted { id, rank: Some(rank), prefill_tokens: 64, decode_blocks: 4, block_hashes, lookup: 0 };
     pb::WatchRequest {
         kind: Some(Kind::Dispatches(pb::DispatchReport { started: vec![started], ..Default::default() })),
     }
@@ -267,8 +268,59 @@ async fn lookups_through_any_replica_are_numbered_per_model_in_the_order_they_ar
     Ok(())
 }
 
+#[tokio::test]
+async fn a_lookup_made_while_another_replicas_pick_is_unfolded_is_suggested_the_other_rank() -> anyhow::Result<()> {
+    let plane = Plane::start("10s").await?;
+    // The control plane's window is a few milliseconds; here a report must cross a busy test
+    // machine inside it.
+    plane.supervisor.handle().set_lookup_window(Duration::from_secs(60));
+    let (mut first, mut second) = (plane.client().await?, plane.client().await?);
+    let reports = watch(&mut first, "first").await?;
+
+    // Nothing stands yet: a tie-break, the first contender, reserved for this lookup.
+    let opening = suggest(&mut first).await?;
+    assert_eq!((opening.suggestion, opening.tie_break), (None, Some(FIRST)));
+    // The replica's own costs sent the request to SECOND: its report names the lookup (and
+    // credits a chain, by which the test sees the report has arrived).
+    let mut report = started(1, SECOND, vec![0xfeed]);
+    if let Some(Kind::Dispatches(dispatches)) = &mut report.kind {
+        dispatches.started[0].lookup = opening.lookup;
+    }
+    reports.send(report).await?;
+    until_overlaps(&second, &[0xfeed], &[(SECOND, 1)], "the report is in").await?;
+
+    // Lookups through the other replica are weighed against it, as one process picking both
+    // requests would weigh them; equal reservations go to the rank reserved longest ago.
+    let mut went = Vec::new();
+    for _ in 0..3 {
+        let answer = suggest(&mut second).await?;
+        assert_eq!(answer.tie_break, None);
+        went.push(answer.suggestion.context("a weighed suggestion")?);
+    }
+    assert_eq!(went, [FIRST, SECOND, FIRST]);
+    assert_eq!(plane.metrics.kv_find_matches_suggested.get(), 3, "tie-breaks are not counted");
+    plane.cancel.cancel();
+    Ok(())
+}
+
+/// What `FindMatches` suggests to a lookup among `FIRST` and `SECOND` (instance ids).
+struct Suggested {
+    lookup: u64,
+    suggestion: Option<u64>,
+    tie_break: Option<u64>,
+}
+
+async fn suggest(client: &mut FleetClient<Channel>) -> anyhow::Result<Suggested> {
+    let contenders = [FIRST, SECOND].map(|instance_id| pb::RankId { instance_id, dp_rank: 0 }).to_vec();
+    let lookup =
+        pb::FindMatchesRequest { block_hashes: vec![7_000], model: "tiny".into(), contenders, prompt_tokens: 64 };
+    let answer = client.find_matches(lookup).await?.into_inner();
+    let id = |rank: Option<pb::RankId>| rank.map(|rank| rank.instance_id);
+    Ok(Suggested { lookup: answer.lookup, suggestion: id(answer.suggestion), tie_break: id(answer.tie_break) })
+}
+
 /// The turn `FindMatches` numbers a lookup for `model` with.
 async fn turn(client: &mut FleetClient<Channel>, model: &str) -> anyhow::Result<u64> {
-    let lookup = pb::FindMatchesRequest { block_hashes: vec![5_000], model: model.into() };
+    let lookup = pb::FindMatchesRequest { block_hashes: vec![5_000], model: model.into(), ..Default::default() };
     Ok(client.find_matches(lookup).await?.into_inner().turn)
 }

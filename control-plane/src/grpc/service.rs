@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use continuum_kv_index::RankKey;
 use continuum_proto::convert::snapshot_to_wire;
 use continuum_proto::pb::{self, fleet_server::Fleet, watch_request::Kind};
 use tokio::sync::mpsc;
@@ -16,7 +17,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
 use crate::fleet::{ActiveIndex, BacklogBook, BookCounters, FleetPublisher};
-use crate::kv::{KvHandle, MAX_FIND_MATCHES_HASHES};
+use crate::kv::{KvHandle, LookupAnswer, MAX_CONTENDERS, MAX_FIND_MATCHES_HASHES, Suggestion};
 use crate::metrics::Metrics;
 
 /// How long a new stream may take to send its Hello.
@@ -160,7 +161,7 @@ impl Fleet for FleetService {
         &self,
         request: Request<pb::FindMatchesRequest>,
     ) -> Result<Response<pb::FindMatchesResponse>, Status> {
-        let pb::FindMatchesRequest { block_hashes: hashes, model } = request.into_inner();
+        let pb::FindMatchesRequest { block_hashes: hashes, model, contenders, prompt_tokens } = request.into_inner();
         let count = |result: &str| self.metrics.kv_find_matches.with_label_values(&[result]).inc();
         if hashes.len() > MAX_FIND_MATCHES_HASHES {
             count("too_many_hashes");
@@ -190,6 +191,24 @@ impl Fleet for FleetService {
         // Numbered last, so that two lookups answered in one order carry turns in that order.
         // Replicas rotate ties by it: a fleet-wide cursor that costs no round trip of its own.
         let turn = self.turns.next(&model);
-        Ok(Response::new(pb::FindMatchesResponse { overlaps, turn }))
+        // More contenders than are weighed get no suggestion: not worth converting.
+        let contenders: Vec<RankKey> = if contenders.len() <= MAX_CONTENDERS {
+            contenders.iter().map(|c| RankKey { worker_id: c.instance_id, dp_rank: c.dp_rank }).collect()
+        } else {
+            Vec::new()
+        };
+        let LookupAnswer { lookup, suggestion } = self.kv.answer_lookup(&contenders, prompt_tokens);
+        tracing::debug!(target: "continuum_control_plane::lookups", lookup, turn, ?suggestion, "lookup answered");
+        let wire = |rank: RankKey| Some(pb::RankId { instance_id: rank.worker_id, dp_rank: rank.dp_rank });
+        let (suggestion, tie_break, reserved_tokens) = match suggestion {
+            Some(Suggestion::Weighed { rank, reserved_tokens }) => {
+                self.metrics.kv_find_matches_suggested.inc();
+                (wire(rank), None, reserved_tokens)
+            }
+            Some(Suggestion::TieBreak(rank)) => (None, wire(rank), 0),
+            None => (None, None, 0),
+        };
+        let answer = pb::FindMatchesResponse { overlaps, turn, lookup, suggestion, tie_break, reserved_tokens };
+        Ok(Response::new(answer))
     }
 }

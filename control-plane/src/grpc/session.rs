@@ -201,9 +201,10 @@ impl Session {
         self.record_queue_depth();
     }
 
-    /// Credits each started dispatch's prefix chain to its rank; the chains stay in the report
-    /// for the backlog book, which counts blocks shared by dispatches in flight once. Past the
-    /// per-dispatch and per-report bounds a chain is cut; its prefix is still a chain.
+    /// Credits each started dispatch's prefix chain to its rank, and moves the reservation of
+    /// the lookup that scored it to that rank; the chains stay in the report for the backlog
+    /// book, which counts blocks shared by dispatches in flight once. Past the per-dispatch and
+    /// per-report bounds a chain is cut; its prefix is still a chain.
     fn credit_prefixes(&self, report: &mut pb::DispatchReport) {
         let mut budget = MAX_REPORT_BLOCK_HASHES;
         for started in &mut report.started {
@@ -211,8 +212,14 @@ impl Session {
             hashes.truncate(MAX_DISPATCH_BLOCK_HASHES.min(budget));
             budget -= hashes.len();
             let rank = started.rank.as_ref().and_then(|k| Some((k.worker.as_ref()?.instance_id, k.dp_rank)));
-            if let Some((worker_id, dp_rank)) = rank.filter(|_| !hashes.is_empty()) {
-                self.kv.credit_provisional(RankKey { worker_id, dp_rank }, hashes);
+            let Some((worker_id, dp_rank)) = rank else { continue };
+            let rank = RankKey { worker_id, dp_rank };
+            if started.lookup != 0 {
+                tracing::debug!(target: "continuum_control_plane::lookups", lookup = started.lookup, ?rank, "lookup reported");
+                self.kv.lookup_reported(started.lookup, rank);
+            }
+            if !hashes.is_empty() {
+                self.kv.credit_provisional(rank, hashes);
             }
         }
     }

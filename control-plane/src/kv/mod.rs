@@ -10,6 +10,8 @@
 //!   kv_metrics) that applies each message to the shared index.
 //! * [`provisional`]: prefixes credited to the rank a request was pinned to, until its
 //!   kv-events confirm them or `dynamo.kv.provisional_ttl` passes.
+//! * [`recent_lookups`]: the ranks the last few milliseconds' lookups went to, from which
+//!   `FindMatches` suggests a rank to picks made at once through different replicas.
 //! * [`service`]: subscriptions on and off with `dynamo.kv.enabled`, the staleness sweep, and
 //!   the handle `FindMatches` reads.
 
@@ -17,11 +19,13 @@ pub mod decode;
 pub mod feed;
 pub mod indexer;
 pub mod provisional;
+pub mod recent_lookups;
 pub mod result;
 pub mod service;
 
 pub use indexer::{KV_EVENTS_STALE_AFTER, KvIndexer, LiveRanks, MAX_CURSORS_PER_PUBLISHER, PublisherMapping};
 pub use provisional::{ProvisionalCounts, ProvisionalIndex, ProvisionalResult};
+pub use recent_lookups::{Answer as LookupAnswer, MAX_CONTENDERS, RecentLookups, Suggestion};
 pub use result::{KvCounts, KvEventResult};
 pub use service::{KvHandle, KvSupervisor, KvView, MAX_FIND_MATCHES_HASHES, kv_options};
 

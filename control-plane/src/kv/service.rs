@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::feed::{KvFeed, SharedKvIndexer};
 use super::indexer::{KV_EVENTS_STALE_AFTER, KvIndexer};
 use super::provisional::{ProvisionalIndex, ProvisionalResult};
+use super::recent_lookups::{Answer, RecentLookups};
 use crate::config::Config;
 use crate::load::zmtp::ZmtpLimits;
 use crate::load::{LoadOptions, Subscriptions, Supervisor, dial_policy};
@@ -36,6 +37,8 @@ pub struct KvHandle {
     enabled: Arc<AtomicBool>,
     /// Never locked while the indexer's lock is wanted, except by the sweep (indexer first).
     provisional: Arc<Mutex<ProvisionalIndex>>,
+    /// Where each lookup is numbered and a rank suggested to it.
+    lookups: Arc<Mutex<RecentLookups>>,
 }
 
 impl KvHandle {
@@ -44,7 +47,12 @@ impl KvHandle {
     /// [`KvIndexer::apply_events`], so the identity gate still applies) and serve it with
     /// `FleetService::with_kv`.
     pub fn new(indexer: SharedKvIndexer, enabled: bool) -> Self {
-        Self { indexer, enabled: Arc::new(AtomicBool::new(enabled)), provisional: Arc::default() }
+        Self {
+            indexer,
+            enabled: Arc::new(AtomicBool::new(enabled)),
+            provisional: Arc::default(),
+            lookups: Arc::default(),
+        }
     }
 
     /// The index's size now (a read lock held for a handful of loads).
@@ -79,6 +87,27 @@ impl KvHandle {
     /// sets it from `dynamo.kv.provisional_ttl`; a handle built with [`KvHandle::new`] starts off.
     pub fn set_provisional_ttl(&self, ttl: Duration) {
         self.provisional().set_ttl(ttl);
+    }
+
+    /// Numbers a lookup for a prompt of `tokens` whose request one of `contenders` will
+    /// prefill, and suggests one of them (see [`RecentLookups`]).
+    pub fn answer_lookup(&self, contenders: &[RankKey], tokens: u64) -> Answer {
+        self.lookups().answer(contenders, tokens, Instant::now())
+    }
+
+    /// Sets how long a lookup's reservation stands; for tests, which cannot count on a
+    /// report crossing a busy machine within the control plane's few milliseconds.
+    pub fn set_lookup_window(&self, window: Duration) {
+        self.lookups().set_window(window);
+    }
+
+    /// A dispatch report says which rank `lookup`'s request went to.
+    pub fn lookup_reported(&self, lookup: u64, rank: RankKey) {
+        self.lookups().reported(lookup, rank);
+    }
+
+    fn lookups(&self) -> MutexGuard<'_, RecentLookups> {
+        self.lookups.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn provisional(&self) -> MutexGuard<'_, ProvisionalIndex> {
@@ -148,6 +177,7 @@ impl KvSupervisor {
             indexer: SharedKvIndexer::new(KvIndexer::new(Limits::default())),
             enabled: Arc::default(),
             provisional: Arc::new(Mutex::new(ProvisionalIndex::new(config.dynamo.kv.provisional_ttl))),
+            lookups: Arc::default(),
         };
         let sweep_metrics = SweepMetrics {
             index: metrics.kv_index.clone(),

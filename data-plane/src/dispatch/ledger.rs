@@ -64,6 +64,9 @@ impl DispatchEnd {
             // Without a prefill pin the decode rank prefills the request itself.
             let decode_tokens = if prefill.is_some() { 0 } else { tokens };
             let decode = report.started(&selection.decode.rank_key(), decode_tokens, blocks, hashes.to_vec());
+            if chain.lookup != 0 {
+                report.prefills_for_lookup(prefill.unwrap_or(decode), chain.lookup);
+            }
             (id, [prefill, Some(decode)])
         });
         Self {
@@ -164,7 +167,8 @@ mod tests {
         };
         // Each step's report, folded alone.
         let mut next = || batch(rx.try_recv().expect("an operation"), &mut rx);
-        let mut end = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default());
+        let chain = PromptChain { lookup: 42, ..PromptChain::default() };
+        let mut end = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &chain);
         let started = next();
         end.prefilled();
         let prefilled = next();
@@ -175,6 +179,14 @@ mod tests {
         assert_eq!(prefilled.prefilled, [*prefill_leg, *decode_leg], "both legs' first token");
         assert_eq!(prefilled.ended, [*prefill_leg], "and the prefill leg is over");
         assert_eq!(ended.ended, [*decode_leg]);
+        let lookups: Vec<u64> = started.started.iter().map(|s| s.lookup).collect();
+        assert_eq!(lookups, [42, 0], "the leg that prefills names the lookup that scored the pick");
+
+        // Without a prefill pin the decode rank prefills, and its leg names the lookup.
+        let aggregated = Selection { prefill: None, prefill_reason: None, ..selection };
+        let _end = DispatchEnd::record(&ledger, &reporter, &view, &aggregated, 160, &chain);
+        let lookups: Vec<u64> = next().started.iter().map(|s| s.lookup).collect();
+        assert_eq!(lookups, [42]);
     }
 
     /// A prompt sized by the load-only estimate calibrates the model's later estimates by its

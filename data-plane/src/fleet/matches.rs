@@ -8,7 +8,7 @@ use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
 use tonic::transport::{Channel, Endpoint};
 
-use crate::routing::picker::RankOverlap;
+use crate::routing::picker::{RankOverlap, Suggested};
 
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
 /// ≤ 2 ms)"): past it the request is scored without overlap credit.
@@ -46,10 +46,20 @@ impl MatchesClient {
     }
 
     /// Each rank's contiguous overlap with `block_hashes` and the part of it the fleet's
-    /// requests in flight hold, with the lookup's fleet-wide turn among `model`'s.
-    pub async fn find_matches(&self, block_hashes: Vec<u64>, model: &str) -> Result<Matches, MatchesError> {
+    /// requests in flight hold, with the lookup's fleet-wide turn among `model`'s, and the
+    /// control plane's suggestion among `contenders` (instance id, dp rank: the ranks that
+    /// would prefill this prompt of `prompt_tokens`).
+    pub async fn find_matches(
+        &self,
+        block_hashes: Vec<u64>,
+        model: &str,
+        contenders: &[(u64, u32)],
+        prompt_tokens: u64,
+    ) -> Result<Matches, MatchesError> {
         let mut client = self.client.clone();
-        let call = client.find_matches(pb::FindMatchesRequest { block_hashes, model: model.to_string() });
+        let contenders = contenders.iter().map(|&(instance_id, dp_rank)| pb::RankId { instance_id, dp_rank }).collect();
+        let request = pb::FindMatchesRequest { block_hashes, model: model.to_string(), contenders, prompt_tokens };
+        let call = client.find_matches(request);
         let reply =
             tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))??;
         let reply = reply.into_inner();
@@ -63,7 +73,15 @@ impl MatchesClient {
                 active: o.active_blocks,
             })
             .collect();
-        Ok(Matches { overlaps, turn: reply.turn })
+        let rank = |rank: pb::RankId| (rank.instance_id, rank.dp_rank);
+        let suggestion = match (reply.suggestion, reply.tie_break) {
+            (Some(weighed), _) => {
+                Some(Suggested::Weighed { rank: rank(weighed), reserved_tokens: reply.reserved_tokens })
+            }
+            (None, Some(tie_break)) => Some(Suggested::TieBreak(rank(tie_break))),
+            (None, None) => None,
+        };
+        Ok(Matches { overlaps, turn: reply.turn, lookup: reply.lookup, suggestion })
     }
 }
 
@@ -75,4 +93,9 @@ pub struct Matches {
     /// The lookup's place among those the control plane has answered for the model
     /// (0: unnumbered), by which the picker rotates ties.
     pub turn: u64,
+    /// The lookup's number among all the control plane answered (0: none), reported with the
+    /// dispatch that follows it.
+    pub lookup: u64,
+    /// The contender (instance id, dp rank) the control plane suggests.
+    pub suggestion: Option<Suggested>,
 }

@@ -28,7 +28,7 @@ pub const MAX_REPORT_BATCH: usize = 512;
 
 #[derive(Debug)]
 enum DispatchEvent {
-    Started { id: u64, rank: LoadKey, prefill_tokens: u64, decode_blocks: u64, block_hashes: Vec<u64> },
+    Started { id: u64, rank: LoadKey, prefill_tokens: u64, decode_blocks: u64, block_hashes: Vec<u64>, lookup: u64 },
     Ended(u64),
     Prefilled(u64),
 }
@@ -91,8 +91,23 @@ impl Report<'_> {
             prefill_tokens,
             decode_blocks,
             block_hashes,
+            lookup: 0,
         });
         id
+    }
+
+    /// Dispatch `id`, started in this operation, prefills a request whose pick the control
+    /// plane's lookup `lookup` scored: the report tells it which rank that lookup's request
+    /// went to.
+    pub fn prefills_for_lookup(&mut self, id: u64, lookup: u64) {
+        for event in self.events.iter_mut().rev() {
+            if let DispatchEvent::Started { id: started, lookup: at, .. } = event
+                && *started == id
+            {
+                *at = lookup;
+                return;
+            }
+        }
     }
 
     pub fn ended(&mut self, id: u64) {
@@ -157,13 +172,14 @@ pub(crate) fn batch(first: Operation, rx: &mut mpsc::Receiver<Operation>) -> pb:
         events += operation.events.len();
         for event in operation.events {
             match event {
-                DispatchEvent::Started { id, rank, prefill_tokens, decode_blocks, mut block_hashes } => {
+                DispatchEvent::Started { id, rank, prefill_tokens, decode_blocks, mut block_hashes, lookup } => {
                     if block_hashes.len() > hashes_left {
                         block_hashes = Vec::new();
                     }
                     hashes_left -= block_hashes.len();
                     let rank = Some((&rank).into());
-                    report.started.push(pb::DispatchStarted { id, rank, prefill_tokens, decode_blocks, block_hashes });
+                    let started = pb::DispatchStarted { id, rank, prefill_tokens, decode_blocks, block_hashes, lookup };
+                    report.started.push(started);
                 }
                 DispatchEvent::Ended(id) => report.ended.push(id),
                 DispatchEvent::Prefilled(id) => report.prefilled.push(id),

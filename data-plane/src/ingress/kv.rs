@@ -5,6 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
@@ -35,6 +36,11 @@ pub enum Term {
         /// Where `overlaps` came from: the index, a recent answer standing in for a missed
         /// lookup, or nothing (no rank credited).
         answer: IndexAnswer,
+        /// The control plane's number for the lookup (0: none), reported with the dispatch.
+        lookup: u64,
+        /// This replica's picked prompt tokens when the lookup went out (see
+        /// [`KvRouting::picked_since`]).
+        picked_before: u64,
     },
     Unavailable(KvSelectionResult),
 }
@@ -51,6 +57,8 @@ pub struct KvRouting {
     /// The artifact policy the fleet's models were last prewarmed under, per worker map.
     prewarmed: Mutex<WorkersMemo<Option<KvArtifactPolicy>>>,
     recent: RecentAnswers,
+    /// Prompt tokens of every request this replica has picked workers for with the KV term.
+    picked: AtomicU64,
     /// `continuum_dynamo_kv_term_seconds` by stage.
     prepare_seconds: Histogram,
     find_matches_seconds: Histogram,
@@ -103,13 +111,15 @@ impl KvRouting {
             models: Mutex::default(),
             prewarmed: Mutex::default(),
             recent: RecentAnswers::default(),
+            picked: AtomicU64::new(0),
             prepare_seconds: term_seconds.with_label_values(&["prepare"]),
             find_matches_seconds: term_seconds.with_label_values(&["find_matches"]),
         }
     }
 
-    /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name).
-    pub async fn term(&self, view: &FleetView, model: &str, body: &Value) -> Term {
+    /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name),
+    /// one of whose `contenders` (instance id, dp rank) would prefill it.
+    pub async fn term(&self, view: &FleetView, model: &str, body: &Value, contenders: &[(u64, u32)]) -> Term {
         let Some(prompt) = self.prompt(&view.config().kv_artifacts) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
@@ -131,12 +141,16 @@ impl KvRouting {
         let chain: Vec<u64> = hashes.iter().map(|h| h.0).collect();
         let block_hashes = chain.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect();
         let started = Instant::now();
-        let answer = self.matches.find_matches(chain.clone(), model).await;
+        let isl_tokens = prepared.tokens.len() as u64;
+        let picked_before = self.picked.load(Ordering::Relaxed);
+        let answer = self.matches.find_matches(chain.clone(), model, contenders, isl_tokens).await;
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
+        let mut lookup = 0;
         let (overlaps, answer) = match answer {
-            Ok(Matches { overlaps, turn }) => {
+            Ok(Matches { overlaps, turn, lookup: number, suggestion }) => {
                 self.recent.remember(&chain, &overlaps, Instant::now());
-                (overlaps.into(), IndexAnswer::Answered { turn })
+                lookup = number;
+                (overlaps.into(), IndexAnswer::Answered { turn, suggestion })
             }
             Err(error) => match self.recent.recall(&chain, Instant::now()) {
                 Some(overlaps) => (overlaps.into(), IndexAnswer::Recent),
@@ -150,7 +164,23 @@ impl KvRouting {
                 }
             },
         };
-        Term::Scored { tokens: prepared.tokens, block_size: block_size.get(), overlaps, block_hashes, answer }
+        let block_size = block_size.get();
+        Term::Scored { tokens: prepared.tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }
+    }
+
+    /// A pick for a prompt of `tokens` was made.
+    pub fn picked(&self, tokens: u64) {
+        self.picked.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// The prompt tokens this replica has picked workers for since it had picked
+    /// `picked_before`. Between a lookup and its pick, the replica's other requests may be
+    /// picked: their lookups were answered after this one (the control plane did not weigh them
+    /// in its suggestion) or answered before it but picked after (answers that arrive together
+    /// wake their tasks in any order). Either way the replica's costs count them and the
+    /// suggestion does not, so the suggestion reaches that much further.
+    pub fn picked_since(&self, picked_before: u64) -> u64 {
+        self.picked.load(Ordering::Relaxed).saturating_sub(picked_before)
     }
 
     /// Starts loading the tokenizer of every model the fleet serves when its workers or the

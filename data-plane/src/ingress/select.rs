@@ -12,7 +12,7 @@ use super::kv::Term;
 use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends};
 use crate::dispatch::{DispatchEnd, Pinned, Route};
-use crate::http::AppState;
+use crate::http::{AppState, KvSelection};
 use crate::routing::picker::{KvSelectionResult, KvTerm, PickRequest, PromptChain};
 
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +51,10 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         Some(kv) => Some(match request.tree() {
             // Boxed: rendering and the lookup take milliseconds, and inline this future would
             // double the size of every request's, load-only ones too.
-            Ok(body) => Box::pin(kv.routing.term(view, display, &body)).await,
+            Ok(body) => {
+                let contenders = prefill_contenders(state, kv, view, display);
+                Box::pin(kv.routing.term(view, display, &body, &contenders)).await
+            }
             // Not for a body the ingress accepted; scored on load alone if it ever happens.
             Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),
         }),
@@ -69,17 +72,23 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let usable = usable_namespaces(state, &pools, now);
     let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&*usable) };
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
-        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer })) => {
+        (
+            Some(kv),
+            Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }),
+        ) => {
             let isl_tokens = tokens.len() as u64;
+            let answer = answer.picked_meanwhile(kv.routing.picked_since(picked_before));
+            kv.routing.picked(isl_tokens);
             // A rendered prompt is counted as the model counts it: the load-only estimate of
             // the requests that lose their KV term learns from every one that keeps it.
             state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
-            let chain = PromptChain { block_size, hashes: block_hashes };
+            let chain = PromptChain { block_size, hashes: block_hashes, lookup };
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
             let estimate = sized(state, display, request);
+            kv.routing.picked(estimate);
             (
                 kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now),
                 estimate,
@@ -101,6 +110,15 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     let token_data = tokens.filter(|_| config.picker.send_token_data);
     Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })
+}
+
+/// The ranks that would prefill a request for `model` on `view`, named in its lookup.
+fn prefill_contenders(state: &AppState, kv: &KvSelection, view: &FleetView, model: &str) -> Vec<(u64, u32)> {
+    let now = Instant::now();
+    let pools = state.dispatcher.pools(view.config());
+    let usable = usable_namespaces(state, &pools, now);
+    let request = PickRequest { model, prompt_tokens: 0, namespaces: Some(&*usable) };
+    kv.picker.prefill_contenders(view, &request, now)
 }
 
 /// The request's prompt tokens by the load-only estimate, calibrated for the model.

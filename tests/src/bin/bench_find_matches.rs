@@ -149,6 +149,10 @@ fn in_process(handle: &KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Row> {
     Ok(row("in-process `find_matches` (one thread)", samples, elapsed, ranks))
 }
 
+/// The ranks each lookup names as its contenders, as a replica of a two-worker fleet does: the
+/// control plane weighs them against its recent lookups on every call.
+const CONTENDERS: [(u64, u32); 2] = [(1, 0), (2, 0)];
+
 /// The same queries through `MatchesClient` → loopback gRPC → `FleetService::find_matches`,
 /// at each concurrency in [`CONCURRENCY`] on one client (one HTTP/2 connection, as a replica
 /// has).
@@ -163,7 +167,7 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
     let client = MatchesClient::new(&url, MEASURE_DEADLINE)?;
     // Connect and warm up.
     for query in queries.iter().take(500) {
-        client.find_matches(query.clone(), "bench").await?;
+        client.find_matches(query.clone(), "bench", &CONTENDERS, 1_024).await?;
     }
     let queries: Arc<[Vec<u64>]> = queries.into();
     let mut rows = Vec::new();
@@ -177,7 +181,7 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
                     let mut ranks = 0;
                     for query in queries.iter().skip(lane).step_by(concurrency) {
                         let t0 = Instant::now();
-                        let overlaps = client.find_matches(query.clone(), "bench").await?.overlaps;
+                        let overlaps = client.find_matches(query.clone(), "bench", &CONTENDERS, 1_024).await?.overlaps;
                         samples.push(t0.elapsed());
                         ranks += overlaps.len();
                     }

@@ -43,7 +43,14 @@ fn book_key(dp_rank: u32) -> RankKey {
 
 fn started(id: u64, dp_rank: u32, tokens: u64) -> pb::DispatchStarted {
     let rank = Some((&rank(dp_rank)).into());
-    pb::DispatchStarted { id, rank, prefill_tokens: tokens, decode_blocks: tokens / 16, block_hashes: Vec::new() }
+    pb::DispatchStarted {
+        id,
+        rank,
+        prefill_tokens: tokens,
+        decode_blocks: tokens / 16,
+        block_hashes: Vec::new(),
+        lookup: 0,
+    }
 }
 
 fn report(started: Vec<pb::DispatchStarted>, ended: Vec<u64>) -> pb::DispatchReport {

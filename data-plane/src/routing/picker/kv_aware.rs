@@ -32,7 +32,7 @@ use rand::{Rng, SeedableRng};
 
 pub use self::formula::{CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD};
 use self::formula::{Draw, Logit, Prompt, Scored, Weights};
-pub use self::term::{IndexAnswer, KvSelectionResult, KvTerm, Overlaps, RankOverlap};
+pub use self::term::{IndexAnswer, KvSelectionResult, KvTerm, Overlaps, RankOverlap, Suggested};
 use super::candidates::{Candidate, Pools};
 use super::cost::Phase;
 use super::ledger::DispatchLedger;
@@ -110,6 +110,13 @@ impl KvAwarePicker {
         self.load.ledger()
     }
 
+    /// The ranks (instance id, dp rank) that would prefill `request`, for the lookup to name
+    /// so the control plane can suggest one of them.
+    pub fn prefill_contenders(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Vec<(u64, u32)> {
+        let pools = self.load.pools(view, request, now);
+        prefilling(&pools).iter().map(|c| (c.worker.key.instance_id, c.rank)).collect()
+    }
+
     /// The load-only picker it falls back to (sharing its ledger and counters).
     pub fn load_based(&self) -> &LoadBasedPicker {
         &self.load
@@ -139,7 +146,8 @@ impl KvAwarePicker {
         let pools = self.load.pools(view, &request, now);
         let prefilling = prefilling(&pools);
         let cursor = (KV_CURSOR, Phase::Prefill, request.model);
-        let winner = self.compete(&scoring, &prefilling, cursor, |logit| logit.cost)?;
+        let suggested = answer.suggestion();
+        let winner = self.compete(&scoring, &prefilling, cursor, suggested, |logit| logit.cost)?;
         let overlap = match answer {
             IndexAnswer::Answered { .. } => overlap_result(scoring.overlap(winner.candidate)),
             IndexAnswer::Recent => KvSelectionResult::IndexRecent,
@@ -185,7 +193,7 @@ impl KvAwarePicker {
             cached_blocks: u64::from(scoring.overlap(prefill.candidate)),
         };
         let cursor = (KV_CURSOR, Phase::Decode, request.model, &**namespace);
-        let decode = self.compete(scoring, &decoders, cursor, formula::conditional_decode_cost)?;
+        let decode = self.compete(scoring, &decoders, cursor, None, formula::conditional_decode_cost)?;
         if !scoring.view.config().picker.conditional_disaggregation || !self.bypasses(scoring, &decode) {
             return Some(selection(decode.candidate, decode.reason));
         }
@@ -197,12 +205,14 @@ impl KvAwarePicker {
         })
     }
 
-    /// One of `candidates` by the seed's rules, each rank's formula reduced to a cost by `cost`.
+    /// One of `candidates` by the seed's rules, each rank's formula reduced to a cost by `cost`;
+    /// the `suggested` rank (instance id, dp rank) wins a tie as `formula::contenders` says.
     fn compete<'c>(
         &self,
         scoring: &Scoring<'_>,
         candidates: &'c [Candidate],
         cursor: impl Hash,
+        suggested: Option<Suggested>,
         cost: impl Fn(&Logit) -> f64,
     ) -> Option<Chosen<'c>> {
         let max_staleness = scoring.view.config().picker.max_staleness;
@@ -242,7 +252,18 @@ impl KvAwarePicker {
         let scored: Vec<Scored> = rated.iter().map(|(_, scored)| *scored).collect();
         let any_overlap = candidates.iter().any(|candidate| scoring.overlap(candidate) > 0);
         let tie = formula::tie_width(scoring.prompt, any_overlap);
-        let (reason, draw) = formula::contenders(&scored, scoring.weights.temperature, tie);
+        let suggestion = suggested.and_then(|suggested| {
+            let (id, rank) = suggested.rank();
+            let at = candidates.iter().position(|c| c.worker.key.instance_id == id && c.rank == rank)?;
+            Some(match suggested {
+                Suggested::Weighed { reserved_tokens, .. } => {
+                    let reach = formula::Reach::of(reserved_tokens, scoring.prompt, &scoring.weights, any_overlap);
+                    formula::Suggestion::Weighed { at, reach }
+                }
+                Suggested::TieBreak(_) => formula::Suggestion::TieBreak(at),
+            })
+        });
+        let (reason, draw) = formula::contenders(&scored, scoring.weights.temperature, tie, suggestion);
         let index = match draw {
             Draw::Rotate(among) if among.is_empty() => return None,
             Draw::Rotate(among) => among.get(self.rotation(scoring.turn, cursor, among.len())).copied()?,
@@ -253,7 +274,7 @@ impl KvAwarePicker {
             }
         };
         if tracing::enabled!(tracing::Level::DEBUG) {
-            explain(candidates, &rated, index);
+            explain(candidates, &rated, index, suggestion.map(formula::Suggestion::at));
         }
         let (logit, scored) = rated.get(index)?;
         Some(Chosen { candidate: candidates.get(index)?, reason, logit: *logit, fresh: scored.fresh })
@@ -316,12 +337,18 @@ fn prefilling(pools: &Pools) -> Vec<Candidate> {
     serving_alone.chain(prefill).collect()
 }
 
-/// Logs one competition: each rank's formula terms and the winner (debug level).
-fn explain(candidates: &[Candidate], rated: &[(Option<Logit>, Scored)], winner: usize) {
+/// Logs one competition: each rank's formula terms, the winner (`*`) and the control plane's
+/// suggestion (`^`), at debug level.
+fn explain(candidates: &[Candidate], rated: &[(Option<Logit>, Scored)], winner: usize, suggested: Option<usize>) {
     use std::fmt::Write;
     let mut ranks = String::new();
     for (i, (candidate, (logit, scored))) in candidates.iter().zip(rated).enumerate() {
-        let mark = if i == winner { "*" } else { "" };
+        let mark = match (i == winner, suggested == Some(i)) {
+            (true, true) => "*^",
+            (true, false) => "*",
+            (false, true) => "^",
+            (false, false) => "",
+        };
         let _ = write!(ranks, " {mark}{}/{}", candidate.worker.key.instance_id, candidate.rank);
         let _ = match logit {
             Some(l) => write!(

@@ -644,11 +644,13 @@ impl State {
 }
 
 /// A prompt's prefix chain: the hashes of its full blocks at `block_size`, as the KV term
-/// computed them (empty without one).
+/// computed them (empty without one), and the control plane's number for the lookup that
+/// scored them (0: none).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PromptChain {
     pub block_size: u32,
     pub hashes: Vec<u64>,
+    pub lookup: u64,
 }
 
 impl PromptChain {

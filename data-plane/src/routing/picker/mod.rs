@@ -24,7 +24,7 @@ use continuum_proto::view::FleetView;
 pub use estimate::PromptText;
 pub use kv_aware::{
     CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD, IndexAnswer, KvAwarePicker, KvSelectionResult,
-    KvTerm, Overlaps, RankOverlap,
+    KvTerm, Overlaps, RankOverlap, Suggested,
 };
 pub use ledger::{
     DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, NOT_REPORTED, PromptChain, RankBacklog,

@@ -261,7 +261,28 @@ pub(super) enum Draw {
 /// among ties. Temperature 0 takes the lowest cost, ties (costs at most `tie` above it) going
 /// to the ranks the fleet sent a dispatch longest ago and rotating among those; above 0 the
 /// contenders are sampled.
-pub(super) fn contenders(scored: &[Scored], temperature: f64, tie: f64) -> (Reason, Draw) {
+///
+/// At temperature 0 the rank the control plane suggested wins: a weighed suggestion whenever
+/// its cost is within the suggestion's reach of the lowest, even where the rules' own ties are
+/// narrower; a tie-break when it is among the ties left after the rules above, before the
+/// rotation.
+pub(super) fn contenders(
+    scored: &[Scored],
+    temperature: f64,
+    tie: f64,
+    suggestion: Option<Suggestion>,
+) -> (Reason, Draw) {
+    let sampling = temperature > 0.0;
+    let (weighed, tie_break) = match suggestion.filter(|_| !sampling) {
+        Some(Suggestion::Weighed { at, reach }) => (Some((at, reach)), None),
+        Some(Suggestion::TieBreak(at)) => (None, Some(at)),
+        None => (None, None),
+    };
+    // The tie-break, when it is among the ranks the rules left to rotate among.
+    let broken = |among: Vec<usize>| match tie_break.filter(|at| among.contains(at)) {
+        Some(at) => vec![at],
+        None => among,
+    };
     if scored.iter().any(|s| s.fresh && s.cost.is_some()) {
         let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
         let healthy = |s: &&Scored| !(s.stalled && healthy_exists);
@@ -272,20 +293,67 @@ pub(super) fn contenders(scored: &[Scored], temperature: f64, tie: f64) -> (Reas
             .filter(|(_, s)| healthy(s) && !(s.full && room_exists))
             .filter_map(|(i, s)| s.cost.map(|cost| (i, cost)))
             .collect();
+        if let Some(at) = weighed.and_then(|(at, reach)| within(&eligible, at, reach.formula)) {
+            return (Reason::KvAware, Draw::Rotate(vec![at]));
+        }
         let draw = match lowest_or_sampled(eligible, temperature, tie) {
-            Draw::Rotate(ties) => Draw::Rotate(longest_idle(ties, scored)),
+            Draw::Rotate(ties) => Draw::Rotate(broken(longest_idle(ties, scored))),
             sampled => sampled,
         };
         return (Reason::KvAware, draw);
     }
     let all: Vec<(usize, f64)> = scored.iter().map(|s| s.stale_cost).enumerate().collect();
+    if let Some(at) = weighed.and_then(|(at, reach)| within(&all, at, reach.stale)) {
+        return (Reason::RoundRobinStale, Draw::Rotate(vec![at]));
+    }
     let uniform = all.windows(2).all(|pair| matches!(pair, [(_, a), (_, b)] if a.total_cmp(b) == Ordering::Equal));
     if uniform {
-        return (Reason::RoundRobinStale, Draw::Rotate((0..scored.len()).collect()));
+        return (Reason::RoundRobinStale, Draw::Rotate(broken((0..scored.len()).collect())));
     }
     match lowest_or_sampled(all, temperature, TIE_TOLERANCE) {
-        Draw::Rotate(ties) if ties.len() > 1 => (Reason::RoundRobinStale, Draw::Rotate(ties)),
+        Draw::Rotate(ties) if ties.len() > 1 => (Reason::RoundRobinStale, Draw::Rotate(broken(ties))),
         draw => (Reason::KvAware, draw),
+    }
+}
+
+/// A rank the control plane suggested, as an index into the scored ranks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Suggestion {
+    /// Taken when its cost is within `reach` of the lowest.
+    Weighed { at: usize, reach: Reach },
+    /// Taken among the ties the rules leave.
+    TieBreak(usize),
+}
+
+impl Suggestion {
+    pub fn at(self) -> usize {
+        match self {
+            Suggestion::Weighed { at, .. } | Suggestion::TieBreak(at) => at,
+        }
+    }
+}
+
+/// How far a replica's costs can be behind the control plane's weighing: what the prompt
+/// tokens its recent lookups reserved add to a rank's cost. Those lookups' picks are the ones
+/// this replica may not count yet (`RecentLookups` in the control plane says why), so a
+/// suggestion within that much of the cheapest may well be the cheapest. Half a block more
+/// covers prompts a few tokens apart. With a prefix cached anywhere, only a tie: the control
+/// plane weighs load, not caches, and a cached prefix is never traded for a suggestion.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct Reach {
+    /// On the full formula: the tokens' prefill, scaled, and their decode blocks.
+    pub formula: f64,
+    /// On the stale cost: the tokens, in blocks.
+    pub stale: f64,
+}
+
+impl Reach {
+    pub fn of(reserved_tokens: u64, prompt: Prompt, weights: &Weights, any_overlap: bool) -> Self {
+        if any_overlap {
+            return Self { formula: TIE_TOLERANCE, stale: TIE_TOLERANCE };
+        }
+        let blocks = reserved_tokens as f64 / prompt.block_size as f64 + TIE_TOLERANCE;
+        Self { formula: (weights.prefill_load_scale + 1.0) * blocks, stale: blocks }
     }
 }
 
@@ -307,6 +375,13 @@ pub(super) fn tie_width(prompt: Prompt, any_overlap: bool) -> f64 {
 /// Of `ties`, those the fleet sent a dispatch longest ago (see `cost::contenders`).
 fn longest_idle(ties: Vec<usize>, scored: &[Scored]) -> Vec<usize> {
     LastDispatch::longest_idle(ties.iter().filter_map(|&i| Some((i, scored.get(i)?.last_dispatch))))
+}
+
+/// `at`, when it is among `entries` with a cost at most `tie` above the lowest.
+fn within(entries: &[(usize, f64)], at: usize, tie: f64) -> Option<usize> {
+    let best = entries.iter().map(|(_, cost)| *cost).min_by(f64::total_cmp)?;
+    let (_, cost) = entries.iter().find(|(i, _)| *i == at)?;
+    (cost.total_cmp(&(best + tie)) != Ordering::Greater).then_some(at)
 }
 
 fn lowest_or_sampled(entries: Vec<(usize, f64)>, temperature: f64, tie: f64) -> Draw {

@@ -26,9 +26,10 @@ pub enum KvTerm<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IndexAnswer {
     /// The control plane's index answered `FindMatches`, numbering the lookup `turn` among all
-    /// it has answered (0: unnumbered). Ties rotate by the turn, so replicas that see the same
-    /// tie at once take different ranks.
-    Answered { turn: u64 },
+    /// it has answered for the model (0: unnumbered). Ties rotate by the turn, so replicas that
+    /// see the same tie at once take different ranks. `suggestion` is the rank (instance id,
+    /// dp rank) the control plane suggested, if any.
+    Answered { turn: u64, suggestion: Option<Suggested> },
     /// The lookup missed its deadline or failed, and the replica's recent answer for the
     /// prompt's prefix stands in: counted `index_recent`.
     Recent,
@@ -45,8 +46,56 @@ impl IndexAnswer {
     /// The lookup's fleet-wide turn, when the control plane answered and numbered it.
     pub fn turn(self) -> Option<u64> {
         match self {
-            IndexAnswer::Answered { turn } if turn > 0 => Some(turn),
+            IndexAnswer::Answered { turn, .. } if turn > 0 => Some(turn),
             _ => None,
+        }
+    }
+
+    /// The same answer for a pick made after this replica picked `tokens` of other prompts
+    /// since the lookup went out: picks the control plane did not weigh in its suggestion but
+    /// this replica's costs count, so the suggestion reaches that much further. A tie-break
+    /// then becomes a suggestion weighed against them.
+    pub fn picked_meanwhile(self, tokens: u64) -> Self {
+        match self {
+            IndexAnswer::Answered { turn, suggestion: Some(suggestion) } if tokens > 0 => {
+                let (rank, reserved_tokens) = match suggestion {
+                    Suggested::Weighed { rank, reserved_tokens } => (rank, reserved_tokens),
+                    Suggested::TieBreak(rank) => (rank, 0),
+                };
+                let reserved_tokens = reserved_tokens.saturating_add(tokens);
+                IndexAnswer::Answered { turn, suggestion: Some(Suggested::Weighed { rank, reserved_tokens }) }
+            }
+            answer => answer,
+        }
+    }
+
+    /// The rank the control plane suggested, when it answered with one.
+    pub fn suggestion(self) -> Option<Suggested> {
+        match self {
+            IndexAnswer::Answered { suggestion, .. } => suggestion,
+            _ => None,
+        }
+    }
+}
+
+/// A rank (instance id, dp rank) the control plane suggested to a lookup, among the ranks the
+/// replica named as the request's contenders (`FindMatchesResponse.suggestion`, `tie_break`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Suggested {
+    /// Weighed against every replica's lookups of the last few milliseconds, which this
+    /// replica's view may not count yet; they reserved `reserved_tokens` on the contenders, the
+    /// most by which this replica's costs can be behind, so it is taken within that much of
+    /// the cheapest.
+    Weighed { rank: (u64, u32), reserved_tokens: u64 },
+    /// Nothing recent to weigh: taken only among ranks the replica's costs tie exactly, so the
+    /// control plane knows the rank before the dispatch report says so.
+    TieBreak((u64, u32)),
+}
+
+impl Suggested {
+    pub fn rank(self) -> (u64, u32) {
+        match self {
+            Suggested::Weighed { rank, .. } | Suggested::TieBreak(rank) => rank,
         }
     }
 }

@@ -112,7 +112,12 @@ fn overlaps(triples: &[(u64, u32, u32)]) -> Overlaps {
 }
 
 fn scored(isl_tokens: u64, overlaps: &Overlaps) -> KvTerm<'_> {
-    KvTerm::Scored { isl_tokens, block_size: BLOCK, overlaps, answer: IndexAnswer::Answered { turn: 0 } }
+    KvTerm::Scored {
+        isl_tokens,
+        block_size: BLOCK,
+        overlaps,
+        answer: IndexAnswer::Answered { turn: 0, suggestion: None },
+    }
 }
 
 fn pick(picker: &KvAwarePicker, fleet: &Fleet, kv: KvTerm<'_>) -> Selection {
@@ -288,7 +293,7 @@ fn replicas_seeing_the_same_tie_at_once_split_it_by_their_lookups_turns() {
         let (a, b) = (picker(), picker());
         [ids(&pick(&a, fleet, lookup(first))), ids(&pick(&b, fleet, lookup(second)))]
     };
-    let turn = |turn| IndexAnswer::Answered { turn };
+    let turn = |turn| IndexAnswer::Answered { turn, suggestion: None };
 
     let near_tie = pair(6_091);
     assert_eq!(at_once(&near_tie, turn(41), turn(42)), [(4, Some(2)), (4, Some(1))], "consecutive turns split");
@@ -392,6 +397,65 @@ fn without_a_fresh_prefill_backlog_the_fleets_prefill_dispatches_weigh_in() {
     // 32 tokens queued are 2 blocks: the prefix still wins.
     let light = vllm_prefill_pool().backlog(2, queued(32));
     assert_eq!(picks(&picker, &light, scored(100, &held), 2), [(4, Some(2)); 2]);
+}
+
+/// The control plane counts every replica's lookups of the last few milliseconds, which this
+/// replica's view may lack; its weighed suggestion decides among ranks within one request of
+/// the cheapest (what one missing pick makes), and never against a cached prefix.
+#[test]
+fn the_control_planes_suggestion_wins_within_one_request_of_the_cheapest() {
+    let answered = |isl_tokens, overlaps, suggestion| KvTerm::Scored {
+        isl_tokens,
+        block_size: BLOCK,
+        overlaps,
+        answer: IndexAnswer::Answered { turn: 1, suggestion: Some(suggestion) },
+    };
+    let weighed = |rank, reserved_tokens| Suggested::Weighed { rank: (rank, 0), reserved_tokens };
+    // Recent lookups reserved one request of the prompt's size: the most this view can lack.
+    let suggesting = |isl_tokens, overlaps, rank| answered(isl_tokens, overlaps, weighed(rank, isl_tokens));
+    let queued = |tokens| Backlog { prefill_tokens: tokens, dispatches: 1, ..Backlog::default() };
+    let none = Overlaps::default();
+    // No fresh prefill backlog: a 160-token prompt (10 blocks) against the fleet's dispatches.
+    let one_ahead = vllm_prefill_pool().backlog(1, queued(160));
+    let counters = Counters::new();
+    let picker = counters.picker();
+    assert_eq!(ids(&pick(&picker, &one_ahead, suggesting(160, &none, 1))), (4, Some(1)), "one request busier");
+    assert_eq!(counters.selection("prefill", Reason::RoundRobinStale), 1);
+    // A missing prompt may be a few tokens longer than this one: half a block of slack.
+    let longer_ahead = vllm_prefill_pool().backlog(1, queued(168));
+    assert_eq!(ids(&pick(&picker, &longer_ahead, suggesting(160, &none, 1))), (4, Some(1)));
+    let two_ahead = vllm_prefill_pool().backlog(1, queued(320));
+    assert_eq!(ids(&pick(&picker, &two_ahead, suggesting(160, &none, 1))).1.map(|id| id != 1), Some(true));
+    // In a burst the recent lookups reserved more, and this view may lack all of their picks.
+    let burst = answered(160, &none, weighed(1, 3 * 160));
+    assert_eq!(ids(&pick(&picker, &two_ahead, burst)), (4, Some(1)));
+    // A rank that is no contender (gone from this replica's view) is passed over.
+    assert_eq!(ids(&pick(&picker, &one_ahead, suggesting(160, &none, 9))).1.map(|id| id != 1), Some(true));
+
+    // Fresh samples: a 64-token prompt (4 blocks) adds 4 blocks of prefill, at scale 1, and 4
+    // of decode to a rank's cost: 9 with the half block of slack. Worker 2 has 8 blocks busy,
+    // then 10.
+    let fresh = |busy| Fleet::new([agg(1), agg(2)]).sample(1, used(0), FRESH).sample(2, used(busy), FRESH);
+    assert_eq!(ids(&pick(&picker, &fresh(8), suggesting(64, &none, 2))), (2, None));
+    assert_eq!(ids(&pick(&picker, &fresh(10), suggesting(64, &none, 2))), (1, None), "more than one request");
+    // With a prefix cached anywhere ties are half a block wide: the cache is not traded.
+    let held = overlaps(&[(1, 0, 2)]);
+    assert_eq!(ids(&pick(&picker, &fresh(0), suggesting(64, &held, 2))), (1, None));
+
+    // With nothing recent to weigh, the control plane's tie-break settles exact ties only.
+    let breaking = |rank| answered(160, &none, Suggested::TieBreak((rank, 0)));
+    assert_eq!(ids(&pick(&picker, &vllm_prefill_pool(), breaking(3))), (4, Some(3)), "all three tie");
+    assert_eq!(ids(&pick(&picker, &vllm_prefill_pool(), breaking(2))), (4, Some(2)));
+    assert_eq!(ids(&pick(&picker, &one_ahead, breaking(1))).1.map(|id| id != 1), Some(true), "no tie");
+    // Unless this replica picked another request meanwhile, which the control plane had not
+    // weighed: then the tie-break reaches that far.
+    let after_a_pick = match breaking(1) {
+        KvTerm::Scored { answer, .. } => {
+            KvTerm::Scored { isl_tokens: 160, block_size: BLOCK, overlaps: &none, answer: answer.picked_meanwhile(160) }
+        }
+        unscored => unscored,
+    };
+    assert_eq!(ids(&pick(&picker, &one_ahead, after_a_pick)), (4, Some(1)));
 }
 
 /// Without a fresh backlog too, a request waits only for the rest of the prefill under way:

@@ -229,7 +229,7 @@ fn contenders_follow_the_seed_rules() {
         ("nobody", vec![], 0.0, (Reason::RoundRobinStale, Draw::Rotate(vec![]))),
     ];
     for (rule, scored, temperature, expected) in cases {
-        assert_eq!(contenders(&scored, temperature, TIE_TOLERANCE), expected, "{rule}");
+        assert_eq!(contenders(&scored, temperature, TIE_TOLERANCE, None), expected, "{rule}");
     }
 }
 
@@ -258,11 +258,11 @@ fn ties_go_to_the_ranks_sent_a_dispatch_longest_ago_and_widen_when_nothing_overl
     assert_eq!(tie_width(prompt, true), TIE_TOLERANCE, "a cached prefix is never traded for a turn");
     assert_eq!(tie_width(prompt, false), 98.0, "nothing to reuse: one request's blocks");
     assert_eq!(tie_width(Prompt::new(0, 16), false), TIE_TOLERANCE);
-    let at = |tie| contenders(&ranks[..3], 0.0, tie);
+    let at = |tie| contenders(&ranks[..3], 0.0, tie, None);
     assert_eq!(at(TIE_TOLERANCE), (Reason::KvAware, Draw::Rotate(vec![2])), "of the lowest, the longest idle");
     assert_eq!(at(98.0), (Reason::KvAware, Draw::Rotate(vec![1, 2])), "a request wide: rank 1 ties, idle as long");
-    assert_eq!(contenders(&ranks, 0.0, 98.0), (Reason::KvAware, Draw::Rotate(vec![3])));
-    let sampled = contenders(&ranks[..2], 0.5, 98.0);
+    assert_eq!(contenders(&ranks, 0.0, 98.0, None), (Reason::KvAware, Draw::Rotate(vec![3])));
+    let sampled = contenders(&ranks[..2], 0.5, 98.0, None);
     assert_eq!(sampled, (Reason::KvAware, Draw::Sample(vec![(0, 300.0), (1, 340.0)])), "sampling ignores recency");
 }
 
