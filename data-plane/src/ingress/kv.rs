@@ -57,7 +57,7 @@ pub struct KvRouting {
     /// The artifact policy the fleet's models were last prewarmed under, per worker map.
     prewarmed: Mutex<WorkersMemo<Option<KvArtifactPolicy>>>,
     recent: RecentAnswers,
-    /// Prompt tokens of every request this replica has picked workers for with the KV term.
+    /// Prompt tokens of every request the KV-aware picker has picked workers for here.
     picked: AtomicU64,
     /// `continuum_dynamo_kv_term_seconds` by stage.
     prepare_seconds: Histogram,
