@@ -36,8 +36,6 @@ pub enum Term {
         /// Where `overlaps` came from: the index, a recent answer standing in for a missed
         /// lookup, or nothing (no rank credited).
         answer: IndexAnswer,
-        /// The control plane's number for the lookup (0: none), reported with the dispatch.
-        lookup: u64,
         /// This replica's picked prompt tokens when the lookup went out (see
         /// [`KvRouting::picked_since`]).
         picked_before: u64,
@@ -145,12 +143,10 @@ impl KvRouting {
         let picked_before = self.picked.load(Ordering::Relaxed);
         let answer = self.matches.find_matches(chain.clone(), model, contenders, isl_tokens).await;
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
-        let mut lookup = 0;
         let (overlaps, answer) = match answer {
-            Ok(Matches { overlaps, turn, lookup: number, suggestion }) => {
+            Ok(Matches { overlaps, turn, lookup, suggestion }) => {
                 self.recent.remember(&chain, &overlaps, Instant::now());
-                lookup = number;
-                (overlaps.into(), IndexAnswer::Answered { turn, suggestion })
+                (overlaps.into(), IndexAnswer::Answered { turn, lookup, suggestion })
             }
             Err(error) => match self.recent.recall(&chain, Instant::now()) {
                 Some(overlaps) => (overlaps.into(), IndexAnswer::Recent),
@@ -165,7 +161,7 @@ impl KvRouting {
             },
         };
         let block_size = block_size.get();
-        Term::Scored { tokens: prepared.tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }
+        Term::Scored { tokens: prepared.tokens, block_size, overlaps, block_hashes, answer, picked_before }
     }
 
     /// A pick for a prompt of `tokens` was made.

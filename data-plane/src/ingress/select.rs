@@ -72,10 +72,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let usable = usable_namespaces(state, &pools, now);
     let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&*usable) };
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
-        (
-            Some(kv),
-            Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }),
-        ) => {
+        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer, picked_before })) => {
             let isl_tokens = tokens.len() as u64;
             let answer = answer.picked_meanwhile(kv.routing.picked_since(picked_before));
             kv.routing.picked(isl_tokens);
@@ -83,7 +80,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             // the requests that lose their KV term learns from every one that keeps it.
             state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
-            let chain = PromptChain { block_size, hashes: block_hashes, lookup };
+            let chain = PromptChain { block_size, hashes: block_hashes, lookup: answer.lookup() };
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
