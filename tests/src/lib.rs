@@ -28,6 +28,7 @@ pub mod pki;
 pub mod placement;
 pub mod process;
 pub mod proxy;
+pub mod relay;
 pub mod shim_stub;
 pub mod tools;
 pub mod workload;

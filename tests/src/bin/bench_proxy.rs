@@ -27,6 +27,7 @@ use continuum_data_plane::routing::headers::PREFILL_INSTANCE_ID;
 use continuum_proto::model::{Backend, DataPlaneConfig, DisaggregatedServing, ShimPool};
 use continuum_tests::bench::{Quantiles, arg, write_section};
 use continuum_tests::nginx::{Nginx, UPSTREAM_KEEPALIVE};
+use continuum_tests::relay::Relay;
 use continuum_tests::{TestControlPlane, publisher, wait_for_version, worker};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -95,12 +96,13 @@ impl Pooled {
     }
 }
 
-/// One round: direct to the stub, through nginx, through the data plane.
+/// One round: direct to the stub, through nginx, through the data plane, through the floor.
 #[derive(Debug, Clone, Copy)]
 struct Round {
     direct: Run,
     nginx: Run,
     data_plane: Run,
+    floor: Run,
 }
 
 impl Round {
@@ -108,14 +110,26 @@ impl Round {
         self.data_plane.rps / self.nginx.rps
     }
 
+    fn floor_rps_ratio(&self) -> f64 {
+        self.floor.rps / self.nginx.rps
+    }
+
     /// The data plane's CPU time per request over nginx's.
     fn cpu_ratio(&self) -> Option<f64> {
         Some(self.data_plane.cpu_us? / self.nginx.cpu_us?)
     }
 
+    /// The floor's CPU time per request over nginx's.
+    fn floor_cpu_ratio(&self) -> Option<f64> {
+        Some(self.floor.cpu_us? / self.nginx.cpu_us?)
+    }
+
     fn added_p99_ratio(&self) -> f64 {
-        added(self.data_plane.latency.p99, self.direct.latency.p99)
-            / added(self.nginx.latency.p99, self.direct.latency.p99)
+        self.added_p99_over_nginx(&self.data_plane)
+    }
+
+    fn added_p99_over_nginx(&self, proxy: &Run) -> f64 {
+        added(proxy.latency.p99, self.direct.latency.p99) / added(self.nginx.latency.p99, self.direct.latency.p99)
     }
 }
 
@@ -143,6 +157,7 @@ fn main() -> anyhow::Result<()> {
     let stub_rt = runtime("stub", 1)?;
     let control_rt = runtime("control-plane", 1)?;
     let proxy_rt = OneThread::start("data-plane")?;
+    let relay_rt = OneThread::start("relay")?;
     let load_rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
 
     let pinned = Arc::new(AtomicU64::new(0));
@@ -150,15 +165,17 @@ fn main() -> anyhow::Result<()> {
     let control = control_rt.block_on(start_control_plane(stub))?;
     let replica = proxy_rt.block_on(start_replica(&control))?;
     let nginx = load_rt.block_on(Nginx::start(stub))?;
+    let relay = relay_rt.block_on(Relay::start(stub))?;
 
     let targets = [
         Target { name: "direct", addr: stub, cpu: None },
         Target { name: "nginx", addr: nginx.addr, cpu: Some(format!("/proc/{}/schedstat", nginx.pid())) },
         Target { name: "data plane", addr: replica.local_addr, cpu: Some(format!("{}/schedstat", proxy_rt.task_dir)) },
+        Target { name: "floor", addr: relay.addr, cpu: Some(format!("{}/schedstat", relay_rt.task_dir)) },
     ];
     let client = load_client(load.concurrency);
     let mut measured = Vec::with_capacity(rounds);
-    let mut pooled: [Pooled; 3] = Default::default();
+    let mut pooled: [Pooled; PATHS] = Default::default();
     for round in 0..rounds {
         let runs = load_rt.block_on(measure_round(&client, &targets, load, round, &mut pooled))?;
         measured.push(runs);
@@ -170,6 +187,7 @@ fn main() -> anyhow::Result<()> {
     let table = table(&measured, &pooled, load, &nginx.version);
     println!("{table}");
     drop(nginx);
+    drop(relay);
     proxy_rt.block_on(replica.shutdown());
     control_rt.block_on(control.stop());
     if std::env::args().any(|a| a == "--write") {
@@ -274,13 +292,13 @@ fn load_client(concurrency: usize) -> HttpClient {
 /// requests are added to its pool too.
 async fn measure_round(
     client: &HttpClient,
-    targets: &[Target; 3],
+    targets: &[Target; PATHS],
     load: Load,
     round: usize,
-    pooled: &mut [Pooled; 3],
+    pooled: &mut [Pooled; PATHS],
 ) -> anyhow::Result<Round> {
-    let mut runs = [None; 3];
-    for i in (0..3).map(|i| (i + round) % 3) {
+    let mut runs = [None; PATHS];
+    for i in (0..PATHS).map(|i| (i + round) % PATHS) {
         let Target { name, addr, cpu } = &targets[i];
         let uri: Uri = format!("http://{addr}/v1/chat/completions").parse()?;
         drive(client, &uri, load.warmup, load.concurrency).await?;
@@ -305,8 +323,10 @@ async fn measure_round(
         );
         runs[i] = Some(run);
     }
-    let [Some(direct), Some(nginx), Some(data_plane)] = runs else { anyhow::bail!("a target was not measured") };
-    Ok(Round { direct, nginx, data_plane })
+    let [Some(direct), Some(nginx), Some(data_plane), Some(floor)] = runs else {
+        anyhow::bail!("a target was not measured")
+    };
+    Ok(Round { direct, nginx, data_plane, floor })
 }
 
 /// A path to measure, and where its proxy's CPU time is read.
@@ -317,6 +337,8 @@ struct Target {
     cpu: Option<String>,
 }
 
+/// How many paths are measured: direct, nginx, the data plane and the floor, in that order.
+const PATHS: usize = 4;
 /// Where the data plane is in [`Round`]'s order of targets.
 const DATA_PLANE: usize = 2;
 
@@ -381,9 +403,10 @@ fn added(proxied: Duration, direct: Duration) -> f64 {
     proxied.as_secs_f64() * 1e6 - direct.as_secs_f64() * 1e6
 }
 
-fn table(rounds: &[Round], pooled: &[Pooled; 3], load: Load, nginx: &str) -> String {
-    let [direct, through_nginx, data_plane] = pooled;
-    let all = Round { direct: direct.run(), nginx: through_nginx.run(), data_plane: data_plane.run() };
+fn table(rounds: &[Round], pooled: &[Pooled; PATHS], load: Load, nginx: &str) -> String {
+    let [direct, through_nginx, data_plane, floor] = pooled;
+    let all =
+        Round { direct: direct.run(), nginx: through_nginx.run(), data_plane: data_plane.run(), floor: floor.run() };
     let mut by_ratio: Vec<&Round> = rounds.iter().collect();
     by_ratio.sort_by(|a, b| a.rps_ratio().total_cmp(&b.rps_ratio()));
     let median = by_ratio[by_ratio.len() / 2];
@@ -405,15 +428,17 @@ fn table(rounds: &[Round], pooled: &[Pooled; 3], load: Load, nginx: &str) -> Str
     };
     let each: Vec<String> =
         rounds.iter().map(|r| format!("{:.2}×/{:.2}×", r.rps_ratio(), r.added_p99_ratio())).collect();
+    let floor_each: Vec<String> = rounds.iter().map(|r| format!("{:.2}×", r.floor_rps_ratio())).collect();
     let cpu_ratio = all.cpu_ratio().unwrap_or(f64::NAN);
     let control_us = data_plane.control_us();
     let with_control =
         all.data_plane.cpu_us.zip(all.nginx.cpu_us).map_or(f64::NAN, |(dp, nginx)| (dp + control_us) / nginx);
     format!(
-        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request (µs) |\n|---|---|---|---|---|---|---|\n{}{}{}\n\
+        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request (µs) |\n|---|---|---|---|---|---|---|\n{}{}{}{}\n\
          - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
          - Every figure pools a path's requests over all {} rounds: requests/s is their number over the time they took, the latencies their quantiles. Added latency is the path's quantile less the direct path's. The median round by throughput ratio (round {index}) gave {:.2}×/{:.2}×; every round's (throughput ratio / added-p99 ratio): {}.\n\
          - CPU per request, data plane / nginx: **{cpu_ratio:.2}×**. It is the thread's (nginx: the process's) time on a CPU, user and kernel, during its path's measured requests, from `schedstat`; it steadies the comparison where throughput swings with how the scheduler places four busy threads on two cores. The in-process control plane's threads ran {control_us:.1} µs per data-plane request besides (folding the reports, streaming the backlogs), on the same cores: with it, **{with_control:.2}×**.\n\
+         - The floor, a relay on the data plane's runtime: throughput **{:.2}×** nginx's, added p99 **{:.2}×**, CPU per request **{:.2}×** (rounds: {}). It is a current-thread tokio runtime on a thread of its own, like the data plane's, that frames each request and answer by `Content-Length` with `httparse` and moves their bytes unchanged over one upstream connection per client connection: no header hygiene, no JSON, no pick, no ledger, no report. What parts it from nginx is the runtime; what parts the data plane from it is the data plane's work.\n\
          - Each path: {} requests per round at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\
          - Same machine, same run, loopback. The stub, the load generator, each proxy (one thread each: nginx `worker_processes 1`, the data plane a current-thread runtime on a thread of its own, with its control-plane stream) and the in-process control plane share the cores, so these are relative numbers. The benchmark binary allocates with mimalloc, as the data-plane binary does.\n\
          - Both proxies keep idle keep-alive connections to the stub: nginx `keepalive {UPSTREAM_KEEPALIVE}`, the data plane its own HTTP/1.1 client (at most {MAX_IDLE_PER_AUTHORITY} idle per shim replica), which writes each request in one system call and reads the answer on the request's own task. The data plane serves clients with its own HTTP/1.1 server (`data-plane/src/server`).\n\
@@ -421,12 +446,17 @@ fn table(rounds: &[Round], pooled: &[Pooled; 3], load: Load, nginx: &str) -> Str
         row("direct to the stub (baseline)", &all.direct, None),
         row(&format!("{nginx} (`proxy_pass`, upstream keepalive)"), &all.nginx, Some(&all.direct)),
         row("Continuum data plane (picking on)", &all.data_plane, Some(&all.direct)),
+        row("floor: tokio relay, framing only", &all.floor, Some(&all.direct)),
         all.rps_ratio(),
         all.added_p99_ratio(),
         rounds.len(),
         median.rps_ratio(),
         median.added_p99_ratio(),
         each.join(", "),
+        all.floor_rps_ratio(),
+        all.added_p99_over_nginx(&all.floor),
+        all.floor_cpu_ratio().unwrap_or(f64::NAN),
+        floor_each.join(", "),
         load.requests,
         load.concurrency,
         load.warmup,
