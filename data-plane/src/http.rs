@@ -57,11 +57,11 @@ impl KvSelection {
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
-    ingress::routes()
+    let routes = ingress::routes()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .with_state(state)
+        .route("/metrics", get(metrics));
+    ingress::no_endpoint(routes).with_state(state)
 }
 
 /// Ready once a fleet view is held, even a stale one: last-known-good keeps routing while the

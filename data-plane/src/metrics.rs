@@ -3,6 +3,7 @@
 
 use std::sync::{Arc, OnceLock};
 
+use axum::http::StatusCode;
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry, TextEncoder,
@@ -57,8 +58,11 @@ pub struct Metrics {
     pub kv_term_seconds: HistogramVec,
     /// Client connections open.
     pub http_connections: IntGauge,
+    /// `continuum_http_write_stalls_total`: connections dropped because the client took none
+    /// of a response for the write-stall timeout.
+    http_write_stalls: IntCounter,
     /// Client requests refused before routing because they could not be read, by `reason`
-    /// (malformed, head_too_large, body_too_large, framing).
+    /// ([`HEAD_REFUSALS`]).
     pub http_refused: IntCounterVec,
     /// The request path's series, looked up once rather than hashed by label on every request.
     hot: Arc<Hot>,
@@ -151,7 +155,16 @@ pub const KV_TERM_STAGES: [&str; 4] = ["prepare", "find_matches", "queue", "rend
 const KV_TERM_BUCKETS: [f64; 12] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
 /// The `reason`s of `continuum_http_requests_refused_total`.
-const HEAD_REFUSALS: [&str; 4] = ["malformed", "head_too_large", "body_too_large", "framing"];
+const HEAD_REFUSALS: [&str; 8] = [
+    "malformed",
+    "head_too_large",
+    "body_too_large",
+    "framing",
+    "malformed_body",
+    "timeout",
+    "not_found",
+    "method_not_allowed",
+];
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
 impl Metrics {
@@ -243,10 +256,17 @@ impl Metrics {
                 &["stage"],
             )?,
             http_connections: IntGauge::new("continuum_http_connections", "Client connections open")?,
+            http_write_stalls: IntCounter::new(
+                "continuum_http_write_stalls_total",
+                format!(
+                    "Client connections dropped because the client read none of a response for {} seconds",
+                    crate::server::WRITE_STALL_TIMEOUT.as_secs()
+                ),
+            )?,
             http_refused: IntCounterVec::new(
                 Opts::new(
                     "continuum_http_requests_refused_total",
-                    "Client requests refused because they could not be read as HTTP/1.1, by reason",
+                    "Client requests refused before routing, by reason: unreadable as HTTP/1.1, or for no endpoint",
                 ),
                 &["reason"],
             )?,
@@ -281,6 +301,7 @@ impl Metrics {
             Box::new(metrics.shim_retries.clone()),
             Box::new(metrics.http_refused.clone()),
             Box::new(metrics.http_connections.clone()),
+            Box::new(metrics.http_write_stalls.clone()),
             Box::new(metrics.selections.clone()),
             Box::new(metrics.kv_selections.clone()),
             Box::new(metrics.kv_artifacts.clone()),
@@ -299,6 +320,17 @@ impl Metrics {
         self.hot.routed[path as usize].inc();
     }
 
+    /// Counts a request for no endpoint: a path not served (404) or not with its method (405).
+    pub fn no_endpoint(&self, status: StatusCode) {
+        let reason = if status == StatusCode::METHOD_NOT_ALLOWED { "method_not_allowed" } else { "not_found" };
+        self.http_refused.with_label_values(&[reason]).inc();
+    }
+
+    /// Counts a connection dropped because its client stopped reading a response.
+    pub fn write_stalled(&self) {
+        self.http_write_stalls.inc();
+    }
+
     /// Counts a request refused because it could not be read.
     pub fn refused(&self, error: &HeadError) {
         let reason = match error {
@@ -306,6 +338,8 @@ impl Metrics {
             HeadError::TooLarge => "head_too_large",
             HeadError::BodyTooLarge => "body_too_large",
             HeadError::Framing(_) => "framing",
+            HeadError::Body(_) => "malformed_body",
+            HeadError::Timeout => "timeout",
         };
         self.http_refused.with_label_values(&[reason]).inc();
     }

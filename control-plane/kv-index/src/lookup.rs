@@ -139,6 +139,12 @@ impl Lookup {
             }
         }
         self.slots[hole] = VACANT;
+        // A table an eighth full gives back what it grew to: a rank that once held many blocks
+        // and now holds few keeps no more than twice its entries. Growth waits for three
+        // quarters full, so a rank moving around either bound does not resize on every change.
+        if self.len * 8 < self.slots.len() && self.slots.len() > MIN_SLOTS {
+            self.resize(mixer, (self.len * 2).next_power_of_two().max(MIN_SLOTS));
+        }
         Some(block)
     }
 
@@ -151,7 +157,11 @@ impl Lookup {
     }
 
     fn grow(&mut self, mixer: &Mixer) {
-        let slots = (self.slots.len() * 2).max(MIN_SLOTS);
+        self.resize(mixer, (self.slots.len() * 2).max(MIN_SLOTS));
+    }
+
+    /// Moves every entry into a table of `slots` (a power of two, more than `len`).
+    fn resize(&mut self, mixer: &Mixer, slots: usize) {
         let old = std::mem::replace(&mut self.slots, vec![VACANT; slots]);
         let mask = slots - 1;
         for slot in old.into_iter().filter(|s| !s.is_empty()) {
@@ -188,10 +198,27 @@ mod tests {
                     prop_assert_eq!(table.remove(&mixer, key), model.remove(&key));
                 }
                 prop_assert_eq!(table.len(), model.len());
+                prop_assert!(table.len() * 4 <= table.slots.len() * 3, "at most three quarters full");
                 for k in 0..40 {
                     prop_assert_eq!(table.get(&mixer, k), model.get(&k).copied());
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_table_emptied_of_most_entries_gives_back_its_slots() {
+        let mixer = Mixer::random();
+        let mut table = Lookup::default();
+        for key in 0..100_000u64 {
+            table.insert(&mixer, table.probe(&mixer, key), key, BlockRef { segment: key as u32, offset: 0 });
+        }
+        let grown = table.heap_bytes();
+        for key in 1..100_000u64 {
+            assert!(table.remove(&mixer, key).is_some());
+        }
+        assert_eq!(table.get(&mixer, 0), Some(BlockRef { segment: 0, offset: 0 }), "the entry left is still found");
+        assert_eq!(table.len(), 1);
+        assert_eq!(table.heap_bytes(), MIN_SLOTS * size_of::<Slot>(), "{grown} bytes while full");
     }
 }

@@ -72,6 +72,10 @@ impl Rank {
         *refs -= 1;
         if *refs == 0 {
             self.extra_refs.remove(&block.key());
+            // Like the lookup, the map gives back what it grew to once it is mostly empty.
+            if self.extra_refs.len() * 8 < self.extra_refs.capacity() && self.extra_refs.capacity() > 64 {
+                self.extra_refs.shrink_to(self.extra_refs.len() * 2);
+            }
         }
         true
     }

@@ -17,6 +17,8 @@ pub const MAX_HEADERS: usize = 64;
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
 /// The longest chunk-size line (size, extensions) or trailer line accepted.
 const MAX_CHUNK_LINE_BYTES: usize = 4 << 10;
+/// A chunked body's trailer section, at most.
+const MAX_TRAILER_BYTES: usize = 8 << 10;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum WireError {
@@ -211,7 +213,8 @@ pub enum Chunked {
     Size,
     Data(u64),
     DataEnd,
-    Trailers,
+    /// The trailer section, and how many of its bytes have been read.
+    Trailers(usize),
     Done,
 }
 
@@ -222,14 +225,8 @@ impl Chunked {
                 Chunked::Done => return Ok(Decoded::End),
                 Chunked::Size => {
                     let Some(line) = take_line(buf)? else { return Ok(Decoded::More) };
-                    let digits = line.split(|b| *b == b';').next().unwrap_or_default();
-                    let size = std::str::from_utf8(digits)
-                        .ok()
-                        .map(str::trim)
-                        .filter(|d| !d.is_empty() && d.len() <= 16)
-                        .and_then(|d| u64::from_str_radix(d, 16).ok())
-                        .ok_or(WireError::Chunk("chunk size"))?;
-                    *self = if size == 0 { Chunked::Trailers } else { Chunked::Data(size) };
+                    let size = chunk_size(&line).ok_or(WireError::Chunk("chunk size"))?;
+                    *self = if size == 0 { Chunked::Trailers(0) } else { Chunked::Data(size) };
                 }
                 Chunked::Data(left) => {
                     if buf.is_empty() {
@@ -251,15 +248,48 @@ impl Chunked {
                     buf.advance(2);
                     *self = Chunked::Size;
                 }
-                Chunked::Trailers => {
+                Chunked::Trailers(read) => {
                     let Some(line) = take_line(buf)? else { return Ok(Decoded::More) };
                     if line.is_empty() {
                         *self = Chunked::Done;
+                        continue;
                     }
+                    let read = read + line.len() + 2;
+                    if read > MAX_TRAILER_BYTES {
+                        return Err(WireError::Chunk("trailers too long"));
+                    }
+                    if line.iter().any(|b| is_forbidden_in_line(*b)) {
+                        return Err(WireError::Chunk("control byte in a trailer"));
+                    }
+                    *self = Chunked::Trailers(read);
                 }
             }
         }
     }
+}
+
+/// A chunk-size line's size: 1 to 16 hex digits, then nothing, or white space and `;`
+/// extensions. Anything looser (a sign, leading white space, a bare CR or LF, another control
+/// byte) is refused: a hop in front that split or read the line otherwise would see other chunk
+/// boundaries than this decoder, and could be handed a smuggled request.
+fn chunk_size(line: &[u8]) -> Option<u64> {
+    if line.iter().any(|b| is_forbidden_in_line(*b)) {
+        return None;
+    }
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if !(1..=16).contains(&digits) {
+        return None;
+    }
+    let (digits, rest) = line.split_at(digits);
+    if !matches!(rest.trim_ascii_start().first(), None | Some(b';')) {
+        return None;
+    }
+    u64::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
+}
+
+/// A control byte other than horizontal tab, which no chunk line or trailer may hold.
+fn is_forbidden_in_line(byte: u8) -> bool {
+    byte.is_ascii_control() && byte != b'\t'
 }
 
 /// One CRLF-terminated line off the front of `buf` (without its CRLF), or `None` if it has not
@@ -401,5 +431,31 @@ mod tests {
         assert_eq!(decode(b"2\r\nabc\r\n"), Err(WireError::Chunk("chunk not followed by CRLF")));
         assert_eq!(decode(b"11111111111111111\r\n"), Err(WireError::Chunk("chunk size")));
         assert_eq!(decode(&[b'1'; MAX_CHUNK_LINE_BYTES + 1]), Err(WireError::Chunk("line too long")));
+        // Size lines another hop could split or read otherwise.
+        for loose in
+            [&b"+5\r\nhello\r\n"[..], b" 5\r\nhello\r\n", b"5;\nXX\r\nhello\r\n", b"5\x0b\r\nhello\r\n", b"5 x\r\n"]
+        {
+            assert_eq!(decode(loose), Err(WireError::Chunk("chunk size")), "{:?}", String::from_utf8_lossy(loose));
+        }
+        assert_eq!(decode(b"0\r\nx: a\nb\r\n\r\n"), Err(WireError::Chunk("control byte in a trailer")));
+        let mut many_trailers = b"0\r\n".to_vec();
+        for _ in 0..1000 {
+            many_trailers.extend_from_slice(b"x-trailer: 12345678\r\n");
+        }
+        assert_eq!(decode(&many_trailers), Err(WireError::Chunk("trailers too long")));
+    }
+
+    #[test]
+    fn chunk_extensions_and_trailers_within_bounds_are_read_past() {
+        for wire in [
+            &b"5;name=value\r\nhello\r\n0\r\n\r\n"[..],
+            b"5 ;x\r\nhello\r\n0\r\nx-sum: 1\r\n\r\n",
+            b"5\t;x\r\nhello\r\n0\r\n\r\n",
+        ] {
+            let mut decoder = Chunked::default();
+            let mut buf = BytesMut::from(wire);
+            assert_eq!(decoder.decode(&mut buf), Ok(Decoded::Data(Bytes::from_static(b"hello"))));
+            assert_eq!(decoder.decode(&mut buf), Ok(Decoded::End), "{:?}", String::from_utf8_lossy(wire));
+        }
     }
 }

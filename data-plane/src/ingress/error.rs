@@ -3,7 +3,7 @@
 //! and what to do, and never an internal address.
 
 use axum::Json;
-use axum::http::StatusCode;
+use axum::http::{Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -25,6 +25,22 @@ pub struct ApiError {
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         Self { status, code, message: message.into() }
+    }
+
+    /// A request for a path this replica does not serve (404), or not with this method (405).
+    pub fn no_endpoint(status: StatusCode, method: &Method, path: &str) -> Self {
+        // The path is the client's own; only a bounded, printable part of it is echoed.
+        let path: String = path.chars().take(128).filter(|c| !c.is_control()).collect();
+        let message = match status {
+            StatusCode::METHOD_NOT_ALLOWED => {
+                format!(
+                    "{method} is not served at {path}. Chat completions are POST /v1/chat/completions; models are GET /v1/models."
+                )
+            }
+            _ => format!("No endpoint at {path}. This router serves POST /v1/chat/completions and GET /v1/models."),
+        };
+        let code = if status == StatusCode::METHOD_NOT_ALLOWED { "method_not_allowed" } else { "not_found" };
+        ApiError::new(status, code, message)
     }
 
     /// The OpenAI `type`: the client's mistake, or ours.
@@ -51,7 +67,11 @@ impl From<HeadError> for ApiError {
         let (code, advice) = match error {
             HeadError::BodyTooLarge => ("request_too_large", " Shorten the prompt or send large content by reference."),
             HeadError::TooLarge => ("request_head_too_large", " Send fewer or shorter headers."),
-            HeadError::Malformed(_) | HeadError::Framing(_) => ("invalid_request", ""),
+            HeadError::Timeout => {
+                let message = format!("Request timed out: {error}. Send the whole request at once.");
+                return ApiError::new(error.status(), "request_timeout", message);
+            }
+            HeadError::Malformed(_) | HeadError::Framing(_) | HeadError::Body(_) => ("invalid_request", ""),
         };
         ApiError::new(error.status(), code, format!("Invalid HTTP request: {error}.{advice}"))
     }

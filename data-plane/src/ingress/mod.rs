@@ -15,16 +15,38 @@ pub mod select;
 use std::sync::Arc;
 
 use axum::Router;
+use axum::extract::State;
+use axum::http::{Method, StatusCode, Uri};
 use axum::routing::get;
+use error::ApiError;
 
 pub use kv::{KvRouting, Term};
 pub use models::client_ids;
 pub use request::MAX_REQUEST_BODY_BYTES;
 
 use crate::http::AppState;
+use crate::server::head::CHAT_COMPLETIONS;
 
 /// The ingresses the router serves. Request bodies reach it already bounded by the server
 /// ([`MAX_REQUEST_BODY_BYTES`]).
 pub fn routes() -> Router<Arc<AppState>> {
     Router::new().route("/v1/models", get(models::list_models))
+}
+
+/// What a request for no endpoint gets: an OpenAI-shaped 404 or 405, counted. Chat
+/// completions never reach the router by POST (the server serves them), so any request for
+/// their path that does is one with another method.
+pub fn no_endpoint(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
+    fn refuse(state: &AppState, status: StatusCode, method: &Method, uri: &Uri) -> ApiError {
+        let status = if uri.path() == CHAT_COMPLETIONS { StatusCode::METHOD_NOT_ALLOWED } else { status };
+        state.metrics.no_endpoint(status);
+        ApiError::no_endpoint(status, method, uri.path())
+    }
+    router
+        .fallback(|State(state): State<Arc<AppState>>, method: Method, uri: Uri| async move {
+            refuse(&state, StatusCode::NOT_FOUND, &method, &uri)
+        })
+        .method_not_allowed_fallback(|State(state): State<Arc<AppState>>, method: Method, uri: Uri| async move {
+            refuse(&state, StatusCode::METHOD_NOT_ALLOWED, &method, &uri)
+        })
 }

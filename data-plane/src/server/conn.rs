@@ -28,7 +28,7 @@ use super::head::{
     BodyFraming, HeadError, LAST_CHUNK, RequestHead, ResponseFraming, Route, encode_chunk, encode_response, http_date,
     parse_request,
 };
-use crate::dispatch::wire::{Chunked, Decoded};
+use crate::dispatch::wire::{Chunked, Decoded, WireError};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
 
@@ -36,6 +36,9 @@ use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
 /// A request's head and body must arrive within this long of its first byte.
 pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// A client that takes none of a response's bytes for this long is dropped: its connection,
+/// and the dispatch behind a stream, would otherwise be held for as long as it chose.
+pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// What a connection's read buffer starts with and grows by.
 const READ_CHUNK: usize = 8 << 10;
 /// A read buffer grown past this (a large body) is let go once its request is answered, so an
@@ -43,6 +46,8 @@ const READ_CHUNK: usize = 8 << 10;
 const KEPT_READ_CAPACITY: usize = 64 << 10;
 /// Bytes of pipelined requests read while a response is pending; past it, reading waits.
 const MAX_PIPELINED_BYTES: usize = 64 << 10;
+/// A write buffer grown past this (a large buffered answer) is let go once it is written.
+const KEPT_WRITE_CAPACITY: usize = 64 << 10;
 /// How far behind the idle timer may run before it is re-armed.
 const IDLE_DEADLINE_SLACK: Duration = Duration::from_secs(1);
 /// After a refusal, how long and how much of the client's unread body is read and discarded.
@@ -98,10 +103,19 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
         let Some(response) = conn.until_client_leaves(app.respond(head, body)).await else { return };
         match conn.write_response(response, version, keep_alive, head_only).await {
             Ok(true) => {}
-            _ => return,
+            Ok(false) => return,
+            Err(error) => {
+                if error.kind() == io::ErrorKind::TimedOut {
+                    app.state.metrics.write_stalled();
+                }
+                return;
+            }
         }
         if conn.read.capacity() > KEPT_READ_CAPACITY {
             conn.read = BytesMut::from(&conn.read[..]);
+        }
+        if conn.write.capacity() > KEPT_WRITE_CAPACITY {
+            conn.write = Vec::with_capacity(1024);
         }
     }
 }
@@ -152,7 +166,7 @@ impl Connection {
         }
         match tokio::time::timeout(REQUEST_READ_TIMEOUT, self.read_rest()).await {
             Ok(request) => request,
-            Err(_) => Err(Stop::Quietly),
+            Err(_) => Err(Stop::Refuse(HeadError::Timeout)),
         }
     }
 
@@ -195,7 +209,7 @@ impl Connection {
         let body = match head.body {
             BodyFraming::Length(length) => {
                 if self.read.len() < length && head.expects_continue {
-                    self.stream.write_all(CONTINUE).await?;
+                    write_unless_stalled(&mut self.stream, CONTINUE).await?;
                 }
                 // The buffer grows as the body arrives, not by what the head announces: a
                 // client that announces 8 MiB and sends nothing holds no more than its reads.
@@ -206,7 +220,7 @@ impl Connection {
             }
             BodyFraming::Chunked => {
                 if self.read.is_empty() && head.expects_continue {
-                    self.stream.write_all(CONTINUE).await?;
+                    write_unless_stalled(&mut self.stream, CONTINUE).await?;
                 }
                 self.read_chunked().await?
             }
@@ -225,7 +239,8 @@ impl Connection {
                 Ok(Decoded::Data(data)) => body.extend_from_slice(&data),
                 Ok(Decoded::End) => return Ok(body.freeze()),
                 Ok(Decoded::More) => self.fill().await?,
-                Err(error) => return Err(Stop::Refuse(HeadError::Malformed(error.to_string()))),
+                Err(WireError::Chunk(reason)) => return Err(Stop::Refuse(HeadError::Body(reason.into()))),
+                Err(error) => return Err(Stop::Refuse(HeadError::Body(error.to_string()))),
             }
         }
     }
@@ -308,22 +323,46 @@ impl Connection {
         self.write.clear();
         encode_response(&mut self.write, status, &parts.headers, framing, keep_alive, &http_date());
         if bodiless || head_only {
-            self.stream.write_all(&self.write).await?;
+            write_unless_stalled(&mut self.stream, &self.write).await?;
             return Ok(keep_alive);
         }
         let mut frames = Frames { framing, ended: false, broken: false };
         frames.gather_ready(&mut body, &mut self.write);
-        self.stream.write_all(&self.write).await?;
+        write_unless_stalled(&mut self.stream, &self.write).await?;
         while !frames.ended {
             self.write.clear();
             let frame = self.until_client_leaves(body.frame()).await.ok_or(io::ErrorKind::ConnectionReset)?;
             frames.append(frame, &mut self.write);
             frames.gather_ready(&mut body, &mut self.write);
-            self.stream.write_all(&self.write).await?;
+            write_unless_stalled(&mut self.stream, &self.write).await?;
         }
         // A body that broke off cannot be ended properly: closing tells the client it is cut.
         Ok(keep_alive && !frames.broken)
     }
+}
+
+/// Writes all of `bytes`, failing with [`io::ErrorKind::TimedOut`] once the client has taken
+/// none of them for [`WRITE_STALL_TIMEOUT`]. The deadline runs from the last progress, so a
+/// slow reader of a large answer is served; one that stopped reading is not waited on.
+async fn write_unless_stalled(stream: &mut TcpStream, mut bytes: &[u8]) -> io::Result<()> {
+    while !bytes.is_empty() {
+        // Usually the socket takes it all at once, with no timer to arm.
+        let written = match stream.try_write(bytes) {
+            Ok(n) => n,
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                match tokio::time::timeout(WRITE_STALL_TIMEOUT, stream.write(bytes)).await {
+                    Ok(written) => written?,
+                    Err(_) => return Err(io::ErrorKind::TimedOut.into()),
+                }
+            }
+            Err(error) => return Err(error),
+        };
+        if written == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        bytes = &bytes[written..];
+    }
+    Ok(())
 }
 
 /// Framing a response body's frames into the write buffer.
@@ -368,5 +407,48 @@ impl Frames {
                 self.broken = true;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// A client that reads nothing: the first writes fill the sockets' buffers, then the
+    /// deadline (on the paused clock, which jumps ahead while the runtime idles) ends the wait.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_stops_reading_is_not_waited_on() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let _reader_that_never_reads = TcpStream::connect(listener.local_addr()?).await?;
+        let (mut server, _) = listener.accept().await?;
+        let chunk = vec![b'x'; 1 << 20];
+        let started = tokio::time::Instant::now();
+        let outcome = loop {
+            if let Err(error) = write_unless_stalled(&mut server, &chunk).await {
+                break error;
+            }
+        };
+        assert_eq!(outcome.kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= WRITE_STALL_TIMEOUT, "it waited out the deadline first");
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_reading_client_gets_every_byte() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let mut client = TcpStream::connect(listener.local_addr()?).await?;
+        let (mut server, _) = listener.accept().await?;
+        let sent: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
+        let reading = tokio::spawn(async move {
+            let mut received = Vec::new();
+            client.read_to_end(&mut received).await.map(|_| received)
+        });
+        write_unless_stalled(&mut server, &sent).await?;
+        drop(server);
+        let received = reading.await.map_err(io::Error::other)??;
+        assert!(received == sent, "{} bytes of {} arrived, in order", received.len(), sent.len());
+        Ok(())
     }
 }

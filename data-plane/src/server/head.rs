@@ -10,6 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 
+use super::conn::REQUEST_READ_TIMEOUT;
 use crate::dispatch::wire::{LengthError, content_length, final_coding_chunked, has_token, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::routing::headers::asks_disclosure;
@@ -31,12 +32,17 @@ pub enum HeadError {
     BodyTooLarge,
     #[error("{0}")]
     Framing(&'static str),
+    #[error("malformed chunked request body: {0}")]
+    Body(String),
+    #[error("the request did not arrive within {} seconds of its first byte", REQUEST_READ_TIMEOUT.as_secs())]
+    Timeout,
 }
 
 impl HeadError {
     pub fn status(&self) -> StatusCode {
         match self {
-            HeadError::Malformed(_) | HeadError::Framing(_) => StatusCode::BAD_REQUEST,
+            HeadError::Malformed(_) | HeadError::Framing(_) | HeadError::Body(_) => StatusCode::BAD_REQUEST,
+            HeadError::Timeout => StatusCode::REQUEST_TIMEOUT,
             HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             HeadError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
         }
@@ -98,7 +104,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         .map_err(|_| HeadError::Malformed("method".into()))?;
     let version = if request.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
     let target = request.path.unwrap_or("/");
-    let path = target.split('?').next().unwrap_or_default();
+    let path = origin_path(target).split('?').next().unwrap_or_default();
     let route = if method == Method::POST && path == CHAT_COMPLETIONS { Route::ChatCompletions } else { Route::Router };
     let raw = &*request.headers;
     let headers = match route {
@@ -106,6 +112,11 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         Route::Router => header_map(raw)?,
     };
     let body = body_framing(raw)?;
+    if version == Version::HTTP_10 && values(raw, "transfer-encoding").next().is_some() {
+        // RFC 9112 §6.1: HTTP/1.0 has no transfer codings, so a hop that speaks it may frame
+        // this body by other rules than ours.
+        return Err(HeadError::Framing("an HTTP/1.0 request may not carry Transfer-Encoding"));
+    }
     let keep_alive = match version {
         Version::HTTP_11 => !has_token(raw, "connection", "close"),
         _ => has_token(raw, "connection", "keep-alive"),
@@ -127,7 +138,17 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     Ok(Some((head, length)))
 }
 
-const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+/// The path the server answers itself, by POST.
+pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+
+/// The path and query of a request target: an absolute-form target (`http://host/path`, which
+/// RFC 9112 §3.2.2 has servers accept) less its scheme and authority.
+fn origin_path(target: &str) -> &str {
+    match target.split_once("://") {
+        Some((_, rest)) => rest.find('/').map_or("/", |at| &rest[at..]),
+        None => target,
+    }
+}
 
 fn header_map(raw: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
     let mut headers = HeaderMap::with_capacity(raw.len());
@@ -279,6 +300,9 @@ mod tests {
         let h = head("GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Backend: \r\n\r\n");
         assert_eq!((h.route, h.disclose, h.headers["host"].as_bytes()), (Route::Router, true, &b"x"[..]));
         assert_eq!(head("GET /v1/chat/completions HTTP/1.1\r\n\r\n").route, Route::Router);
+        let absolute = head("POST http://router:8080/v1/chat/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(absolute.route, Route::ChatCompletions, "an absolute-form target is routed by its path");
+        assert_eq!(head("GET http://router HTTP/1.1\r\n\r\n").route, Route::Router);
 
         let rows = [
             ("GET / HTTP/1.1\r\n\r\n", BodyFraming::Length(0), true),
@@ -307,6 +331,7 @@ mod tests {
             ("POST / HTTP/1.1\r\ncontent-length: x\r\n\r\n", "not a number"),
             ("GET / HTTP/1.1\r\nbad header\r\n\r\n", "malformed"),
             ("\x16\x03\x01 TLS hello\r\n\r\n", "malformed"),
+            ("POST / HTTP/1.0\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n", "HTTP/1.0"),
         ];
         for (text, says) in rows {
             let error = refused(text);

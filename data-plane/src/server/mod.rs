@@ -9,6 +9,8 @@
 mod conn;
 pub mod head;
 
+pub use conn::WRITE_STALL_TIMEOUT;
+
 use std::io::ErrorKind;
 use std::sync::Arc;
 use std::time::Duration;

@@ -134,7 +134,7 @@ async fn chunked_bodies_and_expect_continue_are_understood() -> anyhow::Result<(
 async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
-    let rows: [(&str, u16, &str); 4] = [
+    let rows: [(&str, u16, &str); 7] = [
         ("GET / HTTP/1.1\r\nbad header\r\n\r\n", 400, "malformed"),
         (
             "POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
@@ -142,7 +142,19 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
             "framing",
         ),
         ("POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 99999999999\r\n\r\n", 413, "body_too_large"),
-        ("POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", 400, "malformed"),
+        ("POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", 400, "malformed_body"),
+        // A chunk size another hop could read otherwise (a sign; a bare LF in an extension).
+        ("POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n+2\r\n{}\r\n", 400, "malformed_body"),
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n2;\n\r\n{}\r\n",
+            400,
+            "malformed_body",
+        ),
+        (
+            "POST /v1/chat/completions HTTP/1.0\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n",
+            400,
+            "framing",
+        ),
     ];
     for (wire, status, reason) in rows {
         let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
@@ -158,6 +170,42 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
         assert!(sample(&metrics, &series).is_some_and(|n| n >= 1.0), "{series} not counted");
     }
     assert!(shim.received().is_empty(), "nothing refused reached the shim");
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_for_no_endpoint_get_openai_errors_and_absolute_targets_are_routed() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    let mut pending = Vec::new();
+    let rows = [
+        ("GET /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n", 404, "not_found"),
+        ("GET /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n", 405, "method_not_allowed"),
+        ("POST /v1/models HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n", 405, "method_not_allowed"),
+    ];
+    for (wire, status, code) in rows {
+        stream.write_all(wire.as_bytes()).await?;
+        let answer = read_answer(&mut stream, &mut pending).await?;
+        assert_eq!(answer.status, status, "{wire:?}: {answer:?}");
+        let error: Value = serde_json::from_slice(&answer.body)?;
+        assert_eq!(error["error"]["code"], code, "{error}");
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
+        assert!(error["error"]["message"].as_str().is_some_and(|m| m.contains("/v1/chat/completions")), "{error}");
+    }
+    let metrics = harness.metrics().await?;
+    for (reason, count) in [("not_found", 1.0), ("method_not_allowed", 2.0)] {
+        let series = format!("continuum_http_requests_refused_total{{reason=\"{reason}\"}}");
+        assert_eq!(sample(&metrics, &series), Some(count), "{series}");
+    }
+    // The connection carries on, and an absolute-form target reaches the chat completion.
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    let absolute = chat_head("", body.len()).replace("POST /v1/", "POST http://router.example/v1/");
+    stream.write_all(&[absolute.as_bytes(), &body].concat()).await?;
+    let answer = read_answer(&mut stream, &mut pending).await?;
+    assert_eq!((answer.status, object_of(&answer)?.as_str()), (200, "chat.completion"), "{answer:?}");
+    assert_eq!(shim.received().len(), 1);
     harness.stop().await;
     Ok(())
 }
