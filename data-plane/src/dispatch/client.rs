@@ -27,6 +27,8 @@ use crate::routing::headers::Pins;
 pub enum SendError {
     #[error("could not connect to the shim replica: {0}")]
     Connect(#[source] io::Error),
+    #[error("the request could not be written to the shim replica: {0}")]
+    Write(#[source] io::Error),
     #[error("the exchange with the shim replica failed: {0}")]
     Exchange(#[source] ExchangeError),
     #[error("the shim replica sent no response head within {0:?}")]
@@ -49,10 +51,11 @@ pub enum ExchangeError {
 }
 
 impl SendError {
-    /// Only a failed connection (or a refused scheme) proves the request never reached the
-    /// shim, so only then may it be sent again to another replica.
+    /// Only a failed connection, a request not written whole, or a refused scheme proves the
+    /// request never reached the shim complete (a body framed by its length is no request until
+    /// its last byte), so only then may it be sent again to another replica.
     pub fn before_request_sent(&self) -> bool {
-        matches!(self, SendError::Connect(_) | SendError::UnsupportedScheme(_))
+        matches!(self, SendError::Connect(_) | SendError::Write(_) | SendError::UnsupportedScheme(_))
     }
 }
 
@@ -139,12 +142,12 @@ impl ShimClient {
             // A kept connection the shim has just closed takes nothing: the request goes out
             // once more, on a new one.
             if !was_reused {
-                return Err(exchange(error.into()));
+                return Err(SendError::Write(error));
             }
             let mut fresh = Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?;
             std::mem::swap(&mut fresh.write, &mut conn.write);
             conn = fresh;
-            conn.stream.write_all(&conn.write).await.map_err(|e| exchange(e.into()))?;
+            conn.stream.write_all(&conn.write).await.map_err(SendError::Write)?;
         }
         let head = read_head(&mut conn).await.map_err(exchange)?;
         let back = head.keep_alive.then(|| Return { idle: Arc::clone(&self.idle), authority: authority.to_string() });
@@ -222,6 +225,16 @@ async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_request_that_never_arrived_whole_may_go_to_another_replica() {
+        let reset = || io::Error::from(io::ErrorKind::ConnectionReset);
+        assert!(SendError::Connect(reset()).before_request_sent());
+        assert!(SendError::Write(reset()).before_request_sent(), "a body short of its length is no request");
+        assert!(!SendError::Exchange(ExchangeError::Closed).before_request_sent(), "the shim may be running it");
+        assert!(!SendError::Exchange(ExchangeError::Io(reset())).before_request_sent());
+        assert!(!SendError::HeadTimeout(Duration::from_secs(1)).before_request_sent());
+    }
 
     #[tokio::test]
     async fn a_shim_url_that_is_not_plain_http_is_refused_before_anything_is_sent() {

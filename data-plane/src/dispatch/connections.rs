@@ -2,8 +2,10 @@
 //!
 //! No task watches an idle connection: a connection is checked when it is taken (one the shim
 //! closed, or sent something on unasked, is dropped then), and expired ones are dropped as the
-//! list is touched. At most [`MAX_IDLE_PER_AUTHORITY`] are kept per authority, so the memory held
-//! is bounded by the configured replicas.
+//! list is touched, and from every list once per [`IDLE_TIMEOUT`], so an authority no longer
+//! configured keeps nothing. At most [`MAX_IDLE_PER_AUTHORITY`] are kept per authority, each
+//! with buffers of at most [`KEPT_BUFFER_CAPACITY`], so the memory held is bounded by the
+//! configured replicas.
 
 use std::collections::HashMap;
 use std::io::ErrorKind;
@@ -20,6 +22,8 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// What a connection's read buffer starts with, and grows by when it runs out: a buffered
 /// completion or a few SSE events.
 pub const READ_CHUNK: usize = 16 << 10;
+/// A buffer grown past this (a large prompt or answer) is let go before its connection idles.
+pub const KEPT_BUFFER_CAPACITY: usize = 64 << 10;
 
 /// One HTTP/1.1 connection and the bytes read from it that nothing has consumed yet.
 #[derive(Debug)]
@@ -46,14 +50,21 @@ impl Conn {
 
 #[derive(Debug, Default)]
 pub struct IdleConnections {
-    idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
+    idle: Mutex<Idle>,
+}
+
+#[derive(Debug, Default)]
+struct Idle {
+    by_authority: HashMap<String, Vec<(Conn, Instant)>>,
+    /// When every list was last cleared of expired connections.
+    swept: Option<Instant>,
 }
 
 impl IdleConnections {
     /// The most recently returned usable connection to `authority`, if any.
     pub fn take(&self, authority: &str, now: Instant) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let conns = idle.get_mut(authority)?;
+        let conns = idle.by_authority.get_mut(authority)?;
         while let Some((conn, since)) = conns.pop() {
             if now.saturating_duration_since(since) < IDLE_TIMEOUT && conn.reusable() {
                 return Some(conn);
@@ -63,16 +74,26 @@ impl IdleConnections {
     }
 
     /// Keeps `conn` for reuse, unless `authority` already has its fill.
-    pub fn put(&self, authority: &str, conn: Conn, now: Instant) {
+    pub fn put(&self, authority: &str, mut conn: Conn, now: Instant) {
+        if conn.write.capacity() > KEPT_BUFFER_CAPACITY {
+            conn.write = Vec::new();
+        }
+        if conn.read.capacity() > KEPT_BUFFER_CAPACITY {
+            conn.read = BytesMut::with_capacity(READ_CHUNK);
+        }
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let conns = match idle.get_mut(authority) {
+        if idle.swept.is_none_or(|swept| now.saturating_duration_since(swept) >= IDLE_TIMEOUT) {
+            idle.by_authority.retain(|_, conns| {
+                drop_expired(conns, now);
+                !conns.is_empty()
+            });
+            idle.swept = Some(now);
+        }
+        let conns = match idle.by_authority.get_mut(authority) {
             Some(conns) => conns,
-            None => idle.entry(authority.to_string()).or_default(),
+            None => idle.by_authority.entry(authority.to_string()).or_default(),
         };
-        // The oldest are at the front: expired ones go first.
-        let expired = conns.iter().take_while(|(_, since)| now.saturating_duration_since(*since) >= IDLE_TIMEOUT);
-        let expired = expired.count();
-        conns.drain(..expired);
+        drop_expired(conns, now);
         if conns.len() < MAX_IDLE_PER_AUTHORITY {
             conns.push((conn, now));
         }
@@ -80,8 +101,19 @@ impl IdleConnections {
 
     /// Idle connections held for `authority`.
     pub fn count(&self, authority: &str) -> usize {
-        self.idle.lock().unwrap_or_else(PoisonError::into_inner).get(authority).map_or(0, Vec::len)
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner).by_authority.get(authority).map_or(0, Vec::len)
     }
+
+    /// Authorities with idle connections held.
+    pub fn authorities(&self) -> usize {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner).by_authority.len()
+    }
+}
+
+/// Drops the connections idle for [`IDLE_TIMEOUT`] or longer; the oldest are at the front.
+fn drop_expired(conns: &mut Vec<(Conn, Instant)>, now: Instant) {
+    let expired = conns.iter().take_while(|(_, since)| now.saturating_duration_since(*since) >= IDLE_TIMEOUT).count();
+    conns.drain(..expired);
 }
 
 #[cfg(test)]
@@ -134,5 +166,23 @@ mod tests {
         let (conn, _server) = pair(&listener).await;
         idle.put("a", conn, later);
         assert_eq!(idle.count("a"), 1);
+    }
+
+    #[tokio::test]
+    async fn an_authority_no_longer_used_keeps_nothing_and_large_buffers_are_let_go() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let idle = IdleConnections::default();
+        let then = Instant::now();
+        let (mut conn, _server) = pair(&listener).await;
+        conn.write.reserve(8 << 20);
+        conn.read.reserve(8 << 20);
+        idle.put("gone:8000", conn, then);
+        let kept = idle.take("gone:8000", then).expect("the connection is kept");
+        assert!(kept.write.capacity() <= KEPT_BUFFER_CAPACITY && kept.read.capacity() <= KEPT_BUFFER_CAPACITY);
+        idle.put("gone:8000", kept, then);
+        // Only another authority's connections are put back from now on.
+        let (conn, _other) = pair(&listener).await;
+        idle.put("new:8000", conn, then + IDLE_TIMEOUT);
+        assert_eq!((idle.count("gone:8000"), idle.authorities()), (0, 1), "the sweep cleared the unused authority");
     }
 }

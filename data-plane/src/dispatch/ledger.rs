@@ -166,7 +166,10 @@ mod tests {
             cached_blocks: 0,
         };
         // Each step's report, folded alone.
-        let mut next = || batch(rx.try_recv().expect("an operation"), &mut rx);
+        let mut next = || {
+            let first = rx.try_recv().expect("an operation");
+            batch(first, &mut rx)
+        };
         let chain = PromptChain { lookup: 42, ..PromptChain::default() };
         let mut end = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &chain);
         let started = next();

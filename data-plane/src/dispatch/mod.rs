@@ -272,21 +272,56 @@ impl Dispatcher {
         }
     }
 
-    /// Refreshes the breaker gauge: every replica of a configured pool, and no other.
+    /// Refreshes the breaker gauge: every replica of a configured pool, and no other. Health
+    /// is forgotten only for backends no longer configured: a backend outside every pool still
+    /// serves unified requests, behind its own breaker.
     pub fn export_health(&self, config: &DataPlaneConfig) {
         let pooled = |name: &str| config.shim_pools.iter().any(|p| p.backends.iter().any(|b| b == name));
-        let states = self.health.states(pooled);
+        let states = self.health.states(|name| config.backends.iter().any(|b| b.name == name));
         let gauge = &self.metrics.shim_replica_state;
         gauge.reset();
         for name in config.shim_pools.iter().flat_map(|p| &p.backends) {
             gauge.with_label_values(&[name.as_str()]).set(0);
         }
-        for (name, state) in states {
+        for (name, state) in states.into_iter().filter(|(name, _)| pooled(name)) {
             gauge.with_label_values(&[name.as_str()]).set(state.gauge_value());
         }
     }
 
     fn next_start(&self) -> usize {
         self.cursor.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use continuum_proto::model::{Backend, ShimPool};
+
+    use super::*;
+
+    #[test]
+    fn exporting_the_gauge_keeps_the_breakers_of_backends_outside_every_pool() -> anyhow::Result<()> {
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        let backend = |name: &str| Backend { name: name.into(), url: format!("http://{name}:8000"), models: vec![] };
+        let config = DataPlaneConfig {
+            backends: vec![backend("pooled"), backend("unified")],
+            shim_pools: vec![ShimPool { namespace: "dynamo".into(), backends: vec!["pooled".into()] }],
+            ..DataPlaneConfig::default()
+        };
+        let now = Instant::now();
+        for name in ["pooled", "unified", "removed"] {
+            for _ in 0..BreakerSettings::default().failure_threshold {
+                dispatcher.health.record(name, &format!("http://{name}:8000"), false, now);
+            }
+        }
+        dispatcher.export_health(&config);
+        assert!(!dispatcher.health.usable("unified", "http://unified:8000", now), "its open breaker stands");
+        assert!(!dispatcher.health.usable("pooled", "http://pooled:8000", now));
+        assert!(dispatcher.health.usable("removed", "http://removed:8000", now), "a backend gone is forgotten");
+        let families = prometheus::core::Collector::collect(&dispatcher.metrics.shim_replica_state);
+        let on_gauge: Vec<&str> =
+            families.iter().flat_map(|f| f.get_metric()).flat_map(|m| m.get_label()).map(|l| l.value()).collect();
+        assert_eq!(on_gauge, ["pooled"], "only pooled replicas are on the gauge");
+        Ok(())
     }
 }

@@ -21,7 +21,7 @@ use tonic::{Code, Status};
 
 use super::backoff::Backoff;
 use super::handle::FleetHandle;
-use super::reporter::{self, DispatchReporter, Operation};
+use super::reporter::{self, DispatchReporter, Reports};
 use crate::metrics::Metrics;
 
 /// Reconnect delays: the first retry is quick, a long outage settles at one attempt every few
@@ -114,7 +114,7 @@ pub async fn run(
 async fn follow(
     config: &FleetClientConfig,
     handle: &FleetHandle,
-    reports: &mut mpsc::Receiver<Operation>,
+    reports: &mut Reports,
     metrics: &Metrics,
 ) -> Result<(), SessionError> {
     let endpoint = Endpoint::from_shared(config.control_plane.clone())

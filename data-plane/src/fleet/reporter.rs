@@ -9,9 +9,11 @@
 //! in number order: the replica's ledger records it under the same number, and the control
 //! plane says which numbers its sums hold, so the replica adds exactly its own operations the
 //! sums lack ([`continuum_proto::model::ReportsFolded`]). One the queue has no room for goes
-//! unnumbered, so the ledger knows the sums will never hold it.
+//! unnumbered, so the ledger knows the sums will never hold it. Its ends alone are kept aside
+//! and go with the next report: a start the control plane holds whose end never came would
+//! weigh on the rank, for every replica, until the control plane aged it out.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use continuum_proto::model::LoadKey;
 use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
@@ -25,6 +27,8 @@ pub const REPORT_QUEUE: usize = 8192;
 /// Events folded into one `DispatchReport` at most (a report never splits an operation, so it
 /// may hold one more).
 pub const MAX_REPORT_BATCH: usize = 512;
+/// Ends kept aside from operations the queue had no room for, at most.
+pub const MAX_STRANDED_ENDS: usize = 8192;
 
 #[derive(Debug)]
 enum DispatchEvent {
@@ -50,9 +54,30 @@ struct Numbers {
 #[derive(Debug)]
 pub struct DispatchReporter {
     tx: mpsc::Sender<Operation>,
-    rx: Mutex<Option<mpsc::Receiver<Operation>>>,
+    rx: Mutex<Option<Reports>>,
     numbers: Mutex<Numbers>,
+    /// Dispatch ids whose end was in an operation the queue had no room for.
+    stranded: Arc<Mutex<Vec<u64>>>,
     dropped: IntCounter,
+}
+
+/// The receiving end of the queue, with the ends kept aside beside it.
+#[derive(Debug)]
+pub struct Reports {
+    rx: mpsc::Receiver<Operation>,
+    stranded: Arc<Mutex<Vec<u64>>>,
+}
+
+impl Reports {
+    /// The next operation; cancel-safe.
+    pub async fn recv(&mut self) -> Option<Operation> {
+        self.rx.recv().await
+    }
+
+    #[cfg(test)]
+    pub fn try_recv(&mut self) -> Option<Operation> {
+        self.rx.try_recv().ok()
+    }
 }
 
 /// What an operation reports, while it is performed.
@@ -124,7 +149,9 @@ impl DispatchReporter {
     pub fn new(dropped: IntCounter) -> Self {
         let (tx, rx) = mpsc::channel(REPORT_QUEUE);
         let numbers = Numbers { next_op: 1, next_dispatch: 1 };
-        Self { tx, rx: Mutex::new(Some(rx)), numbers: Mutex::new(numbers), dropped }
+        let stranded = Arc::default();
+        let reports = Reports { rx, stranded: Arc::clone(&stranded) };
+        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, dropped }
     }
 
     /// Performs one operation: `perform` records it under its number ([`Report::op`]) and says
@@ -147,22 +174,37 @@ impl DispatchReporter {
                     place.send(Operation { number: op, events });
                 }
             }
-            Err(_) if !events.is_empty() => self.dropped.inc(),
+            Err(_) if !events.is_empty() => {
+                self.dropped.inc();
+                self.strand_ends(&events);
+            }
             Err(_) => {}
         }
         result
     }
 
+    fn strand_ends(&self, events: &[DispatchEvent]) {
+        let mut stranded = self.stranded.lock().unwrap_or_else(PoisonError::into_inner);
+        for event in events {
+            if let DispatchEvent::Ended(id) = event
+                && stranded.len() < MAX_STRANDED_ENDS
+            {
+                stranded.push(*id);
+            }
+        }
+    }
+
     /// The receiving end, for the fleet client (taken once).
-    pub(crate) fn take_receiver(&self) -> Option<mpsc::Receiver<Operation>> {
+    pub(crate) fn take_receiver(&self) -> Option<Reports> {
         self.rx.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 }
 
 /// Folds `first` and whatever else is queued (up to the batch bound, in whole operations) into
-/// one report. Past [`MAX_REPORT_BLOCK_HASHES`] in the report, dispatches go without their
-/// block hashes: the backlog still counts them, only their provisional credit is lost.
-pub(crate) fn batch(first: Operation, rx: &mut mpsc::Receiver<Operation>) -> pb::DispatchReport {
+/// one report, with the ends kept aside. Past [`MAX_REPORT_BLOCK_HASHES`] in the report,
+/// dispatches go without their block hashes: the backlog still counts them, only their
+/// provisional credit is lost.
+pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchReport {
     let mut report = pb::DispatchReport { first_op: first.number, ..pb::DispatchReport::default() };
     let mut hashes_left = MAX_REPORT_BLOCK_HASHES;
     let mut events = 0;
@@ -186,16 +228,20 @@ pub(crate) fn batch(first: Operation, rx: &mut mpsc::Receiver<Operation>) -> pb:
             }
         }
         if events < MAX_REPORT_BATCH {
-            next = rx.try_recv().ok();
+            next = reports.rx.try_recv().ok();
         }
     }
+    // Ends of dispatches whose operations came before this one: the control plane folds a
+    // report's starts before its ends, and an end it holds no start for is ignored.
+    report.ended.append(&mut reports.stranded.lock().unwrap_or_else(PoisonError::into_inner));
     report
 }
 
 /// Discards what queued up while the stream was down: the control plane forgot this
 /// replica's dispatches when its session ended, so ends for them would name nothing.
-pub(crate) fn discard(rx: &mut mpsc::Receiver<Operation>) {
-    while rx.try_recv().is_ok() {}
+pub(crate) fn discard(reports: &mut Reports) {
+    while reports.rx.try_recv().is_ok() {}
+    reports.stranded.lock().unwrap_or_else(PoisonError::into_inner).clear();
 }
 
 #[cfg(test)]
@@ -208,7 +254,7 @@ mod tests {
         LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 }
     }
 
-    fn reporter() -> (DispatchReporter, mpsc::Receiver<Operation>) {
+    fn reporter() -> (DispatchReporter, Reports) {
         let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
         let rx = reporter.take_receiver().expect("receiver");
         (reporter, rx)
@@ -218,7 +264,7 @@ mod tests {
         reporter.operation(|report| report.started(&rank(), prefill_tokens, decode_blocks, hashes))
     }
 
-    fn next_report(rx: &mut mpsc::Receiver<Operation>) -> pb::DispatchReport {
+    fn next_report(rx: &mut Reports) -> pb::DispatchReport {
         let first = rx.try_recv().expect("queued");
         batch(first, rx)
     }
@@ -298,12 +344,46 @@ mod tests {
     }
 
     #[test]
+    fn an_end_the_queue_has_no_room_for_goes_with_the_next_report() {
+        let (reporter, mut rx) = reporter();
+        let started = start(&reporter, 16, 1, Vec::new());
+        for _ in 1..REPORT_QUEUE {
+            start(&reporter, 16, 1, Vec::new());
+        }
+        let op = reporter.operation(|report| {
+            report.ended(started);
+            report.op()
+        });
+        assert_eq!(op, NOT_REPORTED, "a full queue");
+        let report = next_report(&mut rx);
+        assert_eq!(report.started[0].id, started);
+        assert_eq!(report.ended, [started], "the end kept aside goes out after its start");
+        assert!(next_report(&mut rx).ended.is_empty(), "and only once");
+
+        // A stream that ends takes what was kept aside with it: the control plane forgot them.
+        discard(&mut rx);
+        for _ in 0..REPORT_QUEUE {
+            start(&reporter, 16, 1, Vec::new());
+        }
+        assert_eq!(
+            reporter.operation(|report| {
+                report.ended(started);
+                report.op()
+            }),
+            NOT_REPORTED
+        );
+        discard(&mut rx);
+        start(&reporter, 16, 1, Vec::new());
+        assert!(next_report(&mut rx).ended.is_empty());
+    }
+
+    #[test]
     fn an_operation_that_reports_nothing_still_takes_its_number() {
         let (reporter, mut rx) = reporter();
         assert_eq!(reporter.operation(|report| report.op()), 1);
         start(&reporter, 16, 1, Vec::new());
         let report = next_report(&mut rx);
         assert_eq!((report.first_op, report.last_op), (2, 2));
-        assert!(rx.try_recv().is_err(), "the silent operation queued nothing");
+        assert!(rx.try_recv().is_none(), "the silent operation queued nothing");
     }
 }
