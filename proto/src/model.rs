@@ -150,9 +150,14 @@ pub struct ModelArtifacts {
 
 impl Worker {
     /// The dp ranks this worker serves: one candidate per rank, or rank 0 alone.
-    pub fn dp_ranks(&self) -> impl Iterator<Item = u32> + use<> {
+    pub fn dp_ranks(&self) -> std::ops::Range<u32> {
         let start = self.dp_start_rank;
         start..start.saturating_add(self.dp_size.max(1))
+    }
+
+    /// Whether `dp_rank` is one of this worker's ranks.
+    pub fn serves_rank(&self, dp_rank: u32) -> bool {
+        self.dp_ranks().contains(&dp_rank)
     }
 }
 

@@ -194,7 +194,7 @@ impl FleetView {
     fn upsert_worker(&mut self, worker: &Arc<Worker>) {
         // A worker whose ranks shrank keeps no samples for the ranks it gave up.
         if let Some(old) = self.workers.get(&worker.key).cloned() {
-            for dp_rank in old.dp_ranks().filter(|r| !worker.dp_ranks().any(|n| n == *r)) {
+            for dp_rank in old.dp_ranks().filter(|r| !worker.serves_rank(*r)) {
                 let rank = LoadKey { worker: worker.key.clone(), dp_rank };
                 self.loads.remove(&rank);
                 self.backlogs.remove(&rank);
@@ -215,7 +215,7 @@ impl FleetView {
         let Some(worker) = self.workers.get(&key.worker) else {
             return Err(ApplyError::LoadForUnknownWorker { key: key.worker.clone(), dp_rank: key.dp_rank });
         };
-        if worker.dp_ranks().any(|r| r == key.dp_rank) {
+        if worker.serves_rank(key.dp_rank) {
             return Ok(());
         }
         let first = worker.dp_start_rank;
@@ -280,7 +280,7 @@ impl Merge {
         for worker in &delta.upserted {
             // Samples carried for ranks the worker gave up would not fit it any more. Their
             // removals stay: the base view may still hold what they remove.
-            let fits = |k: &LoadKey| k.worker != worker.key || worker.dp_ranks().any(|r| r == k.dp_rank);
+            let fits = |k: &LoadKey| k.worker != worker.key || worker.serves_rank(k.dp_rank);
             self.loads.retain(|k, sample| sample.is_none() || fits(k));
             self.backlogs.retain(|k, backlog| backlog.is_none() || fits(k));
             self.upserted.insert(worker.key.clone(), Arc::clone(worker));

@@ -46,7 +46,21 @@ pub struct DiscoveredWorker {
 pub enum Exclusion {
     /// The component name and the card's `worker_type` claim different roles.
     RoleDisagreement { component: Role, card: Role },
+    /// The card declares more data-parallel ranks than [`MAX_DATA_PARALLEL_SIZE`].
+    TooManyRanks { declared: u32 },
+    /// A name or path in the records is longer than any real one ([`MAX_NAME_BYTES`],
+    /// [`MAX_PATH_BYTES`]).
+    OversizedField { field: &'static str, bytes: usize },
 }
+
+/// Data-parallel ranks a worker may declare: each is a candidate every replica weighs, a load
+/// store entry and a KV cursor, so a card past this is not believed.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+/// A model, component or endpoint name, or a disaggregated endpoint, longer than this is not
+/// believed: every worker's names travel in every snapshot to every replica.
+pub const MAX_NAME_BYTES: usize = 512;
+/// An artifact's path or checksum longer than this is not believed.
+pub const MAX_PATH_BYTES: usize = 4096;
 
 impl fmt::Display for Exclusion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -54,6 +68,10 @@ impl fmt::Display for Exclusion {
             Exclusion::RoleDisagreement { component, card } => {
                 write!(f, "component claims {} but the card claims {}", component.as_str(), card.as_str())
             }
+            Exclusion::TooManyRanks { declared } => {
+                write!(f, "the card declares {declared} data-parallel ranks, more than {MAX_DATA_PARALLEL_SIZE}")
+            }
+            Exclusion::OversizedField { field, bytes } => write!(f, "its {field} is {bytes} bytes long"),
         }
     }
 }

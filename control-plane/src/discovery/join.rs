@@ -4,6 +4,8 @@
 //! * Its card is the base card scoped to the same component and endpoint, else a legacy card
 //!   for the same instance. A contested card set leaves the worker cardless, never excluded.
 //! * Component and card must agree on the role; a disagreement excludes the worker.
+//! * A card declaring more data-parallel ranks, or records with longer names or paths, than a
+//!   real worker has excludes it, and only its identity and role are kept.
 //! * A publisher is exactly one supported channel for its id; its event source, when exactly
 //!   one, gives the dp rank (and the worker, when the key had no lease).
 
@@ -13,7 +15,9 @@ use std::time::SystemTime;
 use continuum_proto::model::{Role, Worker, WorkerKey};
 
 use super::card::Card;
-use super::fleet::{DiscoveredWorker, Exclusion, Publisher, PublisherKey, Topic};
+use super::fleet::{
+    DiscoveredWorker, Exclusion, MAX_DATA_PARALLEL_SIZE, MAX_NAME_BYTES, MAX_PATH_BYTES, Publisher, PublisherKey, Topic,
+};
 use super::records::{ChannelRecord, EndpointRecord, Parsed, SourceRecord};
 use super::store::{CardScope, Claim, Entry, Identity, Store};
 
@@ -96,7 +100,47 @@ fn describe(key: &WorkerKey, instance: &EndpointRecord, card: Option<&Card>) -> 
         disaggregated_endpoint: rc.and_then(|rc| rc.disaggregated_endpoint.clone()),
         artifacts: card.and_then(Card::artifacts).map(Arc::new),
     };
-    (worker, excluded)
+    match excluded.or_else(|| implausible(&worker)) {
+        // Nothing of an implausible worker is kept beyond its identity and role: it is listed,
+        // never routed, and must not carry its outsized fields into every snapshot.
+        Some(exclusion @ (Exclusion::TooManyRanks { .. } | Exclusion::OversizedField { .. })) => {
+            let bare = Worker {
+                model: String::new(),
+                component: String::new(),
+                endpoint: String::new(),
+                dp_start_rank: 0,
+                dp_size: 0,
+                disaggregated_endpoint: None,
+                artifacts: None,
+                ..worker
+            };
+            (bare, Some(exclusion))
+        }
+        excluded => (worker, excluded),
+    }
+}
+
+/// Why `worker`'s records cannot describe a real worker, if they cannot.
+fn implausible(worker: &Worker) -> Option<Exclusion> {
+    if worker.dp_size > MAX_DATA_PARALLEL_SIZE {
+        return Some(Exclusion::TooManyRanks { declared: worker.dp_size });
+    }
+    let names = [
+        ("model name", Some(worker.model.as_str())),
+        ("component", Some(worker.component.as_str())),
+        ("endpoint", Some(worker.endpoint.as_str())),
+        ("disaggregated endpoint", worker.disaggregated_endpoint.as_deref()),
+    ];
+    let files = worker.artifacts.iter().flat_map(|a| [&a.tokenizer, &a.tokenizer_config, &a.chat_template]).flatten();
+    let paths = files.flat_map(|f| [("artifact path", f.uri.as_str()), ("artifact checksum", f.checksum.as_str())]);
+    let too_long = |(field, bytes, bound): (&'static str, usize, usize)| {
+        (bytes > bound).then_some(Exclusion::OversizedField { field, bytes })
+    };
+    names
+        .into_iter()
+        .filter_map(|(field, name)| Some((field, name?.len(), MAX_NAME_BYTES)))
+        .chain(paths.map(|(field, path)| (field, path.len(), MAX_PATH_BYTES)))
+        .find_map(too_long)
 }
 
 /// Materialises the publisher `key` from `store`.

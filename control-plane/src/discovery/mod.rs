@@ -30,7 +30,10 @@ mod tests;
 pub use applied::{Applied, EventKind};
 pub use card::MAX_RETAINED_CARD_BYTES;
 pub use entries::{Change, Entries};
-pub use fleet::{DiscoveredWorker, Exclusion, Fleet, Publisher, PublisherKey, Topic};
+pub use fleet::{
+    DiscoveredWorker, Exclusion, Fleet, MAX_DATA_PARALLEL_SIZE, MAX_NAME_BYTES, MAX_PATH_BYTES, Publisher,
+    PublisherKey, Topic,
+};
 pub use join::{component_role, resolve_role};
 pub use reducer::{KeyValue, MAX_RECORD_BYTES, Reducer, WatchEvent};
 pub use store::MAX_RECORDS_PER_KEYSPACE;

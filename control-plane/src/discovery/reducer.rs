@@ -253,7 +253,7 @@ impl Reducer {
             tracing::warn!(
                 worker = %key,
                 %exclusion,
-                "Dynamo worker excluded: its component and model card disagree on its role"
+                "Dynamo worker excluded from routing"
             );
         }
         match next {

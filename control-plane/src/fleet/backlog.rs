@@ -75,6 +75,11 @@ pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
 pub const IN_FLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
 /// Outstanding dispatches one replica may hold in the book; more are refused and counted.
 pub const MAX_DISPATCHES_PER_REPLICA: usize = 65_536;
+/// A dispatch reported with more decode blocks than this (16 Mi tokens at 16 a block) is
+/// refused: no request is that long, and sums of it would drown every real one on its rank.
+pub const MAX_REPORTED_DECODE_BLOCKS: u64 = 1 << 20;
+/// A dispatch reported with more prompt tokens to prefill than this is refused, likewise.
+pub const MAX_REPORTED_PREFILL_TOKENS: u64 = 1 << 24;
 /// Backlog changes are published at most this often: short, so a burst spreads across replicas.
 pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
 /// A sample received this soon after a dispatch ended may still show its blocks: workers
@@ -128,9 +133,11 @@ impl BacklogBook {
         self.tx.try_send(Command::Report { replica, report, at: Instant::now() }).is_ok()
     }
 
-    pub fn replica_gone(&self, replica: u64) {
-        // Best effort: if the queue is full, the dispatches age out instead.
-        let _ = self.tx.try_send(Command::ReplicaGone { replica });
+    /// Forgets `replica`'s dispatches; waits for room in the queue, since a replica gone
+    /// unnoticed would weigh on its ranks until its dispatches aged out.
+    pub async fn replica_gone(&self, replica: u64) {
+        // The book's task ends only with the control plane, when nothing is left to forget.
+        let _ = self.tx.send(Command::ReplicaGone { replica }).await;
     }
 }
 
@@ -401,7 +408,7 @@ fn reported_rank(key: &pb::LoadKey) -> Option<RankKey> {
 
 /// Whether the fleet view has `key`'s worker, with that dp rank.
 fn in_fleet(state: &FleetState, key: &LoadKey) -> bool {
-    state.view().worker(&key.worker).is_some_and(|w| w.dp_ranks().any(|r| r == key.dp_rank))
+    state.view().worker(&key.worker).is_some_and(|w| w.serves_rank(key.dp_rank))
 }
 
 /// The book itself, driven by the task below: pure but for the [`ActiveIndex`] it shares.
@@ -439,7 +446,9 @@ impl Book {
             let Some(reported) = started.rank.as_ref() else { continue };
             let Some(key) = reported_rank(reported) else { continue };
             let held = self.per_replica.get(&replica).copied().unwrap_or_default();
-            if held >= MAX_DISPATCHES_PER_REPLICA || !self.admit(key, reported, state) {
+            let implausible = started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS
+                || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS;
+            if implausible || held >= MAX_DISPATCHES_PER_REPLICA || !self.admit(key, reported, state) {
                 self.refused += 1;
                 continue;
             }

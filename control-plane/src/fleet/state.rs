@@ -120,7 +120,7 @@ impl FleetState {
                 .rev()
                 .find(|w| w.key == key.worker)
                 .or_else(|| if removed.contains(&key.worker) { None } else { view.worker(&key.worker) });
-            worker.is_some_and(|w| w.dp_ranks().any(|r| r == key.dp_rank))
+            worker.is_some_and(|w| w.serves_rank(key.dp_rank))
         };
         // Ranks an upserted worker gives up lose their samples and backlogs explicitly, so that
         // a merged delta (for a replica catching up) drops them as the sequence did.
@@ -157,7 +157,7 @@ fn given_up_ranks(view: &FleetView, upserted: &[Arc<Worker>]) -> Vec<LoadKey> {
     let mut given_up = Vec::new();
     for worker in upserted {
         let Some(held) = view.worker(&worker.key) else { continue };
-        for dp_rank in held.dp_ranks().filter(|r| !worker.dp_ranks().any(|n| n == *r)) {
+        for dp_rank in held.dp_ranks().filter(|r| !worker.serves_rank(*r)) {
             given_up.push(LoadKey { worker: worker.key.clone(), dp_rank });
         }
     }

@@ -145,7 +145,7 @@ impl Fleet for FleetService {
                 () = shutdown.cancelled() => {}
             }
             replicas.remove(id);
-            book.replica_gone(id);
+            book.replica_gone(id).await;
             metrics.replicas_connected.dec();
             tracing::info!(replica = %status.replica_id, "replica disconnected");
         });

@@ -126,7 +126,14 @@ impl Session {
                 },
             };
             match event {
-                Event::Inbound(Ok(Some(request))) => self.on_request(request),
+                Event::Inbound(Ok(Some(request))) => {
+                    if let Err(status) = self.on_request(request) {
+                        tracing::warn!(replica = %self.status.replica_id, %status, "ending the replica's session");
+                        // Best effort: the stream ends either way, and the replica reconnects.
+                        let _ = self.outbound.try_send(Err(status));
+                        return;
+                    }
+                }
                 Event::Inbound(Ok(None)) => return,
                 Event::Inbound(Err(status)) => {
                     tracing::debug!(replica = %self.status.replica_id, %status, "watch stream ended");
@@ -181,7 +188,8 @@ impl Session {
         Some(pb::FleetUpdate { version, nonce, body: Some(body), reports_folded })
     }
 
-    fn on_request(&mut self, request: pb::WatchRequest) {
+    /// Takes one message from the replica; an error ends the session with that status.
+    fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Status> {
         match request.kind {
             Some(Kind::Ack(ack)) => {
                 self.metrics.replica_replies.with_label_values(&["ack"]).inc();
@@ -192,6 +200,12 @@ impl Session {
                 self.credit_prefixes(&mut report);
                 if !self.book.report(self.session_id, report) {
                     self.metrics.dispatch_reports_dropped.inc();
+                    // The replica counts on the sums holding every operation up to the last one
+                    // folded; with one missing they never would. A new session starts both
+                    // sides over: the book forgets this one's dispatches, the replica its queue.
+                    return Err(Status::resource_exhausted(
+                        "the control plane fell behind folding dispatch reports and dropped one; reconnect",
+                    ));
                 }
             }
             Some(Kind::Hello(_)) | None => {
@@ -199,6 +213,7 @@ impl Session {
             }
         }
         self.record_queue_depth();
+        Ok(())
     }
 
     /// Credits each started dispatch's prefix chain to its rank, and moves the reservation of

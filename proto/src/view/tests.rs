@@ -117,7 +117,7 @@ fn delta_for(view: &FleetView, op: &Op) -> Option<FleetDelta> {
         // control plane's do, so that a merged delta drops them too.
         Op::Upsert(id, dp) => {
             let next = worker(id, dp);
-            let given_up = |k: &LoadKey| k.worker == next.key && !next.dp_ranks().any(|r| r == k.dp_rank);
+            let given_up = |k: &LoadKey| k.worker == next.key && !next.serves_rank(k.dp_rank);
             FleetDelta {
                 loads_removed: view.loads().keys().filter(|k| given_up(k)).cloned().collect(),
                 backlogs_removed: view.backlogs().keys().filter(|k| given_up(k)).cloned().collect(),

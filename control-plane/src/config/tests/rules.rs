@@ -100,6 +100,7 @@ fn discovery_rows() -> Vec<Row> {
         row("static role required", static_workers("[{instance_id: 1, model: m}]"), Error, "dynamo.discovery.static.workers[0].role", "required"),
         row("static role unknown", static_workers("[{instance_id: 1, role: prefil, model: m}]"), Error, "dynamo.discovery.static.workers[0].role", "unknown variant"),
         row("static model required", static_workers("[{instance_id: 1, role: prefill}]"), Error, "dynamo.discovery.static.workers[0].model", "model"),
+        row("static dp_size bounded", static_workers("[{instance_id: 1, role: decode, model: m, dp_size: 1025}]"), Error, "dynamo.discovery.static.workers[0].dp_size", "at most 1024"),
         row("static workers bounded", static_workers(&list(16_385, |i| format!("{{instance_id: {}, role: decode, model: m}}", i + 1))), Error, "dynamo.discovery.static.workers", "at most 16384"),
         row("static workers ignored by other sources", "dynamo: {discovery: {static: {workers: [{instance_id: 1, role: decode, model: m}]}}}", Warning, "dynamo.discovery.static.workers", "ignored"),
         row("instance_id negative", static_workers("[{instance_id: -5, role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[0].instance_id", "negative"),

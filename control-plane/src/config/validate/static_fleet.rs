@@ -8,6 +8,7 @@ use super::Report;
 use super::names::check_namespace;
 use crate::config::Config;
 use crate::config::discovery::{DiscoverySource, StaticWorkerConfig};
+use crate::discovery::MAX_DATA_PARALLEL_SIZE;
 
 /// The same ceiling the discovery reducer puts on records per keyspace.
 pub const MAX_STATIC_WORKERS: usize = 16_384;
@@ -72,5 +73,8 @@ fn check_worker(path: &str, worker: &StaticWorkerConfig, report: &mut Report) {
     }
     if worker.block_size == Some(0) {
         report.error(format!("{path}.block_size"), "must be greater than zero");
+    }
+    if worker.dp_size > MAX_DATA_PARALLEL_SIZE {
+        report.error(format!("{path}.dp_size"), format!("is {}; at most {MAX_DATA_PARALLEL_SIZE}", worker.dp_size));
     }
 }

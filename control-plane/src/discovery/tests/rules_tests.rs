@@ -1,7 +1,7 @@
 //! The rules that decide what becomes a worker and how its records join.
 
 use continuum_proto::model::{Capacity, Role};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::super::{EventKind, Exclusion};
 use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key, kv, role_of, t};
@@ -248,4 +248,42 @@ fn last_updated_follows_the_latest_record_while_first_seen_stays() {
     sim.apply(super::WatchEvent::Put(card));
     let times = sim.worker(ID).map(|w| (w.first_seen, w.last_updated));
     assert_eq!(times, Some((t(2), t(3))));
+}
+
+#[test]
+fn a_worker_whose_records_no_real_worker_has_is_listed_bare_and_never_routed() {
+    use crate::discovery::{MAX_DATA_PARALLEL_SIZE, MAX_NAME_BYTES};
+    let long_name = "m".repeat(MAX_NAME_BYTES + 1);
+    let cases: [(&str, Value, Option<Exclusion>); 4] = [
+        ("data_parallel_size", json!(MAX_DATA_PARALLEL_SIZE), None),
+        ("data_parallel_size", json!(u32::MAX), Some(Exclusion::TooManyRanks { declared: u32::MAX })),
+        (
+            "disaggregated_endpoint",
+            json!(long_name),
+            Some(Exclusion::OversizedField { field: "disaggregated endpoint", bytes: MAX_NAME_BYTES + 1 }),
+        ),
+        (
+            "display_name",
+            json!(long_name),
+            Some(Exclusion::OversizedField { field: "model name", bytes: MAX_NAME_BYTES + 1 }),
+        ),
+    ];
+    for (field, value, excluded) in cases {
+        let mut card = card_json("decode");
+        match field {
+            "display_name" => card[field] = value,
+            _ => card["runtime_config"][field] = value,
+        }
+        let mut sim = Sim::new();
+        sim.put(card_key(NS, "decode", ID), &card_value("decode", json!(ID), card));
+        sim.put(instance_key(NS, "decode", "generate", ID), &endpoint_value("decode", "generate", json!(ID)));
+        let Some(worker) = sim.worker(ID) else { panic!("{field}: the worker is listed") };
+        assert_eq!(worker.excluded, excluded, "{field}");
+        assert_eq!(sim.fleet().routable().count(), usize::from(excluded.is_none()), "{field}: routable");
+        if excluded.is_some() {
+            let bare = &worker.worker;
+            assert_eq!((bare.dp_ranks().count(), bare.model.len(), bare.role), (1, 0, Role::Decode), "{field}");
+            assert!(bare.disaggregated_endpoint.is_none() && bare.artifacts.is_none(), "{field}");
+        }
+    }
 }

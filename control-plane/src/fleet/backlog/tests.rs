@@ -332,6 +332,23 @@ fn a_replica_holds_a_bounded_number_of_dispatches() {
     assert_eq!(book.refused, 10);
 }
 
+#[test]
+fn a_dispatch_no_request_could_be_is_refused_and_leaves_the_others_sums_whole() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    book.report(1, report(vec![started(1, 0, 160)], vec![]), t0, &state);
+    let absurd = [
+        pb::DispatchStarted { decode_blocks: u64::MAX, ..started(1, 0, 16) },
+        pb::DispatchStarted { prefill_tokens: MAX_REPORTED_PREFILL_TOKENS + 1, ..started(2, 0, 16) },
+    ];
+    book.report(2, report(absurd.to_vec(), vec![]), t0, &state);
+    assert_eq!(book.refused, 2);
+    book.report(2, report(vec![], vec![1, 2]), t0, &state);
+    let change = book.take_change(t0);
+    assert_eq!(sums(&change), [(0, 160, 10, 1, None)], "the first replica's dispatch is still counted whole");
+}
+
 /// A dispatch of `hashes.len()` full blocks and a partial one, its chain reported.
 fn chained(id: u64, hashes: &[u64]) -> pb::DispatchStarted {
     let blocks = hashes.len() as u64 + 1;
