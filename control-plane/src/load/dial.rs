@@ -6,8 +6,10 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
+use socket2::{SockRef, TcpKeepalive};
 use tokio::net::TcpStream;
 
+use super::zmtp::{KEEPALIVE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES};
 use crate::config::Cidr;
 
 #[derive(Debug, thiserror::Error)]
@@ -59,7 +61,7 @@ pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> R
         }
         let mut last = None;
         for addr in permitted {
-            match TcpStream::connect(addr).await {
+            match TcpStream::connect(addr).await.and_then(keep_alive) {
                 Ok(stream) => return Ok(stream),
                 Err(error) => last = Some(error),
             }
@@ -67,6 +69,15 @@ pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> R
         Err(DialError::Connect(last.unwrap_or_else(|| std::io::ErrorKind::NotConnected.into())))
     };
     tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(DialError::Timeout(timeout)))
+}
+
+/// Turns TCP keepalive on: a publisher may stay silent for hours by design, and without probes
+/// a connection whose peer vanished (a partition, an expired NAT entry) would look alive forever.
+fn keep_alive(stream: TcpStream) -> std::io::Result<TcpStream> {
+    let probes =
+        TcpKeepalive::new().with_time(KEEPALIVE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_PROBES);
+    SockRef::from(&stream).set_tcp_keepalive(&probes)?;
+    Ok(stream)
 }
 
 #[cfg(test)]
@@ -104,7 +115,10 @@ mod tests {
         let refused = dial(&format!("tcp://localhost:{port}"), Some(&allow), Duration::from_secs(2)).await;
         assert!(matches!(refused, Err(DialError::NotAllowed(_))), "{refused:?}");
         let loopback: Vec<Cidr> = vec!["127.0.0.0/8".parse().unwrap()];
-        dial(&format!("tcp://127.0.0.1:{port}"), Some(&loopback), Duration::from_secs(2)).await.unwrap();
+        let dialled = dial(&format!("tcp://127.0.0.1:{port}"), Some(&loopback), Duration::from_secs(2)).await.unwrap();
         let (_accepted, _) = listener.accept().await.unwrap();
+        let socket = SockRef::from(&dialled);
+        assert!(socket.keepalive().unwrap(), "a silent publisher's connection is probed");
+        assert_eq!(socket.tcp_keepalive_time().unwrap(), KEEPALIVE);
     }
 }

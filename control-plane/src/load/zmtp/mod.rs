@@ -19,7 +19,11 @@
 //! | [`READ_BUFFER_BYTES`] / [`WRITE_BUFFER_BYTES`] | 2 KiB / 64 B | same | the greeting is exactly 64 B |
 //! | [`CONNECT_TIMEOUT`] | 10 s | 10 s | resolving the host and the TCP connect |
 //! | [`HANDSHAKE_TIMEOUT`] | 10 s | 10 s | greeting, READY both ways and the subscription (slowloris) |
+//! | [`MESSAGE_TIMEOUT`] | 30 s | 30 s | a message's first byte to its last (slowloris, after the handshake) |
 //!
+//! Between messages a session waits without a deadline (publishers speak when something
+//! changes); the dialled connection keeps TCP keepalive on ([`KEEPALIVE`]), so a peer gone
+//! without a word (a partition, an expired NAT entry) ends the session within about a minute.
 //! A frame over `max_frame_bytes` (or a message over `max_message_bytes`, or a fifth frame) is
 //! not buffered: its bytes are read through the 2 KiB read buffer and dropped, and the message is
 //! reported as [`Dropped`], so one bad message does not end a healthy session. A declared length
@@ -51,6 +55,13 @@ pub const WRITE_BUFFER_BYTES: usize = 64;
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// From the connection to the subscription being sent.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// From a message's first byte to its last.
+pub const MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
+/// TCP keepalive on a dialled publisher: the first probe after this long idle, then one every
+/// [`KEEPALIVE_INTERVAL`], [`KEEPALIVE_PROBES`] unanswered ones ending the connection.
+pub const KEEPALIVE: Duration = Duration::from_secs(30);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+pub const KEEPALIVE_PROBES: u32 = 3;
 /// Dynamo's frame header before the envelope: version byte and u32 length.
 pub const DYNAMO_FRAME_HEADER_BYTES: usize = 5;
 /// The largest kv_metrics envelope (the seed's 16 KiB).
@@ -74,6 +85,9 @@ pub struct ZmtpLimits {
     pub max_discard_bytes: u64,
     pub connect_timeout: Duration,
     pub handshake_timeout: Duration,
+    /// From a message's first byte to its last: a publisher that starts a message and stalls
+    /// would hold its buffer, and the subscription, for as long as it chose.
+    pub message_timeout: Duration,
 }
 
 impl ZmtpLimits {
@@ -90,6 +104,7 @@ impl ZmtpLimits {
             max_discard_bytes,
             connect_timeout: CONNECT_TIMEOUT,
             handshake_timeout: HANDSHAKE_TIMEOUT,
+            message_timeout: MESSAGE_TIMEOUT,
         }
     }
 
@@ -116,6 +131,8 @@ pub enum ZmtpError {
     FrameTooLarge { declared: u64, ceiling: u64 },
     #[error("the publisher sent ERROR: {0}")]
     PeerError(String),
+    #[error("a message began but was not whole within {0:?}")]
+    MessageTimeout(Duration),
 }
 
 impl ZmtpError {

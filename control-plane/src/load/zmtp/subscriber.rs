@@ -50,6 +50,14 @@ impl<'a> Message<'a> {
     }
 }
 
+/// What [`ZmtpSubscriber::frames_of_next`] read.
+enum Next {
+    /// A command, answered; the message is still to come.
+    Command,
+    /// A whole message, or why it was dropped unread.
+    Message(Option<Dropped>),
+}
+
 /// A subscribed ZMTP session.
 #[derive(Debug)]
 pub struct ZmtpSubscriber<S> {
@@ -120,8 +128,28 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
         Ok(())
     }
 
-    /// The next message. Commands in between are answered (PING) or ignored.
+    /// The next message. Commands in between are answered (PING) or ignored. The wait for a
+    /// message's first byte is not bounded; from it, the whole message must arrive within
+    /// [`ZmtpLimits::message_timeout`].
     pub async fn recv(&mut self) -> Result<Incoming<'_>, ZmtpError> {
+        let deadline = self.limits.message_timeout;
+        let dropped = loop {
+            self.fill().await?;
+            match tokio::time::timeout(deadline, self.frames_of_next()).await {
+                Err(_) => return Err(ZmtpError::MessageTimeout(deadline)),
+                Ok(Err(error)) => return Err(error),
+                Ok(Ok(Next::Command)) => continue,
+                Ok(Ok(Next::Message(dropped))) => break dropped,
+            }
+        };
+        Ok(match dropped {
+            Some(reason) => Incoming::Dropped(reason),
+            None => Incoming::Message(Message { bytes: self.message.as_slice(), frames: &self.frames }),
+        })
+    }
+
+    /// Reads the frames of the next message, or one command before it.
+    async fn frames_of_next(&mut self) -> Result<Next, ZmtpError> {
         self.message.reset();
         self.frames.clear();
         let mut dropped = None;
@@ -130,6 +158,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
             let (header, size) = self.frame_header().await?;
             if header.command {
                 self.command(size).await?;
+                if index == 0 {
+                    return Ok(Next::Command);
+                }
                 continue;
             }
             match self.admit(index, size)? {
@@ -147,13 +178,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
             }
             index += 1;
             if !header.more {
-                break;
+                return Ok(Next::Message(dropped));
             }
         }
-        Ok(match dropped {
-            Some(reason) => Incoming::Dropped(reason),
-            None => Incoming::Message(Message { bytes: self.message.as_slice(), frames: &self.frames }),
-        })
     }
 
     /// Whether frame `index` of `size` bytes may be buffered: `Some` to drop it unread, an

@@ -164,6 +164,35 @@ async fn a_long_first_frame_is_not_a_topic_we_buffer() {
     assert!(next_message(&mut session).await.is_ok());
 }
 
+/// Publishers speak when something changes: a long silence between messages, or after a PING,
+/// is no fault. A message begun and left unfinished is.
+#[tokio::test(start_paused = true)]
+async fn a_message_must_arrive_whole_within_its_deadline_but_silence_between_messages_is_no_fault() {
+    let mut ping = vec![4];
+    ping.extend_from_slice(b"PING");
+    ping.extend_from_slice(&[0, 10]);
+    let (session, mut peer) = subscriber(&command(&ping)).await;
+    let mut session = session.unwrap();
+    let whole = kv_message(1);
+    let sender = tokio::spawn(async move {
+        tokio::time::sleep(MESSAGE_TIMEOUT * 10).await;
+        peer.write_all(&whole).await?;
+        // The next message stops a few bytes in, and never goes on.
+        let half = kv_message(2);
+        peer.write_all(&half[..half.len() / 2]).await?;
+        tokio::time::sleep(MESSAGE_TIMEOUT * 10).await;
+        std::io::Result::Ok(peer)
+    });
+    let frames = next_message(&mut session).await.unwrap();
+    assert_eq!(frames[2], [0, 0, 0, 0, 0, 0, 0, 1], "the message after a long silence arrives");
+    let started = tokio::time::Instant::now();
+    let stalled = session.recv().await.err();
+    assert!(matches!(stalled, Some(ZmtpError::MessageTimeout(_))), "{stalled:?}");
+    assert!(started.elapsed() >= MESSAGE_TIMEOUT && started.elapsed() < MESSAGE_TIMEOUT * 2);
+    assert!(stalled.is_some_and(|e| e.is_violation()), "counted as the publisher's fault");
+    sender.abort();
+}
+
 #[tokio::test]
 async fn an_endless_greeting_times_out() {
     let (ours, mut peer) = duplex(PIPE_BYTES);
