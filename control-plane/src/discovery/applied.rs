@@ -70,6 +70,7 @@ impl fmt::Display for EventKind {
 pub struct Applied {
     counts: [u64; EventKind::ALL.len()],
     changed: bool,
+    relist: bool,
 }
 
 impl Applied {
@@ -85,6 +86,16 @@ impl Applied {
     /// Whether [`super::Reducer::fleet`] differs from before the event.
     pub fn fleet_changed(&self) -> bool {
         self.changed
+    }
+
+    /// Whether keys once refused for a full keyspace may fit now: Dynamo writes a key once, so
+    /// they come back only by listing the keyspaces again.
+    pub fn relist_wanted(&self) -> bool {
+        self.relist
+    }
+
+    pub(super) fn want_relist(&mut self) {
+        self.relist = true;
     }
 
     pub(super) fn add(&mut self, kind: EventKind) {

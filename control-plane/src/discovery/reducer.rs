@@ -64,6 +64,8 @@ pub struct Reducer {
     /// The materialised fleet, kept up to date per identity; `fleet()` hands out a clone.
     fleet: Fleet,
     capacity_warned: [bool; Keyspace::ALL.len()],
+    /// Keyspaces that refused a key for want of room since they were last listed.
+    refused: [bool; Keyspace::ALL.len()],
 }
 
 /// The bookkeeping of one event: counts, and the identities whose claimants changed.
@@ -94,6 +96,7 @@ impl Reducer {
             conflicts: Conflicts::default(),
             fleet: Fleet::default(),
             capacity_warned: [false; Keyspace::ALL.len()],
+            refused: [false; Keyspace::ALL.len()],
         }
     }
 
@@ -150,8 +153,11 @@ impl Reducer {
             pass.applied.add(EventKind::Oversized);
             return;
         }
-        if previous.is_none() && !self.has_room(keyspace, &etcd_key) {
+        // A key already held gave its room back above; during a resync nothing is held yet, so
+        // every key, one held before included, must fit.
+        if (previous.is_none() || prior.is_some()) && !self.has_room(keyspace, &etcd_key) {
             pass.applied.add(EventKind::OverCapacity);
+            self.refused[keyspace.index()] = true;
             return;
         }
         let parsed = records::parse(&key, &kv.value, kv.lease);
@@ -173,14 +179,22 @@ impl Reducer {
         pass.applied.add(EventKind::Delete);
         if let Some(entry) = self.store.remove(key.keyspace, &etcd_key) {
             pass.touch(&entry);
+            let refused = &mut self.refused[key.keyspace.index()];
+            if std::mem::take(refused) {
+                pass.applied.want_relist();
+            }
         }
     }
 
     fn resync(&mut self, kvs: Vec<KeyValue>, now: SystemTime, pass: &mut Pass) {
         pass.applied.add(EventKind::Resync);
+        self.refused = [false; Keyspace::ALL.len()];
         let mut prior = std::mem::take(&mut self.store);
         pass.touched.extend(prior.identities().cloned());
-        for kv in kvs {
+        // Keys held before go first: a full keyspace keeps the workers it had, and new keys
+        // take only the room left.
+        let (held, new): (Vec<_>, Vec<_>) = kvs.into_iter().partition(|kv| prior.holds(&kv.key));
+        for kv in held.into_iter().chain(new) {
             self.put(kv, now, Some(&mut prior), pass);
         }
     }

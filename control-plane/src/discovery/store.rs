@@ -142,6 +142,12 @@ impl Store {
         self.map(keyspace).len() >= MAX_RECORDS_PER_KEYSPACE
     }
 
+    /// Whether any keyspace holds `key`, as etcd spells it.
+    pub fn holds(&self, key: &[u8]) -> bool {
+        let Ok(key) = std::str::from_utf8(key) else { return false };
+        self.keyspaces.iter().any(|map| map.contains_key(key))
+    }
+
     /// Holds `entry` at `key`, which the caller has removed first.
     pub fn insert(&mut self, keyspace: Keyspace, key: EtcdKey, entry: Entry) {
         if let Some(identity) = entry.identity() {

@@ -40,6 +40,8 @@ pub enum PassError {
     Compacted(i64),
     #[error("a watch stream ended")]
     Ended,
+    #[error("a full discovery keyspace has room again; listing it anew for the keys it refused")]
+    RoomFreed,
 }
 
 /// The prefixes watched for one Dynamo namespace: instances, model cards, event channels, and
@@ -128,6 +130,10 @@ async fn pass(
             let applied = reducer.apply(folded, now);
             changed |= applied.fleet_changed();
             count(&applied, metrics);
+            if applied.relist_wanted() {
+                registry.publish(reducer.fleet());
+                return Err(PassError::RoomFreed);
+            }
         }
         // Heartbeat re-puts change nothing; only a changed fleet is rebuilt and published.
         if changed {

@@ -95,10 +95,13 @@ fn a_full_keyspace_refuses_new_keys_but_updates_held_ones() {
     let other_keyspace = sim.put(card_key(NS, "decode", 7), &card_value("decode", json!(7), card_json("decode")));
     assert_eq!(counts(&other_keyspace), vec![(EventKind::Put, 1)], "each keyspace has its own bound");
 
-    sim.delete(key(1));
+    assert!(!updated.relist_wanted() && !refused.relist_wanted());
+    let freed = sim.delete(key(1));
+    assert!(freed.relist_wanted(), "Dynamo writes a key once: what was refused comes back only by listing again");
     let admitted = sim.put(key(full + 1), &value(full + 1));
     assert_eq!(counts(&admitted), vec![(EventKind::Put, 1)], "a deleted key frees room");
     assert!(sim.worker(full + 1).is_some());
+    assert!(!sim.delete(key(2)).relist_wanted(), "nothing was refused since");
 }
 
 #[test]
@@ -112,4 +115,24 @@ fn a_resync_larger_than_the_keyspace_keeps_the_first_keys() {
     let applied = sim.apply(super::WatchEvent::Resync(kvs));
     assert_eq!(applied.count(EventKind::OverCapacity), 2);
     assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE);
+}
+
+#[test]
+fn a_resync_of_a_full_keyspace_keeps_the_keys_held_and_stays_within_the_bound() {
+    let mut sim = Sim::new();
+    let full = MAX_RECORDS_PER_KEYSPACE as u64;
+    let kv = |id: u64| {
+        super::kv(instance_key(NS, "decode", "generate", id), &endpoint_value("decode", "generate", json!(id)))
+    };
+    let held: Vec<_> = (1..=full).map(kv).collect();
+    sim.apply(super::WatchEvent::Resync(held));
+    // The resync after a reconnect lists keys the store has never held before the ones it holds,
+    // as a second namespace sorted first would.
+    let newcomers = (full + 1..=full + 100).map(kv);
+    let relisted = newcomers.chain((1..=full).map(kv)).collect();
+    let applied = sim.apply(super::WatchEvent::Resync(relisted));
+    assert_eq!(applied.count(EventKind::OverCapacity), 100, "the newcomers are refused");
+    assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE, "the bound holds across the resync");
+    assert!(sim.worker(1).is_some() && sim.worker(full).is_some(), "the workers held are kept");
+    assert!(sim.worker(full + 1).is_none());
 }
