@@ -31,6 +31,6 @@ async fn serve(state: &AppState, disclose: bool, body: Bytes) -> Result<Response
     let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
     let routed = select::route(state, &view, &request).await?;
     // Upstream request and relay.
-    let body = request.outbound(routed.token_data)?;
+    let body = request.outbound(routed.token_data).await?;
     Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, route: routed.route }).await?)
 }

@@ -5,6 +5,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::Value;
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::routing::headers::{attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
@@ -12,6 +13,16 @@ use crate::routing::picker::PromptText;
 /// The largest request body accepted (the server refuses larger ones before reading them):
 /// long multi-turn prompts with inline images fit.
 pub const MAX_REQUEST_BODY_BYTES: usize = 8 << 20;
+/// Bytes of bodies whose JSON trees may be built or held at once, process-wide. A tree takes up
+/// to about sixteen times its body (`[0,0,…]` is two bytes an element, a `Value` 32), so
+/// without a bound a few hundred concurrent large bodies would take gigabytes; past it, a
+/// request waits for the trees ahead of it. Four bodies of the largest size fit at once.
+pub const MAX_TREE_BYTES_IN_FLIGHT: usize = 4 * MAX_REQUEST_BODY_BYTES;
+
+static TREES: Semaphore = Semaphore::const_new(MAX_TREE_BYTES_IN_FLIGHT);
+
+/// Room for one JSON tree under [`MAX_TREE_BYTES_IN_FLIGHT`], given back when dropped.
+pub type TreeRoom = Option<SemaphorePermit<'static>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
@@ -80,19 +91,24 @@ impl ChatRequest {
         Ok(Self { raw, model, stream, prompt_estimate, has_nvext: members.nvext.is_some() })
     }
 
-    /// The body as a JSON tree, parsed anew (KV rendering reads it).
-    pub fn tree(&self) -> Result<Value, RequestError> {
-        serde_json::from_slice(&self.raw).map_err(RequestError::Json)
+    /// The body as a JSON tree, parsed anew (KV rendering reads it), once there is room for
+    /// it under [`MAX_TREE_BYTES_IN_FLIGHT`]; the room is held as long as the permit.
+    pub async fn tree(&self) -> Result<(Value, TreeRoom), RequestError> {
+        // A body is at most MAX_REQUEST_BODY_BYTES, well within the budget and a u32. The
+        // budget is never closed, so the room is always granted.
+        let bytes = u32::try_from(self.raw.len().min(MAX_TREE_BYTES_IN_FLIGHT)).unwrap_or(u32::MAX);
+        let room = TREES.acquire_many(bytes).await.ok();
+        Ok((serde_json::from_slice(&self.raw).map_err(RequestError::Json)?, room))
     }
 
     /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
     /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
     /// forwarded byte for byte, without re-serializing it.
-    pub fn outbound(&self, token_data: Option<Vec<u32>>) -> Result<Bytes, RequestError> {
+    pub async fn outbound(&self, token_data: Option<Vec<u32>>) -> Result<Bytes, RequestError> {
         if !self.has_nvext && token_data.is_none() {
             return Ok(self.raw.clone());
         }
-        let mut body = self.tree()?;
+        let (mut body, _room) = self.tree().await?;
         strip_body_routing(&mut body);
         if let Some(tokens) = token_data {
             attach_token_data(&mut body, tokens);
@@ -109,41 +125,56 @@ mod tests {
         ChatRequest::parse(Bytes::from(text.to_string())).map_err(|e| e.to_string())
     }
 
-    #[test]
-    fn reads_model_stream_and_prompt_size_and_keeps_the_body_whole() {
+    #[tokio::test]
+    async fn reads_model_stream_and_prompt_size_and_keeps_the_body_whole() {
         let text = r#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"nvext":{"x":1}}"#;
         let request = parse(text).unwrap();
         assert_eq!((request.model.as_str(), request.stream, request.prompt_estimate), ("qwen", true, 2 + 2));
-        assert_eq!(request.tree().unwrap()["nvext"]["x"], 1);
+        assert_eq!(request.tree().await.unwrap().0["nvext"]["x"], 1);
         assert!(!parse(r#"{"model":"m","messages":[{}],"stream":null}"#).unwrap().stream);
         let prompt_fields =
             r#"{"model":"m","messages":[{"content":"abcdefgh"}],"system":"abcd","tools":[{"n":"abcd"}]}"#;
         assert_eq!(parse(prompt_fields).unwrap().prompt_estimate, 2 + 2 + 2);
     }
 
-    #[test]
-    fn a_body_without_routing_fields_goes_out_byte_for_byte() {
+    #[tokio::test]
+    async fn a_body_without_routing_fields_goes_out_byte_for_byte() {
         // Spacing and member order as the client wrote them: nothing was re-serialized.
         let text = r#"{ "messages": [{"role":"user","content":"hi"}],  "model":"m", "nvext_like": 1 }"#;
         let request = parse(text).unwrap();
-        assert_eq!(request.outbound(None).unwrap(), text.as_bytes());
+        assert_eq!(request.outbound(None).await.unwrap(), text.as_bytes());
     }
 
-    #[test]
-    fn a_body_with_nvext_goes_out_stripped_and_with_token_data_when_given() {
+    #[tokio::test]
+    async fn a_body_with_nvext_goes_out_stripped_and_with_token_data_when_given() {
         let text = r#"{"model":"m","messages":[{}],"nvext":{"backend_instance_id":7,"token_data":[9],"extra_fields":["worker_id"]}}"#;
         let request = parse(text).unwrap();
-        let out: Value = serde_json::from_slice(&request.outbound(None).unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&request.outbound(None).await.unwrap()).unwrap();
         assert_eq!(out["nvext"], serde_json::json!({"extra_fields": ["worker_id"]}));
-        let out: Value = serde_json::from_slice(&request.outbound(Some(vec![1, 2])).unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&request.outbound(Some(vec![1, 2])).await.unwrap()).unwrap();
         assert_eq!(out["nvext"]["token_data"], serde_json::json!([1, 2]), "the router's tokens, not the client's");
         // Escaped member names are names all the same.
         let escaped = parse(r#"{"model":"m","messages":[{}],"nv\u0065xt":{"backend_instance_id":7}}"#).unwrap();
-        let out: Value = serde_json::from_slice(&escaped.outbound(None).unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&escaped.outbound(None).await.unwrap()).unwrap();
         assert!(out.get("nvext").is_none(), "{out}");
         let plain = parse(r#"{"model":"m","messages":[{}]}"#).unwrap();
-        let out: Value = serde_json::from_slice(&plain.outbound(Some(vec![3])).unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&plain.outbound(Some(vec![3])).await.unwrap()).unwrap();
         assert_eq!(out["nvext"]["token_data"], serde_json::json!([3]));
+    }
+
+    #[tokio::test]
+    async fn trees_wait_for_room_under_the_budget() {
+        let large =
+            parse(&format!(r#"{{"model":"m","messages":[{{}}],"pad":"{}"}}"#, "x".repeat(MAX_REQUEST_BODY_BYTES - 64)))
+                .unwrap();
+        let mut held = Vec::new();
+        for _ in 0..MAX_TREE_BYTES_IN_FLIGHT / MAX_REQUEST_BODY_BYTES {
+            held.push(large.tree().await.unwrap());
+        }
+        let waiting = tokio::time::timeout(std::time::Duration::from_millis(50), large.tree()).await;
+        assert!(waiting.is_err(), "a fifth large tree waits while four are held");
+        held.pop();
+        assert!(large.tree().await.is_ok(), "and is built once one is let go");
     }
 
     #[test]

@@ -48,16 +48,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
     let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
     let term = match kv {
-        Some(kv) => Some(match request.tree() {
-            // Boxed: rendering and the lookup take milliseconds, and inline this future would
-            // double the size of every request's, load-only ones too.
-            Ok(body) => {
-                let contenders = prefill_contenders(state, kv, view, display);
-                Box::pin(kv.routing.term(view, display, &body, &contenders)).await
-            }
-            // Not for a body the ingress accepted; scored on load alone if it ever happens.
-            Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),
-        }),
+        // Boxed: rendering and the lookup take milliseconds, and inline this future would
+        // double the size of every request's, load-only ones too.
+        Some(kv) => Some(Box::pin(kv_term(state, kv, view, display, request)).await),
         None => None,
     };
     // Rendering and the index lookup take milliseconds: the pick runs on the clock and the
@@ -107,6 +100,19 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
     let token_data = tokens.filter(|_| config.picker.send_token_data);
     Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })
+}
+
+/// The KV term of `request`: its body rendered, tokenized and looked up in the control plane's
+/// index. The body's JSON tree is held, under the process's tree budget, while that runs.
+async fn kv_term(state: &AppState, kv: &KvSelection, view: &FleetView, display: &str, request: &ChatRequest) -> Term {
+    match request.tree().await {
+        Ok((body, _room)) => {
+            let contenders = prefill_contenders(state, kv, view, display);
+            kv.routing.term(view, display, &body, &contenders).await
+        }
+        // Not for a body the ingress accepted; scored on load alone if it ever happens.
+        Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),
+    }
 }
 
 /// The ranks that would prefill a request for `model` on `view`, named in its lookup.
