@@ -56,6 +56,12 @@ pub enum DecodeError {
 }
 
 impl DecodeError {
+    /// Whether the message was the publisher's kv-events, refused: its events are lost. A
+    /// message of another topic or naming another publisher was not this stream's to lose.
+    pub const fn loses_events(self) -> bool {
+        !matches!(self, DecodeError::TopicMismatch | DecodeError::IdentityMismatch)
+    }
+
     pub const ALL: [DecodeError; 7] = [
         DecodeError::Malformed,
         DecodeError::UnknownVersion,

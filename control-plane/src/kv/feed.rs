@@ -76,7 +76,13 @@ impl Feed for KvFeed {
     async fn message(&self, publisher: &Publisher, (): &mut (), message: Result<Message<'_>, Dropped>) {
         let message = match message {
             Ok(message) => message,
-            Err(Dropped::Oversized) => return self.count_one(KvEventResult::Oversized),
+            Err(Dropped::Oversized) => {
+                // Too large to read: a batch of this publisher's events, lost.
+                let mut counts = KvCounts::default();
+                counts.add(KvEventResult::Oversized);
+                self.indexer.write().message_lost(publisher.publisher_id, &mut counts);
+                return self.count(&counts);
+            }
             Err(Dropped::TooManyFrames) => return self.count_one(KvEventResult::Malformed),
             Err(Dropped::TopicTooLong) => return self.count_one(KvEventResult::TopicMismatch),
         };

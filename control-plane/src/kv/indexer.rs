@@ -85,8 +85,23 @@ impl KvIndexer {
             Err(refused) => {
                 let mut counts = KvCounts::default();
                 counts.add(refused.into());
+                if refused.loses_events() {
+                    self.message_lost(publisher.publisher_id, &mut counts);
+                }
                 counts
             }
+        }
+    }
+
+    /// A kv-events message of `publisher_id` was refused: its events, removals perhaps among
+    /// them, are lost. Every rank it speaks for is cleared as on a gap (counted as one), rather
+    /// than credited with blocks it may no longer hold until its next event shows the gap.
+    /// Cursors stay: the next event still finds the gap, on an already empty rank.
+    pub fn message_lost(&mut self, publisher_id: u64, counts: &mut KvCounts) {
+        let Some(publisher) = self.publishers.get(&publisher_id) else { return };
+        for rank in publisher.cursors.keys() {
+            self.index.clear_rank(*rank);
+            counts.add(KvEventResult::Gap);
         }
     }
 

@@ -184,6 +184,39 @@ fn a_missed_message_clears_the_rank_and_it_rebuilds_from_what_follows() -> anyho
     Ok(())
 }
 
+#[test]
+fn a_refused_message_clears_its_publishers_ranks_at_once() -> anyhow::Result<()> {
+    let short = kv_messages("agg/zmq-messages.jsonl")?;
+    let (mut indexer, _, model) = replay(&short)?;
+    let (publishers, _) = agg_discovery()?;
+    let (publisher, frames) = short.last().context("a message")?;
+    let mapping = publishers.get(publisher).context("its event source")?;
+    let lost_rank = decoded(frames, *publisher).events[0].dp_rank;
+    let rank = |dp_rank| RankKey { worker_id: mapping.worker_id, dp_rank };
+    let other = model.ranks.keys().find(|r| r.dp_rank != lost_rank).copied().context("the other rank")?;
+    let held = indexer.index().rank_blocks(other);
+    assert!(indexer.index().rank_blocks(rank(lost_rank)) > 0 && held > 0);
+
+    // The envelope cut short: not decodable, so whatever it said is lost.
+    let mut cut = frames.clone();
+    let last = cut.last_mut().context("frames")?;
+    last.truncate(last.len() / 2);
+    let counts = indexer.apply_message(mapping, cut.iter().map(Vec::as_slice));
+    assert_eq!(counts.get(KvEventResult::Malformed), 1, "{counts:?}");
+    assert_eq!(counts.get(KvEventResult::Gap), 1, "the publisher's one rank, cleared: {counts:?}");
+    assert_eq!(indexer.index().rank_blocks(rank(lost_rank)), 0);
+    assert_eq!(indexer.index().rank_blocks(other), held, "another publisher's rank is not its to lose");
+
+    // A message naming another publisher was never this stream's: nothing is cleared for it.
+    let (mut indexer, _, _) = replay(&short)?;
+    let (_, foreign) = short.iter().find(|(p, _)| p != publisher).context("the other publisher's message")?;
+    let counts = indexer.apply_message(mapping, foreign.iter().map(Vec::as_slice));
+    assert_eq!(counts.get(KvEventResult::IdentityMismatch), 1, "{counts:?}");
+    assert_eq!(counts.get(KvEventResult::Gap), 0, "{counts:?}");
+    assert!(indexer.index().rank_blocks(rank(lost_rank)) > 0);
+    Ok(())
+}
+
 const WORKER: u64 = 7_668_682_560_356_784_048;
 const PUBLISHER: PublisherMapping = PublisherMapping { publisher_id: 9, worker_id: WORKER, dp_rank: None };
 
