@@ -57,7 +57,7 @@ use std::time::{Duration, Instant};
 use continuum_kv_index::RankKey;
 use continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES;
 use continuum_proto::fast_hash::FastMap;
-use continuum_proto::model::{Backlog, Load, LoadKey, ReportsFolded};
+use continuum_proto::model::{Backlog, Load, LoadKey, ReportsFolded, Worker};
 use continuum_proto::pb;
 use prometheus::IntCounter;
 use tokio::sync::{mpsc, watch};
@@ -222,6 +222,9 @@ struct Rank {
     ended: VecDeque<Ended>,
     /// What was last published (without its time), so an unchanged sum is not streamed again.
     published: Option<Backlog>,
+    /// The worker as the view held it when last looked at: a new one (the worker removed and
+    /// added again, or changed) may hold none of what was published for the old.
+    worker: Option<Arc<Worker>>,
     /// Marked for the next publish check (its key is in the book's `dirty`).
     dirty: bool,
     timing: Timing,
@@ -239,10 +242,19 @@ struct Rank {
 }
 
 impl Rank {
+    /// Whether the view's worker for this rank is another than the one last seen (it was
+    /// removed and added again, or changed); remembers the one seen now.
+    fn worker_came_back(&mut self, state: &FleetState) -> bool {
+        let Some(current) = state.view().worker(&self.key.worker) else { return false };
+        let seen = self.worker.replace(Arc::clone(current));
+        seen.is_some_and(|seen| !Arc::ptr_eq(&seen, current))
+    }
+
     /// A new record starts from the sample the view holds now, so that sample's whole backlog
     /// counts as foreign until the next one.
     fn new(key: LoadKey, state: &FleetState) -> Self {
         let sample = state.view().loads().get(&key);
+        let worker = state.view().worker(&key.worker).cloned();
         let mut rank = Rank {
             key,
             dispatches: FastMap::default(),
@@ -252,6 +264,7 @@ impl Rank {
             last_end: None,
             ended: VecDeque::new(),
             published: None,
+            worker,
             dirty: false,
             timing: Timing::default(),
             ending: 0,
@@ -550,6 +563,12 @@ impl Book {
             }
             // Dispatches become "ending", and prefills progress, with time alone.
             if rank.refresh_timed(now) {
+                mark(&mut self.dirty, key, rank);
+            }
+            // A worker removed and added again comes back without the backlog published for
+            // it (the view drops a departed worker's): publish it anew, changed or not.
+            if rank.worker_came_back(state) {
+                rank.published = None;
                 mark(&mut self.dirty, key, rank);
             }
             let stale =

@@ -504,3 +504,26 @@ async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them
     assert!(until_published(&publisher, 0).await, "the tick publishes what the window held back");
     cancel.cancel();
 }
+
+#[test]
+fn a_worker_removed_and_added_again_gets_its_backlog_published_anew() {
+    let commit = |state: &FleetState, change: FleetChange| match state.commit(change) {
+        Some((state, _)) => state,
+        None => panic!("a change"),
+    };
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    book.report(1, report(vec![started(1, 0, 160)], vec![]), t0, &state);
+    let published = book.take_change(t0);
+    assert_eq!(sums(&published), [(0, 160, 10, 1, None)]);
+    let state = commit(&state, published);
+    // A reload that resets the registry: the worker goes, and comes back unchanged.
+    let gone = commit(&state, FleetChange { remove: vec![rank(0).worker], ..FleetChange::default() });
+    book.expire(&gone, t0);
+    assert!(book.take_change(t0).backlogs.is_empty(), "nothing to publish for a worker the fleet lacks");
+    let back = commit(&gone, FleetChange { upsert: vec![decode_worker(0)], ..FleetChange::default() });
+    assert!(back.view().backlogs().is_empty(), "the view dropped the departed worker's backlog");
+    book.expire(&back, t0);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 160, 10, 1, None)], "the unchanged sum goes out again");
+}
