@@ -7,7 +7,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::{KvArtifactPolicy, Role};
@@ -80,9 +80,13 @@ struct ModelCards {
 #[derive(Debug, Default)]
 struct Preparer {
     held: Option<Held>,
-    /// The cache directory that last failed to open, so the failure is logged once.
-    failed_dir: Option<String>,
+    /// The cache directory that last failed to open, and when: the failure is logged once,
+    /// and opening it is tried again only after [`CACHE_DIR_RETRY`], not on every request.
+    failed_dir: Option<(String, Instant)>,
 }
+
+/// How long a KV artifact cache directory that failed to open is left before trying again.
+pub const CACHE_DIR_RETRY: Duration = Duration::from_secs(30);
 
 #[derive(Debug)]
 struct Held {
@@ -228,6 +232,12 @@ impl KvRouting {
             }
             _ => {}
         }
+        let now = Instant::now();
+        let failed_here = preparer.failed_dir.as_ref().filter(|(dir, _)| *dir == policy.cache_dir);
+        if failed_here.is_some_and(|(_, at)| now.saturating_duration_since(*at) < CACHE_DIR_RETRY) {
+            return None;
+        }
+        let logged = failed_here.is_some();
         let store = ArtifactStore::new(
             artifact_policy(policy),
             Fetcher::from_env(),
@@ -244,10 +254,10 @@ impl KvRouting {
                 Some(prompt)
             }
             Err(error) => {
-                if preparer.failed_dir.as_deref() != Some(&policy.cache_dir) {
+                if !logged {
                     tracing::warn!(dir = %policy.cache_dir, %error, "cannot open the KV artifact cache; scoring without the KV term");
-                    preparer.failed_dir = Some(policy.cache_dir.clone());
                 }
+                preparer.failed_dir = Some((policy.cache_dir.clone(), now));
                 None
             }
         }
@@ -288,5 +298,34 @@ fn selection_result(fallback: Fallback) -> KvSelectionResult {
         Fallback::RenderUnavailable => KvSelectionResult::RenderUnavailable,
         Fallback::TokenizerUnavailable => KvSelectionResult::TokenizerUnavailable,
         Fallback::ArtifactUnpinned => KvSelectionResult::ArtifactUnpinned,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use continuum_proto::model::KvArtifactPolicy;
+
+    use super::*;
+    use crate::fleet::MatchesClient;
+    use crate::metrics::Metrics;
+
+    #[tokio::test]
+    async fn a_cache_directory_that_cannot_open_is_tried_again_after_a_while_not_per_request() -> anyhow::Result<()> {
+        let metrics = Metrics::new()?;
+        let matches = MatchesClient::new("http://127.0.0.1:9", Duration::from_millis(10))?;
+        let routing =
+            KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
+        // Under a regular file, no directory can be made.
+        let file = tempfile::NamedTempFile::new()?;
+        let policy = KvArtifactPolicy { cache_dir: format!("{}/kv", file.path().display()), ..Default::default() };
+        let failed_at = || routing.prompt.lock().unwrap_or_else(PoisonError::into_inner).failed_dir.clone();
+        assert!(routing.prompt(&policy).is_none());
+        let first = failed_at().map(|(_, at)| at);
+        assert!(first.is_some());
+        assert!(routing.prompt(&policy).is_none());
+        assert_eq!(failed_at().map(|(_, at)| at), first, "not tried again within {CACHE_DIR_RETRY:?}");
+        Ok(())
     }
 }

@@ -37,6 +37,8 @@ pub enum EvictReason {
 pub enum ReadError {
     #[error("larger than the {MAX_ARTIFACT_BYTES}-byte artifact cap")]
     TooLarge,
+    #[error("not a regular file")]
+    NotAFile,
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -62,7 +64,8 @@ impl BlobCache {
             Ok(bytes) => bytes,
             Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::NotFound => return Ok(CacheRead::Miss),
             Err(ReadError::Io(e)) => return Err(e),
-            Err(ReadError::TooLarge) => return self.evict(&path, EvictReason::TooLarge),
+            // Only this process writes the blobs, as regular files: anything else is not ours.
+            Err(ReadError::TooLarge | ReadError::NotAFile) => return self.evict(&path, EvictReason::TooLarge),
         };
         if checksum.matches(&bytes) {
             Ok(CacheRead::Hit(bytes))
@@ -98,11 +101,20 @@ impl BlobCache {
     }
 }
 
-/// Reads a whole file, refusing it as soon as it proves larger than [`MAX_ARTIFACT_BYTES`]
-/// (by its metadata, or while reading if it grows), so a huge file is never buffered.
+/// Reads a whole regular file, refusing it as soon as it proves larger than
+/// [`MAX_ARTIFACT_BYTES`] (by its metadata, or while reading if it grows), so a huge file is
+/// never buffered. Anything else a path may name (a FIFO, a device, `/dev/stdout`, a directory)
+/// is refused before it is opened: reading one could wait forever.
 pub fn read_bounded(path: &Path) -> Result<Vec<u8>, ReadError> {
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(ReadError::NotAFile);
+    }
     let file = File::open(path)?;
-    let declared = file.metadata()?.len();
+    let metadata = file.metadata()?;
+    if !metadata.is_file() {
+        return Err(ReadError::NotAFile);
+    }
+    let declared = metadata.len();
     if declared > MAX_ARTIFACT_BYTES {
         return Err(ReadError::TooLarge);
     }
@@ -146,6 +158,21 @@ mod tests {
         assert!(matches!(cache.read(&checksum).unwrap(), CacheRead::Evicted(EvictReason::ChecksumMismatch)));
         assert!(!cache.path(&checksum).exists());
         assert!(matches!(cache.read(&checksum).unwrap(), CacheRead::Miss));
+    }
+
+    #[test]
+    fn what_is_not_a_regular_file_is_refused_unopened() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let fifo = dir.path().join("fifo");
+        // A FIFO with no writer: opening it to read would wait forever.
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status()?;
+        anyhow::ensure!(made.success(), "mkfifo failed");
+        let linked = dir.path().join("tokenizer.json");
+        std::os::unix::fs::symlink("/dev/stdout", &linked)?;
+        for path in [fifo.as_path(), linked.as_path(), dir.path(), Path::new("/dev/zero")] {
+            assert!(matches!(read_bounded(path), Err(ReadError::NotAFile)), "{}", path.display());
+        }
+        Ok(())
     }
 
     #[test]

@@ -8,6 +8,7 @@
 
 mod cache;
 mod card;
+mod reach;
 mod source;
 mod store;
 

@@ -22,6 +22,7 @@ use hyper_util::rt::TokioExecutor;
 use rustls::RootCertStore;
 
 use super::cache::MAX_ARTIFACT_BYTES;
+use super::reach::{ReachableResolver, reachable};
 pub use tls::TlsSetupError;
 
 /// An artifact fetch (connect, head and whole body) must finish within this.
@@ -112,7 +113,7 @@ pub const ARTIFACT_CA_FILE_ENV: &str = "CONTINUUM_ARTIFACT_CA_FILE";
 /// Connecting (TCP only) must finish within this; the whole fetch within [`FETCH_TIMEOUT`].
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-type HttpsClient = Client<HttpsConnector<HttpConnector>, Empty<Bytes>>;
+type HttpsClient = Client<HttpsConnector<HttpConnector<ReachableResolver>>, Empty<Bytes>>;
 
 /// Fetches `http://` and `https://` artifacts, and the Hub at `HF_ENDPOINT`, with a hyper
 /// client that verifies server certificates against the Mozilla roots (compiled in, no system
@@ -201,6 +202,12 @@ impl Fetcher {
             if !matches!(current.scheme_str(), Some("http" | "https")) {
                 return Err(fail(uri, &format!("{current} is neither http:// nor https://")));
             }
+            // A name goes through the resolver, which drops such addresses; an address written
+            // in the URL (or a redirect) never does.
+            let literal = current.host().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok());
+            if literal.is_some_and(|ip| !reachable(ip)) {
+                return Err(fail(uri, &format!("{current} names an address artifact URLs may not reach")));
+            }
             let mut request = Request::get(current.clone());
             // The token goes to the configured endpoint only, never to where it redirects.
             let at_origin = current.scheme() == origin.0.as_ref() && current.authority() == origin.1.as_ref();
@@ -233,7 +240,7 @@ impl Fetcher {
 /// http:// and https:// (TLS 1.2 / 1.3, HTTP/1.1) with the given trust anchors.
 fn build_client(roots: &RootCertStore) -> Result<HttpsClient, TlsSetupError> {
     let config = tls::client_config(roots.clone())?;
-    let mut http = HttpConnector::new();
+    let mut http = HttpConnector::new_with_resolver(ReachableResolver::default());
     http.set_connect_timeout(Some(CONNECT_TIMEOUT));
     // The https connector wraps this one and needs it to accept https:// URIs.
     http.enforce_http(false);
@@ -306,6 +313,21 @@ mod tests {
         assert_eq!(Source::classify("https://w/t.json", no_http), Err(SourceError::Refused("http")));
         assert_eq!(Source::classify("hf://Qwen/Qwen3-0.6B/tokenizer.json", DEFAULTS), Err(SourceError::Refused("hf")));
         assert!(matches!(Source::classify("nats://x/bucket/t.json", ALL), Err(SourceError::Unsupported(_))));
+    }
+
+    #[tokio::test]
+    async fn an_artifact_url_naming_the_metadata_service_is_not_fetched() {
+        let fetcher = Fetcher::new(DEFAULT_HF_ENDPOINT.into(), None);
+        for url in
+            ["http://169.254.169.254/latest/meta-data/", "http://[fd00:ec2::254]/latest", "http://[fe80::1]:80/t"]
+        {
+            let Ok(source) = Source::classify(url, DEFAULTS) else { panic!("{url} is an http:// artifact") };
+            let refused = fetcher.fetch(&source).await.map(|bytes| bytes.len());
+            assert!(
+                matches!(&refused, Err(FetchError::Failed { reason, .. }) if reason.contains("may not reach")),
+                "{url}: {refused:?}"
+            );
+        }
     }
 
     #[test]

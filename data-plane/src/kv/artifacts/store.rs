@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 
 use super::cache::{BlobCache, CacheRead, EvictReason, MAX_ARTIFACT_BYTES, ReadError, read_bounded};
 use super::card::{ArtifactKey, CheckedFile, Checksum, ModelArtifacts};
-use super::source::{FetchError, Fetcher, Source, SourceError};
+use super::source::{FETCH_TIMEOUT, FetchError, Fetcher, Source, SourceError};
 use super::{ArtifactPolicy, ArtifactResult};
 use crate::kv::Fallback;
 use crate::kv::render::{ChatTemplate, PieceCache};
@@ -318,12 +318,18 @@ impl ArtifactStore {
         let source = Source::classify(&path, self.policy().schemes())
             .map_err(|source| LoadError::Source { path: path.clone(), source })?;
         match source {
-            Source::Local(local) => match tokio::task::spawn_blocking(move || read_bounded(&local)).await {
-                Ok(Ok(bytes)) => Ok(bytes),
-                Ok(Err(ReadError::TooLarge)) => Err(LoadError::TooLarge { path }),
-                Ok(Err(ReadError::Io(error))) => Err(LoadError::Fetch(format!("{path}: {error}"))),
-                Err(error) => Err(LoadError::Fetch(format!("{path}: the read task failed: {error}"))),
-            },
+            // Bounded in time as a fetch is: a stalled volume must not hold the load's permit.
+            Source::Local(local) => {
+                match tokio::time::timeout(FETCH_TIMEOUT, tokio::task::spawn_blocking(move || read_bounded(&local)))
+                    .await
+                {
+                    Err(_) => Err(LoadError::Fetch(format!("{path}: not read within {FETCH_TIMEOUT:?}"))),
+                    Ok(Ok(Ok(bytes))) => Ok(bytes),
+                    Ok(Ok(Err(ReadError::TooLarge))) => Err(LoadError::TooLarge { path }),
+                    Ok(Ok(Err(error))) => Err(LoadError::Fetch(format!("{path}: {error}"))),
+                    Ok(Err(error)) => Err(LoadError::Fetch(format!("{path}: the read task failed: {error}"))),
+                }
+            }
             remote => match self.inner.fetcher.fetch(&remote).await {
                 Ok(bytes) => Ok(bytes),
                 Err(FetchError::TooLarge) => Err(LoadError::TooLarge { path }),

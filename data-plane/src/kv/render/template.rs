@@ -195,12 +195,20 @@ fn tools(request: &Json) -> Json {
     Json::Array(tools)
 }
 
+/// The widest `tojson(indent=n)` rendered; chat templates use 2 or 4.
+pub const MAX_TOJSON_INDENT: usize = 16;
+
 /// HF transformers' `tojson`: `json.dumps(x, ensure_ascii=False)` with Python's `", "` and
-/// `": "` separators (or `indent=n`), no HTML escaping.
+/// `": "` separators (or `indent=n`), no HTML escaping. Written under the output cap: the
+/// template's fuel is charged for a filter's result only after it returns.
 fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
-    let mut buf = Vec::new();
+    if indent.is_some_and(|n| n > MAX_TOJSON_INDENT) {
+        let message = format!("tojson indent is at most {MAX_TOJSON_INDENT}");
+        return Err(Error::new(ErrorKind::InvalidOperation, message));
+    }
+    let mut buf = CappedWriter { buf: Vec::new(), overflowed: false };
     let result = match indent {
         Some(n) => {
             let indent = b" ".repeat(n);
@@ -212,7 +220,7 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
         None => value.serialize(&mut serde_json::Serializer::with_formatter(&mut buf, PythonJson)),
     };
     result.map_err(|e| Error::new(ErrorKind::BadSerialization, "cannot serialize to JSON").with_source(e))?;
-    String::from_utf8(buf)
+    String::from_utf8(buf.buf)
         .map(Value::from_safe_string)
         .map_err(|e| Error::new(ErrorKind::BadSerialization, "JSON is not UTF-8").with_source(e))
 }
@@ -357,6 +365,24 @@ mod tests {
         let config = json!({"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"});
         let error = ChatTemplate::new(&config, None).unwrap().render(&json!({"messages": []})).unwrap_err();
         assert!(matches!(error, RenderError::OutOfFuel), "{error}");
+    }
+
+    #[test]
+    fn tojson_is_bounded_in_its_indent_and_its_output() {
+        let render = |template: &str, messages: Json| {
+            let template = ChatTemplate::new(&json!({"chat_template": template}), None).map_err(|e| e.to_string())?;
+            template.render(&json!({"messages": messages})).map_err(|e| e.to_string())
+        };
+        let two = json!([{"role": "user", "content": "hi"}, {"role": "user", "content": "there"}]);
+        let huge_indent = render("{{ messages | tojson(indent=100000000000) }}", two.clone());
+        assert!(huge_indent.is_err(), "an indent past the bound is refused, not allocated");
+        assert!(render("{{ messages | tojson(indent=4) }}", two).is_ok_and(|text| text.contains("\n    {")));
+        let chunk = "x".repeat(64 * 1024);
+        let big: Vec<Json> = (0..17).map(|_| json!({"role": "user", "content": chunk})).collect();
+        assert!(
+            render("{{ messages | tojson }}", Json::Array(big)).is_err(),
+            "its output is capped as the prompt's is"
+        );
     }
 
     #[test]
