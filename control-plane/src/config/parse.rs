@@ -62,9 +62,18 @@ fn parse_once(document: Value, unknown: &mut BTreeSet<KeyPath>) -> Result<Config
     let deserializer = serde_ignored::Deserializer::new(document, &mut record);
     serde_path_to_error::deserialize(deserializer).map_err(|error| {
         let path = KeyPath::from_error_path(error.path());
-        (path, error.into_inner().to_string())
+        // serde quotes what it could not take ("invalid type: integer `20240101`"), which under
+        // a secret is the secret: say what is wrong without it.
+        let message = match &path {
+            Some(path) if path.holds_secret() => SECRET_MISTYPED.to_string(),
+            _ => error.into_inner().to_string(),
+        };
+        (path, message)
     })
 }
+
+const SECRET_MISTYPED: &str =
+    "is not what this key takes (a secret is a string: quote a number); the value is not shown";
 
 /// Takes the value at `path` out of the way; `false` when nothing more can be tried.
 fn neutralize(document: &mut Value, path: &KeyPath, attempt: usize) -> bool {

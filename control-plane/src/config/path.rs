@@ -27,6 +27,21 @@ impl KeyPath {
         Self(segments)
     }
 
+    /// Whether the value at this path is, or holds, a secret: etcd credentials and client
+    /// key, the admin token, the event bus's private key.
+    pub(super) fn holds_secret(&self) -> bool {
+        let keys: Vec<&str> = self
+            .0
+            .iter()
+            .map(|segment| match segment {
+                Segment::Key(key) => key.as_str(),
+                Segment::Index(_) => "",
+            })
+            .collect();
+        keys.iter().any(|k| matches!(*k, "auth" | "password" | "token" | "client_key"))
+            || keys.windows(2).any(|w| w == ["tls", "key"])
+    }
+
     pub(super) fn split_last(&self) -> Option<(KeyPath, &Segment)> {
         let (last, parent) = self.0.split_last()?;
         Some((KeyPath(parent.to_vec()), last))

@@ -175,8 +175,10 @@ fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
             tls_options = tls_options.ca_certificate(Certificate::from_pem(read(ca)?));
         }
         if let (Some(cert), Some(key)) = (&tls.client_cert, &tls.client_key) {
-            tls_options =
-                tls_options.identity(Identity::from_pem(read(cert)?, read(std::path::Path::new(key.expose()))?));
+            // The key's path is configured as a secret: an error names it masked.
+            let key = std::fs::read(key.expose())
+                .map_err(|source| PassError::Tls { path: crate::config::MASK.to_string(), source })?;
+            tls_options = tls_options.identity(Identity::from_pem(read(cert)?, key));
         }
         if let Some(name) = &tls.server_name {
             tls_options = tls_options.domain_name(name.clone());

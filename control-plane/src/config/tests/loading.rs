@@ -77,6 +77,20 @@ fn unset_or_malformed_variables_are_errors_at_their_key_path() {
 }
 
 #[test]
+fn a_mistyped_secret_is_reported_without_its_value() {
+    let yaml = "dynamo: {discovery: {etcd: {endpoints: ['https://a:2379'], auth: {username: r, password: 20240101}}}}\nadmin: {token: 87654321}";
+    let found = diagnostics(yaml);
+    for path in ["dynamo.discovery.etcd.auth.password", "admin.token"] {
+        assert!(found.iter().any(|d| d.path == path && d.message.contains("quote")), "{path}: {found:?}");
+    }
+    let shown = format!("{found:?}");
+    assert!(!shown.contains("20240101") && !shown.contains("87654321"), "{shown}");
+    // A whole credentials section given as a string is a secret too.
+    let found = diagnostics("dynamo: {discovery: {etcd: {endpoints: ['https://a:2379'], auth: 'router:s3cret'}}}");
+    assert!(!format!("{found:?}").contains("s3cret"), "{found:?}");
+}
+
+#[test]
 fn unknown_keys_are_all_reported_with_suggestions() {
     let yaml = "dynamo:\n  discovery:\n    etcd: {endpoint: ['a:2379'], namepsace: x}\n    static: {workers: [{instance_id: 1, rol: decode, model: m}]}\nbackend: []\nadmin: {zzz: 1}";
     let found = diagnostics(yaml);
