@@ -4,6 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -36,6 +37,9 @@ pub struct ListenOverrides {
     pub grpc: Option<SocketAddr>,
     pub admin: Option<SocketAddr>,
 }
+
+/// How long shutdown waits for each server (gRPC, admin) to finish its open streams.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// A running control plane.
 #[derive(Debug)]
@@ -163,14 +167,19 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Ends every Watch stream, stops the servers and waits for them.
+    /// Ends every Watch stream, stops the servers and waits for them, at most
+    /// [`SHUTDOWN_GRACE`] each: a client holding a stream open (a gRPC health `Watch`, which
+    /// ends only with the server) must not keep the process from exiting.
     pub async fn shutdown(mut self) {
         self.discovery.stop().await;
         self.load.stop().await;
         self.kv.stop().await;
         self.cancel.cancel();
-        for task in self.tasks {
-            let _ = task.await;
+        for mut task in self.tasks {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task).await.is_err() {
+                tracing::warn!(grace = ?SHUTDOWN_GRACE, "a server did not stop within its grace; closing it");
+                task.abort();
+            }
         }
     }
 }

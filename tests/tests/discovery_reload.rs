@@ -129,3 +129,35 @@ async fn a_changed_namespace_resets_the_registry_and_discovers_the_new_graph() -
     control.shutdown().await;
     Ok(())
 }
+
+/// Ports no other test holds: picked by binding and letting go.
+fn free_port() -> anyhow::Result<std::net::SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_reload_is_refused() -> anyhow::Result<()> {
+    let mut config = config::embedded_default();
+    config.move_simulator_shim(free_port()?);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    eventually(CONVERGE, "the simulated workers", || async { workers(&control).len() == 4 }).await?;
+
+    // The new shim's port is taken: the new simulator cannot bind it.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let mut clashing = config.clone();
+    clashing.move_simulator_shim(taken.local_addr()?);
+    clashing.dynamo.discovery.simulator.prefill = 3;
+    assert!(control.reload(clashing).await.is_err(), "the reload is refused");
+    eventually(CONVERGE, "the simulator that ran before, back", || async { workers(&control).len() == 4 }).await?;
+
+    // The running configuration is still the old one: a good reload applies in full.
+    let mut grown = config.clone();
+    grown.move_simulator_shim(free_port()?);
+    grown.dynamo.discovery.simulator.prefill = 3;
+    control.reload(grown).await?;
+    eventually(CONVERGE, "the grown simulated fleet", || async { workers(&control).len() == 5 }).await?;
+    control.shutdown().await;
+    Ok(())
+}

@@ -60,11 +60,13 @@ impl DiscoverySupervisor {
         if self.config.dynamo.enabled { self.config.dynamo.discovery.source.as_str() } else { "disabled" }
     }
 
-    /// Applies a new configuration's discovery section.
+    /// Applies a new configuration's discovery section. A new source that fails to start
+    /// gives way to the one that ran before, and the error says why: the reload is refused
+    /// whole, and the next one is judged against the configuration still running.
     pub async fn reload(&mut self, new: &Config) -> Result<(), SourceError> {
         check_available(new)?;
         let action = classify(&self.config, new);
-        self.config = new.clone();
+        let previous = std::mem::replace(&mut self.config, new.clone());
         match action {
             DiscoveryReload::Keep => {}
             DiscoveryReload::Stop => {
@@ -81,7 +83,13 @@ impl DiscoverySupervisor {
                     RegistryOnRestart::Reset => self.registry.publish(Fleet::default()),
                     RegistryOnRestart::Prune { keep } => self.registry.prune_namespaces(&keep),
                 }
-                self.launch()?;
+                if let Err(error) = self.launch() {
+                    self.config = previous;
+                    if let Err(again) = self.launch() {
+                        tracing::error!(error = %again, "the discovery source that ran before failed to start again");
+                    }
+                    return Err(error.into());
+                }
             }
         }
         Ok(())
