@@ -6,6 +6,7 @@ use clap::Parser;
 use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::fleet::FleetClientConfig;
 use continuum_data_plane::replica::Replica;
+use continuum_proto::MAX_REPLICA_ID_BYTES;
 
 /// The request path allocates and frees small buffers on every request; mimalloc's per-thread
 /// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmark-notes.md).
@@ -68,11 +69,16 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> ExitCode {
-    if !(args.control_plane.starts_with("http://") || args.control_plane.starts_with("https://")) {
-        eprintln!("error: --control-plane must be an http:// or https:// URL, got {:?}", args.control_plane);
+    // The control plane serves its Fleet stream in plaintext, inside the cluster.
+    if !args.control_plane.starts_with("http://") {
+        eprintln!("error: --control-plane must be an http:// URL, got {:?}", args.control_plane);
         return ExitCode::from(2);
     }
     let replica_id = args.replica_id.unwrap_or_else(default_replica_id);
+    if replica_id.is_empty() || replica_id.len() > MAX_REPLICA_ID_BYTES {
+        eprintln!("error: --replica-id must be 1 to {MAX_REPLICA_ID_BYTES} bytes, got {} bytes", replica_id.len());
+        return ExitCode::from(2);
+    }
     let config = FleetClientConfig { control_plane: args.control_plane, replica_id };
     let started = Replica::start_full(&args.listen, config, DispatchSettings::default(), args.find_matches_deadline);
     let replica = match started.await {

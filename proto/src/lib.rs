@@ -23,6 +23,9 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// large load tables without letting a broken peer make the other side buffer without bound.
 pub const MAX_FLEET_MESSAGE_BYTES: usize = 64 << 20;
 
+/// Longest replica id a control plane accepts in a Hello; it appears in logs and the admin API.
+pub const MAX_REPLICA_ID_BYTES: usize = 128;
+
 /// Block hashes one `DispatchStarted` carries at most: a 65,536-token prefix in 16-token
 /// blocks. A replica cuts longer chains; the control plane cuts what a peer sends past it.
 pub const MAX_DISPATCH_BLOCK_HASHES: usize = 4_096;

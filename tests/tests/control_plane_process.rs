@@ -81,6 +81,24 @@ fn run(binary: &Path, args: &[&str]) -> anyhow::Result<Output> {
     Ok(std::process::Command::new(binary).args(args).output()?)
 }
 
+#[test]
+fn a_replica_refuses_flags_it_could_never_follow_a_control_plane_with() -> anyhow::Result<()> {
+    let binary = tools::binary("continuum-data-plane");
+    let too_long = "r".repeat(129);
+    let rows: [(&[&str], &str); 3] = [
+        (&["--control-plane", "https://127.0.0.1:50051"], "http:// URL"),
+        (&["--control-plane", "http://127.0.0.1:9", "--replica-id", ""], "1 to 128 bytes"),
+        (&["--control-plane", "http://127.0.0.1:9", "--replica-id", &too_long], "1 to 128 bytes"),
+    ];
+    for (args, says) in rows {
+        let out = run(&binary, args)?;
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8(out.stderr)?;
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcurl_lists_describes_and_reads_the_snapshot_over_reflection() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;

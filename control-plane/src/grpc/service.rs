@@ -23,8 +23,7 @@ use crate::metrics::Metrics;
 /// How long a new stream may take to send its Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Longest replica id accepted; it appears in logs and the admin API.
-pub const MAX_REPLICA_ID_BYTES: usize = 128;
+pub use continuum_proto::MAX_REPLICA_ID_BYTES;
 
 /// The replicas with an open Watch stream, for the admin API and tests.
 #[derive(Debug, Default, Clone)]

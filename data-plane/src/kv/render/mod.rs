@@ -1,4 +1,5 @@
-//! Prompt → tokens → block hashes, on the blocking pool and inside the seed's bounds: a permit
+//! Prompt → tokens → block hashes, on render threads of their own (deep stacks, see
+//! [`threads`]) and inside the seed's bounds: a permit
 //! per core (clamped to 4..=32) waited for at most 20 ms, a 2 s deadline for the whole job, the
 //! template's fuel and 1 MiB output cap, and 1,048,576 tokens. Every refusal is a [`Fallback`]:
 //! the request is still served, scored without a KV term.
@@ -7,6 +8,7 @@ mod bpe;
 mod pieces;
 mod strftime;
 mod template;
+mod threads;
 mod warm;
 
 use std::sync::Arc;
@@ -132,7 +134,7 @@ impl Renderer {
             .map_err(|_| Fallback::RenderUnavailable)?;
         let (request, sizes, max_tokens) = (request.clone(), block_sizes.to_vec(), self.limits.max_tokens);
         let stages = self.stages.clone();
-        let job = tokio::task::spawn_blocking(move || {
+        let job = threads::spawn(move || {
             let running = tokio::time::Instant::now();
             if let Some(stages) = &stages {
                 stages.queued.observe(running.duration_since(started).as_secs_f64());

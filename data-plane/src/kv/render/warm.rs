@@ -1,5 +1,5 @@
 //! Warming the render path when a tokenizer loads. A replica's first renders pay one-time
-//! costs that later ones do not: new blocking-pool threads, and the allocator's first touch of
+//! costs that later ones do not: new render threads, and the allocator's first touch of
 //! the memory an encode's buffers take. On the benchmark's 2 cores (`docs/benchmark-notes.md`, session 21) the
 //! first burst's renders ran 25–100 ms against 2–5 ms once warm, and that burst's requests were
 //! the run's slowest. So before a loaded tokenizer is served, one probe prompt is rendered on
@@ -29,7 +29,7 @@ pub struct Warmed {
     pub threads: usize,
 }
 
-/// Renders a probe on each of `threads` blocking-pool threads at the same time and waits for
+/// Renders a probe on each of `threads` render threads at the same time and waits for
 /// them. Each holds its thread until every probe has started (or [`WARM_WAIT`] passed), so no
 /// two share one. Best effort: a probe that fails to render only warms less.
 pub(super) async fn warm(artifacts: Arc<LoadedArtifacts>, threads: usize) -> Warmed {
@@ -38,7 +38,7 @@ pub(super) async fn warm(artifacts: Arc<LoadedArtifacts>, threads: usize) -> War
     let probes: Vec<_> = (0..threads)
         .map(|probe| {
             let (artifacts, running) = (Arc::clone(&artifacts), Arc::clone(&running));
-            tokio::task::spawn_blocking(move || {
+            super::threads::spawn(move || {
                 running.fetch_add(1, Ordering::AcqRel);
                 let rendered = render_probe(&artifacts, probe).is_some();
                 let deadline = Instant::now() + WARM_WAIT;
