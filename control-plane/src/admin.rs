@@ -114,11 +114,18 @@ async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
     let fleet = &current.fleet;
     let workers: Vec<Value> = fleet.workers.iter().map(worker_json).collect();
     let publishers = |topic| fleet.publishers.iter().filter(|p| p.topic == topic).count();
+    // What the source can tell: etcd and the simulator publish cards and kv_metrics; a static
+    // fleet lists capacities but publishes no load; with discovery off there is nothing.
+    let (load, capacity) = match settings.source {
+        "etcd" | "simulator" => (true, true),
+        "static" => (false, true),
+        _ => (false, false),
+    };
     axum::Json(json!({
         "enabled": settings.source != "disabled",
         "connected": state.metrics.discovery_connected.get() == 1 || settings.source != "etcd",
         "source": settings.source,
-        "signals": {"load": settings.source == "etcd", "capacity": true},
+        "signals": {"load": load, "capacity": capacity},
         "namespace": settings.namespaces.first(),
         "namespaces": settings.namespaces.as_ref(),
         "generation": current.generation,

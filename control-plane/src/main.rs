@@ -127,6 +127,12 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
     };
     if let Some(addr) = shim {
         config.move_simulator_shim(addr);
+        let moved = config.validate();
+        if moved.iter().any(|d| d.is_error()) {
+            let shown = file.unwrap_or(Path::new("the embedded default"));
+            report(shown, &ConfigError::Invalid(moved));
+            return ExitCode::from(2);
+        }
     }
     let mut control_plane = match ControlPlane::start(config, listen).await {
         Ok(control_plane) => control_plane,

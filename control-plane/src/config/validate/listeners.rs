@@ -1,16 +1,20 @@
-//! Continuum's own listeners (gRPC, admin, event bus) must not collide, and the admin API
+//! Continuum's own listeners (gRPC, admin, event bus, the simulated shim) must not collide, and the admin API
 //! should not be reachable off-host without a token.
 
 use std::net::SocketAddr;
 
 use super::Report;
 use crate::config::Config;
+use crate::config::discovery::DiscoverySource;
 
 pub(super) fn check(config: &Config, report: &mut Report) {
     let mut listeners =
         vec![("control_plane.grpc_listen", config.control_plane.grpc_listen), ("admin.listen", config.admin.listen)];
     if config.dynamo.event_bus.enabled {
         listeners.push(("dynamo.event_bus.listen", config.dynamo.event_bus.listen));
+    }
+    if config.dynamo.enabled && config.dynamo.discovery.source == DiscoverySource::Simulator {
+        listeners.push(("dynamo.discovery.simulator.shim_listen", config.dynamo.discovery.simulator.shim_listen));
     }
     for (index, (path, addr)) in listeners.iter().enumerate() {
         if let Some((other, _)) = listeners[..index].iter().find(|(_, earlier)| collide(*earlier, *addr)) {

@@ -33,6 +33,12 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     if simulator.total_kv_blocks == 0 {
         report.error(format!("{BASE}.total_kv_blocks"), "must be greater than zero");
     }
+    if simulator.shim_listen.port() == 0 {
+        report.error(
+            format!("{BASE}.shim_listen"),
+            "must name a port: the backends' URL has to say where the simulated shim listens",
+        );
+    }
     let shim = format!("http://{}", simulator.shim_listen);
     if !config.backends.iter().any(|b| b.url.trim_end_matches('/') == shim) {
         report.warning(
