@@ -68,7 +68,7 @@ async fn of_1100_publishers_the_1024_lowest_ids_are_admitted_and_removing_100_ad
 }
 
 /// Takes subscribed connections (kept open in `held`) until the publishers connected so far
-/// are exactly `want`.
+/// are exactly `want`; fails if they are not within [`WAIT`].
 async fn accept_until(
     peers: &mut [RawPublisher],
     id: impl Fn(u64) -> u64,
@@ -84,8 +84,12 @@ async fn accept_until(
                 held.push(connection);
             }
         }
-        if connected == want || std::time::Instant::now() > deadline {
+        if connected == want {
             return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            let (missing, unexpected) = (want.difference(connected).count(), connected.difference(want).count());
+            anyhow::bail!("after {WAIT:?}: {missing} expected publishers never connected, {unexpected} others did");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -157,6 +157,8 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
         ),
     ];
     for (wire, status, reason) in rows {
+        let series = format!("continuum_http_requests_refused_total{{reason=\"{reason}\"}}");
+        let before = sample(&harness.metrics().await?, &series).unwrap_or(0.0);
         let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
         stream.write_all(wire.as_bytes()).await?;
         let answer = read_answer(&mut stream, &mut Vec::new()).await?;
@@ -165,9 +167,8 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
         let error: Value = serde_json::from_slice(&answer.body)?;
         assert!(error["error"]["message"].as_str().is_some_and(|m| m.len() > 20), "{error}");
         assert!(closes(&mut stream).await, "{wire:?}: the connection is closed after a refusal");
-        let metrics = harness.metrics().await?;
-        let series = format!("continuum_http_requests_refused_total{{reason=\"{reason}\"}}");
-        assert!(sample(&metrics, &series).is_some_and(|n| n >= 1.0), "{series} not counted");
+        let after = sample(&harness.metrics().await?, &series).unwrap_or(0.0);
+        assert_eq!(after - before, 1.0, "{wire:?}: counted once under {series}");
     }
     assert!(shim.received().is_empty(), "nothing refused reached the shim");
     harness.stop().await;
