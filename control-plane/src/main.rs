@@ -163,11 +163,19 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
 }
 
 /// SIGHUP: re-read the configuration file and apply it; an invalid file changes nothing.
+/// Counted on `continuum_config_reloads_total{result}`.
 async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>, shim: Option<SocketAddr>) {
     let Some(file) = file else {
         tracing::warn!("SIGHUP ignored: running the embedded default, there is no file to re-read");
         return;
     };
+    let applied = apply_file(control_plane, file, shim).await;
+    let result = if applied { "applied" } else { "refused" };
+    control_plane.metrics.config_reloads.with_label_values(&[result]).inc();
+}
+
+/// Loads `file` and applies it; whether it was applied.
+async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<SocketAddr>) -> bool {
     match config::load_file(file) {
         Ok(mut loaded) => {
             for diagnostic in &loaded.diagnostics {
@@ -176,8 +184,12 @@ async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>, shim: Opt
             if let Some(addr) = shim {
                 loaded.config.move_simulator_shim(addr);
             }
-            if let Err(error) = control_plane.reload(loaded.config).await {
-                tracing::error!(%error, "configuration reload refused; keeping the running configuration");
+            match control_plane.reload(loaded.config).await {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::error!(%error, "configuration reload refused; keeping the running configuration");
+                    false
+                }
             }
         }
         Err(ConfigError::Invalid(diagnostics)) => {
@@ -185,8 +197,12 @@ async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>, shim: Opt
                 tracing::error!("{diagnostic}");
             }
             tracing::error!(file = %file.display(), "configuration reload refused; keeping the running configuration");
+            false
         }
-        Err(error) => tracing::error!(%error, "configuration reload refused; keeping the running configuration"),
+        Err(error) => {
+            tracing::error!(%error, "configuration reload refused; keeping the running configuration");
+            false
+        }
     }
 }
 

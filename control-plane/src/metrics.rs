@@ -33,6 +33,8 @@ pub struct Metrics {
     pub discovery_events: IntCounterVec,
     /// 1 while every discovery watch is open.
     pub discovery_connected: IntGauge,
+    /// SIGHUP reloads by `result` (applied, refused).
+    pub config_reloads: IntCounterVec,
     /// Discovered workers by `role` (prefill, decode, aggregated, unknown, excluded).
     pub registry_workers: IntGaugeVec,
     /// Discovered event publishers by `topic` (kv_metrics, kv-events).
@@ -96,6 +98,10 @@ impl Metrics {
             discovery_events: IntCounterVec::new(
                 Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),
                 &["kind"],
+            )?,
+            config_reloads: IntCounterVec::new(
+                Opts::new("continuum_config_reloads_total", "Configuration reloads on SIGHUP, by result"),
+                &["result"],
             )?,
             discovery_connected: IntGauge::new(
                 "continuum_dynamo_discovery_connected",
@@ -167,6 +173,9 @@ impl Metrics {
         for event in LoadEvent::ALL {
             metrics.load_events.with_label_values(&[event.as_str()]);
         }
+        for result in ["applied", "refused"] {
+            metrics.config_reloads.with_label_values(&[result]);
+        }
         for result in KvEventResult::ALL {
             metrics.kv_events.with_label_values(&[result.as_str()]);
         }
@@ -190,6 +199,7 @@ impl Metrics {
             Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.dispatch_chains_dropped.clone()),
             Box::new(metrics.discovery_events.clone()),
+            Box::new(metrics.config_reloads.clone()),
             Box::new(metrics.discovery_connected.clone()),
             Box::new(metrics.registry_workers.clone()),
             Box::new(metrics.registry_publishers.clone()),

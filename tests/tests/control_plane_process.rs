@@ -182,13 +182,23 @@ async fn sighup_reloads_the_configuration_file_and_replicas_follow() -> anyhow::
     std::fs::write(&config, "dynamo:\n  enabled: yes please\n")?;
     let pid = control.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
     assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status()?.success());
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let metrics = format!("http://{}/metrics", control.admin_addr);
+    let reloads = |result: &'static str| {
+        let metrics = metrics.clone();
+        async move {
+            let text = reqwest::get(metrics).await.ok()?.text().await.ok()?;
+            let series = format!("continuum_config_reloads_total{{result=\"{result}\"}} ");
+            text.lines().find_map(|l| l.strip_prefix(series.as_str())?.trim().parse::<u64>().ok())
+        }
+    };
+    eventually(CONVERGE, "the reload to be refused", || async { reloads("refused").await == Some(1) }).await?;
     assert_eq!(ids(&replicas[0]), [1, 2], "a refused reload changes nothing");
     let mut control = control;
     assert!(control.child.try_wait()?.is_none(), "a refused reload does not stop the control plane");
     static_config(dir.path(), "fleet.yaml", &[2, 3])?;
     assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status()?.success());
     eventually(CONVERGE, "the reloaded fleet", || async { ids(&replicas[0]) == [2, 3] }).await?;
+    assert_eq!(reloads("applied").await, Some(1));
     for replica in replicas {
         replica.shutdown().await;
     }
