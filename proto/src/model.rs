@@ -149,10 +149,15 @@ pub struct ModelArtifacts {
 }
 
 impl Worker {
-    /// The dp ranks this worker serves: one candidate per rank, or rank 0 alone.
+    /// The dp ranks this worker serves: one candidate per rank, or rank 0 alone when it
+    /// declares no data parallelism (a start rank without a size means nothing then: Dynamo
+    /// serves it as rank 0, and pins it with no rank at all).
     pub fn dp_ranks(&self) -> std::ops::Range<u32> {
+        if self.dp_size == 0 {
+            return 0..1;
+        }
         let start = self.dp_start_rank;
-        start..start.saturating_add(self.dp_size.max(1))
+        start..start.saturating_add(self.dp_size)
     }
 
     /// Whether `dp_rank` is one of this worker's ranks.

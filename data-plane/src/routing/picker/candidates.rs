@@ -55,7 +55,7 @@ impl Pools {
     /// Drops the ranks this replica's pinned dispatches keep failing on, per list, unless a
     /// list would be left empty. Shared pools are copied only when some rank is ejected.
     pub fn skip_ejected(self: Arc<Self>, outliers: &Outliers, now: Instant) -> Arc<Self> {
-        if outliers.is_empty() {
+        if !outliers.any_ejected(now) {
             return self;
         }
         let mut pools = Arc::unwrap_or_clone(self);
@@ -97,6 +97,10 @@ impl PoolCache {
             return Arc::clone(pools);
         }
         let listed = Arc::new(pools(view, model, namespaces));
+        // A model no worker serves is not kept: its name is the client's, of any length.
+        if listed.decode.is_empty() {
+            return listed;
+        }
         if held.entries >= MAX_CACHED_POOLS {
             held.by_model.clear();
             held.entries = 0;

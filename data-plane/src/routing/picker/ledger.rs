@@ -292,6 +292,9 @@ impl Rank {
 
     fn prefilled(&mut self, id: DispatchId, now: Instant, op: u64) {
         let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) else { return };
+        // Its first token came: the worker answered it, so it no longer counts toward a stall
+        // (a prefill leg stays recorded until the decode ends).
+        leg.stall_blocks = 0;
         let (recorded_by, tokens) = (leg.op, std::mem::take(&mut leg.prefill_tokens));
         self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
         if recorded_by == NOT_REPORTED {

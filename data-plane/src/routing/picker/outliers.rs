@@ -3,9 +3,12 @@
 //! worker even while the control plane, which would remove it at lease expiry, is unreachable.
 //!
 //! [`EJECT_AFTER`] consecutive failed pinned dispatches on a rank eject it for [`EJECTION`]; a
-//! success resets it. Pickers skip ejected ranks unless every candidate of a phase is ejected
-//! (then none is skipped: a guess beats refusing every request). Bounded: at most
-//! [`MAX_TRACKED`] ranks are remembered, forgetting all when full (it only resets counts).
+//! success resets it, and so does the end of an ejection: a rank back from one needs as many
+//! failures again to go. Pickers skip ejected ranks unless every candidate of a phase is ejected
+//! (then none is skipped: a guess beats refusing every request). A rank's record goes when its
+//! ejection ends, or [`EJECTION`] after a failure that ejected nothing, so a worker that left
+//! the fleet leaves no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered, forgetting
+//! all when full (it only resets counts).
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -20,10 +23,26 @@ pub const EJECTION: Duration = Duration::from_secs(10);
 /// Ranks whose failures are remembered at once.
 pub const MAX_TRACKED: usize = 4096;
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 struct Record {
     failures: u32,
+    last_failure: Instant,
     ejected_until: Option<Instant>,
+}
+
+impl Record {
+    /// Whether the record still says something at `now`: an ejection under way, or a failure
+    /// recent enough to count toward one.
+    fn current(&self, now: Instant) -> bool {
+        match self.ejected_until {
+            Some(until) => until > now,
+            None => now.saturating_duration_since(self.last_failure) < EJECTION,
+        }
+    }
+
+    fn ejects(&self, now: Instant) -> bool {
+        self.ejected_until.is_some_and(|until| until > now)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -36,13 +55,16 @@ impl Outliers {
     /// answered, but not with a response).
     pub fn failed(&self, ranks: &[LoadKey], now: Instant) {
         let mut held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
+        held.retain(|_, record| record.current(now));
         if held.len() + ranks.len() > MAX_TRACKED {
             held.clear();
         }
         for rank in ranks {
-            let record = held.entry(rank.clone()).or_default();
+            let record =
+                held.entry(rank.clone()).or_insert(Record { failures: 0, last_failure: now, ejected_until: None });
             record.failures = record.failures.saturating_add(1);
-            if record.failures >= EJECT_AFTER && record.ejected_until.is_none_or(|until| until <= now) {
+            record.last_failure = now;
+            if record.failures >= EJECT_AFTER && record.ejected_until.is_none() {
                 record.ejected_until = Some(now + EJECTION);
                 tracing::warn!(worker = %rank.worker, dp_rank = rank.dp_rank, "pinned dispatches keep failing on this rank; skipping it for {EJECTION:?}");
             }
@@ -60,25 +82,31 @@ impl Outliers {
         }
     }
 
-    /// Whether every rank's last pinned dispatch answered: there is nothing to skip.
-    pub fn is_empty(&self) -> bool {
-        self.ranks.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
+    /// Whether some rank is ejected at `now`: otherwise there is nothing to skip. Records
+    /// that no longer say anything are dropped on the way.
+    pub fn any_ejected(&self, now: Instant) -> bool {
+        let mut held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
+        if held.is_empty() {
+            return false;
+        }
+        held.retain(|_, record| record.current(now));
+        held.values().any(|record| record.ejects(now))
     }
 
     pub fn ejected(&self, rank: &LoadKey, now: Instant) -> bool {
         let held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
-        held.get(rank).and_then(|r| r.ejected_until).is_some_and(|until| until > now)
+        held.get(rank).is_some_and(|record| record.ejects(now))
     }
 
-    /// Drops the ejected ranks of `candidates`, unless that would drop them all.
+    /// Drops the ejected ranks of `candidates`, unless that would drop them all; one look at
+    /// the records for both, so a rank ejected meanwhile cannot empty the list.
     pub fn filter<T>(&self, candidates: &mut Vec<T>, key: impl Fn(&T) -> LoadKey, now: Instant) {
-        if self.is_empty() {
+        let held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
+        let ejected = |c: &T| held.get(&key(c)).is_some_and(|record| record.ejects(now));
+        if held.is_empty() || candidates.iter().all(ejected) {
             return;
         }
-        if candidates.iter().all(|c| self.ejected(&key(c), now)) {
-            return;
-        }
-        candidates.retain(|c| !self.ejected(&key(c), now));
+        candidates.retain(|c| !ejected(c));
     }
 }
 
@@ -105,6 +133,23 @@ mod tests {
         assert!(outliers.ejected(&rank(1), now));
         assert!(outliers.ejected(&rank(1), now + EJECTION - Duration::from_millis(1)));
         assert!(!outliers.ejected(&rank(1), now + EJECTION), "back after the ejection time");
+    }
+
+    #[test]
+    fn a_rank_back_from_an_ejection_needs_as_many_failures_again_and_old_records_go() {
+        let outliers = Outliers::default();
+        let now = Instant::now();
+        for _ in 0..EJECT_AFTER {
+            outliers.failed(&[rank(1)], now);
+        }
+        assert!(outliers.any_ejected(now));
+        let back = now + EJECTION;
+        assert!(!outliers.any_ejected(back), "the ejection is over");
+        outliers.failed(&[rank(1)], back);
+        assert!(!outliers.ejected(&rank(1), back), "one failure after an ejection is one failure");
+        // A worker that fails once and leaves the fleet leaves nothing behind.
+        assert!(!outliers.any_ejected(back + EJECTION));
+        assert!(outliers.ranks.lock().unwrap_or_else(PoisonError::into_inner).is_empty());
     }
 
     #[test]

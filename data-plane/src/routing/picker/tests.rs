@@ -244,6 +244,11 @@ fn dp_ranks_start_at_the_declared_start_rank() {
     let picker = picker();
     let ranks: Vec<Option<u32>> = (0..2).map(|_| pick(&picker, &fleet).decode.dp_rank).collect();
     assert_eq!(ranks, [Some(2), Some(3)]);
+    // A start rank without a size declares nothing: the worker is rank 0, as its pin says.
+    let undeclared = Worker { dp_start_rank: 4, ..agg(1) };
+    assert_eq!(undeclared.dp_ranks(), 0..1);
+    let picked = pick(&picker, &Fleet::new([undeclared])).decode;
+    assert_eq!((picked.dp_rank, picked.rank_key().dp_rank), (None, 0));
 }
 
 fn record(picker: &LoadBasedPicker, selection: &Selection, tokens: u64, at: Instant) -> DispatchId {
@@ -553,13 +558,20 @@ fn the_pool_cache_is_bounded_and_stays_correct_past_its_bound() {
     let fleet = pair_fleet();
     let view = fleet.view();
     let cache = PoolCache::default();
-    let filters: Vec<[String; 1]> = (0..MAX_CACHED_POOLS + 8).map(|i| [format!("n{i}")]).collect();
+    let filters: Vec<[String; 2]> = (0..MAX_CACHED_POOLS + 8).map(|i| [format!("n{i}"), "b".to_string()]).collect();
     for filter in &filters {
-        assert!(cache.get(&view, "tiny", Some(filter)).decode.is_empty());
+        assert_eq!(cache.get(&view, "tiny", Some(filter)).decode.len(), 2);
     }
-    assert!(cache.held(&view) <= MAX_CACHED_POOLS);
+    let held = cache.held(&view);
+    assert!(held > 0 && held <= MAX_CACHED_POOLS, "{held}");
     let only_b = ["b".to_string()];
     assert_eq!(cache.get(&view, "tiny", Some(&only_b)).decode.len(), 2);
+    // A model no worker serves is the client's word: listed, never kept.
+    let held = cache.held(&view);
+    for i in 0..8 {
+        assert!(cache.get(&view, &format!("{i}{}", "m".repeat(1 << 16)), None).decode.is_empty());
+    }
+    assert_eq!(cache.held(&view), held);
 }
 
 #[test]

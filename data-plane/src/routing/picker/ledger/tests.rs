@@ -234,20 +234,24 @@ fn dp_ranks_are_kept_apart() {
 fn stall_rules() {
     let t0 = Instant::now();
     let late = t0 + STALL_AFTER;
-    // (case, selection, prompt tokens, queried rank, ended, sampled after, expected stalled)
-    let cases: &[(&str, Selection, u64, LoadKey, bool, bool, bool)] = &[
-        ("two blocks unanswered 5 s", alone(pin(1, None)), 32, key(1, 0), false, false, true),
-        ("one block never stalls", alone(pin(1, None)), 16, key(1, 0), false, false, false),
-        ("prefill leg of a pair stalls", pair(1, 2), 32, key(2, 0), false, false, true),
-        ("decode leg of a pair does not", pair(1, 2), 32, key(1, 0), false, false, false),
-        ("an ended dispatch does not", alone(pin(1, None)), 32, key(1, 0), true, false, false),
-        ("a newer sample clears the stall", alone(pin(1, None)), 32, key(1, 0), false, true, false),
+    // (case, selection, prompt tokens, queried rank, what happened to it, sampled after, expected stalled)
+    let cases: &[(&str, Selection, u64, LoadKey, Happened, bool, bool)] = &[
+        ("two blocks unanswered 5 s", alone(pin(1, None)), 32, key(1, 0), Happened::Nothing, false, true),
+        ("one block never stalls", alone(pin(1, None)), 16, key(1, 0), Happened::Nothing, false, false),
+        ("prefill leg of a pair stalls", pair(1, 2), 32, key(2, 0), Happened::Nothing, false, true),
+        ("decode leg of a pair does not", pair(1, 2), 32, key(1, 0), Happened::Nothing, false, false),
+        ("an ended dispatch does not", alone(pin(1, None)), 32, key(1, 0), Happened::Ended, false, false),
+        ("a prefill leg that answered does not", pair(1, 2), 32, key(2, 0), Happened::Prefilled, false, false),
+        ("nor does a dispatch answering", alone(pin(1, None)), 32, key(1, 0), Happened::Prefilled, false, false),
+        ("a newer sample clears the stall", alone(pin(1, None)), 32, key(1, 0), Happened::Nothing, true, false),
     ];
-    for (name, selection, tokens, rank_key, ended, sampled, stalled) in cases {
+    for (name, selection, tokens, rank_key, happened, sampled, stalled) in cases {
         let ledger = DispatchLedger::new();
         let id = ledger.record(selection, *tokens, 16, &[], t0, op());
-        if *ended {
-            ledger.end(id, t0, op());
+        match happened {
+            Happened::Nothing => {}
+            Happened::Ended => ledger.end(id, t0, op()),
+            Happened::Prefilled => ledger.prefilled(id, t0, op()),
         }
         let sampled_at = sampled.then_some(t0 + Duration::from_millis(1));
         assert!(
@@ -256,6 +260,14 @@ fn stall_rules() {
         );
         assert_eq!(backlog(&ledger, rank_key.clone(), sampled_at, late).stalled, *stalled, "{name}");
     }
+}
+
+/// What became of a dispatch in [`stall_rules`].
+#[derive(Debug, Clone, Copy)]
+enum Happened {
+    Nothing,
+    Ended,
+    Prefilled,
 }
 
 #[test]
