@@ -47,6 +47,9 @@ pub struct AdminSettings {
     /// Which discovery source feeds the fleet, for the workers listing.
     pub source: &'static str,
     pub namespaces: Arc<[String]>,
+    /// Discovery's etcd resyncs when the fleet was last emptied (at start or by a reload that
+    /// reset it): an etcd fleet is ready once a resync follows.
+    pub resyncs_when_emptied: u64,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -88,12 +91,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Ready once discovery has produced its first full view (immediately for `static`); until
-/// then a replica would be handed an empty fleet.
+/// Ready once discovery has produced a full view since the fleet was last emptied, at start or
+/// by a reload that reset it (immediately for `static` and the simulator); until then a replica
+/// would be handed an empty fleet.
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
     let current = state.publisher.current();
-    let source = state.settings.borrow().source;
-    let seeded = source != "etcd" || state.metrics.discovery_events.with_label_values(&["resync"]).get() > 0;
+    let (source, emptied_at) = {
+        let settings = state.settings.borrow();
+        (settings.source, settings.resyncs_when_emptied)
+    };
+    let resyncs = state.metrics.discovery_events.with_label_values(&["resync"]).get();
+    let seeded = source != "etcd" || resyncs > emptied_at;
     let code = if seeded { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = json!({
         "ready": seeded,

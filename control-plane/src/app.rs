@@ -69,6 +69,7 @@ fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSett
         token: config.admin.token.as_ref().map(|t| Arc::from(t.expose())),
         source: discovery.source(),
         namespaces: config.namespaces().into(),
+        resyncs_when_emptied: discovery.resyncs_when_emptied(),
     }
 }
 

@@ -126,6 +126,16 @@ async fn a_changed_namespace_resets_the_registry_and_discovers_the_new_graph() -
     control.reload(config(&etcd, "      namespace: green\n", &[])?).await?;
     assert_eq!(restarts(&control), 1);
     eventually(CONVERGE, "green", || async { workers(&control) == [("green".to_string(), 2)] }).await?;
+    let readyz = format!("http://{}/readyz", control.admin_addr);
+    let ready = || async { reqwest::get(&readyz).await.map(|r| r.status().as_u16()).unwrap_or_default() };
+    assert_eq!(ready().await, 200);
+
+    // Endpoints nothing answers on: the registry is emptied, and stays so, so not ready.
+    let mut unreachable = config(&etcd, "      namespace: green\n", &[])?;
+    unreachable.dynamo.discovery.etcd.endpoints = vec![format!("http://{}", free_port()?)];
+    control.reload(unreachable).await?;
+    assert!(workers(&control).is_empty());
+    assert_eq!(ready().await, 503, "an emptied fleet is not ready until the new watcher seeds it");
     control.shutdown().await;
     Ok(())
 }

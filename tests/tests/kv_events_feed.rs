@@ -297,7 +297,12 @@ async fn start_admin(kv: &TestKv, cancel: CancellationToken) -> anyhow::Result<s
         &kv.metrics,
         cancel.child_token(),
     );
-    let settings = AdminSettings { token: None, source: "etcd", namespaces: Arc::from(vec![NAMESPACE.to_string()]) };
+    let settings = AdminSettings {
+        token: None,
+        source: "etcd",
+        namespaces: Arc::from(vec![NAMESPACE.to_string()]),
+        resyncs_when_emptied: 0,
+    };
     let state = AdminState {
         registry: kv.registry.clone(),
         publisher,

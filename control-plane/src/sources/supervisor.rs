@@ -39,6 +39,9 @@ pub struct DiscoverySupervisor {
     config: Config,
     running: Option<(CancellationToken, JoinHandle<()>)>,
     shutdown: CancellationToken,
+    /// The etcd resyncs counted when the fleet was last emptied (at start, or by a reload that
+    /// reset the registry): the fleet is seeded again only past them.
+    resyncs_when_emptied: u64,
 }
 
 impl DiscoverySupervisor {
@@ -50,9 +53,17 @@ impl DiscoverySupervisor {
         shutdown: CancellationToken,
     ) -> Result<Self, SourceError> {
         check_available(config)?;
-        let mut supervisor = Self { registry, metrics, config: config.clone(), running: None, shutdown };
+        let resyncs_when_emptied = resyncs(&metrics);
+        let mut supervisor =
+            Self { registry, metrics, config: config.clone(), running: None, shutdown, resyncs_when_emptied };
         supervisor.launch()?;
         Ok(supervisor)
+    }
+
+    /// The etcd resyncs counted when the fleet was last emptied: an etcd fleet is seeded once
+    /// `continuum_dynamo_discovery_events_total{kind="resync"}` passes it.
+    pub fn resyncs_when_emptied(&self) -> u64 {
+        self.resyncs_when_emptied
     }
 
     /// The source name for the admin API.
@@ -80,7 +91,10 @@ impl DiscoverySupervisor {
                 self.stop().await;
                 match registry {
                     RegistryOnRestart::Keep => {}
-                    RegistryOnRestart::Reset => self.registry.publish(Fleet::default()),
+                    RegistryOnRestart::Reset => {
+                        self.registry.publish(Fleet::default());
+                        self.resyncs_when_emptied = resyncs(&self.metrics);
+                    }
                     RegistryOnRestart::Prune { keep } => self.registry.prune_namespaces(&keep),
                 }
                 if let Err(error) = self.launch() {
@@ -138,6 +152,10 @@ impl DiscoverySupervisor {
         }
         Ok(())
     }
+}
+
+fn resyncs(metrics: &Metrics) -> u64 {
+    metrics.discovery_events.with_label_values(&["resync"]).get()
 }
 
 fn check_available(config: &Config) -> Result<(), SourceUnavailable> {
