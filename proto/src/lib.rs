@@ -23,6 +23,21 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// large load tables without letting a broken peer make the other side buffer without bound.
 pub const MAX_FLEET_MESSAGE_BYTES: usize = 64 << 20;
 
+/// Largest message a control plane decodes from a replica. What replicas send is small: a
+/// dispatch report of at most [`MAX_REPORT_STARTED`] dispatches and 65,536 block hashes, or a
+/// lookup of 65,536 hashes, each under 1 MiB. A message is decoded whole before it can be
+/// judged, so the bound is what one call can make the control plane allocate (a zero hash is
+/// one byte on the wire and eight in memory).
+pub const MAX_INBOUND_FLEET_MESSAGE_BYTES: usize = 4 << 20;
+
+/// Dispatches one report may start: a replica batches at most 512 events and never splits an
+/// operation, so twice that leaves room; a report past it is refused whole.
+pub const MAX_REPORT_STARTED: usize = 1024;
+
+/// Tokens a lookup may say its prompt has, as many as a replica renders (1,048,576); a larger
+/// claim is taken as this many, so one lookup cannot outweigh every other on its rank.
+pub const MAX_LOOKUP_PROMPT_TOKENS: u64 = 1 << 20;
+
 /// Longest replica id a control plane accepts in a Hello; it appears in logs and the admin API.
 pub const MAX_REPLICA_ID_BYTES: usize = 128;
 

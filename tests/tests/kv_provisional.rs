@@ -324,3 +324,60 @@ async fn turn(client: &mut FleetClient<Channel>, model: &str) -> anyhow::Result<
     let lookup = pb::FindMatchesRequest { block_hashes: vec![5_000], model: model.into(), ..Default::default() };
     Ok(client.find_matches(lookup).await?.into_inner().turn)
 }
+
+#[tokio::test]
+async fn what_one_caller_sends_is_bounded_before_it_is_believed() -> anyhow::Result<()> {
+    let plane = Plane::start("10s").await?;
+    plane.supervisor.handle().set_lookup_window(Duration::from_secs(60));
+    let mut client = plane.client().await?;
+
+    // A prompt of every token there is reserves no more than the largest rendered one.
+    let only_first = vec![pb::RankId { instance_id: FIRST, dp_rank: 0 }];
+    let huge = pb::FindMatchesRequest {
+        block_hashes: vec![7_000],
+        model: "tiny".into(),
+        contenders: only_first,
+        prompt_tokens: u64::MAX,
+    };
+    client.find_matches(huge).await?;
+    let both = [FIRST, SECOND].map(|instance_id| pb::RankId { instance_id, dp_rank: 0 }).to_vec();
+    let next =
+        pb::FindMatchesRequest { block_hashes: vec![7_000], model: "tiny".into(), contenders: both, prompt_tokens: 64 };
+    let answer = client.find_matches(next).await?.into_inner();
+    assert_eq!(answer.suggestion.map(|r| r.instance_id), Some(SECOND));
+    assert_eq!(answer.reserved_tokens, continuum_proto::MAX_LOOKUP_PROMPT_TOKENS, "the claim is taken at the bound");
+
+    // A message past what any replica sends is refused before it is decoded.
+    let flood = pb::FindMatchesRequest { block_hashes: vec![0; 5 << 20], ..Default::default() };
+    let refused = client.find_matches(flood).await.map(|_| ()).map_err(|status| status.code());
+    assert_eq!(refused, Err(tonic::Code::OutOfRange), "5 Mi hashes (5 MiB on the wire) are not decoded");
+
+    // A report starting more dispatches than a replica batches ends its session.
+    let mut reporter = plane.client().await?;
+    let (tx, rx) = mpsc::channel(8);
+    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "flood".into(), version: None })) })
+        .await?;
+    let mut updates = reporter.watch(ReceiverStream::new(rx)).await?.into_inner();
+    let many = (0..=continuum_proto::MAX_REPORT_STARTED as u64).map(|id| started(id, FIRST, vec![]));
+    let started: Vec<pb::DispatchStarted> = many
+        .filter_map(|request| match request.kind {
+            Some(Kind::Dispatches(report)) => report.started.into_iter().next(),
+            _ => None,
+        })
+        .collect();
+    tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(pb::DispatchReport { started, ..Default::default() })) })
+        .await?;
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match updates.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(status) => return Some(status.code()),
+            }
+        }
+    })
+    .await?;
+    assert_eq!(ended, Some(tonic::Code::InvalidArgument));
+    plane.cancel.cancel();
+    Ok(())
+}

@@ -7,8 +7,8 @@ mod turns;
 
 use std::time::Duration;
 
-use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::fleet_server::FleetServer;
+use continuum_proto::{MAX_FLEET_MESSAGE_BYTES, MAX_INBOUND_FLEET_MESSAGE_BYTES};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
@@ -50,7 +50,7 @@ pub async fn serve(listener: TcpListener, fleet: FleetService, shutdown: Cancell
         .add_service(reflection_v1alpha)
         .add_service(
             FleetServer::new(fleet)
-                .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
+                .max_decoding_message_size(MAX_INBOUND_FLEET_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
         )
         // `Server::tcp_nodelay` covers only the sockets `serve` binds itself: accepted ones

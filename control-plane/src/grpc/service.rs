@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
+use continuum_proto::MAX_LOOKUP_PROMPT_TOKENS;
 use continuum_proto::convert::snapshot_to_wire;
 use continuum_proto::pb::{self, fleet_server::Fleet, watch_request::Kind};
 use tokio::sync::mpsc;
@@ -196,6 +197,7 @@ impl Fleet for FleetService {
         } else {
             Vec::new()
         };
+        let prompt_tokens = prompt_tokens.min(MAX_LOOKUP_PROMPT_TOKENS);
         let LookupAnswer { lookup, suggestion } = self.kv.answer_lookup(&contenders, prompt_tokens);
         tracing::debug!(target: "continuum_control_plane::lookups", lookup, turn, ?suggestion, "lookup answered");
         let wire = |rank: RankKey| Some(pb::RankId { instance_id: rank.worker_id, dp_rank: rank.dp_rank });

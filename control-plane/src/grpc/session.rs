@@ -12,7 +12,7 @@ use std::time::Instant;
 use continuum_kv_index::RankKey;
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::pb::{self, fleet_update::Body, watch_request::Kind};
-use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES};
+use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, MAX_REPORT_STARTED};
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
@@ -197,6 +197,13 @@ impl Session {
             }
             Some(Kind::Nack(nack)) => self.on_nack(nack),
             Some(Kind::Dispatches(mut report)) => {
+                if report.started.len() > MAX_REPORT_STARTED {
+                    self.metrics.dispatch_reports_dropped.inc();
+                    return Err(Status::invalid_argument(format!(
+                        "a dispatch report starts {} dispatches; at most {MAX_REPORT_STARTED}",
+                        report.started.len()
+                    )));
+                }
                 self.credit_prefixes(&mut report);
                 if !self.book.report(self.session_id, report) {
                     self.metrics.dispatch_reports_dropped.inc();

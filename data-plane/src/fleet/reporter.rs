@@ -27,6 +27,8 @@ pub const REPORT_QUEUE: usize = 8192;
 /// Events folded into one `DispatchReport` at most (a report never splits an operation, so it
 /// may hold one more).
 pub const MAX_REPORT_BATCH: usize = 512;
+// An operation starts at most two dispatches, and a report may hold one past the batch.
+const _: () = assert!(MAX_REPORT_BATCH + 2 <= continuum_proto::MAX_REPORT_STARTED);
 /// Ends kept aside from operations the queue had no room for, at most.
 pub const MAX_STRANDED_ENDS: usize = 8192;
 
