@@ -3,7 +3,6 @@
 
 use std::sync::{Arc, OnceLock};
 
-use axum::http::StatusCode;
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
     Opts, Registry, TextEncoder,
@@ -320,10 +319,10 @@ impl Metrics {
         self.hot.routed[path as usize].inc();
     }
 
-    /// Counts a request for no endpoint: a path not served (404) or not with its method (405).
-    pub fn no_endpoint(&self, status: StatusCode) {
-        let reason = if status == StatusCode::METHOD_NOT_ALLOWED { "method_not_allowed" } else { "not_found" };
-        self.http_refused.with_label_values(&[reason]).inc();
+    /// Counts a request for no endpoint under its error's code: `not_found` (a path not served)
+    /// or `method_not_allowed` (not with its method), both in [`HEAD_REFUSALS`].
+    pub fn no_endpoint(&self, code: &'static str) {
+        self.http_refused.with_label_values(&[code]).inc();
     }
 
     /// Counts a connection dropped because its client stopped reading a response.

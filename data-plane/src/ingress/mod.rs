@@ -39,8 +39,9 @@ pub fn routes() -> Router<Arc<AppState>> {
 pub fn no_endpoint(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
     fn refuse(state: &AppState, status: StatusCode, method: &Method, uri: &Uri) -> ApiError {
         let status = if uri.path() == CHAT_COMPLETIONS { StatusCode::METHOD_NOT_ALLOWED } else { status };
-        state.metrics.no_endpoint(status);
-        ApiError::no_endpoint(status, method, uri.path())
+        let error = ApiError::no_endpoint(status, method, uri.path());
+        state.metrics.no_endpoint(error.code);
+        error
     }
     router
         .fallback(|State(state): State<Arc<AppState>>, method: Method, uri: Uri| async move {

@@ -64,8 +64,10 @@ impl BlobCache {
             Ok(bytes) => bytes,
             Err(ReadError::Io(e)) if e.kind() == io::ErrorKind::NotFound => return Ok(CacheRead::Miss),
             Err(ReadError::Io(e)) => return Err(e),
-            // Only this process writes the blobs, as regular files: anything else is not ours.
-            Err(ReadError::TooLarge | ReadError::NotAFile) => return self.evict(&path, EvictReason::TooLarge),
+            Err(ReadError::TooLarge) => return self.evict(&path, EvictReason::TooLarge),
+            // Only this process writes the blobs, as regular files: the source is read instead,
+            // and its verified bytes are renamed over whatever stands there.
+            Err(ReadError::NotAFile) => return Err(io::Error::other("a cached blob is not a regular file")),
         };
         if checksum.matches(&bytes) {
             Ok(CacheRead::Hit(bytes))

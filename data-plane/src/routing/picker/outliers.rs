@@ -93,6 +93,7 @@ impl Outliers {
         held.values().any(|record| record.ejects(now))
     }
 
+    #[cfg(test)]
     pub fn ejected(&self, rank: &LoadKey, now: Instant) -> bool {
         let held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
         held.get(rank).is_some_and(|record| record.ejects(now))
