@@ -278,13 +278,13 @@ async fn a_lookup_made_while_another_replicas_pick_is_unfolded_is_suggested_the_
     let reports = watch(&mut first, "first").await?;
 
     // Nothing stands yet: a tie-break, the first contender, reserved for this lookup.
-    let opening = suggest(&mut first).await?;
+    let opening = suggest(&mut first, "first", 1).await?;
     assert_eq!((opening.suggestion, opening.tie_break), (None, Some(FIRST)));
     // The replica's own costs sent the request to SECOND: its report names the lookup (and
     // credits a chain, by which the test sees the report has arrived).
     let mut report = started(1, SECOND, vec![0xfeed]);
     if let Some(Kind::Dispatches(dispatches)) = &mut report.kind {
-        dispatches.started[0].lookup = opening.lookup;
+        dispatches.started[0].lookup = 1;
     }
     reports.send(report).await?;
     until_overlaps(&second, &[0xfeed], &[(SECOND, 1)], "the report is in").await?;
@@ -292,8 +292,8 @@ async fn a_lookup_made_while_another_replicas_pick_is_unfolded_is_suggested_the_
     // Lookups through the other replica are weighed against it, as one process picking both
     // requests would weigh them; equal reservations go to the rank reserved longest ago.
     let mut went = Vec::new();
-    for _ in 0..3 {
-        let answer = suggest(&mut second).await?;
+    for lookup in 1..=3 {
+        let answer = suggest(&mut second, "second", lookup).await?;
         assert_eq!(answer.tie_break, None);
         went.push(answer.suggestion.context("a weighed suggestion")?);
     }
@@ -303,20 +303,48 @@ async fn a_lookup_made_while_another_replicas_pick_is_unfolded_is_suggested_the_
     Ok(())
 }
 
+#[tokio::test]
+async fn a_report_moves_only_the_reservations_of_its_own_replicas_lookups() -> anyhow::Result<()> {
+    let plane = Plane::start("10s").await?;
+    plane.supervisor.handle().set_lookup_window(Duration::from_secs(60));
+    let (mut first, mut second) = (plane.client().await?, plane.client().await?);
+    let intruder = watch(&mut second, "second").await?;
+
+    let opening = suggest(&mut first, "first", 1).await?;
+    assert_eq!(opening.tie_break, Some(FIRST), "reserved on FIRST for replica first's lookup 1");
+    // Replica second numbers its own lookups: its dispatch under number 1 is not first's.
+    let mut report = started(1, SECOND, vec![0xbeef]);
+    if let Some(Kind::Dispatches(dispatches)) = &mut report.kind {
+        dispatches.started[0].lookup = 1;
+    }
+    intruder.send(report).await?;
+    until_overlaps(&first, &[0xbeef], &[(SECOND, 1)], "the report is in").await?;
+    let next = suggest(&mut second, "second", 2).await?;
+    assert_eq!(next.suggestion, Some(SECOND), "first's reservation still stands on FIRST");
+    plane.cancel.cancel();
+    Ok(())
+}
+
 /// What `FindMatches` suggests to a lookup among `FIRST` and `SECOND` (instance ids).
 struct Suggested {
-    lookup: u64,
     suggestion: Option<u64>,
     tie_break: Option<u64>,
 }
 
-async fn suggest(client: &mut FleetClient<Channel>) -> anyhow::Result<Suggested> {
+/// Replica `replica_id`'s lookup number `lookup`.
+async fn suggest(client: &mut FleetClient<Channel>, replica_id: &str, lookup: u64) -> anyhow::Result<Suggested> {
     let contenders = [FIRST, SECOND].map(|instance_id| pb::RankId { instance_id, dp_rank: 0 }).to_vec();
-    let lookup =
-        pb::FindMatchesRequest { block_hashes: vec![7_000], model: "tiny".into(), contenders, prompt_tokens: 64 };
-    let answer = client.find_matches(lookup).await?.into_inner();
+    let request = pb::FindMatchesRequest {
+        block_hashes: vec![7_000],
+        model: "tiny".into(),
+        contenders,
+        prompt_tokens: 64,
+        replica_id: replica_id.into(),
+        lookup,
+    };
+    let answer = client.find_matches(request).await?.into_inner();
     let id = |rank: Option<pb::RankId>| rank.map(|rank| rank.instance_id);
-    Ok(Suggested { lookup: answer.lookup, suggestion: id(answer.suggestion), tie_break: id(answer.tie_break) })
+    Ok(Suggested { suggestion: id(answer.suggestion), tie_break: id(answer.tie_break) })
 }
 
 /// The turn `FindMatches` numbers a lookup for `model` with.
@@ -338,11 +366,17 @@ async fn what_one_caller_sends_is_bounded_before_it_is_believed() -> anyhow::Res
         model: "tiny".into(),
         contenders: only_first,
         prompt_tokens: u64::MAX,
+        ..Default::default()
     };
     client.find_matches(huge).await?;
     let both = [FIRST, SECOND].map(|instance_id| pb::RankId { instance_id, dp_rank: 0 }).to_vec();
-    let next =
-        pb::FindMatchesRequest { block_hashes: vec![7_000], model: "tiny".into(), contenders: both, prompt_tokens: 64 };
+    let next = pb::FindMatchesRequest {
+        block_hashes: vec![7_000],
+        model: "tiny".into(),
+        contenders: both,
+        prompt_tokens: 64,
+        ..Default::default()
+    };
     let answer = client.find_matches(next).await?.into_inner();
     assert_eq!(answer.suggestion.map(|r| r.instance_id), Some(SECOND));
     assert_eq!(answer.reserved_tokens, continuum_proto::MAX_LOOKUP_PROMPT_TOKENS, "the claim is taken at the bound");

@@ -18,7 +18,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
 use crate::fleet::{ActiveIndex, BacklogBook, BookCounters, FleetPublisher};
-use crate::kv::{KvHandle, LookupAnswer, MAX_CONTENDERS, MAX_FIND_MATCHES_HASHES, Suggestion};
+use crate::kv::{KvHandle, LookupKey, MAX_CONTENDERS, MAX_FIND_MATCHES_HASHES, Suggestion};
 use crate::metrics::Metrics;
 
 /// How long a new stream may take to send its Hello.
@@ -161,7 +161,8 @@ impl Fleet for FleetService {
         &self,
         request: Request<pb::FindMatchesRequest>,
     ) -> Result<Response<pb::FindMatchesResponse>, Status> {
-        let pb::FindMatchesRequest { block_hashes: hashes, model, contenders, prompt_tokens } = request.into_inner();
+        let pb::FindMatchesRequest { block_hashes: hashes, model, contenders, prompt_tokens, replica_id, lookup } =
+            request.into_inner();
         let count = |result: &str| self.metrics.kv_find_matches.with_label_values(&[result]).inc();
         if hashes.len() > MAX_FIND_MATCHES_HASHES {
             count("too_many_hashes");
@@ -198,8 +199,10 @@ impl Fleet for FleetService {
             Vec::new()
         };
         let prompt_tokens = prompt_tokens.min(MAX_LOOKUP_PROMPT_TOKENS);
-        let LookupAnswer { lookup, suggestion } = self.kv.answer_lookup(&contenders, prompt_tokens);
-        tracing::debug!(target: "continuum_control_plane::lookups", lookup, turn, ?suggestion, "lookup answered");
+        // A key too long for a replica id names no session's lookups; answered all the same.
+        let key = (replica_id.len() <= MAX_REPLICA_ID_BYTES).then_some(LookupKey { replica: &replica_id, lookup });
+        let suggestion = self.kv.answer_lookup(key, &contenders, prompt_tokens);
+        tracing::debug!(target: "continuum_control_plane::lookups", replica = %replica_id, lookup, turn, ?suggestion, "lookup answered");
         let wire = |rank: RankKey| Some(pb::RankId { instance_id: rank.worker_id, dp_rank: rank.dp_rank });
         let (suggestion, tie_break, reserved_tokens) = match suggestion {
             Some(Suggestion::Weighed { rank, reserved_tokens }) => {
@@ -209,7 +212,7 @@ impl Fleet for FleetService {
             Some(Suggestion::TieBreak(rank)) => (None, wire(rank), 0),
             None => (None, None, 0),
         };
-        let answer = pb::FindMatchesResponse { overlaps, turn, lookup, suggestion, tie_break, reserved_tokens };
+        let answer = pb::FindMatchesResponse { overlaps, turn, suggestion, tie_break, reserved_tokens };
         Ok(Response::new(answer))
     }
 }

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
 use crate::fleet::{BacklogBook, Catchup, FleetState};
-use crate::kv::KvHandle;
+use crate::kv::{KvHandle, LookupKey};
 use crate::metrics::Metrics;
 
 /// Updates buffered for one replica at most (besides what HTTP/2 flow control holds).
@@ -238,7 +238,8 @@ impl Session {
             let rank = RankKey { worker_id, dp_rank };
             if started.lookup != 0 {
                 tracing::debug!(target: "continuum_control_plane::lookups", lookup = started.lookup, ?rank, "lookup reported");
-                self.kv.lookup_reported(started.lookup, rank);
+                let key = LookupKey { replica: &self.status.replica_id, lookup: started.lookup };
+                self.kv.lookup_reported(key, rank);
             }
             if !hashes.is_empty() {
                 self.kv.credit_provisional(rank, hashes);

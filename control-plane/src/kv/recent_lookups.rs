@@ -17,6 +17,7 @@
 //! contender ties, so the replica takes that rank and the reservation is right from the start.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasher, RandomState};
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
@@ -35,32 +36,40 @@ pub const MAX_CONTENDERS: usize = 64;
 /// over, which costs a tie-break or two the order a round robin would give them.
 pub const MAX_REMEMBERED_RANKS: usize = 4096;
 
+/// A replica's name for one of its lookups: its replica id and its own number for the lookup
+/// (`FindMatchesRequest.lookup`). Only a report on that replica's session names it, so no
+/// other replica can move its reservation, and the replica names it whether or not the answer
+/// reached it in time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LookupKey<'a> {
+    pub replica: &'a str,
+    pub lookup: u64,
+}
+
 #[derive(Debug)]
 pub struct RecentLookups {
     window: Duration,
-    last_lookup: u64,
+    /// The control plane's own numbering of the lookups it answered, which orders them.
+    last_seq: u64,
     /// Oldest first, so numbered in increasing order.
     reservations: VecDeque<Reservation>,
+    /// The reservation each standing key names, by its number.
+    by_key: HashMap<(u64, u64), u64>,
+    /// Hashes replica ids into keys; a collision of two replicas' 64-bit hashes would only let
+    /// them name each other's lookups.
+    hasher: RandomState,
     /// Each rank's newest reservation, however old, for tie-breaks.
     last_reserved: HashMap<RankKey, u64>,
 }
 
 #[derive(Clone, Copy, Debug)]
 struct Reservation {
-    lookup: u64,
+    seq: u64,
+    key: Option<(u64, u64)>,
     at: Instant,
     /// Unknown until suggested or reported.
     rank: Option<RankKey>,
     tokens: u64,
-}
-
-/// One answered lookup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Answer {
-    /// The lookup's number, 1, 2, 3…
-    pub lookup: u64,
-    /// `None` only without contenders (or with more than are weighed).
-    pub suggestion: Option<Suggestion>,
 }
 
 /// What the control plane suggests to a lookup.
@@ -90,7 +99,14 @@ impl Default for RecentLookups {
 
 impl RecentLookups {
     pub fn new(window: Duration) -> Self {
-        Self { window, last_lookup: 0, reservations: VecDeque::new(), last_reserved: HashMap::new() }
+        Self {
+            window,
+            last_seq: 0,
+            reservations: VecDeque::new(),
+            by_key: HashMap::new(),
+            hasher: RandomState::new(),
+            last_reserved: HashMap::new(),
+        }
     }
 
     /// Sets how long a reservation stands (tests hold it open; [`RESERVATION_WINDOW`] is the
@@ -99,31 +115,46 @@ impl RecentLookups {
         self.window = window;
     }
 
-    /// Numbers a lookup for a prompt of `tokens` among `contenders`, suggests one of them, and
-    /// reserves the suggestion for it.
-    pub fn answer(&mut self, contenders: &[RankKey], tokens: u64, now: Instant) -> Answer {
+    /// Suggests one of `contenders` to a lookup for a prompt of `tokens`, and reserves the
+    /// suggestion for it under `key` until a report names the rank taken. `None` only without
+    /// contenders (or with more than are weighed). A lookup without a key (number 0) reserves
+    /// all the same, but no report can move its reservation; a key a replica reuses (it
+    /// restarted within the window) names its newest lookup.
+    pub fn answer(
+        &mut self,
+        key: Option<LookupKey<'_>>,
+        contenders: &[RankKey],
+        tokens: u64,
+        now: Instant,
+    ) -> Option<Suggestion> {
         self.expire(now);
-        self.last_lookup += 1;
-        let lookup = self.last_lookup;
+        self.last_seq += 1;
+        let seq = self.last_seq;
         let suggestion = self.suggest(contenders);
         if self.reservations.len() >= MAX_RESERVATIONS {
-            self.reservations.pop_front();
+            self.pop_oldest();
+        }
+        let key = key.filter(|key| key.lookup != 0).map(|key| self.slot(key));
+        if let Some(key) = key {
+            self.by_key.insert(key, seq);
         }
         let rank = suggestion.map(Suggestion::rank);
-        self.reservations.push_back(Reservation { lookup, at: now, rank, tokens });
+        self.reservations.push_back(Reservation { seq, key, at: now, rank, tokens });
         if let Some(rank) = rank {
-            self.remember(rank, lookup);
+            self.remember(rank, seq);
         }
-        Answer { lookup, suggestion }
+        suggestion
     }
 
-    /// The dispatch of `lookup` went to `rank`: its reservation now stands there.
-    pub fn reported(&mut self, lookup: u64, rank: RankKey) {
-        // Numbers increase along the queue; an expired or unknown lookup is not found.
-        let Ok(at) = self.reservations.binary_search_by_key(&lookup, |r| r.lookup) else { return };
+    /// The dispatch of the lookup `key` names went to `rank`: its reservation now stands
+    /// there. An expired or unknown lookup is not found, and nothing changes.
+    pub fn reported(&mut self, key: LookupKey<'_>, rank: RankKey) {
+        let Some(&seq) = self.by_key.get(&self.slot(key)) else { return };
+        // Numbers increase along the queue.
+        let Ok(at) = self.reservations.binary_search_by_key(&seq, |r| r.seq) else { return };
         if let Some(reservation) = self.reservations.get_mut(at) {
             reservation.rank = Some(rank);
-            self.remember(rank, lookup);
+            self.remember(rank, seq);
         }
     }
 
@@ -133,18 +164,32 @@ impl RecentLookups {
         self.reservations.len()
     }
 
+    fn slot(&self, key: LookupKey<'_>) -> (u64, u64) {
+        (self.hasher.hash_one(key.replica), key.lookup)
+    }
+
     fn expire(&mut self, now: Instant) {
         while self.reservations.front().is_some_and(|r| now.saturating_duration_since(r.at) >= self.window) {
-            self.reservations.pop_front();
+            self.pop_oldest();
         }
     }
 
-    fn remember(&mut self, rank: RankKey, lookup: u64) {
+    fn pop_oldest(&mut self) {
+        let Some(oldest) = self.reservations.pop_front() else { return };
+        // Unless a newer lookup reused the key.
+        if let Some(key) = oldest.key
+            && self.by_key.get(&key) == Some(&oldest.seq)
+        {
+            self.by_key.remove(&key);
+        }
+    }
+
+    fn remember(&mut self, rank: RankKey, seq: u64) {
         if self.last_reserved.len() >= MAX_REMEMBERED_RANKS && !self.last_reserved.contains_key(&rank) {
             self.last_reserved.clear();
         }
         let last = self.last_reserved.entry(rank).or_default();
-        *last = (*last).max(lookup);
+        *last = (*last).max(seq);
     }
 
     /// The contender with the fewest tokens reserved when any has a reservation standing, else
@@ -176,8 +221,13 @@ mod tests {
     const X: RankKey = RankKey { worker_id: 1, dp_rank: 0 };
     const Y: RankKey = RankKey { worker_id: 2, dp_rank: 0 };
 
+    /// Replica "a"'s lookup number `lookup`.
+    fn a(lookup: u64) -> LookupKey<'static> {
+        LookupKey { replica: "a", lookup }
+    }
+
     fn weighed(lookups: &mut RecentLookups, tokens: u64, now: Instant) -> Option<RankKey> {
-        match lookups.answer(&[X, Y], tokens, now).suggestion {
+        match lookups.answer(None, &[X, Y], tokens, now) {
             Some(Suggestion::Weighed { rank, .. }) => Some(rank),
             _ => None,
         }
@@ -188,25 +238,22 @@ mod tests {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
         let tie_break = |rank| Some(Suggestion::TieBreak(rank));
-        assert_eq!(lookups.answer(&[X, Y], 100, now), Answer { lookup: 1, suggestion: tie_break(X) });
+        assert_eq!(lookups.answer(Some(a(1)), &[X, Y], 100, now), tie_break(X));
         let later = now + RESERVATION_WINDOW;
-        assert_eq!(lookups.answer(&[X, Y], 100, later), Answer { lookup: 2, suggestion: tie_break(Y) });
-        let answer = lookups.answer(&[X, Y], 100, later + RESERVATION_WINDOW);
-        assert_eq!(answer.suggestion, tie_break(X));
+        assert_eq!(lookups.answer(Some(a(2)), &[X, Y], 100, later), tie_break(Y));
+        assert_eq!(lookups.answer(Some(a(3)), &[X, Y], 100, later + RESERVATION_WINDOW), tie_break(X));
         // Its request went to Y after all: X is now the one reserved longest ago.
-        lookups.reported(answer.lookup, Y);
-        assert_eq!(lookups.answer(&[X, Y], 100, later + RESERVATION_WINDOW * 3).suggestion, tie_break(X));
-        assert_eq!(lookups.answer(&[], 100, now).suggestion, None, "no contender, nothing to suggest");
+        lookups.reported(a(3), Y);
+        assert_eq!(lookups.answer(Some(a(4)), &[X, Y], 100, later + RESERVATION_WINDOW * 3), tie_break(X));
+        assert_eq!(lookups.answer(Some(a(5)), &[], 100, now), None, "no contender, nothing to suggest");
     }
 
     #[test]
     fn a_burst_is_split_as_one_process_would_split_it() {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
-        let mut went = Vec::new();
-        for _ in 0..8 {
-            went.push(lookups.answer(&[X, Y], 100, now).suggestion.map(Suggestion::rank).expect("contenders"));
-        }
+        let went: Vec<RankKey> =
+            (1..=8).map(|n| lookups.answer(Some(a(n)), &[X, Y], 100, now).expect("contenders").rank()).collect();
         assert_eq!(went, [X, Y, X, Y, X, Y, X, Y]);
     }
 
@@ -214,24 +261,55 @@ mod tests {
     fn larger_prompts_weigh_more_and_a_report_moves_a_reservation() {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
-        let big = lookups.answer(&[X, Y], 900, now);
-        lookups.reported(big.lookup, Y);
-        let small = lookups.answer(&[X, Y], 100, now);
-        assert_eq!(small.suggestion, Some(Suggestion::Weighed { rank: X, reserved_tokens: 900 }));
+        lookups.answer(Some(a(1)), &[X, Y], 900, now);
+        lookups.reported(a(1), Y);
+        let small = lookups.answer(Some(a(2)), &[X, Y], 100, now);
+        assert_eq!(small, Some(Suggestion::Weighed { rank: X, reserved_tokens: 900 }));
         assert_eq!(weighed(&mut lookups, 100, now), Some(X), "100 + 100 tokens against 900");
         // The small one's request went to Y after all (its replica saw something else).
-        lookups.reported(small.lookup, Y);
-        let answer = lookups.answer(&[X, Y], 100, now).suggestion;
+        lookups.reported(a(2), Y);
+        let answer = lookups.answer(None, &[X, Y], 100, now);
         assert_eq!(answer, Some(Suggestion::Weighed { rank: X, reserved_tokens: 1_100 }), "100 against 1,000");
+    }
+
+    #[test]
+    fn only_the_replica_that_made_a_lookup_can_move_its_reservation() {
+        let mut lookups = RecentLookups::default();
+        let now = Instant::now();
+        assert_eq!(lookups.answer(Some(a(7)), &[X, Y], 900, now), Some(Suggestion::TieBreak(X)));
+        // Replica "b" numbers its own lookups, and its 7 is not a's.
+        lookups.reported(LookupKey { replica: "b", lookup: 7 }, Y);
+        assert_eq!(weighed(&mut lookups, 100, now), Some(Y), "a's 900 tokens still stand on X");
+        // Nor does a lookup without a number answer to a report of number 0.
+        lookups.answer(None, &[], 5_000, now);
+        lookups.reported(a(0), X);
+        assert_eq!(weighed(&mut lookups, 100, now), Some(Y));
+        lookups.reported(a(7), Y);
+        assert_eq!(weighed(&mut lookups, 100, now), Some(X), "a's own report moved it");
+    }
+
+    #[test]
+    fn a_reused_key_names_the_newest_lookup_and_survives_the_older_ones_expiry() {
+        let mut lookups = RecentLookups::default();
+        let now = Instant::now();
+        lookups.answer(Some(a(1)), &[X], 100, now);
+        // Replica "a" restarted and numbers from 1 again.
+        let later = now + RESERVATION_WINDOW / 2;
+        lookups.answer(Some(a(1)), &[Y], 100, later);
+        let lapsed = now + RESERVATION_WINDOW;
+        lookups.answer(None, &[], 0, lapsed);
+        assert_eq!(lookups.held(), 2, "the first reservation lapsed");
+        lookups.reported(a(1), X);
+        assert_eq!(weighed(&mut lookups, 100, lapsed), Some(Y), "the newer one moved to X");
     }
 
     #[test]
     fn equal_reservations_go_to_the_rank_reserved_longest_ago() {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
-        for rank in [Y, X] {
-            let answer = lookups.answer(&[X, Y], 100, now);
-            lookups.reported(answer.lookup, rank);
+        for (n, rank) in [(1, Y), (2, X)] {
+            lookups.answer(Some(a(n)), &[X, Y], 100, now);
+            lookups.reported(a(n), rank);
         }
         assert_eq!(weighed(&mut lookups, 100, now), Some(Y));
     }
@@ -240,11 +318,12 @@ mod tests {
     fn reservations_lapse_after_the_window() {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
-        let first = lookups.answer(&[X, Y], 100, now);
+        lookups.answer(Some(a(1)), &[X, Y], 100, now);
         assert_eq!(weighed(&mut lookups, 100, now + RESERVATION_WINDOW / 2), Some(Y));
         assert_eq!(weighed(&mut lookups, 100, now + RESERVATION_WINDOW * 2), None, "every view counts them by now");
         assert_eq!(lookups.held(), 1, "only the latest lookup's reservation stands");
-        lookups.reported(first.lookup, Y);
+        assert!(lookups.by_key.is_empty(), "the lapsed lookup's key went with it");
+        lookups.reported(a(1), Y);
         assert_eq!(lookups.held(), 1, "an expired lookup's report finds nothing");
     }
 
@@ -252,28 +331,30 @@ mod tests {
     fn only_contenders_are_weighed_and_too_many_get_no_suggestion() {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
-        let elsewhere = lookups.answer(&[], 100, now);
-        lookups.reported(elsewhere.lookup, RankKey { worker_id: 9, dp_rank: 3 });
-        let answer = lookups.answer(&[X, Y], 100, now);
-        assert_eq!(answer.suggestion, Some(Suggestion::TieBreak(X)), "no contender is reserved");
+        lookups.answer(Some(a(1)), &[], 100, now);
+        lookups.reported(a(1), RankKey { worker_id: 9, dp_rank: 3 });
+        assert_eq!(lookups.answer(None, &[X, Y], 100, now), Some(Suggestion::TieBreak(X)), "no contender is reserved");
         let many: Vec<RankKey> =
             (0..=MAX_CONTENDERS as u64).map(|id| RankKey { worker_id: id + 1, dp_rank: 0 }).collect();
-        assert_eq!(lookups.answer(&many, 100, now).suggestion, None);
+        assert_eq!(lookups.answer(None, &many, 100, now), None);
     }
 
     #[test]
-    fn reservations_and_remembered_ranks_are_bounded() {
+    fn reservations_keys_and_remembered_ranks_are_bounded() {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
         for id in 0..MAX_RESERVATIONS as u64 * 2 {
             let rank = RankKey { worker_id: id, dp_rank: 0 };
-            lookups.answer(&[rank], 100, now);
+            lookups.answer(Some(a(id + 1)), &[rank], 100, now);
         }
         assert_eq!(lookups.held(), MAX_RESERVATIONS);
+        assert_eq!(lookups.by_key.len(), MAX_RESERVATIONS);
         for id in 0..MAX_REMEMBERED_RANKS as u64 * 2 {
-            let answer = lookups.answer(&[], 100, now);
-            lookups.reported(answer.lookup, RankKey { worker_id: id, dp_rank: 1 });
+            let key = LookupKey { replica: "b", lookup: id + 1 };
+            lookups.answer(Some(key), &[], 100, now);
+            lookups.reported(key, RankKey { worker_id: id, dp_rank: 1 });
         }
         assert!(lookups.last_reserved.len() <= MAX_REMEMBERED_RANKS);
+        assert_eq!(lookups.by_key.len(), MAX_RESERVATIONS);
     }
 }

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::feed::{KvFeed, SharedKvIndexer};
 use super::indexer::{KV_EVENTS_STALE_AFTER, KvIndexer};
 use super::provisional::{ProvisionalIndex, ProvisionalResult};
-use super::recent_lookups::{Answer, RecentLookups};
+use super::recent_lookups::{LookupKey, RecentLookups, Suggestion};
 use crate::config::Config;
 use crate::load::zmtp::ZmtpLimits;
 use crate::load::{LoadOptions, Subscriptions, Supervisor, dial_policy};
@@ -89,10 +89,10 @@ impl KvHandle {
         self.provisional().set_ttl(ttl);
     }
 
-    /// Numbers a lookup for a prompt of `tokens` whose request one of `contenders` will
-    /// prefill, and suggests one of them (see [`RecentLookups`]).
-    pub fn answer_lookup(&self, contenders: &[RankKey], tokens: u64) -> Answer {
-        self.lookups().answer(contenders, tokens, Instant::now())
+    /// Suggests one of `contenders` to the lookup `key` names, for a prompt of `tokens` whose
+    /// request one of them will prefill, and reserves it (see [`RecentLookups`]).
+    pub fn answer_lookup(&self, key: Option<LookupKey<'_>>, contenders: &[RankKey], tokens: u64) -> Option<Suggestion> {
+        self.lookups().answer(key, contenders, tokens, Instant::now())
     }
 
     /// Sets how long a lookup's reservation stands; for tests, which cannot count on a
@@ -101,9 +101,9 @@ impl KvHandle {
         self.lookups().set_window(window);
     }
 
-    /// A dispatch report says which rank `lookup`'s request went to.
-    pub fn lookup_reported(&self, lookup: u64, rank: RankKey) {
-        self.lookups().reported(lookup, rank);
+    /// A dispatch report says which rank the request of the lookup `key` names went to.
+    pub fn lookup_reported(&self, key: LookupKey<'_>, rank: RankKey) {
+        self.lookups().reported(key, rank);
     }
 
     fn lookups(&self) -> MutexGuard<'_, RecentLookups> {

@@ -2,6 +2,8 @@
 //! holds, under a deadline tight enough to sit on the request path. Any miss (deadline, error,
 //! the index switched off) is the caller's cue to pick without the KV term.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
@@ -28,29 +30,43 @@ pub enum MatchesError {
 pub struct MatchesClient {
     client: FleetClient<Channel>,
     deadline: Duration,
+    /// This replica's id, which with a lookup's number names its reservation.
+    replica_id: Arc<str>,
+    /// The last lookup number handed out (shared by clones).
+    numbered: Arc<AtomicU64>,
 }
 
 impl MatchesClient {
-    pub fn new(control_plane: &str, deadline: Duration) -> Result<Self, tonic::transport::Error> {
+    /// A client for the replica `replica_id` (its `Hello.replica_id`).
+    pub fn new(control_plane: &str, replica_id: &str, deadline: Duration) -> Result<Self, tonic::transport::Error> {
         let channel = Endpoint::from_shared(control_plane.to_string())?
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(20))
             .keep_alive_while_idle(true)
             .connect_lazy();
         let client = FleetClient::new(channel).max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
-        Ok(Self { client, deadline })
+        Ok(Self { client, deadline, replica_id: replica_id.into(), numbered: Arc::default() })
     }
 
     pub fn deadline(&self) -> Duration {
         self.deadline
     }
 
+    /// A number for the next lookup, 1, 2, 3…: the replica reports it with the dispatch the
+    /// lookup scored, answered in time or not, and the control plane moves the reservation it
+    /// made for the lookup to the rank taken.
+    pub fn number_lookup(&self) -> u64 {
+        self.numbered.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
     /// Each rank's contiguous overlap with `block_hashes` and the part of it the fleet's
     /// requests in flight hold, with the lookup's fleet-wide turn among `model`'s, and the
     /// control plane's suggestion among `contenders` (instance id, dp rank: the ranks that
-    /// would prefill this prompt of `prompt_tokens`).
+    /// would prefill this prompt of `prompt_tokens`). `lookup` is the lookup's number
+    /// ([`MatchesClient::number_lookup`]; 0: none).
     pub async fn find_matches(
         &self,
+        lookup: u64,
         block_hashes: Vec<u64>,
         model: &str,
         contenders: &[(u64, u32)],
@@ -58,7 +74,14 @@ impl MatchesClient {
     ) -> Result<Matches, MatchesError> {
         let mut client = self.client.clone();
         let contenders = contenders.iter().map(|&(instance_id, dp_rank)| pb::RankId { instance_id, dp_rank }).collect();
-        let request = pb::FindMatchesRequest { block_hashes, model: model.to_string(), contenders, prompt_tokens };
+        let request = pb::FindMatchesRequest {
+            block_hashes,
+            model: model.to_string(),
+            contenders,
+            prompt_tokens,
+            replica_id: self.replica_id.to_string(),
+            lookup,
+        };
         let call = client.find_matches(request);
         let reply =
             tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))??;
@@ -81,7 +104,7 @@ impl MatchesClient {
             (None, Some(tie_break)) => Some(Suggested::TieBreak(rank(tie_break))),
             (None, None) => None,
         };
-        Ok(Matches { overlaps, turn: reply.turn, lookup: reply.lookup, suggestion })
+        Ok(Matches { overlaps, turn: reply.turn, suggestion })
     }
 }
 
@@ -93,9 +116,6 @@ pub struct Matches {
     /// The lookup's place among those the control plane has answered for the model
     /// (0: unnumbered), by which the picker rotates ties.
     pub turn: u64,
-    /// The lookup's number among all the control plane answered (0: none), reported with the
-    /// dispatch that follows it.
-    pub lookup: u64,
     /// The contender (instance id, dp rank) the control plane suggests.
     pub suggestion: Option<Suggested>,
 }

@@ -123,9 +123,9 @@ impl Report<'_> {
         id
     }
 
-    /// Dispatch `id`, started in this operation, prefills a request whose pick the control
-    /// plane's lookup `lookup` scored: the report tells it which rank that lookup's request
-    /// went to.
+    /// Dispatch `id`, started in this operation, prefills a request for which this replica
+    /// made its lookup number `lookup`: the report tells the control plane which rank that
+    /// lookup's request went to.
     pub fn prefills_for_lookup(&mut self, id: u64, lookup: u64) {
         for event in self.events.iter_mut().rev() {
             if let DispatchEvent::Started { id: started, lookup: at, .. } = event

@@ -36,6 +36,10 @@ pub enum Term {
         /// Where `overlaps` came from: the index, a recent answer standing in for a missed
         /// lookup, or nothing (no rank credited).
         answer: IndexAnswer,
+        /// This replica's number for the lookup, reported with the dispatch whether or not the
+        /// answer came in time, so the reservation the control plane made for it follows the
+        /// request to the rank it took.
+        lookup: u64,
         /// This replica's picked prompt tokens when the lookup went out (see
         /// [`KvRouting::picked_since`]).
         picked_before: u64,
@@ -145,12 +149,13 @@ impl KvRouting {
         let started = Instant::now();
         let isl_tokens = prepared.tokens.len() as u64;
         let picked_before = self.picked.load(Ordering::Relaxed);
-        let answer = self.matches.find_matches(chain.clone(), model, contenders, isl_tokens).await;
+        let lookup = self.matches.number_lookup();
+        let answer = self.matches.find_matches(lookup, chain.clone(), model, contenders, isl_tokens).await;
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
         let (overlaps, answer) = match answer {
-            Ok(Matches { overlaps, turn, lookup, suggestion }) => {
+            Ok(Matches { overlaps, turn, suggestion }) => {
                 self.recent.remember(&chain, &overlaps, Instant::now());
-                (overlaps.into(), IndexAnswer::Answered { turn, lookup, suggestion })
+                (overlaps.into(), IndexAnswer::Answered { turn, suggestion })
             }
             Err(error) => match self.recent.recall(&chain, Instant::now()) {
                 Some(overlaps) => (overlaps.into(), IndexAnswer::Recent),
@@ -165,7 +170,7 @@ impl KvRouting {
             },
         };
         let block_size = block_size.get();
-        Term::Scored { tokens: prepared.tokens, block_size, overlaps, block_hashes, answer, picked_before }
+        Term::Scored { tokens: prepared.tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }
     }
 
     /// A pick for a prompt of `tokens` was made.
@@ -314,7 +319,7 @@ mod tests {
     #[tokio::test]
     async fn a_cache_directory_that_cannot_open_is_tried_again_after_a_while_not_per_request() -> anyhow::Result<()> {
         let metrics = Metrics::new()?;
-        let matches = MatchesClient::new("http://127.0.0.1:9", Duration::from_millis(10))?;
+        let matches = MatchesClient::new("http://127.0.0.1:9", "test", Duration::from_millis(10))?;
         let routing =
             KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
         // Under a regular file, no directory can be made.

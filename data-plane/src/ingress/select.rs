@@ -65,7 +65,10 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let usable = usable_namespaces(state, &pools, now);
     let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&*usable) };
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
-        (Some(kv), Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer, picked_before })) => {
+        (
+            Some(kv),
+            Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }),
+        ) => {
             let isl_tokens = tokens.len() as u64;
             let answer = answer.picked_meanwhile(kv.routing.picked_since(picked_before));
             kv.routing.picked(isl_tokens);
@@ -73,7 +76,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             // the requests that lose their KV term learns from every one that keeps it.
             state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
-            let chain = PromptChain { block_size, hashes: block_hashes, lookup: answer.lookup() };
+            let chain = PromptChain { block_size, hashes: block_hashes, lookup };
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
@@ -219,7 +222,7 @@ mod tests {
     fn state() -> AppState {
         let metrics = Metrics::new().expect("metrics");
         let ledger = Arc::new(DispatchLedger::new());
-        let matches = MatchesClient::new("http://127.0.0.1:9", Duration::from_millis(10)).expect("url");
+        let matches = MatchesClient::new("http://127.0.0.1:9", "test", Duration::from_millis(10)).expect("url");
         let kv = KvSelection::new(matches, &ledger, &metrics);
         AppState {
             fleet: Arc::new(FleetHandle::default()),
@@ -269,6 +272,7 @@ mod tests {
     async fn a_prompt_whose_lookup_fails_is_still_scored_on_the_formula_and_sent_with_its_tokens() {
         // The state's FindMatches client dials a port nobody listens on: every lookup fails.
         let state = state();
+        let mut reports = state.reporter.take_receiver().expect("the reports");
         let dir = tempfile::tempdir().expect("dir");
         let (card, pinned) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), pinned);
@@ -302,5 +306,11 @@ mod tests {
         let one_answer = PromptSizes::default();
         one_answer.learn("tiny", request.prompt_estimate, tokens.len() as u64);
         assert_eq!(factor, one_answer.factor("tiny"), "one observation: the prompt's estimate against its tokens");
+        // The lookup went out, and the control plane may have reserved a rank for it: the
+        // dispatch names it all the same, so that reservation follows the request.
+        let first = reports.try_recv().expect("the dispatch is reported");
+        let report = crate::fleet::batch(first, &mut reports);
+        let lookups: Vec<u64> = report.started.iter().map(|started| started.lookup).collect();
+        assert_eq!(lookups, [1], "the replica's first lookup, on the leg that prefills");
     }
 }

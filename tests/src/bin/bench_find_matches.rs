@@ -164,10 +164,10 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let server = tokio::spawn(grpc::serve(listener, service, cancel.clone()));
-    let client = MatchesClient::new(&url, MEASURE_DEADLINE)?;
+    let client = MatchesClient::new(&url, "bench", MEASURE_DEADLINE)?;
     // Connect and warm up.
     for query in queries.iter().take(500) {
-        client.find_matches(query.clone(), "bench", &CONTENDERS, 1_024).await?;
+        client.find_matches(0, query.clone(), "bench", &CONTENDERS, 1_024).await?;
     }
     let queries: Arc<[Vec<u64>]> = queries.into();
     let mut rows = Vec::new();
@@ -181,7 +181,8 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
                     let mut ranks = 0;
                     for query in queries.iter().skip(lane).step_by(concurrency) {
                         let t0 = Instant::now();
-                        let overlaps = client.find_matches(query.clone(), "bench", &CONTENDERS, 1_024).await?.overlaps;
+                        let overlaps =
+                            client.find_matches(0, query.clone(), "bench", &CONTENDERS, 1_024).await?.overlaps;
                         samples.push(t0.elapsed());
                         ranks += overlaps.len();
                     }

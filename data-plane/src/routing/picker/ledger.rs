@@ -647,8 +647,8 @@ impl State {
 }
 
 /// A prompt's prefix chain: the hashes of its full blocks at `block_size`, as the KV term
-/// computed them (empty without one), and the control plane's number for the lookup that
-/// scored them (0: none).
+/// computed them (empty without one), and this replica's number for the `FindMatches` lookup
+/// made for them (0: none).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PromptChain {
     pub block_size: u32,

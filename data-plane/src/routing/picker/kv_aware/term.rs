@@ -27,10 +27,9 @@ pub enum KvTerm<'a> {
 pub enum IndexAnswer {
     /// The control plane's index answered `FindMatches`, numbering the lookup `turn` among all
     /// it has answered for the model (0: unnumbered). Ties rotate by the turn, so replicas that
-    /// see the same tie at once take different ranks. `lookup` is its number among every
-    /// lookup answered (0: none), reported with the dispatch; `suggestion` the rank (instance
-    /// id, dp rank) the control plane suggested, if any.
-    Answered { turn: u64, lookup: u64, suggestion: Option<Suggested> },
+    /// see the same tie at once take different ranks. `suggestion` is the rank (instance id,
+    /// dp rank) the control plane suggested, if any.
+    Answered { turn: u64, suggestion: Option<Suggested> },
     /// The lookup missed its deadline or failed, and the replica's recent answer for the
     /// prompt's prefix stands in: counted `index_recent`.
     Recent,
@@ -58,24 +57,16 @@ impl IndexAnswer {
     /// then becomes a suggestion weighed against them.
     pub fn picked_meanwhile(self, tokens: u64) -> Self {
         match self {
-            IndexAnswer::Answered { turn, lookup, suggestion: Some(suggestion) } if tokens > 0 => {
+            IndexAnswer::Answered { turn, suggestion: Some(suggestion) } if tokens > 0 => {
                 let (rank, reserved_tokens) = match suggestion {
                     Suggested::Weighed { rank, reserved_tokens } => (rank, reserved_tokens),
                     Suggested::TieBreak(rank) => (rank, 0),
                 };
                 let reserved_tokens = reserved_tokens.saturating_add(tokens);
                 let suggestion = Some(Suggested::Weighed { rank, reserved_tokens });
-                IndexAnswer::Answered { turn, lookup, suggestion }
+                IndexAnswer::Answered { turn, suggestion }
             }
             answer => answer,
-        }
-    }
-
-    /// The control plane's number for the lookup, reported with the dispatch (0: none).
-    pub fn lookup(self) -> u64 {
-        match self {
-            IndexAnswer::Answered { lookup, .. } => lookup,
-            _ => 0,
         }
     }
 

@@ -116,7 +116,7 @@ fn scored(isl_tokens: u64, overlaps: &Overlaps) -> KvTerm<'_> {
         isl_tokens,
         block_size: BLOCK,
         overlaps,
-        answer: IndexAnswer::Answered { turn: 0, lookup: 0, suggestion: None },
+        answer: IndexAnswer::Answered { turn: 0, suggestion: None },
     }
 }
 
@@ -293,7 +293,7 @@ fn replicas_seeing_the_same_tie_at_once_split_it_by_their_lookups_turns() {
         let (a, b) = (picker(), picker());
         [ids(&pick(&a, fleet, lookup(first))), ids(&pick(&b, fleet, lookup(second)))]
     };
-    let turn = |turn| IndexAnswer::Answered { turn, lookup: 0, suggestion: None };
+    let turn = |turn| IndexAnswer::Answered { turn, suggestion: None };
 
     let near_tie = pair(6_091);
     assert_eq!(at_once(&near_tie, turn(41), turn(42)), [(4, Some(2)), (4, Some(1))], "consecutive turns split");
@@ -408,7 +408,7 @@ fn the_control_planes_suggestion_wins_within_one_request_of_the_cheapest() {
         isl_tokens,
         block_size: BLOCK,
         overlaps,
-        answer: IndexAnswer::Answered { turn: 1, lookup: 0, suggestion: Some(suggestion) },
+        answer: IndexAnswer::Answered { turn: 1, suggestion: Some(suggestion) },
     };
     let weighed = |rank, reserved_tokens| Suggested::Weighed { rank: (rank, 0), reserved_tokens };
     // Recent lookups reserved one request of the prompt's size: the most this view can lack.
