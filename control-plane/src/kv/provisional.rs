@@ -144,8 +144,12 @@ impl ProvisionalIndex {
         while self.chains.iter().filter(|c| c.rank == rank).count() >= MAX_CHAINS_PER_RANK {
             self.remove_where(|c| c.rank == rank, Some(ProvisionalResult::Evicted));
         }
+        // Oldest first, at the front: each chain pushed out costs one step, however many a
+        // long chain needs room from.
         while self.chains.len() >= MAX_CHAINS || self.hashes + hashes.len() > MAX_HASHES {
-            self.remove_where(|_| true, Some(ProvisionalResult::Evicted));
+            let Some(oldest) = self.chains.pop_front() else { break };
+            self.hashes -= oldest.hashes.len();
+            self.counts.add(ProvisionalResult::Evicted, 1);
         }
         self.hashes += hashes.len();
         self.chains.push_back(Chain { rank, hashes: hashes.into(), expires: now + self.ttl });

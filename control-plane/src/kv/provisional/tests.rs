@@ -138,6 +138,23 @@ fn the_whole_index_holds_at_most_its_chain_and_hash_bounds() {
 }
 
 #[test]
+fn a_long_chain_pushes_out_as_many_of_the_oldest_as_it_needs_room_from() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    let short = 2_000_u64;
+    for i in 0..short {
+        index.credit(rank(100 + i), &[i + 1], true, now);
+    }
+    index.credit(rank(1), &chain(10_000, MAX_HASHES as u64 - short), true, now);
+    assert_eq!(index.size(), (short as usize + 1, MAX_HASHES));
+    index.take_counts();
+    assert_eq!(index.credit(rank(2), &chain(1 << 40, short), true, now), ProvisionalResult::Credited);
+    assert_eq!(index.size(), (2, MAX_HASHES), "every short chain went, and only they");
+    assert_eq!(index.take_counts().get(ProvisionalResult::Evicted), short);
+    assert_eq!(index.merge(&[10_000], &[], now), [(rank(1), 1)]);
+}
+
+#[test]
 fn labels_are_distinct_snake_case() {
     let mut labels: Vec<_> = ProvisionalResult::ALL.iter().map(|r| r.as_str()).collect();
     assert!(labels.iter().all(|l| l.chars().all(|c| c.is_ascii_lowercase() || c == '_')));
