@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
-use continuum_proto::model::{KvArtifactPolicy, Role};
+use continuum_proto::model::{KvArtifactPolicy, Role, Worker};
 use continuum_proto::view::{FleetView, WorkersMemo};
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
 use serde_json::Value;
@@ -214,10 +214,18 @@ impl KvRouting {
         }
     }
 
-    /// `model`'s cards, parsed once per worker map rather than on every request.
+    /// `model`'s cards, parsed once per worker map rather than on every request. A model no
+    /// worker serves is not cached: its name is the client's, up to the body's size, and the
+    /// request is refused anyway.
     fn model_cards(&self, view: &FleetView, model: &str) -> Option<Arc<ModelCards>> {
         let mut cache = self.models.lock().unwrap_or_else(PoisonError::into_inner);
         let models = cache.for_view(view);
+        if let Some(cards) = models.get(model) {
+            return cards.clone();
+        }
+        if !view.workers().values().any(|w| serves(w, model)) {
+            return None;
+        }
         if models.len() >= MAX_CACHED_MODELS {
             models.clear();
         }
@@ -270,10 +278,14 @@ impl KvRouting {
 }
 
 /// `model`'s [`ModelCards`]; `None` when a worker's card names no renderable tokenizer.
+fn serves(worker: &Worker, model: &str) -> bool {
+    worker.model == model && worker.role != Role::Unknown
+}
+
 fn model_artifacts(view: &FleetView, model: &str) -> Option<ModelCards> {
     let mut cards = Vec::new();
     let mut sizes: Vec<(u32, usize)> = Vec::new();
-    for worker in view.workers().values().filter(|w| w.model == model && w.role != Role::Unknown) {
+    for worker in view.workers().values().filter(|w| serves(w, model)) {
         cards.push(ModelArtifacts::from_fleet(worker.artifacts.as_deref()?).ok()?);
         if let Some(size) = worker.block_size {
             match sizes.iter_mut().find(|(s, _)| *s == size) {
@@ -315,6 +327,37 @@ mod tests {
     use super::*;
     use crate::fleet::MatchesClient;
     use crate::metrics::Metrics;
+
+    #[tokio::test]
+    async fn cards_are_cached_for_models_the_fleet_serves_and_no_others() -> anyhow::Result<()> {
+        use continuum_proto::model::{Capacity, DataPlaneConfig, WorkerKey};
+        let metrics = Metrics::new()?;
+        let matches = MatchesClient::new("http://127.0.0.1:9", "test", Duration::from_millis(10))?;
+        let routing =
+            KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
+        let worker = Worker {
+            key: WorkerKey::new("ns", 7),
+            role: Role::Aggregated,
+            model: "tiny".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: Capacity::default(),
+            dp_start_rank: 0,
+            dp_size: 0,
+            disaggregated_endpoint: None,
+            artifacts: None,
+        };
+        let view = FleetView::new(1, [Arc::new(worker)], [], Arc::new(DataPlaneConfig::default()))?;
+        let cached = || routing.models.lock().unwrap_or_else(PoisonError::into_inner).for_view(&view).len();
+        for name in ["nobody serves this", &"x".repeat(1 << 20)] {
+            assert!(routing.model_cards(&view, name).is_none());
+        }
+        assert_eq!(cached(), 0, "a client's model names take no room");
+        assert!(routing.model_cards(&view, "tiny").is_none(), "served, but its card names no artifacts");
+        assert_eq!(cached(), 1, "and that is remembered");
+        Ok(())
+    }
 
     #[tokio::test]
     async fn a_cache_directory_that_cannot_open_is_tried_again_after_a_while_not_per_request() -> anyhow::Result<()> {

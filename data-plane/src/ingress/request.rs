@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use serde::Deserialize;
-use serde::de::IgnoredAny;
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
@@ -57,7 +57,62 @@ struct Members {
     input: Option<PromptText>,
     system: Option<PromptText>,
     tools: Option<PromptText>,
-    nvext: Option<IgnoredAny>,
+    nvext: Option<NvextShape>,
+}
+
+/// Whether `nvext` is a JSON object, the only shape routing strips fields from. A frontend
+/// reads an array as its `NvExt` fields in declaration order (serde's sequence form of a
+/// struct), so `[null, null, null, 7]` would name a worker without naming a field.
+#[derive(Debug, PartialEq, Eq)]
+enum NvextShape {
+    Object,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for NvextShape {
+    fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(ShapeVisitor)
+    }
+}
+
+struct ShapeVisitor;
+
+impl<'de> Visitor<'de> for ShapeVisitor {
+    type Value = NvextShape;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NvextShape, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(NvextShape::Object)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NvextShape, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(NvextShape::Other)
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<NvextShape, E> {
+        Ok(NvextShape::Other)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<NvextShape, E> {
+        Ok(NvextShape::Other)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<NvextShape, E> {
+        Ok(NvextShape::Other)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<NvextShape, E> {
+        Ok(NvextShape::Other)
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<NvextShape, E> {
+        Ok(NvextShape::Other)
+    }
 }
 
 impl ChatRequest {
@@ -84,6 +139,9 @@ impl ChatRequest {
             Some(Value::Bool(stream)) => stream,
             Some(_) => return Err(RequestError::Shape("`stream` must be true or false")),
         };
+        if members.nvext.as_ref().is_some_and(|shape| *shape != NvextShape::Object) {
+            return Err(RequestError::Shape("`nvext` must be an object"));
+        }
         let prompt_estimate = [Some(messages), members.prompt, members.input, members.system, members.tools]
             .iter()
             .flatten()
@@ -194,10 +252,16 @@ mod tests {
             (r#"{"model":"m"}"#, "`messages`"),
             (r#"{"model":"m","messages":[]}"#, "`messages`"),
             (r#"{"model":"m","messages":[{}],"stream":"yes"}"#, "`stream`"),
+            // A frontend reads an array as NvExt's fields in order: the fourth names a worker.
+            (r#"{"model":"m","messages":[{}],"nvext":[null,null,null,7,[1,2]]}"#, "`nvext` must be an object"),
+            (r#"{"model":"m","messages":[{}],"nvext":"7"}"#, "`nvext` must be an object"),
+            (r#"{"model":"m","messages":[{}],"nvext":true}"#, "`nvext` must be an object"),
         ];
         for (body, says) in rows {
             let error = parse(body).unwrap_err();
             assert!(error.contains(says), "{body}: {error}");
         }
+        assert!(parse(r#"{"model":"m","messages":[{}],"nvext":null}"#).is_ok(), "a null nvext chooses nothing");
+        assert!(parse(r#"{"model":"m","messages":[{}],"nvext":{"a":[1]}}"#).is_ok());
     }
 }

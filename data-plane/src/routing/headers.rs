@@ -71,14 +71,20 @@ pub fn strip_client_routing(headers: &mut HeaderMap) {
 /// Removes the `nvext` routing fields of a request body, keeping every other `nvext` field.
 ///
 /// An `nvext` object that held only routing fields is removed whole, so the frontend sees the
-/// request as if the client had sent no extension; an `nvext` the client sent empty (or not
-/// as an object) is forwarded as sent, since it chooses nothing.
+/// request as if the client had sent no extension; an `nvext` the client sent empty or null is
+/// forwarded as sent, since it chooses nothing. Any other `nvext` is removed: a frontend reads
+/// an array as its fields in order, routing fields among them (the ingress refuses one first).
 pub fn strip_body_routing(body: &mut Value) {
     let Some(request) = body.as_object_mut() else {
         return;
     };
-    let Some(Value::Object(nvext)) = request.get_mut("nvext") else {
-        return;
+    let nvext = match request.get_mut("nvext") {
+        Some(Value::Object(nvext)) => nvext,
+        None | Some(Value::Null) => return,
+        Some(_) => {
+            request.remove("nvext");
+            return;
+        }
     };
     let sent = nvext.len();
     nvext.retain(|field, _| !NVEXT_ROUTING_FIELDS.contains(&field.as_str()));

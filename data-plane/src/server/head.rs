@@ -144,6 +144,10 @@ pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
 /// The path and query of a request target: an absolute-form target (`http://host/path`, which
 /// RFC 9112 §3.2.2 has servers accept) less its scheme and authority.
 fn origin_path(target: &str) -> &str {
+    if target.starts_with('/') {
+        // Origin form: a `://` is in its query (`?cb=http://…`), not a scheme.
+        return target;
+    }
     match target.split_once("://") {
         Some((_, rest)) => rest.find('/').map_or("/", |at| &rest[at..]),
         None => target,
@@ -302,6 +306,8 @@ mod tests {
         assert_eq!(head("GET /v1/chat/completions HTTP/1.1\r\n\r\n").route, Route::Router);
         let absolute = head("POST http://router:8080/v1/chat/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
         assert_eq!(absolute.route, Route::ChatCompletions, "an absolute-form target is routed by its path");
+        let query = head("POST /v1/chat/completions?cb=http://x/y HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(query.route, Route::ChatCompletions, "a URL in the query is not the target's scheme");
         assert_eq!(head("GET http://router HTTP/1.1\r\n\r\n").route, Route::Router);
 
         let rows = [

@@ -129,7 +129,9 @@ fn body_routing_fields_are_stripped_and_other_nvext_fields_kept() {
             json!({"model": "m"}),
         ),
         ("client's empty nvext forwarded", json!({"nvext": {}}), json!({"nvext": {}})),
-        ("nvext not an object forwarded", json!({"nvext": null}), json!({"nvext": null})),
+        ("null nvext forwarded", json!({"nvext": null}), json!({"nvext": null})),
+        ("nvext as an array, read field by field, removed", json!({"nvext": [null, null, null, 7]}), json!({})),
+        ("nvext as a scalar removed", json!({"m": 1, "nvext": "7"}), json!({"m": 1})),
         (
             "hex string ids stripped too",
             json!({"nvext": {"backend_instance_id": "0x1f", "annotations": ["a"]}}),
