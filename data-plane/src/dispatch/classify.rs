@@ -35,6 +35,30 @@ pub fn classify(status: StatusCode, body: &[u8], stream: bool) -> Verdict {
     }
 }
 
+/// Whether a pinned non-2xx answer says the pinned workers failed, rather than the client's
+/// request or the router's pairing: a 5xx; a 404 (the model's workers are gone from the
+/// frontend); or 1.6.1's refusal of a pin it cannot serve, a 400 "Invalid request" for an id
+/// it no longer knows or a dp rank out of bounds. A 400 about the body is the client's, and a
+/// missing prefill pin is the pool's.
+pub fn blames_pins(status: StatusCode, body: &[u8]) -> bool {
+    if names_missing_prefill(body) {
+        return false;
+    }
+    let refuses_pin = || {
+        serde_json::from_slice::<serde_json::Value>(body).ok().is_some_and(|refusal| {
+            refusal.get("message").and_then(serde_json::Value::as_str).is_some_and(|message| {
+                message == UNKNOWN_PIN_MESSAGE
+                    || (message.starts_with("dp_rank ") && message.contains(" out of bounds"))
+            })
+        })
+    };
+    status.is_server_error() || status == StatusCode::NOT_FOUND || (status == StatusCode::BAD_REQUEST && refuses_pin())
+}
+
+/// 1.6.1's message for a pinned worker id it does not know (`unknown_decode_id`,
+/// `unknown_prefill_id`, `agg_unknown_worker_id` in the captures).
+const UNKNOWN_PIN_MESSAGE: &str = "Invalid request";
+
 /// 408 and 429 say "not now", not "bad request": they take the failure arm even when streaming.
 fn retryable_client_error(status: StatusCode) -> bool {
     status == StatusCode::REQUEST_TIMEOUT || status == StatusCode::TOO_MANY_REQUESTS
@@ -56,6 +80,27 @@ mod tests {
         r#"{"message":"dp_rank 5 is out of bounds for dp_size 1","type":"Bad Request","code":400}"#;
     const DEAD_503: &str = r#"{"message":"Service temporarily unavailable","type":"Service Unavailable","code":503}"#;
     const NAMED_REFUSAL: &str = "Prefill worker ID required in Direct routing mode but none found in request.";
+
+    #[test]
+    fn only_refusals_of_the_pins_or_server_errors_blame_the_pinned_workers() {
+        let body_refused = r#"{"message":"Failed to deserialize the JSON body into the target type: key must be a string at line 1 column 2","type":"Bad Request","code":400}"#;
+        let rows: [(u16, &str, bool); 10] = [
+            (500, GENERIC_500, true),
+            (503, DEAD_503, true),
+            (404, "", true),
+            (400, INVALID_400, true),
+            (400, DP_RANK_400, true),
+            (400, body_refused, false),
+            (422, r#"{"message":"Invalid request"}"#, false),
+            (400, "Invalid request", false),
+            (429, "", false),
+            (500, NAMED_REFUSAL, false),
+        ];
+        for (status, body, blamed) in rows {
+            let status = StatusCode::from_u16(status).expect("status");
+            assert_eq!(blames_pins(status, body.as_bytes()), blamed, "{status} {body}");
+        }
+    }
 
     #[test]
     fn verdicts_follow_the_seed_table() {

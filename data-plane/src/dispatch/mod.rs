@@ -6,7 +6,8 @@
 //!   [`budget::MAX_ATTEMPTS`] and the [`RetryBudget`]; workers are never re-selected.
 //! - Each replica has a circuit breaker ([`breaker`]) fed by those outcomes.
 //! - A refusal naming the missing prefill id is a 503; every other failure takes the decode arm:
-//!   an unpinned resend to the pool when `fallback_to_unified`, else `disaggregated_decode_failed`.
+//!   an unpinned resend to the backends serving the model when `fallback_to_unified`, else
+//!   `disaggregated_decode_failed`.
 //! - A pinned dispatch is recorded in the ledger and ended when its response ends ([`DispatchEnd`]).
 
 mod attempt;
@@ -46,7 +47,7 @@ pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BOD
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
 use crate::routing::headers::{Pins, pins};
 use crate::routing::picker::Selection;
-use respond::Answer;
+use respond::{Answer, Answered};
 
 /// Connecting to a shim replica; past it the next replica is tried.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -103,8 +104,21 @@ pub struct Pinned {
     pub selection: Selection,
     /// The selection's namespace pool.
     pub replicas: Arc<[ShimReplica]>,
-    pub fallback_to_unified: bool,
+    /// Where a failed pinned request is sent once more; `None`: nowhere. Boxed: configured
+    /// rarely, and every request's future holds the field.
+    pub fallback: Option<Box<Fallback>>,
     pub dispatch: DispatchEnd,
+}
+
+/// `disaggregated_serving.fallback_to_unified`'s one unpinned resend.
+#[derive(Debug)]
+pub struct Fallback {
+    /// The backends serving the model unpinned (`backends[].models`). Not the pool: a
+    /// direct-mode frontend refuses every request without pins (1.6.1 answers 500 or 400).
+    pub replicas: Arc<[ShimReplica]>,
+    /// The body to resend when it differs from the pinned one: without the router's
+    /// `nvext.token_data`, which only a shim reads.
+    pub body: Option<Bytes>,
 }
 
 /// A pinned send's result: final (relayed, or refused without fallback), or a failure that
@@ -187,11 +201,20 @@ impl Dispatcher {
         disclose: bool,
         pinned: Pinned,
     ) -> Result<Response, DispatchError> {
-        let Pinned { selection, replicas, fallback_to_unified, dispatch } = pinned;
+        let Pinned { selection, replicas, fallback, dispatch } = pinned;
         let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
-        let failure = match self.send_pinned(&body, stream, disclose, &selection, &replicas, dispatch).await {
+        let (outcome, blames_pins) = self.send_pinned(&body, stream, disclose, &selection, &replicas, dispatch).await;
+        // The shim answered, but not with a response the pinned workers owe nothing for: they
+        // are the suspects. (A shim that could not be reached says nothing about them, nor
+        // does a refusal of the client's request.)
+        let blamed =
+            blames_pins || matches!(outcome, PinnedOutcome::Failed(Failure::Body(_) | Failure::BodyTimeout(_)));
+        if blamed {
+            ledger.outliers().failed(&ranks, Instant::now());
+        }
+        let failure = match outcome {
             PinnedOutcome::Final(outcome) => {
                 if outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
                     ledger.outliers().succeeded(&ranks);
@@ -201,27 +224,25 @@ impl Dispatcher {
             }
             PinnedOutcome::Failed(failure) => failure,
         };
-        // The shim answered, but not with a response: the pinned workers are the suspects.
-        // (A shim that could not be reached says nothing about them.)
-        if matches!(failure, Failure::Status(_) | Failure::Body(_) | Failure::BodyTimeout(_)) {
-            ledger.outliers().failed(&ranks, Instant::now());
-        }
         // The decode arm. The pinned dispatch has ended, whatever the fallback does.
         self.metrics.error(ErrorPhase::Decode);
+        let fallback_to_unified = fallback.is_some();
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
-        if !fallback_to_unified {
+        let Some(fallback) = fallback else {
             self.metrics.routed(path);
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });
-        }
+        };
         self.metrics.routed(RoutingPath::UnifiedFallback);
+        let Fallback { replicas: unified, body: resent } = *fallback;
+        let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.
-        Box::pin(self.unpinned(&body, stream, replicas, false))
+        Box::pin(self.unpinned(&body, stream, unified, false))
             .await
             .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback) })
     }
 
-    /// The pinned send and what its answer means. `dispatch` ends with the relayed body, or
-    /// before this returns for anything else.
+    /// The pinned send and what its answer means, and whether a refusal blames the pinned
+    /// workers. `dispatch` ends with the relayed body, or before this returns for anything else.
     async fn send_pinned(
         &self,
         body: &Bytes,
@@ -230,13 +251,14 @@ impl Dispatcher {
         selection: &Selection,
         replicas: &[ShimReplica],
         dispatch: DispatchEnd,
-    ) -> PinnedOutcome {
+    ) -> (PinnedOutcome, bool) {
         let (replica, response) = match self.send(replicas, pins(selection), body, stream).await {
             Ok(sent) => sent,
-            Err(failure) => return PinnedOutcome::Failed(failure),
+            Err(failure) => return (PinnedOutcome::Failed(failure), false),
         };
         let shown = disclose.then_some((replica.name.as_str(), selection));
-        match self.answer(response, stream, Some(dispatch), shown).await {
+        let Answered { answer, blames_pins } = self.answer(response, stream, Some(dispatch), shown).await;
+        let outcome = match answer {
             Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
             Answer::PrefillRefused => {
                 self.metrics.error(ErrorPhase::Orchestration);
@@ -247,7 +269,8 @@ impl Dispatcher {
                 PinnedOutcome::Final(Err(DispatchError::ModelGone))
             }
             Answer::Failed(failure) => PinnedOutcome::Failed(failure),
-        }
+        };
+        (outcome, blames_pins)
     }
 
     /// Sends without pins. `relay_errors`: pass any HTTP answer through as is (plain unified
@@ -263,7 +286,7 @@ impl Dispatcher {
         if relay_errors {
             return self.pass_through(response, stream).await;
         }
-        match self.answer(response, stream, None, None).await {
+        match self.answer(response, stream, None, None).await.answer {
             Answer::Relay(response) if response.status().is_success() => Ok(response),
             Answer::Relay(response) => Err(Failure::Status(response.status())),
             Answer::PrefillRefused => Err(Failure::Status(axum::http::StatusCode::SERVICE_UNAVAILABLE)),

@@ -9,7 +9,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 
-use super::classify::{Verdict, classify};
+use super::classify::{self, Verdict, classify};
 use super::relay::RelayBody;
 use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
@@ -32,6 +32,14 @@ pub(super) enum Answer {
     Failed(Failure),
 }
 
+/// A response's meaning, and whether a non-2xx one blames the pinned workers
+/// ([`blames_pins`]): the outlier strikes follow it.
+#[derive(Debug)]
+pub(super) struct Answered {
+    pub answer: Answer,
+    pub blames_pins: bool,
+}
+
 impl Dispatcher {
     /// What a pinned (or fallback) response means. `dispatch` ends when the relayed body ends,
     /// or here for anything not relayed. `shown` is what to disclose.
@@ -41,8 +49,9 @@ impl Dispatcher {
         stream: bool,
         dispatch: Option<DispatchEnd>,
         shown: Option<(&str, &Selection)>,
-    ) -> Answer {
+    ) -> Answered {
         let status = response.status();
+        let mut blames_pins = false;
         let mut answer = if status.is_success() {
             match self.success(response, stream, dispatch).await {
                 Ok(response) => Answer::Relay(response),
@@ -52,6 +61,7 @@ impl Dispatcher {
             drop(dispatch);
             let (parts, body) = response.into_parts();
             let body = read_error_body(body).await;
+            blames_pins = classify::blames_pins(status, &body);
             match classify(status, &body, stream) {
                 Verdict::PrefillRefused => Answer::PrefillRefused,
                 Verdict::ModelGone => Answer::ModelGone,
@@ -62,7 +72,7 @@ impl Dispatcher {
         if let (Answer::Relay(response), Some((backend, selection))) = (&mut answer, shown) {
             disclose(response.headers_mut(), backend, selection);
         }
-        answer
+        Answered { answer, blames_pins }
     }
 
     /// Any answer relayed as is (plain unpinned routing).

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use super::error::ApiError;
 use super::request::ChatRequest;
 use super::select::{self, SelectError};
-use crate::dispatch::Plan;
+use crate::dispatch::{Pinned, Plan, Route};
 use crate::http::AppState;
 use crate::metrics::Ingress;
 
@@ -31,6 +31,12 @@ async fn serve(state: &AppState, disclose: bool, body: Bytes) -> Result<Response
     let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
     let routed = select::route(state, &view, &request).await?;
     // Upstream request and relay.
+    let attached = routed.token_data.is_some();
     let body = request.outbound(routed.token_data).await?;
-    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, route: routed.route }).await?)
+    let mut route = routed.route;
+    if attached && let Route::Pinned(Pinned { fallback: Some(fallback), .. }) = &mut route {
+        // A fallback backend is not a shim: the router's tokens are not for it.
+        fallback.body = Some(request.outbound(None).await?);
+    }
+    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, route }).await?)
 }

@@ -11,7 +11,7 @@ use continuum_proto::view::FleetView;
 use super::kv::Term;
 use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends};
-use crate::dispatch::{DispatchEnd, Pinned, Route};
+use crate::dispatch::{DispatchEnd, Fallback, Pinned, Route};
 use crate::http::{AppState, KvSelection};
 use crate::routing::picker::{KvSelectionResult, KvTerm, PickRequest, PromptChain};
 
@@ -100,9 +100,15 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     if tokens.is_none() {
         dispatch.sized_by_estimate(display, request.prompt_estimate);
     }
-    let fallback_to_unified = config.disaggregated_serving.fallback_to_unified;
+    let fallback = config
+        .disaggregated_serving
+        .fallback_to_unified
+        .then(|| serving_backends(config, &request.model))
+        .filter(|unified| !unified.is_empty())
+        .map(|unified| Box::new(Fallback { replicas: unified.into(), body: None }));
     let token_data = tokens.filter(|_| config.picker.send_token_data);
-    Ok(Routed { route: Route::Pinned(Pinned { selection, replicas, fallback_to_unified, dispatch }), token_data })
+    let pinned = Pinned { selection, replicas, fallback, dispatch };
+    Ok(Routed { route: Route::Pinned(pinned), token_data })
 }
 
 /// The KV term of `request`: its body rendered, tokenized and looked up in the control plane's

@@ -100,37 +100,74 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failed_pinned_request_falls_back_unpinned_when_configured() -> anyhow::Result<()> {
-    let shim = StubShim::start().await?;
+async fn a_failed_pinned_request_falls_back_unpinned_to_the_models_unified_backends_when_configured()
+-> anyhow::Result<()> {
+    let (shim, unified) = (StubShim::start().await?, StubShim::start().await?);
     let mut config = config(&[("shim-a", shim.url())]);
     config.disaggregated_serving.fallback_to_unified = true;
-    let harness = Harness::start(disaggregated_fleet(), config).await?;
+    // No backend serves the model unpinned yet: there is nowhere to fall back to. (The pool's
+    // direct-mode frontends refuse every request without pins.)
+    let harness = Harness::start(disaggregated_fleet(), config.clone()).await?;
+    shim.push(disagg("no_headers_nonstream")?);
+    let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"));
+    assert_eq!(shim.received().len(), 1, "not resent to the pool");
+    harness.stop().await;
 
+    config.backends.push(continuum_proto::model::Backend {
+        name: "unified".into(),
+        url: unified.url(),
+        models: vec![MODEL.into()],
+    });
+    let harness = Harness::start(disaggregated_fleet(), config).await?;
     shim.push(disagg("no_headers_nonstream")?);
     let response = harness.post(&chat(MODEL, false)).await?;
-    assert_eq!(response.status(), 200, "the unpinned resend answered");
-    let received = shim.received();
-    assert!(received[0].header("x-dynamo-worker-instance-id").is_some());
-    assert!(
-        received[1].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")),
-        "the fallback carries no pins"
-    );
+    assert_eq!(response.status(), 200, "the unified backend answered");
+    assert!(shim.received()[1].header("x-dynamo-worker-instance-id").is_some());
+    assert_eq!(shim.received().len(), 2, "the pool saw only the pinned send");
+    let resent = unified.received();
+    assert_eq!(resent.len(), 1);
+    assert!(resent[0].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")), "no pins");
 
     shim.push(named_prefill_refusal()?);
     let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (503, "disaggregated_prefill_decode_unavailable"));
-    assert_eq!(shim.received().len(), 3, "a prefill refusal never falls back");
+    assert_eq!(unified.received().len(), 1, "a prefill refusal never falls back");
 
     shim.push(disagg("no_headers_nonstream")?);
-    shim.push(disagg("no_headers_nonstream")?);
+    unified.push(disagg("no_headers_nonstream")?);
     let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
-    assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"), "both legs failed");
+    assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"), "both sends failed");
 
     let metrics = harness.metrics().await?;
     assert_eq!(
         sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified_fallback"}"#),
         Some(2.0)
     );
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_of_the_clients_request_ejects_no_worker_but_a_refusal_of_the_pins_does() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let ejected = || harness.replica.ledger.outliers().any_ejected(std::time::Instant::now());
+
+    // The frontend refuses the body: the client's fault, however often it comes.
+    for stream in [false, true, false] {
+        shim.push(disagg("malformed_json")?);
+        let status = harness.post(&chat(MODEL, stream)).await?.status();
+        assert!(status.is_client_error() || status == 502, "{status}");
+    }
+    assert!(!ejected(), "three refused bodies in a row eject nobody");
+
+    // It no longer knows the pinned worker: twice in a row ejects the pair, streaming too.
+    for _ in 0..2 {
+        shim.push(disagg("unknown_decode_id")?);
+        assert_eq!(harness.post(&chat(MODEL, true)).await?.status(), 400, "relayed as is");
+    }
+    assert!(ejected(), "two refused pins in a row eject the pinned ranks");
     harness.stop().await;
     Ok(())
 }
