@@ -233,9 +233,16 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
             next = reports.rx.try_recv().ok();
         }
     }
-    // Ends of dispatches whose operations came before this one: the control plane folds a
-    // report's starts before its ends, and an end it holds no start for is ignored.
-    report.ended.append(&mut reports.stranded.lock().unwrap_or_else(PoisonError::into_inner));
+    // Ends kept aside go once every operation queued before them is in this report or an
+    // earlier one: the control plane folds a report's starts before its ends and ignores an
+    // end it holds no start for, so an end sent ahead of its start would leave it in flight.
+    // An end is kept aside only while the queue is full, after its start was queued; under
+    // the lock none is added while the queue is looked at.
+    let mut stranded = reports.stranded.lock().unwrap_or_else(PoisonError::into_inner);
+    if reports.rx.is_empty() {
+        report.ended.append(&mut stranded);
+    }
+    drop(stranded);
     report
 }
 
@@ -357,10 +364,23 @@ mod tests {
             report.op()
         });
         assert_eq!(op, NOT_REPORTED, "a full queue");
-        let report = next_report(&mut rx);
-        assert_eq!(report.started[0].id, started);
-        assert_eq!(report.ended, [started], "the end kept aside goes out after its start");
-        assert!(next_report(&mut rx).ended.is_empty(), "and only once");
+        // The queue holds more than a report: the end waits until every start queued before
+        // it has gone.
+        let mut reports = Vec::new();
+        while let Some(first) = rx.try_recv() {
+            reports.push(batch(first, &mut rx));
+        }
+        assert!(reports.len() > 1);
+        assert_eq!(reports[0].started[0].id, started);
+        let ends: Vec<(usize, Vec<u64>)> = reports
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.ended.is_empty())
+            .map(|(i, r)| (i, r.ended.clone()))
+            .collect();
+        assert_eq!(ends, [(reports.len() - 1, vec![started])], "with the last report, and only once");
+        start(&reporter, 16, 1, Vec::new());
+        assert!(next_report(&mut rx).ended.is_empty());
 
         // A stream that ends takes what was kept aside with it: the control plane forgot them.
         discard(&mut rx);
