@@ -74,16 +74,25 @@ pub async fn run(
             outcome = pass(&config, &namespaces, &mut reducer, &registry, &metrics, &mut watching_since) => outcome,
         };
         metrics.discovery_connected.set(0);
-        if let Err(error) = outcome {
-            tracing::warn!(%error, "etcd discovery pass ended; resyncing after backoff");
-        }
-        // The floor comes back only after the watches held for a whole backoff ceiling, so an
-        // etcd (or proxy) that serves gets but drops watches cannot drive a reconnect storm.
-        if watching_since.is_some_and(|since: Instant| since.elapsed() >= backoff.max) {
-            delay = backoff.initial;
-        }
-        let sleep = delay.mul_f64(0.5 + rand::random::<f64>() / 2.0);
-        delay = (delay * 2).min(backoff.max);
+        let sleep = match outcome {
+            // Planned, not a failure: the relist waits only the backoff's floor (so churn on a
+            // full keyspace cannot loop on relists) and leaves the failure backoff as it was.
+            Err(PassError::RoomFreed) => backoff.initial,
+            outcome => {
+                if let Err(error) = outcome {
+                    tracing::warn!(%error, "etcd discovery pass ended; resyncing after backoff");
+                }
+                // The floor comes back only after the watches held for a whole backoff ceiling,
+                // so an etcd (or proxy) that serves gets but drops watches cannot drive a
+                // reconnect storm.
+                if watching_since.is_some_and(|since: Instant| since.elapsed() >= backoff.max) {
+                    delay = backoff.initial;
+                }
+                let sleep = delay.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+                delay = delay.saturating_mul(2).min(backoff.max);
+                sleep
+            }
+        };
         tokio::select! {
             () = cancel.cancelled() => return,
             () = tokio::time::sleep(sleep) => {}
@@ -107,7 +116,11 @@ async fn pass(
     let mut streams = SelectAll::new();
     for (prefix, revision) in prefixes.iter().zip(revisions) {
         let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
-        streams.push(watcher.watch(prefix.as_str(), Some(options)).await?);
+        let stream = watcher.watch(prefix.as_str(), Some(options)).await?;
+        // `SelectAll` drops a stream that ends and goes on with the others; one prefix's
+        // watch ending must end the pass, or that prefix would go unwatched.
+        let ended = futures::stream::once(std::future::ready(Err(PassError::Ended)));
+        streams.push(stream.map(|response| response.map_err(PassError::from)).chain(ended));
     }
     metrics.discovery_connected.set(1);
     *watching_since = Some(Instant::now());

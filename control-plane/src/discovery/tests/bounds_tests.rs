@@ -76,6 +76,23 @@ fn cards_above_max_retained_card_bytes_drop_the_blob_but_keep_typed_fields() -> 
 }
 
 #[test]
+fn endpoints_the_router_does_not_read_take_no_room() {
+    let mut sim = Sim::new();
+    // Each worker also registers a `worker_kv_query_source_0` instance, as Dynamo 1.6.1's do.
+    for id in 1..=MAX_RECORDS_PER_KEYSPACE as u64 {
+        let skipped = sim.put(
+            instance_key(NS, "decode", "worker_kv_query_source_0", id),
+            &endpoint_value("decode", "worker_kv_query_source_0", json!(id)),
+        );
+        assert_eq!(counts(&skipped), vec![(EventKind::Skipped, 1)]);
+    }
+    let id = MAX_RECORDS_PER_KEYSPACE as u64 + 1;
+    let applied = sim.put(instance_key(NS, "decode", "generate", id), &endpoint_value("decode", "generate", json!(id)));
+    assert_eq!(counts(&applied), vec![(EventKind::Put, 1)], "the keyspace holds none of them");
+    assert_eq!(sim.worker_ids(), vec![id]);
+}
+
+#[test]
 fn a_full_keyspace_refuses_new_keys_but_updates_held_ones() {
     let mut sim = Sim::new();
     let key = |id: u64| instance_key(NS, "decode", "generate", id);
