@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use prometheus::{IntCounterVec, IntGaugeVec};
 
+use super::decode::decode_kv_events;
 use super::indexer::{KvIndexer, LiveRanks, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
@@ -96,7 +97,9 @@ impl Feed for KvFeed {
             dp_rank: publisher.dp_rank,
         };
         let frames = (0..message.len()).filter_map(|i| message.frame(i));
-        let counts = self.indexer.write().apply_message(&mapping, frames);
+        // Decoded before the lock: it is the whole index's, and every lookup waits on it.
+        let decoded = decode_kv_events(frames, publisher.publisher_id);
+        let counts = self.indexer.write().apply_decoded(&mapping, decoded);
         self.count(&counts);
     }
 

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use continuum_kv_index::{KvIndex, Limits, Matches, RankKey};
 
-use super::decode::{KvEvent, KvEventData, decode_kv_events};
+use super::decode::{DecodeError, KvEvent, KvEventBatch, KvEventData, decode_kv_events};
 use super::result::{KvCounts, KvEventResult};
 
 /// Rank cursors one publisher may hold (seed: "4096 (worker, dp_rank) cursors per subscription").
@@ -80,7 +80,17 @@ impl KvIndexer {
         publisher: &PublisherMapping,
         frames: impl IntoIterator<Item = &'a [u8]>,
     ) -> KvCounts {
-        match decode_kv_events(frames, publisher.publisher_id) {
+        self.apply_decoded(publisher, decode_kv_events(frames, publisher.publisher_id))
+    }
+
+    /// Applies one message from `publisher` as [`decode_kv_events`] read it, so that a caller
+    /// sharing the indexer decodes (up to a megabyte of msgpack) before taking its lock.
+    pub fn apply_decoded(
+        &mut self,
+        publisher: &PublisherMapping,
+        decoded: Result<KvEventBatch, DecodeError>,
+    ) -> KvCounts {
+        match decoded {
             Ok(batch) => self.apply_events(publisher, &batch.events),
             Err(refused) => {
                 let mut counts = KvCounts::default();
