@@ -134,6 +134,9 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             return ExitCode::from(2);
         }
     }
+    // Installed before the start, so a SIGHUP while starting is a reload to run once started,
+    // not the default action, which ends the process.
+    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
     let mut control_plane = match ControlPlane::start(config, listen).await {
         Ok(control_plane) => control_plane,
         Err(error) => {
@@ -145,7 +148,7 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
         "continuum-control-plane: Fleet gRPC on {}, admin HTTP on {}",
         control_plane.grpc_addr, control_plane.admin_addr
     );
-    let Ok(mut hangup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else {
+    let Ok(mut hangup) = hangup else {
         shutdown_signal().await;
         control_plane.shutdown().await;
         return ExitCode::SUCCESS;

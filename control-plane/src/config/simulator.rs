@@ -40,8 +40,14 @@ impl Default for SimulatorConfig {
 
 impl crate::config::Config {
     /// Moves the simulator's shim to `addr`, and every backend that pointed at the old address
-    /// with it, so tests and demos can run the embedded default on a free port.
+    /// with it, so tests and demos can run the embedded default on a free port. A
+    /// configuration that runs no simulator is left as it is: its backends at that address
+    /// are real shims.
     pub fn move_simulator_shim(&mut self, addr: SocketAddr) {
+        if self.dynamo.discovery.source != crate::config::DiscoverySource::Simulator {
+            tracing::warn!(%addr, "the simulator's shim address is ignored: discovery is not the simulator");
+            return;
+        }
         let simulator = &mut self.dynamo.discovery.simulator;
         let old = format!("http://{}", simulator.shim_listen);
         simulator.shim_listen = addr;

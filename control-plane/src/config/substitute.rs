@@ -22,8 +22,8 @@ pub(super) fn substitute_document(value: &mut Value, env: Env<'_>) -> Vec<Diagno
 fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnostic>) {
     match value {
         Value::String(text) => {
-            if let Err(message) = substitute(text, env).map(|new| *text = new) {
-                out.push(Diagnostic::error(path.to_string(), message));
+            if let Err(error) = substitute(text, env).map(|new| *text = new) {
+                out.push(Diagnostic::error(path.to_string(), error.message(path.holds_secret())));
                 text.clear();
             }
         }
@@ -60,8 +60,35 @@ pub(super) fn key_text(key: &Value) -> String {
     }
 }
 
-/// Substitutes one string; the message says what is wrong and how to fix it.
-pub(super) fn substitute(text: &str, env: Env<'_>) -> Result<String, String> {
+/// Why a string could not be substituted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum SubstituteError {
+    Unterminated,
+    /// The text between `${` and `}`, which is not a variable name.
+    NotAReference(String),
+    Unset(String),
+}
+
+impl SubstituteError {
+    /// What is wrong and how to fix it. In a secret the text of a malformed reference is not
+    /// quoted: it may be part of the secret (`pa${ss-w}rd`).
+    pub(super) fn message(&self, in_secret: bool) -> String {
+        const LITERAL: &str = "write `$${` for a literal `${`";
+        match self {
+            SubstituteError::Unterminated => format!("unterminated `${{`; close it with `}}` or {LITERAL}"),
+            SubstituteError::NotAReference(_) if in_secret => {
+                format!("a `${{…}}` in this secret is not a variable reference (not shown); {LITERAL}")
+            }
+            SubstituteError::NotAReference(name) => {
+                format!("`${{{name}}}` is not a variable reference (names are letters, digits and `_`); {LITERAL}")
+            }
+            SubstituteError::Unset(name) => format!("environment variable `{name}` is not set"),
+        }
+    }
+}
+
+/// Substitutes one string.
+pub(super) fn substitute(text: &str, env: Env<'_>) -> Result<String, SubstituteError> {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(start) = rest.find('$') {
@@ -71,9 +98,7 @@ pub(super) fn substitute(text: &str, env: Env<'_>) -> Result<String, String> {
             out.push_str("${");
             rest = after;
         } else if let Some(after) = tail.strip_prefix("${") {
-            let (name, after) = after
-                .split_once('}')
-                .ok_or("unterminated `${`; close it with `}` or write `$${` for a literal `${`")?;
+            let (name, after) = after.split_once('}').ok_or(SubstituteError::Unterminated)?;
             out.push_str(&lookup(name, env)?);
             rest = after;
         } else {
@@ -85,14 +110,12 @@ pub(super) fn substitute(text: &str, env: Env<'_>) -> Result<String, String> {
     Ok(out)
 }
 
-fn lookup(name: &str, env: Env<'_>) -> Result<String, String> {
+fn lookup(name: &str, env: Env<'_>) -> Result<String, SubstituteError> {
     let mut chars = name.chars();
     let valid = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
     if !valid {
-        return Err(format!(
-            "`${{{name}}}` is not a variable reference (names are letters, digits and `_`); write `$${{` for a literal `${{`"
-        ));
+        return Err(SubstituteError::NotAReference(name.to_owned()));
     }
-    env(name).ok_or_else(|| format!("environment variable `{name}` is not set"))
+    env(name).ok_or_else(|| SubstituteError::Unset(name.to_owned()))
 }

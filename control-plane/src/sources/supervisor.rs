@@ -116,6 +116,9 @@ impl DiscoverySupervisor {
         if tokio::time::timeout(STOP_GRACE, &mut task).await.is_err() {
             tracing::warn!("discovery watcher did not stop within {STOP_GRACE:?}; aborting it");
             task.abort();
+            // Aborting takes effect at the task's next await: until then it could still
+            // publish the fleet it was folding, over the one published after this returns.
+            let _ = task.await;
         }
         self.metrics.discovery_connected.set(0);
     }

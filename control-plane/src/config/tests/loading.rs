@@ -40,6 +40,12 @@ fn moving_the_simulator_shim_moves_its_backend() {
     assert_eq!(config.dynamo.discovery.simulator.shim_listen, addr);
     assert_eq!(config.backends[0].url, "http://127.0.0.1:18000");
     assert!(config.validate().iter().all(|d| !d.is_error()));
+
+    // A static fleet's shim at the simulator's default address is a real one: it stays.
+    let mut config = loaded(include_str!("../../../../deploy/examples/static-fleet.yaml")).config;
+    config.backends[0].url = "http://127.0.0.1:8000".into();
+    config.move_simulator_shim(addr);
+    assert_eq!(config.backends[0].url, "http://127.0.0.1:8000");
 }
 
 #[test]
@@ -74,6 +80,12 @@ fn unset_or_malformed_variables_are_errors_at_their_key_path() {
     }
     // The emptied password is not reported a second time by the auth rule.
     assert_eq!(found.iter().filter(|d| d.path == "dynamo.discovery.etcd.auth.password").count(), 1);
+
+    // A malformed reference inside a secret is reported without quoting it.
+    let found = diagnostics("dynamo: {discovery: {etcd: {auth: {username: r, password: 'pa${ss-w}rd'}}}}");
+    let password = found.iter().find(|d| d.path == "dynamo.discovery.etcd.auth.password");
+    assert!(password.is_some_and(|d| d.message.contains("not a variable reference")), "{found:?}");
+    assert!(!format!("{found:?}").contains("ss-w"), "{found:?}");
 }
 
 #[test]
