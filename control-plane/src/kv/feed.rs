@@ -128,8 +128,8 @@ impl Feed for KvFeed {
 fn live_ranks(fleet: &Fleet) -> LiveRanks {
     let mut live = HashMap::with_capacity(fleet.workers.len());
     for w in fleet.workers.iter() {
-        let start = w.worker.dp_start_rank;
-        live.insert(w.worker.key.instance_id, start..start.saturating_add(w.worker.dp_size.max(1)));
+        // The same ranks the replicas pick among: a start rank without a size is rank 0.
+        live.insert(w.worker.key.instance_id, w.worker.dp_ranks());
     }
     live
 }

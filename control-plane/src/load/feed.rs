@@ -147,9 +147,36 @@ pub fn live_ranks(fleet: &Fleet) -> HashMap<WorkerKey, Range<u32>> {
     fleet
         .workers
         .iter()
-        .map(|w| {
-            let start = w.worker.dp_start_rank;
-            (w.worker.key.clone(), start..start.saturating_add(w.worker.dp_size.max(1)))
-        })
+        // The same ranks the replicas pick among: a start rank without a size is rank 0.
+        .map(|w| (w.worker.key.clone(), w.worker.dp_ranks()))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::SystemTime;
+
+    use super::*;
+    use crate::config::{StaticDiscoveryConfig, StaticWorkerConfig};
+    use crate::sources::static_fleet;
+
+    #[test]
+    fn the_ranks_admitted_are_the_ranks_replicas_pick_among() {
+        let worker = |instance_id, dp_start_rank, dp_size| StaticWorkerConfig {
+            instance_id,
+            model: "tiny".into(),
+            dp_start_rank,
+            dp_size,
+            ..StaticWorkerConfig::default()
+        };
+        let config = StaticDiscoveryConfig { workers: vec![worker(1, 2, 0), worker(2, 2, 2), worker(3, 0, 0)] };
+        let fleet = static_fleet(&config, SystemTime::now());
+        let live = live_ranks(&fleet);
+        let ranks = |id| live.get(&WorkerKey::new(crate::config::DEFAULT_DYNAMO_NAMESPACE, id)).cloned();
+        // A start rank without a size means nothing: Dynamo serves such a worker as rank 0.
+        assert_eq!([ranks(1), ranks(2), ranks(3)], [Some(0..1), Some(2..4), Some(0..1)]);
+        for w in fleet.workers.iter() {
+            assert_eq!(ranks(w.worker.key.instance_id), Some(w.worker.dp_ranks()));
+        }
+    }
 }
