@@ -25,8 +25,8 @@ use tower_service::Service;
 
 use super::App;
 use super::head::{
-    BodyFraming, HeadError, LAST_CHUNK, RequestHead, ResponseFraming, Route, encode_chunk, encode_response, http_date,
-    parse_request,
+    BodyFraming, HeadError, LAST_CHUNK, MAX_HEAD_BYTES, RequestHead, ResponseFraming, Route, encode_chunk,
+    encode_response, http_date, parse_request,
 };
 use crate::dispatch::wire::{Chunked, Decoded, WireError};
 use crate::ingress::error::ApiError;
@@ -41,8 +41,8 @@ pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// What a connection's read buffer starts with and grows by.
 const READ_CHUNK: usize = 8 << 10;
-/// A read buffer grown past this (a large body) is let go once its request is answered, so an
-/// idle connection holds at most this much.
+/// A read buffer a larger body went through is let go once the body is copied out, so neither
+/// a long response nor an idle connection holds it.
 const KEPT_READ_CAPACITY: usize = 64 << 10;
 /// Bytes of pipelined requests read while a response is pending; past it, reading waits.
 const MAX_PIPELINED_BYTES: usize = 64 << 10;
@@ -110,9 +110,6 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
                 }
                 return;
             }
-        }
-        if conn.read.capacity() > KEPT_READ_CAPACITY {
-            conn.read = BytesMut::from(&conn.read[..]);
         }
         if conn.write.capacity() > KEPT_WRITE_CAPACITY {
             conn.write = Vec::with_capacity(1024);
@@ -195,15 +192,33 @@ impl Connection {
     fn take_body(&mut self, length: usize) -> Bytes {
         let body = Bytes::copy_from_slice(&self.read[..length]);
         self.read.advance(length);
+        self.release_large_read_buffer(length);
         body
     }
 
+    /// After a body of `passed` bytes went through the read buffer, gives its allocation back
+    /// if that made it large: the body is copied out, and the response may stream for minutes.
+    /// (`capacity()` counts only what lies past the bytes consumed, so it cannot tell.)
+    fn release_large_read_buffer(&mut self, passed: usize) {
+        if passed > KEPT_READ_CAPACITY {
+            self.read = BytesMut::from(&self.read[..]);
+        }
+    }
+
     async fn read_rest(&mut self) -> Result<(RequestHead, Bytes), Stop> {
+        // A head is parsed again only once a blank line, its end, has arrived (or it is past
+        // its bound): parsing the whole buffer on every read would cost a head sent a byte at
+        // a time quadratic work, about 2 GB of scanning for 64 KiB.
+        let mut scanned: usize = 0;
         let head = loop {
-            if let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
-                self.read.advance(length);
-                break head;
+            let ended = holds_blank_line(&self.read[scanned.saturating_sub(2)..]);
+            if scanned == 0 || ended || self.read.len() > MAX_HEAD_BYTES {
+                if let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
+                    self.read.advance(length);
+                    break head;
+                }
             }
+            scanned = self.read.len();
             self.fill().await?;
         };
         let body = match head.body {
@@ -237,7 +252,10 @@ impl Connection {
                     return Err(Stop::Refuse(HeadError::BodyTooLarge));
                 }
                 Ok(Decoded::Data(data)) => body.extend_from_slice(&data),
-                Ok(Decoded::End) => return Ok(body.freeze()),
+                Ok(Decoded::End) => {
+                    self.release_large_read_buffer(body.len());
+                    return Ok(body.freeze());
+                }
                 Ok(Decoded::More) => self.fill().await?,
                 Err(WireError::Chunk(reason)) => return Err(Stop::Refuse(HeadError::Body(reason.into()))),
                 Err(error) => return Err(Stop::Refuse(HeadError::Body(error.to_string()))),
@@ -408,6 +426,12 @@ impl Frames {
             }
         }
     }
+}
+
+/// Whether `bytes` hold the end of a request head: a line feed, an optional carriage return,
+/// and another line feed (httparse takes bare line feeds too).
+fn holds_blank_line(bytes: &[u8]) -> bool {
+    bytes.windows(2).any(|w| w == b"\n\n") || bytes.windows(3).any(|w| w == b"\n\r\n")
 }
 
 #[cfg(test)]

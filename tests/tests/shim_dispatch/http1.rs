@@ -131,6 +131,29 @@ async fn chunked_bodies_and_expect_continue_are_understood() -> anyhow::Result<(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_trickled_in_small_pieces_is_read_whole_wherever_its_blank_line_splits() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    let mut pending = Vec::new();
+    for piece in [1, 3, 7] {
+        let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+        let head = chat_head("", body.len());
+        for part in head.as_bytes().chunks(piece) {
+            stream.write_all(part).await?;
+            stream.flush().await?;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stream.write_all(&body).await?;
+        let answer = read_answer(&mut stream, &mut pending).await?;
+        assert_eq!(answer.status, 200, "{piece}-byte pieces: {answer:?}");
+    }
+    assert_eq!(shim.received().len(), 3);
+    harness.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
