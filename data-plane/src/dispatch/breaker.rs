@@ -177,6 +177,16 @@ impl ShimHealth {
         });
     }
 
+    /// Clears the probe verdicts of the replicas `probed` leaves out: a backend that left every
+    /// pool is probed no more, and a verdict nothing renews would keep it out of unified
+    /// routing for good. Its breaker, which its own requests renew, stands.
+    pub fn clear_probes_except(&self, probed: impl Fn(&str) -> bool) {
+        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
+        for (_, replica) in replicas.iter_mut().filter(|(name, _)| !probed(name)) {
+            replica.probed = Probed::default();
+        }
+    }
+
     pub fn record(&self, name: &str, url: &str, healthy: bool, now: Instant) {
         self.with(name, url, |r, settings| {
             let breaker = &mut r.breaker;
@@ -297,6 +307,24 @@ mod tests {
         health.record_probe("shim", "http://a", true);
         assert!(health.usable("shim", "http://a", now), "a live answer closes the open breaker too");
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
+    }
+
+    #[test]
+    fn a_replica_no_longer_probed_loses_its_probe_verdict_but_not_its_breaker() {
+        let health = ShimHealth::new(SETTINGS);
+        let now = Instant::now();
+        for name in ["pooled", "left"] {
+            health.record_probe(name, "http://a", false);
+            health.record_probe(name, "http://a", false);
+        }
+        health.clear_probes_except(|name| name == "pooled");
+        assert!(!health.usable("pooled", "http://a", now), "still probed, still down");
+        assert!(health.usable("left", "http://a", now), "out of every pool: its own requests decide");
+        for _ in 0..3 {
+            health.record("left", "http://a", false, now);
+        }
+        health.clear_probes_except(|name| name == "pooled");
+        assert!(!health.usable("left", "http://a", now), "its breaker stands");
     }
 
     #[test]

@@ -22,6 +22,10 @@ pub enum Failure {
     Body(String),
     #[error("the shim's response did not finish within {0:?}")]
     BodyTimeout(Duration),
+    /// A buffered answer past the relay's bound: the request's own (its generation is that
+    /// long), so it is neither the workers' failure nor worth generating again.
+    #[error("the shim's response is larger than the {0} bytes relayed buffered; stream it instead")]
+    TooLarge(usize),
 }
 
 impl Failure {
@@ -33,7 +37,7 @@ impl Failure {
             Failure::Status(status) => {
                 *status == StatusCode::SERVICE_UNAVAILABLE || *status == StatusCode::TOO_MANY_REQUESTS
             }
-            Failure::Body(_) | Failure::BodyTimeout(_) => false,
+            Failure::Body(_) | Failure::BodyTimeout(_) | Failure::TooLarge(_) => false,
         }
     }
 

@@ -179,6 +179,11 @@ impl Dispatcher {
         self.health.record_probe(name, url, live);
     }
 
+    /// See [`ShimHealth::clear_probes_except`].
+    pub fn clear_probes_except(&self, probed: impl Fn(&str) -> bool) {
+        self.health.clear_probes_except(probed);
+    }
+
     /// Whether a request to `replica` would be let through now.
     pub fn usable(&self, replica: &ShimReplica, now: Instant) -> bool {
         self.health.usable(&replica.name, &replica.url, now)
@@ -228,6 +233,8 @@ impl Dispatcher {
         self.metrics.error(ErrorPhase::Decode);
         let fallback_to_unified = fallback.is_some();
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
+        // An answer too large to buffer would be as large again from another backend.
+        let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_)));
         let Some(fallback) = fallback else {
             self.metrics.routed(path);
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });

@@ -49,6 +49,7 @@ pub async fn run(dispatcher: Arc<Dispatcher>, fleet: Arc<FleetHandle>, cancel: C
             .iter()
             .flat_map(|(_, replicas)| replicas.iter().map(|r| (r.name.clone(), r.url.clone())))
             .collect();
+        dispatcher.clear_probes_except(|name| replicas.contains_key(name));
         let probes = replicas.into_iter().map(|(name, url)| {
             let dispatcher = Arc::clone(&dispatcher);
             async move {

@@ -7,7 +7,7 @@ use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use super::classify::{self, Verdict, classify};
 use super::relay::RelayBody;
@@ -122,6 +122,7 @@ fn rebuild(status: StatusCode, mut shim_headers: HeaderMap, body: Body) -> Respo
 async fn read_whole(body: ShimBody, limit: usize, timeout: Duration) -> Result<Bytes, Failure> {
     match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
         Err(_) => Err(Failure::BodyTimeout(timeout)),
+        Ok(Err(error)) if error.is::<LengthLimitError>() => Err(Failure::TooLarge(limit)),
         Ok(Err(error)) => Err(Failure::Body(error.to_string())),
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
     }

@@ -161,6 +161,13 @@ async fn a_refusal_of_the_clients_request_ejects_no_worker_but_a_refusal_of_the_
         assert!(status.is_client_error() || status == 502, "{status}");
     }
     assert!(!ejected(), "three refused bodies in a row eject nobody");
+    // Nor does an answer too large to relay buffered: the request's length, not the workers.
+    for _ in 0..2 {
+        shim.push(oversized_completion());
+        let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+        assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"));
+    }
+    assert!(!ejected(), "two oversized answers eject nobody");
 
     // It no longer knows the pinned worker: twice in a row ejects the pair, streaming too.
     for _ in 0..2 {
