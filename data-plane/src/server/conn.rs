@@ -211,12 +211,12 @@ impl Connection {
         // a time quadratic work, about 2 GB of scanning for 64 KiB.
         let mut scanned: usize = 0;
         let head = loop {
-            let ended = holds_blank_line(&self.read[scanned.saturating_sub(2)..]);
-            if scanned == 0 || ended || self.read.len() > MAX_HEAD_BYTES {
-                if let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
-                    self.read.advance(length);
-                    break head;
-                }
+            let due = scanned == 0
+                || self.read.len() > MAX_HEAD_BYTES
+                || holds_blank_line(&self.read[scanned.saturating_sub(2)..]);
+            if due && let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
+                self.read.advance(length);
+                break head;
             }
             scanned = self.read.len();
             self.fill().await?;
