@@ -110,7 +110,7 @@ fn namespaces_follow_the_discovery_source() {
         ("{source: kubernetes, kubernetes: {namespace: k, dynamo_namespaces: [a, b]}}", vec!["a", "b"]),
         ("{source: kubernetes_pods, kubernetes: {namespace: k, dynamo_namespace: solo, model: m}}", vec!["solo"]),
         (
-            "{source: static, static: {workers: [{namespace: x, instance_id: 1, role: decode, model: m}, {namespace: y, instance_id: 1, role: decode, model: m}, {namespace: x, instance_id: 2, role: decode, model: m}]}}",
+            "{source: static, static: {workers: [{namespace: x, instance_id: 1, role: decode, model: m}, {namespace: y, instance_id: 3, role: decode, model: m}, {namespace: x, instance_id: 2, role: decode, model: m}]}}",
             vec!["x", "y"],
         ),
     ];

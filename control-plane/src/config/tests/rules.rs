@@ -96,6 +96,7 @@ fn discovery_rows() -> Vec<Row> {
         row("kubernetes_pods has no load signals", kube_pods("{namespace: dynamo, model: m}"), Warning, "dynamo.discovery.source", "round-robin"),
         row("kubernetes metadata ignores model", "dynamo: {discovery: {source: kubernetes, kubernetes: {namespace: dynamo, model: m}}}", Warning, "dynamo.discovery.kubernetes.model", "ignored"),
         row("static duplicate identity", static_workers("[{instance_id: 7, role: decode, model: m}, {instance_id: '0x7', role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[1].instance_id", "duplicates dynamo.discovery.static.workers[0]"),
+        row("static instance id in two namespaces", static_workers("[{instance_id: 7, role: decode, model: m}, {namespace: other, instance_id: 7, role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[1].instance_id", "unique across namespaces"),
         row("static instance_id zero", static_workers("[{instance_id: 0, role: decode, model: m}]"), Error, "dynamo.discovery.static.workers[0].instance_id", "must not be 0"),
         row("static role required", static_workers("[{instance_id: 1, model: m}]"), Error, "dynamo.discovery.static.workers[0].role", "required"),
         row("static role unknown", static_workers("[{instance_id: 1, role: prefil, model: m}]"), Error, "dynamo.discovery.static.workers[0].role", "unknown variant"),

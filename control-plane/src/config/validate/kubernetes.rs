@@ -19,6 +19,15 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     if !matches!(source, DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods) {
         return;
     }
+    if config.dynamo.enabled {
+        report.warning(
+            "dynamo.discovery.source",
+            format!(
+                "{} discovery is specified but not available in this build: the control plane refuses to start with it; use etcd, static or simulator",
+                source.as_str()
+            ),
+        );
+    }
     if let Some(problem) = dns_label_message(&kube.namespace) {
         report.error(format!("{BASE}.namespace"), format!("{problem}; set the Kubernetes namespace of the fleet"));
     }

@@ -33,17 +33,19 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     check_identities(workers, report);
 }
 
-/// (namespace, instance_id) names one worker; zero ids are already refused on their own.
+/// An instance id names one worker in the whole fleet, as Dynamo's lease ids do: the
+/// control plane's backlogs and KV index key ranks by instance id alone. Zero ids are already
+/// refused on their own.
 fn check_identities(workers: &[StaticWorkerConfig], report: &mut Report) {
     let mut first_index = HashMap::new();
     for (index, worker) in workers.iter().enumerate().filter(|(_, w)| w.instance_id != 0) {
-        match first_index.entry((worker.namespace.as_str(), worker.instance_id)) {
+        match first_index.entry(worker.instance_id) {
             Entry::Occupied(first) => report.error(
                 format!("{BASE}[{index}].instance_id"),
                 format!(
-                    "duplicates {BASE}[{}] (namespace `{}`, instance_id {:#x})",
+                    "duplicates {BASE}[{}] (instance_id {:#x}); instance ids are unique across namespaces, as \
+                     Dynamo's lease ids are",
                     first.get(),
-                    worker.namespace,
                     worker.instance_id
                 ),
             ),
