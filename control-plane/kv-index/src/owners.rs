@@ -62,6 +62,14 @@ impl Owners {
             Owners::Many(v) if is_bitset(v) => {
                 let word = 1 + id as usize / 32;
                 if word >= v.len() {
+                    // A high id would stretch the bitset past twice the list it stands for (a
+                    // node's memory would follow the largest rank id, not its owners): back to
+                    // a list, which takes the id.
+                    let owners: usize = v[1..].iter().map(|w| w.count_ones() as usize).sum();
+                    if word + 1 > 2 * (owners + 1) {
+                        *self = from_bits(v);
+                        return self.insert(id);
+                    }
                     v.resize(word + 1, 0);
                 }
                 if v[word] & bit(id) != 0 {
@@ -250,6 +258,29 @@ mod tests {
         }
         assert!(matches!(&owners, Owners::Many(v) if !is_bitset(v)));
         assert_eq!(owners.len(), 100);
+    }
+
+    #[test]
+    fn a_bitset_becomes_a_list_again_rather_than_stretch_to_a_far_rank_id() {
+        let mut owners = Owners::default();
+        for id in 0..MIN_BITS_OWNERS as u32 {
+            owners.insert(id);
+        }
+        assert!(owners.bits().is_some(), "dense low ids: a bitset");
+        assert!(owners.insert(1_000_000));
+        owners.check();
+        assert!(owners.bits().is_none(), "one far id: a list again");
+        assert!(owners.heap_bytes() <= 1024, "{} bytes, not a 125 KB bitset", owners.heap_bytes());
+        assert_eq!(owners.len(), MIN_BITS_OWNERS + 1);
+        assert!(owners.contains(1_000_000) && owners.contains(0) && !owners.contains(500));
+        assert!(!owners.insert(1_000_000), "already there");
+        // A near id still goes into the bitset.
+        let mut dense = Owners::default();
+        for id in 0..MIN_BITS_OWNERS as u32 + 1 {
+            dense.insert(id);
+        }
+        dense.insert(40);
+        assert!(dense.bits().is_some());
     }
 
     #[test]
