@@ -159,8 +159,12 @@ async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_relo
     let mut clashing = config.clone();
     clashing.move_simulator_shim(taken.local_addr()?);
     clashing.dynamo.discovery.simulator.prefill = 3;
+    let restarts = control.metrics.discovery_events.with_label_values(&["restart"]);
+    let before = restarts.get();
     assert!(control.reload(clashing).await.is_err(), "the reload is refused");
-    eventually(CONVERGE, "the simulator that ran before, back", || async { workers(&control).len() == 4 }).await?;
+    // Refused before the running source stopped: the replicas were never sent an empty fleet.
+    assert_eq!(restarts.get(), before, "the running simulator was not replaced, even for a moment");
+    assert_eq!(workers(&control).len(), 4);
 
     // The running configuration is still the old one: a good reload applies in full.
     let mut grown = config.clone();

@@ -56,7 +56,7 @@ impl DiscoverySupervisor {
         let resyncs_when_emptied = resyncs(&metrics);
         let mut supervisor =
             Self { registry, metrics, config: config.clone(), running: None, shutdown, resyncs_when_emptied };
-        supervisor.launch()?;
+        supervisor.launch(None)?;
         Ok(supervisor)
     }
 
@@ -86,6 +86,15 @@ impl DiscoverySupervisor {
                 tracing::info!("discovery stopped: dynamo.enabled is false");
             }
             DiscoveryReload::Restart { reason, registry } => {
+                // A new simulator takes its shim's port before the running source stops, so a
+                // port that is taken refuses the reload with the fleet untouched.
+                let bound = match bind_new_simulator(&previous, new) {
+                    Ok(bound) => bound,
+                    Err(error) => {
+                        self.config = previous;
+                        return Err(error.into());
+                    }
+                };
                 tracing::info!(reason = reason.as_str(), "replacing the discovery watcher");
                 self.metrics.discovery_events.with_label_values(&["restart"]).inc();
                 self.stop().await;
@@ -97,9 +106,9 @@ impl DiscoverySupervisor {
                     }
                     RegistryOnRestart::Prune { keep } => self.registry.prune_namespaces(&keep),
                 }
-                if let Err(error) = self.launch() {
+                if let Err(error) = self.launch(bound) {
                     self.config = previous;
-                    if let Err(again) = self.launch() {
+                    if let Err(again) = self.launch(None) {
                         tracing::error!(error = %again, "the discovery source that ran before failed to start again");
                     }
                     return Err(error.into());
@@ -123,7 +132,8 @@ impl DiscoverySupervisor {
         self.metrics.discovery_connected.set(0);
     }
 
-    fn launch(&mut self) -> Result<(), SimulatorError> {
+    /// Starts the configured source; a simulator already bound (`bound`) is the one run.
+    fn launch(&mut self, bound: Option<Simulator>) -> Result<(), SimulatorError> {
         if !self.config.dynamo.enabled {
             tracing::info!("discovery is disabled (dynamo.enabled: false)");
             return Ok(());
@@ -145,7 +155,10 @@ impl DiscoverySupervisor {
                 self.running = Some((cancel, task));
             }
             DiscoverySource::Simulator => {
-                let simulator = Simulator::bind(&discovery.simulator)?;
+                let simulator = match bound {
+                    Some(simulator) => simulator,
+                    None => Simulator::bind(&discovery.simulator)?,
+                };
                 let cancel = self.shutdown.child_token();
                 let task = tokio::spawn(simulator.run(self.registry.clone(), cancel.clone()));
                 self.running = Some((cancel, task));
@@ -155,6 +168,21 @@ impl DiscoverySupervisor {
         }
         Ok(())
     }
+}
+
+/// The simulator `new` runs, bound already, unless the running one holds its shim's port
+/// (the same address: it is bound once the running one has stopped).
+fn bind_new_simulator(running: &Config, new: &Config) -> Result<Option<Simulator>, SimulatorError> {
+    let simulates =
+        |config: &Config| config.dynamo.enabled && config.dynamo.discovery.source == DiscoverySource::Simulator;
+    if !simulates(new) {
+        return Ok(None);
+    }
+    let shim = |config: &Config| config.dynamo.discovery.simulator.shim_listen;
+    if simulates(running) && shim(running) == shim(new) {
+        return Ok(None);
+    }
+    Simulator::bind(&new.dynamo.discovery.simulator).map(Some)
 }
 
 fn resyncs(metrics: &Metrics) -> u64 {
