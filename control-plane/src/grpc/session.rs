@@ -12,7 +12,9 @@ use std::time::Instant;
 use continuum_kv_index::RankKey;
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::pb::{self, fleet_update::Body, watch_request::Kind};
-use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, MAX_REPORT_STARTED};
+use continuum_proto::{
+    MAX_DISPATCH_BLOCK_HASHES, MAX_FLEET_MESSAGE_BYTES, MAX_REPORT_BLOCK_HASHES, MAX_REPORT_STARTED,
+};
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
@@ -185,7 +187,20 @@ impl Session {
         self.resync_after = None;
         self.last_sent = Some(Sent { version, nonce: nonce.clone(), snapshot });
         let reports_folded = state.reports_folded(self.session_id).map(pb::ReportsFolded::from);
-        Some(pb::FleetUpdate { version, nonce, body: Some(body), reports_folded })
+        let update = pb::FleetUpdate { version, nonce, body: Some(body), reports_folded };
+        if snapshot {
+            // Past the bound the stream fails as it sends, the replica reconnects and is sent
+            // the same snapshot: say why, where the operator looks.
+            let bytes = prost::Message::encoded_len(&update);
+            if bytes > MAX_FLEET_MESSAGE_BYTES {
+                tracing::error!(
+                    replica = %self.status.replica_id, bytes, limit = MAX_FLEET_MESSAGE_BYTES,
+                    "the fleet snapshot is larger than a Fleet message may be; replicas keep their last view \
+                     until the fleet shrinks (fewer workers or dp ranks)"
+                );
+            }
+        }
+        Some(update)
     }
 
     /// Takes one message from the replica; an error ends the session with that status.
