@@ -258,7 +258,8 @@ fn table(stats: &IndexStats, rows: &[Row], mean_hashes: f64) -> String {
             "\nAt concurrency 1 the index lookup is {} of the {} p50 round trip; the rest ({:.0}%) is protobuf, \
              HTTP/2 and loopback TCP. Client and server share one process and its 2-thread runtime, so the \
              concurrency-8 row also measures them competing for 2 cores. A call past the deadline \
-             ({} ms by default, `--find-matches-deadline`) is abandoned and the request is scored on load alone.\n",
+             ({} ms by default, `--find-matches-deadline`) is abandoned and the request is scored on a recent answer for \
+             its prefix, or on the formula without overlap credit.\n",
             us(local.latency.p50),
             us(remote.latency.p50),
             100.0 * share,
