@@ -14,6 +14,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use continuum_proto::model::{LoadKey, LoadSample};
+use prometheus::IntCounter;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -91,17 +92,30 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Ready once discovery has produced a full view since the fleet was last emptied, at start or
-/// by a reload that reset it (immediately for `static` and the simulator); until then a replica
-/// would be handed an empty fleet.
+/// Whether discovery has produced a full view since the fleet was last emptied, at start or by
+/// a reload that reset it (immediately for `static` and the simulator): until then a replica
+/// would be handed an empty fleet. `/readyz` and the Fleet service's Watch both ask it.
+#[derive(Clone, Debug)]
+pub struct Seeded {
+    settings: watch::Receiver<AdminSettings>,
+    resyncs: IntCounter,
+}
+
+impl Seeded {
+    pub fn new(settings: watch::Receiver<AdminSettings>, metrics: &Metrics) -> Self {
+        Self { settings, resyncs: metrics.discovery_events.with_label_values(&["resync"]) }
+    }
+
+    pub fn check(&self) -> bool {
+        let settings = self.settings.borrow();
+        settings.source != "etcd" || self.resyncs.get() > settings.resyncs_when_emptied
+    }
+}
+
 async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
     let current = state.publisher.current();
-    let (source, emptied_at) = {
-        let settings = state.settings.borrow();
-        (settings.source, settings.resyncs_when_emptied)
-    };
-    let resyncs = state.metrics.discovery_events.with_label_values(&["resync"]).get();
-    let seeded = source != "etcd" || resyncs > emptied_at;
+    let source = state.settings.borrow().source;
+    let seeded = Seeded::new(state.settings.clone(), &state.metrics).check();
     let code = if seeded { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = json!({
         "ready": seeded,

@@ -11,7 +11,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::{self, AdminSettings, AdminState};
+use crate::admin::{self, AdminSettings, AdminState, Seeded};
 use crate::config::Config;
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::gauges;
@@ -102,8 +102,10 @@ impl ControlPlane {
         let discovery = DiscoverySupervisor::start(&config, registry.clone(), metrics.clone(), cancel.clone())?;
         let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));
 
+        let seeded = Seeded::new(settings_rx.clone(), &metrics);
         let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone())
-            .with_kv(kv.handle());
+            .with_kv(kv.handle())
+            .with_seeded(move || seeded.check());
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(error) = grpc::serve(grpc_listener, service, shutdown).await {

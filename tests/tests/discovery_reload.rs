@@ -175,3 +175,36 @@ async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_relo
     control.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_control_plane_refuses_watches_until_seeded_so_replicas_keep_their_last_view() -> anyhow::Result<()>
+{
+    let mut first = config::embedded_default();
+    first.move_simulator_shim("127.0.0.1:0".parse()?);
+    first.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    first.admin.listen = "127.0.0.1:0".parse()?;
+    let control = ControlPlane::start(first, ListenOverrides::default()).await?;
+    let grpc = control.grpc_addr;
+    let replicas = continuum_tests::start_replicas(1, &format!("http://{grpc}")).await?;
+    let workers = || replicas[0].fleet.view().map_or(0, |view| view.workers().len());
+    eventually(CONVERGE, "the replica holds the simulated fleet", || async { workers() == 4 }).await?;
+    control.shutdown().await;
+
+    // The control plane comes back on the same address, reading an etcd that does not answer
+    // (port 1 on loopback refuses at once): it has no fleet to give yet.
+    let mut second = config::embedded_default();
+    second.dynamo.discovery.source = config::DiscoverySource::Etcd;
+    second.dynamo.discovery.etcd.endpoints = vec!["127.0.0.1:1".into()];
+    second.control_plane.grpc_listen = grpc;
+    second.admin.listen = "127.0.0.1:0".parse()?;
+    let control = ControlPlane::start(second, ListenOverrides::default()).await?;
+    let refused = control.metrics.watch_refused.with_label_values(&["not_seeded"]);
+    eventually(CONVERGE, "the replica's Watch refused", || async { refused.get() > 0 }).await?;
+    assert_eq!(workers(), 4, "the replica routes on its last-known-good view, not an empty one");
+    assert!(control.replicas.list().is_empty(), "no session was opened on an unseeded fleet");
+    control.shutdown().await;
+    for replica in replicas {
+        continuum_data_plane::replica::Replica::shutdown(replica).await;
+    }
+    Ok(())
+}

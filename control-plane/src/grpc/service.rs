@@ -49,7 +49,7 @@ impl Replicas {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct FleetService {
     publisher: FleetPublisher,
     replicas: Replicas,
@@ -62,6 +62,14 @@ pub struct FleetService {
     kv: KvHandle,
     /// Each answer's `turn`, per model.
     turns: Arc<Turns>,
+    /// Whether discovery has seeded the fleet; a Watch opened before is refused.
+    seeded: Arc<dyn Fn() -> bool + Send + Sync>,
+}
+
+impl std::fmt::Debug for FleetService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FleetService").field("publisher", &self.publisher).finish_non_exhaustive()
+    }
 }
 
 impl FleetService {
@@ -78,12 +86,21 @@ impl FleetService {
             shutdown.clone(),
         );
         let turns = Arc::default();
-        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns }
+        let seeded = Arc::new(|| true);
+        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns, seeded }
     }
 
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
     pub fn with_kv(self, kv: KvHandle) -> Self {
         Self { kv, ..self }
+    }
+
+    /// Refuses new Watch streams (`UNAVAILABLE`) while `seeded` says discovery has not produced
+    /// a full view since the fleet was last emptied: the first snapshot a replica takes
+    /// replaces everything it holds, so a control plane that just restarted would otherwise
+    /// hand every reconnecting replica an empty fleet in place of its last-known-good one.
+    pub fn with_seeded(self, seeded: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Self { seeded: Arc::new(seeded), ..self }
     }
 
     /// The first message of a stream must be a Hello naming the replica.
@@ -122,6 +139,12 @@ impl Fleet for FleetService {
         &self,
         request: Request<Streaming<pb::WatchRequest>>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        if !(self.seeded)() {
+            self.metrics.watch_refused.with_label_values(&["not_seeded"]).inc();
+            return Err(Status::unavailable(
+                "discovery has not produced a fleet view yet; keep the view held and retry",
+            ));
+        }
         let mut inbound = request.into_inner();
         let hello = self.read_hello(&mut inbound).await?;
         tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
