@@ -29,8 +29,9 @@ const AGG: Mocker = Mocker { mode: Mode::Aggregated, kv_blocks: 1024, dp_size: 1
 const AGG_DP2: Mocker = Mocker { mode: Mode::Aggregated, kv_blocks: 1024, dp_size: 2 };
 const BLOCK: u32 = 16;
 const REQUEST_MAX_TIME: Duration = Duration::from_secs(20);
-/// Generous on a loaded 2-core machine; the lookup normally answers in well under 1 ms.
-const FIND_MATCHES_DEADLINE: &str = "200ms";
+/// Generous on a loaded 2-core machine, where a lookup that misses would score a request on
+/// load alone and fail a routing assertion; the lookup normally answers in well under 1 ms.
+const FIND_MATCHES_DEADLINE: &str = "2s";
 const TURNS: usize = 6;
 const UNRELATED: usize = 6;
 

@@ -49,7 +49,7 @@ async fn connection_failures_retry_on_another_replica_with_the_same_pins() -> an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() -> anyhow::Result<()> {
     let refusing = RefusingPort::reserve()?;
-    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_millis(300) };
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(3) };
     let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
     let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", refusing.url())]), settings).await?;
     let state = r#"continuum_shim_replica_state{backend="shim-a"}"#;
@@ -67,7 +67,7 @@ async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() ->
     assert_eq!((status, code.as_str()), (503, "shim_unavailable"), "an open breaker leaves no usable replica");
 
     let shim = StubShim::start_on(&refusing.release().to_string()).await?;
-    eventually(Duration::from_secs(10), "the half-open probe to succeed", || async {
+    eventually(Duration::from_secs(20), "the half-open probe to succeed", || async {
         harness.post(&chat(MODEL, false)).await.is_ok_and(|r| r.status() == 200)
     })
     .await?;
