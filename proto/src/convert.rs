@@ -11,7 +11,7 @@ use crate::model::{
     Backend, Backlog, Capacity, CheckedFile, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, Load, LoadKey,
     LoadSample, ModelArtifacts, PickerParams, ReportsFolded, Role, ShimPool, Worker, WorkerKey,
 };
-use crate::pb;
+use crate::{MAX_DATA_PARALLEL_SIZE, pb};
 use crate::view::{ApplyError, FleetDelta, FleetView};
 
 /// Why a wire message cannot become a domain value.
@@ -25,6 +25,8 @@ pub enum DecodeError {
     EmptyNamespace,
     #[error("invalid picker parameter {field}: {value}")]
     InvalidPicker { field: &'static str, value: String },
+    #[error("worker {key}: {dp_size} data-parallel ranks, more than {MAX_DATA_PARALLEL_SIZE}")]
+    TooManyRanks { key: WorkerKey, dp_size: u32 },
     #[error(transparent)]
     Apply(#[from] ApplyError),
 }
@@ -78,6 +80,9 @@ impl TryFrom<pb::Worker> for Worker {
 
     fn try_from(worker: pb::Worker) -> Result<Self, DecodeError> {
         let key = WorkerKey::try_from(worker.key.ok_or(DecodeError::Missing("worker.key"))?)?;
+        if worker.dp_size > MAX_DATA_PARALLEL_SIZE {
+            return Err(DecodeError::TooManyRanks { key, dp_size: worker.dp_size });
+        }
         let capacity = worker.capacity.unwrap_or_default();
         Ok(Worker {
             role: role_from_wire(worker.role, &key)?,

@@ -38,6 +38,11 @@ pub const MAX_REPORT_STARTED: usize = 1024;
 /// claim is taken as this many, so one lookup cannot outweigh every other on its rank.
 pub const MAX_LOOKUP_PROMPT_TOKENS: u64 = 1 << 20;
 
+/// Data-parallel ranks a worker may declare: each is a candidate every replica weighs, a load
+/// store entry and a KV cursor. The control plane excludes a card past it; a replica refuses an
+/// update carrying one (it would walk billions of ranks), keeping the view it holds.
+pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+
 /// Longest replica id a control plane accepts in a Hello; it appears in logs and the admin API.
 pub const MAX_REPLICA_ID_BYTES: usize = 128;
 

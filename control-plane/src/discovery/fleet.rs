@@ -53,9 +53,7 @@ pub enum Exclusion {
     OversizedField { field: &'static str, bytes: usize },
 }
 
-/// Data-parallel ranks a worker may declare: each is a candidate every replica weighs, a load
-/// store entry and a KV cursor, so a card past this is not believed.
-pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
+pub use continuum_proto::MAX_DATA_PARALLEL_SIZE;
 /// A model, component or endpoint name, or a disaggregated endpoint, longer than this is not
 /// believed: every worker's names travel in every snapshot to every replica.
 pub const MAX_NAME_BYTES: usize = 512;

@@ -175,3 +175,15 @@ fn removing_a_worker_drops_its_backlog() {
     let view = view.apply(&FleetDelta { removed: vec![WorkerKey::new("dynamo", 1)], ..delta(1) }).unwrap();
     assert!(view.backlogs().is_empty());
 }
+
+#[test]
+fn a_worker_declaring_more_ranks_than_any_fleet_is_refused_on_the_wire() {
+    let wire = |dp_size| {
+        let mut worker = crate::pb::Worker::from(&*worker(7, 0));
+        worker.dp_size = dp_size;
+        Worker::try_from(worker)
+    };
+    assert!(wire(crate::MAX_DATA_PARALLEL_SIZE).is_ok());
+    let refused = wire(u32::MAX).map(|_| ()).map_err(|e| e.to_string());
+    assert!(refused.as_ref().is_err_and(|e| e.contains("data-parallel ranks")), "{refused:?}");
+}
