@@ -11,8 +11,8 @@ use crate::model::{
     Backend, Backlog, Capacity, CheckedFile, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, Load, LoadKey,
     LoadSample, ModelArtifacts, PickerParams, ReportsFolded, Role, ShimPool, Worker, WorkerKey,
 };
-use crate::{MAX_DATA_PARALLEL_SIZE, pb};
 use crate::view::{ApplyError, FleetDelta, FleetView};
+use crate::{MAX_DATA_PARALLEL_SIZE, pb};
 
 /// Why a wire message cannot become a domain value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

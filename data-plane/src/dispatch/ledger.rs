@@ -152,7 +152,7 @@ mod tests {
     #[tokio::test]
     async fn a_prefill_leg_is_reported_prefilled_then_ended_at_the_first_token() {
         let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
-        let mut rx = reporter.take_receiver().expect("receiver");
+        let mut rx = reporter.attached_receiver().expect("receiver");
         let ledger = Arc::new(DispatchLedger::new());
         let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
         let pin = |id| Pin { worker: WorkerKey::new("dynamo", id), dp_rank: None };

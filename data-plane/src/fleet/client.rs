@@ -89,7 +89,7 @@ pub async fn run(
             () = cancel.cancelled() => return,
             outcome = follow(&config, &handle, &mut reports, &metrics) => outcome,
         };
-        reporter::discard(&mut reports);
+        reporter::detach(&mut reports);
         handle.detach();
         metrics.stream_connected.set(0);
         match &outcome {
@@ -133,7 +133,7 @@ async fn follow(
         .watch(ReceiverStream::new(rx))
         .await?
         .into_inner();
-    reporter::discard(reports);
+    reporter::attach(reports);
     let mut last_report = Instant::now();
     loop {
         let reply = tokio::select! {

@@ -15,6 +15,8 @@ use crate::routing::picker::{RankOverlap, Suggested};
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
 /// ≤ 2 ms)"): past it the request is scored without overlap credit.
 pub const FIND_MATCHES_DEADLINE: Duration = Duration::from_millis(2);
+/// Connecting to the control plane for lookups, and its answer to a keep-alive ping.
+const MATCHES_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum MatchesError {
@@ -39,9 +41,14 @@ pub struct MatchesClient {
 impl MatchesClient {
     /// A client for the replica `replica_id` (its `Hello.replica_id`).
     pub fn new(control_plane: &str, replica_id: &str, deadline: Duration) -> Result<Self, tonic::transport::Error> {
+        // Bounded connects and keep-alive answers: a control plane that moved or went silent
+        // is found out in seconds, not after the kernel's two-minute SYN timeout, so lookups
+        // stop missing soon after it is back. (Each lookup is bounded by its deadline anyway.)
         let channel = Endpoint::from_shared(control_plane.to_string())?
             .tcp_nodelay(true)
+            .connect_timeout(MATCHES_CONNECT_TIMEOUT)
             .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_timeout(MATCHES_CONNECT_TIMEOUT)
             .keep_alive_while_idle(true)
             .connect_lazy();
         let client = FleetClient::new(channel).max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);

@@ -13,6 +13,7 @@
 //! and go with the next report: a start the control plane holds whose end never came would
 //! weigh on the rank, for every replica, until the control plane aged it out.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use continuum_proto::model::LoadKey;
@@ -60,6 +61,9 @@ pub struct DispatchReporter {
     numbers: Mutex<Numbers>,
     /// Dispatch ids whose end was in an operation the queue had no room for.
     stranded: Arc<Mutex<Vec<u64>>>,
+    /// Whether a stream to the control plane is open to take the queue: without one,
+    /// operations are performed unnumbered instead of filling it only to be discarded.
+    attached: Arc<AtomicBool>,
     dropped: IntCounter,
 }
 
@@ -68,6 +72,7 @@ pub struct DispatchReporter {
 pub struct Reports {
     rx: mpsc::Receiver<Operation>,
     stranded: Arc<Mutex<Vec<u64>>>,
+    attached: Arc<AtomicBool>,
 }
 
 impl Reports {
@@ -151,9 +156,9 @@ impl DispatchReporter {
     pub fn new(dropped: IntCounter) -> Self {
         let (tx, rx) = mpsc::channel(REPORT_QUEUE);
         let numbers = Numbers { next_op: 1, next_dispatch: 1 };
-        let stranded = Arc::default();
-        let reports = Reports { rx, stranded: Arc::clone(&stranded) };
-        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, dropped }
+        let (stranded, attached) = (Arc::default(), Arc::default());
+        let reports = Reports { rx, stranded: Arc::clone(&stranded), attached: Arc::clone(&attached) };
+        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, attached, dropped }
     }
 
     /// Performs one operation: `perform` records it under its number ([`Report::op`]) and says
@@ -163,6 +168,12 @@ impl DispatchReporter {
     /// performed unnumbered, so the record knows the fleet's sums will never hold it.
     pub fn operation<R>(&self, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
         let mut numbers = self.numbers.lock().unwrap_or_else(PoisonError::into_inner);
+        if !self.attached.load(Ordering::Acquire) {
+            // No stream: the control plane holds none of this replica's dispatches, and a new
+            // session starts from a snapshot, so there is nothing to report them to.
+            let mut report = Report { op: NOT_REPORTED, next_dispatch: &mut numbers.next_dispatch, events: Vec::new() };
+            return perform(&mut report);
+        }
         let place = self.tx.try_reserve();
         let op = if place.is_ok() { numbers.next_op } else { NOT_REPORTED };
         let mut report = Report { op, next_dispatch: &mut numbers.next_dispatch, events: Vec::with_capacity(2) };
@@ -199,6 +210,14 @@ impl DispatchReporter {
     /// The receiving end, for the fleet client (taken once).
     pub(crate) fn take_receiver(&self) -> Option<Reports> {
         self.rx.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    /// The receiving end with a stream attached, as the fleet client holds it once connected.
+    #[cfg(test)]
+    pub(crate) fn attached_receiver(&self) -> Option<Reports> {
+        let mut reports = self.take_receiver()?;
+        attach(&mut reports);
+        Some(reports)
     }
 }
 
@@ -246,9 +265,22 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
     report
 }
 
-/// Discards what queued up while the stream was down: the control plane forgot this
-/// replica's dispatches when its session ended, so ends for them would name nothing.
-pub(crate) fn discard(reports: &mut Reports) {
+/// A stream is open: operations are queued for it from now on. What queued before is
+/// discarded: the control plane forgot this replica's dispatches when its last session ended,
+/// so ends for them would name nothing.
+pub(crate) fn attach(reports: &mut Reports) {
+    discard(reports);
+    reports.attached.store(true, Ordering::Release);
+}
+
+/// The stream ended: operations are performed unnumbered until the next one opens, and what
+/// is queued is discarded.
+pub(crate) fn detach(reports: &mut Reports) {
+    reports.attached.store(false, Ordering::Release);
+    discard(reports);
+}
+
+fn discard(reports: &mut Reports) {
     while reports.rx.try_recv().is_ok() {}
     reports.stranded.lock().unwrap_or_else(PoisonError::into_inner).clear();
 }
@@ -265,7 +297,7 @@ mod tests {
 
     fn reporter() -> (DispatchReporter, Reports) {
         let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
-        let rx = reporter.take_receiver().expect("receiver");
+        let rx = reporter.attached_receiver().expect("receiver");
         (reporter, rx)
     }
 
@@ -397,6 +429,33 @@ mod tests {
         discard(&mut rx);
         start(&reporter, 16, 1, Vec::new());
         assert!(next_report(&mut rx).ended.is_empty());
+    }
+
+    #[test]
+    fn without_a_stream_operations_go_unnumbered_and_queue_nothing() {
+        let reporter = DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter"));
+        let mut rx = reporter.take_receiver().expect("receiver");
+        for _ in 0..REPORT_QUEUE * 2 {
+            let op = reporter.operation(|report| {
+                report.started(&rank(), 16, 1, vec![7; MAX_DISPATCH_BLOCK_HASHES]);
+                report.op()
+            });
+            assert_eq!(op, NOT_REPORTED);
+        }
+        assert!(rx.try_recv().is_none(), "nothing held for a stream that is not there");
+        assert_eq!(reporter.dropped.get(), 0, "not counted as dropped: there was nowhere to send it");
+        attach(&mut rx);
+        assert_eq!(start_op(&reporter), 1, "numbered from where the numbers stood");
+        detach(&mut rx);
+        assert!(rx.try_recv().is_none(), "what was queued for the stream that ended is gone");
+        assert_eq!(start_op(&reporter), NOT_REPORTED);
+    }
+
+    fn start_op(reporter: &DispatchReporter) -> u64 {
+        reporter.operation(|report| {
+            report.started(&rank(), 16, 1, Vec::new());
+            report.op()
+        })
     }
 
     #[test]

@@ -278,7 +278,7 @@ mod tests {
     async fn a_prompt_whose_lookup_fails_is_still_scored_on_the_formula_and_sent_with_its_tokens() {
         // The state's FindMatches client dials a port nobody listens on: every lookup fails.
         let state = state();
-        let mut reports = state.reporter.take_receiver().expect("the reports");
+        let mut reports = state.reporter.attached_receiver().expect("the reports");
         let dir = tempfile::tempdir().expect("dir");
         let (card, pinned) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), pinned);
