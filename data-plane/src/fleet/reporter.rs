@@ -9,9 +9,10 @@
 //! in number order: the replica's ledger records it under the same number, and the control
 //! plane says which numbers its sums hold, so the replica adds exactly its own operations the
 //! sums lack ([`continuum_proto::model::ReportsFolded`]). One the queue has no room for goes
-//! unnumbered, so the ledger knows the sums will never hold it. Its ends alone are kept aside
-//! and go with the next report: a start the control plane holds whose end never came would
-//! weigh on the rank, for every replica, until the control plane aged it out.
+//! unnumbered, so the ledger knows the sums will never hold it. Its ends and first tokens are
+//! kept aside and go with a later report: a start the control plane holds whose end never came
+//! would weigh on the rank, for every replica, until the control plane aged it out, and one
+//! whose first token never came would keep its prompt queued on the rank until it ended.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -30,7 +31,8 @@ pub const REPORT_QUEUE: usize = 8192;
 pub const MAX_REPORT_BATCH: usize = 512;
 // An operation starts at most two dispatches, and a report may hold one past the batch.
 const _: () = assert!(MAX_REPORT_BATCH + 2 <= continuum_proto::MAX_REPORT_STARTED);
-/// Ends kept aside from operations the queue had no room for, at most.
+/// Ends kept aside from operations the queue had no room for, at most (and as many first
+/// tokens).
 pub const MAX_STRANDED_ENDS: usize = 8192;
 
 #[derive(Debug)]
@@ -59,19 +61,27 @@ pub struct DispatchReporter {
     tx: mpsc::Sender<Operation>,
     rx: Mutex<Option<Reports>>,
     numbers: Mutex<Numbers>,
-    /// Dispatch ids whose end was in an operation the queue had no room for.
-    stranded: Arc<Mutex<Vec<u64>>>,
+    /// What operations the queue had no room for said of dispatches already reported.
+    stranded: Arc<Mutex<Stranded>>,
     /// Whether a stream to the control plane is open to take the queue: without one,
     /// operations are performed unnumbered instead of filling it only to be discarded.
     attached: Arc<AtomicBool>,
     dropped: IntCounter,
 }
 
+/// Ends and first tokens kept aside, of dispatches whose later operations the queue had no
+/// room for; each list holds at most [`MAX_STRANDED_ENDS`].
+#[derive(Debug, Default)]
+struct Stranded {
+    ended: Vec<u64>,
+    prefilled: Vec<u64>,
+}
+
 /// The receiving end of the queue, with the ends kept aside beside it.
 #[derive(Debug)]
 pub struct Reports {
     rx: mpsc::Receiver<Operation>,
-    stranded: Arc<Mutex<Vec<u64>>>,
+    stranded: Arc<Mutex<Stranded>>,
     attached: Arc<AtomicBool>,
 }
 
@@ -199,10 +209,13 @@ impl DispatchReporter {
     fn strand_ends(&self, events: &[DispatchEvent]) {
         let mut stranded = self.stranded.lock().unwrap_or_else(PoisonError::into_inner);
         for event in events {
-            if let DispatchEvent::Ended(id) = event
-                && stranded.len() < MAX_STRANDED_ENDS
-            {
-                stranded.push(*id);
+            let (kept, id) = match event {
+                DispatchEvent::Ended(id) => (&mut stranded.ended, id),
+                DispatchEvent::Prefilled(id) => (&mut stranded.prefilled, id),
+                DispatchEvent::Started { .. } => continue,
+            };
+            if kept.len() < MAX_STRANDED_ENDS {
+                kept.push(*id);
             }
         }
     }
@@ -259,7 +272,8 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
     // the lock none is added while the queue is looked at.
     let mut stranded = reports.stranded.lock().unwrap_or_else(PoisonError::into_inner);
     if reports.rx.is_empty() {
-        report.ended.append(&mut stranded);
+        report.prefilled.append(&mut stranded.prefilled);
+        report.ended.append(&mut stranded.ended);
     }
     drop(stranded);
     report
@@ -282,7 +296,7 @@ pub(crate) fn detach(reports: &mut Reports) {
 
 fn discard(reports: &mut Reports) {
     while reports.rx.try_recv().is_ok() {}
-    reports.stranded.lock().unwrap_or_else(PoisonError::into_inner).clear();
+    *reports.stranded.lock().unwrap_or_else(PoisonError::into_inner) = Stranded::default();
 }
 
 #[cfg(test)]
@@ -413,6 +427,23 @@ mod tests {
         assert_eq!(ends, [(reports.len() - 1, vec![started])], "with the last report, and only once");
         start(&reporter, 16, 1, Vec::new());
         assert!(next_report(&mut rx).ended.is_empty());
+
+        // A first token the queue has no room for is kept aside the same way: without it the
+        // control plane would count the prompt as queued on the rank until the request ended.
+        let prefilling = start(&reporter, 16, 1, Vec::new());
+        for _ in 1..REPORT_QUEUE {
+            start(&reporter, 16, 1, Vec::new());
+        }
+        let op = reporter.operation(|report| {
+            report.prefilled(prefilling);
+            report.op()
+        });
+        assert_eq!(op, NOT_REPORTED);
+        let mut prefilled = Vec::new();
+        while let Some(first) = rx.try_recv() {
+            prefilled.extend(batch(first, &mut rx).prefilled);
+        }
+        assert_eq!(prefilled, [prefilling]);
 
         // A stream that ends takes what was kept aside with it: the control plane forgot them.
         discard(&mut rx);
