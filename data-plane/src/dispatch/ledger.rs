@@ -55,7 +55,7 @@ impl DispatchEnd {
         let block_size = dispatch_block_size(view, selection);
         let hashes = chain.at_block_size(block_size);
         let blocks = prompt_blocks(prompt_tokens, block_size);
-        let tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
+        let tokens = selection.uncached_prompt_tokens(prompt_tokens);
         let (id, reported) = reporter.operation(|report| {
             let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now(), report.op());
             let prefill = selection.prefill.as_ref().map(|pin| {
@@ -163,7 +163,7 @@ mod tests {
             prefill: Some(pin(1)),
             decode_reason: Reason::Load,
             prefill_reason: Some(Reason::Load),
-            cached_blocks: 0,
+            cached_tokens: 0,
         };
         // Each step's report, folded alone.
         let mut next = || {
@@ -207,7 +207,7 @@ mod tests {
             prefill: None,
             decode_reason: Reason::Load,
             prefill_reason: None,
-            cached_blocks: 0,
+            cached_tokens: 0,
         };
         let usage = br#"data: {"choices":[],"usage":{"prompt_tokens":1500,"completion_tokens":16}}"#;
 

@@ -336,7 +336,7 @@ mod tests {
             prefill: Some(pin(6)),
             decode_reason: Reason::Load,
             prefill_reason: Some(Reason::Load),
-            cached_blocks: 0,
+            cached_tokens: 0,
         };
         encode_request(&mut out, &Method::POST, &uri, &headers, pins(&selection), b"{}");
         assert_eq!(

@@ -37,7 +37,7 @@ fn selection(decode: Pin, prefill: Option<Pin>) -> Selection {
         prefill_reason: Some(if prefill.is_some() { Reason::Load } else { Reason::NoPrefillPool }),
         prefill,
         decode_reason: Reason::Load,
-        cached_blocks: 0,
+        cached_tokens: 0,
     }
 }
 

@@ -83,6 +83,11 @@ impl Scoring<'_> {
         self.overlaps.get(candidate.worker.key.instance_id, candidate.rank)
     }
 
+    /// The prompt tokens the rank holds: its overlap, in this lookup's block size.
+    fn cached_tokens(&self, candidate: &Candidate) -> u64 {
+        u64::from(self.overlap(candidate)) * u64::from(self.block_size)
+    }
+
     /// Of the rank's overlap, the blocks its requests in flight hold.
     fn active_overlap(&self, candidate: &Candidate) -> u32 {
         if candidate.worker.block_size.is_some_and(|size| size != self.block_size) {
@@ -161,7 +166,7 @@ impl KvAwarePicker {
                 prefill: None,
                 decode_reason: winner.reason,
                 prefill_reason: Some(Reason::NoPrefillPool),
-                cached_blocks: u64::from(scoring.overlap(winner.candidate)),
+                cached_tokens: scoring.cached_tokens(winner.candidate),
             };
             return Some(self.finish(selection, overlap));
         }
@@ -190,7 +195,7 @@ impl KvAwarePicker {
             prefill: Some(prefill.candidate.pin()),
             decode_reason,
             prefill_reason: Some(prefill.reason),
-            cached_blocks: u64::from(scoring.overlap(prefill.candidate)),
+            cached_tokens: scoring.cached_tokens(prefill.candidate),
         };
         let cursor = (KV_CURSOR, Phase::Decode, request.model, &**namespace);
         let decode = self.compete(scoring, &decoders, cursor, None, formula::conditional_decode_cost)?;
@@ -200,7 +205,7 @@ impl KvAwarePicker {
         Some(Selection {
             prefill: None,
             prefill_reason: Some(Reason::ConditionalBypass),
-            cached_blocks: u64::from(scoring.overlap(decode.candidate)),
+            cached_tokens: scoring.cached_tokens(decode.candidate),
             ..selection(decode.candidate, Reason::ConditionalBypass)
         })
     }

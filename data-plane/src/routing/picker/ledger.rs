@@ -480,7 +480,7 @@ impl DispatchLedger {
             added: 0,
             stall_blocks,
         };
-        let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens, block_size);
+        let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens);
         let legs = match &selection.prefill {
             Some(prefill) => {
                 state.push(prefill.rank_key(), leg(prefill_tokens, 0, blocks, Box::default()));

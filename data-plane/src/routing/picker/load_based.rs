@@ -230,7 +230,7 @@ impl Picker for LoadBasedPicker {
             prefill,
             decode_reason,
             prefill_reason: Some(prefill_reason),
-            cached_blocks: 0,
+            cached_tokens: 0,
         })
     }
 }

@@ -105,16 +105,17 @@ pub struct Selection {
     /// The pickers always set it: `NoPrefillPool` when `prefill` is `None`, or
     /// `ConditionalBypass` when the decode worker prefills locally (`prefill` is `None` too).
     pub prefill_reason: Option<Reason>,
-    /// Prompt blocks the rank that prefills already holds (its overlap; KV-aware picks only):
-    /// the prefill rank of a pair, or else the decode rank. It prefills only the rest.
-    pub cached_blocks: u64,
+    /// Prompt tokens the rank that prefills already holds (its overlap, in the block size the
+    /// KV lookup counted it in; KV-aware picks only): the prefill rank of a pair, or else the
+    /// decode rank. It prefills only the rest.
+    pub cached_tokens: u64,
 }
 
 impl Selection {
-    /// The prompt tokens the rank that prefills must still compute: those past the blocks it
+    /// The prompt tokens the rank that prefills must still compute: those past the ones it
     /// holds. Dynamo's router counts a request's prefill load the same way.
-    pub fn uncached_prompt_tokens(&self, prompt_tokens: u64, block_size: u32) -> u64 {
-        prompt_tokens.saturating_sub(self.cached_blocks.saturating_mul(u64::from(block_size.max(1))))
+    pub fn uncached_prompt_tokens(&self, prompt_tokens: u64) -> u64 {
+        prompt_tokens.saturating_sub(self.cached_tokens)
     }
 }
 

@@ -159,7 +159,11 @@ fn overlap_wins_against_equal_load() {
     assert_eq!(picks(&picker, &fleet, scored(128, &held), 3), [(2, None); 3]);
     let s = pick(&picker, &fleet, scored(128, &held));
     assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::NoPrefillPool)));
-    assert_eq!(s.cached_blocks, 4, "the winner's overlap: its dispatch adds only the other 4 blocks");
+    assert_eq!(
+        s.cached_tokens,
+        4 * u64::from(BLOCK),
+        "the winner's overlap: its dispatch adds only the other 4 blocks"
+    );
     assert_eq!(counters.result(KvSelectionResult::Overlap), 4);
     assert_eq!(counters.selection("decode", Reason::KvAware), 4);
 }
@@ -190,7 +194,7 @@ fn a_missed_lookup_scores_the_rendered_prompt_on_the_formula_without_overlap_cre
             KvTerm::Scored { isl_tokens: 128, block_size: BLOCK, overlaps: &none, answer: IndexAnswer::Missed(result) };
         let s = pick(&picker, &fleet, missed);
         assert_eq!(ids(&s), (2, None));
-        assert_eq!((s.decode_reason, s.cached_blocks), (Reason::KvAware, 0));
+        assert_eq!((s.decode_reason, s.cached_tokens), (Reason::KvAware, 0));
         assert_eq!(counters.result(result), 1, "counted as the miss it was");
     }
     assert_eq!(counters.result(KvSelectionResult::NoOverlap), 0);
@@ -507,7 +511,11 @@ fn the_kv_term_picks_the_prefill_worker_and_the_decode_worker_holding_the_prompt
     let picker = counters.picker();
     let s = pick(&picker, &fleet(10), scored(128, &held));
     assert_eq!(ids(&s), (3, Some(2)));
-    assert_eq!(s.cached_blocks, 4, "the prefill winner's overlap: it prefills only the other 4 blocks");
+    assert_eq!(
+        s.cached_tokens,
+        4 * u64::from(BLOCK),
+        "the prefill winner's overlap: it prefills only the other 4 blocks"
+    );
     assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::KvAware)));
     assert_eq!(counters.result(KvSelectionResult::Overlap), 1);
     assert_eq!(counters.selection("prefill", Reason::KvAware), 1);

@@ -26,7 +26,7 @@ fn pair(decode: u64, prefill: u64) -> Selection {
         prefill: Some(pin(prefill, None)),
         decode_reason: Reason::Load,
         prefill_reason: Some(Reason::Load),
-        cached_blocks: 0,
+        cached_tokens: 0,
     }
 }
 
@@ -169,13 +169,13 @@ fn a_rank_that_caches_the_prompt_prefills_only_the_rest_but_holds_every_block() 
     let t0 = Instant::now();
     // 100 tokens = 7 blocks of 16, 5 of them (80 tokens) cached on the aggregated rank: cached
     // blocks still occupy the rank while the request runs.
-    ledger.record(&Selection { cached_blocks: 5, ..alone(pin(1, None)) }, 100, 16, &[], t0, op());
+    ledger.record(&Selection { cached_tokens: 80, ..alone(pin(1, None)) }, 100, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 7, false));
-    ledger.record(&Selection { cached_blocks: 9, ..alone(pin(1, None)) }, 100, 16, &[], t0, op());
+    ledger.record(&Selection { cached_tokens: 144, ..alone(pin(1, None)) }, 100, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(20, 14, false), "never below zero");
     // A pair's prefill rank holding 5 blocks prefills only the rest too; its decode rank
     // receives every block.
-    ledger.record(&Selection { cached_blocks: 5, ..pair(2, 3) }, 100, 16, &[], t0, op());
+    ledger.record(&Selection { cached_tokens: 80, ..pair(2, 3) }, 100, 16, &[], t0, op());
     assert_eq!(backlog(&ledger, key(3, 0), None, t0).prefill_tokens, 20);
     assert_eq!(backlog(&ledger, key(2, 0), None, t0), rank(0, 7, false));
 }
