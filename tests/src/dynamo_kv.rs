@@ -33,8 +33,7 @@ import json, sys, zmq, msgspec
 ctx = zmq.Context()
 sub = ctx.socket(zmq.SUB)
 sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
-for endpoint in sys.argv[1:]:
-    sub.connect(endpoint)
+connect_all(sub, sys.argv[1:])
 print(json.dumps({"ready": True}), flush=True)
 while True:
     frames = sub.recv_multipart()

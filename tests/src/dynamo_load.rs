@@ -90,8 +90,7 @@ import json, sys, zmq, msgspec
 ctx = zmq.Context()
 sub = ctx.socket(zmq.SUB)
 sub.setsockopt(zmq.SUBSCRIBE, b"kv_metrics")
-for endpoint in sys.argv[1:]:
-    sub.connect(endpoint)
+connect_all(sub, sys.argv[1:])
 print(json.dumps({"ready": True}), flush=True)
 while True:
     frames = sub.recv_multipart()
@@ -156,8 +155,28 @@ impl Tap {
     }
 }
 
-/// Starts the pyzmq tap `script` (it prints `{"ready": true}` once subscribed, then one JSON
-/// line per message) on `endpoints`, and returns its output lines once it is subscribed.
+/// Defines `connect_all(sub, endpoints)` for a tap: connects to every endpoint and returns once
+/// each ZMTP handshake has succeeded, so the subscription, sent right after it, is on its way
+/// when the tap says it is ready, however slow the machine (a PUB drops what it publishes
+/// before a subscription arrives: an event the test waits for would never come).
+const CONNECT_ALL: &str = r#"
+def connect_all(sub, endpoints):
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    for endpoint in endpoints:
+        sub.connect(endpoint)
+    done = set()
+    while len(done) < len(set(endpoints)):
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            done.add(event["endpoint"])
+    sub.disable_monitor()
+"#;
+
+/// Starts the pyzmq tap `script` (it calls `connect_all`, prints `{"ready": true}` once
+/// subscribed, then one JSON line per message) on `endpoints`, and returns its output lines
+/// once it is subscribed.
 pub(crate) async fn start_tap(
     ns: &NetNs,
     label: &str,
@@ -165,14 +184,14 @@ pub(crate) async fn start_tap(
     endpoints: &[String],
 ) -> anyhow::Result<Lines<BufReader<ChildStdout>>> {
     let mut command = ns.command(tools::python());
-    command.arg("-c").arg(script).args(endpoints);
+    command.arg("-c").arg(format!("{CONNECT_ALL}{script}")).args(endpoints);
     let (_, stdout) = ns.spawn_reading(label, command)?;
     let mut lines = BufReader::new(stdout).lines();
     let ready = tokio::time::timeout(START_TIMEOUT, lines.next_line()).await;
     if !matches!(&ready, Ok(Ok(Some(line))) if line.contains("ready")) {
         bail!("the pyzmq tap did not start (run scripts/test to install pyzmq):\n{}", ns.log_tail(label));
     }
-    // A SUB's subscription reaches the PUB shortly after connect (the slow joiner).
+    // The subscription follows each handshake: give the PUBs a moment to read it.
     tokio::time::sleep(Duration::from_millis(300)).await;
     Ok(lines)
 }
