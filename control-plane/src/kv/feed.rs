@@ -71,7 +71,7 @@ impl Feed for KvFeed {
     }
 
     async fn connected(&self, publisher: &Publisher) {
-        self.indexer.write().publisher_up(publisher.publisher_id);
+        self.indexer.write().publisher_up(&publisher.key());
     }
 
     async fn message(&self, publisher: &Publisher, (): &mut (), message: Result<Message<'_>, Dropped>) {
@@ -81,7 +81,7 @@ impl Feed for KvFeed {
                 // Too large to read: a batch of this publisher's events, lost.
                 let mut counts = KvCounts::default();
                 counts.add(KvEventResult::Oversized);
-                self.indexer.write().message_lost(publisher.publisher_id, &mut counts);
+                self.indexer.write().message_lost(&publisher.key(), &mut counts);
                 return self.count(&counts);
             }
             Err(Dropped::TooManyFrames) => return self.count_one(KvEventResult::Malformed),
@@ -91,11 +91,8 @@ impl Feed for KvFeed {
         let Some(worker) = &publisher.worker else {
             return self.count_one(KvEventResult::IdentityMismatch);
         };
-        let mapping = PublisherMapping {
-            publisher_id: publisher.publisher_id,
-            worker_id: worker.instance_id,
-            dp_rank: publisher.dp_rank,
-        };
+        let mapping =
+            PublisherMapping { publisher: publisher.key(), worker_id: worker.instance_id, dp_rank: publisher.dp_rank };
         let frames = (0..message.len()).filter_map(|i| message.frame(i));
         // Decoded before the lock: it is the whole index's, and every lookup waits on it.
         let decoded = decode_kv_events(frames, publisher.publisher_id);
@@ -104,7 +101,7 @@ impl Feed for KvFeed {
     }
 
     fn disconnected(&self, publisher: &Publisher) {
-        self.indexer.write().publisher_down(publisher.publisher_id, Instant::now());
+        self.indexer.write().publisher_down(&publisher.key(), Instant::now());
     }
 
     fn refused(&self, refusal: Refusal) {
@@ -115,7 +112,7 @@ impl Feed for KvFeed {
     }
 
     async fn departed(&self, publisher: &PublisherKey) {
-        self.indexer.write().drop_publisher(publisher.publisher_id);
+        self.indexer.write().drop_publisher(publisher);
     }
 
     async fn set_live(&self, fleet: &Fleet) {

@@ -30,6 +30,7 @@ use continuum_kv_index::{KvIndex, Limits, Matches, RankKey};
 
 use super::decode::{DecodeError, KvEvent, KvEventBatch, KvEventData, decode_kv_events};
 use super::result::{KvCounts, KvEventResult};
+use crate::discovery::PublisherKey;
 
 /// Rank cursors one publisher may hold (seed: "4096 (worker, dp_rank) cursors per subscription").
 pub const MAX_CURSORS_PER_PUBLISHER: usize = 4_096;
@@ -38,10 +39,12 @@ pub const MAX_CURSORS_PER_PUBLISHER: usize = 4_096;
 pub const KV_EVENTS_STALE_AFTER: Duration = Duration::from_secs(60);
 
 /// Who a kv-events publisher speaks for, from its discovery records.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PublisherMapping {
-    /// The channel's `instance_id`: frames and envelope must carry it.
-    pub publisher_id: u64,
+    /// The channel's namespace and `instance_id` (frames and envelope must carry the id). Its
+    /// cursors and health are kept under both: ids are unique per namespace only, and one
+    /// namespace's channel must not clear another's ranks.
+    pub publisher: PublisherKey,
     /// The worker it publishes for (the channel key's lease, or the event source's `worker_id`).
     pub worker_id: u64,
     /// The event source's `dp_rank`; `None` lets the publisher speak for any declared rank.
@@ -65,7 +68,7 @@ struct Publisher {
 pub struct KvIndexer {
     index: KvIndex,
     live: LiveRanks,
-    publishers: HashMap<u64, Publisher>,
+    publishers: HashMap<PublisherKey, Publisher>,
 }
 
 impl KvIndexer {
@@ -80,7 +83,7 @@ impl KvIndexer {
         publisher: &PublisherMapping,
         frames: impl IntoIterator<Item = &'a [u8]>,
     ) -> KvCounts {
-        self.apply_decoded(publisher, decode_kv_events(frames, publisher.publisher_id))
+        self.apply_decoded(publisher, decode_kv_events(frames, publisher.publisher.publisher_id))
     }
 
     /// Applies one message from `publisher` as [`decode_kv_events`] read it, so that a caller
@@ -96,7 +99,7 @@ impl KvIndexer {
                 let mut counts = KvCounts::default();
                 counts.add(refused.into());
                 if refused.loses_events() {
-                    self.message_lost(publisher.publisher_id, &mut counts);
+                    self.message_lost(&publisher.publisher, &mut counts);
                 }
                 counts
             }
@@ -107,8 +110,8 @@ impl KvIndexer {
     /// them, are lost. Every rank it speaks for is cleared as on a gap (counted as one), rather
     /// than credited with blocks it may no longer hold until its next event shows the gap.
     /// Cursors stay: the next event still finds the gap, on an already empty rank.
-    pub fn message_lost(&mut self, publisher_id: u64, counts: &mut KvCounts) {
-        let Some(publisher) = self.publishers.get(&publisher_id) else { return };
+    pub fn message_lost(&mut self, publisher: &PublisherKey, counts: &mut KvCounts) {
+        let Some(publisher) = self.publishers.get(publisher) else { return };
         for rank in publisher.cursors.keys() {
             self.index.clear_rank(*rank);
             counts.add(KvEventResult::Gap);
@@ -130,7 +133,7 @@ impl KvIndexer {
         if !self.admits(publisher, rank) {
             return KvEventResult::IdentityMismatch;
         }
-        match self.advance_cursor(publisher.publisher_id, rank, event.event_id) {
+        match self.advance_cursor(&publisher.publisher, rank, event.event_id) {
             Cursor::Next => {}
             Cursor::Gap => {
                 self.index.clear_rank(rank);
@@ -165,8 +168,8 @@ impl KvIndexer {
         declares(&self.live, rank)
     }
 
-    fn advance_cursor(&mut self, publisher_id: u64, rank: RankKey, event_id: u64) -> Cursor {
-        let cursors = &mut self.publishers.entry(publisher_id).or_default().cursors;
+    fn advance_cursor(&mut self, publisher: &PublisherKey, rank: RankKey, event_id: u64) -> Cursor {
+        let cursors = &mut self.publishers.entry(publisher.clone()).or_default().cursors;
         let full = cursors.len() >= MAX_CURSORS_PER_PUBLISHER;
         match cursors.get_mut(&rank) {
             Some(cursor) if event_id <= *cursor => Cursor::Replay,
@@ -196,8 +199,8 @@ impl KvIndexer {
 
     /// The publisher's subscription stopped for good: its ranks lose their blocks and cursors.
     /// Returns how many ranks were cleared.
-    pub fn drop_publisher(&mut self, publisher_id: u64) -> usize {
-        let Some(publisher) = self.publishers.remove(&publisher_id) else {
+    pub fn drop_publisher(&mut self, publisher: &PublisherKey) -> usize {
+        let Some(publisher) = self.publishers.remove(publisher) else {
             return 0;
         };
         let mut cleared = 0;
@@ -211,30 +214,30 @@ impl KvIndexer {
 
     /// The publisher's session ended (or is pending); cursors are kept. Calling it again while
     /// down keeps the first instant.
-    pub fn publisher_down(&mut self, publisher_id: u64, now: Instant) {
-        if let Some(publisher) = self.publishers.get_mut(&publisher_id) {
+    pub fn publisher_down(&mut self, publisher: &PublisherKey, now: Instant) {
+        if let Some(publisher) = self.publishers.get_mut(publisher) {
             publisher.down_since.get_or_insert(now);
         }
     }
 
     /// The publisher's session is up again.
-    pub fn publisher_up(&mut self, publisher_id: u64) {
-        if let Some(publisher) = self.publishers.get_mut(&publisher_id) {
+    pub fn publisher_up(&mut self, publisher: &PublisherKey) {
+        if let Some(publisher) = self.publishers.get_mut(publisher) {
             publisher.down_since = None;
         }
     }
 
     /// Drops every publisher down for at least `stale_after` (normally [`KV_EVENTS_STALE_AFTER`])
-    /// as [`Self::drop_publisher`] does. Returns the publisher ids dropped, to log.
-    pub fn clear_stale(&mut self, now: Instant, stale_after: Duration) -> Vec<u64> {
-        let stale: Vec<u64> = self
+    /// as [`Self::drop_publisher`] does. Returns the publishers dropped, to log.
+    pub fn clear_stale(&mut self, now: Instant, stale_after: Duration) -> Vec<PublisherKey> {
+        let stale: Vec<PublisherKey> = self
             .publishers
             .iter()
             .filter(|(_, p)| p.down_since.is_some_and(|since| now.saturating_duration_since(since) >= stale_after))
-            .map(|(id, _)| *id)
+            .map(|(key, _)| key.clone())
             .collect();
-        for id in &stale {
-            self.drop_publisher(*id);
+        for key in &stale {
+            self.drop_publisher(key);
         }
         stale
     }
@@ -250,8 +253,8 @@ impl KvIndexer {
     }
 
     /// The cursor of one rank on one publisher, if it has one.
-    pub fn cursor(&self, publisher_id: u64, rank: RankKey) -> Option<u64> {
-        self.publishers.get(&publisher_id)?.cursors.get(&rank).copied()
+    pub fn cursor(&self, publisher: &PublisherKey, rank: RankKey) -> Option<u64> {
+        self.publishers.get(publisher)?.cursors.get(&rank).copied()
     }
 }
 

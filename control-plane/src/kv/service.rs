@@ -286,9 +286,9 @@ async fn sweep(handle: KvHandle, metrics: SweepMetrics, cancel: CancellationToke
         }
         let stats = {
             let mut indexer = indexer.write();
-            for publisher_id in indexer.clear_stale(Instant::now(), KV_EVENTS_STALE_AFTER) {
+            for publisher in indexer.clear_stale(Instant::now(), KV_EVENTS_STALE_AFTER) {
                 tracing::warn!(
-                    publisher_id,
+                    %publisher,
                     after = ?KV_EVENTS_STALE_AFTER,
                     "kv-events publisher unreachable for too long; its ranks' blocks were cleared"
                 );

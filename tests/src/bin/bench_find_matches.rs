@@ -13,6 +13,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use continuum_control_plane::discovery::PublisherKey;
 use continuum_control_plane::grpc::{self, FleetService, Replicas};
 use continuum_control_plane::kv::decode::{KvEvent, KvEventData, ResidencyDomain, StorageTier, Stored};
 use continuum_control_plane::kv::feed::SharedKvIndexer;
@@ -92,7 +93,10 @@ fn populate() -> (KvHandle, Vec<Chain>) {
         for dp_rank in 0..DP_SIZE {
             // One publisher per rank, as vLLM runs one per dp rank.
             let mapping = PublisherMapping {
-                publisher_id: worker_id << 8 | u64::from(dp_rank),
+                publisher: PublisherKey {
+                    namespace: "bench".into(),
+                    publisher_id: worker_id << 8 | u64::from(dp_rank),
+                },
                 worker_id,
                 dp_rank: Some(dp_rank),
             };

@@ -18,17 +18,17 @@ fn agg_discovery() -> anyhow::Result<(HashMap<u64, PublisherMapping>, LiveRanks)
     let (mut publishers, mut live) = (HashMap::new(), LiveRanks::new());
     for line in text.lines().filter(|l| !l.trim().is_empty()) {
         let record: Value = serde_json::from_str(line)?;
-        let (key, value) = (record["key"].as_str().context("key")?, &record["value"]);
-        if key.starts_with("v1/event_sources/") && value["topic"] == "kv-events" {
+        let (etcd_key, value) = (record["key"].as_str().context("key")?, &record["value"]);
+        if etcd_key.starts_with("v1/event_sources/") && value["topic"] == "kv-events" {
             let worker = &value["metadata"]["worker"];
             let publisher_id = value["publisher_id"].as_u64().context("publisher_id")?;
             let mapping = PublisherMapping {
-                publisher_id,
+                publisher: key(publisher_id),
                 worker_id: worker["worker_id"].as_u64().context("worker_id")?,
                 dp_rank: Some(u32::try_from(worker["dp_rank"].as_u64().context("dp_rank")?)?),
             };
             publishers.insert(publisher_id, mapping);
-        } else if key.starts_with("v1/mdc/") {
+        } else if etcd_key.starts_with("v1/mdc/") {
             let rc = &value["card_json"]["runtime_config"];
             let start = u32::try_from(rc["data_parallel_start_rank"].as_u64().context("start")?)?;
             let size = u32::try_from(rc["data_parallel_size"].as_u64().context("size")?)?;
@@ -218,7 +218,15 @@ fn a_refused_message_clears_its_publishers_ranks_at_once() -> anyhow::Result<()>
 }
 
 const WORKER: u64 = 7_668_682_560_356_784_048;
-const PUBLISHER: PublisherMapping = PublisherMapping { publisher_id: 9, worker_id: WORKER, dp_rank: None };
+
+/// Publisher `id` of the fixtures' namespace.
+fn key(id: u64) -> PublisherKey {
+    PublisherKey { namespace: "dynamo".into(), publisher_id: id }
+}
+
+fn publisher() -> PublisherMapping {
+    PublisherMapping { publisher: key(9), worker_id: WORKER, dp_rank: None }
+}
 
 fn event(dp_rank: u32, event_id: u64, data: KvEventData) -> KvEvent {
     KvEvent {
@@ -253,15 +261,15 @@ fn rank(dp_rank: u32) -> RankKey {
 #[test]
 fn the_first_event_sets_the_cursor_and_a_jump_clears_before_applying() {
     let mut indexer = live_indexer(0..1);
-    let counts = indexer.apply_events(&PUBLISHER, &[stored(0, 378, None, &[1, 2]), stored(0, 379, Some(2), &[3])]);
+    let counts = indexer.apply_events(&publisher(), &[stored(0, 378, None, &[1, 2]), stored(0, 379, Some(2), &[3])]);
     assert_eq!(results(&counts), [("applied", 2)], "mid-stream start is not a gap");
     assert_eq!(indexer.find_matches(&[1001, 1002, 1003]).score(rank(0)), 3);
 
-    let counts = indexer.apply_events(&PUBLISHER, &[stored(0, 385, None, &[5])]);
+    let counts = indexer.apply_events(&publisher(), &[stored(0, 385, None, &[5])]);
     assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
     assert_eq!(indexer.index().rank_blocks(rank(0)), 1, "the earlier chain was cleared");
-    assert_eq!(indexer.cursor(9, rank(0)), Some(385));
-    let counts = indexer.apply_events(&PUBLISHER, &[stored(0, 380, Some(2), &[4]), stored(0, 385, None, &[6])]);
+    assert_eq!(indexer.cursor(&key(9), rank(0)), Some(385));
+    let counts = indexer.apply_events(&publisher(), &[stored(0, 380, Some(2), &[4]), stored(0, 385, None, &[6])]);
     assert_eq!(results(&counts), [("replay", 2)]);
 }
 
@@ -269,14 +277,14 @@ fn the_first_event_sets_the_cursor_and_a_jump_clears_before_applying() {
 fn events_outside_the_publishers_live_identity_are_refused_and_move_no_cursor() {
     let mut indexer = live_indexer(0..2);
     let other_worker = KvEvent { worker_id: WORKER + 1, ..stored(0, 1, None, &[1]) };
-    let pinned = PublisherMapping { dp_rank: Some(1), ..PUBLISHER };
+    let pinned = PublisherMapping { dp_rank: Some(1), ..publisher() };
     let cases = [
-        ("another worker's event", PUBLISHER, other_worker),
-        ("a rank past the declared range", PUBLISHER, stored(2, 1, None, &[1])),
-        ("a rank the event source does not name", pinned, stored(0, 1, None, &[1])),
+        ("another worker's event", publisher(), other_worker),
+        ("a rank past the declared range", publisher(), stored(2, 1, None, &[1])),
+        ("a rank the event source does not name", pinned.clone(), stored(0, 1, None, &[1])),
         (
             "a publisher mapped to another worker",
-            PublisherMapping { worker_id: 5, ..PUBLISHER },
+            PublisherMapping { worker_id: 5, ..publisher() },
             stored(0, 1, None, &[1]),
         ),
     ];
@@ -285,12 +293,12 @@ fn events_outside_the_publishers_live_identity_are_refused_and_move_no_cursor() 
         assert_eq!(results(&counts), [("identity_mismatch", 1)], "{what}");
     }
     assert_eq!(indexer.index().stats().ranks, 0);
-    assert_eq!(indexer.cursor(9, rank(0)), None);
+    assert_eq!(indexer.cursor(&key(9), rank(0)), None);
     assert_eq!(results(&indexer.apply_events(&pinned, &[stored(1, 1, None, &[1])])), [("applied", 1)]);
 
     let mut nothing_live = KvIndexer::default();
     assert_eq!(
-        results(&nothing_live.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1])])),
+        results(&nothing_live.apply_events(&publisher(), &[stored(0, 1, None, &[1])])),
         [("identity_mismatch", 1)]
     );
 }
@@ -298,15 +306,15 @@ fn events_outside_the_publishers_live_identity_are_refused_and_move_no_cursor() 
 #[test]
 fn set_live_clears_departed_ranks_and_their_cursors() {
     let mut indexer = live_indexer(0..2);
-    indexer.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1]), stored(1, 1, None, &[1])]);
+    indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1]), stored(1, 1, None, &[1])]);
     assert_eq!(indexer.set_live(LiveRanks::from([(WORKER, 1..2)])), 1, "rank 0 is no longer declared");
     assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(1), 1)]);
-    assert_eq!((indexer.cursor(9, rank(0)), indexer.cursor(9, rank(1))), (None, Some(1)));
-    assert_eq!(results(&indexer.apply_events(&PUBLISHER, &[stored(0, 50, None, &[1])])), [("identity_mismatch", 1)]);
+    assert_eq!((indexer.cursor(&key(9), rank(0)), indexer.cursor(&key(9), rank(1))), (None, Some(1)));
+    assert_eq!(results(&indexer.apply_events(&publisher(), &[stored(0, 50, None, &[1])])), [("identity_mismatch", 1)]);
 
     indexer.set_live(LiveRanks::from([(WORKER, 0..2)]));
     assert_eq!(
-        results(&indexer.apply_events(&PUBLISHER, &[stored(0, 50, None, &[1])])),
+        results(&indexer.apply_events(&publisher(), &[stored(0, 50, None, &[1])])),
         [("applied", 1)],
         "a rank that comes back starts a fresh cursor: no gap"
     );
@@ -319,7 +327,7 @@ fn other_tiers_and_domains_are_not_indexed_but_move_the_cursor() {
     let mut indexer = live_indexer(0..1);
     let disk = KvEvent { storage_tier: StorageTier::Disk, ..stored(0, 1, None, &[1]) };
     let owner = KvEvent { residency_domain: ResidencyDomain::CacheOwner, ..stored(0, 2, None, &[2]) };
-    let counts = indexer.apply_events(&PUBLISHER, &[disk, owner, stored(0, 3, None, &[3])]);
+    let counts = indexer.apply_events(&publisher(), &[disk, owner, stored(0, 3, None, &[3])]);
     assert_eq!(results(&counts), [("applied", 1), ("other_tier", 2)], "event 3 follows 2: no gap");
     assert!(indexer.find_matches(&[1001]).is_empty());
     assert_eq!(indexer.find_matches(&[1003]).score(rank(0)), 1);
@@ -329,7 +337,7 @@ fn other_tiers_and_domains_are_not_indexed_but_move_the_cursor() {
 fn cleared_removed_and_unknown_parent_reach_the_index() {
     let mut indexer = live_indexer(0..1);
     let counts = indexer.apply_events(
-        &PUBLISHER,
+        &publisher(),
         &[
             stored(0, 1, None, &[1, 2]),
             stored(0, 2, Some(99), &[3]),
@@ -340,7 +348,7 @@ fn cleared_removed_and_unknown_parent_reach_the_index() {
     assert_eq!(results(&counts), [("applied", 1), ("duplicate", 1), ("unknown_block", 1), ("unknown_parent", 1)]);
     assert_eq!(counts.blocks.blocks(), 2 + 1 + 2 + 1);
     assert_eq!(indexer.find_matches(&[1001, 1002]).score(rank(0)), 1);
-    let counts = indexer.apply_events(&PUBLISHER, &[event(0, 5, KvEventData::Cleared)]);
+    let counts = indexer.apply_events(&publisher(), &[event(0, 5, KvEventData::Cleared)]);
     assert_eq!(results(&counts), [("applied", 1)]);
     assert_eq!(indexer.index().stats().ranks, 0);
 }
@@ -350,45 +358,60 @@ fn a_publisher_holds_at_most_4096_rank_cursors() {
     let ranks = u32::try_from(MAX_CURSORS_PER_PUBLISHER).unwrap();
     let mut indexer = live_indexer(0..ranks + 1);
     let events: Vec<KvEvent> = (0..=ranks).map(|r| event(r, 1, KvEventData::Cleared)).collect();
-    let counts = indexer.apply_events(&PUBLISHER, &events);
+    let counts = indexer.apply_events(&publisher(), &events);
     assert_eq!(results(&counts), [("applied", ranks), ("over_capacity", 1)]);
-    assert_eq!(indexer.cursor(9, rank(ranks)), None);
-    let another = PublisherMapping { publisher_id: 10, ..PUBLISHER };
+    assert_eq!(indexer.cursor(&key(9), rank(ranks)), None);
+    let another = PublisherMapping { publisher: key(10), ..publisher() };
     assert_eq!(results(&indexer.apply_events(&another, &[event(ranks, 1, KvEventData::Cleared)])), [("applied", 1)]);
 }
 
 #[test]
 fn a_publisher_stopped_for_good_loses_its_ranks_at_once() {
     let mut indexer = live_indexer(0..2);
-    indexer.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1]), stored(1, 1, None, &[1])]);
-    let other = PublisherMapping { publisher_id: 10, dp_rank: Some(1), ..PUBLISHER };
+    indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1]), stored(1, 1, None, &[1])]);
+    let other = PublisherMapping { publisher: key(10), dp_rank: Some(1), ..publisher() };
     indexer.apply_events(&other, &[stored(1, 7, None, &[2])]);
-    assert_eq!(indexer.drop_publisher(9), 2);
-    assert_eq!(indexer.cursor(9, rank(0)), None);
+    assert_eq!(indexer.drop_publisher(&key(9)), 2);
+    assert_eq!(indexer.cursor(&key(9), rank(0)), None);
     assert!(indexer.find_matches(&[1001]).is_empty());
-    assert_eq!(indexer.cursor(10, rank(1)), Some(7), "the other publisher keeps its cursor");
-    assert_eq!(indexer.drop_publisher(9), 0);
+    assert_eq!(indexer.cursor(&key(10), rank(1)), Some(7), "the other publisher keeps its cursor");
+    assert_eq!(indexer.drop_publisher(&key(9)), 0);
+}
+
+#[test]
+fn a_channel_with_the_same_id_in_another_namespace_touches_nothing_of_this_ones() {
+    let t0 = Instant::now();
+    let mut indexer = live_indexer(0..2);
+    indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1])]);
+    let elsewhere = PublisherKey { namespace: "other".into(), publisher_id: 9 };
+    let mut counts = KvCounts::default();
+    indexer.message_lost(&elsewhere, &mut counts);
+    indexer.publisher_down(&elsewhere, t0);
+    assert!(indexer.clear_stale(t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER).is_empty());
+    assert_eq!(indexer.drop_publisher(&elsewhere), 0);
+    assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(0), 1)], "this namespace's blocks stand");
+    assert_eq!(indexer.cursor(&key(9), rank(0)), Some(1));
 }
 
 #[test]
 fn a_subscription_down_for_the_stale_limit_loses_its_ranks_and_a_quiet_one_does_not() {
     let t0 = Instant::now();
     let mut indexer = live_indexer(0..2);
-    let other = PublisherMapping { publisher_id: 10, dp_rank: Some(1), ..PUBLISHER };
-    indexer.apply_events(&PUBLISHER, &[stored(0, 1, None, &[1])]);
+    let other = PublisherMapping { publisher: key(10), dp_rank: Some(1), ..publisher() };
+    indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1])]);
     indexer.apply_events(&other, &[stored(1, 1, None, &[1])]);
 
-    indexer.publisher_down(9, t0);
-    indexer.publisher_down(9, t0 + Duration::from_secs(30));
+    indexer.publisher_down(&key(9), t0);
+    indexer.publisher_down(&key(9), t0 + Duration::from_secs(30));
     let just_before = t0 + KV_EVENTS_STALE_AFTER - Duration::from_millis(1);
     assert!(indexer.clear_stale(just_before, KV_EVENTS_STALE_AFTER).is_empty());
-    assert_eq!(indexer.clear_stale(t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER), [9]);
+    assert_eq!(indexer.clear_stale(t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER), [key(9)]);
     assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(1), 1)], "publisher 10 was quiet, not down");
-    assert_eq!(indexer.cursor(9, rank(0)), None);
+    assert_eq!(indexer.cursor(&key(9), rank(0)), None);
 
     // Down, then up again within the limit: cursors carry over and missed events show as a gap.
-    indexer.publisher_down(10, t0);
-    indexer.publisher_up(10);
+    indexer.publisher_down(&key(10), t0);
+    indexer.publisher_up(&key(10));
     assert!(indexer.clear_stale(t0 + Duration::from_secs(3600), KV_EVENTS_STALE_AFTER).is_empty());
     let counts = indexer.apply_events(&other, &[stored(1, 5, None, &[3])]);
     assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
@@ -403,7 +426,7 @@ fn refused_messages_count_once_under_their_label() {
     frames[3].truncate(20);
     let counts = indexer.apply_message(&publishers[&publisher], frames.iter().map(Vec::as_slice));
     assert_eq!(results(&counts), [("malformed", 1)]);
-    let wrong = PublisherMapping { publisher_id: publisher + 1, ..publishers[&publisher] };
+    let wrong = PublisherMapping { publisher: key(publisher + 1), ..publishers[&publisher].clone() };
     let (_, frames) = kv_messages("agg/zmq-messages.jsonl").unwrap().remove(0);
     assert_eq!(results(&indexer.apply_message(&wrong, frames.iter().map(Vec::as_slice))), [("identity_mismatch", 1)]);
     assert_eq!(indexer.index().stats().ranks, 0);
