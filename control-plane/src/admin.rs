@@ -198,26 +198,28 @@ fn subscription_json(status: &SubscriptionStatus) -> Value {
 async fn loads(State(state): State<AdminState>) -> impl IntoResponse {
     let now = Instant::now();
     let published = state.publisher.current();
-    let (held, max_staleness) = {
+    // Copied out under the store's lock, which every kv_metrics message takes; sorted and
+    // serialised after it is released.
+    let (mut entries, max_staleness) = {
         let store = state.load.store.lock();
-        let mut entries: Vec<_> = store.iter().collect();
-        entries.sort_by(|a, b| a.0.cmp(b.0));
-        let held: Vec<Value> = entries
-            .into_iter()
-            .map(|(key, held)| {
-                let mut entry = load_json(key, &held.sample, now);
-                entry["publisher_id"] = json!(held.publisher_id.to_string());
-                entry["sequence"] = json!(held.sequence);
-                entry["reading"] = json!(match store.reading(key, now) {
-                    Reading::Fresh(_) => "fresh",
-                    Reading::Quiet => "quiet",
-                    Reading::SilentUnderLoad => "silent_under_load",
-                });
-                entry
-            })
-            .collect();
-        (held, store.max_staleness())
+        let entries: Vec<_> = store.iter().map(|(key, held)| (key.clone(), *held, store.reading(key, now))).collect();
+        (entries, store.max_staleness())
     };
+    entries.sort_by(|a, b| a.0.cmp(&b.0));
+    let held: Vec<Value> = entries
+        .into_iter()
+        .map(|(key, held, reading)| {
+            let mut entry = load_json(&key, &held.sample, now);
+            entry["publisher_id"] = json!(held.publisher_id.to_string());
+            entry["sequence"] = json!(held.sequence);
+            entry["reading"] = json!(match reading {
+                Reading::Fresh(_) => "fresh",
+                Reading::Quiet => "quiet",
+                Reading::SilentUnderLoad => "silent_under_load",
+            });
+            entry
+        })
+        .collect();
     let sent: Vec<Value> = published.view().loads().iter().map(|(key, sample)| load_json(key, sample, now)).collect();
     axum::Json(json!({
         "max_staleness_ms": u64::try_from(max_staleness.as_millis()).unwrap_or(u64::MAX),
@@ -262,7 +264,8 @@ fn worker_json(discovered: &DiscoveredWorker) -> Value {
             "max_num_seqs": c.max_num_seqs,
             "context_length": c.context_length,
         },
-        "disaggregated_endpoint": worker.disaggregated_endpoint,
+        // Whether one is declared, not where: an SGLang bootstrap endpoint is a Pod address.
+        "disaggregated_endpoint": worker.disaggregated_endpoint.is_some(),
         "excluded": discovered.excluded.map(|e| e.to_string()),
         "first_seen": humantime::format_rfc3339_seconds(discovered.first_seen).to_string(),
         "last_updated": humantime::format_rfc3339_seconds(discovered.last_updated).to_string(),

@@ -276,3 +276,21 @@ async fn each_hostile_message_is_counted_under_its_label_within_bounds_while_a_h
     h.load.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_that_names_no_worker_sets_no_workers_load() -> anyhow::Result<()> {
+    let mut peer = RawPublisher::bind().await?;
+    let load = TestLoad::start(&loopback_config(), test_options())?;
+    // A channel record with no lease and no event source: discovery can name no worker for it.
+    let nameless = continuum_control_plane::discovery::Publisher {
+        worker: None,
+        ..kv_metrics_publisher(HOSTILE_PUBLISHER, HOSTILE_WORKER, peer.endpoint())
+    };
+    load.registry.publish(fleet(vec![worker(HOSTILE_WORKER, 1)], vec![nameless]));
+    let mut conn = peer.connection(WAIT).await?;
+    conn.send_frames(&hostile(1, 0, 9)).await?;
+    eventually(WAIT, "the sample refused", || async { load.events("identity_mismatch") == 1 }).await?;
+    assert!(load.view.store.lock().get(&key(HOSTILE_WORKER, 0)).is_none(), "no load was set for the worker");
+    load.stop().await;
+    Ok(())
+}

@@ -110,7 +110,9 @@ struct Accepted {
 impl LoadFeed {
     /// Orders, checks and stores one decoded sample; an `Err` is the label it is counted under.
     fn accept(&self, publisher: &Publisher, order: &mut StreamOrder, m: KvMetrics) -> Result<Accepted, LoadEvent> {
-        if publisher.worker.as_ref().is_some_and(|w| w.instance_id != m.worker_id) {
+        // A channel speaks for the worker its record names (its lease, or its event source's
+        // worker): one that names none speaks for nobody, or it could set any worker's load.
+        if publisher.worker.as_ref().is_none_or(|w| w.instance_id != m.worker_id) {
             return Err(LoadEvent::IdentityMismatch);
         }
         let gap = match order.last {
