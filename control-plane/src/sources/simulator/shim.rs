@@ -98,7 +98,9 @@ struct Held {
 
 impl Held {
     fn take(worker: &Arc<SimulatedWorker>, blocks: u64) -> Self {
-        worker.add(blocks);
+        // Only what was taken goes back: a request past the capacity must not free blocks
+        // another request still holds.
+        let blocks = worker.add(blocks);
         Self { worker: Arc::clone(worker), blocks }
     }
 }

@@ -58,9 +58,16 @@ impl SimulatedWorker {
         self.state.lock().unwrap_or_else(PoisonError::into_inner).kv_used_blocks
     }
 
-    /// Takes `blocks` (capped at the worker's capacity) and publishes the new load.
-    pub fn add(&self, blocks: u64) {
-        self.update(|used, total| used.saturating_add(blocks).min(total));
+    /// Takes `blocks`, as many as the worker's capacity leaves, and publishes the new load;
+    /// returns how many it took (what to give back).
+    pub fn add(&self, blocks: u64) -> u64 {
+        let mut taken = 0;
+        self.update(|used, total| {
+            let after = used.saturating_add(blocks).min(total);
+            taken = after.saturating_sub(used);
+            after
+        });
+        taken
     }
 
     /// Gives `blocks` back and publishes the new load.
@@ -140,7 +147,7 @@ mod tests {
     fn published_frames_decode_as_dynamo_kv_metrics() {
         let worker = SimulatedWorker::new(0x1a7f_2b00_0001, 0x5a00_0001, 1024);
         let (_, mut rx) = worker.subscribe();
-        worker.add(5000);
+        assert_eq!(worker.add(5000), 1024);
         let message = rx.try_recv().unwrap_or_else(|e| panic!("{e}"));
         let sample =
             decode_kv_metrics(message.iter().map(Vec::as_slice), 0x5a00_0001).unwrap_or_else(|e| panic!("{e:?}"));
@@ -150,13 +157,22 @@ mod tests {
     }
 
     #[test]
+    fn a_request_past_the_capacity_gives_back_only_what_it_took() {
+        let worker = SimulatedWorker::new(1, 2, 16);
+        assert_eq!(worker.add(10), 10);
+        assert_eq!(worker.add(10), 6, "the capacity left");
+        worker.release(6);
+        assert_eq!(worker.kv_used_blocks(), 10, "the first request still holds its blocks");
+    }
+
+    #[test]
     fn an_unchanged_load_publishes_nothing() {
         let worker = SimulatedWorker::new(1, 2, 16);
         let (latest, mut rx) = worker.subscribe();
         assert_eq!(latest[2], 0u64.to_be_bytes().to_vec());
         worker.release(3);
         assert!(rx.try_recv().is_err());
-        worker.add(4);
+        assert_eq!(worker.add(4), 4);
         worker.release(4);
         assert_eq!(rx.try_recv().map(|m| m[2].clone()).ok(), Some(1u64.to_be_bytes().to_vec()));
         assert_eq!(rx.try_recv().map(|m| m[2].clone()).ok(), Some(2u64.to_be_bytes().to_vec()));
