@@ -178,7 +178,10 @@ fn join_text_parts(messages: &Json) -> Json {
 
 /// `tools` as Dynamo hands them to the template: absent when the body has none or says
 /// `tool_choice: "none"`, and each function's `parameters` object given `type: object` and
-/// `properties: {}` when it lacks them.
+/// `properties: {}` (after its own keys) when it lacks them. Keys keep the order the client
+/// sent them in, as in Dynamo, whose JSON maps preserve insertion order: a template that
+/// prints tools with `tojson` (Qwen, Llama 3, Mistral, Hermes) renders the same bytes, where
+/// sorted keys would change the prompt's first block and cost every tools request its overlap.
 fn tools(request: &Json) -> Json {
     let Some(Json::Array(tools)) = request.get("tools") else { return Json::Null };
     if request.get("tool_choice").and_then(Json::as_str) == Some("none") {
@@ -330,7 +333,7 @@ mod tests {
             json!({"messages": [], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]});
         assert_eq!(
             template.render(&request).unwrap(),
-            r#"[{"function": {"name": "f", "parameters": {"properties": {}, "type": "object"}}, "type": "function"}]|1|"<&>""#
+            r#"[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]|1|"<&>""#
         );
         let none = json!({"messages": [], "tools": [], "tool_choice": "none"});
         assert_eq!(template.render(&none).unwrap(), "null|0|\"<&>\"");
