@@ -211,9 +211,9 @@ impl Dispatcher {
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
         let (outcome, blames_pins) = self.send_pinned(&body, stream, disclose, &selection, &replicas, dispatch).await;
-        // The shim answered, but not with a response the pinned workers owe nothing for: they
-        // are the suspects. (A shim that could not be reached says nothing about them, nor
-        // does a refusal of the client's request.)
+        // A refusal that blames the pins, or a body that broke or never finished, makes the
+        // pinned workers suspects. A shim that could not be reached says nothing about them,
+        // nor does a refusal of the client's request.
         let blamed =
             blames_pins || matches!(outcome, PinnedOutcome::Failed(Failure::Body(_) | Failure::BodyTimeout(_)));
         if blamed {
