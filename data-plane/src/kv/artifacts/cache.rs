@@ -7,6 +7,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::card::Checksum;
 
@@ -77,12 +78,16 @@ impl BlobCache {
     }
 
     /// Stores verified bytes: written to a temporary file, then renamed into place, so a reader
-    /// never sees half a blob.
+    /// never sees half a blob. The temporary name is this write's alone (two loads of one
+    /// checksum may write at once) and is created new: never truncating a file, nor following
+    /// a link, that something else put there.
     pub fn write(&self, checksum: &Checksum, bytes: &[u8]) -> io::Result<()> {
+        static WRITES: AtomicU64 = AtomicU64::new(0);
         let path = self.path(checksum);
-        let temp = self.blobs.join(format!(".{}.{}.tmp", checksum.hex(), std::process::id()));
+        let write = WRITES.fetch_add(1, Ordering::Relaxed);
+        let temp = self.blobs.join(format!(".{}.{}.{write}.tmp", checksum.hex(), std::process::id()));
         let result = (|| {
-            let mut file = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&temp)?;
+            let mut file = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&temp)?;
             file.write_all(bytes)?;
             file.sync_all()?;
             fs::rename(&temp, &path)
@@ -147,6 +152,11 @@ mod tests {
         let checksum = Checksum::of(b"tokenizer");
         cache.write(&checksum, b"tokenizer").unwrap();
         assert_eq!(mode(&cache.path(&checksum)), 0o600);
+        // A second write of the same blob takes a temporary name of its own and replaces it.
+        cache.write(&checksum, b"tokenizer").unwrap();
+        assert!(matches!(cache.read(&checksum).unwrap(), CacheRead::Hit(b) if b == b"tokenizer"));
+        let left: Vec<_> = fs::read_dir(root.join("blobs")).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left.len(), 1, "no temporary file is left behind: {left:?}");
     }
 
     #[test]
