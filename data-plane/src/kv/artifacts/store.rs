@@ -19,7 +19,7 @@ use super::card::{ArtifactKey, CheckedFile, Checksum, ModelArtifacts};
 use super::source::{FETCH_TIMEOUT, FetchError, Fetcher, Source, SourceError};
 use super::{ArtifactPolicy, ArtifactResult};
 use crate::kv::Fallback;
-use crate::kv::render::{ChatTemplate, PieceCache};
+use crate::kv::render::{self, ChatTemplate, PieceCache};
 
 /// Loaded tokenizer + template sets kept in memory.
 pub const MAX_LOADED_TOKENIZERS: usize = 16;
@@ -269,9 +269,10 @@ impl ArtifactStore {
             None => None,
         };
         let key = artifacts.key();
-        let loaded = tokio::task::spawn_blocking(move || build(key, &tokenizer, &config, template.as_deref()))
+        // On a render thread: compiling probes the template with renders, as deep as any.
+        let loaded = render::threads::spawn(move || build(key, &tokenizer, &config, template.as_deref()))
             .await
-            .map_err(|e| LoadError::Invalid(format!("the loading task failed: {e}")))?
+            .map_err(|_| LoadError::Invalid("the loading task failed".into()))?
             .map(Arc::new)?;
         if let Some(warm) = self.inner.warm.get() {
             warm(Arc::clone(&loaded)).await;
@@ -388,7 +389,7 @@ impl ArtifactStore {
     }
 }
 
-/// Parses verified bytes into a tokenizer and template (blocking: run on the blocking pool).
+/// Parses verified bytes into a tokenizer and template (blocking: run on a render thread).
 fn build(
     key: ArtifactKey,
     tokenizer_json: &[u8],

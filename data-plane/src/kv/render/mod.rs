@@ -5,10 +5,12 @@
 //! the request is still served, scored without a KV term.
 
 mod bpe;
+mod context;
 mod pieces;
+mod python;
 mod strftime;
 mod template;
-mod threads;
+pub(crate) mod threads;
 mod warm;
 
 use std::sync::Arc;
@@ -166,7 +168,7 @@ pub fn prepare_blocking(
 ) -> Result<PreparedPrompt, Fallback> {
     let text = artifacts.template.render(request).map_err(|error| match error {
         RenderError::TooLarge => Fallback::PromptTooLarge,
-        RenderError::OutOfFuel | RenderError::NoMessages | RenderError::Template(_) => {
+        RenderError::OutOfFuel | RenderError::Refused(_) | RenderError::Template(_) => {
             tracing::debug!(%error, "chat template render failed");
             Fallback::RenderUnavailable
         }
