@@ -177,21 +177,23 @@ fn typed_tool_call(call: &Json) -> Result<Json, Refused> {
     let id = call.get("id").filter(|id| id.is_string()).ok_or(Refused("a tool call has no id"))?;
     let kind = call.get("type").cloned().unwrap_or_else(|| Json::String("function".into()));
     let function = typed_function(call.get("function").ok_or(Refused("a tool call has no function"))?)?;
+    // The frontend validates tool calls' arguments (not a legacy function_call's): blank, or
+    // a JSON object.
+    if let Some(text) = function["arguments"].as_str()
+        && !text.trim().is_empty()
+        && !serde_json::from_str::<Json>(text).is_ok_and(|v| v.is_object())
+    {
+        return Err(Refused("tool call arguments are not a JSON object string"));
+    }
     Ok(json!({"id": id, "type": kind, "function": function}))
 }
 
 /// `{name, arguments}`, arguments as the JSON string the frontend holds: an object sent
-/// in their place is serialized, and a non-empty string must hold a JSON object.
+/// in their place is serialized.
 fn typed_function(function: &Json) -> Result<Json, Refused> {
     let name = function.get("name").filter(|n| n.is_string()).ok_or(Refused("a function call has no name"))?;
     let arguments = match function.get("arguments") {
-        Some(Json::String(text)) => {
-            let object = text.is_empty() || serde_json::from_str::<Json>(text).is_ok_and(|v| v.is_object());
-            if !object {
-                return Err(Refused("tool call arguments are not a JSON object string"));
-            }
-            text.clone()
-        }
+        Some(Json::String(text)) => text.clone(),
         Some(other) if !other.is_null() => other.to_string(),
         _ => return Err(Refused("a function call has no arguments")),
     };
@@ -470,15 +472,81 @@ pub fn generation_prompt(request: &Json) -> Result<(bool, bool), Refused> {
 
 /// `chat_template_args` (or its alias `chat_template_kwargs`, not both): keys the template
 /// context gains; they never replace the frontend's own (messages, tools, tokens, the
-/// generation prompt flag).
-pub fn template_args(request: &Json) -> Result<Option<&Map<String, Json>>, Refused> {
-    match (request.get("chat_template_args"), request.get("chat_template_kwargs")) {
-        (Some(_), Some(_)) => Err(Refused("both chat_template_args and chat_template_kwargs")),
-        (Some(Json::Null), None) | (None, Some(Json::Null)) | (None, None) => Ok(None),
+/// generation prompt flag). The frontend first folds the request's reasoning controls into
+/// them ([`reasoning_controls`]).
+pub fn template_args(request: &Json) -> Result<Map<String, Json>, Refused> {
+    let mut args = match (request.get("chat_template_args"), request.get("chat_template_kwargs")) {
+        (Some(_), Some(_)) => return Err(Refused("both chat_template_args and chat_template_kwargs")),
+        (Some(Json::Null), None) | (None, Some(Json::Null)) | (None, None) => Map::new(),
         (Some(args), None) | (None, Some(args)) => {
-            args.as_object().map(Some).ok_or(Refused("chat_template_args is not an object"))
+            args.as_object().cloned().ok_or(Refused("chat_template_args is not an object"))?
         }
+    };
+    reasoning_controls(request, &mut args)?;
+    Ok(args)
+}
+
+/// The three spellings templates read a thinking switch in, as dynamo-llm 1.6.1 writes them.
+const THINKING_TOGGLES: [&str; 2] = ["thinking", "enable_thinking"];
+
+/// What the frontend does with a body's reasoning controls before rendering: the top-level
+/// `thinking` (a bool, or `{type: enabled|disabled|adaptive}`) and `reasoning_effort` (or one
+/// in the args) decide the switch, which is then stated in every spelling (`thinking`,
+/// `enable_thinking`, `thinking_mode`), and the effort is passed on. So gpt-oss hears the
+/// client's `reasoning_effort`, and a template reading `thinking` hears `enable_thinking`.
+fn reasoning_controls(request: &Json, args: &mut Map<String, Json>) -> Result<(), Refused> {
+    const BAD_THINKING: Refused = Refused("thinking is not a bool or {type: enabled|disabled|adaptive}");
+    let thinking = match request.get("thinking") {
+        None | Some(Json::Null) => None,
+        Some(Json::Bool(on)) => Some(if *on { "enabled" } else { "disabled" }),
+        Some(other) => match other.get("type").and_then(Json::as_str) {
+            Some(mode @ ("enabled" | "disabled" | "adaptive")) => Some(mode),
+            _ => return Err(BAD_THINKING),
+        },
+    };
+    let effort = request
+        .get("reasoning_effort")
+        .filter(|e| !e.is_null())
+        .or_else(|| args.get("reasoning_effort").filter(|e| !e.is_null()))
+        .cloned();
+    let controlled = THINKING_TOGGLES.iter().chain(["thinking_mode"].iter()).any(|key| args.contains_key(*key));
+    if thinking.is_none() && effort.is_none() && !controlled {
+        return Ok(());
     }
+    match thinking {
+        Some("enabled") => set_thinking(args, true),
+        Some("disabled") => set_thinking(args, false),
+        Some(_) => {
+            // Adaptive defers to the model: no switch survives.
+            for key in THINKING_TOGGLES {
+                args.remove(key);
+            }
+            args.insert("thinking_mode".into(), Json::String("adaptive".into()));
+        }
+        None => {}
+    }
+    let mode = args.get("thinking_mode").and_then(Json::as_str).map(str::to_ascii_lowercase);
+    let decided =
+        THINKING_TOGGLES.iter().find_map(|key| args.get(*key).and_then(Json::as_bool)).or(match mode.as_deref() {
+            Some("adaptive") => None,
+            Some("enabled") => Some(true),
+            Some("disabled") => Some(false),
+            _ => effort.as_ref().and_then(Json::as_str).map(|effort| effort != "none"),
+        });
+    if let Some(on) = decided {
+        set_thinking(args, on);
+    }
+    if let Some(effort) = effort {
+        args.insert("reasoning_effort".into(), effort);
+    }
+    Ok(())
+}
+
+fn set_thinking(args: &mut Map<String, Json>, on: bool) {
+    for key in THINKING_TOGGLES {
+        args.insert(key.into(), Json::Bool(on));
+    }
+    args.insert("thinking_mode".into(), Json::String(if on { "enabled" } else { "disabled" }.into()));
 }
 
 #[cfg(test)]
@@ -517,6 +585,9 @@ mod tests {
         assert!(refused(call("[1, 2]")).is_err());
         assert!(refused(call("not json")).is_err());
         assert!(refused(call("")).is_ok());
+        assert!(refused(call(" \n")).is_ok());
+        let legacy = json!([{"role": "assistant", "function_call": {"name": "f", "arguments": "not json"}}]);
+        assert!(refused(legacy).is_ok(), "a legacy function_call's arguments are not validated");
         assert!(refused(json!([{"role": "assistant", "content": "x", "partial": true}])).is_err());
     }
 
@@ -599,7 +670,32 @@ mod tests {
     #[test]
     fn template_args_come_from_one_of_two_spellings() {
         assert!(template_args(&json!({"chat_template_args": {}, "chat_template_kwargs": {}})).is_err());
-        assert_eq!(template_args(&json!({"chat_template_kwargs": {"x": 1}})).unwrap().unwrap()["x"], 1);
-        assert!(template_args(&json!({})).unwrap().is_none());
+        assert_eq!(
+            template_args(&json!({"chat_template_kwargs": {"x": 1}})).unwrap(),
+            *json!({"x": 1}).as_object().unwrap()
+        );
+        assert!(template_args(&json!({})).unwrap().is_empty());
+    }
+
+    #[test]
+    fn reasoning_controls_are_stated_in_every_spelling() {
+        let args = |body: Json| Json::Object(template_args(&body).unwrap());
+        let off = json!({"thinking": false, "enable_thinking": false, "thinking_mode": "disabled"});
+        let on = json!({"thinking": true, "enable_thinking": true, "thinking_mode": "enabled"});
+        assert_eq!(args(json!({"chat_template_args": {"enable_thinking": false}})), off);
+        assert_eq!(args(json!({"thinking": {"type": "enabled"}})), on);
+        assert_eq!(args(json!({"thinking": true, "chat_template_args": {"enable_thinking": false}})), on);
+        assert_eq!(
+            args(json!({"thinking": {"type": "adaptive"}, "chat_template_args": {"thinking": true}})),
+            json!({"thinking_mode": "adaptive"})
+        );
+        let mut high = on.clone();
+        high["reasoning_effort"] = json!("high");
+        assert_eq!(args(json!({"reasoning_effort": "high"})), high);
+        let mut none = off.clone();
+        none["reasoning_effort"] = json!("none");
+        assert_eq!(args(json!({"reasoning_effort": null, "chat_template_args": {"reasoning_effort": "none"}})), none);
+        assert_eq!(args(json!({"chat_template_args": {"x": 1}})), json!({"x": 1}));
+        assert!(template_args(&json!({"thinking": "yes"})).is_err());
     }
 }

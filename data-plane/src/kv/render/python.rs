@@ -179,8 +179,9 @@ fn splitlines(text: &str, keep_ends: bool) -> Vec<&str> {
 /// `": "` separators (or `indent=n`) and Python's floats, no HTML escaping. Written under
 /// `cap` bytes: the template's fuel is charged for a filter's result only after it returns.
 pub fn tojson(value: Value, kwargs: Kwargs, cap: usize) -> Result<Value, Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    kwargs.assert_all_used()?;
+    // Like the frontend's: other keywords (`ensure_ascii=False`, `sort_keys`) are ignored, and
+    // an indent that is not a count is none.
+    let indent: Option<usize> = kwargs.get("indent").ok().flatten();
     if indent.is_some_and(|n| n > MAX_TOJSON_INDENT) {
         let message = format!("tojson indent is at most {MAX_TOJSON_INDENT}");
         return Err(Error::new(ErrorKind::InvalidOperation, message));

@@ -74,7 +74,7 @@ impl ChatTemplate {
     pub fn new(tokenizer_config: &Json, chat_template_file: Option<&str>) -> Result<Self, TemplateError> {
         let config = tokenizer_config.as_object().ok_or(TemplateError::NotAnObject)?;
         let sources = match chat_template_file {
-            Some(source) => vec![(DEFAULT.to_string(), source.to_string())],
+            Some(source) => single_source(source),
             None => config_templates(config.get("chat_template"))?,
         };
         let mut env = environment();
@@ -106,8 +106,8 @@ impl ChatTemplate {
         let args = context::template_args(request)?;
         let mut context = self.context(messages, tools, add_generation_prompt);
         // The frontend's own keys win over the request's template arguments.
-        for (key, value) in args.into_iter().flatten() {
-            context.entry(key.clone()).or_insert_with(|| value.clone());
+        for (key, value) in args {
+            context.entry(key).or_insert(value);
         }
         let rendered = self.render_named(name, &context)?;
         if continue_final { Ok(context::cut_at_continue_tag(rendered)?) } else { Ok(rendered) }
@@ -164,9 +164,7 @@ fn environment() -> Environment<'static> {
 /// `{name, template}`, which must name a "default".
 fn config_templates(value: Option<&Json>) -> Result<Vec<(String, String)>, TemplateError> {
     match value {
-        Some(Json::String(source)) => {
-            Ok(vec![(DEFAULT.to_string(), source.clone()), (TOOL_USE.to_string(), source.clone())])
-        }
+        Some(Json::String(source)) => Ok(single_source(source)),
         Some(Json::Array(named)) => {
             let templates: Vec<(String, String)> = named
                 .iter()
@@ -180,6 +178,11 @@ fn config_templates(value: Option<&Json>) -> Result<Vec<(String, String)>, Templ
         }
         _ => Err(TemplateError::Missing),
     }
+}
+
+/// One source serves as both the default and the tool-use template.
+fn single_source(source: &str) -> Vec<(String, String)> {
+    vec![(DEFAULT.to_string(), source.to_string()), (TOOL_USE.to_string(), source.to_string())]
 }
 
 /// `bos_token` and friends are a string or an added-token object `{content: ..}`.
@@ -282,14 +285,19 @@ fn tag_end(tag: &str, close: &str) -> Option<usize> {
     None
 }
 
-/// Where `{% endraw %}` ends, searching from `from`.
+/// Where `{% endraw %}` ends, searching from `from`: a raw block's text may hold unmatched
+/// quotes and tag-shaped text, so only the closing tag itself is read (one pass).
 fn raw_block_end(text: &str, from: usize) -> Option<usize> {
     let mut at = from;
     while let Some(open) = text[at..].find("{%").map(|i| at + i) {
-        if let Some(end) = tag_end(&text[open..], "%}")
-            && block_name(&text[open + 2..open + end - 2]) == "endraw"
-        {
-            return Some(open + end);
+        let tag = &text[open + 2..];
+        let code = tag.strip_prefix(['-', '+']).unwrap_or(tag).trim_start();
+        if let Some(after) = code.strip_prefix("endraw") {
+            let after = after.trim_start();
+            let after = after.strip_prefix(['-', '+']).unwrap_or(after);
+            if after.starts_with("%}") {
+                return Some(text.len() - after.len() + 2);
+            }
         }
         at = open + 2;
     }
@@ -323,7 +331,8 @@ fn rewrite_items(code: &str) -> String {
     out
 }
 
-/// Renders a probe context on `name`; `None` when the template refuses it.
+/// Renders a probe conversation on `name` with the context the frontend's shape probes give
+/// it; `None` when the template refuses it.
 fn probe(
     env: &Environment,
     name: &str,
@@ -336,7 +345,14 @@ fn probe(
         "messages": messages, "tools": tools, "add_generation_prompt": generation,
         "bos_token": tokens.bos, "eos_token": tokens.eos, "unk_token": tokens.unk,
     });
-    env.get_template(name).ok()?.render(Value::from_serialize(&context)).ok()
+    probe_render(env, name, &context)
+}
+
+/// A probe's render, under the prompt's output cap (and the probes' fuel).
+fn probe_render(env: &Environment, name: &str, context: &Json) -> Option<String> {
+    let mut out = CappedWriter::new(MAX_RENDERED_BYTES);
+    env.get_template(name).ok()?.render_captured_to(Value::from_serialize(context), &mut out).ok()?;
+    String::from_utf8(out.buf).ok()
 }
 
 /// What one template does with the message shapes agent clients send, found as the
@@ -394,10 +410,11 @@ fn probe_shapes(env: &Environment, name: &str, tools: &Json, tokens: &Tokens) ->
 /// Whether the default template renders only content arrays, and else which image
 /// placeholder flattens a mixed array for it.
 fn probe_content(env: &Environment) -> ContentShape {
-    let none = Tokens::default();
+    // The frontend's content probes set only these two keys: a template's `bos_token` or
+    // `tools` is undefined here, not none.
     let render = |content: Json| {
-        probe(env, DEFAULT, json!([{"role": "user", "content": content}]), &Json::Null, &none, false)
-            .unwrap_or_default()
+        let context = json!({"messages": [{"role": "user", "content": content}], "add_generation_prompt": false});
+        probe_render(env, DEFAULT, &context).unwrap_or_default()
     };
     let arrays = render(json!([{"type": "text", "text": "template_test"}])).contains("template_test")
         && !render(json!("template_test")).contains("template_test");
@@ -519,6 +536,42 @@ mod tests {
     }
 
     #[test]
+    fn tojson_ignores_keywords_it_does_not_read() {
+        let config =
+            json!({"chat_template": "{{ messages[0] | tojson(ensure_ascii=False) }}|{{ 'é' | tojson(indent='x') }}"});
+        let request = json!({"messages": [{"role": "user", "content": "é"}]});
+        assert_eq!(
+            ChatTemplate::new(&config, None).unwrap().render(&request).unwrap(),
+            r#"{"role": "user", "content": "é"}|"é""#
+        );
+    }
+
+    #[test]
+    fn a_template_file_serves_requests_with_tools_too() {
+        let template = ChatTemplate::new(&json!({}), Some("{{ tools | length }} tools")).unwrap();
+        let request = json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]});
+        assert_eq!(template.render(&request).unwrap(), "1 tools");
+    }
+
+    #[test]
+    fn raw_blocks_and_strings_keep_their_text() {
+        let source = "{% raw %}{{ x.items() }} {% ' {% endraw %}{{ y.items() }}{{ '.items()' }}{# z.items() #}";
+        assert_eq!(
+            normalize_source(source),
+            "{% raw %}{{ x.items() }} {% ' {% endraw %}{{ y|items }}{{ '.items()' }}{# z.items() #}"
+        );
+        assert_eq!(normalize_source("{%- generation -%}a{% endgeneration %}"), "{%- with -%}a{% endwith %}");
+    }
+
+    #[test]
+    fn a_pass_through_template_that_prints_a_token_still_drops_images() {
+        let config = json!({"bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"});
+        let request = json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "u"}}]}]});
+        assert_eq!(ChatTemplate::new(&config, None).unwrap().render(&request).unwrap(), "<s>what is this");
+    }
+
+    #[test]
     fn a_looping_template_runs_out_of_fuel() {
         let config = json!({"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"});
         let error = ChatTemplate::new(&config, None).unwrap().render(&json!({"messages": []})).unwrap_err();
@@ -562,7 +615,7 @@ mod tests {
 /// real dynamo.frontend 1.6.1 by `scripts/capture-renders`: eight templates (probes of the
 /// context and the environment, and templates shaped like Qwen's, Gemma's strict
 /// alternation, Phi-3-vision's, an array-only one, a pass-through and the fixture model's
-/// chatml) over 53 bodies.
+/// chatml) over 59 bodies.
 #[cfg(test)]
 mod dynamo_parity {
     use serde_json::Value as Json;
