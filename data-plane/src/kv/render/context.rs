@@ -115,6 +115,11 @@ fn typed_message(message: &Json) -> Result<Json, Refused> {
             _ => given.get(field),
         };
         let value = match value {
+            // A function message's content is not optional in the typed message: null stays.
+            None | Some(Json::Null) if role == "function" && field == "content" => {
+                typed.insert(field.into(), Json::Null);
+                continue;
+            }
             None | Some(Json::Null) => {
                 let required = match role {
                     "assistant" | "function" => false,
@@ -139,6 +144,7 @@ fn typed_message(message: &Json) -> Result<Json, Refused> {
                     .collect::<Result<_, _>>()?,
             ),
             "function_call" => typed_function(value)?,
+            "audio" => json!({"id": value.get("id").ok_or(Refused("assistant audio has no id"))?}),
             _ => value.clone(),
         };
         typed.insert(field.into(), value);
@@ -165,7 +171,16 @@ fn typed_content(content: &Json) -> Result<Json, Refused> {
                     Ok(json!({"type": "text", "text": text}))
                 }
                 // Turned into bare placeholders below whatever they carry.
-                "image_url" | "video_url" | "audio_url" | "input_audio" | "refusal" => Ok(part.clone()),
+                "image_url" | "video_url" | "audio_url" => Ok(part.clone()),
+                "input_audio" => {
+                    let audio = part.get("input_audio").ok_or(Refused("an input_audio part has no input_audio"))?;
+                    let field = |name: &str| audio.get(name).cloned().ok_or(Refused("input_audio lacks data or format"));
+                    Ok(json!({"type": "input_audio", "input_audio": {"data": field("data")?, "format": field("format")?}}))
+                }
+                "refusal" => {
+                    let refusal = part.get("refusal").ok_or(Refused("a refusal part has no refusal"))?;
+                    Ok(json!({"type": "refusal", "refusal": refusal}))
+                }
                 _ => Err(Refused("unknown content part type")),
             }
         })

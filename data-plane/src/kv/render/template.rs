@@ -615,7 +615,7 @@ mod tests {
 /// real dynamo.frontend 1.6.1 by `scripts/capture-renders`: eight templates (probes of the
 /// context and the environment, and templates shaped like Qwen's, Gemma's strict
 /// alternation, Phi-3-vision's, an array-only one, a pass-through and the fixture model's
-/// chatml) over 59 bodies.
+/// chatml) over 62 bodies.
 #[cfg(test)]
 mod dynamo_parity {
     use serde_json::Value as Json;
