@@ -86,9 +86,11 @@ pub fn messages(request: &Json, shapes: Shapes, content: ContentShape, continue_
     for message in &mut messages {
         fix_content(message, content);
         if !shapes.arguments_as_string {
-            parse_arguments(message.get_mut("tool_calls").and_then(Json::as_array_mut).into_iter().flatten());
+            for call in message.get_mut("tool_calls").and_then(Json::as_array_mut).into_iter().flatten() {
+                parse_arguments(call.get_mut("function"));
+            }
         }
-        parse_arguments(message.get_mut("function_call").into_iter());
+        parse_arguments(message.get_mut("function_call"));
         if !shapes.reads_reasoning {
             fold_reasoning(message);
         } else if shapes.reasoning_as_string {
@@ -375,15 +377,12 @@ fn flatten(parts: &[Json], placeholder: &str) -> String {
     out
 }
 
-/// Parses each call's JSON-string `function.arguments` (or the legacy `arguments` of a
-/// `function_call`) into the value it holds; a string that is not JSON stays a string.
-fn parse_arguments<'a>(calls: impl Iterator<Item = &'a mut Json>) {
-    for call in calls {
-        let function = if call.get("function").is_some() { call.get_mut("function") } else { Some(call) };
-        let Some(arguments) = function.and_then(|f| f.get_mut("arguments")) else { continue };
-        if let Some(parsed) = arguments.as_str().and_then(|text| serde_json::from_str::<Json>(text).ok()) {
-            *arguments = parsed;
-        }
+/// Parses a function's (a tool call's, or a legacy `function_call`'s) JSON-string
+/// `arguments` into the value it holds; a string that is not JSON stays a string.
+fn parse_arguments(function: Option<&mut Json>) {
+    let Some(arguments) = function.and_then(|f| f.get_mut("arguments")) else { return };
+    if let Some(parsed) = arguments.as_str().and_then(|text| serde_json::from_str::<Json>(text).ok()) {
+        *arguments = parsed;
     }
 }
 

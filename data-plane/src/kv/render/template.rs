@@ -126,14 +126,19 @@ impl ChatTemplate {
     }
 
     fn render_named(&self, name: &str, context: &Map<String, Json>) -> Result<String, RenderError> {
-        let template = self.env.get_template(name).map_err(RenderError::Template)?;
-        let mut out = CappedWriter::new(MAX_RENDERED_BYTES);
-        match template.render_captured_to(Value::from_serialize(context), &mut out) {
-            Ok(_) => String::from_utf8(out.buf).map_err(|_| RenderError::Template(Error::from(ErrorKind::BadEscape))),
-            Err(_) if out.overflowed => Err(RenderError::TooLarge),
-            Err(error) if error.kind() == ErrorKind::OutOfFuel => Err(RenderError::OutOfFuel),
-            Err(error) => Err(RenderError::Template(error)),
-        }
+        render_capped(&self.env, name, context)
+    }
+}
+
+/// Renders `name` under the prompt's output cap (and the environment's fuel).
+fn render_capped(env: &Environment, name: &str, context: &impl serde::Serialize) -> Result<String, RenderError> {
+    let template = env.get_template(name).map_err(RenderError::Template)?;
+    let mut out = CappedWriter::new(MAX_RENDERED_BYTES);
+    match template.render_captured_to(Value::from_serialize(context), &mut out) {
+        Ok(_) => String::from_utf8(out.buf).map_err(|_| RenderError::Template(Error::from(ErrorKind::BadEscape))),
+        Err(_) if out.overflowed => Err(RenderError::TooLarge),
+        Err(error) if error.kind() == ErrorKind::OutOfFuel => Err(RenderError::OutOfFuel),
+        Err(error) => Err(RenderError::Template(error)),
     }
 }
 
@@ -257,29 +262,53 @@ fn block_name(inner: &str) -> &str {
     code.strip_suffix(['-', '+']).unwrap_or(code).trim()
 }
 
-/// Where the tag opening `tag` ends (past `close`): quotes skipped, nested braces counted.
+/// Follows a template's code a character at a time to tell what lies inside a string
+/// literal, quotes and escapes included.
+#[derive(Default)]
+struct Literals {
+    quote: Option<char>,
+    escaped: bool,
+}
+
+impl Literals {
+    /// Takes the next character: whether it belongs to a string literal.
+    fn inside(&mut self, c: char) -> bool {
+        if let Some(delimiter) = self.quote {
+            if self.escaped {
+                self.escaped = false;
+            } else if c == '\\' {
+                self.escaped = true;
+            } else if c == delimiter {
+                self.quote = None;
+            }
+            return true;
+        }
+        if c == '\'' || c == '"' {
+            self.quote = Some(c);
+            return true;
+        }
+        false
+    }
+}
+
+/// Where the tag opening `tag` ends (past `close`): string literals skipped, nested braces
+/// counted.
 fn tag_end(tag: &str, close: &str) -> Option<usize> {
     if close == "#}" {
         return tag[2..].find(close).map(|at| 2 + at + close.len());
     }
-    let (mut quote, mut escaped, mut braces) = (None, false, 0usize);
+    let (mut literals, mut braces) = (Literals::default(), 0usize);
     for (at, c) in tag.char_indices().skip(2) {
-        if let Some(delimiter) = quote {
-            if escaped {
-                escaped = false;
-            } else if c == '\\' {
-                escaped = true;
-            } else if c == delimiter {
-                quote = None;
-            }
-        } else if braces == 0 && tag[at..].starts_with(close) {
+        if literals.inside(c) {
+            continue;
+        }
+        if braces == 0 && tag[at..].starts_with(close) {
             return Some(at + close.len());
-        } else if c == '\'' || c == '"' {
-            quote = Some(c);
-        } else if c == '{' {
-            braces += 1;
-        } else if c == '}' {
-            braces = braces.saturating_sub(1);
+        }
+        match c {
+            '{' => braces += 1,
+            '}' => braces = braces.saturating_sub(1),
+            _ => {}
         }
     }
     None
@@ -307,20 +336,12 @@ fn raw_block_end(text: &str, from: usize) -> Option<usize> {
 /// `.items()` outside string literals becomes `|items`.
 fn rewrite_items(code: &str) -> String {
     let mut out = String::with_capacity(code.len());
-    let (mut quote, mut escaped) = (None, false);
+    let mut literals = Literals::default();
     let mut rest = code;
     while let Some(c) = rest.chars().next() {
-        if let Some(delimiter) = quote {
-            if escaped {
-                escaped = false;
-            } else if c == '\\' {
-                escaped = true;
-            } else if c == delimiter {
-                quote = None;
-            }
-        } else if c == '\'' || c == '"' {
-            quote = Some(c);
-        } else if let Some(after) = rest.strip_prefix(".items()") {
+        if !literals.inside(c)
+            && let Some(after) = rest.strip_prefix(".items()")
+        {
             out.push_str("|items");
             rest = after;
             continue;
@@ -348,11 +369,9 @@ fn probe(
     probe_render(env, name, &context)
 }
 
-/// A probe's render, under the prompt's output cap (and the probes' fuel).
+/// A probe's render; `None` when the template refuses it.
 fn probe_render(env: &Environment, name: &str, context: &Json) -> Option<String> {
-    let mut out = CappedWriter::new(MAX_RENDERED_BYTES);
-    env.get_template(name).ok()?.render_captured_to(Value::from_serialize(context), &mut out).ok()?;
-    String::from_utf8(out.buf).ok()
+    render_capped(env, name, context).ok()
 }
 
 /// What one template does with the message shapes agent clients send, found as the
