@@ -22,6 +22,8 @@ pub struct Metrics {
     pub replica_replies: IntCounterVec,
     /// Watch streams refused before they started, by `reason` (no_hello, bad_hello).
     pub watch_refused: IntCounterVec,
+    /// Watch streams ended because their replica id opened a new one.
+    pub watch_superseded: IntCounter,
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
@@ -82,6 +84,10 @@ impl Metrics {
             watch_refused: IntCounterVec::new(
                 Opts::new("continuum_fleet_watch_refused_total", "Watch streams refused before the first update"),
                 &["reason"],
+            )?,
+            watch_superseded: IntCounter::new(
+                "continuum_fleet_watch_superseded_total",
+                "Watch streams ended because the same replica id opened a new one",
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
@@ -195,6 +201,7 @@ impl Metrics {
             Box::new(metrics.updates_sent.clone()),
             Box::new(metrics.replica_replies.clone()),
             Box::new(metrics.watch_refused.clone()),
+            Box::new(metrics.watch_superseded.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
             Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.dispatch_chains_dropped.clone()),

@@ -323,3 +323,64 @@ async fn a_replica_that_loses_the_control_plane_keeps_its_workers_but_not_the_fr
     }
     Ok(())
 }
+
+/// A replica whose stream broke reconnects before the control plane has noticed: the old
+/// stream, still open on this side, is ended at once and its dispatches forgotten. The
+/// replica counts them itself from then on, so keeping them would count them twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 7, "m")], ..Default::default() });
+    let observers = start_replicas(1, &control.url()).await?;
+    wait_for_version(&observers, control.publisher.current().version(), CONVERGE).await?;
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    let dispatches =
+        || observers[0].fleet.view().and_then(|v| v.backlogs().get(&rank).map(|b| b.dispatches)).unwrap_or(0);
+
+    let (old_tx, mut old_updates) = open_watch(&control.url(), "replica-a").await?;
+    let started = pb::DispatchStarted {
+        id: 1,
+        rank: Some(pb::LoadKey {
+            worker: Some(pb::WorkerKey { namespace: "dynamo".into(), instance_id: 7 }),
+            dp_rank: 0,
+        }),
+        prefill_tokens: 16,
+        decode_blocks: 2,
+        ..Default::default()
+    };
+    let report = pb::DispatchReport { started: vec![started], first_op: 1, last_op: 1, ..Default::default() };
+    old_tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(report)) }).await?;
+    continuum_tests::eventually(CONVERGE, "the observer seeing the old stream's dispatch", || async {
+        dispatches() == 1
+    })
+    .await?;
+
+    // Another replica's stream is left alone; the same id's is not.
+    let (_other_tx, _other_updates) = open_watch(&control.url(), "replica-b").await?;
+    assert_eq!(control.metrics.watch_superseded.get(), 0);
+    let (_new_tx, _new_updates) = open_watch(&control.url(), "replica-a").await?;
+    continuum_tests::eventually(CONVERGE, "the old stream's dispatch forgotten", || async { dispatches() == 0 })
+        .await?;
+    assert_eq!(control.metrics.watch_superseded.get(), 1);
+    let old_stream_ended = tokio::time::timeout(CONVERGE, async {
+        loop {
+            match old_updates.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) | Err(_) => return,
+            }
+        }
+    })
+    .await;
+    anyhow::ensure!(old_stream_ended.is_ok(), "the superseded stream is ended, though its client never closed it");
+    let streams_of = |id: &str| control.replicas.list().iter().filter(|r| r.replica_id == id).count();
+    continuum_tests::eventually(CONVERGE, "one stream listed per replica id", || async {
+        streams_of("replica-a") == 1 && streams_of("replica-b") == 1
+    })
+    .await?;
+    drop(old_tx);
+    for replica in observers {
+        replica.shutdown().await;
+    }
+    control.stop().await;
+    Ok(())
+}

@@ -29,19 +29,36 @@ pub use continuum_proto::MAX_REPLICA_ID_BYTES;
 /// The replicas with an open Watch stream, for the admin API and tests.
 #[derive(Debug, Default, Clone)]
 pub struct Replicas {
-    inner: Arc<Mutex<BTreeMap<u64, Arc<ReplicaStatus>>>>,
+    inner: Arc<Mutex<BTreeMap<u64, Open>>>,
     next_id: Arc<AtomicU64>,
+}
+
+/// One open Watch stream: what the admin API reads, and how to end the session early.
+#[derive(Debug)]
+struct Open {
+    status: Arc<ReplicaStatus>,
+    ended: CancellationToken,
 }
 
 impl Replicas {
     pub fn list(&self) -> Vec<Arc<ReplicaStatus>> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner).values().cloned().collect()
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).values().map(|open| open.status.clone()).collect()
     }
 
-    fn insert(&self, status: Arc<ReplicaStatus>) -> u64 {
+    /// Admits a session under a new id, ending every open session of the same replica id: a
+    /// replica that reconnects has given up its old stream, whatever this side has noticed,
+    /// and the dispatches reported on it are in flight under the new stream's count. Returns
+    /// the new id and how many sessions it superseded.
+    fn insert(&self, status: Arc<ReplicaStatus>, ended: CancellationToken) -> (u64, usize) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner).insert(id, status);
-        id
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut superseded = 0;
+        for open in inner.values().filter(|open| open.status.replica_id == status.replica_id) {
+            open.ended.cancel();
+            superseded += 1;
+        }
+        inner.insert(id, Open { status, ended });
+        (id, superseded)
     }
 
     fn remove(&self, id: u64) {
@@ -152,7 +169,19 @@ impl Fleet for FleetService {
         let status = Arc::new(ReplicaStatus::new(hello.replica_id));
         let (replicas, metrics, shutdown, book) =
             (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone(), self.book.clone());
-        let id = replicas.insert(Arc::clone(&status));
+        let ended = shutdown.child_token();
+        let (id, superseded) = replicas.insert(Arc::clone(&status), ended.clone());
+        if superseded > 0 {
+            // Two live replicas configured with one id would take turns ending each other's
+            // stream: the warning and the counter name it.
+            tracing::warn!(
+                replica = %status.replica_id,
+                superseded,
+                "replica reconnected while its previous stream was open; ending that stream and \
+                 forgetting its dispatches (if two replicas share this id, give each its own)"
+            );
+            metrics.watch_superseded.inc_by(superseded as u64);
+        }
         let session = Session::new(
             self.publisher.subscribe(),
             (inbound, tx),
@@ -165,7 +194,7 @@ impl Fleet for FleetService {
         tokio::spawn(async move {
             tokio::select! {
                 () = session.run() => {}
-                () = shutdown.cancelled() => {}
+                () = ended.cancelled() => {}
             }
             replicas.remove(id);
             book.replica_gone(id).await;
