@@ -309,6 +309,7 @@ fn backlog_to_wire(key: &LoadKey, backlog: &Backlog) -> pb::Backlog {
         ending_decode_blocks: backlog.ending_decode_blocks,
         prefilled_tokens: backlog.prefilled_tokens,
         last_dispatch: backlog.last_dispatch,
+        foreign_prefill_tokens: backlog.foreign_prefill_tokens,
     }
 }
 
@@ -324,6 +325,7 @@ fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeE
             ending_decode_blocks: backlog.ending_decode_blocks,
             prefilled_tokens: backlog.prefilled_tokens,
             last_dispatch: backlog.last_dispatch,
+            foreign_prefill_tokens: backlog.foreign_prefill_tokens,
         },
     ))
 }

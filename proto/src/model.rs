@@ -215,6 +215,11 @@ pub struct Backlog {
     /// The order, among every dispatch the control plane folded since it started, of the
     /// rank's newest: larger is more recent, 0 none.
     pub last_dispatch: u64,
+    /// Prompt tokens the rank's last sample showed queued or prefilling beyond the fleet's
+    /// dispatches awaiting their first token when it arrived. `None` without a sample carrying
+    /// `active_prefill_tokens`. When present, a rank's prefill backlog is this plus the
+    /// fleet's queued `prefill_tokens`: the sample's own count of them is not added again.
+    pub foreign_prefill_tokens: Option<u64>,
 }
 
 /// Which of one replica's reported operations the fleet-wide backlogs hold: `first_op`

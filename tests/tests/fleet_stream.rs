@@ -229,7 +229,12 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end()
     // ended dispatch's blocks can no longer be in it).
     tokio::time::sleep(SAMPLE_LAG).await;
     let sample = |kv_used_blocks| {
-        let load = Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() };
+        // An engine that also counts its queued prompts, ten tokens per block here.
+        let load = Load {
+            kv_used_blocks: Some(kv_used_blocks),
+            active_prefill_tokens: Some(kv_used_blocks * 10),
+            ..Load::default()
+        };
         FleetChange {
             loads: vec![(rank.clone(), LoadSample { load, received_at: Instant::now() })],
             ..Default::default()
@@ -237,7 +242,10 @@ async fn dispatches_reported_by_one_replica_reach_every_replica_until_they_end()
     };
     control.publisher.apply(sample(4));
     continuum_tests::eventually(CONVERGE, "the sample measured", || async {
-        backlog_at(&replicas[1]).is_some_and(|b| b.foreign_decode_blocks == Some(2) && b.decode_blocks == 2)
+        // Of its 40 queued tokens, 32 are the dispatch awaiting its first token.
+        backlog_at(&replicas[1]).is_some_and(|b| {
+            b.foreign_decode_blocks == Some(2) && b.decode_blocks == 2 && b.foreign_prefill_tokens == Some(8)
+        })
     })
     .await?;
     replicas[0].reporter.operation(|report| report.prefilled(second));

@@ -150,7 +150,10 @@ struct Ended {
 
 #[derive(Debug)]
 struct Dispatch {
+    /// Prompt tokens still to prefill: `prompt_tokens` until its first token, then 0.
     prefill_tokens: u64,
+    /// Prompt tokens it brought to prefill, kept after its first token.
+    prompt_tokens: u64,
     decode_blocks: u64,
     /// The prompt's prefix chain, for counting shared blocks once; empty past the book's bound.
     block_hashes: Vec<u64>,
@@ -216,6 +219,9 @@ struct Rank {
     /// Decode blocks that sample showed beyond the dispatches in flight when it arrived;
     /// `None` without a sample carrying decode blocks.
     foreign: Option<u64>,
+    /// Prompt tokens that sample showed beyond the dispatches then awaiting their first token;
+    /// `None` without a sample carrying `active_prefill_tokens`.
+    foreign_prefill: Option<u64>,
     /// When the last dispatch on this rank ended.
     last_end: Option<Instant>,
     /// Dispatches ended within [`SAMPLE_LAG`], oldest first.
@@ -261,6 +267,7 @@ impl Rank {
             active: 0,
             sampled_at: None,
             foreign: None,
+            foreign_prefill: None,
             last_end: None,
             ended: VecDeque::new(),
             published: None,
@@ -279,6 +286,7 @@ impl Rank {
     fn backlog(&self) -> Backlog {
         let mut backlog = Backlog {
             foreign_decode_blocks: self.foreign,
+            foreign_prefill_tokens: self.foreign_prefill,
             decode_blocks: self.active,
             ending_decode_blocks: self.ending.min(self.active),
             last_dispatch: self.last_dispatch,
@@ -301,13 +309,25 @@ impl Rank {
     }
 
     /// Measures a new sample against the dispatches in flight before it arrived, and those
-    /// that ended too shortly before it for the worker to have published their end.
+    /// that ended (or, for its prefill queue, were answered) too shortly before it for the
+    /// worker to have published it.
     fn sampled(&mut self, received_at: Option<Instant>, load: Option<&Load>) {
         self.sampled_at = received_at;
         let Some(at) = received_at else {
             self.foreign = None;
+            self.foreign_prefill = None;
             return;
         };
+        // An engine that counts its queued prompts (SGLang, TensorRT-LLM) counts the fleet's
+        // dispatches it had received: those are the fleet's to count until their first token,
+        // so only the rest of what the sample shows is added to them.
+        let queued = self
+            .dispatches
+            .values()
+            .filter(|d| d.at < at && d.answered.is_none_or(|t| at.saturating_duration_since(t) < SAMPLE_LAG))
+            .map(|d| d.prompt_tokens)
+            .fold(0u64, u64::saturating_add);
+        self.foreign_prefill = load.and_then(|l| l.active_prefill_tokens).map(|shown| shown.saturating_sub(queued));
         // What was in flight when it arrived: everything less what started since.
         let since = self.dispatches.values().filter(|d| d.at >= at).map(|d| d.added).fold(0u64, u64::saturating_add);
         let in_flight = self.active.saturating_sub(since);
@@ -479,6 +499,7 @@ impl Book {
             self.held_hashes += block_hashes.len();
             let dispatch = Dispatch {
                 prefill_tokens: started.prefill_tokens,
+                prompt_tokens: started.prefill_tokens,
                 decode_blocks: started.decode_blocks,
                 block_hashes,
                 added: 0,

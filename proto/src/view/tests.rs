@@ -166,6 +166,7 @@ fn removing_a_worker_drops_its_backlog() {
         foreign_decode_blocks: Some(4),
         ending_decode_blocks: 3,
         prefilled_tokens: 60,
+        foreign_prefill_tokens: Some(20),
         last_dispatch: 9,
     };
     let view = FleetView::default()

@@ -270,6 +270,55 @@ fn load_the_fleet_did_not_send_is_foreign() {
     assert_eq!(sums(&book.take_change(t0)), [], "foreign: 400 shown - 100 in flight, unchanged");
 }
 
+/// An engine that counts its queued prompts (SGLang, TensorRT-LLM) counts the fleet's
+/// dispatches it has received; the fleet counts them until their first token. Only the rest
+/// of what its sample shows is foreign.
+#[test]
+fn a_prefill_queue_the_sample_shares_with_the_fleet_counts_once() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let foreign_prefill =
+        |change: &FleetChange| change.backlogs.iter().map(|(_, b)| b.foreign_prefill_tokens).collect::<Vec<_>>();
+    let queued = |state: &FleetState, tokens: u64, at: Instant| {
+        let load = Load { active_prefill_tokens: Some(tokens), kv_used_blocks: Some(0), ..Load::default() };
+        match state
+            .commit(FleetChange { loads: vec![(rank(0), LoadSample { load, received_at: at })], ..Default::default() })
+        {
+            Some((state, _)) => state,
+            None => panic!("a sample is a change"),
+        }
+    };
+    book.report(1, report(vec![started(1, 0, 160), started(2, 0, 320)], vec![]), t0, &state);
+    // The engine shows both prompts queued and 100 tokens of someone else's.
+    let busy = queued(&state, 580, t0 + Duration::from_millis(5));
+    book.expire(&busy, t0 + Duration::from_millis(6));
+    assert_eq!(foreign_prefill(&book.take_change(t0)), [Some(100)], "580 shown - 480 the fleet's");
+    // The first prompt is answered; a sample soon after may still show it (the lag), and a
+    // dispatch started after the sample arrived is not in it.
+    book.report(
+        1,
+        pb::DispatchReport { prefilled: vec![1], ..Default::default() },
+        t0 + Duration::from_millis(10),
+        &busy,
+    );
+    book.report(1, report(vec![started(3, 0, 64)], vec![]), t0 + Duration::from_millis(12), &busy);
+    let lagging = queued(&busy, 580, t0 + Duration::from_millis(11));
+    book.expire(&lagging, t0 + Duration::from_millis(13));
+    let change = book.take_change(t0 + Duration::from_millis(13));
+    assert_eq!(foreign_prefill(&change), [Some(100)], "the answered prompt within the lag is still the fleet's");
+    assert_eq!(change.backlogs[0].1.prefill_tokens, 320 + 64, "the fleet's queue: the unanswered prompts");
+    // Past the lag, an answered prompt the sample still shows is the engine's own.
+    let later = t0 + Duration::from_millis(10) + SAMPLE_LAG;
+    let settled = queued(&lagging, 600, later + Duration::from_millis(1));
+    book.expire(&settled, later + Duration::from_millis(2));
+    assert_eq!(foreign_prefill(&book.take_change(later)), [Some(216)], "600 - 320 - 64");
+    // A sample without the field measures nothing.
+    let silent = sampled(&settled, 0, 10, later + Duration::from_millis(3));
+    book.expire(&silent, later + Duration::from_millis(4));
+    assert_eq!(foreign_prefill(&book.take_change(later)), [None]);
+}
+
 #[test]
 fn unchanged_sums_are_not_published_again() {
     let state = state_with(0);

@@ -110,9 +110,14 @@ pub(super) fn phase_load(phase: Phase, load: &Load) -> Option<u64> {
     }
 }
 
-/// The phase's field of a sample younger than `max_staleness`; 0 when there is none.
-pub(super) fn fresh_load(phase: Phase, sample: Option<&LoadSample>, max_staleness: Duration, now: Instant) -> u64 {
-    sample.filter(|s| s.age(now) < max_staleness).and_then(|s| phase_load(phase, &s.load)).unwrap_or(0)
+/// The phase's field of a sample younger than `max_staleness`, if it carries it.
+pub(super) fn fresh_load(
+    phase: Phase,
+    sample: Option<&LoadSample>,
+    max_staleness: Duration,
+    now: Instant,
+) -> Option<u64> {
+    sample.filter(|s| s.age(now) < max_staleness).and_then(|s| phase_load(phase, &s.load))
 }
 
 /// A configured weight made safe: a negative or non-finite value counts as 0 (the term drops).
@@ -136,8 +141,8 @@ pub(super) struct CostInputs<'a> {
     /// of a prefill/decode pair): dispatches expected to end by then do not count.
     pub handover: bool,
     /// For the decode phase: prompt tokens the rank must prefill before a request sent now
-    /// starts its own (a fresh sample's `active_prefill_tokens` and the fleet's queued
-    /// dispatches); zero for a rank that prefills nothing.
+    /// starts its own (the fleet's queued dispatches and what a fresh sample shows beside
+    /// them, [`RankBacklog::prefill_backlog`]); zero for a rank that prefills nothing.
     pub queued_prefill_tokens: u64,
     /// What a queued prefill block weighs against a decode block (`prefill_load_scale`,
     /// non-negative and finite).
@@ -155,7 +160,8 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
     match phase {
         Phase::Prefill => {
             let capacity = inputs.capacity.max_num_batched_tokens.filter(|n| *n > 0)?;
-            Some(Cost { backlog: sampled.saturating_add(inputs.dispatched.queued_prefill_tokens()), capacity, own: 0 })
+            let fresh = matches!(inputs.standing, Standing::Fresh(_)).then_some(sampled);
+            Some(Cost { backlog: inputs.dispatched.prefill_backlog(fresh), capacity, own: 0 })
         }
         Phase::Decode => {
             let capacity = inputs.capacity.total_kv_blocks.filter(|n| *n > 0)?;

@@ -81,6 +81,12 @@ pub struct RankBacklog {
     /// plus `in_flight_decode_blocks` instead of the sample plus `decode_blocks`: samples lag
     /// both a burst's ends and a new request's arrival at the engine.
     pub foreign_decode_blocks: Option<u64>,
+    /// What the rank's last sample showed queued for prefill beyond the fleet's dispatches
+    /// awaiting their first token when it arrived (the control plane measures it, for engines
+    /// that publish `active_prefill_tokens`). When known, the rank's prefill backlog is this
+    /// plus the queued tokens instead of the sample plus them: the sample already counts the
+    /// dispatches the engine had received.
+    pub foreign_prefill_tokens: Option<u64>,
     /// Of the decode blocks in flight, those the control plane expects to end before a request
     /// dispatched now reaches the rank by hand-over (less those this replica saw end since).
     pub ending_decode_blocks: u64,
@@ -170,6 +176,7 @@ impl RankBacklog {
             decode_blocks: self.decode_blocks.max(fleet.decode_blocks),
             in_flight_decode_blocks,
             foreign_decode_blocks: fleet.foreign_decode_blocks,
+            foreign_prefill_tokens: fleet.foreign_prefill_tokens,
             ending_decode_blocks,
             prefilled_tokens,
             since_fleet: None,
@@ -182,6 +189,17 @@ impl RankBacklog {
     /// less what the prefill under way should have done.
     pub fn queued_prefill_tokens(&self) -> u64 {
         self.prefill_tokens.saturating_sub(self.prefilled_tokens)
+    }
+
+    /// The rank's prefill backlog given its fresh sample's `active_prefill_tokens` (`None`
+    /// when it has no fresh sample carrying them): the fleet's queued tokens plus the sample's
+    /// foreign part when the control plane measured it, else plus the whole sample.
+    pub fn prefill_backlog(&self, sampled: Option<u64>) -> u64 {
+        let beside = match sampled {
+            Some(sampled) => self.foreign_prefill_tokens.unwrap_or(sampled),
+            None => 0,
+        };
+        beside.saturating_add(self.queued_prefill_tokens())
     }
 
     /// The rank's decode backlog given its sample's (`sampled`): the fleet's own dispatches in

@@ -125,8 +125,12 @@ impl LoadBasedPicker {
                     Phase::Prefill => 0,
                     // The fleet's dispatches queue prefill only on a rank that prefills them.
                     Phase::Decode if handover => rank.dispatched.queued_prefill_tokens(),
-                    Phase::Decode => cost::fresh_load(Phase::Prefill, rank.sample, max_staleness, now)
-                        .saturating_add(rank.dispatched.queued_prefill_tokens()),
+                    Phase::Decode => rank.dispatched.prefill_backlog(cost::fresh_load(
+                        Phase::Prefill,
+                        rank.sample,
+                        max_staleness,
+                        now,
+                    )),
                 };
                 let inputs = CostInputs {
                     capacity: &candidate.worker.capacity,

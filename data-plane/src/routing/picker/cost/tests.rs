@@ -148,6 +148,27 @@ fn unanswered_dispatches_add_to_the_backlog() {
     let with = |standing| CostInputs { dispatched: measured, ..inputs(&full, Some(16), 16, standing) };
     assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(700))).map(Cost::as_f64), Some(0.15));
     assert_eq!(cost(Phase::Decode, &with(Standing::Unknown)).map(Cost::as_f64), None, "freshness still rules");
+    // An engine that counts its queued prompts already counts the 250 dispatched tokens it
+    // has received: measured, 50 of its 300 are foreign, and 50 + 250 is the backlog.
+    let shared = RankBacklog { foreign_prefill_tokens: Some(50), ..unanswered };
+    let with = |standing| CostInputs { dispatched: shared, ..inputs(&full, Some(16), 16, standing) };
+    assert_eq!(cost(Phase::Prefill, &with(Standing::Fresh(300))).map(Cost::as_f64), Some(0.3));
+    assert_eq!(
+        cost(Phase::Prefill, &with(Standing::Quiet)).map(Cost::as_f64),
+        Some(0.25),
+        "no fresh sample, no foreign part"
+    );
+    assert_eq!(cost(Phase::Prefill, &with(Standing::Unknown)).map(Cost::as_f64), None);
+}
+
+#[test]
+fn the_prefill_backlog_adds_a_fresh_samples_foreign_part_or_the_whole_sample() {
+    let queued = RankBacklog { prefill_tokens: 400, prefilled_tokens: 100, ..Default::default() };
+    assert_eq!(queued.prefill_backlog(None), 300, "no fresh sample: the fleet's queue, less what is done");
+    assert_eq!(queued.prefill_backlog(Some(500)), 800, "not measured: the seed's sample plus dispatches");
+    let measured = RankBacklog { foreign_prefill_tokens: Some(20), ..queued };
+    assert_eq!(measured.prefill_backlog(Some(500)), 320);
+    assert_eq!(measured.prefill_backlog(None), 300, "a stale sample's foreign part is not added");
 }
 
 #[test]

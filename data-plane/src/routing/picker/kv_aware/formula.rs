@@ -214,19 +214,22 @@ pub(super) fn rank_load(
         Phase::Decode => Phase::Prefill,
     };
     let other = cost::fresh_load(other_phase, sample, max_staleness, now);
+    let fresh = matches!(standing, Standing::Fresh(_));
+    // The prefill queue a fresh sample shows, if one does: it may count dispatches the fleet
+    // counts too, which `prefill_backlog` takes out where the control plane measured them.
     let (prefill, decode) = match phase {
-        Phase::Prefill => (backlog, other),
+        Phase::Prefill => (fresh.then_some(backlog), other.unwrap_or(0)),
         Phase::Decode => (other, backlog),
     };
     let load = RankLoad {
-        active_prefill_tokens: prefill.saturating_add(dispatched.queued_prefill_tokens()),
+        active_prefill_tokens: dispatched.prefill_backlog(prefill),
         active_decode_blocks: if handover {
             dispatched.handover_decode_backlog(decode)
         } else {
             dispatched.decode_backlog(decode)
         },
     };
-    (Some(load), matches!(standing, Standing::Fresh(_)))
+    (Some(load), fresh)
 }
 
 /// One candidate as the choice rule sees it.

@@ -120,6 +120,13 @@ fn rank_load_takes_the_phase_backlog_and_the_other_field_when_fresh() {
     let sample = fresh(vllm);
     assert_eq!(rank_load(Phase::Decode, Some(&sample), ending, true, max, now), (Some(load(50, 8)), true));
     assert_eq!(rank_load(Phase::Decode, Some(&sample), ending, false, max, now), (Some(load(50, 10)), true));
+    // Measured by the control plane, 30 of the sample's 100 queued tokens are foreign: the
+    // other 70 are the fleet's 50 and an answered prompt's, not added again.
+    let measured = RankBacklog { foreign_prefill_tokens: Some(30), ..unanswered };
+    for phase in [Phase::Prefill, Phase::Decode] {
+        assert_eq!(rank_load(phase, Some(&fresh(both)), measured, false, max, now), (Some(load(80, 10)), true));
+    }
+    assert_eq!(rank_load(Phase::Prefill, None, measured, false, max, now), (Some(load(50, 3)), false));
 }
 
 fn scored(cost: Option<f64>, fresh: bool, stalled: bool, stale_cost: f64) -> Scored {
