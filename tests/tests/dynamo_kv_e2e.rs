@@ -11,6 +11,7 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
@@ -77,7 +78,7 @@ async fn reference_prompt(cache: PathBuf) -> anyhow::Result<(KvPrompt, ModelArti
 
 async fn prepare(prompt: &KvPrompt, card: &ModelArtifacts, body: &Value) -> anyhow::Result<(PreparedPrompt, Vec<u64>)> {
     let prepared = prompt
-        .prepare("tiny", std::slice::from_ref(card), body, &[BLOCK], None, None)
+        .prepare("tiny", std::slice::from_ref(card), Arc::new(body.clone()), &[BLOCK], None, None)
         .await
         .map_err(|f| anyhow::anyhow!("prepare: {f}"))?;
     let hashes =

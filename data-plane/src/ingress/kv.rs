@@ -13,9 +13,9 @@ use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::{KvArtifactPolicy, Role, Worker};
 use continuum_proto::view::{FleetView, WorkersMemo};
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
-use serde_json::Value;
 
 use super::recent::RecentAnswers;
+use super::request::Tree;
 use crate::fleet::{Matches, MatchesClient, MatchesError};
 use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
 use crate::kv::render::{RenderStages, Renderer};
@@ -125,7 +125,7 @@ impl KvRouting {
 
     /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name),
     /// one of whose `contenders` (instance id, dp rank) would prefill it.
-    pub async fn term(&self, view: &FleetView, model: &str, body: &Value, contenders: &[(u64, u32)]) -> Term {
+    pub async fn term(&self, view: &FleetView, model: &str, body: Arc<Tree>, contenders: &[(u64, u32)]) -> Term {
         let Some(prompt) = self.prompt(&view.config().kv_artifacts) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
@@ -134,7 +134,8 @@ impl KvRouting {
         };
         let ModelCards { cards, block_sizes } = &*model_cards;
         let started = Instant::now();
-        let prepared = prompt.prepare(model, cards, body, block_sizes, request_cache_salt(body), None).await;
+        let salt = request_cache_salt(&body).map(str::to_owned);
+        let prepared = prompt.prepare(model, cards, body, block_sizes, salt.as_deref(), None).await;
         self.prepare_seconds.observe(started.elapsed().as_secs_f64());
         let prepared = match prepared {
             Ok(prepared) => prepared,

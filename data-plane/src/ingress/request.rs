@@ -22,7 +22,30 @@ pub const MAX_TREE_BYTES_IN_FLIGHT: usize = 4 * MAX_REQUEST_BODY_BYTES;
 static TREES: Semaphore = Semaphore::const_new(MAX_TREE_BYTES_IN_FLIGHT);
 
 /// Room for one JSON tree under [`MAX_TREE_BYTES_IN_FLIGHT`], given back when dropped.
-pub type TreeRoom = Option<SemaphorePermit<'static>>;
+type TreeRoom = Option<SemaphorePermit<'static>>;
+
+/// A body's JSON tree with its room under [`MAX_TREE_BYTES_IN_FLIGHT`]. The room goes back when
+/// the tree is dropped by whoever holds it last: a render abandoned at its deadline shares the
+/// tree, not a copy, so the tree and its room last until that render's job ends.
+#[derive(Debug)]
+pub struct Tree {
+    value: Value,
+    _room: TreeRoom,
+}
+
+impl std::ops::Deref for Tree {
+    type Target = Value;
+
+    fn deref(&self) -> &Value {
+        &self.value
+    }
+}
+
+impl std::borrow::Borrow<Value> for Tree {
+    fn borrow(&self) -> &Value {
+        &self.value
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
@@ -151,12 +174,12 @@ impl ChatRequest {
 
     /// The body as a JSON tree, parsed anew (KV rendering reads it), once there is room for
     /// it under [`MAX_TREE_BYTES_IN_FLIGHT`]; the room is held as long as the permit.
-    pub async fn tree(&self) -> Result<(Value, TreeRoom), RequestError> {
+    pub async fn tree(&self) -> Result<Tree, RequestError> {
         // A body is at most MAX_REQUEST_BODY_BYTES, well within the budget and a u32. The
         // budget is never closed, so the room is always granted.
         let bytes = u32::try_from(self.raw.len().min(MAX_TREE_BYTES_IN_FLIGHT)).unwrap_or(u32::MAX);
         let room = TREES.acquire_many(bytes).await.ok();
-        Ok((serde_json::from_slice(&self.raw).map_err(RequestError::Json)?, room))
+        Ok(Tree { value: serde_json::from_slice(&self.raw).map_err(RequestError::Json)?, _room: room })
     }
 
     /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
@@ -166,12 +189,12 @@ impl ChatRequest {
         if !self.has_nvext && token_data.is_none() {
             return Ok(self.raw.clone());
         }
-        let (mut body, _room) = self.tree().await?;
-        strip_body_routing(&mut body);
+        let mut tree = self.tree().await?;
+        strip_body_routing(&mut tree.value);
         if let Some(tokens) = token_data {
-            attach_token_data(&mut body, tokens);
+            attach_token_data(&mut tree.value, tokens);
         }
-        Ok(Bytes::from(serde_json::to_vec(&body).map_err(RequestError::Json)?))
+        Ok(Bytes::from(serde_json::to_vec(&tree.value).map_err(RequestError::Json)?))
     }
 }
 
@@ -188,7 +211,7 @@ mod tests {
         let text = r#"{"model":"qwen","messages":[{"role":"user","content":"hi"}],"stream":true,"nvext":{"x":1}}"#;
         let request = parse(text).unwrap();
         assert_eq!((request.model.as_str(), request.stream, request.prompt_estimate), ("qwen", true, 2 + 2));
-        assert_eq!(request.tree().await.unwrap().0["nvext"]["x"], 1);
+        assert_eq!(request.tree().await.unwrap()["nvext"]["x"], 1);
         assert!(!parse(r#"{"model":"m","messages":[{}],"stream":null}"#).unwrap().stream);
         let prompt_fields =
             r#"{"model":"m","messages":[{"content":"abcdefgh"}],"system":"abcd","tools":[{"n":"abcd"}]}"#;

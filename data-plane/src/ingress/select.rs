@@ -3,6 +3,7 @@
 //! namespaces that have a usable shim replica; a pinned route is recorded in the ledger.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::Instant;
 
 use continuum_proto::model::Role;
@@ -112,12 +113,13 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
 }
 
 /// The KV term of `request`: its body rendered, tokenized and looked up in the control plane's
-/// index. The body's JSON tree is held, under the process's tree budget, while that runs.
+/// index. The body's JSON tree is held, under the process's tree budget, while that runs (and
+/// by a render that outlives its deadline, until it ends).
 async fn kv_term(state: &AppState, kv: &KvSelection, view: &FleetView, display: &str, request: &ChatRequest) -> Term {
     match request.tree().await {
-        Ok((body, _room)) => {
+        Ok(body) => {
             let contenders = prefill_contenders(state, kv, view, display);
-            kv.routing.term(view, display, &body, &contenders).await
+            kv.routing.term(view, display, Arc::new(body), &contenders).await
         }
         // Not for a body the ingress accepted; scored on load alone if it ever happens.
         Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),

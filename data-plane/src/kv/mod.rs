@@ -8,8 +8,9 @@ pub mod artifacts;
 pub mod hashing;
 pub mod render;
 
+use std::borrow::Borrow;
 use std::collections::HashSet;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use futures::FutureExt;
 use serde_json::Value;
@@ -88,15 +89,18 @@ impl KvPrompt {
     ///
     /// Never waits for a tokenizer to load: the first requests after a card appears fall back
     /// with [`Fallback::TokenizerUnavailable`] while the load runs in the background.
-    pub async fn prepare(
+    pub async fn prepare<R>(
         &self,
         model: &str,
         cards: &[ModelArtifacts],
-        request: &Value,
+        request: Arc<R>,
         block_sizes: &[u32],
         cache_salt: Option<&str>,
         lora_name: Option<&str>,
-    ) -> Result<PreparedPrompt, Fallback> {
+    ) -> Result<PreparedPrompt, Fallback>
+    where
+        R: Borrow<Value> + Send + Sync + 'static,
+    {
         fleet_key(cards).ok_or(Fallback::TokenizerUnavailable)?;
         let sizes = self.usable_block_sizes(model, block_sizes);
         if sizes.is_empty() {
@@ -137,10 +141,15 @@ impl KvPrompt {
     }
 }
 
-/// The request's cache salt as dynamo.frontend reads it: `nvext.cache_salt`, else a top-level
-/// `cache_salt`.
+/// The request's cache salt as dynamo.frontend 1.6.1 reads it from the body: a non-empty
+/// `nvext.cache_salt`, else a non-empty top-level `cache_salt` (an empty or null one does not
+/// hide the other).
 pub fn request_cache_salt(request: &Value) -> Option<&str> {
-    request.pointer("/nvext/cache_salt").or_else(|| request.get("cache_salt")).and_then(Value::as_str)
+    non_empty(request.pointer("/nvext/cache_salt")).or_else(|| non_empty(request.get("cache_salt")))
+}
+
+fn non_empty(value: Option<&Value>) -> Option<&str> {
+    value.and_then(Value::as_str).filter(|salt| !salt.is_empty())
 }
 
 #[cfg(test)]

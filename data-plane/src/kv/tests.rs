@@ -166,23 +166,25 @@ async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
     let h = harness(pinned(&card));
     let kv = KvPrompt::new(h.store.clone(), Renderer::default());
     let request = chat("Hello world, the quick brown fox");
-    let first = kv.prepare("tiny", &[card.clone(), card.clone()], &request, &[16], None, None).await;
+    let first = kv.prepare("tiny", &[card.clone(), card.clone()], Arc::new(request.clone()), &[16], None, None).await;
     assert_eq!(first, Err(Fallback::TokenizerUnavailable), "the first request starts the load and does not wait");
     assert!(until_loaded(&h.store, 1).await);
-    let prepared = kv.prepare("tiny", &[card.clone(), card.clone()], &request, &[16], None, None).await.unwrap();
+    let prepared =
+        kv.prepare("tiny", &[card.clone(), card.clone()], Arc::new(request.clone()), &[16], None, None).await.unwrap();
     assert_eq!(prepared.hashes_for(BlockSize::new(16).unwrap()).unwrap(), [LocalBlockHash(9_503_089_339_561_884_111)]);
     assert_eq!(count(&h.counter, "loaded"), 1);
     assert_eq!(count(&h.counter, "fetched"), 2);
 
     let mut upgraded = card.clone();
     upgraded.tokenizer_config.checksum = Checksum::of(b"another template");
-    let disagree = kv.prepare("tiny", &[card.clone(), upgraded], &request, &[16], None, None).await;
+    let disagree = kv.prepare("tiny", &[card.clone(), upgraded], Arc::new(request.clone()), &[16], None, None).await;
     assert_eq!(disagree, Err(Fallback::TokenizerUnavailable));
 
-    let bad_sizes = kv.prepare("tiny", std::slice::from_ref(&card), &request, &[8, 70_000], None, None).await;
+    let bad_sizes =
+        kv.prepare("tiny", std::slice::from_ref(&card), Arc::new(request.clone()), &[8, 70_000], None, None).await;
     assert_eq!(bad_sizes, Err(Fallback::TokenizerUnavailable));
     assert_eq!(count(&h.counter, "unsupported"), 2);
-    let three = kv.prepare("tiny", &[card], &request, &[16, 32, 64], None, None).await.unwrap();
+    let three = kv.prepare("tiny", &[card], Arc::new(request.clone()), &[16, 32, 64], None, None).await.unwrap();
     assert_eq!(three.hashes.len(), 2, "at most two block sizes per model");
     assert_eq!(count(&h.counter, "unsupported"), 3);
 }
@@ -206,7 +208,7 @@ async fn prewarming_loads_pinned_artifacts_before_the_first_request_and_never_to
     assert!(until_loaded(&h.store, 1).await, "the prewarm loaded the tokenizer");
     let kv = KvPrompt::new(h.store.clone(), Renderer::default());
     let request = chat("Hello world, the quick brown fox");
-    let first = kv.prepare("tiny", std::slice::from_ref(&card), &request, &[16], None, None).await;
+    let first = kv.prepare("tiny", std::slice::from_ref(&card), Arc::new(request.clone()), &[16], None, None).await;
     assert!(first.is_ok(), "the first request is scored with its KV term");
     h.store.prewarm("tiny", &card);
     assert_eq!(count(&h.counter, "loaded"), 1, "a loaded set is not loaded again");
@@ -427,32 +429,35 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
         ..RenderLimits::default()
     };
     let renderer = Renderer::new(relaxed);
-    let fuel = renderer.prepare(looping.clone(), &request, &size16, SaltHash::default()).await;
+    let fuel = renderer.prepare(looping.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await;
     assert_eq!(fuel, Err(Fallback::RenderUnavailable), "out of fuel");
 
     // One permit, held by a long render: the next request waits 20 ms and gives up.
     let one = Renderer::new(RenderLimits { permits: 1, deadline: Duration::from_secs(60), ..RenderLimits::default() });
     let busy = tokio::spawn({
         let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
-        async move { one.prepare(looping, &request, &size16, SaltHash::default()).await }
+        async move { one.prepare(looping, Arc::new(request.clone()), &size16, SaltHash::default()).await }
     });
     tokio::time::sleep(Duration::from_millis(5)).await;
     let started = Instant::now();
     assert_eq!(
-        one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await,
+        one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await,
         Err(Fallback::RenderUnavailable)
     );
     assert!(started.elapsed() < Duration::from_secs(1), "gave up after the permit wait, not the render");
     assert_eq!(busy.await.unwrap(), Err(Fallback::RenderUnavailable));
     assert!(
-        one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_ok(),
+        one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await.is_ok(),
         "the permit came back"
     );
 
     // The deadline covers the render itself.
     let hasty = Renderer::new(RenderLimits { deadline: Duration::from_millis(1), ..RenderLimits::default() });
     let started = Instant::now();
-    assert_eq!(hasty.prepare(looping, &request, &size16, SaltHash::default()).await, Err(Fallback::RenderUnavailable));
+    assert_eq!(
+        hasty.prepare(looping, Arc::new(request.clone()), &size16, SaltHash::default()).await,
+        Err(Fallback::RenderUnavailable)
+    );
     assert!(started.elapsed() < Duration::from_millis(500));
 }
 
@@ -467,7 +472,7 @@ async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_per
     let stages = RenderStages { queued: queued.clone(), ran: ran.clone() };
     let one = Renderer::new(limits).observing(stages);
     let started = Instant::now();
-    assert!(one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_ok());
+    assert!(one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await.is_ok());
     let took = started.elapsed().as_secs_f64();
     assert_eq!((queued.get_sample_count(), ran.get_sample_count()), (1, 1));
     assert!(queued.get_sample_sum() + ran.get_sample_sum() <= took, "both stages lie within the preparation");
@@ -475,10 +480,10 @@ async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_per
     // without running, so it has no wait to observe.
     let busy = tokio::spawn({
         let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
-        async move { one.prepare(looping, &request, &size16, SaltHash::default()).await }
+        async move { one.prepare(looping, Arc::new(request.clone()), &size16, SaltHash::default()).await }
     });
     tokio::time::sleep(Duration::from_millis(5)).await;
-    assert!(one.prepare(artifacts.clone(), &request, &size16, SaltHash::default()).await.is_err());
+    assert!(one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await.is_err());
     assert!(busy.await.unwrap().is_err());
     assert_eq!(queued.get_sample_count(), 2, "the long render ran; the refused one did not");
     assert_eq!(ran.get_sample_count(), 2, "the long render's run is observed when it ends");
@@ -495,4 +500,8 @@ fn cache_salt_is_read_from_nvext_first() {
     assert_eq!(request_cache_salt(&json!({"nvext": {"cache_salt": "a"}, "cache_salt": "b"})), Some("a"));
     assert_eq!(request_cache_salt(&json!({"cache_salt": "b"})), Some("b"));
     assert_eq!(request_cache_salt(&json!({})), None);
+    assert_eq!(request_cache_salt(&json!({"nvext": {"cache_salt": null}, "cache_salt": "b"})), Some("b"));
+    assert_eq!(request_cache_salt(&json!({"nvext": {"cache_salt": ""}, "cache_salt": "b"})), Some("b"));
+    assert_eq!(request_cache_salt(&json!({"nvext": {"cache_salt": "a"}, "cache_salt": ""})), Some("a"));
+    assert_eq!(request_cache_salt(&json!({"cache_salt": ""})), None);
 }

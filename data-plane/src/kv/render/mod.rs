@@ -13,6 +13,7 @@ mod template;
 pub(crate) mod threads;
 mod warm;
 
+use std::borrow::Borrow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -121,20 +122,25 @@ impl Renderer {
     }
 
     /// Renders `request` (an OpenAI chat-completions body) with the model's template, encodes it
-    /// as dynamo.frontend does (no added special tokens), and hashes every complete block.
-    pub async fn prepare(
+    /// as dynamo.frontend does (no added special tokens), and hashes every complete block. The
+    /// job shares `request` rather than copying it, and holds it until it ends: a body's bounds
+    /// (see `ingress::request::Tree`) last as long as a render abandoned at its deadline runs.
+    pub async fn prepare<R>(
         &self,
         artifacts: Arc<LoadedArtifacts>,
-        request: &Value,
+        request: Arc<R>,
         block_sizes: &[BlockSize],
         salt: SaltHash,
-    ) -> Result<PreparedPrompt, Fallback> {
+    ) -> Result<PreparedPrompt, Fallback>
+    where
+        R: Borrow<Value> + Send + Sync + 'static,
+    {
         let started = tokio::time::Instant::now();
         let permit = tokio::time::timeout(self.limits.permit_wait, self.permits.clone().acquire_owned())
             .await
             .map_err(|_| Fallback::RenderUnavailable)?
             .map_err(|_| Fallback::RenderUnavailable)?;
-        let (request, sizes, max_tokens) = (request.clone(), block_sizes.to_vec(), self.limits.max_tokens);
+        let (sizes, max_tokens) = (block_sizes.to_vec(), self.limits.max_tokens);
         let stages = self.stages.clone();
         let job = threads::spawn(move || {
             let running = tokio::time::Instant::now();
@@ -144,7 +150,7 @@ impl Renderer {
             // The permit is held until the job ends, even past the deadline, so abandoned
             // renders still count against the bound.
             let _permit = permit;
-            let prepared = prepare_blocking(&artifacts, &request, &sizes, salt, max_tokens);
+            let prepared = prepare_blocking(&artifacts, (*request).borrow(), &sizes, salt, max_tokens);
             if let Some(stages) = &stages {
                 stages.ran.observe(running.elapsed().as_secs_f64());
             }

@@ -88,7 +88,8 @@ pub fn trim_filter(value: StringInput<'_>, chars: Option<Cow<'_, str>>) -> Value
 }
 
 /// String methods where Python's differ from minijinja-contrib's pycompat (whitespace,
-/// `splitlines`' line breaks, `isspace` of ""); every other method goes to pycompat.
+/// `splitlines`' line breaks, `isspace` of "", `count` of ""); every other method goes to
+/// pycompat.
 pub fn methods(state: &State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
     if let Some(text) = value.as_str() {
         let keep_safety = |part: &str| {
@@ -120,6 +121,14 @@ pub fn methods(state: &State, value: &Value, method: &str, args: &[Value]) -> Re
             "isspace" => {
                 let () = from_args(args)?;
                 return Ok(Value::from(!text.is_empty() && text.chars().all(is_space)));
+            }
+            "count" => {
+                let (needle,): (&str,) = from_args(args)?;
+                // minijinja-contrib's `count` never ends on an empty needle (each search finds
+                // it again at the same place); Python counts the places between characters.
+                if needle.is_empty() {
+                    return Ok(Value::from(text.chars().count() + 1));
+                }
             }
             _ => {}
         }

@@ -22,6 +22,17 @@ pub const RENDER_FUEL: u64 = 5_000_000;
 const PROBE_FUEL: u64 = RENDER_FUEL / 10;
 /// Bytes of rendered text one render may produce.
 pub const MAX_RENDERED_BYTES: usize = 1 << 20;
+/// What a render's context may weigh times its message count. A template that builds a string
+/// one message at a time (DeepSeek's joins every system message into one) copies the string
+/// so far at each step, about half this product in all, and neither fuel (counted per
+/// instruction, not per byte) nor the output cap (checked when the string is printed, after
+/// the loop) stops it: 140,000 short messages in an 8 MiB body would copy for tens of
+/// seconds. At this bound a render copies at most about 2 GiB, while a 1,000-message
+/// conversation of 1 MiB still renders.
+const MAX_ACCUMULATION: u64 = 1 << 32;
+/// What each JSON value in the context weighs besides its strings' bytes: a template joining
+/// even empty messages copies its separators.
+const VALUE_WEIGHT: u64 = 16;
 
 /// The template a request with tools renders; a single-source template is both.
 const TOOL_USE: &str = "tool_use";
@@ -109,6 +120,9 @@ impl ChatTemplate {
         for (key, value) in args {
             context.entry(key).or_insert(value);
         }
+        if accumulation(&context) > MAX_ACCUMULATION {
+            return Err(RenderError::TooLarge);
+        }
         let rendered = self.render_named(name, &context)?;
         if continue_final { Ok(context::cut_at_continue_tag(rendered)?) } else { Ok(rendered) }
     }
@@ -128,6 +142,23 @@ impl ChatTemplate {
     fn render_named(&self, name: &str, context: &Map<String, Json>) -> Result<String, RenderError> {
         render_capped(&self.env, name, context)
     }
+}
+
+/// The context's weight (its strings' bytes, and [`VALUE_WEIGHT`] a value) times its messages.
+fn accumulation(context: &Map<String, Json>) -> u64 {
+    fn weight(value: &Json) -> u64 {
+        VALUE_WEIGHT.saturating_add(match value {
+            Json::String(s) => s.len() as u64,
+            Json::Array(items) => items.iter().map(weight).fold(0, u64::saturating_add),
+            Json::Object(map) => {
+                map.iter().map(|(k, v)| (k.len() as u64).saturating_add(weight(v))).fold(0, u64::saturating_add)
+            }
+            Json::Null | Json::Bool(_) | Json::Number(_) => 0,
+        })
+    }
+    let messages = context.get("messages").and_then(Json::as_array).map_or(0, Vec::len) as u64;
+    let weight = context.values().map(weight).fold(0, u64::saturating_add);
+    messages.max(1).saturating_mul(weight)
 }
 
 /// Renders `name` under the prompt's output cap (and the environment's fuel).
@@ -477,6 +508,35 @@ mod tests {
 
     fn chatml() -> ChatTemplate {
         ChatTemplate::new(&crate::kv::tests::tinymodel_config(), None).unwrap()
+    }
+
+    /// DeepSeek's template joins every system message into one string, copying it at each
+    /// step: many messages cost time quadratic in the body, which neither fuel nor the output
+    /// cap sees until the loop is done. Refused by the context's size, before rendering.
+    #[test]
+    fn a_context_a_template_could_copy_quadratically_is_refused_before_rendering() {
+        let accumulating = json!({"chat_template": "{% set ns = namespace(system='') %}\
+            {% for m in messages %}{% if m.role == 'system' %}{% set ns.system = ns.system + '\n\n' + m.content %}\
+            {% endif %}{% endfor %}{{ ns.system|length }}"});
+        let template = ChatTemplate::new(&accumulating, None).unwrap();
+        let conversation = |messages: usize, bytes: usize| {
+            let message = json!({"role": "system", "content": "x".repeat(bytes)});
+            json!({"model": "m", "messages": vec![message; messages]})
+        };
+        // Empty messages still copy their separators: 10,000 of them weigh past the bound
+        // (here the copying would be brief; 140,000 in an 8 MiB body would take minutes).
+        assert!(matches!(template.render(&conversation(10_000, 0)), Err(RenderError::TooLarge)));
+        // A long real conversation renders: 1,000 messages of 1 KiB.
+        assert_eq!(template.render(&conversation(1_000, 1 << 10)).unwrap(), (1_000 * ((1 << 10) + 2)).to_string());
+    }
+
+    #[test]
+    fn counting_an_empty_string_ends_as_in_python() {
+        let config =
+            json!({"chat_template": "{{ messages[0].content.count('') }} {{ messages[0].content.count('é') }}"});
+        let template = ChatTemplate::new(&config, None).unwrap();
+        let request = json!({"messages": [{"role": "user", "content": "héé"}]});
+        assert_eq!(template.render(&request).unwrap(), "4 2");
     }
 
     #[test]
