@@ -17,16 +17,16 @@ use crate::metrics::Ingress;
 /// One chat completion, answered and observed. The replica's server calls this directly, with
 /// none of the client's headers: only whether it asked for disclosure. So no header of the
 /// client's can reach a shim; the outbound headers are the dispatcher's own and the pins.
-pub async fn respond(state: &AppState, disclose: bool, body: Bytes) -> Response {
+pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Response {
     let started = Instant::now();
-    let response = serve(state, disclose, body).await.unwrap_or_else(IntoResponse::into_response);
+    let response = serve(state, disclose, tenant, body).await.unwrap_or_else(IntoResponse::into_response);
     state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
     response
 }
 
-async fn serve(state: &AppState, disclose: bool, body: Bytes) -> Result<Response, ApiError> {
+async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Result<Response, ApiError> {
     // Ingress. The client's routing body fields are stripped as the outbound body is made.
-    let request = ChatRequest::parse(body)?;
+    let request = ChatRequest::parse(body)?.with_tenant(tenant);
     // Pick.
     let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
     let routed = select::route(state, &view, &request).await?;

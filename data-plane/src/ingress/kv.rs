@@ -19,7 +19,7 @@ use super::request::Tree;
 use crate::fleet::{Matches, MatchesClient, MatchesError};
 use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
 use crate::kv::render::{RenderStages, Renderer};
-use crate::kv::{Fallback, KvPrompt, request_cache_salt};
+use crate::kv::{Fallback, KvPrompt};
 use crate::routing::picker::{IndexAnswer, KvSelectionResult, Overlaps};
 
 /// What the picker scores a request with.
@@ -125,7 +125,14 @@ impl KvRouting {
 
     /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name),
     /// one of whose `contenders` (instance id, dp rank) would prefill it.
-    pub async fn term(&self, view: &FleetView, model: &str, body: Arc<Tree>, contenders: &[(u64, u32)]) -> Term {
+    pub async fn term(
+        &self,
+        view: &FleetView,
+        model: &str,
+        body: Arc<Tree>,
+        cache_salt: Option<&str>,
+        contenders: &[(u64, u32)],
+    ) -> Term {
         let Some(prompt) = self.prompt(&view.config().kv_artifacts) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
@@ -134,8 +141,7 @@ impl KvRouting {
         };
         let ModelCards { cards, block_sizes } = &*model_cards;
         let started = Instant::now();
-        let salt = request_cache_salt(&body).map(str::to_owned);
-        let prepared = prompt.prepare(model, cards, body, block_sizes, salt.as_deref(), None).await;
+        let prepared = prompt.prepare(model, cards, body, block_sizes, cache_salt, None).await;
         self.prepare_seconds.observe(started.elapsed().as_secs_f64());
         let prepared = match prepared {
             Ok(prepared) => prepared,

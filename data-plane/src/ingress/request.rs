@@ -7,7 +7,8 @@ use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use crate::routing::headers::{attach_token_data, strip_body_routing};
+use crate::kv::request_cache_salt;
+use crate::routing::headers::{attach_cache_salt, attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
 
 /// The largest request body accepted (the server refuses larger ones before reading them):
@@ -68,6 +69,8 @@ pub struct ChatRequest {
     pub prompt_estimate: u64,
     /// The body has an `nvext` member, which may hold routing fields to strip.
     has_nvext: bool,
+    /// The client's `x-tenant-id`: the request's cache salt, over the body's.
+    tenant: Option<String>,
 }
 
 /// The members routing reads; everything else is only checked to be valid JSON.
@@ -169,7 +172,17 @@ impl ChatRequest {
             .iter()
             .flatten()
             .fold(0u64, |sum, field| sum.saturating_add(field.tokens));
-        Ok(Self { raw, model, stream, prompt_estimate, has_nvext: members.nvext.is_some() })
+        Ok(Self { raw, model, stream, prompt_estimate, has_nvext: members.nvext.is_some(), tenant: None })
+    }
+
+    /// The request as sent with an `x-tenant-id` header: `tenant` salts its KV blocks.
+    pub fn with_tenant(self, tenant: Option<String>) -> Self {
+        Self { tenant, ..self }
+    }
+
+    /// The salt the frontend will hash the prompt's blocks with: the tenant, else the body's.
+    pub fn cache_salt<'a>(&'a self, body: &'a Value) -> Option<&'a str> {
+        self.tenant.as_deref().or_else(|| request_cache_salt(body))
     }
 
     /// The body as a JSON tree, parsed anew (KV rendering reads it), once there is room for
@@ -182,15 +195,19 @@ impl ChatRequest {
         Ok(Tree { value: serde_json::from_slice(&self.raw).map_err(RequestError::Json)?, _room: room })
     }
 
-    /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
-    /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
-    /// forwarded byte for byte, without re-serializing it.
+    /// The body to send to a shim: the client's `nvext` routing fields stripped, its tenant
+    /// carried as `nvext.cache_salt` (a shim request carries none of the client's headers)
+    /// and, when given, the rendered prompt attached as `nvext.token_data`. A body with none
+    /// of these to do is forwarded byte for byte, without re-serializing it.
     pub async fn outbound(&self, token_data: Option<Vec<u32>>) -> Result<Bytes, RequestError> {
-        if !self.has_nvext && token_data.is_none() {
+        if !self.has_nvext && self.tenant.is_none() && token_data.is_none() {
             return Ok(self.raw.clone());
         }
         let mut tree = self.tree().await?;
         strip_body_routing(&mut tree.value);
+        if let Some(tenant) = &self.tenant {
+            attach_cache_salt(&mut tree.value, tenant);
+        }
         if let Some(tokens) = token_data {
             attach_token_data(&mut tree.value, tokens);
         }
@@ -216,6 +233,18 @@ mod tests {
         let prompt_fields =
             r#"{"model":"m","messages":[{"content":"abcdefgh"}],"system":"abcd","tools":[{"n":"abcd"}]}"#;
         assert_eq!(parse(prompt_fields).unwrap().prompt_estimate, 2 + 2 + 2);
+    }
+
+    #[tokio::test]
+    async fn the_tenant_salts_the_prompt_over_the_bodys_salt() {
+        let request = parse(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":"top"}"#).unwrap();
+        let body = request.tree().await.unwrap();
+        assert_eq!(request.cache_salt(&body), Some("top"));
+        let tenant = request.clone().with_tenant(Some("tenant-a".into()));
+        assert_eq!(tenant.cache_salt(&body), Some("tenant-a"));
+        let outbound: Value = serde_json::from_slice(&tenant.outbound(None).await.unwrap()).unwrap();
+        assert_eq!(outbound["nvext"]["cache_salt"], "tenant-a");
+        assert_eq!(request.outbound(None).await.unwrap(), request.raw, "without a tenant the body goes as sent");
     }
 
     #[tokio::test]

@@ -119,7 +119,8 @@ async fn kv_term(state: &AppState, kv: &KvSelection, view: &FleetView, display: 
     match request.tree().await {
         Ok(body) => {
             let contenders = prefill_contenders(state, kv, view, display);
-            kv.routing.term(view, display, Arc::new(body), &contenders).await
+            let salt = request.cache_salt(&body).map(str::to_owned);
+            kv.routing.term(view, display, Arc::new(body), salt.as_deref(), &contenders).await
         }
         // Not for a body the ingress accepted; scored on load alone if it ever happens.
         Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),

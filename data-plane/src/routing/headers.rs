@@ -141,6 +141,35 @@ pub fn strip_response(headers: &mut HeaderMap) {
     strip_client_routing(headers);
 }
 
+/// The header dynamo.frontend reads a request's cache salt from, over the body's.
+pub const TENANT_ID: &str = "x-tenant-id";
+
+/// A client's tenant as dynamo.frontend 1.6.1 reads it from `values` (every `x-tenant-id` the
+/// request carries, in order): the last that is a valid header string (visible ASCII) and not
+/// blank, trimmed. It salts the request's KV blocks, over any salt in the body.
+pub fn tenant<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<String> {
+    let visible = |b: &u8| *b == b'\t' || (0x20..0x7f).contains(b);
+    values
+        .filter(|value| value.iter().all(visible))
+        .map(<[u8]>::trim_ascii)
+        .filter(|value| !value.is_empty())
+        .last()
+        .map(|value| String::from_utf8_lossy(value).into_owned())
+}
+
+/// Carries a client's tenant to the frontend in the body (`nvext.cache_salt`), where it reads
+/// the salt when no `x-tenant-id` header comes with the request: a shim request carries no
+/// client header. The frontend salts the prompt's blocks with it as the client asked.
+pub fn attach_cache_salt(body: &mut Value, salt: &str) {
+    let Some(request) = body.as_object_mut() else {
+        return;
+    };
+    let nvext = request.entry("nvext").or_insert_with(|| Value::Object(serde_json::Map::new()));
+    if let Value::Object(nvext) = nvext {
+        nvext.insert("cache_salt".into(), Value::from(salt));
+    }
+}
+
 /// Whether a request header (by its name as sent, any case) asks to see the chosen backend and
 /// workers; its value does not matter.
 pub fn asks_disclosure(name: &str) -> bool {

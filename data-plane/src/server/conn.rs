@@ -121,7 +121,7 @@ impl App {
     /// The response to one request: chat completions on the fast path, the rest via the router.
     async fn respond(&self, head: RequestHead, body: Bytes) -> Response {
         if head.route == Route::ChatCompletions {
-            return chat::respond(&self.state, head.disclose, body).await;
+            return chat::respond(&self.state, head.disclose, head.tenant, body).await;
         }
         let mut request = Request::new(Body::from(body));
         *request.method_mut() = head.method;

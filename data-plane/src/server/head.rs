@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version
 use super::conn::REQUEST_READ_TIMEOUT;
 use crate::dispatch::wire::{LengthError, content_length, final_coding_chunked, has_token, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
-use crate::routing::headers::asks_disclosure;
+use crate::routing::headers::{TENANT_ID, asks_disclosure, tenant};
 
 /// The most headers a request head may carry.
 pub const MAX_HEADERS: usize = 64;
@@ -79,6 +79,8 @@ pub struct RequestHead {
     pub headers: HeaderMap,
     /// The client asked to see the chosen backend and workers (`x-backend`).
     pub disclose: bool,
+    /// The client's tenant (`x-tenant-id`), the cache salt the frontend would read from it.
+    pub tenant: Option<String>,
     pub body: BodyFraming,
     /// Whether the connection may carry another request after this one's response.
     pub keep_alive: bool,
@@ -124,6 +126,10 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     let expects_continue = version == Version::HTTP_11
         && values(raw, "expect").any(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
     let disclose = raw.iter().any(|h| asks_disclosure(h.name));
+    let tenant = match route {
+        Route::ChatCompletions => tenant(values(raw, TENANT_ID)),
+        Route::Router => None,
+    };
     let head = RequestHead {
         method,
         target: target.to_string(),
@@ -131,6 +137,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         route,
         headers,
         disclose,
+        tenant,
         body,
         keep_alive,
         expects_continue,
@@ -323,6 +330,10 @@ mod tests {
             assert_eq!((h.body, h.keep_alive), (body, keep_alive), "{text:?}");
         }
         assert!(head("POST / HTTP/1.1\r\nExpect: 100-Continue\r\ncontent-length: 1\r\n\r\n").expects_continue);
+        let tenant =
+            "POST /v1/chat/completions HTTP/1.1\r\nX-Tenant-Id: a\r\nx-tenant-id:  b \r\ncontent-length: 0\r\n\r\n";
+        assert_eq!(head(tenant).tenant.as_deref(), Some("b"), "the last value, trimmed");
+        assert_eq!(head("GET /v1/models HTTP/1.1\r\nx-tenant-id: a\r\n\r\n").tenant, None, "only a chat completion's");
         assert!(!head("POST / HTTP/1.0\r\nexpect: 100-continue\r\ncontent-length: 1\r\n\r\n").expects_continue);
     }
 

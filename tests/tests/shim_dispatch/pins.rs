@@ -90,6 +90,35 @@ async fn spoofed_client_pins_never_reach_the_shim() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// dynamo.frontend salts a request's KV blocks with its `x-tenant-id` header over the body's
+/// salt. A shim request carries no client header, so the tenant travels in the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_tenant_reaches_the_frontend_as_the_cache_salt() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let mut body = chat(MODEL, false);
+    body["nvext"] = json!({"cache_salt": "from-body"});
+    // The header as the client sent it, padded: the frontend trims it.
+    let sent = |body: &Value, tenant: Option<&str>| {
+        let request = harness.http.post(harness.url("/v1/chat/completions")).json(body);
+        match tenant {
+            Some(tenant) => request.header("x-tenant-id", format!(" {tenant} ")),
+            None => request,
+        }
+        .send()
+    };
+    assert_eq!(sent(&body, Some("tenant-a")).await?.status(), 200);
+    assert_eq!(sent(&body, None).await?.status(), 200);
+    assert_eq!(sent(&chat(MODEL, false), Some("tenant-a")).await?.status(), 200);
+    let salts: Vec<Value> = shim.received().iter().map(|r| r.body["nvext"]["cache_salt"].clone()).collect();
+    assert_eq!(salts, [json!("tenant-a"), json!("from-body"), json!("tenant-a")]);
+    for request in shim.received() {
+        assert!(request.headers.get("x-tenant-id").is_none(), "no client header reaches a shim");
+    }
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aggregated_worker_is_pinned_alone_with_its_rank() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;

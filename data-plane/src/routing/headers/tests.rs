@@ -222,3 +222,31 @@ fn disclosure_names_backend_and_decimal_workers() {
     assert_eq!(value(&map, DISCLOSED_PREFILL_WORKER), None, "no prefill worker is disclosed without one");
     assert!(map.keys().all(|n| !n.as_str().starts_with(DYNAMO_PREFIX)));
 }
+
+#[test]
+fn the_tenant_is_the_last_visible_non_blank_value_trimmed_as_the_frontend_reads_it() {
+    // (case, the header's values in order, the tenant)
+    type Case<'a> = (&'a str, &'a [&'a [u8]], Option<&'a str>);
+    let cases: &[Case<'_>] = &[
+        ("none", &[], None),
+        ("one", &[b"tenant-a"], Some("tenant-a")),
+        ("trimmed", &[b"  tenant-a\t"], Some("tenant-a")),
+        ("the last wins", &[b"tenant-a", b"tenant-b"], Some("tenant-b")),
+        ("a blank last value is skipped", &[b"tenant-a", b"   "], Some("tenant-a")),
+        ("a value that is no header string is skipped", &[b"tenant-a", "t\u{e9}nant".as_bytes()], Some("tenant-a")),
+        ("only blanks", &[b"", b" \t "], None),
+    ];
+    for (case, values, expected) in cases {
+        assert_eq!(tenant(values.iter().copied()).as_deref(), *expected, "{case}");
+    }
+}
+
+#[test]
+fn a_cache_salt_is_carried_in_nvext_over_the_bodys_own() {
+    let mut body = json!({"model": "m", "nvext": {"cache_salt": "body", "extra_fields": ["worker_id"]}});
+    attach_cache_salt(&mut body, "tenant-a");
+    assert_eq!(body["nvext"], json!({"cache_salt": "tenant-a", "extra_fields": ["worker_id"]}));
+    let mut bare = json!({"model": "m"});
+    attach_cache_salt(&mut bare, "tenant-a");
+    assert_eq!(bare["nvext"], json!({"cache_salt": "tenant-a"}));
+}
