@@ -136,7 +136,7 @@ async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
     let fleet = &current.fleet;
     let workers: Vec<Value> = fleet.workers.iter().map(worker_json).collect();
     let publishers = |topic| fleet.publishers.iter().filter(|p| p.topic == topic).count();
-    // What the source can tell: etcd and the simulator publish cards and kv_metrics; a static
+    // What the source can tell: etcd and the simulator declare capacities and publish kv_metrics; a static
     // fleet lists capacities but publishes no load; with discovery off there is nothing.
     let (load, capacity) = match settings.source {
         "etcd" | "simulator" => (true, true),

@@ -1,8 +1,8 @@
 //! The demo, end to end: the real control-plane binary on its embedded default (no
 //! `--config`), whose simulated fleet publishes real ZMTP kv_metrics frames and serves a
 //! direct-mode shim, and a data-plane replica following it. A routed chat request comes back
-//! 200 with the pins the replica chose echoed by the shim, and the simulated publishers' load
-//! samples reach the replica's fleet view.
+//! 200 with the pins the replica chose echoed by the shim, the pinned workers' load samples
+//! reach the replica's fleet view, and a stream ends as the real frontend's does.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -74,11 +74,39 @@ async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow
     let role = |id: u64| view.workers().values().find(|w| w.key.instance_id == id).map(|w| w.role);
     assert_eq!((role(prefill), role(decode)), (Some(Role::Prefill), Some(Role::Decode)));
 
-    eventually(WAIT, "load samples from all four simulated publishers", || async {
-        replica.fleet.view().is_some_and(|v| v.loads().len() == 4)
+    assert_eq!((echoed["prefill_dp_rank"].as_u64(), echoed["decode_dp_rank"].as_u64()), (Some(0), Some(0)), "{body}");
+    assert!(decode > 1 << 53 && prefill > 1 << 53, "simulated ids look like real lease ids");
+
+    // As 1.6.1 mockers, the simulated workers publish with their first request and on change,
+    // never while idle: the decode worker's rise and fall reach the view, the idle workers
+    // have published nothing. (A prefill worker publishes once, with its first request, and
+    // a subscription that connected after that misses it, as with a real mocker.)
+    eventually(WAIT, "the decode worker's load sample", || async {
+        replica.fleet.view().is_some_and(|v| v.loads().keys().any(|key| key.worker.instance_id == decode))
     })
     .await?;
     let view = replica.fleet.view().context("no fleet view")?;
+    let idle = view.loads().keys().filter(|key| ![prefill, decode].contains(&key.worker.instance_id)).count();
+    assert_eq!(idle, 0, "no sample from a worker no request reached");
+    let view = replica.fleet.view().context("no fleet view")?;
     assert!(view.loads().iter().all(|(key, sample)| key.dp_rank == 0 && sample.load.kv_used_blocks.is_some()));
+
+    // A stream ends as the frontend's: a finish chunk with an empty delta, the usage it asked
+    // for in a chunk without choices, then [DONE].
+    let streamed = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "stream": true,
+                          "stream_options": {"include_usage": true}});
+    let response =
+        client.post(format!("http://{}/v1/chat/completions", replica.local_addr)).json(&streamed).send().await?;
+    assert_eq!(response.status(), 200);
+    let text = response.text().await?;
+    let events: Vec<&str> = text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+    let [.., finish, usage, done] = events.as_slice() else { anyhow::bail!("too few events: {text}") };
+    let (finish, usage): (Value, Value) = (serde_json::from_str(finish)?, serde_json::from_str(usage)?);
+    assert_eq!(
+        (&finish["choices"][0]["delta"], &finish["choices"][0]["finish_reason"]),
+        (&json!({}), &json!("length"))
+    );
+    assert_eq!((&usage["choices"], usage["usage"]["completion_tokens"].as_u64()), (&json!([]), Some(16)));
+    assert_eq!(*done, "[DONE]");
     Ok(())
 }

@@ -23,10 +23,13 @@ use super::registry::Registry;
 use crate::config::SimulatorConfig;
 use crate::discovery::{DiscoveredWorker, Fleet, Publisher, PublisherKey, Topic};
 
-/// The first simulated worker's instance id; the rest follow (prefill workers first).
-pub const FIRST_WORKER_ID: u64 = 0x1a7f_2b00_0001;
-/// Publisher ids are distinct from worker ids, as a real publisher incarnation's are.
-pub const PUBLISHER_ID_OFFSET: u64 = 0x5b87_0000_0000;
+/// The first simulated worker's instance id; the rest follow (prefill workers first). Real
+/// ids are etcd lease ids, far above 2^53 (`7668682560356783938` in the 1.6.1 captures), so
+/// anything that reads one as a float breaks in the demo as it would on a real fleet.
+pub const FIRST_WORKER_ID: u64 = 0x6a6c_a228_814c_9700;
+/// The first kv_metrics publisher id. A real publisher incarnation's id is unrelated to its
+/// worker's and below 2^53 (`8699381521900608`).
+pub const FIRST_PUBLISHER_ID: u64 = 0x1e_e800_0000_0000;
 /// The batch size the simulated workers' capacity declares.
 pub const MAX_NUM_BATCHED_TOKENS: u64 = 8192;
 
@@ -61,14 +64,14 @@ impl Simulator {
             if config.prefill == 0 { Role::Aggregated } else { Role::Decode },
             count(config.decode),
         ));
-        for (id, role) in (FIRST_WORKER_ID..).zip(roles) {
+        for ((id, publisher_id), role) in (FIRST_WORKER_ID..).zip(FIRST_PUBLISHER_ID..).zip(roles) {
             let listener = bind("a simulated kv_metrics publisher", SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
             let address = listener.local_addr().map_err(|source| SimulatorError {
                 what: "a simulated kv_metrics publisher",
                 addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
                 source,
             })?;
-            let worker = Arc::new(SimulatedWorker::new(id, id + PUBLISHER_ID_OFFSET, config.total_kv_blocks));
+            let worker = Arc::new(SimulatedWorker::new(id, publisher_id, config.total_kv_blocks));
             let key = WorkerKey::new(namespace.clone(), id);
             fleet.workers.insert(key.clone(), discovered(config, key.clone(), role));
             let publisher = kv_metrics_publisher(&namespace, key, role, worker.publisher_id, address);
@@ -124,8 +127,9 @@ fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role) -> Discovere
             max_num_batched_tokens: Some(MAX_NUM_BATCHED_TOKENS),
             ..Capacity::default()
         },
+        // Every 1.6.1 card declares data_parallel_size 1, so the replicas pin rank 0.
         dp_start_rank: 0,
-        dp_size: 0,
+        dp_size: 1,
         disaggregated_endpoint: None,
         artifacts: None,
     };

@@ -1,7 +1,8 @@
 //! A simulated worker's kv_metrics publisher: a minimal ZMTP 3.1 PUB server (NULL mechanism)
 //! on a loopback port. Per connection it greets, sends READY as PUB, reads the subscriber's
 //! READY and its subscription (a 3.0 subscription message or a 3.1 SUBSCRIBE command), then
-//! sends the worker's latest message and every later one until the peer goes.
+//! sends every message the worker publishes from then on until the peer goes (nothing from
+//! before: a PUB socket keeps nothing for late subscribers).
 
 use std::io;
 use std::sync::Arc;
@@ -53,8 +54,7 @@ async fn session(mut stream: TcpStream, worker: Arc<SimulatedWorker>, cancel: Ca
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream))
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the subscriber did not subscribe in time"))??;
-    let (latest, mut later) = worker.subscribe();
-    stream.write_all(&encode(&latest)).await?;
+    let mut later = worker.subscribe();
     let mut sink = [0u8; 256];
     loop {
         tokio::select! {

@@ -1,7 +1,9 @@
 //! The simulated direct-mode shim: `POST /v1/chat/completions` and `GET /v1/models` shaped
-//! like `dynamo.frontend --router-mode direct` 1.6.1. A pinned request takes KV blocks on its
-//! prefill worker for the prefill phase and on its decode worker until its last token, so the
-//! workers' kv_metrics publishers report real load changes.
+//! like `dynamo.frontend --router-mode direct` 1.6.1. A pinned request waits for its prefill
+//! on its prefill worker, which (as a 1.6.1 mocker prefill worker does) publishes its idle
+//! load once and nothing more, then holds KV blocks on its decode worker until its last token;
+//! an aggregated worker holds them from the start. The kv_metrics publishers report those
+//! changes, one rise and one fall per request.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -69,17 +71,27 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         Err(refusal) => return refuse(&refusal),
     };
     let plan = Plan::new(&shim, &request, pins);
-    let prefill = shim.prefill.iter().chain(&shim.decode).find(|w| w.worker_id == pins.prefill);
-    if let Some(worker) = prefill {
-        let _held = Held::take(worker, plan.prompt_blocks);
-        tokio::time::sleep(PREFILL_TIME).await;
-    }
     let Some(decode) = shim.decode.iter().find(|w| w.worker_id == pins.decode) else {
         return refuse(&Refusal::invalid());
     };
-    let held = Held::take(decode, plan.prompt_blocks + plan.tokens.div_ceil(shim.block_size));
+    let blocks = plan.prompt_blocks + plan.tokens.div_ceil(shim.block_size);
+    let held = match shim.prefill.iter().find(|w| w.worker_id == pins.prefill) {
+        Some(prefill) => {
+            prefill.touch();
+            tokio::time::sleep(PREFILL_TIME).await;
+            decode.touch();
+            Held::take(decode, blocks)
+        }
+        None => {
+            decode.touch();
+            let held = Held::take(decode, blocks);
+            tokio::time::sleep(PREFILL_TIME).await;
+            held
+        }
+    };
     if request["stream"] == true {
-        return stream(plan, held);
+        let usage = request["stream_options"]["include_usage"] == true;
+        return stream(plan, usage, held);
     }
     tokio::time::sleep(TOKEN_TIME * u32::try_from(plan.tokens).unwrap_or(u32::MAX)).await;
     drop(held);
@@ -142,14 +154,19 @@ impl Plan {
         }
     }
 
+    fn usage(&self) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+               "total_tokens": self.prompt_tokens + self.tokens, "prompt_tokens_details": {"cached_tokens": 0}})
+    }
+
+    /// The frontend's member order: id, choices, created, model, object, usage, nvext.
     fn completion(&self) -> Value {
         let content: Vec<String> = (0..self.tokens).map(|_| word()).collect();
+        let message = json!({"content": content.concat(), "refusal": null, "role": "assistant"});
         let mut body = json!({
-            "id": self.id, "created": self.created, "model": self.model, "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"content": content.concat(), "refusal": null, "role": "assistant"},
-                         "finish_reason": "length", "logprobs": null}],
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-                      "total_tokens": self.prompt_tokens + self.tokens, "prompt_tokens_details": {"cached_tokens": 0}},
+            "id": self.id,
+            "choices": [{"index": 0, "message": message, "finish_reason": "length", "logprobs": null}],
+            "created": self.created, "model": self.model, "object": "chat.completion", "usage": self.usage(),
         });
         if let Some(echo) = &self.echo {
             body["nvext"] = json!({"worker_id": echo});
@@ -157,30 +174,48 @@ impl Plan {
         body
     }
 
-    fn chunk(&self, index: u64) -> Value {
-        let last = index + 1 == self.tokens;
-        let delta =
-            if index == 0 { json!({"content": word(), "role": "assistant"}) } else { json!({"content": word()}) };
+    /// A chunk with `choices` (and `usage`, for the last of a stream that asked for it).
+    fn chunk(&self, choices: Value, usage: Option<Value>) -> Value {
         let mut chunk = json!({
-            "id": self.id, "created": self.created, "model": self.model, "object": "chat.completion.chunk",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": if last { json!("length") } else { Value::Null }, "logprobs": null}],
+            "id": self.id, "choices": choices, "created": self.created, "model": self.model,
+            "object": "chat.completion.chunk",
         });
+        if let Some(usage) = usage {
+            chunk["usage"] = usage;
+        }
         if let Some(echo) = &self.echo {
             chunk["nvext"] = json!({"worker_id": echo});
         }
         chunk
     }
+
+    /// The stream's events as the frontend sends them: a chunk per token (the first with the
+    /// assistant's role), one with an empty delta and the finish reason, one with no choices
+    /// and the usage when the request asked for it (`stream_options.include_usage`).
+    fn events(&self, include_usage: bool) -> impl Iterator<Item = Value> + '_ {
+        let tokens = (0..self.tokens).map(|index| {
+            let delta =
+                if index == 0 { json!({"content": word(), "role": "assistant"}) } else { json!({"content": word()}) };
+            self.chunk(json!([{"index": 0, "delta": delta, "finish_reason": null, "logprobs": null}]), None)
+        });
+        let finish = self.chunk(json!([{"index": 0, "delta": {}, "finish_reason": "length", "logprobs": null}]), None);
+        let usage = include_usage.then(|| self.chunk(json!([]), Some(self.usage())));
+        tokens.chain(std::iter::once(finish)).chain(usage)
+    }
 }
 
-/// SSE chunks, one per token, then `data: [DONE]`; the decode blocks are held to the end.
-fn stream(plan: Plan, held: Held) -> Response {
+/// SSE events, a token's every [`TOKEN_TIME`], then `data: [DONE]`; the decode blocks are
+/// held to the end.
+fn stream(plan: Plan, include_usage: bool, held: Held) -> Response {
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(4);
     tokio::spawn(async move {
         let _held = held;
-        for index in 0..plan.tokens {
-            tokio::time::sleep(TOKEN_TIME).await;
-            if tx.send(Ok(Bytes::from(format!("data: {}\n\n", plan.chunk(index))))).await.is_err() {
-                break;
+        for (index, event) in plan.events(include_usage).enumerate() {
+            if u64::try_from(index).is_ok_and(|i| i < plan.tokens) {
+                tokio::time::sleep(TOKEN_TIME).await;
+            }
+            if tx.send(Ok(Bytes::from(format!("data: {event}\n\n")))).await.is_err() {
+                return;
             }
         }
         let _ = tx.send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).await;
@@ -189,15 +224,18 @@ fn stream(plan: Plan, held: Held) -> Response {
     ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], body).into_response()
 }
 
+/// The pins the frontend used, in its order; a decode rank alone applies to the prefill too.
 fn worker_id(pins: Pins) -> Value {
-    let mut echo = json!({"prefill_worker_id": pins.prefill, "decode_worker_id": pins.decode});
-    if let Some(rank) = pins.prefill_dp_rank {
-        echo["prefill_dp_rank"] = json!(rank);
+    let mut echo = serde_json::Map::new();
+    echo.insert("prefill_worker_id".into(), json!(pins.prefill));
+    if let Some(rank) = pins.prefill_dp_rank.or(pins.decode_dp_rank) {
+        echo.insert("prefill_dp_rank".into(), json!(rank));
     }
+    echo.insert("decode_worker_id".into(), json!(pins.decode));
     if let Some(rank) = pins.decode_dp_rank {
-        echo["decode_dp_rank"] = json!(rank);
+        echo.insert("decode_dp_rank".into(), json!(rank));
     }
-    echo
+    Value::Object(echo)
 }
 
 fn word() -> String {

@@ -1,7 +1,8 @@
 //! The simulated workers' load: each holds its `kv_used_blocks` and publishes a kv_metrics
-//! message in Dynamo 1.6.1's exact wire format whenever it changes (see
-//! `crate::load::decode` for the layout). The latest message is kept so a subscriber that
-//! joins late starts from the current load instead of waiting for the next change.
+//! message in Dynamo 1.6.1's exact wire format (see `crate::load::decode` for the layout) as a
+//! 1.6.1 mocker does: its first (sequence 0) with its first request, then one whenever the
+//! load changes, none while idle, and none replayed to a subscriber that joins late (a ZMQ
+//! PUB socket keeps nothing).
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -20,8 +21,8 @@ pub type Message = Arc<[Vec<u8>; 4]>;
 #[derive(Debug)]
 struct Published {
     kv_used_blocks: u64,
+    /// The next message's sequence number; 0 until the first is published.
     sequence: u64,
-    latest: Message,
 }
 
 /// A simulated worker rank 0 and its kv_metrics publisher.
@@ -36,21 +37,29 @@ pub struct SimulatedWorker {
 
 impl SimulatedWorker {
     pub fn new(worker_id: u64, publisher_id: u64, total_kv_blocks: u64) -> Self {
-        let latest = encode(publisher_id, 0, worker_id, 0);
         let (messages, _) = broadcast::channel(PUBLISH_BACKLOG);
         Self {
             worker_id,
             publisher_id,
             total_kv_blocks,
-            state: Mutex::new(Published { kv_used_blocks: 0, sequence: 0, latest }),
+            state: Mutex::new(Published { kv_used_blocks: 0, sequence: 0 }),
             messages,
         }
     }
 
-    /// The latest message and a receiver for every later one, taken together so none is lost.
-    pub fn subscribe(&self) -> (Message, broadcast::Receiver<Message>) {
-        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        (Arc::clone(&state.latest), self.messages.subscribe())
+    /// Every message published from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<Message> {
+        self.messages.subscribe()
+    }
+
+    /// A request reached the worker: its first one publishes the worker's load for the first
+    /// time, changed or not.
+    pub fn touch(&self) {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.sequence == 0 {
+            let used = state.kv_used_blocks;
+            self.publish(&mut state, used);
+        }
     }
 
     #[cfg(test)]
@@ -81,11 +90,15 @@ impl SimulatedWorker {
         if used == state.kv_used_blocks {
             return;
         }
+        self.publish(&mut state, used);
+    }
+
+    fn publish(&self, state: &mut Published, used: u64) {
         state.kv_used_blocks = used;
+        let message = encode(self.publisher_id, state.sequence, self.worker_id, used);
         state.sequence += 1;
-        state.latest = encode(self.publisher_id, state.sequence, self.worker_id, used);
-        // No subscriber yet is fine: a later one starts from `latest`.
-        let _ = self.messages.send(Arc::clone(&state.latest));
+        // No subscriber is fine: a PUB socket drops what nobody subscribed to.
+        let _ = self.messages.send(message);
     }
 }
 
@@ -145,13 +158,13 @@ mod tests {
 
     #[test]
     fn published_frames_decode_as_dynamo_kv_metrics() {
-        let worker = SimulatedWorker::new(0x1a7f_2b00_0001, 0x5a00_0001, 1024);
-        let (_, mut rx) = worker.subscribe();
+        let worker = SimulatedWorker::new(0x6a6c_a228_814c_9742, 0x5a00_0001, 1024);
+        let mut rx = worker.subscribe();
         assert_eq!(worker.add(5000), 1024);
         let message = rx.try_recv().unwrap_or_else(|e| panic!("{e}"));
         let sample =
             decode_kv_metrics(message.iter().map(Vec::as_slice), 0x5a00_0001).unwrap_or_else(|e| panic!("{e:?}"));
-        assert_eq!((sample.worker_id, sample.dp_rank, sample.sequence), (0x1a7f_2b00_0001, 0, 1));
+        assert_eq!((sample.worker_id, sample.dp_rank, sample.sequence), (0x6a6c_a228_814c_9742, 0, 0));
         assert_eq!(sample.load.kv_used_blocks, Some(1024), "capped at capacity");
         assert_eq!(sample.load.active_decode_blocks, None);
     }
@@ -165,17 +178,23 @@ mod tests {
         assert_eq!(worker.kv_used_blocks(), 10, "the first request still holds its blocks");
     }
 
+    /// As a 1.6.1 mocker: nothing while idle, the first message (sequence 0) with the first
+    /// request, then one per change.
     #[test]
-    fn an_unchanged_load_publishes_nothing() {
+    fn the_first_request_publishes_the_load_then_only_changes_do() {
         let worker = SimulatedWorker::new(1, 2, 16);
-        let (latest, mut rx) = worker.subscribe();
-        assert_eq!(latest[2], 0u64.to_be_bytes().to_vec());
+        let mut rx = worker.subscribe();
+        let sequence = |rx: &mut broadcast::Receiver<Message>| rx.try_recv().map(|m| m[2].clone()).ok();
         worker.release(3);
-        assert!(rx.try_recv().is_err());
+        assert_eq!(sequence(&mut rx), None, "idle: nothing");
+        worker.touch();
+        assert_eq!(sequence(&mut rx), Some(0u64.to_be_bytes().to_vec()), "the first request");
+        worker.touch();
+        assert_eq!(sequence(&mut rx), None, "only the first");
         assert_eq!(worker.add(4), 4);
         worker.release(4);
-        assert_eq!(rx.try_recv().map(|m| m[2].clone()).ok(), Some(1u64.to_be_bytes().to_vec()));
-        assert_eq!(rx.try_recv().map(|m| m[2].clone()).ok(), Some(2u64.to_be_bytes().to_vec()));
+        assert_eq!(sequence(&mut rx), Some(1u64.to_be_bytes().to_vec()));
+        assert_eq!(sequence(&mut rx), Some(2u64.to_be_bytes().to_vec()));
         assert_eq!(worker.kv_used_blocks(), 0);
     }
 }
