@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use continuum_control_plane::config::{LoadConfig, LoadTransport};
-use continuum_control_plane::load::SubscriptionState;
+use continuum_control_plane::load::{LoadOptions, SubscriptionState};
 use continuum_tests::eventually;
 use continuum_tests::load::{TestLoad, fleet, kv_metrics_publisher, loopback_config, test_options, worker};
 use continuum_tests::zmtp_peer::{KvMetricsSample, PeerConnection, RawPublisher};
@@ -203,6 +203,42 @@ async fn a_departed_worker_loses_its_samples_and_its_subscription() -> anyhow::R
         "the series left with the worker"
     );
     assert_eq!(gauge(&load, "connected", "direct"), 0);
+    load.stop().await;
+    Ok(())
+}
+
+/// A publisher record whose address nothing answers must not hold a place under the cap while
+/// another publisher waits: it yields its place, and gets it back when there is room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admitted_publisher_that_never_connects_yields_its_place_to_one_waiting() -> anyhow::Result<()> {
+    let dead = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        format!("tcp://{}", listener.local_addr()?)
+    };
+    let live = RawPublisher::bind().await?;
+    let options = LoadOptions {
+        max_subscriptions: 1,
+        yield_after: Duration::from_millis(300),
+        bench_time: Duration::from_secs(600),
+        ..test_options()
+    };
+    let load = TestLoad::start(&loopback_config(), options)?;
+    let workers = vec![worker(1, 1), worker(2, 1)];
+    let both =
+        fleet(workers.clone(), vec![kv_metrics_publisher(5, 1, dead), kv_metrics_publisher(9, 2, live.endpoint())]);
+    load.registry.publish(both.clone());
+    let admitted = |load: &TestLoad| states(load).iter().map(|(id, _)| *id).collect::<Vec<u64>>();
+    eventually(WAIT, "the lower id admitted first", || async { admitted(&load) == [5] }).await?;
+    eventually(WAIT, "the waiting publisher admitted and connected", || async {
+        states(&load) == [(9, Some(SubscriptionState::Connected))]
+    })
+    .await?;
+
+    // With room again, the publisher that yielded is admitted at once.
+    let mut alone = both;
+    alone.publishers.retain(|_, p| p.publisher_id == 5);
+    load.registry.publish(alone);
+    eventually(WAIT, "the yielded publisher back when there is room", || async { admitted(&load) == [5] }).await?;
     load.stop().await;
     Ok(())
 }

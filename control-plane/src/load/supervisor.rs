@@ -6,12 +6,15 @@
 //!   aborted) and what they held dropped (`Feed::departed`), and new publishers' tasks start.
 //! * Admission: at most [`MAX_LOAD_SUBSCRIPTIONS`] run, the lowest publisher ids first, so a
 //!   fleet cannot exhaust the process's file descriptors; when some go, the next are admitted.
+//!   While publishers wait beyond the cap, an admitted one that has never connected within
+//!   [`YIELD_AFTER`] gives its place to the next (its record may name an address that cannot
+//!   be reached); it waits behind the others for [`BENCH_TIME`], or until there is room.
 //! * Reload: `max_staleness` applies at once; a `transport` or `direct_allow_cidrs` change
 //!   restarts only the subscriptions (each drops its samples when it connects again).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -33,6 +36,10 @@ use crate::sources::Generation;
 pub const MAX_LOAD_SUBSCRIPTIONS: usize = 1024;
 /// How long a cancelled subscription may take to end before it is aborted.
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long an admitted subscription may go without a first session while others wait.
+pub const YIELD_AFTER: Duration = Duration::from_secs(60);
+/// How long a publisher that yielded its place waits behind the others (unless there is room).
+pub const BENCH_TIME: Duration = Duration::from_secs(600);
 
 /// Knobs that are constants in production and shorter in tests.
 #[derive(Clone, Copy, Debug)]
@@ -43,6 +50,8 @@ pub struct LoadOptions {
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
     pub stable_session: Duration,
+    pub yield_after: Duration,
+    pub bench_time: Duration,
 }
 
 impl Default for LoadOptions {
@@ -54,6 +63,8 @@ impl Default for LoadOptions {
             backoff_initial: RECONNECT_INITIAL,
             backoff_max: RECONNECT_MAX,
             stable_session: STABLE_SESSION,
+            yield_after: YIELD_AFTER,
+            bench_time: BENCH_TIME,
         }
     }
 }
@@ -151,7 +162,15 @@ impl Supervisor {
         });
         let (statuses_tx, statuses) = watch::channel(Subscriptions::from(Vec::new()));
         let (policy_tx, policy_rx) = watch::channel(policy.clone());
-        let actor = Actor { ctx, options, policy, running: BTreeMap::new(), statuses: statuses_tx, over_cap: 0 };
+        let actor = Actor {
+            ctx,
+            options,
+            policy,
+            running: BTreeMap::new(),
+            statuses: statuses_tx,
+            over_cap: 0,
+            benched: BTreeMap::new(),
+        };
         let task = tokio::spawn(actor.run(registry, policy_rx, cancel.clone()));
         Self { policy: policy_tx, statuses, cancel, task: Some(task) }
     }
@@ -185,6 +204,7 @@ struct Running {
     status: Arc<SubscriptionStatus>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
+    since: Instant,
 }
 
 struct Actor<F> {
@@ -193,8 +213,11 @@ struct Actor<F> {
     policy: DialPolicy,
     running: BTreeMap<AdmissionKey, Running>,
     statuses: watch::Sender<Subscriptions>,
-    /// Publishers left out by the cap at the last reconcile, to log changes only.
+    /// Publishers left out by the cap at the last reconcile.
     over_cap: usize,
+    /// Publishers that yielded their place (never connected while others waited), and when:
+    /// admitted after every other until [`LoadOptions::bench_time`] has passed.
+    benched: BTreeMap<AdmissionKey, Instant>,
 }
 
 impl<F: Feed> Actor<F> {
@@ -205,6 +228,8 @@ impl<F: Feed> Actor<F> {
         cancel: CancellationToken,
     ) {
         let mut registry_open = true;
+        let mut review = tokio::time::interval((self.options.yield_after / 4).max(Duration::from_millis(10)));
+        review.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let generation = Arc::clone(&registry.borrow_and_update());
             self.reconcile(&generation.fleet).await;
@@ -215,6 +240,11 @@ impl<F: Feed> Actor<F> {
                         let all = std::mem::take(&mut self.running).into_values().collect();
                         stop_all(all, self.options.stop_grace).await;
                         return;
+                    }
+                    _ = review.tick(), if self.over_cap > 0 => {
+                        if self.bench_unreachable(Instant::now()) {
+                            self.reconcile(&generation.fleet).await;
+                        }
                     }
                     changed = policy.changed() => {
                         if changed.is_ok() {
@@ -255,7 +285,32 @@ impl<F: Feed> Actor<F> {
         self.publish_statuses();
     }
 
-    /// The feed's publishers to run, lowest ids first, at most the cap.
+    /// While publishers wait beyond the cap, benches the admitted ones that have not had a
+    /// session within [`LoadOptions::yield_after`], at most one per waiting publisher; whether
+    /// it benched any.
+    fn bench_unreachable(&mut self, now: Instant) -> bool {
+        let yield_after = self.options.yield_after;
+        let stuck: Vec<AdmissionKey> = self
+            .running
+            .iter()
+            .filter(|(_, r)| r.status.sessions() == 0 && now.saturating_duration_since(r.since) >= yield_after)
+            .map(|(key, _)| key.clone())
+            .take(self.over_cap)
+            .collect();
+        for key in &stuck {
+            tracing::warn!(
+                publisher_id = key.0,
+                namespace = %key.1,
+                topic = self.ctx.feed.topic().as_str(),
+                "no session with this publisher within {yield_after:?} while others wait beyond the subscription cap; \
+                 giving its place to the next"
+            );
+            self.benched.insert(key.clone(), now);
+        }
+        !stuck.is_empty()
+    }
+
+    /// The feed's publishers to run, at most the cap: the lowest ids first, those benched last.
     fn admitted<'a>(&mut self, fleet: &'a Fleet) -> BTreeMap<AdmissionKey, &'a Publisher> {
         let topic = self.ctx.feed.topic();
         let all: BTreeMap<AdmissionKey, &Publisher> = fleet
@@ -264,6 +319,9 @@ impl<F: Feed> Actor<F> {
             .filter(|p| p.topic == topic)
             .map(|p| ((p.publisher_id, p.namespace.clone()), p))
             .collect();
+        let now = Instant::now();
+        let bench_time = self.options.bench_time;
+        self.benched.retain(|key, at| all.contains_key(key) && now.saturating_duration_since(*at) < bench_time);
         let over_cap = all.len().saturating_sub(self.options.max_subscriptions);
         if over_cap != self.over_cap {
             self.over_cap = over_cap;
@@ -277,7 +335,10 @@ impl<F: Feed> Actor<F> {
                 );
             }
         }
-        all.into_iter().take(self.options.max_subscriptions).collect()
+        // Stable: ascending ids among the unbenched, then among the benched.
+        let mut order: Vec<(AdmissionKey, &Publisher)> = all.into_iter().collect();
+        order.sort_by_key(|(key, _)| self.benched.contains_key(key));
+        order.into_iter().take(self.options.max_subscriptions).collect()
     }
 
     async fn apply_policy(&mut self, new: DialPolicy, fleet: &Fleet) {
@@ -309,7 +370,7 @@ impl<F: Feed> Actor<F> {
             Arc::clone(&status),
             cancel.clone(),
         ));
-        Running { publisher, status, cancel, task }
+        Running { publisher, status, cancel, task, since: Instant::now() }
     }
 
     fn publish_statuses(&self) {

@@ -19,7 +19,7 @@ fn running(id: u64, task: JoinHandle<()>, cancel: CancellationToken) -> Running 
         dp_rank: None,
         address: String::new(),
     };
-    Running { publisher, status, cancel, task }
+    Running { publisher, status, cancel, task, since: std::time::Instant::now() }
 }
 
 #[tokio::test(start_paused = true)]
