@@ -124,7 +124,8 @@ impl KvRouting {
     }
 
     /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name),
-    /// one of whose `contenders` (instance id, dp rank) would prefill it.
+    /// one of whose `contenders` (instance id, dp rank) would prefill it; its blocks hashed
+    /// with `cache_salt`, the salt the frontend will use (see `ChatRequest::cache_salt`).
     pub async fn term(
         &self,
         view: &FleetView,
