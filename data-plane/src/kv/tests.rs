@@ -250,6 +250,8 @@ async fn warming_renders_a_long_probe_on_each_permit_s_own_thread() {
     let renderer = Renderer::new(RenderLimits { permits: 4, ..RenderLimits::default() });
     let warmed = renderer.warm(Arc::clone(&artifacts)).await;
     assert_eq!(warmed, Warmed { rendered: 4, threads: 4 });
+
+    assert_eq!(renderer.permits_available(), 4, "each probe gave its permit back");
     let request = chat("the probes left no pieces behind");
     let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::default(), 1 << 20).unwrap();
     assert!(!prepared.tokens.is_empty());

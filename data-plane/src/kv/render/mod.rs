@@ -114,11 +114,17 @@ impl Renderer {
         self.limits
     }
 
+    #[cfg(test)]
+    pub(crate) fn permits_available(&self) -> usize {
+        self.permits.available_permits()
+    }
+
     /// Renders a probe prompt with `artifacts` on as many blocking-pool threads at once as
     /// there are permits, so the first burst of requests after a tokenizer loads renders on
-    /// warm threads and memory (`warm.rs`).
+    /// warm threads and memory (`warm.rs`). Each probe holds a permit as a request's render
+    /// does, so renders of every kind together never outnumber the permits.
     pub async fn warm(&self, artifacts: Arc<LoadedArtifacts>) -> Warmed {
-        warm::warm(artifacts, self.limits.permits).await
+        warm::warm(artifacts, &self.permits, self.limits.permits).await
     }
 
     /// Renders `request` (an OpenAI chat-completions body) with the model's template, encodes it

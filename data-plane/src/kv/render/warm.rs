@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use tokio::sync::Semaphore;
 
 use super::super::artifacts::LoadedArtifacts;
 use super::super::hashing::{BlockSize, SaltHash, block_hashes};
@@ -31,24 +32,27 @@ pub struct Warmed {
 
 /// Renders a probe on each of `threads` render threads at the same time and waits for
 /// them. Each holds its thread until every probe has started (or [`WARM_WAIT`] passed), so no
-/// two share one. Best effort: a probe that fails to render only warms less.
-pub(super) async fn warm(artifacts: Arc<LoadedArtifacts>, threads: usize) -> Warmed {
+/// two share one, and one of `permits` while it runs. Best effort: a probe that fails to
+/// render only warms less.
+pub(super) async fn warm(artifacts: Arc<LoadedArtifacts>, permits: &Arc<Semaphore>, threads: usize) -> Warmed {
     let started = Instant::now();
     let running = Arc::new(AtomicUsize::new(0));
-    let probes: Vec<_> = (0..threads)
-        .map(|probe| {
-            let (artifacts, running) = (Arc::clone(&artifacts), Arc::clone(&running));
-            super::threads::spawn(move || {
-                running.fetch_add(1, Ordering::AcqRel);
-                let rendered = render_probe(&artifacts, probe).is_some();
-                let deadline = Instant::now() + WARM_WAIT;
-                while running.load(Ordering::Acquire) < threads && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                (rendered, std::thread::current().id())
-            })
-        })
-        .collect();
+    let mut probes = Vec::with_capacity(threads);
+    for probe in 0..threads {
+        // The renderer's semaphore is never closed.
+        let Ok(permit) = Arc::clone(permits).acquire_owned().await else { break };
+        let (artifacts, running) = (Arc::clone(&artifacts), Arc::clone(&running));
+        probes.push(super::threads::spawn(move || {
+            let _permit = permit;
+            running.fetch_add(1, Ordering::AcqRel);
+            let rendered = render_probe(&artifacts, probe).is_some();
+            let deadline = Instant::now() + WARM_WAIT;
+            while running.load(Ordering::Acquire) < threads && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            (rendered, std::thread::current().id())
+        }));
+    }
     let (mut rendered, mut ids) = (0, HashSet::new());
     for probe in probes {
         if let Ok((ok, id)) = probe.await {
