@@ -146,6 +146,12 @@ struct Ended {
     at: Instant,
     /// The blocks the end freed on the rank.
     blocks: u64,
+    /// When it was dispatched, and when its prompt stopped queueing on the rank (its first
+    /// token, or its end if none came), with the prompt's tokens: a sample received shortly
+    /// after may still count them.
+    started: Instant,
+    prompt_done: Instant,
+    prompt_tokens: u64,
 }
 
 #[derive(Debug)]
@@ -305,6 +311,13 @@ impl Rank {
         dispatch.alone = dispatch.prefill_tokens > 0 && self.dispatches.values().all(|d| d.prefill_tokens == 0);
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
+        // Reported before the rank's last sample arrived but folded after it was measured (the
+        // report waited in the book's queue): the measure read it as foreign, as `sampled`
+        // would not have.
+        if self.sampled_at.is_some_and(|sampled| dispatch.at < sampled) {
+            self.foreign = self.foreign.map(|f| f.saturating_sub(dispatch.added));
+            self.foreign_prefill = self.foreign_prefill.map(|f| f.saturating_sub(dispatch.prompt_tokens));
+        }
         self.dispatches.insert(id, dispatch);
     }
 
@@ -321,12 +334,14 @@ impl Rank {
         // An engine that counts its queued prompts (SGLang, TensorRT-LLM) counts the fleet's
         // dispatches it had received: those are the fleet's to count until their first token,
         // so only the rest of what the sample shows is added to them.
-        let queued = self
-            .dispatches
-            .values()
-            .filter(|d| d.at < at && d.answered.is_none_or(|t| at.saturating_duration_since(t) < SAMPLE_LAG))
-            .map(|d| d.prompt_tokens)
-            .fold(0u64, u64::saturating_add);
+        let queued_then = |started: Instant, done: Option<Instant>, tokens: u64| {
+            let queued = started < at && done.is_none_or(|t| at.saturating_duration_since(t) < SAMPLE_LAG);
+            if queued { tokens } else { 0 }
+        };
+        let in_flight = self.dispatches.values().map(|d| queued_then(d.at, d.answered, d.prompt_tokens));
+        // A prefill leg ends with its first token: its prompt may still be in the sample too.
+        let ended = self.ended.iter().map(|e| queued_then(e.started, Some(e.prompt_done), e.prompt_tokens));
+        let queued = in_flight.chain(ended).fold(0u64, u64::saturating_add);
         self.foreign_prefill = load.and_then(|l| l.active_prefill_tokens).map(|shown| shown.saturating_sub(queued));
         // What was in flight when it arrived: everything less what started since.
         let since = self.dispatches.values().filter(|d| d.at >= at).map(|d| d.added).fold(0u64, u64::saturating_add);
@@ -393,7 +408,13 @@ impl Rank {
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);
         self.last_end = Some(now);
-        self.ended.push_back(Ended { at: now, blocks: freed });
+        self.ended.push_back(Ended {
+            at: now,
+            blocks: freed,
+            started: dispatch.at,
+            prompt_done: dispatch.answered.unwrap_or(now),
+            prompt_tokens: dispatch.prompt_tokens,
+        });
         // `ending` is recounted by the publish check (`Book::expire`) before any sum is taken,
         // not here: recounting walks every dispatch of the rank, and ends come one by one.
         while self.ended.len() > MAX_ENDED_PER_RANK

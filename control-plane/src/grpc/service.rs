@@ -53,7 +53,9 @@ impl Replicas {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         let mut superseded = 0;
-        for open in inner.values().filter(|open| open.status.replica_id == status.replica_id) {
+        // A session already ended but not yet removed is not ended again (nor counted).
+        let live = |open: &&Open| !open.ended.is_cancelled() && open.status.replica_id == status.replica_id;
+        for open in inner.values().filter(live) {
             open.ended.cancel();
             superseded += 1;
         }

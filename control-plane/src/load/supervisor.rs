@@ -8,11 +8,12 @@
 //!   fleet cannot exhaust the process's file descriptors; when some go, the next are admitted.
 //!   While publishers wait beyond the cap, an admitted one that has never connected within
 //!   [`YIELD_AFTER`] gives its place to the next (its record may name an address that cannot
-//!   be reached); it waits behind the others for [`BENCH_TIME`], or until there is room.
+//!   be reached); from then on it is admitted after every other, when there is room, until a
+//!   session with it succeeds.
 //! * Reload: `max_staleness` applies at once; a `transport` or `direct_allow_cidrs` change
 //!   restarts only the subscriptions (each drops its samples when it connects again).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,8 +39,6 @@ pub const MAX_LOAD_SUBSCRIPTIONS: usize = 1024;
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
 /// How long an admitted subscription may go without a first session while others wait.
 pub const YIELD_AFTER: Duration = Duration::from_secs(60);
-/// How long a publisher that yielded its place waits behind the others (unless there is room).
-pub const BENCH_TIME: Duration = Duration::from_secs(600);
 
 /// Knobs that are constants in production and shorter in tests.
 #[derive(Clone, Copy, Debug)]
@@ -51,7 +50,6 @@ pub struct LoadOptions {
     pub backoff_max: Duration,
     pub stable_session: Duration,
     pub yield_after: Duration,
-    pub bench_time: Duration,
 }
 
 impl Default for LoadOptions {
@@ -64,7 +62,6 @@ impl Default for LoadOptions {
             backoff_max: RECONNECT_MAX,
             stable_session: STABLE_SESSION,
             yield_after: YIELD_AFTER,
-            bench_time: BENCH_TIME,
         }
     }
 }
@@ -169,7 +166,8 @@ impl Supervisor {
             running: BTreeMap::new(),
             statuses: statuses_tx,
             over_cap: 0,
-            benched: BTreeMap::new(),
+            waiting: 0,
+            benched: BTreeSet::new(),
         };
         let task = tokio::spawn(actor.run(registry, policy_rx, cancel.clone()));
         Self { policy: policy_tx, statuses, cancel, task: Some(task) }
@@ -213,11 +211,13 @@ struct Actor<F> {
     policy: DialPolicy,
     running: BTreeMap<AdmissionKey, Running>,
     statuses: watch::Sender<Subscriptions>,
-    /// Publishers left out by the cap at the last reconcile.
+    /// Publishers left out by the cap at the last reconcile, to log changes only.
     over_cap: usize,
-    /// Publishers that yielded their place (never connected while others waited), and when:
-    /// admitted after every other until [`LoadOptions::bench_time`] has passed.
-    benched: BTreeMap<AdmissionKey, Instant>,
+    /// Of those, the ones not benched: how many places unreachable publishers may yield.
+    waiting: usize,
+    /// Publishers that yielded their place (no session while others waited): admitted after
+    /// every other until a session with one succeeds.
+    benched: BTreeSet<AdmissionKey>,
 }
 
 impl<F: Feed> Actor<F> {
@@ -241,7 +241,7 @@ impl<F: Feed> Actor<F> {
                         stop_all(all, self.options.stop_grace).await;
                         return;
                     }
-                    _ = review.tick(), if self.over_cap > 0 => {
+                    _ = review.tick(), if self.waiting > 0 => {
                         if self.bench_unreachable(Instant::now()) {
                             self.reconcile(&generation.fleet).await;
                         }
@@ -286,16 +286,20 @@ impl<F: Feed> Actor<F> {
     }
 
     /// While publishers wait beyond the cap, benches the admitted ones that have not had a
-    /// session within [`LoadOptions::yield_after`], at most one per waiting publisher; whether
-    /// it benched any.
+    /// session within [`LoadOptions::yield_after`], at most one per waiting publisher not
+    /// benched itself; whether it benched any.
     fn bench_unreachable(&mut self, now: Instant) -> bool {
         let yield_after = self.options.yield_after;
         let stuck: Vec<AdmissionKey> = self
             .running
             .iter()
-            .filter(|(_, r)| r.status.sessions() == 0 && now.saturating_duration_since(r.since) >= yield_after)
+            .filter(|(key, r)| {
+                !self.benched.contains(*key)
+                    && r.status.sessions() == 0
+                    && now.saturating_duration_since(r.since) >= yield_after
+            })
             .map(|(key, _)| key.clone())
-            .take(self.over_cap)
+            .take(self.waiting)
             .collect();
         for key in &stuck {
             tracing::warn!(
@@ -305,7 +309,7 @@ impl<F: Feed> Actor<F> {
                 "no session with this publisher within {yield_after:?} while others wait beyond the subscription cap; \
                  giving its place to the next"
             );
-            self.benched.insert(key.clone(), now);
+            self.benched.insert(key.clone());
         }
         !stuck.is_empty()
     }
@@ -319,9 +323,9 @@ impl<F: Feed> Actor<F> {
             .filter(|p| p.topic == topic)
             .map(|p| ((p.publisher_id, p.namespace.clone()), p))
             .collect();
-        let now = Instant::now();
-        let bench_time = self.options.bench_time;
-        self.benched.retain(|key, at| all.contains_key(key) && now.saturating_duration_since(*at) < bench_time);
+        // A publisher benched stays so while it is in the fleet and no session with it succeeded.
+        let running = &self.running;
+        self.benched.retain(|key| all.contains_key(key) && running.get(key).is_none_or(|r| r.status.sessions() == 0));
         let over_cap = all.len().saturating_sub(self.options.max_subscriptions);
         if over_cap != self.over_cap {
             self.over_cap = over_cap;
@@ -337,8 +341,10 @@ impl<F: Feed> Actor<F> {
         }
         // Stable: ascending ids among the unbenched, then among the benched.
         let mut order: Vec<(AdmissionKey, &Publisher)> = all.into_iter().collect();
-        order.sort_by_key(|(key, _)| self.benched.contains_key(key));
-        order.into_iter().take(self.options.max_subscriptions).collect()
+        order.sort_by_key(|(key, _)| self.benched.contains(key));
+        let cap = self.options.max_subscriptions;
+        self.waiting = order.iter().skip(cap).filter(|(key, _)| !self.benched.contains(key)).count();
+        order.into_iter().take(cap).collect()
     }
 
     async fn apply_policy(&mut self, new: DialPolicy, fleet: &Fleet) {

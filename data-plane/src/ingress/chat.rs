@@ -15,8 +15,9 @@ use crate::http::AppState;
 use crate::metrics::Ingress;
 
 /// One chat completion, answered and observed. The replica's server calls this directly, with
-/// none of the client's headers: only whether it asked for disclosure. So no header of the
-/// client's can reach a shim; the outbound headers are the dispatcher's own and the pins.
+/// none of the client's headers: only whether it asked for disclosure, and its tenant. So no
+/// header of the client's can reach a shim; the outbound headers are the dispatcher's own and
+/// the pins, and the tenant travels in the body as the salt the frontend would take from it.
 pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Response {
     let started = Instant::now();
     let response = serve(state, disclose, tenant, body).await.unwrap_or_else(IntoResponse::into_response);

@@ -252,6 +252,11 @@ async fn warming_renders_a_long_probe_on_each_permit_s_own_thread() {
     assert_eq!(warmed, Warmed { rendered: 4, threads: 4 });
 
     assert_eq!(renderer.permits_available(), 4, "each probe gave its permit back");
+    // A render in progress holds a permit: warming takes only the free ones, without waiting.
+    let held = renderer.hold_permit();
+    assert_eq!(renderer.warm(Arc::clone(&artifacts)).await.rendered, 3);
+    drop(held);
+    assert_eq!(renderer.permits_available(), 4);
     let request = chat("the probes left no pieces behind");
     let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::default(), 1 << 20).unwrap();
     assert!(!prepared.tokens.is_empty());

@@ -97,12 +97,21 @@ pub fn strip_body_routing(body: &mut Value) {
 /// tokenizing again (`kv.send_token_data`). Only after [`strip_body_routing`]: a client's own
 /// `token_data` never reaches a shim.
 pub fn attach_token_data(body: &mut Value, tokens: Vec<u32>) {
+    attach_nvext(body, "token_data", Value::from(tokens));
+}
+
+/// Sets `nvext.<field>`, making `nvext` an object first when it is absent or null (the only
+/// other shapes a body past the ingress and [`strip_body_routing`] can hold).
+fn attach_nvext(body: &mut Value, field: &str, value: Value) {
     let Some(request) = body.as_object_mut() else {
         return;
     };
-    let nvext = request.entry("nvext").or_insert_with(|| Value::Object(serde_json::Map::new()));
+    let nvext = request.entry("nvext").or_insert(Value::Null);
+    if !nvext.is_object() {
+        *nvext = Value::Object(serde_json::Map::new());
+    }
     if let Value::Object(nvext) = nvext {
-        nvext.insert("token_data".into(), Value::from(tokens));
+        nvext.insert(field.into(), value);
     }
 }
 
@@ -161,13 +170,7 @@ pub fn tenant<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<String> {
 /// the salt when no `x-tenant-id` header comes with the request: a shim request carries no
 /// client header. The frontend salts the prompt's blocks with it as the client asked.
 pub fn attach_cache_salt(body: &mut Value, salt: &str) {
-    let Some(request) = body.as_object_mut() else {
-        return;
-    };
-    let nvext = request.entry("nvext").or_insert_with(|| Value::Object(serde_json::Map::new()));
-    if let Value::Object(nvext) = nvext {
-        nvext.insert("cache_salt".into(), Value::from(salt));
-    }
+    attach_nvext(body, "cache_salt", Value::from(salt));
 }
 
 /// Whether a request header (by its name as sent, any case) asks to see the chosen backend and

@@ -270,6 +270,22 @@ fn load_the_fleet_did_not_send_is_foreign() {
     assert_eq!(sums(&book.take_change(t0)), [], "foreign: 400 shown - 100 in flight, unchanged");
 }
 
+/// The foreign prefill tokens of each rank a change publishes.
+fn foreign_prefill(change: &FleetChange) -> Vec<Option<u64>> {
+    change.backlogs.iter().map(|(_, b)| b.foreign_prefill_tokens).collect()
+}
+
+/// A sample of an engine that counts its queued prompts (`active_prefill_tokens`).
+fn queued(state: &FleetState, tokens: u64, at: Instant) -> FleetState {
+    let load = Load { active_prefill_tokens: Some(tokens), kv_used_blocks: Some(0), ..Load::default() };
+    match state
+        .commit(FleetChange { loads: vec![(rank(0), LoadSample { load, received_at: at })], ..Default::default() })
+    {
+        Some((state, _)) => state,
+        None => panic!("a sample is a change"),
+    }
+}
+
 /// An engine that counts its queued prompts (SGLang, TensorRT-LLM) counts the fleet's
 /// dispatches it has received; the fleet counts them until their first token. Only the rest
 /// of what its sample shows is foreign.
@@ -278,17 +294,6 @@ fn a_prefill_queue_the_sample_shares_with_the_fleet_counts_once() {
     let state = state_with(0);
     let mut book = Book::default();
     let t0 = Instant::now();
-    let foreign_prefill =
-        |change: &FleetChange| change.backlogs.iter().map(|(_, b)| b.foreign_prefill_tokens).collect::<Vec<_>>();
-    let queued = |state: &FleetState, tokens: u64, at: Instant| {
-        let load = Load { active_prefill_tokens: Some(tokens), kv_used_blocks: Some(0), ..Load::default() };
-        match state
-            .commit(FleetChange { loads: vec![(rank(0), LoadSample { load, received_at: at })], ..Default::default() })
-        {
-            Some((state, _)) => state,
-            None => panic!("a sample is a change"),
-        }
-    };
     book.report(1, report(vec![started(1, 0, 160), started(2, 0, 320)], vec![]), t0, &state);
     // The engine shows both prompts queued and 100 tokens of someone else's.
     let busy = queued(&state, 580, t0 + Duration::from_millis(5));
@@ -317,6 +322,32 @@ fn a_prefill_queue_the_sample_shares_with_the_fleet_counts_once() {
     let silent = sampled(&settled, 0, 10, later + Duration::from_millis(3));
     book.expire(&silent, later + Duration::from_millis(4));
     assert_eq!(foreign_prefill(&book.take_change(later)), [None]);
+}
+
+/// A prefill leg ends with its first token, so the book forgets it at once; a sample received
+/// just after may still count its prompt. And a report that waited in the book's queue past
+/// a sample it preceded is folded after the sample was measured.
+#[test]
+fn prompts_a_sample_may_still_count_are_not_foreign() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    book.report(1, report(vec![started(1, 0, 160), started(2, 0, 48)], vec![]), t0, &state);
+    let answered_and_ended = pb::DispatchReport { prefilled: vec![1], ended: vec![1], ..Default::default() };
+    book.report(1, answered_and_ended, t0 + Duration::from_millis(10), &state);
+    // Published before the first token, received after the end: 160 + 48 shown, 16 foreign.
+    let late = queued(&state, 224, t0 + Duration::from_millis(11));
+    book.expire(&late, t0 + Duration::from_millis(12));
+    assert_eq!(foreign_prefill(&book.take_change(t0)), [Some(16)], "224 - 48 in flight - 160 just answered");
+    // Dispatch 3 was reported before the next sample arrived, but reaches the book after the
+    // sample was measured: once folded, it is the fleet's, not foreign. (Past the lag, the
+    // answered prompt no longer counts as the fleet's.)
+    let t1 = t0 + Duration::from_millis(10) + SAMPLE_LAG;
+    let next = queued(&late, 248, t1 + Duration::from_millis(11));
+    book.expire(&next, t1 + Duration::from_millis(12));
+    assert_eq!(foreign_prefill(&book.take_change(t0)), [Some(200)], "248 - 48, before dispatch 3 is folded");
+    book.report(1, report(vec![started(3, 0, 32)], vec![]), t1 + Duration::from_millis(10), &next);
+    assert_eq!(foreign_prefill(&book.take_change(t0)), [Some(168)], "its 32 tokens were the fleet's");
 }
 
 #[test]

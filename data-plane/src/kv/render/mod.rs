@@ -119,10 +119,16 @@ impl Renderer {
         self.permits.available_permits()
     }
 
+    /// A permit, as a render in progress holds one.
+    #[cfg(test)]
+    pub(crate) fn hold_permit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        Arc::clone(&self.permits).try_acquire_owned().ok()
+    }
+
     /// Renders a probe prompt with `artifacts` on as many blocking-pool threads at once as
     /// there are permits, so the first burst of requests after a tokenizer loads renders on
-    /// warm threads and memory (`warm.rs`). Each probe holds a permit as a request's render
-    /// does, so renders of every kind together never outnumber the permits.
+    /// warm threads and memory (`warm.rs`). Each probe holds a permit, of those free, as a
+    /// request's render does: renders of every kind together never outnumber the permits.
     pub async fn warm(&self, artifacts: Arc<LoadedArtifacts>) -> Warmed {
         warm::warm(artifacts, &self.permits, self.limits.permits).await
     }

@@ -22,9 +22,10 @@ pub const RENDER_FUEL: u64 = 5_000_000;
 const PROBE_FUEL: u64 = RENDER_FUEL / 10;
 /// Bytes of rendered text one render may produce.
 pub const MAX_RENDERED_BYTES: usize = 1 << 20;
-/// What a render's context may weigh times its message count. A template that builds a string
-/// one message at a time (DeepSeek's joins every system message into one) copies the string
-/// so far at each step, about half this product in all, and neither fuel (counted per
+/// What a render's context may weigh times its longest list (its messages, tools or
+/// documents). A template that builds a string one item at a time (DeepSeek's joins every
+/// system message into one) copies the string so far at each step, about half this product in
+/// all, and neither fuel (counted per
 /// instruction, not per byte) nor the output cap (checked when the string is printed, after
 /// the loop) stops it: 140,000 short messages in an 8 MiB body would copy for tens of
 /// seconds. At this bound a render copies at most about 2 GiB, while a 1,000-message
@@ -144,7 +145,8 @@ impl ChatTemplate {
     }
 }
 
-/// The context's weight (its strings' bytes, and [`VALUE_WEIGHT`] a value) times its messages.
+/// The context's weight (its strings' bytes, and [`VALUE_WEIGHT`] a value) times the length of
+/// its longest list: the most steps a loop over one of them takes.
 fn accumulation(context: &Map<String, Json>) -> u64 {
     fn weight(value: &Json) -> u64 {
         VALUE_WEIGHT.saturating_add(match value {
@@ -156,9 +158,9 @@ fn accumulation(context: &Map<String, Json>) -> u64 {
             Json::Null | Json::Bool(_) | Json::Number(_) => 0,
         })
     }
-    let messages = context.get("messages").and_then(Json::as_array).map_or(0, Vec::len) as u64;
+    let steps = context.values().filter_map(Json::as_array).map(Vec::len).max().unwrap_or(0) as u64;
     let weight = context.values().map(weight).fold(0, u64::saturating_add);
-    messages.max(1).saturating_mul(weight)
+    steps.max(1).saturating_mul(weight)
 }
 
 /// Renders `name` under the prompt's output cap (and the environment's fuel).
@@ -526,6 +528,10 @@ mod tests {
         // Empty messages still copy their separators: 10,000 of them weigh past the bound
         // (here the copying would be brief; 140,000 in an 8 MiB body would take minutes).
         assert!(matches!(template.render(&conversation(10_000, 0)), Err(RenderError::TooLarge)));
+        // The same bound for a loop over tools: 10,000 of them with one short message.
+        let tool = json!({"type": "function", "function": {"name": "f"}});
+        let tools = json!({"messages": [{"role": "user", "content": "hi"}], "tools": vec![tool; 10_000]});
+        assert!(matches!(template.render(&tools), Err(RenderError::TooLarge)));
         // A long real conversation renders: 1,000 messages of 1 KiB.
         assert_eq!(template.render(&conversation(1_000, 1 << 10)).unwrap(), (1_000 * ((1 << 10) + 2)).to_string());
     }

@@ -3,7 +3,7 @@
 //! the memory an encode's buffers take. On the benchmark's 2 cores (`docs/benchmark-notes.md`, session 21) the
 //! first burst's renders ran 25–100 ms against 2–5 ms once warm, and that burst's requests were
 //! the run's slowest. So before a loaded tokenizer is served, one probe prompt is rendered on
-//! each of the renderer's permits' worth of threads at once.
+//! as many threads at once as the renderer has permits free.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -30,17 +30,18 @@ pub struct Warmed {
     pub threads: usize,
 }
 
-/// Renders a probe on each of `threads` render threads at the same time and waits for
-/// them. Each holds its thread until every probe has started (or [`WARM_WAIT`] passed), so no
-/// two share one, and one of `permits` while it runs. Best effort: a probe that fails to
-/// render only warms less.
+/// Renders a probe on each of up to `threads` render threads at the same time and waits for
+/// them. Each holds one of `permits`, as a request's render does, taking only those free now:
+/// warming never waits for requests' renders, nor holds permits they wait for beyond its own
+/// probes. Each probe holds its thread until every probe has started (or [`WARM_WAIT`]
+/// passed), so no two share one. Best effort: a probe that fails to render only warms less.
 pub(super) async fn warm(artifacts: Arc<LoadedArtifacts>, permits: &Arc<Semaphore>, threads: usize) -> Warmed {
     let started = Instant::now();
     let running = Arc::new(AtomicUsize::new(0));
+    let free: Vec<_> = (0..threads).map_while(|_| Arc::clone(permits).try_acquire_owned().ok()).collect();
+    let threads = free.len();
     let mut probes = Vec::with_capacity(threads);
-    for probe in 0..threads {
-        // The renderer's semaphore is never closed.
-        let Ok(permit) = Arc::clone(permits).acquire_owned().await else { break };
+    for (probe, permit) in free.into_iter().enumerate() {
         let (artifacts, running) = (Arc::clone(&artifacts), Arc::clone(&running));
         probes.push(super::threads::spawn(move || {
             let _permit = permit;

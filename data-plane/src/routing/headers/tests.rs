@@ -249,4 +249,9 @@ fn a_cache_salt_is_carried_in_nvext_over_the_bodys_own() {
     let mut bare = json!({"model": "m"});
     attach_cache_salt(&mut bare, "tenant-a");
     assert_eq!(bare["nvext"], json!({"cache_salt": "tenant-a"}));
+    // `"nvext": null` passes the ingress; the salt and the router's tokens still get through.
+    let mut null = json!({"model": "m", "nvext": null});
+    attach_cache_salt(&mut null, "tenant-a");
+    attach_token_data(&mut null, vec![1, 2]);
+    assert_eq!(null["nvext"], json!({"cache_salt": "tenant-a", "token_data": [1, 2]}));
 }
