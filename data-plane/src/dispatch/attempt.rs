@@ -14,8 +14,9 @@ use super::shim_body::ShimBody;
 use super::{Dispatcher, Failure, SendError};
 use crate::routing::headers::Pins;
 
-/// The headers of every request to a shim, the dispatcher's own: nothing of the client's is
-/// forwarded, and the encoder writes no routing header but the pins.
+/// The headers of every request to a shim, the dispatcher's own: of the client's, only its
+/// tenant is added (`Dispatcher::request_headers`), and the encoder writes no routing header
+/// but the pins.
 pub(super) fn shim_headers(stream: bool) -> HeaderMap {
     let mut headers = HeaderMap::new();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -29,7 +30,7 @@ impl Dispatcher {
     pub(super) async fn send<'r>(
         &self,
         replicas: &'r [ShimReplica],
-        pins: Pins,
+        (headers, pins): (&HeaderMap, Pins),
         body: &Bytes,
         stream: bool,
     ) -> Result<(&'r ShimReplica, Response<ShimBody>), Failure> {
@@ -54,7 +55,7 @@ impl Dispatcher {
                 self.metrics.shim_retries.inc();
             }
             attempts += 1;
-            match self.attempt(replica, stream, pins, body, head_timeout).await {
+            match self.attempt(replica, (headers, pins), body, head_timeout).await {
                 Ok(response) => return Ok((replica, response)),
                 Err(error) => {
                     let retry = error.before_request_sent();
@@ -74,12 +75,10 @@ impl Dispatcher {
     async fn attempt(
         &self,
         replica: &ShimReplica,
-        stream: bool,
-        pins: Pins,
+        (headers, pins): (&HeaderMap, Pins),
         body: &Bytes,
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
-        let headers = &self.headers[usize::from(stream)];
         let outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
         self.health.record(&replica.name, &replica.url, outcome.is_ok(), Instant::now());
         if let Err(error) = &outcome {

@@ -25,11 +25,12 @@ mod respond;
 pub mod shim_body;
 pub mod wire;
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::Response;
 use bytes::Bytes;
 use continuum_proto::model::DataPlaneConfig;
@@ -45,7 +46,7 @@ pub use probe::ProbeSettings;
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
-use crate::routing::headers::{Pins, pins};
+use crate::routing::headers::{Pins, TENANT_ID, pins};
 use crate::routing::picker::Selection;
 use respond::{Answer, Answered};
 
@@ -87,6 +88,9 @@ pub struct Plan {
     pub stream: bool,
     /// The client asked (`x-backend`) to see the chosen backend and workers.
     pub disclose: bool,
+    /// The client's tenant (`x-tenant-id`), sent on as it came: the frontend salts the
+    /// prompt's KV blocks with it over the body's salt.
+    pub tenant: Option<HeaderValue>,
     pub route: Route,
 }
 
@@ -190,11 +194,28 @@ impl Dispatcher {
     }
 
     pub async fn run(&self, plan: Plan) -> Result<Response, DispatchError> {
+        let headers = self.request_headers(plan.stream, plan.tenant);
         match plan.route {
-            Route::Pinned(pinned) => self.pinned(plan.body, plan.stream, plan.disclose, pinned).await,
+            Route::Pinned(pinned) => self.pinned(plan.body, plan.stream, plan.disclose, &headers, pinned).await,
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);
-                self.unpinned(&plan.body, plan.stream, replicas, true).await.map_err(DispatchError::Unreachable)
+                self.unpinned(&plan.body, plan.stream, &headers, replicas, true)
+                    .await
+                    .map_err(DispatchError::Unreachable)
+            }
+        }
+    }
+
+    /// The headers of a request to a shim: the dispatcher's own ([`attempt::shim_headers`]),
+    /// and the client's tenant when it named one.
+    fn request_headers(&self, stream: bool, tenant: Option<HeaderValue>) -> Cow<'_, HeaderMap> {
+        let own = &self.headers[usize::from(stream)];
+        match tenant {
+            None => Cow::Borrowed(own),
+            Some(tenant) => {
+                let mut headers = own.clone();
+                headers.insert(TENANT_ID, tenant);
+                Cow::Owned(headers)
             }
         }
     }
@@ -204,13 +225,15 @@ impl Dispatcher {
         body: Bytes,
         stream: bool,
         disclose: bool,
+        headers: &HeaderMap,
         pinned: Pinned,
     ) -> Result<Response, DispatchError> {
         let Pinned { selection, replicas, fallback, dispatch } = pinned;
         let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
-        let (outcome, blames_pins) = self.send_pinned(&body, stream, disclose, &selection, &replicas, dispatch).await;
+        let (outcome, blames_pins) =
+            self.send_pinned(&body, stream, disclose, headers, &selection, &replicas, dispatch).await;
         // A refusal that blames the pins, or a body that broke or never finished, makes the
         // pinned workers suspects. A shim that could not be reached says nothing about them,
         // nor does a refusal of the client's request.
@@ -243,23 +266,25 @@ impl Dispatcher {
         let Fallback { replicas: unified, body: resent } = *fallback;
         let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.
-        Box::pin(self.unpinned(&body, stream, unified, false))
+        Box::pin(self.unpinned(&body, stream, headers, unified, false))
             .await
             .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback) })
     }
 
     /// The pinned send and what its answer means, and whether a refusal blames the pinned
     /// workers. `dispatch` ends with the relayed body, or before this returns for anything else.
+    #[allow(clippy::too_many_arguments)]
     async fn send_pinned(
         &self,
         body: &Bytes,
         stream: bool,
         disclose: bool,
+        headers: &HeaderMap,
         selection: &Selection,
         replicas: &[ShimReplica],
         dispatch: DispatchEnd,
     ) -> (PinnedOutcome, bool) {
-        let (replica, response) = match self.send(replicas, pins(selection), body, stream).await {
+        let (replica, response) = match self.send(replicas, (headers, pins(selection)), body, stream).await {
             Ok(sent) => sent,
             Err(failure) => return (PinnedOutcome::Failed(failure), false),
         };
@@ -286,10 +311,11 @@ impl Dispatcher {
         &self,
         body: &Bytes,
         stream: bool,
+        headers: &HeaderMap,
         replicas: Arc<[ShimReplica]>,
         relay_errors: bool,
     ) -> Result<Response, Failure> {
-        let (_, response) = self.send(&replicas, Pins::default(), body, stream).await?;
+        let (_, response) = self.send(&replicas, (headers, Pins::default()), body, stream).await?;
         if relay_errors {
             return self.pass_through(response, stream).await;
         }

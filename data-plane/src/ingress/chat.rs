@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 
@@ -16,8 +17,8 @@ use crate::metrics::Ingress;
 
 /// One chat completion, answered and observed. The replica's server calls this directly, with
 /// none of the client's headers: only whether it asked for disclosure, and its tenant. So no
-/// header of the client's can reach a shim; the outbound headers are the dispatcher's own and
-/// the pins, and the tenant travels in the body as the salt the frontend would take from it.
+/// other header of the client's can reach a shim; the outbound headers are the dispatcher's
+/// own, the pins, and the tenant (`x-tenant-id`, the frontend's cache salt).
 pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Response {
     let started = Instant::now();
     let response = serve(state, disclose, tenant, body).await.unwrap_or_else(IntoResponse::into_response);
@@ -39,5 +40,7 @@ async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: B
         // A fallback backend is not a shim: the router's tokens are not for it.
         fallback.body = Some(request.outbound(None).await?);
     }
-    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, route }).await?)
+    // A tenant passed the frontend's own test for a header string when it was read.
+    let tenant = request.tenant().and_then(|tenant| HeaderValue::from_str(tenant).ok());
+    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, route }).await?)
 }

@@ -8,7 +8,7 @@ use serde_json::Value;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::kv::request_cache_salt;
-use crate::routing::headers::{attach_cache_salt, attach_token_data, strip_body_routing};
+use crate::routing::headers::{attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
 
 /// The largest request body accepted (the server refuses larger ones before reading them):
@@ -180,6 +180,11 @@ impl ChatRequest {
         Self { tenant, ..self }
     }
 
+    /// The client's tenant, which goes on to the frontend as its `x-tenant-id`.
+    pub fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
+    }
+
     /// The salt the frontend will hash the prompt's blocks with: the tenant, else the body's.
     pub fn cache_salt<'a>(&'a self, body: &'a Value) -> Option<&'a str> {
         self.tenant.as_deref().or_else(|| request_cache_salt(body))
@@ -195,19 +200,15 @@ impl ChatRequest {
         Ok(Tree { value: serde_json::from_slice(&self.raw).map_err(RequestError::Json)?, _room: room })
     }
 
-    /// The body to send to a shim: the client's `nvext` routing fields stripped, its tenant
-    /// carried as `nvext.cache_salt` (a shim request carries none of the client's headers)
-    /// and, when given, the rendered prompt attached as `nvext.token_data`. A body with none
-    /// of these to do is forwarded byte for byte, without re-serializing it.
+    /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
+    /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
+    /// forwarded byte for byte, without re-serializing it.
     pub async fn outbound(&self, token_data: Option<Vec<u32>>) -> Result<Bytes, RequestError> {
-        if !self.has_nvext && self.tenant.is_none() && token_data.is_none() {
+        if !self.has_nvext && token_data.is_none() {
             return Ok(self.raw.clone());
         }
         let mut tree = self.tree().await?;
         strip_body_routing(&mut tree.value);
-        if let Some(tenant) = &self.tenant {
-            attach_cache_salt(&mut tree.value, tenant);
-        }
         if let Some(tokens) = token_data {
             attach_token_data(&mut tree.value, tokens);
         }
@@ -242,9 +243,7 @@ mod tests {
         assert_eq!(request.cache_salt(&body), Some("top"));
         let tenant = request.clone().with_tenant(Some("tenant-a".into()));
         assert_eq!(tenant.cache_salt(&body), Some("tenant-a"));
-        let outbound: Value = serde_json::from_slice(&tenant.outbound(None).await.unwrap()).unwrap();
-        assert_eq!(outbound["nvext"]["cache_salt"], "tenant-a");
-        assert_eq!(request.outbound(None).await.unwrap(), request.raw, "without a tenant the body goes as sent");
+        assert_eq!(tenant.outbound(None).await.unwrap(), request.raw, "the tenant goes as a header, the body as sent");
     }
 
     #[tokio::test]

@@ -166,13 +166,6 @@ pub fn tenant<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<String> {
         .map(|value| String::from_utf8_lossy(value).into_owned())
 }
 
-/// Carries a client's tenant to the frontend in the body (`nvext.cache_salt`), where it reads
-/// the salt when no `x-tenant-id` header comes with the request: a shim request carries no
-/// client header. The frontend salts the prompt's blocks with it as the client asked.
-pub fn attach_cache_salt(body: &mut Value, salt: &str) {
-    attach_nvext(body, "cache_salt", Value::from(salt));
-}
-
 /// Whether a request header (by its name as sent, any case) asks to see the chosen backend and
 /// workers; its value does not matter.
 pub fn asks_disclosure(name: &str) -> bool {

@@ -91,29 +91,27 @@ async fn spoofed_client_pins_never_reach_the_shim() -> anyhow::Result<()> {
 }
 
 /// dynamo.frontend salts a request's KV blocks with its `x-tenant-id` header over the body's
-/// salt. A shim request carries no client header, so the tenant travels in the body.
+/// salt: the one client header a shim request carries, as the frontend would read it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_clients_tenant_reaches_the_frontend_as_the_cache_salt() -> anyhow::Result<()> {
+async fn a_clients_tenant_reaches_the_frontend_and_its_body_goes_as_sent() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
     let mut body = chat(MODEL, false);
     body["nvext"] = json!({"cache_salt": "from-body"});
-    // The header as the client sent it, padded: the frontend trims it.
-    let sent = |body: &Value, tenant: Option<&str>| {
-        let request = harness.http.post(harness.url("/v1/chat/completions")).json(body);
-        match tenant {
-            Some(tenant) => request.header("x-tenant-id", format!(" {tenant} ")),
-            None => request,
-        }
-        .send()
-    };
-    assert_eq!(sent(&body, Some("tenant-a")).await?.status(), 200);
-    assert_eq!(sent(&body, None).await?.status(), 200);
-    assert_eq!(sent(&chat(MODEL, false), Some("tenant-a")).await?.status(), 200);
-    let salts: Vec<Value> = shim.received().iter().map(|r| r.body["nvext"]["cache_salt"].clone()).collect();
-    assert_eq!(salts, [json!("tenant-a"), json!("from-body"), json!("tenant-a")]);
-    for request in shim.received() {
-        assert!(request.headers.get("x-tenant-id").is_none(), "no client header reaches a shim");
+    for stream in [false, true] {
+        body["stream"] = json!(stream);
+        // The header as the client sent it: repeated, the last padded (the frontend trims).
+        let request = harness.http.post(harness.url("/v1/chat/completions")).json(&body);
+        let request = request.header("x-tenant-id", "tenant-z").header("x-tenant-id", " tenant-a ");
+        assert_eq!(request.send().await?.status(), 200);
+    }
+    assert_eq!(harness.post(&body).await?.status(), 200);
+    let received = shim.received();
+    let tenants: Vec<Option<&str>> =
+        received.iter().map(|r| r.headers.get("x-tenant-id").and_then(|v| v.to_str().ok())).collect();
+    assert_eq!(tenants, [Some("tenant-a"), Some("tenant-a"), None], "once, trimmed, and only when sent");
+    for request in &received {
+        assert_eq!(request.body["nvext"], json!({"cache_salt": "from-body"}), "the body's salt untouched");
     }
     harness.stop().await;
     Ok(())

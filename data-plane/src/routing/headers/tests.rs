@@ -242,16 +242,15 @@ fn the_tenant_is_the_last_visible_non_blank_value_trimmed_as_the_frontend_reads_
 }
 
 #[test]
-fn a_cache_salt_is_carried_in_nvext_over_the_bodys_own() {
-    let mut body = json!({"model": "m", "nvext": {"cache_salt": "body", "extra_fields": ["worker_id"]}});
-    attach_cache_salt(&mut body, "tenant-a");
-    assert_eq!(body["nvext"], json!({"cache_salt": "tenant-a", "extra_fields": ["worker_id"]}));
+fn the_routers_tokens_are_attached_whatever_nvext_the_body_kept() {
+    let mut body = json!({"model": "m", "nvext": {"extra_fields": ["worker_id"]}});
+    attach_token_data(&mut body, vec![1, 2]);
+    assert_eq!(body["nvext"], json!({"extra_fields": ["worker_id"], "token_data": [1, 2]}));
     let mut bare = json!({"model": "m"});
-    attach_cache_salt(&mut bare, "tenant-a");
-    assert_eq!(bare["nvext"], json!({"cache_salt": "tenant-a"}));
-    // `"nvext": null` passes the ingress; the salt and the router's tokens still get through.
+    attach_token_data(&mut bare, vec![1, 2]);
+    assert_eq!(bare["nvext"], json!({"token_data": [1, 2]}));
+    // `"nvext": null` passes the ingress; the router's tokens still get through.
     let mut null = json!({"model": "m", "nvext": null});
-    attach_cache_salt(&mut null, "tenant-a");
     attach_token_data(&mut null, vec![1, 2]);
-    assert_eq!(null["nvext"], json!({"cache_salt": "tenant-a", "token_data": [1, 2]}));
+    assert_eq!(null["nvext"], json!({"token_data": [1, 2]}));
 }
