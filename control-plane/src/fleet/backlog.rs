@@ -156,9 +156,7 @@ struct Ended {
 
 #[derive(Debug)]
 struct Dispatch {
-    /// Prompt tokens still to prefill: `prompt_tokens` until its first token, then 0.
-    prefill_tokens: u64,
-    /// Prompt tokens it brought to prefill, kept after its first token.
+    /// Prompt tokens it brought to prefill (see [`Dispatch::prefill_tokens`]).
     prompt_tokens: u64,
     decode_blocks: u64,
     /// The prompt's prefix chain, for counting shared blocks once; empty past the book's bound.
@@ -171,6 +169,13 @@ struct Dispatch {
     /// It had tokens to prefill, and no other dispatch on its rank was prefilling when it
     /// started: its time to first token is a prefill's alone.
     alone: bool,
+}
+
+impl Dispatch {
+    /// Prompt tokens still to prefill on the rank: all of them until its first token, then none.
+    fn prefill_tokens(&self) -> u64 {
+        if self.answered.is_none() { self.prompt_tokens } else { 0 }
+    }
 }
 
 /// A rank's smoothed times from dispatch to first token and from first token to end, learned
@@ -299,7 +304,7 @@ impl Rank {
             ..Backlog::default()
         };
         for dispatch in self.dispatches.values() {
-            backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens);
+            backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens());
             backlog.dispatches = backlog.dispatches.saturating_add(1);
         }
         backlog.prefilled_tokens = self.prefilled.min(backlog.prefill_tokens);
@@ -308,7 +313,7 @@ impl Rank {
 
     /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
     fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
-        dispatch.alone = dispatch.prefill_tokens > 0 && self.dispatches.values().all(|d| d.prefill_tokens == 0);
+        dispatch.alone = dispatch.prefill_tokens() > 0 && self.dispatches.values().all(|d| d.prefill_tokens() == 0);
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
         // Reported before the rank's last sample arrived but folded after it was measured (the
@@ -354,7 +359,7 @@ impl Rank {
     /// Its first token came at `at`: it is now decoding.
     fn answered(&mut self, id: (u64, u64), at: Instant) {
         let Some(dispatch) = self.dispatches.get_mut(&id) else { return };
-        let tokens = std::mem::take(&mut dispatch.prefill_tokens);
+        let tokens = dispatch.prefill_tokens();
         if dispatch.answered.is_none() {
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
@@ -391,12 +396,12 @@ impl Rank {
     /// prefilled by `now`: it began when it was dispatched or when the rank's previous first
     /// token came (it waited for that prefill), whichever is later.
     fn prefill_progress(&self, now: Instant) -> u64 {
-        // A dispatch's tokens are zeroed at its first token.
-        let head = self.dispatches.iter().filter(|(_, d)| d.prefill_tokens > 0).min_by_key(|(id, d)| (d.at, **id));
+        let head = self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id));
         let Some((_, head)) = head else { return 0 };
         let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
-        let steps = self.timing.progress_steps(head.prefill_tokens, now.saturating_duration_since(began));
-        head.prefill_tokens.saturating_mul(steps) / PROGRESS_STEPS
+        let tokens = head.prefill_tokens();
+        let steps = self.timing.progress_steps(tokens, now.saturating_duration_since(began));
+        tokens.saturating_mul(steps) / PROGRESS_STEPS
     }
 
     /// Ends dispatch `id` on `rank`; returns the hashes it held.
@@ -519,7 +524,6 @@ impl Book {
             }
             self.held_hashes += block_hashes.len();
             let dispatch = Dispatch {
-                prefill_tokens: started.prefill_tokens,
                 prompt_tokens: started.prefill_tokens,
                 decode_blocks: started.decode_blocks,
                 block_hashes,

@@ -97,21 +97,17 @@ pub fn strip_body_routing(body: &mut Value) {
 /// tokenizing again (`kv.send_token_data`). Only after [`strip_body_routing`]: a client's own
 /// `token_data` never reaches a shim.
 pub fn attach_token_data(body: &mut Value, tokens: Vec<u32>) {
-    attach_nvext(body, "token_data", Value::from(tokens));
-}
-
-/// Sets `nvext.<field>`, making `nvext` an object first when it is absent or null (the only
-/// other shapes a body past the ingress and [`strip_body_routing`] can hold).
-fn attach_nvext(body: &mut Value, field: &str, value: Value) {
     let Some(request) = body.as_object_mut() else {
         return;
     };
+    // Absent or null are the only other shapes `nvext` can have past the ingress and
+    // [`strip_body_routing`]; either becomes an object.
     let nvext = request.entry("nvext").or_insert(Value::Null);
     if !nvext.is_object() {
         *nvext = Value::Object(serde_json::Map::new());
     }
     if let Value::Object(nvext) = nvext {
-        nvext.insert(field.into(), value);
+        nvext.insert("token_data".into(), Value::from(tokens));
     }
 }
 
