@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::model::{
     Backend, Backlog, Capacity, CheckedFile, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, Load, LoadKey,
-    LoadSample, ModelArtifacts, PickerParams, ReportsFolded, Role, ShimPool, Worker, WorkerKey,
+    LoadSample, ModelArtifacts, PickerParams, PromptDefaults, ReportsFolded, Role, ShimPool, Worker, WorkerKey,
 };
 use crate::view::{ApplyError, FleetDelta, FleetView};
 use crate::{MAX_DATA_PARALLEL_SIZE, pb};
@@ -135,6 +135,10 @@ fn artifacts_from_wire(a: pb::ModelArtifacts) -> ModelArtifacts {
         tokenizer: a.tokenizer.map(file),
         tokenizer_config: a.tokenizer_config.map(file),
         chat_template: a.chat_template.map(file),
+        defaults: PromptDefaults {
+            keep_tools_when_tool_choice_none: a.keep_tools_when_tool_choice_none,
+            default_thinking: a.default_thinking,
+        },
     }
 }
 
@@ -144,6 +148,8 @@ fn artifacts_to_wire(a: &ModelArtifacts) -> pb::ModelArtifacts {
         tokenizer: a.tokenizer.as_ref().map(file),
         tokenizer_config: a.tokenizer_config.as_ref().map(file),
         chat_template: a.chat_template.as_ref().map(file),
+        keep_tools_when_tool_choice_none: a.defaults.keep_tools_when_tool_choice_none,
+        default_thinking: a.defaults.default_thinking,
     }
 }
 

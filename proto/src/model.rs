@@ -146,6 +146,26 @@ pub struct ModelArtifacts {
     pub tokenizer_config: Option<CheckedFile>,
     /// `chat_template_file.*`, when the template lives in its own file.
     pub chat_template: Option<CheckedFile>,
+    /// How the frontend shapes a request before the template sees it.
+    pub defaults: PromptDefaults,
+}
+
+impl ModelArtifacts {
+    /// Whether the card names any file to render with.
+    pub fn has_files(&self) -> bool {
+        self.tokenizer.is_some() || self.tokenizer_config.is_some() || self.chat_template.is_some()
+    }
+}
+
+/// What a card's `runtime_config` asks the frontend to do to a request before its template
+/// renders it; Dynamo's defaults when the card says nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PromptDefaults {
+    /// `exclude_tools_when_tool_choice_none: false`: a body's tools reach the template even
+    /// with `tool_choice: "none"`.
+    pub keep_tools_when_tool_choice_none: bool,
+    /// `runtime_data.default_thinking_mode`: the thinking switch for requests that set none.
+    pub default_thinking: Option<bool>,
 }
 
 impl Worker {

@@ -8,7 +8,7 @@
 use std::io;
 use std::sync::Arc;
 
-use continuum_proto::model::{Capacity, CheckedFile, ModelArtifacts, Role};
+use continuum_proto::model::{Capacity, CheckedFile, ModelArtifacts, PromptDefaults, Role};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
@@ -87,6 +87,13 @@ pub struct RuntimeConfig {
     pub data_parallel_start_rank: Option<u32>,
     #[serde(deserialize_with = "disaggregated_endpoint")]
     pub disaggregated_endpoint: Option<String>,
+    /// Dynamo's default is true; a value that is not a bool reads as absent.
+    #[serde(deserialize_with = "lenient_bool")]
+    pub exclude_tools_when_tool_choice_none: Option<bool>,
+    /// `runtime_data.default_thinking_mode`: "enabled" or "disabled" (any other value is
+    /// ignored, as the frontend ignores it).
+    #[serde(rename = "runtime_data", deserialize_with = "default_thinking_mode")]
+    pub default_thinking: Option<bool>,
 }
 
 impl Card {
@@ -147,8 +154,17 @@ impl Card {
             tokenizer: slot(&self.typed.tokenizer),
             tokenizer_config: slot(&self.typed.prompt_formatter),
             chat_template: slot(&self.typed.chat_template_file),
+            defaults: self.prompt_defaults(),
         };
-        (artifacts != ModelArtifacts::default()).then_some(artifacts)
+        artifacts.has_files().then_some(artifacts)
+    }
+
+    fn prompt_defaults(&self) -> PromptDefaults {
+        let rc = self.runtime_config();
+        PromptDefaults {
+            keep_tools_when_tool_choice_none: rc.exclude_tools_when_tool_choice_none == Some(false),
+            default_thinking: rc.default_thinking,
+        }
     }
 
     pub fn block_size(&self) -> Option<u32> {
@@ -164,6 +180,8 @@ impl Card {
             data_parallel_size: None,
             data_parallel_start_rank: None,
             disaggregated_endpoint: None,
+            exclude_tools_when_tool_choice_none: None,
+            default_thinking: None,
         };
         self.typed.runtime_config.as_ref().unwrap_or(&EMPTY)
     }
@@ -184,6 +202,19 @@ fn disaggregated_endpoint<'de, D: Deserializer<'de>>(deserializer: D) -> Result<
             (Some(Value::String(host)), _) => Some(host.clone()),
             _ => None,
         },
+        _ => None,
+    })
+}
+
+fn lenient_bool<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<bool>, D::Error> {
+    Ok(Value::deserialize(deserializer)?.as_bool())
+}
+
+fn default_thinking_mode<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<bool>, D::Error> {
+    let data = Value::deserialize(deserializer)?;
+    Ok(match data.get("default_thinking_mode").and_then(Value::as_str) {
+        Some("enabled") => Some(true),
+        Some("disabled") => Some(false),
         _ => None,
     })
 }
@@ -230,6 +261,35 @@ mod tests {
         for (card, want) in cases {
             assert_eq!(Card::parse(card.clone(), 64).role_claim(), want, "{card}");
         }
+    }
+
+    #[test]
+    fn prompt_defaults_follow_the_runtime_config_and_ignore_what_the_frontend_ignores() {
+        let tokenizer = json!({"hf_tokenizer_json": {"path": "/m/tokenizer.json", "checksum": "blake3:00", "size": 2}});
+        let keep = |defaults: PromptDefaults| defaults.keep_tools_when_tool_choice_none;
+        let cases = [
+            (json!({}), false, None),
+            (
+                json!({"exclude_tools_when_tool_choice_none": true, "runtime_data": {"output_replay_consumer": true}}),
+                false,
+                None,
+            ),
+            (json!({"exclude_tools_when_tool_choice_none": false}), true, None),
+            (json!({"exclude_tools_when_tool_choice_none": "no"}), false, None),
+            (json!({"runtime_data": {"default_thinking_mode": "enabled"}}), false, Some(true)),
+            (json!({"runtime_data": {"default_thinking_mode": "disabled"}}), false, Some(false)),
+            (json!({"runtime_data": {"default_thinking_mode": "Enabled"}}), false, None),
+            (json!({"runtime_data": null}), false, None),
+        ];
+        for (runtime_config, keeps_tools, thinking) in cases {
+            let card = Card::parse(json!({"runtime_config": runtime_config, "tokenizer": tokenizer}), 512);
+            assert_eq!(card.typed_error, None, "{runtime_config}");
+            let defaults = card.artifacts().expect("a tokenizer").defaults;
+            assert_eq!(keep(defaults), keeps_tools, "{runtime_config}");
+            assert_eq!(defaults.default_thinking, thinking, "{runtime_config}");
+        }
+        let no_files = Card::parse(json!({"runtime_config": {"exclude_tools_when_tool_choice_none": false}}), 128);
+        assert_eq!(no_files.artifacts(), None, "defaults alone render nothing");
     }
 
     #[test]

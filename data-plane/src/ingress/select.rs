@@ -271,18 +271,16 @@ mod tests {
             tokenizer: Some(file("tokenizer.json")),
             tokenizer_config: Some(file("tokenizer_config.json")),
             chat_template: None,
+            defaults: Default::default(),
         };
         let pinned = [&card.tokenizer, &card.tokenizer_config].into_iter().flatten().map(|f| f.checksum.clone());
         let pinned = pinned.collect();
         (card, pinned)
     }
 
-    #[tokio::test]
-    async fn a_prompt_whose_lookup_fails_is_still_scored_on_the_formula_and_sent_with_its_tokens() {
-        // The state's FindMatches client dials a port nobody listens on: every lookup fails.
-        let state = state();
-        let mut reports = state.reporter.attached_receiver().expect("the reports");
-        let dir = tempfile::tempdir().expect("dir");
+    /// A KV-aware fleet of worker 7 with the tiny model's tokenizer loaded, held by `state`.
+    /// The state's FindMatches client dials a port nobody listens on: every lookup fails.
+    async fn tinymodel_fleet(state: &AppState, dir: &tempfile::TempDir) -> FleetView {
         let (card, pinned) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), pinned);
         state.fleet.store(fleet.clone());
@@ -296,6 +294,15 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(loaded(), 1, "the pinned tokenizer loads");
+        fleet
+    }
+
+    #[tokio::test]
+    async fn a_prompt_whose_lookup_fails_is_still_scored_on_the_formula_and_sent_with_its_tokens() {
+        let state = state();
+        let mut reports = state.reporter.attached_receiver().expect("the reports");
+        let dir = tempfile::tempdir().expect("dir");
+        let fleet = tinymodel_fleet(&state, &dir).await;
 
         let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hello there"}]}"#);
         let request = ChatRequest::parse(body).expect("request");
@@ -321,5 +328,34 @@ mod tests {
         let report = crate::fleet::batch(first, &mut reports);
         let lookups: Vec<u64> = report.started.iter().map(|started| started.lookup).collect();
         assert_eq!(lookups, [1], "the replica's first lookup, on the leg that prefills");
+    }
+
+    #[tokio::test]
+    async fn the_tenant_salts_the_prompt_blocks_over_the_body_salt_as_the_frontend_does() {
+        let state = state();
+        let mut reports = state.reporter.attached_receiver().expect("the reports");
+        let dir = tempfile::tempdir().expect("dir");
+        let fleet = tinymodel_fleet(&state, &dir).await;
+        // Long enough for several full blocks of 16 tokens.
+        let content = "the quick brown fox jumps over the lazy dog ".repeat(8);
+        let mut hashes = async |salt: Option<&str>, tenant: Option<&str>| {
+            let nvext = salt.map(|salt| format!(r#","nvext":{{"cache_salt":"{salt}"}}"#)).unwrap_or_default();
+            let body = format!(r#"{{"model":"tiny","messages":[{{"role":"user","content":"{content}"}}]{nvext}}}"#);
+            let request =
+                ChatRequest::parse(Bytes::from(body)).expect("request").with_tenant(tenant.map(str::to_owned));
+            let routed = route(&state, &fleet, &request).await.expect("routed");
+            drop(routed);
+            let first = reports.try_recv().expect("the dispatch is reported");
+            let report = crate::fleet::batch(first, &mut reports);
+            let started = report.started.first().expect("a started dispatch");
+            assert!(started.block_hashes.len() >= 2, "full blocks: {:?}", started.block_hashes);
+            started.block_hashes.clone()
+        };
+        let unsalted = hashes(None, None).await;
+        let tenant = hashes(None, Some("acme")).await;
+        assert_ne!(tenant, unsalted, "a tenant's blocks are its own");
+        assert_eq!(hashes(Some("acme"), None).await, tenant, "the tenant is the salt the body would give");
+        assert_eq!(hashes(Some("other"), Some("acme")).await, tenant, "the header wins over the body");
+        assert_ne!(hashes(Some("other"), None).await, tenant);
     }
 }

@@ -108,7 +108,7 @@ impl KvPrompt {
         }
         let card = cards.first().ok_or(Fallback::TokenizerUnavailable)?;
         let artifacts = self.store.lookup(model, card)?;
-        self.renderer.prepare(artifacts, request, &sizes, SaltHash::new(cache_salt, lora_name)).await
+        self.renderer.prepare(artifacts, request, card.defaults, &sizes, SaltHash::new(cache_salt, lora_name)).await
     }
 
     /// The distinct valid sizes, at most [`MAX_BLOCK_SIZES_PER_MODEL`] of them; the rest are

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use continuum_proto::model::PromptDefaults;
 use prometheus::{IntCounterVec, Opts};
 use serde_json::{Value, json};
 
@@ -40,6 +41,7 @@ fn card_in(dir: &Path) -> ModelArtifacts {
         tokenizer: file("tokenizer.json"),
         tokenizer_config: file("tokenizer_config.json"),
         chat_template: None,
+        defaults: Default::default(),
     }
 }
 
@@ -135,7 +137,15 @@ async fn tinymodel_prompts_hash_to_what_the_real_mocker_published() {
     let prompts: Vec<_> = captured_prompts().into_iter().filter(|(name, ..)| name.starts_with("kv_prompt_")).collect();
     assert_eq!(prompts.len(), 4, "the capture holds kv_prompt_0..3");
     for (name, request, prompt_tokens) in prompts {
-        let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::default(), 1 << 20).unwrap();
+        let prepared = prepare_blocking(
+            &artifacts,
+            &request,
+            PromptDefaults::default(),
+            &sizes(&[16]),
+            SaltHash::default(),
+            1 << 20,
+        )
+        .unwrap();
         assert_eq!(prepared.tokens.len(), prompt_tokens, "{name}: token count as dynamo.frontend reported");
         let hashes = prepared.hashes_for(BlockSize::new(16).unwrap()).unwrap();
         assert_eq!(hashes.len(), prompt_tokens / 16, "{name}");
@@ -149,13 +159,28 @@ async fn tinymodel_prompts_hash_to_what_the_real_mocker_published() {
 async fn first_captured_block_is_the_hello_world_prompt() {
     let artifacts = loaded_tinymodel().await;
     let request = chat("Hello world, the quick brown fox");
-    let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16, 32]), SaltHash::default(), 1 << 20).unwrap();
+    let prepared = prepare_blocking(
+        &artifacts,
+        &request,
+        PromptDefaults::default(),
+        &sizes(&[16, 32]),
+        SaltHash::default(),
+        1 << 20,
+    )
+    .unwrap();
     assert_eq!(prepared.tokens.len(), 17);
     assert_eq!(prepared.hashes_for(BlockSize::new(16).unwrap()).unwrap(), [LocalBlockHash(9_503_089_339_561_884_111)]);
     assert_eq!(prepared.hashes_for(BlockSize::new(32).unwrap()).unwrap(), []);
     // A salt changes every hash; the tokens stay the same.
-    let salted =
-        prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::new(Some("s"), None), 1 << 20).unwrap();
+    let salted = prepare_blocking(
+        &artifacts,
+        &request,
+        PromptDefaults::default(),
+        &sizes(&[16]),
+        SaltHash::new(Some("s"), None),
+        1 << 20,
+    )
+    .unwrap();
     assert_eq!(salted.tokens, prepared.tokens);
     assert_ne!(salted.hashes, prepared.hashes);
 }
@@ -187,6 +212,66 @@ async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
     let three = kv.prepare("tiny", &[card], Arc::new(request.clone()), &[16, 32, 64], None, None).await.unwrap();
     assert_eq!(three.hashes.len(), 2, "at most two block sizes per model");
     assert_eq!(count(&h.counter, "unsupported"), 3);
+}
+
+#[tokio::test]
+async fn a_cards_prompt_defaults_shape_what_its_template_renders() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = tinymodel_config();
+    config["chat_template"] = json!(
+        "{% if tools %}tools {% endif %}{% if enable_thinking is defined %}thinking {{ enable_thinking }} {% endif %}\
+         {% for m in messages %}{{ m.content }}{% endfor %}"
+    );
+    let files = [
+        ("tokenizer.json", std::fs::read(fixture("tinymodel/tokenizer.json")).unwrap()),
+        ("tokenizer_config.json", serde_json::to_vec(&config).unwrap()),
+    ];
+    let checked = |(name, bytes): &(&str, Vec<u8>)| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, bytes).unwrap();
+        CheckedFile { path: path.display().to_string(), checksum: Checksum::of(bytes), size: Some(bytes.len() as u64) }
+    };
+    let plain = ModelArtifacts {
+        tokenizer: checked(&files[0]),
+        tokenizer_config: checked(&files[1]),
+        chat_template: None,
+        defaults: PromptDefaults::default(),
+    };
+    let h = harness(pinned(&plain));
+    let kv = KvPrompt::new(h.store.clone(), Renderer::default());
+    let tokens = async |card: &ModelArtifacts, request: Value| {
+        let prepared = kv.prepare("tiny", std::slice::from_ref(card), Arc::new(request), &[16], None, None).await;
+        prepared.unwrap().tokens
+    };
+    assert_eq!(
+        kv.prepare("tiny", std::slice::from_ref(&plain), Arc::new(chat("hi")), &[16], None, None).await,
+        Err(Fallback::TokenizerUnavailable)
+    );
+    assert!(until_loaded(&h.store, 1).await);
+
+    let mut with_tools = chat("hi");
+    with_tools["tools"] = json!([{"type": "function", "function": {"name": "f"}}]);
+    let mut choice_none = with_tools.clone();
+    choice_none["tool_choice"] = json!("none");
+    let keeps_tools = ModelArtifacts {
+        defaults: PromptDefaults { keep_tools_when_tool_choice_none: true, ..PromptDefaults::default() },
+        ..plain.clone()
+    };
+    assert_eq!(tokens(&plain, choice_none.clone()).await, tokens(&plain, chat("hi")).await, "dropped by default");
+    assert_eq!(tokens(&keeps_tools, choice_none).await, tokens(&plain, with_tools).await, "kept as the card asks");
+
+    let thinks_not = ModelArtifacts {
+        defaults: PromptDefaults { default_thinking: Some(false), ..PromptDefaults::default() },
+        ..plain.clone()
+    };
+    let mut switched_off = chat("hi");
+    switched_off["thinking"] = json!(false);
+    let mut switched_on = chat("hi");
+    switched_on["thinking"] = json!(true);
+    let off = tokens(&plain, switched_off).await;
+    assert_ne!(off, tokens(&plain, chat("hi")).await);
+    assert_eq!(tokens(&thinks_not, chat("hi")).await, off, "the card's default for a request that sets none");
+    assert_eq!(tokens(&thinks_not, switched_on.clone()).await, tokens(&plain, switched_on).await, "the client's wins");
 }
 
 /// Waits (a bounded while) for the store to hold `n` loaded artifact sets.
@@ -258,7 +343,9 @@ async fn warming_renders_a_long_probe_on_each_permit_s_own_thread() {
     drop(held);
     assert_eq!(renderer.permits_available(), 4);
     let request = chat("the probes left no pieces behind");
-    let prepared = prepare_blocking(&artifacts, &request, &sizes(&[16]), SaltHash::default(), 1 << 20).unwrap();
+    let prepared =
+        prepare_blocking(&artifacts, &request, PromptDefaults::default(), &sizes(&[16]), SaltHash::default(), 1 << 20)
+            .unwrap();
     assert!(!prepared.tokens.is_empty());
 }
 
@@ -398,14 +485,26 @@ async fn rendering_limits_fall_back() {
     let size16 = sizes(&[16]);
     let huge = chat(&"x".repeat(1 << 20));
     assert_eq!(
-        prepare_blocking(&artifacts, &huge, &size16, SaltHash::default(), 1 << 20),
+        prepare_blocking(&artifacts, &huge, PromptDefaults::default(), &size16, SaltHash::default(), 1 << 20),
         Err(Fallback::PromptTooLarge)
     );
     let request = chat("Hello world, the quick brown fox");
-    assert_eq!(prepare_blocking(&artifacts, &request, &size16, SaltHash::default(), 16), Err(Fallback::PromptTooLarge));
-    assert!(prepare_blocking(&artifacts, &request, &size16, SaltHash::default(), 17).is_ok());
     assert_eq!(
-        prepare_blocking(&artifacts, &json!({"model": "tiny"}), &size16, SaltHash::default(), 17),
+        prepare_blocking(&artifacts, &request, PromptDefaults::default(), &size16, SaltHash::default(), 16),
+        Err(Fallback::PromptTooLarge)
+    );
+    assert!(
+        prepare_blocking(&artifacts, &request, PromptDefaults::default(), &size16, SaltHash::default(), 17).is_ok()
+    );
+    assert_eq!(
+        prepare_blocking(
+            &artifacts,
+            &json!({"model": "tiny"}),
+            PromptDefaults::default(),
+            &size16,
+            SaltHash::default(),
+            17
+        ),
         Err(Fallback::RenderUnavailable)
     );
 }
@@ -436,25 +535,45 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
         ..RenderLimits::default()
     };
     let renderer = Renderer::new(relaxed);
-    let fuel = renderer.prepare(looping.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await;
+    let fuel = renderer
+        .prepare(looping.clone(), Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
+        .await;
     assert_eq!(fuel, Err(Fallback::RenderUnavailable), "out of fuel");
 
     // One permit, held by a long render: the next request waits 20 ms and gives up.
     let one = Renderer::new(RenderLimits { permits: 1, deadline: Duration::from_secs(60), ..RenderLimits::default() });
     let busy = tokio::spawn({
         let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
-        async move { one.prepare(looping, Arc::new(request.clone()), &size16, SaltHash::default()).await }
+        async move {
+            one.prepare(looping, Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
+                .await
+        }
     });
     tokio::time::sleep(Duration::from_millis(5)).await;
     let started = Instant::now();
     assert_eq!(
-        one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await,
+        one.prepare(
+            artifacts.clone(),
+            Arc::new(request.clone()),
+            PromptDefaults::default(),
+            &size16,
+            SaltHash::default()
+        )
+        .await,
         Err(Fallback::RenderUnavailable)
     );
     assert!(started.elapsed() < Duration::from_secs(1), "gave up after the permit wait, not the render");
     assert_eq!(busy.await.unwrap(), Err(Fallback::RenderUnavailable));
     assert!(
-        one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await.is_ok(),
+        one.prepare(
+            artifacts.clone(),
+            Arc::new(request.clone()),
+            PromptDefaults::default(),
+            &size16,
+            SaltHash::default()
+        )
+        .await
+        .is_ok(),
         "the permit came back"
     );
 
@@ -462,7 +581,9 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
     let hasty = Renderer::new(RenderLimits { deadline: Duration::from_millis(1), ..RenderLimits::default() });
     let started = Instant::now();
     assert_eq!(
-        hasty.prepare(looping, Arc::new(request.clone()), &size16, SaltHash::default()).await,
+        hasty
+            .prepare(looping, Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
+            .await,
         Err(Fallback::RenderUnavailable)
     );
     assert!(started.elapsed() < Duration::from_millis(500));
@@ -479,7 +600,17 @@ async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_per
     let stages = RenderStages { queued: queued.clone(), ran: ran.clone() };
     let one = Renderer::new(limits).observing(stages);
     let started = Instant::now();
-    assert!(one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await.is_ok());
+    assert!(
+        one.prepare(
+            artifacts.clone(),
+            Arc::new(request.clone()),
+            PromptDefaults::default(),
+            &size16,
+            SaltHash::default()
+        )
+        .await
+        .is_ok()
+    );
     let took = started.elapsed().as_secs_f64();
     assert_eq!((queued.get_sample_count(), ran.get_sample_count()), (1, 1));
     assert!(queued.get_sample_sum() + ran.get_sample_sum() <= took, "both stages lie within the preparation");
@@ -487,10 +618,23 @@ async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_per
     // without running, so it has no wait to observe.
     let busy = tokio::spawn({
         let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
-        async move { one.prepare(looping, Arc::new(request.clone()), &size16, SaltHash::default()).await }
+        async move {
+            one.prepare(looping, Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
+                .await
+        }
     });
     tokio::time::sleep(Duration::from_millis(5)).await;
-    assert!(one.prepare(artifacts.clone(), Arc::new(request.clone()), &size16, SaltHash::default()).await.is_err());
+    assert!(
+        one.prepare(
+            artifacts.clone(),
+            Arc::new(request.clone()),
+            PromptDefaults::default(),
+            &size16,
+            SaltHash::default()
+        )
+        .await
+        .is_err()
+    );
     assert!(busy.await.unwrap().is_err());
     assert_eq!(queued.get_sample_count(), 2, "the long render ran; the refused one did not");
     assert_eq!(ran.get_sample_count(), 2, "the long render's run is observed when it ends");

@@ -49,7 +49,7 @@ fn main() -> anyhow::Result<()> {
         let mut bare = Vec::with_capacity(iterations);
         let mut tokens = 0;
         let prepare = || {
-            prepare_blocking(&artifacts, &request, &sizes, SaltHash::default(), MAX_PROMPT_TOKENS)
+            prepare_blocking(&artifacts, &request, Default::default(), &sizes, SaltHash::default(), MAX_PROMPT_TOKENS)
                 .map_err(|f| anyhow::anyhow!("render fell back: {}", f.as_str()))
         };
         for _ in 0..iterations {
@@ -133,6 +133,7 @@ async fn load_tinymodel(cache: &std::path::Path) -> anyhow::Result<Arc<LoadedArt
         tokenizer: file("tokenizer.json")?,
         tokenizer_config: file("tokenizer_config.json")?,
         chat_template: None,
+        defaults: Default::default(),
     };
     let mut policy = ArtifactPolicy::new(cache.join("kv"));
     policy.pinned_artifacts = card.files().map(|f| f.checksum).collect();

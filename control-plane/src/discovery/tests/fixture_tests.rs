@@ -51,6 +51,7 @@ fn tiny_artifacts() -> ModelArtifacts {
             472,
         )),
         chat_template: None,
+        defaults: Default::default(),
     }
 }
 

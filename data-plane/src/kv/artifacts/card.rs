@@ -6,6 +6,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use continuum_proto::model::PromptDefaults;
 use serde_json::Value;
 
 /// A blake3 digest, written `blake3:<64 lowercase hex>` on cards and in `pinned_artifacts`.
@@ -76,6 +77,8 @@ pub struct ModelArtifacts {
     pub tokenizer_config: CheckedFile,
     /// A separate `chat_template.jinja`, which takes precedence over the config's template.
     pub chat_template: Option<CheckedFile>,
+    /// What the card's `runtime_config` asks of a request before the template renders it.
+    pub defaults: PromptDefaults,
 }
 
 /// The identity of a loaded tokenizer and template: every checksum that shaped it.
@@ -103,13 +106,15 @@ pub enum CardError {
 }
 
 impl ModelArtifacts {
-    /// Reads the slots of a card's JSON (`card_json` in the `v1/mdc/...` record).
+    /// Reads the slots of a card's JSON (`card_json` in the `v1/mdc/...` record), with Dynamo's
+    /// prompt defaults (the control plane reads a card's own).
     pub fn from_card(card: &Value) -> Result<Self, CardError> {
         Ok(Self {
             tokenizer: slot(card, "tokenizer", "hf_tokenizer_json")?.ok_or(CardError::Missing("tokenizer"))?,
             tokenizer_config: slot(card, "prompt_formatter", "hf_tokenizer_config_json")?
                 .ok_or(CardError::Missing("prompt_formatter"))?,
             chat_template: slot(card, "chat_template_file", "hf_chat_template")?,
+            defaults: PromptDefaults::default(),
         })
     }
 
@@ -127,6 +132,7 @@ impl ModelArtifacts {
             tokenizer: required("tokenizer", &artifacts.tokenizer)?,
             tokenizer_config: required("prompt_formatter", &artifacts.tokenizer_config)?,
             chat_template: artifacts.chat_template.as_ref().map(|f| file("chat_template_file", f)).transpose()?,
+            defaults: artifacts.defaults,
         })
     }
 
@@ -144,11 +150,12 @@ impl ModelArtifacts {
 }
 
 /// The key every worker serving a model agrees on, or `None` when there are no workers or they
-/// disagree (a rolling tokenizer upgrade): then the model is scored without a KV term.
+/// disagree, on the files or on the prompt defaults (a rolling upgrade): then the model is
+/// scored without a KV term.
 pub fn fleet_key<'a>(cards: impl IntoIterator<Item = &'a ModelArtifacts>) -> Option<ArtifactKey> {
-    let mut keys = cards.into_iter().map(ModelArtifacts::key);
+    let mut keys = cards.into_iter().map(|card| (card.key(), card.defaults));
     let first = keys.next()?;
-    keys.all(|k| k == first).then_some(first)
+    keys.all(|k| k == first).then_some(first.0)
 }
 
 fn slot(card: &Value, slot: &'static str, kind: &str) -> Result<Option<CheckedFile>, CardError> {
@@ -221,6 +228,9 @@ mod tests {
         let a = ModelArtifacts::from_card(&fixture_card()).unwrap();
         let mut b = a.clone();
         assert_eq!(fleet_key([&a, &b]), Some(a.key()));
+        b.defaults.default_thinking = Some(false);
+        assert_eq!(fleet_key([&a, &b]), None, "workers that would render the prompt differently");
+        let mut b = a.clone();
         b.chat_template = Some(CheckedFile { path: "/t.jinja".into(), checksum: Checksum::of(b"t"), size: None });
         assert_eq!(fleet_key([&a, &b]), None);
         assert_eq!(fleet_key([]), None);

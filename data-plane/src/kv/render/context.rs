@@ -437,13 +437,13 @@ fn join_reasoning(message: &mut Json) {
 }
 
 /// `tools` as the frontend hands them to the template: none when the body has none or says
-/// `tool_choice: "none"`; else each typed as `{type, function: {name, description,
-/// parameters, strict}}`, a missing or non-string `description` set to "", and an object
-/// `parameters` given `type: object` and `properties: {}` (after its own keys) if it lacks
-/// them.
-pub fn tools(request: &Json) -> Json {
+/// `tool_choice: "none"` (unless the card keeps them then); else each typed as `{type,
+/// function: {name, description, parameters, strict}}`, a missing or non-string `description`
+/// set to "", and an object `parameters` given `type: object` and `properties: {}` (after its
+/// own keys) if it lacks them.
+pub fn tools(request: &Json, keep_when_choice_none: bool) -> Json {
     let Some(Json::Array(tools)) = request.get("tools") else { return Json::Null };
-    if request.get("tool_choice").and_then(Json::as_str) == Some("none") {
+    if !keep_when_choice_none && request.get("tool_choice").and_then(Json::as_str) == Some("none") {
         return Json::Null;
     }
     Json::Array(tools.iter().map(typed_tool).collect())
@@ -487,8 +487,9 @@ pub fn generation_prompt(request: &Json) -> Result<(bool, bool), Refused> {
 /// `chat_template_args` (or its alias `chat_template_kwargs`, not both): keys the template
 /// context gains; they never replace the frontend's own (messages, tools, tokens, the
 /// generation prompt flag). The frontend first folds the request's reasoning controls into
-/// them ([`reasoning_controls`]).
-pub fn template_args(request: &Json) -> Result<Map<String, Json>, Refused> {
+/// them ([`reasoning_controls`]), then states the card's `default_thinking` for a request that
+/// controls none.
+pub fn template_args(request: &Json, default_thinking: Option<bool>) -> Result<Map<String, Json>, Refused> {
     let mut args = match (request.get("chat_template_args"), request.get("chat_template_kwargs")) {
         (Some(_), Some(_)) => return Err(Refused("both chat_template_args and chat_template_kwargs")),
         (Some(Json::Null), None) | (None, Some(Json::Null)) | (None, None) => Map::new(),
@@ -497,8 +498,18 @@ pub fn template_args(request: &Json) -> Result<Map<String, Json>, Refused> {
         }
     };
     reasoning_controls(request, &mut args)?;
+    // dynamo-llm 1.6.1 asks after the folding, so a top-level `reasoning_effort` is a control.
+    let controlled = || CONTROLS.iter().any(|key| args.contains_key(*key));
+    if let Some(on) = default_thinking
+        && !controlled()
+    {
+        set_thinking(&mut args, on);
+    }
     Ok(args)
 }
+
+/// The keys by which a request controls thinking itself, once its controls are folded in.
+const CONTROLS: [&str; 4] = ["thinking", "enable_thinking", "thinking_mode", "reasoning_effort"];
 
 /// The three spellings templates read a thinking switch in, as dynamo-llm 1.6.1 writes them.
 const THINKING_TOGGLES: [&str; 2] = ["thinking", "enable_thinking"];
@@ -672,28 +683,31 @@ mod tests {
             {"type": "function", "function": {"name": "g", "description": null}},
         ]});
         assert_eq!(
-            serde_json::to_string(&tools(&request)).unwrap(),
+            serde_json::to_string(&tools(&request, false)).unwrap(),
             r#"[{"type":"function","function":{"name":"f","parameters":{"properties":{},"type":"object"},"description":""}},{"type":"function","function":{"name":"g","description":""}}]"#
         );
-        assert!(
-            tools(&json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}))
-                .is_null()
+        let choice_none = json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"});
+        assert!(tools(&choice_none, false).is_null(), "dropped, as Dynamo does by default");
+        let kept = tools(&choice_none, true);
+        assert_eq!(
+            kept[0]["function"]["name"], "f",
+            "kept for a card that sets exclude_tools_when_tool_choice_none: false"
         );
     }
 
     #[test]
     fn template_args_come_from_one_of_two_spellings() {
-        assert!(template_args(&json!({"chat_template_args": {}, "chat_template_kwargs": {}})).is_err());
+        assert!(template_args(&json!({"chat_template_args": {}, "chat_template_kwargs": {}}), None).is_err());
         assert_eq!(
-            template_args(&json!({"chat_template_kwargs": {"x": 1}})).unwrap(),
+            template_args(&json!({"chat_template_kwargs": {"x": 1}}), None).unwrap(),
             *json!({"x": 1}).as_object().unwrap()
         );
-        assert!(template_args(&json!({})).unwrap().is_empty());
+        assert!(template_args(&json!({}), None).unwrap().is_empty());
     }
 
     #[test]
     fn reasoning_controls_are_stated_in_every_spelling() {
-        let args = |body: Json| Json::Object(template_args(&body).unwrap());
+        let args = |body: Json| Json::Object(template_args(&body, None).unwrap());
         let off = json!({"thinking": false, "enable_thinking": false, "thinking_mode": "disabled"});
         let on = json!({"thinking": true, "enable_thinking": true, "thinking_mode": "enabled"});
         assert_eq!(args(json!({"chat_template_args": {"enable_thinking": false}})), off);
@@ -710,6 +724,25 @@ mod tests {
         none["reasoning_effort"] = json!("none");
         assert_eq!(args(json!({"reasoning_effort": null, "chat_template_args": {"reasoning_effort": "none"}})), none);
         assert_eq!(args(json!({"chat_template_args": {"x": 1}})), json!({"x": 1}));
-        assert!(template_args(&json!({"thinking": "yes"})).is_err());
+        assert!(template_args(&json!({"thinking": "yes"}), None).is_err());
+    }
+
+    #[test]
+    fn a_cards_default_thinking_applies_only_to_requests_that_control_none() {
+        let args = |body: Json, default| Json::Object(template_args(&body, default).unwrap());
+        let off = json!({"thinking": false, "enable_thinking": false, "thinking_mode": "disabled"});
+        let on = json!({"thinking": true, "enable_thinking": true, "thinking_mode": "enabled"});
+        assert_eq!(args(json!({}), Some(false)), off);
+        assert_eq!(args(json!({"chat_template_args": {"x": 1}}), Some(true))["enable_thinking"], true);
+        assert_eq!(args(json!({"thinking": true}), Some(false)), on, "the client's switch wins");
+        assert_eq!(
+            args(json!({"chat_template_args": {"thinking_mode": "enabled"}}), Some(false)),
+            on,
+            "a nested mode is a control"
+        );
+        // A grade alone is a control too: the default does not override it (nor state a switch).
+        let graded = args(json!({"chat_template_args": {"reasoning_effort": {"level": 2}}}), Some(false));
+        assert_eq!(graded, json!({"reasoning_effort": {"level": 2}}));
+        assert_eq!(args(json!({"thinking": {"type": "adaptive"}}), Some(true)), json!({"thinking_mode": "adaptive"}));
     }
 }

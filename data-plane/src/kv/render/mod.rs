@@ -17,6 +17,7 @@ use std::borrow::Borrow;
 use std::sync::Arc;
 use std::time::Duration;
 
+use continuum_proto::model::PromptDefaults;
 use prometheus::Histogram;
 use serde_json::Value;
 use tokio::sync::Semaphore;
@@ -133,14 +134,16 @@ impl Renderer {
         warm::warm(artifacts, &self.permits, self.limits.permits).await
     }
 
-    /// Renders `request` (an OpenAI chat-completions body) with the model's template, encodes it
-    /// as dynamo.frontend does (no added special tokens), and hashes every complete block. The
-    /// job shares `request` rather than copying it, and holds it until it ends: a body's bounds
-    /// (see `ingress::request::Tree`) last as long as a render abandoned at its deadline runs.
+    /// Renders `request` (an OpenAI chat-completions body) with the model's template, shaped by
+    /// its card's `defaults`, encodes it as dynamo.frontend does (no added special tokens), and
+    /// hashes every complete block. The job shares `request` rather than copying it, and holds it
+    /// until it ends: a body's bounds (see `ingress::request::Tree`) last as long as a render
+    /// abandoned at its deadline runs.
     pub async fn prepare<R>(
         &self,
         artifacts: Arc<LoadedArtifacts>,
         request: Arc<R>,
+        defaults: PromptDefaults,
         block_sizes: &[BlockSize],
         salt: SaltHash,
     ) -> Result<PreparedPrompt, Fallback>
@@ -162,7 +165,7 @@ impl Renderer {
             // The permit is held until the job ends, even past the deadline, so abandoned
             // renders still count against the bound.
             let _permit = permit;
-            let prepared = prepare_blocking(&artifacts, (*request).borrow(), &sizes, salt, max_tokens);
+            let prepared = prepare_blocking(&artifacts, (*request).borrow(), defaults, &sizes, salt, max_tokens);
             if let Some(stages) = &stages {
                 stages.ran.observe(running.elapsed().as_secs_f64());
             }
@@ -180,11 +183,12 @@ impl Renderer {
 pub fn prepare_blocking(
     artifacts: &LoadedArtifacts,
     request: &Value,
+    defaults: PromptDefaults,
     block_sizes: &[BlockSize],
     salt: SaltHash,
     max_tokens: usize,
 ) -> Result<PreparedPrompt, Fallback> {
-    let text = artifacts.template.render(request).map_err(|error| match error {
+    let text = artifacts.template.render_with(request, defaults).map_err(|error| match error {
         RenderError::TooLarge => Fallback::PromptTooLarge,
         RenderError::OutOfFuel | RenderError::Refused(_) | RenderError::Template(_) => {
             tracing::debug!(%error, "chat template render failed");

@@ -7,6 +7,7 @@
 //! so a template can neither include nor import anything, and every render runs on a fuel
 //! budget and an output cap.
 
+use continuum_proto::model::PromptDefaults;
 use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::{Map, Value as Json, json};
@@ -108,14 +109,20 @@ impl ChatTemplate {
         Ok(Self { env, tokens, default, tool_use, content })
     }
 
-    /// Renders an OpenAI chat-completions body, stopping at [`MAX_RENDERED_BYTES`].
+    /// Renders an OpenAI chat-completions body, stopping at [`MAX_RENDERED_BYTES`], as for a card
+    /// that sets no prompt defaults.
     pub fn render(&self, request: &Json) -> Result<String, RenderError> {
+        self.render_with(request, PromptDefaults::default())
+    }
+
+    /// [`Self::render`] for a card whose `runtime_config` sets `defaults`.
+    pub fn render_with(&self, request: &Json, defaults: PromptDefaults) -> Result<String, RenderError> {
         let (add_generation_prompt, continue_final) = context::generation_prompt(request)?;
-        let tools = context::tools(request);
+        let tools = context::tools(request, defaults.keep_tools_when_tool_choice_none);
         let (name, shapes) =
             if context::has_tools(&tools) { (TOOL_USE, self.tool_use) } else { (DEFAULT, self.default) };
         let messages = context::messages(request, shapes, self.content, continue_final)?;
-        let args = context::template_args(request)?;
+        let args = context::template_args(request, defaults.default_thinking)?;
         let mut context = self.context(messages, tools, add_generation_prompt);
         // The frontend's own keys win over the request's template arguments.
         for (key, value) in args {
