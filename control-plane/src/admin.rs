@@ -18,6 +18,7 @@ use prometheus::IntCounter;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
+use crate::bearer;
 use crate::discovery::{DiscoveredWorker, Topic};
 use crate::fleet::FleetPublisher;
 use crate::grpc::Replicas;
@@ -69,14 +70,10 @@ pub fn router(state: AdminState) -> Router {
 
 async fn require_token(State(state): State<AdminState>, request: Request, next: Next) -> Response {
     let Some(expected) = state.settings.borrow().token.clone() else { return next.run(request).await };
-    let presented = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    match presented {
-        Some(token) if constant_time_eq(token.as_bytes(), expected.as_bytes()) => next.run(request).await,
-        _ => (
+    let presented = request.headers().get(header::AUTHORIZATION).map(|value| value.as_bytes());
+    match bearer::accepts(presented, &expected) {
+        true => next.run(request).await,
+        false => (
             StatusCode::UNAUTHORIZED,
             [(header::WWW_AUTHENTICATE, "Bearer")],
             axum::Json(
@@ -85,11 +82,6 @@ async fn require_token(State(state): State<AdminState>, request: Request, next: 
         )
             .into_response(),
     }
-}
-
-/// Compares without an early exit, so response timing does not reveal a matching prefix.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Whether discovery has produced a full view since the fleet was last emptied, at start or by
@@ -290,17 +282,4 @@ async fn replicas(State(state): State<AdminState>) -> impl IntoResponse {
         })
         .collect();
     axum::Json(json!({ "version": state.publisher.current().version(), "replicas": replicas }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::constant_time_eq;
-
-    #[test]
-    fn token_comparison_requires_equal_length_and_bytes() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
-        assert!(!constant_time_eq(b"", b"x"));
-    }
 }

@@ -54,6 +54,7 @@ pub struct ControlPlane {
     load: LoadSupervisor,
     kv: KvSupervisor,
     settings: watch::Sender<AdminSettings>,
+    fleet_token: watch::Sender<Option<Arc<str>>>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -71,6 +72,10 @@ fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSett
         namespaces: config.namespaces().into(),
         resyncs_when_emptied: discovery.resyncs_when_emptied(),
     }
+}
+
+fn fleet_token(config: &Config) -> Option<Arc<str>> {
+    config.control_plane.token.as_ref().map(|t| Arc::from(t.expose()))
 }
 
 impl ControlPlane {
@@ -103,9 +108,11 @@ impl ControlPlane {
         let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));
 
         let seeded = Seeded::new(settings_rx.clone(), &metrics);
+        let (fleet_token, fleet_token_rx) = watch::channel(fleet_token(&config));
         let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone())
             .with_kv(kv.handle())
-            .with_seeded(move || seeded.check());
+            .with_seeded(move || seeded.check())
+            .with_token(fleet_token_rx);
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(error) = grpc::serve(grpc_listener, service, shutdown).await {
@@ -142,14 +149,16 @@ impl ControlPlane {
             load,
             kv,
             settings,
+            fleet_token,
             cancel,
             tasks,
         })
     }
 
     /// Applies a new configuration without a restart: the data plane's part goes out on the
-    /// Fleet stream at once, discovery follows its reload class, and the admin token and
-    /// listing change. Listen addresses need a restart; a change to them is logged and ignored.
+    /// Fleet stream at once, discovery follows its reload class, and the admin token, the
+    /// listing and the Fleet service's token change (open streams keep running). Listen
+    /// addresses need a restart; a change to them is logged and ignored.
     pub async fn reload(&mut self, config: Config) -> Result<(), ReloadError> {
         self.discovery.reload(&config).await?;
         self.load.reload(&config.dynamo.load);
@@ -165,6 +174,7 @@ impl ControlPlane {
             }
         }
         self.settings.send_replace(admin_settings(&config, &self.discovery));
+        self.fleet_token.send_replace(fleet_token(&config));
         self.config = config;
         tracing::info!("configuration reloaded");
         Ok(())

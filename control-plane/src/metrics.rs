@@ -24,6 +24,8 @@ pub struct Metrics {
     pub watch_refused: IntCounterVec,
     /// Watch streams ended because their replica id opened a new one.
     pub watch_superseded: IntCounter,
+    /// Fleet calls refused for want of `control_plane.token`.
+    pub unauthenticated: IntCounter,
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
@@ -88,6 +90,10 @@ impl Metrics {
             watch_superseded: IntCounter::new(
                 "continuum_fleet_watch_superseded_total",
                 "Watch streams ended because the same replica id opened a new one",
+            )?,
+            unauthenticated: IntCounter::new(
+                "continuum_fleet_unauthenticated_total",
+                "Fleet gRPC calls refused because they did not present control_plane.token",
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
@@ -202,6 +208,7 @@ impl Metrics {
             Box::new(metrics.replica_replies.clone()),
             Box::new(metrics.watch_refused.clone()),
             Box::new(metrics.watch_superseded.clone()),
+            Box::new(metrics.unauthenticated.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
             Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.dispatch_chains_dropped.clone()),

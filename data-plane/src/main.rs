@@ -1,10 +1,10 @@
-//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--find-matches-deadline 2ms] [--worker-threads N]`
+//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--control-plane-token TOKEN] [--find-matches-deadline 2ms] [--worker-threads N]`
 
 use std::process::ExitCode;
 
 use clap::Parser;
 use continuum_data_plane::dispatch::DispatchSettings;
-use continuum_data_plane::fleet::FleetClientConfig;
+use continuum_data_plane::fleet::{Credentials, FleetClientConfig};
 use continuum_data_plane::replica::Replica;
 use continuum_proto::MAX_REPLICA_ID_BYTES;
 
@@ -31,6 +31,10 @@ struct Args {
     /// This replica's name in the control plane's logs and admin API (default: host-pid).
     #[arg(long, env = "CONTINUUM_REPLICA_ID")]
     replica_id: Option<String>,
+    /// The control plane's `control_plane.token`, presented on every Fleet call. Prefer the
+    /// environment variable: a command line is visible to every user of the host.
+    #[arg(long, env = "CONTINUUM_CONTROL_PLANE_TOKEN", hide_env_values = true)]
+    control_plane_token: Option<String>,
     /// How long a KV overlap lookup may hold a request before it is scored without overlap credit.
     #[arg(long, env = "CONTINUUM_FIND_MATCHES_DEADLINE", default_value = "2ms", value_parser = humantime::parse_duration)]
     find_matches_deadline: std::time::Duration,
@@ -79,7 +83,14 @@ async fn run(args: Args) -> ExitCode {
         eprintln!("error: --replica-id must be 1 to {MAX_REPLICA_ID_BYTES} bytes, got {} bytes", replica_id.len());
         return ExitCode::from(2);
     }
-    let config = FleetClientConfig { control_plane: args.control_plane, replica_id };
+    let credentials = match args.control_plane_token.as_deref().map(Credentials::bearer).transpose() {
+        Ok(credentials) => credentials.unwrap_or_default(),
+        Err(error) => {
+            eprintln!("error: --control-plane-token: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    let config = FleetClientConfig { credentials, ..FleetClientConfig::new(args.control_plane, replica_id) };
     let started = Replica::start_full(&args.listen, config, DispatchSettings::default(), args.find_matches_deadline);
     let replica = match started.await {
         Ok(replica) => replica,

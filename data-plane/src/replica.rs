@@ -70,7 +70,7 @@ impl Replica {
         let metrics = Metrics::new()?;
         let cancel = CancellationToken::new();
         let reporter = Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone()));
-        let matches = MatchesClient::new(&config.control_plane, &config.replica_id, find_matches_deadline)
+        let matches = MatchesClient::new(&config, find_matches_deadline)
             .map_err(|source| StartError::ControlPlaneUrl { url: config.control_plane.clone(), source })?;
         let client = tokio::spawn(fleet::run(
             config,

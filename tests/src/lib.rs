@@ -81,7 +81,7 @@ impl TestControlPlane {
 pub async fn start_replicas(n: usize, url: &str) -> anyhow::Result<Vec<Replica>> {
     let mut replicas = Vec::with_capacity(n);
     for i in 0..n {
-        let config = FleetClientConfig { control_plane: url.to_string(), replica_id: format!("replica-{i}") };
+        let config = FleetClientConfig::new(url.to_string(), format!("replica-{i}"));
         replicas.push(Replica::start("127.0.0.1:0", config).await?);
     }
     Ok(replicas)

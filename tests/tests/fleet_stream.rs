@@ -392,3 +392,78 @@ async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() 
     control.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reload_rotates_it() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{self, Secret};
+    use continuum_data_plane::fleet::{Credentials, FleetClientConfig};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use tonic::Code;
+
+    let mut config = config::embedded_default();
+    config.move_simulator_shim("127.0.0.1:0".parse()?);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    config.control_plane.token = Some(Secret::new("first-s3cret"));
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    let url = format!("http://{}", control.grpc_addr);
+    let follow = async |name: &str, token: Option<&str>| -> anyhow::Result<Replica> {
+        let mut follow = FleetClientConfig::new(url.clone(), name);
+        if let Some(token) = token {
+            follow.credentials = Credentials::bearer(token)?;
+        }
+        Ok(Replica::start("127.0.0.1:0", follow).await?)
+    };
+    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
+    let open = |control: &ControlPlane| {
+        let mut ids: Vec<String> = control.replicas.list().iter().map(|s| s.replica_id.clone()).collect();
+        ids.sort();
+        ids
+    };
+
+    let bare = follow("bare", None).await?;
+    let wrong = follow("wrong", Some("guess")).await?;
+    let first = follow("first", Some("first-s3cret")).await?;
+    eventually(CONVERGE, "the replica with the token holds the fleet", || async { workers(&first) == 4 }).await?;
+    let refused = control.metrics.unauthenticated.clone();
+    eventually(CONVERGE, "both other replicas refused", || async { refused.get() >= 2 }).await?;
+    assert!(bare.fleet.view().is_none() && wrong.fleet.view().is_none(), "neither was sent the fleet");
+    assert_eq!(open(&control), ["first"]);
+
+    // Every call, not only the stream: the snapshot and the KV lookups are the replicas' too.
+    let raw = |token: Option<&'static str>| {
+        let url = url.clone();
+        async move {
+            let channel = tonic::transport::Endpoint::from_shared(url)?.connect().await?;
+            let credentials = token.map(Credentials::bearer).transpose()?.unwrap_or_default();
+            anyhow::Ok(pb::fleet_client::FleetClient::with_interceptor(channel, credentials))
+        }
+    };
+    let mut anonymous = raw(None).await?;
+    let status = anonymous.get_snapshot(pb::GetSnapshotRequest::default()).await.expect_err("refused");
+    assert_eq!(status.code(), Code::Unauthenticated);
+    assert!(status.message().contains("control_plane.token"), "says what to send: {}", status.message());
+    let lookup = pb::FindMatchesRequest { model: "tiny".into(), ..Default::default() };
+    let status = anonymous.find_matches(lookup.clone()).await.expect_err("refused");
+    assert_eq!(status.code(), Code::Unauthenticated);
+    assert!(raw(Some("first-s3cret")).await?.get_snapshot(pb::GetSnapshotRequest::default()).await.is_ok());
+
+    // A reload rotates the token: new calls need the new one; the open stream keeps running.
+    config.control_plane.token = Some(Secret::new("second-s3cret"));
+    control.reload(config).await?;
+    let before = refused.get();
+    let status = raw(Some("first-s3cret")).await?.find_matches(lookup).await.expect_err("the old token is refused");
+    assert_eq!(status.code(), Code::Unauthenticated);
+    assert_eq!(refused.get(), before + 1, "counted");
+    let second = follow("second", Some("second-s3cret")).await?;
+    eventually(CONVERGE, "a replica with the new token holds the fleet", || async { workers(&second) == 4 }).await?;
+    assert_eq!(open(&control), ["first", "second"]);
+
+    for replica in [bare, wrong, first, second] {
+        replica.shutdown().await;
+    }
+    control.shutdown().await;
+    Ok(())
+}

@@ -82,16 +82,18 @@ pub struct DisaggregatedServingConfig {
     pub fallback_to_unified: bool,
 }
 
-/// `control_plane`: where the data-plane replicas reach the Fleet gRPC service.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// `control_plane`: where the data-plane replicas reach the Fleet gRPC service, and the bearer
+/// token they must present there.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ControlPlaneConfig {
     pub grpc_listen: SocketAddr,
+    pub token: Option<Secret>,
 }
 
 impl Default for ControlPlaneConfig {
     fn default() -> Self {
-        Self { grpc_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50051) }
+        Self { grpc_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50051), token: None }
     }
 }
 

@@ -10,13 +10,14 @@ use continuum_kv_index::RankKey;
 use continuum_proto::MAX_LOOKUP_PROMPT_TOKENS;
 use continuum_proto::convert::snapshot_to_wire;
 use continuum_proto::pb::{self, fleet_server::Fleet, watch_request::Kind};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
+use crate::bearer;
 use crate::fleet::{ActiveIndex, BacklogBook, BookCounters, FleetPublisher};
 use crate::kv::{KvHandle, LookupKey, MAX_CONTENDERS, MAX_FIND_MATCHES_HASHES, Suggestion};
 use crate::metrics::Metrics;
@@ -83,6 +84,8 @@ pub struct FleetService {
     turns: Arc<Turns>,
     /// Whether discovery has seeded the fleet; a Watch opened before is refused.
     seeded: Arc<dyn Fn() -> bool + Send + Sync>,
+    /// `control_plane.token`, which every call must present when set.
+    token: watch::Receiver<Option<Arc<str>>>,
 }
 
 impl std::fmt::Debug for FleetService {
@@ -106,7 +109,27 @@ impl FleetService {
         );
         let turns = Arc::default();
         let seeded = Arc::new(|| true);
-        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns, seeded }
+        let token = watch::channel(None).1;
+        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns, seeded, token }
+    }
+
+    /// Refuses every call (`UNAUTHENTICATED`) that does not present `authorization: Bearer
+    /// <token>` while `token` holds one. The stream, the fleet it carries (worker and shim
+    /// addresses), the dispatch reports and the lookups are all the replicas'. A change applies
+    /// to calls made after it; open streams keep running.
+    pub fn with_token(self, token: watch::Receiver<Option<Arc<str>>>) -> Self {
+        Self { token, ..self }
+    }
+
+    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let Some(expected) = self.token.borrow().clone() else { return Ok(()) };
+        if bearer::accepts(request.metadata().get("authorization").map(|value| value.as_bytes()), &expected) {
+            return Ok(());
+        }
+        self.metrics.unauthenticated.inc();
+        Err(Status::unauthenticated(
+            "send authorization: Bearer <control_plane.token> (a replica's --control-plane-token)",
+        ))
     }
 
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
@@ -158,6 +181,7 @@ impl Fleet for FleetService {
         &self,
         request: Request<Streaming<pb::WatchRequest>>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        self.authorize(&request)?;
         if !(self.seeded)() {
             self.metrics.watch_refused.with_label_values(&["not_seeded"]).inc();
             return Err(Status::unavailable(
@@ -206,7 +230,8 @@ impl Fleet for FleetService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+    async fn get_snapshot(&self, request: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        self.authorize(&request)?;
         let state = self.publisher.current();
         Ok(Response::new(snapshot_to_wire(state.view(), Instant::now())))
     }
@@ -215,6 +240,7 @@ impl Fleet for FleetService {
         &self,
         request: Request<pb::FindMatchesRequest>,
     ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+        self.authorize(&request)?;
         let pb::FindMatchesRequest { block_hashes: hashes, model, contenders, prompt_tokens, replica_id, lookup } =
             request.into_inner();
         let count = |result: &str| self.metrics.kv_find_matches.with_label_values(&[result]).inc();

@@ -20,6 +20,7 @@ use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
 use super::backoff::Backoff;
+use super::credentials::Credentials;
 use super::handle::FleetHandle;
 use super::reporter::{self, DispatchReporter, Reports};
 use crate::metrics::Metrics;
@@ -42,6 +43,14 @@ const REPLY_QUEUE: usize = 8;
 pub struct FleetClientConfig {
     pub control_plane: String,
     pub replica_id: String,
+    pub credentials: Credentials,
+}
+
+impl FleetClientConfig {
+    /// Following `control_plane` as `replica_id`, with no token.
+    pub fn new(control_plane: impl Into<String>, replica_id: impl Into<String>) -> Self {
+        Self { control_plane: control_plane.into(), replica_id: replica_id.into(), credentials: Credentials::default() }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +136,7 @@ async fn follow(
     let (replies, rx) = mpsc::channel(REPLY_QUEUE);
     let hello = pb::Hello { replica_id: config.replica_id.clone(), version: handle.resume_from() };
     replies.send(request(Kind::Hello(hello))).await.map_err(|_| SessionError::RepliesClosed)?;
-    let mut updates = FleetClient::new(channel)
+    let mut updates = FleetClient::with_interceptor(channel, config.credentials.clone())
         .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES)
         .watch(ReceiverStream::new(rx))

@@ -8,8 +8,11 @@ use std::time::Duration;
 
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint};
 
+use super::client::FleetClientConfig;
+use super::credentials::Credentials;
 use crate::routing::picker::{RankOverlap, Suggested};
 
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
@@ -30,7 +33,7 @@ pub enum MatchesError {
 /// large snapshot on the Watch stream.
 #[derive(Debug, Clone)]
 pub struct MatchesClient {
-    client: FleetClient<Channel>,
+    client: FleetClient<InterceptedService<Channel, Credentials>>,
     deadline: Duration,
     /// This replica's id, which with a lookup's number names its reservation.
     replica_id: Arc<str>,
@@ -39,20 +42,21 @@ pub struct MatchesClient {
 }
 
 impl MatchesClient {
-    /// A client for the replica `replica_id` (its `Hello.replica_id`).
-    pub fn new(control_plane: &str, replica_id: &str, deadline: Duration) -> Result<Self, tonic::transport::Error> {
+    /// A client for the replica `config.replica_id` (its `Hello.replica_id`).
+    pub fn new(config: &FleetClientConfig, deadline: Duration) -> Result<Self, tonic::transport::Error> {
         // Bounded connects and keep-alive answers: a control plane that moved or went silent
         // is found out in seconds, not after the kernel's two-minute SYN timeout, so lookups
         // stop missing soon after it is back. (Each lookup is bounded by its deadline anyway.)
-        let channel = Endpoint::from_shared(control_plane.to_string())?
+        let channel = Endpoint::from_shared(config.control_plane.clone())?
             .tcp_nodelay(true)
             .connect_timeout(MATCHES_CONNECT_TIMEOUT)
             .http2_keep_alive_interval(Duration::from_secs(20))
             .keep_alive_timeout(MATCHES_CONNECT_TIMEOUT)
             .keep_alive_while_idle(true)
             .connect_lazy();
-        let client = FleetClient::new(channel).max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
-        Ok(Self { client, deadline, replica_id: replica_id.into(), numbered: Arc::default() })
+        let client = FleetClient::with_interceptor(channel, config.credentials.clone())
+            .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+        Ok(Self { client, deadline, replica_id: config.replica_id.as_str().into(), numbered: Arc::default() })
     }
 
     pub fn deadline(&self) -> Duration {

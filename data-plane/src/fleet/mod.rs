@@ -3,11 +3,13 @@
 
 mod backoff;
 mod client;
+mod credentials;
 mod handle;
 mod matches;
 mod reporter;
 
 pub use client::{FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
+pub use credentials::{Credentials, InvalidToken};
 pub use handle::{FleetHandle, FleetStatus};
 pub use matches::{FIND_MATCHES_DEADLINE, Matches, MatchesClient, MatchesError};
 #[cfg(test)]

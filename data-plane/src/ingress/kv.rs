@@ -333,14 +333,15 @@ mod tests {
     use continuum_proto::model::KvArtifactPolicy;
 
     use super::*;
-    use crate::fleet::MatchesClient;
+    use crate::fleet::{FleetClientConfig, MatchesClient};
     use crate::metrics::Metrics;
 
     #[tokio::test]
     async fn cards_are_cached_for_models_the_fleet_serves_and_no_others() -> anyhow::Result<()> {
         use continuum_proto::model::{Capacity, DataPlaneConfig, WorkerKey};
         let metrics = Metrics::new()?;
-        let matches = MatchesClient::new("http://127.0.0.1:9", "test", Duration::from_millis(10))?;
+        let matches =
+            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))?;
         let routing =
             KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
         let worker = Worker {
@@ -370,7 +371,8 @@ mod tests {
     #[tokio::test]
     async fn a_cache_directory_that_cannot_open_is_tried_again_after_a_while_not_per_request() -> anyhow::Result<()> {
         let metrics = Metrics::new()?;
-        let matches = MatchesClient::new("http://127.0.0.1:9", "test", Duration::from_millis(10))?;
+        let matches =
+            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))?;
         let routing =
             KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
         // Under a regular file, no directory can be made.

@@ -179,7 +179,7 @@ mod tests {
 
     use super::*;
     use crate::dispatch::{DispatchSettings, Dispatcher};
-    use crate::fleet::{DispatchReporter, FleetHandle, MatchesClient};
+    use crate::fleet::{DispatchReporter, FleetClientConfig, FleetHandle, MatchesClient};
     use crate::http::KvSelection;
     use crate::metrics::Metrics;
     use crate::routing::picker::{DispatchLedger, LoadBasedPicker, PromptSizes};
@@ -231,7 +231,9 @@ mod tests {
     fn state() -> AppState {
         let metrics = Metrics::new().expect("metrics");
         let ledger = Arc::new(DispatchLedger::new());
-        let matches = MatchesClient::new("http://127.0.0.1:9", "test", Duration::from_millis(10)).expect("url");
+        let matches =
+            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))
+                .expect("url");
         let kv = KvSelection::new(matches, &ledger, &metrics);
         AppState {
             fleet: Arc::new(FleetHandle::default()),

@@ -19,7 +19,7 @@ use continuum_control_plane::kv::decode::{KvEvent, KvEventData, ResidencyDomain,
 use continuum_control_plane::kv::feed::SharedKvIndexer;
 use continuum_control_plane::kv::{KvHandle, KvIndexer, LiveRanks, PublisherMapping};
 use continuum_control_plane::metrics::Metrics;
-use continuum_data_plane::fleet::{FIND_MATCHES_DEADLINE, MatchesClient};
+use continuum_data_plane::fleet::{FIND_MATCHES_DEADLINE, FleetClientConfig, MatchesClient};
 use continuum_kv_index::{IndexStats, Limits, StoredBlock};
 use continuum_tests::bench::{Quantiles, arg, write_section};
 use rand::rngs::StdRng;
@@ -168,7 +168,7 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let server = tokio::spawn(grpc::serve(listener, service, cancel.clone()));
-    let client = MatchesClient::new(&url, "bench", MEASURE_DEADLINE)?;
+    let client = MatchesClient::new(&FleetClientConfig::new(url.as_str(), "bench"), MEASURE_DEADLINE)?;
     // Connect and warm up.
     for query in queries.iter().take(500) {
         client.find_matches(0, query.clone(), "bench", &CONTENDERS, 1_024).await?;

@@ -275,7 +275,7 @@ async fn start_control_plane(stub: SocketAddr) -> anyhow::Result<TestControlPlan
 }
 
 async fn start_replica(control: &TestControlPlane) -> anyhow::Result<Replica> {
-    let follow = FleetClientConfig { control_plane: control.url(), replica_id: "bench-proxy".into() };
+    let follow = FleetClientConfig::new(control.url(), "bench-proxy");
     let replica = Replica::start("127.0.0.1:0", follow).await?;
     let version = control.publisher.current().version();
     wait_for_version(std::slice::from_ref(&replica), version, Duration::from_secs(20)).await?;

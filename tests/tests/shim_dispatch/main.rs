@@ -100,7 +100,7 @@ impl Harness {
             config: Some(Arc::new(config)),
             ..FleetChange::default()
         });
-        let follow = FleetClientConfig { control_plane: control.url(), replica_id: "shim-dispatch".into() };
+        let follow = FleetClientConfig::new(control.url(), "shim-dispatch");
         let replica = Replica::start_with("127.0.0.1:0", follow, settings).await?;
         wait_for_version(std::slice::from_ref(&replica), control.publisher.current().version(), CONVERGE).await?;
         Ok(Self { control, replica, http: reqwest::Client::new() })

@@ -9,6 +9,7 @@ use crate::config::{Cidr, MASK, embedded_default};
 
 const SECRETS: &str = "
 admin: {token: admin-s3cret}
+control_plane: {token: grpc-s3cret}
 dynamo:
   discovery:
     etcd:
@@ -27,11 +28,12 @@ fn masked_yaml_never_shows_a_secret() {
     for text in [&shown, &debug] {
         assert!(!text.contains("s3cret"), "{text}");
     }
-    assert_eq!(shown.matches(MASK).count(), 4, "{shown}");
+    assert_eq!(shown.matches(MASK).count(), 5, "{shown}");
     for readable in ["/etc/etcd/ca.pem", "/etc/etcd/client.pem", "username: router", "/bus/tls.crt"] {
         assert!(shown.contains(readable), "{readable} missing from:\n{shown}");
     }
     assert_eq!(config.admin.token.as_ref().map(|t| t.expose()), Some("admin-s3cret"));
+    assert_eq!(config.control_plane.token.as_ref().map(|t| t.expose()), Some("grpc-s3cret"));
 }
 
 #[test]

@@ -181,6 +181,9 @@ fn listener_rows() -> Vec<Row> {
         row("admin off-host without token", "admin: {listen: '0.0.0.0:9090'}", Warning, "admin.token", "not a loopback"),
         row("admin token empty", "admin: {token: ''}", Error, "admin.token", "must not be empty"),
         row("admin listen not an address", "admin: {listen: localhost}", Error, "admin.listen", "socket address"),
+        row("grpc off-host without token", "control_plane: {grpc_listen: '0.0.0.0:50051'}", Warning, "control_plane.token", "end replicas' streams"),
+        row("grpc token empty", "control_plane: {token: ''}", Error, "control_plane.token", "must not be empty"),
+        row("grpc token not a header value", "control_plane: {token: 'two words'}", Error, "control_plane.token", "visible ASCII"),
     ]
 }
 

@@ -1,5 +1,5 @@
 //! Continuum's own listeners (gRPC, admin, event bus, the simulated shim) must not collide, and the admin API
-//! should not be reachable off-host without a token.
+//! and the Fleet service should not be reachable off-host without a token.
 
 use std::net::SocketAddr;
 
@@ -21,15 +21,30 @@ pub(super) fn check(config: &Config, report: &mut Report) {
             report.error(*path, format!("{addr} collides with {other}; give each listener its own port"));
         }
     }
-    match &config.admin.token {
-        Some(token) if token.is_empty() => {
-            report.error("admin.token", "must not be empty; remove the key to serve admin without a token")
-        }
-        None if !config.admin.listen.ip().is_loopback() => report.warning(
-            "admin.token",
-            "is unset while admin.listen is not a loopback address: anyone who reaches it can read the fleet and configuration",
+    let tokens = [
+        ("admin.token", &config.admin.token, config.admin.listen, "read the fleet and configuration"),
+        (
+            "control_plane.token",
+            &config.control_plane.token,
+            config.control_plane.grpc_listen,
+            "follow the fleet (worker and shim addresses), report dispatches and end replicas' streams",
         ),
-        _ => {}
+    ];
+    for (path, token, listen, exposed) in tokens {
+        match token {
+            Some(token) if token.is_empty() => {
+                report.error(path, "must not be empty; remove the key to serve without a token")
+            }
+            // Replicas send it as one header token (`--control-plane-token` refuses the rest).
+            Some(token) if path == "control_plane.token" && !token.expose().bytes().all(|b| b.is_ascii_graphic()) => {
+                report.error(path, "must be visible ASCII without spaces (it is sent as an authorization header)")
+            }
+            None if !listen.ip().is_loopback() => report.warning(
+                path,
+                format!("is unset while the listener is not a loopback address: anyone who reaches it can {exposed}"),
+            ),
+            _ => {}
+        }
     }
 }
 

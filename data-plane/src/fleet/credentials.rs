@@ -1,0 +1,62 @@
+//! The bearer token a replica presents on every Fleet call when the control plane asks for one
+//! (`control_plane.token` there, `--control-plane-token` here).
+
+use std::fmt;
+
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::{Request, Status};
+
+#[derive(Clone, Default)]
+pub struct Credentials(Option<MetadataValue<Ascii>>);
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("the control-plane token must be visible ASCII without spaces")]
+pub struct InvalidToken;
+
+impl Credentials {
+    /// `authorization: Bearer <token>`; the control plane refuses a token it could not have
+    /// been configured with, so one is refused here before it is ever sent.
+    pub fn bearer(token: &str) -> Result<Self, InvalidToken> {
+        if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(InvalidToken);
+        }
+        let mut value = MetadataValue::try_from(format!("Bearer {token}")).map_err(|_| InvalidToken)?;
+        value.set_sensitive(true);
+        Ok(Self(Some(value)))
+    }
+}
+
+impl Interceptor for Credentials {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(value) = &self.0 {
+            request.metadata_mut().insert("authorization", value.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// Never prints the token.
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Credentials(Bearer ***)" } else { "Credentials(none)" })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_token_is_sent_as_a_bearer_and_never_printed() {
+        let mut credentials = Credentials::bearer("s3cret").expect("a valid token");
+        let request = credentials.call(Request::new(())).expect("passed on");
+        assert_eq!(request.metadata().get("authorization").and_then(|v| v.to_str().ok()), Some("Bearer s3cret"));
+        assert!(!format!("{credentials:?}").contains("s3cret"));
+        let request = Credentials::default().call(Request::new(())).expect("passed on");
+        assert!(request.metadata().get("authorization").is_none(), "no token, no header");
+        for bad in ["", "two words", "tab\t", "é"] {
+            assert_eq!(Credentials::bearer(bad).map(|_| ()), Err(InvalidToken), "{bad:?}");
+        }
+    }
+}
