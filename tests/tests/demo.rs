@@ -1,8 +1,9 @@
 //! The demo, end to end: the real control-plane binary on its embedded default (no
-//! `--config`), whose simulated fleet publishes real ZMTP kv_metrics frames and serves a
-//! direct-mode shim, and a data-plane replica following it. A routed chat request comes back
-//! 200 with the pins the replica chose echoed by the shim, the pinned workers' load samples
-//! reach the replica's fleet view, and a stream ends as the real frontend's does.
+//! `--config`), whose simulated fleet publishes real ZMTP kv_metrics and kv-events frames and
+//! serves a direct-mode shim, and a data-plane replica following it. A routed chat request
+//! comes back 200 with the pins the replica chose echoed by the shim, the pinned workers' load
+//! samples reach the replica's fleet view, a stream ends as the real frontend's does, and a
+//! prompt sharing a prefix with an earlier one goes to the worker that cached it.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -17,11 +18,12 @@ use tokio::process::{Child, Command};
 
 const WAIT: Duration = Duration::from_secs(20);
 
-/// The control plane on its embedded default, every port free; killed when dropped.
-async fn embedded_default_control_plane() -> anyhow::Result<(Child, String)> {
-    let (grpc, shim) = (free_port()?, free_port()?);
+/// The control plane on its embedded default, every port free; killed when dropped. Returns
+/// its gRPC URL and its admin address.
+async fn embedded_default_control_plane() -> anyhow::Result<(Child, String, String)> {
+    let (grpc, shim, admin) = (free_port()?, free_port()?, free_port()?);
     let mut child = Command::new(tools::binary("continuum-control-plane"))
-        .args(["--grpc-listen", &grpc.to_string(), "--admin-listen", "127.0.0.1:0"])
+        .args(["--grpc-listen", &grpc.to_string(), "--admin-listen", &admin.to_string()])
         .args(["--simulator-shim-listen", &shim.to_string()])
         .env_remove("CONTINUUM_CONFIG")
         .stdout(Stdio::piped())
@@ -35,7 +37,7 @@ async fn embedded_default_control_plane() -> anyhow::Result<(Child, String)> {
         .context("the control plane printed nothing")??
         .context("the control plane exited before listening")?;
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok((child, format!("http://{grpc}")))
+    Ok((child, format!("http://{grpc}"), admin.to_string()))
 }
 
 fn header(response: &reqwest::Response, name: &str) -> anyhow::Result<u64> {
@@ -45,7 +47,7 @@ fn header(response: &reqwest::Response, name: &str) -> anyhow::Result<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow::Result<()> {
-    let (_control_plane, url) = embedded_default_control_plane().await?;
+    let (_control_plane, url, _) = embedded_default_control_plane().await?;
     let replicas = start_replicas(1, &url).await?;
     let replica = &replicas[0];
     eventually(WAIT, "four simulated workers in the replica's view", || async {
@@ -108,5 +110,57 @@ async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow
     );
     assert_eq!((&usage["choices"], usage["usage"]["completion_tokens"].as_u64()), (&json!([]), Some(16)));
     assert_eq!(*done, "[DONE]");
+    Ok(())
+}
+
+/// A gauge or counter of the control plane's `/metrics`, with its labels as written there.
+async fn control_plane_metric(admin: &str, series: &str) -> anyhow::Result<f64> {
+    let text = reqwest::get(format!("http://{admin}/metrics")).await?.text().await?;
+    let line = text.lines().find(|line| line.starts_with(series)).with_context(|| format!("no {series}"))?;
+    Ok(line.rsplit(' ').next().unwrap_or_default().parse()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_routes_a_shared_prefix_to_the_worker_whose_kv_events_announced_it() -> anyhow::Result<()> {
+    let (_control_plane, url, admin) = embedded_default_control_plane().await?;
+    let replicas = start_replicas(1, &url).await?;
+    let replica = &replicas[0];
+    let loaded = replica.metrics.kv_artifacts.with_label_values(&["loaded"]);
+    eventually(WAIT, "the simulated fleet's tokenizer, fetched from its shim and pinned", || async {
+        loaded.get() > 0
+    })
+    .await?;
+
+    let client = reqwest::Client::new();
+    let system = "You answer questions about foxes, dogs and rivers in the valley, briefly and kindly. ".repeat(3);
+    let ask = |question: &str| {
+        let request = json!({"model": "tiny", "max_tokens": 2,
+                             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]});
+        client
+            .post(format!("http://{}/v1/chat/completions", replica.local_addr))
+            .header("x-backend", "show")
+            .json(&request)
+    };
+    let first = ask("Why does the fox jump?").send().await?;
+    assert_eq!(first.status(), 200);
+    let holder = header(&first, "x-continuum-prefill-worker")?;
+    let body: Value = first.json().await?;
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{body}");
+
+    // The prefill worker's kv-events reach the control plane's index over real ZMTP.
+    // Both workers it ran on store it: the prefill worker and the decode worker it reached.
+    eventually(WAIT, "the first prompt's kv-events applied to the control plane's index", || async {
+        let applied = control_plane_metric(&admin, "continuum_dynamo_kv_events_total{result=\"applied\"}").await;
+        applied.is_ok_and(|events| events >= 2.0)
+    })
+    .await?;
+    let second = ask("Where does the river go?").send().await?;
+    assert_eq!(second.status(), 200);
+    assert_eq!(header(&second, "x-continuum-prefill-worker")?, holder, "the worker holding the prefix");
+    let body: Value = second.json().await?;
+    let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or_default();
+    assert!(cached >= 64, "the shared system prompt's blocks were cached there: {body}");
+    let overlap = replica.metrics.kv_selections.with_label_values(&["overlap"]).get();
+    assert!(overlap >= 1, "picked for its overlap");
     Ok(())
 }

@@ -1,23 +1,29 @@
-//! The `simulator` discovery source: an embedded simulated fleet for the demo. It binds one
-//! loopback ZMTP PUB listener per simulated worker and the shim's listener when it starts (so
-//! a taken port fails the start), publishes the workers and their kv_metrics publishers
-//! through the registry like any discovered fleet (the load supervisor subscribes to them over
-//! real ZMTP), and serves the shim until cancelled. Reloading it rebinds everything.
+//! The `simulator` discovery source: an embedded simulated fleet for the demo. It binds two
+//! loopback ZMTP PUB listeners per simulated worker (kv_metrics and kv-events) and the shim's
+//! listener when it starts (so a taken port fails the start), publishes the workers, their
+//! cards' artifacts and their publishers through the registry like any discovered fleet (the
+//! load and KV supervisors subscribe to them over real ZMTP), and serves the shim until
+//! cancelled. Reloading it rebinds everything.
 
+mod artifacts;
 mod pins;
+mod prefix_cache;
 mod publisher;
 mod shim;
+mod wire;
 mod workers;
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener as StdListener};
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use continuum_proto::model::{Capacity, Role, Worker, WorkerKey};
+use continuum_proto::model::{Capacity, ModelArtifacts, Role, Worker, WorkerKey};
 use tokio::net::TcpListener;
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 use self::shim::Shim;
+use self::wire::Message;
 use self::workers::SimulatedWorker;
 use super::registry::Registry;
 use crate::config::SimulatorConfig;
@@ -30,6 +36,9 @@ pub const FIRST_WORKER_ID: u64 = 0x6a6c_a228_814c_9700;
 /// The first kv_metrics publisher id. A real publisher incarnation's id is unrelated to its
 /// worker's and below 2^53 (`8699381521900608`).
 pub const FIRST_PUBLISHER_ID: u64 = 0x1e_e800_0000_0000;
+/// The first kv-events publisher id (`5993272610344493` in the captures).
+pub const FIRST_KV_EVENTS_PUBLISHER_ID: u64 = 0x15_4ad9_0000_0000;
+
 /// The batch size the simulated workers' capacity declares.
 pub const MAX_NUM_BATCHED_TOKENS: u64 = 8192;
 
@@ -48,7 +57,8 @@ pub struct SimulatorError {
 #[derive(Debug)]
 pub struct Simulator {
     fleet: Fleet,
-    publishers: Vec<(TcpListener, Arc<SimulatedWorker>)>,
+    /// Each worker's publishers' listeners and what they publish.
+    publishers: Vec<(TcpListener, broadcast::Sender<Message>)>,
     shim_listener: TcpListener,
     shim: Arc<Shim>,
 }
@@ -57,6 +67,8 @@ impl Simulator {
     /// Binds every listener the simulated fleet needs.
     pub fn bind(config: &SimulatorConfig) -> Result<Self, SimulatorError> {
         let shim_listener = bind("the simulated shim", config.shim_listen)?;
+        let shim_addr = local_addr("the simulated shim", &shim_listener, config.shim_listen)?;
+        let card = Arc::new(artifacts::card(shim_addr));
         let namespace: Arc<str> = Arc::from(config.namespace.as_str());
         let (mut fleet, mut publishers) = (Fleet::default(), Vec::new());
         let (mut prefill, mut decode) = (Vec::new(), Vec::new());
@@ -64,33 +76,44 @@ impl Simulator {
             if config.prefill == 0 { Role::Aggregated } else { Role::Decode },
             count(config.decode),
         ));
-        for ((id, publisher_id), role) in (FIRST_WORKER_ID..).zip(FIRST_PUBLISHER_ID..).zip(roles) {
-            let listener = bind("a simulated kv_metrics publisher", SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
-            let address = listener.local_addr().map_err(|source| SimulatorError {
-                what: "a simulated kv_metrics publisher",
-                addr: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
-                source,
-            })?;
-            let worker = Arc::new(SimulatedWorker::new(id, publisher_id, config.total_kv_blocks));
+        let ids = (FIRST_WORKER_ID..).zip(FIRST_PUBLISHER_ID..).zip(FIRST_KV_EVENTS_PUBLISHER_ID..);
+        for (((id, metrics_id), events_id), role) in ids.zip(roles) {
+            let worker = Arc::new(SimulatedWorker::new(id, (metrics_id, events_id), config.total_kv_blocks));
             let key = WorkerKey::new(namespace.clone(), id);
-            fleet.workers.insert(key.clone(), discovered(config, key.clone(), role));
-            let publisher = kv_metrics_publisher(&namespace, key, role, worker.publisher_id, address);
-            fleet
-                .publishers
-                .insert(PublisherKey { namespace: namespace.clone(), publisher_id: worker.publisher_id }, publisher);
-            if role == Role::Prefill { &mut prefill } else { &mut decode }.push(Arc::clone(&worker));
-            publishers.push((listener, worker));
+            fleet.workers.insert(key.clone(), discovered(config, key.clone(), role, &card));
+            for (topic, publisher_id, messages) in
+                [(Topic::KvMetrics, metrics_id, worker.kv_metrics()), (Topic::KvEvents, events_id, worker.kv_events())]
+            {
+                let what = "a simulated worker's publisher";
+                let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+                let listener = bind(what, loopback)?;
+                let address = local_addr(what, &listener, loopback)?;
+                let publisher = Publisher {
+                    publisher_id,
+                    namespace: namespace.clone(),
+                    component: Some(component(role).to_owned()),
+                    endpoint: Some("generate".to_owned()),
+                    topic,
+                    worker: Some(key.clone()),
+                    // A kv-events publisher serves one rank, as 1.6.1's do.
+                    dp_rank: (topic == Topic::KvEvents).then_some(0),
+                    address: format!("tcp://{address}"),
+                };
+                fleet.publishers.insert(PublisherKey { namespace: namespace.clone(), publisher_id }, publisher);
+                publishers.push((listener, messages));
+            }
+            if role == Role::Prefill { &mut prefill } else { &mut decode }.push(worker);
         }
-        let shim =
-            Arc::new(Shim { model: config.model.clone(), block_size: u64::from(config.block_size), prefill, decode });
+        let block_size = u64::from(config.block_size);
+        let shim = Arc::new(Shim { model: config.model.clone(), block_size, prefill, decode });
         Ok(Self { fleet, publishers, shim_listener, shim })
     }
 
     /// Publishes the fleet and serves its publishers and shim until `cancel`.
     pub async fn run(self, registry: Registry, cancel: CancellationToken) {
         let shim_addr = self.shim_listener.local_addr().ok();
-        for (listener, worker) in self.publishers {
-            tokio::spawn(publisher::serve(listener, worker, cancel.clone()));
+        for (listener, messages) in self.publishers {
+            tokio::spawn(publisher::serve(listener, messages, cancel.clone()));
         }
         registry.publish(self.fleet);
         tracing::info!(shim = ?shim_addr, "simulated fleet running");
@@ -106,6 +129,10 @@ fn count(n: u32) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
 
+fn local_addr(what: &'static str, listener: &TcpListener, asked: SocketAddr) -> Result<SocketAddr, SimulatorError> {
+    listener.local_addr().map_err(|source| SimulatorError { what, addr: asked, source })
+}
+
 fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, SimulatorError> {
     let error = |source| SimulatorError { what, addr, source };
     let listener = StdListener::bind(addr).map_err(error)?;
@@ -113,7 +140,7 @@ fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, SimulatorEr
     TcpListener::from_std(listener).map_err(error)
 }
 
-fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role) -> DiscoveredWorker {
+fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role, card: &Arc<ModelArtifacts>) -> DiscoveredWorker {
     let now = SystemTime::now();
     let worker = Worker {
         key,
@@ -131,28 +158,9 @@ fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role) -> Discovere
         dp_start_rank: 0,
         dp_size: 1,
         disaggregated_endpoint: None,
-        artifacts: None,
+        artifacts: Some(Arc::clone(card)),
     };
     DiscoveredWorker { worker, first_seen: now, last_updated: now, card: None, excluded: None }
-}
-
-fn kv_metrics_publisher(
-    namespace: &Arc<str>,
-    worker: WorkerKey,
-    role: Role,
-    publisher_id: u64,
-    address: SocketAddr,
-) -> Publisher {
-    Publisher {
-        publisher_id,
-        namespace: namespace.clone(),
-        component: Some(component(role).to_owned()),
-        endpoint: Some("generate".to_owned()),
-        topic: Topic::KvMetrics,
-        worker: Some(worker),
-        dp_rank: None,
-        address: format!("tcp://{address}"),
-    }
 }
 
 fn component(role: Role) -> &'static str {

@@ -1,19 +1,18 @@
-//! A simulated worker's kv_metrics publisher: a minimal ZMTP 3.1 PUB server (NULL mechanism)
-//! on a loopback port. Per connection it greets, sends READY as PUB, reads the subscriber's
+//! A simulated worker's publisher (kv_metrics or kv-events): a minimal ZMTP 3.1 PUB server
+//! (NULL mechanism) on a loopback port. Per connection it greets, sends READY as PUB, reads the subscriber's
 //! READY and its subscription (a 3.0 subscription message or a 3.1 SUBSCRIBE command), then
 //! sends every message the worker publishes from then on until the peer goes (nothing from
 //! before: a PUB socket keeps nothing for late subscribers).
 
 use std::io;
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::{self, error::RecvError};
 use tokio_util::sync::CancellationToken;
 
-use super::workers::{Message, SimulatedWorker};
+use super::wire::Message;
 use crate::load::zmtp::GREETING_BYTES;
 
 const FLAG_MORE: u8 = 0x01;
@@ -27,8 +26,9 @@ pub const MAX_HANDSHAKE_FRAMES: usize = 8;
 /// How long a peer may take to greet and subscribe.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Accepts subscribers on `listener` until `cancel`.
-pub async fn serve(listener: TcpListener, worker: Arc<SimulatedWorker>, cancel: CancellationToken) {
+/// Accepts subscribers on `listener` until `cancel`, each sent what `messages` carries from
+/// its subscription on.
+pub async fn serve(listener: TcpListener, messages: broadcast::Sender<Message>, cancel: CancellationToken) {
     loop {
         let stream = tokio::select! {
             biased;
@@ -36,25 +36,29 @@ pub async fn serve(listener: TcpListener, worker: Arc<SimulatedWorker>, cancel: 
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => stream,
                 Err(error) => {
-                    tracing::warn!(%error, "simulated kv_metrics publisher: accept failed");
+                    tracing::warn!(%error, "simulated publisher: accept failed");
                     continue;
                 }
             },
         };
-        let (worker, cancel) = (Arc::clone(&worker), cancel.clone());
+        let (messages, cancel) = (messages.clone(), cancel.clone());
         tokio::spawn(async move {
-            if let Err(error) = session(stream, worker, cancel).await {
-                tracing::debug!(%error, "simulated kv_metrics subscriber left");
+            if let Err(error) = session(stream, messages, cancel).await {
+                tracing::debug!(%error, "simulated publisher's subscriber left");
             }
         });
     }
 }
 
-async fn session(mut stream: TcpStream, worker: Arc<SimulatedWorker>, cancel: CancellationToken) -> io::Result<()> {
+async fn session(
+    mut stream: TcpStream,
+    messages: broadcast::Sender<Message>,
+    cancel: CancellationToken,
+) -> io::Result<()> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream))
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the subscriber did not subscribe in time"))??;
-    let mut later = worker.subscribe();
+    let mut later = messages.subscribe();
     let mut sink = [0u8; 256];
     loop {
         tokio::select! {

@@ -4,6 +4,13 @@
 //! load once and nothing more, then holds KV blocks on its decode worker until its last token;
 //! an aggregated worker holds them from the start. The kv_metrics publishers report those
 //! changes, one rise and one fall per request.
+//!
+//! A request that carries its prompt's tokens (`nvext.token_data`, which a replica attaches
+//! with `dynamo.kv.send_token_data`) has its full blocks stored in the prefix caches of the
+//! workers it ran on, which publish them as kv-events; the prefill worker's cached part is
+//! answered as `usage.prompt_tokens_details.cached_tokens`. The shim has no tokenizer: a
+//! request without tokens is sized from its text and stores nothing. It also serves the
+//! fleet's model files (`GET /artifacts/...`, see `artifacts.rs`).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -20,7 +27,9 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::artifacts;
 use super::pins::{self, Known, Pins, Refusal};
+use super::prefix_cache::{self, Block};
 use super::workers::SimulatedWorker;
 
 /// How long the simulated prefill phase takes.
@@ -44,6 +53,7 @@ pub fn router(shim: Arc<Shim>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        .route("/artifacts/{name}", get(artifacts::serve))
         .route("/live", get(|| async { axum::Json(json!({"status": "live", "message": "Service is live"})) }))
         .with_state(shim)
 }
@@ -70,25 +80,31 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         Ok(pins) => pins,
         Err(refusal) => return refuse(&refusal),
     };
-    let plan = Plan::new(&shim, &request, pins);
+    let mut plan = Plan::new(&shim, &request, pins);
     let Some(decode) = shim.decode.iter().find(|w| w.worker_id == pins.decode) else {
         return refuse(&Refusal::invalid());
     };
+    let prompt = prompt_blocks(&request, shim.block_size);
     let blocks = plan.prompt_blocks + plan.tokens.div_ceil(shim.block_size);
-    let held = match shim.prefill.iter().find(|w| w.worker_id == pins.prefill) {
+    let (held, cached) = match shim.prefill.iter().find(|w| w.worker_id == pins.prefill) {
         Some(prefill) => {
             prefill.touch();
+            let cached = prefill.store_prompt(&prompt);
             tokio::time::sleep(PREFILL_TIME).await;
             decode.touch();
-            Held::take(decode, blocks)
+            // The prefilled blocks reach the decode worker's cache too.
+            decode.store_prompt(&prompt);
+            (Held::take(decode, blocks), cached)
         }
         None => {
             decode.touch();
             let held = Held::take(decode, blocks);
+            let cached = decode.store_prompt(&prompt);
             tokio::time::sleep(PREFILL_TIME).await;
-            held
+            (held, cached)
         }
     };
+    plan.cached_tokens = u64::try_from(cached).unwrap_or(u64::MAX).saturating_mul(shim.block_size);
     if request["stream"] == true {
         let usage = request["stream_options"]["include_usage"] == true;
         return stream(plan, usage, held);
@@ -96,6 +112,13 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
     tokio::time::sleep(TOKEN_TIME * u32::try_from(plan.tokens).unwrap_or(u32::MAX)).await;
     drop(held);
     axum::Json(plan.completion()).into_response()
+}
+
+/// The full blocks of the prompt's tokens, when the request carries them.
+fn prompt_blocks(request: &Value, block_size: u64) -> Vec<Block> {
+    let Some(tokens) = request["nvext"]["token_data"].as_array() else { return Vec::new() };
+    let tokens: Option<Vec<u32>> = tokens.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect();
+    prefix_cache::blocks(&tokens.unwrap_or_default(), usize::try_from(block_size).unwrap_or(usize::MAX))
 }
 
 fn ids(workers: &[Arc<SimulatedWorker>]) -> Vec<u64> {
@@ -130,6 +153,8 @@ struct Plan {
     created: u64,
     prompt_tokens: u64,
     prompt_blocks: u64,
+    /// The prompt's leading tokens its prefill worker held already.
+    cached_tokens: u64,
     tokens: u64,
     echo: Option<Value>,
 }
@@ -139,7 +164,9 @@ impl Plan {
         let text: usize = request["messages"]
             .as_array()
             .map_or(0, |m| m.iter().filter_map(|m| m["content"].as_str()).map(str::len).sum());
-        let prompt_tokens = u64::try_from(text / 4).unwrap_or(u64::MAX).saturating_add(8);
+        let estimate = u64::try_from(text / 4).unwrap_or(u64::MAX).saturating_add(8);
+        let counted = request["nvext"]["token_data"].as_array().map(|tokens| tokens.len() as u64);
+        let prompt_tokens = counted.unwrap_or(estimate);
         let asked = request["max_tokens"].as_u64().or_else(|| request["max_completion_tokens"].as_u64());
         let wants_echo =
             request["nvext"]["extra_fields"].as_array().is_some_and(|f| f.iter().any(|f| f == "worker_id"));
@@ -149,6 +176,7 @@ impl Plan {
             created: now_secs(),
             prompt_tokens,
             prompt_blocks: prompt_tokens.div_ceil(shim.block_size),
+            cached_tokens: 0,
             tokens: asked.unwrap_or(DEFAULT_MAX_TOKENS).clamp(1, MAX_TOKENS_CAP),
             echo: wants_echo.then(|| worker_id(pins)),
         }
@@ -156,7 +184,8 @@ impl Plan {
 
     fn usage(&self) -> Value {
         json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
-               "total_tokens": self.prompt_tokens + self.tokens, "prompt_tokens_details": {"cached_tokens": 0}})
+               "total_tokens": self.prompt_tokens + self.tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
     }
 
     /// The frontend's member order: id, choices, created, model, object, usage, nvext.

@@ -1,22 +1,22 @@
-//! The simulated workers' load: each holds its `kv_used_blocks` and publishes a kv_metrics
-//! message in Dynamo 1.6.1's exact wire format (see `crate::load::decode` for the layout) as a
-//! 1.6.1 mocker does: its first (sequence 0) with its first request, then one whenever the
-//! load changes, none while idle, and none replayed to a subscriber that joins late (a ZMQ
-//! PUB socket keeps nothing).
+//! The simulated workers. Each holds its `kv_used_blocks` and publishes a kv_metrics message
+//! as a 1.6.1 mocker does: its first (sequence 0) with its first request, then one whenever the
+//! load changes, none while idle, and none replayed to a subscriber that joins late (a ZMQ PUB
+//! socket keeps nothing). Each also keeps a prefix cache of the prompts it prefilled and
+//! publishes what it stores and evicts as kv-events, in the same wire format (see
+//! `crate::load::decode` and `crate::kv::decode` for the layouts).
 
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::sync::{Mutex, PoisonError};
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 use tokio::sync::broadcast;
 
-use crate::load::decode::{FRAME_VERSION, KV_METRICS_TOPIC};
+use super::prefix_cache::{Block, PrefixCache};
+use super::wire::{self, Message};
+use crate::kv::decode::{KV_EVENTS_TOPIC, MAX_BLOCKS_PER_BATCH, MAX_EVENTS_PER_BATCH};
+use crate::load::decode::KV_METRICS_TOPIC;
 
 /// Messages a slow subscriber may fall behind by; older ones are skipped (latest load wins).
 pub const PUBLISH_BACKLOG: usize = 64;
-
-/// One encoded kv_metrics message: its four frames.
-pub type Message = Arc<[Vec<u8>; 4]>;
 
 #[derive(Debug)]
 struct Published {
@@ -25,31 +25,98 @@ struct Published {
     sequence: u64,
 }
 
-/// A simulated worker rank 0 and its kv_metrics publisher.
+/// The kv-events publisher's side: the cache, and the numbering of its messages and events.
+#[derive(Debug)]
+struct Events {
+    cache: PrefixCache,
+    /// The next message's sequence number.
+    sequence: u64,
+    /// The last event's id; the first is 1.
+    event_id: u64,
+}
+
+/// Blocks one stored or removed event carries, so a message of [`EVENTS_PER_MESSAGE`] of them
+/// stays within the control plane's batch bounds.
+const BLOCKS_PER_EVENT: usize = 512;
+const EVENTS_PER_MESSAGE: usize = 8;
+const _: () = assert!(BLOCKS_PER_EVENT * EVENTS_PER_MESSAGE <= MAX_BLOCKS_PER_BATCH);
+const _: () = assert!(EVENTS_PER_MESSAGE <= MAX_EVENTS_PER_BATCH);
+
+/// A simulated worker rank 0 and its two publishers.
 #[derive(Debug)]
 pub struct SimulatedWorker {
     pub worker_id: u64,
+    /// The kv_metrics publisher's id.
     pub publisher_id: u64,
+    pub kv_events_publisher_id: u64,
     pub total_kv_blocks: u64,
     state: Mutex<Published>,
-    messages: broadcast::Sender<Message>,
+    events: Mutex<Events>,
+    kv_metrics: broadcast::Sender<Message>,
+    kv_events: broadcast::Sender<Message>,
 }
 
 impl SimulatedWorker {
-    pub fn new(worker_id: u64, publisher_id: u64, total_kv_blocks: u64) -> Self {
-        let (messages, _) = broadcast::channel(PUBLISH_BACKLOG);
+    /// A worker whose publishers are `publisher_id` (kv_metrics) and `kv_events_publisher_id`.
+    pub fn new(worker_id: u64, (publisher_id, kv_events_publisher_id): (u64, u64), total_kv_blocks: u64) -> Self {
+        let capacity = usize::try_from(total_kv_blocks).unwrap_or(usize::MAX);
         Self {
             worker_id,
             publisher_id,
+            kv_events_publisher_id,
             total_kv_blocks,
             state: Mutex::new(Published { kv_used_blocks: 0, sequence: 0 }),
-            messages,
+            events: Mutex::new(Events { cache: PrefixCache::new(capacity), sequence: 0, event_id: 0 }),
+            kv_metrics: broadcast::channel(PUBLISH_BACKLOG).0,
+            kv_events: broadcast::channel(PUBLISH_BACKLOG).0,
         }
     }
 
-    /// Every message published from now on.
-    pub fn subscribe(&self) -> broadcast::Receiver<Message> {
-        self.messages.subscribe()
+    /// The kv_metrics channel: a receiver gets every message published after it subscribed.
+    pub fn kv_metrics(&self) -> broadcast::Sender<Message> {
+        self.kv_metrics.clone()
+    }
+
+    /// The kv-events channel.
+    pub fn kv_events(&self) -> broadcast::Sender<Message> {
+        self.kv_events.clone()
+    }
+
+    /// The worker prefilled (or, as a decode worker, received) a prompt of `blocks`: it stores
+    /// them, publishing what it stored and evicted, and returns how many it already held.
+    pub fn store_prompt(&self, blocks: &[Block]) -> usize {
+        let mut events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        let stored = events.cache.store(blocks);
+        let mut data: Vec<EventData> = stored
+            .evicted
+            .chunks(BLOCKS_PER_EVENT)
+            .map(|hashes| EventData::Removed { block_hashes: hashes.to_vec() })
+            .collect();
+        let mut parent = stored.parent;
+        for chunk in stored.new.chunks(BLOCKS_PER_EVENT) {
+            let blocks = chunk.iter().map(|b| StoredBlock {
+                block_hash: b.sequence,
+                tokens_hash: b.tokens,
+                mm_extra_info: None,
+            });
+            data.push(EventData::Stored { parent_hash: parent, start_position: None, blocks: blocks.collect() });
+            parent = chunk.last().map(|b| b.sequence);
+        }
+        for batch in data.chunks(EVENTS_PER_MESSAGE) {
+            let payload: Vec<RouterEvent> = batch
+                .iter()
+                .map(|data| {
+                    events.event_id += 1;
+                    RouterEvent::new(self.worker_id, events.event_id, data)
+                })
+                .collect();
+            // Integers, strings and options into a Vec: serializing cannot fail.
+            let payload = rmp_serde::to_vec_named(&payload).unwrap_or_default();
+            let message = wire::message(KV_EVENTS_TOPIC, self.kv_events_publisher_id, events.sequence, &payload);
+            events.sequence += 1;
+            let _ = self.kv_events.send(message);
+        }
+        stored.cached
     }
 
     /// A request reached the worker: its first one publishes the worker's load for the first
@@ -98,7 +165,7 @@ impl SimulatedWorker {
         let message = encode(self.publisher_id, state.sequence, self.worker_id, used);
         state.sequence += 1;
         // No subscriber is fine: a PUB socket drops what nobody subscribed to.
-        let _ = self.messages.send(message);
+        let _ = self.kv_metrics.send(message);
     }
 }
 
@@ -112,43 +179,50 @@ struct ActiveLoad {
     kv_used_blocks: u64,
 }
 
-struct Bin<'a>(&'a [u8]);
-
-impl Serialize for Bin<'_> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_bytes(self.0)
-    }
+/// Dynamo's RouterEvent, with the fields a 1.6.1 mocker writes.
+#[derive(Serialize)]
+struct RouterEvent<'a> {
+    worker_id: u64,
+    storage_tier: &'static str,
+    residency_domain: &'static str,
+    event: KvCacheEvent<'a>,
 }
 
 #[derive(Serialize)]
-struct Envelope<'a> {
-    publisher_id: u64,
-    sequence: u64,
-    published_at: u64,
-    topic: &'a str,
-    payload: Bin<'a>,
+struct KvCacheEvent<'a> {
+    event_id: u64,
+    data: &'a EventData,
+    dp_rank: u32,
 }
 
-/// The four frames of one message: topic, publisher id, sequence, and the versioned envelope.
+#[derive(Serialize)]
+#[serde(rename_all = "snake_case")]
+enum EventData {
+    Stored { parent_hash: Option<u64>, start_position: Option<u32>, blocks: Vec<StoredBlock> },
+    Removed { block_hashes: Vec<u64> },
+}
+
+#[derive(Serialize)]
+struct StoredBlock {
+    block_hash: u64,
+    tokens_hash: u64,
+    mm_extra_info: Option<()>,
+}
+
+impl<'a> RouterEvent<'a> {
+    fn new(worker_id: u64, event_id: u64, data: &'a EventData) -> Self {
+        let event = KvCacheEvent { event_id, data, dp_rank: 0 };
+        Self { worker_id, storage_tier: "device", residency_domain: "worker", event }
+    }
+}
+
+/// A kv_metrics message: the four frames around the worker's load.
 pub fn encode(publisher_id: u64, sequence: u64, worker_id: u64, kv_used_blocks: u64) -> Message {
     let load =
         ActiveLoad { worker_id, dp_rank: 0, active_decode_blocks: None, active_prefill_tokens: None, kv_used_blocks };
-    // Serializing plain integers, options and a byte string into a Vec cannot fail.
+    // Integers and options into a Vec: serializing cannot fail.
     let payload = rmp_serde::to_vec_named(&load).unwrap_or_default();
-    let published_at =
-        SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(0));
-    let envelope = Envelope { publisher_id, sequence, published_at, topic: KV_METRICS_TOPIC, payload: Bin(&payload) };
-    let envelope = rmp_serde::to_vec_named(&envelope).unwrap_or_default();
-    let mut frame = Vec::with_capacity(5 + envelope.len());
-    frame.push(FRAME_VERSION);
-    frame.extend_from_slice(&u32::try_from(envelope.len()).unwrap_or(u32::MAX).to_be_bytes());
-    frame.extend(envelope);
-    Arc::new([
-        KV_METRICS_TOPIC.as_bytes().to_vec(),
-        publisher_id.to_be_bytes().to_vec(),
-        sequence.to_be_bytes().to_vec(),
-        frame,
-    ])
+    wire::message(KV_METRICS_TOPIC, publisher_id, sequence, &payload)
 }
 
 #[cfg(test)]
@@ -158,8 +232,8 @@ mod tests {
 
     #[test]
     fn published_frames_decode_as_dynamo_kv_metrics() {
-        let worker = SimulatedWorker::new(0x6a6c_a228_814c_9742, 0x5a00_0001, 1024);
-        let mut rx = worker.subscribe();
+        let worker = SimulatedWorker::new(0x6a6c_a228_814c_9742, (0x5a00_0001, 0x5a00_0002), 1024);
+        let mut rx = worker.kv_metrics().subscribe();
         assert_eq!(worker.add(5000), 1024);
         let message = rx.try_recv().unwrap_or_else(|e| panic!("{e}"));
         let sample =
@@ -170,8 +244,50 @@ mod tests {
     }
 
     #[test]
+    fn stored_and_evicted_blocks_go_out_as_kv_events_the_control_plane_decodes() {
+        use crate::kv::decode::{KvEventData, decode_kv_events};
+        use crate::sources::simulator::prefix_cache::blocks;
+
+        let worker = SimulatedWorker::new(7, (2, 3), 4);
+        let mut rx = worker.kv_events().subscribe();
+        let mut next = || {
+            let message = rx.try_recv().expect("a kv-events message");
+            decode_kv_events(message.iter().map(Vec::as_slice), 3).expect("decodes")
+        };
+        let first = blocks(&(0..12).collect::<Vec<u32>>(), 4);
+        assert_eq!(worker.store_prompt(&first), 0);
+        let batch = next();
+        assert_eq!((batch.publisher_id, batch.sequence, batch.events.len()), (3, 0, 1));
+        let event = &batch.events[0];
+        assert_eq!((event.worker_id, event.dp_rank, event.event_id), (7, 0, 1));
+        let KvEventData::Stored(stored) = &event.data else { panic!("{:?}", event.data) };
+        assert_eq!(stored.parent_hash, None);
+        let hashes: Vec<(u64, u64)> = stored.blocks.iter().map(|b| (b.block_hash, b.tokens_hash)).collect();
+        assert_eq!(hashes, first.iter().map(|b| (b.sequence, b.tokens)).collect::<Vec<_>>());
+
+        // Past the capacity of 4 the least recently used go, a chain's tail first: another
+        // prompt's two blocks evict the first prompt's third, and a prompt extending the first
+        // two then evicts the other's.
+        let other = blocks(&(100..108).collect::<Vec<u32>>(), 4);
+        assert_eq!(worker.store_prompt(&other), 0);
+        let KvEventData::Removed(removed) = &next().events[0].data else { panic!("an eviction") };
+        assert_eq!(removed, &[first[2].sequence]);
+        let longer = blocks(&(0..16).collect::<Vec<u32>>(), 4);
+        assert_eq!(worker.store_prompt(&longer), 2, "its first two blocks were still held");
+        let batch = next();
+        assert_eq!(batch.sequence, 2);
+        let ids: Vec<u64> = batch.events.iter().map(|e| e.event_id).collect();
+        assert_eq!(ids, [4, 5], "removed, then stored, numbered on");
+        let KvEventData::Removed(removed) = &batch.events[0].data else { panic!() };
+        assert_eq!(removed, &[other[1].sequence, other[0].sequence]);
+        let KvEventData::Stored(stored) = &batch.events[1].data else { panic!() };
+        assert_eq!(stored.parent_hash, Some(longer[1].sequence));
+        assert_eq!(stored.blocks.len(), 2);
+    }
+
+    #[test]
     fn a_request_past_the_capacity_gives_back_only_what_it_took() {
-        let worker = SimulatedWorker::new(1, 2, 16);
+        let worker = SimulatedWorker::new(1, (2, 3), 16);
         assert_eq!(worker.add(10), 10);
         assert_eq!(worker.add(10), 6, "the capacity left");
         worker.release(6);
@@ -182,8 +298,8 @@ mod tests {
     /// request, then one per change.
     #[test]
     fn the_first_request_publishes_the_load_then_only_changes_do() {
-        let worker = SimulatedWorker::new(1, 2, 16);
-        let mut rx = worker.subscribe();
+        let worker = SimulatedWorker::new(1, (2, 3), 16);
+        let mut rx = worker.kv_metrics().subscribe();
         let sequence = |rx: &mut broadcast::Receiver<Message>| rx.try_recv().map(|m| m[2].clone()).ok();
         worker.release(3);
         assert_eq!(sequence(&mut rx), None, "idle: nothing");
