@@ -13,7 +13,7 @@ mod shim;
 mod wire;
 mod workers;
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener as StdListener};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener as StdListener};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -67,7 +67,13 @@ impl Simulator {
     /// Binds every listener the simulated fleet needs.
     pub fn bind(config: &SimulatorConfig) -> Result<Self, SimulatorError> {
         let shim_listener = bind("the simulated shim", config.shim_listen)?;
-        let shim_addr = local_addr("the simulated shim", &shim_listener, config.shim_listen)?;
+        let mut shim_addr = local_addr("the simulated shim", &shim_listener, config.shim_listen)?;
+        // A replica never fetches from an unspecified address: name the shim by its loopback.
+        if shim_addr.ip().is_unspecified() {
+            let loopback =
+                if shim_addr.is_ipv4() { IpAddr::V4(Ipv4Addr::LOCALHOST) } else { IpAddr::V6(Ipv6Addr::LOCALHOST) };
+            shim_addr.set_ip(loopback);
+        }
         let card = Arc::new(artifacts::card(shim_addr));
         let namespace: Arc<str> = Arc::from(config.namespace.as_str());
         let (mut fleet, mut publishers) = (Fleet::default(), Vec::new());
@@ -165,4 +171,31 @@ fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role, card: &Arc<M
 
 fn component(role: Role) -> &'static str {
     if role == Role::Prefill { "prefill" } else { "backend" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn cards_name_a_shim_on_every_interface_by_its_loopback_and_each_worker_has_both_publishers() {
+        let config =
+            SimulatorConfig { shim_listen: "0.0.0.0:0".parse().expect("an address"), ..SimulatorConfig::default() };
+        let simulator = Simulator::bind(&config).expect("binds");
+        let port = simulator.shim_listener.local_addr().expect("bound").port();
+        for worker in simulator.fleet.workers.iter() {
+            let card = worker.worker.artifacts.as_deref().expect("a card");
+            let uri = card.tokenizer.as_ref().map(|f| f.uri.as_str());
+            assert_eq!(uri, Some(format!("http://127.0.0.1:{port}/artifacts/tokenizer.json").as_str()));
+            let topics: Vec<Topic> = simulator
+                .fleet
+                .publishers
+                .iter()
+                .filter(|p| p.worker.as_ref() == Some(&worker.worker.key))
+                .map(|p| p.topic)
+                .collect();
+            assert_eq!(topics.len(), 2, "{topics:?}");
+            assert!(topics.contains(&Topic::KvMetrics) && topics.contains(&Topic::KvEvents));
+        }
+    }
 }
