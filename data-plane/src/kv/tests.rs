@@ -509,6 +509,18 @@ async fn rendering_limits_fall_back() {
     );
 }
 
+/// `renderer` preparing `request` as for a card with no prompt defaults, unsalted, in blocks
+/// of 16.
+async fn prepare16(
+    renderer: &Renderer,
+    artifacts: &Arc<LoadedArtifacts>,
+    request: &Value,
+) -> Result<super::PreparedPrompt, Fallback> {
+    let sizes = sizes(&[16]);
+    let request = Arc::new(request.clone());
+    renderer.prepare(Arc::clone(artifacts), request, PromptDefaults::default(), &sizes, SaltHash::default()).await
+}
+
 /// The tiny tokenizer with a template that burns its whole fuel budget.
 fn looping_artifacts(template: &Arc<LoadedArtifacts>) -> Arc<LoadedArtifacts> {
     let config =
@@ -527,7 +539,6 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
     let artifacts = loaded_tinymodel().await;
     let looping = looping_artifacts(&artifacts);
     let request = chat("hi");
-    let size16 = sizes(&[16]);
     let relaxed = RenderLimits {
         permits: 1,
         permit_wait: Duration::from_secs(5),
@@ -535,57 +546,26 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
         ..RenderLimits::default()
     };
     let renderer = Renderer::new(relaxed);
-    let fuel = renderer
-        .prepare(looping.clone(), Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
-        .await;
+    let fuel = prepare16(&renderer, &looping, &request).await;
     assert_eq!(fuel, Err(Fallback::RenderUnavailable), "out of fuel");
 
     // One permit, held by a long render: the next request waits 20 ms and gives up.
     let one = Renderer::new(RenderLimits { permits: 1, deadline: Duration::from_secs(60), ..RenderLimits::default() });
     let busy = tokio::spawn({
-        let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
-        async move {
-            one.prepare(looping, Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
-                .await
-        }
+        let (one, looping, request) = (one.clone(), looping.clone(), request.clone());
+        async move { prepare16(&one, &looping, &request).await }
     });
     tokio::time::sleep(Duration::from_millis(5)).await;
     let started = Instant::now();
-    assert_eq!(
-        one.prepare(
-            artifacts.clone(),
-            Arc::new(request.clone()),
-            PromptDefaults::default(),
-            &size16,
-            SaltHash::default()
-        )
-        .await,
-        Err(Fallback::RenderUnavailable)
-    );
+    assert_eq!(prepare16(&one, &artifacts, &request).await, Err(Fallback::RenderUnavailable));
     assert!(started.elapsed() < Duration::from_secs(1), "gave up after the permit wait, not the render");
     assert_eq!(busy.await.unwrap(), Err(Fallback::RenderUnavailable));
-    assert!(
-        one.prepare(
-            artifacts.clone(),
-            Arc::new(request.clone()),
-            PromptDefaults::default(),
-            &size16,
-            SaltHash::default()
-        )
-        .await
-        .is_ok(),
-        "the permit came back"
-    );
+    assert!(prepare16(&one, &artifacts, &request).await.is_ok(), "the permit came back");
 
     // The deadline covers the render itself.
     let hasty = Renderer::new(RenderLimits { deadline: Duration::from_millis(1), ..RenderLimits::default() });
     let started = Instant::now();
-    assert_eq!(
-        hasty
-            .prepare(looping, Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
-            .await,
-        Err(Fallback::RenderUnavailable)
-    );
+    assert_eq!(prepare16(&hasty, &looping, &request).await, Err(Fallback::RenderUnavailable));
     assert!(started.elapsed() < Duration::from_millis(500));
 }
 
@@ -593,48 +573,25 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
 async fn each_render_that_runs_observes_its_wait_once_and_one_refused_at_the_permit_none() {
     let artifacts = loaded_tinymodel().await;
     let looping = looping_artifacts(&artifacts);
-    let (request, size16) = (chat("hi"), sizes(&[16]));
+    let request = chat("hi");
     let histogram = |name: &str| prometheus::Histogram::with_opts(prometheus::HistogramOpts::new(name, name)).unwrap();
     let (queued, ran) = (histogram("queued"), histogram("ran"));
     let limits = RenderLimits { permits: 1, deadline: Duration::from_secs(60), ..RenderLimits::default() };
     let stages = RenderStages { queued: queued.clone(), ran: ran.clone() };
     let one = Renderer::new(limits).observing(stages);
     let started = Instant::now();
-    assert!(
-        one.prepare(
-            artifacts.clone(),
-            Arc::new(request.clone()),
-            PromptDefaults::default(),
-            &size16,
-            SaltHash::default()
-        )
-        .await
-        .is_ok()
-    );
+    assert!(prepare16(&one, &artifacts, &request).await.is_ok());
     let took = started.elapsed().as_secs_f64();
     assert_eq!((queued.get_sample_count(), ran.get_sample_count()), (1, 1));
     assert!(queued.get_sample_sum() + ran.get_sample_sum() <= took, "both stages lie within the preparation");
     // A long render holds the only permit: the next request gives up at the permit wait
     // without running, so it has no wait to observe.
     let busy = tokio::spawn({
-        let (one, looping, request, size16) = (one.clone(), looping.clone(), request.clone(), size16.clone());
-        async move {
-            one.prepare(looping, Arc::new(request.clone()), PromptDefaults::default(), &size16, SaltHash::default())
-                .await
-        }
+        let (one, looping, request) = (one.clone(), looping.clone(), request.clone());
+        async move { prepare16(&one, &looping, &request).await }
     });
     tokio::time::sleep(Duration::from_millis(5)).await;
-    assert!(
-        one.prepare(
-            artifacts.clone(),
-            Arc::new(request.clone()),
-            PromptDefaults::default(),
-            &size16,
-            SaltHash::default()
-        )
-        .await
-        .is_err()
-    );
+    assert!(prepare16(&one, &artifacts, &request).await.is_err());
     assert!(busy.await.unwrap().is_err());
     assert_eq!(queued.get_sample_count(), 2, "the long render ran; the refused one did not");
     assert_eq!(ran.get_sample_count(), 2, "the long render's run is observed when it ends");
