@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminSettings, AdminState, Seeded};
-use crate::config::Config;
+use crate::config::{Config, ControlPlaneConfig};
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::gauges;
 use crate::grpc::{self, FleetService, Replicas};
@@ -54,7 +54,7 @@ pub struct ControlPlane {
     load: LoadSupervisor,
     kv: KvSupervisor,
     settings: watch::Sender<AdminSettings>,
-    fleet_token: watch::Sender<Option<Arc<str>>>,
+    fleet_tokens: watch::Sender<Vec<Arc<str>>>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -74,8 +74,10 @@ fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSett
     }
 }
 
-fn fleet_token(config: &Config) -> Option<Arc<str>> {
-    config.control_plane.token.as_ref().map(|t| Arc::from(t.expose()))
+/// The tokens the Fleet service accepts: `token`, and `previous_token` during a rotation.
+fn fleet_tokens(config: &Config) -> Vec<Arc<str>> {
+    let ControlPlaneConfig { token, previous_token, .. } = &config.control_plane;
+    [token, previous_token].into_iter().flatten().map(|t| Arc::from(t.expose())).collect()
 }
 
 impl ControlPlane {
@@ -108,11 +110,11 @@ impl ControlPlane {
         let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));
 
         let seeded = Seeded::new(settings_rx.clone(), &metrics);
-        let (fleet_token, fleet_token_rx) = watch::channel(fleet_token(&config));
+        let (fleet_tokens, fleet_tokens_rx) = watch::channel(fleet_tokens(&config));
         let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone())
             .with_kv(kv.handle())
             .with_seeded(move || seeded.check())
-            .with_token(fleet_token_rx);
+            .with_tokens(fleet_tokens_rx);
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
             if let Err(error) = grpc::serve(grpc_listener, service, shutdown).await {
@@ -149,7 +151,7 @@ impl ControlPlane {
             load,
             kv,
             settings,
-            fleet_token,
+            fleet_tokens,
             cancel,
             tasks,
         })
@@ -174,7 +176,7 @@ impl ControlPlane {
             }
         }
         self.settings.send_replace(admin_settings(&config, &self.discovery));
-        self.fleet_token.send_replace(fleet_token(&config));
+        self.fleet_tokens.send_replace(fleet_tokens(&config));
         self.config = config;
         tracing::info!("configuration reloaded");
         Ok(())

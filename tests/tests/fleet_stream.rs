@@ -394,7 +394,8 @@ async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reload_rotates_it() -> anyhow::Result<()> {
+async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reload_rotates_it_with_the_old_one_beside()
+-> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
     use continuum_control_plane::config::{self, Secret};
     use continuum_data_plane::fleet::{Credentials, FleetClientConfig};
@@ -450,18 +451,31 @@ async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reloa
     assert_eq!(status.code(), Code::Unauthenticated);
     assert!(raw(Some("first-s3cret")).await?.get_snapshot(pb::GetSnapshotRequest::default()).await.is_ok());
 
-    // A reload rotates the token: new calls need the new one; the open stream keeps running.
+    // The refused replicas stop retrying, so the count below is this test's calls alone.
+    bare.shutdown().await;
+    wrong.shutdown().await;
+
+    // A rotation: the new token, with the old one accepted beside it until every replica has
+    // moved; the open stream keeps running and the old token's lookups still answer.
     config.control_plane.token = Some(Secret::new("second-s3cret"));
+    config.control_plane.previous_token = Some(Secret::new("first-s3cret"));
+    control.reload(config.clone()).await?;
+    let second = follow("second", Some("second-s3cret")).await?;
+    eventually(CONVERGE, "a replica with the new token holds the fleet", || async { workers(&second) == 4 }).await?;
+    assert_eq!(open(&control), ["first", "second"]);
+    let answered = raw(Some("first-s3cret")).await?.find_matches(lookup.clone()).await;
+    assert!(answered.is_ok(), "the previous token still answers: {answered:?}");
+
+    // The rotation done, the old token is refused: new calls only, counted.
+    config.control_plane.previous_token = None;
     control.reload(config).await?;
     let before = refused.get();
     let status = raw(Some("first-s3cret")).await?.find_matches(lookup).await.expect_err("the old token is refused");
     assert_eq!(status.code(), Code::Unauthenticated);
     assert_eq!(refused.get(), before + 1, "counted");
-    let second = follow("second", Some("second-s3cret")).await?;
-    eventually(CONVERGE, "a replica with the new token holds the fleet", || async { workers(&second) == 4 }).await?;
-    assert_eq!(open(&control), ["first", "second"]);
+    assert_eq!(open(&control), ["first", "second"], "open streams keep running");
 
-    for replica in [bare, wrong, first, second] {
+    for replica in [first, second] {
         replica.shutdown().await;
     }
     control.shutdown().await;

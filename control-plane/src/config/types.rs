@@ -89,11 +89,13 @@ pub struct DisaggregatedServingConfig {
 pub struct ControlPlaneConfig {
     pub grpc_listen: SocketAddr,
     pub token: Option<Secret>,
+    /// Accepted beside `token` during a rotation, until every replica presents the new one.
+    pub previous_token: Option<Secret>,
 }
 
 impl Default for ControlPlaneConfig {
     fn default() -> Self {
-        Self { grpc_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50051), token: None }
+        Self { grpc_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50051), token: None, previous_token: None }
     }
 }
 

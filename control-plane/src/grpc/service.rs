@@ -84,8 +84,8 @@ pub struct FleetService {
     turns: Arc<Turns>,
     /// Whether discovery has seeded the fleet; a Watch opened before is refused.
     seeded: Arc<dyn Fn() -> bool + Send + Sync>,
-    /// `control_plane.token`, which every call must present when set.
-    token: watch::Receiver<Option<Arc<str>>>,
+    /// `control_plane.token` (and `previous_token`): every call must present one when set.
+    tokens: watch::Receiver<Vec<Arc<str>>>,
 }
 
 impl std::fmt::Debug for FleetService {
@@ -109,23 +109,25 @@ impl FleetService {
         );
         let turns = Arc::default();
         let seeded = Arc::new(|| true);
-        let token = watch::channel(None).1;
-        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns, seeded, token }
+        let tokens = watch::channel(Vec::new()).1;
+        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns, seeded, tokens }
     }
 
     /// Refuses every call (`UNAUTHENTICATED`) that does not present `authorization: Bearer
-    /// <token>` while `token` holds one. The stream, the fleet it carries (worker and shim
-    /// addresses), the dispatch reports and the lookups are all the replicas'. A change applies
-    /// to calls made after it; open streams keep running.
-    pub fn with_token(self, token: watch::Receiver<Option<Arc<str>>>) -> Self {
-        Self { token, ..self }
+    /// <token>` with one of `tokens`, while it holds any. The stream, the fleet it carries
+    /// (worker and shim addresses), the dispatch reports and the lookups are all the replicas'.
+    /// A change applies to calls made after it; open streams keep running.
+    pub fn with_tokens(self, tokens: watch::Receiver<Vec<Arc<str>>>) -> Self {
+        Self { tokens, ..self }
     }
 
     fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        let Some(expected) = self.token.borrow().clone() else { return Ok(()) };
-        if bearer::accepts(request.metadata().get("authorization").map(|value| value.as_bytes()), &expected) {
+        let presented = request.metadata().get("authorization").map(|value| value.as_bytes());
+        let tokens = self.tokens.borrow();
+        if tokens.is_empty() || tokens.iter().any(|token| bearer::accepts(presented, token)) {
             return Ok(());
         }
+        drop(tokens);
         self.metrics.unauthenticated.inc();
         Err(Status::unauthenticated(
             "send authorization: Bearer <control_plane.token> (a replica's --control-plane-token)",

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
@@ -39,6 +39,9 @@ pub struct MatchesClient {
     replica_id: Arc<str>,
     /// The last lookup number handed out (shared by clones).
     numbered: Arc<AtomicU64>,
+    /// When a refused token was last warned about: seconds since `started` (0: never).
+    warned_at: Arc<AtomicU64>,
+    started: Instant,
 }
 
 impl MatchesClient {
@@ -56,7 +59,26 @@ impl MatchesClient {
             .connect_lazy();
         let client = FleetClient::with_interceptor(channel, config.credentials.clone())
             .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
-        Ok(Self { client, deadline, replica_id: config.replica_id.as_str().into(), numbered: Arc::default() })
+        let replica_id = config.replica_id.as_str().into();
+        let (numbered, warned_at, started) = (Arc::default(), Arc::default(), Instant::now());
+        Ok(Self { client, deadline, replica_id, numbered, warned_at, started })
+    }
+
+    /// A refused token costs every request its KV term while the Watch stream may still run
+    /// (a rotation: open streams keep going), so it is said loudly, at most once a minute.
+    fn refused(&self, status: &tonic::Status) {
+        if status.code() != tonic::Code::Unauthenticated {
+            return;
+        }
+        let now = self.started.elapsed().as_secs();
+        let last = self.warned_at.load(Ordering::Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= 60;
+        if due && self.warned_at.compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+            tracing::warn!(
+                "the control plane refused this replica's token for KV lookups: routing without overlap \
+                 credit until --control-plane-token matches control_plane.token (or previous_token)"
+            );
+        }
     }
 
     pub fn deadline(&self) -> Duration {
@@ -95,8 +117,8 @@ impl MatchesClient {
         };
         let call = client.find_matches(request);
         let reply =
-            tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))??;
-        let reply = reply.into_inner();
+            tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))?;
+        let reply = reply.inspect_err(|status| self.refused(status))?.into_inner();
         let overlaps = reply
             .overlaps
             .into_iter()

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
-use continuum_proto::model::{KvArtifactPolicy, Role, Worker};
+use continuum_proto::model::{KvArtifactPolicy, PromptDefaults, Role, Worker};
 use continuum_proto::view::{FleetView, WorkersMemo};
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
 
@@ -291,10 +291,12 @@ fn serves(worker: &Worker, model: &str) -> bool {
 }
 
 fn model_artifacts(view: &FleetView, model: &str) -> Option<ModelCards> {
+    let defaults = rendering_defaults(view, model)?;
     let mut cards = Vec::new();
     let mut sizes: Vec<(u32, usize)> = Vec::new();
     for worker in view.workers().values().filter(|w| serves(w, model)) {
-        cards.push(ModelArtifacts::from_fleet(worker.artifacts.as_deref()?).ok()?);
+        let card = ModelArtifacts::from_fleet(worker.artifacts.as_deref()?).ok()?;
+        cards.push(ModelArtifacts { defaults, ..card });
         if let Some(size) = worker.block_size {
             match sizes.iter_mut().find(|(s, _)| *s == size) {
                 Some((_, n)) => *n += 1,
@@ -304,6 +306,19 @@ fn model_artifacts(view: &FleetView, model: &str) -> Option<ModelCards> {
     }
     sizes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     Some(ModelCards { cards, block_sizes: sizes.into_iter().map(|(s, _)| s).collect() })
+}
+
+/// The prompt defaults `model`'s prompts render with: the frontend renders with a decode or
+/// aggregated worker's card (prefill workers serve no HTTP model of their own), so a prefill
+/// card's say nothing. `None` when those cards disagree: the workers would see other bytes.
+fn rendering_defaults(view: &FleetView, model: &str) -> Option<PromptDefaults> {
+    let mut rendering = view
+        .workers()
+        .values()
+        .filter(|w| serves(w, model) && w.role != Role::Prefill)
+        .map(|w| w.artifacts.as_deref().map(|a| a.defaults).unwrap_or_default());
+    let first = rendering.next().unwrap_or_default();
+    rendering.all(|defaults| defaults == first).then_some(first)
 }
 
 fn artifact_policy(policy: &KvArtifactPolicy) -> ArtifactPolicy {
@@ -365,6 +380,44 @@ mod tests {
         assert_eq!(cached(), 0, "a client's model names take no room");
         assert!(routing.model_cards(&view, "tiny").is_none(), "served, but its card names no artifacts");
         assert_eq!(cached(), 1, "and that is remembered");
+        Ok(())
+    }
+
+    #[test]
+    fn prompts_render_with_the_decode_workers_defaults_whatever_a_prefill_card_says() -> anyhow::Result<()> {
+        use continuum_proto::model::{Capacity, CheckedFile, DataPlaneConfig, ModelArtifacts as Card, WorkerKey};
+        let file = |name: &str| CheckedFile {
+            uri: format!("/m/{name}"),
+            checksum: format!("blake3:{}", "ab".repeat(32)),
+            size: 2,
+        };
+        let worker = |id, role, default_thinking| Worker {
+            key: WorkerKey::new("ns", id),
+            role,
+            model: "tiny".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: Capacity::default(),
+            dp_start_rank: 0,
+            dp_size: 0,
+            disaggregated_endpoint: None,
+            artifacts: Some(Arc::new(Card {
+                tokenizer: Some(file("tokenizer.json")),
+                tokenizer_config: Some(file("tokenizer_config.json")),
+                chat_template: None,
+                defaults: PromptDefaults { default_thinking, ..PromptDefaults::default() },
+            })),
+        };
+        let view = |workers: Vec<Worker>| {
+            FleetView::new(1, workers.into_iter().map(Arc::new), [], Arc::new(DataPlaneConfig::default()))
+        };
+        let split = view(vec![worker(1, Role::Prefill, None), worker(2, Role::Decode, Some(false))])?;
+        let cards = model_artifacts(&split, "tiny").expect("one rendering");
+        let thinking: Vec<_> = cards.cards.iter().map(|card| card.defaults.default_thinking).collect();
+        assert_eq!(thinking, [Some(false), Some(false)], "the decode worker's, for every card");
+        let torn = view(vec![worker(1, Role::Decode, None), worker(2, Role::Decode, Some(false))])?;
+        assert!(model_artifacts(&torn, "tiny").is_none(), "decode workers that would render apart");
         Ok(())
     }
 

@@ -257,6 +257,7 @@ async fn a_cards_prompt_defaults_shape_what_its_template_renders() {
         defaults: PromptDefaults { keep_tools_when_tool_choice_none: true, ..PromptDefaults::default() },
         ..plain.clone()
     };
+    assert_ne!(tokens(&plain, with_tools.clone()).await, tokens(&plain, chat("hi")).await, "the template prints tools");
     assert_eq!(tokens(&plain, choice_none.clone()).await, tokens(&plain, chat("hi")).await, "dropped by default");
     assert_eq!(tokens(&keeps_tools, choice_none).await, tokens(&plain, with_tools).await, "kept as the card asks");
 

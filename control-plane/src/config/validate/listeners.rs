@@ -30,6 +30,17 @@ pub(super) fn check(config: &Config, report: &mut Report) {
             "follow the fleet (worker and shim addresses), report dispatches and end replicas' streams",
         ),
     ];
+    if config.control_plane.previous_token.is_some() && config.control_plane.token.is_none() {
+        report.error(
+            "control_plane.previous_token",
+            "is accepted beside control_plane.token during a rotation; set token too",
+        );
+    }
+    if let Some(previous) = &config.control_plane.previous_token
+        && (previous.is_empty() || !previous.expose().bytes().all(|b| b.is_ascii_graphic()))
+    {
+        report.error("control_plane.previous_token", "must be visible ASCII without spaces, like control_plane.token");
+    }
     for (path, token, listen, exposed) in tokens {
         match token {
             Some(token) if token.is_empty() => {

@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
+use self::publisher::Resync;
 use self::shim::Shim;
 use self::wire::Message;
 use self::workers::SimulatedWorker;
@@ -57,8 +58,8 @@ pub struct SimulatorError {
 #[derive(Debug)]
 pub struct Simulator {
     fleet: Fleet,
-    /// Each worker's publishers' listeners and what they publish.
-    publishers: Vec<(TcpListener, broadcast::Sender<Message>)>,
+    /// Each worker's publishers' listeners, what they publish and how they resync.
+    publishers: Vec<(TcpListener, broadcast::Sender<Message>, Resync)>,
     shim_listener: TcpListener,
     shim: Arc<Shim>,
 }
@@ -87,9 +88,11 @@ impl Simulator {
             let worker = Arc::new(SimulatedWorker::new(id, (metrics_id, events_id), config.total_kv_blocks));
             let key = WorkerKey::new(namespace.clone(), id);
             fleet.workers.insert(key.clone(), discovered(config, key.clone(), role, &card));
-            for (topic, publisher_id, messages) in
-                [(Topic::KvMetrics, metrics_id, worker.kv_metrics()), (Topic::KvEvents, events_id, worker.kv_events())]
-            {
+            let feeds: [(_, _, _, Resync); 2] = [
+                (Topic::KvMetrics, metrics_id, worker.kv_metrics(), None),
+                (Topic::KvEvents, events_id, worker.kv_events(), Some(Arc::clone(&worker))),
+            ];
+            for (topic, publisher_id, messages, resync) in feeds {
                 let what = "a simulated worker's publisher";
                 let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
                 let listener = bind(what, loopback)?;
@@ -106,7 +109,7 @@ impl Simulator {
                     address: format!("tcp://{address}"),
                 };
                 fleet.publishers.insert(PublisherKey { namespace: namespace.clone(), publisher_id }, publisher);
-                publishers.push((listener, messages));
+                publishers.push((listener, messages, resync));
             }
             if role == Role::Prefill { &mut prefill } else { &mut decode }.push(worker);
         }
@@ -118,8 +121,8 @@ impl Simulator {
     /// Publishes the fleet and serves its publishers and shim until `cancel`.
     pub async fn run(self, registry: Registry, cancel: CancellationToken) {
         let shim_addr = self.shim_listener.local_addr().ok();
-        for (listener, messages) in self.publishers {
-            tokio::spawn(publisher::serve(listener, messages, cancel.clone()));
+        for (listener, messages, resync) in self.publishers {
+            tokio::spawn(publisher::serve(listener, messages, resync, cancel.clone()));
         }
         registry.publish(self.fleet);
         tracing::info!(shim = ?shim_addr, "simulated fleet running");

@@ -71,6 +71,16 @@ impl PrefixCache {
         Self { capacity, clock: 0, used: HashMap::new(), order: BTreeMap::new() }
     }
 
+    /// The leading blocks of `prompt` held now: what a request arriving now finds cached.
+    pub fn held(&self, prompt: &[Block]) -> usize {
+        prompt.iter().take_while(|block| self.used.contains_key(&block.sequence)).count()
+    }
+
+    pub fn clear(&mut self) {
+        self.used.clear();
+        self.order.clear();
+    }
+
     #[cfg(test)]
     fn len(&self) -> usize {
         self.used.len()
@@ -82,7 +92,7 @@ impl PrefixCache {
     /// leaves a block whose parent is gone.
     pub fn store(&mut self, prompt: &[Block]) -> Stored {
         let prompt = &prompt[..prompt.len().min(self.capacity)];
-        let cached = prompt.iter().take_while(|block| self.used.contains_key(&block.sequence)).count();
+        let cached = self.held(prompt);
         let parent = cached.checked_sub(1).map(|last| prompt[last].sequence);
         let new = prompt[cached..].to_vec();
         for block in prompt.iter().rev() {

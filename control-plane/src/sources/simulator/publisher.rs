@@ -5,6 +5,7 @@
 //! before: a PUB socket keeps nothing for late subscribers).
 
 use std::io;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -13,6 +14,7 @@ use tokio::sync::broadcast::{self, error::RecvError};
 use tokio_util::sync::CancellationToken;
 
 use super::wire::Message;
+use super::workers::SimulatedWorker;
 use crate::load::zmtp::GREETING_BYTES;
 
 const FLAG_MORE: u8 = 0x01;
@@ -26,9 +28,19 @@ pub const MAX_HANDSHAKE_FRAMES: usize = 8;
 /// How long a peer may take to greet and subscribe.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// For a kv-events publisher, its worker: when a subscriber joins or falls behind, the worker's
+/// cache starts over with `cleared` (see [`SimulatedWorker::clear_kv`]). A kv_metrics
+/// publisher needs nothing: the next sample replaces every earlier one.
+pub type Resync = Option<Arc<SimulatedWorker>>;
+
 /// Accepts subscribers on `listener` until `cancel`, each sent what `messages` carries from
 /// its subscription on.
-pub async fn serve(listener: TcpListener, messages: broadcast::Sender<Message>, cancel: CancellationToken) {
+pub async fn serve(
+    listener: TcpListener,
+    messages: broadcast::Sender<Message>,
+    resync: Resync,
+    cancel: CancellationToken,
+) {
     loop {
         let stream = tokio::select! {
             biased;
@@ -41,9 +53,9 @@ pub async fn serve(listener: TcpListener, messages: broadcast::Sender<Message>, 
                 }
             },
         };
-        let (messages, cancel) = (messages.clone(), cancel.clone());
+        let (messages, resync, cancel) = (messages.clone(), resync.clone(), cancel.clone());
         tokio::spawn(async move {
-            if let Err(error) = session(stream, messages, cancel).await {
+            if let Err(error) = session(stream, messages, resync, cancel).await {
                 tracing::debug!(%error, "simulated publisher's subscriber left");
             }
         });
@@ -53,12 +65,15 @@ pub async fn serve(listener: TcpListener, messages: broadcast::Sender<Message>, 
 async fn session(
     mut stream: TcpStream,
     messages: broadcast::Sender<Message>,
+    resync: Resync,
     cancel: CancellationToken,
 ) -> io::Result<()> {
     tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake(&mut stream))
         .await
         .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the subscriber did not subscribe in time"))??;
     let mut later = messages.subscribe();
+    let resync = || resync.iter().for_each(|worker| worker.clear_kv());
+    resync();
     let mut sink = [0u8; 256];
     loop {
         tokio::select! {
@@ -67,7 +82,7 @@ async fn session(
             read = stream.read(&mut sink) => if read? == 0 { return Ok(()) },
             message = later.recv() => match message {
                 Ok(message) => stream.write_all(&encode(&message)).await?,
-                Err(RecvError::Lagged(_)) => {}
+                Err(RecvError::Lagged(_)) => resync(),
                 Err(RecvError::Closed) => return Ok(()),
             },
         }

@@ -87,10 +87,13 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
     let prompt = prompt_blocks(&request, shim.block_size);
     let blocks = plan.prompt_blocks + plan.tokens.div_ceil(shim.block_size);
     let (held, cached) = match shim.prefill.iter().find(|w| w.worker_id == pins.prefill) {
+        // What a worker holds when the request arrives is cached; the rest is stored once
+        // prefilled.
         Some(prefill) => {
             prefill.touch();
-            let cached = prefill.store_prompt(&prompt);
+            let cached = prefill.held(&prompt);
             tokio::time::sleep(PREFILL_TIME).await;
+            prefill.store_prompt(&prompt);
             decode.touch();
             // The prefilled blocks reach the decode worker's cache too.
             decode.store_prompt(&prompt);
@@ -99,8 +102,9 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         None => {
             decode.touch();
             let held = Held::take(decode, blocks);
-            let cached = decode.store_prompt(&prompt);
+            let cached = decode.held(&prompt);
             tokio::time::sleep(PREFILL_TIME).await;
+            decode.store_prompt(&prompt);
             (held, cached)
         }
     };

@@ -15,7 +15,8 @@ use super::wire::{self, Message};
 use crate::kv::decode::{KV_EVENTS_TOPIC, MAX_BLOCKS_PER_BATCH, MAX_EVENTS_PER_BATCH};
 use crate::load::decode::KV_METRICS_TOPIC;
 
-/// Messages a slow subscriber may fall behind by; older ones are skipped (latest load wins).
+/// Messages a slow subscriber may fall behind by. Past it, older ones are skipped: for
+/// kv_metrics the latest load wins; kv-events start over (see [`SimulatedWorker::clear_kv`]).
 pub const PUBLISH_BACKLOG: usize = 64;
 
 #[derive(Debug)]
@@ -82,6 +83,20 @@ impl SimulatedWorker {
         self.kv_events.clone()
     }
 
+    /// How many leading blocks of `blocks` the worker holds now.
+    pub fn held(&self, blocks: &[Block]) -> usize {
+        self.events.lock().unwrap_or_else(PoisonError::into_inner).cache.held(blocks)
+    }
+
+    /// Forgets every cached block and says so (`cleared`): a kv-events subscriber that joined
+    /// or fell behind holds nothing of what came before, and a cache the index no longer
+    /// mirrors would never be announced again.
+    pub fn clear_kv(&self) {
+        let mut events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
+        events.cache.clear();
+        self.publish_events(&mut events, &[EventData::Cleared]);
+    }
+
     /// The worker prefilled (or, as a decode worker, received) a prompt of `blocks`: it stores
     /// them, publishing what it stored and evicted, and returns how many it already held.
     pub fn store_prompt(&self, blocks: &[Block]) -> usize {
@@ -102,6 +117,12 @@ impl SimulatedWorker {
             data.push(EventData::Stored { parent_hash: parent, start_position: None, blocks: blocks.collect() });
             parent = chunk.last().map(|b| b.sequence);
         }
+        self.publish_events(&mut events, &data);
+        stored.cached
+    }
+
+    /// Publishes `data` as events numbered on from the last, in messages within the bounds.
+    fn publish_events(&self, events: &mut Events, data: &[EventData]) {
         for batch in data.chunks(EVENTS_PER_MESSAGE) {
             let payload: Vec<RouterEvent> = batch
                 .iter()
@@ -116,7 +137,6 @@ impl SimulatedWorker {
             events.sequence += 1;
             let _ = self.kv_events.send(message);
         }
-        stored.cached
     }
 
     /// A request reached the worker: its first one publishes the worker's load for the first
@@ -200,6 +220,7 @@ struct KvCacheEvent<'a> {
 enum EventData {
     Stored { parent_hash: Option<u64>, start_position: Option<u32>, blocks: Vec<StoredBlock> },
     Removed { block_hashes: Vec<u64> },
+    Cleared,
 }
 
 #[derive(Serialize)]
@@ -283,6 +304,14 @@ mod tests {
         let KvEventData::Stored(stored) = &batch.events[1].data else { panic!() };
         assert_eq!(stored.parent_hash, Some(longer[1].sequence));
         assert_eq!(stored.blocks.len(), 2);
+
+        // A subscriber that joins or falls behind: the cache starts over, and says so.
+        assert_eq!(worker.held(&longer), 4);
+        worker.clear_kv();
+        let batch = next();
+        assert_eq!((batch.sequence, batch.events[0].event_id), (3, 6));
+        assert!(matches!(batch.events[0].data, KvEventData::Cleared), "{:?}", batch.events[0].data);
+        assert_eq!(worker.held(&longer), 0);
     }
 
     #[test]

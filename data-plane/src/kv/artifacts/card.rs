@@ -151,7 +151,8 @@ impl ModelArtifacts {
 
 /// The key every worker serving a model agrees on, or `None` when there are no workers or they
 /// disagree, on the files or on the prompt defaults (a rolling upgrade): then the model is
-/// scored without a KV term.
+/// scored without a KV term. (A prefill worker's card carries the defaults its model renders
+/// with, not its own: see `ingress::kv`.)
 pub fn fleet_key<'a>(cards: impl IntoIterator<Item = &'a ModelArtifacts>) -> Option<ArtifactKey> {
     let mut keys = cards.into_iter().map(|card| (card.key(), card.defaults));
     let first = keys.next()?;
