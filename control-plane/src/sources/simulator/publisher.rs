@@ -1,8 +1,9 @@
 //! A simulated worker's publisher (kv_metrics or kv-events): a minimal ZMTP 3.1 PUB server
-//! (NULL mechanism) on a loopback port. Per connection it greets, sends READY as PUB, reads the subscriber's
-//! READY and its subscription (a 3.0 subscription message or a 3.1 SUBSCRIBE command), then
-//! sends every message the worker publishes from then on until the peer goes (nothing from
-//! before: a PUB socket keeps nothing for late subscribers).
+//! (NULL mechanism) on a loopback port. Per connection it greets, sends READY as PUB, reads the
+//! subscriber's READY and its subscription (a 3.0 subscription message or a 3.1 SUBSCRIBE
+//! command), then sends every message the worker publishes from then on until the peer goes
+//! (nothing from before: a PUB socket keeps nothing for late subscribers, so a kv-events
+//! publisher starts its worker's cache over instead; see [`Resync`]).
 
 use std::io;
 use std::sync::Arc;
