@@ -3,6 +3,7 @@
 //! [`ControlPlane::start`].
 
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,9 +11,10 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::admin::{self, AdminSettings, AdminState, Seeded};
-use crate::config::{Config, ControlPlaneConfig};
+use crate::config::{Config, ControlPlaneConfig, FleetTlsConfig};
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::gauges;
 use crate::grpc::{self, FleetService, Replicas};
@@ -29,6 +31,10 @@ pub enum StartError {
     Metrics(#[from] prometheus::Error),
     #[error(transparent)]
     Source(#[from] SourceError),
+    #[error("control_plane.tls: cannot read {path}: {source}")]
+    TlsFile { path: PathBuf, source: std::io::Error },
+    #[error("control_plane.tls: {0} (are cert and key PEM files of one pair, and client_ca a PEM certificate?)")]
+    Tls(String),
 }
 
 /// Where to listen, when the command line overrides the configuration.
@@ -82,6 +88,8 @@ fn fleet_tokens(config: &Config) -> Vec<Arc<str>> {
 
 impl ControlPlane {
     pub async fn start(config: Config, listen: ListenOverrides) -> Result<Self, StartError> {
+        // Before anything starts: a certificate that does not load leaves nothing running.
+        let tls = config.control_plane.tls.as_ref().map(server_tls).transpose()?;
         let grpc_listener =
             bind("the Fleet gRPC service", listen.grpc.unwrap_or(config.control_plane.grpc_listen)).await?;
         let admin_listener = bind("admin HTTP", listen.admin.unwrap_or(config.admin.listen)).await?;
@@ -117,7 +125,7 @@ impl ControlPlane {
             .with_tokens(fleet_tokens_rx);
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
-            if let Err(error) = grpc::serve(grpc_listener, service, shutdown).await {
+            if let Err(error) = grpc::serve(grpc_listener, service, tls, shutdown).await {
                 tracing::error!(%error, "Fleet gRPC server stopped");
             }
         }));
@@ -175,6 +183,9 @@ impl ControlPlane {
                 tracing::warn!(key = what, %old, %new, "listen addresses change only on restart; keeping the current one");
             }
         }
+        if self.config.control_plane.tls != config.control_plane.tls {
+            tracing::warn!("control_plane.tls changes only on restart; keeping the current certificate");
+        }
         self.settings.send_replace(admin_settings(&config, &self.discovery));
         self.fleet_tokens.send_replace(fleet_tokens(&config));
         self.config = config;
@@ -197,6 +208,23 @@ impl ControlPlane {
             }
         }
     }
+}
+
+/// The Fleet service's TLS: its certificate and key, and the CA that signs the replicas' own
+/// when the service is to accept those alone. Validation has required the cert and key.
+fn server_tls(tls: &FleetTlsConfig) -> Result<ServerTlsConfig, StartError> {
+    let read = |path: &Path| std::fs::read(path).map_err(|source| StartError::TlsFile { path: path.into(), source });
+    let cert = read(tls.cert.as_deref().unwrap_or(Path::new("")))?;
+    let key = read(Path::new(tls.key.as_ref().map_or("", |key| key.expose())))?;
+    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
+    if let Some(ca) = &tls.client_ca {
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    // Built once here so that a bad file fails the start, not the server's task later.
+    tonic::transport::Server::builder()
+        .tls_config(config.clone())
+        .map_err(|error| StartError::Tls(error.to_string()))?;
+    Ok(config)
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {

@@ -1,12 +1,16 @@
-//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--control-plane-token TOKEN] [--find-matches-deadline 2ms] [--worker-threads N]`
+//! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--control-plane-token TOKEN]
+//! [--control-plane-ca PEM [--control-plane-cert PEM --control-plane-key PEM]] [--find-matches-deadline 2ms]
+//! [--worker-threads N]`
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
 use continuum_data_plane::dispatch::DispatchSettings;
-use continuum_data_plane::fleet::{Credentials, FleetClientConfig};
+use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
 use continuum_data_plane::replica::Replica;
 use continuum_proto::MAX_REPLICA_ID_BYTES;
+use tonic::transport::ClientTlsConfig;
 
 /// The request path allocates and frees small buffers on every request; mimalloc's per-thread
 /// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmark-notes.md).
@@ -25,9 +29,19 @@ struct Args {
     /// Address to serve traffic, /healthz, /readyz and /metrics on.
     #[arg(long, env = "CONTINUUM_LISTEN", default_value = "127.0.0.1:8080")]
     listen: String,
-    /// The control plane's gRPC URL, e.g. http://127.0.0.1:50051.
+    /// The control plane's gRPC URL, e.g. http://127.0.0.1:50051 (https:// with
+    /// `control_plane.tls` there, and --control-plane-ca here).
     #[arg(long, env = "CONTINUUM_CONTROL_PLANE")]
     control_plane: String,
+    /// For an https:// control plane: the CA (PEM) that signed its certificate.
+    #[arg(long, env = "CONTINUUM_CONTROL_PLANE_CA")]
+    control_plane_ca: Option<PathBuf>,
+    /// This replica's certificate (PEM), for a control plane with `control_plane.tls.client_ca`.
+    #[arg(long, env = "CONTINUUM_CONTROL_PLANE_CERT", requires = "control_plane_key")]
+    control_plane_cert: Option<PathBuf>,
+    /// The private key (PEM) of --control-plane-cert.
+    #[arg(long, env = "CONTINUUM_CONTROL_PLANE_KEY", requires = "control_plane_cert")]
+    control_plane_key: Option<PathBuf>,
     /// This replica's name in the control plane's logs and admin API (default: host-pid).
     #[arg(long, env = "CONTINUUM_REPLICA_ID")]
     replica_id: Option<String>,
@@ -73,11 +87,13 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> ExitCode {
-    // The control plane serves its Fleet stream in plaintext, inside the cluster.
-    if !args.control_plane.starts_with("http://") {
-        eprintln!("error: --control-plane must be an http:// URL, got {:?}", args.control_plane);
-        return ExitCode::from(2);
-    }
+    let tls = match fleet_tls(&args) {
+        Ok(tls) => tls,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::from(2);
+        }
+    };
     let replica_id = args.replica_id.unwrap_or_else(default_replica_id);
     if replica_id.is_empty() || replica_id.len() > MAX_REPLICA_ID_BYTES {
         eprintln!("error: --replica-id must be 1 to {MAX_REPLICA_ID_BYTES} bytes, got {} bytes", replica_id.len());
@@ -90,7 +106,7 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let config = FleetClientConfig { credentials, ..FleetClientConfig::new(args.control_plane, replica_id) };
+    let config = FleetClientConfig { credentials, tls, ..FleetClientConfig::new(args.control_plane, replica_id) };
     let started = Replica::start_full(&args.listen, config, DispatchSettings::default(), args.find_matches_deadline);
     let replica = match started.await {
         Ok(replica) => replica,
@@ -102,6 +118,24 @@ async fn run(args: Args) -> ExitCode {
     shutdown_signal().await;
     replica.shutdown().await;
     ExitCode::SUCCESS
+}
+
+/// TLS to the control plane, from the URL's scheme and the TLS flags, which must agree.
+fn fleet_tls(args: &Args) -> Result<Option<ClientTlsConfig>, String> {
+    let identity = args.control_plane_cert.as_deref().zip(args.control_plane_key.as_deref());
+    if args.control_plane.starts_with("http://") {
+        if args.control_plane_ca.is_some() || identity.is_some() {
+            return Err("--control-plane-ca, --control-plane-cert and --control-plane-key need an https:// \
+                        --control-plane"
+                .into());
+        }
+        return Ok(None);
+    }
+    if !args.control_plane.starts_with("https://") {
+        return Err(format!("--control-plane must be an http:// or https:// URL, got {:?}", args.control_plane));
+    }
+    let ca = args.control_plane_ca.as_deref().ok_or("an https:// --control-plane needs --control-plane-ca")?;
+    client_tls(ca, identity).map(Some).map_err(|error| error.to_string())
 }
 
 fn default_replica_id() -> String {

@@ -59,7 +59,7 @@ impl TestControlPlane {
         let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone());
         let shutdown = cancel.clone();
         let task = tokio::spawn(async move {
-            if let Err(error) = grpc::serve(listener, service, shutdown).await {
+            if let Err(error) = grpc::serve(listener, service, None, shutdown).await {
                 tracing::error!(%error, "test control plane failed");
             }
         });

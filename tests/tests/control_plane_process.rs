@@ -85,8 +85,13 @@ fn run(binary: &Path, args: &[&str]) -> anyhow::Result<Output> {
 fn a_replica_refuses_flags_it_could_never_follow_a_control_plane_with() -> anyhow::Result<()> {
     let binary = tools::binary("continuum-data-plane");
     let too_long = "r".repeat(129);
-    let rows: [(&[&str], &str); 3] = [
-        (&["--control-plane", "https://127.0.0.1:50051"], "http:// URL"),
+    let rows: [(&[&str], &str); 8] = [
+        (&["--control-plane", "grpc://127.0.0.1:50051"], "http:// or https:// URL"),
+        (&["--control-plane", "https://127.0.0.1:50051"], "needs --control-plane-ca"),
+        (&["--control-plane", "https://127.0.0.1:50051", "--control-plane-ca", "/nonexistent/ca.pem"], "cannot read"),
+        (&["--control-plane", "http://127.0.0.1:9", "--control-plane-ca", "/ca.pem"], "need an https://"),
+        (&["--control-plane", "http://127.0.0.1:9", "--control-plane-cert", "/c.pem"], "--control-plane-key"),
+        (&["--control-plane", "http://127.0.0.1:9", "--control-plane-token", "two words"], "visible ASCII"),
         (&["--control-plane", "http://127.0.0.1:9", "--replica-id", ""], "1 to 128 bytes"),
         (&["--control-plane", "http://127.0.0.1:9", "--replica-id", &too_long], "1 to 128 bytes"),
     ];

@@ -481,3 +481,79 @@ async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reloa
     control.shutdown().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_follow_the_fleet() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{self, FleetTlsConfig, Secret};
+    use continuum_data_plane::fleet::{FleetClientConfig, client_tls};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let pki = Pki::generate(dir.path())?;
+    let mut config = config::embedded_default();
+    config.move_simulator_shim("127.0.0.1:0".parse()?);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    config.control_plane.tls = Some(FleetTlsConfig {
+        cert: Some(pki.server_cert.clone()),
+        key: Some(Secret::new(pki.server_key.display().to_string())),
+        client_ca: Some(pki.ca_cert.clone()),
+    });
+    let control = ControlPlane::start(config, ListenOverrides::default()).await?;
+    let port = control.grpc_addr.port();
+    let follow = async |name: &str, scheme: &str, identity: Option<(&std::path::Path, &std::path::Path)>| {
+        let mut follow = FleetClientConfig::new(format!("{scheme}://127.0.0.1:{port}"), name);
+        if scheme == "https" {
+            follow.tls = Some(client_tls(&pki.ca_cert, identity)?.domain_name("localhost"));
+        }
+        anyhow::Ok(Replica::start("127.0.0.1:0", follow).await?)
+    };
+    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
+
+    let mutual = follow("mutual", "https", Some((&pki.client_cert, &pki.client_key))).await?;
+    let anonymous = follow("anonymous", "https", None).await?;
+    let plaintext = follow("plaintext", "http", None).await?;
+    eventually(CONVERGE, "the replica with a certificate holds the fleet", || async { workers(&mutual) == 4 }).await?;
+    for refused in [&anonymous, &plaintext] {
+        let failed = refused.metrics.reconnects.clone();
+        eventually(CONVERGE, "a refused stream", || async { failed.get() > 0 }).await?;
+        assert_eq!(workers(refused), 0, "never sent the fleet");
+    }
+    let ids: Vec<String> = control.replicas.list().iter().map(|s| s.replica_id.clone()).collect();
+    assert_eq!(ids, ["mutual"]);
+
+    for replica in [mutual, anonymous, plaintext] {
+        replica.shutdown().await;
+    }
+    control.shutdown().await;
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_certificate_that_does_not_load_fails_the_start_and_says_which() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{self, FleetTlsConfig, Secret};
+
+    let dir = tempfile::tempdir()?;
+    let garbage = dir.path().join("cert.pem");
+    std::fs::write(&garbage, "not a certificate")?;
+    let tls = |cert: std::path::PathBuf| {
+        let mut config = config::embedded_default();
+        config.move_simulator_shim("127.0.0.1:0".parse().expect("an address"));
+        config.control_plane.grpc_listen = "127.0.0.1:0".parse().expect("an address");
+        config.admin.listen = "127.0.0.1:0".parse().expect("an address");
+        let key = Some(Secret::new(garbage.display().to_string()));
+        config.control_plane.tls = Some(FleetTlsConfig { cert: Some(cert), key, client_ca: None });
+        config
+    };
+    let missing = ControlPlane::start(tls(dir.path().join("absent.pem")), ListenOverrides::default()).await;
+    let error = missing.expect_err("no certificate file").to_string();
+    assert!(error.contains("control_plane.tls") && error.contains("absent.pem"), "{error}");
+    let unreadable = ControlPlane::start(tls(garbage.clone()), ListenOverrides::default()).await;
+    let error = unreadable.expect_err("not PEM").to_string();
+    assert!(error.contains("control_plane.tls"), "{error}");
+    Ok(())
+}

@@ -74,7 +74,7 @@ impl Plane {
         let url = format!("http://{}", listener.local_addr()?);
         let service =
             FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone()).with_kv(handle);
-        tokio::spawn(grpc::serve(listener, service, cancel.clone()));
+        tokio::spawn(grpc::serve(listener, service, None, cancel.clone()));
         Ok(Self { url, metrics, supervisor, _registry: registry, cancel })
     }
 

@@ -39,6 +39,7 @@ pub use signals::{
 pub use simulator::SimulatorConfig;
 pub use types::{
     AdminConfig, BackendConfig, BackendRole, Config, ControlPlaneConfig, DisaggregatedServingConfig, DynamoConfig,
+    FleetTlsConfig,
 };
 pub use validate::{
     MAX_DIRECT_ALLOW_CIDRS, MAX_DYNAMO_NAMESPACES, MAX_ETCD_ENDPOINTS, MAX_KUBERNETES_MODELS, MAX_MAX_STALENESS,

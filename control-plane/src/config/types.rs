@@ -5,6 +5,7 @@
 //! loader reports all problems at once); required values are checked by `validate`.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
@@ -91,11 +92,25 @@ pub struct ControlPlaneConfig {
     pub token: Option<Secret>,
     /// Accepted beside `token` during a rotation, until every replica presents the new one.
     pub previous_token: Option<Secret>,
+    /// The Fleet service over TLS; without it, plaintext HTTP/2 inside the cluster.
+    pub tls: Option<FleetTlsConfig>,
+}
+
+/// `control_plane.tls`: the Fleet service's certificate, and the CA whose certificates alone
+/// may connect (mutual TLS) when `client_ca` is set. Read at start; a change needs a restart.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FleetTlsConfig {
+    pub cert: Option<PathBuf>,
+    /// A path to the private key: masked in readbacks like the event bus's.
+    pub key: Option<Secret>,
+    pub client_ca: Option<PathBuf>,
 }
 
 impl Default for ControlPlaneConfig {
     fn default() -> Self {
-        Self { grpc_listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50051), token: None, previous_token: None }
+        let grpc_listen = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 50051);
+        Self { grpc_listen, token: None, previous_token: None, tls: None }
     }
 }
 

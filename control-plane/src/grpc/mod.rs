@@ -11,6 +11,7 @@ use continuum_proto::pb::fleet_server::FleetServer;
 use continuum_proto::{MAX_FLEET_MESSAGE_BYTES, MAX_INBOUND_FLEET_MESSAGE_BYTES};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::ServerTlsConfig;
 use tonic::transport::server::TcpIncoming;
 
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
@@ -30,8 +31,16 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Serves the Fleet service on `listener` until `shutdown` fires.
-pub async fn serve(listener: TcpListener, fleet: FleetService, shutdown: CancellationToken) -> Result<(), ServeError> {
+/// How long a client may take over its TLS handshake.
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the Fleet service on `listener` until `shutdown` fires, over TLS when `tls` is given.
+pub async fn serve(
+    listener: TcpListener,
+    fleet: FleetService,
+    tls: Option<ServerTlsConfig>,
+    shutdown: CancellationToken,
+) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<FleetServer<FleetService>>().await;
     let reflection = || {
@@ -41,7 +50,11 @@ pub async fn serve(listener: TcpListener, fleet: FleetService, shutdown: Cancell
     };
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
-    tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls.timeout(TLS_HANDSHAKE_TIMEOUT))?;
+    }
+    server
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))

@@ -16,7 +16,7 @@ use continuum_proto::view::FleetView;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Endpoint;
+use tonic::transport::{ClientTlsConfig, Endpoint};
 use tonic::{Code, Status};
 
 use super::backoff::Backoff;
@@ -44,12 +44,25 @@ pub struct FleetClientConfig {
     pub control_plane: String,
     pub replica_id: String,
     pub credentials: Credentials,
+    /// For an `https://` control plane: the CA to trust, and this replica's certificate when
+    /// the control plane asks for one (see [`super::client_tls`]).
+    pub tls: Option<ClientTlsConfig>,
 }
 
 impl FleetClientConfig {
     /// Following `control_plane` as `replica_id`, with no token.
     pub fn new(control_plane: impl Into<String>, replica_id: impl Into<String>) -> Self {
-        Self { control_plane: control_plane.into(), replica_id: replica_id.into(), credentials: Credentials::default() }
+        let (control_plane, replica_id) = (control_plane.into(), replica_id.into());
+        Self { control_plane, replica_id, credentials: Credentials::default(), tls: None }
+    }
+
+    /// The control plane's endpoint, over TLS when configured.
+    pub(super) fn endpoint(&self) -> Result<Endpoint, tonic::transport::Error> {
+        let endpoint = Endpoint::from_shared(self.control_plane.clone())?;
+        match &self.tls {
+            Some(tls) => endpoint.tls_config(tls.clone()),
+            None => Ok(endpoint),
+        }
     }
 }
 
@@ -126,7 +139,8 @@ async fn follow(
     reports: &mut Reports,
     metrics: &Metrics,
 ) -> Result<(), SessionError> {
-    let endpoint = Endpoint::from_shared(config.control_plane.clone())
+    let endpoint = config
+        .endpoint()
         .map_err(SessionError::Url)?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)

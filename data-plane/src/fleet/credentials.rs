@@ -1,10 +1,13 @@
-//! The bearer token a replica presents on every Fleet call when the control plane asks for one
-//! (`control_plane.token` there, `--control-plane-token` here).
+//! Who a replica is to the control plane: the bearer token it presents on every Fleet call
+//! when the control plane asks for one (`control_plane.token` there, `--control-plane-token`
+//! here), and for an `https://` control plane the CA it trusts and its own certificate.
 
 use std::fmt;
+use std::path::{Path, PathBuf};
 
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 use tonic::{Request, Status};
 
 #[derive(Clone, Default)]
@@ -34,6 +37,25 @@ impl Interceptor for Credentials {
         }
         Ok(request)
     }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot read {path}: {source}")]
+pub struct TlsFileError {
+    path: PathBuf,
+    source: std::io::Error,
+}
+
+/// TLS to the control plane: trusting `ca` (the CA that signed its certificate), and presenting
+/// `identity` (certificate and key PEM files) when it accepts only replicas it knows. The
+/// files are read now; whether they hold what they should shows at the first connection.
+pub fn client_tls(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<ClientTlsConfig, TlsFileError> {
+    let read = |path: &Path| std::fs::read(path).map_err(|source| TlsFileError { path: path.into(), source });
+    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca)?));
+    if let Some((cert, key)) = identity {
+        tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
+    Ok(tls)
 }
 
 /// Never prints the token.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::client::FleetClientConfig;
 use super::credentials::Credentials;
@@ -50,7 +50,8 @@ impl MatchesClient {
         // Bounded connects and keep-alive answers: a control plane that moved or went silent
         // is found out in seconds, not after the kernel's two-minute SYN timeout, so lookups
         // stop missing soon after it is back. (Each lookup is bounded by its deadline anyway.)
-        let channel = Endpoint::from_shared(config.control_plane.clone())?
+        let channel = config
+            .endpoint()?
             .tcp_nodelay(true)
             .connect_timeout(MATCHES_CONNECT_TIMEOUT)
             .http2_keep_alive_interval(Duration::from_secs(20))

@@ -9,7 +9,7 @@ mod matches;
 mod reporter;
 
 pub use client::{FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
-pub use credentials::{Credentials, InvalidToken};
+pub use credentials::{Credentials, InvalidToken, TlsFileError, client_tls};
 pub use handle::{FleetHandle, FleetStatus};
 pub use matches::{FIND_MATCHES_DEADLINE, Matches, MatchesClient, MatchesError};
 #[cfg(test)]

@@ -167,7 +167,7 @@ async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec
         FleetService::new(continuum_tests::publisher(), Replicas::default(), metrics, cancel.clone()).with_kv(handle);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    let server = tokio::spawn(grpc::serve(listener, service, cancel.clone()));
+    let server = tokio::spawn(grpc::serve(listener, service, None, cancel.clone()));
     let client = MatchesClient::new(&FleetClientConfig::new(url.as_str(), "bench"), MEASURE_DEADLINE)?;
     // Connect and warm up.
     for query in queries.iter().take(500) {

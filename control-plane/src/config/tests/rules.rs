@@ -184,6 +184,8 @@ fn listener_rows() -> Vec<Row> {
         row("grpc off-host without token", "control_plane: {grpc_listen: '0.0.0.0:50051'}", Warning, "control_plane.token", "end replicas' streams"),
         row("grpc token empty", "control_plane: {token: ''}", Error, "control_plane.token", "must not be empty"),
         row("grpc token not a header value", "control_plane: {token: 'two words'}", Error, "control_plane.token", "visible ASCII"),
+        row("grpc tls needs a key", "control_plane: {tls: {cert: /c.pem}}", Error, "control_plane.tls.key", "private key"),
+        row("grpc tls needs a cert", "control_plane: {tls: {key: /k.pem}}", Error, "control_plane.tls.cert", "certificate"),
         row("grpc previous token alone", "control_plane: {previous_token: old}", Error, "control_plane.previous_token", "set token too"),
         row("grpc previous token not a header value", "control_plane: {token: new, previous_token: ''}", Error, "control_plane.previous_token", "visible ASCII"),
     ]

@@ -30,6 +30,15 @@ pub(super) fn check(config: &Config, report: &mut Report) {
             "follow the fleet (worker and shim addresses), report dispatches and end replicas' streams",
         ),
     ];
+    if let Some(tls) = &config.control_plane.tls {
+        if tls.cert.is_none() {
+            report
+                .error("control_plane.tls.cert", "is required with control_plane.tls: the Fleet service's certificate");
+        }
+        if tls.key.is_none() {
+            report.error("control_plane.tls.key", "is required with control_plane.tls: the certificate's private key");
+        }
+    }
     if config.control_plane.previous_token.is_some() && config.control_plane.token.is_none() {
         report.error(
             "control_plane.previous_token",
