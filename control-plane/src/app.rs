@@ -33,7 +33,7 @@ pub enum StartError {
     Source(#[from] SourceError),
     #[error("control_plane.tls: cannot read {path}: {source}")]
     TlsFile { path: PathBuf, source: std::io::Error },
-    #[error("control_plane.tls: {0} (are cert and key PEM files of one pair, and client_ca a PEM certificate?)")]
+    #[error("control_plane.tls: {0}")]
     Tls(String),
 }
 
@@ -100,6 +100,8 @@ impl ControlPlane {
         let publisher = FleetPublisher::new(Arc::new(config.data_plane_config()));
         let replicas = Replicas::default();
         let cancel = CancellationToken::new();
+        // Whatever was started is stopped again if a later step fails.
+        let started = cancel.clone().drop_guard();
         let registry = Registry::new(publisher.clone());
         let mut tasks = vec![
             tokio::spawn(gauges::follow_fleet(publisher.subscribe(), metrics.clone(), cancel.clone())),
@@ -148,6 +150,7 @@ impl ControlPlane {
             }
         }));
         tracing::info!(%grpc_addr, %admin_addr, source = discovery.source(), "control plane started");
+        started.disarm();
         Ok(Self {
             grpc_addr,
             admin_addr,
@@ -169,7 +172,7 @@ impl ControlPlane {
     /// Fleet stream at once, discovery follows its reload class, and the admin token, the
     /// listing and the Fleet service's token change (open streams keep running). Listen
     /// addresses need a restart; a change to them is logged and ignored.
-    pub async fn reload(&mut self, config: Config) -> Result<(), ReloadError> {
+    pub async fn reload(&mut self, mut config: Config) -> Result<(), ReloadError> {
         self.discovery.reload(&config).await?;
         self.load.reload(&config.dynamo.load);
         self.kv.reload(&config).await;
@@ -186,6 +189,10 @@ impl ControlPlane {
         if self.config.control_plane.tls != config.control_plane.tls {
             tracing::warn!("control_plane.tls changes only on restart; keeping the current certificate");
         }
+        // What runs is what the configuration reads back, and what the next reload compares.
+        config.control_plane.grpc_listen = self.config.control_plane.grpc_listen;
+        config.control_plane.tls = self.config.control_plane.tls.clone();
+        config.admin.listen = self.config.admin.listen;
         self.settings.send_replace(admin_settings(&config, &self.discovery));
         self.fleet_tokens.send_replace(fleet_tokens(&config));
         self.config = config;
@@ -214,17 +221,32 @@ impl ControlPlane {
 /// when the service is to accept those alone. Validation has required the cert and key.
 fn server_tls(tls: &FleetTlsConfig) -> Result<ServerTlsConfig, StartError> {
     let read = |path: &Path| std::fs::read(path).map_err(|source| StartError::TlsFile { path: path.into(), source });
-    let cert = read(tls.cert.as_deref().unwrap_or(Path::new("")))?;
-    let key = read(Path::new(tls.key.as_ref().map_or("", |key| key.expose())))?;
+    let (Some(cert), Some(key)) = (&tls.cert, &tls.key) else {
+        return Err(StartError::Tls("cert and key are both required".into()));
+    };
+    let (cert, key) = (read(cert)?, read(Path::new(key.expose()))?);
     let mut config = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
     if let Some(ca) = &tls.client_ca {
         config = config.client_ca_root(Certificate::from_pem(read(ca)?));
     }
     // Built once here so that a bad file fails the start, not the server's task later.
-    tonic::transport::Server::builder()
-        .tls_config(config.clone())
-        .map_err(|error| StartError::Tls(error.to_string()))?;
+    let refused = |error: tonic::transport::Error| {
+        StartError::Tls(format!("{} (cert and key must be one PEM pair, client_ca a PEM certificate)", chain(&error)))
+    };
+    tonic::transport::Server::builder().tls_config(config.clone()).map_err(refused)?;
     Ok(config)
+}
+
+/// An error and every cause under it: tonic's transport errors say only "transport error".
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(next) = cause {
+        text.push_str(": ");
+        text.push_str(&next.to_string());
+        cause = next.source();
+    }
+    text
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {

@@ -1,20 +1,14 @@
 //! Bearer tokens, as the admin API and the Fleet service check them.
 
-/// Whether an `authorization` value presents `expected` as its bearer token. The comparison has
-/// no early exit, so response timing does not reveal a matching prefix.
-pub fn accepts(authorization: Option<&[u8]>, expected: &str) -> bool {
-    authorization
-        .and_then(|value| value.strip_prefix(b"Bearer "))
-        .is_some_and(|token| equal(token, expected.as_bytes()))
-}
+use ring::digest::{SHA256, digest};
 
-/// Reads every byte of the longer of the two whatever they hold, so neither a matching prefix
-/// nor the expected length shows in the time it takes.
-fn equal(a: &[u8], b: &[u8]) -> bool {
-    let byte = |bytes: &[u8], i: usize| bytes.get(i).copied().unwrap_or(0);
-    let differ = (0..a.len().max(b.len()))
-        .fold(usize::from(a.len() != b.len()), |acc, i| acc | usize::from(byte(a, i) ^ byte(b, i)));
-    differ == 0
+/// Whether an `authorization` value presents `expected` as its bearer token. Their SHA-256
+/// digests are compared without an early exit, so response timing reveals neither a matching
+/// prefix nor the expected token's length.
+pub fn accepts(authorization: Option<&[u8]>, expected: &str) -> bool {
+    let Some(token) = authorization.and_then(|value| value.strip_prefix(b"Bearer ")) else { return false };
+    let (presented, expected) = (digest(&SHA256, token), digest(&SHA256, expected.as_bytes()));
+    presented.as_ref().iter().zip(expected.as_ref()).fold(0u8, |differ, (a, b)| differ | (a ^ b)) == 0
 }
 
 #[cfg(test)]

@@ -7,10 +7,11 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use continuum_data_plane::dispatch::DispatchSettings;
+use continuum_data_plane::error_chain;
 use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
 use continuum_data_plane::replica::Replica;
 use continuum_proto::MAX_REPLICA_ID_BYTES;
-use tonic::transport::ClientTlsConfig;
+use tonic::transport::{ClientTlsConfig, Endpoint};
 
 /// The request path allocates and frees small buffers on every request; mimalloc's per-thread
 /// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmark-notes.md).
@@ -135,7 +136,12 @@ fn fleet_tls(args: &Args) -> Result<Option<ClientTlsConfig>, String> {
         return Err(format!("--control-plane must be an http:// or https:// URL, got {:?}", args.control_plane));
     }
     let ca = args.control_plane_ca.as_deref().ok_or("an https:// --control-plane needs --control-plane-ca")?;
-    client_tls(ca, identity).map(Some).map_err(|error| error.to_string())
+    let tls = client_tls(ca, identity).map_err(|error| error.to_string())?;
+    // Built once now, so that a certificate and key that do not pair fail the start.
+    Endpoint::from_shared(args.control_plane.clone())
+        .and_then(|endpoint| endpoint.tls_config(tls.clone()))
+        .map_err(|error| format!("--control-plane TLS: {}", error_chain(&error)))?;
+    Ok(Some(tls))
 }
 
 fn default_replica_id() -> String {

@@ -22,7 +22,7 @@ pub enum StartError {
     Bind { addr: String, source: std::io::Error },
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
-    #[error("invalid control-plane URL {url:?}: {source}")]
+    #[error("cannot follow the control plane at {url:?}: {}", crate::error_chain(source))]
     ControlPlaneUrl { url: String, source: tonic::transport::Error },
 }
 

@@ -85,10 +85,12 @@ fn run(binary: &Path, args: &[&str]) -> anyhow::Result<Output> {
 fn a_replica_refuses_flags_it_could_never_follow_a_control_plane_with() -> anyhow::Result<()> {
     let binary = tools::binary("continuum-data-plane");
     let too_long = "r".repeat(129);
-    let rows: [(&[&str], &str); 8] = [
+    let not_pem = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    let rows: [(&[&str], &str); 9] = [
         (&["--control-plane", "grpc://127.0.0.1:50051"], "http:// or https:// URL"),
         (&["--control-plane", "https://127.0.0.1:50051"], "needs --control-plane-ca"),
         (&["--control-plane", "https://127.0.0.1:50051", "--control-plane-ca", "/nonexistent/ca.pem"], "cannot read"),
+        (&["--control-plane", "https://127.0.0.1:50051", "--control-plane-ca", not_pem], "holds no PEM certificate"),
         (&["--control-plane", "http://127.0.0.1:9", "--control-plane-ca", "/ca.pem"], "need an https://"),
         (&["--control-plane", "http://127.0.0.1:9", "--control-plane-cert", "/c.pem"], "--control-plane-key"),
         (&["--control-plane", "http://127.0.0.1:9", "--control-plane-token", "two words"], "visible ASCII"),

@@ -121,6 +121,14 @@ async fn admin_workers(admin: &str) -> anyhow::Result<Value> {
     Ok(reqwest::get(format!("http://{admin}/admin/dynamo/workers")).await?.json().await?)
 }
 
+/// kv-events the control plane's index applied (its `/metrics`).
+async fn kv_events_applied(admin: &str) -> anyhow::Result<u64> {
+    let text = reqwest::get(format!("http://{admin}/metrics")).await?.text().await?;
+    let series = "continuum_dynamo_kv_events_total{result=\"applied\"} ";
+    let line = text.lines().find_map(|line| line.strip_prefix(series)).context("no applied kv-events")?;
+    Ok(line.trim().parse()?)
+}
+
 /// The control plane's kv-events subscriptions that are connected.
 async fn kv_events_subscriptions_connected(admin: &str) -> anyhow::Result<usize> {
     let listing = admin_workers(admin).await?;
@@ -141,9 +149,15 @@ async fn demo_routes_a_shared_prefix_to_the_worker_whose_kv_events_announced_it(
     })
     .await?;
 
-    // A PUB socket keeps nothing: the first prompt's kv-events reach only subscriptions open then.
+    // A PUB socket keeps nothing: the first prompt's kv-events reach only subscriptions open
+    // then. Each simulated worker starts over (`cleared`) as its subscriber joins; once the four
+    // are applied, no late one can wipe the first prompt's blocks.
     eventually(WAIT, "the control plane subscribed to every worker's kv-events", || async {
         kv_events_subscriptions_connected(&admin).await.is_ok_and(|connected| connected == 4)
+    })
+    .await?;
+    eventually(WAIT, "each worker's cleared cache applied to the index", || async {
+        kv_events_applied(&admin).await.is_ok_and(|applied| applied >= 4)
     })
     .await?;
 

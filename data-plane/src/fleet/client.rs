@@ -39,7 +39,7 @@ pub const REPORT_INTERVAL: Duration = Duration::from_millis(1);
 const REPLY_QUEUE: usize = 8;
 
 /// Where and as whom to follow the fleet.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct FleetClientConfig {
     pub control_plane: String,
     pub replica_id: String,
@@ -56,7 +56,8 @@ impl FleetClientConfig {
         Self { control_plane, replica_id, credentials: Credentials::default(), tls: None }
     }
 
-    /// The control plane's endpoint, over TLS when configured.
+    /// The control plane's endpoint, over TLS when configured (tonic uses it for an https://
+    /// URL only; the binary refuses TLS settings beside an http:// one).
     pub(super) fn endpoint(&self) -> Result<Endpoint, tonic::transport::Error> {
         let endpoint = Endpoint::from_shared(self.control_plane.clone())?;
         match &self.tls {
@@ -92,6 +93,18 @@ impl SessionError {
     }
 }
 
+/// Never prints the TLS identity's key (tonic's own Debug would).
+impl std::fmt::Debug for FleetClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FleetClientConfig")
+            .field("control_plane", &self.control_plane)
+            .field("replica_id", &self.replica_id)
+            .field("credentials", &self.credentials)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
 /// Follows the control plane until `cancel` fires.
 pub async fn run(
     config: FleetClientConfig,
@@ -116,7 +129,10 @@ pub async fn run(
         metrics.stream_connected.set(0);
         match &outcome {
             Ok(()) => tracing::warn!("control plane closed the fleet stream; keeping the last-known-good view"),
-            Err(error) => tracing::warn!(%error, "fleet stream lost; keeping the last-known-good view"),
+            Err(error) => {
+                let error = crate::error_chain(error);
+                tracing::warn!(%error, "fleet stream lost; keeping the last-known-good view");
+            }
         }
         if started.elapsed() >= STABLE_SESSION {
             backoff.reset();

@@ -5,6 +5,8 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tonic::metadata::{Ascii, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
@@ -40,20 +42,30 @@ impl Interceptor for Credentials {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("cannot read {path}: {source}")]
-pub struct TlsFileError {
-    path: PathBuf,
-    source: std::io::Error,
+pub enum TlsFileError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path} holds no PEM {what}")]
+    Content { path: PathBuf, what: &'static str },
 }
 
 /// TLS to the control plane: trusting `ca` (the CA that signed its certificate), and presenting
-/// `identity` (certificate and key PEM files) when it accepts only replicas it knows. The
-/// files are read now; whether they hold what they should shows at the first connection.
+/// `identity` (certificate and key PEM files) when it accepts only replicas it knows. Each file
+/// is read and checked for what it must hold now, so a wrong one is named at start rather than
+/// found at every connection. (Whether the key matches the certificate shows at the first.)
 pub fn client_tls(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<ClientTlsConfig, TlsFileError> {
-    let read = |path: &Path| std::fs::read(path).map_err(|source| TlsFileError { path: path.into(), source });
-    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read(ca)?));
+    let read = |path: &Path| std::fs::read(path).map_err(|source| TlsFileError::Read { path: path.into(), source });
+    let lacks = |path: &Path, what| TlsFileError::Content { path: path.into(), what };
+    let certificates = |path: &Path| {
+        let pem = read(path)?;
+        let any = CertificateDer::pem_slice_iter(&pem).any(|certificate| certificate.is_ok());
+        if any { Ok(pem) } else { Err(lacks(path, "certificate")) }
+    };
+    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(certificates(ca)?));
     if let Some((cert, key)) = identity {
-        tls = tls.identity(Identity::from_pem(read(cert)?, read(key)?));
+        let key_pem = read(key)?;
+        PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| lacks(key, "private key"))?;
+        tls = tls.identity(Identity::from_pem(certificates(cert)?, key_pem));
     }
     Ok(tls)
 }

@@ -215,7 +215,7 @@ impl Fetcher {
                 request = request.header(header::AUTHORIZATION, format!("Bearer {token}"));
             }
             let request = request.body(Empty::new()).map_err(|e| fail(uri, &e.to_string()))?;
-            let response = client.request(request).await.map_err(|e| fail(uri, &error_chain(&e)))?;
+            let response = client.request(request).await.map_err(|e| fail(uri, &crate::error_chain(&e)))?;
             let status = response.status();
             if status.is_redirection() {
                 let location = response.headers().get(header::LOCATION).and_then(|l| l.to_str().ok());
@@ -247,19 +247,6 @@ fn build_client(roots: &RootCertStore) -> Result<HttpsClient, TlsSetupError> {
     let connector =
         HttpsConnectorBuilder::new().with_tls_config(config).https_or_http().enable_http1().wrap_connector(http);
     Ok(Client::builder(TokioExecutor::new()).build(connector))
-}
-
-/// hyper's own message ("client error (Connect)") hides the cause, e.g. rustls's
-/// "invalid peer certificate: UnknownIssuer"; the whole chain is what an operator needs.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut reason = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        reason.push_str(": ");
-        reason.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    reason
 }
 
 fn fail(uri: &str, reason: &str) -> FetchError {
