@@ -134,6 +134,17 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             return ExitCode::from(2);
         }
     }
+    // The overrides bypass the file's validation, and with it the warning for a listener
+    // reachable off-host without its token.
+    let tokens = [
+        ("--grpc-listen", listen.grpc, "control_plane.token", config.control_plane.token.is_some()),
+        ("--admin-listen", listen.admin, "admin.token", config.admin.token.is_some()),
+    ];
+    for (flag, addr, key, has_token) in tokens {
+        if let Some(addr) = addr.filter(|addr| !addr.ip().is_loopback() && !has_token) {
+            tracing::warn!(%addr, "{flag} is not a loopback address and {key} is unset: anyone who reaches it is served");
+        }
+    }
     // Installed before the start, so a SIGHUP while starting is a reload to run once started,
     // not the default action, which ends the process.
     let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
