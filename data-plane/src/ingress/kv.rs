@@ -351,27 +351,32 @@ mod tests {
     use crate::fleet::{FleetClientConfig, MatchesClient};
     use crate::metrics::Metrics;
 
+    /// A worker of the model "tiny" in namespace "ns", with `artifacts` as its card's.
+    fn tiny_worker(id: u64, role: Role, artifacts: Option<Arc<continuum_proto::model::ModelArtifacts>>) -> Worker {
+        Worker {
+            key: continuum_proto::model::WorkerKey::new("ns", id),
+            role,
+            model: "tiny".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: continuum_proto::model::Capacity::default(),
+            dp_start_rank: 0,
+            dp_size: 0,
+            disaggregated_endpoint: None,
+            artifacts,
+        }
+    }
+
     #[tokio::test]
     async fn cards_are_cached_for_models_the_fleet_serves_and_no_others() -> anyhow::Result<()> {
-        use continuum_proto::model::{Capacity, DataPlaneConfig, WorkerKey};
+        use continuum_proto::model::DataPlaneConfig;
         let metrics = Metrics::new()?;
         let matches =
             MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))?;
         let routing =
             KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
-        let worker = Worker {
-            key: WorkerKey::new("ns", 7),
-            role: Role::Aggregated,
-            model: "tiny".into(),
-            component: "backend".into(),
-            endpoint: "generate".into(),
-            block_size: Some(16),
-            capacity: Capacity::default(),
-            dp_start_rank: 0,
-            dp_size: 0,
-            disaggregated_endpoint: None,
-            artifacts: None,
-        };
+        let worker = tiny_worker(7, Role::Aggregated, None);
         let view = FleetView::new(1, [Arc::new(worker)], [], Arc::new(DataPlaneConfig::default()))?;
         let cached = || routing.models.lock().unwrap_or_else(PoisonError::into_inner).for_view(&view).len();
         for name in ["nobody serves this", &"x".repeat(1 << 20)] {
@@ -385,29 +390,20 @@ mod tests {
 
     #[test]
     fn prompts_render_with_the_decode_workers_defaults_whatever_a_prefill_card_says() -> anyhow::Result<()> {
-        use continuum_proto::model::{Capacity, CheckedFile, DataPlaneConfig, ModelArtifacts as Card, WorkerKey};
+        use continuum_proto::model::{CheckedFile, DataPlaneConfig, ModelArtifacts as Card};
         let file = |name: &str| CheckedFile {
             uri: format!("/m/{name}"),
             checksum: format!("blake3:{}", "ab".repeat(32)),
             size: 2,
         };
-        let worker = |id, role, default_thinking| Worker {
-            key: WorkerKey::new("ns", id),
-            role,
-            model: "tiny".into(),
-            component: "backend".into(),
-            endpoint: "generate".into(),
-            block_size: Some(16),
-            capacity: Capacity::default(),
-            dp_start_rank: 0,
-            dp_size: 0,
-            disaggregated_endpoint: None,
-            artifacts: Some(Arc::new(Card {
+        let worker = |id, role, default_thinking| {
+            let card = Card {
                 tokenizer: Some(file("tokenizer.json")),
                 tokenizer_config: Some(file("tokenizer_config.json")),
                 chat_template: None,
                 defaults: PromptDefaults { default_thinking, ..PromptDefaults::default() },
-            })),
+            };
+            tiny_worker(id, role, Some(Arc::new(card)))
         };
         let view = |workers: Vec<Worker>| {
             FleetView::new(1, workers.into_iter().map(Arc::new), [], Arc::new(DataPlaneConfig::default()))
