@@ -24,7 +24,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 /// rare artifact loads are idle at once.
 const BLOCKING_THREAD_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(600);
 
-#[derive(Debug, Parser)]
+// No `Debug`: it would print `--control-plane-token`.
+#[derive(Parser)]
 #[command(version, about = "A stateless Continuum data-plane replica")]
 struct Args {
     /// Address to serve traffic, /healthz, /readyz and /metrics on.
