@@ -45,7 +45,7 @@ pub struct AdminState {
 #[derive(Debug, Clone)]
 pub struct AdminSettings {
     /// Bearer token for `/admin/…`; `None` leaves the admin API open (validation warns).
-    pub token: Option<Arc<str>>,
+    pub token: Option<bearer::Token>,
     /// Which discovery source feeds the fleet, for the workers listing.
     pub source: &'static str,
     pub namespaces: Arc<[String]>,
@@ -69,7 +69,7 @@ pub fn router(state: AdminState) -> Router {
 }
 
 async fn require_token(State(state): State<AdminState>, request: Request, next: Next) -> Response {
-    let Some(expected) = state.settings.borrow().token.clone() else { return next.run(request).await };
+    let Some(expected) = state.settings.borrow().token else { return next.run(request).await };
     let presented = request.headers().get(header::AUTHORIZATION).map(|value| value.as_bytes());
     match bearer::accepts(presented, &expected) {
         true => next.run(request).await,

@@ -14,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::admin::{self, AdminSettings, AdminState, Seeded};
-use crate::config::{Config, ControlPlaneConfig, FleetTlsConfig};
+use crate::bearer;
+use crate::config::{Config, ControlPlaneConfig, ListenerTlsConfig};
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::gauges;
 use crate::grpc::{self, FleetService, Replicas};
@@ -60,7 +61,7 @@ pub struct ControlPlane {
     load: LoadSupervisor,
     kv: KvSupervisor,
     settings: watch::Sender<AdminSettings>,
-    fleet_tokens: watch::Sender<Vec<Arc<str>>>,
+    fleet_tokens: watch::Sender<Vec<bearer::Token>>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -73,7 +74,7 @@ pub enum ReloadError {
 
 fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSettings {
     AdminSettings {
-        token: config.admin.token.as_ref().map(|t| Arc::from(t.expose())),
+        token: config.admin.token.as_ref().map(|t| bearer::Token::new(t.expose())),
         source: discovery.source(),
         namespaces: config.namespaces().into(),
         resyncs_when_emptied: discovery.resyncs_when_emptied(),
@@ -81,9 +82,9 @@ fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSett
 }
 
 /// The tokens the Fleet service accepts: `token`, and `previous_token` during a rotation.
-fn fleet_tokens(config: &Config) -> Vec<Arc<str>> {
+fn fleet_tokens(config: &Config) -> Vec<bearer::Token> {
     let ControlPlaneConfig { token, previous_token, .. } = &config.control_plane;
-    [token, previous_token].into_iter().flatten().map(|t| Arc::from(t.expose())).collect()
+    [token, previous_token].into_iter().flatten().map(|t| bearer::Token::new(t.expose())).collect()
 }
 
 impl ControlPlane {
@@ -219,7 +220,7 @@ impl ControlPlane {
 
 /// The Fleet service's TLS: its certificate and key, and the CA that signs the replicas' own
 /// when the service is to accept those alone. Validation has required the cert and key.
-fn server_tls(tls: &FleetTlsConfig) -> Result<ServerTlsConfig, StartError> {
+fn server_tls(tls: &ListenerTlsConfig) -> Result<ServerTlsConfig, StartError> {
     let read = |path: &Path| std::fs::read(path).map_err(|source| StartError::TlsFile { path: path.into(), source });
     let (Some(cert), Some(key)) = (&tls.cert, &tls.key) else {
         return Err(StartError::Tls("cert and key are both required".into()));

@@ -2,7 +2,7 @@
 //! signals, and streams one versioned fleet view to every data-plane replica.
 pub mod admin;
 pub mod app;
-mod bearer;
+pub mod bearer;
 pub mod config;
 pub mod discovery;
 pub mod fleet;

@@ -485,7 +485,7 @@ async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reloa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_follow_the_fleet() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{self, FleetTlsConfig, Secret};
+    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
     use continuum_data_plane::fleet::{FleetClientConfig, client_tls};
     use continuum_data_plane::replica::Replica;
     use continuum_tests::eventually;
@@ -497,7 +497,7 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
     config.move_simulator_shim("127.0.0.1:0".parse()?);
     config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
     config.admin.listen = "127.0.0.1:0".parse()?;
-    config.control_plane.tls = Some(FleetTlsConfig {
+    config.control_plane.tls = Some(ListenerTlsConfig {
         cert: Some(pki.server_cert.clone()),
         key: Some(Secret::new(pki.server_key.display().to_string())),
         client_ca: Some(pki.ca_cert.clone()),
@@ -535,7 +535,7 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
 #[tokio::test]
 async fn a_certificate_that_does_not_load_fails_the_start_and_says_which() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{self, FleetTlsConfig, Secret};
+    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
 
     let dir = tempfile::tempdir()?;
     let garbage = dir.path().join("cert.pem");
@@ -546,7 +546,7 @@ async fn a_certificate_that_does_not_load_fails_the_start_and_says_which() -> an
         config.control_plane.grpc_listen = "127.0.0.1:0".parse().expect("an address");
         config.admin.listen = "127.0.0.1:0".parse().expect("an address");
         let key = Some(Secret::new(garbage.display().to_string()));
-        config.control_plane.tls = Some(FleetTlsConfig { cert: Some(cert), key, client_ca: None });
+        config.control_plane.tls = Some(ListenerTlsConfig { cert: Some(cert), key, client_ca: None });
         config
     };
     let missing = ControlPlane::start(tls(dir.path().join("absent.pem")), ListenOverrides::default()).await;

@@ -2,19 +2,19 @@
 //! KV listeners dial out to, their credentials and the per-session limits.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::values::{Secret, duration};
+use super::types::ListenerTlsConfig;
+use super::values::duration;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct EventBusConfig {
     pub enabled: bool,
     pub listen: SocketAddr,
-    pub tls: EventBusTlsConfig,
+    pub tls: ListenerTlsConfig,
     pub brokers: Vec<BrokerConfig>,
     pub max_sessions: u32,
     pub max_streams_per_session: u32,
@@ -30,7 +30,7 @@ impl Default for EventBusConfig {
         Self {
             enabled: false,
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), 7443),
-            tls: EventBusTlsConfig::default(),
+            tls: ListenerTlsConfig::default(),
             brokers: Vec::new(),
             max_sessions: 64,
             max_streams_per_session: 1024,
@@ -39,16 +39,6 @@ impl Default for EventBusConfig {
             idle_timeout: Duration::from_secs(30),
         }
     }
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct EventBusTlsConfig {
-    pub cert: Option<PathBuf>,
-    /// A path to the listener's private key: masked in readbacks like etcd's `client_key`.
-    pub key: Option<Secret>,
-    /// CA for client-certificate authentication of brokers.
-    pub client_ca: Option<PathBuf>,
 }
 
 /// One credential that may open sessions: an event broker or a KV listener.

@@ -30,7 +30,7 @@ pub use discovery::{
     BackoffConfig, DEFAULT_DYNAMO_NAMESPACE, DiscoveryConfig, DiscoverySource, EtcdAuthConfig, EtcdConfig,
     EtcdTlsConfig, KubernetesConfig, KubernetesModelConfig, StaticDiscoveryConfig, StaticWorkerConfig, WorkerRole,
 };
-pub use event_bus::{BrokerConfig, BrokerRole, EventBusConfig, EventBusTlsConfig};
+pub use event_bus::{BrokerConfig, BrokerRole, EventBusConfig};
 pub use load::{Loaded, embedded_default, embedded_default_yaml, load_file, load_str};
 pub use signals::{
     ConditionalDisaggregationConfig, DEFAULT_PROVISIONAL_TTL, KvConfig, LoadConfig, LoadTransport, ShimConfig,
@@ -39,7 +39,7 @@ pub use signals::{
 pub use simulator::SimulatorConfig;
 pub use types::{
     AdminConfig, BackendConfig, BackendRole, Config, ControlPlaneConfig, DisaggregatedServingConfig, DynamoConfig,
-    FleetTlsConfig,
+    ListenerTlsConfig,
 };
 pub use validate::{
     MAX_DIRECT_ALLOW_CIDRS, MAX_DYNAMO_NAMESPACES, MAX_ETCD_ENDPOINTS, MAX_KUBERNETES_MODELS, MAX_MAX_STALENESS,

@@ -92,17 +92,18 @@ pub struct ControlPlaneConfig {
     pub token: Option<Secret>,
     /// Accepted beside `token` during a rotation, until every replica presents the new one.
     pub previous_token: Option<Secret>,
-    /// The Fleet service over TLS; without it, plaintext HTTP/2 inside the cluster.
-    pub tls: Option<FleetTlsConfig>,
+    /// The Fleet service over TLS; without it, plaintext HTTP/2 inside the cluster. Read at
+    /// start; a change needs a restart.
+    pub tls: Option<ListenerTlsConfig>,
 }
 
-/// `control_plane.tls`: the Fleet service's certificate, and the CA whose certificates alone
-/// may connect (mutual TLS) when `client_ca` is set. Read at start; a change needs a restart.
+/// A TLS listener's (`control_plane.tls`, `dynamo.event_bus.tls`): its certificate, and the CA
+/// whose certificates alone may connect (mutual TLS) when `client_ca` is set.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct FleetTlsConfig {
+pub struct ListenerTlsConfig {
     pub cert: Option<PathBuf>,
-    /// A path to the private key: masked in readbacks like the event bus's.
+    /// A path to the listener's private key: masked in readbacks like etcd's `client_key`.
     pub key: Option<Secret>,
     pub client_ca: Option<PathBuf>,
 }

@@ -85,7 +85,7 @@ pub struct FleetService {
     /// Whether discovery has seeded the fleet; a Watch opened before is refused.
     seeded: Arc<dyn Fn() -> bool + Send + Sync>,
     /// `control_plane.token` (and `previous_token`): every call must present one when set.
-    tokens: watch::Receiver<Vec<Arc<str>>>,
+    tokens: watch::Receiver<Vec<bearer::Token>>,
 }
 
 impl std::fmt::Debug for FleetService {
@@ -117,7 +117,7 @@ impl FleetService {
     /// <token>` with one of `tokens`, while it holds any. The stream, the fleet it carries
     /// (worker and shim addresses), the dispatch reports and the lookups are all the replicas'.
     /// A change applies to calls made after it; open streams keep running.
-    pub fn with_tokens(self, tokens: watch::Receiver<Vec<Arc<str>>>) -> Self {
+    pub fn with_tokens(self, tokens: watch::Receiver<Vec<bearer::Token>>) -> Self {
         Self { tokens, ..self }
     }
 

@@ -351,6 +351,14 @@ mod tests {
     use crate::fleet::{FleetClientConfig, MatchesClient};
     use crate::metrics::Metrics;
 
+    /// KV routing whose lookups go to a port nobody listens on.
+    fn routing() -> anyhow::Result<KvRouting> {
+        let metrics = Metrics::new()?;
+        let matches =
+            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))?;
+        Ok(KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds))
+    }
+
     /// A worker of the model "tiny" in namespace "ns", with `artifacts` as its card's.
     fn tiny_worker(id: u64, role: Role, artifacts: Option<Arc<continuum_proto::model::ModelArtifacts>>) -> Worker {
         Worker {
@@ -371,11 +379,7 @@ mod tests {
     #[tokio::test]
     async fn cards_are_cached_for_models_the_fleet_serves_and_no_others() -> anyhow::Result<()> {
         use continuum_proto::model::DataPlaneConfig;
-        let metrics = Metrics::new()?;
-        let matches =
-            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))?;
-        let routing =
-            KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
+        let routing = routing()?;
         let worker = tiny_worker(7, Role::Aggregated, None);
         let view = FleetView::new(1, [Arc::new(worker)], [], Arc::new(DataPlaneConfig::default()))?;
         let cached = || routing.models.lock().unwrap_or_else(PoisonError::into_inner).for_view(&view).len();
@@ -419,11 +423,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_cache_directory_that_cannot_open_is_tried_again_after_a_while_not_per_request() -> anyhow::Result<()> {
-        let metrics = Metrics::new()?;
-        let matches =
-            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))?;
-        let routing =
-            KvRouting::new(matches, Renderer::default(), metrics.kv_artifacts.clone(), &metrics.kv_term_seconds);
+        let routing = routing()?;
         // Under a regular file, no directory can be made.
         let file = tempfile::NamedTempFile::new()?;
         let policy = KvArtifactPolicy { cache_dir: format!("{}/kv", file.path().display()), ..Default::default() };
