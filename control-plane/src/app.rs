@@ -3,7 +3,6 @@
 //! [`ControlPlane::start`].
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,14 +10,14 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 
 use crate::admin::{self, AdminSettings, AdminState, Seeded};
 use crate::bearer;
-use crate::config::{Config, ControlPlaneConfig, ListenerTlsConfig};
+use crate::config::{Config, ControlPlaneConfig};
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::gauges;
-use crate::grpc::{self, FleetService, Replicas};
+use crate::grpc::tls::{self, TlsError};
+use crate::grpc::{self, FleetService, Replicas, ServerTls};
 use crate::kv::{KvSupervisor, kv_options};
 use crate::load::{LoadOptions, LoadSupervisor};
 use crate::metrics::Metrics;
@@ -32,10 +31,8 @@ pub enum StartError {
     Metrics(#[from] prometheus::Error),
     #[error(transparent)]
     Source(#[from] SourceError),
-    #[error("control_plane.tls: cannot read {path}: {source}")]
-    TlsFile { path: PathBuf, source: std::io::Error },
     #[error("control_plane.tls: {0}")]
-    Tls(String),
+    Tls(#[from] TlsError),
 }
 
 /// Where to listen, when the command line overrides the configuration.
@@ -62,6 +59,7 @@ pub struct ControlPlane {
     kv: KvSupervisor,
     settings: watch::Sender<AdminSettings>,
     fleet_tokens: watch::Sender<Vec<bearer::Token>>,
+    tls: Option<ServerTls>,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -70,6 +68,8 @@ pub struct ControlPlane {
 pub enum ReloadError {
     #[error(transparent)]
     Source(#[from] SourceError),
+    #[error("control_plane.tls: {0}")]
+    Tls(#[from] TlsError),
 }
 
 fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSettings {
@@ -89,15 +89,15 @@ fn fleet_tokens(config: &Config) -> Vec<bearer::Token> {
 
 impl ControlPlane {
     pub async fn start(config: Config, listen: ListenOverrides) -> Result<Self, StartError> {
+        let metrics = Metrics::new()?;
         // Before anything starts: a certificate that does not load leaves nothing running.
-        let tls = config.control_plane.tls.as_ref().map(server_tls).transpose()?;
+        let tls = config.control_plane.tls.as_ref().map(|paths| ServerTls::load(paths, &metrics)).transpose()?;
         let grpc_listener =
             bind("the Fleet gRPC service", listen.grpc.unwrap_or(config.control_plane.grpc_listen)).await?;
         let admin_listener = bind("admin HTTP", listen.admin.unwrap_or(config.admin.listen)).await?;
         let grpc_addr = local_addr("the Fleet gRPC service", &grpc_listener)?;
         let admin_addr = local_addr("admin HTTP", &admin_listener)?;
 
-        let metrics = Metrics::new()?;
         let publisher = FleetPublisher::new(Arc::new(config.data_plane_config()));
         let replicas = Replicas::default();
         let cancel = CancellationToken::new();
@@ -126,9 +126,12 @@ impl ControlPlane {
             .with_kv(kv.handle())
             .with_seeded(move || seeded.check())
             .with_tokens(fleet_tokens_rx);
-        let shutdown = cancel.clone();
+        if let Some(tls) = &tls {
+            tasks.push(tokio::spawn(tls.clone().follow_files(tls::RELOAD_INTERVAL, cancel.clone())));
+        }
+        let (shutdown, serving_tls) = (cancel.clone(), tls.clone());
         tasks.push(tokio::spawn(async move {
-            if let Err(error) = grpc::serve(grpc_listener, service, tls, shutdown).await {
+            if let Err(error) = grpc::serve(grpc_listener, service, serving_tls, shutdown).await {
                 tracing::error!(%error, "Fleet gRPC server stopped");
             }
         }));
@@ -164,6 +167,7 @@ impl ControlPlane {
             kv,
             settings,
             fleet_tokens,
+            tls,
             cancel,
             tasks,
         })
@@ -171,9 +175,18 @@ impl ControlPlane {
 
     /// Applies a new configuration without a restart: the data plane's part goes out on the
     /// Fleet stream at once, discovery follows its reload class, and the admin token, the
-    /// listing and the Fleet service's token change (open streams keep running). Listen
-    /// addresses need a restart; a change to them is logged and ignored.
+    /// listing, the Fleet service's token and its certificate files change (open streams keep
+    /// running). Listen addresses, and whether the Fleet service runs TLS at all, need a
+    /// restart; a change to them is logged and ignored.
     pub async fn reload(&mut self, mut config: Config) -> Result<(), ReloadError> {
+        let running_tls = self.config.control_plane.tls.clone();
+        if let (Some(_), Some(paths)) = (&self.tls, &config.control_plane.tls)
+            && running_tls.as_ref() != Some(paths)
+        {
+            // Files that moved are checked before anything changes: a refused reload changes
+            // nothing.
+            tls::check(paths)?;
+        }
         self.discovery.reload(&config).await?;
         self.load.reload(&config.dynamo.load);
         self.kv.reload(&config).await;
@@ -187,12 +200,25 @@ impl ControlPlane {
                 tracing::warn!(key = what, %old, %new, "listen addresses change only on restart; keeping the current one");
             }
         }
-        if self.config.control_plane.tls != config.control_plane.tls {
-            tracing::warn!("control_plane.tls changes only on restart; keeping the current certificate");
-        }
+        let serving = match (&self.tls, &config.control_plane.tls) {
+            // A reload is also the operator's way to say the files were renewed: they are read
+            // now rather than at the next poll. A refusal is logged, and the running files kept.
+            (Some(tls), Some(paths)) => tls.refresh(Some(paths)).is_ok(),
+            (Some(_), None) => {
+                tracing::warn!("turning control_plane.tls off needs a restart; still serving TLS");
+                false
+            }
+            (None, Some(_)) => {
+                tracing::warn!("turning control_plane.tls on needs a restart; still serving plaintext");
+                false
+            }
+            (None, None) => true,
+        };
         // What runs is what the configuration reads back, and what the next reload compares.
+        if !serving {
+            config.control_plane.tls = running_tls;
+        }
         config.control_plane.grpc_listen = self.config.control_plane.grpc_listen;
-        config.control_plane.tls = self.config.control_plane.tls.clone();
         config.admin.listen = self.config.admin.listen;
         self.settings.send_replace(admin_settings(&config, &self.discovery));
         self.fleet_tokens.send_replace(fleet_tokens(&config));
@@ -216,38 +242,6 @@ impl ControlPlane {
             }
         }
     }
-}
-
-/// The Fleet service's TLS: its certificate and key, and the CA that signs the replicas' own
-/// when the service is to accept those alone. Validation has required the cert and key.
-fn server_tls(tls: &ListenerTlsConfig) -> Result<ServerTlsConfig, StartError> {
-    let read = |path: &Path| std::fs::read(path).map_err(|source| StartError::TlsFile { path: path.into(), source });
-    let (Some(cert), Some(key)) = (&tls.cert, &tls.key) else {
-        return Err(StartError::Tls("cert and key are both required".into()));
-    };
-    let (cert, key) = (read(cert)?, read(Path::new(key.expose()))?);
-    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(cert, key));
-    if let Some(ca) = &tls.client_ca {
-        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
-    }
-    // Built once here so that a bad file fails the start, not the server's task later.
-    let refused = |error: tonic::transport::Error| {
-        StartError::Tls(format!("{} (cert and key must be one PEM pair, client_ca a PEM certificate)", chain(&error)))
-    };
-    tonic::transport::Server::builder().tls_config(config.clone()).map_err(refused)?;
-    Ok(config)
-}
-
-/// An error and every cause under it: tonic's transport errors say only "transport error".
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut cause = error.source();
-    while let Some(next) = cause {
-        text.push_str(": ");
-        text.push_str(&next.to_string());
-        cause = next.source();
-    }
-    text
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {

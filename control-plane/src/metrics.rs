@@ -26,6 +26,10 @@ pub struct Metrics {
     pub watch_superseded: IntCounter,
     /// Fleet calls refused for want of `control_plane.token`.
     pub unauthenticated: IntCounter,
+    /// Re-reads of `control_plane.tls`'s files that changed them, by `result` (applied, refused).
+    pub fleet_tls_reloads: IntCounterVec,
+    /// Fleet connections whose TLS handshake failed or timed out (a client certificate refused).
+    pub fleet_tls_handshakes_failed: IntCounter,
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
@@ -94,6 +98,17 @@ impl Metrics {
             unauthenticated: IntCounter::new(
                 "continuum_fleet_unauthenticated_total",
                 "Fleet gRPC calls refused because they did not present control_plane.token",
+            )?,
+            fleet_tls_reloads: IntCounterVec::new(
+                Opts::new(
+                    "continuum_fleet_tls_reloads_total",
+                    "Changed control_plane.tls files read again, applied or refused (the running ones kept)",
+                ),
+                &["result"],
+            )?,
+            fleet_tls_handshakes_failed: IntCounter::new(
+                "continuum_fleet_tls_handshakes_failed_total",
+                "Fleet connections whose TLS handshake failed or timed out",
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
@@ -187,6 +202,7 @@ impl Metrics {
         }
         for result in ["applied", "refused"] {
             metrics.config_reloads.with_label_values(&[result]);
+            metrics.fleet_tls_reloads.with_label_values(&[result]);
         }
         for result in KvEventResult::ALL {
             metrics.kv_events.with_label_values(&[result.as_str()]);
@@ -209,6 +225,8 @@ impl Metrics {
             Box::new(metrics.watch_refused.clone()),
             Box::new(metrics.watch_superseded.clone()),
             Box::new(metrics.unauthenticated.clone()),
+            Box::new(metrics.fleet_tls_reloads.clone()),
+            Box::new(metrics.fleet_tls_handshakes_failed.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
             Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.dispatch_chains_dropped.clone()),

@@ -10,7 +10,9 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::{DispatchSettings, Dispatcher, probe};
-use crate::fleet::{self, DispatchReporter, FIND_MATCHES_DEADLINE, FleetClientConfig, FleetHandle, MatchesClient};
+use crate::fleet::{
+    self, DispatchReporter, EndpointError, FIND_MATCHES_DEADLINE, FleetClientConfig, FleetHandle, MatchesClient,
+};
 use crate::http::{self, AppState, KvSelection};
 use crate::metrics::Metrics;
 use crate::routing::picker::{DispatchLedger, LoadBasedPicker};
@@ -22,8 +24,8 @@ pub enum StartError {
     Bind { addr: String, source: std::io::Error },
     #[error("metrics registry: {0}")]
     Metrics(#[from] prometheus::Error),
-    #[error("cannot follow the control plane at {url:?}: {}", crate::error_chain(source))]
-    ControlPlaneUrl { url: String, source: tonic::transport::Error },
+    #[error("cannot follow the control plane at {url:?}: {source}")]
+    ControlPlaneUrl { url: String, source: EndpointError },
 }
 
 /// A running replica.

@@ -524,8 +524,83 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
     }
     let ids: Vec<String> = control.replicas.list().iter().map(|s| s.replica_id.clone()).collect();
     assert_eq!(ids, ["mutual"]);
+    // TLS settings beside an http:// URL would go unused (tonic speaks plaintext): refused.
+    let mut mixed = FleetClientConfig::new(format!("http://127.0.0.1:{port}"), "mixed");
+    mixed.tls = Some(client_tls(&pki.ca_cert, Some((&pki.client_cert, &pki.client_key)))?);
+    let error = Replica::start("127.0.0.1:0", mixed).await.expect_err("TLS over http:// is refused").to_string();
+    assert!(error.contains("need an https://"), "{error}");
 
     for replica in [mutual, anonymous, plaintext] {
+        replica.shutdown().await;
+    }
+    control.shutdown().await;
+    Ok(())
+}
+
+/// A renewal on a running control plane: the files replaced in place (as cert-manager or a
+/// Secret volume do) and a reload. New connections get the new certificate, open streams keep
+/// theirs, and files that do not pair are refused while the running certificate stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewed_certificate_reaches_new_connections_while_open_streams_keep_running() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
+    use continuum_data_plane::fleet::{FleetClientConfig, client_tls};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let (old, new) = (Pki::generate(&dir.path().join("old"))?, Pki::generate(&dir.path().join("new"))?);
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    let install = |pki: &Pki| -> std::io::Result<()> {
+        std::fs::copy(&pki.server_cert, &cert)?;
+        std::fs::copy(&pki.server_key, &key).map(drop)
+    };
+    install(&old)?;
+    let mut config = config::embedded_default();
+    config.move_simulator_shim("127.0.0.1:0".parse()?);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    let key_path = Secret::new(key.display().to_string());
+    config.control_plane.tls =
+        Some(ListenerTlsConfig { cert: Some(cert.clone()), key: Some(key_path), client_ca: None });
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    let url = format!("https://127.0.0.1:{}", control.grpc_addr.port());
+    let follow = async |name: &str, trusting: &Pki| {
+        let mut follow = FleetClientConfig::new(url.clone(), name);
+        follow.tls = Some(client_tls(&trusting.ca_cert, None)?.domain_name("localhost"));
+        anyhow::Ok(Replica::start("127.0.0.1:0", follow).await?)
+    };
+    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
+    let tls_reloads = control.metrics.fleet_tls_reloads.clone();
+    let reloads = |result: &str| tls_reloads.with_label_values(&[result]).get();
+
+    let before = follow("before", &old).await?;
+    eventually(CONVERGE, "a replica trusting the first CA follows", || async { workers(&before) == 4 }).await?;
+
+    // Halfway through a renewal: the new certificate beside the old key. Refused, and the
+    // reload's other settings still apply.
+    std::fs::copy(&new.server_cert, &cert)?;
+    control.reload(config.clone()).await?;
+    assert_eq!((reloads("applied"), reloads("refused")), (0, 1));
+    let still_old = follow("still-old", &old).await?;
+    eventually(CONVERGE, "the running certificate is still served", || async { workers(&still_old) == 4 }).await?;
+
+    install(&new)?;
+    control.reload(config).await?;
+    assert_eq!((reloads("applied"), reloads("refused")), (1, 1));
+    let after = follow("after", &new).await?;
+    let stale = follow("stale", &old).await?;
+    eventually(CONVERGE, "a replica trusting the new CA follows", || async { workers(&after) == 4 }).await?;
+    let failed = control.metrics.fleet_tls_handshakes_failed.clone();
+    eventually(CONVERGE, "one trusting only the old CA is refused", || async { failed.get() > 0 }).await?;
+    assert_eq!(workers(&stale), 0, "never sent the fleet");
+    assert_eq!(before.metrics.reconnects.get(), 0, "the stream opened under the old certificate kept running");
+    let mut ids: Vec<String> = control.replicas.list().iter().map(|s| s.replica_id.clone()).collect();
+    ids.sort();
+    assert_eq!(ids, ["after", "before", "still-old"]);
+
+    for replica in [before, still_old, after, stale] {
         replica.shutdown().await;
     }
     control.shutdown().await;

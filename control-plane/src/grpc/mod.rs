@@ -3,6 +3,7 @@
 
 mod service;
 mod session;
+pub mod tls;
 mod turns;
 
 use std::time::Duration;
@@ -11,11 +12,11 @@ use continuum_proto::pb::fleet_server::FleetServer;
 use continuum_proto::{MAX_FLEET_MESSAGE_BYTES, MAX_INBOUND_FLEET_MESSAGE_BYTES};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::ServerTlsConfig;
 use tonic::transport::server::TcpIncoming;
 
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus};
+pub use tls::ServerTls;
 pub use turns::MAX_TURN_MODELS;
 
 /// HTTP/2 keepalive: a replica whose connection went half-open is noticed within about
@@ -31,14 +32,12 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// How long a client may take over its TLS handshake.
-const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Serves the Fleet service on `listener` until `shutdown` fires, over TLS when `tls` is given.
+/// Serves the Fleet service on `listener` until `shutdown` fires, over TLS when `tls` is given
+/// (renewed as its files change, see [`tls`]).
 pub async fn serve(
     listener: TcpListener,
     fleet: FleetService,
-    tls: Option<ServerTlsConfig>,
+    tls: Option<ServerTls>,
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -50,11 +49,7 @@ pub async fn serve(
     };
     let reflection_v1 = reflection().build_v1()?;
     let reflection_v1alpha = reflection().build_v1alpha()?;
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        server = server.tls_config(tls.timeout(TLS_HANDSHAKE_TIMEOUT))?;
-    }
-    server
+    let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
@@ -65,11 +60,19 @@ pub async fn serve(
             FleetServer::new(fleet)
                 .max_decoding_message_size(MAX_INBOUND_FLEET_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
-        )
-        // `Server::tcp_nodelay` covers only the sockets `serve` binds itself: accepted ones
-        // need it set here, or Nagle holds a small FindMatches reply for the client's delayed
-        // ACK (~40 ms, twenty times the lookup's 2 ms deadline).
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener).with_nodelay(Some(true)), shutdown.cancelled_owned())
-        .await?;
+        );
+    // `Server::tcp_nodelay` covers only the sockets `serve` binds itself: accepted ones need it
+    // set by the incoming stream, or Nagle holds a small FindMatches reply for the client's
+    // delayed ACK (~40 ms, twenty times the lookup's 2 ms deadline).
+    match tls {
+        Some(tls) => {
+            let incoming = tls::incoming(listener, &tls, shutdown.clone());
+            router.serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned()).await?;
+        }
+        None => {
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            router.serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned()).await?;
+        }
+    }
     Ok(())
 }

@@ -56,21 +56,32 @@ impl FleetClientConfig {
         Self { control_plane, replica_id, credentials: Credentials::default(), tls: None }
     }
 
-    /// The control plane's endpoint, over TLS when configured (tonic uses it for an https://
-    /// URL only; the binary refuses TLS settings beside an http:// one).
-    pub(super) fn endpoint(&self) -> Result<Endpoint, tonic::transport::Error> {
-        let endpoint = Endpoint::from_shared(self.control_plane.clone())?;
+    /// The control plane's endpoint, over TLS when configured. tonic would quietly speak
+    /// plaintext to an `http://` URL whatever the TLS settings, so that pairing is refused.
+    pub(super) fn endpoint(&self) -> Result<Endpoint, EndpointError> {
+        let endpoint = Endpoint::from_shared(self.control_plane.clone()).map_err(EndpointError::Invalid)?;
         match &self.tls {
-            Some(tls) => endpoint.tls_config(tls.clone()),
+            Some(_) if endpoint.uri().scheme_str() != Some("https") => Err(EndpointError::TlsNeedsHttps),
+            Some(tls) => endpoint.tls_config(tls.clone()).map_err(EndpointError::Invalid),
             None => Ok(endpoint),
         }
     }
 }
 
+/// Why [`FleetClientConfig`] names no endpoint to follow.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    #[error("{}", crate::error_chain(.0))]
+    /// Its text carries the whole cause chain, so it names no source of its own.
+    Invalid(tonic::transport::Error),
+    #[error("TLS settings need an https:// control-plane URL; over http:// they would be ignored")]
+    TlsNeedsHttps,
+}
+
 #[derive(Debug, thiserror::Error)]
 enum SessionError {
     #[error("invalid control-plane URL: {0}")]
-    Url(#[source] tonic::transport::Error),
+    Url(#[source] EndpointError),
     #[error("cannot reach the control plane: {0}")]
     Connect(#[source] tonic::transport::Error),
     #[error("control plane refused the stream: {0}")]

@@ -11,7 +11,7 @@ use continuum_proto::pb::{self, fleet_client::FleetClient};
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use super::client::FleetClientConfig;
+use super::client::{EndpointError, FleetClientConfig};
 use super::credentials::Credentials;
 use crate::routing::picker::{RankOverlap, Suggested};
 
@@ -46,7 +46,7 @@ pub struct MatchesClient {
 
 impl MatchesClient {
     /// A client for the replica `config.replica_id` (its `Hello.replica_id`).
-    pub fn new(config: &FleetClientConfig, deadline: Duration) -> Result<Self, tonic::transport::Error> {
+    pub fn new(config: &FleetClientConfig, deadline: Duration) -> Result<Self, EndpointError> {
         // Bounded connects and keep-alive answers: a control plane that moved or went silent
         // is found out in seconds, not after the kernel's two-minute SYN timeout, so lookups
         // stop missing soon after it is back. (Each lookup is bounded by its deadline anyway.)

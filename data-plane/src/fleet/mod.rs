@@ -8,7 +8,7 @@ mod handle;
 mod matches;
 mod reporter;
 
-pub use client::{FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
+pub use client::{EndpointError, FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
 pub use credentials::{Credentials, InvalidToken, TlsFileError, client_tls};
 pub use handle::{FleetHandle, FleetStatus};
 pub use matches::{FIND_MATCHES_DEADLINE, Matches, MatchesClient, MatchesError};

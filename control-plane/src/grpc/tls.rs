@@ -1,0 +1,396 @@
+//! The Fleet service's TLS, renewed without a restart.
+//!
+//! Certificates in a cluster are short-lived: cert-manager renews them in place, and the kubelet
+//! swaps a mounted Secret's files at once. So the files are read again every
+//! [`RELOAD_INTERVAL`] and at every configuration reload. A certificate, key and client CA
+//! that load together replace the running ones for the connections accepted from then on;
+//! open connections keep the ones they were accepted with. Files that do not load together
+//! (a certificate written before its key, say) are refused, counted and logged once, and the
+//! running ones kept.
+//!
+//! The handshakes are this module's, not tonic's, because tonic's TLS is fixed when its server
+//! starts: [`incoming`] accepts, shakes hands with whatever configuration is current, and hands
+//! tonic the connections that completed.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use prometheus::{IntCounter, IntCounterVec};
+use ring::digest::{Context, SHA256};
+use rustls::ServerConfig;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::ListenerTlsConfig;
+use crate::metrics::Metrics;
+
+/// How often the certificate files are read again for a renewal.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
+/// How long a client may take over its handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes under way at once; past it, accepting waits. A flood of clients that never finish
+/// theirs holds this many tasks for [`HANDSHAKE_TIMEOUT`] each, and no more.
+const MAX_HANDSHAKES: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: io::Error },
+    #[error("cert and key are both required")]
+    Incomplete,
+    #[error("{what} {path}: {reason}")]
+    Pem { what: &'static str, path: PathBuf, reason: String },
+    #[error("{0}")]
+    Config(String),
+}
+
+/// The files' contents, read together so that they are checked as one set.
+struct Files {
+    cert: Vec<u8>,
+    key: Vec<u8>,
+    client_ca: Option<Vec<u8>>,
+}
+
+impl Files {
+    fn read(paths: &ListenerTlsConfig) -> Result<Self, TlsError> {
+        let (Some(cert), Some(key)) = (&paths.cert, &paths.key) else { return Err(TlsError::Incomplete) };
+        let read = |path: &Path| std::fs::read(path).map_err(|source| TlsError::Read { path: path.into(), source });
+        Ok(Self {
+            cert: read(cert)?,
+            key: read(Path::new(key.expose()))?,
+            client_ca: paths.client_ca.as_deref().map(read).transpose()?,
+        })
+    }
+
+    /// What tells one set of files from another, without keeping a copy of the key.
+    fn digest(&self) -> [u8; 32] {
+        let mut context = Context::new(&SHA256);
+        for part in [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()] {
+            let part = part.map_or(&[][..], Vec::as_slice);
+            context.update(&(part.len() as u64).to_le_bytes());
+            context.update(part);
+        }
+        let mut digest = [0; 32];
+        digest.copy_from_slice(context.finish().as_ref());
+        digest
+    }
+
+    /// A rustls server configuration serving HTTP/2 with this certificate, asking for a client
+    /// certificate signed by `client_ca` when there is one.
+    fn server_config(&self, paths: &ListenerTlsConfig) -> Result<Arc<ServerConfig>, TlsError> {
+        let path = |path: Option<&Path>| path.map(Path::to_path_buf).unwrap_or_default();
+        let (cert_path, ca_path) = (path(paths.cert.as_deref()), path(paths.client_ca.as_deref()));
+        let certs = certificates(&self.cert, "cert", &cert_path)?;
+        let key = PrivateKeyDer::from_pem_slice(&self.key).map_err(|error| TlsError::Pem {
+            what: "key",
+            path: paths.key.as_ref().map(|key| PathBuf::from(key.expose())).unwrap_or_default(),
+            reason: format!("holds no PEM private key ({error})"),
+        })?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let builder = ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .map_err(|error| TlsError::Config(error.to_string()))?;
+        let builder = match &self.client_ca {
+            None => builder.with_no_client_auth(),
+            Some(ca) => {
+                let mut roots = rustls::RootCertStore::empty();
+                for cert in certificates(ca, "client_ca", &ca_path)? {
+                    roots.add(cert).map_err(|error| TlsError::Pem {
+                        what: "client_ca",
+                        path: ca_path.clone(),
+                        reason: format!("is not a usable CA certificate ({error})"),
+                    })?;
+                }
+                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                    .build()
+                    .map_err(|error| TlsError::Config(format!("client_ca: {error}")))?;
+                builder.with_client_cert_verifier(verifier)
+            }
+        };
+        let mut config = builder
+            .with_single_cert(certs, key)
+            .map_err(|error| TlsError::Config(format!("cert and key do not load as one pair: {error}")))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Arc::new(config))
+    }
+}
+
+fn certificates(pem: &[u8], what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let invalid = |reason: String| TlsError::Pem { what, path: path.to_path_buf(), reason };
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| invalid(format!("is not PEM ({error})")))?;
+    if certs.is_empty() {
+        return Err(invalid("holds no PEM certificate".into()));
+    }
+    Ok(certs)
+}
+
+/// Whether `paths`' files make a working configuration, without serving it.
+pub fn check(paths: &ListenerTlsConfig) -> Result<(), TlsError> {
+    Files::read(paths)?.server_config(paths).map(drop)
+}
+
+/// The running TLS configuration and where its files are. Clones share it.
+#[derive(Clone)]
+pub struct ServerTls {
+    state: Arc<Mutex<State>>,
+    current: watch::Receiver<Arc<ServerConfig>>,
+    reloads: IntCounterVec,
+    handshakes_failed: IntCounter,
+}
+
+struct State {
+    paths: ListenerTlsConfig,
+    digest: [u8; 32],
+    /// The last refusal's text, so that a set of files that keeps failing is reported once.
+    refused: Option<String>,
+    publish: watch::Sender<Arc<ServerConfig>>,
+}
+
+/// What a [`ServerTls::refresh`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refresh {
+    Unchanged,
+    Applied,
+}
+
+impl ServerTls {
+    /// Loads `paths`' files, which must make a working configuration.
+    pub fn load(paths: &ListenerTlsConfig, metrics: &Metrics) -> Result<Self, TlsError> {
+        let files = Files::read(paths)?;
+        let config = files.server_config(paths)?;
+        let (publish, current) = watch::channel(config);
+        let state = State { paths: paths.clone(), digest: files.digest(), refused: None, publish };
+        Ok(Self {
+            state: Arc::new(Mutex::new(state)),
+            current,
+            reloads: metrics.fleet_tls_reloads.clone(),
+            handshakes_failed: metrics.fleet_tls_handshakes_failed.clone(),
+        })
+    }
+
+    /// Reads the files again (at `paths`, when they moved) and serves them from the next
+    /// connection on if they changed and load. A failure keeps the running configuration; it
+    /// is counted and logged when it differs from the last one.
+    pub fn refresh(&self, paths: Option<&ListenerTlsConfig>) -> Result<Refresh, TlsError> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let paths = paths.unwrap_or(&state.paths).clone();
+        let loaded = Files::read(&paths).and_then(|files| {
+            let digest = files.digest();
+            if digest == state.digest && paths == state.paths {
+                return Ok(None);
+            }
+            Ok(Some((files.server_config(&paths)?, digest)))
+        });
+        match loaded {
+            Ok(None) => {
+                state.refused = None;
+                Ok(Refresh::Unchanged)
+            }
+            Ok(Some((config, digest))) => {
+                state.publish.send_replace(config);
+                (state.digest, state.paths, state.refused) = (digest, paths, None);
+                self.reloads.with_label_values(&["applied"]).inc();
+                tracing::info!("control_plane.tls: serving the renewed certificate to new connections");
+                Ok(Refresh::Applied)
+            }
+            Err(error) => {
+                let text = error.to_string();
+                if state.refused.as_deref() != Some(text.as_str()) {
+                    self.reloads.with_label_values(&["refused"]).inc();
+                    tracing::warn!(%error, "control_plane.tls: the files do not load; keeping the running certificate");
+                    state.refused = Some(text);
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// Refreshes every `interval` until `cancel`.
+    pub async fn follow_files(self, interval: Duration, cancel: CancellationToken) {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticks.tick().await;
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                _ = ticks.tick() => {
+                    // Refusals are logged and counted by `refresh`; the running files stay.
+                    let _ = self.refresh(None);
+                }
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        f.debug_struct("ServerTls").field("paths", &state.paths).finish_non_exhaustive()
+    }
+}
+
+/// The TLS connections made on `listener`, each shaken hands with the configuration current
+/// when it was accepted, until `shutdown` or until the stream is dropped. A failed or slow
+/// handshake is counted and dropped; it never holds up the others.
+pub fn incoming(
+    listener: TcpListener,
+    tls: &ServerTls,
+    shutdown: CancellationToken,
+) -> ReceiverStream<io::Result<TlsStream<TcpStream>>> {
+    let (ready, incoming) = mpsc::channel(16);
+    let (current, failed) = (tls.current.clone(), tls.handshakes_failed.clone());
+    tokio::spawn(async move {
+        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        loop {
+            let accepted = tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = ready.closed() => return,
+                accepted = accept(&listener, &handshakes) => accepted,
+            };
+            let (stream, slot) = match accepted {
+                Ok(accepted) => accepted,
+                Err(error)
+                    if matches!(error.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) =>
+                {
+                    continue;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "accepting a Fleet connection failed; retrying shortly");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let acceptor = TlsAcceptor::from(Arc::clone(&current.borrow()));
+            let (ready, failed) = (ready.clone(), failed.clone());
+            tokio::spawn(async move {
+                let peer = stream.peer_addr().ok();
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(stream)) => {
+                        drop(slot);
+                        let _ = ready.send(Ok(stream)).await;
+                    }
+                    Ok(Err(error)) => {
+                        failed.inc();
+                        tracing::debug!(?peer, %error, "a Fleet client's TLS handshake failed");
+                    }
+                    Err(_) => {
+                        failed.inc();
+                        tracing::debug!(?peer, "a Fleet client's TLS handshake timed out");
+                    }
+                }
+            });
+        }
+    });
+    ReceiverStream::new(incoming)
+}
+
+async fn accept(
+    listener: &TcpListener,
+    handshakes: &Arc<Semaphore>,
+) -> io::Result<(TcpStream, tokio::sync::OwnedSemaphorePermit)> {
+    // The semaphore is never closed.
+    let slot = Arc::clone(handshakes).acquire_owned().await.map_err(io::Error::other)?;
+    let (stream, _) = listener.accept().await?;
+    // Small replies (a FindMatches answer) must not wait for the client's delayed ACK.
+    if let Err(error) = stream.set_nodelay(true) {
+        tracing::debug!(%error, "could not set TCP_NODELAY on a Fleet connection");
+    }
+    Ok((stream, slot))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    /// Writes a fresh self-signed certificate for `name` and its key over `dir`'s cert.pem and
+    /// key.pem.
+    fn write_pair(dir: &Path, name: &str) {
+        let pair = rcgen::generate_simple_self_signed(vec![name.to_owned()]).expect("a certificate");
+        std::fs::write(dir.join("cert.pem"), pair.cert.pem()).expect("written");
+        std::fs::write(dir.join("key.pem"), pair.signing_key.serialize_pem()).expect("written");
+    }
+
+    fn paths(dir: &Path) -> ListenerTlsConfig {
+        ListenerTlsConfig {
+            cert: Some(dir.join("cert.pem")),
+            key: Some(Secret::new(dir.join("key.pem").display().to_string())),
+            client_ca: None,
+        }
+    }
+
+    fn counted(tls: &ServerTls, result: &str) -> u64 {
+        tls.reloads.with_label_values(&[result]).get()
+    }
+
+    #[test]
+    fn renewed_files_are_served_and_a_broken_set_is_refused_once_while_the_running_one_stays() {
+        let dir = tempfile::tempdir().expect("a directory");
+        write_pair(dir.path(), "one.test");
+        let metrics = Metrics::new().expect("metrics");
+        let tls = ServerTls::load(&paths(dir.path()), &metrics).expect("loads");
+        let first = Arc::clone(&tls.current.borrow());
+        assert_eq!(tls.refresh(None).expect("reads"), Refresh::Unchanged);
+
+        // Mid-rotation: the certificate is new and the key still the old one's.
+        let old_key = std::fs::read(dir.path().join("key.pem")).expect("read");
+        write_pair(dir.path(), "two.test");
+        std::fs::write(dir.path().join("key.pem"), &old_key).expect("written");
+        for _ in 0..3 {
+            let error = tls.refresh(None).expect_err("a certificate and a key of two pairs");
+            assert!(error.to_string().contains("do not load as one pair"), "{error}");
+        }
+        assert_eq!(counted(&tls, "refused"), 1, "one refusal per broken set, however often it is read");
+        assert!(Arc::ptr_eq(&first, &tls.current.borrow()), "the running certificate stays");
+
+        write_pair(dir.path(), "three.test");
+        assert_eq!(tls.refresh(None).expect("a whole pair"), Refresh::Applied);
+        assert_eq!(counted(&tls, "applied"), 1);
+        assert!(!Arc::ptr_eq(&first, &tls.current.borrow()), "new connections get the renewed one");
+        assert_eq!(tls.refresh(None).expect("reads"), Refresh::Unchanged);
+    }
+
+    #[test]
+    fn files_that_do_not_load_say_which_and_why() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let metrics = Metrics::new().expect("metrics");
+        let error = ServerTls::load(&paths(dir.path()), &metrics).expect_err("no files").to_string();
+        assert!(error.contains("cert.pem"), "{error}");
+        write_pair(dir.path(), "one.test");
+        std::fs::write(dir.path().join("ca.pem"), "not a certificate").expect("written");
+        let with_ca = ListenerTlsConfig { client_ca: Some(dir.path().join("ca.pem")), ..paths(dir.path()) };
+        let error = check(&with_ca).expect_err("no CA certificate").to_string();
+        assert!(error.contains("client_ca") && error.contains("holds no PEM certificate"), "{error}");
+        std::fs::write(dir.path().join("key.pem"), "not a key").expect("written");
+        let error = check(&paths(dir.path())).expect_err("no key").to_string();
+        assert!(error.contains("key") && error.contains("holds no PEM private key"), "{error}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_files_are_followed_without_a_reload() {
+        let dir = tempfile::tempdir().expect("a directory");
+        write_pair(dir.path(), "one.test");
+        let metrics = Metrics::new().expect("metrics");
+        let tls = ServerTls::load(&paths(dir.path()), &metrics).expect("loads");
+        let mut current = tls.current.clone();
+        let cancel = CancellationToken::new();
+        let following = tokio::spawn(tls.clone().follow_files(RELOAD_INTERVAL, cancel.clone()));
+        write_pair(dir.path(), "two.test");
+        let started = tokio::time::Instant::now();
+        tokio::time::timeout(2 * RELOAD_INTERVAL, current.changed()).await.expect("renewed").expect("open");
+        assert!(started.elapsed() >= RELOAD_INTERVAL, "at the next poll, not before");
+        cancel.cancel();
+        following.await.expect("stopped");
+    }
+}
