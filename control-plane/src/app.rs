@@ -180,13 +180,12 @@ impl ControlPlane {
     /// restart; a change to them is logged and ignored.
     pub async fn reload(&mut self, mut config: Config) -> Result<(), ReloadError> {
         let running_tls = self.config.control_plane.tls.clone();
-        if let (Some(_), Some(paths)) = (&self.tls, &config.control_plane.tls)
-            && running_tls.as_ref() != Some(paths)
-        {
-            // Files that moved are checked before anything changes: a refused reload changes
-            // nothing.
-            tls::check(paths)?;
-        }
+        // Files that moved are read and checked before anything changes: a refused reload
+        // changes nothing, and what was checked is what is served.
+        let moved_tls = match (&self.tls, &config.control_plane.tls) {
+            (Some(_), Some(paths)) if running_tls.as_ref() != Some(paths) => Some(tls::prepare(paths)?),
+            _ => None,
+        };
         self.discovery.reload(&config).await?;
         self.load.reload(&config.dynamo.load);
         self.kv.reload(&config).await;
@@ -201,9 +200,15 @@ impl ControlPlane {
             }
         }
         let serving = match (&self.tls, &config.control_plane.tls) {
-            // A reload is also the operator's way to say the files were renewed: they are read
-            // now rather than at the next poll. A refusal is logged, and the running files kept.
-            (Some(tls), Some(paths)) => tls.refresh(Some(paths)).is_ok(),
+            (Some(tls), Some(_)) => match moved_tls {
+                Some(prepared) => {
+                    tls.apply(prepared);
+                    true
+                }
+                // A reload is also the operator's way to say the files were renewed: they are
+                // read now rather than at the next poll, and a refusal said here too.
+                None => tls.refresh().inspect_err(warn_kept).is_ok(),
+            },
             (Some(_), None) => {
                 tracing::warn!("turning control_plane.tls off needs a restart; still serving TLS");
                 false
@@ -242,6 +247,10 @@ impl ControlPlane {
             }
         }
     }
+}
+
+fn warn_kept(error: &TlsError) {
+    tracing::warn!(%error, "reload: control_plane.tls's files do not load; still serving the running certificate");
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {

@@ -4,6 +4,7 @@
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::config::LoadTransport;
+use crate::grpc::tls::HandshakeFailure;
 use crate::kv::{KvEventResult, ProvisionalResult};
 use crate::load::{LoadEvent, LoadGauges, SubscriptionState, transport_label};
 
@@ -28,8 +29,9 @@ pub struct Metrics {
     pub unauthenticated: IntCounter,
     /// Re-reads of `control_plane.tls`'s files that changed them, by `result` (applied, refused).
     pub fleet_tls_reloads: IntCounterVec,
-    /// Fleet connections whose TLS handshake failed or timed out (a client certificate refused).
-    pub fleet_tls_handshakes_failed: IntCounter,
+    /// Fleet connections whose TLS handshake did not complete, by `reason`
+    /// (see `grpc::tls::HandshakeFailure`).
+    pub fleet_tls_handshakes_failed: IntCounterVec,
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
@@ -106,9 +108,12 @@ impl Metrics {
                 ),
                 &["result"],
             )?,
-            fleet_tls_handshakes_failed: IntCounter::new(
-                "continuum_fleet_tls_handshakes_failed_total",
-                "Fleet connections whose TLS handshake failed or timed out",
+            fleet_tls_handshakes_failed: IntCounterVec::new(
+                Opts::new(
+                    "continuum_fleet_tls_handshakes_failed_total",
+                    "Fleet connections whose TLS handshake did not complete, by reason",
+                ),
+                &["reason"],
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
@@ -203,6 +208,9 @@ impl Metrics {
         for result in ["applied", "refused"] {
             metrics.config_reloads.with_label_values(&[result]);
             metrics.fleet_tls_reloads.with_label_values(&[result]);
+        }
+        for failure in HandshakeFailure::ALL {
+            metrics.fleet_tls_handshakes_failed.with_label_values(&[failure.as_str()]);
         }
         for result in KvEventResult::ALL {
             metrics.kv_events.with_label_values(&[result.as_str()]);

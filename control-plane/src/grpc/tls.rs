@@ -17,14 +17,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use prometheus::{IntCounter, IntCounterVec};
+use std::collections::VecDeque;
+
+use prometheus::IntCounterVec;
 use ring::digest::{Context, SHA256};
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::sync::{mpsc, watch};
+use tokio::task::{AbortHandle, JoinSet};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
@@ -37,9 +40,9 @@ use crate::metrics::Metrics;
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a client may take over its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes under way at once; past it, accepting waits. A flood of clients that never finish
-/// theirs holds this many tasks for [`HANDSHAKE_TIMEOUT`] each, and no more.
-const MAX_HANDSHAKES: usize = 256;
+/// Handshakes under way at once; past it, the oldest is given up for the newest. A flood of
+/// clients that never finish theirs holds this many tasks, and no more.
+pub const MAX_HANDSHAKES: usize = 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -135,9 +138,25 @@ fn certificates(pem: &[u8], what: &'static str, path: &Path) -> Result<Vec<Certi
     Ok(certs)
 }
 
-/// Whether `paths`' files make a working configuration, without serving it.
-pub fn check(paths: &ListenerTlsConfig) -> Result<(), TlsError> {
-    Files::read(paths)?.server_config(paths).map(drop)
+/// A set of files read and built into a configuration, not served yet.
+pub struct Prepared {
+    paths: ListenerTlsConfig,
+    digest: [u8; 32],
+    config: Arc<ServerConfig>,
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared").field("paths", &self.paths).finish_non_exhaustive()
+    }
+}
+
+/// Reads and builds `paths`' files: whether they make a working configuration, and the one to
+/// serve ([`ServerTls::apply`]) if so.
+pub fn prepare(paths: &ListenerTlsConfig) -> Result<Prepared, TlsError> {
+    let files = Files::read(paths)?;
+    let config = files.server_config(paths)?;
+    Ok(Prepared { paths: paths.clone(), digest: files.digest(), config })
 }
 
 /// The running TLS configuration and where its files are. Clones share it.
@@ -146,18 +165,24 @@ pub struct ServerTls {
     state: Arc<Mutex<State>>,
     current: watch::Receiver<Arc<ServerConfig>>,
     reloads: IntCounterVec,
-    handshakes_failed: IntCounter,
+    handshakes_failed: IntCounterVec,
 }
 
 struct State {
     paths: ListenerTlsConfig,
     digest: [u8; 32],
-    /// The last refusal's text, so that a set of files that keeps failing is reported once.
-    refused: Option<String>,
+    /// The last set of files refused, so that a set that keeps failing is reported once.
+    refused: Option<Refused>,
     publish: watch::Sender<Arc<ServerConfig>>,
 }
 
-/// What a [`ServerTls::refresh`] did.
+#[derive(PartialEq, Eq)]
+enum Refused {
+    Files([u8; 32]),
+    Unreadable(String),
+}
+
+/// What a refresh did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refresh {
     Unchanged,
@@ -167,53 +192,65 @@ pub enum Refresh {
 impl ServerTls {
     /// Loads `paths`' files, which must make a working configuration.
     pub fn load(paths: &ListenerTlsConfig, metrics: &Metrics) -> Result<Self, TlsError> {
-        let files = Files::read(paths)?;
-        let config = files.server_config(paths)?;
+        let Prepared { paths, digest, config } = prepare(paths)?;
         let (publish, current) = watch::channel(config);
-        let state = State { paths: paths.clone(), digest: files.digest(), refused: None, publish };
         Ok(Self {
-            state: Arc::new(Mutex::new(state)),
+            state: Arc::new(Mutex::new(State { paths, digest, refused: None, publish })),
             current,
             reloads: metrics.fleet_tls_reloads.clone(),
             handshakes_failed: metrics.fleet_tls_handshakes_failed.clone(),
         })
     }
 
-    /// Reads the files again (at `paths`, when they moved) and serves them from the next
-    /// connection on if they changed and load. A failure keeps the running configuration; it
-    /// is counted and logged when it differs from the last one.
-    pub fn refresh(&self, paths: Option<&ListenerTlsConfig>) -> Result<Refresh, TlsError> {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let paths = paths.unwrap_or(&state.paths).clone();
-        let loaded = Files::read(&paths).and_then(|files| {
-            let digest = files.digest();
-            if digest == state.digest && paths == state.paths {
-                return Ok(None);
-            }
-            Ok(Some((files.server_config(&paths)?, digest)))
-        });
-        match loaded {
-            Ok(None) => {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reads the files again and serves them from the next connection on if they changed and
+    /// load. A failure keeps the running configuration; each refused set of files is counted
+    /// and logged once, however often it is read.
+    pub fn refresh(&self) -> Result<Refresh, TlsError> {
+        let mut state = self.state();
+        let paths = state.paths.clone();
+        let (set, prepared) = match Files::read(&paths) {
+            Err(error) => (Refused::Unreadable(error.to_string()), Err(error)),
+            Ok(files) if files.digest() == state.digest => {
                 state.refused = None;
-                Ok(Refresh::Unchanged)
+                return Ok(Refresh::Unchanged);
             }
-            Ok(Some((config, digest))) => {
-                state.publish.send_replace(config);
-                (state.digest, state.paths, state.refused) = (digest, paths, None);
-                self.reloads.with_label_values(&["applied"]).inc();
-                tracing::info!("control_plane.tls: serving the renewed certificate to new connections");
-                Ok(Refresh::Applied)
+            Ok(files) => {
+                let digest = files.digest();
+                (Refused::Files(digest), files.server_config(&paths).map(|config| Prepared { paths, digest, config }))
             }
+        };
+        match prepared {
+            Ok(prepared) => Ok(self.swap(&mut state, prepared)),
             Err(error) => {
-                let text = error.to_string();
-                if state.refused.as_deref() != Some(text.as_str()) {
+                if state.refused.as_ref() != Some(&set) {
                     self.reloads.with_label_values(&["refused"]).inc();
                     tracing::warn!(%error, "control_plane.tls: the files do not load; keeping the running certificate");
-                    state.refused = Some(text);
+                    state.refused = Some(set);
                 }
                 Err(error)
             }
         }
+    }
+
+    /// Serves `prepared` (files that moved, checked by [`prepare`]) from the next connection on.
+    pub fn apply(&self, prepared: Prepared) -> Refresh {
+        let mut state = self.state();
+        if prepared.digest == state.digest && prepared.paths == state.paths {
+            return Refresh::Unchanged;
+        }
+        self.swap(&mut state, prepared)
+    }
+
+    fn swap(&self, state: &mut State, Prepared { paths, digest, config }: Prepared) -> Refresh {
+        state.publish.send_replace(config);
+        (state.paths, state.digest, state.refused) = (paths, digest, None);
+        self.reloads.with_label_values(&["applied"]).inc();
+        tracing::info!("control_plane.tls: serving the renewed certificate to new connections");
+        Refresh::Applied
     }
 
     /// Refreshes every `interval` until `cancel`.
@@ -226,7 +263,7 @@ impl ServerTls {
                 () = cancel.cancelled() => return,
                 _ = ticks.tick() => {
                     // Refusals are logged and counted by `refresh`; the running files stay.
-                    let _ = self.refresh(None);
+                    let _ = self.refresh();
                 }
             }
         }
@@ -235,31 +272,72 @@ impl ServerTls {
 
 impl std::fmt::Debug for ServerTls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        f.debug_struct("ServerTls").field("paths", &state.paths).finish_non_exhaustive()
+        f.debug_struct("ServerTls").field("paths", &self.state().paths).finish_non_exhaustive()
+    }
+}
+
+/// Why a handshake did not complete: the `reason` of `continuum_fleet_tls_handshakes_failed_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandshakeFailure {
+    /// The peer closed before finishing: a TCP probe or a port scan, usually.
+    Closed,
+    /// It took longer than [`HANDSHAKE_TIMEOUT`].
+    Timeout,
+    /// Its slot went to a newer connection while [`MAX_HANDSHAKES`] were under way.
+    Evicted,
+    /// TLS refused it: no client certificate the CA signed, no common protocol, garbage.
+    Refused,
+}
+
+impl HandshakeFailure {
+    pub const ALL: [Self; 4] = [Self::Closed, Self::Timeout, Self::Evicted, Self::Refused];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Timeout => "timeout",
+            Self::Evicted => "evicted",
+            Self::Refused => "refused",
+        }
     }
 }
 
 /// The TLS connections made on `listener`, each shaken hands with the configuration current
-/// when it was accepted, until `shutdown` or until the stream is dropped. A failed or slow
-/// handshake is counted and dropped; it never holds up the others.
+/// when it was accepted, until `shutdown` or until the stream is dropped (either ends the
+/// handshakes under way too).
+///
+/// A failed or slow handshake is counted and dropped; it never holds up the others. Accepting
+/// never pauses: past [`MAX_HANDSHAKES`] under way the oldest is given up. A replica completes
+/// its handshake in a round trip or two, so a crowd of idle connections can delay it by no more
+/// than it takes them to be evicted, not lock it out.
 pub fn incoming(
     listener: TcpListener,
     tls: &ServerTls,
     shutdown: CancellationToken,
 ) -> ReceiverStream<io::Result<TlsStream<TcpStream>>> {
+    incoming_within(listener, tls, MAX_HANDSHAKES, shutdown)
+}
+
+fn incoming_within(
+    listener: TcpListener,
+    tls: &ServerTls,
+    max_handshakes: usize,
+    shutdown: CancellationToken,
+) -> ReceiverStream<io::Result<TlsStream<TcpStream>>> {
     let (ready, incoming) = mpsc::channel(16);
     let (current, failed) = (tls.current.clone(), tls.handshakes_failed.clone());
     tokio::spawn(async move {
-        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let mut handshakes = JoinSet::new();
+        let mut oldest_first: VecDeque<AbortHandle> = VecDeque::new();
         loop {
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = ready.closed() => return,
-                accepted = accept(&listener, &handshakes) => accepted,
+                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => continue,
+                accepted = listener.accept() => accepted,
             };
-            let (stream, slot) = match accepted {
-                Ok(accepted) => accepted,
+            let stream = match accepted {
+                Ok((stream, _)) => stream,
                 Err(error)
                     if matches!(error.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) =>
                 {
@@ -271,42 +349,39 @@ pub fn incoming(
                     continue;
                 }
             };
+            // Small replies (a FindMatches answer) must not wait for the client's delayed ACK.
+            if let Err(error) = stream.set_nodelay(true) {
+                tracing::debug!(%error, "could not set TCP_NODELAY on a Fleet connection");
+            }
+            while handshakes.try_join_next().is_some() {}
+            oldest_first.retain(|handshake| !handshake.is_finished());
+            if oldest_first.len() >= max_handshakes
+                && let Some(oldest) = oldest_first.pop_front()
+            {
+                oldest.abort();
+                failed.with_label_values(&[HandshakeFailure::Evicted.as_str()]).inc();
+            }
             let acceptor = TlsAcceptor::from(Arc::clone(&current.borrow()));
             let (ready, failed) = (ready.clone(), failed.clone());
-            tokio::spawn(async move {
+            oldest_first.push_back(handshakes.spawn(async move {
                 let peer = stream.peer_addr().ok();
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                let failure = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                     Ok(Ok(stream)) => {
-                        drop(slot);
                         let _ = ready.send(Ok(stream)).await;
+                        return;
                     }
+                    Ok(Err(error)) if error.kind() == io::ErrorKind::UnexpectedEof => HandshakeFailure::Closed,
                     Ok(Err(error)) => {
-                        failed.inc();
                         tracing::debug!(?peer, %error, "a Fleet client's TLS handshake failed");
+                        HandshakeFailure::Refused
                     }
-                    Err(_) => {
-                        failed.inc();
-                        tracing::debug!(?peer, "a Fleet client's TLS handshake timed out");
-                    }
-                }
-            });
+                    Err(_) => HandshakeFailure::Timeout,
+                };
+                failed.with_label_values(&[failure.as_str()]).inc();
+            }));
         }
     });
     ReceiverStream::new(incoming)
-}
-
-async fn accept(
-    listener: &TcpListener,
-    handshakes: &Arc<Semaphore>,
-) -> io::Result<(TcpStream, tokio::sync::OwnedSemaphorePermit)> {
-    // The semaphore is never closed.
-    let slot = Arc::clone(handshakes).acquire_owned().await.map_err(io::Error::other)?;
-    let (stream, _) = listener.accept().await?;
-    // Small replies (a FindMatches answer) must not wait for the client's delayed ACK.
-    if let Err(error) = stream.set_nodelay(true) {
-        tracing::debug!(%error, "could not set TCP_NODELAY on a Fleet connection");
-    }
-    Ok((stream, slot))
 }
 
 #[cfg(test)]
@@ -341,24 +416,24 @@ mod tests {
         let metrics = Metrics::new().expect("metrics");
         let tls = ServerTls::load(&paths(dir.path()), &metrics).expect("loads");
         let first = Arc::clone(&tls.current.borrow());
-        assert_eq!(tls.refresh(None).expect("reads"), Refresh::Unchanged);
+        assert_eq!(tls.refresh().expect("reads"), Refresh::Unchanged);
 
         // Mid-rotation: the certificate is new and the key still the old one's.
         let old_key = std::fs::read(dir.path().join("key.pem")).expect("read");
         write_pair(dir.path(), "two.test");
         std::fs::write(dir.path().join("key.pem"), &old_key).expect("written");
         for _ in 0..3 {
-            let error = tls.refresh(None).expect_err("a certificate and a key of two pairs");
+            let error = tls.refresh().expect_err("a certificate and a key of two pairs");
             assert!(error.to_string().contains("do not load as one pair"), "{error}");
         }
         assert_eq!(counted(&tls, "refused"), 1, "one refusal per broken set, however often it is read");
         assert!(Arc::ptr_eq(&first, &tls.current.borrow()), "the running certificate stays");
 
         write_pair(dir.path(), "three.test");
-        assert_eq!(tls.refresh(None).expect("a whole pair"), Refresh::Applied);
+        assert_eq!(tls.refresh().expect("a whole pair"), Refresh::Applied);
         assert_eq!(counted(&tls, "applied"), 1);
         assert!(!Arc::ptr_eq(&first, &tls.current.borrow()), "new connections get the renewed one");
-        assert_eq!(tls.refresh(None).expect("reads"), Refresh::Unchanged);
+        assert_eq!(tls.refresh().expect("reads"), Refresh::Unchanged);
     }
 
     #[test]
@@ -370,11 +445,70 @@ mod tests {
         write_pair(dir.path(), "one.test");
         std::fs::write(dir.path().join("ca.pem"), "not a certificate").expect("written");
         let with_ca = ListenerTlsConfig { client_ca: Some(dir.path().join("ca.pem")), ..paths(dir.path()) };
-        let error = check(&with_ca).expect_err("no CA certificate").to_string();
+        let error = prepare(&with_ca).map(drop).expect_err("no CA certificate").to_string();
         assert!(error.contains("client_ca") && error.contains("holds no PEM certificate"), "{error}");
         std::fs::write(dir.path().join("key.pem"), "not a key").expect("written");
-        let error = check(&paths(dir.path())).expect_err("no key").to_string();
+        let error = prepare(&paths(dir.path())).map(drop).expect_err("no key").to_string();
         assert!(error.contains("key") && error.contains("holds no PEM private key"), "{error}");
+    }
+
+    /// A TLS client trusting `dir`'s self-signed certificate for `name`.
+    async fn handshake(addr: std::net::SocketAddr, dir: &Path, name: &'static str) -> io::Result<()> {
+        let mut roots = rustls::RootCertStore::empty();
+        let pem = std::fs::read(dir.join("cert.pem"))?;
+        for cert in CertificateDer::pem_slice_iter(&pem) {
+            roots.add(cert.map_err(io::Error::other)?).map_err(io::Error::other)?;
+        }
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(io::Error::other)?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        let stream = TcpStream::connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from(name).map_err(io::Error::other)?;
+        tokio_rustls::TlsConnector::from(Arc::new(config)).connect(name, stream).await.map(drop)
+    }
+
+    #[tokio::test]
+    async fn idle_connections_never_lock_a_client_out_and_probes_are_told_from_refusals() {
+        use tokio_stream::StreamExt;
+
+        let dir = tempfile::tempdir().expect("a directory");
+        write_pair(dir.path(), "fleet.test");
+        let metrics = Metrics::new().expect("metrics");
+        let tls = ServerTls::load(&paths(dir.path()), &metrics).expect("loads");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
+        let addr = listener.local_addr().expect("an address");
+        let shutdown = CancellationToken::new();
+        let mut incoming = incoming_within(listener, &tls, 2, shutdown.clone());
+        let failed = |reason: HandshakeFailure| tls.handshakes_failed.with_label_values(&[reason.as_str()]).get();
+
+        // Two connections that never say a word fill every handshake slot...
+        let idle =
+            [TcpStream::connect(addr).await.expect("connects"), TcpStream::connect(addr).await.expect("connects")];
+        // ...and a client still completes its handshake: the oldest idle one gives way.
+        handshake(addr, dir.path(), "fleet.test").await.expect("a completed handshake");
+        let accepted = tokio::time::timeout(Duration::from_secs(5), incoming.next()).await.expect("handed over");
+        assert!(accepted.is_some_and(|stream| stream.is_ok()));
+        assert_eq!(failed(HandshakeFailure::Evicted), 1);
+
+        // A TCP probe that connects and leaves is not a refused client.
+        drop(idle);
+        drop(TcpStream::connect(addr).await.expect("connects"));
+        // A client that does not trust the certificate fails its handshake; the server sees a refusal.
+        let other = tempfile::tempdir().expect("a directory");
+        write_pair(other.path(), "fleet.test");
+        handshake(addr, other.path(), "fleet.test").await.expect_err("an unknown issuer");
+        let settled = async {
+            while failed(HandshakeFailure::Closed) < 2 || failed(HandshakeFailure::Refused) < 1 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), settled).await.expect("each counted by its reason");
+        assert_eq!(failed(HandshakeFailure::Timeout), 0);
+        shutdown.cancel();
     }
 
     #[tokio::test(start_paused = true)]
