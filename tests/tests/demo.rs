@@ -194,3 +194,90 @@ async fn demo_routes_a_shared_prefix_to_the_worker_whose_kv_events_announced_it(
     assert!(overlap >= 1, "picked for its overlap");
     Ok(())
 }
+
+/// A simulated worker killed the way a real one dies (`kill -9`: its lease outlives it): the
+/// shim refuses requests pinned to it as 1.6.1 does, the replica answers each such request with
+/// a clear error and never hangs, routes around it, and drops it from its view once the lease
+/// expires. With every decode worker gone the model is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_simulated_worker_is_routed_around_and_deregistered_when_its_lease_expires() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config;
+    use continuum_control_plane::sources::simulator::FIRST_WORKER_ID;
+
+    let mut config = config::embedded_default();
+    let shim = free_port()?;
+    config.move_simulator_shim(shim);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    config.dynamo.kv.enabled = false;
+    config.dynamo.discovery.simulator.lease_ttl = Duration::from_secs(2);
+    let control = ControlPlane::start(config, ListenOverrides::default()).await?;
+    let replicas = start_replicas(1, &format!("http://{}", control.grpc_addr)).await?;
+    let replica = &replicas[0];
+    let workers = || replica.fleet.view().map_or(0, |view| view.workers().len());
+    eventually(WAIT, "four simulated workers in the replica's view", || async { workers() == 4 }).await?;
+
+    let client = reqwest::Client::builder().timeout(WAIT).build()?;
+    let kill = |id: String| client.post(format!("http://{shim}/simulator/workers/{id}/kill")).send();
+    let (first_decode, second_decode) = (FIRST_WORKER_ID + 2, FIRST_WORKER_ID + 3);
+    assert_eq!(kill(first_decode.to_string()).await?.status(), 200);
+    assert_eq!(kill(first_decode.to_string()).await?.status(), 409, "killed already");
+    assert_eq!(kill("7".into()).await?.status(), 404, "no such worker");
+
+    let ask = || {
+        let request = json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hello"}]});
+        client
+            .post(format!("http://{}/v1/chat/completions", replica.local_addr))
+            .header("x-backend", "show")
+            .json(&request)
+    };
+    let mut answered = Vec::new();
+    for _ in 0..12 {
+        let response = ask().send().await.context("every request is answered, none hangs")?;
+        let status = response.status().as_u16();
+        let decode = header(&response, "x-continuum-decode-worker").ok();
+        let body: Value = response.json().await?;
+        if status == 200 {
+            assert_eq!(decode, Some(second_decode), "only the living decode worker answers");
+        } else {
+            assert_eq!(body["error"]["code"], "disaggregated_decode_failed", "says what happened: {status} {body}");
+        }
+        answered.push(status);
+    }
+    // Two idle decode workers tie and take turns, so the dead one is picked, until its
+    // failures eject it.
+    assert!(answered.contains(&503), "the dead worker was picked and its refusal answered: {answered:?}");
+    assert!(answered.iter().rev().take(4).all(|&s| s == 200), "routed around the dead worker: {answered:?}");
+
+    eventually(WAIT, "the killed worker deregistered once its lease expired", || async { workers() == 3 }).await?;
+    let view = replica.fleet.view().context("a view")?;
+    assert!(view.workers().values().all(|w| w.key.instance_id != first_decode));
+    assert_eq!(ask().send().await?.status(), 200);
+
+    // The last decode worker gone, the model is gone: the shim answers as 1.6.1 does, and the
+    // replica refuses with its own error, at once.
+    assert_eq!(kill(second_decode.to_string()).await?.status(), 200);
+    eventually(WAIT, "the last decode worker deregistered", || async { workers() == 2 }).await?;
+    let direct = client
+        .post(format!("http://{shim}/v1/chat/completions"))
+        .header("x-dynamo-worker-instance-id", second_decode.to_string())
+        .header("x-dynamo-prefill-instance-id", FIRST_WORKER_ID.to_string())
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await?;
+    assert_eq!(direct.status(), 404);
+    assert_eq!(direct.text().await?, "", "the model is gone: no body");
+    let listed: Value = client.get(format!("http://{shim}/v1/models")).send().await?.json().await?;
+    assert_eq!(listed["data"], json!([]));
+    let refused = ask().send().await?;
+    assert!(!refused.status().is_success());
+    let body: Value = refused.json().await?;
+    assert!(body["error"]["code"].is_string(), "{body}");
+
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    control.shutdown().await;
+    Ok(())
+}

@@ -3,10 +3,12 @@
 //! requests, so the whole router runs without etcd, Kubernetes or a GPU.
 
 use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use super::discovery::DEFAULT_DYNAMO_NAMESPACE;
+use super::values::duration;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
@@ -22,6 +24,10 @@ pub struct SimulatorConfig {
     /// Where the simulated `dynamo.frontend --router-mode direct` shim listens; a backend in
     /// `backends` should point at it.
     pub shim_listen: SocketAddr,
+    /// How long a killed worker stays registered, as a SIGKILLed Dynamo worker's etcd lease
+    /// outlives it (30 s in the 1.6.1 captures).
+    #[serde(with = "duration")]
+    pub lease_ttl: Duration,
 }
 
 impl Default for SimulatorConfig {
@@ -34,6 +40,7 @@ impl Default for SimulatorConfig {
             block_size: 16,
             total_kv_blocks: 1024,
             shim_listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 8000)),
+            lease_ttl: Duration::from_secs(30),
         }
     }
 }

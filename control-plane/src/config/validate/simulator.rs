@@ -33,6 +33,9 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     if simulator.total_kv_blocks == 0 {
         report.error(format!("{BASE}.total_kv_blocks"), "must be greater than zero");
     }
+    if simulator.lease_ttl.is_zero() {
+        report.error(format!("{BASE}.lease_ttl"), "must be greater than zero");
+    }
     if simulator.shim_listen.port() == 0 {
         report.error(
             format!("{BASE}.shim_listen"),

@@ -4,6 +4,12 @@
 //! cards' artifacts and their publishers through the registry like any discovered fleet (the
 //! load and KV supervisors subscribe to them over real ZMTP), and serves the shim until
 //! cancelled. Reloading it rebinds everything.
+//!
+//! A worker can be killed through the shim (`POST /simulator/workers/{id}/kill`), to watch the
+//! router meet a failure as it would on a real fleet: the worker's publishers close at once, the
+//! shim refuses requests pinned to it with 1.6.1's 503, and it stays discovered until its lease
+//! expires (`lease_ttl`), as a SIGKILLed Dynamo worker does. Once every decode worker is gone,
+//! the model is gone: the shim answers 404 with an empty body.
 
 mod artifacts;
 mod pins;
@@ -13,13 +19,15 @@ mod shim;
 mod wire;
 mod workers;
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener as StdListener};
+use std::pin::pin;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use continuum_proto::model::{Capacity, ModelArtifacts, Role, Worker, WorkerKey};
 use tokio::net::TcpListener;
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use self::publisher::Resync;
@@ -58,10 +66,13 @@ pub struct SimulatorError {
 #[derive(Debug)]
 pub struct Simulator {
     fleet: Fleet,
-    /// Each worker's publishers' listeners, what they publish and how they resync.
-    publishers: Vec<(TcpListener, broadcast::Sender<Message>, Resync)>,
+    /// Each worker's publishers: its id, their listeners, what they publish and how they resync.
+    publishers: Vec<(u64, TcpListener, broadcast::Sender<Message>, Resync)>,
     shim_listener: TcpListener,
     shim: Arc<Shim>,
+    /// The workers killed through the shim.
+    kills: mpsc::Receiver<u64>,
+    lease_ttl: Duration,
 }
 
 impl Simulator {
@@ -109,27 +120,64 @@ impl Simulator {
                     address: format!("tcp://{address}"),
                 };
                 fleet.publishers.insert(PublisherKey { namespace: namespace.clone(), publisher_id }, publisher);
-                publishers.push((listener, messages, resync));
+                publishers.push((id, listener, messages, resync));
             }
             if role == Role::Prefill { &mut prefill } else { &mut decode }.push(worker);
         }
         let block_size = u64::from(config.block_size);
-        let shim = Arc::new(Shim { model: config.model.clone(), block_size, prefill, decode });
-        Ok(Self { fleet, publishers, shim_listener, shim })
+        // Each worker is killed at most once, so the queue never fills.
+        let (killed, kills) = mpsc::channel(prefill.len() + decode.len() + 1);
+        let lease_ttl = config.lease_ttl;
+        let shim = Arc::new(Shim { model: config.model.clone(), block_size, prefill, decode, killed, lease_ttl });
+        Ok(Self { fleet, publishers, shim_listener, shim, kills, lease_ttl })
     }
 
-    /// Publishes the fleet and serves its publishers and shim until `cancel`.
-    pub async fn run(self, registry: Registry, cancel: CancellationToken) {
+    /// Publishes the fleet and serves its publishers and shim until `cancel`; deregisters a
+    /// killed worker once its lease expires.
+    pub async fn run(mut self, registry: Registry, cancel: CancellationToken) {
         let shim_addr = self.shim_listener.local_addr().ok();
-        for (listener, messages, resync) in self.publishers {
-            tokio::spawn(publisher::serve(listener, messages, resync, cancel.clone()));
+        let mut stops: HashMap<u64, CancellationToken> = HashMap::new();
+        for (worker_id, listener, messages, resync) in self.publishers {
+            let stop = stops.entry(worker_id).or_insert_with(|| cancel.child_token()).clone();
+            tokio::spawn(publisher::serve(listener, messages, resync, stop));
         }
-        registry.publish(self.fleet);
+        registry.publish(self.fleet.clone());
         tracing::info!(shim = ?shim_addr, "simulated fleet running");
-        let serve =
-            axum::serve(self.shim_listener, shim::router(self.shim)).with_graceful_shutdown(cancel.cancelled_owned());
-        if let Err(error) = serve.await {
-            tracing::error!(%error, "the simulated shim stopped");
+        let shim = Arc::clone(&self.shim);
+        let mut serve = pin!(
+            axum::serve(self.shim_listener, shim::router(Arc::clone(&shim)))
+                .with_graceful_shutdown(cancel.clone().cancelled_owned())
+                .into_future()
+        );
+        let (lease_expired, mut expiries) = mpsc::channel(stops.len() + 1);
+        loop {
+            tokio::select! {
+                served = &mut serve => {
+                    if let Err(error) = served {
+                        tracing::error!(%error, "the simulated shim stopped");
+                    }
+                    return;
+                }
+                Some(worker_id) = self.kills.recv() => {
+                    // Its publishers' connections close, as a killed process's sockets do.
+                    stops.get(&worker_id).inspect(|stop| stop.cancel());
+                    tracing::info!(worker_id, lease_ttl = ?self.lease_ttl, "simulated worker killed; deregistered when its lease expires");
+                    let (expired, ttl, cancel) = (lease_expired.clone(), self.lease_ttl, cancel.clone());
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            () = cancel.cancelled() => {}
+                            () = tokio::time::sleep(ttl) => { let _ = expired.send(worker_id).await; }
+                        }
+                    });
+                }
+                Some(worker_id) = expiries.recv() => {
+                    shim.workers().filter(|w| w.worker_id == worker_id).for_each(|w| w.expire());
+                    self.fleet.workers.retain(|key, _| key.instance_id != worker_id);
+                    self.fleet.publishers.retain(|_, p| p.worker.as_ref().is_none_or(|key| key.instance_id != worker_id));
+                    registry.publish(self.fleet.clone());
+                    tracing::info!(worker_id, "simulated worker's lease expired; deregistered");
+                }
+            }
         }
     }
 }

@@ -38,6 +38,11 @@ impl Refusal {
     pub fn invalid() -> Self {
         Self::new(StatusCode::BAD_REQUEST, "Invalid request")
     }
+
+    /// 1.6.1's answer for a worker that died while its lease lives.
+    pub fn unavailable() -> Self {
+        Self::new(StatusCode::SERVICE_UNAVAILABLE, "Service temporarily unavailable")
+    }
 }
 
 /// The ids the simulated fleet holds.

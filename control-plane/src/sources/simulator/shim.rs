@@ -11,14 +11,19 @@
 //! answered as `usage.prompt_tokens_details.cached_tokens`. The shim has no tokenizer: a
 //! request without tokens is sized from its text and stores nothing. It also serves the
 //! fleet's model files (`GET /artifacts/...`, see `artifacts.rs`).
+//!
+//! `POST /simulator/workers/{id}/kill` kills a worker (see the module above): from then on a
+//! request pinned to it is refused 503 "Service temporarily unavailable", and one it is running
+//! breaks off, as with a SIGKILLed 1.6.1 worker whose lease still lives. Once its lease expires
+//! its id is unknown ("Invalid request"), and with no decode worker left the model is gone: 404
+//! with an empty body, and `/v1/models` lists nothing.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -30,7 +35,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::artifacts;
 use super::pins::{self, Known, Pins, Refusal};
 use super::prefix_cache::{self, Block};
-use super::workers::SimulatedWorker;
+use super::workers::{Life, SimulatedWorker};
 
 /// How long the simulated prefill phase takes.
 pub const PREFILL_TIME: Duration = Duration::from_millis(20);
@@ -47,6 +52,21 @@ pub struct Shim {
     pub block_size: u64,
     pub prefill: Vec<Arc<SimulatedWorker>>,
     pub decode: Vec<Arc<SimulatedWorker>>,
+    /// Where a kill is announced, for the simulator to close the worker's publishers and, a
+    /// lease later, deregister it.
+    pub killed: mpsc::Sender<u64>,
+    pub lease_ttl: Duration,
+}
+
+impl Shim {
+    pub fn workers(&self) -> impl Iterator<Item = &Arc<SimulatedWorker>> {
+        self.prefill.iter().chain(&self.decode)
+    }
+
+    /// Whether discovery still holds a decode worker, which is what keeps the model served.
+    fn serves_model(&self) -> bool {
+        self.decode.iter().any(|w| w.life() != Life::Gone)
+    }
 }
 
 pub fn router(shim: Arc<Shim>) -> Router {
@@ -54,6 +74,7 @@ pub fn router(shim: Arc<Shim>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
         .route("/artifacts/{name}", get(artifacts::serve))
+        .route("/simulator/workers/{id}/kill", post(kill))
         .route("/live", get(|| async { axum::Json(json!({"status": "live", "message": "Service is live"})) }))
         .with_state(shim)
 }
@@ -61,7 +82,24 @@ pub fn router(shim: Arc<Shim>) -> Router {
 async fn models(State(shim): State<Arc<Shim>>) -> Response {
     let model =
         json!({"id": shim.model, "object": "model", "created": now_secs(), "owned_by": "nvidia", "context_window": 0});
-    axum::Json(json!({"object": "list", "data": [model]})).into_response()
+    let models = if shim.serves_model() { vec![model] } else { Vec::new() };
+    axum::Json(json!({"object": "list", "data": models})).into_response()
+}
+
+/// Kills the worker whose instance id (decimal, as Dynamo writes it) the path names.
+async fn kill(State(shim): State<Arc<Shim>>, Path(id): Path<String>) -> Response {
+    let Some(worker) = id.parse::<u64>().ok().and_then(|id| shim.workers().find(|w| w.worker_id == id)) else {
+        let message = format!("no simulated worker has instance id {id:?}");
+        return refuse(&Refusal { status: StatusCode::NOT_FOUND, message });
+    };
+    if !worker.kill() {
+        let message = format!("worker {} is not serving: it was killed already", worker.worker_id);
+        return refuse(&Refusal { status: StatusCode::CONFLICT, message });
+    }
+    // The queue holds a kill of every worker; a closed one means the simulator is stopping.
+    let _ = shim.killed.try_send(worker.worker_id);
+    let lease = shim.lease_ttl.as_secs_f64();
+    axum::Json(json!({"killed": worker.worker_id, "deregistered_in_seconds": lease})).into_response()
 }
 
 async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -75,6 +113,10 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
     if request["model"].as_str() != Some(shim.model.as_str()) {
         return refuse(&Refusal { status: StatusCode::NOT_FOUND, message: "Model not found".to_owned() });
     }
+    if !shim.serves_model() {
+        // 1.6.1 once the last worker's lease expired: the model is gone, with no body.
+        return StatusCode::NOT_FOUND.into_response();
+    }
     let (prefill_ids, decode_ids) = (ids(&shim.prefill), ids(&shim.decode));
     let pins = match pins::resolve(&headers, &request, Known { prefill: &prefill_ids, decode: &decode_ids }) {
         Ok(pins) => pins,
@@ -84,9 +126,15 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
     let Some(decode) = shim.decode.iter().find(|w| w.worker_id == pins.decode) else {
         return refuse(&Refusal::invalid());
     };
+    let prefill = shim.prefill.iter().find(|w| w.worker_id == pins.prefill);
+    // The capture pins a killed decode worker; a killed prefill worker is taken to be refused
+    // the same way.
+    if prefill.into_iter().chain([decode]).any(|w| w.life() == Life::Killed) {
+        return refuse(&Refusal::unavailable());
+    }
     let prompt = prompt_blocks(&request, shim.block_size);
     let blocks = plan.prompt_blocks + plan.tokens.div_ceil(shim.block_size);
-    let (held, cached) = match shim.prefill.iter().find(|w| w.worker_id == pins.prefill) {
+    let (held, cached) = match prefill {
         // What a worker holds when the request arrives is cached; the rest is stored once
         // prefilled.
         Some(prefill) => {
@@ -114,6 +162,9 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         return stream(plan, usage, held);
     }
     tokio::time::sleep(TOKEN_TIME * u32::try_from(plan.tokens).unwrap_or(u32::MAX)).await;
+    if held.worker.life() != Life::Serving {
+        return refuse(&Refusal::unavailable());
+    }
     drop(held);
     axum::Json(plan.completion()).into_response()
 }
@@ -125,8 +176,9 @@ fn prompt_blocks(request: &Value, block_size: u64) -> Vec<Block> {
     prefix_cache::blocks(&tokens.unwrap_or_default(), usize::try_from(block_size).unwrap_or(usize::MAX))
 }
 
+/// The ids discovery holds: a killed worker's until its lease expires.
 fn ids(workers: &[Arc<SimulatedWorker>]) -> Vec<u64> {
-    workers.iter().map(|w| w.worker_id).collect()
+    workers.iter().filter(|w| w.life() != Life::Gone).map(|w| w.worker_id).collect()
 }
 
 /// KV blocks a request holds on a worker; given back when dropped, even if the client left.
@@ -238,14 +290,17 @@ impl Plan {
 }
 
 /// SSE events, a token's every [`TOKEN_TIME`], then `data: [DONE]`; the decode blocks are
-/// held to the end.
+/// held to the end. A stream whose worker is killed breaks off without its `[DONE]`.
 fn stream(plan: Plan, include_usage: bool, held: Held) -> Response {
-    let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(4);
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(4);
     tokio::spawn(async move {
-        let _held = held;
         for (index, event) in plan.events(include_usage).enumerate() {
             if u64::try_from(index).is_ok_and(|i| i < plan.tokens) {
                 tokio::time::sleep(TOKEN_TIME).await;
+            }
+            if held.worker.life() != Life::Serving {
+                let _ = tx.send(Err(std::io::Error::other("the worker was killed"))).await;
+                return;
             }
             if tx.send(Ok(Bytes::from(format!("data: {event}\n\n")))).await.is_err() {
                 return;

@@ -5,6 +5,7 @@
 //! publishes what it stores and evicts as kv-events, in the same wire format (see
 //! `crate::load::decode` and `crate::kv::decode` for the layouts).
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use serde::Serialize;
@@ -43,6 +44,16 @@ const EVENTS_PER_MESSAGE: usize = 8;
 const _: () = assert!(BLOCKS_PER_EVENT * EVENTS_PER_MESSAGE <= MAX_BLOCKS_PER_BATCH);
 const _: () = assert!(EVENTS_PER_MESSAGE <= MAX_EVENTS_PER_BATCH);
 
+/// Where a worker is in its life, as a Dynamo worker that is SIGKILLed goes through it: serving;
+/// killed while its etcd lease lives on (still discovered, silent, refused by the frontend);
+/// and gone from discovery once the lease expires.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Life {
+    Serving,
+    Killed,
+    Gone,
+}
+
 /// A simulated worker rank 0 and its two publishers.
 #[derive(Debug)]
 pub struct SimulatedWorker {
@@ -55,6 +66,7 @@ pub struct SimulatedWorker {
     events: Mutex<Events>,
     kv_metrics: broadcast::Sender<Message>,
     kv_events: broadcast::Sender<Message>,
+    life: AtomicU8,
 }
 
 impl SimulatedWorker {
@@ -70,7 +82,27 @@ impl SimulatedWorker {
             events: Mutex::new(Events { cache: PrefixCache::new(capacity), sequence: 0, event_id: 0 }),
             kv_metrics: broadcast::channel(PUBLISH_BACKLOG).0,
             kv_events: broadcast::channel(PUBLISH_BACKLOG).0,
+            life: AtomicU8::new(Life::Serving as u8),
         }
+    }
+
+    pub fn life(&self) -> Life {
+        match self.life.load(Ordering::Acquire) {
+            0 => Life::Serving,
+            1 => Life::Killed,
+            _ => Life::Gone,
+        }
+    }
+
+    /// Kills a serving worker; false if it was not serving.
+    pub fn kill(&self) -> bool {
+        let (serving, killed) = (Life::Serving as u8, Life::Killed as u8);
+        self.life.compare_exchange(serving, killed, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// Its lease expired: discovery no longer holds it.
+    pub fn expire(&self) {
+        self.life.store(Life::Gone as u8, Ordering::Release);
     }
 
     /// The kv_metrics channel: a receiver gets every message published after it subscribed.
