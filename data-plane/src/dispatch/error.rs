@@ -61,7 +61,8 @@ pub enum DispatchError {
         cause: Failure,
         fallback: Option<Failure>,
     },
-    /// An unpinned request found no replica to answer it.
-    #[error("no backend answered the unpinned request: {0}")]
-    Unreachable(#[source] Failure),
+    /// A plain unpinned request (disaggregated serving off) failed: no backend could be
+    /// reached, or the one that answered failed.
+    #[error("the unpinned request failed: {0}")]
+    UnifiedFailed(#[source] Failure),
 }

@@ -201,7 +201,7 @@ impl Dispatcher {
                 self.metrics.routed(RoutingPath::Unified);
                 self.unpinned(&plan.body, plan.stream, &headers, replicas, true)
                     .await
-                    .map_err(DispatchError::Unreachable)
+                    .map_err(DispatchError::UnifiedFailed)
             }
         }
     }

@@ -75,11 +75,16 @@ impl Dispatcher {
         Answered { answer, blames_pins }
     }
 
-    /// Any answer relayed as is (plain unpinned routing).
+    /// A backend's answer to a plain unpinned request: a success or a refusal of the client's
+    /// request (4xx) is relayed as is. A server error is the backend's own: its body may name
+    /// internal hosts or paths, so the client gets the router's error instead.
     pub(super) async fn pass_through(&self, response: Response<ShimBody>, stream: bool) -> Result<Response, Failure> {
         let status = response.status();
         if status.is_success() {
             return self.success(response, stream, None).await;
+        }
+        if status.is_server_error() {
+            return Err(Failure::Status(status));
         }
         let (parts, body) = response.into_parts();
         Ok(rebuild(status, parts.headers, Body::from(read_error_body(body).await)))

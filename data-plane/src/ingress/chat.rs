@@ -34,11 +34,11 @@ async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: B
     let routed = select::route(state, &view, &request).await?;
     // Upstream request and relay.
     let attached = routed.token_data.is_some();
-    let body = request.outbound(routed.token_data).await?;
+    let body = request.outbound(routed.token_data, disclose).await?;
     let mut route = routed.route;
     if attached && let Route::Pinned(Pinned { fallback: Some(fallback), .. }) = &mut route {
         // A fallback backend is not a shim: the router's tokens are not for it.
-        fallback.body = Some(request.outbound(None).await?);
+        fallback.body = Some(request.outbound(None, disclose).await?);
     }
     // A tenant passed the frontend's own test for a header string when it was read.
     let tenant = request.tenant().and_then(|tenant| HeaderValue::from_str(tenant).ok());

@@ -124,24 +124,51 @@ impl From<DispatchError> for ApiError {
                 "The model server no longer serves this model (its workers have gone). List the available models with GET /v1/models.",
             ),
             DispatchError::DecodeFailed { cause, fallback } => decode_failed(&cause, fallback.as_ref()),
-            DispatchError::Unreachable(_) => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shim_unavailable",
-                "No backend serving this model could be reached. Retry shortly.",
-            ),
+            DispatchError::UnifiedFailed(cause) => unified_failed(&cause),
         }
     }
 }
 
-/// The decode arm's answer: 503 when the failure says "not now", 504 for a timeout, else 502.
-fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
-    let status = if cause.is_unavailable() {
+/// A failure's status: 503 when it says "not now", 504 for a timeout, else 502.
+fn failure_status(cause: &Failure) -> StatusCode {
+    if cause.is_unavailable() {
         StatusCode::SERVICE_UNAVAILABLE
     } else if cause.is_timeout() {
         StatusCode::GATEWAY_TIMEOUT
     } else {
         StatusCode::BAD_GATEWAY
+    }
+}
+
+/// A plain unpinned request's failure, said without the backend's own words (which may name
+/// its hosts): unreachable, too slow, too large, or failed.
+fn unified_failed(cause: &Failure) -> ApiError {
+    let status = failure_status(cause);
+    let (code, message) = match cause {
+        _ if cause.is_unavailable() => {
+            ("shim_unavailable", "No backend serving this model could take the request. Retry shortly.".to_string())
+        }
+        Failure::TooLarge(limit) => (
+            "response_too_large",
+            format!(
+                "The answer is larger than the {limit} bytes relayed unstreamed. Ask for it with \"stream\": true."
+            ),
+        ),
+        _ if cause.is_timeout() => {
+            ("backend_timeout", "The backend serving this model did not answer in time.".to_string())
+        }
+        Failure::Status(backend) => (
+            "backend_failed",
+            format!("The backend serving this model failed the request (it answered {}).", backend.as_u16()),
+        ),
+        _ => ("backend_failed", "The exchange with the backend serving this model broke off.".to_string()),
     };
+    ApiError::new(status, code, message)
+}
+
+/// The decode arm's answer, sorted as [`failure_status`] sorts.
+fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
+    let status = failure_status(cause);
     let what = match cause {
         Failure::Status(shim_status) => format!("the Dynamo frontend answered {}", shim_status.as_u16()),
         _ if cause.is_unavailable() => "no Dynamo frontend replica could be reached".to_string(),
@@ -185,5 +212,21 @@ mod tests {
         assert_eq!(status(Failure::BodyTimeout(std::time::Duration::from_secs(1))), StatusCode::GATEWAY_TIMEOUT);
         let both = decode_failed(&Failure::Status(StatusCode::BAD_REQUEST), Some(&Failure::NoReplica));
         assert!(both.message.contains("answered 400") && both.message.contains("without worker pins also failed"));
+    }
+
+    #[test]
+    fn unified_failures_say_what_happened_and_never_that_a_backend_that_answered_was_unreachable() {
+        let answer = |cause: Failure| {
+            let error = unified_failed(&cause);
+            (error.status.as_u16(), error.code)
+        };
+        assert_eq!(answer(Failure::NoReplica), (503, "shim_unavailable"));
+        assert_eq!(answer(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)), (503, "shim_unavailable"));
+        assert_eq!(answer(Failure::Status(StatusCode::INTERNAL_SERVER_ERROR)), (502, "backend_failed"));
+        assert_eq!(answer(Failure::BodyTimeout(std::time::Duration::from_secs(1))), (504, "backend_timeout"));
+        assert_eq!(answer(Failure::TooLarge(1 << 25)), (502, "response_too_large"));
+        assert_eq!(answer(Failure::Body("reset".into())), (502, "backend_failed"));
+        let failed = unified_failed(&Failure::Status(StatusCode::INTERNAL_SERVER_ERROR));
+        assert!(failed.message.contains("answered 500"), "{}", failed.message);
     }
 }

@@ -203,12 +203,12 @@ impl ChatRequest {
     /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
     /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
     /// forwarded byte for byte, without re-serializing it.
-    pub async fn outbound(&self, token_data: Option<Vec<u32>>) -> Result<Bytes, RequestError> {
+    pub async fn outbound(&self, token_data: Option<Vec<u32>>, disclose: bool) -> Result<Bytes, RequestError> {
         if !self.has_nvext && token_data.is_none() {
             return Ok(self.raw.clone());
         }
         let mut tree = self.tree().await?;
-        strip_body_routing(&mut tree.value);
+        strip_body_routing(&mut tree.value, disclose);
         if let Some(tokens) = token_data {
             attach_token_data(&mut tree.value, tokens);
         }
@@ -243,7 +243,11 @@ mod tests {
         assert_eq!(request.cache_salt(&body), Some("top"));
         let tenant = request.clone().with_tenant(Some("tenant-a".into()));
         assert_eq!(tenant.cache_salt(&body), Some("tenant-a"));
-        assert_eq!(tenant.outbound(None).await.unwrap(), request.raw, "the tenant goes as a header, the body as sent");
+        assert_eq!(
+            tenant.outbound(None, false).await.unwrap(),
+            request.raw,
+            "the tenant goes as a header, the body as sent"
+        );
     }
 
     #[tokio::test]
@@ -251,23 +255,25 @@ mod tests {
         // Spacing and member order as the client wrote them: nothing was re-serialized.
         let text = r#"{ "messages": [{"role":"user","content":"hi"}],  "model":"m", "nvext_like": 1 }"#;
         let request = parse(text).unwrap();
-        assert_eq!(request.outbound(None).await.unwrap(), text.as_bytes());
+        assert_eq!(request.outbound(None, false).await.unwrap(), text.as_bytes());
     }
 
     #[tokio::test]
     async fn a_body_with_nvext_goes_out_stripped_and_with_token_data_when_given() {
         let text = r#"{"model":"m","messages":[{}],"nvext":{"backend_instance_id":7,"token_data":[9],"extra_fields":["worker_id"]}}"#;
         let request = parse(text).unwrap();
-        let out: Value = serde_json::from_slice(&request.outbound(None).await.unwrap()).unwrap();
-        assert_eq!(out["nvext"], serde_json::json!({"extra_fields": ["worker_id"]}));
-        let out: Value = serde_json::from_slice(&request.outbound(Some(vec![1, 2])).await.unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&request.outbound(None, true).await.unwrap()).unwrap();
+        assert_eq!(out["nvext"], serde_json::json!({"extra_fields": ["worker_id"]}), "asked with x-backend");
+        let out: Value = serde_json::from_slice(&request.outbound(None, false).await.unwrap()).unwrap();
+        assert!(out.get("nvext").is_none(), "no echo of the pins for a client that did not ask: {out}");
+        let out: Value = serde_json::from_slice(&request.outbound(Some(vec![1, 2]), true).await.unwrap()).unwrap();
         assert_eq!(out["nvext"]["token_data"], serde_json::json!([1, 2]), "the router's tokens, not the client's");
         // Escaped member names are names all the same.
         let escaped = parse(r#"{"model":"m","messages":[{}],"nv\u0065xt":{"backend_instance_id":7}}"#).unwrap();
-        let out: Value = serde_json::from_slice(&escaped.outbound(None).await.unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&escaped.outbound(None, false).await.unwrap()).unwrap();
         assert!(out.get("nvext").is_none(), "{out}");
         let plain = parse(r#"{"model":"m","messages":[{}]}"#).unwrap();
-        let out: Value = serde_json::from_slice(&plain.outbound(Some(vec![3])).await.unwrap()).unwrap();
+        let out: Value = serde_json::from_slice(&plain.outbound(Some(vec![3]), false).await.unwrap()).unwrap();
         assert_eq!(out["nvext"]["token_data"], serde_json::json!([3]));
     }
 

@@ -6,8 +6,8 @@
 //! headers past its head and the body's routing fields are stripped
 //! ([`strip_body_routing`]); just before dispatch, the encoder writes no routing header
 //! ([`is_routing_header`]) but the picker's [`pins`]. Responses never carry a pin back
-//! ([`strip_response`]): the chosen backend and workers are disclosed only to a client that
-//! asks with `x-backend`.
+//! ([`strip_response`]), nor does the frontend's echo of them unless asked: the chosen backend
+//! and workers are disclosed only to a client that asks with `x-backend`.
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
@@ -68,13 +68,19 @@ pub fn strip_client_routing(headers: &mut HeaderMap) {
     }
 }
 
-/// Removes the `nvext` routing fields of a request body, keeping every other `nvext` field.
+/// The `nvext.extra_fields` entry that makes the frontend echo the pins it used
+/// (`nvext.worker_id` in every answer): a disclosure, so only for a client that asked.
+pub const ECHO_PINS_FIELD: &str = "worker_id";
+
+/// Removes the `nvext` routing fields of a request body, keeping every other `nvext` field;
+/// and, unless the client asked for disclosure (`disclose`), the request for the pins' echo
+/// from `nvext.extra_fields`.
 ///
 /// An `nvext` object that held only routing fields is removed whole, so the frontend sees the
 /// request as if the client had sent no extension; an `nvext` the client sent empty or null is
 /// forwarded as sent, since it chooses nothing. Any other `nvext` is removed: a frontend reads
 /// an array as its fields in order, routing fields among them (the ingress refuses one first).
-pub fn strip_body_routing(body: &mut Value) {
+pub fn strip_body_routing(body: &mut Value, disclose: bool) {
     let Some(request) = body.as_object_mut() else {
         return;
     };
@@ -88,6 +94,12 @@ pub fn strip_body_routing(body: &mut Value) {
     };
     let sent = nvext.len();
     nvext.retain(|field, _| !NVEXT_ROUTING_FIELDS.contains(&field.as_str()));
+    if !disclose && let Some(Value::Array(extra)) = nvext.get_mut("extra_fields") {
+        extra.retain(|field| field != ECHO_PINS_FIELD);
+        if extra.is_empty() {
+            nvext.remove("extra_fields");
+        }
+    }
     if sent > 0 && nvext.is_empty() {
         request.remove("nvext");
     }

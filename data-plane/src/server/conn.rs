@@ -129,7 +129,12 @@ impl App {
         *request.headers_mut() = head.headers;
         match head.target.parse() {
             Ok(uri) => *request.uri_mut() = uri,
-            Err(_) => return ApiError::from(HeadError::Malformed("request target".into())).into_response(),
+            // httparse takes some bytes in a target (`<`, `>`, a backtick) that a URI may not hold.
+            Err(_) => {
+                let error = HeadError::Malformed("request target".into());
+                self.state.metrics.refused(&error);
+                return ApiError::from(error).into_response();
+            }
         }
         // The router is always ready and never fails: its errors are responses.
         match self.router.clone().call(request).await {

@@ -193,6 +193,15 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
         let after = sample(&harness.metrics().await?, &series).unwrap_or(0.0);
         assert_eq!(after - before, 1.0, "{wire:?}: counted once under {series}");
     }
+    // A target httparse reads but a URI may not hold: refused and counted, and the request
+    // was read whole, so the connection may carry on.
+    let series = "continuum_http_requests_refused_total{reason=\"malformed\"}";
+    let before = sample(&harness.metrics().await?, series).unwrap_or(0.0);
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    stream.write_all(b"GET /<script> HTTP/1.1\r\nhost: x\r\n\r\n").await?;
+    let answer = read_answer(&mut stream, &mut Vec::new()).await?;
+    assert_eq!(answer.status, 400, "{answer:?}");
+    assert_eq!(sample(&harness.metrics().await?, series).unwrap_or(0.0) - before, 1.0, "counted under {series}");
     assert!(shim.received().is_empty(), "nothing refused reached the shim");
     harness.stop().await;
     Ok(())

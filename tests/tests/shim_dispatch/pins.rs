@@ -54,7 +54,7 @@ async fn spoofed_client_pins_never_reach_the_shim() -> anyhow::Result<()> {
     let mut body = chat(MODEL, false);
     body["nvext"] = json!({
         "backend_instance_id": 12345, "prefill_worker_id": 12345, "decode_worker_id": 12345,
-        "token_data": [1, 2, 3], "extra_fields": ["worker_id"],
+        "token_data": [1, 2, 3], "extra_fields": ["worker_id", "timing"],
     });
     for stream in [false, true] {
         body["stream"] = json!(stream);
@@ -82,8 +82,8 @@ async fn spoofed_client_pins_never_reach_the_shim() -> anyhow::Result<()> {
         assert_eq!(routing, expected, "only the picker's pins, once each");
         assert_eq!(
             request.body["nvext"],
-            json!({"extra_fields": ["worker_id"]}),
-            "routing fields stripped, the rest kept"
+            json!({"extra_fields": ["timing"]}),
+            "routing fields stripped, and the pins' echo without x-backend; the rest kept"
         );
     }
     harness.stop().await;
@@ -176,8 +176,27 @@ async fn with_disaggregated_serving_off_requests_go_unpinned_to_backends_listing
     assert!(received[0].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")));
     let (status, code) = super::error_of(harness.post(&chat(CLIENT_MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (404, "model_not_found"), "no backend lists the client id");
+
+    // The backend's refusal of the client's request is relayed; its own failure is not, whose
+    // words may name its hosts.
+    let fixed = |status: u16, body: &str| continuum_tests::shim_stub::Reply::Fixed {
+        status: axum::http::StatusCode::from_u16(status).expect("a status"),
+        content_type: Some("application/json".into()),
+        body: bytes::Bytes::from(body.to_owned()),
+    };
+    shim.push(fixed(400, r#"{"message":"max_tokens is too large","type":"Bad Request","code":400}"#));
+    let refused = harness.post(&chat(MODEL, false)).await?;
+    assert_eq!(refused.status(), 400);
+    assert!(refused.text().await?.contains("max_tokens is too large"), "the client's to fix");
+    shim.push(fixed(500, r#"{"message":"connect to 10.1.2.3:9345 failed","code":500}"#));
+    let failed = harness.post(&chat(MODEL, false)).await?;
+    assert_eq!(failed.status(), 502);
+    let body = failed.text().await?;
+    assert!(!body.contains("10.1.2.3"), "no internal address: {body}");
+    let body: serde_json::Value = serde_json::from_str(&body)?;
+    assert_eq!(body["error"]["code"], "backend_failed", "{body}");
     let metrics = harness.metrics().await?;
-    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(1.0));
+    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(3.0));
     harness.stop().await;
     Ok(())
 }

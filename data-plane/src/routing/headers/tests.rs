@@ -141,9 +141,36 @@ fn body_routing_fields_are_stripped_and_other_nvext_fields_kept() {
         ("not an object", json!([1, 2]), json!([1, 2])),
     ];
     for (name, sent, expected) in cases {
+        // For a client that asked for disclosure: only the routing fields go.
         let mut body = sent.clone();
-        strip_body_routing(&mut body);
+        strip_body_routing(&mut body, true);
         assert_eq!(&body, expected, "{name}");
+    }
+}
+
+/// The frontend's echo of the pins is a disclosure: asked for without `x-backend`, it is not
+/// asked for at all; the client's other extra fields stay.
+#[test]
+fn the_pins_echo_is_requested_only_for_a_client_that_asked_for_disclosure() {
+    let cases = [
+        (json!({"nvext": {"extra_fields": ["worker_id"]}}), json!({})),
+        (
+            json!({"nvext": {"extra_fields": ["timing", "worker_id", "worker_id"]}}),
+            json!({"nvext": {"extra_fields": ["timing"]}}),
+        ),
+        (
+            json!({"nvext": {"extra_fields": ["worker_id"], "greed_sampling": true}}),
+            json!({"nvext": {"greed_sampling": true}}),
+        ),
+        (json!({"nvext": {"extra_fields": []}}), json!({})),
+    ];
+    for (sent, hidden) in cases {
+        let mut body = sent.clone();
+        strip_body_routing(&mut body, false);
+        assert_eq!(body, hidden, "without x-backend: {sent}");
+        let mut body = sent.clone();
+        strip_body_routing(&mut body, true);
+        assert_eq!(body, sent, "with x-backend, as sent");
     }
 }
 

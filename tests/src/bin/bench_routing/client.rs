@@ -101,7 +101,10 @@ async fn stream(
         "stream_options": {"include_usage": true},
         "nvext": {"extra_fields": ["worker_id", "timing"]},
     });
-    let mut response = http.post(format!("{base}/v1/chat/completions")).json(&body).send().await?;
+    // A replica asks the frontend for its pins' echo only for a client that asks for
+    // disclosure; the frontend itself ignores the header.
+    let request = http.post(format!("{base}/v1/chat/completions")).header("x-backend", "bench");
+    let mut response = request.json(&body).send().await?;
     let status = response.status();
     if !status.is_success() {
         bail!("{status}: {}", response.text().await.unwrap_or_default());
