@@ -6,6 +6,7 @@ pub mod fleet;
 pub mod http;
 pub mod ingress;
 pub mod kv;
+pub mod memory;
 pub mod metrics;
 pub mod replica;
 pub mod routing;

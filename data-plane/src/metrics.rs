@@ -154,13 +154,14 @@ pub const KV_TERM_STAGES: [&str; 4] = ["prepare", "find_matches", "queue", "rend
 const KV_TERM_BUCKETS: [f64; 12] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
 /// The `reason`s of `continuum_http_requests_refused_total`.
-const HEAD_REFUSALS: [&str; 8] = [
+const HEAD_REFUSALS: [&str; 9] = [
     "malformed",
     "head_too_large",
     "body_too_large",
     "framing",
     "malformed_body",
     "timeout",
+    "busy",
     "not_found",
     "method_not_allowed",
 ];
@@ -265,7 +266,7 @@ impl Metrics {
             http_refused: IntCounterVec::new(
                 Opts::new(
                     "continuum_http_requests_refused_total",
-                    "Client requests refused before routing, by reason: unreadable as HTTP/1.1, or for no endpoint",
+                    "Client requests refused before routing, by reason: unreadable as HTTP/1.1, no room for a large body, or for no endpoint",
                 ),
                 &["reason"],
             )?,
@@ -339,6 +340,7 @@ impl Metrics {
             HeadError::Framing(_) => "framing",
             HeadError::Body(_) => "malformed_body",
             HeadError::Timeout => "timeout",
+            HeadError::Busy => "busy",
         };
         self.http_refused.with_label_values(&[reason]).inc();
     }

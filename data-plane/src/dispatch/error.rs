@@ -26,13 +26,16 @@ pub enum Failure {
     /// long), so it is neither the workers' failure nor worth generating again.
     #[error("the shim's response is larger than the {0} bytes relayed buffered; stream it instead")]
     TooLarge(usize),
+    /// The replica already holds as many buffered answers as it may ([`crate::memory`]).
+    #[error("the replica holds as many buffered answers as it may")]
+    Overloaded,
 }
 
 impl Failure {
     /// Whether the failure says "not now" (overload, unreachable) rather than "broken".
     pub fn is_unavailable(&self) -> bool {
         match self {
-            Failure::NoReplica | Failure::BudgetSpent(_) => true,
+            Failure::NoReplica | Failure::BudgetSpent(_) | Failure::Overloaded => true,
             Failure::Send(error) => error.before_request_sent(),
             Failure::Status(status) => {
                 *status == StatusCode::SERVICE_UNAVAILABLE || *status == StatusCode::TOO_MANY_REQUESTS

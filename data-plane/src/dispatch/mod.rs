@@ -256,8 +256,9 @@ impl Dispatcher {
         self.metrics.error(ErrorPhase::Decode);
         let fallback_to_unified = fallback.is_some();
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
-        // An answer too large to buffer would be as large again from another backend.
-        let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_)));
+        // An answer too large to buffer would be as large again from another backend, and one
+        // without room to buffer would find none for the resend either.
+        let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_) | Failure::Overloaded));
         let Some(fallback) = fallback else {
             self.metrics.routed(path);
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });

@@ -1,18 +1,23 @@
 //! Turning a shim's response into the client's: a success is relayed (streams frame by frame,
 //! buffered bodies read whole and bounded), and anything else is read (bounded) and classified.
 
+use std::convert::Infallible;
+use std::pin::{Pin, pin};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use super::classify::{self, Verdict, classify};
 use super::relay::RelayBody;
 use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
+use crate::memory::{BUFFERED_ANSWERS, Charge};
 use crate::metrics::ErrorPhase;
 use crate::routing::headers::{disclose, strip_response};
 use crate::routing::picker::Selection;
@@ -103,11 +108,11 @@ impl Dispatcher {
                 .then(|| self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]));
             Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, dispatch, failures))
         } else {
-            let bytes = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, self.settings.buffered_timeout).await?;
+            let (bytes, charge) = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, self.settings.buffered_timeout).await?;
             if let Some(mut dispatch) = dispatch {
                 dispatch.observe(&bytes);
             }
-            Body::from(bytes)
+            Body::new(Charged { bytes: Some(bytes), _charge: charge })
         };
         Ok(rebuild(parts.status, parts.headers, body))
     }
@@ -124,16 +129,53 @@ fn rebuild(status: StatusCode, mut shim_headers: HeaderMap, body: Body) -> Respo
     response
 }
 
-async fn read_whole(body: ShimBody, limit: usize, timeout: Duration) -> Result<Bytes, Failure> {
-    match tokio::time::timeout(timeout, Limited::new(body, limit).collect()).await {
-        Err(_) => Err(Failure::BodyTimeout(timeout)),
-        Ok(Err(error)) if error.is::<LengthLimitError>() => Err(Failure::TooLarge(limit)),
-        Ok(Err(error)) => Err(Failure::Body(error.to_string())),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-    }
+/// A body read whole, up to `limit` bytes within `timeout`, and charged to the process's
+/// budget of buffered answers as it grows.
+async fn read_whole(body: ShimBody, limit: usize, timeout: Duration) -> Result<(Bytes, Charge), Failure> {
+    let read = async {
+        let mut body = pin!(Limited::new(body, limit));
+        let (mut bytes, mut charge) = (BytesMut::new(), Charge::default());
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|error| match error.is::<LengthLimitError>() {
+                true => Failure::TooLarge(limit),
+                false => Failure::Body(error.to_string()),
+            })?;
+            if let Ok(data) = frame.into_data() {
+                if !BUFFERED_ANSWERS.grow(&mut charge, bytes.len() + data.len()) {
+                    return Err(Failure::Overloaded);
+                }
+                bytes.extend_from_slice(&data);
+            }
+        }
+        Ok((bytes.freeze(), charge))
+    };
+    tokio::time::timeout(timeout, read).await.unwrap_or(Err(Failure::BodyTimeout(timeout)))
 }
 
 /// A refusal's body, or nothing when it is too large or too slow: the status alone decides then.
 async fn read_error_body(body: ShimBody) -> Bytes {
-    read_whole(body, MAX_ERROR_BODY_BYTES, ERROR_BODY_TIMEOUT).await.unwrap_or_default()
+    read_whole(body, MAX_ERROR_BODY_BYTES, ERROR_BODY_TIMEOUT).await.map(|(bytes, _)| bytes).unwrap_or_default()
+}
+
+/// A buffered answer, holding its charge until it is written.
+struct Charged {
+    bytes: Option<Bytes>,
+    _charge: Charge,
+}
+
+impl http_body::Body for Charged {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.bytes.take().map(|bytes| Ok(Frame::data(bytes))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.bytes.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
+    }
 }

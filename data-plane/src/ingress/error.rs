@@ -71,6 +71,10 @@ impl From<HeadError> for ApiError {
                 let message = format!("Request timed out: {error}. Send the whole request at once.");
                 return ApiError::new(error.status(), "request_timeout", message);
             }
+            HeadError::Busy => {
+                let message = format!("The router is busy: {error}. Retry shortly.");
+                return ApiError::new(error.status(), "server_busy", message);
+            }
             HeadError::Malformed(_) | HeadError::Framing(_) | HeadError::Body(_) => ("invalid_request", ""),
         };
         ApiError::new(error.status(), code, format!("Invalid HTTP request: {error}.{advice}"))
@@ -145,6 +149,10 @@ fn failure_status(cause: &Failure) -> StatusCode {
 fn unified_failed(cause: &Failure) -> ApiError {
     let status = failure_status(cause);
     let (code, message) = match cause {
+        Failure::Overloaded => (
+            "server_busy",
+            "The router holds as many buffered answers as it may. Retry shortly, or stream the answer.".to_string(),
+        ),
         _ if cause.is_unavailable() => {
             ("shim_unavailable", "No backend serving this model could take the request. Retry shortly.".to_string())
         }
@@ -171,6 +179,7 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
     let status = failure_status(cause);
     let what = match cause {
         Failure::Status(shim_status) => format!("the Dynamo frontend answered {}", shim_status.as_u16()),
+        Failure::Overloaded => "this router holds as many buffered answers as it may".to_string(),
         _ if cause.is_unavailable() => "no Dynamo frontend replica could be reached".to_string(),
         _ if cause.is_timeout() => "the Dynamo frontend did not answer in time".to_string(),
         _ => "the exchange with the Dynamo frontend broke off".to_string(),

@@ -31,6 +31,7 @@ use super::head::{
 use crate::dispatch::wire::{Chunked, Decoded, WireError};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
+use crate::memory::{Charge, REQUEST_BODIES};
 
 /// A keep-alive connection with no request in progress is closed after this long.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
@@ -85,7 +86,8 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
         idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
     };
     loop {
-        let (head, body) = match conn.read_request(&shutdown).await {
+        // The body's charge is held until its answer is written: the dispatch keeps the body.
+        let (head, body, _charge) = match conn.read_request(&shutdown).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
             Err(Stop::Refuse(error)) => {
@@ -147,7 +149,7 @@ impl App {
 impl Connection {
     /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
     /// byte (and not at all once shutdown begins), then [`REQUEST_READ_TIMEOUT`] for the rest.
-    async fn read_request(&mut self, shutdown: &CancellationToken) -> Result<(RequestHead, Bytes), Stop> {
+    async fn read_request(&mut self, shutdown: &CancellationToken) -> Result<(RequestHead, Bytes, Charge), Stop> {
         if self.read.is_empty() {
             self.refresh_idle_deadline();
             self.make_room();
@@ -183,15 +185,20 @@ impl Connection {
 
     /// The request at the front of the read buffer if it is all there (head and a
     /// `Content-Length` body), taken off the buffer; else `None`, the buffer untouched.
-    fn buffered_request(&mut self) -> Result<Option<(RequestHead, Bytes)>, Stop> {
+    fn buffered_request(&mut self) -> Result<Option<(RequestHead, Bytes, Charge)>, Stop> {
         let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? else { return Ok(None) };
         let BodyFraming::Length(body) = head.body else { return Ok(None) };
         if self.read.len() - length < body {
             return Ok(None);
         }
+        // Whatever arrived whole is already held: charged if there is room, else refused.
+        let mut charge = Charge::default();
+        if !REQUEST_BODIES.grow(&mut charge, body) {
+            return Err(Stop::Refuse(HeadError::Busy));
+        }
         self.read.advance(length);
         let body = self.take_body(body);
-        Ok(Some((head, body)))
+        Ok(Some((head, body, charge)))
     }
 
     fn take_body(&mut self, length: usize) -> Bytes {
@@ -210,7 +217,7 @@ impl Connection {
         }
     }
 
-    async fn read_rest(&mut self) -> Result<(RequestHead, Bytes), Stop> {
+    async fn read_rest(&mut self) -> Result<(RequestHead, Bytes, Charge), Stop> {
         // A head is parsed again only once a blank line, its end, has arrived (or it is past
         // its bound): parsing the whole buffer on every read would cost a head sent a byte at
         // a time quadratic work, about 2 GB of scanning for 64 KiB.
@@ -226,8 +233,11 @@ impl Connection {
             scanned = self.read.len();
             self.fill().await?;
         };
-        let body = match head.body {
+        let (body, charge) = match head.body {
             BodyFraming::Length(length) => {
+                // Room is found before the body is read (and before a client waiting for
+                // `100 Continue` is told to send it).
+                let charge = REQUEST_BODIES.charge(length).await.ok_or(Stop::Refuse(HeadError::Busy))?;
                 if self.read.len() < length && head.expects_continue {
                     write_unless_stalled(&mut self.stream, CONTINUE).await?;
                 }
@@ -236,7 +246,7 @@ impl Connection {
                 while self.read.len() < length {
                     self.fill().await?;
                 }
-                self.take_body(length)
+                (self.take_body(length), charge)
             }
             BodyFraming::Chunked => {
                 if self.read.is_empty() && head.expects_continue {
@@ -245,21 +255,30 @@ impl Connection {
                 self.read_chunked().await?
             }
         };
-        Ok((head, body))
+        Ok((head, body, charge))
     }
 
-    async fn read_chunked(&mut self) -> Result<Bytes, Stop> {
+    /// A chunked body, charged as it grows. Its length is unknown until its end, so it takes
+    /// room only when there is some at once: waiting while holding a part could leave bodies
+    /// each waiting on the others' room.
+    async fn read_chunked(&mut self) -> Result<(Bytes, Charge), Stop> {
         let mut decoder = Chunked::default();
         let mut body = BytesMut::new();
+        let mut charge = Charge::default();
         loop {
             match decoder.decode(&mut self.read) {
                 Ok(Decoded::Data(data)) if body.len() + data.len() > MAX_REQUEST_BODY_BYTES => {
                     return Err(Stop::Refuse(HeadError::BodyTooLarge));
                 }
-                Ok(Decoded::Data(data)) => body.extend_from_slice(&data),
+                Ok(Decoded::Data(data)) => {
+                    if !REQUEST_BODIES.grow(&mut charge, body.len() + data.len()) {
+                        return Err(Stop::Refuse(HeadError::Busy));
+                    }
+                    body.extend_from_slice(&data);
+                }
                 Ok(Decoded::End) => {
                     self.release_large_read_buffer(body.len());
-                    return Ok(body.freeze());
+                    return Ok((body.freeze(), charge));
                 }
                 Ok(Decoded::More) => self.fill().await?,
                 Err(WireError::Chunk(reason)) => return Err(Stop::Refuse(HeadError::Body(reason.into()))),

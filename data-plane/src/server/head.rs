@@ -36,6 +36,8 @@ pub enum HeadError {
     Body(String),
     #[error("the request did not arrive within {} seconds of its first byte", REQUEST_READ_TIMEOUT.as_secs())]
     Timeout,
+    #[error("the replica holds as many large request bodies as it may")]
+    Busy,
 }
 
 impl HeadError {
@@ -45,6 +47,7 @@ impl HeadError {
             HeadError::Timeout => StatusCode::REQUEST_TIMEOUT,
             HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             HeadError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            HeadError::Busy => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 }

@@ -291,3 +291,71 @@ async fn shutdown_closes_idle_keep_alive_connections() -> anyhow::Result<()> {
     assert!(closes(&mut stream).await);
     Ok(())
 }
+
+/// The replica's process-wide body budgets (`continuum_data_plane::memory`): with the room taken
+/// elsewhere, a large request body or buffered answer is refused 503 and counted, while small
+/// ones still pass; once room returns they pass too, and each gives its room back when answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_room_comes_back() -> anyhow::Result<()> {
+    use axum::http::StatusCode;
+    use continuum_data_plane::memory::{
+        BUFFERED_ANSWER_BUDGET, BUFFERED_ANSWERS, Charge, FREE_BYTES, REQUEST_BODIES, REQUEST_BODY_BUDGET,
+    };
+    use continuum_tests::shim_stub::Reply;
+
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let mut large = chat(MODEL, false);
+    large["messages"][0]["content"] = Value::from("x".repeat(2 * FREE_BYTES));
+    let large = serde_json::to_vec(&large)?;
+    let chunked = |body: &[u8]| {
+        let mut wire = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n".to_vec();
+        wire.extend_from_slice(format!("transfer-encoding: chunked\r\n\r\n{:x}\r\n", body.len()).as_bytes());
+        wire.extend_from_slice(body);
+        wire.extend_from_slice(b"\r\n0\r\n\r\n");
+        wire
+    };
+
+    let mut elsewhere = Charge::default();
+    assert!(REQUEST_BODIES.grow(&mut elsewhere, REQUEST_BODY_BUDGET), "the whole request budget, held");
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    stream.write_all(&chunked(&large)).await?;
+    let answer = read_answer(&mut stream, &mut Vec::new()).await?;
+    assert_eq!(answer.status, 503, "{answer:?}");
+    let error: Value = serde_json::from_slice(&answer.body)?;
+    assert_eq!(error["error"]["code"], "server_busy", "{error}");
+    assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200, "a small body costs no room");
+    drop(elsewhere);
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    stream.write_all(&chunked(&large)).await?;
+    assert_eq!(read_answer(&mut stream, &mut Vec::new()).await?.status, 200);
+    let sent = harness.http.post(harness.url("/v1/chat/completions")).header("content-type", "application/json");
+    assert_eq!(sent.body(large.clone()).send().await?.status(), 200, "a Content-Length body too");
+    // Given back as each answer's last byte is written, which the client may read first.
+    eventually(PATIENCE, "every body's room given back once answered", || async { REQUEST_BODIES.charged() == 0 })
+        .await?;
+    let refused = sample(&harness.metrics().await?, "continuum_http_requests_refused_total{reason=\"busy\"}");
+    assert_eq!(refused, Some(1.0));
+
+    let answer = || Reply::Fixed {
+        status: StatusCode::OK,
+        content_type: Some("application/json".into()),
+        body: serde_json::to_vec(&serde_json::json!({"choices": [], "padding": "y".repeat(2 * FREE_BYTES)}))
+            .expect("serializes")
+            .into(),
+    };
+    let mut elsewhere = Charge::default();
+    assert!(BUFFERED_ANSWERS.grow(&mut elsewhere, BUFFERED_ANSWER_BUDGET), "the whole answer budget, held");
+    shim.push(answer());
+    let (status, code) = super::error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (503, "disaggregated_decode_failed"), "said as \"not now\"");
+    drop(elsewhere);
+    shim.push(answer());
+    let relayed = harness.post(&chat(MODEL, false)).await?;
+    assert_eq!(relayed.status(), 200);
+    assert!(relayed.bytes().await?.len() > 2 * FREE_BYTES);
+    eventually(PATIENCE, "the answer's room given back once written", || async { BUFFERED_ANSWERS.charged() == 0 })
+        .await?;
+    harness.stop().await;
+    Ok(())
+}

@@ -1,0 +1,101 @@
+//! Process-wide bounds on the bytes a replica holds for bodies.
+//!
+//! Each connection is bounded on its own: a request body at 8 MiB, a buffered answer at 32 MiB.
+//! But thousands of connections at their bounds would hold far more than any host has (16,384
+//! connections × 8 MiB is 128 GiB). These budgets bound the sum, the way Envoy's overload
+//! manager bounds a proxy's heap. A body is charged to its budget from the moment it is read
+//! until its request's answer is written, since the dispatch keeps it for a retry on another
+//! shim replica.
+//!
+//! Small bodies are free: most chat requests and answers stay under [`FREE_BYTES`], and they
+//! cost no accounting. Past the bound a request body waits a moment for room, then is refused
+//! 503; a buffered answer is refused at once, as a failure that says "not now".
+
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+/// A body this small is not charged: its buffers are part of a connection's fixed cost.
+pub const FREE_BYTES: usize = 64 << 10;
+/// Request bodies held at once past [`FREE_BYTES`]: 64 bodies of the largest size.
+pub const REQUEST_BODY_BUDGET: usize = 512 << 20;
+/// Buffered answers held at once past [`FREE_BYTES`]: 32 answers of the largest size.
+pub const BUFFERED_ANSWER_BUDGET: usize = 1 << 30;
+/// How long a request body waits for room before it is refused.
+pub const BUDGET_WAIT: Duration = Duration::from_secs(5);
+
+/// One process-wide budget of bytes.
+#[derive(Debug)]
+pub struct Budget {
+    room: Semaphore,
+    size: usize,
+}
+
+pub static REQUEST_BODIES: Budget = Budget::new(REQUEST_BODY_BUDGET);
+pub static BUFFERED_ANSWERS: Budget = Budget::new(BUFFERED_ANSWER_BUDGET);
+
+impl Budget {
+    pub const fn new(bytes: usize) -> Self {
+        Self { room: Semaphore::const_new(bytes), size: bytes }
+    }
+
+    /// Charges a body of `bytes`, waiting up to [`BUDGET_WAIT`] for room; `None` if there is
+    /// none. A free body takes nothing.
+    pub async fn charge(&'static self, bytes: usize) -> Option<Charge> {
+        let Some(permits) = chargeable(bytes) else { return Some(Charge::default()) };
+        let permit = tokio::time::timeout(BUDGET_WAIT, self.room.acquire_many(permits)).await.ok()?.ok()?;
+        Some(Charge(Some(permit)))
+    }
+
+    /// Grows `charge` to cover a body now `bytes` long, if there is room at once.
+    pub fn grow(&'static self, charge: &mut Charge, bytes: usize) -> bool {
+        let Some(wanted) = chargeable(bytes) else { return true };
+        let held = charge.0.as_ref().map_or(0, |permit| u32::try_from(permit.num_permits()).unwrap_or(u32::MAX));
+        let Some(more) = wanted.checked_sub(held).filter(|more| *more > 0) else { return true };
+        let Ok(permit) = self.room.try_acquire_many(more) else { return false };
+        match &mut charge.0 {
+            Some(held) => held.merge(permit),
+            None => charge.0 = Some(permit),
+        }
+        true
+    }
+
+    /// Bytes charged now.
+    pub fn charged(&self) -> usize {
+        self.size.saturating_sub(self.room.available_permits())
+    }
+}
+
+/// The bytes past [`FREE_BYTES`] a body of `bytes` is charged for, if any. A body past what
+/// a `u32` counts is larger than any bound here, and charged the most.
+fn chargeable(bytes: usize) -> Option<u32> {
+    (bytes > FREE_BYTES).then(|| u32::try_from(bytes).unwrap_or(u32::MAX))
+}
+
+/// What a body holds of its budget; given back when dropped.
+#[derive(Debug, Default)]
+pub struct Charge(Option<SemaphorePermit<'static>>);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn bodies_past_the_free_size_share_the_budget_and_give_it_back() {
+        static BUDGET: Budget = Budget::new(1 << 20);
+        let free = BUDGET.charge(FREE_BYTES).await.expect("free");
+        assert_eq!(BUDGET.charged(), 0, "a small body is not charged");
+        let half = BUDGET.charge(512 << 10).await.expect("room");
+        let mut growing = Charge::default();
+        assert!(BUDGET.grow(&mut growing, 300 << 10));
+        assert!(!BUDGET.grow(&mut growing, 600 << 10), "past the budget: refused at once");
+        assert_eq!(BUDGET.charged(), (512 + 300) << 10, "a refused growth keeps what it had");
+        let started = tokio::time::Instant::now();
+        assert!(BUDGET.charge(512 << 10).await.is_none(), "no room within the wait");
+        assert!(started.elapsed() >= BUDGET_WAIT);
+        drop((half, free));
+        assert!(BUDGET.grow(&mut growing, 600 << 10), "room again");
+        drop(growing);
+        assert_eq!(BUDGET.charged(), 0, "everything given back");
+    }
+}
