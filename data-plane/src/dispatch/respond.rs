@@ -134,20 +134,27 @@ fn rebuild(status: StatusCode, mut shim_headers: HeaderMap, body: Body) -> Respo
 async fn read_whole(body: ShimBody, limit: usize, timeout: Duration) -> Result<(Bytes, Charge), Failure> {
     let read = async {
         let mut body = pin!(Limited::new(body, limit));
-        let (mut bytes, mut charge) = (BytesMut::new(), Charge::default());
+        // Most answers arrive in one frame, kept as it came; only a second one is copied.
+        let (mut first, mut joined, mut charge) = (None::<Bytes>, BytesMut::new(), Charge::default());
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|error| match error.is::<LengthLimitError>() {
                 true => Failure::TooLarge(limit),
                 false => Failure::Body(error.to_string()),
             })?;
-            if let Ok(data) = frame.into_data() {
-                if !BUFFERED_ANSWERS.grow(&mut charge, bytes.len() + data.len()) {
-                    return Err(Failure::Overloaded);
+            let Ok(data) = frame.into_data() else { continue };
+            let held = first.as_ref().map_or(joined.len(), Bytes::len);
+            if !BUFFERED_ANSWERS.grow(&mut charge, held + data.len()) {
+                return Err(Failure::Overloaded);
+            }
+            match first.take() {
+                None if joined.is_empty() => first = Some(data),
+                earlier => {
+                    joined.extend_from_slice(&earlier.unwrap_or_default());
+                    joined.extend_from_slice(&data);
                 }
-                bytes.extend_from_slice(&data);
             }
         }
-        Ok((bytes.freeze(), charge))
+        Ok((first.unwrap_or_else(|| joined.freeze()), charge))
     };
     tokio::time::timeout(timeout, read).await.unwrap_or(Err(Failure::BodyTimeout(timeout)))
 }

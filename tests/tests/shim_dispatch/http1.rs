@@ -353,7 +353,8 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     shim.push(answer());
     let relayed = harness.post(&chat(MODEL, false)).await?;
     assert_eq!(relayed.status(), 200);
-    assert!(relayed.bytes().await?.len() > 2 * FREE_BYTES);
+    let relayed: Value = serde_json::from_slice(&relayed.bytes().await?)?;
+    assert_eq!(relayed["padding"].as_str().map(str::len), Some(2 * FREE_BYTES), "relayed whole, in order");
     eventually(PATIENCE, "the answer's room given back once written", || async { BUFFERED_ANSWERS.charged() == 0 })
         .await?;
     harness.stop().await;
