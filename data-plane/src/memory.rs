@@ -3,15 +3,17 @@
 //! Each connection is bounded on its own: a request body at 8 MiB, a buffered answer at 32 MiB.
 //! But thousands of connections at their bounds would hold far more than any host has (16,384
 //! connections × 8 MiB is 128 GiB). These budgets bound the sum, the way Envoy's overload
-//! manager bounds a proxy's heap. A body is charged to its budget from the moment it is read
-//! until its request's answer is written, since the dispatch keeps it for a retry on another
-//! shim replica.
+//! manager bounds a proxy's heap.
+//!
+//! A body is charged as its bytes arrive, never for what it announces: a client that announces
+//! 8 MiB and sends nothing holds nothing. A request body stays charged until its request has
+//! been dispatched and answered (for a stream, until its head: the dispatch keeps the body for
+//! a retry on another shim replica until then), a buffered answer until it is written. Past a
+//! budget the body is refused at once: waiting while holding part of a budget could leave
+//! bodies each waiting on the others' room.
 //!
 //! Small bodies are free: most chat requests and answers stay under [`FREE_BYTES`], and they
-//! cost no accounting. Past the bound a request body waits a moment for room, then is refused
-//! 503; a buffered answer is refused at once, as a failure that says "not now".
-
-use std::time::Duration;
+//! cost no accounting.
 
 use tokio::sync::{Semaphore, SemaphorePermit};
 
@@ -21,8 +23,6 @@ pub const FREE_BYTES: usize = 64 << 10;
 pub const REQUEST_BODY_BUDGET: usize = 512 << 20;
 /// Buffered answers held at once past [`FREE_BYTES`]: 32 answers of the largest size.
 pub const BUFFERED_ANSWER_BUDGET: usize = 1 << 30;
-/// How long a request body waits for room before it is refused.
-pub const BUDGET_WAIT: Duration = Duration::from_secs(5);
 
 /// One process-wide budget of bytes.
 #[derive(Debug)]
@@ -39,15 +39,8 @@ impl Budget {
         Self { room: Semaphore::const_new(bytes), size: bytes }
     }
 
-    /// Charges a body of `bytes`, waiting up to [`BUDGET_WAIT`] for room; `None` if there is
-    /// none. A free body takes nothing.
-    pub async fn charge(&'static self, bytes: usize) -> Option<Charge> {
-        let Some(permits) = chargeable(bytes) else { return Some(Charge::default()) };
-        let permit = tokio::time::timeout(BUDGET_WAIT, self.room.acquire_many(permits)).await.ok()?.ok()?;
-        Some(Charge(Some(permit)))
-    }
-
-    /// Grows `charge` to cover a body now `bytes` long, if there is room at once.
+    /// Grows `charge` to cover a body now `bytes` long, if there is room at once; false
+    /// (keeping what it held) if not.
     pub fn grow(&'static self, charge: &mut Charge, bytes: usize) -> bool {
         let Some(wanted) = chargeable(bytes) else { return true };
         let held = charge.0.as_ref().map_or(0, |permit| u32::try_from(permit.num_permits()).unwrap_or(u32::MAX));
@@ -80,21 +73,21 @@ pub struct Charge(Option<SemaphorePermit<'static>>);
 mod tests {
     use super::*;
 
-    #[tokio::test(start_paused = true)]
-    async fn bodies_past_the_free_size_share_the_budget_and_give_it_back() {
+    #[test]
+    fn bodies_past_the_free_size_share_the_budget_and_give_it_back() {
         static BUDGET: Budget = Budget::new(1 << 20);
-        let free = BUDGET.charge(FREE_BYTES).await.expect("free");
+        let mut small = Charge::default();
+        assert!(BUDGET.grow(&mut small, FREE_BYTES));
         assert_eq!(BUDGET.charged(), 0, "a small body is not charged");
-        let half = BUDGET.charge(512 << 10).await.expect("room");
-        let mut growing = Charge::default();
+        let (mut half, mut growing) = (Charge::default(), Charge::default());
+        assert!(BUDGET.grow(&mut half, 512 << 10));
         assert!(BUDGET.grow(&mut growing, 300 << 10));
+        assert!(BUDGET.grow(&mut growing, 200 << 10), "a body charged past its size keeps it");
         assert!(!BUDGET.grow(&mut growing, 600 << 10), "past the budget: refused at once");
         assert_eq!(BUDGET.charged(), (512 + 300) << 10, "a refused growth keeps what it had");
-        let started = tokio::time::Instant::now();
-        assert!(BUDGET.charge(512 << 10).await.is_none(), "no room within the wait");
-        assert!(started.elapsed() >= BUDGET_WAIT);
-        drop((half, free));
+        drop(half);
         assert!(BUDGET.grow(&mut growing, 600 << 10), "room again");
+        assert_eq!(BUDGET.charged(), 600 << 10);
         drop(growing);
         assert_eq!(BUDGET.charged(), 0, "everything given back");
     }

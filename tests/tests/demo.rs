@@ -211,7 +211,8 @@ async fn a_killed_simulated_worker_is_routed_around_and_deregistered_when_its_le
     config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
     config.admin.listen = "127.0.0.1:0".parse()?;
     config.dynamo.kv.enabled = false;
-    config.dynamo.discovery.simulator.lease_ttl = Duration::from_secs(2);
+    // Long enough that the dead worker is still discovered, and picked, on a loaded machine.
+    config.dynamo.discovery.simulator.lease_ttl = Duration::from_secs(4);
     let control = ControlPlane::start(config, ListenOverrides::default()).await?;
     let replicas = start_replicas(1, &format!("http://{}", control.grpc_addr)).await?;
     let replica = &replicas[0];

@@ -64,6 +64,9 @@ pub enum DispatchError {
         cause: Failure,
         fallback: Option<Failure>,
     },
+    /// This replica holds as many buffered answers as it may ([`crate::memory`]).
+    #[error("the replica holds as many buffered answers as it may")]
+    Overloaded,
     /// A plain unpinned request (disaggregated serving off) failed: no backend could be
     /// reached, or the one that answered failed.
     #[error("the unpinned request failed: {0}")]

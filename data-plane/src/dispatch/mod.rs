@@ -250,15 +250,20 @@ impl Dispatcher {
                 self.metrics.routed(path);
                 return outcome;
             }
+            // The workers answered; this replica had no room to hold the answer. Not theirs
+            // to count, nor worth sending again.
+            PinnedOutcome::Failed(Failure::Overloaded) => {
+                self.metrics.routed(path);
+                return Err(DispatchError::Overloaded);
+            }
             PinnedOutcome::Failed(failure) => failure,
         };
         // The decode arm. The pinned dispatch has ended, whatever the fallback does.
         self.metrics.error(ErrorPhase::Decode);
         let fallback_to_unified = fallback.is_some();
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
-        // An answer too large to buffer would be as large again from another backend, and one
-        // without room to buffer would find none for the resend either.
-        let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_) | Failure::Overloaded));
+        // An answer too large to buffer would be as large again from another backend.
+        let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_)));
         let Some(fallback) = fallback else {
             self.metrics.routed(path);
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });

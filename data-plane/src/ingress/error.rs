@@ -128,6 +128,7 @@ impl From<DispatchError> for ApiError {
                 "The model server no longer serves this model (its workers have gone). List the available models with GET /v1/models.",
             ),
             DispatchError::DecodeFailed { cause, fallback } => decode_failed(&cause, fallback.as_ref()),
+            DispatchError::Overloaded | DispatchError::UnifiedFailed(Failure::Overloaded) => server_busy(),
             DispatchError::UnifiedFailed(cause) => unified_failed(&cause),
         }
     }
@@ -149,10 +150,6 @@ fn failure_status(cause: &Failure) -> StatusCode {
 fn unified_failed(cause: &Failure) -> ApiError {
     let status = failure_status(cause);
     let (code, message) = match cause {
-        Failure::Overloaded => (
-            "server_busy",
-            "The router holds as many buffered answers as it may. Retry shortly, or stream the answer.".to_string(),
-        ),
         _ if cause.is_unavailable() => {
             ("shim_unavailable", "No backend serving this model could take the request. Retry shortly.".to_string())
         }
@@ -174,12 +171,20 @@ fn unified_failed(cause: &Failure) -> ApiError {
     ApiError::new(status, code, message)
 }
 
+/// This replica had no room to hold a buffered answer.
+fn server_busy() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_busy",
+        "The router holds as many buffered answers as it may. Retry shortly, or ask for a streamed answer.",
+    )
+}
+
 /// The decode arm's answer, sorted as [`failure_status`] sorts.
 fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
     let status = failure_status(cause);
     let what = match cause {
         Failure::Status(shim_status) => format!("the Dynamo frontend answered {}", shim_status.as_u16()),
-        Failure::Overloaded => "this router holds as many buffered answers as it may".to_string(),
         _ if cause.is_unavailable() => "no Dynamo frontend replica could be reached".to_string(),
         _ if cause.is_timeout() => "the Dynamo frontend did not answer in time".to_string(),
         _ => "the exchange with the Dynamo frontend broke off".to_string(),

@@ -86,8 +86,7 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
         idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
     };
     loop {
-        // The body's charge is held until its answer is written: the dispatch keeps the body.
-        let (head, body, _charge) = match conn.read_request(&shutdown).await {
+        let (head, body, charge) = match conn.read_request(&shutdown).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
             Err(Stop::Refuse(error)) => {
@@ -103,6 +102,9 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
         let head_only = head.method == Method::HEAD;
         let version = head.version;
         let Some(response) = conn.until_client_leaves(app.respond(head, body)).await else { return };
+        // The dispatch, which kept the body for a retry, is done with it: a stream's answer
+        // runs on without it.
+        drop(charge);
         match conn.write_response(response, version, keep_alive, head_only).await {
             Ok(true) => {}
             Ok(false) => return,
@@ -191,7 +193,7 @@ impl Connection {
         if self.read.len() - length < body {
             return Ok(None);
         }
-        // Whatever arrived whole is already held: charged if there is room, else refused.
+        // The body is here already: charged if there is room, else refused.
         let mut charge = Charge::default();
         if !REQUEST_BODIES.grow(&mut charge, body) {
             return Err(Stop::Refuse(HeadError::Busy));
@@ -235,15 +237,20 @@ impl Connection {
         };
         let (body, charge) = match head.body {
             BodyFraming::Length(length) => {
-                // Room is found before the body is read (and before a client waiting for
-                // `100 Continue` is told to send it).
-                let charge = REQUEST_BODIES.charge(length).await.ok_or(Stop::Refuse(HeadError::Busy))?;
                 if self.read.len() < length && head.expects_continue {
                     write_unless_stalled(&mut self.stream, CONTINUE).await?;
                 }
-                // The buffer grows as the body arrives, not by what the head announces: a
-                // client that announces 8 MiB and sends nothing holds no more than its reads.
-                while self.read.len() < length {
+                // The buffer grows, and is charged, as the body arrives, not by what the head
+                // announces: a client that announces 8 MiB and sends nothing holds no more than
+                // its reads.
+                let mut charge = Charge::default();
+                loop {
+                    if !REQUEST_BODIES.grow(&mut charge, self.read.len().min(length)) {
+                        return Err(Stop::Refuse(HeadError::Busy));
+                    }
+                    if self.read.len() >= length {
+                        break;
+                    }
                     self.fill().await?;
                 }
                 (self.take_body(length), charge)
@@ -258,9 +265,7 @@ impl Connection {
         Ok((head, body, charge))
     }
 
-    /// A chunked body, charged as it grows. Its length is unknown until its end, so it takes
-    /// room only when there is some at once: waiting while holding a part could leave bodies
-    /// each waiting on the others' room.
+    /// A chunked body, charged as it grows.
     async fn read_chunked(&mut self) -> Result<(Bytes, Charge), Stop> {
         let mut decoder = Chunked::default();
         let mut body = BytesMut::new();

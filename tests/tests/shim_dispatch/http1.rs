@@ -294,7 +294,8 @@ async fn shutdown_closes_idle_keep_alive_connections() -> anyhow::Result<()> {
 
 /// The replica's process-wide body budgets (`continuum_data_plane::memory`): with the room taken
 /// elsewhere, a large request body or buffered answer is refused 503 and counted, while small
-/// ones still pass; once room returns they pass too, and each gives its room back when answered.
+/// ones still pass; once room returns they pass too, each charged while held and given back
+/// after. (The budgets are the process's: nextest runs this test in a process of its own.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_room_comes_back() -> anyhow::Result<()> {
     use axum::http::StatusCode;
@@ -326,14 +327,22 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     assert_eq!(error["error"]["code"], "server_busy", "{error}");
     assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200, "a small body costs no room");
     drop(elsewhere);
+    // Charged as it arrives: the three quarters of a body sent hold their room.
     let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
-    stream.write_all(&chunked(&large)).await?;
+    let wire = chunked(&large);
+    let (sent, rest) = wire.split_at(wire.len() * 3 / 4);
+    stream.write_all(sent).await?;
+    eventually(PATIENCE, "what arrived, charged", || async { REQUEST_BODIES.charged() > FREE_BYTES }).await?;
+    stream.write_all(rest).await?;
     assert_eq!(read_answer(&mut stream, &mut Vec::new()).await?.status, 200);
+    let mut idle = TcpStream::connect(harness.replica.local_addr).await?;
+    idle.write_all(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 8000000\r\n\r\n").await?;
     let sent = harness.http.post(harness.url("/v1/chat/completions")).header("content-type", "application/json");
     assert_eq!(sent.body(large.clone()).send().await?.status(), 200, "a Content-Length body too");
-    // Given back as each answer's last byte is written, which the client may read first.
+    // Given back once each request is dispatched; an announced body never sent holds nothing.
     eventually(PATIENCE, "every body's room given back once answered", || async { REQUEST_BODIES.charged() == 0 })
         .await?;
+    drop(idle);
     let refused = sample(&harness.metrics().await?, "continuum_http_requests_refused_total{reason=\"busy\"}");
     assert_eq!(refused, Some(1.0));
 
@@ -348,7 +357,9 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     assert!(BUFFERED_ANSWERS.grow(&mut elsewhere, BUFFERED_ANSWER_BUDGET), "the whole answer budget, held");
     shim.push(answer());
     let (status, code) = super::error_of(harness.post(&chat(MODEL, false)).await?).await?;
-    assert_eq!((status, code.as_str()), (503, "disaggregated_decode_failed"), "said as \"not now\"");
+    assert_eq!((status, code.as_str()), (503, "server_busy"), "the router's own overload, not the workers'");
+    let decode_errors = "continuum_disaggregated_errors_total{phase=\"decode\"}";
+    assert_eq!(sample(&harness.metrics().await?, decode_errors), Some(0.0), "not counted against the workers");
     drop(elsewhere);
     shim.push(answer());
     let relayed = harness.post(&chat(MODEL, false)).await?;
