@@ -8,10 +8,10 @@ use std::process::ExitCode;
 use clap::Parser;
 use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::error_chain;
-use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
+use continuum_data_plane::fleet::{ClientTls, Credentials, FleetClientConfig, TlsFiles};
 use continuum_data_plane::replica::Replica;
 use continuum_proto::MAX_REPLICA_ID_BYTES;
-use tonic::transport::{ClientTlsConfig, Endpoint};
+use tonic::transport::Endpoint;
 
 /// The request path allocates and frees small buffers on every request; mimalloc's per-thread
 /// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmark-notes.md).
@@ -122,8 +122,9 @@ async fn run(args: Args) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-/// TLS to the control plane, from the URL's scheme and the TLS flags, which must agree.
-fn fleet_tls(args: &Args) -> Result<Option<ClientTlsConfig>, String> {
+/// TLS to the control plane, from the URL's scheme and the TLS flags, which must agree. The
+/// files are checked now and read again at every connection, so renewed ones need no restart.
+fn fleet_tls(args: &Args) -> Result<Option<ClientTls>, String> {
     let identity = args.control_plane_cert.as_deref().zip(args.control_plane_key.as_deref());
     if args.control_plane.starts_with("http://") {
         if args.control_plane_ca.is_some() || identity.is_some() {
@@ -137,12 +138,13 @@ fn fleet_tls(args: &Args) -> Result<Option<ClientTlsConfig>, String> {
         return Err(format!("--control-plane must be an http:// or https:// URL, got {:?}", args.control_plane));
     }
     let ca = args.control_plane_ca.as_deref().ok_or("an https:// --control-plane needs --control-plane-ca")?;
-    let tls = client_tls(ca, identity).map_err(|error| error.to_string())?;
+    let files = TlsFiles { ca: ca.into(), identity: identity.map(|(cert, key)| (cert.into(), key.into())) };
+    let tls = files.load().map_err(|error| error.to_string())?;
     // Built once now, so that a certificate and key that do not pair fail the start.
     Endpoint::from_shared(args.control_plane.clone())
-        .and_then(|endpoint| endpoint.tls_config(tls.clone()))
+        .and_then(|endpoint| endpoint.tls_config(tls))
         .map_err(|error| format!("--control-plane TLS: {}", error_chain(&error)))?;
-    Ok(Some(tls))
+    Ok(Some(ClientTls::Files(files)))
 }
 
 fn default_replica_id() -> String {

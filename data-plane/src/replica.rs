@@ -11,7 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::{DispatchSettings, Dispatcher, probe};
 use crate::fleet::{
-    self, DispatchReporter, EndpointError, FIND_MATCHES_DEADLINE, FleetClientConfig, FleetHandle, MatchesClient,
+    self, ClientTls, DispatchReporter, EndpointError, FIND_MATCHES_DEADLINE, FleetClientConfig, FleetHandle,
+    MatchesClient, TLS_RENEWAL_INTERVAL,
 };
 use crate::http::{self, AppState, KvSelection};
 use crate::metrics::Metrics;
@@ -74,6 +75,17 @@ impl Replica {
         let reporter = Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone()));
         let matches = MatchesClient::new(&config, find_matches_deadline)
             .map_err(|source| StartError::ControlPlaneUrl { url: config.control_plane.clone(), source })?;
+        // The Watch stream reads TLS files at every connection; the lookups' long-lived
+        // connection is renewed when they change.
+        let renewal = match config.tls.clone() {
+            Some(ClientTls::Files(files)) => Some(tokio::spawn(matches.clone().follow_tls_files(
+                config.clone(),
+                files,
+                TLS_RENEWAL_INTERVAL,
+                cancel.clone(),
+            ))),
+            _ => None,
+        };
         let client = tokio::spawn(fleet::run(
             config,
             Arc::clone(&fleet),
@@ -103,7 +115,8 @@ impl Replica {
         let app = server::App { router: http::router(Arc::clone(&state)), state };
         let server = tokio::spawn(server::serve(listener, app, cancel.clone()));
         tracing::info!(%local_addr, "data-plane replica listening");
-        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks: vec![client, prober, prewarm, server] })
+        let tasks = [client, prober, prewarm, server].into_iter().chain(renewal).collect();
+        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks })
     }
 
     /// Stops its tasks and waits for them.

@@ -507,7 +507,7 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
     let follow = async |name: &str, scheme: &str, identity: Option<(&std::path::Path, &std::path::Path)>| {
         let mut follow = FleetClientConfig::new(format!("{scheme}://127.0.0.1:{port}"), name);
         if scheme == "https" {
-            follow.tls = Some(client_tls(&pki.ca_cert, identity)?.domain_name("localhost"));
+            follow.tls = Some(client_tls(&pki.ca_cert, identity)?.domain_name("localhost").into());
         }
         anyhow::Ok(Replica::start("127.0.0.1:0", follow).await?)
     };
@@ -526,7 +526,7 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
     assert_eq!(ids, ["mutual"]);
     // TLS settings beside an http:// URL would go unused (tonic speaks plaintext): refused.
     let mut mixed = FleetClientConfig::new(format!("http://127.0.0.1:{port}"), "mixed");
-    mixed.tls = Some(client_tls(&pki.ca_cert, Some((&pki.client_cert, &pki.client_key)))?);
+    mixed.tls = Some(client_tls(&pki.ca_cert, Some((&pki.client_cert, &pki.client_key)))?.into());
     let error = Replica::start("127.0.0.1:0", mixed).await.expect_err("TLS over http:// is refused").to_string();
     assert!(error.contains("need an https://"), "{error}");
 
@@ -575,7 +575,7 @@ async fn a_renewed_certificate_reaches_new_connections_while_open_streams_keep_r
     let url = format!("https://127.0.0.1:{}", control.grpc_addr.port());
     let follow = async |name: &str, trusting: &Pki| {
         let mut follow = FleetClientConfig::new(url.clone(), name);
-        follow.tls = Some(client_tls(&trusting.ca_cert, None)?.domain_name("localhost"));
+        follow.tls = Some(client_tls(&trusting.ca_cert, None)?.domain_name("localhost").into());
         anyhow::Ok(Replica::start("127.0.0.1:0", follow).await?)
     };
     let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
@@ -610,6 +610,69 @@ async fn a_renewed_certificate_reaches_new_connections_while_open_streams_keep_r
     for replica in [before, still_old, after, stale] {
         replica.shutdown().await;
     }
+    control.shutdown().await;
+    Ok(())
+}
+
+/// A replica's own certificate renewed in place: its Watch stream reads the files at every
+/// connection, and its lookups' connection is renewed when they change. No restart either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_uses_its_renewed_certificate_files_without_a_restart() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
+    use continuum_data_plane::fleet::{ClientTls, FleetClientConfig, MatchesClient, TlsFiles};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let (trusted, stranger) = (Pki::generate(&dir.path().join("trusted"))?, Pki::generate(&dir.path().join("other"))?);
+    let (cert, key) = (dir.path().join("replica.crt"), dir.path().join("replica.key"));
+    // Each file replaced whole, by a rename, as the kubelet does.
+    let install = |pki: &Pki| -> std::io::Result<()> {
+        for (from, to) in [(&pki.client_cert, &cert), (&pki.client_key, &key)] {
+            let staged = to.with_extension("staged");
+            std::fs::copy(from, &staged)?;
+            std::fs::rename(staged, to)?;
+        }
+        Ok(())
+    };
+    install(&stranger)?;
+    let mut config = config::embedded_default();
+    config.move_simulator_shim("127.0.0.1:0".parse()?);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    config.control_plane.tls = Some(ListenerTlsConfig {
+        cert: Some(trusted.server_cert.clone()),
+        key: Some(Secret::new(trusted.server_key.display().to_string())),
+        client_ca: Some(trusted.ca_cert.clone()),
+    });
+    let control = ControlPlane::start(config, ListenOverrides::default()).await?;
+    let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{}", control.grpc_addr.port()), "renewing");
+    follow.tls =
+        Some(ClientTls::Files(TlsFiles { ca: trusted.ca_cert.clone(), identity: Some((cert.clone(), key.clone())) }));
+
+    let lookups = MatchesClient::new(&follow, Duration::from_secs(5))?;
+    let lookup = || lookups.find_matches(0, vec![1, 2], "tiny", &[], 0);
+    assert!(lookup().await.is_err(), "a certificate of another CA is refused");
+    // What the replica runs for its own lookups every 10 s, here more often: without it, the
+    // lookups' connection would keep the files it was made with.
+    let files = TlsFiles { ca: trusted.ca_cert.clone(), identity: Some((cert.clone(), key.clone())) };
+    let (stop, every) = (tokio_util::sync::CancellationToken::new(), Duration::from_millis(50));
+    let renewing = tokio::spawn(lookups.clone().follow_tls_files(follow.clone(), files, every, stop.clone()));
+    let replica = Replica::start("127.0.0.1:0", follow.clone()).await?;
+    let refused = replica.metrics.reconnects.clone();
+    eventually(CONVERGE, "the replica's stream refused", || async { refused.get() > 0 }).await?;
+    assert!(replica.fleet.view().is_none());
+
+    install(&trusted)?;
+    let workers = || replica.fleet.view().map_or(0, |view| view.workers().len());
+    eventually(CONVERGE, "the next connection presents the renewed certificate", || async { workers() == 4 }).await?;
+    eventually(CONVERGE, "lookups renewed once the files changed", || async { lookup().await.is_ok() }).await?;
+    stop.cancel();
+    renewing.await?;
+
+    replica.shutdown().await;
     control.shutdown().await;
     Ok(())
 }

@@ -16,11 +16,11 @@ use continuum_proto::view::FleetView;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{ClientTlsConfig, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
 use super::backoff::Backoff;
-use super::credentials::Credentials;
+use super::credentials::{ClientTls, Credentials, TlsFileError};
 use super::handle::FleetHandle;
 use super::reporter::{self, DispatchReporter, Reports};
 use crate::metrics::Metrics;
@@ -45,8 +45,8 @@ pub struct FleetClientConfig {
     pub replica_id: String,
     pub credentials: Credentials,
     /// For an `https://` control plane: the CA to trust, and this replica's certificate when
-    /// the control plane asks for one (see [`super::client_tls`]).
-    pub tls: Option<ClientTlsConfig>,
+    /// the control plane asks for one (see [`super::client_tls`] and [`ClientTls::Files`]).
+    pub tls: Option<ClientTls>,
 }
 
 impl FleetClientConfig {
@@ -62,7 +62,9 @@ impl FleetClientConfig {
         let endpoint = Endpoint::from_shared(self.control_plane.clone()).map_err(EndpointError::Invalid)?;
         match &self.tls {
             Some(_) if endpoint.uri().scheme_str() != Some("https") => Err(EndpointError::TlsNeedsHttps),
-            Some(tls) => endpoint.tls_config(tls.clone()).map_err(EndpointError::Invalid),
+            Some(tls) => {
+                endpoint.tls_config(tls.config().map_err(EndpointError::TlsFiles)?).map_err(EndpointError::Invalid)
+            }
             None => Ok(endpoint),
         }
     }
@@ -76,6 +78,8 @@ pub enum EndpointError {
     Invalid(tonic::transport::Error),
     #[error("TLS settings need an https:// control-plane URL; over http:// they would be ignored")]
     TlsNeedsHttps,
+    #[error("TLS: {0}")]
+    TlsFiles(#[from] TlsFileError),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -111,7 +115,7 @@ impl std::fmt::Debug for FleetClientConfig {
             .field("control_plane", &self.control_plane)
             .field("replica_id", &self.replica_id)
             .field("credentials", &self.credentials)
-            .field("tls", &self.tls.is_some())
+            .field("tls", &self.tls)
             .finish()
     }
 }

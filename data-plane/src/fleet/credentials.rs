@@ -4,6 +4,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::time::SystemTime;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -68,6 +69,63 @@ pub fn client_tls(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<ClientT
         tls = tls.identity(Identity::from_pem(certificates(cert)?, key_pem));
     }
     Ok(tls)
+}
+
+/// The replica's TLS files: the CA it trusts, and its own certificate and key when the control
+/// plane asks for one. Read again at every connection, so renewed files are used without a
+/// restart.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca: PathBuf,
+    pub identity: Option<(PathBuf, PathBuf)>,
+}
+
+impl TlsFiles {
+    pub fn load(&self) -> Result<ClientTlsConfig, TlsFileError> {
+        client_tls(&self.ca, self.identity.as_ref().map(|(cert, key)| (cert.as_path(), key.as_path())))
+    }
+
+    /// What tells a renewal: each file's modification time and length (following links, as a
+    /// kubelet's Secret volume swaps them).
+    pub fn stamp(&self) -> Vec<Option<(SystemTime, u64)>> {
+        let identity = self.identity.iter().flat_map(|(cert, key)| [cert, key]);
+        std::iter::once(&self.ca)
+            .chain(identity)
+            .map(|path| std::fs::metadata(path).ok().and_then(|m| Some((m.modified().ok()?, m.len()))))
+            .collect()
+    }
+}
+
+/// TLS to the control plane: a configuration built once, or files read at every connection.
+#[derive(Clone)]
+pub enum ClientTls {
+    Fixed(ClientTlsConfig),
+    Files(TlsFiles),
+}
+
+impl ClientTls {
+    pub fn config(&self) -> Result<ClientTlsConfig, TlsFileError> {
+        match self {
+            ClientTls::Fixed(config) => Ok(config.clone()),
+            ClientTls::Files(files) => files.load(),
+        }
+    }
+}
+
+impl From<ClientTlsConfig> for ClientTls {
+    fn from(config: ClientTlsConfig) -> Self {
+        ClientTls::Fixed(config)
+    }
+}
+
+/// Never prints the key (tonic's own Debug of a configuration would).
+impl fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientTls::Fixed(_) => f.write_str("ClientTls::Fixed(..)"),
+            ClientTls::Files(files) => f.debug_tuple("ClientTls::Files").field(files).finish(),
+        }
+    }
 }
 
 /// Never prints the token.

@@ -6,13 +6,15 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
+use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use super::client::{EndpointError, FleetClientConfig};
-use super::credentials::Credentials;
+use super::credentials::{Credentials, TlsFiles};
 use crate::routing::picker::{RankOverlap, Suggested};
 
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
@@ -33,7 +35,8 @@ pub enum MatchesError {
 /// large snapshot on the Watch stream.
 #[derive(Debug, Clone)]
 pub struct MatchesClient {
-    client: FleetClient<InterceptedService<Channel, Credentials>>,
+    /// Replaced when the replica's TLS files are renewed ([`MatchesClient::renew`]).
+    client: Arc<ArcSwap<Client>>,
     deadline: Duration,
     /// This replica's id, which with a lookup's number names its reservation.
     replica_id: Arc<str>,
@@ -44,25 +47,74 @@ pub struct MatchesClient {
     started: Instant,
 }
 
+type Client = FleetClient<InterceptedService<Channel, Credentials>>;
+
+/// How often a replica with `--control-plane` TLS files looks for renewed ones.
+pub const TLS_RENEWAL_INTERVAL: Duration = Duration::from_secs(10);
+
+/// A lookup client of the control plane, connecting when first used.
+fn connect(config: &FleetClientConfig) -> Result<Client, EndpointError> {
+    // Bounded connects and keep-alive answers: a control plane that moved or went silent is
+    // found out in seconds, not after the kernel's two-minute SYN timeout, so lookups stop
+    // missing soon after it is back. (Each lookup is bounded by its deadline anyway.)
+    let channel = config
+        .endpoint()?
+        .tcp_nodelay(true)
+        .connect_timeout(MATCHES_CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .keep_alive_timeout(MATCHES_CONNECT_TIMEOUT)
+        .keep_alive_while_idle(true)
+        .connect_lazy();
+    Ok(FleetClient::with_interceptor(channel, config.credentials.clone())
+        .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES))
+}
+
 impl MatchesClient {
     /// A client for the replica `config.replica_id` (its `Hello.replica_id`).
     pub fn new(config: &FleetClientConfig, deadline: Duration) -> Result<Self, EndpointError> {
-        // Bounded connects and keep-alive answers: a control plane that moved or went silent
-        // is found out in seconds, not after the kernel's two-minute SYN timeout, so lookups
-        // stop missing soon after it is back. (Each lookup is bounded by its deadline anyway.)
-        let channel = config
-            .endpoint()?
-            .tcp_nodelay(true)
-            .connect_timeout(MATCHES_CONNECT_TIMEOUT)
-            .http2_keep_alive_interval(Duration::from_secs(20))
-            .keep_alive_timeout(MATCHES_CONNECT_TIMEOUT)
-            .keep_alive_while_idle(true)
-            .connect_lazy();
-        let client = FleetClient::with_interceptor(channel, config.credentials.clone())
-            .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+        let client = Arc::new(ArcSwap::from_pointee(connect(config)?));
         let replica_id = config.replica_id.as_str().into();
         let (numbered, warned_at, started) = (Arc::default(), Arc::default(), Instant::now());
         Ok(Self { client, deadline, replica_id, numbered, warned_at, started })
+    }
+
+    /// Connects anew with `config`'s TLS files as they are now; lookups under way finish on
+    /// the old connection. On an error the old connection stays.
+    pub fn renew(&self, config: &FleetClientConfig) -> Result<(), EndpointError> {
+        self.client.store(Arc::new(connect(config)?));
+        Ok(())
+    }
+
+    /// Renews the connection whenever `files` change, every `interval`, until `cancel`.
+    pub async fn follow_tls_files(
+        self,
+        config: FleetClientConfig,
+        files: TlsFiles,
+        interval: Duration,
+        cancel: CancellationToken,
+    ) {
+        let mut seen = files.stamp();
+        loop {
+            tokio::select! {
+                () = cancel.cancelled() => return,
+                () = tokio::time::sleep(interval) => {}
+            }
+            let stamp = files.stamp();
+            if stamp == seen {
+                continue;
+            }
+            match self.renew(&config) {
+                Ok(()) => {
+                    seen = stamp;
+                    tracing::info!("KV lookups: reconnecting with the renewed --control-plane TLS files");
+                }
+                // Tried again at the next change: a half-written pair is refused once.
+                Err(error) => {
+                    seen = stamp;
+                    tracing::warn!(%error, "KV lookups: the renewed --control-plane TLS files do not load; keeping the current connection");
+                }
+            }
+        }
     }
 
     /// A refused token costs every request its KV term while the Watch stream may still run
@@ -106,7 +158,7 @@ impl MatchesClient {
         contenders: &[(u64, u32)],
         prompt_tokens: u64,
     ) -> Result<Matches, MatchesError> {
-        let mut client = self.client.clone();
+        let mut client = Client::clone(&self.client.load());
         let contenders = contenders.iter().map(|&(instance_id, dp_rank)| pb::RankId { instance_id, dp_rank }).collect();
         let request = pb::FindMatchesRequest {
             block_hashes,
