@@ -7,11 +7,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use continuum_data_plane::dispatch::DispatchSettings;
-use continuum_data_plane::error_chain;
 use continuum_data_plane::fleet::{ClientTls, Credentials, FleetClientConfig, TlsFiles};
 use continuum_data_plane::replica::Replica;
 use continuum_proto::MAX_REPLICA_ID_BYTES;
-use tonic::transport::Endpoint;
 
 /// The request path allocates and frees small buffers on every request; mimalloc's per-thread
 /// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmark-notes.md).
@@ -139,11 +137,9 @@ fn fleet_tls(args: &Args) -> Result<Option<ClientTls>, String> {
     }
     let ca = args.control_plane_ca.as_deref().ok_or("an https:// --control-plane needs --control-plane-ca")?;
     let files = TlsFiles { ca: ca.into(), identity: identity.map(|(cert, key)| (cert.into(), key.into())) };
-    let tls = files.load().map_err(|error| error.to_string())?;
-    // Built once now, so that a certificate and key that do not pair fail the start.
-    Endpoint::from_shared(args.control_plane.clone())
-        .and_then(|endpoint| endpoint.tls_config(tls))
-        .map_err(|error| format!("--control-plane TLS: {}", error_chain(&error)))?;
+    // Each file is checked now; whether the key pairs with the certificate, as the replica
+    // starts (it builds its lookups' connection then).
+    files.load().map_err(|error| error.to_string())?;
     Ok(Some(ClientTls::Files(files)))
 }
 

@@ -59,8 +59,8 @@ impl Budget {
     }
 }
 
-/// The bytes past [`FREE_BYTES`] a body of `bytes` is charged for, if any. A body past what
-/// a `u32` counts is larger than any bound here, and charged the most.
+/// What a body of `bytes` is charged: nothing up to [`FREE_BYTES`], all of it past. A body
+/// past what a `u32` counts is larger than any bound here, and charged the most.
 fn chargeable(bytes: usize) -> Option<u32> {
     (bytes > FREE_BYTES).then(|| u32::try_from(bytes).unwrap_or(u32::MAX))
 }

@@ -77,15 +77,9 @@ impl Replica {
             .map_err(|source| StartError::ControlPlaneUrl { url: config.control_plane.clone(), source })?;
         // The Watch stream reads TLS files at every connection; the lookups' long-lived
         // connection is renewed when they change.
-        let renewal = match config.tls.clone() {
-            Some(ClientTls::Files(files)) => Some(tokio::spawn(matches.clone().follow_tls_files(
-                config.clone(),
-                files,
-                TLS_RENEWAL_INTERVAL,
-                cancel.clone(),
-            ))),
-            _ => None,
-        };
+        let renewal = matches!(config.tls, Some(ClientTls::Files(_))).then(|| {
+            tokio::spawn(matches.clone().follow_tls_files(config.clone(), TLS_RENEWAL_INTERVAL, cancel.clone()))
+        });
         let client = tokio::spawn(fleet::run(
             config,
             Arc::clone(&fleet),

@@ -652,14 +652,20 @@ async fn a_replica_uses_its_renewed_certificate_files_without_a_restart() -> any
     follow.tls =
         Some(ClientTls::Files(TlsFiles { ca: trusted.ca_cert.clone(), identity: Some((cert.clone(), key.clone())) }));
 
+    // A certificate beside another pair's key fails the start, before anything runs.
+    let mut mismatched = follow.clone();
+    let identity = Some((trusted.client_cert.clone(), stranger.client_key.clone()));
+    mismatched.tls = Some(ClientTls::Files(TlsFiles { ca: trusted.ca_cert.clone(), identity }));
+    let error = Replica::start("127.0.0.1:0", mismatched).await.expect_err("a key of another pair").to_string();
+    assert!(error.contains("cannot follow the control plane"), "{error}");
+
     let lookups = MatchesClient::new(&follow, Duration::from_secs(5))?;
     let lookup = || lookups.find_matches(0, vec![1, 2], "tiny", &[], 0);
     assert!(lookup().await.is_err(), "a certificate of another CA is refused");
     // What the replica runs for its own lookups every 10 s, here more often: without it, the
     // lookups' connection would keep the files it was made with.
-    let files = TlsFiles { ca: trusted.ca_cert.clone(), identity: Some((cert.clone(), key.clone())) };
     let (stop, every) = (tokio_util::sync::CancellationToken::new(), Duration::from_millis(50));
-    let renewing = tokio::spawn(lookups.clone().follow_tls_files(follow.clone(), files, every, stop.clone()));
+    let renewing = tokio::spawn(lookups.clone().follow_tls_files(follow.clone(), every, stop.clone()));
     let replica = Replica::start("127.0.0.1:0", follow.clone()).await?;
     let refused = replica.metrics.reconnects.clone();
     eventually(CONVERGE, "the replica's stream refused", || async { refused.get() > 0 }).await?;

@@ -12,12 +12,11 @@
 //! starts: [`incoming`] accepts, shakes hands with whatever configuration is current, and hands
 //! tonic the connections that completed.
 
+use std::collections::VecDeque;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
-
-use std::collections::VecDeque;
 
 use prometheus::IntCounterVec;
 use ring::digest::{Context, SHA256};
@@ -333,7 +332,6 @@ fn incoming_within(
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = ready.closed() => return,
-                Some(_) = handshakes.join_next(), if !handshakes.is_empty() => continue,
                 accepted = listener.accept() => accepted,
             };
             let stream = match accepted {

@@ -35,12 +35,12 @@ impl Failure {
     /// Whether the failure says "not now" (overload, unreachable) rather than "broken".
     pub fn is_unavailable(&self) -> bool {
         match self {
-            Failure::NoReplica | Failure::BudgetSpent(_) | Failure::Overloaded => true,
+            Failure::NoReplica | Failure::BudgetSpent(_) => true,
             Failure::Send(error) => error.before_request_sent(),
             Failure::Status(status) => {
                 *status == StatusCode::SERVICE_UNAVAILABLE || *status == StatusCode::TOO_MANY_REQUESTS
             }
-            Failure::Body(_) | Failure::BodyTimeout(_) | Failure::TooLarge(_) => false,
+            Failure::Body(_) | Failure::BodyTimeout(_) | Failure::TooLarge(_) | Failure::Overloaded => false,
         }
     }
 

@@ -199,9 +199,12 @@ impl Dispatcher {
             Route::Pinned(pinned) => self.pinned(plan.body, plan.stream, plan.disclose, &headers, pinned).await,
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);
-                self.unpinned(&plan.body, plan.stream, &headers, replicas, true)
-                    .await
-                    .map_err(DispatchError::UnifiedFailed)
+                self.unpinned(&plan.body, plan.stream, &headers, replicas, true).await.map_err(
+                    |failure| match failure {
+                        Failure::Overloaded => DispatchError::Overloaded,
+                        failure => DispatchError::UnifiedFailed(failure),
+                    },
+                )
             }
         }
     }

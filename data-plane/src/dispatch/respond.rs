@@ -1,5 +1,6 @@
 //! Turning a shim's response into the client's: a success is relayed (streams frame by frame,
-//! buffered bodies read whole and bounded), and anything else is read (bounded) and classified.
+//! buffered bodies read whole, bounded and charged to the process's budget), and anything else
+//! is read (bounded) and classified; an unpinned backend's server error is not read at all.
 
 use std::convert::Infallible;
 use std::pin::{Pin, pin};

@@ -79,13 +79,13 @@ pub enum EndpointError {
     #[error("TLS settings need an https:// control-plane URL; over http:// they would be ignored")]
     TlsNeedsHttps,
     #[error("TLS: {0}")]
-    TlsFiles(#[from] TlsFileError),
+    TlsFiles(TlsFileError),
 }
 
 #[derive(Debug, thiserror::Error)]
 enum SessionError {
-    #[error("invalid control-plane URL: {0}")]
-    Url(#[source] EndpointError),
+    #[error("cannot use the control-plane endpoint: {0}")]
+    Endpoint(EndpointError),
     #[error("cannot reach the control plane: {0}")]
     Connect(#[source] tonic::transport::Error),
     #[error("control plane refused the stream: {0}")]
@@ -98,7 +98,7 @@ impl SessionError {
     /// Failures that an immediate retry will not fix get the longest delay.
     fn is_persistent(&self) -> bool {
         match self {
-            SessionError::Url(_) => true,
+            SessionError::Endpoint(_) => true,
             SessionError::Status(status) => matches!(
                 status.code(),
                 Code::Unimplemented | Code::InvalidArgument | Code::PermissionDenied | Code::Unauthenticated
@@ -172,7 +172,7 @@ async fn follow(
 ) -> Result<(), SessionError> {
     let endpoint = config
         .endpoint()
-        .map_err(SessionError::Url)?
+        .map_err(SessionError::Endpoint)?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))

@@ -44,8 +44,9 @@ impl Interceptor for Credentials {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsFileError {
-    #[error("cannot read {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    /// Its text carries the cause, so it names no source of its own.
+    #[error("cannot read {path}: {error}")]
+    Read { path: PathBuf, error: std::io::Error },
     #[error("{path} holds no PEM {what}")]
     Content { path: PathBuf, what: &'static str },
 }
@@ -53,9 +54,10 @@ pub enum TlsFileError {
 /// TLS to the control plane: trusting `ca` (the CA that signed its certificate), and presenting
 /// `identity` (certificate and key PEM files) when it accepts only replicas it knows. Each file
 /// is read and checked for what it must hold now, so a wrong one is named at start rather than
-/// found at every connection. (Whether the key matches the certificate shows at the first.)
+/// found at every connection. (Whether the key matches the certificate shows when a connection's
+/// TLS is built from it, which a replica does at start.)
 pub fn client_tls(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<ClientTlsConfig, TlsFileError> {
-    let read = |path: &Path| std::fs::read(path).map_err(|source| TlsFileError::Read { path: path.into(), source });
+    let read = |path: &Path| std::fs::read(path).map_err(|error| TlsFileError::Read { path: path.into(), error });
     let lacks = |path: &Path, what| TlsFileError::Content { path: path.into(), what };
     let certificates = |path: &Path| {
         let pem = read(path)?;

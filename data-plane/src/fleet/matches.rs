@@ -14,7 +14,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
 use super::client::{EndpointError, FleetClientConfig};
-use super::credentials::{Credentials, TlsFiles};
+use super::credentials::{ClientTls, Credentials};
 use crate::routing::picker::{RankOverlap, Suggested};
 
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
@@ -85,14 +85,10 @@ impl MatchesClient {
         Ok(())
     }
 
-    /// Renews the connection whenever `files` change, every `interval`, until `cancel`.
-    pub async fn follow_tls_files(
-        self,
-        config: FleetClientConfig,
-        files: TlsFiles,
-        interval: Duration,
-        cancel: CancellationToken,
-    ) {
+    /// Renews the connection whenever `config`'s TLS files change, looking every `interval`,
+    /// until `cancel`. Nothing to do for TLS without files.
+    pub async fn follow_tls_files(self, config: FleetClientConfig, interval: Duration, cancel: CancellationToken) {
+        let Some(ClientTls::Files(files)) = config.tls.clone() else { return };
         let mut seen = files.stamp();
         loop {
             tokio::select! {
@@ -103,15 +99,12 @@ impl MatchesClient {
             if stamp == seen {
                 continue;
             }
+            // A set that does not load (a half-written pair) is tried again at the next change.
+            seen = stamp;
             match self.renew(&config) {
-                Ok(()) => {
-                    seen = stamp;
-                    tracing::info!("KV lookups: reconnecting with the renewed --control-plane TLS files");
-                }
-                // Tried again at the next change: a half-written pair is refused once.
+                Ok(()) => tracing::info!("KV lookups: reconnecting with the renewed --control-plane TLS files"),
                 Err(error) => {
-                    seen = stamp;
-                    tracing::warn!(%error, "KV lookups: the renewed --control-plane TLS files do not load; keeping the current connection");
+                    tracing::warn!(%error, "KV lookups: the renewed --control-plane TLS files do not load; keeping the current connection")
                 }
             }
         }

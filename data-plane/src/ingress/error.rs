@@ -128,7 +128,7 @@ impl From<DispatchError> for ApiError {
                 "The model server no longer serves this model (its workers have gone). List the available models with GET /v1/models.",
             ),
             DispatchError::DecodeFailed { cause, fallback } => decode_failed(&cause, fallback.as_ref()),
-            DispatchError::Overloaded | DispatchError::UnifiedFailed(Failure::Overloaded) => server_busy(),
+            DispatchError::Overloaded => server_busy(),
             DispatchError::UnifiedFailed(cause) => unified_failed(&cause),
         }
     }

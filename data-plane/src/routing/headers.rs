@@ -70,7 +70,7 @@ pub fn strip_client_routing(headers: &mut HeaderMap) {
 
 /// The `nvext.extra_fields` entry that makes the frontend echo the pins it used
 /// (`nvext.worker_id` in every answer): a disclosure, so only for a client that asked.
-pub const ECHO_PINS_FIELD: &str = "worker_id";
+const ECHO_PINS_FIELD: &str = "worker_id";
 
 /// Removes the `nvext` routing fields of a request body, keeping every other `nvext` field;
 /// and, unless the client asked for disclosure (`disclose`), the request for the pins' echo

@@ -23,7 +23,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener as StdListener};
 use std::pin::pin;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use continuum_proto::model::{Capacity, ModelArtifacts, Role, Worker, WorkerKey};
 use tokio::net::TcpListener;
@@ -72,7 +72,6 @@ pub struct Simulator {
     shim: Arc<Shim>,
     /// The workers killed through the shim.
     kills: mpsc::Receiver<u64>,
-    lease_ttl: Duration,
 }
 
 impl Simulator {
@@ -129,7 +128,7 @@ impl Simulator {
         let (killed, kills) = mpsc::channel(prefill.len() + decode.len() + 1);
         let lease_ttl = config.lease_ttl;
         let shim = Arc::new(Shim { model: config.model.clone(), block_size, prefill, decode, killed, lease_ttl });
-        Ok(Self { fleet, publishers, shim_listener, shim, kills, lease_ttl })
+        Ok(Self { fleet, publishers, shim_listener, shim, kills })
     }
 
     /// Publishes the fleet and serves its publishers and shim until `cancel`; deregisters a
@@ -143,7 +142,7 @@ impl Simulator {
         }
         registry.publish(self.fleet.clone());
         tracing::info!(shim = ?shim_addr, "simulated fleet running");
-        let shim = Arc::clone(&self.shim);
+        let shim = self.shim;
         let mut serve = pin!(
             axum::serve(self.shim_listener, shim::router(Arc::clone(&shim)))
                 .with_graceful_shutdown(cancel.clone().cancelled_owned())
@@ -161,8 +160,8 @@ impl Simulator {
                 Some(worker_id) = self.kills.recv() => {
                     // Its publishers' connections close, as a killed process's sockets do.
                     stops.get(&worker_id).inspect(|stop| stop.cancel());
-                    tracing::info!(worker_id, lease_ttl = ?self.lease_ttl, "simulated worker killed; deregistered when its lease expires");
-                    let (expired, ttl, cancel) = (lease_expired.clone(), self.lease_ttl, cancel.clone());
+                    tracing::info!(worker_id, lease_ttl = ?shim.lease_ttl, "simulated worker killed; deregistered when its lease expires");
+                    let (expired, ttl, cancel) = (lease_expired.clone(), shim.lease_ttl, cancel.clone());
                     tokio::spawn(async move {
                         tokio::select! {
                             () = cancel.cancelled() => {}
