@@ -39,6 +39,8 @@ use crate::metrics::Metrics;
 pub const RELOAD_INTERVAL: Duration = Duration::from_secs(10);
 /// How long a client may take over its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections whose handshake completed, waiting for tonic to take them.
+const READY_QUEUE: usize = 64;
 /// Handshakes under way at once; past it, the oldest is given up for the newest. A flood of
 /// clients that never finish theirs holds this many tasks, and no more.
 pub const MAX_HANDSHAKES: usize = 1024;
@@ -282,7 +284,8 @@ pub enum HandshakeFailure {
     Closed,
     /// It took longer than [`HANDSHAKE_TIMEOUT`].
     Timeout,
-    /// Its slot went to a newer connection while [`MAX_HANDSHAKES`] were under way.
+    /// Its slot went to a newer connection while [`MAX_HANDSHAKES`] were under way, or it
+    /// completed while [`READY_QUEUE`] connections were waiting for the server.
     Evicted,
     /// TLS refused it: no client certificate the CA signed, no common protocol, garbage.
     Refused,
@@ -323,7 +326,7 @@ fn incoming_within(
     max_handshakes: usize,
     shutdown: CancellationToken,
 ) -> ReceiverStream<io::Result<TlsStream<TcpStream>>> {
-    let (ready, incoming) = mpsc::channel(16);
+    let (ready, incoming) = mpsc::channel(READY_QUEUE);
     let (current, failed) = (tls.current.clone(), tls.handshakes_failed.clone());
     tokio::spawn(async move {
         let mut handshakes = JoinSet::new();
@@ -364,10 +367,13 @@ fn incoming_within(
             oldest_first.push_back(handshakes.spawn(async move {
                 let peer = stream.peer_addr().ok();
                 let failure = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(stream)) => {
-                        let _ = ready.send(Ok(stream)).await;
-                        return;
-                    }
+                    // Handed over without waiting, so a completed handshake is never among
+                    // those under way (which may be evicted). tonic takes each connection as it
+                    // comes: a full queue means it is far behind, and the connection is dropped.
+                    Ok(Ok(stream)) => match ready.try_send(Ok(stream)) {
+                        Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => return,
+                        Err(mpsc::error::TrySendError::Full(_)) => HandshakeFailure::Evicted,
+                    },
                     Ok(Err(error)) if error.kind() == io::ErrorKind::UnexpectedEof => HandshakeFailure::Closed,
                     Ok(Err(error)) => {
                         tracing::debug!(?peer, %error, "a Fleet client's TLS handshake failed");
