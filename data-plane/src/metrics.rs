@@ -57,6 +57,9 @@ pub struct Metrics {
     pub kv_term_seconds: HistogramVec,
     /// Client connections open.
     pub http_connections: IntGauge,
+    /// Bytes charged to the process-wide body budgets, by `budget` (request, answer): read at
+    /// each scrape from [`crate::memory`].
+    body_bytes_held: IntGaugeVec,
     /// `continuum_http_write_stalls_total`: connections dropped because the client took none
     /// of a response for the write-stall timeout.
     http_write_stalls: IntCounter,
@@ -256,6 +259,13 @@ impl Metrics {
                 &["stage"],
             )?,
             http_connections: IntGauge::new("continuum_http_connections", "Client connections open")?,
+            body_bytes_held: IntGaugeVec::new(
+                Opts::new(
+                    "continuum_body_bytes_held",
+                    "Bytes of large request bodies (request) and buffered answers (answer) held against the process-wide budgets",
+                ),
+                &["budget"],
+            )?,
             http_write_stalls: IntCounter::new(
                 "continuum_http_write_stalls_total",
                 format!(
@@ -301,6 +311,7 @@ impl Metrics {
             Box::new(metrics.shim_retries.clone()),
             Box::new(metrics.http_refused.clone()),
             Box::new(metrics.http_connections.clone()),
+            Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),
             Box::new(metrics.selections.clone()),
             Box::new(metrics.kv_selections.clone()),
@@ -359,6 +370,11 @@ impl Metrics {
         self.view_version.set(fleet.version.map_or(0, |v| i64::try_from(v).unwrap_or(i64::MAX)));
         self.view_workers.set(i64::try_from(fleet.workers).unwrap_or(i64::MAX));
         self.snapshot_age_seconds.set(fleet.snapshot_age.map_or(0.0, |a| a.as_secs_f64()));
+        for (budget, held) in
+            [("request", &crate::memory::REQUEST_BODIES), ("answer", &crate::memory::BUFFERED_ANSWERS)]
+        {
+            self.body_bytes_held.with_label_values(&[budget]).set(i64::try_from(held.charged()).unwrap_or(i64::MAX));
+        }
         let mut out = Vec::new();
         // Encoding into a Vec cannot fail for the text format; an error would only lose a scrape.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

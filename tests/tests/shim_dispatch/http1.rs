@@ -326,6 +326,8 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     let error: Value = serde_json::from_slice(&answer.body)?;
     assert_eq!(error["error"]["code"], "server_busy", "{error}");
     assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200, "a small body costs no room");
+    let held = sample(&harness.metrics().await?, "continuum_body_bytes_held{budget=\"request\"}");
+    assert_eq!(held, Some(REQUEST_BODY_BUDGET as f64), "what is held, exported");
     drop(elsewhere);
     // Charged as it arrives: the three quarters of a body sent hold their room.
     let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
