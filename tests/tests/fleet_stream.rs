@@ -393,20 +393,35 @@ async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() 
     Ok(())
 }
 
+/// The embedded default with every listener on a free loopback port.
+fn embedded_on_loopback() -> continuum_control_plane::config::Config {
+    let mut config = continuum_control_plane::config::embedded_default();
+    let any_port = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    config.move_simulator_shim(any_port);
+    config.control_plane.grpc_listen = any_port;
+    config.admin.listen = any_port;
+    config
+}
+
+/// Replaces `to` with a copy of `from` whole, by a rename, as the kubelet does a Secret's
+/// files: a poll never reads half of one.
+fn replace(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
+    let staged = to.with_extension("staged");
+    std::fs::copy(from, &staged)?;
+    std::fs::rename(staged, to)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reload_rotates_it_with_the_old_one_beside()
 -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{self, Secret};
+    use continuum_control_plane::config::Secret;
     use continuum_data_plane::fleet::{Credentials, FleetClientConfig};
     use continuum_data_plane::replica::Replica;
     use continuum_tests::eventually;
     use tonic::Code;
 
-    let mut config = config::embedded_default();
-    config.move_simulator_shim("127.0.0.1:0".parse()?);
-    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
-    config.admin.listen = "127.0.0.1:0".parse()?;
+    let mut config = embedded_on_loopback();
     config.control_plane.token = Some(Secret::new("first-s3cret"));
     let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
     let url = format!("http://{}", control.grpc_addr);
@@ -485,7 +500,7 @@ async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reloa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_follow_the_fleet() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
     use continuum_data_plane::fleet::{FleetClientConfig, client_tls};
     use continuum_data_plane::replica::Replica;
     use continuum_tests::eventually;
@@ -493,10 +508,7 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
 
     let dir = tempfile::tempdir()?;
     let pki = Pki::generate(dir.path())?;
-    let mut config = config::embedded_default();
-    config.move_simulator_shim("127.0.0.1:0".parse()?);
-    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
-    config.admin.listen = "127.0.0.1:0".parse()?;
+    let mut config = embedded_on_loopback();
     config.control_plane.tls = Some(ListenerTlsConfig {
         cert: Some(pki.server_cert.clone()),
         key: Some(Secret::new(pki.server_key.display().to_string())),
@@ -543,7 +555,7 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_certificate_reaches_new_connections_while_open_streams_keep_running() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
     use continuum_data_plane::fleet::{FleetClientConfig, client_tls};
     use continuum_data_plane::replica::Replica;
     use continuum_tests::eventually;
@@ -552,22 +564,12 @@ async fn a_renewed_certificate_reaches_new_connections_while_open_streams_keep_r
     let dir = tempfile::tempdir()?;
     let (old, new) = (Pki::generate(&dir.path().join("old"))?, Pki::generate(&dir.path().join("new"))?);
     let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    // Each file replaced whole, by a rename, as the kubelet does: the 10 s poll never reads half
-    // of one.
-    let replace = |from: &std::path::Path, to: &std::path::Path| -> std::io::Result<()> {
-        let staged = to.with_extension("staged");
-        std::fs::copy(from, &staged)?;
-        std::fs::rename(staged, to)
-    };
     let install = |pki: &Pki| -> std::io::Result<()> {
         replace(&pki.server_cert, &cert)?;
         replace(&pki.server_key, &key)
     };
     install(&old)?;
-    let mut config = config::embedded_default();
-    config.move_simulator_shim("127.0.0.1:0".parse()?);
-    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
-    config.admin.listen = "127.0.0.1:0".parse()?;
+    let mut config = embedded_on_loopback();
     let key_path = Secret::new(key.display().to_string());
     config.control_plane.tls =
         Some(ListenerTlsConfig { cert: Some(cert.clone()), key: Some(key_path), client_ca: None });
@@ -619,7 +621,7 @@ async fn a_renewed_certificate_reaches_new_connections_while_open_streams_keep_r
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_uses_its_renewed_certificate_files_without_a_restart() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
     use continuum_data_plane::fleet::{ClientTls, FleetClientConfig, MatchesClient, TlsFiles};
     use continuum_data_plane::replica::Replica;
     use continuum_tests::eventually;
@@ -628,20 +630,12 @@ async fn a_replica_uses_its_renewed_certificate_files_without_a_restart() -> any
     let dir = tempfile::tempdir()?;
     let (trusted, stranger) = (Pki::generate(&dir.path().join("trusted"))?, Pki::generate(&dir.path().join("other"))?);
     let (cert, key) = (dir.path().join("replica.crt"), dir.path().join("replica.key"));
-    // Each file replaced whole, by a rename, as the kubelet does.
     let install = |pki: &Pki| -> std::io::Result<()> {
-        for (from, to) in [(&pki.client_cert, &cert), (&pki.client_key, &key)] {
-            let staged = to.with_extension("staged");
-            std::fs::copy(from, &staged)?;
-            std::fs::rename(staged, to)?;
-        }
-        Ok(())
+        replace(&pki.client_cert, &cert)?;
+        replace(&pki.client_key, &key)
     };
     install(&stranger)?;
-    let mut config = config::embedded_default();
-    config.move_simulator_shim("127.0.0.1:0".parse()?);
-    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
-    config.admin.listen = "127.0.0.1:0".parse()?;
+    let mut config = embedded_on_loopback();
     config.control_plane.tls = Some(ListenerTlsConfig {
         cert: Some(trusted.server_cert.clone()),
         key: Some(Secret::new(trusted.server_key.display().to_string())),
@@ -686,16 +680,13 @@ async fn a_replica_uses_its_renewed_certificate_files_without_a_restart() -> any
 #[tokio::test]
 async fn a_certificate_that_does_not_load_fails_the_start_and_says_which() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{self, ListenerTlsConfig, Secret};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
 
     let dir = tempfile::tempdir()?;
     let garbage = dir.path().join("cert.pem");
     std::fs::write(&garbage, "not a certificate")?;
     let tls = |cert: std::path::PathBuf| {
-        let mut config = config::embedded_default();
-        config.move_simulator_shim("127.0.0.1:0".parse().expect("an address"));
-        config.control_plane.grpc_listen = "127.0.0.1:0".parse().expect("an address");
-        config.admin.listen = "127.0.0.1:0".parse().expect("an address");
+        let mut config = embedded_on_loopback();
         let key = Some(Secret::new(garbage.display().to_string()));
         config.control_plane.tls = Some(ListenerTlsConfig { cert: Some(cert), key, client_ca: None });
         config

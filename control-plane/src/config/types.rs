@@ -92,8 +92,8 @@ pub struct ControlPlaneConfig {
     pub token: Option<Secret>,
     /// Accepted beside `token` during a rotation, until every replica presents the new one.
     pub previous_token: Option<Secret>,
-    /// The Fleet service over TLS; without it, plaintext HTTP/2 inside the cluster. Read at
-    /// start; a change needs a restart.
+    /// The Fleet service over TLS; without it, plaintext HTTP/2 inside the cluster. Its files
+    /// are read again as they change (see `grpc::tls`); turning it on or off needs a restart.
     pub tls: Option<ListenerTlsConfig>,
 }
 

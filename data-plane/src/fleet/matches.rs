@@ -35,7 +35,7 @@ pub enum MatchesError {
 /// large snapshot on the Watch stream.
 #[derive(Debug, Clone)]
 pub struct MatchesClient {
-    /// Replaced when the replica's TLS files are renewed ([`MatchesClient::renew`]).
+    /// Replaced when the replica's TLS files are renewed ([`MatchesClient::follow_tls_files`]).
     client: Arc<ArcSwap<Client>>,
     deadline: Duration,
     /// This replica's id, which with a lookup's number names its reservation.
@@ -80,7 +80,7 @@ impl MatchesClient {
 
     /// Connects anew with `config`'s TLS files as they are now; lookups under way finish on
     /// the old connection. On an error the old connection stays.
-    pub fn renew(&self, config: &FleetClientConfig) -> Result<(), EndpointError> {
+    fn renew(&self, config: &FleetClientConfig) -> Result<(), EndpointError> {
         self.client.store(Arc::new(connect(config)?));
         Ok(())
     }
