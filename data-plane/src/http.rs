@@ -10,6 +10,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use serde_json::json;
+use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::Dispatcher;
 use crate::fleet::{DispatchReporter, FleetHandle, MatchesClient};
@@ -31,6 +32,8 @@ pub struct AppState {
     pub dispatcher: Arc<Dispatcher>,
     /// KV-aware selection; `None` leaves every pick to `picker`.
     pub kv: Option<Arc<KvSelection>>,
+    /// Set once the replica starts shutting down: readiness fails from then on.
+    pub draining: CancellationToken,
 }
 
 /// The KV term's machinery and the picker that scores with it.
@@ -65,21 +68,30 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Ready once a fleet view is held, even a stale one: last-known-good keeps routing while the
-/// control plane is away. The detail says how old it is.
+/// control plane is away. The detail says how old it is. A draining replica is not ready, so
+/// load balancers stop choosing it while it finishes what it has.
 async fn readyz(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let status = state.fleet.status(Instant::now());
-    let ready = status.version.is_some();
+    let draining = state.draining.is_cancelled();
+    let reason = if draining {
+        Some("draining: the replica is shutting down")
+    } else if status.version.is_none() {
+        Some("no fleet snapshot from the control plane yet")
+    } else {
+        None
+    };
     let body = json!({
-        "ready": ready,
+        "ready": reason.is_none(),
+        "draining": draining,
         "fleet": {
             "version": status.version,
             "workers": status.workers,
             "connected": status.connected,
             "snapshot_age_seconds": status.snapshot_age.map(|a| a.as_secs_f64()),
         },
-        "reason": (!ready).then_some("no fleet snapshot from the control plane yet"),
+        "reason": reason,
     });
-    let code = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    let code = if reason.is_none() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, axum::Json(body))
 }
 

@@ -1,6 +1,6 @@
 //! `continuum-data-plane --listen ADDR --control-plane URL [--replica-id ID] [--control-plane-token TOKEN]
 //! [--control-plane-ca PEM [--control-plane-cert PEM --control-plane-key PEM]] [--find-matches-deadline 2ms]
-//! [--worker-threads N]`
+//! [--worker-threads N] [--drain-delay 5s] [--shutdown-grace 20s]`
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -56,6 +56,14 @@ struct Args {
     /// thread with no work stealing: the least CPU per request, as `bench-proxy` measures it.
     #[arg(long, env = "CONTINUUM_WORKER_THREADS")]
     worker_threads: Option<usize>,
+    /// On SIGTERM, how long readiness fails while the replica still answers, so load balancers
+    /// stop choosing it before it stops accepting. Ctrl-C (SIGINT) skips it.
+    #[arg(long, env = "CONTINUUM_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
+    drain_delay: std::time::Duration,
+    /// Once accepting stops, how long requests in flight may take to finish before their
+    /// connections are cut. Keep delay + grace under the pod's terminationGracePeriodSeconds.
+    #[arg(long, env = "CONTINUUM_SHUTDOWN_GRACE", default_value = "20s", value_parser = humantime::parse_duration)]
+    shutdown_grace: std::time::Duration,
 }
 
 fn main() -> ExitCode {
@@ -115,9 +123,18 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    shutdown_signal().await;
-    replica.shutdown().await;
-    ExitCode::SUCCESS
+    let delay = match shutdown_signal().await {
+        Signal::Terminate => args.drain_delay,
+        Signal::Interrupt => std::time::Duration::ZERO,
+    };
+    tracing::info!(drain_delay = ?delay, grace = ?args.shutdown_grace, "shutting down");
+    tokio::select! {
+        () = replica.drain(delay, args.shutdown_grace) => ExitCode::SUCCESS,
+        _ = shutdown_signal() => {
+            tracing::warn!("a second signal: exiting without finishing the drain");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// TLS to the control plane, from the URL's scheme and the TLS flags, which must agree. The
@@ -149,8 +166,16 @@ fn default_replica_id() -> String {
     format!("{host}-{}", std::process::id())
 }
 
-/// SIGINT or SIGTERM (what Kubernetes sends).
-async fn shutdown_signal() {
+/// Which signal asked the replica to stop.
+enum Signal {
+    /// SIGTERM: what Kubernetes sends; the replica drains first.
+    Terminate,
+    /// SIGINT: Ctrl-C at a terminal; no load balancer to wait for.
+    Interrupt,
+}
+
+/// The next SIGINT or SIGTERM.
+async fn shutdown_signal() -> Signal {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut signal) => {
@@ -160,8 +185,7 @@ async fn shutdown_signal() {
         }
     };
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
+        _ = tokio::signal::ctrl_c() => Signal::Interrupt,
+        () = term => Signal::Terminate,
     }
-    tracing::info!("shutting down");
 }

@@ -19,6 +19,11 @@ use crate::metrics::Metrics;
 use crate::routing::picker::{DispatchLedger, LoadBasedPicker};
 use crate::server;
 
+/// How long requests in flight may take to finish once a replica stops accepting, before their
+/// connections are cut: under the 30 s Kubernetes gives a pod between SIGTERM and SIGKILL, less
+/// the default drain delay of the binary.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(20);
+
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("cannot listen on {addr}: {source}")]
@@ -39,6 +44,10 @@ pub struct Replica {
     pub metrics: Metrics,
     /// The pins this replica has in flight.
     pub ledger: Arc<DispatchLedger>,
+    stages: server::Stages,
+    server: JoinHandle<()>,
+    /// Everything but the server: the fleet client, probes, prewarming, TLS renewal. Stopped
+    /// last, so dispatches that end while the server drains are still reported.
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -72,6 +81,7 @@ impl Replica {
         let fleet = Arc::new(FleetHandle::default());
         let metrics = Metrics::new()?;
         let cancel = CancellationToken::new();
+        let stages = server::Stages::default();
         let reporter = Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone()));
         let matches = MatchesClient::new(&config, find_matches_deadline)
             .map_err(|source| StartError::ControlPlaneUrl { url: config.control_plane.clone(), source })?;
@@ -104,17 +114,39 @@ impl Replica {
             reporter: Arc::clone(&reporter),
             dispatcher,
             kv: Some(kv),
+            draining: stages.draining.clone(),
         };
         let state = Arc::new(state);
         let app = server::App { router: http::router(Arc::clone(&state)), state };
-        let server = tokio::spawn(server::serve(listener, app, cancel.clone()));
+        let server = tokio::spawn(server::serve(listener, app, stages.clone()));
         tracing::info!(%local_addr, "data-plane replica listening");
-        let tasks = [client, prober, prewarm, server].into_iter().chain(renewal).collect();
-        Ok(Self { local_addr, fleet, reporter, metrics, ledger, cancel, tasks })
+        let tasks = [client, prober, prewarm].into_iter().chain(renewal).collect();
+        Ok(Self { local_addr, fleet, reporter, metrics, ledger, stages, server, cancel, tasks })
     }
 
-    /// Stops its tasks and waits for them.
+    /// Stops at once: accepting ends and requests in flight get [`SHUTDOWN_GRACE`] to finish.
     pub async fn shutdown(self) {
+        self.drain(Duration::ZERO, SHUTDOWN_GRACE).await;
+    }
+
+    /// Shuts down the way a load balancer can follow. For `delay`, readiness fails while the
+    /// replica still accepts and answers, each answer closing its connection, so clients move
+    /// to other replicas as their load balancer stops choosing this one (Kubernetes removes a
+    /// terminating pod's endpoints a moment after it signals it). Then accepting stops, idle
+    /// connections close, and requests in flight get `grace` to finish before their
+    /// connections are cut. The fleet stream runs to the end, so the control plane hears of
+    /// every dispatch that ends meanwhile.
+    pub async fn drain(mut self, delay: Duration, grace: Duration) {
+        self.stages.draining.cancel();
+        if !delay.is_zero() {
+            tracing::info!(?delay, "draining: readiness fails; still answering while load balancers catch up");
+            tokio::time::sleep(delay).await;
+        }
+        self.stages.closing.cancel();
+        if tokio::time::timeout(grace, &mut self.server).await.is_err() {
+            self.stages.cut.cancel();
+            let _ = self.server.await;
+        }
         self.cancel.cancel();
         for task in self.tasks {
             let _ = task.await;

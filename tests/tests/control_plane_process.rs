@@ -213,3 +213,32 @@ async fn sighup_reloads_the_configuration_file_and_replicas_follow() -> anyhow::
     control.kill().await?;
     Ok(())
 }
+
+/// The replica binary on SIGTERM: readiness fails at once while it still answers, then it exits
+/// cleanly once its drain delay is over and nothing is in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_told_to_terminate_fails_readiness_for_its_drain_delay_then_exits() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
+    let control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let listen = free_port()?;
+    let mut replica = tokio::process::Command::new(tools::binary("continuum-data-plane"))
+        .args(["--listen", &listen.to_string(), "--control-plane", &control.grpc_url()])
+        .args(["--drain-delay", "1s", "--shutdown-grace", "5s"])
+        .kill_on_drop(true)
+        .spawn()?;
+    let readyz = format!("http://{listen}/readyz");
+    let status = || async { reqwest::get(&readyz).await.map(|r| r.status().as_u16()).unwrap_or_default() };
+    eventually(CONVERGE, "the replica ready", || async { status().await == 200 }).await?;
+
+    let pid = replica.id().ok_or_else(|| anyhow::anyhow!("the replica exited early"))?;
+    let signalled = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+    assert!(signalled.success());
+    let signalled_at = std::time::Instant::now();
+    eventually(Duration::from_secs(5), "readiness failing", || async { status().await == 503 }).await?;
+    let exit = tokio::time::timeout(Duration::from_secs(10), replica.wait()).await??;
+    assert!(exit.success(), "{exit}");
+    assert!(signalled_at.elapsed() >= Duration::from_secs(1), "it waited out its drain delay");
+    control.kill().await?;
+    Ok(())
+}

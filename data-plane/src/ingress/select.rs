@@ -243,6 +243,7 @@ mod tests {
             dispatcher: Arc::new(Dispatcher::new(DispatchSettings::default(), metrics.clone())),
             kv: Some(Arc::new(kv)),
             metrics,
+            draining: Default::default(),
         }
     }
 

@@ -23,11 +23,11 @@ use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
-use super::App;
 use super::head::{
     BodyFraming, HeadError, LAST_CHUNK, MAX_HEAD_BYTES, RequestHead, ResponseFraming, Route, encode_chunk,
     encode_response, http_date, parse_request,
 };
+use super::{App, Stages};
 use crate::dispatch::wire::{Chunked, Decoded, WireError};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
@@ -78,7 +78,7 @@ struct Connection {
     idle: Pin<Box<Sleep>>,
 }
 
-pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationToken) {
+pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages) {
     let mut conn = Connection {
         stream,
         read: BytesMut::with_capacity(READ_CHUNK),
@@ -86,7 +86,7 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
         idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
     };
     loop {
-        let (head, body, charge) = match conn.read_request(&shutdown).await {
+        let (head, body, charge) = match conn.read_request(&stages.closing).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
             Err(Stop::Refuse(error)) => {
@@ -98,10 +98,10 @@ pub(super) async fn serve(stream: TcpStream, app: App, shutdown: CancellationTok
                 return;
             }
         };
-        let keep_alive = head.keep_alive && !shutdown.is_cancelled();
-        let head_only = head.method == Method::HEAD;
-        let version = head.version;
+        let (asked_keep_alive, head_only, version) = (head.keep_alive, head.method == Method::HEAD, head.version);
         let Some(response) = conn.until_client_leaves(app.respond(head, body)).await else { return };
+        // A draining replica answers, and asks the client to go elsewhere for the next request.
+        let keep_alive = asked_keep_alive && !stages.draining.is_cancelled();
         // The dispatch, which kept the body for a retry, is done with it: a stream's answer
         // runs on without it.
         drop(charge);
@@ -150,8 +150,8 @@ impl App {
 
 impl Connection {
     /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
-    /// byte (and not at all once shutdown begins), then [`REQUEST_READ_TIMEOUT`] for the rest.
-    async fn read_request(&mut self, shutdown: &CancellationToken) -> Result<(RequestHead, Bytes, Charge), Stop> {
+    /// byte (and not at all once the server is closing), then [`REQUEST_READ_TIMEOUT`] for the rest.
+    async fn read_request(&mut self, closing: &CancellationToken) -> Result<(RequestHead, Bytes, Charge), Stop> {
         if self.read.is_empty() {
             self.refresh_idle_deadline();
             self.make_room();
@@ -163,7 +163,7 @@ impl Connection {
                     Ok(_) => {}
                 },
                 () = idle.as_mut() => return Err(Stop::Quietly),
-                () = shutdown.cancelled() => return Err(Stop::Quietly),
+                () = closing.cancelled() => return Err(Stop::Quietly),
             }
         }
         // Usually the whole request came with its first bytes: no reading left to time.

@@ -36,14 +36,28 @@ pub struct App {
 /// [`conn`]'s buffers) however many clients connect.
 pub const MAX_CONNECTIONS: usize = 16_384;
 
-/// Accepts connections until `shutdown`, then waits for the ones open to finish their current
-/// request (idle ones close at once).
-pub async fn serve(listener: TcpListener, app: App, shutdown: CancellationToken) {
+/// How a server winds down, in three steps a replica takes in order (see `Replica::drain`).
+#[derive(Debug, Clone, Default)]
+pub struct Stages {
+    /// Draining: every response from now on closes its connection, so keep-alive clients
+    /// reconnect (through a load balancer that has stopped choosing this replica) while the
+    /// server still accepts and answers.
+    pub draining: CancellationToken,
+    /// Closing: accepting stops and idle connections close; a connection answering a request
+    /// finishes it first.
+    pub closing: CancellationToken,
+    /// Cut: the grace period is over and every connection still open is closed mid-answer.
+    pub cut: CancellationToken,
+}
+
+/// Accepts connections until `stages.closing`, then waits for the ones open to finish their
+/// current request (idle ones close at once), or for `stages.cut`.
+pub async fn serve(listener: TcpListener, app: App, stages: Stages) {
     let connections = TaskTracker::new();
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let accepted = tokio::select! {
-            () = shutdown.cancelled() => break,
+            () = stages.closing.cancelled() => break,
             accepted = accept(&listener, &slots) => accepted,
         };
         match accepted {
@@ -54,9 +68,14 @@ pub async fn serve(listener: TcpListener, app: App, shutdown: CancellationToken)
                 }
                 let gauge = app.state.metrics.http_connections.clone();
                 gauge.inc();
-                let (app, shutdown) = (app.clone(), shutdown.clone());
+                let (app, stages) = (app.clone(), stages.clone());
                 connections.spawn(async move {
-                    conn::serve(stream, app, shutdown).await;
+                    // Dropping a connection cut mid-answer closes its socket and ends the
+                    // dispatch behind it.
+                    tokio::select! {
+                        () = conn::serve(stream, app, &stages) => {}
+                        () = stages.cut.cancelled() => {}
+                    }
                     gauge.dec();
                     drop(slot);
                 });
@@ -70,7 +89,13 @@ pub async fn serve(listener: TcpListener, app: App, shutdown: CancellationToken)
             }
         }
     }
+    drop(listener);
     connections.close();
+    tokio::select! {
+        () = connections.wait() => return,
+        () = stages.cut.cancelled() => {}
+    }
+    tracing::warn!(connections = connections.len(), "the grace period is over: closing connections still answering");
     connections.wait().await;
 }
 

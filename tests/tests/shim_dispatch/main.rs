@@ -2,6 +2,7 @@
 //! stub shims on loopback ports: the pins that leave, what clients see for every answer the real
 //! 1.6.1 frontend gives, SSE relay, retries and circuit breakers, and `/v1/models`.
 
+mod drain;
 mod failures;
 mod health;
 mod http1;
@@ -29,7 +30,7 @@ pub const NAMESPACE: &str = "dynamo";
 /// The Dynamo display name the workers serve, and the client id the model map gives it.
 pub const MODEL: &str = "tiny";
 pub const CLIENT_MODEL: &str = "tiny-chat";
-const CONVERGE: Duration = Duration::from_secs(20);
+pub const CONVERGE: Duration = Duration::from_secs(20);
 
 pub fn worker(id: u64, role: Role, model: &str, dp_size: u32) -> Arc<Worker> {
     Arc::new(Worker {
