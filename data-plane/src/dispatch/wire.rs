@@ -309,6 +309,7 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, WireError> {
 #[cfg(test)]
 mod tests {
     use continuum_proto::model::WorkerKey;
+    use proptest::prelude::*;
 
     use super::*;
     use crate::routing::headers::pins;
@@ -456,6 +457,129 @@ mod tests {
             let mut buf = BytesMut::from(wire);
             assert_eq!(decoder.decode(&mut buf), Ok(Decoded::Data(Bytes::from_static(b"hello"))));
             assert_eq!(decoder.decode(&mut buf), Ok(Decoded::End), "{:?}", String::from_utf8_lossy(wire));
+        }
+    }
+
+    /// A chunked body as a shim might frame it: the chunks, each size line with or without an
+    /// extension, and a trailer or not; then, half the time, one byte overwritten.
+    fn chunked_wire() -> impl Strategy<Value = Vec<u8>> {
+        let chunk = (prop::collection::vec(any::<u8>(), 1..40), any::<bool>());
+        (
+            prop::collection::vec(chunk, 0..6),
+            any::<bool>(),
+            prop::option::of((any::<prop::sample::Index>(), any::<u8>())),
+        )
+            .prop_map(|(chunks, trailer, flip)| {
+                let mut wire = Vec::new();
+                for (data, extension) in chunks {
+                    wire.extend_from_slice(
+                        format!("{:x}{}\r\n", data.len(), if extension { ";x=1" } else { "" }).as_bytes(),
+                    );
+                    wire.extend_from_slice(&data);
+                    wire.extend_from_slice(b"\r\n");
+                }
+                wire.extend_from_slice(if trailer { &b"0\r\nx-sum: 1\r\n\r\n"[..] } else { b"0\r\n\r\n" });
+                if let Some((at, byte)) = flip {
+                    let at = at.index(wire.len());
+                    wire[at] = byte;
+                }
+                wire
+            })
+    }
+
+    /// Feeds `pieces` one after another, decoding all it can after each: the body's bytes, and
+    /// whether it ended (`Ok(true)`), wants more (`Ok(false)`) or was refused.
+    fn decode_pieces(pieces: &[&[u8]]) -> (Vec<u8>, Result<bool, WireError>) {
+        let (mut decoder, mut buf, mut body) = (Chunked::default(), BytesMut::new(), Vec::new());
+        for piece in pieces {
+            buf.extend_from_slice(piece);
+            loop {
+                match decoder.decode(&mut buf) {
+                    Ok(Decoded::Data(data)) => body.extend_from_slice(&data),
+                    Ok(Decoded::More) => break,
+                    Ok(Decoded::End) => return (body, Ok(true)),
+                    Err(error) => return (body, Err(error)),
+                }
+            }
+        }
+        (body, Ok(false))
+    }
+
+    /// A shim's response head, after as many informational heads, and half the time one byte
+    /// overwritten.
+    fn response_head() -> impl Strategy<Value = Vec<u8>> {
+        let status = prop::sample::select(vec!["200 OK", "204 No Content", "400 Bad Request", "500 Oops", "503 x"]);
+        let header = (
+            prop::sample::select(vec![
+                "content-length",
+                "Transfer-Encoding",
+                "connection",
+                "content-type",
+                "x-dynamo-x",
+            ]),
+            prop::sample::select(vec!["0", "12", "chunked", "gzip", "close", "application/json", ""]),
+        );
+        let flip = prop::option::of((any::<prop::sample::Index>(), any::<u8>()));
+        (0..3usize, status, prop::collection::vec(header, 0..6), flip).prop_map(
+            |(informational, status, headers, flip)| {
+                let mut head = "HTTP/1.1 100 Continue\r\n\r\n".repeat(informational);
+                head.push_str(&format!("HTTP/1.1 {status}\r\n"));
+                for (name, value) in headers {
+                    head.push_str(&format!("{name}: {value}\r\n"));
+                }
+                head.push_str("\r\n");
+                let mut head = head.into_bytes();
+                if let Some((at, byte)) = flip {
+                    let at = at.index(head.len());
+                    head[at] = byte;
+                }
+                head
+            },
+        )
+    }
+
+    proptest! {
+        /// A shim's head read in pieces is never refused for where a read ended, and the body
+        /// bytes after it change nothing about it.
+        #[test]
+        fn a_response_head_parses_the_same_whatever_arrives_with_it(
+            head in response_head(),
+            after in prop::collection::vec(any::<u8>(), 0..32),
+        ) {
+            let outcome = |parsed: Result<Option<(Head, usize)>, WireError>| {
+                parsed.map(|h| h.map(|(h, n)| format!("{n} {} {:?} {:?} {}", h.status, h.headers, h.framing, h.keep_alive)))
+            };
+            if let Ok(Some((_, length))) = parse_head(&head) {
+                let mut followed = head.clone();
+                followed.extend_from_slice(&after);
+                prop_assert_eq!(outcome(parse_head(&followed)), outcome(parse_head(&head)));
+                for end in 0..length {
+                    prop_assert_eq!(outcome(parse_head(&head[..end])), Ok(None), "prefix of {} bytes", end);
+                }
+            }
+        }
+
+        /// However a shim's bytes are split across reads, the decoder reads the same body and
+        /// comes to the same end: accepted, incomplete, or refused. It never panics.
+        #[test]
+        fn a_chunked_body_reads_the_same_whatever_the_split(
+            wire in chunked_wire(),
+            cuts in prop::collection::vec(any::<prop::sample::Index>(), 0..4),
+        ) {
+            let mut cuts: Vec<usize> = cuts.iter().map(|c| c.index(wire.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut pieces = Vec::new();
+            let mut from = 0;
+            for cut in cuts.into_iter().chain([wire.len()]) {
+                pieces.push(&wire[from..cut]);
+                from = cut;
+            }
+            let (whole_body, whole_end) = decode_pieces(&[&wire]);
+            let (split_body, split_end) = decode_pieces(&pieces);
+            prop_assert_eq!(&split_body, &whole_body);
+            prop_assert_eq!(split_end.is_ok(), whole_end.is_ok());
+            prop_assert_eq!(split_end.ok(), whole_end.ok());
+            prop_assert!(whole_body.len() <= wire.len());
         }
     }
 }

@@ -288,6 +288,8 @@ pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     fn parse(text: &str) -> Result<Option<(RequestHead, usize)>, HeadError> {
@@ -401,5 +403,85 @@ mod tests {
         encode_chunk(&mut out, b"");
         out.extend_from_slice(LAST_CHUNK);
         assert_eq!(out, b"a\r\ndata: {}\n\n\r\n0\r\n\r\n");
+    }
+
+    /// A request head as a client might write it, framing headers and all, and half the time one
+    /// byte overwritten.
+    fn request_head() -> impl Strategy<Value = Vec<u8>> {
+        let method = prop::sample::select(vec!["GET", "POST", "PUT", "HEAD"]);
+        let target =
+            prop::sample::select(vec!["/v1/chat/completions", "/v1/models", "/", "http://r/v1/chat/completions?x=1"]);
+        let version = prop::sample::select(vec!["HTTP/1.1", "HTTP/1.0"]);
+        let header = (
+            prop::sample::select(vec![
+                "Host",
+                "content-length",
+                "Content-Length",
+                "transfer-encoding",
+                "connection",
+                "expect",
+                "x-backend",
+                "x-tenant-id",
+                "x-dynamo-worker-instance-id",
+                "x-other",
+            ]),
+            prop::sample::select(vec![
+                "0",
+                "12",
+                "chunked",
+                "gzip, chunked",
+                "close",
+                "keep-alive",
+                "100-continue",
+                "a b",
+                "",
+            ]),
+        );
+        let flip = prop::option::of((any::<prop::sample::Index>(), any::<u8>()));
+        (method, target, version, prop::collection::vec(header, 0..8), flip).prop_map(
+            |(method, target, version, headers, flip)| {
+                let mut head = format!("{method} {target} {version}\r\n");
+                for (name, value) in headers {
+                    head.push_str(&format!("{name}: {value}\r\n"));
+                }
+                head.push_str("\r\n");
+                let mut head = head.into_bytes();
+                if let Some((at, byte)) = flip {
+                    let at = at.index(head.len());
+                    head[at] = byte;
+                }
+                head
+            },
+        )
+    }
+
+    /// What a parse came to, comparable across parses.
+    fn outcome(parsed: Result<Option<(RequestHead, usize)>, HeadError>) -> Result<Option<String>, HeadError> {
+        parsed.map(|head| {
+            head.map(|(h, length)| {
+                format!("{length} {} {} {:?} {:?} {}", h.method, h.target, h.route, h.body, h.keep_alive)
+            })
+        })
+    }
+
+    proptest! {
+        /// A head read in pieces is never refused for where a read ended: every prefix of a head
+        /// the server takes whole is incomplete, and bytes after it (a body, the next request)
+        /// change nothing about it. Whatever the bytes, parsing never panics.
+        #[test]
+        fn a_request_head_parses_the_same_whatever_arrives_with_it(
+            head in request_head(),
+            after in prop::collection::vec(any::<u8>(), 0..32),
+        ) {
+            let whole = outcome(parse_request(&head));
+            let mut followed = head.clone();
+            followed.extend_from_slice(&after);
+            if let Ok(Some((_, length))) = parse_request(&head) {
+                prop_assert_eq!(outcome(parse_request(&followed)), whole.clone());
+                for end in 0..length {
+                    prop_assert_eq!(outcome(parse_request(&head[..end])), Ok(None), "prefix of {} bytes", end);
+                }
+            }
+        }
     }
 }
