@@ -6,7 +6,7 @@
 //! |---|---|
 //! | body names the missing prefill id (any status) | `PrefillRefused`: 503, no retry, no fallback |
 //! | 404 (model gone: empty body, or "Model not found") | `ModelGone` |
-//! | 4xx other than 408 and 429, on a streaming request | `Relay`: passed to the client as is |
+//! | 4xx other than 408 and 429, on a streaming request, unless it refuses a pin | `Relay`: passed to the client as is |
 //! | anything else, 1.6.1's generic 500 included | `DecodeFailed`: fallback or `disaggregated_decode_failed` |
 
 use axum::http::StatusCode;
@@ -28,7 +28,10 @@ pub fn classify(status: StatusCode, body: &[u8], stream: bool) -> Verdict {
         Verdict::PrefillRefused
     } else if status == StatusCode::NOT_FOUND {
         Verdict::ModelGone
-    } else if stream && status.is_client_error() && !retryable_client_error(status) {
+    } else if stream && status.is_client_error() && !retryable_client_error(status) && !blames_pins(status, body) {
+        // The client's own mistake. A refused pin (an id the frontend no longer knows, as
+        // when a worker's lease expired before this replica heard) is the router's, and
+        // relaying its 400 would tell the client its valid request was invalid.
         Verdict::Relay
     } else {
         Verdict::DecodeFailed
@@ -105,15 +108,17 @@ mod tests {
     #[test]
     fn verdicts_follow_the_seed_table() {
         use Verdict::*;
-        let rows: [(u16, &str, bool, Verdict); 16] = [
+        let client_400 = r#"{"message":"Failed to deserialize the JSON body into the target type: messages: missing field","type":"Bad Request","code":400}"#;
+        let rows: [(u16, &str, bool, Verdict); 17] = [
             (500, GENERIC_500, false, DecodeFailed),
             (500, GENERIC_500, true, DecodeFailed),
             (500, NAMED_REFUSAL, false, PrefillRefused),
             (503, NAMED_REFUSAL, true, PrefillRefused),
             (400, &NAMED_REFUSAL.to_ascii_lowercase(), false, PrefillRefused),
             (400, INVALID_400, false, DecodeFailed),
-            (400, INVALID_400, true, Relay),
-            (400, DP_RANK_400, true, Relay),
+            (400, INVALID_400, true, DecodeFailed),
+            (400, DP_RANK_400, true, DecodeFailed),
+            (400, client_400, true, Relay),
             (422, "", true, Relay),
             (408, "", true, DecodeFailed),
             (429, "", true, DecodeFailed),

@@ -2,8 +2,9 @@
 //!
 //! The relayed body owns the request's [`DispatchEnd`]: the dispatch ends in the ledger when the
 //! stream completes, fails, or is dropped because the client went away. A stream that breaks
-//! (the shim's connection fails, or no frame arrives for the idle timeout) ends with one SSE
-//! error event, so the client always sees an end and never a hang.
+//! (the shim's connection fails, or no event arrives for the idle timeout: comments are relayed
+//! but are no progress) ends with one SSE error event, so the client always sees an end and
+//! never a hang.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -19,7 +20,7 @@ use tokio::time::{Instant, Sleep};
 use super::ledger::DispatchEnd;
 use super::shim_body::ShimBody;
 
-/// No frame from the shim for this long ends a relayed stream with an error event.
+/// No event from the shim for this long ends a relayed stream with an error event.
 pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 #[derive(Debug)]
@@ -64,14 +65,19 @@ impl Body for RelayBody {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(dispatch) = &mut this.dispatch {
-                    dispatch.prefilled();
-                    if let Some(data) = frame.data_ref() {
-                        dispatch.observe(data);
+                // A keep-alive comment is relayed but is no progress: a stalled engine behind a
+                // frontend that sends them would otherwise hold the stream (and its dispatch)
+                // forever, and its first one would end the prefill before the first token.
+                if frame.data_ref().is_some_and(|data| carries_event(data)) {
+                    if let Some(dispatch) = &mut this.dispatch {
+                        dispatch.prefilled();
+                        if let Some(data) = frame.data_ref() {
+                            dispatch.observe(data);
+                        }
                     }
+                    let next = Instant::now() + this.idle;
+                    this.deadline.as_mut().reset(next);
                 }
-                let next = Instant::now() + this.idle;
-                this.deadline.as_mut().reset(next);
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(error))) => {
@@ -105,8 +111,32 @@ impl Body for RelayBody {
     }
 }
 
+/// Whether SSE bytes hold anything but comments (`:` lines) and the blank lines between events.
+/// An event split across frames counts in each of its pieces.
+fn carries_event(data: &[u8]) -> bool {
+    data.split(|b| *b == b'\n').any(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        line.first().is_some_and(|first| *first != b':')
+    })
+}
+
 /// One SSE event carrying an OpenAI-shaped error, as streaming clients expect mid-stream.
 pub fn sse_error_event(code: &str, message: &str) -> Bytes {
     let error = json!({"error": {"message": message, "type": "server_error", "code": code}});
     Bytes::from(format!("data: {error}\n\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::carries_event;
+
+    #[test]
+    fn only_comments_and_blank_lines_are_no_event() {
+        for quiet in [&b":\n\n"[..], b": keep-alive\r\n\r\n", b"", b"\n", b":\n\n:\n\n"] {
+            assert!(!carries_event(quiet), "{:?}", String::from_utf8_lossy(quiet));
+        }
+        for event in [&b"data: {}\n\n"[..], b":\n\ndata: [DONE]\n\n", b"\"}]}\n\n", b"event: error\r\n"] {
+            assert!(carries_event(event), "{:?}", String::from_utf8_lossy(event));
+        }
+    }
 }

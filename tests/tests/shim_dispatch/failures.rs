@@ -63,8 +63,10 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         ("generic 500, streaming", disagg("no_headers_stream")?, true, 502, DECODE_FAILED),
         ("prefill id without decode id", disagg("prefill_only_header_nonstream")?, false, 502, DECODE_FAILED),
         ("unknown worker id", disagg("unknown_decode_id")?, false, 502, DECODE_FAILED),
-        ("unknown worker id, streaming", disagg("unknown_decode_id")?, true, 400, RELAYED),
-        ("dp rank out of range, streaming", disagg("decode_dp_rank_out_of_range")?, true, 400, RELAYED),
+        // A refused pin is the router's mistake, not the client's: never relayed as its 400.
+        ("unknown worker id, streaming", disagg("unknown_decode_id")?, true, 502, DECODE_FAILED),
+        ("dp rank out of range, streaming", disagg("decode_dp_rank_out_of_range")?, true, 502, DECODE_FAILED),
+        ("the client's body refused, streaming", disagg("malformed_json")?, true, 400, RELAYED),
         ("dead worker, live lease", disagg(dead)?, false, 503, DECODE_FAILED),
         ("dead worker, streaming", disagg(dead)?, true, 503, DECODE_FAILED),
         ("model gone", disagg("after_lease_expiry_pinned_to_dead_decode")?, false, 404, Some("model_not_found")),
@@ -92,8 +94,8 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     assert_eq!(shim.received().len(), rows_len, "no refusal is retried or re-picked");
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(9.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(13.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(11.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(14.0));
     assert!(harness.replica.ledger.is_empty(), "every refused dispatch has ended");
     harness.stop().await;
     Ok(())
@@ -172,7 +174,12 @@ async fn a_refusal_of_the_clients_request_ejects_no_worker_but_a_refusal_of_the_
     // It no longer knows the pinned worker: twice in a row ejects the pair, streaming too.
     for _ in 0..2 {
         shim.push(disagg("unknown_decode_id")?);
-        assert_eq!(harness.post(&chat(MODEL, true)).await?.status(), 400, "relayed as is");
+        let (status, code) = error_of(harness.post(&chat(MODEL, true)).await?).await?;
+        assert_eq!(
+            (status, code.as_str()),
+            (502, "disaggregated_decode_failed"),
+            "the router's failure, not the client's"
+        );
     }
     assert!(ejected(), "two refused pins in a row eject the pinned ranks");
     harness.stop().await;

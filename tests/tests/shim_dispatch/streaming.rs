@@ -86,6 +86,52 @@ async fn a_silent_stream_ends_with_a_timeout_event() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A frontend may keep an idle stream open with SSE comments. They reach the client, but they
+/// are not the answer starting (the prompt keeps loading its prefill rank), nor progress: a
+/// stalled engine behind them still ends the stream at the idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_alive_comments_neither_begin_the_answer_nor_keep_a_stalled_stream_open() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(1500), ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
+    let prefill = LoadKey { worker: WorkerKey::new(NAMESPACE, PREFILL_ID), dp_rank: 0 };
+    let prefilling = || {
+        harness
+            .replica
+            .fleet
+            .view()
+            .and_then(|v| v.backlogs().get(&prefill).copied())
+            .is_some_and(|b| b.prefill_tokens > 0)
+    };
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let beat = gate.clone();
+    let heartbeat = tokio::spawn(async move {
+        while beat.send(Ok(Bytes::from_static(b":\n\n"))).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(":\n\n"), "comments are relayed");
+    eventually(Duration::from_secs(10), "the prefill leg reported", || async { prefilling() }).await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(prefilling(), "half a second of comments did not end the prefill leg");
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match next_text(&mut response).await? {
+                Some(text) if text.starts_with(':') => continue,
+                other => return anyhow::Ok(other.unwrap_or_default()),
+            }
+        }
+    })
+    .await??;
+    assert_eq!(event_code(&ended).as_deref(), Some("stream_timeout"), "{ended}");
+    assert!(harness.replica.ledger.is_empty());
+    heartbeat.abort();
+    drop(gate);
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_ends_its_dispatch() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
