@@ -10,6 +10,7 @@ use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::fleet::{ClientTls, Credentials, FleetClientConfig, TlsFiles};
 use continuum_data_plane::replica::Replica;
 use continuum_proto::MAX_REPLICA_ID_BYTES;
+use tokio::signal::unix::{self, SignalKind};
 
 /// The request path allocates and frees small buffers on every request; mimalloc's per-thread
 /// pages make that a few instructions (see "Data plane vs nginx" in docs/benchmark-notes.md).
@@ -115,6 +116,14 @@ async fn run(args: Args) -> ExitCode {
         }
     };
     let config = FleetClientConfig { credentials, tls, ..FleetClientConfig::new(args.control_plane, replica_id) };
+    // Before the start, so a SIGTERM while starting drains once started instead of killing.
+    let mut signals = match Signals::install() {
+        Ok(signals) => signals,
+        Err(error) => {
+            eprintln!("error: cannot listen for SIGTERM and SIGINT: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let started = Replica::start_full(&args.listen, config, DispatchSettings::default(), args.find_matches_deadline);
     let replica = match started.await {
         Ok(replica) => replica,
@@ -123,14 +132,14 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let delay = match shutdown_signal().await {
+    let delay = match signals.recv().await {
         Signal::Terminate => args.drain_delay,
         Signal::Interrupt => std::time::Duration::ZERO,
     };
     tracing::info!(drain_delay = ?delay, grace = ?args.shutdown_grace, "shutting down");
     tokio::select! {
         () = replica.drain(delay, args.shutdown_grace) => ExitCode::SUCCESS,
-        _ = shutdown_signal() => {
+        _ = signals.recv() => {
             tracing::warn!("a second signal: exiting without finishing the drain");
             ExitCode::FAILURE
         }
@@ -174,18 +183,26 @@ enum Signal {
     Interrupt,
 }
 
-/// The next SIGINT or SIGTERM.
-async fn shutdown_signal() -> Signal {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending().await,
+/// SIGTERM and SIGINT, listened for from the start to the exit: a signal that arrives while
+/// nothing awaits one (between the first and the drain's watch for a second) is kept for the
+/// next `recv`, not lost.
+struct Signals {
+    terminate: unix::Signal,
+    interrupt: unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        Ok(Self {
+            terminate: unix::signal(SignalKind::terminate())?,
+            interrupt: unix::signal(SignalKind::interrupt())?,
+        })
+    }
+
+    async fn recv(&mut self) -> Signal {
+        tokio::select! {
+            _ = self.terminate.recv() => Signal::Terminate,
+            _ = self.interrupt.recv() => Signal::Interrupt,
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => Signal::Interrupt,
-        () = term => Signal::Terminate,
     }
 }

@@ -83,13 +83,14 @@ impl Dispatcher {
 
     /// A backend's answer to a plain unpinned request: a success or a refusal of the client's
     /// request (4xx) is relayed as is. A server error is the backend's own: its body may name
-    /// internal hosts or paths, so the client gets the router's error instead.
+    /// internal hosts or paths, so the client gets the router's error instead; so does an
+    /// answer no chat completion should get (an informational status, a redirect).
     pub(super) async fn pass_through(&self, response: Response<ShimBody>, stream: bool) -> Result<Response, Failure> {
         let status = response.status();
         if status.is_success() {
             return self.success(response, stream, None).await;
         }
-        if status.is_server_error() {
+        if !status.is_client_error() {
             return Err(Failure::Status(status));
         }
         let (parts, body) = response.into_parts();

@@ -190,13 +190,16 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
         _ => "the exchange with the Dynamo frontend broke off".to_string(),
     };
     let retried = if fallback.is_some() { " and the retry without worker pins also failed" } else { "" };
-    ApiError::new(
-        status,
-        "disaggregated_decode_failed",
-        format!(
+    let message = match cause {
+        // The answer came; retrying would bring it again, as large.
+        Failure::TooLarge(limit) => format!(
+            "The request's answer is larger than the {limit} bytes relayed unstreamed{retried}. Ask for it with \"stream\": true."
+        ),
+        _ => format!(
             "The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."
         ),
-    )
+    };
+    ApiError::new(status, "disaggregated_decode_failed", message)
 }
 
 fn echo(model: &str) -> String {
@@ -207,6 +210,15 @@ fn echo(model: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_too_large_to_relay_says_to_stream_it_not_to_retry() {
+        let error = decode_failed(&Failure::TooLarge(32 << 20), None);
+        assert_eq!((error.status, error.code), (StatusCode::BAD_GATEWAY, "disaggregated_decode_failed"));
+        assert!(error.message.contains("\"stream\": true") && !error.message.contains("Retry"), "{}", error.message);
+        let broke = decode_failed(&Failure::Status(StatusCode::INTERNAL_SERVER_ERROR), None);
+        assert!(broke.message.contains("answered 500") && broke.message.contains("Retry"), "{}", broke.message);
+    }
 
     #[test]
     fn a_long_client_model_is_echoed_cut_short() {

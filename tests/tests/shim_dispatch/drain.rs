@@ -30,15 +30,19 @@ async fn a_draining_replica_fails_readiness_still_answers_then_lets_its_streams_
 
     let addr = replica.local_addr;
     let url = |path: &str| format!("http://{addr}{path}");
-    let draining = tokio::spawn(replica.drain(Duration::from_secs(2), Duration::from_secs(30)));
+    let draining = tokio::spawn(replica.drain(Duration::from_secs(3), Duration::from_secs(30)));
 
     // During the delay: not ready, yet a new connection is accepted and answered, and told to close.
-    let ready = loop {
-        let answer = http.get(url("/readyz")).send().await?;
-        if answer.status() == 503 {
-            break answer.json::<Value>().await?;
+    let ready = tokio::time::timeout(Duration::from_secs(2), async {
+        loop {
+            let answer = http.get(url("/readyz")).send().await?;
+            if answer.status() == 503 {
+                return anyhow::Ok(answer.json::<Value>().await?);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
-    };
+    })
+    .await??;
     assert_eq!((&ready["ready"], &ready["draining"]), (&Value::Bool(false), &Value::Bool(true)), "{ready}");
     assert!(ready["reason"].as_str().is_some_and(|r| r.starts_with("draining")), "{ready}");
     let answer = reqwest::Client::new().post(url("/v1/chat/completions")).json(&chat(MODEL, false)).send().await?;

@@ -195,8 +195,12 @@ async fn with_disaggregated_serving_off_requests_go_unpinned_to_backends_listing
     assert!(!body.contains("10.1.2.3"), "no internal address: {body}");
     let body: serde_json::Value = serde_json::from_str(&body)?;
     assert_eq!(body["error"]["code"], "backend_failed", "{body}");
+    // Nor is a redirect, whose page may name hosts too, and which no chat completion expects.
+    shim.push(fixed(302, r#"<a href="http://10.1.2.3/login">moved</a>"#));
+    let (status, code) = super::error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (502, "backend_failed"));
     let metrics = harness.metrics().await?;
-    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(3.0));
+    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(4.0));
     harness.stop().await;
     Ok(())
 }
