@@ -34,6 +34,11 @@ pub const MAX_INBOUND_FLEET_MESSAGE_BYTES: usize = 4 << 20;
 /// operation, so twice that leaves room; a report past it is refused whole.
 pub const MAX_REPORT_STARTED: usize = 1024;
 
+/// Ends (and, separately, first tokens) one report may carry: a replica batches at most 512
+/// events and adds at most 8,192 ends it had to keep aside while its queue was full; a report
+/// past it is refused whole.
+pub const MAX_REPORT_ENDS: usize = 16_384;
+
 /// Tokens a lookup may say its prompt has, as many as a replica renders (1,048,576); a larger
 /// claim is taken as this many, so one lookup cannot outweigh every other on its rank.
 pub const MAX_LOOKUP_PROMPT_TOKENS: u64 = 1 << 20;

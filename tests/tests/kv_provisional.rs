@@ -413,6 +413,26 @@ async fn what_one_caller_sends_is_bounded_before_it_is_believed() -> anyhow::Res
     })
     .await?;
     assert_eq!(ended, Some(tonic::Code::InvalidArgument));
+
+    // So does one ending more dispatches than a replica ever ends at once.
+    let (tx, rx) = mpsc::channel(8);
+    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "ends".into(), version: None })) })
+        .await?;
+    let mut updates = reporter.watch(ReceiverStream::new(rx)).await?.into_inner();
+    let ended = (0..=continuum_proto::MAX_REPORT_ENDS as u64).collect();
+    tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(pb::DispatchReport { ended, ..Default::default() })) })
+        .await?;
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match updates.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(status) => return Some(status.code()),
+            }
+        }
+    })
+    .await?;
+    assert_eq!(ended, Some(tonic::Code::InvalidArgument));
     plane.cancel.cancel();
     Ok(())
 }

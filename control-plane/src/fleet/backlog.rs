@@ -52,6 +52,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
@@ -75,6 +76,12 @@ pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
 pub const IN_FLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
 /// Outstanding dispatches one replica may hold in the book; more are refused and counted.
 pub const MAX_DISPATCHES_PER_REPLICA: usize = 65_536;
+/// Outstanding dispatches the book holds across every replica, however many connect; more are
+/// refused and counted. A fleet of 64 replicas with 4,096 requests in flight each fits.
+pub const MAX_DISPATCHES: usize = 1 << 18;
+/// Bytes of reports waiting for the book at most (besides the count bound of its queue): past
+/// it a report is dropped and its session ended, as when the queue is full.
+pub const MAX_QUEUED_REPORT_BYTES: usize = 64 << 20;
 /// A dispatch reported with more decode blocks than this (16 Mi tokens at 16 a block) is
 /// refused: no request is that long, and sums of it would drown every real one on its rank.
 pub const MAX_REPORTED_DECODE_BLOCKS: u64 = 1 << 20;
@@ -95,8 +102,25 @@ const MAX_ENDED_PER_RANK: usize = 4096;
 /// stalling a Watch session.
 const COMMAND_QUEUE: usize = 4096;
 
+/// About what a report holds in memory: its dispatches, their block hashes, its ends.
+fn report_bytes(report: &pb::DispatchReport) -> usize {
+    let hashes: usize = report.started.iter().map(|started| started.block_hashes.len()).sum();
+    let ids = hashes + report.ended.len() + report.prefilled.len();
+    std::mem::size_of::<pb::DispatchReport>()
+        + report.started.len() * std::mem::size_of::<pb::DispatchStarted>()
+        + ids * std::mem::size_of::<u64>()
+}
+
+/// Gives back what a vector of block hashes no longer holds once cut, when that is most of it:
+/// a dispatch keeps its chain for as long as it is in flight.
+pub(crate) fn fit(hashes: &mut Vec<u64>) {
+    if hashes.capacity() > 2 * hashes.len() + 16 {
+        hashes.shrink_to_fit();
+    }
+}
+
 enum Command {
-    Report { replica: u64, report: pb::DispatchReport, at: Instant },
+    Report { replica: u64, report: pb::DispatchReport, at: Instant, bytes: usize },
     ReplicaGone { replica: u64 },
 }
 
@@ -113,6 +137,8 @@ pub struct BookCounters {
 #[derive(Debug, Clone)]
 pub struct BacklogBook {
     tx: mpsc::Sender<Command>,
+    /// What the reports in the queue hold, estimated; the book's task gives it back.
+    queued: Arc<AtomicUsize>,
 }
 
 impl BacklogBook {
@@ -124,13 +150,24 @@ impl BacklogBook {
         cancel: CancellationToken,
     ) -> Self {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
-        tokio::spawn(run(publisher, Book { active, ..Book::default() }, rx, counters, cancel));
-        Self { tx }
+        let queued = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, Arc::clone(&queued)), counters, cancel));
+        Self { tx, queued }
     }
 
-    /// Records a replica's report; `false` when the book is a full queue behind.
+    /// Records a replica's report; `false` when the book is a full queue, or a queue of
+    /// [`MAX_QUEUED_REPORT_BYTES`], behind.
     pub fn report(&self, replica: u64, report: pb::DispatchReport) -> bool {
-        self.tx.try_send(Command::Report { replica, report, at: Instant::now() }).is_ok()
+        let bytes = report_bytes(&report);
+        if self.queued.fetch_add(bytes, Ordering::AcqRel) + bytes > MAX_QUEUED_REPORT_BYTES {
+            self.queued.fetch_sub(bytes, Ordering::AcqRel);
+            return false;
+        }
+        let sent = self.tx.try_send(Command::Report { replica, report, at: Instant::now(), bytes }).is_ok();
+        if !sent {
+            self.queued.fetch_sub(bytes, Ordering::AcqRel);
+        }
+        sent
     }
 
     /// Forgets `replica`'s dispatches; waits for room in the queue, since a replica gone
@@ -507,7 +544,8 @@ impl Book {
             let held = self.per_replica.get(&replica).copied().unwrap_or_default();
             let implausible = started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS
                 || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS;
-            if implausible || held >= MAX_DISPATCHES_PER_REPLICA || !self.admit(key, reported, state) {
+            let full = held >= MAX_DISPATCHES_PER_REPLICA || self.where_is.len() >= MAX_DISPATCHES;
+            if implausible || full || !self.admit(key, reported, state) {
                 self.refused += 1;
                 continue;
             }
@@ -518,6 +556,7 @@ impl Book {
             let mut block_hashes = started.block_hashes;
             // Only the leading `decode_blocks` are the rank's to hold (none on a prefill leg).
             block_hashes.truncate(usize::try_from(started.decode_blocks).unwrap_or(usize::MAX));
+            fit(&mut block_hashes);
             if self.held_hashes + block_hashes.len() > MAX_ACTIVE_BLOCK_HASHES {
                 block_hashes = Vec::new();
                 self.chains_dropped += 1;
@@ -658,7 +697,7 @@ impl Book {
 async fn run(
     publisher: FleetPublisher,
     mut book: Book,
-    mut rx: mpsc::Receiver<Command>,
+    (mut rx, queued): (mpsc::Receiver<Command>, Arc<AtomicUsize>),
     counters: BookCounters,
     cancel: CancellationToken,
 ) {
@@ -680,7 +719,10 @@ async fn run(
             () = cancel.cancelled() => return,
             command = rx.recv() => {
                 match command {
-                    Some(Command::Report { replica, report, at }) => book.report(replica, report, at, &states.borrow()),
+                    Some(Command::Report { replica, report, at, bytes }) => {
+                        queued.fetch_sub(bytes, Ordering::AcqRel);
+                        book.report(replica, report, at, &states.borrow());
+                    }
                     Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
                     None => return,
                 }

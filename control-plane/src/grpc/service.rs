@@ -27,6 +27,11 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub use continuum_proto::MAX_REPLICA_ID_BYTES;
 
+/// Watch streams open at once, one per replica: each holds a queue of updates and up to
+/// [`MAX_DISPATCHES_PER_REPLICA`](crate::fleet::MAX_DISPATCHES_PER_REPLICA) dispatches, so a
+/// caller opening stream after stream (with the token) could otherwise hold without bound.
+pub const MAX_WATCH_SESSIONS: usize = 1024;
+
 /// The replicas with an open Watch stream, for the admin API and tests.
 #[derive(Debug, Default, Clone)]
 pub struct Replicas {
@@ -49,19 +54,24 @@ impl Replicas {
     /// Admits a session under a new id, ending every open session of the same replica id: a
     /// replica that reconnects has given up its old stream, whatever this side has noticed,
     /// and the dispatches reported on it are in flight under the new stream's count. Returns
-    /// the new id and how many sessions it superseded.
-    fn insert(&self, status: Arc<ReplicaStatus>, ended: CancellationToken) -> (u64, usize) {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+    /// the new id and how many sessions it superseded; `None`, changing nothing, when
+    /// [`MAX_WATCH_SESSIONS`] other replicas hold one.
+    fn insert(&self, status: Arc<ReplicaStatus>, ended: CancellationToken) -> Option<(u64, usize)> {
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut superseded = 0;
         // A session already ended but not yet removed is not ended again (nor counted).
-        let live = |open: &&Open| !open.ended.is_cancelled() && open.status.replica_id == status.replica_id;
-        for open in inner.values().filter(live) {
+        let live = |open: &&Open| !open.ended.is_cancelled();
+        let mine = |open: &&Open| open.status.replica_id == status.replica_id;
+        if inner.values().filter(live).filter(|open| !mine(open)).count() >= MAX_WATCH_SESSIONS {
+            return None;
+        }
+        let mut superseded = 0;
+        for open in inner.values().filter(live).filter(mine) {
             open.ended.cancel();
             superseded += 1;
         }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         inner.insert(id, Open { status, ended });
-        (id, superseded)
+        Some((id, superseded))
     }
 
     fn remove(&self, id: u64) {
@@ -198,7 +208,13 @@ impl Fleet for FleetService {
         let (replicas, metrics, shutdown, book) =
             (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone(), self.book.clone());
         let ended = shutdown.child_token();
-        let (id, superseded) = replicas.insert(Arc::clone(&status), ended.clone());
+        let Some((id, superseded)) = replicas.insert(Arc::clone(&status), ended.clone()) else {
+            metrics.watch_refused.with_label_values(&["too_many_sessions"]).inc();
+            tracing::warn!(replica = %status.replica_id, "refusing a Watch stream: {MAX_WATCH_SESSIONS} replicas hold one");
+            return Err(Status::resource_exhausted(format!(
+                "the control plane serves at most {MAX_WATCH_SESSIONS} replicas at once; retry later"
+            )));
+        };
         if superseded > 0 {
             // Two live replicas configured with one id would take turns ending each other's
             // stream: the warning and the counter name it.
@@ -296,5 +312,28 @@ impl Fleet for FleetService {
         };
         let answer = pb::FindMatchesResponse { overlaps, turn, suggestion, tie_break, reserved_tokens };
         Ok(Response::new(answer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bounded_number_of_replicas_hold_a_stream_and_a_reconnecting_one_is_never_refused() {
+        let replicas = Replicas::default();
+        let open = |id: &str| replicas.insert(Arc::new(ReplicaStatus::new(id.to_string())), CancellationToken::new());
+        for n in 0..MAX_WATCH_SESSIONS {
+            assert!(open(&format!("replica-{n}")).is_some());
+        }
+        assert_eq!(open("one-too-many"), None, "a new replica past the bound is refused");
+        assert_eq!(replicas.list().len(), MAX_WATCH_SESSIONS, "and nothing changed");
+        // A replica reconnecting takes its own place: its old stream is superseded.
+        let (_, superseded) = open("replica-7").expect("a reconnect is admitted");
+        assert_eq!(superseded, 1);
+        // A session ended but not yet removed does not count against the bound.
+        let (id, _) = open("replica-7").expect("admitted");
+        replicas.remove(id);
+        assert!(open("a-newcomer").is_some(), "the place of an ended session is free");
     }
 }

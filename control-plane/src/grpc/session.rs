@@ -13,12 +13,12 @@ use continuum_kv_index::RankKey;
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::pb::{self, fleet_update::Body, watch_request::Kind};
 use continuum_proto::{
-    MAX_DISPATCH_BLOCK_HASHES, MAX_FLEET_MESSAGE_BYTES, MAX_REPORT_BLOCK_HASHES, MAX_REPORT_STARTED,
+    MAX_DISPATCH_BLOCK_HASHES, MAX_FLEET_MESSAGE_BYTES, MAX_REPORT_BLOCK_HASHES, MAX_REPORT_ENDS, MAX_REPORT_STARTED,
 };
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
-use crate::fleet::{BacklogBook, Catchup, FleetState};
+use crate::fleet::{BacklogBook, Catchup, FleetState, fit};
 use crate::kv::{KvHandle, LookupKey};
 use crate::metrics::Metrics;
 
@@ -219,6 +219,13 @@ impl Session {
                         report.started.len()
                     )));
                 }
+                let ends = report.ended.len().max(report.prefilled.len());
+                if ends > MAX_REPORT_ENDS {
+                    self.metrics.dispatch_reports_dropped.inc();
+                    return Err(Status::invalid_argument(format!(
+                        "a dispatch report ends (or marks prefilled) {ends} dispatches; at most {MAX_REPORT_ENDS}"
+                    )));
+                }
                 self.credit_prefixes(&mut report);
                 if !self.book.report(self.session_id, report) {
                     self.metrics.dispatch_reports_dropped.inc();
@@ -247,6 +254,8 @@ impl Session {
         for started in &mut report.started {
             let hashes = &mut started.block_hashes;
             hashes.truncate(MAX_DISPATCH_BLOCK_HASHES.min(budget));
+            // What a cut chain no longer holds is given back: the book keeps it for minutes.
+            fit(hashes);
             budget -= hashes.len();
             let rank = started.rank.as_ref().and_then(|k| Some((k.worker.as_ref()?.instance_id, k.dp_rank)));
             let Some((worker_id, dp_rank)) = rank else { continue };

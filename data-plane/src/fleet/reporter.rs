@@ -31,6 +31,7 @@ pub const REPORT_QUEUE: usize = 8192;
 pub const MAX_REPORT_BATCH: usize = 512;
 // An operation starts at most two dispatches, and a report may hold one past the batch.
 const _: () = assert!(MAX_REPORT_BATCH + 2 <= continuum_proto::MAX_REPORT_STARTED);
+const _: () = assert!(MAX_REPORT_BATCH + 2 + MAX_STRANDED_ENDS <= continuum_proto::MAX_REPORT_ENDS);
 /// Ends kept aside from operations the queue had no room for, at most (and as many first
 /// tokens).
 pub const MAX_STRANDED_ENDS: usize = 8192;

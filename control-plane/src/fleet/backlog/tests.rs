@@ -607,3 +607,59 @@ fn a_worker_removed_and_added_again_gets_its_backlog_published_anew() {
     book.expire(&back, t0);
     assert_eq!(sums(&book.take_change(t0)), [(0, 160, 10, 1, None)], "the unchanged sum goes out again");
 }
+
+#[test]
+fn the_book_holds_a_bounded_number_of_dispatches_across_every_replica() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let per_report = continuum_proto::MAX_REPORT_STARTED as u64;
+    // Replicas fill the book, each to its own bound, until the book's bound is reached.
+    let replicas = (MAX_DISPATCHES / MAX_DISPATCHES_PER_REPLICA) as u64;
+    for replica in 0..replicas {
+        for first in (0..MAX_DISPATCHES_PER_REPLICA as u64).step_by(per_report as usize) {
+            let batch = (first..first + per_report).map(|id| started(id, 0, 16)).collect();
+            book.report(replica, report(batch, vec![]), Instant::now(), &state);
+        }
+    }
+    assert_eq!((book.where_is.len(), book.refused), (MAX_DISPATCHES, 0));
+    // One more replica, well within its own bound, is refused: the book is full.
+    book.report(replicas, report(vec![started(1, 0, 16), started(2, 0, 16)], vec![]), Instant::now(), &state);
+    assert_eq!((book.where_is.len(), book.refused), (MAX_DISPATCHES, 2));
+    // An end makes room again.
+    book.report(0, report(vec![], vec![0]), Instant::now(), &state);
+    book.report(replicas, report(vec![started(3, 0, 16)], vec![]), Instant::now(), &state);
+    assert_eq!((book.where_is.len(), book.refused), (MAX_DISPATCHES, 2));
+}
+
+#[test]
+fn a_cut_chain_gives_its_memory_back() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let mut long = started(1, 0, 16);
+    long.block_hashes = (0..4096).collect();
+    // One block to hold: the rest of the chain is cut, and its room given back.
+    book.report(1, report(vec![long], vec![]), Instant::now(), &state);
+    let held: usize =
+        book.ranks.values().flat_map(|rank| rank.dispatches.values()).map(|d| d.block_hashes.capacity()).sum();
+    assert!(held < 64, "a one-block dispatch keeps room for {held} hashes");
+}
+
+#[tokio::test]
+async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    let counter = |name| IntCounter::new(name, name).expect("counter");
+    let counters = BookCounters { refused: counter("refused"), chains_dropped: counter("chains") };
+    let cancel = CancellationToken::new();
+    let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters, cancel.clone());
+    // The book's task does not run while this one does not yield: every report waits.
+    let ends = continuum_proto::MAX_REPORT_ENDS as u64;
+    let heavy = || report(vec![], (0..ends).collect());
+    let bytes = report_bytes(&heavy());
+    let accepted = (0..COMMAND_QUEUE).take_while(|_| book.report(1, heavy())).count();
+    assert!(accepted < COMMAND_QUEUE, "the byte bound is reached first");
+    assert_eq!(accepted, MAX_QUEUED_REPORT_BYTES / bytes, "as many as fit in {MAX_QUEUED_REPORT_BYTES} bytes");
+    // Once the book has taken them, there is room again.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(book.report(1, heavy()));
+    cancel.cancel();
+}
