@@ -107,7 +107,7 @@ impl DispatchEnd {
         }
         let [prefill, decode] = &mut self.reported;
         self.reporter.operation(|report| {
-            self.ledger.prefilled(self.id, Instant::now(), report.op());
+            self.ledger.prefilled(self.id, Instant::now(), report.change());
             if let Some(id) = prefill.take() {
                 report.prefilled(id);
                 report.ended(id);
@@ -129,7 +129,7 @@ impl DispatchEnd {
 impl Drop for DispatchEnd {
     fn drop(&mut self) {
         self.reporter.operation(|report| {
-            self.ledger.end(self.id, Instant::now(), report.op());
+            self.ledger.end(self.id, Instant::now(), report.change());
             for id in self.reported.iter().flatten() {
                 report.ended(*id);
             }

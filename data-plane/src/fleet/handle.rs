@@ -94,10 +94,15 @@ impl FleetHandle {
     /// replicas' dispatches out of them any more (frozen, they would keep a worker looking busy
     /// with requests finished long ago). The picker counts this replica's own dispatches until
     /// the stream is back.
+    /// Which of this replica's operations the sums held goes too: it named the old stream's.
     pub(crate) fn detach(&self) {
-        if let Some(view) = self.view().filter(|view| !view.backlogs().is_empty()) {
+        let held = |view: &Arc<FleetView>| !view.backlogs().is_empty() || view.reports_folded().is_some();
+        if let Some(view) = self.view().filter(held) {
             self.view.store(Some(Arc::new(view.without_backlogs())));
-            self.link.lock().unwrap_or_else(PoisonError::into_inner).partial = true;
+            if !view.backlogs().is_empty() {
+                // The next stream must resend what was dropped: a delta would not.
+                self.link.lock().unwrap_or_else(PoisonError::into_inner).partial = true;
+            }
         }
         self.touch(false);
     }

@@ -14,7 +14,7 @@
 //! would weigh on the rank, for every replica, until the control plane aged it out, and one
 //! whose first token never came would keep its prompt queued on the rank until it ended.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use continuum_proto::model::LoadKey;
@@ -22,7 +22,7 @@ use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
 use prometheus::IntCounter;
 use tokio::sync::mpsc;
 
-use crate::routing::picker::NOT_REPORTED;
+use crate::routing::picker::{NOT_REPORTED, Op};
 
 /// Operations waiting to be reported; one batch per stream turn drains them.
 pub const REPORT_QUEUE: usize = 8192;
@@ -55,6 +55,10 @@ pub struct Operation {
 struct Numbers {
     next_op: u64,
     next_dispatch: u64,
+    /// The first number an operation took on the stream attached now, and which attachment
+    /// that was (see [`Reports::streams`]).
+    stream_first: u64,
+    stream: u64,
 }
 
 #[derive(Debug)]
@@ -67,6 +71,8 @@ pub struct DispatchReporter {
     /// Whether a stream to the control plane is open to take the queue: without one,
     /// operations are performed unnumbered instead of filling it only to be discarded.
     attached: Arc<AtomicBool>,
+    /// Streams attached so far.
+    streams: Arc<AtomicU64>,
     dropped: IntCounter,
 }
 
@@ -84,6 +90,9 @@ pub struct Reports {
     rx: mpsc::Receiver<Operation>,
     stranded: Arc<Mutex<Stranded>>,
     attached: Arc<AtomicBool>,
+    /// Counts each attachment, before it is marked attached: an operation that finds a new
+    /// one starts that stream's numbers.
+    streams: Arc<AtomicU64>,
 }
 
 impl Reports {
@@ -102,6 +111,8 @@ impl Reports {
 #[derive(Debug)]
 pub struct Report<'a> {
     op: u64,
+    /// The first operation number of the stream this one is reported on.
+    stream_first: u64,
     /// The next dispatch id.
     next_dispatch: &'a mut u64,
     events: Vec<DispatchEvent>,
@@ -112,6 +123,11 @@ impl Report<'_> {
     /// room for it.
     pub fn op(&self) -> u64 {
         self.op
+    }
+
+    /// The operation as it changes a dispatch recorded earlier, perhaps on an earlier stream.
+    pub fn change(&self) -> Op {
+        Op { number: self.op, stream_first: self.stream_first }
     }
 
     /// Reports a dispatch pinned to `rank`, whose prompt hashes to `block_hashes` (empty when
@@ -166,10 +182,15 @@ impl Report<'_> {
 impl DispatchReporter {
     pub fn new(dropped: IntCounter) -> Self {
         let (tx, rx) = mpsc::channel(REPORT_QUEUE);
-        let numbers = Numbers { next_op: 1, next_dispatch: 1 };
-        let (stranded, attached) = (Arc::default(), Arc::default());
-        let reports = Reports { rx, stranded: Arc::clone(&stranded), attached: Arc::clone(&attached) };
-        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, attached, dropped }
+        let numbers = Numbers { next_op: 1, next_dispatch: 1, stream_first: 1, stream: 0 };
+        let (stranded, attached, streams) = (Arc::default(), Arc::default(), Arc::default());
+        let reports = Reports {
+            rx,
+            stranded: Arc::clone(&stranded),
+            attached: Arc::clone(&attached),
+            streams: Arc::clone(&streams),
+        };
+        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, attached, streams, dropped }
     }
 
     /// Performs one operation: `perform` records it under its number ([`Report::op`]) and says
@@ -182,12 +203,27 @@ impl DispatchReporter {
         if !self.attached.load(Ordering::Acquire) {
             // No stream: the control plane holds none of this replica's dispatches, and a new
             // session starts from a snapshot, so there is nothing to report them to.
-            let mut report = Report { op: NOT_REPORTED, next_dispatch: &mut numbers.next_dispatch, events: Vec::new() };
+            let mut report = Report {
+                op: NOT_REPORTED,
+                stream_first: numbers.stream_first,
+                next_dispatch: &mut numbers.next_dispatch,
+                events: Vec::new(),
+            };
             return perform(&mut report);
+        }
+        // The first operation on a newly attached stream starts its numbers.
+        let stream = self.streams.load(Ordering::Acquire);
+        if stream != numbers.stream {
+            (numbers.stream, numbers.stream_first) = (stream, numbers.next_op);
         }
         let place = self.tx.try_reserve();
         let op = if place.is_ok() { numbers.next_op } else { NOT_REPORTED };
-        let mut report = Report { op, next_dispatch: &mut numbers.next_dispatch, events: Vec::with_capacity(2) };
+        let mut report = Report {
+            op,
+            stream_first: numbers.stream_first,
+            next_dispatch: &mut numbers.next_dispatch,
+            events: Vec::with_capacity(2),
+        };
         let result = perform(&mut report);
         let Report { events, .. } = report;
         match place {
@@ -285,6 +321,7 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
 /// so ends for them would name nothing.
 pub(crate) fn attach(reports: &mut Reports) {
     discard(reports);
+    reports.streams.fetch_add(1, Ordering::AcqRel);
     reports.attached.store(true, Ordering::Release);
 }
 
@@ -498,5 +535,24 @@ mod tests {
         let report = next_report(&mut rx);
         assert_eq!((report.first_op, report.last_op), (2, 2));
         assert!(rx.try_recv().is_none(), "the silent operation queued nothing");
+    }
+
+    #[test]
+    fn each_operation_knows_the_first_number_of_the_stream_it_is_reported_on() {
+        let (reporter, mut rx) = reporter();
+        let change = |reporter: &DispatchReporter| reporter.operation(|report| report.change());
+        start(&reporter, 16, 1, Vec::new());
+        assert_eq!(change(&reporter), Op { number: 2, stream_first: 1 });
+        // The stream is lost and another opens, with no operation in between: the next
+        // operation still starts the new stream's numbers.
+        detach(&mut rx);
+        attach(&mut rx);
+        assert_eq!(change(&reporter), Op { number: 3, stream_first: 3 });
+        assert_eq!(change(&reporter), Op { number: 4, stream_first: 3 });
+        // While detached, operations go unnumbered, and the next stream starts past them.
+        detach(&mut rx);
+        assert_eq!(change(&reporter).number, NOT_REPORTED);
+        attach(&mut rx);
+        assert_eq!(change(&reporter), Op { number: 5, stream_first: 5 });
     }
 }

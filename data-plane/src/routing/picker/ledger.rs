@@ -51,6 +51,24 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// fleet join, since the fleet's sums will never show it. Reported operations count from 1.
 pub const NOT_REPORTED: u64 = 0;
 
+/// An operation that changes a dispatch recorded earlier (its first token, its end): its
+/// number, and the first number of the stream it is reported on. A dispatch recorded before
+/// that stream opened is one the control plane never had (it forgot the old stream's), so what
+/// happens to it later is not remembered for the join either: it leaves the legs the sums lack
+/// as it changes, and the join is right at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Op {
+    pub number: u64,
+    pub stream_first: u64,
+}
+
+impl From<u64> for Op {
+    /// An operation on the stream every numbered recording was reported on.
+    fn from(number: u64) -> Self {
+        Op { number, stream_first: 0 }
+    }
+}
+
 /// A recorded dispatch, to end when its request finishes, is refused, fails or is cancelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DispatchId(u64);
@@ -308,7 +326,7 @@ impl Rank {
         }
     }
 
-    fn prefilled(&mut self, id: DispatchId, now: Instant, op: u64) {
+    fn prefilled(&mut self, id: DispatchId, now: Instant, op: Op) {
         let Some(leg) = self.position(id).and_then(|index| self.legs.get_mut(index)) else { return };
         // Its first token came: the worker answered it, so it no longer counts toward a stall
         // (a prefill leg stays recorded until the decode ends).
@@ -331,7 +349,7 @@ impl Rank {
     }
 
     /// Ends dispatch `id`'s leg by operation `op`; returns the hashes it held.
-    fn take(&mut self, id: DispatchId, now: Instant, op: u64) -> usize {
+    fn take(&mut self, id: DispatchId, now: Instant, op: Op) -> usize {
         let Some(leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
         // A prompt still queued when its dispatch ends stops loading the rank now.
         let tokens = leg.prefill_tokens;
@@ -358,9 +376,9 @@ impl Rank {
 
     /// What this replica's operations did to the rank that sums holding operations `folded`
     /// lack: those after the range, and the legs still in flight from before it (recorded
-    /// before this stream's first report: the control plane never had them). The end of such
-    /// a leg counts among the operations after the range for the few milliseconds until the
-    /// sums hold it, as though the sums had held its start.
+    /// before this stream's first report: the control plane never had them). What happens to
+    /// such a leg on this stream is not remembered ([`reported_for`]): it leaves these legs as
+    /// its response begins or it ends, and the join follows at once.
     fn since(&mut self, folded: ReportsFolded) -> SinceFleet {
         let after = self.changes.after(folded.last_op);
         let mut since = SinceFleet {
@@ -388,10 +406,10 @@ impl Rank {
 }
 
 /// The operation to remember a change to a leg recorded by `recorded_by` under: none when the
-/// recording went unreported, since the control plane ignores what happens to a dispatch it
-/// never had.
-fn reported_for(recorded_by: u64, op: u64) -> u64 {
-    if recorded_by == NOT_REPORTED { NOT_REPORTED } else { op }
+/// recording went unreported, or was reported on an earlier stream, since the control plane
+/// ignores what happens to a dispatch it does not have.
+fn reported_for(recorded_by: u64, op: Op) -> u64 {
+    if recorded_by == NOT_REPORTED || recorded_by < op.stream_first { NOT_REPORTED } else { op.number }
 }
 
 #[derive(Clone, Debug)]
@@ -519,9 +537,9 @@ impl DispatchLedger {
     /// Ends a dispatch by operation `op`: its request finished, was refused, failed or was
     /// cancelled, so it no longer loads its workers nor counts toward a stall. Ending twice
     /// does nothing.
-    pub fn end(&self, id: DispatchId, now: Instant, op: u64) {
+    pub fn end(&self, id: DispatchId, now: Instant, op: impl Into<Op>) {
         let mut state = self.lock();
-        state.remove(id, now, op);
+        state.remove(id, now, op.into());
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
             state.sweep(now);
         }
@@ -529,7 +547,8 @@ impl DispatchLedger {
 
     /// The dispatch's response began (operation `op`): its prompt no longer loads the rank that
     /// prefilled it.
-    pub fn prefilled(&self, id: DispatchId, now: Instant, op: u64) {
+    pub fn prefilled(&self, id: DispatchId, now: Instant, op: impl Into<Op>) {
+        let op = op.into();
         let mut state = self.lock();
         let Some(keys) = state.dispatches.get(&id).cloned() else {
             return;
@@ -587,7 +606,7 @@ impl State {
         self.ranks.entry(key).or_default().push(leg);
     }
 
-    fn remove(&mut self, id: DispatchId, now: Instant, op: u64) {
+    fn remove(&mut self, id: DispatchId, now: Instant, op: Op) {
         let Some(keys) = self.dispatches.remove(&id) else {
             return;
         };
@@ -647,7 +666,7 @@ impl State {
             rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
             self.held_hashes -= freed_hashes;
             for id in expired {
-                self.remove(id, now, NOT_REPORTED);
+                self.remove(id, now, NOT_REPORTED.into());
             }
         }
         if self.ranks.get(key).is_some_and(Rank::is_empty) {

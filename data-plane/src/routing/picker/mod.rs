@@ -27,7 +27,7 @@ pub use kv_aware::{
     KvTerm, Overlaps, RankOverlap, Suggested,
 };
 pub use ledger::{
-    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, NOT_REPORTED, PromptChain, RankBacklog,
+    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, NOT_REPORTED, Op, PromptChain, RankBacklog,
     STALL_AFTER, STALL_MIN_BLOCKS, UNANSWERED_FOR, dispatch_block_size, pin_block_size, prompt_blocks,
 };
 pub use load_based::LoadBasedPicker;

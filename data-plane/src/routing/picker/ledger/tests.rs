@@ -499,11 +499,36 @@ fn operations_outside_the_range_the_sums_hold_are_added_whatever_their_time() {
     ledger.end(in_flight, now, op());
     let total = joined(&ledger, sums, now).with_fleet(Some(&fleet));
     assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320 + 160, 20 + 10));
-    // The one from before the stream ends: once the sums hold that end, it is as if they had
-    // held its start (for the few milliseconds before, the end counts against the sums).
-    ledger.end(before_stream, now, op());
-    let total = joined(&ledger, folded(2, last_op()), now).with_fleet(Some(&fleet));
-    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320, 20), "only operation 2 is in flight");
+    // The one from before the stream ends on it. The control plane never had it, so its end
+    // is not remembered for the join: it leaves the legs the sums lack, and the join is right
+    // at once, before and after the sums hold the end.
+    ledger.end(before_stream, now, Op { number: op(), stream_first: 2 });
+    for sums in [sums, folded(2, last_op())] {
+        let total = joined(&ledger, sums, now).with_fleet(Some(&fleet));
+        assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320, 20), "only operation 2 is in flight");
+    }
+}
+
+#[test]
+fn the_first_token_of_a_dispatch_from_an_earlier_stream_leaves_the_join_right() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    // Recorded and reported on a stream since lost (operation 1); the new one starts at 2.
+    let old = ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, op());
+    let new = ledger.record(&alone(pin(1, None)), 320, 16, &[], t0, op());
+    let sums = folded(2, 2);
+    let fleet = Backlog { prefill_tokens: 320, decode_blocks: 20, dispatches: 1, ..Backlog::default() };
+    let total = joined(&ledger, sums, t0).with_fleet(Some(&fleet));
+    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (480, 30), "both, once each");
+    // The old one's response begins: its prompt is done, its blocks stay until it ends.
+    ledger.prefilled(old, t0, Op { number: op(), stream_first: 2 });
+    let total = joined(&ledger, sums, t0).with_fleet(Some(&fleet));
+    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320, 30));
+    ledger.end(new, t0, op());
+    ledger.end(old, t0, Op { number: op(), stream_first: 2 });
+    let drained = Backlog { prefill_tokens: 0, decode_blocks: 0, dispatches: 0, ..Backlog::default() };
+    let total = joined(&ledger, folded(2, last_op()), t0).with_fleet(Some(&drained));
+    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (0, 0), "nothing is left, nothing owed");
 }
 
 /// One step of a replica's dispatches on one rank, for the join's property test.
