@@ -165,3 +165,45 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
     server.abort();
     Ok(())
 }
+
+/// A control plane whose lookups claim more of a prompt than the prompt has.
+struct Overclaiming;
+
+#[tonic::async_trait]
+impl Fleet for Overclaiming {
+    type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
+
+    async fn watch(&self, _: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
+        Err(Status::unimplemented("lookups only"))
+    }
+
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        Err(Status::unimplemented("lookups only"))
+    }
+
+    async fn find_matches(
+        &self,
+        _: Request<pb::FindMatchesRequest>,
+    ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+        let overlap = pb::RankOverlap { instance_id: 7, dp_rank: 0, blocks: u32::MAX, active_blocks: u32::MAX };
+        Ok(Response::new(pb::FindMatchesResponse { overlaps: vec![overlap], ..Default::default() }))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lookup_answer_claiming_more_than_the_prompt_is_taken_at_the_prompts_length() -> anyhow::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(FleetServer::new(Overclaiming))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let config = continuum_data_plane::fleet::FleetClientConfig::new(url, "overclaimed");
+    let client = continuum_data_plane::fleet::MatchesClient::new(&config, Duration::from_secs(10))?;
+    let matches = client.find_matches(1, vec![11, 12, 13], "tiny", &[(7, 0)], 48).await?;
+    let overlap = &matches.overlaps[0];
+    assert_eq!((overlap.blocks, overlap.active), (3, 3), "no more than the 3 blocks asked about");
+    server.abort();
+    Ok(())
+}

@@ -519,7 +519,8 @@ struct Book {
     dirty: Vec<RankKey>,
     /// Block hashes the dispatches in flight hold, at most [`MAX_ACTIVE_BLOCK_HASHES`].
     held_hashes: usize,
-    /// Dispatches refused: for a rank the fleet does not have, or past the replica's bound.
+    /// Dispatches refused: naming no rank or one the fleet does not have, implausibly large,
+    /// or past the replica's or the book's bound.
     refused: u64,
     /// Chains not held past the hash bound.
     chains_dropped: u64,
@@ -539,8 +540,11 @@ impl Book {
             folded.last_op = folded.last_op.max(last_op);
         }
         for started in report.started {
-            let Some(reported) = started.rank.as_ref() else { continue };
-            let Some(key) = reported_rank(reported) else { continue };
+            // A start naming no rank is refused and counted like one naming a rank not held.
+            let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
+                self.refused += 1;
+                continue;
+            };
             let held = self.per_replica.get(&replica).copied().unwrap_or_default();
             let implausible = started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS
                 || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS;

@@ -153,6 +153,9 @@ impl MatchesClient {
     ) -> Result<Matches, MatchesError> {
         let mut client = Client::clone(&self.client.load());
         let contenders = contenders.iter().map(|&(instance_id, dp_rank)| pb::RankId { instance_id, dp_rank }).collect();
+        // No rank can hold more of the prefix than was asked about: a reply claiming more
+        // would win every pick, so it is taken at the chain's length.
+        let asked = u32::try_from(block_hashes.len()).unwrap_or(u32::MAX);
         let request = pb::FindMatchesRequest {
             block_hashes,
             model: model.to_string(),
@@ -171,8 +174,8 @@ impl MatchesClient {
             .map(|o| RankOverlap {
                 instance_id: o.instance_id,
                 dp_rank: o.dp_rank,
-                blocks: o.blocks,
-                active: o.active_blocks,
+                blocks: o.blocks.min(asked),
+                active: o.active_blocks.min(asked),
             })
             .collect();
         let rank = |rank: pb::RankId| (rank.instance_id, rank.dp_rank);

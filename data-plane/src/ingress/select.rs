@@ -14,6 +14,7 @@ use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends};
 use crate::dispatch::{DispatchEnd, Fallback, Pinned, Route};
 use crate::http::{AppState, KvSelection};
+use crate::kv::render::PERMIT_WAIT;
 use crate::routing::picker::{KvSelectionResult, KvTerm, PickRequest, PromptChain};
 
 #[derive(Debug, thiserror::Error)]
@@ -116,7 +117,14 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
 /// index. The body's JSON tree is held, under the process's tree budget, while that runs (and
 /// by a render that outlives its deadline, until it ends).
 async fn kv_term(state: &AppState, kv: &KvSelection, view: &FleetView, display: &str, request: &ChatRequest) -> Term {
-    match request.tree().await {
+    // Room for the tree is waited for no longer than for a render permit: renders of large
+    // bodies that outlive their deadline hold theirs, and small requests must not queue
+    // behind them. Such a request is picked on its estimated size instead, as one finding no
+    // render permit is (counted `render_unavailable`).
+    let Ok(tree) = tokio::time::timeout(PERMIT_WAIT, request.tree()).await else {
+        return Term::Unavailable(KvSelectionResult::RenderUnavailable);
+    };
+    match tree {
         Ok(body) => {
             let contenders = prefill_contenders(state, kv, view, display);
             let salt = request.cache_salt(&body).map(str::to_owned);
@@ -331,6 +339,38 @@ mod tests {
         let report = crate::fleet::batch(first, &mut reports);
         let lookups: Vec<u64> = report.started.iter().map(|started| started.lookup).collect();
         assert_eq!(lookups, [1], "the replica's first lookup, on the leg that prefills");
+    }
+
+    /// Bodies as large as the ingress takes, whose trees fill the process's tree budget while
+    /// they are held (as renders that outlived their deadline hold theirs).
+    fn largest_requests() -> Vec<ChatRequest> {
+        let envelope = r#"{"model":"tiny","messages":[{"role":"user","content":""}]}"#.len();
+        let content = "x".repeat(crate::ingress::MAX_REQUEST_BODY_BYTES - envelope);
+        let body = format!(r#"{{"model":"tiny","messages":[{{"role":"user","content":"{content}"}}]}}"#);
+        let count = crate::ingress::request::MAX_TREE_BYTES_IN_FLIGHT / body.len();
+        (0..count).map(|_| ChatRequest::parse(Bytes::from(body.clone())).expect("request")).collect()
+    }
+
+    #[tokio::test]
+    async fn a_request_finding_no_room_for_its_tree_is_picked_on_its_estimate_at_once() {
+        let state = state();
+        let dir = tempfile::tempdir().expect("dir");
+        let fleet = tinymodel_fleet(&state, &dir).await;
+        let large = largest_requests();
+        let mut held = Vec::new();
+        for request in &large {
+            held.push(request.tree().await.expect("a tree"));
+        }
+        let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hello there"}]}"#);
+        let request = ChatRequest::parse(body).expect("request");
+        let routed = tokio::time::timeout(Duration::from_secs(5), route(&state, &fleet, &request))
+            .await
+            .expect("not held until room comes")
+            .expect("routed");
+        assert!(routed.token_data.is_none(), "nothing rendered");
+        let counted = |result: &str| state.metrics.kv_selections.with_label_values(&[result]).get();
+        assert_eq!(counted("render_unavailable"), 1);
+        drop(held);
     }
 
     #[tokio::test]

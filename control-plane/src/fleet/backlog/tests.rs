@@ -153,7 +153,9 @@ fn reports_for_ranks_the_fleet_does_not_have_are_refused() {
     let mut stranger = started(2, 0, 16);
     stranger.rank = Some((&LoadKey { worker: WorkerKey::new("dynamo", 99), dp_rank: 0 }).into());
     book.report(1, report(vec![stranger], vec![]), Instant::now(), &state);
-    assert_eq!(book.refused, 2);
+    let nowhere = pb::DispatchStarted { rank: None, ..started(3, 0, 16) };
+    book.report(1, report(vec![nowhere], vec![]), Instant::now(), &state);
+    assert_eq!(book.refused, 3);
     assert!(book.take_change(Instant::now()).backlogs.is_empty());
 }
 

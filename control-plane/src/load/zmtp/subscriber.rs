@@ -118,7 +118,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
         match wire::parse_command(self.message.as_slice().get(body).unwrap_or_default())? {
             Command::Ready { socket_type } if wire::is_publisher(socket_type) => {}
             Command::Ready { .. } => return Err(ZmtpError::Protocol("the peer is not a PUB socket")),
-            Command::Error { reason } => return Err(ZmtpError::PeerError(String::from_utf8_lossy(reason).into())),
+            Command::Error { reason } => return Err(ZmtpError::PeerError(peer_reason(reason))),
             _ => return Err(ZmtpError::Protocol("the peer's first command is not READY")),
         }
         self.message.reset();
@@ -133,6 +133,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
     /// [`ZmtpLimits::message_timeout`].
     pub async fn recv(&mut self) -> Result<Incoming<'_>, ZmtpError> {
         let deadline = self.limits.message_timeout;
+        // The last message is done with: a large one's buffer goes now, not when the next one
+        // begins (a publisher may stay silent for as long as it likes).
+        self.message.reset();
         let dropped = loop {
             self.fill().await?;
             match tokio::time::timeout(deadline, self.frames_of_next()).await {
@@ -216,7 +219,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
             }
             Command::Pong | Command::Other => {}
             Command::Ready { .. } => return Err(ZmtpError::Protocol("a second READY")),
-            Command::Error { reason } => return Err(ZmtpError::PeerError(String::from_utf8_lossy(reason).into())),
+            Command::Error { reason } => return Err(ZmtpError::PeerError(peer_reason(reason))),
         }
         self.message.truncate(start);
         Ok(())
@@ -309,4 +312,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
         self.window = 0..n;
         Ok(())
     }
+}
+
+/// A peer's ERROR reason as it may be logged: control characters (a line break among them)
+/// escaped, so a peer cannot forge log lines of its own.
+fn peer_reason(reason: &[u8]) -> String {
+    String::from_utf8_lossy(reason).escape_debug().to_string()
 }

@@ -336,3 +336,16 @@ mod fuzz {
         }
     }
 }
+
+#[tokio::test]
+async fn a_peers_error_reason_cannot_forge_a_log_line() {
+    let reason = b"no\n2026-12-04T00:00:00Z  INFO forged";
+    let mut body = vec![5, b'E', b'R', b'R', b'O', b'R', reason.len() as u8];
+    body.extend_from_slice(reason);
+    let (ours, mut peer) = duplex(PIPE_BYTES);
+    peer.write_all(&[pub_greeting(), command(&body)].concat()).await.unwrap();
+    let result = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await;
+    let Err(error) = result else { panic!("an ERROR ends the handshake") };
+    let error = error.to_string();
+    assert!(!error.contains('\n') && error.contains(r"no\n2026"), "{error}");
+}
