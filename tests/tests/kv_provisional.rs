@@ -387,12 +387,8 @@ async fn what_one_caller_sends_is_bounded_before_it_is_believed() -> anyhow::Res
     let refused = client.find_matches(flood).await.map(|_| ()).map_err(|status| status.code());
     assert_eq!(refused, Err(tonic::Code::OutOfRange), "5 Mi hashes (5 MiB on the wire) are not decoded");
 
-    // A report starting more dispatches than a replica batches ends its session.
-    let mut reporter = plane.client().await?;
-    let (tx, rx) = mpsc::channel(8);
-    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "flood".into(), version: None })) })
-        .await?;
-    let mut updates = reporter.watch(ReceiverStream::new(rx)).await?.into_inner();
+    // A report starting more dispatches than a replica batches ends its session, and so does
+    // one ending more than a replica ever ends at once.
     let many = (0..=continuum_proto::MAX_REPORT_STARTED as u64).map(|id| started(id, FIRST, vec![]));
     let started: Vec<pb::DispatchStarted> = many
         .filter_map(|request| match request.kind {
@@ -400,39 +396,30 @@ async fn what_one_caller_sends_is_bounded_before_it_is_believed() -> anyhow::Res
             _ => None,
         })
         .collect();
-    tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(pb::DispatchReport { started, ..Default::default() })) })
-        .await?;
-    let ended = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match updates.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => return None,
-                Err(status) => return Some(status.code()),
-            }
-        }
-    })
-    .await?;
-    assert_eq!(ended, Some(tonic::Code::InvalidArgument));
-
-    // So does one ending more dispatches than a replica ever ends at once.
-    let (tx, rx) = mpsc::channel(8);
-    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "ends".into(), version: None })) })
-        .await?;
-    let mut updates = reporter.watch(ReceiverStream::new(rx)).await?.into_inner();
     let ended = (0..=continuum_proto::MAX_REPORT_ENDS as u64).collect();
-    tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(pb::DispatchReport { ended, ..Default::default() })) })
-        .await?;
-    let ended = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            match updates.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => return None,
-                Err(status) => return Some(status.code()),
+    let oversized = [
+        ("flood", pb::DispatchReport { started, ..Default::default() }),
+        ("ends", pb::DispatchReport { ended, ..Default::default() }),
+    ];
+    let mut reporter = plane.client().await?;
+    for (replica_id, report) in oversized {
+        let (tx, rx) = mpsc::channel(8);
+        let hello = pb::Hello { replica_id: replica_id.into(), version: None };
+        tx.send(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }).await?;
+        let mut updates = reporter.watch(ReceiverStream::new(rx)).await?.into_inner();
+        tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(report)) }).await?;
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match updates.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => return None,
+                    Err(status) => return Some(status.code()),
+                }
             }
-        }
-    })
-    .await?;
-    assert_eq!(ended, Some(tonic::Code::InvalidArgument));
+        })
+        .await?;
+        assert_eq!(ended, Some(tonic::Code::InvalidArgument), "{replica_id}");
+    }
     plane.cancel.cancel();
     Ok(())
 }
