@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -18,6 +18,7 @@ use super::classify::{self, Verdict, classify};
 use super::relay::RelayBody;
 use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
+use crate::ingress::error::ApiError;
 use crate::memory::{BUFFERED_ANSWERS, Charge};
 use crate::metrics::ErrorPhase;
 use crate::routing::headers::{disclose, strip_response};
@@ -71,7 +72,7 @@ impl Dispatcher {
             match classify(status, &body, stream) {
                 Verdict::PrefillRefused => Answer::PrefillRefused,
                 Verdict::ModelGone => Answer::ModelGone,
-                Verdict::Relay => Answer::Relay(rebuild(status, parts.headers, Body::from(body))),
+                Verdict::Relay => Answer::Relay(relayed_refusal(status, parts.headers, body)),
                 Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
             }
         };
@@ -94,7 +95,7 @@ impl Dispatcher {
             return Err(Failure::Status(status));
         }
         let (parts, body) = response.into_parts();
-        Ok(rebuild(status, parts.headers, Body::from(read_error_body(body).await)))
+        Ok(relayed_refusal(status, parts.headers, read_error_body(body).await))
     }
 
     async fn success(
@@ -129,6 +130,15 @@ fn rebuild(status: StatusCode, mut shim_headers: HeaderMap, body: Body) -> Respo
     *response.status_mut() = status;
     *response.headers_mut() = shim_headers;
     response
+}
+
+/// A backend's refusal of the client's request (4xx), relayed as it came; or, when its body
+/// could not be read, with the router's words for it instead of nothing.
+fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> Response {
+    if body.is_empty() {
+        return ApiError::refused_unexplained(status).into_response();
+    }
+    rebuild(status, shim_headers, Body::from(body))
 }
 
 /// A body read whole, up to `limit` bytes within `timeout`, and charged to the process's

@@ -43,6 +43,16 @@ impl ApiError {
         ApiError::new(status, code, message)
     }
 
+    /// A backend refused the request (a 4xx) with a body that could not be read (too large, or
+    /// too slow): the status is relayed, with words of the router's own.
+    pub fn refused_unexplained(status: StatusCode) -> Self {
+        let message = format!(
+            "The model server refused the request ({}) and its explanation could not be read.",
+            status.as_u16()
+        );
+        ApiError::new(status, "backend_refused", message)
+    }
+
     /// The OpenAI `type`: the client's mistake, or ours.
     fn kind(&self) -> &'static str {
         if self.status.is_client_error() { "invalid_request_error" } else { "server_error" }

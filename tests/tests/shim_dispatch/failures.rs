@@ -40,6 +40,12 @@ fn oversized_refusal() -> anyhow::Result<Reply> {
     Ok(Reply::Fixed { status, content_type, body: padded.into() })
 }
 
+/// A refusal of the client's request whose explanation is too large to read.
+fn unreadable_refusal() -> Reply {
+    let body = vec![b' '; MAX_ERROR_BODY_BYTES + 1];
+    Reply::Fixed { status: StatusCode::BAD_REQUEST, content_type: Some("text/plain".into()), body: body.into() }
+}
+
 fn oversized_completion() -> Reply {
     let body = vec![b' '; MAX_BUFFERED_RESPONSE_BYTES + 1];
     Reply::Fixed { status: StatusCode::OK, content_type: Some("application/json".into()), body: body.into() }
@@ -67,6 +73,7 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         ("unknown worker id, streaming", disagg("unknown_decode_id")?, true, 502, DECODE_FAILED),
         ("dp rank out of range, streaming", disagg("decode_dp_rank_out_of_range")?, true, 502, DECODE_FAILED),
         ("the client's body refused, streaming", disagg("malformed_json")?, true, 400, RELAYED),
+        ("refused past what is read, streaming", unreadable_refusal(), true, 400, Some("backend_refused")),
         ("dead worker, live lease", disagg(dead)?, false, 503, DECODE_FAILED),
         ("dead worker, streaming", disagg(dead)?, true, 503, DECODE_FAILED),
         ("model gone", disagg("after_lease_expiry_pinned_to_dead_decode")?, false, 404, Some("model_not_found")),
@@ -95,7 +102,7 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(11.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(14.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(15.0));
     assert!(harness.replica.ledger.is_empty(), "every refused dispatch has ended");
     harness.stop().await;
     Ok(())
