@@ -94,6 +94,7 @@ impl FleetHandle {
     /// replicas' dispatches out of them any more (frozen, they would keep a worker looking busy
     /// with requests finished long ago). The picker counts this replica's own dispatches until
     /// the stream is back.
+    ///
     /// Which of this replica's operations the sums held goes too: it named the old stream's.
     pub(crate) fn detach(&self) {
         let held = |view: &Arc<FleetView>| !view.backlogs().is_empty() || view.reports_folded().is_some();
