@@ -167,7 +167,7 @@ fn ports_probes_and_addresses_agree() -> anyhow::Result<()> {
 }
 
 #[test]
-fn a_replicas_drain_fits_in_its_pods_termination_grace_period() -> anyhow::Result<()> {
+fn a_replicas_drain_is_seen_by_its_probes_and_fits_in_its_pods_termination_grace_period() -> anyhow::Result<()> {
     let data = documents("data-plane.yaml")?;
     let deployment = find(&data, "Deployment")?;
     let env = env(container(deployment)?)?;
@@ -177,5 +177,11 @@ fn a_replicas_drain_fits_in_its_pods_termination_grace_period() -> anyhow::Resul
         .as_u64()
         .ok_or_else(|| anyhow!("no terminationGracePeriodSeconds"))?;
     ensure!(delay + grace < Duration::from_secs(period), "{delay:?} + {grace:?} does not fit in {period} s");
+    // A load balancer probing readiness sees the drain before the delay is over.
+    let readiness = &container(deployment)?["readinessProbe"];
+    let probe_period = readiness["periodSeconds"].as_u64().unwrap_or(10);
+    let failures = readiness["failureThreshold"].as_u64().unwrap_or(3);
+    let noticed = Duration::from_secs(probe_period * failures);
+    ensure!(noticed < delay, "readiness fails only after {noticed:?}, past the {delay:?} drain delay");
     Ok(())
 }
