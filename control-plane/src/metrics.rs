@@ -61,6 +61,8 @@ pub struct Metrics {
     pub kv_events: IntCounterVec,
     /// Running kv-events subscriptions by `state` and `transport`.
     pub kv_subscriptions: IntGaugeVec,
+    /// Publishers of a `topic` (kv_metrics, kv-events) past the subscription cap, not subscribed.
+    pub subscriptions_left_out: IntGaugeVec,
     /// The KV index's size: `nodes`, `ownerships`, `ranks`, `bytes`.
     pub kv_index: IntGaugeVec,
     /// FindMatches calls by `result` (ok, disabled, too_many_hashes).
@@ -174,6 +176,13 @@ impl Metrics {
                 ),
                 &["state", "transport"],
             )?,
+            subscriptions_left_out: IntGaugeVec::new(
+                Opts::new(
+                    "continuum_dynamo_subscriptions_left_out",
+                    "Publishers past the subscription cap, not subscribed, by topic",
+                ),
+                &["topic"],
+            )?,
             kv_index: IntGaugeVec::new(
                 Opts::new("continuum_dynamo_kv_index", "Size of the KV radix index"),
                 &["what"],
@@ -251,6 +260,7 @@ impl Metrics {
             Box::new(metrics.load_gauges.kv_used_blocks.clone()),
             Box::new(metrics.kv_events.clone()),
             Box::new(metrics.kv_subscriptions.clone()),
+            Box::new(metrics.subscriptions_left_out.clone()),
             Box::new(metrics.kv_index.clone()),
             Box::new(metrics.kv_find_matches.clone()),
             Box::new(metrics.kv_find_matches_suggested.clone()),

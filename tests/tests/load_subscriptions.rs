@@ -41,6 +41,8 @@ async fn of_1100_publishers_the_1024_lowest_ids_are_admitted_and_removing_100_ad
     eventually(WAIT, "1,024 connected subscriptions", || async { gauge(&load, "connected", "direct") == 1024 }).await?;
     let admitted: BTreeSet<u64> = states(&load).iter().map(|(id, _)| *id).collect();
     assert_eq!(admitted, lowest, "exactly the 1,024 lowest publisher ids");
+    let left_out = || load.metrics.subscriptions_left_out.with_label_values(&["kv_metrics"]).get();
+    assert_eq!(left_out(), 76, "the publishers past the cap are counted");
 
     let mut held = Vec::new();
     let mut connected = BTreeSet::new();
@@ -59,6 +61,7 @@ async fn of_1100_publishers_the_1024_lowest_ids_are_admitted_and_removing_100_ad
     let stopped_and_admitted_in = started.elapsed();
     let admitted: BTreeSet<u64> = states(&load).iter().map(|(id, _)| *id).collect();
     assert_eq!(admitted, all_ids[100..].iter().copied().collect::<BTreeSet<u64>>());
+    assert_eq!(left_out(), 0, "none left out once there is room");
     let everyone: BTreeSet<u64> = all_ids.iter().copied().collect();
     accept_until(&mut peers, id, &mut held, &mut connected, &everyone).await?;
     assert!(stopped_and_admitted_in < Duration::from_secs(10), "100 stopped concurrently: {stopped_and_admitted_in:?}");

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
-use prometheus::{IntCounterVec, IntGaugeVec};
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::decode::decode_kv_events;
 use super::indexer::{KvIndexer, LiveRanks, PublisherMapping};
@@ -41,6 +41,8 @@ pub struct KvFeed {
     pub events: IntCounterVec,
     /// `continuum_dynamo_kv_subscriptions{state, transport}`.
     pub gauge: IntGaugeVec,
+    /// `continuum_dynamo_subscriptions_left_out{topic="kv-events"}`.
+    pub left_out: IntGauge,
 }
 
 impl KvFeed {
@@ -68,6 +70,10 @@ impl Feed for KvFeed {
 
     fn gauge(&self) -> &IntGaugeVec {
         &self.gauge
+    }
+
+    fn left_out(&self) -> &IntGauge {
+        &self.left_out
     }
 
     async fn connected(&self, publisher: &Publisher) {

@@ -19,6 +19,7 @@ use super::indexer::{KV_EVENTS_STALE_AFTER, KvIndexer};
 use super::provisional::{ProvisionalIndex, ProvisionalResult};
 use super::recent_lookups::{LookupKey, RecentLookups, Suggestion};
 use crate::config::Config;
+use crate::discovery::Topic;
 use crate::load::zmtp::ZmtpLimits;
 use crate::load::{LoadOptions, Subscriptions, Supervisor, dial_policy};
 use crate::metrics::Metrics;
@@ -158,6 +159,7 @@ pub struct KvSupervisor {
 struct FeedParts {
     events: prometheus::IntCounterVec,
     gauge: IntGaugeVec,
+    left_out: prometheus::IntGauge,
 }
 
 /// The subscription knobs for kv-events: the load defaults with the kv-events frame limits.
@@ -188,7 +190,11 @@ impl KvSupervisor {
         let mut supervisor = Self {
             handle,
             statuses: watch::Sender::new(None),
-            feed_parts: FeedParts { events: metrics.kv_events.clone(), gauge: metrics.kv_subscriptions.clone() },
+            feed_parts: FeedParts {
+                events: metrics.kv_events.clone(),
+                gauge: metrics.kv_subscriptions.clone(),
+                left_out: metrics.subscriptions_left_out.with_label_values(&[Topic::KvEvents.as_str()]),
+            },
             subscriptions: None,
             registry,
             options,
@@ -239,6 +245,7 @@ impl KvSupervisor {
                     indexer: self.handle.indexer.clone(),
                     events: self.feed_parts.events.clone(),
                     gauge: self.feed_parts.gauge.clone(),
+                    left_out: self.feed_parts.left_out.clone(),
                 };
                 let running =
                     Supervisor::start(feed, policy, self.options, self.registry.clone(), self.cancel.child_token());

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use continuum_proto::model::{LoadKey, LoadSample, WorkerKey};
-use prometheus::{IntCounterVec, IntGaugeVec};
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::decode::{KvMetrics, decode_kv_metrics};
 use super::events::LoadEvent;
@@ -23,6 +23,8 @@ pub struct LoadFeed {
     pub events: IntCounterVec,
     /// `continuum_dynamo_load_subscriptions{state, transport}`.
     pub gauge: IntGaugeVec,
+    /// `continuum_dynamo_subscriptions_left_out{topic="kv_metrics"}`.
+    pub left_out: IntGauge,
 }
 
 impl LoadFeed {
@@ -52,6 +54,10 @@ impl Feed for LoadFeed {
 
     fn gauge(&self) -> &IntGaugeVec {
         &self.gauge
+    }
+
+    fn left_out(&self) -> &IntGauge {
+        &self.left_out
     }
 
     async fn connected(&self, publisher: &Publisher) {

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::IntGaugeVec;
+use prometheus::{IntGauge, IntGaugeVec};
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::Backoff;
@@ -41,6 +41,8 @@ pub trait Feed: Send + Sync + 'static {
     fn topic(&self) -> Topic;
     /// `continuum_dynamo_{load,kv}_subscriptions{state, transport}`.
     fn gauge(&self) -> &IntGaugeVec;
+    /// `continuum_dynamo_subscriptions_left_out{topic}` for this feed's topic.
+    fn left_out(&self) -> &IntGauge;
     /// A session connected: what the publisher said before may be missing changes.
     fn connected(&self, publisher: &Publisher) -> impl Future<Output = ()> + Send;
     /// One received message, or one the transport dropped unread.

@@ -28,7 +28,7 @@ use super::store::{LoadStore, SharedLoadStore};
 use super::subscription::{self, DialPolicy, Feed, SubscriptionContext};
 use super::zmtp::ZmtpLimits;
 use crate::config::{LoadConfig, LoadTransport};
-use crate::discovery::{Fleet, Publisher, PublisherKey};
+use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::fleet::{FleetPublisher, LOAD_COALESCE_WINDOW, LoadCoalescer};
 use crate::metrics::Metrics;
 use crate::sources::Generation;
@@ -107,6 +107,7 @@ impl LoadSupervisor {
             sink: LoadCoalescer::spawn(publisher, LOAD_COALESCE_WINDOW, cancel.clone()),
             events: metrics.load_events.clone(),
             gauge: metrics.load_subscriptions.clone(),
+            left_out: metrics.subscriptions_left_out.with_label_values(&[Topic::KvMetrics.as_str()]),
         };
         let subscriptions = Supervisor::start(feed, dial_policy(config), options, registry, cancel);
         Self { subscriptions, store }
@@ -328,6 +329,7 @@ impl<F: Feed> Actor<F> {
         self.benched.retain(|key| all.contains_key(key) && running.get(key).is_none_or(|r| r.status.sessions() == 0));
         let over_cap = all.len().saturating_sub(self.options.max_subscriptions);
         if over_cap != self.over_cap {
+            self.ctx.feed.left_out().set(i64::try_from(over_cap).unwrap_or(i64::MAX));
             self.over_cap = over_cap;
             if over_cap > 0 {
                 let cap = self.options.max_subscriptions;
