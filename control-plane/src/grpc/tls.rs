@@ -215,12 +215,12 @@ impl ServerTls {
         let paths = state.paths.clone();
         let (set, prepared) = match Files::read(&paths) {
             Err(error) => (Refused::Unreadable(error.to_string()), Err(error)),
-            Ok(files) if files.digest() == state.digest => {
-                state.refused = None;
-                return Ok(Refresh::Unchanged);
-            }
             Ok(files) => {
                 let digest = files.digest();
+                if digest == state.digest {
+                    state.refused = None;
+                    return Ok(Refresh::Unchanged);
+                }
                 (Refused::Files(digest), files.server_config(&paths).map(|config| Prepared { paths, digest, config }))
             }
         };

@@ -306,6 +306,29 @@ fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, WireError> {
     }
 }
 
+/// What the framing property tests feed the parsers: `text` with one byte overwritten when
+/// `flip` says, the index taken within the text.
+#[cfg(test)]
+pub(crate) fn flipped(text: impl Into<Vec<u8>>, flip: Option<(proptest::sample::Index, u8)>) -> Vec<u8> {
+    let mut bytes = text.into();
+    if let Some((at, byte)) = flip {
+        let at = at.index(bytes.len());
+        bytes[at] = byte;
+    }
+    bytes
+}
+
+/// A head's text: its first line, its headers, and the blank line that ends it.
+#[cfg(test)]
+pub(crate) fn head_text<'a>(first_line: &str, headers: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut head = format!("{first_line}\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    head
+}
+
 #[cfg(test)]
 mod tests {
     use continuum_proto::model::WorkerKey;
@@ -479,11 +502,7 @@ mod tests {
                     wire.extend_from_slice(b"\r\n");
                 }
                 wire.extend_from_slice(if trailer { &b"0\r\nx-sum: 1\r\n\r\n"[..] } else { b"0\r\n\r\n" });
-                if let Some((at, byte)) = flip {
-                    let at = at.index(wire.len());
-                    wire[at] = byte;
-                }
-                wire
+                flipped(wire, flip)
             })
     }
 
@@ -522,18 +541,8 @@ mod tests {
         let flip = prop::option::of((any::<prop::sample::Index>(), any::<u8>()));
         (0..3usize, status, prop::collection::vec(header, 0..6), flip).prop_map(
             |(informational, status, headers, flip)| {
-                let mut head = "HTTP/1.1 100 Continue\r\n\r\n".repeat(informational);
-                head.push_str(&format!("HTTP/1.1 {status}\r\n"));
-                for (name, value) in headers {
-                    head.push_str(&format!("{name}: {value}\r\n"));
-                }
-                head.push_str("\r\n");
-                let mut head = head.into_bytes();
-                if let Some((at, byte)) = flip {
-                    let at = at.index(head.len());
-                    head[at] = byte;
-                }
-                head
+                let head = "HTTP/1.1 100 Continue\r\n\r\n".repeat(informational);
+                flipped(head + &head_text(&format!("HTTP/1.1 {status}"), headers), flip)
             },
         )
     }

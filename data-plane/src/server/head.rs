@@ -291,6 +291,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::dispatch::wire::{flipped, head_text};
 
     fn parse(text: &str) -> Result<Option<(RequestHead, usize)>, HeadError> {
         parse_request(text.as_bytes())
@@ -440,17 +441,7 @@ mod tests {
         let flip = prop::option::of((any::<prop::sample::Index>(), any::<u8>()));
         (method, target, version, prop::collection::vec(header, 0..8), flip).prop_map(
             |(method, target, version, headers, flip)| {
-                let mut head = format!("{method} {target} {version}\r\n");
-                for (name, value) in headers {
-                    head.push_str(&format!("{name}: {value}\r\n"));
-                }
-                head.push_str("\r\n");
-                let mut head = head.into_bytes();
-                if let Some((at, byte)) = flip {
-                    let at = at.index(head.len());
-                    head[at] = byte;
-                }
-                head
+                flipped(head_text(&format!("{method} {target} {version}"), headers), flip)
             },
         )
     }
