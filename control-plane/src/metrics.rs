@@ -6,6 +6,7 @@ use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts
 use crate::config::LoadTransport;
 use crate::grpc::tls::HandshakeFailure;
 use crate::kv::{KvEventResult, ProvisionalResult};
+use crate::load::zmtp::LARGE_MESSAGES;
 use crate::load::{LoadEvent, LoadGauges, SubscriptionState, transport_label};
 
 #[derive(Clone, Debug)]
@@ -65,6 +66,8 @@ pub struct Metrics {
     pub subscriptions_left_out: IntGaugeVec,
     /// The KV index's size: `nodes`, `ownerships`, `ranks`, `bytes`.
     pub kv_index: IntGaugeVec,
+    /// What ZMTP message buffers borrow from the budget for large messages; read at each scrape.
+    zmtp_borrowed: IntGauge,
     /// FindMatches calls by `result` (ok, disabled, too_many_hashes).
     pub kv_find_matches: IntCounterVec,
     /// FindMatches answers that suggested a rank weighed against recent lookups (some had gone
@@ -187,6 +190,10 @@ impl Metrics {
                 Opts::new("continuum_dynamo_kv_index", "Size of the KV radix index"),
                 &["what"],
             )?,
+            zmtp_borrowed: IntGauge::new(
+                "continuum_dynamo_zmtp_borrowed_bytes",
+                "Bytes ZMTP message buffers borrow past their own 64 KiB from the budget for large messages",
+            )?,
             kv_find_matches: IntCounterVec::new(
                 Opts::new("continuum_dynamo_kv_find_matches_total", "FindMatches calls by result"),
                 &["result"],
@@ -262,6 +269,7 @@ impl Metrics {
             Box::new(metrics.kv_subscriptions.clone()),
             Box::new(metrics.subscriptions_left_out.clone()),
             Box::new(metrics.kv_index.clone()),
+            Box::new(metrics.zmtp_borrowed.clone()),
             Box::new(metrics.kv_find_matches.clone()),
             Box::new(metrics.kv_find_matches_suggested.clone()),
             Box::new(metrics.kv_provisional.clone()),
@@ -278,6 +286,7 @@ impl Metrics {
 
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
+        self.zmtp_borrowed.set(i64::try_from(LARGE_MESSAGES.lent()).unwrap_or(i64::MAX));
         let mut out = Vec::new();
         // Encoding into a Vec cannot fail for the text format; an error would only lose a scrape.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

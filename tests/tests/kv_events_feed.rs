@@ -11,7 +11,7 @@ use continuum_control_plane::config::{self, Config};
 use continuum_control_plane::discovery::{Publisher, PublisherKey, Topic};
 use continuum_control_plane::grpc::Replicas;
 use continuum_control_plane::kv::{KvCounts, KvEventResult, KvIndexer, KvSupervisor, PublisherMapping, kv_options};
-use continuum_control_plane::load::zmtp::ZmtpLimits;
+use continuum_control_plane::load::zmtp::{BudgetRef, MessageBudget, ZmtpLimits};
 use continuum_control_plane::load::{LoadOptions, LoadSupervisor};
 use continuum_control_plane::metrics::Metrics;
 use continuum_control_plane::sources::Registry;
@@ -88,11 +88,20 @@ struct TestKv {
 
 impl TestKv {
     fn start() -> anyhow::Result<Self> {
+        Self::start_with(options())
+    }
+
+    fn start_with(options: LoadOptions) -> anyhow::Result<Self> {
         let registry = Registry::new(continuum_tests::publisher());
         let metrics = Metrics::new()?;
         let supervisor =
-            KvSupervisor::start(&kv_config()?, options(), registry.subscribe(), &metrics, CancellationToken::new());
+            KvSupervisor::start(&kv_config()?, options, registry.subscribe(), &metrics, CancellationToken::new());
         Ok(Self { registry, metrics, supervisor })
+    }
+
+    /// Every event and message counted so far, whatever its result.
+    fn counted(&self) -> u64 {
+        KvEventResult::ALL.iter().map(|r| self.events(r.as_str())).sum()
     }
 
     fn events(&self, result: &str) -> u64 {
@@ -161,17 +170,12 @@ async fn the_real_eviction_stream_indexed_over_zmtp_matches_the_same_stream_appl
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour_keeps_indexing_until_its_worker_departs()
--> anyhow::Result<()> {
-    let stream = captured_stream()?;
-    let first = stream.first().context("the capture holds kv-events")?;
-    let stored_first = continuum_control_plane::kv::decode::decode_kv_events(
-        first.frames.iter().map(Vec::as_slice),
-        first.publisher_id,
-    )
-    .map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let hashes: Vec<u64> = stored_first
+/// The block hashes a captured message stores.
+fn stored_hashes(c: &Captured) -> anyhow::Result<Vec<u64>> {
+    let decoded =
+        continuum_control_plane::kv::decode::decode_kv_events(c.frames.iter().map(Vec::as_slice), c.publisher_id)
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let hashes: Vec<u64> = decoded
         .events
         .iter()
         .filter_map(|e| match &e.data {
@@ -180,7 +184,16 @@ async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour
         })
         .flatten()
         .collect();
-    assert!(!hashes.is_empty());
+    anyhow::ensure!(!hashes.is_empty(), "the message stores blocks");
+    Ok(hashes)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour_keeps_indexing_until_its_worker_departs()
+-> anyhow::Result<()> {
+    let stream = captured_stream()?;
+    let first = stream.first().context("the capture holds kv-events")?;
+    let hashes = stored_hashes(first)?;
 
     let kv = TestKv::start()?;
     let (mut healthy, mut hostile) = (RawPublisher::bind().await?, RawPublisher::bind().await?);
@@ -217,6 +230,45 @@ async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour
         handle.find_matches(&hashes).is_some_and(|m| m.is_empty())
     })
     .await?;
+    Ok(())
+}
+
+/// Past its own 64 KiB a message buffer borrows from the budget every subscription shares. A
+/// message the budget cannot hold is read through, counted as `over_budget`, and loses its
+/// publisher's ranks as any lost message does; the session goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_shared_budget_cannot_hold_is_counted_and_clears_its_publishers_ranks() -> anyhow::Result<()> {
+    let stream = captured_stream()?;
+    let first = stream.first().context("the capture holds kv-events")?;
+    let second = stream.iter().filter(|c| c.publisher_id == first.publisher_id).nth(1).context("a second message")?;
+    let hashes = stored_hashes(first)?;
+    // Nothing to lend: every message must fit a buffer's free part (the captured ones do).
+    let budget = BudgetRef(Box::leak(Box::new(MessageBudget::new(0))));
+    let mut options = options();
+    options.limits.budget = budget;
+    let kv = TestKv::start_with(options)?;
+    let mut peer = RawPublisher::bind().await?;
+    kv.registry
+        .publish(fleet(vec![worker(first.worker_id, 2)], vec![kv_publisher(first, first.worker_id, peer.endpoint())]));
+    let mut connection = peer.connection(WAIT).await?;
+    connection.send_frames(&first.frames).await?;
+    let handle = kv.supervisor.handle();
+    let holds_chain = || handle.find_matches(&hashes).is_some_and(|m| !m.is_empty());
+    eventually(WAIT, "the rank holds the chain", || async { holds_chain() }).await?;
+
+    // The same message with a 100 KiB frame, within every ceiling but not the budget.
+    let mut large = first.frames.clone();
+    large[3] = vec![1; 100 * 1024];
+    connection.send_frames(&large).await?;
+    eventually(WAIT, "the message counted as over_budget", || async { kv.events("over_budget") == 1 }).await?;
+    assert!(!holds_chain(), "its events are lost, so the publisher's rank was cleared");
+    assert_eq!(kv.events("gap"), 1, "one rank cleared");
+
+    let counted = kv.counted();
+    connection.send_frames(&second.frames).await?;
+    eventually(WAIT, "the next message reaches the index", || async { kv.counted() > counted }).await?;
+    assert_eq!(kv.events("transport_refused"), 0, "the session went on");
+    assert_eq!(budget.lent(), 0);
     Ok(())
 }
 

@@ -83,10 +83,13 @@ impl Feed for KvFeed {
     async fn message(&self, publisher: &Publisher, (): &mut (), message: Result<Message<'_>, Dropped>) {
         let message = match message {
             Ok(message) => message,
-            Err(Dropped::Oversized) => {
-                // Too large to read: a batch of this publisher's events, lost.
+            Err(reason @ (Dropped::Oversized | Dropped::OverBudget)) => {
+                // Too large to read, or to read now: a batch of this publisher's events, lost.
                 let mut counts = KvCounts::default();
-                counts.add(KvEventResult::Oversized);
+                counts.add(match reason {
+                    Dropped::OverBudget => KvEventResult::OverBudget,
+                    _ => KvEventResult::Oversized,
+                });
                 self.indexer.write().message_lost(&publisher.key(), &mut counts);
                 return self.count(&counts);
             }

@@ -35,6 +35,9 @@ pub enum KvEventResult {
     Oversized,
     TooManyEvents,
     TooManyBlocks,
+    /// A message within the ceilings that the process-wide budget for large ZMTP messages could
+    /// not hold just then: read through and lost, its ranks cleared as on a gap.
+    OverBudget,
     /// The publisher broke ZMTP or a transport bound; the session was closed.
     TransportRefused,
     /// The publisher's address resolves only outside the allowed CIDRs.
@@ -42,7 +45,7 @@ pub enum KvEventResult {
 }
 
 impl KvEventResult {
-    pub const ALL: [KvEventResult; 17] = [
+    pub const ALL: [KvEventResult; 18] = [
         KvEventResult::Applied,
         KvEventResult::Duplicate,
         KvEventResult::UnknownBlock,
@@ -58,6 +61,7 @@ impl KvEventResult {
         KvEventResult::Oversized,
         KvEventResult::TooManyEvents,
         KvEventResult::TooManyBlocks,
+        KvEventResult::OverBudget,
         KvEventResult::TransportRefused,
         KvEventResult::NotAllowed,
     ];
@@ -79,6 +83,7 @@ impl KvEventResult {
             KvEventResult::Oversized => "oversized",
             KvEventResult::TooManyEvents => "too_many_events",
             KvEventResult::TooManyBlocks => "too_many_blocks",
+            KvEventResult::OverBudget => "over_budget",
             KvEventResult::TransportRefused => "transport_refused",
             KvEventResult::NotAllowed => "not_allowed",
         }

@@ -101,7 +101,8 @@ impl Feed for LoadFeed {
 
 fn dropped_event(reason: Dropped) -> LoadEvent {
     match reason {
-        Dropped::Oversized => LoadEvent::Oversized,
+        // A kv_metrics message fits a buffer's free part, so it never waits on the budget.
+        Dropped::Oversized | Dropped::OverBudget => LoadEvent::Oversized,
         Dropped::TooManyFrames => LoadEvent::Malformed,
         Dropped::TopicTooLong => LoadEvent::TopicMismatch,
     }

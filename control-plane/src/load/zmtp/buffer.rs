@@ -1,18 +1,23 @@
 //! The one buffer a subscription holds a message in: it starts at [`INITIAL_BUFFER_BYTES`],
 //! doubles only when a frame that passed its ceiling check needs the room, and never grows past
-//! its ceiling.
+//! its ceiling. Capacity past [`FREE_BUFFER_BYTES`] is borrowed from the process's
+//! [`MessageBudget`](super::MessageBudget) and repaid when the buffer shrinks or is dropped.
 
+use super::budget::{BudgetRef, FREE_BUFFER_BYTES};
 use super::{INITIAL_BUFFER_BYTES, SHRINK_ABOVE_BYTES};
 
 #[derive(Debug)]
 pub struct MessageBuffer {
     bytes: Vec<u8>,
     ceiling: usize,
+    budget: BudgetRef,
+    /// Bytes of capacity borrowed from `budget`: what was asked for past the free part.
+    borrowed: usize,
 }
 
 impl MessageBuffer {
-    pub fn new(ceiling: usize) -> Self {
-        Self { bytes: Vec::with_capacity(INITIAL_BUFFER_BYTES.min(ceiling)), ceiling }
+    pub fn new(ceiling: usize, budget: BudgetRef) -> Self {
+        Self { bytes: Vec::with_capacity(INITIAL_BUFFER_BYTES.min(ceiling)), ceiling, budget, borrowed: 0 }
     }
 
     pub fn ceiling(&self) -> usize {
@@ -40,17 +45,43 @@ impl MessageBuffer {
         u64::try_from(self.ceiling.saturating_sub(self.bytes.len())).is_ok_and(|room| more <= room)
     }
 
-    /// Appends `n` zeroed bytes to be filled, growing by powers of two clamped to the ceiling.
-    /// The caller has checked [`Self::fits`].
+    /// Makes room for `more` bytes after those held, growing by powers of two clamped to the
+    /// ceiling; once past the free part, for `slack` bytes after them as well, so that an
+    /// [`Self::extend`] of up to `slack` bytes never borrows. False, changing nothing, when the
+    /// growth would borrow more than the budget has left. The caller has checked [`Self::fits`]
+    /// for `more + slack`.
+    pub fn make_room(&mut self, more: usize, slack: usize) -> bool {
+        let need = self.bytes.len() + more;
+        if need + slack <= FREE_BUFFER_BYTES { self.grow(need, false) } else { self.grow(need + slack, false) }
+    }
+
+    /// Appends `n` zeroed bytes to be filled. The caller has checked [`Self::fits`], and made
+    /// room with [`Self::make_room`] unless `n` is within the slack it asked for: a growth here
+    /// borrows past the budget's limit rather than fail.
     pub fn extend(&mut self, n: usize) {
-        let start = self.bytes.len();
-        let need = start + n;
-        debug_assert!(need <= self.ceiling, "MessageBuffer::extend past its ceiling");
-        if need > self.bytes.capacity() {
-            let target = need.next_power_of_two().clamp(INITIAL_BUFFER_BYTES, self.ceiling.max(need));
-            self.bytes.reserve_exact(target - start);
-        }
+        let need = self.bytes.len() + n;
+        self.grow(need, true);
         self.bytes.resize(need, 0);
+    }
+
+    /// Grows the capacity to hold `need` bytes.
+    fn grow(&mut self, need: usize, overdraw: bool) -> bool {
+        debug_assert!(need <= self.ceiling, "MessageBuffer grown past its ceiling");
+        if need <= self.bytes.capacity() {
+            return true;
+        }
+        let target = need.next_power_of_two().clamp(INITIAL_BUFFER_BYTES, self.ceiling.max(need));
+        let loan = target.saturating_sub(FREE_BUFFER_BYTES).saturating_sub(self.borrowed);
+        if loan > 0 {
+            if overdraw {
+                self.budget.overdraw(loan);
+            } else if !self.budget.borrow(loan) {
+                return false;
+            }
+            self.borrowed += loan;
+        }
+        self.bytes.reserve_exact(target - self.bytes.len());
+        true
     }
 
     /// Held bytes to fill in place.
@@ -62,22 +93,39 @@ impl MessageBuffer {
         self.bytes.truncate(len);
     }
 
-    /// Empties the buffer for the next message, releasing a large allocation.
+    /// Empties the buffer for the next message, releasing a large allocation and repaying
+    /// what it borrowed.
     pub fn reset(&mut self) {
         self.bytes.clear();
         if self.bytes.capacity() > SHRINK_ABOVE_BYTES {
             self.bytes = Vec::with_capacity(INITIAL_BUFFER_BYTES.min(self.ceiling));
+            self.repay();
         }
+    }
+
+    fn repay(&mut self) {
+        self.budget.repay(std::mem::take(&mut self.borrowed));
+    }
+}
+
+impl Drop for MessageBuffer {
+    fn drop(&mut self) {
+        self.repay();
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::budget::MessageBudget;
     use super::*;
+
+    fn budget(limit: usize) -> BudgetRef {
+        BudgetRef(Box::leak(Box::new(MessageBudget::new(limit))))
+    }
 
     #[test]
     fn grows_by_powers_of_two_and_stops_at_the_ceiling() {
-        let mut buffer = MessageBuffer::new(16_660);
+        let mut buffer = MessageBuffer::new(16_660, budget(usize::MAX));
         assert_eq!(buffer.capacity(), 512);
         buffer.extend(300);
         assert_eq!(buffer.capacity(), 512, "fits the first allocation");
@@ -94,20 +142,66 @@ mod tests {
 
     #[test]
     fn a_huge_declared_length_never_fits() {
-        let buffer = MessageBuffer::new(16_660);
+        let buffer = MessageBuffer::new(16_660, budget(usize::MAX));
         assert!(!buffer.fits(1 << 63));
         assert!(!buffer.fits(u64::MAX));
     }
 
     #[test]
     fn reset_releases_only_large_buffers() {
-        let mut small = MessageBuffer::new(1 << 20);
+        let mut small = MessageBuffer::new(1 << 20, budget(usize::MAX));
         small.extend(4000);
         small.reset();
         assert_eq!((small.len(), small.capacity()), (0, 4096));
-        let mut large = MessageBuffer::new(1 << 20);
+        let mut large = MessageBuffer::new(1 << 20, budget(usize::MAX));
         large.extend(100_000);
         large.reset();
         assert_eq!((large.len(), large.capacity()), (0, 512));
+    }
+
+    #[test]
+    fn capacity_past_the_free_part_is_borrowed_and_repaid() {
+        let budget = budget(200 * 1024);
+        let mut buffer = MessageBuffer::new(1 << 20, budget);
+        assert!(buffer.make_room(60_000, 512));
+        buffer.extend(60_000);
+        assert_eq!((budget.lent(), buffer.capacity()), (0, 64 * 1024), "64 KiB is the buffer's own");
+        assert!(buffer.make_room(60_000, 512), "grows to 128 KiB");
+        assert_eq!(budget.lent(), 64 * 1024);
+        buffer.extend(60_000);
+        assert!(!buffer.make_room(200_000, 512), "512 KiB would borrow 448 KiB");
+        assert_eq!((budget.lent(), buffer.capacity()), (64 * 1024, 128 * 1024), "a refusal changes nothing");
+        buffer.reset();
+        assert_eq!(budget.lent(), 0, "repaid with the allocation");
+        assert!(buffer.make_room(200_000, 512));
+        assert_eq!(budget.lent(), 192 * 1024);
+        drop(buffer);
+        assert_eq!(budget.lent(), 0, "repaid when the session ends");
+    }
+
+    #[test]
+    fn the_slack_is_held_only_once_borrowing_so_small_messages_stay_small() {
+        let mut buffer = MessageBuffer::new(1 << 20, budget(1 << 20));
+        assert!(buffer.make_room(40, 512));
+        assert_eq!(buffer.capacity(), 512, "an idle session keeps its 512 bytes");
+        buffer.reset();
+        assert!(buffer.make_room(66_000, 512));
+        assert_eq!(buffer.capacity(), 128 * 1024, "past the free part, room for the slack too");
+        buffer.extend(66_000);
+        buffer.extend(512);
+        assert_eq!(buffer.capacity(), 128 * 1024, "the slack never borrows again");
+    }
+
+    #[test]
+    fn a_growth_the_caller_could_not_refuse_overdraws() {
+        let budget = budget(0);
+        let mut buffer = MessageBuffer::new(1 << 20, budget);
+        assert!(buffer.make_room(FREE_BUFFER_BYTES, 0));
+        buffer.extend(FREE_BUFFER_BYTES);
+        assert!(!buffer.make_room(1, 0));
+        buffer.extend(512);
+        assert_eq!(budget.lent(), 64 * 1024, "one doubling, repaid on reset");
+        buffer.reset();
+        assert_eq!(budget.lent(), 0);
     }
 }

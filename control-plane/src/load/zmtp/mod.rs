@@ -16,6 +16,7 @@
 //! | [`MAX_COMMAND_BYTES`] | 512 B | 512 B | READY with a few properties; PING carries ≤ 16 B |
 //! | [`ZmtpLimits::max_discard_bytes`] | 1 MiB | 16 MiB | larger frames are skipped unread up to here, past it the session ends |
 //! | [`INITIAL_BUFFER_BYTES`] | 512 B, doubling up to the message ceiling | same | grow on demand |
+//! | [`LARGE_MESSAGE_BYTES`] | (never reached: a message fits the free 64 KiB) | 64 MiB, all subscriptions together | message buffers past 64 KiB borrow from one budget |
 //! | [`READ_BUFFER_BYTES`] / [`WRITE_BUFFER_BYTES`] | 2 KiB / 64 B | same | the greeting is exactly 64 B |
 //! | [`CONNECT_TIMEOUT`] | 10 s | 10 s | resolving the host and the TCP connect |
 //! | [`HANDSHAKE_TIMEOUT`] | 10 s | 10 s | greeting, READY both ways and the subscription (slowloris) |
@@ -27,14 +28,17 @@
 //! A frame over `max_frame_bytes` (or a message over `max_message_bytes`, or a fifth frame) is
 //! not buffered: its bytes are read through the 2 KiB read buffer and dropped, and the message is
 //! reported as [`Dropped`], so one bad message does not end a healthy session. A declared length
-//! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once.
+//! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once. So is a
+//! frame whose room the process-wide budget for large messages cannot lend ([`budget`]).
 
+mod budget;
 mod buffer;
 mod subscriber;
 mod wire;
 
 use std::time::Duration;
 
+pub use budget::{BudgetRef, FREE_BUFFER_BYTES, LARGE_MESSAGE_BYTES, LARGE_MESSAGES, MessageBudget};
 pub use buffer::MessageBuffer;
 pub use subscriber::{Dropped, Incoming, Message, ZmtpSubscriber};
 pub use wire::{GREETING_BYTES, greeting, parse_greeting};
@@ -88,6 +92,9 @@ pub struct ZmtpLimits {
     /// From a message's first byte to its last: a publisher that starts a message and stalls
     /// would hold its buffer, and the subscription, for as long as it chose.
     pub message_timeout: Duration,
+    /// What message buffers borrow from past [`FREE_BUFFER_BYTES`]: the process's
+    /// [`LARGE_MESSAGES`], shared by every family.
+    pub budget: BudgetRef,
 }
 
 impl ZmtpLimits {
@@ -105,6 +112,7 @@ impl ZmtpLimits {
             connect_timeout: CONNECT_TIMEOUT,
             handshake_timeout: HANDSHAKE_TIMEOUT,
             message_timeout: MESSAGE_TIMEOUT,
+            budget: BudgetRef(&LARGE_MESSAGES),
         }
     }
 

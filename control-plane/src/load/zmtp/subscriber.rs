@@ -20,6 +20,9 @@ pub enum Dropped {
     TooManyFrames,
     /// A first frame longer than [`MAX_TOPIC_BYTES`]: no topic we subscribe to.
     TopicTooLong,
+    /// A frame within the ceilings whose room the process-wide budget for large messages
+    /// could not lend just then (other subscriptions held it).
+    OverBudget,
 }
 
 /// What [`ZmtpSubscriber::recv`] returns.
@@ -84,7 +87,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
             read: vec![0; READ_BUFFER_BYTES].into_boxed_slice(),
             window: 0..0,
             write: [0; WRITE_BUFFER_BYTES],
-            message: MessageBuffer::new(limits.buffer_ceiling()),
+            message: MessageBuffer::new(limits.buffer_ceiling(), limits.budget),
             frames: Vec::with_capacity(MAX_FRAMES_PER_MESSAGE),
         };
         match tokio::time::timeout(limits.handshake_timeout, session.greet(topic)).await {
@@ -175,8 +178,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
                 None => {
                     let start = self.message.len();
                     let n = usize::try_from(size).map_err(|_| ZmtpError::Protocol("frame length"))?;
-                    self.read_into_message(n).await?;
-                    self.frames.push(start..start + n);
+                    // Slack for a command, which may come before the next frame: it then never
+                    // grows a borrowing buffer past what the budget lent.
+                    if self.message.make_room(n, MAX_COMMAND_BYTES) {
+                        self.read_into_message(n).await?;
+                        self.frames.push(start..start + n);
+                    } else {
+                        dropped = Some(Dropped::OverBudget);
+                        self.discard(size).await?;
+                    }
                 }
             }
             index += 1;

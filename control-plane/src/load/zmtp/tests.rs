@@ -55,12 +55,19 @@ fn kv_message(sequence: u8) -> Vec<u8> {
 
 /// A subscriber whose peer has already written `script` after its greeting and READY.
 async fn subscriber(script: &[u8]) -> (Result<ZmtpSubscriber<DuplexStream>, ZmtpError>, DuplexStream) {
+    subscriber_with(ZmtpLimits::KV_METRICS, script).await
+}
+
+async fn subscriber_with(
+    limits: ZmtpLimits,
+    script: &[u8],
+) -> (Result<ZmtpSubscriber<DuplexStream>, ZmtpError>, DuplexStream) {
     let (ours, mut peer) = duplex(PIPE_BYTES);
     let mut bytes = pub_greeting();
     bytes.extend(ready(b"PUB"));
     bytes.extend_from_slice(script);
     peer.write_all(&bytes).await.unwrap();
-    (ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await, peer)
+    (ZmtpSubscriber::handshake(ours, limits, b"kv_metrics").await, peer)
 }
 
 async fn next_message(session: &mut ZmtpSubscriber<DuplexStream>) -> Result<Vec<Vec<u8>>, String> {
@@ -128,6 +135,27 @@ async fn an_oversized_frame_is_skipped_unbuffered_and_the_next_message_arrives()
     let (capacity, ceiling) = session.message_capacity();
     assert!(capacity <= 1024, "the skipped frame was never buffered: {capacity}");
     assert!(ceiling <= ZmtpLimits::KV_METRICS.max_message_bytes + MAX_COMMAND_BYTES);
+}
+
+#[tokio::test]
+async fn a_large_message_the_shared_budget_cannot_hold_is_skipped_and_the_loan_comes_back() {
+    // Room for one 200 KiB message past two buffers' free 64 KiB, not for two at once.
+    let budget = BudgetRef(Box::leak(Box::new(MessageBudget::new(192 * 1024))));
+    let limits = ZmtpLimits { budget, ..ZmtpLimits::KV_EVENTS };
+    let large = message(&[b"kv_metrics", &[0; 8], &[0; 8], &vec![7u8; 200 * 1024]]);
+    let mut script = large.clone();
+    script.extend(kv_message(2));
+    let (first, _p1) = subscriber_with(limits, &large).await;
+    let (second, _p2) = subscriber_with(limits, &script).await;
+    let (mut first, mut second) = (first.unwrap(), second.unwrap());
+
+    assert_eq!(next_message(&mut first).await.unwrap()[3].len(), 200 * 1024);
+    assert_eq!(budget.lent(), 192 * 1024, "256 KiB of buffer, 64 KiB of it the session's own");
+    assert_eq!(next_message(&mut second).await, Err("dropped OverBudget".into()), "the first holds the budget");
+    assert!(second.message_capacity().0 <= FREE_BUFFER_BYTES, "read through, not buffered");
+    assert!(next_message(&mut second).await.is_ok(), "the session goes on");
+    drop(first);
+    assert_eq!(budget.lent(), 0, "repaid when the session ends");
 }
 
 #[tokio::test]
