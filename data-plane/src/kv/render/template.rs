@@ -153,21 +153,30 @@ impl ChatTemplate {
 }
 
 /// The context's weight (its strings' bytes, and [`VALUE_WEIGHT`] a value) times the length of
-/// its longest list: the most steps a loop over one of them takes.
+/// its longest list, at any depth (a message's content parts, a tool's parameters): the most
+/// steps a loop over one of them takes.
 fn accumulation(context: &Map<String, Json>) -> u64 {
-    fn weight(value: &Json) -> u64 {
-        VALUE_WEIGHT.saturating_add(match value {
-            Json::String(s) => s.len() as u64,
-            Json::Array(items) => items.iter().map(weight).fold(0, u64::saturating_add),
-            Json::Object(map) => {
-                map.iter().map(|(k, v)| (k.len() as u64).saturating_add(weight(v))).fold(0, u64::saturating_add)
+    /// Adds `value`'s weight to `weight` and raises `longest` to its longest list.
+    fn walk(value: &Json, weight: &mut u64, longest: &mut usize) {
+        *weight = weight.saturating_add(VALUE_WEIGHT);
+        match value {
+            Json::String(s) => *weight = weight.saturating_add(s.len() as u64),
+            Json::Array(items) => {
+                *longest = (*longest).max(items.len());
+                items.iter().for_each(|item| walk(item, weight, longest));
             }
-            Json::Null | Json::Bool(_) | Json::Number(_) => 0,
-        })
+            Json::Object(map) => {
+                for (key, value) in map {
+                    *weight = weight.saturating_add(key.len() as u64);
+                    walk(value, weight, longest);
+                }
+            }
+            Json::Null | Json::Bool(_) | Json::Number(_) => {}
+        }
     }
-    let steps = context.values().filter_map(Json::as_array).map(Vec::len).max().unwrap_or(0) as u64;
-    let weight = context.values().map(weight).fold(0, u64::saturating_add);
-    steps.max(1).saturating_mul(weight)
+    let (mut weight, mut longest) = (0u64, 0usize);
+    context.values().for_each(|value| walk(value, &mut weight, &mut longest));
+    (longest.max(1) as u64).saturating_mul(weight)
 }
 
 /// Renders `name` under the prompt's output cap (and the environment's fuel).
@@ -541,6 +550,29 @@ mod tests {
         assert!(matches!(template.render(&tools), Err(RenderError::TooLarge)));
         // A long real conversation renders: 1,000 messages of 1 KiB.
         assert_eq!(template.render(&conversation(1_000, 1 << 10)).unwrap(), (1_000 * ((1 << 10) + 2)).to_string());
+    }
+
+    /// A list nested in one message is looped over as well as a top-level one: one message of
+    /// 20,000 content parts weighs as 20,000 messages would.
+    #[test]
+    fn the_longest_list_at_any_depth_bounds_the_loop() {
+        let part = json!({"type": "text", "text": "x"});
+        let context = |parts: usize| {
+            let message = json!({"role": "user", "content": vec![part.clone(); parts]});
+            let mut context = Map::new();
+            context.insert("messages".into(), json!([message]));
+            context
+        };
+        assert!(accumulation(&context(20_000)) > MAX_ACCUMULATION, "{}", accumulation(&context(20_000)));
+        assert!(accumulation(&context(1_000)) < MAX_ACCUMULATION);
+        let template = ChatTemplate::new(
+            &json!({"chat_template": "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}"}),
+            None,
+        )
+        .unwrap();
+        let request = |parts: usize| json!({"messages": [{"role": "user", "content": vec![part.clone(); parts]}]});
+        assert!(matches!(template.render(&request(20_000)), Err(RenderError::TooLarge)));
+        assert_eq!(template.render(&request(1_000)).unwrap().len(), 1_000);
     }
 
     #[test]
