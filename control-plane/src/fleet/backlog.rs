@@ -348,6 +348,16 @@ impl Rank {
         backlog
     }
 
+    /// A dispatch's prompt tokens and decode blocks, each at most what one request can hold on
+    /// the rank: its worker's context length and KV blocks, when its card declares them. A
+    /// request the rank could never hold would otherwise weigh on it, for every replica,
+    /// beyond full until it ended (or for [`IN_FLIGHT_MAX_AGE`] if its end were lost).
+    fn at_most_whole(&self, prompt_tokens: u64, decode_blocks: u64) -> (u64, u64) {
+        let Some(capacity) = self.worker.as_ref().map(|w| &w.capacity) else { return (prompt_tokens, decode_blocks) };
+        let at_most = |n: u64, limit: Option<u64>| limit.filter(|l| *l > 0).map_or(n, |l| n.min(l));
+        (at_most(prompt_tokens, capacity.context_length), at_most(decode_blocks, capacity.total_kv_blocks))
+    }
+
     /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
     fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
         dispatch.alone = dispatch.prefill_tokens() > 0 && self.dispatches.values().all(|d| d.prefill_tokens() == 0);
@@ -557,26 +567,20 @@ impl Book {
             let id = (replica, started.id);
             // A repeated id replaces its dispatch.
             self.end(id, at);
+            // Admitted, so held: ends never remove a record.
+            let Some(rank) = self.ranks.get_mut(&key) else { continue };
+            let (prompt_tokens, decode_blocks) = rank.at_most_whole(started.prefill_tokens, started.decode_blocks);
             let mut block_hashes = started.block_hashes;
             // Only the leading `decode_blocks` are the rank's to hold (none on a prefill leg).
-            block_hashes.truncate(usize::try_from(started.decode_blocks).unwrap_or(usize::MAX));
+            block_hashes.truncate(usize::try_from(decode_blocks).unwrap_or(usize::MAX));
             fit(&mut block_hashes);
             if self.held_hashes + block_hashes.len() > MAX_ACTIVE_BLOCK_HASHES {
                 block_hashes = Vec::new();
                 self.chains_dropped += 1;
             }
             self.held_hashes += block_hashes.len();
-            let dispatch = Dispatch {
-                prompt_tokens: started.prefill_tokens,
-                decode_blocks: started.decode_blocks,
-                block_hashes,
-                added: 0,
-                at,
-                answered: None,
-                alone: false,
-            };
-            // Admitted, so held: ends never remove a record.
-            let Some(rank) = self.ranks.get_mut(&key) else { continue };
+            let dispatch =
+                Dispatch { prompt_tokens, decode_blocks, block_hashes, added: 0, at, answered: None, alone: false };
             self.dispatched += 1;
             rank.last_dispatch = self.dispatched;
             rank.start(id, dispatch, &self.active, key);

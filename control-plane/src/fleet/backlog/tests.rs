@@ -431,6 +431,25 @@ fn a_dispatch_no_request_could_be_is_refused_and_leaves_the_others_sums_whole() 
     assert_eq!(sums(&change), [(0, 160, 10, 1, None)], "the first replica's dispatch is still counted whole");
 }
 
+#[test]
+fn a_dispatch_counts_at_most_what_one_request_can_hold_on_its_rank() {
+    let capacity = Capacity { total_kv_blocks: Some(100), context_length: Some(4096), ..Capacity::default() };
+    let worker = Worker { capacity, ..Worker::clone(&decode_worker(0)) };
+    let state = FleetState::new(1, Arc::new(DataPlaneConfig::default()));
+    let Some((state, _)) = state.commit(FleetChange { upsert: vec![Arc::new(worker)], ..FleetChange::default() })
+    else {
+        panic!("upsert is a change")
+    };
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let whole = pb::DispatchStarted { prefill_tokens: 10_000, decode_blocks: 500, ..started(1, 0, 0) };
+    book.report(1, report(vec![whole, started(2, 0, 160)], vec![]), t0, &state);
+    let change = book.take_change(t0);
+    assert_eq!(sums(&change), [(0, 4096 + 160, 100 + 10, 2, None)], "the first at most a context and the whole cache");
+    book.report(1, report(vec![], vec![1]), t0, &state);
+    assert_eq!(sums(&book.take_change(t0)), [(0, 160, 10, 1, None)], "and its end takes away what it added");
+}
+
 /// A dispatch of `hashes.len()` full blocks and a partial one, its chain reported.
 fn chained(id: u64, hashes: &[u64]) -> pb::DispatchStarted {
     let blocks = hashes.len() as u64 + 1;
