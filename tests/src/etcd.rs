@@ -194,6 +194,12 @@ impl Etcd {
         }
     }
 
+    /// The member's process id while it runs, to signal it (`SIGSTOP` freezes it with its
+    /// connections open).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
     pub async fn kill(&mut self) -> anyhow::Result<()> {
         if let Some(mut child) = self.child.take() {
             child.kill().await?;

@@ -1,14 +1,19 @@
 //! etcd discovery against a real etcd (Debian `etcd-server`): get-then-watch is gapless, a
-//! restarted etcd resyncs without losing or doubling anything, and oversized values are refused
-//! while their neighbours apply. The test writes the records as the workers would; the control
-//! plane only reads.
+//! restarted etcd resyncs without losing or doubling anything, oversized values are refused
+//! while their neighbours apply, a keyspace larger than one response is read in pages, and a
+//! frozen member is noticed by its silence. The test writes the records as the workers would;
+//! the control plane only reads.
 
 use std::time::Duration;
 
 use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-use continuum_control_plane::config;
+use continuum_control_plane::config::{self, EtcdConfig};
+use continuum_control_plane::metrics::Metrics;
+use continuum_control_plane::sources::Registry;
+use continuum_control_plane::sources::etcd::{MAX_ETCD_MESSAGE_BYTES, WatchHealth, run_with};
 use continuum_tests::etcd::{Etcd, decode_worker_records};
 use continuum_tests::eventually;
+use tokio_util::sync::CancellationToken;
 
 const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -118,6 +123,91 @@ async fn an_oversized_value_is_refused_while_its_neighbours_apply() -> anyhow::R
     })
     .await?;
     control.shutdown().await;
+    Ok(())
+}
+
+/// More card bytes under one prefix than one etcd response may carry (64 MiB), and one value
+/// larger than that alone: the prefix is read in pages at one revision, the huge value is
+/// stepped over and counted, and every worker beside it is discovered. One range get would
+/// have failed every pass, leaving the fleet empty for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyspace_larger_than_one_response_is_read_in_pages_and_a_huge_value_stepped_over() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd =
+        Etcd::start(dir.path(), &["--max-request-bytes", "70000000", "--quota-backend-bytes", "1000000000"]).await?;
+    let mut client = etcd.client().await?;
+    let workers: Vec<u64> = (0..50).map(lease).collect();
+    let pad = "x".repeat(1_400_000);
+    for id in &workers {
+        for (key, value) in decode_worker_records("dynamo", *id, "tiny") {
+            let value = match key.starts_with("v1/mdc/") {
+                // Each card 1.4 MiB, within etcd's default request size: 70 MiB under the prefix.
+                true => value.replacen('{', &format!("{{\"pad\":\"{pad}\","), 1),
+                false => value,
+            };
+            client.put(key, value, None).await?;
+        }
+    }
+    let huge = format!("{{\"type\":\"Model\",\"pad\":\"{}\"}}", "x".repeat(MAX_ETCD_MESSAGE_BYTES + 1));
+    // Sorted among the cards (no worker of its own), so pages on both sides of it are read.
+    client.put(format!("v1/mdc/dynamo/backend/generate/{:x}", lease(25) * 16), huge, None).await?;
+    drop(client);
+
+    let control = control_plane(&etcd).await?;
+    eventually(CONVERGE, "every worker", || async { worker_ids(&control).len() == workers.len() }).await?;
+    let mut ids = worker_ids(&control);
+    ids.sort_unstable();
+    assert_eq!(ids, workers);
+    assert_eq!(control.metrics.discovery_events.with_label_values(&["oversized"]).get(), 1, "the huge value, counted");
+    control.shutdown().await;
+    Ok(())
+}
+
+/// An etcd frozen with its connections open (`SIGSTOP`) answers nothing, not even the
+/// progress requests a quiet watch answers: its silence ends the pass within the deadline,
+/// long before the HTTP/2 keepalive would (20 s), and discovery resyncs once it thaws. A quiet
+/// but healthy etcd is never taken for a frozen one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd = Etcd::start(dir.path(), &[]).await?;
+    put_workers(&etcd, [lease(1)]).await?;
+    let registry = Registry::new(continuum_tests::publisher());
+    let metrics = Metrics::new()?;
+    let config = EtcdConfig { endpoints: vec![etcd.client_url.clone()], ..EtcdConfig::default() };
+    let health = WatchHealth { progress_every: Duration::from_millis(200), silent_after: Duration::from_secs(1) };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_with(
+        config,
+        vec!["dynamo".into()],
+        registry.clone(),
+        metrics.clone(),
+        health,
+        cancel.clone(),
+    ));
+    let resyncs = || metrics.discovery_events.with_label_values(&["resync"]).get();
+    let connected = || metrics.discovery_connected.get() == 1;
+    eventually(CONVERGE, "watching", || async { connected() }).await?;
+    let workers = || registry.current().fleet.workers.len();
+    assert_eq!(workers(), 1);
+
+    // Quiet for four deadlines: progress answers keep the pass alive.
+    tokio::time::sleep(4 * health.silent_after).await;
+    assert_eq!((resyncs(), connected()), (1, true), "a quiet etcd is not a silent one");
+
+    let pid = etcd.pid().ok_or_else(|| anyhow::anyhow!("etcd runs"))?.to_string();
+    let signal = |name: &str| std::process::Command::new("kill").args([name, pid.as_str()]).status();
+    signal("-STOP")?;
+    let frozen = std::time::Instant::now();
+    let noticed = eventually(Duration::from_secs(5), "the pass ends", || async { !connected() }).await;
+    signal("-CONT")?;
+    noticed?;
+    assert!(frozen.elapsed() < Duration::from_secs(5), "noticed by silence, not by the keepalive");
+    eventually(CONVERGE, "resynced once thawed", || async { connected() && resyncs() == 2 }).await?;
+    put_workers(&etcd, [lease(2)]).await?;
+    eventually(CONVERGE, "and watching again", || async { workers() == 2 }).await?;
+    cancel.cancel();
+    task.await?;
     Ok(())
 }
 

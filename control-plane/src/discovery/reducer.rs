@@ -140,7 +140,9 @@ impl Reducer {
             return;
         };
         let keyspace = key.keyspace;
-        let previous = match self.store.remove(keyspace, &etcd_key) {
+        let held = self.store.remove(keyspace, &etcd_key);
+        let was_held = held.is_some();
+        let previous = match held {
             Some(entry) => {
                 pass.touch(&entry);
                 Some(entry)
@@ -151,6 +153,9 @@ impl Reducer {
             let bytes = kv.value.len();
             tracing::warn!(key = %etcd_key, bytes, limit = MAX_RECORD_BYTES, "etcd value refused unread: too large");
             pass.applied.add(EventKind::Oversized);
+            if was_held {
+                self.gave_room_back(keyspace, pass);
+            }
             return;
         }
         let parsed = records::parse(&key, &kv.value, kv.lease);
@@ -159,6 +164,9 @@ impl Reducer {
         // reads two, so holding the rest would fill a keyspace at a third of its workers.
         if let Parsed::Skipped(_) = parsed {
             pass.applied.add(EventKind::Skipped);
+            if was_held {
+                self.gave_room_back(keyspace, pass);
+            }
             return;
         }
         // A key already held gave its room back above; during a resync nothing is held yet, so
@@ -186,10 +194,16 @@ impl Reducer {
         pass.applied.add(EventKind::Delete);
         if let Some(entry) = self.store.remove(key.keyspace, &etcd_key) {
             pass.touch(&entry);
-            let refused = &mut self.refused[key.keyspace.index()];
-            if std::mem::take(refused) {
-                pass.applied.want_relist();
-            }
+            self.gave_room_back(key.keyspace, pass);
+        }
+    }
+
+    /// A held key left `keyspace` (deleted, or replaced by a value that is not held): if the
+    /// keyspace refused keys while full, they may fit now, and since Dynamo writes a key once
+    /// they come back only by listing again.
+    fn gave_room_back(&mut self, keyspace: Keyspace, pass: &mut Pass) {
+        if std::mem::take(&mut self.refused[keyspace.index()]) {
+            pass.applied.want_relist();
         }
     }
 

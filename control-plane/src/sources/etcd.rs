@@ -5,10 +5,23 @@
 //! every watched namespace, folds them as a resync, opens a watch on each prefix at its get's
 //! revision + 1 (gapless), and folds every event until a stream ends. Then it waits a bounded,
 //! jittered backoff and starts over from scratch, which also recovers from compaction.
+//!
+//! Nothing etcd holds can stop discovery for good:
+//! - A prefix is read in pages of at most [`PAGE_KEYS`] keys, all at the first page's revision,
+//!   so no response has to hold a whole keyspace. A page past [`MAX_ETCD_MESSAGE_BYTES`] is
+//!   asked for again at half the keys; a single value past it is stepped over (its key read
+//!   alone, without its value) and counted as `oversized`.
+//! - Watches ask etcd to split a large revision into fragments, and refuse to run on a member
+//!   that has lost its leader (`require_leader`: etcd then cancels them, and the pass resyncs).
+//! - A watch must be heard from: every [`WatchHealth::progress_every`] each stream is asked for
+//!   its progress, and one silent for [`WatchHealth::silent_after`] ends the pass. An idle
+//!   keyspace still answers progress requests; a stalled member or proxy does not.
 
 use std::time::{Duration, Instant, SystemTime};
 
-use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions, WatchClient, WatchOptions};
+use etcd_client::{
+    Certificate, Client, ConnectOptions, GetOptions, Identity, KvClient, TlsOptions, WatchClient, WatchOptions,
+};
 use futures::StreamExt;
 use futures::stream::SelectAll;
 use tokio_util::sync::CancellationToken;
@@ -23,8 +36,25 @@ pub const SEED_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The largest etcd response accepted. Above `MAX_RECORD_BYTES` (16 MiB), so an oversized
 /// record reaches the reducer to be refused and counted instead of breaking the stream for
-/// every record beside it; and enough for a range get of a full keyspace of ordinary records.
+/// every record beside it.
 pub const MAX_ETCD_MESSAGE_BYTES: usize = 64 << 20;
+/// Keys one range-get page asks for at most (fewer after a page too large to accept).
+pub const PAGE_KEYS: i64 = 256;
+
+/// How a pass tells a stalled watch from a quiet one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WatchHealth {
+    /// How often each watch stream is asked for its progress.
+    pub progress_every: Duration,
+    /// A stream not heard from (an event or a progress answer) for this long ends the pass.
+    pub silent_after: Duration,
+}
+
+impl Default for WatchHealth {
+    fn default() -> Self {
+        Self { progress_every: Duration::from_secs(10), silent_after: Duration::from_secs(25) }
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
@@ -40,6 +70,8 @@ pub enum PassError {
     Compacted(i64),
     #[error("a watch stream ended")]
     Ended,
+    #[error("a watch stream went unheard for {0:?}, progress requests included; resyncing")]
+    Silent(Duration),
     #[error("a full discovery keyspace has room again; listing it anew for the keys it refused")]
     RoomFreed,
 }
@@ -64,6 +96,18 @@ pub async fn run(
     metrics: Metrics,
     cancel: CancellationToken,
 ) {
+    run_with(config, namespaces, registry, metrics, WatchHealth::default(), cancel).await;
+}
+
+/// [`run`], telling stalled watches by `health`.
+pub async fn run_with(
+    config: EtcdConfig,
+    namespaces: Vec<String>,
+    registry: Registry,
+    metrics: Metrics,
+    health: WatchHealth,
+    cancel: CancellationToken,
+) {
     let mut reducer = Reducer::new(namespaces.clone());
     let backoff = &config.watch_reconnect_backoff;
     let mut delay = backoff.initial;
@@ -71,7 +115,7 @@ pub async fn run(
         let mut watching_since = None;
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            outcome = pass(&config, &namespaces, &mut reducer, &registry, &metrics, &mut watching_since) => outcome,
+            outcome = pass(&config, &namespaces, &mut reducer, &registry, &metrics, health, &mut watching_since) => outcome,
         };
         metrics.discovery_connected.set(0);
         let sleep = match outcome {
@@ -106,25 +150,47 @@ async fn pass(
     reducer: &mut Reducer,
     registry: &Registry,
     metrics: &Metrics,
+    health: WatchHealth,
     watching_since: &mut Option<Instant>,
 ) -> Result<(), PassError> {
     let prefixes: Vec<String> = namespaces.iter().flat_map(|ns| prefixes(ns)).collect();
-    let (mut watcher, records, revisions) =
+    let (mut watcher, seeded) =
         tokio::time::timeout(SEED_TIMEOUT, seed(config, &prefixes)).await.map_err(|_| PassError::SeedTimeout)??;
-    fold(reducer, WatchEvent::Resync(records), registry, metrics);
+    metrics.discovery_events.with_label_values(&["oversized"]).inc_by(seeded.stepped_over);
+    fold(reducer, WatchEvent::Resync(seeded.records), registry, metrics);
 
     let mut streams = SelectAll::new();
-    for (prefix, revision) in prefixes.iter().zip(revisions) {
-        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1);
-        let stream = watcher.watch(prefix.as_str(), Some(options)).await?;
+    let mut askers = Vec::with_capacity(prefixes.len());
+    for (index, (prefix, revision)) in prefixes.iter().zip(seeded.revisions).enumerate() {
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();
+        let opened = tokio::time::timeout(SEED_TIMEOUT, watcher.watch(prefix.as_str(), Some(options))).await;
+        let (asker, responses) = opened.map_err(|_| PassError::SeedTimeout)??.split();
+        askers.push(asker);
         // `SelectAll` drops a stream that ends and goes on with the others; one prefix's
         // watch ending must end the pass, or that prefix would go unwatched.
         let ended = futures::stream::once(std::future::ready(Err(PassError::Ended)));
-        streams.push(stream.map(|response| response.map_err(PassError::from)).chain(ended));
+        let responses = responses.map(|response| response.map_err(PassError::from)).chain(ended);
+        streams.push(responses.map(move |response| (index, response)));
     }
     metrics.discovery_connected.set(1);
     *watching_since = Some(Instant::now());
-    while let Some(response) = streams.next().await {
+    let mut heard = Heard::new(prefixes.len(), Instant::now());
+    let mut progress = tokio::time::interval(health.progress_every);
+    progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let (index, response) = tokio::select! {
+            next = streams.next() => next.ok_or(PassError::Ended)?,
+            _ = progress.tick() => {
+                if heard.silent_for(Instant::now(), health.silent_after) {
+                    return Err(PassError::Silent(health.silent_after));
+                }
+                for asker in &mut askers {
+                    asker.request_progress().await?;
+                }
+                continue;
+            }
+        };
+        heard.from(index, Instant::now());
         let response = response?;
         if response.compact_revision() > 0 {
             return Err(PassError::Compacted(response.compact_revision()));
@@ -153,22 +219,116 @@ async fn pass(
             registry.publish(reducer.fleet());
         }
     }
-    Err(PassError::Ended)
 }
 
-/// Connects and range-gets every prefix, recording each response's revision.
-async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(WatchClient, Vec<KeyValue>, Vec<i64>), PassError> {
+/// When each watch stream was last heard from.
+#[derive(Debug)]
+struct Heard(Vec<Instant>);
+
+impl Heard {
+    fn new(streams: usize, now: Instant) -> Self {
+        Self(vec![now; streams])
+    }
+
+    fn from(&mut self, stream: usize, now: Instant) {
+        if let Some(at) = self.0.get_mut(stream) {
+            *at = now;
+        }
+    }
+
+    /// Whether some stream has gone unheard for `after` or longer.
+    fn silent_for(&self, now: Instant, after: Duration) -> bool {
+        self.0.iter().any(|at| now.saturating_duration_since(*at) >= after)
+    }
+}
+
+/// What a seed read: every record, each prefix's revision, and how many values were too
+/// large to read at all.
+struct Seeded {
+    records: Vec<KeyValue>,
+    revisions: Vec<i64>,
+    stepped_over: u64,
+}
+
+/// Connects and range-gets every prefix, recording each one's revision.
+async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(WatchClient, Seeded), PassError> {
     let client = Client::connect(&config.endpoints, Some(connect_options(config)?)).await?;
     let mut kv = client.kv_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let watcher = client.watch_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
-    let mut records = Vec::new();
-    let mut revisions = Vec::with_capacity(prefixes.len());
+    let mut seeded = Seeded { records: Vec::new(), revisions: Vec::with_capacity(prefixes.len()), stepped_over: 0 };
     for prefix in prefixes {
-        let response = kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix())).await?;
-        revisions.push(response.header().map_or(0, |h| h.revision()));
-        records.extend(response.kvs().iter().map(record));
+        let revision = list(&mut kv, prefix.as_bytes(), &mut seeded).await?;
+        seeded.revisions.push(revision);
     }
-    Ok((watcher, records, revisions))
+    Ok((watcher, seeded))
+}
+
+/// Reads every key under `prefix` in pages, all at the first page's revision; returns it.
+async fn list(kv: &mut KvClient, prefix: &[u8], seeded: &mut Seeded) -> Result<i64, PassError> {
+    let end = prefix_end(prefix);
+    let mut from = prefix.to_vec();
+    // 0 reads the latest revision; the first answer fixes it for the rest.
+    let mut revision = 0;
+    let mut limit = PAGE_KEYS;
+    loop {
+        let page = GetOptions::new().with_range(end.clone()).with_limit(limit).with_revision(revision);
+        let response = match kv.get(from.clone(), Some(page)).await {
+            Err(error) if too_large(&error) && limit > 1 => {
+                limit /= 2;
+                continue;
+            }
+            Err(error) if too_large(&error) => {
+                // One value alone is past the bound: step over its key, read without it.
+                let key_only = GetOptions::new().with_range(end.clone()).with_limit(1).with_revision(revision);
+                let response = kv.get(from.clone(), Some(key_only.with_keys_only())).await?;
+                revision = revision.max(response.header().map_or(0, |h| h.revision()));
+                let Some(skipped) = response.kvs().first() else { return Ok(revision) };
+                tracing::warn!(
+                    key = %String::from_utf8_lossy(skipped.key()),
+                    limit = MAX_ETCD_MESSAGE_BYTES,
+                    "an etcd value is too large to read; refused"
+                );
+                seeded.stepped_over += 1;
+                from = after(skipped.key());
+                limit = PAGE_KEYS;
+                continue;
+            }
+            outcome => outcome?,
+        };
+        revision = revision.max(response.header().map_or(0, |h| h.revision()));
+        seeded.records.extend(response.kvs().iter().map(record));
+        match response.kvs().last() {
+            Some(last) if response.more() => from = after(last.key()),
+            _ => return Ok(revision),
+        }
+        limit = (limit * 2).min(PAGE_KEYS);
+    }
+}
+
+/// Whether tonic refused an answer for exceeding [`MAX_ETCD_MESSAGE_BYTES`].
+fn too_large(error: &etcd_client::Error) -> bool {
+    matches!(error, etcd_client::Error::GRpcStatus(status)
+        if status.code() == tonic::Code::OutOfRange && status.message().contains("too large"))
+}
+
+/// The first key after `key`.
+fn after(key: &[u8]) -> Vec<u8> {
+    let mut next = key.to_vec();
+    next.push(0);
+    next
+}
+
+/// The end of the range of keys starting with `prefix`: its last byte below 0xff, plus one.
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // Every byte is 0xff (or none): to the end of the keyspace.
+    vec![0]
 }
 
 fn record(kv: &etcd_client::KeyValue) -> KeyValue {
@@ -178,7 +338,10 @@ fn record(kv: &etcd_client::KeyValue) -> KeyValue {
 fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
     let mut options = ConnectOptions::new()
         .with_connect_timeout(Duration::from_secs(10))
-        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(10));
+        .with_keep_alive(Duration::from_secs(10), Duration::from_secs(10))
+        // A member cut off from its cluster cancels the watches (and refuses the gets) rather
+        // than serve a view that no longer changes.
+        .with_require_leader(true);
     if let Some(auth) = &config.auth {
         options = options.with_user(auth.username.clone(), auth.password.expose());
     }
@@ -220,6 +383,27 @@ fn count(applied: &Applied, metrics: &Metrics) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prefix_range_ends_at_its_last_byte_plus_one() {
+        assert_eq!(prefix_end(b"v1/mdc/ns/"), b"v1/mdc/ns0");
+        assert_eq!(prefix_end(b"a\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff\xff"), [0]);
+        assert_eq!(after(b"k"), b"k\0");
+    }
+
+    #[test]
+    fn a_stream_unheard_for_the_deadline_is_silent() {
+        let t0 = Instant::now();
+        let mut heard = Heard::new(2, t0);
+        let after = Duration::from_secs(25);
+        heard.from(0, t0 + Duration::from_secs(20));
+        assert!(!heard.silent_for(t0 + Duration::from_secs(24), after));
+        assert!(heard.silent_for(t0 + after, after), "the second stream was never heard from again");
+        heard.from(1, t0 + Duration::from_secs(30));
+        assert!(!heard.silent_for(t0 + Duration::from_secs(44), after));
+        assert!(heard.silent_for(t0 + Duration::from_secs(45), after), "now the first");
+    }
 
     #[test]
     fn prefixes_percent_encode_the_event_channel_namespace_only() {

@@ -119,6 +119,14 @@ fn a_full_keyspace_refuses_new_keys_but_updates_held_ones() {
     assert_eq!(counts(&admitted), vec![(EventKind::Put, 1)], "a deleted key frees room");
     assert!(sim.worker(full + 1).is_some());
     assert!(!sim.delete(key(2)).relist_wanted(), "nothing was refused since");
+
+    // Full again, then a held key replaced by an endpoint the router does not read: it gives
+    // its room back as a delete does.
+    assert_eq!(counts(&sim.put(key(full + 2), &value(full + 2))), vec![(EventKind::Put, 1)]);
+    assert_eq!(counts(&sim.put(key(full + 3), &value(full + 3))), vec![(EventKind::OverCapacity, 1)]);
+    let replaced = sim.put(key(3), &endpoint_value("decode", "clear_kv_blocks", json!(3)));
+    assert_eq!(counts(&replaced), vec![(EventKind::Skipped, 1)]);
+    assert!(replaced.relist_wanted(), "its room is free again");
 }
 
 #[test]
