@@ -157,9 +157,11 @@ pub const KV_TERM_STAGES: [&str; 4] = ["prepare", "find_matches", "queue", "rend
 const KV_TERM_BUCKETS: [f64; 12] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
 /// The `reason`s of `continuum_http_requests_refused_total`.
-const HEAD_REFUSALS: [&str; 9] = [
+const HEAD_REFUSALS: [&str; 11] = [
     "malformed",
     "head_too_large",
+    "target_too_long",
+    "unsupported_coding",
     "body_too_large",
     "framing",
     "malformed_body",
@@ -342,11 +344,21 @@ impl Metrics {
         self.http_write_stalls.inc();
     }
 
+    /// Counts a failed write to a client if it failed by stalling (a closed connection is the
+    /// client's to close).
+    pub fn write_failed(&self, error: &std::io::Error) {
+        if error.kind() == std::io::ErrorKind::TimedOut {
+            self.write_stalled();
+        }
+    }
+
     /// Counts a request refused because it could not be read.
     pub fn refused(&self, error: &HeadError) {
         let reason = match error {
             HeadError::Malformed(_) => "malformed",
             HeadError::TooLarge => "head_too_large",
+            HeadError::TargetTooLong => "target_too_long",
+            HeadError::UnsupportedCoding => "unsupported_coding",
             HeadError::BodyTooLarge => "body_too_large",
             HeadError::Framing(_) => "framing",
             HeadError::Body(_) => "malformed_body",

@@ -68,7 +68,14 @@ impl IntoResponse for ApiError {
 
 impl From<RequestError> for ApiError {
     fn from(error: RequestError) -> Self {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Invalid request: {error}."))
+        match error {
+            RequestError::Busy => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_busy",
+                format!("The router is busy: {error}. Retry shortly."),
+            ),
+            error => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Invalid request: {error}.")),
+        }
     }
 }
 
@@ -77,6 +84,10 @@ impl From<HeadError> for ApiError {
         let (code, advice) = match error {
             HeadError::BodyTooLarge => ("request_too_large", " Shorten the prompt or send large content by reference."),
             HeadError::TooLarge => ("request_head_too_large", " Send fewer or shorter headers."),
+            HeadError::TargetTooLong => ("request_target_too_long", " Send a shorter path and query."),
+            HeadError::UnsupportedCoding => {
+                ("unsupported_transfer_coding", " Send the body plain, with Content-Length or chunked alone.")
+            }
             HeadError::Timeout => {
                 let message = format!("Request timed out: {error}. Send the whole request at once.");
                 return ApiError::new(error.status(), "request_timeout", message);

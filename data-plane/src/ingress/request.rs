@@ -1,6 +1,8 @@
 //! The ingress phase's reading of a chat completion request: bounded, valid JSON, and just
 //! enough of the OpenAI shape checked to route it. Everything else is the frontend's to judge.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -54,7 +56,14 @@ pub enum RequestError {
     Json(#[source] serde_json::Error),
     #[error("{0}")]
     Shape(&'static str),
+    /// No room for the body's JSON tree within [`OUTBOUND_TREE_WAIT`]: larger bodies hold it.
+    #[error("the replica holds as many large request bodies as it may")]
+    Busy,
 }
+
+/// How long making the outbound body waits for room for its tree; past it the request is
+/// refused as busy, rather than queued behind renders of large bodies for as long as they run.
+pub const OUTBOUND_TREE_WAIT: Duration = Duration::from_secs(2);
 
 /// A chat completion request as the client sent it, read in one pass without building a JSON
 /// tree: what routing needs is measured as the body is parsed, and the body itself is kept as
@@ -207,7 +216,8 @@ impl ChatRequest {
         if !self.has_nvext && token_data.is_none() {
             return Ok(self.raw.clone());
         }
-        let mut tree = self.tree().await?;
+        let mut tree =
+            tokio::time::timeout(OUTBOUND_TREE_WAIT, self.tree()).await.map_err(|_| RequestError::Busy)??;
         strip_body_routing(&mut tree.value, disclose);
         if let Some(tokens) = token_data {
             attach_token_data(&mut tree.value, tokens);

@@ -12,7 +12,8 @@ use std::pin::{Pin, pin};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{Method, Request, StatusCode, Version};
+use axum::http::header::CONTENT_LENGTH;
+use axum::http::{HeaderMap, Method, Request, StatusCode, Version};
 use axum::response::{IntoResponse, Response};
 use bytes::{Buf, Bytes, BytesMut};
 use futures::FutureExt;
@@ -24,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
 use super::head::{
-    BodyFraming, HeadError, LAST_CHUNK, MAX_HEAD_BYTES, RequestHead, ResponseFraming, Route, encode_chunk,
+    BodyFraming, HeadError, LAST_CHUNK, MAX_HEAD_BYTES, Persistence, RequestHead, ResponseFraming, Route, encode_chunk,
     encode_response, http_date, parse_request,
 };
 use super::{App, Stages};
@@ -62,11 +63,13 @@ enum Stop {
     Quietly,
     /// The request cannot be read: answer this and close.
     Refuse(HeadError),
+    /// The client took none of an interim answer (`100 Continue`) for the write deadline.
+    Stalled,
 }
 
 impl From<io::Error> for Stop {
-    fn from(_: io::Error) -> Self {
-        Stop::Quietly
+    fn from(error: io::Error) -> Self {
+        if error.kind() == io::ErrorKind::TimedOut { Stop::Stalled } else { Stop::Quietly }
     }
 }
 
@@ -92,9 +95,14 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages) {
             Err(Stop::Refuse(error)) => {
                 app.state.metrics.refused(&error);
                 let response = ApiError::from(error).into_response();
-                if conn.write_response(response, Version::HTTP_11, false, false).await.is_ok() {
-                    conn.linger().await;
+                match conn.write_response(response, Version::HTTP_11, false, false).await {
+                    Ok(_) => conn.linger().await,
+                    Err(error) => app.state.metrics.write_failed(&error),
                 }
+                return;
+            }
+            Err(Stop::Stalled) => {
+                app.state.metrics.write_stalled();
                 return;
             }
         };
@@ -109,9 +117,7 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages) {
             Ok(true) => {}
             Ok(false) => return,
             Err(error) => {
-                if error.kind() == io::ErrorKind::TimedOut {
-                    app.state.metrics.write_stalled();
-                }
+                app.state.metrics.write_failed(&error);
                 return;
             }
         }
@@ -152,8 +158,10 @@ impl Connection {
     /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
     /// byte (and not at all once the server is closing), then [`REQUEST_READ_TIMEOUT`] for the rest.
     async fn read_request(&mut self, closing: &CancellationToken) -> Result<(RequestHead, Bytes, Charge), Stop> {
-        if self.read.is_empty() {
-            self.refresh_idle_deadline();
+        self.refresh_idle_deadline();
+        // Blank lines before a request line are ignored (RFC 9112 §2.2: some clients end a
+        // body with an extra CRLF), and still idle: they move neither deadline.
+        while self.skip_blank_lines() {
             self.make_room();
             let Connection { stream, read, idle, .. } = self;
             tokio::select! {
@@ -174,6 +182,13 @@ impl Connection {
             Ok(request) => request,
             Err(_) => Err(Stop::Refuse(HeadError::Timeout)),
         }
+    }
+
+    /// Drops the blank lines at the front of the read buffer; whether nothing else is there.
+    fn skip_blank_lines(&mut self) -> bool {
+        let blank = self.read.iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
+        self.read.advance(blank);
+        self.read.is_empty()
     }
 
     /// Moves the idle deadline to [`IDLE_TIMEOUT`] from now. The timer is re-armed only once
@@ -362,13 +377,17 @@ impl Connection {
             status.is_informational() || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
         let framing = match http_body::Body::size_hint(&body).exact() {
             _ if bodiless => ResponseFraming::NoBody,
+            // A HEAD answer says what the GET's would be (RFC 9110 §9.3.2): the router sets
+            // the length and empties the body.
+            _ if head_only => declared_length(&parts.headers).map_or(ResponseFraming::NoBody, ResponseFraming::Length),
             Some(length) => ResponseFraming::Length(length),
             None if version == Version::HTTP_11 => ResponseFraming::Chunked,
             None => ResponseFraming::UntilClose,
         };
         let keep_alive = keep_alive && framing != ResponseFraming::UntilClose;
         self.write.clear();
-        encode_response(&mut self.write, status, &parts.headers, framing, keep_alive, &http_date());
+        let persistence = Persistence::of(keep_alive, version);
+        encode_response(&mut self.write, status, &parts.headers, framing, persistence, &http_date());
         if bodiless || head_only {
             write_unless_stalled(&mut self.stream, &self.write).await?;
             return Ok(keep_alive);
@@ -386,6 +405,11 @@ impl Connection {
         // A body that broke off cannot be ended properly: closing tells the client it is cut.
         Ok(keep_alive && !frames.broken)
     }
+}
+
+/// The `Content-Length` a handler set, if it is one number.
+fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
 /// Writes all of `bytes`, failing with [`io::ErrorKind::TimedOut`] once the client has taken

@@ -28,6 +28,10 @@ pub enum HeadError {
     Malformed(String),
     #[error("the request head is larger than {MAX_HEAD_BYTES} bytes or has more than {MAX_HEADERS} headers")]
     TooLarge,
+    #[error("the request target is longer than {MAX_HEAD_BYTES} bytes")]
+    TargetTooLong,
+    #[error("the request body is sent with a transfer coding other than `chunked` alone")]
+    UnsupportedCoding,
     #[error("the request body is larger than {MAX_REQUEST_BODY_BYTES} bytes")]
     BodyTooLarge,
     #[error("{0}")]
@@ -46,6 +50,8 @@ impl HeadError {
             HeadError::Malformed(_) | HeadError::Framing(_) | HeadError::Body(_) => StatusCode::BAD_REQUEST,
             HeadError::Timeout => StatusCode::REQUEST_TIMEOUT,
             HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadError::TargetTooLong => StatusCode::URI_TOO_LONG,
+            HeadError::UnsupportedCoding => StatusCode::NOT_IMPLEMENTED,
             HeadError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             HeadError::Busy => StatusCode::SERVICE_UNAVAILABLE,
         }
@@ -97,6 +103,10 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     let mut request = httparse::Request::new(&mut slots);
     let length = match request.parse(buf) {
         Ok(httparse::Status::Complete(length)) => length,
+        // RFC 9112 §3: a request line that alone does not fit is a target too long to read.
+        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES && !buf[..MAX_HEAD_BYTES].contains(&b'\n') => {
+            return Err(HeadError::TargetTooLong);
+        }
         Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => return Err(HeadError::TooLarge),
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
@@ -112,6 +122,10 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     let path = origin_path(target).split('?').next().unwrap_or_default();
     let route = if method == Method::POST && path == CHAT_COMPLETIONS { Route::ChatCompletions } else { Route::Router };
     let raw = &*request.headers;
+    // RFC 9112 §3.2: an HTTP/1.1 request names its host exactly once.
+    if version == Version::HTTP_11 && values(raw, "host").count() != 1 {
+        return Err(HeadError::Malformed("an HTTP/1.1 request must carry exactly one Host header".into()));
+    }
     let headers = match route {
         Route::ChatCompletions => HeaderMap::new(),
         Route::Router => header_map(raw)?,
@@ -184,10 +198,16 @@ fn body_framing(raw: &[httparse::Header<'_>]) -> Result<BodyFraming, HeadError> 
         if values(raw, "content-length").next().is_some() {
             return Err(HeadError::Framing("a request may not carry both Transfer-Encoding and Content-Length"));
         }
-        return match chunked {
-            true => Ok(BodyFraming::Chunked),
-            false => Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`")),
-        };
+        if !chunked {
+            return Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`"));
+        }
+        // RFC 9112 §6.1: a coding the server cannot decode (`gzip, chunked`) is not
+        // implemented, rather than passed on still encoded.
+        let codings = values(raw, "transfer-encoding").flat_map(|v| v.split(|b| *b == b','));
+        if codings.filter(|c| !c.trim_ascii().is_empty()).count() != 1 {
+            return Err(HeadError::UnsupportedCoding);
+        }
+        return Ok(BodyFraming::Chunked);
     }
     let length = match content_length(raw) {
         Ok(length) => length.unwrap_or(0),
@@ -213,15 +233,37 @@ pub enum ResponseFraming {
     NoBody,
 }
 
+/// Whether the connection carries another request after a response, as its head says so.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persistence {
+    /// It ends after this response: `connection: close`.
+    Close,
+    /// It stays open, as HTTP/1.1 assumes: nothing to say.
+    KeepAlive,
+    /// It stays open for an HTTP/1.0 client that asked, which must be told so
+    /// (`connection: keep-alive`) or it waits for the server to close.
+    KeepAlive10,
+}
+
+impl Persistence {
+    pub fn of(keep_alive: bool, version: Version) -> Self {
+        match (keep_alive, version) {
+            (false, _) => Persistence::Close,
+            (true, Version::HTTP_10) => Persistence::KeepAlive10,
+            (true, _) => Persistence::KeepAlive,
+        }
+    }
+}
+
 /// Writes a response head into `out`: the status line, `date`, the response's own headers
 /// except the framing, persistence and date ones (the server owns those), then the framing
-/// and, when the connection ends after this response, `connection: close`.
+/// and the persistence.
 pub fn encode_response(
     out: &mut Vec<u8>,
     status: StatusCode,
     headers: &HeaderMap,
     framing: ResponseFraming,
-    keep_alive: bool,
+    persistence: Persistence,
     date: &str,
 ) {
     out.extend_from_slice(b"HTTP/1.1 ");
@@ -246,8 +288,10 @@ pub fn encode_response(
         ResponseFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
         ResponseFraming::UntilClose | ResponseFraming::NoBody => {}
     }
-    if !keep_alive {
-        out.extend_from_slice(b"connection: close\r\n");
+    match persistence {
+        Persistence::Close => out.extend_from_slice(b"connection: close\r\n"),
+        Persistence::KeepAlive10 => out.extend_from_slice(b"connection: keep-alive\r\n"),
+        Persistence::KeepAlive => {}
     }
     out.extend_from_slice(b"\r\n");
 }
@@ -293,8 +337,15 @@ mod tests {
     use super::*;
     use crate::dispatch::wire::{flipped, head_text};
 
+    /// Parses `text`, given a `host: x` line after its first when it is an HTTP/1.1 head that
+    /// names none (see `an_http11_request_names_its_host_once`).
     fn parse(text: &str) -> Result<Option<(RequestHead, usize)>, HeadError> {
-        parse_request(text.as_bytes())
+        match text.split_once("HTTP/1.1\r\n") {
+            Some((line, rest)) if !text.to_ascii_lowercase().contains("\nhost:") => {
+                parse_request(format!("{line}HTTP/1.1\r\nhost: x\r\n{rest}").as_bytes())
+            }
+            _ => parse_request(text.as_bytes()),
+        }
     }
 
     fn head(text: &str) -> RequestHead {
@@ -328,7 +379,7 @@ mod tests {
             ("GET / HTTP/1.1\r\nConnection: Keep-Alive, CLOSE\r\n\r\n", BodyFraming::Length(0), false),
             ("GET / HTTP/1.0\r\n\r\n", BodyFraming::Length(0), false),
             ("GET / HTTP/1.0\r\nconnection: keep-alive\r\n\r\n", BodyFraming::Length(0), true),
-            ("POST / HTTP/1.1\r\ntransfer-encoding: gzip, chunked\r\n\r\n", BodyFraming::Chunked, true),
+            ("POST / HTTP/1.1\r\ntransfer-encoding:  Chunked \r\n\r\n", BodyFraming::Chunked, true),
             ("POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n", BodyFraming::Length(5), true),
         ];
         for (text, body, keep_alive) in rows {
@@ -361,6 +412,10 @@ mod tests {
             assert!(error.to_string().contains(says), "{text:?}: {error}");
             assert_eq!(error.status(), StatusCode::BAD_REQUEST, "{text:?}");
         }
+        let gzip = refused("POST / HTTP/1.1\r\ntransfer-encoding: gzip, chunked\r\n\r\n");
+        assert_eq!((gzip.clone(), gzip.status()), (HeadError::UnsupportedCoding, StatusCode::NOT_IMPLEMENTED));
+        let target = format!("GET /{} HTTP/1.1\r\n", "a".repeat(MAX_HEAD_BYTES));
+        assert_eq!(refused(&target).status(), StatusCode::URI_TOO_LONG);
         let huge = format!("POST / HTTP/1.1\r\ncontent-length: {}\r\n\r\n", MAX_REQUEST_BODY_BYTES + 1);
         assert_eq!(refused(&huge), HeadError::BodyTooLarge);
         assert_eq!(refused(&huge).status(), StatusCode::PAYLOAD_TOO_LARGE);
@@ -374,28 +429,45 @@ mod tests {
     }
 
     #[test]
+    fn an_http11_request_names_its_host_once() {
+        let host = |text: &str| parse_request(text.as_bytes());
+        for text in ["GET / HTTP/1.1\r\n\r\n", "GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n"] {
+            let error = host(text).unwrap_err();
+            assert!(error.to_string().contains("exactly one Host"), "{text:?}: {error}");
+            assert_eq!(error.status(), StatusCode::BAD_REQUEST);
+        }
+        assert!(host("GET / HTTP/1.1\r\nHOST: a\r\n\r\n").unwrap().is_some());
+        assert!(host("GET / HTTP/1.0\r\n\r\n").unwrap().is_some(), "HTTP/1.0 has no such rule");
+    }
+
+    #[test]
     fn a_response_head_carries_the_servers_framing_not_the_handlers() {
         let mut headers = HeaderMap::new();
         headers.insert("content-type", HeaderValue::from_static("application/json"));
         headers.insert("content-length", HeaderValue::from_static("999"));
         headers.insert("connection", HeaderValue::from_static("upgrade"));
         headers.insert("date", HeaderValue::from_static("the shim's"));
-        let encode = |framing, keep_alive| {
+        let encode = |framing, persistence| {
             let mut out = Vec::new();
-            encode_response(&mut out, StatusCode::OK, &headers, framing, keep_alive, "Sun, 06 Nov 1994 08:49:37 GMT");
+            encode_response(&mut out, StatusCode::OK, &headers, framing, persistence, "Sun, 06 Nov 1994 08:49:37 GMT");
             String::from_utf8(out).unwrap()
         };
         assert_eq!(
-            encode(ResponseFraming::Length(2), true),
+            encode(ResponseFraming::Length(2), Persistence::KeepAlive),
             "HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n"
         );
         assert_eq!(
-            encode(ResponseFraming::Chunked, false),
+            encode(ResponseFraming::Chunked, Persistence::Close),
             "HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
         );
         assert_eq!(
-            encode(ResponseFraming::UntilClose, false),
+            encode(ResponseFraming::UntilClose, Persistence::Close),
             "HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+        );
+        assert_eq!(
+            encode(ResponseFraming::Length(2), Persistence::of(true, Version::HTTP_10)),
+            "HTTP/1.1 200 OK\r\ndate: Sun, 06 Nov 1994 08:49:37 GMT\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\n",
+            "an HTTP/1.0 client is told the connection stays open"
         );
         let date = http_date();
         assert!(httpdate::parse_http_date(&date).is_ok(), "{date}");
@@ -406,8 +478,8 @@ mod tests {
         assert_eq!(out, b"a\r\ndata: {}\n\n\r\n0\r\n\r\n");
     }
 
-    /// A request head as a client might write it, framing headers and all, and half the time one
-    /// byte overwritten.
+    /// A request head as a client might write it, its Host, framing headers and all, and half
+    /// the time one byte overwritten.
     fn request_head() -> impl Strategy<Value = Vec<u8>> {
         let method = prop::sample::select(vec!["GET", "POST", "PUT", "HEAD"]);
         let target =
@@ -441,6 +513,8 @@ mod tests {
         let flip = prop::option::of((any::<prop::sample::Index>(), any::<u8>()));
         (method, target, version, prop::collection::vec(header, 0..8), flip).prop_map(
             |(method, target, version, headers, flip)| {
+                // A Host first, as clients send it (the generated ones may add another).
+                let headers = std::iter::once(("Host", "r")).chain(headers);
                 flipped(head_text(&format!("{method} {target} {version}"), headers), flip)
             },
         )

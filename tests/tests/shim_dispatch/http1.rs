@@ -157,19 +157,36 @@ async fn a_head_trickled_in_small_pieces_is_read_whole_wherever_its_blank_line_s
 async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
-    let rows: [(&str, u16, &str); 7] = [
-        ("GET / HTTP/1.1\r\nbad header\r\n\r\n", 400, "malformed"),
+    let long_target = format!("GET /{} HTTP/1.1\r\n", "a".repeat(70_000));
+    let rows: [(&str, u16, &str); 11] = [
+        ("GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n", 400, "malformed"),
+        ("GET / HTTP/1.1\r\n\r\n", 400, "malformed"),
+        ("GET / HTTP/1.1\r\nhost: x\r\nhost: y\r\n\r\n", 400, "malformed"),
         (
-            "POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+            501,
+            "unsupported_coding",
+        ),
+        (&long_target, 414, "target_too_long"),
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\ntransfer-encoding: chunked\r\n\r\n",
             400,
             "framing",
         ),
-        ("POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 99999999999\r\n\r\n", 413, "body_too_large"),
-        ("POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", 400, "malformed_body"),
-        // A chunk size another hop could read otherwise (a sign; a bare LF in an extension).
-        ("POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n+2\r\n{}\r\n", 400, "malformed_body"),
+        ("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999999\r\n\r\n", 413, "body_too_large"),
         (
-            "POST /v1/chat/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n2;\n\r\n{}\r\n",
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+            400,
+            "malformed_body",
+        ),
+        // A chunk size another hop could read otherwise (a sign; a bare LF in an extension).
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n+2\r\n{}\r\n",
+            400,
+            "malformed_body",
+        ),
+        (
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n2;\n\r\n{}\r\n",
             400,
             "malformed_body",
         ),
@@ -277,6 +294,50 @@ async fn http_1_0_clients_are_answered_then_closed() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// RFC 9112's smaller courtesies. A blank line after a body (some clients add one) leaves the
+/// connection idle, not reading a request that never comes: it closes at once on shutdown
+/// instead of after the 30 s read deadline, and no timeout is counted. An HTTP/1.0 client that
+/// asks to keep its connection is told it is kept. A HEAD answer names the length its GET's
+/// body has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blank_lines_http_1_0_keep_alive_and_head_lengths_are_answered_as_rfc_9112_asks() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+
+    let mut http10 = TcpStream::connect(harness.replica.local_addr).await?;
+    let mut pending = Vec::new();
+    for _ in 0..2 {
+        http10.write_all(b"GET /healthz HTTP/1.0\r\nconnection: keep-alive\r\n\r\n").await?;
+        let answer = read_answer(&mut http10, &mut pending).await?;
+        assert_eq!(answer.status, 200, "{answer:?}");
+        assert!(answer.head.contains("connection: keep-alive"), "{}", answer.head);
+    }
+
+    let mut head = TcpStream::connect(harness.replica.local_addr).await?;
+    head.write_all(b"HEAD /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await?;
+    let mut said = Vec::new();
+    while !said.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        anyhow::ensure!(tokio::time::timeout(PATIENCE, head.read(&mut byte)).await?? == 1, "closed");
+        said.push(byte[0]);
+    }
+    let said = String::from_utf8_lossy(&said).to_lowercase();
+    head.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await?;
+    let get = read_answer(&mut head, &mut Vec::new()).await?;
+    assert!(!get.body.is_empty());
+    assert!(said.contains(&format!("content-length: {}\r\n", get.body.len())), "{said}");
+
+    let mut blank = TcpStream::connect(harness.replica.local_addr).await?;
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    blank.write_all(&[chat_head("", body.len()).as_bytes(), &body, b"\r\n"].concat()).await?;
+    assert_eq!(read_answer(&mut blank, &mut Vec::new()).await?.status, 200);
+    let metrics = harness.metrics().await?;
+    tokio::time::timeout(PATIENCE, harness.stop()).await?;
+    assert!(closes(&mut blank).await, "idle, so closed at once");
+    assert_eq!(sample(&metrics, "continuum_http_requests_refused_total{reason=\"timeout\"}"), Some(0.0));
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_closes_idle_keep_alive_connections() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
@@ -310,7 +371,7 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     large["messages"][0]["content"] = Value::from("x".repeat(2 * FREE_BYTES));
     let large = serde_json::to_vec(&large)?;
     let chunked = |body: &[u8]| {
-        let mut wire = b"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n".to_vec();
+        let mut wire = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".to_vec();
         wire.extend_from_slice(format!("transfer-encoding: chunked\r\n\r\n{:x}\r\n", body.len()).as_bytes());
         wire.extend_from_slice(body);
         wire.extend_from_slice(b"\r\n0\r\n\r\n");
@@ -338,7 +399,7 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     stream.write_all(rest).await?;
     assert_eq!(read_answer(&mut stream, &mut Vec::new()).await?.status, 200);
     let mut idle = TcpStream::connect(harness.replica.local_addr).await?;
-    idle.write_all(b"POST /v1/chat/completions HTTP/1.1\r\ncontent-length: 8000000\r\n\r\n").await?;
+    idle.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 8000000\r\n\r\n").await?;
     let sent = harness.http.post(harness.url("/v1/chat/completions")).header("content-type", "application/json");
     assert_eq!(sent.body(large.clone()).send().await?.status(), 200, "a Content-Length body too");
     // Given back once each request is dispatched; an announced body never sent holds nothing.
