@@ -72,6 +72,18 @@ pub enum ReloadError {
     Tls(#[from] TlsError),
 }
 
+/// The tokens `config` leaves unset for listeners bound off-host, with their addresses.
+fn untokened_off_host(config: &Config, grpc: SocketAddr, admin: SocketAddr) -> Vec<(&'static str, SocketAddr)> {
+    [
+        ("control_plane.token", grpc, config.control_plane.token.is_some()),
+        ("admin.token", admin, config.admin.token.is_some()),
+    ]
+    .into_iter()
+    .filter(|(_, addr, has_token)| !addr.ip().is_loopback() && !has_token)
+    .map(|(key, addr, _)| (key, addr))
+    .collect()
+}
+
 fn admin_settings(config: &Config, discovery: &DiscoverySupervisor) -> AdminSettings {
     AdminSettings {
         token: config.admin.token.as_ref().map(|t| bearer::Token::new(t.expose())),
@@ -225,6 +237,11 @@ impl ControlPlane {
         }
         config.control_plane.grpc_listen = self.config.control_plane.grpc_listen;
         config.admin.listen = self.config.admin.listen;
+        // The file's validation saw its own addresses, not the running ones (a command-line
+        // override among them), so a token taken away is warned of here.
+        for (key, addr) in untokened_off_host(&config, self.grpc_addr, self.admin_addr) {
+            tracing::warn!(%addr, "reload: {key} is unset and the listener is not a loopback address: anyone who reaches it is served");
+        }
         self.settings.send_replace(admin_settings(&config, &self.discovery));
         self.fleet_tokens.send_replace(fleet_tokens(&config));
         self.config = config;
@@ -259,4 +276,24 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
 
 fn local_addr(what: &'static str, listener: &TcpListener) -> Result<SocketAddr, StartError> {
     listener.local_addr().map_err(|source| StartError::Bind { what, addr: SocketAddr::from(([0, 0, 0, 0], 0)), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    #[test]
+    fn listeners_off_host_without_their_token_are_named() {
+        let (on_host, off_host): (SocketAddr, SocketAddr) =
+            (([127, 0, 0, 1], 9090).into(), ([0, 0, 0, 0], 9090).into());
+        let mut config = Config::default();
+        assert!(untokened_off_host(&config, on_host, on_host).is_empty());
+        assert_eq!(
+            untokened_off_host(&config, off_host, off_host),
+            [("control_plane.token", off_host), ("admin.token", off_host)]
+        );
+        config.admin.token = Some(Secret::new("t"));
+        assert_eq!(untokened_off_host(&config, on_host, off_host), []);
+    }
 }

@@ -28,7 +28,7 @@ impl KeyPath {
     }
 
     /// Whether the value at this path is, or holds, a secret: etcd credentials and client
-    /// key, the admin token, the event bus's private key.
+    /// key, the admin and Fleet tokens (the previous one too), the TLS private keys.
     pub(super) fn holds_secret(&self) -> bool {
         let keys: Vec<&str> = self
             .0
@@ -38,7 +38,7 @@ impl KeyPath {
                 Segment::Index(_) => "",
             })
             .collect();
-        keys.iter().any(|k| matches!(*k, "auth" | "password" | "token" | "client_key"))
+        keys.iter().any(|k| matches!(*k, "auth" | "password" | "token" | "previous_token" | "client_key"))
             || keys.windows(2).any(|w| w == ["tls", "key"])
     }
 

@@ -14,7 +14,7 @@ use super::discovery::{EtcdAuthConfig, EtcdTlsConfig, KubernetesModelConfig, Sta
 use super::event_bus::BrokerConfig;
 use super::path::{KeyPath, Segment};
 use super::signals::ShimPoolConfig;
-use super::types::BackendConfig;
+use super::types::{BackendConfig, ListenerTlsConfig};
 
 /// The largest edit distance still worth suggesting.
 const MAX_SUGGESTION_DISTANCE: usize = 2;
@@ -98,6 +98,7 @@ fn schema() -> Value {
     config.dynamo.shim.pools = vec![ShimPoolConfig::default()];
     config.dynamo.event_bus.brokers = vec![BrokerConfig::default()];
     config.backends = vec![BackendConfig::default()];
+    config.control_plane.tls = Some(ListenerTlsConfig::default());
     serde_yaml_ng::to_value(&config).unwrap_or(Value::Null)
 }
 

@@ -68,11 +68,11 @@ impl Files {
     fn read(paths: &ListenerTlsConfig) -> Result<Self, TlsError> {
         let (Some(cert), Some(key)) = (&paths.cert, &paths.key) else { return Err(TlsError::Incomplete) };
         let read = |path: &Path| std::fs::read(path).map_err(|source| TlsError::Read { path: path.into(), source });
-        Ok(Self {
-            cert: read(cert)?,
-            key: read(Path::new(key.expose()))?,
-            client_ca: paths.client_ca.as_deref().map(read).transpose()?,
-        })
+        let cert = read(cert)?;
+        // The key's path is configured as a secret: an error names it masked.
+        let key = std::fs::read(key.expose())
+            .map_err(|source| TlsError::Read { path: PathBuf::from(crate::config::MASK), source })?;
+        Ok(Self { cert, key, client_ca: paths.client_ca.as_deref().map(read).transpose()? })
     }
 
     /// What tells one set of files from another, without keeping a copy of the key.
@@ -96,7 +96,7 @@ impl Files {
         let certs = certificates(&self.cert, "cert", &cert_path)?;
         let key = PrivateKeyDer::from_pem_slice(&self.key).map_err(|error| TlsError::Pem {
             what: "key",
-            path: paths.key.as_ref().map(|key| PathBuf::from(key.expose())).unwrap_or_default(),
+            path: PathBuf::from(crate::config::MASK),
             reason: format!("holds no PEM private key ({error})"),
         })?;
         let provider = Arc::new(rustls::crypto::ring::default_provider());
@@ -454,6 +454,11 @@ mod tests {
         std::fs::write(dir.path().join("key.pem"), "not a key").expect("written");
         let error = prepare(&paths(dir.path())).map(drop).expect_err("no key").to_string();
         assert!(error.contains("key") && error.contains("holds no PEM private key"), "{error}");
+        // The key's path is a secret: named masked, whether unreadable or not a key.
+        assert!(!error.contains("key.pem") && error.contains(crate::config::MASK), "{error}");
+        std::fs::remove_file(dir.path().join("key.pem")).expect("removed");
+        let error = prepare(&paths(dir.path())).map(drop).expect_err("no key file").to_string();
+        assert!(!error.contains("key.pem") && error.contains(crate::config::MASK), "{error}");
     }
 
     /// A TLS client trusting `dir`'s self-signed certificate for `name`.

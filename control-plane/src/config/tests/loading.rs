@@ -50,7 +50,7 @@ fn moving_the_simulator_shim_moves_its_backend() {
 
 #[test]
 fn substitution_fills_every_string_from_the_environment() {
-    let yaml = "dynamo:\n  discovery:\n    etcd:\n      endpoints: ['${ETCD_HOST}:2379', 'b:2379']\n      auth: {username: router, password: '${ETCD_PASSWORD}'}\nadmin: {token: 'literal $${NOT_A_VAR} and $5'}";
+    let yaml = "dynamo:\n  discovery:\n    etcd:\n      endpoints: ['${ETCD_HOST}:2379', 'b:2379']\n      auth: {username: router, password: '${ETCD_PASSWORD}'}\nadmin: {token: 'literal-$${NOT_A_VAR}-and-$5'}";
     let env = |name: &str| match name {
         "ETCD_HOST" => Some("etcd-0".to_owned()),
         "ETCD_PASSWORD" => Some("hunter2".to_owned()),
@@ -63,7 +63,7 @@ fn substitution_fills_every_string_from_the_environment() {
     let etcd = &config.dynamo.discovery.etcd;
     assert_eq!(etcd.endpoints[0], "etcd-0:2379");
     assert_eq!(etcd.auth.as_ref().map(|a| a.password.expose()), Some("hunter2"));
-    assert_eq!(config.admin.token.as_ref().map(|t| t.expose()), Some("literal ${NOT_A_VAR} and $5"));
+    assert_eq!(config.admin.token.as_ref().map(|t| t.expose()), Some("literal-${NOT_A_VAR}-and-$5"));
 }
 
 #[test]
@@ -90,13 +90,15 @@ fn unset_or_malformed_variables_are_errors_at_their_key_path() {
 
 #[test]
 fn a_mistyped_secret_is_reported_without_its_value() {
-    let yaml = "dynamo: {discovery: {etcd: {endpoints: ['https://a:2379'], auth: {username: r, password: 20240101}}}}\nadmin: {token: 87654321}";
+    let yaml = "dynamo: {discovery: {etcd: {endpoints: ['https://a:2379'], auth: {username: r, password: 20240101}}}}\nadmin: {token: 87654321}\ncontrol_plane: {token: t, previous_token: 13572468}";
     let found = diagnostics(yaml);
-    for path in ["dynamo.discovery.etcd.auth.password", "admin.token"] {
+    for path in ["dynamo.discovery.etcd.auth.password", "admin.token", "control_plane.previous_token"] {
         assert!(found.iter().any(|d| d.path == path && d.message.contains("quote")), "{path}: {found:?}");
     }
     let shown = format!("{found:?}");
-    assert!(!shown.contains("20240101") && !shown.contains("87654321"), "{shown}");
+    for secret in ["20240101", "87654321", "13572468"] {
+        assert!(!shown.contains(secret), "{secret}: {shown}");
+    }
     // A whole credentials section given as a string is a secret too.
     let found = diagnostics("dynamo: {discovery: {etcd: {endpoints: ['https://a:2379'], auth: 'router:s3cret'}}}");
     assert!(!format!("{found:?}").contains("s3cret"), "{found:?}");
@@ -104,7 +106,7 @@ fn a_mistyped_secret_is_reported_without_its_value() {
 
 #[test]
 fn unknown_keys_are_all_reported_with_suggestions() {
-    let yaml = "dynamo:\n  discovery:\n    etcd: {endpoint: ['a:2379'], namepsace: x}\n    static: {workers: [{instance_id: 1, rol: decode, model: m}]}\nbackend: []\nadmin: {zzz: 1}";
+    let yaml = "dynamo:\n  discovery:\n    etcd: {endpoint: ['a:2379'], namepsace: x}\n    static: {workers: [{instance_id: 1, rol: decode, model: m}]}\nbackend: []\nadmin: {zzz: 1}\ncontrol_plane: {tls: {cert: /c, key: /k, clinet_ca: /ca}}";
     let found = diagnostics(yaml);
     let expect = [
         ("dynamo.discovery.etcd.endpoint", "unknown key `endpoint`; did you mean `endpoints`?"),
@@ -112,6 +114,7 @@ fn unknown_keys_are_all_reported_with_suggestions() {
         ("dynamo.discovery.static.workers[0].rol", "did you mean `role`?"),
         ("backend", "did you mean `backends`?"),
         ("admin.zzz", "unknown key `zzz`; known keys here: listen, token"),
+        ("control_plane.tls.clinet_ca", "did you mean `client_ca`?"),
     ];
     for (path, fragment) in expect {
         let hit = found.iter().any(|d| d.severity == Severity::Error && d.path == path && d.message.contains(fragment));

@@ -180,6 +180,7 @@ fn listener_rows() -> Vec<Row> {
         row("admin collides with grpc", "control_plane: {grpc_listen: '127.0.0.1:9000'}\nadmin: {listen: '0.0.0.0:9000', token: t}", Error, "admin.listen", "collides with control_plane.grpc_listen"),
         row("admin off-host without token", "admin: {listen: '0.0.0.0:9090'}", Warning, "admin.token", "not a loopback"),
         row("admin token empty", "admin: {token: ''}", Error, "admin.token", "must not be empty"),
+        row("admin token ending in a newline", "admin: {token: \"t\\n\"}", Error, "admin.token", "visible ASCII"),
         row("admin listen not an address", "admin: {listen: localhost}", Error, "admin.listen", "socket address"),
         row("grpc off-host without token", "control_plane: {grpc_listen: '0.0.0.0:50051'}", Warning, "control_plane.token", "end replicas' streams"),
         row("grpc token empty", "control_plane: {token: ''}", Error, "control_plane.token", "must not be empty"),

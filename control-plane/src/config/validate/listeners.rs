@@ -55,8 +55,9 @@ pub(super) fn check(config: &Config, report: &mut Report) {
             Some(token) if token.is_empty() => {
                 report.error(path, "must not be empty; remove the key to serve without a token")
             }
-            // Replicas send it as one header token (`--control-plane-token` refuses the rest).
-            Some(token) if path == "control_plane.token" && !token.expose().bytes().all(|b| b.is_ascii_graphic()) => {
+            // Clients send it as one header token (`--control-plane-token` refuses the rest);
+            // one ending in a newline (a Secret file's) could never be presented.
+            Some(token) if !token.expose().bytes().all(|b| b.is_ascii_graphic()) => {
                 report.error(path, "must be visible ASCII without spaces (it is sent as an authorization header)")
             }
             None if !listen.ip().is_loopback() => report.warning(
