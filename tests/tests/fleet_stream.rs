@@ -549,6 +549,39 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
     Ok(())
 }
 
+/// A control plane that accepts the connection and then says nothing (frozen, or behind a
+/// silent middlebox) holds neither the TLS handshake nor the reconnect loop: each attempt
+/// gives up after the handshake timeout and the replica tries again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_tls_peer_times_out_the_handshake_and_the_replica_tries_again() -> anyhow::Result<()> {
+    use continuum_data_plane::fleet::{FleetClientConfig, TLS_HANDSHAKE_TIMEOUT, client_tls};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let pki = Pki::generate(dir.path())?;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let port = silent.local_addr()?.port();
+    // Accepts every connection and holds it without a byte.
+    let held = tokio::spawn(async move {
+        let mut open = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            open.push(stream);
+        }
+    });
+    let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{port}"), "patient");
+    follow.tls = Some(client_tls(&pki.ca_cert, None)?.domain_name("localhost").into());
+    let replica = Replica::start("127.0.0.1:0", follow).await?;
+    let reconnects = replica.metrics.reconnects.clone();
+    let started = std::time::Instant::now();
+    eventually(3 * TLS_HANDSHAKE_TIMEOUT, "an attempt given up", || async { reconnects.get() > 0 }).await?;
+    assert!(started.elapsed() >= TLS_HANDSHAKE_TIMEOUT / 2, "not refused at once: the handshake was waited on");
+    replica.shutdown().await;
+    held.abort();
+    Ok(())
+}
+
 /// A renewal on a running control plane: the files replaced in place (as cert-manager or a
 /// Secret volume do) and a reload. New connections get the new certificate, open streams keep
 /// theirs, and files that do not pair are refused while the running certificate stays.

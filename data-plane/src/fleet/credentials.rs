@@ -51,6 +51,9 @@ pub enum TlsFileError {
     Content { path: PathBuf, what: &'static str },
 }
 
+/// How long a TLS handshake with the control plane may take.
+pub const TLS_HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// TLS to the control plane: trusting `ca` (the CA that signed its certificate), and presenting
 /// `identity` (certificate and key PEM files) when it accepts only replicas it knows. Each file
 /// is read and checked for what it must hold now, so a wrong one is named at start rather than
@@ -64,7 +67,11 @@ pub fn client_tls(ca: &Path, identity: Option<(&Path, &Path)>) -> Result<ClientT
         let any = CertificateDer::pem_slice_iter(&pem).any(|certificate| certificate.is_ok());
         if any { Ok(pem) } else { Err(lacks(path, "certificate")) }
     };
-    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(certificates(ca)?));
+    // tonic's connect timeout bounds the TCP connect only: without this, a peer that accepts
+    // and then says nothing (a frozen process, a silent middlebox) holds the handshake, and the
+    // reconnect loop with it, until the kernel gives up on the connection.
+    let mut tls =
+        ClientTlsConfig::new().ca_certificate(Certificate::from_pem(certificates(ca)?)).timeout(TLS_HANDSHAKE_TIMEOUT);
     if let Some((cert, key)) = identity {
         let key_pem = read(key)?;
         PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| lacks(key, "private key"))?;

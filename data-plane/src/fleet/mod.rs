@@ -9,7 +9,9 @@ mod matches;
 mod reporter;
 
 pub use client::{EndpointError, FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
-pub use credentials::{ClientTls, Credentials, InvalidToken, TlsFileError, TlsFiles, client_tls};
+pub use credentials::{
+    ClientTls, Credentials, InvalidToken, TLS_HANDSHAKE_TIMEOUT, TlsFileError, TlsFiles, client_tls,
+};
 pub use handle::{FleetHandle, FleetStatus};
 pub use matches::{FIND_MATCHES_DEADLINE, Matches, MatchesClient, MatchesError, TLS_RENEWAL_INTERVAL};
 #[cfg(test)]

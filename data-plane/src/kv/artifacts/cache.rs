@@ -45,13 +45,14 @@ pub enum ReadError {
 }
 
 impl BlobCache {
-    /// Creates `dir/blobs` if needed and makes both owner-only, whatever they were before.
+    /// Creates `dir/blobs` if needed (what it creates owner-only) and makes `blobs` owner-only
+    /// whatever it was before. `dir` itself is the operator's and keeps its mode: it may be a
+    /// shared directory (`/tmp`, a volume's mount point the replica does not own), and every
+    /// blob is checked against its checksum when read anyway.
     pub fn open(dir: &Path) -> io::Result<Self> {
         let blobs = dir.join("blobs");
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&blobs)?;
-        for path in [dir, blobs.as_path()] {
-            fs::set_permissions(path, fs::Permissions::from_mode(0o700))?;
-        }
+        fs::set_permissions(&blobs, fs::Permissions::from_mode(0o700))?;
         Ok(Self { blobs })
     }
 
@@ -146,9 +147,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("kv");
         fs::DirBuilder::new().mode(0o755).create(&root).unwrap();
+        fs::DirBuilder::new().mode(0o755).create(root.join("blobs")).unwrap();
         let cache = BlobCache::open(&root).unwrap();
-        assert_eq!(mode(&root), 0o700, "an existing directory is tightened");
-        assert_eq!(mode(&root.join("blobs")), 0o700);
+        assert_eq!(mode(&root), 0o755, "the operator's directory keeps its mode");
+        assert_eq!(mode(&root.join("blobs")), 0o700, "the cache's own is tightened");
+        let created = dir.path().join("new/kv");
+        BlobCache::open(&created).unwrap();
+        assert_eq!((mode(&created), mode(&created.join("blobs"))), (0o700, 0o700), "what it creates is owner-only");
         let checksum = Checksum::of(b"tokenizer");
         cache.write(&checksum, b"tokenizer").unwrap();
         assert_eq!(mode(&cache.path(&checksum)), 0o600);

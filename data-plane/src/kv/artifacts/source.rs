@@ -118,7 +118,7 @@ type HttpsClient = Client<HttpsConnector<HttpConnector<ReachableResolver>>, Empt
 /// Fetches `http://` and `https://` artifacts, and the Hub at `HF_ENDPOINT`, with a hyper
 /// client that verifies server certificates against the Mozilla roots (compiled in, no system
 /// store) and any extra roots added with [`Fetcher::with_extra_roots`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Fetcher {
     /// `Err` only if rustls refused the configuration (it cannot with ring's default provider);
     /// then every fetch fails with the reason instead of the router failing to start.
@@ -126,6 +126,16 @@ pub struct Fetcher {
     roots: Arc<RootCertStore>,
     hf_endpoint: String,
     hf_token: Option<String>,
+}
+
+/// Never prints `HF_TOKEN`, only whether one is set.
+impl std::fmt::Debug for Fetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fetcher")
+            .field("hf_endpoint", &self.hf_endpoint)
+            .field("hf_token", &self.hf_token.as_ref().map(|_| "***"))
+            .finish_non_exhaustive()
+    }
 }
 
 impl Fetcher {
@@ -282,6 +292,13 @@ async fn read_body(mut body: hyper::body::Incoming, uri: &str) -> Result<Vec<u8>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fetcher_never_prints_its_hub_token() {
+        let fetcher = Fetcher::new("https://hub.example".into(), Some("hf_s3cret".into()));
+        let shown = format!("{fetcher:?}");
+        assert!(!shown.contains("hf_s3cret") && shown.contains("***") && shown.contains("hub.example"), "{shown}");
+    }
 
     const ALL: Schemes = Schemes { allow_http: true, allow_hf: true };
     const DEFAULTS: Schemes = Schemes { allow_http: true, allow_hf: false };
