@@ -39,6 +39,8 @@ pub struct Metrics {
     pub dispatches_refused: IntCounter,
     /// Reported prefix chains the book did not hold past its hash bound (their blocks count whole).
     pub dispatch_chains_dropped: IntCounter,
+    /// Dispatches replicas reported again on a new stream (started before it opened).
+    pub dispatches_replayed: IntCounter,
     /// Discovery events by `kind` (put, delete, resync, malformed, oversized, over_capacity,
     /// duplicate, unsupported, skipped, restart).
     pub discovery_events: IntCounterVec,
@@ -131,6 +133,10 @@ impl Metrics {
             dispatch_chains_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_chains_dropped_total",
                 "Dispatch prefix chains not held past the book's hash bound (their blocks count whole)",
+            )?,
+            dispatches_replayed: IntCounter::new(
+                "continuum_fleet_dispatches_replayed_total",
+                "Dispatches replicas reported again on a new stream, started before it opened",
             )?,
             discovery_events: IntCounterVec::new(
                 Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),
@@ -254,6 +260,7 @@ impl Metrics {
             Box::new(metrics.dispatch_reports_dropped.clone()),
             Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.dispatch_chains_dropped.clone()),
+            Box::new(metrics.dispatches_replayed.clone()),
             Box::new(metrics.discovery_events.clone()),
             Box::new(metrics.config_reloads.clone()),
             Box::new(metrics.discovery_connected.clone()),

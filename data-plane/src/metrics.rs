@@ -40,6 +40,8 @@ pub struct Metrics {
     pub shim_retries: IntCounter,
     /// Dispatch reports dropped: the queue to the control plane was full.
     pub dispatch_reports_dropped: IntCounter,
+    /// Dispatches in flight reported again when a new stream to the control plane opened.
+    pub dispatches_replayed: IntCounter,
     /// Dispatches the local ledger would not hold (at its capacity).
     pub ledger_refused: IntCounter,
     /// The learnt ratio of counted to estimated prompt tokens, by `model` (load-only sizing).
@@ -204,6 +206,10 @@ impl Metrics {
                 "continuum_fleet_dispatch_reports_dropped_total",
                 "Dispatch reports to the control plane dropped because the queue was full",
             )?,
+            dispatches_replayed: IntCounter::new(
+                "continuum_fleet_dispatches_replayed_total",
+                "Dispatches in flight reported again when a new stream to the control plane opened",
+            )?,
             snapshot_age_seconds: Gauge::new(
                 "continuum_fleet_snapshot_age_seconds",
                 "Seconds the fleet view has been last-known-good instead of current (0 while connected)",
@@ -304,6 +310,7 @@ impl Metrics {
             Box::new(metrics.view_workers.clone()),
             Box::new(metrics.snapshot_age_seconds.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
+            Box::new(metrics.dispatches_replayed.clone()),
             Box::new(metrics.ledger_refused.clone()),
             Box::new(metrics.prompt_estimate_ratio.clone()),
             Box::new(metrics.disaggregated_errors.clone()),

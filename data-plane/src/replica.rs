@@ -101,6 +101,8 @@ impl Replica {
             metrics.ledger_refused.clone(),
             metrics.prompt_estimate_ratio.clone(),
         ));
+        // A new stream to the control plane reports the dispatches in flight again.
+        reporter.replay_from(Arc::clone(&ledger) as Arc<dyn fleet::InFlight>);
         let picker = Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone()));
         let dispatcher = Arc::new(Dispatcher::new(dispatch, metrics.clone()));
         let prober = tokio::spawn(probe::run(Arc::clone(&dispatcher), Arc::clone(&fleet), cancel.clone()));

@@ -125,3 +125,62 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
     shim.stop();
     Ok(())
 }
+
+/// A control plane that restarts forgets every dispatch in flight. Each replica reports its own
+/// again as its new stream opens, so the new control plane, and every other replica through
+/// it, count them at once rather than only as the workers' samples come to show them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_control_plane_hears_again_of_the_dispatches_in_flight() -> anyhow::Result<()> {
+    const HELD: usize = 3;
+    let shim = StubShim::start().await?;
+    let gates: Vec<_> = (0..HELD).map(|_| shim.push_stream()).collect();
+    let fleet =
+        || FleetChange { upsert: vec![worker(1)], config: Some(Arc::new(config(&shim))), ..FleetChange::default() };
+    let control = TestControlPlane::start(publisher()).await?;
+    control.publisher.apply(fleet());
+    let replicas = start_replicas(2, &control.url()).await?;
+    wait_for_version(&replicas, control.publisher.current().version(), PROPAGATION).await?;
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank: 0 };
+    let dispatches = |view: Option<&continuum_proto::view::FleetView>| {
+        view.and_then(|view| view.backlogs().get(&rank).map(|backlog| backlog.dispatches as usize)).unwrap_or(0)
+    };
+
+    let client = reqwest::Client::new();
+    let url = format!("http://{}/v1/chat/completions", replicas[0].local_addr);
+    let mut held = Vec::new();
+    for _ in 0..HELD {
+        held.push(client.post(&url).json(&request()).send().await?);
+    }
+    eventually(PROPAGATION, "the other replica counts them", || async {
+        dispatches(replicas[1].fleet.view().as_deref()) == HELD
+    })
+    .await?;
+
+    let addr = control.addr.to_string();
+    control.stop().await;
+    let control = TestControlPlane::start_on(&addr, publisher()).await?;
+    control.publisher.apply(fleet());
+    eventually(PROPAGATION, "the new control plane counts them", || async {
+        dispatches(Some(control.publisher.current().view())) == HELD
+    })
+    .await?;
+    eventually(PROPAGATION, "and so does the other replica", || async {
+        dispatches(replicas[1].fleet.view().as_deref()) == HELD
+    })
+    .await?;
+    assert_eq!(control.metrics.dispatches_replayed.get(), HELD as u64);
+    assert_eq!(replicas[0].metrics.dispatches_replayed.get(), HELD as u64);
+
+    // Their ends, reported under the ids they first had, take them off.
+    drop(gates);
+    for response in held {
+        response.bytes().await?;
+    }
+    eventually(PROPAGATION, "ended everywhere", || async { dispatches(replicas[1].fleet.view().as_deref()) == 0 })
+        .await?;
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    control.stop().await;
+    Ok(())
+}

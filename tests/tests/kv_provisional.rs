@@ -109,8 +109,14 @@ async fn watch(client: &mut FleetClient<Channel>, replica_id: &str) -> anyhow::R
 fn started(id: u64, worker_id: u64, block_hashes: Vec<u64>) -> pb::WatchRequest {
     let rank =
         pb::LoadKey { worker: Some(pb::WorkerKey { namespace: NAMESPACE.into(), instance_id: worker_id }), dp_rank: 0 };
-    let started =
-        pb::DispatchStarted { id, rank: Some(rank), prefill_tokens: 64, decode_blocks: 4, block_hashes, lookup: 0 };
+    let started = pb::DispatchStarted {
+        id,
+        rank: Some(rank),
+        prefill_tokens: 64,
+        decode_blocks: 4,
+        block_hashes,
+        ..Default::default()
+    };
     pb::WatchRequest {
         kind: Some(Kind::Dispatches(pb::DispatchReport { started: vec![started], ..Default::default() })),
     }

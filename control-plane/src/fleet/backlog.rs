@@ -131,6 +131,8 @@ pub struct BookCounters {
     pub refused: IntCounter,
     /// Prefix chains not held past [`MAX_ACTIVE_BLOCK_HASHES`].
     pub chains_dropped: IntCounter,
+    /// Dispatches reported again on a new stream.
+    pub replayed: IntCounter,
 }
 
 /// The handle sessions use.
@@ -206,6 +208,9 @@ struct Dispatch {
     /// It had tokens to prefill, and no other dispatch on its rank was prefilling when it
     /// started: its time to first token is a prefill's alone.
     alone: bool,
+    /// Reported again on a new stream ([`pb::DispatchStarted::replayed`]): its times are not
+    /// the rank's to learn from.
+    replayed: bool,
 }
 
 impl Dispatch {
@@ -360,7 +365,9 @@ impl Rank {
 
     /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
     fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
-        dispatch.alone = dispatch.prefill_tokens() > 0 && self.dispatches.values().all(|d| d.prefill_tokens() == 0);
+        dispatch.alone = !dispatch.replayed
+            && dispatch.prefill_tokens() > 0
+            && self.dispatches.values().all(|d| d.prefill_tokens() == 0);
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
         // Reported before the rank's last sample arrived but folded after it was measured (the
@@ -410,7 +417,9 @@ impl Rank {
         if dispatch.answered.is_none() {
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
-            Timing::observe(&mut self.timing.first_token, waited);
+            if !dispatch.replayed {
+                Timing::observe(&mut self.timing.first_token, waited);
+            }
             if dispatch.alone {
                 self.timing.prefill.observe(tokens, waited);
             }
@@ -454,7 +463,7 @@ impl Rank {
     /// Ends dispatch `id` on `rank`; returns the hashes it held.
     fn end(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
         let Some(dispatch) = self.dispatches.remove(&id) else { return 0 };
-        if let Some(answered) = dispatch.answered {
+        if let Some(answered) = dispatch.answered.filter(|_| !dispatch.replayed) {
             Timing::observe(&mut self.timing.decode, now.saturating_duration_since(answered));
         }
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
@@ -534,6 +543,8 @@ struct Book {
     refused: u64,
     /// Chains not held past the hash bound.
     chains_dropped: u64,
+    /// Dispatches replicas reported again on a new stream.
+    replayed: u64,
     /// Per replica (session), the operations its reports brought into the sums.
     folded: FastMap<u64, ReportsFolded>,
     /// Dispatches admitted since the book started: each rank's newest is stamped with the
@@ -579,10 +590,26 @@ impl Book {
                 self.chains_dropped += 1;
             }
             self.held_hashes += block_hashes.len();
-            let dispatch =
-                Dispatch { prompt_tokens, decode_blocks, block_hashes, added: 0, at, answered: None, alone: false };
-            self.dispatched += 1;
-            rank.last_dispatch = self.dispatched;
+            let replayed = started.replayed;
+            // A replayed dispatch began before its report, by the replica's clock of how long.
+            let age = Duration::from_millis(started.age_ms).min(IN_FLIGHT_MAX_AGE);
+            let began = if replayed { at.checked_sub(age).unwrap_or(at) } else { at };
+            let dispatch = Dispatch {
+                prompt_tokens,
+                decode_blocks,
+                block_hashes,
+                added: 0,
+                at: began,
+                answered: None,
+                alone: false,
+                replayed,
+            };
+            if replayed {
+                self.replayed += 1;
+            } else {
+                self.dispatched += 1;
+                rank.last_dispatch = self.dispatched;
+            }
             rank.start(id, dispatch, &self.active, key);
             mark(&mut self.dirty, key, rank);
             self.where_is.insert(id, key);
@@ -710,7 +737,7 @@ async fn run(
     cancel: CancellationToken,
 ) {
     // What the counters already hold of the book's totals.
-    let (mut refused, mut chains_dropped) = (0, 0);
+    let (mut refused, mut chains_dropped, mut replayed) = (0, 0, 0);
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -721,7 +748,7 @@ async fn run(
         // report comes instead of waking every window.
         let busy = !book.ranks.is_empty()
             || !book.dirty.is_empty()
-            || (book.refused, book.chains_dropped) != (refused, chains_dropped);
+            || (book.refused, book.chains_dropped, book.replayed) != (refused, chains_dropped, replayed);
         tokio::select! {
             biased;
             () = cancel.cancelled() => return,
@@ -754,7 +781,8 @@ async fn run(
                 }
                 counters.refused.inc_by(book.refused - refused);
                 counters.chains_dropped.inc_by(book.chains_dropped - chains_dropped);
-                (refused, chains_dropped) = (book.refused, book.chains_dropped);
+                counters.replayed.inc_by(book.replayed - replayed);
+                (refused, chains_dropped, replayed) = (book.refused, book.chains_dropped, book.replayed);
             }
         }
     }

@@ -114,6 +114,7 @@ impl FleetService {
             BookCounters {
                 refused: metrics.dispatches_refused.clone(),
                 chains_dropped: metrics.dispatch_chains_dropped.clone(),
+                replayed: metrics.dispatches_replayed.clone(),
             },
             shutdown.clone(),
         );

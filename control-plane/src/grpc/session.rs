@@ -260,6 +260,10 @@ impl Session {
             let rank = started.rank.as_ref().and_then(|k| Some((k.worker.as_ref()?.instance_id, k.dp_rank)));
             let Some((worker_id, dp_rank)) = rank else { continue };
             let rank = RankKey { worker_id, dp_rank };
+            // Credited and reserved when it first started, on the stream before.
+            if started.replayed {
+                continue;
+            }
             if started.lookup != 0 {
                 tracing::debug!(target: "continuum_control_plane::lookups", lookup = started.lookup, ?rank, "lookup reported");
                 let key = LookupKey { replica: &self.status.replica_id, lookup: started.lookup };

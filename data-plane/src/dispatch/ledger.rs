@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use continuum_proto::view::FleetView;
 
-use crate::fleet::DispatchReporter;
+use crate::fleet::{DispatchReporter, InFlight, Report};
 use crate::routing::picker::{
-    DispatchId, DispatchLedger, PromptChain, Selection, dispatch_block_size, pin_block_size, prompt_blocks,
+    DispatchId, DispatchLedger, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size, prompt_blocks,
     usage_prompt_tokens,
 };
 
@@ -57,7 +57,6 @@ impl DispatchEnd {
         let blocks = prompt_blocks(prompt_tokens, block_size);
         let tokens = selection.uncached_prompt_tokens(prompt_tokens);
         let (id, reported) = reporter.operation(|report| {
-            let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now(), report.op());
             let prefill = selection.prefill.as_ref().map(|pin| {
                 report.started(&pin.rank_key(), tokens, 0, chain.at_block_size(pin_block_size(view, pin)).to_vec())
             });
@@ -67,6 +66,13 @@ impl DispatchEnd {
             if chain.lookup != 0 {
                 report.prefills_for_lookup(prefill.unwrap_or(decode), chain.lookup);
             }
+            // The ledger's legs, prefill rank's first, keep their report ids for a replay.
+            let legs = match prefill {
+                Some(prefill) => [prefill, decode],
+                None => [decode, 0],
+            };
+            let recorded = Recorded { op: report.op(), legs };
+            let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now(), recorded);
             (id, [prefill, Some(decode)])
         });
         Self {
@@ -123,6 +129,19 @@ impl DispatchEnd {
     /// The ledger the dispatch is recorded in (and whose outlier record its outcome feeds).
     pub fn ledger(&self) -> &Arc<DispatchLedger> {
         &self.ledger
+    }
+}
+
+/// The ledger's dispatches are what a new stream reports again.
+impl InFlight for DispatchLedger {
+    fn to_replay(&self, stream_first: u64) -> Vec<DispatchId> {
+        self.dispatches_before(stream_first)
+    }
+
+    fn replay(&self, ids: &[DispatchId], report: &mut Report<'_>) {
+        for leg in self.replay_legs(ids, report.op(), report.stream_first(), Instant::now()) {
+            report.replayed(&leg);
+        }
     }
 }
 
@@ -190,6 +209,62 @@ mod tests {
         let _end = DispatchEnd::record(&ledger, &reporter, &view, &aggregated, 160, &chain);
         let lookups: Vec<u64> = next().started.iter().map(|s| s.lookup).collect();
         assert_eq!(lookups, [42]);
+    }
+
+    /// A stream that opens hears first of the dispatches already in flight: each leg under the
+    /// id its first report gave it, marked replayed, in operations small enough for a report,
+    /// numbered before anything else on the stream. Their ends are then reported as usual.
+    #[tokio::test]
+    async fn a_new_stream_first_hears_again_of_the_dispatches_in_flight() {
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let ledger = Arc::new(DispatchLedger::new());
+        reporter.replay_from(Arc::clone(&ledger) as Arc<dyn InFlight>);
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let selection = Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
+            prefill: None,
+            decode_reason: Reason::Load,
+            prefill_reason: None,
+            cached_tokens: 0,
+        };
+        // Dispatched while no stream was open.
+        let count = crate::fleet::MAX_REPLAYED_PER_OPERATION + 72;
+        let mut ends: Vec<DispatchEnd> = (0..count)
+            .map(|_| DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default()))
+            .collect();
+        ends[0].prefilled();
+        let mut rx = reporter.take_receiver().expect("receiver");
+        assert_eq!(reporter.attach(&mut rx), count);
+
+        let mut reports = Vec::new();
+        while let Some(first) = rx.try_recv() {
+            reports.push(batch(first, &mut rx));
+        }
+        let ops: Vec<(u64, u64)> = reports.iter().map(|r| (r.first_op, r.last_op)).collect();
+        assert_eq!(ops, [(1, 2)], "two operations, numbered first on the stream, in one report");
+        let started = &reports[0].started;
+        assert_eq!(started.len(), count);
+        assert!(started.iter().all(|s| s.replayed && s.decode_blocks == 10 && s.lookup == 0), "{:?}", started[0]);
+        let first_id = ends[0].reported[1].expect("the decode leg");
+        assert_eq!(started[0].id, first_id, "under the id its first report gave it");
+        assert_eq!(started[0].prefill_tokens, 0, "its response began");
+        assert_eq!(reports[0].prefilled, [first_id]);
+        assert_eq!(started[1].prefill_tokens, 160);
+
+        let after = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default());
+        let next = batch(rx.try_recv().expect("queued"), &mut rx);
+        assert_eq!((next.first_op, next.started.len(), next.started[0].replayed), (3, 1, false));
+        drop(after);
+        ends.truncate(1);
+        drop(ends);
+        let mut ended = Vec::new();
+        while let Some(first) = rx.try_recv() {
+            ended.extend(batch(first, &mut rx).ended);
+        }
+        assert!(ended.contains(&first_id), "ended under its first id too");
+        assert_eq!(ended.len(), count + 1);
     }
 
     /// A prompt sized by the load-only estimate calibrates the model's later estimates by its

@@ -137,7 +137,7 @@ pub async fn run(
         let started = Instant::now();
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            outcome = follow(&config, &handle, &mut reports, &metrics) => outcome,
+            outcome = follow(&config, &handle, &reporter, &mut reports, &metrics) => outcome,
         };
         reporter::detach(&mut reports);
         handle.detach();
@@ -167,6 +167,7 @@ pub async fn run(
 async fn follow(
     config: &FleetClientConfig,
     handle: &FleetHandle,
+    reporter: &DispatchReporter,
     reports: &mut Reports,
     metrics: &Metrics,
 ) -> Result<(), SessionError> {
@@ -187,7 +188,11 @@ async fn follow(
         .watch(ReceiverStream::new(rx))
         .await?
         .into_inner();
-    reporter::attach(reports);
+    let replayed = reporter.attach(reports);
+    if replayed > 0 {
+        tracing::info!(replayed, "reported the dispatches in flight again on the new fleet stream");
+    }
+    metrics.dispatches_replayed.inc_by(replayed as u64);
     let mut last_report = Instant::now();
     loop {
         let reply = tokio::select! {

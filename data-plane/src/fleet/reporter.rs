@@ -14,15 +14,15 @@
 //! would weigh on the rank, for every replica, until the control plane aged it out, and one
 //! whose first token never came would keep its prompt queued on the rank until it ended.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use continuum_proto::model::LoadKey;
 use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
 use prometheus::IntCounter;
 use tokio::sync::mpsc;
 
-use crate::routing::picker::{NOT_REPORTED, Op};
+use crate::routing::picker::{DispatchId, NOT_REPORTED, Op, ReplayedLeg};
 
 /// Operations waiting to be reported; one batch per stream turn drains them.
 pub const REPORT_QUEUE: usize = 8192;
@@ -35,10 +35,35 @@ const _: () = assert!(MAX_REPORT_BATCH + 2 + MAX_STRANDED_ENDS <= continuum_prot
 /// Ends kept aside from operations the queue had no room for, at most (and as many first
 /// tokens).
 pub const MAX_STRANDED_ENDS: usize = 8192;
+/// Dispatches one replay operation reports again at most: two legs each, each started and
+/// perhaps answered, so a report holding one past its batch still fits the control plane's
+/// bound on starts.
+pub const MAX_REPLAYED_PER_OPERATION: usize = 128;
+const _: () = assert!(MAX_REPORT_BATCH + 2 * MAX_REPLAYED_PER_OPERATION <= continuum_proto::MAX_REPORT_STARTED);
+// A whole replay operation fits the queue a stream starts with, however many it takes.
+const _: () = assert!(crate::routing::picker::LEDGER_CAPACITY / MAX_REPLAYED_PER_OPERATION < REPORT_QUEUE);
+
+/// Where the dispatches in flight are kept (the replica's ledger), to report them again when a
+/// stream opens: the control plane forgot them with the last stream, or restarted.
+pub trait InFlight: Send + Sync + std::fmt::Debug {
+    /// The dispatches the stream whose operations start at `stream_first` does not hold.
+    fn to_replay(&self, stream_first: u64) -> Vec<DispatchId>;
+    /// Reports `ids` again in `report` ([`Report::replayed`]), recording that it did.
+    fn replay(&self, ids: &[DispatchId], report: &mut Report<'_>);
+}
 
 #[derive(Debug)]
 enum DispatchEvent {
-    Started { id: u64, rank: LoadKey, prefill_tokens: u64, decode_blocks: u64, block_hashes: Vec<u64>, lookup: u64 },
+    Started {
+        id: u64,
+        rank: LoadKey,
+        prefill_tokens: u64,
+        decode_blocks: u64,
+        block_hashes: Vec<u64>,
+        lookup: u64,
+        /// How long ago a dispatch reported again on a new stream began; `None` for a new one.
+        replayed_age_ms: Option<u64>,
+    },
     Ended(u64),
     Prefilled(u64),
 }
@@ -55,10 +80,8 @@ pub struct Operation {
 struct Numbers {
     next_op: u64,
     next_dispatch: u64,
-    /// The first number an operation took on the stream attached now, and which attachment
-    /// that was (see [`Reports::streams`]).
+    /// The first number an operation took on the stream attached now (set as it attaches).
     stream_first: u64,
-    stream: u64,
 }
 
 #[derive(Debug)]
@@ -71,9 +94,9 @@ pub struct DispatchReporter {
     /// Whether a stream to the control plane is open to take the queue: without one,
     /// operations are performed unnumbered instead of filling it only to be discarded.
     attached: Arc<AtomicBool>,
-    /// Streams attached so far.
-    streams: Arc<AtomicU64>,
     dropped: IntCounter,
+    /// What is reported again when a stream opens.
+    in_flight: OnceLock<Arc<dyn InFlight>>,
 }
 
 /// Ends and first tokens kept aside, of dispatches whose later operations the queue had no
@@ -90,9 +113,6 @@ pub struct Reports {
     rx: mpsc::Receiver<Operation>,
     stranded: Arc<Mutex<Stranded>>,
     attached: Arc<AtomicBool>,
-    /// Counts each attachment, before it is marked attached: an operation that finds a new
-    /// one starts that stream's numbers.
-    streams: Arc<AtomicU64>,
 }
 
 impl Reports {
@@ -130,6 +150,30 @@ impl Report<'_> {
         Op { number: self.op, stream_first: self.stream_first }
     }
 
+    /// The first operation number of the stream this operation is reported on.
+    pub fn stream_first(&self) -> u64 {
+        self.stream_first
+    }
+
+    /// Reports a leg of a dispatch in flight again, under the id its first report gave it (see
+    /// [`InFlight`]), with its first token if it came.
+    pub fn replayed(&mut self, leg: &ReplayedLeg) {
+        let mut block_hashes = leg.block_hashes.clone();
+        block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES);
+        self.events.push(DispatchEvent::Started {
+            id: leg.report,
+            rank: leg.rank.clone(),
+            prefill_tokens: leg.prefill_tokens,
+            decode_blocks: leg.decode_blocks,
+            block_hashes,
+            lookup: 0,
+            replayed_age_ms: Some(u64::try_from(leg.age.as_millis()).unwrap_or(u64::MAX)),
+        });
+        if leg.answered {
+            self.events.push(DispatchEvent::Prefilled(leg.report));
+        }
+    }
+
     /// Reports a dispatch pinned to `rank`, whose prompt hashes to `block_hashes` (empty when
     /// unknown; cut to [`MAX_DISPATCH_BLOCK_HASHES`]): the control plane credits that prefix
     /// to the rank provisionally, fleet-wide, and counts decode blocks dispatches share once.
@@ -151,6 +195,7 @@ impl Report<'_> {
             decode_blocks,
             block_hashes,
             lookup: 0,
+            replayed_age_ms: None,
         });
         id
     }
@@ -182,15 +227,17 @@ impl Report<'_> {
 impl DispatchReporter {
     pub fn new(dropped: IntCounter) -> Self {
         let (tx, rx) = mpsc::channel(REPORT_QUEUE);
-        let numbers = Numbers { next_op: 1, next_dispatch: 1, stream_first: 1, stream: 0 };
-        let (stranded, attached, streams) = (Arc::default(), Arc::default(), Arc::default());
-        let reports = Reports {
-            rx,
-            stranded: Arc::clone(&stranded),
-            attached: Arc::clone(&attached),
-            streams: Arc::clone(&streams),
-        };
-        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, attached, streams, dropped }
+        let numbers = Numbers { next_op: 1, next_dispatch: 1, stream_first: 1 };
+        let (stranded, attached) = (Arc::default(), Arc::default());
+        let reports = Reports { rx, stranded: Arc::clone(&stranded), attached: Arc::clone(&attached) };
+        let in_flight = OnceLock::new();
+        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, attached, dropped, in_flight }
+    }
+
+    /// Reports `in_flight`'s dispatches again whenever a stream opens (set once; later calls
+    /// change nothing).
+    pub fn replay_from(&self, in_flight: Arc<dyn InFlight>) {
+        let _ = self.in_flight.set(in_flight);
     }
 
     /// Performs one operation: `perform` records it under its number ([`Report::op`]) and says
@@ -211,11 +258,12 @@ impl DispatchReporter {
             };
             return perform(&mut report);
         }
-        // The first operation on a newly attached stream starts its numbers.
-        let stream = self.streams.load(Ordering::Acquire);
-        if stream != numbers.stream {
-            (numbers.stream, numbers.stream_first) = (stream, numbers.next_op);
-        }
+        self.numbered(&mut numbers, perform)
+    }
+
+    /// Performs one operation under the next number, and queues it whole (see
+    /// [`Self::operation`]); the caller holds the numbers.
+    fn numbered<R>(&self, numbers: &mut Numbers, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
         let place = self.tx.try_reserve();
         let op = if place.is_ok() { numbers.next_op } else { NOT_REPORTED };
         let mut report = Report {
@@ -257,6 +305,26 @@ impl DispatchReporter {
         }
     }
 
+    /// A stream is open: operations are queued for it from now on, numbered from the next.
+    /// What queued before is discarded: the control plane forgot this replica's dispatches when
+    /// its last session ended, so ends for them would name nothing. Instead, every dispatch in
+    /// flight it does not hold is reported again ([`InFlight`]), in as many operations as it
+    /// takes, before any other operation takes a number on the stream, so the control plane
+    /// counts what was sent before it (re)started, and the ledger's legs stay in number order.
+    /// Returns how many dispatches were reported again.
+    pub(crate) fn attach(&self, reports: &mut Reports) -> usize {
+        let mut numbers = self.numbers.lock().unwrap_or_else(PoisonError::into_inner);
+        discard(reports);
+        self.attached.store(true, Ordering::Release);
+        numbers.stream_first = numbers.next_op;
+        let Some(in_flight) = self.in_flight.get() else { return 0 };
+        let ids = in_flight.to_replay(numbers.stream_first);
+        for chunk in ids.chunks(MAX_REPLAYED_PER_OPERATION) {
+            self.numbered(&mut numbers, |report| in_flight.replay(chunk, report));
+        }
+        ids.len()
+    }
+
     /// The receiving end, for the fleet client (taken once).
     pub(crate) fn take_receiver(&self) -> Option<Reports> {
         self.rx.lock().unwrap_or_else(PoisonError::into_inner).take()
@@ -266,7 +334,7 @@ impl DispatchReporter {
     #[cfg(test)]
     pub(crate) fn attached_receiver(&self) -> Option<Reports> {
         let mut reports = self.take_receiver()?;
-        attach(&mut reports);
+        self.attach(&mut reports);
         Some(reports)
     }
 }
@@ -285,14 +353,30 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
         events += operation.events.len();
         for event in operation.events {
             match event {
-                DispatchEvent::Started { id, rank, prefill_tokens, decode_blocks, mut block_hashes, lookup } => {
+                DispatchEvent::Started {
+                    id,
+                    rank,
+                    prefill_tokens,
+                    decode_blocks,
+                    mut block_hashes,
+                    lookup,
+                    replayed_age_ms,
+                } => {
                     if block_hashes.len() > hashes_left {
                         block_hashes = Vec::new();
                     }
                     hashes_left -= block_hashes.len();
                     let rank = Some((&rank).into());
-                    let started = pb::DispatchStarted { id, rank, prefill_tokens, decode_blocks, block_hashes, lookup };
-                    report.started.push(started);
+                    report.started.push(pb::DispatchStarted {
+                        id,
+                        rank,
+                        prefill_tokens,
+                        decode_blocks,
+                        block_hashes,
+                        lookup,
+                        replayed: replayed_age_ms.is_some(),
+                        age_ms: replayed_age_ms.unwrap_or(0),
+                    });
                 }
                 DispatchEvent::Ended(id) => report.ended.push(id),
                 DispatchEvent::Prefilled(id) => report.prefilled.push(id),
@@ -314,15 +398,6 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
     }
     drop(stranded);
     report
-}
-
-/// A stream is open: operations are queued for it from now on. What queued before is
-/// discarded: the control plane forgot this replica's dispatches when its last session ended,
-/// so ends for them would name nothing.
-pub(crate) fn attach(reports: &mut Reports) {
-    discard(reports);
-    reports.streams.fetch_add(1, Ordering::AcqRel);
-    reports.attached.store(true, Ordering::Release);
 }
 
 /// The stream ended: operations are performed unnumbered until the next one opens, and what
@@ -513,7 +588,7 @@ mod tests {
         }
         assert!(rx.try_recv().is_none(), "nothing held for a stream that is not there");
         assert_eq!(reporter.dropped.get(), 0, "not counted as dropped: there was nowhere to send it");
-        attach(&mut rx);
+        reporter.attach(&mut rx);
         assert_eq!(start_op(&reporter), 1, "numbered from where the numbers stood");
         detach(&mut rx);
         assert!(rx.try_recv().is_none(), "what was queued for the stream that ended is gone");
@@ -546,13 +621,13 @@ mod tests {
         // The stream is lost and another opens, with no operation in between: the next
         // operation still starts the new stream's numbers.
         detach(&mut rx);
-        attach(&mut rx);
+        reporter.attach(&mut rx);
         assert_eq!(change(&reporter), Op { number: 3, stream_first: 3 });
         assert_eq!(change(&reporter), Op { number: 4, stream_first: 3 });
         // While detached, operations go unnumbered, and the next stream starts past them.
         detach(&mut rx);
         assert_eq!(change(&reporter).number, NOT_REPORTED);
-        attach(&mut rx);
+        reporter.attach(&mut rx);
         assert_eq!(change(&reporter), Op { number: 5, stream_first: 5 });
     }
 }

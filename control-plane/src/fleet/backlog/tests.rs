@@ -48,8 +48,7 @@ fn started(id: u64, dp_rank: u32, tokens: u64) -> pb::DispatchStarted {
         rank,
         prefill_tokens: tokens,
         decode_blocks: tokens / 16,
-        block_hashes: Vec::new(),
-        lookup: 0,
+        ..pb::DispatchStarted::default()
     }
 }
 
@@ -270,6 +269,37 @@ fn load_the_fleet_did_not_send_is_foreign() {
     let both = sampled(&other, 0, 400, t0 + Duration::from_millis(50));
     book.expire(&both, t0 + Duration::from_millis(51));
     assert_eq!(sums(&book.take_change(t0)), [], "foreign: 400 shown - 100 in flight, unchanged");
+}
+
+/// A dispatch a replica reports again on a new stream (`replayed`, begun `age_ms` before the
+/// report): counted in the sums as any other, and measured against samples from when it began,
+/// so a sample taken since does not count it as foreign load. It is not the rank's newest
+/// dispatch, and its first token and end teach the rank no times, since the book did not see it
+/// start.
+#[test]
+fn a_replayed_dispatch_counts_from_when_it_began_and_teaches_no_times() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    // The worker's sample, taken after the dispatch began and showing its 100 blocks.
+    let shown = sampled(&state, 0, 100, t0 + ms(300));
+    let replayed = pb::DispatchStarted { replayed: true, age_ms: 500, ..started(1, 0, 1600) };
+    book.report(1, report(vec![replayed], vec![]), t0 + ms(400), &shown);
+    let change = book.take_change(t0 + ms(400));
+    assert_eq!(sums(&change), [(0, 1600, 100, 1, Some(0))], "in flight when the sample was taken: none foreign");
+    assert_eq!(change.backlogs[0].1.last_dispatch, 0, "not the rank's newest dispatch");
+    let fresh = pb::DispatchStarted { ..started(2, 0, 1600) };
+    book.report(2, report(vec![fresh], vec![]), t0 + ms(400), &shown);
+    assert_eq!(sums(&book.take_change(t0 + ms(400))), [(0, 3200, 200, 2, Some(0))]);
+
+    let prefilled = pb::DispatchReport { prefilled: vec![1], ended: vec![], ..Default::default() };
+    book.report(1, prefilled, t0 + ms(450), &shown);
+    book.report(1, report(vec![], vec![1]), t0 + ms(900), &shown);
+    let timing = book.ranks.get(&book_key(0)).map(|r| (r.timing.first_token, r.timing.decode));
+    assert_eq!(timing, Some((None, None)), "neither its first token nor its end is a measurement");
+    let counters = (book.replayed, book.dispatched);
+    assert_eq!(counters, (1, 1), "one replayed, one dispatched");
 }
 
 /// The foreign prefill tokens of each rank a change publishes.
@@ -582,7 +612,8 @@ async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them
     let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
     publisher.apply(FleetChange { upsert: vec![decode_worker(1)], ..FleetChange::default() });
     let counter = |name| IntCounter::new(name, name).expect("counter");
-    let counters = BookCounters { refused: counter("refused"), chains_dropped: counter("chains") };
+    let counters =
+        BookCounters { refused: counter("refused"), chains_dropped: counter("chains"), replayed: counter("replayed") };
     let cancel = CancellationToken::new();
     let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters, cancel.clone());
 
@@ -669,7 +700,8 @@ fn a_cut_chain_gives_its_memory_back() {
 async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() {
     let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
     let counter = |name| IntCounter::new(name, name).expect("counter");
-    let counters = BookCounters { refused: counter("refused"), chains_dropped: counter("chains") };
+    let counters =
+        BookCounters { refused: counter("refused"), chains_dropped: counter("chains"), replayed: counter("replayed") };
     let cancel = CancellationToken::new();
     let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters, cancel.clone());
     // The book's task does not run while this one does not yield: every report waits.

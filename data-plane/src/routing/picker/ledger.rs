@@ -69,6 +69,38 @@ impl From<u64> for Op {
     }
 }
 
+/// How a dispatch was reported when recorded: the operation's number, and the report's id for
+/// each leg (0: none), the prefill rank's first when there is one. The ids let the ledger
+/// report its legs again on a new stream ([`DispatchLedger::replay_legs`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Recorded {
+    pub op: u64,
+    pub legs: [u64; 2],
+}
+
+impl From<u64> for Recorded {
+    /// Recorded by operation `op`, with no report ids (a test's, or an unreported dispatch).
+    fn from(op: u64) -> Self {
+        Recorded { op, legs: [0; 2] }
+    }
+}
+
+/// A leg of a dispatch in flight as a new stream reports it again: what it still weighs on its
+/// rank, and since when.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplayedLeg {
+    /// The id its first report gave it.
+    pub report: u64,
+    pub rank: LoadKey,
+    /// Prompt tokens still to prefill: none once its response began.
+    pub prefill_tokens: u64,
+    pub decode_blocks: u64,
+    pub block_hashes: Vec<u64>,
+    pub age: Duration,
+    /// Its response began.
+    pub answered: bool,
+}
+
 /// A recorded dispatch, to end when its request finishes, is refused, fails or is cancelled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct DispatchId(u64);
@@ -331,6 +363,7 @@ impl Rank {
         // Its first token came: the worker answered it, so it no longer counts toward a stall
         // (a prefill leg stays recorded until the decode ends).
         leg.stall_blocks = 0;
+        leg.answered = true;
         let (recorded_by, tokens) = (leg.op, std::mem::take(&mut leg.prefill_tokens));
         self.prefill_tokens = self.prefill_tokens.saturating_sub(tokens);
         if recorded_by == NOT_REPORTED {
@@ -338,6 +371,41 @@ impl Rank {
         }
         let op = reported_for(recorded_by, op);
         self.changed(op, now, SinceFleet { prefill_done: tokens, ..Default::default() });
+    }
+
+    /// Reports dispatch `id`'s leg again by operation `op` (see [`DispatchLedger::replay_legs`]);
+    /// `None` when it is already reported on this stream, has no report id, or weighs nothing
+    /// and was answered (its end went with its first token).
+    fn replay(
+        &mut self,
+        key: &LoadKey,
+        id: DispatchId,
+        op: u64,
+        stream_first: u64,
+        now: Instant,
+    ) -> Option<ReplayedLeg> {
+        let leg = self.position(id).and_then(|index| self.legs.get_mut(index))?;
+        if op == NOT_REPORTED || !leg.replays_on(stream_first) {
+            return None;
+        }
+        if leg.op == NOT_REPORTED {
+            self.unreported.decode_blocks = self.unreported.decode_blocks.saturating_sub(leg.added);
+            self.unreported.prefill_tokens = self.unreported.prefill_tokens.saturating_sub(leg.prefill_tokens);
+        }
+        leg.op = op;
+        let replayed = ReplayedLeg {
+            report: leg.report,
+            rank: key.clone(),
+            prefill_tokens: leg.prefill_tokens,
+            decode_blocks: leg.decode_blocks,
+            block_hashes: leg.block_hashes.to_vec(),
+            age: now.saturating_duration_since(leg.at),
+            answered: leg.answered,
+        };
+        let started =
+            SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };
+        self.changed(op, now, started);
+        Some(replayed)
     }
 
     /// Operation `op` changed the rank by `change`. What was not reported is not remembered:
@@ -416,8 +484,12 @@ fn reported_for(recorded_by: u64, op: Op) -> u64 {
 struct Leg {
     id: DispatchId,
     at: Instant,
-    /// The operation that recorded it.
+    /// The operation that recorded it (or that reported it again on a new stream).
     op: u64,
+    /// Its report's id (0: none).
+    report: u64,
+    /// Its response began.
+    answered: bool,
     prefill_tokens: u64,
     decode_blocks: u64,
     /// The prompt's prefix chain on the decode leg, for counting shared blocks once.
@@ -427,6 +499,16 @@ struct Leg {
     /// Blocks that count toward a stall: zero for the decode leg of a prefill+decode pair,
     /// which receives the request only after the prefill finishes.
     stall_blocks: u64,
+}
+
+impl Leg {
+    /// Whether a stream whose operations start at `stream_first` lacks this leg and should be
+    /// told of it: recorded before the stream (or unreported), with a report id, and not over
+    /// (a prefill worker's leg ends in the reports with its first token, and holds nothing).
+    fn replays_on(&self, stream_first: u64) -> bool {
+        let over = self.answered && self.decode_blocks == 0;
+        (self.op == NOT_REPORTED || self.op < stream_first) && self.report != 0 && !over
+    }
 }
 
 impl Default for DispatchLedger {
@@ -483,8 +565,9 @@ impl DispatchLedger {
         block_size: u32,
         block_hashes: &[u64],
         now: Instant,
-        op: u64,
+        recorded: impl Into<Recorded>,
     ) -> DispatchId {
+        let Recorded { op, legs: [first_report, second_report] } = recorded.into();
         let blocks = prompt_blocks(prompt_tokens, block_size);
         let mut state = self.lock();
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
@@ -506,10 +589,12 @@ impl DispatchLedger {
             Box::default()
         };
         state.held_hashes += block_hashes.len();
-        let leg = |prefill_tokens, decode_blocks, stall_blocks, block_hashes| Leg {
+        let leg = |report, prefill_tokens, decode_blocks, stall_blocks, block_hashes| Leg {
             id,
             at: now,
             op,
+            report,
+            answered: false,
             prefill_tokens,
             decode_blocks,
             block_hashes,
@@ -519,14 +604,15 @@ impl DispatchLedger {
         let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens);
         let legs = match &selection.prefill {
             Some(prefill) => {
-                state.push(prefill.rank_key(), leg(prefill_tokens, 0, blocks, Box::default()));
+                state.push(prefill.rank_key(), leg(first_report, prefill_tokens, 0, blocks, Box::default()));
                 // The decode leg receives the request only after the prefill: no stall.
-                state.push(selection.decode.rank_key(), leg(0, blocks, 0, block_hashes));
+                state.push(selection.decode.rank_key(), leg(second_report, 0, blocks, 0, block_hashes));
                 [Some(prefill.rank_key()), Some(selection.decode.rank_key())]
             }
             None => {
                 // An aggregated rank prefills the request itself.
-                state.push(selection.decode.rank_key(), leg(prefill_tokens, blocks, blocks, block_hashes));
+                let leg = leg(first_report, prefill_tokens, blocks, blocks, block_hashes);
+                state.push(selection.decode.rank_key(), leg);
                 [Some(selection.decode.rank_key()), None]
             }
         };
@@ -558,6 +644,40 @@ impl DispatchLedger {
                 rank.prefilled(id, now, op);
             }
         }
+    }
+
+    /// The dispatches with a leg the control plane does not hold on the stream whose
+    /// operations start at `stream_first`: recorded before it opened, or unreported. For
+    /// [`Self::replay_legs`], in recording order.
+    pub fn dispatches_before(&self, stream_first: u64) -> Vec<DispatchId> {
+        let state = self.lock();
+        let mut ids: Vec<DispatchId> = state
+            .ranks
+            .values()
+            .flat_map(|rank| rank.legs.iter())
+            .filter(|leg| leg.replays_on(stream_first))
+            .map(|leg| leg.id)
+            .collect();
+        ids.sort_unstable_by_key(|id| id.0);
+        ids.dedup();
+        ids
+    }
+
+    /// Reports the legs of `ids` again, by operation `op` on the stream whose operations start
+    /// at `stream_first`: from now on the fleet's sums hold them from that operation on, as if
+    /// recorded by it. Returns what each leg reports; legs that weigh nothing and whose end was
+    /// reported (a prefill worker's, once its response began) are left out.
+    pub fn replay_legs(&self, ids: &[DispatchId], op: u64, stream_first: u64, now: Instant) -> Vec<ReplayedLeg> {
+        let mut state = self.lock();
+        let mut replayed = Vec::with_capacity(ids.len() * 2);
+        for id in ids {
+            let Some(keys) = state.dispatches.get(id).cloned() else { continue };
+            for key in keys.into_iter().flatten() {
+                let Some(rank) = state.ranks.get_mut(&key) else { continue };
+                replayed.extend(rank.replay(&key, *id, op, stream_first, now));
+            }
+        }
+        replayed
     }
 
     /// The backlog of each rank, given when its last sample was received (`None`: never), and

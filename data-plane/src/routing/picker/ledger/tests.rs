@@ -531,6 +531,52 @@ fn the_first_token_of_a_dispatch_from_an_earlier_stream_leaves_the_join_right() 
     assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (0, 0), "nothing is left, nothing owed");
 }
 
+/// A new stream (after a reconnect, or a control plane that restarted) holds none of the
+/// dispatches in flight: the ledger reports them again, under their first reports' ids and by
+/// an operation of the new stream, with what each still weighs and since when. From then on
+/// the join counts them as the sums do: once, whether or not they were reported before.
+#[test]
+fn dispatches_in_flight_are_replayed_on_a_new_stream_and_then_joined_once() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let reported = |legs| Recorded { op: op(), legs };
+    // On the stream since lost: one reported (operation 1) whose response began, one whose
+    // operation found the queue full, and a pair whose prefill worker answered.
+    let answered = ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, reported([11, 0]));
+    let unreported =
+        ledger.record(&alone(pin(1, None)), 320, 16, &[], t0, Recorded { op: NOT_REPORTED, legs: [12, 0] });
+    let paired = ledger.record(&pair(1, 2), 480, 16, &[], t0, reported([13, 14]));
+    ledger.prefilled(answered, t0, op());
+    ledger.prefilled(paired, t0, op());
+    // The new stream's first operation is the replay.
+    let stream_first = op();
+    let ids = ledger.dispatches_before(stream_first);
+    assert_eq!(ids, [answered, unreported, paired]);
+    let later = t0 + Duration::from_millis(700);
+    let legs = ledger.replay_legs(&ids, stream_first, stream_first, later);
+    let shown: Vec<(u64, u64, u64, bool)> =
+        legs.iter().map(|l| (l.report, l.prefill_tokens, l.decode_blocks, l.answered)).collect();
+    assert_eq!(
+        shown,
+        [(11, 0, 10, true), (12, 320, 20, false), (14, 0, 30, true)],
+        "the prefill worker's leg, answered and holding nothing, is over (its end went with its first token)"
+    );
+    assert!(legs.iter().all(|l| l.age == Duration::from_millis(700) && l.rank == key(1, 0)));
+    assert!(ledger.dispatches_before(stream_first).is_empty(), "replayed once");
+    assert!(ledger.replay_legs(&ids, stream_first, stream_first, later).is_empty());
+
+    // A dispatch on the new stream, after the replay; the sums hold the replay only.
+    ledger.record(&alone(pin(1, None)), 640, 16, &[], later, reported([15, 0]));
+    let truth = backlog(&ledger, key(1, 0), None, later);
+    let fleet = Backlog { prefill_tokens: 320, decode_blocks: 10 + 20 + 30, dispatches: 3, ..Backlog::default() };
+    let total = joined(&ledger, folded(stream_first, stream_first), later).with_fleet(Some(&fleet));
+    assert_eq!(
+        (total.prefill_tokens, total.in_flight_decode_blocks),
+        (truth.prefill_tokens, truth.in_flight_decode_blocks)
+    );
+    assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320 + 640, 100), "each once");
+}
+
 /// One step of a replica's dispatches on one rank, for the join's property test.
 #[derive(Clone, Debug)]
 enum Step {
