@@ -413,6 +413,11 @@ impl Tree {
         if s.hashes.len() * 4 <= s.hashes.capacity() {
             s.hashes.shrink_to(s.hashes.len() * 2);
         }
+        // Its run list too: removals in the middle split a segment into up to a run a block,
+        // and a segment pruned back to one held block would otherwise keep that list's 8 KiB.
+        if s.runs.len() * 4 <= s.runs.capacity() {
+            s.runs.shrink_to(s.runs.len() * 2);
+        }
         self.spilled = self.spilled + s.heap_bytes() - before;
     }
 

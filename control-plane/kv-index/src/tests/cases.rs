@@ -234,6 +234,29 @@ fn heap_figure_grows_with_content_and_comes_back_down() {
     index.check_invariants();
 }
 
+/// A segment split into a run a block by removals in its middle, then pruned back to its first
+/// block from the tail, gives back its run list: each pinned block holds a few dozen bytes,
+/// not the 8 KiB list of the runs it once had (one rank could pin 2 GiB that way).
+#[test]
+fn a_segment_pruned_back_to_one_block_gives_its_run_list_back() {
+    let mut index = KvIndex::default();
+    let baseline = index.stats().heap_bytes;
+    const SEGMENTS: u64 = 256;
+    for segment in 0..SEGMENTS {
+        let tokens: Vec<u64> = (0..1024).map(|i| segment * 10_000 + i).collect();
+        index.apply_stored(rank(1), None, &chain(&tokens));
+        let odd: Vec<u64> = tokens.iter().copied().filter(|t| t % 2 == 1).map(engine).collect();
+        index.apply_removed(rank(1), &odd);
+        let even_from_tail: Vec<u64> = tokens.iter().rev().copied().filter(|t| t % 2 == 0).map(engine).collect();
+        index.apply_removed(rank(1), &even_from_tail[..even_from_tail.len() - 1]);
+    }
+    index.check_invariants();
+    let stats = index.stats();
+    assert_eq!((stats.nodes, stats.ownerships), (SEGMENTS as usize, SEGMENTS as usize), "one block pinned each");
+    let per_block = (stats.heap_bytes - baseline) / SEGMENTS as usize;
+    assert!(per_block < 1024, "{per_block} bytes held per pinned block");
+}
+
 #[test]
 fn a_shared_prefix_is_one_run_split_only_where_owners_diverge() {
     let mut index = KvIndex::default();
