@@ -11,7 +11,10 @@
 //!   tokens) as a path from the root, so two ranks holding the same prompt prefix share blocks.
 //!   The tree is path-compressed: a node is a run of consecutive blocks with one owner set, split
 //!   only where owners diverge or a branch starts, so a shared prefix costs one node and one
-//!   owner entry per rank, not one per block (see `tree.rs`).
+//!   owner entry per rank, not one per block (see `tree.rs`). Runs are not joined again when
+//!   their owners converge: a prefix whose blocks its ranks drop and store again one at a time
+//!   ends as that many runs, each matched with an owner-set intersection of its own, until
+//!   its ranks let it go (memory stays under the ceilings).
 //! - Each rank has a lookup from its engine `block_hash` (Dynamo's `ExternalSequenceBlockHash`)
 //!   to a block; events name blocks by engine hash.
 //!

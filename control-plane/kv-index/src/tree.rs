@@ -3,8 +3,8 @@
 //! A conversation's own blocks, or a system prompt every rank shares, form one run, so walking,
 //! owning or matching them costs one node touch and one owner-set touch for the whole run
 //! instead of one per block. A run is split only where owners diverge (a rank holds part of
-//! it) or a branch starts mid-run; a leaf owned by one rank grows in place when that rank
-//! extends its chain.
+//! it) or a branch starts mid-run, and is not joined again with its neighbours when their
+//! owners converge; a leaf owned by one rank grows in place when that rank extends its chain.
 //!
 //! A run's tokens hashes live in a segment (a `Vec<u64>` per chain as first stored). Runs view
 //! consecutive ranges of their segment, and a block's identity is its segment and offset
