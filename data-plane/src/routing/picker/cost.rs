@@ -194,8 +194,7 @@ pub(super) struct Scored {
 
 /// The candidates (indices into `scored`) the phase's cursor rotates among, and why.
 ///
-/// When a candidate has a fresh sample (and a defined cost), the lowest defined cost wins and
-/// ties rotate; stalled candidates are passed over while another has a cost. Otherwise the
+/// When a candidate has a fresh sample, the lowest defined cost wins and ties rotate; stalled candidates are passed over while another has a cost. Otherwise the
 /// load stream tells nothing, so every candidate rotates, stalls ignored: a round robin across
 /// the fleet's replicas, since the candidates the fleet sent a dispatch longest ago go first
 /// (see below). Empty input gives an empty set.
@@ -215,7 +214,10 @@ pub(super) struct Scored {
 /// one request apart then take arrivals in turn, whichever replica sends them, where a
 /// replica's own cursor would send two in a row to one rank half the time.
 pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
-    if !scored.iter().any(|s| s.fresh && s.cost.is_some()) {
+    // Costs decide once some candidate has a fresh sample carrying the phase's field (even
+    // one whose card lacks the capacity to cost it), if some candidate has a defined cost (a
+    // quiet one's counts); with none anywhere there is nothing to compare.
+    if !(scored.iter().any(|s| s.fresh) && scored.iter().any(|s| s.cost.is_some())) {
         return (Reason::RoundRobinStale, longest_idle(scored, |_| true));
     }
     let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);

@@ -59,9 +59,12 @@ struct Chosen<'c> {
     logit: Option<Logit>,
     /// The rank's backlog came from a fresh sample.
     fresh: bool,
+    /// How many contenders it was chosen among by rotation (1 when sampled).
+    rotated_among: usize,
 }
 
 /// What every rank of one request is scored against.
+#[derive(Clone, Copy)]
 struct Scoring<'a> {
     view: &'a FleetView,
     prompt: Prompt,
@@ -198,7 +201,14 @@ impl KvAwarePicker {
             cached_tokens: scoring.cached_tokens(prefill.candidate),
         };
         let cursor = (KV_CURSOR, Phase::Decode, request.model, &**namespace);
-        let decode = self.compete(scoring, &decoders, cursor, None, formula::conditional_decode_cost)?;
+        // The prefill tie took the turn modulo its contenders; the decode tie takes what is
+        // left of it, so that over consecutive turns the pairs go through every combination.
+        // Taken whole, the same turn would tie each prefill winner to one decode position:
+        // with two namespaces of a prefill and two decode workers each, one decode worker of
+        // each would never be chosen.
+        let turn = scoring.turn.map(|turn| turn / prefill.rotated_among.max(1) as u64);
+        let decode_scoring = Scoring { turn, ..*scoring };
+        let decode = self.compete(&decode_scoring, &decoders, cursor, None, formula::conditional_decode_cost)?;
         if !scoring.view.config().picker.conditional_disaggregation || !self.bypasses(scoring, &decode) {
             return Some(selection(decode.candidate, decode.reason));
         }
@@ -269,20 +279,20 @@ impl KvAwarePicker {
             })
         });
         let (reason, draw) = formula::contenders(&scored, scoring.weights.temperature, tie, suggestion);
-        let index = match draw {
+        let (index, rotated_among) = match draw {
             Draw::Rotate(among) if among.is_empty() => return None,
-            Draw::Rotate(among) => among.get(self.rotation(scoring.turn, cursor, among.len())).copied()?,
+            Draw::Rotate(among) => (among.get(self.rotation(scoring.turn, cursor, among.len())).copied()?, among.len()),
             Draw::Sample(entries) => {
                 let costs: Vec<f64> = entries.iter().map(|(_, cost)| *cost).collect();
                 let at = formula::softmax_sample_index(&costs, scoring.weights.temperature, self.draw());
-                entries.get(at).map(|(i, _)| *i)?
+                (entries.get(at).map(|(i, _)| *i)?, 1)
             }
         };
         if tracing::enabled!(tracing::Level::DEBUG) {
             explain(candidates, &rated, index, suggestion.map(formula::Suggestion::at));
         }
         let (logit, scored) = rated.get(index)?;
-        Some(Chosen { candidate: candidates.get(index)?, reason, logit: *logit, fresh: scored.fresh })
+        Some(Chosen { candidate: candidates.get(index)?, reason, logit: *logit, fresh: scored.fresh, rotated_among })
     }
 
     /// Where among `len` tied contenders the rotation stands. With the lookup's fleet-wide turn,

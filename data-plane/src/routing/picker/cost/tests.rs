@@ -314,8 +314,14 @@ fn contender_rules() {
             vec![1],
         ),
         (
-            "a fresh sample without a defined cost does not count",
-            vec![scored(None, true, false), scored(Some((0, 10)), false, false)],
+            "a fresh sample without a defined cost: the lowest defined cost (a quiet rank's) wins",
+            vec![scored(None, true, false), scored(Some((0, 10)), false, false), scored(None, false, false)],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "fresh samples but no defined cost anywhere: every candidate rotates",
+            vec![scored(None, true, false), scored(None, false, false)],
             Reason::RoundRobinStale,
             vec![0, 1],
         ),

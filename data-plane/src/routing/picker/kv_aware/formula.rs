@@ -286,7 +286,8 @@ pub(super) fn contenders(
         Some(at) => vec![at],
         None => among,
     };
-    if scored.iter().any(|s| s.fresh && s.cost.is_some()) {
+    // As the load-only picker: costs decide once a rank is fresh and some rank has one.
+    if scored.iter().any(|s| s.fresh) && scored.iter().any(|s| s.cost.is_some()) {
         let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
         let healthy = |s: &&Scored| !(s.stalled && healthy_exists);
         let room_exists = scored.iter().filter(healthy).any(|s| s.cost.is_some() && !s.full);

@@ -310,6 +310,34 @@ fn replicas_seeing_the_same_tie_at_once_split_it_by_their_lookups_turns() {
     assert_eq!(at_once(&pair(6_200), turn(41), turn(42)), [(4, Some(1)); 2]);
 }
 
+/// The fleet-wide turn breaks the prefill tie and then, what is left of it, the decode tie: over
+/// consecutive turns the pairs go through every combination. Two namespaces of one prefill and
+/// two decode workers each, nothing fresh: taken whole, turn `t` chose prefill `t % 2` and
+/// decode `t % 2`, so each namespace's second decode worker never got a request.
+#[test]
+fn consecutive_turns_pair_every_prefill_winner_with_every_decode_worker() {
+    let fleet = Fleet::new([
+        worker("a", 1, Role::Prefill),
+        worker("a", 2, Role::Decode),
+        worker("a", 3, Role::Decode),
+        worker("b", 4, Role::Prefill),
+        worker("b", 5, Role::Decode),
+        worker("b", 6, Role::Decode),
+    ]);
+    let none = Overlaps::default();
+    let turn = |turn| KvTerm::Scored {
+        isl_tokens: 160,
+        block_size: BLOCK,
+        overlaps: &none,
+        answer: IndexAnswer::Answered { turn, suggestion: None },
+    };
+    let picker = picker();
+    let mut pairs: Vec<(u64, Option<u64>)> = (1..=8).map(|t| ids(&pick(&picker, &fleet, turn(t)))).collect();
+    pairs.sort_unstable();
+    pairs.dedup();
+    assert_eq!(pairs, [(2, Some(1)), (3, Some(1)), (5, Some(4)), (6, Some(4))], "every decode worker, in turn");
+}
+
 #[test]
 fn temperature_sampling_follows_the_softmax() {
     // 16-token prompt; 0, 5 and 10 busy blocks cost 2, 7 and 12. Normalised by their range,

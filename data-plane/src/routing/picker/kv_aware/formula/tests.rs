@@ -150,6 +150,12 @@ fn contenders_follow_the_seed_rules() {
             (Reason::KvAware, Draw::Rotate(vec![1])),
         ),
         (
+            "a fresh rank whose card lacks its capacity has no cost, and a quiet one's wins",
+            vec![scored(None, true, false, 0.0), quiet(3.0), unknown(-100.0)],
+            0.0,
+            (Reason::KvAware, Draw::Rotate(vec![1])),
+        ),
+        (
             "lowest ties rotate",
             vec![fresh(5.0), fresh(6.0), fresh(5.0)],
             0.0,
