@@ -58,18 +58,25 @@ async fn run(
     cancel: CancellationToken,
 ) {
     let mut pending: HashMap<LoadKey, Option<LoadSample>> = HashMap::new();
-    let mut tick = tokio::time::interval(window);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Each window opens with the first sample after a flush.
+    let window_end = tokio::time::sleep(window);
+    tokio::pin!(window_end);
     loop {
         tokio::select! {
             biased;
             () = cancel.cancelled() => return,
+            // Before the queue: a queue that never empties would otherwise never let a window
+            // end. Nothing pending, nothing to wake for.
+            () = &mut window_end, if !pending.is_empty() => flush(&publisher, &mut pending),
             received = rx.recv() => match received {
-                Some((key, sample)) => { pending.insert(key, sample); }
+                Some((key, sample)) => {
+                    if pending.is_empty() {
+                        window_end.as_mut().reset(tokio::time::Instant::now() + window);
+                    }
+                    pending.insert(key, sample);
+                }
                 None => { flush(&publisher, &mut pending); return; }
             },
-            // Nothing pending, nothing to wake for.
-            _ = tick.tick(), if !pending.is_empty() => flush(&publisher, &mut pending),
         }
     }
 }
@@ -133,6 +140,31 @@ mod tests {
         assert_eq!(state.version(), before + 1, "100 samples in one window publish one version");
         let used: Vec<_> = state.view().loads().values().map(|s| s.load.kv_used_blocks).collect();
         assert_eq!(used, vec![Some(98), Some(99)], "the latest sample per rank wins");
+    }
+
+    /// A queue that never empties (thousands of subscriptions sending at once) still has its
+    /// windows end on time: the window's end is looked at before the queue.
+    #[tokio::test(start_paused = true)]
+    async fn a_window_ends_on_time_however_full_the_queue() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        publisher.apply(FleetChange { upsert: vec![worker(1)], ..FleetChange::default() });
+        let before = publisher.current().version();
+        let (tx, rx) = mpsc::channel(LOAD_CHANNEL_CAPACITY);
+        tokio::spawn(run(publisher.clone(), rx, LOAD_COALESCE_WINDOW, CancellationToken::new()));
+        let key = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank: 0 };
+        let sample = |used| {
+            let load = Load { kv_used_blocks: Some(used), ..Load::default() };
+            Some(LoadSample { load, received_at: Instant::now() })
+        };
+        tx.send((key.clone(), sample(0))).await.expect("open");
+        tokio::task::yield_now().await;
+        // The window is over, and the queue is full of later samples.
+        tokio::time::advance(LOAD_COALESCE_WINDOW * 2).await;
+        for used in 1..LOAD_CHANNEL_CAPACITY as u64 {
+            tx.try_send((key.clone(), sample(used))).expect("room");
+        }
+        tokio::task::yield_now().await;
+        assert_eq!(publisher.current().version(), before + 1, "published before the queue was read to its end");
     }
 
     #[tokio::test(start_paused = true)]

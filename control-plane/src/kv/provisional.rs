@@ -94,7 +94,9 @@ impl ProvisionalCounts {
 struct Chain {
     rank: RankKey,
     hashes: Box<[u64]>,
-    expires: Instant,
+    /// When it was credited: it counts for the TTL in force now, so a reload that shortens the
+    /// TTL shortens every chain held.
+    credited: Instant,
 }
 
 /// Recent provisional chains, oldest first.
@@ -113,8 +115,8 @@ impl ProvisionalIndex {
         Self { ttl, ..Self::default() }
     }
 
-    /// Changes the TTL of chains credited from now on; zero turns the credit off and drops
-    /// every chain held.
+    /// Changes the TTL, for the chains held too; zero turns the credit off and drops every
+    /// chain held.
     pub fn set_ttl(&mut self, ttl: Duration) {
         self.ttl = ttl;
         if ttl.is_zero() {
@@ -152,7 +154,7 @@ impl ProvisionalIndex {
             self.counts.add(ProvisionalResult::Evicted, 1);
         }
         self.hashes += hashes.len();
-        self.chains.push_back(Chain { rank, hashes: hashes.into(), expires: now + self.ttl });
+        self.chains.push_back(Chain { rank, hashes: hashes.into(), credited: now });
         self.counts.add(ProvisionalResult::Credited, 1);
         ProvisionalResult::Credited
     }
@@ -166,7 +168,8 @@ impl ProvisionalIndex {
         if !self.chains.is_empty() && !query.is_empty() {
             let indexed = |rank| indexed.iter().find(|(r, _)| *r == rank).map_or(0, |(_, s)| *s);
             let mut confirmed = false;
-            for chain in self.chains.iter().filter(|c| c.expires > now) {
+            let ttl = self.ttl;
+            for chain in self.chains.iter().filter(|c| now.saturating_duration_since(c.credited) < ttl) {
                 let shared = common_prefix(query, &chain.hashes);
                 if shared == 0 {
                     continue;
@@ -191,7 +194,8 @@ impl ProvisionalIndex {
 
     /// Drops chains whose TTL has passed.
     pub fn expire(&mut self, now: Instant) {
-        self.remove_where(|c| c.expires <= now, Some(ProvisionalResult::Expired));
+        let ttl = self.ttl;
+        self.remove_where(|c| now.saturating_duration_since(c.credited) >= ttl, Some(ProvisionalResult::Expired));
     }
 
     /// Drops chains of ranks `live` no longer admits.

@@ -71,7 +71,11 @@ impl KvHandle {
     /// ascending by score, or `None` while `dynamo.kv.enabled` is false.
     pub fn overlaps(&self, block_hashes: &[u64]) -> Option<Vec<(RankKey, u32)>> {
         let indexed = self.find_matches(block_hashes)?;
-        Some(self.provisional().merge(block_hashes, indexed.as_slice(), Instant::now()))
+        let mut merged = self.provisional().merge(block_hashes, indexed.as_slice(), Instant::now());
+        // A departed rank's chains go at the next sweep; until then it is not answered.
+        let indexer = self.indexer.read();
+        merged.retain(|(rank, _)| indexer.is_live(*rank));
+        Some(merged)
     }
 
     /// Credits a dispatched request's prefix chain to the live `rank` that prefills it, for
@@ -80,8 +84,9 @@ impl KvHandle {
         if !self.enabled.load(Ordering::Relaxed) || block_hashes.is_empty() {
             return ProvisionalResult::Refused;
         }
-        let live = self.indexer.read().is_live(rank);
-        self.provisional().credit(rank, block_hashes, live, Instant::now())
+        // Held while crediting, so the rank cannot depart in between and keep the chain.
+        let indexer = self.indexer.read();
+        self.provisional().credit(rank, block_hashes, indexer.is_live(rank), Instant::now())
     }
 
     /// Sets how long credited chains count (zero: off, and drops what is held). The supervisor
@@ -328,5 +333,35 @@ fn sweep_provisional(handle: &KvHandle, metrics: &SweepMetrics) {
     }
     for (what, value) in [("chains", chains), ("hashes", hashes)] {
         metrics.provisional_held.with_label_values(&[what]).set(i64::try_from(value).unwrap_or(i64::MAX));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use continuum_kv_index::Limits;
+
+    use super::*;
+    use crate::kv::KvIndexer;
+
+    /// A worker that departs takes its provisional chains out of `FindMatches` answers at once,
+    /// not at the next sweep.
+    #[test]
+    fn a_departed_ranks_provisional_chain_is_not_answered() {
+        let indexer = SharedKvIndexer::new(KvIndexer::new(Limits::default()));
+        indexer.write().set_live([(7, 0..1), (8, 0..1)].into_iter().collect());
+        let handle = KvHandle::new(indexer.clone(), true);
+        handle.set_provisional_ttl(Duration::from_secs(60));
+        for worker_id in [7, 8] {
+            let credited = handle.credit_provisional(RankKey { worker_id, dp_rank: 0 }, &[1, 2, 3]);
+            assert_eq!(credited, ProvisionalResult::Credited);
+        }
+        let answered = |handle: &KvHandle| -> Vec<u64> {
+            handle.overlaps(&[1, 2, 3]).unwrap_or_default().iter().map(|(rank, _)| rank.worker_id).collect()
+        };
+        assert_eq!(answered(&handle), [7, 8]);
+        indexer.write().set_live([(8, 0..1)].into_iter().collect());
+        assert_eq!(answered(&handle), [8], "worker 7 left");
+        let refused = handle.credit_provisional(RankKey { worker_id: 7, dp_rank: 0 }, &[1, 2, 3]);
+        assert_eq!(refused, ProvisionalResult::Refused, "and earns no new credit");
     }
 }

@@ -48,6 +48,20 @@ fn a_chain_stops_counting_when_its_ttl_passes_and_is_swept_as_expired() {
     assert_eq!(index.take_counts(), ProvisionalCounts::default(), "counts are taken once");
 }
 
+/// A reload that shortens `dynamo.kv.provisional_ttl` shortens the chains already held: each
+/// counts for the TTL in force, from when it was credited.
+#[test]
+fn a_shorter_ttl_applies_to_the_chains_already_held() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(Duration::from_secs(60));
+    index.credit(rank(1), &chain(10, 4), true, now);
+    index.set_ttl(TTL);
+    assert_eq!(index.merge(&chain(10, 4), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
+    assert!(index.merge(&chain(10, 4), &[], now + TTL).is_empty(), "two seconds, not sixty");
+    index.expire(now + TTL);
+    assert_eq!(index.size(), (0, 0));
+}
+
 #[test]
 fn a_zero_ttl_turns_the_credit_off_and_drops_what_was_held() {
     let now = Instant::now();
