@@ -10,19 +10,29 @@ as_root() {
   fi
 }
 
-# Installs the Debian packages named, once each run.
+# Installs the Debian packages named, once each run. A machine just booted may have its
+# daily apt job holding the lock: wait for it rather than fail.
 apt_install() {
   printf '==> installing Debian packages: %s\n' "$*"
-  as_root apt-get update -qq
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  as_root apt-get -o DPkg::Lock::Timeout=600 update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "$@" >/dev/null
 }
 
 ensure_build_deps() {
   local missing=()
+  # etcd-client's protos import Google's well-known types, which protoc finds in
+  # libprotobuf-dev (only recommended by protobuf-compiler, so absent on no-recommends images).
   command -v protoc >/dev/null || missing+=(protobuf-compiler)
+  [ -f /usr/include/google/protobuf/descriptor.proto ] || missing+=(libprotobuf-dev)
+  # The C compiler for ring and friends, with the C library's headers (also only recommended).
   command -v cc >/dev/null || missing+=(gcc)
+  [ -f /usr/include/stdio.h ] || missing+=(libc6-dev)
   command -v curl >/dev/null || missing+=(curl)
   if ((${#missing[@]})); then
     apt_install "${missing[@]}"
+  fi
+  if ! command -v cargo >/dev/null; then
+    echo "error: cargo is not on PATH; install a Rust toolchain (1.95 or newer) first" >&2
+    exit 1
   fi
 }

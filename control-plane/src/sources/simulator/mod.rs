@@ -225,7 +225,36 @@ fn component(role: Role) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
+
+    /// A prompt of several MiB, as the replica passes on (up to 8 MiB and its token ids), is read
+    /// and answered, not refused by the web framework's 2 MiB default.
+    #[tokio::test]
+    async fn the_shim_reads_a_body_as_large_as_a_replica_sends() {
+        let config =
+            SimulatorConfig { shim_listen: "127.0.0.1:0".parse().expect("an address"), ..SimulatorConfig::default() };
+        let simulator = Simulator::bind(&config).expect("binds");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().expect("bound");
+        tokio::spawn(axum::serve(listener, shim::router(Arc::clone(&simulator.shim))).into_future());
+        let content = "word ".repeat(1 << 20);
+        let body =
+            serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
+        let body = serde_json::to_vec(&body).expect("serializes");
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            body.len()
+        );
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
+        stream.write_all(head.as_bytes()).await.expect("writes");
+        stream.write_all(&body).await.expect("writes");
+        let mut status = [0u8; 12];
+        stream.read_exact(&mut status).await.expect("answered");
+        let status = String::from_utf8_lossy(&status[9..12]).to_string();
+        assert_ne!(status, "413", "a {} MiB body", body.len() >> 20);
+    }
 
     #[tokio::test]
     async fn cards_name_a_shim_on_every_interface_by_its_loopback_and_each_worker_has_both_publishers() {

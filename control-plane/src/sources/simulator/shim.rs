@@ -23,7 +23,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -69,6 +69,10 @@ impl Shim {
     }
 }
 
+/// The largest request body the shim reads: the replica's 8 MiB and the token ids it may add,
+/// well within what the real frontend takes (axum's own 2 MiB default refused large prompts).
+pub const MAX_BODY_BYTES: usize = 32 << 20;
+
 pub fn router(shim: Arc<Shim>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
@@ -76,6 +80,7 @@ pub fn router(shim: Arc<Shim>) -> Router {
         .route("/artifacts/{name}", get(artifacts::serve))
         .route("/simulator/workers/{id}/kill", post(kill))
         .route("/live", get(|| async { axum::Json(json!({"status": "live", "message": "Service is live"})) }))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shim)
 }
 
