@@ -211,6 +211,19 @@ mod tests {
         assert_eq!(lookups, [42]);
     }
 
+    /// A dispatch to an aggregated worker (no prefill pin).
+    fn aggregated() -> Selection {
+        Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
+            prefill: None,
+            decode_reason: Reason::Load,
+            prefill_reason: None,
+            cached_tokens: 0,
+        }
+    }
+
     /// A stream that opens hears first of the dispatches already in flight: each leg under the
     /// id its first report gave it, marked replayed, in operations small enough for a report,
     /// numbered before anything else on the stream. Their ends are then reported as usual.
@@ -220,15 +233,7 @@ mod tests {
         let ledger = Arc::new(DispatchLedger::new());
         reporter.replay_from(Arc::clone(&ledger) as Arc<dyn InFlight>);
         let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
-        let selection = Selection {
-            namespace: "dynamo".into(),
-            model: "tiny".into(),
-            decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
-            prefill: None,
-            decode_reason: Reason::Load,
-            prefill_reason: None,
-            cached_tokens: 0,
-        };
+        let selection = aggregated();
         // Dispatched while no stream was open.
         let count = crate::fleet::MAX_REPLAYED_PER_OPERATION + 72;
         let mut ends: Vec<DispatchEnd> = (0..count)
@@ -275,15 +280,7 @@ mod tests {
         let _rx = reporter.take_receiver().expect("receiver");
         let ledger = Arc::new(DispatchLedger::new());
         let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
-        let selection = Selection {
-            namespace: "dynamo".into(),
-            model: "tiny".into(),
-            decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
-            prefill: None,
-            decode_reason: Reason::Load,
-            prefill_reason: None,
-            cached_tokens: 0,
-        };
+        let selection = aggregated();
         let usage = br#"data: {"choices":[],"usage":{"prompt_tokens":1500,"completion_tokens":16}}"#;
 
         let mut tokenized = DispatchEnd::record(&ledger, &reporter, &view, &selection, 1500, &PromptChain::default());
