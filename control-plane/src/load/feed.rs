@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use continuum_proto::model::{LoadKey, LoadSample, WorkerKey};
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
@@ -25,6 +26,11 @@ pub struct LoadFeed {
     pub gauge: IntGaugeVec,
     /// `continuum_dynamo_subscriptions_left_out{topic="kv_metrics"}`.
     pub left_out: IntGauge,
+    /// Removals the store has made but the replicas may not have heard of: a session cancelled
+    /// while it waited for room in the coalescer's queue would otherwise leave those samples in
+    /// every replica's view until the rank publishes again, which an idle worker never does.
+    /// They go out again with the worker's next session, which starts by removing its samples.
+    pub unsent: Mutex<Vec<LoadKey>>,
 }
 
 impl LoadFeed {
@@ -32,9 +38,34 @@ impl LoadFeed {
         self.events.with_label_values(&[event.as_str()]).inc();
     }
 
-    async fn drop_publisher(&self, publisher: &PublisherKey) {
-        let dropped = self.store.lock().drop_publisher(publisher);
-        self.sink.remove(dropped).await;
+    /// Drops the publisher's samples, and removes them from the replicas' views with whatever
+    /// an earlier, cancelled session of the same worker left unsent.
+    async fn drop_publisher(&self, publisher: &PublisherKey, worker: Option<&WorkerKey>) {
+        let mut dropped = self.store.lock().drop_publisher(publisher);
+        if let Some(worker) = worker {
+            let left: Vec<LoadKey> =
+                self.unsent().iter().filter(|k| k.worker == *worker && !dropped.contains(k)).cloned().collect();
+            dropped.extend(left);
+        }
+        self.remove(dropped).await;
+    }
+
+    /// Queues the removal of `keys`, remembering them as unsent until the queue takes them.
+    async fn remove(&self, keys: Vec<LoadKey>) {
+        if keys.is_empty() {
+            return;
+        }
+        {
+            let mut unsent = self.unsent();
+            let new: Vec<LoadKey> = keys.iter().filter(|k| !unsent.contains(k)).cloned().collect();
+            unsent.extend(new);
+        }
+        self.sink.remove(keys.iter().cloned()).await;
+        self.unsent().retain(|k| !keys.contains(k));
+    }
+
+    fn unsent(&self) -> MutexGuard<'_, Vec<LoadKey>> {
+        self.unsent.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -61,7 +92,7 @@ impl Feed for LoadFeed {
     }
 
     async fn connected(&self, publisher: &Publisher) {
-        self.drop_publisher(&publisher.key()).await;
+        self.drop_publisher(&publisher.key(), publisher.worker.as_ref()).await;
     }
 
     async fn message(&self, publisher: &Publisher, order: &mut StreamOrder, message: Result<Message<'_>, Dropped>) {
@@ -73,7 +104,7 @@ impl Feed for LoadFeed {
         };
         match decoded.and_then(|m| self.accept(publisher, order, m)) {
             Ok(accepted) => {
-                self.sink.remove(accepted.removed).await;
+                self.remove(accepted.removed).await;
                 if let Some((key, sample)) = accepted.sample {
                     self.sink.submit(key, sample).await;
                 }
@@ -90,12 +121,15 @@ impl Feed for LoadFeed {
     }
 
     async fn departed(&self, publisher: &PublisherKey) {
-        self.drop_publisher(publisher).await;
+        self.drop_publisher(publisher, None).await;
     }
 
     async fn set_live(&self, fleet: &Fleet) {
         let evicted = self.store.lock().set_live_and_retain(live_ranks(fleet));
-        self.sink.remove(evicted).await;
+        // A departed worker's unsent removals need no sending: its samples leave with it.
+        let live = live_ranks(fleet);
+        self.unsent().retain(|k| live.get(&k.worker).is_some_and(|ranks| ranks.contains(&k.dp_rank)));
+        self.remove(evicted).await;
     }
 }
 
@@ -163,11 +197,88 @@ pub fn live_ranks(fleet: &Fleet) -> HashMap<WorkerKey, Range<u32>> {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
     use std::time::SystemTime;
+
+    use continuum_proto::model::{Capacity, DataPlaneConfig, Load, Role, Worker};
+    use futures::FutureExt;
+    use prometheus::Opts;
+    use tokio_util::sync::CancellationToken;
 
     use super::*;
     use crate::config::{StaticDiscoveryConfig, StaticWorkerConfig};
+    use crate::fleet::{FleetChange, FleetPublisher, LOAD_COALESCE_WINDOW};
+    use crate::load::store::LoadStore;
     use crate::sources::static_fleet;
+
+    fn worker(id: u64, dp_size: u32) -> Arc<Worker> {
+        Arc::new(Worker {
+            key: WorkerKey::new("dynamo", id),
+            role: Role::Decode,
+            model: "tiny".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: Capacity::default(),
+            dp_start_rank: 0,
+            dp_size,
+            disaggregated_endpoint: None,
+            artifacts: None,
+        })
+    }
+
+    /// A session cancelled while its removals waited for room in a full queue: the replicas
+    /// keep those samples (the store no longer holds them, so nothing else would remove them)
+    /// until the worker's next session, which sends them with its own.
+    #[tokio::test(start_paused = true)]
+    async fn removals_a_cancelled_session_never_sent_go_out_with_the_next() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        publisher.apply(FleetChange { upsert: vec![worker(1, 2), worker(2, 0)], ..FleetChange::default() });
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        let live = [(WorkerKey::new("dynamo", 1), 0..2), (WorkerKey::new("dynamo", 2), 0..1)];
+        store.lock().set_live_and_retain(live.into_iter().collect());
+        let feed = LoadFeed {
+            store: store.clone(),
+            sink: LoadCoalescer::spawn(publisher.clone(), LOAD_COALESCE_WINDOW, CancellationToken::new()),
+            events: IntCounterVec::new(Opts::new("events", "test"), &["result"]).expect("counter"),
+            gauge: IntGaugeVec::new(Opts::new("gauge", "test"), &["state", "transport"]).expect("gauge"),
+            left_out: IntGauge::new("left_out", "test").expect("gauge"),
+            unsent: Mutex::default(),
+        };
+        let channel = Publisher {
+            publisher_id: 0xaa,
+            namespace: "dynamo".into(),
+            component: None,
+            endpoint: None,
+            topic: Topic::KvMetrics,
+            worker: Some(WorkerKey::new("dynamo", 1)),
+            dp_rank: None,
+            address: "tcp://127.0.0.1:1".into(),
+        };
+        let load = Load { kv_used_blocks: Some(5), ..Load::default() };
+        for dp_rank in 0..2 {
+            let key = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank };
+            let sample = store.lock().apply(key.clone(), &channel.key(), 1, load, std::time::Instant::now());
+            feed.sink.submit(key, sample.expect("applied")).await;
+        }
+        let held = || publisher.current().view().loads().keys().filter(|k| k.worker.instance_id == 1).count();
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        assert_eq!(held(), 2);
+
+        // The queue full (the coalescer does not run meanwhile), a new session starts and is
+        // cancelled while its removals wait.
+        let other = LoadKey { worker: WorkerKey::new("dynamo", 2), dp_rank: 0 };
+        let sample = LoadSample { load, received_at: std::time::Instant::now() };
+        while feed.sink.submit(other.clone(), sample).now_or_never().is_some() {}
+        assert!(feed.connected(&channel).now_or_never().is_none(), "waits for room");
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        assert_eq!(held(), 2, "the replicas still hold what the store dropped");
+
+        feed.connected(&channel).await;
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        assert_eq!(held(), 0, "the next session sent them");
+        assert!(feed.unsent().is_empty());
+    }
 
     #[test]
     fn the_ranks_admitted_are_the_ranks_replicas_pick_among() {

@@ -14,7 +14,7 @@
 //!   restarts only the subscriptions (each drops its samples when it connects again).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
@@ -108,6 +108,7 @@ impl LoadSupervisor {
             events: metrics.load_events.clone(),
             gauge: metrics.load_subscriptions.clone(),
             left_out: metrics.subscriptions_left_out.with_label_values(&[Topic::KvMetrics.as_str()]),
+            unsent: Mutex::default(),
         };
         let subscriptions = Supervisor::start(feed, dial_policy(config), options, registry, cancel);
         Self { subscriptions, store }
