@@ -85,6 +85,12 @@ async fn a_watcher_compacted_past_while_stalled_resyncs_to_exactly_the_current_f
     let first: Vec<u64> = (0..6).map(lease).collect();
     eventually(CONVERGE, "the first six workers", || async { worker_ids(&control) == first }).await?;
     eventually(CONVERGE, "discovery connected", || async { control.metrics.discovery_connected.get() == 1 }).await?;
+    // The watches start at the listing's revision, so etcd counts them slow until it has sent
+    // that revision: wait for them to catch up, or the count below would be theirs.
+    eventually(CONVERGE, "the watches caught up", || async {
+        etcd.metric(SLOW_WATCHERS).await.is_ok_and(|slow| slow < 1.0)
+    })
+    .await?;
     let seeded = resyncs(&control);
 
     proxy.pause();

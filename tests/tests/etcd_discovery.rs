@@ -175,7 +175,11 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     let registry = Registry::new(continuum_tests::publisher());
     let metrics = Metrics::new()?;
     let config = EtcdConfig { endpoints: vec![etcd.client_url.clone()], ..EtcdConfig::default() };
-    let health = WatchHealth { progress_every: Duration::from_millis(200), silent_after: Duration::from_secs(1) };
+    let health = WatchHealth {
+        progress_every: Duration::from_millis(200),
+        silent_after: Duration::from_secs(1),
+        confirm_within: Duration::from_secs(1),
+    };
     let cancel = CancellationToken::new();
     let task = tokio::spawn(run_with(
         config,

@@ -3,19 +3,22 @@
 //! Read-only by construction: this module issues range gets and watches and nothing else (no
 //! put, delete, lease grant or keep-alive). One pass connects, range-gets the four prefixes of
 //! every watched namespace, folds them as a resync, opens a watch on each prefix at its get's
-//! revision + 1 (gapless), and folds every event until a stream ends. Then it waits a bounded,
+//! revision (gapless; that revision's own events repeat what the get read), and folds every
+//! event until a stream ends. Then it waits a bounded,
 //! jittered backoff and starts over from scratch, which also recovers from compaction.
 //!
 //! Nothing etcd holds can stop discovery for good:
-//! - A prefix is read in pages of at most [`PAGE_KEYS`] keys, all at the first page's revision,
-//!   so no response has to hold a whole keyspace. A page past [`MAX_ETCD_MESSAGE_BYTES`] is
+//! - A prefix is read in pages of at most [`PAGE_KEYS`] keys, all at one revision, so no
+//!   response has to hold a whole keyspace. A page past [`MAX_ETCD_MESSAGE_BYTES`] is
 //!   asked for again at half the keys; a single value past it is stepped over (its key read
 //!   alone, without its value) and counted as `oversized`.
 //! - Watches ask etcd to split a large revision into fragments, and refuse to run on a member
 //!   that has lost its leader (`require_leader`: etcd then cancels them, and the pass resyncs).
 //! - A watch must be heard from: every [`WatchHealth::progress_every`] each stream is asked for
-//!   its progress, and one silent for [`WatchHealth::silent_after`] ends the pass. An idle
-//!   keyspace still answers progress requests; a stalled member or proxy does not.
+//!   its progress. When one has been silent for [`WatchHealth::silent_after`], the member must
+//!   answer a linearizable read within [`WatchHealth::confirm_within`], or the pass ends: an
+//!   idle keyspace still answers (progress, or at least the read); a stalled member or proxy
+//!   does not.
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -46,13 +49,21 @@ pub const PAGE_KEYS: i64 = 256;
 pub struct WatchHealth {
     /// How often each watch stream is asked for its progress.
     pub progress_every: Duration,
-    /// A stream not heard from (an event or a progress answer) for this long ends the pass.
+    /// A stream not heard from (an event or a progress answer) for this long is suspect.
     pub silent_after: Duration,
+    /// How long the member has to answer a linearizable read when a stream is suspect; one
+    /// that does is quiet (some etcd releases skip progress answers), one that does not ends
+    /// the pass.
+    pub confirm_within: Duration,
 }
 
 impl Default for WatchHealth {
     fn default() -> Self {
-        Self { progress_every: Duration::from_secs(10), silent_after: Duration::from_secs(25) }
+        Self {
+            progress_every: Duration::from_secs(10),
+            silent_after: Duration::from_secs(25),
+            confirm_within: Duration::from_secs(5),
+        }
     }
 }
 
@@ -154,7 +165,7 @@ async fn pass(
     watching_since: &mut Option<Instant>,
 ) -> Result<(), PassError> {
     let prefixes: Vec<String> = namespaces.iter().flat_map(|ns| prefixes(ns)).collect();
-    let (mut watcher, seeded) =
+    let (mut kv, mut watcher, seeded) =
         tokio::time::timeout(SEED_TIMEOUT, seed(config, &prefixes)).await.map_err(|_| PassError::SeedTimeout)??;
     metrics.discovery_events.with_label_values(&["oversized"]).inc_by(seeded.stepped_over);
     fold(reducer, WatchEvent::Resync(seeded.records), registry, metrics);
@@ -162,7 +173,11 @@ async fn pass(
     let mut streams = SelectAll::new();
     let mut askers = Vec::with_capacity(prefixes.len());
     for (index, (prefix, revision)) in prefixes.iter().zip(seeded.revisions).enumerate() {
-        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();
+        // From the listing's own revision, not the next: etcd answers a progress request only
+        // for a watch whose start is at or below the store's revision, which `revision + 1`
+        // is not until the next write anywhere. The events of that revision replay what the
+        // listing already holds: a put of the same value, or the delete of a key it lacks.
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision).with_fragment();
         let opened = tokio::time::timeout(SEED_TIMEOUT, watcher.watch(prefix.as_str(), Some(options))).await;
         let (asker, responses) = opened.map_err(|_| PassError::SeedTimeout)??.split();
         askers.push(asker);
@@ -175,14 +190,20 @@ async fn pass(
     metrics.discovery_connected.set(1);
     *watching_since = Some(Instant::now());
     let mut heard = Heard::new(prefixes.len(), Instant::now());
-    let mut progress = tokio::time::interval(health.progress_every);
+    // Not at once: a watch still catching up may leave the request unanswered.
+    let first = tokio::time::Instant::now() + health.progress_every;
+    let mut progress = tokio::time::interval_at(first, health.progress_every);
     progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let (index, response) = tokio::select! {
             next = streams.next() => next.ok_or(PassError::Ended)?,
             _ = progress.tick() => {
                 if heard.silent_for(Instant::now(), health.silent_after) {
-                    return Err(PassError::Silent(health.silent_after));
+                    if !answers(&mut kv, &prefixes[0], health.confirm_within).await {
+                        return Err(PassError::Silent(health.silent_after));
+                    }
+                    // The member answers: the watches are quiet, not stalled.
+                    heard = Heard::new(prefixes.len(), Instant::now());
                 }
                 for asker in &mut askers {
                     asker.request_progress().await?;
@@ -221,6 +242,13 @@ async fn pass(
     }
 }
 
+/// Whether the member answers a linearizable read of `prefix` (a count, no values) within
+/// `within`: one cut off from its cluster (`require_leader`) or frozen does not.
+async fn answers(kv: &mut KvClient, prefix: &str, within: Duration) -> bool {
+    let count = GetOptions::new().with_prefix().with_count_only();
+    matches!(tokio::time::timeout(within, kv.get(prefix, Some(count))).await, Ok(Ok(_)))
+}
+
 /// When each watch stream was last heard from.
 #[derive(Debug)]
 struct Heard(Vec<Instant>);
@@ -251,24 +279,26 @@ struct Seeded {
 }
 
 /// Connects and range-gets every prefix, recording each one's revision.
-async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(WatchClient, Seeded), PassError> {
+async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(KvClient, WatchClient, Seeded), PassError> {
     let client = Client::connect(&config.endpoints, Some(connect_options(config)?)).await?;
     let mut kv = client.kv_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let watcher = client.watch_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let mut seeded = Seeded { records: Vec::new(), revisions: Vec::with_capacity(prefixes.len()), stepped_over: 0 };
     for prefix in prefixes {
-        let revision = list(&mut kv, prefix.as_bytes(), &mut seeded).await?;
+        let revision = list(&mut kv, prefix, &mut seeded).await?;
         seeded.revisions.push(revision);
     }
-    Ok((watcher, seeded))
+    Ok((kv, watcher, seeded))
 }
 
-/// Reads every key under `prefix` in pages, all at the first page's revision; returns it.
-async fn list(kv: &mut KvClient, prefix: &[u8], seeded: &mut Seeded) -> Result<i64, PassError> {
+/// Reads every key under `prefix` in pages, all at one revision (the store's as the listing
+/// starts); returns it.
+async fn list(kv: &mut KvClient, prefix: &str, seeded: &mut Seeded) -> Result<i64, PassError> {
+    let counted = kv.get(prefix, Some(GetOptions::new().with_prefix().with_count_only())).await?;
+    let revision = counted.header().map_or(0, |h| h.revision());
+    let prefix = prefix.as_bytes();
     let end = prefix_end(prefix);
     let mut from = prefix.to_vec();
-    // 0 reads the latest revision; the first answer fixes it for the rest.
-    let mut revision = 0;
     let mut limit = PAGE_KEYS;
     loop {
         let page = GetOptions::new().with_range(end.clone()).with_limit(limit).with_revision(revision);
@@ -281,7 +311,6 @@ async fn list(kv: &mut KvClient, prefix: &[u8], seeded: &mut Seeded) -> Result<i
                 // One value alone is past the bound: step over its key, read without it.
                 let key_only = GetOptions::new().with_range(end.clone()).with_limit(1).with_revision(revision);
                 let response = kv.get(from.clone(), Some(key_only.with_keys_only())).await?;
-                revision = revision.max(response.header().map_or(0, |h| h.revision()));
                 let Some(skipped) = response.kvs().first() else { return Ok(revision) };
                 tracing::warn!(
                     key = %String::from_utf8_lossy(skipped.key()),
@@ -295,7 +324,6 @@ async fn list(kv: &mut KvClient, prefix: &[u8], seeded: &mut Seeded) -> Result<i
             }
             outcome => outcome?,
         };
-        revision = revision.max(response.header().map_or(0, |h| h.revision()));
         seeded.records.extend(response.kvs().iter().map(record));
         match response.kvs().last() {
             Some(last) if response.more() => from = after(last.key()),

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use continuum_proto::view::FleetView;
 
-use crate::fleet::{DispatchReporter, InFlight, Report};
+use crate::fleet::{DispatchReporter, InFlight, MAX_REPLAYED_HASHES, Report};
 use crate::routing::picker::{
     DispatchId, DispatchLedger, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size, prompt_blocks,
     usage_prompt_tokens,
@@ -138,10 +138,14 @@ impl InFlight for DispatchLedger {
         self.dispatches_before(stream_first)
     }
 
-    fn replay(&self, ids: &[DispatchId], report: &mut Report<'_>) {
-        for leg in self.replay_legs(ids, report.op(), report.stream_first(), Instant::now()) {
-            report.replayed(&leg);
+    fn replay(&self, ids: &[DispatchId], report: &mut Report<'_>) -> (usize, usize) {
+        let (op, stream_first) = (report.op(), report.stream_first());
+        let (taken, legs) = self.replay_legs(ids, MAX_REPLAYED_HASHES, op, stream_first, Instant::now());
+        let replayed = legs.len();
+        for leg in legs {
+            report.replayed(leg);
         }
+        (taken, replayed)
     }
 }
 

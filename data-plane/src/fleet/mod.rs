@@ -16,4 +16,6 @@ pub use handle::{FleetHandle, FleetStatus};
 pub use matches::{FIND_MATCHES_DEADLINE, Matches, MatchesClient, MatchesError, TLS_RENEWAL_INTERVAL};
 #[cfg(test)]
 pub(crate) use reporter::batch;
-pub use reporter::{DispatchReporter, InFlight, MAX_REPLAYED_PER_OPERATION, MAX_REPORT_BATCH, REPORT_QUEUE, Report};
+pub use reporter::{
+    DispatchReporter, InFlight, MAX_REPLAYED_HASHES, MAX_REPLAYED_PER_OPERATION, MAX_REPORT_BATCH, REPORT_QUEUE, Report,
+};

@@ -48,9 +48,15 @@ const _: () = assert!(crate::routing::picker::LEDGER_CAPACITY / MAX_REPLAYED_PER
 pub trait InFlight: Send + Sync + std::fmt::Debug {
     /// The dispatches the stream whose operations start at `stream_first` does not hold.
     fn to_replay(&self, stream_first: u64) -> Vec<DispatchId>;
-    /// Reports `ids` again in `report` ([`Report::replayed`]), recording that it did.
-    fn replay(&self, ids: &[DispatchId], report: &mut Report<'_>);
+    /// Reports the first of `ids` again in `report` ([`Report::replayed`]), recording that it
+    /// did: as many as carry at most [`MAX_REPLAYED_HASHES`] block hashes (one at least).
+    /// Returns how many of `ids` it took, and how many legs it reported.
+    fn replay(&self, ids: &[DispatchId], report: &mut Report<'_>) -> (usize, usize);
 }
+
+/// Block hashes one replay operation carries at most: half a report's, so that a report, which
+/// stops taking operations past half its hashes, never drops a replayed chain.
+pub const MAX_REPLAYED_HASHES: usize = MAX_REPORT_BLOCK_HASHES / 2;
 
 #[derive(Debug)]
 enum DispatchEvent {
@@ -157,12 +163,12 @@ impl Report<'_> {
 
     /// Reports a leg of a dispatch in flight again, under the id its first report gave it (see
     /// [`InFlight`]), with its first token if it came.
-    pub fn replayed(&mut self, leg: &ReplayedLeg) {
-        let mut block_hashes = leg.block_hashes.clone();
+    pub fn replayed(&mut self, leg: ReplayedLeg) {
+        let mut block_hashes = leg.block_hashes;
         block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES);
         self.events.push(DispatchEvent::Started {
             id: leg.report,
-            rank: leg.rank.clone(),
+            rank: leg.rank,
             prefill_tokens: leg.prefill_tokens,
             decode_blocks: leg.decode_blocks,
             block_hashes,
@@ -311,7 +317,7 @@ impl DispatchReporter {
     /// flight it does not hold is reported again ([`InFlight`]), in as many operations as it
     /// takes, before any other operation takes a number on the stream, so the control plane
     /// counts what was sent before it (re)started, and the ledger's legs stay in number order.
-    /// Returns how many dispatches were reported again.
+    /// Returns how many legs were reported again.
     pub(crate) fn attach(&self, reports: &mut Reports) -> usize {
         let mut numbers = self.numbers.lock().unwrap_or_else(PoisonError::into_inner);
         discard(reports);
@@ -319,10 +325,14 @@ impl DispatchReporter {
         numbers.stream_first = numbers.next_op;
         let Some(in_flight) = self.in_flight.get() else { return 0 };
         let ids = in_flight.to_replay(numbers.stream_first);
-        for chunk in ids.chunks(MAX_REPLAYED_PER_OPERATION) {
-            self.numbered(&mut numbers, |report| in_flight.replay(chunk, report));
+        let (mut left, mut legs) = (&ids[..], 0);
+        while !left.is_empty() {
+            let chunk = &left[..left.len().min(MAX_REPLAYED_PER_OPERATION)];
+            let (taken, replayed) = self.numbered(&mut numbers, |report| in_flight.replay(chunk, report));
+            left = &left[taken.clamp(1, chunk.len())..];
+            legs += replayed;
         }
-        ids.len()
+        legs
     }
 
     /// The receiving end, for the fleet client (taken once).
@@ -340,9 +350,11 @@ impl DispatchReporter {
 }
 
 /// Folds `first` and whatever else is queued (up to the batch bound, in whole operations) into
-/// one report, with the ends kept aside. Past [`MAX_REPORT_BLOCK_HASHES`] in the report,
-/// dispatches go without their block hashes: the backlog still counts them, only their
-/// provisional credit is lost.
+/// one report, with the ends kept aside. Past half of [`MAX_REPORT_BLOCK_HASHES`] the report
+/// takes no more operations, so the next (at most half of it: two chains of 4,096, or a
+/// replay operation's [`MAX_REPLAYED_HASHES`]) always fits; should one not, its dispatches go
+/// without their block hashes: the backlog still counts them, only their shared blocks and
+/// provisional credit are lost.
 pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchReport {
     let mut report = pb::DispatchReport { first_op: first.number, ..pb::DispatchReport::default() };
     let mut hashes_left = MAX_REPORT_BLOCK_HASHES;
@@ -382,7 +394,9 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
                 DispatchEvent::Prefilled(id) => report.prefilled.push(id),
             }
         }
-        if events < MAX_REPORT_BATCH {
+        // Past half its hashes a report takes no more operations: the next one's (at most
+        // half, replayed or not) always fits.
+        if events < MAX_REPORT_BATCH && hashes_left >= MAX_REPORT_BLOCK_HASHES / 2 {
             next = reports.rx.try_recv().ok();
         }
     }
@@ -447,7 +461,7 @@ mod tests {
     }
 
     #[test]
-    fn past_the_report_bound_dispatches_go_without_their_hashes_but_are_still_reported() {
+    fn a_report_takes_no_more_operations_past_half_its_hashes_so_no_chain_is_dropped() {
         let (reporter, mut rx) = reporter();
         let per = MAX_DISPATCH_BLOCK_HASHES;
         let fit = MAX_REPORT_BLOCK_HASHES / per;
@@ -455,12 +469,14 @@ mod tests {
             start(&reporter, 64, 0, vec![1; per]);
         }
         start(&reporter, 0, 4, Vec::new());
-        let report = next_report(&mut rx);
-        assert_eq!(report.started.len(), fit + 2);
-        let carried: Vec<usize> = report.started.iter().map(|s| s.block_hashes.len()).collect();
-        assert!(carried[..fit].iter().all(|n| *n == per));
-        assert_eq!(carried[fit..], [0, 0]);
-        assert_eq!(carried.iter().sum::<usize>(), MAX_REPORT_BLOCK_HASHES);
+        let mut carried: Vec<Vec<usize>> = Vec::new();
+        while let Some(first) = rx.try_recv() {
+            carried.push(batch(first, &mut rx).started.iter().map(|s| s.block_hashes.len()).collect());
+        }
+        // Nine chains of 4,096 pass half of 65,536: the report closes, the next takes the rest.
+        let half = MAX_REPORT_BLOCK_HASHES / 2 / per + 1;
+        assert_eq!(carried.iter().map(Vec::len).collect::<Vec<_>>(), [half, fit + 2 - half]);
+        assert_eq!(carried.concat().iter().sum::<usize>(), (fit + 1) * per, "every chain carried whole");
     }
 
     #[test]

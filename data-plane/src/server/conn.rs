@@ -68,9 +68,17 @@ enum Stop {
 }
 
 impl From<io::Error> for Stop {
-    fn from(error: io::Error) -> Self {
-        if error.kind() == io::ErrorKind::TimedOut { Stop::Stalled } else { Stop::Quietly }
+    fn from(_: io::Error) -> Self {
+        Stop::Quietly
     }
+}
+
+/// Writes `100 Continue`; a client that takes none of it is a stalled one, to count.
+async fn write_continue(stream: &mut TcpStream) -> Result<(), Stop> {
+    write_unless_stalled(stream, CONTINUE).await.map_err(|error| match error.kind() {
+        io::ErrorKind::TimedOut => Stop::Stalled,
+        _ => Stop::Quietly,
+    })
 }
 
 struct Connection {
@@ -166,12 +174,13 @@ impl Connection {
             let Connection { stream, read, idle, .. } = self;
             tokio::select! {
                 biased;
+                // The deadlines first: a client that keeps sending blank lines is still idle.
+                () = idle.as_mut() => return Err(Stop::Quietly),
+                () = closing.cancelled() => return Err(Stop::Quietly),
                 read = stream.read_buf(read) => match read {
                     Ok(0) | Err(_) => return Err(Stop::Quietly),
                     Ok(_) => {}
                 },
-                () = idle.as_mut() => return Err(Stop::Quietly),
-                () = closing.cancelled() => return Err(Stop::Quietly),
             }
         }
         // Usually the whole request came with its first bytes: no reading left to time.
@@ -253,7 +262,7 @@ impl Connection {
         let (body, charge) = match head.body {
             BodyFraming::Length(length) => {
                 if self.read.len() < length && head.expects_continue {
-                    write_unless_stalled(&mut self.stream, CONTINUE).await?;
+                    write_continue(&mut self.stream).await?;
                 }
                 // The buffer grows, and is charged, as the body arrives, not by what the head
                 // announces: a client that announces 8 MiB and sends nothing holds no more than
@@ -272,7 +281,7 @@ impl Connection {
             }
             BodyFraming::Chunked => {
                 if self.read.is_empty() && head.expects_continue {
-                    write_unless_stalled(&mut self.stream, CONTINUE).await?;
+                    write_continue(&mut self.stream).await?;
                 }
                 self.read_chunked().await?
             }

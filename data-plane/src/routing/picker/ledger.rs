@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
 use continuum_proto::model::{Backlog, LoadKey, ReportsFolded};
 use continuum_proto::view::FleetView;
@@ -373,6 +374,12 @@ impl Rank {
         self.changed(op, now, SinceFleet { prefill_done: tokens, ..Default::default() });
     }
 
+    /// The length of dispatch `id`'s leg's chain as a report carries it.
+    fn chain_len(&self, id: DispatchId) -> Option<usize> {
+        let leg = self.position(id).and_then(|index| self.legs.get(index))?;
+        Some(leg.block_hashes.len().min(MAX_DISPATCH_BLOCK_HASHES))
+    }
+
     /// Reports dispatch `id`'s leg again by operation `op` (see [`DispatchLedger::replay_legs`]);
     /// `None` when it is already reported on this stream, has no report id, or weighs nothing
     /// and was answered (its end went with its first token).
@@ -398,7 +405,7 @@ impl Rank {
             rank: key.clone(),
             prefill_tokens: leg.prefill_tokens,
             decode_blocks: leg.decode_blocks,
-            block_hashes: leg.block_hashes.to_vec(),
+            block_hashes: leg.block_hashes.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect(),
             age: now.saturating_duration_since(leg.at),
             answered: leg.answered,
         };
@@ -663,21 +670,39 @@ impl DispatchLedger {
         ids
     }
 
-    /// Reports the legs of `ids` again, by operation `op` on the stream whose operations start
-    /// at `stream_first`: from now on the fleet's sums hold them from that operation on, as if
-    /// recorded by it. Returns what each leg reports; legs that weigh nothing and whose end was
-    /// reported (a prefill worker's, once its response began) are left out.
-    pub fn replay_legs(&self, ids: &[DispatchId], op: u64, stream_first: u64, now: Instant) -> Vec<ReplayedLeg> {
+    /// Reports the legs of the first of `ids` again, by operation `op` on the stream whose
+    /// operations start at `stream_first`: from now on the fleet's sums hold them from that
+    /// operation on, as if recorded by it. Takes dispatches until their chains would pass
+    /// `max_hashes` (one at least) and returns how many it took, with what each of their legs
+    /// reports; legs that weigh nothing and whose end was reported (a prefill worker's, once
+    /// its response began) are left out. Chains are cut to the reports' bound.
+    pub fn replay_legs(
+        &self,
+        ids: &[DispatchId],
+        max_hashes: usize,
+        op: u64,
+        stream_first: u64,
+        now: Instant,
+    ) -> (usize, Vec<ReplayedLeg>) {
         let mut state = self.lock();
-        let mut replayed = Vec::with_capacity(ids.len() * 2);
-        for id in ids {
+        let mut replayed = Vec::new();
+        let mut hashes = 0;
+        for (taken, id) in ids.iter().enumerate() {
             let Some(keys) = state.dispatches.get(id).cloned() else { continue };
+            let chain = |state: &State| {
+                keys.iter().flatten().filter_map(|key| state.ranks.get(key)?.chain_len(*id)).sum::<usize>()
+            };
+            let more = chain(&state).min(2 * MAX_DISPATCH_BLOCK_HASHES);
+            if taken > 0 && hashes + more > max_hashes {
+                return (taken, replayed);
+            }
+            hashes += more;
             for key in keys.into_iter().flatten() {
                 let Some(rank) = state.ranks.get_mut(&key) else { continue };
                 replayed.extend(rank.replay(&key, *id, op, stream_first, now));
             }
         }
-        replayed
+        (ids.len(), replayed)
     }
 
     /// The backlog of each rank, given when its last sample was received (`None`: never), and

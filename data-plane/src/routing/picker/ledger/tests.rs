@@ -553,7 +553,8 @@ fn dispatches_in_flight_are_replayed_on_a_new_stream_and_then_joined_once() {
     let ids = ledger.dispatches_before(stream_first);
     assert_eq!(ids, [answered, unreported, paired]);
     let later = t0 + Duration::from_millis(700);
-    let legs = ledger.replay_legs(&ids, stream_first, stream_first, later);
+    let (taken, legs) = ledger.replay_legs(&ids, usize::MAX, stream_first, stream_first, later);
+    assert_eq!(taken, 3);
     let shown: Vec<(u64, u64, u64, bool)> =
         legs.iter().map(|l| (l.report, l.prefill_tokens, l.decode_blocks, l.answered)).collect();
     assert_eq!(
@@ -563,7 +564,7 @@ fn dispatches_in_flight_are_replayed_on_a_new_stream_and_then_joined_once() {
     );
     assert!(legs.iter().all(|l| l.age == Duration::from_millis(700) && l.rank == key(1, 0)));
     assert!(ledger.dispatches_before(stream_first).is_empty(), "replayed once");
-    assert!(ledger.replay_legs(&ids, stream_first, stream_first, later).is_empty());
+    assert!(ledger.replay_legs(&ids, usize::MAX, stream_first, stream_first, later).1.is_empty());
 
     // A dispatch on the new stream, after the replay; the sums hold the replay only.
     ledger.record(&alone(pin(1, None)), 640, 16, &[], later, reported([15, 0]));
@@ -575,6 +576,24 @@ fn dispatches_in_flight_are_replayed_on_a_new_stream_and_then_joined_once() {
         (truth.prefill_tokens, truth.in_flight_decode_blocks)
     );
     assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320 + 640, 100), "each once");
+}
+
+/// A replay operation takes dispatches until their chains would pass its hash budget (one at
+/// least, however long), so the report carrying it never drops a chain.
+#[test]
+fn a_replay_takes_dispatches_within_its_hash_budget() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let chain: Vec<u64> = (0..100).collect();
+    let ids: Vec<DispatchId> = (0..3)
+        .map(|i| ledger.record(&alone(pin(1, None)), 1600, 16, &chain, t0, Recorded { op: op(), legs: [20 + i, 0] }))
+        .collect();
+    let stream_first = op();
+    let (taken, legs) = ledger.replay_legs(&ids, 250, stream_first, stream_first, t0);
+    assert_eq!((taken, legs.len()), (2, 2), "two chains of 100 fit 250, a third would not");
+    assert!(legs.iter().all(|l| l.block_hashes.len() == 100));
+    let (taken, legs) = ledger.replay_legs(&ids[2..], 10, stream_first, stream_first, t0);
+    assert_eq!((taken, legs.len()), (1, 1), "one at least");
 }
 
 /// One step of a replica's dispatches on one rank, for the join's property test.
