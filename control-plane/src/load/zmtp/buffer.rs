@@ -1,6 +1,6 @@
 //! The one buffer a subscription holds a message in: it starts at [`INITIAL_BUFFER_BYTES`],
-//! doubles only when a frame that passed its ceiling check needs the room, and never grows past
-//! its ceiling. Capacity past [`FREE_BUFFER_BYTES`] is borrowed from the process's
+//! doubles only when a frame that passed its ceiling check needs the room (past the free part,
+//! grows to exactly what is needed), and never grows past its ceiling. Capacity past [`FREE_BUFFER_BYTES`] is borrowed from the process's
 //! [`MessageBudget`](super::MessageBudget) and repaid when the buffer shrinks or is dropped.
 
 use super::budget::{BudgetRef, FREE_BUFFER_BYTES};
@@ -70,7 +70,13 @@ impl MessageBuffer {
         if need <= self.bytes.capacity() {
             return true;
         }
-        let target = need.next_power_of_two().clamp(INITIAL_BUFFER_BYTES, self.ceiling.max(need));
+        // Doubling serves the small frames that arrive one after another; past the free part a
+        // frame is read whole into room made for it, so exactly that is borrowed.
+        let target = if need > FREE_BUFFER_BYTES {
+            need
+        } else {
+            need.next_power_of_two().clamp(INITIAL_BUFFER_BYTES, self.ceiling.max(need))
+        };
         let loan = target.saturating_sub(FREE_BUFFER_BYTES).saturating_sub(self.borrowed);
         if loan > 0 {
             if overdraw {
@@ -166,15 +172,15 @@ mod tests {
         assert!(buffer.make_room(60_000, 512));
         buffer.extend(60_000);
         assert_eq!((budget.lent(), buffer.capacity()), (0, 64 * 1024), "64 KiB is the buffer's own");
-        assert!(buffer.make_room(60_000, 512), "grows to 128 KiB");
-        assert_eq!(budget.lent(), 64 * 1024);
+        assert!(buffer.make_room(60_000, 512), "grows to exactly 120,512 bytes");
+        assert_eq!((budget.lent(), buffer.capacity()), (120_512 - 64 * 1024, 120_512));
         buffer.extend(60_000);
-        assert!(!buffer.make_room(200_000, 512), "512 KiB would borrow 448 KiB");
-        assert_eq!((budget.lent(), buffer.capacity()), (64 * 1024, 128 * 1024), "a refusal changes nothing");
+        assert!(!buffer.make_room(200_000, 512), "320,512 bytes would borrow more than is left");
+        assert_eq!((budget.lent(), buffer.capacity()), (120_512 - 64 * 1024, 120_512), "a refusal changes nothing");
         buffer.reset();
         assert_eq!(budget.lent(), 0, "repaid with the allocation");
         assert!(buffer.make_room(200_000, 512));
-        assert_eq!(budget.lent(), 192 * 1024);
+        assert_eq!(budget.lent(), 200_512 - 64 * 1024);
         drop(buffer);
         assert_eq!(budget.lent(), 0, "repaid when the session ends");
     }
@@ -186,10 +192,10 @@ mod tests {
         assert_eq!(buffer.capacity(), 512, "an idle session keeps its 512 bytes");
         buffer.reset();
         assert!(buffer.make_room(66_000, 512));
-        assert_eq!(buffer.capacity(), 128 * 1024, "past the free part, room for the slack too");
+        assert_eq!(buffer.capacity(), 66_512, "past the free part, exactly the room, slack included");
         buffer.extend(66_000);
         buffer.extend(512);
-        assert_eq!(buffer.capacity(), 128 * 1024, "the slack never borrows again");
+        assert_eq!(buffer.capacity(), 66_512, "the slack never borrows again");
     }
 
     #[test]
@@ -200,7 +206,7 @@ mod tests {
         buffer.extend(FREE_BUFFER_BYTES);
         assert!(!buffer.make_room(1, 0));
         buffer.extend(512);
-        assert_eq!(budget.lent(), 64 * 1024, "one doubling, repaid on reset");
+        assert_eq!(budget.lent(), 512, "exactly the growth, repaid on reset");
         buffer.reset();
         assert_eq!(budget.lent(), 0);
     }
