@@ -13,6 +13,9 @@
 //! kept aside and go with a later report: a start the control plane holds whose end never came
 //! would weigh on the rank, for every replica, until the control plane aged it out, and one
 //! whose first token never came would keep its prompt queued on the rank until it ended.
+//!
+//! A stream that opens hears first of the dispatches already in flight ([`InFlight`]): the
+//! control plane forgot them with the last stream, or restarted without them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
