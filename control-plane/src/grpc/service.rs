@@ -54,9 +54,11 @@ impl Replicas {
     /// Admits a session under a new id, ending every open session of the same replica id: a
     /// replica that reconnects has given up its old stream, whatever this side has noticed,
     /// and the dispatches reported on it are in flight under the new stream's count. Returns
-    /// the new id and how many sessions it superseded; `None`, changing nothing, when
-    /// [`MAX_WATCH_SESSIONS`] other replicas hold one.
-    fn insert(&self, status: Arc<ReplicaStatus>, ended: CancellationToken) -> Option<(u64, usize)> {
+    /// the new id, how many live sessions it superseded, and the ids of every session of the
+    /// replica not yet removed (whose dispatches the book must forget before the new
+    /// session's first report); `None`, changing nothing, when [`MAX_WATCH_SESSIONS`] other
+    /// replicas hold one.
+    fn insert(&self, status: Arc<ReplicaStatus>, ended: CancellationToken) -> Option<(u64, usize, Vec<u64>)> {
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         // A session already ended but not yet removed is not ended again (nor counted).
         let live = |open: &&Open| !open.ended.is_cancelled();
@@ -69,9 +71,10 @@ impl Replicas {
             open.ended.cancel();
             superseded += 1;
         }
+        let previous = inner.iter().filter(|(_, open)| mine(open)).map(|(id, _)| *id).collect();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         inner.insert(id, Open { status, ended });
-        Some((id, superseded))
+        Some((id, superseded, previous))
     }
 
     fn remove(&self, id: u64) {
@@ -209,7 +212,7 @@ impl Fleet for FleetService {
         let (replicas, metrics, shutdown, book) =
             (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone(), self.book.clone());
         let ended = shutdown.child_token();
-        let Some((id, superseded)) = replicas.insert(Arc::clone(&status), ended.clone()) else {
+        let Some((id, superseded, previous)) = replicas.insert(Arc::clone(&status), ended.clone()) else {
             metrics.watch_refused.with_label_values(&["too_many_sessions"]).inc();
             tracing::warn!(replica = %status.replica_id, "refusing a Watch stream: {MAX_WATCH_SESSIONS} replicas hold one");
             return Err(Status::resource_exhausted(format!(
@@ -226,6 +229,12 @@ impl Fleet for FleetService {
                  forgetting its dispatches (if two replicas share this id, give each its own)"
             );
             metrics.watch_superseded.inc_by(superseded as u64);
+        }
+        // Forgotten now, ahead of anything the new stream reports: it reports the same
+        // dispatches again, and the old sessions' own goodbyes may come later (they are
+        // idempotent).
+        for old in previous {
+            book.replica_gone(old).await;
         }
         let session = Session::new(
             self.publisher.subscribe(),
@@ -330,12 +339,13 @@ mod tests {
         assert_eq!(open("one-too-many"), None, "a new replica past the bound is refused");
         assert_eq!(replicas.list().len(), MAX_WATCH_SESSIONS, "and nothing changed");
         // A replica reconnecting takes its own place: its old stream is superseded.
-        let (_, superseded) = open("replica-7").expect("a reconnect is admitted");
-        assert_eq!(superseded, 1);
+        let (_, superseded, previous) = open("replica-7").expect("a reconnect is admitted");
+        assert_eq!((superseded, previous.len()), (1, 1));
         // Sessions superseded but not yet removed do not count against the bound: with the
         // newest replica-7 session gone, a newcomer finds room though two superseded ones are
         // still listed.
-        let (id, _) = open("replica-7").expect("admitted");
+        let (id, _, previous) = open("replica-7").expect("admitted");
+        assert_eq!(previous.len(), 2, "the superseded one, not yet removed, is forgotten again (idempotent)");
         replicas.remove(id);
         assert!(open("a-newcomer").is_some(), "superseded sessions take no place");
     }
