@@ -32,7 +32,7 @@
 //! oldest dispatch still awaiting its first token began prefilling when it was dispatched or when
 //! the rank's previous first token came, whichever is later, and a prefill of its size takes
 //! about what the rank's dispatches that found nothing else prefilling took to their first
-//! token ([`PrefillTime`]: a line through their sizes and times).
+//! token ([`prefill_time::PrefillTime`]: a line through their sizes and times).
 //! Its tokens times the elapsed share, in eighths (so the sum moves a few times per prefill,
 //! not every window) and at most seven of them, are published as *prefilled*. Without it the
 //! seed's formula counts a prefill whole until its first token, and two ranks each prefilling
@@ -67,7 +67,8 @@ use tokio_util::sync::CancellationToken;
 use super::{ActiveIndex, FleetChange, FleetPublisher, FleetState};
 
 mod prefill_time;
-use prefill_time::PrefillTime;
+mod timing;
+use timing::Timing;
 
 /// A dispatch no sample has answered adds its prefill tokens this long at most (the seed's 30
 /// seconds); a rank's record outlives its last end by at most this long.
@@ -93,9 +94,7 @@ pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
 /// publish on their own schedule (the 1.6.1 mocker every 50–200 ms per rank under load).
 pub const SAMPLE_LAG: Duration = Duration::from_millis(250);
 /// A prefill under way is credited in steps of one part in this many of its expected time.
-const PROGRESS_STEPS: u64 = 8;
-/// Each new measurement moves a rank's decode and first-token time estimates by this fraction.
-const TIMING_WEIGHT: f64 = 0.125;
+pub(super) const PROGRESS_STEPS: u64 = 8;
 /// Ended dispatches remembered per rank for that, at most.
 const MAX_ENDED_PER_RANK: usize = 4096;
 /// Reports waiting for the book; a full queue drops the report (and counts it) rather than
@@ -217,44 +216,6 @@ impl Dispatch {
     /// Prompt tokens still to prefill on the rank: all of them until its first token, then none.
     fn prefill_tokens(&self) -> u64 {
         if self.answered.is_none() { self.prompt_tokens } else { 0 }
-    }
-}
-
-/// A rank's smoothed times from dispatch to first token and from first token to end, learned
-/// from the dispatches that went through it.
-#[derive(Debug, Default, Clone, Copy)]
-struct Timing {
-    first_token: Option<Duration>,
-    /// From dispatch to first token of the dispatches that found nothing else prefilling, by
-    /// their size.
-    prefill: PrefillTime,
-    decode: Option<Duration>,
-}
-
-impl Timing {
-    fn observe(estimate: &mut Option<Duration>, measured: Duration) {
-        *estimate = Some(match *estimate {
-            Some(old) => old.mul_f64(1.0 - TIMING_WEIGHT) + measured.mul_f64(TIMING_WEIGHT),
-            None => measured,
-        });
-    }
-
-    /// How long a dispatch must have decoded to be expected to end before a request
-    /// dispatched now reaches the rank by hand-over: its decode time less about the prefill's
-    /// share of the time to first token (half of it; the rest is the hand-over and the
-    /// decode worker's first step). `None` until both times have been measured.
-    fn ending_after(&self) -> Option<Duration> {
-        Some(self.decode?.saturating_sub(self.first_token? / 2))
-    }
-
-    /// How many [`PROGRESS_STEPS`] of a `tokens` prefill that began `elapsed` ago should be
-    /// done, at most all but one (a prefill past its expected time is late, not done); 0 until a
-    /// prefill alone has been measured.
-    fn progress_steps(&self, tokens: u64, elapsed: Duration) -> u64 {
-        let Some(prefill) = self.prefill.expected(tokens).filter(|p| !p.is_zero()) else { return 0 };
-        let steps = elapsed.as_secs_f64() / prefill.as_secs_f64() * PROGRESS_STEPS as f64;
-        // `as` saturates; the ratio is finite and non-negative.
-        (steps as u64).min(PROGRESS_STEPS - 1)
     }
 }
 

@@ -100,24 +100,12 @@ mod tests {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use continuum_proto::model::{Capacity, DataPlaneConfig, Load, Role, Worker, WorkerKey};
+    use continuum_proto::model::{DataPlaneConfig, Load, Worker, WorkerKey};
 
     use super::*;
 
     fn worker(id: u64) -> Arc<Worker> {
-        Arc::new(Worker {
-            key: WorkerKey::new("dynamo", id),
-            role: Role::Decode,
-            model: "tiny".into(),
-            component: "backend".into(),
-            endpoint: "generate".into(),
-            block_size: Some(16),
-            capacity: Capacity::default(),
-            dp_start_rank: 0,
-            dp_size: 0,
-            disaggregated_endpoint: None,
-            artifacts: None,
-        })
+        crate::fleet::test_worker(id, 0)
     }
 
     #[tokio::test(start_paused = true)]

@@ -69,3 +69,23 @@ impl FleetPublisher {
         committed
     }
 }
+
+/// A decode worker `id` of namespace `dynamo` serving `tiny` with `dp_size` ranks (0: one), for
+/// tests of what the fleet holds.
+#[cfg(test)]
+pub(crate) fn test_worker(id: u64, dp_size: u32) -> Arc<continuum_proto::model::Worker> {
+    use continuum_proto::model::{Capacity, Role, Worker, WorkerKey};
+    Arc::new(Worker {
+        key: WorkerKey::new("dynamo", id),
+        role: Role::Decode,
+        model: "tiny".into(),
+        component: "backend".into(),
+        endpoint: "generate".into(),
+        block_size: Some(16),
+        capacity: Capacity::default(),
+        dp_start_rank: 0,
+        dp_size,
+        disaggregated_endpoint: None,
+        artifacts: None,
+    })
+}

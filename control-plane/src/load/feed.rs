@@ -1,7 +1,7 @@
 //! The kv_metrics feed: each decoded ActiveLoad sample is ordered, checked against the
 //! publisher's identity, stored, and coalesced on to the replicas.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -30,7 +30,7 @@ pub struct LoadFeed {
     /// while it waited for room in the coalescer's queue would otherwise leave those samples in
     /// every replica's view until the rank publishes again, which an idle worker never does.
     /// They go out again with the worker's next session, which starts by removing its samples.
-    pub unsent: Mutex<Vec<LoadKey>>,
+    pub unsent: Mutex<HashSet<LoadKey>>,
 }
 
 impl LoadFeed {
@@ -43,9 +43,8 @@ impl LoadFeed {
     async fn drop_publisher(&self, publisher: &PublisherKey, worker: Option<&WorkerKey>) {
         let mut dropped = self.store.lock().drop_publisher(publisher);
         if let Some(worker) = worker {
-            let left: Vec<LoadKey> =
-                self.unsent().iter().filter(|k| k.worker == *worker && !dropped.contains(k)).cloned().collect();
-            dropped.extend(left);
+            // A key also among `dropped` is removed twice, which changes nothing.
+            dropped.extend(self.unsent().iter().filter(|k| k.worker == *worker).cloned());
         }
         self.remove(dropped).await;
     }
@@ -55,16 +54,15 @@ impl LoadFeed {
         if keys.is_empty() {
             return;
         }
-        {
-            let mut unsent = self.unsent();
-            let new: Vec<LoadKey> = keys.iter().filter(|k| !unsent.contains(k)).cloned().collect();
-            unsent.extend(new);
-        }
+        self.unsent().extend(keys.iter().cloned());
         self.sink.remove(keys.iter().cloned()).await;
-        self.unsent().retain(|k| !keys.contains(k));
+        let mut unsent = self.unsent();
+        for key in &keys {
+            unsent.remove(key);
+        }
     }
 
-    fn unsent(&self) -> MutexGuard<'_, Vec<LoadKey>> {
+    fn unsent(&self) -> MutexGuard<'_, HashSet<LoadKey>> {
         self.unsent.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -200,32 +198,16 @@ mod tests {
     use std::sync::Arc;
     use std::time::SystemTime;
 
-    use continuum_proto::model::{Capacity, DataPlaneConfig, Load, Role, Worker};
+    use continuum_proto::model::{DataPlaneConfig, Load};
     use futures::FutureExt;
     use prometheus::Opts;
     use tokio_util::sync::CancellationToken;
 
     use super::*;
     use crate::config::{StaticDiscoveryConfig, StaticWorkerConfig};
-    use crate::fleet::{FleetChange, FleetPublisher, LOAD_COALESCE_WINDOW};
+    use crate::fleet::{FleetChange, FleetPublisher, LOAD_COALESCE_WINDOW, test_worker};
     use crate::load::store::LoadStore;
     use crate::sources::static_fleet;
-
-    fn worker(id: u64, dp_size: u32) -> Arc<Worker> {
-        Arc::new(Worker {
-            key: WorkerKey::new("dynamo", id),
-            role: Role::Decode,
-            model: "tiny".into(),
-            component: "backend".into(),
-            endpoint: "generate".into(),
-            block_size: Some(16),
-            capacity: Capacity::default(),
-            dp_start_rank: 0,
-            dp_size,
-            disaggregated_endpoint: None,
-            artifacts: None,
-        })
-    }
 
     /// A session cancelled while its removals waited for room in a full queue: the replicas
     /// keep those samples (the store no longer holds them, so nothing else would remove them)
@@ -233,7 +215,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn removals_a_cancelled_session_never_sent_go_out_with_the_next() {
         let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        publisher.apply(FleetChange { upsert: vec![worker(1, 2), worker(2, 0)], ..FleetChange::default() });
+        publisher.apply(FleetChange { upsert: vec![test_worker(1, 2), test_worker(2, 0)], ..FleetChange::default() });
         let store = SharedLoadStore::new(LoadStore::new(None));
         let live = [(WorkerKey::new("dynamo", 1), 0..2), (WorkerKey::new("dynamo", 2), 0..1)];
         store.lock().set_live_and_retain(live.into_iter().collect());

@@ -2,13 +2,13 @@
 //!
 //! Read-only by construction: this module issues range gets and watches and nothing else (no
 //! put, delete, lease grant or keep-alive). One pass connects, range-gets the four prefixes of
-//! every watched namespace, folds them as a resync, opens a watch on each prefix at its get's
-//! revision (gapless; that revision's own events repeat what the get read), and folds every
-//! event until a stream ends. Then it waits a bounded,
+//! every watched namespace at one revision, folds them as a resync, opens a watch on each prefix
+//! at that revision (gapless; its own events repeat what the gets read), and folds every event
+//! until a stream ends. Then it waits a bounded,
 //! jittered backoff and starts over from scratch, which also recovers from compaction.
 //!
 //! Nothing etcd holds can stop discovery for good:
-//! - A prefix is read in pages of at most [`PAGE_KEYS`] keys, all at one revision, so no
+//! - Prefixes are read in pages of at most [`PAGE_KEYS`] keys, all at one revision, so no
 //!   response has to hold a whole keyspace. A page past [`MAX_ETCD_MESSAGE_BYTES`] is
 //!   asked for again at half the keys; a single value past it is stepped over (its key read
 //!   alone, without its value) and counted as `oversized`.
@@ -172,7 +172,8 @@ async fn pass(
 
     let mut streams = SelectAll::new();
     let mut askers = Vec::with_capacity(prefixes.len());
-    for (index, (prefix, revision)) in prefixes.iter().zip(seeded.revisions).enumerate() {
+    let revision = seeded.revision;
+    for (index, prefix) in prefixes.iter().enumerate() {
         // From the listing's own revision, not the next: etcd answers a progress request only
         // for a watch whose start is at or below the store's revision, which `revision + 1`
         // is not until the next write anywhere. The events of that revision replay what the
@@ -270,33 +271,32 @@ impl Heard {
     }
 }
 
-/// What a seed read: every record, each prefix's revision, and how many values were too
-/// large to read at all.
+/// What a seed read: every record, the one revision it was read at, and how many values were
+/// too large to read at all.
 struct Seeded {
     records: Vec<KeyValue>,
-    revisions: Vec<i64>,
+    revision: i64,
     stepped_over: u64,
 }
 
-/// Connects and range-gets every prefix, recording each one's revision.
+/// Connects and range-gets every prefix, all at the store's revision as the seed starts.
 async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(KvClient, WatchClient, Seeded), PassError> {
     let client = Client::connect(&config.endpoints, Some(connect_options(config)?)).await?;
     let mut kv = client.kv_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let watcher = client.watch_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
-    let mut seeded = Seeded { records: Vec::new(), revisions: Vec::with_capacity(prefixes.len()), stepped_over: 0 };
+    let first = prefixes.first().map_or("v1/", String::as_str);
+    let counted = kv.get(first, Some(GetOptions::new().with_prefix().with_count_only())).await?;
+    let revision = counted.header().map_or(0, |h| h.revision());
+    let mut seeded = Seeded { records: Vec::new(), revision, stepped_over: 0 };
     for prefix in prefixes {
-        let revision = list(&mut kv, prefix, &mut seeded).await?;
-        seeded.revisions.push(revision);
+        list(&mut kv, prefix.as_bytes(), &mut seeded).await?;
     }
     Ok((kv, watcher, seeded))
 }
 
-/// Reads every key under `prefix` in pages, all at one revision (the store's as the listing
-/// starts); returns it.
-async fn list(kv: &mut KvClient, prefix: &str, seeded: &mut Seeded) -> Result<i64, PassError> {
-    let counted = kv.get(prefix, Some(GetOptions::new().with_prefix().with_count_only())).await?;
-    let revision = counted.header().map_or(0, |h| h.revision());
-    let prefix = prefix.as_bytes();
+/// Reads every key under `prefix` in pages, all at the seed's revision.
+async fn list(kv: &mut KvClient, prefix: &[u8], seeded: &mut Seeded) -> Result<(), PassError> {
+    let revision = seeded.revision;
     let end = prefix_end(prefix);
     let mut from = prefix.to_vec();
     let mut limit = PAGE_KEYS;
@@ -311,7 +311,7 @@ async fn list(kv: &mut KvClient, prefix: &str, seeded: &mut Seeded) -> Result<i6
                 // One value alone is past the bound: step over its key, read without it.
                 let key_only = GetOptions::new().with_range(end.clone()).with_limit(1).with_revision(revision);
                 let response = kv.get(from.clone(), Some(key_only.with_keys_only())).await?;
-                let Some(skipped) = response.kvs().first() else { return Ok(revision) };
+                let Some(skipped) = response.kvs().first() else { return Ok(()) };
                 tracing::warn!(
                     key = %String::from_utf8_lossy(skipped.key()),
                     limit = MAX_ETCD_MESSAGE_BYTES,
@@ -327,7 +327,7 @@ async fn list(kv: &mut KvClient, prefix: &str, seeded: &mut Seeded) -> Result<i6
         seeded.records.extend(response.kvs().iter().map(record));
         match response.kvs().last() {
             Some(last) if response.more() => from = after(last.key()),
-            _ => return Ok(revision),
+            _ => return Ok(()),
         }
         limit = (limit * 2).min(PAGE_KEYS);
     }

@@ -1,6 +1,6 @@
 use std::time::{Duration, Instant};
 
-use continuum_proto::model::{Capacity, DataPlaneConfig, Load, LoadSample, Role, Worker, WorkerKey};
+use continuum_proto::model::{Capacity, DataPlaneConfig, Load, LoadSample, Worker, WorkerKey};
 
 use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
@@ -17,19 +17,7 @@ fn state_with(dp_size: u32) -> FleetState {
 }
 
 fn decode_worker(dp_size: u32) -> Arc<Worker> {
-    Arc::new(Worker {
-        key: WorkerKey::new("dynamo", 1),
-        role: Role::Decode,
-        model: "tiny".into(),
-        component: "backend".into(),
-        endpoint: "generate".into(),
-        block_size: Some(16),
-        capacity: Capacity::default(),
-        dp_start_rank: 0,
-        dp_size,
-        disaggregated_endpoint: None,
-        artifacts: None,
-    })
+    crate::fleet::test_worker(1, dp_size)
 }
 
 fn rank(dp_rank: u32) -> LoadKey {

@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
 use continuum_proto::model::{Backlog, LoadKey, ReportsFolded};
 use continuum_proto::view::FleetView;
@@ -32,7 +31,9 @@ use super::{Pin, Selection};
 use continuum_proto::fast_hash::FastMap;
 
 mod changes;
+mod replay;
 use changes::Changes;
+pub use replay::{Recorded, ReplayedLeg};
 
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);
@@ -68,38 +69,6 @@ impl From<u64> for Op {
     fn from(number: u64) -> Self {
         Op { number, stream_first: 0 }
     }
-}
-
-/// How a dispatch was reported when recorded: the operation's number, and the report's id for
-/// each leg (0: none), the prefill rank's first when there is one. The ids let the ledger
-/// report its legs again on a new stream ([`DispatchLedger::replay_legs`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Recorded {
-    pub op: u64,
-    pub legs: [u64; 2],
-}
-
-impl From<u64> for Recorded {
-    /// Recorded by operation `op`, with no report ids (a test's, or an unreported dispatch).
-    fn from(op: u64) -> Self {
-        Recorded { op, legs: [0; 2] }
-    }
-}
-
-/// A leg of a dispatch in flight as a new stream reports it again: what it still weighs on its
-/// rank, and since when.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReplayedLeg {
-    /// The id its first report gave it.
-    pub report: u64,
-    pub rank: LoadKey,
-    /// Prompt tokens still to prefill: none once its response began.
-    pub prefill_tokens: u64,
-    pub decode_blocks: u64,
-    pub block_hashes: Vec<u64>,
-    pub age: Duration,
-    /// Its response began.
-    pub answered: bool,
 }
 
 /// A recorded dispatch, to end when its request finishes, is refused, fails or is cancelled.
@@ -374,47 +343,6 @@ impl Rank {
         self.changed(op, now, SinceFleet { prefill_done: tokens, ..Default::default() });
     }
 
-    /// The length of dispatch `id`'s leg's chain as a report carries it.
-    fn chain_len(&self, id: DispatchId) -> Option<usize> {
-        let leg = self.position(id).and_then(|index| self.legs.get(index))?;
-        Some(leg.block_hashes.len().min(MAX_DISPATCH_BLOCK_HASHES))
-    }
-
-    /// Reports dispatch `id`'s leg again by operation `op` (see [`DispatchLedger::replay_legs`]);
-    /// `None` when it is already reported on this stream, has no report id, or weighs nothing
-    /// and was answered (its end went with its first token).
-    fn replay(
-        &mut self,
-        key: &LoadKey,
-        id: DispatchId,
-        op: u64,
-        stream_first: u64,
-        now: Instant,
-    ) -> Option<ReplayedLeg> {
-        let leg = self.position(id).and_then(|index| self.legs.get_mut(index))?;
-        if op == NOT_REPORTED || !leg.replays_on(stream_first) {
-            return None;
-        }
-        if leg.op == NOT_REPORTED {
-            self.unreported.decode_blocks = self.unreported.decode_blocks.saturating_sub(leg.added);
-            self.unreported.prefill_tokens = self.unreported.prefill_tokens.saturating_sub(leg.prefill_tokens);
-        }
-        leg.op = op;
-        let replayed = ReplayedLeg {
-            report: leg.report,
-            rank: key.clone(),
-            prefill_tokens: leg.prefill_tokens,
-            decode_blocks: leg.decode_blocks,
-            block_hashes: leg.block_hashes.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect(),
-            age: now.saturating_duration_since(leg.at),
-            answered: leg.answered,
-        };
-        let started =
-            SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };
-        self.changed(op, now, started);
-        Some(replayed)
-    }
-
     /// Operation `op` changed the rank by `change`. What was not reported is not remembered:
     /// the fleet's sums will not show it, so the join must not make up for it.
     fn changed(&mut self, op: u64, at: Instant, change: SinceFleet) {
@@ -506,16 +434,6 @@ struct Leg {
     /// Blocks that count toward a stall: zero for the decode leg of a prefill+decode pair,
     /// which receives the request only after the prefill finishes.
     stall_blocks: u64,
-}
-
-impl Leg {
-    /// Whether a stream whose operations start at `stream_first` lacks this leg and should be
-    /// told of it: recorded before the stream (or unreported), with a report id, and not over
-    /// (a prefill worker's leg ends in the reports with its first token, and holds nothing).
-    fn replays_on(&self, stream_first: u64) -> bool {
-        let over = self.answered && self.decode_blocks == 0;
-        (self.op == NOT_REPORTED || self.op < stream_first) && self.report != 0 && !over
-    }
 }
 
 impl Default for DispatchLedger {
@@ -651,58 +569,6 @@ impl DispatchLedger {
                 rank.prefilled(id, now, op);
             }
         }
-    }
-
-    /// The dispatches with a leg the control plane does not hold on the stream whose
-    /// operations start at `stream_first`: recorded before it opened, or unreported. For
-    /// [`Self::replay_legs`], in recording order.
-    pub fn dispatches_before(&self, stream_first: u64) -> Vec<DispatchId> {
-        let state = self.lock();
-        let mut ids: Vec<DispatchId> = state
-            .ranks
-            .values()
-            .flat_map(|rank| rank.legs.iter())
-            .filter(|leg| leg.replays_on(stream_first))
-            .map(|leg| leg.id)
-            .collect();
-        ids.sort_unstable_by_key(|id| id.0);
-        ids.dedup();
-        ids
-    }
-
-    /// Reports the legs of the first of `ids` again, by operation `op` on the stream whose
-    /// operations start at `stream_first`: from now on the fleet's sums hold them from that
-    /// operation on, as if recorded by it. Takes dispatches until their chains would pass
-    /// `max_hashes` (one at least) and returns how many it took, with what each of their legs
-    /// reports; legs that weigh nothing and whose end was reported (a prefill worker's, once
-    /// its response began) are left out. Chains are cut to the reports' bound.
-    pub fn replay_legs(
-        &self,
-        ids: &[DispatchId],
-        max_hashes: usize,
-        op: u64,
-        stream_first: u64,
-        now: Instant,
-    ) -> (usize, Vec<ReplayedLeg>) {
-        let mut state = self.lock();
-        let mut replayed = Vec::new();
-        let mut hashes = 0;
-        for (taken, id) in ids.iter().enumerate() {
-            let Some(keys) = state.dispatches.get(id).cloned() else { continue };
-            let chain = |state: &State| {
-                keys.iter().flatten().filter_map(|key| state.ranks.get(key)?.chain_len(*id)).sum::<usize>()
-            };
-            let more = chain(&state).min(2 * MAX_DISPATCH_BLOCK_HASHES);
-            if taken > 0 && hashes + more > max_hashes {
-                return (taken, replayed);
-            }
-            hashes += more;
-            for key in keys.into_iter().flatten() {
-                let Some(rank) = state.ranks.get_mut(&key) else { continue };
-                replayed.extend(rank.replay(&key, *id, op, stream_first, now));
-            }
-        }
-        (ids.len(), replayed)
     }
 
     /// The backlog of each rank, given when its last sample was received (`None`: never), and
