@@ -118,28 +118,31 @@ async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stay
     // Large workers, so the changes overflow HTTP/2 buffers and the delta log while the
     // replica reads nothing.
     let big_model = "x".repeat(4096);
-    for id in 0..(DELTA_LOG_CAPACITY as u64 * 8) {
+    let changes = DELTA_LOG_CAPACITY as u64 * 8;
+    for id in 0..changes {
         control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", id, &big_model)], ..Default::default() });
         if id % 64 == 0 {
             tokio::task::yield_now().await;
         }
     }
     let status = control.replicas.list().into_iter().next().ok_or_else(|| anyhow::anyhow!("no session"))?;
+    // The queue is bounded by construction; what this shows is that the stall reached it.
     let high_water = status.queue_high_water.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(high_water <= REPLICA_QUEUE_CAPACITY, "queue reached {high_water}");
+    assert_eq!(high_water, REPLICA_QUEUE_CAPACITY, "the stalled replica's queue filled");
 
     let expected = control.publisher.current();
-    let mut resynced = false;
+    let (mut resynced, mut read) = (false, 0u64);
     while view.version() != expected.version() {
         let update =
             tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
         resynced |= is_snapshot(&update);
+        read += 1;
         view = fold(Some(view), update)?;
     }
     assert!(resynced, "a replica that fell behind the delta log is resynced with a snapshot");
     assert!(view.same_content(expected.view()));
-    let high_water = status.queue_high_water.load(std::sync::atomic::Ordering::Relaxed);
-    assert!(high_water <= REPLICA_QUEUE_CAPACITY, "queue reached {high_water}");
+    // What waited for the replica was its queue and the HTTP/2 buffers, not every change.
+    assert!(read < changes / 4, "the replica read {read} updates for {changes} changes");
     control.stop().await;
     Ok(())
 }

@@ -14,8 +14,10 @@
 //! multimodal `mm_extra_info` is skipped: the engine already folds it into `tokens_hash`.
 //!
 //! A batch holds at most [`MAX_EVENTS_PER_BATCH`] events and [`MAX_BLOCKS_PER_BATCH`] block
-//! hashes (stored blocks plus removed hashes); larger batches are refused whole. Elements past a
-//! ceiling are skipped without being kept, so decoding holds at most twice the block ceiling.
+//! hashes (stored blocks plus removed hashes), the bounds Dynamo's publisher splits batches at; a
+//! batch of one event may hold up to [`MAX_BLOCKS_PER_EVENT`]. Larger batches are refused whole.
+//! Elements past a ceiling are skipped without being kept, so decoding holds at most the two
+//! ceilings' worth of blocks.
 
 use std::marker::PhantomData;
 
@@ -30,8 +32,14 @@ use crate::load::zmtp::{DYNAMO_FRAME_HEADER_BYTES, KV_EVENTS_MAX_FRAME_BYTES};
 pub const KV_EVENTS_TOPIC: &str = "kv-events";
 /// Events one message may carry (seed: "batches of up to 128 events or 8192 blocks").
 pub const MAX_EVENTS_PER_BATCH: usize = 128;
-/// Stored blocks plus removed hashes one message may carry.
+/// Stored blocks plus removed hashes one message of several events may carry.
 pub const MAX_BLOCKS_PER_BATCH: usize = 8_192;
+/// Stored blocks or removed hashes a message of one event may carry. Dynamo's publisher splits
+/// its batches at the two bounds above but sends an event larger than the block bound whole
+/// (one prompt of 131,088 tokens at 16 per block is such an event); refusing it would clear the
+/// publisher's ranks at every long prompt. A megabyte frame holds about 18,000 blocks as Dynamo
+/// encodes them, so this bound only caps what a terser encoding could make decoding keep.
+pub const MAX_BLOCKS_PER_EVENT: usize = 65_536;
 /// The largest envelope: the 1 MiB transport frame minus Dynamo's 5-byte header.
 pub const KV_EVENTS_MAX_ENVELOPE_BYTES: usize = KV_EVENTS_MAX_FRAME_BYTES - DYNAMO_FRAME_HEADER_BYTES;
 
@@ -51,7 +59,8 @@ pub enum DecodeError {
     IdentityMismatch,
     /// More than [`MAX_EVENTS_PER_BATCH`] events.
     TooManyEvents,
-    /// More than [`MAX_BLOCKS_PER_BATCH`] blocks across the batch's events.
+    /// More than [`MAX_BLOCKS_PER_BATCH`] blocks across the batch's events, or more than
+    /// [`MAX_BLOCKS_PER_EVENT`] in a batch of one.
     TooManyBlocks,
 }
 
@@ -218,7 +227,8 @@ pub fn decode_kv_events<'a>(
     if batch.events_seen > MAX_EVENTS_PER_BATCH {
         return Err(DecodeError::TooManyEvents);
     }
-    if batch.blocks_seen > MAX_BLOCKS_PER_BATCH {
+    let max_blocks = if batch.events_seen == 1 { MAX_BLOCKS_PER_EVENT } else { MAX_BLOCKS_PER_BATCH };
+    if batch.blocks_seen > max_blocks {
         return Err(DecodeError::TooManyBlocks);
     }
     Ok(KvEventBatch {
@@ -332,8 +342,8 @@ struct WireBlock {
     _mm_extra_info: IgnoredAny,
 }
 
-/// A block list that keeps at most [`MAX_BLOCKS_PER_BATCH`] elements and counts the rest, so a
-/// hostile list costs no more memory than a full legitimate batch.
+/// A block list that keeps at most [`MAX_BLOCKS_PER_EVENT`] elements and counts the rest, so a
+/// hostile list costs no more memory than the largest legitimate event.
 struct Capped<T> {
     items: Vec<T>,
     seen: usize,
@@ -358,7 +368,7 @@ impl<'de, T: Deserialize<'de>> Visitor<'de> for CappedVisitor<T> {
         let hint = seq.size_hint().unwrap_or(0).min(MAX_BLOCKS_PER_BATCH);
         let mut capped = Capped { items: Vec::with_capacity(hint), seen: 0 };
         loop {
-            if capped.items.len() < MAX_BLOCKS_PER_BATCH {
+            if capped.items.len() < MAX_BLOCKS_PER_EVENT {
                 let Some(item) = seq.next_element::<T>()? else { break };
                 capped.items.push(item);
             } else if seq.next_element::<IgnoredAny>()?.is_none() {

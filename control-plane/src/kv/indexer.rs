@@ -57,10 +57,25 @@ pub type LiveRanks = HashMap<u64, Range<u32>>;
 
 #[derive(Debug, Default)]
 struct Publisher {
-    /// The last event id applied or skipped per rank.
-    cursors: HashMap<RankKey, u64>,
+    cursors: HashMap<RankKey, RankCursor>,
     /// Since when the subscription has been down, if it is.
     down_since: Option<Instant>,
+}
+
+/// Where one rank's events stand on one publisher.
+#[derive(Clone, Copy, Debug)]
+struct RankCursor {
+    /// The last event id applied or skipped.
+    last: u64,
+    /// Cleared for a lost message and counted as its gap: the jump the rank's next event shows
+    /// is that same gap, on a rank nothing was applied to since.
+    cleared_for_loss: bool,
+}
+
+impl RankCursor {
+    fn at(last: u64) -> Self {
+        Self { last, cleared_for_loss: false }
+    }
 }
 
 /// The device-tier KV index and the per-publisher state that guards it.
@@ -109,12 +124,16 @@ impl KvIndexer {
     /// A kv-events message of `publisher_id` was refused: its events, removals perhaps among
     /// them, are lost. Every rank it speaks for is cleared as on a gap (counted as one), rather
     /// than credited with blocks it may no longer hold until its next event shows the gap.
-    /// Cursors stay: the next event still finds the gap, on an already empty rank.
+    /// Cursors stay, so a replay is still skipped; the jump the next event shows is this gap,
+    /// not another.
     pub fn message_lost(&mut self, publisher: &PublisherKey, counts: &mut KvCounts) {
-        let Some(publisher) = self.publishers.get(publisher) else { return };
-        for rank in publisher.cursors.keys() {
-            self.index.clear_rank(*rank);
-            counts.add(KvEventResult::Gap);
+        let Some(publisher) = self.publishers.get_mut(publisher) else { return };
+        for (rank, cursor) in &mut publisher.cursors {
+            if !cursor.cleared_for_loss {
+                self.index.clear_rank(*rank);
+                counts.add(KvEventResult::Gap);
+                cursor.cleared_for_loss = true;
+            }
         }
     }
 
@@ -172,15 +191,15 @@ impl KvIndexer {
         let cursors = &mut self.publishers.entry(publisher.clone()).or_default().cursors;
         let full = cursors.len() >= MAX_CURSORS_PER_PUBLISHER;
         match cursors.get_mut(&rank) {
-            Some(cursor) if event_id <= *cursor => Cursor::Replay,
+            Some(cursor) if event_id <= cursor.last => Cursor::Replay,
             Some(cursor) => {
-                let gap = event_id > cursor.saturating_add(1);
-                *cursor = event_id;
+                let gap = event_id > cursor.last.saturating_add(1) && !cursor.cleared_for_loss;
+                *cursor = RankCursor::at(event_id);
                 if gap { Cursor::Gap } else { Cursor::Next }
             }
             None if full => Cursor::Full,
             None => {
-                cursors.insert(rank, event_id);
+                cursors.insert(rank, RankCursor::at(event_id));
                 Cursor::Next
             }
         }
@@ -254,7 +273,7 @@ impl KvIndexer {
 
     /// The cursor of one rank on one publisher, if it has one.
     pub fn cursor(&self, publisher: &PublisherKey, rank: RankKey) -> Option<u64> {
-        self.publishers.get(publisher)?.cursors.get(&rank).copied()
+        self.publishers.get(publisher)?.cursors.get(&rank).map(|cursor| cursor.last)
     }
 }
 

@@ -107,7 +107,16 @@ impl Feed for LoadFeed {
                     self.sink.submit(key, sample).await;
                 }
             }
-            Err(event) => self.count(event),
+            Err(event) => {
+                self.count(event);
+                // The publisher's own message, unread: it may have held a change (the last
+                // before an idle worker falls silent, say), so its samples go as on a gap rather
+                // than stand until a later sequence shows one. Not a duplicate or one naming
+                // another publisher or worker, which was never this stream's.
+                if matches!(event, LoadEvent::Malformed | LoadEvent::UnknownVersion | LoadEvent::Oversized) {
+                    self.drop_publisher(&publisher.key(), None).await;
+                }
+            }
         }
     }
 

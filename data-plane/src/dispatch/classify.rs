@@ -5,9 +5,11 @@
 //! | shim answer | verdict |
 //! |---|---|
 //! | body names the missing prefill id (any status) | `PrefillRefused`: 503, no retry, no fallback |
-//! | 404 (model gone: empty body, or "Model not found") | `ModelGone` |
 //! | 4xx other than 408 and 429, on a streaming request, unless it refuses a pin | `Relay`: passed to the client as is |
-//! | anything else, 1.6.1's generic 500 included | `DecodeFailed`: fallback or `disaggregated_decode_failed` |
+//! | anything else, 1.6.1's generic 500 and its 404 for a model whose workers left included | `DecodeFailed`: fallback or `disaggregated_decode_failed` |
+//!
+//! A 404 is the router's stale view of the fleet (it pinned a worker the frontend has dropped),
+//! not a model the client named wrongly: the seed's decode arm, like any other shim failure.
 
 use axum::http::StatusCode;
 
@@ -18,7 +20,6 @@ pub const DIRECT_MODE_PREFILL_ID_ERROR: &str = "Prefill worker ID required in Di
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
     PrefillRefused,
-    ModelGone,
     Relay,
     DecodeFailed,
 }
@@ -26,8 +27,6 @@ pub enum Verdict {
 pub fn classify(status: StatusCode, body: &[u8], stream: bool) -> Verdict {
     if names_missing_prefill(body) {
         Verdict::PrefillRefused
-    } else if status == StatusCode::NOT_FOUND {
-        Verdict::ModelGone
     } else if stream && status.is_client_error() && !retryable_client_error(status) && !blames_pins(status, body) {
         // The client's own mistake. A refused pin (an id the frontend no longer knows, as
         // when a worker's lease expired before this replica heard) is the router's, and
@@ -124,8 +123,8 @@ mod tests {
             (429, "", true, DecodeFailed),
             (503, DEAD_503, false, DecodeFailed),
             (503, DEAD_503, true, DecodeFailed),
-            (404, "", false, ModelGone),
-            (404, r#"{"message":"Model not found","type":"Not Found","code":404}"#, true, ModelGone),
+            (404, "", false, DecodeFailed),
+            (404, r#"{"message":"Model not found","type":"Not Found","code":404}"#, true, DecodeFailed),
             (502, "", true, DecodeFailed),
         ];
         for (status, body, stream, expected) in rows {

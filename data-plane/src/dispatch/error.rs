@@ -54,9 +54,6 @@ pub enum DispatchError {
     /// The frontend refused the pinned pair for lack of a prefill pin.
     #[error("the shim of namespace {namespace} refused the pinned request: prefill worker id required")]
     PrefillRefused { namespace: Arc<str> },
-    /// The frontend no longer lists the model (its workers are gone).
-    #[error("the shim no longer serves the model")]
-    ModelGone,
     /// The pinned request failed, and so did its unpinned fallback when one was sent.
     #[error("the pinned request failed: {cause}")]
     DecodeFailed {

@@ -97,7 +97,8 @@ pub struct Plan {
 #[derive(Debug)]
 pub enum Route {
     Pinned(Pinned),
-    /// Disaggregated serving is off: the request goes unpinned to the backends serving the model.
+    /// Unpinned, to the backends serving the model: disaggregated serving is off, or no Dynamo
+    /// worker with a usable shim serves the model (the seed's fall-through).
     Unified {
         replicas: Arc<[ShimReplica]>,
     },
@@ -305,10 +306,6 @@ impl Dispatcher {
                 self.metrics.error(ErrorPhase::Orchestration);
                 PinnedOutcome::Final(Err(DispatchError::PrefillRefused { namespace: selection.namespace.clone() }))
             }
-            Answer::ModelGone => {
-                self.metrics.error(ErrorPhase::Decode);
-                PinnedOutcome::Final(Err(DispatchError::ModelGone))
-            }
             Answer::Failed(failure) => PinnedOutcome::Failed(failure),
         };
         (outcome, blames_pins)
@@ -332,7 +329,6 @@ impl Dispatcher {
             Answer::Relay(response) if response.status().is_success() => Ok(response),
             Answer::Relay(response) => Err(Failure::Status(response.status())),
             Answer::PrefillRefused => Err(Failure::Status(axum::http::StatusCode::SERVICE_UNAVAILABLE)),
-            Answer::ModelGone => Err(Failure::Status(axum::http::StatusCode::NOT_FOUND)),
             Answer::Failed(failure) => Err(failure),
         }
     }

@@ -98,6 +98,14 @@ pub fn serving_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplic
     serving.filter_map(|b| replica(config, &b.name)).collect()
 }
 
+/// Backends that take `model` without pins: those listing it, less every shim pool's members.
+/// A direct-mode frontend refuses every request without pins (1.6.1 answers 500 or 400), so an
+/// unpinned resend or fall-through to one is a round trip sure to fail.
+pub fn unified_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplica> {
+    let pooled = |name: &str| config.shim_pools.iter().any(|pool| pool.backends.iter().any(|b| b == name));
+    serving_backends(config, model).into_iter().filter(|replica| !pooled(&replica.name)).collect()
+}
+
 /// `replicas` starting at `start` (modulo their number), so that successive requests spread
 /// over a pool and each retry moves on to the next replica.
 pub fn rotated(mut replicas: Vec<ShimReplica>, start: usize) -> Vec<ShimReplica> {

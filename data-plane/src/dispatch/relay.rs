@@ -4,7 +4,9 @@
 //! stream completes, fails, or is dropped because the client went away. A stream that breaks
 //! (the shim's connection fails, or no event arrives for the idle timeout: comments are relayed
 //! but are no progress) ends with one SSE error event, so the client always sees an end and
-//! never a hang.
+//! never a hang. Frames are relayed as they arrive, so a break can fall inside an event: the
+//! error event then starts with a blank line, which ends the broken event first (an extra blank
+//! line is no event in SSE), so the error always reaches the client as an event of its own.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -29,6 +31,8 @@ pub struct RelayBody {
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
     done: bool,
+    /// Whether the bytes relayed so far end between two events.
+    between_events: bool,
     dispatch: Option<DispatchEnd>,
     /// Counts a stream that broke after it started.
     failures: Option<IntCounter>,
@@ -37,7 +41,7 @@ pub struct RelayBody {
 impl RelayBody {
     pub fn new(inner: ShimBody, idle: Duration, dispatch: Option<DispatchEnd>, failures: Option<IntCounter>) -> Self {
         let deadline = Box::pin(tokio::time::sleep(idle));
-        Self { inner, idle, deadline, done: false, dispatch, failures }
+        Self { inner, idle, deadline, done: false, between_events: true, dispatch, failures }
     }
 
     fn finish(&mut self) {
@@ -50,7 +54,9 @@ impl RelayBody {
         if let Some(failures) = &self.failures {
             failures.inc();
         }
-        Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))
+        let event = sse_error_event(code, message);
+        let event = if self.between_events { event } else { Bytes::from([&b"\n\n"[..], &event].concat()) };
+        Poll::Ready(Some(Ok(Frame::data(event))))
     }
 }
 
@@ -65,6 +71,9 @@ impl Body for RelayBody {
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref().filter(|data| !data.is_empty()) {
+                    this.between_events = ends_event(data);
+                }
                 // A keep-alive comment is relayed but is no progress: a stalled engine behind a
                 // frontend that sends them would otherwise hold the stream (and its dispatch)
                 // forever, and its first one would end the prefill before the first token.
@@ -120,6 +129,12 @@ fn carries_event(data: &[u8]) -> bool {
     })
 }
 
+/// Whether SSE bytes end with the blank line that closes an event. Unsure (a line ending split
+/// across frames) reads as not: the error event's leading blank line is harmless either way.
+fn ends_event(data: &[u8]) -> bool {
+    [&b"\n\n"[..], b"\r\n\r\n", b"\n\r\n", b"\r\r"].iter().any(|end| data.ends_with(end))
+}
+
 /// One SSE event carrying an OpenAI-shaped error, as streaming clients expect mid-stream.
 pub fn sse_error_event(code: &str, message: &str) -> Bytes {
     let error = json!({"error": {"message": message, "type": "server_error", "code": code}});
@@ -128,7 +143,17 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::carries_event;
+    use super::{carries_event, ends_event};
+
+    #[test]
+    fn an_event_ends_at_a_blank_line_and_nowhere_else() {
+        for closed in [&b"data: {}\n\n"[..], b"data: {}\r\n\r\n", b":\n\n", b"\n\n", b"data: x\r\r"] {
+            assert!(ends_event(closed), "{:?}", String::from_utf8_lossy(closed));
+        }
+        for open in [&b"data: {\"choices\":[{\"ind"[..], b"data: {}\n", b"data: {}\r\n", b"\n", b"data: {}\r"] {
+            assert!(!ends_event(open), "{:?}", String::from_utf8_lossy(open));
+        }
+    }
 
     #[test]
     fn only_comments_and_blank_lines_are_no_event() {

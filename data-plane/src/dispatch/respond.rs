@@ -35,7 +35,6 @@ pub const ERROR_BODY_TIMEOUT: Duration = Duration::from_secs(5);
 pub(super) enum Answer {
     Relay(Response),
     PrefillRefused,
-    ModelGone,
     Failed(Failure),
 }
 
@@ -71,7 +70,6 @@ impl Dispatcher {
             blames_pins = classify::blames_pins(status, &body);
             match classify(status, &body, stream) {
                 Verdict::PrefillRefused => Answer::PrefillRefused,
-                Verdict::ModelGone => Answer::ModelGone,
                 Verdict::Relay => Answer::Relay(relayed_refusal(status, parts.headers, body)),
                 Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
             }

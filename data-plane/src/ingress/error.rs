@@ -143,11 +143,6 @@ impl From<DispatchError> for ApiError {
                 "disaggregated_prefill_decode_unavailable",
                 "The model server refused the request because no prefill worker was assigned to it. Retry shortly; if it persists, the fleet's prefill workers may be unavailable.",
             ),
-            DispatchError::ModelGone => ApiError::new(
-                StatusCode::NOT_FOUND,
-                "model_not_found",
-                "The model server no longer serves this model (its workers have gone). List the available models with GET /v1/models.",
-            ),
             DispatchError::DecodeFailed { cause, fallback } => decode_failed(&cause, fallback.as_ref()),
             DispatchError::Overloaded => server_busy(),
             DispatchError::UnifiedFailed(cause) => unified_failed(&cause),

@@ -6,12 +6,12 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
-use continuum_proto::model::Role;
+use continuum_proto::model::{DataPlaneConfig, Role};
 use continuum_proto::view::FleetView;
 
 use super::kv::Term;
 use super::request::ChatRequest;
-use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends};
+use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends, unified_backends};
 use crate::dispatch::{DispatchEnd, Fallback, Pinned, Route};
 use crate::http::{AppState, KvSelection};
 use crate::kv::render::PERMIT_WAIT;
@@ -96,7 +96,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             (state.picker.pick(view, &pick(estimate), now), estimate, None, PromptChain::default())
         }
     };
-    let selection = selection.ok_or_else(|| why_not(view, display, &usable, &request.model))?;
+    let Some(selection) = selection else {
+        return fall_through(config, why_not(view, display, &usable, &request.model), &request.model);
+    };
     let replicas = pools.pool(&selection.namespace);
     let mut dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain);
     if tokens.is_none() {
@@ -105,7 +107,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let fallback = config
         .disaggregated_serving
         .fallback_to_unified
-        .then(|| serving_backends(config, &request.model))
+        .then(|| unified_backends(config, &request.model))
         .filter(|unified| !unified.is_empty())
         .map(|unified| Box::new(Fallback { replicas: unified.into(), body: None }));
     let token_data = tokens.filter(|_| config.picker.send_token_data);
@@ -158,6 +160,23 @@ fn usable_namespaces<'p>(state: &AppState, pools: &'p ShimPools, now: Instant) -
     }
     let filtered = pools.iter().filter(|(_, replicas)| usable(replicas)).map(|(namespace, _)| namespace.to_string());
     Cow::Owned(filtered.collect())
+}
+
+/// Where a request goes when the picker found nobody. The seed's picker runs only over
+/// namespaces with a usable shim replica, and a model no worker serves "falls through to
+/// standard disaggregated or unified routing": so with no Dynamo worker for the model, or no
+/// usable shim for those that serve it, a backend serving the model unpinned takes it. Workers
+/// that are all busy are not a reason to leave the fleet.
+fn fall_through(config: &DataPlaneConfig, why: SelectError, model: &str) -> Result<Routed, SelectError> {
+    if !matches!(why, SelectError::ModelNotFound { .. } | SelectError::ShimUnavailable { .. }) {
+        return Err(why);
+    }
+    let unified = unified_backends(config, model);
+    if unified.is_empty() {
+        return Err(why);
+    }
+    tracing::debug!(%why, "routing unpinned to the model's unified backends");
+    Ok(Routed { route: Route::Unified { replicas: unified.into() }, token_data: None })
 }
 
 /// Why the picker found nobody: the model is served nowhere, only where no shim is usable, or

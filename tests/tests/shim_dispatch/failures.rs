@@ -76,7 +76,9 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         ("refused past what is read, streaming", unreadable_refusal(), true, 400, Some("backend_refused")),
         ("dead worker, live lease", disagg(dead)?, false, 503, DECODE_FAILED),
         ("dead worker, streaming", disagg(dead)?, true, 503, DECODE_FAILED),
-        ("model gone", disagg("after_lease_expiry_pinned_to_dead_decode")?, false, 404, Some("model_not_found")),
+        // The router's view was stale: its pinned worker left the frontend's. Not the client's
+        // model named wrongly, so not the frontend's 404.
+        ("model gone", disagg("after_lease_expiry_pinned_to_dead_decode")?, false, 502, DECODE_FAILED),
         ("names the prefill id", named_prefill_refusal()?, false, 503, PREFILL_REFUSED),
         ("names the prefill id, streaming", named_prefill_refusal()?, true, 503, PREFILL_REFUSED),
         ("refusal too large to read", oversized_refusal()?, false, 502, DECODE_FAILED),

@@ -67,6 +67,31 @@ async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Resul
     Ok(())
 }
 
+/// The shim's frames are relayed as they arrive, so a break can fall inside an event: the
+/// error must still be an event of its own, not more data of the broken one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_breaks_inside_an_event_still_ends_with_a_whole_error_event() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let half = &FIRST[..FIRST.len() / 2];
+    gate.send(Ok(Bytes::from(half))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(half));
+    gate.send(Err("engine died".into())).await?;
+    let mut rest = String::new();
+    while let Some(text) = next_text(&mut response).await? {
+        rest.push_str(&text);
+    }
+    // SSE: an event ends at a blank line; the broken one ends before the error's begins.
+    let all = format!("{half}{rest}");
+    let events: Vec<&str> = all.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 2, "the broken event, then the error event: {events:?}");
+    assert_eq!(event_code(events[1]).as_deref(), Some("stream_interrupted"), "{events:?}");
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_ends_with_a_timeout_event() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;

@@ -246,9 +246,17 @@ fn batches_at_the_ceilings_decode_and_one_past_them_are_refused() {
     assert_eq!(batch.events.iter().map(KvEvent::blocks).sum::<usize>(), MAX_BLOCKS_PER_BATCH);
     let one_more = json!([stored_event(1, None, &half), removed_event(2, &half), removed_event(3, &[5])]);
     assert_eq!(decode(&message(&one_more), 9), Err(DecodeError::TooManyBlocks), "across events");
+
+    // Dynamo's publisher sends an event past the batch bound whole, alone in its message.
     let long: Vec<u64> = (0..=MAX_BLOCKS_PER_BATCH as u64).collect();
-    assert_eq!(decode(&message(&json!([removed_event(1, &long)])), 9), Err(DecodeError::TooManyBlocks), "one event");
-    assert_eq!(decode(&message(&json!([stored_event(1, None, &long)])), 9), Err(DecodeError::TooManyBlocks));
+    let alone = decode(&message(&json!([stored_event(1, None, &long)])), 9).unwrap();
+    assert_eq!(alone.events.iter().map(KvEvent::blocks).sum::<usize>(), long.len(), "a long prompt's chain");
+    let beside = json!([stored_event(1, None, &long), removed_event(2, &[5])]);
+    assert_eq!(decode(&message(&beside), 9), Err(DecodeError::TooManyBlocks), "not beside another event");
+    let longest: Vec<u64> = (0..MAX_BLOCKS_PER_EVENT as u64).collect();
+    assert!(decode(&message(&json!([removed_event(1, &longest)])), 9).is_ok());
+    let past: Vec<u64> = (0..=MAX_BLOCKS_PER_EVENT as u64).collect();
+    assert_eq!(decode(&message(&json!([removed_event(1, &past)])), 9), Err(DecodeError::TooManyBlocks), "one event");
 }
 
 #[test]

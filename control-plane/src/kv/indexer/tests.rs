@@ -259,6 +259,26 @@ fn rank(dp_rank: u32) -> RankKey {
 }
 
 #[test]
+fn a_lost_message_is_one_gap_however_its_rank_hears_of_it() {
+    let mut indexer = live_indexer(0..1);
+    indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1, 2])]);
+    let mut counts = KvCounts::default();
+    indexer.message_lost(&key(9), &mut counts);
+    indexer.message_lost(&key(9), &mut counts);
+    assert_eq!(results(&counts), [("gap", 1)], "cleared once");
+    assert_eq!(indexer.index().rank_blocks(rank(0)), 0);
+
+    // The lost message held event 2: event 3's jump is the gap already counted.
+    let counts = indexer.apply_events(&publisher(), &[stored(0, 3, None, &[5])]);
+    assert_eq!(results(&counts), [("applied", 1)]);
+    assert_eq!(indexer.index().rank_blocks(rank(0)), 1, "applied on the cleared rank, not cleared again");
+    // Past that, a jump is a gap of its own.
+    let counts = indexer.apply_events(&publisher(), &[stored(0, 5, None, &[6])]);
+    assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
+    assert_eq!(indexer.index().rank_blocks(rank(0)), 1);
+}
+
+#[test]
 fn the_first_event_sets_the_cursor_and_a_jump_clears_before_applying() {
     let mut indexer = live_indexer(0..1);
     let counts = indexer.apply_events(&publisher(), &[stored(0, 378, None, &[1, 2]), stored(0, 379, Some(2), &[3])]);
