@@ -116,8 +116,10 @@ async fn a_failed_pinned_request_falls_back_unpinned_to_the_models_unified_backe
     let (shim, unified) = (StubShim::start().await?, StubShim::start().await?);
     let mut config = config(&[("shim-a", shim.url())]);
     config.disaggregated_serving.fallback_to_unified = true;
-    // No backend serves the model unpinned yet: there is nowhere to fall back to. (The pool's
-    // direct-mode frontends refuse every request without pins.)
+    // No backend serves the model unpinned yet: there is nowhere to fall back to. The pool's
+    // shim lists the model, as the seed's example configuration does, but a direct-mode
+    // frontend refuses every request without pins.
+    config.backends[0].models = vec![MODEL.into()];
     let harness = Harness::start(disaggregated_fleet(), config.clone()).await?;
     shim.push(disagg("no_headers_nonstream")?);
     let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
@@ -191,6 +193,51 @@ async fn a_refusal_of_the_clients_request_ejects_no_worker_but_a_refusal_of_the_
         );
     }
     assert!(ejected(), "two refused pins in a row eject the pinned ranks");
+    harness.stop().await;
+    Ok(())
+}
+
+/// The seed's request flow: a model no Dynamo worker serves, or served only where no shim replica
+/// is usable, falls through to unified routing when a backend outside the pools serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_fleet_cannot_take_falls_through_to_the_models_unified_backends() -> anyhow::Result<()> {
+    let unified = StubShim::start().await?;
+    // The pool's one shim is gone: nothing listens on its port.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let mut config = config(&[("shim-a", format!("http://{gone}"))]);
+    config.backends[0].models = vec![MODEL.into(), "elsewhere".into()];
+    config.backends.push(continuum_proto::model::Backend {
+        name: "unified".into(),
+        url: unified.url(),
+        models: vec![MODEL.into(), "elsewhere".into()],
+    });
+    let harness = Harness::start(disaggregated_fleet(), config).await?;
+
+    // No Dynamo worker serves it: unified at once, never to the pooled shim listing it too.
+    assert_eq!(harness.post(&chat("elsewhere", false)).await?.status(), 200);
+    assert_eq!(unified.received().len(), 1);
+
+    // The fleet serves the model, but its shim fails until its breaker (or its probe) takes
+    // it out; from then on the picker has no namespace to pick in, and the request falls
+    // through. (Fallback is off: this is not the decode arm.)
+    let mut statuses = Vec::new();
+    for _ in 0..20 {
+        let status = harness.post(&chat(MODEL, false)).await?.status().as_u16();
+        statuses.push(status);
+        if status == 200 {
+            break;
+        }
+    }
+    assert_eq!(statuses.last(), Some(&200), "{statuses:?}");
+    assert!(
+        statuses.iter().all(|s| [503, 200].contains(s)),
+        "the dead shim's failures, then the fall-through: {statuses:?}"
+    );
+    let fell_through = unified.received();
+    assert_eq!(fell_through.len(), 2);
+    assert!(fell_through[1].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")), "no pins");
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(2.0));
     harness.stop().await;
     Ok(())
 }
