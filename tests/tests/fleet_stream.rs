@@ -164,6 +164,39 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     assert_eq!(resync.version, control.publisher.current().version());
     let nacks = control.metrics.replica_replies.with_label_values(&["nack"]).get();
     assert_eq!(nacks, 1);
+
+    // A refusal of what the snapshot replaced (late, or repeated) asks for nothing more.
+    let stale = pb::Nack { version: delta.version, nonce: delta.nonce.clone(), reason: "again".into() };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Nack(stale)) }).await?;
+    replies.send(ack(&resync)).await?;
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 2, "m")], ..Default::default() });
+    let next =
+        tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    assert!(!is_snapshot(&next), "a delta, not another snapshot");
+
+    // A refused snapshot cannot be mended by another: the stream ends, and the replica
+    // reconnects with its backoff (under load, snapshots would otherwise go out back to back).
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 3, "m")], ..Default::default() });
+    let nack = pb::Nack { version: next.version, nonce: next.nonce.clone(), reason: "test refuses it".into() };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
+    let mut snapshot = None;
+    while let Some(update) = tokio::time::timeout(CONVERGE, updates.message()).await?? {
+        if is_snapshot(&update) {
+            snapshot = Some(update);
+            break;
+        }
+    }
+    let snapshot = snapshot.ok_or_else(|| anyhow::anyhow!("no snapshot after the refused delta"))?;
+    let nack = pb::Nack { version: snapshot.version, nonce: snapshot.nonce.clone(), reason: "refused".into() };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
+    let ended = loop {
+        match tokio::time::timeout(CONVERGE, updates.message()).await? {
+            Ok(Some(update)) => assert!(!is_snapshot(&update), "no snapshot after a refused one"),
+            Ok(None) => anyhow::bail!("the stream ended without a status"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(ended.code(), tonic::Code::FailedPrecondition, "{ended:?}");
     control.stop().await;
     Ok(())
 }

@@ -101,13 +101,18 @@ const MAX_ENDED_PER_RANK: usize = 4096;
 /// stalling a Watch session.
 const COMMAND_QUEUE: usize = 4096;
 
-/// About what a report holds in memory: its dispatches, their block hashes, its ends.
+/// About what a report holds in memory: its dispatches, their block hashes and namespaces (a
+/// replica's to fill, up to the message bound), its ends.
 fn report_bytes(report: &pb::DispatchReport) -> usize {
-    let hashes: usize = report.started.iter().map(|started| started.block_hashes.len()).sum();
-    let ids = hashes + report.ended.len() + report.prefilled.len();
-    std::mem::size_of::<pb::DispatchReport>()
-        + report.started.len() * std::mem::size_of::<pb::DispatchStarted>()
-        + ids * std::mem::size_of::<u64>()
+    let started = report.started.iter().map(|started| {
+        let namespace = started.rank.as_ref().and_then(|rank| rank.worker.as_ref()).map_or(0, |w| w.namespace.len());
+        std::mem::size_of::<pb::DispatchStarted>()
+            + std::mem::size_of::<pb::WorkerKey>()
+            + namespace
+            + started.block_hashes.len() * std::mem::size_of::<u64>()
+    });
+    let ends = (report.ended.len() + report.prefilled.len()) * std::mem::size_of::<u64>();
+    std::mem::size_of::<pb::DispatchReport>() + started.sum::<usize>() + ends
 }
 
 /// Gives back what a vector of block hashes no longer holds once cut, when that is most of it:

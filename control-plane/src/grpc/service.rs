@@ -230,12 +230,6 @@ impl Fleet for FleetService {
             );
             metrics.watch_superseded.inc_by(superseded as u64);
         }
-        // Forgotten now, ahead of anything the new stream reports: it reports the same
-        // dispatches again, and the old sessions' own goodbyes may come later (they are
-        // idempotent).
-        for old in previous {
-            book.replica_gone(old).await;
-        }
         let session = Session::new(
             self.publisher.subscribe(),
             (inbound, tx),
@@ -245,9 +239,21 @@ impl Fleet for FleetService {
             self.kv.clone(),
         );
         metrics.replicas_connected.inc();
+        // On a task of its own from here, so that nothing awaited can be dropped with the call
+        // and leave the session listed.
+        let forget = book.clone();
         tokio::spawn(async move {
+            let serve = async move {
+                // Forgotten ahead of anything the new stream reports: it reports the same
+                // dispatches again, and the old sessions' own goodbyes may come later (they
+                // are idempotent).
+                for old in previous {
+                    forget.replica_gone(old).await;
+                }
+                session.run().await;
+            };
             tokio::select! {
-                () = session.run() => {}
+                () = serve => {}
                 () = ended.cancelled() => {}
             }
             replicas.remove(id);

@@ -59,12 +59,24 @@ enum Event<'a> {
     Room(mpsc::Permit<'a, Result<pb::FleetUpdate, Status>>),
 }
 
-/// The last update sent, to match the reply that answers it.
+/// A snapshot sent, to match the reply that answers it.
 #[derive(Debug, Clone)]
 struct Sent {
     version: u64,
     nonce: String,
-    snapshot: bool,
+}
+
+impl Sent {
+    fn answered_by(&self, nack: &pb::Nack) -> bool {
+        self.version == nack.version && self.nonce == nack.nonce
+    }
+
+    /// Whether `nack` refuses an update sent before this snapshot, which replaced it. After a
+    /// snapshot at version V the next update is newer than V, so one at V with another nonce
+    /// came before it.
+    fn replaced(&self, nack: &pb::Nack) -> bool {
+        nack.version < self.version || (nack.version == self.version && nack.nonce != self.nonce)
+    }
 }
 
 pub(crate) struct Session {
@@ -80,9 +92,9 @@ pub(crate) struct Session {
     kv: KvHandle,
     /// The version the replica holds, as far as the session knows.
     held: Option<u64>,
-    last_sent: Option<Sent>,
-    /// After a refused snapshot, the next one waits for a newer version instead of looping.
-    resync_after: Option<u64>,
+    /// The last snapshot sent: refusals of earlier updates are stale, and a refusal of it ends
+    /// the session.
+    last_snapshot: Option<Sent>,
 }
 
 impl Session {
@@ -94,19 +106,7 @@ impl Session {
         (book, session_id): (BacklogBook, u64),
         kv: KvHandle,
     ) -> Self {
-        Self {
-            state,
-            inbound,
-            outbound,
-            status,
-            metrics,
-            book,
-            session_id,
-            kv,
-            held: None,
-            last_sent: None,
-            resync_after: None,
-        }
+        Self { state, inbound, outbound, status, metrics, book, session_id, kv, held: None, last_snapshot: None }
     }
 
     /// Runs until the replica goes away or the control plane shuts down.
@@ -114,7 +114,7 @@ impl Session {
         // A second handle, so a reserved permit does not borrow the session.
         let outbound = self.outbound.clone();
         loop {
-            let has_work = self.pending().is_some();
+            let has_work = self.behind();
             let event = tokio::select! {
                 biased;
                 message = self.inbound.message() => Event::Inbound(message),
@@ -151,15 +151,16 @@ impl Session {
         }
     }
 
+    /// Whether the replica is behind the newest state: the cheap test of every wake-up (a
+    /// replica slow to read wakes its session with every report it sends), where [`Self::pending`]
+    /// merges deltas and runs only once there is room to send.
+    fn behind(&self) -> bool {
+        self.held != Some(self.state.borrow().version())
+    }
+
     /// What the replica needs next against the newest state, if anything.
     fn pending(&self) -> Option<(Arc<FleetState>, Catchup)> {
         let state = Arc::clone(&self.state.borrow());
-        if let Some(refused) = self.resync_after {
-            return (state.version() > refused).then(|| {
-                let view = state.view().clone();
-                (state, Catchup::Snapshot(view))
-            });
-        }
         match state.catchup(self.held) {
             Catchup::UpToDate => None,
             catchup => Some((state, catchup)),
@@ -184,8 +185,9 @@ impl Session {
         }
         self.status.sent_version.store(version, Ordering::Relaxed);
         self.held = Some(version);
-        self.resync_after = None;
-        self.last_sent = Some(Sent { version, nonce: nonce.clone(), snapshot });
+        if snapshot {
+            self.last_snapshot = Some(Sent { version, nonce: nonce.clone() });
+        }
         let reports_folded = state.reports_folded(self.session_id).map(pb::ReportsFolded::from);
         let update = pb::FleetUpdate { version, nonce, body: Some(body), reports_folded };
         if snapshot {
@@ -210,7 +212,7 @@ impl Session {
                 self.metrics.replica_replies.with_label_values(&["ack"]).inc();
                 self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
             }
-            Some(Kind::Nack(nack)) => self.on_nack(nack),
+            Some(Kind::Nack(nack)) => self.on_nack(nack)?,
             Some(Kind::Dispatches(mut report)) => {
                 if report.started.len() > MAX_REPORT_STARTED {
                     self.metrics.dispatch_reports_dropped.inc();
@@ -275,20 +277,34 @@ impl Session {
         }
     }
 
-    /// A refusal leaves the replica's state unknown: resync it with a full snapshot.
-    fn on_nack(&mut self, nack: pb::Nack) {
+    /// A refused delta leaves the replica's state unknown: resync it with a full snapshot. A
+    /// refusal of an update the last snapshot replaced needs nothing more. A refused snapshot
+    /// cannot be mended by another (under load each would be refused as fast as it is encoded,
+    /// megabytes at a time): the session ends, and the replica keeps its last view and
+    /// reconnects with its backoff.
+    fn on_nack(&mut self, nack: pb::Nack) -> Result<(), Status> {
         self.metrics.replica_replies.with_label_values(&["nack"]).inc();
         self.status.nacks.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(
-            replica = %self.status.replica_id, version = nack.version, reason = %nack.reason,
-            "replica refused a fleet update; resyncing it with a full snapshot"
-        );
-        let refused_snapshot = self
-            .last_sent
-            .as_ref()
-            .is_some_and(|sent| sent.snapshot && sent.version == nack.version && sent.nonce == nack.nonce);
+        // The replica's words, logged: a line's worth of them.
+        let reason: String = nack.reason.chars().take(256).collect();
+        let replica = &self.status.replica_id;
+        match &self.last_snapshot {
+            Some(snapshot) if snapshot.answered_by(&nack) => {
+                tracing::warn!(%replica, version = nack.version, %reason, "replica refused a full snapshot; ending its session");
+                return Err(Status::failed_precondition(format!(
+                    "the replica refused the full snapshot at version {}; reconnect",
+                    nack.version
+                )));
+            }
+            Some(snapshot) if snapshot.replaced(&nack) => {
+                tracing::debug!(%replica, version = nack.version, %reason, "a refused update was already replaced");
+                return Ok(());
+            }
+            _ => {}
+        }
+        tracing::warn!(%replica, version = nack.version, %reason, "replica refused a fleet update; resyncing it with a full snapshot");
         self.held = None;
-        self.resync_after = refused_snapshot.then_some(nack.version);
+        Ok(())
     }
 
     fn record_queue_depth(&self) {

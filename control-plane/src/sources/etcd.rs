@@ -398,8 +398,10 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, PassError> {
 
 fn fold(reducer: &mut Reducer, event: WatchEvent, registry: &Registry, metrics: &Metrics) {
     let applied = reducer.apply(event, SystemTime::now());
-    count(&applied, metrics);
+    // Published first: the restart gate reads a counted resync as a seeded fleet, and a replica
+    // let in before the publisher held it would be sent the empty startup fleet.
     registry.publish(reducer.fleet());
+    count(&applied, metrics);
 }
 
 fn count(applied: &Applied, metrics: &Metrics) {

@@ -704,3 +704,14 @@ async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() 
     assert!(book.report(1, heavy()));
     cancel.cancel();
 }
+
+#[test]
+fn a_report_is_charged_for_the_namespaces_its_replica_wrote() {
+    let mut long = started(1, 0, 16);
+    let small = report_bytes(&report(vec![long.clone()], vec![]));
+    if let Some(worker) = long.rank.as_mut().and_then(|rank| rank.worker.as_mut()) {
+        worker.namespace = "n".repeat(1 << 20);
+    }
+    let large = report_bytes(&report(vec![long], vec![]));
+    assert!(large >= small + (1 << 20) - 64, "{small} then {large} bytes");
+}
