@@ -135,6 +135,12 @@ where
     Ok(())
 }
 
+/// The value of one sample line of a Prometheus text exposition: `series` is the metric name
+/// with its labels as exported (`name{label="value"}`).
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
 /// A publisher with an empty fleet and a default data-plane configuration.
 pub fn publisher() -> FleetPublisher {
     FleetPublisher::new(Arc::new(DataPlaneConfig::default()))

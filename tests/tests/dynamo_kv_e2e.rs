@@ -104,7 +104,7 @@ async fn answered(ns: &NetNs, base: &str, body: &Value, headers: &[(&str, &str)]
 }
 
 fn metric(text: &str, series: &str) -> f64 {
-    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+    continuum_tests::sample(text, series).unwrap_or(0.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -60,12 +60,20 @@ async fn get_then_watch_is_gapless_under_concurrent_puts() -> anyhow::Result<()>
     let dir = tempfile::tempdir()?;
     let etcd = Etcd::start(dir.path(), &[]).await?;
     put_workers(&etcd, (0..100).map(lease)).await?;
-    // Puts keep landing while the control plane range-gets and opens its watches.
+    // Puts keep landing while the control plane range-gets and opens its watches; the last
+    // 150 workers wait until it has listed and watches, so that they can only come by watch.
+    let (listed, watched) = tokio::sync::oneshot::channel::<()>();
     let writer = {
         let url = etcd.client_url.clone();
         tokio::spawn(async move {
             let mut client = etcd_client::Client::connect([url], None).await?;
-            for id in (100..400).map(lease) {
+            for id in (100..250).map(lease) {
+                for (key, value) in decode_worker_records("dynamo", id, "tiny") {
+                    client.put(key, value, None).await?;
+                }
+            }
+            watched.await?;
+            for id in (250..400).map(lease) {
                 for (key, value) in decode_worker_records("dynamo", id, "tiny") {
                     client.put(key, value, None).await?;
                 }
@@ -74,11 +82,18 @@ async fn get_then_watch_is_gapless_under_concurrent_puts() -> anyhow::Result<()>
         })
     };
     let control = control_plane(&etcd).await?;
+    let events = |kind| control.metrics.discovery_events.with_label_values(&[kind]).get();
+    eventually(CONVERGE, "the first listing and its watches", || async {
+        events("resync") == 1 && control.metrics.discovery_connected.get() == 1
+    })
+    .await?;
+    let puts_listed = events("put");
+    let _ = listed.send(());
     writer.await??;
     let expected: Vec<u64> = (0..400).map(lease).collect();
     eventually(CONVERGE, "all 400 workers", || async { worker_ids(&control) == expected }).await?;
-    let puts = control.metrics.discovery_events.with_label_values(&["put"]).get();
-    assert!(puts > 0, "watched puts are counted");
+    assert_eq!(events("resync"), 1, "no relisting: the last workers came by watch");
+    assert!(events("put") >= puts_listed + 300, "each of the last 150 workers' two records was a watched put");
     control.shutdown().await;
     Ok(())
 }

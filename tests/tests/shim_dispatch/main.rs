@@ -143,7 +143,4 @@ pub async fn error_of(response: reqwest::Response) -> anyhow::Result<(u16, Strin
     Ok((status, code.to_string()))
 }
 
-/// The value of one sample line of a Prometheus text exposition.
-pub fn sample(metrics: &str, series: &str) -> Option<f64> {
-    metrics.lines().find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-}
+pub use continuum_tests::sample;

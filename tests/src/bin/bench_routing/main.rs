@@ -460,5 +460,5 @@ async fn selections(ns: &NetNs, bases: &[String], router: Router) -> anyhow::Res
 }
 
 fn metric(text: &str, series: &str) -> f64 {
-    text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+    continuum_tests::sample(text, series).unwrap_or(0.0)
 }
