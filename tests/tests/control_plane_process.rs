@@ -224,7 +224,7 @@ async fn a_replica_told_to_terminate_fails_readiness_for_its_drain_delay_then_ex
     let listen = free_port()?;
     let mut replica = tokio::process::Command::new(tools::binary("continuum-data-plane"))
         .args(["--listen", &listen.to_string(), "--control-plane", &control.grpc_url()])
-        .args(["--drain-delay", "2s", "--shutdown-grace", "5s"])
+        .args(["--drain-delay", "5s", "--shutdown-grace", "5s"])
         .kill_on_drop(true)
         .spawn()?;
     let readyz = format!("http://{listen}/readyz");
@@ -235,13 +235,13 @@ async fn a_replica_told_to_terminate_fails_readiness_for_its_drain_delay_then_ex
     let signalled_at = std::time::Instant::now();
     let signalled = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
     assert!(signalled.success());
-    eventually(Duration::from_secs(2), "readiness failing while the replica still answers", || async {
+    eventually(Duration::from_secs(5), "readiness failing while the replica still answers", || async {
         status().await == 503
     })
     .await?;
-    let exit = tokio::time::timeout(Duration::from_secs(10), replica.wait()).await??;
+    let exit = tokio::time::timeout(Duration::from_secs(15), replica.wait()).await??;
     assert!(exit.success(), "{exit}");
-    assert!(signalled_at.elapsed() >= Duration::from_secs(2), "it waited out its drain delay");
+    assert!(signalled_at.elapsed() >= Duration::from_secs(5), "it waited out its drain delay");
     control.kill().await?;
     Ok(())
 }

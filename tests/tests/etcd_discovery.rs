@@ -191,9 +191,9 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     let metrics = Metrics::new()?;
     let config = EtcdConfig { endpoints: vec![etcd.client_url.clone()], ..EtcdConfig::default() };
     let health = WatchHealth {
-        progress_every: Duration::from_millis(200),
-        silent_after: Duration::from_secs(1),
-        confirm_within: Duration::from_secs(1),
+        progress_every: Duration::from_millis(300),
+        silent_after: Duration::from_secs(2),
+        confirm_within: Duration::from_secs(2),
     };
     let cancel = CancellationToken::new();
     let task = tokio::spawn(run_with(
@@ -210,18 +210,17 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     let workers = || registry.current().fleet.workers.len();
     assert_eq!(workers(), 1);
 
-    // Quiet for four deadlines: progress answers keep the pass alive.
-    tokio::time::sleep(4 * health.silent_after).await;
+    // Quiet for three deadlines: progress answers keep the pass alive.
+    tokio::time::sleep(3 * health.silent_after).await;
     assert_eq!((resyncs(), connected()), (1, true), "a quiet etcd is not a silent one");
 
     let pid = etcd.pid().ok_or_else(|| anyhow::anyhow!("etcd runs"))?.to_string();
     let signal = |name: &str| std::process::Command::new("kill").args([name, pid.as_str()]).status();
     signal("-STOP")?;
-    let frozen = std::time::Instant::now();
-    let noticed = eventually(Duration::from_secs(5), "the pass ends", || async { !connected() }).await;
+    // Within half the HTTP/2 keepalive's 20 s: noticed by silence, not by the keepalive.
+    let noticed = eventually(Duration::from_secs(10), "the pass ends", || async { !connected() }).await;
     signal("-CONT")?;
     noticed?;
-    assert!(frozen.elapsed() < Duration::from_secs(5), "noticed by silence, not by the keepalive");
     eventually(CONVERGE, "resynced once thawed", || async { connected() && resyncs() == 2 }).await?;
     put_workers(&etcd, [lease(2)]).await?;
     eventually(CONVERGE, "and watching again", || async { workers() == 2 }).await?;

@@ -208,19 +208,22 @@ async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour
     kv.registry.publish(fleet(vec![worker(first.worker_id, 2), worker(other_worker, 1)], publishers));
     let mut good = healthy.connection(WAIT).await?;
     let mut bad = hostile.connection(WAIT).await?;
-    // Garbage, a wrong topic, and a message claiming another publisher.
-    bad.send_frames(&[b"kv-events".to_vec(), vec![0; 8], vec![0; 8], vec![1, 0, 0, 0, 3, 0xc1, 0xc1, 0xc1]]).await?;
+    // Garbage in the hostile publisher's own name, then a message claiming another publisher:
+    // each counted under its own label, one at a time.
+    let own_id = hostile_record.publisher_id.to_be_bytes().to_vec();
+    let garbage = [b"kv-events".to_vec(), own_id, vec![0; 8], vec![1, 0, 0, 0, 3, 0xc1, 0xc1, 0xc1]];
+    bad.send_frames(&garbage).await?;
+    eventually(WAIT, "the garbage counted malformed", || async { kv.events("malformed") == 1 }).await?;
+    assert_eq!(kv.events("identity_mismatch"), 0);
     bad.send_frames(&first.frames).await?;
+    eventually(WAIT, "the borrowed message counted", || async { kv.events("identity_mismatch") == 1 }).await?;
+    assert_eq!(kv.events("malformed"), 1);
     good.send_frames(&first.frames).await?;
     let handle = kv.supervisor.handle();
     eventually(WAIT, "the healthy rank holds the chain", || async {
         handle.find_matches(&hashes).is_some_and(|m| {
             m.as_slice().iter().any(|(r, n)| r.worker_id == first.worker_id && *n as usize == hashes.len())
         })
-    })
-    .await?;
-    eventually(WAIT, "both refusals counted", || async {
-        kv.events("malformed") + kv.events("identity_mismatch") >= 2
     })
     .await?;
 

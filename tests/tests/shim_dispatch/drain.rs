@@ -30,10 +30,10 @@ async fn a_draining_replica_fails_readiness_still_answers_then_lets_its_streams_
 
     let addr = replica.local_addr;
     let url = |path: &str| format!("http://{addr}{path}");
-    let draining = tokio::spawn(replica.drain(Duration::from_secs(3), Duration::from_secs(30)));
+    let draining = tokio::spawn(replica.drain(Duration::from_secs(6), Duration::from_secs(30)));
 
     // During the delay: not ready, yet a new connection is accepted and answered, and told to close.
-    let ready = tokio::time::timeout(Duration::from_secs(2), async {
+    let ready = tokio::time::timeout(Duration::from_secs(3), async {
         loop {
             let answer = http.get(url("/readyz")).send().await?;
             if answer.status() == 503 {
