@@ -17,10 +17,10 @@ struct Args {
     #[arg(long, env = "CONTINUUM_CONFIG")]
     config: Option<PathBuf>,
     /// Overrides `control_plane.grpc_listen`.
-    #[arg(long)]
+    #[arg(long, env = "CONTINUUM_GRPC_LISTEN")]
     grpc_listen: Option<SocketAddr>,
     /// Overrides `admin.listen`.
-    #[arg(long)]
+    #[arg(long, env = "CONTINUUM_ADMIN_LISTEN")]
     admin_listen: Option<SocketAddr>,
     /// Overrides `dynamo.discovery.simulator.shim_listen`, and moves the backends that pointed
     /// at the old address with it.
