@@ -20,6 +20,11 @@ impl MessageBuffer {
         Self { bytes: Vec::with_capacity(INITIAL_BUFFER_BYTES.min(ceiling)), ceiling, budget, borrowed: 0 }
     }
 
+    /// Whether the buffer holds a loan from the budget now.
+    pub fn borrowing(&self) -> bool {
+        self.borrowed > 0
+    }
+
     pub fn ceiling(&self) -> usize {
         self.ceiling
     }

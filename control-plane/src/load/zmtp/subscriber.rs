@@ -6,6 +6,7 @@ use std::ops::Range;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use super::budget::loan_deadline;
 use super::buffer::MessageBuffer;
 use super::wire::{self, Command, GREETING_BYTES};
 use super::{MAX_COMMAND_BYTES, MAX_FRAMES_PER_MESSAGE, MAX_TOPIC_BYTES, READ_BUFFER_BYTES, WRITE_BUFFER_BYTES};
@@ -181,7 +182,15 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
                     // Slack for a command, which may come before the next frame: it then never
                     // grows a borrowing buffer past what the budget lent.
                     if self.message.make_room(n, MAX_COMMAND_BYTES) {
-                        self.read_into_message(n).await?;
+                        if self.message.borrowing() {
+                            // The loan is every subscription's: held while the bytes keep coming.
+                            let within = loan_deadline(n);
+                            tokio::time::timeout(within, self.read_into_message(n))
+                                .await
+                                .map_err(|_| ZmtpError::LoanTimeout { bytes: n, within })??;
+                        } else {
+                            self.read_into_message(n).await?;
+                        }
                         self.frames.push(start..start + n);
                     } else {
                         dropped = Some(Dropped::OverBudget);

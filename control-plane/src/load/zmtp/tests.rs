@@ -159,6 +159,40 @@ async fn a_large_message_the_shared_budget_cannot_hold_is_skipped_and_the_loan_c
     assert_eq!(budget.lent(), 0, "repaid when the session ends");
 }
 
+/// A loan is everyone's: a frame that borrows must keep coming, or the session ends and the
+/// loan goes back long before the message's own 30 s deadline.
+#[tokio::test(start_paused = true)]
+async fn a_borrowing_frame_that_trickles_ends_its_session_and_gives_its_loan_back() {
+    let budget = BudgetRef(Box::leak(Box::new(MessageBudget::new(LARGE_MESSAGE_BYTES))));
+    let limits = ZmtpLimits { budget, ..ZmtpLimits::KV_EVENTS };
+    let large = message(&[b"kv_metrics", &[0; 8], &[0; 8], &vec![7u8; 200 * 1024]]);
+    // Everything but the large frame's last 100 KiB, which then come a kilobyte a second.
+    let (head, tail) = large.split_at(large.len() - 100 * 1024);
+    let (session, mut peer) = subscriber_with(limits, head).await;
+    let mut session = session.unwrap();
+    let tail = tail.to_vec();
+    let trickle = tokio::spawn(async move {
+        for chunk in tail.chunks(1024) {
+            peer.write_all(chunk).await?;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        std::io::Result::Ok(peer)
+    });
+    let started = tokio::time::Instant::now();
+    let ended = session.recv().await.err();
+    assert!(matches!(ended, Some(ZmtpError::LoanTimeout { bytes, .. }) if bytes == 200 * 1024), "{ended:?}");
+    assert!(ended.is_some_and(|e| e.is_violation()), "the publisher's fault");
+    assert_eq!(started.elapsed(), loan_deadline(200 * 1024), "long before {MESSAGE_TIMEOUT:?}");
+    assert!(budget.lent() > 0, "held until the session goes");
+    drop(session);
+    assert_eq!(budget.lent(), 0);
+    trickle.abort();
+
+    // The same frame sent whole borrows, and is read.
+    let (session, _peer) = subscriber_with(limits, &large).await;
+    assert_eq!(next_message(&mut session.unwrap()).await.unwrap()[3].len(), 200 * 1024);
+}
+
 #[tokio::test]
 async fn a_frame_at_the_ceiling_is_buffered_and_the_buffer_stops_there() {
     let payload = vec![7u8; ZmtpLimits::KV_METRICS.max_frame_bytes];
