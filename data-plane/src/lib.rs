@@ -5,6 +5,7 @@ pub mod dispatch;
 pub mod fleet;
 pub mod http;
 pub mod ingress;
+pub mod json_shape;
 pub mod kv;
 pub mod memory;
 pub mod metrics;

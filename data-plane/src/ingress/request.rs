@@ -5,10 +5,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::Deserialize;
-use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::IgnoredAny;
 use serde_json::Value;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
+use crate::json_shape::{Scalar, Shape};
 use crate::kv::request_cache_salt;
 use crate::routing::headers::{attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
@@ -17,9 +18,10 @@ use crate::routing::picker::PromptText;
 /// long multi-turn prompts with inline images fit.
 pub const MAX_REQUEST_BODY_BYTES: usize = 8 << 20;
 /// Bytes of bodies whose JSON trees may be built or held at once, process-wide. A tree takes up
-/// to about sixteen times its body (`[0,0,…]` is two bytes an element, a `Value` 32), so
-/// without a bound a few hundred concurrent large bodies would take gigabytes; past it, a
-/// request waits for the trees ahead of it. Four bodies of the largest size fit at once.
+/// to about forty times its body (`[0,0,…]` is two bytes an element, a `Value` with ordered
+/// maps 80), so without a bound a few hundred concurrent large bodies would take tens of
+/// gigabytes; past it, a request waits for the trees ahead of it. Four bodies of the largest
+/// size fit at once, about 1.3 GB of trees at the very worst.
 pub const MAX_TREE_BYTES_IN_FLIGHT: usize = 4 * MAX_REQUEST_BODY_BYTES;
 
 static TREES: Semaphore = Semaphore::const_new(MAX_TREE_BYTES_IN_FLIGHT);
@@ -82,72 +84,21 @@ pub struct ChatRequest {
     tenant: Option<String>,
 }
 
-/// The members routing reads; everything else is only checked to be valid JSON.
+/// The members routing reads; everything else is only checked to be valid JSON. None is built
+/// as a tree: a `model` of eight megabytes of `[0,0,…]` would take hundreds of them.
 #[derive(Deserialize)]
 struct Members {
-    model: Option<Value>,
-    stream: Option<Value>,
+    model: Option<Scalar>,
+    stream: Option<Scalar>,
     messages: Option<PromptText>,
     prompt: Option<PromptText>,
     input: Option<PromptText>,
     system: Option<PromptText>,
     tools: Option<PromptText>,
-    nvext: Option<NvextShape>,
-}
-
-/// Whether `nvext` is a JSON object, the only shape routing strips fields from. A frontend
-/// reads an array as its `NvExt` fields in declaration order (serde's sequence form of a
-/// struct), so `[null, null, null, 7]` would name a worker without naming a field.
-#[derive(Debug, PartialEq, Eq)]
-enum NvextShape {
-    Object,
-    Other,
-}
-
-impl<'de> Deserialize<'de> for NvextShape {
-    fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(ShapeVisitor)
-    }
-}
-
-struct ShapeVisitor;
-
-impl<'de> Visitor<'de> for ShapeVisitor {
-    type Value = NvextShape;
-
-    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
-        formatter.write_str("any JSON value")
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<NvextShape, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(NvextShape::Object)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<NvextShape, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(NvextShape::Other)
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<NvextShape, E> {
-        Ok(NvextShape::Other)
-    }
-
-    fn visit_i64<E>(self, _: i64) -> Result<NvextShape, E> {
-        Ok(NvextShape::Other)
-    }
-
-    fn visit_u64<E>(self, _: u64) -> Result<NvextShape, E> {
-        Ok(NvextShape::Other)
-    }
-
-    fn visit_f64<E>(self, _: f64) -> Result<NvextShape, E> {
-        Ok(NvextShape::Other)
-    }
-
-    fn visit_str<E>(self, _: &str) -> Result<NvextShape, E> {
-        Ok(NvextShape::Other)
-    }
+    /// Only an object is routing's to strip fields from. A frontend reads an array as its
+    /// `NvExt` fields in declaration order (serde's sequence form of a struct), so
+    /// `[null, null, null, 7]` would name a worker without naming a field.
+    nvext: Option<Shape>,
 }
 
 impl ChatRequest {
@@ -158,7 +109,7 @@ impl ChatRequest {
         }
         let members: Members = serde_json::from_slice(&raw).map_err(RequestError::Json)?;
         let model = match members.model {
-            Some(Value::String(model)) if !model.is_empty() => model,
+            Some(Scalar::Str(model)) if !model.is_empty() => model,
             _ => {
                 return Err(RequestError::Shape(
                     "`model` must be a non-empty string naming a model from GET /v1/models",
@@ -170,11 +121,11 @@ impl ChatRequest {
             _ => return Err(RequestError::Shape("`messages` must be a non-empty array of chat messages")),
         };
         let stream = match members.stream {
-            None | Some(Value::Null) => false,
-            Some(Value::Bool(stream)) => stream,
+            None => false,
+            Some(Scalar::Bool(stream)) => stream,
             Some(_) => return Err(RequestError::Shape("`stream` must be true or false")),
         };
-        if members.nvext.as_ref().is_some_and(|shape| *shape != NvextShape::Object) {
+        if members.nvext.as_ref().is_some_and(|shape| *shape != Shape::Object) {
             return Err(RequestError::Shape("`nvext` must be an object"));
         }
         let prompt_estimate = [Some(messages), members.prompt, members.input, members.system, members.tools]
@@ -316,6 +267,11 @@ mod tests {
             (r#"{"messages":[{}]}"#, "`model`"),
             (r#"{"model":"","messages":[{}]}"#, "`model`"),
             (r#"{"model":7,"messages":[{}]}"#, "`model`"),
+            // Skipped unbuilt, whatever their size: not a tree of forty times the body.
+            (r#"{"model":[0,[0,{"a":0}]],"messages":[{}]}"#, "`model`"),
+            (r#"{"model":{"name":"m"},"messages":[{}]}"#, "`model`"),
+            (r#"{"model":"m","messages":[{}],"stream":[true]}"#, "`stream`"),
+            (r#"{"model":"m","messages":[{}],"stream":1}"#, "`stream`"),
             (r#"{"model":"m"}"#, "`messages`"),
             (r#"{"model":"m","messages":[]}"#, "`messages`"),
             (r#"{"model":"m","messages":[{}],"stream":"yes"}"#, "`stream`"),

@@ -12,6 +12,9 @@
 
 use serde_json::{Map, Value as Json, json};
 
+use super::template::MAX_RENDERED_BYTES;
+use crate::json_shape::Shape;
+
 /// What the frontend appends to the final message for `continue_final_message`, and cuts
 /// the rendered prompt at.
 pub const CONTINUE_FINAL_MESSAGE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
@@ -83,14 +86,15 @@ pub fn messages(request: &Json, shapes: Shapes, content: ContentShape, continue_
     if shapes.merge_consecutive_users {
         messages = merge_consecutive_users(messages);
     }
+    let mut parsed = 0;
     for message in &mut messages {
         fix_content(message, content);
         if !shapes.arguments_as_string {
             for call in message.get_mut("tool_calls").and_then(Json::as_array_mut).into_iter().flatten() {
-                parse_arguments(call.get_mut("function"));
+                parse_arguments(call.get_mut("function"), &mut parsed)?;
             }
         }
-        parse_arguments(message.get_mut("function_call"));
+        parse_arguments(message.get_mut("function_call"), &mut parsed)?;
         if !shapes.reads_reasoning {
             fold_reasoning(message);
         } else if shapes.reasoning_as_string {
@@ -198,7 +202,7 @@ fn typed_tool_call(call: &Json) -> Result<Json, Refused> {
     // a JSON object.
     if let Some(text) = function["arguments"].as_str()
         && !text.trim().is_empty()
-        && !serde_json::from_str::<Json>(text).is_ok_and(|v| v.is_object())
+        && !Shape::is_object(text)
     {
         return Err(Refused("tool call arguments are not a JSON object string"));
     }
@@ -377,13 +381,25 @@ fn flatten(parts: &[Json], placeholder: &str) -> String {
     out
 }
 
+/// Arguments strings one render parses into values, at most. A value takes about forty
+/// times its text ([`crate::json_shape`]); a template that prints more than this of them
+/// would pass the rendered prompt's own cap anyway.
+pub const MAX_PARSED_ARGUMENTS_BYTES: usize = MAX_RENDERED_BYTES;
+
 /// Parses a function's (a tool call's, or a legacy `function_call`'s) JSON-string
-/// `arguments` into the value it holds; a string that is not JSON stays a string.
-fn parse_arguments(function: Option<&mut Json>) {
-    let Some(arguments) = function.and_then(|f| f.get_mut("arguments")) else { return };
-    if let Some(parsed) = arguments.as_str().and_then(|text| serde_json::from_str::<Json>(text).ok()) {
-        *arguments = parsed;
+/// `arguments` into the value it holds; a string that is not JSON stays a string. `parsed`
+/// counts the text parsed so far, against [`MAX_PARSED_ARGUMENTS_BYTES`].
+fn parse_arguments(function: Option<&mut Json>, parsed: &mut usize) -> Result<(), Refused> {
+    let Some(arguments) = function.and_then(|f| f.get_mut("arguments")) else { return Ok(()) };
+    let Some(text) = arguments.as_str() else { return Ok(()) };
+    *parsed += text.len();
+    if *parsed > MAX_PARSED_ARGUMENTS_BYTES {
+        return Err(Refused("tool call arguments past 1 MiB"));
     }
+    if let Ok(value) = serde_json::from_str::<Json>(text) {
+        *arguments = value;
+    }
+    Ok(())
 }
 
 /// For a template that never reads `reasoning_content`: the reasoning goes into `content`
@@ -613,6 +629,12 @@ mod tests {
         assert!(refused(call(" \n")).is_ok());
         let legacy = json!([{"role": "assistant", "function_call": {"name": "f", "arguments": "not json"}}]);
         assert!(refused(legacy).is_ok(), "a legacy function_call's arguments are not validated");
+        // Parsed into values (forty times their text) only up to a bound, across the messages.
+        let half = format!("{{\"a\":\"{}\"}}", "x".repeat(MAX_PARSED_ARGUMENTS_BYTES / 2));
+        let one = refused(call(&half)).unwrap();
+        assert!(one[0]["tool_calls"][0]["function"]["arguments"].is_object(), "parsed");
+        let calls = json!([call(&half)[0].clone(), call(&half)[0].clone()]);
+        assert!(refused(calls).is_err(), "past {MAX_PARSED_ARGUMENTS_BYTES} bytes of arguments");
         assert!(refused(json!([{"role": "assistant", "content": "x", "partial": true}])).is_err());
     }
 
