@@ -101,7 +101,19 @@ pub fn parse(key: &ParsedKey, value: &[u8], lease: Option<u64>) -> Parsed {
 }
 
 fn json_error(keyspace: Keyspace) -> impl Fn(serde_json::Error) -> RecordError {
-    move |e| RecordError::Json { expected: keyspace.record_type(), reason: e.to_string() }
+    move |e| RecordError::Json { expected: keyspace.record_type(), reason: excerpt(&e.to_string()) }
+}
+
+/// The most of a value's own text a held record keeps to say why it was set aside.
+pub const MAX_EXCERPT_CHARS: usize = 160;
+
+/// `text` cut to [`MAX_EXCERPT_CHARS`]: serde's errors quote the offending value, and a key
+/// held as malformed or unsupported must not keep a megabyte of it.
+fn excerpt(text: &str) -> String {
+    match text.char_indices().nth(MAX_EXCERPT_CHARS) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
+    }
 }
 
 /// Parses the value as an object and checks its `type` tag, which may be absent.
@@ -109,7 +121,7 @@ fn object(keyspace: Keyspace, value: &[u8]) -> Result<Value, RecordError> {
     let json: Value = serde_json::from_slice(value).map_err(json_error(keyspace))?;
     match json.get("type") {
         Some(Value::String(found)) if found != keyspace.record_type() => {
-            Err(RecordError::WrongType { found: found.clone(), keyspace, expected: keyspace.record_type() })
+            Err(RecordError::WrongType { found: excerpt(found), keyspace, expected: keyspace.record_type() })
         }
         _ => Ok(json),
     }
@@ -213,12 +225,12 @@ fn channel(key: &ParsedKey, value: &[u8], lease: Option<u64>) -> Result<Parsed, 
     let wire: ChannelWire = typed(key.keyspace, object(key.keyspace, value)?)?;
     let publisher_id = wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?;
     if let Some(kind) = wire.scope.and_then(|s| s.kind).filter(|k| !SCOPE_KINDS.contains(&k.as_str())) {
-        return Ok(Parsed::Unsupported(format!("scope kind {kind:?}")));
+        return Ok(Parsed::Unsupported(excerpt(&format!("scope kind {kind:?}"))));
     }
     let transport = wire.transport.ok_or_else(|| missing(key.keyspace, "transport"))?;
     let address = match zmq_address(transport)? {
         Ok(address) => address,
-        Err(unsupported) => return Ok(Parsed::Unsupported(unsupported)),
+        Err(unsupported) => return Ok(Parsed::Unsupported(excerpt(&unsupported))),
     };
     Ok(Parsed::Channel(ChannelRecord { publisher_id, topic, component, endpoint, address, lease }))
 }

@@ -22,6 +22,15 @@ use super::store::{Entry, EtcdKey, Identity, MAX_RECORDS_PER_KEYSPACE, Store};
 /// The largest etcd value parsed; larger values are refused unread. An order of magnitude
 /// above etcd's default 1.5 MiB `--max-request-bytes`.
 pub const MAX_RECORD_BYTES: usize = 16 * 1024 * 1024;
+/// The largest value parsed under the keyspaces other than model cards: their records are a
+/// few hundred bytes (an id, names, an address), so a larger one is junk, and holding its text
+/// as a malformed record would let 16,384 keys pin gigabytes.
+pub const MAX_SMALL_RECORD_BYTES: usize = 64 * 1024;
+
+/// The largest value parsed under `keyspace`.
+pub fn max_record_bytes(keyspace: Keyspace) -> usize {
+    if keyspace == Keyspace::Models { MAX_RECORD_BYTES } else { MAX_SMALL_RECORD_BYTES }
+}
 
 /// One etcd key-value pair as the watch or a range get delivers it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -149,9 +158,9 @@ impl Reducer {
             }
             None => prior.as_deref_mut().and_then(|p| p.remove(keyspace, &etcd_key)),
         };
-        if kv.value.len() > MAX_RECORD_BYTES {
-            let bytes = kv.value.len();
-            tracing::warn!(key = %etcd_key, bytes, limit = MAX_RECORD_BYTES, "etcd value refused unread: too large");
+        if kv.value.len() > max_record_bytes(keyspace) {
+            let (bytes, limit) = (kv.value.len(), max_record_bytes(keyspace));
+            tracing::warn!(key = %etcd_key, bytes, limit, "etcd value refused unread: too large");
             pass.applied.add(EventKind::Oversized);
             if was_held {
                 self.gave_room_back(keyspace, pass);

@@ -3,7 +3,9 @@
 use continuum_proto::model::Role;
 use serde_json::{Value, json};
 
-use super::super::{EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES};
+use super::super::{
+    EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES, MAX_SMALL_RECORD_BYTES,
+};
 use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key};
 
 const ID: u64 = 0x6a6c_a228_814c_9742;
@@ -26,10 +28,12 @@ fn padded(mut value: Value, pointer: &str, bytes: usize) -> Vec<u8> {
 }
 
 #[test]
-fn records_above_max_record_bytes_are_refused_unread_while_neighbours_apply() {
+fn records_above_their_keyspaces_bound_are_refused_unread_while_neighbours_apply() {
     let instance = |id: u64| instance_key(NS, "decode", "generate", id);
     let value = |id: u64| endpoint_value("decode", "generate", json!(id));
-    let cases = [(MAX_RECORD_BYTES + 1, EventKind::Oversized, false), (MAX_RECORD_BYTES, EventKind::Put, true)];
+    // An instance record is a few hundred bytes: one past 64 KiB is junk, not held as text.
+    let cases =
+        [(MAX_SMALL_RECORD_BYTES + 1, EventKind::Oversized, false), (MAX_SMALL_RECORD_BYTES, EventKind::Put, true)];
     for (bytes, kind, kept) in cases {
         let mut sim = Sim::new();
         sim.put(instance(1), &value(1));
@@ -39,6 +43,33 @@ fn records_above_max_record_bytes_are_refused_unread_while_neighbours_apply() {
         sim.put(instance(3), &value(3));
         let want: Vec<u64> = if kept { vec![1, 2, 3] } else { vec![1, 3] };
         assert_eq!(sim.worker_ids(), want, "{bytes} bytes: the oversized value also drops what its key held");
+    }
+}
+
+#[test]
+fn model_cards_may_be_large_up_to_max_record_bytes() {
+    let key = card_key(NS, "prefill", ID);
+    let value = card_value("prefill", json!(ID), card_json("prefill"));
+    for (bytes, kind) in [(MAX_RECORD_BYTES + 1, EventKind::Oversized), (MAX_RECORD_BYTES, EventKind::Put)] {
+        let mut sim = Sim::new();
+        let applied = sim.put_raw(key.clone(), padded(value.clone(), "", bytes));
+        assert_eq!(counts(&applied), vec![(kind, 1)], "{bytes} bytes");
+    }
+}
+
+#[test]
+fn a_record_set_aside_keeps_an_excerpt_of_what_it_said_not_the_value() {
+    use super::super::keys::classify;
+    use super::super::records::{Parsed, parse};
+    let namespaces = [std::sync::Arc::from(NS)];
+    let key = instance_key(NS, "decode", "generate", 1);
+    let key = classify(&namespaces, key.as_bytes()).ok().flatten().expect("an instance key");
+    // serde quotes the value it refuses; the held record keeps a line of it.
+    let wrong_type = json!({"type": "A".repeat(60_000), "instance_id": 1});
+    let wrong_field = json!({"instance_id": "B".repeat(60_000)});
+    for value in [wrong_type, wrong_field] {
+        let Parsed::Malformed(error) = parse(&key, value.to_string().as_bytes(), None) else { panic!("malformed") };
+        assert!(error.to_string().len() < 400, "{} bytes kept", error.to_string().len());
     }
 }
 
