@@ -90,6 +90,10 @@ enum SessionError {
     Connect(#[source] tonic::transport::Error),
     #[error("control plane refused the stream: {0}")]
     Status(#[from] Status),
+    #[error(
+        "the dispatch report queue filled (the control plane reads too slowly); reconnecting to report whole again"
+    )]
+    ReportsDropped,
     #[error("control plane stopped reading replies")]
     RepliesClosed,
 }
@@ -103,7 +107,7 @@ impl SessionError {
                 status.code(),
                 Code::Unimplemented | Code::InvalidArgument | Code::PermissionDenied | Code::Unauthenticated
             ),
-            SessionError::Connect(_) | SessionError::RepliesClosed => false,
+            SessionError::Connect(_) | SessionError::ReportsDropped | SessionError::RepliesClosed => false,
         }
     }
 }
@@ -201,6 +205,11 @@ async fn follow(
                 None => return Ok(()),
             },
             Some(operation) = reports.recv() => {
+                if !reports.attached() {
+                    // An operation found the queue full: the stream's reports are no longer
+                    // whole. A new stream starts both sides over with a replay.
+                    return Err(SessionError::ReportsDropped);
+                }
                 // At most one report per interval: under load the events of a whole interval
                 // share one message (and one wake-up of the control plane).
                 let since = last_report.elapsed();

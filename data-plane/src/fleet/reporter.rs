@@ -2,20 +2,20 @@
 //!
 //! The control plane sums every replica's dispatches in flight per rank and streams them back
 //! as backlogs, so replicas spread a burst between two load samples. Reporting never blocks a
-//! request: operations go into a bounded queue and are dropped (and counted) when it is full or
-//! the stream is down; a dropped report only makes the fleet-wide view briefly less complete.
+//! request: operations go into a bounded queue, and while no stream is open they are performed
+//! unnumbered.
 //!
 //! Each operation (a dispatch recorded, its first token, its end) is numbered, and queued whole
 //! in number order: the replica's ledger records it under the same number, and the control
 //! plane says which numbers its sums hold, so the replica adds exactly its own operations the
-//! sums lack ([`continuum_proto::model::ReportsFolded`]). One the queue has no room for goes
-//! unnumbered, so the ledger knows the sums will never hold it. Its ends and first tokens are
-//! kept aside and go with a later report: a start the control plane holds whose end never came
-//! would weigh on the rank, for every replica, until the control plane aged it out, and one
-//! whose first token never came would keep its prompt queued on the rank until it ended.
+//! sums lack ([`continuum_proto::model::ReportsFolded`]).
 //!
-//! A stream that opens hears first of the dispatches already in flight ([`InFlight`]): the
-//! control plane forgot them with the last stream, or restarted without them.
+//! One the queue has no room for (the control plane reads too slowly) is counted and goes
+//! unnumbered, and the reporter detaches: the stream's reports can no longer be whole (a lost
+//! end would weigh on its rank, for every replica, until the control plane aged it out), so
+//! the fleet client ends the stream ([`Reports::attached`]), the control plane forgets its
+//! dispatches, and the next stream hears first of every dispatch still in flight
+//! ([`InFlight`]), as after a control-plane restart.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -34,10 +34,7 @@ pub const REPORT_QUEUE: usize = 8192;
 pub const MAX_REPORT_BATCH: usize = 512;
 // An operation starts at most two dispatches, and a report may hold one past the batch.
 const _: () = assert!(MAX_REPORT_BATCH + 2 <= continuum_proto::MAX_REPORT_STARTED);
-const _: () = assert!(MAX_REPORT_BATCH + 2 + MAX_STRANDED_ENDS <= continuum_proto::MAX_REPORT_ENDS);
-/// Ends kept aside from operations the queue had no room for, at most (and as many first
-/// tokens).
-pub const MAX_STRANDED_ENDS: usize = 8192;
+const _: () = assert!(MAX_REPORT_BATCH + 2 <= continuum_proto::MAX_REPORT_ENDS);
 /// Dispatches one replay operation reports again at most: two legs each, each started and
 /// perhaps answered, so a report holding one past its batch still fits the control plane's
 /// bound on starts.
@@ -98,33 +95,28 @@ pub struct DispatchReporter {
     tx: mpsc::Sender<Operation>,
     rx: Mutex<Option<Reports>>,
     numbers: Mutex<Numbers>,
-    /// What operations the queue had no room for said of dispatches already reported.
-    stranded: Arc<Mutex<Stranded>>,
-    /// Whether a stream to the control plane is open to take the queue: without one,
-    /// operations are performed unnumbered instead of filling it only to be discarded.
+    /// Whether a stream to the control plane is open to take the queue, and every operation
+    /// since it opened is in the queue: otherwise operations are performed unnumbered.
     attached: Arc<AtomicBool>,
     dropped: IntCounter,
     /// What is reported again when a stream opens.
     in_flight: OnceLock<Arc<dyn InFlight>>,
 }
 
-/// Ends and first tokens kept aside, of dispatches whose later operations the queue had no
-/// room for; each list holds at most [`MAX_STRANDED_ENDS`].
-#[derive(Debug, Default)]
-struct Stranded {
-    ended: Vec<u64>,
-    prefilled: Vec<u64>,
-}
-
-/// The receiving end of the queue, with the ends kept aside beside it.
+/// The receiving end of the queue.
 #[derive(Debug)]
 pub struct Reports {
     rx: mpsc::Receiver<Operation>,
-    stranded: Arc<Mutex<Stranded>>,
     attached: Arc<AtomicBool>,
 }
 
 impl Reports {
+    /// Whether the stream still takes every operation: false once one found the queue full,
+    /// and the stream must end.
+    pub fn attached(&self) -> bool {
+        self.attached.load(Ordering::Acquire)
+    }
+
     /// The next operation; cancel-safe.
     pub async fn recv(&mut self) -> Option<Operation> {
         self.rx.recv().await
@@ -237,10 +229,10 @@ impl DispatchReporter {
     pub fn new(dropped: IntCounter) -> Self {
         let (tx, rx) = mpsc::channel(REPORT_QUEUE);
         let numbers = Numbers { next_op: 1, next_dispatch: 1, stream_first: 1 };
-        let (stranded, attached) = (Arc::default(), Arc::default());
-        let reports = Reports { rx, stranded: Arc::clone(&stranded), attached: Arc::clone(&attached) };
+        let attached = Arc::default();
+        let reports = Reports { rx, attached: Arc::clone(&attached) };
         let in_flight = OnceLock::new();
-        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), stranded, attached, dropped, in_flight }
+        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), attached, dropped, in_flight }
     }
 
     /// Reports `in_flight`'s dispatches again whenever a stream opens (set once; later calls
@@ -293,25 +285,13 @@ impl DispatchReporter {
             }
             Err(_) if !events.is_empty() => {
                 self.dropped.inc();
-                self.strand_ends(&events);
+                // The stream's reports are no longer whole: detached, until the next stream
+                // replays what is in flight.
+                self.attached.store(false, Ordering::Release);
             }
             Err(_) => {}
         }
         result
-    }
-
-    fn strand_ends(&self, events: &[DispatchEvent]) {
-        let mut stranded = self.stranded.lock().unwrap_or_else(PoisonError::into_inner);
-        for event in events {
-            let (kept, id) = match event {
-                DispatchEvent::Ended(id) => (&mut stranded.ended, id),
-                DispatchEvent::Prefilled(id) => (&mut stranded.prefilled, id),
-                DispatchEvent::Started { .. } => continue,
-            };
-            if kept.len() < MAX_STRANDED_ENDS {
-                kept.push(*id);
-            }
-        }
     }
 
     /// A stream is open: operations are queued for it from now on, numbered from the next.
@@ -353,7 +333,7 @@ impl DispatchReporter {
 }
 
 /// Folds `first` and whatever else is queued (up to the batch bound, in whole operations) into
-/// one report, with the ends kept aside. Past half of [`MAX_REPORT_BLOCK_HASHES`] the report
+/// one report. Past half of [`MAX_REPORT_BLOCK_HASHES`] the report
 /// takes no more operations, so the next (at most half of it: two chains of 4,096, or a
 /// replay operation's [`MAX_REPLAYED_HASHES`]) always fits; should one not, its dispatches go
 /// without their block hashes: the backlog still counts them, only their shared blocks and
@@ -403,17 +383,6 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
             next = reports.rx.try_recv().ok();
         }
     }
-    // Ends kept aside go once every operation queued before them is in this report or an
-    // earlier one: the control plane folds a report's starts before its ends and ignores an
-    // end it holds no start for, so an end sent ahead of its start would leave it in flight.
-    // An end is kept aside only while the queue is full, after its start was queued; under
-    // the lock none is added while the queue is looked at.
-    let mut stranded = reports.stranded.lock().unwrap_or_else(PoisonError::into_inner);
-    if reports.rx.is_empty() {
-        report.prefilled.append(&mut stranded.prefilled);
-        report.ended.append(&mut stranded.ended);
-    }
-    drop(stranded);
     report
 }
 
@@ -426,7 +395,6 @@ pub(crate) fn detach(reports: &mut Reports) {
 
 fn discard(reports: &mut Reports) {
     while reports.rx.try_recv().is_ok() {}
-    *reports.stranded.lock().unwrap_or_else(PoisonError::into_inner) = Stranded::default();
 }
 
 #[cfg(test)]
@@ -511,87 +479,28 @@ mod tests {
     }
 
     #[test]
-    fn an_operation_the_queue_has_no_room_for_goes_unnumbered_and_counted() {
-        let (reporter, mut rx) = reporter();
-        for _ in 0..REPORT_QUEUE {
-            start(&reporter, 16, 1, Vec::new());
-        }
-        let op = reporter.operation(|report| {
-            report.started(&rank(), 16, 1, Vec::new());
-            report.op()
-        });
-        assert_eq!(op, NOT_REPORTED, "a full queue");
-        assert_eq!(reporter.dropped.get(), 1);
-        assert_eq!(next_report(&mut rx).first_op, 1);
-        let op = reporter.operation(|report| {
-            report.started(&rank(), 16, 1, Vec::new());
-            report.op()
-        });
-        assert_eq!(op, REPORT_QUEUE as u64 + 1, "numbers stay consecutive over what was dropped");
-    }
-
-    #[test]
-    fn an_end_the_queue_has_no_room_for_goes_with_the_next_report() {
+    fn an_operation_the_queue_has_no_room_for_goes_unnumbered_counted_and_detaches_the_stream() {
         let (reporter, mut rx) = reporter();
         let started = start(&reporter, 16, 1, Vec::new());
         for _ in 1..REPORT_QUEUE {
             start(&reporter, 16, 1, Vec::new());
         }
+        assert!(rx.attached());
         let op = reporter.operation(|report| {
             report.ended(started);
             report.op()
         });
         assert_eq!(op, NOT_REPORTED, "a full queue");
-        // The queue holds more than a report: the end waits until every start queued before
-        // it has gone.
-        let mut reports = Vec::new();
-        while let Some(first) = rx.try_recv() {
-            reports.push(batch(first, &mut rx));
-        }
-        assert!(reports.len() > 1);
-        assert_eq!(reports[0].started[0].id, started);
-        let ends: Vec<(usize, Vec<u64>)> = reports
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| !r.ended.is_empty())
-            .map(|(i, r)| (i, r.ended.clone()))
-            .collect();
-        assert_eq!(ends, [(reports.len() - 1, vec![started])], "with the last report, and only once");
-        start(&reporter, 16, 1, Vec::new());
-        assert!(next_report(&mut rx).ended.is_empty());
-
-        // A first token the queue has no room for is kept aside the same way: without it the
-        // control plane would count the prompt as queued on the rank until the request ended.
-        let prefilling = start(&reporter, 16, 1, Vec::new());
-        for _ in 1..REPORT_QUEUE {
-            start(&reporter, 16, 1, Vec::new());
-        }
-        let op = reporter.operation(|report| {
-            report.prefilled(prefilling);
-            report.op()
-        });
-        assert_eq!(op, NOT_REPORTED);
-        let mut prefilled = Vec::new();
-        while let Some(first) = rx.try_recv() {
-            prefilled.extend(batch(first, &mut rx).prefilled);
-        }
-        assert_eq!(prefilled, [prefilling]);
-
-        // A stream that ends takes what was kept aside with it: the control plane forgot them.
-        discard(&mut rx);
-        for _ in 0..REPORT_QUEUE {
-            start(&reporter, 16, 1, Vec::new());
-        }
-        assert_eq!(
-            reporter.operation(|report| {
-                report.ended(started);
-                report.op()
-            }),
-            NOT_REPORTED
-        );
-        discard(&mut rx);
-        start(&reporter, 16, 1, Vec::new());
-        assert!(next_report(&mut rx).ended.is_empty());
+        assert_eq!(reporter.dropped.get(), 1);
+        // The end is lost to this stream, which must end: the next one replays what is in
+        // flight, so no start it held waits for an end that never comes.
+        assert!(!rx.attached(), "the stream's reports are no longer whole");
+        assert_eq!(start_op(&reporter), NOT_REPORTED, "nothing more is numbered on it");
+        assert_eq!(reporter.dropped.get(), 1, "nor counted as dropped: nothing was sent");
+        reporter.attach(&mut rx);
+        assert!(rx.attached());
+        assert!(rx.try_recv().is_none(), "the old stream's queue went with it");
+        assert_eq!(start_op(&reporter), REPORT_QUEUE as u64 + 1, "numbers stay consecutive over what was dropped");
     }
 
     #[test]
