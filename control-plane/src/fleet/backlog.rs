@@ -426,14 +426,12 @@ impl Rank {
         tokens.saturating_mul(steps) / PROGRESS_STEPS
     }
 
-    /// Ends dispatch `id` on `rank`; returns the hashes it held.
+    /// Ends dispatch `id` on `rank`, as its replica reported; returns the hashes it held.
     fn end(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
-        let Some(dispatch) = self.dispatches.remove(&id) else { return 0 };
+        let Some((dispatch, freed)) = self.remove(id, active, rank) else { return 0 };
         if let Some(answered) = dispatch.answered.filter(|_| !dispatch.replayed) {
             Timing::observe(&mut self.timing.decode, now.saturating_duration_since(answered));
         }
-        let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
-        self.active = self.active.saturating_sub(freed);
         self.last_end = Some(now);
         self.ended.push_back(Ended {
             at: now,
@@ -450,6 +448,22 @@ impl Rank {
             self.ended.pop_front();
         }
         dispatch.block_hashes.len()
+    }
+
+    /// Drops dispatch `id` without its end: its replica's stream ended (the next one reports
+    /// it again if it is still in flight), or its end never came. Its time is no decode time
+    /// and its blocks are no ended request's, which a sample might still show. Returns the
+    /// hashes it held.
+    fn forget(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> usize {
+        self.remove(id, active, rank).map_or(0, |(dispatch, _)| dispatch.block_hashes.len())
+    }
+
+    /// Takes dispatch `id` out, giving back the blocks only it held; returns it and them.
+    fn remove(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> Option<(Dispatch, u64)> {
+        let dispatch = self.dispatches.remove(&id)?;
+        let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
+        self.active = self.active.saturating_sub(freed);
+        Some((dispatch, freed))
     }
 
     /// Nothing in flight, and a sample shows the worker as it is: one received [`SAMPLE_LAG`]
@@ -613,9 +627,19 @@ impl Book {
     }
 
     fn end(&mut self, id: (u64, u64), now: Instant) {
+        self.take(id, |rank, active, key| rank.end(id, now, active, key));
+    }
+
+    /// Drops dispatch `id` without an end ([`Rank::forget`]).
+    fn forget(&mut self, id: (u64, u64)) {
+        self.take(id, |rank, active, key| rank.forget(id, active, key));
+    }
+
+    /// Takes dispatch `id` off its rank with `off`, which returns the hashes it held.
+    fn take(&mut self, id: (u64, u64), off: impl FnOnce(&mut Rank, &ActiveIndex, RankKey) -> usize) {
         let Some(key) = self.where_is.remove(&id) else { return };
         if let Some(rank) = self.ranks.get_mut(&key) {
-            self.held_hashes -= rank.end(id, now, &self.active, key);
+            self.held_hashes -= off(rank, &self.active, key);
             mark(&mut self.dirty, key, rank);
         }
         if let Some(held) = self.per_replica.get_mut(&id.0) {
@@ -623,10 +647,10 @@ impl Book {
         }
     }
 
-    fn replica_gone(&mut self, replica: u64, now: Instant) {
+    fn replica_gone(&mut self, replica: u64) {
         let ids: Vec<(u64, u64)> = self.where_is.keys().filter(|(r, _)| *r == replica).copied().collect();
         for id in ids {
-            self.end(id, now);
+            self.forget(id);
         }
         self.per_replica.remove(&replica);
         self.folded.remove(&replica);
@@ -662,7 +686,7 @@ impl Book {
             lost.extend(stale.map(|(id, _)| *id));
         }
         for id in lost {
-            self.end(id, now);
+            self.forget(id);
         }
     }
 
@@ -724,7 +748,7 @@ async fn run(
                         queued.fetch_sub(bytes, Ordering::AcqRel);
                         book.report(replica, report, at, &states.borrow());
                     }
-                    Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
+                    Some(Command::ReplicaGone { replica }) => book.replica_gone(replica),
                     None => return,
                 }
                 // Leading edge: the first change after a quiet window goes out at once, so the
