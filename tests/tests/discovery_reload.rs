@@ -172,6 +172,8 @@ async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_relo
     grown.dynamo.discovery.simulator.prefill = 3;
     control.reload(grown).await?;
     eventually(CONVERGE, "the grown simulated fleet", || async { workers(&control).len() == 5 }).await?;
+    // A simulated fleet has no connection to lose: it reads as connected, after a restart too.
+    assert_eq!(control.metrics.discovery_connected.get(), 1);
     control.shutdown().await;
     Ok(())
 }

@@ -556,8 +556,8 @@ impl Book {
             }
             *self.per_replica.entry(replica).or_default() += 1;
             let id = (replica, started.id);
-            // A repeated id replaces its dispatch.
-            self.end(id, at);
+            // A repeated id replaces its dispatch, which did not end.
+            self.forget(id);
             // Admitted, so held: ends never remove a record.
             let Some(rank) = self.ranks.get_mut(&key) else { continue };
             let (prompt_tokens, decode_blocks) = rank.at_most_whole(started.prefill_tokens, started.decode_blocks);

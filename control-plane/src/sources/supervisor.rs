@@ -120,15 +120,17 @@ impl DiscoverySupervisor {
 
     /// Stops the running watcher: cancel, wait up to [`STOP_GRACE`], then abort.
     pub async fn stop(&mut self) {
-        let Some((cancel, mut task)) = self.running.take() else { return };
-        cancel.cancel();
-        if tokio::time::timeout(STOP_GRACE, &mut task).await.is_err() {
-            tracing::warn!("discovery watcher did not stop within {STOP_GRACE:?}; aborting it");
-            task.abort();
-            // Aborting takes effect at the task's next await: until then it could still
-            // publish the fleet it was folding, over the one published after this returns.
-            let _ = task.await;
+        if let Some((cancel, mut task)) = self.running.take() {
+            cancel.cancel();
+            if tokio::time::timeout(STOP_GRACE, &mut task).await.is_err() {
+                tracing::warn!("discovery watcher did not stop within {STOP_GRACE:?}; aborting it");
+                task.abort();
+                // Aborting takes effect at the task's next await: until then it could still
+                // publish the fleet it was folding, over the one published after this returns.
+                let _ = task.await;
+            }
         }
+        // A static fleet has no task, and is connected as long as it is served.
         self.metrics.discovery_connected.set(0);
     }
 
@@ -142,6 +144,8 @@ impl DiscoverySupervisor {
         match discovery.source {
             DiscoverySource::Static => {
                 self.registry.publish(static_fleet::static_fleet(&discovery.static_fleet, SystemTime::now()));
+                // Nothing to lose touch with: an alert on a disconnected source must not fire.
+                self.metrics.discovery_connected.set(1);
             }
             DiscoverySource::Etcd => {
                 let cancel = self.shutdown.child_token();
@@ -162,6 +166,7 @@ impl DiscoverySupervisor {
                 let cancel = self.shutdown.child_token();
                 let task = tokio::spawn(simulator.run(self.registry.clone(), cancel.clone()));
                 self.running = Some((cancel, task));
+                self.metrics.discovery_connected.set(1);
             }
             // Refused by `check_available` before we get here.
             DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {}
