@@ -231,10 +231,17 @@ async fn an_admitted_publisher_that_never_connects_yields_its_place_to_one_waiti
     .await?;
 
     // With room again, the publisher that yielded is admitted at once.
-    let mut alone = both;
+    let mut alone = both.clone();
     alone.publishers.retain(|_, p| p.publisher_id == 5);
     load.registry.publish(alone);
     eventually(WAIT, "the yielded publisher back when there is room", || async { admitted(&load) == [5] }).await?;
+
+    // Stopped while one is left out, the family leaves out nobody: a later supervisor of it
+    // writes the gauge only when its own count moves from zero.
+    let left_out = load.metrics.subscriptions_left_out.with_label_values(&["kv_metrics"]);
+    load.registry.publish(both);
+    eventually(WAIT, "one left out again", || async { left_out.get() == 1 }).await?;
     load.stop().await;
+    assert_eq!(left_out.get(), 0);
     Ok(())
 }

@@ -241,6 +241,9 @@ impl<F: Feed> Actor<F> {
                     () = cancel.cancelled() => {
                         let all = std::mem::take(&mut self.running).into_values().collect();
                         stop_all(all, self.options.stop_grace).await;
+                        // Nobody is left out once nobody subscribes: a later actor for the same
+                        // family writes the gauge only when its count changes from zero.
+                        self.ctx.feed.left_out().set(0);
                         return;
                     }
                     _ = review.tick(), if self.waiting > 0 => {
