@@ -199,6 +199,10 @@ impl ControlPlane {
             _ => None,
         };
         self.discovery.reload(&config).await?;
+        // At once: the restart gate reads the source and when the fleet was emptied from these,
+        // and a replica let in on stale ones while the rest reloads would be sent the emptied
+        // fleet in place of its last-known-good view.
+        self.settings.send_replace(admin_settings(&config, &self.discovery));
         self.load.reload(&config.dynamo.load);
         self.kv.reload(&config).await;
         self.publisher
@@ -242,7 +246,6 @@ impl ControlPlane {
         for (key, addr) in untokened_off_host(&config, self.grpc_addr, self.admin_addr) {
             tracing::warn!(%addr, "reload: {key} is unset and the listener is not a loopback address: anyone who reaches it is served");
         }
-        self.settings.send_replace(admin_settings(&config, &self.discovery));
         self.fleet_tokens.send_replace(fleet_tokens(&config));
         self.config = config;
         tracing::info!("configuration reloaded");
