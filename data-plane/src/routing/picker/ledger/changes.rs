@@ -19,6 +19,9 @@ pub(super) struct Changes {
     entries: VecDeque<Change>,
     /// The totals up to the first entry, exclusive (of the changes already forgotten).
     forgotten: SinceFleet,
+    /// The operation of the last change forgotten (0: none): sums that hold no later one
+    /// lack a change no longer known.
+    forgotten_through: u64,
     /// The totals through the operation last asked about. The sums stand still between two
     /// updates of the view while every pick asks, and what happened through an operation
     /// never changes (later operations only add entries after it).
@@ -48,9 +51,14 @@ impl Changes {
         }
     }
 
-    /// What the operations after `last_op` did.
-    pub(super) fn after(&mut self, last_op: u64) -> SinceFleet {
-        let Some(last) = self.entries.back().map(|change| change.totals) else { return SinceFleet::default() };
+    /// What the operations after `last_op` did; `None` when some of them are forgotten (sums
+    /// that trail by more than the memory), which the caller must take as unknown rather than
+    /// as nothing.
+    pub(super) fn after(&mut self, last_op: u64) -> Option<SinceFleet> {
+        if last_op < self.forgotten_through {
+            return None;
+        }
+        let Some(last) = self.entries.back().map(|change| change.totals) else { return Some(SinceFleet::default()) };
         let through = match self.asked {
             Some((asked, through)) if asked == last_op => through,
             _ => {
@@ -62,7 +70,7 @@ impl Changes {
                 through
             }
         };
-        last.minus(through)
+        Some(last.minus(through))
     }
 
     /// The first entry of an operation after `last_op`. The sums trail by a few milliseconds,
@@ -99,6 +107,7 @@ impl Changes {
     fn drop_oldest(&mut self) {
         if let Some(change) = self.entries.pop_front() {
             self.forgotten = change.totals;
+            self.forgotten_through = change.op;
         }
     }
 
@@ -140,6 +149,11 @@ mod tests {
         SinceFleet { decode_ended: blocks, ..SinceFleet::default() }
     }
 
+    /// What the operations after `last_op` did, known.
+    fn known(changes: &mut Changes, last_op: u64) -> SinceFleet {
+        changes.after(last_op).expect("nothing after it forgotten")
+    }
+
     #[test]
     fn what_operations_after_a_point_did_is_the_difference_of_two_totals() {
         let mut changes = Changes::default();
@@ -149,21 +163,21 @@ mod tests {
         changes.record(2, t0, SinceFleet { prefill_started: 80, ..SinceFleet::default() });
         changes.record(4, t0, ended(10));
         assert_eq!(
-            changes.after(0),
+            known(&mut changes, 0),
             SinceFleet { decode_started: 15, decode_ended: 10, prefill_started: 80, prefill_done: 0 }
         );
         assert_eq!(
-            changes.after(1),
+            known(&mut changes, 1),
             SinceFleet { decode_started: 5, decode_ended: 10, prefill_started: 80, prefill_done: 0 }
         );
-        assert_eq!(changes.after(3), ended(10), "operation 3 changed nothing here");
-        assert_eq!(changes.after(4), SinceFleet::default());
-        assert_eq!(changes.after(u64::MAX), SinceFleet::default());
+        assert_eq!(known(&mut changes, 3), ended(10), "operation 3 changed nothing here");
+        assert_eq!(known(&mut changes, 4), SinceFleet::default());
+        assert_eq!(known(&mut changes, u64::MAX), SinceFleet::default());
         // Asked again about the same point (as every pick between two updates does), after more
         // operations: they count too.
-        assert_eq!(changes.after(3), ended(10));
+        assert_eq!(known(&mut changes, 3), ended(10));
         changes.record(5, t0, started(7));
-        assert_eq!(changes.after(3), SinceFleet { decode_started: 7, decode_ended: 10, ..SinceFleet::default() });
+        assert_eq!(known(&mut changes, 3), SinceFleet { decode_started: 7, decode_ended: 10, ..SinceFleet::default() });
     }
 
     #[test]
@@ -191,13 +205,14 @@ mod tests {
         changes.record(2, later, ended(3));
         changes.forget(later);
         assert_eq!(changes.entries.len(), 1, "the first is forgotten a memory later");
-        assert_eq!(changes.after(0), ended(3), "what is forgotten no longer counts");
-        assert_eq!(changes.after(1), ended(3));
+        assert_eq!(changes.after(0), None, "sums without operation 1 lack a change no longer known");
+        assert_eq!(known(&mut changes, 1), ended(3));
         for op in 3..3 + CHANGES_PER_RANK as u64 {
             changes.record(op, later, started(1));
         }
         assert_eq!(changes.entries.len(), CHANGES_PER_RANK, "the bound dropped the oldest, operation 2");
-        assert_eq!(changes.after(0), started(CHANGES_PER_RANK as u64));
-        assert_eq!(changes.after(3), started(CHANGES_PER_RANK as u64 - 1));
+        assert_eq!(changes.after(1), None);
+        assert_eq!(known(&mut changes, 2), started(CHANGES_PER_RANK as u64));
+        assert_eq!(known(&mut changes, 3), started(CHANGES_PER_RANK as u64 - 1));
     }
 }
