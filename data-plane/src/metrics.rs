@@ -38,7 +38,7 @@ pub struct Metrics {
     pub shim_replica_state: IntGaugeVec,
     /// Sends moved on to another shim replica after a connection failure.
     pub shim_retries: IntCounter,
-    /// Dispatch reports dropped: the queue to the control plane was full.
+    /// Fleet streams ended because an operation found the report queue full.
     pub dispatch_reports_dropped: IntCounter,
     /// Dispatches in flight reported again when a new stream to the control plane opened.
     pub dispatches_replayed: IntCounter,
@@ -204,7 +204,7 @@ impl Metrics {
             view_workers: IntGauge::new("continuum_fleet_view_workers", "Workers in the fleet view held")?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
-                "Dispatch reports to the control plane dropped because the queue was full",
+                "Fleet streams ended because a dispatch operation found the report queue full (the next stream reports again what is in flight)",
             )?,
             dispatches_replayed: IntCounter::new(
                 "continuum_fleet_dispatches_replayed_total",

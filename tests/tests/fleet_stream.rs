@@ -768,3 +768,31 @@ async fn a_certificate_that_does_not_load_fails_the_start_and_says_which() -> an
     assert!(error.contains("control_plane.tls"), "{error}");
     Ok(())
 }
+
+/// Operations faster than the stream drains them fill the report queue: one is lost, so the
+/// stream's reports can no longer be whole. The replica ends the stream and opens another,
+/// and the control plane forgets the old one's dispatches, whose ends may never come (they
+/// would otherwise weigh on the rank, for every replica, for ten minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_report_queue_fills_starts_over_on_a_new_stream() -> anyhow::Result<()> {
+    use continuum_data_plane::fleet::REPORT_QUEUE;
+    let control = TestControlPlane::start(publisher()).await?;
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 7, "m")], ..Default::default() });
+    let replicas = start_replicas(1, &control.url()).await?;
+    wait_for_version(&replicas, control.publisher.current().version(), CONVERGE).await?;
+    let replica = &replicas[0];
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    // Far faster than a report a millisecond of 512 events drains them.
+    for _ in 0..2 * REPORT_QUEUE {
+        replica.reporter.operation(|report| report.started(&rank, 16, 1, Vec::new()));
+    }
+    assert_eq!(replica.metrics.dispatch_reports_dropped.get(), 1, "the queue filled once");
+    continuum_tests::eventually(CONVERGE, "a new stream", || async {
+        replica.metrics.reconnects.get() >= 1 && replica.metrics.stream_connected.get() == 1
+    })
+    .await?;
+    let in_flight = || control.publisher.current().view().backlogs().get(&rank).map_or(0, |b| b.dispatches);
+    continuum_tests::eventually(CONVERGE, "the old stream's dispatches forgotten", || async { in_flight() == 0 })
+        .await?;
+    Ok(())
+}

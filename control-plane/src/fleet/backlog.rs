@@ -451,11 +451,14 @@ impl Rank {
     }
 
     /// Drops dispatch `id` without its end: its replica's stream ended (the next one reports
-    /// it again if it is still in flight), or its end never came. Its time is no decode time
-    /// and its blocks are no ended request's, which a sample might still show. Returns the
-    /// hashes it held.
-    fn forget(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> usize {
-        self.remove(id, active, rank).map_or(0, |(dispatch, _)| dispatch.block_hashes.len())
+    /// it again if it is still in flight), or its end never came. Its time is no decode time.
+    /// The rank does not settle before a sample after it, as after an end: a replay on the
+    /// replica's next stream finds the rank's timings and its place in the dispatch order
+    /// still there. Returns the hashes it held.
+    fn forget(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
+        let Some((dispatch, _)) = self.remove(id, active, rank) else { return 0 };
+        self.last_end = Some(now);
+        dispatch.block_hashes.len()
     }
 
     /// Takes dispatch `id` out, giving back the blocks only it held; returns it and them.
@@ -467,7 +470,7 @@ impl Rank {
     }
 
     /// Nothing in flight, and a sample shows the worker as it is: one received [`SAMPLE_LAG`]
-    /// after the last end (an earlier one may still show the ended requests, and without the
+    /// after the last end (or dispatch forgotten) (an earlier one may still show the ended requests, and without the
     /// sums a picker would read them as load).
     fn settled(&self, now: Instant) -> bool {
         self.dispatches.is_empty()
@@ -557,7 +560,7 @@ impl Book {
             *self.per_replica.entry(replica).or_default() += 1;
             let id = (replica, started.id);
             // A repeated id replaces its dispatch, which did not end.
-            self.forget(id);
+            self.forget(id, at);
             // Admitted, so held: ends never remove a record.
             let Some(rank) = self.ranks.get_mut(&key) else { continue };
             let (prompt_tokens, decode_blocks) = rank.at_most_whole(started.prefill_tokens, started.decode_blocks);
@@ -631,8 +634,8 @@ impl Book {
     }
 
     /// Drops dispatch `id` without an end ([`Rank::forget`]).
-    fn forget(&mut self, id: (u64, u64)) {
-        self.take(id, |rank, active, key| rank.forget(id, active, key));
+    fn forget(&mut self, id: (u64, u64), now: Instant) {
+        self.take(id, |rank, active, key| rank.forget(id, now, active, key));
     }
 
     /// Takes dispatch `id` off its rank with `off`, which returns the hashes it held.
@@ -647,10 +650,10 @@ impl Book {
         }
     }
 
-    fn replica_gone(&mut self, replica: u64) {
+    fn replica_gone(&mut self, replica: u64, now: Instant) {
         let ids: Vec<(u64, u64)> = self.where_is.keys().filter(|(r, _)| *r == replica).copied().collect();
         for id in ids {
-            self.forget(id);
+            self.forget(id, now);
         }
         self.per_replica.remove(&replica);
         self.folded.remove(&replica);
@@ -686,7 +689,7 @@ impl Book {
             lost.extend(stale.map(|(id, _)| *id));
         }
         for id in lost {
-            self.forget(id);
+            self.forget(id, now);
         }
     }
 
@@ -748,7 +751,7 @@ async fn run(
                         queued.fetch_sub(bytes, Ordering::AcqRel);
                         book.report(replica, report, at, &states.borrow());
                     }
-                    Some(Command::ReplicaGone { replica }) => book.replica_gone(replica),
+                    Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
                     None => return,
                 }
                 // Leading edge: the first change after a quiet window goes out at once, so the

@@ -199,17 +199,17 @@ async fn follow(
     metrics.dispatches_replayed.inc_by(replayed as u64);
     let mut last_report = Instant::now();
     loop {
+        if !reports.attached() {
+            // An operation found the report queue full: the stream's reports are no longer
+            // whole. A new stream starts both sides over with a replay.
+            return Err(SessionError::ReportsDropped);
+        }
         let reply = tokio::select! {
             update = updates.message() => match update? {
                 Some(update) => apply(handle, update, metrics),
                 None => return Ok(()),
             },
             Some(operation) = reports.recv() => {
-                if !reports.attached() {
-                    // An operation found the queue full: the stream's reports are no longer
-                    // whole. A new stream starts both sides over with a replay.
-                    return Err(SessionError::ReportsDropped);
-                }
                 // At most one report per interval: under load the events of a whole interval
                 // share one message (and one wake-up of the control plane).
                 let since = last_report.elapsed();

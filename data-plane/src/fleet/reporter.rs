@@ -249,8 +249,8 @@ impl DispatchReporter {
     pub fn operation<R>(&self, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
         let mut numbers = self.numbers.lock().unwrap_or_else(PoisonError::into_inner);
         if !self.attached.load(Ordering::Acquire) {
-            // No stream: the control plane holds none of this replica's dispatches, and a new
-            // session starts from a snapshot, so there is nothing to report them to.
+            // No stream, or one whose reports are no longer whole and is ending: nothing is
+            // reported on it, and the next stream reports again what is in flight.
             let mut report = Report {
                 op: NOT_REPORTED,
                 stream_first: numbers.stream_first,
@@ -266,6 +266,13 @@ impl DispatchReporter {
     /// [`Self::operation`]); the caller holds the numbers.
     fn numbered<R>(&self, numbers: &mut Numbers, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
         let place = self.tx.try_reserve();
+        if place.is_err() {
+            // The stream's reports can no longer be whole: detached at once, while the queue the
+            // fleet client will read it beside is still full, until the next stream replays
+            // what is in flight.
+            self.dropped.inc();
+            self.attached.store(false, Ordering::Release);
+        }
         let op = if place.is_ok() { numbers.next_op } else { NOT_REPORTED };
         let mut report = Report {
             op,
@@ -275,21 +282,12 @@ impl DispatchReporter {
         };
         let result = perform(&mut report);
         let Report { events, .. } = report;
-        match place {
-            Ok(place) => {
-                numbers.next_op += 1;
-                // An operation that reports nothing gives its place back.
-                if !events.is_empty() {
-                    place.send(Operation { number: op, events });
-                }
+        if let Ok(place) = place {
+            numbers.next_op += 1;
+            // An operation that reports nothing gives its place back.
+            if !events.is_empty() {
+                place.send(Operation { number: op, events });
             }
-            Err(_) if !events.is_empty() => {
-                self.dropped.inc();
-                // The stream's reports are no longer whole: detached, until the next stream
-                // replays what is in flight.
-                self.attached.store(false, Ordering::Release);
-            }
-            Err(_) => {}
         }
         result
     }

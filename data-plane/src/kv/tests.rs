@@ -556,7 +556,7 @@ async fn fuel_permit_wait_and_deadline_fall_back() {
         let (one, looping, request) = (one.clone(), looping.clone(), request.clone());
         async move { prepare16(&one, &looping, &request).await }
     });
-    while one.idle_permits() > 0 {
+    while one.permits_available() > 0 {
         tokio::task::yield_now().await;
     }
     let started = Instant::now();

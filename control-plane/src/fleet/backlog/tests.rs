@@ -396,7 +396,7 @@ fn the_sums_say_which_of_each_replicas_operations_they_hold() {
     assert_eq!(folded.get(&1), Some(&ReportsFolded { first_op: 7, last_op: 12 }));
     assert_eq!(folded.get(&2), Some(&ReportsFolded { first_op: 1, last_op: 1 }));
 
-    book.replica_gone(2);
+    book.replica_gone(2, t0);
     let folded = book.take_change(t0).reports_folded.expect("published with the sums");
     assert_eq!(folded.get(&2), None, "a new stream starts a new range");
     assert_eq!(folded.len(), 1);
@@ -412,9 +412,9 @@ fn dispatches_whose_end_never_comes_age_out_and_leave_with_their_replica() {
     book.expire(&state, t0 + IN_FLIGHT_MAX_AGE);
     book.take_change(t0 + IN_FLIGHT_MAX_AGE);
     assert_eq!(book.ranks.get(&book_key(0)).map(|r| r.dispatches.len()), Some(1), "only the old dispatch aged out");
-    book.replica_gone(2);
+    book.replica_gone(2, t0 + IN_FLIGHT_MAX_AGE);
     assert!(book.ranks.get(&book_key(0)).is_some_and(|r| r.dispatches.is_empty()));
-    // No sample ever comes: the record goes DISPATCH_MAX_AGE after the last end.
+    // No sample ever comes: the record goes DISPATCH_MAX_AGE after the last dispatch left.
     let much_later = t0 + IN_FLIGHT_MAX_AGE + DISPATCH_MAX_AGE;
     book.expire(&state, much_later);
     let change = book.take_change(much_later);
@@ -727,9 +727,23 @@ fn dispatches_dropped_without_their_end_are_no_measurement() {
     book.report(1, pb::DispatchReport { prefilled: vec![1], ..Default::default() }, t0, &state);
     book.report(2, report(vec![started(1, 0, 16)], vec![]), t0, &state);
     book.report(2, pb::DispatchReport { prefilled: vec![1], ..Default::default() }, t0, &state);
-    book.replica_gone(1);
+    book.replica_gone(1, t0);
     book.expire(&state, t0 + IN_FLIGHT_MAX_AGE);
     let rank = book.ranks.get(&book_key(0)).expect("the rank");
     assert!(rank.dispatches.is_empty());
-    assert_eq!((rank.timing.decode, rank.ended.len(), rank.last_end), (None, 0, None));
+    assert_eq!((rank.timing.decode, rank.ended.len()), (None, 0));
+
+    // Nor does the rank settle at once, losing what it learned, before a replay can come.
+    let mut book = Book::default();
+    book.report(1, report(vec![started(1, 0, 16)], vec![]), t0, &state);
+    book.report(1, pb::DispatchReport { prefilled: vec![1], ..Default::default() }, t0, &state);
+    book.report(1, report(vec![], vec![1]), t0 + Duration::from_secs(1), &state);
+    let learned = book.ranks.get(&book_key(0)).and_then(|r| r.timing.decode);
+    assert!(learned.is_some());
+    let later = t0 + 2 * DISPATCH_MAX_AGE;
+    book.report(1, report(vec![started(2, 0, 16)], vec![]), later, &state);
+    book.replica_gone(1, later);
+    book.expire(&state, later);
+    book.take_change(later);
+    assert_eq!(book.ranks.get(&book_key(0)).and_then(|r| r.timing.decode), learned, "still held");
 }

@@ -111,12 +111,6 @@ impl Renderer {
         Self { stages: Some(stages), ..self }
     }
 
-    /// Permits no render holds now.
-    #[cfg(test)]
-    pub(crate) fn idle_permits(&self) -> usize {
-        self.permits.available_permits()
-    }
-
     pub fn limits(&self) -> RenderLimits {
         self.limits
     }

@@ -382,9 +382,19 @@ impl Rank {
     /// before this stream's first report: the control plane never had them). What happens to
     /// such a leg on this stream is not remembered ([`reported_for`]): it leaves these legs as
     /// its response begins or it ends, and the join follows at once.
-    /// `None` when the sums trail by more than the changes remembered: unknown.
-    fn since(&mut self, folded: ReportsFolded) -> Option<SinceFleet> {
-        let after = self.changes.after(folded.last_op)?;
+    /// Sums that trail by more than the changes remembered (a stalled stream, a control plane
+    /// far behind) lack changes no longer known: the dispatches they lack that are still in
+    /// flight are known from the legs, and counted; the ends they lack are not, and go
+    /// uncounted, so the rank reads busier than it is rather than idler.
+    fn since(&mut self, folded: ReportsFolded) -> SinceFleet {
+        let after = self.changes.after(folded.last_op).unwrap_or_else(|| {
+            let missing = self.legs.iter().filter(|leg| leg.op > folded.last_op);
+            missing.fold(SinceFleet::default(), |since, leg| SinceFleet {
+                decode_started: since.decode_started.saturating_add(leg.added),
+                prefill_started: since.prefill_started.saturating_add(leg.prefill_tokens),
+                ..since
+            })
+        });
         let mut since = SinceFleet {
             decode_started: after.decode_started.saturating_add(self.unreported.decode_blocks),
             prefill_started: after.prefill_started.saturating_add(self.unreported.prefill_tokens),
@@ -395,7 +405,7 @@ impl Rank {
             since.decode_started = since.decode_started.saturating_add(leg.added);
             since.prefill_started = since.prefill_started.saturating_add(leg.prefill_tokens);
         }
-        Some(since)
+        since
     }
 
     /// Takes a leg's load off the rank; returns the decode blocks that freed.
@@ -588,11 +598,7 @@ impl DispatchLedger {
                 let mut backlog = state.backlog(key, *sampled_at, now);
                 let rank = state.ranks.get_mut(key);
                 backlog.last_dispatch = rank.as_deref().map_or_else(LastDispatch::default, |r| r.last_dispatch(folded));
-                // Sums that trail by more than the changes remembered (a stalled stream, a control
-                // plane far behind) lack changes this replica no longer knows: unknown, so each
-                // field takes the larger of the two views rather than dropping them.
-                backlog.since_fleet =
-                    folded.and_then(|folded| rank.map_or(Some(SinceFleet::default()), |rank| rank.since(folded)));
+                backlog.since_fleet = folded.map(|folded| rank.map(|rank| rank.since(folded)).unwrap_or_default());
                 backlog
             })
             .collect()
