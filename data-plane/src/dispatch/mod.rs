@@ -337,14 +337,13 @@ impl Dispatcher {
     /// is forgotten only for backends no longer configured: a backend outside every pool still
     /// serves unified requests, behind its own breaker.
     pub fn export_health(&self, config: &DataPlaneConfig) {
-        let pooled = |name: &str| config.shim_pools.iter().any(|p| p.backends.iter().any(|b| b == name));
         let states = self.health.states(|name| config.backends.iter().any(|b| b.name == name));
         let gauge = &self.metrics.shim_replica_state;
         gauge.reset();
         for name in config.shim_pools.iter().flat_map(|p| &p.backends) {
             gauge.with_label_values(&[name.as_str()]).set(0);
         }
-        for (name, state) in states.into_iter().filter(|(name, _)| pooled(name)) {
+        for (name, state) in states.into_iter().filter(|(name, _)| pool::is_pooled(config, name)) {
             gauge.with_label_values(&[name.as_str()]).set(state.gauge_value());
         }
     }

@@ -102,8 +102,12 @@ pub fn serving_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplic
 /// A direct-mode frontend refuses every request without pins (1.6.1 answers 500 or 400), so an
 /// unpinned resend or fall-through to one is a round trip sure to fail.
 pub fn unified_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplica> {
-    let pooled = |name: &str| config.shim_pools.iter().any(|pool| pool.backends.iter().any(|b| b == name));
-    serving_backends(config, model).into_iter().filter(|replica| !pooled(&replica.name)).collect()
+    serving_backends(config, model).into_iter().filter(|replica| !is_pooled(config, &replica.name)).collect()
+}
+
+/// Whether backend `name` is a member of some namespace's shim pool.
+pub fn is_pooled(config: &DataPlaneConfig, name: &str) -> bool {
+    config.shim_pools.iter().any(|pool| pool.backends.iter().any(|b| b == name))
 }
 
 /// `replicas` starting at `start` (modulo their number), so that successive requests spread

@@ -48,6 +48,11 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         return Ok(Routed { route: Route::Unified { replicas: replicas.into() }, token_data: None });
     }
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
+    // A request the fleet cannot take falls through before any render or lookup is spent on it.
+    let pools = state.dispatcher.pools(config);
+    if let Some(why) = unplaceable(view, display, &usable_namespaces(state, &pools, Instant::now()), &request.model) {
+        return fall_through(config, why, &request.model);
+    }
     let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
     let term = match kv {
         // Boxed: rendering and the lookup take milliseconds, and inline this future would
@@ -182,14 +187,21 @@ fn fall_through(config: &DataPlaneConfig, why: SelectError, model: &str) -> Resu
 /// Why the picker found nobody: the model is served nowhere, only where no shim is usable, or
 /// its workers cannot take a request now.
 fn why_not(view: &FleetView, display: &str, usable: &[String], client_model: &str) -> SelectError {
-    let model = client_model.to_string();
+    unplaceable(view, display, usable, client_model)
+        .unwrap_or_else(|| SelectError::NoWorkers { model: client_model.to_string() })
+}
+
+/// Why no pick could place a request for `display` whatever the load: no worker serves it, or
+/// none where a shim replica is usable.
+fn unplaceable(view: &FleetView, display: &str, usable: &[String], client_model: &str) -> Option<SelectError> {
     let serving = || view.workers().values().filter(|w| w.model == display && w.role != Role::Unknown);
+    let model = || client_model.to_string();
     if serving().next().is_none() {
-        SelectError::ModelNotFound { model }
+        Some(SelectError::ModelNotFound { model: model() })
     } else if !serving().any(|w| usable.iter().any(|n| **n == *w.key.namespace)) {
-        SelectError::ShimUnavailable { model }
+        Some(SelectError::ShimUnavailable { model: model() })
     } else {
-        SelectError::NoWorkers { model }
+        None
     }
 }
 
@@ -325,6 +337,32 @@ mod tests {
         }
         assert_eq!(loaded(), 1, "the pinned tokenizer loads");
         fleet
+    }
+
+    /// A model no Dynamo worker serves goes to the backends that list it before any render or
+    /// lookup is spent on it.
+    #[tokio::test]
+    async fn a_request_the_fleet_cannot_take_falls_through_before_its_kv_term() {
+        let state = state();
+        let dir = tempfile::tempdir().expect("dir");
+        let fleet = tinymodel_fleet(&state, &dir).await;
+        let mut config = (**fleet.config()).clone();
+        config.backends.push(Backend {
+            name: "plain".into(),
+            url: "http://127.0.0.1:9/".into(),
+            models: vec!["other".into()],
+        });
+        let fleet = FleetView::new(2, fleet.workers().values().cloned(), [], Arc::new(config)).expect("view");
+        state.fleet.store(fleet.clone());
+        // What a KV term's pick adds to the tokens the lookups weigh.
+        let kv = state.kv.as_ref().expect("KV selection");
+        let kv_terms = || kv.routing.picked_since(0);
+        let before = kv_terms();
+        let body = Bytes::from_static(br#"{"model":"other","messages":[{"role":"user","content":"hi"}]}"#);
+        let routed = route(&state, &fleet, &ChatRequest::parse(body).expect("request")).await.expect("routed");
+        let Route::Unified { replicas } = routed.route else { panic!("unpinned") };
+        assert_eq!(replicas.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["plain"]);
+        assert_eq!(kv_terms(), before, "no KV term was looked for, nor its tokens weighed");
     }
 
     #[tokio::test]

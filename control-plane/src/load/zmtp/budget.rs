@@ -10,11 +10,11 @@
 //! ([`super::Dropped::OverBudget`]), and the session goes on. No subscription waits for
 //! another's loan, so a set of half-read messages can never wait on each other.
 //!
-//! A loan is held only while its frame's bytes keep coming: a frame that borrows must arrive
-//! within [`loan_deadline`] (at least [`MIN_LOAN_BYTES_PER_SEC`]), or the session ends. Under
-//! the whole message's 30 s deadline alone, sixty-four publishers each trickling a megabyte
-//! frame could hold the budget for half a minute at a time, and every other large batch would
-//! be dropped meanwhile; now they would have to send 32 MiB a second between them.
+//! A loan is held only briefly: a message that borrows (past a command's slack) must be whole
+//! within [`LOAN_DEADLINE`] of its first borrowed byte, or its session ends. Under the whole
+//! message's 30 s deadline alone, sixty-four publishers each trickling a megabyte frame (or
+//! pausing after one) could hold the budget for half a minute at a time, and every other large
+//! batch would be dropped meanwhile; now they would have to send 32 MiB a second between them.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -26,17 +26,9 @@ pub const FREE_BUFFER_BYTES: usize = super::SHRINK_ABOVE_BYTES;
 /// kv-events batches of the largest size.
 pub const LARGE_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
-/// The slowest a borrowing frame may arrive. A worker on the cluster network sends a megabyte
-/// in milliseconds.
-pub const MIN_LOAN_BYTES_PER_SEC: u64 = 1024 * 1024;
-/// The least time a borrowing frame is given, however small.
-pub const MIN_LOAN_DEADLINE: Duration = Duration::from_secs(2);
-
-/// How long a frame of `bytes` that borrows may take to arrive.
-pub fn loan_deadline(bytes: usize) -> Duration {
-    let at_rate = Duration::from_secs_f64(bytes as f64 / MIN_LOAN_BYTES_PER_SEC as f64);
-    at_rate.max(MIN_LOAN_DEADLINE)
-}
+/// From a message's first borrowed byte to its last. A worker on the cluster network sends a
+/// whole megabyte batch in milliseconds.
+pub const LOAN_DEADLINE: Duration = Duration::from_secs(2);
 
 /// The process's one budget, which every subscription family's limits name.
 pub static LARGE_MESSAGES: MessageBudget = MessageBudget::new(LARGE_MESSAGE_BYTES);

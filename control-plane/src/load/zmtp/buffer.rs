@@ -20,9 +20,9 @@ impl MessageBuffer {
         Self { bytes: Vec::with_capacity(INITIAL_BUFFER_BYTES.min(ceiling)), ceiling, budget, borrowed: 0 }
     }
 
-    /// Whether the buffer holds a loan from the budget now.
-    pub fn borrowing(&self) -> bool {
-        self.borrowed > 0
+    /// Bytes borrowed from the budget now.
+    pub fn borrowed(&self) -> usize {
+        self.borrowed
     }
 
     pub fn ceiling(&self) -> usize {

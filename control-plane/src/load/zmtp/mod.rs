@@ -21,7 +21,7 @@
 //! | [`CONNECT_TIMEOUT`] | 10 s | 10 s | resolving the host and the TCP connect |
 //! | [`HANDSHAKE_TIMEOUT`] | 10 s | 10 s | greeting, READY both ways and the subscription (slowloris) |
 //! | [`MESSAGE_TIMEOUT`] | 30 s | 30 s | a message's first byte to its last (slowloris, after the handshake) |
-//! | [`loan_deadline`] | (never borrows) | 2 s, or 1 MiB/s for a larger frame | a frame borrowing from the shared budget (trickled loans) |
+//! | [`LOAN_DEADLINE`] | (never borrows) | 2 s | a message's first borrowed byte to its last (trickled or paused loans) |
 //!
 //! Between messages a session waits without a deadline (publishers speak when something
 //! changes); the dialled connection keeps TCP keepalive on ([`KEEPALIVE`]), so a peer gone
@@ -39,10 +39,7 @@ mod wire;
 
 use std::time::Duration;
 
-pub use budget::{
-    BudgetRef, FREE_BUFFER_BYTES, LARGE_MESSAGE_BYTES, LARGE_MESSAGES, MIN_LOAN_BYTES_PER_SEC, MIN_LOAN_DEADLINE,
-    MessageBudget, loan_deadline,
-};
+pub use budget::{BudgetRef, FREE_BUFFER_BYTES, LARGE_MESSAGE_BYTES, LARGE_MESSAGES, LOAN_DEADLINE, MessageBudget};
 pub use buffer::MessageBuffer;
 pub use subscriber::{Dropped, Incoming, Message, ZmtpSubscriber};
 pub use wire::{GREETING_BYTES, greeting, parse_greeting};
@@ -145,8 +142,8 @@ pub enum ZmtpError {
     PeerError(String),
     #[error("a message began but was not whole within {0:?}")]
     MessageTimeout(Duration),
-    #[error("a frame of {bytes} bytes borrowing from the shared budget did not arrive within {within:?}")]
-    LoanTimeout { bytes: usize, within: Duration },
+    #[error("a message borrowing from the shared budget was not whole within {0:?} of its loan")]
+    LoanTimeout(Duration),
 }
 
 impl ZmtpError {

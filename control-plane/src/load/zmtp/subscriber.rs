@@ -2,11 +2,13 @@
 //! stream): the handshake, then messages one at a time, each borrowed from the session's
 //! buffer until the next is read.
 
+use std::future::Future;
 use std::ops::Range;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::time::Instant;
 
-use super::budget::loan_deadline;
+use super::budget::LOAN_DEADLINE;
 use super::buffer::MessageBuffer;
 use super::wire::{self, Command, GREETING_BYTES};
 use super::{MAX_COMMAND_BYTES, MAX_FRAMES_PER_MESSAGE, MAX_TOPIC_BYTES, READ_BUFFER_BYTES, WRITE_BUFFER_BYTES};
@@ -161,10 +163,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
         self.frames.clear();
         let mut dropped = None;
         let mut index = 0usize;
+        // Set once the message borrows past a command's slack: the rest of it, headers and
+        // commands between its frames included, must come by then.
+        let mut loan: Option<Instant> = None;
         loop {
-            let (header, size) = self.frame_header().await?;
+            let (header, size) = on_loan(loan, self.frame_header()).await?;
             if header.command {
-                self.command(size).await?;
+                on_loan(loan, self.command(size)).await?;
                 if index == 0 {
                     return Ok(Next::Command);
                 }
@@ -173,28 +178,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
             match self.admit(index, size)? {
                 Some(reason) => {
                     dropped.get_or_insert(reason);
-                    self.discard(size).await?;
+                    on_loan(loan, self.discard(size)).await?;
                 }
-                None if dropped.is_some() => self.discard(size).await?,
+                None if dropped.is_some() => on_loan(loan, self.discard(size)).await?,
                 None => {
                     let start = self.message.len();
                     let n = usize::try_from(size).map_err(|_| ZmtpError::Protocol("frame length"))?;
                     // Slack for a command, which may come before the next frame: it then never
                     // grows a borrowing buffer past what the budget lent.
                     if self.message.make_room(n, MAX_COMMAND_BYTES) {
-                        if self.message.borrowing() {
-                            // The loan is every subscription's: held while the bytes keep coming.
-                            let within = loan_deadline(n);
-                            tokio::time::timeout(within, self.read_into_message(n))
-                                .await
-                                .map_err(|_| ZmtpError::LoanTimeout { bytes: n, within })??;
-                        } else {
-                            self.read_into_message(n).await?;
+                        if loan.is_none() && self.message.borrowed() > MAX_COMMAND_BYTES {
+                            loan = Some(Instant::now() + LOAN_DEADLINE);
                         }
+                        on_loan(loan, self.read_into_message(n)).await?;
                         self.frames.push(start..start + n);
                     } else {
                         dropped = Some(Dropped::OverBudget);
-                        self.discard(size).await?;
+                        on_loan(loan, self.discard(size)).await?;
                     }
                 }
             }
@@ -335,6 +335,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
 
 /// A peer's ERROR reason as it may be logged: control characters (a line break among them)
 /// escaped, so a peer cannot forge log lines of its own.
+/// `read`, by the message's loan deadline when it holds one.
+async fn on_loan<T>(loan: Option<Instant>, read: impl Future<Output = Result<T, ZmtpError>>) -> Result<T, ZmtpError> {
+    match loan {
+        None => read.await,
+        Some(deadline) => {
+            tokio::time::timeout_at(deadline, read).await.map_err(|_| ZmtpError::LoanTimeout(LOAN_DEADLINE))?
+        }
+    }
+}
+
 fn peer_reason(reason: &[u8]) -> String {
     String::from_utf8_lossy(reason).escape_debug().to_string()
 }

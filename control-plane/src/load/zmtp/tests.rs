@@ -159,36 +159,46 @@ async fn a_large_message_the_shared_budget_cannot_hold_is_skipped_and_the_loan_c
     assert_eq!(budget.lent(), 0, "repaid when the session ends");
 }
 
-/// A loan is everyone's: a frame that borrows must keep coming, or the session ends and the
-/// loan goes back long before the message's own 30 s deadline.
+/// A loan is everyone's: a message that borrows must be whole soon after, or its session ends
+/// and the loan goes back long before the message's own 30 s deadline. Trickling the large
+/// frame, or pausing after it before the message's next frame, holds it no longer.
 #[tokio::test(start_paused = true)]
-async fn a_borrowing_frame_that_trickles_ends_its_session_and_gives_its_loan_back() {
+async fn a_borrowing_message_that_trickles_or_pauses_ends_its_session_and_gives_its_loan_back() {
     let budget = BudgetRef(Box::leak(Box::new(MessageBudget::new(LARGE_MESSAGE_BYTES))));
     let limits = ZmtpLimits { budget, ..ZmtpLimits::KV_EVENTS };
     let large = message(&[b"kv_metrics", &[0; 8], &[0; 8], &vec![7u8; 200 * 1024]]);
-    // Everything but the large frame's last 100 KiB, which then come a kilobyte a second.
-    let (head, tail) = large.split_at(large.len() - 100 * 1024);
-    let (session, mut peer) = subscriber_with(limits, head).await;
-    let mut session = session.unwrap();
-    let tail = tail.to_vec();
-    let trickle = tokio::spawn(async move {
-        for chunk in tail.chunks(1024) {
-            peer.write_all(chunk).await?;
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
-        std::io::Result::Ok(peer)
-    });
-    let started = tokio::time::Instant::now();
-    let ended = session.recv().await.err();
-    assert!(matches!(ended, Some(ZmtpError::LoanTimeout { bytes, .. }) if bytes == 200 * 1024), "{ended:?}");
-    assert!(ended.is_some_and(|e| e.is_violation()), "the publisher's fault");
-    assert_eq!(started.elapsed(), loan_deadline(200 * 1024), "long before {MESSAGE_TIMEOUT:?}");
-    assert!(budget.lent() > 0, "held until the session goes");
-    drop(session);
-    assert_eq!(budget.lent(), 0);
-    trickle.abort();
+    let trickled = large.len() - 100 * 1024;
+    // The large frame first, whole, then the sequence frame after it: `[0; 8]` moved last.
+    let paused = message(&[b"kv_metrics", &[0; 8], &vec![7u8; 200 * 1024], &[0; 8]]);
+    let before_pause = paused.len() - 10;
+    // The rest a kilobyte a second; or after a pause longer than the loan, well within the
+    // message's own deadline.
+    let cases = [("trickled", large.clone(), trickled, 1), ("paused", paused, before_pause, 10)];
+    for (case, bytes, split, gap) in cases {
+        let (head, tail) = bytes.split_at(split);
+        let (session, mut peer) = subscriber_with(limits, head).await;
+        let mut session = session.unwrap();
+        let tail = tail.to_vec();
+        let sender = tokio::spawn(async move {
+            for chunk in tail.chunks(1024) {
+                tokio::time::sleep(Duration::from_secs(gap)).await;
+                peer.write_all(chunk).await?;
+            }
+            tokio::time::sleep(MESSAGE_TIMEOUT).await;
+            std::io::Result::Ok(peer)
+        });
+        let started = tokio::time::Instant::now();
+        let ended = session.recv().await.err();
+        assert!(matches!(ended, Some(ZmtpError::LoanTimeout(_))), "{case}: {ended:?}");
+        assert!(ended.is_some_and(|e| e.is_violation()), "{case}: the publisher's fault");
+        assert_eq!(started.elapsed(), LOAN_DEADLINE, "{case}: long before {MESSAGE_TIMEOUT:?}");
+        assert!(budget.lent() > 0, "{case}: held until the session goes");
+        drop(session);
+        assert_eq!(budget.lent(), 0, "{case}");
+        sender.abort();
+    }
 
-    // The same frame sent whole borrows, and is read.
+    // The same message sent whole borrows, and is read.
     let (session, _peer) = subscriber_with(limits, &large).await;
     assert_eq!(next_message(&mut session.unwrap()).await.unwrap()[3].len(), 200 * 1024);
 }
