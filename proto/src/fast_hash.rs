@@ -1,7 +1,8 @@
-//! A small multiplicative hasher (the Fx scheme) for the hot maps of the request path and of
-//! the control plane's backlog book, whose keys are worker ranks, dispatch ids and backend
-//! names: all from the fleet or a replica, never chosen by a client, so SipHash's flooding
-//! resistance buys nothing there and costs a noticeable share of a request.
+//! A small multiplicative hasher (the Fx scheme, with a finalizer) for the hot maps of the
+//! request path and of the control plane's backlog book, whose keys are worker ranks, dispatch
+//! ids and backend names: all from the fleet or a replica holding the control plane's token,
+//! never chosen by a client, so SipHash's keyed flooding resistance costs a noticeable share of
+//! a request for little. The finalizer still spreads keys of any shape over a table's buckets.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -47,8 +48,15 @@ impl Hasher for FastHasher {
         self.add(n as u64);
     }
 
+    /// The state mixed so that every bit of it reaches the low bits: a table takes its bucket
+    /// from them, and a product's low bits depend only on a key's own low bits, so ids that
+    /// differ only above them (a replica may number its dispatches so) would all share one
+    /// bucket, and every lookup would probe them all. (Murmur3's finalizer, short.)
     fn finish(&self) -> u64 {
-        self.0
+        let mut x = self.0;
+        x ^= x >> 33;
+        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x ^ (x >> 33)
     }
 }
 
@@ -66,5 +74,15 @@ mod tests {
         assert_eq!(build.hash_one(("ns", 7u64)), build.hash_one(("ns", 7u64)));
         assert_ne!(build.hash_one(("ns", 7u64)), build.hash_one(("ns", 8u64)));
         assert_ne!(build.hash_one("abcdefgh"), build.hash_one("abcdefgh\0"));
+    }
+
+    #[test]
+    fn ids_that_differ_only_in_their_high_bits_spread_over_a_tables_buckets() {
+        let build = BuildHasherDefault::<FastHasher>::default();
+        for shift in [0, 20, 40, 54] {
+            let buckets: std::collections::HashSet<u64> =
+                (0..1024u64).map(|i| build.hash_one(i << shift) & 1023).collect();
+            assert!(buckets.len() > 512, "ids << {shift}: {} of 1,024 buckets", buckets.len());
+        }
     }
 }

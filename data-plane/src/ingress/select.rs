@@ -48,16 +48,20 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         return Ok(Routed { route: Route::Unified { replicas: replicas.into() }, token_data: None });
     }
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
-    // A request the fleet cannot take falls through before any render or lookup is spent on it.
-    let pools = state.dispatcher.pools(config);
-    if let Some(why) = unplaceable(view, display, &usable_namespaces(state, &pools, Instant::now()), &request.model) {
-        return fall_through(config, why, &request.model);
-    }
     let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
     let term = match kv {
-        // Boxed: rendering and the lookup take milliseconds, and inline this future would
-        // double the size of every request's, load-only ones too.
-        Some(kv) => Some(Box::pin(kv_term(state, kv, view, display, request)).await),
+        Some(kv) => {
+            // A request the fleet cannot take falls through before a render and a lookup are
+            // spent on it (the picker's listing of the model's workers is kept per fleet).
+            let pools = state.dispatcher.pools(config);
+            let usable = usable_namespaces(state, &pools, Instant::now());
+            if !state.picker.serves(view, display, &usable) {
+                return fall_through(config, why_not(view, display, &usable, &request.model), &request.model);
+            }
+            // Boxed: rendering and the lookup take milliseconds, and inline this future would
+            // double the size of every request's, load-only ones too.
+            Some(Box::pin(kv_term(state, kv, view, display, request)).await)
+        }
         None => None,
     };
     // Rendering and the index lookup take milliseconds: the pick runs on the clock and the
@@ -187,21 +191,14 @@ fn fall_through(config: &DataPlaneConfig, why: SelectError, model: &str) -> Resu
 /// Why the picker found nobody: the model is served nowhere, only where no shim is usable, or
 /// its workers cannot take a request now.
 fn why_not(view: &FleetView, display: &str, usable: &[String], client_model: &str) -> SelectError {
-    unplaceable(view, display, usable, client_model)
-        .unwrap_or_else(|| SelectError::NoWorkers { model: client_model.to_string() })
-}
-
-/// Why no pick could place a request for `display` whatever the load: no worker serves it, or
-/// none where a shim replica is usable.
-fn unplaceable(view: &FleetView, display: &str, usable: &[String], client_model: &str) -> Option<SelectError> {
+    let model = client_model.to_string();
     let serving = || view.workers().values().filter(|w| w.model == display && w.role != Role::Unknown);
-    let model = || client_model.to_string();
     if serving().next().is_none() {
-        Some(SelectError::ModelNotFound { model: model() })
+        SelectError::ModelNotFound { model }
     } else if !serving().any(|w| usable.iter().any(|n| **n == *w.key.namespace)) {
-        Some(SelectError::ShimUnavailable { model: model() })
+        SelectError::ShimUnavailable { model }
     } else {
-        None
+        SelectError::NoWorkers { model }
     }
 }
 

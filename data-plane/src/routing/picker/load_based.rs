@@ -237,6 +237,11 @@ impl Picker for LoadBasedPicker {
             cached_tokens: 0,
         })
     }
+
+    /// From the listing the pick itself uses, kept per set of workers.
+    fn serves(&self, view: &FleetView, model: &str, namespaces: &[String]) -> bool {
+        !self.pools.get(view, model, Some(namespaces)).decode.is_empty()
+    }
 }
 
 /// One pick's inputs per candidate, at debug level: the sample the cost started from, what the

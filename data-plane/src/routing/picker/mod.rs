@@ -134,6 +134,13 @@ pub struct PickRequest<'a> {
 /// Chooses the workers for a request, or `None` when no routable worker serves the model.
 pub trait Picker: Send + Sync + fmt::Debug {
     fn pick(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Option<Selection>;
+
+    /// Whether some worker serving `model` in one of `namespaces` could be picked, whatever the
+    /// load: a request for which none could is not worth a render and a lookup. A picker that
+    /// cannot tell cheaply says it could.
+    fn serves(&self, _view: &FleetView, _model: &str, _namespaces: &[String]) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]
