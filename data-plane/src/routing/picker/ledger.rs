@@ -629,10 +629,16 @@ impl State {
     }
 
     fn remove(&mut self, id: DispatchId, now: Instant, op: Op) {
+        self.remove_except(id, None, now, op);
+    }
+
+    /// Drops dispatch `id` from its ranks, but for `gone_from`, whose leg of it is gone already
+    /// (an expired one: looking for it there would scan the whole rank).
+    fn remove_except(&mut self, id: DispatchId, gone_from: Option<&LoadKey>, now: Instant, op: Op) {
         let Some(keys) = self.dispatches.remove(&id) else {
             return;
         };
-        for key in keys.into_iter().flatten() {
+        for key in keys.into_iter().flatten().filter(|key| Some(key) != gone_from) {
             if let Some(rank) = self.ranks.get_mut(&key) {
                 self.held_hashes -= rank.take(id, now, op);
                 if rank.is_empty() {
@@ -688,7 +694,7 @@ impl State {
             rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
             self.held_hashes -= freed_hashes;
             for id in expired {
-                self.remove(id, now, NOT_REPORTED.into());
+                self.remove_except(id, Some(key), now, NOT_REPORTED.into());
             }
         }
         if self.ranks.get(key).is_some_and(Rank::is_empty) {

@@ -118,6 +118,7 @@ impl Rank {
             self.unreported.decode_blocks = self.unreported.decode_blocks.saturating_sub(leg.added);
             self.unreported.prefill_tokens = self.unreported.prefill_tokens.saturating_sub(leg.prefill_tokens);
         }
+        let recorded = (leg.op, leg.at);
         leg.op = op;
         let replayed = ReplayedLeg {
             report: leg.report,
@@ -131,6 +132,11 @@ impl Rank {
         let started =
             SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };
         self.changed(op, now, started);
+        // The rank's newest leg is now the sums' to hold, under its new number: left under the
+        // old one, it would read as dispatched just now, ahead of every rank the sums order.
+        if self.newest == Some(recorded) {
+            self.newest = Some((op, recorded.1));
+        }
         Some(replayed)
     }
 }

@@ -584,6 +584,21 @@ fn dispatches_in_flight_are_replayed_on_a_new_stream_and_then_joined_once() {
     assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (320 + 640, 100), "each once");
 }
 
+/// A replayed leg that is its rank's newest is the sums' newest once they hold the replay: it
+/// no longer reads as dispatched just now, ahead of every rank the sums order.
+#[test]
+fn a_replayed_newest_leg_is_ordered_by_the_sums_once_they_hold_it() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let id = ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, Recorded { op: op(), legs: [11, 0] });
+    let stream_first = op();
+    let later = t0 + Duration::from_secs(20);
+    assert_eq!(ledger.replay_legs(&[id], usize::MAX, stream_first, stream_first, later).0, 1);
+    let replayed = folded(stream_first, stream_first);
+    let last = ledger.backlogs(&[(key(1, 0), None)], replayed, later)[0].last_dispatch;
+    assert_eq!(last, LastDispatch::default(), "the sums hold it");
+}
+
 /// A replay operation takes dispatches until their chains would pass its hash budget (one at
 /// least, however long), so the report carrying it never drops a chain.
 #[test]
