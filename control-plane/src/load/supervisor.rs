@@ -254,7 +254,11 @@ impl<F: Feed> Actor<F> {
                     changed = policy.changed() => {
                         if changed.is_ok() {
                             let new = policy.borrow_and_update().clone();
-                            self.apply_policy(new, &generation.fleet).await;
+                            // The fleet as it stands now: one reload may change both, and the
+                            // publishers it removed must not be dialled again under the new policy.
+                            let current = Arc::clone(&registry.borrow_and_update());
+                            self.apply_policy(new, &current.fleet).await;
+                            break;
                         }
                     }
                     changed = registry.changed(), if registry_open => {
