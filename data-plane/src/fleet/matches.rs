@@ -52,6 +52,10 @@ type Client = FleetClient<InterceptedService<Channel, Credentials>>;
 /// How often a replica with `--control-plane` TLS files looks for renewed ones.
 pub const TLS_RENEWAL_INTERVAL: Duration = Duration::from_secs(10);
 
+/// How often an idle lookup connection is pinged: a control plane gone without a word (its node
+/// lost) costs the lookups of this long and a second, each waiting out its deadline.
+const MATCHES_KEEP_ALIVE: Duration = Duration::from_secs(5);
+
 /// A lookup client of the control plane, connecting when first used.
 fn connect(config: &FleetClientConfig) -> Result<Client, EndpointError> {
     // Bounded connects and keep-alive answers: a control plane that moved or went silent is
@@ -61,7 +65,7 @@ fn connect(config: &FleetClientConfig) -> Result<Client, EndpointError> {
         .endpoint()?
         .tcp_nodelay(true)
         .connect_timeout(MATCHES_CONNECT_TIMEOUT)
-        .http2_keep_alive_interval(Duration::from_secs(20))
+        .http2_keep_alive_interval(MATCHES_KEEP_ALIVE)
         .keep_alive_timeout(MATCHES_CONNECT_TIMEOUT)
         .keep_alive_while_idle(true)
         .connect_lazy();

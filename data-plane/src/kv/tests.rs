@@ -444,6 +444,23 @@ async fn a_failed_load_is_retried_after_five_minutes() {
     assert_eq!(count(&h.counter, "loaded"), 1);
 }
 
+/// A reloaded policy may allow what refused a load (a scheme, a pin): the load is tried again
+/// at once rather than after its five minutes.
+#[tokio::test]
+async fn a_reloaded_policy_ends_the_wait_of_a_failed_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let card = card_in(dir.path());
+    let h = harness(pinned(&card));
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::Fetch(_))));
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::RetryLater)));
+    copy_tinymodel(dir.path());
+    let mut policy = ArtifactPolicy::new(h.cache_dir.path().join("kv"));
+    policy.pinned_artifacts = pinned(&card).into_iter().collect();
+    h.store.set_policy(policy);
+    h.store.load("tiny", &card).await.unwrap();
+    assert_eq!(count(&h.counter, "loaded"), 1);
+}
+
 #[tokio::test]
 async fn loaded_tokenizers_are_bounded_and_unpinning_drops_them() {
     let dir = tempfile::tempdir().unwrap();

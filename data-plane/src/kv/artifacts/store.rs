@@ -155,9 +155,12 @@ impl ArtifactStore {
     }
 
     /// Applies a reloaded policy (the cache directory is fixed at creation). Tokenizers whose
-    /// artifacts are no longer pinned are dropped at once.
+    /// artifacts are no longer pinned are dropped at once, and loads backing off are tried
+    /// again: the new policy may allow what refused them (a pin added, a scheme allowed), and
+    /// the operator who changed it should not wait out five minutes to see it work.
     pub fn set_policy(&self, policy: ArtifactPolicy) {
         let mut state = self.state();
+        state.retry_at.clear();
         let unpinned: Vec<ArtifactKey> =
             state.loaded.keys().filter(|key| policy.unpinned(key).is_some()).copied().collect();
         for key in unpinned {
