@@ -5,7 +5,6 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -59,12 +58,16 @@ pub struct KvRouting {
     /// The artifact policy the fleet's models were last prewarmed under, per worker map.
     prewarmed: Mutex<WorkersMemo<Option<KvArtifactPolicy>>>,
     recent: RecentAnswers,
-    /// Prompt tokens of every request the KV-aware picker has picked workers for here.
-    picked: AtomicU64,
+    /// Prompt tokens of the requests the KV-aware picker has picked workers for here, per model
+    /// (its display name): another model's picks land on ranks no lookup of this one weighs.
+    picked: Mutex<HashMap<String, u64>>,
     /// `continuum_dynamo_kv_term_seconds` by stage.
     prepare_seconds: Histogram,
     find_matches_seconds: Histogram,
 }
+
+/// Models whose picked prompt tokens are summed at once (see `KvRouting::picked`).
+const MAX_PICKED_MODELS: usize = 256;
 
 /// Each model's parsed cards and block sizes, kept while the fleet's worker map is the same
 /// one (load samples change far more often than workers, and replace only the loads).
@@ -117,7 +120,7 @@ impl KvRouting {
             models: Mutex::default(),
             prewarmed: Mutex::default(),
             recent: RecentAnswers::default(),
-            picked: AtomicU64::new(0),
+            picked: Mutex::default(),
             prepare_seconds: term_seconds.with_label_values(&["prepare"]),
             find_matches_seconds: term_seconds.with_label_values(&["find_matches"]),
         }
@@ -156,7 +159,7 @@ impl KvRouting {
         let block_hashes = chain.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect();
         let started = Instant::now();
         let isl_tokens = prepared.tokens.len() as u64;
-        let picked_before = self.picked.load(Ordering::Relaxed);
+        let picked_before = self.picked_so_far(model);
         let lookup = self.matches.number_lookup();
         let answer = self.matches.find_matches(lookup, chain.clone(), model, contenders, isl_tokens).await;
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
@@ -181,19 +184,34 @@ impl KvRouting {
         Term::Scored { tokens: prepared.tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }
     }
 
-    /// A pick for a prompt of `tokens` was made.
-    pub fn picked(&self, tokens: u64) {
-        self.picked.fetch_add(tokens, Ordering::Relaxed);
+    /// A pick for a prompt of `tokens` to `model` was made.
+    pub fn picked(&self, model: &str, tokens: u64) {
+        let mut picked = self.picked.lock().unwrap_or_else(PoisonError::into_inner);
+        match picked.get_mut(model) {
+            Some(sum) => *sum = sum.saturating_add(tokens),
+            None => {
+                // Models the fleet serves, a handful; past the bound the sums start over, and
+                // a lookup under way then counts nothing picked meanwhile.
+                if picked.len() >= MAX_PICKED_MODELS {
+                    picked.clear();
+                }
+                picked.insert(model.to_owned(), tokens);
+            }
+        }
     }
 
-    /// The prompt tokens this replica has picked workers for since it had picked
+    fn picked_so_far(&self, model: &str) -> u64 {
+        self.picked.lock().unwrap_or_else(PoisonError::into_inner).get(model).copied().unwrap_or(0)
+    }
+
+    /// The prompt tokens this replica has picked workers for to `model` since it had picked
     /// `picked_before`. Between a lookup and its pick, the replica's other requests may be
     /// picked: their lookups were answered after this one (the control plane did not weigh them
     /// in its suggestion) or answered before it but picked after (answers that arrive together
     /// wake their tasks in any order). Either way the replica's costs count them and the
     /// suggestion does not, so the suggestion reaches that much further.
-    pub fn picked_since(&self, picked_before: u64) -> u64 {
-        self.picked.load(Ordering::Relaxed).saturating_sub(picked_before)
+    pub fn picked_since(&self, model: &str, picked_before: u64) -> u64 {
+        self.picked_so_far(model).saturating_sub(picked_before)
     }
 
     /// Starts loading the tokenizer of every model the fleet serves when its workers or the
@@ -374,6 +392,22 @@ mod tests {
             disaggregated_endpoint: None,
             artifacts,
         }
+    }
+
+    #[tokio::test]
+    async fn picks_of_another_model_do_not_widen_a_lookups_reach() -> anyhow::Result<()> {
+        let routing = routing()?;
+        routing.picked("a", 100);
+        let (a_before, b_before) = (routing.picked_so_far("a"), routing.picked_so_far("b"));
+        routing.picked("b", 4000);
+        routing.picked("a", 50);
+        assert_eq!(routing.picked_since("a", a_before), 50);
+        assert_eq!(routing.picked_since("b", b_before), 4000);
+        for i in 0..MAX_PICKED_MODELS {
+            routing.picked(&format!("m{i}"), 1);
+        }
+        assert_eq!(routing.picked_since("a", a_before), 0, "the sums started over past the bound");
+        Ok(())
     }
 
     #[tokio::test]

@@ -81,8 +81,8 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }),
         ) => {
             let isl_tokens = tokens.len() as u64;
-            let answer = answer.picked_meanwhile(kv.routing.picked_since(picked_before));
-            kv.routing.picked(isl_tokens);
+            let answer = answer.picked_meanwhile(kv.routing.picked_since(display, picked_before));
+            kv.routing.picked(display, isl_tokens);
             // A rendered prompt is counted as the model counts it: the load-only estimate of
             // the requests that lose their KV term learns from every one that keeps it.
             state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
@@ -92,7 +92,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
             let estimate = sized(state, display, request);
-            kv.routing.picked(estimate);
+            kv.routing.picked(display, estimate);
             (
                 kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now),
                 estimate,
@@ -353,7 +353,7 @@ mod tests {
         state.fleet.store(fleet.clone());
         // What a KV term's pick adds to the tokens the lookups weigh.
         let kv = state.kv.as_ref().expect("KV selection");
-        let kv_terms = || kv.routing.picked_since(0);
+        let kv_terms = || kv.routing.picked_since("other", 0);
         let before = kv_terms();
         let body = Bytes::from_static(br#"{"model":"other","messages":[{"role":"user","content":"hi"}]}"#);
         let routed = route(&state, &fleet, &ChatRequest::parse(body).expect("request")).await.expect("routed");
