@@ -130,7 +130,7 @@ impl DiscoverySupervisor {
                 let _ = task.await;
             }
         }
-        // A static fleet has no task, and is connected as long as it is served.
+        // Even without a task: a static fleet, which has none, read as connected while served.
         self.metrics.discovery_connected.set(0);
     }
 
