@@ -98,10 +98,12 @@ impl Simulator {
             let worker = Arc::new(SimulatedWorker::new(id, (metrics_id, events_id), config.total_kv_blocks));
             let key = WorkerKey::new(namespace.clone(), id);
             fleet.workers.insert(key.clone(), discovered(config, key.clone(), role, &card));
-            let feeds: [(_, _, _, Resync); 2] = [
-                (Topic::KvMetrics, metrics_id, worker.kv_metrics(), None),
-                (Topic::KvEvents, events_id, worker.kv_events(), Some(Arc::clone(&worker))),
-            ];
+            let mut feeds: Vec<(_, _, _, Resync)> = vec![(Topic::KvMetrics, metrics_id, worker.kv_metrics(), None)];
+            // A 1.6.1 decode worker beside prefill workers registers no kv-events channel: the
+            // blocks it receives are announced by the prefill worker that computed them.
+            if role != Role::Decode {
+                feeds.push((Topic::KvEvents, events_id, worker.kv_events(), Some(Arc::clone(&worker))));
+            }
             for (topic, publisher_id, messages, resync) in feeds {
                 let what = "a simulated worker's publisher";
                 let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
@@ -257,7 +259,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn cards_name_a_shim_on_every_interface_by_its_loopback_and_each_worker_has_both_publishers() {
+    async fn cards_name_a_shim_on_every_interface_by_its_loopback_and_workers_publish_as_1_6_1s_do() {
         let config =
             SimulatorConfig { shim_listen: "0.0.0.0:0".parse().expect("an address"), ..SimulatorConfig::default() };
         let simulator = Simulator::bind(&config).expect("binds");
@@ -273,8 +275,14 @@ mod tests {
                 .filter(|p| p.worker.as_ref() == Some(&worker.worker.key))
                 .map(|p| p.topic)
                 .collect();
-            assert_eq!(topics.len(), 2, "{topics:?}");
-            assert!(topics.contains(&Topic::KvMetrics) && topics.contains(&Topic::KvEvents));
+            // As in the disaggregated capture: every worker publishes its load, and only the
+            // prefill workers their KV cache.
+            let expected: &[Topic] = match worker.worker.role {
+                Role::Decode => &[Topic::KvMetrics],
+                _ => &[Topic::KvMetrics, Topic::KvEvents],
+            };
+            assert_eq!(topics.len(), expected.len(), "{:?}: {topics:?}", worker.worker.role);
+            assert!(expected.iter().all(|t| topics.contains(t)), "{topics:?}");
         }
     }
 }

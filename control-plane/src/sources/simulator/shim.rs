@@ -6,9 +6,10 @@
 //! changes, one rise and one fall per request.
 //!
 //! A request that carries its prompt's tokens (`nvext.token_data`, which a replica attaches
-//! with `dynamo.kv.send_token_data`) has its full blocks stored in the prefix caches of the
-//! workers it ran on, which publish them as kv-events; the prefill worker's cached part is
-//! answered as `usage.prompt_tokens_details.cached_tokens`. The shim has no tokenizer: a
+//! with `dynamo.kv.send_token_data`) has its full blocks stored in the prefix cache of the
+//! worker that prefilled it (the prefill worker of a pair, as 1.6.1's decode workers publish
+//! no kv-events, or the aggregated worker), which publishes them as kv-events; the part it
+//! held already is answered as `usage.prompt_tokens_details.cached_tokens`. The shim has no tokenizer: a
 //! request without tokens is sized from its text and stores nothing. It also serves the
 //! fleet's model files (`GET /artifacts/...`, see `artifacts.rs`).
 //!
@@ -148,8 +149,6 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
             tokio::time::sleep(PREFILL_TIME).await;
             prefill.store_prompt(&prompt);
             decode.touch();
-            // The prefilled blocks reach the decode worker's cache too.
-            decode.store_prompt(&prompt);
             (Held::take(decode, blocks), cached)
         }
         None => {

@@ -129,7 +129,7 @@ impl SimulatedWorker {
         self.publish_events(&mut events, &[EventData::Cleared]);
     }
 
-    /// The worker prefilled (or, as a decode worker, received) a prompt of `blocks`: it stores
+    /// The worker prefilled a prompt of `blocks`: it stores
     /// them, publishing what it stored and evicted, and returns how many it already held.
     pub fn store_prompt(&self, blocks: &[Block]) -> usize {
         let mut events = self.events.lock().unwrap_or_else(PoisonError::into_inner);
