@@ -139,7 +139,8 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         return refuse(&Refusal::unavailable());
     }
     let prompt = prompt_blocks(&request, shim.block_size);
-    let blocks = plan.prompt_blocks + plan.tokens.div_ceil(shim.block_size);
+    // The sequence's blocks, prompt and answer together, as an engine pages them.
+    let blocks = (plan.prompt_tokens + plan.tokens).div_ceil(shim.block_size);
     let (held, cached) = match prefill {
         // What a worker holds when the request arrives is cached; the rest is stored once
         // prefilled.
@@ -212,7 +213,6 @@ struct Plan {
     model: String,
     created: u64,
     prompt_tokens: u64,
-    prompt_blocks: u64,
     /// The prompt's leading tokens its prefill worker held already.
     cached_tokens: u64,
     tokens: u64,
@@ -235,7 +235,6 @@ impl Plan {
             model: shim.model.clone(),
             created: now_secs(),
             prompt_tokens,
-            prompt_blocks: prompt_tokens.div_ceil(shim.block_size),
             cached_tokens: 0,
             tokens: asked.unwrap_or(DEFAULT_MAX_TOKENS).clamp(1, MAX_TOKENS_CAP),
             echo: wants_echo.then(|| worker_id(pins)),
