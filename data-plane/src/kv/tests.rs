@@ -529,6 +529,16 @@ async fn rendering_limits_fall_back() {
 
 /// `renderer` preparing `request` as for a card with no prompt defaults, unsalted, in blocks
 /// of 16.
+/// dynamo.frontend drops NUL characters from the rendered prompt before encoding it.
+#[tokio::test]
+async fn nul_characters_are_dropped_before_encoding_as_the_frontend_does() {
+    let artifacts = loaded_tinymodel().await;
+    let renderer = Renderer::new(RenderLimits::default());
+    let with_nul = prepare16(&renderer, &artifacts, &chat("a tool's output:\u{0}\u{0} done")).await.unwrap();
+    let without = prepare16(&renderer, &artifacts, &chat("a tool's output: done")).await.unwrap();
+    assert_eq!(with_nul.tokens, without.tokens);
+}
+
 async fn prepare16(
     renderer: &Renderer,
     artifacts: &Arc<LoadedArtifacts>,

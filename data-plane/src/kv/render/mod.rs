@@ -195,6 +195,9 @@ pub fn prepare_blocking(
             Fallback::RenderUnavailable
         }
     })?;
+    // The frontend drops NUL characters from a rendered prompt before encoding it: one kept
+    // would be a token it never sees, and shift every block after it.
+    let text = if text.contains('\0') { text.replace('\0', "") } else { text };
     let tokens = encode(artifacts, &text)?;
     if tokens.len() > max_tokens {
         return Err(Fallback::PromptTooLarge);
