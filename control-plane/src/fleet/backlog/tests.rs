@@ -6,7 +6,7 @@ use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
 
 use super::*;
-use crate::fleet::ActiveIndex;
+use crate::fleet::{ActiveIndex, FleetPublisher};
 
 fn state_with(dp_size: u32) -> FleetState {
     let state = FleetState::new(1, Arc::new(DataPlaneConfig::default()));

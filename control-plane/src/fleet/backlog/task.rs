@@ -1,0 +1,176 @@
+//! The book's task, and the handle Watch sessions reach it by: reports and departures go over a
+//! bounded channel, bounded in bytes too, and the task publishes what moved (see the module
+//! above for when).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use continuum_proto::pb;
+use prometheus::IntCounter;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::{BACKLOG_WINDOW, Book, MAX_QUEUED_REPORT_BYTES};
+use crate::fleet::{ActiveIndex, FleetPublisher, FleetState};
+
+/// Reports waiting for the book; a full queue drops the report (and counts it) rather than
+/// stalling a Watch session.
+pub(super) const COMMAND_QUEUE: usize = 4096;
+
+/// About what a report holds in memory: its dispatches, their block hashes and namespaces (a
+/// replica's to fill, up to the message bound), its ends.
+pub(super) fn report_bytes(report: &pb::DispatchReport) -> usize {
+    let started = report.started.iter().map(|started| {
+        let namespace = started.rank.as_ref().and_then(|rank| rank.worker.as_ref()).map_or(0, |w| w.namespace.len());
+        std::mem::size_of::<pb::DispatchStarted>()
+            + std::mem::size_of::<pb::WorkerKey>()
+            + namespace
+            + started.block_hashes.len() * std::mem::size_of::<u64>()
+    });
+    let ends = (report.ended.len() + report.prefilled.len()) * std::mem::size_of::<u64>();
+    std::mem::size_of::<pb::DispatchReport>() + started.sum::<usize>() + ends
+}
+
+enum Command {
+    Report { replica: u64, report: pb::DispatchReport, at: Instant, bytes: usize },
+    ReplicaGone { replica: u64 },
+}
+
+/// What the book counts on the control plane's registry.
+#[derive(Debug, Clone)]
+pub struct BookCounters {
+    /// Dispatches the book would not hold.
+    pub refused: IntCounter,
+    /// Prefix chains not held past [`MAX_ACTIVE_BLOCK_HASHES`].
+    pub chains_dropped: IntCounter,
+    /// Dispatches reported again on a new stream.
+    pub replayed: IntCounter,
+}
+
+/// The handle sessions use.
+#[derive(Debug, Clone)]
+pub struct BacklogBook {
+    tx: mpsc::Sender<Command>,
+    /// What the reports in the queue hold, estimated; the book's task gives it back.
+    queued: Arc<AtomicUsize>,
+}
+
+impl BacklogBook {
+    /// Starts the book's task, which keeps the blocks in flight in `active`.
+    pub fn spawn(
+        publisher: FleetPublisher,
+        active: ActiveIndex,
+        counters: BookCounters,
+        cancel: CancellationToken,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+        let queued = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, Arc::clone(&queued)), counters, cancel));
+        Self { tx, queued }
+    }
+
+    /// Records a replica's report; `false` when the book is a full queue, or a queue of
+    /// [`MAX_QUEUED_REPORT_BYTES`], behind.
+    pub fn report(&self, replica: u64, report: pb::DispatchReport) -> bool {
+        let bytes = report_bytes(&report);
+        if self.queued.fetch_add(bytes, Ordering::AcqRel) + bytes > MAX_QUEUED_REPORT_BYTES {
+            self.queued.fetch_sub(bytes, Ordering::AcqRel);
+            return false;
+        }
+        let sent = self.tx.try_send(Command::Report { replica, report, at: Instant::now(), bytes }).is_ok();
+        if !sent {
+            self.queued.fetch_sub(bytes, Ordering::AcqRel);
+        }
+        sent
+    }
+
+    /// Forgets `replica`'s dispatches; waits for room in the queue, since a replica gone
+    /// unnoticed would weigh on its ranks until its dispatches aged out.
+    pub async fn replica_gone(&self, replica: u64) {
+        // The book's task ends only with the control plane, when nothing is left to forget.
+        let _ = self.tx.send(Command::ReplicaGone { replica }).await;
+    }
+}
+
+async fn run(
+    publisher: FleetPublisher,
+    mut book: Book,
+    (mut rx, queued): (mpsc::Receiver<Command>, Arc<AtomicUsize>),
+    counters: BookCounters,
+    cancel: CancellationToken,
+) {
+    // What the counters already hold of the book's totals.
+    let (mut refused, mut chains_dropped, mut replayed) = (0, 0, 0);
+    let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
+    let mut tick = tokio::time::interval(BACKLOG_WINDOW);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // On the runtime's clock, as the tick is.
+    let mut last_published: Option<tokio::time::Instant> = None;
+    loop {
+        // With nothing held, nothing to publish and no count to export, the book sleeps until a
+        // report comes instead of waking every window.
+        let busy = !book.ranks.is_empty()
+            || !book.dirty.is_empty()
+            || (book.refused, book.chains_dropped, book.replayed) != (refused, chains_dropped, replayed);
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => return,
+            command = rx.recv() => {
+                match command {
+                    Some(Command::Report { replica, report, at, bytes }) => {
+                        queued.fetch_sub(bytes, Ordering::AcqRel);
+                        book.report(replica, report, at, &states.borrow());
+                    }
+                    Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
+                    None => return,
+                }
+                // Leading edge: the first change after a quiet window goes out at once, so the
+                // other replicas learn of a lone dispatch or end without waiting up to a window
+                // for the tick (requests arriving a millisecond apart through different replicas
+                // otherwise pile onto the worker that looked free); a stream of reports is paced
+                // by the tick, one publication per window.
+                let paced = tokio::time::Instant::now();
+                if last_published.is_none_or(|at| paced.saturating_duration_since(at) >= BACKLOG_WINDOW)
+                    && publish(&mut book, &publisher, &mut states, Instant::now())
+                {
+                    last_published = Some(paced);
+                    // The next publication waits a whole window from this one.
+                    tick.reset();
+                }
+            }
+            _ = tick.tick(), if busy => {
+                if publish(&mut book, &publisher, &mut states, Instant::now()) {
+                    last_published = Some(tokio::time::Instant::now());
+                }
+                counters.refused.inc_by(book.refused - refused);
+                counters.chains_dropped.inc_by(book.chains_dropped - chains_dropped);
+                counters.replayed.inc_by(book.replayed - replayed);
+                (refused, chains_dropped, replayed) = (book.refused, book.chains_dropped, book.replayed);
+            }
+        }
+    }
+}
+
+/// Brings the book up to date with the newest samples and time, and publishes the sums that
+/// moved; `true` when it published.
+fn publish(
+    book: &mut Book,
+    publisher: &FleetPublisher,
+    states: &mut watch::Receiver<Arc<FleetState>>,
+    now: Instant,
+) -> bool {
+    if !book.ranks.is_empty() {
+        let state = Arc::clone(&states.borrow_and_update());
+        book.expire(&state, now);
+    }
+    if book.dirty.is_empty() {
+        return false;
+    }
+    let change = book.take_change(now);
+    let changed = !change.backlogs.is_empty();
+    if changed {
+        publisher.apply(change);
+    }
+    changed
+}
