@@ -132,10 +132,10 @@ impl Feed for LoadFeed {
     }
 
     async fn set_live(&self, fleet: &Fleet) {
-        let evicted = self.store.lock().set_live_and_retain(live_ranks(fleet));
-        // A departed worker's unsent removals need no sending: its samples leave with it.
         let live = live_ranks(fleet);
+        // A departed worker's unsent removals need no sending: its samples leave with it.
         self.unsent().retain(|k| live.get(&k.worker).is_some_and(|ranks| ranks.contains(&k.dp_rank)));
+        let evicted = self.store.lock().set_live_and_retain(live);
         self.remove(evicted).await;
     }
 }
