@@ -34,10 +34,6 @@ pub(super) fn parse_lenient(mut document: Value) -> (Option<Config>, Vec<Diagnos
                 break;
             }
             Err((path, message)) => {
-                let Some(path) = path else {
-                    diagnostics.push(Diagnostic::error("", message));
-                    break;
-                };
                 let attempt = attempts.entry(path.clone()).or_insert(0);
                 if *attempt == 0 {
                     diagnostics.push(Diagnostic::error(path.to_string(), message));
@@ -49,11 +45,17 @@ pub(super) fn parse_lenient(mut document: Value) -> (Option<Config>, Vec<Diagnos
             }
         }
     }
+    if config.is_none() && diagnostics.len() >= MAX_TYPE_ERRORS {
+        diagnostics.push(Diagnostic::error(
+            "",
+            format!("checking stopped after {MAX_TYPE_ERRORS} type errors: fix these and check again"),
+        ));
+    }
     diagnostics.extend(unknown_keys::describe(&unknown));
     (config, diagnostics)
 }
 
-type ParseError = (Option<KeyPath>, String);
+type ParseError = (KeyPath, String);
 
 fn parse_once(document: Value, unknown: &mut BTreeSet<KeyPath>) -> Result<Config, ParseError> {
     let mut record = |path: serde_ignored::Path<'_>| {
@@ -61,12 +63,20 @@ fn parse_once(document: Value, unknown: &mut BTreeSet<KeyPath>) -> Result<Config
     };
     let deserializer = serde_ignored::Deserializer::new(document, &mut record);
     serde_path_to_error::deserialize(deserializer).map_err(|error| {
-        let path = KeyPath::from_error_path(error.path());
+        let (path, whole) = KeyPath::from_error_path(error.path());
+        let mut message = error.into_inner().to_string();
+        if !whole {
+            // Reported, and taken out of the way, at the nearest key that has a name.
+            message.push_str(" (under this key, at a key that is not a string: quote it)");
+        }
         // serde quotes what it could not take ("invalid type: integer `20240101`"), which under
-        // a secret is the secret: say what is wrong without it.
+        // a secret is the secret, and a string where a whole section belongs may be that
+        // section's secret (`admin: token:${ADMIN_TOKEN}`, the space after a colon missing):
+        // say what is wrong without it.
         let message = match &path {
-            Some(path) if path.holds_secret() => SECRET_MISTYPED.to_string(),
-            _ => error.into_inner().to_string(),
+            path if path.holds_secret() => SECRET_MISTYPED.to_string(),
+            _ if string_for_section(&message) => SECTION_AS_STRING.to_string(),
+            _ => message,
         };
         (path, message)
     })
@@ -74,6 +84,15 @@ fn parse_once(document: Value, unknown: &mut BTreeSet<KeyPath>) -> Result<Config
 
 const SECRET_MISTYPED: &str =
     "is not what this key takes (a secret is a string: quote a number); the value is not shown";
+const SECTION_AS_STRING: &str = "is a string where a section (keys and values) or a list belongs; is a space missing \
+     after a colon? The value is not shown: it may hold a secret";
+
+/// Whether serde's message is about a string found where a struct, a map or a sequence was
+/// expected (serde words these `invalid type: string "…", expected struct X` and the like).
+fn string_for_section(message: &str) -> bool {
+    message.starts_with("invalid type: string ")
+        && [", expected struct ", ", expected a map", ", expected a sequence"].iter().any(|e| message.contains(e))
+}
 
 /// Takes the value at `path` out of the way; `false` when nothing more can be tried.
 fn neutralize(document: &mut Value, path: &KeyPath, attempt: usize) -> bool {

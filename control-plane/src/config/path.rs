@@ -60,15 +60,19 @@ impl KeyPath {
         }
     }
 
-    /// The failing path serde_path_to_error reports; `None` when a segment has no name.
-    pub(super) fn from_error_path(path: &serde_path_to_error::Path) -> Option<Self> {
+    /// The failing path serde_path_to_error reports, as far as its segments have names (a
+    /// mapping key that is not a string has none), and whether that is all of it.
+    pub(super) fn from_error_path(path: &serde_path_to_error::Path) -> (Self, bool) {
         use serde_path_to_error::Segment as S;
-        let segments = path.iter().map(|segment| match segment {
-            S::Seq { index } => Some(Segment::Index(*index)),
-            S::Map { key } => Some(Segment::Key(key.clone())),
-            S::Enum { .. } | S::Unknown => None,
-        });
-        segments.collect::<Option<Vec<_>>>().map(Self)
+        let mut segments = Vec::new();
+        for segment in path.iter() {
+            segments.push(match segment {
+                S::Seq { index } => Segment::Index(*index),
+                S::Map { key } => Segment::Key(key.clone()),
+                S::Enum { .. } | S::Unknown => return (Self(segments), false),
+            });
+        }
+        (Self(segments), true)
     }
 
     /// The node this path names, if the document has one there.

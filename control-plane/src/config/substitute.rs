@@ -1,5 +1,6 @@
-//! `${VAR}` substitution in every string value of the document, before typed parsing, so
-//! secrets (`password: "${ETCD_PASSWORD}"`) stay out of the file. `$${` is a literal `${`.
+//! `${VAR}` substitution in every string value and mapping key of the document, before typed
+//! parsing, so secrets (`password: "${ETCD_PASSWORD}"`) stay out of the file. What it yields
+//! is a string, whatever the variable holds. `$${` is a literal `${`.
 //! Substituted text is not scanned again, so a variable's value can never expand further.
 
 use serde_yaml_ng::Value;
@@ -33,16 +34,31 @@ fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnosti
             }
         }
         Value::Mapping(map) => {
-            let mut failed = Vec::new();
-            for (key, item) in map.iter_mut() {
-                let before = out.len();
-                walk(item, &path.child_key(key_text(key)), env, out);
-                if out.len() > before && item.is_string() {
-                    failed.push(key.clone());
+            // Keys are substituted too (`model_map: {"${CLIENT_MODEL}": …}`); an entry whose key
+            // cannot be is reported and dropped, and so is one whose value is a string that
+            // cannot be.
+            let entries = std::mem::take(map);
+            for (mut key, mut item) in entries {
+                if let Value::String(text) = &mut key {
+                    match substitute(text, env) {
+                        Ok(new) => *text = new,
+                        Err(error) => {
+                            out.push(Diagnostic::error(path.child_key(text.clone()).to_string(), error.message(false)));
+                            continue;
+                        }
+                    }
                 }
-            }
-            for key in failed {
-                map.shift_remove(&key);
+                let item_path = path.child_key(key_text(&key));
+                let before = out.len();
+                walk(&mut item, &item_path, env, out);
+                if out.len() > before && item.is_string() {
+                    continue;
+                }
+                if map.contains_key(&key) {
+                    out.push(Diagnostic::error(item_path.to_string(), "is given twice once `${…}` is substituted"));
+                    continue;
+                }
+                map.insert(key, item);
             }
         }
         Value::Tagged(tagged) => walk(&mut tagged.value, path, env, out),

@@ -105,6 +105,56 @@ fn a_mistyped_secret_is_reported_without_its_value() {
 }
 
 #[test]
+fn a_section_written_as_a_string_is_reported_without_its_value() {
+    // The space after `token:` missing makes `admin` (or `control_plane`, `…tls`, the whole
+    // document) one string, which substitution has already filled with the secret.
+    let env = |name: &str| (name == "TOKEN").then(|| "s3cret-token".to_owned());
+    let documents = [
+        ("admin:\n  token:${TOKEN}", "admin"),
+        ("control_plane: 'token:${TOKEN}'", "control_plane"),
+        ("control_plane: {tls: 'key:${TOKEN}'}", "control_plane.tls"),
+        ("'token: ${TOKEN}'", ""),
+    ];
+    for (yaml, path) in documents {
+        let found = match load_str(yaml, &env) {
+            Err(ConfigError::Invalid(found)) => found,
+            other => panic!("{yaml}: expected diagnostics, got {other:?}"),
+        };
+        assert!(!format!("{found:?}").contains("s3cret"), "{yaml}: {found:?}");
+        let said = found.iter().find(|d| d.path == path);
+        assert!(said.is_some_and(|d| d.message.contains("space missing after a colon")), "{yaml}: {found:?}");
+    }
+    // A string where a plain value belongs is still quoted: it helps, and holds no secret.
+    let found = diagnostics("dynamo: {discovery: {simulator: {prefill: two}}}");
+    let prefill = found.iter().find(|d| d.path == "dynamo.discovery.simulator.prefill");
+    assert!(prefill.is_some_and(|d| d.message.contains("\"two\"")), "{found:?}");
+}
+
+#[test]
+fn a_mapping_key_that_is_not_a_string_is_reported_under_its_section_and_checking_goes_on() {
+    let found = diagnostics("dynamo: {shim: {model_map: {1: Qwen/Qwen3-32B}}}\nadmin: {listen: nowhere}");
+    let model_map = found.iter().find(|d| d.path == "dynamo.shim.model_map");
+    assert!(model_map.is_some_and(|d| d.message.contains("not a string")), "{found:?}");
+    // The rest of the document is still checked.
+    assert!(found.iter().any(|d| d.path == "admin.listen"), "{found:?}");
+}
+
+#[test]
+fn mapping_keys_are_substituted_too() {
+    let yaml = "dynamo: {shim: {model_map: {'${CLIENT_MODEL}': Qwen/Qwen3-32B}}}";
+    let env = |name: &str| (name == "CLIENT_MODEL").then(|| "qwen".to_owned());
+    let config = match load_str(yaml, &env) {
+        Ok(loaded) => loaded.config,
+        Err(error) => panic!("{error}"),
+    };
+    assert_eq!(config.dynamo.shim.model_map.get("qwen").map(String::as_str), Some("Qwen/Qwen3-32B"));
+    // An unset variable in a key is an error at that key, as in a value.
+    let found = diagnostics(yaml);
+    let said = found.iter().find(|d| d.path == "dynamo.shim.model_map.${CLIENT_MODEL}");
+    assert!(said.is_some_and(|d| d.message.contains("`CLIENT_MODEL` is not set")), "{found:?}");
+}
+
+#[test]
 fn unknown_keys_are_all_reported_with_suggestions() {
     let yaml = "dynamo:\n  discovery:\n    etcd: {endpoint: ['a:2379'], namepsace: x}\n    static: {workers: [{instance_id: 1, rol: decode, model: m}]}\nbackend: []\nadmin: {zzz: 1}\ncontrol_plane: {tls: {cert: /c, key: /k, clinet_ca: /ca}}";
     let found = diagnostics(yaml);
