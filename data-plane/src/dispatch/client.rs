@@ -162,11 +162,7 @@ impl ShimClient {
         let dial = async {
             let addrs: Vec<SocketAddr> = match authority.parse::<SocketAddr>() {
                 Ok(addr) => vec![addr],
-                Err(_) => {
-                    let host = authority.rsplit_once(':').map_or(authority, |(host, _)| host);
-                    let host = host.trim_start_matches('[').trim_end_matches(']');
-                    tokio::net::lookup_host((host, port)).await?.collect()
-                }
+                Err(_) => tokio::net::lookup_host((host(authority), port)).await?.collect(),
             };
             let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{authority} resolved to no address"));
             for addr in addrs {
@@ -222,9 +218,32 @@ async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
     }
 }
 
+/// The host of an authority (`h:80`, `h`, `[fd00::1]:80`, `[fd00::1]`), without brackets: an
+/// IPv6 literal's colons are not a port's.
+fn host(authority: &str) -> &str {
+    if let Some(bracketed) = authority.strip_prefix('[') {
+        return bracketed.split_once(']').map_or(bracketed, |(host, _)| host);
+    }
+    authority.rsplit_once(':').map_or(authority, |(host, _)| host)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_authority_names_its_host_without_port_or_brackets() {
+        let rows = [
+            ("shim:8000", "shim"),
+            ("shim", "shim"),
+            ("[fd00::1]:8000", "fd00::1"),
+            ("[fd00::1]", "fd00::1"),
+            ("10.0.0.1:80", "10.0.0.1"),
+        ];
+        for (authority, expected) in rows {
+            assert_eq!(host(authority), expected, "{authority}");
+        }
+    }
 
     #[test]
     fn only_a_request_that_never_arrived_whole_may_go_to_another_replica() {

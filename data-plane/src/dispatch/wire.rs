@@ -134,19 +134,32 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, WireError> {
     }
 }
 
-/// RFC 9112 §6.3: no body for 204 and 304; chunked when it is the final transfer coding; else
-/// the one `Content-Length`; else until the close.
+/// RFC 9112 §6.3: no body for 204 and 304; chunked with `Transfer-Encoding`; else the one
+/// `Content-Length`; else until the close. The data plane asks for no transfer coding (it
+/// sends no `TE`), so `chunked` alone may come back (§7), and never beside a `Content-Length`,
+/// which §6.3 has a client handle as an error: a body it cannot decode, or frames two ways,
+/// fails the exchange rather than reach the client still encoded.
 fn framing(status: StatusCode, raw: &[httparse::Header<'_>]) -> Result<Framing, WireError> {
     if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok(Framing::Length(0));
     }
-    if let Some(chunked) = final_coding_chunked(raw) {
-        return Ok(if chunked { Framing::Chunked } else { Framing::UntilClose });
+    if values(raw, "transfer-encoding").next().is_some() {
+        let mut codings =
+            values(raw, "transfer-encoding").flat_map(|v| v.split(|b| *b == b',')).map(<[u8]>::trim_ascii);
+        let only_chunked =
+            codings.next().is_some_and(|c| c.eq_ignore_ascii_case(b"chunked")) && codings.next().is_none();
+        if !only_chunked {
+            return Err(WireError::Head("a transfer coding other than chunked".into()));
+        }
+        if values(raw, "content-length").next().is_some() {
+            return Err(WireError::Head("both transfer-encoding and content-length".into()));
+        }
+        return Ok(Framing::Chunked);
     }
     match content_length(raw) {
         Ok(Some(length)) => Ok(Framing::Length(length)),
         Ok(None) => Ok(Framing::UntilClose),
-        Err(LengthError::NotANumber) => Err(WireError::Head("content-length".into())),
+        Err(LengthError::NotANumber | LengthError::TooLarge) => Err(WireError::Head("content-length".into())),
         Err(LengthError::Conflicting) => Err(WireError::Head("conflicting content-length values".into())),
     }
 }
@@ -163,6 +176,8 @@ pub(crate) fn final_coding_chunked(raw: &[httparse::Header<'_>]) -> Option<bool>
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LengthError {
     NotANumber,
+    /// All digits, past what 64 bits hold.
+    TooLarge,
     Conflicting,
 }
 
@@ -171,13 +186,16 @@ pub(crate) enum LengthError {
 pub(crate) fn content_length(raw: &[httparse::Header<'_>]) -> Result<Option<u64>, LengthError> {
     let parse = |v: &[u8]| {
         let digits = v.trim_ascii();
-        let all_digits = !digits.is_empty() && digits.iter().all(u8::is_ascii_digit);
-        all_digits.then(|| std::str::from_utf8(digits).ok()?.parse::<u64>().ok()).flatten()
+        if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+            return Err(LengthError::NotANumber);
+        }
+        let digits = std::str::from_utf8(digits).map_err(|_| LengthError::NotANumber)?;
+        digits.parse::<u64>().map_err(|_| LengthError::TooLarge)
     };
     let mut lengths = values(raw, "content-length");
     let Some(first) = lengths.next() else { return Ok(None) };
-    let length = parse(first).ok_or(LengthError::NotANumber)?;
-    if lengths.any(|other| parse(other) != Some(length)) {
+    let length = parse(first)?;
+    if lengths.any(|other| parse(other) != Ok(length)) {
         return Err(LengthError::Conflicting);
     }
     Ok(Some(length))
@@ -295,13 +313,16 @@ fn is_forbidden_in_line(byte: u8) -> bool {
 /// One CRLF-terminated line off the front of `buf` (without its CRLF), or `None` if it has not
 /// all arrived.
 fn take_line(buf: &mut BytesMut) -> Result<Option<Bytes>, WireError> {
-    match buf.windows(2).position(|w| w == b"\r\n") {
+    // A line is refused past the bound however the reads split it: only its first bytes are
+    // searched for the CRLF.
+    let searched = &buf[..buf.len().min(MAX_CHUNK_LINE_BYTES + 2)];
+    match searched.windows(2).position(|w| w == b"\r\n") {
         Some(end) => {
             let line = buf.split_to(end).freeze();
             buf.advance(2);
             Ok(Some(line))
         }
-        None if buf.len() > MAX_CHUNK_LINE_BYTES => Err(WireError::Chunk("line too long")),
+        None if searched.len() == MAX_CHUNK_LINE_BYTES + 2 => Err(WireError::Chunk("line too long")),
         None => Ok(None),
     }
 }
@@ -389,8 +410,16 @@ mod tests {
         assert_eq!((h.status, h.framing, h.keep_alive, n), (StatusCode::OK, Framing::Length(5), true, text.len() - 5));
         assert_eq!(h.headers.keys().collect::<Vec<_>>(), ["content-type"], "only relayable headers are kept");
         assert_eq!(h.headers["content-type"], "a/b");
-        let (h, _) = head("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\ncontent-length: 3\r\n\r\n");
-        assert_eq!(h.framing, Framing::Chunked);
+        assert_eq!(head("HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n").0.framing, Framing::Chunked);
+        // Nothing but `chunked` was asked for, and a body framed two ways is no body.
+        for refused in [
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n",
+        ] {
+            assert!(matches!(parse_head(refused.as_bytes()), Err(WireError::Head(_))), "{refused:?}");
+        }
         assert_eq!(head("HTTP/1.1 200 OK\r\n\r\n").0.framing, Framing::UntilClose);
         assert_eq!(head("HTTP/1.1 204 No Content\r\n\r\n").0.framing, Framing::Length(0));
         assert!(!head("HTTP/1.1 200 OK\r\nconnection: keep-alive, Close\r\n\r\n").0.keep_alive);
@@ -454,7 +483,12 @@ mod tests {
         assert_eq!(decode(b"zz\r\n"), Err(WireError::Chunk("chunk size")));
         assert_eq!(decode(b"2\r\nabc\r\n"), Err(WireError::Chunk("chunk not followed by CRLF")));
         assert_eq!(decode(b"11111111111111111\r\n"), Err(WireError::Chunk("chunk size")));
-        assert_eq!(decode(&[b'1'; MAX_CHUNK_LINE_BYTES + 1]), Err(WireError::Chunk("line too long")));
+        assert_eq!(decode(&[b'1'; MAX_CHUNK_LINE_BYTES + 2]), Err(WireError::Chunk("line too long")));
+        // Refused as well when the whole line, CRLF and all, came in one read.
+        let mut long_extension = b"1;".to_vec();
+        long_extension.extend(std::iter::repeat_n(b'a', 6000));
+        long_extension.extend_from_slice(b"\r\nX\r\n0\r\n\r\n");
+        assert_eq!(decode(&long_extension), Err(WireError::Chunk("line too long")));
         // Size lines another hop could split or read otherwise.
         for loose in
             [&b"+5\r\nhello\r\n"[..], b" 5\r\nhello\r\n", b"5;\nXX\r\nhello\r\n", b"5\x0b\r\nhello\r\n", b"5 x\r\n"]

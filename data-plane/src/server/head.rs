@@ -119,7 +119,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         .map_err(|_| HeadError::Malformed("method".into()))?;
     let version = if request.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
     let target = request.path.unwrap_or("/");
-    let path = origin_path(target).split('?').next().unwrap_or_default();
+    let path = origin_path(target).split(['?', '#']).next().unwrap_or_default();
     let route = if method == Method::POST && path == CHAT_COMPLETIONS { Route::ChatCompletions } else { Route::Router };
     let raw = &*request.headers;
     // RFC 9112 §3.2: an HTTP/1.1 request names its host exactly once.
@@ -138,7 +138,8 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     }
     let keep_alive = match version {
         Version::HTTP_11 => !has_token(raw, "connection", "close"),
-        _ => has_token(raw, "connection", "keep-alive"),
+        // RFC 9112 §9.3: `close` wins over `keep-alive`, wherever each is listed.
+        _ => has_token(raw, "connection", "keep-alive") && !has_token(raw, "connection", "close"),
     };
     let expects_continue = version == Version::HTTP_11
         && values(raw, "expect").any(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
@@ -173,7 +174,12 @@ fn origin_path(target: &str) -> &str {
         return target;
     }
     match target.split_once("://") {
-        Some((_, rest)) => rest.find('/').map_or("/", |at| &rest[at..]),
+        // The authority ends at the first `/`, `?` or `#` (RFC 3986 §3.2): `http://x?/v1/…`
+        // has the path `/`, and `/v1/…` is its query.
+        Some((_, rest)) => match rest.find(['/', '?', '#']) {
+            Some(at) if rest[at..].starts_with('/') => &rest[at..],
+            _ => "/",
+        },
         None => target,
     }
 }
@@ -212,6 +218,7 @@ fn body_framing(raw: &[httparse::Header<'_>]) -> Result<BodyFraming, HeadError> 
     let length = match content_length(raw) {
         Ok(length) => length.unwrap_or(0),
         Err(LengthError::NotANumber) => return Err(HeadError::Framing("Content-Length is not a number")),
+        Err(LengthError::TooLarge) => return Err(HeadError::BodyTooLarge),
         Err(LengthError::Conflicting) => return Err(HeadError::Framing("conflicting Content-Length values")),
     };
     match usize::try_from(length) {
@@ -373,12 +380,18 @@ mod tests {
         let query = head("POST /v1/chat/completions?cb=http://x/y HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
         assert_eq!(query.route, Route::ChatCompletions, "a URL in the query is not the target's scheme");
         assert_eq!(head("GET http://router HTTP/1.1\r\n\r\n").route, Route::Router);
+        for target in ["http://x?/v1/chat/completions", "http://x#/v1/chat/completions"] {
+            let text = format!("POST {target} HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
+            assert_eq!(head(&text).route, Route::Router, "{target}: the path is `/`, the rest its query");
+        }
 
         let rows = [
             ("GET / HTTP/1.1\r\n\r\n", BodyFraming::Length(0), true),
             ("GET / HTTP/1.1\r\nConnection: Keep-Alive, CLOSE\r\n\r\n", BodyFraming::Length(0), false),
             ("GET / HTTP/1.0\r\n\r\n", BodyFraming::Length(0), false),
             ("GET / HTTP/1.0\r\nconnection: keep-alive\r\n\r\n", BodyFraming::Length(0), true),
+            ("GET / HTTP/1.0\r\nconnection: keep-alive, close\r\n\r\n", BodyFraming::Length(0), false),
+            ("GET / HTTP/1.0\r\nconnection: keep-alive\r\nconnection: close\r\n\r\n", BodyFraming::Length(0), false),
             ("POST / HTTP/1.1\r\ntransfer-encoding:  Chunked \r\n\r\n", BodyFraming::Chunked, true),
             ("POST / HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n", BodyFraming::Length(5), true),
         ];
@@ -418,6 +431,7 @@ mod tests {
         assert_eq!(refused(&target).status(), StatusCode::URI_TOO_LONG);
         let huge = format!("POST / HTTP/1.1\r\ncontent-length: {}\r\n\r\n", MAX_REQUEST_BODY_BYTES + 1);
         assert_eq!(refused(&huge), HeadError::BodyTooLarge);
+        assert_eq!(refused("POST / HTTP/1.1\r\ncontent-length: 99999999999999999999\r\n\r\n"), HeadError::BodyTooLarge);
         assert_eq!(refused(&huge).status(), StatusCode::PAYLOAD_TOO_LARGE);
         let endless = format!("GET / HTTP/1.1\r\nx: {}", "a".repeat(MAX_HEAD_BYTES));
         assert_eq!(refused(&endless), HeadError::TooLarge);
