@@ -10,7 +10,22 @@ pub struct Token(Digest);
 
 impl Token {
     pub fn new(token: &str) -> Self {
-        Self(digest(&SHA256, token.as_bytes()))
+        Self::of(token.as_bytes())
+    }
+
+    fn of(token: &[u8]) -> Self {
+        Self(digest(&SHA256, token))
+    }
+
+    /// The token an `authorization` value presents (`Bearer <token>`), digested to be checked.
+    pub fn presented(authorization: Option<&[u8]>) -> Option<Self> {
+        authorization.and_then(|value| value.strip_prefix(b"Bearer ")).map(Self::of)
+    }
+
+    /// Whether two tokens are the same. The digests are compared without an early exit, so
+    /// response timing reveals neither a matching prefix nor the expected token's length.
+    pub fn matches(&self, other: &Token) -> bool {
+        self.0.as_ref().iter().zip(other.0.as_ref()).fold(0u8, |differ, (a, b)| differ | (a ^ b)) == 0
     }
 }
 
@@ -21,13 +36,15 @@ impl fmt::Debug for Token {
     }
 }
 
-/// Whether an `authorization` value presents `expected` as its bearer token. The presented
-/// token's digest is compared with the expected one's without an early exit, so response
-/// timing reveals neither a matching prefix nor the expected token's length.
+/// Whether an `authorization` value presents `expected` as its bearer token ([`Token::matches`]).
 pub fn accepts(authorization: Option<&[u8]>, expected: &Token) -> bool {
-    let Some(token) = authorization.and_then(|value| value.strip_prefix(b"Bearer ")) else { return false };
-    let presented = digest(&SHA256, token);
-    presented.as_ref().iter().zip(expected.0.as_ref()).fold(0u8, |differ, (a, b)| differ | (a ^ b)) == 0
+    Token::presented(authorization).is_some_and(|presented| presented.matches(expected))
+}
+
+/// Whether a call presenting `presented` may proceed while `expected` are the tokens: any of
+/// them, or anything while there are none.
+pub fn admits(expected: &[Token], presented: Option<&Token>) -> bool {
+    expected.is_empty() || presented.is_some_and(|presented| expected.iter().any(|token| presented.matches(token)))
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ pub struct Metrics {
     pub watch_superseded: IntCounter,
     /// Fleet calls refused for want of `control_plane.token`.
     pub unauthenticated: IntCounter,
+    pub watch_retired: IntCounter,
     /// Re-reads of `control_plane.tls`'s files that changed them, by `result` (applied, refused).
     pub fleet_tls_reloads: IntCounterVec,
     /// Fleet connections whose TLS handshake did not complete, by `reason`
@@ -107,6 +108,10 @@ impl Metrics {
             unauthenticated: IntCounter::new(
                 "continuum_fleet_unauthenticated_total",
                 "Fleet gRPC calls refused because they did not present control_plane.token",
+            )?,
+            watch_retired: IntCounter::new(
+                "continuum_fleet_watch_retired_total",
+                "Watch streams ended because the token they were opened with is no longer accepted",
             )?,
             fleet_tls_reloads: IntCounterVec::new(
                 Opts::new(
@@ -255,6 +260,7 @@ impl Metrics {
             Box::new(metrics.watch_refused.clone()),
             Box::new(metrics.watch_superseded.clone()),
             Box::new(metrics.unauthenticated.clone()),
+            Box::new(metrics.watch_retired.clone()),
             Box::new(metrics.fleet_tls_reloads.clone()),
             Box::new(metrics.fleet_tls_handshakes_failed.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),

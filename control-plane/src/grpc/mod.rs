@@ -1,6 +1,7 @@
 //! The control plane's gRPC server: `continuum.fleet.v1.Fleet`, `grpc.health.v1` and server
 //! reflection in both `v1` and `v1alpha` (grpcurl 1.8.6 speaks only the latter).
 
+mod gate;
 mod service;
 mod session;
 pub mod tls;
@@ -12,8 +13,10 @@ use continuum_proto::pb::fleet_server::FleetServer;
 use continuum_proto::{MAX_FLEET_MESSAGE_BYTES, MAX_INBOUND_FLEET_MESSAGE_BYTES};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 
+pub use gate::Gate;
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus};
 pub use tls::ServerTls;
@@ -23,6 +26,12 @@ pub use turns::MAX_TURN_MODELS;
 /// interval + timeout, and its session (and memory) released.
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Calls one connection may hold open at once: a replica holds its Watch stream and its
+/// lookups in flight (a few dozen at thousands of requests a second, each within its
+/// deadline). tonic would otherwise lift HTTP/2's limit altogether, and every call holds its
+/// message's memory until it is answered.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -40,6 +49,7 @@ pub async fn serve(
     tls: Option<ServerTls>,
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
+    let gate = fleet.gate();
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<FleetServer<FleetService>>().await;
     let reflection = || {
@@ -53,14 +63,16 @@ pub async fn serve(
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(
+        .add_service(InterceptedService::new(
             FleetServer::new(fleet)
                 .max_decoding_message_size(MAX_INBOUND_FLEET_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
-        );
+            gate,
+        ));
     // `Server::tcp_nodelay` covers only the sockets `serve` binds itself: accepted ones need it
     // set by the incoming stream, or Nagle holds a small FindMatches reply for the client's
     // delayed ACK (~40 ms, twenty times the lookup's 2 ms deadline).

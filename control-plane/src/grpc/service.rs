@@ -15,6 +15,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::gate::{Gate, Presented, retired};
 use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
 use crate::bearer;
@@ -127,25 +128,18 @@ impl FleetService {
         Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns, seeded, tokens }
     }
 
-    /// Refuses every call (`UNAUTHENTICATED`) that does not present `authorization: Bearer
-    /// <token>` with one of `tokens`, while it holds any. The stream, the fleet it carries
-    /// (worker and shim addresses), the dispatch reports and the lookups are all the replicas'.
-    /// A change applies to calls made after it; open streams keep running.
+    /// Every call must present `authorization: Bearer <token>` with one of `tokens`, while it
+    /// holds any: the stream, the fleet it carries (worker and shim addresses), the dispatch
+    /// reports and the lookups are all the replicas'. The check is the [`Gate`] this service is
+    /// served behind ([`FleetService::gate`]); a change applies to calls made after it, and
+    /// ends the Watch streams opened with a token no longer accepted.
     pub fn with_tokens(self, tokens: watch::Receiver<Vec<bearer::Token>>) -> Self {
         Self { tokens, ..self }
     }
 
-    fn authorize<T>(&self, request: &Request<T>) -> Result<(), Status> {
-        let presented = request.metadata().get("authorization").map(|value| value.as_bytes());
-        let tokens = self.tokens.borrow();
-        if tokens.is_empty() || tokens.iter().any(|token| bearer::accepts(presented, token)) {
-            return Ok(());
-        }
-        drop(tokens);
-        self.metrics.unauthenticated.inc();
-        Err(Status::unauthenticated(
-            "send authorization: Bearer <control_plane.token> (a replica's --control-plane-token)",
-        ))
+    /// The token check to serve this service behind, run before a call's message is read.
+    pub fn gate(&self) -> Gate {
+        Gate { tokens: self.tokens.clone(), unauthenticated: self.metrics.unauthenticated.clone() }
     }
 
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
@@ -197,7 +191,8 @@ impl Fleet for FleetService {
         &self,
         request: Request<Streaming<pb::WatchRequest>>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        self.authorize(&request)?;
+        // Served without the gate (in tests), a call presented nothing.
+        let presented = request.extensions().get::<Presented>().and_then(|presented| presented.0);
         if !(self.seeded)() {
             self.metrics.watch_refused.with_label_values(&["not_seeded"]).inc();
             return Err(Status::unavailable(
@@ -208,6 +203,7 @@ impl Fleet for FleetService {
         let hello = self.read_hello(&mut inbound).await?;
         tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
         let (tx, rx) = mpsc::channel(REPLICA_QUEUE_CAPACITY);
+        let tx_goodbye = tx.clone();
         let status = Arc::new(ReplicaStatus::new(hello.replica_id));
         let (replicas, metrics, shutdown, book) =
             (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone(), self.book.clone());
@@ -242,6 +238,7 @@ impl Fleet for FleetService {
         // On a task of its own from here, so that nothing awaited can be dropped with the call
         // and leave the session listed.
         let forget = book.clone();
+        let (tokens, goodbye) = (self.tokens.clone(), tx_goodbye);
         tokio::spawn(async move {
             let serve = async move {
                 // Forgotten ahead of anything the new stream reports: it reports the same
@@ -255,6 +252,13 @@ impl Fleet for FleetService {
             tokio::select! {
                 () = serve => {}
                 () = ended.cancelled() => {}
+                () = retired(tokens, presented) => {
+                    metrics.watch_retired.inc();
+                    tracing::warn!(replica = %status.replica_id, "ending a Watch stream: the token it was opened with is no longer accepted");
+                    let _ = goodbye.try_send(Err(Status::unauthenticated(
+                        "the token this stream was opened with is no longer accepted; reconnect with control_plane.token",
+                    )));
+                }
             }
             replicas.remove(id);
             book.replica_gone(id).await;
@@ -264,8 +268,7 @@ impl Fleet for FleetService {
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 
-    async fn get_snapshot(&self, request: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
-        self.authorize(&request)?;
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
         let state = self.publisher.current();
         Ok(Response::new(snapshot_to_wire(state.view(), Instant::now())))
     }
@@ -274,7 +277,6 @@ impl Fleet for FleetService {
         &self,
         request: Request<pb::FindMatchesRequest>,
     ) -> Result<Response<pb::FindMatchesResponse>, Status> {
-        self.authorize(&request)?;
         let pb::FindMatchesRequest { block_hashes: hashes, model, contenders, prompt_tokens, replica_id, lookup } =
             request.into_inner();
         let count = |result: &str| self.metrics.kv_find_matches.with_label_values(&[result]).inc();
