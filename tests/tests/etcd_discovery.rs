@@ -174,12 +174,17 @@ async fn a_keyspace_larger_than_one_response_is_read_in_pages_and_a_huge_value_s
     ids.sort_unstable();
     assert_eq!(ids, workers);
     assert_eq!(control.metrics.discovery_events.with_label_values(&["oversized"]).get(), 1, "the huge value, counted");
+    // The newest write is the huge value: the watch, starting after the listing, never
+    // replays it, so the pass holds (a replay failed every pass, relisting it for good).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let resyncs = control.metrics.discovery_events.with_label_values(&["resync"]).get();
+    assert_eq!((resyncs, control.metrics.discovery_connected.get()), (1, 1), "one listing, still watching");
     control.shutdown().await;
     Ok(())
 }
 
 /// An etcd frozen with its connections open (`SIGSTOP`) answers nothing, not even the
-/// progress requests a quiet watch answers: its silence ends the pass within the deadline,
+/// read that confirms a quiet watch: its silence ends the pass within the deadline,
 /// long before the HTTP/2 keepalive would (20 s), and discovery resyncs once it thaws. A quiet
 /// but healthy etcd is never taken for a frozen one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,7 +215,8 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     let workers = || registry.current().fleet.workers.len();
     assert_eq!(workers(), 1);
 
-    // Quiet for three deadlines: progress answers keep the pass alive.
+    // Quiet for three deadlines: the confirming reads (no write has come to answer progress
+    // requests) keep the pass alive.
     tokio::time::sleep(3 * health.silent_after).await;
     assert_eq!((resyncs(), connected()), (1, true), "a quiet etcd is not a silent one");
 

@@ -174,11 +174,12 @@ async fn pass(
     let mut askers = Vec::with_capacity(prefixes.len());
     let revision = seeded.revision;
     for (index, prefix) in prefixes.iter().enumerate() {
-        // From the listing's own revision, not the next: etcd answers a progress request only
-        // for a watch whose start is at or below the store's revision, which `revision + 1`
-        // is not until the next write anywhere. The events of that revision replay what the
-        // listing already holds: a put of the same value, or the delete of a key it lacks.
-        let options = WatchOptions::new().with_prefix().with_start_revision(revision).with_fragment();
+        // From the revision after the listing's: the listing holds that one already, and a
+        // value it stepped over (past what one message may carry) would fail every watch
+        // that replayed it, for as long as it stayed the newest write. Until the next write
+        // anywhere, etcd leaves progress requests of a watch starting past its revision
+        // unanswered: the confirming read below tells that quiet from a frozen member.
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();
         let opened = tokio::time::timeout(SEED_TIMEOUT, watcher.watch(prefix.as_str(), Some(options))).await;
         let (asker, responses) = opened.map_err(|_| PassError::SeedTimeout)??.split();
         askers.push(asker);
