@@ -106,7 +106,8 @@ impl Card {
         }
         let (typed, typed_error) = match TypedCard::deserialize(&card_json) {
             Ok(typed) => (typed, None),
-            Err(error) => (TypedCard::default(), Some(error.to_string())),
+            // serde quotes the value it refused, which a card may make megabytes long.
+            Err(error) => (TypedCard::default(), Some(super::records::excerpt(&error.to_string()))),
         };
         let size = if record_bytes <= MAX_RETAINED_CARD_BYTES { record_bytes } else { serialised_len(&card_json) };
         let (raw, dropped_bytes) =

@@ -74,6 +74,15 @@ fn a_record_set_aside_keeps_an_excerpt_of_what_it_said_not_the_value() {
 }
 
 #[test]
+fn a_card_that_does_not_parse_keeps_an_excerpt_of_why() {
+    let card = json!({"kv_cache_block_size": "C".repeat(60_000)});
+    let parsed = super::super::card::Card::parse(card, 60_100);
+    let error = parsed.typed_error.expect("a refused field");
+    assert!(error.contains("kv_cache_block_size") || error.contains("invalid type"), "{error}");
+    assert!(error.len() < 400, "{} bytes kept", error.len());
+}
+
+#[test]
 fn cards_above_max_retained_card_bytes_drop_the_blob_but_keep_typed_fields() -> anyhow::Result<()> {
     let card_of = |bytes: usize| serde_json::from_slice::<Value>(&padded(card_json("prefill"), "", bytes));
     let outside = padded(card_value("prefill", json!(ID), card_json("prefill")), "", MAX_RETAINED_CARD_BYTES + 200);
