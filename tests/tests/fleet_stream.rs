@@ -116,23 +116,26 @@ async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stay
     let mut view = fold(None, first)?;
 
     // Large workers, so the changes overflow HTTP/2 buffers and the delta log while the
-    // replica reads nothing.
+    // replica reads nothing. Until the queue fills, each change waits for the session to take
+    // it: on a busy machine the session's task could otherwise run behind every change and
+    // send one snapshot, and the stall would never reach the queue.
+    let status = control.replicas.list().into_iter().next().ok_or_else(|| anyhow::anyhow!("no session"))?;
+    let high_water = || status.queue_high_water.load(std::sync::atomic::Ordering::Relaxed);
     let big_model = "x".repeat(4096);
     let changes = DELTA_LOG_CAPACITY as u64 * 8;
     for id in 0..changes {
         control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", id, &big_model)], ..Default::default() });
-        if id % 64 == 0 {
+        let version = control.publisher.current().version();
+        let deadline = Instant::now() + CONVERGE;
+        while high_water() < REPLICA_QUEUE_CAPACITY
+            && status.sent_version.load(std::sync::atomic::Ordering::Relaxed) < version
+        {
+            anyhow::ensure!(Instant::now() < deadline, "the session took no change for {CONVERGE:?}");
             tokio::task::yield_now().await;
         }
     }
-    let status = control.replicas.list().into_iter().next().ok_or_else(|| anyhow::anyhow!("no session"))?;
-    // The queue is bounded by construction; what this shows is that the stall reached it (the
-    // session's task may run behind the changes on a busy machine: it is waited for).
-    let high_water = || status.queue_high_water.load(std::sync::atomic::Ordering::Relaxed);
-    continuum_tests::eventually(CONVERGE, "the stalled replica's queue filled", || async {
-        high_water() == REPLICA_QUEUE_CAPACITY
-    })
-    .await?;
+    // The queue is bounded by construction; what this shows is that the stall reached it.
+    assert_eq!(high_water(), REPLICA_QUEUE_CAPACITY, "the stalled replica's queue filled");
 
     let expected = control.publisher.current();
     let (mut resynced, mut read) = (false, 0u64);

@@ -203,7 +203,8 @@ impl Fleet for FleetService {
         let hello = self.read_hello(&mut inbound).await?;
         tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
         let (tx, rx) = mpsc::channel(REPLICA_QUEUE_CAPACITY);
-        let tx_goodbye = tx.clone();
+        // Says why, when the stream is ended for its token.
+        let goodbye = tx.clone();
         let status = Arc::new(ReplicaStatus::new(hello.replica_id));
         let (replicas, metrics, shutdown, book) =
             (self.replicas.clone(), self.metrics.clone(), self.shutdown.clone(), self.book.clone());
@@ -238,7 +239,7 @@ impl Fleet for FleetService {
         // On a task of its own from here, so that nothing awaited can be dropped with the call
         // and leave the session listed.
         let forget = book.clone();
-        let (tokens, goodbye) = (self.tokens.clone(), tx_goodbye);
+        let tokens = self.tokens.clone();
         tokio::spawn(async move {
             let serve = async move {
                 // Forgotten ahead of anything the new stream reports: it reports the same
