@@ -187,8 +187,8 @@ impl ControlPlane {
 
     /// Applies a new configuration without a restart: the data plane's part goes out on the
     /// Fleet stream at once, discovery follows its reload class, and the admin token, the
-    /// listing, the Fleet service's token and its certificate files change (open streams keep
-    /// running). Listen addresses, and whether the Fleet service runs TLS at all, need a
+    /// listing, the Fleet service's token (ending the streams opened with a token it retires)
+    /// and its certificate files change. Listen addresses, and whether the Fleet service runs TLS at all, need a
     /// restart; a change to them is logged and ignored.
     pub async fn reload(&mut self, mut config: Config) -> Result<(), ReloadError> {
         let running_tls = self.config.control_plane.tls.clone();

@@ -114,8 +114,9 @@ impl MatchesClient {
         }
     }
 
-    /// A refused token costs every request its KV term while the Watch stream may still run
-    /// (a rotation: open streams keep going), so it is said loudly, at most once a minute.
+    /// A refused token costs every request its KV term, and the Watch stream opened with it is
+    /// ended too (a rotation finished without this replica), so it is said loudly, at most once
+    /// a minute.
     fn refused(&self, status: &tonic::Status) {
         if status.code() != tonic::Code::Unauthenticated {
             return;
