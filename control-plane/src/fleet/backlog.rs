@@ -391,8 +391,8 @@ impl Rank {
     }
 
     /// Nothing in flight, and a sample shows the worker as it is: one received [`SAMPLE_LAG`]
-    /// after the last end (or dispatch forgotten) (an earlier one may still show the ended requests, and without the
-    /// sums a picker would read them as load).
+    /// after the last dispatch ended or was forgotten (an earlier one may still show the ended
+    /// requests, and without the sums a picker would read them as load).
     fn settled(&self, now: Instant) -> bool {
         self.dispatches.is_empty()
             && self.last_end.is_none_or(|end| {

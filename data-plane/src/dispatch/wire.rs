@@ -143,12 +143,8 @@ fn framing(status: StatusCode, raw: &[httparse::Header<'_>]) -> Result<Framing, 
     if status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED {
         return Ok(Framing::Length(0));
     }
-    if values(raw, "transfer-encoding").next().is_some() {
-        let mut codings =
-            values(raw, "transfer-encoding").flat_map(|v| v.split(|b| *b == b',')).map(<[u8]>::trim_ascii);
-        let only_chunked =
-            codings.next().is_some_and(|c| c.eq_ignore_ascii_case(b"chunked")) && codings.next().is_none();
-        if !only_chunked {
+    if let Some(codings) = transfer_codings(raw) {
+        if !codings.only_chunked() {
             return Err(WireError::Head("a transfer coding other than chunked".into()));
         }
         if values(raw, "content-length").next().is_some() {
@@ -164,12 +160,33 @@ fn framing(status: StatusCode, raw: &[httparse::Header<'_>]) -> Result<Framing, 
     }
 }
 
-/// Whether the last transfer coding a head lists is `chunked`; `None` without
-/// `Transfer-Encoding`. Requests and responses alike are framed by the final coding.
-pub(crate) fn final_coding_chunked(raw: &[httparse::Header<'_>]) -> Option<bool> {
+/// What a head's `Transfer-Encoding` lists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Codings {
+    /// Whether the final coding is `chunked` (an empty last item, `chunked,`, is not).
+    pub final_chunked: bool,
+    /// How many codings are listed, over every `Transfer-Encoding` line.
+    pub listed: usize,
+}
+
+impl Codings {
+    /// `chunked` alone: the one coding this proxy decodes.
+    pub fn only_chunked(self) -> bool {
+        self.final_chunked && self.listed == 1
+    }
+}
+
+/// The transfer codings a head lists; `None` without `Transfer-Encoding`. Requests and
+/// responses alike are framed by the final coding; empty list items are ignored (RFC 9110
+/// §5.6.1).
+pub(crate) fn transfer_codings(raw: &[httparse::Header<'_>]) -> Option<Codings> {
     let last = values(raw, "transfer-encoding").next_back()?;
     let last = last.rsplit(|b| *b == b',').next().unwrap_or_default();
-    Some(last.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+    let listed = values(raw, "transfer-encoding").flat_map(|v| v.split(|b| *b == b','));
+    Some(Codings {
+        final_chunked: last.trim_ascii().eq_ignore_ascii_case(b"chunked"),
+        listed: listed.filter(|c| !c.trim_ascii().is_empty()).count(),
+    })
 }
 
 /// Why a head's `Content-Length` cannot be used.

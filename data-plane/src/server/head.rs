@@ -11,7 +11,7 @@ use axum::http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 
 use super::conn::REQUEST_READ_TIMEOUT;
-use crate::dispatch::wire::{LengthError, content_length, final_coding_chunked, has_token, values};
+use crate::dispatch::wire::{LengthError, content_length, has_token, transfer_codings, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::routing::headers::{TENANT_ID, asks_disclosure, tenant};
 
@@ -200,17 +200,16 @@ fn header_map(raw: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
 /// `Content-Length`, conflicting lengths, or a coding other than a final `chunked` is refused,
 /// since a proxy that guesses its framing can be made to read a second, smuggled request.
 fn body_framing(raw: &[httparse::Header<'_>]) -> Result<BodyFraming, HeadError> {
-    if let Some(chunked) = final_coding_chunked(raw) {
+    if let Some(codings) = transfer_codings(raw) {
         if values(raw, "content-length").next().is_some() {
             return Err(HeadError::Framing("a request may not carry both Transfer-Encoding and Content-Length"));
         }
-        if !chunked {
+        if !codings.final_chunked {
             return Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`"));
         }
         // RFC 9112 §6.1: a coding the server cannot decode (`gzip, chunked`) is not
         // implemented, rather than passed on still encoded.
-        let codings = values(raw, "transfer-encoding").flat_map(|v| v.split(|b| *b == b','));
-        if codings.filter(|c| !c.trim_ascii().is_empty()).count() != 1 {
+        if !codings.only_chunked() {
             return Err(HeadError::UnsupportedCoding);
         }
         return Ok(BodyFraming::Chunked);

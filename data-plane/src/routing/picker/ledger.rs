@@ -382,6 +382,7 @@ impl Rank {
     /// before this stream's first report: the control plane never had them). What happens to
     /// such a leg on this stream is not remembered ([`reported_for`]): it leaves these legs as
     /// its response begins or it ends, and the join follows at once.
+    ///
     /// Sums that trail by more than the changes remembered (a stalled stream, a control plane
     /// far behind) lack changes no longer known: the dispatches they lack that are still in
     /// flight are known from the legs, and counted; the ends they lack are not, and go
