@@ -236,6 +236,15 @@ fn load_json(key: &LoadKey, sample: &LoadSample, now: Instant) -> Value {
 /// The seed's worker shape: `instance_id` in lowercase hex, `worker_id` in decimal (as a
 /// string: lease ids exceed 2^53 and would lose digits as JSON numbers in most clients).
 /// Never the transport address or the raw card.
+/// `endpoint` when it is a Dynamo endpoint path (`namespace/component/endpoint`, as in
+/// `dynamo/prefill/generate`), which names no host; `None` for anything else, such as the
+/// `host:port` of an SGLang bootstrap endpoint.
+fn endpoint_path(endpoint: &str) -> Option<&str> {
+    let mut segments = endpoint.split('/');
+    let path = segments.by_ref().take(3).filter(|s| !s.is_empty() && !s.contains(':')).count() == 3;
+    (path && segments.next().is_none()).then_some(endpoint)
+}
+
 fn worker_json(discovered: &DiscoveredWorker) -> Value {
     let worker = &discovered.worker;
     let c = worker.capacity;
@@ -256,8 +265,10 @@ fn worker_json(discovered: &DiscoveredWorker) -> Value {
             "max_num_seqs": c.max_num_seqs,
             "context_length": c.context_length,
         },
-        // Whether one is declared, not where: an SGLang bootstrap endpoint is a Pod address.
-        "disaggregated_endpoint": worker.disaggregated_endpoint.is_some(),
+        // A Dynamo endpoint path as the seed shows it; an SGLang bootstrap endpoint is a Pod
+        // address, so only that one is declared is shown.
+        "disaggregated_endpoint": worker.disaggregated_endpoint.as_deref().and_then(endpoint_path),
+        "disaggregated_bootstrap": worker.disaggregated_endpoint.as_deref().is_some_and(|e| endpoint_path(e).is_none()),
         "excluded": discovered.excluded.map(|e| e.to_string()),
         "first_seen": humantime::format_rfc3339_seconds(discovered.first_seen).to_string(),
         "last_updated": humantime::format_rfc3339_seconds(discovered.last_updated).to_string(),
@@ -282,4 +293,27 @@ async fn replicas(State(state): State<AdminState>) -> impl IntoResponse {
         })
         .collect();
     axum::Json(json!({ "version": state.publisher.current().version(), "replicas": replicas }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_path;
+
+    #[test]
+    fn only_a_dynamo_endpoint_path_is_shown() {
+        let cases = [
+            ("dynamo/prefill/generate", true),
+            ("ns.one/prefill-0/generate_v2", true),
+            ("10.0.0.4:8998", false),
+            ("prefill-0.prefill.svc", false),
+            ("dynamo/prefill", false),
+            ("dynamo/prefill/generate/extra", false),
+            ("dynamo//generate", false),
+            ("host:1/prefill/generate", false),
+            ("", false),
+        ];
+        for (endpoint, shown) in cases {
+            assert_eq!(endpoint_path(endpoint).is_some(), shown, "{endpoint:?}");
+        }
+    }
 }

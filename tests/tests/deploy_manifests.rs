@@ -185,3 +185,21 @@ fn a_replicas_drain_is_seen_by_its_probes_and_fits_in_its_pods_termination_grace
     ensure!(noticed < delay, "readiness fails only after {noticed:?}, past the {delay:?} drain delay");
     Ok(())
 }
+
+/// Both Deployments run the image the kustomization's `images` entry renames, so the one
+/// `kustomize edit set image` the deploy README gives points both at the operator's registry,
+/// and a node that already holds the image runs it without pulling.
+#[test]
+fn the_kustomization_names_the_image_both_deployments_run() -> anyhow::Result<()> {
+    let kustomization: Value = serde_yaml_ng::from_str(&std::fs::read_to_string(deploy().join("kustomization.yaml"))?)?;
+    let renamed = text(&kustomization["images"][0]["name"])?;
+    for file in ["control-plane.yaml", "data-plane.yaml"] {
+        let deployment = documents(file)?;
+        let container = container(find(&deployment, "Deployment")?)?;
+        let image = text(&container["image"])?;
+        let name = image.split_once(':').map_or(image, |(name, _tag)| name);
+        ensure!(name == renamed, "{file} runs {image}, which the kustomization's images entry ({renamed}) misses");
+        assert_eq!(container["imagePullPolicy"], "IfNotPresent", "{file}");
+    }
+    Ok(())
+}

@@ -12,7 +12,7 @@
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
 
-use crate::routing::picker::Selection;
+use crate::routing::picker::{Reason, Selection};
 
 /// Every header whose name starts with this belongs to Dynamo, whatever follows.
 pub const DYNAMO_PREFIX: &str = "x-dynamo-";
@@ -53,6 +53,9 @@ pub const DISCLOSED_DECODE_WORKER: &str = "x-continuum-decode-worker";
 pub const DISCLOSED_DECODE_DP_RANK: &str = "x-continuum-decode-dp-rank";
 pub const DISCLOSED_PREFILL_WORKER: &str = "x-continuum-prefill-worker";
 pub const DISCLOSED_PREFILL_DP_RANK: &str = "x-continuum-prefill-dp-rank";
+/// Disclosed as `unified` when conditional disaggregation let the decode worker prefill the
+/// request itself (the seed's name and value for a bypass).
+pub const DISCLOSED_ROUTING_PATH: &str = "x-continuum-routing-path";
 
 /// Whether the frontend could read this header name as routing. Names in a `HeaderMap` are
 /// already lowercase, so this is case-insensitive for every header a client can send.
@@ -184,7 +187,8 @@ pub fn asks_disclosure(name: &str) -> bool {
 /// Call it only when the request [`asks_disclosure`]. A backend name that is not a
 /// valid header value (names come from configuration) is left out rather than mangled.
 pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
-    for name in [DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK] {
+    for name in [DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK, DISCLOSED_ROUTING_PATH]
+    {
         headers.remove(name);
     }
     match HeaderValue::from_str(backend) {
@@ -204,6 +208,9 @@ pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
         if let Some(rank) = prefill.dp_rank {
             insert_decimal(headers, DISCLOSED_PREFILL_DP_RANK, rank.into());
         }
+    }
+    if selection.prefill_reason == Some(Reason::ConditionalBypass) {
+        headers.insert(DISCLOSED_ROUTING_PATH, HeaderValue::from_static("unified"));
     }
 }
 

@@ -76,6 +76,8 @@ fn discovery_rows() -> Vec<Row> {
         row("etcd tls with http", etcd("{endpoints: ['http://a:2379'], tls: {ca_cert: /ca.pem}}"), Error, "dynamo.discovery.etcd.tls", "http://"),
         row("etcd client cert without key", etcd("{endpoints: ['https://a:2379'], tls: {client_cert: /c.pem}}"), Error, "dynamo.discovery.etcd.tls.client_key", "together"),
         row("etcd tls without a CA", etcd("{endpoints: ['https://a:2379'], tls: {server_name: etcd}}"), Error, "dynamo.discovery.etcd.tls.ca_cert", "required"),
+        row("etcd at a public address in direct mode", etcd("{endpoints: ['etcd:2379', 'http://34.1.2.3:2379']}"), Warning, "dynamo.discovery.etcd.endpoints[1]", "outside the cluster"),
+        row("etcd at a public IPv6 address in direct mode", etcd("{endpoints: ['[2600:1f18::5]:2379']}"), Warning, "dynamo.discovery.etcd.endpoints[0]", "transport: broker"),
         row("etcd auth over plaintext", etcd("{endpoints: ['a:2379'], auth: {username: r, password: p}}"), Warning, "dynamo.discovery.etcd.auth", "cleartext"),
         row("etcd auth without password", etcd("{endpoints: ['https://a:2379'], auth: {username: r}}"), Error, "dynamo.discovery.etcd.auth.password", "must not be empty"),
         row("namespace with slash", etcd("{endpoints: ['a:2379'], namespace: 'a/b'}"), Error, "dynamo.discovery.etcd.namespace", "`/`"),
@@ -244,4 +246,25 @@ fn values_at_each_bound_are_accepted() {
         let refused: Vec<_> = diagnostics(&yaml).into_iter().filter(|d| d.is_error() && d.path == path).collect();
         assert!(refused.is_empty(), "{path}: {refused:?}");
     }
+}
+
+/// The warning about a router outside the cluster fires for public addresses only: not for
+/// names, loopback, private, shared, link-local or unique-local addresses, nor in broker mode.
+#[test]
+fn only_a_public_etcd_address_in_direct_mode_draws_the_outside_warning() {
+    let outside = |yaml: &str| {
+        diagnostics(yaml)
+            .into_iter()
+            .filter(|d| d.message.contains("outside the cluster"))
+            .map(|d| d.path)
+            .collect::<Vec<_>>()
+    };
+    let internal = "['etcd:2379', 'etcd.dynamo.svc.cluster.local:2379', '127.0.0.1:2379', '10.0.0.5:2379', '172.16.3.4:2379', \
+                    '192.168.1.2:2379', '100.64.1.1:2379', '169.254.1.1:2379', '[::1]:2379', '[fd00::5]:2379', '[fe80::1]:2379', \
+                    '[::ffff:10.1.2.3]:2379']";
+    assert_eq!(outside(&etcd(&format!("{{endpoints: {internal}}}"))), Vec::<String>::new());
+    let public = "{endpoints: ['100.128.0.1:2379', '[::ffff:34.1.2.3]:2379']}";
+    assert_eq!(outside(&etcd(public)), ["dynamo.discovery.etcd.endpoints[0]", "dynamo.discovery.etcd.endpoints[1]"]);
+    let broker = format!("dynamo: {{enabled: true, load: {{transport: broker}}, discovery: {{etcd: {public}}}}}");
+    assert_eq!(outside(&broker), Vec::<String>::new(), "broker mode is how a router outside the cluster runs");
 }

@@ -1,11 +1,12 @@
 //! `dynamo.discovery.etcd`: endpoints, scheme consistency, namespaces, TLS, auth and backoff.
 
-use std::net::Ipv6Addr;
+use std::net::{IpAddr, Ipv6Addr};
 
 use super::Report;
 use super::names::{check_backoff, check_namespace, check_namespace_list, dynamo_namespace_message};
 use crate::config::Config;
 use crate::config::discovery::{DEFAULT_DYNAMO_NAMESPACE, DiscoverySource, EtcdConfig};
+use crate::config::signals::LoadTransport;
 
 /// etcd endpoints one watcher may be given.
 pub const MAX_ETCD_ENDPOINTS: usize = 16;
@@ -24,32 +25,74 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     if active && config.dynamo.enabled && etcd.endpoints.is_empty() {
         report.error(format!("{BASE}.endpoints"), "must list at least one etcd endpoint when dynamo.enabled is true");
     }
-    let schemes = check_endpoints(etcd, report);
+    let endpoints = check_endpoints(etcd, report);
+    let schemes: Vec<Scheme> = endpoints.iter().map(|(_, scheme, _)| *scheme).collect();
     check_transport_security(etcd, &schemes, active, report);
+    if active && config.dynamo.enabled && config.dynamo.load.transport == LoadTransport::Direct {
+        warn_external(&endpoints, report);
+    }
     check_namespaces(etcd, report);
     check_backoff(report, &format!("{BASE}.watch_reconnect_backoff"), &etcd.watch_reconnect_backoff);
 }
 
-/// Checks every endpoint and returns the schemes of the valid ones.
-fn check_endpoints(etcd: &EtcdConfig, report: &mut Report) -> Vec<Scheme> {
+/// Checks every endpoint and returns the valid ones: index, scheme and host.
+fn check_endpoints<'e>(etcd: &'e EtcdConfig, report: &mut Report) -> Vec<(usize, Scheme, &'e str)> {
     if etcd.endpoints.len() > MAX_ETCD_ENDPOINTS {
         report.error(
             format!("{BASE}.endpoints"),
             format!("lists {} endpoints; at most {MAX_ETCD_ENDPOINTS} are supported", etcd.endpoints.len()),
         );
     }
-    let mut schemes = Vec::new();
+    let mut valid = Vec::new();
     for (index, endpoint) in etcd.endpoints.iter().enumerate() {
         match parse_endpoint(endpoint) {
-            Ok(scheme) => schemes.push(scheme),
+            Ok((scheme, host)) => valid.push((index, scheme, host)),
             Err(problem) => report.error(format!("{BASE}.endpoints[{index}]"), problem),
         }
     }
-    schemes
+    valid
 }
 
-/// Accepts `http(s)://host:port` and bare `host:port` (which means `http://`).
-fn parse_endpoint(endpoint: &str) -> Result<Scheme, String> {
+/// Direct mode dials the workers' publishers on the Pod network, so it assumes the router runs
+/// in the cluster (the seed: startup warns when the etcd endpoints appear external). An
+/// endpoint given as a public IP address says it does not; a name cannot be judged unresolved.
+fn warn_external(endpoints: &[(usize, Scheme, &str)], report: &mut Report) {
+    for (index, _, host) in endpoints {
+        if host.parse::<IpAddr>().is_ok_and(appears_external) {
+            report.warning(
+                format!("{BASE}.endpoints[{index}]"),
+                format!(
+                    "`{host}` is a public address, so the router looks to run outside the cluster, yet dynamo.load.transport is direct: \
+                     it dials the workers' publishers on the Pod network; run it in the cluster or use transport: broker"
+                ),
+            );
+        }
+    }
+}
+
+/// Whether `ip` lies outside every loopback, private, shared (CGNAT), link-local, unique-local
+/// and unspecified range: an address a cluster-internal etcd would not have.
+fn appears_external(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => {
+            let shared = v4.octets()[0] == 100 && (v4.octets()[1] & 0xc0) == 64;
+            !(v4.is_loopback() || v4.is_private() || v4.is_link_local() || v4.is_unspecified() || shared)
+        }
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => appears_external(IpAddr::V4(v4)),
+            None => {
+                let first = v6.segments()[0];
+                let unique_local = first & 0xfe00 == 0xfc00;
+                let link_local = first & 0xffc0 == 0xfe80;
+                !(v6.is_loopback() || v6.is_unspecified() || unique_local || link_local)
+            }
+        },
+    }
+}
+
+/// Accepts `http(s)://host:port` and bare `host:port` (which means `http://`); returns the
+/// scheme and the host (an IPv6 one without its brackets).
+fn parse_endpoint(endpoint: &str) -> Result<(Scheme, &str), String> {
     let (scheme, rest) = match endpoint.split_once("://") {
         Some((name, rest)) if name.eq_ignore_ascii_case("http") => (Scheme::Http, rest),
         Some((name, rest)) if name.eq_ignore_ascii_case("https") => (Scheme::Https, rest),
@@ -67,11 +110,11 @@ fn parse_endpoint(endpoint: &str) -> Result<Scheme, String> {
         Some('#') => return Err("must not have a fragment; give only scheme://host:port".to_owned()),
         _ => {}
     }
-    check_host_port(authority)?;
-    Ok(scheme)
+    let host = check_host_port(authority)?;
+    Ok((scheme, host))
 }
 
-fn check_host_port(authority: &str) -> Result<(), String> {
+fn check_host_port(authority: &str) -> Result<&str, String> {
     let (host, port) = if let Some(bracketed) = authority.strip_prefix('[') {
         let (host, after) = bracketed.split_once(']').ok_or("has an unclosed `[` in its IPv6 host")?;
         if host.parse::<Ipv6Addr>().is_err() {
@@ -89,7 +132,7 @@ fn check_host_port(authority: &str) -> Result<(), String> {
         return Err("must name a host without whitespace".to_owned());
     }
     match port.parse::<u16>() {
-        Ok(port) if port != 0 => Ok(()),
+        Ok(port) if port != 0 => Ok(host),
         _ => Err(format!("port `{port}` must be 1-65535")),
     }
 }
