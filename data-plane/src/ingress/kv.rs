@@ -303,11 +303,12 @@ impl KvRouting {
     }
 }
 
-/// `model`'s [`ModelCards`]; `None` when a worker's card names no renderable tokenizer.
+/// Whether `worker` serves `model` in a role that is routed to.
 fn serves(worker: &Worker, model: &str) -> bool {
     worker.model == model && worker.role != Role::Unknown
 }
 
+/// `model`'s [`ModelCards`]; `None` when a worker's card names no renderable tokenizer.
 fn model_artifacts(view: &FleetView, model: &str) -> Option<ModelCards> {
     let defaults = rendering_defaults(view, model)?;
     let mut cards = Vec::new();

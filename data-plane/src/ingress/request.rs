@@ -90,10 +90,10 @@ pub struct ChatRequest {
 struct Members {
     model: Option<Scalar>,
     stream: Option<Scalar>,
+    /// The prompt is what the chat template renders: the messages and the tools. Other
+    /// members (a stray `prompt`, `input` or `system`) never reach the model, so counting them
+    /// would let a client skew the per-model calibration of every later estimate.
     messages: Option<PromptText>,
-    prompt: Option<PromptText>,
-    input: Option<PromptText>,
-    system: Option<PromptText>,
     tools: Option<PromptText>,
     /// Only an object is routing's to strip fields from. A frontend reads an array as its
     /// `NvExt` fields in declaration order (serde's sequence form of a struct), so
@@ -128,10 +128,8 @@ impl ChatRequest {
         if members.nvext.as_ref().is_some_and(|shape| *shape != Shape::Object) {
             return Err(RequestError::Shape("`nvext` must be an object"));
         }
-        let prompt_estimate = [Some(messages), members.prompt, members.input, members.system, members.tools]
-            .iter()
-            .flatten()
-            .fold(0u64, |sum, field| sum.saturating_add(field.tokens));
+        let tools = members.tools.map_or(0, |tools| tools.tokens);
+        let prompt_estimate = messages.tokens.saturating_add(tools);
         Ok(Self { raw, model, stream, prompt_estimate, has_nvext: members.nvext.is_some(), tenant: None })
     }
 
@@ -192,9 +190,12 @@ mod tests {
         assert_eq!((request.model.as_str(), request.stream, request.prompt_estimate), ("qwen", true, 2 + 2));
         assert_eq!(request.tree().await.unwrap()["nvext"]["x"], 1);
         assert!(!parse(r#"{"model":"m","messages":[{}],"stream":null}"#).unwrap().stream);
-        let prompt_fields =
-            r#"{"model":"m","messages":[{"content":"abcdefgh"}],"system":"abcd","tools":[{"n":"abcd"}]}"#;
-        assert_eq!(parse(prompt_fields).unwrap().prompt_estimate, 2 + 2 + 2);
+        let prompt_fields = r#"{"model":"m","messages":[{"content":"abcdefgh"}],"tools":[{"n":"abcd"}]}"#;
+        assert_eq!(parse(prompt_fields).unwrap().prompt_estimate, 2 + 2);
+        // Members the chat template does not render are not the prompt.
+        let unrendered =
+            r#"{"model":"m","messages":[{"content":"abcdefgh"}],"prompt":"abcd","input":"abcd","system":"abcd"}"#;
+        assert_eq!(parse(unrendered).unwrap().prompt_estimate, 2);
     }
 
     #[tokio::test]

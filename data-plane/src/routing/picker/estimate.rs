@@ -14,8 +14,8 @@ const TOKENS_PER_WORD: (u64, u64) = (4, 3);
 /// and content-part tags.
 const SKIPPED_FIELDS: [&str; 6] = ["image_url", "input_audio", "image", "file", "source", "type"];
 
-/// The estimated tokens of one prompt field of a request body (chat `messages`, a completion
-/// `prompt`, Responses `input`, an Anthropic `system`, `tools`, which chat templates render):
+/// The estimated tokens of one prompt field of a request body (a chat body's `messages` and
+/// `tools`, which its template renders; the tests read other fields the same way):
 /// for every string in it, the larger of characters / 4 and words × 4 / 3, rounded up. Role
 /// names and other short strings count too, which stands in for the chat template.
 ///
@@ -126,7 +126,7 @@ mod tests {
 
     use super::*;
 
-    /// The prompt fields a chat request's parse reads, summed as the picker gets them.
+    /// Every field a body may carry prompt text in, each read as [`PromptText`], summed.
     fn estimate(body: &Value) -> u64 {
         #[derive(Deserialize)]
         struct Fields {
