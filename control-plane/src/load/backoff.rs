@@ -1,7 +1,10 @@
-//! Reconnect delays: full-jitter exponential backoff between [`RECONNECT_INITIAL`] and
-//! [`RECONNECT_MAX`]. The ceiling doubles on every failed attempt and falls back to the floor
-//! only after a session that lasted [`STABLE_SESSION`], so a publisher that accepts and then
-//! breaks the protocol cannot make the router reconnect in a tight loop.
+//! Reconnect delays: jittered exponential backoff between [`RECONNECT_INITIAL`] and
+//! [`RECONNECT_MAX`], each drawn from [floor, ceiling]. The ceiling starts at twice the floor,
+//! so even the first retries of subscriptions that broke together (a node restarting, a
+//! partition healing) spread over a window instead of redialling in lockstep; it doubles on
+//! every failed attempt and falls back only after a session that lasted [`STABLE_SESSION`], so
+//! a publisher that accepts and then breaks the protocol cannot make the router reconnect in a
+//! tight loop.
 
 use std::time::Duration;
 
@@ -27,7 +30,12 @@ impl Default for Backoff {
 
 impl Backoff {
     pub fn new(initial: Duration, max: Duration) -> Self {
-        Self { initial, max: max.max(initial), ceiling: initial }
+        let max = max.max(initial);
+        Self { initial, max, ceiling: Self::first_ceiling(initial, max) }
+    }
+
+    fn first_ceiling(initial: Duration, max: Duration) -> Duration {
+        initial.saturating_mul(2).min(max)
     }
 
     /// A delay drawn uniformly from [floor, ceiling]; the ceiling then doubles up to the max.
@@ -43,10 +51,10 @@ impl Backoff {
         Duration::from_millis(u64::try_from(millis).unwrap_or(u64::MAX))
     }
 
-    /// Called when a session ends: only a long one resets the ceiling to the floor.
+    /// Called when a session ends: only a long one resets the ceiling.
     pub fn session_ended(&mut self, lasted: Duration, stable: Duration) {
         if lasted >= stable {
-            self.ceiling = self.initial;
+            self.ceiling = Self::first_ceiling(self.initial, self.max);
         }
     }
 
@@ -69,7 +77,7 @@ mod tests {
             assert!(delay >= RECONNECT_INITIAL && delay <= ceiling, "{delay:?} outside [500ms, {ceiling:?}]");
             ceilings.push(ceiling.as_millis());
         }
-        assert_eq!(ceilings, [500, 1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000, 30000]);
+        assert_eq!(ceilings, [1000, 2000, 4000, 8000, 16000, 30000, 30000, 30000, 30000, 30000]);
     }
 
     #[test]
@@ -79,18 +87,30 @@ mod tests {
             backoff.next_delay();
         }
         backoff.session_ended(Duration::from_secs(29), STABLE_SESSION);
-        assert_eq!(backoff.ceiling(), Duration::from_secs(8), "a short session keeps the backoff");
+        assert_eq!(backoff.ceiling(), Duration::from_secs(16), "a short session keeps the backoff");
         backoff.session_ended(STABLE_SESSION, STABLE_SESSION);
-        assert_eq!(backoff.ceiling(), RECONNECT_INITIAL);
+        assert_eq!(backoff.ceiling(), RECONNECT_INITIAL * 2);
     }
 
     #[test]
     fn delays_are_spread_not_synchronised() {
+        let spread = |backoff: Backoff| {
+            let draws: std::collections::BTreeSet<Duration> = (0..50).map(|_| backoff.draw(&mut rand::rng())).collect();
+            draws.len()
+        };
+        // The first retry of subscriptions that broke together (new ones, or ones reset by a
+        // long session) as well as later ones.
         let mut backoff = Backoff::default();
+        assert!(spread(backoff) > 40, "first retries must not redial in lockstep: {} distinct of 50", spread(backoff));
+        backoff.session_ended(STABLE_SESSION, STABLE_SESSION);
+        assert!(spread(backoff) > 40, "nor the first after a reset");
         for _ in 0..6 {
             backoff.next_delay();
         }
-        let draws: std::collections::BTreeSet<Duration> = (0..50).map(|_| backoff.draw(&mut rand::rng())).collect();
-        assert!(draws.len() > 40, "1024 subscriptions must not reconnect in lockstep: {} distinct of 50", draws.len());
+        assert!(
+            spread(backoff) > 40,
+            "1024 subscriptions must not reconnect in lockstep: {} distinct of 50",
+            spread(backoff)
+        );
     }
 }

@@ -111,8 +111,8 @@ impl Feed for LoadFeed {
                 self.count(event);
                 // The publisher's own message, unread: it may have held a change (the last
                 // before an idle worker falls silent, say), so its samples go as on a gap rather
-                // than stand until a later sequence shows one. Not a duplicate or one naming
-                // another publisher or worker, which was never this stream's.
+                // than stand until a later sequence shows one. Not a duplicate, nor one naming
+                // another publisher, which was never this stream's.
                 if matches!(event, LoadEvent::Malformed | LoadEvent::UnknownVersion | LoadEvent::Oversized) {
                     self.drop_publisher(&publisher.key(), None).await;
                 }
@@ -158,19 +158,15 @@ struct Accepted {
 impl LoadFeed {
     /// Orders, checks and stores one decoded sample; an `Err` is the label it is counted under.
     fn accept(&self, publisher: &Publisher, order: &mut StreamOrder, m: KvMetrics) -> Result<Accepted, LoadEvent> {
-        // A channel speaks for the worker its record names (its lease, or its event source's
-        // worker): one that names none speaks for nobody, or it could set any worker's load.
-        if publisher.worker.as_ref().is_none_or(|w| w.instance_id != m.worker_id) {
-            return Err(LoadEvent::IdentityMismatch);
-        }
+        // The decoder checked the message is this publisher's, so its sequence is this stream's
+        // whatever worker it names: a refused one still counts in the order, or the next
+        // message would read as a gap and drop the publisher's samples for nothing.
         let gap = match order.last {
             Some(last) if m.sequence <= last => return Err(LoadEvent::Duplicate),
             Some(last) => m.sequence > last + 1,
             None => false,
         };
         order.last = Some(m.sequence);
-        let load_key = LoadKey { worker: WorkerKey::new(publisher.namespace.clone(), m.worker_id), dp_rank: m.dp_rank };
-        let now = std::time::Instant::now();
         let key = publisher.key();
         let mut store = self.store.lock();
         let removed = if gap {
@@ -179,6 +175,14 @@ impl LoadFeed {
         } else {
             Vec::new()
         };
+        // A channel speaks for the worker its record names (its lease, or its event source's
+        // worker): one that names none speaks for nobody, or it could set any worker's load.
+        if publisher.worker.as_ref().is_none_or(|w| w.instance_id != m.worker_id) {
+            self.count(LoadEvent::IdentityMismatch);
+            return Ok(Accepted { removed, sample: None });
+        }
+        let load_key = LoadKey { worker: WorkerKey::new(publisher.namespace.clone(), m.worker_id), dp_rank: m.dp_rank };
+        let now = std::time::Instant::now();
         match store.apply(load_key.clone(), &key, m.sequence, m.load, now) {
             Ok(sample) => {
                 self.count(LoadEvent::Applied);
@@ -269,6 +273,56 @@ mod tests {
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
         assert_eq!(held(), 0, "the next session sent them");
         assert!(feed.unsent().is_empty());
+    }
+
+    /// A message naming another worker is refused, yet it is the publisher's own (the decoder
+    /// checked its publisher id), so it takes its place in the stream's order: the next message
+    /// is no gap, and the publisher's held samples stay.
+    #[tokio::test]
+    async fn a_message_naming_another_worker_keeps_its_place_in_the_order() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        store.lock().set_live_and_retain([(WorkerKey::new("dynamo", 1), 0..1)].into_iter().collect());
+        let events = IntCounterVec::new(Opts::new("events", "test"), &["result"]).expect("counter");
+        let feed = LoadFeed {
+            store: store.clone(),
+            sink: LoadCoalescer::spawn(publisher, LOAD_COALESCE_WINDOW, CancellationToken::new()),
+            events: events.clone(),
+            gauge: IntGaugeVec::new(Opts::new("gauge", "test"), &["state", "transport"]).expect("gauge"),
+            left_out: IntGauge::new("left_out", "test").expect("gauge"),
+            unsent: Mutex::default(),
+        };
+        let channel = Publisher {
+            publisher_id: 0xaa,
+            namespace: "dynamo".into(),
+            component: None,
+            endpoint: None,
+            topic: Topic::KvMetrics,
+            worker: Some(WorkerKey::new("dynamo", 1)),
+            dp_rank: None,
+            address: "tcp://127.0.0.1:1".into(),
+        };
+        let message = |sequence, worker_id| KvMetrics {
+            publisher_id: 0xaa,
+            sequence,
+            published_at: 0,
+            worker_id,
+            dp_rank: 0,
+            load: Load { kv_used_blocks: Some(sequence), ..Load::default() },
+        };
+        let count = |label: &str| events.with_label_values(&[label]).get();
+        let mut order = StreamOrder::default();
+        let held = |accepted: Result<Accepted, LoadEvent>| accepted.map(|a| (a.removed.len(), a.sample.is_some()));
+
+        assert_eq!(held(feed.accept(&channel, &mut order, message(1, 1))), Ok((0, true)));
+        assert_eq!(held(feed.accept(&channel, &mut order, message(2, 9))), Ok((0, false)));
+        assert_eq!(count("identity_mismatch"), 1);
+        assert_eq!(held(feed.accept(&channel, &mut order, message(3, 1))), Ok((0, true)), "no gap: nothing dropped");
+        assert_eq!(count("sequence_gap"), 0);
+        // A refused message past a real gap still drops what the gap may have changed.
+        assert_eq!(held(feed.accept(&channel, &mut order, message(5, 9))), Ok((1, false)));
+        assert_eq!((count("sequence_gap"), count("identity_mismatch")), (1, 2));
+        assert_eq!(feed.accept(&channel, &mut order, message(5, 1)).err(), Some(LoadEvent::Duplicate));
     }
 
     #[test]

@@ -364,8 +364,19 @@ impl<F: Feed> Actor<F> {
         self.policy = new;
         let topic = self.ctx.feed.topic().as_str();
         tracing::info!(transport = ?self.policy.transport, topic, "restarting subscriptions under the new dial policy");
-        let all = std::mem::take(&mut self.running).into_values().collect();
-        stop_all(all, self.options.stop_grace).await;
+        let stopping = std::mem::take(&mut self.running);
+        // The same reload may have removed publishers: those depart (their samples and ranks
+        // go), as a fleet change alone would have made them; the rest restart.
+        let admitted = self.admitted(fleet);
+        let departed: Vec<PublisherKey> = stopping
+            .iter()
+            .filter(|(key, running)| admitted.get(*key).is_none_or(|p| **p != running.publisher))
+            .map(|(_, running)| running.status.publisher.clone())
+            .collect();
+        stop_all(stopping.into_values().collect(), self.options.stop_grace).await;
+        for publisher in departed {
+            self.ctx.feed.departed(&publisher).await;
+        }
         self.reconcile(fleet).await;
     }
 

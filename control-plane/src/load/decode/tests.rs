@@ -277,7 +277,14 @@ fn deeply_nested_msgpack_is_refused_without_exhausting_the_stack() {
 
 #[test]
 fn the_largest_payload_fits_the_transport_frame_ceiling() {
-    assert_eq!(ZmtpLimits::KV_METRICS.max_frame_bytes, KV_METRICS_MAX_PAYLOAD_BYTES + 5);
+    let (_, publisher) = sample();
+    // An envelope at the decoder's ceiling is read (this one is junk, so malformed), and its
+    // frame is one the transport buffers; one byte more is refused unread.
+    let largest = with_envelope(&vec![0xc1; KV_METRICS_MAX_PAYLOAD_BYTES]);
+    assert_eq!(decode(&largest, publisher), Err(LoadEvent::Malformed));
+    assert!(largest[3].len() <= ZmtpLimits::KV_METRICS.max_frame_bytes, "{} bytes", largest[3].len());
+    let over = with_envelope(&vec![0xc1; KV_METRICS_MAX_PAYLOAD_BYTES + 1]);
+    assert_eq!(decode(&over, publisher), Err(LoadEvent::Oversized));
 }
 
 mod fuzz {

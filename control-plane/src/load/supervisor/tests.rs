@@ -1,15 +1,17 @@
-//! Stopping subscriptions: concurrently, each within the grace.
+//! Stopping subscriptions: concurrently, each within the grace; and which publishers depart
+//! when a reload changes the dial policy and the fleet together.
 
 use super::*;
 use crate::config::LoadTransport;
 use crate::discovery::PublisherKey;
 use crate::discovery::Topic;
 
-fn running(id: u64, task: JoinHandle<()>, cancel: CancellationToken) -> Running {
-    let gauge = prometheus::IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap();
-    let key = PublisherKey { namespace: "dynamo".into(), publisher_id: id };
-    let status = Arc::new(SubscriptionStatus::new("kv_metrics", key, None, LoadTransport::Direct, gauge));
-    let publisher = Publisher {
+fn gauge() -> prometheus::IntGaugeVec {
+    prometheus::IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap()
+}
+
+fn publisher(id: u64) -> Publisher {
+    Publisher {
         publisher_id: id,
         namespace: "dynamo".into(),
         component: None,
@@ -17,9 +19,14 @@ fn running(id: u64, task: JoinHandle<()>, cancel: CancellationToken) -> Running 
         topic: Topic::KvMetrics,
         worker: None,
         dp_rank: None,
-        address: String::new(),
-    };
-    Running { publisher, status, cancel, task, since: std::time::Instant::now() }
+        address: "tcp://127.0.0.1:1".into(),
+    }
+}
+
+fn running(id: u64, task: JoinHandle<()>, cancel: CancellationToken) -> Running {
+    let key = PublisherKey { namespace: "dynamo".into(), publisher_id: id };
+    let status = Arc::new(SubscriptionStatus::new("kv_metrics", key, None, LoadTransport::Direct, gauge()));
+    Running { publisher: publisher(id), status, cancel, task, since: std::time::Instant::now() }
 }
 
 #[tokio::test(start_paused = true)]
@@ -52,4 +59,76 @@ async fn stopping_cancels_all_at_once_and_aborts_what_outlives_the_grace() {
     assert_eq!(started.elapsed(), STOP_GRACE, "two stuck tasks cost one grace, not two");
     assert!(stopped_rx.await.is_ok(), "the cancellable task ended on its own");
     assert!(dropped_rx.recv().await.is_none(), "both stuck tasks were aborted");
+}
+
+/// A feed that records the publishers whose subscriptions stopped for good.
+struct Recording {
+    gauge: prometheus::IntGaugeVec,
+    left_out: prometheus::IntGauge,
+    departed: tokio::sync::mpsc::UnboundedSender<u64>,
+}
+
+impl Feed for Recording {
+    type Session = ();
+
+    fn topic(&self) -> Topic {
+        Topic::KvMetrics
+    }
+    fn gauge(&self) -> &prometheus::IntGaugeVec {
+        &self.gauge
+    }
+    fn left_out(&self) -> &prometheus::IntGauge {
+        &self.left_out
+    }
+    async fn connected(&self, _publisher: &Publisher) {}
+    async fn message(
+        &self,
+        _publisher: &Publisher,
+        _session: &mut (),
+        _message: Result<crate::load::zmtp::Message<'_>, crate::load::Dropped>,
+    ) {
+    }
+    fn refused(&self, _refusal: crate::load::Refusal) {}
+    async fn departed(&self, publisher: &PublisherKey) {
+        let _ = self.departed.send(publisher.publisher_id);
+    }
+    async fn set_live(&self, _fleet: &Fleet) {}
+}
+
+fn generation(generation: u64, ids: &[u64]) -> Arc<Generation> {
+    let mut fleet = Fleet::default();
+    for id in ids {
+        let publisher = publisher(*id);
+        fleet.publishers.insert(publisher.key(), publisher);
+    }
+    Arc::new(Generation { generation, fleet })
+}
+
+/// One reload that removes a publisher and changes the dial policy: the actor sees both at
+/// once and takes the policy first. The removed publisher still departs (its samples and ranks
+/// go), and the one that stays restarts without departing.
+#[tokio::test]
+async fn a_publisher_removed_by_the_reload_that_changes_the_policy_departs() {
+    let (registry_tx, registry) = tokio::sync::watch::channel(generation(1, &[7, 8]));
+    let (departed_tx, mut departed) = tokio::sync::mpsc::unbounded_channel();
+    let feed =
+        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    // Broker subscriptions wait without dialling, so nothing here touches the network.
+    let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
+    let cancel = CancellationToken::new();
+    let mut supervisor = Supervisor::start(feed, broker, LoadOptions::default(), registry, cancel);
+    let mut statuses = supervisor.statuses();
+    statuses.wait_for(|running| running.len() == 2).await.unwrap();
+
+    registry_tx.send_replace(generation(2, &[8]));
+    supervisor.set_policy(DialPolicy { transport: LoadTransport::Broker, allow: Some(Arc::from(Vec::new())) });
+    statuses.wait_for(|running| running.len() == 1).await.unwrap();
+    let removed = tokio::time::timeout(Duration::from_secs(10), departed.recv()).await;
+    assert_eq!(removed.ok().flatten(), Some(7), "the removed publisher departs");
+    supervisor.stop().await;
+    let mut rest = Vec::new();
+    while let Ok(id) = departed.try_recv() {
+        rest.push(id);
+    }
+    assert!(rest.is_empty(), "the publisher that stays restarts without departing: {rest:?}");
 }

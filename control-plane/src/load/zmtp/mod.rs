@@ -4,8 +4,9 @@
 //! The `zeromq` crate allocates whatever frame length the wire declares; this client checks
 //! every declared length against a ceiling before it allocates or reads, holds at most one
 //! message, and keeps an idle subscription at 2,624 bytes of buffers. It supports NULL security,
-//! READY as SUB, ZMTP 3.0 subscription messages (`0x01` + topic), and PING (answered with PONG);
-//! anything else a PUB would not send is a protocol violation that ends the session.
+//! READY as SUB, ZMTP 3.0 subscription messages (`0x01` + topic), and PING (answered with PONG).
+//! PONG and commands it does not know are skipped (ZMTP lets peers add commands); a second
+//! READY, an ERROR, a malformed command or frame, or a command past 512 bytes ends the session.
 //!
 //! | bound | kv_metrics | kv-events | why |
 //! |---|---|---|---|
@@ -29,8 +30,9 @@
 //! A frame over `max_frame_bytes` (or a message over `max_message_bytes`, or a fifth frame) is
 //! not buffered: its bytes are read through the 2 KiB read buffer and dropped, and the message is
 //! reported as [`Dropped`], so one bad message does not end a healthy session. A declared length
-//! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once. So is a
-//! frame whose room the process-wide budget for large messages cannot lend ([`budget`]).
+//! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once. A frame
+//! whose room the process-wide budget for large messages cannot lend ([`budget`]) is skipped
+//! the same way, its message reported as [`Dropped::OverBudget`].
 
 mod budget;
 mod buffer;
