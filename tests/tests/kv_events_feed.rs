@@ -275,6 +275,34 @@ async fn a_message_the_shared_budget_cannot_hold_is_counted_and_clears_its_publi
     Ok(())
 }
 
+/// A message of five frames is dropped by the transport unread, like one past a ceiling: it is
+/// counted `malformed` and, since it may have held the publisher's events, clears its ranks as
+/// a four-frame message the decoder refuses does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_of_five_frames_is_malformed_and_clears_its_publishers_ranks() -> anyhow::Result<()> {
+    let stream = captured_stream()?;
+    let first = stream.first().context("the capture holds kv-events")?;
+    let hashes = stored_hashes(first)?;
+    let kv = TestKv::start()?;
+    let mut peer = RawPublisher::bind().await?;
+    kv.registry
+        .publish(fleet(vec![worker(first.worker_id, 2)], vec![kv_publisher(first, first.worker_id, peer.endpoint())]));
+    let mut connection = peer.connection(WAIT).await?;
+    connection.send_frames(&first.frames).await?;
+    let handle = kv.supervisor.handle();
+    let holds_chain = || handle.find_matches(&hashes).is_some_and(|m| !m.is_empty());
+    eventually(WAIT, "the rank holds the chain", || async { holds_chain() }).await?;
+
+    let mut five = first.frames.clone();
+    five.push(b"fifth".to_vec());
+    connection.send_frames(&five).await?;
+    eventually(WAIT, "the message counted as malformed", || async { kv.events("malformed") == 1 }).await?;
+    assert!(!holds_chain(), "its events are lost, so the publisher's rank was cleared");
+    assert_eq!(kv.events("gap"), 1, "one rank cleared");
+    assert_eq!(kv.events("transport_refused"), 0, "the session went on");
+    Ok(())
+}
+
 /// `GET /admin/dynamo/workers` lists the kv-events subscription beside the kv_metrics ones
 /// (state, sessions, buffer high water, never the publisher's address) and the index's size,
 /// and follows a reload that switches the KV term off.

@@ -66,15 +66,16 @@ impl Outcome {
     }
 
     /// One label for the whole event: the most severe result any of its blocks had
-    /// (`unknown_parent` > `over_capacity` > `unknown_block` > `duplicate` > `applied`), or
-    /// `None` for an event without blocks.
+    /// (`unknown_parent` > `over_capacity` > `unknown_block` > `applied` > `duplicate`), or
+    /// `None` for an event without blocks. An event is a `duplicate` only when it changed
+    /// nothing: one that re-stores held blocks and adds a new one is `applied`.
     pub fn summary(&self) -> Option<KvResult> {
         const SEVERITY: [KvResult; 5] = [
             KvResult::UnknownParent,
             KvResult::OverCapacity,
             KvResult::UnknownBlock,
-            KvResult::Duplicate,
             KvResult::Applied,
+            KvResult::Duplicate,
         ];
         SEVERITY.into_iter().find(|r| self.get(*r) > 0)
     }
@@ -111,11 +112,16 @@ mod tests {
     fn summary_names_the_most_severe_result() {
         let mut outcome = Outcome::default();
         assert_eq!(outcome.summary(), None);
+        outcome.add(KvResult::Duplicate, 2);
+        assert_eq!(outcome.summary(), Some(KvResult::Duplicate), "nothing changed");
         outcome.add(KvResult::Applied, 3);
-        assert_eq!(outcome.summary(), Some(KvResult::Applied));
+        assert_eq!(outcome.summary(), Some(KvResult::Applied), "held blocks and a new one");
         outcome.add(KvResult::OverCapacity, 1);
         assert_eq!(outcome.summary(), Some(KvResult::OverCapacity));
-        assert_eq!(outcome.blocks(), 4);
-        assert_eq!(outcome.iter().collect::<Vec<_>>(), vec![(KvResult::Applied, 3), (KvResult::OverCapacity, 1)]);
+        assert_eq!(outcome.blocks(), 6);
+        assert_eq!(
+            outcome.iter().collect::<Vec<_>>(),
+            vec![(KvResult::Applied, 3), (KvResult::Duplicate, 2), (KvResult::OverCapacity, 1)]
+        );
     }
 }

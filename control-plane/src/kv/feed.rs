@@ -83,17 +83,18 @@ impl Feed for KvFeed {
     async fn message(&self, publisher: &Publisher, (): &mut (), message: Result<Message<'_>, Dropped>) {
         let message = match message {
             Ok(message) => message,
-            Err(reason @ (Dropped::Oversized | Dropped::OverBudget)) => {
-                // Too large to read, or to read now: a batch of this publisher's events, lost.
+            Err(reason @ (Dropped::Oversized | Dropped::OverBudget | Dropped::TooManyFrames)) => {
+                // Too large to read, or to read now, or framed wrong (a malformed message, as
+                // one the decoder refuses): a batch of this publisher's events, lost.
                 let mut counts = KvCounts::default();
                 counts.add(match reason {
                     Dropped::OverBudget => KvEventResult::OverBudget,
+                    Dropped::TooManyFrames => KvEventResult::Malformed,
                     _ => KvEventResult::Oversized,
                 });
                 self.indexer.write().message_lost(&publisher.key(), &mut counts);
                 return self.count(&counts);
             }
-            Err(Dropped::TooManyFrames) => return self.count_one(KvEventResult::Malformed),
             Err(Dropped::TopicTooLong) => return self.count_one(KvEventResult::TopicMismatch),
         };
         // A channel whose worker discovery could not name speaks for nobody.

@@ -16,7 +16,9 @@
 //! requests through different replicas land together too.
 //!
 //! Bounded: [`MAX_CHAINS_PER_RANK`] per rank, [`MAX_CHAINS`] and [`MAX_HASHES`] in all; past a
-//! bound the oldest chain goes (`evicted`). Pure: time is an argument.
+//! bound the oldest chain goes (`evicted`). Every chain credited leaves once, under one label:
+//! `credited` = `expired` + `confirmed` + `evicted` + `departed` + `replaced` + the chains held.
+//! Pure: time is an argument.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -42,20 +44,25 @@ pub enum ProvisionalResult {
     Expired,
     /// The rank's indexed overlap covered the whole chain.
     Confirmed,
-    /// A bound pushed the chain out before its TTL.
+    /// A bound pushed the chain out before its TTL, or the credit was turned off (a zero TTL,
+    /// KV routing disabled) while it was held.
     Evicted,
     /// The chain's rank left the fleet.
     Departed,
+    /// A later dispatch credited the rank a chain this one is a prefix of (the same prompt
+    /// again, a conversation's next turn), which took its place.
+    Replaced,
 }
 
 impl ProvisionalResult {
-    pub const ALL: [ProvisionalResult; 6] = [
+    pub const ALL: [ProvisionalResult; 7] = [
         ProvisionalResult::Credited,
         ProvisionalResult::Refused,
         ProvisionalResult::Expired,
         ProvisionalResult::Confirmed,
         ProvisionalResult::Evicted,
         ProvisionalResult::Departed,
+        ProvisionalResult::Replaced,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -66,6 +73,7 @@ impl ProvisionalResult {
             ProvisionalResult::Confirmed => "confirmed",
             ProvisionalResult::Evicted => "evicted",
             ProvisionalResult::Departed => "departed",
+            ProvisionalResult::Replaced => "replaced",
         }
     }
 }
@@ -142,7 +150,7 @@ impl ProvisionalIndex {
             return ProvisionalResult::Refused;
         }
         self.expire(now);
-        self.remove_where(|c| c.rank == rank && hashes.starts_with(&c.hashes), None);
+        self.remove_where(|c| c.rank == rank && hashes.starts_with(&c.hashes), Some(ProvisionalResult::Replaced));
         while self.chains.iter().filter(|c| c.rank == rank).count() >= MAX_CHAINS_PER_RANK {
             self.remove_where(|c| c.rank == rank, Some(ProvisionalResult::Evicted));
         }
@@ -180,9 +188,13 @@ impl ProvisionalIndex {
                 *score = (*score).max(blocks);
             }
             if confirmed {
+                // A chain past its TTL that the sweep has not reached yet expired: it is not
+                // the index's confirmation, whatever the index holds now.
                 let confirms = |c: &Chain| {
                     let blocks = u32::try_from(c.hashes.len()).unwrap_or(u32::MAX);
-                    query.starts_with(&c.hashes) && indexed(c.rank) >= blocks
+                    now.saturating_duration_since(c.credited) < ttl
+                        && query.starts_with(&c.hashes)
+                        && indexed(c.rank) >= blocks
                 };
                 self.remove_where(confirms, Some(ProvisionalResult::Confirmed));
             }

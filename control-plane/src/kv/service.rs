@@ -36,7 +36,8 @@ pub const MAX_FIND_MATCHES_HASHES: usize = 65_536;
 pub struct KvHandle {
     indexer: SharedKvIndexer,
     enabled: Arc<AtomicBool>,
-    /// Never locked while the indexer's lock is wanted, except by the sweep (indexer first).
+    /// Lock order: the indexer's lock, then this one (a credit and the sweep hold both).
+    /// Never take the indexer's lock while holding this one.
     provisional: Arc<Mutex<ProvisionalIndex>>,
     /// Where each lookup is numbered and a rank suggested to it.
     lookups: Arc<Mutex<RecentLookups>>,

@@ -266,6 +266,10 @@ fn hostile_block_lists_are_skipped_not_kept() {
     let frames = message(&json!([removed_event(1, &many)]));
     assert!(frames[3].len() <= ZmtpLimits::KV_EVENTS.max_frame_bytes);
     assert_eq!(decode(&frames, 9), Err(DecodeError::TooManyBlocks));
+    // The list itself keeps no more than the ceiling while it counts every element.
+    let list = rmp_serde::to_vec(&many).unwrap();
+    let capped: Capped<u64> = rmp_serde::from_slice(&list).unwrap();
+    assert_eq!((capped.items.len(), capped.seen), (MAX_BLOCKS_PER_EVENT, many.len()));
 }
 
 #[test]

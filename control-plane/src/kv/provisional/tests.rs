@@ -176,3 +176,74 @@ fn labels_are_distinct_snake_case() {
     labels.dedup();
     assert_eq!(labels.len(), ProvisionalResult::ALL.len());
 }
+
+/// Every chain credited leaves once, under one label, or is still held: the counts add up
+/// through replacements, confirmations, bounds, departures, expiry and the credit turned off.
+#[test]
+fn every_credited_chain_is_accounted_for_once() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    let mut total = ProvisionalCounts::default();
+    let mut take = |index: &mut ProvisionalIndex| {
+        let counts = index.take_counts();
+        for (result, n) in counts.iter() {
+            total.add(result, n);
+        }
+        total
+    };
+    let balanced = |counts: ProvisionalCounts, held: usize| {
+        let gone = [
+            ProvisionalResult::Expired,
+            ProvisionalResult::Confirmed,
+            ProvisionalResult::Evicted,
+            ProvisionalResult::Departed,
+            ProvisionalResult::Replaced,
+        ];
+        counts.get(ProvisionalResult::Credited) == gone.iter().map(|r| counts.get(*r)).sum::<u64>() + held as u64
+    };
+    // The same prompt twice, then its next turn: two replacements.
+    index.credit(rank(1), &chain(10, 2), true, now);
+    index.credit(rank(1), &chain(10, 2), true, now);
+    index.credit(rank(1), &chain(10, 4), true, now);
+    let counts = take(&mut index);
+    assert_eq!(counts.get(ProvisionalResult::Replaced), 2);
+    assert!(balanced(counts, index.size().0));
+    // Confirmed by the index, pushed out by a rank's bound, departed.
+    index.merge(&chain(10, 4), &[(rank(1), 4)], now);
+    for i in 0..=MAX_CHAINS_PER_RANK as u64 {
+        index.credit(rank(2), &chain(1000 * (i + 1), 2), true, now);
+    }
+    index.credit(rank(3), &chain(5, 2), true, now);
+    index.retain_live(|r| r != rank(3));
+    let counts = take(&mut index);
+    assert_eq!(
+        [ProvisionalResult::Confirmed, ProvisionalResult::Evicted, ProvisionalResult::Departed].map(|r| counts.get(r)),
+        [1, 1, 1]
+    );
+    assert!(balanced(counts, index.size().0));
+    // Expired, then the credit turned off with a chain held.
+    index.expire(now + TTL);
+    index.credit(rank(4), &chain(7, 2), true, now + TTL);
+    index.set_ttl(Duration::ZERO);
+    let counts = take(&mut index);
+    assert_eq!(counts.get(ProvisionalResult::Expired), MAX_CHAINS_PER_RANK as u64);
+    assert_eq!(index.size(), (0, 0));
+    assert!(balanced(counts, 0));
+}
+
+/// A chain past its TTL that no sweep has reached is expired, not confirmed, even when the
+/// index now covers it.
+#[test]
+fn a_chain_past_its_ttl_is_not_confirmed() {
+    let now = Instant::now();
+    let mut index = ProvisionalIndex::new(TTL);
+    index.credit(rank(1), &chain(10, 2), true, now);
+    index.credit(rank(2), &chain(10, 3), true, now + TTL / 2);
+    // Rank 2's live chain is confirmed; rank 1's expired one waits for the sweep.
+    index.merge(&chain(10, 3), &[(rank(1), 3), (rank(2), 3)], now + TTL);
+    let counts = index.take_counts();
+    assert_eq!(counts.get(ProvisionalResult::Confirmed), 1);
+    index.expire(now + TTL);
+    assert_eq!(index.take_counts().get(ProvisionalResult::Expired), 1);
+    assert_eq!(index.size(), (0, 0));
+}
