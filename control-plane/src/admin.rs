@@ -233,9 +233,6 @@ fn load_json(key: &LoadKey, sample: &LoadSample, now: Instant) -> Value {
     })
 }
 
-/// The seed's worker shape: `instance_id` in lowercase hex, `worker_id` in decimal (as a
-/// string: lease ids exceed 2^53 and would lose digits as JSON numbers in most clients).
-/// Never the transport address or the raw card.
 /// `endpoint` when it is a Dynamo endpoint path (`namespace/component/endpoint`, as in
 /// `dynamo/prefill/generate`), which names no host; `None` for anything else, such as the
 /// `host:port` of an SGLang bootstrap endpoint.
@@ -245,6 +242,9 @@ fn endpoint_path(endpoint: &str) -> Option<&str> {
     (path && segments.next().is_none()).then_some(endpoint)
 }
 
+/// The seed's worker shape: `instance_id` in lowercase hex, `worker_id` in decimal (as a
+/// string: lease ids exceed 2^53 and would lose digits as JSON numbers in most clients).
+/// Never the transport address or the raw card.
 fn worker_json(discovered: &DiscoveredWorker) -> Value {
     let worker = &discovered.worker;
     let c = worker.capacity;

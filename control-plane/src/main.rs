@@ -133,6 +133,9 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             report(shown, &ConfigError::Invalid(moved));
             return ExitCode::from(2);
         }
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "--simulator-shim-listen is not a loopback address: the simulated shim and its unauthenticated kill endpoint are reachable off-host");
+        }
     }
     // The overrides bypass the file's validation, and with it the warning for a listener
     // reachable off-host without its token.

@@ -50,7 +50,7 @@ fn header(response: &reqwest::Response, name: &str) -> anyhow::Result<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow::Result<()> {
-    let (_control_plane, url, _) = embedded_default_control_plane().await?;
+    let (_control_plane, url, admin) = embedded_default_control_plane().await?;
     let replicas = start_replicas(1, &url).await?;
     let replica = &replicas[0];
     eventually(WAIT, "four simulated workers in the replica's view", || async {
@@ -90,6 +90,16 @@ async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow
         replica.fleet.view().is_some_and(|v| v.loads().keys().any(|key| key.worker.instance_id == decode))
     })
     .await?;
+    // Its first sample (sequence 0) came as the request arrived; the rise (its blocks taken) and
+    // the fall (given back when the answer ended) followed.
+    eventually(WAIT, "the decode worker's fall back to no blocks after its rise", || async {
+        let Ok(loads) = admin_loads(&admin).await else { return false };
+        let store = loads["store"].as_array().cloned().unwrap_or_default();
+        store.iter().any(|s| {
+            s["worker_id"] == decode.to_string() && s["sequence"].as_u64() >= Some(2) && s["kv_used_blocks"] == 0
+        })
+    })
+    .await?;
     let view = replica.fleet.view().context("no fleet view")?;
     let idle = view.loads().keys().filter(|key| ![prefill, decode].contains(&key.worker.instance_id)).count();
     assert_eq!(idle, 0, "no sample from a worker no request reached");
@@ -114,6 +124,11 @@ async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow
     assert_eq!((&usage["choices"], usage["usage"]["completion_tokens"].as_u64()), (&json!([]), Some(16)));
     assert_eq!(*done, "[DONE]");
     Ok(())
+}
+
+/// The control plane's `/admin/dynamo/loads`: the samples it holds and those it published.
+async fn admin_loads(admin: &str) -> anyhow::Result<Value> {
+    Ok(reqwest::get(format!("http://{admin}/admin/dynamo/loads")).await?.json().await?)
 }
 
 /// The control plane's `/admin/dynamo/workers`: workers, subscriptions and the KV index's size.

@@ -116,6 +116,7 @@ fn discovery_rows() -> Vec<Row> {
         row("simulator namespace with slash", simulator("{namespace: 'a/b'}"), Error, "dynamo.discovery.simulator.namespace", "`/`"),
         row("simulator shim_listen not an address", simulator("{shim_listen: 'port 8000'}"), Error, "dynamo.discovery.simulator.shim_listen", "address"),
         row("simulator shim without a backend", simulator("{shim_listen: '127.0.0.1:8001'}"), Warning, "dynamo.discovery.simulator.shim_listen", "no entry of `backends`"),
+        row("simulator shim off loopback", simulator("{shim_listen: '0.0.0.0:8001'}"), Warning, "dynamo.discovery.simulator.shim_listen", "reachable off-host"),
         row("simulator shim on port 0", simulator("{shim_listen: '127.0.0.1:0'}"), Error, "dynamo.discovery.simulator.shim_listen", "must name a port"),
         row("simulator shim on the admin port", simulator("{shim_listen: '127.0.0.1:9090'}"), Error, "dynamo.discovery.simulator.shim_listen", "collides with admin.listen"),
     ]

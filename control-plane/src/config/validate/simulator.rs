@@ -42,6 +42,13 @@ pub(super) fn check(config: &Config, report: &mut Report) {
             "must name a port: the backends' URL has to say where the simulated shim listens",
         );
     }
+    if !simulator.shim_listen.ip().is_loopback() {
+        report.warning(
+            format!("{BASE}.shim_listen"),
+            "is not a loopback address: the simulated shim and its unauthenticated \
+             POST /simulator/workers/{id}/kill are reachable off-host",
+        );
+    }
     let shim = format!("http://{}", simulator.shim_listen);
     if !config.backends.iter().any(|b| b.url.trim_end_matches('/') == shim) {
         report.warning(

@@ -1,5 +1,6 @@
-//! The `simulator` discovery source: an embedded simulated fleet for the demo. It binds two
-//! loopback ZMTP PUB listeners per simulated worker (kv_metrics and kv-events) and the shim's
+//! The `simulator` discovery source: an embedded simulated fleet for the demo. It binds a
+//! loopback ZMTP PUB listener per simulated worker for kv_metrics, one more for kv-events per
+//! prefill or aggregated worker (decode workers publish none, as in 1.6.1), and the shim's
 //! listener when it starts (so a taken port fails the start), publishes the workers, their
 //! cards' artifacts and their publishers through the registry like any discovered fleet (the
 //! load and KV supervisors subscribe to them over real ZMTP), and serves the shim until
@@ -231,22 +232,22 @@ mod tests {
 
     use super::*;
 
-    /// A prompt of several MiB, as the replica passes on (up to 8 MiB and its token ids), is read
-    /// and answered, not refused by the web framework's 2 MiB default.
-    #[tokio::test]
-    async fn the_shim_reads_a_body_as_large_as_a_replica_sends() {
+    /// A simulator and its shim on loopback ports.
+    async fn serve() -> (Simulator, std::net::SocketAddr) {
         let config =
             SimulatorConfig { shim_listen: "127.0.0.1:0".parse().expect("an address"), ..SimulatorConfig::default() };
         let simulator = Simulator::bind(&config).expect("binds");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
         let addr = listener.local_addr().expect("bound");
         tokio::spawn(axum::serve(listener, shim::router(Arc::clone(&simulator.shim))).into_future());
-        let content = "word ".repeat(1 << 20);
-        let body =
-            serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
-        let body = serde_json::to_vec(&body).expect("serializes");
+        (simulator, addr)
+    }
+
+    /// The status of a chat completion posted with `pins` (header lines).
+    async fn post(addr: std::net::SocketAddr, pins: &str, body: &serde_json::Value) -> String {
+        let body = serde_json::to_vec(body).expect("serializes");
         let head = format!(
-            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{pins}content-length: {}\r\nconnection: close\r\n\r\n",
             body.len()
         );
         let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connects");
@@ -254,8 +255,43 @@ mod tests {
         stream.write_all(&body).await.expect("writes");
         let mut status = [0u8; 12];
         stream.read_exact(&mut status).await.expect("answered");
-        let status = String::from_utf8_lossy(&status[9..12]).to_string();
-        assert_ne!(status, "413", "a {} MiB body", body.len() >> 20);
+        String::from_utf8_lossy(&status[9..12]).to_string()
+    }
+
+    /// A prompt of several MiB, as the replica passes on (up to 8 MiB and its token ids), is read
+    /// and answered, not refused by the web framework's 2 MiB default.
+    #[tokio::test]
+    async fn the_shim_reads_a_body_as_large_as_a_replica_sends() {
+        let (_simulator, addr) = serve().await;
+        let content = "word ".repeat(1 << 20);
+        let body =
+            serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
+        assert_ne!(post(addr, "", &body).await, "413", "a 5 MiB body");
+    }
+
+    /// As 1.6.1 does, a request whose decode pin is missing or unknown is refused only after
+    /// its prefill ran: the prefill worker holds its prompt afterwards. A missing prefill pin
+    /// is refused before any worker runs.
+    #[tokio::test]
+    async fn the_decode_pin_is_refused_after_the_prefill_ran() {
+        let (simulator, addr) = serve().await;
+        let block_size = usize::try_from(simulator.shim.block_size).expect("fits");
+        let tokens: Vec<u32> = (0..u32::try_from(2 * block_size).expect("fits")).collect();
+        let body = serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                                      "nvext": {"token_data": tokens}});
+        let prompt = prefix_cache::blocks(&tokens, block_size);
+        let prefill = Arc::clone(&simulator.shim.prefill[0]);
+        let pin = format!("x-dynamo-prefill-instance-id: {}\r\n", prefill.worker_id);
+
+        let decode = format!("x-dynamo-worker-instance-id: {}\r\n", simulator.shim.decode[0].worker_id);
+        assert_eq!(post(addr, &decode, &body).await, "500", "no prefill pin");
+        assert_eq!(prefill.held(&prompt), 0, "refused before any worker ran");
+
+        assert_eq!(post(addr, &pin, &body).await, "400", "no decode pin");
+        assert_eq!(prefill.held(&prompt), 2, "the prefill ran first");
+        prefill.clear_kv();
+        assert_eq!(post(addr, &format!("{pin}x-dynamo-worker-instance-id: 12345\r\n"), &body).await, "400");
+        assert_eq!(prefill.held(&prompt), 2, "the prefill ran before the unknown decode pin was refused");
     }
 
     #[tokio::test]

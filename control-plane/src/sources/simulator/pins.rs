@@ -52,32 +52,42 @@ pub struct Known<'a> {
     pub decode: &'a [u64],
 }
 
-/// Reads and checks the pins of a request.
-pub fn resolve(headers: &HeaderMap, body: &Value, known: Known<'_>) -> Result<Pins, Refusal> {
+/// A request's pins, in the order 1.6.1 checks them. The prefill pin is checked before any
+/// worker is touched; the decode pin only once the prefill ran (the fixtures: a request
+/// refused for its decode pin took a prefill's time).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Resolution {
+    /// The worker that prefills: the decode worker itself in an aggregated fleet.
+    pub prefill: u64,
+    /// Every pin, or the refusal of the decode pin.
+    pub pins: Result<Pins, Refusal>,
+}
+
+/// Reads and checks the pins of a request; an `Err` is refused before any worker runs.
+pub fn resolve(headers: &HeaderMap, body: &Value, known: Known<'_>) -> Result<Resolution, Refusal> {
     let decode = header(headers, &DECODE_ID).or_else(|| nvext(body, "backend_instance_id"));
     let prefill = header(headers, &PREFILL_ID).or_else(|| nvext(body, "prefill_worker_id"));
     let decode_dp_rank = rank(headers, &DECODE_RANK)?;
     let prefill_dp_rank = rank(headers, &PREFILL_RANK)?;
-    let pins = if known.prefill.is_empty() {
+    if known.prefill.is_empty() {
         // Aggregated: the decode worker does both phases; a prefill pin must name it.
-        let decode = decode.ok_or_else(Refusal::invalid)?;
+        let decode = decode.filter(|d| known.decode.contains(d)).ok_or_else(Refusal::invalid)?;
         if prefill.is_some_and(|p| p != decode) {
             return Err(Refusal::invalid());
         }
-        Pins { prefill: decode, decode, prefill_dp_rank, decode_dp_rank }
-    } else {
-        // 1.6.1 fails a missing prefill pin with a generic 500 before touching any worker.
-        let prefill = prefill.ok_or_else(failed)?;
-        if !known.prefill.contains(&prefill) {
-            return Err(Refusal::invalid());
-        }
-        let decode = decode.ok_or_else(Refusal::invalid)?;
-        Pins { prefill, decode, prefill_dp_rank, decode_dp_rank }
-    };
-    if !known.decode.contains(&pins.decode) {
+        let pins = Pins { prefill: decode, decode, prefill_dp_rank, decode_dp_rank };
+        return Ok(Resolution { prefill: decode, pins: Ok(pins) });
+    }
+    // 1.6.1 fails a missing prefill pin with a generic 500 before touching any worker.
+    let prefill = prefill.ok_or_else(failed)?;
+    if !known.prefill.contains(&prefill) {
         return Err(Refusal::invalid());
     }
-    Ok(pins)
+    let pins = match decode {
+        Some(decode) if known.decode.contains(&decode) => Ok(Pins { prefill, decode, prefill_dp_rank, decode_dp_rank }),
+        _ => Err(Refusal::invalid()),
+    };
+    Ok(Resolution { prefill, pins })
 }
 
 fn failed() -> Refusal {
@@ -120,10 +130,15 @@ mod tests {
     }
 
     /// Name, headers, body, fleet and the expected outcome.
-    type Case<'a> = (&'static str, HeaderMap, &'a Value, Known<'static>, Result<Pins, Refusal>);
+    type Case<'a> = (&'static str, HeaderMap, &'a Value, Known<'static>, Result<Resolution, Refusal>);
 
-    fn pins(prefill: u64, decode: u64) -> Result<Pins, Refusal> {
-        Ok(Pins { prefill, decode, prefill_dp_rank: None, decode_dp_rank: None })
+    fn pins(prefill: u64, decode: u64) -> Result<Resolution, Refusal> {
+        Ok(Resolution { prefill, pins: Ok(Pins { prefill, decode, prefill_dp_rank: None, decode_dp_rank: None }) })
+    }
+
+    /// The prefill runs on `prefill`, then the decode pin is refused.
+    fn decode_refused(prefill: u64) -> Result<Resolution, Refusal> {
+        Ok(Resolution { prefill, pins: Err(Refusal::invalid()) })
     }
 
     #[test]
@@ -138,12 +153,13 @@ mod tests {
             ("nvext body ids", HeaderMap::new(), &body_ids, DISAGG, pins(2, 4)),
             ("no pins", HeaderMap::new(), &none, DISAGG, Err(failed())),
             ("decode only", headers(&[("x-dynamo-worker-instance-id", "3")]), &none, DISAGG, Err(failed())),
-            ("prefill only", headers(&[("x-dynamo-prefill-instance-id", "1")]), &none, DISAGG, invalid.clone()),
-            ("hex ignored", headers(&[("x-dynamo-worker-instance-id", "0x3"), ("x-dynamo-prefill-instance-id", "1")]), &none, DISAGG, invalid.clone()),
-            ("unknown decode", headers(&[("x-dynamo-worker-instance-id", "9"), ("x-dynamo-prefill-instance-id", "1")]), &none, DISAGG, invalid.clone()),
+            ("prefill only", headers(&[("x-dynamo-prefill-instance-id", "1")]), &none, DISAGG, decode_refused(1)),
+            ("hex ignored", headers(&[("x-dynamo-worker-instance-id", "0x3"), ("x-dynamo-prefill-instance-id", "1")]), &none, DISAGG, decode_refused(1)),
+            ("unknown decode", headers(&[("x-dynamo-worker-instance-id", "9"), ("x-dynamo-prefill-instance-id", "1")]), &none, DISAGG, decode_refused(1)),
             ("unknown prefill", headers(&[("x-dynamo-worker-instance-id", "3"), ("x-dynamo-prefill-instance-id", "9")]), &none, DISAGG, invalid.clone()),
             ("aggregated", headers(&[("x-dynamo-worker-instance-id", "4")]), &none, AGG, pins(4, 4)),
             ("aggregated without pin", HeaderMap::new(), &none, AGG, invalid.clone()),
+            ("aggregated unknown", headers(&[("x-dynamo-worker-instance-id", "9")]), &none, AGG, invalid.clone()),
         ];
         for (name, headers, body, known, want) in cases {
             assert_eq!(resolve(&headers, body, known), want, "{name}");
@@ -154,7 +170,7 @@ mod tests {
     fn dp_ranks_beyond_the_workers_size_are_refused() {
         let base = [("x-dynamo-worker-instance-id", "3"), ("x-dynamo-prefill-instance-id", "1")];
         let ok = resolve(&headers(&[base[0], base[1], ("x-dynamo-dp-rank", "0")]), &json!({}), DISAGG);
-        assert_eq!(ok.map(|p| p.decode_dp_rank), Ok(Some(0)));
+        assert_eq!(ok.map(|r| r.pins.map(|p| p.decode_dp_rank)), Ok(Ok(Some(0))));
         let refused = resolve(&headers(&[base[0], base[1], ("x-dynamo-prefill-dp-rank", "5")]), &json!({}), DISAGG);
         assert_eq!(refused.map_err(|r| r.message), Err("dp_rank 5 is out of bounds for dp_size 1".to_owned()));
     }

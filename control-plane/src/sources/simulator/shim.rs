@@ -34,7 +34,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::artifacts;
-use super::pins::{self, Known, Pins, Refusal};
+use super::pins::{self, Known, Pins, Refusal, Resolution};
 use super::prefix_cache::{self, Block};
 use super::workers::{Life, SimulatedWorker};
 
@@ -124,41 +124,50 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         return StatusCode::NOT_FOUND.into_response();
     }
     let (prefill_ids, decode_ids) = (ids(&shim.prefill), ids(&shim.decode));
-    let pins = match pins::resolve(&headers, &request, Known { prefill: &prefill_ids, decode: &decode_ids }) {
-        Ok(pins) => pins,
+    let known = Known { prefill: &prefill_ids, decode: &decode_ids };
+    let Resolution { prefill, pins } = match pins::resolve(&headers, &request, known) {
+        Ok(resolution) => resolution,
         Err(refusal) => return refuse(&refusal),
     };
-    let mut plan = Plan::new(&shim, &request, pins);
-    let Some(decode) = shim.decode.iter().find(|w| w.worker_id == pins.decode) else {
-        return refuse(&Refusal::invalid());
-    };
-    let prefill = shim.prefill.iter().find(|w| w.worker_id == pins.prefill);
-    // The capture pins a killed decode worker; a killed prefill worker is taken to be refused
-    // the same way.
-    if prefill.into_iter().chain([decode]).any(|w| w.life() == Life::Killed) {
-        return refuse(&Refusal::unavailable());
-    }
     let prompt = prompt_blocks(&request, shim.block_size);
-    // The sequence's blocks, prompt and answer together, as an engine pages them.
-    let blocks = (plan.prompt_tokens + plan.tokens).div_ceil(shim.block_size);
-    let (held, cached) = match prefill {
-        // What a worker holds when the request arrives is cached; the rest is stored once
-        // prefilled.
+    // A prefill worker of its own runs first, whatever the decode pin turns out to be: what
+    // it held when the request arrived is cached, the rest stored once prefilled.
+    let prefilled = match shim.prefill.iter().find(|w| w.worker_id == prefill) {
+        // The capture pins a killed decode worker; a killed prefill worker is taken to be
+        // refused the same way.
+        Some(prefill) if prefill.life() == Life::Killed => return refuse(&Refusal::unavailable()),
         Some(prefill) => {
             prefill.touch();
             let cached = prefill.held(&prompt);
             tokio::time::sleep(PREFILL_TIME).await;
             prefill.store_prompt(&prompt);
-            decode.touch();
-            (Held::take(decode, blocks), cached)
+            Some(cached)
         }
+        None => None,
+    };
+    let pins = match pins {
+        Ok(pins) => pins,
+        Err(refusal) => return refuse(&refusal),
+    };
+    let Some(decode) = shim.decode.iter().find(|w| w.worker_id == pins.decode) else {
+        return refuse(&Refusal::invalid());
+    };
+    if decode.life() == Life::Killed {
+        return refuse(&Refusal::unavailable());
+    }
+    let mut plan = Plan::new(&shim, &request, pins);
+    // The sequence's blocks, prompt and answer together, as an engine pages them.
+    let blocks = (plan.prompt_tokens + plan.tokens).div_ceil(shim.block_size);
+    decode.touch();
+    let held = Held::take(decode, blocks);
+    let cached = match prefilled {
+        Some(cached) => cached,
+        // Aggregated: the decode worker prefills the request itself.
         None => {
-            decode.touch();
-            let held = Held::take(decode, blocks);
             let cached = decode.held(&prompt);
             tokio::time::sleep(PREFILL_TIME).await;
             decode.store_prompt(&prompt);
-            (held, cached)
+            cached
         }
     };
     plan.cached_tokens = u64::try_from(cached).unwrap_or(u64::MAX).saturating_mul(shim.block_size);
