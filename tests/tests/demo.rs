@@ -96,7 +96,8 @@ async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow
         let Ok(loads) = admin_loads(&admin).await else { return false };
         let store = loads["store"].as_array().cloned().unwrap_or_default();
         store.iter().any(|s| {
-            s["worker_id"] == decode.to_string() && s["sequence"].as_u64() >= Some(2) && s["kv_used_blocks"] == 0
+            let worker = s["worker_id"].as_str().and_then(|id| id.parse::<u64>().ok());
+            worker == Some(decode) && s["sequence"].as_u64() >= Some(2) && s["kv_used_blocks"] == 0
         })
     })
     .await?;
