@@ -35,8 +35,8 @@ pub const MAX_INBOUND_FLEET_MESSAGE_BYTES: usize = 4 << 20;
 pub const MAX_REPORT_STARTED: usize = 1024;
 
 /// Ends (and, separately, first tokens) one report may carry: a replica batches at most 512
-/// events and adds at most 8,192 ends it had to keep aside while its queue was full; a report
-/// past it is refused whole.
+/// events, so this leaves wide room (a replica that finds its queue full ends the stream rather
+/// than keep ends aside); a report past it is refused whole.
 pub const MAX_REPORT_ENDS: usize = 16_384;
 
 /// Tokens a lookup may say its prompt has, as many as a replica renders (1,048,576); a larger

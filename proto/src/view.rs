@@ -218,12 +218,13 @@ impl FleetView {
         if worker.serves_rank(key.dp_rank) {
             return Ok(());
         }
-        let first = worker.dp_start_rank;
+        // The ranks it serves as pickers read them: a start rank without a size is rank 0.
+        let ranks = worker.dp_ranks();
         Err(ApplyError::RankOutOfRange {
             key: key.worker.clone(),
             dp_rank: key.dp_rank,
-            first,
-            end: first.saturating_add(worker.dp_size.max(1)),
+            first: ranks.start,
+            end: ranks.end,
         })
     }
 }
@@ -256,6 +257,17 @@ impl FleetDelta {
     }
 }
 
+/// Drops the entries of `worker`'s ranks that `doomed` picks. Keys order by worker first, so
+/// they are one range: a delta naming thousands of workers costs a lookup each, not a pass
+/// over every sample per worker.
+fn drop_ranks<V>(map: &mut BTreeMap<LoadKey, V>, worker: &WorkerKey, doomed: impl Fn((&LoadKey, &V)) -> bool) {
+    let ranks = LoadKey { worker: worker.clone(), dp_rank: 0 }..=LoadKey { worker: worker.clone(), dp_rank: u32::MAX };
+    let gone: Vec<LoadKey> = map.range(ranks).filter(|entry| doomed(*entry)).map(|(k, _)| k.clone()).collect();
+    for key in gone {
+        map.remove(&key);
+    }
+}
+
 /// Folds consecutive deltas: the last word on each key wins. A worker removed anywhere in the
 /// run stays listed as removed (a re-upsert follows it), since its removal also dropped samples
 /// the base view holds.
@@ -274,15 +286,15 @@ impl Merge {
         for key in &delta.removed {
             self.upserted.remove(key);
             self.removed.insert(key.clone());
-            self.loads.retain(|k, _| &k.worker != key);
-            self.backlogs.retain(|k, _| &k.worker != key);
+            drop_ranks(&mut self.loads, key, |_| true);
+            drop_ranks(&mut self.backlogs, key, |_| true);
         }
         for worker in &delta.upserted {
             // Samples carried for ranks the worker gave up would not fit it any more. Their
             // removals stay: the base view may still hold what they remove.
-            let fits = |k: &LoadKey| k.worker != worker.key || worker.serves_rank(k.dp_rank);
-            self.loads.retain(|k, sample| sample.is_none() || fits(k));
-            self.backlogs.retain(|k, backlog| backlog.is_none() || fits(k));
+            let gave_up = |k: &LoadKey| !worker.serves_rank(k.dp_rank);
+            drop_ranks(&mut self.loads, &worker.key, |(k, sample)| sample.is_some() && gave_up(k));
+            drop_ranks(&mut self.backlogs, &worker.key, |(k, backlog)| backlog.is_some() && gave_up(k));
             self.upserted.insert(worker.key.clone(), Arc::clone(worker));
         }
         for key in &delta.loads_removed {

@@ -2,6 +2,7 @@
 //! to it. Pure: committing a change returns a new state and never touches the old one, so
 //! every Watch session reads a consistent pair without locks.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use continuum_proto::fast_hash::FastMap;
@@ -109,17 +110,22 @@ impl FleetState {
             change;
         let view = &self.view;
         let version = view.version();
+        // Sorted, and the lookups below are by key: a change naming thousands of workers and
+        // samples costs a lookup each, not a scan of one list per entry of another.
         let removed: Vec<WorkerKey> = dedup(remove.into_iter().filter(|k| view.worker(k).is_some()));
+        let is_removed = |key: &WorkerKey| removed.binary_search(key).is_ok();
         let upserted: Vec<Arc<Worker>> = upsert
             .into_iter()
-            .filter(|w| view.worker(&w.key).is_none_or(|held| held != w) || removed.contains(&w.key))
+            .filter(|w| view.worker(&w.key).is_none_or(|held| held != w) || is_removed(&w.key))
             .collect();
+        // The last upsert of a key wins.
+        let upserted_by_key: BTreeMap<&WorkerKey, &Arc<Worker>> = upserted.iter().map(|w| (&w.key, w)).collect();
         let serves = |key: &LoadKey| {
-            let worker = upserted
-                .iter()
-                .rev()
-                .find(|w| w.key == key.worker)
-                .or_else(|| if removed.contains(&key.worker) { None } else { view.worker(&key.worker) });
+            let worker = match upserted_by_key.get(&key.worker) {
+                Some(worker) => Some(*worker),
+                None if is_removed(&key.worker) => None,
+                None => view.worker(&key.worker),
+            };
             worker.is_some_and(|w| w.serves_rank(key.dp_rank))
         };
         // Ranks an upserted worker gives up lose their samples and backlogs explicitly, so that
@@ -128,16 +134,14 @@ impl FleetState {
         loads_removed.extend(given_up.iter().cloned());
         backlogs_removed.extend(given_up);
         let loads: Vec<(LoadKey, LoadSample)> = loads.into_iter().filter(|(k, _)| serves(k)).collect();
-        let loads_removed = dedup(
-            loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !loads.iter().any(|(l, _)| l == k)),
-        );
+        let sampled: BTreeSet<&LoadKey> = loads.iter().map(|(k, _)| k).collect();
+        let loads_removed =
+            dedup(loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !sampled.contains(k)));
         let backlogs: Vec<(LoadKey, Backlog)> =
             backlogs.into_iter().filter(|(k, b)| serves(k) && view.backlogs().get(k) != Some(b)).collect();
-        let backlogs_removed = dedup(
-            backlogs_removed
-                .into_iter()
-                .filter(|k| view.backlogs().contains_key(k) && !backlogs.iter().any(|(b, _)| b == k)),
-        );
+        let summed: BTreeSet<&LoadKey> = backlogs.iter().map(|(k, _)| k).collect();
+        let backlogs_removed =
+            dedup(backlogs_removed.into_iter().filter(|k| view.backlogs().contains_key(k) && !summed.contains(k)));
         FleetDelta {
             base_version: version,
             version: version + 1,

@@ -19,9 +19,6 @@ pub struct FleetHandle {
 #[derive(Debug, Clone, Copy)]
 struct Link {
     connected: bool,
-    /// The held view lost part of its content when the stream was lost (see
-    /// [`FleetHandle::detach`]), so the next stream must start from a full snapshot.
-    partial: bool,
     /// When the held view was last known to be current: the last update received, or the
     /// moment the stream was lost.
     current_at: Option<Instant>,
@@ -42,7 +39,7 @@ impl Default for FleetHandle {
     fn default() -> Self {
         Self {
             view: ArcSwapOption::empty(),
-            link: Mutex::new(Link { connected: false, partial: false, current_at: None }),
+            link: Mutex::new(Link { connected: false, current_at: None }),
             version_tx: watch::channel(0).0,
         }
     }
@@ -82,11 +79,11 @@ impl FleetHandle {
         self.version_tx.send_replace(version);
     }
 
-    /// The version to resume the next stream from: the held view's, unless the view is
-    /// missing content the control plane would not resend with a delta.
+    /// The version the next stream's Hello names: the held view's. Informational (logs, the
+    /// admin API): every stream starts with a full snapshot, which also brings back what
+    /// [`Self::detach`] dropped.
     pub(crate) fn resume_from(&self) -> Option<u64> {
-        let partial = self.link.lock().unwrap_or_else(PoisonError::into_inner).partial;
-        self.view().filter(|_| !partial).map(|view| view.version())
+        self.view().map(|view| view.version())
     }
 
     /// The stream is lost: the view becomes last-known-good. Its workers, loads and
@@ -100,10 +97,6 @@ impl FleetHandle {
         let held = |view: &Arc<FleetView>| !view.backlogs().is_empty() || view.reports_folded().is_some();
         if let Some(view) = self.view().filter(held) {
             self.view.store(Some(Arc::new(view.without_backlogs())));
-            if !view.backlogs().is_empty() {
-                // The next stream must resend what was dropped: a delta would not.
-                self.link.lock().unwrap_or_else(PoisonError::into_inner).partial = true;
-            }
         }
         self.touch(false);
     }
@@ -114,9 +107,6 @@ impl FleetHandle {
         let mut link = self.link.lock().unwrap_or_else(PoisonError::into_inner);
         if connected || link.connected {
             link.current_at = Some(Instant::now());
-        }
-        if connected {
-            link.partial = false;
         }
         link.connected = connected;
     }
@@ -149,9 +139,9 @@ mod tests {
     }
 
     #[test]
-    fn a_lost_stream_drops_the_frozen_backlogs_and_resumes_from_a_snapshot() {
+    fn a_lost_stream_drops_the_frozen_backlogs_and_keeps_the_rest() {
         let handle = FleetHandle::default();
-        assert_eq!(handle.resume_from(), None, "nothing held: a snapshot");
+        assert_eq!(handle.resume_from(), None, "nothing held");
         let backlog = Backlog { decode_blocks: 40, dispatches: 3, ..Backlog::default() };
         handle.store(view(5, Some(backlog)));
         assert_eq!(handle.resume_from(), Some(5));
@@ -161,18 +151,6 @@ mod tests {
         assert_eq!((held.version(), held.workers().len()), (5, 1), "workers and version are kept");
         assert!(held.backlogs().is_empty(), "the frozen fleet-wide backlogs are gone");
         assert!(!handle.status(Instant::now()).connected);
-        assert_eq!(handle.resume_from(), None, "a delta would not bring the dropped backlogs back");
-
-        handle.store(view(9, Some(backlog)));
-        assert_eq!(handle.resume_from(), Some(9), "a snapshot makes the view whole again");
-    }
-
-    #[test]
-    fn a_view_without_backlogs_resumes_with_a_delta_after_a_lost_stream() {
-        let handle = FleetHandle::default();
-        handle.store(view(3, None));
-        handle.detach();
-        assert_eq!(handle.resume_from(), Some(3));
-        assert_eq!(handle.view().map(|v| v.version()), Some(3));
+        assert_eq!(handle.resume_from(), Some(5), "the Hello names the version held");
     }
 }
