@@ -343,7 +343,8 @@ async fn warming_renders_a_long_probe_on_each_permit_s_own_thread() {
     assert_eq!(renderer.warm(Arc::clone(&artifacts)).await.rendered, 3);
     drop(held);
     assert_eq!(renderer.permits_available(), 4);
-    let request = chat("the probes left no pieces behind");
+    assert_eq!(artifacts.pieces.len(), 0, "the probes encode whole: they leave no pieces behind");
+    let request = chat("and a request after them still encodes");
     let prepared =
         prepare_blocking(&artifacts, &request, PromptDefaults::default(), &sizes(&[16]), SaltHash::default(), 1 << 20)
             .unwrap();
@@ -444,6 +445,21 @@ async fn a_failed_load_is_retried_after_five_minutes() {
     assert_eq!(count(&h.counter, "loaded"), 1);
 }
 
+/// A reload that removes the pin while a load runs (here while the set is warmed) leaves
+/// nothing loaded: the set is refused as unpinned, never kept in a slot a pinned one needs.
+#[tokio::test]
+async fn a_pin_removed_while_its_set_loads_leaves_nothing_loaded() {
+    let card = card_in(&fixture("tinymodel"));
+    let h = harness(pinned(&card));
+    let (store, cache_dir) = (h.store.clone(), h.cache_dir.path().join("kv"));
+    h.store.warm_with(Box::new(move |_| {
+        store.set_policy(ArtifactPolicy::new(cache_dir.clone()));
+        Box::pin(async {})
+    }));
+    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::Unpinned(_))));
+    assert_eq!(h.store.loaded().0, 0);
+    assert_eq!(count(&h.counter, "loaded"), 0);
+}
 /// A reloaded policy may allow what refused a load (a scheme, a pin): the load is tried again
 /// at once rather than after its five minutes.
 #[tokio::test]

@@ -272,6 +272,11 @@ impl ArtifactStore {
             None => None,
         };
         let key = artifacts.key();
+        // A reload may remove the pin while the files are fetched (up to 30 s) or the set is
+        // warmed: nothing unpinned is compiled, rendered or kept.
+        let still_pinned =
+            || self.policy().unpinned(&key).map_or(Ok(()), |checksum| Err(LoadError::Unpinned(checksum)));
+        still_pinned()?;
         // On a render thread: compiling probes the template with renders, as deep as any.
         let loaded = render::threads::spawn(move || build(key, &tokenizer, &config, template.as_deref()))
             .await
@@ -280,6 +285,7 @@ impl ArtifactStore {
         if let Some(warm) = self.inner.warm.get() {
             warm(Arc::clone(&loaded)).await;
         }
+        still_pinned()?;
         Ok(loaded)
     }
 

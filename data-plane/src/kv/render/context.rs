@@ -566,14 +566,20 @@ fn reasoning_controls(request: &Json, args: &mut Map<String, Json>) -> Result<()
         }
         None => {}
     }
-    let mode = args.get("thinking_mode").and_then(Json::as_str).map(str::to_ascii_lowercase);
-    let decided =
-        THINKING_TOGGLES.iter().find_map(|key| args.get(*key).and_then(Json::as_bool)).or(match mode.as_deref() {
-            Some("adaptive") => None,
-            Some("enabled") => Some(true),
-            Some("disabled") => Some(false),
-            _ => effort.as_ref().and_then(Json::as_str).map(|effort| effort != "none"),
-        });
+    let by_effort = || effort.as_ref().and_then(Json::as_str).map(|effort| effort != "none");
+    let decided = match toggle(args) {
+        Some(on) => Some(on),
+        None => match args.get("thinking_mode") {
+            Some(Json::Bool(on)) => Some(*on),
+            Some(Json::String(mode)) => match mode.trim().to_ascii_lowercase().as_str() {
+                "adaptive" => None,
+                "enabled" => Some(true),
+                "disabled" => Some(false),
+                mode => parse_bool(mode).or_else(by_effort),
+            },
+            _ => by_effort(),
+        },
+    };
     if let Some(on) = decided {
         set_thinking(args, on);
     }
@@ -581,6 +587,28 @@ fn reasoning_controls(request: &Json, args: &mut Map<String, Json>) -> Result<()
         args.insert("reasoning_effort".into(), effort);
     }
     Ok(())
+}
+
+/// The first of `thinking` and `enable_thinking` a request sets, read as dynamo-llm 1.6.1's
+/// alias normalization reads it: a bool as is, a string by its truthy spellings (`"false"` is
+/// off), a number by whether it is non-zero. Other values are passed over.
+fn toggle(args: &Map<String, Json>) -> Option<bool> {
+    THINKING_TOGGLES.iter().find_map(|key| match args.get(*key)? {
+        Json::Bool(on) => Some(*on),
+        Json::String(value) => Some(parse_bool(&value.trim().to_ascii_lowercase()) == Some(true)),
+        Json::Number(value) => value.as_f64().map(|value| value != 0.0),
+        _ => None,
+    })
+}
+
+/// Dynamo's boolean spellings (`1 | true | on | yes`, `0 | false | off | no` or empty), of a
+/// trimmed, lowercased value.
+fn parse_bool(value: &str) -> Option<bool> {
+    match value {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "" | "0" | "false" | "off" | "no" => Some(false),
+        _ => None,
+    }
 }
 
 fn set_thinking(args: &mut Map<String, Json>, on: bool) {
@@ -747,6 +775,30 @@ mod tests {
         assert_eq!(args(json!({"reasoning_effort": null, "chat_template_args": {"reasoning_effort": "none"}})), none);
         assert_eq!(args(json!({"chat_template_args": {"x": 1}})), json!({"x": 1}));
         assert!(template_args(&json!({"thinking": "yes"}), None).is_err());
+    }
+
+    /// dynamo-llm 1.6.1 normalizes switches given as strings or numbers before rendering, so
+    /// `"false"` turns thinking off rather than reaching the template as a (truthy) string.
+    #[test]
+    fn switches_spelt_as_strings_or_numbers_are_read_as_the_frontend_reads_them() {
+        let args = |kwargs: Json| Json::Object(template_args(&json!({"chat_template_args": kwargs}), None).unwrap());
+        let off = json!({"thinking": false, "enable_thinking": false, "thinking_mode": "disabled"});
+        let on = json!({"thinking": true, "enable_thinking": true, "thinking_mode": "enabled"});
+        let cases = [
+            (json!({"enable_thinking": "false"}), &off),
+            (json!({"enable_thinking": " TRUE "}), &on),
+            (json!({"enable_thinking": "maybe"}), &off),
+            (json!({"enable_thinking": 0}), &off),
+            (json!({"enable_thinking": 1.5}), &on),
+            (json!({"thinking": "no", "enable_thinking": true}), &off),
+            (json!({"thinking": null, "enable_thinking": "yes"}), &on),
+            (json!({"thinking_mode": false}), &off),
+            (json!({"thinking_mode": "on"}), &on),
+        ];
+        for (kwargs, want) in cases {
+            assert_eq!(&args(kwargs.clone()), want, "{kwargs}");
+        }
+        assert_eq!(args(json!({"thinking_mode": "Adaptive"}))["thinking_mode"], "Adaptive", "left to the model");
     }
 
     #[test]

@@ -139,7 +139,7 @@ impl PieceCache {
 
     /// Pieces held now (tests).
     #[cfg(test)]
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.pieces.lock().unwrap_or_else(PoisonError::into_inner).ids.len()
     }
 }

@@ -184,6 +184,9 @@ fn splitlines(text: &str, keep_ends: bool) -> Vec<&str> {
     lines
 }
 
+/// What `tojson` fails with past its cap: the render reads it as a prompt too large.
+pub const TOJSON_TOO_LARGE: &str = "tojson output is larger than a prompt may be";
+
 /// HF transformers' `tojson`: `json.dumps(x, ensure_ascii=False)` with Python's `", "` and
 /// `": "` separators (or `indent=n`) and Python's floats, no HTML escaping. Written under
 /// `cap` bytes: the template's fuel is charged for a filter's result only after it returns.
@@ -207,6 +210,9 @@ pub fn tojson(value: Value, kwargs: Kwargs, cap: usize) -> Result<Value, Error> 
             value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, formatter))
         }
     };
+    if out.overflowed {
+        return Err(Error::new(ErrorKind::InvalidOperation, TOJSON_TOO_LARGE));
+    }
     result.map_err(|e| Error::new(ErrorKind::BadSerialization, "cannot serialize to JSON").with_source(e))?;
     String::from_utf8(out.buf)
         .map(Value::from_safe_string)

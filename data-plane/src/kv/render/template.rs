@@ -18,8 +18,9 @@ use super::python::{self, CappedWriter};
 /// minijinja instructions one render may execute (the seed's 5,000,000).
 pub const RENDER_FUEL: u64 = 5_000_000;
 /// Instructions each compile-time probe may execute: a probe renders a three-message
-/// conversation, thousands of instructions for any real template, and the ten of them
-/// together cost a template that loops no more than one request's render.
+/// conversation, thousands of instructions for any real template, and the up to 18 of them
+/// (shape probes on the default and tool-use templates, content probes) together cost a
+/// template that loops less than two requests' renders, once per load.
 const PROBE_FUEL: u64 = RENDER_FUEL / 10;
 /// Bytes of rendered text one render may produce.
 pub const MAX_RENDERED_BYTES: usize = 1 << 20;
@@ -186,6 +187,7 @@ fn render_capped(env: &Environment, name: &str, context: &impl serde::Serialize)
     match template.render_captured_to(Value::from_serialize(context), &mut out) {
         Ok(_) => String::from_utf8(out.buf).map_err(|_| RenderError::Template(Error::from(ErrorKind::BadEscape))),
         Err(_) if out.overflowed => Err(RenderError::TooLarge),
+        Err(error) if error.detail() == Some(python::TOJSON_TOO_LARGE) => Err(RenderError::TooLarge),
         Err(error) if error.kind() == ErrorKind::OutOfFuel => Err(RenderError::OutOfFuel),
         Err(error) => Err(RenderError::Template(error)),
     }
@@ -714,10 +716,9 @@ mod tests {
         assert!(render("{{ messages | tojson(indent=4) }}", two).is_ok_and(|text| text.contains("\n    {")));
         let chunk = "x".repeat(64 * 1024);
         let big: Vec<Json> = (0..17).map(|_| json!({"role": "user", "content": chunk})).collect();
-        assert!(
-            render("{{ messages | tojson }}", Json::Array(big)).is_err(),
-            "its output is capped as the prompt's is"
-        );
+        let template = ChatTemplate::new(&json!({"chat_template": "{{ messages | tojson }}"}), None).unwrap();
+        let error = template.render(&json!({"messages": big})).unwrap_err();
+        assert!(matches!(error, RenderError::TooLarge), "its output is capped as the prompt's is: {error}");
     }
 
     #[test]

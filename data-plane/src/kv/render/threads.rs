@@ -13,12 +13,15 @@ use std::sync::{Condvar, Mutex, OnceLock, PoisonError};
 use tokio::sync::oneshot;
 
 use super::MAX_RENDER_PERMITS;
+use crate::kv::artifacts::MAX_CONCURRENT_LOADS;
 
 /// Each render thread's stack: a 5,000,000-fuel template nesting lists as deep as it can ran
 /// within 256 MiB and overflowed 64 MiB; twice that, for shapes that take more per level.
 pub const RENDER_STACK_BYTES: usize = 512 << 20;
-/// Render threads at most: as many as renders may run at once.
-pub const MAX_RENDER_THREADS: usize = MAX_RENDER_PERMITS;
+/// Render threads at most: as many as renders may run at once, and one for each artifact load
+/// that may be compiling its template meanwhile (loads hold no render permit), so a request
+/// holding a permit never queues behind a load.
+pub const MAX_RENDER_THREADS: usize = MAX_RENDER_PERMITS + MAX_CONCURRENT_LOADS;
 
 type Job = Box<dyn FnOnce() + Send>;
 
