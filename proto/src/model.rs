@@ -96,6 +96,12 @@ impl Role {
             Role::Unknown => "unknown",
         }
     }
+
+    /// Whether a worker of this role makes its model servable: a decode or aggregated one, as
+    /// dynamo.frontend lists models (prefill workers alone answer nothing).
+    pub fn serves_model(self) -> bool {
+        matches!(self, Role::Decode | Role::Aggregated)
+    }
 }
 
 /// Capacities a worker's model card advertises; absent when the card does not say. Like

@@ -36,8 +36,8 @@ fn models_body(view: &FleetView) -> serde_json::Value {
     json!({"object": "list", "data": data})
 }
 
-/// Client ids of the models served by routable workers (a known role, in a namespace with a
-/// shim pool), sorted.
+/// Client ids of the models served by routable workers (decode or aggregated ones, as
+/// dynamo.frontend lists them, in a namespace with a shim pool), sorted.
 pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
     let config = view.config();
     let pooled: BTreeSet<&str> =
@@ -45,7 +45,7 @@ pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
     let served: BTreeSet<&str> = view
         .workers()
         .values()
-        .filter(|w| w.role != Role::Unknown && pooled.contains(&*w.key.namespace))
+        .filter(|w| w.role.serves_model() && pooled.contains(&*w.key.namespace))
         .map(|w| w.model.as_str())
         .collect();
     served.into_iter().flat_map(|display| ids_for(display, &config.model_map)).collect()

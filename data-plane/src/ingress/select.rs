@@ -189,10 +189,11 @@ fn fall_through(config: &DataPlaneConfig, why: SelectError, model: &str) -> Resu
 }
 
 /// Why the picker found nobody: the model is served nowhere, only where no shim is usable, or
-/// its workers cannot take a request now.
+/// its workers cannot take a request now. Prefill workers alone serve nothing: dynamo.frontend
+/// 1.6.1 drops the model once its last decode worker goes, whatever prefill workers remain.
 fn why_not(view: &FleetView, display: &str, usable: &[String], client_model: &str) -> SelectError {
     let model = client_model.to_string();
-    let serving = || view.workers().values().filter(|w| w.model == display && w.role != Role::Unknown);
+    let serving = || view.workers().values().filter(|w| w.model == display && w.role.serves_model());
     if serving().next().is_none() {
         SelectError::ModelNotFound { model }
     } else if !serving().any(|w| usable.iter().any(|n| **n == *w.key.namespace)) {
@@ -221,6 +222,35 @@ mod tests {
     use crate::routing::picker::{DispatchLedger, LoadBasedPicker, PromptSizes};
 
     /// A KV-aware fleet of one aggregated worker, `id`, behind one shim.
+    /// Why nobody was picked, by what the fleet holds: prefill workers alone serve no model (as
+    /// the frontend drops it with its last decode worker), so such a model is not found and
+    /// may fall through to a unified backend.
+    #[test]
+    fn why_not_counts_only_workers_that_serve_the_model() {
+        let fleet = |roles: &[(Role, &str)]| {
+            let workers = roles.iter().enumerate().map(|(i, (role, namespace))| {
+                let mut worker = (**view(1, 1, "").workers().values().next().expect("a worker")).clone();
+                worker.key = WorkerKey::new(*namespace, i as u64 + 1);
+                worker.role = *role;
+                Arc::new(worker)
+            });
+            FleetView::new(1, workers, [], Arc::default()).expect("view")
+        };
+        let usable = ["ns".to_string()];
+        let why = |roles: &[(Role, &str)]| match why_not(&fleet(roles), "tiny", &usable, "tiny-chat") {
+            SelectError::ModelNotFound { .. } => "model_not_found",
+            SelectError::ShimUnavailable { .. } => "shim_unavailable",
+            SelectError::NoWorkers { .. } => "no_workers",
+            _ => "other",
+        };
+        assert_eq!(why(&[]), "model_not_found");
+        assert_eq!(why(&[(Role::Prefill, "ns")]), "model_not_found", "prefill workers alone");
+        assert_eq!(why(&[(Role::Unknown, "ns")]), "model_not_found");
+        assert_eq!(why(&[(Role::Prefill, "ns"), (Role::Decode, "other")]), "shim_unavailable");
+        assert_eq!(why(&[(Role::Prefill, "ns"), (Role::Decode, "ns")]), "no_workers");
+        assert_eq!(why(&[(Role::Aggregated, "ns")]), "no_workers");
+    }
+
     fn view(version: u64, id: u64, cache_dir: &str) -> FleetView {
         kv_view(version, id, None, cache_dir, Vec::new())
     }

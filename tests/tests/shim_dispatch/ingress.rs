@@ -22,11 +22,12 @@ async fn requests_that_cannot_be_routed_get_openai_errors() -> anyhow::Result<()
     assert_eq!(error_of(send(serde_json::to_vec(&huge)?).await?).await?, (413, "request_too_large".into()));
     assert_eq!(error_of(harness.post(&chat("no-such-model", false)).await?).await?, (404, "model_not_found".into()));
 
-    // Only the prefill worker is left: the model is served, but nobody can decode it.
+    // Only the prefill worker is left: as dynamo.frontend 1.6.1 drops the model with its last
+    // decode worker, the model is no longer served (and no unified backend lists it).
     harness
         .change(FleetChange { remove: vec![WorkerKey::new(NAMESPACE, DECODE_ID)], ..FleetChange::default() })
         .await?;
-    assert_eq!(error_of(harness.post(&chat(MODEL, false)).await?).await?, (503, "no_workers".into()));
+    assert_eq!(error_of(harness.post(&chat(MODEL, false)).await?).await?, (404, "model_not_found".into()));
     assert!(shim.received().is_empty(), "nothing unroutable reached the shim");
     harness.stop().await;
     Ok(())
@@ -38,6 +39,7 @@ async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Resu
     let mut workers = disaggregated_fleet();
     workers.push(worker(11, Role::Aggregated, "plain", 0));
     workers.push(worker(12, Role::Unknown, "ghost", 0));
+    workers.push(worker(14, Role::Prefill, "prefill-only", 0));
     let mut unpooled = (*worker(13, Role::Aggregated, "elsewhere", 0)).clone();
     unpooled.key = WorkerKey::new("no-pool", 13);
     workers.push(unpooled.into());
@@ -49,7 +51,7 @@ async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Resu
     assert_eq!(
         ids,
         ["plain", CLIENT_MODEL],
-        "mapped names under their client id; unknown roles and unpooled namespaces left out"
+        "mapped names under their client id; unknown roles, prefill-only models and unpooled namespaces left out"
     );
     assert!(models["data"].as_array().into_iter().flatten().all(|m| m["object"] == "model"));
     harness.stop().await;
