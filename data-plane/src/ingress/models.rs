@@ -8,7 +8,6 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use continuum_proto::model::Role;
 use continuum_proto::view::FleetView;
 use serde_json::json;
 
