@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
-use continuum_proto::model::{DataPlaneConfig, Role};
+use continuum_proto::model::DataPlaneConfig;
 use continuum_proto::view::FleetView;
 
 use super::kv::Term;
@@ -211,7 +211,7 @@ mod tests {
     use bytes::Bytes;
     use continuum_proto::model::{
         Backend, Capacity, CheckedFile, DataPlaneConfig, DisaggregatedServing, KvArtifactPolicy, Load, LoadKey,
-        LoadSample, ModelArtifacts, PickerParams, ShimPool, Worker, WorkerKey,
+        LoadSample, ModelArtifacts, PickerParams, Role, ShimPool, Worker, WorkerKey,
     };
 
     use super::*;
