@@ -236,6 +236,23 @@ async fn a_hostile_or_mislabelled_publisher_is_counted_and_its_healthy_neighbour
     Ok(())
 }
 
+/// A raw publisher of `first`'s channel, connected to `kv`, once the index holds the chain its
+/// first message stored; and whether the index still holds it.
+async fn indexing_first(
+    kv: &TestKv,
+    first: &Captured,
+) -> anyhow::Result<(RawPublisher, PeerConnection, impl Fn() -> bool + use<>)> {
+    let mut peer = RawPublisher::bind().await?;
+    kv.registry
+        .publish(fleet(vec![worker(first.worker_id, 2)], vec![kv_publisher(first, first.worker_id, peer.endpoint())]));
+    let mut connection = peer.connection(WAIT).await?;
+    connection.send_frames(&first.frames).await?;
+    let (handle, hashes) = (kv.supervisor.handle(), stored_hashes(first)?);
+    let holds_chain = move || handle.find_matches(&hashes).is_some_and(|m| !m.is_empty());
+    eventually(WAIT, "the rank holds the chain", || async { holds_chain() }).await?;
+    Ok((peer, connection, holds_chain))
+}
+
 /// Past its own 64 KiB a message buffer borrows from the budget every subscription shares. A
 /// message the budget cannot hold is read through, counted as `over_budget`, and loses its
 /// publisher's ranks as any lost message does; the session goes on.
@@ -244,20 +261,12 @@ async fn a_message_the_shared_budget_cannot_hold_is_counted_and_clears_its_publi
     let stream = captured_stream()?;
     let first = stream.first().context("the capture holds kv-events")?;
     let second = stream.iter().filter(|c| c.publisher_id == first.publisher_id).nth(1).context("a second message")?;
-    let hashes = stored_hashes(first)?;
     // Nothing to lend: every message must fit a buffer's free part (the captured ones do).
     let budget = BudgetRef(Box::leak(Box::new(MessageBudget::new(0))));
     let mut options = options();
     options.limits.budget = budget;
     let kv = TestKv::start_with(options)?;
-    let mut peer = RawPublisher::bind().await?;
-    kv.registry
-        .publish(fleet(vec![worker(first.worker_id, 2)], vec![kv_publisher(first, first.worker_id, peer.endpoint())]));
-    let mut connection = peer.connection(WAIT).await?;
-    connection.send_frames(&first.frames).await?;
-    let handle = kv.supervisor.handle();
-    let holds_chain = || handle.find_matches(&hashes).is_some_and(|m| !m.is_empty());
-    eventually(WAIT, "the rank holds the chain", || async { holds_chain() }).await?;
+    let (_peer, mut connection, holds_chain) = indexing_first(&kv, first).await?;
 
     // The same message with a 100 KiB frame, within every ceiling but not the budget.
     let mut large = first.frames.clone();
@@ -282,16 +291,8 @@ async fn a_message_the_shared_budget_cannot_hold_is_counted_and_clears_its_publi
 async fn a_message_of_five_frames_is_malformed_and_clears_its_publishers_ranks() -> anyhow::Result<()> {
     let stream = captured_stream()?;
     let first = stream.first().context("the capture holds kv-events")?;
-    let hashes = stored_hashes(first)?;
     let kv = TestKv::start()?;
-    let mut peer = RawPublisher::bind().await?;
-    kv.registry
-        .publish(fleet(vec![worker(first.worker_id, 2)], vec![kv_publisher(first, first.worker_id, peer.endpoint())]));
-    let mut connection = peer.connection(WAIT).await?;
-    connection.send_frames(&first.frames).await?;
-    let handle = kv.supervisor.handle();
-    let holds_chain = || handle.find_matches(&hashes).is_some_and(|m| !m.is_empty());
-    eventually(WAIT, "the rank holds the chain", || async { holds_chain() }).await?;
+    let (_peer, mut connection, holds_chain) = indexing_first(&kv, first).await?;
 
     let mut five = first.frames.clone();
     five.push(b"fifth".to_vec());

@@ -222,6 +222,32 @@ mod tests {
     use crate::load::store::LoadStore;
     use crate::sources::static_fleet;
 
+    /// A feed storing into `store` and coalescing on to `publisher`, with counters of its own.
+    fn feed(publisher: &FleetPublisher, store: &SharedLoadStore) -> LoadFeed {
+        LoadFeed {
+            store: store.clone(),
+            sink: LoadCoalescer::spawn(publisher.clone(), LOAD_COALESCE_WINDOW, CancellationToken::new()),
+            events: IntCounterVec::new(Opts::new("events", "test"), &["result"]).expect("counter"),
+            gauge: IntGaugeVec::new(Opts::new("gauge", "test"), &["state", "transport"]).expect("gauge"),
+            left_out: IntGauge::new("left_out", "test").expect("gauge"),
+            unsent: Mutex::default(),
+        }
+    }
+
+    /// Worker 1's kv_metrics channel.
+    fn channel() -> Publisher {
+        Publisher {
+            publisher_id: 0xaa,
+            namespace: "dynamo".into(),
+            component: None,
+            endpoint: None,
+            topic: Topic::KvMetrics,
+            worker: Some(WorkerKey::new("dynamo", 1)),
+            dp_rank: None,
+            address: "tcp://127.0.0.1:1".into(),
+        }
+    }
+
     /// A session cancelled while its removals waited for room in a full queue: the replicas
     /// keep those samples (the store no longer holds them, so nothing else would remove them)
     /// until the worker's next session, which sends them with its own.
@@ -232,24 +258,8 @@ mod tests {
         let store = SharedLoadStore::new(LoadStore::new(None));
         let live = [(WorkerKey::new("dynamo", 1), 0..2), (WorkerKey::new("dynamo", 2), 0..1)];
         store.lock().set_live_and_retain(live.into_iter().collect());
-        let feed = LoadFeed {
-            store: store.clone(),
-            sink: LoadCoalescer::spawn(publisher.clone(), LOAD_COALESCE_WINDOW, CancellationToken::new()),
-            events: IntCounterVec::new(Opts::new("events", "test"), &["result"]).expect("counter"),
-            gauge: IntGaugeVec::new(Opts::new("gauge", "test"), &["state", "transport"]).expect("gauge"),
-            left_out: IntGauge::new("left_out", "test").expect("gauge"),
-            unsent: Mutex::default(),
-        };
-        let channel = Publisher {
-            publisher_id: 0xaa,
-            namespace: "dynamo".into(),
-            component: None,
-            endpoint: None,
-            topic: Topic::KvMetrics,
-            worker: Some(WorkerKey::new("dynamo", 1)),
-            dp_rank: None,
-            address: "tcp://127.0.0.1:1".into(),
-        };
+        let feed = feed(&publisher, &store);
+        let channel = channel();
         let load = Load { kv_used_blocks: Some(5), ..Load::default() };
         for dp_rank in 0..2 {
             let key = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank };
@@ -283,25 +293,9 @@ mod tests {
         let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
         let store = SharedLoadStore::new(LoadStore::new(None));
         store.lock().set_live_and_retain([(WorkerKey::new("dynamo", 1), 0..1)].into_iter().collect());
-        let events = IntCounterVec::new(Opts::new("events", "test"), &["result"]).expect("counter");
-        let feed = LoadFeed {
-            store: store.clone(),
-            sink: LoadCoalescer::spawn(publisher, LOAD_COALESCE_WINDOW, CancellationToken::new()),
-            events: events.clone(),
-            gauge: IntGaugeVec::new(Opts::new("gauge", "test"), &["state", "transport"]).expect("gauge"),
-            left_out: IntGauge::new("left_out", "test").expect("gauge"),
-            unsent: Mutex::default(),
-        };
-        let channel = Publisher {
-            publisher_id: 0xaa,
-            namespace: "dynamo".into(),
-            component: None,
-            endpoint: None,
-            topic: Topic::KvMetrics,
-            worker: Some(WorkerKey::new("dynamo", 1)),
-            dp_rank: None,
-            address: "tcp://127.0.0.1:1".into(),
-        };
+        let feed = feed(&publisher, &store);
+        let events = feed.events.clone();
+        let channel = channel();
         let message = |sequence, worker_id| KvMetrics {
             publisher_id: 0xaa,
             sequence,
