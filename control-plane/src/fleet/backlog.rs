@@ -464,67 +464,88 @@ impl Book {
             let folded = self.folded.entry(replica).or_insert(ReportsFolded { first_op, last_op });
             folded.last_op = folded.last_op.max(last_op);
         }
+        // In the replica's order: each start after the first tokens and ends it performed
+        // before it, the rest after the last start (a dispatch may start, begin answering and
+        // end within one report).
+        let (mut prefilled, mut ended) = (report.prefilled.into_iter(), report.ended.into_iter());
+        let (mut prefilled_taken, mut ended_taken) = (0, 0);
         for started in report.started {
-            // A start naming no rank is refused and counted like one naming a rank not held.
-            let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
-                self.refused += 1;
-                continue;
-            };
-            let held = self.per_replica.get(&replica).copied().unwrap_or_default();
-            let implausible = started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS
-                || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS;
-            let full = held >= MAX_DISPATCHES_PER_REPLICA || self.where_is.len() >= MAX_DISPATCHES;
-            if implausible || full || !self.admit(key, reported, state) {
-                self.refused += 1;
-                continue;
+            while prefilled_taken < started.after_prefilled
+                && let Some(id) = prefilled.next()
+            {
+                self.prefilled((replica, id), at);
+                prefilled_taken += 1;
             }
-            *self.per_replica.entry(replica).or_default() += 1;
-            let id = (replica, started.id);
-            // A repeated id replaces its dispatch, which did not end.
-            self.forget(id, at);
-            // Admitted, so held: ends never remove a record.
-            let Some(rank) = self.ranks.get_mut(&key) else { continue };
-            let (prompt_tokens, decode_blocks) = rank.at_most_whole(started.prefill_tokens, started.decode_blocks);
-            let mut block_hashes = started.block_hashes;
-            // Only the leading `decode_blocks` are the rank's to hold (none on a prefill leg).
-            block_hashes.truncate(usize::try_from(decode_blocks).unwrap_or(usize::MAX));
-            fit(&mut block_hashes);
-            if self.held_hashes + block_hashes.len() > MAX_ACTIVE_BLOCK_HASHES {
-                block_hashes = Vec::new();
-                self.chains_dropped += 1;
+            while ended_taken < started.after_ended
+                && let Some(id) = ended.next()
+            {
+                self.end((replica, id), at);
+                ended_taken += 1;
             }
-            self.held_hashes += block_hashes.len();
-            let replayed = started.replayed;
-            // A replayed dispatch began before its report, by the replica's clock of how long.
-            let age = Duration::from_millis(started.age_ms).min(IN_FLIGHT_MAX_AGE);
-            let began = if replayed { at.checked_sub(age).unwrap_or(at) } else { at };
-            let dispatch = Dispatch {
-                prompt_tokens,
-                decode_blocks,
-                block_hashes,
-                added: 0,
-                at: began,
-                answered: None,
-                alone: false,
-                replayed,
-            };
-            if replayed {
-                self.replayed += 1;
-            } else {
-                self.dispatched += 1;
-                rank.last_dispatch = self.dispatched;
-            }
-            rank.start(id, dispatch, &self.active, key);
-            mark(&mut self.dirty, key, rank);
-            self.where_is.insert(id, key);
+            self.start(replica, started, at, state);
         }
-        // After the starts: a dispatch may start, begin answering and end within one report.
-        for id in report.prefilled {
+        for id in prefilled {
             self.prefilled((replica, id), at);
         }
-        for id in report.ended {
+        for id in ended {
             self.end((replica, id), at);
         }
+    }
+
+    /// One reported start: admitted onto its rank, or refused and counted.
+    fn start(&mut self, replica: u64, started: pb::DispatchStarted, at: Instant, state: &FleetState) {
+        // A start naming no rank is refused and counted like one naming a rank not held.
+        let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
+            self.refused += 1;
+            return;
+        };
+        let held = self.per_replica.get(&replica).copied().unwrap_or_default();
+        let implausible =
+            started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS;
+        let full = held >= MAX_DISPATCHES_PER_REPLICA || self.where_is.len() >= MAX_DISPATCHES;
+        if implausible || full || !self.admit(key, reported, state) {
+            self.refused += 1;
+            return;
+        }
+        *self.per_replica.entry(replica).or_default() += 1;
+        let id = (replica, started.id);
+        // A repeated id replaces its dispatch, which did not end.
+        self.forget(id, at);
+        // Admitted, so held: ends never remove a record.
+        let Some(rank) = self.ranks.get_mut(&key) else { return };
+        let (prompt_tokens, decode_blocks) = rank.at_most_whole(started.prefill_tokens, started.decode_blocks);
+        let mut block_hashes = started.block_hashes;
+        // Only the leading `decode_blocks` are the rank's to hold (none on a prefill leg).
+        block_hashes.truncate(usize::try_from(decode_blocks).unwrap_or(usize::MAX));
+        fit(&mut block_hashes);
+        if self.held_hashes + block_hashes.len() > MAX_ACTIVE_BLOCK_HASHES {
+            block_hashes = Vec::new();
+            self.chains_dropped += 1;
+        }
+        self.held_hashes += block_hashes.len();
+        let replayed = started.replayed;
+        // A replayed dispatch began before its report, by the replica's clock of how long.
+        let age = Duration::from_millis(started.age_ms).min(IN_FLIGHT_MAX_AGE);
+        let began = if replayed { at.checked_sub(age).unwrap_or(at) } else { at };
+        let dispatch = Dispatch {
+            prompt_tokens,
+            decode_blocks,
+            block_hashes,
+            added: 0,
+            at: began,
+            answered: None,
+            alone: false,
+            replayed,
+        };
+        if replayed {
+            self.replayed += 1;
+        } else {
+            self.dispatched += 1;
+            rank.last_dispatch = self.dispatched;
+        }
+        rank.start(id, dispatch, &self.active, key);
+        mark(&mut self.dirty, key, rank);
+        self.where_is.insert(id, key);
     }
 
     /// Whether `key`, reported as `reported`, is a rank the fleet has: a report cannot make the

@@ -369,6 +369,8 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
                         lookup,
                         replayed: replayed_age_ms.is_some(),
                         age_ms: replayed_age_ms.unwrap_or(0),
+                        after_prefilled: u32::try_from(report.prefilled.len()).unwrap_or(u32::MAX),
+                        after_ended: u32::try_from(report.ended.len()).unwrap_or(u32::MAX),
                     });
                 }
                 DispatchEvent::Ended(id) => report.ended.push(id),
@@ -474,6 +476,23 @@ mod tests {
         assert_eq!(report.ended, [ids.0, ids.1]);
         let rest = next_report(&mut rx);
         assert_eq!((rest.first_op, rest.last_op), (last + 1, last + 1));
+    }
+
+    /// Each start says how many of the report's first tokens and ends came before it, so the
+    /// control plane folds them in the order they happened.
+    #[test]
+    fn a_start_counts_the_first_tokens_and_ends_performed_before_it() {
+        let (reporter, mut rx) = reporter();
+        let first = start(&reporter, 64, 0, Vec::new());
+        let second = start(&reporter, 64, 0, Vec::new());
+        reporter.operation(|report| report.prefilled(first));
+        start(&reporter, 64, 0, Vec::new());
+        reporter.operation(|report| report.ended(second));
+        reporter.operation(|report| report.ended(first));
+        start(&reporter, 64, 0, Vec::new());
+        let report = next_report(&mut rx);
+        let order: Vec<(u32, u32)> = report.started.iter().map(|s| (s.after_prefilled, s.after_ended)).collect();
+        assert_eq!(order, [(0, 0), (0, 0), (1, 0), (1, 2)]);
     }
 
     #[test]

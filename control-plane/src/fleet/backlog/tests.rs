@@ -747,3 +747,33 @@ fn dispatches_dropped_without_their_end_are_no_measurement() {
     book.take_change(later);
     assert_eq!(book.ranks.get(&book_key(0)).and_then(|r| r.timing.decode), learned, "still held");
 }
+
+/// A report folds its operations in the replica's order: a start finds its rank as the replica
+/// left it, after the first tokens and ends it performed before the start.
+#[test]
+fn a_start_sees_the_first_tokens_and_ends_reported_before_it() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let alone =
+        |book: &Book, id: u64| book.ranks.get(&book_key(0)).and_then(|r| r.dispatches.get(&(1, id))).map(|d| d.alone);
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
+    // 1's first token, then 2 started: 2 prefills alone (its time to first token teaches).
+    let after_first_token = pb::DispatchStarted { after_prefilled: 1, ..started(2, 0, 800) };
+    let report_two = pb::DispatchReport { started: vec![after_first_token], prefilled: vec![1], ..Default::default() };
+    book.report(1, report_two, t0 + Duration::from_millis(80), &state);
+    assert_eq!(alone(&book, 2), Some(true));
+    // 3 started, then 2's first token: 3 waited behind 2's prefill.
+    let report_three =
+        pb::DispatchReport { started: vec![started(3, 0, 800)], prefilled: vec![2], ..Default::default() };
+    book.report(1, report_three, t0 + Duration::from_millis(160), &state);
+    assert_eq!(alone(&book, 3), Some(false));
+
+    // A replica at its bound that ends one dispatch and then starts another has room for it.
+    let mut book = Book::default();
+    let full = (0..MAX_DISPATCHES_PER_REPLICA as u64).map(|id| started(id, 0, 16)).collect();
+    book.report(1, report(full, vec![]), t0, &state);
+    let after_end = pb::DispatchStarted { after_ended: 1, ..started(u64::MAX, 0, 16) };
+    book.report(1, report(vec![after_end], vec![0]), t0, &state);
+    assert_eq!((book.refused, book.where_is.len()), (0, MAX_DISPATCHES_PER_REPLICA));
+}
