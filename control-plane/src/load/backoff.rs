@@ -94,6 +94,8 @@ mod tests {
 
     #[test]
     fn delays_are_spread_not_synchronised() {
+        // 50 draws from the first window's 501 milliseconds repeat about 2.4 values: 20 repeats
+        // (30 distinct) do not happen by chance, and lockstep gives 1 distinct.
         let spread = |backoff: Backoff| {
             let draws: std::collections::BTreeSet<Duration> = (0..50).map(|_| backoff.draw(&mut rand::rng())).collect();
             draws.len()
@@ -101,14 +103,14 @@ mod tests {
         // The first retry of subscriptions that broke together (new ones, or ones reset by a
         // long session) as well as later ones.
         let mut backoff = Backoff::default();
-        assert!(spread(backoff) > 40, "first retries must not redial in lockstep: {} distinct of 50", spread(backoff));
+        assert!(spread(backoff) > 30, "first retries must not redial in lockstep: {} distinct of 50", spread(backoff));
         backoff.session_ended(STABLE_SESSION, STABLE_SESSION);
-        assert!(spread(backoff) > 40, "nor the first after a reset");
+        assert!(spread(backoff) > 30, "nor the first after a reset");
         for _ in 0..6 {
             backoff.next_delay();
         }
         assert!(
-            spread(backoff) > 40,
+            spread(backoff) > 30,
             "1024 subscriptions must not reconnect in lockstep: {} distinct of 50",
             spread(backoff)
         );

@@ -221,7 +221,6 @@ mod tests {
     use crate::metrics::Metrics;
     use crate::routing::picker::{DispatchLedger, LoadBasedPicker, PromptSizes};
 
-    /// A KV-aware fleet of one aggregated worker, `id`, behind one shim.
     /// Why nobody was picked, by what the fleet holds: prefill workers alone serve no model (as
     /// the frontend drops it with its last decode worker), so such a model is not found and
     /// may fall through to a unified backend.
@@ -251,6 +250,7 @@ mod tests {
         assert_eq!(why(&[(Role::Aggregated, "ns")]), "no_workers");
     }
 
+    /// A KV-aware fleet of one aggregated worker, `id`, behind one shim.
     fn view(version: u64, id: u64, cache_dir: &str) -> FleetView {
         kv_view(version, id, None, cache_dir, Vec::new())
     }

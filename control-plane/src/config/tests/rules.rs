@@ -262,10 +262,17 @@ fn only_a_public_etcd_address_in_direct_mode_draws_the_outside_warning() {
     };
     let internal = "['etcd:2379', 'etcd.dynamo.svc.cluster.local:2379', '127.0.0.1:2379', '10.0.0.5:2379', '172.16.3.4:2379', \
                     '192.168.1.2:2379', '100.64.1.1:2379', '169.254.1.1:2379', '[::1]:2379', '[fd00::5]:2379', '[fe80::1]:2379', \
-                    '[::ffff:10.1.2.3]:2379']";
+                    '[::ffff:10.1.2.3]:2379', '[64:ff9b::a00:5]:2379']";
     assert_eq!(outside(&etcd(&format!("{{endpoints: {internal}}}"))), Vec::<String>::new());
-    let public = "{endpoints: ['100.128.0.1:2379', '[::ffff:34.1.2.3]:2379']}";
-    assert_eq!(outside(&etcd(public)), ["dynamo.discovery.etcd.endpoints[0]", "dynamo.discovery.etcd.endpoints[1]"]);
+    let public = "{endpoints: ['100.128.0.1:2379', '[::ffff:34.1.2.3]:2379', '[64:ff9b::2201:203]:2379']}";
+    assert_eq!(
+        outside(&etcd(public)),
+        [
+            "dynamo.discovery.etcd.endpoints[0]",
+            "dynamo.discovery.etcd.endpoints[1]",
+            "dynamo.discovery.etcd.endpoints[2]"
+        ]
+    );
     let broker = format!("dynamo: {{enabled: true, load: {{transport: broker}}, discovery: {{etcd: {public}}}}}");
     assert_eq!(outside(&broker), Vec::<String>::new(), "broker mode is how a router outside the cluster runs");
 }

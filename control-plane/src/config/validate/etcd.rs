@@ -62,12 +62,23 @@ fn warn_external(endpoints: &[(usize, Scheme, &str)], report: &mut Report) {
             report.warning(
                 format!("{BASE}.endpoints[{index}]"),
                 format!(
-                    "`{host}` is a public address, so the router looks to run outside the cluster, yet dynamo.load.transport is direct: \
-                     it dials the workers' publishers on the Pod network; run it in the cluster or use transport: broker"
+                    "`{host}` is a public address, so the router may run outside the cluster, yet dynamo.load.transport is direct: \
+                     it dials the workers' publishers on the Pod network; run it in the cluster or use transport: broker \
+                     (clusters whose Pods have public addresses can ignore this)"
                 ),
             );
         }
     }
+}
+
+/// The IPv4 address a NAT64 address (`64:ff9b::/96`) stands for.
+fn nat64(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+    let [a, b, c, d, e, f, g, h] = v6.segments();
+    (a == 0x64 && b == 0xff9b && [c, d, e, f] == [0; 4]).then(|| {
+        let [g1, g2] = g.to_be_bytes();
+        let [h1, h2] = h.to_be_bytes();
+        std::net::Ipv4Addr::new(g1, g2, h1, h2)
+    })
 }
 
 /// Whether `ip` lies outside every loopback, private, shared (CGNAT), link-local, unique-local
@@ -78,7 +89,7 @@ fn appears_external(ip: IpAddr) -> bool {
             let shared = v4.octets()[0] == 100 && (v4.octets()[1] & 0xc0) == 64;
             !(v4.is_loopback() || v4.is_private() || v4.is_link_local() || v4.is_unspecified() || shared)
         }
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped().or_else(|| nat64(v6)) {
             Some(v4) => appears_external(IpAddr::V4(v4)),
             None => {
                 let first = v6.segments()[0];

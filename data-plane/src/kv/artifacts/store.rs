@@ -239,9 +239,8 @@ impl ArtifactStore {
             }
         }
         let _permit = self.inner.loads.acquire().await.map_err(|_| LoadError::RetryLater)?;
-        match self.load_now(artifacts).await {
+        match self.load_now(artifacts).await.and_then(|loaded| self.insert(loaded)) {
             Ok(loaded) => {
-                self.insert(loaded.clone());
                 self.state().retry_at.remove(&key);
                 self.count(ArtifactResult::Loaded);
                 Ok(loaded)
@@ -272,11 +271,11 @@ impl ArtifactStore {
             None => None,
         };
         let key = artifacts.key();
-        // A reload may remove the pin while the files are fetched (up to 30 s) or the set is
-        // warmed: nothing unpinned is compiled, rendered or kept.
-        let still_pinned =
-            || self.policy().unpinned(&key).map_or(Ok(()), |checksum| Err(LoadError::Unpinned(checksum)));
-        still_pinned()?;
+        // A reload may remove the pin while the files are fetched (up to 30 s): nothing
+        // unpinned is compiled or rendered (nor kept: `insert` checks again).
+        if let Some(checksum) = self.policy().unpinned(&key) {
+            return Err(LoadError::Unpinned(checksum));
+        }
         // On a render thread: compiling probes the template with renders, as deep as any.
         let loaded = render::threads::spawn(move || build(key, &tokenizer, &config, template.as_deref()))
             .await
@@ -285,7 +284,6 @@ impl ArtifactStore {
         if let Some(warm) = self.inner.warm.get() {
             warm(Arc::clone(&loaded)).await;
         }
-        still_pinned()?;
         Ok(loaded)
     }
 
@@ -348,9 +346,14 @@ impl ArtifactStore {
         }
     }
 
-    fn insert(&self, loaded: Arc<LoadedArtifacts>) {
+    /// Keeps a loaded set, unless its pin is gone: checked under the state lock, which a
+    /// reload holds while it swaps the policy, so no set is kept that the reload did not see.
+    fn insert(&self, loaded: Arc<LoadedArtifacts>) -> Result<Arc<LoadedArtifacts>, LoadError> {
         let now = (self.inner.clock)();
         let mut state = self.state();
+        if let Some(checksum) = self.policy().unpinned(&loaded.key) {
+            return Err(LoadError::Unpinned(checksum));
+        }
         if let Some(old) = state.loaded.remove(&loaded.key) {
             state.bytes -= old.artifacts.bytes;
         }
@@ -366,7 +369,8 @@ impl ArtifactStore {
             }
         }
         state.bytes += loaded.bytes;
-        state.loaded.insert(loaded.key, Slot { artifacts: loaded, used: now });
+        state.loaded.insert(loaded.key, Slot { artifacts: Arc::clone(&loaded), used: now });
+        Ok(loaded)
     }
 
     fn refuse_unpinned(&self, model: &str, checksum: Checksum) {
