@@ -11,12 +11,13 @@ use continuum_proto::MAX_LOOKUP_PROMPT_TOKENS;
 use continuum_proto::convert::snapshot_to_wire;
 use continuum_proto::pb::{self, fleet_server::Fleet, watch_request::Kind};
 use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::gate::{Gate, Presented, retired};
-use super::session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
+use super::session::{Queued, REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
 use crate::bearer;
 use crate::fleet::{ActiveIndex, BacklogBook, BookCounters, FleetPublisher};
@@ -185,7 +186,10 @@ impl FleetService {
 
 #[tonic::async_trait]
 impl Fleet for FleetService {
-    type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
+    type WatchStream = tokio_stream::adapters::Map<
+        ReceiverStream<Result<Queued, Status>>,
+        fn(Result<Queued, Status>) -> Result<pb::FleetUpdate, Status>,
+    >;
 
     async fn watch(
         &self,
@@ -266,7 +270,9 @@ impl Fleet for FleetService {
             metrics.replicas_connected.dec();
             tracing::info!(replica = %status.replica_id, "replica disconnected");
         });
-        Ok(Response::new(ReceiverStream::new(rx)))
+        // Taken as the stream sends: samples are aged by the time their update waited.
+        let taken: fn(Result<Queued, Status>) -> Result<pb::FleetUpdate, Status> = |queued| queued.map(Queued::taken);
+        Ok(Response::new(ReceiverStream::new(rx).map(taken)))
     }
 
     async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {

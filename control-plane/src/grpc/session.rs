@@ -25,7 +25,39 @@ use crate::metrics::Metrics;
 /// Updates buffered for one replica at most (besides what HTTP/2 flow control holds).
 pub const REPLICA_QUEUE_CAPACITY: usize = 4;
 
-pub(crate) type Outbound = mpsc::Sender<Result<pb::FleetUpdate, Status>>;
+pub(crate) type Outbound = mpsc::Sender<Result<Queued, Status>>;
+
+/// An update waiting for its replica's stream to take it. Its samples' ages were measured when
+/// it was built; [`Queued::taken`] adds the time it waited, so a replica slow to read (a
+/// throttled CPU, a stalled network) does not take a sample for seconds fresher than it is.
+#[derive(Debug)]
+pub struct Queued {
+    built: Instant,
+    update: pb::FleetUpdate,
+}
+
+impl Queued {
+    pub(crate) fn new(update: pb::FleetUpdate) -> Self {
+        Self { built: Instant::now(), update }
+    }
+
+    /// The update as the stream takes it, its samples aged by the time it waited.
+    pub(crate) fn taken(self) -> pb::FleetUpdate {
+        let waited = u64::try_from(self.built.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let mut update = self.update;
+        if waited > 0 {
+            let loads = match &mut update.body {
+                Some(Body::Snapshot(snapshot)) => &mut snapshot.loads,
+                Some(Body::Delta(delta)) => &mut delta.loads,
+                None => return update,
+            };
+            for sample in loads {
+                sample.age_ms = sample.age_ms.saturating_add(waited);
+            }
+        }
+        update
+    }
+}
 
 /// What the control plane knows about one connected replica; read by the admin API.
 #[derive(Debug)]
@@ -56,7 +88,7 @@ impl ReplicaStatus {
 
 enum Event<'a> {
     Inbound(Result<Option<pb::WatchRequest>, Status>),
-    Room(mpsc::Permit<'a, Result<pb::FleetUpdate, Status>>),
+    Room(mpsc::Permit<'a, Result<Queued, Status>>),
 }
 
 /// A snapshot sent, to match the reply that answers it.
@@ -143,7 +175,7 @@ impl Session {
                 }
                 Event::Room(permit) => {
                     if let Some(update) = self.next_update() {
-                        permit.send(Ok(update));
+                        permit.send(Ok(Queued::new(update)));
                         self.record_queue_depth();
                     }
                 }
@@ -311,5 +343,36 @@ impl Session {
         let depth = self.outbound.max_capacity() - self.outbound.capacity();
         self.status.queue_depth.store(depth, Ordering::Relaxed);
         self.status.queue_high_water.fetch_max(depth, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn sample(age_ms: u64) -> pb::LoadSample {
+        pb::LoadSample { age_ms, ..pb::LoadSample::default() }
+    }
+
+    /// An update that waited for its stream hands its samples on that much older: the replica
+    /// judges staleness from when the worker published, not from when the update was built.
+    #[test]
+    fn a_queued_update_is_taken_with_its_samples_aged_by_the_wait() {
+        let waited = Duration::from_millis(1500);
+        let built = Instant::now().checked_sub(waited).expect("an earlier instant");
+        let delta = pb::Delta { loads: vec![sample(10), sample(u64::MAX)], ..pb::Delta::default() };
+        let update = pb::FleetUpdate { body: Some(Body::Delta(delta)), ..pb::FleetUpdate::default() };
+        let taken = Queued { built, update }.taken();
+        let Some(Body::Delta(delta)) = taken.body else { panic!("a delta") };
+        let ages: Vec<u64> = delta.loads.iter().map(|s| s.age_ms).collect();
+        assert!(ages[0] >= 1510 && ages[0] < 1510 + 60_000, "{ages:?}");
+        assert_eq!(ages[1], u64::MAX, "saturates");
+
+        let snapshot = pb::Snapshot { loads: vec![sample(0)], ..pb::Snapshot::default() };
+        let update = pb::FleetUpdate { body: Some(Body::Snapshot(snapshot)), ..pb::FleetUpdate::default() };
+        let Some(Body::Snapshot(snapshot)) = (Queued { built, update }.taken()).body else { panic!("a snapshot") };
+        assert!(snapshot.loads[0].age_ms >= 1500);
     }
 }
