@@ -267,6 +267,14 @@ mod tests {
         let body =
             serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
         assert_ne!(post(addr, "", &body).await, "413", "a 5 MiB body");
+        // Token ids are read as such, not as a JSON tree: a million of them is answered, and
+        // one that is not a token id is refused as the body's error.
+        let tokens: Vec<u32> = (0..1 << 20).collect();
+        let body = serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                                      "nvext": {"token_data": tokens}});
+        assert_ne!(post(addr, "", &body).await, "413", "a million token ids");
+        let body = serde_json::json!({"model": "tiny", "messages": [], "nvext": {"token_data": [-1]}});
+        assert_eq!(post(addr, "", &body).await, "400");
     }
 
     /// As 1.6.1 does, a request whose decode pin is missing or unknown is refused only after

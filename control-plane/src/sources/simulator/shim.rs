@@ -35,7 +35,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::artifacts;
 use super::pins::{self, Known, Pins, Refusal, Resolution};
-use super::prefix_cache::{self, Block};
+use super::prefix_cache;
 use super::workers::{Life, SimulatedWorker};
 
 /// How long the simulated prefill phase takes.
@@ -108,9 +108,40 @@ async fn kill(State(shim): State<Arc<Shim>>, Path(id): Path<String>) -> Response
     axum::Json(json!({"killed": worker.worker_id, "deregistered_in_seconds": lease})).into_response()
 }
 
+/// A chat request as the shim reads it: the prompt's token ids (`nvext.token_data`, which
+/// the replica sends when `send_token_data` is on) as four bytes each, the rest as JSON. As a
+/// JSON tree a 32 MiB body of ids would take hundreds of megabytes.
+#[derive(serde::Deserialize)]
+struct ChatBody {
+    #[serde(default)]
+    nvext: Option<Nvext>,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
+}
+
+#[derive(serde::Deserialize)]
+struct Nvext {
+    #[serde(default)]
+    token_data: Option<Vec<u32>>,
+    #[serde(flatten)]
+    rest: serde_json::Map<String, Value>,
+}
+
+impl ChatBody {
+    /// The request without its token ids, and the ids.
+    fn split(self) -> (Value, Option<Vec<u32>>) {
+        let mut request = self.rest;
+        let tokens = self.nvext.and_then(|nvext| {
+            request.insert("nvext".into(), Value::Object(nvext.rest));
+            nvext.token_data
+        });
+        (Value::Object(request), tokens)
+    }
+}
+
 async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) -> Response {
-    let request: Value = match serde_json::from_slice(&body) {
-        Ok(request) => request,
+    let (request, tokens) = match serde_json::from_slice::<ChatBody>(&body) {
+        Ok(request) => request.split(),
         Err(error) => {
             let message = format!("Failed to deserialize the JSON body into the target type: {error}");
             return refuse(&Refusal { status: StatusCode::BAD_REQUEST, message });
@@ -129,7 +160,8 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         Ok(resolution) => resolution,
         Err(refusal) => return refuse(&refusal),
     };
-    let prompt = prompt_blocks(&request, shim.block_size);
+    let tokens = tokens.unwrap_or_default();
+    let prompt = prefix_cache::blocks(&tokens, usize::try_from(shim.block_size).unwrap_or(usize::MAX));
     // A prefill worker of its own runs first, whatever the decode pin turns out to be: what
     // it held when the request arrived is cached, the rest stored once prefilled.
     let prefilled = match shim.prefill.iter().find(|w| w.worker_id == prefill) {
@@ -155,7 +187,7 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
     if decode.life() == Life::Killed {
         return refuse(&Refusal::unavailable());
     }
-    let mut plan = Plan::new(&shim, &request, pins);
+    let mut plan = Plan::new(&shim, &request, &tokens, pins);
     // The sequence's blocks, prompt and answer together, as an engine pages them.
     let blocks = (plan.prompt_tokens + plan.tokens).div_ceil(shim.block_size);
     decode.touch();
@@ -181,13 +213,6 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
     }
     drop(held);
     axum::Json(plan.completion()).into_response()
-}
-
-/// The full blocks of the prompt's tokens, when the request carries them.
-fn prompt_blocks(request: &Value, block_size: u64) -> Vec<Block> {
-    let Some(tokens) = request["nvext"]["token_data"].as_array() else { return Vec::new() };
-    let tokens: Option<Vec<u32>> = tokens.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect();
-    prefix_cache::blocks(&tokens.unwrap_or_default(), usize::try_from(block_size).unwrap_or(usize::MAX))
 }
 
 /// The ids discovery holds: a killed worker's until its lease expires.
@@ -229,13 +254,12 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(shim: &Shim, request: &Value, pins: Pins) -> Self {
+    fn new(shim: &Shim, request: &Value, tokens: &[u32], pins: Pins) -> Self {
         let text: usize = request["messages"]
             .as_array()
             .map_or(0, |m| m.iter().filter_map(|m| m["content"].as_str()).map(str::len).sum());
         let estimate = u64::try_from(text / 4).unwrap_or(u64::MAX).saturating_add(8);
-        let counted = request["nvext"]["token_data"].as_array().map(|tokens| tokens.len() as u64);
-        let prompt_tokens = counted.unwrap_or(estimate);
+        let prompt_tokens = if tokens.is_empty() { estimate } else { tokens.len() as u64 };
         let asked = request["max_tokens"].as_u64().or_else(|| request["max_completion_tokens"].as_u64());
         let wants_echo =
             request["nvext"]["extra_fields"].as_array().is_some_and(|f| f.iter().any(|f| f == "worker_id"));
