@@ -207,12 +207,18 @@ impl ControlPlane {
         self.kv.reload(&config).await;
         self.publisher
             .apply(FleetChange { config: Some(Arc::new(config.data_plane_config())), ..FleetChange::default() });
-        for (what, old, new) in [
-            ("control_plane.grpc_listen", self.config.control_plane.grpc_listen, config.control_plane.grpc_listen),
-            ("admin.listen", self.config.admin.listen, config.admin.listen),
+        // The bound addresses are named: a command-line override may have replaced the file's.
+        for (what, old, new, serving) in [
+            (
+                "control_plane.grpc_listen",
+                self.config.control_plane.grpc_listen,
+                config.control_plane.grpc_listen,
+                self.grpc_addr,
+            ),
+            ("admin.listen", self.config.admin.listen, config.admin.listen, self.admin_addr),
         ] {
             if old != new {
-                tracing::warn!(key = what, %old, %new, "listen addresses change only on restart; keeping the current one");
+                tracing::warn!(key = what, %new, %serving, "listen addresses change only on restart; still serving where bound");
             }
         }
         let serving = match (&self.tls, &config.control_plane.tls) {

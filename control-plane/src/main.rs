@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use continuum_control_plane::app::{ControlPlane, ListenOverrides};
 use continuum_control_plane::config::{self, ConfigError};
+use tokio::signal::unix::{self, SignalKind};
 
 #[derive(Debug, Parser)]
 #[command(version, about = "Continuum's control plane: discovery, load signals and the Fleet stream")]
@@ -148,9 +149,16 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             tracing::warn!(%addr, "{flag} is not a loopback address and {key} is unset: anyone who reaches it is served");
         }
     }
-    // Installed before the start, so a SIGHUP while starting is a reload to run once started,
-    // not the default action, which ends the process.
-    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup());
+    // Installed before the start, so that no signal takes its default action (ending the
+    // process) while the control plane starts or reloads: a SIGHUP is a reload to run once
+    // started, a SIGTERM or SIGINT a shutdown.
+    let mut signals = match Signals::install() {
+        Ok(signals) => signals,
+        Err(error) => {
+            eprintln!("error: cannot listen for SIGHUP, SIGTERM and SIGINT: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let mut control_plane = match ControlPlane::start(config, listen).await {
         Ok(control_plane) => control_plane,
         Err(error) => {
@@ -162,21 +170,57 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
         "continuum-control-plane: Fleet gRPC on {}, admin HTTP on {}",
         control_plane.grpc_addr, control_plane.admin_addr
     );
-    let Ok(mut hangup) = hangup else {
-        shutdown_signal().await;
-        control_plane.shutdown().await;
-        return ExitCode::SUCCESS;
-    };
-    let shutdown = shutdown_signal();
-    tokio::pin!(shutdown);
-    loop {
-        tokio::select! {
-            () = &mut shutdown => break,
-            _ = hangup.recv() => reload(&mut control_plane, file, shim).await,
+    // A reload runs to its end; a stop signal meanwhile waits for it.
+    while let Signal::Hangup = signals.recv().await {
+        reload(&mut control_plane, file, shim).await;
+    }
+    tracing::info!("shutting down");
+    tokio::select! {
+        () = control_plane.shutdown() => ExitCode::SUCCESS,
+        _ = signals.stop() => {
+            tracing::warn!("a second stop signal: exiting without finishing the shutdown");
+            ExitCode::FAILURE
         }
     }
-    control_plane.shutdown().await;
-    ExitCode::SUCCESS
+}
+
+enum Signal {
+    Hangup,
+    Stop,
+}
+
+/// SIGHUP (reload), and SIGTERM (what Kubernetes sends) or SIGINT (stop).
+struct Signals {
+    hangup: unix::Signal,
+    terminate: unix::Signal,
+    interrupt: unix::Signal,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        Ok(Self {
+            hangup: unix::signal(SignalKind::hangup())?,
+            terminate: unix::signal(SignalKind::terminate())?,
+            interrupt: unix::signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// The next signal; a stop comes first when both are pending.
+    async fn recv(&mut self) -> Signal {
+        tokio::select! {
+            biased;
+            _ = self.terminate.recv() => Signal::Stop,
+            _ = self.interrupt.recv() => Signal::Stop,
+            _ = self.hangup.recv() => Signal::Hangup,
+        }
+    }
+
+    async fn stop(&mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+    }
 }
 
 /// SIGHUP: re-read the configuration file and apply it; an invalid file changes nothing.
@@ -221,21 +265,4 @@ async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<
             false
         }
     }
-}
-
-/// SIGINT or SIGTERM (what Kubernetes sends).
-async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut signal) => {
-                signal.recv().await;
-            }
-            Err(_) => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
-    }
-    tracing::info!("shutting down");
 }

@@ -214,6 +214,30 @@ async fn sighup_reloads_the_configuration_file_and_replicas_follow() -> anyhow::
     Ok(())
 }
 
+/// The control plane binary on SIGTERM shuts down and exits cleanly, also when the signal
+/// comes right behind a SIGHUP (both are handled, neither kills it), and its replicas keep
+/// routing on what they hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_plane_told_to_terminate_behind_a_reload_exits_cleanly() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
+    let mut control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let replicas = start_replicas(1, &control.grpc_url()).await?;
+    eventually(CONVERGE, "first fleet", || async { ids(&replicas[0]) == [1, 2] }).await?;
+
+    let pid = control.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
+    for signal in ["-HUP", "-TERM"] {
+        assert!(std::process::Command::new("kill").args([signal, &pid]).status()?.success());
+    }
+    let exit = tokio::time::timeout(Duration::from_secs(30), control.child.wait()).await??;
+    assert!(exit.success(), "a clean shutdown, not the signal's default action: {exit}");
+    assert_eq!(ids(&replicas[0]), [1, 2], "the replica keeps its last-known-good fleet");
+    for replica in replicas {
+        replica.shutdown().await;
+    }
+    Ok(())
+}
+
 /// The replica binary on SIGTERM: readiness fails at once while it still answers, then it exits
 /// cleanly once its drain delay is over and nothing is in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
