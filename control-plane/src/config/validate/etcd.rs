@@ -1,6 +1,6 @@
 //! `dynamo.discovery.etcd`: endpoints, scheme consistency, namespaces, TLS, auth and backoff.
 
-use std::net::{IpAddr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use super::Report;
 use super::names::{check_backoff, check_namespace, check_namespace_list, dynamo_namespace_message};
@@ -72,12 +72,12 @@ fn warn_external(endpoints: &[(usize, Scheme, &str)], report: &mut Report) {
 }
 
 /// The IPv4 address a NAT64 address (`64:ff9b::/96`) stands for.
-fn nat64(v6: std::net::Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+fn nat64(v6: Ipv6Addr) -> Option<Ipv4Addr> {
     let [a, b, c, d, e, f, g, h] = v6.segments();
     (a == 0x64 && b == 0xff9b && [c, d, e, f] == [0; 4]).then(|| {
         let [g1, g2] = g.to_be_bytes();
         let [h1, h2] = h.to_be_bytes();
-        std::net::Ipv4Addr::new(g1, g2, h1, h2)
+        Ipv4Addr::new(g1, g2, h1, h2)
     })
 }
 

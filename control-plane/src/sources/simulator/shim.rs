@@ -128,14 +128,14 @@ struct Nvext {
 }
 
 impl ChatBody {
-    /// The request without its token ids, and the ids.
-    fn split(self) -> (Value, Option<Vec<u32>>) {
+    /// The request without its token ids, and the ids (none when it carries none).
+    fn split(self) -> (Value, Vec<u32>) {
         let mut request = self.rest;
         let tokens = self.nvext.and_then(|nvext| {
             request.insert("nvext".into(), Value::Object(nvext.rest));
             nvext.token_data
         });
-        (Value::Object(request), tokens)
+        (Value::Object(request), tokens.unwrap_or_default())
     }
 }
 
@@ -160,7 +160,6 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
         Ok(resolution) => resolution,
         Err(refusal) => return refuse(&refusal),
     };
-    let tokens = tokens.unwrap_or_default();
     let prompt = prefix_cache::blocks(&tokens, usize::try_from(shim.block_size).unwrap_or(usize::MAX));
     // A prefill worker of its own runs first, whatever the decode pin turns out to be: what
     // it held when the request arrived is cached, the rest stored once prefilled.
