@@ -16,7 +16,13 @@
 //! sample: what it showed beyond the dispatches in flight when it arrived (load the fleet did
 //! not send, such as another router's); ends shortly before a sample may still be in it, so
 //! they do not count as foreign. Prefill tokens count until the response begins (the replica reports the first
-//! token), again as Dynamo's router does.
+//! token), again as Dynamo's router does. A buffered answer (`stream` false) has no first token
+//! the replica could see, only its end, which for a long answer comes seconds after its prompt
+//! was done: its prompt is taken as prefilled when the rank's prefills, as learned from the
+//! streamed ones (below), say it should be, or after the seed's 30 seconds while the rank has
+//! no prefill time yet. Dynamo's frontend streams from the engine even for such a request and
+//! sees its first token; counting its prompt to the end would make a rank serving long
+//! buffered answers look as if it had a queue of prompts it finished long ago.
 //!
 //! A decode worker paired with prefill workers receives a request only after its prefill, and
 //! the replicas must pin it when they dispatch (direct mode), where Dynamo's frontend picks it
@@ -128,8 +134,14 @@ struct Dispatch {
     /// The blocks it added to its rank's distinct total when it started.
     added: u64,
     at: Instant,
-    /// When its first token was reported.
+    /// When its first token was reported, or, for a buffered dispatch, when the book took its
+    /// prompt as prefilled.
     answered: Option<Instant>,
+    /// Its client asked for the answer whole ([`pb::DispatchStarted::buffered`]): no first token
+    /// will be reported, so its prompt is taken as prefilled by time ([`Rank::deem_prefilled`]).
+    buffered: bool,
+    /// `answered` is the book's estimate, not a report: no time to learn from.
+    answer_estimated: bool,
     /// It had tokens to prefill, and no other dispatch on its rank was prefilling when it
     /// started: its time to first token is a prefill's alone.
     alone: bool,
@@ -320,6 +332,7 @@ impl Rank {
     /// Recounts what moves with time alone: the blocks expected to end before a hand-over and
     /// the tokens of the prefill under way expected to be done; whether either moved.
     fn refresh_timed(&mut self, now: Instant) -> bool {
+        let deemed = self.deem_prefilled(now);
         let prefilled = self.prefill_progress(now);
         let prefilled_moved = std::mem::replace(&mut self.prefilled, prefilled) != prefilled;
         let ending = match self.timing.ending_after() {
@@ -332,7 +345,39 @@ impl Rank {
             None => 0,
         };
         let ending_moved = std::mem::replace(&mut self.ending, ending) != ending;
-        prefilled_moved || ending_moved
+        deemed || prefilled_moved || ending_moved
+    }
+
+    /// Takes the prompts of buffered dispatches as prefilled when they should be, since no
+    /// first token will say so: one at the head of the rank's prefill queue once its expected
+    /// prefill time has passed since it began (its dispatch, or the previous first token), and
+    /// the next one then begins; and any once [`DISPATCH_MAX_AGE`] has passed since its
+    /// dispatch, which is all a rank with no prefill time learned yet has (the seed's bound on
+    /// an unanswered dispatch). Whether any was taken.
+    fn deem_prefilled(&mut self, now: Instant) -> bool {
+        let mut deemed = false;
+        for dispatch in self.dispatches.values_mut() {
+            let expired = dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now);
+            if dispatch.buffered && dispatch.answered.is_none() && expired.is_some() {
+                dispatch.answered = expired;
+                dispatch.answer_estimated = true;
+                deemed = true;
+            }
+        }
+        loop {
+            let head =
+                self.dispatches.iter_mut().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id));
+            let Some((_, head)) = head.filter(|(_, d)| d.buffered) else { break };
+            let Some(expected) = self.timing.prefill.expected(head.prompt_tokens) else { break };
+            let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
+            let done = began.checked_add(expected).filter(|done| *done <= now);
+            let Some(done) = done else { break };
+            head.answered = Some(done);
+            head.answer_estimated = true;
+            self.last_answered = Some(done);
+            deemed = true;
+        }
+        deemed
     }
 
     /// The tokens of the rank's oldest dispatch still prefilling that should be
@@ -350,7 +395,7 @@ impl Rank {
     /// Ends dispatch `id` on `rank`, as its replica reported; returns the hashes it held.
     fn end(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
         let Some((dispatch, freed)) = self.remove(id, active, rank) else { return 0 };
-        if let Some(answered) = dispatch.answered.filter(|_| !dispatch.replayed) {
+        if let Some(answered) = dispatch.answered.filter(|_| !dispatch.replayed && !dispatch.answer_estimated) {
             Timing::observe(&mut self.timing.decode, now.saturating_duration_since(answered));
         }
         self.last_end = Some(now);
@@ -534,6 +579,8 @@ impl Book {
             added: 0,
             at: began,
             answered: None,
+            buffered: started.buffered,
+            answer_estimated: false,
             alone: false,
             replayed,
         };

@@ -43,7 +43,9 @@ impl DispatchEnd {
     /// them. The prompt's `chain` (empty without the KV term) goes with each pin, at that
     /// worker's block size: the control plane credits it to the rank provisionally (a decode
     /// worker keeps the KV it receives, as a prefilling rank keeps what it computes) and, on
-    /// the rank that decodes, counts blocks its requests share once.
+    /// the rank that decodes, counts blocks its requests share once. A `buffered` request (its
+    /// client asked for the answer whole) is reported as such: this replica will see its end
+    /// but no first token.
     pub fn record(
         ledger: &Arc<DispatchLedger>,
         reporter: &Arc<DispatchReporter>,
@@ -51,6 +53,7 @@ impl DispatchEnd {
         selection: &Selection,
         prompt_tokens: u64,
         chain: &PromptChain,
+        buffered: bool,
     ) -> Self {
         let block_size = dispatch_block_size(view, selection);
         let hashes = chain.at_block_size(block_size);
@@ -66,12 +69,15 @@ impl DispatchEnd {
             if chain.lookup != 0 {
                 report.prefills_for_lookup(prefill.unwrap_or(decode), chain.lookup);
             }
+            if buffered {
+                prefill.into_iter().chain([decode]).for_each(|id| report.buffered(id));
+            }
             // The ledger's legs, prefill rank's first, keep their report ids for a replay.
             let legs = match prefill {
                 Some(prefill) => [prefill, decode],
                 None => [decode, 0],
             };
-            let recorded = Recorded { op: report.op(), legs };
+            let recorded = Recorded { op: report.op(), legs, buffered };
             let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now(), recorded);
             (id, [prefill, Some(decode)])
         });
@@ -194,7 +200,7 @@ mod tests {
             batch(first, &mut rx)
         };
         let chain = PromptChain { lookup: 42, ..PromptChain::default() };
-        let mut end = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &chain);
+        let mut end = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &chain, false);
         let started = next();
         end.prefilled();
         let prefilled = next();
@@ -210,9 +216,39 @@ mod tests {
 
         // Without a prefill pin the decode rank prefills, and its leg names the lookup.
         let aggregated = Selection { prefill: None, prefill_reason: None, ..selection };
-        let _end = DispatchEnd::record(&ledger, &reporter, &view, &aggregated, 160, &chain);
+        let _end = DispatchEnd::record(&ledger, &reporter, &view, &aggregated, 160, &chain, false);
         let lookups: Vec<u64> = next().started.iter().map(|s| s.lookup).collect();
         assert_eq!(lookups, [42]);
+    }
+
+    /// A request answered whole shows no first token: the leg that prefills it says so, in its
+    /// report and again in a replay on a new stream, so the control plane does not count its
+    /// prompt until the end.
+    #[tokio::test]
+    async fn a_buffered_requests_legs_are_reported_buffered_and_replayed_so() {
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let mut rx = reporter.attached_receiver().expect("receiver");
+        let ledger = Arc::new(DispatchLedger::new());
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let paired =
+            Selection { prefill: Some(Pin { worker: WorkerKey::new("dynamo", 1), dp_rank: None }), ..aggregated() };
+        let mut buffered = |selection: &Selection, buffered| {
+            let end = DispatchEnd::record(&ledger, &reporter, &view, selection, 160, &PromptChain::default(), buffered);
+            let first = rx.try_recv().expect("an operation");
+            let flags: Vec<bool> = batch(first, &mut rx).started.iter().map(|s| s.buffered).collect();
+            (end, flags)
+        };
+        let (_paired, flags) = buffered(&paired, true);
+        assert_eq!(flags, [true, true], "both legs of a buffered request");
+        let (_aggregated, flags) = buffered(&aggregated(), true);
+        assert_eq!(flags, [true]);
+        let (_streamed, flags) = buffered(&aggregated(), false);
+        assert_eq!(flags, [false]);
+
+        let ids = ledger.dispatches_before(u64::MAX);
+        let (_, replayed) = ledger.replay_legs(&ids, usize::MAX, 1000, u64::MAX, Instant::now());
+        let flags: Vec<bool> = replayed.iter().map(|leg| leg.buffered).collect();
+        assert_eq!(flags, [true, true, true, false], "a replay says it again");
     }
 
     /// A dispatch to an aggregated worker (no prefill pin).
@@ -241,7 +277,7 @@ mod tests {
         // Dispatched while no stream was open.
         let count = crate::fleet::MAX_REPLAYED_PER_OPERATION + 72;
         let mut ends: Vec<DispatchEnd> = (0..count)
-            .map(|_| DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default()))
+            .map(|_| DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default(), false))
             .collect();
         ends[0].prefilled();
         let mut rx = reporter.take_receiver().expect("receiver");
@@ -262,7 +298,7 @@ mod tests {
         assert_eq!(reports[0].prefilled, [first_id]);
         assert_eq!(started[1].prefill_tokens, 160);
 
-        let after = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default());
+        let after = DispatchEnd::record(&ledger, &reporter, &view, &selection, 160, &PromptChain::default(), false);
         let next = batch(rx.try_recv().expect("queued"), &mut rx);
         assert_eq!((next.first_op, next.started.len(), next.started[0].replayed), (3, 1, false));
         drop(after);
@@ -287,11 +323,13 @@ mod tests {
         let selection = aggregated();
         let usage = br#"data: {"choices":[],"usage":{"prompt_tokens":1500,"completion_tokens":16}}"#;
 
-        let mut tokenized = DispatchEnd::record(&ledger, &reporter, &view, &selection, 1500, &PromptChain::default());
+        let mut tokenized =
+            DispatchEnd::record(&ledger, &reporter, &view, &selection, 1500, &PromptChain::default(), false);
         tokenized.observe(usage);
         assert_eq!(ledger.prompt_sizes().factor("tiny"), 1.0);
 
-        let mut estimated = DispatchEnd::record(&ledger, &reporter, &view, &selection, 750, &PromptChain::default());
+        let mut estimated =
+            DispatchEnd::record(&ledger, &reporter, &view, &selection, 750, &PromptChain::default(), false);
         estimated.sized_by_estimate("tiny", 750);
         estimated.observe(br#"data: {"choices":[{"delta":{"content":"hi"}}]}"#);
         assert_eq!(ledger.prompt_sizes().factor("tiny"), 1.0, "no usage in this chunk");

@@ -69,6 +69,8 @@ enum DispatchEvent {
         lookup: u64,
         /// How long ago a dispatch reported again on a new stream began; `None` for a new one.
         replayed_age_ms: Option<u64>,
+        /// Its client takes the answer whole: no first token will be reported.
+        buffered: bool,
     },
     Ended(u64),
     Prefilled(u64),
@@ -169,6 +171,7 @@ impl Report<'_> {
             block_hashes,
             lookup: 0,
             replayed_age_ms: Some(u64::try_from(leg.age.as_millis()).unwrap_or(u64::MAX)),
+            buffered: leg.buffered,
         });
         if leg.answered {
             self.events.push(DispatchEvent::Prefilled(leg.report));
@@ -197,6 +200,7 @@ impl Report<'_> {
             block_hashes,
             lookup: 0,
             replayed_age_ms: None,
+            buffered: false,
         });
         id
     }
@@ -205,14 +209,25 @@ impl Report<'_> {
     /// made its lookup number `lookup`: the report tells the control plane which rank that
     /// lookup's request went to.
     pub fn prefills_for_lookup(&mut self, id: u64, lookup: u64) {
-        for event in self.events.iter_mut().rev() {
-            if let DispatchEvent::Started { id: started, lookup: at, .. } = event
-                && *started == id
-            {
-                *at = lookup;
-                return;
-            }
+        if let Some(DispatchEvent::Started { lookup: at, .. }) = self.started_event(id) {
+            *at = lookup;
         }
+    }
+
+    /// Dispatch `id`, started in this operation, answers its client whole (`stream` false):
+    /// this replica will see no first token to report, only the end, and the control plane
+    /// takes its prompt as prefilled by the rank's prefill times instead.
+    pub fn buffered(&mut self, id: u64) {
+        if let Some(DispatchEvent::Started { buffered, .. }) = self.started_event(id) {
+            *buffered = true;
+        }
+    }
+
+    fn started_event(&mut self, id: u64) -> Option<&mut DispatchEvent> {
+        self.events
+            .iter_mut()
+            .rev()
+            .find(|event| matches!(event, DispatchEvent::Started { id: started, .. } if *started == id))
     }
 
     pub fn ended(&mut self, id: u64) {
@@ -354,6 +369,7 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
                     mut block_hashes,
                     lookup,
                     replayed_age_ms,
+                    buffered,
                 } => {
                     if block_hashes.len() > hashes_left {
                         block_hashes = Vec::new();
@@ -371,6 +387,7 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
                         age_ms: replayed_age_ms.unwrap_or(0),
                         after_prefilled: u32::try_from(report.prefilled.len()).unwrap_or(u32::MAX),
                         after_ended: u32::try_from(report.ended.len()).unwrap_or(u32::MAX),
+                        buffered,
                     });
                 }
                 DispatchEvent::Ended(id) => report.ended.push(id),

@@ -109,7 +109,8 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         return fall_through(config, why_not(view, display, &usable, &request.model), &request.model);
     };
     let replicas = pools.pool(&selection.namespace);
-    let mut dispatch = DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain);
+    let mut dispatch =
+        DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain, !request.stream);
     if tokens.is_none() {
         dispatch.sized_by_estimate(display, request.prompt_estimate);
     }
@@ -423,6 +424,8 @@ mod tests {
         let report = crate::fleet::batch(first, &mut reports);
         let lookups: Vec<u64> = report.started.iter().map(|started| started.lookup).collect();
         assert_eq!(lookups, [1], "the replica's first lookup, on the leg that prefills");
+        let buffered: Vec<bool> = report.started.iter().map(|started| started.buffered).collect();
+        assert_eq!(buffered, [true], "no `stream` in the body: its answer comes whole");
     }
 
     /// Bodies as large as the ingress takes, whose trees fill the process's tree budget while

@@ -579,6 +579,48 @@ fn the_prefill_under_way_is_published_as_done_in_eighths_of_a_prefill_alone() {
     assert_eq!(prefill(&mut book, t0 + ms(510)), Some((1600, 0)), "4 waited for 3 and begins now");
 }
 
+/// A buffered answer shows the replica no first token: its prompt is taken as prefilled once
+/// the rank's expected prefill time for it has passed, the next prompt beginning then, and
+/// after the seed's 30 seconds on a rank that has learned no prefill time. Those estimates
+/// teach the rank no decode time.
+#[test]
+fn a_buffered_answers_prompt_is_prefilled_when_the_ranks_prefills_say_so() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    let prefill = |book: &mut Book, at: Instant| -> Option<(u64, u64)> {
+        book.expire(&state, at);
+        book.take_change(at);
+        book.ranks.get(&book_key(0)).map(|r| r.backlog()).map(|b| (b.prefill_tokens, b.prefilled_tokens))
+    };
+    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
+    let buffered = |id, tokens| pb::DispatchStarted { buffered: true, ..started(id, 0, tokens) };
+    book.report(1, report(vec![buffered(1, 1600)], vec![]), t0, &state);
+    let almost = t0 + DISPATCH_MAX_AGE - ms(1);
+    assert_eq!(prefill(&mut book, almost), Some((1600, 0)), "no prefill time learned yet");
+    assert_eq!(prefill(&mut book, t0 + DISPATCH_MAX_AGE), Some((0, 0)), "the seed's bound");
+
+    // A streamed prompt alone teaches the rank 80 ms a prefill.
+    let t1 = t0 + DISPATCH_MAX_AGE + ms(1000);
+    book.report(1, report(vec![started(2, 0, 1600)], vec![]), t1, &state);
+    book.report(1, prefilled(2), t1 + ms(80), &state);
+    book.report(1, report(vec![buffered(3, 1600), buffered(4, 1600)], vec![]), t1 + ms(100), &state);
+    assert_eq!(prefill(&mut book, t1 + ms(179)), Some((3200, 1400)), "3 is seven eighths through");
+    assert_eq!(prefill(&mut book, t1 + ms(180)), Some((1600, 0)), "3 is done and 4 begins");
+    assert_eq!(prefill(&mut book, t1 + ms(300)), Some((0, 0)), "4 was done at 260 ms");
+    // A streamed prompt behind a buffered one waits for it as for any other.
+    book.report(1, report(vec![buffered(5, 1600), started(6, 0, 800)], vec![]), t1 + ms(400), &state);
+    assert_eq!(prefill(&mut book, t1 + ms(480)), Some((800, 0)), "6 begins when 5 is taken as done");
+    assert_eq!(prefill(&mut book, t1 + ms(600)), Some((800, 700)), "and is late, never done, without its first token");
+
+    book.report(1, report(vec![], vec![1, 3, 4, 5]), t1 + ms(900), &state);
+    let decode = |book: &Book| book.ranks.get(&book_key(0)).and_then(|r| r.timing.decode);
+    assert_eq!(decode(&book), None, "an estimated first token is no measurement");
+    book.report(1, report(vec![], vec![2]), t1 + ms(900), &state);
+    assert_eq!(decode(&book), Some(ms(820)), "a reported one is");
+}
+
 /// The dispatches the published view holds on `rank(0)`.
 fn published_dispatches(publisher: &FleetPublisher) -> Option<u32> {
     publisher.current().view().backlogs().get(&rank(0)).map(|b| b.dispatches)

@@ -437,6 +437,8 @@ struct Leg {
     report: u64,
     /// Its response began.
     answered: bool,
+    /// Its client takes the answer whole, for a replay to say again.
+    buffered: bool,
     prefill_tokens: u64,
     decode_blocks: u64,
     /// The prompt's prefix chain on the decode leg, for counting shared blocks once.
@@ -504,7 +506,7 @@ impl DispatchLedger {
         now: Instant,
         recorded: impl Into<Recorded>,
     ) -> DispatchId {
-        let Recorded { op, legs: [first_report, second_report] } = recorded.into();
+        let Recorded { op, legs: [first_report, second_report], buffered } = recorded.into();
         let blocks = prompt_blocks(prompt_tokens, block_size);
         let mut state = self.lock();
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
@@ -532,6 +534,7 @@ impl DispatchLedger {
             op,
             report,
             answered: false,
+            buffered,
             prefill_tokens,
             decode_blocks,
             block_hashes,

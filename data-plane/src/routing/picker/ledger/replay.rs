@@ -16,12 +16,15 @@ use super::{DispatchId, DispatchLedger, Leg, NOT_REPORTED, Rank, SinceFleet};
 pub struct Recorded {
     pub op: u64,
     pub legs: [u64; 2],
+    /// Its client takes the answer whole ([`Report::buffered`](crate::fleet::Report::buffered)),
+    /// which a replay says again.
+    pub buffered: bool,
 }
 
 impl From<u64> for Recorded {
     /// Recorded by operation `op`, with no report ids (a test's, or an unreported dispatch).
     fn from(op: u64) -> Self {
-        Recorded { op, legs: [0; 2] }
+        Recorded { op, legs: [0; 2], buffered: false }
     }
 }
 
@@ -39,6 +42,8 @@ pub struct ReplayedLeg {
     pub age: Duration,
     /// Its response began.
     pub answered: bool,
+    /// Its client takes the answer whole: no first token will be reported.
+    pub buffered: bool,
 }
 
 impl DispatchLedger {
@@ -128,6 +133,7 @@ impl Rank {
             block_hashes: leg.block_hashes.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect(),
             age: now.saturating_duration_since(leg.at),
             answered: leg.answered,
+            buffered: leg.buffered,
         };
         let started =
             SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };

@@ -545,12 +545,18 @@ fn the_first_token_of_a_dispatch_from_an_earlier_stream_leaves_the_join_right() 
 fn dispatches_in_flight_are_replayed_on_a_new_stream_and_then_joined_once() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let reported = |legs| Recorded { op: op(), legs };
+    let reported = |legs| Recorded { op: op(), legs, buffered: false };
     // On the stream since lost: one reported (operation 1) whose response began, one whose
     // operation found the queue full, and a pair whose prefill worker answered.
     let answered = ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, reported([11, 0]));
-    let unreported =
-        ledger.record(&alone(pin(1, None)), 320, 16, &[], t0, Recorded { op: NOT_REPORTED, legs: [12, 0] });
+    let unreported = ledger.record(
+        &alone(pin(1, None)),
+        320,
+        16,
+        &[],
+        t0,
+        Recorded { op: NOT_REPORTED, legs: [12, 0], buffered: false },
+    );
     let paired = ledger.record(&pair(1, 2), 480, 16, &[], t0, reported([13, 14]));
     ledger.prefilled(answered, t0, op());
     ledger.prefilled(paired, t0, op());
@@ -590,7 +596,8 @@ fn dispatches_in_flight_are_replayed_on_a_new_stream_and_then_joined_once() {
 fn a_replayed_newest_leg_is_ordered_by_the_sums_once_they_hold_it() {
     let ledger = DispatchLedger::new();
     let t0 = Instant::now();
-    let id = ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, Recorded { op: op(), legs: [11, 0] });
+    let id =
+        ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, Recorded { op: op(), legs: [11, 0], buffered: false });
     let stream_first = op();
     let later = t0 + Duration::from_secs(20);
     assert_eq!(ledger.replay_legs(&[id], usize::MAX, stream_first, stream_first, later).0, 1);
@@ -607,7 +614,16 @@ fn a_replay_takes_dispatches_within_its_hash_budget() {
     let t0 = Instant::now();
     let chain: Vec<u64> = (0..100).collect();
     let ids: Vec<DispatchId> = (0..3)
-        .map(|i| ledger.record(&alone(pin(1, None)), 1600, 16, &chain, t0, Recorded { op: op(), legs: [20 + i, 0] }))
+        .map(|i| {
+            ledger.record(
+                &alone(pin(1, None)),
+                1600,
+                16,
+                &chain,
+                t0,
+                Recorded { op: op(), legs: [20 + i, 0], buffered: false },
+            )
+        })
         .collect();
     let stream_first = op();
     let (taken, legs) = ledger.replay_legs(&ids, 250, stream_first, stream_first, t0);
