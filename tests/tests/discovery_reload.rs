@@ -178,6 +178,39 @@ async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_relo
     Ok(())
 }
 
+/// The shim address the simulated workers' cards name (their artifacts are served by it).
+fn carded_shim(control: &ControlPlane) -> Option<String> {
+    let state = control.publisher.current();
+    let worker = state.view().workers().values().next()?.clone();
+    let uri = worker.artifacts.as_ref()?.tokenizer.as_ref()?.uri.clone();
+    Some(uri.trim_start_matches("http://").split('/').next()?.to_owned())
+}
+
+/// A simulator restarted on the same shim address listens on the socket the last one held: the
+/// port is never free between the two, so nothing can take it and the restart cannot fail on
+/// it, and a shim asked for on port 0 keeps the port the workers' cards name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulator_restarted_on_its_shim_address_keeps_the_shims_socket() -> anyhow::Result<()> {
+    let mut config = config::embedded_default();
+    config.move_simulator_shim("127.0.0.1:0".parse()?);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    eventually(CONVERGE, "the simulated workers", || async { workers(&control).len() == 4 }).await?;
+    let shim = carded_shim(&control).expect("the cards name the shim");
+
+    let mut grown = config.clone();
+    grown.dynamo.discovery.simulator.prefill = 3;
+    control.reload(grown).await?;
+    eventually(CONVERGE, "the grown simulated fleet", || async { workers(&control).len() == 5 }).await?;
+    assert_eq!(carded_shim(&control), Some(shim.clone()), "the same port");
+    assert!(std::net::TcpListener::bind(&shim).is_err(), "and it is held");
+    let models = reqwest::get(format!("http://{shim}/v1/models")).await?;
+    assert!(models.status().is_success(), "the restarted shim serves on it: {}", models.status());
+    control.shutdown().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_control_plane_refuses_watches_until_seeded_so_replicas_keep_their_last_view() -> anyhow::Result<()>
 {

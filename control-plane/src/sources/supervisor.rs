@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::Registry;
 use super::reload::{DiscoveryReload, RegistryOnRestart, classify};
-use super::simulator::{Simulator, SimulatorError};
+use super::simulator::{ShimSocket, Simulator, SimulatorError};
 use super::{etcd, static_fleet};
 use crate::config::{Config, DiscoverySource};
 use crate::discovery::Fleet;
@@ -38,6 +38,9 @@ pub struct DiscoverySupervisor {
     metrics: Metrics,
     config: Config,
     running: Option<(CancellationToken, JoinHandle<()>)>,
+    /// The simulated shim's socket while the simulator is the source: a simulator restarted on
+    /// the same address listens on it again ([`ShimSocket`]).
+    shim_socket: Option<ShimSocket>,
     shutdown: CancellationToken,
     /// The etcd resyncs counted when the fleet was last emptied (at start, or by a reload that
     /// reset the registry): the fleet is seeded again only past them.
@@ -54,8 +57,15 @@ impl DiscoverySupervisor {
     ) -> Result<Self, SourceError> {
         check_available(config)?;
         let resyncs_when_emptied = resyncs(&metrics);
-        let mut supervisor =
-            Self { registry, metrics, config: config.clone(), running: None, shutdown, resyncs_when_emptied };
+        let mut supervisor = Self {
+            registry,
+            metrics,
+            config: config.clone(),
+            running: None,
+            shim_socket: None,
+            shutdown,
+            resyncs_when_emptied,
+        };
         supervisor.launch(None)?;
         Ok(supervisor)
     }
@@ -82,13 +92,14 @@ impl DiscoverySupervisor {
             DiscoveryReload::Keep => {}
             DiscoveryReload::Stop => {
                 self.stop().await;
+                self.shim_socket = None;
                 self.registry.publish(Fleet::default());
                 tracing::info!("discovery stopped: dynamo.enabled is false");
             }
             DiscoveryReload::Restart { reason, registry } => {
                 // A new simulator takes its shim's port before the running source stops, so a
                 // port that is taken refuses the reload with the fleet untouched.
-                let bound = match bind_new_simulator(&previous, new) {
+                let bound = match self.bind_new_simulator(new) {
                     Ok(bound) => bound,
                     Err(error) => {
                         self.config = previous;
@@ -98,6 +109,9 @@ impl DiscoverySupervisor {
                 tracing::info!(reason = reason.as_str(), "replacing the discovery watcher");
                 self.metrics.discovery_events.with_label_values(&["restart"]).inc();
                 self.stop().await;
+                if !simulates(new) {
+                    self.shim_socket = None;
+                }
                 match registry {
                     RegistryOnRestart::Keep => {}
                     RegistryOnRestart::Reset => {
@@ -161,7 +175,7 @@ impl DiscoverySupervisor {
             DiscoverySource::Simulator => {
                 let simulator = match bound {
                     Some(simulator) => simulator,
-                    None => Simulator::bind(&discovery.simulator)?,
+                    None => Simulator::bind_keeping(&discovery.simulator, &mut self.shim_socket)?,
                 };
                 let cancel = self.shutdown.child_token();
                 let task = tokio::spawn(simulator.run(self.registry.clone(), cancel.clone()));
@@ -175,19 +189,19 @@ impl DiscoverySupervisor {
     }
 }
 
-/// The simulator `new` runs, bound already, unless the running one holds its shim's port
-/// (the same address: it is bound once the running one has stopped).
-fn bind_new_simulator(running: &Config, new: &Config) -> Result<Option<Simulator>, SimulatorError> {
-    let simulates =
-        |config: &Config| config.dynamo.enabled && config.dynamo.discovery.source == DiscoverySource::Simulator;
-    if !simulates(new) {
-        return Ok(None);
+impl DiscoverySupervisor {
+    /// The simulator `new` runs, if any, bound while the running source still runs. On the
+    /// running simulator's shim address it listens on the socket kept for it.
+    fn bind_new_simulator(&mut self, new: &Config) -> Result<Option<Simulator>, SimulatorError> {
+        if !simulates(new) {
+            return Ok(None);
+        }
+        Simulator::bind_keeping(&new.dynamo.discovery.simulator, &mut self.shim_socket).map(Some)
     }
-    let shim = |config: &Config| config.dynamo.discovery.simulator.shim_listen;
-    if simulates(running) && shim(running) == shim(new) {
-        return Ok(None);
-    }
-    Simulator::bind(&new.dynamo.discovery.simulator).map(Some)
+}
+
+fn simulates(config: &Config) -> bool {
+    config.dynamo.enabled && config.dynamo.discovery.source == DiscoverySource::Simulator
 }
 
 fn resyncs(metrics: &Metrics) -> u64 {

@@ -63,6 +63,17 @@ pub struct SimulatorError {
     source: std::io::Error,
 }
 
+/// The simulated shim's listening socket, bound for the configured address and kept by the
+/// discovery supervisor across restarts of the simulator on that address: the new simulator
+/// listens on a copy of it instead of binding the port again, so the port is never free
+/// between the two (no other process can take it, and the restart cannot fail on it), and a
+/// shim configured on port 0 keeps the port it was given, which the workers' cards name.
+#[derive(Debug)]
+pub struct ShimSocket {
+    asked: SocketAddr,
+    listener: StdListener,
+}
+
 /// A bound simulated fleet, ready to run.
 #[derive(Debug)]
 pub struct Simulator {
@@ -78,7 +89,13 @@ pub struct Simulator {
 impl Simulator {
     /// Binds every listener the simulated fleet needs.
     pub fn bind(config: &SimulatorConfig) -> Result<Self, SimulatorError> {
-        let shim_listener = bind("the simulated shim", config.shim_listen)?;
+        Self::bind_keeping(config, &mut None)
+    }
+
+    /// [`Self::bind`], with the shim on a copy of `kept` when it was bound for the configured
+    /// address; otherwise on a new socket, which `kept` then holds if the whole fleet binds.
+    pub fn bind_keeping(config: &SimulatorConfig, kept: &mut Option<ShimSocket>) -> Result<Self, SimulatorError> {
+        let (shim_listener, fresh) = shim_listener(config.shim_listen, kept.as_ref())?;
         let mut shim_addr = local_addr("the simulated shim", &shim_listener, config.shim_listen)?;
         // A replica never fetches from an unspecified address: name the shim by its loopback.
         if shim_addr.ip().is_unspecified() {
@@ -131,6 +148,9 @@ impl Simulator {
         let (killed, kills) = mpsc::channel(prefill.len() + decode.len() + 1);
         let lease_ttl = config.lease_ttl;
         let shim = Arc::new(Shim { model: config.model.clone(), block_size, prefill, decode, killed, lease_ttl });
+        if fresh.is_some() {
+            *kept = fresh;
+        }
         Ok(Self { fleet, publishers, shim_listener, shim, kills })
     }
 
@@ -190,6 +210,25 @@ fn count(n: u32) -> usize {
 
 fn local_addr(what: &'static str, listener: &TcpListener, asked: SocketAddr) -> Result<SocketAddr, SimulatorError> {
     listener.local_addr().map_err(|source| SimulatorError { what, addr: asked, source })
+}
+
+/// The shim's listener for `asked`: a copy of `kept` when it was bound for that address, or a
+/// new socket, returned with a copy to keep.
+fn shim_listener(
+    asked: SocketAddr,
+    kept: Option<&ShimSocket>,
+) -> Result<(TcpListener, Option<ShimSocket>), SimulatorError> {
+    let error = |source| SimulatorError { what: "the simulated shim", addr: asked, source };
+    let (listener, fresh) = match kept.filter(|kept| kept.asked == asked) {
+        Some(kept) => (kept.listener.try_clone().map_err(error)?, None),
+        None => {
+            let listener = StdListener::bind(asked).map_err(error)?;
+            listener.set_nonblocking(true).map_err(error)?;
+            let fresh = ShimSocket { asked, listener: listener.try_clone().map_err(error)? };
+            (listener, Some(fresh))
+        }
+    };
+    Ok((TcpListener::from_std(listener).map_err(error)?, fresh))
 }
 
 fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, SimulatorError> {
