@@ -355,23 +355,30 @@ impl Rank {
     /// dispatch, which is all a rank with no prefill time learned yet has (the seed's bound on
     /// an unanswered dispatch). Whether any was taken.
     fn deem_prefilled(&mut self, now: Instant) -> bool {
-        let mut deemed = false;
-        for dispatch in self.dispatches.values_mut() {
-            let expired = dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now);
-            if dispatch.buffered && dispatch.answered.is_none() && expired.is_some() {
-                dispatch.answered = expired;
-                dispatch.answer_estimated = true;
-                deemed = true;
+        let (mut deemed, mut waiting) = (false, false);
+        for dispatch in self.dispatches.values_mut().filter(|d| d.buffered && d.answered.is_none()) {
+            match dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now) {
+                Some(expired) => {
+                    dispatch.answered = Some(expired);
+                    dispatch.answer_estimated = true;
+                    deemed = true;
+                }
+                None => waiting = true,
             }
         }
-        loop {
-            let head =
-                self.dispatches.iter_mut().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id));
-            let Some((_, head)) = head.filter(|(_, d)| d.buffered) else { break };
+        if !waiting {
+            return deemed;
+        }
+        // The prefill queue in order, sorted once: several may be done by now (a replay, or a
+        // tick that came late).
+        let mut queue: Vec<(Instant, (u64, u64))> =
+            self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).map(|(id, d)| (d.at, *id)).collect();
+        queue.sort_unstable();
+        for (_, id) in queue {
+            let Some(head) = self.dispatches.get_mut(&id).filter(|d| d.buffered) else { break };
             let Some(expected) = self.timing.prefill.expected(head.prompt_tokens) else { break };
             let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
-            let done = began.checked_add(expected).filter(|done| *done <= now);
-            let Some(done) = done else { break };
+            let Some(done) = began.checked_add(expected).filter(|done| *done <= now) else { break };
             head.answered = Some(done);
             head.answer_estimated = true;
             self.last_answered = Some(done);

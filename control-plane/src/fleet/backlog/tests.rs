@@ -613,12 +613,15 @@ fn a_buffered_answers_prompt_is_prefilled_when_the_ranks_prefills_say_so() {
     book.report(1, report(vec![buffered(5, 1600), started(6, 0, 800)], vec![]), t1 + ms(400), &state);
     assert_eq!(prefill(&mut book, t1 + ms(480)), Some((800, 0)), "6 begins when 5 is taken as done");
     assert_eq!(prefill(&mut book, t1 + ms(600)), Some((800, 700)), "and is late, never done, without its first token");
+    book.report(1, prefilled(6), t1 + ms(700), &state);
+    book.report(1, report(vec![buffered(7, 1600), buffered(8, 1600)], vec![]), t1 + ms(1000), &state);
+    assert_eq!(prefill(&mut book, t1 + ms(1170)), Some((0, 0)), "both done by a tick that came late");
 
-    book.report(1, report(vec![], vec![1, 3, 4, 5]), t1 + ms(900), &state);
+    book.report(1, report(vec![], vec![1, 3, 4, 5, 7, 8]), t1 + ms(1200), &state);
     let decode = |book: &Book| book.ranks.get(&book_key(0)).and_then(|r| r.timing.decode);
     assert_eq!(decode(&book), None, "an estimated first token is no measurement");
-    book.report(1, report(vec![], vec![2]), t1 + ms(900), &state);
-    assert_eq!(decode(&book), Some(ms(820)), "a reported one is");
+    book.report(1, report(vec![], vec![2]), t1 + ms(1200), &state);
+    assert_eq!(decode(&book), Some(ms(1120)), "a reported one is");
 }
 
 /// The dispatches the published view holds on `rank(0)`.
