@@ -148,6 +148,15 @@ impl DiscoverySupervisor {
         self.metrics.discovery_connected.set(0);
     }
 
+    /// The simulator `new` runs, if any, bound while the running source still runs. On the
+    /// running simulator's shim address it listens on the socket kept for it.
+    fn bind_new_simulator(&mut self, new: &Config) -> Result<Option<Simulator>, SimulatorError> {
+        if !simulates(new) {
+            return Ok(None);
+        }
+        Simulator::bind_keeping(&new.dynamo.discovery.simulator, &mut self.shim_socket).map(Some)
+    }
+
     /// Starts the configured source; a simulator already bound (`bound`) is the one run.
     fn launch(&mut self, bound: Option<Simulator>) -> Result<(), SimulatorError> {
         if !self.config.dynamo.enabled {
@@ -186,17 +195,6 @@ impl DiscoverySupervisor {
             DiscoverySource::Kubernetes | DiscoverySource::KubernetesPods => {}
         }
         Ok(())
-    }
-}
-
-impl DiscoverySupervisor {
-    /// The simulator `new` runs, if any, bound while the running source still runs. On the
-    /// running simulator's shim address it listens on the socket kept for it.
-    fn bind_new_simulator(&mut self, new: &Config) -> Result<Option<Simulator>, SimulatorError> {
-        if !simulates(new) {
-            return Ok(None);
-        }
-        Simulator::bind_keeping(&new.dynamo.discovery.simulator, &mut self.shim_socket).map(Some)
     }
 }
 
