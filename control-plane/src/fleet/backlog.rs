@@ -6,23 +6,23 @@
 //! the same "least loaded" worker between two samples (Dynamo #589; SGLang's gateway shares the
 //! problem).
 //!
-//! Decode load is tracked the way Dynamo's KV router tracks it, from the requests the router
-//! itself sent, because a worker's samples lag in both directions: a sample taken just before a
-//! burst of requests finished still shows their blocks (every replica then sends the next burst
-//! elsewhere), and a sample taken before a new request reached the engine does not show it yet.
-//! The book therefore publishes, per rank, the distinct blocks of every dispatch in flight (a
-//! block several dispatches share counts once, while any of them holds it: see
-//! [`ActiveIndex`], which `FindMatches` reads too) plus the *foreign* part of the last
-//! sample: what it showed beyond the dispatches in flight when it arrived (load the fleet did
-//! not send, such as another router's); ends shortly before a sample may still be in it, so
-//! they do not count as foreign. Prefill tokens count until the response begins (the replica reports the first
-//! token), again as Dynamo's router does. A buffered answer (`stream` false) has no first token
-//! the replica could see, only its end, which for a long answer comes seconds after its prompt
-//! was done: its prompt is taken as prefilled when the rank's prefills, as learned from the
-//! streamed ones (below), say it should be, or after the seed's 30 seconds while the rank has
-//! no prefill time yet. Dynamo's frontend streams from the engine even for such a request and
-//! sees its first token; counting its prompt to the end would make a rank serving long
-//! buffered answers look as if it had a queue of prompts it finished long ago.
+//! Decode load is tracked the way Dynamo's KV router tracks it, from the requests the router itself
+//! sent, because a worker's samples lag in both directions: a sample taken just before a burst of
+//! requests finished still shows their blocks (every replica then sends the next burst elsewhere),
+//! and a sample taken before a new request reached the engine does not show it yet. The book
+//! therefore publishes, per rank, the distinct blocks of every dispatch in flight (a block several
+//! dispatches share counts once, while any of them holds it: see [`ActiveIndex`], which
+//! `FindMatches` reads too) plus the *foreign* part of the last sample: what it showed beyond the
+//! dispatches in flight when it arrived (load the fleet did not send, such as another router's);
+//! ends shortly before a sample may still be in it, so they do not count as foreign. Prefill tokens
+//! count until the response begins (the replica reports the first token), again as Dynamo's router
+//! does. A buffered answer (`stream` false) has no first token the replica could see, only its end,
+//! which for a long answer comes seconds after its prompt was done: its prompt is taken as
+//! prefilled when the rank's prefills, as learned from the streamed ones (below), say it should be,
+//! or a later dispatch's first token comes, and after the seed's 30 seconds at most. Dynamo's
+//! frontend streams from the engine even for such a request and sees its first token; counting its
+//! prompt to the end would make a rank serving long buffered answers look as if it had a queue of
+//! prompts it finished long ago.
 //!
 //! A decode worker paired with prefill workers receives a request only after its prefill, and
 //! the replicas must pin it when they dispatch (direct mode), where Dynamo's frontend picks it
@@ -33,15 +33,15 @@
 //! share of it, to the hand-over) is published as *ending* ([`Timing`]). The replicas discount
 //! it only when pinning a decode worker that receives the request by hand-over.
 //!
-//! A rank's prefills run one after another, so a request sent to it waits for the rest of the
-//! one under way, not for all of it. The book publishes how far that one should have got: the
-//! oldest dispatch still awaiting its first token began prefilling when it was dispatched or when
-//! the rank's previous first token came, whichever is later, and a prefill of its size takes
-//! about what the rank's dispatches that found nothing else prefilling took to their first
-//! token ([`prefill_time::PrefillTime`]: a line through their sizes and times).
-//! Its tokens times the elapsed share, in eighths (so the sum moves a few times per prefill,
-//! not every window) and at most seven of them, are published as *prefilled*. Without it the
-//! seed's formula counts a prefill whole until its first token, and two ranks each prefilling
+//! A rank's prefills run one after another, so a request sent to it waits for the rest of the one
+//! under way, not for all of it. The book publishes how far that one should have got: the oldest
+//! dispatch still awaiting its first token began prefilling when it was dispatched or when the
+//! rank's previous first token came (reported, or estimated for a buffered answer), whichever is
+//! later, and a prefill of its size takes about what the rank's dispatches that found nothing else
+//! prefilling took to their first token ([`prefill_time::PrefillTime`]: a line through their sizes
+//! and times). Its tokens times the elapsed share, in eighths (so the sum moves a few times per
+//! prefill, not every window) and at most seven of them, are published as *prefilled*. Without it
+//! the seed's formula counts a prefill whole until its first token, and two ranks each prefilling
 //! one prompt look alike however near one is to done (`docs/kv.md`).
 //!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
@@ -155,6 +155,17 @@ impl Dispatch {
     fn prefill_tokens(&self) -> u64 {
         if self.answered.is_none() { self.prompt_tokens } else { 0 }
     }
+
+    /// A buffered dispatch whose prompt the book has yet to take as prefilled.
+    fn awaits_estimate(&self) -> bool {
+        self.buffered && self.prefill_tokens() > 0
+    }
+
+    /// Its prompt is taken as prefilled at `at`: an estimate, not a report.
+    fn estimate_answered(&mut self, at: Instant) {
+        self.answered = Some(at);
+        self.answer_estimated = true;
+    }
 }
 
 /// One rank's dispatches in flight and what its last sample showed beyond them.
@@ -163,6 +174,9 @@ struct Rank {
     /// The rank's key in the fleet view (its backlog's, its samples').
     key: LoadKey,
     dispatches: FastMap<(u64, u64), Dispatch>,
+    /// How many of `dispatches` await the estimate of their first token
+    /// ([`Dispatch::awaits_estimate`]): with none, the book spends nothing on them.
+    buffered_waiting: usize,
     /// The distinct decode blocks of `dispatches` (their hashes are in the book's
     /// [`ActiveIndex`]).
     active: u64,
@@ -216,6 +230,7 @@ impl Rank {
         let mut rank = Rank {
             key,
             dispatches: FastMap::default(),
+            buffered_waiting: 0,
             active: 0,
             sampled_at: None,
             foreign: None,
@@ -276,6 +291,7 @@ impl Rank {
             self.foreign = self.foreign.map(|f| f.saturating_sub(dispatch.added));
             self.foreign_prefill = self.foreign_prefill.map(|f| f.saturating_sub(dispatch.prompt_tokens));
         }
+        self.buffered_waiting += usize::from(dispatch.awaits_estimate());
         self.dispatches.insert(id, dispatch);
     }
 
@@ -313,7 +329,10 @@ impl Rank {
     fn answered(&mut self, id: (u64, u64), at: Instant) {
         let Some(dispatch) = self.dispatches.get_mut(&id) else { return };
         let tokens = dispatch.prefill_tokens();
+        let dispatched = dispatch.at;
         if dispatch.answered.is_none() {
+            // A buffered dispatch is not expected to be answered; if it is, the report wins.
+            self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
             if !dispatch.replayed {
@@ -326,6 +345,15 @@ impl Rank {
         if tokens > 0 {
             // The next prefill on the rank begins no earlier.
             self.last_answered = self.last_answered.max(Some(at));
+            // And the rank prefills in order: the buffered prompts dispatched before this one
+            // are done too.
+            if self.buffered_waiting > 0 {
+                let before = |key: &(u64, u64), d: &Dispatch| d.awaits_estimate() && (d.at, *key) < (dispatched, id);
+                for (_, earlier) in self.dispatches.iter_mut().filter(|(key, d)| before(key, d)) {
+                    earlier.estimate_answered(at);
+                    self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+                }
+            }
         }
     }
 
@@ -353,38 +381,54 @@ impl Rank {
     /// prefill time has passed since it began (its dispatch, or the previous first token), and
     /// the next one then begins; and any once [`DISPATCH_MAX_AGE`] has passed since its
     /// dispatch, which is all a rank with no prefill time learned yet has (the seed's bound on
-    /// an unanswered dispatch). Whether any was taken.
+    /// an unanswered dispatch). A first token reported for a later dispatch takes them too
+    /// ([`Rank::answered`]). Whether any was taken.
     fn deem_prefilled(&mut self, now: Instant) -> bool {
-        let (mut deemed, mut waiting) = (false, false);
-        for dispatch in self.dispatches.values_mut().filter(|d| d.buffered && d.answered.is_none()) {
-            match dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now) {
-                Some(expired) => {
-                    dispatch.answered = Some(expired);
-                    dispatch.answer_estimated = true;
-                    deemed = true;
-                }
-                None => waiting = true,
+        if self.buffered_waiting == 0 {
+            return false;
+        }
+        let mut deemed = false;
+        for dispatch in self.dispatches.values_mut().filter(|d| d.awaits_estimate()) {
+            if let Some(expired) = dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now) {
+                dispatch.estimate_answered(expired);
+                self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+                deemed = true;
             }
         }
-        if !waiting {
+        let head = self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id));
+        if head.is_none_or(|(id, _)| self.due(*id, now).is_none()) {
             return deemed;
         }
-        // The prefill queue in order, sorted once: several may be done by now (a replay, or a
-        // tick that came late).
+        // The prefill queue in order, sorted only when its head is done: several may be by
+        // now (a replay, or a tick that came late).
         let mut queue: Vec<(Instant, (u64, u64))> =
             self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).map(|(id, d)| (d.at, *id)).collect();
         queue.sort_unstable();
         for (_, id) in queue {
-            let Some(head) = self.dispatches.get_mut(&id).filter(|d| d.buffered) else { break };
-            let Some(expected) = self.timing.prefill.expected(head.prompt_tokens) else { break };
-            let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
-            let Some(done) = began.checked_add(expected).filter(|done| *done <= now) else { break };
-            head.answered = Some(done);
-            head.answer_estimated = true;
-            self.last_answered = Some(done);
+            let Some(done) = self.due(id, now) else { break };
+            let Some(head) = self.dispatches.get_mut(&id) else { break };
+            head.estimate_answered(done);
+            self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+            // A replayed one was dispatched before the estimates that moved `last_answered`.
+            if !head.replayed {
+                self.last_answered = Some(done);
+            }
             deemed = true;
         }
         deemed
+    }
+
+    /// When buffered dispatch `id`, at the head of the rank's prefill queue, should have been
+    /// prefilled, if by `now`. A replayed one began at its dispatch at the latest: the prompts
+    /// estimated since may have been queued behind it.
+    fn due(&self, id: (u64, u64), now: Instant) -> Option<Instant> {
+        let dispatch = self.dispatches.get(&id).filter(|d| d.awaits_estimate())?;
+        let expected = self.timing.prefill.expected(dispatch.prompt_tokens)?;
+        let began = match self.last_answered {
+            Some(answered) if !dispatch.replayed => answered.max(dispatch.at),
+            _ => dispatch.at,
+        };
+        began.checked_add(expected).filter(|done| *done <= now)
     }
 
     /// The tokens of the rank's oldest dispatch still prefilling that should be
@@ -437,6 +481,7 @@ impl Rank {
     /// Takes dispatch `id` out, giving back the blocks only it held; returns it and them.
     fn remove(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> Option<(Dispatch, u64)> {
         let dispatch = self.dispatches.remove(&id)?;
+        self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);
         Some((dispatch, freed))

@@ -70,7 +70,8 @@ impl DispatchEnd {
                 report.prefills_for_lookup(prefill.unwrap_or(decode), chain.lookup);
             }
             if buffered {
-                prefill.into_iter().chain([decode]).for_each(|id| report.buffered(id));
+                // The leg whose prompt waits on a first token; the decode leg of a pair has none.
+                report.buffered(prefill.unwrap_or(decode));
             }
             // The ledger's legs, prefill rank's first, keep their report ids for a replay.
             let legs = match prefill {
@@ -225,7 +226,7 @@ mod tests {
     /// report and again in a replay on a new stream, so the control plane does not count its
     /// prompt until the end.
     #[tokio::test]
-    async fn a_buffered_requests_legs_are_reported_buffered_and_replayed_so() {
+    async fn a_buffered_requests_prefilling_leg_is_reported_buffered_and_replayed_so() {
         let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
         let mut rx = reporter.attached_receiver().expect("receiver");
         let ledger = Arc::new(DispatchLedger::new());
@@ -239,7 +240,7 @@ mod tests {
             (end, flags)
         };
         let (_paired, flags) = buffered(&paired, true);
-        assert_eq!(flags, [true, true], "both legs of a buffered request");
+        assert_eq!(flags, [true, false], "the prefill worker's leg; the decode leg has no prompt to wait on");
         let (_aggregated, flags) = buffered(&aggregated(), true);
         assert_eq!(flags, [true]);
         let (_streamed, flags) = buffered(&aggregated(), false);
@@ -248,7 +249,7 @@ mod tests {
         let ids = ledger.dispatches_before(u64::MAX);
         let (_, replayed) = ledger.replay_legs(&ids, usize::MAX, 1000, u64::MAX, Instant::now());
         let flags: Vec<bool> = replayed.iter().map(|leg| leg.buffered).collect();
-        assert_eq!(flags, [true, true, true, false], "a replay says it again");
+        assert_eq!(flags, [true, false, true, false], "a replay says it again");
     }
 
     /// A dispatch to an aggregated worker (no prefill pin).

@@ -624,6 +624,47 @@ fn a_buffered_answers_prompt_is_prefilled_when_the_ranks_prefills_say_so() {
     assert_eq!(decode(&book), Some(ms(1120)), "a reported one is");
 }
 
+/// The rank prefills in order, so a first token reported for a later dispatch says the buffered
+/// prompts before it are done; a replayed buffered dispatch began at its own dispatch, not
+/// behind the prompts estimated since; a leg with no prompt (a pair's decode leg) has nothing
+/// to estimate.
+#[test]
+fn buffered_prompts_end_with_a_later_first_token_and_replays_are_not_queued_anew() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    let prefill = |book: &mut Book, at: Instant| -> Option<u64> {
+        book.expire(&state, at);
+        book.take_change(at);
+        book.ranks.get(&book_key(0)).map(|r| r.backlog().prefill_tokens)
+    };
+    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
+    let buffered = |id, tokens| pb::DispatchStarted { buffered: true, ..started(id, 0, tokens) };
+    // No prefill time learned: only the later first token can say 1 is done.
+    book.report(1, report(vec![buffered(1, 1600), started(2, 0, 800)], vec![]), t0, &state);
+    assert_eq!(prefill(&mut book, t0 + ms(40)), Some(2400));
+    book.report(1, prefilled(2), t0 + ms(50), &state);
+    assert_eq!(prefill(&mut book, t0 + ms(51)), Some(0), "1 was prefilled before 2");
+
+    // The rank learns 80 ms a prefill; then the replica's stream drops and its next one replays
+    // two buffered dispatches made five seconds ago.
+    let t1 = t0 + ms(1000);
+    book.report(1, report(vec![], vec![1, 2]), t1, &state);
+    book.report(1, report(vec![started(3, 0, 1600)], vec![]), t1, &state);
+    book.report(1, prefilled(3), t1 + ms(80), &state);
+    let replayed = |id| pb::DispatchStarted { replayed: true, age_ms: 5000, ..buffered(id, 1600) };
+    book.report(1, report(vec![replayed(4), replayed(5)], vec![]), t1 + ms(90), &state);
+    assert_eq!(prefill(&mut book, t1 + ms(91)), Some(0), "done long ago, not queued behind 3's first token");
+
+    // A pair's decode leg brings no prompt: nothing to take as prefilled, even after 30 s.
+    let decode_leg = pb::DispatchStarted { buffered: true, decode_blocks: 10, ..started(6, 0, 0) };
+    book.report(1, report(vec![decode_leg], vec![]), t1 + ms(100), &state);
+    book.expire(&state, t1 + DISPATCH_MAX_AGE + ms(100));
+    let answered = book.ranks.get(&book_key(0)).and_then(|r| r.dispatches.get(&(1, 6))).map(|d| d.answered);
+    assert_eq!(answered, Some(None), "still only what its replica reports");
+}
+
 /// The dispatches the published view holds on `rank(0)`.
 fn published_dispatches(publisher: &FleetPublisher) -> Option<u32> {
     publisher.current().view().backlogs().get(&rank(0)).map(|b| b.dispatches)

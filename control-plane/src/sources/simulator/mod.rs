@@ -4,7 +4,8 @@
 //! listener when it starts (so a taken port fails the start), publishes the workers, their
 //! cards' artifacts and their publishers through the registry like any discovered fleet (the
 //! load and KV supervisors subscribe to them over real ZMTP), and serves the shim until
-//! cancelled. Reloading it rebinds everything.
+//! cancelled. Reloading it binds new publishers, and the shim's port anew only when its
+//! address changed ([`ShimSocket`]).
 //!
 //! A worker can be killed through the shim (`POST /simulator/workers/{id}/kill`), to watch the
 //! router meet a failure as it would on a real fleet: the worker's publishers close at once, the

@@ -437,7 +437,7 @@ struct Leg {
     report: u64,
     /// Its response began.
     answered: bool,
-    /// Its client takes the answer whole, for a replay to say again.
+    /// Its client takes the answer whole and it is the leg that prefills, for a replay to say again.
     buffered: bool,
     prefill_tokens: u64,
     decode_blocks: u64,
@@ -545,8 +545,10 @@ impl DispatchLedger {
         let legs = match &selection.prefill {
             Some(prefill) => {
                 state.push(prefill.rank_key(), leg(first_report, prefill_tokens, 0, blocks, Box::default()));
-                // The decode leg receives the request only after the prefill: no stall.
-                state.push(selection.decode.rank_key(), leg(second_report, 0, blocks, 0, block_hashes));
+                // The decode leg receives the request only after the prefill: no stall, and no
+                // prompt to wait on a first token for.
+                let decode = Leg { buffered: false, ..leg(second_report, 0, blocks, 0, block_hashes) };
+                state.push(selection.decode.rank_key(), decode);
                 [Some(prefill.rank_key()), Some(selection.decode.rank_key())]
             }
             None => {

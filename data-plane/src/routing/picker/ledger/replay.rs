@@ -17,7 +17,7 @@ pub struct Recorded {
     pub op: u64,
     pub legs: [u64; 2],
     /// Its client takes the answer whole ([`Report::buffered`](crate::fleet::Report::buffered)),
-    /// which a replay says again.
+    /// which a replay of the leg that prefills says again.
     pub buffered: bool,
 }
 
