@@ -50,7 +50,8 @@
 //! [`DISPATCH_MAX_AGE`] after that end if none comes. Its published backlog is then zero but
 //! for its place in the fleet's dispatch order (`last_dispatch`): pickers send ties to the rank
 //! idle longest, and a rank that settles within a request's time would otherwise look idle
-//! forever, taking every tie of a trickle of requests.
+//! forever, taking every tie of a trickle of requests. What the rank learned of its times is
+//! kept aside for its next dispatch, while its worker serves it.
 //!
 //! One task owns the book (commands over a bounded channel). The first change after a quiet
 //! [`BACKLOG_WINDOW`] is published at once; after that, changes are published at most once per
@@ -101,6 +102,8 @@ pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
 pub const SAMPLE_LAG: Duration = Duration::from_millis(250);
 /// A prefill under way is credited in steps of one part in this many of its expected time.
 pub(super) const PROGRESS_STEPS: u64 = 8;
+/// How often the timings of settled ranks are pruned of ranks the fleet no longer has.
+const PRUNE_LEARNED_EVERY: Duration = Duration::from_secs(1);
 /// Ended dispatches remembered per rank for that, at most.
 const MAX_ENDED_PER_RANK: usize = 4096;
 /// Gives back what a vector of block hashes no longer holds once cut, when that is most of it:
@@ -551,6 +554,12 @@ struct Book {
     /// Dispatches admitted since the book started: each rank's newest is stamped with the
     /// count, which orders ranks by how recently the fleet sent them one.
     dispatched: u64,
+    /// What settled ranks had learned ([`Timing`]), for when they take dispatches again: a rank
+    /// settles whenever it idles, and would otherwise start every burst knowing nothing of its
+    /// prefill and decode times. Only ranks the fleet still has are kept.
+    learned: FastMap<RankKey, (LoadKey, Timing)>,
+    /// When `learned` was last pruned of ranks the fleet no longer has.
+    learned_pruned: Option<Instant>,
 }
 
 impl Book {
@@ -659,7 +668,12 @@ impl Book {
         if !in_fleet(state, &load_key) {
             return false;
         }
-        self.ranks.insert(key, Rank::new(load_key, state));
+        let mut rank = Rank::new(load_key, state);
+        // What it learned before it last settled still holds for its engine.
+        if let Some((_, timing)) = self.learned.remove(&key).filter(|(known, _)| *known == rank.key) {
+            rank.timing = timing;
+        }
+        self.ranks.insert(key, rank);
         true
     }
 
@@ -703,6 +717,13 @@ impl Book {
     /// Measures new samples, drops dispatches whose end never came, and marks the ranks whose
     /// sums may have moved for a publish check (unchanged sums are not streamed).
     fn expire(&mut self, state: &FleetState, now: Instant) {
+        // The timings of settled ranks are kept while their workers serve them, and no longer.
+        if !self.learned.is_empty()
+            && self.learned_pruned.is_none_or(|at| now.saturating_duration_since(at) >= PRUNE_LEARNED_EVERY)
+        {
+            self.learned.retain(|_, (key, _)| in_fleet(state, key));
+            self.learned_pruned = Some(now);
+        }
         let mut lost = Vec::new();
         for (&key, rank) in &mut self.ranks {
             let sample = state.view().loads().get(&rank.key);
@@ -746,7 +767,9 @@ impl Book {
                 if rank.published != Some(idle) {
                     change.backlogs.push((rank.key.clone(), idle));
                 }
-                self.ranks.remove(&key);
+                if let Some(rank) = self.ranks.remove(&key) {
+                    self.learned.insert(key, (rank.key, rank.timing));
+                }
                 continue;
             }
             let backlog = rank.backlog();

@@ -665,6 +665,42 @@ fn buffered_prompts_end_with_a_later_first_token_and_replays_are_not_queued_anew
     assert_eq!(answered, Some(None), "still only what its replica reports");
 }
 
+/// A rank settles whenever it idles; what it learned of its prefill times stays for its next
+/// burst, while its worker serves it.
+#[test]
+fn a_rank_that_settles_keeps_what_it_learned_while_its_worker_serves() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
+    // (prefill tokens, of them prefilled) after a publish check at `at`.
+    let prefill = |book: &mut Book, state: &FleetState, at: Instant| -> Option<(u64, u64)> {
+        book.expire(state, at);
+        book.take_change(at);
+        book.ranks.get(&book_key(0)).map(|r| r.backlog()).map(|b| (b.prefill_tokens, b.prefilled_tokens))
+    };
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
+    book.report(1, prefilled(1), t0 + ms(80), &state);
+    book.report(1, report(vec![], vec![1]), t0 + ms(100), &state);
+    // A sample 250 ms after the end shows the worker as it is.
+    let idle = sampled(&state, 0, 0, t0 + ms(400));
+    assert_eq!(prefill(&mut book, &idle, t0 + ms(400)), None, "settled");
+    book.report(1, report(vec![started(2, 0, 1600)], vec![]), t0 + ms(1000), &idle);
+    assert_eq!(prefill(&mut book, &idle, t0 + ms(1040)), Some((1600, 800)), "80 ms a prefill, as learned");
+    book.report(1, report(vec![], vec![2]), t0 + ms(1100), &idle);
+    let idle = sampled(&idle, 0, 0, t0 + ms(1400));
+    assert_eq!(prefill(&mut book, &idle, t0 + ms(1400)), None, "settled again");
+
+    // The worker leaves: what its rank learned goes with it.
+    let gone = match idle.commit(FleetChange { remove: vec![rank(0).worker], ..FleetChange::default() }) {
+        Some((state, _)) => state,
+        None => panic!("a change"),
+    };
+    book.expire(&gone, t0 + ms(1400) + PRUNE_LEARNED_EVERY);
+    assert!(book.learned.is_empty(), "pruned");
+}
+
 /// The dispatches the published view holds on `rank(0)`.
 fn published_dispatches(publisher: &FleetPublisher) -> Option<u32> {
     publisher.current().view().backlogs().get(&rank(0)).map(|b| b.dispatches)
