@@ -73,8 +73,13 @@ impl IdleConnections {
         None
     }
 
-    /// Keeps `conn` for reuse, unless `authority` already has its fill.
+    /// Keeps `conn` for reuse, unless `authority` already has its fill or the shim sent bytes
+    /// past the answer's end: whatever they are, they would be read as the next answer (and
+    /// the buffer let go below would take the evidence with it).
     pub fn put(&self, authority: &str, mut conn: Conn, now: Instant) {
+        if !conn.read.is_empty() {
+            return;
+        }
         if conn.write.capacity() > KEPT_BUFFER_CAPACITY {
             conn.write = Vec::new();
         }
@@ -179,6 +184,12 @@ mod tests {
         idle.put("gone:8000", conn, then);
         let kept = idle.take("gone:8000", then).expect("the connection is kept");
         assert!(kept.write.capacity() <= KEPT_BUFFER_CAPACITY && kept.read.capacity() <= KEPT_BUFFER_CAPACITY);
+        // Bytes past an answer's end, in a buffer large enough to be let go: not kept at all.
+        let (mut overread, _third) = pair(&listener).await;
+        overread.read.reserve(8 << 20);
+        overread.read.extend_from_slice(b"HTTP/1.1 200 OK\r\n");
+        idle.put("gone:8000", overread, then);
+        assert_eq!(idle.count("gone:8000"), 0, "what the shim sent past the answer would be read as the next one");
         idle.put("gone:8000", kept, then);
         // Only another authority's connections are put back from now on.
         let (conn, _other) = pair(&listener).await;

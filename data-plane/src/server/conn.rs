@@ -43,13 +43,14 @@ pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// What a connection's read buffer starts with and grows by.
 const READ_CHUNK: usize = 8 << 10;
-/// A read buffer a larger body went through is let go once the body is copied out, so neither
-/// a long response nor an idle connection holds it.
-const KEPT_READ_CAPACITY: usize = 64 << 10;
+/// A read buffer a larger request (head and body) went through is let go once the body is
+/// copied out, so neither a long response nor an idle connection holds it: thousands of idle
+/// keep-alive connections hold a few KiB each, not the 64 KiB a large head grew theirs to.
+const KEPT_READ_CAPACITY: usize = 2 * READ_CHUNK;
 /// Bytes of pipelined requests read while a response is pending; past it, reading waits.
 const MAX_PIPELINED_BYTES: usize = 64 << 10;
 /// A write buffer grown past this (a large buffered answer) is let go once it is written.
-const KEPT_WRITE_CAPACITY: usize = 64 << 10;
+const KEPT_WRITE_CAPACITY: usize = 16 << 10;
 /// How far behind the idle timer may run before it is re-armed.
 const IDLE_DEADLINE_SLACK: Duration = Duration::from_secs(1);
 /// After a refusal, how long and how much of the client's unread body is read and discarded.
@@ -223,20 +224,21 @@ impl Connection {
             return Err(Stop::Refuse(HeadError::Busy));
         }
         self.read.advance(length);
-        let body = self.take_body(body);
+        let body = self.take_body(length, body);
         Ok(Some((head, body, charge)))
     }
 
-    fn take_body(&mut self, length: usize) -> Bytes {
+    /// The body of `length` bytes at the front of the read buffer, behind a head of `head`.
+    fn take_body(&mut self, head: usize, length: usize) -> Bytes {
         let body = Bytes::copy_from_slice(&self.read[..length]);
         self.read.advance(length);
-        self.release_large_read_buffer(length);
+        self.release_large_read_buffer(head + length);
         body
     }
 
-    /// After a body of `passed` bytes went through the read buffer, gives its allocation back
-    /// if that made it large: the body is copied out, and the response may stream for minutes.
-    /// (`capacity()` counts only what lies past the bytes consumed, so it cannot tell.)
+    /// After a request of `passed` bytes went through the read buffer, gives its allocation
+    /// back if that made it large: the body is copied out, and the response may stream for
+    /// minutes. (`capacity()` counts only what lies past the bytes consumed, so it cannot tell.)
     fn release_large_read_buffer(&mut self, passed: usize) {
         if passed > KEPT_READ_CAPACITY {
             self.read = BytesMut::from(&self.read[..]);
@@ -254,11 +256,12 @@ impl Connection {
                 || holds_blank_line(&self.read[scanned.saturating_sub(2)..]);
             if due && let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
                 self.read.advance(length);
-                break head;
+                break (head, length);
             }
             scanned = self.read.len();
             self.fill().await?;
         };
+        let (head, head_length) = head;
         let (body, charge) = match head.body {
             BodyFraming::Length(length) => {
                 if self.read.len() < length && head.expects_continue {
@@ -277,20 +280,20 @@ impl Connection {
                     }
                     self.fill().await?;
                 }
-                (self.take_body(length), charge)
+                (self.take_body(head_length, length), charge)
             }
             BodyFraming::Chunked => {
                 if self.read.is_empty() && head.expects_continue {
                     write_continue(&mut self.stream).await?;
                 }
-                self.read_chunked().await?
+                self.read_chunked(head_length).await?
             }
         };
         Ok((head, body, charge))
     }
 
-    /// A chunked body, charged as it grows.
-    async fn read_chunked(&mut self) -> Result<(Bytes, Charge), Stop> {
+    /// A chunked body behind a head of `head` bytes, charged as it grows.
+    async fn read_chunked(&mut self, head: usize) -> Result<(Bytes, Charge), Stop> {
         let mut decoder = Chunked::default();
         let mut body = BytesMut::new();
         let mut charge = Charge::default();
@@ -306,7 +309,7 @@ impl Connection {
                     body.extend_from_slice(&data);
                 }
                 Ok(Decoded::End) => {
-                    self.release_large_read_buffer(body.len());
+                    self.release_large_read_buffer(head + body.len());
                     return Ok((body.freeze(), charge));
                 }
                 Ok(Decoded::More) => self.fill().await?,
@@ -518,6 +521,30 @@ mod tests {
         };
         assert_eq!(outcome.kind(), io::ErrorKind::TimedOut);
         assert!(started.elapsed() >= WRITE_STALL_TIMEOUT, "it waited out the deadline first");
+        Ok(())
+    }
+
+    /// A request with a large head grows the connection's read buffer; once it is read, the
+    /// buffer is let go, so the idle connection that follows holds no more than a fresh one.
+    #[tokio::test]
+    async fn a_large_request_head_leaves_no_large_buffer_behind() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let mut client = TcpStream::connect(listener.local_addr()?).await?;
+        let (server, _) = listener.accept().await?;
+        let filler = "x".repeat(40 << 10);
+        let request =
+            format!("POST /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ncontent-length: 2\r\n\r\n{{}}");
+        client.write_all(request.as_bytes()).await?;
+        let mut conn = Connection {
+            stream: server,
+            read: BytesMut::with_capacity(READ_CHUNK),
+            write: Vec::new(),
+            idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
+        };
+        let Ok((_, body, _)) = conn.read_request(&CancellationToken::new()).await else { panic!("a request") };
+        assert_eq!(&body[..], b"{}");
+        assert!(conn.read.is_empty());
+        assert!(!conn.read.try_reclaim(READ_CHUNK + 1), "the 40 KiB the head took is given back");
         Ok(())
     }
 
