@@ -75,6 +75,9 @@ pub struct ParsedKey {
     pub keyspace: Keyspace,
     pub namespace: Arc<str>,
     pub path: KeyPath,
+    /// The key's last segment where Dynamo writes the record's id, in hex (`…/{id:x}`); absent
+    /// on keys without one (legacy card keys).
+    pub id: Option<String>,
 }
 
 /// The key's parts after the namespace.
@@ -120,11 +123,13 @@ fn registry_key(namespaces: &[Arc<str>], keyspace: Keyspace, rest: &str) -> Opti
     let (namespace, path) = rest.split_once('/')?;
     let namespace = watched(namespaces, namespace)?;
     let segments: Vec<&str> = path.split('/').collect();
-    let (component, endpoint) = match segments.as_slice() {
-        [component, endpoint, _, ..] => (Some((*component).to_owned()), Some((*endpoint).to_owned())),
-        _ => (None, None),
+    let (component, endpoint, id) = match segments.as_slice() {
+        [component, endpoint, id, ..] => {
+            (Some((*component).to_owned()), Some((*endpoint).to_owned()), Some((*id).to_owned()))
+        }
+        _ => (None, None, None),
     };
-    Some(ParsedKey { keyspace, namespace, path: KeyPath::Registry { component, endpoint } })
+    Some(ParsedKey { keyspace, namespace, path: KeyPath::Registry { component, endpoint }, id })
 }
 
 fn event_key(namespaces: &[Arc<str>], keyspace: Keyspace, rest: &str) -> Result<Option<ParsedKey>, KeyError> {
@@ -136,16 +141,17 @@ fn event_key(namespaces: &[Arc<str>], keyspace: Keyspace, rest: &str) -> Result<
         return Ok(None);
     };
     let shape = || KeyError::EventShape(rest.to_owned());
-    let (component, endpoint, topic) = match scoped {
-        ["topic", topic, _] => (None, None, topic),
-        ["component", component, "topic", topic, _] => (Some(decode_segment(component)?), None, topic),
-        ["component", component, "endpoint", endpoint, "topic", topic, _] => {
-            (Some(decode_segment(component)?), Some(decode_segment(endpoint)?), topic)
+    let (component, endpoint, topic, id) = match scoped {
+        ["topic", topic, id] => (None, None, topic, id),
+        ["component", component, "topic", topic, id] => (Some(decode_segment(component)?), None, topic, id),
+        ["component", component, "endpoint", endpoint, "topic", topic, id] => {
+            (Some(decode_segment(component)?), Some(decode_segment(endpoint)?), topic, id)
         }
         _ => return Err(shape()),
     };
     let topic = decode_segment(topic)?;
-    Ok(Some(ParsedKey { keyspace, namespace, path: KeyPath::Event { component, endpoint, topic } }))
+    let path = KeyPath::Event { component, endpoint, topic };
+    Ok(Some(ParsedKey { keyspace, namespace, path, id: Some((*id).to_owned()) }))
 }
 
 /// Reverses Dynamo's segment encoding: ASCII alphanumerics, `-` and `_` pass, other bytes are
@@ -205,35 +211,40 @@ mod tests {
     #[test]
     fn keys_classify_by_keyspace_and_watched_namespace() {
         let watched = ns(&["dynamo", "ns.one"]);
-        type Want = Option<(Keyspace, &'static str, KeyPath)>;
+        type Want = Option<(Keyspace, &'static str, KeyPath, Option<&'static str>)>;
         let cases: Vec<(&str, Want)> = vec![
             (
                 "v1/instances/dynamo/backend/generate/6a6c",
-                Some((Keyspace::Instances, "dynamo", registry("backend", "generate"))),
+                Some((Keyspace::Instances, "dynamo", registry("backend", "generate"), Some("6a6c"))),
             ),
             (
                 "v1/mdc/dynamo/prefill/generate/6a6c",
-                Some((Keyspace::Models, "dynamo", registry("prefill", "generate"))),
+                Some((Keyspace::Models, "dynamo", registry("prefill", "generate"), Some("6a6c"))),
             ),
             (
                 "v1/mdc/dynamo/prefill/generate/6a6c/lora-a",
-                Some((Keyspace::Models, "dynamo", registry("prefill", "generate"))),
+                Some((Keyspace::Models, "dynamo", registry("prefill", "generate"), Some("6a6c"))),
             ),
             (
                 "v1/mdc/dynamo/tiny",
-                Some((Keyspace::Models, "dynamo", KeyPath::Registry { component: None, endpoint: None })),
+                Some((Keyspace::Models, "dynamo", KeyPath::Registry { component: None, endpoint: None }, None)),
             ),
             (
                 "v1/event_channels/namespace/dynamo/component/backend/endpoint/generate/topic/kv_metrics/149f",
-                Some((Keyspace::EventChannels, "dynamo", event(Some("backend"), Some("generate"), "kv_metrics"))),
+                Some((
+                    Keyspace::EventChannels,
+                    "dynamo",
+                    event(Some("backend"), Some("generate"), "kv_metrics"),
+                    Some("149f"),
+                )),
             ),
             (
                 "v1/event_sources/namespace/ns%2Eone/component/prefill/topic/kv-events/1ee8",
-                Some((Keyspace::EventSources, "ns.one", event(Some("prefill"), None, "kv-events"))),
+                Some((Keyspace::EventSources, "ns.one", event(Some("prefill"), None, "kv-events"), Some("1ee8"))),
             ),
             (
                 "v1/event_channels/namespace/dynamo/topic/kv_metrics/1",
-                Some((Keyspace::EventChannels, "dynamo", event(None, None, "kv_metrics"))),
+                Some((Keyspace::EventChannels, "dynamo", event(None, None, "kv_metrics"), Some("1"))),
             ),
             ("v1/instances/dynamo2/backend/generate/1", None),
             ("v1/instances/dyn/backend/generate/1", None),
@@ -243,8 +254,12 @@ mod tests {
         ];
         for (key, want) in cases {
             let got = classify(&watched, key.as_bytes());
-            let want =
-                want.map(|(keyspace, namespace, path)| ParsedKey { keyspace, namespace: Arc::from(namespace), path });
+            let want = want.map(|(keyspace, namespace, path, id)| ParsedKey {
+                keyspace,
+                namespace: Arc::from(namespace),
+                path,
+                id: id.map(str::to_owned),
+            });
             assert_eq!(got, Ok(want), "{key}");
         }
     }

@@ -48,6 +48,8 @@ pub enum RecordError {
     Missing { expected: &'static str, field: &'static str },
     #[error("event channel transport is {0}")]
     Transport(&'static str),
+    #[error("{expected} record names id {id:x}, but its key ends in `{segment}`")]
+    KeyId { expected: &'static str, segment: String, id: u64 },
 }
 
 /// An Endpoint record under `v1/instances/`; only `generate` endpoints become one.
@@ -93,7 +95,7 @@ pub struct SourceRecord {
 pub fn parse(key: &ParsedKey, value: &[u8], lease: Option<u64>) -> Parsed {
     let result = match key.keyspace {
         Keyspace::Instances => endpoint(key, value),
-        Keyspace::Models => model(value),
+        Keyspace::Models => model(key, value),
         Keyspace::EventChannels => channel(key, value, lease),
         Keyspace::EventSources => source(key, value),
     };
@@ -135,6 +137,17 @@ fn missing(keyspace: Keyspace, field: &'static str) -> RecordError {
     RecordError::Missing { expected: keyspace.record_type(), field }
 }
 
+/// Dynamo keys a record by its id (`…/{id:x}`): a value naming another id is not the record its
+/// key says, and would claim, or contest, another worker's or publisher's identity.
+fn keyed_by(key: &ParsedKey, id: u64) -> Result<u64, RecordError> {
+    match &key.id {
+        Some(segment) if u64::from_str_radix(segment, 16).ok() != Some(id) => {
+            Err(RecordError::KeyId { expected: key.keyspace.record_type(), segment: excerpt(segment), id })
+        }
+        _ => Ok(id),
+    }
+}
+
 #[derive(Deserialize)]
 struct EndpointWire {
     #[serde(default, deserialize_with = "wire_id::optional")]
@@ -145,7 +158,7 @@ struct EndpointWire {
 
 fn endpoint(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
     let wire: EndpointWire = typed(key.keyspace, object(key.keyspace, value)?)?;
-    let instance_id = wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?;
+    let instance_id = keyed_by(key, wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?)?;
     let (key_component, key_endpoint) = match &key.path {
         KeyPath::Registry { component, endpoint } => (component.clone(), endpoint.clone()),
         KeyPath::Event { .. } => (None, None),
@@ -170,12 +183,12 @@ struct ModelWire {
     model_suffix: Option<String>,
 }
 
-fn model(value: &[u8]) -> Result<Parsed, RecordError> {
+fn model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
     let keyspace = Keyspace::Models;
     let mut json = object(keyspace, value)?;
     let card_json = json.as_object_mut().and_then(|fields| fields.remove("card_json")).unwrap_or(Value::Null);
     let wire: ModelWire = typed(keyspace, json)?;
-    let instance_id = wire.instance_id.ok_or_else(|| missing(keyspace, "instance_id"))?;
+    let instance_id = keyed_by(key, wire.instance_id.ok_or_else(|| missing(keyspace, "instance_id"))?)?;
     if wire.model_suffix.is_some_and(|s| !s.is_empty()) {
         return Ok(Parsed::Skipped(Skip::AdapterCard));
     }
@@ -223,7 +236,7 @@ fn channel(key: &ParsedKey, value: &[u8], lease: Option<u64>) -> Result<Parsed, 
         return Ok(Parsed::Skipped(Skip::OtherTopic));
     };
     let wire: ChannelWire = typed(key.keyspace, object(key.keyspace, value)?)?;
-    let publisher_id = wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?;
+    let publisher_id = keyed_by(key, wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?)?;
     if let Some(kind) = wire.scope.and_then(|s| s.kind).filter(|k| !SCOPE_KINDS.contains(&k.as_str())) {
         return Ok(Parsed::Unsupported(excerpt(&format!("scope kind {kind:?}"))));
     }
@@ -274,7 +287,7 @@ fn source(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
         return Ok(Parsed::Skipped(Skip::OtherTopic));
     };
     let wire: SourceWire = typed(key.keyspace, object(key.keyspace, value)?)?;
-    let publisher_id = wire.publisher_id.ok_or_else(|| missing(key.keyspace, "publisher_id"))?;
+    let publisher_id = keyed_by(key, wire.publisher_id.ok_or_else(|| missing(key.keyspace, "publisher_id"))?)?;
     let worker = wire.metadata.and_then(|m| m.worker);
     let (worker_id, dp_rank) = worker.map_or((None, None), |w| (w.worker_id, w.dp_rank));
     Ok(Parsed::Source(SourceRecord { publisher_id, topic, worker_id, dp_rank }))

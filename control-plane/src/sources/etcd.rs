@@ -372,7 +372,10 @@ fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
         // than serve a view that no longer changes.
         .with_require_leader(true);
     if let Some(auth) = &config.auth {
-        options = options.with_user(auth.username.clone(), auth.password.expose());
+        // etcd's tokens expire unused (`--auth-token-ttl`, 300 s by default), and a quiet fleet
+        // may use this one only for the read that confirms a quiet watch: renewed, that read is
+        // answered instead of ending the pass as if the member had gone silent.
+        options = options.with_user(auth.username.clone(), auth.password.expose()).with_auto_token_refresh(true);
     }
     if let Some(tls) = &config.tls {
         let mut tls_options = TlsOptions::new();

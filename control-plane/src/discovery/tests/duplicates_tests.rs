@@ -144,3 +144,29 @@ fn a_conflict_present_in_a_resync_is_counted_once_across_resyncs() {
     assert_eq!((first.count(EventKind::Duplicate), second.count(EventKind::Duplicate)), (1, 0));
     assert!(sim.fleet().workers.is_empty());
 }
+
+/// Dynamo keys each record by its id (`…/{id:x}`): a value naming another id than its key's is
+/// refused as malformed and contests nothing, so a record written under the wrong key cannot
+/// hide the worker or publisher it names.
+#[test]
+fn a_record_whose_key_names_another_id_is_malformed_and_contests_nothing() {
+    let stray = 0xdead;
+    for case in cases() {
+        let mut sim = Sim::new();
+        for (key, value) in &case.base {
+            sim.put(key, value);
+        }
+        // The conflicting record, under a key that ends in another id than its value names.
+        let (key, value) = &case.extra;
+        let mut segments: Vec<&str> = key.split('/').collect();
+        let at = if key.starts_with("v1/event_") { segments.len() - 1 } else { 5 };
+        // A legacy card's key names no id.
+        let Some(segment) = segments.get_mut(at) else { continue };
+        let stray_hex = format!("{stray:x}");
+        *segment = &stray_hex;
+        let applied = sim.put(segments.join("/"), value);
+        assert_eq!(applied.count(EventKind::Malformed), 1, "{}: refused", case.what);
+        assert_eq!(applied.count(EventKind::Duplicate), 0, "{}: no contest", case.what);
+        assert_eq!((case.seen)(&sim), case.before, "{}: the named one is untouched", case.what);
+    }
+}
