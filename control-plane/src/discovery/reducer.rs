@@ -124,6 +124,12 @@ impl Reducer {
         self.refresh(pass, now)
     }
 
+    /// Whether `key` is held, as a record or set aside.
+    #[cfg(test)]
+    pub(super) fn holds(&self, key: &str) -> bool {
+        self.store.holds(key.as_bytes())
+    }
+
     /// The fleet as folded so far.
     pub fn fleet(&self) -> Fleet {
         self.fleet.clone()
@@ -178,9 +184,21 @@ impl Reducer {
             }
             return;
         }
-        // A key already held gave its room back above; during a resync nothing is held yet, so
-        // every key, one held before included, must fit.
-        if (previous.is_none() || prior.is_some()) && !self.has_room(keyspace, &etcd_key) {
+        let held_room = previous.as_ref().is_some_and(|p| !p.set_aside()) && prior.is_none();
+        if matches!(parsed, Parsed::Malformed(_) | Parsed::Unsupported(_)) {
+            // Set aside, not a record: it takes none of the keyspace's room (junk must not refuse
+            // a real worker), but has a bound of its own.
+            if held_room {
+                self.gave_room_back(keyspace, pass);
+            }
+            if previous.is_none() && self.store.set_aside_full(keyspace) {
+                pass.applied.add(kind_of(&parsed));
+                tracing::debug!(key = %etcd_key, "etcd value refused and not held: too many are set aside");
+                return;
+            }
+        } else if !held_room && !self.has_room(keyspace, &etcd_key) {
+            // A key already held gave its room back above; during a resync nothing is held yet,
+            // so every key, one held before included, must fit.
             pass.applied.add(EventKind::OverCapacity);
             self.refused[keyspace.index()] = true;
             return;

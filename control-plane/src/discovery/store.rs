@@ -16,6 +16,11 @@ use super::records::Parsed;
 /// The most distinct keys held per keyspace (instances, cards, channels and sources each).
 /// At the bound, held keys still update so live workers keep heartbeating; new keys are refused.
 pub const MAX_RECORDS_PER_KEYSPACE: usize = 16_384;
+/// Keys a keyspace holds only so that their refusal is logged once (a value that is malformed,
+/// or of a kind the router cannot use), at most. They take none of the keyspace's room for
+/// records, so junk cannot refuse a real worker; past this many, a new one is counted but not
+/// held.
+pub const MAX_SET_ASIDE_PER_KEYSPACE: usize = 1_024;
 
 pub(super) type EtcdKey = Arc<str>;
 
@@ -99,6 +104,11 @@ impl fmt::Display for Identity {
 }
 
 impl Entry {
+    /// Held only to log its refusal once: no record the router reads.
+    pub fn set_aside(&self) -> bool {
+        matches!(self.parsed, Parsed::Unsupported(_) | Parsed::Malformed(_))
+    }
+
     /// The identity this entry claims; set-aside values claim none.
     pub fn identity(&self) -> Option<Identity> {
         let worker = |id| WorkerKey::new(self.namespace.clone(), id);
@@ -134,12 +144,21 @@ pub(super) enum Claim<'a> {
 pub(super) struct Store {
     keyspaces: [BTreeMap<EtcdKey, Entry>; 4],
     claims: BTreeMap<Identity, BTreeSet<EtcdKey>>,
+    /// Per keyspace, how many of its entries are set aside ([`Entry::set_aside`]).
+    set_aside: [usize; 4],
 }
 
 impl Store {
-    /// Whether `keyspace` holds [`MAX_RECORDS_PER_KEYSPACE`] keys, so a new key must be refused.
+    /// Whether `keyspace` holds [`MAX_RECORDS_PER_KEYSPACE`] records, so a new key must be
+    /// refused (keys set aside are not counted).
     pub fn is_full(&self, keyspace: Keyspace) -> bool {
-        self.map(keyspace).len() >= MAX_RECORDS_PER_KEYSPACE
+        self.map(keyspace).len() - self.set_aside[keyspace.index()] >= MAX_RECORDS_PER_KEYSPACE
+    }
+
+    /// Whether `keyspace` sets aside [`MAX_SET_ASIDE_PER_KEYSPACE`] keys, so a new refused
+    /// value is not held.
+    pub fn set_aside_full(&self, keyspace: Keyspace) -> bool {
+        self.set_aside[keyspace.index()] >= MAX_SET_ASIDE_PER_KEYSPACE
     }
 
     /// Whether any keyspace holds `key`, as etcd spells it.
@@ -153,11 +172,14 @@ impl Store {
         if let Some(identity) = entry.identity() {
             self.claims.entry(identity).or_default().insert(key.clone());
         }
+        self.set_aside[keyspace.index()] += usize::from(entry.set_aside());
         self.keyspaces[keyspace.index()].insert(key, entry);
     }
 
     pub fn remove(&mut self, keyspace: Keyspace, key: &str) -> Option<Entry> {
         let entry = self.keyspaces[keyspace.index()].remove(key)?;
+        let set_aside = &mut self.set_aside[keyspace.index()];
+        *set_aside = set_aside.saturating_sub(usize::from(entry.set_aside()));
         if let Some(identity) = entry.identity()
             && let Some(keys) = self.claims.get_mut(&identity)
         {

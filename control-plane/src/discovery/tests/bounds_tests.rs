@@ -4,7 +4,8 @@ use continuum_proto::model::Role;
 use serde_json::{Value, json};
 
 use super::super::{
-    EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES, MAX_SMALL_RECORD_BYTES,
+    EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES, MAX_SET_ASIDE_PER_KEYSPACE,
+    MAX_SMALL_RECORD_BYTES,
 };
 use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key};
 
@@ -200,4 +201,36 @@ fn a_resync_of_a_full_keyspace_keeps_the_keys_held_and_stays_within_the_bound() 
     assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE, "the bound holds across the resync");
     assert!(sim.worker(1).is_some() && sim.worker(full).is_some(), "the workers held are kept");
     assert!(sim.worker(full + 1).is_none());
+}
+
+/// Values that are no record (malformed, or of a kind the router cannot use) are held only to
+/// log their refusal once: a keyspace full of them still takes every real worker, they have a
+/// bound of their own, and a key that held one needs room like any new key once it holds a
+/// record.
+#[test]
+fn junk_takes_no_room_from_records_and_has_a_bound_of_its_own() {
+    let mut sim = Sim::new();
+    let key = |id: u64| instance_key(NS, "decode", "generate", id);
+    let value = |id: u64| endpoint_value("decode", "generate", json!(id));
+    let junk = |id: u64| json!({"type": "Endpoint", "instance_id": id, "endpoint": ["not", "a", "name"]});
+    for id in 1..=MAX_RECORDS_PER_KEYSPACE as u64 {
+        let refused = sim.put(key(id), &junk(id));
+        assert_eq!(counts(&refused), vec![(EventKind::Malformed, 1)], "{id}");
+    }
+    let id = MAX_RECORDS_PER_KEYSPACE as u64 + 1;
+    assert_eq!(counts(&sim.put(key(id), &value(id))), vec![(EventKind::Put, 1)], "a real worker after all that junk");
+    assert_eq!(sim.worker_ids(), vec![id]);
+    let bound = MAX_SET_ASIDE_PER_KEYSPACE as u64;
+    assert!(sim.reducer.holds(&key(bound)) && !sim.reducer.holds(&key(bound + 1)), "junk has its own bound");
+
+    // Records fill the keyspace; a key set aside must find room when it turns into a record.
+    for id in 100_001..100_000 + MAX_RECORDS_PER_KEYSPACE as u64 {
+        sim.put(key(id), &value(id));
+    }
+    assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE);
+    let set_aside = 2;
+    assert!((set_aside as usize) <= MAX_SET_ASIDE_PER_KEYSPACE);
+    let refused = sim.put(key(set_aside), &value(set_aside));
+    assert_eq!(counts(&refused), vec![(EventKind::OverCapacity, 1)], "held as junk, it held no room");
+    assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE);
 }
