@@ -204,6 +204,7 @@ fn exchange(error: ExchangeError) -> SendError {
 /// Reads until a whole response head is in, leaving the bytes past it in the read buffer.
 async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
     conn.read.clear();
+    let mut scanned: usize = 0;
     loop {
         if conn.read.capacity() - conn.read.len() < READ_CHUNK / 4 {
             conn.read.reserve(READ_CHUNK);
@@ -211,10 +212,13 @@ async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
         if read_buf(&mut conn.stream, &mut conn.read).await? == 0 {
             return Err(ExchangeError::Closed);
         }
-        if let Some((head, length)) = wire::parse_head(&conn.read)? {
+        let due =
+            conn.read.len() > wire::MAX_HEAD_BYTES || wire::holds_blank_line(&conn.read[scanned.saturating_sub(2)..]);
+        if due && let Some((head, length)) = wire::parse_head(&conn.read)? {
             conn.read.advance(length);
             return Ok(head);
         }
+        scanned = conn.read.len();
     }
 }
 
@@ -267,5 +271,33 @@ mod tests {
         assert!(error.before_request_sent(), "another (http) replica may take it");
         let accepted = tokio::time::timeout(Duration::from_millis(50), listener.accept()).await;
         assert!(accepted.is_err(), "no connection was made");
+    }
+
+    /// A head that trickles in, an interim `100 Continue` before it and its blank line split
+    /// across reads, is read whole: parsing waits for a blank line, and the one it waits for
+    /// may begin in bytes read before.
+    #[tokio::test]
+    async fn a_response_head_that_arrives_a_few_bytes_at_a_time_is_read_whole() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let shim = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            let mut request = vec![0u8; 4096];
+            let _ = stream.read(&mut request).await.expect("the request");
+            let answer = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok";
+            for piece in answer.chunks(3) {
+                stream.write_all(piece).await.expect("write");
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            stream
+        });
+        let client = ShimClient::new(Duration::from_secs(1));
+        let request = Request::post(format!("http://{addr}/v1/chat/completions")).body(Bytes::new()).expect("request");
+        let response = client.send(request, Duration::from_secs(5)).await.expect("an answer");
+        assert_eq!(response.status(), 201);
+        let body = http_body_util::BodyExt::collect(response.into_body()).await.expect("the body").to_bytes();
+        assert_eq!(&body[..], b"ok");
+        drop(shim.await);
     }
 }

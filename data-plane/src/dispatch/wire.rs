@@ -99,6 +99,14 @@ fn is_framing_header(name: &HeaderName) -> bool {
     [HOST, CONTENT_LENGTH, TRANSFER_ENCODING, CONNECTION].contains(name)
 }
 
+/// Whether `bytes` hold the end of a head: a line feed, an optional carriage return, and
+/// another line feed (httparse takes bare line feeds too). A head is parsed again only once one
+/// has arrived: parsing the whole buffer on every read would cost a head sent a byte at a time
+/// quadratic work, about 2 GB of scanning for 64 KiB.
+pub(crate) fn holds_blank_line(bytes: &[u8]) -> bool {
+    bytes.windows(2).any(|w| w == b"\n\n") || bytes.windows(3).any(|w| w == b"\n\r\n")
+}
+
 /// The response head at the start of `buf` and its length, or `None` while it is incomplete.
 /// Informational (1xx) heads are skipped: the length covers them too.
 pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, WireError> {

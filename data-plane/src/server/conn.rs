@@ -29,7 +29,7 @@ use super::head::{
     encode_response, http_date, parse_request,
 };
 use super::{App, Stages};
-use crate::dispatch::wire::{Chunked, Decoded, WireError};
+use crate::dispatch::wire::{Chunked, Decoded, WireError, holds_blank_line};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
 use crate::memory::{Charge, REQUEST_BODIES};
@@ -491,12 +491,6 @@ impl Frames {
             }
         }
     }
-}
-
-/// Whether `bytes` hold the end of a request head: a line feed, an optional carriage return,
-/// and another line feed (httparse takes bare line feeds too).
-fn holds_blank_line(bytes: &[u8]) -> bool {
-    bytes.windows(2).any(|w| w == b"\n\n") || bytes.windows(3).any(|w| w == b"\n\r\n")
 }
 
 #[cfg(test)]
