@@ -140,7 +140,7 @@ fn event_key(namespaces: &[Arc<str>], keyspace: Keyspace, rest: &str) -> Result<
     let Some(namespace) = watched(namespaces, &decode_segment(namespace)?) else {
         return Ok(None);
     };
-    let shape = || KeyError::EventShape(rest.to_owned());
+    let shape = || KeyError::EventShape(super::records::excerpt(rest));
     let (component, endpoint, topic, id) = match scoped {
         ["topic", topic, id] => (None, None, topic, id),
         ["component", component, "topic", topic, id] => (Some(decode_segment(component)?), None, topic, id),
@@ -157,7 +157,7 @@ fn event_key(namespaces: &[Arc<str>], keyspace: Keyspace, rest: &str) -> Result<
 /// Reverses Dynamo's segment encoding: ASCII alphanumerics, `-` and `_` pass, other bytes are
 /// `%XX`. Lenient about which bytes arrive unescaped; strict about malformed escapes.
 pub fn decode_segment(segment: &str) -> Result<String, KeyError> {
-    let bad = || KeyError::Escape(segment.to_owned());
+    let bad = || KeyError::Escape(super::records::excerpt(segment));
     let bytes = segment.as_bytes();
     let mut decoded = Vec::with_capacity(bytes.len());
     let mut at = 0;
@@ -276,6 +276,10 @@ mod tests {
             assert!(classify(&watched, key.as_bytes()).is_err(), "{key}");
         }
         assert_eq!(classify(&watched, b"v1/instances/\xff/x"), Err(KeyError::NotUtf8));
+        // The error quotes a fleet-authored key, and is logged: only its start.
+        let long = format!("v1/event_channels/namespace/dynamo/{}", "x/".repeat(1 << 20));
+        let Err(error) = classify(&watched, long.as_bytes()) else { panic!("a malformed key") };
+        assert!(error.to_string().len() < 512, "{} bytes", error.to_string().len());
     }
 
     #[test]

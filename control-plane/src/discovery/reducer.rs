@@ -166,7 +166,7 @@ impl Reducer {
         };
         if kv.value.len() > max_record_bytes(keyspace) {
             let (bytes, limit) = (kv.value.len(), max_record_bytes(keyspace));
-            tracing::warn!(key = %etcd_key, bytes, limit, "etcd value refused unread: too large");
+            tracing::warn!(key = ?shown(&etcd_key), bytes, limit, "etcd value refused unread: too large");
             pass.applied.add(EventKind::Oversized);
             if was_held {
                 self.gave_room_back(keyspace, pass);
@@ -193,7 +193,7 @@ impl Reducer {
             }
             if previous.is_none() && self.store.set_aside_full(keyspace) {
                 pass.applied.add(kind_of(&parsed));
-                tracing::debug!(key = %etcd_key, "etcd value refused and not held: too many are set aside");
+                tracing::debug!(key = ?shown(&etcd_key), "etcd value refused and not held: too many are set aside");
                 return;
             }
         } else if !held_room && !self.has_room(keyspace, &etcd_key) {
@@ -256,7 +256,7 @@ impl Reducer {
                 None
             }
             Err(error) => {
-                tracing::warn!(key = %String::from_utf8_lossy(key), %error, "etcd key is not a Dynamo discovery key");
+                tracing::warn!(key = ?shown(&String::from_utf8_lossy(key)), %error, "etcd key is not a Dynamo discovery key");
                 pass.applied.add(EventKind::Malformed);
                 None
             }
@@ -274,7 +274,7 @@ impl Reducer {
             tracing::warn!(
                 %keyspace,
                 limit = MAX_RECORDS_PER_KEYSPACE,
-                key,
+                key = ?shown(key),
                 "discovery keyspace is full; new keys are refused until held keys are deleted"
             );
             *warned = true;
@@ -353,30 +353,38 @@ fn log_record(key: &str, parsed: &Parsed, previous: Option<&Parsed>) {
     match (parsed, previous) {
         (Parsed::Malformed(_), Some(Parsed::Malformed(_))) | (Parsed::Unsupported(_), Some(Parsed::Unsupported(_))) => {
         }
-        (Parsed::Malformed(error), _) => tracing::warn!(key, %error, "discovery record set aside: malformed"),
+        (Parsed::Malformed(error), _) => {
+            tracing::warn!(key = ?shown(key), %error, "discovery record set aside: malformed")
+        }
         (Parsed::Unsupported(what), _) => {
             tracing::warn!(
-                key,
+                key = ?shown(key),
                 unsupported = %what,
                 "event channel set aside: the router subscribes only to direct ZMQ over tcp://"
             );
         }
         (Parsed::Model(model), previous) if previous != Some(parsed) => {
             if let Some(error) = &model.card.typed_error {
-                tracing::warn!(key, %error, "model card fields unreadable; the worker is kept with its raw card");
+                tracing::warn!(key = ?shown(key), %error, "model card fields unreadable; the worker is kept with its raw card");
             }
             if let Some(bytes) = model.card.dropped_bytes {
                 tracing::warn!(
-                    key,
+                    key = ?shown(key),
                     bytes,
                     limit = super::card::MAX_RETAINED_CARD_BYTES,
                     "model card too large to keep; only its typed fields are used"
                 );
             }
             if let Some(release) = model.card.release() {
-                tracing::debug!(key, release, instance_id = model.instance_id, "model card release");
+                tracing::debug!(key = ?shown(key), release, instance_id = model.instance_id, "model card release");
             }
         }
         _ => {}
     }
+}
+
+/// A key as logs show it: cut, and quoted (a key is fleet-authored, so it may be long or hold
+/// line breaks that would forge log lines).
+fn shown(key: &str) -> String {
+    records::excerpt(key)
 }

@@ -29,10 +29,12 @@ impl ApiError {
 
     /// A request for a path this replica does not serve (404), or not with this method (405).
     pub fn no_endpoint(status: StatusCode, method: &Method, path: &str) -> Self {
-        // The path is the client's own; only a bounded, printable part of it is echoed.
+        // The path and method are the client's own; only a bounded, printable part is echoed
+        // (a method is any token, up to the head's 64 KiB).
         let path: String = path.chars().take(128).filter(|c| !c.is_control()).collect();
         let message = match status {
             StatusCode::METHOD_NOT_ALLOWED => {
+                let method: String = method.as_str().chars().take(MAX_ECHOED_METHOD_CHARS).collect();
                 format!(
                     "{method} is not served at {path}. Chat completions are POST /v1/chat/completions; models are GET /v1/models."
                 )
@@ -218,6 +220,9 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
     ApiError::new(status, "disaggregated_decode_failed", message)
 }
 
+/// The most of a client's method a 405 echoes: real ones are a few letters.
+const MAX_ECHOED_METHOD_CHARS: usize = 16;
+
 fn echo(model: &str) -> String {
     let cut: String = model.chars().take(MAX_ECHOED_MODEL_CHARS).collect();
     format!("{cut:?}")
@@ -226,6 +231,18 @@ fn echo(model: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_405_echoes_only_the_start_of_a_method_however_long() {
+        let long = Method::from_bytes("A".repeat(60 << 10).as_bytes()).expect("a token");
+        let error = ApiError::no_endpoint(StatusCode::METHOD_NOT_ALLOWED, &long, "/v1/models");
+        assert!(
+            error.message.starts_with(&format!("{} is not served at /v1/models.", "A".repeat(16))),
+            "{}",
+            error.message
+        );
+        assert!(error.message.len() < 200, "{} bytes", error.message.len());
+    }
 
     #[test]
     fn an_answer_too_large_to_relay_says_to_stream_it_not_to_retry() {
