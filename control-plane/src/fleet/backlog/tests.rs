@@ -52,6 +52,18 @@ fn sampled(state: &FleetState, dp_rank: u32, kv_used_blocks: u64, received_at: I
     }
 }
 
+/// A report of dispatch `id`'s first token.
+fn first_token(id: u64) -> pb::DispatchReport {
+    pb::DispatchReport { prefilled: vec![id], ..Default::default() }
+}
+
+/// Rank 0's (prefill tokens, of them prefilled) after a publish check at `at`.
+fn prefill_sums(book: &mut Book, state: &FleetState, at: Instant) -> Option<(u64, u64)> {
+    book.expire(state, at);
+    book.take_change(at);
+    book.ranks.get(&book_key(0)).map(|r| r.backlog()).map(|b| (b.prefill_tokens, b.prefilled_tokens))
+}
+
 /// (dp rank, prefill tokens, decode blocks, dispatches, foreign decode blocks) per published rank.
 fn sums(change: &FleetChange) -> Vec<(u32, u64, u64, u32, Option<u64>)> {
     change
@@ -527,16 +539,15 @@ fn dispatches_that_have_decoded_about_as_long_as_the_rank_takes_are_published_as
         book.take_change(at);
         book.ranks.get(&book_key(0)).map(|r| r.backlog().ending_decode_blocks)
     };
-    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
     // The first request teaches the rank: 100 ms to its first token, then 400 ms of decode.
     book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
-    book.report(1, prefilled(1), t0 + ms(100), &state);
+    book.report(1, first_token(1), t0 + ms(100), &state);
     assert_eq!(ending(&mut book, t0 + ms(480)), Some(0), "nothing is known of the decode time yet");
     book.report(1, report(vec![], vec![1]), t0 + ms(500), &state);
     // The second one is expected to end 400 ms after its first token. A request pinned now
     // arrives after its prefill, about half of the 100 ms to a first token: from 350 ms on.
     book.report(1, report(vec![started(2, 0, 1600)], vec![]), t0 + ms(500), &state);
-    book.report(1, prefilled(2), t0 + ms(600), &state);
+    book.report(1, first_token(2), t0 + ms(600), &state);
     assert_eq!(ending(&mut book, t0 + ms(900)), Some(0));
     book.expire(&state, t0 + ms(950));
     let published = sums(&book.take_change(t0 + ms(950)));
@@ -556,27 +567,24 @@ fn the_prefill_under_way_is_published_as_done_in_eighths_of_a_prefill_alone() {
     let mut book = Book::default();
     let ms = Duration::from_millis;
     let t0 = Instant::now();
-    // (prefill tokens, of them prefilled) after a publish check at `at`.
-    let prefill = |book: &mut Book, at: Instant| -> Option<(u64, u64)> {
-        book.expire(&state, at);
-        book.take_change(at);
-        book.ranks.get(&book_key(0)).map(|r| r.backlog()).map(|b| (b.prefill_tokens, b.prefilled_tokens))
-    };
-    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
     book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
-    assert_eq!(prefill(&mut book, t0 + ms(79)), Some((1600, 0)), "no prefill alone measured yet");
+    assert_eq!(prefill_sums(&mut book, &state, t0 + ms(79)), Some((1600, 0)), "no prefill alone measured yet");
     // Dispatched while 1 was prefilling: its time to first token is not a prefill's alone.
     book.report(1, report(vec![started(2, 0, 800)], vec![]), t0 + ms(40), &state);
-    book.report(1, prefilled(1), t0 + ms(80), &state);
-    assert_eq!(prefill(&mut book, t0 + ms(80)), Some((800, 0)), "2 began prefilling just now");
-    assert_eq!(prefill(&mut book, t0 + ms(119)), Some((800, 300)), "39 of 80 ms: 3 eighths");
-    book.report(1, prefilled(2), t0 + ms(200), &state);
+    book.report(1, first_token(1), t0 + ms(80), &state);
+    assert_eq!(prefill_sums(&mut book, &state, t0 + ms(80)), Some((800, 0)), "2 began prefilling just now");
+    assert_eq!(prefill_sums(&mut book, &state, t0 + ms(119)), Some((800, 300)), "39 of 80 ms: 3 eighths");
+    book.report(1, first_token(2), t0 + ms(200), &state);
     // Only 1 was measured alone (80 ms); 2's 160 ms would have halved every later credit.
     book.report(1, report(vec![started(3, 0, 1600), started(4, 0, 1600)], vec![]), t0 + ms(300), &state);
-    assert_eq!(prefill(&mut book, t0 + ms(320)), Some((3200, 400)), "the oldest alone progresses");
-    assert_eq!(prefill(&mut book, t0 + ms(500)), Some((3200, 1400)), "late is never done: 7 eighths at most");
-    book.report(1, prefilled(3), t0 + ms(510), &state);
-    assert_eq!(prefill(&mut book, t0 + ms(510)), Some((1600, 0)), "4 waited for 3 and begins now");
+    assert_eq!(prefill_sums(&mut book, &state, t0 + ms(320)), Some((3200, 400)), "the oldest alone progresses");
+    assert_eq!(
+        prefill_sums(&mut book, &state, t0 + ms(500)),
+        Some((3200, 1400)),
+        "late is never done: 7 eighths at most"
+    );
+    book.report(1, first_token(3), t0 + ms(510), &state);
+    assert_eq!(prefill_sums(&mut book, &state, t0 + ms(510)), Some((1600, 0)), "4 waited for 3 and begins now");
 }
 
 /// A buffered answer shows the replica no first token: its prompt is taken as prefilled once
@@ -589,33 +597,31 @@ fn a_buffered_answers_prompt_is_prefilled_when_the_ranks_prefills_say_so() {
     let mut book = Book::default();
     let ms = Duration::from_millis;
     let t0 = Instant::now();
-    let prefill = |book: &mut Book, at: Instant| -> Option<(u64, u64)> {
-        book.expire(&state, at);
-        book.take_change(at);
-        book.ranks.get(&book_key(0)).map(|r| r.backlog()).map(|b| (b.prefill_tokens, b.prefilled_tokens))
-    };
-    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
     let buffered = |id, tokens| pb::DispatchStarted { buffered: true, ..started(id, 0, tokens) };
     book.report(1, report(vec![buffered(1, 1600)], vec![]), t0, &state);
     let almost = t0 + DISPATCH_MAX_AGE - ms(1);
-    assert_eq!(prefill(&mut book, almost), Some((1600, 0)), "no prefill time learned yet");
-    assert_eq!(prefill(&mut book, t0 + DISPATCH_MAX_AGE), Some((0, 0)), "the seed's bound");
+    assert_eq!(prefill_sums(&mut book, &state, almost), Some((1600, 0)), "no prefill time learned yet");
+    assert_eq!(prefill_sums(&mut book, &state, t0 + DISPATCH_MAX_AGE), Some((0, 0)), "the seed's bound");
 
     // A streamed prompt alone teaches the rank 80 ms a prefill.
     let t1 = t0 + DISPATCH_MAX_AGE + ms(1000);
     book.report(1, report(vec![started(2, 0, 1600)], vec![]), t1, &state);
-    book.report(1, prefilled(2), t1 + ms(80), &state);
+    book.report(1, first_token(2), t1 + ms(80), &state);
     book.report(1, report(vec![buffered(3, 1600), buffered(4, 1600)], vec![]), t1 + ms(100), &state);
-    assert_eq!(prefill(&mut book, t1 + ms(179)), Some((3200, 1400)), "3 is seven eighths through");
-    assert_eq!(prefill(&mut book, t1 + ms(180)), Some((1600, 0)), "3 is done and 4 begins");
-    assert_eq!(prefill(&mut book, t1 + ms(300)), Some((0, 0)), "4 was done at 260 ms");
+    assert_eq!(prefill_sums(&mut book, &state, t1 + ms(179)), Some((3200, 1400)), "3 is seven eighths through");
+    assert_eq!(prefill_sums(&mut book, &state, t1 + ms(180)), Some((1600, 0)), "3 is done and 4 begins");
+    assert_eq!(prefill_sums(&mut book, &state, t1 + ms(300)), Some((0, 0)), "4 was done at 260 ms");
     // A streamed prompt behind a buffered one waits for it as for any other.
     book.report(1, report(vec![buffered(5, 1600), started(6, 0, 800)], vec![]), t1 + ms(400), &state);
-    assert_eq!(prefill(&mut book, t1 + ms(480)), Some((800, 0)), "6 begins when 5 is taken as done");
-    assert_eq!(prefill(&mut book, t1 + ms(600)), Some((800, 700)), "and is late, never done, without its first token");
-    book.report(1, prefilled(6), t1 + ms(700), &state);
+    assert_eq!(prefill_sums(&mut book, &state, t1 + ms(480)), Some((800, 0)), "6 begins when 5 is taken as done");
+    assert_eq!(
+        prefill_sums(&mut book, &state, t1 + ms(600)),
+        Some((800, 700)),
+        "and is late, never done, without its first token"
+    );
+    book.report(1, first_token(6), t1 + ms(700), &state);
     book.report(1, report(vec![buffered(7, 1600), buffered(8, 1600)], vec![]), t1 + ms(1000), &state);
-    assert_eq!(prefill(&mut book, t1 + ms(1170)), Some((0, 0)), "both done by a tick that came late");
+    assert_eq!(prefill_sums(&mut book, &state, t1 + ms(1170)), Some((0, 0)), "both done by a tick that came late");
 
     book.report(1, report(vec![], vec![1, 3, 4, 5, 7, 8]), t1 + ms(1200), &state);
     let decode = |book: &Book| book.ranks.get(&book_key(0)).and_then(|r| r.timing.decode);
@@ -634,28 +640,26 @@ fn buffered_prompts_end_with_a_later_first_token_and_replays_are_not_queued_anew
     let mut book = Book::default();
     let ms = Duration::from_millis;
     let t0 = Instant::now();
-    let prefill = |book: &mut Book, at: Instant| -> Option<u64> {
-        book.expire(&state, at);
-        book.take_change(at);
-        book.ranks.get(&book_key(0)).map(|r| r.backlog().prefill_tokens)
-    };
-    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
     let buffered = |id, tokens| pb::DispatchStarted { buffered: true, ..started(id, 0, tokens) };
     // No prefill time learned: only the later first token can say 1 is done.
     book.report(1, report(vec![buffered(1, 1600), started(2, 0, 800)], vec![]), t0, &state);
-    assert_eq!(prefill(&mut book, t0 + ms(40)), Some(2400));
-    book.report(1, prefilled(2), t0 + ms(50), &state);
-    assert_eq!(prefill(&mut book, t0 + ms(51)), Some(0), "1 was prefilled before 2");
+    assert_eq!(prefill_sums(&mut book, &state, t0 + ms(40)), Some((2400, 0)));
+    book.report(1, first_token(2), t0 + ms(50), &state);
+    assert_eq!(prefill_sums(&mut book, &state, t0 + ms(51)), Some((0, 0)), "1 was prefilled before 2");
 
     // The rank learns 80 ms a prefill; then the replica's stream drops and its next one replays
     // two buffered dispatches made five seconds ago.
     let t1 = t0 + ms(1000);
     book.report(1, report(vec![], vec![1, 2]), t1, &state);
     book.report(1, report(vec![started(3, 0, 1600)], vec![]), t1, &state);
-    book.report(1, prefilled(3), t1 + ms(80), &state);
+    book.report(1, first_token(3), t1 + ms(80), &state);
     let replayed = |id| pb::DispatchStarted { replayed: true, age_ms: 5000, ..buffered(id, 1600) };
     book.report(1, report(vec![replayed(4), replayed(5)], vec![]), t1 + ms(90), &state);
-    assert_eq!(prefill(&mut book, t1 + ms(91)), Some(0), "done long ago, not queued behind 3's first token");
+    assert_eq!(
+        prefill_sums(&mut book, &state, t1 + ms(91)),
+        Some((0, 0)),
+        "done long ago, not queued behind 3's first token"
+    );
 
     // A pair's decode leg brings no prompt: nothing to take as prefilled, even after 30 s.
     let decode_leg = pb::DispatchStarted { buffered: true, decode_blocks: 10, ..started(6, 0, 0) };
@@ -673,24 +677,17 @@ fn a_rank_that_settles_keeps_what_it_learned_while_its_worker_serves() {
     let mut book = Book::default();
     let ms = Duration::from_millis;
     let t0 = Instant::now();
-    let prefilled = |id| pb::DispatchReport { prefilled: vec![id], ..Default::default() };
-    // (prefill tokens, of them prefilled) after a publish check at `at`.
-    let prefill = |book: &mut Book, state: &FleetState, at: Instant| -> Option<(u64, u64)> {
-        book.expire(state, at);
-        book.take_change(at);
-        book.ranks.get(&book_key(0)).map(|r| r.backlog()).map(|b| (b.prefill_tokens, b.prefilled_tokens))
-    };
     book.report(1, report(vec![started(1, 0, 1600)], vec![]), t0, &state);
-    book.report(1, prefilled(1), t0 + ms(80), &state);
+    book.report(1, first_token(1), t0 + ms(80), &state);
     book.report(1, report(vec![], vec![1]), t0 + ms(100), &state);
     // A sample 250 ms after the end shows the worker as it is.
     let idle = sampled(&state, 0, 0, t0 + ms(400));
-    assert_eq!(prefill(&mut book, &idle, t0 + ms(400)), None, "settled");
+    assert_eq!(prefill_sums(&mut book, &idle, t0 + ms(400)), None, "settled");
     book.report(1, report(vec![started(2, 0, 1600)], vec![]), t0 + ms(1000), &idle);
-    assert_eq!(prefill(&mut book, &idle, t0 + ms(1040)), Some((1600, 800)), "80 ms a prefill, as learned");
+    assert_eq!(prefill_sums(&mut book, &idle, t0 + ms(1040)), Some((1600, 800)), "80 ms a prefill, as learned");
     book.report(1, report(vec![], vec![2]), t0 + ms(1100), &idle);
     let idle = sampled(&idle, 0, 0, t0 + ms(1400));
-    assert_eq!(prefill(&mut book, &idle, t0 + ms(1400)), None, "settled again");
+    assert_eq!(prefill_sums(&mut book, &idle, t0 + ms(1400)), None, "settled again");
 
     // The worker leaves: what its rank learned goes with it.
     let gone = match idle.commit(FleetChange { remove: vec![rank(0).worker], ..FleetChange::default() }) {
