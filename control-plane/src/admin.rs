@@ -248,6 +248,10 @@ fn endpoint_path(endpoint: &str) -> Option<&str> {
 fn worker_json(discovered: &DiscoveredWorker) -> Value {
     let worker = &discovered.worker;
     let c = worker.capacity;
+    // A Dynamo endpoint path as the seed shows it; an SGLang bootstrap endpoint is a Pod
+    // address, so only that one is declared is shown.
+    let disaggregated = worker.disaggregated_endpoint.as_deref().map(endpoint_path);
+    let bootstrap = matches!(disaggregated, Some(None));
     json!({
         "instance_id": format!("{:x}", worker.key.instance_id),
         "namespace": worker.key.namespace.as_ref(),
@@ -265,10 +269,8 @@ fn worker_json(discovered: &DiscoveredWorker) -> Value {
             "max_num_seqs": c.max_num_seqs,
             "context_length": c.context_length,
         },
-        // A Dynamo endpoint path as the seed shows it; an SGLang bootstrap endpoint is a Pod
-        // address, so only that one is declared is shown.
-        "disaggregated_endpoint": worker.disaggregated_endpoint.as_deref().and_then(endpoint_path),
-        "disaggregated_bootstrap": worker.disaggregated_endpoint.as_deref().is_some_and(|e| endpoint_path(e).is_none()),
+        "disaggregated_endpoint": disaggregated.flatten(),
+        "disaggregated_bootstrap": bootstrap,
         "excluded": discovered.excluded.map(|e| e.to_string()),
         "first_seen": humantime::format_rfc3339_seconds(discovered.first_seen).to_string(),
         "last_updated": humantime::format_rfc3339_seconds(discovered.last_updated).to_string(),

@@ -134,8 +134,9 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             report(shown, &ConfigError::Invalid(moved));
             return ExitCode::from(2);
         }
-        if !addr.ip().is_loopback() {
-            tracing::warn!(%addr, "--simulator-shim-listen is not a loopback address: the simulated shim and its unauthenticated kill endpoint are reachable off-host");
+        // The file's warnings were logged as it loaded; the moved shim's (off loopback) are new.
+        for diagnostic in moved.iter().filter(|d| d.path.ends_with("simulator.shim_listen")) {
+            tracing::warn!("{diagnostic}");
         }
     }
     // The overrides bypass the file's validation, and with it the warning for a listener

@@ -141,7 +141,7 @@ fn missing(keyspace: Keyspace, field: &'static str) -> RecordError {
 /// key says, and would claim, or contest, another worker's or publisher's identity.
 fn keyed_by(key: &ParsedKey, id: u64) -> Result<u64, RecordError> {
     match &key.id {
-        Some(segment) if u64::from_str_radix(segment, 16).ok() != Some(id) => {
+        Some(segment) if wire_id::parse_hex(segment) != Some(id) => {
             Err(RecordError::KeyId { expected: key.keyspace.record_type(), segment: excerpt(segment), id })
         }
         _ => Ok(id),

@@ -398,8 +398,7 @@ impl Rank {
                 deemed = true;
             }
         }
-        let head = self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id));
-        if head.is_none_or(|(id, _)| self.due(*id, now).is_none()) {
+        if self.prefill_head().is_none_or(|(id, _)| self.due(*id, now).is_none()) {
             return deemed;
         }
         // The prefill queue in order, sorted only when its head is done: several may be by
@@ -421,6 +420,11 @@ impl Rank {
         deemed
     }
 
+    /// The rank's oldest dispatch still prefilling: the head of its prefill queue.
+    fn prefill_head(&self) -> Option<(&(u64, u64), &Dispatch)> {
+        self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id))
+    }
+
     /// When buffered dispatch `id`, at the head of the rank's prefill queue, should have been
     /// prefilled, if by `now`. A replayed one began at its dispatch at the latest: the prompts
     /// estimated since may have been queued behind it.
@@ -438,8 +442,7 @@ impl Rank {
     /// prefilled by `now`: it began when it was dispatched or when the rank's previous first
     /// token came (it waited for that prefill), whichever is later.
     fn prefill_progress(&self, now: Instant) -> u64 {
-        let head = self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id));
-        let Some((_, head)) = head else { return 0 };
+        let Some((_, head)) = self.prefill_head() else { return 0 };
         let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
         let tokens = head.prefill_tokens();
         let steps = self.timing.progress_steps(tokens, now.saturating_duration_since(began));

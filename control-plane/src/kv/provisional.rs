@@ -150,9 +150,9 @@ impl ProvisionalIndex {
             return ProvisionalResult::Refused;
         }
         self.expire(now);
-        self.remove_where(|c| c.rank == rank && hashes.starts_with(&c.hashes), Some(ProvisionalResult::Replaced));
+        self.remove_where(|c| c.rank == rank && hashes.starts_with(&c.hashes), ProvisionalResult::Replaced);
         while self.chains.iter().filter(|c| c.rank == rank).count() >= MAX_CHAINS_PER_RANK {
-            self.remove_where(|c| c.rank == rank, Some(ProvisionalResult::Evicted));
+            self.remove_where(|c| c.rank == rank, ProvisionalResult::Evicted);
         }
         // Oldest first, at the front: each chain pushed out costs one step, however many a
         // long chain needs room from.
@@ -196,7 +196,7 @@ impl ProvisionalIndex {
                         && query.starts_with(&c.hashes)
                         && indexed(c.rank) >= blocks
                 };
-                self.remove_where(confirms, Some(ProvisionalResult::Confirmed));
+                self.remove_where(confirms, ProvisionalResult::Confirmed);
             }
         }
         let mut merged: Vec<(RankKey, u32)> = scores.into_iter().collect();
@@ -207,12 +207,12 @@ impl ProvisionalIndex {
     /// Drops chains whose TTL has passed.
     pub fn expire(&mut self, now: Instant) {
         let ttl = self.ttl;
-        self.remove_where(|c| now.saturating_duration_since(c.credited) >= ttl, Some(ProvisionalResult::Expired));
+        self.remove_where(|c| now.saturating_duration_since(c.credited) >= ttl, ProvisionalResult::Expired);
     }
 
     /// Drops chains of ranks `live` no longer admits.
     pub fn retain_live(&mut self, live: impl Fn(RankKey) -> bool) {
-        self.remove_where(|c| !live(c.rank), Some(ProvisionalResult::Departed));
+        self.remove_where(|c| !live(c.rank), ProvisionalResult::Departed);
     }
 
     /// Counts since the last call, for the metrics.
@@ -227,8 +227,8 @@ impl ProvisionalIndex {
 
     /// Removes every chain `doomed` picks (only the oldest one when `counted` is `Evicted`,
     /// so eviction frees one slot at a time), counting them under `counted`.
-    fn remove_where(&mut self, doomed: impl Fn(&Chain) -> bool, counted: Option<ProvisionalResult>) {
-        let only_oldest = counted == Some(ProvisionalResult::Evicted);
+    fn remove_where(&mut self, doomed: impl Fn(&Chain) -> bool, counted: ProvisionalResult) {
+        let only_oldest = counted == ProvisionalResult::Evicted;
         let mut removed = 0;
         let mut hashes = 0;
         self.chains.retain(|c| {
@@ -240,9 +240,7 @@ impl ProvisionalIndex {
             !gone
         });
         self.hashes -= hashes;
-        if let Some(result) = counted {
-            self.counts.add(result, removed);
-        }
+        self.counts.add(counted, removed);
     }
 }
 

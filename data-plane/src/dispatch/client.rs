@@ -212,9 +212,9 @@ async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
         if read_buf(&mut conn.stream, &mut conn.read).await? == 0 {
             return Err(ExchangeError::Closed);
         }
-        let due =
-            conn.read.len() > wire::MAX_HEAD_BYTES || wire::holds_blank_line(&conn.read[scanned.saturating_sub(2)..]);
-        if due && let Some((head, length)) = wire::parse_head(&conn.read)? {
+        if wire::head_due(&conn.read, scanned, wire::MAX_HEAD_BYTES)
+            && let Some((head, length)) = wire::parse_head(&conn.read)?
+        {
             conn.read.advance(length);
             return Ok(head);
         }

@@ -99,11 +99,17 @@ fn is_framing_header(name: &HeaderName) -> bool {
     [HOST, CONTENT_LENGTH, TRANSFER_ENCODING, CONNECTION].contains(name)
 }
 
-/// Whether `bytes` hold the end of a head: a line feed, an optional carriage return, and
-/// another line feed (httparse takes bare line feeds too). A head is parsed again only once one
-/// has arrived: parsing the whole buffer on every read would cost a head sent a byte at a time
-/// quadratic work, about 2 GB of scanning for 64 KiB.
-pub(crate) fn holds_blank_line(bytes: &[u8]) -> bool {
+/// Whether a head read into `buf`, of which the first `scanned` bytes were there at the last
+/// parse, is worth parsing again: its end (a blank line) has arrived since, or it is past `max`
+/// bytes, to be refused. Parsing the whole buffer on every read would cost a head sent a byte
+/// at a time quadratic work, about 2 GB of scanning for 64 KiB.
+pub(crate) fn head_due(buf: &[u8], scanned: usize, max: usize) -> bool {
+    buf.len() > max || holds_blank_line(&buf[scanned.saturating_sub(2).min(buf.len())..])
+}
+
+/// Whether `bytes` hold a line feed, an optional carriage return and another line feed
+/// (httparse takes bare line feeds too).
+fn holds_blank_line(bytes: &[u8]) -> bool {
     bytes.windows(2).any(|w| w == b"\n\n") || bytes.windows(3).any(|w| w == b"\n\r\n")
 }
 

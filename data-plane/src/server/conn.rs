@@ -29,7 +29,7 @@ use super::head::{
     encode_response, http_date, parse_request,
 };
 use super::{App, Stages};
-use crate::dispatch::wire::{Chunked, Decoded, WireError, holds_blank_line};
+use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
 use crate::memory::{Charge, REQUEST_BODIES};
@@ -44,13 +44,13 @@ pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// What a connection's read buffer starts with and grows by.
 const READ_CHUNK: usize = 8 << 10;
 /// A read buffer a larger request (head and body) went through is let go once the body is
-/// copied out, so neither a long response nor an idle connection holds it: thousands of idle
-/// keep-alive connections hold a few KiB each, not the 64 KiB a large head grew theirs to.
-const KEPT_READ_CAPACITY: usize = 2 * READ_CHUNK;
+/// copied out, so neither a long response nor an idle connection holds it: idle keep-alive
+/// connections hold at most this much each, not the 64 KiB a large head grew theirs to.
+const KEPT_READ_CAPACITY: usize = 32 << 10;
 /// Bytes of pipelined requests read while a response is pending; past it, reading waits.
 const MAX_PIPELINED_BYTES: usize = 64 << 10;
 /// A write buffer grown past this (a large buffered answer) is let go once it is written.
-const KEPT_WRITE_CAPACITY: usize = 16 << 10;
+const KEPT_WRITE_CAPACITY: usize = 64 << 10;
 /// How far behind the idle timer may run before it is re-armed.
 const IDLE_DEADLINE_SLACK: Duration = Duration::from_secs(1);
 /// After a refusal, how long and how much of the client's unread body is read and discarded.
@@ -246,14 +246,10 @@ impl Connection {
     }
 
     async fn read_rest(&mut self) -> Result<(RequestHead, Bytes, Charge), Stop> {
-        // A head is parsed again only once a blank line, its end, has arrived (or it is past
-        // its bound): parsing the whole buffer on every read would cost a head sent a byte at
-        // a time quadratic work, about 2 GB of scanning for 64 KiB.
+        // Parsed first as it is, then again only once its end has arrived (`head_due`).
         let mut scanned: usize = 0;
-        let head = loop {
-            let due = scanned == 0
-                || self.read.len() > MAX_HEAD_BYTES
-                || holds_blank_line(&self.read[scanned.saturating_sub(2)..]);
+        let (head, head_length) = loop {
+            let due = scanned == 0 || head_due(&self.read, scanned, MAX_HEAD_BYTES);
             if due && let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
                 self.read.advance(length);
                 break (head, length);
@@ -261,7 +257,6 @@ impl Connection {
             scanned = self.read.len();
             self.fill().await?;
         };
-        let (head, head_length) = head;
         let (body, charge) = match head.body {
             BodyFraming::Length(length) => {
                 if self.read.len() < length && head.expects_continue {

@@ -88,13 +88,9 @@ pub struct Simulator {
 }
 
 impl Simulator {
-    /// Binds every listener the simulated fleet needs.
-    pub fn bind(config: &SimulatorConfig) -> Result<Self, SimulatorError> {
-        Self::bind_keeping(config, &mut None)
-    }
-
-    /// [`Self::bind`], with the shim on a copy of `kept` when it was bound for the configured
-    /// address; otherwise on a new socket, which `kept` then holds if the whole fleet binds.
+    /// Binds every listener the simulated fleet needs, the shim on a copy of `kept` when it was
+    /// bound for the configured address; otherwise on a new socket, which `kept` then holds if
+    /// the whole fleet binds.
     pub fn bind_keeping(config: &SimulatorConfig, kept: &mut Option<ShimSocket>) -> Result<Self, SimulatorError> {
         let (shim_listener, fresh) = shim_listener(config.shim_listen, kept.as_ref())?;
         let mut shim_addr = local_addr("the simulated shim", &shim_listener, config.shim_listen)?;
@@ -219,12 +215,12 @@ fn shim_listener(
     asked: SocketAddr,
     kept: Option<&ShimSocket>,
 ) -> Result<(TcpListener, Option<ShimSocket>), SimulatorError> {
-    let error = |source| SimulatorError { what: "the simulated shim", addr: asked, source };
+    let what = "the simulated shim";
+    let error = |source| SimulatorError { what, addr: asked, source };
     let (listener, fresh) = match kept.filter(|kept| kept.asked == asked) {
         Some(kept) => (kept.listener.try_clone().map_err(error)?, None),
         None => {
-            let listener = StdListener::bind(asked).map_err(error)?;
-            listener.set_nonblocking(true).map_err(error)?;
+            let listener = bind_std(what, asked)?;
             let fresh = ShimSocket { asked, listener: listener.try_clone().map_err(error)? };
             (listener, Some(fresh))
         }
@@ -233,10 +229,15 @@ fn shim_listener(
 }
 
 fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, SimulatorError> {
+    TcpListener::from_std(bind_std(what, addr)?).map_err(|source| SimulatorError { what, addr, source })
+}
+
+/// A non-blocking listener on `addr`, for a runtime to take.
+fn bind_std(what: &'static str, addr: SocketAddr) -> Result<StdListener, SimulatorError> {
     let error = |source| SimulatorError { what, addr, source };
     let listener = StdListener::bind(addr).map_err(error)?;
     listener.set_nonblocking(true).map_err(error)?;
-    TcpListener::from_std(listener).map_err(error)
+    Ok(listener)
 }
 
 fn discovered(config: &SimulatorConfig, key: WorkerKey, role: Role, card: &Arc<ModelArtifacts>) -> DiscoveredWorker {
@@ -276,7 +277,7 @@ mod tests {
     async fn serve() -> (Simulator, std::net::SocketAddr) {
         let config =
             SimulatorConfig { shim_listen: "127.0.0.1:0".parse().expect("an address"), ..SimulatorConfig::default() };
-        let simulator = Simulator::bind(&config).expect("binds");
+        let simulator = Simulator::bind_keeping(&config, &mut None).expect("binds");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
         let addr = listener.local_addr().expect("bound");
         tokio::spawn(axum::serve(listener, shim::router(Arc::clone(&simulator.shim))).into_future());
@@ -346,7 +347,7 @@ mod tests {
     async fn cards_name_a_shim_on_every_interface_by_its_loopback_and_workers_publish_as_1_6_1s_do() {
         let config =
             SimulatorConfig { shim_listen: "0.0.0.0:0".parse().expect("an address"), ..SimulatorConfig::default() };
-        let simulator = Simulator::bind(&config).expect("binds");
+        let simulator = Simulator::bind_keeping(&config, &mut None).expect("binds");
         let port = simulator.shim_listener.local_addr().expect("bound").port();
         for worker in simulator.fleet.workers.iter() {
             let card = worker.worker.artifacts.as_deref().expect("a card");

@@ -528,7 +528,8 @@ impl DispatchLedger {
             Box::default()
         };
         state.held_hashes += block_hashes.len();
-        let leg = |report, prefill_tokens, decode_blocks, stall_blocks, block_hashes| Leg {
+        // `buffered` goes on the leg that prefills, whose prompt waits on a first token.
+        let leg = |report, prefill_tokens, decode_blocks, stall_blocks, block_hashes, buffered| Leg {
             id,
             at: now,
             op,
@@ -544,16 +545,14 @@ impl DispatchLedger {
         let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens);
         let legs = match &selection.prefill {
             Some(prefill) => {
-                state.push(prefill.rank_key(), leg(first_report, prefill_tokens, 0, blocks, Box::default()));
-                // The decode leg receives the request only after the prefill: no stall, and no
-                // prompt to wait on a first token for.
-                let decode = Leg { buffered: false, ..leg(second_report, 0, blocks, 0, block_hashes) };
-                state.push(selection.decode.rank_key(), decode);
+                state.push(prefill.rank_key(), leg(first_report, prefill_tokens, 0, blocks, Box::default(), buffered));
+                // The decode leg receives the request only after the prefill: no stall.
+                state.push(selection.decode.rank_key(), leg(second_report, 0, blocks, 0, block_hashes, false));
                 [Some(prefill.rank_key()), Some(selection.decode.rank_key())]
             }
             None => {
                 // An aggregated rank prefills the request itself.
-                let leg = leg(first_report, prefill_tokens, blocks, blocks, block_hashes);
+                let leg = leg(first_report, prefill_tokens, blocks, blocks, block_hashes, buffered);
                 state.push(selection.decode.rank_key(), leg);
                 [Some(selection.decode.rank_key()), None]
             }

@@ -73,19 +73,16 @@ fn reasoning_controls(request: &Json, args: &mut Map<String, Json>) -> Result<()
         None => {}
     }
     let by_effort = || effort.as_ref().and_then(Json::as_str).map(|effort| effort != "none");
-    let decided = match toggle(args) {
-        Some(on) => Some(on),
-        None => match args.get("thinking_mode") {
-            Some(Json::Bool(on)) => Some(*on),
-            Some(Json::String(mode)) => match mode.trim().to_ascii_lowercase().as_str() {
-                "adaptive" => None,
-                "enabled" => Some(true),
-                "disabled" => Some(false),
-                mode => parse_bool(mode).or_else(by_effort),
-            },
-            _ => by_effort(),
+    let decided = toggle(args).or_else(|| match args.get("thinking_mode") {
+        Some(Json::Bool(on)) => Some(*on),
+        Some(Json::String(mode)) => match mode.trim().to_ascii_lowercase().as_str() {
+            "adaptive" => None,
+            "enabled" => Some(true),
+            "disabled" => Some(false),
+            mode => parse_bool(mode).or_else(by_effort),
         },
-    };
+        _ => by_effort(),
+    });
     if let Some(on) = decided {
         set_thinking(args, on);
     }
