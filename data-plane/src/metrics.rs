@@ -8,6 +8,7 @@ use prometheus::{
     Opts, Registry, TextEncoder,
 };
 
+use crate::dispatch::disclosure::RefusalBody;
 use crate::fleet::FleetStatus;
 use crate::routing::picker::KvSelectionResult;
 use crate::server::head::HeadError;
@@ -65,6 +66,9 @@ pub struct Metrics {
     /// `continuum_http_write_stalls_total`: connections dropped because the client took none
     /// of a response for the write-stall timeout.
     http_write_stalls: IntCounter,
+    /// Backend refusals of a client's request (4xx) passed to the client, by what became of
+    /// their `body` ([`RefusalBody`]).
+    backend_refusals: IntCounterVec,
     /// Client requests refused before routing because they could not be read, by `reason`
     /// ([`HEAD_REFUSALS`]).
     pub http_refused: IntCounterVec,
@@ -288,8 +292,18 @@ impl Metrics {
                 ),
                 &["reason"],
             )?,
+            backend_refusals: IntCounterVec::new(
+                Opts::new(
+                    "continuum_backend_refusals_total",
+                    "Backend refusals (4xx) of a client's request passed to the client, by body: relayed as it came, unreadable, or withheld (not a JSON object, or naming an address) and explained by the router",
+                ),
+                &["body"],
+            )?,
             hot,
         };
+        for body in RefusalBody::ALL {
+            metrics.backend_refusals.with_label_values(&[body.as_str()]);
+        }
         for reason in HEAD_REFUSALS {
             metrics.http_refused.with_label_values(&[reason]);
         }
@@ -319,6 +333,7 @@ impl Metrics {
             Box::new(metrics.shim_replica_state.clone()),
             Box::new(metrics.shim_retries.clone()),
             Box::new(metrics.http_refused.clone()),
+            Box::new(metrics.backend_refusals.clone()),
             Box::new(metrics.http_connections.clone()),
             Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),
@@ -357,6 +372,11 @@ impl Metrics {
         if error.kind() == std::io::ErrorKind::TimedOut {
             self.write_stalled();
         }
+    }
+
+    /// Counts a backend's refusal passed to the client, by what became of its body.
+    pub fn refusal_relayed(&self, body: RefusalBody) {
+        self.backend_refusals.with_label_values(&[body.as_str()]).inc();
     }
 
     /// Counts a request refused because it could not be read.

@@ -5,7 +5,7 @@
 //! | shim answer | verdict |
 //! |---|---|
 //! | body names the missing prefill id (any status) | `PrefillRefused`: 503, no retry, no fallback |
-//! | 4xx other than 408 and 429, on a streaming request, unless it refuses a pin | `Relay`: passed to the client as is |
+//! | 4xx other than 408 and 429, on a streaming request, unless it refuses a pin | `Relay`: passed to the client (its body as [`super::disclosure`] allows) |
 //! | anything else, 1.6.1's generic 500 and its 404 for a model whose workers left included | `DecodeFailed`: fallback or `disaggregated_decode_failed` |
 //!
 //! A 404 is the router's stale view of the fleet (it pinned a worker the frontend has dropped),

@@ -16,6 +16,7 @@ pub mod budget;
 pub mod classify;
 mod client;
 mod connections;
+pub mod disclosure;
 mod error;
 mod ledger;
 pub mod pool;

@@ -15,6 +15,7 @@ use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use super::classify::{self, Verdict, classify};
+use super::disclosure::{RefusalBody, refusal_body};
 use super::relay::RelayBody;
 use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
@@ -70,7 +71,7 @@ impl Dispatcher {
             blames_pins = classify::blames_pins(status, &body);
             match classify(status, &body, stream) {
                 Verdict::PrefillRefused => Answer::PrefillRefused,
-                Verdict::Relay => Answer::Relay(relayed_refusal(status, parts.headers, body)),
+                Verdict::Relay => Answer::Relay(self.relayed_refusal(status, parts.headers, body)),
                 Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
             }
         };
@@ -81,7 +82,7 @@ impl Dispatcher {
     }
 
     /// A backend's answer to a plain unpinned request: a success or a refusal of the client's
-    /// request (4xx) is relayed as is. A server error is the backend's own: its body may name
+    /// request (4xx) is relayed (the refusal as [`Self::relayed_refusal`] allows). A server error is the backend's own: its body may name
     /// internal hosts or paths, so the client gets the router's error instead; so does an
     /// answer no chat completion should get (an informational status, a redirect).
     pub(super) async fn pass_through(&self, response: Response<ShimBody>, stream: bool) -> Result<Response, Failure> {
@@ -93,7 +94,18 @@ impl Dispatcher {
             return Err(Failure::Status(status));
         }
         let (parts, body) = response.into_parts();
-        Ok(relayed_refusal(status, parts.headers, read_error_body(body).await))
+        Ok(self.relayed_refusal(status, parts.headers, read_error_body(body).await))
+    }
+
+    /// A backend's refusal of the client's request (4xx), relayed as it came when
+    /// [`super::disclosure`] allows; otherwise its status with the router's words.
+    fn relayed_refusal(&self, status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> Response {
+        let fate = refusal_body(&body);
+        self.metrics.refusal_relayed(fate);
+        match fate {
+            RefusalBody::Relayed => rebuild(status, shim_headers, Body::from(body)),
+            RefusalBody::Unreadable | RefusalBody::Withheld => ApiError::refused(status, fate).into_response(),
+        }
     }
 
     async fn success(
@@ -128,15 +140,6 @@ fn rebuild(status: StatusCode, mut shim_headers: HeaderMap, body: Body) -> Respo
     *response.status_mut() = status;
     *response.headers_mut() = shim_headers;
     response
-}
-
-/// A backend's refusal of the client's request (4xx), relayed as it came; or, when its body
-/// could not be read, with the router's words for it instead of nothing.
-fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> Response {
-    if body.is_empty() {
-        return ApiError::refused_unexplained(status).into_response();
-    }
-    rebuild(status, shim_headers, Body::from(body))
 }
 
 /// A body read whole, up to `limit` bytes within `timeout`, and charged to the process's

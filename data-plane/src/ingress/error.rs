@@ -9,6 +9,7 @@ use serde_json::json;
 
 use super::request::RequestError;
 use super::select::SelectError;
+use crate::dispatch::disclosure::RefusalBody;
 use crate::dispatch::{DispatchError, Failure};
 use crate::server::head::HeadError;
 
@@ -45,13 +46,16 @@ impl ApiError {
         ApiError::new(status, code, message)
     }
 
-    /// A backend refused the request (a 4xx) with a body that could not be read (too large, or
-    /// too slow): the status is relayed, with words of the router's own.
-    pub fn refused_unexplained(status: StatusCode) -> Self {
-        let message = format!(
-            "The model server refused the request ({}) and its explanation could not be read.",
-            status.as_u16()
-        );
+    /// A backend refused the request (a 4xx) with a body the client does not get as it came
+    /// ([`RefusalBody`]): the status is relayed, with words of the router's own.
+    pub fn refused(status: StatusCode, body: RefusalBody) -> Self {
+        let why = match body {
+            RefusalBody::Withheld => {
+                "its explanation is not passed on: it was not a JSON error, or it named an internal address"
+            }
+            RefusalBody::Unreadable | RefusalBody::Relayed => "its explanation could not be read",
+        };
+        let message = format!("The model server refused the request ({}); {why}.", status.as_u16());
         ApiError::new(status, "backend_refused", message)
     }
 

@@ -40,6 +40,14 @@ fn oversized_refusal() -> anyhow::Result<Reply> {
     Ok(Reply::Fixed { status, content_type, body: padded.into() })
 }
 
+fn refusal(status: u16, content_type: &str, body: &'static str) -> Reply {
+    Reply::Fixed {
+        status: StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+        content_type: Some(content_type.into()),
+        body: body.into(),
+    }
+}
+
 /// A refusal of the client's request whose explanation is too large to read.
 fn unreadable_refusal() -> Reply {
     let body = vec![b' '; MAX_ERROR_BODY_BYTES + 1];
@@ -62,6 +70,9 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     const DECODE_FAILED: Option<&str> = Some("disaggregated_decode_failed");
     const PREFILL_REFUSED: Option<&str> = Some("disaggregated_prefill_decode_unavailable");
     const RELAYED: Option<&str> = None;
+    const WITHHELD: Option<&str> = Some("backend_refused");
+    const PROXY_PAGE: &str = "<html><body><h1>413 Request Entity Too Large</h1><hr>ingress-7f9c.internal</body></html>";
+    const NAMES_HOST: &str = r#"{"message":"upstream 10.4.0.12:8000 rejected the body","code":400}"#;
     let dead = "after_decode_sigkill_pinned_to_dead_decode";
     // (case, shim answer, streaming, status the client sees, error code or relayed as is)
     let rows: Vec<(&str, Reply, bool, u16, Option<&str>)> = vec![
@@ -74,6 +85,9 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         ("dp rank out of range, streaming", disagg("decode_dp_rank_out_of_range")?, true, 502, DECODE_FAILED),
         ("the client's body refused, streaming", disagg("malformed_json")?, true, 400, RELAYED),
         ("refused past what is read, streaming", unreadable_refusal(), true, 400, Some("backend_refused")),
+        // What answers in the frontend's place may speak HTML, or name hosts: never relayed.
+        ("refused by a proxy's page, streaming", refusal(413, "text/html", PROXY_PAGE), true, 413, WITHHELD),
+        ("refusal naming an address, streaming", refusal(400, "application/json", NAMES_HOST), true, 400, WITHHELD),
         ("dead worker, live lease", disagg(dead)?, false, 503, DECODE_FAILED),
         ("dead worker, streaming", disagg(dead)?, true, 503, DECODE_FAILED),
         // The router's view was stale: its pinned worker left the frontend's. Not the client's
@@ -93,7 +107,13 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         shim.push(reply);
         let response = harness.post(&chat(MODEL, stream)).await?;
         match code {
-            Some(code) => assert_eq!(error_of(response).await?, (status, code.to_string()), "{case}"),
+            Some(code) => {
+                let (seen, body) = (response.status().as_u16(), response.text().await?);
+                assert!(!body.contains("10.4.0.12") && !body.contains("ingress-7f9c"), "{case}: {body}");
+                let body: Value = serde_json::from_str(&body).with_context(|| format!("{case}: {body}"))?;
+                assert_eq!((seen, &body["error"]["code"]), (status, &json!(code)), "{case}: {body}");
+                assert!(body["error"]["message"].as_str().is_some_and(|m| m.len() > 20), "{case}: {body}");
+            }
             None => {
                 assert_eq!(response.status().as_u16(), status, "{case}");
                 assert_eq!(response.bytes().await?, relayed, "{case}: relayed as is");
@@ -104,7 +124,11 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(11.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(15.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(17.0));
+    for (body, count) in [("relayed", 1.0), ("unreadable", 1.0), ("withheld", 2.0)] {
+        let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
+        assert_eq!(sample(&metrics, &series), Some(count), "{series}");
+    }
     assert!(harness.replica.ledger.is_empty(), "every refused dispatch has ended");
     harness.stop().await;
     Ok(())

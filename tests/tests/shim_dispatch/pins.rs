@@ -188,6 +188,13 @@ async fn with_disaggregated_serving_off_requests_go_unpinned_to_backends_listing
     let refused = harness.post(&chat(MODEL, false)).await?;
     assert_eq!(refused.status(), 400);
     assert!(refused.text().await?.contains("max_tokens is too large"), "the client's to fix");
+    // Unless that refusal names an address: its status is kept, its words are not.
+    shim.push(fixed(413, r#"{"message":"decode-0.dynamo.svc:8000 takes at most 1 MiB","code":413}"#));
+    let withheld = harness.post(&chat(MODEL, false)).await?;
+    assert_eq!(withheld.status(), 413);
+    let body = withheld.text().await?;
+    assert!(!body.contains("decode-0"), "no internal address: {body}");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&body)?["error"]["code"], "backend_refused", "{body}");
     shim.push(fixed(500, r#"{"message":"connect to 10.1.2.3:9345 failed","code":500}"#));
     let failed = harness.post(&chat(MODEL, false)).await?;
     assert_eq!(failed.status(), 502);
@@ -200,7 +207,9 @@ async fn with_disaggregated_serving_off_requests_go_unpinned_to_backends_listing
     let (status, code) = super::error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (502, "backend_failed"));
     let metrics = harness.metrics().await?;
-    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(4.0));
+    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(5.0));
+    assert_eq!(super::sample(&metrics, r#"continuum_backend_refusals_total{body="relayed"}"#), Some(1.0));
+    assert_eq!(super::sample(&metrics, r#"continuum_backend_refusals_total{body="withheld"}"#), Some(1.0));
     harness.stop().await;
     Ok(())
 }

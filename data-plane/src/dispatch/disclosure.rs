@@ -1,0 +1,138 @@
+//! Whether a backend's refusal of the client's request (a 4xx) may reach the client as it came.
+//!
+//! The seed relays such refusals directly, and the real direct-mode frontend's are JSON objects
+//! that speak only of the client's own request. But whatever answers in its place (a proxy or
+//! an ingress in front of the frontend, a backend serving the model unpinned) may answer in
+//! HTML, or name hosts, pods and ports; and no internal address may reach a client. So a body
+//! is relayed only when it is a JSON object none of whose keys or strings looks like an
+//! address; any other refusal keeps its status and gets the router's words instead.
+
+use std::net::{IpAddr, SocketAddr};
+
+use serde_json::Value;
+
+/// What becomes of a refusal's body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalBody {
+    /// Passed on as it came.
+    Relayed,
+    /// Empty, or not read whole (too large, too slow): the router explains instead.
+    Unreadable,
+    /// Read, but not a JSON object, or naming an address: the router explains instead.
+    Withheld,
+}
+
+impl RefusalBody {
+    pub const ALL: [RefusalBody; 3] = [RefusalBody::Relayed, RefusalBody::Unreadable, RefusalBody::Withheld];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RefusalBody::Relayed => "relayed",
+            RefusalBody::Unreadable => "unreadable",
+            RefusalBody::Withheld => "withheld",
+        }
+    }
+}
+
+/// The fate of a refusal whose body is `body` (empty when it could not be read).
+pub fn refusal_body(body: &[u8]) -> RefusalBody {
+    if body.is_empty() {
+        return RefusalBody::Unreadable;
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(value @ Value::Object(_)) if !names_an_address(&value) => RefusalBody::Relayed,
+        _ => RefusalBody::Withheld,
+    }
+}
+
+fn names_an_address(value: &Value) -> bool {
+    match value {
+        Value::String(text) => text_names_an_address(text),
+        Value::Array(items) => items.iter().any(names_an_address),
+        Value::Object(fields) => {
+            fields.iter().any(|(key, value)| text_names_an_address(key) || names_an_address(value))
+        }
+        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+    }
+}
+
+/// Host names under these suffixes (and `localhost`) are a cluster's or a machine's own.
+const INTERNAL_SUFFIXES: [&str; 6] = [".local", ".internal", ".svc", ".cluster", ".lan", ".localdomain"];
+
+/// Whether `text` holds a URL, an IP address (with or without a port), a host with a port, or
+/// a host name of an internal zone. Errs toward yes: a false alarm costs the client the
+/// backend's wording, never its status.
+fn text_names_an_address(text: &str) -> bool {
+    text.contains("://")
+        || text
+            .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | ':' | '-' | '_' | '[' | ']' | '%')))
+            .any(token_is_address)
+}
+
+fn token_is_address(token: &str) -> bool {
+    // Sentence punctuation around a token ("… at 10.0.0.7.") is not part of it.
+    let token = token.trim_end_matches(['.', ':']);
+    let unzoned = token.split('%').next().unwrap_or(token);
+    unzoned.trim_matches(['[', ']']).parse::<IpAddr>().is_ok()
+        || token.parse::<SocketAddr>().is_ok()
+        || is_host_with_port(token)
+        || is_internal_host(token)
+}
+
+/// `name:port`, where the name has a letter and the port is a number (`decode-0:8000`).
+fn is_host_with_port(token: &str) -> bool {
+    token.rsplit_once(':').is_some_and(|(host, port)| {
+        is_host_name(host) && !port.is_empty() && port.len() <= 5 && port.bytes().all(|b| b.is_ascii_digit())
+    })
+}
+
+fn is_internal_host(token: &str) -> bool {
+    let name = token.to_ascii_lowercase();
+    is_host_name(&name) && (name == "localhost" || INTERNAL_SUFFIXES.iter().any(|suffix| name.ends_with(suffix)))
+}
+
+fn is_host_name(name: &str) -> bool {
+    name.bytes().any(|b| b.is_ascii_alphabetic())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_refusals_naming_no_address_are_relayed_and_everything_else_is_withheld() {
+        use RefusalBody::*;
+        let rows: [(&str, RefusalBody); 22] = [
+            // The real 1.6.1 frontend's refusal of a client's malformed body.
+            (
+                r#"{"message":"Failed to deserialize the JSON body into the target type: key must be a string at line 1 column 2","type":"Bad Request","code":400}"#,
+                Relayed,
+            ),
+            (r#"{"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error"}}"#, Relayed),
+            (r#"{"message":"expected `:` at line 1 column 9","code":400}"#, Relayed),
+            (r#"{"message":"the 3.5 model: no such thing","code":422}"#, Relayed),
+            ("", Unreadable),
+            ("<html><body><h1>413 Request Entity Too Large</h1><hr>nginx</body></html>", Withheld),
+            ("Bad Request", Withheld),
+            (r#"["a list"]"#, Withheld),
+            (r#""a string""#, Withheld),
+            (r#"{"message":"truncated"#, Withheld),
+            (r#"{"message":"upstream 10.0.3.7 refused"}"#, Withheld),
+            (r#"{"message":"upstream 10.0.3.7:8000 refused"}"#, Withheld),
+            (r#"{"message":"upstream at 10.0.3.7."}"#, Withheld),
+            (r#"{"message":"no route to fd00:10::7"}"#, Withheld),
+            (r#"{"message":"no route to [fd00::7]:9000"}"#, Withheld),
+            (r#"{"message":"no route to fe80::1%eth0"}"#, Withheld),
+            (r#"{"message":"see http://decode-0/health"}"#, Withheld),
+            (r#"{"message":"decode-0:8000 refused"}"#, Withheld),
+            (r#"{"message":"decode-0.dynamo.svc refused"}"#, Withheld),
+            (r#"{"message":"localhost said no"}"#, Withheld),
+            (r#"{"detail":{"hosts":["ok","frontend-1.internal"]}}"#, Withheld),
+            (r#"{"decode-0:8000":"a key names it"}"#, Withheld),
+        ];
+        for (body, expected) in rows {
+            assert_eq!(refusal_body(body.as_bytes()), expected, "{body}");
+        }
+    }
+}
