@@ -273,18 +273,7 @@ impl<F: Feed> Actor<F> {
     async fn reconcile(&mut self, fleet: &Fleet) {
         self.ctx.feed.set_live(fleet).await;
         let admitted = self.admitted(fleet);
-        let stale: Vec<AdmissionKey> = self
-            .running
-            .iter()
-            .filter(|(key, running)| admitted.get(*key).is_none_or(|p| **p != running.publisher))
-            .map(|(key, _)| key.clone())
-            .collect();
-        let stopping: Vec<Running> = stale.iter().filter_map(|key| self.running.remove(key)).collect();
-        let departed: Vec<PublisherKey> = stopping.iter().map(|r| r.status.publisher.clone()).collect();
-        stop_all(stopping, self.options.stop_grace).await;
-        for publisher in departed {
-            self.ctx.feed.departed(&publisher).await;
-        }
+        self.stop(&admitted, false).await;
         for (key, publisher) in admitted {
             if !self.running.contains_key(&key) {
                 let running = self.spawn(publisher.clone());
@@ -292,6 +281,25 @@ impl<F: Feed> Actor<F> {
             }
         }
         self.publish_statuses();
+    }
+
+    /// Stops the subscriptions `admitted` no longer holds as they run, or with `everything`
+    /// every one. Those whose publisher is not admitted depart (their samples and ranks go);
+    /// the rest are for the caller to start again.
+    async fn stop(&mut self, admitted: &BTreeMap<AdmissionKey, &Publisher>, everything: bool) {
+        let gone = |key: &AdmissionKey, running: &Running| admitted.get(key).is_none_or(|p| **p != running.publisher);
+        let (stopping, kept): (BTreeMap<_, _>, BTreeMap<_, _>) =
+            std::mem::take(&mut self.running).into_iter().partition(|(key, running)| everything || gone(key, running));
+        self.running = kept;
+        let departed: Vec<PublisherKey> = stopping
+            .iter()
+            .filter(|(key, running)| gone(key, running))
+            .map(|(_, running)| running.status.publisher.clone())
+            .collect();
+        stop_all(stopping.into_values().collect(), self.options.stop_grace).await;
+        for publisher in departed {
+            self.ctx.feed.departed(&publisher).await;
+        }
     }
 
     /// While publishers wait beyond the cap, benches the admitted ones that have not had a
@@ -364,19 +372,10 @@ impl<F: Feed> Actor<F> {
         self.policy = new;
         let topic = self.ctx.feed.topic().as_str();
         tracing::info!(transport = ?self.policy.transport, topic, "restarting subscriptions under the new dial policy");
-        let stopping = std::mem::take(&mut self.running);
-        // The same reload may have removed publishers: those depart (their samples and ranks
-        // go), as a fleet change alone would have made them; the rest restart.
+        // The same reload may have removed publishers: those depart, as a fleet change alone
+        // would have made them; the rest restart.
         let admitted = self.admitted(fleet);
-        let departed: Vec<PublisherKey> = stopping
-            .iter()
-            .filter(|(key, running)| admitted.get(*key).is_none_or(|p| **p != running.publisher))
-            .map(|(_, running)| running.status.publisher.clone())
-            .collect();
-        stop_all(stopping.into_values().collect(), self.options.stop_grace).await;
-        for publisher in departed {
-            self.ctx.feed.departed(&publisher).await;
-        }
+        self.stop(&admitted, true).await;
         self.reconcile(fleet).await;
     }
 
