@@ -1,19 +1,24 @@
-//! Relaying a shim's SSE stream to the client frame by frame, never buffering it.
+//! Relaying a shim's SSE stream to the client event by event, as its frames arrive.
 //!
 //! The relayed body owns the request's [`DispatchEnd`]: the dispatch ends in the ledger when the
 //! stream completes, fails, or is dropped because the client went away. A stream that breaks
 //! (the shim's connection fails, or no event arrives for the idle timeout: comments are relayed
 //! but are no progress) ends with one SSE error event, so the client always sees an end and
-//! never a hang. Frames are relayed as they arrive, so a break can fall inside an event: the
-//! error event then starts with a blank line, which ends the broken event first (an extra blank
-//! line is no event in SSE), so the error always reaches the client as an event of its own.
+//! never a hang.
+//!
+//! Only whole events reach the client. A frame is relayed up to its last blank line at once,
+//! without a copy; what follows (the start of an event the next frame finishes) waits for the
+//! rest of its event, [`MAX_PARTIAL_EVENT_BYTES`] at most. In SSE a blank line delivers whatever
+//! data came before it, so a break relayed mid-event could only be followed by the broken
+//! event's half, delivered as an event of its own (invalid JSON, which OpenAI's clients fail on
+//! before they read the error after it). Held back, the half is never sent.
 
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use prometheus::IntCounter;
 use serde_json::json;
@@ -24,6 +29,9 @@ use super::shim_body::ShimBody;
 
 /// No event from the shim for this long ends a relayed stream with an error event.
 pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most of one unfinished event held back until its end arrives: an event past it breaks
+/// the stream (no engine sends one; the usual are a few hundred bytes).
+pub const MAX_PARTIAL_EVENT_BYTES: usize = 1 << 20;
 
 #[derive(Debug)]
 pub struct RelayBody {
@@ -31,8 +39,10 @@ pub struct RelayBody {
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
     done: bool,
-    /// Whether the bytes relayed so far end between two events.
-    between_events: bool,
+    /// Where the bytes received so far stand among SSE lines.
+    lines: Lines,
+    /// The received start of an event not yet ended, held back.
+    partial: BytesMut,
     dispatch: Option<DispatchEnd>,
     /// Counts a stream that broke after it started.
     failures: Option<IntCounter>,
@@ -41,7 +51,16 @@ pub struct RelayBody {
 impl RelayBody {
     pub fn new(inner: ShimBody, idle: Duration, dispatch: Option<DispatchEnd>, failures: Option<IntCounter>) -> Self {
         let deadline = Box::pin(tokio::time::sleep(idle));
-        Self { inner, idle, deadline, done: false, between_events: true, dispatch, failures }
+        Self {
+            inner,
+            idle,
+            deadline,
+            done: false,
+            lines: Lines::default(),
+            partial: BytesMut::new(),
+            dispatch,
+            failures,
+        }
     }
 
     fn finish(&mut self) {
@@ -54,9 +73,28 @@ impl RelayBody {
         if let Some(failures) = &self.failures {
             failures.inc();
         }
-        let event = sse_error_event(code, message);
-        let event = if self.between_events { event } else { Bytes::from([&b"\n\n"[..], &event].concat()) };
-        Poll::Ready(Some(Ok(Frame::data(event))))
+        // The unfinished event is not sent: the client has seen only whole events.
+        self.partial = BytesMut::new();
+        Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))
+    }
+
+    /// The whole events `data` ends (with the held start of the first), or `None` while they
+    /// are all still unfinished; the rest is held back.
+    fn whole_events(&mut self, data: Bytes) -> Option<Bytes> {
+        let Some(end) = self.lines.feed(&data) else {
+            self.partial.extend_from_slice(&data);
+            return None;
+        };
+        let mut data = data;
+        let rest = data.split_off(end);
+        let events = if self.partial.is_empty() {
+            data
+        } else {
+            self.partial.extend_from_slice(&data);
+            std::mem::take(&mut self.partial).freeze()
+        };
+        self.partial.extend_from_slice(&rest);
+        Some(events)
     }
 }
 
@@ -69,45 +107,57 @@ impl Body for RelayBody {
         if this.done {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref().filter(|data| !data.is_empty()) {
-                    this.between_events = ends_event(data);
+        loop {
+            let data = match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => data,
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                },
+                Poll::Ready(Some(Err(error))) => {
+                    tracing::warn!(%error, "shim stream failed mid-way");
+                    return this.fail(
+                        "stream_interrupted",
+                        "The response stream from the model server broke off before it finished. Retry the request.",
+                    );
                 }
-                // A keep-alive comment is relayed but is no progress: a stalled engine behind a
-                // frontend that sends them would otherwise hold the stream (and its dispatch)
-                // forever, and its first one would end the prefill before the first token.
-                if frame.data_ref().is_some_and(|data| carries_event(data)) {
-                    if let Some(dispatch) = &mut this.dispatch {
-                        dispatch.prefilled();
-                        if let Some(data) = frame.data_ref() {
-                            dispatch.observe(data);
-                        }
-                    }
-                    let next = Instant::now() + this.idle;
-                    this.deadline.as_mut().reset(next);
+                Poll::Ready(None) => {
+                    this.finish();
+                    // An event the shim never ended is passed on as it came: SSE drops it.
+                    let unfinished = std::mem::take(&mut this.partial);
+                    return Poll::Ready((!unfinished.is_empty()).then(|| Ok(Frame::data(unfinished.freeze()))));
                 }
-                Poll::Ready(Some(Ok(frame)))
+                Poll::Pending => {
+                    ready!(this.deadline.as_mut().poll(cx));
+                    tracing::warn!(idle = ?this.idle, "shim stream idle too long; ending it");
+                    return this.fail(
+                        "stream_timeout",
+                        "The model server sent nothing for too long and the stream was ended. Retry the request.",
+                    );
+                }
+            };
+            // A keep-alive comment is relayed but is no progress: a stalled engine behind a
+            // frontend that sends them would otherwise hold the stream (and its dispatch)
+            // forever, and its first one would end the prefill before the first token.
+            if carries_event(&data) {
+                if let Some(dispatch) = &mut this.dispatch {
+                    dispatch.prefilled();
+                }
+                this.deadline.as_mut().reset(Instant::now() + this.idle);
             }
-            Poll::Ready(Some(Err(error))) => {
-                tracing::warn!(%error, "shim stream failed mid-way");
-                this.fail(
-                    "stream_interrupted",
-                    "The response stream from the model server broke off before it finished. Retry the request.",
-                )
+            let Some(events) = this.whole_events(data) else {
+                if this.partial.len() > MAX_PARTIAL_EVENT_BYTES {
+                    tracing::warn!(limit = MAX_PARTIAL_EVENT_BYTES, "shim stream sent an event too large to relay");
+                    return this.fail(
+                        "stream_interrupted",
+                        "The model server sent an event too large to relay, and the stream was ended. Retry the request.",
+                    );
+                }
+                continue;
+            };
+            if let Some(dispatch) = &mut this.dispatch {
+                dispatch.observe(&events);
             }
-            Poll::Ready(None) => {
-                this.finish();
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                ready!(this.deadline.as_mut().poll(cx));
-                tracing::warn!(idle = ?this.idle, "shim stream idle too long; ending it");
-                this.fail(
-                    "stream_timeout",
-                    "The model server sent nothing for too long and the stream was ended. Retry the request.",
-                )
-            }
+            return Poll::Ready(Some(Ok(Frame::data(events))));
         }
     }
 
@@ -129,10 +179,46 @@ fn carries_event(data: &[u8]) -> bool {
     })
 }
 
-/// Whether SSE bytes end with the blank line that closes an event. Unsure (a line ending split
-/// across frames) reads as not: the error event's leading blank line is harmless either way.
-fn ends_event(data: &[u8]) -> bool {
-    [&b"\n\n"[..], b"\r\n\r\n", b"\n\r\n", b"\r\r"].iter().any(|end| data.ends_with(end))
+/// Where a stream stands among SSE lines, which end at LF, CRLF or CR; an event ends at a blank
+/// line.
+#[derive(Debug, Clone, Copy)]
+struct Lines {
+    /// Nothing has come since the last line ended (or the stream began).
+    line_empty: bool,
+    /// The last byte was a CR, whose line ended there: an LF next is the rest of a CRLF.
+    after_cr: bool,
+}
+
+impl Default for Lines {
+    fn default() -> Self {
+        Self { line_empty: true, after_cr: false }
+    }
+}
+
+impl Lines {
+    /// Takes in `data`; the length of its longest prefix that ends an event, if any does.
+    fn feed(&mut self, data: &[u8]) -> Option<usize> {
+        let mut end = None;
+        for (at, byte) in data.iter().enumerate() {
+            let after_cr = std::mem::replace(&mut self.after_cr, *byte == b'\r');
+            match byte {
+                // The LF of a CRLF: its CR ended the line, and the event if it did.
+                b'\n' if after_cr => {
+                    if end == Some(at) {
+                        end = Some(at + 1);
+                    }
+                }
+                b'\n' | b'\r' => {
+                    if self.line_empty {
+                        end = Some(at + 1);
+                    }
+                    self.line_empty = true;
+                }
+                _ => self.line_empty = false,
+            }
+        }
+        end
+    }
 }
 
 /// One SSE event carrying an OpenAI-shaped error, as streaming clients expect mid-stream.
@@ -143,15 +229,32 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::{carries_event, ends_event};
+    use super::{Lines, carries_event};
+
+    /// What each piece fed in turn releases: the prefix that ends an event, if any.
+    fn releases(pieces: &[&[u8]]) -> Vec<Option<usize>> {
+        let mut lines = Lines::default();
+        pieces.iter().map(|piece| lines.feed(piece)).collect()
+    }
 
     #[test]
-    fn an_event_ends_at_a_blank_line_and_nowhere_else() {
-        for closed in [&b"data: {}\n\n"[..], b"data: {}\r\n\r\n", b":\n\n", b"\n\n", b"data: x\r\r"] {
-            assert!(ends_event(closed), "{:?}", String::from_utf8_lossy(closed));
-        }
-        for open in [&b"data: {\"choices\":[{\"ind"[..], b"data: {}\n", b"data: {}\r\n", b"\n", b"data: {}\r"] {
-            assert!(!ends_event(open), "{:?}", String::from_utf8_lossy(open));
+    fn an_event_ends_at_a_blank_line_whatever_its_line_endings_and_wherever_the_frames_break() {
+        let rows: [(&[&[u8]], &[Option<usize>]); 10] = [
+            (&[b"data: {}\n\n"], &[Some(10)]),
+            (&[b"data: {}\r\n\r\n"], &[Some(12)]),
+            (&[b"data: x\r\r"], &[Some(9)]),
+            (&[b"data: a\n\ndata: b\n\ndata: c"], &[Some(18)]),
+            (&[b"data: {\"choices\":[{\"ind"], &[None]),
+            (&[b"data: {}\n"], &[None]),
+            (&[b"data: {}\r\n"], &[None]),
+            // The blank line split across frames: it ends the event in the frame it ends in.
+            (&[b"data: {}\n", b"\ndata: next"], &[None, Some(1)]),
+            // A CRLF split after its CR: the LF that follows is no second line ending.
+            (&[b"data: {}\r", b"\n", b"\r\n"], &[None, None, Some(2)]),
+            (&[b"data: a\n\r", b"\ndata: b"], &[Some(9), None]),
+        ];
+        for (pieces, expected) in rows {
+            assert_eq!(releases(pieces), expected, "{pieces:?}");
         }
     }
 

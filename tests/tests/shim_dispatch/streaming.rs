@@ -1,10 +1,11 @@
-//! SSE relay: frame by frame with nothing buffered, an error event (never a hang) when the shim's
+//! SSE relay: event by event as frames arrive, an error event (never a hang) when the shim's
 //! stream breaks or goes silent, and the dispatch ended however the stream ends.
 
 use std::time::Duration;
 
 use axum::body::Bytes;
 use continuum_data_plane::dispatch::DispatchSettings;
+use continuum_data_plane::dispatch::relay::MAX_PARTIAL_EVENT_BYTES;
 use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_tests::eventually;
 use continuum_tests::shim_stub::StubShim;
@@ -67,27 +68,47 @@ async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Resul
     Ok(())
 }
 
-/// The shim's frames are relayed as they arrive, so a break can fall inside an event: the
-/// error must still be an event of its own, not more data of the broken one.
+/// An event split across frames reaches the client whole, once its end arrives; one that
+/// breaks off is never sent: a blank line would deliver its half as an event of its own, and
+/// a client would fail on its JSON before it read the error after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_that_breaks_inside_an_event_still_ends_with_a_whole_error_event() -> anyhow::Result<()> {
+async fn only_whole_events_reach_the_client_so_a_break_inside_one_sends_the_error_alone() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
     let gate = shim.push_stream();
     let mut response = harness.post(&chat(MODEL, true)).await?;
-    let half = &FIRST[..FIRST.len() / 2];
-    gate.send(Ok(Bytes::from(half))).await?;
-    assert_eq!(next_text(&mut response).await?.as_deref(), Some(half));
+    let (head, tail) = FIRST.split_at(FIRST.len() / 2);
+    gate.send(Ok(Bytes::from(head))).await?;
+    gate.send(Ok(Bytes::from(format!("{tail}{}", &SECOND[..10])))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST), "the first event, whole, and no more");
     gate.send(Err("engine died".into())).await?;
     let mut rest = String::new();
     while let Some(text) = next_text(&mut response).await? {
         rest.push_str(&text);
     }
-    // SSE: an event ends at a blank line; the broken one ends before the error's begins.
-    let all = format!("{half}{rest}");
-    let events: Vec<&str> = all.split("\n\n").filter(|e| !e.is_empty()).collect();
-    assert_eq!(events.len(), 2, "the broken event, then the error event: {events:?}");
-    assert_eq!(event_code(events[1]).as_deref(), Some("stream_interrupted"), "{events:?}");
+    assert!(rest.starts_with("data: {\"error\""), "nothing of the broken event: {rest:?}");
+    assert_eq!(event_code(&rest).as_deref(), Some("stream_interrupted"), "{rest:?}");
+    harness.stop().await;
+    Ok(())
+}
+
+/// An event that never ends is held back only so far: past the bound the stream breaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_event_past_the_bound_ends_the_stream_with_an_error() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    let endless = format!("data: {}", "x".repeat(MAX_PARTIAL_EVENT_BYTES / 2));
+    for _ in 0..3 {
+        gate.send(Ok(Bytes::from(endless.clone()))).await?;
+    }
+    let event = next_text(&mut response).await?.unwrap_or_default();
+    assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event:.80}");
+    assert_eq!(next_text(&mut response).await?, None);
+    assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
     Ok(())
 }
