@@ -295,12 +295,13 @@ impl Dispatcher {
         replicas: &[ShimReplica],
         dispatch: DispatchEnd,
     ) -> (PinnedOutcome, bool) {
+        let sent = tokio::time::Instant::now();
         let (replica, response) = match self.send(replicas, (headers, pins(selection)), body, stream).await {
             Ok(sent) => sent,
             Err(failure) => return (PinnedOutcome::Failed(failure), false),
         };
         let shown = disclose.then_some((replica.name.as_str(), selection));
-        let Answered { answer, blames_pins } = self.answer(response, stream, Some(dispatch), shown).await;
+        let Answered { answer, blames_pins } = self.answer(response, (stream, sent), Some(dispatch), shown).await;
         let outcome = match answer {
             Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
             Answer::PrefillRefused => {
@@ -322,11 +323,12 @@ impl Dispatcher {
         replicas: Arc<[ShimReplica]>,
         relay_errors: bool,
     ) -> Result<Response, Failure> {
+        let sent = tokio::time::Instant::now();
         let (_, response) = self.send(&replicas, (headers, Pins::default()), body, stream).await?;
         if relay_errors {
-            return self.pass_through(response, stream).await;
+            return self.pass_through(response, (stream, sent)).await;
         }
-        match self.answer(response, stream, None, None).await.answer {
+        match self.answer(response, (stream, sent), None, None).await.answer {
             Answer::Relay(response) if response.status().is_success() => Ok(response),
             Answer::Relay(response) => Err(Failure::Status(response.status())),
             Answer::PrefillRefused => Err(Failure::Status(axum::http::StatusCode::SERVICE_UNAVAILABLE)),

@@ -1,4 +1,4 @@
-//! Turning a shim's response into the client's: a success is relayed (streams frame by frame,
+//! Turning a shim's response into the client's: a success is relayed (streams event by event as frames arrive,
 //! buffered bodies read whole, bounded and charged to the process's budget), and anything else
 //! is read (bounded) and classified; an unpinned backend's server error is not read at all.
 
@@ -13,6 +13,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::time::Instant;
 
 use super::classify::{self, Verdict, classify};
 use super::disclosure::{RefusalBody, refusal_body};
@@ -53,14 +54,14 @@ impl Dispatcher {
     pub(super) async fn answer(
         &self,
         response: Response<ShimBody>,
-        stream: bool,
+        (stream, sent): (bool, Instant),
         dispatch: Option<DispatchEnd>,
         shown: Option<(&str, &Selection)>,
     ) -> Answered {
         let status = response.status();
         let mut blames_pins = false;
         let mut answer = if status.is_success() {
-            match self.success(response, stream, dispatch).await {
+            match self.success(response, (stream, sent), dispatch).await {
                 Ok(response) => Answer::Relay(response),
                 Err(failure) => Answer::Failed(failure),
             }
@@ -85,10 +86,14 @@ impl Dispatcher {
     /// request (4xx) is relayed (the refusal as [`Self::relayed_refusal`] allows). A server error is the backend's own: its body may name
     /// internal hosts or paths, so the client gets the router's error instead; so does an
     /// answer no chat completion should get (an informational status, a redirect).
-    pub(super) async fn pass_through(&self, response: Response<ShimBody>, stream: bool) -> Result<Response, Failure> {
+    pub(super) async fn pass_through(
+        &self,
+        response: Response<ShimBody>,
+        (stream, sent): (bool, Instant),
+    ) -> Result<Response, Failure> {
         let status = response.status();
         if status.is_success() {
-            return self.success(response, stream, None).await;
+            return self.success(response, (stream, sent), None).await;
         }
         if !status.is_client_error() {
             return Err(Failure::Status(status));
@@ -108,10 +113,13 @@ impl Dispatcher {
         }
     }
 
+    /// A success relayed: a stream as its events come, a buffered answer read whole within
+    /// what is left of the exchange's [`super::DispatchSettings::buffered_timeout`] since it was `sent`
+    /// (the wait for the head took the rest).
     async fn success(
         &self,
         response: Response<ShimBody>,
-        stream: bool,
+        (stream, sent): (bool, Instant),
         dispatch: Option<DispatchEnd>,
     ) -> Result<Response, Failure> {
         let (parts, body) = response.into_parts();
@@ -121,7 +129,8 @@ impl Dispatcher {
                 .then(|| self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]));
             Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, dispatch, failures))
         } else {
-            let (bytes, charge) = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, self.settings.buffered_timeout).await?;
+            let timeout = self.settings.buffered_timeout;
+            let (bytes, charge) = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, (sent + timeout, timeout)).await?;
             if let Some(mut dispatch) = dispatch {
                 dispatch.observe(&bytes);
             }
@@ -142,9 +151,13 @@ fn rebuild(status: StatusCode, mut shim_headers: HeaderMap, body: Body) -> Respo
     response
 }
 
-/// A body read whole, up to `limit` bytes within `timeout`, and charged to the process's
-/// budget of buffered answers as it grows.
-async fn read_whole(body: ShimBody, limit: usize, timeout: Duration) -> Result<(Bytes, Charge), Failure> {
+/// A body read whole, up to `limit` bytes by `deadline` (the end of a `timeout`), and charged to
+/// the process's budget of buffered answers as it grows.
+async fn read_whole(
+    body: ShimBody,
+    limit: usize,
+    (deadline, timeout): (Instant, Duration),
+) -> Result<(Bytes, Charge), Failure> {
     let read = async {
         let mut body = pin!(Limited::new(body, limit));
         // Most answers arrive in one frame, kept as it came; only a second one is copied.
@@ -169,12 +182,13 @@ async fn read_whole(body: ShimBody, limit: usize, timeout: Duration) -> Result<(
         }
         Ok((first.unwrap_or_else(|| joined.freeze()), charge))
     };
-    tokio::time::timeout(timeout, read).await.unwrap_or(Err(Failure::BodyTimeout(timeout)))
+    tokio::time::timeout_at(deadline, read).await.unwrap_or(Err(Failure::BodyTimeout(timeout)))
 }
 
 /// A refusal's body, or nothing when it is too large or too slow: the status alone decides then.
 async fn read_error_body(body: ShimBody) -> Bytes {
-    read_whole(body, MAX_ERROR_BODY_BYTES, ERROR_BODY_TIMEOUT).await.map(|(bytes, _)| bytes).unwrap_or_default()
+    let deadline = (Instant::now() + ERROR_BODY_TIMEOUT, ERROR_BODY_TIMEOUT);
+    read_whole(body, MAX_ERROR_BODY_BYTES, deadline).await.map(|(bytes, _)| bytes).unwrap_or_default()
 }
 
 /// A buffered answer, holding its charge until it is written.

@@ -117,6 +117,36 @@ async fn a_shim_that_never_answers_times_out_instead_of_hanging() -> anyhow::Res
     Ok(())
 }
 
+/// A buffered exchange has one budget, the head's wait and the body's read together: a head
+/// that comes late does not earn the body a budget of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffered_answer_must_arrive_whole_within_one_timeout_from_the_send() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let timeout = Duration::from_millis(600);
+    let slow = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", slow.local_addr()?);
+    let served = tokio::spawn(async move {
+        let Ok((mut socket, _)) = slow.accept().await else { return };
+        let mut request = [0; 4096];
+        let _ = socket.read(&mut request).await;
+        // The head at 2/3 of the budget, the body at 4/3 of it.
+        tokio::time::sleep(timeout * 2 / 3).await;
+        let _ =
+            socket.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n").await;
+        tokio::time::sleep(timeout * 2 / 3).await;
+        let _ = socket.write_all(b"{}").await;
+        tokio::time::sleep(timeout).await;
+    });
+    let settings = DispatchSettings { buffered_timeout: timeout, ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-slow", url)]), settings).await?;
+    let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (504, "disaggregated_decode_failed"));
+    assert!(harness.replica.ledger.is_empty());
+    harness.stop().await;
+    served.abort();
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_failing_its_liveness_probes_is_skipped_before_any_request_fails_and_returns_when_live()
 -> anyhow::Result<()> {
