@@ -37,7 +37,7 @@ pub struct Metrics {
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
-    pub dispatches_refused: IntCounter,
+    pub dispatches_refused: IntCounterVec,
     /// Reported prefix chains the book did not hold past its hash bound (their blocks count whole).
     pub dispatch_chains_dropped: IntCounter,
     /// Dispatches replicas reported again on a new stream (started before it opened).
@@ -129,11 +129,14 @@ impl Metrics {
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
-                "Replica dispatch reports dropped because the backlog book was behind",
+                "Replica dispatch reports dropped, ending the replica's session: past a report's bounds, or the backlog book was behind",
             )?,
-            dispatches_refused: IntCounter::new(
-                "continuum_fleet_dispatches_refused_total",
-                "Reported dispatches refused: an unknown rank, or past a replica's bound",
+            dispatches_refused: IntCounterVec::new(
+                Opts::new(
+                    "continuum_fleet_dispatches_refused_total",
+                    "Reported dispatches the backlog book refused, by reason: unknown_rank (none named, or one the fleet does not have), implausible (more tokens or blocks than any request), replica_full (past a replica's bound), book_full (past the book's, for a replica holding its share)",
+                ),
+                &["reason"],
             )?,
             dispatch_chains_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_chains_dropped_total",
@@ -241,6 +244,9 @@ impl Metrics {
         }
         for result in KvEventResult::ALL {
             metrics.kv_events.with_label_values(&[result.as_str()]);
+        }
+        for reason in crate::fleet::Refusal::ALL {
+            metrics.dispatches_refused.with_label_values(&[reason.as_str()]);
         }
         for result in ProvisionalResult::ALL {
             metrics.kv_provisional.with_label_values(&[result.as_str()]);

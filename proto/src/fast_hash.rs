@@ -3,9 +3,14 @@
 //! ids and backend names: all from the fleet or a replica holding the control plane's token,
 //! never chosen by a client, so SipHash's keyed flooding resistance costs a noticeable share of
 //! a request for little. The finalizer still spreads keys of any shape over a table's buckets.
+//!
+//! Keys a replica chooses outright (its dispatch ids) go in a [`SeededMap`], whose hashers start
+//! from a secret drawn once per process: every step of the hash is invertible, so ids chosen to
+//! share a bucket could otherwise be computed, and every lookup would probe them all.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
+use std::sync::OnceLock;
 
 const K: u64 = 0x517c_c1b7_2722_0a95;
 
@@ -62,6 +67,29 @@ impl Hasher for FastHasher {
 
 pub type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FastHasher>>;
 
+/// A [`FastMap`] for keys a peer chooses: see the module documentation.
+pub type SeededMap<K, V> = HashMap<K, V, Seeded>;
+
+/// Builds [`FastHasher`]s that start from the process's secret.
+#[derive(Debug, Clone, Copy)]
+pub struct Seeded(u64);
+
+impl Default for Seeded {
+    fn default() -> Self {
+        static SECRET: OnceLock<u64> = OnceLock::new();
+        // The standard library's hasher is keyed from the operating system's randomness.
+        Self(*SECRET.get_or_init(|| RandomState::new().hash_one(0x5eed_u64)))
+    }
+}
+
+impl BuildHasher for Seeded {
+    type Hasher = FastHasher;
+
+    fn build_hasher(&self) -> FastHasher {
+        FastHasher(self.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::hash::{BuildHasher, BuildHasherDefault};
@@ -74,6 +102,15 @@ mod tests {
         assert_eq!(build.hash_one(("ns", 7u64)), build.hash_one(("ns", 7u64)));
         assert_ne!(build.hash_one(("ns", 7u64)), build.hash_one(("ns", 8u64)));
         assert_ne!(build.hash_one("abcdefgh"), build.hash_one("abcdefgh\0"));
+    }
+
+    #[test]
+    fn seeded_hashers_share_one_secret_that_moves_every_hash() {
+        let (one, other) = (Seeded::default(), Seeded::default());
+        assert_eq!(one.hash_one((1u64, 7u64)), other.hash_one((1u64, 7u64)), "one secret per process");
+        let plain = BuildHasherDefault::<FastHasher>::default();
+        let moved = (0..64u64).filter(|id| one.hash_one((1u64, *id)) != plain.hash_one((1u64, *id))).count();
+        assert_eq!(moved, 64, "the secret is in every hash");
     }
 
     #[test]

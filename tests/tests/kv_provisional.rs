@@ -249,7 +249,8 @@ async fn a_dispatch_for_a_rank_the_fleet_lacks_is_refused_and_counted_by_an_idle
     let reporter = watch(&mut client, "replica-a").await?;
     // The book holds nothing, so it has no window to wake for but the count it owes.
     reporter.send(started(1, 0x99, vec![7_000, 7_001])).await?;
-    eventually(WAIT, "the refusal is counted", || async { plane.metrics.dispatches_refused.get() == 1 }).await?;
+    let refused = || plane.metrics.dispatches_refused.with_label_values(&["unknown_rank"]).get();
+    eventually(WAIT, "the refusal is counted", || async { refused() == 1 }).await?;
     assert!(held(&mut client, &[7_000, 7_001]).await?.is_empty(), "a refused dispatch holds nothing");
     plane.cancel.cancel();
     Ok(())

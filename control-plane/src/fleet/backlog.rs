@@ -63,7 +63,7 @@ use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
 use continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES;
-use continuum_proto::fast_hash::FastMap;
+use continuum_proto::fast_hash::{FastMap, SeededMap};
 use continuum_proto::model::{Backlog, Load, LoadKey, ReportsFolded, Worker};
 use continuum_proto::pb;
 
@@ -84,8 +84,9 @@ pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
 pub const IN_FLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
 /// Outstanding dispatches one replica may hold in the book; more are refused and counted.
 pub const MAX_DISPATCHES_PER_REPLICA: usize = 65_536;
-/// Outstanding dispatches the book holds across every replica, however many connect; more are
-/// refused and counted. A fleet of 64 replicas with 4,096 requests in flight each fits.
+/// Outstanding dispatches the book holds across every replica, first come; past it only a
+/// replica holding less than an equal share of it may start more, up to twice it in all (see
+/// [`Book::full_for`]). A fleet of 64 replicas with 4,096 requests in flight each fits.
 pub const MAX_DISPATCHES: usize = 1 << 18;
 /// Bytes of reports waiting for the book at most (besides the count bound of its queue): past
 /// it a report is dropped and its session ended, as when the queue is full.
@@ -176,7 +177,8 @@ impl Dispatch {
 struct Rank {
     /// The rank's key in the fleet view (its backlog's, its samples').
     key: LoadKey,
-    dispatches: FastMap<(u64, u64), Dispatch>,
+    /// By session and the replica's dispatch id.
+    dispatches: SeededMap<(u64, u64), Dispatch>,
     /// How many of `dispatches` await the estimate of their first token
     /// ([`Dispatch::awaits_estimate`]): with none, the book spends nothing on them.
     buffered_waiting: usize,
@@ -232,7 +234,7 @@ impl Rank {
         let worker = state.view().worker(&key.worker).cloned();
         let mut rank = Rank {
             key,
-            dispatches: FastMap::default(),
+            dispatches: SeededMap::default(),
             buffered_waiting: 0,
             active: 0,
             sampled_at: None,
@@ -528,6 +530,51 @@ fn reported_rank(key: &pb::LoadKey) -> Option<RankKey> {
     Some(RankKey { worker_id: worker.instance_id, dp_rank: key.dp_rank })
 }
 
+/// Why the book refused a reported start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// It named no rank, or one the fleet does not have (the replica's view was behind).
+    UnknownRank,
+    /// More prompt tokens or decode blocks than any request could have.
+    Implausible,
+    /// Its replica holds [`MAX_DISPATCHES_PER_REPLICA`] already.
+    ReplicaFull,
+    /// The book is full for its replica ([`Book::full_for`]).
+    BookFull,
+}
+
+impl Refusal {
+    pub const ALL: [Refusal; 4] = [Refusal::UnknownRank, Refusal::Implausible, Refusal::ReplicaFull, Refusal::BookFull];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::UnknownRank => "unknown_rank",
+            Refusal::Implausible => "implausible",
+            Refusal::ReplicaFull => "replica_full",
+            Refusal::BookFull => "book_full",
+        }
+    }
+}
+
+/// Refused starts, by [`Refusal`] (in [`Refusal::ALL`]'s order).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Refused([u64; Refusal::ALL.len()]);
+
+impl Refused {
+    fn count(&mut self, refusal: Refusal) {
+        self.0[refusal as usize] += 1;
+    }
+
+    pub fn of(&self, refusal: Refusal) -> u64 {
+        self.0[refusal as usize]
+    }
+
+    #[cfg(test)]
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+}
+
 /// Whether the fleet view has `key`'s worker, with that dp rank.
 fn in_fleet(state: &FleetState, key: &LoadKey) -> bool {
     state.view().worker(&key.worker).is_some_and(|w| w.serves_rank(key.dp_rank))
@@ -539,15 +586,17 @@ struct Book {
     ranks: FastMap<RankKey, Rank>,
     /// The hashes of every dispatch in flight, per rank.
     active: ActiveIndex,
-    where_is: FastMap<(u64, u64), RankKey>,
-    per_replica: FastMap<u64, usize>,
+    /// Per session, the rank of each of its dispatches in flight, by the replica's id: a
+    /// session's go with it ([`Book::replica_gone`]) without a look at any other's.
+    where_is: FastMap<u64, SeededMap<u64, RankKey>>,
+    /// Dispatches in flight, across every session.
+    held: usize,
     /// Ranks whose sums may have moved since the last publish check, each once.
     dirty: Vec<RankKey>,
     /// Block hashes the dispatches in flight hold, at most [`MAX_ACTIVE_BLOCK_HASHES`].
     held_hashes: usize,
-    /// Dispatches refused: naming no rank or one the fleet does not have, implausibly large,
-    /// or past the replica's or the book's bound.
-    refused: u64,
+    /// Dispatches refused, by [`Refusal`].
+    refused: Refused,
     /// Chains not held past the hash bound.
     chains_dropped: u64,
     /// Dispatches replicas reported again on a new stream.
@@ -603,20 +652,11 @@ impl Book {
 
     /// One reported start: admitted onto its rank, or refused and counted.
     fn start(&mut self, replica: u64, started: pb::DispatchStarted, at: Instant, state: &FleetState) {
-        // A start naming no rank is refused and counted like one naming a rank not held.
-        let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
-            self.refused += 1;
-            return;
-        };
-        let held = self.per_replica.get(&replica).copied().unwrap_or_default();
-        let implausible =
-            started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS;
-        let full = held >= MAX_DISPATCHES_PER_REPLICA || self.where_is.len() >= MAX_DISPATCHES;
-        if implausible || full || !self.admit(key, reported, state) {
-            self.refused += 1;
+        if let Err(refusal) = self.admit_start(replica, &started, state) {
+            self.refused.count(refusal);
             return;
         }
-        *self.per_replica.entry(replica).or_default() += 1;
+        let Some(key) = started.rank.as_ref().and_then(reported_rank) else { return };
         let id = (replica, started.id);
         // A repeated id replaces its dispatch, which did not end.
         self.forget(id, at);
@@ -656,7 +696,43 @@ impl Book {
         }
         rank.start(id, dispatch, &self.active, key);
         mark(&mut self.dirty, key, rank);
-        self.where_is.insert(id, key);
+        self.where_is.entry(replica).or_default().insert(started.id, key);
+        self.held += 1;
+    }
+
+    /// Whether `replica` may start `started`: a plausible dispatch, on a rank the fleet has
+    /// (given its record here), within the replica's bound and the book's.
+    fn admit_start(&mut self, replica: u64, started: &pb::DispatchStarted, state: &FleetState) -> Result<(), Refusal> {
+        let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
+            return Err(Refusal::UnknownRank);
+        };
+        if started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS {
+            return Err(Refusal::Implausible);
+        }
+        let held = self.where_is.get(&replica).map_or(0, |session| session.len());
+        if held >= MAX_DISPATCHES_PER_REPLICA {
+            return Err(Refusal::ReplicaFull);
+        }
+        if self.full_for(replica, held) {
+            return Err(Refusal::BookFull);
+        }
+        if !self.admit(key, reported, state) {
+            return Err(Refusal::UnknownRank);
+        }
+        Ok(())
+    }
+
+    /// Whether the book has no room for one more dispatch of `replica`, which holds `held`.
+    /// Room is first come up to [`MAX_DISPATCHES`]; past it a replica holding less than an
+    /// equal share of that (among the sessions that have reported) may still start, so that
+    /// replicas filling the book, by load or by malice, cannot lock the others out of it; and
+    /// none past twice it.
+    fn full_for(&self, replica: u64, held: usize) -> bool {
+        if self.held < MAX_DISPATCHES {
+            return false;
+        }
+        let sessions = self.where_is.len() + usize::from(!self.where_is.contains_key(&replica));
+        self.held >= 2 * MAX_DISPATCHES || held >= MAX_DISPATCHES / sessions
     }
 
     /// Whether `key`, reported as `reported`, is a rank the fleet has: a report cannot make the
@@ -681,7 +757,7 @@ impl Book {
     }
 
     fn prefilled(&mut self, id: (u64, u64), at: Instant) {
-        let Some(&key) = self.where_is.get(&id) else { return };
+        let Some(&key) = self.where_is.get(&id.0).and_then(|session| session.get(&id.1)) else { return };
         let Some(rank) = self.ranks.get_mut(&key) else { return };
         rank.answered(id, at);
         mark(&mut self.dirty, key, rank);
@@ -698,22 +774,23 @@ impl Book {
 
     /// Takes dispatch `id` off its rank with `off`, which returns the hashes it held.
     fn take(&mut self, id: (u64, u64), off: impl FnOnce(&mut Rank, &ActiveIndex, RankKey) -> usize) {
-        let Some(key) = self.where_is.remove(&id) else { return };
+        let Some(key) = self.where_is.get_mut(&id.0).and_then(|session| session.remove(&id.1)) else { return };
+        self.take_from(key, off);
+    }
+
+    /// Takes a dispatch no longer in `where_is` off rank `key` with `off`.
+    fn take_from(&mut self, key: RankKey, off: impl FnOnce(&mut Rank, &ActiveIndex, RankKey) -> usize) {
+        self.held = self.held.saturating_sub(1);
         if let Some(rank) = self.ranks.get_mut(&key) {
             self.held_hashes -= off(rank, &self.active, key);
             mark(&mut self.dirty, key, rank);
         }
-        if let Some(held) = self.per_replica.get_mut(&id.0) {
-            *held = held.saturating_sub(1);
-        }
     }
 
     fn replica_gone(&mut self, replica: u64, now: Instant) {
-        let ids: Vec<(u64, u64)> = self.where_is.keys().filter(|(r, _)| *r == replica).copied().collect();
-        for id in ids {
-            self.forget(id, now);
+        for (id, key) in self.where_is.remove(&replica).unwrap_or_default() {
+            self.take_from(key, |rank, active, key| rank.forget((replica, id), now, active, key));
         }
-        self.per_replica.remove(&replica);
         self.folded.remove(&replica);
     }
 

@@ -239,7 +239,8 @@ mod tests {
 
     #[test]
     fn an_event_ends_at_a_blank_line_whatever_its_line_endings_and_wherever_the_frames_break() {
-        let rows: [(&[&[u8]], &[Option<usize>]); 10] = [
+        type Row = (&'static [&'static [u8]], &'static [Option<usize>]);
+        let rows: [Row; 10] = [
             (&[b"data: {}\n\n"], &[Some(10)]),
             (&[b"data: {}\r\n\r\n"], &[Some(12)]),
             (&[b"data: x\r\r"], &[Some(9)]),

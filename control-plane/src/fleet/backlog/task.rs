@@ -7,11 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use continuum_proto::pb;
-use prometheus::IntCounter;
+use prometheus::{IntCounter, IntCounterVec};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::{BACKLOG_WINDOW, Book, MAX_QUEUED_REPORT_BYTES};
+use super::{BACKLOG_WINDOW, Book, MAX_QUEUED_REPORT_BYTES, Refusal, Refused};
 use crate::fleet::{ActiveIndex, FleetPublisher, FleetState};
 
 /// Reports waiting for the book; a full queue drops the report (and counts it) rather than
@@ -40,8 +40,8 @@ enum Command {
 /// What the book counts on the control plane's registry.
 #[derive(Debug, Clone)]
 pub struct BookCounters {
-    /// Dispatches the book would not hold.
-    pub refused: IntCounter,
+    /// Dispatches the book would not hold, by `reason` ([`Refusal`]).
+    pub refused: IntCounterVec,
     /// Prefix chains not held past [`MAX_ACTIVE_BLOCK_HASHES`].
     pub chains_dropped: IntCounter,
     /// Dispatches reported again on a new stream.
@@ -101,7 +101,7 @@ async fn run(
     cancel: CancellationToken,
 ) {
     // What the counters already hold of the book's totals.
-    let (mut refused, mut chains_dropped, mut replayed) = (0, 0, 0);
+    let (mut refused, mut chains_dropped, mut replayed) = (Refused::default(), 0, 0);
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -143,7 +143,10 @@ async fn run(
                 if publish(&mut book, &publisher, &mut states, Instant::now()) {
                     last_published = Some(tokio::time::Instant::now());
                 }
-                counters.refused.inc_by(book.refused - refused);
+                for reason in Refusal::ALL {
+                    let counted = book.refused.of(reason) - refused.of(reason);
+                    counters.refused.with_label_values(&[reason.as_str()]).inc_by(counted);
+                }
                 counters.chains_dropped.inc_by(book.chains_dropped - chains_dropped);
                 counters.replayed.inc_by(book.replayed - replayed);
                 (refused, chains_dropped, replayed) = (book.refused, book.chains_dropped, book.replayed);

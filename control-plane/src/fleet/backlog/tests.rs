@@ -154,7 +154,7 @@ fn reports_for_ranks_the_fleet_does_not_have_are_refused() {
     book.report(1, report(vec![stranger], vec![]), Instant::now(), &state);
     let nowhere = pb::DispatchStarted { rank: None, ..started(3, 0, 16) };
     book.report(1, report(vec![nowhere], vec![]), Instant::now(), &state);
-    assert_eq!(book.refused, 3);
+    assert_eq!((book.refused.of(Refusal::UnknownRank), book.refused.total()), (3, 3));
     assert!(book.take_change(Instant::now()).backlogs.is_empty());
 }
 
@@ -172,7 +172,7 @@ fn a_held_rank_takes_reports_only_under_its_own_namespace_and_while_its_worker_s
     unnamed.rank =
         Some(pb::LoadKey { worker: Some(pb::WorkerKey { namespace: String::new(), instance_id: 1 }), dp_rank: 0 });
     book.report(1, report(vec![impostor, unnamed], vec![]), t0, &state);
-    assert_eq!(book.refused, 2);
+    assert_eq!(book.refused.of(Refusal::UnknownRank), 2);
     // Once the worker has left the fleet, its held rank takes no new dispatch.
     let Some((gone, _)) =
         state.commit(FleetChange { remove: vec![WorkerKey::new("dynamo", 1)], ..FleetChange::default() })
@@ -180,8 +180,8 @@ fn a_held_rank_takes_reports_only_under_its_own_namespace_and_while_its_worker_s
         panic!("a removal is a change")
     };
     book.report(1, report(vec![started(4, 0, 16)], vec![]), t0, &gone);
-    assert_eq!(book.refused, 3);
-    assert_eq!(book.where_is.keys().copied().collect::<Vec<_>>(), [(1, 1)]);
+    assert_eq!(book.refused.of(Refusal::UnknownRank), 3);
+    assert_eq!(book.where_is[&1].keys().copied().collect::<Vec<_>>(), [1]);
 }
 
 #[test]
@@ -210,7 +210,7 @@ fn a_dispatch_that_starts_and_ends_within_one_report_leaves_nothing() {
     };
     book.report(1, whole, t0, &state);
     assert_eq!(sums(&book.take_change(t0)), [(0, 0, 0, 0, None)]);
-    assert!(book.where_is.is_empty());
+    assert_eq!(book.held, 0);
 }
 
 /// The herd this accounting exists to stop: a burst's requests all end, but the worker's last
@@ -440,8 +440,8 @@ fn a_replica_holds_a_bounded_number_of_dispatches() {
     let mut book = Book::default();
     let many = (0..MAX_DISPATCHES_PER_REPLICA as u64 + 10).map(|id| started(id, 0, 16)).collect();
     book.report(1, report(many, vec![]), Instant::now(), &state);
-    assert_eq!(book.where_is.len(), MAX_DISPATCHES_PER_REPLICA);
-    assert_eq!(book.refused, 10);
+    assert_eq!(book.held, MAX_DISPATCHES_PER_REPLICA);
+    assert_eq!((book.refused.of(Refusal::ReplicaFull), book.refused.total()), (10, 10));
 }
 
 #[test]
@@ -455,7 +455,7 @@ fn a_dispatch_no_request_could_be_is_refused_and_leaves_the_others_sums_whole() 
         pb::DispatchStarted { prefill_tokens: MAX_REPORTED_PREFILL_TOKENS + 1, ..started(2, 0, 16) },
     ];
     book.report(2, report(absurd.to_vec(), vec![]), t0, &state);
-    assert_eq!(book.refused, 2);
+    assert_eq!((book.refused.of(Refusal::Implausible), book.refused.total()), (2, 2));
     book.report(2, report(vec![], vec![1, 2]), t0, &state);
     let change = book.take_change(t0);
     assert_eq!(sums(&change), [(0, 160, 10, 1, None)], "the first replica's dispatch is still counted whole");
@@ -714,13 +714,22 @@ async fn until_published(publisher: &FleetPublisher, dispatches: u32) -> bool {
     false
 }
 
+/// Counters of a book, registered nowhere.
+fn counters() -> BookCounters {
+    let counter = |name| IntCounter::new(name, name).expect("counter");
+    let refused = prometheus::IntCounterVec::new(prometheus::Opts::new("refused", "refused"), &["reason"]);
+    BookCounters {
+        refused: refused.expect("counter"),
+        chains_dropped: counter("chains"),
+        replayed: counter("replayed"),
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them_once_per_window() {
     let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
     publisher.apply(FleetChange { upsert: vec![decode_worker(1)], ..FleetChange::default() });
-    let counter = |name| IntCounter::new(name, name).expect("counter");
-    let counters =
-        BookCounters { refused: counter("refused"), chains_dropped: counter("chains"), replayed: counter("replayed") };
+    let counters = counters();
     let cancel = CancellationToken::new();
     let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters, cancel.clone());
 
@@ -767,27 +776,59 @@ fn a_worker_removed_and_added_again_gets_its_backlog_published_anew() {
     assert_eq!(sums(&book.take_change(t0)), [(0, 160, 10, 1, None)], "the unchanged sum goes out again");
 }
 
+/// Starts `count` dispatches for `replica`, numbered from `first`, in reports of the most a
+/// report may start.
+fn fill(book: &mut Book, state: &FleetState, replica: u64, first: u64, count: usize) {
+    let ids: Vec<u64> = (first..first + count as u64).collect();
+    for batch in ids.chunks(continuum_proto::MAX_REPORT_STARTED) {
+        book.report(
+            replica,
+            report(batch.iter().map(|id| started(*id, 0, 16)).collect(), vec![]),
+            Instant::now(),
+            state,
+        );
+    }
+}
+
 #[test]
-fn the_book_holds_a_bounded_number_of_dispatches_across_every_replica() {
+fn the_book_holds_a_bounded_number_of_dispatches_and_replicas_filling_it_cannot_lock_the_others_out() {
     let state = state_with(0);
     let mut book = Book::default();
-    let per_report = continuum_proto::MAX_REPORT_STARTED as u64;
-    // Replicas fill the book, each to its own bound, until the book's bound is reached.
-    let replicas = (MAX_DISPATCHES / MAX_DISPATCHES_PER_REPLICA) as u64;
-    for replica in 0..replicas {
-        for first in (0..MAX_DISPATCHES_PER_REPLICA as u64).step_by(per_report as usize) {
-            let batch = (first..first + per_report).map(|id| started(id, 0, 16)).collect();
-            book.report(replica, report(batch, vec![]), Instant::now(), &state);
-        }
+    // Replicas fill the book, each to half its own bound, until the book's bound is reached.
+    let each = MAX_DISPATCHES_PER_REPLICA / 2;
+    let hogs = (MAX_DISPATCHES / each) as u64;
+    for replica in 0..hogs {
+        fill(&mut book, &state, replica, 0, each);
     }
-    assert_eq!((book.where_is.len(), book.refused), (MAX_DISPATCHES, 0));
-    // One more replica, well within its own bound, is refused: the book is full.
-    book.report(replicas, report(vec![started(1, 0, 16), started(2, 0, 16)], vec![]), Instant::now(), &state);
-    assert_eq!((book.where_is.len(), book.refused), (MAX_DISPATCHES, 2));
-    // An end makes room again.
-    book.report(0, report(vec![], vec![0]), Instant::now(), &state);
-    book.report(replicas, report(vec![started(3, 0, 16)], vec![]), Instant::now(), &state);
-    assert_eq!((book.where_is.len(), book.refused), (MAX_DISPATCHES, 2));
+    assert_eq!((book.held, book.refused.total()), (MAX_DISPATCHES, 0));
+    // Past it, they may start no more, within their own bounds as they are: each holds an
+    // equal share already.
+    book.report(0, report(vec![started(u64::MAX, 0, 16)], vec![]), Instant::now(), &state);
+    assert_eq!((book.held, book.refused.of(Refusal::BookFull)), (MAX_DISPATCHES, 1));
+    // A replica that holds less may, up to its share among them all.
+    let share = MAX_DISPATCHES / (hogs as usize + 1);
+    fill(&mut book, &state, hogs, 0, share + 2);
+    assert_eq!(book.where_is[&hogs].len(), share);
+    assert_eq!((book.held, book.refused.of(Refusal::BookFull)), (MAX_DISPATCHES + share, 3));
+    // An end makes room for its replica again.
+    book.report(hogs, report(vec![], vec![0]), Instant::now(), &state);
+    book.report(hogs, report(vec![started(share as u64 + 9, 0, 16)], vec![]), Instant::now(), &state);
+    assert_eq!((book.held, book.refused.of(Refusal::BookFull)), (MAX_DISPATCHES + share, 3));
+    // Shares shrink as replicas come, but the book holds twice its bound at most.
+    let mut replica = hogs + 1;
+    while book.held < 2 * MAX_DISPATCHES {
+        let held = book.held;
+        fill(&mut book, &state, replica, 0, 4096);
+        assert!(book.held > held, "a newcomer below its share takes room");
+        replica += 1;
+    }
+    let refused = book.refused.of(Refusal::BookFull);
+    fill(&mut book, &state, replica, 0, 1);
+    assert_eq!((book.held, book.refused.of(Refusal::BookFull)), (2 * MAX_DISPATCHES, refused + 1));
+    // A replica's dispatches go with it, and only its own are looked at.
+    book.replica_gone(0, Instant::now());
+    assert_eq!(book.held, 2 * MAX_DISPATCHES - each);
+    assert!(!book.where_is.contains_key(&0));
 }
 
 #[test]
@@ -806,9 +847,7 @@ fn a_cut_chain_gives_its_memory_back() {
 #[tokio::test]
 async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() {
     let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-    let counter = |name| IntCounter::new(name, name).expect("counter");
-    let counters =
-        BookCounters { refused: counter("refused"), chains_dropped: counter("chains"), replayed: counter("replayed") };
+    let counters = counters();
     let cancel = CancellationToken::new();
     let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters, cancel.clone());
     // The book's task does not run while this one does not yield: every report waits.
@@ -894,5 +933,5 @@ fn a_start_sees_the_first_tokens_and_ends_reported_before_it() {
     book.report(1, report(full, vec![]), t0, &state);
     let after_end = pb::DispatchStarted { after_ended: 1, ..started(u64::MAX, 0, 16) };
     book.report(1, report(vec![after_end], vec![0]), t0, &state);
-    assert_eq!((book.refused, book.where_is.len()), (0, MAX_DISPATCHES_PER_REPLICA));
+    assert_eq!((book.refused.total(), book.held), (0, MAX_DISPATCHES_PER_REPLICA));
 }
