@@ -182,6 +182,9 @@ struct Rank {
     /// How many of `dispatches` await the estimate of their first token
     /// ([`Dispatch::awaits_estimate`]): with none, the book spends nothing on them.
     buffered_waiting: usize,
+    /// How many of `dispatches` are still prefilling ([`Dispatch::prefill_tokens`] above 0): a
+    /// start learns whether it prefills alone without a look at every dispatch in flight.
+    prefilling: usize,
     /// The distinct decode blocks of `dispatches` (their hashes are in the book's
     /// [`ActiveIndex`]).
     active: u64,
@@ -236,6 +239,7 @@ impl Rank {
             key,
             dispatches: SeededMap::default(),
             buffered_waiting: 0,
+            prefilling: 0,
             active: 0,
             sampled_at: None,
             foreign: None,
@@ -284,9 +288,9 @@ impl Rank {
 
     /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
     fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
-        dispatch.alone = !dispatch.replayed
-            && dispatch.prefill_tokens() > 0
-            && self.dispatches.values().all(|d| d.prefill_tokens() == 0);
+        let prefills = dispatch.prefill_tokens() > 0;
+        dispatch.alone = !dispatch.replayed && prefills && self.prefilling == 0;
+        self.prefilling += usize::from(prefills);
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
         // Reported before the rank's last sample arrived but folded after it was measured (the
@@ -338,6 +342,7 @@ impl Rank {
         if dispatch.answered.is_none() {
             // A buffered dispatch is not expected to be answered; if it is, the report wins.
             self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
+            self.prefilling = self.prefilling.saturating_sub(usize::from(tokens > 0));
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
             if !dispatch.replayed {
@@ -357,6 +362,7 @@ impl Rank {
                 for (_, earlier) in self.dispatches.iter_mut().filter(|(key, d)| before(key, d)) {
                     earlier.estimate_answered(at);
                     self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+                    self.prefilling = self.prefilling.saturating_sub(1);
                 }
             }
         }
@@ -397,6 +403,7 @@ impl Rank {
             if let Some(expired) = dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now) {
                 dispatch.estimate_answered(expired);
                 self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+                self.prefilling = self.prefilling.saturating_sub(1);
                 deemed = true;
             }
         }
@@ -413,6 +420,7 @@ impl Rank {
             let Some(head) = self.dispatches.get_mut(&id) else { break };
             head.estimate_answered(done);
             self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+            self.prefilling = self.prefilling.saturating_sub(1);
             // A replayed one was dispatched before the estimates that moved `last_answered`.
             if !head.replayed {
                 self.last_answered = Some(done);
@@ -424,6 +432,9 @@ impl Rank {
 
     /// The rank's oldest dispatch still prefilling: the head of its prefill queue.
     fn prefill_head(&self) -> Option<(&(u64, u64), &Dispatch)> {
+        if self.prefilling == 0 {
+            return None;
+        }
         self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id))
     }
 
@@ -490,6 +501,7 @@ impl Rank {
     fn remove(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> Option<(Dispatch, u64)> {
         let dispatch = self.dispatches.remove(&id)?;
         self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
+        self.prefilling = self.prefilling.saturating_sub(usize::from(dispatch.prefill_tokens() > 0));
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);
         Some((dispatch, freed))

@@ -935,3 +935,82 @@ fn a_start_sees_the_first_tokens_and_ends_reported_before_it() {
     book.report(1, report(vec![after_end], vec![0]), t0, &state);
     assert_eq!((book.refused.total(), book.held), (0, MAX_DISPATCHES_PER_REPLICA));
 }
+
+mod counts {
+    //! The book's running counts against what they count, after any sequence of reports, ticks
+    //! and departures.
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Start { replica: u64, id: u64, dp_rank: u32, tokens: u64, buffered: bool, replayed: bool },
+        Prefilled { replica: u64, id: u64 },
+        End { replica: u64, id: u64 },
+        Tick { millis: u64 },
+        Gone { replica: u64 },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let replica = 0..3u64;
+        let id = 0..12u64;
+        prop_oneof![
+            4 => (replica.clone(), id.clone(), 0..2u32, 0..3000u64, any::<bool>(), any::<bool>()).prop_map(
+                |(replica, id, dp_rank, tokens, buffered, replayed)| Op::Start { replica, id, dp_rank, tokens, buffered, replayed }
+            ),
+            2 => (replica.clone(), id.clone()).prop_map(|(replica, id)| Op::Prefilled { replica, id }),
+            2 => (replica.clone(), id).prop_map(|(replica, id)| Op::End { replica, id }),
+            2 => (0..40_000u64).prop_map(|millis| Op::Tick { millis }),
+            1 => replica.prop_map(|replica| Op::Gone { replica }),
+        ]
+    }
+
+    fn check(book: &Book) -> Result<(), TestCaseError> {
+        let mut in_ranks = 0;
+        for rank in book.ranks.values() {
+            let prefilling = rank.dispatches.values().filter(|d| d.prefill_tokens() > 0).count();
+            let waiting = rank.dispatches.values().filter(|d| d.awaits_estimate()).count();
+            prop_assert_eq!(rank.prefilling, prefilling);
+            prop_assert_eq!(rank.buffered_waiting, waiting);
+            in_ranks += rank.dispatches.len();
+        }
+        let filed: usize = book.where_is.values().map(|session| session.len()).sum();
+        prop_assert_eq!((book.held, filed), (in_ranks, in_ranks));
+        for (session, ids) in &book.where_is {
+            for (id, key) in ids {
+                prop_assert!(book.ranks.get(key).is_some_and(|rank| rank.dispatches.contains_key(&(*session, *id))));
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn running_counts_match_what_they_count(ops in proptest::collection::vec(op(), 1..80)) {
+            let state = state_with(2);
+            let mut book = Book::default();
+            let mut now = Instant::now();
+            for op in ops {
+                match op {
+                    Op::Start { replica, id, dp_rank, tokens, buffered, replayed } => {
+                        let start = pb::DispatchStarted { buffered, replayed, age_ms: tokens, ..started(id, dp_rank, tokens) };
+                        book.report(replica, report(vec![start], vec![]), now, &state);
+                    }
+                    Op::Prefilled { replica, id } => book.report(replica, first_token(id), now, &state),
+                    Op::End { replica, id } => book.report(replica, report(vec![], vec![id]), now, &state),
+                    Op::Tick { millis } => {
+                        now += Duration::from_millis(millis);
+                        book.expire(&state, now);
+                        book.take_change(now);
+                    }
+                    Op::Gone { replica } => book.replica_gone(replica, now),
+                }
+                check(&book)?;
+            }
+        }
+    }
+}
