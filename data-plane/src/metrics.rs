@@ -64,7 +64,7 @@ pub struct Metrics {
     /// each scrape from [`crate::memory`].
     body_bytes_held: IntGaugeVec,
     /// `continuum_http_write_stalls_total`: connections dropped because the client took none
-    /// of a response for the write-stall timeout.
+    /// of a response for the write-stall timeout, or took it too slowly.
     http_write_stalls: IntCounter,
     /// Backend refusals of a client's request (4xx) passed to the client, by what became of
     /// their `body` ([`RefusalBody`]).
@@ -281,8 +281,9 @@ impl Metrics {
             http_write_stalls: IntCounter::new(
                 "continuum_http_write_stalls_total",
                 format!(
-                    "Client connections dropped because the client read none of a response for {} seconds",
-                    crate::server::WRITE_STALL_TIMEOUT.as_secs()
+                    "Client connections dropped because the client read none of a response for {} seconds, or a write of it slower than {} KiB/s on average past them",
+                    crate::server::WRITE_STALL_TIMEOUT.as_secs(),
+                    crate::server::MIN_WRITE_BYTES_PER_SECOND >> 10
                 ),
             )?,
             http_refused: IntCounterVec::new(

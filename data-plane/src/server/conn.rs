@@ -41,6 +41,10 @@ pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A client that takes none of a response's bytes for this long is dropped: its connection,
 /// and the dispatch behind a stream, would otherwise be held for as long as it chose.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Nor may a client take a write slower than this, on average, beyond [`WRITE_STALL_TIMEOUT`]:
+/// one that read a byte now and then would hold its connection, and a buffered answer's charge
+/// against the process's budget, as long as it liked.
+pub const MIN_WRITE_BYTES_PER_SECOND: u64 = 256 << 10;
 /// What a connection's read buffer starts with and grows by.
 const READ_CHUNK: usize = 8 << 10;
 /// A read buffer a larger request (head and body) went through is let go once the body is
@@ -420,15 +424,19 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// Writes all of `bytes`, failing with [`io::ErrorKind::TimedOut`] once the client has taken
-/// none of them for [`WRITE_STALL_TIMEOUT`]. The deadline runs from the last progress, so a
-/// slow reader of a large answer is served; one that stopped reading is not waited on.
+/// none of them for [`WRITE_STALL_TIMEOUT`], or has not taken them all by that long plus
+/// their time at [`MIN_WRITE_BYTES_PER_SECOND`] from the first wait: a slow reader of a large
+/// answer is served, one that stopped reading or barely reads is not waited on.
 async fn write_unless_stalled(stream: &mut TcpStream, mut bytes: &[u8]) -> io::Result<()> {
+    let mut deadline = None;
     while !bytes.is_empty() {
         // Usually the socket takes it all at once, with no timer to arm.
         let written = match stream.try_write(bytes) {
             Ok(n) => n,
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                match tokio::time::timeout(WRITE_STALL_TIMEOUT, stream.write(bytes)).await {
+                let now = tokio::time::Instant::now();
+                let whole = *deadline.get_or_insert_with(|| now + write_time(bytes.len()));
+                match tokio::time::timeout_at(whole.min(now + WRITE_STALL_TIMEOUT), stream.write(bytes)).await {
                     Ok(written) => written?,
                     Err(_) => return Err(io::ErrorKind::TimedOut.into()),
                 }
@@ -441,6 +449,11 @@ async fn write_unless_stalled(stream: &mut TcpStream, mut bytes: &[u8]) -> io::R
         bytes = &bytes[written..];
     }
     Ok(())
+}
+
+/// The longest a client may take to read `len` bytes the socket did not take at once.
+fn write_time(len: usize) -> Duration {
+    WRITE_STALL_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_WRITE_BYTES_PER_SECOND as f64)
 }
 
 /// Framing a response body's frames into the write buffer.
@@ -510,6 +523,36 @@ mod tests {
         };
         assert_eq!(outcome.kind(), io::ErrorKind::TimedOut);
         assert!(started.elapsed() >= WRITE_STALL_TIMEOUT, "it waited out the deadline first");
+        Ok(())
+    }
+
+    /// A client that reads a little now and then, never pausing for the stall timeout, is
+    /// still dropped once it falls below the minimum rate.
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_barely_reads_is_not_waited_on() -> io::Result<()> {
+        const BUFFER: u32 = 16 << 10;
+        let listener = tokio::net::TcpSocket::new_v4()?;
+        listener.set_send_buffer_size(BUFFER)?;
+        listener.bind("127.0.0.1:0".parse().map_err(io::Error::other)?)?;
+        let listener = listener.listen(1)?;
+        let client = tokio::net::TcpSocket::new_v4()?;
+        client.set_recv_buffer_size(BUFFER)?;
+        let mut client = client.connect(listener.local_addr()?).await?;
+        let (mut server, _) = listener.accept().await?;
+        let trickle = tokio::spawn(async move {
+            let mut buffer = vec![0; 64 << 10];
+            while client.read(&mut buffer).await.is_ok_and(|n| n > 0) {
+                tokio::time::sleep(WRITE_STALL_TIMEOUT / 4).await;
+            }
+        });
+        let answer = vec![b'x'; 8 << 20];
+        let started = tokio::time::Instant::now();
+        let outcome = write_unless_stalled(&mut server, &answer).await;
+        assert_eq!(outcome.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
+        let allowed = write_time(answer.len());
+        assert!(started.elapsed() >= allowed - WRITE_STALL_TIMEOUT / 4, "{:?} of {allowed:?}", started.elapsed());
+        assert!(started.elapsed() <= allowed, "{:?} of {allowed:?}", started.elapsed());
+        trickle.abort();
         Ok(())
     }
 

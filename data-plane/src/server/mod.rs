@@ -9,7 +9,7 @@
 mod conn;
 pub mod head;
 
-pub use conn::WRITE_STALL_TIMEOUT;
+pub use conn::{MIN_WRITE_BYTES_PER_SECOND, WRITE_STALL_TIMEOUT};
 
 use std::io::ErrorKind;
 use std::sync::Arc;
