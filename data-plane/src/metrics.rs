@@ -70,7 +70,7 @@ pub struct Metrics {
     /// their `body` ([`RefusalBody`]).
     backend_refusals: IntCounterVec,
     /// Client requests refused before routing because they could not be read, by `reason`
-    /// ([`HEAD_REFUSALS`]).
+    /// (`HEAD_REFUSALS`).
     pub http_refused: IntCounterVec,
     /// The request path's series, looked up once rather than hashed by label on every request.
     hot: Arc<Hot>,
@@ -357,7 +357,7 @@ impl Metrics {
     }
 
     /// Counts a request for no endpoint under its error's code: `not_found` (a path not served)
-    /// or `method_not_allowed` (not with its method), both in [`HEAD_REFUSALS`].
+    /// or `method_not_allowed` (not with its method), both in `HEAD_REFUSALS`.
     pub fn no_endpoint(&self, code: &'static str) {
         self.http_refused.with_label_values(&[code]).inc();
     }

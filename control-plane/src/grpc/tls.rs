@@ -285,7 +285,7 @@ pub enum HandshakeFailure {
     /// It took longer than [`HANDSHAKE_TIMEOUT`].
     Timeout,
     /// Its slot went to a newer connection while [`MAX_HANDSHAKES`] were under way, or it
-    /// completed while [`READY_QUEUE`] connections were waiting for the server.
+    /// completed while its queue of connections waiting for the server (64) was full.
     Evicted,
     /// TLS refused it: no client certificate the CA signed, no common protocol, garbage.
     Refused,

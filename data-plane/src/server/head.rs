@@ -1,6 +1,6 @@
 //! HTTP/1.x as the replica's server speaks it, as pure functions over bytes: a request head
 //! parsed with its body framing and persistence, and a response head written with the framing
-//! the server chose. The connection loop ([`super::conn`]) owns the sockets.
+//! the server chose. The connection loop (`super::conn`) owns the sockets.
 
 use std::cell::RefCell;
 use std::io::Write;

@@ -3,7 +3,7 @@
 //! The data plane's hot path is a proxy hop, so its server is built for that: a request is read
 //! into one buffer and parsed in place ([`head`]), a chat completion goes to its handler without
 //! a routing layer in between, and a response leaves in as few writes as its body allows
-//! ([`conn`]). The other endpoints are served by the axum router the connection hands them to.
+//! (`conn`). The other endpoints are served by the axum router the connection hands them to.
 //! Its cost per request is measured against nginx in `docs/benchmarks.md` (Data plane vs nginx).
 
 mod conn;
@@ -33,7 +33,7 @@ pub struct App {
 
 /// Client connections served at once. Past it the server stops accepting until one closes, so
 /// new clients wait in the listen backlog: memory stays bounded (each connection holds at most
-/// [`conn`]'s buffers) however many clients connect.
+/// `conn`'s buffers) however many clients connect.
 pub const MAX_CONNECTIONS: usize = 16_384;
 
 /// How a server winds down, in three steps a replica takes in order (see `Replica::drain`).

@@ -42,7 +42,7 @@ enum Command {
 pub struct BookCounters {
     /// Dispatches the book would not hold, by `reason` ([`Refusal`]).
     pub refused: IntCounterVec,
-    /// Prefix chains not held past [`MAX_ACTIVE_BLOCK_HASHES`].
+    /// Prefix chains not held past [`continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES`].
     pub chains_dropped: IntCounter,
     /// Dispatches reported again on a new stream.
     pub replayed: IntCounter,

@@ -31,7 +31,7 @@
 //! not buffered: its bytes are read through the 2 KiB read buffer and dropped, and the message is
 //! reported as [`Dropped`], so one bad message does not end a healthy session. A declared length
 //! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once. A frame
-//! whose room the process-wide budget for large messages cannot lend ([`budget`]) is skipped
+//! whose room the process-wide budget for large messages cannot lend (`budget`) is skipped
 //! the same way, its message reported as [`Dropped::OverBudget`].
 
 mod budget;

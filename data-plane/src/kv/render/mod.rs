@@ -1,5 +1,5 @@
 //! Prompt → tokens → block hashes, on render threads of their own (deep stacks, see
-//! [`threads`]) and inside the seed's bounds: a permit
+//! `threads`) and inside the seed's bounds: a permit
 //! per core (clamped to 4..=32) waited for at most 20 ms, a 2 s deadline for the whole job, the
 //! template's fuel and 1 MiB output cap, and 1,048,576 tokens. Every refusal is a [`Fallback`]:
 //! the request is still served, scored without a KV term.

@@ -37,7 +37,7 @@ pub struct PromptSizes {
 }
 
 impl PromptSizes {
-    /// Ratios that also show on `gauge` (label `model`; at most [`MAX_CALIBRATED_MODELS`]).
+    /// Ratios that also show on `gauge` (label `model`; at most `MAX_CALIBRATED_MODELS`).
     pub fn showing_on(gauge: GaugeVec) -> Self {
         Self { gauge: Some(gauge), ..Self::default() }
     }

@@ -1,0 +1,424 @@
+//! One rank's dispatches in flight, and what its last sample showed beyond them: the sums the
+//! book publishes for it and the times it learns (see the module above for what they mean).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use continuum_kv_index::RankKey;
+use continuum_proto::fast_hash::SeededMap;
+use continuum_proto::model::{Backlog, Load, LoadKey, Worker};
+
+use super::timing::Timing;
+use super::{DISPATCH_MAX_AGE, MAX_ENDED_PER_RANK, PROGRESS_STEPS, SAMPLE_LAG};
+use crate::fleet::{ActiveIndex, FleetState};
+
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ended {
+    pub(super) at: Instant,
+    /// The blocks the end freed on the rank.
+    pub(super) blocks: u64,
+    /// When it was dispatched, and when its prompt stopped queueing on the rank (its first
+    /// token, or its end if none came), with the prompt's tokens: a sample received shortly
+    /// after may still count them.
+    pub(super) started: Instant,
+    pub(super) prompt_done: Instant,
+    pub(super) prompt_tokens: u64,
+}
+
+#[derive(Debug)]
+pub(super) struct Dispatch {
+    /// Prompt tokens it brought to prefill (see [`Dispatch::prefill_tokens`]).
+    pub(super) prompt_tokens: u64,
+    pub(super) decode_blocks: u64,
+    /// The prompt's prefix chain, for counting shared blocks once; empty past the book's bound.
+    pub(super) block_hashes: Vec<u64>,
+    /// The blocks it added to its rank's distinct total when it started.
+    pub(super) added: u64,
+    pub(super) at: Instant,
+    /// When its first token was reported, or, for a buffered dispatch, when the book took its
+    /// prompt as prefilled.
+    pub(super) answered: Option<Instant>,
+    /// Its client asked for the answer whole ([`pb::DispatchStarted::buffered`]): no first token
+    /// will be reported, so its prompt is taken as prefilled by time ([`Rank::deem_prefilled`]).
+    pub(super) buffered: bool,
+    /// `answered` is the book's estimate, not a report: no time to learn from.
+    pub(super) answer_estimated: bool,
+    /// It had tokens to prefill, and no other dispatch on its rank was prefilling when it
+    /// started: its time to first token is a prefill's alone.
+    pub(super) alone: bool,
+    /// Reported again on a new stream ([`pb::DispatchStarted::replayed`]): its times are not
+    /// the rank's to learn from.
+    pub(super) replayed: bool,
+}
+
+impl Dispatch {
+    /// Prompt tokens still to prefill on the rank: all of them until its first token, then none.
+    pub(super) fn prefill_tokens(&self) -> u64 {
+        if self.answered.is_none() { self.prompt_tokens } else { 0 }
+    }
+
+    /// A buffered dispatch whose prompt the book has yet to take as prefilled.
+    pub(super) fn awaits_estimate(&self) -> bool {
+        self.buffered && self.prefill_tokens() > 0
+    }
+
+    /// Its prompt is taken as prefilled at `at`: an estimate, not a report.
+    pub(super) fn estimate_answered(&mut self, at: Instant) {
+        self.answered = Some(at);
+        self.answer_estimated = true;
+    }
+}
+
+/// One rank's dispatches in flight and what its last sample showed beyond them.
+#[derive(Debug)]
+pub(super) struct Rank {
+    /// The rank's key in the fleet view (its backlog's, its samples').
+    pub(super) key: LoadKey,
+    /// By session and the replica's dispatch id.
+    pub(super) dispatches: SeededMap<(u64, u64), Dispatch>,
+    /// How many of `dispatches` await the estimate of their first token
+    /// ([`Dispatch::awaits_estimate`]): with none, the book spends nothing on them.
+    pub(super) buffered_waiting: usize,
+    /// How many of `dispatches` are still prefilling ([`Dispatch::prefill_tokens`] above 0): a
+    /// start learns whether it prefills alone without a look at every dispatch in flight.
+    pub(super) prefilling: usize,
+    /// The distinct decode blocks of `dispatches` (their hashes are in the book's
+    /// [`ActiveIndex`]).
+    pub(super) active: u64,
+    /// When the sample `foreign` was measured against was received.
+    pub(super) sampled_at: Option<Instant>,
+    /// Decode blocks that sample showed beyond the dispatches in flight when it arrived;
+    /// `None` without a sample carrying decode blocks.
+    pub(super) foreign: Option<u64>,
+    /// Prompt tokens that sample showed beyond the dispatches then awaiting their first token;
+    /// `None` without a sample carrying `active_prefill_tokens`.
+    pub(super) foreign_prefill: Option<u64>,
+    /// When the last dispatch on this rank ended.
+    pub(super) last_end: Option<Instant>,
+    /// Dispatches ended within [`SAMPLE_LAG`], oldest first.
+    pub(super) ended: VecDeque<Ended>,
+    /// What was last published (without its time), so an unchanged sum is not streamed again.
+    pub(super) published: Option<Backlog>,
+    /// The worker as the view held it when last looked at: a new one (the worker removed and
+    /// added again, or changed) may hold none of what was published for the old.
+    pub(super) worker: Option<Arc<Worker>>,
+    /// Marked for the next publish check (its key is in the book's `dirty`).
+    pub(super) dirty: bool,
+    pub(super) timing: Timing,
+    /// The blocks of the dispatches in flight expected to end before a hand-over (see
+    /// [`Timing::ending_after`]), as of the last [`Rank::refresh_timed`].
+    pub(super) ending: u64,
+    /// The tokens of the prefill under way expected to be done, as of the last
+    /// [`Rank::refresh_timed`].
+    pub(super) prefilled: u64,
+    /// When the rank's latest prefill ended (its first token was reported).
+    pub(super) last_answered: Option<Instant>,
+    /// The book's count of dispatches folded when the rank's newest was (see
+    /// [`Backlog::last_dispatch`]).
+    pub(super) last_dispatch: u64,
+}
+
+impl Rank {
+    /// Whether the view's worker for this rank is another than the one last seen (it was
+    /// removed and added again, or changed); remembers the one seen now.
+    pub(super) fn worker_came_back(&mut self, state: &FleetState) -> bool {
+        let Some(current) = state.view().worker(&self.key.worker) else { return false };
+        let seen = self.worker.replace(Arc::clone(current));
+        seen.is_some_and(|seen| !Arc::ptr_eq(&seen, current))
+    }
+
+    /// A new record starts from the sample the view holds now, so that sample's whole backlog
+    /// counts as foreign until the next one.
+    pub(super) fn new(key: LoadKey, state: &FleetState) -> Self {
+        let sample = state.view().loads().get(&key);
+        let worker = state.view().worker(&key.worker).cloned();
+        let mut rank = Rank {
+            key,
+            dispatches: SeededMap::default(),
+            buffered_waiting: 0,
+            prefilling: 0,
+            active: 0,
+            sampled_at: None,
+            foreign: None,
+            foreign_prefill: None,
+            last_end: None,
+            ended: VecDeque::new(),
+            published: None,
+            worker,
+            dirty: false,
+            timing: Timing::default(),
+            ending: 0,
+            prefilled: 0,
+            last_answered: None,
+            last_dispatch: 0,
+        };
+        rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
+        rank
+    }
+
+    pub(super) fn backlog(&self) -> Backlog {
+        let mut backlog = Backlog {
+            foreign_decode_blocks: self.foreign,
+            foreign_prefill_tokens: self.foreign_prefill,
+            decode_blocks: self.active,
+            ending_decode_blocks: self.ending.min(self.active),
+            last_dispatch: self.last_dispatch,
+            ..Backlog::default()
+        };
+        for dispatch in self.dispatches.values() {
+            backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens());
+            backlog.dispatches = backlog.dispatches.saturating_add(1);
+        }
+        backlog.prefilled_tokens = self.prefilled.min(backlog.prefill_tokens);
+        backlog
+    }
+
+    /// A dispatch's prompt tokens and decode blocks, each at most what one request can hold on
+    /// the rank: its worker's context length and KV blocks, when its card declares them. A
+    /// request the rank could never hold would otherwise weigh on it, for every replica,
+    /// beyond full until it ended (or for [`IN_FLIGHT_MAX_AGE`] if its end were lost).
+    pub(super) fn at_most_whole(&self, prompt_tokens: u64, decode_blocks: u64) -> (u64, u64) {
+        let Some(capacity) = self.worker.as_ref().map(|w| &w.capacity) else { return (prompt_tokens, decode_blocks) };
+        let at_most = |n: u64, limit: Option<u64>| limit.filter(|l| *l > 0).map_or(n, |l| n.min(l));
+        (at_most(prompt_tokens, capacity.context_length), at_most(decode_blocks, capacity.total_kv_blocks))
+    }
+
+    /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
+    pub(super) fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
+        let prefills = dispatch.prefill_tokens() > 0;
+        dispatch.alone = !dispatch.replayed && prefills && self.prefilling == 0;
+        self.prefilling += usize::from(prefills);
+        dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
+        self.active = self.active.saturating_add(dispatch.added);
+        // Reported before the rank's last sample arrived but folded after it was measured (the
+        // report waited in the book's queue): the measure read it as foreign, as `sampled`
+        // would not have.
+        if self.sampled_at.is_some_and(|sampled| dispatch.at < sampled) {
+            self.foreign = self.foreign.map(|f| f.saturating_sub(dispatch.added));
+            self.foreign_prefill = self.foreign_prefill.map(|f| f.saturating_sub(dispatch.prompt_tokens));
+        }
+        self.buffered_waiting += usize::from(dispatch.awaits_estimate());
+        self.dispatches.insert(id, dispatch);
+    }
+
+    /// Measures a new sample against the dispatches in flight before it arrived, and those
+    /// that ended (or, for its prefill queue, were answered) too shortly before it for the
+    /// worker to have published it.
+    pub(super) fn sampled(&mut self, received_at: Option<Instant>, load: Option<&Load>) {
+        self.sampled_at = received_at;
+        let Some(at) = received_at else {
+            self.foreign = None;
+            self.foreign_prefill = None;
+            return;
+        };
+        // An engine that counts its queued prompts (SGLang, TensorRT-LLM) counts the fleet's
+        // dispatches it had received: those are the fleet's to count until their first token,
+        // so only the rest of what the sample shows is added to them.
+        let queued_then = |started: Instant, done: Option<Instant>, tokens: u64| {
+            let queued = started < at && done.is_none_or(|t| at.saturating_duration_since(t) < SAMPLE_LAG);
+            if queued { tokens } else { 0 }
+        };
+        let in_flight = self.dispatches.values().map(|d| queued_then(d.at, d.answered, d.prompt_tokens));
+        // A prefill leg ends with its first token: its prompt may still be in the sample too.
+        let ended = self.ended.iter().map(|e| queued_then(e.started, Some(e.prompt_done), e.prompt_tokens));
+        let queued = in_flight.chain(ended).fold(0u64, u64::saturating_add);
+        self.foreign_prefill = load.and_then(|l| l.active_prefill_tokens).map(|shown| shown.saturating_sub(queued));
+        // What was in flight when it arrived: everything less what started since.
+        let since = self.dispatches.values().filter(|d| d.at >= at).map(|d| d.added).fold(0u64, u64::saturating_add);
+        let in_flight = self.active.saturating_sub(since);
+        let lately = self.ended.iter().filter(|e| at.saturating_duration_since(e.at) < SAMPLE_LAG).map(|e| e.blocks);
+        let own = lately.fold(in_flight, u64::saturating_add);
+        self.foreign = load.and_then(decode_blocks).map(|shown| shown.saturating_sub(own));
+    }
+
+    /// Its first token came at `at`: it is now decoding.
+    pub(super) fn answered(&mut self, id: (u64, u64), at: Instant) {
+        let Some(dispatch) = self.dispatches.get_mut(&id) else { return };
+        let tokens = dispatch.prefill_tokens();
+        let dispatched = dispatch.at;
+        if dispatch.answered.is_none() {
+            // A buffered dispatch is not expected to be answered; if it is, the report wins.
+            self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
+            self.prefilling = self.prefilling.saturating_sub(usize::from(tokens > 0));
+            dispatch.answered = Some(at);
+            let waited = at.saturating_duration_since(dispatch.at);
+            if !dispatch.replayed {
+                Timing::observe(&mut self.timing.first_token, waited);
+            }
+            if dispatch.alone {
+                self.timing.prefill.observe(tokens, waited);
+            }
+        }
+        if tokens > 0 {
+            // The next prefill on the rank begins no earlier.
+            self.last_answered = self.last_answered.max(Some(at));
+            // And the rank prefills in order: the buffered prompts dispatched before this one
+            // are done too.
+            if self.buffered_waiting > 0 {
+                let before = |key: &(u64, u64), d: &Dispatch| d.awaits_estimate() && (d.at, *key) < (dispatched, id);
+                for (_, earlier) in self.dispatches.iter_mut().filter(|(key, d)| before(key, d)) {
+                    earlier.estimate_answered(at);
+                    self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+                    self.prefilling = self.prefilling.saturating_sub(1);
+                }
+            }
+        }
+    }
+
+    /// Recounts what moves with time alone: the blocks expected to end before a hand-over and
+    /// the tokens of the prefill under way expected to be done; whether either moved.
+    pub(super) fn refresh_timed(&mut self, now: Instant) -> bool {
+        let deemed = self.deem_prefilled(now);
+        let prefilled = self.prefill_progress(now);
+        let prefilled_moved = std::mem::replace(&mut self.prefilled, prefilled) != prefilled;
+        let ending = match self.timing.ending_after() {
+            Some(after) => self
+                .dispatches
+                .values()
+                .filter(|d| d.answered.is_some_and(|at| now.saturating_duration_since(at) >= after))
+                .map(|d| d.added)
+                .fold(0u64, u64::saturating_add),
+            None => 0,
+        };
+        let ending_moved = std::mem::replace(&mut self.ending, ending) != ending;
+        deemed || prefilled_moved || ending_moved
+    }
+
+    /// Takes the prompts of buffered dispatches as prefilled when they should be, since no
+    /// first token will say so: one at the head of the rank's prefill queue once its expected
+    /// prefill time has passed since it began (its dispatch, or the previous first token), and
+    /// the next one then begins; and any once [`DISPATCH_MAX_AGE`] has passed since its
+    /// dispatch, which is all a rank with no prefill time learned yet has (the seed's bound on
+    /// an unanswered dispatch). A first token reported for a later dispatch takes them too
+    /// ([`Rank::answered`]). Whether any was taken.
+    pub(super) fn deem_prefilled(&mut self, now: Instant) -> bool {
+        if self.buffered_waiting == 0 {
+            return false;
+        }
+        let mut deemed = false;
+        for dispatch in self.dispatches.values_mut().filter(|d| d.awaits_estimate()) {
+            if let Some(expired) = dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now) {
+                dispatch.estimate_answered(expired);
+                self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+                self.prefilling = self.prefilling.saturating_sub(1);
+                deemed = true;
+            }
+        }
+        if self.prefill_head().is_none_or(|(id, _)| self.due(*id, now).is_none()) {
+            return deemed;
+        }
+        // The prefill queue in order, sorted only when its head is done: several may be by
+        // now (a replay, or a tick that came late).
+        let mut queue: Vec<(Instant, (u64, u64))> =
+            self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).map(|(id, d)| (d.at, *id)).collect();
+        queue.sort_unstable();
+        for (_, id) in queue {
+            let Some(done) = self.due(id, now) else { break };
+            let Some(head) = self.dispatches.get_mut(&id) else { break };
+            head.estimate_answered(done);
+            self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
+            self.prefilling = self.prefilling.saturating_sub(1);
+            // A replayed one was dispatched before the estimates that moved `last_answered`.
+            if !head.replayed {
+                self.last_answered = Some(done);
+            }
+            deemed = true;
+        }
+        deemed
+    }
+
+    /// The rank's oldest dispatch still prefilling: the head of its prefill queue.
+    pub(super) fn prefill_head(&self) -> Option<(&(u64, u64), &Dispatch)> {
+        if self.prefilling == 0 {
+            return None;
+        }
+        self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id))
+    }
+
+    /// When buffered dispatch `id`, at the head of the rank's prefill queue, should have been
+    /// prefilled, if by `now`. A replayed one began at its dispatch at the latest: the prompts
+    /// estimated since may have been queued behind it.
+    pub(super) fn due(&self, id: (u64, u64), now: Instant) -> Option<Instant> {
+        let dispatch = self.dispatches.get(&id).filter(|d| d.awaits_estimate())?;
+        let expected = self.timing.prefill.expected(dispatch.prompt_tokens)?;
+        let began = match self.last_answered {
+            Some(answered) if !dispatch.replayed => answered.max(dispatch.at),
+            _ => dispatch.at,
+        };
+        began.checked_add(expected).filter(|done| *done <= now)
+    }
+
+    /// The tokens of the rank's oldest dispatch still prefilling that should be
+    /// prefilled by `now`: it began when it was dispatched or when the rank's previous first
+    /// token came (it waited for that prefill), whichever is later.
+    pub(super) fn prefill_progress(&self, now: Instant) -> u64 {
+        let Some((_, head)) = self.prefill_head() else { return 0 };
+        let began = self.last_answered.map_or(head.at, |answered| answered.max(head.at));
+        let tokens = head.prefill_tokens();
+        let steps = self.timing.progress_steps(tokens, now.saturating_duration_since(began));
+        tokens.saturating_mul(steps) / PROGRESS_STEPS
+    }
+
+    /// Ends dispatch `id` on `rank`, as its replica reported; returns the hashes it held.
+    pub(super) fn end(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
+        let Some((dispatch, freed)) = self.remove(id, active, rank) else { return 0 };
+        if let Some(answered) = dispatch.answered.filter(|_| !dispatch.replayed && !dispatch.answer_estimated) {
+            Timing::observe(&mut self.timing.decode, now.saturating_duration_since(answered));
+        }
+        self.last_end = Some(now);
+        self.ended.push_back(Ended {
+            at: now,
+            blocks: freed,
+            started: dispatch.at,
+            prompt_done: dispatch.answered.unwrap_or(now),
+            prompt_tokens: dispatch.prompt_tokens,
+        });
+        // `ending` is recounted by the publish check (`Book::expire`) before any sum is taken,
+        // not here: recounting walks every dispatch of the rank, and ends come one by one.
+        while self.ended.len() > MAX_ENDED_PER_RANK
+            || self.ended.front().is_some_and(|e| now.saturating_duration_since(e.at) >= SAMPLE_LAG)
+        {
+            self.ended.pop_front();
+        }
+        dispatch.block_hashes.len()
+    }
+
+    /// Drops dispatch `id` without its end: its replica's stream ended (the next one reports
+    /// it again if it is still in flight), or its end never came. Its time is no decode time.
+    /// The rank does not settle before a sample after it, as after an end: a replay on the
+    /// replica's next stream finds the rank's timings and its place in the dispatch order
+    /// still there. Returns the hashes it held.
+    pub(super) fn forget(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
+        let Some((dispatch, _)) = self.remove(id, active, rank) else { return 0 };
+        self.last_end = Some(now);
+        dispatch.block_hashes.len()
+    }
+
+    /// Takes dispatch `id` out, giving back the blocks only it held; returns it and them.
+    pub(super) fn remove(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> Option<(Dispatch, u64)> {
+        let dispatch = self.dispatches.remove(&id)?;
+        self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
+        self.prefilling = self.prefilling.saturating_sub(usize::from(dispatch.prefill_tokens() > 0));
+        let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
+        self.active = self.active.saturating_sub(freed);
+        Some((dispatch, freed))
+    }
+
+    /// Nothing in flight, and a sample shows the worker as it is: one received [`SAMPLE_LAG`]
+    /// after the last dispatch ended or was forgotten (an earlier one may still show the ended
+    /// requests, and without the sums a picker would read them as load).
+    pub(super) fn settled(&self, now: Instant) -> bool {
+        self.dispatches.is_empty()
+            && self.last_end.is_none_or(|end| {
+                self.sampled_at.is_some_and(|at| at.saturating_duration_since(end) >= SAMPLE_LAG)
+                    || now.saturating_duration_since(end) >= DISPATCH_MAX_AGE
+            })
+    }
+}
+
+/// A sample's decode backlog, as the pickers read it: `active_decode_blocks`, else
+/// `kv_used_blocks` (dynamo.vllm and the mocker fill only the latter).
+pub(super) fn decode_blocks(load: &Load) -> Option<u64> {
+    load.active_decode_blocks.or(load.kv_used_blocks)
+}
