@@ -30,6 +30,11 @@ pub const MAX_FLEET_MESSAGE_BYTES: usize = 64 << 20;
 /// one byte on the wire and eight in memory).
 pub const MAX_INBOUND_FLEET_MESSAGE_BYTES: usize = 4 << 20;
 
+/// Requests one replica holds in flight at most (its ledger's capacity); each is reported as a
+/// start on every rank it pins, two at most (a prefill and a decode worker), so the control
+/// plane's book holds twice this many starts for one replica before it refuses one.
+pub const MAX_REQUESTS_IN_FLIGHT: usize = 65_536;
+
 /// Dispatches one report may start: a replica batches at most 512 events and never splits an
 /// operation, so twice that leaves room; a report past it is refused whole.
 pub const MAX_REPORT_STARTED: usize = 1024;

@@ -83,12 +83,15 @@ use timing::Timing;
 pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
 /// A dispatch whose end never arrives stops counting after this long.
 pub const IN_FLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
-/// Outstanding dispatches one replica may hold in the book; more are refused and counted.
-pub const MAX_DISPATCHES_PER_REPLICA: usize = 65_536;
+/// Outstanding dispatches (a request's start on one rank) one replica may hold in the book; more
+/// are refused and counted. Its ledger holds [`continuum_proto::MAX_REQUESTS_IN_FLIGHT`]
+/// requests, each pinned to two ranks at most, so an honest replica never reaches it.
+pub const MAX_DISPATCHES_PER_REPLICA: usize = 2 * continuum_proto::MAX_REQUESTS_IN_FLIGHT;
 /// Outstanding dispatches the book holds across every replica, first come; past it only a
 /// replica holding less than an equal share of it (among the sessions that have reported) may
-/// start more, up to twice it in all. A fleet of 64 replicas with 4,096 requests in flight each fits.
-pub const MAX_DISPATCHES: usize = 1 << 18;
+/// start more, up to twice it in all. A fleet of 64 replicas with 4,096 disaggregated requests
+/// (a prefill and a decode worker each) in flight fits.
+pub const MAX_DISPATCHES: usize = 1 << 19;
 /// Bytes of reports waiting for the book at most (besides the count bound of its queue): past
 /// it a report is dropped and its session ended, as when the queue is full.
 pub const MAX_QUEUED_REPORT_BYTES: usize = 64 << 20;

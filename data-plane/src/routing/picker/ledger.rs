@@ -42,7 +42,7 @@ pub const STALL_AFTER: Duration = Duration::from_secs(5);
 /// Smaller dispatches never mark a rank stalled.
 pub const STALL_MIN_BLOCKS: u64 = 2;
 /// Dispatches held at once; further ones are refused (counted) rather than growing memory.
-pub const LEDGER_CAPACITY: usize = 65_536;
+pub const LEDGER_CAPACITY: usize = continuum_proto::MAX_REQUESTS_IN_FLIGHT;
 /// Block size assumed for a worker whose card declares none (Dynamo's and vLLM's default).
 pub const FALLBACK_BLOCK_SIZE: u32 = 16;
 /// How often recording sweeps out expired dispatches of ranks nobody queries any more.
