@@ -4,7 +4,7 @@
 //! Answers can replay the real 1.6.1 exchanges captured in the fixtures, or stream SSE frames
 //! the test sends one at a time (an explicit gate: nothing is sent until the test says so).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use anyhow::{Context, anyhow};
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -88,6 +88,8 @@ struct Shared {
     count: watch::Sender<usize>,
     /// What `GET /live` answers: 200 while true, 503 otherwise.
     down: AtomicBool,
+    /// The client ends of the connections `GET /live` came on.
+    probed_from: Mutex<BTreeSet<SocketAddr>>,
     /// A decode worker whose pinned requests get the frontend's generic 500, as for a dead
     /// worker (0: none).
     failing_worker: AtomicU64,
@@ -115,7 +117,7 @@ impl StubShim {
             .route("/live", get(live))
             .with_state(Arc::clone(&shared));
         let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
+            let _ = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await;
         });
         Ok(Self { addr, shared, task })
     }
@@ -152,6 +154,11 @@ impl StubShim {
     }
 
     /// Makes `GET /live` answer 503 (or 200 again), as a frontend on its way down would.
+    /// How many connections liveness probes came on.
+    pub fn probe_connections(&self) -> usize {
+        self.shared.probed_from.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
     pub fn set_live(&self, live: bool) {
         self.shared.down.store(!live, Ordering::Relaxed);
     }
@@ -177,7 +184,8 @@ pub fn fixture_reply(run: &str, name: &str) -> anyhow::Result<Reply> {
     Ok(Reply::Fixed { status, content_type, body })
 }
 
-async fn live(State(shared): State<Arc<Shared>>) -> Response {
+async fn live(State(shared): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<SocketAddr>) -> Response {
+    shared.probed_from.lock().unwrap_or_else(PoisonError::into_inner).insert(peer);
     if shared.down.load(Ordering::Relaxed) {
         (StatusCode::SERVICE_UNAVAILABLE, "{\"status\":\"notready\"}").into_response()
     } else {

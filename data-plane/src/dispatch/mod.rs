@@ -58,6 +58,10 @@ pub const BUFFERED_RESPONSE_TIMEOUT: Duration = Duration::from_secs(300);
 /// A streaming request's response head, which the frontend sends once the stream starts.
 pub const STREAM_HEAD_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The most of a liveness answer read (Dynamo's is `{"status":"live"}`); a longer one closes
+/// its connection.
+const MAX_PROBE_BODY_BYTES: usize = 4096;
+
 /// Bounds and timeouts of dispatch; the defaults are the named constants.
 #[derive(Debug, Clone, Copy)]
 pub struct DispatchSettings {
@@ -172,13 +176,19 @@ impl Dispatcher {
         &self.settings
     }
 
-    /// Sends a health probe on the pooled client; its status, or why there was none.
+    /// Sends a health probe on the pooled client; its status, or why there was none. Its short
+    /// body is read, so the connection goes back to the pool instead of being closed unread.
     pub async fn send_probe(
         &self,
         request: axum::http::Request<Bytes>,
         timeout: Duration,
     ) -> Result<axum::http::StatusCode, SendError> {
-        self.client.send(request, timeout).await.map(|response| response.status())
+        use http_body_util::BodyExt;
+        let response = self.client.send(request, timeout).await?;
+        let status = response.status();
+        let body = http_body_util::Limited::new(response.into_body(), MAX_PROBE_BODY_BYTES);
+        let _ = tokio::time::timeout(timeout, body.collect()).await;
+        Ok(status)
     }
 
     pub fn record_probe(&self, name: &str, url: &str, live: bool) {

@@ -184,6 +184,20 @@ async fn a_replica_failing_its_liveness_probes_is_skipped_before_any_request_fai
     Ok(())
 }
 
+/// A probe reads its answer, so its connection goes back to the pool: probes every 50 ms
+/// reuse one connection rather than open one each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_probes_reuse_their_connection() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let probe = ProbeSettings { interval: Duration::from_millis(50), timeout: Duration::from_millis(500) };
+    let settings = DispatchSettings { probe, ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(shim.probe_connections(), 1, "ten probes or so, one connection");
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_pinned_requests_keep_failing_is_skipped_by_the_replica_on_its_own() -> anyhow::Result<()> {
     const DEAD: u64 = 0x5eed_0001;
