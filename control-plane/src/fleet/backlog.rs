@@ -258,11 +258,10 @@ impl Book {
 
     /// One reported start: admitted onto its rank, or refused and counted.
     fn start(&mut self, replica: u64, started: pb::DispatchStarted, at: Instant, state: &FleetState) {
-        if let Err(refusal) = self.admit_start(replica, &started, state) {
-            self.refused.count(refusal);
-            return;
-        }
-        let Some(key) = started.rank.as_ref().and_then(reported_rank) else { return };
+        let key = match self.admit_start(replica, &started, state) {
+            Ok(key) => key,
+            Err(refusal) => return self.refused.count(refusal),
+        };
         let id = (replica, started.id);
         // A repeated id replaces its dispatch, which did not end.
         self.forget(id, at);
@@ -306,9 +305,14 @@ impl Book {
         self.held += 1;
     }
 
-    /// Whether `replica` may start `started`: a plausible dispatch, on a rank the fleet has
+    /// The rank `replica` may start `started` on: a plausible dispatch, on a rank the fleet has
     /// (given its record here), within the replica's bound and the book's.
-    fn admit_start(&mut self, replica: u64, started: &pb::DispatchStarted, state: &FleetState) -> Result<(), Refusal> {
+    fn admit_start(
+        &mut self,
+        replica: u64,
+        started: &pb::DispatchStarted,
+        state: &FleetState,
+    ) -> Result<RankKey, Refusal> {
         let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
             return Err(Refusal::UnknownRank);
         };
@@ -325,7 +329,7 @@ impl Book {
         if !self.admit(key, reported, state) {
             return Err(Refusal::UnknownRank);
         }
-        Ok(())
+        Ok(key)
     }
 
     /// Whether the book has no room for one more dispatch of `replica`, which holds `held`.
