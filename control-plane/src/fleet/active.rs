@@ -43,10 +43,19 @@ impl ActiveIndex {
         freed
     }
 
-    /// For each of `ranks`, how many leading blocks of `hashes` its requests in flight hold.
-    pub fn depths(&self, hashes: &[u64], ranks: impl IntoIterator<Item = RankKey>) -> Vec<u32> {
+    /// For each of `ranks`, how many leading blocks of `hashes`, up to its own count of them, its
+    /// requests in flight hold. Looked up no further than that count (a rank's cached overlap:
+    /// its active share is part of it), so a long query costs what the ranks hold of it, not
+    /// its length once per rank under the index's lock.
+    pub fn depths(&self, hashes: &[u64], ranks: impl IntoIterator<Item = (RankKey, u32)>) -> Vec<u32> {
         let held = self.lock();
-        ranks.into_iter().map(|rank| held.get(&rank).map_or(0, |blocks| blocks.depth(hashes))).collect()
+        ranks
+            .into_iter()
+            .map(|(rank, up_to)| {
+                let prefix = hashes.get(..up_to as usize).unwrap_or(hashes);
+                held.get(&rank).map_or(0, |blocks| blocks.depth(prefix))
+            })
+            .collect()
     }
 
     /// Ranks with blocks in flight.
@@ -72,9 +81,11 @@ mod tests {
         let index = ActiveIndex::default();
         assert_eq!(index.add(A, &[1, 2, 3], 4), 4);
         assert_eq!(index.add(B, &[1, 9], 2), 2);
-        assert_eq!(index.depths(&[1, 2, 3, 4], [A, B, RankKey { worker_id: 2, dp_rank: 0 }]), vec![3, 1, 0]);
+        let other = RankKey { worker_id: 2, dp_rank: 0 };
+        assert_eq!(index.depths(&[1, 2, 3, 4], [(A, 4), (B, 4), (other, 4)]), vec![3, 1, 0]);
+        assert_eq!(index.depths(&[1, 2, 3, 4], [(A, 2), (B, 0)]), vec![2, 0], "no deeper than asked");
         assert_eq!(index.remove(A, &[1, 2, 3], 4), 4);
-        assert_eq!(index.depths(&[1, 2], [A, B]), vec![0, 1]);
+        assert_eq!(index.depths(&[1, 2], [(A, 2), (B, 2)]), vec![0, 1]);
         assert_eq!(index.ranks(), 1, "a rank with nothing in flight leaves the index");
         assert_eq!(index.remove(A, &[1, 2, 3], 4), 0, "a second removal frees nothing");
     }

@@ -301,7 +301,7 @@ impl Fleet for FleetService {
         count("ok");
         // A rank holding blocks in flight holds them in its cache (or provisionally), so the
         // ranks listed are the only ones whose active overlap can matter.
-        let active = self.active.depths(&hashes, overlaps.iter().map(|(rank, _)| *rank));
+        let active = self.active.depths(&hashes, overlaps.iter().copied());
         let overlaps = overlaps
             .into_iter()
             .zip(active)
@@ -309,7 +309,7 @@ impl Fleet for FleetService {
                 instance_id: rank.worker_id,
                 dp_rank: rank.dp_rank,
                 blocks,
-                active_blocks: active_blocks.min(blocks),
+                active_blocks,
             })
             .collect();
         // Numbered last, so that two lookups answered in one order carry turns in that order.
