@@ -126,15 +126,17 @@ impl KvRouting {
         }
     }
 
-    /// The KV term for `body` (an OpenAI chat request) to `model` (its Dynamo display name),
-    /// one of whose `contenders` (instance id, dp rank) would prefill it; its blocks hashed
-    /// with `cache_salt`, the salt the frontend will use (see `ChatRequest::cache_salt`).
+    /// The KV term for a request to `model` (its Dynamo display name), one of whose
+    /// `contenders` (instance id, dp rank) would prefill it. `body` gives its JSON tree (an
+    /// OpenAI chat request) and the salt the frontend will hash its blocks with (see
+    /// `ChatRequest::cache_salt`), or `None` when there is no room for the tree; it is awaited
+    /// only once the model's tokenizer and template are at hand, so a request that cannot be
+    /// rendered is not parsed into a tree for nothing.
     pub async fn term(
         &self,
         view: &FleetView,
         model: &str,
-        body: Arc<Tree>,
-        cache_salt: Option<&str>,
+        body: impl Future<Output = Option<(Arc<Tree>, Option<String>)>>,
         contenders: &[(u64, u32)],
     ) -> Term {
         let Some(prompt) = self.prompt(&view.config().kv_artifacts) else {
@@ -144,8 +146,15 @@ impl KvRouting {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
         let ModelCards { cards, block_sizes } = &*model_cards;
+        let resolved = match prompt.resolve(model, cards, block_sizes) {
+            Ok(resolved) => resolved,
+            Err(fallback) => return Term::Unavailable(selection_result(fallback)),
+        };
+        let Some((body, cache_salt)) = body.await else {
+            return Term::Unavailable(KvSelectionResult::RenderUnavailable);
+        };
         let started = Instant::now();
-        let prepared = prompt.prepare(model, cards, body, block_sizes, cache_salt, None).await;
+        let prepared = prompt.render(resolved, body, cache_salt.as_deref(), None).await;
         self.prepare_seconds.observe(started.elapsed().as_secs_f64());
         let prepared = match prepared {
             Ok(prepared) => prepared,

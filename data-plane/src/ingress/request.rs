@@ -35,7 +35,36 @@ type TreeRoom = Option<SemaphorePermit<'static>>;
 #[derive(Debug)]
 pub struct Tree {
     value: Value,
-    _room: TreeRoom,
+    room: TreeRoom,
+    /// The size of the body it was parsed from.
+    bytes: usize,
+}
+
+/// Bodies up to this size are parsed into a tree, and the tree freed, where it happens; a
+/// larger one is parsed and freed on the blocking pool: an 8 MiB body takes a tree hundreds of
+/// milliseconds to build and tens to free, which on a runtime thread would hold up every
+/// connection and stream beside it.
+const ON_THE_RUNTIME_BYTES: usize = 64 << 10;
+
+/// Runs `work`, for a body of `bytes`, where [`ON_THE_RUNTIME_BYTES`] says.
+async fn sized_work<T: Send + 'static>(bytes: usize, work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    if bytes <= ON_THE_RUNTIME_BYTES {
+        return Some(work());
+    }
+    tokio::task::spawn_blocking(work).await.ok()
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        if self.bytes <= ON_THE_RUNTIME_BYTES || self.value.is_null() {
+            return;
+        }
+        // Off the runtime, and its room given back only once the tree is gone.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (value, room) = (std::mem::take(&mut self.value), self.room.take());
+            runtime.spawn_blocking(move || drop((value, room)));
+        }
+    }
 }
 
 impl std::ops::Deref for Tree {
@@ -155,7 +184,9 @@ impl ChatRequest {
         // budget is never closed, so the room is always granted.
         let bytes = u32::try_from(self.raw.len().min(MAX_TREE_BYTES_IN_FLIGHT)).unwrap_or(u32::MAX);
         let room = TREES.acquire_many(bytes).await.ok();
-        Ok(Tree { value: serde_json::from_slice(&self.raw).map_err(RequestError::Json)?, _room: room })
+        let raw = self.raw.clone();
+        let parsed = sized_work(raw.len(), move || serde_json::from_slice(&raw)).await.ok_or(RequestError::Busy)?;
+        Ok(Tree { value: parsed.map_err(RequestError::Json)?, room, bytes: self.raw.len() })
     }
 
     /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
@@ -167,11 +198,17 @@ impl ChatRequest {
         }
         let mut tree =
             tokio::time::timeout(OUTBOUND_TREE_WAIT, self.tree()).await.map_err(|_| RequestError::Busy)??;
-        strip_body_routing(&mut tree.value, disclose);
-        if let Some(tokens) = token_data {
-            attach_token_data(&mut tree.value, tokens);
-        }
-        Ok(Bytes::from(serde_json::to_vec(&tree.value).map_err(RequestError::Json)?))
+        let rewrite = move || {
+            strip_body_routing(&mut tree.value, disclose);
+            if let Some(tokens) = token_data {
+                attach_token_data(&mut tree.value, tokens);
+            }
+            let body = serde_json::to_vec(&tree.value).map_err(RequestError::Json);
+            // Freed here, off the runtime too.
+            drop(std::mem::take(&mut tree.value));
+            body
+        };
+        Ok(Bytes::from(sized_work(self.raw.len(), rewrite).await.ok_or(RequestError::Busy)??))
     }
 }
 
@@ -252,6 +289,33 @@ mod tests {
         assert!(waiting.is_err(), "a fifth large tree waits while four are held");
         held.pop();
         assert!(large.tree().await.is_ok(), "and is built once one is let go");
+    }
+
+    /// A large body's tree is built off the runtime: on a single-threaded runtime, other tasks
+    /// go on running while it is parsed.
+    #[tokio::test]
+    async fn a_large_tree_is_built_without_holding_up_the_runtime() {
+        let numbers = vec!["0"; (MAX_REQUEST_BODY_BYTES - 64) / 2].join(",");
+        let large = parse(&format!(r#"{{"model":"m","messages":[{{"content":[{numbers}]}}]}}"#)).unwrap();
+        let ticks = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let ticker = {
+            let ticks = std::sync::Arc::clone(&ticks);
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    ticks.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            })
+        };
+        let ticked = || ticks.load(std::sync::atomic::Ordering::Relaxed);
+        let (before, started) = (ticked(), std::time::Instant::now());
+        let tree = large.tree().await.unwrap();
+        let parsing = ticked() - before;
+        assert!(started.elapsed() > std::time::Duration::from_millis(20), "a parse long enough to tell");
+        assert!(parsing >= 3, "{parsing} ticks in {:?} of parsing", started.elapsed());
+        assert_eq!(tree["messages"][0]["content"].as_array().map(Vec::len), Some((MAX_REQUEST_BODY_BYTES - 64) / 2));
+        drop(tree);
+        ticker.abort();
     }
 
     #[test]

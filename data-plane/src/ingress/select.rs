@@ -15,7 +15,7 @@ use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends, unified_ba
 use crate::dispatch::{DispatchEnd, Fallback, Pinned, Route};
 use crate::http::{AppState, KvSelection};
 use crate::kv::render::PERMIT_WAIT;
-use crate::routing::picker::{KvSelectionResult, KvTerm, PickRequest, PromptChain};
+use crate::routing::picker::{KvTerm, PickRequest, PromptChain};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SelectError {
@@ -133,18 +133,14 @@ async fn kv_term(state: &AppState, kv: &KvSelection, view: &FleetView, display: 
     // bodies that outlive their deadline hold theirs, and small requests must not queue
     // behind them. Such a request is picked on its estimated size instead, as one finding no
     // render permit is (counted `render_unavailable`).
-    let Ok(tree) = tokio::time::timeout(PERMIT_WAIT, request.tree()).await else {
-        return Term::Unavailable(KvSelectionResult::RenderUnavailable);
+    let body = async {
+        // An error is not for a body the ingress accepted; scored on load alone if it happens.
+        let tree = tokio::time::timeout(PERMIT_WAIT, request.tree()).await.ok()?.ok()?;
+        let salt = request.cache_salt(&tree).map(str::to_owned);
+        Some((Arc::new(tree), salt))
     };
-    match tree {
-        Ok(body) => {
-            let contenders = prefill_contenders(state, kv, view, display);
-            let salt = request.cache_salt(&body).map(str::to_owned);
-            kv.routing.term(view, display, Arc::new(body), salt.as_deref(), &contenders).await
-        }
-        // Not for a body the ingress accepted; scored on load alone if it ever happens.
-        Err(_) => Term::Unavailable(KvSelectionResult::RenderUnavailable),
-    }
+    let contenders = prefill_contenders(state, kv, view, display);
+    kv.routing.term(view, display, body, &contenders).await
 }
 
 /// The ranks that would prefill a request for `model` on `view`, named in its lookup.
@@ -391,6 +387,25 @@ mod tests {
         let Route::Unified { replicas } = routed.route else { panic!("unpinned") };
         assert_eq!(replicas.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["plain"]);
         assert_eq!(kv_terms(), before, "no KV term was looked for, nor its tokens weighed");
+    }
+
+    /// Whether a request can be rendered is settled before its body is parsed into a tree: a
+    /// model whose artifacts are not pinned costs no tree, and is counted for what it lacks.
+    /// (The body here is one the ingress accepts but no tree can hold, a number past `f64`:
+    /// were the tree built first, it would fail, and count as `render_unavailable`.)
+    #[tokio::test]
+    async fn a_request_that_cannot_be_rendered_is_not_parsed_into_a_tree() {
+        let state = state();
+        let dir = tempfile::tempdir().expect("dir");
+        let (card, _) = tinymodel_card();
+        let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), Vec::new());
+        state.fleet.store(fleet.clone());
+        let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hi"}],"x":1e400}"#);
+        let request = ChatRequest::parse(body).expect("the ingress accepts it");
+        assert!(request.tree().await.is_err(), "no tree holds it");
+        route(&state, &fleet, &request).await.expect("routed on load alone");
+        let counted = |result: &str| state.metrics.kv_selections.with_label_values(&[result]).get();
+        assert_eq!((counted("artifact_unpinned"), counted("render_unavailable")), (1, 0));
     }
 
     #[tokio::test]

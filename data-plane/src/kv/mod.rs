@@ -15,7 +15,9 @@ use std::sync::{Arc, Mutex};
 use futures::FutureExt;
 use serde_json::Value;
 
-use self::artifacts::{ArtifactResult, ArtifactStore, ModelArtifacts, fleet_key};
+use continuum_proto::model::PromptDefaults;
+
+use self::artifacts::{ArtifactResult, ArtifactStore, LoadedArtifacts, ModelArtifacts, fleet_key};
 use self::hashing::{BlockSize, MAX_BLOCK_SIZES_PER_MODEL, SaltHash};
 pub use self::render::PreparedPrompt;
 use self::render::Renderer;
@@ -60,6 +62,14 @@ impl Fallback {
 /// (model, block size) pairs remembered so an unsupported block size is logged once.
 const MAX_LOGGED_BLOCK_SIZES: usize = 1024;
 
+/// A model's loaded tokenizer and template, its prompt defaults and the block sizes to hash.
+#[derive(Debug)]
+pub struct Resolved {
+    artifacts: Arc<LoadedArtifacts>,
+    defaults: PromptDefaults,
+    sizes: Vec<BlockSize>,
+}
+
 /// The replica's prompt preparer: one artifact store and one bounded renderer.
 #[derive(Debug)]
 pub struct KvPrompt {
@@ -101,6 +111,13 @@ impl KvPrompt {
     where
         R: Borrow<Value> + Send + Sync + 'static,
     {
+        let resolved = self.resolve(model, cards, block_sizes)?;
+        self.render(resolved, request, cache_salt, lora_name).await
+    }
+
+    /// What [`KvPrompt::prepare`] needs besides the request, or why it cannot run: checked
+    /// before the request's JSON tree is built, which is not worth building for nothing.
+    pub fn resolve(&self, model: &str, cards: &[ModelArtifacts], block_sizes: &[u32]) -> Result<Resolved, Fallback> {
         fleet_key(cards).ok_or(Fallback::TokenizerUnavailable)?;
         let sizes = self.usable_block_sizes(model, block_sizes);
         if sizes.is_empty() {
@@ -108,7 +125,22 @@ impl KvPrompt {
         }
         let card = cards.first().ok_or(Fallback::TokenizerUnavailable)?;
         let artifacts = self.store.lookup(model, card)?;
-        self.renderer.prepare(artifacts, request, card.defaults, &sizes, SaltHash::new(cache_salt, lora_name)).await
+        Ok(Resolved { artifacts, defaults: card.defaults, sizes })
+    }
+
+    /// [`KvPrompt::prepare`] with what [`KvPrompt::resolve`] found.
+    pub async fn render<R>(
+        &self,
+        resolved: Resolved,
+        request: Arc<R>,
+        cache_salt: Option<&str>,
+        lora_name: Option<&str>,
+    ) -> Result<PreparedPrompt, Fallback>
+    where
+        R: Borrow<Value> + Send + Sync + 'static,
+    {
+        let Resolved { artifacts, defaults, sizes } = resolved;
+        self.renderer.prepare(artifacts, request, defaults, &sizes, SaltHash::new(cache_salt, lora_name)).await
     }
 
     /// The distinct valid sizes, at most [`MAX_BLOCK_SIZES_PER_MODEL`] of them; the rest are
