@@ -132,6 +132,7 @@ fn dynamo_rows() -> Vec<Row> {
         row("direct_allow_cidrs bounded", format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(65, |i| format!("'10.{i}.0.0/16'"))), Error, "dynamo.load.direct_allow_cidrs", "at most 64"),
         row("direct_allow_cidrs unset", etcd("{endpoints: ['a:2379']}"), Warning, "dynamo.load.direct_allow_cidrs", "Pod CIDRs"),
         row("broker transport without event bus", "dynamo: {enabled: true, discovery: {etcd: {endpoints: ['a:2379']}}, load: {transport: broker}}", Warning, "dynamo.load.transport", "event_bus"),
+        row("broker transport with event bus", &format!("dynamo: {{enabled: true, discovery: {{etcd: {{endpoints: ['a:2379']}}}}, load: {{transport: broker}}, event_bus: {{enabled: true, tls: {{cert: /c, key: /k}}, brokers: [{{id: b, token_hash: '{TOKEN}', namespaces: [dynamo]}}]}}}}"), Warning, "dynamo.load.transport", "no event-bus listener"),
         row("unknown transport", "dynamo: {load: {transport: zmq}}", Error, "dynamo.load.transport", "unknown variant"),
         row("shim replica not a backend", with_shim("", "{backends: [nope]}"), Error, "dynamo.shim.backends[0]", "not a configured"),
         row("shim replica listed twice", with_shim("", "{backends: [shim-a, shim-a]}"), Error, "dynamo.shim.backends[1]", "duplicates"),
@@ -170,6 +171,7 @@ fn dynamo_rows() -> Vec<Row> {
 #[rustfmt::skip]
 fn listener_rows() -> Vec<Row> {
     vec![
+        row("event bus not built", event_bus(&format!("{{enabled: true, tls: {{cert: /c, key: /k}}, brokers: [{{id: b, token_hash: '{TOKEN}', namespaces: [dynamo]}}]}}")), Warning, "dynamo.event_bus.enabled", "nothing listens"),
         row("event bus buffer floor", event_bus("{max_streams_per_session: 1024, max_session_buffer_bytes: 1048576}"), Error, "dynamo.event_bus.max_session_buffer_bytes", "64 KiB"),
         row("event bus needs tls", event_bus(&format!("{{enabled: true, tls: {{key: /k.pem}}, brokers: [{{id: b, token_hash: '{TOKEN}'}}]}}")), Error, "dynamo.event_bus.tls.cert", "required"),
         row("event bus token hash format", event_bus("{brokers: [{id: b, token_hash: 'sha256:XYZ'}]}"), Error, "dynamo.event_bus.brokers[0].token_hash", "sha256:"),

@@ -63,8 +63,9 @@ fn warn_external(endpoints: &[(usize, Scheme, &str)], report: &mut Report) {
                 format!("{BASE}.endpoints[{index}]"),
                 format!(
                     "`{host}` is a public address, so the router may run outside the cluster, yet dynamo.load.transport is direct: \
-                     it dials the workers' publishers on the Pod network; run it in the cluster or use transport: broker \
-                     (clusters whose Pods have public addresses can ignore this)"
+                     it dials the workers' publishers on the Pod network; run it in the cluster (transport: broker, for a \
+                     router outside it, has no broker to relay through in this build); clusters whose Pods have public \
+                     addresses can ignore this"
                 ),
             );
         }

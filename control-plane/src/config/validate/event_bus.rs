@@ -14,6 +14,10 @@ const BASE: &str = "dynamo.event_bus";
 pub(super) fn check(config: &Config, report: &mut Report) {
     let bus = &config.dynamo.event_bus;
     if bus.enabled {
+        report.warning(
+            format!("{BASE}.enabled"),
+            "is true, but this build has no event-bus listener yet: these keys are validated and nothing listens",
+        );
         check_tls(bus, report);
         if bus.brokers.is_empty() {
             report.warning(format!("{BASE}.brokers"), "is empty: no broker or KV listener can authenticate");

@@ -42,10 +42,11 @@ fn check_load(config: &Config, report: &mut Report) {
         None => {}
         Some(cidrs) => check_cidrs(&path, cidrs, report),
     }
-    if subscribes && load.transport == LoadTransport::Broker && !config.dynamo.event_bus.enabled {
+    if subscribes && load.transport == LoadTransport::Broker {
         report.warning(
             format!("{LOAD}.transport"),
-            "is broker but dynamo.event_bus.enabled is false: no broker can connect and subscriptions stay pending",
+            "is broker, but this build has no event-bus listener (dynamo.event_bus) nor event-broker yet: subscriptions \
+             stay pending and routing runs without load samples or kv-events; use direct",
         );
     }
 }
