@@ -13,8 +13,12 @@
 //! markers. Off (every prompt encoded whole) for a tokenizer that matches added tokens after
 //! normalization, or that pads or truncates, since its pieces are not independent.
 //!
-//! Bounded: at most [`MAX_CACHED_BYTES`] of pieces and ids per tokenizer; past it the cache
-//! starts over. Pieces shorter than [`MIN_CACHED_PIECE`] bytes are encoded each time.
+//! Bounded: at most [`MAX_CACHED_BYTES`] of pieces and ids per tokenizer, in two generations of
+//! half that each. New pieces go into the young one; when it is full, the old one is let go and
+//! the young one ages. A piece found in the old one moves back to the young, so pieces in use
+//! (a fleet's shared system prompts) outlive a flood of pieces seen once, such as a client
+//! sending megabytes of unique text. Pieces shorter than [`MIN_CACHED_PIECE`] bytes are encoded
+//! each time.
 //!
 //! A piece not seen before is encoded by [`ByteLevelBpe`] when the tokenizer is one it
 //! reproduces, by `tokenizers` otherwise.
@@ -44,6 +48,14 @@ pub struct PieceCache {
 
 #[derive(Debug, Default)]
 struct Pieces {
+    /// Pieces kept or found since the last ageing, and their cost in bytes.
+    young: Generation,
+    /// Pieces kept before it; let go at the next ageing.
+    old: Generation,
+}
+
+#[derive(Debug, Default)]
+struct Generation {
     ids: HashMap<Box<str>, Arc<[u32]>>,
     bytes: usize,
 }
@@ -117,9 +129,9 @@ impl PieceCache {
     /// One piece's ids, from the cache or encoded (and kept, when long enough).
     fn piece(&self, tokenizer: &Tokenizer, piece: &str) -> tokenizers::Result<Arc<[u32]>> {
         if piece.len() >= MIN_CACHED_PIECE
-            && let Some(ids) = self.pieces.lock().unwrap_or_else(PoisonError::into_inner).ids.get(piece)
+            && let Some(ids) = self.pieces.lock().unwrap_or_else(PoisonError::into_inner).get(piece)
         {
-            return Ok(Arc::clone(ids));
+            return Ok(ids);
         }
         let mut ids = Vec::new();
         let ids: Arc<[u32]> = match self.bpe.as_ref().and_then(|bpe| bpe.encode(piece, &mut ids)) {
@@ -140,28 +152,54 @@ impl PieceCache {
     /// Pieces held now (tests).
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.pieces.lock().unwrap_or_else(PoisonError::into_inner).ids.len()
+        let pieces = self.pieces.lock().unwrap_or_else(PoisonError::into_inner);
+        pieces.young.ids.len() + pieces.old.ids.len()
     }
 }
 
 impl Pieces {
+    /// A piece's ids, if kept; one found in the old generation moves back to the young.
+    fn get(&mut self, piece: &str) -> Option<Arc<[u32]>> {
+        if let Some(ids) = self.young.ids.get(piece) {
+            return Some(Arc::clone(ids));
+        }
+        let (piece, ids) = self.old.ids.remove_entry(piece)?;
+        self.old.bytes = self.old.bytes.saturating_sub(cost(&piece, &ids));
+        self.keep(piece, Arc::clone(&ids));
+        Some(ids)
+    }
+
     fn insert(&mut self, piece: &str, ids: Arc<[u32]>) {
-        let cost = piece.len() + ids.len() * size_of::<u32>() + ENTRY_OVERHEAD;
-        if cost > MAX_CACHED_BYTES {
+        self.keep(piece.into(), ids);
+    }
+
+    fn keep(&mut self, piece: Box<str>, ids: Arc<[u32]>) {
+        let cost = cost(&piece, &ids);
+        if cost > MAX_CACHED_BYTES / 2 {
             return;
         }
-        if self.bytes + cost > MAX_CACHED_BYTES {
-            self.clear();
+        if self.young.bytes + cost > MAX_CACHED_BYTES / 2 {
+            self.old = std::mem::take(&mut self.young);
         }
-        if self.ids.insert(piece.into(), ids).is_none() {
-            self.bytes += cost;
+        if self.young.ids.insert(piece, ids).is_none() {
+            self.young.bytes += cost;
         }
     }
 
     fn clear(&mut self) {
-        self.ids.clear();
-        self.bytes = 0;
+        *self = Self::default();
     }
+
+    /// Bytes held, both generations.
+    #[cfg(test)]
+    fn bytes(&self) -> usize {
+        self.young.bytes + self.old.bytes
+    }
+}
+
+/// What keeping a piece costs, in bytes.
+fn cost(piece: &str, ids: &[u32]) -> usize {
+    piece.len() + size_of_val(ids) + ENTRY_OVERHEAD
 }
 
 #[cfg(test)]

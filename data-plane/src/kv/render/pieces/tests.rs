@@ -75,16 +75,21 @@ fn a_piece_the_lean_encoder_leaves_is_encoded_by_tokenizers() {
 }
 
 #[test]
-fn the_cache_starts_over_past_its_bound() {
+fn the_cache_is_bounded_and_pieces_in_use_outlive_a_flood_of_new_ones() {
     let mut pieces = Pieces::default();
-    let big = "x".repeat(MAX_CACHED_BYTES / 2);
-    pieces.insert(&big, Arc::from(vec![1u32]));
-    assert_eq!(pieces.ids.len(), 1);
-    pieces.insert(&big[1..], Arc::from(vec![2u32]));
-    assert_eq!(pieces.ids.len(), 1, "the second would pass the bound: the first went");
-    assert!(pieces.bytes <= MAX_CACHED_BYTES);
-    pieces.insert(&"y".repeat(MAX_CACHED_BYTES + 1), Arc::from(vec![3u32]));
-    assert_eq!(pieces.ids.len(), 1, "a piece larger than the bound is never kept");
+    let shared = "s".repeat(4096);
+    pieces.insert(&shared, Arc::from(vec![7u32]));
+    // A flood of pieces seen once, many times the bound, while the shared piece is used.
+    let flood = |i: usize| format!("{i:08}{}", "x".repeat(1 << 20));
+    for i in 0..4 * MAX_CACHED_BYTES / (1 << 20) {
+        pieces.insert(&flood(i), Arc::from(vec![1u32]));
+        assert!(pieces.bytes() <= MAX_CACHED_BYTES, "{} bytes held", pieces.bytes());
+        assert_eq!(pieces.get(&shared).as_deref(), Some(&[7u32][..]), "the piece in use stays");
+    }
+    assert_eq!(pieces.get(&flood(0)), None, "the first of the flood went");
+    assert!(pieces.get(&flood(4 * MAX_CACHED_BYTES / (1 << 20) - 1)).is_some(), "the last is kept");
+    pieces.insert(&"y".repeat(MAX_CACHED_BYTES), Arc::from(vec![3u32]));
+    assert_eq!(pieces.get(&"y".repeat(MAX_CACHED_BYTES)), None, "a piece past a generation is never kept");
 }
 
 fn fragment() -> impl Strategy<Value = String> {
