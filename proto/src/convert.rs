@@ -123,7 +123,9 @@ impl From<&Worker> for pb::Worker {
             }),
             dp_start_rank: worker.dp_start_rank,
             dp_size: worker.dp_size,
-            disaggregated_endpoint: worker.disaggregated_endpoint.clone(),
+            // Never sent: for an SGLang prefill worker it is its bootstrap host and port, an
+            // internal address, and no replica reads it (the admin API shows its path only).
+            disaggregated_endpoint: None,
             artifacts: worker.artifacts.as_deref().map(artifacts_to_wire),
         }
     }
@@ -413,4 +415,31 @@ fn decode_workers(workers: Vec<pb::Worker>) -> Result<Vec<Arc<Worker>>, DecodeEr
 
 fn decode_loads(loads: Vec<pb::LoadSample>, now: Instant) -> Result<Vec<(LoadKey, LoadSample)>, DecodeError> {
     loads.into_iter().map(|s| load_from_wire(s, now)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker's disaggregation endpoint (an SGLang prefill worker's bootstrap host and port)
+    /// is an internal address: the control plane knows it, the wire never carries it.
+    #[test]
+    fn a_workers_disaggregation_endpoint_stays_off_the_wire() {
+        let worker = Worker {
+            key: WorkerKey::new("dynamo", 7),
+            role: Role::Prefill,
+            model: "m".into(),
+            component: "prefill".into(),
+            endpoint: "generate".into(),
+            block_size: Some(16),
+            capacity: Capacity::default(),
+            dp_start_rank: 0,
+            dp_size: 0,
+            disaggregated_endpoint: Some("10.0.0.4:8998".into()),
+            artifacts: None,
+        };
+        let wire = pb::Worker::from(&worker);
+        assert_eq!(wire.disaggregated_endpoint, None);
+        assert_eq!(wire.key.map(|k| k.instance_id), Some(7), "the rest goes as it is");
+    }
 }
