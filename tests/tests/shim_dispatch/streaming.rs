@@ -8,8 +8,9 @@ use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::dispatch::relay::MAX_PARTIAL_EVENT_BYTES;
 use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_tests::eventually;
-use continuum_tests::shim_stub::StubShim;
+use continuum_tests::shim_stub::{Frame, StubShim};
 use serde_json::Value;
+use tokio::sync::mpsc;
 
 use super::{DECODE_ID, Harness, MODEL, NAMESPACE, PREFILL_ID, chat, config, disaggregated_fleet, sample};
 
@@ -27,12 +28,26 @@ fn event_code(event: &str) -> Option<String> {
     data["error"]["code"].as_str().map(str::to_string)
 }
 
+/// A streamed chat request through a replica to a stub shim whose frames the test sends
+/// through `gate`.
+struct Streaming {
+    harness: Harness,
+    gate: mpsc::Sender<Frame>,
+    response: reqwest::Response,
+    _shim: StubShim,
+}
+
+async fn streaming(settings: DispatchSettings) -> anyhow::Result<Streaming> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
+    let gate = shim.push_stream();
+    let response = harness.post(&chat(MODEL, true)).await?;
+    Ok(Streaming { harness, gate, response, _shim: shim })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sse_frames_are_relayed_one_at_a_time() -> anyhow::Result<()> {
-    let shim = StubShim::start().await?;
-    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
-    let gate = shim.push_stream();
-    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["content-type"], "text/event-stream");
     assert_eq!(harness.replica.ledger.len(), 1, "the dispatch is in flight while the stream is open");
@@ -51,10 +66,7 @@ async fn sse_frames_are_relayed_one_at_a_time() -> anyhow::Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Result<()> {
-    let shim = StubShim::start().await?;
-    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
-    let gate = shim.push_stream();
-    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
     gate.send(Ok(Bytes::from(FIRST))).await?;
     assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
     gate.send(Err("engine died".into())).await?;
@@ -73,10 +85,7 @@ async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Resul
 /// a client would fail on its JSON before it read the error after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_whole_events_reach_the_client_so_a_break_inside_one_sends_the_error_alone() -> anyhow::Result<()> {
-    let shim = StubShim::start().await?;
-    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
-    let gate = shim.push_stream();
-    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
     let (head, tail) = FIRST.split_at(FIRST.len() / 2);
     gate.send(Ok(Bytes::from(head))).await?;
     gate.send(Ok(Bytes::from(format!("{tail}{}", &SECOND[..10])))).await?;
@@ -95,10 +104,7 @@ async fn only_whole_events_reach_the_client_so_a_break_inside_one_sends_the_erro
 /// An event that never ends is held back only so far: past the bound the stream breaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfinished_event_past_the_bound_ends_the_stream_with_an_error() -> anyhow::Result<()> {
-    let shim = StubShim::start().await?;
-    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
-    let gate = shim.push_stream();
-    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
     gate.send(Ok(Bytes::from(FIRST))).await?;
     assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
     let endless = format!("data: {}", "x".repeat(MAX_PARTIAL_EVENT_BYTES / 2));
@@ -115,11 +121,8 @@ async fn an_unfinished_event_past_the_bound_ends_the_stream_with_an_error() -> a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_ends_with_a_timeout_event() -> anyhow::Result<()> {
-    let shim = StubShim::start().await?;
     let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(300), ..DispatchSettings::default() };
-    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
-    let gate = shim.push_stream();
-    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let Streaming { harness, gate, mut response, .. } = streaming(settings).await?;
     gate.send(Ok(Bytes::from(FIRST))).await?;
     assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
     // The gate stays open and silent: the relay must give up on its own.
@@ -180,10 +183,7 @@ async fn keep_alive_comments_neither_begin_the_answer_nor_keep_a_stalled_stream_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_goes_away_ends_its_dispatch() -> anyhow::Result<()> {
-    let shim = StubShim::start().await?;
-    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
-    let gate = shim.push_stream();
-    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
     gate.send(Ok(Bytes::from(FIRST))).await?;
     assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
     assert_eq!(harness.replica.ledger.len(), 1);
