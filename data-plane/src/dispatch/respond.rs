@@ -1,6 +1,7 @@
-//! Turning a shim's response into the client's: a success is relayed (streams event by event as frames arrive,
-//! buffered bodies read whole, bounded and charged to the process's budget), and anything else
-//! is read (bounded) and classified; an unpinned backend's server error is not read at all.
+//! Turning a shim's response into the client's: a success is relayed (streams event by event as
+//! frames arrive, buffered bodies read whole, bounded and charged to the process's budget), and
+//! anything else is read (bounded) and classified; an unpinned backend's server error is not
+//! read at all.
 
 use std::convert::Infallible;
 use std::pin::{Pin, pin};
@@ -83,9 +84,10 @@ impl Dispatcher {
     }
 
     /// A backend's answer to a plain unpinned request: a success or a refusal of the client's
-    /// request (4xx) is relayed (the refusal as [`Self::relayed_refusal`] allows). A server error is the backend's own: its body may name
-    /// internal hosts or paths, so the client gets the router's error instead; so does an
-    /// answer no chat completion should get (an informational status, a redirect).
+    /// request (4xx) is relayed (the refusal as [`Self::relayed_refusal`] allows). A server
+    /// error is the backend's own: its body may name internal hosts or paths, so the client
+    /// gets the router's error instead; so does an answer no chat completion should get (an
+    /// informational status, a redirect).
     pub(super) async fn pass_through(
         &self,
         response: Response<ShimBody>,
@@ -114,8 +116,8 @@ impl Dispatcher {
     }
 
     /// A success relayed: a stream as its events come, a buffered answer read whole within
-    /// what is left of the exchange's [`super::DispatchSettings::buffered_timeout`] since it was `sent`
-    /// (the wait for the head took the rest).
+    /// what is left of the exchange's [`super::DispatchSettings::buffered_timeout`] since it
+    /// was `sent` (the wait for the head took the rest).
     async fn success(
         &self,
         response: Response<ShimBody>,
