@@ -232,11 +232,17 @@ impl KvAwarePicker {
     ) -> Option<Chosen<'c>> {
         let max_staleness = scoring.view.config().picker.max_staleness;
         let ranks = self.load.ranks(scoring.view, candidates, scoring.now);
+        // Prefill workers beside ranks that serve alone compete for the prefill: every rank is
+        // judged on its prefill backlog then, so that with none fresh (dynamo.vllm publishes
+        // none) all compete on overlap and size, as the seed says, and an aggregated rank's
+        // fresh decode sample does not put the prefill workers out of the competition.
+        let prefills = |c: &Candidate| c.worker.role == Role::Prefill;
+        let mixed = candidates.iter().any(prefills) && !candidates.iter().all(prefills);
         let rated: Vec<(Option<Logit>, Scored)> = candidates
             .iter()
             .zip(ranks)
             .map(|(candidate, rank)| {
-                let phase = if candidate.worker.role == Role::Prefill { Phase::Prefill } else { Phase::Decode };
+                let phase = if prefills(candidate) || mixed { Phase::Prefill } else { Phase::Decode };
                 let handover = candidate.worker.role == Role::Decode;
                 let (load, fresh) =
                     formula::rank_load(phase, rank.sample, rank.dispatched, handover, max_staleness, scoring.now);
@@ -251,7 +257,7 @@ impl KvAwarePicker {
                     &scoring.weights,
                 );
                 // A prefill worker holds a prompt's KV only until the hand-over.
-                let full = phase == Phase::Decode
+                let full = !prefills(candidate)
                     && formula::over_capacity(logit.as_ref(), candidate.worker.capacity.total_kv_blocks);
                 let scored = Scored {
                     cost: logit.as_ref().map(&cost),

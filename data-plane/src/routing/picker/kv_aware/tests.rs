@@ -905,3 +905,27 @@ proptest! {
         }
     }
 }
+
+/// The seed: "When no rank has a fresh prefill backlog (as on dynamo.vllm fleets where
+/// active_prefill_tokens is nil), all ranks compete on overlap and request size." Beside a
+/// prefill pool of dynamo.vllm workers, aggregated workers' fresh decode samples are no prefill
+/// backlog either: they must not put the prefill workers out of the competition.
+#[test]
+fn aggregated_workers_decode_samples_do_not_shut_a_prefill_pool_out() {
+    let fleet = Fleet::new([
+        worker("a", 1, Role::Aggregated),
+        worker("a", 2, Role::Aggregated),
+        worker("b", 3, Role::Prefill),
+        worker("b", 4, Role::Decode),
+    ])
+    .sample(1, used(300), FRESH)
+    .sample(2, used(500), FRESH)
+    .sample(3, used(0), FRESH)
+    .sample(4, used(0), FRESH);
+    let none = Overlaps::default();
+    let chosen = picks(&picker(), &fleet, scored(64, &none), 6);
+    assert!(chosen.contains(&(4, Some(3))), "the pair takes its turn: {chosen:?}");
+    // With the prefix cached on the prefill worker, it wins outright.
+    let held = overlaps(&[(3, 0, 4)]);
+    assert_eq!(picks(&picker(), &fleet, scored(128, &held), 2), [(4, Some(3)); 2]);
+}
