@@ -89,6 +89,9 @@ impl DispatchId {
 pub struct RankBacklog {
     /// Of the dispatches whose response has not begun.
     pub prefill_tokens: u64,
+    /// Of those, this replica's that no sample has answered: what the seed's rule adds to a
+    /// sample's prefill queue where the control plane has not measured it.
+    pub unanswered_prefill_tokens: u64,
     /// Of the dispatches no sample has answered.
     pub decode_blocks: u64,
     /// Of every dispatch in flight, answered or not.
@@ -193,6 +196,7 @@ impl RankBacklog {
         };
         Self {
             prefill_tokens,
+            unanswered_prefill_tokens: self.unanswered_prefill_tokens,
             decode_blocks: self.decode_blocks.max(fleet.decode_blocks),
             in_flight_decode_blocks,
             foreign_decode_blocks: fleet.foreign_decode_blocks,
@@ -213,13 +217,14 @@ impl RankBacklog {
 
     /// The rank's prefill backlog given its fresh sample's `active_prefill_tokens` (`None`
     /// when it has no fresh sample carrying them): the fleet's queued tokens plus the sample's
-    /// foreign part when the control plane measured it, else plus the whole sample.
+    /// foreign part when the control plane measured it; else the seed's rule, the sample plus
+    /// the dispatches no sample has answered (the sample counts those the engine had).
     pub fn prefill_backlog(&self, sampled: Option<u64>) -> u64 {
-        let beside = match sampled {
-            Some(sampled) => self.foreign_prefill_tokens.unwrap_or(sampled),
-            None => 0,
-        };
-        beside.saturating_add(self.queued_prefill_tokens())
+        match (sampled, self.foreign_prefill_tokens) {
+            (None, _) => self.queued_prefill_tokens(),
+            (Some(_), Some(foreign)) => foreign.saturating_add(self.queued_prefill_tokens()),
+            (Some(sampled), None) => sampled.saturating_add(self.unanswered_prefill_tokens),
+        }
     }
 
     /// The rank's decode backlog given its sample's (`sampled`): the fleet's own dispatches in
@@ -665,6 +670,7 @@ impl State {
             && sampled_at.is_none_or(|at| at <= oldest)
         {
             backlog.prefill_tokens = rank.prefill_tokens;
+            backlog.unanswered_prefill_tokens = rank.prefill_tokens;
             backlog.decode_blocks = rank.active.total();
             backlog.in_flight_decode_blocks = rank.active.total();
             return backlog;
@@ -676,6 +682,7 @@ impl State {
         };
         for leg in rank.legs.iter().filter(unanswered) {
             backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.added);
+            backlog.unanswered_prefill_tokens = backlog.unanswered_prefill_tokens.saturating_add(leg.prefill_tokens);
             let waited = now.saturating_duration_since(leg.at);
             backlog.stalled |= leg.stall_blocks >= STALL_MIN_BLOCKS && waited >= STALL_AFTER;
         }

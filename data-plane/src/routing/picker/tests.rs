@@ -482,6 +482,29 @@ fn graph_local_prefill_comes_from_the_decode_winners_namespace() {
     assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::Load)));
 }
 
+/// Without the control plane's measure (its stream lost), a prefill worker's sample counts the
+/// prompts it had received: this replica's dispatch from before the sample is in it already,
+/// and is not added again (the seed: a dispatch counts until a sample from its worker arrives).
+#[test]
+fn a_prompt_the_prefill_sample_already_counts_is_not_counted_twice() {
+    let tokens = |n| Load { active_prefill_tokens: Some(n), kv_used_blocks: Some(0), ..Load::default() };
+    let fleet =
+        Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Prefill), worker("a", 3, Role::Decode)])
+            .used(3, 0, 0, FRESH)
+            .sample(1, 0, tokens(6000), FRESH)
+            .sample(2, 0, tokens(7000), FRESH);
+    let picker = picker();
+    let to_one = pick(&picker, &Fleet { loads: Vec::new(), ..Fleet::new(fleet.workers.clone()) });
+    let to_one = Selection { prefill: Some(Pin { worker: WorkerKey::new("a", 1), dp_rank: None }), ..to_one };
+    record(&picker, &to_one, 6000, fleet.now - FRESH - Duration::from_millis(500));
+    let s = pick(&picker, &fleet);
+    assert_eq!(s.prefill.map(|p| p.worker.instance_id), Some(1), "6,000 queued on 1 against 7,000 on 2");
+    // One sent after the sample is not in it: it counts on top.
+    record(&picker, &to_one, 2000, fleet.now);
+    let s = pick(&picker, &fleet);
+    assert_eq!(s.prefill.map(|p| p.worker.instance_id), Some(2), "8,000 on 1 against 7,000 on 2");
+}
+
 #[test]
 fn prefill_without_prefill_tokens_rotates() {
     // The mocker and dynamo.vllm publish no active_prefill_tokens.

@@ -136,8 +136,13 @@ fn cost_formulas() {
 #[test]
 fn unanswered_dispatches_add_to_the_backlog() {
     let full = capacity(Some(100), Some(1000));
-    let unanswered =
-        RankBacklog { prefill_tokens: 250, decode_blocks: 9, in_flight_decode_blocks: 9, ..Default::default() };
+    let unanswered = RankBacklog {
+        prefill_tokens: 250,
+        unanswered_prefill_tokens: 250,
+        decode_blocks: 9,
+        in_flight_decode_blocks: 9,
+        ..Default::default()
+    };
     let with = |standing| CostInputs { dispatched: unanswered, ..inputs(&full, Some(16), 16, standing) };
     assert_eq!(cost(Phase::Prefill, &with(Standing::Fresh(250))).map(Cost::as_f64), Some(0.5));
     assert_eq!(cost(Phase::Decode, &with(Standing::Fresh(10))).map(Cost::as_f64), Some(0.2));
@@ -163,9 +168,18 @@ fn unanswered_dispatches_add_to_the_backlog() {
 
 #[test]
 fn the_prefill_backlog_adds_a_fresh_samples_foreign_part_or_the_whole_sample() {
-    let queued = RankBacklog { prefill_tokens: 400, prefilled_tokens: 100, ..Default::default() };
+    let queued = RankBacklog {
+        prefill_tokens: 400,
+        prefilled_tokens: 100,
+        unanswered_prefill_tokens: 150,
+        ..Default::default()
+    };
     assert_eq!(queued.prefill_backlog(None), 300, "no fresh sample: the fleet's queue, less what is done");
-    assert_eq!(queued.prefill_backlog(Some(500)), 800, "not measured: the seed's sample plus dispatches");
+    assert_eq!(
+        queued.prefill_backlog(Some(500)),
+        650,
+        "not measured: the seed's sample plus the dispatches no sample has answered"
+    );
     let measured = RankBacklog { foreign_prefill_tokens: Some(20), ..queued };
     assert_eq!(measured.prefill_backlog(Some(500)), 320);
     assert_eq!(measured.prefill_backlog(None), 300, "a stale sample's foreign part is not added");

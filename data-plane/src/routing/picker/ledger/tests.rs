@@ -93,8 +93,16 @@ fn a_dispatch_the_fleets_sums_lack_is_the_ranks_most_recent() {
 }
 
 /// A rank whose dispatches in flight are all unanswered.
+/// A rank's backlog with no sample answering any of its dispatches.
 fn rank(prefill_tokens: u64, decode_blocks: u64, stalled: bool) -> RankBacklog {
-    RankBacklog { prefill_tokens, decode_blocks, in_flight_decode_blocks: decode_blocks, stalled, ..Default::default() }
+    RankBacklog {
+        prefill_tokens,
+        unanswered_prefill_tokens: prefill_tokens,
+        decode_blocks,
+        in_flight_decode_blocks: decode_blocks,
+        stalled,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -348,7 +356,9 @@ fn the_fleet_backlog_joins_the_local_one_field_by_field_without_adding() {
     assert_eq!(local.with_fleet(None), local);
     let fleet = Backlog { prefill_tokens: 50, decode_blocks: 9, dispatches: 4, ..Backlog::default() };
     assert_eq!(local.with_fleet(Some(&fleet)), rank(100, 9, true));
-    assert_eq!(RankBacklog::default().with_fleet(Some(&fleet)), rank(50, 9, false), "stalls stay local");
+    // Stalls stay local, and so does what no sample has answered: the sums do not say.
+    let joined = RankBacklog { unanswered_prefill_tokens: 0, ..rank(50, 9, false) };
+    assert_eq!(RankBacklog::default().with_fleet(Some(&fleet)), joined);
     let measured = Backlog { foreign_decode_blocks: Some(7), ..fleet };
     assert_eq!(local.with_fleet(Some(&measured)).foreign_decode_blocks, Some(7), "only the fleet measures it");
 }

@@ -93,8 +93,13 @@ fn rank_load_takes_the_phase_backlog_and_the_other_field_when_fresh() {
     let stale = |load: Load| LoadSample { load, received_at: now - Duration::from_secs(5) };
     let both = Load { active_prefill_tokens: Some(100), kv_used_blocks: Some(7), ..Load::default() };
     let vllm = Load { kv_used_blocks: Some(7), ..Load::default() };
-    let unanswered =
-        RankBacklog { prefill_tokens: 50, decode_blocks: 3, in_flight_decode_blocks: 3, ..Default::default() };
+    let unanswered = RankBacklog {
+        prefill_tokens: 50,
+        unanswered_prefill_tokens: 50,
+        decode_blocks: 3,
+        in_flight_decode_blocks: 3,
+        ..Default::default()
+    };
     // (case, phase, sample, expected)
     type Case = (&'static str, Phase, Option<LoadSample>, (Option<RankLoad>, bool));
     let cases: Vec<Case> = vec![
