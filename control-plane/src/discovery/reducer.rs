@@ -5,7 +5,7 @@
 //! every event here, including a [`WatchEvent::Resync`] after each reconnect. One reducer lives
 //! as long as its watcher, so `first_seen` survives reconnects.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -75,6 +75,9 @@ pub struct Reducer {
     capacity_warned: [bool; Keyspace::ALL.len()],
     /// Keyspaces that refused a key for want of room since they were last listed.
     refused: [bool; Keyspace::ALL.len()],
+    /// When the workers of the fleet this reducer succeeds were first seen: a worker its first
+    /// resync finds again keeps its `first_seen` across a reload that replaced the watcher.
+    handed_over: BTreeMap<WorkerKey, SystemTime>,
 }
 
 /// The bookkeeping of one event: counts, and the identities whose claimants changed.
@@ -106,7 +109,15 @@ impl Reducer {
             fleet: Fleet::default(),
             capacity_warned: [false; Keyspace::ALL.len()],
             refused: [false; Keyspace::ALL.len()],
+            handed_over: BTreeMap::new(),
         }
+    }
+
+    /// A reducer taking over from the one that folded `previous`: the workers its first resync
+    /// finds again keep when they were first seen.
+    pub fn succeeding(namespaces: Vec<String>, previous: &Fleet) -> Self {
+        let handed_over = previous.workers.iter().map(|w| (w.worker.key.clone(), w.first_seen)).collect();
+        Self { handed_over, ..Self::new(namespaces) }
     }
 
     pub fn namespaces(&self) -> &[Arc<str>] {
@@ -116,12 +127,18 @@ impl Reducer {
     /// Folds one event in.
     pub fn apply(&mut self, event: WatchEvent, now: SystemTime) -> Applied {
         let mut pass = Pass::default();
+        let resync = matches!(event, WatchEvent::Resync(_));
         match event {
             WatchEvent::Put(kv) => self.put(kv, now, None, &mut pass),
             WatchEvent::Delete { key } => self.delete(&key, &mut pass),
             WatchEvent::Resync(kvs) => self.resync(kvs, now, &mut pass),
         }
-        self.refresh(pass, now)
+        let applied = self.refresh(pass, now);
+        if resync {
+            // Only the first resync finds the predecessor's workers again.
+            self.handed_over.clear();
+        }
+        applied
     }
 
     /// Whether `key` is held, as a record or set aside.
@@ -305,7 +322,12 @@ impl Reducer {
 
     fn refresh_worker(&mut self, key: WorkerKey, now: SystemTime) -> bool {
         let previous = self.fleet.workers.get(&key);
-        let next = join::worker(&self.store, &key, previous, now);
+        let mut next = join::worker(&self.store, &key, previous, now);
+        if previous.is_none()
+            && let (Some(worker), Some(seen)) = (next.as_mut(), self.handed_over.get(&key))
+        {
+            worker.first_seen = *seen;
+        }
         if next.as_ref() == previous {
             return false;
         }

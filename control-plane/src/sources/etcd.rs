@@ -119,7 +119,8 @@ pub async fn run_with(
     health: WatchHealth,
     cancel: CancellationToken,
 ) {
-    let mut reducer = Reducer::new(namespaces.clone());
+    // A reload that replaced the watcher: the workers it finds again keep their first sighting.
+    let mut reducer = Reducer::succeeding(namespaces.clone(), &registry.current().fleet);
     let backoff = &config.watch_reconnect_backoff;
     let mut delay = backoff.initial;
     loop {

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use super::super::{EventKind, WatchEvent};
+use super::super::{EventKind, Reducer, WatchEvent};
 use super::{
     NS, Sim, card_json, card_key, card_value, channel_key, channel_value, counts, endpoint_value, instance_key, kv, t,
     zmq,
@@ -121,4 +121,21 @@ fn resync_replaces_state_and_keeps_first_seen_for_persisting_identities() {
         assert_eq!(times, want, "{what}");
         assert_eq!((applied.count(EventKind::Resync), applied.fleet_changed()), (1, changed), "{what}");
     }
+}
+
+/// A reload that replaces the watcher starts a new reducer: the workers its first resync finds
+/// again keep when they were first seen; a worker that comes back later is new.
+#[test]
+fn a_successor_keeps_first_seen_for_the_workers_its_first_resync_finds_again() {
+    let instance =
+        |id: u64| kv(instance_key(NS, "prefill", "generate", id), &endpoint_value("prefill", "generate", json!(id)));
+    let mut sim = Sim::new();
+    sim.apply(WatchEvent::Resync(vec![instance(ID), instance(ID + 1)]));
+    let previous = sim.fleet();
+    let mut successor = Sim { reducer: Reducer::succeeding(vec![NS.to_owned()], &previous), clock: 5 };
+    successor.apply(WatchEvent::Resync(vec![instance(ID), instance(ID + 2)]));
+    successor.apply(WatchEvent::Put(instance(ID + 1)));
+    let first_seen: Vec<_> =
+        successor.fleet().workers.iter().map(|w| (w.worker.key.instance_id, w.first_seen)).collect();
+    assert_eq!(first_seen, [(ID, t(1)), (ID + 1, t(7)), (ID + 2, t(6))]);
 }
