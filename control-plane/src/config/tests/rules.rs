@@ -132,7 +132,7 @@ fn dynamo_rows() -> Vec<Row> {
         row("direct_allow_cidrs bounded", format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(65, |i| format!("'10.{i}.0.0/16'"))), Error, "dynamo.load.direct_allow_cidrs", "at most 64"),
         row("direct_allow_cidrs unset", etcd("{endpoints: ['a:2379']}"), Warning, "dynamo.load.direct_allow_cidrs", "Pod CIDRs"),
         row("broker transport without event bus", "dynamo: {enabled: true, discovery: {etcd: {endpoints: ['a:2379']}}, load: {transport: broker}}", Warning, "dynamo.load.transport", "event_bus"),
-        row("broker transport with event bus", &format!("dynamo: {{enabled: true, discovery: {{etcd: {{endpoints: ['a:2379']}}}}, load: {{transport: broker}}, event_bus: {{enabled: true, tls: {{cert: /c, key: /k}}, brokers: [{{id: b, token_hash: '{TOKEN}', namespaces: [dynamo]}}]}}}}"), Warning, "dynamo.load.transport", "no event-bus listener"),
+        row("broker transport with event bus", format!("dynamo: {{enabled: true, discovery: {{etcd: {{endpoints: ['a:2379']}}}}, load: {{transport: broker}}, event_bus: {{enabled: true, tls: {{cert: /c, key: /k}}, brokers: [{{id: b, token_hash: '{TOKEN}', namespaces: [dynamo]}}]}}}}"), Warning, "dynamo.load.transport", "no event-bus listener"),
         row("unknown transport", "dynamo: {load: {transport: zmq}}", Error, "dynamo.load.transport", "unknown variant"),
         row("shim replica not a backend", with_shim("", "{backends: [nope]}"), Error, "dynamo.shim.backends[0]", "not a configured"),
         row("shim replica listed twice", with_shim("", "{backends: [shim-a, shim-a]}"), Error, "dynamo.shim.backends[1]", "duplicates"),
