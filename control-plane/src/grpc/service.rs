@@ -260,11 +260,14 @@ impl Fleet for FleetService {
                 () = retired(tokens, presented) => {
                     metrics.watch_retired.inc();
                     tracing::warn!(replica = %status.replica_id, "ending a Watch stream: the token it was opened with is no longer accepted");
-                    let _ = goodbye.try_send(Err(Status::unauthenticated(
+                    let status = Status::unauthenticated(
                         "the token this stream was opened with is no longer accepted; reconnect with control_plane.token",
-                    )));
+                    );
+                    super::session::say_goodbye(&goodbye, status).await;
                 }
             }
+            // The stream ends here, not once the book has forgotten the session.
+            drop(goodbye);
             replicas.remove(id);
             book.replica_gone(id).await;
             metrics.replicas_connected.dec();

@@ -27,6 +27,16 @@ pub const REPLICA_QUEUE_CAPACITY: usize = 4;
 
 pub(crate) type Outbound = mpsc::Sender<Result<Queued, Status>>;
 
+/// How long the status that ends a session waits for room in its replica's queue: the replica
+/// learns why its stream ended (a retired token, a refused snapshot) rather than only that it
+/// did, unless it has stopped reading.
+const GOODBYE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Queues `status` as the last thing the replica reads, waiting briefly for room.
+pub(crate) async fn say_goodbye(outbound: &Outbound, status: Status) {
+    let _ = tokio::time::timeout(GOODBYE_WAIT, outbound.send(Err(status))).await;
+}
+
 /// An update waiting for its replica's stream to take it. Its samples' ages were measured when
 /// it was built; [`Queued::taken`] adds the time it waited, so a replica slow to read (a
 /// throttled CPU, a stalled network) does not take a sample for seconds fresher than it is.
@@ -163,8 +173,8 @@ impl Session {
                 Event::Inbound(Ok(Some(request))) => {
                     if let Err(status) = self.on_request(request) {
                         tracing::warn!(replica = %self.status.replica_id, %status, "ending the replica's session");
-                        // Best effort: the stream ends either way, and the replica reconnects.
-                        let _ = self.outbound.try_send(Err(status));
+                        // The stream ends either way, and the replica reconnects.
+                        say_goodbye(&self.outbound, status).await;
                         return;
                     }
                 }
