@@ -1,6 +1,7 @@
 //! A worker's model card: the typed subset the router reads, plus the full card kept opaquely
-//! (bounded by [`MAX_RETAINED_CARD_BYTES`]) so later consumers can read fields without a
-//! schema change.
+//! as its compact JSON text (bounded by [`MAX_RETAINED_CARD_BYTES`]) so later consumers can read
+//! fields without a schema change. Text, not a parsed tree: a tree of small values takes tens of
+//! times its text's bytes, and the bound is meant in bytes held.
 //!
 //! The typed subset follows Dynamo's N-2 window: every field optional, unknown fields ignored.
 //! If the subset still fails to deserialise, the card keeps its raw form and no typed fields.
@@ -21,10 +22,12 @@ pub struct Card {
     pub typed: TypedCard,
     /// Why the typed subset could not be read, when it could not.
     pub typed_error: Option<String>,
-    /// The card verbatim, unless it was larger than [`MAX_RETAINED_CARD_BYTES`].
-    pub raw: Option<Arc<Value>>,
+    /// The card verbatim (compact JSON), unless it was larger than [`MAX_RETAINED_CARD_BYTES`].
+    pub raw: Option<Arc<str>>,
     /// The card's serialised size when it was too large to keep.
     pub dropped_bytes: Option<usize>,
+    /// The release the card names, for diagnostics (cut as an excerpt).
+    pub release: Option<String>,
 }
 
 /// The card fields the router uses.
@@ -102,17 +105,29 @@ impl Card {
     /// re-serialising small cards to measure them.
     pub fn parse(card_json: Value, record_bytes: usize) -> Self {
         if card_json.is_null() {
-            return Self { typed: TypedCard::default(), typed_error: None, raw: None, dropped_bytes: None };
+            return Self {
+                typed: TypedCard::default(),
+                typed_error: None,
+                raw: None,
+                dropped_bytes: None,
+                release: None,
+            };
         }
         let (typed, typed_error) = match TypedCard::deserialize(&card_json) {
             Ok(typed) => (typed, None),
             // serde quotes the value it refused, which a card may make megabytes long.
             Err(error) => (TypedCard::default(), Some(super::records::excerpt(&error.to_string()))),
         };
+        let release = ["dynamo_version", "runtime_version", "version", "release"]
+            .into_iter()
+            .find_map(|field| card_json.get(field)?.as_str())
+            .map(super::records::excerpt);
         let size = if record_bytes <= MAX_RETAINED_CARD_BYTES { record_bytes } else { serialised_len(&card_json) };
-        let (raw, dropped_bytes) =
-            if size > MAX_RETAINED_CARD_BYTES { (None, Some(size)) } else { (Some(Arc::new(card_json)), None) };
-        Self { typed, typed_error, raw, dropped_bytes }
+        let (raw, dropped_bytes) = match serde_json::to_string(&card_json) {
+            Ok(text) if size <= MAX_RETAINED_CARD_BYTES => (Some(Arc::from(text)), None),
+            _ => (None, Some(size)),
+        };
+        Self { typed, typed_error, raw, dropped_bytes, release }
     }
 
     /// A card with a non-empty `model_suffix` describes a LoRA adapter, not a worker's base model.
@@ -126,12 +141,6 @@ impl Card {
         [Role::Prefill, Role::Decode, Role::Aggregated]
             .into_iter()
             .find(|r| r.as_str().eq_ignore_ascii_case(worker_type))
-    }
-
-    /// The release a card names, for diagnostics.
-    pub fn release(&self) -> Option<&str> {
-        let raw = self.raw.as_deref()?;
-        ["dynamo_version", "runtime_version", "version", "release"].into_iter().find_map(|f| raw.get(f)?.as_str())
     }
 
     /// Advertised capacities. Dynamo writes 0 for "not known" (the 1.6.1 mocker's
@@ -326,6 +335,7 @@ mod tests {
         let card = Card::parse(raw.clone(), 128);
         assert!(card.typed_error.is_some());
         assert_eq!(card.typed, TypedCard::default());
-        assert_eq!(card.raw.as_deref(), Some(&raw));
+        let kept: Option<Value> = card.raw.as_deref().and_then(|text| serde_json::from_str(text).ok());
+        assert_eq!(kept, Some(raw), "kept whole, as compact text");
     }
 }

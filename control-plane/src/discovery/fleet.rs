@@ -36,7 +36,7 @@ pub struct DiscoveredWorker {
     /// The latest put of the worker's instance or card record.
     pub last_updated: SystemTime,
     /// The model card verbatim, when it had one no larger than the retention bound.
-    pub card: Option<Arc<serde_json::Value>>,
+    pub card: Option<Arc<str>>,
     /// Why the worker is visible but never routed to.
     pub excluded: Option<Exclusion>,
 }

@@ -397,7 +397,7 @@ fn log_record(key: &str, parsed: &Parsed, previous: Option<&Parsed>) {
                     "model card too large to keep; only its typed fields are used"
                 );
             }
-            if let Some(release) = model.card.release() {
+            if let Some(release) = model.card.release.as_deref() {
                 tracing::debug!(key = ?shown(key), release, instance_id = model.instance_id, "model card release");
             }
         }
