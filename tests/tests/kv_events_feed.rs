@@ -10,7 +10,9 @@ use continuum_control_plane::admin::{self, AdminSettings, AdminState};
 use continuum_control_plane::config::{self, Config};
 use continuum_control_plane::discovery::{Publisher, PublisherKey, Topic};
 use continuum_control_plane::grpc::Replicas;
-use continuum_control_plane::kv::{KvCounts, KvEventResult, KvIndexer, KvSupervisor, PublisherMapping, kv_options};
+use continuum_control_plane::kv::{
+    KvCounts, KvEventResult, KvIndexer, KvSupervisor, LiveWorker, PublisherMapping, kv_options,
+};
 use continuum_control_plane::load::zmtp::{BudgetRef, MessageBudget, ZmtpLimits};
 use continuum_control_plane::load::{LoadOptions, LoadSupervisor};
 use continuum_control_plane::metrics::Metrics;
@@ -125,7 +127,8 @@ async fn the_real_eviction_stream_indexed_over_zmtp_matches_the_same_stream_appl
 
     // The reference: the same frames applied in-process to a bare indexer.
     let mut reference = KvIndexer::new(Limits::default());
-    reference.set_live([(first.worker_id, 0..2)].into_iter().collect());
+    let live = LiveWorker { namespace: "dynamo".into(), ranks: 0..2 };
+    reference.set_live([(first.worker_id, live)].into_iter().collect());
     let publisher = PublisherKey { namespace: "dynamo".into(), publisher_id: first.publisher_id };
     let mapping = PublisherMapping { publisher, worker_id: first.worker_id, dp_rank: Some(first.dp_rank) };
     let mut expected = KvCounts::default();

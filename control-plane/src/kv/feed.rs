@@ -8,7 +8,7 @@ use std::time::Instant;
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::decode::decode_kv_events;
-use super::indexer::{KvIndexer, LiveRanks, PublisherMapping};
+use super::indexer::{KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::load::zmtp::Message;
@@ -136,7 +136,8 @@ fn live_ranks(fleet: &Fleet) -> LiveRanks {
     let mut live = HashMap::with_capacity(fleet.workers.len());
     for w in fleet.workers.iter() {
         // The same ranks the replicas pick among: a start rank without a size is rank 0.
-        live.insert(w.worker.key.instance_id, w.worker.dp_ranks());
+        let worker = LiveWorker { namespace: Arc::clone(&w.worker.key.namespace), ranks: w.worker.dp_ranks() };
+        live.insert(w.worker.key.instance_id, worker);
     }
     live
 }

@@ -24,6 +24,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::{KvIndex, Limits, Matches, RankKey};
@@ -51,9 +52,19 @@ pub struct PublisherMapping {
     pub dp_rank: Option<u32>,
 }
 
-/// Live worker ids and the dp ranks each declares (`data_parallel_start_rank` ..
-/// `+ data_parallel_size`).
-pub type LiveRanks = HashMap<u64, Range<u32>>;
+/// Live worker ids, each with its namespace and the dp ranks it declares
+/// (`data_parallel_start_rank` .. `+ data_parallel_size`).
+pub type LiveRanks = HashMap<u64, LiveWorker>;
+
+/// A live worker as the index's gate reads it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveWorker {
+    /// Only publishers of this namespace speak for it: ids are unique per namespace, and a
+    /// channel registered in another (whose event source names this worker) must not store or
+    /// clear its blocks.
+    pub namespace: Arc<str>,
+    pub ranks: Range<u32>,
+}
 
 #[derive(Debug, Default)]
 struct Publisher {
@@ -179,7 +190,9 @@ impl KvIndexer {
     fn admits(&self, publisher: &PublisherMapping, rank: RankKey) -> bool {
         rank.worker_id == publisher.worker_id
             && publisher.dp_rank.is_none_or(|r| r == rank.dp_rank)
-            && self.is_live(rank)
+            && self.live.get(&rank.worker_id).is_some_and(|worker| {
+                worker.namespace == publisher.publisher.namespace && worker.ranks.contains(&rank.dp_rank)
+            })
     }
 
     /// Whether `rank` belongs to a live worker that declares it.
@@ -278,7 +291,7 @@ impl KvIndexer {
 }
 
 fn declares(live: &LiveRanks, rank: RankKey) -> bool {
-    live.get(&rank.worker_id).is_some_and(|ranks| ranks.contains(&rank.dp_rank))
+    live.get(&rank.worker_id).is_some_and(|worker| worker.ranks.contains(&rank.dp_rank))
 }
 
 enum Cursor {

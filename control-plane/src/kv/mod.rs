@@ -23,7 +23,9 @@ pub mod recent_lookups;
 pub mod result;
 pub mod service;
 
-pub use indexer::{KV_EVENTS_STALE_AFTER, KvIndexer, LiveRanks, MAX_CURSORS_PER_PUBLISHER, PublisherMapping};
+pub use indexer::{
+    KV_EVENTS_STALE_AFTER, KvIndexer, LiveRanks, LiveWorker, MAX_CURSORS_PER_PUBLISHER, PublisherMapping,
+};
 pub use provisional::{ProvisionalCounts, ProvisionalIndex, ProvisionalResult};
 pub use recent_lookups::{LookupKey, MAX_CONTENDERS, RecentLookups, Suggestion};
 pub use result::{KvCounts, KvEventResult};

@@ -342,14 +342,18 @@ mod tests {
     use continuum_kv_index::Limits;
 
     use super::*;
-    use crate::kv::KvIndexer;
+    use crate::kv::{KvIndexer, LiveWorker};
+
+    fn live(ranks: std::ops::Range<u32>) -> LiveWorker {
+        LiveWorker { namespace: "dynamo".into(), ranks }
+    }
 
     /// A worker that departs takes its provisional chains out of `FindMatches` answers at once,
     /// not at the next sweep.
     #[test]
     fn a_departed_ranks_provisional_chain_is_not_answered() {
         let indexer = SharedKvIndexer::new(KvIndexer::new(Limits::default()));
-        indexer.write().set_live([(7, 0..1), (8, 0..1)].into_iter().collect());
+        indexer.write().set_live([(7, live(0..1)), (8, live(0..1))].into_iter().collect());
         let handle = KvHandle::new(indexer.clone(), true);
         handle.set_provisional_ttl(Duration::from_secs(60));
         for worker_id in [7, 8] {
@@ -360,7 +364,7 @@ mod tests {
             handle.overlaps(&[1, 2, 3]).unwrap_or_default().iter().map(|(rank, _)| rank.worker_id).collect()
         };
         assert_eq!(answered(&handle), [7, 8]);
-        indexer.write().set_live([(8, 0..1)].into_iter().collect());
+        indexer.write().set_live([(8, live(0..1))].into_iter().collect());
         assert_eq!(answered(&handle), [8], "worker 7 left");
         let refused = handle.credit_provisional(RankKey { worker_id: 7, dp_rank: 0 }, &[1, 2, 3]);
         assert_eq!(refused, ProvisionalResult::Refused, "and earns no new credit");

@@ -17,7 +17,7 @@ use continuum_control_plane::discovery::PublisherKey;
 use continuum_control_plane::grpc::{self, FleetService, Replicas};
 use continuum_control_plane::kv::decode::{KvEvent, KvEventData, ResidencyDomain, StorageTier, Stored};
 use continuum_control_plane::kv::feed::SharedKvIndexer;
-use continuum_control_plane::kv::{KvHandle, KvIndexer, LiveRanks, PublisherMapping};
+use continuum_control_plane::kv::{KvHandle, KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use continuum_control_plane::metrics::Metrics;
 use continuum_data_plane::fleet::{FIND_MATCHES_DEADLINE, FleetClientConfig, MatchesClient};
 use continuum_kv_index::{IndexStats, Limits, StoredBlock};
@@ -85,7 +85,8 @@ fn populate() -> (KvHandle, Vec<Chain>) {
     let families: Vec<Vec<u64>> = (0..FAMILIES).map(|_| blocks(FAMILY_BLOCKS)).collect();
     let documents: Vec<(usize, Vec<u64>)> = (0..DOCUMENTS).map(|d| (d % FAMILIES, blocks(DOCUMENT_BLOCKS))).collect();
     let mut indexer = KvIndexer::new(Limits::default());
-    let live: LiveRanks = (1..=WORKERS).map(|w| (w, 0..DP_SIZE)).collect();
+    let live: LiveRanks =
+        (1..=WORKERS).map(|w| (w, LiveWorker { namespace: "bench".into(), ranks: 0..DP_SIZE })).collect();
     indexer.set_live(live);
     let mut rng = StdRng::seed_from_u64(7);
     let mut chains = Vec::new();

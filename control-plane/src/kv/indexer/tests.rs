@@ -32,7 +32,7 @@ fn agg_discovery() -> anyhow::Result<(HashMap<u64, PublisherMapping>, LiveRanks)
             let rc = &value["card_json"]["runtime_config"];
             let start = u32::try_from(rc["data_parallel_start_rank"].as_u64().context("start")?)?;
             let size = u32::try_from(rc["data_parallel_size"].as_u64().context("size")?)?;
-            live.insert(value["instance_id"].as_u64().context("instance_id")?, start..start + size);
+            live.insert(value["instance_id"].as_u64().context("instance_id")?, live_in("dynamo", start..start + size));
         }
     }
     Ok((publishers, live))
@@ -220,6 +220,10 @@ fn a_refused_message_clears_its_publishers_ranks_at_once() -> anyhow::Result<()>
 const WORKER: u64 = 7_668_682_560_356_784_048;
 
 /// Publisher `id` of the fixtures' namespace.
+fn live_in(namespace: &str, ranks: std::ops::Range<u32>) -> LiveWorker {
+    LiveWorker { namespace: namespace.into(), ranks }
+}
+
 fn key(id: u64) -> PublisherKey {
     PublisherKey { namespace: "dynamo".into(), publisher_id: id }
 }
@@ -246,7 +250,7 @@ fn stored(dp_rank: u32, event_id: u64, parent: Option<u64>, hashes: &[u64]) -> K
 
 fn live_indexer(ranks: Range<u32>) -> KvIndexer {
     let mut indexer = KvIndexer::default();
-    indexer.set_live(LiveRanks::from([(WORKER, ranks)]));
+    indexer.set_live(LiveRanks::from([(WORKER, live_in("dynamo", ranks))]));
     indexer
 }
 
@@ -327,12 +331,16 @@ fn events_outside_the_publishers_live_identity_are_refused_and_move_no_cursor() 
 fn set_live_clears_departed_ranks_and_their_cursors() {
     let mut indexer = live_indexer(0..2);
     indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1]), stored(1, 1, None, &[1])]);
-    assert_eq!(indexer.set_live(LiveRanks::from([(WORKER, 1..2)])), 1, "rank 0 is no longer declared");
+    assert_eq!(
+        indexer.set_live(LiveRanks::from([(WORKER, live_in("dynamo", 1..2))])),
+        1,
+        "rank 0 is no longer declared"
+    );
     assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(1), 1)]);
     assert_eq!((indexer.cursor(&key(9), rank(0)), indexer.cursor(&key(9), rank(1))), (None, Some(1)));
     assert_eq!(results(&indexer.apply_events(&publisher(), &[stored(0, 50, None, &[1])])), [("identity_mismatch", 1)]);
 
-    indexer.set_live(LiveRanks::from([(WORKER, 0..2)]));
+    indexer.set_live(LiveRanks::from([(WORKER, live_in("dynamo", 0..2))]));
     assert_eq!(
         results(&indexer.apply_events(&publisher(), &[stored(0, 50, None, &[1])])),
         [("applied", 1)],
@@ -450,4 +458,20 @@ fn refused_messages_count_once_under_their_label() {
     let (_, frames) = kv_messages("agg/zmq-messages.jsonl").unwrap().remove(0);
     assert_eq!(results(&indexer.apply_message(&wrong, frames.iter().map(Vec::as_slice))), [("identity_mismatch", 1)]);
     assert_eq!(indexer.index().stats().ranks, 0);
+}
+
+/// Instance ids are unique per namespace only: a kv-events channel registered in another
+/// namespace, whose event source names a live worker of this one, neither stores nor clears
+/// that worker's blocks.
+#[test]
+fn a_publisher_of_another_namespace_does_not_speak_for_a_worker_of_this_one() {
+    let mut indexer = live_indexer(0..1);
+    let stranger =
+        PublisherMapping { publisher: PublisherKey { namespace: "other".into(), publisher_id: 9 }, ..publisher() };
+    assert_eq!(results(&indexer.apply_events(&stranger, &[stored(0, 1, None, &[1])])), [("identity_mismatch", 1)]);
+    assert_eq!(indexer.index().stats().ranks, 0);
+    assert_eq!(results(&indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1])])), [("applied", 1)]);
+    let cleared = event(0, 1, KvEventData::Cleared);
+    assert_eq!(results(&indexer.apply_events(&stranger, &[cleared])), [("identity_mismatch", 1)]);
+    assert_eq!(indexer.index().stats().ranks, 1, "the worker's blocks stay");
 }
