@@ -50,6 +50,10 @@ pub enum RecordError {
     Transport(&'static str),
     #[error("{expected} record names id {id:x}, but its key ends in `{segment}`")]
     KeyId { expected: &'static str, segment: String, id: u64 },
+    #[error("{expected} record's key has no id segment (Dynamo keys it `…/{{component}}/{{endpoint}}/{{id:x}}`)")]
+    KeyWithoutId { expected: &'static str },
+    #[error("{expected} record names {field} `{value}`, but its key says `{segment}`")]
+    KeyPath { expected: &'static str, field: &'static str, value: String, segment: String },
 }
 
 /// An Endpoint record under `v1/instances/`; only `generate` endpoints become one.
@@ -159,6 +163,11 @@ struct EndpointWire {
 fn endpoint(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
     let wire: EndpointWire = typed(key.keyspace, object(key.keyspace, value)?)?;
     let instance_id = keyed_by(key, wire.instance_id.ok_or_else(|| missing(key.keyspace, "instance_id"))?)?;
+    // Unlike a legacy card's, an instance's key always names its id.
+    if key.id.is_none() {
+        return Err(RecordError::KeyWithoutId { expected: key.keyspace.record_type() });
+    }
+    filed_where_it_says(key, wire.component.as_deref(), wire.endpoint.as_deref())?;
     let (key_component, key_endpoint) = match &key.path {
         KeyPath::Registry { component, endpoint } => (component.clone(), endpoint.clone()),
         KeyPath::Event { .. } => (None, None),
@@ -183,6 +192,28 @@ struct ModelWire {
     model_suffix: Option<String>,
 }
 
+/// Whether the record's component and endpoint, where its value names them, are its key's: a
+/// record filed under another path than its own would claim, or contest, the identity of the
+/// worker it names beside that worker's own record.
+fn filed_where_it_says(key: &ParsedKey, component: Option<&str>, endpoint: Option<&str>) -> Result<(), RecordError> {
+    let KeyPath::Registry { component: key_component, endpoint: key_endpoint } = &key.path else {
+        return Ok(());
+    };
+    let check = |field: &'static str, value: Option<&str>, segment: &Option<String>| {
+        let (Some(value), Some(segment)) = (value.filter(|v| !v.is_empty()), segment.as_deref()) else {
+            return Ok(());
+        };
+        let same = value == segment || super::keys::decode_segment(segment).is_ok_and(|decoded| decoded == value);
+        if same {
+            return Ok(());
+        }
+        let expected = key.keyspace.record_type();
+        Err(RecordError::KeyPath { expected, field, value: excerpt(value), segment: excerpt(segment) })
+    };
+    check("component", component, key_component)?;
+    check("endpoint", endpoint, key_endpoint)
+}
+
 fn model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
     let keyspace = Keyspace::Models;
     let mut json = object(keyspace, value)?;
@@ -196,6 +227,7 @@ fn model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
     if card.is_adapter() {
         return Ok(Parsed::Skipped(Skip::AdapterCard));
     }
+    filed_where_it_says(key, wire.component.as_deref(), wire.endpoint.as_deref())?;
     let (component, endpoint) = (wire.component.unwrap_or_default(), wire.endpoint.unwrap_or_default());
     Ok(Parsed::Model(Box::new(ModelRecord { instance_id, component, endpoint, card })))
 }

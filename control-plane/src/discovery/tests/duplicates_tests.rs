@@ -170,3 +170,26 @@ fn a_record_whose_key_names_another_id_is_malformed_and_contests_nothing() {
         assert_eq!((case.seen)(&sim), case.before, "{}: the named one is untouched", case.what);
     }
 }
+
+/// Nor can a record filed where Dynamo would not file it: an instance under a key without an
+/// id, or an instance or card whose value names another component or endpoint than its key.
+#[test]
+fn a_record_filed_under_another_path_or_without_an_id_is_malformed_and_contests_nothing() {
+    let instance = (instance_key(NS, "decode", "generate", ID), endpoint_value("decode", "generate", json!(ID)));
+    let card = (card_key(NS, "decode", ID), card_value("decode", json!(ID), card_json("decode")));
+    let strays: [(&str, String, Value); 4] = [
+        ("an instance without an id in its key", format!("v1/instances/{NS}/x"), instance.1.clone()),
+        ("an instance under another component", instance_key(NS, "other", "generate", ID), instance.1.clone()),
+        ("an instance under another endpoint", format!("v1/instances/{NS}/decode/other/{ID:x}"), instance.1.clone()),
+        ("a card under another path", format!("v1/mdc/{NS}/x/y/{ID:x}"), card.1.clone()),
+    ];
+    for (what, key, value) in strays {
+        let mut sim = Sim::new();
+        sim.put(&card.0, &card.1);
+        sim.put(&instance.0, &instance.1);
+        let applied = sim.put(&key, &value);
+        assert_eq!(applied.count(EventKind::Malformed), 1, "{what}: refused");
+        assert_eq!(applied.count(EventKind::Duplicate), 0, "{what}: no contest");
+        assert_eq!(worker_seen(&sim), Seen::Worker(Role::Decode, true), "{what}: the worker is untouched");
+    }
+}
