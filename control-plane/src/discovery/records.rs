@@ -54,6 +54,8 @@ pub enum RecordError {
     KeyWithoutId { expected: &'static str },
     #[error("{expected} record names {field} `{value}`, but its key says `{segment}`")]
     KeyPath { expected: &'static str, field: &'static str, value: String, segment: String },
+    #[error("{expected} record names id {id:x}, but its key is attached to lease {lease:x}")]
+    Lease { expected: &'static str, id: u64, lease: u64 },
 }
 
 /// An Endpoint record under `v1/instances/`; only `generate` endpoints become one.
@@ -98,12 +100,28 @@ pub struct SourceRecord {
 /// Reads the value stored at `key`. `lease` is the etcd lease the key is attached to.
 pub fn parse(key: &ParsedKey, value: &[u8], lease: Option<u64>) -> Parsed {
     let result = match key.keyspace {
-        Keyspace::Instances => endpoint(key, value),
-        Keyspace::Models => model(key, value),
+        Keyspace::Instances => endpoint(key, value).and_then(|parsed| on_own_lease(key, parsed, lease)),
+        Keyspace::Models => model(key, value).and_then(|parsed| on_own_lease(key, parsed, lease)),
         Keyspace::EventChannels => channel(key, value, lease),
         Keyspace::EventSources => source(key, value),
     };
     result.unwrap_or_else(Parsed::Malformed)
+}
+
+/// A worker's instance and card keys hang on its own lease, whose id is its instance id: one
+/// attached to another lease is another process's claim to the worker (or, kept alive by that
+/// lease, would outlive it). A key with no lease is taken as written (static registrations
+/// and tools write so).
+fn on_own_lease(key: &ParsedKey, parsed: Parsed, lease: Option<u64>) -> Result<Parsed, RecordError> {
+    let id = match &parsed {
+        Parsed::Endpoint(record) => record.instance_id,
+        Parsed::Model(record) => record.instance_id,
+        _ => return Ok(parsed),
+    };
+    match lease {
+        Some(lease) if lease != id => Err(RecordError::Lease { expected: key.keyspace.record_type(), id, lease }),
+        _ => Ok(parsed),
+    }
 }
 
 fn json_error(keyspace: Keyspace) -> impl Fn(serde_json::Error) -> RecordError {

@@ -193,3 +193,23 @@ fn a_record_filed_under_another_path_or_without_an_id_is_malformed_and_contests_
         assert_eq!(worker_seen(&sim), Seen::Worker(Role::Decode, true), "{what}: the worker is untouched");
     }
 }
+
+/// A worker's keys hang on its own lease (its id): a record naming it on another lease is
+/// another process's claim, refused as malformed, contesting nothing. Its own lease, or none,
+/// is taken as written.
+#[test]
+fn a_record_on_another_workers_lease_is_malformed_and_contests_nothing() {
+    let other_lease = ID + 1;
+    let instance = (instance_key(NS, "decode", "generate", ID), endpoint_value("decode", "generate", json!(ID)));
+    let card = (card_key(NS, "decode", ID), card_value("decode", json!(ID), card_json("decode")));
+    for (what, (key, value)) in [("instance", instance.clone()), ("card", card.clone())] {
+        let mut sim = Sim::new();
+        sim.apply(super::WatchEvent::Put(super::kv(&card.0, &card.1).with_lease(ID)));
+        sim.apply(super::WatchEvent::Put(super::kv(&instance.0, &instance.1).with_lease(ID)));
+        assert_eq!(worker_seen(&sim), Seen::Worker(Role::Decode, true), "{what}: on its own lease");
+        let stray = format!("{key}/copy");
+        let applied = sim.apply(super::WatchEvent::Put(super::kv(&stray, &value).with_lease(other_lease)));
+        assert_eq!(applied.count(EventKind::Malformed), 1, "{what}: refused");
+        assert_eq!(worker_seen(&sim), Seen::Worker(Role::Decode, true), "{what}: the worker is untouched");
+    }
+}
