@@ -277,7 +277,9 @@ impl Connection {
                     if self.read.len() >= length {
                         break;
                     }
-                    self.fill().await?;
+                    // No more than the body and a read's worth past it: what lies beyond (the
+                    // next request, or junk) is not charged, and must not come in megabytes.
+                    self.fill_at_most(length - self.read.len() + READ_CHUNK).await?;
                 }
                 (self.take_body(head_length, length), charge)
             }
@@ -326,8 +328,14 @@ impl Connection {
 
     /// Reads what has arrived; the client closing is an error here (a request was expected).
     async fn fill(&mut self) -> io::Result<()> {
+        self.fill_at_most(usize::MAX).await
+    }
+
+    /// [`Self::fill`], reading `most` bytes at most.
+    async fn fill_at_most(&mut self, most: usize) -> io::Result<()> {
         self.make_room();
-        match self.stream.read_buf(&mut self.read).await? {
+        let mut stream = (&mut self.stream).take(u64::try_from(most).unwrap_or(u64::MAX));
+        match stream.read_buf(&mut self.read).await? {
             0 => Err(io::ErrorKind::UnexpectedEof.into()),
             _ => Ok(()),
         }
@@ -553,6 +561,36 @@ mod tests {
         assert!(started.elapsed() >= allowed - WRITE_STALL_TIMEOUT / 4, "{:?} of {allowed:?}", started.elapsed());
         assert!(started.elapsed() <= allowed, "{:?} of {allowed:?}", started.elapsed());
         trickle.abort();
+        Ok(())
+    }
+
+    /// A body's last read takes little past it: a client that sends megabytes behind its body
+    /// does not get them read (uncharged) into the buffer while its response runs.
+    #[tokio::test]
+    async fn a_bodys_reads_stop_a_read_past_its_end() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let mut client = TcpStream::connect(listener.local_addr()?).await?;
+        let (server, _) = listener.accept().await?;
+        let body = 100 << 10;
+        let mut request =
+            format!("POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {body}\r\n\r\n").into_bytes();
+        request.extend(std::iter::repeat_n(b'x', body + (1 << 20)));
+        let sending = tokio::spawn(async move {
+            let _ = client.write_all(&request).await;
+            client
+        });
+        // Everything is sent (or sits in the sockets' buffers) before the server reads.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let mut conn = Connection {
+            stream: server,
+            read: BytesMut::with_capacity(READ_CHUNK),
+            write: Vec::new(),
+            idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
+        };
+        let Ok((_, read, _)) = conn.read_request(&CancellationToken::new()).await else { panic!("a request") };
+        assert_eq!(read.len(), body);
+        assert!(conn.read.len() <= READ_CHUNK, "{} bytes read past the body", conn.read.len());
+        sending.abort();
         Ok(())
     }
 
