@@ -95,12 +95,7 @@ struct Connection {
 }
 
 pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages) {
-    let mut conn = Connection {
-        stream,
-        read: BytesMut::with_capacity(READ_CHUNK),
-        write: Vec::with_capacity(1024),
-        idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
-    };
+    let mut conn = Connection::new(stream);
     loop {
         let (head, body, charge) = match conn.read_request(&stages.closing).await {
             Ok(request) => request,
@@ -168,6 +163,15 @@ impl App {
 }
 
 impl Connection {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            read: BytesMut::with_capacity(READ_CHUNK),
+            write: Vec::with_capacity(1024),
+            idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
+        }
+    }
+
     /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
     /// byte (and not at all once the server is closing), then [`REQUEST_READ_TIMEOUT`] for the rest.
     async fn read_request(&mut self, closing: &CancellationToken) -> Result<(RequestHead, Bytes, Charge), Stop> {
@@ -581,12 +585,7 @@ mod tests {
         });
         // Everything is sent (or sits in the sockets' buffers) before the server reads.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        let mut conn = Connection {
-            stream: server,
-            read: BytesMut::with_capacity(READ_CHUNK),
-            write: Vec::new(),
-            idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
-        };
+        let mut conn = Connection::new(server);
         let Ok((_, read, _)) = conn.read_request(&CancellationToken::new()).await else { panic!("a request") };
         assert_eq!(read.len(), body);
         assert!(conn.read.len() <= READ_CHUNK, "{} bytes read past the body", conn.read.len());
@@ -605,12 +604,7 @@ mod tests {
         let request =
             format!("POST /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ncontent-length: 2\r\n\r\n{{}}");
         client.write_all(request.as_bytes()).await?;
-        let mut conn = Connection {
-            stream: server,
-            read: BytesMut::with_capacity(READ_CHUNK),
-            write: Vec::new(),
-            idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
-        };
+        let mut conn = Connection::new(server);
         let Ok((_, body, _)) = conn.read_request(&CancellationToken::new()).await else { panic!("a request") };
         assert_eq!(&body[..], b"{}");
         assert!(conn.read.is_empty());
