@@ -102,12 +102,21 @@ impl RoutedContinuum {
 
     /// Waits until every replica's fleet holds `workers` workers.
     pub async fn wait_for_workers(&self, ns: &NetNs, workers: usize) -> anyhow::Result<()> {
+        self.wait_for_fleet(ns, &format!("hold {workers} workers"), |fleet| fleet["workers"] == workers).await
+    }
+
+    /// Waits until every replica reports its Fleet stream down (the control plane gone): what
+    /// it routes on from then is its last-known-good view.
+    pub async fn wait_for_disconnection(&self, ns: &NetNs) -> anyhow::Result<()> {
+        self.wait_for_fleet(ns, "report the control plane gone", |fleet| fleet["connected"] == false).await
+    }
+
+    /// Waits until `holds` is true of every replica's `/readyz` `fleet` section.
+    async fn wait_for_fleet(&self, ns: &NetNs, what: &str, holds: impl Fn(&Value) -> bool) -> anyhow::Result<()> {
         let deadline = Instant::now() + START_TIMEOUT;
         for url in &self.replicas {
-            while ns.get_json(&format!("{url}/readyz")).await.map(|r| r["fleet"]["workers"] == workers).ok()
-                != Some(true)
-            {
-                ensure!(Instant::now() < deadline, "{url} does not hold {workers} workers after {START_TIMEOUT:?}");
+            while ns.get_json(&format!("{url}/readyz")).await.map(|r| holds(&r["fleet"])).ok() != Some(true) {
+                ensure!(Instant::now() < deadline, "{url} did not {what} within {START_TIMEOUT:?}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }

@@ -55,7 +55,22 @@ impl ControlPlaneProcess {
     }
 }
 
-/// A loopback port that was free a moment ago (for a server that must come back on it).
+/// A loopback port that was free a moment ago, for a server that is started (or restarted) on
+/// it later. It is drawn below the kernel's ephemeral range, where no other test's outgoing
+/// connection can be given it as its local port in the meantime (a port from `bind(0)` could);
+/// only another server binding the same port could still take it.
 pub fn free_port() -> anyhow::Result<SocketAddr> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+    use rand::Rng;
+    let mut rng = rand::rng();
+    for _ in 0..1000 {
+        let port = rng.random_range(FIXED_PORTS);
+        if let Ok(listener) = TcpListener::bind(("127.0.0.1", port)) {
+            return Ok(listener.local_addr()?);
+        }
+    }
+    anyhow::bail!("no free loopback port in {FIXED_PORTS:?} after 1000 tries")
 }
+
+/// Below Linux's default ephemeral range (32768–60999) and above the ports services commonly
+/// take.
+const FIXED_PORTS: std::ops::Range<u16> = 20_000..32_000;

@@ -4,7 +4,7 @@
 //! Answers can replay the real 1.6.1 exchanges captured in the fixtures, or stream SSE frames
 //! the test sends one at a time (an explicit gate: nothing is sent until the test says so).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -88,8 +88,8 @@ struct Shared {
     count: watch::Sender<usize>,
     /// What `GET /live` answers: 200 while true, 503 otherwise.
     down: AtomicBool,
-    /// The client ends of the connections `GET /live` came on.
-    probed_from: Mutex<BTreeSet<SocketAddr>>,
+    /// The client ends of the connections `GET /live` came on, each with its probe count.
+    probed_from: Mutex<BTreeMap<SocketAddr, usize>>,
     /// A decode worker whose pinned requests get the frontend's generic 500, as for a dead
     /// worker (0: none).
     failing_worker: AtomicU64,
@@ -153,12 +153,13 @@ impl StubShim {
         self.shared.failing_worker.store(id, Ordering::Relaxed);
     }
 
-    /// Makes `GET /live` answer 503 (or 200 again), as a frontend on its way down would.
-    /// How many connections liveness probes came on.
-    pub fn probe_connections(&self) -> usize {
-        self.shared.probed_from.lock().unwrap_or_else(PoisonError::into_inner).len()
+    /// How many liveness probes came, and on how many connections.
+    pub fn probes(&self) -> (usize, usize) {
+        let probed_from = self.shared.probed_from.lock().unwrap_or_else(PoisonError::into_inner);
+        (probed_from.values().sum(), probed_from.len())
     }
 
+    /// Makes `GET /live` answer 503 (or 200 again), as a frontend on its way down would.
     pub fn set_live(&self, live: bool) {
         self.shared.down.store(!live, Ordering::Relaxed);
     }
@@ -185,7 +186,7 @@ pub fn fixture_reply(run: &str, name: &str) -> anyhow::Result<Reply> {
 }
 
 async fn live(State(shared): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<SocketAddr>) -> Response {
-    shared.probed_from.lock().unwrap_or_else(PoisonError::into_inner).insert(peer);
+    *shared.probed_from.lock().unwrap_or_else(PoisonError::into_inner).entry(peer).or_default() += 1;
     if shared.down.load(Ordering::Relaxed) {
         (StatusCode::SERVICE_UNAVAILABLE, "{\"status\":\"notready\"}").into_response()
     } else {

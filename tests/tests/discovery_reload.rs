@@ -9,6 +9,7 @@ use continuum_control_plane::fleet::Catchup;
 use continuum_proto::model::WorkerKey;
 use continuum_tests::etcd::{Etcd, decode_worker_records};
 use continuum_tests::eventually;
+use continuum_tests::process::free_port;
 
 const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -138,11 +139,6 @@ async fn a_changed_namespace_resets_the_registry_and_discovers_the_new_graph() -
     assert_eq!(ready().await, 503, "an emptied fleet is not ready until the new watcher seeds it");
     control.shutdown().await;
     Ok(())
-}
-
-/// Ports no other test holds: picked by binding and letting go.
-fn free_port() -> anyhow::Result<std::net::SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@
 //! the pins it used (`nvext.extra_fields: ["worker_id"]`); the two must agree every time, which
 //! proves the picker's choice, and nothing else, reached the frontend.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -75,17 +75,24 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     ));
 
     let phase = Instant::now();
+    let mut spoof_differed = 0;
     for n in 0..SPOOFED_REQUESTS {
         let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
-        // Each would make the frontend refuse (400) or pin elsewhere, had it arrived: the roles
-        // swapped, or an id no worker has, and a rank out of range.
-        let (decode, prefill) = if n % 2 == 0 { (prefill, fleet.decodes[n / 2 % 2]) } else { (UNKNOWN_ID, UNKNOWN_ID) };
-        let (decode, prefill) = (decode.to_string(), prefill.to_string());
+        // Three kinds of spoof. Had one arrived, the frontend would have refused the first two
+        // (the roles swapped; ids no worker has) and followed the third (a real decode worker,
+        // the prefill's own id), which `check` would see as an echo unlike the disclosure
+        // whenever the picker chose the other decode worker. Dp ranks out of range throughout.
+        let (decode, prefill) = match n % 3 {
+            0 => (prefill, fleet.decodes[n % 2]),
+            1 => (UNKNOWN_ID, UNKNOWN_ID),
+            _ => (fleet.decodes[n / 2 % 2], prefill),
+        };
+        let (decode_text, prefill_text) = (decode.to_string(), prefill.to_string());
         let headers = [
-            ("x-dynamo-worker-instance-id", decode.as_str()),
-            ("X-Worker-Instance-Id", decode.as_str()),
-            ("X-Dynamo-Prefill-Instance-Id", prefill.as_str()),
-            ("x-PREFILL-instance-id", prefill.as_str()),
+            ("x-dynamo-worker-instance-id", decode_text.as_str()),
+            ("X-Worker-Instance-Id", decode_text.as_str()),
+            ("X-Dynamo-Prefill-Instance-Id", prefill_text.as_str()),
+            ("x-PREFILL-instance-id", prefill_text.as_str()),
             ("X-Dynamo-Dp-Rank", "5"),
             ("x-dp-rank", "5"),
             ("X-Data-Parallel-Rank", "5"),
@@ -93,36 +100,38 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
             ("X-Prefill-Dp-Rank", "5"),
         ];
         let mut body = chat_body(n, stream, MAX_TOKENS);
-        body["nvext"]["backend_instance_id"] = json!(decode.parse::<u64>()?);
-        body["nvext"]["prefill_worker_id"] = json!(prefill.parse::<u64>()?);
-        body["nvext"]["decode_worker_id"] = json!(decode.parse::<u64>()?);
+        body["nvext"]["backend_instance_id"] = json!(decode);
+        body["nvext"]["prefill_worker_id"] = json!(prefill);
+        body["nvext"]["decode_worker_id"] = json!(decode);
         let pins = fleet.routed(n, replica, stream, &headers, &body).await?;
-        ensure!(
-            pins.decode.to_string() != decode && pins.prefill.map(|p| p.to_string()) != Some(prefill.clone()),
-            "spoofed request {n}: the frontend used the spoofed pins (decode {decode}, prefill {prefill}): {pins:?}"
-        );
+        if n % 3 == 2 && pins.decode != decode {
+            spoof_differed += 1;
+        }
     }
+    // Otherwise a followed spoof of a real worker would have been indistinguishable from the pick.
+    ensure!(spoof_differed > 0, "the picker chose every spoofed real decode worker itself; the spoof went untested");
     report.push(format!(
         "{SPOOFED_REQUESTS} requests with every pin header alias (mixed case) and nvext ids spoofed: all 200 with the picker's pins, in {:?}",
         phase.elapsed()
     ));
 
     let phase = Instant::now();
-    let mut served_after_kill = BTreeSet::new();
     let mut decodes_after_kill: BTreeMap<u64, usize> = BTreeMap::new();
     for n in 0..REQUESTS_AROUND_CONTROL_PLANE_KILL {
         if n == REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
             let status = ns.kill(continuum.control_plane_pid)?;
-            report.push(format!("control plane SIGKILLed ({status}) after {n} requests of this phase"));
+            // Every later request is routed on last-known-good only once the replicas know.
+            continuum.wait_for_disconnection(&ns).await?;
+            report.push(format!(
+                "control plane SIGKILLed ({status}) after {n} requests of this phase; both replicas saw it go"
+            ));
         }
         let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
         let pins = fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
         if n >= REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
-            served_after_kill.insert(replica);
             *decodes_after_kill.entry(pins.decode).or_default() += 1;
         }
     }
-    ensure!(served_after_kill.len() == 2, "both replicas must have routed after the control plane died");
     report.push(format!(
         "{REQUESTS_AROUND_CONTROL_PLANE_KILL} requests around the control-plane SIGKILL: all 200 on both replicas, echo == disclosed, in {:?}",
         phase.elapsed()

@@ -800,6 +800,12 @@ async fn a_replica_whose_report_queue_fills_starts_over_on_a_new_stream() -> any
     wait_for_version(&replicas, control.publisher.current().version(), CONVERGE).await?;
     let replica = &replicas[0];
     let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    let in_flight = || control.publisher.current().view().backlogs().get(&rank).map_or(0, |b| b.dispatches);
+    for _ in 0..3 {
+        replica.reporter.operation(|report| report.started(&rank, 16, 1, Vec::new()));
+    }
+    continuum_tests::eventually(CONVERGE, "the first stream's dispatches counted", || async { in_flight() == 3 })
+        .await?;
     // Far faster than a report a millisecond of 512 events drains them.
     for _ in 0..2 * REPORT_QUEUE {
         replica.reporter.operation(|report| report.started(&rank, 16, 1, Vec::new()));
@@ -809,7 +815,6 @@ async fn a_replica_whose_report_queue_fills_starts_over_on_a_new_stream() -> any
         replica.metrics.reconnects.get() >= 1 && replica.metrics.stream_connected.get() == 1
     })
     .await?;
-    let in_flight = || control.publisher.current().view().backlogs().get(&rank).map_or(0, |b| b.dispatches);
     continuum_tests::eventually(CONVERGE, "the old stream's dispatches forgotten", || async { in_flight() == 0 })
         .await?;
     Ok(())

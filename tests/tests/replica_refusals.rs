@@ -166,6 +166,46 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
     Ok(())
 }
 
+/// A control plane that keeps its connection up but stops reading the stream (a stuck session
+/// task): the replica's replies back up, and once one has waited [`REPLY_STALL_LIMIT`] the
+/// replica leaves the stream instead of routing on its frozen fleet-wide backlogs for as long
+/// as the control plane stays stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow::Result<()> {
+    use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
+    let (replies_tx, mut replies) = mpsc::unbounded_channel();
+    let (next_tx, next_rx) = mpsc::unbounded_channel();
+    let next = Arc::new(tokio::sync::Mutex::new(next_rx));
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    // One snapshot; after its ack the script holds the stream open and reads nothing more.
+    let script = vec![snapshot(10, &[7])];
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(FleetServer::new(Scripted { script, replies: replies_tx, next }))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let replica = start_replicas(1, &url).await?.remove(0);
+    next_tx.send(())?;
+    let ack = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await?;
+    assert!(matches!(ack.and_then(|r| r.kind), Some(Kind::Ack(_))), "the snapshot is acked");
+
+    // Reports of 32 KiB each fill the stream's flow-control window and the reply queue.
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    for n in 0..200u64 {
+        replica.reporter.operation(|report| report.started(&rank, 16, 1, (n << 12..(n + 1) << 12).collect()));
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(replica.metrics.reconnects.get(), 0, "the stream is still up");
+    continuum_tests::eventually(REPLY_STALL_LIMIT + Duration::from_secs(10), "the replica leaving", || async {
+        replica.metrics.reconnects.get() >= 1
+    })
+    .await?;
+    replica.shutdown().await;
+    server.abort();
+    Ok(())
+}
+
 /// A control plane whose lookups claim more of a prompt than the prompt has.
 struct Overclaiming;
 
