@@ -29,13 +29,9 @@ impl Config {
             DiscoverySource::Static => discovery.static_fleet.workers.iter().map(|w| &w.namespace).collect(),
             DiscoverySource::Simulator => vec![&discovery.simulator.namespace],
         };
-        let mut namespaces: Vec<String> = Vec::with_capacity(listed.len());
-        for namespace in listed {
-            if !namespaces.contains(namespace) {
-                namespaces.push(namespace.clone());
-            }
-        }
-        namespaces
+        // Linear: a static fleet lists a namespace per worker, up to 16,384 of them.
+        let mut seen = std::collections::HashSet::with_capacity(listed.len());
+        listed.into_iter().filter(|namespace| seen.insert(namespace.as_str())).cloned().collect()
     }
 
     /// What the data-plane replicas are sent: dispatchable backends, shim pools, the model map,

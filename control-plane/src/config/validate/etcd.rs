@@ -106,8 +106,13 @@ fn appears_external(ip: IpAddr) -> bool {
 /// scheme and the host (an IPv6 one without its brackets).
 fn parse_endpoint(endpoint: &str) -> Result<(Scheme, &str), String> {
     let (scheme, rest) = match endpoint.split_once("://") {
-        Some((name, rest)) if name.eq_ignore_ascii_case("http") => (Scheme::Http, rest),
-        Some((name, rest)) if name.eq_ignore_ascii_case("https") => (Scheme::Https, rest),
+        // Lower case only: the etcd client recognises no other spelling and would take
+        // `HTTP://etcd:2379` for a bare host named `HTTP`.
+        Some(("http", rest)) => (Scheme::Http, rest),
+        Some(("https", rest)) => (Scheme::Https, rest),
+        Some((name, _)) if name.eq_ignore_ascii_case("http") || name.eq_ignore_ascii_case("https") => {
+            return Err(format!("scheme `{name}://` must be written in lower case"));
+        }
         Some((name, _)) => return Err(format!("scheme `{name}://` is not supported; use http:// or https://")),
         None => (Scheme::Http, endpoint),
     };
@@ -153,6 +158,13 @@ fn check_transport_security(etcd: &EtcdConfig, schemes: &[Scheme], active: bool,
     let plaintext = schemes.contains(&Scheme::Http);
     if plaintext && schemes.contains(&Scheme::Https) {
         report.error(format!("{BASE}.endpoints"), "must not mix http:// and https:// endpoints");
+    }
+    if etcd.tls.is_none() && schemes.contains(&Scheme::Https) {
+        // The etcd client trusts no system roots: without a CA no handshake could succeed.
+        report.error(
+            format!("{BASE}.tls.ca_cert"),
+            "is required with https:// endpoints: name the CA that signed etcd's certificate",
+        );
     }
     if let Some(tls) = &etcd.tls {
         if plaintext {

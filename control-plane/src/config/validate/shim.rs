@@ -77,6 +77,12 @@ fn check_replicas(path: &str, names: &[String], by_name: &HashMap<&str, &Backend
         let item = format!("{path}[{index}]");
         match by_name.get(name.as_str()) {
             None => report.error(item, format!("`{name}` is not a configured backends[].name")),
+            // A direct-mode shim runs beside its workers inside the cluster: the data plane
+            // dials it over plain HTTP/1.1 and would never use any other URL.
+            Some(backend) if backend.url.starts_with("https://") => report.error(
+                item,
+                format!("backend `{name}` has an https:// URL; shim replicas are dialled over plain http:// only"),
+            ),
             Some(backend) if backend.internal || !backend.enabled => report.warning(
                 item,
                 format!("backend `{name}` is internal: true or enabled: false, so it never receives shim traffic"),

@@ -1,11 +1,11 @@
 //! `dynamo.discovery.static.workers`: Continuum's fixed fleet for demos and the embedded
 //! default. Identity is (namespace, instance_id), as for discovered workers.
 
-use std::collections::HashMap;
 use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 
 use super::Report;
-use super::names::check_namespace;
+use super::names::{MAX_DYNAMO_NAMESPACES, check_namespace};
 use crate::config::Config;
 use crate::config::discovery::{DiscoverySource, StaticWorkerConfig};
 use crate::discovery::MAX_DATA_PARALLEL_SIZE;
@@ -31,6 +31,21 @@ pub(super) fn check(config: &Config, report: &mut Report) {
         check_worker(&format!("{BASE}[{index}]"), worker, report);
     }
     check_identities(workers, report);
+    check_namespace_count(workers, report);
+}
+
+/// The workers' namespaces are the configured ones (each gets a shim pool, and metrics carry
+/// them as labels), under the same ceiling as a list of namespaces to watch.
+fn check_namespace_count(workers: &[StaticWorkerConfig], report: &mut Report) {
+    let mut seen = HashSet::new();
+    for (index, worker) in workers.iter().enumerate() {
+        if seen.insert(worker.namespace.as_str()) && seen.len() == MAX_DYNAMO_NAMESPACES + 1 {
+            report.error(
+                format!("{BASE}[{index}].namespace"),
+                format!("is a namespace past the first {MAX_DYNAMO_NAMESPACES}; at most {MAX_DYNAMO_NAMESPACES} are supported"),
+            );
+        }
+    }
 }
 
 /// An instance id names one worker in the whole fleet, as Dynamo's lease ids do: the
