@@ -4,7 +4,7 @@
 //!
 //! | shim answer | verdict |
 //! |---|---|
-//! | body names the missing prefill id (any status) | `PrefillRefused`: 503, no retry, no fallback |
+//! | body opens with the refusal of a missing prefill id (any status) | `PrefillRefused`: 503, no retry, no fallback |
 //! | 4xx other than 408 and 429, on a streaming request, unless it refuses a pin | `Relay`: passed to the client (its body as [`super::disclosure`] allows) |
 //! | anything else, 1.6.1's generic 500 and its 404 for a model whose workers left included | `DecodeFailed`: fallback or `disaggregated_decode_failed` |
 //!
@@ -66,10 +66,25 @@ fn retryable_client_error(status: StatusCode) -> bool {
     status == StatusCode::REQUEST_TIMEOUT || status == StatusCode::TOO_MANY_REQUESTS
 }
 
+/// Whether the answer is the frontend's own refusal: its text (or, for an OpenAI-shaped error
+/// body, its `message`) opens with the refusal, perhaps behind the generic failure's prefix.
+/// Anchored, not searched for: a frontend that refuses a client's body quotes the offending
+/// value in its message, and a client must not be able to raise the prefill pool's 503 (and
+/// skip the fallback) by sending the refusal's words as, say, its `max_tokens`.
 fn names_missing_prefill(body: &[u8]) -> bool {
-    let needle = DIRECT_MODE_PREFILL_ID_ERROR.as_bytes();
-    body.windows(needle.len()).any(|w| w.eq_ignore_ascii_case(needle))
+    let json = serde_json::from_slice::<serde_json::Value>(body).ok();
+    let text = match json.as_ref().and_then(|refusal| refusal.get("message")) {
+        Some(message) => message.as_str().unwrap_or_default(),
+        None if json.is_some() => "",
+        None => std::str::from_utf8(body).unwrap_or_default().trim_start(),
+    };
+    let text = text.strip_prefix(GENERIC_FAILURE_PREFIX).unwrap_or(text);
+    text.get(..DIRECT_MODE_PREFILL_ID_ERROR.len())
+        .is_some_and(|head| head.eq_ignore_ascii_case(DIRECT_MODE_PREFILL_ID_ERROR))
 }
+
+/// How 1.6.1 words a failed generation, which a frontend naming its cause would extend.
+const GENERIC_FAILURE_PREFIX: &str = "Failed to generate completions: ";
 
 #[cfg(test)]
 mod tests {
@@ -108,12 +123,34 @@ mod tests {
     fn verdicts_follow_the_seed_table() {
         use Verdict::*;
         let client_400 = r#"{"message":"Failed to deserialize the JSON body into the target type: messages: missing field","type":"Bad Request","code":400}"#;
-        let rows: [(u16, &str, bool, Verdict); 17] = [
+        let rows: [(u16, &str, bool, Verdict); 21] = [
             (500, GENERIC_500, false, DecodeFailed),
             (500, GENERIC_500, true, DecodeFailed),
             (500, NAMED_REFUSAL, false, PrefillRefused),
             (503, NAMED_REFUSAL, true, PrefillRefused),
             (400, &NAMED_REFUSAL.to_ascii_lowercase(), false, PrefillRefused),
+            (
+                500,
+                &format!(r#"{{"message":"{NAMED_REFUSAL}","type":"Internal Server Error","code":500}}"#),
+                true,
+                PrefillRefused,
+            ),
+            (
+                500,
+                &format!(r#"{{"message":"Failed to generate completions: {NAMED_REFUSAL}","code":500}}"#),
+                false,
+                PrefillRefused,
+            ),
+            // A client's value quoted back in a refusal of its body is the client's mistake.
+            (
+                400,
+                &format!(
+                    r#"{{"message":"Failed to deserialize the JSON body into the target type: max_tokens: invalid type: string \"{NAMED_REFUSAL}\", expected u32","type":"Bad Request","code":400}}"#
+                ),
+                true,
+                Relay,
+            ),
+            (400, &format!(r#"{{"message":"Invalid request","detail":"{NAMED_REFUSAL}"}}"#), false, DecodeFailed),
             (400, INVALID_400, false, DecodeFailed),
             (400, INVALID_400, true, DecodeFailed),
             (400, DP_RANK_400, true, DecodeFailed),

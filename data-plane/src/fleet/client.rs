@@ -37,6 +37,12 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 pub const REPORT_INTERVAL: Duration = Duration::from_millis(1);
 /// Replies (acks, nacks) waiting to be sent; one per update received, so a handful suffices.
 const REPLY_QUEUE: usize = 8;
+/// How long a reply (an ack, a report) may wait for room on the stream. A control plane whose
+/// connection stays up (its HTTP/2 pings answered) but that reads nothing for this long is
+/// treated as gone: the replica ends the stream, which drops the fleet-wide backlogs it can no
+/// longer trust (they would keep finished requests weighing on their workers), and dials again.
+/// A healthy control plane reads its streams within milliseconds.
+pub const REPLY_STALL_LIMIT: Duration = Duration::from_secs(5);
 
 /// Where and as whom to follow the fleet.
 #[derive(Clone)]
@@ -96,6 +102,8 @@ enum SessionError {
     ReportsDropped,
     #[error("control plane stopped reading replies")]
     RepliesClosed,
+    #[error("control plane read no reply for {REPLY_STALL_LIMIT:?}; leaving its stream")]
+    RepliesStalled,
 }
 
 impl SessionError {
@@ -107,7 +115,10 @@ impl SessionError {
                 status.code(),
                 Code::Unimplemented | Code::InvalidArgument | Code::PermissionDenied | Code::Unauthenticated
             ),
-            SessionError::Connect(_) | SessionError::ReportsDropped | SessionError::RepliesClosed => false,
+            SessionError::Connect(_)
+            | SessionError::ReportsDropped
+            | SessionError::RepliesClosed
+            | SessionError::RepliesStalled => false,
         }
     }
 }
@@ -224,7 +235,10 @@ async fn follow(
                 Kind::Dispatches(report)
             }
         };
-        replies.send(request(reply)).await.map_err(|_| SessionError::RepliesClosed)?;
+        match tokio::time::timeout(REPLY_STALL_LIMIT, replies.send(request(reply))).await {
+            Ok(sent) => sent.map_err(|_| SessionError::RepliesClosed)?,
+            Err(_) => return Err(SessionError::RepliesStalled),
+        }
     }
 }
 

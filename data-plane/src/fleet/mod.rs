@@ -8,7 +8,7 @@ mod handle;
 mod matches;
 mod reporter;
 
-pub use client::{EndpointError, FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, run};
+pub use client::{EndpointError, FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX, REPLY_STALL_LIMIT, run};
 pub use credentials::{
     ClientTls, Credentials, InvalidToken, TLS_HANDSHAKE_TIMEOUT, TlsFileError, TlsFiles, client_tls,
 };

@@ -185,7 +185,11 @@ impl ChatRequest {
         let bytes = u32::try_from(self.raw.len().min(MAX_TREE_BYTES_IN_FLIGHT)).unwrap_or(u32::MAX);
         let room = TREES.acquire_many(bytes).await.ok();
         let raw = self.raw.clone();
-        let parsed = sized_work(raw.len(), move || serde_json::from_slice(&raw)).await.ok_or(RequestError::Busy)?;
+        // The room goes with the parse: one on the blocking pool runs to its end even when the
+        // caller stops waiting (a deadline), and the tree it builds must stay counted until
+        // it is freed, with the room, wherever the parse ends.
+        let parse = move || (serde_json::from_slice(&raw), room);
+        let (parsed, room) = sized_work(self.raw.len(), parse).await.ok_or(RequestError::Busy)?;
         Ok(Tree { value: parsed.map_err(RequestError::Json)?, room, bytes: self.raw.len() })
     }
 
@@ -233,6 +237,25 @@ mod tests {
         let unrendered =
             r#"{"model":"m","messages":[{"content":"abcdefgh"}],"prompt":"abcd","input":"abcd","system":"abcd"}"#;
         assert_eq!(parse(unrendered).unwrap().prompt_estimate, 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_parse_abandoned_on_the_blocking_pool_holds_its_room_until_its_tree_is_gone() {
+        let zeros = vec!["0"; (MAX_REQUEST_BODY_BYTES - 100) / 2].join(",");
+        let request = parse(&format!(r#"{{"model":"m","messages":[{{"content":[{zeros}]}}]}}"#)).unwrap();
+        let free = TREES.available_permits();
+        let mut parsing = Box::pin(request.tree());
+        // Long enough to take its room and start; far shorter than building millions of nodes.
+        if tokio::time::timeout(Duration::from_millis(1), &mut parsing).await.is_ok() {
+            panic!("parsed 4 M numbers within a millisecond; the abandonment went untested");
+        }
+        drop(parsing);
+        assert!(TREES.available_permits() < free, "the parse still running holds its room");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while TREES.available_permits() < free {
+            assert!(tokio::time::Instant::now() < deadline, "the room came back once the parse ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     #[tokio::test]
