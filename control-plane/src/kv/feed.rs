@@ -10,7 +10,7 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 use super::decode::decode_kv_events;
 use super::indexer::{KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
-use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
+use crate::discovery::{Fleet, Publisher, Topic};
 use crate::load::zmtp::Message;
 use crate::load::{Dropped, Feed, Refusal};
 
@@ -121,8 +121,8 @@ impl Feed for KvFeed {
         });
     }
 
-    async fn departed(&self, publisher: &PublisherKey) {
-        self.indexer.write().drop_publisher(publisher);
+    async fn departed(&self, publisher: &Publisher) {
+        self.indexer.write().drop_publisher(&publisher.key());
     }
 
     async fn set_live(&self, fleet: &Fleet) {

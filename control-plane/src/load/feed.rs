@@ -127,8 +127,10 @@ impl Feed for LoadFeed {
         });
     }
 
-    async fn departed(&self, publisher: &PublisherKey) {
-        self.drop_publisher(publisher, None).await;
+    async fn departed(&self, publisher: &Publisher) {
+        // With what a cancelled session of its worker left unsent: no later session of this
+        // publisher will send it, and the worker may stay in the fleet.
+        self.drop_publisher(&publisher.key(), publisher.worker.as_ref()).await;
     }
 
     async fn set_live(&self, fleet: &Fleet) {
@@ -249,10 +251,9 @@ mod tests {
     }
 
     /// A session cancelled while its removals waited for room in a full queue: the replicas
-    /// keep those samples (the store no longer holds them, so nothing else would remove them)
-    /// until the worker's next session, which sends them with its own.
-    #[tokio::test(start_paused = true)]
-    async fn removals_a_cancelled_session_never_sent_go_out_with_the_next() {
+    /// keep those samples (the store no longer holds them, so nothing else would remove them).
+    /// Returns the feed, worker 1's channel and the publisher the replicas follow.
+    async fn cancelled_session() -> (LoadFeed, Publisher, FleetPublisher) {
         let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
         publisher.apply(FleetChange { upsert: vec![test_worker(1, 2), test_worker(2, 0)], ..FleetChange::default() });
         let store = SharedLoadStore::new(LoadStore::new(None));
@@ -266,9 +267,8 @@ mod tests {
             let sample = store.lock().apply(key.clone(), &channel.key(), 1, load, std::time::Instant::now());
             feed.sink.submit(key, sample.expect("applied")).await;
         }
-        let held = || publisher.current().view().loads().keys().filter(|k| k.worker.instance_id == 1).count();
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
-        assert_eq!(held(), 2);
+        assert_eq!(held(&publisher), 2);
 
         // The queue full (the coalescer does not run meanwhile), a new session starts and is
         // cancelled while its removals wait.
@@ -277,11 +277,32 @@ mod tests {
         while feed.sink.submit(other.clone(), sample).now_or_never().is_some() {}
         assert!(feed.connected(&channel).now_or_never().is_none(), "waits for room");
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
-        assert_eq!(held(), 2, "the replicas still hold what the store dropped");
+        assert_eq!(held(&publisher), 2, "the replicas still hold what the store dropped");
+        (feed, channel, publisher)
+    }
 
+    /// Worker 1's samples in the replicas' view.
+    fn held(publisher: &FleetPublisher) -> usize {
+        publisher.current().view().loads().keys().filter(|k| k.worker.instance_id == 1).count()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn removals_a_cancelled_session_never_sent_go_out_with_the_next() {
+        let (feed, channel, publisher) = cancelled_session().await;
         feed.connected(&channel).await;
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
-        assert_eq!(held(), 0, "the next session sent them");
+        assert_eq!(held(&publisher), 0, "the next session sent them");
+        assert!(feed.unsent().is_empty());
+    }
+
+    /// No next session comes when the subscription stops for good (the publisher benched, or
+    /// pushed past the cap) while the worker stays: its departure sends them.
+    #[tokio::test(start_paused = true)]
+    async fn removals_a_cancelled_session_never_sent_go_out_when_its_publisher_departs() {
+        let (feed, channel, publisher) = cancelled_session().await;
+        feed.departed(&channel).await;
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        assert_eq!(held(&publisher), 0, "the departure sent them");
         assert!(feed.unsent().is_empty());
     }
 

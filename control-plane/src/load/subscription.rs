@@ -19,7 +19,7 @@ use super::dial::{self, DialError};
 use super::status::{SubscriptionState, SubscriptionStatus};
 use super::zmtp::{Incoming, Message, ZmtpError, ZmtpLimits, ZmtpSubscriber};
 use crate::config::{Cidr, LoadTransport};
-use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
+use crate::discovery::{Fleet, Publisher, Topic};
 
 pub use super::zmtp::Dropped;
 
@@ -58,7 +58,7 @@ pub trait Feed: Send + Sync + 'static {
     /// A session was refused; counted under the feed's own labels.
     fn refused(&self, refusal: Refusal);
     /// The publisher's subscription stopped for good (departed, replaced or restarted).
-    fn departed(&self, publisher: &PublisherKey) -> impl Future<Output = ()> + Send;
+    fn departed(&self, publisher: &Publisher) -> impl Future<Output = ()> + Send;
     /// A new registry generation: only its workers and ranks may be held.
     fn set_live(&self, fleet: &Fleet) -> impl Future<Output = ()> + Send;
 }

@@ -28,7 +28,7 @@ use super::store::{LoadStore, SharedLoadStore};
 use super::subscription::{self, DialPolicy, Feed, SubscriptionContext};
 use super::zmtp::ZmtpLimits;
 use crate::config::{LoadConfig, LoadTransport};
-use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
+use crate::discovery::{Fleet, Publisher, Topic};
 use crate::fleet::{FleetPublisher, LOAD_COALESCE_WINDOW, LoadCoalescer};
 use crate::metrics::Metrics;
 use crate::sources::Generation;
@@ -229,7 +229,9 @@ impl<F: Feed> Actor<F> {
         mut policy: watch::Receiver<DialPolicy>,
         cancel: CancellationToken,
     ) {
-        let mut registry_open = true;
+        // A closed channel is ready at every turn: its branch is left out from then on, or the
+        // loop would spin (the policy's sender goes with a supervisor dropped before `stop`).
+        let (mut registry_open, mut policy_open) = (true, true);
         let mut review = tokio::time::interval((self.options.yield_after / 4).max(Duration::from_millis(10)));
         review.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -251,8 +253,9 @@ impl<F: Feed> Actor<F> {
                             self.reconcile(&generation.fleet).await;
                         }
                     }
-                    changed = policy.changed() => {
-                        if changed.is_ok() {
+                    changed = policy.changed(), if policy_open => {
+                        policy_open = changed.is_ok();
+                        if policy_open {
                             let new = policy.borrow_and_update().clone();
                             // The fleet as it stands now: one reload may change both, and the
                             // publishers it removed must not be dialled again under the new policy.
@@ -291,10 +294,10 @@ impl<F: Feed> Actor<F> {
         let (stopping, kept): (BTreeMap<_, _>, BTreeMap<_, _>) =
             std::mem::take(&mut self.running).into_iter().partition(|(key, running)| everything || gone(key, running));
         self.running = kept;
-        let departed: Vec<PublisherKey> = stopping
+        let departed: Vec<Publisher> = stopping
             .iter()
             .filter(|(key, running)| gone(key, running))
-            .map(|(_, running)| running.status.publisher.clone())
+            .map(|(_, running)| running.publisher.clone())
             .collect();
         stop_all(stopping.into_values().collect(), self.options.stop_grace).await;
         for publisher in departed {

@@ -89,7 +89,7 @@ impl Feed for Recording {
     ) {
     }
     fn refused(&self, _refusal: crate::load::Refusal) {}
-    async fn departed(&self, publisher: &PublisherKey) {
+    async fn departed(&self, publisher: &Publisher) {
         let _ = self.departed.send(publisher.publisher_id);
     }
     async fn set_live(&self, _fleet: &Fleet) {}
