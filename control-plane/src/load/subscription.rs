@@ -105,6 +105,7 @@ pub async fn run<F: Feed>(
         return;
     }
     let mut backoff = Backoff::new(ctx.backoff_initial, ctx.backoff_max);
+    let mut warned = None;
     loop {
         status.set(SubscriptionState::Connecting);
         let started = tokio::time::Instant::now();
@@ -114,7 +115,9 @@ pub async fn run<F: Feed>(
             ended = session(&ctx, &publisher, &policy, &status) => ended,
         };
         ctx.feed.disconnected(&publisher);
-        report(&ctx.feed, &publisher, &ended);
+        if let Some(refusal) = report(ctx.feed.topic(), &publisher, &ended, &mut warned) {
+            ctx.feed.refused(refusal);
+        }
         backoff.session_ended(started.elapsed(), ctx.stable_session);
         status.set(SubscriptionState::Backoff);
         tokio::select! {
@@ -125,25 +128,35 @@ pub async fn run<F: Feed>(
     }
 }
 
-fn report<F: Feed>(feed: &F, publisher: &Publisher, ended: &SessionEnd) {
-    let id = publisher.publisher_id;
-    let namespace = publisher.namespace.as_ref();
-    let topic = feed.topic().as_str();
-    match ended {
+/// Logs how a session ended; a refusal, returned to be counted, is warned of once while the
+/// same refusal repeats: one that cannot change (an address that is no address, or outside
+/// `direct_allow_cidrs`) would otherwise warn at every backoff, for every such publisher.
+/// `warned` is the refusal last warned of; any other end of a session clears it.
+fn report(
+    topic: Topic,
+    publisher: &Publisher,
+    ended: &SessionEnd,
+    warned: &mut Option<&'static str>,
+) -> Option<Refusal> {
+    let (id, namespace, topic) = (publisher.publisher_id, publisher.namespace.as_ref(), topic.as_str());
+    let (refusal, what) = match ended {
         SessionEnd::Zmtp(error) if error.is_violation() => {
-            feed.refused(Refusal::Transport);
-            tracing::warn!(publisher_id = id, namespace, topic, %error, "publisher refused; reconnecting with backoff");
+            (Refusal::Transport, "publisher refused; reconnecting with backoff")
         }
-        SessionEnd::Dial(error @ DialError::NotAllowed(_)) => {
-            feed.refused(Refusal::NotAllowed);
-            tracing::warn!(publisher_id = id, namespace, topic, %error, "publisher not dialled");
+        SessionEnd::Dial(DialError::NotAllowed(_)) => (Refusal::NotAllowed, "publisher not dialled: not allowed"),
+        SessionEnd::Dial(DialError::BadAddress) => (Refusal::Transport, "publisher not dialled: not an address"),
+        _ => {
+            *warned = None;
+            tracing::debug!(publisher_id = id, namespace, topic, error = %ended, "session ended");
+            return None;
         }
-        SessionEnd::Dial(error @ DialError::BadAddress) => {
-            feed.refused(Refusal::Transport);
-            tracing::warn!(publisher_id = id, namespace, topic, %error, "publisher not dialled");
-        }
-        _ => tracing::debug!(publisher_id = id, namespace, topic, error = %ended, "session ended"),
+    };
+    if warned.replace(what) == Some(what) {
+        tracing::debug!(publisher_id = id, namespace, topic, error = %ended, "{what} (again)");
+    } else {
+        tracing::warn!(publisher_id = id, namespace, topic, error = %ended, "{what}");
     }
+    Some(refusal)
 }
 
 async fn session<F: Feed>(
@@ -177,5 +190,66 @@ async fn connected_session<F: Feed>(
             Incoming::Message(message) => Ok(message),
         };
         ctx.feed.message(publisher, &mut state, message).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::sync::{Arc, Mutex, PoisonError};
+
+    use super::*;
+
+    /// What a test's own subscriber writes.
+    #[derive(Clone, Default)]
+    struct Written(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Written {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(buf);
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl tracing_subscriber::fmt::MakeWriter<'_> for Written {
+        type Writer = Written;
+
+        fn make_writer(&self) -> Written {
+            self.clone()
+        }
+    }
+
+    #[test]
+    fn a_refusal_that_repeats_is_counted_each_time_and_warned_of_once() {
+        let written = Written::default();
+        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(written.clone()).finish();
+        let publisher = Publisher {
+            publisher_id: 0xaa,
+            namespace: "dynamo".into(),
+            component: None,
+            endpoint: None,
+            topic: Topic::KvMetrics,
+            worker: None,
+            dp_rank: None,
+            address: "tcp://*:5555".into(),
+        };
+        let refused = || SessionEnd::Dial(DialError::BadAddress);
+        let lost = || SessionEnd::Zmtp(ZmtpError::Closed);
+        let counted: Vec<Option<Refusal>> = tracing::subscriber::with_default(subscriber, || {
+            let mut warned = None;
+            [refused(), refused(), refused(), lost(), refused()]
+                .iter()
+                .map(|ended| report(Topic::KvMetrics, &publisher, ended, &mut warned))
+                .collect()
+        });
+        let t = Some(Refusal::Transport);
+        assert_eq!(counted, [t, t, t, None, t], "every refusal is counted");
+        let text = String::from_utf8_lossy(&written.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned();
+        let warnings = text.lines().filter(|line| line.contains(" WARN ")).count();
+        assert_eq!(warnings, 2, "once, and again after a session ended otherwise:\n{text}");
     }
 }
