@@ -72,7 +72,7 @@ async fn reference_prompt(cache: PathBuf) -> anyhow::Result<(KvPrompt, ModelArti
         "prompt_formatter": {"hf_tokenizer_config_json": {"path": dir.join("tokenizer_config.json"), "checksum": pins()?[1]}},
     });
     let card = ModelArtifacts::from_card(&card)?;
-    store.load("tiny", &card).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    store.load("tiny", std::slice::from_ref(&card)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
     Ok((KvPrompt::new(store, Renderer::default()), card))
 }
 

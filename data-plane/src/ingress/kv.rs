@@ -243,8 +243,8 @@ impl KvRouting {
         let Some(prompt) = self.prompt(&config.kv_artifacts) else { return };
         let models: BTreeSet<&str> = view.workers().values().map(|worker| worker.model.as_str()).collect();
         for model in models {
-            if let Some(card) = self.model_cards(view, model).and_then(|cards| cards.cards.first().cloned()) {
-                prompt.store().prewarm(model, &card);
+            if let Some(cards) = self.model_cards(view, model) {
+                prompt.store().prewarm(model, &cards.cards);
             }
         }
     }

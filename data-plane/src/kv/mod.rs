@@ -124,7 +124,7 @@ impl KvPrompt {
             return Err(Fallback::TokenizerUnavailable);
         }
         let card = cards.first().ok_or(Fallback::TokenizerUnavailable)?;
-        let artifacts = self.store.lookup(model, card)?;
+        let artifacts = self.store.lookup(model, cards)?;
         Ok(Resolved { artifacts, defaults: card.defaults, sizes })
     }
 

@@ -90,7 +90,7 @@ fn pinned(card: &ModelArtifacts) -> Vec<Checksum> {
 async fn loaded_tinymodel() -> Arc<LoadedArtifacts> {
     let card = card_in(&fixture("tinymodel"));
     let h = harness(pinned(&card));
-    h.store.load("tiny", &card).await.unwrap()
+    h.store.load("tiny", std::slice::from_ref(&card)).await.unwrap()
 }
 
 fn chat(content: &str) -> Value {
@@ -290,19 +290,19 @@ async fn until_loaded(store: &ArtifactStore, n: usize) -> bool {
 async fn prewarming_loads_pinned_artifacts_before_the_first_request_and_never_touches_unpinned_ones() {
     let card = card_in(&fixture("tinymodel"));
     let h = harness(pinned(&card));
-    h.store.prewarm("tiny", &card);
+    h.store.prewarm("tiny", std::slice::from_ref(&card));
     assert!(until_loaded(&h.store, 1).await, "the prewarm loaded the tokenizer");
     let kv = KvPrompt::new(h.store.clone(), Renderer::default());
     let request = chat("Hello world, the quick brown fox");
     let first = kv.prepare("tiny", std::slice::from_ref(&card), Arc::new(request.clone()), &[16], None, None).await;
     assert!(first.is_ok(), "the first request is scored with its KV term");
-    h.store.prewarm("tiny", &card);
+    h.store.prewarm("tiny", std::slice::from_ref(&card));
     assert_eq!(count(&h.counter, "loaded"), 1, "a loaded set is not loaded again");
 
     let dir = tempfile::tempdir().unwrap();
     let unpinned = card_in(dir.path());
     let h = harness(Vec::new());
-    h.store.prewarm("tiny", &unpinned);
+    h.store.prewarm("tiny", std::slice::from_ref(&unpinned));
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(h.store.loaded().0, 0);
     assert_eq!(count(&h.counter, "unpinned"), 0, "a refusal is counted when a request meets it");
@@ -325,8 +325,8 @@ async fn a_loaded_tokenizer_is_warmed_once_before_any_request_sees_it() {
             seen.fetch_add(1, Ordering::SeqCst);
         })
     }));
-    h.store.load("tiny", &card).await.unwrap();
-    h.store.load("tiny", &card).await.unwrap();
+    h.store.load("tiny", std::slice::from_ref(&card)).await.unwrap();
+    h.store.load("tiny", std::slice::from_ref(&card)).await.unwrap();
     assert_eq!(warmed.load(Ordering::SeqCst), 1, "a set already loaded is not warmed again");
 }
 
@@ -358,9 +358,9 @@ async fn unpinned_artifacts_are_never_read() {
     let mut partly = pinned(&card);
     partly.pop();
     let h = harness(partly);
-    assert_eq!(h.store.lookup("tiny", &card).unwrap_err(), Fallback::ArtifactUnpinned);
+    assert_eq!(h.store.lookup("tiny", std::slice::from_ref(&card)).unwrap_err(), Fallback::ArtifactUnpinned);
     assert!(
-        matches!(h.store.load("tiny", &card).await, Err(LoadError::Unpinned(c)) if c == card.tokenizer_config.checksum)
+        matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::Unpinned(c)) if c == card.tokenizer_config.checksum)
     );
     assert_eq!(count(&h.counter, "unpinned"), 2);
     assert_eq!(count(&h.counter, "fetch_failed") + count(&h.counter, "fetched"), 0);
@@ -382,7 +382,7 @@ async fn a_tampered_source_is_never_loaded() {
     let tampered = tinymodel_config().to_string().replace("<|im_start|>", "<|evil|>");
     std::fs::write(dir.path().join("tokenizer_config.json"), tampered).unwrap();
     let h = harness(pinned(&card));
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::ChecksumMismatch { .. })));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::ChecksumMismatch { .. })));
     assert_eq!(count(&h.counter, "checksum_mismatch"), 1);
     assert_eq!(count(&h.counter, "loaded"), 0);
     assert_eq!(h.store.loaded(), (0, 0));
@@ -393,7 +393,7 @@ async fn a_tampered_source_is_never_loaded() {
 async fn a_tampered_cache_blob_is_evicted_and_the_source_reverified() {
     let card = card_in(&fixture("tinymodel"));
     let first = harness(pinned(&card));
-    first.store.load("tiny", &card).await.unwrap();
+    first.store.load("tiny", std::slice::from_ref(&card)).await.unwrap();
     let blob = first.cache_dir.path().join("kv/blobs").join(card.tokenizer_config.checksum.hex());
     assert!(blob.exists());
     let tampered = tinymodel_config().to_string().replace("<|im_start|>", "<|evil|>");
@@ -401,7 +401,7 @@ async fn a_tampered_cache_blob_is_evicted_and_the_source_reverified() {
 
     // A fresh store over the same cache, as after a restart.
     let second = harness_in(first.cache_dir, pinned(&card));
-    let loaded = second.store.load("tiny", &card).await.unwrap();
+    let loaded = second.store.load("tiny", std::slice::from_ref(&card)).await.unwrap();
     assert_eq!(count(&second.counter, "checksum_mismatch"), 1);
     assert_eq!(count(&second.counter, "cached"), 1, "the untouched tokenizer.json blob verified");
     assert_eq!(count(&second.counter, "fetched"), 1, "the config was read again from its source");
@@ -417,13 +417,13 @@ async fn oversized_and_refused_artifacts_are_counted() {
     let mut card = card_in(dir.path());
     card.tokenizer.size = Some(65 << 20);
     let h = harness(pinned(&card));
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::TooLarge { .. })));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::TooLarge { .. })));
     assert_eq!(count(&h.counter, "too_large"), 1);
 
     let mut hub = card_in(dir.path());
     hub.tokenizer.path = "hf://Qwen/Qwen3-0.6B/tokenizer.json".into();
     let h = harness(pinned(&hub));
-    assert!(matches!(h.store.load("tiny", &hub).await, Err(LoadError::Source { .. })));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&hub)).await, Err(LoadError::Source { .. })));
     assert_eq!(count(&h.counter, "refused_scheme"), 1);
     assert_eq!(count(&h.counter, "fetched"), 0, "nothing was read once one artifact was refused");
 }
@@ -433,16 +433,33 @@ async fn a_failed_load_is_retried_after_five_minutes() {
     let dir = tempfile::tempdir().unwrap();
     let card = card_in(dir.path()); // missing files: the read fails
     let h = harness(pinned(&card));
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::Fetch(_))));
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::RetryLater)));
-    assert_eq!(h.store.lookup("tiny", &card).unwrap_err(), Fallback::TokenizerUnavailable);
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::Fetch(_))));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::RetryLater)));
+    assert_eq!(h.store.lookup("tiny", std::slice::from_ref(&card)).unwrap_err(), Fallback::TokenizerUnavailable);
     assert_eq!(count(&h.counter, "fetch_failed"), 1, "no second attempt while backing off");
     h.offset.store(FAILED_LOAD_RETRY.as_secs() - 1, Ordering::SeqCst);
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::RetryLater)));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::RetryLater)));
     copy_tinymodel(dir.path());
     h.offset.store(FAILED_LOAD_RETRY.as_secs(), Ordering::SeqCst);
-    h.store.load("tiny", &card).await.unwrap();
+    h.store.load("tiny", std::slice::from_ref(&card)).await.unwrap();
     assert_eq!(count(&h.counter, "loaded"), 1);
+}
+
+/// Each worker's card names the files on its own disk: where the first card's copy cannot be
+/// read (or is not the pinned bytes), another card's is, and the set loads from it.
+#[tokio::test]
+async fn files_missing_where_one_card_says_are_read_where_another_says() {
+    let (missing, corrupt) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    copy_tinymodel(corrupt.path());
+    std::fs::write(corrupt.path().join("tokenizer.json"), b"{}").unwrap();
+    let cards = [card_in(missing.path()), card_in(corrupt.path()), card_in(&fixture("tinymodel"))];
+    let h = harness(pinned(&cards[0]));
+    h.store.load("tiny", &cards).await.unwrap();
+    assert_eq!(count(&h.counter, "loaded"), 1);
+    assert_eq!(count(&h.counter, "fetched"), 2, "each file once, from the copy that verified");
+    // With only the unreadable copies the load fails, as it did before any card was tried.
+    let h = harness(pinned(&cards[0]));
+    assert!(matches!(h.store.load("tiny", &cards[..2]).await, Err(LoadError::ChecksumMismatch { .. })));
 }
 
 /// A reload that removes the pin while a load runs (here while the set is warmed) leaves
@@ -456,7 +473,7 @@ async fn a_pin_removed_while_its_set_loads_leaves_nothing_loaded() {
         store.set_policy(ArtifactPolicy::new(cache_dir.clone()));
         Box::pin(async {})
     }));
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::Unpinned(_))));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::Unpinned(_))));
     assert_eq!(h.store.loaded().0, 0);
     assert_eq!(count(&h.counter, "loaded"), 0);
 }
@@ -467,13 +484,13 @@ async fn a_reloaded_policy_ends_the_wait_of_a_failed_load() {
     let dir = tempfile::tempdir().unwrap();
     let card = card_in(dir.path());
     let h = harness(pinned(&card));
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::Fetch(_))));
-    assert!(matches!(h.store.load("tiny", &card).await, Err(LoadError::RetryLater)));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::Fetch(_))));
+    assert!(matches!(h.store.load("tiny", std::slice::from_ref(&card)).await, Err(LoadError::RetryLater)));
     copy_tinymodel(dir.path());
     let mut policy = ArtifactPolicy::new(h.cache_dir.path().join("kv"));
     policy.pinned_artifacts = pinned(&card).into_iter().collect();
     h.store.set_policy(policy);
-    h.store.load("tiny", &card).await.unwrap();
+    h.store.load("tiny", std::slice::from_ref(&card)).await.unwrap();
     assert_eq!(count(&h.counter, "loaded"), 1);
 }
 
@@ -499,18 +516,18 @@ async fn loaded_tokenizers_are_bounded_and_unpinning_drops_them() {
     let h = harness(all.clone());
     for (i, card) in cards.iter().enumerate() {
         h.offset.store(i as u64, Ordering::SeqCst);
-        h.store.load("tiny", card).await.unwrap();
+        h.store.load("tiny", std::slice::from_ref(card)).await.unwrap();
     }
     assert_eq!(h.store.loaded().0, MAX_LOADED_TOKENIZERS);
     assert_eq!(count(&h.counter, "evicted"), 1);
-    assert_eq!(h.store.lookup("tiny", &cards[0]).unwrap_err(), Fallback::TokenizerUnavailable, "the oldest went");
-    assert!(h.store.lookup("tiny", &cards[1]).is_ok());
+    assert_eq!(h.store.lookup("tiny", &cards[0..=0]).unwrap_err(), Fallback::TokenizerUnavailable, "the oldest went");
+    assert!(h.store.lookup("tiny", &cards[1..=1]).is_ok());
 
     let mut policy = ArtifactPolicy::new(h.cache_dir.path().join("kv"));
     policy.pinned_artifacts = all.into_iter().filter(|c| *c != cards[1].tokenizer_config.checksum).collect();
     h.store.set_policy(policy);
     assert_eq!(h.store.loaded().0, MAX_LOADED_TOKENIZERS - 1);
-    assert_eq!(h.store.lookup("tiny", &cards[1]).unwrap_err(), Fallback::ArtifactUnpinned);
+    assert_eq!(h.store.lookup("tiny", &cards[1..=1]).unwrap_err(), Fallback::ArtifactUnpinned);
 }
 
 #[tokio::test]

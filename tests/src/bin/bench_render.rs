@@ -140,7 +140,7 @@ async fn load_tinymodel(cache: &std::path::Path) -> anyhow::Result<Arc<LoadedArt
     let metrics = Metrics::new()?;
     let store =
         ArtifactStore::new(policy, Fetcher::from_env(), metrics.kv_artifacts.clone(), ArtifactStore::system_clock())?;
-    Ok(store.load("tiny", &card).await?)
+    Ok(store.load("tiny", std::slice::from_ref(&card)).await?)
 }
 
 /// A system + user/assistant conversation of random pseudo-words (like the tiny model's

@@ -31,6 +31,8 @@ pub const MAX_CONCURRENT_LOADS: usize = 2;
 pub const FAILED_LOAD_RETRY: Duration = Duration::from_secs(300);
 /// Distinct (model, checksum) pairs remembered so an unpinned checksum is logged once.
 const MAX_LOGGED_UNPINNED: usize = 4096;
+/// Cards with distinct file locations a load tries, in turn, for the same checksummed files.
+pub const MAX_CARD_SOURCES: usize = 8;
 
 /// The time source; tests inject one they can move.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
@@ -174,7 +176,12 @@ impl ArtifactStore {
 
     /// The request path: never waits. A loaded tokenizer, or the reason to score without a KV
     /// term (starting a background load when none is running or backing off).
-    pub fn lookup(&self, model: &str, artifacts: &ModelArtifacts) -> Result<Arc<LoadedArtifacts>, Fallback> {
+    ///
+    /// `cards` are the model's workers' cards, which agree on the files' checksums (see
+    /// [`super::card::fleet_key`]) but may name different places to read them from: each
+    /// worker names a path on its own disk, which the router may or may not have.
+    pub fn lookup(&self, model: &str, cards: &[ModelArtifacts]) -> Result<Arc<LoadedArtifacts>, Fallback> {
+        let artifacts = cards.first().ok_or(Fallback::TokenizerUnavailable)?;
         let key = artifacts.key();
         if let Some(checksum) = self.policy().unpinned(&key) {
             self.refuse_unpinned(model, checksum);
@@ -186,43 +193,46 @@ impl ArtifactStore {
             slot.used = now;
             return Ok(slot.artifacts.clone());
         }
-        self.start_load(&mut state, model, artifacts, now);
+        self.start_load(&mut state, model, cards, now);
         Err(Fallback::TokenizerUnavailable)
     }
 
     /// Starts loading `artifacts` in the background ahead of any request, unless they are
     /// loaded, loading, backing off after a failure or not pinned (a refusal is counted and
     /// logged when a request meets it, not here).
-    pub fn prewarm(&self, model: &str, artifacts: &ModelArtifacts) {
+    pub fn prewarm(&self, model: &str, cards: &[ModelArtifacts]) {
+        let Some(artifacts) = cards.first() else { return };
         if self.policy().unpinned(&artifacts.key()).is_some() {
             return;
         }
         let now = (self.inner.clock)();
         let mut state = self.state();
         if !state.loaded.contains_key(&artifacts.key()) {
-            self.start_load(&mut state, model, artifacts, now);
+            self.start_load(&mut state, model, cards, now);
         }
     }
 
-    /// A background load of `artifacts`, unless one is running or the last failed too recently.
-    fn start_load(&self, state: &mut State, model: &str, artifacts: &ModelArtifacts, now: Instant) {
-        let key = artifacts.key();
+    /// A background load of `cards`' files, unless one is running or the last failed too
+    /// recently.
+    fn start_load(&self, state: &mut State, model: &str, cards: &[ModelArtifacts], now: Instant) {
+        let Some(key) = cards.first().map(ModelArtifacts::key) else { return };
         let backing_off = state.retry_at.get(&key).is_some_and(|at| now < *at);
         if !backing_off
             && !state.loading.contains(&key)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             state.loading.insert(key);
-            let (store, model, artifacts) = (self.clone(), model.to_string(), artifacts.clone());
+            let (store, model, sources) = (self.clone(), model.to_string(), sources(cards));
             runtime.spawn(async move {
-                let _ = store.load(&model, &artifacts).await;
-                store.state().loading.remove(&artifacts.key());
+                let _ = store.load(&model, &sources).await;
+                store.state().loading.remove(&key);
             });
         }
     }
 
     /// Loads (or returns the loaded) artifact set, waiting for a load slot.
-    pub async fn load(&self, model: &str, artifacts: &ModelArtifacts) -> Result<Arc<LoadedArtifacts>, LoadError> {
+    pub async fn load(&self, model: &str, cards: &[ModelArtifacts]) -> Result<Arc<LoadedArtifacts>, LoadError> {
+        let Some(artifacts) = cards.first() else { return Err(LoadError::Invalid("no card names the files".into())) };
         let key = artifacts.key();
         if let Some(checksum) = self.policy().unpinned(&key) {
             self.refuse_unpinned(model, checksum);
@@ -239,7 +249,7 @@ impl ArtifactStore {
             }
         }
         let _permit = self.inner.loads.acquire().await.map_err(|_| LoadError::RetryLater)?;
-        match self.load_now(artifacts).await.and_then(|loaded| self.insert(loaded)) {
+        match self.load_now(&sources(cards)).await.and_then(|loaded| self.insert(loaded)) {
             Ok(loaded) => {
                 self.state().retry_at.remove(&key);
                 self.count(ArtifactResult::Loaded);
@@ -263,14 +273,16 @@ impl ArtifactStore {
         (state.loaded.len(), state.bytes)
     }
 
-    async fn load_now(&self, artifacts: &ModelArtifacts) -> Result<Arc<LoadedArtifacts>, LoadError> {
-        let tokenizer = self.resolve(&artifacts.tokenizer).await?;
-        let config = self.resolve(&artifacts.tokenizer_config).await?;
-        let template = match &artifacts.chat_template {
-            Some(file) => Some(self.resolve(file).await?),
+    /// Builds the set `cards` name: the first card's files, read from wherever any of the
+    /// cards ([`sources`] of one key) says they are.
+    async fn load_now(&self, cards: &[ModelArtifacts]) -> Result<Arc<LoadedArtifacts>, LoadError> {
+        let tokenizer = self.resolve(cards.iter().map(|c| &c.tokenizer)).await?;
+        let config = self.resolve(cards.iter().map(|c| &c.tokenizer_config)).await?;
+        let template = match cards.iter().map(|c| c.chat_template.as_ref()).collect::<Option<Vec<_>>>() {
+            Some(files) => Some(self.resolve(files.into_iter()).await?),
             None => None,
         };
-        let key = artifacts.key();
+        let key = cards.first().map(ModelArtifacts::key).ok_or_else(|| LoadError::Invalid("no card".into()))?;
         // A reload may remove the pin while the files are fetched (up to 30 s): nothing
         // unpinned is compiled or rendered (nor kept: `insert` checks again).
         if let Some(checksum) = self.policy().unpinned(&key) {
@@ -287,8 +299,11 @@ impl ArtifactStore {
         Ok(loaded)
     }
 
-    /// Verified bytes of one artifact: from the blob cache, or from its source (then cached).
-    async fn resolve(&self, file: &CheckedFile) -> Result<Vec<u8>, LoadError> {
+    /// Verified bytes of one artifact, named by `copies` (the same checksum at each place a
+    /// card names): from the blob cache, or from the first copy whose bytes verify (then
+    /// cached).
+    async fn resolve(&self, mut copies: impl Iterator<Item = &CheckedFile>) -> Result<Vec<u8>, LoadError> {
+        let file = copies.next().ok_or_else(|| LoadError::Invalid("no card names the file".into()))?;
         let checksum = file.checksum;
         let store = self.clone();
         let cached = tokio::task::spawn_blocking(move || store.inner.cache.read(&checksum)).await;
@@ -303,10 +318,23 @@ impl ArtifactStore {
             Ok(Err(error)) => tracing::warn!(%error, "the KV artifact cache could not be read; reading the source"),
             Err(error) => tracing::warn!(%error, "the KV artifact cache read task failed; reading the source"),
         }
-        let bytes = self.read_source(file).await?;
-        if !checksum.matches(&bytes) {
-            return Err(LoadError::ChecksumMismatch { path: file.path.clone(), checksum });
+        let mut failed = Vec::new();
+        let mut bytes = self.verified_source(file).await;
+        for other in copies.filter(|other| other.path != file.path) {
+            match bytes {
+                Ok(_) => break,
+                Err(error) => failed.push(error),
+            }
+            bytes = self.verified_source(other).await;
         }
+        if !failed.is_empty() {
+            let tried = failed.iter().map(ToString::to_string).collect::<Vec<_>>().join("; ");
+            match &bytes {
+                Ok(_) => tracing::info!(tried, "a KV artifact was not where some cards say; read another card's copy"),
+                Err(_) => tracing::warn!(tried, "a KV artifact could not be read from any card's copy"),
+            }
+        }
+        let bytes = bytes?;
         self.count(ArtifactResult::Fetched);
         let store = self.clone();
         let copy = bytes.clone();
@@ -316,6 +344,16 @@ impl ArtifactStore {
             Err(error) => tracing::warn!(%error, "the KV artifact cache write task failed"),
         }
         Ok(bytes)
+    }
+
+    /// `file` from its source, if its bytes match its checksum.
+    async fn verified_source(&self, file: &CheckedFile) -> Result<Vec<u8>, LoadError> {
+        let bytes = self.read_source(file).await?;
+        if file.checksum.matches(&bytes) {
+            Ok(bytes)
+        } else {
+            Err(LoadError::ChecksumMismatch { path: file.path.clone(), checksum: file.checksum })
+        }
     }
 
     async fn read_source(&self, file: &CheckedFile) -> Result<Vec<u8>, LoadError> {
@@ -403,6 +441,18 @@ impl ArtifactStore {
 }
 
 /// Parses verified bytes into a tokenizer and template (blocking: run on a render thread).
+/// The cards of `cards`' first key with distinct file locations, at most
+/// [`MAX_CARD_SOURCES`] of them: a fleet whose workers all name the same paths gives one.
+fn sources(cards: &[ModelArtifacts]) -> Vec<ModelArtifacts> {
+    let Some(key) = cards.first().map(ModelArtifacts::key) else { return Vec::new() };
+    let paths = |card: &ModelArtifacts| {
+        let template = card.chat_template.as_ref().map(|file| file.path.clone());
+        (card.tokenizer.path.clone(), card.tokenizer_config.path.clone(), template)
+    };
+    let mut seen = HashSet::new();
+    cards.iter().filter(|card| card.key() == key && seen.insert(paths(card))).take(MAX_CARD_SOURCES).cloned().collect()
+}
+
 fn build(
     key: ArtifactKey,
     tokenizer_json: &[u8],
