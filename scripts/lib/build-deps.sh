@@ -5,8 +5,11 @@
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then
     "$@"
-  else
+  elif command -v sudo >/dev/null; then
     sudo -n "$@"
+  else
+    echo "error: installing $* needs root, and sudo is not installed: run this script as root once" >&2
+    exit 1
   fi
 }
 
@@ -18,7 +21,24 @@ apt_install() {
   as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "$@" >/dev/null
 }
 
+# The toolchain first, before anything is installed for it: edition 2024 and the crates'
+# rust-version need 1.95, and Debian's packaged cargo is older.
+ensure_rust() {
+  if ! command -v cargo >/dev/null; then
+    echo "error: cargo is not on PATH. Install Rust 1.95 or newer with rustup:" >&2
+    echo "  curl --proto '=https' -sSf https://sh.rustup.rs | sh -s -- -y && . \"\$HOME/.cargo/env\"" >&2
+    exit 1
+  fi
+  local version
+  version=$(rustc --version | awk '{print $2}')
+  if ! printf '1.95.0\n%s\n' "${version%%-*}" | sort -V -C; then
+    echo "error: rustc $version is older than 1.95; update it with: rustup update stable" >&2
+    exit 1
+  fi
+}
+
 ensure_build_deps() {
+  ensure_rust
   local missing=()
   # etcd-client's protos import Google's well-known types, which protoc finds in
   # libprotobuf-dev (only recommended by protobuf-compiler, so absent on no-recommends images).
@@ -30,9 +50,5 @@ ensure_build_deps() {
   command -v curl >/dev/null || missing+=(curl)
   if ((${#missing[@]})); then
     apt_install "${missing[@]}"
-  fi
-  if ! command -v cargo >/dev/null; then
-    echo "error: cargo is not on PATH; install a Rust toolchain (1.95 or newer) first" >&2
-    exit 1
   fi
 }
