@@ -114,11 +114,12 @@ impl FleetState {
         // samples costs a lookup each, not a scan of one list per entry of another.
         let removed: Vec<WorkerKey> = dedup(remove.into_iter().filter(|k| view.worker(k).is_some()));
         let is_removed = |key: &WorkerKey| removed.binary_search(key).is_ok();
-        let upserted: Vec<Arc<Worker>> = upsert
-            .into_iter()
+        // The last upsert of a key wins, and only then is it compared with the worker held.
+        let last_upserts: BTreeMap<WorkerKey, Arc<Worker>> = upsert.into_iter().map(|w| (w.key.clone(), w)).collect();
+        let upserted: Vec<Arc<Worker>> = last_upserts
+            .into_values()
             .filter(|w| view.worker(&w.key).is_none_or(|held| held != w) || is_removed(&w.key))
             .collect();
-        // The last upsert of a key wins.
         let upserted_by_key: BTreeMap<&WorkerKey, &Arc<Worker>> = upserted.iter().map(|w| (&w.key, w)).collect();
         let serves = |key: &LoadKey| {
             let worker = match upserted_by_key.get(&key.worker) {
@@ -137,8 +138,12 @@ impl FleetState {
         let sampled: BTreeSet<&LoadKey> = loads.iter().map(|(k, _)| k).collect();
         let loads_removed =
             dedup(loads_removed.into_iter().filter(|k| view.loads().contains_key(k) && !sampled.contains(k)));
-        let backlogs: Vec<(LoadKey, Backlog)> =
-            backlogs.into_iter().filter(|(k, b)| serves(k) && view.backlogs().get(k) != Some(b)).collect();
+        // A worker removed and upserted again loses what it held, so its backlogs go whatever
+        // the view held for them.
+        let backlogs: Vec<(LoadKey, Backlog)> = backlogs
+            .into_iter()
+            .filter(|(k, b)| serves(k) && (is_removed(&k.worker) || view.backlogs().get(k) != Some(b)))
+            .collect();
         let summed: BTreeSet<&LoadKey> = backlogs.iter().map(|(k, _)| k).collect();
         let backlogs_removed =
             dedup(backlogs_removed.into_iter().filter(|k| view.backlogs().contains_key(k) && !summed.contains(k)));

@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use continuum_proto::model::{Capacity, DataPlaneConfig, Load, LoadKey, LoadSample, Role, Worker, WorkerKey};
+use continuum_proto::model::{Backlog, Capacity, DataPlaneConfig, Load, LoadKey, LoadSample, Role, Worker, WorkerKey};
 
 use super::*;
 
@@ -100,4 +100,29 @@ fn a_replica_behind_a_rank_shrink_and_regrow_converges_on_the_merged_delta() {
     assert!(s4.view().loads().get(&rank1).is_none());
     let Catchup::Delta(merged) = s4.catchup(Some(replica.version())) else { panic!("expected a delta") };
     assert!(replica.apply(&merged).unwrap().same_content(s4.view()));
+}
+
+#[test]
+fn of_several_upserts_of_one_worker_the_last_wins_even_when_it_is_the_one_held() {
+    let (s1, _) = state().commit(upsert(vec![worker(1, "a")])).unwrap();
+    assert!(s1.commit(upsert(vec![worker(1, "b"), worker(1, "a")])).is_none(), "the last is what is held");
+    let (s2, _) = s1.commit(upsert(vec![worker(1, "a"), worker(1, "b")])).unwrap();
+    assert_eq!(s2.view().worker(&WorkerKey::new("dynamo", 1)).map(|w| w.model.as_str()), Some("b"));
+}
+
+#[test]
+fn a_worker_removed_and_upserted_in_one_change_keeps_the_backlogs_that_change_names() {
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank: 0 };
+    let backlog = Backlog { dispatches: 2, prefill_tokens: 64, ..Backlog::default() };
+    let (s1, _) = state().commit(upsert(vec![worker(1, "a")])).unwrap();
+    let (s2, _) =
+        s1.commit(FleetChange { backlogs: vec![(rank.clone(), backlog.clone())], ..FleetChange::default() }).unwrap();
+    let change = FleetChange {
+        remove: vec![rank.worker.clone()],
+        upsert: vec![worker(1, "a")],
+        backlogs: vec![(rank.clone(), backlog.clone())],
+        ..FleetChange::default()
+    };
+    let (s3, _) = s2.commit(change).unwrap();
+    assert_eq!(s3.view().backlogs().get(&rank), Some(&backlog));
 }
