@@ -53,7 +53,7 @@ pub struct KvRouting {
     matches: MatchesClient,
     renderer: Renderer,
     artifacts_counter: IntCounterVec,
-    prompt: Mutex<Preparer>,
+    prompt: Arc<Mutex<Preparer>>,
     models: Mutex<ModelCache>,
     /// The artifact policy the fleet's models were last prewarmed under, per worker map.
     prewarmed: Mutex<WorkersMemo<Option<KvArtifactPolicy>>>,
@@ -87,6 +87,10 @@ struct ModelCards {
 #[derive(Debug, Default)]
 struct Preparer {
     held: Option<Held>,
+    /// The cache directory being opened, on the blocking pool.
+    opening: Option<String>,
+    /// The latest view to prewarm that came while the store was opening.
+    to_prewarm: Option<FleetView>,
     /// The cache directory that last failed to open, and when: the failure is logged once,
     /// and opening it is tried again only after [`CACHE_DIR_RETRY`], not on every request.
     failed_dir: Option<(String, Instant)>,
@@ -116,7 +120,7 @@ impl KvRouting {
                 ran: term_seconds.with_label_values(&["render"]),
             }),
             artifacts_counter,
-            prompt: Mutex::default(),
+            prompt: Arc::default(),
             models: Mutex::default(),
             prewarmed: Mutex::default(),
             recent: RecentAnswers::default(),
@@ -232,6 +236,14 @@ impl KvRouting {
         if !config.picker.kv_enabled {
             return;
         }
+        let Some(prompt) = self.prompt(&config.kv_artifacts) else {
+            // The store is opening: it prewarms the latest such view once open.
+            let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
+            if preparer.opening.is_some() {
+                preparer.to_prewarm = Some(view.clone());
+            }
+            return;
+        };
         {
             let mut prewarmed = self.prewarmed.lock().unwrap_or_else(PoisonError::into_inner);
             let policy = prewarmed.for_view(view);
@@ -240,9 +252,7 @@ impl KvRouting {
             }
             *policy = Some(config.kv_artifacts.clone());
         }
-        let Some(prompt) = self.prompt(&config.kv_artifacts) else { return };
-        let models: BTreeSet<&str> = view.workers().values().map(|worker| worker.model.as_str()).collect();
-        for model in models {
+        for model in view.workers().values().map(|worker| worker.model.as_str()).collect::<BTreeSet<_>>() {
             if let Some(cards) = self.model_cards(view, model) {
                 prompt.store().prewarm(model, &cards.cards);
             }
@@ -268,7 +278,10 @@ impl KvRouting {
     }
 
     /// The preparer under the fleet's artifact policy: a changed policy applies at once (a
-    /// removed pin drops its tokenizer), a changed cache directory starts a new store.
+    /// removed pin drops its tokenizer), a changed cache directory starts a new store. Opening
+    /// one is file-system work (making the directory, reading a CA bundle) that a stalled
+    /// volume could hold up indefinitely, so it runs on the blocking pool while requests go on
+    /// without the KV term (`None`), as they do while a tokenizer loads.
     fn prompt(&self, policy: &KvArtifactPolicy) -> Option<Arc<KvPrompt>> {
         let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
         match preparer.held.as_mut() {
@@ -280,36 +293,86 @@ impl KvRouting {
             }
             _ => {}
         }
-        let now = Instant::now();
+        if preparer.opening.as_ref() == Some(&policy.cache_dir) {
+            return None;
+        }
         let failed_here = preparer.failed_dir.as_ref().filter(|(dir, _)| *dir == policy.cache_dir);
-        if failed_here.is_some_and(|(_, at)| now.saturating_duration_since(*at) < CACHE_DIR_RETRY) {
+        if failed_here.is_some_and(|(_, at)| at.elapsed() < CACHE_DIR_RETRY) {
             return None;
         }
         let logged = failed_here.is_some();
-        let store = ArtifactStore::new(
-            artifact_policy(policy),
-            Fetcher::from_env(),
-            self.artifacts_counter.clone(),
-            ArtifactStore::system_clock(),
-        );
-        match store {
-            Ok(store) => {
-                let prompt = Arc::new(KvPrompt::new(store, self.renderer.clone()));
-                *preparer = Preparer {
-                    held: Some(Held { policy: policy.clone(), prompt: Arc::clone(&prompt) }),
-                    failed_dir: None,
-                };
-                Some(prompt)
-            }
-            Err(error) => {
-                if !logged {
-                    tracing::warn!(dir = %policy.cache_dir, %error, "cannot open the KV artifact cache; scoring without the KV term");
-                }
-                preparer.failed_dir = Some((policy.cache_dir.clone(), now));
+        preparer.opening = Some(policy.cache_dir.clone());
+        drop(preparer);
+        let (preparer, policy) = (Arc::clone(&self.prompt), policy.clone());
+        let (counter, renderer) = (self.artifacts_counter.clone(), self.renderer.clone());
+        let open = move || open_store(&preparer, policy, counter, renderer, logged);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn_blocking(open);
                 None
             }
+            Err(_) => open(),
         }
     }
+}
+
+impl KvRouting {
+    /// Waits until the store for `view`'s artifact policy is open (it opens on the blocking
+    /// pool when first asked for).
+    #[cfg(test)]
+    pub(crate) async fn open(&self, view: &FleetView) {
+        for _ in 0..1000 {
+            if self.prompt(&view.config().kv_artifacts).is_some() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the KV artifact store did not open within 10 s");
+    }
+}
+
+/// Opens the store for `policy` and keeps it for the requests after, or remembers the failure
+/// (logged unless `logged` already) so that the directory is tried again only after
+/// [`CACHE_DIR_RETRY`], not on every request.
+fn open_store(
+    preparer: &Mutex<Preparer>,
+    policy: KvArtifactPolicy,
+    counter: IntCounterVec,
+    renderer: Renderer,
+    logged: bool,
+) -> Option<Arc<KvPrompt>> {
+    let store =
+        ArtifactStore::new(artifact_policy(&policy), Fetcher::from_env(), counter, ArtifactStore::system_clock());
+    let mut preparer = preparer.lock().unwrap_or_else(PoisonError::into_inner);
+    if preparer.opening.as_ref() == Some(&policy.cache_dir) {
+        preparer.opening = None;
+    }
+    match store {
+        Ok(store) => {
+            let prompt = Arc::new(KvPrompt::new(store, renderer));
+            preparer.held = Some(Held { policy, prompt: Arc::clone(&prompt) });
+            preparer.failed_dir = None;
+            if let Some(view) = preparer.to_prewarm.take() {
+                for (model, cards) in served_models(&view) {
+                    prompt.store().prewarm(model, &cards.cards);
+                }
+            }
+            Some(prompt)
+        }
+        Err(error) => {
+            if !logged {
+                tracing::warn!(dir = %policy.cache_dir, %error, "cannot open the KV artifact cache; scoring without the KV term");
+            }
+            preparer.failed_dir = Some((policy.cache_dir, Instant::now()));
+            None
+        }
+    }
+}
+
+/// Each model `view`'s workers serve whose cards name a renderable tokenizer, with its cards.
+fn served_models(view: &FleetView) -> impl Iterator<Item = (&str, ModelCards)> {
+    let models: BTreeSet<&str> = view.workers().values().map(|worker| worker.model.as_str()).collect();
+    models.into_iter().filter_map(|model| Some((model, model_artifacts(view, model)?)))
 }
 
 /// Whether `worker` serves `model` in a role that is routed to.
@@ -471,12 +534,37 @@ mod tests {
         // Under a regular file, no directory can be made.
         let file = tempfile::NamedTempFile::new()?;
         let policy = KvArtifactPolicy { cache_dir: format!("{}/kv", file.path().display()), ..Default::default() };
-        let failed_at = || routing.prompt.lock().unwrap_or_else(PoisonError::into_inner).failed_dir.clone();
+        let preparer = || routing.prompt.lock().unwrap_or_else(PoisonError::into_inner);
         assert!(routing.prompt(&policy).is_none());
-        let first = failed_at().map(|(_, at)| at);
-        assert!(first.is_some());
+        let first = opened(|| preparer().failed_dir.clone().map(|(_, at)| at)).await?;
         assert!(routing.prompt(&policy).is_none());
-        assert_eq!(failed_at().map(|(_, at)| at), first, "not tried again within {CACHE_DIR_RETRY:?}");
+        assert!(preparer().opening.is_none(), "not tried again within {CACHE_DIR_RETRY:?}");
+        assert_eq!(preparer().failed_dir.clone().map(|(_, at)| at), Some(first));
         Ok(())
+    }
+
+    /// The store opens off the request path: requests meanwhile go on without the KV term, and
+    /// the requests after it use the store.
+    #[tokio::test]
+    async fn a_cache_directory_opens_on_the_blocking_pool_while_requests_go_on_without_it() -> anyhow::Result<()> {
+        let routing = routing()?;
+        let dir = tempfile::tempdir()?;
+        let policy = KvArtifactPolicy { cache_dir: dir.path().join("kv").display().to_string(), ..Default::default() };
+        assert!(routing.prompt(&policy).is_none(), "not waited for");
+        let prompt = opened(|| routing.prompt(&policy)).await?;
+        assert!(dir.path().join("kv/blobs").is_dir());
+        assert!(Arc::ptr_eq(&prompt, &routing.prompt(&policy).expect("held")), "opened once, then kept");
+        Ok(())
+    }
+
+    /// What `ready` gives once it gives something (the blocking pool's open has ended).
+    async fn opened<T>(ready: impl Fn() -> Option<T>) -> anyhow::Result<T> {
+        for _ in 0..1000 {
+            if let Some(value) = ready() {
+                return Ok(value);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        anyhow::bail!("the store's open did not end within 10 s")
     }
 }

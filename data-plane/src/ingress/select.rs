@@ -351,8 +351,8 @@ mod tests {
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), pinned);
         state.fleet.store(fleet.clone());
         let kv = state.kv.as_ref().expect("KV selection");
-        kv.routing.prewarm(&fleet);
         let loaded = || state.metrics.kv_artifacts.with_label_values(&["loaded"]).get();
+        kv.routing.prewarm(&fleet);
         for _ in 0..500 {
             if loaded() > 0 {
                 break;
@@ -400,6 +400,7 @@ mod tests {
         let (card, _) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), Vec::new());
         state.fleet.store(fleet.clone());
+        state.kv.as_ref().expect("KV selection").routing.open(&fleet).await;
         let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hi"}],"x":1e400}"#);
         let request = ChatRequest::parse(body).expect("the ingress accepts it");
         assert!(request.tree().await.is_err(), "no tree holds it");

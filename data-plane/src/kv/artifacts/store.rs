@@ -305,8 +305,13 @@ impl ArtifactStore {
     async fn resolve(&self, mut copies: impl Iterator<Item = &CheckedFile>) -> Result<Vec<u8>, LoadError> {
         let file = copies.next().ok_or_else(|| LoadError::Invalid("no card names the file".into()))?;
         let checksum = file.checksum;
+        // Bounded as a source's read is: a stalled cache volume must not hold the load (and
+        // its permit) for good; the source is read instead.
         let store = self.clone();
-        let cached = tokio::task::spawn_blocking(move || store.inner.cache.read(&checksum)).await;
+        let cached =
+            tokio::time::timeout(FETCH_TIMEOUT, tokio::task::spawn_blocking(move || store.inner.cache.read(&checksum)))
+                .await
+                .unwrap_or_else(|_| Ok(Err(io::Error::new(io::ErrorKind::TimedOut, "the cache read timed out"))));
         match cached {
             Ok(Ok(CacheRead::Hit(bytes))) => {
                 self.count(ArtifactResult::Cached);
@@ -338,7 +343,11 @@ impl ArtifactStore {
         self.count(ArtifactResult::Fetched);
         let store = self.clone();
         let copy = bytes.clone();
-        match tokio::task::spawn_blocking(move || store.inner.cache.write(&checksum, &copy)).await {
+        let write = tokio::task::spawn_blocking(move || store.inner.cache.write(&checksum, &copy));
+        let written = tokio::time::timeout(FETCH_TIMEOUT, write)
+            .await
+            .unwrap_or_else(|_| Ok(Err(io::Error::new(io::ErrorKind::TimedOut, "the cache write timed out"))));
+        match written {
             Ok(Ok(())) => {}
             Ok(Err(error)) => tracing::warn!(%error, "a KV artifact could not be cached; it is used anyway"),
             Err(error) => tracing::warn!(%error, "the KV artifact cache write task failed"),
