@@ -17,7 +17,7 @@
 //! dispatches, and the next stream hears first of every dispatch still in flight
 //! ([`InFlight`]), as after a control-plane restart.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use continuum_proto::model::LoadKey;
@@ -29,6 +29,17 @@ use crate::routing::picker::{DispatchId, NOT_REPORTED, Op, ReplayedLeg};
 
 /// Operations waiting to be reported; one batch per stream turn drains them.
 pub const REPORT_QUEUE: usize = 8192;
+/// Block hashes the queued operations may carry (33 MiB): with a control plane reading slowly,
+/// 8,192 operations of two 4,096-hash chains would hold half a gigabyte. Room for every chain
+/// the ledger holds, so that the operations replaying them when a stream opens always fit,
+/// and for one report's more. Past it the queue counts as full.
+pub const MAX_QUEUED_BLOCK_HASHES: usize = continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES + MAX_REPORT_BLOCK_HASHES;
+/// Block hashes one operation carries at most: two chains, or a replay's.
+const MAX_OPERATION_HASHES: usize = if MAX_REPLAYED_HASHES > 2 * MAX_DISPATCH_BLOCK_HASHES {
+    MAX_REPLAYED_HASHES
+} else {
+    2 * MAX_DISPATCH_BLOCK_HASHES
+};
 /// Events folded into one `DispatchReport` at most (a report never splits an operation, so it
 /// may hold one more).
 pub const MAX_REPORT_BATCH: usize = 512;
@@ -76,11 +87,22 @@ enum DispatchEvent {
     Prefilled(u64),
 }
 
+impl DispatchEvent {
+    fn hashes(&self) -> usize {
+        match self {
+            DispatchEvent::Started { block_hashes, .. } => block_hashes.len(),
+            DispatchEvent::Ended(_) | DispatchEvent::Prefilled(_) => 0,
+        }
+    }
+}
+
 /// One numbered operation and the events it reports.
 #[derive(Debug)]
 pub struct Operation {
     number: u64,
     events: Vec<DispatchEvent>,
+    /// The block hashes its events carry, charged to [`MAX_QUEUED_BLOCK_HASHES`] while queued.
+    hashes: usize,
 }
 
 /// The numbers handed out so far; held while an operation is performed and queued.
@@ -100,6 +122,8 @@ pub struct DispatchReporter {
     /// Whether a stream to the control plane is open to take the queue, and every operation
     /// since it opened is in the queue: otherwise operations are performed unnumbered.
     attached: Arc<AtomicBool>,
+    /// The block hashes the queued operations carry.
+    queued_hashes: Arc<AtomicUsize>,
     dropped: IntCounter,
     /// What is reported again when a stream opens.
     in_flight: OnceLock<Arc<dyn InFlight>>,
@@ -110,6 +134,7 @@ pub struct DispatchReporter {
 pub struct Reports {
     rx: mpsc::Receiver<Operation>,
     attached: Arc<AtomicBool>,
+    queued_hashes: Arc<AtomicUsize>,
 }
 
 impl Reports {
@@ -121,12 +146,20 @@ impl Reports {
 
     /// The next operation; cancel-safe.
     pub async fn recv(&mut self) -> Option<Operation> {
-        self.rx.recv().await
+        let operation = self.rx.recv().await?;
+        Some(self.taken(operation))
     }
 
-    #[cfg(test)]
+    /// The next operation if one is queued.
     pub fn try_recv(&mut self) -> Option<Operation> {
-        self.rx.try_recv().ok()
+        let operation = self.rx.try_recv().ok()?;
+        Some(self.taken(operation))
+    }
+
+    /// `operation`, out of the queue and its hashes with it.
+    fn taken(&self, operation: Operation) -> Operation {
+        self.queued_hashes.fetch_sub(operation.hashes, Ordering::AcqRel);
+        operation
     }
 }
 
@@ -244,10 +277,10 @@ impl DispatchReporter {
     pub fn new(dropped: IntCounter) -> Self {
         let (tx, rx) = mpsc::channel(REPORT_QUEUE);
         let numbers = Numbers { next_op: 1, next_dispatch: 1, stream_first: 1 };
-        let attached = Arc::default();
-        let reports = Reports { rx, attached: Arc::clone(&attached) };
-        let in_flight = OnceLock::new();
-        Self { tx, rx: Mutex::new(Some(reports)), numbers: Mutex::new(numbers), attached, dropped, in_flight }
+        let (attached, queued_hashes) = (Arc::default(), Arc::default());
+        let reports = Reports { rx, attached: Arc::clone(&attached), queued_hashes: Arc::clone(&queued_hashes) };
+        let (rx, numbers, in_flight) = (Mutex::new(Some(reports)), Mutex::new(numbers), OnceLock::new());
+        Self { tx, rx, numbers, attached, queued_hashes, dropped, in_flight }
     }
 
     /// Reports `in_flight`'s dispatches again whenever a stream opens (set once; later calls
@@ -280,7 +313,8 @@ impl DispatchReporter {
     /// Performs one operation under the next number, and queues it whole (see
     /// [`Self::operation`]); the caller holds the numbers.
     fn numbered<R>(&self, numbers: &mut Numbers, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
-        let place = self.tx.try_reserve();
+        let room = self.queued_hashes.load(Ordering::Acquire) + MAX_OPERATION_HASHES <= MAX_QUEUED_BLOCK_HASHES;
+        let place = self.tx.try_reserve().ok().filter(|_| room).ok_or(());
         if place.is_err() {
             // The stream's reports can no longer be whole: detached at once, while the queue the
             // fleet client will read it beside is still full, until the next stream replays
@@ -301,7 +335,9 @@ impl DispatchReporter {
             numbers.next_op += 1;
             // An operation that reports nothing gives its place back.
             if !events.is_empty() {
-                place.send(Operation { number: op, events });
+                let hashes = events.iter().map(DispatchEvent::hashes).sum();
+                self.queued_hashes.fetch_add(hashes, Ordering::AcqRel);
+                place.send(Operation { number: op, events, hashes });
             }
         }
         result
@@ -397,7 +433,7 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
         // Past half its hashes a report takes no more operations: the next one's (at most
         // half, replayed or not) always fits.
         if events < MAX_REPORT_BATCH && hashes_left >= MAX_REPORT_BLOCK_HASHES / 2 {
-            next = reports.rx.try_recv().ok();
+            next = reports.try_recv();
         }
     }
     report
@@ -411,7 +447,7 @@ pub(crate) fn detach(reports: &mut Reports) {
 }
 
 fn discard(reports: &mut Reports) {
-    while reports.rx.try_recv().is_ok() {}
+    while reports.try_recv().is_some() {}
 }
 
 #[cfg(test)]
@@ -510,6 +546,30 @@ mod tests {
         let report = next_report(&mut rx);
         let order: Vec<(u32, u32)> = report.started.iter().map(|s| (s.after_prefilled, s.after_ended)).collect();
         assert_eq!(order, [(0, 0), (0, 0), (1, 0), (1, 2)]);
+    }
+
+    /// A queue that holds its share of block hashes is full however few operations it holds:
+    /// chains waiting on a control plane that reads slowly take tens of megabytes, not half a
+    /// gigabyte. What is taken out of it gives its hashes back.
+    #[test]
+    fn a_queue_holding_its_share_of_block_hashes_is_full() {
+        let (reporter, mut rx) = reporter();
+        let chain = || (0..MAX_DISPATCH_BLOCK_HASHES as u64).collect::<Vec<_>>();
+        start(&reporter, 16, 1, chain());
+        let first = rx.try_recv().expect("queued");
+        assert_eq!(reporter.queued_hashes.load(Ordering::Acquire), 0, "taken out, its hashes with it");
+        let mut queued = 0;
+        while rx.attached() {
+            start(&reporter, 16, 1, chain());
+            queued += 1;
+        }
+        assert!(queued * MAX_DISPATCH_BLOCK_HASHES <= MAX_QUEUED_BLOCK_HASHES, "{queued} chains queued");
+        assert!(queued < REPORT_QUEUE / 4, "full on hashes, not operations ({queued})");
+        assert_eq!(reporter.dropped.get(), 1);
+        drop(first);
+        reporter.attach(&mut rx);
+        assert!(rx.attached());
+        assert_eq!(reporter.queued_hashes.load(Ordering::Acquire), 0, "a new stream starts empty");
     }
 
     #[test]

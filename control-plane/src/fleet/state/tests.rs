@@ -115,8 +115,7 @@ fn a_worker_removed_and_upserted_in_one_change_keeps_the_backlogs_that_change_na
     let rank = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank: 0 };
     let backlog = Backlog { dispatches: 2, prefill_tokens: 64, ..Backlog::default() };
     let (s1, _) = state().commit(upsert(vec![worker(1, "a")])).unwrap();
-    let (s2, _) =
-        s1.commit(FleetChange { backlogs: vec![(rank.clone(), backlog)], ..FleetChange::default() }).unwrap();
+    let (s2, _) = s1.commit(FleetChange { backlogs: vec![(rank.clone(), backlog)], ..FleetChange::default() }).unwrap();
     let change = FleetChange {
         remove: vec![rank.worker.clone()],
         upsert: vec![worker(1, "a")],
