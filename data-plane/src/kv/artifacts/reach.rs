@@ -1,13 +1,14 @@
 //! Where an artifact URL may lead. The URL comes from a worker's model card, so the router must
 //! not become the fleet's way into its own network: link-local addresses (the cloud metadata
-//! service at 169.254.169.254 among them), AWS's IPv6 metadata address, unspecified, multicast
-//! and broadcast addresses are never connected to, whether a URL names them, a redirect does, or
-//! a host name resolves to them. Loopback and private networks stay reachable: an operator's
+//! service at 169.254.169.254 among them), AWS's IPv6 and Alibaba's metadata addresses,
+//! unspecified, multicast and broadcast addresses are never connected to, whether a URL names
+//! them (an IPv4-mapped or NAT64 IPv6 address is judged as the IPv4 one it leads to), a redirect
+//! does, or a host name resolves to them. Loopback and private networks stay reachable: an operator's
 //! mirror may live there.
 
 use std::future::Future;
 use std::io;
-use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -16,15 +17,23 @@ use tower_service::Service;
 
 /// AWS's instance metadata service over IPv6.
 const AWS_METADATA_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254);
+/// Alibaba Cloud's instance metadata service, outside the link-local range.
+const ALIBABA_METADATA: Ipv4Addr = Ipv4Addr::new(100, 100, 100, 200);
 
 /// Whether an artifact fetch may connect to `ip`.
 pub fn reachable(ip: IpAddr) -> bool {
     let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().or_else(|| nat64(v6)).map_or(ip, IpAddr::V4),
         v4 => v4,
     };
     let forbidden = match ip {
-        IpAddr::V4(v4) => v4.is_link_local() || v4.is_unspecified() || v4.is_multicast() || v4.is_broadcast(),
+        IpAddr::V4(v4) => {
+            v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_multicast()
+                || v4.is_broadcast()
+                || v4 == ALIBABA_METADATA
+        }
         IpAddr::V6(v6) => {
             // fe80::/10, not yet stable as `is_unicast_link_local`.
             let link_local = v6.segments()[0] & 0xffc0 == 0xfe80;
@@ -32,6 +41,13 @@ pub fn reachable(ip: IpAddr) -> bool {
         }
     };
     !forbidden
+}
+
+/// The IPv4 address a NAT64 gateway (the well-known prefix `64:ff9b::/96`) would connect to.
+fn nat64(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    let [a, b, c, d, e, f, _, _] = v6.segments();
+    let [.., w, x, y, z] = v6.octets();
+    ([a, b, c, d, e, f] == [0x64, 0xff9b, 0, 0, 0, 0]).then_some(Ipv4Addr::new(w, x, y, z))
 }
 
 /// The system resolver, less the addresses [`reachable`] refuses; a name with none left fails.
@@ -72,11 +88,13 @@ mod tests {
 
     #[test]
     fn metadata_and_link_local_addresses_are_out_of_reach_and_private_ones_are_not() {
-        for refused in ["169.254.169.254", "fe80::1", "fd00:ec2::254", "::ffff:169.254.169.254", "0.0.0.0", "224.0.0.1"]
-        {
+        let refused = ["169.254.169.254", "fe80::1", "fd00:ec2::254", "::ffff:169.254.169.254", "0.0.0.0", "224.0.0.1"];
+        let elsewhere = ["64:ff9b::a9fe:a9fe", "100.100.100.200", "::ffff:100.100.100.200"];
+        for refused in refused.into_iter().chain(elsewhere) {
             assert!(!reachable(refused.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))), "{refused}");
         }
-        for allowed in ["127.0.0.1", "10.0.0.7", "192.168.1.2", "fd00::7", "::1", "140.82.112.3"] {
+        for allowed in ["127.0.0.1", "10.0.0.7", "192.168.1.2", "fd00::7", "::1", "140.82.112.3", "64:ff9b::8c52:7003"]
+        {
             assert!(reachable(allowed.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))), "{allowed}");
         }
     }
