@@ -445,6 +445,34 @@ async fn a_failed_load_is_retried_after_five_minutes() {
     assert_eq!(count(&h.counter, "loaded"), 1);
 }
 
+/// What is no longer pinned leaves the disk cache, when the store opens and when the policy
+/// changes, as do temporary files a crashed process left; nothing else in it is touched.
+#[tokio::test]
+async fn blobs_no_longer_pinned_leave_the_disk_cache() {
+    let cache_dir = tempfile::tempdir().unwrap();
+    let blobs = cache_dir.path().join("kv/blobs");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let (kept, dropped) = (Checksum::of(b"kept"), Checksum::of(b"dropped"));
+    let ours = format!(".{}.{}.0.tmp", kept.hex(), std::process::id());
+    let crashed = format!(".{}.1.0.tmp", kept.hex());
+    for name in [kept.hex(), dropped.hex(), ours.clone(), crashed.clone(), "notes.txt".into()] {
+        std::fs::write(blobs.join(name), b"x").unwrap();
+    }
+    let present = |name: &str| blobs.join(name).exists();
+    let h = harness_in(cache_dir, [kept]);
+    assert!(present(&kept.hex()) && present(&ours) && present("notes.txt"));
+    assert!(!present(&dropped.hex()) && !present(&crashed), "pruned as the store opened");
+    h.store.set_policy(ArtifactPolicy::new(h.cache_dir.path().join("kv")));
+    for _ in 0..500 {
+        if !present(&kept.hex()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!present(&kept.hex()), "pruned once its pin went");
+    assert!(present("notes.txt"));
+}
+
 /// Each worker's card names the files on its own disk: where the first card's copy cannot be
 /// read (or is not the pinned bytes), another card's is, and the set loads from it.
 #[tokio::test]

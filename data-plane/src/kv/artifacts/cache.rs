@@ -3,6 +3,7 @@
 //! its name, so a file modified on disk is never loaded. Blocking I/O: call it from the blocking
 //! pool.
 
+use std::collections::{BTreeSet, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
@@ -97,6 +98,29 @@ impl BlobCache {
             let _ = fs::remove_file(&temp);
         }
         result
+    }
+
+    /// Removes the blobs of checksums `keep` does not name, and temporary files other
+    /// processes left behind (a crash mid-write); returns how many went. Each model or
+    /// tokenizer version would otherwise keep up to three 64 MiB blobs on disk for good.
+    /// Files that are neither are left alone: the directory is ours, what else is in it is not.
+    pub fn prune(&self, keep: &BTreeSet<Checksum>) -> io::Result<usize> {
+        let keep: HashSet<String> = keep.iter().map(Checksum::hex).collect();
+        let ours = format!(".{}.", std::process::id());
+        let mut removed = 0;
+        for entry in fs::read_dir(&self.blobs)? {
+            let entry = entry?;
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
+            let blob = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit()) && !keep.contains(&name);
+            // `.{hex}.{pid}.{n}.tmp`: this process's may be a write under way.
+            let left_over = name.starts_with('.')
+                && name.ends_with(".tmp")
+                && !name.get(65..).is_some_and(|rest| rest.starts_with(&ours));
+            if (blob || left_over) && fs::remove_file(entry.path()).is_ok() {
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 
     fn evict(&self, path: &Path, reason: EvictReason) -> io::Result<CacheRead> {

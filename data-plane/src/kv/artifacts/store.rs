@@ -3,7 +3,7 @@
 //! [`MAX_CONCURRENT_LOADS`] loads at once; a failed load not retried for [`FAILED_LOAD_RETRY`].
 //! Nothing unpinned is read, and every byte loaded has matched its checksum.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -128,6 +128,7 @@ impl ArtifactStore {
     /// tightens) the policy's cache directory.
     pub fn new(policy: ArtifactPolicy, fetcher: Fetcher, counter: IntCounterVec, clock: Clock) -> io::Result<Self> {
         let cache = BlobCache::open(&policy.artifact_cache_dir)?;
+        prune(&cache, &policy.pinned_artifacts);
         for result in ArtifactResult::ALL {
             counter.with_label_values(&[result.as_str()]);
         }
@@ -170,6 +171,10 @@ impl ArtifactStore {
                 state.bytes -= slot.artifacts.bytes;
                 self.count(ArtifactResult::Evicted);
             }
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (store, pinned) = (self.clone(), policy.pinned_artifacts.clone());
+            runtime.spawn_blocking(move || prune(&store.inner.cache, &pinned));
         }
         *self.inner.policy.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
     }
@@ -450,6 +455,15 @@ impl ArtifactStore {
 }
 
 /// Parses verified bytes into a tokenizer and template (blocking: run on a render thread).
+/// Removes from `cache` what `pinned` no longer names (see [`BlobCache::prune`]). Blocking.
+fn prune(cache: &BlobCache, pinned: &BTreeSet<Checksum>) {
+    match cache.prune(pinned) {
+        Ok(0) => {}
+        Ok(removed) => tracing::info!(removed, "removed cached KV artifacts no longer pinned"),
+        Err(error) => tracing::warn!(%error, "could not prune the KV artifact cache"),
+    }
+}
+
 /// The cards of `cards`' first key with distinct file locations, at most
 /// [`MAX_CARD_SOURCES`] of them: a fleet whose workers all name the same paths gives one.
 fn sources(cards: &[ModelArtifacts]) -> Vec<ModelArtifacts> {
