@@ -28,7 +28,7 @@ pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, b
 
 async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Result<Response, ApiError> {
     // Ingress. The client's routing body fields are stripped as the outbound body is made.
-    let request = ChatRequest::parse(body)?.with_tenant(tenant);
+    let request = ChatRequest::read(body).await?.with_tenant(tenant);
     // Pick.
     let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
     let routed = select::route(state, &view, &request).await?;

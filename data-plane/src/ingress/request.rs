@@ -131,6 +131,13 @@ struct Members {
 }
 
 impl ChatRequest {
+    /// [`ChatRequest::parse`] where [`ON_THE_RUNTIME_BYTES`] says: reading a body of
+    /// megabytes (every member checked, every prompt string counted) would hold up every
+    /// connection beside it on a runtime thread.
+    pub async fn read(raw: Bytes) -> Result<Self, RequestError> {
+        sized_work(raw.len(), move || Self::parse(raw)).await.ok_or(RequestError::Busy)?
+    }
+
     pub fn parse(raw: Bytes) -> Result<Self, RequestError> {
         if raw.trim_ascii_start().first() != Some(&b'{') {
             serde_json::from_slice::<IgnoredAny>(&raw).map_err(RequestError::Json)?;
@@ -256,6 +263,21 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "the room came back once the parse ended");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// A body of megabytes is read on the blocking pool, and read the same.
+    #[tokio::test]
+    async fn a_large_body_is_read_as_a_small_one_is() {
+        let content = "word ".repeat(200_000);
+        let text = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}],"stream":true}}"#);
+        let read = ChatRequest::read(Bytes::from(text.clone())).await.unwrap();
+        let parsed = parse(&text).unwrap();
+        assert_eq!(
+            (read.model, read.stream, read.prompt_estimate),
+            (parsed.model, parsed.stream, parsed.prompt_estimate)
+        );
+        let refused = ChatRequest::read(Bytes::from(format!("[{}]", "1,".repeat(100_000) + "1"))).await;
+        assert!(matches!(refused, Err(RequestError::Shape(_))), "{refused:?}");
     }
 
     #[tokio::test]

@@ -8,6 +8,7 @@ use std::io;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use futures::future::BoxFuture;
 use prometheus::IntCounterVec;
 use serde_json::Value;
@@ -307,7 +308,7 @@ impl ArtifactStore {
     /// Verified bytes of one artifact, named by `copies` (the same checksum at each place a
     /// card names): from the blob cache, or from the first copy whose bytes verify (then
     /// cached).
-    async fn resolve(&self, mut copies: impl Iterator<Item = &CheckedFile>) -> Result<Vec<u8>, LoadError> {
+    async fn resolve(&self, mut copies: impl Iterator<Item = &CheckedFile>) -> Result<Bytes, LoadError> {
         let file = copies.next().ok_or_else(|| LoadError::Invalid("no card names the file".into()))?;
         let checksum = file.checksum;
         // Bounded as a source's read is: a stalled cache volume must not hold the load (and
@@ -320,7 +321,7 @@ impl ArtifactStore {
         match cached {
             Ok(Ok(CacheRead::Hit(bytes))) => {
                 self.count(ArtifactResult::Cached);
-                return Ok(bytes);
+                return Ok(Bytes::from(bytes));
             }
             Ok(Ok(CacheRead::Evicted(EvictReason::ChecksumMismatch))) => self.count(ArtifactResult::ChecksumMismatch),
             Ok(Ok(CacheRead::Evicted(EvictReason::TooLarge))) => self.count(ArtifactResult::TooLarge),
@@ -346,8 +347,7 @@ impl ArtifactStore {
         }
         let bytes = bytes?;
         self.count(ArtifactResult::Fetched);
-        let store = self.clone();
-        let copy = bytes.clone();
+        let (store, copy) = (self.clone(), bytes.clone());
         let write = tokio::task::spawn_blocking(move || store.inner.cache.write(&checksum, &copy));
         let written = tokio::time::timeout(FETCH_TIMEOUT, write)
             .await
@@ -360,13 +360,15 @@ impl ArtifactStore {
         Ok(bytes)
     }
 
-    /// `file` from its source, if its bytes match its checksum.
-    async fn verified_source(&self, file: &CheckedFile) -> Result<Vec<u8>, LoadError> {
-        let bytes = self.read_source(file).await?;
-        if file.checksum.matches(&bytes) {
-            Ok(bytes)
-        } else {
-            Err(LoadError::ChecksumMismatch { path: file.path.clone(), checksum: file.checksum })
+    /// `file` from its source, if its bytes match its checksum (hashed on the blocking pool:
+    /// an artifact may be 64 MiB).
+    async fn verified_source(&self, file: &CheckedFile) -> Result<Bytes, LoadError> {
+        let bytes = Bytes::from(self.read_source(file).await?);
+        let (checksum, read) = (file.checksum, bytes.clone());
+        match tokio::task::spawn_blocking(move || checksum.matches(&read)).await {
+            Ok(true) => Ok(bytes),
+            Ok(false) => Err(LoadError::ChecksumMismatch { path: file.path.clone(), checksum }),
+            Err(_) => Err(LoadError::Invalid("the checksum task failed".into())),
         }
     }
 
