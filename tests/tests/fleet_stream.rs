@@ -819,3 +819,36 @@ async fn a_replica_whose_report_queue_fills_starts_over_on_a_new_stream() -> any
         .await?;
     Ok(())
 }
+
+/// A replica whose connection stays up but that reads nothing of its stream (a stuck task)
+/// follows nothing: once its session has had no room for an update for the limit, the control
+/// plane ends it rather than hold it, and its queued snapshots, for as long as the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_stops_reading_its_stream_is_let_go() -> anyhow::Result<()> {
+    use continuum_control_plane::grpc::REPLICA_STALL_LIMIT;
+    let control = TestControlPlane::start(publisher()).await?;
+    let (requests, unread) = open_watch(&control.url(), "stuck").await?;
+    continuum_tests::eventually(CONVERGE, "the session open", || async { control.replicas.list().len() == 1 }).await?;
+    // Workers with 32 KiB model names, 8 MiB in all: more than HTTP/2's windows (the client's
+    // are 2 MiB a stream) and the queue hold.
+    for id in 0..256 {
+        let model = format!("{id}{}", "m".repeat(32 << 10));
+        control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", id + 1, &model)], ..Default::default() });
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(control.replicas.list().len(), 1, "still held while within the limit");
+    // The fleet goes on changing, so the session always has an update the replica is not
+    // taking.
+    let mut version = 0;
+    continuum_tests::eventually(REPLICA_STALL_LIMIT + CONVERGE, "the session let go", || {
+        version += 1;
+        let model = format!("changed {version}");
+        control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 1, &model)], ..Default::default() });
+        async { control.replicas.list().is_empty() }
+    })
+    .await?;
+    // The stream itself ends with the client: until then what it queued waits on the window.
+    drop((requests, unread));
+    control.stop().await;
+    Ok(())
+}

@@ -10,7 +10,7 @@ mod backlog;
 mod coalesce;
 mod state;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use continuum_proto::model::DataPlaneConfig;
@@ -29,6 +29,8 @@ pub use state::{Catchup, DELTA_LOG_CAPACITY, FleetChange, FleetState};
 #[derive(Debug, Clone)]
 pub struct FleetPublisher {
     tx: watch::Sender<Arc<FleetState>>,
+    /// Held while a change is committed: one writer at a time, outside the watch's lock.
+    writer: Arc<Mutex<()>>,
 }
 
 impl FleetPublisher {
@@ -41,7 +43,7 @@ impl FleetPublisher {
 
     pub fn starting_at(version: u64, config: Arc<DataPlaneConfig>) -> Self {
         let (tx, _) = watch::channel(Arc::new(FleetState::new(version, config)));
-        Self { tx }
+        Self { tx, writer: Arc::default() }
     }
 
     pub fn current(&self) -> Arc<FleetState> {
@@ -57,16 +59,14 @@ impl FleetPublisher {
         if change.is_empty() {
             return None;
         }
-        let mut committed = None;
-        self.tx.send_if_modified(|state| match state.commit(change) {
-            Some((next, _delta)) => {
-                committed = Some(next.version());
-                *state = Arc::new(next);
-                true
-            }
-            None => false,
-        });
-        committed
+        // Committed against the current state outside the watch's lock, which readers (every
+        // session, the book, the gauges) would otherwise wait on for as long as a commit of
+        // thousands of workers or samples takes; the writers take turns on their own lock.
+        let _writing = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let (next, _delta) = self.current().commit(change)?;
+        let version = next.version();
+        self.tx.send_replace(Arc::new(next));
+        Some(version)
     }
 }
 

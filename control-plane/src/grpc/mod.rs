@@ -18,7 +18,7 @@ use tonic::transport::server::TcpIncoming;
 
 pub use gate::Gate;
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
-pub use session::{REPLICA_QUEUE_CAPACITY, ReplicaStatus};
+pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
 pub use tls::ServerTls;
 pub use turns::MAX_TURN_MODELS;
 

@@ -24,6 +24,11 @@ use crate::metrics::Metrics;
 
 /// Updates buffered for one replica at most (besides what HTTP/2 flow control holds).
 pub const REPLICA_QUEUE_CAPACITY: usize = 4;
+/// How long a replica behind the fleet may leave its stream without room for the next update.
+/// One whose connection stays up (its HTTP/2 pings answered) but that reads nothing for this
+/// long is following nothing: its session ends, and the replica, if it lives, dials again and
+/// starts over from a snapshot. A replica reads its stream within milliseconds.
+pub const REPLICA_STALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) type Outbound = mpsc::Sender<Result<Queued, Status>>;
 
@@ -155,8 +160,17 @@ impl Session {
     pub(crate) async fn run(mut self) {
         // A second handle, so a reserved permit does not borrow the session.
         let outbound = self.outbound.clone();
+        // Since when the replica has been behind with no room in its stream for the update.
+        let mut waiting_for_room: Option<tokio::time::Instant> = None;
         loop {
             let has_work = self.behind();
+            let stalled_at = match has_work {
+                true => *waiting_for_room.get_or_insert_with(tokio::time::Instant::now) + REPLICA_STALL_LIMIT,
+                false => {
+                    waiting_for_room = None;
+                    tokio::time::Instant::now() + REPLICA_STALL_LIMIT
+                }
+            };
             let event = tokio::select! {
                 biased;
                 message = self.inbound.message() => Event::Inbound(message),
@@ -164,6 +178,11 @@ impl Session {
                     Ok(permit) => Event::Room(permit),
                     Err(_) => return,
                 },
+                () = tokio::time::sleep_until(stalled_at), if has_work => {
+                    tracing::warn!(replica = %self.status.replica_id, "the replica read nothing for {REPLICA_STALL_LIMIT:?}; ending its session");
+                    // It reads nothing, so no goodbye would reach it.
+                    return;
+                }
                 changed = self.state.changed(), if !has_work => match changed {
                     Ok(()) => continue,
                     Err(_) => return,
@@ -184,6 +203,7 @@ impl Session {
                     return;
                 }
                 Event::Room(permit) => {
+                    waiting_for_room = None;
                     if let Some(update) = self.next_update() {
                         permit.send(Ok(Queued::new(update)));
                         self.record_queue_depth();

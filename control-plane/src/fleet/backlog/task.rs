@@ -120,7 +120,11 @@ async fn run(
                 match command {
                     Some(Command::Report { replica, report, at, bytes }) => {
                         queued.fetch_sub(bytes, Ordering::AcqRel);
-                        book.report(replica, report, at, &states.borrow());
+                        // The state itself, not the watch's guard: folding a report of a
+                        // thousand dispatches must not hold off the fleet's next version (and
+                        // every session reading the current one behind it).
+                        let state = Arc::clone(&states.borrow());
+                        book.report(replica, report, at, &state);
                     }
                     Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
                     None => return,
