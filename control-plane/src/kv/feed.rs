@@ -126,7 +126,9 @@ impl Feed for KvFeed {
     }
 
     async fn set_live(&self, fleet: &Fleet) {
-        self.indexer.write().set_live(live_ranks(fleet));
+        // Gathered before the lock: lookups wait on it.
+        let live = live_ranks(fleet);
+        self.indexer.write().set_live(live);
     }
 }
 

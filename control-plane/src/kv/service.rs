@@ -234,7 +234,9 @@ impl KvSupervisor {
             self.statuses.send_replace(None);
             running.stop().await;
             self.handle.enabled.store(false, Ordering::Relaxed);
-            *self.handle.indexer.write() = KvIndexer::new(Limits::default());
+            // The old index (tens of megabytes) is freed off the lock and the runtime.
+            let old = std::mem::replace(&mut *self.handle.indexer.write(), KvIndexer::new(Limits::default()));
+            tokio::task::spawn_blocking(move || drop(old));
             self.handle.provisional().clear();
             tracing::info!("dynamo.kv disabled: kv-events subscriptions stopped and the index emptied");
         }
