@@ -27,6 +27,8 @@ pub enum DecodeError {
     InvalidPicker { field: &'static str, value: String },
     #[error("worker {key}: {dp_size} data-parallel ranks, more than {MAX_DATA_PARALLEL_SIZE}")]
     TooManyRanks { key: WorkerKey, dp_size: u32 },
+    #[error("worker {key}: {dp_size} data-parallel ranks from {dp_start_rank} run past the last rank number")]
+    RanksOutOfRange { key: WorkerKey, dp_start_rank: u32, dp_size: u32 },
     #[error(transparent)]
     Apply(#[from] ApplyError),
 }
@@ -82,6 +84,10 @@ impl TryFrom<pb::Worker> for Worker {
         let key = WorkerKey::try_from(worker.key.ok_or(DecodeError::Missing("worker.key"))?)?;
         if worker.dp_size > MAX_DATA_PARALLEL_SIZE {
             return Err(DecodeError::TooManyRanks { key, dp_size: worker.dp_size });
+        }
+        if worker.dp_start_rank.checked_add(worker.dp_size.max(1)).is_none() {
+            let (dp_start_rank, dp_size) = (worker.dp_start_rank, worker.dp_size);
+            return Err(DecodeError::RanksOutOfRange { key, dp_start_rank, dp_size });
         }
         let capacity = worker.capacity.unwrap_or_default();
         Ok(Worker {
@@ -441,5 +447,22 @@ mod tests {
         let wire = pb::Worker::from(&worker);
         assert_eq!(wire.disaggregated_endpoint, None);
         assert_eq!(wire.key.map(|k| k.instance_id), Some(7), "the rest goes as it is");
+    }
+
+    /// Ranks that would run past `u32::MAX` are refused, not cut short to fewer (or none).
+    #[test]
+    fn a_worker_whose_ranks_run_past_the_last_rank_number_is_refused() {
+        let wire = |dp_start_rank, dp_size| pb::Worker {
+            key: Some(pb::WorkerKey { namespace: "dynamo".into(), instance_id: 7 }),
+            role: pb::Role::Decode.into(),
+            dp_start_rank,
+            dp_size,
+            ..pb::Worker::default()
+        };
+        assert!(Worker::try_from(wire(u32::MAX - 2, 2)).is_ok());
+        for (start, size) in [(u32::MAX, 0), (u32::MAX - 1, 2), (u32::MAX, 1024)] {
+            let refused = Worker::try_from(wire(start, size));
+            assert!(matches!(refused, Err(DecodeError::RanksOutOfRange { .. })), "{start} + {size}: {refused:?}");
+        }
     }
 }

@@ -48,6 +48,8 @@ pub enum Exclusion {
     RoleDisagreement { component: Role, card: Role },
     /// The card declares more data-parallel ranks than [`MAX_DATA_PARALLEL_SIZE`].
     TooManyRanks { declared: u32 },
+    /// The card's ranks would run past the last rank number (`u32::MAX`).
+    RanksOutOfRange { start: u32, size: u32 },
     /// A name or path in the records is longer than any real one ([`MAX_NAME_BYTES`],
     /// [`MAX_PATH_BYTES`]).
     OversizedField { field: &'static str, bytes: usize },
@@ -68,6 +70,9 @@ impl fmt::Display for Exclusion {
             }
             Exclusion::TooManyRanks { declared } => {
                 write!(f, "the card declares {declared} data-parallel ranks, more than {MAX_DATA_PARALLEL_SIZE}")
+            }
+            Exclusion::RanksOutOfRange { start, size } => {
+                write!(f, "the card's {size} data-parallel ranks from {start} run past the last rank number")
             }
             Exclusion::OversizedField { field, bytes } => write!(f, "its {field} is {bytes} bytes long"),
         }

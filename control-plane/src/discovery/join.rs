@@ -103,7 +103,11 @@ fn describe(key: &WorkerKey, instance: &EndpointRecord, card: Option<&Card>) -> 
     match excluded.or_else(|| implausible(&worker)) {
         // Nothing of an implausible worker is kept beyond its identity and role: it is listed,
         // never routed, and must not carry its outsized fields into every snapshot.
-        Some(exclusion @ (Exclusion::TooManyRanks { .. } | Exclusion::OversizedField { .. })) => {
+        Some(
+            exclusion @ (Exclusion::TooManyRanks { .. }
+            | Exclusion::RanksOutOfRange { .. }
+            | Exclusion::OversizedField { .. }),
+        ) => {
             let bare = Worker {
                 model: String::new(),
                 component: String::new(),
@@ -124,6 +128,10 @@ fn describe(key: &WorkerKey, instance: &EndpointRecord, card: Option<&Card>) -> 
 fn implausible(worker: &Worker) -> Option<Exclusion> {
     if worker.dp_size > MAX_DATA_PARALLEL_SIZE {
         return Some(Exclusion::TooManyRanks { declared: worker.dp_size });
+    }
+    // Otherwise its ranks would be cut short (or none at all) without a word.
+    if worker.dp_start_rank.checked_add(worker.dp_size.max(1)).is_none() {
+        return Some(Exclusion::RanksOutOfRange { start: worker.dp_start_rank, size: worker.dp_size });
     }
     let names = [
         ("model name", Some(worker.model.as_str())),

@@ -93,5 +93,7 @@ fn check_worker(path: &str, worker: &StaticWorkerConfig, report: &mut Report) {
     }
     if worker.dp_size > MAX_DATA_PARALLEL_SIZE {
         report.error(format!("{path}.dp_size"), format!("is {}; at most {MAX_DATA_PARALLEL_SIZE}", worker.dp_size));
+    } else if worker.dp_start_rank.checked_add(worker.dp_size.max(1)).is_none() {
+        report.error(format!("{path}.dp_start_rank"), "leaves its ranks past the last rank number (4294967295)");
     }
 }

@@ -254,9 +254,11 @@ fn last_updated_follows_the_latest_record_while_first_seen_stays() {
 fn a_worker_whose_records_no_real_worker_has_is_listed_bare_and_never_routed() {
     use crate::discovery::{MAX_DATA_PARALLEL_SIZE, MAX_NAME_BYTES};
     let long_name = "m".repeat(MAX_NAME_BYTES + 1);
-    let cases: [(&str, Value, Option<Exclusion>); 4] = [
+    let cases: [(&str, Value, Option<Exclusion>); 6] = [
         ("data_parallel_size", json!(MAX_DATA_PARALLEL_SIZE), None),
         ("data_parallel_size", json!(u32::MAX), Some(Exclusion::TooManyRanks { declared: u32::MAX })),
+        ("data_parallel_start_rank", json!(u32::MAX - 1), None),
+        ("data_parallel_start_rank", json!(u32::MAX), Some(Exclusion::RanksOutOfRange { start: u32::MAX, size: 1 })),
         (
             "disaggregated_endpoint",
             json!(long_name),
