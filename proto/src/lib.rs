@@ -56,6 +56,13 @@ pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
 /// Longest replica id a control plane accepts in a Hello; it appears in logs and the admin API.
 pub const MAX_REPLICA_ID_BYTES: usize = 128;
 
+/// A dispatch reported with more decode blocks than this (16 Mi tokens at 16 a block) is
+/// refused by the control plane: no request is that long, and sums of it would drown every
+/// real one on its rank. A replica reports at most this.
+pub const MAX_REPORTED_DECODE_BLOCKS: u64 = 1 << 20;
+/// A dispatch reported with more prompt tokens to prefill than this is refused, likewise.
+pub const MAX_REPORTED_PREFILL_TOKENS: u64 = 1 << 24;
+
 /// Block hashes one `DispatchStarted` carries at most: a 65,536-token prefix in 16-token
 /// blocks. A replica cuts longer chains; the control plane cuts what a peer sends past it.
 pub const MAX_DISPATCH_BLOCK_HASHES: usize = 4_096;

@@ -95,11 +95,7 @@ pub const MAX_DISPATCHES: usize = 1 << 19;
 /// Bytes of reports waiting for the book at most (besides the count bound of its queue): past
 /// it a report is dropped and its session ended, as when the queue is full.
 pub const MAX_QUEUED_REPORT_BYTES: usize = 64 << 20;
-/// A dispatch reported with more decode blocks than this (16 Mi tokens at 16 a block) is
-/// refused: no request is that long, and sums of it would drown every real one on its rank.
-pub const MAX_REPORTED_DECODE_BLOCKS: u64 = 1 << 20;
-/// A dispatch reported with more prompt tokens to prefill than this is refused, likewise.
-pub const MAX_REPORTED_PREFILL_TOKENS: u64 = 1 << 24;
+pub use continuum_proto::{MAX_REPORTED_DECODE_BLOCKS, MAX_REPORTED_PREFILL_TOKENS};
 /// Backlog changes are published at most this often: short, so a burst spreads across replicas.
 pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
 /// A sample received this soon after a dispatch ended may still show its blocks: workers

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use continuum_proto::view::FleetView;
+use continuum_proto::{MAX_REPORTED_DECODE_BLOCKS, MAX_REPORTED_PREFILL_TOKENS};
 
 use crate::fleet::{DispatchReporter, InFlight, MAX_REPLAYED_HASHES, Report};
 use crate::routing::picker::{
@@ -37,6 +38,15 @@ struct Estimated {
     tokens: u64,
 }
 
+/// A prompt no longer than a pinned worker's context (which refuses a longer one, however the
+/// estimate sized it) nor than the control plane takes: counted at most whole, here and in the
+/// report, as the control plane counts it.
+fn at_most_whole(view: &FleetView, selection: &Selection, prompt_tokens: u64) -> u64 {
+    let pins = selection.prefill.iter().chain(std::iter::once(&selection.decode));
+    let contexts = pins.filter_map(|pin| view.worker(&pin.worker)?.capacity.context_length.filter(|n| *n > 0));
+    contexts.fold(prompt_tokens.min(MAX_REPORTED_PREFILL_TOKENS), u64::min)
+}
+
 impl DispatchEnd {
     /// Records a dispatch of `prompt_tokens` pinned as `selection`: the prompt tokens the rank
     /// that prefills it does not hold, and its blocks on the decode rank, as the ledger counts
@@ -55,9 +65,10 @@ impl DispatchEnd {
         chain: &PromptChain,
         buffered: bool,
     ) -> Self {
+        let prompt_tokens = at_most_whole(view, selection, prompt_tokens);
         let block_size = dispatch_block_size(view, selection);
         let hashes = chain.at_block_size(block_size);
-        let blocks = prompt_blocks(prompt_tokens, block_size);
+        let blocks = prompt_blocks(prompt_tokens, block_size).min(MAX_REPORTED_DECODE_BLOCKS);
         let tokens = selection.uncached_prompt_tokens(prompt_tokens);
         let (id, reported) = reporter.operation(|report| {
             let prefill = selection.prefill.as_ref().map(|pin| {
@@ -175,6 +186,58 @@ mod tests {
     use super::*;
     use crate::fleet::batch;
     use crate::routing::picker::{Pin, Reason};
+
+    /// An estimate past a pinned worker's context (which refuses such a prompt) counts at most
+    /// that context, in the ledger and in the report; with no context known, at most what the
+    /// control plane takes.
+    #[tokio::test]
+    async fn a_prompt_is_counted_at_most_as_long_as_the_pinned_workers_take() {
+        use continuum_proto::model::{Capacity, Role, Worker};
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let mut rx = reporter.attached_receiver().expect("receiver");
+        let ledger = Arc::new(DispatchLedger::new());
+        let worker = |id, role, context_length| {
+            Arc::new(Worker {
+                key: WorkerKey::new("dynamo", id),
+                role,
+                model: "tiny".into(),
+                component: "backend".into(),
+                endpoint: "generate".into(),
+                block_size: Some(16),
+                capacity: Capacity { context_length, ..Capacity::default() },
+                dp_start_rank: 0,
+                dp_size: 0,
+                disaggregated_endpoint: None,
+                artifacts: None,
+            })
+        };
+        let pin = |id| Pin { worker: WorkerKey::new("dynamo", id), dp_rank: None };
+        let selection = |prefill: Option<u64>, decode| Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: pin(decode),
+            prefill: prefill.map(pin),
+            decode_reason: Reason::Load,
+            prefill_reason: Some(Reason::Load),
+            cached_tokens: 0,
+        };
+        let workers = [
+            worker(1, Role::Prefill, Some(8192)),
+            worker(2, Role::Decode, Some(4096)),
+            worker(3, Role::Aggregated, None),
+        ];
+        let view = FleetView::new(1, workers, [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let mut reported = |selection: &Selection| {
+            let _end =
+                DispatchEnd::record(&ledger, &reporter, &view, selection, 50_000_000, &PromptChain::default(), false);
+            let first = rx.try_recv().expect("an operation");
+            let started = batch(first, &mut rx).started;
+            started.iter().map(|s| (s.prefill_tokens, s.decode_blocks)).collect::<Vec<_>>()
+        };
+        assert_eq!(reported(&selection(Some(1), 2)), [(4096, 0), (0, 256)], "the shorter context of the pair");
+        let unknown = reported(&selection(None, 3));
+        assert_eq!(unknown, [(MAX_REPORTED_PREFILL_TOKENS, MAX_REPORTED_DECODE_BLOCKS)]);
+    }
 
     /// A paired dispatch's prefill leg is reported as prefilled, then ended, at the first token:
     /// the control plane learns the prefill worker's prefill time from it (and when its next
