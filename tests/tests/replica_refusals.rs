@@ -206,6 +206,49 @@ async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow
     Ok(())
 }
 
+/// A peer that accepts the connection and answers HTTP/2 but never opens the Watch stream.
+struct NeverOpens;
+
+#[tonic::async_trait]
+impl Fleet for NeverOpens {
+    type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
+
+    async fn watch(&self, _: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
+        std::future::pending().await
+    }
+
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        Err(Status::unimplemented("never"))
+    }
+
+    async fn find_matches(
+        &self,
+        _: Request<pb::FindMatchesRequest>,
+    ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+        Err(Status::unimplemented("never"))
+    }
+}
+
+/// The replica does not wait on such a peer for good: it gives up the call and dials again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_call_never_answered_is_given_up_and_dialled_again() -> anyhow::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(FleetServer::new(NeverOpens))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let replica = start_replicas(1, &url).await?.remove(0);
+    continuum_tests::eventually(Duration::from_secs(30), "a second dial", || async {
+        replica.metrics.reconnects.get() >= 1
+    })
+    .await?;
+    replica.shutdown().await;
+    server.abort();
+    Ok(())
+}
+
 /// A control plane whose lookups claim more of a prompt than the prompt has.
 struct Overclaiming;
 

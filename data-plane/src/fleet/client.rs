@@ -43,6 +43,9 @@ const REPLY_QUEUE: usize = 8;
 /// longer trust (they would keep finished requests weighing on their workers), and dials again.
 /// A healthy control plane reads its streams within milliseconds.
 pub const REPLY_STALL_LIMIT: Duration = Duration::from_secs(5);
+/// How long the Watch call may take to be answered once connected: the control plane answers
+/// as soon as it has read the replica's Hello, which it waits 10 s for at most.
+const WATCH_OPEN_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// Where and as whom to follow the fleet.
 #[derive(Clone)]
@@ -104,6 +107,8 @@ enum SessionError {
     RepliesClosed,
     #[error("control plane read no reply for {REPLY_STALL_LIMIT:?}; leaving its stream")]
     RepliesStalled,
+    #[error("control plane accepted the connection but opened no Watch stream within {WATCH_OPEN_TIMEOUT:?}")]
+    NotOpened,
 }
 
 impl SessionError {
@@ -118,7 +123,8 @@ impl SessionError {
             SessionError::Connect(_)
             | SessionError::ReportsDropped
             | SessionError::RepliesClosed
-            | SessionError::RepliesStalled => false,
+            | SessionError::RepliesStalled
+            | SessionError::NotOpened => false,
         }
     }
 }
@@ -197,12 +203,14 @@ async fn follow(
     let (replies, rx) = mpsc::channel(REPLY_QUEUE);
     let hello = pb::Hello { replica_id: config.replica_id.clone(), version: handle.resume_from() };
     replies.send(request(Kind::Hello(hello))).await.map_err(|_| SessionError::RepliesClosed)?;
-    let mut updates = FleetClient::with_interceptor(channel, config.credentials.clone())
+    let mut client = FleetClient::with_interceptor(channel, config.credentials.clone())
         .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES)
-        .watch(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
+        .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+    let watch = client.watch(ReceiverStream::new(rx));
+    // Bounded: a peer (or a proxy in front of it) that answers HTTP/2 pings but never opens the
+    // stream would otherwise hold the replica here, reconnecting never.
+    let mut updates =
+        tokio::time::timeout(WATCH_OPEN_TIMEOUT, watch).await.map_err(|_| SessionError::NotOpened)??.into_inner();
     let replayed = reporter.attach(reports);
     if replayed > 0 {
         tracing::info!(replayed, "reported the dispatches in flight again on the new fleet stream");

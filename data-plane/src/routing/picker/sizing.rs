@@ -89,7 +89,8 @@ fn next_factor(current: f64, estimate: u64, counted: u64) -> f64 {
 /// closing `":` never appears there.
 pub fn usage_prompt_tokens(body: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"prompt_tokens\":";
-    let at = body.windows(KEY.len()).position(|window| window == KEY)?;
+    // From the end: `usage` closes an answer, which may be megabytes of choices before it.
+    let at = body.windows(KEY.len()).rposition(|window| window == KEY)?;
     let rest = body.get(at + KEY.len()..)?;
     let digits = rest.iter().skip_while(|b| b.is_ascii_whitespace());
     let mut value: u64 = 0;
