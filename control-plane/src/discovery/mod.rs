@@ -38,3 +38,18 @@ pub use join::{component_role, resolve_role};
 pub use reducer::{KeyValue, MAX_RECORD_BYTES, MAX_SMALL_RECORD_BYTES, Reducer, WatchEvent, max_record_bytes};
 pub use store::{MAX_RECORDS_PER_KEYSPACE, MAX_SET_ASIDE_PER_KEYSPACE};
 pub use wire_id::parse_hex;
+
+/// A direct kv_metrics publisher `id` in namespace `dynamo`, speaking for `worker`, for tests.
+#[cfg(test)]
+pub(crate) fn test_publisher(id: u64, worker: Option<continuum_proto::model::WorkerKey>) -> Publisher {
+    Publisher {
+        publisher_id: id,
+        namespace: "dynamo".into(),
+        component: None,
+        endpoint: None,
+        topic: Topic::KvMetrics,
+        worker,
+        dp_rank: None,
+        address: "tcp://127.0.0.1:1".into(),
+    }
+}

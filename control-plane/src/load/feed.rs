@@ -238,16 +238,7 @@ mod tests {
 
     /// Worker 1's kv_metrics channel.
     fn channel() -> Publisher {
-        Publisher {
-            publisher_id: 0xaa,
-            namespace: "dynamo".into(),
-            component: None,
-            endpoint: None,
-            topic: Topic::KvMetrics,
-            worker: Some(WorkerKey::new("dynamo", 1)),
-            dp_rank: None,
-            address: "tcp://127.0.0.1:1".into(),
-        }
+        crate::discovery::test_publisher(0xaa, Some(WorkerKey::new("dynamo", 1)))
     }
 
     /// A session cancelled while its removals waited for room in a full queue: the replicas

@@ -227,16 +227,7 @@ mod tests {
     fn a_refusal_that_repeats_is_counted_each_time_and_warned_of_once() {
         let written = Written::default();
         let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(written.clone()).finish();
-        let publisher = Publisher {
-            publisher_id: 0xaa,
-            namespace: "dynamo".into(),
-            component: None,
-            endpoint: None,
-            topic: Topic::KvMetrics,
-            worker: None,
-            dp_rank: None,
-            address: "tcp://*:5555".into(),
-        };
+        let publisher = crate::discovery::test_publisher(0xaa, None);
         let refused = || SessionEnd::Dial(DialError::BadAddress);
         let lost = || SessionEnd::Zmtp(ZmtpError::Closed);
         let counted: Vec<Option<Refusal>> = tracing::subscriber::with_default(subscriber, || {

@@ -11,16 +11,7 @@ fn gauge() -> prometheus::IntGaugeVec {
 }
 
 fn publisher(id: u64) -> Publisher {
-    Publisher {
-        publisher_id: id,
-        namespace: "dynamo".into(),
-        component: None,
-        endpoint: None,
-        topic: Topic::KvMetrics,
-        worker: None,
-        dp_rank: None,
-        address: "tcp://127.0.0.1:1".into(),
-    }
+    crate::discovery::test_publisher(id, None)
 }
 
 fn running(id: u64, task: JoinHandle<()>, cancel: CancellationToken) -> Running {
