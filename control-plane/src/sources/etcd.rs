@@ -169,7 +169,7 @@ async fn pass(
     let (mut kv, mut watcher, seeded) =
         tokio::time::timeout(SEED_TIMEOUT, seed(config, &prefixes)).await.map_err(|_| PassError::SeedTimeout)??;
     metrics.discovery_events.with_label_values(&["oversized"]).inc_by(seeded.stepped_over);
-    fold(reducer, WatchEvent::Resync(seeded.records), registry, metrics);
+    off_the_runtime(|| fold(reducer, WatchEvent::Resync(seeded.records), registry, metrics));
 
     let mut streams = SelectAll::new();
     let mut askers = Vec::with_capacity(prefixes.len());
@@ -222,26 +222,55 @@ async fn pass(
         if response.canceled() {
             return Err(PassError::Cancelled(response.cancel_reason().to_string()));
         }
-        let now = SystemTime::now();
-        let mut changed = false;
-        for event in response.events() {
-            let Some(kv) = event.kv() else { continue };
-            let folded = match event.event_type() {
-                etcd_client::EventType::Put => WatchEvent::Put(record(kv)),
-                etcd_client::EventType::Delete => WatchEvent::Delete { key: kv.key().to_vec() },
-            };
-            let applied = reducer.apply(folded, now);
-            changed |= applied.fleet_changed();
-            count(&applied, metrics);
-            if applied.relist_wanted() {
-                registry.publish(reducer.fleet());
-                return Err(PassError::RoomFreed);
-            }
+        let bytes: usize = response.events().iter().filter_map(|e| e.kv()).map(|kv| kv.value().len()).sum();
+        if bytes > ON_THE_RUNTIME_BYTES {
+            off_the_runtime(|| apply_events(&response, reducer, registry, metrics))?;
+        } else {
+            apply_events(&response, reducer, registry, metrics)?;
         }
-        // Heartbeat re-puts change nothing; only a changed fleet is rebuilt and published.
-        if changed {
+    }
+}
+
+/// Folds one watch response's events into the reducer, publishing the fleet if it changed.
+fn apply_events(
+    response: &etcd_client::WatchResponse,
+    reducer: &mut Reducer,
+    registry: &Registry,
+    metrics: &Metrics,
+) -> Result<(), PassError> {
+    let now = SystemTime::now();
+    let mut changed = false;
+    for event in response.events() {
+        let Some(kv) = event.kv() else { continue };
+        let folded = match event.event_type() {
+            etcd_client::EventType::Put => WatchEvent::Put(record(kv)),
+            etcd_client::EventType::Delete => WatchEvent::Delete { key: kv.key().to_vec() },
+        };
+        let applied = reducer.apply(folded, now);
+        changed |= applied.fleet_changed();
+        count(&applied, metrics);
+        if applied.relist_wanted() {
             registry.publish(reducer.fleet());
+            return Err(PassError::RoomFreed);
         }
+    }
+    // Heartbeat re-puts change nothing; only a changed fleet is rebuilt and published.
+    if changed {
+        registry.publish(reducer.fleet());
+    }
+    Ok(())
+}
+
+/// A watch response whose values add up to more than this is folded off the runtime: parsing
+/// megabytes of cards would hold up the Fleet streams and subscriptions beside it.
+const ON_THE_RUNTIME_BYTES: usize = 64 << 10;
+
+/// Runs `work` where the runtime can hand this thread's other tasks to another one meanwhile
+/// (a multi-threaded runtime, as the control plane's is); elsewhere, as it comes.
+fn off_the_runtime<R>(work: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current().map(|runtime| runtime.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
     }
 }
 
