@@ -103,7 +103,9 @@ pub const BACKLOG_WINDOW: Duration = Duration::from_millis(2);
 pub const SAMPLE_LAG: Duration = Duration::from_millis(250);
 /// A prefill under way is credited in steps of one part in this many of its expected time.
 pub(super) const PROGRESS_STEPS: u64 = 8;
-/// How often the timings of settled ranks are pruned of ranks the fleet no longer has.
+/// How often the timings of settled ranks are pruned of ranks the fleet no longer has, and
+/// dispatches past [`IN_FLIGHT_MAX_AGE`] looked for: a ten-minute bound need not be checked
+/// against every dispatch in flight at every window.
 const PRUNE_LEARNED_EVERY: Duration = Duration::from_secs(1);
 /// Ended dispatches remembered per rank for that, at most.
 const MAX_ENDED_PER_RANK: usize = 4096;
@@ -212,8 +214,9 @@ struct Book {
     /// settles whenever it idles, and would otherwise start every burst knowing nothing of its
     /// prefill and decode times. Only ranks the fleet still has are kept.
     learned: FastMap<RankKey, (LoadKey, Timing)>,
-    /// When `learned` was last pruned of ranks the fleet no longer has.
-    learned_pruned: Option<Instant>,
+    /// When `learned` was last pruned of ranks the fleet no longer has, and stale dispatches
+    /// looked for.
+    swept: Option<Instant>,
 }
 
 impl Book {
@@ -403,12 +406,11 @@ impl Book {
     /// Measures new samples, drops dispatches whose end never came, and marks the ranks whose
     /// sums may have moved for a publish check (unchanged sums are not streamed).
     fn expire(&mut self, state: &FleetState, now: Instant) {
-        // The timings of settled ranks are kept while their workers serve them, and no longer.
-        if !self.learned.is_empty()
-            && self.learned_pruned.is_none_or(|at| now.saturating_duration_since(at) >= PRUNE_LEARNED_EVERY)
-        {
+        let sweep = self.swept.is_none_or(|at| now.saturating_duration_since(at) >= PRUNE_LEARNED_EVERY);
+        if sweep {
+            // The timings of settled ranks are kept while their workers serve them, and no longer.
             self.learned.retain(|_, (key, _)| in_fleet(state, key));
-            self.learned_pruned = Some(now);
+            self.swept = Some(now);
         }
         let mut lost = Vec::new();
         for (&key, rank) in &mut self.ranks {
@@ -432,9 +434,11 @@ impl Book {
                 rank.published = None;
                 mark(&mut self.dirty, key, rank);
             }
-            let stale =
-                rank.dispatches.iter().filter(|(_, d)| now.saturating_duration_since(d.at) >= IN_FLIGHT_MAX_AGE);
-            lost.extend(stale.map(|(id, _)| *id));
+            if sweep {
+                let stale =
+                    rank.dispatches.iter().filter(|(_, d)| now.saturating_duration_since(d.at) >= IN_FLIGHT_MAX_AGE);
+                lost.extend(stale.map(|(id, _)| *id));
+            }
         }
         for id in lost {
             self.forget(id, now);
