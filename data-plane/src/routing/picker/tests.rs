@@ -505,6 +505,57 @@ fn a_prompt_the_prefill_sample_already_counts_is_not_counted_twice() {
     assert_eq!(s.prefill.map(|p| p.worker.instance_id), Some(2), "8,000 on 1 against 7,000 on 2");
 }
 
+/// The seed's rules in the prefill phase: fresh, quiet, silent under load and no fresh sample,
+/// judged on queued prefill tokens over `max_num_batched_tokens`.
+#[test]
+fn prefill_rules_table() {
+    let prefill = |id, tokens, age| {
+        move |fleet: Fleet| {
+            let load = Load { active_prefill_tokens: Some(tokens), kv_used_blocks: Some(0), ..Load::default() };
+            fleet.sample(id, 0, load, age)
+        }
+    };
+    let fleet = || {
+        Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Prefill), worker("a", 9, Role::Decode)])
+            .used(9, 0, 0, FRESH)
+    };
+    // (rule, fleet, expected prefill ids, expected reason)
+    let cases: Vec<(&str, Fleet, Vec<u64>, Reason)> = vec![
+        (
+            "fresh: fewest queued prefill tokens wins",
+            prefill(2, 100, FRESH)(prefill(1, 5000, FRESH)(fleet())),
+            vec![2, 2, 2],
+            Reason::Load,
+        ),
+        ("quiet (never published) competes as idle", prefill(1, 100, FRESH)(fleet()), vec![2, 2], Reason::Load),
+        (
+            "quiet (idle, now stale) competes as idle",
+            prefill(2, 0, STALE)(prefill(1, 100, FRESH)(fleet())),
+            vec![2, 2],
+            Reason::Load,
+        ),
+        (
+            "silent under load is not chosen while another has a cost",
+            prefill(2, 500, STALE)(prefill(1, 9000, FRESH)(fleet())),
+            vec![1, 1, 1],
+            Reason::Load,
+        ),
+        (
+            "no fresh sample anywhere: round robin",
+            prefill(2, 500, STALE)(prefill(1, 9000, STALE)(fleet())),
+            vec![1, 2, 1],
+            Reason::RoundRobinStale,
+        ),
+    ];
+    for (rule, fleet, expected, reason) in cases {
+        let picker = picker();
+        let picks: Vec<Selection> = expected.iter().map(|_| pick(&picker, &fleet)).collect();
+        let ids: Vec<u64> = picks.iter().filter_map(|s| s.prefill.as_ref()).map(|p| p.worker.instance_id).collect();
+        assert_eq!(ids, expected, "{rule}");
+        assert!(picks.iter().all(|s| s.prefill_reason == Some(reason)), "{rule}: {picks:?}");
+    }
+}
+
 #[test]
 fn prefill_without_prefill_tokens_rotates() {
     // The mocker and dynamo.vllm publish no active_prefill_tokens.
