@@ -72,6 +72,8 @@ pub struct Metrics {
     /// Client requests refused before routing because they could not be read, by `reason`
     /// (`HEAD_REFUSALS`).
     pub http_refused: IntCounterVec,
+    /// Chat completions answered with the replica's own error, by its OpenAI `code`.
+    chat_refusals: IntCounterVec,
     /// The request path's series, looked up once rather than hashed by label on every request.
     hot: Arc<Hot>,
 }
@@ -293,6 +295,13 @@ impl Metrics {
                 ),
                 &["reason"],
             )?,
+            chat_refusals: IntCounterVec::new(
+                Opts::new(
+                    "continuum_chat_refusals_total",
+                    "Chat completions answered with the replica's own error (a request it could not take, no worker or backend for it, a dispatch that failed), by the error's code",
+                ),
+                &["code"],
+            )?,
             backend_refusals: IntCounterVec::new(
                 Opts::new(
                     "continuum_backend_refusals_total",
@@ -335,6 +344,7 @@ impl Metrics {
             Box::new(metrics.shim_retries.clone()),
             Box::new(metrics.http_refused.clone()),
             Box::new(metrics.backend_refusals.clone()),
+            Box::new(metrics.chat_refusals.clone()),
             Box::new(metrics.http_connections.clone()),
             Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),
@@ -376,6 +386,12 @@ impl Metrics {
     }
 
     /// Counts a backend's refusal passed to the client, by what became of its body.
+    /// Counts a chat completion answered with the replica's own error `code` (a closed set of
+    /// static codes, so the label stays bounded).
+    pub fn chat_refused(&self, code: &'static str) {
+        self.chat_refusals.with_label_values(&[code]).inc();
+    }
+
     pub fn refusal_relayed(&self, body: RefusalBody) {
         self.backend_refusals.with_label_values(&[body.as_str()]).inc();
     }

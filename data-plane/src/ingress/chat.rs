@@ -21,7 +21,13 @@ use crate::metrics::Ingress;
 /// own, the pins, and the tenant (`x-tenant-id`, the frontend's cache salt).
 pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Response {
     let started = Instant::now();
-    let response = serve(state, disclose, tenant, body).await.unwrap_or_else(IntoResponse::into_response);
+    let response = match serve(state, disclose, tenant, body).await {
+        Ok(response) => response,
+        Err(error) => {
+            state.metrics.chat_refused(error.code);
+            error.into_response()
+        }
+    };
     state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
     response
 }

@@ -6,7 +6,9 @@ use continuum_proto::model::{Role, WorkerKey};
 use continuum_tests::shim_stub::StubShim;
 use serde_json::{Value, json};
 
-use super::{CLIENT_MODEL, DECODE_ID, Harness, MODEL, NAMESPACE, chat, config, disaggregated_fleet, error_of, worker};
+use super::{
+    CLIENT_MODEL, DECODE_ID, Harness, MODEL, NAMESPACE, chat, config, disaggregated_fleet, error_of, sample, worker,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_that_cannot_be_routed_get_openai_errors() -> anyhow::Result<()> {
@@ -29,6 +31,11 @@ async fn requests_that_cannot_be_routed_get_openai_errors() -> anyhow::Result<()
         .await?;
     assert_eq!(error_of(harness.post(&chat(MODEL, false)).await?).await?, (404, "model_not_found".into()));
     assert!(shim.received().is_empty(), "nothing unroutable reached the shim");
+    // Each refusal the replica made itself is counted under its code (the 413 is the server's,
+    // counted before any chat handling as `continuum_http_requests_refused_total`).
+    let metrics = harness.metrics().await?;
+    let refused = |code: &str| sample(&metrics, &format!("continuum_chat_refusals_total{{code=\"{code}\"}}"));
+    assert_eq!((refused("invalid_request"), refused("model_not_found")), (Some(2.0), Some(2.0)), "{metrics}");
     harness.stop().await;
     Ok(())
 }
