@@ -73,15 +73,16 @@ async fn require_token(State(state): State<AdminState>, request: Request, next: 
     let presented = request.headers().get(header::AUTHORIZATION).map(|value| value.as_bytes());
     match bearer::accepts(presented, &expected) {
         true => next.run(request).await,
-        false => (
-            StatusCode::UNAUTHORIZED,
-            [(header::WWW_AUTHENTICATE, "Bearer")],
-            axum::Json(
-                json!({"error": {"code": "unauthenticated", "message": "send Authorization: Bearer <admin.token>"}}),
-            ),
-        )
-            .into_response(),
+        false => {
+            state.metrics.admin_unauthenticated.inc();
+            refuse_unauthenticated()
+        }
     }
+}
+
+fn refuse_unauthenticated() -> Response {
+    let body = json!({"error": {"code": "unauthenticated", "message": "send Authorization: Bearer <admin.token>"}});
+    (StatusCode::UNAUTHORIZED, [(header::WWW_AUTHENTICATE, "Bearer")], axum::Json(body)).into_response()
 }
 
 /// Whether discovery has produced a full view since the fleet was last emptied, at start or by

@@ -28,6 +28,8 @@ pub struct Metrics {
     pub watch_superseded: IntCounter,
     /// Fleet calls refused for want of `control_plane.token`.
     pub unauthenticated: IntCounter,
+    /// Admin API calls refused for want of `admin.token`.
+    pub admin_unauthenticated: IntCounter,
     pub watch_retired: IntCounter,
     /// Re-reads of `control_plane.tls`'s files that changed them, by `result` (applied, refused).
     pub fleet_tls_reloads: IntCounterVec,
@@ -104,6 +106,10 @@ impl Metrics {
             watch_superseded: IntCounter::new(
                 "continuum_fleet_watch_superseded_total",
                 "Watch streams ended because the same replica id opened a new one",
+            )?,
+            admin_unauthenticated: IntCounter::new(
+                "continuum_admin_unauthenticated_total",
+                "Admin API calls refused because they did not present admin.token",
             )?,
             unauthenticated: IntCounter::new(
                 "continuum_fleet_unauthenticated_total",
@@ -266,6 +272,7 @@ impl Metrics {
             Box::new(metrics.watch_refused.clone()),
             Box::new(metrics.watch_superseded.clone()),
             Box::new(metrics.unauthenticated.clone()),
+            Box::new(metrics.admin_unauthenticated.clone()),
             Box::new(metrics.watch_retired.clone()),
             Box::new(metrics.fleet_tls_reloads.clone()),
             Box::new(metrics.fleet_tls_handshakes_failed.clone()),

@@ -270,6 +270,7 @@ async fn admin_workers_lists_discovered_workers_behind_the_token_without_interna
 
     let metrics = client.get(format!("http://{}/metrics", control.admin_addr)).send().await?.text().await?;
     assert!(metrics.contains("continuum_dynamo_discovery_connected 1"), "{metrics}");
+    assert!(metrics.contains("continuum_admin_unauthenticated_total 2"), "both refusals counted: {metrics}");
     assert!(metrics.contains("continuum_dynamo_discovery_events_total{kind=\"resync\"}"), "{metrics}");
     assert!(metrics.contains("continuum_dynamo_workers{role=\"decode\"} 1"), "{metrics}");
     assert!(metrics.contains("continuum_dynamo_workers{role=\"prefill\"} 0"), "{metrics}");

@@ -167,7 +167,8 @@ impl FleetService {
             Err(_) => {
                 return Err(refused("no_hello", Status::deadline_exceeded("no Hello within 10s of opening Watch")));
             }
-            Ok(Err(status)) => return Err(status),
+            // One that could not be decoded (malformed, or past the message bound).
+            Ok(Err(status)) => return Err(refused("bad_hello", status)),
             Ok(Ok(None)) => return Err(refused("no_hello", Status::cancelled("stream closed before its Hello"))),
             Ok(Ok(Some(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }))) => hello,
             Ok(Ok(Some(_))) => {
