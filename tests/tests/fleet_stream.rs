@@ -852,3 +852,24 @@ async fn a_replica_that_stops_reading_its_stream_is_let_go() -> anyhow::Result<(
     control.stop().await;
     Ok(())
 }
+
+/// A fleet whose snapshot is larger than a Fleet message may carry is not sent (it could not
+/// be), nor counted as sent: the replica is told why, and keeps its last view.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_too_large_to_send_is_refused_with_its_reason() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    // Workers with 32 KiB model names, past 64 MiB in all.
+    let workers = (1..=(MAX_FLEET_MESSAGE_BYTES as u64 >> 15) + 64)
+        .map(|id| worker("dynamo", id, &format!("{id}{}", "m".repeat(32 << 10))))
+        .collect();
+    control.publisher.apply(FleetChange { upsert: workers, ..Default::default() });
+    let (_requests, mut updates) = open_watch(&control.url(), "far-too-large").await?;
+    let refused = tokio::time::timeout(CONVERGE, updates.message()).await?.err();
+    let status = refused.ok_or_else(|| anyhow::anyhow!("a snapshot past the bound was sent"))?;
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status:?}");
+    assert!(status.message().contains("snapshot"), "{status:?}");
+    let sent = |kind: &str| control.metrics.updates_sent.with_label_values(&[kind]).get();
+    assert_eq!((sent("snapshot"), sent("too_large")), (0, 1));
+    control.stop().await;
+    Ok(())
+}

@@ -204,9 +204,16 @@ impl Session {
                 }
                 Event::Room(permit) => {
                     waiting_for_room = None;
-                    if let Some(update) = self.next_update() {
-                        permit.send(Ok(Queued::new(update)));
-                        self.record_queue_depth();
+                    match self.next_update() {
+                        Ok(Some(update)) => {
+                            permit.send(Ok(Queued::new(update)));
+                            self.record_queue_depth();
+                        }
+                        Ok(None) => {}
+                        Err(status) => {
+                            permit.send(Err(status));
+                            return;
+                        }
                     }
                 }
             }
@@ -229,42 +236,45 @@ impl Session {
         }
     }
 
-    fn next_update(&mut self) -> Option<pb::FleetUpdate> {
+    /// The next update for the replica, if it is behind; an error ends the session with it.
+    fn next_update(&mut self) -> Result<Option<pb::FleetUpdate>, Status> {
         self.state.borrow_and_update();
-        let (state, catchup) = self.pending()?;
+        let Some((state, catchup)) = self.pending() else { return Ok(None) };
         let now = Instant::now();
         let (body, kind) = match catchup {
-            Catchup::UpToDate => return None,
+            Catchup::UpToDate => return Ok(None),
             Catchup::Snapshot(view) => (Body::Snapshot(snapshot_to_wire(&view, now)), "snapshot"),
             Catchup::Delta(delta) => (Body::Delta(delta_to_wire(&delta, now)), "delta"),
         };
         let version = state.version();
         let nonce = format!("{:016x}", rand::random::<u64>());
         let snapshot = kind == "snapshot";
-        self.metrics.updates_sent.with_label_values(&[kind]).inc();
-        if snapshot {
-            self.status.snapshots_sent.fetch_add(1, Ordering::Relaxed);
-        }
-        self.status.sent_version.store(version, Ordering::Relaxed);
-        self.held = Some(version);
-        if snapshot {
-            self.last_snapshot = Some(Sent { version, nonce: nonce.clone() });
-        }
         let reports_folded = state.reports_folded(self.session_id).map(pb::ReportsFolded::from);
-        let update = pb::FleetUpdate { version, nonce, body: Some(body), reports_folded };
+        let update = pb::FleetUpdate { version, nonce: nonce.clone(), body: Some(body), reports_folded };
         if snapshot {
-            // Past the bound the stream fails as it sends, the replica reconnects and is sent
-            // the same snapshot: say why, where the operator looks.
+            // Past the bound the stream could not carry it, and the replica would be sent the
+            // same snapshot at every reconnect: say why, to the operator and to the replica.
             let bytes = prost::Message::encoded_len(&update);
             if bytes > MAX_FLEET_MESSAGE_BYTES {
+                self.metrics.updates_sent.with_label_values(&["too_large"]).inc();
                 tracing::error!(
                     replica = %self.status.replica_id, bytes, limit = MAX_FLEET_MESSAGE_BYTES,
                     "the fleet snapshot is larger than a Fleet message may be; replicas keep their last view \
                      until the fleet shrinks (fewer workers or dp ranks)"
                 );
+                return Err(Status::out_of_range(format!(
+                    "the fleet snapshot is {bytes} bytes, more than a Fleet message may carry ({MAX_FLEET_MESSAGE_BYTES}); keep the last view"
+                )));
             }
         }
-        Some(update)
+        self.metrics.updates_sent.with_label_values(&[kind]).inc();
+        if snapshot {
+            self.status.snapshots_sent.fetch_add(1, Ordering::Relaxed);
+            self.last_snapshot = Some(Sent { version, nonce });
+        }
+        self.status.sent_version.store(version, Ordering::Relaxed);
+        self.held = Some(version);
+        Ok(Some(update))
     }
 
     /// Takes one message from the replica; an error ends the session with that status.

@@ -118,7 +118,11 @@ impl SessionError {
             SessionError::Endpoint(_) => true,
             SessionError::Status(status) => matches!(
                 status.code(),
-                Code::Unimplemented | Code::InvalidArgument | Code::PermissionDenied | Code::Unauthenticated
+                Code::Unimplemented
+                    | Code::InvalidArgument
+                    | Code::PermissionDenied
+                    | Code::Unauthenticated
+                    | Code::OutOfRange
             ),
             SessionError::Connect(_)
             | SessionError::ReportsDropped
