@@ -217,6 +217,18 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
         Failure::TooLarge(limit) => format!(
             "The request's answer is larger than the {limit} bytes relayed unstreamed{retried}. Ask for it with \"stream\": true."
         ),
+        // A refusal that may be of the request itself (the frontend checks some of it only once
+        // it is pinned): retrying an invalid request would fail the same way.
+        Failure::Status(shim_status)
+            if shim_status.is_client_error()
+                && ![StatusCode::NOT_FOUND, StatusCode::REQUEST_TIMEOUT, StatusCode::TOO_MANY_REQUESTS]
+                    .contains(shim_status) =>
+        {
+            format!(
+                "The request failed on its assigned workers: {what}{retried}. If it fails again, check the request: \
+                 the frontend may have refused it (a streamed request is shown the frontend's reason)."
+            )
+        }
         _ => format!(
             "The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."
         ),
@@ -275,6 +287,12 @@ mod tests {
         assert_eq!(status(Failure::BodyTimeout(std::time::Duration::from_secs(1))), StatusCode::GATEWAY_TIMEOUT);
         let both = decode_failed(&Failure::Status(StatusCode::BAD_REQUEST), Some(&Failure::NoReplica));
         assert!(both.message.contains("answered 400") && both.message.contains("without worker pins also failed"));
+        // A refusal that may be the request's own says to check it, not only to retry.
+        assert!(both.message.contains("check the request"), "{}", both.message);
+        for retry in [StatusCode::INTERNAL_SERVER_ERROR, StatusCode::NOT_FOUND, StatusCode::TOO_MANY_REQUESTS] {
+            let failed = decode_failed(&Failure::Status(retry), None);
+            assert!(failed.message.contains("Retry the request"), "{retry}: {}", failed.message);
+        }
     }
 
     #[test]
