@@ -311,7 +311,11 @@ impl Dispatcher {
             Err(failure) => return (PinnedOutcome::Failed(failure), false),
         };
         let shown = disclose.then_some((replica.name.as_str(), selection));
-        let Answered { answer, blames_pins } = self.answer(response, (stream, sent), Some(dispatch), shown).await;
+        let Answered { answer, blames_pins, refused } =
+            self.answer(response, (stream, sent), Some(dispatch), shown).await;
+        if let Some(fate) = refused {
+            self.metrics.refusal_relayed(fate);
+        }
         let outcome = match answer {
             Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
             Answer::PrefillRefused => {

@@ -47,6 +47,9 @@ pub(super) enum Answer {
 pub(super) struct Answered {
     pub answer: Answer,
     pub blames_pins: bool,
+    /// For a refusal of the client's request to relay, what became of its body: counted by the
+    /// caller once the refusal is the client's answer (a fallback's is not).
+    pub refused: Option<RefusalBody>,
 }
 
 impl Dispatcher {
@@ -60,7 +63,7 @@ impl Dispatcher {
         shown: Option<(&str, &Selection)>,
     ) -> Answered {
         let status = response.status();
-        let mut blames_pins = false;
+        let (mut blames_pins, mut refused) = (false, None);
         let mut answer = if status.is_success() {
             match self.success(response, (stream, sent), dispatch).await {
                 Ok(response) => Answer::Relay(response),
@@ -73,14 +76,18 @@ impl Dispatcher {
             blames_pins = classify::blames_pins(status, &body);
             match classify(status, &body, stream) {
                 Verdict::PrefillRefused => Answer::PrefillRefused,
-                Verdict::Relay => Answer::Relay(self.relayed_refusal(status, parts.headers, body)),
+                Verdict::Relay => {
+                    let (response, fate) = relayed_refusal(status, parts.headers, body);
+                    refused = Some(fate);
+                    Answer::Relay(response)
+                }
                 Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
             }
         };
         if let (Answer::Relay(response), Some((backend, selection))) = (&mut answer, shown) {
             disclose(response.headers_mut(), backend, selection);
         }
-        Answered { answer, blames_pins }
+        Answered { answer, blames_pins, refused }
     }
 
     /// A backend's answer to a plain unpinned request: a success or a refusal of the client's
@@ -101,18 +108,9 @@ impl Dispatcher {
             return Err(Failure::Status(status));
         }
         let (parts, body) = response.into_parts();
-        Ok(self.relayed_refusal(status, parts.headers, read_error_body(body).await))
-    }
-
-    /// A backend's refusal of the client's request (4xx), relayed as it came when
-    /// [`super::disclosure`] allows; otherwise its status with the router's words.
-    fn relayed_refusal(&self, status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> Response {
-        let fate = refusal_body(&body);
+        let (response, fate) = relayed_refusal(status, parts.headers, read_error_body(body).await);
         self.metrics.refusal_relayed(fate);
-        match fate {
-            RefusalBody::Relayed => rebuild(status, shim_headers, Body::from(body)),
-            RefusalBody::Unreadable | RefusalBody::Withheld => ApiError::refused(status, fate).into_response(),
-        }
+        Ok(response)
     }
 
     /// A success relayed: a stream as its events come, a buffered answer read whole within
@@ -214,4 +212,15 @@ impl http_body::Body for Charged {
     fn size_hint(&self) -> SizeHint {
         SizeHint::with_exact(self.bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
     }
+}
+
+/// A backend's refusal of the client's request (4xx), relayed as it came when
+/// [`super::disclosure`] allows; otherwise its status with the router's words.
+fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> (Response, RefusalBody) {
+    let fate = refusal_body(&body);
+    let response = match fate {
+        RefusalBody::Relayed => rebuild(status, shim_headers, Body::from(body)),
+        RefusalBody::Unreadable | RefusalBody::Withheld => ApiError::refused(status, fate).into_response(),
+    };
+    (response, fate)
 }

@@ -176,11 +176,22 @@ async fn a_failed_pinned_request_falls_back_unpinned_to_the_models_unified_backe
     let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"), "both sends failed");
 
+    // A streamed request whose fallback is refused (a 4xx that would be relayed, were it the
+    // answer): the client gets the router's failure, and no refusal is counted as passed on.
+    shim.push(disagg("no_headers_nonstream")?);
+    unified.push(disagg("malformed_json")?);
+    let (status, code) = error_of(harness.post(&chat(MODEL, true)).await?).await?;
+    assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"));
+
     let metrics = harness.metrics().await?;
     assert_eq!(
         sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified_fallback"}"#),
-        Some(2.0)
+        Some(3.0)
     );
+    for body in ["relayed", "unreadable", "withheld"] {
+        let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
+        assert_eq!(sample(&metrics, &series), Some(0.0), "{series}: the client saw none");
+    }
     harness.stop().await;
     Ok(())
 }
