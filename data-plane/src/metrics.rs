@@ -74,6 +74,9 @@ pub struct Metrics {
     pub http_refused: IntCounterVec,
     /// Chat completions answered with the replica's own error, by its OpenAI `code`.
     chat_refusals: IntCounterVec,
+    /// Streamed answers of unpinned requests cut off mid-stream (pinned ones count in
+    /// `disaggregated_errors{phase="decode"}`).
+    pub unpinned_stream_failures: IntCounter,
     /// The request path's series, looked up once rather than hashed by label on every request.
     hot: Arc<Hot>,
 }
@@ -302,6 +305,10 @@ impl Metrics {
                 ),
                 &["code"],
             )?,
+            unpinned_stream_failures: IntCounter::new(
+                "continuum_unpinned_stream_failures_total",
+                "Streamed answers of unpinned requests (unified routing, or the fallback of a pinned one) cut off mid-stream: broken, idle past the timeout, or an event past the bound",
+            )?,
             backend_refusals: IntCounterVec::new(
                 Opts::new(
                     "continuum_backend_refusals_total",
@@ -345,6 +352,7 @@ impl Metrics {
             Box::new(metrics.http_refused.clone()),
             Box::new(metrics.backend_refusals.clone()),
             Box::new(metrics.chat_refusals.clone()),
+            Box::new(metrics.unpinned_stream_failures.clone()),
             Box::new(metrics.http_connections.clone()),
             Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),

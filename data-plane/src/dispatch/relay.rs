@@ -45,11 +45,11 @@ pub struct RelayBody {
     partial: BytesMut,
     dispatch: Option<DispatchEnd>,
     /// Counts a stream that broke after it started.
-    failures: Option<IntCounter>,
+    failures: IntCounter,
 }
 
 impl RelayBody {
-    pub fn new(inner: ShimBody, idle: Duration, dispatch: Option<DispatchEnd>, failures: Option<IntCounter>) -> Self {
+    pub fn new(inner: ShimBody, idle: Duration, dispatch: Option<DispatchEnd>, failures: IntCounter) -> Self {
         let deadline = Box::pin(tokio::time::sleep(idle));
         Self {
             inner,
@@ -70,9 +70,7 @@ impl RelayBody {
 
     fn fail(&mut self, code: &'static str, message: &str) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         self.finish();
-        if let Some(failures) = &self.failures {
-            failures.inc();
-        }
+        self.failures.inc();
         // The unfinished event is not sent: the client has seen only whole events.
         self.partial = BytesMut::new();
         Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))

@@ -124,9 +124,10 @@ impl Dispatcher {
     ) -> Result<Response, Failure> {
         let (parts, body) = response.into_parts();
         let body = if stream {
-            let failures = dispatch
-                .is_some()
-                .then(|| self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]));
+            let failures = match dispatch {
+                Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
+                None => self.metrics.unpinned_stream_failures.clone(),
+            };
             Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, dispatch, failures))
         } else {
             let timeout = self.settings.buffered_timeout;

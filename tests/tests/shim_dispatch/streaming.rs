@@ -80,6 +80,33 @@ async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Resul
     Ok(())
 }
 
+/// A request no Dynamo worker serves streams from its unified backend; when that stream breaks
+/// the client gets the same error event, and it is counted apart from the pinned ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpinned_stream_that_breaks_midway_is_counted_apart() -> anyhow::Result<()> {
+    let (shim, unified) = (StubShim::start().await?, StubShim::start().await?);
+    let mut config = config(&[("shim-a", shim.url())]);
+    config.backends.push(continuum_proto::model::Backend {
+        name: "unified".into(),
+        url: unified.url(),
+        models: vec!["elsewhere".into()],
+    });
+    let harness = Harness::start(disaggregated_fleet(), config).await?;
+    let gate = unified.push_stream();
+    let mut response = harness.post(&chat("elsewhere", true)).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    gate.send(Err("backend died".into())).await?;
+    let event = next_text(&mut response).await?.unwrap_or_default();
+    assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event}");
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, "continuum_unpinned_stream_failures_total"), Some(1.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert!(shim.received().is_empty(), "the pool's shim took no part");
+    harness.stop().await;
+    Ok(())
+}
+
 /// An event split across frames reaches the client whole, once its end arrives; one that
 /// breaks off is never sent: a blank line would deliver its half as an event of its own, and
 /// a client would fail on its JSON before it read the error after it.
