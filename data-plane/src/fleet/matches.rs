@@ -90,25 +90,34 @@ impl MatchesClient {
     }
 
     /// Renews the connection whenever `config`'s TLS files change, looking every `interval`,
-    /// until `cancel`. Nothing to do for TLS without files.
+    /// until `cancel`. Nothing to do for TLS without files. The files are looked at and read on
+    /// the blocking pool: a stalled volume must not hold a runtime thread.
     pub async fn follow_tls_files(self, config: FleetClientConfig, interval: Duration, cancel: CancellationToken) {
         let Some(ClientTls::Files(files)) = config.tls.clone() else { return };
-        let mut seen = files.stamp();
+        let stamp = || {
+            let files = files.clone();
+            tokio::task::spawn_blocking(move || files.stamp())
+        };
+        let Ok(mut seen) = stamp().await else { return };
         loop {
             tokio::select! {
                 () = cancel.cancelled() => return,
                 () = tokio::time::sleep(interval) => {}
             }
-            let stamp = files.stamp();
-            if stamp == seen {
+            let Ok(now) = stamp().await else { continue };
+            if now == seen {
                 continue;
             }
             // A set that does not load (a half-written pair) is tried again at the next change.
-            seen = stamp;
-            match self.renew(&config) {
-                Ok(()) => tracing::info!("KV lookups: reconnecting with the renewed --control-plane TLS files"),
-                Err(error) => {
+            seen = now;
+            let (client, renewed) = (self.clone(), config.clone());
+            match tokio::task::spawn_blocking(move || client.renew(&renewed)).await {
+                Ok(Ok(())) => tracing::info!("KV lookups: reconnecting with the renewed --control-plane TLS files"),
+                Ok(Err(error)) => {
                     tracing::warn!(%error, "KV lookups: the renewed --control-plane TLS files do not load; keeping the current connection")
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "KV lookups: renewing the TLS connection failed; keeping the current one")
                 }
             }
         }
