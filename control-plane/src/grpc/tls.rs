@@ -254,7 +254,8 @@ impl ServerTls {
         Refresh::Applied
     }
 
-    /// Refreshes every `interval` until `cancel`.
+    /// Refreshes every `interval` until `cancel`, reading the files on the blocking pool: a
+    /// stalled volume must not hold a runtime thread (and the Fleet streams on it).
     pub async fn follow_files(self, interval: Duration, cancel: CancellationToken) {
         let mut ticks = tokio::time::interval(interval);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -264,7 +265,8 @@ impl ServerTls {
                 () = cancel.cancelled() => return,
                 _ = ticks.tick() => {
                     // Refusals are logged and counted by `refresh`; the running files stay.
-                    let _ = self.refresh();
+                    let tls = self.clone();
+                    let _ = tokio::task::spawn_blocking(move || tls.refresh()).await;
                 }
             }
         }
