@@ -106,7 +106,7 @@ pub(super) const PROGRESS_STEPS: u64 = 8;
 /// How often the timings of settled ranks are pruned of ranks the fleet no longer has, and
 /// dispatches past [`IN_FLIGHT_MAX_AGE`] looked for: a ten-minute bound need not be checked
 /// against every dispatch in flight at every window.
-const PRUNE_LEARNED_EVERY: Duration = Duration::from_secs(1);
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// Ended dispatches remembered per rank for that, at most.
 const MAX_ENDED_PER_RANK: usize = 4096;
 /// Gives back what a vector of block hashes no longer holds once cut, when that is most of it:
@@ -406,7 +406,7 @@ impl Book {
     /// Measures new samples, drops dispatches whose end never came, and marks the ranks whose
     /// sums may have moved for a publish check (unchanged sums are not streamed).
     fn expire(&mut self, state: &FleetState, now: Instant) {
-        let sweep = self.swept.is_none_or(|at| now.saturating_duration_since(at) >= PRUNE_LEARNED_EVERY);
+        let sweep = self.swept.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY);
         if sweep {
             // The timings of settled ranks are kept while their workers serve them, and no longer.
             self.learned.retain(|_, (key, _)| in_fleet(state, key));

@@ -316,19 +316,24 @@ impl KvRouting {
     }
 }
 
+#[cfg(test)]
 impl KvRouting {
-    /// Waits until the store for `view`'s artifact policy is open (it opens on the blocking
-    /// pool when first asked for).
-    #[cfg(test)]
-    pub(crate) async fn open(&self, view: &FleetView) {
-        for _ in 0..1000 {
-            if self.prompt(&view.config().kv_artifacts).is_some() {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
-        panic!("the KV artifact store did not open within 10 s");
+    /// The store for `policy`, once open (it opens on the blocking pool when first asked for).
+    pub(crate) async fn open(&self, policy: &KvArtifactPolicy) -> anyhow::Result<Arc<KvPrompt>> {
+        opened(|| self.prompt(policy)).await
     }
+}
+
+/// What `ready` gives once it gives something (the blocking pool's open has ended).
+#[cfg(test)]
+async fn opened<T>(ready: impl Fn() -> Option<T>) -> anyhow::Result<T> {
+    for _ in 0..1000 {
+        if let Some(value) = ready() {
+            return Ok(value);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    anyhow::bail!("the store's open did not end within 10 s")
 }
 
 /// Opens the store for `policy` and keeps it for the requests after, or remembers the failure
@@ -551,20 +556,9 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let policy = KvArtifactPolicy { cache_dir: dir.path().join("kv").display().to_string(), ..Default::default() };
         assert!(routing.prompt(&policy).is_none(), "not waited for");
-        let prompt = opened(|| routing.prompt(&policy)).await?;
+        let prompt = routing.open(&policy).await?;
         assert!(dir.path().join("kv/blobs").is_dir());
         assert!(Arc::ptr_eq(&prompt, &routing.prompt(&policy).expect("held")), "opened once, then kept");
         Ok(())
-    }
-
-    /// What `ready` gives once it gives something (the blocking pool's open has ended).
-    async fn opened<T>(ready: impl Fn() -> Option<T>) -> anyhow::Result<T> {
-        for _ in 0..1000 {
-            if let Some(value) = ready() {
-                return Ok(value);
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        anyhow::bail!("the store's open did not end within 10 s")
     }
 }

@@ -400,7 +400,8 @@ mod tests {
         let (card, _) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), Vec::new());
         state.fleet.store(fleet.clone());
-        state.kv.as_ref().expect("KV selection").routing.open(&fleet).await;
+        let kv = state.kv.as_ref().expect("KV selection");
+        kv.routing.open(&fleet.config().kv_artifacts).await.expect("the artifact store opens");
         let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hi"}],"x":1e400}"#);
         let request = ChatRequest::parse(body).expect("the ingress accepts it");
         assert!(request.tree().await.is_err(), "no tree holds it");

@@ -694,7 +694,7 @@ fn a_rank_that_settles_keeps_what_it_learned_while_its_worker_serves() {
         Some((state, _)) => state,
         None => panic!("a change"),
     };
-    book.expire(&gone, t0 + ms(1400) + PRUNE_LEARNED_EVERY);
+    book.expire(&gone, t0 + ms(1400) + SWEEP_EVERY);
     assert!(book.learned.is_empty(), "pruned");
 }
 
