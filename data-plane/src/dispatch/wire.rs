@@ -108,9 +108,10 @@ pub(crate) fn head_due(buf: &[u8], scanned: usize, max: usize) -> bool {
 }
 
 /// Whether `bytes` hold a line feed, an optional carriage return and another line feed
-/// (httparse takes bare line feeds too).
+/// (httparse takes bare line feeds too). It stops at the first: a read usually carries the head
+/// and the body behind it, and only the head's few hundred bytes need looking at.
 fn holds_blank_line(bytes: &[u8]) -> bool {
-    bytes.windows(2).any(|w| w == b"\n\n") || bytes.windows(3).any(|w| w == b"\n\r\n")
+    memchr::memchr_iter(b'\n', bytes).any(|at| matches!(&bytes[at + 1..], [b'\n', ..] | [b'\r', b'\n', ..]))
 }
 
 /// The response head at the start of `buf` and its length, or `None` while it is incomplete.
@@ -392,6 +393,30 @@ mod tests {
 
     fn head(text: &str) -> (Head, usize) {
         parse_head(text.as_bytes()).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_head_is_due_once_a_blank_line_arrives_even_across_reads() {
+        // (buffer, bytes there at the last parse, due)
+        let rows: [(&[u8], usize, bool); 10] = [
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", 0, true),
+            (b"HTTP/1.1 200 OK\ncontent-length: 2\n\nok", 0, true),
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 2\n\r\n", 0, true),
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n", 0, false),
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r", 0, false),
+            (b"HTTP/1.1 200 OK\r\ncontent-length: 2\n", 0, false),
+            // The end split over two reads: the last parse saw up to "\r\n\r" or "\r\n".
+            (b"HTTP/1.1 200 OK\r\nx: 1\r\n\r\n", 24, true),
+            (b"HTTP/1.1 200 OK\r\nx: 1\r\n\r\n", 23, true),
+            (b"HTTP/1.1 200 OK\nx: 1\n\n", 22, true),
+            // A blank line wholly before what the last parse saw is not news.
+            (b"a\r\n\r\nbcdefgh", 10, false),
+        ];
+        for (i, (buf, scanned, due)) in rows.into_iter().enumerate() {
+            assert_eq!(head_due(buf, scanned, 64), due, "row {i}: {:?} from {scanned}", String::from_utf8_lossy(buf));
+        }
+        // Past the bound, due whatever it holds, so that it is refused.
+        assert!(head_due(b"0123456789", 10, 8));
     }
 
     #[test]
