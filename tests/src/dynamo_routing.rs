@@ -127,6 +127,12 @@ impl RoutedContinuum {
 /// Discovery from the namespace's etcd, the frontend as the one unified OpenAI backend and shim
 /// replica, and disaggregated serving on.
 pub fn control_plane_yaml(fallback_to_unified: bool) -> String {
+    control_plane_yaml_via(FRONTEND, fallback_to_unified)
+}
+
+/// [`control_plane_yaml`] with the frontend reached at `shim` (a [`crate::wire_tap::WireTap`]
+/// in front of it).
+pub fn control_plane_yaml_via(shim: &str, fallback_to_unified: bool) -> String {
     format!(
         "dynamo:
   enabled: true
@@ -141,7 +147,7 @@ pub fn control_plane_yaml(fallback_to_unified: bool) -> String {
 backends:
   - name: frontend
     type: openai
-    url: \"http://{FRONTEND}\"
+    url: \"http://{shim}\"
     role: unified
     models: [tiny]
 disaggregated_serving:

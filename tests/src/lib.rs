@@ -31,6 +31,7 @@ pub mod proxy;
 pub mod relay;
 pub mod shim_stub;
 pub mod tools;
+pub mod wire_tap;
 pub mod workload;
 pub mod zmtp_peer;
 

@@ -15,6 +15,7 @@ use continuum_tests::dynamo_routing::{
     self, Answer, FRONTEND, Outcome, Pins, RoutedContinuum, buffered_echo, chat_body, post_chat, streamed_echo,
 };
 use continuum_tests::netns::NetNs;
+use continuum_tests::wire_tap::{Tapped, WireTap};
 use serde_json::json;
 
 const PREFILL: Mocker = Mocker { mode: Mode::Prefill, kv_blocks: 1024, dp_size: 1 };
@@ -36,6 +37,15 @@ const WARM_UP_WITHIN: Duration = Duration::from_secs(15);
 const MAX_TOKENS: u32 = 4;
 /// An id no worker has.
 const UNKNOWN_ID: u64 = 12345;
+/// Where the replicas reach the frontend: a tap in front of it records what it was sent.
+const TAP: &str = "127.0.0.1:8100";
+/// The pin headers Dynamo 1.6.1 honours besides its `x-dynamo-*` ones. It reads an alias only
+/// when the `x-dynamo-*` header is absent, and the replicas always send those, so an alias that
+/// leaked would not show in the frontend's echo: the tap is what can see it.
+const PIN_ALIASES: [&str; 5] =
+    ["x-worker-instance-id", "x-prefill-instance-id", "x-dp-rank", "x-data-parallel-rank", "x-prefill-dp-rank"];
+/// Body routing fields, which headers would override in the frontend for the same reason.
+const NVEXT_ROUTING_FIELDS: [&str; 4] = ["backend_instance_id", "prefill_worker_id", "decode_worker_id", "token_data"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_replicas_route_on_after_the_control_plane_and_a_decode_worker_die()
@@ -44,7 +54,8 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     let ns = NetNs::create()?;
     dynamo::start_etcd(&ns).await?;
     let watch = InstanceWatch::start(&ns).await?;
-    let continuum = RoutedContinuum::start(&ns, 2, false).await?;
+    let tap = WireTap::start(&ns, TAP, FRONTEND).await?;
+    let continuum = RoutedContinuum::start_with(&ns, 2, &dynamo_routing::control_plane_yaml_via(TAP, false), &[]).await?;
     dynamo_routing::start_frontend(&ns)?;
     let prefill = PREFILL.start(&ns, &watch, "prefill").await?.instance.instance_id;
     let decoders = [DECODE.start(&ns, &watch, "decode-a").await?, DECODE.start(&ns, &watch, "decode-b").await?];
@@ -113,6 +124,20 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     report.push(format!(
         "{SPOOFED_REQUESTS} requests with every pin header alias (mixed case) and nvext ids spoofed: all 200 with the picker's pins, in {:?}",
         phase.elapsed()
+    ));
+    let tapped: Vec<Tapped> =
+        tap.requests()?.into_iter().filter(|r| r.method == "POST" && r.path == "/v1/chat/completions").collect();
+    ensure!(
+        tapped.len() >= REQUESTS + SPOOFED_REQUESTS,
+        "the tap saw {} chat requests reach the frontend, fewer than were answered",
+        tapped.len()
+    );
+    for (i, request) in tapped.iter().enumerate() {
+        fleet.sent_only_pins(request).with_context(|| format!("chat request {i} as the frontend received it"))?;
+    }
+    report.push(format!(
+        "the frontend received {} chat requests (the tap's record): each with one pin per header, the picker's, no alias and no nvext routing field",
+        tapped.len()
     ));
 
     let phase = Instant::now();
@@ -318,5 +343,26 @@ impl Fleet<'_> {
         let leaked: Vec<_> = answer.headers.iter().filter(|(h, _)| h.starts_with("x-dynamo-")).collect();
         ensure!(leaked.is_empty(), "request {n}: pin headers reached the client: {leaked:?}");
         Ok(echoed)
+    }
+
+    /// A request as the frontend received it names workers only in one `x-dynamo-*` header per
+    /// pin, each a worker of this fleet and rank 0 (every worker has one rank): no alias, no
+    /// repeated or spoofed pin, no routing field in the body.
+    fn sent_only_pins(&self, request: &Tapped) -> anyhow::Result<()> {
+        for alias in PIN_ALIASES {
+            ensure!(request.values(alias).is_empty(), "{alias} reached the frontend: {:?}", request.headers);
+        }
+        let one = |name: &str| match request.values(name)[..] {
+            [value] => value.parse::<u64>().with_context(|| format!("{name}: {value:?}")),
+            ref values => bail!("{name} {values:?}, not one value"),
+        };
+        ensure!(self.decodes.contains(&one("x-dynamo-worker-instance-id")?), "{:?}", request.headers);
+        ensure!(one("x-dynamo-prefill-instance-id")? == self.prefill, "{:?}", request.headers);
+        ensure!(one("x-dynamo-dp-rank")? == 0 && one("x-dynamo-prefill-dp-rank")? == 0, "{:?}", request.headers);
+        let body: serde_json::Value = serde_json::from_slice(&request.body).context("the body")?;
+        for field in NVEXT_ROUTING_FIELDS {
+            ensure!(body["nvext"].get(field).is_none(), "nvext.{field} reached the frontend: {body}");
+        }
+        Ok(())
     }
 }

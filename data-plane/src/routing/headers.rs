@@ -75,9 +75,15 @@ pub fn strip_client_routing(headers: &mut HeaderMap) {
 /// (`nvext.worker_id` in every answer): a disclosure, so only for a client that asked.
 const ECHO_PINS_FIELD: &str = "worker_id";
 
-/// Removes the `nvext` routing fields of a request body, keeping every other `nvext` field;
-/// and, unless the client asked for disclosure (`disclose`), the request for the pins' echo
-/// from `nvext.extra_fields`.
+/// `nvext.annotations` starting with this ask a Dynamo frontend for the Gateway API inference
+/// extension's query-only first stage: the frontend's own router picks workers and answers with
+/// their ids (and the prompt's tokens) instead of a completion. A client of this router never
+/// gets to: such annotations are always removed, the client's others kept.
+const QUERY_INSTANCE_ANNOTATION: &str = "query_instance_id";
+
+/// Removes the `nvext` routing fields of a request body and its query-only annotations, keeping
+/// every other `nvext` field; and, unless the client asked for disclosure (`disclose`), the
+/// request for the pins' echo from `nvext.extra_fields`.
 ///
 /// An `nvext` object that held only routing fields is removed whole, so the frontend sees the
 /// request as if the client had sent no extension; an `nvext` the client sent empty or null is
@@ -97,6 +103,12 @@ pub fn strip_body_routing(body: &mut Value, disclose: bool) {
     };
     let sent = nvext.len();
     nvext.retain(|field, _| !NVEXT_ROUTING_FIELDS.contains(&field.as_str()));
+    if let Some(Value::Array(annotations)) = nvext.get_mut("annotations") {
+        annotations.retain(|a| !a.as_str().is_some_and(|a| a.starts_with(QUERY_INSTANCE_ANNOTATION)));
+        if annotations.is_empty() {
+            nvext.remove("annotations");
+        }
+    }
     if !disclose && let Some(Value::Array(extra)) = nvext.get_mut("extra_fields") {
         extra.retain(|field| field != ECHO_PINS_FIELD);
         if extra.is_empty() {

@@ -137,6 +137,16 @@ fn body_routing_fields_are_stripped_and_other_nvext_fields_kept() {
             json!({"nvext": {"backend_instance_id": "0x1f", "annotations": ["a"]}}),
             json!({"nvext": {"annotations": ["a"]}}),
         ),
+        (
+            "query-only annotations removed, the client's others kept",
+            json!({"nvext": {"annotations": ["query_instance_id:", "formatted_prompt", "query_instance_id:decode", 7]}}),
+            json!({"nvext": {"annotations": ["formatted_prompt", 7]}}),
+        ),
+        (
+            "only query-only annotations: nvext removed",
+            json!({"model": "m", "nvext": {"annotations": ["query_instance_id:prefill"]}}),
+            json!({"model": "m"}),
+        ),
         ("no nvext", json!({"model": "m", "backend_instance_id": 1}), json!({"model": "m", "backend_instance_id": 1})),
         ("not an object", json!([1, 2]), json!([1, 2])),
     ];
