@@ -128,6 +128,7 @@ impl ControlPlane {
             &metrics,
             cancel.child_token(),
         );
+        let registry = registry.with_loads(load.view().store);
         let kv = KvSupervisor::start(&config, kv_options(), registry.subscribe(), &metrics, cancel.child_token());
         let discovery = DiscoverySupervisor::start(&config, registry.clone(), metrics.clone(), cancel.clone())?;
         let (settings, settings_rx) = watch::channel(admin_settings(&config, &discovery));

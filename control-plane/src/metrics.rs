@@ -26,6 +26,8 @@ pub struct Metrics {
     pub watch_refused: IntCounterVec,
     /// Watch streams ended because their replica id opened a new one.
     pub watch_superseded: IntCounter,
+    /// Watch streams ended because their replica read nothing for `REPLICA_STALL_LIMIT`.
+    pub watch_stalled: IntCounter,
     /// Fleet calls refused for want of `control_plane.token`.
     pub unauthenticated: IntCounter,
     /// Admin API calls refused for want of `admin.token`.
@@ -106,6 +108,10 @@ impl Metrics {
             watch_superseded: IntCounter::new(
                 "continuum_fleet_watch_superseded_total",
                 "Watch streams ended because the same replica id opened a new one",
+            )?,
+            watch_stalled: IntCounter::new(
+                "continuum_fleet_watch_stalled_total",
+                "Watch streams ended because their replica read nothing for 10 s while updates waited",
             )?,
             admin_unauthenticated: IntCounter::new(
                 "continuum_admin_unauthenticated_total",
@@ -271,6 +277,7 @@ impl Metrics {
             Box::new(metrics.replica_replies.clone()),
             Box::new(metrics.watch_refused.clone()),
             Box::new(metrics.watch_superseded.clone()),
+            Box::new(metrics.watch_stalled.clone()),
             Box::new(metrics.unauthenticated.clone()),
             Box::new(metrics.admin_unauthenticated.clone()),
             Box::new(metrics.watch_retired.clone()),

@@ -13,7 +13,8 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-/// Building nothing (the suite built the binaries) and starting both processes.
+/// Relinking at most the two binaries (scripts/test built their dependencies as the demo
+/// resolves them) and starting both processes.
 const BANNER_WITHIN: Duration = Duration::from_secs(120);
 const STOPPED_WITHIN: Duration = Duration::from_secs(10);
 

@@ -837,6 +837,7 @@ async fn a_replica_that_stops_reading_its_stream_is_let_go() -> anyhow::Result<(
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     assert_eq!(control.replicas.list().len(), 1, "still held while within the limit");
+    assert_eq!(control.metrics.watch_stalled.get(), 0);
     // The fleet goes on changing, so the session always has an update the replica is not
     // taking.
     let mut version = 0;
@@ -847,6 +848,7 @@ async fn a_replica_that_stops_reading_its_stream_is_let_go() -> anyhow::Result<(
         async { control.replicas.list().is_empty() }
     })
     .await?;
+    assert_eq!(control.metrics.watch_stalled.get(), 1, "counted");
     // The stream itself ends with the client: until then what it queued waits on the window.
     drop((requests, unread));
     control.stop().await;

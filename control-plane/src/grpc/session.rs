@@ -182,6 +182,7 @@ impl Session {
                 },
                 () = tokio::time::sleep_until(stalled_at), if has_work => {
                     tracing::warn!(replica = %self.status.replica_id, "the replica read nothing for {REPLICA_STALL_LIMIT:?}; ending its session");
+                    self.metrics.watch_stalled.inc();
                     // It reads nothing, so no goodbye would reach it.
                     return;
                 }

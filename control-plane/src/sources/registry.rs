@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use tokio::sync::watch;
 
-use continuum_proto::model::Role;
+use continuum_proto::model::{LoadKey, Role};
 
 use crate::discovery::{Change, Fleet};
 use crate::fleet::{FleetChange, FleetPublisher};
+use crate::load::SharedLoadStore;
 
 /// One published generation of the discovered fleet.
 #[derive(Debug, Default)]
@@ -25,11 +26,19 @@ pub struct Generation {
 pub struct Registry {
     tx: watch::Sender<Arc<Generation>>,
     publisher: FleetPublisher,
+    /// The load samples held for discovered workers, routable or not.
+    loads: Option<SharedLoadStore>,
 }
 
 impl Registry {
     pub fn new(publisher: FleetPublisher) -> Self {
-        Self { tx: watch::channel(Arc::new(Generation::default())).0, publisher }
+        Self { tx: watch::channel(Arc::new(Generation::default())).0, publisher, loads: None }
+    }
+
+    /// Workers entering the view bring the samples `store` holds for them (see
+    /// [`Self::publish`]).
+    pub fn with_loads(self, store: SharedLoadStore) -> Self {
+        Self { loads: Some(store), ..self }
     }
 
     pub fn current(&self) -> Arc<Generation> {
@@ -53,7 +62,11 @@ impl Registry {
     }
 
     /// Publishes `fleet` if it differs from the current one; the workers that changed go on to
-    /// the data plane's view (routable ones upserted, the rest removed).
+    /// the data plane's view (routable ones upserted, the rest removed). A worker entering the
+    /// view (new, or routable again after an exclusion or a missing card) comes with the load
+    /// samples the store holds for it: the view keeps samples of its own workers only, so they
+    /// were not published while it was out, and a worker silent since (constant, or stalled
+    /// under load) would otherwise read as one that never published, which is idle.
     pub fn publish(&self, fleet: Fleet) {
         let mut previous = None;
         self.tx.send_if_modified(|current| {
@@ -65,7 +78,27 @@ impl Registry {
             true
         });
         if let Some(previous) = previous {
-            self.publisher.apply(worker_changes(&previous.fleet, &self.current().fleet));
+            let mut change = worker_changes(&previous.fleet, &self.current().fleet);
+            self.add_held_samples(&mut change);
+            self.publisher.apply(change);
+        }
+    }
+
+    fn add_held_samples(&self, change: &mut FleetChange) {
+        let Some(store) = &self.loads else { return };
+        let state = self.publisher.current();
+        let mut entering = change.upsert.iter().filter(|w| state.view().worker(&w.key).is_none()).peekable();
+        if entering.peek().is_none() {
+            return;
+        }
+        let store = store.lock();
+        for worker in entering {
+            for dp_rank in worker.dp_ranks() {
+                let key = LoadKey { worker: worker.key.clone(), dp_rank };
+                if let Some(held) = store.get(&key) {
+                    change.loads.push((key, held.sample));
+                }
+            }
         }
     }
 }
@@ -87,12 +120,13 @@ fn worker_changes(older: &Fleet, newer: &Fleet) -> FleetChange {
 
 #[cfg(test)]
 mod tests {
-    use std::time::SystemTime;
+    use std::time::{Duration, Instant, SystemTime};
 
-    use continuum_proto::model::{Capacity, DataPlaneConfig, Worker, WorkerKey};
+    use continuum_proto::model::{Capacity, DataPlaneConfig, Load, Worker, WorkerKey};
 
     use super::*;
-    use crate::discovery::{DiscoveredWorker, Exclusion};
+    use crate::discovery::{DiscoveredWorker, Exclusion, PublisherKey};
+    use crate::load::LoadStore;
 
     fn discovered(id: u64, role: Role, model: &str) -> (WorkerKey, DiscoveredWorker) {
         let key = WorkerKey::new("dynamo", id);
@@ -149,5 +183,50 @@ mod tests {
         registry.publish(fleet);
         assert_eq!(view_ids(&publisher), [4]);
         assert_eq!(registry.current().generation, 3);
+    }
+
+    /// Samples the store took while a worker was out of the view (excluded, or without its
+    /// card) reach the view as it enters, with the time they were received: a worker silent
+    /// since must not read as never published.
+    #[test]
+    fn a_worker_entering_the_view_brings_the_samples_held_for_it() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        let registry = Registry::new(publisher.clone()).with_loads(store.clone());
+        let (k1, mut worker) = discovered(1, Role::Decode, "m");
+        let (k2, unknown) = discovered(2, Role::Unknown, "m");
+        worker.excluded = Some(Exclusion::RoleDisagreement { component: Role::Prefill, card: Role::Decode });
+        let mut fleet = Fleet::default();
+        fleet.workers.insert(k1.clone(), worker.clone());
+        fleet.workers.insert(k2.clone(), unknown);
+        registry.publish(fleet.clone());
+        assert!(view_ids(&publisher).is_empty());
+
+        let received = Instant::now() - Duration::from_secs(30);
+        let mut held = store.lock();
+        held.set_live_and_retain([(k1.clone(), 0..1), (k2.clone(), 0..1)].into());
+        for key in [&k1, &k2] {
+            let load = Load { kv_used_blocks: Some(800), ..Load::default() };
+            let rank = LoadKey { worker: key.clone(), dp_rank: 0 };
+            let publisher = PublisherKey { namespace: "dynamo".into(), publisher_id: key.instance_id };
+            held.apply(rank, &publisher, 1, load, received).expect("stored");
+        }
+        drop(held);
+        let sample = |id: u64| {
+            let key = LoadKey { worker: WorkerKey::new("dynamo", id), dp_rank: 0 };
+            publisher.current().view().loads().get(&key).map(|s| (s.load.kv_used_blocks, s.received_at))
+        };
+
+        worker.excluded = None;
+        fleet.workers.insert(k1, worker);
+        registry.publish(fleet.clone());
+        assert_eq!(view_ids(&publisher), [1]);
+        assert_eq!(sample(1), Some((Some(800), received)), "routable again, with its last sample");
+        assert_eq!(sample(2), None, "still without a card");
+
+        let (k2, carded) = discovered(2, Role::Decode, "m");
+        fleet.workers.insert(k2, carded);
+        registry.publish(fleet);
+        assert_eq!(sample(2), Some((Some(800), received)), "its card arrived after its sample");
     }
 }
