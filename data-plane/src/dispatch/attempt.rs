@@ -45,13 +45,18 @@ impl Dispatcher {
             if !self.health.usable(&replica.name, &replica.url, Instant::now()) {
                 continue;
             }
-            if attempts > 0 && !self.budget.withdraw() {
+            let retry = attempts > 0;
+            if retry && !self.budget.withdraw() {
                 return Err(last.map_or(Failure::NoReplica, Failure::BudgetSpent));
             }
+            // A half-open breaker whose one probe another request took: no retry was made.
             if !self.health.admit(&replica.name, &replica.url, Instant::now()) {
+                if retry {
+                    self.budget.refund();
+                }
                 continue;
             }
-            if attempts > 0 {
+            if retry {
                 self.metrics.shim_retries.inc();
             }
             attempts += 1;

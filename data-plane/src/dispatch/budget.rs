@@ -37,6 +37,12 @@ impl RetryBudget {
     pub fn withdraw(&self) -> bool {
         self.tenths.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| t.checked_sub(RETRY_COST_TENTHS)).is_ok()
     }
+
+    /// Gives back a retry paid for and not made (its replica would not take it).
+    pub fn refund(&self) {
+        let cap = MAX_SAVED_RETRIES * RETRY_COST_TENTHS;
+        let _ = self.tenths.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| Some((t + RETRY_COST_TENTHS).min(cap)));
+    }
 }
 
 #[cfg(test)]
@@ -56,6 +62,22 @@ mod tests {
         assert!(!budget.withdraw(), "four requests earn less than one retry");
         budget.deposit();
         assert!(budget.withdraw());
+    }
+
+    #[test]
+    fn a_refunded_retry_can_be_spent_again_within_the_cap() {
+        let budget = RetryBudget::default();
+        for _ in 0..RESERVE_RETRIES {
+            assert!(budget.withdraw());
+        }
+        budget.refund();
+        assert!(budget.withdraw(), "the refunded retry");
+        assert!(!budget.withdraw());
+        for _ in 0..10_000 {
+            budget.refund();
+        }
+        let spent = std::iter::repeat_with(|| budget.withdraw()).take_while(|ok| *ok).count();
+        assert_eq!(spent, usize::try_from(MAX_SAVED_RETRIES).unwrap_or(0), "refunds are capped like savings");
     }
 
     #[test]

@@ -153,6 +153,19 @@ pub struct Dispatcher {
     headers: [HeaderMap; 2],
 }
 
+/// A pinned request's routing path, counted once however the request ends: answered, failed,
+/// or dropped mid-way when its client left (under the path it had taken by then).
+struct CountedPath<'a> {
+    metrics: &'a Metrics,
+    path: RoutingPath,
+}
+
+impl Drop for CountedPath<'_> {
+    fn drop(&mut self) {
+        self.metrics.routed(self.path);
+    }
+}
+
 impl Dispatcher {
     pub fn new(settings: DispatchSettings, metrics: Metrics) -> Self {
         Self {
@@ -245,6 +258,7 @@ impl Dispatcher {
     ) -> Result<Response, DispatchError> {
         let Pinned { selection, replicas, fallback, dispatch } = pinned;
         let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
+        let mut counted = CountedPath { metrics: &self.metrics, path };
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
         let (outcome, blames_pins) =
@@ -262,15 +276,11 @@ impl Dispatcher {
                 if outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
                     ledger.outliers().succeeded(&ranks);
                 }
-                self.metrics.routed(path);
                 return outcome;
             }
             // The workers answered; this replica had no room to hold the answer. Not theirs
             // to count, nor worth sending again.
-            PinnedOutcome::Failed(Failure::Overloaded) => {
-                self.metrics.routed(path);
-                return Err(DispatchError::Overloaded);
-            }
+            PinnedOutcome::Failed(Failure::Overloaded) => return Err(DispatchError::Overloaded),
             PinnedOutcome::Failed(failure) => failure,
         };
         // The decode arm. The pinned dispatch has ended, whatever the fallback does.
@@ -280,10 +290,9 @@ impl Dispatcher {
         // An answer too large to buffer would be as large again from another backend.
         let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_)));
         let Some(fallback) = fallback else {
-            self.metrics.routed(path);
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });
         };
-        self.metrics.routed(RoutingPath::UnifiedFallback);
+        counted.path = RoutingPath::UnifiedFallback;
         let Fallback { replicas: unified, body: resent } = *fallback;
         let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.

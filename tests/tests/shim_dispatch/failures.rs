@@ -276,3 +276,25 @@ async fn a_request_the_fleet_cannot_take_falls_through_to_the_models_unified_bac
     harness.stop().await;
     Ok(())
 }
+
+/// A client that gives up before its pinned answer arrives is counted under the routing path
+/// all the same: slow generations are the ones clients leave, and the count is per request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_request_whose_client_leaves_is_counted_under_its_routing_path() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    // The answer never comes.
+    let held = shim.push_stream();
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let impatient = reqwest::Client::builder().timeout(std::time::Duration::from_millis(500)).build()?;
+    let gave_up = impatient.post(harness.url("/v1/chat/completions")).json(&chat(MODEL, false)).send().await;
+    assert!(gave_up.is_err_and(|error| error.is_timeout()), "the client gave up waiting");
+    let series = r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#;
+    continuum_tests::eventually(super::CONVERGE, "the abandoned request counted", || async {
+        harness.metrics().await.is_ok_and(|metrics| sample(&metrics, series) == Some(1.0))
+    })
+    .await?;
+    drop(held);
+    harness.stop().await;
+    shim.stop();
+    Ok(())
+}
