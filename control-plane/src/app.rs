@@ -196,7 +196,10 @@ impl ControlPlane {
         // Files that moved are read and checked before anything changes: a refused reload
         // changes nothing, and what was checked is what is served.
         let moved_tls = match (&self.tls, &config.control_plane.tls) {
-            (Some(_), Some(paths)) if running_tls.as_ref() != Some(paths) => Some(tls::prepare(paths)?),
+            (Some(_), Some(paths)) if running_tls.as_ref() != Some(paths) => {
+                let paths = paths.clone();
+                Some(read_tls_files(move || tls::prepare(&paths)).await?)
+            }
             _ => None,
         };
         self.discovery.reload(&config).await?;
@@ -230,7 +233,10 @@ impl ControlPlane {
                 }
                 // A reload is also the operator's way to say the files were renewed: they are
                 // read now rather than at the next poll, and a refusal said here too.
-                None => tls.refresh().inspect_err(warn_kept).is_ok(),
+                None => {
+                    let tls = tls.clone();
+                    read_tls_files(move || tls.refresh()).await.inspect_err(warn_kept).is_ok()
+                }
             },
             (Some(_), None) => {
                 tracing::warn!("turning control_plane.tls off needs a restart; still serving TLS");
@@ -274,6 +280,14 @@ impl ControlPlane {
             }
         }
     }
+}
+
+/// Reads TLS files on the blocking pool: a stalled volume must not hold a runtime thread (and
+/// the Fleet streams on it), here no more than in `ServerTls::follow_files`.
+async fn read_tls_files<T: Send + 'static>(
+    read: impl FnOnce() -> Result<T, TlsError> + Send + 'static,
+) -> Result<T, TlsError> {
+    tokio::task::spawn_blocking(read).await.unwrap_or_else(|error| Err(TlsError::Config(error.to_string())))
 }
 
 fn warn_kept(error: &TlsError) {

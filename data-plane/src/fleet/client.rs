@@ -79,6 +79,18 @@ impl FleetClientConfig {
     }
 }
 
+/// [`FleetClientConfig::endpoint`] for a (re)connect: TLS files, read at every one, are read on
+/// the blocking pool, so a stalled volume holds no runtime thread while the control plane flaps.
+async fn endpoint_off_the_runtime(config: &FleetClientConfig) -> Result<Endpoint, EndpointError> {
+    if !matches!(config.tls, Some(ClientTls::Files(_))) {
+        return config.endpoint();
+    }
+    let config = config.clone();
+    tokio::task::spawn_blocking(move || config.endpoint())
+        .await
+        .unwrap_or_else(|error| Err(EndpointError::Unread(error.to_string())))
+}
+
 /// Why [`FleetClientConfig`] names no endpoint to follow.
 #[derive(Debug, thiserror::Error)]
 pub enum EndpointError {
@@ -89,6 +101,8 @@ pub enum EndpointError {
     TlsNeedsHttps,
     #[error("TLS: {0}")]
     TlsFiles(TlsFileError),
+    #[error("TLS files not read: {0}")]
+    Unread(String),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -196,8 +210,8 @@ async fn follow(
     reports: &mut Reports,
     metrics: &Metrics,
 ) -> Result<(), SessionError> {
-    let endpoint = config
-        .endpoint()
+    let endpoint = endpoint_off_the_runtime(config)
+        .await
         .map_err(SessionError::Endpoint)?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
