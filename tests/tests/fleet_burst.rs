@@ -80,19 +80,23 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
 
     let client = reqwest::Client::new();
     let mut inflight = Vec::new();
-    for i in 0..REQUESTS {
-        let url = format!("http://{}/v1/chat/completions", replicas[i % REPLICAS].local_addr);
-        let request = client.post(url).json(&request()).send();
-        inflight.push(tokio::spawn(request));
-        // The next request arrives once every replica counts this one (a few milliseconds: a
-        // 1 ms report batch, the 2 ms backlog window, the stream), as a burst spread over a
-        // sample interval would; no load sample arrives meanwhile. Waiting on it rather than a
-        // fixed pace keeps the test about the accounting, not about the machine's speed.
+    // In waves of one request per replica, all four at once: within a wave no replica can know
+    // of the others' picks, so each is made on the same view (the hard case). The next wave
+    // arrives once every replica counts this one (a few milliseconds: a 1 ms report batch, the
+    // 2 ms backlog window, the stream), as a burst spread over a sample interval would; no
+    // load sample arrives meanwhile. Waiting on it rather than a fixed pace keeps the test
+    // about the accounting, not about the machine's speed.
+    for wave in 0..REQUESTS / REPLICAS {
+        for replica in &replicas {
+            let url = format!("http://{}/v1/chat/completions", replica.local_addr);
+            inflight.push(tokio::spawn(client.post(url).json(&request()).send()));
+        }
+        let sent = (wave + 1) * REPLICAS;
         let counted = |view: &continuum_proto::view::FleetView| {
             view.backlogs().values().map(|backlog| backlog.dispatches as usize).sum::<usize>()
         };
         eventually(PROPAGATION, "every replica counts the burst so far", || async {
-            replicas.iter().all(|r| r.fleet.view().is_some_and(|view| counted(&view) > i))
+            replicas.iter().all(|r| r.fleet.view().is_some_and(|view| counted(&view) >= sent))
         })
         .await?;
     }
@@ -105,8 +109,9 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
         *pins.entry(pin).or_default() += 1;
     }
     // One router would give the idle worker about 26 of the 64 (its 128-block head start
-    // filled at 10 blocks a request, then an even share); four replicas that each saw only
-    // their own dispatches would give it about 61.
+    // filled at 10 blocks a request, then an even share), and four replicas picking together
+    // overshoot by at most a wave; four replicas that each saw only their own dispatches would
+    // give it about 52 (13 of each one's 16 fill the head start).
     let idle = pins.get("1").copied().unwrap_or(0);
     assert!((14..=40).contains(&idle), "the idle worker took {idle} of {REQUESTS}: {pins:?}");
     for busy in ["2", "3", "4"] {
