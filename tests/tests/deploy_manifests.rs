@@ -126,6 +126,30 @@ fn every_variable_the_pods_set_is_one_their_binary_reads() -> anyhow::Result<()>
     Ok(())
 }
 
+/// What the "restricted" Pod Security Standard requires of a pod, so that both deploy into a
+/// namespace that enforces it: non-root, no privilege escalation, every capability dropped and
+/// the runtime's seccomp profile (and, beyond the standard, a read-only root filesystem).
+#[test]
+fn both_pods_meet_the_restricted_pod_security_standard() -> anyhow::Result<()> {
+    for file in ["control-plane.yaml", "data-plane.yaml"] {
+        let manifests = documents(file)?;
+        let deployment = find(&manifests, "Deployment")?;
+        let pod = &deployment["spec"]["template"]["spec"]["securityContext"];
+        ensure!(pod["runAsNonRoot"] == true, "{file}: runAsNonRoot");
+        ensure!(
+            pod["seccompProfile"]["type"] == "RuntimeDefault",
+            "{file}: seccompProfile {:?}",
+            pod["seccompProfile"]
+        );
+        let container = &container(deployment)?["securityContext"];
+        ensure!(container["allowPrivilegeEscalation"] == false, "{file}: allowPrivilegeEscalation");
+        ensure!(container["readOnlyRootFilesystem"] == true, "{file}: readOnlyRootFilesystem");
+        let dropped = container["capabilities"]["drop"].as_sequence().cloned().unwrap_or_default();
+        ensure!(dropped == [Value::from("ALL")], "{file}: capabilities.drop {dropped:?}");
+    }
+    Ok(())
+}
+
 #[test]
 fn ports_probes_and_addresses_agree() -> anyhow::Result<()> {
     let config = effective_config()?;

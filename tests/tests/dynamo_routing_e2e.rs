@@ -55,7 +55,8 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     dynamo::start_etcd(&ns).await?;
     let watch = InstanceWatch::start(&ns).await?;
     let tap = WireTap::start(&ns, TAP, FRONTEND).await?;
-    let continuum = RoutedContinuum::start_with(&ns, 2, &dynamo_routing::control_plane_yaml_via(TAP, false), &[]).await?;
+    let continuum =
+        RoutedContinuum::start_with(&ns, 2, &dynamo_routing::control_plane_yaml_via(TAP, false), &[]).await?;
     dynamo_routing::start_frontend(&ns)?;
     let prefill = PREFILL.start(&ns, &watch, "prefill").await?.instance.instance_id;
     let decoders = [DECODE.start(&ns, &watch, "decode-a").await?, DECODE.start(&ns, &watch, "decode-b").await?];

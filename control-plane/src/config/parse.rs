@@ -13,6 +13,7 @@ use super::Config;
 use super::diagnostic::Diagnostic;
 use super::path::{KeyPath, Segment};
 use super::unknown_keys;
+use super::values::MASKED_READBACK;
 
 /// Bounds the re-parse loop: a file this broken has shown the operator enough.
 const MAX_TYPE_ERRORS: usize = 64;
@@ -74,6 +75,8 @@ fn parse_once(document: Value, unknown: &mut BTreeSet<KeyPath>) -> Result<Config
         // section's secret (`admin: token:${ADMIN_TOKEN}`, the space after a colon missing):
         // say what is wrong without it.
         let message = match &path {
+            // The secret's own refusal (it is the mask) carries no value.
+            path if path.holds_secret() && message.contains(MASKED_READBACK) => MASKED_READBACK.to_string(),
             path if path.holds_secret() => SECRET_MISTYPED.to_string(),
             _ if string_for_section(&message) => SECTION_AS_STRING.to_string(),
             _ => message,

@@ -12,9 +12,24 @@ pub const MASK: &str = "********";
 
 /// A secret string. It serializes and debug-prints as [`MASK`], so no rendering of the
 /// configuration can leak it; only [`Secret::expose`] reads it.
-#[derive(Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(transparent)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct Secret(String);
+
+/// Why a secret that reads [`MASK`] is refused.
+pub(super) const MASKED_READBACK: &str =
+    "is `********`, what `config show` prints in place of a secret; give the real value";
+
+/// The mask itself is refused: a file `config show` wrote, loaded back, would otherwise make
+/// every token the public string `********` and every password and key path useless.
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = String::deserialize(deserializer)?;
+        if value == MASK {
+            return Err(serde::de::Error::custom(MASKED_READBACK));
+        }
+        Ok(Self(value))
+    }
+}
 
 impl Secret {
     pub fn new(value: impl Into<String>) -> Self {

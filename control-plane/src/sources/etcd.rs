@@ -312,7 +312,7 @@ struct Seeded {
 
 /// Connects and range-gets every prefix, all at the store's revision as the seed starts.
 async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(KvClient, WatchClient, Seeded), PassError> {
-    let client = Client::connect(&config.endpoints, Some(connect_options(config)?)).await?;
+    let client = Client::connect(&config.endpoints, Some(connect_options_read(config).await?)).await?;
     let mut kv = client.kv_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let watcher = client.watch_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let first = prefixes.first().map_or("v1/", String::as_str);
@@ -392,6 +392,19 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 
 fn record(kv: &etcd_client::KeyValue) -> KeyValue {
     KeyValue::new(kv.key(), kv.value()).with_lease(u64::try_from(kv.lease()).unwrap_or(0))
+}
+
+/// [`connect_options`], whose TLS files are read on the blocking pool: a stalled volume must
+/// hold no runtime thread, nor keep the seed's timeout (which fires only at an await) or a
+/// stop from ending the pass.
+async fn connect_options_read(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
+    if config.tls.is_none() {
+        return connect_options(config);
+    }
+    let config = config.clone();
+    tokio::task::spawn_blocking(move || connect_options(&config)).await.unwrap_or_else(|error| {
+        Err(PassError::Tls { path: "the TLS files".to_owned(), source: std::io::Error::other(error) })
+    })
 }
 
 fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {

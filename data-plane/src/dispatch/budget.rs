@@ -41,7 +41,8 @@ impl RetryBudget {
     /// Gives back a retry paid for and not made (its replica would not take it).
     pub fn refund(&self) {
         let cap = MAX_SAVED_RETRIES * RETRY_COST_TENTHS;
-        let _ = self.tenths.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| Some((t + RETRY_COST_TENTHS).min(cap)));
+        let _ =
+            self.tenths.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| Some((t + RETRY_COST_TENTHS).min(cap)));
     }
 }
 

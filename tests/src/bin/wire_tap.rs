@@ -55,7 +55,11 @@ async fn relay(client: TcpStream, upstream: SocketAddr, record: &Path) -> anyhow
 }
 
 /// Copies until end of stream, recording each read before forwarding it.
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut record: Option<std::fs::File>) -> anyhow::Result<()> {
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut record: Option<std::fs::File>,
+) -> anyhow::Result<()> {
     let mut buf = vec![0; 64 * 1024];
     loop {
         let n = from.read(&mut buf).await?;

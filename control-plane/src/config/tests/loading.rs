@@ -2,7 +2,7 @@
 //! errors and instance ids.
 
 use super::{diagnostics, load, loaded};
-use crate::config::{ConfigError, DiscoverySource, Severity, WorkerRole, embedded_default, load_file, load_str};
+use crate::config::{ConfigError, DiscoverySource, MASK, Severity, WorkerRole, embedded_default, load_file, load_str};
 
 #[test]
 fn embedded_default_validates_clean() {
@@ -102,6 +102,36 @@ fn a_mistyped_secret_is_reported_without_its_value() {
     // A whole credentials section given as a string is a secret too.
     let found = diagnostics("dynamo: {discovery: {etcd: {endpoints: ['https://a:2379'], auth: 'router:s3cret'}}}");
     assert!(!format!("{found:?}").contains("s3cret"), "{found:?}");
+}
+
+/// A backend URL with credentials is refused without quoting them.
+#[test]
+fn a_backend_url_with_credentials_is_refused_without_them() {
+    let found = diagnostics("backends: [{name: u, url: 'http://user:s3cret@u:8000'}]");
+    assert!(found.iter().any(|d| d.path == "backends[0].url" && d.message.contains("credentials")), "{found:?}");
+    assert!(!format!("{found:?}").contains("s3cret"), "{found:?}");
+}
+
+/// `config show` masks secrets; what it printed, loaded back, is refused at each secret rather
+/// than deployed with `********` as its tokens.
+#[test]
+fn a_masked_readback_is_refused_at_every_secret() {
+    let yaml = format!(
+        "dynamo: {{discovery: {{etcd: {{endpoints: ['https://a:2379'], tls: {{ca_cert: /ca.pem, client_cert: /c.pem, client_key: '{MASK}'}}, auth: {{username: r, password: '{MASK}'}}}}}}}}\n\
+         admin: {{token: '{MASK}'}}\n\
+         control_plane: {{token: '{MASK}', previous_token: '{MASK}', tls: {{cert: /c.pem, key: '{MASK}'}}}}"
+    );
+    let found = diagnostics(&yaml);
+    for path in [
+        "dynamo.discovery.etcd.tls.client_key",
+        "dynamo.discovery.etcd.auth.password",
+        "admin.token",
+        "control_plane.token",
+        "control_plane.previous_token",
+        "control_plane.tls.key",
+    ] {
+        assert!(found.iter().any(|d| d.path == path && d.message.contains("config show")), "{path}: {found:?}");
+    }
 }
 
 #[test]

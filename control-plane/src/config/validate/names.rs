@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::time::Duration;
 
 use super::Report;
 use crate::config::discovery::BackoffConfig;
@@ -98,9 +99,16 @@ pub(super) fn duplicates<T: Eq + Hash>(items: impl Iterator<Item = T>) -> Vec<(u
     repeats
 }
 
+/// The shortest first reconnect delay: below it a source that drops every watch at once (the
+/// seed's etcd proxy) is redialled and re-listed in a hot loop.
+const MIN_RECONNECT_BACKOFF: Duration = Duration::from_millis(10);
+
 pub(super) fn check_backoff(report: &mut Report, path: &str, backoff: &BackoffConfig) {
-    if backoff.initial.is_zero() {
-        report.error(format!("{path}.initial"), "must be greater than zero (a zero backoff reconnects in a hot loop)");
+    if backoff.initial < MIN_RECONNECT_BACKOFF {
+        report.error(
+            format!("{path}.initial"),
+            "must be at least 10ms (a shorter backoff redials and re-lists in a hot loop)",
+        );
     }
     if backoff.max < backoff.initial {
         report.error(

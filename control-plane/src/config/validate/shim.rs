@@ -54,13 +54,30 @@ fn check_backends(backends: &[BackendConfig], report: &mut Report) {
     }
 }
 
+/// What is wrong with a backend URL, if anything. The data plane dials `http://host:port`, with
+/// an optional path the chat path is appended to; anything it would not dial as written is
+/// refused here rather than left out of routing at run time.
 fn url_problem(url: &str) -> Option<String> {
-    let Some(rest) = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://")) else {
-        return Some(format!("`{url}` must be an http:// or https:// URL"));
+    if url.starts_with("https://") {
+        return Some(format!(
+            "`{url}` is https://; backends (shims and unified ones alike) are dialled over plain http:// only, \
+             from beside them inside the cluster"
+        ));
+    }
+    let Some(rest) = url.strip_prefix("http://") else {
+        return Some(format!("`{url}` must be an http:// URL"));
     };
-    let host = rest.split(['/', '?', '#']).next().unwrap_or_default();
-    if host.is_empty() || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    // Not quoted: what precedes the `@` is a password.
+    if authority.contains('@') {
+        return Some("must not embed credentials (user:pass@host)".to_owned());
+    }
+    if authority.is_empty() || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Some(format!("`{url}` must name a host and contain no whitespace"));
+    }
+    if tail.contains(['?', '#']) {
+        return Some(format!("`{url}` must have no query string or fragment: the chat path is appended to it"));
     }
     None
 }
@@ -77,12 +94,6 @@ fn check_replicas(path: &str, names: &[String], by_name: &HashMap<&str, &Backend
         let item = format!("{path}[{index}]");
         match by_name.get(name.as_str()) {
             None => report.error(item, format!("`{name}` is not a configured backends[].name")),
-            // A direct-mode shim runs beside its workers inside the cluster: the data plane
-            // dials it over plain HTTP/1.1 and would never use any other URL.
-            Some(backend) if backend.url.starts_with("https://") => report.error(
-                item,
-                format!("backend `{name}` has an https:// URL; shim replicas are dialled over plain http:// only"),
-            ),
             Some(backend) if backend.internal || !backend.enabled => report.warning(
                 item,
                 format!("backend `{name}` is internal: true or enabled: false, so it never receives shim traffic"),

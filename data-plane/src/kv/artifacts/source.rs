@@ -90,8 +90,12 @@ fn parse_hf(rest: &str) -> Option<Source> {
     let mut segments = rest.splitn(3, '/');
     let (org, repo_rev, file) = (segments.next()?, segments.next()?, segments.next()?);
     let (repo, revision) = repo_rev.split_once('@').unwrap_or((repo_rev, "main"));
-    let name_ok = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    let file_ok = !file.is_empty() && file.split('/').all(|s| name_ok(s) && s != "." && s != "..");
+    // No dot segments anywhere: a server normalizing `..` would serve a path of the card's
+    // choosing on the Hub's host, with the Hub token attached.
+    let name_ok = |s: &str| {
+        !s.is_empty() && s != "." && s != ".." && s.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    };
+    let file_ok = !file.is_empty() && file.split('/').all(name_ok);
     (name_ok(org) && name_ok(repo) && name_ok(revision) && file_ok).then(|| Source::Hf {
         repo: format!("{org}/{repo}"),
         revision: revision.to_string(),
@@ -344,7 +348,16 @@ mod tests {
                 file: "sub/tokenizer.json".into()
             })
         );
-        for bad in ["hf://Qwen/tokenizer.json", "hf://Qwen/Q/../etc/passwd", "hf://Q w/r/f", "hf://a/b/"] {
+        for bad in [
+            "hf://Qwen/tokenizer.json",
+            "hf://Qwen/Q/../etc/passwd",
+            "hf://Q w/r/f",
+            "hf://a/b/",
+            "hf://../..@../api/whoami-v2",
+            "hf://Qwen/..@main/t.json",
+            "hf://Qwen/Q@../t.json",
+            "hf://./Q/t.json",
+        ] {
             assert!(matches!(Source::classify(bad, ALL), Err(SourceError::Malformed(_))), "{bad}");
         }
         let fetcher = Fetcher::new("http://mirror:8080/".into(), None);
