@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
-use super::decode::decode_kv_events;
+use super::decode::{KvEvent, decode_kv_events};
 use super::indexer::{KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, Topic};
@@ -59,6 +59,30 @@ impl KvFeed {
     }
 }
 
+/// The most blocks applied under one hold of the index's write lock (about 0.4 ms): every
+/// lookup waits on it, and a replica waits 2 ms for one, so a message of tens of thousands of
+/// blocks is applied in turns, the lock let go and the task yielding between them.
+const BLOCKS_PER_HOLD: usize = 2048;
+
+/// `events` in order, in runs of at most `max_blocks` blocks (an event larger than that alone).
+fn turns(events: &[KvEvent], max_blocks: usize) -> impl Iterator<Item = &[KvEvent]> {
+    let mut rest = events;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let mut blocks = 0;
+        let over = rest.iter().position(|event| {
+            // A clear (no blocks named) costs a rank's worth of work too.
+            blocks += event.blocks().max(1);
+            blocks > max_blocks
+        });
+        let (turn, later) = rest.split_at(over.map_or(rest.len(), |at| at.max(1)));
+        rest = later;
+        Some(turn)
+    })
+}
+
 impl Feed for KvFeed {
     /// Event-id cursors live in the indexer: they must outlive a reconnect, so a gap spanning
     /// it is seen.
@@ -105,8 +129,20 @@ impl Feed for KvFeed {
             PublisherMapping { publisher: publisher.key(), worker_id: worker.instance_id, dp_rank: publisher.dp_rank };
         let frames = (0..message.len()).filter_map(|i| message.frame(i));
         // Decoded before the lock: it is the whole index's, and every lookup waits on it.
-        let decoded = decode_kv_events(frames, publisher.publisher_id);
-        let counts = self.indexer.write().apply_decoded(&mapping, decoded);
+        let counts = match decode_kv_events(frames, publisher.publisher_id) {
+            Ok(batch) => {
+                let mut counts = KvCounts::default();
+                let mut turns = turns(&batch.events, BLOCKS_PER_HOLD).peekable();
+                while let Some(turn) = turns.next() {
+                    counts.merge(&self.indexer.write().apply_events(&mapping, turn));
+                    if turns.peek().is_some() {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                counts
+            }
+            refused => self.indexer.write().apply_decoded(&mapping, refused),
+        };
         self.count(&counts);
     }
 
@@ -142,4 +178,31 @@ fn live_ranks(fleet: &Fleet) -> LiveRanks {
         live.insert(w.worker.key.instance_id, worker);
     }
     live
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::decode::{KvEventData, ResidencyDomain, StorageTier};
+
+    fn removed(event_id: u64, blocks: usize) -> KvEvent {
+        KvEvent {
+            worker_id: 1,
+            dp_rank: 0,
+            event_id,
+            storage_tier: StorageTier::Device,
+            residency_domain: ResidencyDomain::Unspecified,
+            data: KvEventData::Removed((0..blocks as u64).collect()),
+        }
+    }
+
+    #[test]
+    fn a_large_message_is_applied_in_turns_in_order() {
+        let sizes = [1000, 1000, 100, 3000, 2048, 1, 0];
+        let events: Vec<KvEvent> = sizes.iter().enumerate().map(|(i, n)| removed(i as u64, *n)).collect();
+        let turns: Vec<Vec<u64>> = turns(&events, 2048).map(|turn| turn.iter().map(|e| e.event_id).collect()).collect();
+        // 1000 + 1000 + 100 would pass 2048; 3000 alone is over it; 2048 is at it.
+        assert_eq!(turns, [vec![0, 1], vec![2], vec![3], vec![4], vec![5, 6]]);
+        assert_eq!(super::turns(&[], 2048).count(), 0);
+    }
 }
