@@ -20,10 +20,12 @@
 //! `credited` = `expired` + `confirmed` + `evicted` + `departed` + `replaced` + the chains held.
 //! Pure: time is an argument.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
+use continuum_proto::fast_hash::FastMap;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Live chains one rank holds at most: its most recent distinct prefixes.
 pub const MAX_CHAINS_PER_RANK: usize = 32;
@@ -101,7 +103,8 @@ impl ProvisionalCounts {
 #[derive(Debug)]
 struct Chain {
     rank: RankKey,
-    hashes: Box<[u64]>,
+    /// The chain's [`prefix_hashes`].
+    prefix: Box<[u64]>,
     /// When it was credited: it counts for the TTL in force now, so a reload that shortens the
     /// TTL shortens every chain held.
     credited: Instant,
@@ -150,7 +153,8 @@ impl ProvisionalIndex {
             return ProvisionalResult::Refused;
         }
         self.expire(now);
-        self.remove_where(|c| c.rank == rank && hashes.starts_with(&c.hashes), ProvisionalResult::Replaced);
+        let prefix = prefix_hashes(hashes);
+        self.remove_where(|c| c.rank == rank && is_prefix(&c.prefix, &prefix), ProvisionalResult::Replaced);
         while self.chains.iter().filter(|c| c.rank == rank).count() >= MAX_CHAINS_PER_RANK {
             self.remove_where(|c| c.rank == rank, ProvisionalResult::Evicted);
         }
@@ -158,11 +162,11 @@ impl ProvisionalIndex {
         // long chain needs room from.
         while self.chains.len() >= MAX_CHAINS || self.hashes + hashes.len() > MAX_HASHES {
             let Some(oldest) = self.chains.pop_front() else { break };
-            self.hashes -= oldest.hashes.len();
+            self.hashes -= oldest.prefix.len();
             self.counts.add(ProvisionalResult::Evicted, 1);
         }
         self.hashes += hashes.len();
-        self.chains.push_back(Chain { rank, hashes: hashes.into(), credited: now });
+        self.chains.push_back(Chain { rank, prefix, credited: now });
         self.counts.add(ProvisionalResult::Credited, 1);
         ProvisionalResult::Credited
     }
@@ -172,18 +176,23 @@ impl ProvisionalIndex {
     /// its live chains holds. Ascending by score, as the index orders its matches. Chains the
     /// index confirmed are dropped.
     pub fn merge(&mut self, query: &[u64], indexed: &[(RankKey, u32)], now: Instant) -> Vec<(RankKey, u32)> {
-        let mut scores: HashMap<RankKey, u32> = indexed.iter().copied().collect();
+        let mut scores: FastMap<RankKey, u32> = indexed.iter().copied().collect();
         if !self.chains.is_empty() && !query.is_empty() {
+            // Folded once, so each chain costs a bisection, not a walk along the query: a
+            // shared system prompt puts every chain held hundreds of blocks deep in it.
+            let query = prefix_hashes(query);
             let indexed = |rank| indexed.iter().find(|(r, _)| *r == rank).map_or(0, |(_, s)| *s);
             let mut confirmed = false;
             let ttl = self.ttl;
+            let mut hint = 0;
             for chain in self.chains.iter().filter(|c| now.saturating_duration_since(c.credited) < ttl) {
-                let shared = common_prefix(query, &chain.hashes);
+                let shared = common_prefix(&query, &chain.prefix, hint);
+                hint = shared;
                 if shared == 0 {
                     continue;
                 }
                 let blocks = u32::try_from(shared).unwrap_or(u32::MAX);
-                confirmed |= shared == chain.hashes.len() && indexed(chain.rank) >= blocks;
+                confirmed |= shared == chain.prefix.len() && indexed(chain.rank) >= blocks;
                 let score = scores.entry(chain.rank).or_default();
                 *score = (*score).max(blocks);
             }
@@ -191,9 +200,9 @@ impl ProvisionalIndex {
                 // A chain past its TTL that the sweep has not reached yet expired: it is not
                 // the index's confirmation, whatever the index holds now.
                 let confirms = |c: &Chain| {
-                    let blocks = u32::try_from(c.hashes.len()).unwrap_or(u32::MAX);
+                    let blocks = u32::try_from(c.prefix.len()).unwrap_or(u32::MAX);
                     now.saturating_duration_since(c.credited) < ttl
-                        && query.starts_with(&c.hashes)
+                        && is_prefix(&c.prefix, &query)
                         && indexed(c.rank) >= blocks
                 };
                 self.remove_where(confirms, ProvisionalResult::Confirmed);
@@ -235,7 +244,7 @@ impl ProvisionalIndex {
             let gone = doomed(c) && !(only_oldest && removed > 0);
             if gone {
                 removed += 1;
-                hashes += c.hashes.len();
+                hashes += c.prefix.len();
             }
             !gone
         });
@@ -244,8 +253,51 @@ impl ProvisionalIndex {
     }
 }
 
-fn common_prefix(a: &[u64], b: &[u64]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+/// Each block hash folded with all before it: two chains' folds agree at a position exactly
+/// when the chains agree up to it (but for a 2^-64 chance), so whether one chain starts
+/// another is one comparison, and their common prefix a bisection. (A block hash alone names a
+/// block's tokens, not its place: two prompts can share one past where they part.)
+fn prefix_hashes(hashes: &[u64]) -> Box<[u64]> {
+    let mut folded = 0;
+    hashes
+        .iter()
+        .map(|hash| {
+            folded = xxh3_64_with_seed(&hash.to_le_bytes(), folded);
+            folded
+        })
+        .collect()
+}
+
+/// Whether the chain folded into `prefix` starts the one folded into `of` (both from
+/// [`prefix_hashes`]).
+fn is_prefix(prefix: &[u64], of: &[u64]) -> bool {
+    prefix.len() <= of.len() && prefix.last() == of.get(prefix.len().wrapping_sub(1))
+}
+
+/// How many leading blocks two folded chains share: folds agree below that length and at no
+/// position from it on. `hint`, a likely answer, is tried first: the chains of one shared
+/// prompt all part from a query at the same block, so most lookups cost two comparisons.
+fn common_prefix(a: &[u64], b: &[u64], hint: usize) -> usize {
+    let agrees = |i: usize| a.get(i) == b.get(i);
+    let (mut agree, mut differ) = (0, a.len().min(b.len()));
+    let hint = hint.min(differ);
+    if hint > 0 && agrees(hint - 1) {
+        agree = hint;
+        if hint < differ && !agrees(hint) {
+            differ = hint;
+        }
+    } else if hint > 0 {
+        differ = hint - 1;
+    }
+    while agree < differ {
+        let mid = agree + (differ - agree) / 2;
+        if agrees(mid) {
+            agree = mid + 1;
+        } else {
+            differ = mid;
+        }
+    }
+    agree
 }
 
 #[cfg(test)]

@@ -247,3 +247,21 @@ fn a_chain_past_its_ttl_is_not_confirmed() {
     assert_eq!(index.take_counts().get(ProvisionalResult::Expired), 1);
     assert_eq!(index.size(), (0, 0));
 }
+
+proptest::proptest! {
+    /// Folded chains give the common prefix and the prefix test of the block hashes themselves,
+    /// including chains that share blocks after they part (hashes from a small alphabet).
+    #[test]
+    fn folded_chains_agree_with_the_block_hashes(
+        a in proptest::collection::vec(0u64..4, 0..40),
+        b in proptest::collection::vec(0u64..4, 0..40),
+    ) {
+        let walked = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        let (fa, fb) = (prefix_hashes(&a), prefix_hashes(&b));
+        for hint in 0..=a.len().max(b.len()) + 1 {
+            proptest::prop_assert_eq!(common_prefix(&fa, &fb, hint), walked, "hint {}", hint);
+        }
+        proptest::prop_assert_eq!(is_prefix(&fa, &fb), b.starts_with(&a));
+        proptest::prop_assert_eq!(is_prefix(&fb, &fa), a.starts_with(&b));
+    }
+}
