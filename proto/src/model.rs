@@ -207,6 +207,21 @@ pub struct Load {
     pub kv_used_blocks: Option<u64>,
 }
 
+impl Load {
+    /// The decode backlog: `active_decode_blocks`, or `kv_used_blocks` when that is nil
+    /// (dynamo.vllm and the mocker fill only the latter).
+    pub fn decode_blocks(&self) -> Option<u64> {
+        self.active_decode_blocks.or(self.kv_used_blocks)
+    }
+
+    /// Whether the sample reports a backlog in either phase, the seed's test of a worker that
+    /// fell silent under load rather than idle. Blocks merely held in cache (`kv_used_blocks`
+    /// beside an `active_decode_blocks` of zero) are no backlog.
+    pub fn reports_backlog(&self) -> bool {
+        self.active_prefill_tokens.is_some_and(|t| t > 0) || self.decode_blocks().is_some_and(|b| b > 0)
+    }
+}
+
 /// A load sample and when it was received, so staleness can be judged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LoadSample {

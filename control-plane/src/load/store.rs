@@ -55,15 +55,10 @@ impl Reading {
     pub fn of(held: Option<&LoadSample>, now: Instant, max_age: Duration) -> Self {
         match held {
             Some(s) if s.age(now) <= max_age => Reading::Fresh(s.load),
-            Some(s) if has_backlog(&s.load) => Reading::SilentUnderLoad,
+            Some(s) if s.load.reports_backlog() => Reading::SilentUnderLoad,
             _ => Reading::Quiet,
         }
     }
-}
-
-/// Whether any field the publisher set is above zero.
-pub fn has_backlog(load: &Load) -> bool {
-    [load.active_decode_blocks, load.active_prefill_tokens, load.kv_used_blocks].into_iter().flatten().any(|v| v > 0)
 }
 
 #[derive(Debug)]

@@ -98,7 +98,7 @@ pub(super) fn standing(phase: Phase, sample: Option<&LoadSample>, max_staleness:
     if sample.age(now) < max_staleness {
         return phase_load(phase, &sample.load).map_or(Standing::Unknown, Standing::Fresh);
     }
-    if reports_backlog(&sample.load) { Standing::Unknown } else { Standing::Quiet }
+    if sample.load.reports_backlog() { Standing::Unknown } else { Standing::Quiet }
 }
 
 /// The phase's backlog field; `active_decode_blocks` falls back to `kv_used_blocks` when nil
@@ -106,7 +106,7 @@ pub(super) fn standing(phase: Phase, sample: Option<&LoadSample>, max_staleness:
 pub(super) fn phase_load(phase: Phase, load: &Load) -> Option<u64> {
     match phase {
         Phase::Prefill => load.active_prefill_tokens,
-        Phase::Decode => load.active_decode_blocks.or(load.kv_used_blocks),
+        Phase::Decode => load.decode_blocks(),
     }
 }
 
@@ -123,10 +123,6 @@ pub(super) fn fresh_load(
 /// A configured weight made safe: a negative or non-finite value counts as 0 (the term drops).
 pub(super) fn weight(x: f64) -> f64 {
     if x.is_finite() && x > 0.0 { x } else { 0.0 }
-}
-
-fn reports_backlog(load: &Load) -> bool {
-    [load.active_decode_blocks, load.active_prefill_tokens, load.kv_used_blocks].into_iter().flatten().any(|n| n > 0)
 }
 
 /// The inputs of one candidate's cost in one phase.

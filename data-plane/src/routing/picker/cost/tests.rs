@@ -79,6 +79,18 @@ fn standing_of_a_rank_by_its_last_sample() {
             Some(sample(load(Some(0), Some(12), None), stale)),
             Standing::Unknown,
         ),
+        (
+            "stale sample with blocks only cached, nothing decoding, is quiet",
+            Phase::Decode,
+            Some(sample(load(Some(0), Some(0), Some(40)), stale)),
+            Standing::Quiet,
+        ),
+        (
+            "and quiet in the prefill phase too",
+            Phase::Prefill,
+            Some(sample(load(Some(0), None, Some(40)), stale)),
+            Standing::Quiet,
+        ),
     ];
     for (name, phase, sample, expected) in cases {
         assert_eq!(standing(*phase, sample.as_ref(), STALE, now), *expected, "{name}");
