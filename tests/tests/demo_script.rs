@@ -27,6 +27,10 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
     for (name, addr) in [("LISTEN", listen), ("ADMIN", admin), ("GRPC", grpc), ("SHIM", shim)] {
         command.env(format!("CONTINUUM_DEMO_{name}"), addr.to_string());
     }
+    // A shell set up for a deployment: the demo runs its embedded default all the same.
+    command.env("CONTINUUM_CONFIG", "/nonexistent/control-plane.yaml");
+    command.env("CONTINUUM_CONTROL_PLANE_CA", "/nonexistent/ca.pem");
+    command.env("CONTINUUM_WORKER_THREADS", "many");
     let mut demo = Command::from(command).kill_on_drop(true).spawn()?;
     let group = demo.id().context("the demo's process group")?;
     let stopped = Stopper(group);
