@@ -63,7 +63,7 @@ const KV_BLOCKS: u64 = 640;
 /// and at 2 ms one lookup in ten missed its deadline on the larger shared-prefix workload
 /// (scored on a recent answer or on load alone). 10 ms let every one be answered.
 const FIND_MATCHES_DEADLINE: &str = "10ms";
-/// `dynamo.kv.prefill_load_scale` for both Continuum pickers (the seed's default is 1): under KV
+/// `dynamo.kv.prefill_load_scale` for both Continuum pickers (the default is 1): under KV
 /// pressure a prompt prefilled on a rank that lacks its prefix also evicts blocks other
 /// conversations will need, so cache affinity is worth more than one request's prefill; and a
 /// request queued behind another's prefill waits for all of it, while decoding beside one more

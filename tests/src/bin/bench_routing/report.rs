@@ -25,7 +25,7 @@ impl Report {
              concurrency 8 (8×2) and 12 (13×3). Unique prompts: 1,560 fresh tokens each, 8 clients sending one after another with a think time of 0–{UNIQUE_THINK_MS} ms. Hit rate \
              = Σ `usage.prompt_tokens_details.cached_tokens` / Σ prompt tokens. Continuum: 2 data-plane replicas \
              (requests alternate between them) pinning workers through `dynamo.frontend --router-mode direct`; \
-             both at `prefill_load_scale: {PREFILL_LOAD_SCALE}` (the seed's default is 1; Dynamo kv is shown at \
+             both at `prefill_load_scale: {PREFILL_LOAD_SCALE}` (the default is 1, the seed's for the KV-aware formula, whose load-only cost has no such term; Dynamo kv is shown at \
              its default and at the same scale); KV-aware with `dynamo.kv` on, the tiny model's artifacts \
              pinned, `send_token_data: true` (the frontend takes the router's tokens instead of tokenizing the \
              prompt again), `--find-matches-deadline \
