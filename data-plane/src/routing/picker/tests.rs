@@ -756,7 +756,13 @@ proptest! {
                     prop_assert_eq!(&prefill.key.namespace, &decode.key.namespace);
                     check_rank(prefill, p.dp_rank)?;
                 }
-                None => prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool)),
+                None => {
+                    prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool));
+                    prop_assert!(
+                        !(decode.role == Role::Decode && pairs_here(Role::Prefill)),
+                        "a decode worker pinned without the prefill pool beside it"
+                    );
+                }
             }
             if let Some((tokens, ago)) = dispatches.get(i) {
                 picker.ledger().record(&s, *tokens, BLOCK, &[], fleet.now - Duration::from_millis(*ago), NOT_REPORTED);
