@@ -235,6 +235,9 @@ async fn follow(
     }
     metrics.dispatches_replayed.inc_by(replayed as u64);
     let mut last_report = Instant::now();
+    // Every stream starts with a full snapshot: until one is applied, the view held is the
+    // last stream's, stripped of its fleet-wide sums, and no delta can be known to fit it.
+    let mut snapshot_applied = false;
     loop {
         if !reports.attached() {
             // An operation found the report queue full: the stream's reports are no longer
@@ -243,7 +246,7 @@ async fn follow(
         }
         let reply = tokio::select! {
             update = updates.message() => match update? {
-                Some(update) => apply(handle, update, metrics),
+                Some(update) => apply(handle, update, &mut snapshot_applied, metrics),
                 None => return Ok(()),
             },
             Some(operation) = reports.recv() => {
@@ -268,17 +271,30 @@ async fn follow(
     }
 }
 
+/// The longest refusal reason sent or logged: one built from a peer's strings (a namespace,
+/// say) is cut rather than sent whole.
+const MAX_REASON_CHARS: usize = 512;
+
 /// Applies one update to the handle, or explains why not; returns the reply to send.
-fn apply(handle: &FleetHandle, update: pb::FleetUpdate, metrics: &Metrics) -> Kind {
+fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: &mut bool, metrics: &Metrics) -> Kind {
     let (version, nonce) = (update.version, update.nonce.clone());
-    match next_view(handle.view().as_deref(), update) {
-        Ok(view) => {
+    let held = handle.view().filter(|_| *snapshot_applied);
+    match next_view(held.as_deref(), update) {
+        Ok((view, snapshot)) => {
+            if let Some(before) = handle.view().filter(|before| snapshot && before.version() > view.version()) {
+                tracing::info!(held = before.version(), received = view.version(), "fleet version went backwards");
+            }
             metrics.updates.with_label_values(&["applied"]).inc();
             metrics.stream_connected.set(1);
             handle.store(view);
+            *snapshot_applied |= snapshot;
             Kind::Ack(pb::Ack { version, nonce })
         }
-        Err(reason) => {
+        Err(mut reason) => {
+            if let Some((cut, _)) = reason.char_indices().nth(MAX_REASON_CHARS) {
+                reason.truncate(cut);
+                reason.push('…');
+            }
             metrics.updates.with_label_values(&["refused"]).inc();
             tracing::warn!(version, %reason, "refusing a fleet update; keeping the current view");
             Kind::Nack(pb::Nack { version, nonce, reason })
@@ -286,25 +302,73 @@ fn apply(handle: &FleetHandle, update: pb::FleetUpdate, metrics: &Metrics) -> Ki
     }
 }
 
-/// The view after `update`: a snapshot replaces, a delta must fit the view held. Its backlogs
-/// hold the reported operations the update names, and no others.
-fn next_view(held: Option<&FleetView>, update: pb::FleetUpdate) -> Result<FleetView, String> {
-    let folded = update.reports_folded.map(ReportsFolded::from);
-    let view = match update_from_wire(update, Instant::now()).map_err(|e| e.to_string())? {
-        Update::Snapshot(view) => {
-            if let Some(held) = held.filter(|h| h.version() > view.version()) {
-                tracing::info!(held = held.version(), received = view.version(), "fleet version went backwards");
-            }
-            Ok(view)
-        }
+/// The view after `update`, and whether it was a snapshot: a snapshot replaces, a delta must
+/// fit `held`, the view this stream's updates built (none before its first snapshot). Its
+/// backlogs hold the reported operations the update names, and no others. The update's
+/// version must be the one its body brings the view to, the version its ack will name.
+fn next_view(held: Option<&FleetView>, update: pb::FleetUpdate) -> Result<(FleetView, bool), String> {
+    let (version, folded) = (update.version, update.reports_folded.map(ReportsFolded::from));
+    let (view, snapshot) = match update_from_wire(update, Instant::now()).map_err(|e| e.to_string())? {
+        Update::Snapshot(view) => (view, true),
         Update::Delta(delta) => match held {
-            Some(held) => held.apply(&delta).map_err(|e| e.to_string()),
-            None => Err(format!("delta based on version {} arrived before any snapshot", delta.base_version)),
+            Some(held) => (held.apply(&delta).map_err(|e| e.to_string())?, false),
+            None => {
+                return Err(format!(
+                    "delta based on version {} arrived before this stream's snapshot",
+                    delta.base_version
+                ));
+            }
         },
-    }?;
-    Ok(view.with_reports_folded(folded))
+    };
+    if view.version() != version {
+        return Err(format!("the update names version {version} but brings the view to {}", view.version()));
+    }
+    Ok((view.with_reports_folded(folded), snapshot))
 }
 
 fn request(kind: Kind) -> pb::WatchRequest {
     pb::WatchRequest { kind: Some(kind) }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
+    use continuum_proto::model::DataPlaneConfig;
+    use continuum_proto::pb::fleet_update::Body;
+    use continuum_proto::view::FleetDelta;
+
+    use super::*;
+
+    fn view(version: u64) -> FleetView {
+        FleetView::new(version, [], [], Arc::new(DataPlaneConfig::default())).expect("a view")
+    }
+
+    fn update(version: u64, body: Body) -> pb::FleetUpdate {
+        pb::FleetUpdate { version, nonce: "n".into(), body: Some(body), reports_folded: None }
+    }
+
+    fn snapshot(version: u64, of: u64) -> pb::FleetUpdate {
+        update(version, Body::Snapshot(snapshot_to_wire(&view(of), Instant::now())))
+    }
+
+    fn delta(version: u64, base: u64) -> pb::FleetUpdate {
+        let delta = FleetDelta { base_version: base, version, ..FleetDelta::default() };
+        update(version, Body::Delta(delta_to_wire(&delta, Instant::now())))
+    }
+
+    #[test]
+    fn a_stream_starts_with_a_snapshot_and_every_update_brings_the_version_it_names() {
+        let (held, applied) = next_view(None, snapshot(5, 5)).expect("a snapshot applies");
+        assert!(applied);
+        let (next, applied) = next_view(Some(&held), delta(6, 5)).expect("a delta on it");
+        assert_eq!((next.version(), applied), (6, false));
+
+        let early = next_view(None, delta(6, 5)).expect_err("no snapshot yet on this stream");
+        assert!(early.contains("before this stream's snapshot"), "{early}");
+        // A delta's target is its update's version; a snapshot carries its own as well.
+        let refused = next_view(Some(&next), snapshot(20, 19)).expect_err("the versions disagree");
+        assert!(refused.contains("names version 20 but brings the view to 19"), "{refused}");
+    }
 }

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
@@ -56,6 +55,16 @@ pub const TLS_RENEWAL_INTERVAL: Duration = Duration::from_secs(10);
 /// lost) costs the lookups of this long and a second, each waiting out its deadline.
 const MATCHES_KEEP_ALIVE: Duration = Duration::from_secs(5);
 
+/// The largest lookup answer taken: [`MAX_ANSWERED_RANKS`] overlaps are about 200 KiB on the
+/// wire. A peer's larger answer is refused before it is decoded, where one empty overlap, two
+/// bytes on the wire, takes a few dozen in memory.
+const MAX_FIND_MATCHES_REPLY_BYTES: usize = 1 << 20;
+
+/// Ranks an answer names at most: the index's owners of a block are at most 4,096, and its
+/// provisional chains at most 4,096 more. Beyond, the answer is cut: every answer is cached
+/// for reuse, so each must stay small.
+const MAX_ANSWERED_RANKS: usize = 8_192;
+
 /// A lookup client of the control plane, connecting when first used.
 fn connect(config: &FleetClientConfig) -> Result<Client, EndpointError> {
     // Bounded connects and keep-alive answers: a control plane that moved or went silent is
@@ -70,7 +79,7 @@ fn connect(config: &FleetClientConfig) -> Result<Client, EndpointError> {
         .keep_alive_while_idle(true)
         .connect_lazy();
     Ok(FleetClient::with_interceptor(channel, config.credentials.clone())
-        .max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES))
+        .max_decoding_message_size(MAX_FIND_MATCHES_REPLY_BYTES))
 }
 
 impl MatchesClient {
@@ -185,6 +194,7 @@ impl MatchesClient {
         let overlaps = reply
             .overlaps
             .into_iter()
+            .take(MAX_ANSWERED_RANKS)
             .map(|o| RankOverlap {
                 instance_id: o.instance_id,
                 dp_rank: o.dp_rank,

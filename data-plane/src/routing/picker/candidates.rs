@@ -125,6 +125,12 @@ struct ByRole {
     aggregated: Vec<Arc<Worker>>,
 }
 
+/// Ranks of one model a pick weighs at most, decode and prefill together: the control plane's
+/// load store holds 65,536 samples, so a rank past it could never be read anyway. Without a
+/// bound, a fleet of many workers each declaring 1,024 dp ranks (a card anyone able to register
+/// a worker can write) would cost every replica a candidate per rank, gigabytes for each model.
+pub(super) const MAX_CANDIDATE_RANKS: usize = 65_536;
+
 pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>) -> Pools {
     let allowed = |worker: &Worker| namespaces.is_none_or(|names| names.iter().any(|n| *n == *worker.key.namespace));
     let mut by_namespace: BTreeMap<Arc<str>, ByRole> = BTreeMap::new();
@@ -138,13 +144,28 @@ pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>
         }
     }
     let mut pools = Pools::default();
+    let (mut room, mut left_out) = (MAX_CANDIDATE_RANKS, false);
+    let mut take = |workers: &mut dyn Iterator<Item = &Arc<Worker>>| -> Vec<Candidate> {
+        let mut all = ranks(workers);
+        let taken: Vec<Candidate> = all.by_ref().take(room).collect();
+        room -= taken.len();
+        left_out |= all.next().is_some();
+        taken
+    };
     for (namespace, roles) in by_namespace {
         let pairs = !roles.prefill.is_empty() && !roles.decode.is_empty();
         let aggregated = if pairs { &[][..] } else { &roles.aggregated[..] };
-        pools.decode.extend(ranks(roles.decode.iter().chain(aggregated)));
+        pools.decode.extend(take(&mut roles.decode.iter().chain(aggregated)));
         if !roles.prefill.is_empty() {
-            pools.prefill.insert(namespace, ranks(roles.prefill.iter()).collect());
+            pools.prefill.insert(namespace, take(&mut roles.prefill.iter()));
         }
+    }
+    if left_out {
+        tracing::warn!(
+            model,
+            limit = MAX_CANDIDATE_RANKS,
+            "the model's workers declare more dp ranks than a pick weighs; the ranks past the limit are left out"
+        );
     }
     pools
 }

@@ -627,6 +627,20 @@ fn pools_are_listed_once_per_workers_map_and_follow_its_changes() {
     assert_eq!(ids(&cache.get(&view, "tiny", Some(&only_a))), [9]);
 }
 
+/// Workers declaring more dp ranks than a pick weighs cost a replica no more than the bound:
+/// the ranks past it are left out, decode and prefill together.
+#[test]
+fn a_models_candidates_stop_at_the_rank_bound() {
+    let per_worker = 1024;
+    let prefill = (1..=8).map(|id| dp(worker("ns", id, Role::Prefill), per_worker));
+    let decode = (100..=160).map(|id| dp(worker("ns", id, Role::Decode), per_worker));
+    let fleet = Fleet::new(prefill.chain(decode));
+    let pools = PoolCache::default().get(&fleet.view(), "tiny", None);
+    let prefill: usize = pools.prefill.values().map(Vec::len).sum();
+    assert_eq!(pools.decode.len() + prefill, super::candidates::MAX_CANDIDATE_RANKS);
+    assert_eq!(pools.decode.len(), 61 * per_worker as usize, "decode first, whole");
+}
+
 #[test]
 fn the_pool_cache_is_bounded_and_stays_correct_past_its_bound() {
     let fleet = pair_fleet();
