@@ -267,6 +267,9 @@ fn stall_rules() {
             "{name}: early"
         );
         assert_eq!(backlog(&ledger, rank_key.clone(), sampled_at, late).stalled, *stalled, "{name}");
+        // Past the bound on an unanswered dispatch it counts for nothing, a stall included.
+        let aged_out = t0 + UNANSWERED_FOR;
+        assert!(!backlog(&ledger, rank_key.clone(), sampled_at, aged_out).stalled, "{name}: aged out");
     }
 }
 
