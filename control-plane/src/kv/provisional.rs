@@ -275,10 +275,15 @@ fn is_prefix(prefix: &[u64], of: &[u64]) -> bool {
 }
 
 /// How many leading blocks two folded chains share: folds agree below that length and at no
-/// position from it on. `hint`, a likely answer, is tried first: the chains of one shared
-/// prompt all part from a query at the same block, so most lookups cost two comparisons.
+/// position from it on. A chain of another prompt costs one comparison; for the rest `hint`, a
+/// likely answer, is tried first: the chains of one shared prompt all part from a query at the
+/// same block, so most cost two.
 fn common_prefix(a: &[u64], b: &[u64], hint: usize) -> usize {
     let agrees = |i: usize| a.get(i) == b.get(i);
+    // Most chains held are other prompts': they part at the first block.
+    if a.is_empty() || b.is_empty() || !agrees(0) {
+        return 0;
+    }
     let (mut agree, mut differ) = (0, a.len().min(b.len()));
     let hint = hint.min(differ);
     if hint > 0 && agrees(hint - 1) {

@@ -17,10 +17,10 @@ use continuum_control_plane::discovery::PublisherKey;
 use continuum_control_plane::grpc::{self, FleetService, Replicas};
 use continuum_control_plane::kv::decode::{KvEvent, KvEventData, ResidencyDomain, StorageTier, Stored};
 use continuum_control_plane::kv::feed::SharedKvIndexer;
-use continuum_control_plane::kv::{KvHandle, KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
+use continuum_control_plane::kv::{KvHandle, KvIndexer, LiveRanks, LiveWorker, ProvisionalResult, PublisherMapping};
 use continuum_control_plane::metrics::Metrics;
 use continuum_data_plane::fleet::{FIND_MATCHES_DEADLINE, FleetClientConfig, MatchesClient};
-use continuum_kv_index::{IndexStats, Limits, StoredBlock};
+use continuum_kv_index::{IndexStats, Limits, RankKey, StoredBlock};
 use continuum_tests::bench::{Quantiles, arg, write_section};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -66,6 +66,8 @@ fn main() -> anyhow::Result<()> {
     eprintln!("populated in {:?}: {stats:?}", started.elapsed());
     let queries = queries(&chains, calls);
     let mut rows = vec![in_process(&handle, &queries)?];
+    eprintln!("{:?}", rows.last());
+    rows.push(with_provisional_chains(&handle, &chains, &queries)?);
     eprintln!("{:?}", rows.last());
     rows.extend(runtime.block_on(over_grpc(handle, &queries))?);
     let table = table(&stats, &rows, queries.iter().map(Vec::len).sum::<usize>() as f64 / queries.len() as f64);
@@ -152,6 +154,34 @@ fn in_process(handle: &KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Row> {
     }
     let elapsed = started.elapsed();
     Ok(row("in-process `find_matches` (one thread)", samples, elapsed, ranks))
+}
+
+/// What `FindMatches` answers in process (the index and the provisional chains merged) with
+/// every conversation credited to its rank, as a burst of dispatches would leave them: each
+/// query shares its system prompt with a 64th of the chains, and its document with a few.
+/// The chains go again afterwards, so the gRPC rows measure the index alone.
+fn with_provisional_chains(handle: &KvHandle, chains: &[Chain], queries: &[Vec<u64>]) -> anyhow::Result<Row> {
+    handle.set_provisional_ttl(Duration::from_secs(600));
+    // `populate` listed them worker by worker, rank by rank.
+    let per_worker = CONVERSATIONS * DP_SIZE as usize;
+    let mut credited = 0;
+    for (i, chain) in chains.iter().enumerate() {
+        let dp_rank = u32::try_from(i / CONVERSATIONS % DP_SIZE as usize)?;
+        let rank = RankKey { worker_id: 1 + (i / per_worker) as u64, dp_rank };
+        credited += usize::from(handle.credit_provisional(rank, chain) == ProvisionalResult::Credited);
+    }
+    let mut samples = Vec::with_capacity(queries.len());
+    let mut ranks = 0;
+    let started = Instant::now();
+    for query in queries {
+        let t0 = Instant::now();
+        let overlaps = handle.overlaps(query).ok_or_else(|| anyhow::anyhow!("the handle is enabled"))?;
+        samples.push(t0.elapsed());
+        ranks += overlaps.len();
+    }
+    let elapsed = started.elapsed();
+    handle.set_provisional_ttl(Duration::ZERO);
+    Ok(row(&format!("in-process, with {credited} provisional chains merged (one thread)"), samples, elapsed, ranks))
 }
 
 /// The ranks each lookup names as its contenders, as a replica of a two-worker fleet does: the
@@ -257,14 +287,18 @@ fn table(stats: &IndexStats, rows: &[Row], mean_hashes: f64) -> String {
             r.ranks,
         ));
     }
-    if let (Some(local), Some(remote)) = (rows.first(), rows.get(1)) {
+    let remote = rows.iter().find(|r| r.what.starts_with("gRPC"));
+    if let (Some(local), Some(remote)) = (rows.first(), remote) {
         let share = 1.0 - local.latency.p50.as_secs_f64() / remote.latency.p50.as_secs_f64().max(1e-12);
         out.push_str(&format!(
             "\nAt concurrency 1 the index lookup is {} of the {} p50 round trip; the rest ({:.0}%) is protobuf, \
              HTTP/2 and loopback TCP. Client and server share one process and its 2-thread runtime, so the \
              concurrency-8 row also measures them competing for 2 cores. A call past the deadline \
              ({} ms by default, `--find-matches-deadline`) is abandoned and the request is scored on a recent answer for \
-             its prefix, or on the formula without overlap credit.\n",
+             its prefix, or on the formula without overlap credit. The second row is what a lookup's answer \
+             costs with every conversation credited provisionally to its rank (the index and the chains merged, as \
+             `FindMatches` answers for `provisional_ttl` after a burst of dispatches); each query shares its system \
+             prompt with a 64th of the chains.\n",
             us(local.latency.p50),
             us(remote.latency.p50),
             100.0 * share,
