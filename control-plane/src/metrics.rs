@@ -18,7 +18,7 @@ pub struct Metrics {
     pub fleet_workers: IntGauge,
     /// Open Watch streams.
     pub replicas_connected: IntGauge,
-    /// Updates sent to replicas, by `kind` (snapshot, delta).
+    /// Updates sent to replicas, by `kind` (snapshot, delta; too_large: a snapshot refused).
     pub updates_sent: IntCounterVec,
     /// Replies from replicas, by `result` (ack, nack).
     pub replica_replies: IntCounterVec,

@@ -48,7 +48,8 @@ pub struct Metrics {
     /// The learnt ratio of counted to estimated prompt tokens, by `model` (load-only sizing).
     pub prompt_estimate_ratio: GaugeVec,
     /// Worker selections for shim dispatch, by `role` (prefill, decode) and `reason` (load,
-    /// round_robin_stale, no_prefill_pool); see `routing::picker::Reason`.
+    /// round_robin_stale, no_prefill_pool, kv_aware, conditional_bypass); see
+    /// `routing::picker::Reason`.
     pub selections: IntCounterVec,
     /// KV-aware selections by `result` (overlap, no_overlap, bypass, or why there was no KV
     /// term); see `routing::picker::KvSelectionResult`.
