@@ -674,6 +674,10 @@ fn every_selection_is_counted_by_role_and_reason() {
     assert_eq!(count("decode", Reason::RoundRobinStale), 4);
     assert_eq!(count("prefill", Reason::RoundRobinStale), 1);
     assert_eq!(count("prefill", Reason::NoPrefillPool), 3);
+    // With a fresh sample in the phase, the pick is by load.
+    let sampled = pair_fleet().used(2, 0, 10, Duration::ZERO).used(4, 0, 20, Duration::ZERO);
+    pick(&picker, &sampled);
+    assert_eq!(count("decode", Reason::Load), 1);
 
     let mislabelled = IntCounterVec::new(Opts::new("x", "x"), &["only"]).expect("counter");
     let odd = LoadBasedPicker::new(Arc::new(DispatchLedger::new()), mislabelled);
@@ -682,8 +686,8 @@ fn every_selection_is_counted_by_role_and_reason() {
 
 #[test]
 fn reason_labels() {
-    let labels = [Reason::Load, Reason::RoundRobinStale, Reason::NoPrefillPool].map(Reason::as_str);
-    assert_eq!(labels, ["load", "round_robin_stale", "no_prefill_pool"]);
+    let labels = Reason::ALL.map(Reason::as_str);
+    assert_eq!(labels, ["load", "round_robin_stale", "no_prefill_pool", "kv_aware", "conditional_bypass"]);
 }
 
 // --- property: the picker only ever returns candidates, and never pairs prefill with aggregated.
