@@ -368,3 +368,16 @@ fn contender_rules() {
         assert_eq!(contenders(scored), (*reason, expected.clone()), "{name}");
     }
 }
+
+/// The prefill term's sample is fresh on the picker's side of the boundary, as its standing is:
+/// younger than `max_staleness`.
+#[test]
+fn a_phase_load_is_fresh_only_younger_than_max_staleness() {
+    let now = Instant::now() + Duration::from_secs(60);
+    let busy = load(None, Some(300), None);
+    let at = |age: Duration| fresh_load(Phase::Prefill, Some(&sample(busy, now - age)), STALE, now);
+    assert_eq!(at(STALE - Duration::from_millis(1)), Some(300));
+    assert_eq!(at(STALE), None, "exactly max_staleness old is stale");
+    assert_eq!(fresh_load(Phase::Prefill, None, STALE, now), None);
+    assert_eq!(fresh_load(Phase::Decode, Some(&sample(busy, now)), STALE, now), None, "it carries no decode field");
+}
