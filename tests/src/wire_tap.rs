@@ -55,12 +55,16 @@ impl WireTap {
     /// Every whole request recorded so far, connection by connection in the order each sent them.
     pub fn requests(&self) -> anyhow::Result<Vec<Tapped>> {
         let mut requests = Vec::new();
-        let mut files: Vec<_> = std::fs::read_dir(&self.dir)?.collect::<Result<_, _>>()?;
-        files.retain(|entry| entry.file_name().to_string_lossy().starts_with("conn-"));
-        files.sort_by_key(|entry| entry.file_name());
-        for entry in files {
-            let bytes = std::fs::read(entry.path())?;
-            requests.extend(parse(&bytes).with_context(|| format!("{}", entry.path().display()))?);
+        let mut files: Vec<(u64, PathBuf)> = Vec::new();
+        for entry in std::fs::read_dir(&self.dir)? {
+            let path = entry?.path();
+            let n = path.file_name().and_then(|n| n.to_str()?.strip_prefix("conn-")?.parse().ok());
+            files.extend(n.map(|n| (n, path)));
+        }
+        files.sort();
+        for (_, path) in files {
+            let bytes = std::fs::read(&path)?;
+            requests.extend(parse(&bytes).with_context(|| format!("{}", path.display()))?);
         }
         Ok(requests)
     }

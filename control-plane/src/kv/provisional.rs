@@ -187,10 +187,11 @@ impl ProvisionalIndex {
             let mut hint = 0;
             for chain in self.chains.iter().filter(|c| now.saturating_duration_since(c.credited) < ttl) {
                 let shared = common_prefix(&query, &chain.prefix, hint);
-                hint = shared;
                 if shared == 0 {
                     continue;
                 }
+                // From the last chain that shares the prompt: another prompt's says nothing.
+                hint = shared;
                 let blocks = u32::try_from(shared).unwrap_or(u32::MAX);
                 confirmed |= shared == chain.prefix.len() && indexed(chain.rank) >= blocks;
                 let score = scores.entry(chain.rank).or_default();

@@ -13,7 +13,7 @@ use continuum_proto::model::{LoadKey, Role};
 
 use crate::discovery::{Change, Fleet};
 use crate::fleet::{FleetChange, FleetPublisher};
-use crate::load::SharedLoadStore;
+use crate::load::{LoadStore, SharedLoadStore};
 
 /// One published generation of the discovered fleet.
 #[derive(Debug, Default)]
@@ -79,20 +79,20 @@ impl Registry {
         });
         if let Some(previous) = previous {
             let mut change = worker_changes(&previous.fleet, &self.current().fleet);
-            self.add_held_samples(&mut change);
+            // Held until the change is committed: a newer sample stored meanwhile would be
+            // published before its worker is in the view, dropped, and then overtaken by the
+            // older one read here.
+            let store = self.loads.as_ref().map(SharedLoadStore::lock);
+            if let Some(store) = &store {
+                self.add_held_samples(store, &mut change);
+            }
             self.publisher.apply(change);
         }
     }
 
-    fn add_held_samples(&self, change: &mut FleetChange) {
-        let Some(store) = &self.loads else { return };
+    fn add_held_samples(&self, store: &LoadStore, change: &mut FleetChange) {
         let state = self.publisher.current();
-        let mut entering = change.upsert.iter().filter(|w| state.view().worker(&w.key).is_none()).peekable();
-        if entering.peek().is_none() {
-            return;
-        }
-        let store = store.lock();
-        for worker in entering {
+        for worker in change.upsert.iter().filter(|w| state.view().worker(&w.key).is_none()) {
             for dp_rank in worker.dp_ranks() {
                 let key = LoadKey { worker: worker.key.clone(), dp_rank };
                 if let Some(held) = store.get(&key) {
@@ -126,7 +126,6 @@ mod tests {
 
     use super::*;
     use crate::discovery::{DiscoveredWorker, Exclusion, PublisherKey};
-    use crate::load::LoadStore;
 
     fn discovered(id: u64, role: Role, model: &str) -> (WorkerKey, DiscoveredWorker) {
         let key = WorkerKey::new("dynamo", id);

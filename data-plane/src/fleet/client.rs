@@ -291,7 +291,7 @@ fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: &mut b
             Kind::Ack(pb::Ack { version, nonce })
         }
         Err(mut reason) => {
-            if let Some((cut, _)) = reason.char_indices().nth(MAX_REASON_CHARS) {
+            if let Some((cut, _)) = reason.char_indices().nth(MAX_REASON_CHARS - 1) {
                 reason.truncate(cut);
                 reason.push('…');
             }

@@ -61,8 +61,8 @@ const MATCHES_KEEP_ALIVE: Duration = Duration::from_secs(5);
 const MAX_FIND_MATCHES_REPLY_BYTES: usize = 1 << 20;
 
 /// Ranks an answer names at most: the index's owners of a block are at most 4,096, and its
-/// provisional chains at most 4,096 more. Beyond, the answer is cut: every answer is cached
-/// for reuse, so each must stay small.
+/// provisional chains at most 4,096 more. Beyond, the answer is cut to its best-scored ranks:
+/// every answer is cached for reuse, so each must stay small.
 const MAX_ANSWERED_RANKS: usize = 8_192;
 
 /// A lookup client of the control plane, connecting when first used.
@@ -191,10 +191,12 @@ impl MatchesClient {
         let reply =
             tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))?;
         let reply = reply.inspect_err(|status| self.refused(status))?.into_inner();
+        // Ascending by score: a cut keeps the best.
+        let cut = reply.overlaps.len().saturating_sub(MAX_ANSWERED_RANKS);
         let overlaps = reply
             .overlaps
             .into_iter()
-            .take(MAX_ANSWERED_RANKS)
+            .skip(cut)
             .map(|o| RankOverlap {
                 instance_id: o.instance_id,
                 dp_rank: o.dp_rank,

@@ -170,10 +170,14 @@ fn with_provisional_chains(handle: &KvHandle, chains: &[Chain], queries: &[Vec<u
         let rank = RankKey { worker_id: 1 + (i / per_worker) as u64, dp_rank };
         credited += usize::from(handle.credit_provisional(rank, chain) == ProvisionalResult::Credited);
     }
+    // A query covering a whole chain would confirm it, and the index would lose it: each stops
+    // a block short, so every chain stays held for every call.
+    let whole = FAMILY_BLOCKS + DOCUMENT_BLOCKS + TAIL_BLOCKS;
     let mut samples = Vec::with_capacity(queries.len());
     let mut ranks = 0;
     let started = Instant::now();
     for query in queries {
+        let query = &query[..query.len().min(whole - 1)];
         let t0 = Instant::now();
         let overlaps = handle.overlaps(query).ok_or_else(|| anyhow::anyhow!("the handle is enabled"))?;
         samples.push(t0.elapsed());

@@ -125,10 +125,10 @@ struct ByRole {
     aggregated: Vec<Arc<Worker>>,
 }
 
-/// Ranks of one model a pick weighs at most, decode and prefill together: the control plane's
-/// load store holds 65,536 samples, so a rank past it could never be read anyway. Without a
-/// bound, a fleet of many workers each declaring 1,024 dp ranks (a card anyone able to register
-/// a worker can write) would cost every replica a candidate per rank, gigabytes for each model.
+/// Ranks of one model a pick weighs at most, decode and prefill together: as many as the
+/// control plane's load store holds samples for, for every model together. Without a bound, a
+/// fleet of many workers each declaring 1,024 dp ranks (a card anyone able to register a worker
+/// can write) would cost every replica a candidate per rank, gigabytes for each model.
 pub(super) const MAX_CANDIDATE_RANKS: usize = 65_536;
 
 pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>) -> Pools {
@@ -145,20 +145,20 @@ pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>
     }
     let mut pools = Pools::default();
     let (mut room, mut left_out) = (MAX_CANDIDATE_RANKS, false);
-    let mut take = |workers: &mut dyn Iterator<Item = &Arc<Worker>>| -> Vec<Candidate> {
-        let mut all = ranks(workers);
-        let taken: Vec<Candidate> = all.by_ref().take(room).collect();
-        room -= taken.len();
-        left_out |= all.next().is_some();
-        taken
-    };
+    // Namespace by namespace, a namespace's prefill pool before its decode workers: past the
+    // bound a namespace is left out whole or its decode workers in part, and a decode worker
+    // listed always has prefill candidates beside it.
     for (namespace, roles) in by_namespace {
+        if room == 0 {
+            left_out = true;
+            break;
+        }
         let pairs = !roles.prefill.is_empty() && !roles.decode.is_empty();
         let aggregated = if pairs { &[][..] } else { &roles.aggregated[..] };
-        pools.decode.extend(take(&mut roles.decode.iter().chain(aggregated)));
         if !roles.prefill.is_empty() {
-            pools.prefill.insert(namespace, take(&mut roles.prefill.iter()));
+            pools.prefill.insert(namespace, take(roles.prefill.iter(), &mut room, &mut left_out));
         }
+        pools.decode.extend(take(roles.decode.iter().chain(aggregated), &mut room, &mut left_out));
     }
     if left_out {
         tracing::warn!(
@@ -168,6 +168,16 @@ pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>
         );
     }
     pools
+}
+
+/// The ranks of `workers` that fit in `room`, which shrinks by as many; `left_out` is set if
+/// some did not fit.
+fn take<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>, room: &mut usize, left_out: &mut bool) -> Vec<Candidate> {
+    let mut all = ranks(workers);
+    let taken: Vec<Candidate> = all.by_ref().take(*room).collect();
+    *room -= taken.len();
+    *left_out |= all.next().is_some();
+    taken
 }
 
 fn ranks<'a>(workers: impl Iterator<Item = &'a Arc<Worker>>) -> impl Iterator<Item = Candidate> {

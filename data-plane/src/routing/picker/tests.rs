@@ -628,17 +628,29 @@ fn pools_are_listed_once_per_workers_map_and_follow_its_changes() {
 }
 
 /// Workers declaring more dp ranks than a pick weighs cost a replica no more than the bound:
-/// the ranks past it are left out, decode and prefill together.
+/// the ranks past it are left out, namespace by namespace, and a decode worker listed always
+/// has its namespace's prefill pool beside it.
 #[test]
 fn a_models_candidates_stop_at_the_rank_bound() {
     let per_worker = 1024;
-    let prefill = (1..=8).map(|id| dp(worker("ns", id, Role::Prefill), per_worker));
-    let decode = (100..=160).map(|id| dp(worker("ns", id, Role::Decode), per_worker));
-    let fleet = Fleet::new(prefill.chain(decode));
+    let namespace = |ns: &str, first: u64| {
+        let prefill = (first..first + 8).map(move |id| dp(worker(ns, id, Role::Prefill), per_worker));
+        let decode = (first + 100..first + 140).map(move |id| dp(worker(ns, id, Role::Decode), per_worker));
+        prefill.chain(decode).collect::<Vec<_>>()
+    };
+    let fleet = Fleet::new(namespace("a", 1000).into_iter().chain(namespace("b", 2000)));
     let pools = PoolCache::default().get(&fleet.view(), "tiny", None);
     let prefill: usize = pools.prefill.values().map(Vec::len).sum();
     assert_eq!(pools.decode.len() + prefill, super::candidates::MAX_CANDIDATE_RANKS);
-    assert_eq!(pools.decode.len(), 61 * per_worker as usize, "decode first, whole");
+    for candidate in &pools.decode {
+        let beside = pools.prefill.get(&candidate.worker.key.namespace);
+        assert!(beside.is_some_and(|pool| !pool.is_empty()), "{:?} without its prefill pool", candidate.worker.key);
+    }
+    // `a` whole (48 workers), then `b`'s prefill pool, then 8 of its 40 decode workers.
+    let ranks = |workers: usize| workers * per_worker as usize;
+    assert_eq!(pools.prefill.get("b").map(Vec::len), Some(ranks(8)));
+    let b_decode = pools.decode.iter().filter(|c| &*c.worker.key.namespace == "b").count();
+    assert_eq!((pools.decode.len() - b_decode, b_decode), (ranks(40), ranks(8)));
 }
 
 #[test]
