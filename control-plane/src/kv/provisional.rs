@@ -281,8 +281,8 @@ fn is_prefix(prefix: &[u64], of: &[u64]) -> bool {
 /// same block, so most cost two.
 fn common_prefix(a: &[u64], b: &[u64], hint: usize) -> usize {
     let agrees = |i: usize| a.get(i) == b.get(i);
-    // Most chains held are other prompts': they part at the first block.
-    if a.is_empty() || b.is_empty() || !agrees(0) {
+    // Most chains held are other prompts': they part at the first block (or one is empty).
+    if !agrees(0) {
         return 0;
     }
     let (mut agree, mut differ) = (0, a.len().min(b.len()));

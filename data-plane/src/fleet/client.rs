@@ -278,10 +278,10 @@ const MAX_REASON_CHARS: usize = 512;
 /// Applies one update to the handle, or explains why not; returns the reply to send.
 fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: &mut bool, metrics: &Metrics) -> Kind {
     let (version, nonce) = (update.version, update.nonce.clone());
-    let held = handle.view().filter(|_| *snapshot_applied);
-    match next_view(held.as_deref(), update) {
+    let before = handle.view();
+    match next_view(before.as_deref().filter(|_| *snapshot_applied), update) {
         Ok((view, snapshot)) => {
-            if let Some(before) = handle.view().filter(|before| snapshot && before.version() > view.version()) {
+            if let Some(before) = before.filter(|before| snapshot && before.version() > view.version()) {
                 tracing::info!(held = before.version(), received = view.version(), "fleet version went backwards");
             }
             metrics.updates.with_label_values(&["applied"]).inc();
