@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::State;
+use axum::http::header::ALLOW;
 use axum::http::{Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use error::ApiError;
 
@@ -37,11 +39,16 @@ pub fn routes() -> Router<Arc<AppState>> {
 /// completions never reach the router by POST (the server serves them), so any request for
 /// their path that does is one with another method.
 pub fn no_endpoint(router: Router<Arc<AppState>>) -> Router<Arc<AppState>> {
-    fn refuse(state: &AppState, status: StatusCode, method: &Method, uri: &Uri) -> ApiError {
-        let status = if uri.path() == CHAT_COMPLETIONS { StatusCode::METHOD_NOT_ALLOWED } else { status };
+    fn refuse(state: &AppState, status: StatusCode, method: &Method, uri: &Uri) -> Response {
+        if uri.path() == CHAT_COMPLETIONS {
+            let error = ApiError::no_endpoint(StatusCode::METHOD_NOT_ALLOWED, method, uri.path());
+            state.metrics.no_endpoint(error.code);
+            // RFC 9110 §15.5.6: a 405 names the methods the resource takes.
+            return ([(ALLOW, "POST")], error).into_response();
+        }
         let error = ApiError::no_endpoint(status, method, uri.path());
         state.metrics.no_endpoint(error.code);
-        error
+        error.into_response()
     }
     router
         .fallback(|State(state): State<Arc<AppState>>, method: Method, uri: Uri| async move {

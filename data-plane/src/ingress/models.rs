@@ -13,6 +13,7 @@ use serde_json::json;
 
 use super::error::ApiError;
 use super::select::SelectError;
+use crate::dispatch::pool::is_pooled;
 use crate::http::AppState;
 use crate::metrics::Ingress;
 
@@ -35,10 +36,22 @@ fn models_body(view: &FleetView) -> serde_json::Value {
     json!({"object": "list", "data": data})
 }
 
-/// Client ids of the models served by routable workers (decode or aggregated ones, as
-/// dynamo.frontend lists them, in a namespace with a shim pool), sorted.
+/// The client ids a chat completion can be routed for, sorted: the models that routable
+/// workers serve (decode or aggregated ones, as dynamo.frontend lists them, in a namespace
+/// with a shim pool), and those that unpinned routing takes to a backend listing them (every
+/// backend while disaggregated serving is off; else those outside the shim pools, which take a
+/// request the fleet cannot, see `select::route`).
 pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
     let config = view.config();
+    let disaggregated = config.disaggregated_serving.enabled;
+    let unpinned = config
+        .backends
+        .iter()
+        .filter(|backend| !disaggregated || !is_pooled(config, &backend.name))
+        .flat_map(|backend| backend.models.iter().cloned());
+    if !disaggregated {
+        return unpinned.collect();
+    }
     let pooled: BTreeSet<&str> =
         config.shim_pools.iter().filter(|p| !p.backends.is_empty()).map(|p| p.namespace.as_str()).collect();
     let served: BTreeSet<&str> = view
@@ -47,7 +60,7 @@ pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
         .filter(|w| w.role.serves_model() && pooled.contains(&*w.key.namespace))
         .map(|w| w.model.as_str())
         .collect();
-    served.into_iter().flat_map(|display| ids_for(display, &config.model_map)).collect()
+    served.into_iter().flat_map(|display| ids_for(display, &config.model_map)).chain(unpinned).collect()
 }
 
 fn ids_for(display: &str, model_map: &BTreeMap<String, String>) -> Vec<String> {

@@ -130,12 +130,12 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         Route::ChatCompletions => HeaderMap::new(),
         Route::Router => header_map(raw)?,
     };
-    let body = body_framing(raw)?;
     if version == Version::HTTP_10 && values(raw, "transfer-encoding").next().is_some() {
         // RFC 9112 §6.1: HTTP/1.0 has no transfer codings, so a hop that speaks it may frame
-        // this body by other rules than ours.
+        // this body by other rules than ours, whatever the codings listed.
         return Err(HeadError::Framing("an HTTP/1.0 request may not carry Transfer-Encoding"));
     }
+    let body = body_framing(raw)?;
     let keep_alive = match version {
         Version::HTTP_11 => !has_token(raw, "connection", "close"),
         // RFC 9112 §9.3: `close` wins over `keep-alive`, wherever each is listed.
@@ -206,6 +206,11 @@ fn body_framing(raw: &[httparse::Header<'_>]) -> Result<BodyFraming, HeadError> 
         }
         if !codings.final_chunked {
             return Err(HeadError::Framing("the only transfer coding accepted is a final `chunked`"));
+        }
+        // RFC 9112 §6.1: chunked is applied once; a hop that decodes it once would take the
+        // rest of the body for the framing of the next request.
+        if codings.chunked > 1 {
+            return Err(HeadError::Framing("chunked may be applied to a body only once"));
         }
         // RFC 9112 §6.1: a coding the server cannot decode (`gzip, chunked`) is not
         // implemented, rather than passed on still encoded.
@@ -418,6 +423,10 @@ mod tests {
             ("GET / HTTP/1.1\r\nbad header\r\n\r\n", "malformed"),
             ("\x16\x03\x01 TLS hello\r\n\r\n", "malformed"),
             ("POST / HTTP/1.0\r\nconnection: keep-alive\r\ntransfer-encoding: chunked\r\n\r\n", "HTTP/1.0"),
+            // Whatever the codings: HTTP/1.0 has none.
+            ("POST / HTTP/1.0\r\ntransfer-encoding: gzip, chunked\r\n\r\n", "HTTP/1.0"),
+            ("POST / HTTP/1.1\r\ntransfer-encoding: chunked, chunked\r\n\r\n", "only once"),
+            ("POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ntransfer-encoding: Chunked\r\n\r\n", "only once"),
         ];
         for (text, says) in rows {
             let error = refused(text);

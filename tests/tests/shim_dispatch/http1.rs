@@ -230,15 +230,23 @@ async fn requests_for_no_endpoint_get_openai_errors_and_absolute_targets_are_rou
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
     let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
     let mut pending = Vec::new();
+    // A 405 names the methods the path takes (RFC 9110 §15.5.6); heads are read lowercased.
     let rows = [
-        ("GET /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n", 404, "not_found"),
-        ("GET /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n", 405, "method_not_allowed"),
-        ("POST /v1/models HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n", 405, "method_not_allowed"),
+        ("GET /v1/completions HTTP/1.1\r\nhost: x\r\n\r\n", 404, "not_found", None),
+        ("GET /v1/chat/completions HTTP/1.1\r\nhost: x\r\n\r\n", 405, "method_not_allowed", Some("post")),
+        (
+            "POST /v1/models HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n",
+            405,
+            "method_not_allowed",
+            Some("get,head"),
+        ),
     ];
-    for (wire, status, code) in rows {
+    for (wire, status, code, allow) in rows {
         stream.write_all(wire.as_bytes()).await?;
         let answer = read_answer(&mut stream, &mut pending).await?;
         assert_eq!(answer.status, status, "{wire:?}: {answer:?}");
+        let allowed = answer.head.lines().find_map(|l| l.strip_prefix("allow: ")).map(str::trim_end);
+        assert_eq!(allowed, allow, "{wire:?}: {answer:?}");
         let error: Value = serde_json::from_slice(&answer.body)?;
         assert_eq!(error["error"]["code"], code, "{error}");
         assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");

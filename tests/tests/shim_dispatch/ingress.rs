@@ -2,7 +2,7 @@
 
 use continuum_control_plane::fleet::FleetChange;
 use continuum_data_plane::ingress::MAX_REQUEST_BODY_BYTES;
-use continuum_proto::model::{Role, WorkerKey};
+use continuum_proto::model::{Backend, Role, WorkerKey};
 use continuum_tests::shim_stub::StubShim;
 use serde_json::{Value, json};
 
@@ -50,16 +50,22 @@ async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Resu
     let mut unpooled = (*worker(13, Role::Aggregated, "elsewhere", 0)).clone();
     unpooled.key = WorkerKey::new("no-pool", 13);
     workers.push(unpooled.into());
-    let harness = Harness::start(workers, config(&[("shim-a", shim.url())])).await?;
+    let mut config = config(&[("shim-a", shim.url())]);
+    // A backend outside the shim pools takes, unpinned, a model the fleet does not serve.
+    let unified = Backend { name: "unified".into(), url: shim.url(), models: vec!["solo".into()] };
+    config.backends.push(unified);
+    let harness = Harness::start(workers, config).await?;
 
     let models: Value = harness.http.get(harness.url("/v1/models")).send().await?.json().await?;
     assert_eq!(models["object"], "list");
     let ids: Vec<&str> = models["data"].as_array().into_iter().flatten().filter_map(|m| m["id"].as_str()).collect();
     assert_eq!(
         ids,
-        ["plain", CLIENT_MODEL],
-        "mapped names under their client id; unknown roles, prefill-only models and unpooled namespaces left out"
+        ["plain", "solo", CLIENT_MODEL],
+        "mapped names under their client id, and unified backends' models; unknown roles, prefill-only \
+         models and unpooled namespaces left out"
     );
+    assert_eq!(harness.post(&chat("solo", false)).await?.status(), 200, "a model listed is routed");
     assert!(models["data"].as_array().into_iter().flatten().all(|m| m["object"] == "model"));
     harness.stop().await;
     Ok(())

@@ -171,6 +171,9 @@ async fn with_disaggregated_serving_off_requests_go_unpinned_to_backends_listing
     config.disaggregated_serving.enabled = false;
     config.backends[0].models = vec![MODEL.to_string()];
     let harness = Harness::start(disaggregated_fleet(), config).await?;
+    let models: serde_json::Value = harness.http.get(harness.url("/v1/models")).send().await?.json().await?;
+    assert_eq!(models["data"][0]["id"], MODEL, "the models listed are those routed: {models}");
+    assert_eq!(models["data"].as_array().map(Vec::len), Some(1), "{models}");
     assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200);
     let received = shim.received();
     assert!(received[0].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")));
