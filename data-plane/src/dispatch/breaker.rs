@@ -51,9 +51,17 @@ impl BreakerState {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    Closed { failures: u32 },
-    Open { since: Instant },
-    HalfOpen { probe_sent: Instant },
+    Closed {
+        failures: u32,
+    },
+    Open {
+        since: Instant,
+    },
+    /// Open, its cooldown cut short by a live liveness probe: the next request is the trial.
+    Trial,
+    HalfOpen {
+        probe_sent: Instant,
+    },
 }
 
 /// One replica's breaker: a pure state machine over explicit instants.
@@ -72,7 +80,7 @@ impl Breaker {
     /// Whether a request sent now would be let through (without claiming a probe).
     pub fn usable(&self, now: Instant, settings: &BreakerSettings) -> bool {
         match self.state {
-            State::Closed { .. } => true,
+            State::Closed { .. } | State::Trial => true,
             State::Open { since } => now.saturating_duration_since(since) >= settings.cooldown,
             State::HalfOpen { probe_sent } => now.saturating_duration_since(probe_sent) >= settings.cooldown,
         }
@@ -93,20 +101,30 @@ impl Breaker {
         self.state = State::Closed { failures: 0 };
     }
 
+    /// A live answer of the replica's liveness probe: an open breaker lets its trial request
+    /// through at once, and that request's outcome closes or reopens it. The probe proves the
+    /// replica's HTTP server alive, not that it answers chat completions (a replica whose
+    /// answers time out answers `/live` all the same), so it closes nothing itself.
+    pub fn end_cooldown(&mut self) {
+        if matches!(self.state, State::Open { .. }) {
+            self.state = State::Trial;
+        }
+    }
+
     pub fn on_failure(&mut self, now: Instant, settings: &BreakerSettings) {
         self.state = match self.state {
             State::Closed { failures } if failures.saturating_add(1) < settings.failure_threshold => {
                 State::Closed { failures: failures + 1 }
             }
             State::Open { since } => State::Open { since },
-            State::Closed { .. } | State::HalfOpen { .. } => State::Open { since: now },
+            State::Closed { .. } | State::Trial | State::HalfOpen { .. } => State::Open { since: now },
         };
     }
 
     pub fn state(&self) -> BreakerState {
         match self.state {
             State::Closed { .. } => BreakerState::Closed,
-            State::HalfOpen { .. } => BreakerState::HalfOpen,
+            State::Trial | State::HalfOpen { .. } => BreakerState::HalfOpen,
             State::Open { .. } => BreakerState::Open,
         }
     }
@@ -156,16 +174,14 @@ impl ShimHealth {
         self.with(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
     }
 
-    /// A probe's outcome. A successful one also closes an open breaker: the breaker counts only
-    /// connection-level failures, which a live answer disproves.
+    /// A probe's outcome. A successful one also ends an open breaker's cooldown (see
+    /// [`Breaker::end_cooldown`]).
     pub fn record_probe(&self, name: &str, url: &str, live: bool) {
         self.with(name, url, |r, _| {
             let was_down = r.probed.down();
             if live {
                 r.probed = Probed::default();
-                if r.breaker.state() != BreakerState::Closed {
-                    r.breaker.on_success();
-                }
+                r.breaker.end_cooldown();
             } else {
                 r.probed.failures = r.probed.failures.saturating_add(1);
             }
@@ -292,7 +308,7 @@ mod tests {
     }
 
     #[test]
-    fn two_failed_probes_take_a_replica_out_and_one_live_probe_brings_it_back_with_its_breaker_closed() {
+    fn two_failed_probes_take_a_replica_out_and_one_live_probe_brings_it_back_for_one_trial_request() {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         health.record_probe("shim", "http://a", false);
@@ -305,8 +321,22 @@ mod tests {
             health.record("shim", "http://a", false, now);
         }
         health.record_probe("shim", "http://a", true);
-        assert!(health.usable("shim", "http://a", now), "a live answer closes the open breaker too");
+        assert!(health.usable("shim", "http://a", now), "a live answer ends the open breaker's cooldown");
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
+        // One trial request, not a flood: `/live` answers whatever the chat path does.
+        assert!(health.admit("shim", "http://a", now));
+        assert!(!health.admit("shim", "http://a", now), "the trial is in flight");
+        health.record("shim", "http://a", true, now);
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
+        // A failed trial opens it again, for a whole cooldown.
+        for _ in 0..SETTINGS.failure_threshold {
+            health.record("shim", "http://a", false, now);
+        }
+        health.record_probe("shim", "http://a", true);
+        assert!(health.admit("shim", "http://a", now));
+        health.record("shim", "http://a", false, now);
+        assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown / 2));
+        assert!(health.admit("shim", "http://a", now + SETTINGS.cooldown));
     }
 
     #[test]

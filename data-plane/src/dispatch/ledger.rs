@@ -148,6 +148,23 @@ impl DispatchEnd {
     pub fn ledger(&self) -> &Arc<DispatchLedger> {
         &self.ledger
     }
+
+    /// Its answer broke off (a stream that failed after its head): its workers are suspects,
+    /// as for a buffered answer whose body broke.
+    pub fn blame(&self) {
+        let ranks = self.ledger.ranks(self.id);
+        if !ranks.is_empty() {
+            self.ledger.outliers().failed(&ranks, Instant::now());
+        }
+    }
+
+    /// Its answer ended whole (a stream that finished): its workers' failures start over.
+    pub fn acquit(&self) {
+        if self.ledger.outliers().is_empty() {
+            return;
+        }
+        self.ledger.outliers().succeeded(&self.ledger.ranks(self.id));
+    }
 }
 
 /// The ledger's dispatches are what a new stream reports again.

@@ -273,7 +273,8 @@ impl Dispatcher {
         }
         let failure = match outcome {
             PinnedOutcome::Final(outcome) => {
-                if outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
+                // A stream's workers are acquitted or blamed by how it ends (`RelayBody`).
+                if !stream && outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
                     ledger.outliers().succeeded(&ranks);
                 }
                 return outcome;

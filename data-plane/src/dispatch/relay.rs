@@ -65,11 +65,16 @@ impl RelayBody {
 
     fn finish(&mut self) {
         self.done = true;
-        self.dispatch.take();
+        if let Some(dispatch) = self.dispatch.take() {
+            dispatch.acquit();
+        }
     }
 
     fn fail(&mut self, code: &'static str, message: &str) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.finish();
+        self.done = true;
+        if let Some(dispatch) = self.dispatch.take() {
+            dispatch.blame();
+        }
         self.failures.inc();
         // The unfinished event is not sent: the client has seen only whole events.
         self.partial = BytesMut::new();
@@ -133,15 +138,6 @@ impl Body for RelayBody {
                     );
                 }
             };
-            // A keep-alive comment is relayed but is no progress: a stalled engine behind a
-            // frontend that sends them would otherwise hold the stream (and its dispatch)
-            // forever, and its first one would end the prefill before the first token.
-            if carries_event(&data) {
-                if let Some(dispatch) = &mut this.dispatch {
-                    dispatch.prefilled();
-                }
-                this.deadline.as_mut().reset(Instant::now() + this.idle);
-            }
             let Some(events) = this.whole_events(data) else {
                 if this.partial.len() > MAX_PARTIAL_EVENT_BYTES {
                     tracing::warn!(limit = MAX_PARTIAL_EVENT_BYTES, "shim stream sent an event too large to relay");
@@ -152,6 +148,16 @@ impl Body for RelayBody {
                 }
                 continue;
             };
+            // Progress is a whole event. A keep-alive comment is relayed but is none: a stalled
+            // engine behind a frontend that sends them would otherwise hold the stream (and its
+            // dispatch) forever, and its first one would end the prefill before the first
+            // token. Nor is a piece of an event that never ends, a byte now and then.
+            if carries_event(&events) {
+                if let Some(dispatch) = &mut this.dispatch {
+                    dispatch.prefilled();
+                }
+                this.deadline.as_mut().reset(Instant::now() + this.idle);
+            }
             if let Some(dispatch) = &mut this.dispatch {
                 dispatch.observe(&events);
             }
@@ -168,8 +174,8 @@ impl Body for RelayBody {
     }
 }
 
-/// Whether SSE bytes hold anything but comments (`:` lines) and the blank lines between events.
-/// An event split across frames counts in each of its pieces.
+/// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
+/// them.
 fn carries_event(data: &[u8]) -> bool {
     data.split(|b| *b == b'\n').any(|line| {
         let line = line.strip_suffix(b"\r").unwrap_or(line);

@@ -128,6 +128,43 @@ async fn only_whole_events_reach_the_client_so_a_break_inside_one_sends_the_erro
     Ok(())
 }
 
+/// A stream that breaks after its head blames its workers as a buffered answer whose body
+/// broke does: two in a row take them out of picking; one that ends whole acquits them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_that_break_after_their_head_count_against_their_workers() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let outliers = harness.replica.ledger.outliers();
+    let broken = || async {
+        let gate = shim.push_stream();
+        let mut response = harness.post(&chat(MODEL, true)).await?;
+        gate.send(Ok(Bytes::from(FIRST))).await?;
+        assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+        gate.send(Err("engine died".into())).await?;
+        while next_text(&mut response).await?.is_some() {}
+        anyhow::Ok(())
+    };
+    let whole = || async {
+        let gate = shim.push_stream();
+        let mut response = harness.post(&chat(MODEL, true)).await?;
+        for frame in [FIRST, DONE] {
+            gate.send(Ok(Bytes::from(frame))).await?;
+            assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
+        }
+        drop(gate);
+        assert_eq!(next_text(&mut response).await?, None);
+        anyhow::Ok(())
+    };
+    broken().await?;
+    whole().await?;
+    broken().await?;
+    assert!(!outliers.any_ejected(std::time::Instant::now()), "a whole stream between two breaks started them over");
+    broken().await?;
+    assert!(outliers.any_ejected(std::time::Instant::now()), "two breaks in a row");
+    harness.stop().await;
+    Ok(())
+}
+
 /// An event that never ends is held back only so far: past the bound the stream breaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfinished_event_past_the_bound_ends_the_stream_with_an_error() -> anyhow::Result<()> {
@@ -157,6 +194,30 @@ async fn a_silent_stream_ends_with_a_timeout_event() -> anyhow::Result<()> {
     assert_eq!(event_code(&event).as_deref(), Some("stream_timeout"), "{event}");
     assert_eq!(next_text(&mut response).await?, None);
     assert!(harness.replica.ledger.is_empty());
+    drop(gate);
+    harness.stop().await;
+    Ok(())
+}
+
+/// Pieces of an event that never ends are not progress either: a byte now and then would hold
+/// the stream, and its dispatch on its ranks, for as long as the sender liked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_trickling_in_without_an_end_does_not_keep_a_stream_open() -> anyhow::Result<()> {
+    let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(300), ..DispatchSettings::default() };
+    let Streaming { harness, gate, mut response, .. } = streaming(settings).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    let trickle = gate.clone();
+    let trickling = tokio::spawn(async move {
+        let _ = trickle.send(Ok(Bytes::from_static(b"data: {\"a\""))).await;
+        while trickle.send(Ok(Bytes::from_static(b"x"))).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let ended = tokio::time::timeout(Duration::from_secs(5), next_text(&mut response)).await??.unwrap_or_default();
+    assert_eq!(event_code(&ended).as_deref(), Some("stream_timeout"), "{ended}");
+    assert!(harness.replica.ledger.is_empty());
+    trickling.abort();
     drop(gate);
     harness.stop().await;
     Ok(())

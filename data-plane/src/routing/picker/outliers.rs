@@ -82,6 +82,11 @@ impl Outliers {
         }
     }
 
+    /// Whether no rank has a record: then a success has nothing to reset.
+    pub fn is_empty(&self) -> bool {
+        self.ranks.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
+    }
+
     /// Whether some rank is ejected at `now`: otherwise there is nothing to skip. Records
     /// that no longer say anything are dropped on the way.
     pub fn any_ejected(&self, now: Instant) -> bool {
