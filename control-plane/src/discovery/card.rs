@@ -101,8 +101,8 @@ pub struct RuntimeConfig {
 
 impl Card {
     /// Parses `card_json` (`null` when the record has none). `record_bytes` is the size of the
-    /// etcd value it came in: an upper bound on the card's compact size, which spares
-    /// re-serialising small cards to measure them.
+    /// etcd value it came in: a card in a value past [`MAX_RETAINED_CARD_BYTES`] is measured
+    /// before it is written, so that an oversized one is never copied.
     pub fn parse(card_json: Value, record_bytes: usize) -> Self {
         if card_json.is_null() {
             return Self {
@@ -122,10 +122,18 @@ impl Card {
             .into_iter()
             .find_map(|field| card_json.get(field)?.as_str())
             .map(super::records::excerpt);
-        let size = if record_bytes <= MAX_RETAINED_CARD_BYTES { record_bytes } else { serialised_len(&card_json) };
-        let (raw, dropped_bytes) = match serde_json::to_string(&card_json) {
-            Ok(text) if size <= MAX_RETAINED_CARD_BYTES => (Some(Arc::from(text)), None),
-            _ => (None, Some(size)),
+        // The value's size vouches for a small card only loosely (serde_json writes `1e15` back
+        // as `1000000000000000.0`), so a card is kept only as long as it is written; a large
+        // value's card is measured before it is written at all.
+        let measured = (record_bytes > MAX_RETAINED_CARD_BYTES).then(|| serialised_len(&card_json));
+        let written = match measured {
+            Some(size) if size > MAX_RETAINED_CARD_BYTES => Err(size),
+            _ => serde_json::to_string(&card_json).map_err(|_| usize::MAX),
+        };
+        let (raw, dropped_bytes) = match written {
+            Ok(text) if text.len() <= MAX_RETAINED_CARD_BYTES => (Some(Arc::from(text)), None),
+            Ok(text) => (None, Some(text.len())),
+            Err(size) => (None, Some(size)),
         };
         Self { typed, typed_error, raw, dropped_bytes, release }
     }
@@ -256,6 +264,18 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn a_card_is_kept_only_as_long_as_it_is_written_whatever_the_value_it_came_in() {
+        // `1e15` is 4 bytes in the etcd value and 18 as serde_json writes it back.
+        let numbers = Value::from(vec![1e15; MAX_RETAINED_CARD_BYTES / 5]);
+        let value_bytes = MAX_RETAINED_CARD_BYTES - 16;
+        let card = Card::parse(json!({ "pad": numbers }), value_bytes);
+        assert!(card.raw.is_none(), "a card written past the bound is not kept");
+        assert!(card.dropped_bytes.is_some_and(|size| size > MAX_RETAINED_CARD_BYTES), "{:?}", card.dropped_bytes);
+        let small = Card::parse(json!({"worker_type": "decode"}), 64);
+        assert_eq!(small.raw.as_deref(), Some(r#"{"worker_type":"decode"}"#));
+    }
 
     #[test]
     fn worker_type_claims_a_role_case_insensitively() {

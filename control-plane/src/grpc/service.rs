@@ -2,6 +2,7 @@
 //! up KV prefix overlap for FindMatches.
 
 use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -10,6 +11,7 @@ use continuum_kv_index::RankKey;
 use continuum_proto::MAX_LOOKUP_PROMPT_TOKENS;
 use continuum_proto::convert::snapshot_to_wire;
 use continuum_proto::pb::{self, fleet_server::Fleet, watch_request::Kind};
+use futures::FutureExt;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -253,7 +255,11 @@ impl Fleet for FleetService {
                 for old in previous {
                     forget.replica_gone(old).await;
                 }
-                session.run().await;
+                // A panic in the session must not skip the goodbye below: the book would hold
+                // its dispatches, and list it among the stream's sharers, until they aged out.
+                if AssertUnwindSafe(session.run()).catch_unwind().await.is_err() {
+                    tracing::error!("a Watch session panicked; forgetting it as if its stream had ended");
+                }
             };
             tokio::select! {
                 () = serve => {}

@@ -243,10 +243,14 @@ impl Rank {
             self.prefilling = self.prefilling.saturating_sub(usize::from(tokens > 0));
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
-            if !dispatch.replayed {
+            // A report's events share its instant: a first token in the report that started
+            // its dispatch measures nothing (a wait of 0 would drag every estimate down, and
+            // one replica's reports would skew what every replica is told).
+            let measured = !dispatch.replayed && at > dispatch.at;
+            if measured {
                 Timing::observe(&mut self.timing.first_token, waited);
             }
-            if dispatch.alone {
+            if measured && dispatch.alone {
                 self.timing.prefill.observe(tokens, waited);
             }
         }
@@ -363,7 +367,9 @@ impl Rank {
     /// Ends dispatch `id` on `rank`, as its replica reported; returns the hashes it held.
     pub(super) fn end(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
         let Some((dispatch, freed)) = self.remove(id, active, rank) else { return 0 };
-        if let Some(answered) = dispatch.answered.filter(|_| !dispatch.replayed && !dispatch.answer_estimated) {
+        // Nor does an end in the report of its first token (see `answered`).
+        let measured = |answered: &Instant| !dispatch.replayed && !dispatch.answer_estimated && now > *answered;
+        if let Some(answered) = dispatch.answered.filter(measured) {
             Timing::observe(&mut self.timing.decode, now.saturating_duration_since(answered));
         }
         self.last_end = Some(now);

@@ -302,6 +302,37 @@ fn a_replayed_dispatch_counts_from_when_it_began_and_teaches_no_times() {
     assert_eq!(counters, (1, 1), "one replayed, one dispatched");
 }
 
+/// A report's events share its instant: a first token or an end in the report that started
+/// (or answered) its dispatch measures nothing, however many such reports a replica sends.
+#[test]
+fn a_dispatch_answered_or_ended_within_one_report_teaches_no_times() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let ms = Duration::from_millis;
+    let t0 = Instant::now();
+    let timing =
+        |book: &Book| book.ranks.get(&book_key(0)).map_or((None, None), |r| (r.timing.first_token, r.timing.decode));
+    for id in 1..=8 {
+        let at = t0 + ms(id);
+        let whole =
+            pb::DispatchReport { prefilled: vec![id], ended: vec![id], ..report(vec![started(id, 0, 1600)], vec![]) };
+        book.report(1, whole, at, &state);
+    }
+    assert_eq!(timing(&book), (None, None), "nothing measured");
+    book.report(1, report(vec![started(9, 0, 1600)], vec![]), t0 + ms(100), &state);
+    book.report(
+        1,
+        pb::DispatchReport { prefilled: vec![9], ended: vec![9], ..Default::default() },
+        t0 + ms(150),
+        &state,
+    );
+    assert_eq!(timing(&book), (Some(ms(50)), None), "its first token, a report later; its end, not");
+    book.report(1, report(vec![started(10, 0, 1600)], vec![]), t0 + ms(200), &state);
+    book.report(1, first_token(10), t0 + ms(230), &state);
+    book.report(1, report(vec![], vec![10]), t0 + ms(330), &state);
+    assert!(timing(&book).1.is_some(), "an end a report after its first token is a decode time");
+}
+
 /// The foreign prefill tokens of each rank a change publishes.
 fn foreign_prefill(change: &FleetChange) -> Vec<Option<u64>> {
     change.backlogs.iter().map(|(_, b)| b.foreign_prefill_tokens).collect()
