@@ -1,7 +1,7 @@
 //! One rank's dispatches in flight, and what its last sample showed beyond them: the sums the
 //! book publishes for it and the times it learns (see the module above for what they mean).
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -70,6 +70,9 @@ impl Dispatch {
     }
 }
 
+/// A dispatch's place in its rank's prefill order: when it was dispatched, then its key.
+pub(super) type Queued = (Instant, (u64, u64));
+
 /// One rank's dispatches in flight and what its last sample showed beyond them.
 #[derive(Debug)]
 pub(super) struct Rank {
@@ -77,12 +80,15 @@ pub(super) struct Rank {
     pub(super) key: LoadKey,
     /// By session and the replica's dispatch id.
     pub(super) dispatches: SeededMap<(u64, u64), Dispatch>,
-    /// How many of `dispatches` await the estimate of their first token
-    /// ([`Dispatch::awaits_estimate`]): with none, the book spends nothing on them.
-    pub(super) buffered_waiting: usize,
-    /// How many of `dispatches` are still prefilling ([`Dispatch::prefill_tokens`] above 0): a
-    /// start learns whether it prefills alone without a look at every dispatch in flight.
-    pub(super) prefilling: usize,
+    /// The dispatches still prefilling ([`Dispatch::prefill_tokens`] above 0) in the rank's
+    /// prefill order (dispatched, then by id): its head is the prefill under way, and a start
+    /// learns whether it prefills alone without a look at every dispatch in flight.
+    pub(super) prefill_queue: BTreeSet<Queued>,
+    /// Those of them that await the estimate of their first token
+    /// ([`Dispatch::awaits_estimate`]), in the same order: a first token or a tick takes them
+    /// from the front, never walking the rest (a replica's reports could otherwise make every
+    /// first token walk the rank's dispatches).
+    pub(super) awaiting_estimate: BTreeSet<Queued>,
     /// The distinct decode blocks of `dispatches` (their hashes are in the book's
     /// [`ActiveIndex`]).
     pub(super) active: u64,
@@ -136,8 +142,8 @@ impl Rank {
         let mut rank = Rank {
             key,
             dispatches: SeededMap::default(),
-            buffered_waiting: 0,
-            prefilling: 0,
+            prefill_queue: BTreeSet::new(),
+            awaiting_estimate: BTreeSet::new(),
             active: 0,
             sampled_at: None,
             foreign: None,
@@ -187,8 +193,10 @@ impl Rank {
     /// Starts dispatch `id` (new to the book) on `rank`, whose blocks `active` holds.
     pub(super) fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
         let prefills = dispatch.prefill_tokens() > 0;
-        dispatch.alone = !dispatch.replayed && prefills && self.prefilling == 0;
-        self.prefilling += usize::from(prefills);
+        dispatch.alone = !dispatch.replayed && prefills && self.prefill_queue.is_empty();
+        if prefills {
+            self.prefill_queue.insert((dispatch.at, id));
+        }
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
         // Reported before the rank's last sample arrived but folded after it was measured (the
@@ -198,7 +206,9 @@ impl Rank {
             self.foreign = self.foreign.map(|f| f.saturating_sub(dispatch.added));
             self.foreign_prefill = self.foreign_prefill.map(|f| f.saturating_sub(dispatch.prompt_tokens));
         }
-        self.buffered_waiting += usize::from(dispatch.awaits_estimate());
+        if dispatch.awaits_estimate() {
+            self.awaiting_estimate.insert((dispatch.at, id));
+        }
         self.dispatches.insert(id, dispatch);
     }
 
@@ -239,8 +249,8 @@ impl Rank {
         let dispatched = dispatch.at;
         if dispatch.answered.is_none() {
             // A buffered dispatch is not expected to be answered; if it is, the report wins.
-            self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
-            self.prefilling = self.prefilling.saturating_sub(usize::from(tokens > 0));
+            self.prefill_queue.remove(&(dispatched, id));
+            self.awaiting_estimate.remove(&(dispatched, id));
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
             // A report's events share its instant: a first token in the report that started
@@ -259,13 +269,8 @@ impl Rank {
             self.last_answered = self.last_answered.max(Some(at));
             // And the rank prefills in order: the buffered prompts dispatched before this one
             // are done too.
-            if self.buffered_waiting > 0 {
-                let before = |key: &(u64, u64), d: &Dispatch| d.awaits_estimate() && (d.at, *key) < (dispatched, id);
-                for (_, earlier) in self.dispatches.iter_mut().filter(|(key, d)| before(key, d)) {
-                    earlier.estimate_answered(at);
-                    self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
-                    self.prefilling = self.prefilling.saturating_sub(1);
-                }
+            while let Some(earlier) = self.awaiting_estimate.first().copied().filter(|e| *e < (dispatched, id)) {
+                self.estimated(earlier, at);
             }
         }
     }
@@ -297,34 +302,20 @@ impl Rank {
     /// an unanswered dispatch). A first token reported for a later dispatch takes them too
     /// ([`Rank::answered`]). Whether any was taken.
     pub(super) fn deem_prefilled(&mut self, now: Instant) -> bool {
-        if self.buffered_waiting == 0 {
-            return false;
-        }
         let mut deemed = false;
-        for dispatch in self.dispatches.values_mut().filter(|d| d.awaits_estimate()) {
-            if let Some(expired) = dispatch.at.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now) {
-                dispatch.estimate_answered(expired);
-                self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
-                self.prefilling = self.prefilling.saturating_sub(1);
-                deemed = true;
-            }
+        // Oldest first, so the first one younger than the bound ends the walk.
+        while let Some(first) = self.awaiting_estimate.first().copied() {
+            let Some(expired) = first.0.checked_add(DISPATCH_MAX_AGE).filter(|at| *at <= now) else { break };
+            self.estimated(first, expired);
+            deemed = true;
         }
-        if self.prefill_head().is_none_or(|(id, _)| self.due(*id, now).is_none()) {
-            return deemed;
-        }
-        // The prefill queue in order, sorted only when its head is done: several may be by
-        // now (a replay, or a tick that came late).
-        let mut queue: Vec<(Instant, (u64, u64))> =
-            self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).map(|(id, d)| (d.at, *id)).collect();
-        queue.sort_unstable();
-        for (_, id) in queue {
-            let Some(done) = self.due(id, now) else { break };
-            let Some(head) = self.dispatches.get_mut(&id) else { break };
-            head.estimate_answered(done);
-            self.buffered_waiting = self.buffered_waiting.saturating_sub(1);
-            self.prefilling = self.prefilling.saturating_sub(1);
+        // The prefill queue in order: several at its head may be done by now (a replay, or a
+        // tick that came late).
+        while let Some(head) = self.prefill_queue.first().copied() {
+            let Some(done) = self.due(head.1, now) else { break };
+            self.estimated(head, done);
             // A replayed one was dispatched before the estimates that moved `last_answered`.
-            if !head.replayed {
+            if self.dispatches.get(&head.1).is_some_and(|d| !d.replayed) {
                 self.last_answered = Some(done);
             }
             deemed = true;
@@ -332,12 +323,19 @@ impl Rank {
         deemed
     }
 
+    /// Takes the prompt of buffered dispatch `queued` as prefilled at `at`, out of the queues.
+    fn estimated(&mut self, queued: Queued, at: Instant) {
+        self.prefill_queue.remove(&queued);
+        self.awaiting_estimate.remove(&queued);
+        if let Some(dispatch) = self.dispatches.get_mut(&queued.1) {
+            dispatch.estimate_answered(at);
+        }
+    }
+
     /// The rank's oldest dispatch still prefilling: the head of its prefill queue.
     pub(super) fn prefill_head(&self) -> Option<(&(u64, u64), &Dispatch)> {
-        if self.prefilling == 0 {
-            return None;
-        }
-        self.dispatches.iter().filter(|(_, d)| d.prefill_tokens() > 0).min_by_key(|(id, d)| (d.at, **id))
+        let (_, id) = self.prefill_queue.first()?;
+        self.dispatches.get_key_value(id)
     }
 
     /// When buffered dispatch `id`, at the head of the rank's prefill queue, should have been
@@ -404,8 +402,8 @@ impl Rank {
     /// Takes dispatch `id` out, giving back the blocks only it held; returns it and them.
     pub(super) fn remove(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> Option<(Dispatch, u64)> {
         let dispatch = self.dispatches.remove(&id)?;
-        self.buffered_waiting = self.buffered_waiting.saturating_sub(usize::from(dispatch.awaits_estimate()));
-        self.prefilling = self.prefilling.saturating_sub(usize::from(dispatch.prefill_tokens() > 0));
+        self.prefill_queue.remove(&(dispatch.at, id));
+        self.awaiting_estimate.remove(&(dispatch.at, id));
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);
         Some((dispatch, freed))

@@ -1001,10 +1001,11 @@ mod counts {
     fn check(book: &Book) -> Result<(), TestCaseError> {
         let mut in_ranks = 0;
         for rank in book.ranks.values() {
-            let prefilling = rank.dispatches.values().filter(|d| d.prefill_tokens() > 0).count();
-            let waiting = rank.dispatches.values().filter(|d| d.awaits_estimate()).count();
-            prop_assert_eq!(rank.prefilling, prefilling);
-            prop_assert_eq!(rank.buffered_waiting, waiting);
+            let queued = |keep: fn(&Dispatch) -> bool| -> std::collections::BTreeSet<rank::Queued> {
+                rank.dispatches.iter().filter(|(_, d)| keep(d)).map(|(id, d)| (d.at, *id)).collect()
+            };
+            prop_assert_eq!(&rank.prefill_queue, &queued(|d| d.prefill_tokens() > 0));
+            prop_assert_eq!(&rank.awaiting_estimate, &queued(Dispatch::awaits_estimate));
             in_ranks += rank.dispatches.len();
         }
         let filed: usize = book.where_is.values().map(|session| session.len()).sum();
@@ -1021,7 +1022,7 @@ mod counts {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
         #[test]
-        fn running_counts_match_what_they_count(ops in proptest::collection::vec(op(), 1..80)) {
+        fn the_prefill_queues_hold_exactly_what_they_order(ops in proptest::collection::vec(op(), 1..80)) {
             let state = state_with(2);
             let mut book = Book::default();
             let mut now = Instant::now();
