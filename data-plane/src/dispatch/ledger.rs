@@ -7,12 +7,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use continuum_proto::MAX_REPORTED_PREFILL_TOKENS;
 use continuum_proto::view::FleetView;
-use continuum_proto::{MAX_REPORTED_DECODE_BLOCKS, MAX_REPORTED_PREFILL_TOKENS};
 
 use crate::fleet::{DispatchReporter, InFlight, MAX_REPLAYED_HASHES, Report};
 use crate::routing::picker::{
-    DispatchId, DispatchLedger, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size, prompt_blocks,
+    DispatchId, DispatchLedger, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size, reported_blocks,
     usage_prompt_tokens,
 };
 
@@ -68,7 +68,7 @@ impl DispatchEnd {
         let prompt_tokens = at_most_whole(view, selection, prompt_tokens);
         let block_size = dispatch_block_size(view, selection);
         let hashes = chain.at_block_size(block_size);
-        let blocks = prompt_blocks(prompt_tokens, block_size).min(MAX_REPORTED_DECODE_BLOCKS);
+        let blocks = reported_blocks(prompt_tokens, block_size);
         let tokens = selection.uncached_prompt_tokens(prompt_tokens);
         let (id, reported) = reporter.operation(|report| {
             let prefill = selection.prefill.as_ref().map(|pin| {
@@ -197,6 +197,7 @@ impl Drop for DispatchEnd {
 
 #[cfg(test)]
 mod tests {
+    use continuum_proto::MAX_REPORTED_DECODE_BLOCKS;
     use continuum_proto::model::{DataPlaneConfig, WorkerKey};
     use prometheus::IntCounter;
 
@@ -254,6 +255,24 @@ mod tests {
         assert_eq!(reported(&selection(Some(1), 2)), [(4096, 0), (0, 256)], "the shorter context of the pair");
         let unknown = reported(&selection(None, 3));
         assert_eq!(unknown, [(MAX_REPORTED_PREFILL_TOKENS, MAX_REPORTED_DECODE_BLOCKS)]);
+        // And the ledger holds what the report said: a replay says it again, not more.
+        let held = DispatchEnd::record(
+            &ledger,
+            &reporter,
+            &view,
+            &selection(None, 3),
+            50_000_000,
+            &PromptChain::default(),
+            false,
+        );
+        let ids = ledger.dispatches_before(u64::MAX);
+        let (_, legs) = ledger.replay_legs(&ids, usize::MAX, 1000, u64::MAX, Instant::now());
+        assert!(!legs.is_empty());
+        for leg in legs {
+            assert!(leg.decode_blocks <= MAX_REPORTED_DECODE_BLOCKS, "{leg:?}");
+            assert!(leg.prefill_tokens <= MAX_REPORTED_PREFILL_TOKENS, "{leg:?}");
+        }
+        drop(held);
     }
 
     /// A paired dispatch's prefill leg is reported as prefilled, then ended, at the first token:

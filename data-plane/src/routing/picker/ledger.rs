@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use continuum_proto::MAX_REPORTED_DECODE_BLOCKS;
 use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
 use continuum_proto::model::{Backlog, LoadKey, ReportsFolded};
 use continuum_proto::view::FleetView;
@@ -512,7 +513,7 @@ impl DispatchLedger {
         recorded: impl Into<Recorded>,
     ) -> DispatchId {
         let Recorded { op, legs: [first_report, second_report], buffered } = recorded.into();
-        let blocks = prompt_blocks(prompt_tokens, block_size);
+        let blocks = reported_blocks(prompt_tokens, block_size);
         let mut state = self.lock();
         if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
             state.sweep(now);
@@ -744,6 +745,13 @@ impl PromptChain {
     pub fn at_block_size(&self, block_size: u32) -> &[u64] {
         if block_size == self.block_size { &self.hashes } else { &[] }
     }
+}
+
+/// A dispatch's blocks on its decode rank as it is reported and recorded: its prompt's, at most
+/// what the control plane takes from one start ([`MAX_REPORTED_DECODE_BLOCKS`]), so that the
+/// ledger holds what the report said and a replay of it is never refused as implausible.
+pub fn reported_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
+    prompt_blocks(prompt_tokens, block_size).min(MAX_REPORTED_DECODE_BLOCKS)
 }
 
 /// The blocks a prompt of `prompt_tokens` fills at `block_size` (0 counts as 1): what its
