@@ -4,6 +4,9 @@ use std::fmt;
 
 use ring::digest::{Digest, SHA256, digest};
 
+/// The scheme an `authorization` value names before its token, with its separating space.
+const SCHEME: &[u8] = b"Bearer ";
+
 /// An expected token as it is checked: its SHA-256 digest, taken once when configured.
 #[derive(Clone, Copy)]
 pub struct Token(Digest);
@@ -17,9 +20,11 @@ impl Token {
         Self(digest(&SHA256, token))
     }
 
-    /// The token an `authorization` value presents (`Bearer <token>`), digested to be checked.
+    /// The token an `authorization` value presents (`Bearer <token>`, the scheme in any case
+    /// as RFC 9110 §11.1 has it), digested to be checked.
     pub fn presented(authorization: Option<&[u8]>) -> Option<Self> {
-        authorization.and_then(|value| value.strip_prefix(b"Bearer ")).map(Self::of)
+        let (scheme, token) = authorization?.split_at_checked(SCHEME.len())?;
+        scheme.eq_ignore_ascii_case(SCHEME).then(|| Self::of(token))
     }
 
     /// Whether two tokens are the same. The digests are compared without an early exit, so
@@ -53,12 +58,14 @@ mod tests {
 
     #[test]
     fn a_token_is_accepted_only_whole_and_after_its_scheme() {
-        let cases: [(Option<&[u8]>, bool); 7] = [
+        let cases: [(Option<&[u8]>, bool); 9] = [
             (Some(b"Bearer s3cret"), true),
             (Some(b"Bearer s3creT"), false),
             (Some(b"Bearer s3cret2"), false),
             (Some(b"Bearer s3cre"), false),
-            (Some(b"bearer s3cret"), false),
+            (Some(b"bearer s3cret"), true),
+            (Some(b"BEARER s3cret"), true),
+            (Some(b"Basic s3cret"), false),
             (Some(b"s3cret"), false),
             (None, false),
         ];

@@ -94,6 +94,9 @@ impl Files {
         let path = |path: Option<&Path>| path.map(Path::to_path_buf).unwrap_or_default();
         let (cert_path, ca_path) = (path(paths.cert.as_deref()), path(paths.client_ca.as_deref()));
         let certs = certificates(&self.cert, "cert", &cert_path)?;
+        if let Some(leaf) = certs.first() {
+            in_validity(leaf, &cert_path)?;
+        }
         let key = PrivateKeyDer::from_pem_slice(&self.key).map_err(|error| TlsError::Pem {
             what: "key",
             path: PathBuf::from(crate::config::MASK),
@@ -126,6 +129,25 @@ impl Files {
         config.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Arc::new(config))
     }
+}
+
+/// Whether the served certificate is within its validity period now. rustls loads an expired
+/// (or not yet valid) certificate as readily as a current one, and no replica would accept it:
+/// a rollback to an old Secret would otherwise replace a working certificate with a useless
+/// one. A set refused for being early is taken at a later refresh, once it is valid.
+fn in_validity(leaf: &CertificateDer<'_>, path: &Path) -> Result<(), TlsError> {
+    let invalid = |reason: String| TlsError::Pem { what: "cert", path: path.to_path_buf(), reason };
+    let (_, parsed) = x509_parser::parse_x509_certificate(leaf.as_ref())
+        .map_err(|error| invalid(format!("is not an X.509 certificate ({error})")))?;
+    let validity = parsed.validity();
+    let now = x509_parser::time::ASN1Time::now();
+    if now < validity.not_before {
+        return Err(invalid(format!("is not valid before {}", validity.not_before)));
+    }
+    if now > validity.not_after {
+        return Err(invalid(format!("expired at {}", validity.not_after)));
+    }
+    Ok(())
 }
 
 fn certificates(pem: &[u8], what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
@@ -440,6 +462,39 @@ mod tests {
         assert_eq!(counted(&tls, "applied"), 1);
         assert!(!Arc::ptr_eq(&first, &tls.current.borrow()), "new connections get the renewed one");
         assert_eq!(tls.refresh().expect("reads"), Refresh::Unchanged);
+    }
+
+    /// Writes a self-signed pair valid only between the two years given.
+    fn write_dated_pair(dir: &Path, (from, until): (i32, i32)) {
+        let mut params = rcgen::CertificateParams::new(vec!["dated.test".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(from, 1, 1);
+        params.not_after = rcgen::date_time_ymd(until, 1, 1);
+        let key = rcgen::KeyPair::generate().expect("a key");
+        let cert = params.self_signed(&key).expect("a certificate");
+        std::fs::write(dir.join("cert.pem"), cert.pem()).expect("written");
+        std::fs::write(dir.join("key.pem"), key.serialize_pem()).expect("written");
+    }
+
+    /// A certificate no replica would accept, because it expired or is not valid yet, is
+    /// refused like a broken set: at start, and at a refresh, which keeps the running one.
+    #[test]
+    fn a_certificate_outside_its_validity_period_is_refused_and_the_running_one_stays() {
+        let dir = tempfile::tempdir().expect("a directory");
+        write_dated_pair(dir.path(), (2000, 2001));
+        let metrics = Metrics::new().expect("metrics");
+        let error = ServerTls::load(&paths(dir.path()), &metrics).map(drop).expect_err("expired").to_string();
+        assert!(error.contains("cert.pem") && error.contains("expired at"), "{error}");
+        write_pair(dir.path(), "one.test");
+        let tls = ServerTls::load(&paths(dir.path()), &metrics).expect("loads");
+        let first = Arc::clone(&tls.current.borrow());
+        for (years, says) in [((2000, 2001), "expired at"), ((2999, 3000), "is not valid before")] {
+            write_dated_pair(dir.path(), years);
+            let error = tls.refresh().expect_err("outside its validity").to_string();
+            assert!(error.contains(says), "{error}");
+            assert!(Arc::ptr_eq(&first, &tls.current.borrow()), "the running certificate stays");
+        }
+        write_pair(dir.path(), "two.test");
+        assert_eq!(tls.refresh().expect("a current pair"), Refresh::Applied);
     }
 
     #[test]

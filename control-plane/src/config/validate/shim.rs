@@ -58,6 +58,11 @@ fn check_backends(backends: &[BackendConfig], report: &mut Report) {
 /// an optional path the chat path is appended to; anything it would not dial as written is
 /// refused here rather than left out of routing at run time.
 fn url_problem(url: &str) -> Option<String> {
+    // First, whatever the scheme, and never quoted: what precedes the `@` is a password.
+    let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
+    if after_scheme[..after_scheme.find(['/', '?', '#']).unwrap_or(after_scheme.len())].contains('@') {
+        return Some("must not embed credentials (user:pass@host)".to_owned());
+    }
     if url.starts_with("https://") {
         return Some(format!(
             "`{url}` is https://; backends (shims and unified ones alike) are dialled over plain http:// only, \
@@ -69,10 +74,6 @@ fn url_problem(url: &str) -> Option<String> {
     };
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(authority_end);
-    // Not quoted: what precedes the `@` is a password.
-    if authority.contains('@') {
-        return Some("must not embed credentials (user:pass@host)".to_owned());
-    }
     if authority.is_empty() || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Some(format!("`{url}` must name a host and contain no whitespace"));
     }

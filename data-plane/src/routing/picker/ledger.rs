@@ -195,10 +195,15 @@ impl RankBacklog {
                 fleet.prefilled_tokens,
             ),
         };
+        // The fleet's `decode_blocks` are its dispatches in flight, which a rank no sample has
+        // measured (no foreign part) counts whole: up to date, as the in-flight sum is, when
+        // the range is known, else the larger.
+        let fleet_decode_blocks =
+            if self.since_fleet.is_some() { in_flight_decode_blocks } else { fleet.decode_blocks };
         Self {
             prefill_tokens,
             unanswered_prefill_tokens: self.unanswered_prefill_tokens,
-            decode_blocks: self.decode_blocks.max(fleet.decode_blocks),
+            decode_blocks: self.decode_blocks.max(fleet_decode_blocks),
             in_flight_decode_blocks,
             foreign_decode_blocks: fleet.foreign_decode_blocks,
             foreign_prefill_tokens: fleet.foreign_prefill_tokens,

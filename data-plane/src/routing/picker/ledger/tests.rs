@@ -448,6 +448,10 @@ fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
     // Another replica's 30 blocks are in the sums too, and stay.
     let shared = Backlog { decode_blocks: 830, ..fleet };
     assert_eq!(local.with_fleet(Some(&shared)).in_flight_decode_blocks, 40);
+    // A rank no sample has measured (no foreign part) counts the fleet's dispatches whole, up
+    // to date the same way: not the sums' 830, which hold the burst that ended.
+    assert_eq!(local.with_fleet(Some(&shared)).decode_backlog(0), 40);
+    assert_eq!(untold.with_fleet(Some(&shared)).decode_backlog(0), 830, "untold: the larger view");
     // Once the sums hold every operation, nothing is the ledger's to add.
     let caught_up = joined(&ledger, folded(1, last_op()), t1).since_fleet.expect("told");
     assert_eq!(caught_up, SinceFleet::default());
