@@ -187,10 +187,20 @@ impl ChatRequest {
     /// The body as a JSON tree, parsed anew (KV rendering reads it), once there is room for
     /// it under [`MAX_TREE_BYTES_IN_FLIGHT`]; the room is held as long as the permit.
     pub async fn tree(&self) -> Result<Tree, RequestError> {
+        self.tree_within(Duration::MAX).await
+    }
+
+    /// [`Self::tree`], waiting at most `wait` for the room (and not for the parse, which a
+    /// large body takes long over on an idle machine too): [`RequestError::Busy`] without it.
+    pub async fn tree_within(&self, wait: Duration) -> Result<Tree, RequestError> {
         // A body is at most MAX_REQUEST_BODY_BYTES, well within the budget and a u32. The
         // budget is never closed, so the room is always granted.
         let bytes = u32::try_from(self.raw.len().min(MAX_TREE_BYTES_IN_FLIGHT)).unwrap_or(u32::MAX);
-        let room = TREES.acquire_many(bytes).await.ok();
+        let acquire = TREES.acquire_many(bytes);
+        let room = match tokio::time::Instant::now().checked_add(wait) {
+            Some(deadline) => tokio::time::timeout_at(deadline, acquire).await.map_err(|_| RequestError::Busy)?.ok(),
+            None => acquire.await.ok(),
+        };
         let raw = self.raw.clone();
         // The room goes with the parse: one on the blocking pool runs to its end even when the
         // caller stops waiting (a deadline), and the tree it builds must stay counted until
@@ -207,8 +217,7 @@ impl ChatRequest {
         if !self.has_nvext && token_data.is_none() {
             return Ok(self.raw.clone());
         }
-        let mut tree =
-            tokio::time::timeout(OUTBOUND_TREE_WAIT, self.tree()).await.map_err(|_| RequestError::Busy)??;
+        let mut tree = self.tree_within(OUTBOUND_TREE_WAIT).await?;
         let rewrite = move || {
             strip_body_routing(&mut tree.value, disclose);
             if let Some(tokens) = token_data {
@@ -334,6 +343,22 @@ mod tests {
         assert!(waiting.is_err(), "a fifth large tree waits while four are held");
         held.pop();
         assert!(large.tree().await.is_ok(), "and is built once one is let go");
+    }
+
+    /// A caller's wait bounds the room only: a large body's parse, which takes a while on an
+    /// idle machine too, is not cut short by it.
+    #[tokio::test]
+    async fn a_wait_for_a_tree_bounds_its_room_not_its_parse() {
+        let numbers = vec!["1"; (MAX_REQUEST_BODY_BYTES - 64) / 2].join(",");
+        let large = parse(&format!(r#"{{"model":"m","messages":[{{}}],"pad":[{numbers}]}}"#)).unwrap();
+        let tree = large.tree_within(Duration::from_micros(1)).await;
+        assert!(tree.is_ok(), "room was free: the tree is built however long its parse takes");
+        let mut held = vec![tree.unwrap()];
+        while held.len() < MAX_TREE_BYTES_IN_FLIGHT / MAX_REQUEST_BODY_BYTES {
+            held.push(large.tree().await.unwrap());
+        }
+        let busy = large.tree_within(Duration::from_millis(1)).await;
+        assert!(matches!(busy, Err(RequestError::Busy)), "no room within the wait");
     }
 
     /// A large body's tree is built off the runtime: on a single-threaded runtime, other tasks

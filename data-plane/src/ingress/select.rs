@@ -135,7 +135,7 @@ async fn kv_term(state: &AppState, kv: &KvSelection, view: &FleetView, display: 
     // render permit is (counted `render_unavailable`).
     let body = async {
         // An error is not for a body the ingress accepted; scored on load alone if it happens.
-        let tree = tokio::time::timeout(PERMIT_WAIT, request.tree()).await.ok()?.ok()?;
+        let tree = request.tree_within(PERMIT_WAIT).await.ok()?;
         let salt = request.cache_salt(&tree).map(str::to_owned);
         Some((Arc::new(tree), salt))
     };
