@@ -34,6 +34,10 @@ pub enum StartError {
     ControlPlaneUrl { url: String, source: EndpointError },
 }
 
+/// How long a drained replica waits for each background task (the fleet stream, the probes,
+/// the TLS renewal) to stop before it abandons it.
+const TASK_STOP_WAIT: Duration = Duration::from_secs(2);
+
 /// A running replica.
 #[derive(Debug)]
 pub struct Replica {
@@ -150,8 +154,12 @@ impl Replica {
             let _ = self.server.await;
         }
         self.cancel.cancel();
-        for task in self.tasks {
-            let _ = task.await;
+        // Each stops at its next turn, but one may be waiting on the blocking pool (a stalled
+        // volume under the TLS files): the replica exits when the grace ends, not with it.
+        for mut task in self.tasks {
+            if tokio::time::timeout(TASK_STOP_WAIT, &mut task).await.is_err() {
+                task.abort();
+            }
         }
     }
 }

@@ -10,6 +10,8 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
+use continuum_data_plane::routing::headers::NVEXT_ROUTING_FIELDS;
+use continuum_data_plane::routing::picker::{EJECT_AFTER, EJECTION};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_routing::{
     self, Answer, FRONTEND, Outcome, Pins, RoutedContinuum, buffered_echo, chat_body, post_chat, streamed_echo,
@@ -44,8 +46,6 @@ const TAP: &str = "127.0.0.1:8100";
 /// leaked would not show in the frontend's echo: the tap is what can see it.
 const PIN_ALIASES: [&str; 5] =
     ["x-worker-instance-id", "x-prefill-instance-id", "x-dp-rank", "x-data-parallel-rank", "x-prefill-dp-rank"];
-/// Body routing fields, which headers would override in the frontend for the same reason.
-const NVEXT_ROUTING_FIELDS: [&str; 4] = ["backend_instance_id", "prefill_worker_id", "decode_worker_id", "token_data"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_replicas_route_on_after_the_control_plane_and_a_decode_worker_die()
@@ -81,6 +81,17 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         let pins = fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
         *spread.entry((replica, pins.decode)).or_default() += 1;
     }
+    // Idle workers tie, and ties go to the one the fleet sent a request longest ago: the two
+    // decode workers share the requests, whichever replica each came through.
+    let mut by_decode: BTreeMap<u64, usize> = BTreeMap::new();
+    for ((_, decode), n) in &spread {
+        *by_decode.entry(*decode).or_default() += n;
+    }
+    let busiest = by_decode.values().max().copied().unwrap_or(REQUESTS);
+    ensure!(
+        by_decode.len() == 2 && busiest <= REQUESTS * 7 / 10,
+        "the decode workers did not share the requests: (replica, decode) -> count {spread:?}"
+    );
     report.push(format!(
         "{REQUESTS} requests (half streaming, alternating replicas): all 200, echo == disclosed pins, in {:?}; (replica, decode) -> count {spread:?}",
         phase.elapsed()
@@ -111,10 +122,17 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
             ("x-dynamo-prefill-dp-rank", "5"),
             ("X-Prefill-Dp-Rank", "5"),
         ];
+        // Every body routing field the data plane knows, ids and ranks alike (Dynamo reads
+        // each under some name), and tokens that are not the prompt's.
         let mut body = chat_body(n, stream, MAX_TOKENS);
-        body["nvext"]["backend_instance_id"] = json!(decode);
-        body["nvext"]["prefill_worker_id"] = json!(prefill);
-        body["nvext"]["decode_worker_id"] = json!(decode);
+        for field in NVEXT_ROUTING_FIELDS {
+            body["nvext"][field] = match field {
+                "prefill_worker_id" => json!(prefill),
+                "token_data" => json!([1, 2, 3]),
+                field if field.ends_with("rank") => json!(5),
+                _ => json!(decode),
+            };
+        }
         let pins = fleet.routed(n, replica, stream, &headers, &body).await?;
         if n % 3 == 2 && pins.decode != decode {
             spoof_differed += 1;
@@ -204,6 +222,13 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     }
     // The frozen view still holds the dead worker, so the failure arm must have been taken.
     ensure!(!failed.is_empty(), "no request was pinned to the killed decode worker; the failure arm went untested");
+    // And each replica stops pinning it after EJECT_AFTER failures in a row, for EJECTION at a
+    // time, though its view still lists it: the survivor takes the rest.
+    let failures: usize = failed.values().sum();
+    let ejections = 1 + phase.elapsed().as_millis() / EJECTION.as_millis();
+    let most = EJECT_AFTER as usize * continuum.replicas.len() * usize::try_from(ejections)?;
+    ensure!(failures <= most, "{failures} requests failed on the dead worker, more than {most}: it was not ejected");
+    ensure!(ok > 0, "no request reached the surviving decode worker");
     report.push(format!(
         "{REQUESTS_AFTER_DECODE_KILL} requests after SIGKILL of decode {} (control plane dead; decode -> requests since: {decodes_after_kill:?}): {ok} x 200 from decode {survivor}, failures {failed:?}, slowest {slowest:?}, phase {:?}",
         victim.instance.instance_id,

@@ -27,6 +27,7 @@ pub mod shim_body;
 pub mod wire;
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -35,6 +36,7 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::Response;
 use bytes::Bytes;
 use continuum_proto::model::DataPlaneConfig;
+use prometheus::core::Collector;
 
 pub use breaker::{BreakerSettings, ShimHealth};
 pub use budget::RetryBudget;
@@ -366,12 +368,22 @@ impl Dispatcher {
     pub fn export_health(&self, config: &DataPlaneConfig) {
         let states = self.health.states(|name| config.backends.iter().any(|b| b.name == name));
         let gauge = &self.metrics.shim_replica_state;
-        gauge.reset();
-        for name in config.shim_pools.iter().flat_map(|p| &p.backends) {
-            gauge.with_label_values(&[name.as_str()]).set(0);
+        let mut values: BTreeMap<&str, i64> =
+            config.shim_pools.iter().flat_map(|p| &p.backends).map(|name| (name.as_str(), 0)).collect();
+        for (name, state) in states.iter().filter(|(name, _)| pool::is_pooled(config, name)) {
+            values.insert(name, state.gauge_value());
         }
-        for (name, state) in states.into_iter().filter(|(name, _)| pool::is_pooled(config, name)) {
-            gauge.with_label_values(&[name.as_str()]).set(state.gauge_value());
+        // Set in place, never reset: a scrape gathering meanwhile must not find the gauge empty.
+        for (name, value) in &values {
+            gauge.with_label_values(&[name]).set(*value);
+        }
+        let exported = gauge.collect().into_iter().flat_map(|family| family.get_metric().to_vec());
+        let gone: Vec<String> = exported
+            .filter_map(|metric| metric.get_label().first().map(|label| label.value().to_string()))
+            .filter(|name| !values.contains_key(name.as_str()))
+            .collect();
+        for name in gone {
+            let _ = gauge.remove_label_values(&[&name]);
         }
     }
 
@@ -409,6 +421,36 @@ mod tests {
         let on_gauge: Vec<&str> =
             families.iter().flat_map(|f| f.get_metric()).flat_map(|m| m.get_label()).map(|l| l.value()).collect();
         assert_eq!(on_gauge, ["pooled"], "only pooled replicas are on the gauge");
+        Ok(())
+    }
+
+    /// The gauge is set in place, never emptied (a scrape gathering meanwhile would find no
+    /// series): a pool's replica leaves it when the configuration drops it, and only then.
+    #[test]
+    fn exporting_the_gauge_again_keeps_the_replicas_still_pooled_and_drops_the_rest() -> anyhow::Result<()> {
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        let backend = |name: &str| Backend { name: name.into(), url: format!("http://{name}:8000"), models: vec![] };
+        let pooled = |names: &[&str]| DataPlaneConfig {
+            backends: names.iter().map(|name| backend(name)).collect(),
+            shim_pools: vec![ShimPool {
+                namespace: "dynamo".into(),
+                backends: names.iter().map(|n| n.to_string()).collect(),
+            }],
+            ..DataPlaneConfig::default()
+        };
+        let series = || -> Vec<(String, i64)> {
+            let families = prometheus::core::Collector::collect(&dispatcher.metrics.shim_replica_state);
+            let metrics = families.iter().flat_map(|f| f.get_metric().to_vec()).collect::<Vec<_>>();
+            metrics.iter().map(|m| (m.get_label()[0].value().to_string(), m.get_gauge().get_value() as i64)).collect()
+        };
+        let now = Instant::now();
+        for _ in 0..BreakerSettings::default().failure_threshold {
+            dispatcher.health.record("b", "http://b:8000", false, now);
+        }
+        dispatcher.export_health(&pooled(&["a", "b"]));
+        assert_eq!(series(), [("a".to_string(), 0), ("b".to_string(), 2)]);
+        dispatcher.export_health(&pooled(&["b", "c"]));
+        assert_eq!(series(), [("b".to_string(), 2), ("c".to_string(), 0)], "a left the pool, c joined it");
         Ok(())
     }
 }

@@ -122,6 +122,9 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages) {
         // runs on without it.
         drop(charge);
         match conn.write_response(response, version, keep_alive, head_only).await {
+            // A stream answered keep-alive before the drain began may end during it: the
+            // connection closes then, as every answer from the drain on says it will.
+            Ok(true) if stages.draining.is_cancelled() => return,
             Ok(true) => {}
             Ok(false) => return,
             Err(error) => {

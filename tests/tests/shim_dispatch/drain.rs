@@ -3,13 +3,14 @@
 //! in flight finish, with their ends reported, or are cut once the grace period is over.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_tests::eventually;
 use continuum_tests::shim_stub::StubShim;
 use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{CONVERGE, DECODE_ID, Harness, MODEL, NAMESPACE, chat, config, disaggregated_fleet};
 
@@ -89,6 +90,52 @@ async fn a_stream_still_open_when_the_grace_period_ends_is_cut_and_its_dispatch_
     tokio::time::timeout(Duration::from_secs(10), replica.drain(Duration::ZERO, grace)).await?;
     assert!(stream.chunk().await.is_err(), "the client sees its stream cut, not ended");
     assert!(ledger.is_empty(), "cutting the connection ended its dispatch");
+    control.stop().await;
+    Ok(())
+}
+
+/// A stream answered before the drain began said its connection stays open. If it ends during
+/// the drain, the connection closes then, as every answer from the drain on says it will: kept
+/// idle until accepting stops, it could take a request just as it closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_ends_during_the_drain_closes_its_connection() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let gate = shim.push_stream();
+    let mut client = tokio::net::TcpStream::connect(harness.replica.local_addr).await?;
+    let body = serde_json::to_vec(&chat(MODEL, true))?;
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    client.write_all(&[head.as_bytes(), &body].concat()).await?;
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !received.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(CONVERGE, client.read(&mut chunk)).await??;
+        anyhow::ensure!(n > 0, "closed before the answer's head");
+        received.extend_from_slice(&chunk[..n]);
+    }
+    assert!(received.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&received));
+    assert!(!String::from_utf8_lossy(&received).to_lowercase().contains("connection: close"));
+
+    let Harness { control, replica, .. } = harness;
+    let drain_delay = Duration::from_secs(5);
+    let draining = tokio::spawn(replica.drain(drain_delay, Duration::from_secs(30)));
+    gate.send(Ok(Bytes::from(DONE))).await?;
+    drop(gate);
+    let ended = Instant::now();
+    let closed = tokio::time::timeout(drain_delay / 2, async {
+        loop {
+            match client.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the connection stayed open after its stream ended, until accepting stopped");
+    tokio::time::timeout(Duration::from_secs(15), draining).await??;
     control.stop().await;
     Ok(())
 }

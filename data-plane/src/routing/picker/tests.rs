@@ -323,6 +323,27 @@ fn a_stalled_worker_is_passed_over_while_another_has_a_cost() {
     assert_eq!(decode_ids(&picker_stale, &quiet, 1), [1], "stalled, and still its turn");
 }
 
+/// The stall rule in the prefill phase: prompts unanswered on a prefill worker for the stall
+/// age take it out while another prefill worker has a cost, however little it has queued.
+#[test]
+fn a_stalled_prefill_worker_is_passed_over_while_another_has_a_cost() {
+    let age = STALL_AFTER + FRESH;
+    let queued = |tokens| Load { active_prefill_tokens: Some(tokens), kv_used_blocks: Some(0), ..Load::default() };
+    let mut fleet =
+        Fleet::new([worker("a", 1, Role::Prefill), worker("a", 2, Role::Prefill), worker("a", 9, Role::Decode)])
+            .used(9, 0, 0, age)
+            .sample(1, 0, queued(0), age)
+            .sample(2, 0, queued(5000), age);
+    fleet.max_staleness = Duration::from_secs(10);
+    let picker = picker();
+    let prefill_of = |s: Selection| s.prefill.map(|p| p.worker.instance_id);
+    let first = pick(&picker, &fleet);
+    assert_eq!(prefill_of(first.clone()), Some(1));
+    record(&picker, &first, 320, fleet.now - STALL_AFTER);
+    let next: Vec<_> = (0..2).map(|_| prefill_of(pick(&picker, &fleet))).collect();
+    assert_eq!(next, [Some(2), Some(2)], "320 tokens unanswered on 1 for 5 s: passed over for 5,000 queued on 2");
+}
+
 #[test]
 fn an_ended_or_single_block_dispatch_never_stalls() {
     let mut fleet =
