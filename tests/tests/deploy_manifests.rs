@@ -128,13 +128,16 @@ fn every_variable_the_pods_set_is_one_their_binary_reads() -> anyhow::Result<()>
 
 /// What the "restricted" Pod Security Standard requires of a pod, so that both deploy into a
 /// namespace that enforces it: non-root, no privilege escalation, every capability dropped and
-/// the runtime's seccomp profile (and, beyond the standard, a read-only root filesystem).
+/// the runtime's seccomp profile (and, beyond the standard, a read-only root filesystem and no
+/// ServiceAccount token, which neither binary uses).
 #[test]
 fn both_pods_meet_the_restricted_pod_security_standard() -> anyhow::Result<()> {
     for file in ["control-plane.yaml", "data-plane.yaml"] {
         let manifests = documents(file)?;
         let deployment = find(&manifests, "Deployment")?;
-        let pod = &deployment["spec"]["template"]["spec"]["securityContext"];
+        let spec = &deployment["spec"]["template"]["spec"];
+        ensure!(spec["automountServiceAccountToken"] == false, "{file}: automountServiceAccountToken");
+        let pod = &spec["securityContext"];
         ensure!(pod["runAsNonRoot"] == true, "{file}: runAsNonRoot");
         ensure!(
             pod["seccompProfile"]["type"] == "RuntimeDefault",

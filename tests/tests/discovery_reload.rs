@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-use continuum_control_plane::config::{self, Config};
+use continuum_control_plane::config::{self, Config, DiscoverySource};
 use continuum_control_plane::fleet::Catchup;
 use continuum_proto::model::WorkerKey;
 use continuum_tests::etcd::{Etcd, decode_worker_records};
@@ -170,6 +170,29 @@ async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_relo
     eventually(CONVERGE, "the grown simulated fleet", || async { workers(&control).len() == 5 }).await?;
     // A simulated fleet has no connection to lose: it reads as connected, after a restart too.
     assert_eq!(control.metrics.discovery_connected.get(), 1);
+    control.shutdown().await;
+    Ok(())
+}
+
+/// A source this build does not have is refused on reload as at start, before the running
+/// one stops: the replicas are never sent an empty fleet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_to_a_source_not_built_is_refused_and_the_running_one_stays() -> anyhow::Result<()> {
+    let mut config = config::embedded_default();
+    config.move_simulator_shim(free_port()?);
+    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
+    config.admin.listen = "127.0.0.1:0".parse()?;
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    eventually(CONVERGE, "the simulated workers", || async { workers(&control).len() == 4 }).await?;
+    let before = (restarts(&control), control.publisher.current().version());
+    for source in [DiscoverySource::Kubernetes, DiscoverySource::KubernetesPods] {
+        let mut unbuilt = config.clone();
+        unbuilt.dynamo.discovery.source = source;
+        let refused = control.reload(unbuilt).await.map(drop).expect_err("a source this build does not have");
+        assert!(refused.to_string().contains("not available"), "{refused}");
+    }
+    assert_eq!((restarts(&control), control.publisher.current().version()), before, "nothing was replaced");
+    assert_eq!(workers(&control).len(), 4);
     control.shutdown().await;
     Ok(())
 }

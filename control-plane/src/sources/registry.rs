@@ -90,11 +90,18 @@ impl Registry {
         }
     }
 
+    /// Every rank entering the view brings the sample held for it: a new worker's, and one a
+    /// worker already in the view gains (its card's ranks grew back, or arrived after a sample
+    /// for them). The store drops a rank's sample before its removal is queued, so what it
+    /// holds is never for a rank on its way out.
     fn add_held_samples(&self, store: &LoadStore, change: &mut FleetChange) {
         let state = self.publisher.current();
-        for worker in change.upsert.iter().filter(|w| state.view().worker(&w.key).is_none()) {
+        for worker in &change.upsert {
             for dp_rank in worker.dp_ranks() {
                 let key = LoadKey { worker: worker.key.clone(), dp_rank };
+                if state.view().loads().get(&key).is_some() {
+                    continue;
+                }
                 if let Some(held) = store.get(&key) {
                     change.loads.push((key, held.sample));
                 }
@@ -227,5 +234,44 @@ mod tests {
         fleet.workers.insert(k2, carded);
         registry.publish(fleet);
         assert_eq!(sample(2), Some((Some(800), received)), "its card arrived after its sample");
+    }
+
+    /// A worker already in the view whose ranks shrink and grow back (the load supervisor,
+    /// which drops a rank's sample from the store, may not have seen the shrink) brings back
+    /// the sample the store still holds for the rank that returned.
+    #[test]
+    fn a_rank_returning_to_a_worker_in_the_view_brings_the_sample_held_for_it() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        let registry = Registry::new(publisher.clone()).with_loads(store.clone());
+        let (key, mut worker) = discovered(1, Role::Decode, "m");
+        worker.worker.dp_size = 2;
+        let mut fleet = Fleet::default();
+        fleet.workers.insert(key.clone(), worker.clone());
+        registry.publish(fleet.clone());
+        let received = Instant::now() - Duration::from_secs(30);
+        let mut held = store.lock();
+        held.set_live_and_retain([(key.clone(), 0..2)].into());
+        let rank = LoadKey { worker: key.clone(), dp_rank: 1 };
+        let load = Load { kv_used_blocks: Some(800), ..Load::default() };
+        held.apply(rank.clone(), &PublisherKey { namespace: "dynamo".into(), publisher_id: 1 }, 1, load, received)
+            .expect("stored");
+        drop(held);
+        let sample = || publisher.current().view().loads().get(&rank).map(|s| (s.load.kv_used_blocks, s.received_at));
+        // The sample reaches the view through the load feed, not the registry: put it there.
+        publisher.apply(FleetChange {
+            loads: vec![(rank.clone(), store.lock().get(&rank).expect("held").sample)],
+            ..FleetChange::default()
+        });
+        assert_eq!(sample(), Some((Some(800), received)));
+
+        worker.worker.dp_size = 1;
+        fleet.workers.insert(key.clone(), worker.clone());
+        registry.publish(fleet.clone());
+        assert_eq!(sample(), None, "the rank left the view");
+        worker.worker.dp_size = 2;
+        fleet.workers.insert(key, worker);
+        registry.publish(fleet);
+        assert_eq!(sample(), Some((Some(800), received)), "the rank came back with its last sample");
     }
 }

@@ -3,7 +3,7 @@
 //! in flight finish, with their ends reported, or are cut once the grace period is over.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use continuum_proto::model::{LoadKey, WorkerKey};
@@ -124,7 +124,6 @@ async fn a_stream_that_ends_during_the_drain_closes_its_connection() -> anyhow::
     let draining = tokio::spawn(replica.drain(drain_delay, Duration::from_secs(30)));
     gate.send(Ok(Bytes::from(DONE))).await?;
     drop(gate);
-    let ended = Instant::now();
     let closed = tokio::time::timeout(drain_delay / 2, async {
         loop {
             match client.read(&mut chunk).await {

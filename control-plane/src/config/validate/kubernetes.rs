@@ -20,7 +20,8 @@ pub(super) fn check(config: &Config, report: &mut Report) {
         return;
     }
     if config.dynamo.enabled {
-        report.warning(
+        // An error, not a warning: `config validate` must not pass what the binary refuses.
+        report.error(
             "dynamo.discovery.source",
             format!(
                 "{} discovery is specified but not available in this build: the control plane refuses to start with it; use etcd, static or simulator",
