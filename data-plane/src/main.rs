@@ -87,7 +87,13 @@ fn main() -> ExitCode {
     };
     let runtime = builder.enable_all().thread_keep_alive(BLOCKING_THREAD_KEEP_ALIVE).build();
     match runtime {
-        Ok(runtime) => runtime.block_on(run(args)),
+        Ok(runtime) => {
+            let code = runtime.block_on(run(args));
+            // A blocking read stalled on a volume (the TLS files) would otherwise hold the
+            // process past its grace period: dropping a runtime waits for its blocking pool.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            code
+        }
         Err(error) => {
             eprintln!("error: cannot start the async runtime: {error}");
             ExitCode::FAILURE

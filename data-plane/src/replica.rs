@@ -34,8 +34,8 @@ pub enum StartError {
     ControlPlaneUrl { url: String, source: EndpointError },
 }
 
-/// How long a drained replica waits for each background task (the fleet stream, the probes,
-/// the TLS renewal) to stop before it abandons it.
+/// How long a drained replica waits for its background tasks (the fleet stream, the probes,
+/// the TLS renewal) to stop before it abandons them.
 const TASK_STOP_WAIT: Duration = Duration::from_secs(2);
 
 /// A running replica.
@@ -155,9 +155,10 @@ impl Replica {
         }
         self.cancel.cancel();
         // Each stops at its next turn, but one may be waiting on the blocking pool (a stalled
-        // volume under the TLS files): the replica exits when the grace ends, not with it.
+        // volume under the TLS files): they get one short wait together, not the grace again.
+        let stopped = tokio::time::Instant::now() + TASK_STOP_WAIT;
         for mut task in self.tasks {
-            if tokio::time::timeout(TASK_STOP_WAIT, &mut task).await.is_err() {
+            if tokio::time::timeout_at(stopped, &mut task).await.is_err() {
                 task.abort();
             }
         }

@@ -10,7 +10,6 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use continuum_data_plane::routing::headers::NVEXT_ROUTING_FIELDS;
 use continuum_data_plane::routing::picker::{EJECT_AFTER, EJECTION};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_routing::{
@@ -46,6 +45,19 @@ const TAP: &str = "127.0.0.1:8100";
 /// leaked would not show in the frontend's echo: the tap is what can see it.
 const PIN_ALIASES: [&str; 5] =
     ["x-worker-instance-id", "x-prefill-instance-id", "x-dp-rank", "x-data-parallel-rank", "x-prefill-dp-rank"];
+/// Body fields that choose workers or ranks, or replace the prompt: listed here, not taken from
+/// the data plane, so that one it stopped stripping fails this test.
+const NVEXT_ROUTING_FIELDS: [&str; 9] = [
+    "backend_instance_id",
+    "prefill_worker_id",
+    "decode_worker_id",
+    "dp_rank",
+    "prefill_dp_rank",
+    "decode_dp_rank",
+    "data_parallel_rank",
+    "token_data",
+    "worker_id",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_replicas_route_on_after_the_control_plane_and_a_decode_worker_die()

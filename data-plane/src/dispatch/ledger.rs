@@ -221,7 +221,9 @@ mod tests {
                 model: "tiny".into(),
                 component: "backend".into(),
                 endpoint: "generate".into(),
-                block_size: Some(16),
+                // Worker 3's blocks are small: its longest prompt has more than the control
+                // plane takes from one start.
+                block_size: Some(if id == 3 { 8 } else { 16 }),
                 capacity: Capacity { context_length, ..Capacity::default() },
                 dp_start_rank: 0,
                 dp_size: 0,

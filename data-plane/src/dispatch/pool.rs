@@ -105,6 +105,15 @@ pub fn unified_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplic
     serving_backends(config, model).into_iter().filter(|replica| !is_pooled(config, &replica.name)).collect()
 }
 
+/// The models unpinned routing takes to a backend, as clients name them: those of every
+/// dialable backend while disaggregated serving is off ([`serving_backends`]), else of those
+/// outside every shim pool ([`unified_backends`]).
+pub fn unpinned_models(config: &DataPlaneConfig) -> impl Iterator<Item = &str> {
+    let disaggregated = config.disaggregated_serving.enabled;
+    let unpinned = move |name: &str| (!disaggregated || !is_pooled(config, name)) && replica(config, name).is_some();
+    config.backends.iter().filter(move |b| unpinned(&b.name)).flat_map(|b| b.models.iter().map(String::as_str))
+}
+
 /// Whether backend `name` is a member of some namespace's shim pool.
 pub fn is_pooled(config: &DataPlaneConfig, name: &str) -> bool {
     config.shim_pools.iter().any(|pool| pool.backends.iter().any(|b| b == name))

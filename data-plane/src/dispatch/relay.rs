@@ -63,9 +63,10 @@ impl RelayBody {
         }
     }
 
-    fn finish(&mut self) {
+    /// The stream ended; `whole` when on the end of an event, which acquits its workers.
+    fn finish(&mut self, whole: bool) {
         self.done = true;
-        if let Some(dispatch) = self.dispatch.take() {
+        if let Some(dispatch) = self.dispatch.take().filter(|_| whole) {
             dispatch.acquit();
         }
     }
@@ -124,9 +125,10 @@ impl Body for RelayBody {
                     );
                 }
                 Poll::Ready(None) => {
-                    this.finish();
-                    // An event the shim never ended is passed on as it came: SSE drops it.
+                    // An event the shim never ended is passed on as it came: SSE drops it. The
+                    // answer did not end whole, so its workers are not acquitted either.
                     let unfinished = std::mem::take(&mut this.partial);
+                    this.finish(unfinished.is_empty());
                     return Poll::Ready((!unfinished.is_empty()).then(|| Ok(Frame::data(unfinished.freeze()))));
                 }
                 Poll::Pending => {

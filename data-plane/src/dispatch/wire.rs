@@ -182,8 +182,6 @@ pub(crate) struct Codings {
     pub final_chunked: bool,
     /// How many codings are listed, over every `Transfer-Encoding` line.
     pub listed: usize,
-    /// How many of them are `chunked`: RFC 9112 §6.1 has it applied once at most.
-    pub chunked: usize,
 }
 
 impl Codings {
@@ -199,12 +197,17 @@ impl Codings {
 pub(crate) fn transfer_codings(raw: &[httparse::Header<'_>]) -> Option<Codings> {
     let last = values(raw, "transfer-encoding").next_back()?;
     let last = last.rsplit(|b| *b == b',').next().unwrap_or_default();
-    let listed = || values(raw, "transfer-encoding").flat_map(|v| v.split(|b| *b == b',')).map(<[u8]>::trim_ascii);
     Some(Codings {
         final_chunked: last.trim_ascii().eq_ignore_ascii_case(b"chunked"),
-        listed: listed().filter(|c| !c.is_empty()).count(),
-        chunked: listed().filter(|c| c.eq_ignore_ascii_case(b"chunked")).count(),
+        listed: listed_codings(raw).count(),
     })
+}
+
+/// The transfer codings a head lists, over every `Transfer-Encoding` line, trimmed; empty list
+/// items left out.
+pub(crate) fn listed_codings<'h>(raw: &'h [httparse::Header<'_>]) -> impl Iterator<Item = &'h [u8]> {
+    let items = values(raw, "transfer-encoding").flat_map(|v| v.split(|b| *b == b','));
+    items.map(<[u8]>::trim_ascii).filter(|c| !c.is_empty())
 }
 
 /// Why a head's `Content-Length` cannot be used.

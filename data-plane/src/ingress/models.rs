@@ -1,5 +1,6 @@
-//! `GET /v1/models`: the models that routable workers serve, under the ids clients use. A
-//! display name the model map targets is listed under its client ids instead.
+//! `GET /v1/models`: the models a chat completion can be routed for, under the ids clients use:
+//! those routable workers serve (a display name the model map targets listed under its client
+//! ids instead) and those unpinned routing takes to a backend listing them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -13,7 +14,7 @@ use serde_json::json;
 
 use super::error::ApiError;
 use super::select::SelectError;
-use crate::dispatch::pool::is_pooled;
+use crate::dispatch::pool::unpinned_models;
 use crate::http::AppState;
 use crate::metrics::Ingress;
 
@@ -38,18 +39,12 @@ fn models_body(view: &FleetView) -> serde_json::Value {
 
 /// The client ids a chat completion can be routed for, sorted: the models that routable
 /// workers serve (decode or aggregated ones, as dynamo.frontend lists them, in a namespace
-/// with a shim pool), and those that unpinned routing takes to a backend listing them (every
-/// backend while disaggregated serving is off; else those outside the shim pools, which take a
-/// request the fleet cannot, see `select::route`).
+/// with a shim pool) while disaggregated serving is on, and those that unpinned routing takes
+/// to a backend ([`unpinned_models`]).
 pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
     let config = view.config();
-    let disaggregated = config.disaggregated_serving.enabled;
-    let unpinned = config
-        .backends
-        .iter()
-        .filter(|backend| !disaggregated || !is_pooled(config, &backend.name))
-        .flat_map(|backend| backend.models.iter().cloned());
-    if !disaggregated {
+    let unpinned = unpinned_models(config).map(str::to_owned);
+    if !config.disaggregated_serving.enabled {
         return unpinned.collect();
     }
     let pooled: BTreeSet<&str> =

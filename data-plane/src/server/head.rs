@@ -11,7 +11,7 @@ use axum::http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 
 use super::conn::REQUEST_READ_TIMEOUT;
-use crate::dispatch::wire::{LengthError, content_length, has_token, transfer_codings, values};
+use crate::dispatch::wire::{LengthError, content_length, has_token, listed_codings, transfer_codings, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::routing::headers::{TENANT_ID, asks_disclosure, tenant};
 
@@ -209,7 +209,7 @@ fn body_framing(raw: &[httparse::Header<'_>]) -> Result<BodyFraming, HeadError> 
         }
         // RFC 9112 §6.1: chunked is applied once; a hop that decodes it once would take the
         // rest of the body for the framing of the next request.
-        if codings.chunked > 1 {
+        if listed_codings(raw).filter(|c| c.eq_ignore_ascii_case(b"chunked")).count() > 1 {
             return Err(HeadError::Framing("chunked may be applied to a body only once"));
         }
         // RFC 9112 §6.1: a coding the server cannot decode (`gzip, chunked`) is not

@@ -58,22 +58,21 @@ fn check_backends(backends: &[BackendConfig], report: &mut Report) {
 /// an optional path the chat path is appended to; anything it would not dial as written is
 /// refused here rather than left out of routing at run time.
 fn url_problem(url: &str) -> Option<String> {
+    let (scheme, rest) = url.split_once("://").map_or((None, url), |(scheme, rest)| (Some(scheme), rest));
+    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
     // First, whatever the scheme, and never quoted: what precedes the `@` is a password.
-    let after_scheme = url.split_once("://").map_or(url, |(_, rest)| rest);
-    if after_scheme[..after_scheme.find(['/', '?', '#']).unwrap_or(after_scheme.len())].contains('@') {
+    if authority.contains('@') {
         return Some("must not embed credentials (user:pass@host)".to_owned());
     }
-    if url.starts_with("https://") {
+    if scheme == Some("https") {
         return Some(format!(
             "`{url}` is https://; backends (shims and unified ones alike) are dialled over plain http:// only, \
              from beside them inside the cluster"
         ));
     }
-    let Some(rest) = url.strip_prefix("http://") else {
+    if scheme != Some("http") {
         return Some(format!("`{url}` must be an http:// URL"));
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
+    }
     if authority.is_empty() || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Some(format!("`{url}` must name a host and contain no whitespace"));
     }
