@@ -141,14 +141,21 @@ async fn a_changed_namespace_resets_the_registry_and_discovers_the_new_graph() -
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_reload_is_refused() -> anyhow::Result<()> {
+/// The embedded default's simulated fleet on ports of its own, once its four workers are in
+/// the view, and the configuration it runs.
+async fn simulated() -> anyhow::Result<(Config, ControlPlane)> {
     let mut config = config::embedded_default();
     config.move_simulator_shim(free_port()?);
     config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
     config.admin.listen = "127.0.0.1:0".parse()?;
-    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    let control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
     eventually(CONVERGE, "the simulated workers", || async { workers(&control).len() == 4 }).await?;
+    Ok((config, control))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_reload_is_refused() -> anyhow::Result<()> {
+    let (config, mut control) = simulated().await?;
 
     // The new shim's port is taken: the new simulator cannot bind it.
     let taken = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -178,12 +185,7 @@ async fn a_simulator_that_cannot_start_gives_way_to_the_one_running_and_the_relo
 /// one stops: the replicas are never sent an empty fleet.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_to_a_source_not_built_is_refused_and_the_running_one_stays() -> anyhow::Result<()> {
-    let mut config = config::embedded_default();
-    config.move_simulator_shim(free_port()?);
-    config.control_plane.grpc_listen = "127.0.0.1:0".parse()?;
-    config.admin.listen = "127.0.0.1:0".parse()?;
-    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
-    eventually(CONVERGE, "the simulated workers", || async { workers(&control).len() == 4 }).await?;
+    let (config, mut control) = simulated().await?;
     let before = (restarts(&control), control.publisher.current().version());
     for source in [DiscoverySource::Kubernetes, DiscoverySource::KubernetesPods] {
         let mut unbuilt = config.clone();
