@@ -100,7 +100,9 @@ fn describe(key: &WorkerKey, instance: &EndpointRecord, card: Option<&Card>) -> 
         disaggregated_endpoint: rc.and_then(|rc| rc.disaggregated_endpoint.clone()),
         artifacts: card.and_then(Card::artifacts).map(Arc::new),
     };
-    match excluded.or_else(|| implausible(&worker)) {
+    // Implausible first: a worker excluded for another reason (its roles disagree) must not
+    // keep outsized fields or ranks past the bound either.
+    match implausible(&worker).or(excluded) {
         // Nothing of an implausible worker is kept beyond its identity and role: it is listed,
         // never routed, and must not carry its outsized fields into every snapshot.
         Some(

@@ -288,4 +288,15 @@ fn a_worker_whose_records_no_real_worker_has_is_listed_bare_and_never_routed() {
             assert!(bare.disaggregated_endpoint.is_none() && bare.artifacts.is_none(), "{field}");
         }
     }
+    // A card whose role disagrees with its component is excluded for that already; its
+    // outsized name and ranks are dropped all the same.
+    let mut card = card_json("decode");
+    card["display_name"] = json!(long_name);
+    card["runtime_config"]["data_parallel_size"] = json!(u32::MAX);
+    let mut sim = Sim::new();
+    sim.put(card_key(NS, "prefill", ID), &card_value("prefill", json!(ID), card));
+    sim.put(instance_key(NS, "prefill", "generate", ID), &endpoint_value("prefill", "generate", json!(ID)));
+    let Some(worker) = sim.worker(ID) else { panic!("the worker is listed") };
+    assert_eq!(worker.excluded, Some(Exclusion::TooManyRanks { declared: u32::MAX }));
+    assert_eq!((worker.worker.dp_ranks().count(), worker.worker.model.len()), (1, 0));
 }
