@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use continuum_tests::process::free_port;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
@@ -39,35 +39,44 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
     let banner = async {
         let mut printed = Vec::new();
         while let Some(line) = lines.next_line().await? {
-            let curl = line.contains("curl -s -D- http://") && line.contains("/v1/chat/completions");
-            printed.push(line);
-            if curl {
-                return Ok(printed);
+            if line.contains("curl -s -D- http://") && line.contains("/v1/chat/completions") {
+                // The command goes on, with its headers and body, on the next line.
+                let rest = lines.next_line().await?.context("the curl line's continuation")?;
+                return Ok(command_of(&[line, rest]));
             }
+            printed.push(line);
         }
         bail!("the demo ended before its banner:\n{}", printed.join("\n"))
     };
-    let printed = tokio::time::timeout(BANNER_WITHIN, banner).await.context("no banner in time")??;
-    let curl = printed.last().context("a curl line")?;
-    ensure!(curl.contains(&format!("http://{listen}/v1/chat/completions")), "the banner names the replica: {curl}");
+    let command = tokio::time::timeout(BANNER_WITHIN, banner).await.context("no banner in time")??;
+    ensure!(
+        command.contains(&format!("http://{listen}/v1/chat/completions")),
+        "the banner names the replica: {command}"
+    );
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    // The README shows the same command, at the default address.
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md"))?;
+    let shown: Vec<String> =
+        readme.lines().skip_while(|l| !l.starts_with("curl -s -D- ")).take(2).map(str::to_owned).collect();
+    ensure!(
+        command_of(&shown) == command.replace(&listen.to_string(), "127.0.0.1:8080"),
+        "the README's curl line differs from the demo's: {shown:?}"
+    );
 
-    // The banner's request: its headers and body, as printed on the line after it.
-    let request = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
-                         "nvext": {"extra_fields": ["worker_id"]}});
-    let response = reqwest::Client::new()
-        .post(format!("http://{listen}/v1/chat/completions"))
-        .header("x-backend", "show")
-        .json(&request)
-        .send()
-        .await?;
-    ensure!(response.status() == 200, "{}", response.status());
-    let pinned = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    // The banner's command, run as printed.
+    let output = tokio::process::Command::new("bash").args(["-c", &command]).env("NO_PROXY", "*").output().await?;
+    ensure!(output.status.success(), "the printed command failed: {output:?}");
+    let answer = String::from_utf8(output.stdout)?;
+    let (head, body) = answer.split_once("\r\n\r\n").context("a head and a body")?;
+    ensure!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let pinned = |name: &str| {
+        head.lines().find_map(|l| l.to_ascii_lowercase().strip_prefix(&format!("{name}: "))?.trim().parse::<u64>().ok())
+    };
     let (decode, prefill) = (pinned("x-continuum-decode-worker"), pinned("x-continuum-prefill-worker"));
-    let body: Value = response.json().await?;
+    let body: Value = serde_json::from_str(body)?;
     let echoed = &body["nvext"]["worker_id"];
-    ensure!(decode.is_some() && echoed["decode_worker_id"].as_u64() == decode, "{body}");
-    ensure!(prefill.is_some() && echoed["prefill_worker_id"].as_u64() == prefill, "{body}");
+    ensure!(decode.is_some() && echoed["decode_worker_id"].as_u64() == decode, "{head}\n{body}");
+    ensure!(prefill.is_some() && echoed["prefill_worker_id"].as_u64() == prefill, "{head}\n{body}");
 
     stopped.interrupt()?;
     let status = tokio::time::timeout(STOPPED_WITHIN, demo.wait()).await.context("the demo did not stop")??;
@@ -78,6 +87,12 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
+}
+
+/// A command printed over `lines`, each but the last ending in a backslash, as one line.
+fn command_of(lines: &[String]) -> String {
+    let parts: Vec<&str> = lines.iter().map(|l| l.trim().trim_end_matches('\\').trim()).collect();
+    parts.join(" ")
 }
 
 /// The demo's process group, interrupted as Ctrl-C would, and killed if the test ends first.

@@ -117,6 +117,7 @@ fn discovery_rows() -> Vec<Row> {
         row("simulator model required", simulator("{model: ''}"), Error, "dynamo.discovery.simulator.model", "model"),
         row("simulator needs decode workers", simulator("{decode: 0}"), Error, "dynamo.discovery.simulator.decode", "at least 1"),
         row("simulator workers bounded", simulator("{prefill: 65}"), Error, "dynamo.discovery.simulator.prefill", "at most 64"),
+        row("simulator kv blocks bounded", simulator("{total_kv_blocks: 1099511627776}"), Error, "dynamo.discovery.simulator.total_kv_blocks", "at most 1048576"),
         row("simulator block_size zero", simulator("{block_size: 0}"), Error, "dynamo.discovery.simulator.block_size", "greater than zero"),
         row("simulator total_kv_blocks zero", simulator("{total_kv_blocks: 0}"), Error, "dynamo.discovery.simulator.total_kv_blocks", "greater than zero"),
         row("simulator namespace with slash", simulator("{namespace: 'a/b'}"), Error, "dynamo.discovery.simulator.namespace", "`/`"),

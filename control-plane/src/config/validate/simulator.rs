@@ -10,6 +10,10 @@ pub const MAX_SIMULATED_WORKERS: u32 = 64;
 
 const BASE: &str = "dynamo.discovery.simulator";
 
+/// KV blocks one simulated worker may declare (and cache the hashes of): a real worker's
+/// order of magnitude, and a bound on what the demo holds.
+pub const MAX_SIMULATED_KV_BLOCKS: u64 = 1 << 20;
+
 pub(super) fn check(config: &Config, report: &mut Report) {
     if config.dynamo.discovery.source != DiscoverySource::Simulator {
         return;
@@ -32,6 +36,13 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     }
     if simulator.total_kv_blocks == 0 {
         report.error(format!("{BASE}.total_kv_blocks"), "must be greater than zero");
+    }
+    // Each simulated worker caches up to this many blocks' hashes.
+    if simulator.total_kv_blocks > MAX_SIMULATED_KV_BLOCKS {
+        report.error(
+            format!("{BASE}.total_kv_blocks"),
+            format!("is {}; at most {MAX_SIMULATED_KV_BLOCKS} are simulated", simulator.total_kv_blocks),
+        );
     }
     if simulator.lease_ttl.is_zero() {
         report.error(format!("{BASE}.lease_ttl"), "must be greater than zero");

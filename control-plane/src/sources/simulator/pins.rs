@@ -67,14 +67,16 @@ pub struct Resolution {
 pub fn resolve(headers: &HeaderMap, body: &Value, known: Known<'_>) -> Result<Resolution, Refusal> {
     let decode = header(headers, &DECODE_ID).or_else(|| nvext(body, "backend_instance_id"));
     let prefill = header(headers, &PREFILL_ID).or_else(|| nvext(body, "prefill_worker_id"));
-    let decode_dp_rank = rank(headers, &DECODE_RANK)?;
-    let prefill_dp_rank = rank(headers, &PREFILL_RANK)?;
+    // The ranks are checked last, as 1.6.1's routers check them in their output, once the ids
+    // passed.
+    let ranks = || Ok::<_, Refusal>((rank(headers, &PREFILL_RANK)?, rank(headers, &DECODE_RANK)?));
     if known.prefill.is_empty() {
         // Aggregated: the decode worker does both phases; a prefill pin must name it.
         let decode = decode.filter(|d| known.decode.contains(d)).ok_or_else(Refusal::invalid)?;
         if prefill.is_some_and(|p| p != decode) {
             return Err(Refusal::invalid());
         }
+        let (prefill_dp_rank, decode_dp_rank) = ranks()?;
         let pins = Pins { prefill: decode, decode, prefill_dp_rank, decode_dp_rank };
         return Ok(Resolution { prefill: decode, pins: Ok(pins) });
     }
@@ -83,6 +85,7 @@ pub fn resolve(headers: &HeaderMap, body: &Value, known: Known<'_>) -> Result<Re
     if !known.prefill.contains(&prefill) {
         return Err(Refusal::invalid());
     }
+    let (prefill_dp_rank, decode_dp_rank) = ranks()?;
     let pins = match decode {
         Some(decode) if known.decode.contains(&decode) => Ok(Pins { prefill, decode, prefill_dp_rank, decode_dp_rank }),
         _ => Err(Refusal::invalid()),
@@ -173,5 +176,10 @@ mod tests {
         assert_eq!(ok.map(|r| r.pins.map(|p| p.decode_dp_rank)), Ok(Ok(Some(0))));
         let refused = resolve(&headers(&[base[0], base[1], ("x-dynamo-prefill-dp-rank", "5")]), &json!({}), DISAGG);
         assert_eq!(refused.map_err(|r| r.message), Err("dp_rank 5 is out of bounds for dp_size 1".to_owned()));
+        // Only once the ids passed: a missing or unknown prefill id is refused as such.
+        let missing = resolve(&headers(&[base[0], ("x-dynamo-dp-rank", "5")]), &json!({}), DISAGG);
+        assert_eq!(missing, Err(failed()));
+        let unknown = [base[0], ("x-dynamo-prefill-instance-id", "9"), ("x-dynamo-prefill-dp-rank", "5")];
+        assert_eq!(resolve(&headers(&unknown), &json!({}), DISAGG), Err(Refusal::invalid()));
     }
 }

@@ -283,6 +283,31 @@ mod tests {
     use super::*;
     use crate::load::decode::decode_kv_metrics;
 
+    /// The frames 1.6.1's mocker publishes, byte for byte, `published_at` (a clock reading)
+    /// aside: the first kv_metrics message of the prefill worker in
+    /// fixtures/dynamo-1.6.1/disagg/zmq-messages.jsonl.
+    #[test]
+    fn kv_metrics_frames_are_the_real_mockers_byte_for_byte() {
+        const CAPTURED: [&str; 4] = [
+            "6b765f6d657472696373",
+            "0008a4ab3feb5855",
+            "0000000000000000",
+            "01000000ac85ac7075626c69736865725f6964cf0008a4ab3feb5855a873657175656e636500ac7075626c69736865645f6174\
+             cf000001a2288408aca5746f706963aa6b765f6d657472696373a77061796c6f6164c45a85a9776f726b65725f6964cf6a6c\
+             a228814c9742a764705f72616e6b00b46163746976655f6465636f64655f626c6f636b73c0b56163746976655f7072656669\
+             6c6c5f746f6b656e73c0ae6b765f757365645f626c6f636b7300",
+        ];
+        let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        let mut frames: Vec<Vec<u8>> =
+            encode(0x8_a4ab_3feb_5855, 0, 7_668_682_560_356_783_938, 0).iter().cloned().collect();
+        let marker = b"published_at\xcf";
+        let at = frames[3].windows(marker.len()).position(|w| w == marker).map(|i| i + marker.len());
+        let at = at.unwrap_or_else(|| panic!("no published_at in {}", hex(&frames[3])));
+        frames[3][at..at + 8].copy_from_slice(&0x0000_01a2_2884_08ac_u64.to_be_bytes());
+        let encoded: Vec<String> = frames.iter().map(|f| hex(f)).collect();
+        assert_eq!(encoded, CAPTURED);
+    }
+
     #[test]
     fn published_frames_decode_as_dynamo_kv_metrics() {
         let worker = SimulatedWorker::new(0x6a6c_a228_814c_9742, (0x5a00_0001, 0x5a00_0002), 1024);
