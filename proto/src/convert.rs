@@ -12,7 +12,7 @@ use crate::model::{
     LoadSample, ModelArtifacts, PickerParams, PromptDefaults, ReportsFolded, Role, ShimPool, Worker, WorkerKey,
 };
 use crate::view::{ApplyError, FleetDelta, FleetView};
-use crate::{MAX_DATA_PARALLEL_SIZE, pb};
+use crate::{MAX_DATA_PARALLEL_SIZE, MAX_STALENESS, pb};
 
 /// Why a wire message cannot become a domain value.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -233,8 +233,10 @@ impl TryFrom<pb::DataPlaneConfig> for DataPlaneConfig {
         {
             return Err(DecodeError::InvalidPicker { field: "decode_busy_threshold", value: threshold.to_string() });
         }
-        if picker.max_staleness_ms == 0 {
-            return Err(DecodeError::InvalidPicker { field: "max_staleness_ms", value: "0".into() });
+        let staleness = Duration::from_millis(picker.max_staleness_ms);
+        if staleness.is_zero() || staleness > MAX_STALENESS {
+            let value = picker.max_staleness_ms.to_string();
+            return Err(DecodeError::InvalidPicker { field: "max_staleness_ms", value });
         }
         let disagg = config.disaggregated_serving.unwrap_or_default();
         let kv = config.kv_artifacts.unwrap_or_default();
@@ -447,6 +449,28 @@ mod tests {
         let wire = pb::Worker::from(&worker);
         assert_eq!(wire.disaggregated_endpoint, None);
         assert_eq!(wire.key.map(|k| k.instance_id), Some(7), "the rest goes as it is");
+    }
+
+    /// Picker parameters a conforming control plane never sends are refused, not used: a
+    /// weight that is not a finite non-negative number, a staleness of zero or past the bound
+    /// (sample ages are clamped at an hour, so a longer one would read an ancient sample fresh).
+    #[test]
+    fn picker_parameters_out_of_their_bounds_are_refused() {
+        let config =
+            |picker: pb::Picker| pb::DataPlaneConfig { picker: Some(picker), ..pb::DataPlaneConfig::default() };
+        let picker = |max_staleness_ms| pb::Picker { max_staleness_ms, ..pb::Picker::default() };
+        let staleness = u64::try_from(MAX_STALENESS.as_millis()).unwrap_or(u64::MAX);
+        assert!(DataPlaneConfig::try_from(config(picker(staleness))).is_ok());
+        for refused in [
+            picker(0),
+            picker(staleness + 1),
+            picker(7_200_000),
+            pb::Picker { prefill_load_scale: f64::NAN, ..picker(1000) },
+            pb::Picker { router_temperature: -1.0, ..picker(1000) },
+        ] {
+            let decoded = DataPlaneConfig::try_from(config(refused.clone()));
+            assert!(matches!(decoded, Err(DecodeError::InvalidPicker { .. })), "{refused:?}: {decoded:?}");
+        }
     }
 
     /// Ranks that would run past `u32::MAX` are refused, not cut short to fewer (or none).

@@ -18,6 +18,11 @@ pub mod pb {
 /// The encoded descriptor set of every Continuum `.proto`, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fleet_descriptor.bin"));
 
+/// The longest `max_staleness` a fleet view may carry: the control plane's configuration
+/// refuses a longer one, and a replica refuses it on the wire (sample ages are clamped at an
+/// hour, which must stay stale under any staleness allowed).
+pub const MAX_STALENESS: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// The largest Fleet message either side accepts. A full snapshot of 16,384 workers encodes
 /// to well under 4 MiB (see docs/benchmarks.md); the headroom covers long model names and
 /// large load tables without letting a broken peer make the other side buffer without bound.

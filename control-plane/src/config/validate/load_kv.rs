@@ -11,7 +11,7 @@ use crate::config::values::Cidr;
 
 /// Bounds of `dynamo.load.max_staleness`.
 pub const MIN_MAX_STALENESS: Duration = Duration::from_millis(100);
-pub const MAX_MAX_STALENESS: Duration = Duration::from_secs(300);
+pub const MAX_MAX_STALENESS: Duration = continuum_proto::MAX_STALENESS;
 /// Networks `dynamo.load.direct_allow_cidrs` may list.
 pub const MAX_DIRECT_ALLOW_CIDRS: usize = 64;
 /// Longest `dynamo.kv.provisional_ttl`: past it a pin the worker never honoured would keep
