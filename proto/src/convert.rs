@@ -468,7 +468,7 @@ mod tests {
             pb::Picker { prefill_load_scale: f64::NAN, ..picker(1000) },
             pb::Picker { router_temperature: -1.0, ..picker(1000) },
         ] {
-            let decoded = DataPlaneConfig::try_from(config(refused.clone()));
+            let decoded = DataPlaneConfig::try_from(config(refused));
             assert!(matches!(decoded, Err(DecodeError::InvalidPicker { .. })), "{refused:?}: {decoded:?}");
         }
     }
