@@ -50,9 +50,16 @@ impl BlobCache {
     /// whatever it was before. `dir` itself is the operator's and keeps its mode: it may be a
     /// shared directory (`/tmp`, a volume's mount point the replica does not own), and every
     /// blob is checked against its checksum when read anyway.
+    ///
+    /// In a shared `dir` another user may have made `blobs` first: a symlink would have the
+    /// mode set, and the pruning done, on whatever it points at, so `blobs` must be a directory
+    /// itself.
     pub fn open(dir: &Path) -> io::Result<Self> {
         let blobs = dir.join("blobs");
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&blobs)?;
+        if !fs::symlink_metadata(&blobs)?.file_type().is_dir() {
+            return Err(io::Error::other(format!("{} is not a directory of its own (a symlink?)", blobs.display())));
+        }
         fs::set_permissions(&blobs, fs::Permissions::from_mode(0o700))?;
         Ok(Self { blobs })
     }
@@ -164,6 +171,24 @@ mod tests {
 
     fn mode(path: &Path) -> u32 {
         fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// A `blobs` made a symlink (by another user of a shared directory) is refused: its mode
+    /// and its pruning would reach the directory it points at.
+    #[test]
+    fn a_blobs_symlink_is_refused_and_what_it_points_at_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let kept = elsewhere.path().join("a".repeat(64));
+        fs::write(&kept, b"someone else's").unwrap();
+        let root = dir.path().join("kv");
+        fs::create_dir(&root).unwrap();
+        fs::set_permissions(elsewhere.path(), fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::symlink(elsewhere.path(), root.join("blobs")).unwrap();
+        let refused = BlobCache::open(&root).map(|_| ()).unwrap_err();
+        assert!(refused.to_string().contains("not a directory of its own"), "{refused}");
+        assert!(kept.exists());
+        assert_eq!(mode(elsewhere.path()), 0o755, "its mode untouched");
     }
 
     #[test]
