@@ -34,6 +34,29 @@ pub const FAILED_LOAD_RETRY: Duration = Duration::from_secs(300);
 const MAX_LOGGED_UNPINNED: usize = 4096;
 /// Cards with distinct file locations a load tries, in turn, for the same checksummed files.
 pub const MAX_CARD_SOURCES: usize = 8;
+/// File operations on the artifact cache and local sources running at once. A read stalled on
+/// a volume (a hung network mount, a FIFO put where a tokenizer was) holds its blocking thread
+/// however long its caller waits, so each holds a permit until it returns: stalled reads keep
+/// at most this many of the pool's threads, which the request path shares.
+pub const MAX_ARTIFACT_FILE_JOBS: usize = 8;
+static ARTIFACT_FILE_JOBS: Semaphore = Semaphore::const_new(MAX_ARTIFACT_FILE_JOBS);
+
+/// Runs the file operation `work` on the blocking pool under [`ARTIFACT_FILE_JOBS`], and waits
+/// for it at most [`FETCH_TIMEOUT`]; what went wrong otherwise, said.
+async fn file_job<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+    let permit = ARTIFACT_FILE_JOBS.try_acquire().map_err(|_| {
+        format!("{MAX_ARTIFACT_FILE_JOBS} artifact file operations are still running (a stalled volume?)")
+    })?;
+    let job = tokio::task::spawn_blocking(move || {
+        let _held = permit;
+        work()
+    });
+    match tokio::time::timeout(FETCH_TIMEOUT, job).await {
+        Ok(Ok(done)) => Ok(done),
+        Ok(Err(error)) => Err(format!("the file task failed: {error}")),
+        Err(_) => Err(format!("not done within {FETCH_TIMEOUT:?}")),
+    }
+}
 
 /// The time source; tests inject one they can move.
 pub type Clock = Arc<dyn Fn() -> Instant + Send + Sync>;
@@ -314,10 +337,7 @@ impl ArtifactStore {
         // Bounded as a source's read is: a stalled cache volume must not hold the load (and
         // its permit) for good; the source is read instead.
         let store = self.clone();
-        let cached =
-            tokio::time::timeout(FETCH_TIMEOUT, tokio::task::spawn_blocking(move || store.inner.cache.read(&checksum)))
-                .await
-                .unwrap_or_else(|_| Ok(Err(io::Error::new(io::ErrorKind::TimedOut, "the cache read timed out"))));
+        let cached = file_job(move || store.inner.cache.read(&checksum)).await;
         match cached {
             Ok(Ok(CacheRead::Hit(bytes))) => {
                 self.count(ArtifactResult::Cached);
@@ -327,7 +347,7 @@ impl ArtifactStore {
             Ok(Ok(CacheRead::Evicted(EvictReason::TooLarge))) => self.count(ArtifactResult::TooLarge),
             Ok(Ok(CacheRead::Miss)) => {}
             Ok(Err(error)) => tracing::warn!(%error, "the KV artifact cache could not be read; reading the source"),
-            Err(error) => tracing::warn!(%error, "the KV artifact cache read task failed; reading the source"),
+            Err(error) => tracing::warn!(%error, "the KV artifact cache was not read; reading the source"),
         }
         let mut failed = Vec::new();
         let mut bytes = self.verified_source(file).await;
@@ -348,14 +368,10 @@ impl ArtifactStore {
         let bytes = bytes?;
         self.count(ArtifactResult::Fetched);
         let (store, copy) = (self.clone(), bytes.clone());
-        let write = tokio::task::spawn_blocking(move || store.inner.cache.write(&checksum, &copy));
-        let written = tokio::time::timeout(FETCH_TIMEOUT, write)
-            .await
-            .unwrap_or_else(|_| Ok(Err(io::Error::new(io::ErrorKind::TimedOut, "the cache write timed out"))));
-        match written {
+        match file_job(move || store.inner.cache.write(&checksum, &copy)).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => tracing::warn!(%error, "a KV artifact could not be cached; it is used anyway"),
-            Err(error) => tracing::warn!(%error, "the KV artifact cache write task failed"),
+            Err(error) => tracing::warn!(%error, "a KV artifact was not cached; it is used anyway"),
         }
         Ok(bytes)
     }
@@ -381,17 +397,12 @@ impl ArtifactStore {
             .map_err(|source| LoadError::Source { path: path.clone(), source })?;
         match source {
             // Bounded in time as a fetch is: a stalled volume must not hold the load's permit.
-            Source::Local(local) => {
-                match tokio::time::timeout(FETCH_TIMEOUT, tokio::task::spawn_blocking(move || read_bounded(&local)))
-                    .await
-                {
-                    Err(_) => Err(LoadError::Fetch(format!("{path}: not read within {FETCH_TIMEOUT:?}"))),
-                    Ok(Ok(Ok(bytes))) => Ok(bytes),
-                    Ok(Ok(Err(ReadError::TooLarge))) => Err(LoadError::TooLarge { path }),
-                    Ok(Ok(Err(error))) => Err(LoadError::Fetch(format!("{path}: {error}"))),
-                    Ok(Err(error)) => Err(LoadError::Fetch(format!("{path}: the read task failed: {error}"))),
-                }
-            }
+            Source::Local(local) => match file_job(move || read_bounded(&local)).await {
+                Ok(Ok(bytes)) => Ok(bytes),
+                Ok(Err(ReadError::TooLarge)) => Err(LoadError::TooLarge { path }),
+                Ok(Err(error)) => Err(LoadError::Fetch(format!("{path}: {error}"))),
+                Err(error) => Err(LoadError::Fetch(format!("{path}: {error}"))),
+            },
             remote => match self.inner.fetcher.fetch(&remote).await {
                 Ok(bytes) => Ok(bytes),
                 Err(FetchError::TooLarge) => Err(LoadError::TooLarge { path }),
@@ -524,4 +535,37 @@ fn merge_config_special_tokens(tokenizer: &mut Tokenizer, config: &Value) -> tok
         tokenizer.add_special_tokens(tokens)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// File operations stalled on a volume keep their permits until they return: past
+    /// [`MAX_ARTIFACT_FILE_JOBS`] another is refused at once, rather than strand one more of
+    /// the blocking pool's threads; once they return, operations run again.
+    #[tokio::test]
+    async fn stalled_file_operations_hold_at_most_so_many_blocking_threads() {
+        let (release, stalled) = std::sync::mpsc::channel::<()>();
+        let stalled = Arc::new(Mutex::new(stalled));
+        let mut running = Vec::new();
+        for _ in 0..MAX_ARTIFACT_FILE_JOBS {
+            let stalled = Arc::clone(&stalled);
+            running.push(tokio::spawn(file_job(move || {
+                let _ = stalled.lock().map(|rx| rx.recv());
+            })));
+        }
+        while ARTIFACT_FILE_JOBS.available_permits() > 0 {
+            tokio::task::yield_now().await;
+        }
+        let refused = file_job(|| 1).await;
+        assert!(refused.as_ref().is_err_and(|e| e.contains("still running")), "{refused:?}");
+        for _ in 0..MAX_ARTIFACT_FILE_JOBS {
+            release.send(()).unwrap();
+        }
+        for job in running {
+            assert!(job.await.unwrap().is_ok());
+        }
+        assert_eq!(file_job(|| 1).await, Ok(1));
+    }
 }
