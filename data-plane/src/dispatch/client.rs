@@ -37,6 +37,10 @@ pub enum SendError {
     UnsupportedScheme(Uri),
 }
 
+/// How long a connection whose request could not be written is read for an answer its
+/// server sent early: one already in the socket is read at once.
+const EARLY_ANSWER_WAIT: Duration = Duration::from_millis(200);
+
 /// Why an exchange on an established connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ExchangeError {
@@ -139,10 +143,16 @@ impl ShimClient {
         conn.write.clear();
         wire::encode_request(&mut conn.write, method, uri, headers, pins, body);
         if let Err(error) = conn.stream.write_all(&conn.write).await {
-            // A kept connection the shim has just closed takes nothing: the request goes out
-            // once more, on a new one.
+            // A server may answer before it has read the whole request (a 413 for a body past
+            // its limit) and close: that answer, if it came, is the outcome. Nothing else is
+            // read from a connection that failed a write, and it is not kept.
             if !was_reused {
-                return Err(SendError::Write(error));
+                let early = tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(&mut conn)).await;
+                let Ok(Ok(head)) = early else { return Err(SendError::Write(error)) };
+                let mut response = Response::new(ShimBody::new(conn, head.framing, None));
+                *response.status_mut() = head.status;
+                *response.headers_mut() = head.headers;
+                return Ok(response);
             }
             let mut fresh = Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?;
             std::mem::swap(&mut fresh.write, &mut conn.write);
@@ -271,6 +281,38 @@ mod tests {
         assert!(error.before_request_sent(), "another (http) replica may take it");
         let accepted = tokio::time::timeout(Duration::from_millis(50), listener.accept()).await;
         assert!(accepted.is_err(), "no connection was made");
+    }
+
+    /// A server that refuses a request before reading its body (a 413) and closes makes the
+    /// rest of the write fail: its answer, already sent, is the outcome, not an unreachable
+    /// replica (which would be retried elsewhere and count against its breaker).
+    #[tokio::test]
+    async fn an_answer_sent_before_the_request_was_read_whole_is_the_outcome() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        // A small window: the body cannot all fit in the buffers between the two ends.
+        socket.set_recv_buffer_size(4096).expect("rcvbuf");
+        socket.bind("127.0.0.1:0".parse().expect("addr")).expect("bind");
+        let listener = socket.listen(1).expect("listen");
+        let addr = listener.local_addr().expect("addr");
+        let shim = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.expect("accept");
+            let mut head = vec![0u8; 1024];
+            let _ = stream.read(&mut head).await.expect("the head");
+            stream
+                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                .await
+                .expect("write");
+            // Closed with the body unread: the kernel resets the connection.
+            drop(stream);
+        });
+        let client = ShimClient::new(Duration::from_secs(1));
+        let body = Bytes::from(vec![b'x'; 16 << 20]);
+        let request = Request::post(format!("http://{addr}/v1/chat/completions")).body(body).expect("request");
+        let response = client.send(request, Duration::from_secs(5)).await.expect("the early answer");
+        assert_eq!(response.status(), 413);
+        assert_eq!(client.idle_connections(&format!("http://{addr}/").parse().expect("uri")), 0, "not kept");
+        drop(shim.await);
     }
 
     /// A head that trickles in, an interim `100 Continue` before it and its blank line split
