@@ -466,7 +466,12 @@ mod tests {
             picker(staleness + 1),
             picker(7_200_000),
             pb::Picker { prefill_load_scale: f64::NAN, ..picker(1000) },
+            pb::Picker { prefill_load_scale: f64::INFINITY, ..picker(1000) },
             pb::Picker { router_temperature: -1.0, ..picker(1000) },
+            pb::Picker { overlap_score_credit: -0.5, ..picker(1000) },
+            pb::Picker { overlap_score_credit: f64::NEG_INFINITY, ..picker(1000) },
+            pb::Picker { decode_busy_threshold: Some(f64::NAN), ..picker(1000) },
+            pb::Picker { decode_busy_threshold: Some(-1.0), ..picker(1000) },
         ] {
             let decoded = DataPlaneConfig::try_from(config(refused));
             assert!(matches!(decoded, Err(DecodeError::InvalidPicker { .. })), "{refused:?}: {decoded:?}");

@@ -17,9 +17,11 @@ as_root() {
 # daily apt job holding the lock: wait for it rather than fail.
 apt_install() {
   printf '==> installing Debian packages: %s\n' "$*"
-  # A run killed during an earlier install leaves dpkg half-configured, and apt refuses to go
-  # on until it is finished.
-  as_root env DEBIAN_FRONTEND=noninteractive dpkg --configure -a
+  # A run killed during an earlier install leaves dpkg half-configured (its journal in
+  # updates/), and apt refuses to go on until that is finished.
+  if [ -n "$(ls -A /var/lib/dpkg/updates 2>/dev/null)" ]; then
+    as_root env DEBIAN_FRONTEND=noninteractive dpkg --configure -a
+  fi
   as_root apt-get -o DPkg::Lock::Timeout=600 update -qq
   as_root env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq "$@" >/dev/null
 }

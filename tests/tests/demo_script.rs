@@ -64,7 +64,12 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
     );
 
     // The banner's command, run as printed.
-    let output = tokio::process::Command::new("bash").args(["-c", &command]).env("NO_PROXY", "*").output().await?;
+    let output = tokio::process::Command::new("bash")
+        .args(["-c", &command])
+        .env("NO_PROXY", "*")
+        .env("no_proxy", "*")
+        .output()
+        .await?;
     ensure!(output.status.success(), "the printed command failed: {output:?}");
     let answer = String::from_utf8(output.stdout)?;
     let (head, body) = answer.split_once("\r\n\r\n").context("a head and a body")?;

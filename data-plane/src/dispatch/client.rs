@@ -147,17 +147,14 @@ impl ShimClient {
             // its limit) and close: that answer, if it came, is the outcome. Nothing else is
             // read from a connection that failed a write, and it is not kept.
             if !was_reused {
-                let early = tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(&mut conn)).await;
-                let Ok(Ok(head)) = early else { return Err(SendError::Write(error)) };
-                let mut response = Response::new(ShimBody::new(conn, head.framing, None));
-                *response.status_mut() = head.status;
-                *response.headers_mut() = head.headers;
-                return Ok(response);
+                return early_answer(conn, error).await;
             }
             let mut fresh = Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?;
             std::mem::swap(&mut fresh.write, &mut conn.write);
             conn = fresh;
-            conn.stream.write_all(&conn.write).await.map_err(SendError::Write)?;
+            if let Err(error) = conn.stream.write_all(&conn.write).await {
+                return early_answer(conn, error).await;
+            }
         }
         let head = read_head(&mut conn).await.map_err(exchange)?;
         let back = head.keep_alive.then(|| Return { idle: Arc::clone(&self.idle), authority: authority.to_string() });
@@ -212,6 +209,22 @@ fn exchange(error: ExchangeError) -> SendError {
 }
 
 /// Reads until a whole response head is in, leaving the bytes past it in the read buffer.
+/// The outcome of a request whose write failed with `error` on a new connection. A server may
+/// answer before it has read the whole request (a 413 for a body past its limit) and close:
+/// that refusal, if it came, is the outcome. Nothing else is read from the connection, which
+/// is not kept; no success can answer a request not sent whole.
+async fn early_answer(mut conn: Conn, error: io::Error) -> Result<Response<ShimBody>, SendError> {
+    let early = tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(&mut conn)).await;
+    let Ok(Ok(head)) = early else { return Err(SendError::Write(error)) };
+    if !(head.status.is_client_error() || head.status.is_server_error()) {
+        return Err(SendError::Write(error));
+    }
+    let mut response = Response::new(ShimBody::new(conn, head.framing, None));
+    *response.status_mut() = head.status;
+    *response.headers_mut() = head.headers;
+    Ok(response)
+}
+
 async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
     conn.read.clear();
     let mut scanned: usize = 0;
@@ -299,10 +312,7 @@ mod tests {
             let (mut stream, _) = listener.accept().await.expect("accept");
             let mut head = vec![0u8; 1024];
             let _ = stream.read(&mut head).await.expect("the head");
-            stream
-                .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-                .await
-                .expect("write");
+            stream.write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n\r\n").await.expect("write");
             // Closed with the body unread: the kernel resets the connection.
             drop(stream);
         });
@@ -311,6 +321,9 @@ mod tests {
         let request = Request::post(format!("http://{addr}/v1/chat/completions")).body(body).expect("request");
         let response = client.send(request, Duration::from_secs(5)).await.expect("the early answer");
         assert_eq!(response.status(), 413);
+        // Read to its end, a kept-alive answer would give its connection back: this one not.
+        let body = http_body_util::BodyExt::collect(response.into_body()).await.expect("the body").to_bytes();
+        assert!(body.is_empty());
         assert_eq!(client.idle_connections(&format!("http://{addr}/").parse().expect("uri")), 0, "not kept");
         drop(shim.await);
     }

@@ -67,8 +67,8 @@ pub struct Resolution {
 pub fn resolve(headers: &HeaderMap, body: &Value, known: Known<'_>) -> Result<Resolution, Refusal> {
     let decode = header(headers, &DECODE_ID).or_else(|| nvext(body, "backend_instance_id"));
     let prefill = header(headers, &PREFILL_ID).or_else(|| nvext(body, "prefill_worker_id"));
-    // The ranks are checked last, as 1.6.1's routers check them in their output, once the ids
-    // passed.
+    // The ranks are checked after the prefill id, as 1.6.1's prefill router checks them in its
+    // output (and before the decode id, which is refused only once the prefill ran).
     let ranks = || Ok::<_, Refusal>((rank(headers, &PREFILL_RANK)?, rank(headers, &DECODE_RANK)?));
     if known.prefill.is_empty() {
         // Aggregated: the decode worker does both phases; a prefill pin must name it.

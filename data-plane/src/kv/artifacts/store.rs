@@ -34,17 +34,22 @@ pub const FAILED_LOAD_RETRY: Duration = Duration::from_secs(300);
 const MAX_LOGGED_UNPINNED: usize = 4096;
 /// Cards with distinct file locations a load tries, in turn, for the same checksummed files.
 pub const MAX_CARD_SOURCES: usize = 8;
-/// File operations on the artifact cache and local sources running at once. A read stalled on
-/// a volume (a hung network mount, a FIFO put where a tokenizer was) holds its blocking thread
-/// however long its caller waits, so each holds a permit until it returns: stalled reads keep
-/// at most this many of the pool's threads, which the request path shares.
-pub const MAX_ARTIFACT_FILE_JOBS: usize = 8;
-static ARTIFACT_FILE_JOBS: Semaphore = Semaphore::const_new(MAX_ARTIFACT_FILE_JOBS);
+/// File operations running at once on the artifact cache, and on local sources, each. A read
+/// stalled on a volume (a hung network mount, a FIFO put where a tokenizer was) holds its
+/// blocking thread however long its caller waits, so each holds a permit until it returns:
+/// stalled reads keep at most this many of the pool's threads (which the request path shares)
+/// per kind, and a stalled cache leaves the sources readable.
+pub const MAX_ARTIFACT_FILE_JOBS: usize = 4;
+static CACHE_FILE_JOBS: Semaphore = Semaphore::const_new(MAX_ARTIFACT_FILE_JOBS);
+static SOURCE_FILE_JOBS: Semaphore = Semaphore::const_new(MAX_ARTIFACT_FILE_JOBS);
 
-/// Runs the file operation `work` on the blocking pool under [`ARTIFACT_FILE_JOBS`], and waits
+/// Runs the file operation `work` on the blocking pool under one of `jobs`' permits, and waits
 /// for it at most [`FETCH_TIMEOUT`]; what went wrong otherwise, said.
-async fn file_job<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
-    let permit = ARTIFACT_FILE_JOBS.try_acquire().map_err(|_| {
+async fn file_job<T: Send + 'static>(
+    jobs: &'static Semaphore,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, String> {
+    let permit = jobs.try_acquire().map_err(|_| {
         format!("{MAX_ARTIFACT_FILE_JOBS} artifact file operations are still running (a stalled volume?)")
     })?;
     let job = tokio::task::spawn_blocking(move || {
@@ -337,7 +342,7 @@ impl ArtifactStore {
         // Bounded as a source's read is: a stalled cache volume must not hold the load (and
         // its permit) for good; the source is read instead.
         let store = self.clone();
-        let cached = file_job(move || store.inner.cache.read(&checksum)).await;
+        let cached = file_job(&CACHE_FILE_JOBS, move || store.inner.cache.read(&checksum)).await;
         match cached {
             Ok(Ok(CacheRead::Hit(bytes))) => {
                 self.count(ArtifactResult::Cached);
@@ -368,7 +373,7 @@ impl ArtifactStore {
         let bytes = bytes?;
         self.count(ArtifactResult::Fetched);
         let (store, copy) = (self.clone(), bytes.clone());
-        match file_job(move || store.inner.cache.write(&checksum, &copy)).await {
+        match file_job(&CACHE_FILE_JOBS, move || store.inner.cache.write(&checksum, &copy)).await {
             Ok(Ok(())) => {}
             Ok(Err(error)) => tracing::warn!(%error, "a KV artifact could not be cached; it is used anyway"),
             Err(error) => tracing::warn!(%error, "a KV artifact was not cached; it is used anyway"),
@@ -397,7 +402,7 @@ impl ArtifactStore {
             .map_err(|source| LoadError::Source { path: path.clone(), source })?;
         match source {
             // Bounded in time as a fetch is: a stalled volume must not hold the load's permit.
-            Source::Local(local) => match file_job(move || read_bounded(&local)).await {
+            Source::Local(local) => match file_job(&SOURCE_FILE_JOBS, move || read_bounded(&local)).await {
                 Ok(Ok(bytes)) => Ok(bytes),
                 Ok(Err(ReadError::TooLarge)) => Err(LoadError::TooLarge { path }),
                 Ok(Err(error)) => Err(LoadError::Fetch(format!("{path}: {error}"))),
@@ -546,19 +551,20 @@ mod tests {
     /// the blocking pool's threads; once they return, operations run again.
     #[tokio::test]
     async fn stalled_file_operations_hold_at_most_so_many_blocking_threads() {
+        static JOBS: Semaphore = Semaphore::const_new(MAX_ARTIFACT_FILE_JOBS);
         let (release, stalled) = std::sync::mpsc::channel::<()>();
         let stalled = Arc::new(Mutex::new(stalled));
         let mut running = Vec::new();
         for _ in 0..MAX_ARTIFACT_FILE_JOBS {
             let stalled = Arc::clone(&stalled);
-            running.push(tokio::spawn(file_job(move || {
+            running.push(tokio::spawn(file_job(&JOBS, move || {
                 let _ = stalled.lock().map(|rx| rx.recv());
             })));
         }
-        while ARTIFACT_FILE_JOBS.available_permits() > 0 {
+        while JOBS.available_permits() > 0 {
             tokio::task::yield_now().await;
         }
-        let refused = file_job(|| 1).await;
+        let refused = file_job(&JOBS, || 1).await;
         assert!(refused.as_ref().is_err_and(|e| e.contains("still running")), "{refused:?}");
         for _ in 0..MAX_ARTIFACT_FILE_JOBS {
             release.send(()).unwrap();
@@ -566,6 +572,6 @@ mod tests {
         for job in running {
             assert!(job.await.unwrap().is_ok());
         }
-        assert_eq!(file_job(|| 1).await, Ok(1));
+        assert_eq!(file_job(&JOBS, || 1).await, Ok(1));
     }
 }
