@@ -22,8 +22,13 @@ const STOPPED_WITHIN: Duration = Duration::from_secs(10);
 async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stops_on_ctrl_c() -> anyhow::Result<()> {
     let (listen, admin, grpc, shim) = (free_port()?, free_port()?, free_port()?, free_port()?);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/demo");
-    let mut command = std::process::Command::new("bash");
-    command.arg(script).process_group(0).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // A group of its own, as a terminal gives a foreground job, so Ctrl-C reaches every process
+    // in it. Outside the test's group, nextest's timeout would not reach the demo: if the test
+    // dies first, the parent-death signal (util-linux, essential on Debian) has the script's
+    // trap stop what it started.
+    let mut command = std::process::Command::new("setpriv");
+    command.args(["--pdeathsig", "TERM", "bash", script]);
+    command.process_group(0).stdout(Stdio::piped()).stderr(Stdio::inherit());
     for (name, addr) in [("LISTEN", listen), ("ADMIN", admin), ("GRPC", grpc), ("SHIM", shim)] {
         command.env(format!("CONTINUUM_DEMO_{name}"), addr.to_string());
     }
