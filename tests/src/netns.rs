@@ -49,7 +49,11 @@ impl NetNs {
     /// (not root, or no iproute2): these tests must not pass by skipping.
     pub fn create() -> anyhow::Result<Self> {
         static NEXT: AtomicU32 = AtomicU32::new(0);
-        remove_stale();
+        static OWN_LEFTOVERS: std::sync::Once = std::sync::Once::new();
+        // Before this process names its first namespace, one under its pid can only be a
+        // leftover of an earlier process that had the same pid (killed past its cleanup).
+        OWN_LEFTOVERS.call_once(|| remove_stale(Some(std::process::id())));
+        remove_stale(None);
         let dir = tempfile::tempdir()?;
         let name = format!("{PREFIX}{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         ip(&["netns", "add", &name]).map_err(|error| {
@@ -248,15 +252,45 @@ fn kill_everything_in(name: &str) {
 }
 
 /// Removes `continuum-<pid>-<n>` namespaces whose test process is gone (killed before its
-/// guard could drop), with anything still running in them.
-fn remove_stale() {
+/// guard could drop), and those under `own` pid (this process's, before it made any), with
+/// anything still running in them.
+fn remove_stale(own: Option<u32>) {
     let Ok(output) = ip(&["netns", "list"]) else { return };
     for name in String::from_utf8_lossy(&output.stdout).lines().filter_map(|l| l.split_whitespace().next()) {
         let Some((pid, n)) = name.strip_prefix(PREFIX).and_then(|rest| rest.split_once('-')) else { continue };
         let (Ok(pid), Ok(_)) = (pid.parse::<u32>(), n.parse::<u32>()) else { continue };
-        if !Path::new("/proc").join(pid.to_string()).exists() {
+        if own == Some(pid) || !Path::new("/proc").join(pid.to_string()).exists() {
             kill_everything_in(name);
             let _ = ip(&["netns", "delete", name]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exists(name: &str) -> anyhow::Result<bool> {
+        let listed = ip(&["netns", "list"])?;
+        Ok(String::from_utf8_lossy(&listed.stdout).lines().any(|l| l.split_whitespace().next() == Some(name)))
+    }
+
+    /// What a test killed past its cleanup leaves: a namespace under its pid, whether that pid
+    /// is gone or (after a reboot's worth of reuse) now this very process's.
+    #[test]
+    fn leftovers_under_a_dead_pid_or_this_processs_own_go_before_the_first_namespace() -> anyhow::Result<()> {
+        let own = format!("{PREFIX}{}-{}", std::process::id(), u32::MAX);
+        // Pids stop short of 2^22 on Linux: this one never ran.
+        let dead = format!("{PREFIX}{}-0", u32::MAX);
+        for name in [&own, &dead] {
+            ip(&["netns", "add", name])?;
+        }
+        let ns = NetNs::create()?;
+        let gone = (!exists(&own)?, !exists(&dead)?, exists(ns.name())?);
+        for name in [&own, &dead] {
+            let _ = ip(&["netns", "delete", name]);
+        }
+        assert_eq!(gone, (true, true, true), "both leftovers removed, the new namespace made");
+        Ok(())
     }
 }
