@@ -73,9 +73,9 @@ mod rank;
 mod task;
 mod timing;
 use rank::{Dispatch, Rank};
-pub use task::{BacklogBook, BookCounters};
+pub use task::{BacklogBook, BookCounters, SessionReports};
 #[cfg(test)]
-use task::{COMMAND_QUEUE, report_bytes};
+use task::{COMMAND_QUEUE, SESSION_SHARE, report_bytes};
 use timing::Timing;
 
 /// A dispatch no sample has answered adds its prefill tokens this long at most (the seed's 30

@@ -239,7 +239,7 @@ impl Fleet for FleetService {
             (inbound, tx),
             Arc::clone(&status),
             metrics.clone(),
-            (book.clone(), id),
+            (book.session(), id),
             self.kv.clone(),
         );
         metrics.replicas_connected.inc();

@@ -18,7 +18,7 @@ use continuum_proto::{
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
-use crate::fleet::{BacklogBook, Catchup, FleetState, fit};
+use crate::fleet::{Catchup, FleetState, SessionReports, fit};
 use crate::kv::{KvHandle, LookupKey};
 use crate::metrics::Metrics;
 
@@ -133,7 +133,7 @@ pub(crate) struct Session {
     status: Arc<ReplicaStatus>,
     metrics: Metrics,
     /// Where the replica's dispatch reports go, under this session's id.
-    book: BacklogBook,
+    book: SessionReports,
     session_id: u64,
     /// Where the reported dispatches' prefix chains are credited provisionally.
     kv: KvHandle,
@@ -150,7 +150,7 @@ impl Session {
         (inbound, outbound): (Streaming<pb::WatchRequest>, Outbound),
         status: Arc<ReplicaStatus>,
         metrics: Metrics,
-        (book, session_id): (BacklogBook, u64),
+        (book, session_id): (SessionReports, u64),
         kv: KvHandle,
     ) -> Self {
         Self { state, inbound, outbound, status, metrics, book, session_id, kv, held: None, last_snapshot: None }

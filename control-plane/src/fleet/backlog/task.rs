@@ -17,6 +17,11 @@ use crate::fleet::{ActiveIndex, FleetPublisher, FleetState};
 /// Reports waiting for the book; a full queue drops the report (and counts it) rather than
 /// stalling a Watch session.
 pub(super) const COMMAND_QUEUE: usize = 4096;
+/// The part of the queue one session's reports may hold, in number and in bytes: a replica
+/// flooding the book (buggy, or holding the token and hostile) has its own reports refused and
+/// its session ended, while the others' still find room. Honest replicas report every
+/// millisecond and come nowhere near it unless the book falls seconds behind.
+pub(super) const SESSION_SHARE: usize = 4;
 
 /// About what a report holds in memory: its dispatches, their block hashes and namespaces (a
 /// replica's to fill, up to the message bound), its ends.
@@ -33,8 +38,33 @@ pub(super) fn report_bytes(report: &pb::DispatchReport) -> usize {
 }
 
 enum Command {
-    Report { replica: u64, report: pb::DispatchReport, at: Instant, bytes: usize },
+    Report { replica: u64, report: pb::DispatchReport, at: Instant, bytes: usize, share: Arc<Queued> },
     ReplicaGone { replica: u64 },
+}
+
+/// What reports in the queue hold, estimated: all of them, or one session's.
+#[derive(Debug, Default)]
+pub(super) struct Queued {
+    bytes: AtomicUsize,
+    reports: AtomicUsize,
+}
+
+impl Queued {
+    /// Takes room for one report of `bytes`, if that leaves at most `max_bytes` and
+    /// `max_reports` held.
+    fn take(&self, bytes: usize, max_bytes: usize, max_reports: usize) -> bool {
+        let bytes_fit = self.bytes.fetch_add(bytes, Ordering::AcqRel) + bytes <= max_bytes;
+        let reports_fit = self.reports.fetch_add(1, Ordering::AcqRel) < max_reports;
+        if !(bytes_fit && reports_fit) {
+            self.give_back(bytes);
+        }
+        bytes_fit && reports_fit
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+        self.reports.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// What the book counts on the control plane's registry.
@@ -48,12 +78,43 @@ pub struct BookCounters {
     pub replayed: IntCounter,
 }
 
-/// The handle sessions use.
+/// The handle the Watch service holds; each session reports through a [`SessionReports`].
 #[derive(Debug, Clone)]
 pub struct BacklogBook {
     tx: mpsc::Sender<Command>,
     /// What the reports in the queue hold, estimated; the book's task gives it back.
-    queued: Arc<AtomicUsize>,
+    queued: Arc<Queued>,
+}
+
+/// One session's way to the book, holding at most a [`SESSION_SHARE`]th of its queue.
+#[derive(Debug)]
+pub struct SessionReports {
+    book: BacklogBook,
+    share: Arc<Queued>,
+}
+
+impl SessionReports {
+    /// Records a replica's report; `false` when the book's queue, or this session's share of
+    /// it, is full (in number, or in [`MAX_QUEUED_REPORT_BYTES`]).
+    pub fn report(&self, replica: u64, report: pb::DispatchReport) -> bool {
+        let bytes = report_bytes(&report);
+        let (queued, share) = (&self.book.queued, &self.share);
+        if !share.take(bytes, MAX_QUEUED_REPORT_BYTES / SESSION_SHARE, COMMAND_QUEUE / SESSION_SHARE) {
+            return false;
+        }
+        if !queued.take(bytes, MAX_QUEUED_REPORT_BYTES, COMMAND_QUEUE) {
+            share.give_back(bytes);
+            return false;
+        }
+        let command = Command::Report { replica, report, at: Instant::now(), bytes, share: Arc::clone(share) };
+        // The count bound above is the channel's capacity: this fails only as the book ends.
+        let sent = self.book.tx.try_send(command).is_ok();
+        if !sent {
+            queued.give_back(bytes);
+            share.give_back(bytes);
+        }
+        sent
+    }
 }
 
 impl BacklogBook {
@@ -65,24 +126,14 @@ impl BacklogBook {
         cancel: CancellationToken,
     ) -> Self {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
-        let queued = Arc::new(AtomicUsize::new(0));
+        let queued = Arc::new(Queued::default());
         tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, Arc::clone(&queued)), counters, cancel));
         Self { tx, queued }
     }
 
-    /// Records a replica's report; `false` when the book is a full queue, or a queue of
-    /// [`MAX_QUEUED_REPORT_BYTES`], behind.
-    pub fn report(&self, replica: u64, report: pb::DispatchReport) -> bool {
-        let bytes = report_bytes(&report);
-        if self.queued.fetch_add(bytes, Ordering::AcqRel) + bytes > MAX_QUEUED_REPORT_BYTES {
-            self.queued.fetch_sub(bytes, Ordering::AcqRel);
-            return false;
-        }
-        let sent = self.tx.try_send(Command::Report { replica, report, at: Instant::now(), bytes }).is_ok();
-        if !sent {
-            self.queued.fetch_sub(bytes, Ordering::AcqRel);
-        }
-        sent
+    /// A new session's way to report, with a share of the queue of its own.
+    pub fn session(&self) -> SessionReports {
+        SessionReports { book: self.clone(), share: Arc::default() }
     }
 
     /// Forgets `replica`'s dispatches; waits for room in the queue, since a replica gone
@@ -96,7 +147,7 @@ impl BacklogBook {
 async fn run(
     publisher: FleetPublisher,
     mut book: Book,
-    (mut rx, queued): (mpsc::Receiver<Command>, Arc<AtomicUsize>),
+    (mut rx, queued): (mpsc::Receiver<Command>, Arc<Queued>),
     counters: BookCounters,
     cancel: CancellationToken,
 ) {
@@ -118,8 +169,9 @@ async fn run(
             () = cancel.cancelled() => return,
             command = rx.recv() => {
                 match command {
-                    Some(Command::Report { replica, report, at, bytes }) => {
-                        queued.fetch_sub(bytes, Ordering::AcqRel);
+                    Some(Command::Report { replica, report, at, bytes, share }) => {
+                        queued.give_back(bytes);
+                        share.give_back(bytes);
                         // The state itself, not the watch's guard: folding a report of a
                         // thousand dispatches must not hold off the fleet's next version (and
                         // every session reading the current one behind it).

@@ -762,7 +762,7 @@ async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them
     publisher.apply(FleetChange { upsert: vec![decode_worker(1)], ..FleetChange::default() });
     let counters = counters();
     let cancel = CancellationToken::new();
-    let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters, cancel.clone());
+    let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters, cancel.clone()).session();
 
     assert!(book.report(7, report(vec![started(1, 0, 64), started(2, 0, 64)], vec![])));
     assert!(until_published(&publisher, 2).await, "the first report is published without time passing");
@@ -885,12 +885,36 @@ async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() 
     let ends = continuum_proto::MAX_REPORT_ENDS as u64;
     let heavy = || report(vec![], (0..ends).collect());
     let bytes = report_bytes(&heavy());
-    let accepted = (0..COMMAND_QUEUE).take_while(|_| book.report(1, heavy())).count();
-    assert!(accepted < COMMAND_QUEUE, "the byte bound is reached first");
-    assert_eq!(accepted, MAX_QUEUED_REPORT_BYTES / bytes, "as many as fit in {MAX_QUEUED_REPORT_BYTES} bytes");
+    let sessions: Vec<_> = (0..SESSION_SHARE).map(|_| book.session()).collect();
+    let share = MAX_QUEUED_REPORT_BYTES / SESSION_SHARE / bytes;
+    for (replica, session) in (1..).zip(&sessions) {
+        let accepted = (0..COMMAND_QUEUE).take_while(|_| session.report(replica, heavy())).count();
+        assert!(accepted < COMMAND_QUEUE / SESSION_SHARE, "the byte bound is reached first");
+        assert_eq!(accepted, share, "as many as fit in the session's share of {MAX_QUEUED_REPORT_BYTES} bytes");
+    }
     // Once the book has taken them, there is room again.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(book.report(1, heavy()));
+    assert!(sessions[0].report(1, heavy()));
+    cancel.cancel();
+}
+
+/// One replica flooding the book fills its own share of the queue and is refused there; the
+/// others' reports still find room. Every session flooding fills the whole queue.
+#[tokio::test]
+async fn a_flooding_session_leaves_room_in_the_queue_for_the_others() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    let cancel = CancellationToken::new();
+    let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters(), cancel.clone());
+    let small = || report(vec![], vec![1]);
+    let flooding = book.session();
+    let accepted = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, small())).count();
+    assert_eq!(accepted, COMMAND_QUEUE / SESSION_SHARE, "a share of the queue's reports");
+    let honest = book.session();
+    assert!(honest.report(2, small()), "another session's report finds room");
+    let others: Vec<_> = (1..SESSION_SHARE).map(|_| book.session()).collect();
+    let held: usize = others.iter().map(|s| (0..COMMAND_QUEUE).take_while(|_| s.report(3, small())).count()).sum();
+    assert_eq!(accepted + 1 + held, COMMAND_QUEUE, "together, the sessions fill the whole queue");
+    assert!(!book.session().report(4, small()), "and no session finds room in a full one");
     cancel.cancel();
 }
 
