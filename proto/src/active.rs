@@ -58,6 +58,7 @@ impl ActiveBlocks {
                 }
             }
         }
+        crate::fast_hash::shrink_when_sparse(&mut self.refs);
         let unhashed = unhashed.min(self.unhashed);
         self.unhashed -= unhashed;
         freed + unhashed
@@ -95,6 +96,17 @@ fn split(hashes: &[u64], blocks: u64) -> (&[u64], u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_whose_long_requests_ended_gives_their_room_back() {
+        let mut rank = ActiveBlocks::default();
+        let long: Vec<u64> = (0..100_000).collect();
+        rank.add(&long, 100_000);
+        rank.add(&[7], 1);
+        rank.remove(&long, 100_000);
+        assert_eq!(rank.total(), 1);
+        assert!(rank.refs.capacity() <= 2048, "room for {} hashes kept", rank.refs.capacity());
+    }
 
     #[test]
     fn a_shared_prefix_counts_once_until_its_last_holder_ends() {

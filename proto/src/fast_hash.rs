@@ -9,7 +9,7 @@
 //! share a bucket could otherwise be computed, and every lookup would probe them all.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher, RandomState};
 use std::sync::OnceLock;
 
 const K: u64 = 0x517c_c1b7_2722_0a95;
@@ -90,11 +90,38 @@ impl BuildHasher for Seeded {
     }
 }
 
+/// A map keeps the room of its fullest moment: one that held a flood of entries and now holds
+/// a few gives most of it back. Called after removals; amortised, since a map shrunk to twice
+/// its entries must lose half of them again before it shrinks again.
+pub fn shrink_when_sparse<K: Eq + Hash, V, S: BuildHasher>(map: &mut HashMap<K, V, S>) {
+    const KEPT_ROOM: usize = 1024;
+    if map.capacity() > KEPT_ROOM && map.len() * 4 < map.capacity() {
+        map.shrink_to(KEPT_ROOM.max(map.len() * 2));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::hash::{BuildHasher, BuildHasherDefault};
 
     use super::*;
+
+    #[test]
+    fn a_map_emptied_after_a_flood_gives_its_room_back() {
+        let mut map: FastMap<u64, u64> = (0..100_000).map(|k| (k, k)).collect();
+        let flooded = map.capacity();
+        for k in 0..99_990 {
+            map.remove(&k);
+            shrink_when_sparse(&mut map);
+        }
+        assert!(flooded >= 100_000 && map.capacity() <= 2048, "{flooded} then {}", map.capacity());
+        assert_eq!(map.len(), 10);
+        let mut small: FastMap<u64, u64> = (0..100).map(|k| (k, k)).collect();
+        small.clear();
+        let room = small.capacity();
+        shrink_when_sparse(&mut small);
+        assert_eq!(small.capacity(), room, "a small map keeps its room: no churn of allocations");
+    }
 
     #[test]
     fn distinct_keys_hash_apart_and_equal_keys_together() {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use continuum_kv_index::RankKey;
-use continuum_proto::fast_hash::SeededMap;
+use continuum_proto::fast_hash::{SeededMap, shrink_when_sparse};
 use continuum_proto::model::{Backlog, Load, LoadKey, Worker};
 
 use super::timing::Timing;
@@ -402,6 +402,8 @@ impl Rank {
     /// Takes dispatch `id` out, giving back the blocks only it held; returns it and them.
     pub(super) fn remove(&mut self, id: (u64, u64), active: &ActiveIndex, rank: RankKey) -> Option<(Dispatch, u64)> {
         let dispatch = self.dispatches.remove(&id)?;
+        // A rank kept by one dispatch after a flood of them must not keep the flood's room.
+        shrink_when_sparse(&mut self.dispatches);
         self.prefill_queue.remove(&(dispatch.at, id));
         self.awaiting_estimate.remove(&(dispatch.at, id));
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);

@@ -862,6 +862,23 @@ fn the_book_holds_a_bounded_number_of_dispatches_and_replicas_filling_it_cannot_
     assert!(!book.where_is.contains_key(&0));
 }
 
+/// A rank that held a flood of dispatches and now holds one keeps no room for the flood: the
+/// book's bound on dispatches held would not bound its memory otherwise.
+#[test]
+fn a_rank_left_with_one_dispatch_after_a_flood_gives_its_room_back() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    fill(&mut book, &state, 1, 0, 10_000);
+    let room = |book: &Book| book.ranks.get(&book_key(0)).map_or(0, |rank| rank.dispatches.capacity());
+    let flooded = room(&book);
+    let ends: Vec<u64> = (1..10_000).collect();
+    for batch in ends.chunks(continuum_proto::MAX_REPORT_ENDS) {
+        book.report(1, report(vec![], batch.to_vec()), Instant::now(), &state);
+    }
+    assert_eq!(book.held, 1);
+    assert!(flooded >= 10_000 && room(&book) <= 2048, "room for {flooded}, then for {}", room(&book));
+}
+
 #[test]
 fn a_cut_chain_gives_its_memory_back() {
     let state = state_with(0);
