@@ -2,8 +2,8 @@
 //! holds, under a deadline tight enough to sit on the request path. Any miss (deadline, error,
 //! the index switched off) is the caller's cue to pick without the KV term.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
@@ -12,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 
-use super::client::{EndpointError, FleetClientConfig};
+use super::backoff::Backoff;
+use super::client::{EndpointError, FleetClientConfig, RECONNECT_INITIAL, RECONNECT_MAX};
 use super::credentials::{ClientTls, Credentials};
 use crate::routing::picker::{RankOverlap, Suggested};
 
@@ -28,6 +29,8 @@ pub enum MatchesError {
     Deadline(Duration),
     #[error("FindMatches failed: {0}")]
     Status(#[from] tonic::Status),
+    #[error("the control plane could not be reached for lookups; trying again after a backoff")]
+    Unreachable,
 }
 
 /// A lazily connected client on its own HTTP/2 connection, so lookups never queue behind a
@@ -43,7 +46,53 @@ pub struct MatchesClient {
     numbered: Arc<AtomicU64>,
     /// When a refused token was last warned about: seconds since `started` (0: never).
     warned_at: Arc<AtomicU64>,
+    /// Whether lookups are worth making (shared by clones).
+    reach: Arc<Reach>,
     started: Instant,
+}
+
+/// A control plane that cannot be reached (gone, restarting, refusing connections) is tried
+/// again after a full-jitter backoff, not by every KV-scored request: a lazy channel that
+/// failed to connect connects anew for the next call, so a fleet of busy replicas would
+/// otherwise send it (and its DNS) a connection attempt per request for the whole outage.
+/// Requests meanwhile are picked without the KV term, as after any missed lookup.
+#[derive(Debug)]
+struct Reach {
+    /// Lookups are skipped until this many milliseconds after the client's start (0: none).
+    skip_until_ms: AtomicU64,
+    backoff: Mutex<Backoff>,
+}
+
+impl Default for Reach {
+    fn default() -> Self {
+        Self { skip_until_ms: AtomicU64::new(0), backoff: Mutex::new(Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX)) }
+    }
+}
+
+impl Reach {
+    fn skipping(&self, now_ms: u64) -> bool {
+        now_ms < self.skip_until_ms.load(Ordering::Relaxed)
+    }
+
+    /// A lookup could not reach the control plane: skip lookups for the next backoff delay.
+    /// The lookups in flight when it went fail together and count as one failure.
+    fn missed(&self, now_ms: u64) {
+        let mut backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
+        if self.skipping(now_ms) {
+            return;
+        }
+        let delay = u64::try_from(backoff.next_delay().as_millis()).unwrap_or(u64::MAX);
+        self.skip_until_ms.store(now_ms.saturating_add(delay.max(1)), Ordering::Relaxed);
+    }
+
+    /// A lookup was answered: the next failure starts the backoff over.
+    fn reached(&self) {
+        // One relaxed load on the common path: nothing to reset while nothing failed.
+        if self.skip_until_ms.load(Ordering::Relaxed) != 0 {
+            self.backoff.lock().unwrap_or_else(PoisonError::into_inner).reset();
+            self.skip_until_ms.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 type Client = FleetClient<InterceptedService<Channel, Credentials>>;
@@ -87,8 +136,8 @@ impl MatchesClient {
     pub fn new(config: &FleetClientConfig, deadline: Duration) -> Result<Self, EndpointError> {
         let client = Arc::new(ArcSwap::from_pointee(connect(config)?));
         let replica_id = config.replica_id.as_str().into();
-        let (numbered, warned_at, started) = (Arc::default(), Arc::default(), Instant::now());
-        Ok(Self { client, deadline, replica_id, numbered, warned_at, started })
+        let (numbered, warned_at, reach, started) = (Arc::default(), Arc::default(), Arc::default(), Instant::now());
+        Ok(Self { client, deadline, replica_id, numbered, warned_at, reach, started })
     }
 
     /// Connects anew with `config`'s TLS files as they are now; lookups under way finish on
@@ -174,6 +223,10 @@ impl MatchesClient {
         contenders: &[(u64, u32)],
         prompt_tokens: u64,
     ) -> Result<Matches, MatchesError> {
+        let now_ms = || u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if self.reach.skipping(now_ms()) {
+            return Err(MatchesError::Unreachable);
+        }
         let mut client = Client::clone(&self.client.load());
         let contenders = contenders.iter().map(|&(instance_id, dp_rank)| pb::RankId { instance_id, dp_rank }).collect();
         // No rank can hold more of the prefix than was asked about: a reply claiming more
@@ -190,7 +243,19 @@ impl MatchesClient {
         let call = client.find_matches(request);
         let reply =
             tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))?;
-        let reply = reply.inspect_err(|status| self.refused(status))?.into_inner();
+        let reply = match reply {
+            Ok(reply) => {
+                self.reach.reached();
+                reply.into_inner()
+            }
+            Err(status) => {
+                if unreached(&status) {
+                    self.reach.missed(now_ms());
+                }
+                self.refused(&status);
+                return Err(status.into());
+            }
+        };
         // Ascending by score: a cut keeps the best.
         let cut = reply.overlaps.len().saturating_sub(MAX_ANSWERED_RANKS);
         let overlaps = reply
@@ -216,6 +281,15 @@ impl MatchesClient {
     }
 }
 
+/// Whether a lookup failed for want of a connection (refused, dropped, lost: tonic says so as
+/// `Unavailable`, or as the transport's error under another code); the control plane's own
+/// refusals (a wrong token, a malformed lookup) are answers.
+fn unreached(status: &tonic::Status) -> bool {
+    use std::error::Error;
+    status.code() == tonic::Code::Unavailable
+        || status.source().is_some_and(|source| source.is::<tonic::transport::Error>())
+}
+
 /// One lookup's answer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Matches {
@@ -226,4 +300,84 @@ pub struct Matches {
     pub turn: u64,
     /// The contender (instance id, dp rank) the control plane suggests.
     pub suggestion: Option<Suggested>,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    /// A control plane that takes connections and drops them at once (a process going down,
+    /// a proxy with no backend): the lookups that find it so back off, instead of connecting
+    /// anew for every request.
+    #[tokio::test]
+    async fn lookups_back_off_from_a_control_plane_that_cannot_be_reached() -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&accepted);
+        let server = tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::Relaxed);
+                drop(conn);
+            }
+        });
+        let client = MatchesClient::new(&FleetClientConfig::new(url, "r1"), Duration::from_millis(200))?;
+        let (mut unavailable, mut skipped) = (0, 0);
+        for _ in 0..200 {
+            match client.find_matches(0, vec![1, 2, 3], "m", &[], 48).await {
+                Err(MatchesError::Status(status)) if unreached(&status) => unavailable += 1,
+                Err(MatchesError::Unreachable) => skipped += 1,
+                other => anyhow::bail!("neither a failed nor a skipped lookup: {other:?}"),
+            }
+        }
+        server.abort();
+        // The first backoff is at most RECONNECT_INITIAL: the loop may outlast a few of them.
+        assert!(unavailable >= 1 && skipped >= 150, "{unavailable} tried, {skipped} skipped");
+        assert!(accepted.load(Ordering::Relaxed) <= 10, "{} connections", accepted.load(Ordering::Relaxed));
+        Ok(())
+    }
+
+    /// A port nobody listens on: refused connections back off too.
+    #[tokio::test]
+    async fn lookups_back_off_from_a_refused_port() -> anyhow::Result<()> {
+        let port = tokio::net::TcpListener::bind("127.0.0.1:0").await?.local_addr()?;
+        let client =
+            MatchesClient::new(&FleetClientConfig::new(format!("http://{port}"), "r1"), Duration::from_secs(1))?;
+        let first = client.find_matches(0, vec![1], "m", &[], 16).await;
+        assert!(matches!(&first, Err(MatchesError::Status(status)) if unreached(status)), "{first:?}");
+        let mut skipped = 0;
+        for _ in 0..50 {
+            skipped += usize::from(matches!(
+                client.find_matches(0, vec![1], "m", &[], 16).await,
+                Err(MatchesError::Unreachable)
+            ));
+        }
+        // Each failure skips lookups for a draw of up to 100 ms, then 200, 400…
+        assert!(skipped >= 40, "{skipped} of 50 skipped");
+        Ok(())
+    }
+
+    /// The control plane's answer that refuses a lookup is no reason to stop asking.
+    #[test]
+    fn a_refusal_is_an_answer() {
+        assert!(!unreached(&tonic::Status::unauthenticated("a wrong token")));
+        assert!(!unreached(&tonic::Status::invalid_argument("too many hashes")));
+        assert!(unreached(&tonic::Status::unavailable("connection refused")));
+    }
+
+    #[test]
+    fn an_answer_ends_the_backoff_and_lookups_failing_together_count_once() {
+        let reach = Reach::default();
+        assert!(!reach.skipping(0));
+        reach.missed(1_000);
+        let until = reach.skip_until_ms.load(Ordering::Relaxed);
+        assert!(reach.skipping(1_000) && until <= 1_000 + RECONNECT_INITIAL.as_millis() as u64, "{until}");
+        // Another lookup of the same moment failing: the same window, no doubling.
+        reach.missed(1_000);
+        assert_eq!(reach.skip_until_ms.load(Ordering::Relaxed), until);
+        reach.reached();
+        assert!(!reach.skipping(1_000), "answered: lookups go on at once");
+    }
 }

@@ -187,7 +187,7 @@ impl KvRouting {
                     tracing::debug!(%error, "scoring without overlap credit");
                     let result = match error {
                         MatchesError::Deadline(_) => KvSelectionResult::IndexTimeout,
-                        MatchesError::Status(_) => KvSelectionResult::IndexUnavailable,
+                        MatchesError::Status(_) | MatchesError::Unreachable => KvSelectionResult::IndexUnavailable,
                     };
                     (Overlaps::default(), IndexAnswer::Missed(result))
                 }
