@@ -60,6 +60,9 @@ pub enum DispatchError {
         #[source]
         cause: Failure,
         fallback: Option<Failure>,
+        /// The frontend refused the pins themselves (a worker id it no longer knows, a dp rank
+        /// out of bounds): the router's view of the fleet, not the client's request.
+        stale_pins: bool,
     },
     /// This replica holds as many buffered answers as it may ([`crate::memory`]).
     #[error("the replica holds as many buffered answers as it may")]

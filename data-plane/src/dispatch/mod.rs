@@ -293,15 +293,15 @@ impl Dispatcher {
         // An answer too large to buffer would be as large again from another backend.
         let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_)));
         let Some(fallback) = fallback else {
-            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None });
+            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins: blames_pins });
         };
         counted.path = RoutingPath::UnifiedFallback;
         let Fallback { replicas: unified, body: resent } = *fallback;
         let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.
-        Box::pin(self.unpinned(&body, stream, headers, unified, false))
-            .await
-            .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback) })
+        Box::pin(self.unpinned(&body, stream, headers, unified, false)).await.map_err(|fallback| {
+            DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins: blames_pins }
+        })
     }
 
     /// The pinned send and what its answer means, and whether a refusal blames the pinned

@@ -149,7 +149,9 @@ impl From<DispatchError> for ApiError {
                 "disaggregated_prefill_decode_unavailable",
                 "The model server refused the request because no prefill worker was assigned to it. Retry shortly; if it persists, the fleet's prefill workers may be unavailable.",
             ),
-            DispatchError::DecodeFailed { cause, fallback } => decode_failed(&cause, fallback.as_ref()),
+            DispatchError::DecodeFailed { cause, fallback, stale_pins } => {
+                decode_failed(&cause, fallback.as_ref(), stale_pins)
+            }
             DispatchError::Overloaded => server_busy(),
             DispatchError::UnifiedFailed(cause) => unified_failed(&cause),
         }
@@ -202,8 +204,9 @@ fn server_busy() -> ApiError {
     )
 }
 
-/// The decode arm's answer, sorted as [`failure_status`] sorts.
-fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
+/// The decode arm's answer, sorted as [`failure_status`] sorts. `stale_pins`: the frontend
+/// refused the workers themselves, which no check of the request would mend.
+fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) -> ApiError {
     let status = failure_status(cause);
     let what = match cause {
         Failure::Status(shim_status) => format!("the Dynamo frontend answered {}", shim_status.as_u16()),
@@ -216,6 +219,10 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>) -> ApiError {
         // The answer came; retrying would bring it again, as large.
         Failure::TooLarge(limit) => format!(
             "The request's answer is larger than the {limit} bytes relayed unstreamed{retried}. Ask for it with \"stream\": true."
+        ),
+        Failure::Status(_) if stale_pins => format!(
+            "The request failed on its assigned workers: {what}, refusing the workers this router chose (its view of \
+             the fleet was behind the frontend's){retried}. Retry the request: the router is told of the change."
         ),
         // A refusal that may be of the request itself (the frontend checks some of it only once
         // it is pinned): retrying an invalid request would fail the same way.
@@ -262,10 +269,10 @@ mod tests {
 
     #[test]
     fn an_answer_too_large_to_relay_says_to_stream_it_not_to_retry() {
-        let error = decode_failed(&Failure::TooLarge(32 << 20), None);
+        let error = decode_failed(&Failure::TooLarge(32 << 20), None, false);
         assert_eq!((error.status, error.code), (StatusCode::BAD_GATEWAY, "disaggregated_decode_failed"));
         assert!(error.message.contains("\"stream\": true") && !error.message.contains("Retry"), "{}", error.message);
-        let broke = decode_failed(&Failure::Status(StatusCode::INTERNAL_SERVER_ERROR), None);
+        let broke = decode_failed(&Failure::Status(StatusCode::INTERNAL_SERVER_ERROR), None, true);
         assert!(broke.message.contains("answered 500") && broke.message.contains("Retry"), "{}", broke.message);
     }
 
@@ -280,19 +287,28 @@ mod tests {
 
     #[test]
     fn decode_failures_say_unavailable_timeout_or_bad_gateway() {
-        let status = |cause: Failure| decode_failed(&cause, None).status;
+        let status = |cause: Failure| decode_failed(&cause, None, false).status;
         assert_eq!(status(Failure::NoReplica), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(status(Failure::Status(StatusCode::TOO_MANY_REQUESTS)), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(status(Failure::Status(StatusCode::INTERNAL_SERVER_ERROR)), StatusCode::BAD_GATEWAY);
         assert_eq!(status(Failure::BodyTimeout(std::time::Duration::from_secs(1))), StatusCode::GATEWAY_TIMEOUT);
-        let both = decode_failed(&Failure::Status(StatusCode::BAD_REQUEST), Some(&Failure::NoReplica));
+        let both = decode_failed(&Failure::Status(StatusCode::BAD_REQUEST), Some(&Failure::NoReplica), false);
         assert!(both.message.contains("answered 400") && both.message.contains("without worker pins also failed"));
         // A refusal that may be the request's own says to check it, not only to retry.
         assert!(both.message.contains("check the request"), "{}", both.message);
         for retry in [StatusCode::INTERNAL_SERVER_ERROR, StatusCode::NOT_FOUND, StatusCode::TOO_MANY_REQUESTS] {
-            let failed = decode_failed(&Failure::Status(retry), None);
+            let failed = decode_failed(&Failure::Status(retry), None, false);
             assert!(failed.message.contains("Retry the request"), "{retry}: {}", failed.message);
         }
+        // 1.6.1's 400 "Invalid request" for a worker id it no longer knows: the router's stale
+        // view, never the client's request to check.
+        let stale = decode_failed(&Failure::Status(StatusCode::BAD_REQUEST), None, true);
+        assert_eq!(stale.status, StatusCode::BAD_GATEWAY);
+        assert!(
+            stale.message.contains("Retry the request") && !stale.message.contains("check the request"),
+            "{}",
+            stale.message
+        );
     }
 
     #[test]
