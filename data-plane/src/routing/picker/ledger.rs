@@ -427,7 +427,25 @@ impl Rank {
             self.unreported.decode_blocks = self.unreported.decode_blocks.saturating_sub(leg.added);
             self.unreported.prefill_tokens = self.unreported.prefill_tokens.saturating_sub(leg.prefill_tokens);
         }
-        self.active.remove(&leg.block_hashes, leg.decode_blocks)
+        let freed = self.active.remove(&leg.block_hashes, leg.decode_blocks);
+        self.bequeath(leg, freed);
+        freed
+    }
+
+    /// The blocks `ended` counted that stay held (a prefix other legs share) go to a leg that
+    /// holds all of them: prefix chains hash each block with all before it, so the blocks
+    /// still held are a prefix of its chain, as long as the longest one another leg shares.
+    fn bequeath(&mut self, ended: &Leg, freed: u64) {
+        let left = ended.added.saturating_add(ended.inherited).saturating_sub(freed);
+        if left == 0 {
+            return;
+        }
+        let held = usize::try_from(self.active.depth(&ended.block_hashes)).unwrap_or(usize::MAX);
+        let Some(prefix) = ended.block_hashes.get(..held).filter(|prefix| !prefix.is_empty()) else { return };
+        // From the newest: the leg most likely to go on holding the prefix longest.
+        if let Some(heir) = self.legs.iter_mut().rev().find(|leg| leg.block_hashes.starts_with(prefix)) {
+            heir.inherited = heir.inherited.saturating_add(left);
+        }
     }
 }
 
@@ -456,6 +474,10 @@ struct Leg {
     block_hashes: Box<[u64]>,
     /// The blocks it added to its rank's distinct total.
     added: u64,
+    /// Blocks an ended leg added that this one still holds (their prefix): with `added`, what
+    /// it counts while unanswered, so that a request holding a prefix alone counts all of it.
+    /// Apart from `added`, which the fleet's sums follow.
+    inherited: u64,
     /// Blocks that count toward a stall: zero for the decode leg of a prefill+decode pair,
     /// which receives the request only after the prefill finishes.
     stall_blocks: u64,
@@ -551,6 +573,7 @@ impl DispatchLedger {
             decode_blocks,
             block_hashes,
             added: 0,
+            inherited: 0,
             stall_blocks,
         };
         let prefill_tokens = selection.uncached_prompt_tokens(prompt_tokens);
@@ -693,7 +716,7 @@ impl State {
             sampled_at.is_none_or(|at| at <= leg.at) && now.saturating_duration_since(leg.at) < UNANSWERED_FOR
         };
         for leg in rank.legs.iter().filter(unanswered) {
-            backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.added);
+            backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.added).saturating_add(leg.inherited);
             backlog.unanswered_prefill_tokens = backlog.unanswered_prefill_tokens.saturating_add(leg.prefill_tokens);
             let waited = now.saturating_duration_since(leg.at);
             backlog.stalled |= leg.stall_blocks >= STALL_MIN_BLOCKS && waited >= STALL_AFTER;

@@ -158,6 +158,35 @@ fn blocks_dispatches_share_count_once_until_the_last_ends() {
     assert_eq!(backlog(&ledger, key(1, 0), None, t1).in_flight_decode_blocks, 0);
 }
 
+/// A request left holding a shared prefix alone counts all of it while unanswered, not only
+/// the blocks it was first to hold: the seed's "each dispatch adds its blocks until a sample
+/// arrives", with blocks shared by dispatches in flight counted once.
+#[test]
+fn an_unanswered_request_counts_the_prefix_an_ended_one_shared_with_it() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let sampled = Some(t0);
+    // 10 and 12 whole blocks of 16; the second shares the first's 10.
+    let first = ledger.record(&alone(pin(1, None)), 160, 16, &(1..=10).collect::<Vec<_>>(), t0 + ms(1), op());
+    ledger.record(&alone(pin(1, None)), 192, 16, &(1..=12).collect::<Vec<_>>(), t0 + ms(2), op());
+    // One shorter request on the prefix, and one on another prompt.
+    ledger.record(&alone(pin(1, None)), 80, 16, &(1..=5).collect::<Vec<_>>(), t0 + ms(3), op());
+    ledger.record(&alone(pin(1, None)), 32, 16, &[50, 51], t0 + ms(4), op());
+    let late = t0 + STALL_AFTER + ms(500);
+    assert_eq!(backlog(&ledger, key(1, 0), sampled, late).decode_blocks, 14);
+    ledger.end(first, t0 + ms(10), op());
+    let unanswered = backlog(&ledger, key(1, 0), sampled, late);
+    assert_eq!(
+        (unanswered.decode_blocks, unanswered.in_flight_decode_blocks),
+        (14, 14),
+        "the 12 blocks held still count"
+    );
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
 #[test]
 fn a_decode_worker_of_a_pair_holds_a_shared_prompt_once() {
     // The decode worker keeps the KV it receives in its prefix cache: two requests with one
