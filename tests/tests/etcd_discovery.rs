@@ -10,7 +10,7 @@ use continuum_control_plane::app::{ControlPlane, ListenOverrides};
 use continuum_control_plane::config::{self, EtcdConfig};
 use continuum_control_plane::metrics::Metrics;
 use continuum_control_plane::sources::Registry;
-use continuum_control_plane::sources::etcd::{MAX_ETCD_MESSAGE_BYTES, WatchHealth, run_with};
+use continuum_control_plane::sources::etcd::{MAX_ETCD_MESSAGE_BYTES, WatchHealth, prefixes, run_with, writes_after};
 use continuum_tests::etcd::{Etcd, decode_worker_records};
 use continuum_tests::eventually;
 use tokio_util::sync::CancellationToken;
@@ -232,6 +232,28 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     eventually(CONVERGE, "and watching again", || async { workers() == 2 }).await?;
     cancel.cancel();
     task.await?;
+    Ok(())
+}
+
+/// The check a silent watch stream gets: does etcd hold a write under its prefix newer than
+/// the revision the stream delivered? Only writes under that prefix count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_is_checked_for_writes_under_its_prefix_past_what_it_delivered() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd = Etcd::start(dir.path(), &[]).await?;
+    put_workers(&etcd, [lease(1)]).await?;
+    let mut kv = etcd.client().await?.kv_client();
+    let [instances, cards, ..] = prefixes("dynamo");
+    let within = Duration::from_secs(5);
+    let now = kv.get("any", None).await?.header().map(|h| h.revision()).unwrap_or_default();
+    assert_eq!(writes_after(&mut kv, &instances, now, within).await, Some(false), "nothing newer");
+    assert_eq!(writes_after(&mut kv, &instances, 0, within).await, Some(true), "the instance written");
+    put_workers(&etcd, [lease(2)]).await?;
+    assert_eq!(writes_after(&mut kv, &instances, now, within).await, Some(true), "a new instance");
+    kv.put(format!("{cards}other"), "{}", None).await?;
+    let after = kv.get("any", None).await?.header().map(|h| h.revision()).unwrap_or_default();
+    assert_eq!(writes_after(&mut kv, &instances, after - 1, within).await, Some(false), "a write elsewhere");
+    assert_eq!(writes_after(&mut kv, &cards, after - 1, within).await, Some(true));
     Ok(())
 }
 

@@ -15,10 +15,11 @@
 //! - Watches ask etcd to split a large revision into fragments, and refuse to run on a member
 //!   that has lost its leader (`require_leader`: etcd then cancels them, and the pass resyncs).
 //! - A watch must be heard from: every [`WatchHealth::progress_every`] each stream is asked for
-//!   its progress. When one has been silent for [`WatchHealth::silent_after`], the member must
-//!   answer a linearizable read within [`WatchHealth::confirm_within`], or the pass ends: an
-//!   idle keyspace still answers (progress, or at least the read); a stalled member or proxy
-//!   does not.
+//!   its progress. One silent for [`WatchHealth::silent_after`] is checked against the member
+//!   (see [`heard`]): a member that does not answer within [`WatchHealth::confirm_within`], or
+//!   that holds a write under the stream's prefix the stream has still not delivered a check
+//!   later, ends the pass. An idle keyspace passes (no newer write); a frozen member or proxy,
+//!   or one stream stalled while the others and the reads go on, does not.
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -44,28 +45,10 @@ pub const MAX_ETCD_MESSAGE_BYTES: usize = 64 << 20;
 /// Keys one range-get page asks for at most (fewer after a page too large to accept).
 pub const PAGE_KEYS: i64 = 256;
 
-/// How a pass tells a stalled watch from a quiet one.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct WatchHealth {
-    /// How often each watch stream is asked for its progress.
-    pub progress_every: Duration,
-    /// A stream not heard from (an event or a progress answer) for this long is suspect.
-    pub silent_after: Duration,
-    /// How long the member has to answer a linearizable read when a stream is suspect; one
-    /// that does is quiet (some etcd releases skip progress answers), one that does not ends
-    /// the pass.
-    pub confirm_within: Duration,
-}
+mod heard;
 
-impl Default for WatchHealth {
-    fn default() -> Self {
-        Self {
-            progress_every: Duration::from_secs(10),
-            silent_after: Duration::from_secs(25),
-            confirm_within: Duration::from_secs(5),
-        }
-    }
-}
+pub use heard::WatchHealth;
+use heard::{Heard, Verdict};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
@@ -81,8 +64,12 @@ pub enum PassError {
     Compacted(i64),
     #[error("a watch stream ended")]
     Ended,
-    #[error("a watch stream went unheard for {0:?}, progress requests included; resyncing")]
+    #[error(
+        "a watch stream went unheard for {0:?}, progress requests included, and etcd did not answer a check; resyncing"
+    )]
     Silent(Duration),
+    #[error("the watch on {prefix} went unheard while etcd holds writes under it past revision {revision}; resyncing")]
+    Stalled { prefix: String, revision: i64 },
     #[error("a full discovery keyspace has room again; listing it anew for the keys it refused")]
     RoomFreed,
 }
@@ -192,7 +179,7 @@ async fn pass(
     }
     metrics.discovery_connected.set(1);
     *watching_since = Some(Instant::now());
-    let mut heard = Heard::new(prefixes.len(), Instant::now());
+    let mut heard = Heard::new(prefixes.len(), revision, Instant::now());
     // Not at once: a watch still catching up may leave the request unanswered.
     let first = tokio::time::Instant::now() + health.progress_every;
     let mut progress = tokio::time::interval_at(first, health.progress_every);
@@ -201,12 +188,14 @@ async fn pass(
         let (index, response) = tokio::select! {
             next = streams.next() => next.ok_or(PassError::Ended)?,
             _ = progress.tick() => {
-                if heard.silent_for(Instant::now(), health.silent_after) {
-                    if !answers(&mut kv, &prefixes[0], health.confirm_within).await {
+                for (index, delivered) in heard.silent(Instant::now(), health.silent_after) {
+                    let prefix = &prefixes[index];
+                    let Some(holds_newer) = writes_after(&mut kv, prefix, delivered, health.confirm_within).await else {
                         return Err(PassError::Silent(health.silent_after));
+                    };
+                    if heard.checked(index, holds_newer, Instant::now()) == Verdict::Stalled {
+                        return Err(PassError::Stalled { prefix: prefix.clone(), revision: delivered });
                     }
-                    // The member answers: the watches are quiet, not stalled.
-                    heard = Heard::new(prefixes.len(), Instant::now());
                 }
                 for asker in &mut askers {
                     asker.request_progress().await?;
@@ -214,8 +203,8 @@ async fn pass(
                 continue;
             }
         };
-        heard.from(index, Instant::now());
         let response = response?;
+        heard.from(index, delivered(&response), Instant::now());
         if response.compact_revision() > 0 {
             return Err(PassError::Compacted(response.compact_revision()));
         }
@@ -274,31 +263,29 @@ fn off_the_runtime<R>(work: impl FnOnce() -> R) -> R {
     }
 }
 
-/// Whether the member answers a linearizable read of `prefix` (a count, no values) within
-/// `within`: one cut off from its cluster (`require_leader`) or frozen does not.
-async fn answers(kv: &mut KvClient, prefix: &str, within: Duration) -> bool {
-    let count = GetOptions::new().with_prefix().with_count_only();
-    matches!(tokio::time::timeout(within, kv.get(prefix, Some(count))).await, Ok(Ok(_)))
+/// Whether the member holds a key under `prefix` written after `revision`, by a linearizable
+/// read (one key at most, without its value) answered within `within`; `None` when it does
+/// not answer in time: one cut off from its cluster (`require_leader`) or frozen. Not a
+/// count: etcd counts a range before it filters it by revision.
+pub async fn writes_after(kv: &mut KvClient, prefix: &str, revision: i64, within: Duration) -> Option<bool> {
+    let newer = GetOptions::new()
+        .with_prefix()
+        .with_keys_only()
+        .with_min_mod_revision(revision.saturating_add(1))
+        .with_limit(1);
+    match tokio::time::timeout(within, kv.get(prefix, Some(newer))).await {
+        Ok(Ok(answer)) => Some(!answer.kvs().is_empty()),
+        _ => None,
+    }
 }
 
-/// When each watch stream was last heard from.
-#[derive(Debug)]
-struct Heard(Vec<Instant>);
-
-impl Heard {
-    fn new(streams: usize, now: Instant) -> Self {
-        Self(vec![now; streams])
-    }
-
-    fn from(&mut self, stream: usize, now: Instant) {
-        if let Some(at) = self.0.get_mut(stream) {
-            *at = now;
-        }
-    }
-
-    /// Whether some stream has gone unheard for `after` or longer.
-    fn silent_for(&self, now: Instant, after: Duration) -> bool {
-        self.0.iter().any(|at| now.saturating_duration_since(*at) >= after)
+/// The revision up to which a watch response shows its prefix's writes: its events' newest,
+/// or for a progress answer (no events) the revision it reports the watch caught up to.
+fn delivered(response: &etcd_client::WatchResponse) -> i64 {
+    let events = response.events().iter().filter_map(|event| event.kv()).map(|kv| kv.mod_revision()).max();
+    match events {
+        Some(newest) => newest,
+        None => response.header().map_or(0, |header| header.revision()),
     }
 }
 
@@ -469,19 +456,26 @@ mod tests {
         assert_eq!(after(b"k"), b"k\0");
     }
 
-    #[test]
-    fn a_stream_unheard_for_the_deadline_is_silent() {
-        let t0 = Instant::now();
-        let mut heard = Heard::new(2, t0);
-        let after = Duration::from_secs(25);
-        heard.from(0, t0 + Duration::from_secs(20));
-        assert!(!heard.silent_for(t0 + Duration::from_secs(24), after));
-        assert!(heard.silent_for(t0 + after, after), "the second stream was never heard from again");
-        heard.from(1, t0 + Duration::from_secs(30));
-        assert!(!heard.silent_for(t0 + Duration::from_secs(44), after));
-        assert!(heard.silent_for(t0 + Duration::from_secs(45), after), "now the first");
+    /// Whether the member holds a key under `prefix` written after `revision`, by a linearizable
+    /// count (no keys, no values) answered within `within`; `None` when it does not answer in
+    /// time: one cut off from its cluster (`require_leader`) or frozen.
+    async fn writes_after(kv: &mut KvClient, prefix: &str, revision: i64, within: Duration) -> Option<bool> {
+        let newer = GetOptions::new().with_prefix().with_count_only().with_min_mod_revision(revision.saturating_add(1));
+        match tokio::time::timeout(within, kv.get(prefix, Some(newer))).await {
+            Ok(Ok(answer)) => Some(answer.count() > 0),
+            _ => None,
+        }
     }
 
+    /// The revision up to which a watch response shows its prefix's writes: its events' newest,
+    /// or for a progress answer (no events) the revision it reports the watch caught up to.
+    fn delivered(response: &etcd_client::WatchResponse) -> i64 {
+        let events = response.events().iter().filter_map(|event| event.kv()).map(|kv| kv.mod_revision()).max();
+        match events {
+            Some(newest) => newest,
+            None => response.header().map_or(0, |header| header.revision()),
+        }
+    }
     #[test]
     fn prefixes_percent_encode_the_event_channel_namespace_only() {
         assert_eq!(
