@@ -456,26 +456,6 @@ mod tests {
         assert_eq!(after(b"k"), b"k\0");
     }
 
-    /// Whether the member holds a key under `prefix` written after `revision`, by a linearizable
-    /// count (no keys, no values) answered within `within`; `None` when it does not answer in
-    /// time: one cut off from its cluster (`require_leader`) or frozen.
-    async fn writes_after(kv: &mut KvClient, prefix: &str, revision: i64, within: Duration) -> Option<bool> {
-        let newer = GetOptions::new().with_prefix().with_count_only().with_min_mod_revision(revision.saturating_add(1));
-        match tokio::time::timeout(within, kv.get(prefix, Some(newer))).await {
-            Ok(Ok(answer)) => Some(answer.count() > 0),
-            _ => None,
-        }
-    }
-
-    /// The revision up to which a watch response shows its prefix's writes: its events' newest,
-    /// or for a progress answer (no events) the revision it reports the watch caught up to.
-    fn delivered(response: &etcd_client::WatchResponse) -> i64 {
-        let events = response.events().iter().filter_map(|event| event.kv()).map(|kv| kv.mod_revision()).max();
-        match events {
-            Some(newest) => newest,
-            None => response.header().map_or(0, |header| header.revision()),
-        }
-    }
     #[test]
     fn prefixes_percent_encode_the_event_channel_namespace_only() {
         assert_eq!(
