@@ -4,7 +4,9 @@
 //! 1. Identity: the event's worker must be the publisher's (its `v1/event_sources` record), its
 //!    rank the publisher's rank when the record names one, and the pair live with the rank in
 //!    the worker's declared range (`identity_mismatch`). Refused events move no cursor.
-//! 2. Cursor, per (publisher, worker, dp_rank): an event id at or below it is a `replay`; a jump
+//! 2. Cursor, per (publisher, worker, dp_rank): an event id below it is a `replay`; the same id
+//!    again is the same engine step (Dynamo numbers every event converted from one vLLM batch
+//!    with the batch's sequence, and may publish them over more than one message); a jump
 //!    past the next id clears the rank (`gap`) and the event then applies, so the rank rebuilds
 //!    from root-anchored chains (no snapshot recovery: the router stays off Dynamo's request
 //!    plane). The first event of a rank sets the cursor. A publisher holds at most
@@ -204,7 +206,8 @@ impl KvIndexer {
         let cursors = &mut self.publishers.entry(publisher.clone()).or_default().cursors;
         let full = cursors.len() >= MAX_CURSORS_PER_PUBLISHER;
         match cursors.get_mut(&rank) {
-            Some(cursor) if event_id <= cursor.last => Cursor::Replay,
+            Some(cursor) if event_id < cursor.last => Cursor::Replay,
+            Some(cursor) if event_id == cursor.last => Cursor::Next,
             Some(cursor) => {
                 let gap = event_id > cursor.last.saturating_add(1) && !cursor.cleared_for_loss;
                 *cursor = RankCursor::at(event_id);

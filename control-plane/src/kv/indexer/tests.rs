@@ -156,7 +156,10 @@ fn a_replayed_stream_is_skipped_and_changes_nothing() -> anyhow::Result<()> {
     for (publisher, frames) in &evictions {
         again.merge(&indexer.apply_message(&publishers[publisher], frames.iter().map(Vec::as_slice)));
     }
-    assert_eq!(again.iter().collect::<Vec<_>>(), [(KvEventResult::Replay, u32::try_from(events)?)]);
+    // Each rank's last event carries the id its cursor holds: the same engine step, applied
+    // again (its removal finds the blocks gone), changing nothing.
+    let again: Vec<_> = again.iter().collect();
+    assert_eq!(again, [(KvEventResult::UnknownBlock, 2), (KvEventResult::Replay, u32::try_from(events)? - 2)]);
     model.assert_matches(&indexer);
     Ok(())
 }
@@ -262,6 +265,24 @@ fn rank(dp_rank: u32) -> RankKey {
     RankKey { worker_id: WORKER, dp_rank }
 }
 
+/// Dynamo's vLLM publisher gives every event of one engine step the step's sequence as its id
+/// (and may send them in more than one message): each applies, and the next step is no gap.
+#[test]
+fn events_of_one_engine_step_share_an_id_and_all_apply() {
+    let mut indexer = live_indexer(0..1);
+    let step = [stored(0, 5, None, &[1]), stored(0, 5, Some(1), &[2])];
+    assert_eq!(results(&indexer.apply_events(&publisher(), &step)), [("applied", 2)]);
+    let rest = [stored(0, 5, Some(2), &[3]), stored(0, 6, Some(3), &[4])];
+    assert_eq!(
+        results(&indexer.apply_events(&publisher(), &rest)),
+        [("applied", 2)],
+        "the step went on; then the next"
+    );
+    assert_eq!(indexer.find_matches(&[1001, 1002, 1003, 1004]).score(rank(0)), 4);
+    let earlier = [stored(0, 5, Some(4), &[5])];
+    assert_eq!(results(&indexer.apply_events(&publisher(), &earlier)), [("replay", 1)], "a step already passed");
+}
+
 #[test]
 fn a_lost_message_is_one_gap_however_its_rank_hears_of_it() {
     let mut indexer = live_indexer(0..1);
@@ -293,7 +314,7 @@ fn the_first_event_sets_the_cursor_and_a_jump_clears_before_applying() {
     assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
     assert_eq!(indexer.index().rank_blocks(rank(0)), 1, "the earlier chain was cleared");
     assert_eq!(indexer.cursor(&key(9), rank(0)), Some(385));
-    let counts = indexer.apply_events(&publisher(), &[stored(0, 380, Some(2), &[4]), stored(0, 385, None, &[6])]);
+    let counts = indexer.apply_events(&publisher(), &[stored(0, 380, Some(2), &[4]), stored(0, 384, None, &[6])]);
     assert_eq!(results(&counts), [("replay", 2)]);
 }
 
