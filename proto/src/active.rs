@@ -11,6 +11,8 @@
 
 use std::collections::HashMap;
 
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
 /// Block hashes held for deduplication at once, by the control plane's book and by each
 /// replica's ledger. A dispatch that would pass it counts its blocks without deduplication
 /// (an overstatement, never a loss), so a flood of long prompts cannot grow memory.
@@ -19,9 +21,9 @@ pub const MAX_ACTIVE_BLOCK_HASHES: usize = 1 << 22;
 /// One rank's blocks in flight.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ActiveBlocks {
-    /// Each hashed block, with how many requests in flight hold it. The keys are prompt
-    /// hashes a client can steer, so the map keeps std's keyed hasher rather than using them
-    /// as their own hash.
+    /// Each hashed block, by its [`prefix_hashes`] key, with how many requests in flight hold
+    /// it. The keys follow prompts a client can steer, so the map keeps std's keyed hasher
+    /// rather than using them as their own hash.
     refs: HashMap<u64, u32>,
     /// Blocks of requests in flight that have no hash: a prompt's partial last block, a chain
     /// cut at its bound, a dispatch reported without its chain.
@@ -35,8 +37,8 @@ impl ActiveBlocks {
     pub fn add(&mut self, hashes: &[u64], blocks: u64) -> u64 {
         let (hashes, unhashed) = split(hashes, blocks);
         let mut added = 0;
-        for hash in hashes {
-            let refs = self.refs.entry(*hash).or_insert(0);
+        for key in prefix_hashes(hashes) {
+            let refs = self.refs.entry(key).or_insert(0);
             added += u64::from(*refs == 0);
             *refs = refs.saturating_add(1);
         }
@@ -49,11 +51,11 @@ impl ActiveBlocks {
     pub fn remove(&mut self, hashes: &[u64], blocks: u64) -> u64 {
         let (hashes, unhashed) = split(hashes, blocks);
         let mut freed = 0;
-        for hash in hashes {
-            if let Some(refs) = self.refs.get_mut(hash) {
+        for key in prefix_hashes(hashes) {
+            if let Some(refs) = self.refs.get_mut(&key) {
                 *refs -= 1;
                 if *refs == 0 {
-                    self.refs.remove(hash);
+                    self.refs.remove(&key);
                     freed += 1;
                 }
             }
@@ -68,7 +70,7 @@ impl ActiveBlocks {
     /// for it would share with the requests in flight instead of adding (Dynamo's
     /// `ActiveSequences` overlap depth).
     pub fn depth(&self, hashes: &[u64]) -> u32 {
-        let held = hashes.iter().take_while(|hash| self.refs.contains_key(hash)).count();
+        let held = prefix_hashes(hashes).take_while(|key| self.refs.contains_key(key)).count();
         u32::try_from(held).unwrap_or(u32::MAX)
     }
 
@@ -85,6 +87,18 @@ impl ActiveBlocks {
     pub fn is_empty(&self) -> bool {
         self.total() == 0
     }
+}
+
+/// Each block hash of a prompt's chain folded with all before it. A block hash alone (Dynamo's
+/// `tokens_hash`) names a block's tokens, not its place: a block repeated within a prompt, or
+/// the same text at another place in another prompt, would count as one block held. Two
+/// chains' folds agree at a position exactly when the chains agree up to it (but for a 2^-64
+/// chance).
+pub fn prefix_hashes(hashes: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    hashes.iter().scan(0, |folded, hash| {
+        *folded = xxh3_64_with_seed(&hash.to_le_bytes(), *folded);
+        Some(*folded)
+    })
 }
 
 /// A request's hashed blocks and how many more it has.
@@ -123,6 +137,19 @@ mod tests {
         assert!(rank.is_empty());
         assert_eq!(rank.hashes(), 0, "nothing is left behind");
         assert_eq!(rank.depth(&[1, 2]), 0, "an ended request shares nothing");
+    }
+
+    /// A block's hash names its tokens, not its place: the same block twice in one prompt,
+    /// or at another place in another, is another block held.
+    #[test]
+    fn a_block_counts_as_shared_only_at_the_same_place_in_the_same_prefix() {
+        let mut rank = ActiveBlocks::default();
+        assert_eq!(rank.add(&[7, 7, 7, 7], 4), 4, "four blocks of the same tokens");
+        assert_eq!(rank.add(&[1, 7], 2), 2, "the same block after another prefix");
+        assert_eq!(rank.depth(&[7, 7, 9]), 2);
+        assert_eq!(rank.depth(&[7, 1]), 1);
+        assert_eq!(rank.remove(&[7, 7, 7, 7], 4), 4);
+        assert_eq!(rank.total(), 2);
     }
 
     #[test]

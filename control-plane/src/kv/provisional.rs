@@ -24,8 +24,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
+use continuum_proto::active;
 use continuum_proto::fast_hash::FastMap;
-use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Live chains one rank holds at most: its most recent distinct prefixes.
 pub const MAX_CHAINS_PER_RANK: usize = 32;
@@ -254,19 +254,10 @@ impl ProvisionalIndex {
     }
 }
 
-/// Each block hash folded with all before it: two chains' folds agree at a position exactly
-/// when the chains agree up to it (but for a 2^-64 chance), so whether one chain starts
-/// another is one comparison, and their common prefix a bisection. (A block hash alone names a
-/// block's tokens, not its place: two prompts can share one past where they part.)
+/// Each block hash folded with all before it ([`active::prefix_hashes`]), so whether one chain
+/// starts another is one comparison, and their common prefix a bisection.
 fn prefix_hashes(hashes: &[u64]) -> Box<[u64]> {
-    let mut folded = 0;
-    hashes
-        .iter()
-        .map(|hash| {
-            folded = xxh3_64_with_seed(&hash.to_le_bytes(), folded);
-            folded
-        })
-        .collect()
+    active::prefix_hashes(hashes).collect()
 }
 
 /// Whether the chain folded into `prefix` starts the one folded into `of` (both from
