@@ -54,7 +54,7 @@ impl Reading {
     /// The reading of `held` at `now` under `max_age`.
     pub fn of(held: Option<&LoadSample>, now: Instant, max_age: Duration) -> Self {
         match held {
-            Some(s) if s.age(now) < max_age => Reading::Fresh(s.load),
+            Some(s) if s.age(now) <= max_age => Reading::Fresh(s.load),
             Some(s) if s.load.reports_backlog() => Reading::SilentUnderLoad,
             _ => Reading::Quiet,
         }
@@ -174,10 +174,9 @@ impl LoadStore {
         }
     }
 
-    /// The sample for `key` if it is younger than `max_age` at `now` (the seed's rule, and the
-    /// replicas' pickers': a sample exactly `max_staleness` old is stale).
+    /// The sample for `key` if it is at most `max_age` old at `now`.
     pub fn fresh(&self, key: &LoadKey, max_age: Duration, now: Instant) -> Option<&LoadSample> {
-        self.entries.get(key).map(|held| &held.sample).filter(|s| s.age(now) < max_age)
+        self.entries.get(key).map(|held| &held.sample).filter(|s| s.age(now) <= max_age)
     }
 
     /// [`Self::fresh`] under `dynamo.load.max_staleness`.
