@@ -89,13 +89,14 @@ enum SessionEnd {
     Zmtp(#[from] ZmtpError),
 }
 
-/// Runs the subscription until `cancel` fires.
+/// Runs the subscription until `cancel` fires, dialling first after `first_wait` (a restart's
+/// backoff, see the supervisor).
 pub async fn run<F: Feed>(
     ctx: Arc<SubscriptionContext<F>>,
     publisher: Publisher,
     policy: DialPolicy,
     status: Arc<SubscriptionStatus>,
-    cancel: CancellationToken,
+    (first_wait, cancel): (Duration, CancellationToken),
 ) {
     if policy.transport == LoadTransport::Broker {
         // No event-bus carrier in this build: wait, never fall back to dialling directly.
@@ -106,6 +107,14 @@ pub async fn run<F: Feed>(
     }
     let mut backoff = Backoff::new(ctx.backoff_initial, ctx.backoff_max);
     let mut warned = None;
+    if !first_wait.is_zero() {
+        status.set(SubscriptionState::Backoff);
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => return,
+            () = tokio::time::sleep(first_wait) => {}
+        }
+    }
     loop {
         status.set(SubscriptionState::Connecting);
         let started = tokio::time::Instant::now();

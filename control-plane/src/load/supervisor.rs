@@ -21,7 +21,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::backoff::{RECONNECT_INITIAL, RECONNECT_MAX, STABLE_SESSION};
+use super::backoff::{Backoff, RECONNECT_INITIAL, RECONNECT_MAX, STABLE_SESSION};
 use super::feed::LoadFeed;
 use super::status::SubscriptionStatus;
 use super::store::{LoadStore, SharedLoadStore};
@@ -161,6 +161,7 @@ impl Supervisor {
         });
         let (statuses_tx, statuses) = watch::channel(Subscriptions::from(Vec::new()));
         let (policy_tx, policy_rx) = watch::channel(policy.clone());
+        let starts = Starts::new(&options);
         let actor = Actor {
             ctx,
             options,
@@ -170,6 +171,7 @@ impl Supervisor {
             over_cap: 0,
             waiting: 0,
             benched: BTreeSet::new(),
+            starts,
         };
         let task = tokio::spawn(actor.run(registry, policy_rx, cancel.clone()));
         Self { policy: policy_tx, statuses, cancel, task: Some(task) }
@@ -220,6 +222,58 @@ struct Actor<F> {
     /// Publishers that yielded their place (no session while others waited): admitted after
     /// every other until a session with one succeeds.
     benched: BTreeSet<AdmissionKey>,
+    starts: Starts,
+}
+
+/// When each publisher's subscription last started, and the backoff its next start waits if
+/// that comes within a stable session's length: a record that keeps changing (each change
+/// stops the subscription and starts another) must not make the router redial at the rate of
+/// the changes, which a task's own backoff, new with each task, would allow. Pure: time is an
+/// argument.
+struct Starts {
+    by_key: BTreeMap<AdmissionKey, Start>,
+    /// The backoff's floor and ceiling, and the length after which a start is forgotten.
+    initial: Duration,
+    max: Duration,
+    stable: Duration,
+}
+
+struct Start {
+    at: Instant,
+    backoff: Backoff,
+}
+
+/// Starts remembered at most; past it they are forgotten, and restarts wait no backoff
+/// until they are remembered again.
+const MAX_REMEMBERED_STARTS: usize = 4 * MAX_LOAD_SUBSCRIPTIONS;
+
+impl Starts {
+    fn new(options: &LoadOptions) -> Self {
+        let (initial, max, stable) = (options.backoff_initial, options.backoff_max, options.stable_session);
+        Self { by_key: BTreeMap::new(), initial, max, stable }
+    }
+
+    /// How long a subscription starting for `key` at `now` waits before it dials: nothing at
+    /// first, or a stable session's length after its last start; the next backoff delay
+    /// otherwise.
+    fn wait(&mut self, key: &AdmissionKey, now: Instant) -> Duration {
+        let stable = self.stable;
+        self.by_key.retain(|_, start| now.saturating_duration_since(start.at) < stable);
+        if self.by_key.len() >= MAX_REMEMBERED_STARTS {
+            self.by_key.clear();
+        }
+        match self.by_key.get_mut(key) {
+            Some(start) => {
+                start.at = now;
+                start.backoff.next_delay()
+            }
+            None => {
+                let backoff = Backoff::new(self.initial, self.max);
+                self.by_key.insert(key.clone(), Start { at: now, backoff });
+                Duration::ZERO
+            }
+        }
+    }
 }
 
 impl<F: Feed> Actor<F> {
@@ -279,7 +333,8 @@ impl<F: Feed> Actor<F> {
         self.stop(&admitted, false).await;
         for (key, publisher) in admitted {
             if !self.running.contains_key(&key) {
-                let running = self.spawn(publisher.clone());
+                let first_wait = self.starts.wait(&key, Instant::now());
+                let running = self.spawn(publisher.clone(), first_wait);
                 self.running.insert(key, running);
             }
         }
@@ -382,7 +437,7 @@ impl<F: Feed> Actor<F> {
         self.reconcile(fleet).await;
     }
 
-    fn spawn(&self, publisher: Publisher) -> Running {
+    fn spawn(&self, publisher: Publisher, first_wait: Duration) -> Running {
         let transport: LoadTransport = self.policy.transport;
         let status = Arc::new(SubscriptionStatus::new(
             self.ctx.feed.topic().as_str(),
@@ -397,7 +452,7 @@ impl<F: Feed> Actor<F> {
             publisher.clone(),
             self.policy.clone(),
             Arc::clone(&status),
-            cancel.clone(),
+            (first_wait, cancel.clone()),
         ));
         Running { publisher, status, cancel, task, since: Instant::now() }
     }

@@ -123,3 +123,61 @@ async fn a_publisher_removed_by_the_reload_that_changes_the_policy_departs() {
     }
     assert!(rest.is_empty(), "the publisher that stays restarts without departing: {rest:?}");
 }
+
+#[test]
+fn a_restart_within_a_stable_session_waits_a_growing_backoff_and_a_late_one_none() {
+    let options = LoadOptions::default();
+    let mut starts = Starts::new(&options);
+    let key: AdmissionKey = (7, Arc::from("dynamo"));
+    let t0 = Instant::now();
+    assert_eq!(starts.wait(&key, t0), Duration::ZERO, "a first start dials at once");
+    let waits: Vec<Duration> = (1..=8).map(|i| starts.wait(&key, t0 + Duration::from_millis(i))).collect();
+    assert!(waits.iter().all(|w| *w >= options.backoff_initial && *w <= options.backoff_max), "{waits:?}");
+    assert!(waits[7] > 4 * options.backoff_initial, "the ceiling doubled: {waits:?}");
+    assert_eq!(starts.wait(&(8, Arc::from("dynamo")), t0), Duration::ZERO, "each publisher its own");
+    let late = t0 + Duration::from_millis(8) + options.stable_session;
+    assert_eq!(starts.wait(&key, late), Duration::ZERO, "a stable session later, forgotten");
+}
+
+/// A publisher whose record flips between two addresses every few milliseconds: each change
+/// restarts its subscription, and the restarts wait their backoff instead of dialling at the
+/// rate of the changes.
+#[tokio::test]
+async fn a_record_that_keeps_changing_is_not_redialled_at_its_rate() {
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut addresses = Vec::new();
+    for host in ["127.0.0.1", "127.0.0.2"] {
+        let listener = tokio::net::TcpListener::bind((host, 0)).await.unwrap();
+        addresses.push(format!("tcp://{}", listener.local_addr().unwrap()));
+        let counted = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                drop(conn);
+            }
+        });
+    }
+    let at = |generation: u64, address: &str| {
+        let publisher = Publisher { address: address.into(), ..publisher(7) };
+        let mut fleet = Fleet::default();
+        fleet.publishers.insert(publisher.key(), publisher);
+        Arc::new(Generation { generation, fleet })
+    };
+    let (registry_tx, registry) = tokio::sync::watch::channel(at(1, &addresses[0]));
+    let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
+    let feed =
+        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let direct = DialPolicy { transport: LoadTransport::Direct, allow: None };
+    let mut supervisor = Supervisor::start(feed, direct, LoadOptions::default(), registry, CancellationToken::new());
+    for generation in 2..=40 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        registry_tx.send_replace(at(generation, &addresses[usize::try_from(generation % 2).unwrap()]));
+    }
+    supervisor.statuses().wait_for(|running| running.len() == 1).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    supervisor.stop().await;
+    // The first start dials at once; every restart after it waits at least 500 ms, longer
+    // than the 400 ms of changes.
+    let dialled = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!((1..=2).contains(&dialled), "{dialled} connections for 40 changes");
+}
