@@ -415,9 +415,11 @@ impl<F: Feed> Actor<F> {
                 );
             }
         }
-        // Stable: ascending ids among the unbenched, then among the benched.
+        // Stable: ascending ids among the unbenched, then among the benched; within each, the
+        // records that name no worker last (every sample of theirs is refused, so a pile of
+        // them must not crowd out the fleet's).
         let mut order: Vec<(AdmissionKey, &Publisher)> = all.into_iter().collect();
-        order.sort_by_key(|(key, _)| self.benched.contains(key));
+        order.sort_by_key(|(key, publisher)| (self.benched.contains(key), publisher.worker.is_none()));
         let cap = self.options.max_subscriptions;
         self.waiting = order.iter().skip(cap).filter(|(key, _)| !self.benched.contains(key)).count();
         order.into_iter().take(cap).collect()

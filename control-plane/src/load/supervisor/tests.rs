@@ -181,3 +181,28 @@ async fn a_record_that_keeps_changing_is_not_redialled_at_its_rate() {
     let dialled = accepted.load(std::sync::atomic::Ordering::Relaxed);
     assert!((1..=2).contains(&dialled), "{dialled} connections for 40 changes");
 }
+
+/// Past the cap, records that name no worker (every sample of theirs would be refused) are
+/// admitted after those that do, whatever their ids.
+#[tokio::test]
+async fn past_the_cap_publishers_naming_a_worker_come_first() {
+    let mut fleet = Fleet::default();
+    for id in [1, 2] {
+        let publisher = publisher(id);
+        fleet.publishers.insert(publisher.key(), publisher);
+    }
+    let named = crate::discovery::test_publisher(1 << 50, Some(continuum_proto::model::WorkerKey::new("dynamo", 9)));
+    fleet.publishers.insert(named.key(), named);
+    let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
+    let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
+    let feed =
+        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
+    let options = LoadOptions { max_subscriptions: 2, ..LoadOptions::default() };
+    let mut supervisor = Supervisor::start(feed, broker, options, registry, CancellationToken::new());
+    let mut statuses = supervisor.statuses();
+    statuses.wait_for(|running| running.len() == 2).await.unwrap();
+    let admitted: Vec<u64> = statuses.borrow().iter().map(|s| s.publisher.publisher_id).collect();
+    supervisor.stop().await;
+    assert_eq!(admitted, [1, 1 << 50], "the named publisher, then the lowest id");
+}
