@@ -308,10 +308,16 @@ fn zmq_address(transport: TransportWire) -> Result<Result<String, String>, Recor
     let endpoint = transport.config.as_ref().and_then(|c| c.get("endpoint")).and_then(Value::as_str);
     let endpoint = endpoint.ok_or(RecordError::Transport("Zmq without a config.endpoint"))?;
     match endpoint.strip_prefix("tcp://") {
-        Some(rest) if !rest.is_empty() => Ok(Ok(endpoint.to_owned())),
+        Some(rest) if !rest.is_empty() && rest.len() <= MAX_ENDPOINT_HOST_PORT => Ok(Ok(endpoint.to_owned())),
+        Some(rest) if !rest.is_empty() => Ok(Err(format!("Zmq endpoint of {} bytes, past any host:port", rest.len()))),
         _ => Ok(Err(format!("Zmq endpoint {endpoint:?}, not tcp://host:port"))),
     }
 }
+
+/// The longest `host:port` of a channel's endpoint: a DNS name (253) or a bracketed IPv6
+/// address with a zone, and a port. Every publisher holds its address, so a record's room (64
+/// KiB) is not what bounds it.
+const MAX_ENDPOINT_HOST_PORT: usize = 320;
 
 #[derive(Deserialize)]
 struct SourceWire {

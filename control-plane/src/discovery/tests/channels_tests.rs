@@ -50,6 +50,13 @@ fn only_direct_zmq_tcp_channels_on_known_topics_become_publishers() {
             None,
         ),
         (
+            "an endpoint longer than any host and port",
+            "kv_metrics",
+            channel_value("kv_metrics", PUBLISHER, zmq(&format!("tcp://{}:1", "a".repeat(60_000)))),
+            EventKind::Unsupported,
+            None,
+        ),
+        (
             "ipc endpoint",
             "kv_metrics",
             channel_value("kv_metrics", PUBLISHER, zmq("ipc:///tmp/x")),
