@@ -152,6 +152,7 @@ fn dynamo_rows() -> Vec<Row> {
         row("shim replica disabled", "backends: [{name: s, url: 'http://s:8000', enabled: false}]\ndynamo: {shim: {backends: [s]}}", Warning, "dynamo.shim.backends[0]", "enabled: false"),
         row("shim while dynamo disabled", format!("{SHIM_BACKEND}dynamo: {{shim: {{backends: [shim-a]}}}}"), Warning, "dynamo.shim", "dynamo.enabled"),
         row("several namespaces need pools", with_shim(", namespaces: [prod, canary]", "{backends: [shim-a]}"), Error, "dynamo.shim.backends", "shim.pools"),
+        row("several namespaces and no shim at all", with_shim(", namespaces: [prod, canary]", "{}"), Error, "dynamo.shim.pools", "is required"),
         row("namespace without pool", with_shim(", namespaces: [prod, canary]", "{pools: [{namespace: prod, backends: [shim-a]}]}"), Error, "dynamo.shim.pools", "`canary` has no pool"),
         row("replica in two pools", with_shim(", namespaces: [prod, canary]", "{pools: [{namespace: prod, backends: [shim-a]}, {namespace: canary, backends: [shim-a]}]}"), Error, "dynamo.shim.pools[1].backends[0]", "already belongs"),
         row("pool for an unwatched namespace", with_shim("", "{pools: [{namespace: other, backends: [shim-a]}]}"), Error, "dynamo.shim.pools[0].namespace", "not a configured"),

@@ -116,6 +116,11 @@ fn check_pools(config: &Config, by_name: &HashMap<&str, &BackendConfig>, report:
                 format!("{SHIM}.backends"),
                 "several Dynamo namespaces are configured: use shim.pools (one pool per namespace) instead",
             );
+        } else if namespaces.len() > 1 && config.dynamo.enabled && config.disaggregated_serving.enabled {
+            report.error(
+                format!("{SHIM}.pools"),
+                "several Dynamo namespaces are configured: shim.pools is required (one pool per namespace)",
+            );
         }
         return;
     }
