@@ -49,7 +49,7 @@ pub use probe::ProbeSettings;
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
-use crate::routing::headers::{Pins, TENANT_ID, pins};
+use crate::routing::headers::{Pins, TENANT_ID, mark_routing_path, pins};
 use crate::routing::picker::Selection;
 use respond::{Answer, Answered};
 
@@ -323,8 +323,11 @@ impl Dispatcher {
             Err(failure) => return (PinnedOutcome::Failed(failure), false),
         };
         let shown = disclose.then_some((replica.name.as_str(), selection));
-        let Answered { answer, blames_pins, refused } =
+        let Answered { mut answer, blames_pins, refused } =
             self.answer(response, (stream, sent), Some(dispatch), shown).await;
+        if let Answer::Relay(response) = &mut answer {
+            mark_routing_path(response.headers_mut(), selection);
+        }
         if let Some(fate) = refused {
             self.metrics.refusal_relayed(fate);
         }

@@ -199,8 +199,7 @@ pub fn asks_disclosure(name: &str) -> bool {
 /// Call it only when the request [`asks_disclosure`]. A backend name that is not a
 /// valid header value (names come from configuration) is left out rather than mangled.
 pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
-    for name in [DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK, DISCLOSED_ROUTING_PATH]
-    {
+    for name in [DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK] {
         headers.remove(name);
     }
     match HeaderValue::from_str(backend) {
@@ -221,8 +220,16 @@ pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
             insert_decimal(headers, DISCLOSED_PREFILL_DP_RANK, rank.into());
         }
     }
+}
+
+/// Marks a pinned answer `x-continuum-routing-path: unified` when conditional disaggregation
+/// let the decode worker prefill the request itself (the seed's bypass contract). A routing
+/// path names no worker, so every client sees it, whether or not it asked for disclosure.
+pub fn mark_routing_path(headers: &mut HeaderMap, selection: &Selection) {
     if selection.prefill_reason == Some(Reason::ConditionalBypass) {
         headers.insert(DISCLOSED_ROUTING_PATH, HeaderValue::from_static("unified"));
+    } else {
+        headers.remove(DISCLOSED_ROUTING_PATH);
     }
 }
 

@@ -257,21 +257,20 @@ fn disclosure_names_backend_and_decimal_workers() {
     assert_eq!(value(&map, DISCLOSED_DECODE_WORKER), Some("7"));
     assert_eq!(value(&map, DISCLOSED_DECODE_DP_RANK), None);
     assert_eq!(value(&map, DISCLOSED_PREFILL_WORKER), None, "no prefill worker is disclosed without one");
-    assert_eq!(value(&map, DISCLOSED_ROUTING_PATH), None, "only a bypass names its routing path");
     assert!(map.keys().all(|n| !n.as_str().starts_with(DYNAMO_PREFIX)));
 }
 
 #[test]
-fn a_conditional_bypass_is_disclosed_as_the_unified_routing_path() {
+fn a_conditional_bypass_is_marked_as_the_unified_routing_path_without_disclosing_workers() {
     let bypass = Selection { prefill_reason: Some(Reason::ConditionalBypass), ..selection(pin(5, None), None) };
     let mut map = HeaderMap::new();
-    disclose(&mut map, "shim-a", &bypass);
+    mark_routing_path(&mut map, &bypass);
     assert_eq!(value(&map, DISCLOSED_ROUTING_PATH), Some("unified"));
-    assert_eq!(value(&map, DISCLOSED_DECODE_WORKER), Some("5"));
+    assert_eq!(map.len(), 1, "a routing path names no worker: {map:?}");
 
     // A shim's answer may carry the header itself: only a bypass's answer keeps one.
-    disclose(&mut map, "shim-a", &selection(pin(5, None), Some(pin(6, None))));
-    assert_eq!(value(&map, DISCLOSED_ROUTING_PATH), None);
+    mark_routing_path(&mut map, &selection(pin(5, None), Some(pin(6, None))));
+    assert_eq!(value(&map, DISCLOSED_ROUTING_PATH), None, "only a bypass names its routing path");
 }
 
 #[test]
