@@ -212,6 +212,7 @@ impl Answer {
             decode: id("x-continuum-decode-worker")?.with_context(|| format!("no decode disclosed: {self:?}"))?,
             prefill: id("x-continuum-prefill-worker")?,
             decode_dp_rank: id("x-continuum-decode-dp-rank")?,
+            prefill_dp_rank: id("x-continuum-prefill-dp-rank")?,
         })
     }
 
@@ -228,6 +229,7 @@ pub struct Pins {
     pub decode: u64,
     pub prefill: Option<u64>,
     pub decode_dp_rank: Option<u64>,
+    pub prefill_dp_rank: Option<u64>,
 }
 
 /// `POST {base}/v1/chat/completions` with `body` and `headers`, from inside the namespace,
@@ -296,5 +298,6 @@ fn echo_of(worker_id: &Value) -> Option<Pins> {
         decode: worker_id["decode_worker_id"].as_u64()?,
         prefill: worker_id["prefill_worker_id"].as_u64(),
         decode_dp_rank: worker_id["decode_dp_rank"].as_u64(),
+        prefill_dp_rank: worker_id["prefill_dp_rank"].as_u64(),
     })
 }

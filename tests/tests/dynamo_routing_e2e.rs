@@ -6,7 +6,8 @@
 //! the pins it used (`nvext.extra_fields: ["worker_id"]`); the two must agree every time, which
 //! proves the picker's choice, and nothing else, reached the frontend.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
@@ -77,6 +78,7 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         replicas: &continuum.replicas,
         prefill,
         decodes: decoders.iter().map(|d| d.instance.instance_id).collect(),
+        picked: Mutex::default(),
     };
     continuum.wait_for_workers(&ns, 3).await?;
     dynamo_routing::wait_model_listed(&ns, "frontend", &format!("http://{FRONTEND}"), "tiny").await?;
@@ -133,10 +135,12 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
             ("X-Data-Parallel-Rank", "5"),
             ("x-dynamo-prefill-dp-rank", "5"),
             ("X-Prefill-Dp-Rank", "5"),
+            ("X-Dynamo-Anything-Else", "5"),
         ];
         // Every body routing field the data plane knows, ids and ranks alike (Dynamo reads
         // each under some name), and tokens that are not the prompt's.
-        let mut body = chat_body(n, stream, MAX_TOKENS);
+        // Prompts of their own, so that the tap can tell each request from the first phase's.
+        let mut body = chat_body(REQUESTS + n, stream, MAX_TOKENS);
         for field in NVEXT_ROUTING_FIELDS {
             body["nvext"][field] = match field {
                 "prefill_worker_id" => json!(prefill),
@@ -163,9 +167,17 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         "the tap saw {} chat requests reach the frontend, fewer than were answered",
         tapped.len()
     );
+    let mut matched = 0;
     for (i, request) in tapped.iter().enumerate() {
-        fleet.sent_only_pins(request).with_context(|| format!("chat request {i} as the frontend received it"))?;
+        let pick =
+            fleet.sent_only_pins(request).with_context(|| format!("chat request {i} as the frontend received it"))?;
+        matched += usize::from(pick);
     }
+    // Every prompt of the two phases was sent once, so its pick is known.
+    ensure!(
+        matched >= REQUESTS + SPOOFED_REQUESTS,
+        "only {matched} requests the frontend received were matched to the pick made for them"
+    );
     report.push(format!(
         "the frontend received {} chat requests (the tap's record): each with one pin per header, the picker's, no alias and no nvext routing field",
         tapped.len()
@@ -263,7 +275,13 @@ async fn aggregated_worker_with_two_dp_ranks_is_pinned_to_both_ranks() -> anyhow
     continuum.wait_for_workers(&ns, 1).await?;
     dynamo_routing::wait_model_listed(&ns, "frontend", &format!("http://{FRONTEND}"), "tiny").await?;
     dynamo_routing::wait_model_listed(&ns, "replica", &continuum.replicas[0], "tiny").await?;
-    let fleet = Fleet { ns: &ns, replicas: &continuum.replicas, prefill: worker, decodes: vec![worker] };
+    let fleet = Fleet {
+        ns: &ns,
+        replicas: &continuum.replicas,
+        prefill: worker,
+        decodes: vec![worker],
+        picked: Mutex::default(),
+    };
     let warm_up = fleet.warm_up().await?;
 
     let mut ranks: BTreeMap<u64, usize> = BTreeMap::new();
@@ -288,6 +306,8 @@ struct Fleet<'a> {
     /// The prefill worker's id (the aggregated worker's, where there is no prefill).
     prefill: u64,
     decodes: Vec<u64>,
+    /// The pins disclosed for each prompt sent (`None`: sent more than once, pins ambiguous).
+    picked: Mutex<BTreeMap<String, Option<Pins>>>,
 }
 
 impl Fleet<'_> {
@@ -305,7 +325,8 @@ impl Fleet<'_> {
     async fn warm_up(&self) -> anyhow::Result<String> {
         let started = Instant::now();
         for attempt in 1.. {
-            let body = chat_body(0, false, MAX_TOKENS);
+            // A prompt of its own: the tap must not take it for request 0.
+            let body = chat_body(usize::MAX, false, MAX_TOKENS);
             let last = match self.send(0, &[("x-backend", "any")], &body, REQUEST_MAX_TIME).await? {
                 Outcome::Answered(answer) if answer.status == 200 => {
                     return Ok(format!("warm-up: {attempt} attempt(s), {:?}", started.elapsed()));
@@ -344,7 +365,11 @@ impl Fleet<'_> {
             answer.status,
             answer.body
         );
-        self.check(n, &answer, stream)
+        let pins = self.check(n, &answer, stream)?;
+        let prompt = body["messages"][0]["content"].as_str().unwrap_or_default().to_string();
+        let mut picked = self.picked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        picked.entry(prompt).and_modify(|seen| *seen = None).or_insert(Some(pins));
+        Ok(pins)
     }
 
     /// The echo equals the disclosure, names workers of this fleet, and no pin header came back.
@@ -368,7 +393,8 @@ impl Fleet<'_> {
                 echoed.decode == disclosed.decode
                     && echoed.prefill == Some(prefill)
                     && prefill == self.prefill
-                    && disclosed.decode_dp_rank.is_none_or(|rank| echoed.decode_dp_rank == Some(rank))
+                    && (echoed.decode_dp_rank, echoed.prefill_dp_rank)
+                        == (disclosed.decode_dp_rank, disclosed.prefill_dp_rank)
             }
             // Aggregated: the frontend echoes the worker as its own prefill, and the rank used.
             None => {
@@ -384,12 +410,27 @@ impl Fleet<'_> {
     }
 
     /// A request as the frontend received it names workers only in one `x-dynamo-*` header per
-    /// pin, each a worker of this fleet and rank 0 (every worker has one rank): no alias, no
-    /// repeated or spoofed pin, no routing field in the body.
-    fn sent_only_pins(&self, request: &Tapped) -> anyhow::Result<()> {
+    /// pin, each a worker of this fleet and rank 0 (every worker has one rank), and those the
+    /// picker chose for its prompt where the prompt was sent once: no alias, no other
+    /// `x-dynamo-*` header, no repeated or spoofed pin, no routing field in the body. Returns
+    /// whether its pick was known.
+    fn sent_only_pins(&self, request: &Tapped) -> anyhow::Result<bool> {
         for alias in PIN_ALIASES {
             ensure!(request.values(alias).is_empty(), "{alias} reached the frontend: {:?}", request.headers);
         }
+        let dynamo: BTreeSet<&str> = request
+            .headers
+            .iter()
+            .map(|(name, _)| name.as_str())
+            .filter(|name| name.starts_with("x-dynamo-"))
+            .collect();
+        let pins = [
+            "x-dynamo-dp-rank",
+            "x-dynamo-prefill-dp-rank",
+            "x-dynamo-prefill-instance-id",
+            "x-dynamo-worker-instance-id",
+        ];
+        ensure!(dynamo.into_iter().eq(pins), "x-dynamo-* headers other than the pins: {:?}", request.headers);
         let one = |name: &str| match request.values(name)[..] {
             [value] => value.parse::<u64>().with_context(|| format!("{name}: {value:?}")),
             ref values => bail!("{name} {values:?}, not one value"),
@@ -401,6 +442,14 @@ impl Fleet<'_> {
         for field in NVEXT_ROUTING_FIELDS {
             ensure!(body["nvext"].get(field).is_none(), "nvext.{field} reached the frontend: {body}");
         }
-        Ok(())
+        let prompt = body["messages"][0]["content"].as_str().unwrap_or_default();
+        let picked = self.picked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(Some(pick)) = picked.get(prompt) else { return Ok(false) };
+        let sent = (one("x-dynamo-worker-instance-id")?, one("x-dynamo-prefill-instance-id")?);
+        ensure!(
+            sent == (pick.decode, pick.prefill.unwrap_or(pick.decode)),
+            "{prompt:?}: sent {sent:?}, picked {pick:?}"
+        );
+        Ok(true)
     }
 }

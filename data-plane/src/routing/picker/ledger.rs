@@ -432,15 +432,11 @@ impl Rank {
         freed
     }
 
-    /// The blocks `ended` counted that stay held (a prefix other legs share) go to a leg that
-    /// holds all of them: prefix chains hash each block with all before it, so the blocks
-    /// still held are a prefix of its chain, as long as the longest one another leg shares.
+    /// The blocks `ended` counted that stay held go to a leg holding all of them: they are the
+    /// longest prefix of its chain another leg shares (chains are prefix-closed).
     fn bequeath(&mut self, ended: &Leg, freed: u64) {
         let left = ended.added.saturating_add(ended.inherited).saturating_sub(freed);
-        if left == 0 {
-            return;
-        }
-        let held = usize::try_from(self.active.depth(&ended.block_hashes)).unwrap_or(usize::MAX);
+        let held = if left == 0 { 0 } else { self.active.depth(&ended.block_hashes) as usize };
         let Some(prefix) = ended.block_hashes.get(..held).filter(|prefix| !prefix.is_empty()) else { return };
         // From the newest: the leg most likely to go on holding the prefix longest.
         if let Some(heir) = self.legs.iter_mut().rev().find(|leg| leg.block_hashes.starts_with(prefix)) {
@@ -474,9 +470,8 @@ struct Leg {
     block_hashes: Box<[u64]>,
     /// The blocks it added to its rank's distinct total.
     added: u64,
-    /// Blocks an ended leg added that this one still holds (their prefix): with `added`, what
-    /// it counts while unanswered, so that a request holding a prefix alone counts all of it.
-    /// Apart from `added`, which the fleet's sums follow.
+    /// Blocks ended legs counted that this one still holds: counted with `added` while it is
+    /// unanswered (apart from `added`, which the fleet's sums follow).
     inherited: u64,
     /// Blocks that count toward a stall: zero for the decode leg of a prefill+decode pair,
     /// which receives the request only after the prefill finishes.
