@@ -125,8 +125,12 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
             _ => (fleet.decodes[n / 2 % 2], prefill),
         };
         let (decode_text, prefill_text) = (decode.to_string(), prefill.to_string());
+        let (decode_hex, prefill_hex) = (format!("{decode:#x}"), format!("{prefill:#x}"));
         let headers = [
             ("x-dynamo-worker-instance-id", decode_text.as_str()),
+            // Repeated, in hex: the frontend ignores hex, but not every hop would.
+            ("X-Dynamo-Worker-Instance-Id", decode_hex.as_str()),
+            ("x-dynamo-prefill-instance-id", prefill_hex.as_str()),
             ("X-Worker-Instance-Id", decode_text.as_str()),
             ("X-Dynamo-Prefill-Instance-Id", prefill_text.as_str()),
             ("x-PREFILL-instance-id", prefill_text.as_str()),
@@ -149,6 +153,8 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
                 _ => json!(decode),
             };
         }
+        // The query-only first stage: the frontend's own router would pick and answer ids.
+        body["nvext"]["annotations"] = json!(["query_instance_id:decode", "the client's own"]);
         let pins = fleet.routed(n, replica, stream, &headers, &body).await?;
         if n % 3 == 2 && pins.decode != decode {
             spoof_differed += 1;
@@ -442,6 +448,9 @@ impl Fleet<'_> {
         for field in NVEXT_ROUTING_FIELDS {
             ensure!(body["nvext"].get(field).is_none(), "nvext.{field} reached the frontend: {body}");
         }
+        let annotations = body["nvext"]["annotations"].as_array().into_iter().flatten();
+        let query_only = annotations.filter_map(|a| a.as_str()).any(|a| a.starts_with("query_instance_id"));
+        ensure!(!query_only, "a query-only annotation reached the frontend: {body}");
         let prompt = body["messages"][0]["content"].as_str().unwrap_or_default();
         let picked = self.picked.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(Some(pick)) = picked.get(prompt) else { return Ok(false) };

@@ -189,7 +189,9 @@ async fn a_replica_failing_its_liveness_probes_is_skipped_before_any_request_fai
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn liveness_probes_reuse_their_connection() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
-    let probe = ProbeSettings { interval: Duration::from_millis(50), timeout: Duration::from_millis(500) };
+    // A probe past its timeout gives up its connection: a generous one, so that a loaded
+    // machine's slow probe does not open a second.
+    let probe = ProbeSettings { interval: Duration::from_millis(50), timeout: Duration::from_secs(5) };
     let settings = DispatchSettings { probe, ..DispatchSettings::default() };
     let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
     eventually(Duration::from_secs(10), "five probes", || async { shim.probes().0 >= 5 }).await?;

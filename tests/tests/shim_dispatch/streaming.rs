@@ -240,7 +240,8 @@ async fn an_event_trickling_in_without_an_end_does_not_keep_a_stream_open() -> a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keep_alive_comments_neither_begin_the_answer_nor_keep_a_stalled_stream_open() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
-    let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(1500), ..DispatchSettings::default() };
+    // Long enough for the prefill leg's report and the half second below on a loaded machine.
+    let settings = DispatchSettings { stream_idle_timeout: Duration::from_secs(4), ..DispatchSettings::default() };
     let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
     let prefill = LoadKey { worker: WorkerKey::new(NAMESPACE, PREFILL_ID), dp_rank: 0 };
     let prefilling = || {
