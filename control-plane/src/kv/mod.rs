@@ -26,7 +26,7 @@ pub mod service;
 pub use indexer::{
     KV_EVENTS_STALE_AFTER, KvIndexer, LiveRanks, LiveWorker, MAX_CURSORS_PER_PUBLISHER, PublisherMapping,
 };
-pub use provisional::{ProvisionalCounts, ProvisionalIndex, ProvisionalResult};
+pub use provisional::{Folded, ProvisionalCounts, ProvisionalIndex, ProvisionalResult};
 pub use recent_lookups::{LookupKey, MAX_CONTENDERS, RecentLookups, Suggestion};
 pub use result::{KvCounts, KvEventResult};
 pub use service::{KvHandle, KvSupervisor, KvView, MAX_FIND_MATCHES_HASHES, kv_options};

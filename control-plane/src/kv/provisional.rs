@@ -175,12 +175,10 @@ impl ProvisionalIndex {
     /// `FindMatches` on the index returned it) and the longest contiguous prefix of `query` one of
     /// its live chains holds. Ascending by score, as the index orders its matches. Chains the
     /// index confirmed are dropped.
-    pub fn merge(&mut self, query: &[u64], indexed: &[(RankKey, u32)], now: Instant) -> Vec<(RankKey, u32)> {
+    pub fn merge(&mut self, query: &Folded, indexed: &[(RankKey, u32)], now: Instant) -> Vec<(RankKey, u32)> {
         let mut scores: FastMap<RankKey, u32> = indexed.iter().copied().collect();
+        let query = &query.0;
         if !self.chains.is_empty() && !query.is_empty() {
-            // Folded once, so each chain costs a bisection, not a walk along the query: a
-            // shared system prompt puts every chain held hundreds of blocks deep in it.
-            let query = prefix_hashes(query);
             let indexed = |rank| indexed.iter().find(|(r, _)| *r == rank).map_or(0, |(_, s)| *s);
             let mut confirmed = false;
             let ttl = self.ttl;
@@ -258,6 +256,18 @@ impl ProvisionalIndex {
 /// starts another is one comparison, and their common prefix a bisection.
 fn prefix_hashes(hashes: &[u64]) -> Box<[u64]> {
     active::prefix_hashes(hashes).collect()
+}
+
+/// A lookup's chain folded for [`ProvisionalIndex::merge`], before the index is locked: a
+/// shared system prompt puts every chain held hundreds of blocks deep in the query, and the
+/// fold makes each chain a bisection rather than a walk along it.
+#[derive(Debug)]
+pub struct Folded(Box<[u64]>);
+
+impl Folded {
+    pub fn of(hashes: &[u64]) -> Self {
+        Self(prefix_hashes(hashes))
+    }
 }
 
 /// Whether the chain folded into `prefix` starts the one folded into `of` (both from

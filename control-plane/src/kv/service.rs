@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::feed::{KvFeed, SharedKvIndexer};
 use super::indexer::{KV_EVENTS_STALE_AFTER, KvIndexer};
-use super::provisional::{ProvisionalIndex, ProvisionalResult};
+use super::provisional::{Folded, ProvisionalIndex, ProvisionalResult};
 use super::recent_lookups::{LookupKey, RecentLookups, Suggestion};
 use crate::config::Config;
 use crate::discovery::Topic;
@@ -72,7 +72,8 @@ impl KvHandle {
     /// ascending by score, or `None` while `dynamo.kv.enabled` is false.
     pub fn overlaps(&self, block_hashes: &[u64]) -> Option<Vec<(RankKey, u32)>> {
         let indexed = self.find_matches(block_hashes)?;
-        let mut merged = self.provisional().merge(block_hashes, indexed.as_slice(), Instant::now());
+        let query = Folded::of(block_hashes);
+        let mut merged = self.provisional().merge(&query, indexed.as_slice(), Instant::now());
         // A departed rank's chains go at the next sweep; until then it is not answered.
         let indexer = self.indexer.read();
         merged.retain(|(rank, _)| indexer.is_live(*rank));

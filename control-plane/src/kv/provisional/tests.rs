@@ -16,10 +16,10 @@ fn a_credited_chain_scores_the_longest_contiguous_prefix_of_the_query() {
     let mut index = ProvisionalIndex::new(TTL);
     assert_eq!(index.credit(rank(1), &[10, 11, 12, 13], true, now), ProvisionalResult::Credited);
     // Shares the first two blocks, then leaves the chain: a later match does not count.
-    assert_eq!(index.merge(&[10, 11, 99, 13], &[], now), [(rank(1), 2)]);
-    assert_eq!(index.merge(&[10, 11, 12, 13, 14], &[], now), [(rank(1), 4)]);
-    assert!(index.merge(&[11, 12], &[], now).is_empty(), "a match must start at the first block");
-    assert!(index.merge(&[], &[], now).is_empty());
+    assert_eq!(index.merge(&Folded::of(&[10, 11, 99, 13]), &[], now), [(rank(1), 2)]);
+    assert_eq!(index.merge(&Folded::of(&[10, 11, 12, 13, 14]), &[], now), [(rank(1), 4)]);
+    assert!(index.merge(&Folded::of(&[11, 12]), &[], now).is_empty(), "a match must start at the first block");
+    assert!(index.merge(&Folded::of(&[]), &[], now).is_empty());
 }
 
 #[test]
@@ -30,7 +30,7 @@ fn each_rank_scores_the_larger_of_its_indexed_and_provisional_overlap() {
     index.credit(rank(2), &chain(10, 1), true, now);
     let query = chain(10, 8);
     let indexed = [(rank(3), 1), (rank(2), 5), (rank(1), 2)];
-    assert_eq!(index.merge(&query, &indexed, now), [(rank(3), 1), (rank(1), 3), (rank(2), 5)]);
+    assert_eq!(index.merge(&Folded::of(&query), &indexed, now), [(rank(3), 1), (rank(1), 3), (rank(2), 5)]);
 }
 
 #[test]
@@ -38,8 +38,11 @@ fn a_chain_stops_counting_when_its_ttl_passes_and_is_swept_as_expired() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
     index.credit(rank(1), &chain(10, 4), true, now);
-    assert_eq!(index.merge(&chain(10, 4), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
-    assert!(index.merge(&chain(10, 4), &[], now + TTL).is_empty(), "expired at its deadline, before the sweep");
+    assert_eq!(index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
+    assert!(
+        index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL).is_empty(),
+        "expired at its deadline, before the sweep"
+    );
     assert_eq!(index.size(), (1, 4));
     index.expire(now + TTL);
     assert_eq!(index.size(), (0, 0));
@@ -56,8 +59,8 @@ fn a_shorter_ttl_applies_to_the_chains_already_held() {
     let mut index = ProvisionalIndex::new(Duration::from_secs(60));
     index.credit(rank(1), &chain(10, 4), true, now);
     index.set_ttl(TTL);
-    assert_eq!(index.merge(&chain(10, 4), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
-    assert!(index.merge(&chain(10, 4), &[], now + TTL).is_empty(), "two seconds, not sixty");
+    assert_eq!(index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
+    assert!(index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL).is_empty(), "two seconds, not sixty");
     index.expire(now + TTL);
     assert_eq!(index.size(), (0, 0));
 }
@@ -67,12 +70,12 @@ fn a_zero_ttl_turns_the_credit_off_and_drops_what_was_held() {
     let now = Instant::now();
     let mut off = ProvisionalIndex::new(Duration::ZERO);
     assert_eq!(off.credit(rank(1), &chain(10, 4), true, now), ProvisionalResult::Refused);
-    assert!(off.merge(&chain(10, 4), &[], now).is_empty());
+    assert!(off.merge(&Folded::of(&chain(10, 4)), &[], now).is_empty());
 
     let mut on = ProvisionalIndex::new(TTL);
     on.credit(rank(1), &chain(10, 4), true, now);
     on.set_ttl(Duration::ZERO);
-    assert!(on.merge(&chain(10, 4), &[], now).is_empty());
+    assert!(on.merge(&Folded::of(&chain(10, 4)), &[], now).is_empty());
     assert_eq!(on.size(), (0, 0));
 }
 
@@ -84,7 +87,7 @@ fn a_rank_that_is_not_live_earns_no_credit_and_a_departed_one_loses_its_chains()
     index.credit(rank(1), &chain(10, 4), true, now);
     index.credit(rank(2), &chain(10, 4), true, now);
     index.retain_live(|r| r == rank(2));
-    assert_eq!(index.merge(&chain(10, 4), &[], now), [(rank(2), 4)]);
+    assert_eq!(index.merge(&Folded::of(&chain(10, 4)), &[], now), [(rank(2), 4)]);
     let counts = index.take_counts();
     assert_eq!((counts.get(ProvisionalResult::Refused), counts.get(ProvisionalResult::Departed)), (1, 1));
 }
@@ -95,12 +98,12 @@ fn a_chain_the_index_covers_is_dropped_as_confirmed() {
     let mut index = ProvisionalIndex::new(TTL);
     index.credit(rank(1), &chain(10, 3), true, now);
     // The index holds only two of its three blocks: not confirmed yet.
-    assert_eq!(index.merge(&chain(10, 6), &[(rank(1), 2)], now), [(rank(1), 3)]);
+    assert_eq!(index.merge(&Folded::of(&chain(10, 6)), &[(rank(1), 2)], now), [(rank(1), 3)]);
     assert_eq!(index.size().0, 1);
     // Another rank's indexed blocks confirm nothing.
-    index.merge(&chain(10, 6), &[(rank(2), 6)], now);
+    index.merge(&Folded::of(&chain(10, 6)), &[(rank(2), 6)], now);
     assert_eq!(index.size().0, 1);
-    assert_eq!(index.merge(&chain(10, 6), &[(rank(1), 5)], now), [(rank(1), 5)]);
+    assert_eq!(index.merge(&Folded::of(&chain(10, 6)), &[(rank(1), 5)], now), [(rank(1), 5)]);
     assert_eq!(index.size(), (0, 0));
     assert_eq!(index.take_counts().get(ProvisionalResult::Confirmed), 1);
 }
@@ -125,8 +128,8 @@ fn a_rank_holds_at_most_its_bound_of_chains_and_loses_the_oldest() {
         index.credit(rank(1), &[1_000 * (i + 1)], true, now);
     }
     assert_eq!(index.size().0, MAX_CHAINS_PER_RANK);
-    assert!(index.merge(&[1_000], &[], now).is_empty(), "the oldest chain went");
-    assert_eq!(index.merge(&[2_000], &[], now), [(rank(1), 1)]);
+    assert!(index.merge(&Folded::of(&[1_000]), &[], now).is_empty(), "the oldest chain went");
+    assert_eq!(index.merge(&Folded::of(&[2_000]), &[], now), [(rank(1), 1)]);
     assert_eq!(index.take_counts().get(ProvisionalResult::Evicted), 1);
 }
 
@@ -138,7 +141,7 @@ fn the_whole_index_holds_at_most_its_chain_and_hash_bounds() {
         index.credit(rank(i), &[7], true, now);
     }
     assert_eq!(index.size(), (MAX_CHAINS, MAX_CHAINS));
-    assert!(index.merge(&[7], &[], now).iter().all(|(r, _)| *r != rank(0)), "the oldest chain went");
+    assert!(index.merge(&Folded::of(&[7]), &[], now).iter().all(|(r, _)| *r != rank(0)), "the oldest chain went");
 
     let mut index = ProvisionalIndex::new(TTL);
     let half = chain(0, (MAX_HASHES / 2) as u64);
@@ -147,7 +150,7 @@ fn the_whole_index_holds_at_most_its_chain_and_hash_bounds() {
     assert_eq!(index.size(), (2, MAX_HASHES));
     index.credit(rank(3), &[1], true, now);
     assert_eq!(index.size(), (2, MAX_HASHES / 2 + 1));
-    assert_eq!(index.merge(&[0], &[], now), [(rank(2), 1)]);
+    assert_eq!(index.merge(&Folded::of(&[0]), &[], now), [(rank(2), 1)]);
     assert_eq!(index.credit(rank(4), &chain(0, MAX_HASHES as u64 + 1), true, now), ProvisionalResult::Refused);
 }
 
@@ -165,7 +168,7 @@ fn a_long_chain_pushes_out_as_many_of_the_oldest_as_it_needs_room_from() {
     assert_eq!(index.credit(rank(2), &chain(1 << 40, short), true, now), ProvisionalResult::Credited);
     assert_eq!(index.size(), (2, MAX_HASHES), "every short chain went, and only they");
     assert_eq!(index.take_counts().get(ProvisionalResult::Evicted), short);
-    assert_eq!(index.merge(&[10_000], &[], now), [(rank(1), 1)]);
+    assert_eq!(index.merge(&Folded::of(&[10_000]), &[], now), [(rank(1), 1)]);
 }
 
 #[test]
@@ -209,7 +212,7 @@ fn every_credited_chain_is_accounted_for_once() {
     assert_eq!(counts.get(ProvisionalResult::Replaced), 2);
     assert!(balanced(counts, index.size().0));
     // Confirmed by the index, pushed out by a rank's bound, departed.
-    index.merge(&chain(10, 4), &[(rank(1), 4)], now);
+    index.merge(&Folded::of(&chain(10, 4)), &[(rank(1), 4)], now);
     for i in 0..=MAX_CHAINS_PER_RANK as u64 {
         index.credit(rank(2), &chain(1000 * (i + 1), 2), true, now);
     }
@@ -240,7 +243,7 @@ fn a_chain_past_its_ttl_is_not_confirmed() {
     index.credit(rank(1), &chain(10, 2), true, now);
     index.credit(rank(2), &chain(10, 3), true, now + TTL / 2);
     // Rank 2's live chain is confirmed; rank 1's expired one waits for the sweep.
-    index.merge(&chain(10, 3), &[(rank(1), 3), (rank(2), 3)], now + TTL);
+    index.merge(&Folded::of(&chain(10, 3)), &[(rank(1), 3), (rank(2), 3)], now + TTL);
     let counts = index.take_counts();
     assert_eq!(counts.get(ProvisionalResult::Confirmed), 1);
     index.expire(now + TTL);
