@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use continuum_proto::model::DataPlaneConfig;
@@ -197,7 +197,7 @@ impl Dispatcher {
         &self,
         request: axum::http::Request<Bytes>,
         timeout: Duration,
-    ) -> Result<axum::http::StatusCode, SendError> {
+    ) -> Result<StatusCode, SendError> {
         use http_body_util::BodyExt;
         let response = self.client.send(request, timeout).await?;
         let status = response.status();
@@ -292,16 +292,19 @@ impl Dispatcher {
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
         // An answer too large to buffer would be as large again from another backend.
         let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_)));
+        // Of the refusals that blame the pins, the 400s refused the pins themselves (an id the
+        // frontend no longer knows, a rank out of bounds); a 5xx is the workers failing.
+        let stale_pins = blames_pins && matches!(failure, Failure::Status(StatusCode::BAD_REQUEST));
         let Some(fallback) = fallback else {
-            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins: blames_pins });
+            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
         };
         counted.path = RoutingPath::UnifiedFallback;
         let Fallback { replicas: unified, body: resent } = *fallback;
         let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.
-        Box::pin(self.unpinned(&body, stream, headers, unified, false)).await.map_err(|fallback| {
-            DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins: blames_pins }
-        })
+        Box::pin(self.unpinned(&body, stream, headers, unified, false))
+            .await
+            .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins })
     }
 
     /// The pinned send and what its answer means, and whether a refusal blames the pinned
@@ -360,7 +363,7 @@ impl Dispatcher {
         match self.answer(response, (stream, sent), None, None).await.answer {
             Answer::Relay(response) if response.status().is_success() => Ok(response),
             Answer::Relay(response) => Err(Failure::Status(response.status())),
-            Answer::PrefillRefused => Err(Failure::Status(axum::http::StatusCode::SERVICE_UNAVAILABLE)),
+            Answer::PrefillRefused => Err(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)),
             Answer::Failed(failure) => Err(failure),
         }
     }

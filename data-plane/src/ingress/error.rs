@@ -272,7 +272,7 @@ mod tests {
         let error = decode_failed(&Failure::TooLarge(32 << 20), None, false);
         assert_eq!((error.status, error.code), (StatusCode::BAD_GATEWAY, "disaggregated_decode_failed"));
         assert!(error.message.contains("\"stream\": true") && !error.message.contains("Retry"), "{}", error.message);
-        let broke = decode_failed(&Failure::Status(StatusCode::INTERNAL_SERVER_ERROR), None, true);
+        let broke = decode_failed(&Failure::Status(StatusCode::INTERNAL_SERVER_ERROR), None, false);
         assert!(broke.message.contains("answered 500") && broke.message.contains("Retry"), "{}", broke.message);
     }
 
