@@ -55,23 +55,45 @@ pub struct MatchesClient {
 /// again after a full-jitter backoff, not by every KV-scored request: a lazy channel that
 /// failed to connect connects anew for the next call, so a fleet of busy replicas would
 /// otherwise send it (and its DNS) a connection attempt per request for the whole outage.
-/// Requests meanwhile are picked without the KV term, as after any missed lookup.
+/// Requests meanwhile are picked without the KV term, as after any missed lookup. A control
+/// plane that answers nothing at all (stopped, overloaded) backs lookups off the same way once
+/// [`UNANSWERED_FOR_MS`] has passed without an answer, rather than costing every request its
+/// whole deadline for the outage.
 #[derive(Debug)]
 struct Reach {
     /// Lookups are skipped until this many milliseconds after the client's start (0: none).
     skip_until_ms: AtomicU64,
+    /// When a lookup was last answered, in milliseconds after the client's start.
+    answered_ms: AtomicU64,
     backoff: Mutex<Backoff>,
 }
 
+/// How long lookups may go unanswered (each out of its deadline) before they back off.
+const UNANSWERED_FOR_MS: u64 = 1_000;
+
 impl Default for Reach {
     fn default() -> Self {
-        Self { skip_until_ms: AtomicU64::new(0), backoff: Mutex::new(Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX)) }
+        let backoff = Mutex::new(Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX));
+        Self { skip_until_ms: AtomicU64::new(0), answered_ms: AtomicU64::new(0), backoff }
     }
 }
 
 impl Reach {
     fn skipping(&self, now_ms: u64) -> bool {
         now_ms < self.skip_until_ms.load(Ordering::Relaxed)
+    }
+
+    /// A lookup ran out of its deadline: a miss only once none has been answered for
+    /// [`UNANSWERED_FOR_MS`] (a control plane merely slow for one lookup is no outage).
+    fn timed_out(&self, now_ms: u64) {
+        let answered = self.answered_ms.load(Ordering::Relaxed);
+        if answered == 0 {
+            // Never answered yet (the first lookups wait for the connection): the silence is
+            // counted from here.
+            let _ = self.answered_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
+        } else if now_ms.saturating_sub(answered) >= UNANSWERED_FOR_MS {
+            self.missed(now_ms);
+        }
     }
 
     /// A lookup could not reach the control plane: skip lookups for the next backoff delay.
@@ -85,11 +107,14 @@ impl Reach {
         self.skip_until_ms.store(now_ms.saturating_add(delay.max(1)), Ordering::Relaxed);
     }
 
-    /// A lookup was answered: the next failure starts the backoff over.
-    fn reached(&self) {
+    /// A lookup was answered at `now_ms`: the next failure starts the backoff over.
+    fn reached(&self, now_ms: u64) {
+        self.answered_ms.store(now_ms.max(1), Ordering::Relaxed);
         // One relaxed load on the common path: nothing to reset while nothing failed.
         if self.skip_until_ms.load(Ordering::Relaxed) != 0 {
-            self.backoff.lock().unwrap_or_else(PoisonError::into_inner).reset();
+            // Under the lock, so that a miss of the same moment is not erased half-made.
+            let mut backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
+            backoff.reset();
             self.skip_until_ms.store(0, Ordering::Relaxed);
         }
     }
@@ -241,11 +266,13 @@ impl MatchesClient {
             lookup,
         };
         let call = client.find_matches(request);
-        let reply =
-            tokio::time::timeout(self.deadline, call).await.map_err(|_| MatchesError::Deadline(self.deadline))?;
+        let Ok(reply) = tokio::time::timeout(self.deadline, call).await else {
+            self.reach.timed_out(now_ms());
+            return Err(MatchesError::Deadline(self.deadline));
+        };
         let reply = match reply {
             Ok(reply) => {
-                self.reach.reached();
+                self.reach.reached(now_ms());
                 reply.into_inner()
             }
             Err(status) => {
@@ -377,7 +404,46 @@ mod tests {
         // Another lookup of the same moment failing: the same window, no doubling.
         reach.missed(1_000);
         assert_eq!(reach.skip_until_ms.load(Ordering::Relaxed), until);
-        reach.reached();
+        reach.reached(1_000);
         assert!(!reach.skipping(1_000), "answered: lookups go on at once");
+        let fresh = Reach::default();
+        fresh.timed_out(5_000);
+        assert!(!fresh.skipping(5_000), "the first lookups wait for the connection: silence counts from them");
+        fresh.timed_out(6_000);
+        assert!(fresh.skipping(6_000));
+        // Lookups out of time: a miss only after a second without an answer.
+        reach.timed_out(1_500);
+        assert!(!reach.skipping(1_500), "a control plane slow for one lookup is no outage");
+        reach.timed_out(2_000);
+        assert!(reach.skipping(2_000), "a second unanswered backs off");
+    }
+
+    /// A control plane that takes the connection and then answers nothing (stopped, or
+    /// overloaded): without a backoff every lookup would wait out its deadline for the whole
+    /// outage; after a second of silence they are skipped, as for a refusal.
+    #[tokio::test]
+    async fn lookups_back_off_from_a_control_plane_that_answers_nothing() -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let server = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+            }
+        });
+        let client = MatchesClient::new(&FleetClientConfig::new(url, "r1"), FIND_MATCHES_DEADLINE)?;
+        let until = Instant::now() + Duration::from_millis(1_500);
+        let (mut timed_out, mut skipped) = (0, 0);
+        while Instant::now() < until {
+            match client.find_matches(0, vec![1], "m", &[], 16).await {
+                Err(MatchesError::Deadline(_)) => timed_out += 1,
+                Err(MatchesError::Unreachable) => skipped += 1,
+                other => anyhow::bail!("neither timed out nor skipped: {other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        server.abort();
+        assert!(timed_out > 0 && skipped > 0, "{timed_out} lookups timed out, {skipped} skipped");
+        Ok(())
     }
 }
