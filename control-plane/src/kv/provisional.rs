@@ -144,7 +144,8 @@ impl ProvisionalIndex {
 
     /// Credits `hashes` (a request's prefix chain) to `rank` until `now + ttl`. A chain of the
     /// rank that is a prefix of this one is replaced by it. Returns what happened.
-    pub fn credit(&mut self, rank: RankKey, hashes: &[u64], live: bool, now: Instant) -> ProvisionalResult {
+    pub fn credit(&mut self, rank: RankKey, hashes: &Folded, live: bool, now: Instant) -> ProvisionalResult {
+        let hashes = &hashes.0;
         if hashes.is_empty() {
             return ProvisionalResult::Refused;
         }
@@ -153,7 +154,7 @@ impl ProvisionalIndex {
             return ProvisionalResult::Refused;
         }
         self.expire(now);
-        let prefix = prefix_hashes(hashes);
+        let prefix = hashes.clone();
         self.remove_where(|c| c.rank == rank && is_prefix(&c.prefix, &prefix), ProvisionalResult::Replaced);
         while self.chains.iter().filter(|c| c.rank == rank).count() >= MAX_CHAINS_PER_RANK {
             self.remove_where(|c| c.rank == rank, ProvisionalResult::Evicted);
@@ -184,7 +185,7 @@ impl ProvisionalIndex {
             let ttl = self.ttl;
             let mut hint = 0;
             for chain in self.chains.iter().filter(|c| now.saturating_duration_since(c.credited) < ttl) {
-                let shared = common_prefix(&query, &chain.prefix, hint);
+                let shared = common_prefix(query, &chain.prefix, hint);
                 if shared == 0 {
                     continue;
                 }
@@ -201,7 +202,7 @@ impl ProvisionalIndex {
                 let confirms = |c: &Chain| {
                     let blocks = u32::try_from(c.prefix.len()).unwrap_or(u32::MAX);
                     now.saturating_duration_since(c.credited) < ttl
-                        && is_prefix(&c.prefix, &query)
+                        && is_prefix(&c.prefix, query)
                         && indexed(c.rank) >= blocks
                 };
                 self.remove_where(confirms, ProvisionalResult::Confirmed);

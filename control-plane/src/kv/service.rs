@@ -86,9 +86,11 @@ impl KvHandle {
         if !self.enabled.load(Ordering::Relaxed) || block_hashes.is_empty() {
             return ProvisionalResult::Refused;
         }
-        // Held while crediting, so the rank cannot depart in between and keep the chain.
+        // Folded before any lock; the index's read lock is held while crediting, so the rank
+        // cannot depart in between and keep the chain.
+        let chain = Folded::of(block_hashes);
         let indexer = self.indexer.read();
-        self.provisional().credit(rank, block_hashes, indexer.is_live(rank), Instant::now())
+        self.provisional().credit(rank, &chain, indexer.is_live(rank), Instant::now())
     }
 
     /// Sets how long credited chains count (zero: off, and drops what is held). The supervisor

@@ -411,7 +411,7 @@ impl<F: Feed> Actor<F> {
                     cap,
                     left_out = over_cap,
                     topic = topic.as_str(),
-                    "more publishers than subscriptions allowed; the highest publisher ids are not subscribed"
+                    "more publishers than subscriptions allowed; those naming no worker, then the highest publisher ids, are not subscribed"
                 );
             }
         }

@@ -909,6 +909,11 @@ async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() 
         assert!(accepted < COMMAND_QUEUE / SESSION_SHARE, "the byte bound is reached first");
         assert_eq!(accepted, share, "as many as fit in the session's share of {MAX_QUEUED_REPORT_BYTES} bytes");
     }
+    // A fifth session's share has room; the queue's own bound does not.
+    let left = MAX_QUEUED_REPORT_BYTES - SESSION_SHARE * share * bytes;
+    let fifth = book.session();
+    let fitting = (0..COMMAND_QUEUE).take_while(|_| fifth.report(9, heavy())).count();
+    assert_eq!(fitting, left / bytes, "what the whole queue has left, not the fifth's share");
     // Once the book has taken them, there is room again.
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(sessions[0].report(1, heavy()));

@@ -14,7 +14,7 @@ fn chain(first: u64, len: u64) -> Vec<u64> {
 fn a_credited_chain_scores_the_longest_contiguous_prefix_of_the_query() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
-    assert_eq!(index.credit(rank(1), &[10, 11, 12, 13], true, now), ProvisionalResult::Credited);
+    assert_eq!(index.credit(rank(1), &Folded::of(&[10, 11, 12, 13]), true, now), ProvisionalResult::Credited);
     // Shares the first two blocks, then leaves the chain: a later match does not count.
     assert_eq!(index.merge(&Folded::of(&[10, 11, 99, 13]), &[], now), [(rank(1), 2)]);
     assert_eq!(index.merge(&Folded::of(&[10, 11, 12, 13, 14]), &[], now), [(rank(1), 4)]);
@@ -26,8 +26,8 @@ fn a_credited_chain_scores_the_longest_contiguous_prefix_of_the_query() {
 fn each_rank_scores_the_larger_of_its_indexed_and_provisional_overlap() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
-    index.credit(rank(1), &chain(10, 3), true, now);
-    index.credit(rank(2), &chain(10, 1), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 3)), true, now);
+    index.credit(rank(2), &Folded::of(&chain(10, 1)), true, now);
     let query = chain(10, 8);
     let indexed = [(rank(3), 1), (rank(2), 5), (rank(1), 2)];
     assert_eq!(index.merge(&Folded::of(&query), &indexed, now), [(rank(3), 1), (rank(1), 3), (rank(2), 5)]);
@@ -37,7 +37,7 @@ fn each_rank_scores_the_larger_of_its_indexed_and_provisional_overlap() {
 fn a_chain_stops_counting_when_its_ttl_passes_and_is_swept_as_expired() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
-    index.credit(rank(1), &chain(10, 4), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 4)), true, now);
     assert_eq!(index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
     assert!(
         index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL).is_empty(),
@@ -57,7 +57,7 @@ fn a_chain_stops_counting_when_its_ttl_passes_and_is_swept_as_expired() {
 fn a_shorter_ttl_applies_to_the_chains_already_held() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(Duration::from_secs(60));
-    index.credit(rank(1), &chain(10, 4), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 4)), true, now);
     index.set_ttl(TTL);
     assert_eq!(index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL - Duration::from_millis(1)), [(rank(1), 4)]);
     assert!(index.merge(&Folded::of(&chain(10, 4)), &[], now + TTL).is_empty(), "two seconds, not sixty");
@@ -69,11 +69,11 @@ fn a_shorter_ttl_applies_to_the_chains_already_held() {
 fn a_zero_ttl_turns_the_credit_off_and_drops_what_was_held() {
     let now = Instant::now();
     let mut off = ProvisionalIndex::new(Duration::ZERO);
-    assert_eq!(off.credit(rank(1), &chain(10, 4), true, now), ProvisionalResult::Refused);
+    assert_eq!(off.credit(rank(1), &Folded::of(&chain(10, 4)), true, now), ProvisionalResult::Refused);
     assert!(off.merge(&Folded::of(&chain(10, 4)), &[], now).is_empty());
 
     let mut on = ProvisionalIndex::new(TTL);
-    on.credit(rank(1), &chain(10, 4), true, now);
+    on.credit(rank(1), &Folded::of(&chain(10, 4)), true, now);
     on.set_ttl(Duration::ZERO);
     assert!(on.merge(&Folded::of(&chain(10, 4)), &[], now).is_empty());
     assert_eq!(on.size(), (0, 0));
@@ -83,9 +83,9 @@ fn a_zero_ttl_turns_the_credit_off_and_drops_what_was_held() {
 fn a_rank_that_is_not_live_earns_no_credit_and_a_departed_one_loses_its_chains() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
-    assert_eq!(index.credit(rank(9), &chain(10, 4), false, now), ProvisionalResult::Refused);
-    index.credit(rank(1), &chain(10, 4), true, now);
-    index.credit(rank(2), &chain(10, 4), true, now);
+    assert_eq!(index.credit(rank(9), &Folded::of(&chain(10, 4)), false, now), ProvisionalResult::Refused);
+    index.credit(rank(1), &Folded::of(&chain(10, 4)), true, now);
+    index.credit(rank(2), &Folded::of(&chain(10, 4)), true, now);
     index.retain_live(|r| r == rank(2));
     assert_eq!(index.merge(&Folded::of(&chain(10, 4)), &[], now), [(rank(2), 4)]);
     let counts = index.take_counts();
@@ -96,7 +96,7 @@ fn a_rank_that_is_not_live_earns_no_credit_and_a_departed_one_loses_its_chains()
 fn a_chain_the_index_covers_is_dropped_as_confirmed() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
-    index.credit(rank(1), &chain(10, 3), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 3)), true, now);
     // The index holds only two of its three blocks: not confirmed yet.
     assert_eq!(index.merge(&Folded::of(&chain(10, 6)), &[(rank(1), 2)], now), [(rank(1), 3)]);
     assert_eq!(index.size().0, 1);
@@ -112,11 +112,11 @@ fn a_chain_the_index_covers_is_dropped_as_confirmed() {
 fn a_longer_chain_replaces_its_prefix_on_the_same_rank() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
-    index.credit(rank(1), &chain(10, 2), true, now);
-    index.credit(rank(1), &chain(10, 2), true, now);
-    index.credit(rank(1), &chain(10, 5), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 2)), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 2)), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 5)), true, now);
     assert_eq!(index.size(), (1, 5));
-    index.credit(rank(2), &chain(10, 2), true, now);
+    index.credit(rank(2), &Folded::of(&chain(10, 2)), true, now);
     assert_eq!(index.size(), (2, 7), "another rank's chain is its own");
 }
 
@@ -125,7 +125,7 @@ fn a_rank_holds_at_most_its_bound_of_chains_and_loses_the_oldest() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
     for i in 0..=MAX_CHAINS_PER_RANK as u64 {
-        index.credit(rank(1), &[1_000 * (i + 1)], true, now);
+        index.credit(rank(1), &Folded::of(&[1_000 * (i + 1)]), true, now);
     }
     assert_eq!(index.size().0, MAX_CHAINS_PER_RANK);
     assert!(index.merge(&Folded::of(&[1_000]), &[], now).is_empty(), "the oldest chain went");
@@ -138,20 +138,23 @@ fn the_whole_index_holds_at_most_its_chain_and_hash_bounds() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
     for i in 0..=MAX_CHAINS as u64 {
-        index.credit(rank(i), &[7], true, now);
+        index.credit(rank(i), &Folded::of(&[7]), true, now);
     }
     assert_eq!(index.size(), (MAX_CHAINS, MAX_CHAINS));
     assert!(index.merge(&Folded::of(&[7]), &[], now).iter().all(|(r, _)| *r != rank(0)), "the oldest chain went");
 
     let mut index = ProvisionalIndex::new(TTL);
     let half = chain(0, (MAX_HASHES / 2) as u64);
-    index.credit(rank(1), &half, true, now);
-    index.credit(rank(2), &half, true, now);
+    index.credit(rank(1), &Folded::of(&half), true, now);
+    index.credit(rank(2), &Folded::of(&half), true, now);
     assert_eq!(index.size(), (2, MAX_HASHES));
-    index.credit(rank(3), &[1], true, now);
+    index.credit(rank(3), &Folded::of(&[1]), true, now);
     assert_eq!(index.size(), (2, MAX_HASHES / 2 + 1));
     assert_eq!(index.merge(&Folded::of(&[0]), &[], now), [(rank(2), 1)]);
-    assert_eq!(index.credit(rank(4), &chain(0, MAX_HASHES as u64 + 1), true, now), ProvisionalResult::Refused);
+    assert_eq!(
+        index.credit(rank(4), &Folded::of(&chain(0, MAX_HASHES as u64 + 1)), true, now),
+        ProvisionalResult::Refused
+    );
 }
 
 #[test]
@@ -160,12 +163,12 @@ fn a_long_chain_pushes_out_as_many_of_the_oldest_as_it_needs_room_from() {
     let mut index = ProvisionalIndex::new(TTL);
     let short = 2_000_u64;
     for i in 0..short {
-        index.credit(rank(100 + i), &[i + 1], true, now);
+        index.credit(rank(100 + i), &Folded::of(&[i + 1]), true, now);
     }
-    index.credit(rank(1), &chain(10_000, MAX_HASHES as u64 - short), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10_000, MAX_HASHES as u64 - short)), true, now);
     assert_eq!(index.size(), (short as usize + 1, MAX_HASHES));
     index.take_counts();
-    assert_eq!(index.credit(rank(2), &chain(1 << 40, short), true, now), ProvisionalResult::Credited);
+    assert_eq!(index.credit(rank(2), &Folded::of(&chain(1 << 40, short)), true, now), ProvisionalResult::Credited);
     assert_eq!(index.size(), (2, MAX_HASHES), "every short chain went, and only they");
     assert_eq!(index.take_counts().get(ProvisionalResult::Evicted), short);
     assert_eq!(index.merge(&Folded::of(&[10_000]), &[], now), [(rank(1), 1)]);
@@ -205,18 +208,18 @@ fn every_credited_chain_is_accounted_for_once() {
         counts.get(ProvisionalResult::Credited) == gone.iter().map(|r| counts.get(*r)).sum::<u64>() + held as u64
     };
     // The same prompt twice, then its next turn: two replacements.
-    index.credit(rank(1), &chain(10, 2), true, now);
-    index.credit(rank(1), &chain(10, 2), true, now);
-    index.credit(rank(1), &chain(10, 4), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 2)), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 2)), true, now);
+    index.credit(rank(1), &Folded::of(&chain(10, 4)), true, now);
     let counts = take(&mut index);
     assert_eq!(counts.get(ProvisionalResult::Replaced), 2);
     assert!(balanced(counts, index.size().0));
     // Confirmed by the index, pushed out by a rank's bound, departed.
     index.merge(&Folded::of(&chain(10, 4)), &[(rank(1), 4)], now);
     for i in 0..=MAX_CHAINS_PER_RANK as u64 {
-        index.credit(rank(2), &chain(1000 * (i + 1), 2), true, now);
+        index.credit(rank(2), &Folded::of(&chain(1000 * (i + 1), 2)), true, now);
     }
-    index.credit(rank(3), &chain(5, 2), true, now);
+    index.credit(rank(3), &Folded::of(&chain(5, 2)), true, now);
     index.retain_live(|r| r != rank(3));
     let counts = take(&mut index);
     assert_eq!(
@@ -226,7 +229,7 @@ fn every_credited_chain_is_accounted_for_once() {
     assert!(balanced(counts, index.size().0));
     // Expired, then the credit turned off with a chain held.
     index.expire(now + TTL);
-    index.credit(rank(4), &chain(7, 2), true, now + TTL);
+    index.credit(rank(4), &Folded::of(&chain(7, 2)), true, now + TTL);
     index.set_ttl(Duration::ZERO);
     let counts = take(&mut index);
     assert_eq!(counts.get(ProvisionalResult::Expired), MAX_CHAINS_PER_RANK as u64);
@@ -240,8 +243,8 @@ fn every_credited_chain_is_accounted_for_once() {
 fn a_chain_past_its_ttl_is_not_confirmed() {
     let now = Instant::now();
     let mut index = ProvisionalIndex::new(TTL);
-    index.credit(rank(1), &chain(10, 2), true, now);
-    index.credit(rank(2), &chain(10, 3), true, now + TTL / 2);
+    index.credit(rank(1), &Folded::of(&chain(10, 2)), true, now);
+    index.credit(rank(2), &Folded::of(&chain(10, 3)), true, now + TTL / 2);
     // Rank 2's live chain is confirmed; rank 1's expired one waits for the sweep.
     index.merge(&Folded::of(&chain(10, 3)), &[(rank(1), 3), (rank(2), 3)], now + TTL);
     let counts = index.take_counts();
