@@ -63,8 +63,9 @@ pub struct MatchesClient {
 struct Reach {
     /// Lookups are skipped until this many milliseconds after the client's start (0: none).
     skip_until_ms: AtomicU64,
-    /// When a lookup was last answered, in milliseconds after the client's start.
-    answered_ms: AtomicU64,
+    /// Since when lookups have gone unanswered (each out of its deadline), in milliseconds
+    /// after the client's start (0: the last one was answered).
+    unanswered_since_ms: AtomicU64,
     backoff: Mutex<Backoff>,
 }
 
@@ -74,7 +75,7 @@ const UNANSWERED_FOR_MS: u64 = 1_000;
 impl Default for Reach {
     fn default() -> Self {
         let backoff = Mutex::new(Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX));
-        Self { skip_until_ms: AtomicU64::new(0), answered_ms: AtomicU64::new(0), backoff }
+        Self { skip_until_ms: AtomicU64::new(0), unanswered_since_ms: AtomicU64::new(0), backoff }
     }
 }
 
@@ -83,15 +84,14 @@ impl Reach {
         now_ms < self.skip_until_ms.load(Ordering::Relaxed)
     }
 
-    /// A lookup ran out of its deadline: a miss only once none has been answered for
-    /// [`UNANSWERED_FOR_MS`] (a control plane merely slow for one lookup is no outage).
+    /// A lookup ran out of its deadline: a miss only once lookups have gone unanswered for
+    /// [`UNANSWERED_FOR_MS`] (a control plane merely slow for one lookup is no outage, nor are
+    /// the first lookups, which wait for the connection).
     fn timed_out(&self, now_ms: u64) {
-        let answered = self.answered_ms.load(Ordering::Relaxed);
-        if answered == 0 {
-            // Never answered yet (the first lookups wait for the connection): the silence is
-            // counted from here.
-            let _ = self.answered_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
-        } else if now_ms.saturating_sub(answered) >= UNANSWERED_FOR_MS {
+        let since = self.unanswered_since_ms.load(Ordering::Relaxed);
+        if since == 0 {
+            let _ = self.unanswered_since_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
+        } else if now_ms.saturating_sub(since) >= UNANSWERED_FOR_MS {
             self.missed(now_ms);
         }
     }
@@ -107,10 +107,12 @@ impl Reach {
         self.skip_until_ms.store(now_ms.saturating_add(delay.max(1)), Ordering::Relaxed);
     }
 
-    /// A lookup was answered at `now_ms`: the next failure starts the backoff over.
-    fn reached(&self, now_ms: u64) {
-        self.answered_ms.store(now_ms.max(1), Ordering::Relaxed);
-        // One relaxed load on the common path: nothing to reset while nothing failed.
+    /// A lookup was answered: the next failure starts the backoff over.
+    fn reached(&self) {
+        // Relaxed loads only on the common path: nothing to clear while nothing failed.
+        if self.unanswered_since_ms.load(Ordering::Relaxed) != 0 {
+            self.unanswered_since_ms.store(0, Ordering::Relaxed);
+        }
         if self.skip_until_ms.load(Ordering::Relaxed) != 0 {
             // Under the lock, so that a miss of the same moment is not erased half-made.
             let mut backoff = self.backoff.lock().unwrap_or_else(PoisonError::into_inner);
@@ -272,7 +274,7 @@ impl MatchesClient {
         };
         let reply = match reply {
             Ok(reply) => {
-                self.reach.reached(now_ms());
+                self.reach.reached();
                 reply.into_inner()
             }
             Err(status) => {
@@ -404,18 +406,19 @@ mod tests {
         // Another lookup of the same moment failing: the same window, no doubling.
         reach.missed(1_000);
         assert_eq!(reach.skip_until_ms.load(Ordering::Relaxed), until);
-        reach.reached(1_000);
+        reach.reached();
         assert!(!reach.skipping(1_000), "answered: lookups go on at once");
-        let fresh = Reach::default();
-        fresh.timed_out(5_000);
-        assert!(!fresh.skipping(5_000), "the first lookups wait for the connection: silence counts from them");
-        fresh.timed_out(6_000);
-        assert!(fresh.skipping(6_000));
-        // Lookups out of time: a miss only after a second without an answer.
-        reach.timed_out(1_500);
-        assert!(!reach.skipping(1_500), "a control plane slow for one lookup is no outage");
-        reach.timed_out(2_000);
-        assert!(reach.skipping(2_000), "a second unanswered backs off");
+        // Lookups out of time, even long after the last answer: a miss only once they have
+        // gone a second unanswered.
+        reach.timed_out(60_000);
+        assert!(!reach.skipping(60_000), "a control plane slow for one lookup is no outage");
+        reach.timed_out(60_500);
+        assert!(!reach.skipping(60_500));
+        reach.timed_out(61_000);
+        assert!(reach.skipping(61_000), "a second unanswered backs off");
+        reach.reached();
+        reach.timed_out(61_100);
+        assert!(!reach.skipping(61_100), "an answer ends the silence and the backoff: the clock starts over");
     }
 
     /// A control plane that takes the connection and then answers nothing (stopped, or
