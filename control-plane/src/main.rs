@@ -171,18 +171,28 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
         "continuum-control-plane: Fleet gRPC on {}, admin HTTP on {}",
         control_plane.grpc_addr, control_plane.admin_addr
     );
-    // A reload runs to its end; a stop signal meanwhile waits for it.
+    // A stop signal during a reload abandons it: a reload waiting on a stalled volume must not
+    // leave the process deaf to the signals that end it.
     while let Signal::Hangup = signals.recv().await {
-        reload(&mut control_plane, file, shim).await;
-    }
-    tracing::info!("shutting down");
-    tokio::select! {
-        () = control_plane.shutdown() => ExitCode::SUCCESS,
-        _ = signals.stop() => {
-            tracing::warn!("a second stop signal: exiting without finishing the shutdown");
-            ExitCode::FAILURE
+        tokio::select! {
+            () = reload(&mut control_plane, file, shim) => {}
+            () = signals.stop() => {
+                tracing::warn!("a stop signal during a reload: abandoning the reload");
+                break;
+            }
         }
     }
+    tracing::info!("shutting down");
+    let code = tokio::select! {
+        () = control_plane.shutdown() => 0,
+        () = signals.stop() => {
+            tracing::warn!("a second stop signal: exiting without finishing the shutdown");
+            1
+        }
+    };
+    // Exits here rather than returning: returning drops the runtime, which waits for every
+    // blocking task, and a file read stalled on its volume would hold the process forever.
+    std::process::exit(code)
 }
 
 enum Signal {
@@ -236,9 +246,19 @@ async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>, shim: Opt
     control_plane.metrics.config_reloads.with_label_values(&[result]).inc();
 }
 
-/// Loads `file` and applies it; whether it was applied.
+/// Loads `file` (on the blocking pool: its volume may stall) and applies it; whether it was
+/// applied.
 async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<SocketAddr>) -> bool {
-    match config::load_file(file) {
+    let path = file.to_path_buf();
+    let loaded = tokio::task::spawn_blocking(move || config::load_file(&path)).await;
+    let loaded = match loaded {
+        Ok(loaded) => loaded,
+        Err(error) => {
+            tracing::error!(%error, "reading the configuration failed; keeping the running configuration");
+            return false;
+        }
+    };
+    match loaded {
         Ok(mut loaded) => {
             for diagnostic in &loaded.diagnostics {
                 tracing::warn!("{diagnostic}");

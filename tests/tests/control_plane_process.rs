@@ -1,6 +1,7 @@
 //! The real control-plane binary: killed and restarted under its replicas, inspected with
 //! grpcurl, and its `config validate` command.
 
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::process::Output;
 use std::time::Duration;
@@ -236,6 +237,34 @@ async fn the_control_plane_told_to_terminate_behind_a_reload_exits_cleanly() -> 
         replica.shutdown().await;
     }
     Ok(())
+}
+
+/// A reload stuck reading its file (a stalled volume; here a FIFO nobody writes, whose open
+/// blocks) leaves the process listening for the signals that end it: SIGTERM abandons the
+/// reload, and the process exits without waiting for the stuck read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_stuck_on_its_file_does_not_keep_the_control_plane_from_exiting() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
+    let mut control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    std::fs::remove_file(&config)?;
+    anyhow::ensure!(std::process::Command::new("mkfifo").arg(&config).status()?.success(), "mkfifo");
+    let pid = control.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status()?.success());
+    // The reload is under way (stuck in its read) before the stop comes.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status()?.success());
+    let exit = tokio::time::timeout(Duration::from_secs(30), control.child.wait()).await;
+    // Whatever happened, nothing stays blocked on the FIFO once the test is done with it.
+    drop(std::fs::OpenOptions::new().write(true).custom_flags(libc_nonblock()).open(&config));
+    let exit = exit.map_err(|_| anyhow::anyhow!("the control plane did not exit with its reload stuck"))??;
+    assert!(exit.success(), "a clean shutdown: {exit}");
+    Ok(())
+}
+
+/// `O_NONBLOCK`: opening a FIFO for writing with no reader fails at once instead of blocking.
+fn libc_nonblock() -> i32 {
+    0o4000
 }
 
 /// The replica binary on SIGTERM: readiness fails at once while it still answers, then it exits

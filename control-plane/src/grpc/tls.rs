@@ -233,9 +233,16 @@ impl ServerTls {
     /// load. A failure keeps the running configuration; each refused set of files is counted
     /// and logged once, however often it is read.
     pub fn refresh(&self) -> Result<Refresh, TlsError> {
+        // Read without the lock: a read stalled on its volume must not hold up a reload that
+        // moves the files elsewhere (which takes the lock to swap them in).
+        let paths = self.state().paths.clone();
+        let read = Files::read(&paths);
         let mut state = self.state();
-        let paths = state.paths.clone();
-        let (set, prepared) = match Files::read(&paths) {
+        if state.paths != paths {
+            // Moved meanwhile: the files moved to are the ones served.
+            return Ok(Refresh::Unchanged);
+        }
+        let (set, prepared) = match read {
             Err(error) => (Refused::Unreadable(error.to_string()), Err(error)),
             Ok(files) => {
                 let digest = files.digest();
@@ -435,6 +442,35 @@ mod tests {
 
     fn counted(tls: &ServerTls, result: &str) -> u64 {
         tls.reloads.with_label_values(&[result]).get()
+    }
+
+    /// A refresh whose read stalls on its volume (here a FIFO nobody writes: opening it
+    /// blocks) holds no lock: the reload that moves the files elsewhere goes through.
+    #[test]
+    fn a_stalled_read_does_not_hold_up_moving_the_files() {
+        let (stalled, healthy) = (tempfile::tempdir().expect("a directory"), tempfile::tempdir().expect("a directory"));
+        write_pair(stalled.path(), "one.test");
+        write_pair(healthy.path(), "two.test");
+        let metrics = Metrics::new().expect("metrics");
+        let tls = Arc::new(ServerTls::load(&paths(stalled.path()), &metrics).expect("loads"));
+        let cert = stalled.path().join("cert.pem");
+        std::fs::remove_file(&cert).expect("removed");
+        let made = std::process::Command::new("mkfifo").arg(&cert).status().expect("mkfifo runs");
+        assert!(made.success());
+        let refreshing = Arc::clone(&tls);
+        let stuck = std::thread::spawn(move || refreshing.refresh().is_ok());
+        std::thread::sleep(Duration::from_millis(200));
+        let prepared = prepare(&paths(healthy.path())).expect("the healthy files load");
+        let (done, applied) = std::sync::mpsc::channel();
+        let moving = Arc::clone(&tls);
+        std::thread::spawn(move || {
+            let _ = done.send(moving.apply(prepared));
+        });
+        let outcome = applied.recv_timeout(Duration::from_secs(5));
+        // Let the stalled read go: a writer opens the FIFO and closes it at once.
+        drop(std::fs::OpenOptions::new().write(true).open(&cert));
+        assert!(matches!(outcome, Ok(Refresh::Applied)), "the move waited on the stalled read: {outcome:?}");
+        assert!(stuck.join().expect("the refresh ends"), "the moved files are what is served");
     }
 
     #[test]
