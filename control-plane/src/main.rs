@@ -126,18 +126,12 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             config::embedded_default()
         }
     };
-    if let Some(addr) = shim {
-        config.move_simulator_shim(addr);
-        let moved = config.validate();
-        if moved.iter().any(|d| d.is_error()) {
-            let shown = file.unwrap_or(Path::new("the embedded default"));
-            report(shown, &ConfigError::Invalid(moved));
-            return ExitCode::from(2);
-        }
-        // The file's warnings were logged as it loaded; the moved shim's (off loopback) are new.
-        for diagnostic in moved.iter().filter(|d| d.path.ends_with("simulator.shim_listen")) {
-            tracing::warn!("{diagnostic}");
-        }
+    if let Some(addr) = shim
+        && let Err(moved) = move_shim(&mut config, addr)
+    {
+        let shown = file.unwrap_or(Path::new("the embedded default"));
+        report(shown, &ConfigError::Invalid(moved));
+        return ExitCode::from(2);
     }
     // The overrides bypass the file's validation, and with it the warning for a listener
     // reachable off-host without its token.
@@ -246,6 +240,21 @@ async fn reload(control_plane: &mut ControlPlane, file: Option<&Path>, shim: Opt
     control_plane.metrics.config_reloads.with_label_values(&[result]).inc();
 }
 
+/// Moves the simulator's shim to `addr` (`--simulator-shim-listen`) and checks the result, which
+/// the file's own validation did not see; the diagnostics when the move made it invalid.
+fn move_shim(config: &mut config::Config, addr: SocketAddr) -> Result<(), Vec<config::Diagnostic>> {
+    config.move_simulator_shim(addr);
+    let moved = config.validate();
+    if moved.iter().any(|d| d.is_error()) {
+        return Err(moved);
+    }
+    // The file's warnings were logged as it loaded; the moved shim's (off loopback) are new.
+    for diagnostic in moved.iter().filter(|d| d.path.ends_with("simulator.shim_listen")) {
+        tracing::warn!("{diagnostic}");
+    }
+    Ok(())
+}
+
 /// Loads `file` (on the blocking pool: its volume may stall) and applies it; whether it was
 /// applied.
 async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<SocketAddr>) -> bool {
@@ -263,8 +272,16 @@ async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<
             for diagnostic in &loaded.diagnostics {
                 tracing::warn!("{diagnostic}");
             }
-            if let Some(addr) = shim {
-                loaded.config.move_simulator_shim(addr);
+            if let Some(addr) = shim
+                && let Err(moved) = move_shim(&mut loaded.config, addr)
+            {
+                for diagnostic in moved.iter().filter(|d| d.is_error()) {
+                    tracing::error!("{diagnostic}");
+                }
+                tracing::error!(
+                    "--simulator-shim-listen makes the reloaded configuration invalid; keeping the running one"
+                );
+                return false;
             }
             match control_plane.reload(loaded.config).await {
                 Ok(()) => true,

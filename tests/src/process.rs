@@ -21,6 +21,11 @@ pub struct ControlPlaneProcess {
 impl ControlPlaneProcess {
     /// Starts the binary with `config` and waits for its "listening" line.
     pub async fn start(config: &Path, grpc_addr: SocketAddr) -> anyhow::Result<Self> {
+        Self::start_with(config, grpc_addr, &[]).await
+    }
+
+    /// [`Self::start`], with more arguments.
+    pub async fn start_with(config: &Path, grpc_addr: SocketAddr, args: &[&str]) -> anyhow::Result<Self> {
         let mut child = Command::new(tools::binary("continuum-control-plane"))
             .arg("--config")
             .arg(config)
@@ -28,6 +33,7 @@ impl ControlPlaneProcess {
             .arg(grpc_addr.to_string())
             .arg("--admin-listen")
             .arg("127.0.0.1:0")
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)

@@ -239,6 +239,30 @@ async fn the_control_plane_told_to_terminate_behind_a_reload_exits_cleanly() -> 
     Ok(())
 }
 
+/// `--simulator-shim-listen` bypasses the file's validation: a reload to the simulator that the
+/// flag would make invalid (a shim on port 0) is refused, as the same start would be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_the_simulator_flag_makes_invalid_is_refused() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
+    let control =
+        ControlPlaneProcess::start_with(&config, free_port()?, &["--simulator-shim-listen", "127.0.0.1:0"]).await?;
+    let simulated =
+        "dynamo:\n  enabled: true\n  discovery:\n    source: simulator\nadmin:\n  listen: \"127.0.0.1:0\"\n";
+    std::fs::write(&config, simulated)?;
+    let pid = control.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
+    assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status()?.success());
+    let metrics = format!("http://{}/metrics", control.admin_addr);
+    eventually(CONVERGE, "the reload to be refused", || async {
+        let text = reqwest::get(&metrics).await.ok().map(|r| r.text());
+        let Some(text) = text else { return false };
+        text.await.is_ok_and(|t| t.contains("continuum_config_reloads_total{result=\"refused\"} 1"))
+    })
+    .await?;
+    control.kill().await?;
+    Ok(())
+}
+
 /// A reload stuck reading its file (a stalled volume; here a FIFO nobody writes, whose open
 /// blocks) leaves the process listening for the signals that end it: SIGTERM abandons the
 /// reload, and the process exits without waiting for the stuck read.
