@@ -66,6 +66,9 @@ struct Reach {
     /// Since when lookups have gone unanswered (each out of its deadline), in milliseconds
     /// after the client's start (0: the last one was answered).
     unanswered_since_ms: AtomicU64,
+    /// When the last lookup ran out of its deadline: a silence is the lookups' in a row, not
+    /// one timeout and another an hour later.
+    timed_out_ms: AtomicU64,
     backoff: Mutex<Backoff>,
 }
 
@@ -75,7 +78,8 @@ const UNANSWERED_FOR_MS: u64 = 1_000;
 impl Default for Reach {
     fn default() -> Self {
         let backoff = Mutex::new(Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX));
-        Self { skip_until_ms: AtomicU64::new(0), unanswered_since_ms: AtomicU64::new(0), backoff }
+        let (unanswered_since_ms, timed_out_ms) = (AtomicU64::new(0), AtomicU64::new(0));
+        Self { skip_until_ms: AtomicU64::new(0), unanswered_since_ms, timed_out_ms, backoff }
     }
 }
 
@@ -88,9 +92,11 @@ impl Reach {
     /// [`UNANSWERED_FOR_MS`] (a control plane merely slow for one lookup is no outage, nor are
     /// the first lookups, which wait for the connection).
     fn timed_out(&self, now_ms: u64) {
+        let previous = self.timed_out_ms.swap(now_ms.max(1), Ordering::Relaxed);
         let since = self.unanswered_since_ms.load(Ordering::Relaxed);
-        if since == 0 {
-            let _ = self.unanswered_since_ms.compare_exchange(0, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed);
+        if since == 0 || now_ms.saturating_sub(previous) >= UNANSWERED_FOR_MS {
+            // The first lookup out of time since an answer, or since a pause in the lookups.
+            self.unanswered_since_ms.store(now_ms.max(1), Ordering::Relaxed);
         } else if now_ms.saturating_sub(since) >= UNANSWERED_FOR_MS {
             self.missed(now_ms);
         }
@@ -280,6 +286,9 @@ impl MatchesClient {
             Err(status) => {
                 if unreached(&status) {
                     self.reach.missed(now_ms());
+                } else {
+                    // Refused, but answered: the control plane is there.
+                    self.reach.reached();
                 }
                 self.refused(&status);
                 return Err(status.into());
@@ -419,6 +428,9 @@ mod tests {
         reach.reached();
         reach.timed_out(61_100);
         assert!(!reach.skipping(61_100), "an answer ends the silence and the backoff: the clock starts over");
+        // One out of time, then nothing for an hour, then another: no silence of a second.
+        reach.timed_out(3_700_000);
+        assert!(!reach.skipping(3_700_000), "lookups out of time an hour apart are no outage");
     }
 
     /// A control plane that takes the connection and then answers nothing (stopped, or

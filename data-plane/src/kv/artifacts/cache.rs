@@ -4,7 +4,7 @@
 //! pool.
 
 use std::collections::{BTreeSet, HashSet};
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -143,12 +143,14 @@ impl BlobCache {
 /// Reads a whole regular file, refusing it as soon as it proves larger than
 /// [`MAX_ARTIFACT_BYTES`] (by its metadata, or while reading if it grows), so a huge file is
 /// never buffered. Anything else a path may name (a FIFO, a device, `/dev/stdout`, a directory)
-/// is refused before it is opened: reading one could wait forever.
+/// is refused before it is opened: reading one could wait forever. It is opened without
+/// blocking too, so a path swapped for a FIFO after that look, or a file whose reads wait
+/// (`/proc/kmsg`), fails at once instead of holding the thread.
 pub fn read_bounded(path: &Path) -> Result<Vec<u8>, ReadError> {
     if !std::fs::metadata(path)?.is_file() {
         return Err(ReadError::NotAFile);
     }
-    let file = File::open(path)?;
+    let file = OpenOptions::new().read(true).custom_flags(O_NONBLOCK).open(path)?;
     let metadata = file.metadata()?;
     if !metadata.is_file() {
         return Err(ReadError::NotAFile);
@@ -165,9 +167,27 @@ pub fn read_bounded(path: &Path) -> Result<Vec<u8>, ReadError> {
     Ok(bytes)
 }
 
+/// Linux's `O_NONBLOCK`: an open or read that would wait fails instead; a regular file's
+/// reads never wait, so it changes nothing for them.
+const O_NONBLOCK: i32 = 0o4000;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::fs::File;
+
+    /// What a path names can change between the look and the open: a FIFO opened is refused
+    /// at once, not waited on for a writer.
+    #[test]
+    fn a_fifo_opened_is_refused_without_waiting() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("tokenizer.json");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let opened = OpenOptions::new().read(true).custom_flags(O_NONBLOCK).open(&fifo).unwrap();
+        assert!(!opened.metadata().unwrap().is_file(), "the check after the open refuses it");
+        assert!(matches!(read_bounded(&fifo), Err(ReadError::NotAFile)));
+    }
 
     fn mode(path: &Path) -> u32 {
         fs::metadata(path).unwrap().permissions().mode() & 0o777
