@@ -194,6 +194,9 @@ pub struct ServerTls {
 struct State {
     paths: ListenerTlsConfig,
     digest: [u8; 32],
+    /// Bumped by every swap: a refresh that read its files before one is older than what it
+    /// would replace.
+    generation: u64,
     /// The last set of files refused, so that a set that keeps failing is reported once.
     refused: Option<Refused>,
     publish: watch::Sender<Arc<ServerConfig>>,
@@ -218,7 +221,7 @@ impl ServerTls {
         let Prepared { paths, digest, config } = prepare(paths)?;
         let (publish, current) = watch::channel(config);
         Ok(Self {
-            state: Arc::new(Mutex::new(State { paths, digest, refused: None, publish })),
+            state: Arc::new(Mutex::new(State { paths, digest, generation: 0, refused: None, publish })),
             current,
             reloads: metrics.fleet_tls_reloads.clone(),
             handshakes_failed: metrics.fleet_tls_handshakes_failed.clone(),
@@ -235,11 +238,15 @@ impl ServerTls {
     pub fn refresh(&self) -> Result<Refresh, TlsError> {
         // Read without the lock: a read stalled on its volume must not hold up a reload that
         // moves the files elsewhere (which takes the lock to swap them in).
-        let paths = self.state().paths.clone();
+        let (paths, generation) = {
+            let state = self.state();
+            (state.paths.clone(), state.generation)
+        };
         let read = Files::read(&paths);
         let mut state = self.state();
-        if state.paths != paths {
-            // Moved meanwhile: the files moved to are the ones served.
+        if state.generation != generation {
+            // Swapped meanwhile (files moved, or renewed ones read by another refresh): what
+            // this one read may be older than what is served. The next refresh reads again.
             return Ok(Refresh::Unchanged);
         }
         let (set, prepared) = match read {
@@ -278,6 +285,7 @@ impl ServerTls {
     fn swap(&self, state: &mut State, Prepared { paths, digest, config }: Prepared) -> Refresh {
         state.publish.send_replace(config);
         (state.paths, state.digest, state.refused) = (paths, digest, None);
+        state.generation += 1;
         self.reloads.with_label_values(&["applied"]).inc();
         tracing::info!("control_plane.tls: serving the renewed certificate to new connections");
         Refresh::Applied
@@ -293,9 +301,14 @@ impl ServerTls {
             tokio::select! {
                 () = cancel.cancelled() => return,
                 _ = ticks.tick() => {
-                    // Refusals are logged and counted by `refresh`; the running files stay.
+                    // Refusals are logged and counted by `refresh`; the running files stay. A
+                    // read stalled on its volume is left behind when the control plane stops.
                     let tls = self.clone();
-                    let _ = tokio::task::spawn_blocking(move || tls.refresh()).await;
+                    let refresh = tokio::task::spawn_blocking(move || tls.refresh());
+                    tokio::select! {
+                        () = cancel.cancelled() => return,
+                        _ = refresh => {}
+                    }
                 }
             }
         }
@@ -467,10 +480,39 @@ mod tests {
             let _ = done.send(moving.apply(prepared));
         });
         let outcome = applied.recv_timeout(Duration::from_secs(5));
-        // Let the stalled read go: a writer opens the FIFO and closes it at once.
-        drop(std::fs::OpenOptions::new().write(true).open(&cert));
+        // Let the stalled read go: a writer opens the FIFO and closes it at once (without
+        // blocking, should the refresh never have opened it).
+        use std::os::unix::fs::OpenOptionsExt;
+        drop(std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(&cert));
         assert!(matches!(outcome, Ok(Refresh::Applied)), "the move waited on the stalled read: {outcome:?}");
         assert!(stuck.join().expect("the refresh ends"), "the moved files are what is served");
+    }
+
+    /// A refresh whose read began before a renewal another refresh served does not put back
+    /// what it read (nor count it as refused): the newer files stay.
+    #[test]
+    fn a_refresh_that_read_before_a_renewal_leaves_the_renewed_files_served() {
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = tempfile::tempdir().expect("a directory");
+        write_pair(dir.path(), "one.test");
+        let metrics = Metrics::new().expect("metrics");
+        let tls = Arc::new(ServerTls::load(&paths(dir.path()), &metrics).expect("loads"));
+        // The slow read: the certificate is a FIFO the first refresh waits on.
+        let (cert, slow) = (dir.path().join("cert.pem"), dir.path().join("slow.pem"));
+        std::fs::remove_file(&cert).expect("removed");
+        assert!(std::process::Command::new("mkfifo").arg(&cert).status().expect("mkfifo runs").success());
+        let slow_refresh = Arc::clone(&tls);
+        let stuck = std::thread::spawn(move || slow_refresh.refresh());
+        std::thread::sleep(Duration::from_millis(200));
+        // The renewal lands where the FIFO was and another refresh serves it.
+        std::fs::rename(&cert, &slow).expect("moved aside");
+        write_pair(dir.path(), "two.test");
+        assert!(matches!(tls.refresh(), Ok(Refresh::Applied)));
+        let renewed = Arc::clone(&tls.current.borrow());
+        drop(std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(&slow));
+        assert!(matches!(stuck.join().expect("the refresh ends"), Ok(Refresh::Unchanged)));
+        assert!(Arc::ptr_eq(&renewed, &tls.current.borrow()), "the renewed files are still served");
+        assert_eq!(counted(&tls, "refused"), 0, "what the slow refresh read is no refusal");
     }
 
     #[test]
