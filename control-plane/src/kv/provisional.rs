@@ -103,7 +103,7 @@ impl ProvisionalCounts {
 #[derive(Debug)]
 struct Chain {
     rank: RankKey,
-    /// The chain's [`prefix_hashes`].
+    /// The chain, [`Folded`].
     prefix: Box<[u64]>,
     /// When it was credited: it counts for the TTL in force now, so a reload that shortens the
     /// TTL shortens every chain held.
@@ -253,26 +253,20 @@ impl ProvisionalIndex {
     }
 }
 
-/// Each block hash folded with all before it ([`active::prefix_hashes`]), so whether one chain
-/// starts another is one comparison, and their common prefix a bisection.
-fn prefix_hashes(hashes: &[u64]) -> Box<[u64]> {
-    active::prefix_hashes(hashes).collect()
-}
-
-/// A lookup's chain folded for [`ProvisionalIndex::merge`], before the index is locked: a
-/// shared system prompt puts every chain held hundreds of blocks deep in the query, and the
-/// fold makes each chain a bisection rather than a walk along it.
+/// A chain with each block hash folded with all before it ([`active::prefix_hashes`]), so
+/// whether one chain starts another is one comparison, and their common prefix a bisection (a
+/// shared system prompt puts every chain held hundreds of blocks deep in a query). Folded
+/// before the index is locked, for [`ProvisionalIndex::merge`] and [`ProvisionalIndex::credit`].
 #[derive(Debug)]
 pub struct Folded(Box<[u64]>);
 
 impl Folded {
     pub fn of(hashes: &[u64]) -> Self {
-        Self(prefix_hashes(hashes))
+        Self(active::prefix_hashes(hashes).collect())
     }
 }
 
-/// Whether the chain folded into `prefix` starts the one folded into `of` (both from
-/// [`prefix_hashes`]).
+/// Whether the chain folded into `prefix` starts the one folded into `of` (both [`Folded`]).
 fn is_prefix(prefix: &[u64], of: &[u64]) -> bool {
     prefix.len() <= of.len() && prefix.last() == of.get(prefix.len().wrapping_sub(1))
 }

@@ -263,7 +263,7 @@ proptest::proptest! {
         b in proptest::collection::vec(0u64..4, 0..40),
     ) {
         let walked = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-        let (fa, fb) = (prefix_hashes(&a), prefix_hashes(&b));
+        let (fa, fb) = (Folded::of(&a).0, Folded::of(&b).0);
         for hint in 0..=a.len().max(b.len()) + 1 {
             proptest::prop_assert_eq!(common_prefix(&fa, &fb, hint), walked, "hint {}", hint);
         }
