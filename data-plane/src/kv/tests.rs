@@ -445,6 +445,23 @@ async fn a_failed_load_is_retried_after_five_minutes() {
     assert_eq!(count(&h.counter, "loaded"), 1);
 }
 
+/// A failed load backs off the places it read, not the files: another model (or deployment)
+/// naming the same pinned files where they can be read loads at once, and serves both.
+#[tokio::test]
+async fn a_failed_load_does_not_hold_up_the_same_files_named_elsewhere() {
+    let missing = tempfile::tempdir().unwrap();
+    let (unreadable, readable) = (card_in(missing.path()), card_in(&fixture("tinymodel")));
+    let h = harness(pinned(&readable));
+    assert!(matches!(h.store.load("a", std::slice::from_ref(&unreadable)).await, Err(LoadError::Fetch(_))));
+    assert!(matches!(h.store.load("a", std::slice::from_ref(&unreadable)).await, Err(LoadError::RetryLater)));
+    h.store.load("b", std::slice::from_ref(&readable)).await.unwrap();
+    assert_eq!(count(&h.counter, "loaded"), 1);
+    assert!(
+        h.store.load("a", std::slice::from_ref(&unreadable)).await.is_ok(),
+        "the files are loaded, whoever named them"
+    );
+}
+
 /// What is no longer pinned leaves the disk cache, when the store opens and when the policy
 /// changes, as do temporary files a crashed process left; nothing else in it is touched.
 #[tokio::test]

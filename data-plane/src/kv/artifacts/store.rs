@@ -142,7 +142,10 @@ struct Inner {
 struct State {
     loaded: HashMap<ArtifactKey, Slot>,
     bytes: u64,
-    retry_at: HashMap<ArtifactKey, Instant>,
+    /// After a failed load: until when, and from which places ([`places`]) it failed. Another
+    /// card naming the same files elsewhere (another deployment of the model, readable here)
+    /// is tried at once: a failure says nothing of places it did not read.
+    retry_at: HashMap<ArtifactKey, (Instant, u64)>,
     loading: HashSet<ArtifactKey>,
     logged_unpinned: HashSet<(String, Checksum)>,
 }
@@ -250,7 +253,7 @@ impl ArtifactStore {
     /// recently.
     fn start_load(&self, state: &mut State, model: &str, cards: &[ModelArtifacts], now: Instant) {
         let Some(key) = cards.first().map(ModelArtifacts::key) else { return };
-        let backing_off = state.retry_at.get(&key).is_some_and(|at| now < *at);
+        let backing_off = state.backing_off(key, places(&sources(cards)), now);
         if !backing_off
             && !state.loading.contains(&key)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
@@ -278,12 +281,13 @@ impl ArtifactStore {
             if let Some(slot) = state.loaded.get(&key) {
                 return Ok(slot.artifacts.clone());
             }
-            if state.retry_at.get(&key).is_some_and(|at| now < *at) {
+            if state.backing_off(key, places(&sources(cards)), now) {
                 return Err(LoadError::RetryLater);
             }
         }
         let _permit = self.inner.loads.acquire().await.map_err(|_| LoadError::RetryLater)?;
-        match self.load_now(&sources(cards)).await.and_then(|loaded| self.insert(loaded)) {
+        let sources = sources(cards);
+        match self.load_now(&sources).await.and_then(|loaded| self.insert(loaded)) {
             Ok(loaded) => {
                 self.state().retry_at.remove(&key);
                 self.count(ArtifactResult::Loaded);
@@ -295,7 +299,7 @@ impl ArtifactStore {
                     self.count(result);
                 }
                 let retry = (self.inner.clock)() + FAILED_LOAD_RETRY;
-                self.state().retry_at.insert(key, retry);
+                self.state().retry_at.insert(key, (retry, places(&sources)));
                 Err(error)
             }
         }
@@ -480,6 +484,21 @@ fn prune(cache: &BlobCache, pinned: &BTreeSet<Checksum>) {
         Ok(removed) => tracing::info!(removed, "removed cached KV artifacts no longer pinned"),
         Err(error) => tracing::warn!(%error, "could not prune the KV artifact cache"),
     }
+}
+
+impl State {
+    /// Whether a load of `key` from `places` waits out an earlier failure from the same places.
+    fn backing_off(&self, key: ArtifactKey, places: u64, now: Instant) -> bool {
+        self.retry_at.get(&key).is_some_and(|(at, failed)| now < *at && *failed == places)
+    }
+}
+
+/// Where `sources` say their files are, as one figure: the places a load reads.
+fn places(sources: &[ModelArtifacts]) -> u64 {
+    let mut paths: Vec<&str> = sources.iter().flat_map(ModelArtifacts::files).map(|file| file.path.as_str()).collect();
+    paths.sort_unstable();
+    // One fixed hasher, so the same places give the same figure at every call.
+    std::hash::BuildHasher::hash_one(&std::hash::BuildHasherDefault::<std::hash::DefaultHasher>::default(), &paths)
 }
 
 /// The cards of `cards`' first key with distinct file locations, at most
