@@ -38,18 +38,18 @@ pub(super) fn report_bytes(report: &pb::DispatchReport) -> usize {
 }
 
 enum Command {
-    Report { replica: u64, report: pb::DispatchReport, at: Instant, bytes: usize, share: Arc<Queued> },
+    Report { replica: u64, report: pb::DispatchReport, at: Instant, bytes: usize, share: Arc<QueuedReports> },
     ReplicaGone { replica: u64 },
 }
 
 /// What reports in the queue hold, estimated: all of them, or one session's.
 #[derive(Debug, Default)]
-pub(super) struct Queued {
+pub(super) struct QueuedReports {
     bytes: AtomicUsize,
     reports: AtomicUsize,
 }
 
-impl Queued {
+impl QueuedReports {
     /// Takes room for one report of `bytes`, if that leaves at most `max_bytes` and
     /// `max_reports` held.
     fn take(&self, bytes: usize, max_bytes: usize, max_reports: usize) -> bool {
@@ -83,14 +83,14 @@ pub struct BookCounters {
 pub struct BacklogBook {
     tx: mpsc::Sender<Command>,
     /// What the reports in the queue hold, estimated; the book's task gives it back.
-    queued: Arc<Queued>,
+    queued: Arc<QueuedReports>,
 }
 
 /// One session's way to the book, holding at most a [`SESSION_SHARE`]th of its queue.
 #[derive(Debug)]
 pub struct SessionReports {
     book: BacklogBook,
-    share: Arc<Queued>,
+    share: Arc<QueuedReports>,
 }
 
 impl SessionReports {
@@ -126,7 +126,7 @@ impl BacklogBook {
         cancel: CancellationToken,
     ) -> Self {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
-        let queued = Arc::new(Queued::default());
+        let queued = Arc::new(QueuedReports::default());
         tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, Arc::clone(&queued)), counters, cancel));
         Self { tx, queued }
     }
@@ -147,7 +147,7 @@ impl BacklogBook {
 async fn run(
     publisher: FleetPublisher,
     mut book: Book,
-    (mut rx, queued): (mpsc::Receiver<Command>, Arc<Queued>),
+    (mut rx, queued): (mpsc::Receiver<Command>, Arc<QueuedReports>),
     counters: BookCounters,
     cancel: CancellationToken,
 ) {
