@@ -6,7 +6,7 @@
 use std::collections::{BTreeSet, HashSet};
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -53,13 +53,17 @@ impl BlobCache {
     ///
     /// In a shared `dir` another user may have made `blobs` first: a symlink would have the
     /// mode set, and the pruning done, on whatever it points at, so `blobs` must be a directory
-    /// itself.
+    /// itself; and one that user owns they could still swap for a symlink later (a sticky
+    /// directory lets an owner rename its own), so it must be this process's.
     pub fn open(dir: &Path) -> io::Result<Self> {
         let blobs = dir.join("blobs");
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&blobs)?;
-        if !fs::symlink_metadata(&blobs)?.file_type().is_dir() {
+        let made = fs::symlink_metadata(&blobs)?;
+        if !made.file_type().is_dir() {
             return Err(io::Error::other(format!("{} is not a directory of its own (a symlink?)", blobs.display())));
         }
+        // `/proc/self` belongs to the process's effective user.
+        ours(&blobs, made.uid(), fs::metadata("/proc/self")?.uid())?;
         fs::set_permissions(&blobs, fs::Permissions::from_mode(0o700))?;
         Ok(Self { blobs })
     }
@@ -140,6 +144,17 @@ impl BlobCache {
     }
 }
 
+/// Whether `path`, owned by user `owner`, is the process's (running as user `us`).
+fn ours(path: &Path, owner: u32, us: u32) -> io::Result<()> {
+    if owner == us {
+        return Ok(());
+    }
+    Err(io::Error::other(format!(
+        "{} belongs to user {owner}, not to this process's ({us}): another user made it first",
+        path.display()
+    )))
+}
+
 /// Reads a whole regular file, refusing it as soon as it proves larger than
 /// [`MAX_ARTIFACT_BYTES`] (by its metadata, or while reading if it grows), so a huge file is
 /// never buffered. Anything else a path may name (a FIFO, a device, `/dev/stdout`, a directory)
@@ -176,6 +191,26 @@ mod tests {
     use super::*;
 
     use std::fs::File;
+
+    /// A `blobs` another user made first in a shared directory is not taken over: its owner
+    /// could swap it for a symlink after the check.
+    #[test]
+    fn a_blobs_directory_another_user_owns_is_refused() {
+        let path = Path::new("/shared/blobs");
+        assert!(ours(path, 1000, 1000).is_ok());
+        let refused = ours(path, 65534, 0).unwrap_err().to_string();
+        assert!(refused.contains("belongs to user 65534, not to this process's (0)"), "{refused}");
+
+        // The same through `open`, where the process may hand the directory away (root, as the
+        // suite runs).
+        let dir = tempfile::tempdir().unwrap();
+        fs::create_dir(dir.path().join("blobs")).unwrap();
+        assert!(BlobCache::open(dir.path()).is_ok(), "this process's own");
+        if fs::metadata("/proc/self").unwrap().uid() == 0 {
+            std::os::unix::fs::chown(dir.path().join("blobs"), Some(65534), None).unwrap();
+            assert!(BlobCache::open(dir.path()).is_err(), "another user's");
+        }
+    }
 
     /// What a path names can change between the look and the open: a FIFO opened is refused
     /// at once, not waited on for a writer.
