@@ -253,13 +253,13 @@ impl ArtifactStore {
     /// recently.
     fn start_load(&self, state: &mut State, model: &str, cards: &[ModelArtifacts], now: Instant) {
         let Some(key) = cards.first().map(ModelArtifacts::key) else { return };
-        let backing_off = state.backing_off(key, places(&sources(cards)), now);
-        if !backing_off
+        let sources = sources(cards);
+        if !state.backing_off(key, places(&sources), now)
             && !state.loading.contains(&key)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             state.loading.insert(key);
-            let (store, model, sources) = (self.clone(), model.to_string(), sources(cards));
+            let (store, model) = (self.clone(), model.to_string());
             runtime.spawn(async move {
                 let _ = store.load(&model, &sources).await;
                 store.state().loading.remove(&key);
@@ -275,18 +275,20 @@ impl ArtifactStore {
             self.refuse_unpinned(model, checksum);
             return Err(LoadError::Unpinned(checksum));
         }
-        {
+        let (sources, places) = {
             let now = (self.inner.clock)();
             let state = self.state();
             if let Some(slot) = state.loaded.get(&key) {
                 return Ok(slot.artifacts.clone());
             }
-            if state.backing_off(key, places(&sources(cards)), now) {
+            let sources = sources(cards);
+            let places = places(&sources);
+            if state.backing_off(key, places, now) {
                 return Err(LoadError::RetryLater);
             }
-        }
+            (sources, places)
+        };
         let _permit = self.inner.loads.acquire().await.map_err(|_| LoadError::RetryLater)?;
-        let sources = sources(cards);
         match self.load_now(&sources).await.and_then(|loaded| self.insert(loaded)) {
             Ok(loaded) => {
                 self.state().retry_at.remove(&key);
@@ -299,7 +301,7 @@ impl ArtifactStore {
                     self.count(result);
                 }
                 let retry = (self.inner.clock)() + FAILED_LOAD_RETRY;
-                self.state().retry_at.insert(key, (retry, places(&sources)));
+                self.state().retry_at.insert(key, (retry, places));
                 Err(error)
             }
         }
