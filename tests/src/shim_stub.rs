@@ -93,6 +93,8 @@ struct Shared {
     /// A decode worker whose pinned requests get the frontend's generic 500, as for a dead
     /// worker (0: none).
     failing_worker: AtomicU64,
+    /// A decode worker whose pinned requests are never answered, as for a hung engine (0: none).
+    hanging_worker: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -153,6 +155,12 @@ impl StubShim {
         self.shared.failing_worker.store(id, Ordering::Relaxed);
     }
 
+    /// Never answers a request pinned to decode worker `id`, as a frontend whose worker hung
+    /// mid-generation sends no head for a buffered request; other requests are answered as usual.
+    pub fn hang_worker(&self, id: u64) {
+        self.shared.hanging_worker.store(id, Ordering::Relaxed);
+    }
+
     /// How many liveness probes came, and on how many connections.
     pub fn probes(&self) -> (usize, usize) {
         let probed_from = self.shared.probed_from.lock().unwrap_or_else(PoisonError::into_inner);
@@ -196,11 +204,13 @@ async fn live(State(shared): State<Arc<Shared>>, ConnectInfo(peer): ConnectInfo<
 
 async fn answer(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
     let body: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let failing = shared.failing_worker.load(Ordering::Relaxed);
-    let pinned_to_failing = failing != 0
-        && headers.get("x-dynamo-worker-instance-id").and_then(|v| v.to_str().ok())
-            == Some(failing.to_string().as_str());
-    let reply = if pinned_to_failing {
+    let pinned_to = |worker: &AtomicU64| {
+        let id = worker.load(Ordering::Relaxed);
+        id != 0
+            && headers.get("x-dynamo-worker-instance-id").and_then(|v| v.to_str().ok()) == Some(id.to_string().as_str())
+    };
+    let hangs = pinned_to(&shared.hanging_worker);
+    let reply = if pinned_to(&shared.failing_worker) {
         Reply::Fixed { status: StatusCode::INTERNAL_SERVER_ERROR, content_type: None, body: Bytes::from_static(b"{}") }
     } else {
         shared.script.lock().unwrap_or_else(PoisonError::into_inner).pop_front().unwrap_or(Reply::Echo)
@@ -209,6 +219,9 @@ async fn answer(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     let echo = echo(&headers, &body);
     shared.received.lock().unwrap_or_else(PoisonError::into_inner).push(Received { headers, body });
     shared.count.send_modify(|n| *n += 1);
+    if hangs {
+        std::future::pending::<()>().await;
+    }
     match reply {
         Reply::Echo if stream => sse(Body::from(echo_stream(&echo))),
         Reply::Echo => axum::Json(echo).into_response(),

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use axum::http::header::{ACCEPT, CONTENT_TYPE};
-use axum::http::{HeaderMap, HeaderValue, Response};
+use axum::http::{HeaderMap, HeaderValue, Response, StatusCode};
 use bytes::Bytes;
 
 use super::budget::MAX_ATTEMPTS;
@@ -85,10 +85,33 @@ impl Dispatcher {
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
         let outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
-        self.health.record(&replica.name, &replica.url, outcome.is_ok(), Instant::now());
+        if let Some(healthy) = says_of_replica(&outcome, pins != Pins::default()) {
+            self.health.record(&replica.name, &replica.url, healthy, Instant::now());
+        }
         if let Err(error) = &outcome {
             tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
         }
         outcome
     }
+}
+
+/// What a send's outcome says of the replica's health, if anything. A gateway in front of the
+/// shim answering 502 or 504 could not reach it: a failure of the replica, though an answer
+/// came. A pinned request whose answer's head never came in time says nothing of it: a
+/// buffered answer's head comes only once generation is done, so a hung worker looks so, and
+/// the pinned workers take the blame (`Dispatcher::pinned`); a wedged shim fails its liveness
+/// probes. Counted against the shim, a few requests stuck on one hung worker would open the
+/// breaker of a shim serving every other worker well.
+fn says_of_replica(outcome: &Result<Response<ShimBody>, SendError>, pinned: bool) -> Option<bool> {
+    match outcome {
+        Ok(response) => Some(!is_gateway_failure(response.status())),
+        Err(SendError::HeadTimeout(_)) if pinned => None,
+        Err(_) => Some(false),
+    }
+}
+
+/// 502 and 504: what a proxy in front of a shim answers when the shim is down or silent.
+/// Dynamo's frontend itself answers 500 and 503 only (the 1.6.1 captures).
+pub(super) fn is_gateway_failure(status: StatusCode) -> bool {
+    status == StatusCode::BAD_GATEWAY || status == StatusCode::GATEWAY_TIMEOUT
 }

@@ -38,10 +38,10 @@ pub fn classify(status: StatusCode, body: &[u8], stream: bool) -> Verdict {
 }
 
 /// Whether a pinned non-2xx answer says the pinned workers failed, rather than the client's
-/// request or the router's pairing: a 5xx; a 404 (the model's workers are gone from the
-/// frontend); or 1.6.1's refusal of a pin it cannot serve, a 400 "Invalid request" for an id
-/// it no longer knows or a dp rank out of bounds. A 400 about the body is the client's, and a
-/// missing prefill pin is the pool's.
+/// request or the router's pairing: a 5xx but a gateway's 502 or 504 (which says the shim was
+/// not reached); a 404 (the model's workers are gone from the frontend); or 1.6.1's refusal of
+/// a pin it cannot serve, a 400 "Invalid request" for an id it no longer knows or a dp rank out
+/// of bounds. A 400 about the body is the client's, and a missing prefill pin is the pool's.
 pub fn blames_pins(status: StatusCode, body: &[u8]) -> bool {
     if names_missing_prefill(body) {
         return false;
@@ -54,7 +54,8 @@ pub fn blames_pins(status: StatusCode, body: &[u8]) -> bool {
             })
         })
     };
-    status.is_server_error() || status == StatusCode::NOT_FOUND || (status == StatusCode::BAD_REQUEST && refuses_pin())
+    let workers_failed = status.is_server_error() && !super::attempt::is_gateway_failure(status);
+    workers_failed || status == StatusCode::NOT_FOUND || (status == StatusCode::BAD_REQUEST && refuses_pin())
 }
 
 /// 1.6.1's message for a pinned worker id it does not know (`unknown_decode_id`,
@@ -99,10 +100,13 @@ mod tests {
     const NAMED_REFUSAL: &str = "Prefill worker ID required in Direct routing mode but none found in request.";
 
     #[test]
-    fn only_refusals_of_the_pins_or_server_errors_blame_the_pinned_workers() {
+    fn only_refusals_of_the_pins_or_the_frontends_server_errors_blame_the_pinned_workers() {
         let body_refused = r#"{"message":"Failed to deserialize the JSON body into the target type: key must be a string at line 1 column 2","type":"Bad Request","code":400}"#;
-        let rows: [(u16, &str, bool); 10] = [
+        let rows: [(u16, &str, bool); 12] = [
             (500, GENERIC_500, true),
+            // A gateway in front of the shim: the shim was not reached, the workers never asked.
+            (502, "<html>502 Bad Gateway</html>", false),
+            (504, "", false),
             (503, DEAD_503, true),
             (404, "", true),
             (400, INVALID_400, true),

@@ -265,11 +265,17 @@ impl Dispatcher {
         let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
         let (outcome, blames_pins) =
             self.send_pinned(&body, stream, disclose, headers, &selection, &replicas, dispatch).await;
-        // A refusal that blames the pins, or a body that broke or never finished, makes the
-        // pinned workers suspects. A shim that could not be reached says nothing about them,
-        // nor does a refusal of the client's request.
-        let blamed =
-            blames_pins || matches!(outcome, PinnedOutcome::Failed(Failure::Body(_) | Failure::BodyTimeout(_)));
+        // A refusal that blames the pins, or an answer that never came or never finished, makes
+        // the pinned workers suspects: a buffered answer's head comes only once generation is
+        // done, so a hung worker shows as a head that never came. A shim that could not be
+        // reached says nothing about them, nor does a refusal of the client's request.
+        let unanswered = matches!(
+            outcome,
+            PinnedOutcome::Failed(
+                Failure::Body(_) | Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_))
+            )
+        );
+        let blamed = blames_pins || unanswered;
         if blamed {
             ledger.outliers().failed(&ranks, Instant::now());
         }

@@ -125,11 +125,24 @@ impl Body for RelayBody {
                     );
                 }
                 Poll::Ready(None) => {
-                    // An event the shim never ended is passed on as it came: SSE drops it. The
-                    // answer did not end whole, so its workers are not acquitted either.
+                    // The body ended inside an event. Comments alone are nothing to lose, and
+                    // the closing `[DONE]` short of its blank line is completed. Any other
+                    // event cut short (a close-delimited answer whose connection dropped looks
+                    // just so) is a break, said as one: SSE would silently drop the half.
                     let unfinished = std::mem::take(&mut this.partial);
-                    this.finish(unfinished.is_empty());
-                    return Poll::Ready((!unfinished.is_empty()).then(|| Ok(Frame::data(unfinished.freeze()))));
+                    if !carries_event(&unfinished) {
+                        this.finish(true);
+                        return Poll::Ready(None);
+                    }
+                    if is_done_marker(&unfinished) {
+                        this.finish(true);
+                        return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))));
+                    }
+                    tracing::warn!("shim stream ended in the middle of an event");
+                    return this.fail(
+                        "stream_interrupted",
+                        "The response stream from the model server ended in the middle of an event. Retry the request.",
+                    );
                 }
                 Poll::Pending => {
                     ready!(this.deadline.as_mut().poll(cx));
@@ -185,6 +198,12 @@ fn carries_event(data: &[u8]) -> bool {
     })
 }
 
+/// Whether an unfinished event is the stream's closing `data: [DONE]` line.
+fn is_done_marker(unfinished: &[u8]) -> bool {
+    let line = unfinished.trim_ascii_end();
+    line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start() == b"[DONE]")
+}
+
 /// Where a stream stands among SSE lines, which end at LF, CRLF or CR; an event ends at a blank
 /// line.
 #[derive(Debug, Clone, Copy)]
@@ -235,7 +254,7 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::{Lines, carries_event};
+    use super::{Lines, carries_event, is_done_marker};
 
     /// What each piece fed in turn releases: the prefix that ends an event, if any.
     fn releases(pieces: &[&[u8]]) -> Vec<Option<usize>> {
@@ -262,6 +281,16 @@ mod tests {
         ];
         for (pieces, expected) in rows {
             assert_eq!(releases(pieces), expected, "{pieces:?}");
+        }
+    }
+
+    #[test]
+    fn only_a_data_line_of_done_is_the_closing_marker() {
+        for done in [&b"data: [DONE]"[..], b"data:[DONE]\r\n", b"data: [DONE]\n"] {
+            assert!(is_done_marker(done), "{:?}", String::from_utf8_lossy(done));
+        }
+        for other in [&b"data: [DONE] x"[..], b"data: {\"a\":1}", b": [DONE]", b"event: [DONE]"] {
+            assert!(!is_done_marker(other), "{:?}", String::from_utf8_lossy(other));
         }
     }
 

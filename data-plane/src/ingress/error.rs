@@ -236,6 +236,11 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
                  the frontend may have refused it (a streamed request is shown the frontend's reason)."
             )
         }
+        // Nothing was sent to the workers: saying they failed would send the reader after them.
+        Failure::NoReplica | Failure::BudgetSpent(_) | Failure::Send(_) if cause.is_unavailable() => format!(
+            "No Dynamo frontend replica could be reached, so the request never reached the workers assigned to \
+             it{retried}. Retry shortly."
+        ),
         _ => format!(
             "The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."
         ),
@@ -254,6 +259,7 @@ fn echo(model: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dispatch::SendError;
 
     #[test]
     fn a_405_echoes_only_the_start_of_a_method_however_long() {
@@ -292,6 +298,21 @@ mod tests {
         assert_eq!(status(Failure::Status(StatusCode::TOO_MANY_REQUESTS)), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(status(Failure::Status(StatusCode::INTERNAL_SERVER_ERROR)), StatusCode::BAD_GATEWAY);
         assert_eq!(status(Failure::BodyTimeout(std::time::Duration::from_secs(1))), StatusCode::GATEWAY_TIMEOUT);
+        // Unreachable shims: the workers were never contacted, and the message says so.
+        let refused = || std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        for unreached in [
+            Failure::NoReplica,
+            Failure::BudgetSpent(SendError::Connect(refused())),
+            Failure::Send(SendError::Connect(refused())),
+        ] {
+            let error = decode_failed(&unreached, None, false);
+            assert_eq!(error.status, StatusCode::SERVICE_UNAVAILABLE);
+            assert!(
+                error.message.contains("never reached the workers") && !error.message.contains("failed on its"),
+                "{unreached}: {}",
+                error.message
+            );
+        }
         let both = decode_failed(&Failure::Status(StatusCode::BAD_REQUEST), Some(&Failure::NoReplica), false);
         assert!(both.message.contains("answered 400") && both.message.contains("without worker pins also failed"));
         // A refusal that may be the request's own says to check it, not only to retry.

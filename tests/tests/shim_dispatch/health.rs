@@ -227,3 +227,60 @@ async fn a_worker_whose_pinned_requests_keep_failing_is_skipped_by_the_replica_o
     harness.stop().await;
     Ok(())
 }
+
+/// A hung worker sends no answer head for a buffered request (the frontend answers only once
+/// generation is done): its timeouts make it a suspect like any failure, and say nothing
+/// against the shim that serves every other worker well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_buffered_answers_never_come_is_skipped_and_the_shim_stays_closed() -> anyhow::Result<()> {
+    const HUNG: u64 = 0x5eed_0003;
+    const ALIVE: u64 = 0x5eed_0004;
+    let shim = StubShim::start().await?;
+    shim.hang_worker(HUNG);
+    let fleet = vec![worker(HUNG, Role::Aggregated, MODEL, 0), worker(ALIVE, Role::Aggregated, MODEL, 0)];
+    // A breaker that two failures in a row would open: the hung worker's timeouts must not.
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
+    let settings =
+        DispatchSettings { buffered_timeout: Duration::from_millis(300), breaker, ..DispatchSettings::default() };
+    let harness = Harness::start_with(fleet, config(&[("shim", shim.url())]), settings).await?;
+    let mut timed_out = 0;
+    for _ in 0..12 {
+        let response = harness.post(&chat(MODEL, false)).await?;
+        if response.status() == 504 {
+            timed_out += 1;
+        }
+        response.bytes().await?;
+    }
+    let to_hung = shim
+        .received()
+        .iter()
+        .filter(|r| r.header("x-dynamo-worker-instance-id") == Some(HUNG.to_string().as_str()))
+        .count();
+    assert_eq!(to_hung, EJECT_AFTER as usize, "after {EJECT_AFTER} timeouts the hung worker is skipped");
+    assert_eq!(timed_out, to_hung, "every other request was served by the live worker");
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(0.0), "closed");
+    harness.stop().await;
+    Ok(())
+}
+
+/// A proxy in front of a shim answering 502 or 504 could not reach it: the shim's failure,
+/// which opens its breaker, and not the pinned workers'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateways_502_counts_against_the_shim_not_its_workers() -> anyhow::Result<()> {
+    use continuum_tests::shim_stub::Reply;
+    let shim = StubShim::start().await?;
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
+    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim", shim.url())]), settings).await?;
+    for status in [axum::http::StatusCode::BAD_GATEWAY, axum::http::StatusCode::GATEWAY_TIMEOUT] {
+        shim.push(Reply::Fixed { status, content_type: None, body: "<html>upstream down</html>".into() });
+        let (answered, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+        assert_eq!((answered, code.as_str()), (502, "disaggregated_decode_failed"), "{status}");
+    }
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(2.0), "open");
+    assert!(harness.replica.ledger.outliers().is_empty(), "no strike against the pinned workers");
+    harness.stop().await;
+    Ok(())
+}

@@ -194,6 +194,41 @@ async fn an_unfinished_event_past_the_bound_ends_the_stream_with_an_error() -> a
     Ok(())
 }
 
+/// A body that ends cleanly inside an event (as a close-delimited answer whose connection
+/// dropped does) ends with an error event: SSE would drop the half without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_ending_inside_an_event_ends_with_an_error() -> anyhow::Result<()> {
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    gate.send(Ok(Bytes::from_static(b"data: {\"choices\":[{\"delta\""))).await?;
+    drop(gate);
+    let event = next_text(&mut response).await?.unwrap_or_default();
+    assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event}");
+    assert_eq!(next_text(&mut response).await?, None);
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    assert!(harness.replica.ledger.is_empty());
+    harness.stop().await;
+    Ok(())
+}
+
+/// The closing `[DONE]` short of its blank line is completed, not reported as a break.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closing_done_without_its_blank_line_is_completed() -> anyhow::Result<()> {
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    gate.send(Ok(Bytes::from_static(b"data: [DONE]\n"))).await?;
+    drop(gate);
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(DONE));
+    assert_eq!(next_text(&mut response).await?, None);
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_ends_with_a_timeout_event() -> anyhow::Result<()> {
     let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(300), ..DispatchSettings::default() };
