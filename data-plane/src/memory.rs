@@ -53,6 +53,11 @@ impl Budget {
         true
     }
 
+    /// Whether a body of `bytes` would find room now (it may not when it comes: others grow).
+    pub fn has_room(&self, bytes: usize) -> bool {
+        chargeable(bytes).is_none_or(|wanted| usize::try_from(wanted).is_ok_and(|w| w <= self.room.available_permits()))
+    }
+
     /// Bytes charged now.
     pub fn charged(&self) -> usize {
         self.size.saturating_sub(self.room.available_permits())

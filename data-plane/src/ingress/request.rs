@@ -46,12 +46,27 @@ pub struct Tree {
 /// connection and stream beside it.
 const ON_THE_RUNTIME_BYTES: usize = 64 << 10;
 
+/// Work on bodies past [`ON_THE_RUNTIME_BYTES`] running or queued on the blocking pool at once.
+/// Handed over, such work runs to its end even when its request is dropped (its client left),
+/// holding its body after the connection has given the body's charge back: the permit, taken
+/// before the hand-over and held by the work, bounds what it holds to this many bodies.
+pub const MAX_OFF_RUNTIME_WORK: usize = 4;
+
+static OFF_RUNTIME: Semaphore = Semaphore::const_new(MAX_OFF_RUNTIME_WORK);
+
 /// Runs `work`, for a body of `bytes`, where [`ON_THE_RUNTIME_BYTES`] says.
 async fn sized_work<T: Send + 'static>(bytes: usize, work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
     if bytes <= ON_THE_RUNTIME_BYTES {
         return Some(work());
     }
-    tokio::task::spawn_blocking(work).await.ok()
+    // Never closed, so always granted in turn; a request dropped while it waits holds nothing.
+    let permit = OFF_RUNTIME.acquire().await.ok()?;
+    tokio::task::spawn_blocking(move || {
+        let _held = permit;
+        work()
+    })
+    .await
+    .ok()
 }
 
 impl Drop for Tree {
@@ -235,6 +250,7 @@ impl ChatRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn parse(text: &str) -> Result<ChatRequest, String> {
         ChatRequest::parse(Bytes::from(text.to_string())).map_err(|e| e.to_string())
@@ -272,6 +288,44 @@ mod tests {
             assert!(tokio::time::Instant::now() < deadline, "the room came back once the parse ended");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// Work abandoned on the blocking pool still holds its body: at most MAX_OFF_RUNTIME_WORK
+    /// pieces of it run or wait there at once, however many requests are dropped meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn work_abandoned_on_the_blocking_pool_is_bounded() {
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = Arc::new(std::sync::Mutex::new(released));
+        let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let abandoned: Vec<_> = (0..MAX_OFF_RUNTIME_WORK + 3)
+            .map(|_| {
+                let (released, started) = (Arc::clone(&released), Arc::clone(&started));
+                tokio::spawn(sized_work(ON_THE_RUNTIME_BYTES + 1, move || {
+                    started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let _ = released.lock().map(|released| released.recv());
+                }))
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for request in &abandoned {
+            request.abort();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(OFF_RUNTIME.available_permits(), 0, "the abandoned work still runs, each holding a permit");
+        assert_eq!(started.load(std::sync::atomic::Ordering::SeqCst), MAX_OFF_RUNTIME_WORK, "the rest waited");
+        for _ in 0..MAX_OFF_RUNTIME_WORK {
+            let _ = release.send(());
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while OFF_RUNTIME.available_permits() < MAX_OFF_RUNTIME_WORK {
+            assert!(tokio::time::Instant::now() < deadline, "the permits came back as the work ended");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            started.load(std::sync::atomic::Ordering::SeqCst),
+            MAX_OFF_RUNTIME_WORK,
+            "the requests dropped while waiting never handed their work over"
+        );
     }
 
     /// A body of megabytes is read on the blocking pool, and read the same.

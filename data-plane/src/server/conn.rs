@@ -32,7 +32,7 @@ use super::{App, Stages};
 use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
-use crate::memory::{Charge, REQUEST_BODIES};
+use crate::memory::{Charge, FREE_BYTES, REQUEST_BODIES};
 
 /// A keep-alive connection with no request in progress is closed after this long.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
@@ -124,9 +124,9 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages) {
         match conn.write_response(response, version, keep_alive, head_only).await {
             // A stream answered keep-alive before the drain began may end during it: the
             // connection closes then, as every answer from the drain on says it will.
-            Ok(true) if stages.draining.is_cancelled() => return,
+            Ok(true) if stages.draining.is_cancelled() => return conn.close().await,
             Ok(true) => {}
-            Ok(false) => return,
+            Ok(false) => return conn.close().await,
             Err(error) => {
                 app.state.metrics.write_failed(&error);
                 return;
@@ -271,6 +271,10 @@ impl Connection {
         let (body, charge) = match head.body {
             BodyFraming::Length(length) => {
                 if self.read.len() < length && head.expects_continue {
+                    // Not invited to send a body that would be refused for lack of room.
+                    if !REQUEST_BODIES.has_room(length) {
+                        return Err(Stop::Refuse(HeadError::Busy));
+                    }
                     write_continue(&mut self.stream).await?;
                 }
                 // The buffer grows, and is charged, as the body arrives, not by what the head
@@ -318,13 +322,20 @@ impl Connection {
                 }
                 Ok(Decoded::End) => {
                     self.release_large_read_buffer(head + body.len());
-                    return Ok((body.freeze(), charge));
+                    return Ok((fitted(body), charge));
                 }
                 Ok(Decoded::More) => self.fill().await?,
                 Err(WireError::Chunk(reason)) => return Err(Stop::Refuse(HeadError::Body(reason.into()))),
                 Err(error) => return Err(Stop::Refuse(HeadError::Body(error.to_string()))),
             }
         }
+    }
+
+    /// Closes a connection whose last answer said it would (`Connection: close`, HTTP/1.0, a
+    /// drain): as after a refusal, since a client may have sent more behind its request, and
+    /// closing with it unread would reset the connection under the answer just written.
+    async fn close(mut self) {
+        self.linger().await;
     }
 
     fn make_room(&mut self) {
@@ -516,11 +527,34 @@ impl Frames {
     }
 }
 
+/// A body grown by doubling, as it will be held: one just past a power of two would hold
+/// nearly twice what it is charged, so its spare room is let go with a copy.
+fn fitted(body: BytesMut) -> Bytes {
+    if body.capacity() - body.len() > FREE_BYTES { Bytes::copy_from_slice(&body) } else { body.freeze() }
+}
+
 #[cfg(test)]
 mod tests {
     use tokio::net::TcpListener;
 
     use super::*;
+
+    #[test]
+    fn a_body_is_held_in_no_more_room_than_it_is_charged_for() {
+        let mut grown = BytesMut::new();
+        for _ in 0..=(4 << 20) / 4096 {
+            grown.extend_from_slice(&[b'x'; 4096]);
+        }
+        assert!(grown.capacity() >= 2 * grown.len() - (8 << 10), "grown by doubling: {}", grown.capacity());
+        let len = grown.len();
+        let held = fitted(grown);
+        assert_eq!(held.len(), len);
+        // A `Bytes` frozen from a vector keeps the vector's capacity: what `try_into_mut` gets back.
+        let room = held.try_into_mut().map(|body| body.capacity()).ok();
+        assert!(room.is_some_and(|room| room <= len + FREE_BYTES), "{room:?} held for {len}");
+        let small = BytesMut::from(&b"{}"[..]);
+        assert_eq!(fitted(small), Bytes::from_static(b"{}"));
+    }
 
     /// A client that reads nothing: the first writes fill the sockets' buffers, then the
     /// deadline (on the paused clock, which jumps ahead while the runtime idles) ends the wait.

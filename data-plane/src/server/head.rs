@@ -97,6 +97,14 @@ pub struct RequestHead {
     pub expects_continue: bool,
 }
 
+/// Whether a line of `head` ends in an LF alone. RFC 9112 §2.2 lets a recipient take one for
+/// a line's end, and httparse does; a hop in front that does not would read the next line as
+/// part of the header before it (`X: y\nContent-Length: 40`), and frame the request by other
+/// headers than these. Refused, as chunk lines ending so are.
+fn has_bare_lf(head: &[u8]) -> bool {
+    memchr::memchr_iter(b'\n', head).any(|at| at == 0 || head[at - 1] != b'\r')
+}
+
 /// The request head at the start of `buf` and its length, or `None` while it is incomplete.
 pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadError> {
     let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
@@ -114,6 +122,9 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     };
     if length > MAX_HEAD_BYTES {
         return Err(HeadError::TooLarge);
+    }
+    if has_bare_lf(&buf[..length]) {
+        return Err(HeadError::Framing("every line of a request head must end in CRLF, not a bare LF"));
     }
     let method = Method::from_bytes(request.method.unwrap_or_default().as_bytes())
         .map_err(|_| HeadError::Malformed("method".into()))?;
@@ -427,6 +438,9 @@ mod tests {
             ("POST / HTTP/1.0\r\ntransfer-encoding: gzip, chunked\r\n\r\n", "HTTP/1.0"),
             ("POST / HTTP/1.1\r\ntransfer-encoding: chunked, chunked\r\n\r\n", "only once"),
             ("POST / HTTP/1.1\r\ntransfer-encoding: chunked\r\ntransfer-encoding: Chunked\r\n\r\n", "only once"),
+            // A hop splitting lines on CRLF alone would see no Content-Length here.
+            ("POST / HTTP/1.1\r\nhost: x\r\nx: y\ncontent-length: 40\r\n\r\n", "bare LF"),
+            ("GET / HTTP/1.1\nhost: x\n\n", "bare LF"),
         ];
         for (text, says) in rows {
             let error = refused(text);
