@@ -45,6 +45,19 @@ pub fn refusal_body(body: &[u8]) -> RefusalBody {
     }
 }
 
+/// The words of a refusal [`refusal_body`] relays, when its body is not in OpenAI's shape
+/// (`{"error":{"message"}}`) and must be put in it: its `message` (the shape of Dynamo's
+/// frontend and vLLM), or `detail` (FastAPI's), or else the whole body. `None`: relayed as it
+/// came.
+pub fn backend_words(body: &[u8]) -> Option<String> {
+    let value = serde_json::from_slice::<Value>(body).ok()?;
+    if value.pointer("/error/message").is_some_and(Value::is_string) {
+        return None;
+    }
+    let said = ["message", "detail"].iter().find_map(|key| value.get(key).and_then(Value::as_str));
+    Some(said.map_or_else(|| value.to_string(), str::to_string))
+}
+
 fn names_an_address(value: &Value) -> bool {
     match value {
         Value::String(text) => text_names_an_address(text),
@@ -133,6 +146,23 @@ mod tests {
         ];
         for (body, expected) in rows {
             assert_eq!(refusal_body(body.as_bytes()), expected, "{body}");
+        }
+    }
+
+    #[test]
+    fn refusals_not_in_openais_shape_are_put_in_it_with_their_own_words() {
+        let rows: [(&str, Option<&str>); 5] = [
+            (r#"{"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error"}}"#, None),
+            (
+                r#"{"message":"Failed to deserialize the JSON body","type":"Bad Request","code":400}"#,
+                Some("Failed to deserialize the JSON body"),
+            ),
+            (r#"{"object":"error","message":"bad n","type":"BadRequestError","code":400}"#, Some("bad n")),
+            (r#"{"detail":"Not Found"}"#, Some("Not Found")),
+            (r#"{"error":"no"}"#, Some(r#"{"error":"no"}"#)),
+        ];
+        for (body, words) in rows {
+            assert_eq!(backend_words(body.as_bytes()).as_deref(), words, "{body}");
         }
     }
 }

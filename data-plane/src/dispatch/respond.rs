@@ -17,7 +17,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
 use super::classify::{self, Verdict, classify};
-use super::disclosure::{RefusalBody, refusal_body};
+use super::disclosure::{RefusalBody, backend_words, refusal_body};
 use super::relay::RelayBody;
 use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
@@ -215,12 +215,16 @@ impl http_body::Body for Charged {
     }
 }
 
-/// A backend's refusal of the client's request (4xx), relayed as it came when
-/// [`super::disclosure`] allows; otherwise its status with the router's words.
+/// A backend's refusal of the client's request (4xx), relayed when [`super::disclosure`]
+/// allows (as it came, or its words put in OpenAI's shape); otherwise its status with the
+/// router's words.
 fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> (Response, RefusalBody) {
     let fate = refusal_body(&body);
     let response = match fate {
-        RefusalBody::Relayed => rebuild(status, shim_headers, Body::from(body)),
+        RefusalBody::Relayed => match backend_words(&body) {
+            None => rebuild(status, shim_headers, Body::from(body)),
+            Some(words) => ApiError::reworded(status, &words).into_response(),
+        },
         RefusalBody::Unreadable | RefusalBody::Withheld => ApiError::refused(status, fate).into_response(),
     };
     (response, fate)

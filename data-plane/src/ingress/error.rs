@@ -59,6 +59,13 @@ impl ApiError {
         ApiError::new(status, "backend_refused", message)
     }
 
+    /// A backend refused the request (a 4xx) in words fit to relay, but not in OpenAI's shape:
+    /// its status and its words, in that shape.
+    pub fn reworded(status: StatusCode, words: &str) -> Self {
+        let message = format!("The model server refused the request ({}): {words}", status.as_u16());
+        ApiError::new(status, "backend_refused", message)
+    }
+
     /// The OpenAI `type`: the client's mistake, or ours.
     fn kind(&self) -> &'static str {
         if self.status.is_client_error() { "invalid_request_error" } else { "server_error" }

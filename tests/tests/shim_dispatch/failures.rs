@@ -72,6 +72,8 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     const RELAYED: Option<&str> = None;
     const WITHHELD: Option<&str> = Some("backend_refused");
     const PROXY_PAGE: &str = "<html><body><h1>413 Request Entity Too Large</h1><hr>ingress-7f9c.internal</body></html>";
+    const OPENAI_SHAPED: &str =
+        r#"{"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error","code":null}}"#;
     const NAMES_HOST: &str = r#"{"message":"upstream 10.4.0.12:8000 rejected the body","code":400}"#;
     let dead = "after_decode_sigkill_pinned_to_dead_decode";
     // (case, shim answer, streaming, status the client sees, error code or relayed as is)
@@ -83,7 +85,9 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         // A refused pin is the router's mistake, not the client's: never relayed as its 400.
         ("unknown worker id, streaming", disagg("unknown_decode_id")?, true, 502, DECODE_FAILED),
         ("dp rank out of range, streaming", disagg("decode_dp_rank_out_of_range")?, true, 502, DECODE_FAILED),
-        ("the client's body refused, streaming", disagg("malformed_json")?, true, 400, RELAYED),
+        // 1.6.1's own shape, `{"message","type","code":400}`: its words, in OpenAI's.
+        ("the client's body refused, streaming", disagg("malformed_json")?, true, 400, WITHHELD),
+        ("refused in OpenAI's shape, streaming", refusal(400, "application/json", OPENAI_SHAPED), true, 400, RELAYED),
         ("refused past what is read, streaming", unreadable_refusal(), true, 400, Some("backend_refused")),
         // What answers in the frontend's place may speak HTML, or name hosts: never relayed.
         ("refused by a proxy's page, streaming", refusal(413, "text/html", PROXY_PAGE), true, 413, WITHHELD),
@@ -121,6 +125,9 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
                     .any(|refusal| case.starts_with(refusal));
                 assert!(!refused_pins || !message.contains("check the request"), "{case}: {message}");
                 assert_eq!(refused_pins, message.contains("behind the frontend's"), "{case}: {message}");
+                if case == "the client's body refused, streaming" {
+                    assert!(message.contains("Failed to deserialize the JSON body"), "its own words: {message}");
+                }
             }
             None => {
                 assert_eq!(response.status().as_u16(), status, "{case}");
@@ -132,8 +139,8 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(11.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(17.0));
-    for (body, count) in [("relayed", 1.0), ("unreadable", 1.0), ("withheld", 2.0)] {
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(18.0));
+    for (body, count) in [("relayed", 2.0), ("unreadable", 1.0), ("withheld", 2.0)] {
         let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
         assert_eq!(sample(&metrics, &series), Some(count), "{series}");
     }
