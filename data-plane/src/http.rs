@@ -36,6 +36,35 @@ pub struct AppState {
     pub draining: CancellationToken,
 }
 
+#[cfg(test)]
+impl AppState {
+    /// A replica's state with no fleet view and a control plane that answers nothing.
+    pub(crate) fn for_tests() -> Self {
+        use std::time::Duration;
+
+        use crate::dispatch::DispatchSettings;
+        use crate::fleet::FleetClientConfig;
+        use crate::routing::picker::LoadBasedPicker;
+
+        let metrics = Metrics::new().expect("metrics");
+        let ledger = Arc::new(DispatchLedger::new());
+        let matches =
+            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))
+                .expect("url");
+        let kv = KvSelection::new(matches, &ledger, &metrics);
+        AppState {
+            fleet: Arc::new(FleetHandle::default()),
+            picker: Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone())),
+            ledger,
+            reporter: Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone())),
+            dispatcher: Arc::new(Dispatcher::new(DispatchSettings::default(), metrics.clone())),
+            kv: Some(Arc::new(kv)),
+            metrics,
+            draining: Default::default(),
+        }
+    }
+}
+
 /// The KV term's machinery and the picker that scores with it.
 #[derive(Debug)]
 pub struct KvSelection {

@@ -67,6 +67,9 @@ pub struct Metrics {
     /// `continuum_http_write_stalls_total`: connections dropped because the client took none
     /// of a response for the write-stall timeout, or took it too slowly.
     http_write_stalls: IntCounter,
+    /// `continuum_http_connections_shed_total`: idle connections closed because every
+    /// connection slot was taken.
+    pub http_connections_shed: IntCounter,
     /// Backend refusals of a client's request (4xx) passed to the client, by what became of
     /// their `body` ([`RefusalBody`]).
     backend_refusals: IntCounterVec,
@@ -284,6 +287,10 @@ impl Metrics {
                 ),
                 &["budget"],
             )?,
+            http_connections_shed: IntCounter::new(
+                "continuum_http_connections_shed_total",
+                "Idle client connections (keep-alive between requests, or opened and silent) closed because every connection slot was taken",
+            )?,
             http_write_stalls: IntCounter::new(
                 "continuum_http_write_stalls_total",
                 format!(
@@ -357,6 +364,7 @@ impl Metrics {
             Box::new(metrics.http_connections.clone()),
             Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),
+            Box::new(metrics.http_connections_shed.clone()),
             Box::new(metrics.selections.clone()),
             Box::new(metrics.kv_selections.clone()),
             Box::new(metrics.kv_artifacts.clone()),
@@ -384,6 +392,11 @@ impl Metrics {
     /// Counts a connection dropped because its client stopped reading a response.
     pub fn write_stalled(&self) {
         self.http_write_stalls.inc();
+    }
+
+    /// Counts an idle connection closed to free its slot.
+    pub fn connection_shed(&self) {
+        self.http_connections_shed.inc();
     }
 
     /// Counts a failed write to a client if it failed by stalling (a closed connection is the

@@ -212,11 +212,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::dispatch::{DispatchSettings, Dispatcher};
-    use crate::fleet::{DispatchReporter, FleetClientConfig, FleetHandle, MatchesClient};
-    use crate::http::KvSelection;
-    use crate::metrics::Metrics;
-    use crate::routing::picker::{DispatchLedger, LoadBasedPicker, PromptSizes};
+    use crate::routing::picker::PromptSizes;
 
     /// Why nobody was picked, by what the fleet holds: prefill workers alone serve no model (as
     /// the frontend drops it with its last decode worker), so such a model is not found and
@@ -291,28 +287,9 @@ mod tests {
         FleetView::new(version, [Arc::new(worker)], loads, Arc::new(config)).expect("view")
     }
 
-    fn state() -> AppState {
-        let metrics = Metrics::new().expect("metrics");
-        let ledger = Arc::new(DispatchLedger::new());
-        let matches =
-            MatchesClient::new(&FleetClientConfig::new("http://127.0.0.1:9", "test"), Duration::from_millis(10))
-                .expect("url");
-        let kv = KvSelection::new(matches, &ledger, &metrics);
-        AppState {
-            fleet: Arc::new(FleetHandle::default()),
-            picker: Arc::new(LoadBasedPicker::new(Arc::clone(&ledger), metrics.selections.clone())),
-            ledger,
-            reporter: Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone())),
-            dispatcher: Arc::new(Dispatcher::new(DispatchSettings::default(), metrics.clone())),
-            kv: Some(Arc::new(kv)),
-            metrics,
-            draining: Default::default(),
-        }
-    }
-
     #[tokio::test]
     async fn a_kv_aware_pick_runs_on_the_view_held_after_the_kv_term_not_the_one_the_request_came_with() {
-        let state = state();
+        let state = AppState::for_tests();
         let dir = tempfile::tempdir().expect("dir");
         let cache_dir = dir.path().display().to_string();
         let arrived = view(1, 7, &cache_dir);
@@ -367,7 +344,7 @@ mod tests {
     /// lookup is spent on it.
     #[tokio::test]
     async fn a_request_the_fleet_cannot_take_falls_through_before_its_kv_term() {
-        let state = state();
+        let state = AppState::for_tests();
         let dir = tempfile::tempdir().expect("dir");
         let fleet = tinymodel_fleet(&state, &dir).await;
         let mut config = (**fleet.config()).clone();
@@ -395,7 +372,7 @@ mod tests {
     /// were the tree built first, it would fail, and count as `render_unavailable`.)
     #[tokio::test]
     async fn a_request_that_cannot_be_rendered_is_not_parsed_into_a_tree() {
-        let state = state();
+        let state = AppState::for_tests();
         let dir = tempfile::tempdir().expect("dir");
         let (card, _) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), Vec::new());
@@ -412,7 +389,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_prompt_whose_lookup_fails_is_still_scored_on_the_formula_and_sent_with_its_tokens() {
-        let state = state();
+        let state = AppState::for_tests();
         let mut reports = state.reporter.attached_receiver().expect("the reports");
         let dir = tempfile::tempdir().expect("dir");
         let fleet = tinymodel_fleet(&state, &dir).await;
@@ -457,7 +434,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_request_finding_no_room_for_its_tree_is_picked_on_its_estimate_at_once() {
-        let state = state();
+        let state = AppState::for_tests();
         let dir = tempfile::tempdir().expect("dir");
         let fleet = tinymodel_fleet(&state, &dir).await;
         let large = largest_requests();
@@ -479,7 +456,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_tenant_salts_the_prompt_blocks_over_the_body_salt_as_the_frontend_does() {
-        let state = state();
+        let state = AppState::for_tests();
         let mut reports = state.reporter.attached_receiver().expect("the reports");
         let dir = tempfile::tempdir().expect("dir");
         let fleet = tinymodel_fleet(&state, &dir).await;

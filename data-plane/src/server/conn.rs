@@ -20,6 +20,7 @@ use futures::FutureExt;
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 use tower_service::Service;
@@ -70,6 +71,8 @@ enum Stop {
     Refuse(HeadError),
     /// The client took none of an interim answer (`100 Continue`) for the write deadline.
     Stalled,
+    /// Idle while every connection slot is taken: closed for a new one.
+    Crowded,
 }
 
 impl From<io::Error> for Stop {
@@ -94,12 +97,18 @@ struct Connection {
     idle: Pin<Box<Sleep>>,
 }
 
-pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages) {
+/// Serves one connection until it closes. `crowded` asks it to close while it waits idle for a
+/// request: every connection slot is taken.
+pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, crowded: &Notify) {
     let mut conn = Connection::new(stream);
     loop {
-        let (head, body, charge) = match conn.read_request(&stages.closing).await {
+        let (head, body, charge) = match conn.read_request(&stages.closing, crowded).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
+            Err(Stop::Crowded) => {
+                app.state.metrics.connection_shed();
+                return;
+            }
             Err(Stop::Refuse(error)) => {
                 app.state.metrics.refused(&error);
                 let response = ApiError::from(error).into_response();
@@ -177,7 +186,11 @@ impl Connection {
 
     /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
     /// byte (and not at all once the server is closing), then [`REQUEST_READ_TIMEOUT`] for the rest.
-    async fn read_request(&mut self, closing: &CancellationToken) -> Result<(RequestHead, Bytes, Charge), Stop> {
+    async fn read_request(
+        &mut self,
+        closing: &CancellationToken,
+        crowded: &Notify,
+    ) -> Result<(RequestHead, Bytes, Charge), Stop> {
         self.refresh_idle_deadline();
         // Blank lines before a request line are ignored (RFC 9112 §2.2: some clients end a
         // body with an extra CRLF), and still idle: they move neither deadline.
@@ -189,6 +202,7 @@ impl Connection {
                 // The deadlines first: a client that keeps sending blank lines is still idle.
                 () = idle.as_mut() => return Err(Stop::Quietly),
                 () = closing.cancelled() => return Err(Stop::Quietly),
+                () = crowded.notified() => return Err(Stop::Crowded),
                 read = stream.read_buf(read) => match read {
                     Ok(0) | Err(_) => return Err(Stop::Quietly),
                     Ok(_) => {}
@@ -623,7 +637,9 @@ mod tests {
         // Everything is sent (or sits in the sockets' buffers) before the server reads.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         let mut conn = Connection::new(server);
-        let Ok((_, read, _)) = conn.read_request(&CancellationToken::new()).await else { panic!("a request") };
+        let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), &Notify::new()).await else {
+            panic!("a request")
+        };
         assert_eq!(read.len(), body);
         assert!(conn.read.len() <= READ_CHUNK, "{} bytes read past the body", conn.read.len());
         sending.abort();
@@ -642,7 +658,9 @@ mod tests {
             format!("POST /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ncontent-length: 2\r\n\r\n{{}}");
         client.write_all(request.as_bytes()).await?;
         let mut conn = Connection::new(server);
-        let Ok((_, body, _)) = conn.read_request(&CancellationToken::new()).await else { panic!("a request") };
+        let Ok((_, body, _)) = conn.read_request(&CancellationToken::new(), &Notify::new()).await else {
+            panic!("a request")
+        };
         assert_eq!(&body[..], b"{}");
         assert!(conn.read.is_empty());
         assert!(!conn.read.try_reclaim(READ_CHUNK + 1), "the 40 KiB the head took is given back");
