@@ -184,16 +184,20 @@ pub(super) struct Scored {
     pub cost: Option<Cost>,
     /// Its cost comes from a fresh sample carrying the phase's field.
     pub fresh: bool,
+    /// It has a sample younger than `max_staleness`, whatever the sample carries.
+    pub heard: bool,
     pub stalled: bool,
     pub last_dispatch: LastDispatch,
 }
 
 /// The candidates (indices into `scored`) the phase's cursor rotates among, and why.
 ///
-/// When a candidate has a fresh sample, the lowest defined cost wins and ties rotate; stalled candidates are passed over while another has a cost. Otherwise the
-/// load stream tells nothing, so every candidate rotates, stalls ignored: a round robin across
-/// the fleet's replicas, since the candidates the fleet sent a dispatch longest ago go first
-/// (see below). Empty input gives an empty set.
+/// When a candidate has a fresh sample, the lowest defined cost wins and ties rotate; stalled
+/// candidates are passed over while another has a cost. Otherwise the load stream tells
+/// nothing of the phase's backlog, so every candidate rotates (stalled ones only while no
+/// candidate has a fresh sample at all, [`passes_stalls`]): a round robin across the fleet's
+/// replicas, since the candidates the fleet sent a dispatch longest ago go first (see below).
+/// Empty input gives an empty set.
 ///
 /// A tie is wider than equality: a rank whose cost without the request is no higher than
 /// the best's with it (at most one request's blocks busier) ties with the best. The seed ties
@@ -214,7 +218,7 @@ pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
     // one whose card lacks the capacity to cost it), if some candidate has a defined cost (a
     // quiet one's counts); with none anywhere there is nothing to compare.
     if !(scored.iter().any(|s| s.fresh) && scored.iter().any(|s| s.cost.is_some())) {
-        return (Reason::RoundRobinStale, longest_idle(scored, |_| true));
+        return (Reason::RoundRobinStale, longest_idle(scored, passes_stalls(scored)));
     }
     let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
     let eligible = |s: &Scored| s.cost.filter(|_| !(s.stalled && healthy_exists));
@@ -222,6 +226,16 @@ pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
         return (Reason::Load, Vec::new());
     };
     (Reason::Load, longest_idle(scored, |s| eligible(s).is_some_and(|c| c.before_request() <= best)))
+}
+
+/// Where costs do not decide: whether a rank takes part in the rotation. The seed ignores a
+/// stall only when no worker has a fresh sample, since nothing could have answered then. A
+/// fresh sample anywhere, even one without the phase's field (dynamo.vllm's prefill workers
+/// publish no `active_prefill_tokens`), says the load stream is alive: a stalled rank sits out
+/// while one that is not remains.
+pub(super) fn passes_stalls(scored: &[Scored]) -> impl Fn(&Scored) -> bool {
+    let healthy_exists = scored.iter().any(|s| s.heard) && scored.iter().any(|s| !s.stalled);
+    move |s: &Scored| !(s.stalled && healthy_exists)
 }
 
 /// The indices of the candidates `among` selects that the fleet sent a dispatch longest ago.

@@ -262,6 +262,7 @@ impl KvAwarePicker {
                 let scored = Scored {
                     cost: logit.as_ref().map(&cost),
                     fresh,
+                    heard: rank.sample.is_some_and(|sample| sample.age(scoring.now) < max_staleness),
                     stalled: rank.dispatched.stalled,
                     full,
                     stale_cost,

@@ -143,8 +143,9 @@ impl LoadBasedPicker {
                     prefill_load_scale,
                 };
                 let fresh = matches!(standing, Standing::Fresh(_));
+                let heard = rank.sample.is_some_and(|sample| sample.age(now) < max_staleness);
                 let (stalled, last_dispatch) = (rank.dispatched.stalled, rank.dispatched.last_dispatch);
-                Scored { cost: cost::cost(phase, &inputs), fresh, stalled, last_dispatch }
+                Scored { cost: cost::cost(phase, &inputs), fresh, heard, stalled, last_dispatch }
             })
             .collect();
         if tracing::enabled!(target: "continuum_data_plane::routing::pick", tracing::Level::DEBUG) {

@@ -226,7 +226,7 @@ fn costs_compare_exactly() {
 
 fn scored(cost: Option<(u64, u64)>, fresh: bool, stalled: bool) -> Scored {
     let cost = cost.map(|(backlog, capacity)| Cost { backlog, capacity, own: 0 });
-    Scored { cost, fresh, stalled, last_dispatch: LastDispatch::default() }
+    Scored { cost, fresh, heard: fresh, stalled, last_dispatch: LastDispatch::default() }
 }
 
 /// A fresh, healthy rank whose `backlog` (of `capacity`) includes the request's `own` blocks.
@@ -234,6 +234,7 @@ fn with_request(backlog: u64, own: u64, capacity: u64) -> Scored {
     Scored {
         cost: Some(Cost { backlog, capacity, own }),
         fresh: true,
+        heard: true,
         stalled: false,
         last_dispatch: LastDispatch::default(),
     }
@@ -328,6 +329,22 @@ fn contender_rules() {
             vec![scored(Some((0, 10)), false, false), scored(None, false, false), scored(Some((0, 10)), false, true)],
             Reason::RoundRobinStale,
             vec![0, 1, 2],
+        ),
+        (
+            "fresh samples without the phase's field: a stalled rank sits out the rotation",
+            vec![
+                Scored { heard: true, ..scored(None, false, false) },
+                Scored { heard: false, ..scored(None, false, true) },
+                scored(Some((0, 10)), false, false),
+            ],
+            Reason::RoundRobinStale,
+            vec![0, 2],
+        ),
+        (
+            "fresh samples without the phase's field, every rank stalled: they rotate anyway",
+            vec![Scored { heard: true, ..scored(None, false, true) }, scored(None, false, true)],
+            Reason::RoundRobinStale,
+            vec![0, 1],
         ),
         (
             "no fresh sample anywhere: a round robin across replicas, the longest idle first",

@@ -238,6 +238,8 @@ pub(super) struct Scored {
     /// The full formula; `None` when the rank's backlog is unknown.
     pub cost: Option<f64>,
     pub fresh: bool,
+    /// It has a sample younger than `max_staleness`, whatever the sample carries.
+    pub heard: bool,
     pub stalled: bool,
     /// The rank's KV memory cannot hold the request beside its backlog ([`over_capacity`]).
     pub full: bool,
@@ -306,13 +308,20 @@ pub(super) fn contenders(
         };
         return (Reason::KvAware, draw);
     }
-    let all: Vec<(usize, f64)> = scored.iter().map(|s| s.stale_cost).enumerate().collect();
+    // Stalled ranks sit out while the load stream is alive, as in the load-only picker.
+    let healthy_exists = scored.iter().any(|s| s.heard) && scored.iter().any(|s| !s.stalled);
+    let all: Vec<(usize, f64)> = scored
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !(s.stalled && healthy_exists))
+        .map(|(i, s)| (i, s.stale_cost))
+        .collect();
     if let Some(at) = weighed.and_then(|(at, reach)| within(&all, at, reach.stale)) {
         return (Reason::RoundRobinStale, Draw::Rotate(vec![at]));
     }
     let uniform = all.windows(2).all(|pair| matches!(pair, [(_, a), (_, b)] if a.total_cmp(b) == Ordering::Equal));
     if uniform {
-        return (Reason::RoundRobinStale, Draw::Rotate(broken((0..scored.len()).collect())));
+        return (Reason::RoundRobinStale, Draw::Rotate(broken(all.iter().map(|(i, _)| *i).collect())));
     }
     match lowest_or_sampled(all, temperature, TIE_TOLERANCE) {
         Draw::Rotate(ties) if ties.len() > 1 => (Reason::RoundRobinStale, Draw::Rotate(broken(ties))),
@@ -406,11 +415,15 @@ fn lowest_or_sampled(entries: Vec<(usize, f64)>, temperature: f64, tie: f64) -> 
 /// Returns an index into `costs` (0 when empty).
 pub(super) fn softmax_sample_index(costs: &[f64], temperature: f64, sample: f64) -> usize {
     let (lo, hi) = costs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), c| (lo.min(*c), hi.max(*c)));
-    let range = hi - lo;
-    let weights: Vec<f64> = if range > 0.0 && range.is_finite() && temperature > 0.0 {
-        costs.iter().map(|c| (-(c - lo) / (range * temperature)).exp()).collect()
-    } else {
+    let (range, scale) = (hi - lo, (hi - lo) * temperature);
+    let weights: Vec<f64> = if !(range > 0.0 && range.is_finite() && temperature > 0.0) {
         vec![1.0; costs.len()]
+    } else if scale > 0.0 {
+        costs.iter().map(|c| (-(c - lo) / scale).exp()).collect()
+    } else {
+        // A temperature so small that the scale underflows: the lowest cost, as at zero (the
+        // lowest's weight would be 0/0 otherwise, and the draw fall to the last index).
+        costs.iter().map(|c| if *c == lo { 1.0 } else { 0.0 }).collect()
     };
     let total: f64 = weights.iter().sum();
     let target = sample.clamp(0.0, 1.0) * total;

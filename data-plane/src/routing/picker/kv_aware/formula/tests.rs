@@ -135,7 +135,7 @@ fn rank_load_takes_the_phase_backlog_and_the_other_field_when_fresh() {
 }
 
 fn scored(cost: Option<f64>, fresh: bool, stalled: bool, stale_cost: f64) -> Scored {
-    Scored { cost, fresh, stalled, full: false, stale_cost, last_dispatch: LastDispatch::default() }
+    Scored { cost, fresh, heard: fresh, stalled, full: false, stale_cost, last_dispatch: LastDispatch::default() }
 }
 
 #[test]
@@ -244,6 +244,18 @@ fn contenders_follow_the_seed_rules() {
             0.7,
             (Reason::KvAware, Draw::Sample(vec![(0, 4.0), (1, 2.0)])),
         ),
+        (
+            "no rank fresh on its phase, but the stream alive: a stalled rank sits out however cheap",
+            vec![Scored { heard: true, ..unknown(6.0) }, scored(None, false, true, 1.0), unknown(6.0)],
+            0.0,
+            (Reason::RoundRobinStale, Draw::Rotate(vec![0, 2])),
+        ),
+        (
+            "no sample anywhere: a stall is ignored, since nothing could have answered",
+            vec![unknown(6.0), scored(None, false, true, 1.0)],
+            0.0,
+            (Reason::KvAware, Draw::Rotate(vec![1])),
+        ),
         ("nobody", vec![], 0.0, (Reason::RoundRobinStale, Draw::Rotate(vec![]))),
     ];
     for (rule, scored, temperature, expected) in cases {
@@ -297,6 +309,11 @@ fn softmax_sample_index_normalises_costs_by_their_range() {
     // Lower temperature concentrates on the cheapest.
     assert_eq!(softmax_sample_index(&[0.0, 1.0], 0.05, 0.999), 0);
     assert_eq!(softmax_sample_index(&[1.0, 0.0], 0.05, 0.001), 1, "cheapest wins from either side");
+    // A temperature so small its scale underflows: the cheapest, never a draw gone to NaN.
+    for sample in [0.0, 0.5, 0.999] {
+        assert_eq!(softmax_sample_index(&[10.0, 10.25], 5e-324, sample), 0, "{sample}");
+        assert_eq!(softmax_sample_index(&[10.25, 10.0, 11.0], 5e-324, sample), 1, "{sample}");
+    }
 }
 
 #[test]
