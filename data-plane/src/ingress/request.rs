@@ -343,6 +343,23 @@ mod tests {
         assert!(matches!(refused, Err(RequestError::Shape(_))), "{refused:?}");
     }
 
+    /// Duplicate keys cannot smuggle a routing field past the strip: a second top-level `nvext`
+    /// is refused at the ingress, and a field repeated inside one leaves with all its copies
+    /// (the body the shim gets is written anew from the stripped tree).
+    #[tokio::test]
+    async fn duplicate_keys_smuggle_no_routing_field() {
+        let twice = r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{},"nvext":{"backend_instance_id":7}}"#;
+        assert!(parse(twice).is_err_and(|e| e.contains("duplicate")), "{:?}", parse(twice).err());
+        let escaped =
+            r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{"a":1},"nv\u0065xt":{"backend_instance_id":7}}"#;
+        assert!(parse(escaped).is_err(), "an escaped name is the same name");
+        let repeated = r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{"backend_instance_id":7,"greed":1,"backend_instance_id":8,"prefill_worker_id":9,"prefill_worker_id":9}}"#;
+        let outbound = parse(repeated).unwrap().outbound(None, false).await.unwrap();
+        let text = String::from_utf8(outbound.to_vec()).unwrap();
+        assert!(!text.contains("backend_instance_id") && !text.contains("prefill_worker_id"), "{text}");
+        assert!(text.contains(r#""greed":1"#), "{text}");
+    }
+
     #[tokio::test]
     async fn the_tenant_salts_the_prompt_over_the_bodys_salt() {
         let request = parse(r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"cache_salt":"top"}"#).unwrap();

@@ -3,9 +3,9 @@
 //! Clients never choose workers. Every header the Dynamo 1.6.1 frontend reads as a pin (the
 //! whole `x-dynamo-*` family and its unprefixed aliases) and every `nvext` routing field is kept
 //! from the shim twice over: at the ingress, the server carries none of a chat completion's
-//! headers past its head and the body's routing fields are stripped
-//! ([`strip_body_routing`]); just before dispatch, the encoder writes no routing header
-//! ([`is_routing_header`]) but the picker's [`pins`]. Responses never carry a pin back
+//! headers past its head (nor, for any other endpoint, a routing header: [`is_routing_header`])
+//! and the body's routing fields are stripped ([`strip_body_routing`]); just before dispatch,
+//! the encoder writes no routing header ([`is_routing_header`]) but the picker's [`pins`]. Responses never carry a pin back
 //! ([`strip_response`]), nor does the frontend's echo of them unless asked: the chosen backend
 //! and workers are disclosed only to a client that asks with `x-backend`.
 

@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version
 use super::conn::REQUEST_READ_TIMEOUT;
 use crate::dispatch::wire::{LengthError, content_length, has_token, listed_codings, transfer_codings, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
-use crate::routing::headers::{TENANT_ID, asks_disclosure, tenant};
+use crate::routing::headers::{TENANT_ID, asks_disclosure, is_routing_header, tenant};
 
 /// The most headers a request head may carry.
 pub const MAX_HEADERS: usize = 64;
@@ -200,6 +200,11 @@ fn header_map(raw: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
     for header in raw {
         let name = HeaderName::from_bytes(header.name.as_bytes())
             .map_err(|_| HeadError::Malformed(format!("header name {:?}", header.name)))?;
+        // Header hygiene at the ingress, for the endpoints that get headers at all (a chat
+        // completion gets none): no routing header of the client's goes further.
+        if is_routing_header(name.as_str()) {
+            continue;
+        }
         let value = HeaderValue::from_bytes(header.value)
             .map_err(|_| HeadError::Malformed(format!("value of header {name}")))?;
         headers.append(name, value);

@@ -100,6 +100,60 @@ fn client_routing_headers_are_stripped_and_others_kept() {
     }
 }
 
+/// The same table on the request path, as the bytes a client sends: the ingress's head parser
+/// keeps none of a chat completion's headers and no routing header for any other endpoint
+/// (names as sent, mixed case and repeats included), and the encoder writes, of any headers
+/// handed to it, only the picker's pins as routing headers.
+#[test]
+fn no_client_routing_header_passes_the_ingress_or_the_encoder() {
+    use axum::http::{Method, Uri};
+
+    use crate::dispatch::wire::encode_request;
+    use crate::server::head::parse_request;
+
+    let sent: Pairs<'_> = &[
+        ("X-Dynamo-Worker-Instance-Id", "1"),
+        ("x-dynamo-prefill-instance-id", "0x2"),
+        ("X-DYNAMO-DP-RANK", "0"),
+        ("x-dynamo-prefill-dp-rank", "1"),
+        ("x-dynamo-anything-new", "x"),
+        ("X-Worker-Instance-Id", "3"),
+        ("x-worker-instance-id", "4"),
+        ("X-PREFILL-INSTANCE-ID", "5"),
+        ("x-dp-rank", "1"),
+        ("X-Data-Parallel-Rank", "1"),
+        ("x-prefill-dp-rank", "0"),
+        ("accept", "application/json"),
+    ];
+    let raw = |target: &str| {
+        let lines: String = sent.iter().map(|(name, value)| format!("{name}: {value}\r\n")).collect();
+        format!("{target} HTTP/1.1\r\nhost: x\r\n{lines}content-length: 2\r\n\r\n{{}}")
+    };
+    let (chat, _) = parse_request(raw("POST /v1/chat/completions").as_bytes()).expect("a head").expect("whole");
+    assert!(chat.headers.is_empty(), "a chat completion carries no header of the client's: {:?}", chat.headers);
+    let (other, _) = parse_request(raw("GET /v1/models").as_bytes()).expect("a head").expect("whole");
+    assert_eq!(names(&other.headers), ["accept", "content-length", "host"], "only the routing headers went");
+
+    let mut out = Vec::new();
+    let uri: Uri = "http://shim:8000/v1/chat/completions".parse().expect("uri");
+    let pins = pins(&selection(pin(7, Some(1)), Some(pin(8, None))));
+    encode_request(&mut out, &Method::POST, &uri, &headers(sent), pins, b"{}");
+    let out = String::from_utf8(out).expect("ascii");
+    let routing: Vec<&str> =
+        out.lines().filter(|line| line.split(':').next().is_some_and(is_routing_header)).collect();
+    assert_eq!(
+        routing,
+        [
+            "x-dynamo-worker-instance-id: 7",
+            "x-dynamo-dp-rank: 1",
+            "x-dynamo-prefill-instance-id: 8",
+            "x-dynamo-prefill-dp-rank: 0"
+        ],
+        "{out}"
+    );
+    assert!(out.contains("accept: application/json"), "{out}");
+}
+
 #[test]
 fn kept_headers_keep_every_value() {
     let mut map = headers(&[("accept", "a"), ("accept", "b"), ("x-dynamo-dp-rank", "1")]);
