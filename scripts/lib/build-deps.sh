@@ -1,14 +1,16 @@
 # Sourced by scripts/demo and scripts/test: installs what building the workspace needs.
 # etcd-client's build script runs protoc, so it must be on PATH before cargo starts.
 
-# Runs a command as root: directly when root already, else through passwordless sudo.
+# Runs a command as root: directly when root already, else through sudo (asking for a
+# password only at a terminal); without either, says what to run instead.
 as_root() {
   if [ "$(id -u)" -eq 0 ]; then
     "$@"
-  elif command -v sudo >/dev/null; then
-    sudo -n "$@"
+  elif command -v sudo >/dev/null && { sudo -n true 2>/dev/null || [ -t 0 ]; }; then
+    sudo "$@"
   else
-    echo "error: installing $* needs root, and sudo is not installed: run this script as root once" >&2
+    echo "error: this needs root to run: $*" >&2
+    echo "  run it once as root (or with sudo), then run this script again" >&2
     exit 1
   fi
 }
@@ -42,13 +44,29 @@ ensure_rust() {
   fi
 }
 
+# Whether protoc (if any) compiles the .proto read from stdin.
+protoc_can_compile() {
+  command -v protoc >/dev/null || return 1
+  local dir
+  dir=$(mktemp -d)
+  cat >"$dir/probe.proto"
+  protoc --proto_path="$dir" --descriptor_set_out=/dev/null "$dir/probe.proto" 2>/dev/null
+  local status=$?
+  rm -rf "$dir"
+  return $status
+}
+
 ensure_build_deps() {
   ensure_rust
   local missing=()
   # etcd-client's protos import Google's well-known types, which protoc finds in
   # libprotobuf-dev (only recommended by protobuf-compiler, so absent on no-recommends images).
   command -v protoc >/dev/null || missing+=(protobuf-compiler)
-  [ -f /usr/include/google/protobuf/descriptor.proto ] || missing+=(libprotobuf-dev)
+  # A protoc that compiles an import of them has them, wherever they were installed.
+  if ! printf 'syntax = "proto3";\nimport "google/protobuf/timestamp.proto";\n' |
+    protoc_can_compile; then
+    missing+=(libprotobuf-dev)
+  fi
   # The C compiler for ring and friends, with the C library's headers (also only recommended).
   command -v cc >/dev/null || missing+=(gcc)
   [ -f /usr/include/stdio.h ] || missing+=(libc6-dev)
