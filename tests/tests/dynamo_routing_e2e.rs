@@ -27,8 +27,15 @@ const AGGREGATED_DP2: Mocker = Mocker { mode: Mode::Aggregated, kv_blocks: 512, 
 /// The request count through the replicas.
 const REQUESTS: usize = 200;
 const SPOOFED_REQUESTS: usize = 20;
-/// Requests sent around the control plane's SIGKILL (it dies after the first quarter).
-const REQUESTS_AROUND_CONTROL_PLANE_KILL: usize = 40;
+/// Streams open when a decode worker is SIGKILLed, half through each replica.
+const IN_FLIGHT_AT_DECODE_KILL: usize = 4;
+/// Tokens in each: a few seconds of the mocker's generation, so they are open at the kill.
+const LONG_STREAM_TOKENS: u32 = 200;
+/// A stream open at the kill must end within this, not hang.
+const LONG_STREAM_MAX_TIME: Duration = Duration::from_secs(60);
+/// How long each replica's client goes on sending after the control plane's SIGKILL: past
+/// twice `dynamo.load.max_staleness` (3 s), so every load sample the replicas hold is stale.
+const ROUTING_ON_LAST_KNOWN_GOOD_FOR: Duration = Duration::from_secs(7);
 const REQUESTS_AFTER_DECODE_KILL: usize = 20;
 /// A healthy request; generous for a loaded 2-core machine (they take tens of milliseconds).
 const REQUEST_MAX_TIME: Duration = Duration::from_secs(20);
@@ -71,16 +78,20 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     let continuum =
         RoutedContinuum::start_with(&ns, 2, &dynamo_routing::control_plane_yaml_via(TAP, false), &[]).await?;
     dynamo_routing::start_frontend(&ns)?;
-    let prefill = PREFILL.start(&ns, &watch, "prefill").await?.instance.instance_id;
+    let prefills = [
+        PREFILL.start(&ns, &watch, "prefill-a").await?.instance.instance_id,
+        PREFILL.start(&ns, &watch, "prefill-b").await?.instance.instance_id,
+    ];
+    let prefill = prefills[0];
     let decoders = [DECODE.start(&ns, &watch, "decode-a").await?, DECODE.start(&ns, &watch, "decode-b").await?];
     let fleet = Fleet {
         ns: &ns,
         replicas: &continuum.replicas,
-        prefill,
+        prefills: prefills.to_vec(),
         decodes: decoders.iter().map(|d| d.instance.instance_id).collect(),
         picked: Mutex::default(),
     };
-    continuum.wait_for_workers(&ns, 3).await?;
+    continuum.wait_for_workers(&ns, 4).await?;
     dynamo_routing::wait_model_listed(&ns, "frontend", &format!("http://{FRONTEND}"), "tiny").await?;
     for replica in &continuum.replicas {
         dynamo_routing::wait_model_listed(&ns, "replica", replica, "tiny").await?;
@@ -90,11 +101,15 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
 
     let phase = Instant::now();
     let mut spread: BTreeMap<(usize, u64), usize> = BTreeMap::new();
+    let mut by_prefill: BTreeMap<u64, usize> = BTreeMap::new();
     for n in 0..REQUESTS {
         let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
         let pins = fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
         *spread.entry((replica, pins.decode)).or_default() += 1;
+        *by_prefill.entry(pins.prefill.context("a disaggregated pick names its prefill worker")?).or_default() += 1;
     }
+    // Each prefill was the picker's own choice between two workers, as each decode was.
+    ensure!(by_prefill.len() == 2, "both prefill workers must be picked: prefill -> count {by_prefill:?}");
     // Idle workers tie, and ties go to the one the fleet sent a request longest ago: the two
     // decode workers share the requests, whichever replica each came through.
     let mut by_decode: BTreeMap<u64, usize> = BTreeMap::new();
@@ -107,7 +122,7 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         "the decode workers did not share the requests: (replica, decode) -> count {spread:?}"
     );
     report.push(format!(
-        "{REQUESTS} requests (half streaming, alternating replicas): all 200, echo == disclosed pins, in {:?}; (replica, decode) -> count {spread:?}",
+        "{REQUESTS} requests (half streaming, alternating replicas): all 200, echo == disclosed pins, in {:?}; (replica, decode) -> count {spread:?}; prefill -> count {by_prefill:?}",
         phase.elapsed()
     ));
 
@@ -189,25 +204,48 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         tapped.len()
     ));
 
+    // The control plane dies mid-run: each replica has a client sending requests one after
+    // another (half streaming) when it is killed, and they go on past twice `max_staleness`,
+    // so the replicas route on their last-known-good view with every load sample gone stale.
     let phase = Instant::now();
-    let mut decodes_after_kill: BTreeMap<u64, usize> = BTreeMap::new();
-    for n in 0..REQUESTS_AROUND_CONTROL_PLANE_KILL {
-        if n == REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
-            let status = ns.kill(continuum.control_plane_pid)?;
-            // Every later request is routed on last-known-good only once the replicas know.
-            continuum.wait_for_disconnection(&ns).await?;
-            report.push(format!(
-                "control plane SIGKILLed ({status}) after {n} requests of this phase; both replicas saw it go"
-            ));
+    let killed = std::sync::atomic::AtomicBool::new(false);
+    let client = |replica: usize| {
+        let killed = &killed;
+        let fleet = &fleet;
+        async move {
+            let mut decodes = BTreeMap::<u64, usize>::new();
+            let mut killed_at: Option<Instant> = None;
+            for i in 0.. {
+                let n = REQUESTS + SPOOFED_REQUESTS + 2 * i + replica;
+                let stream = i % 2 == 0;
+                let pins = fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
+                if killed.load(std::sync::atomic::Ordering::SeqCst) {
+                    let since = *killed_at.get_or_insert_with(Instant::now);
+                    *decodes.entry(pins.decode).or_default() += 1;
+                    if since.elapsed() > ROUTING_ON_LAST_KNOWN_GOOD_FOR {
+                        return anyhow::Ok((i + 1, decodes));
+                    }
+                }
+            }
+            unreachable!("the loop returns once it has run past the kill")
         }
-        let (replica, stream) = (n % 2, (n / 2) % 2 == 0);
-        let pins = fleet.routed(n, replica, stream, &[], &chat_body(n, stream, MAX_TOKENS)).await?;
-        if n >= REQUESTS_AROUND_CONTROL_PLANE_KILL / 4 {
-            *decodes_after_kill.entry(pins.decode).or_default() += 1;
-        }
+    };
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let status = ns.kill(continuum.control_plane_pid)?;
+        killed.store(true, std::sync::atomic::Ordering::SeqCst);
+        anyhow::Ok(status)
+    };
+    let (status, first, second) = tokio::join!(killer, client(0), client(1));
+    let (status, (sent_first, decodes_first), (sent_second, decodes_second)) = (status?, first?, second?);
+    // They went on routing after the kill; by now both have seen the stream go.
+    continuum.wait_for_disconnection(&ns).await?;
+    let mut decodes_after_kill = decodes_first;
+    for (decode, n) in decodes_second {
+        *decodes_after_kill.entry(decode).or_default() += n;
     }
     report.push(format!(
-        "{REQUESTS_AROUND_CONTROL_PLANE_KILL} requests around the control-plane SIGKILL: all 200 on both replicas, echo == disclosed, in {:?}",
+        "control plane SIGKILLed ({status}) while each replica had a client sending: {sent_first} and {sent_second} requests, all 200 with echo == disclosed, for {ROUTING_ON_LAST_KNOWN_GOOD_FOR:?} past the kill (twice max_staleness), in {:?}; both replicas then report the stream down",
         phase.elapsed()
     ));
 
@@ -221,7 +259,54 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         [a, b] if busiest == Some(b.instance.instance_id) => (b, a.instance.instance_id),
         [a, b] => (a, b.instance.instance_id),
     };
-    ns.kill(victim.pid)?;
+    // The decode worker dies with streams open on it and on the survivor. Those on it must end
+    // promptly (1.6.1's frontend sends an error event, relayed as it came, then `[DONE]`); the
+    // survivor's run to their end.
+    let phase = Instant::now();
+    let streams = async {
+        let sends = (0..IN_FLIGHT_AT_DECODE_KILL).map(|i| {
+            let body = chat_body(20_000 + i, true, LONG_STREAM_TOKENS);
+            let fleet = &fleet;
+            async move {
+                let outcome = fleet.send(i % 2, &[("x-backend", "any")], &body, LONG_STREAM_MAX_TIME).await;
+                (i, outcome)
+            }
+        });
+        futures::future::join_all(sends).await
+    };
+    let killing = async {
+        // Long enough for every stream's head and first tokens; far shorter than the streams.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        ns.kill(victim.pid)
+    };
+    let (streamed, killed) = tokio::join!(streams, killing);
+    killed?;
+    let (mut cut, mut whole) = (0, 0);
+    for (i, outcome) in streamed {
+        let answer = match outcome? {
+            Outcome::TimedOut => bail!("stream {i} open at the decode SIGKILL hung past {LONG_STREAM_MAX_TIME:?}"),
+            Outcome::Answered(answer) => answer,
+        };
+        ensure!(answer.status == 200, "stream {i}: its head came before the kill: {answer:?}");
+        let disclosed = answer.disclosed()?;
+        let events: Vec<&str> = answer.body.split("\n\n").filter(|e| !e.trim().is_empty()).collect();
+        ensure!(events.last() == Some(&"data: [DONE]"), "stream {i} did not end: {:?}", events.last());
+        let error_event = events.iter().any(|e| e.starts_with("data: {\"error\""));
+        if disclosed.decode == victim.instance.instance_id {
+            ensure!(error_event, "stream {i} on the killed worker ended without an error: {:?}", events.last());
+            cut += 1;
+        } else {
+            ensure!(!error_event && answer.body.contains("\"finish_reason\":\"length\""), "stream {i}: {events:?}");
+            whole += 1;
+        }
+    }
+    ensure!(cut > 0 && whole > 0, "streams on the killed worker {cut}, on the survivor {whole}: a case went untested");
+    report.push(format!(
+        "decode {} SIGKILLed with {IN_FLIGHT_AT_DECODE_KILL} streams open: the {cut} on it ended with the frontend's error event relayed, the {whole} on the survivor ran to their end, in {:?}",
+        victim.instance.instance_id,
+        phase.elapsed()
+    ));
+
     let phase = Instant::now();
     let (mut ok, mut failed, mut slowest) = (0, BTreeMap::<(u16, String), usize>::new(), Duration::ZERO);
     for n in 0..REQUESTS_AFTER_DECODE_KILL {
@@ -284,7 +369,7 @@ async fn aggregated_worker_with_two_dp_ranks_is_pinned_to_both_ranks() -> anyhow
     let fleet = Fleet {
         ns: &ns,
         replicas: &continuum.replicas,
-        prefill: worker,
+        prefills: vec![worker],
         decodes: vec![worker],
         picked: Mutex::default(),
     };
@@ -309,8 +394,8 @@ async fn aggregated_worker_with_two_dp_ranks_is_pinned_to_both_ranks() -> anyhow
 struct Fleet<'a> {
     ns: &'a NetNs,
     replicas: &'a [String],
-    /// The prefill worker's id (the aggregated worker's, where there is no prefill).
-    prefill: u64,
+    /// The prefill workers' ids (the aggregated worker's, where there is no prefill).
+    prefills: Vec<u64>,
     decodes: Vec<u64>,
     /// The pins disclosed for each prompt sent (`None`: sent more than once, pins ambiguous).
     picked: Mutex<BTreeMap<String, Option<Pins>>>,
@@ -398,7 +483,7 @@ impl Fleet<'_> {
             Some(prefill) => {
                 echoed.decode == disclosed.decode
                     && echoed.prefill == Some(prefill)
-                    && prefill == self.prefill
+                    && self.prefills.contains(&prefill)
                     && (echoed.decode_dp_rank, echoed.prefill_dp_rank)
                         == (disclosed.decode_dp_rank, disclosed.prefill_dp_rank)
             }
@@ -442,7 +527,7 @@ impl Fleet<'_> {
             ref values => bail!("{name} {values:?}, not one value"),
         };
         ensure!(self.decodes.contains(&one("x-dynamo-worker-instance-id")?), "{:?}", request.headers);
-        ensure!(one("x-dynamo-prefill-instance-id")? == self.prefill, "{:?}", request.headers);
+        ensure!(self.prefills.contains(&one("x-dynamo-prefill-instance-id")?), "{:?}", request.headers);
         ensure!(one("x-dynamo-dp-rank")? == 0 && one("x-dynamo-prefill-dp-rank")? == 0, "{:?}", request.headers);
         let body: serde_json::Value = serde_json::from_slice(&request.body).context("the body")?;
         for field in NVEXT_ROUTING_FIELDS {

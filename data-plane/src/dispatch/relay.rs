@@ -46,6 +46,10 @@ pub struct RelayBody {
     dispatch: Option<DispatchEnd>,
     /// Counts a stream that broke after it started.
     failures: IntCounter,
+    /// The shim said in the stream that generation failed (an error event, as 1.6.1 sends
+    /// when the decode worker dies mid-stream): relayed as it came, and the stream is a
+    /// failure, counted and blamed once, however it ends.
+    failed_in_band: bool,
 }
 
 impl RelayBody {
@@ -60,23 +64,33 @@ impl RelayBody {
             partial: BytesMut::new(),
             dispatch,
             failures,
+            failed_in_band: false,
         }
     }
 
     /// The stream ended; `whole` when on the end of an event, which acquits its workers.
     fn finish(&mut self, whole: bool) {
         self.done = true;
-        if let Some(dispatch) = self.dispatch.take().filter(|_| whole) {
+        if let Some(dispatch) = self.dispatch.take().filter(|_| whole && !self.failed_in_band) {
             dispatch.acquit();
         }
     }
 
-    fn fail(&mut self, code: &'static str, message: &str) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.done = true;
-        if let Some(dispatch) = self.dispatch.take() {
+    /// The stream failed (in band, or broken here): counted, and its workers blamed, once.
+    fn count_failure(&mut self) {
+        if std::mem::replace(&mut self.failed_in_band, true) {
+            return;
+        }
+        if let Some(dispatch) = &self.dispatch {
             dispatch.blame();
         }
         self.failures.inc();
+    }
+
+    fn fail(&mut self, code: &'static str, message: &str) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.done = true;
+        self.count_failure();
+        self.dispatch = None;
         // The unfinished event is not sent: the client has seen only whole events.
         self.partial = BytesMut::new();
         Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))
@@ -176,6 +190,10 @@ impl Body for RelayBody {
             if let Some(dispatch) = &mut this.dispatch {
                 dispatch.observe(&events);
             }
+            if !this.failed_in_band && carries_error_event(&events) {
+                tracing::warn!("the shim's stream carried an error event; relayed as it came");
+                this.count_failure();
+            }
             return Poll::Ready(Some(Ok(Frame::data(events))));
         }
     }
@@ -187,6 +205,15 @@ impl Body for RelayBody {
     fn size_hint(&self) -> SizeHint {
         SizeHint::default()
     }
+}
+
+/// Whether whole SSE events hold an error event: a `data:` line whose JSON opens with an
+/// `error` member, the shape an OpenAI stream, and Dynamo's frontend, carry errors in. Only a
+/// line's start is looked at: a token's text is inside a string there, never at the start.
+fn carries_error_event(data: &[u8]) -> bool {
+    data.split(|b| *b == b'\n').any(|line| {
+        line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start().starts_with(b"{\"error\""))
+    })
 }
 
 /// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
@@ -254,7 +281,7 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::{Lines, carries_event, is_done_marker};
+    use super::{Lines, carries_error_event, carries_event, is_done_marker};
 
     /// What each piece fed in turn releases: the prefix that ends an event, if any.
     fn releases(pieces: &[&[u8]]) -> Vec<Option<usize>> {
@@ -281,6 +308,21 @@ mod tests {
         ];
         for (pieces, expected) in rows {
             assert_eq!(releases(pieces), expected, "{pieces:?}");
+        }
+    }
+
+    #[test]
+    fn only_a_data_line_opening_with_an_error_member_is_an_error_event() {
+        let frontend_503 = b"data: {\"error\":{\"message\":\"Service temporarily unavailable\",\"type\":\"service_unavailable\",\"code\":503}}\n\ndata: [DONE]\n\n";
+        assert!(carries_error_event(frontend_503));
+        assert!(carries_error_event(b"data: {\"id\":1}\n\ndata:{\"error\":\"x\"}\r\n\r\n"));
+        for fine in [
+            &b"data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\n"[..],
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"{\\\"error\\\"\"}}]}\n\n",
+            b": {\"error\": a comment}\n\n",
+            b"event: error\ndata: [DONE]\n\n",
+        ] {
+            assert!(!carries_error_event(fine), "{:?}", String::from_utf8_lossy(fine));
         }
     }
 

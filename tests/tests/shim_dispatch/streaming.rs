@@ -213,6 +213,26 @@ async fn a_stream_ending_inside_an_event_ends_with_an_error() -> anyhow::Result<
     Ok(())
 }
 
+/// Dynamo 1.6.1 ends a stream whose decode worker died with an error event and `[DONE]`: it is
+/// relayed as it came, and the stream counts as failed, its workers blamed, not acquitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_event_in_the_stream_is_relayed_and_counted_as_a_failure() -> anyhow::Result<()> {
+    const FRONTEND_503: &str = "data: {\"error\":{\"message\":\"Service temporarily unavailable\",\"type\":\"service_unavailable\",\"code\":503}}\n\n";
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
+    for frame in [FIRST, FRONTEND_503, DONE] {
+        gate.send(Ok(Bytes::from(frame))).await?;
+        assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame), "relayed as it came");
+    }
+    drop(gate);
+    assert_eq!(next_text(&mut response).await?, None);
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    assert!(!harness.replica.ledger.outliers().is_empty(), "the pinned workers took a strike");
+    assert!(harness.replica.ledger.is_empty());
+    harness.stop().await;
+    Ok(())
+}
+
 /// The closing `[DONE]` short of its blank line is completed, not reported as a break.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closing_done_without_its_blank_line_is_completed() -> anyhow::Result<()> {

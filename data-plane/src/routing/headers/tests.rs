@@ -139,8 +139,7 @@ fn no_client_routing_header_passes_the_ingress_or_the_encoder() {
     let pins = pins(&selection(pin(7, Some(1)), Some(pin(8, None))));
     encode_request(&mut out, &Method::POST, &uri, &headers(sent), pins, b"{}");
     let out = String::from_utf8(out).expect("ascii");
-    let routing: Vec<&str> =
-        out.lines().filter(|line| line.split(':').next().is_some_and(is_routing_header)).collect();
+    let routing: Vec<&str> = out.lines().filter(|line| line.split(':').next().is_some_and(is_routing_header)).collect();
     assert_eq!(
         routing,
         [
