@@ -24,7 +24,14 @@ pub const MAX_REQUEST_BODY_BYTES: usize = 8 << 20;
 /// size fit at once, about 1.3 GB of trees at the very worst.
 pub const MAX_TREE_BYTES_IN_FLIGHT: usize = 4 * MAX_REQUEST_BODY_BYTES;
 
+/// Bytes of bodies up to [`ON_THE_RUNTIME_BYTES`] whose trees may be held at once: a budget of
+/// their own, since the large bodies' is fair (first come, first served) and a small request
+/// must not wait behind a large one for room it would fit in. About 330 MB of trees at the very
+/// worst, and thousands of ordinary requests' at once.
+pub const MAX_SMALL_TREE_BYTES_IN_FLIGHT: usize = 8 << 20;
+
 static TREES: Semaphore = Semaphore::const_new(MAX_TREE_BYTES_IN_FLIGHT);
+static SMALL_TREES: Semaphore = Semaphore::const_new(MAX_SMALL_TREE_BYTES_IN_FLIGHT);
 
 /// Room for one JSON tree under [`MAX_TREE_BYTES_IN_FLIGHT`], given back when dropped.
 type TreeRoom = Option<SemaphorePermit<'static>>;
@@ -44,7 +51,7 @@ pub struct Tree {
 /// larger one is parsed and freed on the blocking pool: an 8 MiB body takes a tree hundreds of
 /// milliseconds to build and tens to free, which on a runtime thread would hold up every
 /// connection and stream beside it.
-const ON_THE_RUNTIME_BYTES: usize = 64 << 10;
+pub(crate) const ON_THE_RUNTIME_BYTES: usize = 64 << 10;
 
 /// Work on bodies past [`ON_THE_RUNTIME_BYTES`] running or queued on the blocking pool at once.
 /// Handed over, such work runs to its end even when its request is dropped (its client left),
@@ -54,13 +61,23 @@ pub const MAX_OFF_RUNTIME_WORK: usize = 4;
 
 static OFF_RUNTIME: Semaphore = Semaphore::const_new(MAX_OFF_RUNTIME_WORK);
 
-/// Runs `work`, for a body of `bytes`, where [`ON_THE_RUNTIME_BYTES`] says.
-async fn sized_work<T: Send + 'static>(bytes: usize, work: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+/// Runs `work`, for a body of `bytes`, where [`ON_THE_RUNTIME_BYTES`] says. Off the runtime it
+/// waits for its turn until `deadline` at most (`None`: as long as it takes); `None` without a
+/// turn by then, or if the work panicked.
+async fn sized_work<T: Send + 'static>(
+    bytes: usize,
+    deadline: Option<tokio::time::Instant>,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Option<T> {
     if bytes <= ON_THE_RUNTIME_BYTES {
         return Some(work());
     }
     // Never closed, so always granted in turn; a request dropped while it waits holds nothing.
-    let permit = OFF_RUNTIME.acquire().await.ok()?;
+    let turn = OFF_RUNTIME.acquire();
+    let permit = match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, turn).await.ok()?.ok()?,
+        None => turn.await.ok()?,
+    };
     tokio::task::spawn_blocking(move || {
         let _held = permit;
         work()
@@ -110,6 +127,9 @@ pub enum RequestError {
 /// How long making the outbound body waits for room for its tree; past it the request is
 /// refused as busy, rather than queued behind renders of large bodies for as long as they run.
 pub const OUTBOUND_TREE_WAIT: Duration = Duration::from_secs(2);
+/// How long reading a large body waits for its turn on the blocking pool
+/// ([`MAX_OFF_RUNTIME_WORK`]); past it the request is refused as busy.
+pub const LARGE_WORK_WAIT: Duration = Duration::from_secs(2);
 
 /// A chat completion request as the client sent it, read in one pass without building a JSON
 /// tree: what routing needs is measured as the body is parsed, and the body itself is kept as
@@ -150,7 +170,8 @@ impl ChatRequest {
     /// megabytes (every member checked, every prompt string counted) would hold up every
     /// connection beside it on a runtime thread.
     pub async fn read(raw: Bytes) -> Result<Self, RequestError> {
-        sized_work(raw.len(), move || Self::parse(raw)).await.ok_or(RequestError::Busy)?
+        let deadline = tokio::time::Instant::now() + LARGE_WORK_WAIT;
+        sized_work(raw.len(), Some(deadline), move || Self::parse(raw)).await.ok_or(RequestError::Busy)?
     }
 
     pub fn parse(raw: Bytes) -> Result<Self, RequestError> {
@@ -205,14 +226,21 @@ impl ChatRequest {
         self.tree_within(Duration::MAX).await
     }
 
-    /// [`Self::tree`], waiting at most `wait` for the room (and not for the parse, which a
-    /// large body takes long over on an idle machine too): [`RequestError::Busy`] without it.
+    /// [`Self::tree`], waiting at most `wait` for the room and for a large body's turn on the
+    /// blocking pool (and not for the parse, which a large body takes long over on an idle
+    /// machine too): [`RequestError::Busy`] without them.
     pub async fn tree_within(&self, wait: Duration) -> Result<Tree, RequestError> {
-        // A body is at most MAX_REQUEST_BODY_BYTES, well within the budget and a u32. The
-        // budget is never closed, so the room is always granted.
-        let bytes = u32::try_from(self.raw.len().min(MAX_TREE_BYTES_IN_FLIGHT)).unwrap_or(u32::MAX);
-        let acquire = TREES.acquire_many(bytes);
-        let room = match tokio::time::Instant::now().checked_add(wait) {
+        let (budget, size) = if self.raw.len() <= ON_THE_RUNTIME_BYTES {
+            (&SMALL_TREES, MAX_SMALL_TREE_BYTES_IN_FLIGHT)
+        } else {
+            (&TREES, MAX_TREE_BYTES_IN_FLIGHT)
+        };
+        // A body is at most MAX_REQUEST_BODY_BYTES, well within a u32. The budget is never
+        // closed, so the room is always granted.
+        let bytes = u32::try_from(self.raw.len().min(size)).unwrap_or(u32::MAX);
+        let acquire = budget.acquire_many(bytes);
+        let deadline = tokio::time::Instant::now().checked_add(wait);
+        let room = match deadline {
             Some(deadline) => tokio::time::timeout_at(deadline, acquire).await.map_err(|_| RequestError::Busy)?.ok(),
             None => acquire.await.ok(),
         };
@@ -221,7 +249,7 @@ impl ChatRequest {
         // caller stops waiting (a deadline), and the tree it builds must stay counted until
         // it is freed, with the room, wherever the parse ends.
         let parse = move || (serde_json::from_slice(&raw), room);
-        let (parsed, room) = sized_work(self.raw.len(), parse).await.ok_or(RequestError::Busy)?;
+        let (parsed, room) = sized_work(self.raw.len(), deadline, parse).await.ok_or(RequestError::Busy)?;
         Ok(Tree { value: parsed.map_err(RequestError::Json)?, room, bytes: self.raw.len() })
     }
 
@@ -232,7 +260,14 @@ impl ChatRequest {
         if !self.has_nvext && token_data.is_none() {
             return Ok(self.raw.clone());
         }
-        let mut tree = self.tree_within(OUTBOUND_TREE_WAIT).await?;
+        let deadline = tokio::time::Instant::now() + OUTBOUND_TREE_WAIT;
+        let mut tree = match self.tree_within(OUTBOUND_TREE_WAIT).await {
+            Ok(tree) => tree,
+            // Only the rendered tokens were to be added, a saving of the frontend's: it
+            // tokenizes the prompt itself without them.
+            Err(RequestError::Busy) if !self.has_nvext => return Ok(self.raw.clone()),
+            Err(error) => return Err(error),
+        };
         let rewrite = move || {
             strip_body_routing(&mut tree.value, disclose);
             if let Some(tokens) = token_data {
@@ -243,7 +278,11 @@ impl ChatRequest {
             drop(std::mem::take(&mut tree.value));
             body
         };
-        Ok(Bytes::from(sized_work(self.raw.len(), rewrite).await.ok_or(RequestError::Busy)??))
+        match sized_work(self.raw.len(), Some(deadline), rewrite).await {
+            Some(body) => Ok(Bytes::from(body?)),
+            None if !self.has_nvext => Ok(self.raw.clone()),
+            None => Err(RequestError::Busy),
+        }
     }
 }
 
@@ -300,7 +339,7 @@ mod tests {
         let abandoned: Vec<_> = (0..MAX_OFF_RUNTIME_WORK + 3)
             .map(|_| {
                 let (released, started) = (Arc::clone(&released), Arc::clone(&started));
-                tokio::spawn(sized_work(ON_THE_RUNTIME_BYTES + 1, move || {
+                tokio::spawn(sized_work(ON_THE_RUNTIME_BYTES + 1, None, move || {
                     started.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     let _ = released.lock().map(|released| released.recv());
                 }))
@@ -326,6 +365,35 @@ mod tests {
             MAX_OFF_RUNTIME_WORK,
             "the requests dropped while waiting never handed their work over"
         );
+    }
+
+    /// A large body's parse waits for its turn on the blocking pool no longer than for its
+    /// room: the KV term's render deadline bounds the wait.
+    #[tokio::test(start_paused = true)]
+    async fn a_tree_waits_for_its_turn_on_the_blocking_pool_only_so_long() {
+        let content = "x".repeat(ON_THE_RUNTIME_BYTES);
+        let request = parse(&format!(r#"{{"model":"m","messages":[{{"content":"{content}"}}]}}"#)).unwrap();
+        let turns = OFF_RUNTIME.acquire_many(MAX_OFF_RUNTIME_WORK as u32).await.unwrap();
+        let waited = tokio::time::Instant::now();
+        let tree = request.tree_within(Duration::from_millis(100)).await;
+        assert!(matches!(tree, Err(RequestError::Busy)), "{tree:?}");
+        assert!(waited.elapsed() <= Duration::from_millis(150), "{:?}", waited.elapsed());
+        drop(turns);
+        assert!(request.tree_within(Duration::from_millis(100)).await.is_ok(), "a turn again");
+    }
+
+    /// With no room to add the rendered tokens, a body without `nvext` goes as the client sent
+    /// it (the frontend tokenizes it itself); one with routing fields to strip cannot.
+    #[tokio::test(start_paused = true)]
+    async fn without_room_a_body_with_nothing_to_strip_goes_without_its_tokens() {
+        let room = SMALL_TREES.acquire_many(MAX_SMALL_TREE_BYTES_IN_FLIGHT as u32).await.unwrap();
+        let plain = parse(r#"{"model":"m","messages":[{"content":"hi"}]}"#).unwrap();
+        assert_eq!(plain.outbound(Some(vec![1, 2]), false).await.unwrap(), plain.raw);
+        let routed = parse(r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{"backend_instance_id":7}}"#).unwrap();
+        assert!(matches!(routed.outbound(Some(vec![1, 2]), false).await, Err(RequestError::Busy)));
+        drop(room);
+        let with_tokens = plain.outbound(Some(vec![1, 2]), false).await.unwrap();
+        assert!(with_tokens.ends_with(br#""nvext":{"token_data":[1,2]}}"#), "{with_tokens:?}");
     }
 
     /// A body of megabytes is read on the blocking pool, and read the same.

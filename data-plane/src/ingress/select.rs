@@ -422,34 +422,41 @@ mod tests {
         assert_eq!(buffered, [true], "no `stream` in the body: its answer comes whole");
     }
 
-    /// Bodies as large as the ingress takes, whose trees fill the process's tree budget while
+    /// Requests whose bodies are `bytes` long, as many as fill `budget` bytes of trees while
     /// they are held (as renders that outlived their deadline hold theirs).
-    fn largest_requests() -> Vec<ChatRequest> {
+    fn filling(bytes: usize, budget: usize) -> Vec<ChatRequest> {
         let envelope = r#"{"model":"tiny","messages":[{"role":"user","content":""}]}"#.len();
-        let content = "x".repeat(crate::ingress::MAX_REQUEST_BODY_BYTES - envelope);
+        let content = "x".repeat(bytes - envelope);
         let body = format!(r#"{{"model":"tiny","messages":[{{"role":"user","content":"{content}"}}]}}"#);
-        let count = crate::ingress::request::MAX_TREE_BYTES_IN_FLIGHT / body.len();
-        (0..count).map(|_| ChatRequest::parse(Bytes::from(body.clone())).expect("request")).collect()
+        (0..budget / body.len()).map(|_| ChatRequest::parse(Bytes::from(body.clone())).expect("request")).collect()
     }
 
+    /// Large bodies holding all the room for theirs leave a small request its KV term; small
+    /// ones holding all of theirs make it go without, at once.
     #[tokio::test]
     async fn a_request_finding_no_room_for_its_tree_is_picked_on_its_estimate_at_once() {
+        use crate::ingress::request::{MAX_SMALL_TREE_BYTES_IN_FLIGHT, MAX_TREE_BYTES_IN_FLIGHT, ON_THE_RUNTIME_BYTES};
         let state = AppState::for_tests();
         let dir = tempfile::tempdir().expect("dir");
         let fleet = tinymodel_fleet(&state, &dir).await;
-        let large = largest_requests();
-        let mut held = Vec::new();
-        for request in &large {
-            held.push(request.tree().await.expect("a tree"));
-        }
+        let counted = |result: &str| state.metrics.kv_selections.with_label_values(&[result]).get();
         let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hello there"}]}"#);
         let request = ChatRequest::parse(body).expect("request");
+        let mut held = Vec::new();
+        for large in &filling(crate::ingress::MAX_REQUEST_BODY_BYTES, MAX_TREE_BYTES_IN_FLIGHT) {
+            held.push(large.tree().await.expect("a tree"));
+        }
+        let routed = route(&state, &fleet, &request).await.expect("routed");
+        drop(routed);
+        assert_eq!(counted("render_unavailable"), 0, "small requests do not wait behind large ones");
+        for small in &filling(ON_THE_RUNTIME_BYTES, MAX_SMALL_TREE_BYTES_IN_FLIGHT) {
+            held.push(small.tree().await.expect("a tree"));
+        }
         let routed = tokio::time::timeout(Duration::from_secs(5), route(&state, &fleet, &request))
             .await
             .expect("not held until room comes")
             .expect("routed");
         assert!(routed.token_data.is_none(), "nothing rendered");
-        let counted = |result: &str| state.metrics.kv_selections.with_label_values(&[result]).get();
         assert_eq!(counted("render_unavailable"), 1);
         drop(held);
     }

@@ -185,6 +185,43 @@ async fn first_captured_block_is_the_hello_world_prompt() {
     assert_ne!(salted.hashes, prepared.hashes);
 }
 
+/// A request body, noting where it was dropped.
+struct NotesDrop {
+    body: Value,
+    dropped_on: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl std::borrow::Borrow<Value> for NotesDrop {
+    fn borrow(&self) -> &Value {
+        &self.body
+    }
+}
+
+impl Drop for NotesDrop {
+    fn drop(&mut self) {
+        let thread = std::thread::current().name().unwrap_or_default().to_string();
+        *self.dropped_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(thread);
+    }
+}
+
+/// A render hands its request back with the result: the last holder of a large body's tree
+/// frees it on the runtime (which sends it to the blocking pool), not on the render thread
+/// before the result goes out.
+#[tokio::test]
+async fn a_rendered_request_is_not_freed_on_the_render_thread() {
+    let card = card_in(&fixture("tinymodel"));
+    let h = harness(pinned(&card));
+    let kv = KvPrompt::new(h.store.clone(), Renderer::default());
+    let _ = kv.prepare("tiny", std::slice::from_ref(&card), Arc::new(chat("hi")), &[16], None, None).await;
+    assert!(until_loaded(&h.store, 1).await);
+    let dropped_on = Arc::new(std::sync::Mutex::new(None));
+    let request = NotesDrop { body: chat("Hello world, the quick brown fox"), dropped_on: Arc::clone(&dropped_on) };
+    let prepared = kv.prepare("tiny", std::slice::from_ref(&card), Arc::new(request), &[16], None, None).await;
+    assert!(prepared.is_ok(), "{prepared:?}");
+    let thread = dropped_on.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone();
+    assert!(thread.as_deref().is_some_and(|name| name != "continuum-render"), "dropped on {thread:?}");
+}
+
 #[tokio::test]
 async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
     let card = card_in(&fixture("tinymodel"));

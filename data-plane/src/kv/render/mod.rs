@@ -169,11 +169,17 @@ impl Renderer {
             if let Some(stages) = &stages {
                 stages.ran.observe(running.elapsed().as_secs_f64());
             }
-            prepared
+            // The request goes back with the result: freeing its tree here, its last holder
+            // being this job, would hold up the result (a large body's takes tens of
+            // milliseconds) for the caller waiting on it.
+            (prepared, request)
         });
         let remaining = self.limits.deadline.saturating_sub(started.elapsed());
         match tokio::time::timeout(remaining, job).await {
-            Ok(Ok(result)) => result,
+            Ok(Ok((result, request))) => {
+                drop(request);
+                result
+            }
             Ok(Err(_)) | Err(_) => Err(Fallback::RenderUnavailable),
         }
     }
