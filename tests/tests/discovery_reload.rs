@@ -131,12 +131,39 @@ async fn a_changed_namespace_resets_the_registry_and_discovers_the_new_graph() -
     let ready = || async { reqwest::get(&readyz).await.map(|r| r.status().as_u16()).unwrap_or_default() };
     assert_eq!(ready().await, 200);
 
-    // Endpoints nothing answers on: the registry is emptied, and stays so, so not ready.
+    control.shutdown().await;
+    Ok(())
+}
+
+/// New connection settings (a rotated password, other endpoints) reach the same fleet another
+/// way: replicas following keep every worker while the new watcher connects, and for as long
+/// as it cannot, as when etcd is unreachable; its first read then replaces the fleet whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_connection_settings_keep_the_fleet_until_the_new_watcher_reads_it() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd = Etcd::start(dir.path(), &[]).await?;
+    put_worker(&etcd, "green", 2).await?;
+    let mut control =
+        ControlPlane::start(config(&etcd, "      namespace: green\n", &[])?, ListenOverrides::default()).await?;
+    eventually(CONVERGE, "green", || async { workers(&control) == [("green".to_string(), 2)] }).await?;
+    let before = control.publisher.current().version();
+    let readyz = format!("http://{}/readyz", control.admin_addr);
+    let ready = || async { reqwest::get(&readyz).await.map(|r| r.status().as_u16()).unwrap_or_default() };
+
     let mut unreachable = config(&etcd, "      namespace: green\n", &[])?;
     unreachable.dynamo.discovery.etcd.endpoints = vec![format!("http://{}", free_port()?)];
     control.reload(unreachable).await?;
-    assert!(workers(&control).is_empty());
-    assert_eq!(ready().await, 503, "an emptied fleet is not ready until the new watcher seeds it");
+    assert_eq!(restarts(&control), 1);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(workers(&control), [("green".to_string(), 2)], "kept while the new endpoints answer nothing");
+    assert!(!removed_since(&control, before, &WorkerKey::new("green", 2)), "never sent as removed");
+    assert_eq!(ready().await, 200, "what it holds is the fleet's last-known state");
+
+    // Back to endpoints that answer, where the fleet changed meanwhile: the first read replaces it.
+    etcd.client().await?.delete("v1/", Some(etcd_client::DeleteOptions::new().with_prefix())).await?;
+    put_worker(&etcd, "green", 3).await?;
+    control.reload(config(&etcd, "      namespace: green\n", &[])?).await?;
+    eventually(CONVERGE, "the new read", || async { workers(&control) == [("green".to_string(), 3)] }).await?;
     control.shutdown().await;
     Ok(())
 }

@@ -90,7 +90,11 @@ fn classify_etcd(old: &Config, new: &Config) -> DiscoveryReload {
     let (oe, ne) = (&old.dynamo.discovery.etcd, &new.dynamo.discovery.etcd);
     let restart = |reason, registry| DiscoveryReload::Restart { reason, registry };
     if oe.endpoints != ne.endpoints || oe.tls != ne.tls || oe.auth != ne.auth {
-        return restart(RestartReason::Connection, RegistryOnRestart::Reset);
+        // The same fleet reached another way (a rotated password or certificate, an endpoint
+        // added): emptied now, every replica following would be sent no workers until the new
+        // watcher's first read, and for good were the new settings wrong. It stays as the last
+        // read found it, as when etcd is unreachable, until that read replaces it whole.
+        return restart(RestartReason::Connection, RegistryOnRestart::Keep);
     }
     let (old_ns, new_ns) = (old.namespaces(), new.namespaces());
     if old_ns != new_ns {
@@ -161,12 +165,12 @@ mod tests {
                 config(
                     "    source: etcd\n    etcd:\n      endpoints: [\"http://127.0.0.1:2380\"]\n      namespaces: [a, b]\n",
                 ),
-                restart(RestartReason::Connection, RegistryOnRestart::Reset),
+                restart(RestartReason::Connection, RegistryOnRestart::Keep),
             ),
             (
                 "auth",
                 etcd("      namespaces: [a, b]\n      auth: {username: u, password: \"${PW}\"}\n"),
-                restart(RestartReason::Connection, RegistryOnRestart::Reset),
+                restart(RestartReason::Connection, RegistryOnRestart::Keep),
             ),
             ("source", config("    source: static\n"), restart(RestartReason::Source, RegistryOnRestart::Reset)),
         ];
