@@ -208,6 +208,28 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A replica whose messages never stop coming (reports faster than they are folded, or a
+/// flood) still gets its updates: reading its stream does not starve writing to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_flooding_its_stream_still_gets_its_updates() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let mut client = FleetClient::connect(control.url()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+    let hello = pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "flood".into(), version: None })) };
+    let stale = pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: 1, nonce: "stale".into() })) };
+    // Never pending: every poll has the next message ready.
+    let flood = tokio_stream::iter(std::iter::once(hello).chain(std::iter::repeat(stale)));
+    let mut updates = client.watch(flood).await?.into_inner();
+    let first = tokio::time::timeout(CONVERGE, updates.message()).await??;
+    assert!(first.as_ref().is_some_and(is_snapshot), "the first update is a snapshot");
+    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 1, "m")], ..Default::default() });
+    let next = tokio::time::timeout(Duration::from_secs(5), updates.message())
+        .await
+        .map_err(|_| anyhow::anyhow!("no update within 5 s while the replica's messages kept coming"))??;
+    assert!(next.is_some_and(|update| !is_snapshot(&update)), "the change, as a delta");
+    control.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_without_hello_is_refused() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
