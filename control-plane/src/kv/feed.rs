@@ -83,10 +83,20 @@ fn turns(events: &[KvEvent], max_blocks: usize) -> impl Iterator<Item = &[KvEven
     })
 }
 
+/// Whether a message numbered `sequence` comes after lost ones on its session, where the last
+/// was `last` (a publisher numbers its messages one by one, the captures show); records it.
+/// Event ids cannot tell: the events of one engine step share an id and may span messages, so
+/// a lost message in the middle of a step leaves no hole in them.
+fn lost_before(last: &mut Option<u64>, sequence: u64) -> bool {
+    let lost = last.is_some_and(|last| sequence > last.saturating_add(1));
+    *last = Some(last.map_or(sequence, |last| last.max(sequence)));
+    lost
+}
+
 impl Feed for KvFeed {
-    /// Event-id cursors live in the indexer: they must outlive a reconnect, so a gap spanning
-    /// it is seen.
-    type Session = ();
+    /// The last message number on this session. Event-id cursors live in the indexer: they
+    /// must outlive a reconnect, so a gap spanning it is seen.
+    type Session = Option<u64>;
 
     fn topic(&self) -> Topic {
         Topic::KvEvents
@@ -104,7 +114,7 @@ impl Feed for KvFeed {
         self.indexer.write().publisher_up(&publisher.key());
     }
 
-    async fn message(&self, publisher: &Publisher, (): &mut (), message: Result<Message<'_>, Dropped>) {
+    async fn message(&self, publisher: &Publisher, last: &mut Option<u64>, message: Result<Message<'_>, Dropped>) {
         let message = match message {
             Ok(message) => message,
             Err(reason @ (Dropped::Oversized | Dropped::OverBudget | Dropped::TooManyFrames)) => {
@@ -132,6 +142,10 @@ impl Feed for KvFeed {
         let counts = match decode_kv_events(frames, publisher.publisher_id) {
             Ok(batch) => {
                 let mut counts = KvCounts::default();
+                if lost_before(last, batch.sequence) {
+                    // Its removals among them, perhaps: the ranks are cleared as on a gap.
+                    self.indexer.write().message_lost(&mapping.publisher, &mut counts);
+                }
                 let mut turns = turns(&batch.events, BLOCKS_PER_HOLD).peekable();
                 while let Some(turn) = turns.next() {
                     counts.merge(&self.indexer.write().apply_events(&mapping, turn));
@@ -194,6 +208,16 @@ mod tests {
             residency_domain: ResidencyDomain::Unspecified,
             data: KvEventData::Removed((0..blocks as u64).collect()),
         }
+    }
+
+    #[test]
+    fn a_message_number_past_the_next_says_messages_were_lost() {
+        let mut last = None;
+        let lost: Vec<bool> = [4, 5, 7, 8, 8, 6, 9, 12].into_iter().map(|n| lost_before(&mut last, n)).collect();
+        // The first sets the count; 7 skips 6; a repeat or an older one loses nothing; 12 skips two.
+        assert_eq!(lost, [false, false, true, false, false, false, false, true]);
+        assert_eq!(last, Some(12));
+        assert!(!lost_before(&mut Some(u64::MAX), u64::MAX), "no overflow at the end of the count");
     }
 
     #[test]

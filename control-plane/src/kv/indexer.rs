@@ -207,7 +207,11 @@ impl KvIndexer {
         let full = cursors.len() >= MAX_CURSORS_PER_PUBLISHER;
         match cursors.get_mut(&rank) {
             Some(cursor) if event_id < cursor.last => Cursor::Replay,
-            Some(cursor) if event_id == cursor.last => Cursor::Next,
+            Some(cursor) if event_id == cursor.last => {
+                // Applied from here: a loss after it clears the rank again.
+                cursor.cleared_for_loss = false;
+                Cursor::Next
+            }
             Some(cursor) => {
                 let gap = event_id > cursor.last.saturating_add(1) && !cursor.cleared_for_loss;
                 *cursor = RankCursor::at(event_id);

@@ -180,7 +180,10 @@ impl ProvisionalIndex {
         let mut scores: FastMap<RankKey, u32> = indexed.iter().copied().collect();
         let query = &query.0;
         if !self.chains.is_empty() && !query.is_empty() {
-            let indexed = |rank| indexed.iter().find(|(r, _)| *r == rank).map_or(0, |(_, s)| *s);
+            // Looked up once per chain sharing the prompt, thousands of them under this lock:
+            // a map, not a walk of the index's matches each time.
+            let indexed_scores = scores.clone();
+            let indexed = |rank| indexed_scores.get(&rank).copied().unwrap_or(0);
             let mut confirmed = false;
             let ttl = self.ttl;
             let mut hint = 0;

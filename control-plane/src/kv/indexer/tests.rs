@@ -303,6 +303,22 @@ fn a_lost_message_is_one_gap_however_its_rank_hears_of_it() {
     assert_eq!(indexer.index().rank_blocks(rank(0)), 1);
 }
 
+/// A loss, the same step going on, then another loss: the second clears what the step
+/// stored since the first, since it may have held its removals.
+#[test]
+fn a_second_loss_after_the_step_went_on_clears_again() {
+    let mut indexer = live_indexer(0..1);
+    indexer.apply_events(&publisher(), &[stored(0, 5, None, &[1])]);
+    let mut counts = KvCounts::default();
+    indexer.message_lost(&key(9), &mut counts);
+    indexer.apply_events(&publisher(), &[stored(0, 5, None, &[2])]);
+    assert_eq!(indexer.index().rank_blocks(rank(0)), 1, "the step went on after the first loss");
+    let mut counts = KvCounts::default();
+    indexer.message_lost(&key(9), &mut counts);
+    assert_eq!(results(&counts), [("gap", 1)]);
+    assert_eq!(indexer.index().rank_blocks(rank(0)), 0);
+}
+
 #[test]
 fn the_first_event_sets_the_cursor_and_a_jump_clears_before_applying() {
     let mut indexer = live_indexer(0..1);
