@@ -6,9 +6,11 @@
 //!   readable until the replacement's first full resync (reason `backoff`).
 //! - Namespaces were only added or removed (`namespaces`): prune the removed namespaces'
 //!   workers now, keep the rest routable, and let the replacement resync (reason `namespaces`).
-//! - Anything else (enabled, source, the scalar namespace, endpoints, TLS, auth, static
-//!   workers): replace the watcher and empty the registry first (reasons `enabled`, `source`,
-//!   `namespace`, `connection`, `other`).
+//! - The etcd connection (endpoints, TLS, auth) or the static workers changed: replace the
+//!   watcher and keep the current fleet until the replacement's first full resync replaces it
+//!   (reasons `connection`, `other`): the same fleet, reached another way.
+//! - Anything else (enabled, source, the scalar namespace, the simulator): replace the watcher
+//!   and empty the registry first (reasons `enabled`, `source`, `namespace`, `other`).
 
 use crate::config::{Config, DiscoverySource};
 

@@ -257,6 +257,8 @@ fn values_at_each_bound_are_accepted() {
         ("dynamo: {kv: {overlap_score_credit: 0.0, prefill_load_scale: 0.0, router_temperature: 0.0}}".to_owned(), "dynamo.kv.prefill_load_scale"),
         ("dynamo: {kv: {overlap_score_credit: 0.0, prefill_load_scale: 0.0, router_temperature: 0.0}}".to_owned(), "dynamo.kv.router_temperature"),
         (event_bus("{max_streams_per_session: 1024, max_session_buffer_bytes: 67108864}"), "dynamo.event_bus.max_session_buffer_bytes"),
+        // One namespace listed: a model's is that one, so it may go unsaid (the seed asks for it with several).
+        (kube_pods("{namespace: d, dynamo_namespaces: [a], models: [{component: c, model: m}]}"), "dynamo.discovery.kubernetes.models[0].dynamo_namespace"),
     ];
     for (yaml, path) in cases {
         let refused: Vec<_> = diagnostics(&yaml).into_iter().filter(|d| d.is_error() && d.path == path).collect();

@@ -102,7 +102,7 @@ fn check_models_list(kube: &KubernetesConfig, report: &mut Report) {
             report.error(format!("{path}.model"), problem);
         }
         match &entry.dynamo_namespace {
-            None if !watched.is_empty() => report.error(
+            None if watched.len() > 1 => report.error(
                 format!("{path}.dynamo_namespace"),
                 "is required when dynamo_namespaces lists several namespaces",
             ),
