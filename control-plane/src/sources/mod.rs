@@ -3,6 +3,7 @@
 //! `crate::discovery`.
 
 pub mod etcd;
+mod mixing;
 mod registry;
 pub mod reload;
 pub mod simulator;

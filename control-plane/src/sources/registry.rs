@@ -5,7 +5,7 @@
 //! sees a new generation with an old fleet; a fleet equal to the current one (an idempotent
 //! resync) changes neither.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
 
@@ -14,6 +14,8 @@ use continuum_proto::model::{LoadKey, Role};
 use crate::discovery::{Change, Fleet};
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::load::{LoadStore, SharedLoadStore};
+
+use super::mixing::{self, Mixing};
 
 /// One published generation of the discovered fleet.
 #[derive(Debug, Default)]
@@ -28,11 +30,14 @@ pub struct Registry {
     publisher: FleetPublisher,
     /// The load samples held for discovered workers, routable or not.
     loads: Option<SharedLoadStore>,
+    /// Which (namespace, model) pairs mix aggregated workers with prefill or decode ones.
+    mixing: Arc<Mutex<Mixing>>,
 }
 
 impl Registry {
     pub fn new(publisher: FleetPublisher) -> Self {
-        Self { tx: watch::channel(Arc::new(Generation::default())).0, publisher, loads: None }
+        let tx = watch::channel(Arc::new(Generation::default())).0;
+        Self { tx, publisher, loads: None, mixing: Arc::default() }
     }
 
     /// Workers entering the view bring the samples `store` holds for them (see
@@ -68,16 +73,21 @@ impl Registry {
     /// were not published while it was out, and a worker silent since (constant, or stalled
     /// under load) would otherwise read as one that never published, which is idle.
     pub fn publish(&self, fleet: Fleet) {
-        let mut previous = None;
+        let mut replaced = None;
         self.tx.send_if_modified(|current| {
             if current.fleet == fleet {
                 return false;
             }
             let next = Arc::new(Generation { generation: current.generation + 1, fleet });
-            previous = Some(std::mem::replace(current, next));
+            replaced = Some((std::mem::replace(current, Arc::clone(&next)), next));
             true
         });
-        if let Some(previous) = previous {
+        if let Some((previous, installed)) = replaced {
+            // The generation this publish installed: role counts add up whatever order two
+            // publishes reach here in.
+            let mut mixing = self.mixing.lock().unwrap_or_else(PoisonError::into_inner);
+            mixing::warn(&mixing.update(&previous.fleet, &installed.fleet));
+            drop(mixing);
             let mut change = worker_changes(&previous.fleet, &self.current().fleet);
             // Held until the change is committed: a newer sample stored meanwhile would be
             // published before its worker is in the view, dropped, and then overtaken by the
