@@ -39,6 +39,32 @@ pub use reducer::{KeyValue, MAX_RECORD_BYTES, MAX_SMALL_RECORD_BYTES, Reducer, W
 pub use store::{MAX_RECORDS_PER_KEYSPACE, MAX_SET_ASIDE_PER_KEYSPACE};
 pub use wire_id::parse_hex;
 
+/// A discovered worker `id` of `namespace` with `role`, serving `model`, for tests.
+#[cfg(test)]
+pub(crate) fn test_worker(
+    namespace: &str,
+    id: u64,
+    role: continuum_proto::model::Role,
+    model: &str,
+) -> (continuum_proto::model::WorkerKey, DiscoveredWorker) {
+    let key = continuum_proto::model::WorkerKey::new(namespace, id);
+    let worker = continuum_proto::model::Worker {
+        key: key.clone(),
+        role,
+        model: model.into(),
+        component: "backend".into(),
+        endpoint: "generate".into(),
+        block_size: Some(16),
+        capacity: continuum_proto::model::Capacity::default(),
+        dp_start_rank: 0,
+        dp_size: 0,
+        disaggregated_endpoint: None,
+        artifacts: None,
+    };
+    let now = std::time::SystemTime::now();
+    (key, DiscoveredWorker { worker, first_seen: now, last_updated: now, card: None, excluded: None })
+}
+
 /// A direct kv_metrics publisher `id` in namespace `dynamo`, speaking for `worker`, for tests.
 #[cfg(test)]
 pub(crate) fn test_publisher(id: u64, worker: Option<continuum_proto::model::WorkerKey>) -> Publisher {

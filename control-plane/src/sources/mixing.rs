@@ -132,31 +132,12 @@ pub fn warn(mixed: &[MixedPair]) {
 
 #[cfg(test)]
 mod tests {
-    use std::time::SystemTime;
-
-    use continuum_proto::model::{Capacity, WorkerKey};
+    use continuum_proto::model::WorkerKey;
 
     use super::*;
     use crate::discovery::Exclusion;
 
-    fn worker(namespace: &str, id: u64, role: Role, model: &str) -> (WorkerKey, DiscoveredWorker) {
-        let key = WorkerKey::new(namespace, id);
-        let worker = Worker {
-            key: key.clone(),
-            role,
-            model: model.into(),
-            component: "backend".into(),
-            endpoint: "generate".into(),
-            block_size: Some(16),
-            capacity: Capacity::default(),
-            dp_start_rank: 0,
-            dp_size: 0,
-            disaggregated_endpoint: None,
-            artifacts: None,
-        };
-        let now = SystemTime::now();
-        (key, DiscoveredWorker { worker, first_seen: now, last_updated: now, card: None, excluded: None })
-    }
+    use crate::discovery::test_worker as worker;
 
     fn with(fleet: &Fleet, workers: impl IntoIterator<Item = (WorkerKey, DiscoveredWorker)>) -> Fleet {
         let mut next = fleet.clone();

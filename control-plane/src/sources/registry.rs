@@ -137,30 +137,15 @@ fn worker_changes(older: &Fleet, newer: &Fleet) -> FleetChange {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant, SystemTime};
+    use std::time::{Duration, Instant};
 
-    use continuum_proto::model::{Capacity, DataPlaneConfig, Load, Worker, WorkerKey};
+    use continuum_proto::model::{DataPlaneConfig, Load, WorkerKey};
 
     use super::*;
     use crate::discovery::{DiscoveredWorker, Exclusion, PublisherKey};
 
     fn discovered(id: u64, role: Role, model: &str) -> (WorkerKey, DiscoveredWorker) {
-        let key = WorkerKey::new("dynamo", id);
-        let worker = Worker {
-            key: key.clone(),
-            role,
-            model: model.into(),
-            component: "backend".into(),
-            endpoint: "generate".into(),
-            block_size: Some(16),
-            capacity: Capacity::default(),
-            dp_start_rank: 0,
-            dp_size: 0,
-            disaggregated_endpoint: None,
-            artifacts: None,
-        };
-        let now = SystemTime::now();
-        (key, DiscoveredWorker { worker, first_seen: now, last_updated: now, card: None, excluded: None })
+        crate::discovery::test_worker("dynamo", id, role, model)
     }
 
     fn view_ids(publisher: &FleetPublisher) -> Vec<u64> {
