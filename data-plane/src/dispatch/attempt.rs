@@ -84,29 +84,25 @@ impl Dispatcher {
         body: &Bytes,
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
+        let sent = Instant::now();
         let outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
-        if let Some(healthy) = says_of_replica(&outcome, pins != Pins::default()) {
-            self.health.record(&replica.name, &replica.url, healthy, Instant::now());
+        let (name, url, now) = (&replica.name, &replica.url, Instant::now());
+        match &outcome {
+            Ok(response) => self.health.record(name, url, !is_gateway_failure(response.status()), now),
+            // A buffered answer's head comes only once generation is done, so a hung worker
+            // looks just so: the shim's failure only if it answered nothing else meanwhile
+            // (counted against it, a few requests stuck on one hung worker would open the
+            // breaker of a shim serving every other worker well). The pinned workers are
+            // blamed either way (`Dispatcher::pinned`).
+            Err(SendError::HeadTimeout(_)) if pins != Pins::default() => {
+                self.health.record_unanswered(name, url, sent, now);
+            }
+            Err(_) => self.health.record(name, url, false, now),
         }
         if let Err(error) = &outcome {
             tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
         }
         outcome
-    }
-}
-
-/// What a send's outcome says of the replica's health, if anything. A gateway in front of the
-/// shim answering 502 or 504 could not reach it: a failure of the replica, though an answer
-/// came. A pinned request whose answer's head never came in time says nothing of it: a
-/// buffered answer's head comes only once generation is done, so a hung worker looks so, and
-/// the pinned workers take the blame (`Dispatcher::pinned`); a wedged shim fails its liveness
-/// probes. Counted against the shim, a few requests stuck on one hung worker would open the
-/// breaker of a shim serving every other worker well.
-fn says_of_replica(outcome: &Result<Response<ShimBody>, SendError>, pinned: bool) -> Option<bool> {
-    match outcome {
-        Ok(response) => Some(!is_gateway_failure(response.status())),
-        Err(SendError::HeadTimeout(_)) if pinned => None,
-        Err(_) => Some(false),
     }
 }
 

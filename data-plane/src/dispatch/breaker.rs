@@ -2,8 +2,11 @@
 //! dispatch to it (passive), beside the verdict of its periodic `GET /live` probe (active, see
 //! `probe`). A replica is used only while both allow it.
 //!
-//! Only the replica's own failures count: a refused or timed-out connection, or no response head
-//! in time. Any HTTP answer, even a 5xx about a worker, proves the shim is alive. After
+//! Only the replica's own failures count: a refused or timed-out connection, a broken exchange,
+//! a proxy in front of it answering 502 or 504, or no response head in time while it answered
+//! nothing else (a buffered answer's head comes only once generation is done, so a head that
+//! never came while the shim answered other requests is its pinned workers' silence, not its
+//! own). Any other HTTP answer, even a 5xx about a worker, proves the shim is alive. After
 //! [`FAILURE_THRESHOLD`] consecutive failures the breaker opens and the replica is skipped; after
 //! [`COOLDOWN`] one request is let through as a probe (half-open), and its outcome closes or
 //! reopens the breaker. A probe that never reports (its request was cancelled) is replaced by
@@ -151,6 +154,8 @@ struct Replica {
     url: String,
     breaker: Breaker,
     probed: Probed,
+    /// When it last answered a request (any answer that proves it alive).
+    answered_at: Option<Instant>,
 }
 
 /// The breakers and probe verdicts of every shim replica, by backend name. A backend whose URL
@@ -203,8 +208,21 @@ impl ShimHealth {
         }
     }
 
+    /// A request sent at `sent` got no response head in time: the replica's failure unless it
+    /// answered another request since (then its chat path works, and the silence is the
+    /// request's workers').
+    pub fn record_unanswered(&self, name: &str, url: &str, sent: Instant, now: Instant) {
+        let answered_since = self.with(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
+        if !answered_since {
+            self.record(name, url, false, now);
+        }
+    }
+
     pub fn record(&self, name: &str, url: &str, healthy: bool, now: Instant) {
         self.with(name, url, |r, settings| {
+            if healthy {
+                r.answered_at = Some(now);
+            }
             let breaker = &mut r.breaker;
             let before = breaker.state();
             if healthy {

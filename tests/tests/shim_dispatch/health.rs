@@ -104,13 +104,21 @@ async fn a_shim_that_never_answers_times_out_instead_of_hanging() -> anyhow::Res
         }
     });
     let timeout = Duration::from_millis(300);
-    let settings =
-        DispatchSettings { buffered_timeout: timeout, stream_head_timeout: timeout, ..DispatchSettings::default() };
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
+    let settings = DispatchSettings {
+        buffered_timeout: timeout,
+        stream_head_timeout: timeout,
+        breaker,
+        ..DispatchSettings::default()
+    };
     let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-silent", url)]), settings).await?;
     for stream in [false, true] {
         let (status, code) = error_of(harness.post(&chat(MODEL, stream)).await?).await?;
         assert_eq!((status, code.as_str()), (504, "disaggregated_decode_failed"), "stream={stream}");
     }
+    // It answered nothing at all: its own failure, whatever the workers.
+    let state = sample(&harness.metrics().await?, r#"continuum_shim_replica_state{backend="shim-silent"}"#);
+    assert_eq!(state, Some(2.0), "open after two head timeouts with no answer between");
     assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
     held.abort();
@@ -243,21 +251,26 @@ async fn a_worker_whose_buffered_answers_never_come_is_skipped_and_the_shim_stay
     let settings =
         DispatchSettings { buffered_timeout: Duration::from_millis(300), breaker, ..DispatchSettings::default() };
     let harness = Harness::start_with(fleet, config(&[("shim", shim.url())]), settings).await?;
+    let to_hung = || {
+        let pinned = |r: &continuum_tests::shim_stub::Received| {
+            r.header("x-dynamo-worker-instance-id") == Some(HUNG.to_string().as_str())
+        };
+        shim.received().iter().filter(|r| pinned(r)).count()
+    };
+    // A burst first: several requests wait on the hung worker at once, and time out in a row
+    // while the shim answers the others.
+    let burst = (0..6).map(|_| async { harness.post(&chat(MODEL, false)).await.map(|r| r.status()) });
     let mut timed_out = 0;
-    for _ in 0..12 {
-        let response = harness.post(&chat(MODEL, false)).await?;
-        if response.status() == 504 {
-            timed_out += 1;
-        }
-        response.bytes().await?;
+    for status in futures::future::join_all(burst).await {
+        timed_out += usize::from(status? == 504);
     }
-    let to_hung = shim
-        .received()
-        .iter()
-        .filter(|r| r.header("x-dynamo-worker-instance-id") == Some(HUNG.to_string().as_str()))
-        .count();
-    assert_eq!(to_hung, EJECT_AFTER as usize, "after {EJECT_AFTER} timeouts the hung worker is skipped");
-    assert_eq!(timed_out, to_hung, "every other request was served by the live worker");
+    assert!(timed_out >= EJECT_AFTER as usize, "the burst reached the hung worker {timed_out} times");
+    assert_eq!(timed_out, to_hung(), "every other request was served by the live worker");
+    // Its timeouts ejected it: the next requests all go to the live worker.
+    for _ in 0..6 {
+        assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200);
+    }
+    assert_eq!(to_hung(), timed_out, "nothing more reached the hung worker");
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(0.0), "closed");
     harness.stop().await;
