@@ -20,7 +20,6 @@ use futures::FutureExt;
 use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
 use tokio::time::Sleep;
 use tokio_util::sync::CancellationToken;
 use tower_service::Service;
@@ -29,7 +28,7 @@ use super::head::{
     BodyFraming, HeadError, LAST_CHUNK, MAX_HEAD_BYTES, Persistence, RequestHead, ResponseFraming, Route, encode_chunk,
     encode_response, http_date, parse_request,
 };
-use super::{App, Stages};
+use super::{App, Slots, Stages};
 use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
@@ -37,6 +36,9 @@ use crate::memory::{Charge, FREE_BYTES, REQUEST_BODIES};
 
 /// A keep-alive connection with no request in progress is closed after this long.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
+/// ...and after this long when it starts waiting while the server is crowded (its connection
+/// slots nearly all taken): it holds a slot a new client may need.
+pub const CROWDED_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
 /// A request's head and body must arrive within this long of its first byte.
 pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A client that takes none of a response's bytes for this long is dropped: its connection,
@@ -71,7 +73,7 @@ enum Stop {
     Refuse(HeadError),
     /// The client took none of an interim answer (`100 Continue`) for the write deadline.
     Stalled,
-    /// Idle while every connection slot is taken: closed for a new one.
+    /// Idled out while the server was crowded: closed to free its slot.
     Crowded,
 }
 
@@ -97,12 +99,12 @@ struct Connection {
     idle: Pin<Box<Sleep>>,
 }
 
-/// Serves one connection until it closes. `crowded` asks it to close while it waits idle for a
-/// request: every connection slot is taken.
-pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, crowded: &Notify) {
+/// Serves one connection until it closes; while `slots` are crowded, it waits idle for a
+/// request only [`CROWDED_IDLE_TIMEOUT`].
+pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &Slots) {
     let mut conn = Connection::new(stream);
     loop {
-        let (head, body, charge) = match conn.read_request(&stages.closing, crowded).await {
+        let (head, body, charge) = match conn.read_request(&stages.closing, slots.crowded()).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
             Err(Stop::Crowded) => {
@@ -189,9 +191,16 @@ impl Connection {
     async fn read_request(
         &mut self,
         closing: &CancellationToken,
-        crowded: &Notify,
+        crowded: bool,
     ) -> Result<(RequestHead, Bytes, Charge), Stop> {
         self.refresh_idle_deadline();
+        if crowded {
+            let soon = tokio::time::Instant::now() + CROWDED_IDLE_TIMEOUT;
+            if soon < self.idle.deadline() {
+                self.idle.as_mut().reset(soon);
+            }
+        }
+        let idled_out = if crowded { Stop::Crowded } else { Stop::Quietly };
         // Blank lines before a request line are ignored (RFC 9112 §2.2: some clients end a
         // body with an extra CRLF), and still idle: they move neither deadline.
         while self.skip_blank_lines() {
@@ -200,9 +209,8 @@ impl Connection {
             tokio::select! {
                 biased;
                 // The deadlines first: a client that keeps sending blank lines is still idle.
-                () = idle.as_mut() => return Err(Stop::Quietly),
+                () = idle.as_mut() => return Err(idled_out),
                 () = closing.cancelled() => return Err(Stop::Quietly),
-                () = crowded.notified() => return Err(Stop::Crowded),
                 read = stream.read_buf(read) => match read {
                     Ok(0) | Err(_) => return Err(Stop::Quietly),
                     Ok(_) => {}
@@ -637,9 +645,7 @@ mod tests {
         // Everything is sent (or sits in the sockets' buffers) before the server reads.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         let mut conn = Connection::new(server);
-        let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), &Notify::new()).await else {
-            panic!("a request")
-        };
+        let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
         assert_eq!(read.len(), body);
         assert!(conn.read.len() <= READ_CHUNK, "{} bytes read past the body", conn.read.len());
         sending.abort();
@@ -658,9 +664,7 @@ mod tests {
             format!("POST /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ncontent-length: 2\r\n\r\n{{}}");
         client.write_all(request.as_bytes()).await?;
         let mut conn = Connection::new(server);
-        let Ok((_, body, _)) = conn.read_request(&CancellationToken::new(), &Notify::new()).await else {
-            panic!("a request")
-        };
+        let Ok((_, body, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
         assert_eq!(&body[..], b"{}");
         assert!(conn.read.is_empty());
         assert!(!conn.read.try_reclaim(READ_CHUNK + 1), "the 40 KiB the head took is given back");

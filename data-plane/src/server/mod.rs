@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use axum::Router;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -32,10 +32,35 @@ pub struct App {
 }
 
 /// Client connections served at once. Past it the server stops accepting until one closes, so
-/// new clients wait in the listen backlog: memory stays bounded (each connection holds at most
-/// `conn`'s buffers) however many clients connect. Connections idle between requests are
-/// closed to make room (see `accept`).
+/// new clients wait (one accepted, the rest in the listen backlog): memory stays bounded (each connection holds at most
+/// `conn`'s buffers) however many clients connect. Near it, connections wait idle only briefly
+/// ([`Slots::crowded`]).
 pub const MAX_CONNECTIONS: usize = 16_384;
+
+/// The part of the slots whose being free or not makes the server crowded: with no more than
+/// a sixteenth of them free, connections waiting idle hold what a new client may need.
+const CROWDED_SHARE: usize = 16;
+
+/// The connection slots, and whether they are nearly all taken.
+#[derive(Debug)]
+pub(super) struct Slots {
+    free: Arc<Semaphore>,
+    crowded_at: usize,
+}
+
+impl Slots {
+    fn new(capacity: usize) -> Self {
+        Self { free: Arc::new(Semaphore::new(capacity)), crowded_at: capacity / CROWDED_SHARE }
+    }
+
+    /// Whether a connection starting to wait idle should wait only briefly, as nginx reuses
+    /// idle connections when it runs short: otherwise clients that connect and send nothing
+    /// (or keep-alive ones between requests) could hold every slot for the idle timeout, and
+    /// real ones wait in the listen backlog meanwhile. One atomic read.
+    pub(super) fn crowded(&self) -> bool {
+        self.free.available_permits() <= self.crowded_at
+    }
+}
 
 /// How a server winds down, in three steps a replica takes in order (see `Replica::drain`).
 #[derive(Debug, Clone, Default)]
@@ -60,12 +85,11 @@ pub async fn serve(listener: TcpListener, app: App, stages: Stages) {
 /// [`serve`], with `capacity` connections at once.
 async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity: usize) {
     let connections = TaskTracker::new();
-    let slots = Arc::new(Semaphore::new(capacity));
-    let crowded = Arc::new(Notify::new());
+    let slots = Arc::new(Slots::new(capacity));
     loop {
         let accepted = tokio::select! {
             () = stages.closing.cancelled() => break,
-            accepted = accept(&listener, &slots, &crowded) => accepted,
+            accepted = accept(&listener, &slots.free) => accepted,
         };
         match accepted {
             Ok((stream, slot)) => {
@@ -75,12 +99,12 @@ async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity
                 }
                 let gauge = app.state.metrics.http_connections.clone();
                 gauge.inc();
-                let (app, stages, crowded) = (app.clone(), stages.clone(), Arc::clone(&crowded));
+                let (app, stages, slots) = (app.clone(), stages.clone(), Arc::clone(&slots));
                 connections.spawn(async move {
                     // Dropping a connection cut mid-answer closes its socket and ends the
                     // dispatch behind it.
                     tokio::select! {
-                        () = conn::serve(stream, app, &stages, &crowded) => {}
+                        () = conn::serve(stream, app, &stages, &slots) => {}
                         () = stages.cut.cancelled() => {}
                     }
                     gauge.dec();
@@ -106,22 +130,11 @@ async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity
     connections.wait().await;
 }
 
-/// The next connection, once a slot is free for it. With every slot taken, the connections
-/// waiting idle for a request (keep-alive ones between requests, and ones opened and silent)
-/// are told to close, as nginx reuses its idle connections when it runs out: otherwise clients
-/// that connect and send nothing could hold every slot for the idle timeout, and real ones
-/// wait in the listen backlog meanwhile.
-async fn accept(
-    listener: &TcpListener,
-    slots: &Arc<Semaphore>,
-    crowded: &Notify,
-) -> std::io::Result<(TcpStream, OwnedSemaphorePermit)> {
-    // Accepted first, so that idle connections close only for one that came: past the cap, one
-    // connection waits here for its slot, and the rest in the listen backlog.
+/// The next connection, once a slot is free for it. Accepted first: a slot taken ahead of the
+/// connection would read as one more taken to [`Slots::crowded`]. Past the cap, one connection
+/// waits here for its slot, and the rest in the listen backlog.
+async fn accept(listener: &TcpListener, slots: &Arc<Semaphore>) -> std::io::Result<(TcpStream, OwnedSemaphorePermit)> {
     let (stream, _) = listener.accept().await?;
-    if slots.available_permits() == 0 {
-        crowded.notify_waiters();
-    }
     // The semaphore is never closed.
     let slot = Arc::clone(slots).acquire_owned().await.map_err(std::io::Error::other)?;
     Ok((stream, slot))
@@ -133,11 +146,13 @@ mod tests {
 
     use super::*;
     use crate::http::{self, AppState};
+    use crate::server::conn::CROWDED_IDLE_TIMEOUT;
 
-    /// With every slot held by clients that connected and said nothing, a new client is still
-    /// served: the silent ones are closed for it, and counted.
+    /// With nearly every slot held, a connection waiting idle waits only briefly: a new client
+    /// gets the slot of the one that went idle last, while those idle before the crowding keep
+    /// theirs.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn silent_connections_holding_every_slot_are_closed_for_a_new_one() -> anyhow::Result<()> {
+    async fn near_capacity_an_idle_connection_gives_its_slot_to_a_new_one() -> anyhow::Result<()> {
         const CAPACITY: usize = 3;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -145,27 +160,42 @@ mod tests {
         let app = App { router: http::router(Arc::clone(&state)), state: Arc::clone(&state) };
         let stages = Stages::default();
         let server = tokio::spawn(serve_at_most(listener, app, stages.clone(), CAPACITY));
-        let mut silent = Vec::new();
+        // Keep-alive clients, one after another, each idle after one request: only the last
+        // starts waiting with the server crowded.
+        let ask = async |stream: &mut TcpStream| -> anyhow::Result<()> {
+            stream.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await?;
+            let mut head = [0u8; 12];
+            tokio::time::timeout(CROWDED_IDLE_TIMEOUT * 5, stream.read_exact(&mut head)).await??;
+            anyhow::ensure!(head.starts_with(b"HTTP/1.1 "), "{:?}", String::from_utf8_lossy(&head));
+            Ok(())
+        };
+        let mut idle = Vec::new();
         for _ in 0..CAPACITY {
-            silent.push(TcpStream::connect(addr).await?);
-        }
-        // Every slot taken (the gauge counts accepted connections).
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-        while state.metrics.http_connections.get() < CAPACITY as i64 {
-            anyhow::ensure!(tokio::time::Instant::now() < deadline, "the silent connections were accepted");
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            let mut stream = TcpStream::connect(addr).await?;
+            ask(&mut stream).await?;
+            idle.push(stream);
+            // Its connection back in its idle wait before the next one comes.
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let mut client = TcpStream::connect(addr).await?;
-        client.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await?;
-        let mut answer = [0u8; 12];
-        tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut answer)).await??;
-        assert!(answer.starts_with(b"HTTP/1.1 "), "{:?}", String::from_utf8_lossy(&answer));
-        for mut stream in silent {
-            let mut rest = Vec::new();
-            let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut rest)).await;
-            assert!(matches!(read, Ok(Ok(0))), "a silent connection closed: {read:?}");
+        ask(&mut client).await?;
+        assert_eq!(state.metrics.http_connections_shed.get(), 1, "the one that came last gave way");
+        let mut last = idle.pop().expect("three");
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(5), last.read_to_end(&mut rest)).await;
+        assert!(matches!(closed, Ok(Ok(_))), "the last one was closed: {closed:?}");
+        for mut stream in idle {
+            // What is left of its answer, then nothing: open, not closed.
+            let mut rest = vec![0u8; 64 << 10];
+            let open = loop {
+                match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut rest)).await {
+                    Err(_) => break true,
+                    Ok(Ok(0) | Err(_)) => break false,
+                    Ok(Ok(_)) => {}
+                }
+            };
+            assert!(open, "a connection idle from before the crowding is still open");
         }
-        assert_eq!(state.metrics.http_connections_shed.get(), CAPACITY as u64);
         stages.closing.cancel();
         stages.cut.cancel();
         server.await?;
