@@ -74,20 +74,20 @@ impl Registry {
     /// under load) would otherwise read as one that never published, which is idle.
     pub fn publish(&self, fleet: Fleet) {
         let mut replaced = None;
+        let mut mixed = Vec::new();
         self.tx.send_if_modified(|current| {
             if current.fleet == fleet {
                 return false;
             }
             let next = Arc::new(Generation { generation: current.generation + 1, fleet });
-            replaced = Some((std::mem::replace(current, Arc::clone(&next)), next));
+            // Followed here, in generation order: a removal counted before its addition would
+            // be lost to the counts' floor.
+            mixed = self.mixing.lock().unwrap_or_else(PoisonError::into_inner).update(&current.fleet, &next.fleet);
+            replaced = Some(std::mem::replace(current, next));
             true
         });
-        if let Some((previous, installed)) = replaced {
-            // The generation this publish installed: role counts add up whatever order two
-            // publishes reach here in.
-            let mut mixing = self.mixing.lock().unwrap_or_else(PoisonError::into_inner);
-            mixing::warn(&mixing.update(&previous.fleet, &installed.fleet));
-            drop(mixing);
+        mixing::warn(&mixed);
+        if let Some(previous) = replaced {
             let mut change = worker_changes(&previous.fleet, &self.current().fleet);
             // Held until the change is committed: a newer sample stored meanwhile would be
             // published before its worker is in the view, dropped, and then overtaken by the

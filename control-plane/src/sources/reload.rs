@@ -91,13 +91,6 @@ pub fn classify(old: &Config, new: &Config) -> DiscoveryReload {
 fn classify_etcd(old: &Config, new: &Config) -> DiscoveryReload {
     let (oe, ne) = (&old.dynamo.discovery.etcd, &new.dynamo.discovery.etcd);
     let restart = |reason, registry| DiscoveryReload::Restart { reason, registry };
-    if oe.endpoints != ne.endpoints || oe.tls != ne.tls || oe.auth != ne.auth {
-        // The same fleet reached another way (a rotated password or certificate, an endpoint
-        // added): emptied now, every replica following would be sent no workers until the new
-        // watcher's first read, and for good were the new settings wrong. It stays as the last
-        // read found it, as when etcd is unreachable, until that read replaces it whole.
-        return restart(RestartReason::Connection, RegistryOnRestart::Keep);
-    }
     let (old_ns, new_ns) = (old.namespaces(), new.namespaces());
     if old_ns != new_ns {
         // A list that only gained or lost entries keeps its surviving graphs routable; a
@@ -109,6 +102,14 @@ fn classify_etcd(old: &Config, new: &Config) -> DiscoveryReload {
         } else {
             restart(RestartReason::Namespace, RegistryOnRestart::Reset)
         };
+    }
+    // Namespaces unchanged (a change of them decides above, whatever else changed with them).
+    if oe.endpoints != ne.endpoints || oe.tls != ne.tls || oe.auth != ne.auth {
+        // The same fleet reached another way (a rotated password or certificate, an endpoint
+        // added): emptied now, every replica following would be sent no workers until the new
+        // watcher's first read, and for good were the new settings wrong. It stays as the last
+        // read found it, as when etcd is unreachable, until that read replaces it whole.
+        return restart(RestartReason::Connection, RegistryOnRestart::Keep);
     }
     if oe.watch_reconnect_backoff != ne.watch_reconnect_backoff {
         return restart(RestartReason::Backoff, RegistryOnRestart::Keep);
@@ -168,6 +169,13 @@ mod tests {
                     "    source: etcd\n    etcd:\n      endpoints: [\"http://127.0.0.1:2380\"]\n      namespaces: [a, b]\n",
                 ),
                 restart(RestartReason::Connection, RegistryOnRestart::Keep),
+            ),
+            (
+                "endpoints and every namespace at once: a different fleet",
+                config(
+                    "    source: etcd\n    etcd:\n      endpoints: [\"http://127.0.0.1:2380\"]\n      namespaces: [c, d]\n",
+                ),
+                restart(RestartReason::Namespace, RegistryOnRestart::Reset),
             ),
             (
                 "auth",

@@ -211,7 +211,8 @@ impl Body for RelayBody {
 /// `error` member, the shape an OpenAI stream, and Dynamo's frontend, carry errors in. Only a
 /// line's start is looked at: a token's text is inside a string there, never at the start.
 fn carries_error_event(data: &[u8]) -> bool {
-    data.split(|b| *b == b'\n').any(|line| {
+    // Lines end at LF, CRLF or CR: split at either, a CRLF leaving an empty piece between.
+    data.split(|b| *b == b'\n' || *b == b'\r').any(|line| {
         line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start().starts_with(b"{\"error\""))
     })
 }
@@ -316,6 +317,7 @@ mod tests {
         let frontend_503 = b"data: {\"error\":{\"message\":\"Service temporarily unavailable\",\"type\":\"service_unavailable\",\"code\":503}}\n\ndata: [DONE]\n\n";
         assert!(carries_error_event(frontend_503));
         assert!(carries_error_event(b"data: {\"id\":1}\n\ndata:{\"error\":\"x\"}\r\n\r\n"));
+        assert!(carries_error_event(b"data: {\"id\":1}\r\rdata: {\"error\":\"x\"}\r\r"), "CR-only lines");
         for fine in [
             &b"data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\n"[..],
             b"data: {\"choices\":[{\"delta\":{\"content\":\"{\\\"error\\\"\"}}]}\n\n",

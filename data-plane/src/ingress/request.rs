@@ -57,7 +57,9 @@ pub(crate) const ON_THE_RUNTIME_BYTES: usize = 64 << 10;
 /// Handed over, such work runs to its end even when its request is dropped (its client left),
 /// holding its body after the connection has given the body's charge back: the permit, taken
 /// before the hand-over and held by the work, bounds what it holds to this many bodies.
-pub const MAX_OFF_RUNTIME_WORK: usize = 4;
+/// Sixteen: more than the blocking pool runs at once on the hosts a replica runs on, and at
+/// most 128 MiB of bodies held by abandoned work.
+pub const MAX_OFF_RUNTIME_WORK: usize = 16;
 
 static OFF_RUNTIME: Semaphore = Semaphore::const_new(MAX_OFF_RUNTIME_WORK);
 
@@ -221,7 +223,8 @@ impl ChatRequest {
     }
 
     /// The body as a JSON tree, parsed anew (KV rendering reads it), once there is room for
-    /// it under [`MAX_TREE_BYTES_IN_FLIGHT`]; the room is held as long as the permit.
+    /// it under its budget ([`MAX_TREE_BYTES_IN_FLIGHT`], or [`MAX_SMALL_TREE_BYTES_IN_FLIGHT`]
+    /// for a small body); the room is held as long as the tree.
     pub async fn tree(&self) -> Result<Tree, RequestError> {
         self.tree_within(Duration::MAX).await
     }
@@ -484,8 +487,8 @@ mod tests {
         assert!(large.tree().await.is_ok(), "and is built once one is let go");
     }
 
-    /// A caller's wait bounds the room only: a large body's parse, which takes a while on an
-    /// idle machine too, is not cut short by it.
+    /// A caller's wait bounds the room (and the turn on the blocking pool), not the parse: a
+    /// large body's, which takes a while on an idle machine too, is not cut short by it.
     #[tokio::test]
     async fn a_wait_for_a_tree_bounds_its_room_not_its_parse() {
         let numbers = vec!["1"; (MAX_REQUEST_BODY_BYTES - 64) / 2].join(",");

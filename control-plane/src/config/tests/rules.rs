@@ -97,6 +97,7 @@ fn discovery_rows() -> Vec<Row> {
         row("kubernetes_pods model with whitespace", kube_pods("{namespace: dynamo, model: 'solar pro'}"), Error, "dynamo.discovery.kubernetes.model", "whitespace"),
         row("kubernetes_pods duplicate component", kube_pods("{namespace: dynamo, models: [{component: c, model: a}, {component: c, model: b}]}"), Error, "dynamo.discovery.kubernetes.models[1].component", "duplicates"),
         row("kubernetes_pods models bounded", kube_pods(&format!("{{namespace: dynamo, models: {}}}", list(257, |i| format!("{{component: c{i}, model: m}}")))), Error, "dynamo.discovery.kubernetes.models", "at most 256"),
+        row("kubernetes_pods one namespace named or not", kube_pods("{namespace: d, dynamo_namespaces: [a], models: [{component: c, model: m}, {component: c, model: n, dynamo_namespace: a}]}"), Error, "dynamo.discovery.kubernetes.models[1].component", "duplicates"),
         row("kubernetes_pods models need dynamo_namespace", kube_pods("{namespace: d, dynamo_namespaces: [a, b], models: [{component: c, model: m}]}"), Error, "dynamo.discovery.kubernetes.models[0].dynamo_namespace", "required"),
         row("kubernetes sources refused as the binary refuses them", kube_pods("{namespace: dynamo, model: m}"), Error, "dynamo.discovery.source", "not available in this build"),
         row("kubernetes_pods has no load signals", kube_pods("{namespace: dynamo, model: m}"), Warning, "dynamo.discovery.source", "round-robin"),

@@ -116,7 +116,12 @@ fn check_models_list(kube: &KubernetesConfig, report: &mut Report) {
             _ => {}
         }
     }
-    let keys = kube.models.iter().map(|m| (m.dynamo_namespace.as_deref(), m.component.as_str()));
+    // With one namespace listed, a model that names none is in that one.
+    let only = match kube.dynamo_namespaces.as_slice() {
+        [only] => Some(only.as_str()),
+        _ => None,
+    };
+    let keys = kube.models.iter().map(|m| (m.dynamo_namespace.as_deref().or(only), m.component.as_str()));
     for (index, first) in duplicates(keys) {
         report.error(format!("{BASE}.models[{index}].component"), format!("duplicates {BASE}.models[{first}]"));
     }
