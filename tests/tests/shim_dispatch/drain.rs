@@ -119,9 +119,15 @@ async fn a_stream_that_ends_during_the_drain_closes_its_connection() -> anyhow::
     assert!(received.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&received));
     assert!(!String::from_utf8_lossy(&received).to_lowercase().contains("connection: close"));
 
-    let Harness { control, replica, .. } = harness;
+    let Harness { control, replica, http } = harness;
+    let readyz = format!("http://{}/readyz", replica.local_addr);
     let drain_delay = Duration::from_secs(5);
     let draining = tokio::spawn(replica.drain(drain_delay, Duration::from_secs(30)));
+    // The stream ends once the replica is draining (its readiness fails), not before.
+    eventually(drain_delay / 2, "the replica draining", || async {
+        http.get(&readyz).send().await.is_ok_and(|answer| answer.status() == 503)
+    })
+    .await?;
     gate.send(Ok(Bytes::from(DONE))).await?;
     drop(gate);
     let closed = tokio::time::timeout(drain_delay / 2, async {
