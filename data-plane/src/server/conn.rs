@@ -318,6 +318,11 @@ impl Connection {
             }
             BodyFraming::Chunked => {
                 if self.read.is_empty() && head.expects_continue {
+                    // Its length unknown: invited only while a body past the free size would
+                    // find room.
+                    if !REQUEST_BODIES.has_room(FREE_BYTES + 1) {
+                        return Err(Stop::Refuse(HeadError::Busy));
+                    }
                     write_continue(&mut self.stream).await?;
                 }
                 self.read_chunked(head_length).await?

@@ -438,6 +438,12 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     waiting.write_all(chat_head("expect: 100-continue\r\n", 8_000_000).as_bytes()).await?;
     let answer = read_answer(&mut waiting, &mut Vec::new()).await?;
     assert_eq!(answer.status, 503, "refused at once, not invited: {answer:?}");
+    let mut waiting = TcpStream::connect(harness.replica.local_addr).await?;
+    let chunked_head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                        expect: 100-continue\r\ntransfer-encoding: chunked\r\n\r\n";
+    waiting.write_all(chunked_head.as_bytes()).await?;
+    let answer = read_answer(&mut waiting, &mut Vec::new()).await?;
+    assert_eq!(answer.status, 503, "a chunked body of unknown length neither: {answer:?}");
     let held = sample(&harness.metrics().await?, "continuum_body_bytes_held{budget=\"request\"}");
     assert_eq!(held, Some(REQUEST_BODY_BUDGET as f64), "what is held, exported");
     drop(elsewhere);
@@ -458,7 +464,7 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
         .await?;
     drop(idle);
     let refused = sample(&harness.metrics().await?, "continuum_http_requests_refused_total{reason=\"busy\"}");
-    assert_eq!(refused, Some(2.0));
+    assert_eq!(refused, Some(3.0));
 
     let answer = || Reply::Fixed {
         status: StatusCode::OK,
