@@ -75,17 +75,21 @@ async fn sized_work<T: Send + 'static>(
         return Some(work());
     }
     // Never closed, so always granted in turn; a request dropped while it waits holds nothing.
-    let turn = OFF_RUNTIME.acquire();
-    let permit = match deadline {
-        Some(deadline) => tokio::time::timeout_at(deadline, turn).await.ok()?.ok()?,
-        None => turn.await.ok()?,
-    };
+    let permit = until(deadline, OFF_RUNTIME.acquire()).await?.ok()?;
     tokio::task::spawn_blocking(move || {
         let _held = permit;
         work()
     })
     .await
     .ok()
+}
+
+/// `future`'s output if it comes by `deadline` (`None`: whenever it comes).
+async fn until<F: Future>(deadline: Option<tokio::time::Instant>, future: F) -> Option<F::Output> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, future).await.ok(),
+        None => Some(future.await),
+    }
 }
 
 impl Drop for Tree {
@@ -243,10 +247,7 @@ impl ChatRequest {
         let bytes = u32::try_from(self.raw.len().min(size)).unwrap_or(u32::MAX);
         let acquire = budget.acquire_many(bytes);
         let deadline = tokio::time::Instant::now().checked_add(wait);
-        let room = match deadline {
-            Some(deadline) => tokio::time::timeout_at(deadline, acquire).await.map_err(|_| RequestError::Busy)?.ok(),
-            None => acquire.await.ok(),
-        };
+        let room = until(deadline, acquire).await.ok_or(RequestError::Busy)?.ok();
         let raw = self.raw.clone();
         // The room goes with the parse: one on the blocking pool runs to its end even when the
         // caller stops waiting (a deadline), and the tree it builds must stay counted until
