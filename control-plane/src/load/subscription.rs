@@ -117,17 +117,20 @@ pub async fn run<F: Feed>(
     }
     loop {
         status.set(SubscriptionState::Connecting);
-        let started = tokio::time::Instant::now();
+        // A session's length runs from its handshake: a dial or a greeting that took long and
+        // then failed is not a stable session, and must not reset the backoff.
+        let mut connected_at = None;
         let ended = tokio::select! {
             biased;
             () = cancel.cancelled() => return,
-            ended = session(&ctx, &publisher, &policy, &status) => ended,
+            ended = session(&ctx, &publisher, &policy, &status, &mut connected_at) => ended,
         };
         ctx.feed.disconnected(&publisher);
         if let Some(refusal) = report(ctx.feed.topic(), &publisher, &ended, &mut warned) {
             ctx.feed.refused(refusal);
         }
-        backoff.session_ended(started.elapsed(), ctx.stable_session);
+        let lasted = connected_at.map_or(Duration::ZERO, |at: tokio::time::Instant| at.elapsed());
+        backoff.session_ended(lasted, ctx.stable_session);
         status.set(SubscriptionState::Backoff);
         tokio::select! {
             biased;
@@ -173,8 +176,9 @@ async fn session<F: Feed>(
     publisher: &Publisher,
     policy: &DialPolicy,
     status: &SubscriptionStatus,
+    connected_at: &mut Option<tokio::time::Instant>,
 ) -> SessionEnd {
-    match connected_session(ctx, publisher, policy, status).await {
+    match connected_session(ctx, publisher, policy, status, connected_at).await {
         Ok(never) => match never {},
         Err(end) => end,
     }
@@ -185,10 +189,12 @@ async fn connected_session<F: Feed>(
     publisher: &Publisher,
     policy: &DialPolicy,
     status: &SubscriptionStatus,
+    connected_at: &mut Option<tokio::time::Instant>,
 ) -> Result<std::convert::Infallible, SessionEnd> {
     let stream = dial::dial(&publisher.address, policy.allow.as_deref(), ctx.limits.connect_timeout).await?;
     let topic = ctx.feed.topic().as_str();
     let mut session = ZmtpSubscriber::handshake(stream, ctx.limits, topic.as_bytes()).await?;
+    *connected_at = Some(tokio::time::Instant::now());
     status.set(SubscriptionState::Connected);
     ctx.feed.connected(publisher).await;
     let mut state = F::Session::default();

@@ -208,3 +208,55 @@ async fn past_the_cap_publishers_naming_a_worker_come_first() {
     supervisor.stop().await;
     assert_eq!(admitted, [1, 1 << 50], "the named publisher, then the lowest id");
 }
+
+/// A publisher that accepts and never greets fails every session at the handshake timeout,
+/// which is longer here than a stable session: the time spent dialling and greeting is no
+/// session, so the backoff keeps growing and some wait runs past its first ceiling.
+#[tokio::test]
+async fn a_handshake_that_times_out_is_no_stable_session() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("tcp://{}", listener.local_addr().unwrap());
+    let (accepted_tx, mut accepted) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            held.push(conn);
+            let _ = accepted_tx.send(tokio::time::Instant::now());
+        }
+    });
+    let mut fleet = Fleet::default();
+    let silent = Publisher { address, ..publisher(7) };
+    fleet.publishers.insert(silent.key(), silent);
+    let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
+    let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
+    let feed =
+        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let handshake = Duration::from_millis(100);
+    let options = LoadOptions {
+        limits: ZmtpLimits { handshake_timeout: handshake, ..ZmtpLimits::KV_METRICS },
+        backoff_initial: Duration::from_millis(20),
+        backoff_max: Duration::from_secs(10),
+        stable_session: Duration::from_millis(50),
+        ..LoadOptions::default()
+    };
+    let direct = DialPolicy { transport: LoadTransport::Direct, allow: None };
+    let mut supervisor = Supervisor::start(feed, direct, options, registry, CancellationToken::new());
+    // Were each failed greeting a stable session, every wait would be drawn from [20, 40] ms
+    // and no gap between dials exceed 140 ms (plus scheduling). Growing, the ceilings run
+    // 40, 80, 160, 320, … ms: all eight waits at most 100 ms has odds below 1 in 20,000.
+    let mut last = accepted.recv().await.unwrap();
+    let mut gaps = Vec::new();
+    let waited_long = loop {
+        let next = accepted.recv().await.unwrap();
+        gaps.push(next - last);
+        last = next;
+        if gaps.iter().any(|gap| *gap > Duration::from_millis(200)) {
+            break true;
+        }
+        if gaps.len() == 8 {
+            break false;
+        }
+    };
+    supervisor.stop().await;
+    assert!(waited_long, "the backoff never grew: gaps between dials {gaps:?}");
+}
