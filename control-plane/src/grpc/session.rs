@@ -173,8 +173,9 @@ impl Session {
                     idle
                 }
             };
+            // Unbiased: a replica whose reports arrive without a pause must neither starve its
+            // own updates nor keep the stall deadline from being looked at.
             let event = tokio::select! {
-                biased;
                 message = self.inbound.message() => Event::Inbound(message),
                 permit = outbound.reserve(), if has_work => match permit {
                     Ok(permit) => Event::Room(permit),
