@@ -3,7 +3,7 @@
 //! above for when).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use continuum_proto::pb;
@@ -47,6 +47,11 @@ enum Command {
 pub(super) struct QueuedReports {
     bytes: AtomicUsize,
     reports: AtomicUsize,
+    /// A session's: it ended, so its reports still queued are dropped unread. The book forgets
+    /// its dispatches as it learns the session ended, so folding them first would change
+    /// nothing, and a replica that floods the queue, is refused and reconnects leaves behind
+    /// only what the book can discard at once, not a share the others' reports wait behind.
+    ended: AtomicBool,
 }
 
 impl QueuedReports {
@@ -117,6 +122,12 @@ impl SessionReports {
     }
 }
 
+impl Drop for SessionReports {
+    fn drop(&mut self) {
+        self.share.ended.store(true, Ordering::Release);
+    }
+}
+
 impl BacklogBook {
     /// Starts the book's task, which keeps the blocks in flight in `active`.
     pub fn spawn(
@@ -172,6 +183,9 @@ async fn run(
                     Some(Command::Report { replica, report, at, bytes, share }) => {
                         queued.give_back(bytes);
                         share.give_back(bytes);
+                        if share.ended.load(Ordering::Acquire) {
+                            continue;
+                        }
                         // The state itself, not the watch's guard: folding a report of a
                         // thousand dispatches must not hold off the fleet's next version (and
                         // every session reading the current one behind it).

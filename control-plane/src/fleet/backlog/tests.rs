@@ -940,6 +940,35 @@ async fn a_flooding_session_leaves_room_in_the_queue_for_the_others() {
     cancel.cancel();
 }
 
+/// A session that ended leaves its queued reports to be dropped unread: its replica, refused
+/// for flooding, cannot reconnect and flood again while the book still works through what it
+/// left behind, with every other replica's reports waiting behind that.
+#[tokio::test]
+async fn the_reports_of_a_session_that_ended_are_dropped_unread() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    let cancel = CancellationToken::new();
+    let counters = counters();
+    let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters.clone(), cancel.clone());
+    // Each starts a dispatch on a rank this fleet does not have: folded, it is counted refused.
+    let unknown = || report(vec![started(7, 0, 16)], vec![]);
+    let flooding = book.session();
+    let queued = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, unknown())).count();
+    assert_eq!(queued, COMMAND_QUEUE / SESSION_SHARE);
+    drop(flooding);
+    let honest = book.session();
+    assert!(honest.report(2, unknown()), "room for another session");
+    let folded = || counters.refused.with_label_values(&[Refusal::UnknownRank.as_str()]).get();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while folded() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the honest report is folded");
+    assert_eq!(folded(), 1, "only the live session's report was folded");
+    cancel.cancel();
+}
+
 #[test]
 fn a_report_is_charged_for_the_namespaces_its_replica_wrote() {
     let mut long = started(1, 0, 16);
