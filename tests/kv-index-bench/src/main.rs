@@ -3,7 +3,7 @@
 //! structures alone) and against its `KvIndexer` (the channel-fed actor its router runs). Our side
 //! is the bare index both times.
 //!
-//! Run: `CARGO_TARGET_DIR=/work/target-kvbench cargo run --release` in this directory; `--write`
+//! Run: `cargo run --release` in this directory; `--write`
 //! also replaces the `bench-kv-index` section of `docs/benchmarks.md`.
 
 mod dynamo;

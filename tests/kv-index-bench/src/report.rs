@@ -54,7 +54,7 @@ pub fn render(w: &Workload, ours: &Figures, theirs: &[Theirs<'_>], stats: &Index
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "Measured {} with `CARGO_TARGET_DIR=/work/target-kvbench cargo run --release -- --write` in `tests/kv-index-bench` on {} cores ({}).\n",
+        "Measured {} with `cargo run --release -- --write` in `tests/kv-index-bench` on {} cores ({}).\n",
         today(),
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         cpu_model()
