@@ -181,31 +181,50 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
         tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
     assert!(!is_snapshot(&next), "a delta, not another snapshot");
 
-    // A refused snapshot cannot be mended by another: the stream ends, and the replica
-    // reconnects with its backoff (under load, snapshots would otherwise go out back to back).
-    control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 3, "m")], ..Default::default() });
+    // Another refused delta so soon after the resync ends the stream: one snapshot per refusal
+    // would let a replica that refuses every delta (a bug, or a peer holding the token) have
+    // the fleet encoded whole for each reply of a few bytes.
     let nack = pb::Nack { version: next.version, nonce: next.nonce.clone(), reason: "test refuses it".into() };
     replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
-    let mut snapshot = None;
-    while let Some(update) = tokio::time::timeout(CONVERGE, updates.message()).await?? {
-        if is_snapshot(&update) {
-            snapshot = Some(update);
-            break;
-        }
-    }
-    let snapshot = snapshot.ok_or_else(|| anyhow::anyhow!("no snapshot after the refused delta"))?;
-    let nack = pb::Nack { version: snapshot.version, nonce: snapshot.nonce.clone(), reason: "refused".into() };
-    replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
-    let ended = loop {
-        match tokio::time::timeout(CONVERGE, updates.message()).await? {
-            Ok(Some(update)) => assert!(!is_snapshot(&update), "no snapshot after a refused one"),
-            Ok(None) => anyhow::bail!("the stream ended without a status"),
-            Err(status) => break status,
-        }
-    };
+    let ended = ended_status(&mut updates).await?;
     assert_eq!(ended.code(), tonic::Code::FailedPrecondition, "{ended:?}");
+    assert_eq!(control.metrics.updates_sent.with_label_values(&["snapshot"]).get(), 2, "the first and one resync");
     control.stop().await;
     Ok(())
+}
+
+/// A refused snapshot cannot be mended by another: the stream ends, and the replica reconnects
+/// with its backoff (under load, snapshots would otherwise go out back to back). A refusal of
+/// a version the stream never sent is no refusal of anything: it ends the stream too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_snapshot_or_a_refusal_of_nothing_sent_ends_the_stream() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let (replies, mut updates) = open_watch(&control.url(), "refuser").await?;
+    let snapshot = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let nack = pb::Nack { version: snapshot.version, nonce: snapshot.nonce.clone(), reason: "refused".into() };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
+    let ended = ended_status(&mut updates).await?;
+    assert_eq!(ended.code(), tonic::Code::FailedPrecondition, "{ended:?}");
+
+    let (replies, mut updates) = open_watch(&control.url(), "refuser").await?;
+    let snapshot = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let nack = pb::Nack { version: u64::MAX, nonce: snapshot.nonce.clone(), reason: "never sent".into() };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
+    let ended = ended_status(&mut updates).await?;
+    assert_eq!(ended.code(), tonic::Code::InvalidArgument, "{ended:?}");
+    control.stop().await;
+    Ok(())
+}
+
+/// The status a stream ends with; no snapshot may come before it.
+async fn ended_status(updates: &mut tonic::Streaming<pb::FleetUpdate>) -> anyhow::Result<tonic::Status> {
+    loop {
+        match tokio::time::timeout(CONVERGE, updates.message()).await? {
+            Ok(Some(update)) => anyhow::ensure!(!is_snapshot(&update), "no snapshot before the stream ends"),
+            Ok(None) => anyhow::bail!("the stream ended without a status"),
+            Err(status) => return Ok(status),
+        }
+    }
 }
 
 /// A replica whose messages never stop coming (reports faster than they are folded, or a

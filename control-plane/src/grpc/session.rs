@@ -29,6 +29,10 @@ pub const REPLICA_QUEUE_CAPACITY: usize = 4;
 /// long is following nothing: its session ends, and the replica, if it lives, dials again and
 /// starts over from a snapshot. A replica reads its stream within milliseconds.
 pub const REPLICA_STALL_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// A refused delta is mended with a full snapshot at most once in this long: a replica that
+/// refuses another delta sooner ends its session, and reconnects at its backoff's pace. Each
+/// refusal is a few bytes, a snapshot up to the Fleet message bound.
+pub const RESYNC_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) type Outbound = mpsc::Sender<Result<Queued, Status>>;
 
@@ -142,6 +146,8 @@ pub(crate) struct Session {
     /// The last snapshot sent: refusals of earlier updates are stale, and a refusal of it ends
     /// the session.
     last_snapshot: Option<Sent>,
+    /// When a refused delta last brought a snapshot ([`RESYNC_INTERVAL`]).
+    last_resync: Option<Instant>,
 }
 
 impl Session {
@@ -153,7 +159,19 @@ impl Session {
         (book, session_id): (SessionReports, u64),
         kv: KvHandle,
     ) -> Self {
-        Self { state, inbound, outbound, status, metrics, book, session_id, kv, held: None, last_snapshot: None }
+        Self {
+            state,
+            inbound,
+            outbound,
+            status,
+            metrics,
+            book,
+            session_id,
+            kv,
+            held: None,
+            last_snapshot: None,
+            last_resync: None,
+        }
     }
 
     /// Runs until the replica goes away or the control plane shuts down.
@@ -364,6 +382,13 @@ impl Session {
         // The replica's words, logged: a line's worth of them.
         let reason: String = nack.reason.chars().take(256).collect();
         let replica = &self.status.replica_id;
+        let sent = self.status.sent_version.load(Ordering::Relaxed);
+        if nack.version > sent {
+            return Err(Status::invalid_argument(format!(
+                "a refusal of version {}, which this stream never sent (its newest is {sent})",
+                nack.version
+            )));
+        }
         match &self.last_snapshot {
             Some(snapshot) if snapshot.answered_by(&nack) => {
                 tracing::warn!(%replica, version = nack.version, %reason, "replica refused a full snapshot; ending its session");
@@ -378,7 +403,15 @@ impl Session {
             }
             _ => {}
         }
+        let now = Instant::now();
+        if self.last_resync.is_some_and(|at| now.duration_since(at) < RESYNC_INTERVAL) {
+            tracing::warn!(%replica, version = nack.version, %reason, "replica refused another fleet update soon after a resync; ending its session");
+            return Err(Status::failed_precondition(format!(
+                "the replica refused fleet updates twice within {RESYNC_INTERVAL:?}; reconnect"
+            )));
+        }
         tracing::warn!(%replica, version = nack.version, %reason, "replica refused a fleet update; resyncing it with a full snapshot");
+        self.last_resync = Some(now);
         self.held = None;
         Ok(())
     }
