@@ -150,9 +150,16 @@ impl DispatchEnd {
     }
 
     /// Its answer broke off (a stream that failed after its head): its workers are suspects,
-    /// as for a buffered answer whose body broke.
+    /// as for a buffered answer whose body broke. Once its first token came, the prefill
+    /// worker's leg is proven done: only the rank decoding it is a suspect (one dead decode
+    /// worker would otherwise eject every prefill rank that paired with it).
     pub fn blame(&self) {
-        let ranks = self.ledger.ranks(self.id);
+        let mut ranks = self.ledger.ranks(self.id);
+        if self.prefilled {
+            // Legs are recorded prefill rank first; the rank decoding is the last.
+            let decoding = ranks.len().saturating_sub(1);
+            ranks.drain(..decoding);
+        }
         if !ranks.is_empty() {
             self.ledger.outliers().failed(&ranks, Instant::now());
         }
@@ -321,6 +328,41 @@ mod tests {
         let _end = DispatchEnd::record(&ledger, &reporter, &view, &aggregated, 160, &chain, false);
         let lookups: Vec<u64> = next().started.iter().map(|s| s.lookup).collect();
         assert_eq!(lookups, [42]);
+    }
+
+    /// A stream that breaks after its first token blames only the rank decoding it; one that
+    /// breaks before blames both its workers.
+    #[tokio::test]
+    async fn after_the_first_token_a_broken_stream_blames_only_its_decode_rank() {
+        use crate::routing::picker::EJECT_AFTER;
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let _rx = reporter.attached_receiver().expect("receiver");
+        let ledger = Arc::new(DispatchLedger::new());
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let pin = |id| Pin { worker: WorkerKey::new("dynamo", id), dp_rank: None };
+        let paired = |prefill, decode| Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: pin(decode),
+            prefill: Some(pin(prefill)),
+            decode_reason: Reason::Load,
+            prefill_reason: Some(Reason::Load),
+            cached_tokens: 0,
+        };
+        let chain = PromptChain::default();
+        let ejected = |id| ledger.outliers().ejected(&pin(id).rank_key(), Instant::now());
+        for _ in 0..EJECT_AFTER {
+            let mut end = DispatchEnd::record(&ledger, &reporter, &view, &paired(1, 2), 160, &chain, false);
+            end.prefilled();
+            end.blame();
+        }
+        assert!(ejected(2), "the decode rank is out");
+        assert!(!ejected(1), "the prefill rank finished its leg");
+        for _ in 0..EJECT_AFTER {
+            let end = DispatchEnd::record(&ledger, &reporter, &view, &paired(3, 4), 160, &chain, false);
+            end.blame();
+        }
+        assert!(ejected(3) && ejected(4), "before a first token, both are suspects");
     }
 
     /// A request answered whole shows no first token: the leg that prefills it says so, in its
