@@ -79,6 +79,8 @@ pub enum Reply {
     Fixed { status: StatusCode, content_type: Option<String>, body: Bytes },
     /// 200 `text/event-stream` whose frames the test sends.
     Stream(mpsc::Receiver<Frame>),
+    /// No answer at all, as for a generation longer than the router waits.
+    Hang,
 }
 
 #[derive(Debug, Default)]
@@ -209,7 +211,7 @@ async fn answer(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
         id != 0
             && headers.get("x-dynamo-worker-instance-id").and_then(|v| v.to_str().ok()) == Some(id.to_string().as_str())
     };
-    let hangs = pinned_to(&shared.hanging_worker);
+    let mut hangs = pinned_to(&shared.hanging_worker);
     let reply = if pinned_to(&shared.failing_worker) {
         Reply::Fixed { status: StatusCode::INTERNAL_SERVER_ERROR, content_type: None, body: Bytes::from_static(b"{}") }
     } else {
@@ -219,6 +221,7 @@ async fn answer(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
     let echo = echo(&headers, &body);
     shared.received.lock().unwrap_or_else(PoisonError::into_inner).push(Received { headers, body });
     shared.count.send_modify(|n| *n += 1);
+    hangs |= matches!(reply, Reply::Hang);
     if hangs {
         std::future::pending::<()>().await;
     }
@@ -233,6 +236,7 @@ async fn answer(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
             response
         }
         Reply::Stream(rx) => sse(Body::from_stream(ReceiverStream::new(rx))),
+        Reply::Hang => unreachable!("a hung reply never answers"),
     }
 }
 

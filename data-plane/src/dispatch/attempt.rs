@@ -85,17 +85,20 @@ impl Dispatcher {
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
         let sent = Instant::now();
-        let outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
+        let mut outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
         let (name, url, now) = (&replica.name, &replica.url, Instant::now());
         match &outcome {
             Ok(response) => self.health.record(name, url, !is_gateway_failure(response.status()), now),
             // A buffered answer's head comes only once generation is done, so a hung worker
-            // looks just so: the shim's failure only if it answered nothing else meanwhile
-            // (counted against it, a few requests stuck on one hung worker would open the
-            // breaker of a shim serving every other worker well). The pinned workers are
-            // blamed either way (`Dispatcher::pinned`).
-            Err(SendError::HeadTimeout(_)) if pins != Pins::default() => {
-                self.health.record_unanswered(name, url, sent, now);
+            // (or a long generation) looks just so: the shim's failure only if it answered
+            // nothing else meanwhile, and then its alone (counted against it, a few requests
+            // stuck on one hung worker would open the breaker of a shim serving every other
+            // worker well; blamed on the pins, a hung shim would eject workers that serve
+            // every other shim well). `Dispatcher::pinned` blames the pins of a `HeadTimeout`.
+            Err(SendError::HeadTimeout(after)) => {
+                if self.health.record_unanswered(name, url, sent, now) {
+                    outcome = Err(SendError::ShimSilent(*after));
+                }
             }
             Err(_) => self.health.record(name, url, false, now),
         }

@@ -210,12 +210,13 @@ impl ShimHealth {
 
     /// A request sent at `sent` got no response head in time: the replica's failure unless it
     /// answered another request since (then its chat path works, and the silence is the
-    /// request's workers').
-    pub fn record_unanswered(&self, name: &str, url: &str, sent: Instant, now: Instant) {
+    /// request's workers'). Whether it was counted as the replica's.
+    pub fn record_unanswered(&self, name: &str, url: &str, sent: Instant, now: Instant) -> bool {
         let answered_since = self.with(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
         if !answered_since {
             self.record(name, url, false, now);
         }
+        !answered_since
     }
 
     pub fn record(&self, name: &str, url: &str, healthy: bool, now: Instant) {

@@ -33,6 +33,10 @@ pub enum SendError {
     Exchange(#[source] ExchangeError),
     #[error("the shim replica sent no response head within {0:?}")]
     HeadTimeout(Duration),
+    /// A [`SendError::HeadTimeout`] while the shim replica answered no other request either:
+    /// its own silence, not its workers'.
+    #[error("the shim replica answered nothing within {0:?}, to this request or any other")]
+    ShimSilent(Duration),
     #[error("the shim URL {0} is not plain http://, the only scheme the data plane speaks to shims")]
     UnsupportedScheme(Uri),
 }

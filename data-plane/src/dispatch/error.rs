@@ -45,7 +45,7 @@ impl Failure {
     }
 
     pub fn is_timeout(&self) -> bool {
-        matches!(self, Failure::Send(SendError::HeadTimeout(_)) | Failure::BodyTimeout(_))
+        matches!(self, Failure::Send(SendError::HeadTimeout(_) | SendError::ShimSilent(_)) | Failure::BodyTimeout(_))
     }
 }
 

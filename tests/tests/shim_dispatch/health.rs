@@ -120,6 +120,9 @@ async fn a_shim_that_never_answers_times_out_instead_of_hanging() -> anyhow::Res
     let state = sample(&harness.metrics().await?, r#"continuum_shim_replica_state{backend="shim-silent"}"#);
     assert_eq!(state, Some(2.0), "open after two head timeouts with no answer between");
     assert!(harness.replica.ledger.is_empty());
+    // And its alone: blamed on the pins, a hung shim would eject workers every other shim
+    // reaches well.
+    assert!(harness.replica.ledger.outliers().is_empty(), "no strike against the pinned workers");
     harness.stop().await;
     held.abort();
     Ok(())
@@ -273,6 +276,41 @@ async fn a_worker_whose_buffered_answers_never_come_is_skipped_and_the_shim_stay
     assert_eq!(to_hung(), timed_out, "nothing more reached the hung worker");
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(0.0), "closed");
+    harness.stop().await;
+    Ok(())
+}
+
+/// Unpinned requests (disaggregated serving off) follow the same rule: long generations timing
+/// out together say nothing against a backend that answered other requests meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpinned_head_timeouts_of_a_backend_answering_others_leave_its_breaker_closed() -> anyhow::Result<()> {
+    use continuum_tests::shim_stub::Reply;
+    let shim = StubShim::start().await?;
+    let mut config = config(&[("shim", shim.url())]);
+    config.disaggregated_serving.enabled = false;
+    config.backends[0].models = vec![MODEL.into()];
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
+    let settings =
+        DispatchSettings { buffered_timeout: Duration::from_millis(500), breaker, ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config, settings).await?;
+    shim.push(Reply::Hang);
+    shim.push(Reply::Hang);
+    let long = async {
+        let requests = (0..2).map(|_| async { harness.post(&chat(MODEL, false)).await.map(|r| r.status()) });
+        futures::future::join_all(requests).await
+    };
+    let answered_meanwhile = async {
+        shim.count().wait_for(|n| *n >= 2).await?;
+        harness.post(&chat(MODEL, false)).await.map(|r| r.status())
+    };
+    let (long, meanwhile) = tokio::join!(long, answered_meanwhile);
+    assert_eq!(meanwhile?, 200);
+    for status in long {
+        assert_eq!(status?, 504);
+    }
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(0.0), "closed");
+    assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200);
     harness.stop().await;
     Ok(())
 }
