@@ -10,6 +10,8 @@ use std::io;
 use std::sync::Arc;
 
 use continuum_proto::model::{Capacity, CheckedFile, ModelArtifacts, PromptDefaults, Role};
+
+use super::fleet::{MAX_NAME_BYTES, MAX_PATH_BYTES};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
@@ -28,6 +30,10 @@ pub struct Card {
     pub dropped_bytes: Option<usize>,
     /// The release the card names, for diagnostics (cut as an excerpt).
     pub release: Option<String>,
+    /// The first typed field past its bound (`MAX_NAME_BYTES`, `MAX_PATH_BYTES`), as the
+    /// worker's field it names, and its length. Such fields are not kept: a card may be as
+    /// large as an etcd value, and the store holds it as long as its key lives.
+    pub oversized: Option<(&'static str, usize)>,
 }
 
 /// The card fields the router uses.
@@ -49,6 +55,40 @@ pub struct TypedCard {
     pub prompt_formatter: Option<ArtifactSlot>,
     /// The chat template, when it lives in its own file.
     pub chat_template_file: Option<ArtifactSlot>,
+}
+
+impl TypedCard {
+    /// Drops every field past its bound; the first one found, as the worker's field it names,
+    /// with its length.
+    fn drop_oversized(&mut self) -> Option<(&'static str, usize)> {
+        let mut first = None;
+        let mut check = |field: &mut Option<String>, name: &'static str, bound: usize| {
+            if let Some(bytes) = field.as_ref().map(String::len).filter(|&bytes| bytes > bound) {
+                *field = None;
+                first.get_or_insert((name, bytes));
+            }
+        };
+        check(&mut self.display_name, "model name", MAX_NAME_BYTES);
+        // Read only for what they claim: no real value comes near the bound.
+        check(&mut self.worker_type, "worker type", MAX_NAME_BYTES);
+        check(&mut self.model_suffix, "model suffix", MAX_NAME_BYTES);
+        if let Some(rc) = &mut self.runtime_config {
+            check(&mut rc.disaggregated_endpoint, "disaggregated endpoint", MAX_NAME_BYTES);
+        }
+        for slot in [&mut self.tokenizer, &mut self.prompt_formatter, &mut self.chat_template_file] {
+            let Some(ArtifactSlot(Some(file))) = slot else { continue };
+            let (path, checksum) = (file.uri.len(), file.checksum.len());
+            if path > MAX_PATH_BYTES || checksum > MAX_PATH_BYTES {
+                first.get_or_insert(if path > MAX_PATH_BYTES {
+                    ("artifact path", path)
+                } else {
+                    ("artifact checksum", checksum)
+                });
+                *slot = None;
+            }
+        }
+        first
+    }
 }
 
 /// One of a card's artifact slots: an externally tagged enum (`{"hf_tokenizer_json": {..}}`).
@@ -111,9 +151,10 @@ impl Card {
                 raw: None,
                 dropped_bytes: None,
                 release: None,
+                oversized: None,
             };
         }
-        let (typed, typed_error) = match TypedCard::deserialize(&card_json) {
+        let (mut typed, typed_error) = match TypedCard::deserialize(&card_json) {
             Ok(typed) => (typed, None),
             // serde quotes the value it refused, which a card may make megabytes long.
             Err(error) => (TypedCard::default(), Some(super::records::excerpt(&error.to_string()))),
@@ -135,7 +176,8 @@ impl Card {
             Ok(text) => (None, Some(text.len())),
             Err(size) => (None, Some(size)),
         };
-        Self { typed, typed_error, raw, dropped_bytes, release }
+        let oversized = typed.drop_oversized();
+        Self { typed, typed_error, raw, dropped_bytes, release, oversized }
     }
 
     /// A card with a non-empty `model_suffix` describes a LoRA adapter, not a worker's base model.
@@ -320,6 +362,26 @@ mod tests {
         }
         let no_files = Card::parse(json!({"runtime_config": {"exclude_tools_when_tool_choice_none": false}}), 128);
         assert_eq!(no_files.artifacts(), None, "defaults alone render nothing");
+    }
+
+    /// A field past its bound is not kept, whatever the card's size: only its name and length,
+    /// which exclude the worker.
+    #[test]
+    fn a_field_past_its_bound_is_dropped_and_named() {
+        let long = "n".repeat(4 << 20);
+        let card = Card::parse(json!({"display_name": long, "worker_type": "decode"}), (4 << 20) + 64);
+        assert_eq!(card.typed.display_name, None);
+        assert_eq!(card.oversized, Some(("model name", 4 << 20)));
+        assert_eq!(card.role_claim(), Some(Role::Decode), "the rest of the card stands");
+
+        let path = "p".repeat(MAX_PATH_BYTES + 1);
+        let file = json!({"hf_tokenizer_json": {"path": path, "checksum": "blake3:00"}});
+        let card = Card::parse(json!({"display_name": "tiny", "tokenizer": file}), 8 << 10);
+        assert_eq!(card.oversized, Some(("artifact path", MAX_PATH_BYTES + 1)));
+        assert_eq!((card.typed.tokenizer, card.typed.display_name.as_deref()), (None, Some("tiny")));
+
+        let card = Card::parse(json!({"display_name": "n".repeat(MAX_NAME_BYTES)}), 1 << 10);
+        assert_eq!((card.oversized, card.typed.display_name.map(|n| n.len())), (None, Some(MAX_NAME_BYTES)));
     }
 
     #[test]

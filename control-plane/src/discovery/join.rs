@@ -102,7 +102,8 @@ fn describe(key: &WorkerKey, instance: &EndpointRecord, card: Option<&Card>) -> 
     };
     // Implausible first: a worker excluded for another reason (its roles disagree) must not
     // keep outsized fields or ranks past the bound either.
-    match implausible(&worker).or(excluded) {
+    let oversized = card.and_then(|c| c.oversized).map(|(field, bytes)| Exclusion::OversizedField { field, bytes });
+    match implausible(&worker).or(oversized).or(excluded) {
         // Nothing of an implausible worker is kept beyond its identity and role: it is listed,
         // never routed, and must not carry its outsized fields into every snapshot.
         Some(
