@@ -417,15 +417,17 @@ impl Book {
             let sample = state.view().loads().get(&rank.key);
             let received_at = sample.map(|s| s.received_at);
             // A sum changes with a new sample (its foreign part) or an end (marked by `end`);
-            // a rank with nothing in flight may also settle with time.
-            if received_at != rank.sampled_at {
+            // a rank with nothing in flight may also settle with time. A new sample is
+            // measured once the rank may be walked.
+            let walk = rank.walk_due(now);
+            if walk && received_at != rank.sampled_at {
                 rank.sampled(received_at, sample.map(|s| &s.load));
                 mark(&mut self.dirty, key, rank);
             } else if rank.dispatches.is_empty() {
                 mark(&mut self.dirty, key, rank);
             }
             // Dispatches become "ending", and prefills progress, with time alone.
-            if rank.refresh_timed(now) {
+            if rank.refresh_timed(now, walk) {
                 mark(&mut self.dirty, key, rank);
             }
             // A worker removed and added again comes back without the backlog published for

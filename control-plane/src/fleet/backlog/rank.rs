@@ -10,7 +10,7 @@ use continuum_proto::fast_hash::{SeededMap, shrink_when_sparse};
 use continuum_proto::model::{Backlog, Load, LoadKey, Worker};
 
 use super::timing::Timing;
-use super::{DISPATCH_MAX_AGE, MAX_ENDED_PER_RANK, PROGRESS_STEPS, SAMPLE_LAG};
+use super::{BACKLOG_WINDOW, DISPATCH_MAX_AGE, MAX_ENDED_PER_RANK, PROGRESS_STEPS, SAMPLE_LAG};
 use crate::fleet::{ActiveIndex, FleetState};
 
 #[derive(Debug, Clone, Copy)]
@@ -70,6 +70,12 @@ impl Dispatch {
     }
 }
 
+/// A rank holding more dispatches than this has its walks over them (measuring a new sample
+/// against them, recounting the blocks expected to end) spread out, at most one every
+/// `len / WALK_BUDGET` windows: a flood of dispatches on one rank costs the book about this
+/// many visits a window, not all of them every window. Its sums are then that much older.
+pub(super) const WALK_BUDGET: usize = 4096;
+
 /// A dispatch's place in its rank's prefill order: when it was dispatched, then its key.
 pub(super) type Queued = (Instant, (u64, u64));
 
@@ -84,6 +90,9 @@ pub(super) struct Rank {
     /// prefill order (dispatched, then by id): its head is the prefill under way, and a start
     /// learns whether it prefills alone without a look at every dispatch in flight.
     pub(super) prefill_queue: BTreeSet<Queued>,
+    /// The prompt tokens of the dispatches in `prefill_queue`, kept as they come and go: the
+    /// sum every publication reads, without a walk over the rank's dispatches.
+    pub(super) queued_tokens: u64,
     /// Those of them that await the estimate of their first token
     /// ([`Dispatch::awaits_estimate`]), in the same order: a first token or a tick takes them
     /// from the front, never walking the rest (a replica's reports could otherwise make every
@@ -123,6 +132,8 @@ pub(super) struct Rank {
     /// The book's count of dispatches folded when the rank's newest was (see
     /// [`Backlog::last_dispatch`]).
     pub(super) last_dispatch: u64,
+    /// Before this, no walk over the rank's dispatches ([`WALK_BUDGET`]).
+    pub(super) walk_after: Option<Instant>,
 }
 
 impl Rank {
@@ -143,6 +154,7 @@ impl Rank {
             key,
             dispatches: SeededMap::default(),
             prefill_queue: BTreeSet::new(),
+            queued_tokens: 0,
             awaiting_estimate: BTreeSet::new(),
             active: 0,
             sampled_at: None,
@@ -158,6 +170,7 @@ impl Rank {
             prefilled: 0,
             last_answered: None,
             last_dispatch: 0,
+            walk_after: None,
         };
         rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
         rank
@@ -172,10 +185,8 @@ impl Rank {
             last_dispatch: self.last_dispatch,
             ..Backlog::default()
         };
-        for dispatch in self.dispatches.values() {
-            backlog.prefill_tokens = backlog.prefill_tokens.saturating_add(dispatch.prefill_tokens());
-            backlog.dispatches = backlog.dispatches.saturating_add(1);
-        }
+        backlog.prefill_tokens = self.queued_tokens;
+        backlog.dispatches = u32::try_from(self.dispatches.len()).unwrap_or(u32::MAX);
         backlog.prefilled_tokens = self.prefilled.min(backlog.prefill_tokens);
         backlog
     }
@@ -194,8 +205,8 @@ impl Rank {
     pub(super) fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
         let prefills = dispatch.prefill_tokens() > 0;
         dispatch.alone = !dispatch.replayed && prefills && self.prefill_queue.is_empty();
-        if prefills {
-            self.prefill_queue.insert((dispatch.at, id));
+        if prefills && self.prefill_queue.insert((dispatch.at, id)) {
+            self.queued_tokens = self.queued_tokens.saturating_add(dispatch.prefill_tokens());
         }
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
@@ -249,7 +260,9 @@ impl Rank {
         let dispatched = dispatch.at;
         if dispatch.answered.is_none() {
             // A buffered dispatch is not expected to be answered; if it is, the report wins.
-            self.prefill_queue.remove(&(dispatched, id));
+            if self.prefill_queue.remove(&(dispatched, id)) {
+                self.queued_tokens = self.queued_tokens.saturating_sub(tokens);
+            }
             self.awaiting_estimate.remove(&(dispatched, id));
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
@@ -275,13 +288,26 @@ impl Rank {
         }
     }
 
-    /// Recounts what moves with time alone: the blocks expected to end before a hand-over and
-    /// the tokens of the prefill under way expected to be done; whether either moved.
-    pub(super) fn refresh_timed(&mut self, now: Instant) -> bool {
+    /// Whether the rank's dispatches may be walked at `now` ([`WALK_BUDGET`]); if so, when
+    /// they may be next.
+    pub(super) fn walk_due(&mut self, now: Instant) -> bool {
+        if self.walk_after.is_some_and(|after| now < after) {
+            return false;
+        }
+        let windows = u32::try_from(self.dispatches.len() / WALK_BUDGET).unwrap_or(u32::MAX);
+        self.walk_after = (windows > 0).then(|| now + BACKLOG_WINDOW.saturating_mul(windows));
+        true
+    }
+
+    /// Recounts what moves with time alone: the blocks expected to end before a hand-over
+    /// (when the rank may be `walk`ed) and the tokens of the prefill under way expected to be
+    /// done; whether either moved.
+    pub(super) fn refresh_timed(&mut self, now: Instant, walk: bool) -> bool {
         let deemed = self.deem_prefilled(now);
         let prefilled = self.prefill_progress(now);
         let prefilled_moved = std::mem::replace(&mut self.prefilled, prefilled) != prefilled;
         let ending = match self.timing.ending_after() {
+            _ if !walk => self.ending,
             Some(after) => self
                 .dispatches
                 .values()
@@ -325,11 +351,15 @@ impl Rank {
 
     /// Takes the prompt of buffered dispatch `queued` as prefilled at `at`, out of the queues.
     fn estimated(&mut self, queued: Queued, at: Instant) {
-        self.prefill_queue.remove(&queued);
         self.awaiting_estimate.remove(&queued);
-        if let Some(dispatch) = self.dispatches.get_mut(&queued.1) {
-            dispatch.estimate_answered(at);
+        let Some(dispatch) = self.dispatches.get_mut(&queued.1) else {
+            self.prefill_queue.remove(&queued);
+            return;
+        };
+        if self.prefill_queue.remove(&queued) {
+            self.queued_tokens = self.queued_tokens.saturating_sub(dispatch.prefill_tokens());
         }
+        dispatch.estimate_answered(at);
     }
 
     /// The rank's oldest dispatch still prefilling: the head of its prefill queue.
@@ -404,7 +434,9 @@ impl Rank {
         let dispatch = self.dispatches.remove(&id)?;
         // A rank kept by one dispatch after a flood of them must not keep the flood's room.
         shrink_when_sparse(&mut self.dispatches);
-        self.prefill_queue.remove(&(dispatch.at, id));
+        if self.prefill_queue.remove(&(dispatch.at, id)) {
+            self.queued_tokens = self.queued_tokens.saturating_sub(dispatch.prefill_tokens());
+        }
         self.awaiting_estimate.remove(&(dispatch.at, id));
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);

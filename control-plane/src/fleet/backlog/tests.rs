@@ -1080,6 +1080,8 @@ mod counts {
                 rank.dispatches.iter().filter(|(_, d)| keep(d)).map(|(id, d)| (d.at, *id)).collect()
             };
             prop_assert_eq!(&rank.prefill_queue, &queued(|d| d.prefill_tokens() > 0));
+            let tokens: u64 = rank.dispatches.values().map(Dispatch::prefill_tokens).sum();
+            prop_assert_eq!(rank.queued_tokens, tokens, "the running sum of the queue's tokens");
             prop_assert_eq!(&rank.awaiting_estimate, &queued(Dispatch::awaits_estimate));
             in_ranks += rank.dispatches.len();
         }
@@ -1120,4 +1122,30 @@ mod counts {
             }
         }
     }
+}
+
+/// A rank holding more than [`rank::WALK_BUDGET`] dispatches is walked at its pace: a sample
+/// that arrives just after a walk is measured at the next one, windows later, not at once.
+#[test]
+fn a_flooded_rank_is_walked_at_its_pace() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let flood = 2 * rank::WALK_BUDGET as u64 + 1;
+    book.report(1, report((0..flood).map(|id| started(id, 0, 16)).collect(), vec![]), t0, &state);
+    book.expire(&state, t0);
+    let received = t0 + Duration::from_millis(1);
+    let shown = sampled(&state, 0, 100, received);
+    let sampled_at = |book: &Book| book.ranks.get(&book_key(0)).and_then(|rank| rank.sampled_at);
+    book.expire(&shown, received);
+    assert_ne!(sampled_at(&book), Some(received), "not measured within the rank's pace");
+    book.expire(&shown, t0 + 2 * BACKLOG_WINDOW);
+    assert_eq!(sampled_at(&book), Some(received), "measured once the pace allows");
+
+    // A rank within the budget is walked at every window.
+    let mut book = Book::default();
+    book.report(1, report((0..16).map(|id| started(id, 0, 16)).collect(), vec![]), t0, &state);
+    book.expire(&state, t0);
+    book.expire(&shown, received);
+    assert_eq!(sampled_at(&book), Some(received));
 }
