@@ -13,7 +13,7 @@
 //! another once a further cooldown has passed.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Consecutive failures that open a replica's breaker.
@@ -156,6 +156,27 @@ struct Replica {
     probed: Probed,
     /// When it last answered a request (any answer that proves it alive).
     answered_at: Option<Instant>,
+}
+
+/// Where a relayed stream charges its shim replica when the connection under it breaks: the
+/// shim's (or the network's) failure, not its workers' (1.6.1 says a worker's death in the
+/// stream, as an error event).
+#[derive(Debug)]
+pub struct ShimFault {
+    health: Arc<ShimHealth>,
+    name: String,
+    url: String,
+}
+
+impl ShimFault {
+    pub fn new(health: &Arc<ShimHealth>, name: &str, url: &str) -> Self {
+        Self { health: Arc::clone(health), name: name.into(), url: url.into() }
+    }
+
+    /// The replica failed this exchange.
+    pub fn charge(&self) {
+        self.health.record(&self.name, &self.url, false, Instant::now());
+    }
 }
 
 /// The breakers and probe verdicts of every shim replica, by backend name. A backend whose URL

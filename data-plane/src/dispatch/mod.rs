@@ -145,7 +145,7 @@ enum PinnedOutcome {
 #[derive(Debug)]
 pub struct Dispatcher {
     client: ShimClient,
-    health: ShimHealth,
+    health: Arc<ShimHealth>,
     budget: RetryBudget,
     settings: DispatchSettings,
     cursor: AtomicUsize,
@@ -172,7 +172,7 @@ impl Dispatcher {
     pub fn new(settings: DispatchSettings, metrics: Metrics) -> Self {
         Self {
             client: ShimClient::new(settings.connect_timeout),
-            health: ShimHealth::new(settings.breaker),
+            health: Arc::new(ShimHealth::new(settings.breaker)),
             budget: RetryBudget::default(),
             settings,
             cursor: AtomicUsize::new(0),
@@ -265,15 +265,15 @@ impl Dispatcher {
         let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
         let (outcome, blames_pins) =
             self.send_pinned(&body, stream, disclose, headers, &selection, &replicas, dispatch).await;
-        // A refusal that blames the pins, or an answer that never came or never finished, makes
-        // the pinned workers suspects: a buffered answer's head comes only once generation is
-        // done, so a hung worker shows as a head that never came. A shim that could not be
-        // reached says nothing about them, nor does a refusal of the client's request.
+        // A refusal that blames the pins, or an answer that never came or never finished in
+        // time, makes the pinned workers suspects: a buffered answer's head comes only once
+        // generation is done, so a hung worker shows as a head that never came. A shim that
+        // could not be reached, or answered nothing at all, or whose connection broke under
+        // the body, says nothing about them (it is charged with it), nor does a refusal of the
+        // client's request.
         let unanswered = matches!(
             outcome,
-            PinnedOutcome::Failed(
-                Failure::Body(_) | Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_))
-            )
+            PinnedOutcome::Failed(Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_)))
         );
         let blamed = blames_pins || unanswered;
         if blamed {
@@ -333,7 +333,7 @@ impl Dispatcher {
         };
         let shown = disclose.then_some((replica.name.as_str(), selection));
         let Answered { mut answer, blames_pins, refused } =
-            self.answer(response, (stream, sent), Some(dispatch), shown).await;
+            self.answer(response, (stream, sent), Some(dispatch), (replica, shown)).await;
         if let Answer::Relay(response) = &mut answer {
             mark_routing_path(response.headers_mut(), selection);
         }
@@ -362,11 +362,11 @@ impl Dispatcher {
         relay_errors: bool,
     ) -> Result<Response, Failure> {
         let sent = tokio::time::Instant::now();
-        let (_, response) = self.send(&replicas, (headers, Pins::default()), body, stream).await?;
+        let (replica, response) = self.send(&replicas, (headers, Pins::default()), body, stream).await?;
         if relay_errors {
-            return self.pass_through(response, (stream, sent)).await;
+            return self.pass_through(response, (stream, sent), replica).await;
         }
-        match self.answer(response, (stream, sent), None, None).await.answer {
+        match self.answer(response, (stream, sent), None, (replica, None)).await.answer {
             Answer::Relay(response) if response.status().is_success() => Ok(response),
             Answer::Relay(response) => Err(Failure::Status(response.status())),
             Answer::PrefillRefused => Err(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)),

@@ -24,6 +24,7 @@ use prometheus::IntCounter;
 use serde_json::json;
 use tokio::time::{Instant, Sleep};
 
+use super::breaker::ShimFault;
 use super::ledger::DispatchEnd;
 use super::shim_body::ShimBody;
 
@@ -32,6 +33,17 @@ pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// The most of one unfinished event held back until its end arrives: an event past it breaks
 /// the stream (no engine sends one; the usual are a few hundred bytes).
 pub const MAX_PARTIAL_EVENT_BYTES: usize = 1 << 20;
+
+/// Whose failure a broken stream is.
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    /// An error event in the stream, no event for the idle timeout, an event past the bound:
+    /// what the engine behind the pins did (or failed to do).
+    Workers,
+    /// The connection under the stream broke, or closed inside an event: the shim replica's
+    /// failure (or the network's). 1.6.1 says a worker's death in band.
+    Shim,
+}
 
 #[derive(Debug)]
 pub struct RelayBody {
@@ -44,6 +56,8 @@ pub struct RelayBody {
     /// The received start of an event not yet ended, held back.
     partial: BytesMut,
     dispatch: Option<DispatchEnd>,
+    /// The shim replica streaming it, charged when the connection under the stream breaks.
+    shim: ShimFault,
     /// Counts a stream that broke after it started.
     failures: IntCounter,
     /// The shim said in the stream that generation failed (an error event, as 1.6.1 sends
@@ -53,7 +67,12 @@ pub struct RelayBody {
 }
 
 impl RelayBody {
-    pub fn new(inner: ShimBody, idle: Duration, dispatch: Option<DispatchEnd>, failures: IntCounter) -> Self {
+    pub fn new(
+        inner: ShimBody,
+        idle: Duration,
+        (dispatch, shim): (Option<DispatchEnd>, ShimFault),
+        failures: IntCounter,
+    ) -> Self {
         let deadline = Box::pin(tokio::time::sleep(idle));
         Self {
             inner,
@@ -63,6 +82,7 @@ impl RelayBody {
             lines: Lines::default(),
             partial: BytesMut::new(),
             dispatch,
+            shim,
             failures,
             failed_in_band: false,
         }
@@ -76,20 +96,28 @@ impl RelayBody {
         }
     }
 
-    /// The stream failed (in band, or broken here): counted, and its workers blamed, once.
-    fn count_failure(&mut self) {
+    /// The stream failed (in band, or broken here): counted once, and blamed on its workers
+    /// or, for a `Fault::Shim`, charged to the shim replica.
+    fn count_failure(&mut self, fault: Fault) {
         if std::mem::replace(&mut self.failed_in_band, true) {
             return;
         }
-        if let Some(dispatch) = &self.dispatch {
-            dispatch.blame();
+        match (fault, &self.dispatch) {
+            (Fault::Shim, _) => self.shim.charge(),
+            (Fault::Workers, Some(dispatch)) => dispatch.blame(),
+            (Fault::Workers, None) => {}
         }
         self.failures.inc();
     }
 
-    fn fail(&mut self, code: &'static str, message: &str) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn fail(
+        &mut self,
+        fault: Fault,
+        code: &'static str,
+        message: &str,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         self.done = true;
-        self.count_failure();
+        self.count_failure(fault);
         self.dispatch = None;
         // The unfinished event is not sent: the client has seen only whole events.
         self.partial = BytesMut::new();
@@ -134,6 +162,7 @@ impl Body for RelayBody {
                 Poll::Ready(Some(Err(error))) => {
                     tracing::warn!(%error, "shim stream failed mid-way");
                     return this.fail(
+                        Fault::Shim,
                         "stream_interrupted",
                         "The response stream from the model server broke off before it finished. Retry the request.",
                     );
@@ -154,6 +183,7 @@ impl Body for RelayBody {
                     }
                     tracing::warn!("shim stream ended in the middle of an event");
                     return this.fail(
+                        Fault::Shim,
                         "stream_interrupted",
                         "The response stream from the model server ended in the middle of an event. Retry the request.",
                     );
@@ -162,6 +192,7 @@ impl Body for RelayBody {
                     ready!(this.deadline.as_mut().poll(cx));
                     tracing::warn!(idle = ?this.idle, "shim stream idle too long; ending it");
                     return this.fail(
+                        Fault::Workers,
                         "stream_timeout",
                         "The model server sent nothing for too long and the stream was ended. Retry the request.",
                     );
@@ -171,6 +202,7 @@ impl Body for RelayBody {
                 if this.partial.len() > MAX_PARTIAL_EVENT_BYTES {
                     tracing::warn!(limit = MAX_PARTIAL_EVENT_BYTES, "shim stream sent an event too large to relay");
                     return this.fail(
+                        Fault::Workers,
                         "stream_interrupted",
                         "The model server sent an event too large to relay, and the stream was ended. Retry the request.",
                     );
@@ -192,7 +224,7 @@ impl Body for RelayBody {
             }
             if !this.failed_in_band && carries_error_event(&events) {
                 tracing::warn!("the shim's stream carried an error event; relayed as it came");
-                this.count_failure();
+                this.count_failure(Fault::Workers);
             }
             return Poll::Ready(Some(Ok(Frame::data(events))));
         }

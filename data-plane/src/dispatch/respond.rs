@@ -16,8 +16,10 @@ use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
+use super::breaker::ShimFault;
 use super::classify::{self, Verdict, classify};
 use super::disclosure::{RefusalBody, backend_words, refusal_body};
+use super::pool::ShimReplica;
 use super::relay::RelayBody;
 use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
@@ -60,12 +62,12 @@ impl Dispatcher {
         response: Response<ShimBody>,
         (stream, sent): (bool, Instant),
         dispatch: Option<DispatchEnd>,
-        shown: Option<(&str, &Selection)>,
+        (replica, shown): (&ShimReplica, Option<(&str, &Selection)>),
     ) -> Answered {
         let status = response.status();
         let (mut blames_pins, mut refused) = (false, None);
         let mut answer = if status.is_success() {
-            match self.success(response, (stream, sent), dispatch).await {
+            match self.success(response, (stream, sent), dispatch, replica).await {
                 Ok(response) => Answer::Relay(response),
                 Err(failure) => Answer::Failed(failure),
             }
@@ -99,10 +101,11 @@ impl Dispatcher {
         &self,
         response: Response<ShimBody>,
         (stream, sent): (bool, Instant),
+        replica: &ShimReplica,
     ) -> Result<Response, Failure> {
         let status = response.status();
         if status.is_success() {
-            return self.success(response, (stream, sent), None).await;
+            return self.success(response, (stream, sent), None, replica).await;
         }
         if !status.is_client_error() {
             return Err(Failure::Status(status));
@@ -121,6 +124,7 @@ impl Dispatcher {
         response: Response<ShimBody>,
         (stream, sent): (bool, Instant),
         dispatch: Option<DispatchEnd>,
+        replica: &ShimReplica,
     ) -> Result<Response, Failure> {
         let (parts, body) = response.into_parts();
         let body = if stream {
@@ -128,10 +132,17 @@ impl Dispatcher {
                 Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
                 None => self.metrics.unpinned_stream_failures.clone(),
             };
-            Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, dispatch, failures))
+            let shim = ShimFault::new(&self.health, &replica.name, &replica.url);
+            Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), failures))
         } else {
             let timeout = self.settings.buffered_timeout;
-            let (bytes, charge) = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, (sent + timeout, timeout)).await?;
+            let read = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, (sent + timeout, timeout)).await;
+            // A body broken after its head (which a buffered answer sends only once generation
+            // is done) is the shim's failure, or the network's, not its workers'.
+            if let Err(Failure::Body(_)) = &read {
+                self.health.record(&replica.name, &replica.url, false, std::time::Instant::now());
+            }
+            let (bytes, charge) = read?;
             if let Some(mut dispatch) = dispatch {
                 dispatch.observe(&bytes);
             }

@@ -158,6 +158,33 @@ async fn a_buffered_answer_must_arrive_whole_within_one_timeout_from_the_send() 
     Ok(())
 }
 
+/// A buffered answer whose connection breaks after its head (sent only once generation is done)
+/// is the shim's failure, or the network's: no strike against the workers that generated it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_buffered_body_broken_under_its_head_blames_no_worker() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let cutting = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", cutting.local_addr()?);
+    let served = tokio::spawn(async move {
+        while let Ok((mut socket, _)) = cutting.accept().await {
+            let mut request = [0; 4096];
+            let _ = socket.read(&mut request).await;
+            let head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+            let _ = socket.write_all(head).await;
+            let _ = socket.write_all(b"{\"id\":").await;
+        }
+    });
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-cutting", url)])).await?;
+    for _ in 0..EJECT_AFTER {
+        let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+        assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"));
+    }
+    assert!(harness.replica.ledger.outliers().is_empty(), "no strike against the pinned workers");
+    harness.stop().await;
+    served.abort();
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_failing_its_liveness_probes_is_skipped_before_any_request_fails_and_returns_when_live()
 -> anyhow::Result<()> {

@@ -128,50 +128,66 @@ async fn only_whole_events_reach_the_client_so_a_break_inside_one_sends_the_erro
     Ok(())
 }
 
-/// A stream that breaks after its head blames its workers as a buffered answer whose body
-/// broke does: two in a row take them out of picking; one that ends whole acquits them.
+const FRONTEND_503: &str = "data: {\"error\":{\"message\":\"Service temporarily unavailable\",\"type\":\"service_unavailable\",\"code\":503}}\n\n";
+
+/// A streamed request whose shim sends its first event, then `end` (a frame, or a break), then
+/// closes; read to its end.
+async fn stream_ending(harness: &Harness, shim: &StubShim, end: Frame) -> anyhow::Result<()> {
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    gate.send(end).await?;
+    drop(gate);
+    while next_text(&mut response).await?.is_some() {}
+    Ok(())
+}
+
+/// A stream whose engine fails (1.6.1 says so in the stream, with an error event) blames its
+/// workers: two in a row take them out of picking; one that ends whole acquits them. A stream
+/// whose connection breaks, or closes inside an event, is the shim's failure (or the
+/// network's): it is charged to the shim's breaker and blames no worker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_that_break_after_their_head_count_against_their_workers() -> anyhow::Result<()> {
+async fn failed_streams_blame_their_workers_and_broken_ones_their_shim() -> anyhow::Result<()> {
+    use continuum_data_plane::dispatch::BreakerSettings;
     let shim = StubShim::start().await?;
-    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
+    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let failed = || Ok(Bytes::from(FRONTEND_503));
+    let broken = || Err("connection reset".into());
+    let cut = || Ok(Bytes::from("data: {\"choi"));
+    let shim_state = |metrics: &str| sample(metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#);
+
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
     let outliers = harness.replica.ledger.outliers();
-    let broken = || async {
+    stream_ending(&harness, &shim, failed()).await?;
+    stream_ending(&harness, &shim, Ok(Bytes::from(DONE))).await?;
+    stream_ending(&harness, &shim, failed()).await?;
+    assert!(!outliers.any_ejected(std::time::Instant::now()), "a whole stream between two failures started them over");
+    stream_ending(&harness, &shim, broken()).await?;
+    stream_ending(&harness, &shim, failed()).await?;
+    assert!(outliers.any_ejected(std::time::Instant::now()), "two failures, with only a broken stream between");
+    assert_eq!(shim_state(&harness.metrics().await?), Some(0.0), "one break is not two in a row");
+    harness.stop().await;
+
+    // A shim that goes down under its open streams breaks them together: its breaker takes the
+    // breaks (two in a row open it here), and no worker takes a strike.
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
+    let mut open = Vec::new();
+    for _ in 0..2 {
         let gate = shim.push_stream();
         let mut response = harness.post(&chat(MODEL, true)).await?;
         gate.send(Ok(Bytes::from(FIRST))).await?;
         assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
-        gate.send(Err("engine died".into())).await?;
-        while next_text(&mut response).await?.is_some() {}
-        anyhow::Ok(())
-    };
-    let whole = || async {
-        let gate = shim.push_stream();
-        let mut response = harness.post(&chat(MODEL, true)).await?;
-        for frame in [FIRST, DONE] {
-            gate.send(Ok(Bytes::from(frame))).await?;
-            assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
-        }
-        drop(gate);
-        assert_eq!(next_text(&mut response).await?, None);
-        anyhow::Ok(())
-    };
-    // A stream the shim closes inside an event did not end whole: it acquits nobody.
-    let cut = || async {
-        let gate = shim.push_stream();
-        let mut response = harness.post(&chat(MODEL, true)).await?;
-        gate.send(Ok(Bytes::from(format!("{FIRST}data: {{\"choi")))).await?;
-        assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+        open.push((gate, response));
+    }
+    for ((gate, mut response), end) in open.into_iter().zip([broken(), cut()]) {
+        gate.send(end).await?;
         drop(gate);
         while next_text(&mut response).await?.is_some() {}
-        anyhow::Ok(())
-    };
-    broken().await?;
-    whole().await?;
-    broken().await?;
-    assert!(!outliers.any_ejected(std::time::Instant::now()), "a whole stream between two breaks started them over");
-    cut().await?;
-    broken().await?;
-    assert!(outliers.any_ejected(std::time::Instant::now()), "two breaks, with only a cut stream between");
+    }
+    assert!(harness.replica.ledger.outliers().is_empty(), "no strike against the pinned workers");
+    assert_eq!(shim_state(&harness.metrics().await?), Some(2.0), "open after two broken streams in a row");
     harness.stop().await;
     Ok(())
 }
@@ -217,7 +233,6 @@ async fn a_stream_ending_inside_an_event_ends_with_an_error() -> anyhow::Result<
 /// relayed as it came, and the stream counts as failed, its workers blamed, not acquitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_event_in_the_stream_is_relayed_and_counted_as_a_failure() -> anyhow::Result<()> {
-    const FRONTEND_503: &str = "data: {\"error\":{\"message\":\"Service temporarily unavailable\",\"type\":\"service_unavailable\",\"code\":503}}\n\n";
     let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
     for frame in [FIRST, FRONTEND_503, DONE] {
         gate.send(Ok(Bytes::from(frame))).await?;
