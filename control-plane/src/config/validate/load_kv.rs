@@ -42,11 +42,12 @@ fn check_load(config: &Config, report: &mut Report) {
         None => {}
         Some(cidrs) => check_cidrs(&path, cidrs, report),
     }
+    // An error, not a warning: the router would start, read ready, and route blind.
     if subscribes && load.transport == LoadTransport::Broker {
-        report.warning(
+        report.error(
             format!("{LOAD}.transport"),
-            "is broker, but this build has no event-bus listener (dynamo.event_bus) nor event-broker yet: subscriptions \
-             stay pending and routing runs without load samples or kv-events; use direct",
+            "is broker, which this build cannot carry (it has no event-bus listener nor event-broker yet): every \
+             subscription would stay pending and routing would run without load samples or kv-events; use direct",
         );
     }
 }
