@@ -14,7 +14,7 @@ use tokio::signal::unix::{self, SignalKind};
 #[command(version, about = "Continuum's control plane: discovery, load signals and the Fleet stream")]
 struct Args {
     /// The YAML configuration. Without it, the embedded default runs: a simulated demo fleet
-    /// and shim that need no etcd, Kubernetes or GPU.
+    /// and shim that need no etcd, Kubernetes or GPU (refused inside a Kubernetes pod).
     #[arg(long, env = "CONTINUUM_CONFIG")]
     config: Option<PathBuf>,
     /// Overrides `control_plane.grpc_listen`.
@@ -121,6 +121,15 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
                 return ExitCode::from(2);
             }
         },
+        // A pod whose config went missing must not come up ready serving a simulated fleet's
+        // made-up answers.
+        None if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() => {
+            eprintln!(
+                "error: no --config (or CONTINUUM_CONFIG) given inside a Kubernetes pod; the embedded default is a \
+                 simulated demo fleet and is not started there (mount the configuration and point CONTINUUM_CONFIG at it)"
+            );
+            return ExitCode::from(2);
+        }
         None => {
             tracing::info!("no --config given: running the embedded default (a simulated demo fleet)");
             config::embedded_default()

@@ -150,6 +150,41 @@ async fn grpcurl_lists_describes_and_reads_the_snapshot_over_reflection() -> any
     Ok(())
 }
 
+/// Inside a Kubernetes pod a missing configuration is an error, not the simulated demo fleet.
+#[test]
+fn without_a_config_inside_a_pod_the_demo_fleet_is_refused() -> anyhow::Result<()> {
+    let mut child = std::process::Command::new(tools::binary("continuum-control-plane"))
+        .env_remove("CONTINUUM_CONFIG")
+        .env("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+        .args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--simulator-shim-listen",
+            "127.0.0.1:0",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill()?;
+            child.wait()?;
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?, &mut stderr)?;
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "it must exit at once, refusing:\n{stderr}");
+    assert!(stderr.contains("inside a Kubernetes pod"), "{stderr}");
+    Ok(())
+}
+
 #[test]
 fn config_validate_prints_key_paths_and_fails_on_errors() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
