@@ -8,12 +8,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use continuum_proto::MAX_REPORTED_PREFILL_TOKENS;
+use continuum_proto::model::LoadKey;
 use continuum_proto::view::FleetView;
 
 use crate::fleet::{DispatchReporter, InFlight, MAX_REPLAYED_HASHES, Report};
 use crate::routing::picker::{
-    DispatchId, DispatchLedger, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size, reported_blocks,
-    usage_prompt_tokens,
+    DispatchId, DispatchLedger, Pin, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size,
+    reported_blocks, usage_prompt_tokens,
 };
 
 /// Ends its dispatch in the ledger and reports the end when dropped: when the response body
@@ -25,6 +26,10 @@ pub struct DispatchEnd {
     reporter: Arc<DispatchReporter>,
     /// Reported legs: the prefill rank's (if any) and the decode rank's.
     reported: [Option<u64>; 2],
+    /// The pinned ranks, the prefill rank's (if any) and the decode rank's: what its outcome
+    /// blames or acquits, however long it ran (the ledger lets a dispatch go once it has been
+    /// unanswered for its bound, and a stream may run for minutes).
+    ranks: [Option<LoadKey>; 2],
     prefilled: bool,
     /// What the prompt was sized by, until its answer states the tokens the model counted;
     /// `None` when the prompt was tokenized. Boxed, to keep every request's future small.
@@ -98,6 +103,7 @@ impl DispatchEnd {
             id,
             reporter: Arc::clone(reporter),
             reported,
+            ranks: [selection.prefill.as_ref().map(Pin::rank_key), Some(selection.decode.rank_key())],
             prefilled: false,
             estimated: None,
         }
@@ -154,15 +160,10 @@ impl DispatchEnd {
     /// worker's leg is proven done: only the rank decoding it is a suspect (one dead decode
     /// worker would otherwise eject every prefill rank that paired with it).
     pub fn blame(&self) {
-        let mut ranks = self.ledger.ranks(self.id);
-        if self.prefilled {
-            // Legs are recorded prefill rank first; the rank decoding is the last.
-            let decoding = ranks.len().saturating_sub(1);
-            ranks.drain(..decoding);
-        }
-        if !ranks.is_empty() {
-            self.ledger.outliers().failed(&ranks, Instant::now());
-        }
+        let [prefill, decode] = &self.ranks;
+        let prefill = prefill.as_ref().filter(|_| !self.prefilled);
+        let ranks: Vec<LoadKey> = prefill.into_iter().chain(decode).cloned().collect();
+        self.ledger.outliers().failed(&ranks, Instant::now());
     }
 
     /// Its answer ended whole (a stream that finished): its workers' failures start over.
@@ -170,7 +171,8 @@ impl DispatchEnd {
         if self.ledger.outliers().is_empty() {
             return;
         }
-        self.ledger.outliers().succeeded(&self.ledger.ranks(self.id));
+        let ranks: Vec<LoadKey> = self.ranks.iter().flatten().cloned().collect();
+        self.ledger.outliers().succeeded(&ranks);
     }
 }
 
@@ -334,7 +336,9 @@ mod tests {
     /// breaks before blames both its workers.
     #[tokio::test]
     async fn after_the_first_token_a_broken_stream_blames_only_its_decode_rank() {
-        use crate::routing::picker::EJECT_AFTER;
+        use std::time::Duration;
+
+        use crate::routing::picker::{EJECT_AFTER, UNANSWERED_FOR};
         let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
         let _rx = reporter.attached_receiver().expect("receiver");
         let ledger = Arc::new(DispatchLedger::new());
@@ -363,6 +367,19 @@ mod tests {
             end.blame();
         }
         assert!(ejected(3) && ejected(4), "before a first token, both are suspects");
+
+        // A stream runs past the ledger's bound on an unanswered dispatch, which then lets it
+        // go: its outcome still blames the ranks it was pinned to.
+        let t0 = Instant::now();
+        for _ in 0..EJECT_AFTER {
+            let mut end = DispatchEnd::record(&ledger, &reporter, &view, &paired(5, 6), 160, &chain, false);
+            end.prefilled();
+            let ranks = [(pin(5).rank_key(), None), (pin(6).rank_key(), None)];
+            ledger.backlogs(&ranks, None, t0 + UNANSWERED_FOR + Duration::from_secs(1));
+            end.blame();
+        }
+        assert!(ledger.is_empty(), "the ledger let them go");
+        assert!(ejected(6), "the decode rank of streams past the bound is out all the same");
     }
 
     /// A request answered whole shows no first token: the leg that prefills it says so, in its

@@ -638,12 +638,6 @@ impl DispatchLedger {
             .collect()
     }
 
-    /// The ranks dispatch `id` is recorded on: none once it ended, or if it never was.
-    pub fn ranks(&self, id: DispatchId) -> Vec<LoadKey> {
-        let state = self.lock();
-        state.dispatches.get(&id).map(|keys| keys.iter().flatten().cloned().collect()).unwrap_or_default()
-    }
-
     /// Dispatches refused because the ledger was full.
     pub fn refused_total(&self) -> u64 {
         self.refused.load(Ordering::Relaxed)
