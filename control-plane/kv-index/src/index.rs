@@ -1,7 +1,7 @@
 //! `KvIndex`: applies a rank's stored / removed / cleared events to the tree under the ceilings.
 
 use crate::hash::Mixer;
-use crate::limits::Limits;
+use crate::limits::{Limits, MIN_RANK_SHARE_DIVISOR};
 use crate::lookup::Probe;
 use crate::outcome::{KvResult, Outcome};
 use crate::ranks::{RankKey, Ranks};
@@ -37,6 +37,9 @@ pub struct IndexStats {
 #[derive(Debug)]
 pub struct KvIndex {
     pub(crate) limits: Limits,
+    /// The blocks one rank may hold: [`Limits::max_blocks_per_rank`], or less once the index is
+    /// shared among the fleet's ranks ([`KvIndex::share_among`]).
+    pub(crate) rank_cap: usize,
     pub(crate) tree: Tree,
     pub(crate) ranks: Ranks,
     pub(crate) mixer: Mixer,
@@ -56,12 +59,31 @@ impl KvIndex {
     /// An empty index enforcing `limits`.
     pub fn new(limits: Limits) -> KvIndex {
         let mixer = Mixer::random();
-        KvIndex { limits: limits.clamped(), tree: Tree::new(mixer), ranks: Ranks::default(), mixer, ownerships: 0 }
+        let limits = limits.clamped();
+        let rank_cap = limits.max_blocks_per_rank;
+        KvIndex { limits, rank_cap, tree: Tree::new(mixer), ranks: Ranks::default(), mixer, ownerships: 0 }
+    }
+
+    /// Shares the index among the fleet's `ranks`: each may hold at most an equal share of its
+    /// blocks (never less than [`MIN_RANK_SHARE_DIVISOR`]th of them, nor more than
+    /// [`Limits::max_blocks_per_rank`]). Without it a few ranks caching a great deal would fill
+    /// the index, and every other rank's blocks would be refused for as long as they stayed: no
+    /// overlap for them, however much of a prompt they hold. A rank past a new, smaller share
+    /// keeps what it holds and adds nothing until its evictions bring it under.
+    pub fn share_among(&mut self, ranks: usize) {
+        let floor = self.limits.max_blocks / MIN_RANK_SHARE_DIVISOR;
+        let share = self.limits.max_blocks.checked_div(ranks).unwrap_or(usize::MAX);
+        self.rank_cap = share.max(floor).min(self.limits.max_blocks_per_rank);
     }
 
     /// The ceilings this index enforces.
     pub fn limits(&self) -> Limits {
         self.limits
+    }
+
+    /// The blocks one rank may hold now ([`KvIndex::share_among`]).
+    pub fn rank_share(&self) -> usize {
+        self.rank_cap
     }
 
     /// Applies a `stored` event: `blocks` form a chain under `parent_hash` (an engine hash the
@@ -237,7 +259,7 @@ impl KvIndex {
         // Every ceiling is checked before anything changes, so a refusal leaves no trace.
         if held.is_none() {
             let rank_len = id.and_then(|id| self.ranks.get(id)).map_or(0, |r| r.len());
-            if rank_len >= self.limits.max_blocks_per_rank || self.ownerships >= self.limits.max_ownerships {
+            if rank_len >= self.rank_cap || self.ownerships >= self.limits.max_ownerships {
                 return Err(Refused);
             }
         }
@@ -324,7 +346,7 @@ impl KvIndex {
         for block in blocks {
             let Position { run, end } = walk.at;
             if end != self.tree.len(run)
-                || state.len() >= self.limits.max_blocks_per_rank
+                || state.len() >= self.rank_cap
                 || self.ownerships >= self.limits.max_ownerships
                 || self.tree.blocks() >= self.limits.max_blocks
             {
@@ -353,7 +375,7 @@ impl KvIndex {
         for block in blocks {
             let end = walk.at.end;
             if hashes.get(end as usize) != Some(&block.tokens_hash)
-                || state.len() >= self.limits.max_blocks_per_rank
+                || state.len() >= self.rank_cap
                 || self.ownerships >= self.limits.max_ownerships
             {
                 break;

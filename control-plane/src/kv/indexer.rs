@@ -229,6 +229,8 @@ impl KvIndexer {
     /// their blocks and cursors. Returns how many ranks were cleared from the index.
     pub fn set_live(&mut self, live: LiveRanks) -> usize {
         self.live = live;
+        let ranks = self.live.values().map(|worker| worker.ranks.len()).sum();
+        self.index.share_among(ranks);
         let live = &self.live;
         for publisher in self.publishers.values_mut() {
             publisher.cursors.retain(|rank, _| declares(live, *rank));

@@ -182,6 +182,28 @@ fn per_rank_ceiling_leaves_other_ranks_alone() {
     index.check_invariants();
 }
 
+/// Shared among the fleet's ranks, the index holds at most an equal share for each: ranks that
+/// cache a great deal cannot fill it and lock a later one out.
+#[test]
+fn shared_among_ranks_each_holds_at_most_its_share() {
+    let mut index = KvIndex::new(tiny(8, 100, 100, 100));
+    index.share_among(3);
+    let outcome = index.apply_stored(rank(1), None, &chain(&[1, 2, 3, 4]));
+    assert_eq!((outcome.get(KvResult::Applied), outcome.get(KvResult::OverCapacity)), (2, 2));
+    index.apply_stored(rank(2), None, &chain(&[11, 12, 13, 14]));
+    let outcome = index.apply_stored(rank(3), None, &chain(&[21, 22]));
+    assert_eq!(outcome.get(KvResult::Applied), 2, "room left for the third rank");
+    // One more rank in the fleet: those past the smaller share keep their blocks, add none.
+    index.share_among(4);
+    assert_eq!(index.apply_stored(rank(1), Some(engine(2)), &chain(&[5])).get(KvResult::OverCapacity), 1);
+    assert_eq!(index.rank_blocks(rank(1)), 2);
+    // With no fleet to share among, the per-rank ceiling alone.
+    index.share_among(0);
+    let outcome = index.apply_stored(rank(1), Some(engine(2)), &chain(&[5]));
+    assert_eq!(outcome.get(KvResult::Applied), 1, "{outcome:?}");
+    index.check_invariants();
+}
+
 #[test]
 fn ownership_ceiling_is_shared_by_all_ranks() {
     let mut index = KvIndex::new(tiny(100, 100, 3, 100));

@@ -387,6 +387,17 @@ fn set_live_clears_departed_ranks_and_their_cursors() {
     assert_eq!(indexer.index().stats().nodes, 0);
 }
 
+/// The index is shared among every rank the live workers declare.
+#[test]
+fn the_index_is_shared_among_the_live_ranks() {
+    use continuum_kv_index::{MAX_BLOCKS_PER_RANK, MAX_INDEX_BLOCKS};
+    let mut indexer = KvIndexer::default();
+    assert_eq!(indexer.index().rank_share(), MAX_BLOCKS_PER_RANK, "nothing to share among");
+    let workers = (1..=8u64).map(|id| (id, live_in("dynamo", 0..2)));
+    indexer.set_live(workers.collect());
+    assert_eq!(indexer.index().rank_share(), MAX_INDEX_BLOCKS / 16, "8 workers of 2 ranks each");
+}
+
 #[test]
 fn other_tiers_and_domains_are_not_indexed_but_move_the_cursor() {
     let mut indexer = live_indexer(0..1);
