@@ -54,7 +54,7 @@ async fn real_mocker_workers_reach_admin_and_every_replica_within_2s_and_leave_t
         let latency = fleet.converge(&workers, put_at, "registered").await?;
         report.push(format!("{label} registered -> listed in admin and acked by both replicas: {latency}"));
     }
-    assert_ids_match_etcd(&ns, &workers).await?;
+    assert_ids_match_etcd(&fleet, &workers).await?;
 
     let decode = workers.remove(1);
     let sent = Instant::now();
@@ -246,15 +246,29 @@ fn assert_describes(entry: &Value, worker: &Worker) {
     assert_eq!(entry["excluded"], Value::Null, "{label}: {entry}");
 }
 
-/// The ids the admin API reports are the ones etcd holds, not derived by the test.
-async fn assert_ids_match_etcd(ns: &NetNs, workers: &[Worker]) -> anyhow::Result<()> {
-    let mut get = dynamo::etcdctl(ns);
+/// The ids the admin API reports are the ones etcd holds, read from etcd here rather than from
+/// the test's own watch (which `Fleet::check` compares against).
+async fn assert_ids_match_etcd(fleet: &Fleet<'_>, workers: &[Worker]) -> anyhow::Result<()> {
+    let mut get = dynamo::etcdctl(fleet.ns);
     get.args(["get", "--prefix", &format!("v1/instances/{NAMESPACE}/"), "--print-value-only"]);
-    let records: Vec<Value> =
-        ns.run(get).await?.lines().filter(|l| !l.is_empty()).map(serde_json::from_str).collect::<Result<_, _>>()?;
-    let in_etcd: BTreeSet<u64> =
-        records.iter().filter(|r| r["endpoint"] == "generate").filter_map(|r| r["instance_id"].as_u64()).collect();
-    let started: BTreeSet<u64> = workers.iter().map(|w| w.instance.instance_id).collect();
-    assert_eq!(in_etcd, started, "etcd's generate instances are the three workers the test started");
+    let records: Vec<Value> = fleet
+        .ns
+        .run(get)
+        .await?
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    let in_etcd: BTreeSet<String> = records
+        .iter()
+        .filter(|r| r["endpoint"] == "generate")
+        .filter_map(|r| r["instance_id"].as_u64())
+        .map(|id| id.to_string())
+        .collect();
+    let listed = fleet.workers().await?;
+    let in_admin: BTreeSet<String> =
+        listed.iter().filter_map(|w| w["worker_id"].as_str()).map(str::to_string).collect();
+    assert_eq!(in_admin, in_etcd, "the admin API lists etcd's generate instances");
+    assert_eq!(in_etcd.len(), workers.len(), "one generate instance per worker the test started");
     Ok(())
 }
