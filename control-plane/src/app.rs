@@ -139,6 +139,10 @@ impl ControlPlane {
             .with_kv(kv.handle())
             .with_seeded(move || seeded.check())
             .with_tokens(fleet_tokens_rx);
+        let service = match &tls {
+            Some(tls) => service.with_trust(tls.trust_changes()),
+            None => service,
+        };
         if let Some(tls) = &tls {
             tasks.push(tokio::spawn(tls.clone().follow_files(tls::RELOAD_INTERVAL, cancel.clone())));
         }

@@ -123,7 +123,7 @@ impl Metrics {
             )?,
             watch_retired: IntCounter::new(
                 "continuum_fleet_watch_retired_total",
-                "Watch streams ended because the token they were opened with is no longer accepted",
+                "Watch streams ended because the credential they were opened with is no longer accepted (a retired token, a changed client CA)",
             )?,
             fleet_tls_reloads: IntCounterVec::new(
                 Opts::new(

@@ -744,6 +744,59 @@ async fn a_renewed_certificate_reaches_new_connections_while_open_streams_keep_r
     Ok(())
 }
 
+/// Rotating the client CA ends the Watch streams verified against the old one: a replica whose
+/// certificate the new CA does not sign (revoked by rotating its CA out) loses the fleet at
+/// once, not whenever its connection happens to drop; one the new CA signs follows on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_client_ca_ends_the_streams_verified_against_the_old_one() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
+    use continuum_data_plane::fleet::{FleetClientConfig, client_tls};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let (old, new) = (Pki::generate(&dir.path().join("old"))?, Pki::generate(&dir.path().join("new"))?);
+    let client_ca = dir.path().join("client-ca.pem");
+    replace(&old.ca_cert, &client_ca)?;
+    let mut config = embedded_on_loopback();
+    config.control_plane.tls = Some(ListenerTlsConfig {
+        cert: Some(old.server_cert.clone()),
+        key: Some(Secret::new(old.server_key.display().to_string())),
+        client_ca: Some(client_ca.clone()),
+    });
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    let url = format!("https://127.0.0.1:{}", control.grpc_addr.port());
+    let follow = async |name: &str, identity: &Pki| {
+        let mut follow = FleetClientConfig::new(url.clone(), name);
+        let client = Some((identity.client_cert.as_path(), identity.client_key.as_path()));
+        follow.tls = Some(client_tls(&old.ca_cert, client)?.domain_name("localhost").into());
+        anyhow::Ok(Replica::start("127.0.0.1:0", follow).await?)
+    };
+    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
+    let revoked = follow("revoked", &old).await?;
+    eventually(CONVERGE, "a replica of the first CA follows", || async { workers(&revoked) == 4 }).await?;
+
+    replace(&new.ca_cert, &client_ca)?;
+    control.reload(config).await?;
+    let retired = control.metrics.watch_retired.clone();
+    eventually(CONVERGE, "its stream is ended", || async { retired.get() == 1 }).await?;
+    let listed = || control.replicas.list().iter().map(|s| s.replica_id.clone()).collect::<Vec<_>>();
+    eventually(CONVERGE, "and it is not let back", || async { listed().is_empty() }).await?;
+    let refused = control.metrics.fleet_tls_handshakes_failed.with_label_values(&["refused"]);
+    eventually(CONVERGE, "its handshakes are refused", || async { refused.get() > 0 }).await?;
+    let renewed = follow("renewed", &new).await?;
+    eventually(CONVERGE, "a replica of the new CA follows", || async { workers(&renewed) == 4 }).await?;
+    assert_eq!(listed(), ["renewed"]);
+
+    for replica in [revoked, renewed] {
+        replica.shutdown().await;
+    }
+    control.shutdown().await;
+    Ok(())
+}
+
 /// A replica's own certificate renewed in place: its Watch stream reads the files at every
 /// connection, and its lookups' connection is renewed when they change. No restart either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

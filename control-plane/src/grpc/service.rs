@@ -103,6 +103,8 @@ pub struct FleetService {
     seeded: Arc<dyn Fn() -> bool + Send + Sync>,
     /// `control_plane.token` (and `previous_token`): every call must present one when set.
     tokens: watch::Receiver<Vec<bearer::Token>>,
+    /// Changes of the client CA ([`FleetService::with_trust`]).
+    trust: watch::Receiver<u64>,
 }
 
 impl std::fmt::Debug for FleetService {
@@ -127,8 +129,9 @@ impl FleetService {
         );
         let turns = Arc::default();
         let seeded = Arc::new(|| true);
-        let tokens = watch::channel(Vec::new()).1;
-        Self { publisher, replicas, metrics, shutdown, book, active, kv: KvHandle::default(), turns, seeded, tokens }
+        let (tokens, trust) = (watch::channel(Vec::new()).1, watch::channel(0).1);
+        let kv = KvHandle::default();
+        Self { publisher, replicas, metrics, shutdown, book, active, kv, turns, seeded, tokens, trust }
     }
 
     /// Every call must present `authorization: Bearer <token>` with one of `tokens`, while it
@@ -138,6 +141,13 @@ impl FleetService {
     /// ends the Watch streams opened with a token no longer accepted.
     pub fn with_tokens(self, tokens: watch::Receiver<Vec<bearer::Token>>) -> Self {
         Self { tokens, ..self }
+    }
+
+    /// Ends the Watch streams opened before each change `trust` counts (the client CA's,
+    /// [`super::ServerTls::trust_changes`]): their connections were verified against a CA that
+    /// may no longer trust them, and they reconnect to be verified against the new one.
+    pub fn with_trust(self, trust: watch::Receiver<u64>) -> Self {
+        Self { trust, ..self }
     }
 
     /// The token check to serve this service behind, run before a call's message is read.
@@ -184,6 +194,14 @@ impl FleetService {
             ));
         }
         Ok(hello)
+    }
+}
+
+/// Returns once the client CA changes; never if it cannot (no TLS, or the control plane is
+/// stopping).
+async fn trust_changed(mut trust: watch::Receiver<u64>) {
+    if trust.changed().await.is_err() {
+        std::future::pending::<()>().await;
     }
 }
 
@@ -247,6 +265,9 @@ impl Fleet for FleetService {
         // and leave the session listed.
         let forget = book.clone();
         let tokens = self.tokens.clone();
+        let mut trust = self.trust.clone();
+        // Changes before this stream opened are not its own.
+        trust.mark_unchanged();
         tokio::spawn(async move {
             let serve = async move {
                 // Forgotten ahead of anything the new stream reports: it reports the same
@@ -269,6 +290,14 @@ impl Fleet for FleetService {
                     tracing::warn!(replica = %status.replica_id, "ending a Watch stream: the token it was opened with is no longer accepted");
                     let status = Status::unauthenticated(
                         "the token this stream was opened with is no longer accepted; reconnect with control_plane.token",
+                    );
+                    super::session::say_goodbye(&goodbye, status).await;
+                }
+                () = trust_changed(trust) => {
+                    metrics.watch_retired.inc();
+                    tracing::warn!(replica = %status.replica_id, "ending a Watch stream: the client CA it was verified against changed");
+                    let status = Status::unauthenticated(
+                        "the control plane's client CA changed; reconnect to be verified against the new one",
                     );
                     super::session::say_goodbye(&goodbye, status).await;
                 }

@@ -77,8 +77,17 @@ impl Files {
 
     /// What tells one set of files from another, without keeping a copy of the key.
     fn digest(&self) -> [u8; 32] {
+        Self::digest_of(&[Some(&self.cert), Some(&self.key), self.client_ca.as_ref()])
+    }
+
+    /// What tells one client CA from another (none included).
+    fn trust(&self) -> [u8; 32] {
+        Self::digest_of(&[self.client_ca.as_ref()])
+    }
+
+    fn digest_of(parts: &[Option<&Vec<u8>>]) -> [u8; 32] {
         let mut context = Context::new(&SHA256);
-        for part in [Some(&self.cert), Some(&self.key), self.client_ca.as_ref()] {
+        for part in parts {
             let part = part.map_or(&[][..], Vec::as_slice);
             context.update(&(part.len() as u64).to_le_bytes());
             context.update(part);
@@ -165,6 +174,7 @@ fn certificates(pem: &[u8], what: &'static str, path: &Path) -> Result<Vec<Certi
 pub struct Prepared {
     paths: ListenerTlsConfig,
     digest: [u8; 32],
+    trust: [u8; 32],
     config: Arc<ServerConfig>,
 }
 
@@ -179,7 +189,7 @@ impl std::fmt::Debug for Prepared {
 pub fn prepare(paths: &ListenerTlsConfig) -> Result<Prepared, TlsError> {
     let files = Files::read(paths)?;
     let config = files.server_config(paths)?;
-    Ok(Prepared { paths: paths.clone(), digest: files.digest(), config })
+    Ok(Prepared { paths: paths.clone(), digest: files.digest(), trust: files.trust(), config })
 }
 
 /// The running TLS configuration and where its files are. Clones share it.
@@ -194,6 +204,10 @@ pub struct ServerTls {
 struct State {
     paths: ListenerTlsConfig,
     digest: [u8; 32],
+    /// The client CA's digest, and a count of its changes for the streams verified against an
+    /// earlier one ([`ServerTls::trust_changes`]).
+    trust: [u8; 32],
+    trust_changes: watch::Sender<u64>,
     /// Bumped by every swap: a refresh that read its files before one is older than what it
     /// would replace.
     generation: u64,
@@ -218,14 +232,23 @@ pub enum Refresh {
 impl ServerTls {
     /// Loads `paths`' files, which must make a working configuration.
     pub fn load(paths: &ListenerTlsConfig, metrics: &Metrics) -> Result<Self, TlsError> {
-        let Prepared { paths, digest, config } = prepare(paths)?;
+        let Prepared { paths, digest, trust, config } = prepare(paths)?;
         let (publish, current) = watch::channel(config);
+        let trust_changes = watch::Sender::new(0);
+        let state = State { paths, digest, trust, trust_changes, generation: 0, refused: None, publish };
         Ok(Self {
-            state: Arc::new(Mutex::new(State { paths, digest, generation: 0, refused: None, publish })),
+            state: Arc::new(Mutex::new(state)),
             current,
             reloads: metrics.fleet_tls_reloads.clone(),
             handshakes_failed: metrics.fleet_tls_handshakes_failed.clone(),
         })
+    }
+
+    /// Counts changes of the client CA: a connection verified against an earlier one may hold
+    /// a certificate the new one does not trust (a replica revoked by rotating its CA out), so
+    /// the Watch streams opened before a change end with it ([`crate::grpc::FleetService::with_trust`]).
+    pub fn trust_changes(&self) -> watch::Receiver<u64> {
+        self.state().trust_changes.subscribe()
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -257,7 +280,9 @@ impl ServerTls {
                     state.refused = None;
                     return Ok(Refresh::Unchanged);
                 }
-                (Refused::Files(digest), files.server_config(&paths).map(|config| Prepared { paths, digest, config }))
+                let trust = files.trust();
+                let prepared = files.server_config(&paths).map(|config| Prepared { paths, digest, trust, config });
+                (Refused::Files(digest), prepared)
             }
         };
         match prepared {
@@ -282,9 +307,15 @@ impl ServerTls {
         self.swap(&mut state, prepared)
     }
 
-    fn swap(&self, state: &mut State, Prepared { paths, digest, config }: Prepared) -> Refresh {
+    fn swap(&self, state: &mut State, Prepared { paths, digest, trust, config }: Prepared) -> Refresh {
         state.publish.send_replace(config);
         (state.paths, state.digest, state.refused) = (paths, digest, None);
+        if std::mem::replace(&mut state.trust, trust) != trust {
+            tracing::warn!(
+                "control_plane.tls: the client CA changed; ending the Watch streams verified against the old one"
+            );
+            state.trust_changes.send_modify(|changes| *changes += 1);
+        }
         state.generation += 1;
         self.reloads.with_label_values(&["applied"]).inc();
         tracing::info!("control_plane.tls: serving the renewed certificate to new connections");
