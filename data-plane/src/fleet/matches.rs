@@ -42,7 +42,9 @@ pub struct MatchesClient {
     deadline: Duration,
     /// This replica's id, which with a lookup's number names its reservation.
     replica_id: Arc<str>,
-    /// The last lookup number handed out (shared by clones).
+    /// The last lookup number handed out (shared by clones). It starts at a random number: the
+    /// control plane takes a `FindMatches` call's replica id as the call states it, so numbers
+    /// another replica could guess would let it stand its lookups in for this one's.
     numbered: Arc<AtomicU64>,
     /// When a refused token was last warned about: seconds since `started` (0: never).
     warned_at: Arc<AtomicU64>,
@@ -169,7 +171,9 @@ impl MatchesClient {
     pub fn new(config: &FleetClientConfig, deadline: Duration) -> Result<Self, EndpointError> {
         let client = Arc::new(ArcSwap::from_pointee(connect(config)?));
         let replica_id = config.replica_id.as_str().into();
-        let (numbered, warned_at, reach, started) = (Arc::default(), Arc::default(), Arc::default(), Instant::now());
+        // Below 2^62: no replica hands out enough numbers to wrap to 0 (no lookup).
+        let numbered = Arc::new(AtomicU64::new(rand::random::<u64>() >> 2));
+        let (warned_at, reach, started) = (Arc::default(), Arc::default(), Instant::now());
         Ok(Self { client, deadline, replica_id, numbered, warned_at, reach, started })
     }
 
@@ -236,7 +240,7 @@ impl MatchesClient {
         self.deadline
     }
 
-    /// A number for the next lookup, 1, 2, 3…: the replica reports it with the dispatch the
+    /// A number for the next lookup, one past the last: the replica reports it with the dispatch the
     /// lookup scored, answered in time or not, and the control plane moves the reservation it
     /// made for the lookup to the rank taken.
     pub fn number_lookup(&self) -> u64 {
@@ -374,6 +378,22 @@ mod tests {
         // The first backoff is at most RECONNECT_INITIAL: the loop may outlast a few of them.
         assert!(unavailable >= 1 && skipped >= 150, "{unavailable} tried, {skipped} skipped");
         assert!(accepted.load(Ordering::Relaxed) <= 10, "{} connections", accepted.load(Ordering::Relaxed));
+        Ok(())
+    }
+
+    /// Lookup numbers run on from a random start, one replica's unlike another's: no replica
+    /// can guess the numbers another will report its dispatches with.
+    #[tokio::test]
+    async fn lookup_numbers_start_where_no_other_replica_can_guess() -> anyhow::Result<()> {
+        let config = FleetClientConfig::new("http://127.0.0.1:1", "r1");
+        let (a, b) = (
+            MatchesClient::new(&config, Duration::from_secs(1))?,
+            MatchesClient::new(&config, Duration::from_secs(1))?,
+        );
+        let first = a.number_lookup();
+        assert_eq!(a.number_lookup(), first + 1, "one past the last");
+        assert_ne!(b.number_lookup(), first, "each client starts at its own");
+        assert!(first != 0 && first < 1 << 62);
         Ok(())
     }
 
