@@ -88,6 +88,8 @@ impl Dispatcher {
         let mut outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
         let (name, url, now) = (&replica.name, &replica.url, Instant::now());
         match &outcome {
+            // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).
+            Ok(response) if response.status().is_success() => self.health.head_arrived(name, url, now),
             Ok(response) => self.health.record(name, url, !is_gateway_failure(response.status()), now),
             // A buffered answer's head comes only once generation is done, so a hung worker
             // (or a long generation) looks just so: the shim's failure only if it answered

@@ -6,7 +6,11 @@
 //! a proxy in front of it answering 502 or 504, or no response head in time while it answered
 //! nothing else (a buffered answer's head comes only once generation is done, so a head that
 //! never came while the shim answered other requests is its pinned workers' silence, not its
-//! own). Any other HTTP answer, even a 5xx about a worker, proves the shim is alive. After
+//! own), or a success whose body breaks under its head (1.6.1 reports a worker's death in the
+//! stream, so a broken connection is the shim's or the network's). A success counts once its
+//! body has ended (its head closes a half-open breaker, since the trial reached the shim, but
+//! resets no count), so a replica that cuts every answer under its head still opens it. Any
+//! other HTTP answer, even a 5xx about a worker, proves the shim is alive. After
 //! [`FAILURE_THRESHOLD`] consecutive failures the breaker opens and the replica is skipped; after
 //! [`COOLDOWN`] one request is let through as a probe (half-open), and its outcome closes or
 //! reopens the breaker. A probe that never reports (its request was cancelled) is replaced by
@@ -104,6 +108,16 @@ impl Breaker {
         self.state = State::Closed { failures: 0 };
     }
 
+    /// A success answer's head arrived: the replica answers chat completions, so a trial
+    /// passed and a half-open breaker closes. A closed one's count stands until the exchange's
+    /// body ends and its outcome is recorded: a replica that cuts every answer under its head
+    /// must still open it.
+    pub fn on_head(&mut self) {
+        if matches!(self.state, State::Trial | State::HalfOpen { .. }) {
+            self.state = State::Closed { failures: 0 };
+        }
+    }
+
     /// A live answer of the replica's liveness probe: an open breaker lets its trial request
     /// through at once, and that request's outcome closes or reopens it. The probe proves the
     /// replica's HTTP server alive, not that it answers chat completions (a replica whose
@@ -158,24 +172,23 @@ struct Replica {
     answered_at: Option<Instant>,
 }
 
-/// Where a relayed stream charges its shim replica when the connection under it breaks: the
-/// shim's (or the network's) failure, not its workers' (1.6.1 says a worker's death in the
-/// stream, as an error event).
+/// Where a relayed stream records its exchange's outcome on its shim replica's breaker once its
+/// body ends: whole (the shim served it, an error event of the engine's included), or broken
+/// under it (the shim's failure, or the network's; 1.6.1 says a worker's death in band).
 #[derive(Debug)]
-pub struct ShimFault {
+pub struct ShimExchange {
     health: Arc<ShimHealth>,
     name: String,
     url: String,
 }
 
-impl ShimFault {
+impl ShimExchange {
     pub fn new(health: &Arc<ShimHealth>, name: &str, url: &str) -> Self {
         Self { health: Arc::clone(health), name: name.into(), url: url.into() }
     }
 
-    /// The replica failed this exchange.
-    pub fn charge(&self) {
-        self.health.record(&self.name, &self.url, false, Instant::now());
+    pub fn ended(&self, served: bool) {
+        self.health.record(&self.name, &self.url, served, Instant::now());
     }
 }
 
@@ -227,6 +240,19 @@ impl ShimHealth {
         for (_, replica) in replicas.iter_mut().filter(|(name, _)| !probed(name)) {
             replica.probed = Probed::default();
         }
+    }
+
+    /// A success answer's head arrived ([`Breaker::on_head`]); its body's end records the
+    /// exchange's outcome.
+    pub fn head_arrived(&self, name: &str, url: &str, now: Instant) {
+        self.with(name, url, |r, _| {
+            r.answered_at = Some(now);
+            let before = r.breaker.state();
+            r.breaker.on_head();
+            if before != r.breaker.state() {
+                tracing::info!(backend = name, ?before, "shim replica answered its trial request; breaker closed");
+            }
+        });
     }
 
     /// A request sent at `sent` got no response head in time: the replica's failure unless it
@@ -309,6 +335,21 @@ mod tests {
         failed(&mut breaker, 1, now);
         assert_eq!(breaker.state(), BreakerState::Open);
         assert!(!breaker.admit(now + Duration::from_secs(9), &SETTINGS));
+    }
+
+    /// A success's head closes a half-open breaker (its trial passed) but leaves a closed one's
+    /// count to the exchange's end: answers cut under their heads still add up.
+    #[test]
+    fn a_heads_arrival_closes_a_trial_but_resets_no_count() {
+        let now = Instant::now();
+        let mut breaker = Breaker::default();
+        failed(&mut breaker, 2, now);
+        breaker.on_head();
+        failed(&mut breaker, 1, now);
+        assert_eq!(breaker.state(), BreakerState::Open, "three failures in a row, heads between");
+        assert!(breaker.admit(now + SETTINGS.cooldown, &SETTINGS), "the trial");
+        breaker.on_head();
+        assert_eq!(breaker.state(), BreakerState::Closed);
     }
 
     #[test]

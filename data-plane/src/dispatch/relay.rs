@@ -24,7 +24,7 @@ use prometheus::IntCounter;
 use serde_json::json;
 use tokio::time::{Instant, Sleep};
 
-use super::breaker::ShimFault;
+use super::breaker::ShimExchange;
 use super::ledger::DispatchEnd;
 use super::shim_body::ShimBody;
 
@@ -56,8 +56,8 @@ pub struct RelayBody {
     /// The received start of an event not yet ended, held back.
     partial: BytesMut,
     dispatch: Option<DispatchEnd>,
-    /// The shim replica streaming it, charged when the connection under the stream breaks.
-    shim: ShimFault,
+    /// The shim replica streaming it, told how the exchange ended.
+    shim: ShimExchange,
     /// Counts a stream that broke after it started.
     failures: IntCounter,
     /// The shim said in the stream that generation failed (an error event, as 1.6.1 sends
@@ -70,7 +70,7 @@ impl RelayBody {
     pub fn new(
         inner: ShimBody,
         idle: Duration,
-        (dispatch, shim): (Option<DispatchEnd>, ShimFault),
+        (dispatch, shim): (Option<DispatchEnd>, ShimExchange),
         failures: IntCounter,
     ) -> Self {
         let deadline = Box::pin(tokio::time::sleep(idle));
@@ -88,9 +88,11 @@ impl RelayBody {
         }
     }
 
-    /// The stream ended; `whole` when on the end of an event, which acquits its workers.
+    /// The stream ended; `whole` when on the end of an event, which acquits its workers. The
+    /// shim served it, an error event of the engine's included.
     fn finish(&mut self, whole: bool) {
         self.done = true;
+        self.shim.ended(true);
         if let Some(dispatch) = self.dispatch.take().filter(|_| whole && !self.failed_in_band) {
             dispatch.acquit();
         }
@@ -103,7 +105,7 @@ impl RelayBody {
             return;
         }
         match (fault, &self.dispatch) {
-            (Fault::Shim, _) => self.shim.charge(),
+            (Fault::Shim, _) => self.shim.ended(false),
             (Fault::Workers, Some(dispatch)) => dispatch.blame(),
             (Fault::Workers, None) => {}
         }

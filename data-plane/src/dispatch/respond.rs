@@ -16,7 +16,7 @@ use http_body::{Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
-use super::breaker::ShimFault;
+use super::breaker::ShimExchange;
 use super::classify::{self, Verdict, classify};
 use super::disclosure::{RefusalBody, backend_words, refusal_body};
 use super::pool::ShimReplica;
@@ -132,15 +132,21 @@ impl Dispatcher {
                 Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
                 None => self.metrics.unpinned_stream_failures.clone(),
             };
-            let shim = ShimFault::new(&self.health, &replica.name, &replica.url);
+            let shim = ShimExchange::new(&self.health, &replica.name, &replica.url);
             Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), failures))
         } else {
             let timeout = self.settings.buffered_timeout;
             let read = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, (sent + timeout, timeout)).await;
-            // A body broken after its head (which a buffered answer sends only once generation
-            // is done) is the shim's failure, or the network's, not its workers'.
-            if let Err(Failure::Body(_)) = &read {
-                self.health.record(&replica.name, &replica.url, false, std::time::Instant::now());
+            // The exchange's outcome on the shim's breaker: a body broken after its head (which
+            // a buffered answer sends only once generation is done) is the shim's failure, or
+            // the network's, not its workers'; one too slow says nothing of the shim.
+            let served = match &read {
+                Ok(_) | Err(Failure::TooLarge(_) | Failure::Overloaded) => Some(true),
+                Err(Failure::Body(_)) => Some(false),
+                Err(_) => None,
+            };
+            if let Some(served) = served {
+                self.health.record(&replica.name, &replica.url, served, std::time::Instant::now());
             }
             let (bytes, charge) = read?;
             if let Some(mut dispatch) = dispatch {

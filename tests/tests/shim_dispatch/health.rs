@@ -159,9 +159,10 @@ async fn a_buffered_answer_must_arrive_whole_within_one_timeout_from_the_send() 
 }
 
 /// A buffered answer whose connection breaks after its head (sent only once generation is done)
-/// is the shim's failure, or the network's: no strike against the workers that generated it.
+/// is the shim's failure, or the network's: no strike against the workers that generated it,
+/// and a shim that cuts every answer so opens its breaker, its heads notwithstanding.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_buffered_body_broken_under_its_head_blames_no_worker() -> anyhow::Result<()> {
+async fn a_buffered_body_broken_under_its_head_counts_against_the_shim_not_the_workers() -> anyhow::Result<()> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let cutting = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", cutting.local_addr()?);
@@ -174,12 +175,16 @@ async fn a_buffered_body_broken_under_its_head_blames_no_worker() -> anyhow::Res
             let _ = socket.write_all(b"{\"id\":").await;
         }
     });
-    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-cutting", url)])).await?;
-    for _ in 0..EJECT_AFTER {
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
+    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-cutting", url)]), settings).await?;
+    for _ in 0..2 {
         let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
         assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"));
     }
     assert!(harness.replica.ledger.outliers().is_empty(), "no strike against the pinned workers");
+    let state = sample(&harness.metrics().await?, r#"continuum_shim_replica_state{backend="shim-cutting"}"#);
+    assert_eq!(state, Some(2.0), "open after two answers cut under their heads, one after the other");
     harness.stop().await;
     served.abort();
     Ok(())
