@@ -193,6 +193,47 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A replica that refuses a delta refuses the ones already on their way behind it too (none fits
+/// its view any more): those refusals wait for the resync the first one asked for, whichever
+/// the session reads first, the refusal or room to send the snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_of_the_deltas_behind_a_refused_one_await_its_resync() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let mut next_id = 100;
+    // Each round on a stream of its own: the session reads the second refusal before or after
+    // it sends the resync, as its turn falls; a round that ended the stream would fail.
+    for round in 0..8 {
+        let (replies, mut updates) = open_watch(&control.url(), &format!("refuser-{round}")).await?;
+        let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+        replies.send(ack(&first)).await?;
+        let mut deltas = Vec::new();
+        for _ in 0..2 {
+            next_id += 1;
+            control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", next_id, "m")], ..Default::default() });
+            let delta =
+                tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+            anyhow::ensure!(!is_snapshot(&delta), "a delta");
+            deltas.push(delta);
+        }
+        for delta in &deltas {
+            let nack = pb::Nack { version: delta.version, nonce: delta.nonce.clone(), reason: "refused".into() };
+            replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
+        }
+        let resync = tokio::time::timeout(CONVERGE, updates.message()).await??;
+        let resync = resync.ok_or_else(|| anyhow::anyhow!("round {round}: the stream ended"))?;
+        anyhow::ensure!(is_snapshot(&resync), "round {round}: a resync");
+        replies.send(ack(&resync)).await?;
+        // Still open: the next change comes as a delta.
+        next_id += 1;
+        control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", next_id, "m")], ..Default::default() });
+        let after = tokio::time::timeout(CONVERGE, updates.message()).await?;
+        let after = after.map_err(|status| anyhow::anyhow!("round {round}: the stream ended: {status:?}"))?;
+        anyhow::ensure!(after.is_some_and(|update| !is_snapshot(&update)), "round {round}: a delta after the resync");
+    }
+    control.stop().await;
+    Ok(())
+}
+
 /// A refused snapshot cannot be mended by another: the stream ends, and the replica reconnects
 /// with its backoff (under load, snapshots would otherwise go out back to back). A refusal of
 /// a version the stream never sent is no refusal of anything: it ends the stream too.

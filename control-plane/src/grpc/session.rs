@@ -403,6 +403,12 @@ impl Session {
             }
             _ => {}
         }
+        if self.held.is_none() {
+            // A resync is already due: the deltas sent before it (which the replica refuses
+            // too, none fitting its view any more) are mended by the same snapshot.
+            tracing::debug!(%replica, version = nack.version, %reason, "a refused update awaits the resync already due");
+            return Ok(());
+        }
         let now = Instant::now();
         if self.last_resync.is_some_and(|at| now.duration_since(at) < RESYNC_INTERVAL) {
             tracing::warn!(%replica, version = nack.version, %reason, "replica refused another fleet update soon after a resync; ending its session");
