@@ -417,7 +417,10 @@ mod tests {
         let first = reports.try_recv().expect("the dispatch is reported");
         let report = crate::fleet::batch(first, &mut reports);
         let lookups: Vec<u64> = report.started.iter().map(|started| started.lookup).collect();
-        assert_eq!(lookups, [1], "the replica's first lookup, on the leg that prefills");
+        assert!(
+            matches!(lookups[..], [lookup] if lookup != 0),
+            "the lookup's number, on the leg that prefills: {lookups:?}"
+        );
         let buffered: Vec<bool> = report.started.iter().map(|started| started.buffered).collect();
         assert_eq!(buffered, [true], "no `stream` in the body: its answer comes whole");
     }
