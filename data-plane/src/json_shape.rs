@@ -3,9 +3,19 @@
 //! of it takes about forty times that (`[0,0,…]` is two bytes an element, a `Value` with
 //! ordered maps 80): members that must be a string, a boolean or an object are read with these,
 //! which skip anything else element by element without keeping it.
+//!
+//! Skipped is not unchecked: what is skipped is read as [`Checked`], as strictly as the
+//! frontend's typed parser reads it (serde's `IgnoredAny` decodes no string nor number, so a
+//! lone surrogate, `1e400` or a byte that is no UTF-8 would pass here and be refused there,
+//! answered as a failed generation rather than the client's bad request), and an object that
+//! holds a key twice is refused: the frontend refuses it too, while a tree, and the router's
+//! rewrite of the body from one, would quietly keep the last.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
 
 use serde::Deserialize;
-use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, MapAccess, SeqAccess, Visitor};
 
 /// A value that must be a string or a boolean, kept only if it is one. (`null` in an `Option`
 /// of it is `None`.)
@@ -69,14 +79,12 @@ impl<'de> Visitor<'de> for KindOf {
         formatter.write_str("any JSON value")
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Kind, A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(Kind::Object)
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Kind, A::Error> {
+        CheckedVisitor.visit_map(map).map(|()| Kind::Object)
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Kind, A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(Kind::Other)
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Kind, A::Error> {
+        CheckedVisitor.visit_seq(seq).map(|()| Kind::Other)
     }
 
     fn visit_bool<E>(self, value: bool) -> Result<Kind, E> {
@@ -101,6 +109,122 @@ impl<'de> Visitor<'de> for KindOf {
 
     fn visit_str<E>(self, text: &str) -> Result<Kind, E> {
         Ok(if self.keep_text { Kind::Str(text.to_owned()) } else { Kind::Other })
+    }
+}
+
+/// Any JSON value, checked and kept nowhere (see the module's documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checked;
+
+impl<'de> Deserialize<'de> for Checked {
+    fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(CheckedVisitor).map(|()| Checked)
+    }
+}
+
+struct CheckedVisitor;
+
+impl<'de> Visitor<'de> for CheckedVisitor {
+    type Value = ();
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        formatter.write_str("any JSON value")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut keys = Keys::default();
+        while let Some(Key(key)) = map.next_key()? {
+            keys.insert(key)?;
+            map.next_value::<Checked>()?;
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element::<Checked>()?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// An object's key, borrowed from the body unless it holds an escape.
+#[derive(Debug)]
+pub struct Key<'de>(pub Cow<'de, str>);
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl<'de> Visitor<'de> for KeyVisitor {
+            type Value = Key<'de>;
+
+            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+                formatter.write_str("an object key")
+            }
+
+            fn visit_borrowed_str<E>(self, key: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(key)))
+            }
+
+            fn visit_str<E>(self, key: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(key.to_owned())))
+            }
+        }
+        deserializer.deserialize_str(KeyVisitor)
+    }
+}
+
+/// The keys one object has shown so far, to refuse the second of any: a list while they are
+/// few, a set past that (a body may hold an object of a hundred thousand keys).
+#[derive(Debug, Default)]
+pub struct Keys<'de> {
+    few: Vec<Cow<'de, str>>,
+    many: HashSet<Cow<'de, str>>,
+}
+
+impl<'de> Keys<'de> {
+    const FEW: usize = 16;
+
+    pub fn insert<E: de::Error>(&mut self, key: Cow<'de, str>) -> Result<(), E> {
+        let seen = match self.few.len() < Self::FEW {
+            true => self.few.contains(&key),
+            false => self.many.contains(&key),
+        };
+        if seen {
+            let shown: String = key.chars().take(64).collect();
+            return Err(E::custom(format_args!("an object holds the key `{shown}` twice")));
+        }
+        if self.few.len() < Self::FEW {
+            self.few.push(key);
+            if self.few.len() == Self::FEW {
+                self.many.extend(self.few.iter().cloned());
+            }
+        } else {
+            self.many.insert(key);
+        }
+        Ok(())
     }
 }
 

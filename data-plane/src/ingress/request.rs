@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde::Deserialize;
-use serde::de::IgnoredAny;
+use serde::de::{MapAccess, Visitor};
 use serde_json::Value;
 use tokio::sync::{Semaphore, SemaphorePermit};
 
-use crate::json_shape::{Scalar, Shape};
+use crate::json_shape::{Checked, Key, Keys, Scalar, Shape};
 use crate::kv::request_cache_salt;
 use crate::routing::headers::{attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
@@ -154,9 +154,10 @@ pub struct ChatRequest {
     tenant: Option<String>,
 }
 
-/// The members routing reads; everything else is only checked to be valid JSON. None is built
-/// as a tree: a `model` of eight megabytes of `[0,0,…]` would take hundreds of them.
-#[derive(Deserialize)]
+/// The members routing reads; everything else is only checked to be valid JSON ([`Checked`]),
+/// and no member may come twice. None is built as a tree: a `model` of eight megabytes of
+/// `[0,0,…]` would take hundreds of them.
+#[derive(Default)]
 struct Members {
     model: Option<Scalar>,
     stream: Option<Scalar>,
@@ -171,6 +172,38 @@ struct Members {
     nvext: Option<Shape>,
 }
 
+impl<'de> Deserialize<'de> for Members {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MembersVisitor;
+        impl<'de> Visitor<'de> for MembersVisitor {
+            type Value = Members;
+
+            fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+                formatter.write_str("a chat completion request object")
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
+                let (mut members, mut keys) = (Members::default(), Keys::default());
+                while let Some(Key(key)) = map.next_key()? {
+                    match key.as_ref() {
+                        "model" => members.model = map.next_value()?,
+                        "stream" => members.stream = map.next_value()?,
+                        "messages" => members.messages = map.next_value()?,
+                        "tools" => members.tools = map.next_value()?,
+                        "nvext" => members.nvext = map.next_value()?,
+                        _ => {
+                            map.next_value::<Checked>()?;
+                        }
+                    }
+                    keys.insert(key)?;
+                }
+                Ok(members)
+            }
+        }
+        deserializer.deserialize_map(MembersVisitor)
+    }
+}
+
 impl ChatRequest {
     /// [`ChatRequest::parse`] where [`ON_THE_RUNTIME_BYTES`] says: reading a body of
     /// megabytes (every member checked, every prompt string counted) would hold up every
@@ -182,7 +215,7 @@ impl ChatRequest {
 
     pub fn parse(raw: Bytes) -> Result<Self, RequestError> {
         if raw.trim_ascii_start().first() != Some(&b'{') {
-            serde_json::from_slice::<IgnoredAny>(&raw).map_err(RequestError::Json)?;
+            serde_json::from_slice::<Checked>(&raw).map_err(RequestError::Json)?;
             return Err(RequestError::Shape("the request body must be a JSON object"));
         }
         let members: Members = serde_json::from_slice(&raw).map_err(RequestError::Json)?;
@@ -415,21 +448,17 @@ mod tests {
         assert!(matches!(refused, Err(RequestError::Shape(_))), "{refused:?}");
     }
 
-    /// Duplicate keys cannot smuggle a routing field past the strip: a second top-level `nvext`
-    /// is refused at the ingress, and a field repeated inside one leaves with all its copies
-    /// (the body the shim gets is written anew from the stripped tree).
-    #[tokio::test]
-    async fn duplicate_keys_smuggle_no_routing_field() {
+    /// Duplicate keys cannot smuggle a routing field past the strip: a key twice in one object,
+    /// at the top or inside `nvext`, escaped or not, is refused at the ingress.
+    #[test]
+    fn duplicate_keys_smuggle_no_routing_field() {
         let twice = r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{},"nvext":{"backend_instance_id":7}}"#;
-        assert!(parse(twice).is_err_and(|e| e.contains("duplicate")), "{:?}", parse(twice).err());
+        assert!(parse(twice).is_err_and(|e| e.contains("`nvext` twice")), "{:?}", parse(twice).err());
         let escaped =
             r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{"a":1},"nv\u0065xt":{"backend_instance_id":7}}"#;
         assert!(parse(escaped).is_err(), "an escaped name is the same name");
-        let repeated = r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{"backend_instance_id":7,"greed":1,"backend_instance_id":8,"prefill_worker_id":9,"prefill_worker_id":9}}"#;
-        let outbound = parse(repeated).unwrap().outbound(None, false).await.unwrap();
-        let text = String::from_utf8(outbound.to_vec()).unwrap();
-        assert!(!text.contains("backend_instance_id") && !text.contains("prefill_worker_id"), "{text}");
-        assert!(text.contains(r#""greed":1"#), "{text}");
+        let repeated = r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{"backend_instance_id":7,"greed":1,"backend_instance_id":8}}"#;
+        assert!(parse(repeated).is_err_and(|e| e.contains("`backend_instance_id` twice")));
     }
 
     #[tokio::test]
@@ -557,11 +586,30 @@ mod tests {
             (r#"{"model":"m","messages":[{}],"nvext":[null,null,null,7,[1,2]]}"#, "`nvext` must be an object"),
             (r#"{"model":"m","messages":[{}],"nvext":"7"}"#, "`nvext` must be an object"),
             (r#"{"model":"m","messages":[{}],"nvext":true}"#, "`nvext` must be an object"),
+            // What the ingress skips is checked as strictly as the frontend reads it: strings,
+            // numbers, and no key twice, wherever in the body.
+            (r#"{"model":"m","messages":[{}],"user":"\ud800"}"#, "not valid JSON"),
+            (r#"{"model":"m","messages":[{}],"temperature":1e400}"#, "not valid JSON"),
+            (
+                r#"{"model":"m","messages":[{"content":[{"type":"image_url","image_url":{"url":"\udc00"}}]}]}"#,
+                "not valid JSON",
+            ),
+            (r#"{"model":"m","messages":[{}],"nvext":{"a":"\ud800"}}"#, "not valid JSON"),
+            (r#"{"model":"m","messages":[{}],"max_tokens":1,"max_tokens":4096}"#, "`max_tokens` twice"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"a","content":"b"}]}"#, "`content` twice"),
+            (r#"{"model":"m","messages":[{}],"nvext":{"x":1,"x":2}}"#, "`x` twice"),
+            (r#"{"model":"m","messages":[{}],"metadata":{"k":{"a":1,"a":1}}}"#, "`a` twice"),
+            (r#"{"model":"m","messages":[{}],"metadata":{"a\u0062":1,"ab":2}}"#, "`ab` twice"),
         ];
         for (body, says) in rows {
             let error = parse(body).unwrap_err();
             assert!(error.contains(says), "{body}: {error}");
         }
+        let bytes = Bytes::from_static(b"{\"model\":\"m\",\"messages\":[{}],\"user\":\"\xff\"}");
+        assert!(ChatRequest::parse(bytes).is_err(), "a byte that is no UTF-8, in a member skipped");
+        let many: Vec<String> = (0..100).map(|i| format!(r#""k{i}":{i}"#)).collect();
+        let wide = format!(r#"{{"model":"m","messages":[{{}}],"metadata":{{{},"k99":0}}}}"#, many.join(","));
+        assert!(parse(&wide).unwrap_err().contains("`k99` twice"), "past the list, the set");
         assert!(parse(r#"{"model":"m","messages":[{}],"nvext":null}"#).is_ok(), "a null nvext chooses nothing");
         assert!(parse(r#"{"model":"m","messages":[{}],"nvext":{"a":[1]}}"#).is_ok());
     }

@@ -3,7 +3,9 @@
 
 use std::fmt;
 
-use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+
+use crate::json_shape::{Checked, Key, Keys};
 
 /// English-like text runs about four characters per token…
 const CHARS_PER_TOKEN: u64 = 4;
@@ -77,38 +79,16 @@ impl<'de> Visitor<'de> for TextVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut fields: A) -> Result<PromptText, A::Error> {
-        let mut tokens = 0u64;
-        while let Some(name) = fields.next_key::<FieldName>()? {
-            if name.skipped {
-                fields.next_value::<IgnoredAny>()?;
+        let (mut tokens, mut keys) = (0u64, Keys::default());
+        while let Some(Key(name)) = fields.next_key()? {
+            if SKIPPED_FIELDS.contains(&name.as_ref()) {
+                fields.next_value::<Checked>()?;
             } else {
                 tokens = tokens.saturating_add(fields.next_value::<PromptText>()?.tokens);
             }
+            keys.insert(name)?;
         }
         Ok(PromptText { tokens, items: None })
-    }
-}
-
-/// An object key, read only for whether its value is skipped ([`SKIPPED_FIELDS`]).
-struct FieldName {
-    skipped: bool,
-}
-
-impl<'de> Deserialize<'de> for FieldName {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct NameVisitor;
-        impl Visitor<'_> for NameVisitor {
-            type Value = FieldName;
-
-            fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
-                formatter.write_str("an object key")
-            }
-
-            fn visit_str<E>(self, name: &str) -> Result<FieldName, E> {
-                Ok(FieldName { skipped: SKIPPED_FIELDS.contains(&name) })
-            }
-        }
-        deserializer.deserialize_str(NameVisitor)
     }
 }
 
