@@ -818,6 +818,14 @@ async fn a_changed_client_ca_ends_the_streams_verified_against_the_old_one() -> 
     let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
     let revoked = follow("revoked", &old).await?;
     eventually(CONVERGE, "a replica of the first CA follows", || async { workers(&revoked) == 4 }).await?;
+    // A connection of the old CA that stays open, as a replica's lookups' does.
+    let tls = client_tls(&old.ca_cert, Some((old.client_cert.as_path(), old.client_key.as_path())))?;
+    let channel = tonic::transport::Endpoint::from_shared(url.clone())?
+        .tls_config(tls.domain_name("localhost"))?
+        .connect()
+        .await?;
+    let mut open = FleetClient::new(channel);
+    open.get_snapshot(pb::GetSnapshotRequest {}).await?;
 
     replace(&new.ca_cert, &client_ca)?;
     control.reload(config).await?;
@@ -827,6 +835,8 @@ async fn a_changed_client_ca_ends_the_streams_verified_against_the_old_one() -> 
     eventually(CONVERGE, "and it is not let back", || async { listed().is_empty() }).await?;
     let refused = control.metrics.fleet_tls_handshakes_failed.with_label_values(&["refused"]);
     eventually(CONVERGE, "its handshakes are refused", || async { refused.get() > 0 }).await?;
+    let call = tokio::time::timeout(CONVERGE, open.get_snapshot(pb::GetSnapshotRequest {})).await?;
+    assert!(call.is_err(), "a call on a connection the old CA verified is not answered");
     let renewed = follow("renewed", &new).await?;
     eventually(CONVERGE, "a replica of the new CA follows", || async { workers(&renewed) == 4 }).await?;
     assert_eq!(listed(), ["renewed"]);

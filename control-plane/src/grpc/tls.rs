@@ -15,7 +15,9 @@
 use std::collections::VecDeque;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
 use prometheus::IntCounterVec;
@@ -24,6 +26,7 @@ use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::{AbortHandle, JoinSet};
@@ -31,6 +34,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_rustls::server::TlsStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::Connected;
 
 use crate::config::ListenerTlsConfig;
 use crate::metrics::Metrics;
@@ -391,7 +395,7 @@ pub fn incoming(
     listener: TcpListener,
     tls: &ServerTls,
     shutdown: CancellationToken,
-) -> ReceiverStream<io::Result<TlsStream<TcpStream>>> {
+) -> ReceiverStream<io::Result<Verified>> {
     incoming_within(listener, tls, MAX_HANDSHAKES, shutdown)
 }
 
@@ -400,9 +404,9 @@ fn incoming_within(
     tls: &ServerTls,
     max_handshakes: usize,
     shutdown: CancellationToken,
-) -> ReceiverStream<io::Result<TlsStream<TcpStream>>> {
+) -> ReceiverStream<io::Result<Verified>> {
     let (ready, incoming) = mpsc::channel(READY_QUEUE);
-    let (current, failed) = (tls.current.clone(), tls.handshakes_failed.clone());
+    let (current, failed, trust) = (tls.current.clone(), tls.handshakes_failed.clone(), tls.trust_changes());
     tokio::spawn(async move {
         let mut handshakes = JoinSet::new();
         let mut oldest_first: VecDeque<AbortHandle> = VecDeque::new();
@@ -438,6 +442,10 @@ fn incoming_within(
                 failed.with_label_values(&[HandshakeFailure::Evicted.as_str()]).inc();
             }
             let acceptor = TlsAcceptor::from(Arc::clone(&current.borrow()));
+            // Taken with the acceptor: a change of the client CA during the handshake, which
+            // verified against the old one, revokes the connection too.
+            let mut trust = trust.clone();
+            trust.mark_unchanged();
             let (ready, failed) = (ready.clone(), failed.clone());
             oldest_first.push_back(handshakes.spawn(async move {
                 let peer = stream.peer_addr().ok();
@@ -445,7 +453,7 @@ fn incoming_within(
                     // Handed over without waiting, so a completed handshake is never among
                     // those under way (which may be evicted). tonic takes each connection as it
                     // comes: a full queue means it is far behind, and the connection is dropped.
-                    Ok(Ok(stream)) => match ready.try_send(Ok(stream)) {
+                    Ok(Ok(stream)) => match ready.try_send(Ok(Verified { inner: stream, trust })) {
                         Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => return,
                         Err(mpsc::error::TrySendError::Full(_)) => HandshakeFailure::Evicted,
                     },
@@ -461,6 +469,61 @@ fn incoming_within(
         }
     });
     ReceiverStream::new(incoming)
+}
+
+/// A Fleet connection that reads nothing more once the client CA it was verified against has
+/// changed: the calls on it (a replica's lookups, a Watch it would open anew) end with it, and
+/// the replica dials again, to be verified against the new CA. Writes go on, so the status that
+/// ends its Watch stream still reaches it.
+#[derive(Debug)]
+pub struct Verified {
+    inner: TlsStream<TcpStream>,
+    trust: watch::Receiver<u64>,
+}
+
+impl AsyncRead for Verified {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut TaskContext<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.trust.has_changed().unwrap_or(false) {
+            let revoked = "the client CA this connection was verified against changed";
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionAborted, revoked)));
+        }
+        Pin::new(&mut this.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Verified {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut TaskContext<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl Connected for Verified {
+    type ConnectInfo = <TlsStream<TcpStream> as Connected>::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
 }
 
 #[cfg(test)]
