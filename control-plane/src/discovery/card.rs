@@ -69,9 +69,12 @@ impl TypedCard {
             }
         };
         check(&mut self.display_name, "model name", MAX_NAME_BYTES);
-        // Read only for what they claim: no real value comes near the bound.
+        // Read only for what it claims: no real value comes near the bound.
         check(&mut self.worker_type, "worker type", MAX_NAME_BYTES);
-        check(&mut self.model_suffix, "model suffix", MAX_NAME_BYTES);
+        // Read only for whether there is one (an adapter's card, skipped whatever its size).
+        if let Some(suffix) = self.model_suffix.as_mut().filter(|suffix| suffix.len() > MAX_NAME_BYTES) {
+            *suffix = "…".into();
+        }
         if let Some(rc) = &mut self.runtime_config {
             check(&mut rc.disaggregated_endpoint, "disaggregated endpoint", MAX_NAME_BYTES);
         }
@@ -382,6 +385,11 @@ mod tests {
 
         let card = Card::parse(json!({"display_name": "n".repeat(MAX_NAME_BYTES)}), 1 << 10);
         assert_eq!((card.oversized, card.typed.display_name.map(|n| n.len())), (None, Some(MAX_NAME_BYTES)));
+
+        // An adapter's card stays one, however long its suffix: skipped, not a worker excluded.
+        let card = Card::parse(json!({"display_name": "tiny", "model_suffix": "s".repeat(4 << 10)}), 8 << 10);
+        assert!(card.is_adapter());
+        assert_eq!((card.oversized, card.typed.model_suffix.map(|s| s.len() <= MAX_NAME_BYTES)), (None, Some(true)));
     }
 
     #[test]
