@@ -29,6 +29,8 @@ async fn embedded_default_control_plane() -> anyhow::Result<(Child, String, Stri
         .args(["--grpc-listen", &grpc.to_string(), "--admin-listen", &admin.to_string()])
         .args(["--simulator-shim-listen", &shim.to_string()])
         .env_remove("CONTINUUM_CONFIG")
+        // As scripts/demo does: a test run in a pod still runs the embedded default.
+        .env_remove("KUBERNETES_SERVICE_HOST")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
