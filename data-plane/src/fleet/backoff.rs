@@ -7,28 +7,33 @@ pub struct Backoff {
     initial: Duration,
     max: Duration,
     current: Duration,
+    /// No delay is shorter (0 until [`Backoff::saturate`]).
+    floor: Duration,
 }
 
 impl Backoff {
     pub fn new(initial: Duration, max: Duration) -> Self {
-        Self { initial, max, current: initial }
+        Self { initial, max, current: initial, floor: Duration::ZERO }
     }
 
-    /// A delay drawn uniformly from `[0, current]`, then doubles `current` up to `max`.
+    /// A delay drawn uniformly from `[floor, current]`, then doubles `current` up to `max`.
     /// Full jitter spreads a fleet of replicas that lost the control plane at the same moment.
     pub fn next_delay(&mut self) -> Duration {
-        let ceiling = self.current;
+        let ceiling = self.current.max(self.floor);
         self.current = (self.current * 2).min(self.max);
-        ceiling.mul_f64(rand::random::<f64>())
+        self.floor + (ceiling - self.floor).mul_f64(rand::random::<f64>())
     }
 
-    /// Jumps straight to the ceiling: for failures that retrying soon will not fix.
+    /// For failures that retrying soon will not fix: every delay from now on is drawn from
+    /// the upper half of the longest, still jittered, until a stable session resets it.
     pub fn saturate(&mut self) {
         self.current = self.max;
+        self.floor = self.max / 2;
     }
 
     pub fn reset(&mut self) {
         self.current = self.initial;
+        self.floor = Duration::ZERO;
     }
 }
 
@@ -45,6 +50,11 @@ mod tests {
         backoff.reset();
         assert!(backoff.next_delay() <= Duration::from_millis(100));
         backoff.saturate();
-        assert_eq!(backoff.current, Duration::from_millis(700));
+        for _ in 0..100 {
+            let delay = backoff.next_delay();
+            assert!(delay >= Duration::from_millis(350) && delay <= Duration::from_millis(700), "{delay:?}");
+        }
+        backoff.reset();
+        assert!(backoff.next_delay() <= Duration::from_millis(100), "a stable session starts over");
     }
 }
