@@ -175,7 +175,12 @@ pub async fn run(
     loop {
         let started = Instant::now();
         let outcome = tokio::select! {
-            () = cancel.cancelled() => return,
+            () = cancel.cancelled() => {
+                // Operations after this (the last answers of a drain) are not queued for a
+                // stream no one follows, nor counted as reports dropped.
+                reporter::detach(&mut reports);
+                return;
+            }
             outcome = follow(&config, &handle, &reporter, &mut reports, &metrics) => outcome,
         };
         reporter::detach(&mut reports);
