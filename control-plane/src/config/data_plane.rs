@@ -7,7 +7,7 @@ use continuum_proto::model::{
 
 use super::Config;
 use super::discovery::DiscoverySource;
-use super::types::BackendConfig;
+use super::types::{BackendConfig, BackendRole};
 
 impl Config {
     /// The configured Dynamo namespaces, in order, without repeats: `namespaces` (or
@@ -37,7 +37,17 @@ impl Config {
     /// What the data-plane replicas are sent: dispatchable backends, shim pools, the model map,
     /// picker parameters and disaggregated serving.
     pub fn data_plane_config(&self) -> DataPlaneConfig {
-        let dispatchable: Vec<&BackendConfig> = self.backends.iter().filter(|b| b.enabled && !b.internal).collect();
+        // A prefill or decode engine serves one phase: no plain request may go to it, so it is
+        // offered only as a shim replica, where validation has warned about its role.
+        let in_a_pool = |name: &str| {
+            let shim = &self.dynamo.shim;
+            shim.backends.iter().chain(shim.pools.iter().flat_map(|pool| &pool.backends)).any(|n| n == name)
+        };
+        let dispatchable: Vec<&BackendConfig> = self
+            .backends
+            .iter()
+            .filter(|b| b.enabled && !b.internal && (b.role == BackendRole::Unified || in_a_pool(&b.name)))
+            .collect();
         let backends = dispatchable
             .iter()
             .map(|b| Backend { name: b.name.clone(), url: b.url.clone(), models: b.models.clone() })

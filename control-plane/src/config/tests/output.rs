@@ -59,6 +59,7 @@ backends:
   - {name: shim-a, url: 'http://a:8000', models: [m]}
   - {name: shim-b, url: 'http://b:8000', internal: true}
   - {name: off, url: 'http://c:8000', enabled: false}
+  - {name: prefill-engine, url: 'http://p:8000', role: prefill, models: [m]}
 disaggregated_serving: {enabled: true, fallback_to_unified: true}
 dynamo:
   enabled: true
@@ -69,7 +70,7 @@ dynamo:
 ";
     let config = loaded(yaml).config.data_plane_config();
     let backend = Backend { name: "shim-a".into(), url: "http://a:8000".into(), models: vec!["m".into()] };
-    assert_eq!(config.backends, vec![backend]);
+    assert_eq!(config.backends, vec![backend], "a one-phase engine outside the pools gets no plain requests");
     assert_eq!(config.shim_pools, vec![ShimPool { namespace: "prod".into(), backends: vec!["shim-a".into()] }]);
     assert_eq!(config.model_map.get("qwen").map(String::as_str), Some("Qwen/Qwen3-32B"));
     assert_eq!(config.picker.max_staleness, Duration::from_secs(2));

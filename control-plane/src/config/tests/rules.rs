@@ -161,6 +161,8 @@ fn dynamo_rows() -> Vec<Row> {
         row("model_map bounded", format!("dynamo: {{shim: {{model_map: {{{}}}}}}}", (0..1025).map(|i| format!("m{i}: d")).collect::<Vec<_>>().join(", ")), Error, "dynamo.shim.model_map", "at most 1024"),
         row("backend names unique", "backends: [{name: a, url: 'http://a'}, {name: a, url: 'http://b'}]", Error, "backends[1].name", "duplicates"),
         row("backend url scheme", "backends: [{name: a, url: 'ftp://a'}]", Error, "backends[0].url", "http://"),
+        row("backend wire", "backends: [{name: a, type: anthropic, url: 'http://a'}]", Error, "backends[0].type", "OpenAI wire"),
+        row("one-phase backend serving models", "backends: [{name: p, role: prefill, url: 'http://p:8000', models: [m]}]", Warning, "backends[0].role", "no plain requests"),
         row("pinned artifact format", format!("dynamo: {{kv: {{pinned_artifacts: ['{PIN}', 'blake3:ABC']}}}}"), Error, "dynamo.kv.pinned_artifacts[1]", "64 lowercase hex"),
         row("kv enabled with nothing pinned", "dynamo: {kv: {enabled: true}}", Warning, "dynamo.kv.pinned_artifacts", "pinned"),
         row("conditional disaggregation warns", "dynamo: {kv: {conditional_disaggregation: {enabled: true}}}", Warning, "dynamo.kv.conditional_disaggregation.enabled", "503"),

@@ -37,11 +37,22 @@ fn check_backends(backends: &[BackendConfig], report: &mut Report) {
         if backend.name.is_empty() {
             report.error(format!("{path}.name"), "must not be empty");
         }
-        if backend.kind.is_empty() {
-            report.error(format!("{path}.type"), "must not be empty (e.g. openai)");
+        if backend.kind != "openai" {
+            // Dialled as OpenAI whatever it said, its requests would be malformed for it.
+            report.error(
+                format!("{path}.type"),
+                format!("is `{}`; this build speaks only the OpenAI wire to backends (type: openai)", backend.kind),
+            );
         }
         if let Some(problem) = url_problem(&backend.url) {
             report.error(format!("{path}.url"), problem);
+        }
+        if backend.role != BackendRole::Unified && !backend.models.is_empty() {
+            report.warning(
+                format!("{path}.role"),
+                "is not unified: a prefill or decode engine serves one phase, so it gets no plain requests for its models \
+                 (disaggregated serving runs through a Dynamo shim, which is role: unified)",
+            );
         }
         for (model_index, model) in backend.models.iter().enumerate() {
             if model.is_empty() {
@@ -60,8 +71,10 @@ fn check_backends(backends: &[BackendConfig], report: &mut Report) {
 fn url_problem(url: &str) -> Option<String> {
     let (scheme, rest) = url.split_once("://").map_or((None, url), |(scheme, rest)| (Some(scheme), rest));
     let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
-    // First, whatever the scheme, and never quoted: what precedes the `@` is a password.
-    if authority.contains('@') {
+    // First, whatever the scheme, and never quoted: what precedes the `@` is a password. Looked
+    // for in the whole URL: a password may hold a `/`, `?` or `#`, which would end the
+    // authority short of its `@`. No backend URL needs an `@` elsewhere.
+    if rest.contains('@') {
         return Some("must not embed credentials (user:pass@host)".to_owned());
     }
     if scheme == Some("https") {
