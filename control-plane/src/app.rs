@@ -207,6 +207,9 @@ impl ControlPlane {
             _ => None,
         };
         self.discovery.reload(&config).await?;
+        // Before the new fleet and data-plane config go out: a replica holding a token being
+        // revoked must not be sent them first.
+        self.fleet_tokens.send_replace(fleet_tokens(&config));
         // At once: the restart gate reads the source and when the fleet was emptied from these,
         // and a replica let in on stale ones while the rest reloads would be sent the emptied
         // fleet in place of its last-known-good view.
@@ -237,9 +240,17 @@ impl ControlPlane {
                 }
                 // A reload is also the operator's way to say the files were renewed: they are
                 // read now rather than at the next poll, and a refusal said here too.
+                // Bounded: a volume stalled on its read must not hold the reload (and every reload
+                // after it) open; the poll reads the files again later.
                 None => {
                     let tls = tls.clone();
-                    read_tls_files(move || tls.refresh()).await.inspect_err(warn_kept).is_ok()
+                    match tokio::time::timeout(TLS_REFRESH_WAIT, read_tls_files(move || tls.refresh())).await {
+                        Ok(refreshed) => refreshed.inspect_err(warn_kept).is_ok(),
+                        Err(_) => {
+                            tracing::warn!(wait = ?TLS_REFRESH_WAIT, "reload: control_plane.tls's files did not read in time; still serving the running certificate");
+                            true
+                        }
+                    }
                 }
             },
             (Some(_), None) => {
@@ -263,7 +274,6 @@ impl ControlPlane {
         for (key, addr) in untokened_off_host(&config, self.grpc_addr, self.admin_addr) {
             tracing::warn!(%addr, "reload: {key} is unset and the listener is not a loopback address: anyone who reaches it is served");
         }
-        self.fleet_tokens.send_replace(fleet_tokens(&config));
         self.config = config;
         tracing::info!("configuration reloaded");
         Ok(())
@@ -285,6 +295,9 @@ impl ControlPlane {
         }
     }
 }
+
+/// How long a reload waits for `control_plane.tls`'s unchanged files to be read again.
+const TLS_REFRESH_WAIT: Duration = Duration::from_secs(5);
 
 /// Reads TLS files on the blocking pool: a stalled volume must not hold a runtime thread (and
 /// the Fleet streams on it), here no more than in `ServerTls::follow_files`.

@@ -848,6 +848,61 @@ async fn a_changed_client_ca_ends_the_streams_verified_against_the_old_one() -> 
     Ok(())
 }
 
+/// A reload whose certificate files do not read (a volume stalled on them) still applies: the
+/// running certificate is kept, and a token the reload revokes is revoked, within the read's
+/// bound rather than whenever the volume answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_stalled_on_its_certificate_files_still_revokes_a_token() -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
+    use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let pki = Pki::generate(&dir.path().join("pki"))?;
+    let cert = dir.path().join("tls.crt");
+    replace(&pki.server_cert, &cert)?;
+    let mut config = embedded_on_loopback();
+    config.control_plane.token = Some(Secret::new("first-s3cret"));
+    config.control_plane.tls = Some(ListenerTlsConfig {
+        cert: Some(cert.clone()),
+        key: Some(Secret::new(pki.server_key.display().to_string())),
+        client_ca: None,
+    });
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{}", control.grpc_addr.port()), "first");
+    follow.tls = Some(client_tls(&pki.ca_cert, None)?.domain_name("localhost").into());
+    follow.credentials = Credentials::bearer("first-s3cret")?;
+    let first = Replica::start("127.0.0.1:0", follow).await?;
+    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
+    eventually(CONVERGE, "the replica holds the fleet", || async { workers(&first) == 4 }).await?;
+
+    std::fs::remove_file(&cert)?;
+    anyhow::ensure!(std::process::Command::new("mkfifo").arg(&cert).status()?.success(), "mkfifo");
+    config.control_plane.token = Some(Secret::new("second-s3cret"));
+    let reloaded = tokio::time::timeout(Duration::from_secs(15), control.reload(config)).await;
+    let retired = control.metrics.watch_retired.clone();
+    let revoked = eventually(CONVERGE, "the stream of the revoked token ended", || async { retired.get() == 1 }).await;
+    // Whatever happened, nothing stays blocked on the FIFO: release its readers, then put the
+    // certificate back for the polls to come.
+    let release = || std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(&cert).is_ok();
+    while release() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let restored = dir.path().join("restored.crt");
+    std::fs::copy(&pki.server_cert, &restored)?;
+    std::fs::rename(&restored, &cert)?;
+    reloaded.map_err(|_| anyhow::anyhow!("the reload waited on the stalled files"))??;
+    revoked?;
+    first.shutdown().await;
+    control.shutdown().await;
+    Ok(())
+}
+
 /// A replica's own certificate renewed in place: its Watch stream reads the files at every
 /// connection, and its lookups' connection is renewed when they change. No restart either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
