@@ -341,7 +341,7 @@ mod tests {
             ..StaticWorkerConfig::default()
         };
         let config = StaticDiscoveryConfig { workers: vec![worker(1, 2, 0), worker(2, 2, 2), worker(3, 0, 0)] };
-        let fleet = static_fleet(&config, SystemTime::now());
+        let fleet = static_fleet(&config, SystemTime::now(), &Fleet::default());
         let live = live_ranks(&fleet);
         let ranks = |id| live.get(&WorkerKey::new(crate::config::DEFAULT_DYNAMO_NAMESPACE, id)).cloned();
         // A start rank without a size means nothing: Dynamo serves such a worker as rank 0.

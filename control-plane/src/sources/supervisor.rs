@@ -166,7 +166,8 @@ impl DiscoverySupervisor {
         let discovery = &self.config.dynamo.discovery;
         match discovery.source {
             DiscoverySource::Static => {
-                self.registry.publish(static_fleet::static_fleet(&discovery.static_fleet, SystemTime::now()));
+                let previous = &self.registry.current().fleet;
+                self.registry.publish(static_fleet::static_fleet(&discovery.static_fleet, SystemTime::now(), previous));
                 // Nothing to lose touch with: an alert on a disconnected source must not fire.
                 self.metrics.discovery_connected.set(1);
             }
