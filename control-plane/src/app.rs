@@ -206,10 +206,14 @@ impl ControlPlane {
             }
             _ => None,
         };
-        self.discovery.reload(&config).await?;
-        // Before the new fleet and data-plane config go out: a replica holding a token being
-        // revoked must not be sent them first.
-        self.fleet_tokens.send_replace(fleet_tokens(&config));
+        // Before discovery publishes from the new configuration (and the data-plane config goes
+        // out): a replica holding a token being revoked must not be sent either first. A
+        // refused reload puts the running tokens back.
+        let running_tokens = self.fleet_tokens.send_replace(fleet_tokens(&config));
+        if let Err(error) = self.discovery.reload(&config).await {
+            self.fleet_tokens.send_replace(running_tokens);
+            return Err(error.into());
+        }
         // At once: the restart gate reads the source and when the fleet was emptied from these,
         // and a replica let in on stale ones while the rest reloads would be sent the emptied
         // fleet in place of its last-known-good view.

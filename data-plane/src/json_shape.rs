@@ -5,11 +5,11 @@
 //! which skip anything else element by element without keeping it.
 //!
 //! Skipped is not unchecked: what is skipped is read as [`Checked`], as strictly as the
-//! frontend's typed parser reads it (serde's `IgnoredAny` decodes no string nor number, so a
-//! lone surrogate, `1e400` or a byte that is no UTF-8 would pass here and be refused there,
-//! answered as a failed generation rather than the client's bad request), and an object that
-//! holds a key twice is refused: the frontend refuses it too, while a tree, and the router's
-//! rewrite of the body from one, would quietly keep the last.
+//! frontend's parser reads it (serde's `IgnoredAny` decodes no string nor number, so a lone
+//! surrogate, `1e400` or a byte that is no UTF-8 would pass here and be refused there, answered
+//! as a failed generation rather than the client's bad request). Keys may repeat inside a
+//! skipped value, as a free-form one (`metadata`, a tool's `parameters`) keeps the last copy in
+//! the frontend too; an object whose own keys must be unique is read as [`UniqueObject`].
 
 use std::borrow::Cow;
 use std::collections::HashSet;
@@ -43,7 +43,7 @@ impl Shape {
 
 impl<'de> Deserialize<'de> for Scalar {
     fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Ok(match deserializer.deserialize_any(KindOf { keep_text: true })? {
+        Ok(match deserializer.deserialize_any(KindOf { keep_text: true, unique_keys: false })? {
             Kind::Str(text) => Scalar::Str(text),
             Kind::Bool(value) => Scalar::Bool(value),
             Kind::Object | Kind::Other => Scalar::Other,
@@ -53,10 +53,25 @@ impl<'de> Deserialize<'de> for Scalar {
 
 impl<'de> Deserialize<'de> for Shape {
     fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Ok(match deserializer.deserialize_any(KindOf { keep_text: false })? {
+        Ok(match deserializer.deserialize_any(KindOf { keep_text: false, unique_keys: false })? {
             Kind::Object => Shape::Object,
             _ => Shape::Other,
         })
+    }
+}
+
+/// A value's [`Shape`], an object's own keys refused when one comes twice (what it holds is
+/// [`Checked`]): for an object the router strips fields from by name, where a second copy
+/// would ride past the strip, or a rewrite keep only one.
+#[derive(Debug, PartialEq, Eq)]
+pub struct UniqueObject(pub Shape);
+
+impl<'de> Deserialize<'de> for UniqueObject {
+    fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        Ok(UniqueObject(match deserializer.deserialize_any(KindOf { keep_text: false, unique_keys: true })? {
+            Kind::Object => Shape::Object,
+            _ => Shape::Other,
+        }))
     }
 }
 
@@ -70,6 +85,8 @@ enum Kind {
 /// Reads a value's kind, keeping a string's text only when asked to.
 struct KindOf {
     keep_text: bool,
+    /// An object's own keys must not repeat.
+    unique_keys: bool,
 }
 
 impl<'de> Visitor<'de> for KindOf {
@@ -80,11 +97,11 @@ impl<'de> Visitor<'de> for KindOf {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Kind, A::Error> {
-        CheckedVisitor.visit_map(map).map(|()| Kind::Object)
+        CheckedVisitor { unique_keys: self.unique_keys }.visit_map(map).map(|()| Kind::Object)
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Kind, A::Error> {
-        CheckedVisitor.visit_seq(seq).map(|()| Kind::Other)
+        CheckedVisitor { unique_keys: false }.visit_seq(seq).map(|()| Kind::Other)
     }
 
     fn visit_bool<E>(self, value: bool) -> Result<Kind, E> {
@@ -118,11 +135,14 @@ pub struct Checked;
 
 impl<'de> Deserialize<'de> for Checked {
     fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(CheckedVisitor).map(|()| Checked)
+        deserializer.deserialize_any(CheckedVisitor { unique_keys: false }).map(|()| Checked)
     }
 }
 
-struct CheckedVisitor;
+struct CheckedVisitor {
+    /// The object's own keys must not repeat (what it holds is checked without the rule).
+    unique_keys: bool,
+}
 
 impl<'de> Visitor<'de> for CheckedVisitor {
     type Value = ();
@@ -134,7 +154,9 @@ impl<'de> Visitor<'de> for CheckedVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut keys = Keys::default();
         while let Some(Key(key)) = map.next_key()? {
-            keys.insert(key)?;
+            if self.unique_keys {
+                keys.insert(key)?;
+            }
             map.next_value::<Checked>()?;
         }
         Ok(())

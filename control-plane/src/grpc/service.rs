@@ -282,9 +282,11 @@ impl Fleet for FleetService {
                     tracing::error!("a Watch session panicked; forgetting it as if its stream had ended");
                 }
             };
+            // Biased, the credential's arms first: a stream whose token is retired, or whose
+            // client CA changed, ends before its session sends anything more (a reload swaps
+            // the tokens before it publishes the new fleet).
             tokio::select! {
-                () = serve => {}
-                () = ended.cancelled() => {}
+                biased;
                 () = retired(tokens, presented) => {
                     metrics.watch_retired.inc();
                     tracing::warn!(replica = %status.replica_id, "ending a Watch stream: the token it was opened with is no longer accepted");
@@ -296,11 +298,14 @@ impl Fleet for FleetService {
                 () = trust_changed(trust) => {
                     metrics.watch_retired.inc();
                     tracing::warn!(replica = %status.replica_id, "ending a Watch stream: the client CA it was verified against changed");
-                    let status = Status::unauthenticated(
+                    // Not a refusal: a replica the new CA trusts reconnects at its usual pace.
+                    let status = Status::unavailable(
                         "the control plane's client CA changed; reconnect to be verified against the new one",
                     );
                     super::session::say_goodbye(&goodbye, status).await;
                 }
+                () = ended.cancelled() => {}
+                () = serve => {}
             }
             // The stream ends here, not once the book has forgotten the session.
             drop(goodbye);

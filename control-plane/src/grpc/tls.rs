@@ -441,11 +441,12 @@ fn incoming_within(
                 oldest.abort();
                 failed.with_label_values(&[HandshakeFailure::Evicted.as_str()]).inc();
             }
-            let acceptor = TlsAcceptor::from(Arc::clone(&current.borrow()));
-            // Taken with the acceptor: a change of the client CA during the handshake, which
-            // verified against the old one, revokes the connection too.
+            // Marked before the acceptor is taken: a change of the client CA from here on (the
+            // handshake verifying against the old one) revokes the connection; at worst one
+            // verified against the new CA is revoked too, and its replica dials again.
             let mut trust = trust.clone();
             trust.mark_unchanged();
+            let acceptor = TlsAcceptor::from(Arc::clone(&current.borrow()));
             let (ready, failed) = (ready.clone(), failed.clone());
             oldest_first.push_back(handshakes.spawn(async move {
                 let peer = stream.peer_addr().ok();

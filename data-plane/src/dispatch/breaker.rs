@@ -118,6 +118,15 @@ impl Breaker {
         }
     }
 
+    /// A success's body ended whole: a closed breaker's count of failures starts over. An
+    /// exchange that began before the breaker opened (a long stream) says nothing of the
+    /// replica now, so it neither closes an open breaker nor cuts its cooldown short.
+    pub fn on_served(&mut self) {
+        if matches!(self.state, State::Closed { .. }) {
+            self.state = State::Closed { failures: 0 };
+        }
+    }
+
     /// A live answer of the replica's liveness probe: an open breaker lets its trial request
     /// through at once, and that request's outcome closes or reopens it. The probe proves the
     /// replica's HTTP server alive, not that it answers chat completions (a replica whose
@@ -188,7 +197,10 @@ impl ShimExchange {
     }
 
     pub fn ended(&self, served: bool) {
-        self.health.record(&self.name, &self.url, served, Instant::now());
+        match served {
+            true => self.health.served(&self.name, &self.url),
+            false => self.health.record(&self.name, &self.url, false, Instant::now()),
+        }
     }
 }
 
@@ -240,6 +252,11 @@ impl ShimHealth {
         for (_, replica) in replicas.iter_mut().filter(|(name, _)| !probed(name)) {
             replica.probed = Probed::default();
         }
+    }
+
+    /// A success's body ended whole ([`Breaker::on_served`]).
+    pub fn served(&self, name: &str, url: &str) {
+        self.with(name, url, |r, _| r.breaker.on_served());
     }
 
     /// A success answer's head arrived ([`Breaker::on_head`]); its body's end records the
@@ -350,6 +367,18 @@ mod tests {
         assert!(breaker.admit(now + SETTINGS.cooldown, &SETTINGS), "the trial");
         breaker.on_head();
         assert_eq!(breaker.state(), BreakerState::Closed);
+
+        // A long exchange ending whole after the breaker opened leaves it open, its cooldown
+        // whole; ending whole while it is closed starts its count over.
+        failed(&mut breaker, 3, now);
+        breaker.on_served();
+        assert_eq!(breaker.state(), BreakerState::Open, "served before it opened: says nothing now");
+        assert!(!breaker.admit(now + Duration::from_secs(1), &SETTINGS));
+        let mut breaker = Breaker::default();
+        failed(&mut breaker, 2, now);
+        breaker.on_served();
+        failed(&mut breaker, 2, now);
+        assert_eq!(breaker.state(), BreakerState::Closed, "the count started over");
     }
 
     #[test]

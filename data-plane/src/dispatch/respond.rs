@@ -145,8 +145,10 @@ impl Dispatcher {
                 Err(Failure::Body(_)) => Some(false),
                 Err(_) => None,
             };
-            if let Some(served) = served {
-                self.health.record(&replica.name, &replica.url, served, std::time::Instant::now());
+            match served {
+                Some(true) => self.health.served(&replica.name, &replica.url),
+                Some(false) => self.health.record(&replica.name, &replica.url, false, std::time::Instant::now()),
+                None => {}
             }
             let (bytes, charge) = read?;
             if let Some(mut dispatch) = dispatch {

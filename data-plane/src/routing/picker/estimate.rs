@@ -5,7 +5,7 @@ use std::fmt;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use crate::json_shape::{Checked, Key, Keys};
+use crate::json_shape::{Checked, Key};
 
 /// English-like text runs about four characters per token…
 const CHARS_PER_TOKEN: u64 = 4;
@@ -79,14 +79,13 @@ impl<'de> Visitor<'de> for TextVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut fields: A) -> Result<PromptText, A::Error> {
-        let (mut tokens, mut keys) = (0u64, Keys::default());
+        let mut tokens = 0u64;
         while let Some(Key(name)) = fields.next_key()? {
             if SKIPPED_FIELDS.contains(&name.as_ref()) {
                 fields.next_value::<Checked>()?;
             } else {
                 tokens = tokens.saturating_add(fields.next_value::<PromptText>()?.tokens);
             }
-            keys.insert(name)?;
         }
         Ok(PromptText { tokens, items: None })
     }
