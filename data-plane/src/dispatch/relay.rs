@@ -60,10 +60,10 @@ pub struct RelayBody {
     shim: ShimExchange,
     /// Counts a stream that broke after it started.
     failures: IntCounter,
-    /// The shim said in the stream that generation failed (an error event, as 1.6.1 sends
-    /// when the decode worker dies mid-stream): relayed as it came, and the stream is a
-    /// failure, counted and blamed once, however it ends.
-    failed_in_band: bool,
+    /// The stream failed: in band (an error event, as 1.6.1 sends when the decode worker dies
+    /// mid-stream, relayed as it came) or here. Counted, and blamed or charged, once, however
+    /// it ends.
+    failed: bool,
 }
 
 impl RelayBody {
@@ -84,16 +84,16 @@ impl RelayBody {
             dispatch,
             shim,
             failures,
-            failed_in_band: false,
+            failed: false,
         }
     }
 
-    /// The stream ended; `whole` when on the end of an event, which acquits its workers. The
-    /// shim served it, an error event of the engine's included.
-    fn finish(&mut self, whole: bool) {
+    /// The stream ended on the end of an event: the shim served it (an error event of the
+    /// engine's included), and, unless it failed, its workers are acquitted.
+    fn finish(&mut self) {
         self.done = true;
         self.shim.ended(true);
-        if let Some(dispatch) = self.dispatch.take().filter(|_| whole && !self.failed_in_band) {
+        if let Some(dispatch) = self.dispatch.take().filter(|_| !self.failed) {
             dispatch.acquit();
         }
     }
@@ -101,7 +101,7 @@ impl RelayBody {
     /// The stream failed (in band, or broken here): counted once, and blamed on its workers
     /// or, for a `Fault::Shim`, charged to the shim replica.
     fn count_failure(&mut self, fault: Fault) {
-        if std::mem::replace(&mut self.failed_in_band, true) {
+        if std::mem::replace(&mut self.failed, true) {
             return;
         }
         match (fault, &self.dispatch) {
@@ -176,11 +176,11 @@ impl Body for RelayBody {
                     // just so) is a break, said as one: SSE would silently drop the half.
                     let unfinished = std::mem::take(&mut this.partial);
                     if !carries_event(&unfinished) {
-                        this.finish(true);
+                        this.finish();
                         return Poll::Ready(None);
                     }
                     if is_done_marker(&unfinished) {
-                        this.finish(true);
+                        this.finish();
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))));
                     }
                     tracing::warn!("shim stream ended in the middle of an event");
@@ -224,7 +224,7 @@ impl Body for RelayBody {
             if let Some(dispatch) = &mut this.dispatch {
                 dispatch.observe(&events);
             }
-            if !this.failed_in_band && carries_error_event(&events) {
+            if !this.failed && carries_error_event(&events) {
                 tracing::warn!("the shim's stream carried an error event; relayed as it came");
                 this.count_failure(Fault::Workers);
             }
