@@ -254,9 +254,13 @@ impl ShimHealth {
         }
     }
 
-    /// A success's body ended whole ([`Breaker::on_served`]).
+    /// A success's body ended whole ([`Breaker::on_served`]): the replica answers, which
+    /// [`Self::record_unanswered`] asks of the time since a request was sent.
     pub fn served(&self, name: &str, url: &str) {
-        self.with(name, url, |r, _| r.breaker.on_served());
+        self.with(name, url, |r, _| {
+            r.answered_at = Some(Instant::now());
+            r.breaker.on_served();
+        });
     }
 
     /// A success answer's head arrived ([`Breaker::on_head`]); its body's end records the

@@ -236,13 +236,22 @@ impl KvRouting {
         if !config.picker.kv_enabled {
             return;
         }
-        let Some(prompt) = self.prompt(&config.kv_artifacts) else {
-            // The store is opening: it prewarms the latest such view once open.
-            let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
-            if preparer.opening.is_some() {
-                preparer.to_prewarm = Some(view.clone());
+        let prompt = match self.prompt(&config.kv_artifacts) {
+            Some(prompt) => prompt,
+            None => {
+                let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
+                // The store is opening: it prewarms the latest such view once open.
+                if preparer.opening.is_some() {
+                    preparer.to_prewarm = Some(view.clone());
+                    return;
+                }
+                // Or it opened on the blocking pool before this took the lock, with no view to
+                // prewarm left it: this one is prewarmed here, or never would be.
+                match preparer.held.as_ref().filter(|held| held.policy == config.kv_artifacts) {
+                    Some(held) => Arc::clone(&held.prompt),
+                    None => return,
+                }
             }
-            return;
         };
         {
             let mut prewarmed = self.prewarmed.lock().unwrap_or_else(PoisonError::into_inner);

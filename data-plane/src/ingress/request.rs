@@ -599,6 +599,8 @@ mod tests {
             (r#"{"model":"m","messages":[{}],"nvext":{"a":"\ud800"}}"#, "not valid JSON"),
             (r#"{"model":"m","messages":[{}],"max_tokens":1,"max_tokens":4096}"#, "`max_tokens` twice"),
             (r#"{"model":"m","messages":[{}],"nvext":{"x":1,"x":2}}"#, "`x` twice"),
+            (r#"{"model":"m","messages":[{"role":"user","content":"a","content":"b"}]}"#, "`content` twice"),
+            (r#"{"model":"m","messages":[{}],"tools":[{"type":"function","type":"function"}]}"#, "`type` twice"),
             (r#"{"model":"m","messages":[{}],"a\u0062":1,"ab":2}"#, "`ab` twice"),
         ];
         for (body, says) in rows {
@@ -610,8 +612,9 @@ mod tests {
         let many: Vec<String> = (0..100).map(|i| format!(r#""k{i}":{i}"#)).collect();
         let wide = format!(r#"{{"model":"m","messages":[{{}}],{},"k99":0}}"#, many.join(","));
         assert!(parse(&wide).unwrap_err().contains("`k99` twice"), "past the list, the set");
-        // A free-form value keeps the last copy in the frontend too: not refused here.
-        let free = r#"{"model":"m","messages":[{}],"metadata":{"a":1,"a":2},"tools":[{"function":{"parameters":{"p":1,"p":2}}}]}"#;
+        // A free-form value keeps the last copy in the frontend too: not refused here, however
+        // deep in a typed object it sits.
+        let free = r#"{"model":"m","messages":[{}],"metadata":{"a":1,"a":2},"tools":[{"function":{"parameters":{"p":{"q":1,"q":2},"p":2}}}]}"#;
         assert!(parse(free).is_ok(), "{:?}", parse(free).err());
         assert!(parse(r#"{"model":"m","messages":[{}],"nvext":null}"#).is_ok(), "a null nvext chooses nothing");
         assert!(parse(r#"{"model":"m","messages":[{}],"nvext":{"a":[1]}}"#).is_ok());

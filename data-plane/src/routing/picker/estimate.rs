@@ -3,9 +3,9 @@
 
 use std::fmt;
 
-use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use crate::json_shape::{Checked, Key};
+use crate::json_shape::{Checked, Key, Keys};
 
 /// English-like text runs about four characters per token…
 const CHARS_PER_TOKEN: u64 = 4;
@@ -32,13 +32,30 @@ pub struct PromptText {
 
 impl<'de> Deserialize<'de> for PromptText {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        deserializer.deserialize_any(TextVisitor)
+        Text { unique_keys: true }.deserialize(deserializer)
     }
 }
 
-struct TextVisitor;
+/// Members whose values are free-form JSON (a tool's JSON-schema `parameters`, a call's
+/// `arguments` sent as an object): the frontend keeps a repeated key's last copy there, while
+/// the typed objects around them (a message, a content part, a tool) refuse one.
+const FREE_FORM_FIELDS: [&str; 2] = ["parameters", "arguments"];
 
-impl<'de> Visitor<'de> for TextVisitor {
+/// Reads a value as [`PromptText`]; `unique_keys`: its objects must not repeat a key.
+#[derive(Clone, Copy)]
+struct Text {
+    unique_keys: bool,
+}
+
+impl<'de> DeserializeSeed<'de> for Text {
+    type Value = PromptText;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<PromptText, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Text {
     type Value = PromptText;
 
     fn expecting(&self, formatter: &mut fmt::Formatter) -> fmt::Result {
@@ -71,7 +88,7 @@ impl<'de> Visitor<'de> for TextVisitor {
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<PromptText, A::Error> {
         let (mut tokens, mut count) = (0u64, 0usize);
-        while let Some(item) = items.next_element::<PromptText>()? {
+        while let Some(item) = items.next_element_seed(self)? {
             tokens = tokens.saturating_add(item.tokens);
             count += 1;
         }
@@ -79,12 +96,17 @@ impl<'de> Visitor<'de> for TextVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut fields: A) -> Result<PromptText, A::Error> {
-        let mut tokens = 0u64;
+        let (mut tokens, mut keys) = (0u64, Keys::default());
         while let Some(Key(name)) = fields.next_key()? {
             if SKIPPED_FIELDS.contains(&name.as_ref()) {
                 fields.next_value::<Checked>()?;
             } else {
-                tokens = tokens.saturating_add(fields.next_value::<PromptText>()?.tokens);
+                let free = FREE_FORM_FIELDS.contains(&name.as_ref());
+                let text = Text { unique_keys: self.unique_keys && !free };
+                tokens = tokens.saturating_add(fields.next_value_seed(text)?.tokens);
+            }
+            if self.unique_keys {
+                keys.insert(name)?;
             }
         }
         Ok(PromptText { tokens, items: None })
