@@ -9,7 +9,8 @@
 //! surrogate, `1e400` or a byte that is no UTF-8 would pass here and be refused there, answered
 //! as a failed generation rather than the client's bad request). Keys may repeat inside a
 //! skipped value, as a free-form one (`metadata`, a tool's `parameters`) keeps the last copy in
-//! the frontend too; an object whose own keys must be unique is read as [`UniqueObject`].
+//! the frontend too; an object whose own keys must be unique is read as [`UniqueObject`] (and
+//! the prompt's typed objects by `PromptText`, which keeps their keys unique the same way).
 
 use std::borrow::Cow;
 use std::collections::HashSet;
