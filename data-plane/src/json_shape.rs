@@ -54,11 +54,16 @@ impl<'de> Deserialize<'de> for Scalar {
 
 impl<'de> Deserialize<'de> for Shape {
     fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Ok(match deserializer.deserialize_any(KindOf { keep_text: false, unique_keys: false })? {
-            Kind::Object => Shape::Object,
-            _ => Shape::Other,
-        })
+        shape(deserializer, false)
     }
+}
+
+/// A value's shape; `unique_keys`: an object's own keys must not repeat.
+fn shape<'de, D: de::Deserializer<'de>>(deserializer: D, unique_keys: bool) -> Result<Shape, D::Error> {
+    Ok(match deserializer.deserialize_any(KindOf { keep_text: false, unique_keys })? {
+        Kind::Object => Shape::Object,
+        _ => Shape::Other,
+    })
 }
 
 /// A value's [`Shape`], an object's own keys refused when one comes twice (what it holds is
@@ -69,10 +74,7 @@ pub struct UniqueObject(pub Shape);
 
 impl<'de> Deserialize<'de> for UniqueObject {
     fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Ok(UniqueObject(match deserializer.deserialize_any(KindOf { keep_text: false, unique_keys: true })? {
-            Kind::Object => Shape::Object,
-            _ => Shape::Other,
-        }))
+        shape(deserializer, true).map(UniqueObject)
     }
 }
 

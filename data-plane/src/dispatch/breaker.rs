@@ -197,10 +197,7 @@ impl ShimExchange {
     }
 
     pub fn ended(&self, served: bool) {
-        match served {
-            true => self.health.served(&self.name, &self.url),
-            false => self.health.record(&self.name, &self.url, false, Instant::now()),
-        }
+        self.health.exchange_ended(&self.name, &self.url, served);
     }
 }
 
@@ -254,11 +251,16 @@ impl ShimHealth {
         }
     }
 
-    /// A success's body ended whole ([`Breaker::on_served`]): the replica answers, which
-    /// [`Self::record_unanswered`] asks of the time since a request was sent.
-    pub fn served(&self, name: &str, url: &str) {
+    /// A success's body ended: whole (`served`, [`Breaker::on_served`]: the replica answers,
+    /// which [`Self::record_unanswered`] asks of the time since a request was sent), or broken
+    /// under its head, the replica's failure.
+    pub fn exchange_ended(&self, name: &str, url: &str, served: bool) {
+        let now = Instant::now();
+        if !served {
+            return self.record(name, url, false, now);
+        }
         self.with(name, url, |r, _| {
-            r.answered_at = Some(Instant::now());
+            r.answered_at = Some(now);
             r.breaker.on_served();
         });
     }

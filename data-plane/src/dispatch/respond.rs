@@ -145,10 +145,8 @@ impl Dispatcher {
                 Err(Failure::Body(_)) => Some(false),
                 Err(_) => None,
             };
-            match served {
-                Some(true) => self.health.served(&replica.name, &replica.url),
-                Some(false) => self.health.record(&replica.name, &replica.url, false, std::time::Instant::now()),
-                None => {}
+            if let Some(served) = served {
+                self.health.exchange_ended(&replica.name, &replica.url, served);
             }
             let (bytes, charge) = read?;
             if let Some(mut dispatch) = dispatch {

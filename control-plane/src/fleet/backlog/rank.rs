@@ -1,7 +1,7 @@
 //! One rank's dispatches in flight, and what its last sample showed beyond them: the sums the
 //! book publishes for it and the times it learns (see the module above for what they mean).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -79,6 +79,46 @@ pub(super) const WALK_BUDGET: usize = 4096;
 /// A dispatch's place in its rank's prefill order: when it was dispatched, then its key.
 pub(super) type Queued = (Instant, (u64, u64));
 
+/// The dispatches a rank has yet to prefill, in order, each with its prompt tokens, and their
+/// sum: the one every publication reads, kept as they come and go rather than walked for.
+#[derive(Debug, Default)]
+pub(super) struct PrefillQueue {
+    order: BTreeMap<Queued, u64>,
+    tokens: u64,
+}
+
+impl PrefillQueue {
+    pub(super) fn insert(&mut self, queued: Queued, tokens: u64) {
+        if self.order.insert(queued, tokens).is_none() {
+            self.tokens = self.tokens.saturating_add(tokens);
+        }
+    }
+
+    pub(super) fn remove(&mut self, queued: &Queued) {
+        if let Some(tokens) = self.order.remove(queued) {
+            self.tokens = self.tokens.saturating_sub(tokens);
+        }
+    }
+
+    pub(super) fn first(&self) -> Option<&Queued> {
+        self.order.first_key_value().map(|(queued, _)| queued)
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    pub(super) fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
+    /// The dispatches queued, in order.
+    #[cfg(test)]
+    pub(super) fn queued(&self) -> std::collections::BTreeSet<Queued> {
+        self.order.keys().copied().collect()
+    }
+}
+
 /// One rank's dispatches in flight and what its last sample showed beyond them.
 #[derive(Debug)]
 pub(super) struct Rank {
@@ -89,10 +129,7 @@ pub(super) struct Rank {
     /// The dispatches still prefilling ([`Dispatch::prefill_tokens`] above 0) in the rank's
     /// prefill order (dispatched, then by id): its head is the prefill under way, and a start
     /// learns whether it prefills alone without a look at every dispatch in flight.
-    pub(super) prefill_queue: BTreeSet<Queued>,
-    /// The prompt tokens of the dispatches in `prefill_queue`, kept as they come and go: the
-    /// sum every publication reads, without a walk over the rank's dispatches.
-    pub(super) queued_tokens: u64,
+    pub(super) prefill_queue: PrefillQueue,
     /// Those of them that await the estimate of their first token
     /// ([`Dispatch::awaits_estimate`]), in the same order: a first token or a tick takes them
     /// from the front, never walking the rest (a replica's reports could otherwise make every
@@ -153,8 +190,7 @@ impl Rank {
         let mut rank = Rank {
             key,
             dispatches: SeededMap::default(),
-            prefill_queue: BTreeSet::new(),
-            queued_tokens: 0,
+            prefill_queue: PrefillQueue::default(),
             awaiting_estimate: BTreeSet::new(),
             active: 0,
             sampled_at: None,
@@ -185,7 +221,7 @@ impl Rank {
             last_dispatch: self.last_dispatch,
             ..Backlog::default()
         };
-        backlog.prefill_tokens = self.queued_tokens;
+        backlog.prefill_tokens = self.prefill_queue.tokens();
         backlog.dispatches = u32::try_from(self.dispatches.len()).unwrap_or(u32::MAX);
         backlog.prefilled_tokens = self.prefilled.min(backlog.prefill_tokens);
         backlog
@@ -205,8 +241,8 @@ impl Rank {
     pub(super) fn start(&mut self, id: (u64, u64), mut dispatch: Dispatch, active: &ActiveIndex, rank: RankKey) {
         let prefills = dispatch.prefill_tokens() > 0;
         dispatch.alone = !dispatch.replayed && prefills && self.prefill_queue.is_empty();
-        if prefills && self.prefill_queue.insert((dispatch.at, id)) {
-            self.queued_tokens = self.queued_tokens.saturating_add(dispatch.prefill_tokens());
+        if prefills {
+            self.prefill_queue.insert((dispatch.at, id), dispatch.prefill_tokens());
         }
         dispatch.added = active.add(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_add(dispatch.added);
@@ -260,9 +296,7 @@ impl Rank {
         let dispatched = dispatch.at;
         if dispatch.answered.is_none() {
             // A buffered dispatch is not expected to be answered; if it is, the report wins.
-            if self.prefill_queue.remove(&(dispatched, id)) {
-                self.queued_tokens = self.queued_tokens.saturating_sub(tokens);
-            }
+            self.prefill_queue.remove(&(dispatched, id));
             self.awaiting_estimate.remove(&(dispatched, id));
             dispatch.answered = Some(at);
             let waited = at.saturating_duration_since(dispatch.at);
@@ -351,15 +385,11 @@ impl Rank {
 
     /// Takes the prompt of buffered dispatch `queued` as prefilled at `at`, out of the queues.
     fn estimated(&mut self, queued: Queued, at: Instant) {
+        self.prefill_queue.remove(&queued);
         self.awaiting_estimate.remove(&queued);
-        let Some(dispatch) = self.dispatches.get_mut(&queued.1) else {
-            self.prefill_queue.remove(&queued);
-            return;
-        };
-        if self.prefill_queue.remove(&queued) {
-            self.queued_tokens = self.queued_tokens.saturating_sub(dispatch.prefill_tokens());
+        if let Some(dispatch) = self.dispatches.get_mut(&queued.1) {
+            dispatch.estimate_answered(at);
         }
-        dispatch.estimate_answered(at);
     }
 
     /// The rank's oldest dispatch still prefilling: the head of its prefill queue.
@@ -434,9 +464,7 @@ impl Rank {
         let dispatch = self.dispatches.remove(&id)?;
         // A rank kept by one dispatch after a flood of them must not keep the flood's room.
         shrink_when_sparse(&mut self.dispatches);
-        if self.prefill_queue.remove(&(dispatch.at, id)) {
-            self.queued_tokens = self.queued_tokens.saturating_sub(dispatch.prefill_tokens());
-        }
+        self.prefill_queue.remove(&(dispatch.at, id));
         self.awaiting_estimate.remove(&(dispatch.at, id));
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);

@@ -1079,9 +1079,9 @@ mod counts {
             let queued = |keep: fn(&Dispatch) -> bool| -> std::collections::BTreeSet<rank::Queued> {
                 rank.dispatches.iter().filter(|(_, d)| keep(d)).map(|(id, d)| (d.at, *id)).collect()
             };
-            prop_assert_eq!(&rank.prefill_queue, &queued(|d| d.prefill_tokens() > 0));
+            prop_assert_eq!(&rank.prefill_queue.queued(), &queued(|d| d.prefill_tokens() > 0));
             let tokens: u64 = rank.dispatches.values().map(Dispatch::prefill_tokens).sum();
-            prop_assert_eq!(rank.queued_tokens, tokens, "the running sum of the queue's tokens");
+            prop_assert_eq!(rank.prefill_queue.tokens(), tokens, "the running sum of the queue's tokens");
             prop_assert_eq!(&rank.awaiting_estimate, &queued(Dispatch::awaits_estimate));
             in_ranks += rank.dispatches.len();
         }
