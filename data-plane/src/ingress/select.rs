@@ -212,7 +212,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::routing::picker::PromptSizes;
+    use crate::routing::picker::{KvSelectionResult, PromptSizes};
 
     /// Why nobody was picked, by what the fleet holds: prefill workers alone serve no model (as
     /// the frontend drops it with its last decode worker), so such a model is not found and
@@ -383,6 +383,16 @@ mod tests {
         route(&state, &fleet, &request).await.expect("routed on load alone");
         let counted = |result: &str| state.metrics.kv_selections.with_label_values(&[result]).get();
         assert_eq!((counted("artifact_unpinned"), counted("render_unavailable")), (1, 0));
+        // The body's tree is asked for only once the artifacts are at hand: a body that would
+        // have no room for its tree still counts as unpinned, and is never parsed.
+        let asked = std::sync::atomic::AtomicBool::new(false);
+        let no_room = async {
+            asked.store(true, std::sync::atomic::Ordering::Relaxed);
+            None
+        };
+        let term = kv.routing.term(&fleet, "tiny", no_room, &[]).await;
+        assert!(matches!(term, Term::Unavailable(KvSelectionResult::ArtifactUnpinned)), "{term:?}");
+        assert!(!asked.load(std::sync::atomic::Ordering::Relaxed), "the tree was not asked for");
     }
 
     #[tokio::test]
