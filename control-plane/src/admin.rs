@@ -138,7 +138,9 @@ async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
     };
     axum::Json(json!({
         "enabled": settings.source != "disabled",
-        "connected": state.metrics.discovery_connected.get() == 1 || settings.source != "etcd",
+        // As `/readyz` says it: etcd while its watches run, a static fleet and the simulator
+        // while served, nothing with discovery off.
+        "connected": state.metrics.discovery_connected.get() == 1,
         "source": settings.source,
         "signals": {"load": load, "capacity": capacity},
         "namespace": settings.namespaces.first(),

@@ -215,3 +215,32 @@ fn check_available(config: &Config) -> Result<(), SourceUnavailable> {
         _ => Ok(()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::load_str;
+    use crate::fleet::FleetPublisher;
+
+    fn config(yaml: &str) -> Config {
+        load_str(yaml, &|_| None).unwrap_or_else(|error| panic!("{error:?}")).config
+    }
+
+    /// `continuum_dynamo_discovery_connected` is what the admin API reports as `connected`: a
+    /// static fleet is connected while served, and discovery switched off is not connected.
+    #[tokio::test]
+    async fn the_connected_gauge_follows_the_source_on_and_off() {
+        let metrics = Metrics::new().expect("metrics");
+        let registry = Registry::new(FleetPublisher::new(Arc::default()));
+        let on = config(
+            "dynamo: {enabled: true, discovery: {source: static, static: {workers: [{instance_id: 1, role: decode, model: m}]}}}",
+        );
+        let mut supervisor =
+            DiscoverySupervisor::start(&on, registry, metrics.clone(), CancellationToken::new()).expect("started");
+        assert_eq!((supervisor.source(), metrics.discovery_connected.get()), ("static", 1));
+        supervisor.reload(&config("dynamo: {enabled: false}")).await.expect("reloaded");
+        assert_eq!((supervisor.source(), metrics.discovery_connected.get()), ("disabled", 0));
+    }
+}
