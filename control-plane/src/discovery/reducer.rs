@@ -173,7 +173,9 @@ impl Reducer {
         };
         let keyspace = key.keyspace;
         let held = self.store.remove(keyspace, &etcd_key);
-        let was_held = held.is_some();
+        // Whether the key took room in its keyspace until now: a set-aside value takes none,
+        // so replacing one frees nothing to list again for.
+        let held_room = held.as_ref().is_some_and(|entry| !entry.set_aside());
         let previous = match held {
             Some(entry) => {
                 pass.touch(&entry);
@@ -185,7 +187,7 @@ impl Reducer {
             let (bytes, limit) = (kv.value.len(), max_record_bytes(keyspace));
             tracing::warn!(key = ?shown(&etcd_key), bytes, limit, "etcd value refused unread: too large");
             pass.applied.add(EventKind::Oversized);
-            if was_held {
+            if held_room {
                 self.gave_room_back(keyspace, pass);
             }
             return;
@@ -196,12 +198,11 @@ impl Reducer {
         // reads two, so holding the rest would fill a keyspace at a third of its workers.
         if let Parsed::Skipped(_) = parsed {
             pass.applied.add(EventKind::Skipped);
-            if was_held {
+            if held_room {
                 self.gave_room_back(keyspace, pass);
             }
             return;
         }
-        let held_room = previous.as_ref().is_some_and(|p| !p.set_aside()) && prior.is_none();
         if matches!(parsed, Parsed::Malformed(_) | Parsed::Unsupported(_)) {
             // Set aside, not a record: it takes none of the keyspace's room (junk must not refuse
             // a real worker), but has a bound of its own.
@@ -238,7 +239,9 @@ impl Reducer {
         pass.applied.add(EventKind::Delete);
         if let Some(entry) = self.store.remove(key.keyspace, &etcd_key) {
             pass.touch(&entry);
-            self.gave_room_back(key.keyspace, pass);
+            if !entry.set_aside() {
+                self.gave_room_back(key.keyspace, pass);
+            }
         }
     }
 

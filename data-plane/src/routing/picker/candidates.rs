@@ -24,13 +24,16 @@ pub(super) struct Candidate {
     pub load_key: LoadKey,
     /// The key this replica's ledger keeps its dispatches under: its pin's rank.
     pub pin_key: LoadKey,
+    /// A decode worker beside prefill workers: a request reaches it by hand-over, once a
+    /// prefill elsewhere has ended. One whose namespace has none prefills its own requests.
+    pub hands_over: bool,
 }
 
 impl Candidate {
     pub fn new(worker: Arc<Worker>, rank: u32) -> Self {
         let load_key = LoadKey { worker: worker.key.clone(), dp_rank: rank };
         let pin_key = pin_of(&worker, rank).rank_key();
-        Self { worker, rank, load_key, pin_key }
+        Self { worker, rank, load_key, pin_key, hands_over: false }
     }
 
     pub fn pin(&self) -> Pin {
@@ -158,7 +161,8 @@ pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>
         if !roles.prefill.is_empty() {
             pools.prefill.insert(namespace, take(roles.prefill.iter(), &mut room, &mut left_out));
         }
-        pools.decode.extend(take(roles.decode.iter().chain(aggregated), &mut room, &mut left_out));
+        let decode = take(roles.decode.iter().chain(aggregated), &mut room, &mut left_out);
+        pools.decode.extend(decode.into_iter().map(|candidate| Candidate { hands_over: pairs, ..candidate }));
     }
     if left_out {
         tracing::warn!(

@@ -243,7 +243,7 @@ impl KvAwarePicker {
             .zip(ranks)
             .map(|(candidate, rank)| {
                 let phase = if prefills(candidate) || mixed { Phase::Prefill } else { Phase::Decode };
-                let handover = candidate.worker.role == Role::Decode;
+                let handover = candidate.hands_over;
                 let (load, fresh) =
                     formula::rank_load(phase, rank.sample, rank.dispatched, handover, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);

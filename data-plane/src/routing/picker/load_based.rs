@@ -118,9 +118,7 @@ impl LoadBasedPicker {
             .zip(&ranks)
             .map(|(candidate, rank)| {
                 let standing = cost::standing(phase, rank.sample, max_staleness, now);
-                // A decode worker is paired with prefill workers. If its namespace has none
-                // left, it prefills itself, and the discount comes about a prefill early.
-                let handover = candidate.worker.role == Role::Decode;
+                let handover = candidate.hands_over;
                 let queued_prefill_tokens = match phase {
                     Phase::Prefill => 0,
                     // The fleet's dispatches queue prefill only on a rank that prefills them.

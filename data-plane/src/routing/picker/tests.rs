@@ -451,6 +451,9 @@ fn a_decode_worker_reached_by_hand_over_is_charged_what_will_be_left_when_the_re
     // An aggregated worker takes the request at once: the ending requests still hold their blocks.
     let aggregated = backlogs(Fleet::new([agg(1), agg(2)]));
     assert_eq!(decode_ids(&picker, &aggregated, 2), [2, 2]);
+    // So does a decode worker with no prefill worker beside it: it prefills the request itself.
+    let alone = backlogs(Fleet::new([worker("ns", 1, Role::Decode), worker("ns", 2, Role::Decode)]));
+    assert_eq!(decode_ids(&picker, &alone, 2), [2, 2]);
 }
 
 fn pair_fleet() -> Fleet {

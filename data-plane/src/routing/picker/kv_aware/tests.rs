@@ -519,6 +519,30 @@ fn an_aggregated_fleet_adds_prefill_tokens_when_sampled() {
 }
 
 #[test]
+fn only_a_decode_worker_beside_prefill_workers_is_charged_what_the_hand_over_leaves() {
+    // Worker 1 carries more blocks, most of them about to end; worker 2's requests have just
+    // begun. Reached by hand-over, 1 holds 150 when the request arrives; prefilling the request
+    // itself (no prefill worker in its namespace), it holds all 600 when it starts.
+    let measured = Backlog { foreign_decode_blocks: Some(0), dispatches: 4, ..Backlog::default() };
+    let backlogs = |fleet: Fleet| {
+        fleet
+            .sample(1, used(600), FRESH)
+            .sample(2, used(300), FRESH)
+            .backlog(1, Backlog { decode_blocks: 600, ending_decode_blocks: 450, ..measured })
+            .backlog(2, Backlog { decode_blocks: 300, ending_decode_blocks: 0, ..measured })
+    };
+    let none = Overlaps::default();
+    let paired = backlogs(Fleet::new([
+        worker("ns", 1, Role::Decode),
+        worker("ns", 2, Role::Decode),
+        worker("ns", 3, Role::Prefill),
+    ]));
+    assert_eq!(picks(&picker(), &paired, scored(16, &none), 2), [(1, Some(3)); 2]);
+    let alone = backlogs(Fleet::new([worker("ns", 1, Role::Decode), worker("ns", 2, Role::Decode)]));
+    assert_eq!(picks(&picker(), &alone, scored(16, &none), 2), [(2, None); 2]);
+}
+
+#[test]
 fn the_kv_term_picks_the_prefill_worker_and_the_decode_worker_holding_the_prompt() {
     let fleet = |decode_3: u64| {
         Fleet::new([
