@@ -270,10 +270,12 @@ impl Connection {
     }
 
     /// After a request of `passed` bytes went through the read buffer, gives its allocation
-    /// back if that made it large: the body is copied out, and the response may stream for
-    /// minutes. (`capacity()` counts only what lies past the bytes consumed, so it cannot tell.)
+    /// back if it is large: the body is copied out, and the response may stream for minutes.
+    /// The allocation is at least the bytes passed and the room left past them (`capacity()`
+    /// counts only that room), which a head that arrived in parts, or pipelined requests read
+    /// under an answer, may have doubled however small each request was.
     fn release_large_read_buffer(&mut self, passed: usize) {
-        if passed > KEPT_READ_CAPACITY {
+        if passed + self.read.capacity() > KEPT_READ_CAPACITY {
             self.read = BytesMut::from(&self.read[..]);
         }
     }
@@ -299,20 +301,23 @@ impl Connection {
                     }
                     write_continue(&mut self.stream).await?;
                 }
-                // The buffer grows, and is charged, as the body arrives, not by what the head
-                // announces: a client that announces 8 MiB and sends nothing holds no more than
-                // its reads.
+                // The buffer grows as the body arrives, not by what the head announces, and is
+                // charged for what it holds: a client that announces 8 MiB and sends nothing
+                // holds no more than its reads, and one that stops halfway holds no more than
+                // it is charged for.
                 let mut charge = Charge::default();
                 loop {
-                    if !REQUEST_BODIES.grow(&mut charge, self.read.len().min(length)) {
+                    // No more than the body and a read's worth past it: what lies beyond (the
+                    // next request, or junk) is not charged, and must not come in megabytes.
+                    let most = length.saturating_sub(self.read.len()) + READ_CHUNK;
+                    self.grow_toward(self.read.len() + most);
+                    if !REQUEST_BODIES.grow(&mut charge, self.read.capacity().min(length)) {
                         return Err(Stop::Refuse(HeadError::Busy));
                     }
                     if self.read.len() >= length {
                         break;
                     }
-                    // No more than the body and a read's worth past it: what lies beyond (the
-                    // next request, or junk) is not charged, and must not come in megabytes.
-                    self.fill_at_most(length - self.read.len() + READ_CHUNK).await?;
+                    self.fill_at_most(most).await?;
                 }
                 (self.take_body(head_length, length), charge)
             }
@@ -369,6 +374,20 @@ impl Connection {
         if self.read.capacity() - self.read.len() < READ_CHUNK / 4 {
             self.read.reserve(READ_CHUNK);
         }
+    }
+
+    /// [`Self::make_room`] for a read buffer that should hold no more than `most` bytes in
+    /// all: it doubles as a vector would, but stops there (a vector's doubling would take an
+    /// 8 MiB body's buffer to 16 MiB).
+    fn grow_toward(&mut self, most: usize) {
+        let len = self.read.len();
+        if self.read.capacity() - len >= READ_CHUNK / 4 {
+            return;
+        }
+        let capacity = (2 * len).max(len + READ_CHUNK).min(most.max(len + READ_CHUNK / 4));
+        let mut grown = BytesMut::with_capacity(capacity);
+        grown.extend_from_slice(&self.read);
+        self.read = grown;
     }
 
     /// Reads what has arrived; the client closing is an error here (a request was expected).
@@ -673,6 +692,59 @@ mod tests {
         assert_eq!(&body[..], b"{}");
         assert!(conn.read.is_empty());
         assert!(!conn.read.try_reclaim(READ_CHUNK + 1), "the 40 KiB the head took is given back");
+        Ok(())
+    }
+
+    /// A head that arrives in two parts doubles the read buffer past the kept size though the
+    /// request is smaller: the buffer is let go all the same.
+    #[tokio::test]
+    async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_buffer_behind() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let mut client = TcpStream::connect(listener.local_addr()?).await?;
+        let (server, _) = listener.accept().await?;
+        let filler = "x".repeat(KEPT_READ_CAPACITY - (2 << 10));
+        let head = format!("GET /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\n");
+        client.write_all(head.as_bytes()).await?;
+        let mut conn = Connection::new(server);
+        while conn.read.len() < head.len() {
+            conn.fill().await?;
+        }
+        client.write_all(format!("x-more: {}\r\n\r\n", "y".repeat(1 << 10)).as_bytes()).await?;
+        let Ok((head, _, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+        assert_eq!(head.target, "/v1/models");
+        assert!(!conn.read.try_reclaim(KEPT_READ_CAPACITY + 1), "the doubled buffer is given back");
+        Ok(())
+    }
+
+    /// A body announced by its length and sent in part holds no more than it is charged for.
+    #[tokio::test]
+    async fn a_body_uploading_is_held_in_no_more_room_than_it_is_charged_for() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let mut client = TcpStream::connect(listener.local_addr()?).await?;
+        let (server, _) = listener.accept().await?;
+        let length = (4 << 20) + (64 << 10);
+        client
+            .write_all(
+                format!("POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {length}\r\n\r\n").as_bytes(),
+            )
+            .await?;
+        let writer = tokio::spawn(async move {
+            let chunk = vec![b' '; 64 << 10];
+            let mut sent = 0;
+            while sent < length - 1 {
+                let n = chunk.len().min(length - 1 - sent);
+                client.write_all(&chunk[..n]).await?;
+                sent += n;
+            }
+            Ok::<_, io::Error>(client)
+        });
+        let mut conn = Connection::new(server);
+        let cancel = CancellationToken::new();
+        let read = tokio::time::timeout(Duration::from_secs(2), conn.read_request(&cancel, false));
+        assert!(read.await.is_err(), "the body's last byte never came");
+        let _client = writer.await.map_err(io::Error::other)??;
+        assert_eq!(conn.read.len(), length - 1, "every byte sent was read");
+        assert!(conn.read.capacity() <= length + READ_CHUNK, "{} held for a body of {length}", conn.read.capacity());
         Ok(())
     }
 
