@@ -52,14 +52,17 @@ impl RecentAnswers {
             return;
         }
         let answer: Arc<[RankOverlap]> = answer.into();
+        // Hashed before the lock, as `recall` does: a long prompt's keys take a millisecond,
+        // and every request's lookup shares this lock.
+        let kept: Vec<(u64, u32)> = prefix_keys(hashes)
+            .zip(1..)
+            .filter(|(_, blocks)| blocks % EVERY == 0 || *blocks == hashes.len())
+            .map(|(key, blocks)| (key, u32::try_from(blocks).unwrap_or(u32::MAX)))
+            .collect();
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        for (at, key) in prefix_keys(hashes).enumerate() {
-            let blocks = at + 1;
-            if blocks % EVERY == 0 || blocks == hashes.len() {
-                let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
-                inner.by_prefix.insert(key, Entry { at: now, blocks, answer: Arc::clone(&answer) });
-                inner.order.push_back((key, now));
-            }
+        for (key, blocks) in kept {
+            inner.by_prefix.insert(key, Entry { at: now, blocks, answer: Arc::clone(&answer) });
+            inner.order.push_back((key, now));
         }
         inner.evict(now);
     }
