@@ -116,12 +116,13 @@ pub async fn run_with(
             () = cancel.cancelled() => return,
             outcome = pass(&config, &namespaces, &mut reducer, &registry, &metrics, health, &mut watching_since) => outcome,
         };
-        metrics.discovery_connected.set(0);
         let sleep = match outcome {
             // Planned, not a failure: the relist waits only the backoff's floor (so churn on a
-            // full keyspace cannot loop on relists) and leaves the failure backoff as it was.
+            // full keyspace cannot loop on relists) and leaves the failure backoff as it was,
+            // and discovery still reads as connected (an alert on it must not fire).
             Err(PassError::RoomFreed) => backoff.initial,
             outcome => {
+                metrics.discovery_connected.set(0);
                 if let Err(error) = outcome {
                     tracing::warn!(%error, "etcd discovery pass ended; resyncing after backoff");
                 }
@@ -283,9 +284,19 @@ pub async fn writes_after(kv: &mut KvClient, prefix: &str, revision: i64, within
 /// or for a progress answer (no events) the revision it reports the watch caught up to.
 fn delivered(response: &etcd_client::WatchResponse) -> i64 {
     let events = response.events().iter().filter_map(|event| event.kv()).map(|kv| kv.mod_revision()).max();
-    match events {
+    delivered_by(events, response.created(), response.header().map_or(0, |header| header.revision()))
+}
+
+/// [`delivered`] from a response's newest event, whether it answers the watch's creation, and
+/// its header's revision. The answer to a creation carries the store's revision as the watch
+/// opened, not what the stream has delivered: writes made since the listing may still be on
+/// their way, and taking it would let a stream that stalls before them pass as quiet. It
+/// delivers nothing (0: the stream keeps the revision it had).
+fn delivered_by(newest_event: Option<i64>, created: bool, header: i64) -> i64 {
+    match newest_event {
         Some(newest) => newest,
-        None => response.header().map_or(0, |header| header.revision()),
+        None if created => 0,
+        None => header,
     }
 }
 
@@ -447,6 +458,14 @@ fn count(applied: &Applied, metrics: &Metrics) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_creation_delivers_nothing_and_a_progress_answer_its_revision() {
+        assert_eq!(delivered_by(None, true, 105), 0, "the store's revision as the watch opened");
+        assert_eq!(delivered_by(None, false, 105), 105, "a progress answer");
+        assert_eq!(delivered_by(Some(103), false, 105), 103, "events: the newest one's");
+        assert_eq!(delivered_by(Some(103), true, 105), 103);
+    }
 
     #[test]
     fn a_prefix_range_ends_at_its_last_byte_plus_one() {

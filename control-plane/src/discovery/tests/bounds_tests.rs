@@ -170,6 +170,24 @@ fn a_full_keyspace_refuses_new_keys_but_updates_held_ones() {
     let replaced = sim.put(key(3), &endpoint_value("decode", "clear_kv_blocks", json!(3)));
     assert_eq!(counts(&replaced), vec![(EventKind::Malformed, 1)]);
     assert!(replaced.relist_wanted(), "its room is free again");
+
+    // Full and refusing again: a set-aside value took no room, so neither its delete nor its
+    // replacement frees any, and neither asks for a relist of the whole keyspace.
+    assert_eq!(counts(&sim.put(key(full + 3), &value(full + 3))), vec![(EventKind::Put, 1)]);
+    assert_eq!(counts(&sim.put(key(full + 4), &value(full + 4))), vec![(EventKind::OverCapacity, 1)]);
+    assert!(!sim.delete(key(3)).relist_wanted(), "the set-aside value took no room");
+    let junk = key(full + 5);
+    assert_eq!(
+        counts(&sim.put(junk.clone(), &endpoint_value("decode", "clear_kv_blocks", json!(full + 5)))),
+        vec![(EventKind::Malformed, 1)]
+    );
+    assert!(!sim.put_raw(junk.clone(), vec![b'x'; MAX_SMALL_RECORD_BYTES + 1]).relist_wanted(), "replaced unread");
+    assert_eq!(
+        counts(&sim.put(junk.clone(), &endpoint_value("decode", "clear_kv_blocks", json!(full + 5)))),
+        vec![(EventKind::Malformed, 1)]
+    );
+    assert!(!sim.delete(junk).relist_wanted());
+    assert!(sim.delete(key(4)).relist_wanted(), "a record's delete still does");
 }
 
 #[test]
