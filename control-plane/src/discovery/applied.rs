@@ -102,6 +102,15 @@ impl Applied {
         self.counts[kind.index()] += 1;
     }
 
+    /// Adds `other`'s counts to these.
+    pub(super) fn merge(&mut self, other: &Applied) {
+        for (count, more) in self.counts.iter_mut().zip(other.counts) {
+            *count += more;
+        }
+        self.changed |= other.changed;
+        self.relist |= other.relist;
+    }
+
     pub(super) fn mark_changed(&mut self, changed: bool) {
         self.changed |= changed;
     }

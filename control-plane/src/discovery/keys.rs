@@ -96,17 +96,27 @@ pub enum KeyPath {
 pub enum KeyError {
     #[error("key is not UTF-8")]
     NotUtf8,
+    #[error("key is {0} bytes long, more than any Dynamo key ({MAX_KEY_BYTES})")]
+    TooLong(usize),
     #[error("event key `{0}` is not namespace/…/topic/{{topic}}/{{publisher hex}}")]
     EventShape(String),
     #[error("key segment `{0}` has an invalid percent escape")]
     Escape(String),
 }
 
+/// The longest key read. Dynamo's are a few hundred bytes (names past
+/// [`super::MAX_NAME_BYTES`] exclude a worker anyway); a longer one is junk, and the reducer
+/// holds each key it reads, so without a bound 16,384 held keys could pin gigabytes.
+pub const MAX_KEY_BYTES: usize = 8 << 10;
+
 /// Classifies `key`: `Ok(None)` when it is outside every keyspace or watched namespace.
 pub fn classify(namespaces: &[Arc<str>], key: &[u8]) -> Result<Option<ParsedKey>, KeyError> {
     let Some(keyspace) = Keyspace::ALL.into_iter().find(|k| key.starts_with(k.prefix().as_bytes())) else {
         return Ok(None);
     };
+    if key.len() > MAX_KEY_BYTES {
+        return Err(KeyError::TooLong(key.len()));
+    }
     let key = std::str::from_utf8(key).map_err(|_| KeyError::NotUtf8)?;
     let rest = &key[keyspace.prefix().len()..];
     match keyspace {

@@ -35,7 +35,7 @@ pub use fleet::{
     PublisherKey, Topic,
 };
 pub use join::{component_role, resolve_role};
-pub use reducer::{KeyValue, MAX_RECORD_BYTES, MAX_SMALL_RECORD_BYTES, Reducer, WatchEvent, max_record_bytes};
+pub use reducer::{KeyValue, Listing, MAX_RECORD_BYTES, MAX_SMALL_RECORD_BYTES, Reducer, WatchEvent, max_record_bytes};
 pub use store::{MAX_RECORDS_PER_KEYSPACE, MAX_SET_ASIDE_PER_KEYSPACE};
 pub use wire_id::parse_hex;
 

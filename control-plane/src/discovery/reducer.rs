@@ -17,7 +17,7 @@ use super::fleet::{Fleet, PublisherKey};
 use super::join;
 use super::keys::{self, Keyspace, ParsedKey};
 use super::records::{self, Parsed};
-use super::store::{Entry, EtcdKey, Identity, MAX_RECORDS_PER_KEYSPACE, Store};
+use super::store::{Entry, EtcdKey, Identity, MAX_RECORDS_PER_KEYSPACE, MAX_SET_ASIDE_PER_KEYSPACE, Store};
 
 /// The largest etcd value parsed; larger values are refused unread. An order of magnitude
 /// above etcd's default 1.5 MiB `--max-request-bytes`.
@@ -62,6 +62,56 @@ pub enum WatchEvent {
     /// The full state from fresh range gets: replaces everything held. Identities that persist
     /// keep `first_seen`, and records whose value is unchanged keep their `last_updated`.
     Resync(Vec<KeyValue>),
+}
+
+/// A relist's records as the shell reads them, page by page, held only as far as the resync
+/// that ends the listing can use them ([`Reducer::list`]).
+#[derive(Debug, Default)]
+pub struct Listing {
+    /// Keys the reducer holds: all of them, admitted first.
+    held: Vec<Read>,
+    /// Keys it does not hold, in the order listed, as far as each keyspace has room.
+    new: Vec<Read>,
+    /// Per keyspace, the new records and set-aside values in `new`.
+    records: [usize; Keyspace::ALL.len()],
+    set_aside: [usize; Keyspace::ALL.len()],
+    /// What listing refused, counted as the resync's.
+    applied: Applied,
+    /// Per keyspace, the first new key left out for want of room.
+    refused: [Option<EtcdKey>; Keyspace::ALL.len()],
+}
+
+impl Listing {
+    /// Records kept so far.
+    pub fn len(&self) -> usize {
+        self.held.len() + self.new.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One key's value as a put reads it: placed, and parsed unless its size refused it.
+#[derive(Debug)]
+struct Read {
+    key: ParsedKey,
+    etcd_key: EtcdKey,
+    value: Reading,
+}
+
+#[derive(Debug)]
+enum Reading {
+    Parsed(Parsed),
+    /// Refused unread: this many bytes, past [`max_record_bytes`].
+    Oversized(usize),
+}
+
+/// Counts (and logs) a value refused unread for its size.
+fn refuse_oversized(key: &str, bytes: usize, keyspace: Keyspace, applied: &mut Applied) {
+    let limit = max_record_bytes(keyspace);
+    tracing::warn!(key = ?shown(key), bytes, limit, "etcd value refused unread: too large");
+    applied.add(EventKind::Oversized);
 }
 
 /// The reducer's state. See the module documentation.
@@ -127,17 +177,81 @@ impl Reducer {
     /// Folds one event in.
     pub fn apply(&mut self, event: WatchEvent, now: SystemTime) -> Applied {
         let mut pass = Pass::default();
-        let resync = matches!(event, WatchEvent::Resync(_));
         match event {
             WatchEvent::Put(kv) => self.put(kv, now, None, &mut pass),
             WatchEvent::Delete { key } => self.delete(&key, &mut pass),
-            WatchEvent::Resync(kvs) => self.resync(kvs, now, &mut pass),
+            WatchEvent::Resync(kvs) => {
+                let mut listing = Listing::default();
+                for kv in kvs {
+                    self.list(&mut listing, kv);
+                }
+                return self.resync(listing, now);
+            }
+        }
+        self.refresh(pass, now)
+    }
+
+    /// Adds `kv`, one record of a relist, to `listing`, as far as the resync that ends the
+    /// listing could use it: every key held goes in (they go first, and the store bounds
+    /// them); of the keys not held, only as many records and set-aside values as a keyspace has
+    /// room for, and none that is refused whatever the room (unread for its size, or skipped).
+    /// What is left out is counted as the resync would have, so a listing holds what the
+    /// reducer's bounds allow, not what etcd holds.
+    pub fn list(&self, listing: &mut Listing, kv: KeyValue) {
+        let mut pass = Pass::default();
+        let read = self.read(kv, &mut pass);
+        listing.applied.merge(&pass.applied);
+        let Some(read) = read else { return };
+        if self.store.holds(read.etcd_key.as_bytes()) {
+            listing.held.push(read);
+            return;
+        }
+        let keyspace = read.key.keyspace;
+        let index = keyspace.index();
+        match &read.value {
+            Reading::Oversized(bytes) => refuse_oversized(&read.etcd_key, *bytes, keyspace, &mut listing.applied),
+            Reading::Parsed(Parsed::Skipped(_)) => listing.applied.add(EventKind::Skipped),
+            Reading::Parsed(parsed @ (Parsed::Malformed(_) | Parsed::Unsupported(_))) => {
+                if listing.set_aside[index] < MAX_SET_ASIDE_PER_KEYSPACE {
+                    listing.set_aside[index] += 1;
+                    listing.new.push(read);
+                } else {
+                    listing.applied.add(kind_of(parsed));
+                }
+            }
+            Reading::Parsed(_) if listing.records[index] < MAX_RECORDS_PER_KEYSPACE => {
+                listing.records[index] += 1;
+                listing.new.push(read);
+            }
+            Reading::Parsed(_) => {
+                listing.applied.add(EventKind::OverCapacity);
+                listing.refused[index].get_or_insert(read.etcd_key);
+            }
+        }
+    }
+
+    /// Replaces everything held by what `listing` holds (see [`WatchEvent::Resync`]).
+    pub fn resync(&mut self, listing: Listing, now: SystemTime) -> Applied {
+        let mut pass = Pass::default();
+        pass.applied.add(EventKind::Resync);
+        pass.applied.merge(&listing.applied);
+        self.refused = [false; Keyspace::ALL.len()];
+        let mut prior = std::mem::take(&mut self.store);
+        pass.touched.extend(prior.identities().cloned());
+        // Keys held before go first: a full keyspace keeps the workers it had, and new keys
+        // take only the room left.
+        for read in listing.held.into_iter().chain(listing.new) {
+            self.admit(read, now, Some(&mut prior), &mut pass);
+        }
+        for (keyspace, refused) in Keyspace::ALL.into_iter().zip(listing.refused) {
+            if let Some(key) = refused {
+                self.refused[keyspace.index()] = true;
+                self.warn_full(keyspace, &key);
+            }
         }
         let applied = self.refresh(pass, now);
-        if resync {
-            // Only the first resync finds the predecessor's workers again.
-            self.handed_over.clear();
-        }
+        // Only the first resync finds the predecessor's workers again.
+        self.handed_over.clear();
         applied
     }
 
@@ -165,12 +279,29 @@ impl Reducer {
         self.conflicts.retain(|identity| kept(identity.namespace()));
     }
 
-    /// Holds `kv`, replacing what its key held. During a resync `prior` is the state before it,
-    /// so unchanged values keep their timestamps and set-aside values are not logged again.
-    fn put(&mut self, kv: KeyValue, now: SystemTime, mut prior: Option<&mut Store>, pass: &mut Pass) {
-        let Some((key, etcd_key)) = self.classify(&kv.key, pass) else {
-            return;
+    /// Holds `kv`, replacing what its key held.
+    fn put(&mut self, kv: KeyValue, now: SystemTime, prior: Option<&mut Store>, pass: &mut Pass) {
+        if let Some(read) = self.read(kv, pass) {
+            self.admit(read, now, prior, pass);
+        }
+    }
+
+    /// `kv` placed and parsed, unless its size refuses it unread; `None` (counted) when its key
+    /// is not ours or not well-formed.
+    fn read(&self, kv: KeyValue, pass: &mut Pass) -> Option<Read> {
+        let (key, etcd_key) = self.classify(&kv.key, pass)?;
+        let value = match kv.value.len() {
+            bytes if bytes > max_record_bytes(key.keyspace) => Reading::Oversized(bytes),
+            _ => Reading::Parsed(records::parse(&key, &kv.value, kv.lease)),
         };
+        Some(Read { key, etcd_key, value })
+    }
+
+    /// Holds what `read` found, replacing what its key held. During a resync `prior` is the
+    /// state before it, so unchanged values keep their timestamps and set-aside values are not
+    /// logged again.
+    fn admit(&mut self, read: Read, now: SystemTime, mut prior: Option<&mut Store>, pass: &mut Pass) {
+        let Read { key, etcd_key, value } = read;
         let keyspace = key.keyspace;
         let held = self.store.remove(keyspace, &etcd_key);
         // Whether the key took room in its keyspace until now: a set-aside value takes none,
@@ -183,16 +314,16 @@ impl Reducer {
             }
             None => prior.as_deref_mut().and_then(|p| p.remove(keyspace, &etcd_key)),
         };
-        if kv.value.len() > max_record_bytes(keyspace) {
-            let (bytes, limit) = (kv.value.len(), max_record_bytes(keyspace));
-            tracing::warn!(key = ?shown(&etcd_key), bytes, limit, "etcd value refused unread: too large");
-            pass.applied.add(EventKind::Oversized);
-            if held_room {
-                self.gave_room_back(keyspace, pass);
+        let parsed = match value {
+            Reading::Parsed(parsed) => parsed,
+            Reading::Oversized(bytes) => {
+                refuse_oversized(&etcd_key, bytes, keyspace, &mut pass.applied);
+                if held_room {
+                    self.gave_room_back(keyspace, pass);
+                }
+                return;
             }
-            return;
-        }
-        let parsed = records::parse(&key, &kv.value, kv.lease);
+        };
         // Endpoints and topics the router does not read take no room: a Dynamo 1.6.1 worker
         // writes three to five channel keys and two or three instance keys, of which routing
         // reads two, so holding the rest would fill a keyspace at a third of its workers.
@@ -254,19 +385,6 @@ impl Reducer {
         }
     }
 
-    fn resync(&mut self, kvs: Vec<KeyValue>, now: SystemTime, pass: &mut Pass) {
-        pass.applied.add(EventKind::Resync);
-        self.refused = [false; Keyspace::ALL.len()];
-        let mut prior = std::mem::take(&mut self.store);
-        pass.touched.extend(prior.identities().cloned());
-        // Keys held before go first: a full keyspace keeps the workers it had, and new keys
-        // take only the room left.
-        let (held, new): (Vec<_>, Vec<_>) = kvs.into_iter().partition(|kv| prior.holds(&kv.key));
-        for kv in held.into_iter().chain(new) {
-            self.put(kv, now, Some(&mut prior), pass);
-        }
-    }
-
     /// The key's place, or `None` (counted) when it is not ours or not well-formed.
     fn classify(&self, key: &[u8], pass: &mut Pass) -> Option<(ParsedKey, EtcdKey)> {
         match keys::classify(&self.namespaces, key) {
@@ -285,11 +403,17 @@ impl Reducer {
 
     /// Whether a new key fits in `keyspace`; warns once each time the keyspace fills up.
     fn has_room(&mut self, keyspace: Keyspace, key: &str) -> bool {
-        let warned = &mut self.capacity_warned[keyspace.index()];
         if !self.store.is_full(keyspace) {
-            *warned = false;
+            self.capacity_warned[keyspace.index()] = false;
             return true;
         }
+        self.warn_full(keyspace, key);
+        false
+    }
+
+    /// Warns that `keyspace` refused `key` for want of room, once until it has room again.
+    fn warn_full(&mut self, keyspace: Keyspace, key: &str) {
+        let warned = &mut self.capacity_warned[keyspace.index()];
         if !*warned {
             tracing::warn!(
                 %keyspace,
@@ -299,7 +423,6 @@ impl Reducer {
             );
             *warned = true;
         }
-        false
     }
 
     /// Reports new conflicts and re-materialises every worker and publisher touched.

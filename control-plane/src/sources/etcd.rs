@@ -11,7 +11,9 @@
 //! - Prefixes are read in pages of at most [`PAGE_KEYS`] keys, all at one revision, so no
 //!   response has to hold a whole keyspace. A page past [`MAX_ETCD_MESSAGE_BYTES`] is
 //!   asked for again at half the keys; a single value past it is stepped over (its key read
-//!   alone, without its value) and counted as `oversized`.
+//!   alone, without its value) and counted as `oversized`. Each page is listed into what the
+//!   resync can use as it arrives (`Reducer::list`), so a listing holds no more than the
+//!   reducer's own bounds allow, whatever etcd holds.
 //! - Watches ask etcd to split a large revision into fragments, and refuse to run on a member
 //!   that has lost its leader (`require_leader`: etcd then cancels them, and the pass resyncs).
 //! - A watch must be heard from: every [`WatchHealth::progress_every`] each stream is asked for
@@ -32,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::registry::Registry;
 use crate::config::EtcdConfig;
-use crate::discovery::{Applied, KeyValue, Reducer, WatchEvent, keys};
+use crate::discovery::{Applied, KeyValue, Listing, Reducer, WatchEvent, keys};
 use crate::metrics::Metrics;
 
 /// Dial, authenticate and range-get must finish within this; the watches after it are unbounded.
@@ -154,10 +156,14 @@ async fn pass(
     watching_since: &mut Option<Instant>,
 ) -> Result<(), PassError> {
     let prefixes: Vec<String> = namespaces.iter().flat_map(|ns| prefixes(ns)).collect();
-    let (mut kv, mut watcher, seeded) =
-        tokio::time::timeout(SEED_TIMEOUT, seed(config, &prefixes)).await.map_err(|_| PassError::SeedTimeout)??;
+    let (mut kv, mut watcher, seeded) = tokio::time::timeout(SEED_TIMEOUT, seed(config, &prefixes, reducer))
+        .await
+        .map_err(|_| PassError::SeedTimeout)??;
     metrics.discovery_events.with_label_values(&["oversized"]).inc_by(seeded.stepped_over);
-    off_the_runtime(|| fold(reducer, WatchEvent::Resync(seeded.records), registry, metrics));
+    off_the_runtime(|| {
+        let applied = reducer.resync(seeded.listing, SystemTime::now());
+        publish(reducer, &applied, registry, metrics);
+    });
 
     let mut streams = SelectAll::new();
     let mut askers = Vec::with_capacity(prefixes.len());
@@ -300,31 +306,37 @@ fn delivered_by(newest_event: Option<i64>, created: bool, header: i64) -> i64 {
     }
 }
 
-/// What a seed read: every record, the one revision it was read at, and how many values were
-/// too large to read at all.
+/// What a seed read: its records as far as the reducer can use them, the one revision they
+/// were read at, and how many values were too large to read at all.
 struct Seeded {
-    records: Vec<KeyValue>,
+    listing: Listing,
     revision: i64,
     stepped_over: u64,
 }
 
-/// Connects and range-gets every prefix, all at the store's revision as the seed starts.
-async fn seed(config: &EtcdConfig, prefixes: &[String]) -> Result<(KvClient, WatchClient, Seeded), PassError> {
+/// Connects and range-gets every prefix, all at the store's revision as the seed starts, each
+/// page listed into what `reducer`'s resync will use as it comes: what a listing holds is
+/// bounded by the reducer's bounds, not by what etcd holds.
+async fn seed(
+    config: &EtcdConfig,
+    prefixes: &[String],
+    reducer: &Reducer,
+) -> Result<(KvClient, WatchClient, Seeded), PassError> {
     let client = Client::connect(&config.endpoints, Some(connect_options_read(config).await?)).await?;
     let mut kv = client.kv_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let watcher = client.watch_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let first = prefixes.first().map_or("v1/", String::as_str);
     let counted = kv.get(first, Some(GetOptions::new().with_prefix().with_count_only())).await?;
     let revision = counted.header().map_or(0, |h| h.revision());
-    let mut seeded = Seeded { records: Vec::new(), revision, stepped_over: 0 };
+    let mut seeded = Seeded { listing: Listing::default(), revision, stepped_over: 0 };
     for prefix in prefixes {
-        list(&mut kv, prefix.as_bytes(), &mut seeded).await?;
+        list(&mut kv, prefix.as_bytes(), reducer, &mut seeded).await?;
     }
     Ok((kv, watcher, seeded))
 }
 
 /// Reads every key under `prefix` in pages, all at the seed's revision.
-async fn list(kv: &mut KvClient, prefix: &[u8], seeded: &mut Seeded) -> Result<(), PassError> {
+async fn list(kv: &mut KvClient, prefix: &[u8], reducer: &Reducer, seeded: &mut Seeded) -> Result<(), PassError> {
     let revision = seeded.revision;
     let end = prefix_end(prefix);
     let mut from = prefix.to_vec();
@@ -353,7 +365,18 @@ async fn list(kv: &mut KvClient, prefix: &[u8], seeded: &mut Seeded) -> Result<(
             }
             outcome => outcome?,
         };
-        seeded.records.extend(response.kvs().iter().map(record));
+        let bytes: usize = response.kvs().iter().map(|kv| kv.value().len()).sum();
+        let mut page = || {
+            for kv in response.kvs() {
+                reducer.list(&mut seeded.listing, record(kv));
+            }
+        };
+        // Parsing a page of cards can take milliseconds: off the runtime, as for a watch response.
+        if bytes > ON_THE_RUNTIME_BYTES {
+            off_the_runtime(page)
+        } else {
+            page()
+        }
         match response.kvs().last() {
             Some(last) if response.more() => from = after(last.key()),
             _ => return Ok(()),
@@ -441,12 +464,12 @@ fn read(path: &std::path::Path) -> Result<Vec<u8>, PassError> {
     std::fs::read(path).map_err(|source| PassError::Tls { path: path.display().to_string(), source })
 }
 
-fn fold(reducer: &mut Reducer, event: WatchEvent, registry: &Registry, metrics: &Metrics) {
-    let applied = reducer.apply(event, SystemTime::now());
-    // Published first: the restart gate reads a counted resync as a seeded fleet, and a replica
-    // let in before the publisher held it would be sent the empty startup fleet.
+/// Publishes the fleet a resync left, then counts it. Published first: the restart gate reads
+/// a counted resync as a seeded fleet, and a replica let in before the publisher held it would
+/// be sent the empty startup fleet.
+fn publish(reducer: &Reducer, applied: &Applied, registry: &Registry, metrics: &Metrics) {
     registry.publish(reducer.fleet());
-    count(&applied, metrics);
+    count(applied, metrics);
 }
 
 fn count(applied: &Applied, metrics: &Metrics) {

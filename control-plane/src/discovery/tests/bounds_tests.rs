@@ -7,7 +7,8 @@ use super::super::{
     EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES, MAX_SET_ASIDE_PER_KEYSPACE,
     MAX_SMALL_RECORD_BYTES,
 };
-use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key};
+use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key, t};
+use crate::discovery::{KeyValue, Listing};
 
 const ID: u64 = 0x6a6c_a228_814c_9742;
 
@@ -253,4 +254,62 @@ fn junk_takes_no_room_from_records_and_has_a_bound_of_its_own() {
     let refused = sim.put(key(set_aside), &value(set_aside));
     assert_eq!(counts(&refused), vec![(EventKind::OverCapacity, 1)], "held as junk, it held no room");
     assert_eq!(sim.fleet().workers.len(), MAX_RECORDS_PER_KEYSPACE);
+}
+
+/// A relist read page by page holds what a resync can use, whatever etcd holds: every key
+/// held, and no more new keys than each keyspace has room for; junk refused whatever the room
+/// (skipped endpoints, values too large to read) is counted and let go as it is listed.
+#[test]
+fn a_listing_holds_no_more_than_the_keyspaces_have_room_for() {
+    let mut sim = Sim::new();
+    let full = MAX_RECORDS_PER_KEYSPACE as u64;
+    let key = |id: u64| instance_key(NS, "decode", "generate", id);
+    let record = |id: u64| super::kv(key(id), &endpoint_value("decode", "generate", json!(id)));
+    sim.apply(super::WatchEvent::Resync((1..=10).map(record).collect()));
+
+    let mut listing = Listing::default();
+    for id in 100..100 + full + 50 {
+        sim.reducer.list(&mut listing, record(id));
+    }
+    for id in 1..=10 {
+        sim.reducer.list(&mut listing, record(id));
+    }
+    let set_aside = MAX_SET_ASIDE_PER_KEYSPACE as u64;
+    for id in 0..set_aside + 5 {
+        let junk = endpoint_value("decode", "clear_kv_blocks", json!(1_000_000 + id));
+        sim.reducer.list(&mut listing, super::kv(key(1_000_000 + id), &junk));
+    }
+    for id in 0..100 {
+        let skipped = endpoint_value("decode", "worker_kv_query_source_0", json!(2_000_000 + id));
+        sim.reducer.list(
+            &mut listing,
+            super::kv(instance_key(NS, "decode", "worker_kv_query_source_0", 2_000_000 + id), &skipped),
+        );
+        let oversized = KeyValue::new(key(3_000_000 + id), vec![b' '; MAX_SMALL_RECORD_BYTES + 1]);
+        sim.reducer.list(&mut listing, oversized);
+    }
+    assert_eq!(
+        listing.len() as u64,
+        full + 10 + set_aside,
+        "the new records that fit, the held ones, the set-aside room"
+    );
+
+    let applied = sim.reducer.resync(listing, t(100));
+    // 50 left out while listing, 10 more at admission: the held keys took their room first.
+    assert_eq!(applied.count(EventKind::OverCapacity), 60);
+    assert_eq!(applied.count(EventKind::Malformed), set_aside + 5);
+    assert_eq!((applied.count(EventKind::Skipped), applied.count(EventKind::Oversized)), (100, 100));
+    assert_eq!(sim.fleet().workers.len() as u64, full);
+    assert!((1..=10).all(|id| sim.worker(id).is_some()), "the held keys are kept");
+    assert!(sim.delete(key(1)).relist_wanted(), "keys were refused: room freed asks for a relist");
+}
+
+/// A key longer than any Dynamo key is refused before it is held.
+#[test]
+fn a_key_past_the_bound_is_refused_unread() {
+    let mut sim = Sim::new();
+    let long = instance_key(NS, "decode", &"e".repeat(super::super::keys::MAX_KEY_BYTES), 7);
+    let applied = sim.put(long.clone(), &endpoint_value("decode", "generate", json!(7)));
+    assert_eq!(counts(&applied), vec![(EventKind::Malformed, 1)]);
+    assert!(!sim.reducer.holds(&long));
 }
