@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use continuum_control_plane::fleet::FleetChange;
 use continuum_data_plane::replica::Replica;
-use continuum_data_plane::routing::picker::STALL_AFTER;
 use continuum_proto::model::{
     Backend, Capacity, DataPlaneConfig, DisaggregatedServing, Load, LoadKey, LoadSample, PickerParams, Role, ShimPool,
     Worker, WorkerKey,
@@ -21,10 +20,13 @@ const REQUESTS: usize = 64;
 /// How long one request's report may take to reach every replica on a loaded machine.
 const PROPAGATION: Duration = Duration::from_secs(20);
 /// The idle worker starts this many blocks below the others: more than the 16 requests a
-/// replica sends weigh (each 10 blocks to decode and 160 prompt tokens queued, which the cost
-/// counts as 10 blocks more on these workers: 20 in all), so a replica that counted only its
-/// own dispatches would send all of its requests to it.
-const HEAD_START_BLOCKS: u64 = 640;
+/// replica sends weigh (each answered at once and decoding 10 blocks: 160 in all), so a
+/// replica that counted only its own dispatches would send all of its requests to it.
+const HEAD_START_BLOCKS: u64 = 320;
+/// The first event of every held stream, sent at once: each dispatch is answered (a decode
+/// under way, its blocks held) rather than unanswered, so however slow the machine no rank
+/// passes the stall age during the burst and the spread measures the accounting alone.
+const FIRST_EVENT: &str = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n";
 
 fn worker(id: u64) -> Arc<Worker> {
     Arc::new(Worker {
@@ -61,8 +63,11 @@ fn request() -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
-    // Every request is held open, so its dispatch stays unanswered for the whole burst.
+    // Every request is answered and held open, so its dispatch decodes for the whole burst.
     let gates: Vec<_> = (0..REQUESTS).map(|_| shim.push_stream()).collect();
+    for gate in &gates {
+        gate.try_send(Ok(bytes::Bytes::from_static(FIRST_EVENT.as_bytes())))?;
+    }
     let control = TestControlPlane::start(publisher()).await?;
     let workers: Vec<_> = (1..=4).map(worker).collect();
     let now = Instant::now();
@@ -84,7 +89,6 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
 
     let client = reqwest::Client::new();
     let mut inflight = Vec::new();
-    let burst = Instant::now();
     // In waves of one request per replica, all four at once: within a wave no replica can know
     // of the others' picks, so each is made on the same view (the hard case). The next wave
     // arrives once every replica counts this one (a few milliseconds: a 1 ms report batch, the
@@ -105,13 +109,6 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
         })
         .await?;
     }
-    // Held streams are dispatches unanswered: past the stall age the idle worker's would take
-    // it out of picking, and the spread below would measure the machine's speed.
-    anyhow::ensure!(
-        burst.elapsed() < STALL_AFTER,
-        "the burst took {:?}, past the stall age: too slow a machine to measure the accounting",
-        burst.elapsed()
-    );
     let mut received = shim.count();
     tokio::time::timeout(Duration::from_secs(20), received.wait_for(|n| *n >= REQUESTS)).await??;
 
@@ -120,10 +117,12 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
         let pin = request.header("x-dynamo-worker-instance-id").unwrap_or("none").to_string();
         *pins.entry(pin).or_default() += 1;
     }
-    // One router would give the idle worker 40 of the 64: at 20 blocks a request its head start
+    // One router would give the idle worker 40 of the 64: at 10 blocks a request its head start
     // is 32 requests more than each busy worker's 8. Four replicas picking together overshoot
     // by at most a wave. Four replicas that each saw only their own dispatches would give it
     // all 64 (none fills the head start alone); four that rotated regardless of load, 16.
+    assert_eq!(pins.values().sum::<usize>(), REQUESTS, "every request pinned once: {pins:?}");
+    assert!(pins.keys().all(|pin| ["1", "2", "3", "4"].contains(&pin.as_str())), "only the fleet's workers: {pins:?}");
     let idle = pins.get("1").copied().unwrap_or(0);
     assert!((32..=46).contains(&idle), "the idle worker took {idle} of {REQUESTS}: {pins:?}");
     for busy in ["2", "3", "4"] {
@@ -133,7 +132,9 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
 
     drop(gates);
     for request in inflight {
-        let _ = request.await;
+        let response = request.await??;
+        anyhow::ensure!(response.status().is_success(), "a request of the burst failed: {}", response.status());
+        response.bytes().await?;
     }
     for replica in replicas {
         Replica::shutdown(replica).await;
