@@ -297,6 +297,8 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
             cut += 1;
         } else {
             ensure!(!error_event && answer.body.contains("\"finish_reason\":\"length\""), "stream {i}: {events:?}");
+            // And what the frontend echoes is what the replica chose.
+            fleet.check(20_000 + i, &answer, true)?;
             whole += 1;
         }
     }
@@ -488,8 +490,11 @@ impl Fleet<'_> {
                         == (disclosed.decode_dp_rank, disclosed.prefill_dp_rank)
             }
             // Aggregated: the frontend echoes the worker as its own prefill, and the rank used.
+            // Only in an aggregated fleet: with prefill workers beside the decode workers,
+            // every request is a pair.
             None => {
-                echoed.decode == disclosed.decode
+                self.prefills == self.decodes
+                    && echoed.decode == disclosed.decode
                     && echoed.decode_dp_rank == disclosed.decode_dp_rank
                     && echoed.prefill.is_none_or(|p| p == echoed.decode)
             }

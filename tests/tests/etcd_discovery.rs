@@ -324,11 +324,10 @@ async fn the_control_plane_is_not_ready_until_discovery_has_seeded() -> anyhow::
 #[tokio::test]
 async fn an_etcd_that_exits_at_start_is_reported_at_once_with_its_log() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
-    let started = std::time::Instant::now();
     let error = Etcd::start(dir.path(), &["--no-such-flag"]).await.expect_err("etcd refuses an unknown flag");
     let message = error.to_string();
+    // Only the exit path says so: a probe that ran out its deadline would say it timed out.
     assert!(message.contains("exited"), "{message}");
     assert!(message.lines().count() > 1, "the log's last lines follow: {message}");
-    assert!(started.elapsed() < Duration::from_secs(10), "reported after {:?}", started.elapsed());
     Ok(())
 }
