@@ -19,9 +19,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-/// What a message buffer may hold without borrowing: the size it keeps between messages
-/// ([`super::SHRINK_ABOVE_BYTES`]); every kv_metrics message fits in it.
-pub const FREE_BUFFER_BYTES: usize = super::SHRINK_ABOVE_BYTES;
+/// What a message buffer may hold without borrowing; every kv_metrics message fits in it.
+pub const FREE_BUFFER_BYTES: usize = 64 * 1024;
 /// What all message buffers may borrow past [`FREE_BUFFER_BYTES`] at once: sixty-four
 /// kv-events batches of the largest size.
 pub const LARGE_MESSAGE_BYTES: usize = 64 * 1024 * 1024;

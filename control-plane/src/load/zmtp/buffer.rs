@@ -3,8 +3,8 @@
 //! grows to exactly what is needed), and never grows past its ceiling. Capacity past [`FREE_BUFFER_BYTES`] is borrowed from the process's
 //! [`MessageBudget`](super::MessageBudget) and repaid when the buffer shrinks or is dropped.
 
+use super::INITIAL_BUFFER_BYTES;
 use super::budget::{BudgetRef, FREE_BUFFER_BYTES};
-use super::{INITIAL_BUFFER_BYTES, SHRINK_ABOVE_BYTES};
 
 #[derive(Debug)]
 pub struct MessageBuffer {
@@ -104,12 +104,14 @@ impl MessageBuffer {
         self.bytes.truncate(len);
     }
 
-    /// Empties the buffer for the next message, releasing a large allocation and repaying
-    /// what it borrowed.
+    /// Empties the buffer for the next message, back to its first size (repaying what it
+    /// borrowed): a subscription waits between messages with no more than that, however large
+    /// the last one was. The next large message grows it again, a few doublings at most.
     pub fn reset(&mut self) {
         self.bytes.clear();
-        if self.bytes.capacity() > SHRINK_ABOVE_BYTES {
-            self.bytes = Vec::with_capacity(INITIAL_BUFFER_BYTES.min(self.ceiling));
+        let initial = INITIAL_BUFFER_BYTES.min(self.ceiling);
+        if self.bytes.capacity() > initial {
+            self.bytes = Vec::with_capacity(initial);
             self.repay();
         }
     }
@@ -159,15 +161,20 @@ mod tests {
     }
 
     #[test]
-    fn reset_releases_only_large_buffers() {
-        let mut small = MessageBuffer::new(1 << 20, budget(usize::MAX));
-        small.extend(4000);
-        small.reset();
-        assert_eq!((small.len(), small.capacity()), (0, 4096));
+    fn reset_returns_the_buffer_to_its_first_size_and_repays_its_loan() {
+        let mut first = MessageBuffer::new(1 << 20, budget(usize::MAX));
+        first.extend(300);
+        first.reset();
+        assert_eq!((first.len(), first.capacity()), (0, 512), "kept as it was");
+        let mut grown = MessageBuffer::new(1 << 20, budget(usize::MAX));
+        grown.extend(4000);
+        grown.reset();
+        assert_eq!((grown.len(), grown.capacity()), (0, 512));
         let mut large = MessageBuffer::new(1 << 20, budget(usize::MAX));
         large.extend(100_000);
+        assert!(large.borrowed() > 0);
         large.reset();
-        assert_eq!((large.len(), large.capacity()), (0, 512));
+        assert_eq!((large.len(), large.capacity(), large.borrowed()), (0, 512, 0));
     }
 
     #[test]

@@ -77,9 +77,6 @@ pub const KV_METRICS_MAX_PAYLOAD_BYTES: usize = 16 * 1024;
 pub const KV_EVENTS_MAX_FRAME_BYTES: usize = 1024 * 1024;
 /// The two u64 frames after the topic.
 const ID_FRAMES_BYTES: usize = 16;
-/// A message buffer larger than this is released after its message, so a burst of large
-/// kv-events does not pin a megabyte per idle subscription.
-pub const SHRINK_ABOVE_BYTES: usize = 64 * 1024;
 
 /// The ceilings one subscription family runs under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

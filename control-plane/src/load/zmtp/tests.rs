@@ -217,6 +217,21 @@ async fn a_frame_at_the_ceiling_is_buffered_and_the_buffer_stops_there() {
     assert_eq!(ceiling, ZmtpLimits::KV_METRICS.max_message_bytes + MAX_COMMAND_BYTES);
 }
 
+/// A subscription waiting after a large message holds what an idle one does, not the room the
+/// message took.
+#[tokio::test]
+async fn after_a_large_message_the_subscription_waits_in_its_first_buffers() {
+    let payload = vec![7u8; ZmtpLimits::KV_METRICS.max_frame_bytes];
+    let mut script = message(&[b"kv_metrics", &[0; 8], &[0; 8], &payload]);
+    script.extend(kv_message(3));
+    let (session, _peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    let idle = session.buffered_capacity();
+    next_message(&mut session).await.unwrap();
+    next_message(&mut session).await.unwrap();
+    assert_eq!(session.buffered_capacity(), idle, "back to the idle buffers once its message was read");
+}
+
 #[tokio::test]
 async fn a_fifth_frame_drops_the_message_and_the_session_goes_on() {
     let mut script = message(&[b"kv_metrics", &[0; 8], &[0; 8], &[1, 0, 0, 0, 0], b"extra"]);
