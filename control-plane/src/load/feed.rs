@@ -72,6 +72,9 @@ impl LoadFeed {
 #[derive(Debug, Default)]
 pub struct StreamOrder {
     last: Option<u64>,
+    /// A message after `last` went unread (malformed, of an unknown version, too large): it
+    /// took a sequence number, so the next one is `last + 2`, and only a later one shows a gap.
+    unread: bool,
 }
 
 impl Feed for LoadFeed {
@@ -114,6 +117,7 @@ impl Feed for LoadFeed {
                 // than stand until a later sequence shows one. Not a duplicate, nor one naming
                 // another publisher, which was never this stream's.
                 if matches!(event, LoadEvent::Malformed | LoadEvent::UnknownVersion | LoadEvent::Oversized) {
+                    order.unread = true;
                     self.drop_publisher(&publisher.key(), None).await;
                 }
             }
@@ -165,10 +169,10 @@ impl LoadFeed {
         // message would read as a gap and drop the publisher's samples for nothing.
         let gap = match order.last {
             Some(last) if m.sequence <= last => return Err(LoadEvent::Duplicate),
-            Some(last) => m.sequence > last + 1,
+            Some(last) => m.sequence > last.saturating_add(1 + u64::from(order.unread)),
             None => false,
         };
-        order.last = Some(m.sequence);
+        *order = StreamOrder { last: Some(m.sequence), unread: false };
         let key = publisher.key();
         let mut store = self.store.lock();
         let removed = if gap {
@@ -329,6 +333,35 @@ mod tests {
         assert_eq!(held(feed.accept(&channel, &mut order, message(5, 9))), Ok((1, false)));
         assert_eq!((count("sequence_gap"), count("identity_mismatch")), (1, 2));
         assert_eq!(feed.accept(&channel, &mut order, message(5, 1)).err(), Some(LoadEvent::Duplicate));
+    }
+
+    /// A message left unread (too large, say) took a sequence number: the one after it is no
+    /// gap, counted once as what it was; one further on still is.
+    #[tokio::test]
+    async fn a_message_left_unread_takes_its_place_in_the_order() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        store.lock().set_live_and_retain([(WorkerKey::new("dynamo", 1), 0..1)].into_iter().collect());
+        let feed = feed(&publisher, &store);
+        let events = feed.events.clone();
+        let channel = channel();
+        let message = |sequence| KvMetrics {
+            publisher_id: 0xaa,
+            sequence,
+            published_at: 0,
+            worker_id: 1,
+            dp_rank: 0,
+            load: Load { kv_used_blocks: Some(sequence), ..Load::default() },
+        };
+        let count = |label: &str| events.with_label_values(&[label]).get();
+        let mut order = StreamOrder::default();
+        assert!(feed.accept(&channel, &mut order, message(1)).is_ok());
+        feed.message(&channel, &mut order, Err(Dropped::Oversized)).await;
+        assert!(feed.accept(&channel, &mut order, message(3)).is_ok());
+        assert_eq!((count("oversized"), count("sequence_gap")), (1, 0), "one message lost, counted once");
+        feed.message(&channel, &mut order, Err(Dropped::Oversized)).await;
+        assert!(feed.accept(&channel, &mut order, message(6)).is_ok());
+        assert_eq!((count("oversized"), count("sequence_gap")), (2, 1), "5 never came");
     }
 
     #[test]
