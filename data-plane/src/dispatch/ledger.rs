@@ -412,6 +412,34 @@ mod tests {
         assert_eq!(flags, [true, false, true, false], "a replay says it again");
     }
 
+    /// After a new stream opens, a rank whose newest leg was not replayed (its prefill over, its
+    /// decode elsewhere still running) reads as the new sums have it, not as dispatched to just
+    /// now, which would lose it every tie broken by the longest idle.
+    #[tokio::test]
+    async fn a_rank_whose_newest_leg_was_not_replayed_is_not_read_as_just_dispatched() {
+        use continuum_proto::model::{LoadKey, ReportsFolded};
+
+        use crate::routing::picker::LastDispatch;
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let ledger = Arc::new(DispatchLedger::new());
+        reporter.replay_from(Arc::clone(&ledger) as Arc<dyn InFlight>);
+        let mut rx = reporter.attached_receiver().expect("receiver");
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let paired =
+            Selection { prefill: Some(Pin { worker: WorkerKey::new("dynamo", 1), dp_rank: None }), ..aggregated() };
+        let mut end = DispatchEnd::record(&ledger, &reporter, &view, &paired, 160, &PromptChain::default(), false);
+        end.prefilled();
+        while rx.try_recv().is_some() {}
+        reporter.attach(&mut rx);
+        let replayed = batch(rx.try_recv().expect("the replay"), &mut rx);
+        assert_eq!(replayed.started.len(), 1, "the decode leg alone: the prefill is over");
+        let folded = Some(ReportsFolded { first_op: replayed.first_op, last_op: replayed.last_op });
+        let rank = |id| (LoadKey { worker: WorkerKey::new("dynamo", id), dp_rank: 0 }, None);
+        let backlogs = ledger.backlogs(&[rank(1), rank(2)], folded, Instant::now());
+        let last: Vec<LastDispatch> = backlogs.iter().map(|b| b.last_dispatch).collect();
+        assert_eq!(last, [LastDispatch::default(); 2], "both as the sums hold them");
+    }
+
     /// A dispatch to an aggregated worker (no prefill pin).
     fn aggregated() -> Selection {
         Selection {

@@ -323,10 +323,12 @@ impl Rank {
     }
 
     /// This replica's newest leg on the rank, ended or not, when sums holding operations
-    /// `folded` lack it.
+    /// `folded` lack it. One numbered before the sums' stream (a leg a new stream did not
+    /// replay: over, or its prefill done) is theirs to order as they know it: read as local,
+    /// it would sort ahead of every rank the sums order, as if dispatched to just now.
     fn last_dispatch(&self, folded: Option<ReportsFolded>) -> LastDispatch {
         let Some((op, at)) = self.newest else { return LastDispatch::default() };
-        let held = folded.is_some_and(|f| op != NOT_REPORTED && (f.first_op..=f.last_op).contains(&op));
+        let held = folded.is_some_and(|f| op != NOT_REPORTED && op <= f.last_op);
         if held { LastDispatch::default() } else { LastDispatch::Local(at) }
     }
 

@@ -27,9 +27,9 @@ pub use kv_aware::{
     KvTerm, Overlaps, RankOverlap, Suggested,
 };
 pub use ledger::{
-    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, NOT_REPORTED, Op, PromptChain, RankBacklog,
-    Recorded, ReplayedLeg, STALL_AFTER, STALL_MIN_BLOCKS, UNANSWERED_FOR, dispatch_block_size, pin_block_size,
-    prompt_blocks, reported_blocks,
+    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, LastDispatch, NOT_REPORTED, Op, PromptChain,
+    RankBacklog, Recorded, ReplayedLeg, STALL_AFTER, STALL_MIN_BLOCKS, UNANSWERED_FOR, dispatch_block_size,
+    pin_block_size, prompt_blocks, reported_blocks,
 };
 pub use load_based::LoadBasedPicker;
 pub use outliers::{EJECT_AFTER, EJECTION, Outliers};
