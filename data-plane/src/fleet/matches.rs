@@ -96,7 +96,11 @@ impl Reach {
     fn timed_out(&self, now_ms: u64) {
         let previous = self.timed_out_ms.swap(now_ms.max(1), Ordering::Relaxed);
         let since = self.unanswered_since_ms.load(Ordering::Relaxed);
-        if since == 0 || now_ms.saturating_sub(previous) >= UNANSWERED_FOR_MS {
+        // A gap the backoff's own window made (it ran past the last timeout) is no pause: the
+        // silence goes on, and the next window follows at once.
+        let paused = now_ms.saturating_sub(previous) >= UNANSWERED_FOR_MS
+            && self.skip_until_ms.load(Ordering::Relaxed) <= previous;
+        if since == 0 || paused {
             // The first lookup out of time since an answer, or since a pause in the lookups.
             self.unanswered_since_ms.store(now_ms.max(1), Ordering::Relaxed);
         } else if now_ms.saturating_sub(since) >= UNANSWERED_FOR_MS {
@@ -451,6 +455,28 @@ mod tests {
         // One out of time, then nothing for an hour, then another: no silence of a second.
         reach.timed_out(3_700_000);
         assert!(!reach.skipping(3_700_000), "lookups out of time an hour apart are no outage");
+    }
+
+    /// The backoff's windows are no pause in the lookups: one out of time as a window ends
+    /// opens the next at once, however long the window was, and not after another second of
+    /// lookups each waiting out its deadline.
+    #[test]
+    fn a_lookup_out_of_time_after_a_window_opens_the_next() {
+        let reach = Reach::default();
+        for now in [1, 500, 1_001] {
+            reach.timed_out(now);
+        }
+        assert!(reach.skipping(1_001));
+        let mut longest = 0;
+        // Windows grow toward 5 s: within twenty, some are past a second.
+        for _ in 0..20 {
+            let until = reach.skip_until_ms.load(Ordering::Relaxed);
+            let window = until - reach.timed_out_ms.load(Ordering::Relaxed);
+            longest = longest.max(window);
+            reach.timed_out(until);
+            assert!(reach.skipping(until), "a window of {window} ms ended: the next opens");
+        }
+        assert!(longest >= UNANSWERED_FOR_MS, "a window past a second was drawn: {longest} ms");
     }
 
     /// A control plane that takes the connection and then answers nothing (stopped, or
