@@ -156,7 +156,7 @@ impl Metrics {
             )?,
             dispatches_replayed: IntCounter::new(
                 "continuum_fleet_dispatches_replayed_total",
-                "Dispatches replicas reported again on a new stream, started before it opened",
+                "Dispatch legs (one per pinned worker rank) replicas reported again on a new stream, started before it opened",
             )?,
             discovery_events: IntCounterVec::new(
                 Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),

@@ -221,7 +221,7 @@ impl Metrics {
             )?,
             dispatches_replayed: IntCounter::new(
                 "continuum_fleet_dispatches_replayed_total",
-                "Dispatches in flight reported again when a new stream to the control plane opened",
+                "Dispatch legs in flight (one per pinned worker rank) reported again when a new stream to the control plane opened",
             )?,
             snapshot_age_seconds: Gauge::new(
                 "continuum_fleet_snapshot_age_seconds",
