@@ -64,6 +64,9 @@ pub struct RelayBody {
     /// mid-stream, relayed as it came) or here. Counted, and blamed or charged, once, however
     /// it ends.
     failed: bool,
+    /// The last event relayed was the closing `data: [DONE]`: a body that ends now ended as an
+    /// OpenAI stream does; one that ends short of it was cut off between two events.
+    closed: bool,
 }
 
 impl RelayBody {
@@ -85,6 +88,7 @@ impl RelayBody {
             shim,
             failures,
             failed: false,
+            closed: false,
         }
     }
 
@@ -175,9 +179,20 @@ impl Body for RelayBody {
                     // event cut short (a close-delimited answer whose connection dropped looks
                     // just so) is a break, said as one: SSE would silently drop the half.
                     let unfinished = std::mem::take(&mut this.partial);
-                    if !carries_event(&unfinished) {
+                    if !carries_event(&unfinished) && this.closed {
                         this.finish();
                         return Poll::Ready(None);
+                    }
+                    if !carries_event(&unfinished) {
+                        // Between two events, short of the closing marker: a close-delimited
+                        // answer whose connection dropped there, or a proxy's cut. The client
+                        // would take the stream for whole.
+                        tracing::warn!("shim stream ended before its closing [DONE]");
+                        return this.fail(
+                            Fault::Shim,
+                            "stream_interrupted",
+                            "The response stream from the model server ended before it finished. Retry the request.",
+                        );
                     }
                     if is_done_marker(&unfinished) {
                         this.finish();
@@ -220,6 +235,7 @@ impl Body for RelayBody {
                     dispatch.prefilled();
                 }
                 this.deadline.as_mut().reset(Instant::now() + this.idle);
+                this.closed = ends_with_done_marker(&events);
             }
             if let Some(dispatch) = &mut this.dispatch {
                 dispatch.observe(&events);
@@ -261,6 +277,13 @@ fn carries_event(data: &[u8]) -> bool {
 }
 
 /// Whether an unfinished event is the stream's closing `data: [DONE]` line.
+/// Whether the last line of whole events is the closing `data: [DONE]`.
+fn ends_with_done_marker(events: &[u8]) -> bool {
+    let events = events.trim_ascii_end();
+    let last = events.iter().rposition(|b| *b == b'\n' || *b == b'\r').map_or(events, |at| &events[at + 1..]);
+    is_done_marker(last)
+}
+
 fn is_done_marker(unfinished: &[u8]) -> bool {
     let line = unfinished.trim_ascii_end();
     line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start() == b"[DONE]")
@@ -316,7 +339,7 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::{Lines, carries_error_event, carries_event, is_done_marker};
+    use super::{Lines, carries_error_event, carries_event, ends_with_done_marker, is_done_marker};
 
     /// What each piece fed in turn releases: the prefix that ends an event, if any.
     fn releases(pieces: &[&[u8]]) -> Vec<Option<usize>> {
@@ -359,6 +382,21 @@ mod tests {
             b"event: error\ndata: [DONE]\n\n",
         ] {
             assert!(!carries_error_event(fine), "{:?}", String::from_utf8_lossy(fine));
+        }
+    }
+
+    #[test]
+    fn whole_events_end_with_the_closing_marker_only_when_their_last_line_is_it() {
+        let cases: [(&[u8], bool); 6] = [
+            (b"data: [DONE]\n\n", true),
+            (b"data: {\"choices\":[]}\n\ndata: [DONE]\r\n\r\n", true),
+            (b"data:[DONE]\r\r", true),
+            (b"data: [DONE]\n\ndata: {\"choices\":[]}\n\n", false),
+            (b"data: {\"content\":\"data: [DONE]\"}\n\n", false),
+            (b"data: {\"choices\":[]}\n\n", false),
+        ];
+        for (events, closed) in cases {
+            assert_eq!(ends_with_done_marker(events), closed, "{:?}", String::from_utf8_lossy(events));
         }
     }
 

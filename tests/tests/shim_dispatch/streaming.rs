@@ -80,6 +80,24 @@ async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Resul
     Ok(())
 }
 
+/// A stream whose body ends cleanly between two events, short of its closing `[DONE]` (a
+/// close-delimited answer whose connection dropped there, a proxy's cut), was cut off: the
+/// client is told, as for any break, and it counts as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_ends_before_its_closing_marker_ends_with_an_error_event() -> anyhow::Result<()> {
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
+    gate.send(Ok(Bytes::from(FIRST))).await?;
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(FIRST));
+    drop(gate);
+    let event = next_text(&mut response).await?.unwrap_or_default();
+    assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event}");
+    assert_eq!(next_text(&mut response).await?, None, "the stream ends after the error event");
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    harness.stop().await;
+    Ok(())
+}
+
 /// A request no Dynamo worker serves streams from its unified backend; when that stream breaks
 /// the client gets the same error event, and it is counted apart from the pinned ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -390,7 +408,9 @@ async fn an_open_stream_loads_its_ranks_fleet_wide_until_it_ends() -> anyhow::Re
             && backlog(DECODE_ID).is_some_and(|b| b.decode_blocks > 0 && b.dispatches == 1)
     })
     .await?;
+    gate.send(Ok(Bytes::from(DONE))).await?;
     drop(gate);
+    assert_eq!(next_text(&mut response).await?.as_deref(), Some(DONE));
     assert_eq!(next_text(&mut response).await?, None);
     // Until a sample shows the ranks after the end, the control plane keeps publishing them
     // (with nothing in flight), so a lagging sample is not read as load.
