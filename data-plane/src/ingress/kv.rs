@@ -150,8 +150,10 @@ impl KvRouting {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
         let ModelCards { cards, block_sizes } = &*model_cards;
+        // The lookup uses the most common size only (ranks of another earn no credit), so only
+        // its hashes are made.
         let resolved = match prompt.resolve(model, cards, block_sizes) {
-            Ok(resolved) => resolved,
+            Ok(resolved) => resolved.first_size_only(),
             Err(fallback) => return Term::Unavailable(selection_result(fallback)),
         };
         let Some((body, cache_salt)) = body.await else {

@@ -70,6 +70,15 @@ pub struct Resolved {
     sizes: Vec<BlockSize>,
 }
 
+impl Resolved {
+    /// Hashes for the first (the fleet's most common) usable block size alone: the one a
+    /// lookup uses. A prompt of 65,536 blocks is that many hashes less.
+    pub fn first_size_only(mut self) -> Self {
+        self.sizes.truncate(1);
+        self
+    }
+}
+
 /// The replica's prompt preparer: one artifact store and one bounded renderer.
 #[derive(Debug)]
 pub struct KvPrompt {
