@@ -301,26 +301,33 @@ mod tests {
         assert!(feed.unsent().is_empty());
     }
 
-    /// A message naming another worker is refused, yet it is the publisher's own (the decoder
-    /// checked its publisher id), so it takes its place in the stream's order: the next message
-    /// is no gap, and the publisher's held samples stay.
-    #[tokio::test]
-    async fn a_message_naming_another_worker_keeps_its_place_in_the_order() {
+    /// A feed holding worker 1's rank 0, its event counter, and a message of publisher 0xaa.
+    fn ordered_feed() -> (LoadFeed, FleetPublisher, Publisher, impl Fn(&str) -> u64) {
         let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
         let store = SharedLoadStore::new(LoadStore::new(None));
         store.lock().set_live_and_retain([(WorkerKey::new("dynamo", 1), 0..1)].into_iter().collect());
         let feed = feed(&publisher, &store);
         let events = feed.events.clone();
-        let channel = channel();
-        let message = |sequence, worker_id| KvMetrics {
+        (feed, publisher, channel(), move |label: &str| events.with_label_values(&[label]).get())
+    }
+
+    fn message(sequence: u64, worker_id: u64) -> KvMetrics {
+        KvMetrics {
             publisher_id: 0xaa,
             sequence,
             published_at: 0,
             worker_id,
             dp_rank: 0,
             load: Load { kv_used_blocks: Some(sequence), ..Load::default() },
-        };
-        let count = |label: &str| events.with_label_values(&[label]).get();
+        }
+    }
+
+    /// A message naming another worker is refused, yet it is the publisher's own (the decoder
+    /// checked its publisher id), so it takes its place in the stream's order: the next message
+    /// is no gap, and the publisher's held samples stay.
+    #[tokio::test]
+    async fn a_message_naming_another_worker_keeps_its_place_in_the_order() {
+        let (feed, _publisher, channel, count) = ordered_feed();
         let mut order = StreamOrder::default();
         let held = |accepted: Result<Accepted, LoadEvent>| accepted.map(|a| (a.removed.len(), a.sample.is_some()));
 
@@ -339,28 +346,14 @@ mod tests {
     /// gap, counted once as what it was; one further on still is.
     #[tokio::test]
     async fn a_message_left_unread_takes_its_place_in_the_order() {
-        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        let store = SharedLoadStore::new(LoadStore::new(None));
-        store.lock().set_live_and_retain([(WorkerKey::new("dynamo", 1), 0..1)].into_iter().collect());
-        let feed = feed(&publisher, &store);
-        let events = feed.events.clone();
-        let channel = channel();
-        let message = |sequence| KvMetrics {
-            publisher_id: 0xaa,
-            sequence,
-            published_at: 0,
-            worker_id: 1,
-            dp_rank: 0,
-            load: Load { kv_used_blocks: Some(sequence), ..Load::default() },
-        };
-        let count = |label: &str| events.with_label_values(&[label]).get();
+        let (feed, _publisher, channel, count) = ordered_feed();
         let mut order = StreamOrder::default();
-        assert!(feed.accept(&channel, &mut order, message(1)).is_ok());
+        assert!(feed.accept(&channel, &mut order, message(1, 1)).is_ok());
         feed.message(&channel, &mut order, Err(Dropped::Oversized)).await;
-        assert!(feed.accept(&channel, &mut order, message(3)).is_ok());
+        assert!(feed.accept(&channel, &mut order, message(3, 1)).is_ok());
         assert_eq!((count("oversized"), count("sequence_gap")), (1, 0), "one message lost, counted once");
         feed.message(&channel, &mut order, Err(Dropped::Oversized)).await;
-        assert!(feed.accept(&channel, &mut order, message(6)).is_ok());
+        assert!(feed.accept(&channel, &mut order, message(6, 1)).is_ok());
         assert_eq!((count("oversized"), count("sequence_gap")), (2, 1), "5 never came");
     }
 
