@@ -90,7 +90,8 @@ impl Dispatcher {
         match &outcome {
             // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).
             Ok(response) if response.status().is_success() => self.health.head_arrived(name, url, now),
-            Ok(response) => self.health.record(name, url, !is_gateway_failure(response.status()), now),
+            Ok(response) if is_gateway_failure(response.status()) => self.health.failed(name, url, now),
+            Ok(_) => self.health.answered(name, url, now),
             // A buffered answer's head comes only once generation is done, so a hung worker
             // (or a long generation) looks just so: the shim's failure only if it answered
             // nothing else meanwhile, and then its alone (counted against it, a few requests
@@ -102,7 +103,7 @@ impl Dispatcher {
                     outcome = Err(SendError::ShimSilent(*after));
                 }
             }
-            Err(_) => self.health.record(name, url, false, now),
+            Err(_) => self.health.failed(name, url, now),
         }
         if let Err(error) = &outcome {
             tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");

@@ -104,8 +104,14 @@ impl Breaker {
         true
     }
 
-    pub fn on_success(&mut self) {
-        self.state = State::Closed { failures: 0 };
+    /// A whole answer other than a success (the frontend's refusal, or its failure of the
+    /// request's workers): the replica's chat path answers. Like a success's head it closes a
+    /// trial, like a success's end it starts a closed breaker's count over; like either, it
+    /// leaves an open breaker open, its cooldown whole: the request may have been sent before
+    /// the breaker opened, so it says nothing of the replica now.
+    pub fn on_answered(&mut self) {
+        self.on_head();
+        self.on_served();
     }
 
     /// A success answer's head arrived: the replica answers chat completions, so a trial
@@ -257,7 +263,7 @@ impl ShimHealth {
     pub fn exchange_ended(&self, name: &str, url: &str, served: bool) {
         let now = Instant::now();
         if !served {
-            return self.record(name, url, false, now);
+            return self.failed(name, url, now);
         }
         self.with(name, url, |r, _| {
             r.answered_at = Some(now);
@@ -284,24 +290,29 @@ impl ShimHealth {
     pub fn record_unanswered(&self, name: &str, url: &str, sent: Instant, now: Instant) -> bool {
         let answered_since = self.with(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
         if !answered_since {
-            self.record(name, url, false, now);
+            self.failed(name, url, now);
         }
         !answered_since
     }
 
-    pub fn record(&self, name: &str, url: &str, healthy: bool, now: Instant) {
+    /// A whole answer other than a success ([`Breaker::on_answered`]).
+    pub fn answered(&self, name: &str, url: &str, now: Instant) {
+        self.with(name, url, |r, _| {
+            r.answered_at = Some(now);
+            let before = r.breaker.state();
+            r.breaker.on_answered();
+            if before != r.breaker.state() {
+                tracing::info!(backend = name, ?before, "shim replica answered its trial request; breaker closed");
+            }
+        });
+    }
+
+    /// The replica failed a request (no connection, no answer, a gateway's, a body cut short).
+    pub fn failed(&self, name: &str, url: &str, now: Instant) {
         self.with(name, url, |r, settings| {
-            if healthy {
-                r.answered_at = Some(now);
-            }
-            let breaker = &mut r.breaker;
-            let before = breaker.state();
-            if healthy {
-                breaker.on_success()
-            } else {
-                breaker.on_failure(now, settings)
-            }
-            let after = breaker.state();
+            let before = r.breaker.state();
+            r.breaker.on_failure(now, settings);
+            let after = r.breaker.state();
             if before != after {
                 tracing::warn!(backend = name, ?before, ?after, "shim replica circuit breaker changed state");
             }
@@ -352,9 +363,9 @@ mod tests {
         let now = Instant::now();
         let mut breaker = Breaker::default();
         failed(&mut breaker, 2, now);
-        breaker.on_success();
+        breaker.on_answered();
         failed(&mut breaker, 2, now);
-        assert_eq!(breaker.state(), BreakerState::Closed, "a success in between resets the count");
+        assert_eq!(breaker.state(), BreakerState::Closed, "an answer in between resets the count");
         failed(&mut breaker, 1, now);
         assert_eq!(breaker.state(), BreakerState::Open);
         assert!(!breaker.admit(now + Duration::from_secs(9), &SETTINGS));
@@ -396,7 +407,7 @@ mod tests {
         assert!(breaker.admit(later, &SETTINGS), "the probe");
         assert_eq!(breaker.state(), BreakerState::HalfOpen);
         assert!(!breaker.admit(later, &SETTINGS), "only one probe at a time");
-        breaker.on_success();
+        breaker.on_answered();
         assert_eq!(breaker.state(), BreakerState::Closed);
         assert!(breaker.admit(later, &SETTINGS));
     }
@@ -434,7 +445,7 @@ mod tests {
         assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown * 10), "no breaker probe either");
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
         for _ in 0..3 {
-            health.record("shim", "http://a", false, now);
+            health.failed("shim", "http://a", now);
         }
         health.record_probe("shim", "http://a", true);
         assert!(health.usable("shim", "http://a", now), "a live answer ends the open breaker's cooldown");
@@ -442,15 +453,15 @@ mod tests {
         // One trial request, not a flood: `/live` answers whatever the chat path does.
         assert!(health.admit("shim", "http://a", now));
         assert!(!health.admit("shim", "http://a", now), "the trial is in flight");
-        health.record("shim", "http://a", true, now);
+        health.answered("shim", "http://a", now);
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
         // A failed trial opens it again, for a whole cooldown.
         for _ in 0..SETTINGS.failure_threshold {
-            health.record("shim", "http://a", false, now);
+            health.failed("shim", "http://a", now);
         }
         health.record_probe("shim", "http://a", true);
         assert!(health.admit("shim", "http://a", now));
-        health.record("shim", "http://a", false, now);
+        health.failed("shim", "http://a", now);
         assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown / 2));
         assert!(health.admit("shim", "http://a", now + SETTINGS.cooldown));
     }
@@ -467,10 +478,28 @@ mod tests {
         assert!(!health.usable("pooled", "http://a", now), "still probed, still down");
         assert!(health.usable("left", "http://a", now), "out of every pool: its own requests decide");
         for _ in 0..3 {
-            health.record("left", "http://a", false, now);
+            health.failed("left", "http://a", now);
         }
         health.clear_probes_except(|name| name == "pooled");
         assert!(!health.usable("left", "http://a", now), "its breaker stands");
+    }
+
+    /// Requests in flight as a breaker opens go on being answered: a refusal or a 500 of one of
+    /// them closes the breaker no more than a success's body ending whole does. Only the trial
+    /// request, sent after the cooldown, decides.
+    #[test]
+    fn an_answer_to_a_request_sent_before_the_breaker_opened_leaves_it_open() {
+        let health = ShimHealth::new(SETTINGS);
+        let now = Instant::now();
+        for _ in 0..SETTINGS.failure_threshold {
+            health.failed("shim", "http://a", now);
+        }
+        health.answered("shim", "http://a", now + Duration::from_secs(1));
+        assert!(!health.usable("shim", "http://a", now + Duration::from_secs(1)), "still cooling down");
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
+        assert!(health.admit("shim", "http://a", now + SETTINGS.cooldown), "the trial");
+        health.answered("shim", "http://a", now + SETTINGS.cooldown);
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
     }
 
     #[test]
@@ -478,7 +507,7 @@ mod tests {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for _ in 0..3 {
-            health.record("shim", "http://a", false, now);
+            health.failed("shim", "http://a", now);
         }
         assert!(!health.usable("shim", "http://a", now));
         assert!(health.usable("shim", "http://b", now));

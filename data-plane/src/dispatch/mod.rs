@@ -425,7 +425,7 @@ mod tests {
         let now = Instant::now();
         for name in ["pooled", "unified", "removed"] {
             for _ in 0..BreakerSettings::default().failure_threshold {
-                dispatcher.health.record(name, &format!("http://{name}:8000"), false, now);
+                dispatcher.health.failed(name, &format!("http://{name}:8000"), now);
             }
         }
         dispatcher.export_health(&config);
@@ -460,7 +460,7 @@ mod tests {
         };
         let now = Instant::now();
         for _ in 0..BreakerSettings::default().failure_threshold {
-            dispatcher.health.record("b", "http://b:8000", false, now);
+            dispatcher.health.failed("b", "http://b:8000", now);
         }
         dispatcher.export_health(&pooled(&["a", "b"]));
         assert_eq!(series(), [("a".to_string(), 0), ("b".to_string(), 2)]);
