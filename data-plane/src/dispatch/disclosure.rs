@@ -3,9 +3,10 @@
 //! The seed relays such refusals directly, and the real direct-mode frontend's are JSON objects
 //! that speak only of the client's own request. But whatever answers in its place (a proxy or
 //! an ingress in front of the frontend, a backend serving the model unpinned) may answer in
-//! HTML, or name hosts, pods and ports; and no internal address may reach a client. So a body
-//! is relayed only when it is a JSON object none of whose keys or strings looks like an
-//! address; any other refusal keeps its status and gets the router's words instead.
+//! HTML, or name hosts, pods, ports, files and workers; and no internal address may reach a
+//! client, nor a worker's id unless it asked (`x-backend`). So a body is relayed only when it
+//! is a JSON object none of whose keys or strings looks like an address, a path or a worker
+//! id; any other refusal keeps its status and gets the router's words instead.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -72,14 +73,34 @@ fn names_an_address(value: &Value) -> bool {
 /// Host names under these suffixes (and `localhost`) are a cluster's or a machine's own.
 const INTERNAL_SUFFIXES: [&str; 6] = [".local", ".internal", ".svc", ".cluster", ".lan", ".localdomain"];
 
-/// Whether `text` holds a URL, an IP address (with or without a port), a host with a port, or
-/// a host name of an internal zone. Errs toward yes: a false alarm costs the client the
-/// backend's wording, never its status.
+/// Whether `text` holds a URL, an IP address (with or without a port), a host with a port, a
+/// host name of an internal zone, an absolute file path, or what may be a worker's instance id.
+/// Errs toward yes: a false alarm costs the client the backend's wording, never its status.
 fn text_names_an_address(text: &str) -> bool {
     text.contains("://")
+        || text.split(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '`' | '(' | '[' | '=')).any(is_path)
         || text
             .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | ':' | '-' | '_' | '[' | ']' | '%')))
-            .any(token_is_address)
+            .any(|token| token_is_address(token) || is_instance_id(token))
+}
+
+/// An absolute path of two parts or more (`/models/tiny/tokenizer.json`, `~/.cache/x`).
+fn is_path(word: &str) -> bool {
+    let word = word.strip_prefix('~').unwrap_or(word);
+    word.strip_prefix('/').is_some_and(|rest| {
+        let mut parts = rest.split('/');
+        parts.next().is_some_and(|first| !first.is_empty()) && parts.next().is_some_and(|second| !second.is_empty())
+    })
+}
+
+/// Dynamo names a worker by its etcd lease id: a 64-bit number, written in decimal (up to 20
+/// digits; ids in practice have 19) or as 16 hex digits in its keys. A run of 16 or more digits
+/// is taken for one.
+fn is_instance_id(token: &str) -> bool {
+    let decimal = token.len() >= 16 && token.bytes().all(|b| b.is_ascii_digit());
+    let hex =
+        token.len() == 16 && token.bytes().all(|b| b.is_ascii_hexdigit()) && token.bytes().any(|b| b.is_ascii_digit());
+    decimal || hex
 }
 
 fn token_is_address(token: &str) -> bool {
@@ -116,7 +137,7 @@ mod tests {
     #[test]
     fn json_refusals_naming_no_address_are_relayed_and_everything_else_is_withheld() {
         use RefusalBody::*;
-        let rows: [(&str, RefusalBody); 22] = [
+        let rows: [(&str, RefusalBody); 31] = [
             // The real 1.6.1 frontend's refusal of a client's malformed body.
             (
                 r#"{"message":"Failed to deserialize the JSON body into the target type: key must be a string at line 1 column 2","type":"Bad Request","code":400}"#,
@@ -143,6 +164,17 @@ mod tests {
             (r#"{"message":"localhost said no"}"#, Withheld),
             (r#"{"detail":{"hosts":["ok","frontend-1.internal"]}}"#, Withheld),
             (r#"{"decode-0:8000":"a key names it"}"#, Withheld),
+            // A worker's id, in decimal as 1.6.1 logs it or in hex as its etcd keys do.
+            (r#"{"message":"nvext.prefill_worker_id=7668682560356784121 does not identify a known worker"}"#, Withheld),
+            (r#"{"message":"no instance 694d9a3f2d3e7f11"}"#, Withheld),
+            (r#"{"message":"max_tokens 4096 exceeds 2048 for request 1234"}"#, Relayed),
+            // Paths on the frontend's or a worker's machine.
+            (r#"{"message":"failed to read /tmp/dynpeer/tinymodel/tokenizer_config.json"}"#, Withheld),
+            (r#"{"message":"no such file: '/models/tiny'"}"#, Withheld),
+            (r#"{"message":"see ~/.cache/huggingface"}"#, Withheld),
+            (r#"{"message":"content must be text and/or image_url"}"#, Relayed),
+            (r#"{"message":"expected application/json, not text/plain"}"#, Relayed),
+            (r#"{"message":"a / on its own, or 1/2"}"#, Relayed),
         ];
         for (body, expected) in rows {
             assert_eq!(refusal_body(body.as_bytes()), expected, "{body}");
