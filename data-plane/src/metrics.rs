@@ -320,7 +320,7 @@ impl Metrics {
             backend_refusals: IntCounterVec::new(
                 Opts::new(
                     "continuum_backend_refusals_total",
-                    "Backend refusals (4xx) of a client's request passed to the client, by body: relayed as it came, unreadable, or withheld (not a JSON object, or naming an address) and explained by the router",
+                    "Backend refusals (4xx) of a client's request passed to the client, by body: relayed as it came, unreadable, or withheld (not a JSON object, or naming an address, a path or a worker id) and explained by the router",
                 ),
                 &["body"],
             )?,
