@@ -66,7 +66,9 @@ fn names_an_address(value: &Value) -> bool {
         Value::Object(fields) => {
             fields.iter().any(|(key, value)| text_names_an_address(key) || names_an_address(value))
         }
-        Value::Null | Value::Bool(_) | Value::Number(_) => false,
+        // A worker's id may come as a number too (`"decode_worker_id": 7668682560356784121`).
+        Value::Number(number) => number.as_u64().is_some_and(|n| is_instance_id(&n.to_string())),
+        Value::Null | Value::Bool(_) => false,
     }
 }
 
@@ -137,7 +139,7 @@ mod tests {
     #[test]
     fn json_refusals_naming_no_address_are_relayed_and_everything_else_is_withheld() {
         use RefusalBody::*;
-        let rows: [(&str, RefusalBody); 31] = [
+        let rows: [(&str, RefusalBody); 34] = [
             // The real 1.6.1 frontend's refusal of a client's malformed body.
             (
                 r#"{"message":"Failed to deserialize the JSON body into the target type: key must be a string at line 1 column 2","type":"Bad Request","code":400}"#,
@@ -167,6 +169,9 @@ mod tests {
             // A worker's id, in decimal as 1.6.1 logs it or in hex as its etcd keys do.
             (r#"{"message":"nvext.prefill_worker_id=7668682560356784121 does not identify a known worker"}"#, Withheld),
             (r#"{"message":"no instance 694d9a3f2d3e7f11"}"#, Withheld),
+            (r#"{"error":{"message":"bad request","decode_worker_id":7668682560356784121}}"#, Withheld),
+            (r#"{"decode_worker_id":7668682560356784121}"#, Withheld),
+            (r#"{"message":"too long","code":400,"limit":131072}"#, Relayed),
             (r#"{"message":"max_tokens 4096 exceeds 2048 for request 1234"}"#, Relayed),
             // Paths on the frontend's or a worker's machine.
             (r#"{"message":"failed to read /tmp/dynpeer/tinymodel/tokenizer_config.json"}"#, Withheld),
