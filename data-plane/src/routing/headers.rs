@@ -30,11 +30,13 @@ pub const DP_RANK: &str = "x-dynamo-dp-rank";
 /// The prefill worker's dp rank.
 pub const PREFILL_DP_RANK: &str = "x-dynamo-prefill-dp-rank";
 
-/// `nvext` request fields that choose workers or ranks, or replace the prompt the picker
-/// estimated (`token_data` skips tokenization). `worker_id` is the frontend's echo field; a
-/// client has no reason to send it. Every other `nvext` field (`extra_fields`, `agent_hints`,
-/// sampling switches) is the client's to send.
-pub const NVEXT_ROUTING_FIELDS: [&str; 9] = [
+/// `nvext` request fields that choose workers or ranks, restrict which may serve
+/// (`routing_constraints`, 1.6.1's required worker taints: the router picks, and a frontend
+/// refusing its pins for a client's constraint would read as the workers' failure), or
+/// replace the prompt the picker estimated (`token_data` skips tokenization). `worker_id` is
+/// the frontend's echo field; a client has no reason to send it. Every other `nvext` field
+/// (`extra_fields`, `agent_hints`, sampling switches) is the client's to send.
+pub const NVEXT_ROUTING_FIELDS: [&str; 10] = [
     "backend_instance_id",
     "prefill_worker_id",
     "decode_worker_id",
@@ -44,6 +46,7 @@ pub const NVEXT_ROUTING_FIELDS: [&str; 9] = [
     "data_parallel_rank",
     "token_data",
     "worker_id",
+    "routing_constraints",
 ];
 
 /// A client asks for disclosure with this request header, even blank.

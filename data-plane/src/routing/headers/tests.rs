@@ -173,7 +173,8 @@ fn body_routing_fields_are_stripped_and_other_nvext_fields_kept() {
             "every routing field",
             json!({"nvext": {"backend_instance_id": 1, "prefill_worker_id": 2, "decode_worker_id": 3, "dp_rank": 0,
                 "prefill_dp_rank": 1, "decode_dp_rank": 1, "data_parallel_rank": 1, "token_data": [1, 2, 3],
-                "worker_id": {"decode_worker_id": 3}, "greed_sampling": true}}),
+                "worker_id": {"decode_worker_id": 3}, "routing_constraints": {"required_taints": ["gpu-a"]},
+                "greed_sampling": true}}),
             json!({"nvext": {"greed_sampling": true}}),
         ),
         (
