@@ -32,7 +32,7 @@ use super::{App, Slots, Stages};
 use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
 use crate::ingress::error::ApiError;
 use crate::ingress::{MAX_REQUEST_BODY_BYTES, chat};
-use crate::memory::{Charge, FREE_BYTES, REQUEST_BODIES};
+use crate::memory::{Budget, Charge, FREE_BYTES, REQUEST_BODIES};
 
 /// A keep-alive connection with no request in progress is closed after this long.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
@@ -347,10 +347,9 @@ impl Connection {
                     return Err(Stop::Refuse(HeadError::BodyTooLarge));
                 }
                 Ok(Decoded::Data(data)) => {
-                    if !REQUEST_BODIES.grow(&mut charge, body.len() + data.len()) {
+                    if !append_charged(&mut body, &data, (&REQUEST_BODIES, &mut charge)) {
                         return Err(Stop::Refuse(HeadError::Busy));
                     }
-                    body.extend_from_slice(&data);
                 }
                 Ok(Decoded::End) => {
                     self.release_large_read_buffer(head + body.len());
@@ -573,6 +572,26 @@ impl Frames {
     }
 }
 
+/// Appends `data` to a chunked body charged in `charge`, the charge covering the room the body
+/// holds rather than the bytes in it: a vector's doubling held up to twice what was charged,
+/// and 64 uploads stalled just past a power of two held twice the budget. It doubles still
+/// (its length unknown, a body of many chunks is copied a logarithmic number of times), but
+/// never past the largest body. False, the body unchanged, when the budget has no room.
+fn append_charged(body: &mut BytesMut, data: &[u8], (budget, charge): (&'static Budget, &mut Charge)) -> bool {
+    let needed = body.len() + data.len();
+    if needed > body.capacity() {
+        let capacity = needed.max(2 * body.capacity()).min(MAX_REQUEST_BODY_BYTES.max(needed));
+        if !budget.grow(charge, capacity) {
+            return false;
+        }
+        let mut grown = BytesMut::with_capacity(capacity);
+        grown.extend_from_slice(body);
+        *body = grown;
+    }
+    body.extend_from_slice(data);
+    true
+}
+
 /// A body grown by doubling, as it will be held: one just past a power of two would hold
 /// nearly twice what it is charged, so its spare room is let go with a copy.
 fn fitted(body: BytesMut) -> Bytes {
@@ -600,6 +619,34 @@ mod tests {
         assert!(room.is_some_and(|room| room <= len + FREE_BYTES), "{room:?} held for {len}");
         let small = BytesMut::from(&b"{}"[..]);
         assert_eq!(fitted(small), Bytes::from_static(b"{}"));
+    }
+
+    #[test]
+    fn a_chunked_body_holds_no_more_room_than_it_is_charged_for() {
+        static BUDGET: Budget = Budget::new(64 << 20);
+        let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+        // Chunks of an odd size, so that the body passes each power of two by a little.
+        let chunk = [b'x'; 8191];
+        while body.len() + chunk.len() <= MAX_REQUEST_BODY_BYTES {
+            assert!(append_charged(&mut body, &chunk, (&BUDGET, &mut charge)));
+            assert!(
+                body.capacity() <= BUDGET.charged().max(FREE_BYTES),
+                "{} held, {} charged",
+                body.capacity(),
+                BUDGET.charged()
+            );
+        }
+        assert!(body.capacity() <= MAX_REQUEST_BODY_BYTES, "never past the largest body: {}", body.capacity());
+        assert!(body.iter().all(|b| *b == b'x'));
+
+        // Past the budget's room: refused, the body as it was.
+        static SMALL: Budget = Budget::new(FREE_BYTES * 2);
+        let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+        while append_charged(&mut body, &chunk, (&SMALL, &mut charge)) {}
+        assert!(body.len() <= FREE_BYTES * 2 && SMALL.charged() <= FREE_BYTES * 2);
+        let len = body.len();
+        assert!(!append_charged(&mut body, &chunk, (&SMALL, &mut charge)));
+        assert_eq!(body.len(), len);
     }
 
     /// A client that reads nothing: the first writes fill the sockets' buffers, then the
