@@ -326,6 +326,7 @@ fn backlog_to_wire(key: &LoadKey, backlog: &Backlog) -> pb::Backlog {
         prefilled_tokens: backlog.prefilled_tokens,
         last_dispatch: backlog.last_dispatch,
         foreign_prefill_tokens: backlog.foreign_prefill_tokens,
+        stalled: backlog.stalled,
     }
 }
 
@@ -342,6 +343,7 @@ fn backlog_from_wire(backlog: pb::Backlog) -> Result<(LoadKey, Backlog), DecodeE
             prefilled_tokens: backlog.prefilled_tokens,
             last_dispatch: backlog.last_dispatch,
             foreign_prefill_tokens: backlog.foreign_prefill_tokens,
+            stalled: backlog.stalled,
         },
     ))
 }
@@ -449,6 +451,24 @@ mod tests {
         let wire = pb::Worker::from(&worker);
         assert_eq!(wire.disaggregated_endpoint, None);
         assert_eq!(wire.key.map(|k| k.instance_id), Some(7), "the rest goes as it is");
+    }
+
+    /// Every field of a backlog crosses the wire, the fleet-wide stall among them.
+    #[test]
+    fn a_backlog_crosses_the_wire_whole() {
+        let key = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 1 };
+        let backlog = Backlog {
+            prefill_tokens: 100,
+            decode_blocks: 7,
+            dispatches: 2,
+            foreign_decode_blocks: Some(4),
+            ending_decode_blocks: 3,
+            prefilled_tokens: 60,
+            last_dispatch: 9,
+            foreign_prefill_tokens: Some(20),
+            stalled: true,
+        };
+        assert_eq!(backlog_from_wire(backlog_to_wire(&key, &backlog)), Ok((key, backlog)));
     }
 
     /// Picker parameters a conforming control plane never sends are refused, not used: a

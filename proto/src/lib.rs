@@ -39,6 +39,12 @@ pub const MAX_INBOUND_FLEET_MESSAGE_BYTES: usize = 4 << 20;
 /// start on every rank it pins, two at most (a prefill and a decode worker), so the control
 /// plane's book holds twice this many starts for one replica before it refuses one.
 pub const MAX_REQUESTS_IN_FLIGHT: usize = 65_536;
+/// A dispatch its rank leaves unanswered this long (no first token, no sample since) may mean
+/// a stalled engine: the seed's rule, applied by each replica to its own dispatches and by the
+/// control plane to the fleet's.
+pub const STALL_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+/// Requests of fewer blocks never mark a rank stalled: one may change nothing a sample shows.
+pub const STALL_MIN_BLOCKS: u64 = 2;
 
 /// Dispatches one report may start: a replica batches at most 512 events and never splits an
 /// operation, so twice that leaves room; a report past it is refused whole.

@@ -261,6 +261,9 @@ pub struct Backlog {
     /// `active_prefill_tokens`. When present, a rank's prefill backlog is this plus the
     /// fleet's queued `prefill_tokens`: the sample's own count of them is not added again.
     pub foreign_prefill_tokens: Option<u64>,
+    /// A dispatch of some replica has gone unanswered on the rank long enough to take it for
+    /// stalled ([`crate::STALL_AFTER`]).
+    pub stalled: bool,
 }
 
 /// Which of one replica's reported operations the fleet-wide backlogs hold: `first_op`

@@ -44,6 +44,14 @@
 //! the seed's formula counts a prefill whole until its first token, and two ranks each prefilling
 //! one prompt look alike however near one is to done (`docs/kv.md`).
 //!
+//! A rank may also be *stalled* (the seed's rule, fleet-wide): a dispatch of two blocks or more
+//! that the rank received at once (its replica says so: not the decode leg of a pair, which
+//! receives it only after the prefill) has had no first token and no sample since for
+//! [`continuum_proto::STALL_AFTER`], and less than [`DISPATCH_MAX_AGE`]. A replica sees its own
+//! dispatches' stalls at once; the book's let every replica pass over a worker that hangs on
+//! another's request. A sample received up to [`SAMPLE_LAG`] before a dispatch's report came
+//! answers it: the worker may have had the request before the book had the report.
+//!
 //! A dispatch leaves the book when it ends, when its replica disconnects, or after
 //! [`IN_FLIGHT_MAX_AGE`] (a lost end). A rank's record is removed once nothing is in flight and
 //! a sample received [`SAMPLE_LAG`] after the last end shows what the worker holds, or
@@ -291,6 +299,7 @@ impl Book {
             answer_estimated: false,
             alone: false,
             replayed,
+            may_stall: started.may_stall,
         };
         if replayed {
             self.replayed += 1;
@@ -426,8 +435,9 @@ impl Book {
             } else if rank.dispatches.is_empty() {
                 mark(&mut self.dirty, key, rank);
             }
-            // Dispatches become "ending", and prefills progress, with time alone.
-            if rank.refresh_timed(now, walk) {
+            // Dispatches become "ending", prefills progress, and ranks stall, with time alone;
+            // a sample clears a stall at once, not at the rank's pace.
+            if rank.refresh_timed(now, walk) | rank.restall(received_at, now) {
                 mark(&mut self.dirty, key, rank);
             }
             // A worker removed and added again comes back without the backlog published for

@@ -7,9 +7,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use continuum_proto::MAX_REPORTED_PREFILL_TOKENS;
 use continuum_proto::model::LoadKey;
 use continuum_proto::view::FleetView;
+use continuum_proto::{MAX_REPORTED_PREFILL_TOKENS, STALL_MIN_BLOCKS};
 
 use crate::fleet::{DispatchReporter, InFlight, MAX_REPLAYED_HASHES, Report};
 use crate::routing::picker::{
@@ -88,6 +88,10 @@ impl DispatchEnd {
             if buffered {
                 // The leg whose prompt waits on a first token; the decode leg of a pair has none.
                 report.buffered(prefill.unwrap_or(decode));
+            }
+            if blocks >= STALL_MIN_BLOCKS {
+                // As the ledger counts stalls: on the rank that receives the request at once.
+                report.may_stall(prefill.unwrap_or(decode));
             }
             // The ledger's legs, prefill rank's first, keep their report ids for a replay.
             let legs = match prefill {
@@ -409,6 +413,45 @@ mod tests {
         let ids = ledger.dispatches_before(u64::MAX);
         let (_, replayed) = ledger.replay_legs(&ids, usize::MAX, 1000, u64::MAX, Instant::now());
         let flags: Vec<bool> = replayed.iter().map(|leg| leg.buffered).collect();
+        assert_eq!(flags, [true, false, true, false], "a replay says it again");
+    }
+
+    /// The leg that receives the request at once (an aggregated rank, or a pair's prefill rank)
+    /// may stall its rank when the request has two blocks or more, for the control plane to
+    /// apply the stall rule fleet-wide; the decode leg of a pair never does. A replay says so
+    /// again until the first token answers it.
+    #[tokio::test]
+    async fn the_leg_that_receives_a_request_of_two_blocks_at_once_is_reported_as_able_to_stall() {
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let mut rx = reporter.attached_receiver().expect("receiver");
+        let ledger = Arc::new(DispatchLedger::new());
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let paired =
+            Selection { prefill: Some(Pin { worker: WorkerKey::new("dynamo", 1), dp_rank: None }), ..aggregated() };
+        let mut may_stall = |selection: &Selection, prompt_tokens| {
+            let end = DispatchEnd::record(
+                &ledger,
+                &reporter,
+                &view,
+                selection,
+                prompt_tokens,
+                &PromptChain::default(),
+                false,
+            );
+            let first = rx.try_recv().expect("an operation");
+            let flags: Vec<bool> = batch(first, &mut rx).started.iter().map(|s| s.may_stall).collect();
+            (end, flags)
+        };
+        let (_paired, flags) = may_stall(&paired, 160);
+        assert_eq!(flags, [true, false], "the prefill worker's leg; the decode leg receives it after the prefill");
+        let (_aggregated, flags) = may_stall(&aggregated(), 32);
+        assert_eq!(flags, [true]);
+        let (_small, flags) = may_stall(&aggregated(), 16);
+        assert_eq!(flags, [false], "one block");
+
+        let ids = ledger.dispatches_before(u64::MAX);
+        let (_, replayed) = ledger.replay_legs(&ids, usize::MAX, 1000, u64::MAX, Instant::now());
+        let flags: Vec<bool> = replayed.iter().map(|leg| leg.may_stall).collect();
         assert_eq!(flags, [true, false, true, false], "a replay says it again");
     }
 

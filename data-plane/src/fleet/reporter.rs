@@ -82,6 +82,8 @@ enum DispatchEvent {
         replayed_age_ms: Option<u64>,
         /// Its client takes the answer whole: no first token will be reported.
         buffered: bool,
+        /// Left unanswered, it may mark its rank stalled fleet-wide.
+        may_stall: bool,
     },
     Ended(u64),
     Prefilled(u64),
@@ -205,6 +207,7 @@ impl Report<'_> {
             lookup: 0,
             replayed_age_ms: Some(u64::try_from(leg.age.as_millis()).unwrap_or(u64::MAX)),
             buffered: leg.buffered,
+            may_stall: leg.may_stall,
         });
         if leg.answered {
             self.events.push(DispatchEvent::Prefilled(leg.report));
@@ -234,6 +237,7 @@ impl Report<'_> {
             lookup: 0,
             replayed_age_ms: None,
             buffered: false,
+            may_stall: false,
         });
         id
     }
@@ -253,6 +257,14 @@ impl Report<'_> {
     pub fn buffered(&mut self, id: u64) {
         if let Some(DispatchEvent::Started { buffered, .. }) = self.started_event(id) {
             *buffered = true;
+        }
+    }
+
+    /// Dispatch `id`, started in this operation, reaches its rank at once and is large enough
+    /// to stall it ([`pb::DispatchStarted::may_stall`]).
+    pub fn may_stall(&mut self, id: u64) {
+        if let Some(DispatchEvent::Started { may_stall, .. }) = self.started_event(id) {
+            *may_stall = true;
         }
     }
 
@@ -406,6 +418,7 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
                     lookup,
                     replayed_age_ms,
                     buffered,
+                    may_stall,
                 } => {
                     if block_hashes.len() > hashes_left {
                         block_hashes = Vec::new();
@@ -424,6 +437,7 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
                         after_prefilled: u32::try_from(report.prefilled.len()).unwrap_or(u32::MAX),
                         after_ended: u32::try_from(report.ended.len()).unwrap_or(u32::MAX),
                         buffered,
+                        may_stall,
                     });
                 }
                 DispatchEvent::Ended(id) => report.ended.push(id),

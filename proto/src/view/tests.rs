@@ -168,6 +168,7 @@ fn removing_a_worker_drops_its_backlog() {
         prefilled_tokens: 60,
         foreign_prefill_tokens: Some(20),
         last_dispatch: 9,
+        stalled: true,
     };
     let view = FleetView::default()
         .apply(&FleetDelta { upserted: vec![worker(1, 1)], backlogs: vec![(load_key(1, 0), backlog)], ..delta(0) })

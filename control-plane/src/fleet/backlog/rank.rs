@@ -2,10 +2,12 @@
 //! book publishes for it and the times it learns (see the module above for what they mean).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Bound::{Excluded, Unbounded};
 use std::sync::Arc;
 use std::time::Instant;
 
 use continuum_kv_index::RankKey;
+use continuum_proto::STALL_AFTER;
 use continuum_proto::fast_hash::{SeededMap, shrink_when_sparse};
 use continuum_proto::model::{Backlog, Load, LoadKey, Worker};
 
@@ -50,6 +52,8 @@ pub(super) struct Dispatch {
     /// Reported again on a new stream ([`pb::DispatchStarted::replayed`]): its times are not
     /// the rank's to learn from.
     pub(super) replayed: bool,
+    /// Left unanswered, it may mark the rank stalled ([`pb::DispatchStarted::may_stall`]).
+    pub(super) may_stall: bool,
 }
 
 impl Dispatch {
@@ -171,6 +175,11 @@ pub(super) struct Rank {
     pub(super) last_dispatch: u64,
     /// Before this, no walk over the rank's dispatches ([`WALK_BUDGET`]).
     pub(super) walk_after: Option<Instant>,
+    /// The dispatches that may stall the rank ([`Dispatch::may_stall`]) and have had no first
+    /// token, in dispatch order: a stall is the first of them no sample has answered.
+    pub(super) stallable: BTreeSet<Queued>,
+    /// Whether one of them has gone unanswered long enough, as of the last [`Rank::restall`].
+    pub(super) stalled: bool,
 }
 
 impl Rank {
@@ -207,6 +216,8 @@ impl Rank {
             last_answered: None,
             last_dispatch: 0,
             walk_after: None,
+            stallable: BTreeSet::new(),
+            stalled: false,
         };
         rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
         rank
@@ -219,6 +230,7 @@ impl Rank {
             decode_blocks: self.active,
             ending_decode_blocks: self.ending.min(self.active),
             last_dispatch: self.last_dispatch,
+            stalled: self.stalled,
             ..Backlog::default()
         };
         backlog.prefill_tokens = self.prefill_queue.tokens();
@@ -255,6 +267,9 @@ impl Rank {
         }
         if dispatch.awaits_estimate() {
             self.awaiting_estimate.insert((dispatch.at, id));
+        }
+        if dispatch.may_stall {
+            self.stallable.insert((dispatch.at, id));
         }
         self.dispatches.insert(id, dispatch);
     }
@@ -294,6 +309,8 @@ impl Rank {
         let Some(dispatch) = self.dispatches.get_mut(&id) else { return };
         let tokens = dispatch.prefill_tokens();
         let dispatched = dispatch.at;
+        // The worker answered it: it stalls nothing now, whatever the samples say.
+        self.stallable.remove(&(dispatched, id));
         if dispatch.answered.is_none() {
             // A buffered dispatch is not expected to be answered; if it is, the report wins.
             self.prefill_queue.remove(&(dispatched, id));
@@ -320,6 +337,24 @@ impl Rank {
                 self.estimated(earlier, at);
             }
         }
+    }
+
+    /// Whether the rank is stalled at `now`, its newest sample received at `sampled_at` (the
+    /// seed's rule, fleet-wide): one of its stallable dispatches has waited [`STALL_AFTER`]
+    /// unanswered, and less than [`DISPATCH_MAX_AGE`]. A sample answers the dispatches reported
+    /// up to [`SAMPLE_LAG`] after it arrived: the report of a dispatch reaches the book after the
+    /// request itself may have reached the worker, and the worker's sample the book before it.
+    /// A stall the lag hides is still its replica's to see. Whether that changed.
+    pub(super) fn restall(&mut self, sampled_at: Option<Instant>, now: Instant) -> bool {
+        let answered_until = sampled_at.and_then(|at| at.checked_add(SAMPLE_LAG));
+        let from = answered_until.into_iter().chain(now.checked_sub(DISPATCH_MAX_AGE)).max();
+        // The first dispatched after `from`, without a walk over those answered before it.
+        let first = match from {
+            Some(from) => self.stallable.range((Excluded((from, (u64::MAX, u64::MAX))), Unbounded)).next(),
+            None => self.stallable.first(),
+        };
+        let stalled = first.is_some_and(|(at, _)| now.saturating_duration_since(*at) >= STALL_AFTER);
+        std::mem::replace(&mut self.stalled, stalled) != stalled
     }
 
     /// Whether the rank's dispatches may be walked at `now` ([`WALK_BUDGET`]); if so, when
@@ -466,6 +501,7 @@ impl Rank {
         shrink_when_sparse(&mut self.dispatches);
         self.prefill_queue.remove(&(dispatch.at, id));
         self.awaiting_estimate.remove(&(dispatch.at, id));
+        self.stallable.remove(&(dispatch.at, id));
         let freed = active.remove(rank, &dispatch.block_hashes, dispatch.decode_blocks);
         self.active = self.active.saturating_sub(freed);
         Some((dispatch, freed))

@@ -1,5 +1,6 @@
 use std::time::{Duration, Instant};
 
+use continuum_proto::STALL_AFTER;
 use continuum_proto::model::{Capacity, DataPlaneConfig, Load, LoadSample, Worker, WorkerKey};
 
 use prometheus::IntCounter;
@@ -1148,4 +1149,53 @@ fn a_flooded_rank_is_walked_at_its_pace() {
     book.expire(&state, t0);
     book.expire(&shown, received);
     assert_eq!(sampled_at(&book), Some(received));
+}
+
+/// Whether rank 0's published backlog says stalled after a publish check at `at`.
+fn stalled(book: &mut Book, state: &FleetState, at: Instant) -> bool {
+    book.expire(state, at);
+    book.take_change(at);
+    book.ranks.get(&book_key(0)).is_some_and(|r| r.backlog().stalled)
+}
+
+/// The seed's stall, fleet-wide: a dispatch any replica reported as able to stall its rank,
+/// left unanswered (no first token, no sample since) for 5 s, marks the rank stalled for every
+/// replica, until a sample, its first token, its end, or 30 s.
+#[test]
+fn a_dispatch_left_unanswered_stalls_its_rank_for_every_replica_until_an_answer() {
+    let t0 = Instant::now();
+    let state = sampled(&state_with(0), 0, 3, t0);
+    let stallable = |id| pb::DispatchStarted { may_stall: true, ..started(id, 0, 160) };
+    let mut book = Book::default();
+    // A pair's decode leg (not stallable) never stalls its rank, however long it waits.
+    book.report(1, report(vec![started(1, 0, 160)], vec![]), t0 + SAMPLE_LAG * 2, &state);
+    assert!(!stalled(&mut book, &state, t0 + SAMPLE_LAG * 2 + STALL_AFTER * 2));
+
+    let sent = t0 + Duration::from_secs(20);
+    book.report(2, report(vec![stallable(1)], vec![]), sent, &state);
+    assert!(!stalled(&mut book, &state, sent + STALL_AFTER - Duration::from_millis(1)));
+    assert!(stalled(&mut book, &state, sent + STALL_AFTER), "5 s unanswered");
+    // A sample answers it.
+    let answered = sampled(&state, 0, 13, sent + STALL_AFTER + Duration::from_millis(10));
+    assert!(!stalled(&mut book, &answered, sent + STALL_AFTER + Duration::from_millis(10)));
+
+    // Its first token answers it too, and its end; so does a sample received shortly before its
+    // report came (the worker may have had the request before the book had its report).
+    let later = sent + Duration::from_secs(10);
+    book.report(2, report(vec![stallable(2), stallable(3)], vec![]), later, &answered);
+    assert!(stalled(&mut book, &answered, later + STALL_AFTER));
+    book.report(2, first_token(2), later + STALL_AFTER, &answered);
+    assert!(stalled(&mut book, &answered, later + STALL_AFTER), "3 is still unanswered");
+    book.report(2, report(vec![], vec![3]), later + STALL_AFTER, &answered);
+    assert!(!stalled(&mut book, &answered, later + STALL_AFTER));
+    let lagging = later + Duration::from_secs(10);
+    let just_before = sampled(&answered, 0, 20, lagging - SAMPLE_LAG / 2);
+    book.report(3, report(vec![stallable(1)], vec![]), lagging, &just_before);
+    assert!(!stalled(&mut book, &just_before, lagging + STALL_AFTER * 2), "its sample came just before its report");
+
+    // Unanswered past 30 s, a dispatch no longer says anything of its rank.
+    let last = lagging + Duration::from_secs(1);
+    book.report(3, report(vec![stallable(2)], vec![]), last, &just_before);
+    assert!(stalled(&mut book, &just_before, last + STALL_AFTER));
+    assert!(!stalled(&mut book, &just_before, last + DISPATCH_MAX_AGE));
 }

@@ -38,10 +38,7 @@ pub use replay::{Recorded, ReplayedLeg};
 
 /// A dispatch adds to its ranks' backlog at most this long.
 pub const UNANSWERED_FOR: Duration = Duration::from_secs(30);
-/// A dispatch unanswered this long may mean a stalled engine.
-pub const STALL_AFTER: Duration = Duration::from_secs(5);
-/// Smaller dispatches never mark a rank stalled.
-pub const STALL_MIN_BLOCKS: u64 = 2;
+pub use continuum_proto::{STALL_AFTER, STALL_MIN_BLOCKS};
 /// Dispatches held at once; further ones are refused (counted) rather than growing memory.
 pub const LEDGER_CAPACITY: usize = continuum_proto::MAX_REQUESTS_IN_FLIGHT;
 /// Block size assumed for a worker whose card declares none (Dynamo's and vLLM's default).
@@ -173,8 +170,8 @@ impl RankBacklog {
     /// instead would drop dispatches: a rank with one of this replica's prompts queued and
     /// another replica's in the sums would count one, not two, until the sums caught up, so a
     /// burst through several replicas would stack its prompts on one worker. Untold, each
-    /// field takes the larger. Stalls stay local: only this replica knows which of its
-    /// dispatches are a pair's decode leg.
+    /// field takes the larger. A rank is stalled when either says so: the control plane sees
+    /// every replica's dispatches, this replica its own at once.
     pub fn with_fleet(self, fleet: Option<&Backlog>) -> Self {
         let Some(fleet) = fleet else {
             return self;
@@ -210,7 +207,7 @@ impl RankBacklog {
             ending_decode_blocks,
             prefilled_tokens,
             since_fleet: None,
-            stalled: self.stalled,
+            stalled: self.stalled || fleet.stalled,
             last_dispatch: self.last_dispatch.max(LastDispatch::Folded(fleet.last_dispatch)),
         }
     }

@@ -323,6 +323,20 @@ fn a_stalled_worker_is_passed_over_while_another_has_a_cost() {
     assert_eq!(decode_ids(&picker_stale, &quiet, 1), [1], "stalled, and still its turn");
 }
 
+/// The control plane's stall, from another replica's dispatch this replica never saw: passed
+/// over as its own would be, and ignored as its own would be without a fresh sample anywhere.
+#[test]
+fn a_worker_the_fleet_says_is_stalled_is_passed_over_while_another_has_a_cost() {
+    let mut fleet =
+        Fleet::new([agg(1), agg(2)]).used(1, 0, 0, STALL_AFTER + FRESH).used(2, 0, 500, STALL_AFTER + FRESH);
+    fleet.max_staleness = Duration::from_secs(10);
+    assert_eq!(decode_ids(&picker(), &fleet, 2), [1, 1], "the idle worker, while no replica's dispatch waits on it");
+    let stalled = fleet.fleet_backlog(1, 0, Backlog { stalled: true, dispatches: 1, ..Backlog::default() });
+    assert_eq!(decode_ids(&picker(), &stalled, 2), [2, 2]);
+    let quiet = Fleet { loads: Vec::new(), max_staleness: Duration::from_secs(3), ..stalled };
+    assert!(decode_ids(&picker(), &quiet, 4).contains(&1), "no fresh sample anywhere: the stall is ignored");
+}
+
 /// The stall rule in the prefill phase: prompts unanswered on a prefill worker for the stall
 /// age take it out while another prefill worker has a cost, however little it has queued.
 #[test]

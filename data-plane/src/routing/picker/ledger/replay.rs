@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::LoadKey;
+use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, STALL_MIN_BLOCKS};
 
 use super::{DispatchId, DispatchLedger, Leg, NOT_REPORTED, Rank, SinceFleet};
 
@@ -44,6 +44,8 @@ pub struct ReplayedLeg {
     pub answered: bool,
     /// Its client takes the answer whole: no first token will be reported.
     pub buffered: bool,
+    /// Left unanswered, it may mark its rank stalled, as when it was first reported.
+    pub may_stall: bool,
 }
 
 impl DispatchLedger {
@@ -134,6 +136,7 @@ impl Rank {
             age: now.saturating_duration_since(leg.at),
             answered: leg.answered,
             buffered: leg.buffered,
+            may_stall: leg.stall_blocks >= STALL_MIN_BLOCKS,
         };
         let started =
             SinceFleet { decode_started: leg.added, prefill_started: leg.prefill_tokens, ..Default::default() };
