@@ -180,6 +180,9 @@ pub(super) struct Rank {
     pub(super) stallable: BTreeSet<Queued>,
     /// Whether one of them has gone unanswered long enough, as of the last [`Rank::restall`].
     pub(super) stalled: bool,
+    /// When the newest sample the stall was judged against arrived: a sample the view drops
+    /// later (a sequence gap, a resubscription) answered the dispatches before it all the same.
+    pub(super) heard_at: Option<Instant>,
 }
 
 impl Rank {
@@ -218,6 +221,7 @@ impl Rank {
             walk_after: None,
             stallable: BTreeSet::new(),
             stalled: false,
+            heard_at: None,
         };
         rank.sampled(sample.map(|s| s.received_at), sample.map(|s| &s.load));
         rank
@@ -346,7 +350,8 @@ impl Rank {
     /// request itself may have reached the worker, and the worker's sample the book before it.
     /// A stall the lag hides is still its replica's to see. Whether that changed.
     pub(super) fn restall(&mut self, sampled_at: Option<Instant>, now: Instant) -> bool {
-        let answered_until = sampled_at.and_then(|at| at.checked_add(SAMPLE_LAG));
+        self.heard_at = self.heard_at.max(sampled_at);
+        let answered_until = self.heard_at.and_then(|at| at.checked_add(SAMPLE_LAG));
         let from = answered_until.into_iter().chain(now.checked_sub(DISPATCH_MAX_AGE)).max();
         // The first dispatched after `from`, without a walk over those answered before it.
         let first = match from {

@@ -1175,9 +1175,12 @@ fn a_dispatch_left_unanswered_stalls_its_rank_for_every_replica_until_an_answer(
     book.report(2, report(vec![stallable(1)], vec![]), sent, &state);
     assert!(!stalled(&mut book, &state, sent + STALL_AFTER - Duration::from_millis(1)));
     assert!(stalled(&mut book, &state, sent + STALL_AFTER), "5 s unanswered");
-    // A sample answers it.
+    // A sample answers it, and still has once the view drops it (a sequence gap).
     let answered = sampled(&state, 0, 13, sent + STALL_AFTER + Duration::from_millis(10));
     assert!(!stalled(&mut book, &answered, sent + STALL_AFTER + Duration::from_millis(10)));
+    let dropped = answered.commit(FleetChange { loads_removed: vec![rank(0)], ..FleetChange::default() });
+    let Some((dropped, _)) = dropped else { panic!("dropping a sample is a change") };
+    assert!(!stalled(&mut book, &dropped, sent + STALL_AFTER * 2), "answered before it was dropped");
 
     // Its first token answers it too, and its end; so does a sample received shortly before its
     // report came (the worker may have had the request before the book had its report).

@@ -292,6 +292,10 @@ struct Rank {
     /// The newest leg's recording (operation, time), kept after it ends for as long as the
     /// rank is: a request may end before the fleet's sums hold its start.
     newest: Option<(u64, Instant)>,
+    /// When the newest sample the rank's legs were judged against arrived. A sample the
+    /// control plane drops later (a sequence gap, a resubscription) did answer the legs before
+    /// it: without this, each would count as unanswered again, and stall the rank.
+    heard_at: Option<Instant>,
 }
 
 /// The load of legs whose recording was never reported (its operation found the report queue
@@ -684,9 +688,11 @@ impl State {
     fn backlog(&mut self, key: &LoadKey, sampled_at: Option<Instant>, now: Instant) -> RankBacklog {
         self.expire(key, now);
         let mut backlog = RankBacklog::default();
-        let Some(rank) = self.ranks.get(key) else {
+        let Some(rank) = self.ranks.get_mut(key) else {
             return backlog;
         };
+        rank.heard_at = rank.heard_at.max(sampled_at);
+        let sampled_at = rank.heard_at;
         // Every leg is younger than the stall age and no sample answers any: the sums are it.
         if let Some(oldest) = rank.oldest
             && now.saturating_duration_since(oldest) < STALL_AFTER

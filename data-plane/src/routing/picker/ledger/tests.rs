@@ -230,7 +230,14 @@ fn prompt_tokens_load_the_prefilling_rank_until_the_response_begins() {
     ledger.prefilled(aggregated, t0, op());
     ledger.prefilled(paired, t0, op());
     ledger.prefilled(paired, t0, op());
-    assert_eq!(backlog(&ledger, key(1, 0), None, t0), rank(0, 4, false), "its blocks stay until it ends");
+    // Answered by the sample above (which a dropped sample does not undo), its blocks are in
+    // flight still: until it ends.
+    let aggregated = backlog(&ledger, key(1, 0), None, t0);
+    assert_eq!(
+        (aggregated.prefill_tokens, aggregated.in_flight_decode_blocks),
+        (0, 4),
+        "its blocks stay until it ends"
+    );
     assert_eq!(backlog(&ledger, key(3, 0), None, t0), rank(0, 0, false));
 }
 
@@ -300,6 +307,25 @@ fn stall_rules() {
         let aged_out = t0 + UNANSWERED_FOR;
         assert!(!backlog(&ledger, rank_key.clone(), sampled_at, aged_out).stalled, "{name}: aged out");
     }
+}
+
+/// A sample the control plane later drops (a sequence gap, a resubscription) answered the
+/// dispatches before it all the same: they neither stall the rank nor count as unanswered again.
+#[test]
+fn a_sample_dropped_after_it_answered_a_dispatch_still_answered_it() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    ledger.record(&alone(pin(1, None)), 64, 16, &[], t0, op());
+    let heard = Some(t0 + Duration::from_millis(50));
+    let answered = backlog(&ledger, key(1, 0), heard, t0 + Duration::from_secs(1));
+    assert_eq!(answered.decode_blocks, 0, "answered: its blocks are the sample's");
+    let dropped = backlog(&ledger, key(1, 0), None, t0 + STALL_AFTER + Duration::from_secs(1));
+    assert!(!dropped.stalled, "the rank answered it");
+    assert_eq!(dropped.decode_blocks, 0);
+    // A dispatch after that sample is unanswered, and stalls.
+    let t1 = t0 + Duration::from_secs(2);
+    ledger.record(&alone(pin(1, None)), 64, 16, &[], t1, op());
+    assert!(backlog(&ledger, key(1, 0), None, t1 + STALL_AFTER).stalled);
 }
 
 /// What became of a dispatch in [`stall_rules`].
