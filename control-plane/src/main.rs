@@ -59,6 +59,11 @@ async fn main() -> ExitCode {
         Some(Command::Config { action: ConfigAction::Validate { file } }) => validate(&file),
         Some(Command::Config { action: ConfigAction::Show { file } }) => show(&file),
         None => {
+            // Subscriptions (up to 1,024 of loads and as many of kv events) and replica streams
+            // are descriptors each.
+            if let (open_files, Some(error)) = continuum_proto::os::raise_open_file_limit() {
+                tracing::warn!(%error, open_files, "could not raise the open-file limit to its hard limit");
+            }
             let listen = ListenOverrides { grpc: args.grpc_listen, admin: args.admin_listen };
             run(args.config.as_deref(), listen, args.simulator_shim_listen).await
         }

@@ -61,6 +61,9 @@ pub struct Metrics {
     pub kv_term_seconds: HistogramVec,
     /// Client connections open.
     pub http_connections: IntGauge,
+    /// `continuum_http_connection_capacity`: client connections served at once at most, as
+    /// the open-file limit allows.
+    pub http_connection_capacity: IntGauge,
     /// Bytes charged to the process-wide body budgets, by `budget` (request, answer): read at
     /// each scrape from [`crate::memory`].
     body_bytes_held: IntGaugeVec,
@@ -280,6 +283,10 @@ impl Metrics {
                 &["stage"],
             )?,
             http_connections: IntGauge::new("continuum_http_connections", "Client connections open")?,
+            http_connection_capacity: IntGauge::new(
+                "continuum_http_connection_capacity",
+                "Client connections served at once at most: 16,384, or fewer when the open-file limit leaves room for fewer",
+            )?,
             body_bytes_held: IntGaugeVec::new(
                 Opts::new(
                     "continuum_body_bytes_held",
@@ -362,6 +369,7 @@ impl Metrics {
             Box::new(metrics.chat_refusals.clone()),
             Box::new(metrics.unpinned_stream_failures.clone()),
             Box::new(metrics.http_connections.clone()),
+            Box::new(metrics.http_connection_capacity.clone()),
             Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),
             Box::new(metrics.http_connections_shed.clone()),

@@ -7,6 +7,7 @@ pub mod active;
 pub mod convert;
 pub mod fast_hash;
 pub mod model;
+pub mod os;
 pub mod view;
 
 /// Generated `continuum.fleet.v1` messages, client and server.

@@ -76,10 +76,38 @@ pub struct Stages {
     pub cut: CancellationToken,
 }
 
+/// Descriptors kept for all but client connections and their shim connections: the listener,
+/// the fleet stream, liveness probes, artifact reads.
+const RESERVED_DESCRIPTORS: u64 = 256;
+
+/// The client connections an open-file limit (`None`: unlimited) leaves room for: each may
+/// hold a shim connection beside its own while its request is dispatched, so half of what the
+/// reserve leaves, and at most [`MAX_CONNECTIONS`]. A cap past the limit would never be
+/// reached: accepting would fail for want of descriptors instead, and dispatches with it, while
+/// connections idle for their whole timeout since the server never looks crowded.
+pub fn connection_cap(open_files: Option<u64>) -> usize {
+    let room = open_files.map_or(u64::MAX, |limit| limit.saturating_sub(RESERVED_DESCRIPTORS) / 2);
+    usize::try_from(room).unwrap_or(usize::MAX).clamp(1, MAX_CONNECTIONS)
+}
+
 /// Accepts connections until `stages.closing`, then waits for the ones open to finish their
-/// current request (idle ones close at once), or for `stages.cut`.
+/// current request (idle ones close at once), or for `stages.cut`. The open-file limit is raised
+/// as far as it goes, and bounds the connections served at once ([`connection_cap`]).
 pub async fn serve(listener: TcpListener, app: App, stages: Stages) {
-    serve_at_most(listener, app, stages, MAX_CONNECTIONS).await;
+    let (open_files, refused) = continuum_proto::os::raise_open_file_limit();
+    if let Some(error) = refused {
+        tracing::warn!(%error, "could not raise the open-file limit to its hard limit");
+    }
+    let capacity = connection_cap(open_files);
+    if capacity < MAX_CONNECTIONS {
+        tracing::warn!(
+            open_files,
+            capacity,
+            "the open-file limit leaves room for fewer client connections than {MAX_CONNECTIONS}; raise it (ulimit -n, LimitNOFILE) to serve more"
+        );
+    }
+    app.state.metrics.http_connection_capacity.set(i64::try_from(capacity).unwrap_or(i64::MAX));
+    serve_at_most(listener, app, stages, capacity).await;
 }
 
 /// [`serve`], with `capacity` connections at once.
@@ -147,6 +175,14 @@ mod tests {
     use super::*;
     use crate::http::{self, AppState};
     use crate::server::conn::CROWDED_IDLE_TIMEOUT;
+
+    #[test]
+    fn the_open_file_limit_bounds_the_connections_served_at_once() {
+        assert_eq!(connection_cap(None), MAX_CONNECTIONS);
+        assert_eq!(connection_cap(Some(1 << 20)), MAX_CONNECTIONS);
+        assert_eq!(connection_cap(Some(1024)), 384, "a shim connection beside each, 256 kept for the rest");
+        assert_eq!(connection_cap(Some(100)), 1, "never none");
+    }
 
     /// With nearly every slot held, a connection waiting idle waits only briefly: a new client
     /// gets the slot of the one that went idle last, while those idle before the crowding keep
