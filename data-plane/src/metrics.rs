@@ -73,6 +73,9 @@ pub struct Metrics {
     /// `continuum_http_connections_shed_total`: idle connections closed because every
     /// connection slot was taken.
     pub http_connections_shed: IntCounter,
+    /// `continuum_http_requests_abandoned_total`: requests whose client closed its connection
+    /// before their answer's head (nginx logs them as 499).
+    http_requests_abandoned: IntCounter,
     /// Backend refusals of a client's request (4xx) passed to the client, by what became of
     /// their `body` ([`RefusalBody`]).
     backend_refusals: IntCounterVec,
@@ -298,6 +301,10 @@ impl Metrics {
                 "continuum_http_connections_shed_total",
                 "Idle client connections (keep-alive between requests, or opened and silent) closed because every connection slot was taken",
             )?,
+            http_requests_abandoned: IntCounter::new(
+                "continuum_http_requests_abandoned_total",
+                "Requests whose client closed its connection before their answer's head (nginx's 499); their dispatch was ended",
+            )?,
             http_write_stalls: IntCounter::new(
                 "continuum_http_write_stalls_total",
                 format!(
@@ -373,6 +380,7 @@ impl Metrics {
             Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),
             Box::new(metrics.http_connections_shed.clone()),
+            Box::new(metrics.http_requests_abandoned.clone()),
             Box::new(metrics.selections.clone()),
             Box::new(metrics.kv_selections.clone()),
             Box::new(metrics.kv_artifacts.clone()),
@@ -400,6 +408,11 @@ impl Metrics {
     /// Counts a connection dropped because its client stopped reading a response.
     pub fn write_stalled(&self) {
         self.http_write_stalls.inc();
+    }
+
+    /// Counts a request its client left before its answer's head.
+    pub fn abandoned(&self) {
+        self.http_requests_abandoned.inc();
     }
 
     /// Counts an idle connection closed to free its slot.

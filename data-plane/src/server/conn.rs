@@ -126,7 +126,9 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
             }
         };
         let (asked_keep_alive, head_only, version) = (head.keep_alive, head.method == Method::HEAD, head.version);
-        let Some(response) = conn.until_client_leaves(app.respond(head, body)).await else { return };
+        let Some(response) = conn.until_client_leaves(app.respond(head, body)).await else {
+            return app.state.metrics.abandoned();
+        };
         // A draining replica answers, and asks the client to go elsewhere for the next request.
         let keep_alive = asked_keep_alive && !stages.draining.is_cancelled();
         // The dispatch, which kept the body for a retry, is done with it: a stream's answer

@@ -312,6 +312,33 @@ async fn a_worker_whose_buffered_answers_never_come_is_skipped_and_the_shim_stay
     Ok(())
 }
 
+/// A client that gives up before its answer's head (its worker hung) ends the dispatch at once,
+/// and is counted as nginx would log a 499.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_its_answer_ends_its_dispatch_and_is_counted() -> anyhow::Result<()> {
+    const HUNG: u64 = 0x5eed_0003;
+    let shim = StubShim::start().await?;
+    shim.hang_worker(HUNG);
+    let harness =
+        Harness::start(vec![worker(HUNG, Role::Aggregated, MODEL, 0)], config(&[("shim", shim.url())])).await?;
+    let mut received = shim.count();
+    let body = chat(MODEL, false);
+    let waiting = harness.post(&body);
+    let gave_up = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::select! {
+            _ = waiting => false,
+            _ = received.wait_for(|n| *n == 1) => true,
+        }
+    });
+    assert!(gave_up.await?, "the request reached the shim and waits on its hung worker");
+    let ledger = &harness.replica.ledger;
+    eventually(Duration::from_secs(10), "the abandoned dispatch to end", || async { ledger.is_empty() }).await?;
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, "continuum_http_requests_abandoned_total"), Some(1.0));
+    harness.stop().await;
+    Ok(())
+}
+
 /// Unpinned requests (disaggregated serving off) follow the same rule: long generations timing
 /// out together say nothing against a backend that answered other requests meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
