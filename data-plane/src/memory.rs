@@ -53,6 +53,19 @@ impl Budget {
         true
     }
 
+    /// Gives back what `charge` holds beyond a body now `bytes` long (one that let go of its
+    /// spare room).
+    pub fn shrink(charge: &mut Charge, bytes: usize) {
+        let wanted = chargeable(bytes).map_or(0, |w| usize::try_from(w).unwrap_or(usize::MAX));
+        if let Some(permit) = &mut charge.0 {
+            let excess = permit.num_permits().saturating_sub(wanted);
+            drop(permit.split(excess));
+            if permit.num_permits() == 0 {
+                charge.0 = None;
+            }
+        }
+    }
+
     /// Whether a body of `bytes` would find room now (it may not when it comes: others grow).
     pub fn has_room(&self, bytes: usize) -> bool {
         chargeable(bytes).is_none_or(|wanted| usize::try_from(wanted).is_ok_and(|w| w <= self.room.available_permits()))

@@ -89,9 +89,9 @@ impl Dispatcher {
         let (name, url, now) = (&replica.name, &replica.url, Instant::now());
         match &outcome {
             // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).
-            Ok(response) if response.status().is_success() => self.health.head_arrived(name, url, now),
+            Ok(response) if response.status().is_success() => self.health.head_arrived(name, url, (sent, now)),
             Ok(response) if is_gateway_failure(response.status()) => self.health.failed(name, url, now),
-            Ok(_) => self.health.answered(name, url, now),
+            Ok(_) => self.health.answered(name, url, (sent, now)),
             // A buffered answer's head comes only once generation is done, so a hung worker
             // (or a long generation) looks just so: the shim's failure only if it answered
             // nothing else meanwhile, and then its alone (counted against it, a few requests

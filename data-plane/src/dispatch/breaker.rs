@@ -105,21 +105,25 @@ impl Breaker {
     }
 
     /// A whole answer other than a success (the frontend's refusal, or its failure of the
-    /// request's workers): the replica's chat path answers. Like a success's head it closes a
-    /// trial, like a success's end it starts a closed breaker's count over; like either, it
-    /// leaves an open breaker open, its cooldown whole: the request may have been sent before
-    /// the breaker opened, so it says nothing of the replica now.
-    pub fn on_answered(&mut self) {
-        self.on_head();
+    /// request's workers) to a request `sent` then: the replica's chat path answers. Like a
+    /// success's head it closes a half-open breaker when it answers the trial, like a success's
+    /// end it starts a closed breaker's count over; like either, it leaves an open breaker open,
+    /// its cooldown whole.
+    pub fn on_answered(&mut self, sent: Instant) {
+        self.on_head(sent);
         self.on_served();
     }
 
-    /// A success answer's head arrived: the replica answers chat completions, so a trial
-    /// passed and a half-open breaker closes. A closed one's count stands until the exchange's
-    /// body ends and its outcome is recorded: a replica that cuts every answer under its head
-    /// must still open it.
-    pub fn on_head(&mut self) {
-        if matches!(self.state, State::Trial | State::HalfOpen { .. }) {
+    /// A success answer's head arrived for a request `sent` then: the replica answers chat
+    /// completions, so a trial passed and a half-open breaker closes. Only the trial, or a
+    /// request sent after it: one sent before the breaker opened (still answering as it
+    /// trips) says nothing of the replica now. A closed breaker's count stands until the
+    /// exchange's body ends and its outcome is recorded: a replica that cuts every answer
+    /// under its head must still open it.
+    pub fn on_head(&mut self, sent: Instant) {
+        if let State::HalfOpen { probe_sent } = self.state
+            && sent >= probe_sent
+        {
             self.state = State::Closed { failures: 0 };
         }
     }
@@ -273,11 +277,11 @@ impl ShimHealth {
 
     /// A success answer's head arrived ([`Breaker::on_head`]); its body's end records the
     /// exchange's outcome.
-    pub fn head_arrived(&self, name: &str, url: &str, now: Instant) {
+    pub fn head_arrived(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
         self.with(name, url, |r, _| {
             r.answered_at = Some(now);
             let before = r.breaker.state();
-            r.breaker.on_head();
+            r.breaker.on_head(sent);
             if before != r.breaker.state() {
                 tracing::info!(backend = name, ?before, "shim replica answered its trial request; breaker closed");
             }
@@ -296,11 +300,11 @@ impl ShimHealth {
     }
 
     /// A whole answer other than a success ([`Breaker::on_answered`]).
-    pub fn answered(&self, name: &str, url: &str, now: Instant) {
+    pub fn answered(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
         self.with(name, url, |r, _| {
             r.answered_at = Some(now);
             let before = r.breaker.state();
-            r.breaker.on_answered();
+            r.breaker.on_answered(sent);
             if before != r.breaker.state() {
                 tracing::info!(backend = name, ?before, "shim replica answered its trial request; breaker closed");
             }
@@ -363,7 +367,7 @@ mod tests {
         let now = Instant::now();
         let mut breaker = Breaker::default();
         failed(&mut breaker, 2, now);
-        breaker.on_answered();
+        breaker.on_answered(now);
         failed(&mut breaker, 2, now);
         assert_eq!(breaker.state(), BreakerState::Closed, "an answer in between resets the count");
         failed(&mut breaker, 1, now);
@@ -378,11 +382,13 @@ mod tests {
         let now = Instant::now();
         let mut breaker = Breaker::default();
         failed(&mut breaker, 2, now);
-        breaker.on_head();
+        breaker.on_head(now);
         failed(&mut breaker, 1, now);
         assert_eq!(breaker.state(), BreakerState::Open, "three failures in a row, heads between");
         assert!(breaker.admit(now + SETTINGS.cooldown, &SETTINGS), "the trial");
-        breaker.on_head();
+        breaker.on_head(now);
+        assert_eq!(breaker.state(), BreakerState::HalfOpen, "a request sent before the trial says nothing");
+        breaker.on_head(now + SETTINGS.cooldown);
         assert_eq!(breaker.state(), BreakerState::Closed);
 
         // A long exchange ending whole after the breaker opened leaves it open, its cooldown
@@ -407,7 +413,7 @@ mod tests {
         assert!(breaker.admit(later, &SETTINGS), "the probe");
         assert_eq!(breaker.state(), BreakerState::HalfOpen);
         assert!(!breaker.admit(later, &SETTINGS), "only one probe at a time");
-        breaker.on_answered();
+        breaker.on_answered(later);
         assert_eq!(breaker.state(), BreakerState::Closed);
         assert!(breaker.admit(later, &SETTINGS));
     }
@@ -453,7 +459,7 @@ mod tests {
         // One trial request, not a flood: `/live` answers whatever the chat path does.
         assert!(health.admit("shim", "http://a", now));
         assert!(!health.admit("shim", "http://a", now), "the trial is in flight");
-        health.answered("shim", "http://a", now);
+        health.answered("shim", "http://a", (now, now));
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
         // A failed trial opens it again, for a whole cooldown.
         for _ in 0..SETTINGS.failure_threshold {
@@ -494,11 +500,17 @@ mod tests {
         for _ in 0..SETTINGS.failure_threshold {
             health.failed("shim", "http://a", now);
         }
-        health.answered("shim", "http://a", now + Duration::from_secs(1));
+        let sent_before = now - Duration::from_secs(1);
+        health.answered("shim", "http://a", (sent_before, now + Duration::from_secs(1)));
         assert!(!health.usable("shim", "http://a", now + Duration::from_secs(1)), "still cooling down");
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
-        assert!(health.admit("shim", "http://a", now + SETTINGS.cooldown), "the trial");
-        health.answered("shim", "http://a", now + SETTINGS.cooldown);
+        let trial = now + SETTINGS.cooldown;
+        assert!(health.admit("shim", "http://a", trial), "the trial");
+        // Nor, once the trial is under way, does an older request decide for it.
+        health.answered("shim", "http://a", (sent_before, trial + Duration::from_millis(5)));
+        health.head_arrived("shim", "http://a", (sent_before, trial + Duration::from_millis(5)));
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
+        health.answered("shim", "http://a", (trial, trial + Duration::from_millis(10)));
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
     }
 

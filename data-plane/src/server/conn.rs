@@ -355,7 +355,10 @@ impl Connection {
                 }
                 Ok(Decoded::End) => {
                     self.release_large_read_buffer(head + body.len());
-                    return Ok((fitted(body), charge));
+                    let body = fitted(body);
+                    // Its length known, what the doubling held beyond it is given back.
+                    Budget::shrink(&mut charge, body.len() + FREE_BYTES);
+                    return Ok((body, charge));
                 }
                 Ok(Decoded::More) => self.fill().await?,
                 Err(WireError::Chunk(reason)) => return Err(Stop::Refuse(HeadError::Body(reason.into()))),
@@ -640,6 +643,22 @@ mod tests {
         }
         assert!(body.capacity() <= MAX_REQUEST_BODY_BYTES, "never past the largest body: {}", body.capacity());
         assert!(body.iter().all(|b| *b == b'x'));
+        drop((body, charge));
+        assert_eq!(BUDGET.charged(), 0);
+
+        // Whole, a body just past a power of two lets go of its spare room, and of the charge
+        // for it.
+        let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+        while body.len() <= 4 << 20 {
+            assert!(append_charged(&mut body, &chunk, (&BUDGET, &mut charge)));
+        }
+        let (len, charged) = (body.len(), BUDGET.charged());
+        assert!(charged > len + (1 << 20), "{charged} charged for {len} while growing");
+        let held = fitted(body);
+        Budget::shrink(&mut charge, held.len() + FREE_BYTES);
+        assert!(BUDGET.charged() <= len + FREE_BYTES, "{} charged for {len}", BUDGET.charged());
+        drop(charge);
+        assert_eq!(BUDGET.charged(), 0);
 
         // Past the budget's room: refused, the body as it was.
         static SMALL: Budget = Budget::new(FREE_BYTES * 2);
