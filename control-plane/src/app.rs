@@ -19,6 +19,7 @@ use crate::gauges;
 use crate::grpc::tls::{self, TlsError};
 use crate::grpc::{self, FleetService, Replicas, ServerTls};
 use crate::kv::{KvSupervisor, kv_options};
+use crate::listen::{Guard, GuardedListener};
 use crate::load::{LoadOptions, LoadSupervisor};
 use crate::metrics::Metrics;
 use crate::sources::{DiscoverySupervisor, Registry, SourceError};
@@ -147,8 +148,10 @@ impl ControlPlane {
             tasks.push(tokio::spawn(tls.clone().follow_files(tls::RELOAD_INTERVAL, cancel.clone())));
         }
         let (shutdown, serving_tls) = (cancel.clone(), tls.clone());
+        let (fleet_guard, admin_guard) = (Guard::fleet(&metrics), Guard::admin(&metrics));
         tasks.push(tokio::spawn(async move {
-            if let Err(error) = grpc::serve(grpc_listener, service, serving_tls, shutdown).await {
+            let guard = fleet_guard;
+            if let Err(error) = grpc::serve((grpc_listener, guard), service, serving_tls, shutdown).await {
                 tracing::error!(%error, "Fleet gRPC server stopped");
             }
         }));
@@ -164,8 +167,9 @@ impl ControlPlane {
         };
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
-            let serve = axum::serve(admin_listener, admin::router(admin_state))
-                .with_graceful_shutdown(shutdown.cancelled_owned());
+            let listener = GuardedListener { listener: admin_listener, guard: admin_guard };
+            let serve =
+                axum::serve(listener, admin::router(admin_state)).with_graceful_shutdown(shutdown.cancelled_owned());
             if let Err(error) = serve.await {
                 tracing::error!(%error, "admin HTTP server stopped");
             }

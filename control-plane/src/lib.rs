@@ -9,6 +9,7 @@ pub mod fleet;
 pub mod gauges;
 pub mod grpc;
 pub mod kv;
+pub mod listen;
 pub mod load;
 pub mod metrics;
 pub mod sources;

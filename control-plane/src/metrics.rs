@@ -38,6 +38,9 @@ pub struct Metrics {
     /// Fleet connections whose TLS handshake did not complete, by `reason`
     /// (see `grpc::tls::HandshakeFailure`).
     pub fleet_tls_handshakes_failed: IntCounterVec,
+    /// Connections a listener closed itself, by `listener` (fleet, admin) and `reason` (full,
+    /// silent; see `listen::Closed`).
+    pub connections_closed: IntCounterVec,
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,
     /// Reported dispatches the book refused: an unknown rank, or past a replica's bound.
@@ -138,6 +141,13 @@ impl Metrics {
                     "Fleet connections whose TLS handshake did not complete, by reason",
                 ),
                 &["reason"],
+            )?,
+            connections_closed: IntCounterVec::new(
+                Opts::new(
+                    "continuum_connections_closed_total",
+                    "Connections a listener closed itself, by listener (fleet, admin) and reason: full (its most connections held already) or silent (nothing sent for 30 s)",
+                ),
+                &["listener", "reason"],
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
@@ -283,6 +293,7 @@ impl Metrics {
             Box::new(metrics.watch_retired.clone()),
             Box::new(metrics.fleet_tls_reloads.clone()),
             Box::new(metrics.fleet_tls_handshakes_failed.clone()),
+            Box::new(metrics.connections_closed.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),
             Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.dispatch_chains_dropped.clone()),

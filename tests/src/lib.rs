@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use continuum_control_plane::fleet::FleetPublisher;
 use continuum_control_plane::grpc::{self, FleetService, Replicas};
+use continuum_control_plane::listen::Guard;
 use continuum_control_plane::metrics::Metrics;
 use continuum_data_plane::fleet::FleetClientConfig;
 use continuum_data_plane::replica::Replica;
@@ -58,9 +59,9 @@ impl TestControlPlane {
         let addr = listener.local_addr()?;
         let (replicas, metrics, cancel) = (Replicas::default(), Metrics::new()?, CancellationToken::new());
         let service = FleetService::new(publisher.clone(), replicas.clone(), metrics.clone(), cancel.clone());
-        let shutdown = cancel.clone();
+        let (shutdown, guard) = (cancel.clone(), Guard::fleet(&metrics));
         let task = tokio::spawn(async move {
-            if let Err(error) = grpc::serve(listener, service, None, shutdown).await {
+            if let Err(error) = grpc::serve((listener, guard), service, None, shutdown).await {
                 tracing::error!(%error, "test control plane failed");
             }
         });

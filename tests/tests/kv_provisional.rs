@@ -13,6 +13,7 @@ use anyhow::Context;
 use continuum_control_plane::config::{self, Config};
 use continuum_control_plane::grpc::{self, FleetService, Replicas};
 use continuum_control_plane::kv::{KvSupervisor, kv_options};
+use continuum_control_plane::listen::Guard;
 use continuum_control_plane::metrics::Metrics;
 use continuum_control_plane::sources::Registry;
 use continuum_kv_index::RankKey;
@@ -74,7 +75,7 @@ impl Plane {
         let url = format!("http://{}", listener.local_addr()?);
         let service =
             FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone()).with_kv(handle);
-        tokio::spawn(grpc::serve(listener, service, None, cancel.clone()));
+        tokio::spawn(grpc::serve((listener, Guard::fleet(&metrics)), service, None, cancel.clone()));
         Ok(Self { url, metrics, supervisor, _registry: registry, cancel })
     }
 

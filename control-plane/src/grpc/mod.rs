@@ -14,7 +14,8 @@ use continuum_proto::{MAX_FLEET_MESSAGE_BYTES, MAX_INBOUND_FLEET_MESSAGE_BYTES};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::server::TcpIncoming;
+
+use crate::listen::Guard;
 
 pub use gate::Gate;
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, Replicas};
@@ -44,7 +45,7 @@ pub enum ServeError {
 /// Serves the Fleet service on `listener` until `shutdown` fires, over TLS when `tls` is given
 /// (renewed as its files change, see [`tls`]).
 pub async fn serve(
-    listener: TcpListener,
+    (listener, guard): (TcpListener, Guard),
     fleet: FleetService,
     tls: Option<ServerTls>,
     shutdown: CancellationToken,
@@ -73,16 +74,20 @@ pub async fn serve(
                 .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
             gate,
         ));
-    // `Server::tcp_nodelay` covers only the sockets `serve` binds itself: accepted ones need it
-    // set by the incoming stream, or Nagle holds a small FindMatches reply for the client's
-    // delayed ACK (~40 ms, twenty times the lookup's 2 ms deadline).
+    // Connections come through the listener's guard (see [`crate::listen`]), which also sets
+    // TCP_NODELAY: `Server::tcp_nodelay` covers only the sockets `serve` binds itself, and Nagle
+    // would hold a small FindMatches reply for the client's delayed ACK (~40 ms, twenty times
+    // the lookup's 2 ms deadline).
     match tls {
         Some(tls) => {
-            let incoming = tls::incoming(listener, &tls, shutdown.clone());
+            let incoming = tls::incoming((listener, guard), &tls, shutdown.clone());
             router.serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned()).await?;
         }
         None => {
-            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+            let incoming = futures::stream::unfold((listener, guard), |(listener, guard)| async move {
+                let (stream, _) = guard.accept(&listener).await;
+                Some((Ok::<_, std::io::Error>(stream), (listener, guard)))
+            });
             router.serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned()).await?;
         }
     }

@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Connected;
 
 use crate::config::ListenerTlsConfig;
+use crate::listen::{Guard, Guarded};
 use crate::metrics::Metrics;
 
 /// How often the certificate files are read again for a renewal.
@@ -392,15 +393,15 @@ impl HandshakeFailure {
 /// its handshake in a round trip or two, so a crowd of idle connections can delay it by no more
 /// than it takes them to be evicted, not lock it out.
 pub fn incoming(
-    listener: TcpListener,
+    (listener, guard): (TcpListener, Guard),
     tls: &ServerTls,
     shutdown: CancellationToken,
 ) -> ReceiverStream<io::Result<Verified>> {
-    incoming_within(listener, tls, MAX_HANDSHAKES, shutdown)
+    incoming_within((listener, guard), tls, MAX_HANDSHAKES, shutdown)
 }
 
 fn incoming_within(
-    listener: TcpListener,
+    (listener, guard): (TcpListener, Guard),
     tls: &ServerTls,
     max_handshakes: usize,
     shutdown: CancellationToken,
@@ -411,28 +412,11 @@ fn incoming_within(
         let mut handshakes = JoinSet::new();
         let mut oldest_first: VecDeque<AbortHandle> = VecDeque::new();
         loop {
-            let accepted = tokio::select! {
+            let stream = tokio::select! {
                 () = shutdown.cancelled() => return,
                 () = ready.closed() => return,
-                accepted = listener.accept() => accepted,
+                (stream, _) = guard.accept(&listener) => stream,
             };
-            let stream = match accepted {
-                Ok((stream, _)) => stream,
-                Err(error)
-                    if matches!(error.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) =>
-                {
-                    continue;
-                }
-                Err(error) => {
-                    tracing::warn!(%error, "accepting a Fleet connection failed; retrying shortly");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            // Small replies (a FindMatches answer) must not wait for the client's delayed ACK.
-            if let Err(error) = stream.set_nodelay(true) {
-                tracing::debug!(%error, "could not set TCP_NODELAY on a Fleet connection");
-            }
             while handshakes.try_join_next().is_some() {}
             oldest_first.retain(|handshake| !handshake.is_finished());
             if oldest_first.len() >= max_handshakes
@@ -449,7 +433,7 @@ fn incoming_within(
             let acceptor = TlsAcceptor::from(Arc::clone(&current.borrow()));
             let (ready, failed) = (ready.clone(), failed.clone());
             oldest_first.push_back(handshakes.spawn(async move {
-                let peer = stream.peer_addr().ok();
+                let peer = stream.get_ref().peer_addr().ok();
                 let failure = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                     // Handed over without waiting, so a completed handshake is never among
                     // those under way (which may be evicted). tonic takes each connection as it
@@ -478,7 +462,7 @@ fn incoming_within(
 /// ends its Watch stream still reaches it.
 #[derive(Debug)]
 pub struct Verified {
-    inner: TlsStream<TcpStream>,
+    inner: TlsStream<Guarded<TcpStream>>,
     trust: watch::Receiver<u64>,
 }
 
@@ -520,7 +504,7 @@ impl AsyncWrite for Verified {
 }
 
 impl Connected for Verified {
-    type ConnectInfo = <TlsStream<TcpStream> as Connected>::ConnectInfo;
+    type ConnectInfo = <TlsStream<Guarded<TcpStream>> as Connected>::ConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.inner.connect_info()
@@ -721,7 +705,8 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bound");
         let addr = listener.local_addr().expect("an address");
         let shutdown = CancellationToken::new();
-        let mut incoming = incoming_within(listener, &tls, 2, shutdown.clone());
+        let guard = Guard::fleet(&metrics);
+        let mut incoming = incoming_within((listener, guard), &tls, 2, shutdown.clone());
         let failed = |reason: HandshakeFailure| tls.handshakes_failed.with_label_values(&[reason.as_str()]).get();
 
         // Two connections that never say a word fill every handshake slot...

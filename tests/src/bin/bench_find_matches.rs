@@ -18,6 +18,7 @@ use continuum_control_plane::grpc::{self, FleetService, Replicas};
 use continuum_control_plane::kv::decode::{KvEvent, KvEventData, ResidencyDomain, StorageTier, Stored};
 use continuum_control_plane::kv::feed::SharedKvIndexer;
 use continuum_control_plane::kv::{KvHandle, KvIndexer, LiveRanks, LiveWorker, ProvisionalResult, PublisherMapping};
+use continuum_control_plane::listen::Guard;
 use continuum_control_plane::metrics::Metrics;
 use continuum_data_plane::fleet::{FIND_MATCHES_DEADLINE, FleetClientConfig, MatchesClient};
 use continuum_kv_index::{IndexStats, Limits, RankKey, StoredBlock};
@@ -198,11 +199,12 @@ const CONTENDERS: [(u64, u32); 2] = [(1, 0), (2, 0)];
 async fn over_grpc(handle: KvHandle, queries: &[Vec<u64>]) -> anyhow::Result<Vec<Row>> {
     let cancel = CancellationToken::new();
     let metrics = Metrics::new()?;
+    let guard = Guard::fleet(&metrics);
     let service =
         FleetService::new(continuum_tests::publisher(), Replicas::default(), metrics, cancel.clone()).with_kv(handle);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    let server = tokio::spawn(grpc::serve(listener, service, None, cancel.clone()));
+    let server = tokio::spawn(grpc::serve((listener, guard), service, None, cancel.clone()));
     let client = MatchesClient::new(&FleetClientConfig::new(url.as_str(), "bench"), MEASURE_DEADLINE)?;
     // Connect and warm up.
     for query in queries.iter().take(500) {

@@ -1,0 +1,342 @@
+//! What the control plane's listeners (the Fleet gRPC and the admin HTTP) let a connection hold.
+//!
+//! Neither hyper's HTTP/2 server nor axum's HTTP/1 one closes a connection that sends nothing:
+//! one that never sends the HTTP/2 preface, or stops inside a request head, would hold its
+//! socket for good, and enough of them would exhaust the process's descriptors (tonic then spins
+//! on a failing accept). So every accepted connection is [`Guarded`]: closed once it has sent
+//! nothing for [`SILENT_FOR`], and counted against a bound on the connections each listener
+//! holds, past which new ones are closed at once and counted. A live Fleet connection is never
+//! silent that long: the server pings every 10 s and the replica's HTTP/2 stack answers.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use prometheus::IntCounterVec;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+use tonic::transport::server::Connected;
+
+use crate::metrics::Metrics;
+
+/// A connection that sends nothing for this long is closed.
+pub const SILENT_FOR: Duration = Duration::from_secs(30);
+/// Connections the Fleet listener holds at once: a replica holds one, and the sessions are
+/// bounded at 1,024; the rest is room for tools and reconnects.
+pub const MAX_FLEET_CONNECTIONS: usize = 4096;
+/// Connections the admin listener holds at once: operators, scrapers and probes.
+pub const MAX_ADMIN_CONNECTIONS: usize = 256;
+
+/// Why a connection was closed by its listener rather than by its peer or its server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Closed {
+    /// The listener held its most connections already.
+    Full,
+    /// It sent nothing for [`SILENT_FOR`].
+    Silent,
+}
+
+impl Closed {
+    pub const ALL: [Closed; 2] = [Closed::Full, Closed::Silent];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Closed::Full => "full",
+            Closed::Silent => "silent",
+        }
+    }
+}
+
+/// One listener's bound and its count of closed connections (labelled `listener`, `reason`).
+#[derive(Debug, Clone)]
+pub struct Guard {
+    slots: Arc<Semaphore>,
+    closed: IntCounterVec,
+    listener: &'static str,
+    silent_for: Duration,
+}
+
+impl Guard {
+    pub fn new(listener: &'static str, max_connections: usize, closed: IntCounterVec) -> Self {
+        for reason in Closed::ALL {
+            closed.with_label_values(&[listener, reason.as_str()]);
+        }
+        Self { slots: Arc::new(Semaphore::new(max_connections)), closed, listener, silent_for: SILENT_FOR }
+    }
+
+    /// The Fleet gRPC listener's: [`MAX_FLEET_CONNECTIONS`].
+    pub fn fleet(metrics: &Metrics) -> Self {
+        Self::new("fleet", MAX_FLEET_CONNECTIONS, metrics.connections_closed.clone())
+    }
+
+    /// The admin HTTP listener's: [`MAX_ADMIN_CONNECTIONS`].
+    pub fn admin(metrics: &Metrics) -> Self {
+        Self::new("admin", MAX_ADMIN_CONNECTIONS, metrics.connections_closed.clone())
+    }
+
+    #[cfg(test)]
+    pub(crate) fn silent_after(mut self, silent_for: Duration) -> Self {
+        self.silent_for = silent_for;
+        self
+    }
+
+    /// Takes `stream` in if the listener has room; closes and counts it if not.
+    pub fn admit<S>(&self, stream: S) -> Option<Guarded<S>> {
+        let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() else {
+            self.count(Closed::Full);
+            return None;
+        };
+        Some(Guarded {
+            inner: stream,
+            silence: Box::pin(tokio::time::sleep(self.silent_for)),
+            silent_for: self.silent_for,
+            guard: self.clone(),
+            _slot: slot,
+        })
+    }
+
+    fn count(&self, reason: Closed) {
+        self.closed.with_label_values(&[self.listener, reason.as_str()]).inc();
+    }
+
+    /// Accepts the next connection on `listener` this guard admits. Failures to accept (out of
+    /// descriptors, say) are retried after a pause rather than in a loop.
+    pub async fn accept(&self, listener: &TcpListener) -> (Guarded<TcpStream>, SocketAddr) {
+        loop {
+            match listener.accept().await {
+                Ok((stream, peer)) => {
+                    if let Err(error) = stream.set_nodelay(true) {
+                        tracing::debug!(%error, "could not set TCP_NODELAY on an accepted connection");
+                    }
+                    if let Some(guarded) = self.admit(stream) {
+                        return (guarded, peer);
+                    }
+                }
+                Err(error)
+                    if matches!(error.kind(), io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset) => {}
+                Err(error) => {
+                    tracing::warn!(listener = self.listener, %error, "accepting a connection failed; retrying shortly");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}
+
+/// An accepted connection holding its listener's slot until dropped, and closed (its reads
+/// failing) once its peer has sent nothing for the guard's silence.
+#[derive(Debug)]
+pub struct Guarded<S> {
+    inner: S,
+    silence: Pin<Box<Sleep>>,
+    silent_for: Duration,
+    guard: Guard,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<S> Guarded<S> {
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) if buf.filled().len() > before => {
+                let deadline = Instant::now() + self.silent_for;
+                self.silence.as_mut().reset(deadline);
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending if self.silence.as_mut().poll(cx).is_ready() => {
+                self.guard.count(Closed::Silent);
+                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the peer sent nothing for too long")))
+            }
+            other => other,
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+impl<S: Connected> Connected for Guarded<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// The admin listener for axum: connections its guard admits.
+#[derive(Debug)]
+pub struct GuardedListener {
+    pub listener: TcpListener,
+    pub guard: Guard,
+}
+
+impl axum::serve::Listener for GuardedListener {
+    type Io = Guarded<TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        self.guard.accept(&self.listener).await
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.listener.local_addr()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    fn closed() -> IntCounterVec {
+        IntCounterVec::new(prometheus::Opts::new("closed", "closed"), &["listener", "reason"]).expect("counter")
+    }
+
+    async fn pair(listener: &TcpListener) -> io::Result<(TcpStream, TcpStream)> {
+        let client = TcpStream::connect(listener.local_addr()?).await?;
+        let (server, _) = listener.accept().await?;
+        Ok((client, server))
+    }
+
+    /// A peer that keeps sending keeps its connection; one that falls silent loses it, counted.
+    #[tokio::test]
+    async fn a_silent_peer_is_closed_and_a_talking_one_is_not() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let counter = closed();
+        let guard = Guard::new("test", 4, counter.clone()).silent_after(Duration::from_millis(300));
+        let (mut client, server) = pair(&listener).await?;
+        let mut server = guard.admit(server).expect("room");
+        let mut buf = [0u8; 16];
+        for _ in 0..4 {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            client.write_all(b"ping").await?;
+            assert_eq!(server.read(&mut buf).await?, 4, "talking: kept");
+        }
+        let silent = server.read(&mut buf).await;
+        assert_eq!(silent.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
+        assert_eq!(counter.with_label_values(&["test", "silent"]).get(), 1);
+        Ok(())
+    }
+
+    /// Reads until the peer closes (or resets) the connection; false if it is still open after
+    /// `within`.
+    async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+        let mut buf = [0u8; 64];
+        let read = async {
+            loop {
+                match stream.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        };
+        tokio::time::timeout(within, read).await.is_ok()
+    }
+
+    /// Both servers behind their guards: the Fleet gRPC one closes a connection that never
+    /// sends the HTTP/2 preface, the admin one a connection stuck inside its request head.
+    #[tokio::test]
+    async fn the_fleet_and_admin_servers_close_connections_that_say_nothing() -> anyhow::Result<()> {
+        use std::sync::Arc;
+
+        use continuum_proto::model::DataPlaneConfig;
+        use tokio_util::sync::CancellationToken;
+
+        use crate::fleet::FleetPublisher;
+        use crate::grpc::{FleetService, Replicas};
+
+        let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());
+        let silent =
+            |reason: &str, listener: &str| metrics.connections_closed.with_label_values(&[listener, reason]).get();
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let service = FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone());
+        let fleet = TcpListener::bind("127.0.0.1:0").await?;
+        let fleet_addr = fleet.local_addr()?;
+        let guard = Guard::fleet(&metrics).silent_after(Duration::from_millis(300));
+        tokio::spawn(crate::grpc::serve((fleet, guard), service, None, cancel.clone()));
+        let admin = TcpListener::bind("127.0.0.1:0").await?;
+        let admin_addr = admin.local_addr()?;
+        let guard = Guard::admin(&metrics).silent_after(Duration::from_millis(300));
+        let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let shutdown = cancel.clone();
+        tokio::spawn(async move {
+            axum::serve(GuardedListener { listener: admin, guard }, router)
+                .with_graceful_shutdown(shutdown.cancelled_owned())
+                .await
+        });
+
+        let mut mute = TcpStream::connect(fleet_addr).await?;
+        assert!(closed_within(&mut mute, Duration::from_secs(5)).await, "no preface: closed");
+        assert_eq!(silent("silent", "fleet"), 1);
+        let mut stuck = TcpStream::connect(admin_addr).await?;
+        stuck.write_all(b"GET / HTTP/1.1\r\n").await?;
+        assert!(closed_within(&mut stuck, Duration::from_secs(5)).await, "a head never finished: closed");
+        assert_eq!(silent("silent", "admin"), 1);
+        // A whole request is answered as ever.
+        let mut asking = TcpStream::connect(admin_addr).await?;
+        asking.write_all(b"GET / HTTP/1.1\r\nhost: cp\r\nconnection: close\r\n\r\n").await?;
+        let mut answer = String::new();
+        asking.read_to_string(&mut answer).await?;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        cancel.cancel();
+        Ok(())
+    }
+
+    /// Past its bound a listener closes new connections at once, counted; a slot comes back
+    /// when its connection is dropped.
+    #[tokio::test]
+    async fn a_full_listener_closes_new_connections_until_one_leaves() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let counter = closed();
+        let guard = Guard::new("test", 2, counter.clone());
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let (_client, server) = pair(&listener).await?;
+            held.push(guard.admit(server).expect("room"));
+        }
+        let (mut refused_client, server) = pair(&listener).await?;
+        assert!(guard.admit(server).is_none());
+        assert_eq!(refused_client.read(&mut [0u8; 1]).await?, 0, "closed at once");
+        assert_eq!(counter.with_label_values(&["test", "full"]).get(), 1);
+        held.pop();
+        let (_client, server) = pair(&listener).await?;
+        assert!(guard.admit(server).is_some(), "a slot given back");
+        Ok(())
+    }
+}
