@@ -105,7 +105,10 @@ impl Metrics {
                 &["result"],
             )?,
             watch_refused: IntCounterVec::new(
-                Opts::new("continuum_fleet_watch_refused_total", "Watch streams refused before the first update"),
+                Opts::new(
+                    "continuum_fleet_watch_refused_total",
+                    "Watch streams refused, by reason: before the first update (bad_hello, not_seeded, too_many_sessions, ...), or later for a message that could not be read (bad_message: past the size bound, or not decodable)",
+                ),
                 &["reason"],
             )?,
             watch_superseded: IntCounter::new(

@@ -5,11 +5,11 @@ use std::time::{Duration, Instant};
 
 use continuum_control_plane::fleet::{DELTA_LOG_CAPACITY, FleetChange, FleetPublisher, SAMPLE_LAG};
 use continuum_control_plane::grpc::REPLICA_QUEUE_CAPACITY;
-use continuum_proto::MAX_FLEET_MESSAGE_BYTES;
 use continuum_proto::convert::{Update, update_from_wire};
 use continuum_proto::model::{Backlog, DataPlaneConfig, Load, LoadKey, LoadSample, ReportsFolded, WorkerKey};
 use continuum_proto::pb::{self, fleet_client::FleetClient, watch_request::Kind};
 use continuum_proto::view::FleetView;
+use continuum_proto::{MAX_FLEET_MESSAGE_BYTES, MAX_INBOUND_FLEET_MESSAGE_BYTES};
 use continuum_tests::{TestControlPlane, publisher, start_replicas, wait_for_version, worker};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -299,6 +299,32 @@ async fn a_stream_without_hello_is_refused() -> anyhow::Result<()> {
     let status = client.watch(ReceiverStream::new(rx)).await.err().ok_or_else(|| anyhow::anyhow!("accepted"))?;
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_hello"]).get(), 1);
+    control.stop().await;
+    Ok(())
+}
+
+/// A message past the inbound bound after the hello ends the session with the reason, counted,
+/// rather than as a clean end of stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_past_the_bound_ends_the_stream_with_its_reason() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let mut client = FleetClient::connect(control.url()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+    let (tx, rx) = mpsc::channel(2);
+    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "big".into(), version: None })) })
+        .await?;
+    let mut updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
+    assert!(tokio::time::timeout(CONVERGE, updates.message()).await??.as_ref().is_some_and(is_snapshot));
+    let huge = "x".repeat(MAX_INBOUND_FLEET_MESSAGE_BYTES + 1);
+    tx.send(pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: 1, nonce: huge })) }).await?;
+    let ended = loop {
+        match tokio::time::timeout(CONVERGE, updates.message()).await? {
+            Ok(Some(_)) => continue,
+            other => break other,
+        }
+    };
+    let status = ended.err().ok_or_else(|| anyhow::anyhow!("the stream ended as if cleanly"))?;
+    assert_eq!(status.code(), tonic::Code::OutOfRange, "{status}");
+    assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_message"]).get(), 1);
     control.stop().await;
     Ok(())
 }

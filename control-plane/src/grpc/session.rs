@@ -220,6 +220,14 @@ impl Session {
                     }
                 }
                 Event::Inbound(Ok(None)) => return,
+                Event::Inbound(Err(status)) if unreadable(&status) => {
+                    // The replica's stack is alive but sent what cannot be read: it is told
+                    // (not left to take the stream's end for a clean one), and it is counted.
+                    tracing::warn!(replica = %self.status.replica_id, %status, "a message from the replica could not be read; ending its session");
+                    self.metrics.watch_refused.with_label_values(&["bad_message"]).inc();
+                    say_goodbye(&self.outbound, status).await;
+                    return;
+                }
                 Event::Inbound(Err(status)) => {
                     tracing::debug!(replica = %self.status.replica_id, %status, "watch stream ended");
                     return;
@@ -427,6 +435,12 @@ impl Session {
         self.status.queue_depth.store(depth, Ordering::Relaxed);
         self.status.queue_high_water.fetch_max(depth, Ordering::Relaxed);
     }
+}
+
+/// Whether a failed read of the replica's stream was a message that could not be read (past
+/// the size bound, or not decodable), rather than the stream or its connection ending.
+fn unreadable(status: &Status) -> bool {
+    matches!(status.code(), tonic::Code::OutOfRange | tonic::Code::Internal | tonic::Code::InvalidArgument)
 }
 
 #[cfg(test)]
