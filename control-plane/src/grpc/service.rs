@@ -12,8 +12,7 @@ use continuum_proto::MAX_LOOKUP_PROMPT_TOKENS;
 use continuum_proto::convert::snapshot_to_wire;
 use continuum_proto::pb::{self, fleet_server::Fleet, watch_request::Kind};
 use futures::FutureExt;
-use tokio::sync::{mpsc, watch};
-use tokio_stream::StreamExt;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -35,6 +34,12 @@ pub use continuum_proto::MAX_REPLICA_ID_BYTES;
 /// [`MAX_DISPATCHES_PER_REPLICA`](crate::fleet::MAX_DISPATCHES_PER_REPLICA) dispatches, so a
 /// caller opening stream after stream (with the token) could otherwise hold without bound.
 pub const MAX_WATCH_SESSIONS: usize = 1024;
+/// Watch streams open at once, sessions and the streams of sessions over alike. A session ends
+/// at once (its replica read nothing for the stall limit, say), but its stream, with the
+/// updates queued in it, lives until the replica's HTTP/2 stack lets go of it: a client that
+/// never grants window holds it for as long as its connection answers pings. So each stream
+/// holds a place until it is dropped, and there are twice as many places as sessions.
+pub const MAX_WATCH_STREAMS: usize = 2 * MAX_WATCH_SESSIONS;
 
 /// The replicas with an open Watch stream, for the admin API and tests.
 #[derive(Debug, Default, Clone)]
@@ -105,6 +110,8 @@ pub struct FleetService {
     tokens: watch::Receiver<Vec<bearer::Token>>,
     /// Changes of the client CA ([`FleetService::with_trust`]).
     trust: watch::Receiver<u64>,
+    /// The places of the Watch streams open ([`MAX_WATCH_STREAMS`]).
+    streams: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for FleetService {
@@ -131,7 +138,8 @@ impl FleetService {
         let seeded = Arc::new(|| true);
         let (tokens, trust) = (watch::channel(Vec::new()).1, watch::channel(0).1);
         let kv = KvHandle::default();
-        Self { publisher, replicas, metrics, shutdown, book, active, kv, turns, seeded, tokens, trust }
+        let streams = Arc::new(Semaphore::new(MAX_WATCH_STREAMS));
+        Self { publisher, replicas, metrics, shutdown, book, active, kv, turns, seeded, tokens, trust, streams }
     }
 
     /// Every call must present `authorization: Bearer <token>` with one of `tokens`, while it
@@ -166,6 +174,11 @@ impl FleetService {
     /// hand every reconnecting replica an empty fleet in place of its last-known-good one.
     pub fn with_seeded(self, seeded: impl Fn() -> bool + Send + Sync + 'static) -> Self {
         Self { seeded: Arc::new(seeded), ..self }
+    }
+
+    #[cfg(test)]
+    fn with_stream_places(self, places: usize) -> Self {
+        Self { streams: Arc::new(Semaphore::new(places)), ..self }
     }
 
     /// The first message of a stream must be a Hello naming the replica.
@@ -207,10 +220,7 @@ async fn trust_changed(mut trust: watch::Receiver<u64>) {
 
 #[tonic::async_trait]
 impl Fleet for FleetService {
-    type WatchStream = tokio_stream::adapters::Map<
-        ReceiverStream<Result<Queued, Status>>,
-        fn(Result<Queued, Status>) -> Result<pb::FleetUpdate, Status>,
-    >;
+    type WatchStream = WatchUpdates;
 
     async fn watch(
         &self,
@@ -224,6 +234,12 @@ impl Fleet for FleetService {
                 "discovery has not produced a fleet view yet; keep the view held and retry",
             ));
         }
+        let Ok(place) = Arc::clone(&self.streams).try_acquire_owned() else {
+            self.metrics.watch_refused.with_label_values(&["too_many_streams"]).inc();
+            return Err(Status::resource_exhausted(format!(
+                "the control plane holds {MAX_WATCH_STREAMS} Watch streams (some of sessions over, their clients reading nothing); retry later"
+            )));
+        };
         let mut inbound = request.into_inner();
         let hello = self.read_hello(&mut inbound).await?;
         tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
@@ -314,9 +330,7 @@ impl Fleet for FleetService {
             metrics.replicas_connected.dec();
             tracing::info!(replica = %status.replica_id, "replica disconnected");
         });
-        // Taken as the stream sends: samples are aged by the time their update waited.
-        let taken: fn(Result<Queued, Status>) -> Result<pb::FleetUpdate, Status> = |queued| queued.map(Queued::taken);
-        Ok(Response::new(ReceiverStream::new(rx).map(taken)))
+        Ok(Response::new(WatchUpdates { updates: ReceiverStream::new(rx), _place: place }))
     }
 
     async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
@@ -384,9 +398,80 @@ impl Fleet for FleetService {
     }
 }
 
+/// A Watch stream's updates, holding the stream's place ([`MAX_WATCH_STREAMS`]) until tonic
+/// drops it. Each is taken as the stream sends: samples are aged by the time their update
+/// waited.
+#[derive(Debug)]
+pub struct WatchUpdates {
+    updates: ReceiverStream<Result<Queued, Status>>,
+    _place: OwnedSemaphorePermit,
+}
+
+impl tokio_stream::Stream for WatchUpdates {
+    type Item = Result<pb::FleetUpdate, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        std::pin::Pin::new(&mut self.updates).poll_next(cx).map(|queued| queued.map(|queued| queued.map(Queued::taken)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream holds its place until its client lets go of it, not only while its session
+    /// runs; past the places a new stream is refused, counted.
+    #[tokio::test]
+    async fn a_watch_stream_holds_its_place_until_it_is_dropped() -> anyhow::Result<()> {
+        use continuum_proto::model::DataPlaneConfig;
+        use continuum_proto::pb::fleet_client::FleetClient;
+
+        let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let service =
+            FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone()).with_stream_places(1);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        tokio::spawn(super::super::serve(
+            (listener, crate::listen::Guard::fleet(&metrics)),
+            service,
+            None,
+            cancel.clone(),
+        ));
+        let hello =
+            |id: &str| pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: id.into(), version: None })) };
+        let open = |id: &'static str| {
+            let url = url.clone();
+            async move {
+                let mut client = FleetClient::connect(url).await?;
+                let (tx, rx) = mpsc::channel(1);
+                tx.send(hello(id)).await?;
+                let stream = client.watch(ReceiverStream::new(rx)).await.map(Response::into_inner);
+                anyhow::Ok((stream, tx))
+            }
+        };
+        let (first, first_tx) = open("a").await?;
+        let mut first = first?;
+        assert!(first.message().await?.is_some(), "the snapshot");
+        let (refused, _) = open("b").await?;
+        assert_eq!(refused.err().map(|status| status.code()), Some(tonic::Code::ResourceExhausted));
+        assert_eq!(metrics.watch_refused.with_label_values(&["too_many_streams"]).get(), 1);
+        drop((first, first_tx));
+        let admitted = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                if let (Ok(_), tx) = open("b").await? {
+                    return anyhow::Ok(tx);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        admitted.await??;
+        cancel.cancel();
+        Ok(())
+    }
 
     #[test]
     fn a_bounded_number_of_replicas_hold_a_stream_and_a_reconnecting_one_is_never_refused() {
