@@ -21,6 +21,10 @@ use crate::routing::picker::RankOverlap;
 pub const RECENT_FOR: Duration = Duration::from_secs(5);
 /// Prefix keys held at once; the oldest go first.
 pub const MAX_RECENT: usize = 8192;
+/// Ranks the kept answers name at once, counted per key (24 bytes each: 24 MiB at most): an
+/// answer may name thousands of ranks (a fleet whose every rank holds a shared system prompt),
+/// and the key bound alone would let 8,192 of them hold gigabytes.
+pub const MAX_HELD_RANKS: usize = 1 << 20;
 /// Besides under its whole prompt, an answer is kept under every this many blocks of it, so a
 /// request sharing only a leading part (another user of the same system prompt) finds it.
 const EVERY: usize = 16;
@@ -35,6 +39,8 @@ struct Inner {
     by_prefix: HashMap<u64, Entry>,
     /// Insertion order, for eviction; a key re-inserted later is skipped when its old turn comes.
     order: VecDeque<(u64, Instant)>,
+    /// The ranks the entries' answers name, summed over the entries ([`MAX_HELD_RANKS`]).
+    held_ranks: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -61,7 +67,11 @@ impl RecentAnswers {
             .collect();
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         for (key, blocks) in kept {
-            inner.by_prefix.insert(key, Entry { at: now, blocks, answer: Arc::clone(&answer) });
+            inner.held_ranks += answer.len();
+            if let Some(replaced) = inner.by_prefix.insert(key, Entry { at: now, blocks, answer: Arc::clone(&answer) })
+            {
+                inner.held_ranks -= replaced.answer.len();
+            }
             inner.order.push_back((key, now));
         }
         inner.evict(now);
@@ -84,13 +94,17 @@ impl RecentAnswers {
 impl Inner {
     fn evict(&mut self, now: Instant) {
         while let Some(&(key, at)) = self.order.front() {
-            let bounded = self.by_prefix.len() <= MAX_RECENT && self.order.len() <= 4 * MAX_RECENT;
+            let bounded = self.by_prefix.len() <= MAX_RECENT
+                && self.order.len() <= 4 * MAX_RECENT
+                && self.held_ranks <= MAX_HELD_RANKS;
             if bounded && now.saturating_duration_since(at) < RECENT_FOR {
                 break;
             }
             self.order.pop_front();
-            if self.by_prefix.get(&key).is_some_and(|entry| entry.at == at) {
-                self.by_prefix.remove(&key);
+            if self.by_prefix.get(&key).is_some_and(|entry| entry.at == at)
+                && let Some(removed) = self.by_prefix.remove(&key)
+            {
+                self.held_ranks -= removed.answer.len();
             }
         }
     }
@@ -145,6 +159,26 @@ mod tests {
         }
         let inner = recent.inner.lock().expect("unpoisoned");
         assert_eq!(inner.by_prefix.len(), MAX_RECENT);
+    }
+
+    /// Answers naming thousands of ranks each are kept within the bound on ranks, not only on
+    /// keys; the newest stand in still.
+    #[test]
+    fn answers_naming_many_ranks_are_bounded_by_the_ranks_they_name() {
+        let recent = RecentAnswers::default();
+        let t0 = Instant::now();
+        let many: Vec<RankOverlap> =
+            (0..8192).map(|id| RankOverlap { instance_id: id, dp_rank: 0, blocks: 1, active: 0 }).collect();
+        for n in 0..1024 {
+            recent.remember(&[n], &many, t0);
+        }
+        {
+            let inner = recent.inner.lock().expect("unpoisoned");
+            let named: usize = inner.by_prefix.values().map(|entry| entry.answer.len()).sum();
+            assert!(named <= MAX_HELD_RANKS && named == inner.held_ranks, "{named} ranks held");
+        }
+        assert_eq!(recent.recall(&[1023], t0).map(|answer| answer.len()), Some(8192), "the newest stands in");
+        assert!(recent.recall(&[0], t0).is_none(), "the oldest went");
     }
 
     #[test]
