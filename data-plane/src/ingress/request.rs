@@ -167,6 +167,8 @@ struct Members {
     /// would let a client skew the per-model calibration of every later estimate.
     messages: Option<PromptText>,
     tools: Option<PromptText>,
+    /// `"none"` keeps the tools out of what the frontend renders, so out of the estimate too.
+    tool_choice: Option<Scalar>,
     /// Only an object is routing's to strip fields from. A frontend reads an array as its
     /// `NvExt` fields in declaration order (serde's sequence form of a struct), so
     /// `[null, null, null, 7]` would name a worker without naming a field.
@@ -192,6 +194,7 @@ impl<'de> Deserialize<'de> for Members {
                         "stream" => members.stream = map.next_value()?,
                         "messages" => members.messages = map.next_value()?,
                         "tools" => members.tools = map.next_value()?,
+                        "tool_choice" => members.tool_choice = map.next_value()?,
                         "nvext" => members.nvext = map.next_value()?,
                         _ => {
                             map.next_value::<Checked>()?;
@@ -241,7 +244,10 @@ impl ChatRequest {
         if members.nvext.as_ref().is_some_and(|UniqueObject(shape)| *shape != Shape::Object) {
             return Err(RequestError::Shape("`nvext` must be an object"));
         }
-        let tools = members.tools.map_or(0, |tools| tools.tokens);
+        // As the frontend hands the template its tools: none under `tool_choice: "none"` (but
+        // for a model card that keeps them, whose prompts this estimate then undercounts).
+        let unrendered = matches!(&members.tool_choice, Some(Scalar::Str(choice)) if choice == "none");
+        let tools = members.tools.filter(|_| !unrendered).map_or(0, |tools| tools.tokens);
         let prompt_estimate = messages.tokens.saturating_add(tools);
         Ok(Self { raw, model, stream, prompt_estimate, has_nvext: members.nvext.is_some(), tenant: None })
     }
@@ -347,6 +353,12 @@ mod tests {
         let unrendered =
             r#"{"model":"m","messages":[{"content":"abcdefgh"}],"prompt":"abcd","input":"abcd","system":"abcd"}"#;
         assert_eq!(parse(unrendered).unwrap().prompt_estimate, 2);
+        let choice_none =
+            r#"{"model":"m","messages":[{"content":"abcdefgh"}],"tools":[{"n":"abcd"}],"tool_choice":"none"}"#;
+        assert_eq!(parse(choice_none).unwrap().prompt_estimate, 2, "tools the template is not given");
+        let choice_auto =
+            r#"{"model":"m","messages":[{"content":"abcdefgh"}],"tools":[{"n":"abcd"}],"tool_choice":"auto"}"#;
+        assert_eq!(parse(choice_auto).unwrap().prompt_estimate, 2 + 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

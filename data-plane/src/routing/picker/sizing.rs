@@ -13,8 +13,8 @@
 //! The ratio is a moving average in log space (a prompt twice too large and one half too small
 //! cancel), each observation clamped to [`FACTOR_BOUNDS`], so one odd answer moves it a little
 //! and a run of them no further than the bounds. The estimate covers only what the model is
-//! given (a chat body's messages and tools), so a client cannot skew it with members the
-//! template never renders. At most [`MAX_CALIBRATED_MODELS`] models are
+//! given (a chat body's messages, and its tools unless `tool_choice` is `"none"`), so a client
+//! cannot skew it with members the template never renders. At most [`MAX_CALIBRATED_MODELS`] models are
 //! learnt; others keep the plain estimate.
 
 use std::collections::HashMap;
