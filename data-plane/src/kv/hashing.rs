@@ -82,6 +82,13 @@ impl SaltHash {
     pub fn get(self) -> u64 {
         self.0
     }
+
+    /// The seed, when the request asked for a cache of its own (a salt, or a LoRA): what it
+    /// shares with other requests, such as encoded prompt pieces, it shares only with requests
+    /// of the same seed.
+    pub fn isolation(self) -> Option<u64> {
+        (self != Self::default()).then_some(self.0)
+    }
 }
 
 impl Default for SaltHash {

@@ -204,7 +204,7 @@ pub fn prepare_blocking(
     // The frontend drops NUL characters from a rendered prompt before encoding it: one kept
     // would be a token it never sees, and shift every block after it.
     let text = if text.contains('\0') { text.replace('\0', "") } else { text };
-    let tokens = encode(artifacts, &text)?;
+    let tokens = encode_within(artifacts, &text, salt.isolation())?;
     if tokens.len() > max_tokens {
         return Err(Fallback::PromptTooLarge);
     }
@@ -216,7 +216,12 @@ pub fn prepare_blocking(
 /// template already wrote whatever BOS it wants. Pieces seen before come from the tokenizer's
 /// [`PieceCache`].
 pub fn encode(artifacts: &LoadedArtifacts, text: &str) -> Result<Vec<u32>, Fallback> {
-    artifacts.pieces.encode(&artifacts.tokenizer, text).map_err(|error| {
+    encode_within(artifacts, text, None)
+}
+
+/// [`encode`], a salted request's pieces kept apart ([`PieceCache::encode_within`]).
+fn encode_within(artifacts: &LoadedArtifacts, text: &str, isolation: Option<u64>) -> Result<Vec<u32>, Fallback> {
+    artifacts.pieces.encode_within(&artifacts.tokenizer, text, isolation).map_err(|error| {
         tracing::debug!(%error, "tokenizer encode failed");
         Fallback::RenderUnavailable
     })

@@ -23,6 +23,7 @@
 //! A piece not seen before is encoded by [`ByteLevelBpe`] when the tokenizer is one it
 //! reproduces, by `tokenizers` otherwise.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -112,6 +113,19 @@ impl PieceCache {
 
     /// `text`'s ids as `tokenizer.encode(text, false)` gives them.
     pub fn encode(&self, tokenizer: &Tokenizer, text: &str) -> tokenizers::Result<Vec<u32>> {
+        self.encode_within(tokenizer, text, None)
+    }
+
+    /// [`Self::encode`], with the pieces a salted request encodes kept apart under its
+    /// `isolation` ([`crate::kv::hashing::SaltHash::isolation`]): whether a piece was cached
+    /// shows in how soon a request is routed, and a tenant that salts its prompts must not learn
+    /// from that what another sent (as the salt keeps the engines' caches apart).
+    pub fn encode_within(
+        &self,
+        tokenizer: &Tokenizer,
+        text: &str,
+        isolation: Option<u64>,
+    ) -> tokenizers::Result<Vec<u32>> {
         if !self.enabled {
             return Ok(tokenizer.encode(text, false)?.get_ids().to_vec());
         }
@@ -120,17 +134,22 @@ impl PieceCache {
         for (piece, _, marker) in split.get_splits(OffsetReferential::Original, OffsetType::Byte) {
             match marker {
                 Some(tokens) => ids.extend(tokens.iter().map(|token| token.id)),
-                None => ids.extend_from_slice(&self.piece(tokenizer, piece)?),
+                None => ids.extend_from_slice(&self.piece(tokenizer, piece, isolation)?),
             }
         }
         Ok(ids)
     }
 
     /// One piece's ids, from the cache or encoded (and kept, when long enough).
-    fn piece(&self, tokenizer: &Tokenizer, piece: &str) -> tokenizers::Result<Arc<[u32]>> {
-        if piece.len() >= MIN_CACHED_PIECE
-            && let Some(ids) = self.pieces.lock().unwrap_or_else(PoisonError::into_inner).get(piece)
-        {
+    fn piece(&self, tokenizer: &Tokenizer, piece: &str, isolation: Option<u64>) -> tokenizers::Result<Arc<[u32]>> {
+        let cached = piece.len() >= MIN_CACHED_PIECE;
+        // A salted request's pieces under a key no unsalted piece can have: a rendered prompt
+        // holds no NUL (the frontend strips them before encoding, and so does the render).
+        let key: Cow<'_, str> = match isolation {
+            Some(seed) if cached => Cow::Owned(format!("\0{seed:016x}{piece}")),
+            _ => Cow::Borrowed(piece),
+        };
+        if cached && let Some(ids) = self.pieces.lock().unwrap_or_else(PoisonError::into_inner).get(&key) {
             return Ok(ids);
         }
         let mut ids = Vec::new();
@@ -138,8 +157,8 @@ impl PieceCache {
             Some(()) => ids.into(),
             None => tokenizer.encode(piece, false)?.get_ids().into(),
         };
-        if piece.len() >= MIN_CACHED_PIECE {
-            self.pieces.lock().unwrap_or_else(PoisonError::into_inner).insert(piece, Arc::clone(&ids));
+        if cached {
+            self.pieces.lock().unwrap_or_else(PoisonError::into_inner).insert(&key, Arc::clone(&ids));
         }
         Ok(ids)
     }

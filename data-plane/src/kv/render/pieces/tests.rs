@@ -45,6 +45,26 @@ fn a_conversation_encodes_as_the_whole_does_and_its_pieces_are_reused() {
     assert_eq!(cache.len(), held + 1, "only the new long turn is new; short pieces are not kept");
 }
 
+/// A salted request's pieces are kept apart: it finds none an unsalted request or another
+/// salt left (whether one was cached shows in how soon a request is routed), and its own again.
+#[test]
+fn a_salted_requests_pieces_are_kept_apart_from_everyone_elses() {
+    let tokenizer = tiny();
+    let cache = PieceCache::for_tokenizer(&tokenizer);
+    let text = chatml(&"A system prompt another tenant may guess. ".repeat(8), &["hi"]);
+    assert_eq!(cache.encode(&tokenizer, &text).unwrap(), whole(&tokenizer, &text));
+    let unsalted = cache.len();
+    assert!(unsalted >= 1);
+    assert_eq!(cache.encode_within(&tokenizer, &text, Some(7)).unwrap(), whole(&tokenizer, &text));
+    assert_eq!(cache.len(), 2 * unsalted, "encoded anew, kept under the salt");
+    assert_eq!(cache.encode_within(&tokenizer, &text, Some(7)).unwrap(), whole(&tokenizer, &text));
+    assert_eq!(cache.len(), 2 * unsalted, "its own found again");
+    cache.encode_within(&tokenizer, &text, Some(8)).unwrap();
+    assert_eq!(cache.len(), 3 * unsalted, "another salt's apart too");
+    assert_eq!(crate::kv::hashing::SaltHash::default().isolation(), None);
+    assert!(crate::kv::hashing::SaltHash::new(Some("tenant"), None).isolation().is_some());
+}
+
 #[test]
 fn a_tokenizer_matching_added_tokens_after_normalization_encodes_prompts_whole() {
     let mut json: serde_json::Value =
