@@ -5,14 +5,21 @@
 //! socket for good, and enough of them would exhaust the process's descriptors (tonic then spins
 //! on a failing accept). So every accepted connection is [`Guarded`]: closed once it has sent
 //! nothing for [`SILENT_FOR`], and counted against a bound on the connections each listener
-//! holds, past which new ones are closed at once and counted. A live Fleet connection is never
-//! silent that long: the server pings every 10 s and the replica's HTTP/2 stack answers.
+//! holds (and, for the admin listener, each peer address), past which new ones are closed at
+//! once and counted. A live Fleet connection is never silent that long: the server pings every
+//! 10 s, idle or not, and the replica's HTTP/2 stack answers.
+//!
+//! A caller without a token can still hold connections that answer pings: the bounds cap what
+//! that costs (descriptors, memory), and an admin listener's few legitimate peers (a scraper,
+//! the kubelet's probes) keep room whatever one other address holds. Where callers must be kept
+//! out altogether, `control_plane.tls.client_ca` refuses them at the handshake.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -27,27 +34,33 @@ use crate::metrics::Metrics;
 
 /// A connection that sends nothing for this long is closed.
 pub const SILENT_FOR: Duration = Duration::from_secs(30);
-/// Connections the Fleet listener holds at once: a replica holds one, and the sessions are
-/// bounded at 1,024; the rest is room for tools and reconnects.
-pub const MAX_FLEET_CONNECTIONS: usize = 4096;
+/// Connections the Fleet listener holds at once: a replica holds two (its Watch stream, its
+/// lookups), and the sessions are bounded at 1,024; the rest is room for tools, reconnects and
+/// callers the bound makes pay for each connection they hold.
+pub const MAX_FLEET_CONNECTIONS: usize = 16_384;
 /// Connections the admin listener holds at once: operators, scrapers and probes.
 pub const MAX_ADMIN_CONNECTIONS: usize = 256;
+/// Connections one peer address may hold on the admin listener.
+pub const MAX_ADMIN_CONNECTIONS_PER_PEER: usize = 32;
 
 /// Why a connection was closed by its listener rather than by its peer or its server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Closed {
     /// The listener held its most connections already.
     Full,
+    /// The peer's address held its most connections on the listener already.
+    PeerFull,
     /// It sent nothing for [`SILENT_FOR`].
     Silent,
 }
 
 impl Closed {
-    pub const ALL: [Closed; 2] = [Closed::Full, Closed::Silent];
+    pub const ALL: [Closed; 3] = [Closed::Full, Closed::PeerFull, Closed::Silent];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Closed::Full => "full",
+            Closed::PeerFull => "peer_full",
             Closed::Silent => "silent",
         }
     }
@@ -57,6 +70,8 @@ impl Closed {
 #[derive(Debug, Clone)]
 pub struct Guard {
     slots: Arc<Semaphore>,
+    /// Connections held per peer address, when bounded ([`MAX_ADMIN_CONNECTIONS_PER_PEER`]).
+    peers: Option<(PeerCounts, usize)>,
     closed: IntCounterVec,
     listener: &'static str,
     silent_for: Duration,
@@ -67,7 +82,12 @@ impl Guard {
         for reason in Closed::ALL {
             closed.with_label_values(&[listener, reason.as_str()]);
         }
-        Self { slots: Arc::new(Semaphore::new(max_connections)), closed, listener, silent_for: SILENT_FOR }
+        Self { slots: Arc::new(Semaphore::new(max_connections)), peers: None, closed, listener, silent_for: SILENT_FOR }
+    }
+
+    /// At most `per_peer` connections from one address.
+    fn per_peer(self, per_peer: usize) -> Self {
+        Self { peers: Some((Arc::default(), per_peer)), ..self }
     }
 
     /// The Fleet gRPC listener's: [`MAX_FLEET_CONNECTIONS`].
@@ -78,6 +98,7 @@ impl Guard {
     /// The admin HTTP listener's: [`MAX_ADMIN_CONNECTIONS`].
     pub fn admin(metrics: &Metrics) -> Self {
         Self::new("admin", MAX_ADMIN_CONNECTIONS, metrics.connections_closed.clone())
+            .per_peer(MAX_ADMIN_CONNECTIONS_PER_PEER)
     }
 
     #[cfg(test)]
@@ -86,18 +107,33 @@ impl Guard {
         self
     }
 
-    /// Takes `stream` in if the listener has room; closes and counts it if not.
-    pub fn admit<S>(&self, stream: S) -> Option<Guarded<S>> {
+    /// Takes `stream`, from `peer`, in if the listener (and the peer's share of it) has room;
+    /// closes and counts it if not.
+    pub fn admit<S>(&self, stream: S, peer: IpAddr) -> Option<Guarded<S>> {
         let Ok(slot) = Arc::clone(&self.slots).try_acquire_owned() else {
             self.count(Closed::Full);
             return None;
+        };
+        let peer = match &self.peers {
+            None => None,
+            Some((counts, most)) => {
+                let mut held = counts.lock().unwrap_or_else(PoisonError::into_inner);
+                let count = held.entry(peer).or_default();
+                if *count >= *most {
+                    drop(held);
+                    self.count(Closed::PeerFull);
+                    return None;
+                }
+                *count += 1;
+                Some((Arc::clone(counts), peer))
+            }
         };
         Some(Guarded {
             inner: stream,
             silence: Box::pin(tokio::time::sleep(self.silent_for)),
             silent_for: self.silent_for,
             guard: self.clone(),
-            _slot: slot,
+            _slot: Slot { _permit: slot, peer },
         })
     }
 
@@ -114,7 +150,7 @@ impl Guard {
                     if let Err(error) = stream.set_nodelay(true) {
                         tracing::debug!(%error, "could not set TCP_NODELAY on an accepted connection");
                     }
-                    if let Some(guarded) = self.admit(stream) {
+                    if let Some(guarded) = self.admit(stream, peer.ip()) {
                         return (guarded, peer);
                     }
                 }
@@ -137,7 +173,30 @@ pub struct Guarded<S> {
     silence: Pin<Box<Sleep>>,
     silent_for: Duration,
     guard: Guard,
-    _slot: OwnedSemaphorePermit,
+    _slot: Slot,
+}
+
+type PeerCounts = Arc<Mutex<HashMap<IpAddr, usize>>>;
+
+/// A connection's place on its listener, and its peer's, given back when dropped.
+#[derive(Debug)]
+struct Slot {
+    _permit: OwnedSemaphorePermit,
+    peer: Option<(PeerCounts, IpAddr)>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some((held, peer)) = &self.peer {
+            let mut held = held.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(count) = held.get_mut(peer) {
+                *count -= 1;
+                if *count == 0 {
+                    held.remove(peer);
+                }
+            }
+        }
+    }
 }
 
 impl<S> Guarded<S> {
@@ -241,7 +300,7 @@ mod tests {
         let counter = closed();
         let guard = Guard::new("test", 4, counter.clone()).silent_after(Duration::from_millis(300));
         let (mut client, server) = pair(&listener).await?;
-        let mut server = guard.admit(server).expect("room");
+        let mut server = guard.admit(server, LOCAL).expect("room");
         let mut buf = [0u8; 16];
         for _ in 0..4 {
             tokio::time::sleep(Duration::from_millis(150)).await;
@@ -328,15 +387,34 @@ mod tests {
         let mut held = Vec::new();
         for _ in 0..2 {
             let (_client, server) = pair(&listener).await?;
-            held.push(guard.admit(server).expect("room"));
+            held.push(guard.admit(server, LOCAL).expect("room"));
         }
         let (mut refused_client, server) = pair(&listener).await?;
-        assert!(guard.admit(server).is_none());
+        assert!(guard.admit(server, LOCAL).is_none());
         assert_eq!(refused_client.read(&mut [0u8; 1]).await?, 0, "closed at once");
         assert_eq!(counter.with_label_values(&["test", "full"]).get(), 1);
         held.pop();
         let (_client, server) = pair(&listener).await?;
-        assert!(guard.admit(server).is_some(), "a slot given back");
+        assert!(guard.admit(server, LOCAL).is_some(), "a slot given back");
         Ok(())
     }
+
+    /// One address holding its share of a per-peer listener leaves room for the others, and
+    /// gets its share back as its connections close.
+    #[tokio::test]
+    async fn one_peer_cannot_take_a_per_peer_listener() {
+        let counter = closed();
+        let guard = Guard::new("test", 16, counter.clone()).per_peer(2);
+        let other: IpAddr = [10, 0, 0, 9].into();
+        let first = guard.admit((), LOCAL);
+        let second = guard.admit((), LOCAL);
+        assert!(first.is_some() && second.is_some());
+        assert!(guard.admit((), LOCAL).is_none(), "its share is taken");
+        assert_eq!(counter.with_label_values(&["test", "peer_full"]).get(), 1);
+        assert!(guard.admit((), other).is_some(), "another address still gets in");
+        drop(first);
+        assert!(guard.admit((), LOCAL).is_some(), "a closed connection gives its share back");
+    }
+
+    const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
 }

@@ -234,14 +234,15 @@ impl Fleet for FleetService {
                 "discovery has not produced a fleet view yet; keep the view held and retry",
             ));
         }
+        let mut inbound = request.into_inner();
+        let hello = self.read_hello(&mut inbound).await?;
+        // Taken once the hello came: a stream without one holds nothing past `HELLO_TIMEOUT`.
         let Ok(place) = Arc::clone(&self.streams).try_acquire_owned() else {
             self.metrics.watch_refused.with_label_values(&["too_many_streams"]).inc();
             return Err(Status::resource_exhausted(format!(
                 "the control plane holds {MAX_WATCH_STREAMS} Watch streams (some of sessions over, their clients reading nothing); retry later"
             )));
         };
-        let mut inbound = request.into_inner();
-        let hello = self.read_hello(&mut inbound).await?;
         tracing::info!(replica = %hello.replica_id, held = ?hello.version, "replica connected");
         let (tx, rx) = mpsc::channel(REPLICA_QUEUE_CAPACITY);
         // Says why, when the stream is ended for its token.

@@ -440,7 +440,12 @@ impl Session {
 /// Whether a failed read of the replica's stream was a message that could not be read (past
 /// the size bound, or not decodable), rather than the stream or its connection ending.
 fn unreadable(status: &Status) -> bool {
-    matches!(status.code(), tonic::Code::OutOfRange | tonic::Code::Internal | tonic::Code::InvalidArgument)
+    match status.code() {
+        tonic::Code::OutOfRange | tonic::Code::InvalidArgument => true,
+        // Also how tonic reports a stream reset by the peer's HTTP/2 stack: not a message.
+        tonic::Code::Internal => !status.message().starts_with("h2 protocol error"),
+        _ => false,
+    }
 }
 
 #[cfg(test)]

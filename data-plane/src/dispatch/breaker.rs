@@ -65,9 +65,13 @@ enum State {
         since: Instant,
     },
     /// Open, its cooldown cut short by a live liveness probe: the next request is the trial.
-    Trial,
+    Trial {
+        opened: Instant,
+    },
+    /// A trial request under way; `opened` is when the breaker last opened.
     HalfOpen {
         probe_sent: Instant,
+        opened: Instant,
     },
 }
 
@@ -87,9 +91,9 @@ impl Breaker {
     /// Whether a request sent now would be let through (without claiming a probe).
     pub fn usable(&self, now: Instant, settings: &BreakerSettings) -> bool {
         match self.state {
-            State::Closed { .. } | State::Trial => true,
+            State::Closed { .. } | State::Trial { .. } => true,
             State::Open { since } => now.saturating_duration_since(since) >= settings.cooldown,
-            State::HalfOpen { probe_sent } => now.saturating_duration_since(probe_sent) >= settings.cooldown,
+            State::HalfOpen { probe_sent, .. } => now.saturating_duration_since(probe_sent) >= settings.cooldown,
         }
     }
 
@@ -98,8 +102,11 @@ impl Breaker {
         if !self.usable(now, settings) {
             return false;
         }
-        if !matches!(self.state, State::Closed { .. }) {
-            self.state = State::HalfOpen { probe_sent: now };
+        match self.state {
+            State::Closed { .. } => {}
+            State::Open { since: opened } | State::Trial { opened } | State::HalfOpen { opened, .. } => {
+                self.state = State::HalfOpen { probe_sent: now, opened };
+            }
         }
         true
     }
@@ -115,14 +122,15 @@ impl Breaker {
     }
 
     /// A success answer's head arrived for a request `sent` then: the replica answers chat
-    /// completions, so a trial passed and a half-open breaker closes. Only the trial, or a
-    /// request sent after it: one sent before the breaker opened (still answering as it
-    /// trips) says nothing of the replica now. A closed breaker's count stands until the
-    /// exchange's body ends and its outcome is recorded: a replica that cuts every answer
-    /// under its head must still open it.
+    /// completions, so a trial passed and a half-open breaker closes: any request sent since
+    /// the breaker opened (a trial, even one a later trial replaced while its buffered answer
+    /// was generated), but not one sent before (still answering as it tripped), which says
+    /// nothing of the replica now. A closed breaker's count stands until the exchange's body
+    /// ends and its outcome is recorded: a replica that cuts every answer under its head must
+    /// still open it.
     pub fn on_head(&mut self, sent: Instant) {
-        if let State::HalfOpen { probe_sent } = self.state
-            && sent >= probe_sent
+        if let State::HalfOpen { opened, .. } | State::Trial { opened } = self.state
+            && sent >= opened
         {
             self.state = State::Closed { failures: 0 };
         }
@@ -142,8 +150,8 @@ impl Breaker {
     /// replica's HTTP server alive, not that it answers chat completions (a replica whose
     /// answers time out answers `/live` all the same), so it closes nothing itself.
     pub fn end_cooldown(&mut self) {
-        if matches!(self.state, State::Open { .. }) {
-            self.state = State::Trial;
+        if let State::Open { since } = self.state {
+            self.state = State::Trial { opened: since };
         }
     }
 
@@ -153,14 +161,14 @@ impl Breaker {
                 State::Closed { failures: failures + 1 }
             }
             State::Open { since } => State::Open { since },
-            State::Closed { .. } | State::Trial | State::HalfOpen { .. } => State::Open { since: now },
+            State::Closed { .. } | State::Trial { .. } | State::HalfOpen { .. } => State::Open { since: now },
         };
     }
 
     pub fn state(&self) -> BreakerState {
         match self.state {
             State::Closed { .. } => BreakerState::Closed,
-            State::Trial | State::HalfOpen { .. } => BreakerState::HalfOpen,
+            State::Trial { .. } | State::HalfOpen { .. } => BreakerState::HalfOpen,
             State::Open { .. } => BreakerState::Open,
         }
     }
@@ -386,8 +394,11 @@ mod tests {
         failed(&mut breaker, 1, now);
         assert_eq!(breaker.state(), BreakerState::Open, "three failures in a row, heads between");
         assert!(breaker.admit(now + SETTINGS.cooldown, &SETTINGS), "the trial");
-        breaker.on_head(now);
-        assert_eq!(breaker.state(), BreakerState::HalfOpen, "a request sent before the trial says nothing");
+        breaker.on_head(now - Duration::from_secs(1));
+        assert_eq!(breaker.state(), BreakerState::HalfOpen, "a request sent before it opened says nothing");
+        // A trial whose buffered answer took longer than a cooldown, replaced by a second trial
+        // meanwhile, still closes it: it was sent after the breaker opened.
+        assert!(breaker.admit(now + SETTINGS.cooldown * 2, &SETTINGS), "a second trial");
         breaker.on_head(now + SETTINGS.cooldown);
         assert_eq!(breaker.state(), BreakerState::Closed);
 

@@ -21,9 +21,10 @@ use crate::routing::picker::RankOverlap;
 pub const RECENT_FOR: Duration = Duration::from_secs(5);
 /// Prefix keys held at once; the oldest go first.
 pub const MAX_RECENT: usize = 8192;
-/// Ranks the kept answers name at once, counted per key (24 bytes each: 24 MiB at most): an
-/// answer may name thousands of ranks (a fleet whose every rank holds a shared system prompt),
-/// and the key bound alone would let 8,192 of them hold gigabytes.
+/// Ranks the kept answers name at once, each answer counted once however many keys it is kept
+/// under (24 bytes a rank: 24 MiB at most): an answer may name thousands of ranks (a fleet
+/// whose every rank holds a shared system prompt), and the key bound alone would let 8,192 of
+/// them hold gigabytes.
 pub const MAX_HELD_RANKS: usize = 1 << 20;
 /// Besides under its whole prompt, an answer is kept under every this many blocks of it, so a
 /// request sharing only a leading part (another user of the same system prompt) finds it.
@@ -39,7 +40,8 @@ struct Inner {
     by_prefix: HashMap<u64, Entry>,
     /// Insertion order, for eviction; a key re-inserted later is skipped when its old turn comes.
     order: VecDeque<(u64, Instant)>,
-    /// The ranks the entries' answers name, summed over the entries ([`MAX_HELD_RANKS`]).
+    /// The ranks the entries' answers name, summed over the distinct answers
+    /// ([`MAX_HELD_RANKS`]).
     held_ranks: usize,
 }
 
@@ -66,14 +68,16 @@ impl RecentAnswers {
             .map(|(key, blocks)| (key, u32::try_from(blocks).unwrap_or(u32::MAX)))
             .collect();
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        inner.held_ranks += answer.len();
         for (key, blocks) in kept {
-            inner.held_ranks += answer.len();
-            if let Some(replaced) = inner.by_prefix.insert(key, Entry { at: now, blocks, answer: Arc::clone(&answer) })
-            {
-                inner.held_ranks -= replaced.answer.len();
+            let entry = Entry { at: now, blocks, answer: Arc::clone(&answer) };
+            if let Some(replaced) = inner.by_prefix.insert(key, entry) {
+                inner.forget(&replaced);
             }
             inner.order.push_back((key, now));
         }
+        // Its last holders are the entries now: an evicted one can tell it is the last.
+        drop(answer);
         inner.evict(now);
     }
 
@@ -92,6 +96,13 @@ impl RecentAnswers {
 }
 
 impl Inner {
+    /// An entry taken out: its answer's ranks no longer count once no other entry holds it.
+    fn forget(&mut self, entry: &Entry) {
+        if Arc::strong_count(&entry.answer) == 1 {
+            self.held_ranks -= entry.answer.len();
+        }
+    }
+
     fn evict(&mut self, now: Instant) {
         while let Some(&(key, at)) = self.order.front() {
             let bounded = self.by_prefix.len() <= MAX_RECENT
@@ -104,7 +115,7 @@ impl Inner {
             if self.by_prefix.get(&key).is_some_and(|entry| entry.at == at)
                 && let Some(removed) = self.by_prefix.remove(&key)
             {
-                self.held_ranks -= removed.answer.len();
+                self.forget(&removed);
             }
         }
     }
@@ -174,11 +185,28 @@ mod tests {
         }
         {
             let inner = recent.inner.lock().expect("unpoisoned");
-            let named: usize = inner.by_prefix.values().map(|entry| entry.answer.len()).sum();
+            let mut distinct: Vec<&Arc<[RankOverlap]>> = inner.by_prefix.values().map(|entry| &entry.answer).collect();
+            distinct.sort_by_key(|answer| Arc::as_ptr(answer).cast::<u8>());
+            distinct.dedup_by(|a, b| Arc::ptr_eq(a, b));
+            let named: usize = distinct.iter().map(|answer| answer.len()).sum();
             assert!(named <= MAX_HELD_RANKS && named == inner.held_ranks, "{named} ranks held");
         }
         assert_eq!(recent.recall(&[1023], t0).map(|answer| answer.len()), Some(8192), "the newest stands in");
         assert!(recent.recall(&[0], t0).is_none(), "the oldest went");
+    }
+
+    /// An answer kept under many prefixes of a long prompt counts once: its shorter prefixes
+    /// stand in as its whole does.
+    #[test]
+    fn an_answer_kept_under_many_prefixes_counts_its_ranks_once() {
+        let recent = RecentAnswers::default();
+        let t0 = Instant::now();
+        let many: Vec<RankOverlap> =
+            (0..4096).map(|id| RankOverlap { instance_id: id, dp_rank: 0, blocks: 16, active: 0 }).collect();
+        let prompt = chain(0..8192);
+        recent.remember(&prompt, &many, t0);
+        assert_eq!(recent.inner.lock().expect("unpoisoned").held_ranks, 4096);
+        assert_eq!(recent.recall(&prompt[..16], t0).map(|answer| answer.len()), Some(4096), "a short prefix stands in");
     }
 
     #[test]
