@@ -286,10 +286,15 @@ impl ShimHealth {
     /// A success answer's head arrived ([`Breaker::on_head`]); its body's end records the
     /// exchange's outcome.
     pub fn head_arrived(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
+        self.answering(name, url, now, |breaker| breaker.on_head(sent));
+    }
+
+    /// The replica answered at `now`, which `answer` tells its breaker.
+    fn answering(&self, name: &str, url: &str, now: Instant, answer: impl FnOnce(&mut Breaker)) {
         self.with(name, url, |r, _| {
             r.answered_at = Some(now);
             let before = r.breaker.state();
-            r.breaker.on_head(sent);
+            answer(&mut r.breaker);
             if before != r.breaker.state() {
                 tracing::info!(backend = name, ?before, "shim replica answered its trial request; breaker closed");
             }
@@ -309,14 +314,7 @@ impl ShimHealth {
 
     /// A whole answer other than a success ([`Breaker::on_answered`]).
     pub fn answered(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
-        self.with(name, url, |r, _| {
-            r.answered_at = Some(now);
-            let before = r.breaker.state();
-            r.breaker.on_answered(sent);
-            if before != r.breaker.state() {
-                tracing::info!(backend = name, ?before, "shim replica answered its trial request; breaker closed");
-            }
-        });
+        self.answering(name, url, now, |breaker| breaker.on_answered(sent));
     }
 
     /// The replica failed a request (no connection, no answer, a gateway's, a body cut short).

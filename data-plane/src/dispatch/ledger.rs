@@ -386,73 +386,42 @@ mod tests {
         assert!(ejected(6), "the decode rank of streams past the bound is out all the same");
     }
 
-    /// A request answered whole shows no first token: the leg that prefills it says so, in its
-    /// report and again in a replay on a new stream, so the control plane does not count its
-    /// prompt until the end.
+    /// The leg that prefills a request says two things in its report, and again in a replay on
+    /// a new stream: that its answer comes whole (no first token will say its prompt is done,
+    /// so the control plane does not count the prompt until the end), and that it may stall its
+    /// rank (it receives the request at once, and the request has two blocks or more: the stall
+    /// rule, fleet-wide). A pair's decode leg says neither: it has no prompt to wait on, and
+    /// receives the request only after the prefill.
     #[tokio::test]
-    async fn a_buffered_requests_prefilling_leg_is_reported_buffered_and_replayed_so() {
+    async fn the_leg_that_prefills_says_whether_its_answer_comes_whole_and_whether_it_may_stall() {
         let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
         let mut rx = reporter.attached_receiver().expect("receiver");
         let ledger = Arc::new(DispatchLedger::new());
         let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
         let paired =
             Selection { prefill: Some(Pin { worker: WorkerKey::new("dynamo", 1), dp_rank: None }), ..aggregated() };
-        let mut buffered = |selection: &Selection, buffered| {
-            let end = DispatchEnd::record(&ledger, &reporter, &view, selection, 160, &PromptChain::default(), buffered);
+        let mut record = |selection: &Selection, prompt_tokens, buffered| {
+            let chain = PromptChain::default();
+            let end = DispatchEnd::record(&ledger, &reporter, &view, selection, prompt_tokens, &chain, buffered);
             let first = rx.try_recv().expect("an operation");
-            let flags: Vec<bool> = batch(first, &mut rx).started.iter().map(|s| s.buffered).collect();
+            let started = batch(first, &mut rx).started;
+            let flags: Vec<(bool, bool)> = started.iter().map(|s| (s.buffered, s.may_stall)).collect();
             (end, flags)
         };
-        let (_paired, flags) = buffered(&paired, true);
-        assert_eq!(flags, [true, false], "the prefill worker's leg; the decode leg has no prompt to wait on");
-        let (_aggregated, flags) = buffered(&aggregated(), true);
-        assert_eq!(flags, [true]);
-        let (_streamed, flags) = buffered(&aggregated(), false);
-        assert_eq!(flags, [false]);
+        let (_paired, flags) = record(&paired, 160, true);
+        assert_eq!(flags, [(true, true), (false, false)], "the prefill worker's leg only");
+        let (_aggregated, flags) = record(&aggregated(), 160, true);
+        assert_eq!(flags, [(true, true)]);
+        let (_streamed, flags) = record(&aggregated(), 32, false);
+        assert_eq!(flags, [(false, true)]);
+        let (_small, flags) = record(&aggregated(), 16, false);
+        assert_eq!(flags, [(false, false)], "one block never stalls");
 
         let ids = ledger.dispatches_before(u64::MAX);
         let (_, replayed) = ledger.replay_legs(&ids, usize::MAX, 1000, u64::MAX, Instant::now());
-        let flags: Vec<bool> = replayed.iter().map(|leg| leg.buffered).collect();
-        assert_eq!(flags, [true, false, true, false], "a replay says it again");
-    }
-
-    /// The leg that receives the request at once (an aggregated rank, or a pair's prefill rank)
-    /// may stall its rank when the request has two blocks or more, for the control plane to
-    /// apply the stall rule fleet-wide; the decode leg of a pair never does. A replay says so
-    /// again until the first token answers it.
-    #[tokio::test]
-    async fn the_leg_that_receives_a_request_of_two_blocks_at_once_is_reported_as_able_to_stall() {
-        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
-        let mut rx = reporter.attached_receiver().expect("receiver");
-        let ledger = Arc::new(DispatchLedger::new());
-        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
-        let paired =
-            Selection { prefill: Some(Pin { worker: WorkerKey::new("dynamo", 1), dp_rank: None }), ..aggregated() };
-        let mut may_stall = |selection: &Selection, prompt_tokens| {
-            let end = DispatchEnd::record(
-                &ledger,
-                &reporter,
-                &view,
-                selection,
-                prompt_tokens,
-                &PromptChain::default(),
-                false,
-            );
-            let first = rx.try_recv().expect("an operation");
-            let flags: Vec<bool> = batch(first, &mut rx).started.iter().map(|s| s.may_stall).collect();
-            (end, flags)
-        };
-        let (_paired, flags) = may_stall(&paired, 160);
-        assert_eq!(flags, [true, false], "the prefill worker's leg; the decode leg receives it after the prefill");
-        let (_aggregated, flags) = may_stall(&aggregated(), 32);
-        assert_eq!(flags, [true]);
-        let (_small, flags) = may_stall(&aggregated(), 16);
-        assert_eq!(flags, [false], "one block");
-
-        let ids = ledger.dispatches_before(u64::MAX);
-        let (_, replayed) = ledger.replay_legs(&ids, usize::MAX, 1000, u64::MAX, Instant::now());
-        let flags: Vec<bool> = replayed.iter().map(|leg| leg.may_stall).collect();
-        assert_eq!(flags, [true, false, true, false], "a replay says it again");
+        let flags: Vec<(bool, bool)> = replayed.iter().map(|leg| (leg.buffered, leg.may_stall)).collect();
+        let again = [(true, true), (false, false), (true, true), (false, true), (false, false)];
+        assert_eq!(flags, again, "a replay says it again");
     }
 
     /// After a new stream opens, a rank whose newest leg was not replayed (its prefill over, its
