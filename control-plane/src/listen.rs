@@ -50,18 +50,22 @@ pub enum Closed {
     Full,
     /// The peer's address held its most connections on the listener already.
     PeerFull,
-    /// It sent nothing for [`SILENT_FOR`].
+    /// It sent nothing at all for [`SILENT_FOR`] (no HTTP/2 preface, no request).
     Silent,
+    /// It sent nothing more for [`SILENT_FOR`] (a keep-alive connection between requests, or
+    /// a request head never finished): as a server closes an idle connection.
+    Idle,
 }
 
 impl Closed {
-    pub const ALL: [Closed; 3] = [Closed::Full, Closed::PeerFull, Closed::Silent];
+    pub const ALL: [Closed; 4] = [Closed::Full, Closed::PeerFull, Closed::Silent, Closed::Idle];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Closed::Full => "full",
             Closed::PeerFull => "peer_full",
             Closed::Silent => "silent",
+            Closed::Idle => "idle",
         }
     }
 }
@@ -132,6 +136,7 @@ impl Guard {
             inner: stream,
             silence: Box::pin(tokio::time::sleep(self.silent_for)),
             silent_for: self.silent_for,
+            heard: false,
             guard: self.clone(),
             _slot: Slot { _permit: slot, peer },
         })
@@ -172,6 +177,8 @@ pub struct Guarded<S> {
     inner: S,
     silence: Pin<Box<Sleep>>,
     silent_for: Duration,
+    /// Whether the peer has sent anything yet.
+    heard: bool,
     guard: Guard,
     _slot: Slot,
 }
@@ -212,10 +219,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
             Poll::Ready(Ok(())) if buf.filled().len() > before => {
                 let deadline = Instant::now() + self.silent_for;
                 self.silence.as_mut().reset(deadline);
+                self.heard = true;
                 Poll::Ready(Ok(()))
             }
             Poll::Pending if self.silence.as_mut().poll(cx).is_ready() => {
-                self.guard.count(Closed::Silent);
+                self.guard.count(if self.heard { Closed::Idle } else { Closed::Silent });
                 Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the peer sent nothing for too long")))
             }
             other => other,
@@ -309,7 +317,7 @@ mod tests {
         }
         let silent = server.read(&mut buf).await;
         assert_eq!(silent.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
-        assert_eq!(counter.with_label_values(&["test", "silent"]).get(), 1);
+        assert_eq!(counter.with_label_values(&["test", "idle"]).get(), 1);
         Ok(())
     }
 
@@ -366,7 +374,7 @@ mod tests {
         let mut stuck = TcpStream::connect(admin_addr).await?;
         stuck.write_all(b"GET / HTTP/1.1\r\n").await?;
         assert!(closed_within(&mut stuck, Duration::from_secs(5)).await, "a head never finished: closed");
-        assert_eq!(silent("silent", "admin"), 1);
+        assert_eq!(silent("idle", "admin"), 1);
         // A whole request is answered as ever.
         let mut asking = TcpStream::connect(admin_addr).await?;
         asking.write_all(b"GET / HTTP/1.1\r\nhost: cp\r\nconnection: close\r\n\r\n").await?;

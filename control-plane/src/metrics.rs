@@ -148,7 +148,7 @@ impl Metrics {
             connections_closed: IntCounterVec::new(
                 Opts::new(
                     "continuum_connections_closed_total",
-                    "Connections a listener closed itself, by listener (fleet, admin) and reason: full (its most connections held already) or silent (nothing sent for 30 s)",
+                    "Connections a listener closed itself, by listener (fleet, admin) and reason: full (its most connections held already), peer_full (its address held its most), silent (nothing sent at all for 30 s) or idle (nothing more for 30 s)",
                 ),
                 &["listener", "reason"],
             )?,
