@@ -329,6 +329,29 @@ async fn a_message_past_the_bound_ends_the_stream_with_its_reason() -> anyhow::R
     Ok(())
 }
 
+/// A lookup whose request never comes whole is given up after the call timeout, not held for
+/// as long as its connection lives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_request_never_comes_whole_is_given_up() -> anyhow::Result<()> {
+    use continuum_control_plane::grpc::CALL_TIMEOUT;
+
+    let control = TestControlPlane::start(publisher()).await?;
+    let channel = tonic::transport::Endpoint::from_shared(control.url())?.connect().await?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await?;
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static("/continuum.fleet.v1.Fleet/FindMatches");
+    let codec = tonic_prost::ProstCodec::<pb::FindMatchesRequest, pb::FindMatchesResponse>::default();
+    // A request stream that never yields: the server waits on a body that never comes.
+    let never = futures::stream::pending::<pb::FindMatchesRequest>();
+    let started = std::time::Instant::now();
+    let call = grpc.client_streaming(tonic::Request::new(never), path, codec);
+    let outcome = tokio::time::timeout(CALL_TIMEOUT * 2, call).await?;
+    assert!(outcome.is_err(), "given up, not answered");
+    assert!(started.elapsed() >= CALL_TIMEOUT - Duration::from_secs(1), "after the call timeout");
+    control.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn get_snapshot_returns_the_published_view() -> anyhow::Result<()> {
     let publisher = FleetPublisher::starting_at(41, Arc::new(DataPlaneConfig::default()));

@@ -34,6 +34,12 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// message's memory until it is answered.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 
+/// A call's handler must have its answer (its head, for a stream) within this: a lookup or a
+/// snapshot whose request body stops short of its length would otherwise hold the call, and
+/// the bytes it sent, for as long as its connection lives. Longer than [`HELLO_TIMEOUT`], which
+/// a Watch handler waits at most before it answers with its stream.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("building gRPC reflection from the embedded descriptors failed: {0}")]
@@ -65,6 +71,7 @@ pub async fn serve(
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .timeout(CALL_TIMEOUT)
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
