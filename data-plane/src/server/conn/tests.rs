@@ -1,0 +1,226 @@
+use tokio::net::TcpListener;
+
+use super::*;
+
+#[test]
+fn a_body_is_held_in_no_more_room_than_it_is_charged_for() {
+    let mut grown = BytesMut::new();
+    for _ in 0..=(4 << 20) / 4096 {
+        grown.extend_from_slice(&[b'x'; 4096]);
+    }
+    assert!(grown.capacity() >= 2 * grown.len() - (8 << 10), "grown by doubling: {}", grown.capacity());
+    let len = grown.len();
+    let held = fitted(grown);
+    assert_eq!(held.len(), len);
+    // A `Bytes` frozen from a vector keeps the vector's capacity: what `try_into_mut` gets back.
+    let room = held.try_into_mut().map(|body| body.capacity()).ok();
+    assert!(room.is_some_and(|room| room <= len + FREE_BYTES), "{room:?} held for {len}");
+    let small = BytesMut::from(&b"{}"[..]);
+    assert_eq!(fitted(small), Bytes::from_static(b"{}"));
+}
+
+#[test]
+fn a_chunked_body_holds_no_more_room_than_it_is_charged_for() {
+    static BUDGET: Budget = Budget::new(64 << 20);
+    let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+    // Chunks of an odd size, so that the body passes each power of two by a little.
+    let chunk = [b'x'; 8191];
+    while body.len() + chunk.len() <= MAX_REQUEST_BODY_BYTES {
+        assert!(append_charged(&mut body, &chunk, (&BUDGET, &mut charge)));
+        assert!(
+            body.capacity() <= BUDGET.charged().max(FREE_BYTES),
+            "{} held, {} charged",
+            body.capacity(),
+            BUDGET.charged()
+        );
+    }
+    assert!(body.capacity() <= MAX_REQUEST_BODY_BYTES, "never past the largest body: {}", body.capacity());
+    assert!(body.iter().all(|b| *b == b'x'));
+    drop((body, charge));
+    assert_eq!(BUDGET.charged(), 0);
+
+    // Whole, a body just past a power of two lets go of its spare room, and of the charge
+    // for it.
+    let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+    while body.len() <= 4 << 20 {
+        assert!(append_charged(&mut body, &chunk, (&BUDGET, &mut charge)));
+    }
+    let (len, charged) = (body.len(), BUDGET.charged());
+    assert!(charged > len + (1 << 20), "{charged} charged for {len} while growing");
+    let held = fitted(body);
+    Budget::shrink(&mut charge, held.len() + FREE_BYTES);
+    assert!(BUDGET.charged() <= len + FREE_BYTES, "{} charged for {len}", BUDGET.charged());
+    drop(charge);
+    assert_eq!(BUDGET.charged(), 0);
+
+    // Past the budget's room: refused, the body as it was.
+    static SMALL: Budget = Budget::new(FREE_BYTES * 2);
+    let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+    while append_charged(&mut body, &chunk, (&SMALL, &mut charge)) {}
+    assert!(body.len() <= FREE_BYTES * 2 && SMALL.charged() <= FREE_BYTES * 2);
+    let len = body.len();
+    assert!(!append_charged(&mut body, &chunk, (&SMALL, &mut charge)));
+    assert_eq!(body.len(), len);
+}
+
+/// A client that reads nothing: the first writes fill the sockets' buffers, then the
+/// deadline (on the paused clock, which jumps ahead while the runtime idles) ends the wait.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_stops_reading_is_not_waited_on() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let _reader_that_never_reads = TcpStream::connect(listener.local_addr()?).await?;
+    let (mut server, _) = listener.accept().await?;
+    let chunk = vec![b'x'; 1 << 20];
+    let started = tokio::time::Instant::now();
+    let outcome = loop {
+        if let Err(error) = write_unless_stalled(&mut server, &chunk).await {
+            break error;
+        }
+    };
+    assert_eq!(outcome.kind(), io::ErrorKind::TimedOut);
+    assert!(started.elapsed() >= WRITE_STALL_TIMEOUT, "it waited out the deadline first");
+    Ok(())
+}
+
+/// A client that reads a little now and then, never pausing for the stall timeout, is
+/// still dropped once it falls below the minimum rate.
+#[tokio::test(start_paused = true)]
+async fn a_client_that_barely_reads_is_not_waited_on() -> io::Result<()> {
+    const BUFFER: u32 = 16 << 10;
+    let listener = tokio::net::TcpSocket::new_v4()?;
+    listener.set_send_buffer_size(BUFFER)?;
+    listener.bind("127.0.0.1:0".parse().map_err(io::Error::other)?)?;
+    let listener = listener.listen(1)?;
+    let client = tokio::net::TcpSocket::new_v4()?;
+    client.set_recv_buffer_size(BUFFER)?;
+    let mut client = client.connect(listener.local_addr()?).await?;
+    let (mut server, _) = listener.accept().await?;
+    let trickle = tokio::spawn(async move {
+        let mut buffer = vec![0; 64 << 10];
+        while client.read(&mut buffer).await.is_ok_and(|n| n > 0) {
+            tokio::time::sleep(WRITE_STALL_TIMEOUT / 4).await;
+        }
+    });
+    let answer = vec![b'x'; 8 << 20];
+    let started = tokio::time::Instant::now();
+    let outcome = write_unless_stalled(&mut server, &answer).await;
+    assert_eq!(outcome.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
+    let allowed = write_time(answer.len());
+    assert!(started.elapsed() >= allowed - WRITE_STALL_TIMEOUT / 4, "{:?} of {allowed:?}", started.elapsed());
+    assert!(started.elapsed() <= allowed, "{:?} of {allowed:?}", started.elapsed());
+    trickle.abort();
+    Ok(())
+}
+
+/// A body's last read takes little past it: a client that sends megabytes behind its body
+/// does not get them read (uncharged) into the buffer while its response runs.
+#[tokio::test]
+async fn a_bodys_reads_stop_a_read_past_its_end() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let body = 100 << 10;
+    let mut request =
+        format!("POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {body}\r\n\r\n").into_bytes();
+    request.extend(std::iter::repeat_n(b'x', body + (1 << 20)));
+    let sending = tokio::spawn(async move {
+        let _ = client.write_all(&request).await;
+        client
+    });
+    // Everything is sent (or sits in the sockets' buffers) before the server reads.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let mut conn = Connection::new(server);
+    let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    assert_eq!(read.len(), body);
+    assert!(conn.read.len() <= READ_CHUNK, "{} bytes read past the body", conn.read.len());
+    sending.abort();
+    Ok(())
+}
+
+/// A request with a large head grows the connection's read buffer; once it is read, the
+/// buffer is let go, so the idle connection that follows holds no more than a fresh one.
+#[tokio::test]
+async fn a_large_request_head_leaves_no_large_buffer_behind() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let filler = "x".repeat(40 << 10);
+    let request = format!("POST /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ncontent-length: 2\r\n\r\n{{}}");
+    client.write_all(request.as_bytes()).await?;
+    let mut conn = Connection::new(server);
+    let Ok((_, body, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    assert_eq!(&body[..], b"{}");
+    assert!(conn.read.is_empty());
+    assert!(!conn.read.try_reclaim(READ_CHUNK + 1), "the 40 KiB the head took is given back");
+    Ok(())
+}
+
+/// A head that arrives in two parts doubles the read buffer past the kept size though the
+/// request is smaller: the buffer is let go all the same.
+#[tokio::test]
+async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_buffer_behind() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let filler = "x".repeat(KEPT_READ_CAPACITY - (2 << 10));
+    let head = format!("GET /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\n");
+    client.write_all(head.as_bytes()).await?;
+    let mut conn = Connection::new(server);
+    while conn.read.len() < head.len() {
+        conn.fill().await?;
+    }
+    client.write_all(format!("x-more: {}\r\n\r\n", "y".repeat(1 << 10)).as_bytes()).await?;
+    let Ok((head, _, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    assert_eq!(head.target, "/v1/models");
+    assert!(!conn.read.try_reclaim(KEPT_READ_CAPACITY + 1), "the doubled buffer is given back");
+    Ok(())
+}
+
+/// A body announced by its length and sent in part holds no more than it is charged for.
+#[tokio::test]
+async fn a_body_uploading_is_held_in_no_more_room_than_it_is_charged_for() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let length = (4 << 20) + (64 << 10);
+    client
+        .write_all(
+            format!("POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {length}\r\n\r\n").as_bytes(),
+        )
+        .await?;
+    let writer = tokio::spawn(async move {
+        let chunk = vec![b' '; 64 << 10];
+        let mut sent = 0;
+        while sent < length - 1 {
+            let n = chunk.len().min(length - 1 - sent);
+            client.write_all(&chunk[..n]).await?;
+            sent += n;
+        }
+        Ok::<_, io::Error>(client)
+    });
+    let mut conn = Connection::new(server);
+    let cancel = CancellationToken::new();
+    let read = tokio::time::timeout(Duration::from_secs(2), conn.read_request(&cancel, false));
+    assert!(read.await.is_err(), "the body's last byte never came");
+    let _client = writer.await.map_err(io::Error::other)??;
+    assert_eq!(conn.read.len(), length - 1, "every byte sent was read");
+    assert!(conn.read.capacity() <= length + READ_CHUNK, "{} held for a body of {length}", conn.read.capacity());
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_reading_client_gets_every_byte() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (mut server, _) = listener.accept().await?;
+    let sent: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
+    let reading = tokio::spawn(async move {
+        let mut received = Vec::new();
+        client.read_to_end(&mut received).await.map(|_| received)
+    });
+    write_unless_stalled(&mut server, &sent).await?;
+    drop(server);
+    let received = reading.await.map_err(io::Error::other)??;
+    assert!(received == sent, "{} bytes of {} arrived, in order", received.len(), sent.len());
+    Ok(())
+}
