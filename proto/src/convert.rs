@@ -457,17 +457,7 @@ mod tests {
     #[test]
     fn a_backlog_crosses_the_wire_whole() {
         let key = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 1 };
-        let backlog = Backlog {
-            prefill_tokens: 100,
-            decode_blocks: 7,
-            dispatches: 2,
-            foreign_decode_blocks: Some(4),
-            ending_decode_blocks: 3,
-            prefilled_tokens: 60,
-            last_dispatch: 9,
-            foreign_prefill_tokens: Some(20),
-            stalled: true,
-        };
+        let backlog = crate::model::every_field_backlog();
         assert_eq!(backlog_from_wire(backlog_to_wire(&key, &backlog)), Ok((key, backlog)));
     }
 

@@ -266,6 +266,22 @@ pub struct Backlog {
     pub stalled: bool,
 }
 
+/// A backlog with every field set, none to its default (tests).
+#[cfg(test)]
+pub(crate) fn every_field_backlog() -> Backlog {
+    Backlog {
+        prefill_tokens: 100,
+        decode_blocks: 7,
+        dispatches: 2,
+        foreign_decode_blocks: Some(4),
+        ending_decode_blocks: 3,
+        prefilled_tokens: 60,
+        last_dispatch: 9,
+        foreign_prefill_tokens: Some(20),
+        stalled: true,
+    }
+}
+
 /// Which of one replica's reported operations the fleet-wide backlogs hold: `first_op`
 /// through `last_op`. A replica numbers its operations (a dispatch recorded, its first token,
 /// its end) in the order it performs them; those outside the range are its own to add.

@@ -159,17 +159,7 @@ proptest! {
 
 #[test]
 fn removing_a_worker_drops_its_backlog() {
-    let backlog = Backlog {
-        prefill_tokens: 100,
-        decode_blocks: 7,
-        dispatches: 2,
-        foreign_decode_blocks: Some(4),
-        ending_decode_blocks: 3,
-        prefilled_tokens: 60,
-        foreign_prefill_tokens: Some(20),
-        last_dispatch: 9,
-        stalled: true,
-    };
+    let backlog = crate::model::every_field_backlog();
     let view = FleetView::default()
         .apply(&FleetDelta { upserted: vec![worker(1, 1)], backlogs: vec![(load_key(1, 0), backlog)], ..delta(0) })
         .unwrap();
