@@ -150,8 +150,7 @@ impl ControlPlane {
         let (shutdown, serving_tls) = (cancel.clone(), tls.clone());
         let (fleet_guard, admin_guard) = (Guard::fleet(&metrics), Guard::admin(&metrics));
         tasks.push(tokio::spawn(async move {
-            let guard = fleet_guard;
-            if let Err(error) = grpc::serve((grpc_listener, guard), service, serving_tls, shutdown).await {
+            if let Err(error) = grpc::serve((grpc_listener, fleet_guard), service, serving_tls, shutdown).await {
                 tracing::error!(%error, "Fleet gRPC server stopped");
             }
         }));

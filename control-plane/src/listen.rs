@@ -135,7 +135,6 @@ impl Guard {
         Some(Guarded {
             inner: stream,
             silence: Box::pin(tokio::time::sleep(self.silent_for)),
-            silent_for: self.silent_for,
             heard: false,
             guard: self.clone(),
             _slot: Slot { _permit: slot, peer },
@@ -176,7 +175,6 @@ impl Guard {
 pub struct Guarded<S> {
     inner: S,
     silence: Pin<Box<Sleep>>,
-    silent_for: Duration,
     /// Whether the peer has sent anything yet.
     heard: bool,
     guard: Guard,
@@ -217,7 +215,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
         let before = buf.filled().len();
         match Pin::new(&mut self.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) if buf.filled().len() > before => {
-                let deadline = Instant::now() + self.silent_for;
+                let deadline = Instant::now() + self.guard.silent_for;
                 self.silence.as_mut().reset(deadline);
                 self.heard = true;
                 Poll::Ready(Ok(()))

@@ -276,7 +276,6 @@ fn carries_event(data: &[u8]) -> bool {
     })
 }
 
-/// Whether an unfinished event is the stream's closing `data: [DONE]` line.
 /// Whether the last line of whole events is the closing `data: [DONE]`.
 fn ends_with_done_marker(events: &[u8]) -> bool {
     let events = events.trim_ascii_end();
@@ -284,6 +283,7 @@ fn ends_with_done_marker(events: &[u8]) -> bool {
     is_done_marker(last)
 }
 
+/// Whether an unfinished event is the stream's closing `data: [DONE]` line.
 fn is_done_marker(unfinished: &[u8]) -> bool {
     let line = unfinished.trim_ascii_end();
     line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start() == b"[DONE]")

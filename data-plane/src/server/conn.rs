@@ -389,9 +389,7 @@ impl Connection {
             return;
         }
         let capacity = (2 * len).max(len + READ_CHUNK).min(most.max(len + READ_CHUNK / 4));
-        let mut grown = BytesMut::with_capacity(capacity);
-        grown.extend_from_slice(&self.read);
-        self.read = grown;
+        reallocate(&mut self.read, capacity);
     }
 
     /// Reads what has arrived; the client closing is an error here (a request was expected).
@@ -589,12 +587,18 @@ fn append_charged(body: &mut BytesMut, data: &[u8], (budget, charge): (&'static 
         if !budget.grow(charge, capacity) {
             return false;
         }
-        let mut grown = BytesMut::with_capacity(capacity);
-        grown.extend_from_slice(body);
-        *body = grown;
+        reallocate(body, capacity);
     }
     body.extend_from_slice(data);
     true
+}
+
+/// Moves `buffer` into an allocation of exactly `capacity` (at least its length): `BytesMut`'s
+/// own growth doubles, past any bound the caller keeps.
+fn reallocate(buffer: &mut BytesMut, capacity: usize) {
+    let mut grown = BytesMut::with_capacity(capacity);
+    grown.extend_from_slice(buffer);
+    *buffer = grown;
 }
 
 /// A body grown by doubling, as it will be held: one just past a power of two would hold
