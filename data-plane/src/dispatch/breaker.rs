@@ -16,9 +16,10 @@
 //! reopens the breaker. A probe that never reports (its request was cancelled) is replaced by
 //! another once a further cooldown has passed.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
+
+use continuum_proto::fast_hash::FastMap;
 
 /// Consecutive failures that open a replica's breaker.
 pub const FAILURE_THRESHOLD: u32 = 5;
@@ -219,12 +220,13 @@ impl ShimExchange {
     }
 }
 
-/// The breakers and probe verdicts of every shim replica, by backend name. A backend whose URL
-/// changed on reload starts over, closed and up.
+/// The breakers and probe verdicts of every shim replica, by backend name (the operator's
+/// configuration names them, so a fast hash will do: each request looks its replica up a few
+/// times). A backend whose URL changed on reload starts over, closed and up.
 #[derive(Debug, Default)]
 pub struct ShimHealth {
     settings: BreakerSettings,
-    replicas: Mutex<HashMap<String, Replica>>,
+    replicas: Mutex<FastMap<String, Replica>>,
 }
 
 impl ShimHealth {

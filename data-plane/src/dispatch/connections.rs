@@ -7,12 +7,12 @@
 //! with buffers of at most [`KEPT_BUFFER_CAPACITY`], so the memory held is bounded by the
 //! configured replicas.
 
-use std::collections::HashMap;
 use std::io::ErrorKind;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use continuum_proto::fast_hash::FastMap;
 use tokio::net::TcpStream;
 
 /// Idle keep-alive connections to one shim replica kept for reuse.
@@ -57,7 +57,8 @@ pub struct IdleConnections {
 
 #[derive(Debug, Default)]
 struct Idle {
-    by_authority: HashMap<String, Vec<(Conn, Instant)>>,
+    /// By the authorities of configured shim URLs: a fast hash will do.
+    by_authority: FastMap<String, Vec<(Conn, Instant)>>,
     /// When every list was last cleared of expired connections.
     swept: Option<Instant>,
 }

@@ -184,6 +184,24 @@ mod tests {
         assert_eq!(connection_cap(Some(100)), 1, "never none");
     }
 
+    /// Every connection's task lives as long as the connection, idle ones included (up to
+    /// [`MAX_CONNECTIONS`] of them): the work of answering a request is held apart, and only
+    /// while a request is answered, so an idle connection holds its buffers and little else.
+    #[tokio::test]
+    async fn an_idle_connection_holds_a_small_task() -> anyhow::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let client = TcpStream::connect(listener.local_addr()?).await?;
+        let (stream, _) = listener.accept().await?;
+        let state = Arc::new(AppState::for_tests());
+        let app = App { router: http::router(Arc::clone(&state)), state };
+        let (stages, slots) = (Stages::default(), Slots::new(1));
+        let task = conn::serve(stream, app, &stages, &slots);
+        let size = std::mem::size_of_val(&task);
+        assert!(size <= 2048, "a connection's task holds {size} bytes");
+        drop((task, client));
+        Ok(())
+    }
+
     /// With nearly every slot held, a connection waiting idle waits only briefly: a new client
     /// gets the slot of the one that went idle last, while those idle before the crowding keep
     /// theirs.
