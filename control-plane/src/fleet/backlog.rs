@@ -70,7 +70,7 @@ use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
 use continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES;
-use continuum_proto::fast_hash::{FastMap, SeededMap};
+use continuum_proto::fast_hash::{FastMap, SeededMap, shrink_when_sparse};
 use continuum_proto::model::{Backlog, LoadKey, ReportsFolded};
 use continuum_proto::pb;
 
@@ -218,13 +218,24 @@ struct Book {
     /// Dispatches admitted since the book started: each rank's newest is stamped with the
     /// count, which orders ranks by how recently the fleet sent them one.
     dispatched: u64,
-    /// What settled ranks had learned ([`Timing`]), for when they take dispatches again: a rank
-    /// settles whenever it idles, and would otherwise start every burst knowing nothing of its
-    /// prefill and decode times. Only ranks the fleet still has are kept.
-    learned: FastMap<RankKey, (LoadKey, Timing)>,
+    /// What settled ranks had learned, for when they take dispatches again: a rank settles
+    /// whenever it idles, and would otherwise start every burst knowing nothing of its prefill
+    /// and decode times, and (taking a replay first) with no place in the dispatch order. Only
+    /// ranks the fleet still has are kept.
+    learned: FastMap<RankKey, Learned>,
     /// When `learned` was last pruned of ranks the fleet no longer has, and stale dispatches
     /// looked for.
     swept: Option<Instant>,
+}
+
+/// What a settled rank keeps for its next dispatch.
+#[derive(Debug)]
+struct Learned {
+    key: LoadKey,
+    timing: Timing,
+    /// Its place in the dispatch order ([`Rank::last_dispatch`]): published while it idles, and
+    /// not to go back to none when a replay, which stamps no place, brings it back.
+    last_dispatch: u64,
 }
 
 impl Book {
@@ -367,8 +378,9 @@ impl Book {
         }
         let mut rank = Rank::new(load_key, state);
         // What it learned before it last settled still holds for its engine.
-        if let Some((_, timing)) = self.learned.remove(&key).filter(|(known, _)| *known == rank.key) {
-            rank.timing = timing;
+        if let Some(learned) = self.learned.remove(&key).filter(|learned| learned.key == rank.key) {
+            rank.timing = learned.timing;
+            rank.last_dispatch = learned.last_dispatch;
         }
         self.ranks.insert(key, rank);
         true
@@ -392,7 +404,10 @@ impl Book {
 
     /// Takes dispatch `id` off its rank with `off`, which returns the hashes it held.
     fn take(&mut self, id: (u64, u64), off: impl FnOnce(&mut Rank, &ActiveIndex, RankKey) -> usize) {
-        let Some(key) = self.where_is.get_mut(&id.0).and_then(|session| session.remove(&id.1)) else { return };
+        let Some(session) = self.where_is.get_mut(&id.0) else { return };
+        let Some(key) = session.remove(&id.1) else { return };
+        // A session past a flood gives the room back, as each rank's map does.
+        shrink_when_sparse(session);
         self.take_from(key, off);
     }
 
@@ -418,17 +433,22 @@ impl Book {
         let sweep = self.swept.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY);
         if sweep {
             // The timings of settled ranks are kept while their workers serve them, and no longer.
-            self.learned.retain(|_, (key, _)| in_fleet(state, key));
+            self.learned.retain(|_, learned| in_fleet(state, &learned.key));
             self.swept = Some(now);
         }
         let mut lost = Vec::new();
+        let book_windows = u32::try_from(self.held / rank::BOOK_WALK_BUDGET).unwrap_or(u32::MAX);
+        let mut visits_left = rank::BOOK_WALK_BUDGET;
         for (&key, rank) in &mut self.ranks {
             let sample = state.view().loads().get(&rank.key);
             let received_at = sample.map(|s| s.received_at);
             // A sum changes with a new sample (its foreign part) or an end (marked by `end`);
             // a rank with nothing in flight may also settle with time. A new sample is
             // measured once the rank may be walked.
-            let walk = rank.walk_due(now);
+            let walk = visits_left > 0 && rank.walk_due(now, book_windows);
+            if walk {
+                visits_left = visits_left.saturating_sub(rank.dispatches.len());
+            }
             if walk && received_at != rank.sampled_at {
                 rank.sampled(received_at, sample.map(|s| &s.load));
                 mark(&mut self.dirty, key, rank);
@@ -470,7 +490,8 @@ impl Book {
                     change.backlogs.push((rank.key.clone(), idle));
                 }
                 if let Some(rank) = self.ranks.remove(&key) {
-                    self.learned.insert(key, (rank.key, rank.timing));
+                    let Rank { key: load_key, timing, last_dispatch, .. } = rank;
+                    self.learned.insert(key, Learned { key: load_key, timing, last_dispatch });
                 }
                 continue;
             }

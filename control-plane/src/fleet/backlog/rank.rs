@@ -79,6 +79,12 @@ impl Dispatch {
 /// `len / WALK_BUDGET` windows: a flood of dispatches on one rank costs the book about this
 /// many visits a window, not all of them every window. Its sums are then that much older.
 pub(super) const WALK_BUDGET: usize = 4096;
+/// The same for the whole book: holding more dispatches than this over all its ranks, it walks
+/// each rank at most once every `held / BOOK_WALK_BUDGET` windows, and a window's walks stop
+/// once they have visited this many (the ranks left are walked in the next). Many ranks each
+/// within [`WALK_BUDGET`] would otherwise cost a visit to every dispatch of the fleet every
+/// window: 64 replicas with 2,048 requests each in flight, 65 million visits a second.
+pub(super) const BOOK_WALK_BUDGET: usize = 4 * WALK_BUDGET;
 
 /// A dispatch's place in its rank's prefill order: when it was dispatched, then its key.
 pub(super) type Queued = (Instant, (u64, u64));
@@ -363,12 +369,12 @@ impl Rank {
     }
 
     /// Whether the rank's dispatches may be walked at `now` ([`WALK_BUDGET`]); if so, when
-    /// they may be next.
-    pub(super) fn walk_due(&mut self, now: Instant) -> bool {
+    /// they may be next: no sooner than `book_windows` windows on ([`BOOK_WALK_BUDGET`]).
+    pub(super) fn walk_due(&mut self, now: Instant, book_windows: u32) -> bool {
         if self.walk_after.is_some_and(|after| now < after) {
             return false;
         }
-        let windows = u32::try_from(self.dispatches.len() / WALK_BUDGET).unwrap_or(u32::MAX);
+        let windows = u32::try_from(self.dispatches.len() / WALK_BUDGET).unwrap_or(u32::MAX).max(book_windows);
         self.walk_after = (windows > 0).then(|| now + BACKLOG_WINDOW.saturating_mul(windows));
         true
     }
@@ -494,7 +500,18 @@ impl Rank {
     /// replica's next stream finds the rank's timings and its place in the dispatch order
     /// still there. Returns the hashes it held.
     pub(super) fn forget(&mut self, id: (u64, u64), now: Instant, active: &ActiveIndex, rank: RankKey) -> usize {
-        let Some((dispatch, _)) = self.remove(id, active, rank) else { return 0 };
+        let Some((dispatch, freed)) = self.remove(id, active, rank) else { return 0 };
+        // The last sample, measured with it in flight, took it for the fleet's own: it runs on
+        // (its replica's stream ended, not its request), so that sample's share of it is
+        // foreign now, as `sampled` would count it, until the next sample or its replay (whose
+        // start takes it back). Else the rank would read lighter by it meanwhile, twice over
+        // once replayed.
+        if let Some(sampled) = self.sampled_at.filter(|sampled| dispatch.at < *sampled) {
+            self.foreign = self.foreign.map(|f| f.saturating_add(freed));
+            if dispatch.answered.is_none_or(|t| sampled.saturating_duration_since(t) < SAMPLE_LAG) {
+                self.foreign_prefill = self.foreign_prefill.map(|f| f.saturating_add(dispatch.prompt_tokens));
+            }
+        }
         self.last_end = Some(now);
         dispatch.block_hashes.len()
     }

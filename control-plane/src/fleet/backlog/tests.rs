@@ -119,6 +119,11 @@ fn a_settled_rank_keeps_only_its_place_in_the_dispatch_order() {
     let change = book.take_change(ended + SAMPLE_LAG);
     assert_eq!(change.backlogs, [(rank(0), Backlog { last_dispatch: 1, ..Backlog::default() })]);
     assert!(book.ranks.is_empty());
+    // A replay, which takes no place in the order, brings it back at the place it had.
+    let replay = pb::DispatchStarted { replayed: true, age_ms: 10, ..started(9, 0, 16) };
+    book.report(3, report(vec![replay], vec![]), ended + SAMPLE_LAG, &shown);
+    let change = book.take_change(ended + SAMPLE_LAG);
+    assert_eq!(change.backlogs.iter().map(|(_, b)| b.last_dispatch).collect::<Vec<_>>(), [1], "not idle longest");
     // The next dispatch anywhere is numbered after it.
     book.report(2, report(vec![started(1, 0, 16)], vec![]), ended + SAMPLE_LAG, &shown);
     let change = book.take_change(ended + SAMPLE_LAG);
@@ -1053,7 +1058,7 @@ mod counts {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Start { replica: u64, id: u64, dp_rank: u32, tokens: u64, buffered: bool, replayed: bool },
+        Start { replica: u64, id: u64, dp_rank: u32, tokens: u64, buffered: bool, replayed: bool, may_stall: bool },
         Prefilled { replica: u64, id: u64 },
         End { replica: u64, id: u64 },
         Tick { millis: u64 },
@@ -1064,8 +1069,8 @@ mod counts {
         let replica = 0..3u64;
         let id = 0..12u64;
         prop_oneof![
-            4 => (replica.clone(), id.clone(), 0..2u32, 0..3000u64, any::<bool>(), any::<bool>()).prop_map(
-                |(replica, id, dp_rank, tokens, buffered, replayed)| Op::Start { replica, id, dp_rank, tokens, buffered, replayed }
+            4 => (replica.clone(), id.clone(), 0..2u32, 0..3000u64, any::<bool>(), any::<bool>(), any::<bool>()).prop_map(
+                |(replica, id, dp_rank, tokens, buffered, replayed, may_stall)| Op::Start { replica, id, dp_rank, tokens, buffered, replayed, may_stall }
             ),
             2 => (replica.clone(), id.clone()).prop_map(|(replica, id)| Op::Prefilled { replica, id }),
             2 => (replica.clone(), id).prop_map(|(replica, id)| Op::End { replica, id }),
@@ -1084,6 +1089,11 @@ mod counts {
             let tokens: u64 = rank.dispatches.values().map(Dispatch::prefill_tokens).sum();
             prop_assert_eq!(rank.prefill_queue.tokens(), tokens, "the running sum of the queue's tokens");
             prop_assert_eq!(&rank.awaiting_estimate, &queued(Dispatch::awaits_estimate));
+            // Stallable: only what may stall, and all of it no first token answered (an estimate
+            // answers nothing: a buffered dispatch stays stallable until its end or a sample).
+            let may_stall = queued(|d| d.may_stall);
+            prop_assert!(rank.stallable.is_subset(&may_stall), "only dispatches that may stall");
+            prop_assert!(queued(|d| d.may_stall && d.answered.is_none()).is_subset(&rank.stallable));
             in_ranks += rank.dispatches.len();
         }
         let filed: usize = book.where_is.values().map(|session| session.len()).sum();
@@ -1106,8 +1116,8 @@ mod counts {
             let mut now = Instant::now();
             for op in ops {
                 match op {
-                    Op::Start { replica, id, dp_rank, tokens, buffered, replayed } => {
-                        let start = pb::DispatchStarted { buffered, replayed, age_ms: tokens, ..started(id, dp_rank, tokens) };
+                    Op::Start { replica, id, dp_rank, tokens, buffered, replayed, may_stall } => {
+                        let start = pb::DispatchStarted { buffered, replayed, may_stall, age_ms: tokens, ..started(id, dp_rank, tokens) };
                         book.report(replica, report(vec![start], vec![]), now, &state);
                     }
                     Op::Prefilled { replica, id } => book.report(replica, first_token(id), now, &state),
@@ -1151,11 +1161,82 @@ fn a_flooded_rank_is_walked_at_its_pace() {
     assert_eq!(sampled_at(&book), Some(received));
 }
 
-/// Whether rank 0's published backlog says stalled after a publish check at `at`.
+/// Past [`rank::BOOK_WALK_BUDGET`] dispatches over all its ranks, each within its own budget,
+/// the book spreads its walks over windows: a sample every rank received at once is measured
+/// over two windows here, not all in one.
+#[test]
+fn a_full_book_spreads_its_walks_over_windows() {
+    const RANKS: u32 = 16;
+    let per_rank = (2 * rank::BOOK_WALK_BUDGET / RANKS as usize) as u64;
+    assert!(per_rank < rank::WALK_BUDGET as u64, "each rank within its own budget");
+    let state = state_with(RANKS);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    for dp in 0..RANKS {
+        let first = u64::from(dp) * per_rank;
+        let started = (first..first + per_rank).map(|id| started(id, dp, 16)).collect();
+        book.report(1, report(started, vec![]), t0, &state);
+    }
+    book.expire(&state, t0);
+    let received = t0 + Duration::from_millis(1);
+    let shown = (0..RANKS).fold(state.clone(), |shown, dp| sampled(&shown, dp, 100, received));
+    let measured = |book: &Book| book.ranks.values().filter(|rank| rank.sampled_at == Some(received)).count();
+    book.expire(&shown, t0 + BACKLOG_WINDOW);
+    let first = measured(&book);
+    assert!(first > 0 && first < RANKS as usize, "{first} of {RANKS} ranks walked in one window");
+    book.expire(&shown, t0 + 2 * BACKLOG_WINDOW);
+    assert_eq!(measured(&book), RANKS as usize, "every rank walked within two windows");
+}
+
+/// A session whose flood of dispatches ended gives back the room it held for them, as each
+/// rank's map does: a replica idle after a burst does not hold megabytes until it disconnects.
+#[test]
+fn a_session_past_its_flood_gives_its_room_back() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let flood = 2 * rank::WALK_BUDGET as u64;
+    book.report(1, report((0..flood).map(|id| started(id, 0, 16)).collect(), vec![]), t0, &state);
+    let room = |book: &Book| book.where_is.get(&1).map_or(0, |session| session.capacity());
+    assert!(room(&book) >= flood as usize);
+    book.report(1, report(vec![], (0..flood - 1).collect()), t0, &state);
+    assert!(room(&book) <= 2048, "{} held for one dispatch", room(&book));
+}
+
+/// A replica's stream ends with its dispatch in flight, measured by the rank's last sample as
+/// the fleet's own: forgotten, then reported again on the next stream, it weighs on the rank
+/// as that sample shows it throughout, neither dropped nor taken off twice.
+#[test]
+fn a_dispatch_forgotten_and_replayed_keeps_its_sample_share() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    book.report(1, report(vec![started(1, 0, 160)], vec![]), t0, &state);
+    // Its 10 blocks and 20 of others'.
+    let measured_at = t0 + Duration::from_millis(10);
+    let shown = sampled(&state, 0, 30, measured_at);
+    let total = |book: &mut Book, at: Instant| {
+        book.expire(&shown, at);
+        let backlog = book.ranks.get(&book_key(0)).map(|rank| rank.backlog());
+        backlog.map(|b| b.decode_blocks + b.foreign_decode_blocks.unwrap_or_default())
+    };
+    assert_eq!(total(&mut book, measured_at), Some(30));
+    let gone = measured_at + Duration::from_millis(10);
+    book.replica_gone(1, gone);
+    assert_eq!(total(&mut book, gone), Some(30), "still on the worker, as far as the sample says");
+    let replay = pb::DispatchStarted { replayed: true, age_ms: 40, ..started(1, 0, 160) };
+    let back = gone + Duration::from_millis(10);
+    book.report(1, report(vec![replay], vec![]), back, &shown);
+    assert_eq!(total(&mut book, back), Some(30), "counted once, as the fleet's again");
+}
+
+/// Whether rank 0's published backlog says stalled after a publish check at `at`: what was
+/// streamed, not what the rank would say now (a change never marked would not be). A rank
+/// that settled published its idle backlog, which never says stalled.
 fn stalled(book: &mut Book, state: &FleetState, at: Instant) -> bool {
     book.expire(state, at);
     book.take_change(at);
-    book.ranks.get(&book_key(0)).is_some_and(|r| r.backlog().stalled)
+    book.ranks.get(&book_key(0)).is_some_and(|r| r.published.is_some_and(|published| published.stalled))
 }
 
 /// The seed's stall, fleet-wide: a dispatch any replica reported as able to stall its rank,
