@@ -45,6 +45,17 @@ pub enum SendError {
 /// server sent early: one already in the socket is read at once.
 const EARLY_ANSWER_WAIT: Duration = Duration::from_millis(200);
 
+/// A shim host that dies without a word (power lost, a partition) sends no FIN or RST: its
+/// pooled connections look alive, and a request written on one waits out its head timeout (5
+/// minutes for a buffered answer) while the next requests take the pool's other dead ones.
+/// TCP keepalive probes an idle connection after this long, every [`SHIM_KEEPALIVE_INTERVAL`]
+/// (the pool's check finds a dead one then), and bytes the host never acknowledges fail the
+/// connection after [`SHIM_USER_TIMEOUT`] rather than the kernel's 15 minutes or so. A live
+/// shim's kernel answers both, however long its engine takes to answer.
+pub const SHIM_KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+pub const SHIM_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub const SHIM_USER_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// Why an exchange on an established connection failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ExchangeError {
@@ -194,6 +205,13 @@ impl ShimClient {
         };
         // Requests are written whole: Nagle's algorithm could only delay them.
         stream.set_nodelay(true).map_err(SendError::Connect)?;
+        let socket = socket2::SockRef::from(&stream);
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(SHIM_KEEPALIVE_IDLE)
+            .with_interval(SHIM_KEEPALIVE_INTERVAL)
+            .with_retries(3);
+        socket.set_tcp_keepalive(&keepalive).map_err(SendError::Connect)?;
+        socket.set_tcp_user_timeout(Some(SHIM_USER_TIMEOUT)).map_err(SendError::Connect)?;
         Ok(Conn::new(stream))
     }
 }
@@ -284,6 +302,22 @@ mod tests {
         assert!(!SendError::Exchange(ExchangeError::Closed).before_request_sent(), "the shim may be running it");
         assert!(!SendError::Exchange(ExchangeError::Io(reset())).before_request_sent());
         assert!(!SendError::HeadTimeout(Duration::from_secs(1)).before_request_sent());
+    }
+
+    /// A shim host that dies without a word is found out in seconds: its connections probe an
+    /// idle peer and give up on bytes it never acknowledges.
+    #[tokio::test]
+    async fn shim_connections_notice_a_silent_host() -> io::Result<()> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?.to_string();
+        let client = ShimClient::new(Duration::from_secs(1));
+        let conn = client.connect(&addr, 0).await.map_err(io::Error::other)?;
+        let socket = socket2::SockRef::from(&conn.stream);
+        assert!(socket.keepalive()?);
+        assert_eq!(socket.tcp_keepalive_time()?, SHIM_KEEPALIVE_IDLE);
+        assert_eq!(socket.tcp_keepalive_interval()?, SHIM_KEEPALIVE_INTERVAL);
+        assert_eq!(socket.tcp_user_timeout()?, Some(SHIM_USER_TIMEOUT));
+        Ok(())
     }
 
     #[tokio::test]

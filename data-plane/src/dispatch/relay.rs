@@ -165,8 +165,20 @@ impl Body for RelayBody {
                     Ok(data) => data,
                     Err(frame) => return Poll::Ready(Some(Ok(frame))),
                 },
+                // After the closing `[DONE]` and nothing since, the client has the whole
+                // stream: a connection that breaks before its last chunk cuts nothing.
+                Poll::Ready(Some(Err(error))) if this.closed && !carries_event(&this.partial) => {
+                    tracing::debug!(%error, "shim stream broke after its closing [DONE]");
+                    this.finish();
+                    return Poll::Ready(None);
+                }
                 Poll::Ready(Some(Err(error))) => {
                     tracing::warn!(%error, "shim stream failed mid-way");
+                    // The connection broke: the shim's failure (or the network's) even after an
+                    // error event counted the stream's, which charged the shim nothing.
+                    if this.failed {
+                        this.shim.ended(false);
+                    }
                     return this.fail(
                         Fault::Shim,
                         "stream_interrupted",
@@ -268,12 +280,14 @@ fn carries_error_event(data: &[u8]) -> bool {
 }
 
 /// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
-/// them.
+/// them. Lines end at LF, CRLF or CR.
 fn carries_event(data: &[u8]) -> bool {
-    data.split(|b| *b == b'\n').any(|line| {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        line.first().is_some_and(|first| *first != b':')
-    })
+    event_lines(data).next().is_some()
+}
+
+/// The lines of `data` that are neither blank nor comments.
+fn event_lines(data: &[u8]) -> impl Iterator<Item = &[u8]> {
+    data.split(|b| *b == b'\n' || *b == b'\r').filter(|line| line.first().is_some_and(|first| *first != b':'))
 }
 
 /// Whether the last line of whole events is the closing `data: [DONE]`.
@@ -283,10 +297,12 @@ fn ends_with_done_marker(events: &[u8]) -> bool {
     is_done_marker(last)
 }
 
-/// Whether an unfinished event is the stream's closing `data: [DONE]` line.
+/// Whether an unfinished event is the stream's closing `data: [DONE]`: that line alone, but
+/// for comments.
 fn is_done_marker(unfinished: &[u8]) -> bool {
-    let line = unfinished.trim_ascii_end();
-    line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start() == b"[DONE]")
+    let mut lines = event_lines(unfinished);
+    let done = |line: &[u8]| line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii() == b"[DONE]");
+    lines.next().is_some_and(done) && lines.next().is_none()
 }
 
 /// Where a stream stands among SSE lines, which end at LF, CRLF or CR; an event ends at a blank
@@ -405,7 +421,16 @@ mod tests {
         for done in [&b"data: [DONE]"[..], b"data:[DONE]\r\n", b"data: [DONE]\n"] {
             assert!(is_done_marker(done), "{:?}", String::from_utf8_lossy(done));
         }
-        for other in [&b"data: [DONE] x"[..], b"data: {\"a\":1}", b": [DONE]", b"event: [DONE]"] {
+        for done in [&b": keep-alive\ndata: [DONE]"[..], b":\r\ndata: [DONE]\r\n"] {
+            assert!(is_done_marker(done), "after a comment: {:?}", String::from_utf8_lossy(done));
+        }
+        for other in [
+            &b"data: [DONE] x"[..],
+            b"data: {\"a\":1}",
+            b": [DONE]",
+            b"event: [DONE]",
+            b"data: {\"a\":1}\ndata: [DONE]",
+        ] {
             assert!(!is_done_marker(other), "{:?}", String::from_utf8_lossy(other));
         }
     }
@@ -415,7 +440,12 @@ mod tests {
         for quiet in [&b":\n\n"[..], b": keep-alive\r\n\r\n", b"", b"\n", b":\n\n:\n\n"] {
             assert!(!carries_event(quiet), "{:?}", String::from_utf8_lossy(quiet));
         }
-        for event in [&b"data: {}\n\n"[..], b":\n\ndata: [DONE]\n\n", b"\"}]}\n\n", b"event: error\r\n"] {
+        for quiet in [&b": a\r\r"[..], b":\r:\r\r"] {
+            assert!(!carries_event(quiet), "CR-only lines: {:?}", String::from_utf8_lossy(quiet));
+        }
+        for event in
+            [&b"data: {}\n\n"[..], b":\n\ndata: [DONE]\n\n", b"\"}]}\n\n", b"event: error\r\n", b": ka\rdata: {}\r\r"]
+        {
             assert!(carries_event(event), "{:?}", String::from_utf8_lossy(event));
         }
     }

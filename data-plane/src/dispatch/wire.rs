@@ -123,6 +123,10 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, WireError> {
         let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
         let mut response = httparse::Response::new(&mut slots);
         let length = match response.parse(rest) {
+            // Whole or not, no head (and the interim ones before it) is taken past the bound.
+            Ok(httparse::Status::Complete(length)) if offset + length > MAX_HEAD_BYTES => {
+                return Err(WireError::HeadTooLarge);
+            }
             Ok(httparse::Status::Complete(length)) => length,
             Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => return Err(WireError::HeadTooLarge),
             Ok(httparse::Status::Partial) => return Ok(None),
@@ -499,6 +503,8 @@ mod tests {
         assert!(bad("SMTP ready\r\n\r\n").contains("malformed"));
         let endless = format!("HTTP/1.1 200 OK\r\nx: {}", "a".repeat(MAX_HEAD_BYTES));
         assert_eq!(parse_head(endless.as_bytes()).unwrap_err(), WireError::HeadTooLarge);
+        let whole = format!("{endless}\r\n\r\n");
+        assert_eq!(parse_head(whole.as_bytes()).unwrap_err(), WireError::HeadTooLarge, "whole in one read, too");
     }
 
     #[test]

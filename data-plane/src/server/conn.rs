@@ -44,9 +44,10 @@ pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A client that takes none of a response's bytes for this long is dropped: its connection,
 /// and the dispatch behind a stream, would otherwise be held for as long as it chose.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
-/// Nor may a client take a write slower than this, on average, beyond [`WRITE_STALL_TIMEOUT`]:
-/// one that read a byte now and then would hold its connection, and a buffered answer's charge
-/// against the process's budget, as long as it liked.
+/// Nor may a client keep one answer's writes waiting longer in all than [`WRITE_STALL_TIMEOUT`]
+/// plus their bytes' time at this rate: one that read a byte now and then, or a stream's event
+/// just before each wait timed out, would hold its connection (and the dispatch behind it, or a
+/// buffered answer's charge against the process's budget) as long as it liked.
 pub const MIN_WRITE_BYTES_PER_SECOND: u64 = 256 << 10;
 /// What a connection's read buffer starts with and grows by.
 const READ_CHUNK: usize = 8 << 10;
@@ -85,7 +86,7 @@ impl From<io::Error> for Stop {
 
 /// Writes `100 Continue`; a client that takes none of it is a stalled one, to count.
 async fn write_continue(stream: &mut TcpStream) -> Result<(), Stop> {
-    write_unless_stalled(stream, CONTINUE).await.map_err(|error| match error.kind() {
+    write_unless_stalled(stream, CONTINUE, &mut Patience::default()).await.map_err(|error| match error.kind() {
         io::ErrorKind::TimedOut => Stop::Stalled,
         _ => Stop::Quietly,
     })
@@ -148,9 +149,7 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
                 return;
             }
         }
-        if conn.write.capacity() > KEPT_WRITE_CAPACITY {
-            conn.write = Vec::with_capacity(1024);
-        }
+        conn.release_large_write_buffer();
     }
 }
 
@@ -450,6 +449,16 @@ impl Connection {
         }
     }
 
+    /// Empties the write buffer, letting it go if a large answer grew it: neither an idle
+    /// connection nor a long stream's later writes hold what one burst needed.
+    fn release_large_write_buffer(&mut self) {
+        if self.write.capacity() > KEPT_WRITE_CAPACITY {
+            self.write = Vec::with_capacity(1024);
+        } else {
+            self.write.clear();
+        }
+    }
+
     /// Writes `response`; whether the connection can carry another request after it.
     async fn write_response(
         &mut self,
@@ -475,19 +484,20 @@ impl Connection {
         self.write.clear();
         let persistence = Persistence::of(keep_alive, version);
         encode_response(&mut self.write, status, &parts.headers, framing, persistence, &http_date());
+        let mut patience = Patience::default();
         if bodiless || head_only {
-            write_unless_stalled(&mut self.stream, &self.write).await?;
+            write_unless_stalled(&mut self.stream, &self.write, &mut patience).await?;
             return Ok(keep_alive);
         }
         let mut frames = Frames { framing, ended: false, broken: false };
         frames.gather_ready(&mut body, &mut self.write);
-        write_unless_stalled(&mut self.stream, &self.write).await?;
+        write_unless_stalled(&mut self.stream, &self.write, &mut patience).await?;
         while !frames.ended {
-            self.write.clear();
+            self.release_large_write_buffer();
             let frame = self.until_client_leaves(body.frame()).await.ok_or(io::ErrorKind::ConnectionReset)?;
             frames.append(frame, &mut self.write);
             frames.gather_ready(&mut body, &mut self.write);
-            write_unless_stalled(&mut self.stream, &self.write).await?;
+            write_unless_stalled(&mut self.stream, &self.write, &mut patience).await?;
         }
         // A body that broke off cannot be ended properly: closing tells the client it is cut.
         Ok(keep_alive && !frames.broken)
@@ -499,20 +509,51 @@ fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(CONTENT_LENGTH)?.to_str().ok()?.parse().ok()
 }
 
+/// How long one response's writes may still wait on a slow client: [`WRITE_STALL_TIMEOUT`] in
+/// all, and each write's bytes at [`MIN_WRITE_BYTES_PER_SECOND`] besides. Kept across the
+/// response's writes, so that a client reading a stream's events a little before each wait
+/// would time out is dropped all the same, once its waits add up.
+#[derive(Debug, Clone, Copy)]
+struct Patience(Duration);
+
+impl Default for Patience {
+    fn default() -> Self {
+        Self(WRITE_STALL_TIMEOUT)
+    }
+}
+
+impl Patience {
+    /// The longest the next wait of a write may take; the first wait of each write is granted
+    /// the time of its `len` bytes too. No wait is longer than [`WRITE_STALL_TIMEOUT`]: a
+    /// client that takes none of a write for that long has stopped reading.
+    fn allow(&mut self, len: usize, first_wait: bool) -> Duration {
+        if first_wait {
+            self.0 += transfer_time(len);
+        }
+        self.0.min(WRITE_STALL_TIMEOUT)
+    }
+
+    fn spend(&mut self, waited: Duration) {
+        self.0 = self.0.saturating_sub(waited);
+    }
+}
+
 /// Writes all of `bytes`, failing with [`io::ErrorKind::TimedOut`] once the client has taken
-/// none of them for [`WRITE_STALL_TIMEOUT`], or has not taken them all by that long plus
-/// their time at [`MIN_WRITE_BYTES_PER_SECOND`] from the first wait: a slow reader of a large
-/// answer is served, one that stopped reading or barely reads is not waited on.
-async fn write_unless_stalled(stream: &mut TcpStream, mut bytes: &[u8]) -> io::Result<()> {
-    let mut deadline = None;
+/// none of them for [`WRITE_STALL_TIMEOUT`], or once the waits of this response (`patience`)
+/// outlast what it allows: a slow reader of a large answer is served, one that stopped
+/// reading or barely reads is not waited on.
+async fn write_unless_stalled(stream: &mut TcpStream, mut bytes: &[u8], patience: &mut Patience) -> io::Result<()> {
+    let mut granted = false;
     while !bytes.is_empty() {
         // Usually the socket takes it all at once, with no timer to arm.
         let written = match stream.try_write(bytes) {
             Ok(n) => n,
             Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                let now = tokio::time::Instant::now();
-                let whole = *deadline.get_or_insert_with(|| now + write_time(bytes.len()));
-                match tokio::time::timeout_at(whole.min(now + WRITE_STALL_TIMEOUT), stream.write(bytes)).await {
+                let allowed = patience.allow(bytes.len(), !std::mem::replace(&mut granted, true));
+                let waited_from = tokio::time::Instant::now();
+                let wait = tokio::time::timeout(allowed, stream.write(bytes)).await;
+                patience.spend(waited_from.elapsed());
+                match wait {
                     Ok(written) => written?,
                     Err(_) => return Err(io::ErrorKind::TimedOut.into()),
                 }
@@ -527,9 +568,9 @@ async fn write_unless_stalled(stream: &mut TcpStream, mut bytes: &[u8]) -> io::R
     Ok(())
 }
 
-/// The longest a client may take to read `len` bytes the socket did not take at once.
-fn write_time(len: usize) -> Duration {
-    WRITE_STALL_TIMEOUT + Duration::from_secs_f64(len as f64 / MIN_WRITE_BYTES_PER_SECOND as f64)
+/// How long `len` bytes take at [`MIN_WRITE_BYTES_PER_SECOND`].
+fn transfer_time(len: usize) -> Duration {
+    Duration::from_secs_f64(len as f64 / MIN_WRITE_BYTES_PER_SECOND as f64)
 }
 
 /// Framing a response body's frames into the write buffer.
@@ -542,9 +583,11 @@ struct Frames {
 type Frame = Option<Result<http_body::Frame<Bytes>, axum::Error>>;
 
 impl Frames {
-    /// Appends every frame the body has ready now, without waiting.
+    /// Appends the frames the body has ready now, without waiting, until the buffer holds
+    /// [`KEPT_WRITE_CAPACITY`]: behind a client reading slower than the shim sends, a stream's
+    /// frames wait in the shim connection's socket, not in this buffer.
     fn gather_ready(&mut self, body: &mut Body, out: &mut Vec<u8>) {
-        while !self.ended {
+        while !self.ended && out.len() < KEPT_WRITE_CAPACITY {
             match body.frame().now_or_never() {
                 Some(frame) => self.append(frame, out),
                 None => return,

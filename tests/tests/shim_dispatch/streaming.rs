@@ -210,6 +210,52 @@ async fn failed_streams_blame_their_workers_and_broken_ones_their_shim() -> anyh
     Ok(())
 }
 
+/// A connection that breaks under a stream is the shim's failure even after an error event
+/// counted the stream's: two such streams in a row open the shim's breaker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_break_after_an_error_event_is_still_charged_to_the_shim() -> anyhow::Result<()> {
+    use continuum_data_plane::dispatch::BreakerSettings;
+    let shim = StubShim::start().await?;
+    let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
+    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
+    for _ in 0..2 {
+        let gate = shim.push_stream();
+        let mut response = harness.post(&chat(MODEL, true)).await?;
+        for frame in [FIRST, FRONTEND_503] {
+            gate.send(Ok(Bytes::from(frame))).await?;
+            assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
+        }
+        gate.send(Err("connection reset".into())).await?;
+        drop(gate);
+        while next_text(&mut response).await?.is_some() {}
+    }
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#), Some(2.0), "open");
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(2.0), "once each");
+    harness.stop().await;
+    Ok(())
+}
+
+/// A connection that breaks after the closing `[DONE]` (before its last chunk) cut nothing the
+/// client needed: the stream ends as it came, counted whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_break_after_the_closing_done_cuts_nothing() -> anyhow::Result<()> {
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
+    for frame in [FIRST, DONE] {
+        gate.send(Ok(Bytes::from(frame))).await?;
+        assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
+    }
+    gate.send(Err("connection reset".into())).await?;
+    drop(gate);
+    assert_eq!(next_text(&mut response).await?, None, "no error event after [DONE]");
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert!(harness.replica.ledger.is_empty());
+    harness.stop().await;
+    Ok(())
+}
+
 /// An event that never ends is held back only so far: past the bound the stream breaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfinished_event_past_the_bound_ends_the_stream_with_an_error() -> anyhow::Result<()> {

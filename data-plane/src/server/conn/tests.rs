@@ -73,7 +73,7 @@ async fn a_client_that_stops_reading_is_not_waited_on() -> io::Result<()> {
     let chunk = vec![b'x'; 1 << 20];
     let started = tokio::time::Instant::now();
     let outcome = loop {
-        if let Err(error) = write_unless_stalled(&mut server, &chunk).await {
+        if let Err(error) = write_unless_stalled(&mut server, &chunk, &mut Patience::default()).await {
             break error;
         }
     };
@@ -103,13 +103,37 @@ async fn a_client_that_barely_reads_is_not_waited_on() -> io::Result<()> {
     });
     let answer = vec![b'x'; 8 << 20];
     let started = tokio::time::Instant::now();
-    let outcome = write_unless_stalled(&mut server, &answer).await;
+    let outcome = write_unless_stalled(&mut server, &answer, &mut Patience::default()).await;
     assert_eq!(outcome.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
-    let allowed = write_time(answer.len());
+    let allowed = WRITE_STALL_TIMEOUT + transfer_time(answer.len());
     assert!(started.elapsed() >= allowed - WRITE_STALL_TIMEOUT / 4, "{:?} of {allowed:?}", started.elapsed());
     assert!(started.elapsed() <= allowed, "{:?} of {allowed:?}", started.elapsed());
     trickle.abort();
     Ok(())
+}
+
+/// A stream's client that reads a little before each wait would time out is dropped all the
+/// same once its waits add up: the patience is the response's, not each write's.
+#[test]
+fn a_responses_waits_on_its_client_add_up() {
+    let second = Duration::from_secs(1);
+    let mut patience = Patience::default();
+    assert_eq!(patience.allow(4096, true), WRITE_STALL_TIMEOUT, "no wait past the stall timeout");
+    patience.spend(WRITE_STALL_TIMEOUT - second);
+    // The next event's write: what is left, and its bytes' time.
+    let left = patience.allow(4096, true);
+    assert!(left > second && left < 2 * second, "{left:?} left");
+    patience.spend(left);
+    assert_eq!(patience.allow(0, false), Duration::ZERO);
+    // A large answer's write is granted its bytes' time at the minimum rate.
+    let mut patience = Patience::default();
+    let large = 64 * MIN_WRITE_BYTES_PER_SECOND as usize;
+    patience.allow(large, true);
+    patience.spend(WRITE_STALL_TIMEOUT);
+    // 64 s left: a wait of 60 at most, then the rest; granted once per write, not per wait.
+    assert_eq!(patience.allow(large, false), WRITE_STALL_TIMEOUT);
+    patience.spend(WRITE_STALL_TIMEOUT);
+    assert_eq!(patience.allow(large, false), Duration::from_secs(4));
 }
 
 /// A body's last read takes little past it: a client that sends megabytes behind its body
@@ -218,9 +242,23 @@ async fn a_reading_client_gets_every_byte() -> io::Result<()> {
         let mut received = Vec::new();
         client.read_to_end(&mut received).await.map(|_| received)
     });
-    write_unless_stalled(&mut server, &sent).await?;
+    write_unless_stalled(&mut server, &sent, &mut Patience::default()).await?;
     drop(server);
     let received = reading.await.map_err(io::Error::other)??;
     assert!(received == sent, "{} bytes of {} arrived, in order", received.len(), sent.len());
     Ok(())
+}
+
+/// A stream whose producer is far ahead of its client leaves its frames in the body, not in
+/// the write buffer: one write gathers what is ready up to the buffer's bound, and no more.
+#[test]
+fn a_write_gathers_ready_frames_up_to_the_buffers_bound() {
+    let event = Bytes::from(vec![b'x'; 1000]);
+    let ready = futures::stream::iter((0..1000).map(move |_| Ok::<_, io::Error>(event.clone())));
+    let mut body = Body::from_stream(ready);
+    let mut frames = Frames { framing: ResponseFraming::Chunked, ended: false, broken: false };
+    let mut out = Vec::new();
+    frames.gather_ready(&mut body, &mut out);
+    assert!(!frames.ended, "the rest waits in the body");
+    assert!(out.len() >= KEPT_WRITE_CAPACITY && out.len() < KEPT_WRITE_CAPACITY + 1024, "{} gathered", out.len());
 }
