@@ -139,6 +139,8 @@ impl DispatchEnd {
         if std::mem::replace(&mut self.prefilled, true) {
             return;
         }
+        // Its workers answer: a timeout of a request sent before now says nothing of them.
+        self.ledger.outliers().answered(self.ranks.iter().flatten(), Instant::now());
         let [prefill, decode] = &mut self.reported;
         self.reporter.operation(|report| {
             self.ledger.prefilled(self.id, Instant::now(), report.change());
@@ -172,11 +174,8 @@ impl DispatchEnd {
 
     /// Its answer ended whole (a stream that finished): its workers' failures start over.
     pub fn acquit(&self) {
-        if self.ledger.outliers().is_empty() {
-            return;
-        }
         let ranks: Vec<LoadKey> = self.ranks.iter().flatten().cloned().collect();
-        self.ledger.outliers().succeeded(&ranks);
+        self.ledger.outliers().succeeded(&ranks, Instant::now());
     }
 }
 

@@ -266,27 +266,30 @@ impl Dispatcher {
         let mut counted = CountedPath { metrics: &self.metrics, path };
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
+        let sent = Instant::now();
         let (outcome, blames_pins) =
             self.send_pinned(&body, stream, disclose, headers, &selection, &replicas, dispatch).await;
-        // A refusal that blames the pins, or an answer that never came or never finished in
-        // time, makes the pinned workers suspects: a buffered answer's head comes only once
-        // generation is done, so a hung worker shows as a head that never came. A shim that
-        // could not be reached, or answered nothing at all, or whose connection broke under
-        // the body, says nothing about them (it is charged with it), nor does a refusal of the
-        // client's request.
+        // A refusal that blames the pins makes the pinned workers suspects, and so does an
+        // answer that never came or never finished in time, if they answered nothing else
+        // since it was sent: a buffered answer's head comes only once generation is done, so
+        // a hung worker shows as a head that never came, but so does a request merely too
+        // long (`Outliers::unanswered`). A shim that could not be reached, or answered
+        // nothing at all, or whose connection broke under the body, says nothing about them
+        // (it is charged with it), nor does a refusal of the client's request.
         let unanswered = matches!(
             outcome,
             PinnedOutcome::Failed(Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_)))
         );
-        let blamed = blames_pins || unanswered;
-        if blamed {
+        if blames_pins {
             ledger.outliers().failed(&ranks, Instant::now());
+        } else if unanswered {
+            ledger.outliers().unanswered(&ranks, sent, Instant::now());
         }
         let failure = match outcome {
             PinnedOutcome::Final(outcome) => {
                 // A stream's workers are acquitted or blamed by how it ends (`RelayBody`).
                 if !stream && outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
-                    ledger.outliers().succeeded(&ranks);
+                    ledger.outliers().succeeded(&ranks, Instant::now());
                 }
                 return outcome;
             }

@@ -9,6 +9,11 @@
 //! ejection ends, or [`EJECTION`] after a failure that ejected nothing, so a worker that left
 //! the fleet leaves no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered, forgetting
 //! all when full (it only resets counts).
+//!
+//! An answer that never came in time counts only against a rank that answered nothing else
+//! since the request was sent ([`Outliers::unanswered`]): a worker answering other requests is
+//! not hung, and the request was merely long. Otherwise a client could eject healthy workers
+//! with a burst of requests too long to finish in time, all timing out together.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -48,6 +53,10 @@ impl Record {
 #[derive(Debug, Default)]
 pub struct Outliers {
     ranks: Mutex<HashMap<LoadKey, Record>>,
+    /// When each rank last answered a pinned dispatch (its first token, or a whole answer), at
+    /// most [`MAX_TRACKED`] ranks, forgetting all when full (it only makes a rank's next
+    /// timeout count against it).
+    answered: Mutex<HashMap<LoadKey, Instant>>,
 }
 
 impl Outliers {
@@ -71,8 +80,36 @@ impl Outliers {
         }
     }
 
-    /// A pinned dispatch on `ranks` answered.
-    pub fn succeeded(&self, ranks: &[LoadKey]) {
+    /// A pinned dispatch on `ranks` sent at `sent` got no answer in time (by `now`): a failure
+    /// of the ranks that answered nothing else since.
+    pub fn unanswered(&self, ranks: &[LoadKey], sent: Instant, now: Instant) {
+        let silent: Vec<LoadKey> = {
+            let answered = self.answered.lock().unwrap_or_else(PoisonError::into_inner);
+            ranks.iter().filter(|rank| answered.get(*rank).is_none_or(|at| *at < sent)).cloned().collect()
+        };
+        if !silent.is_empty() {
+            self.failed(&silent, now);
+        }
+    }
+
+    /// A pinned dispatch on `ranks` began to answer at `now` (its first token): they work.
+    pub fn answered<'k>(&self, ranks: impl IntoIterator<Item = &'k LoadKey>, now: Instant) {
+        let mut answered = self.answered.lock().unwrap_or_else(PoisonError::into_inner);
+        for rank in ranks {
+            if let Some(at) = answered.get_mut(rank) {
+                *at = now;
+                continue;
+            }
+            if answered.len() >= MAX_TRACKED {
+                answered.clear();
+            }
+            answered.insert(rank.clone(), now);
+        }
+    }
+
+    /// A pinned dispatch on `ranks` answered whole at `now`: their failures start over.
+    pub fn succeeded(&self, ranks: &[LoadKey], now: Instant) {
+        self.answered(ranks, now);
         let mut held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
         if held.is_empty() {
             return;
@@ -132,7 +169,7 @@ mod tests {
         let now = Instant::now();
         outliers.failed(&[rank(1)], now);
         assert!(!outliers.ejected(&rank(1), now), "one failure is not enough");
-        outliers.succeeded(&[rank(1)]);
+        outliers.succeeded(&[rank(1)], now);
         outliers.failed(&[rank(1)], now);
         assert!(!outliers.ejected(&rank(1), now), "a success in between resets the count");
         outliers.failed(&[rank(1)], now);
@@ -173,6 +210,27 @@ mod tests {
         assert_eq!(only_ejected, vec![rank(1)], "a guess beats refusing every request");
     }
 
+    /// A request too long to be answered in time says nothing of a rank that answered others
+    /// since it was sent: a burst of such requests timing out together ejects nobody. A rank
+    /// that answered nothing since is a suspect.
+    #[test]
+    fn a_timeout_counts_only_against_a_rank_silent_since_the_request_was_sent() {
+        let outliers = Outliers::default();
+        let sent = Instant::now();
+        let later = sent + Duration::from_secs(1);
+        outliers.answered(&[rank(1)], later);
+        let timed_out = sent + Duration::from_secs(300);
+        for _ in 0..20 {
+            outliers.unanswered(&[rank(1), rank(2)], sent, timed_out);
+        }
+        assert!(!outliers.ejected(&rank(1), timed_out), "it answered others meanwhile");
+        assert!(outliers.ejected(&rank(2), timed_out), "silent since: hung");
+        // An answer before the request was sent clears nothing.
+        outliers.unanswered(&[rank(1)], later + Duration::from_secs(1), timed_out);
+        outliers.unanswered(&[rank(1)], later + Duration::from_secs(1), timed_out);
+        assert!(outliers.ejected(&rank(1), timed_out));
+    }
+
     #[test]
     fn memory_is_bounded() {
         let outliers = Outliers::default();
@@ -181,5 +239,9 @@ mod tests {
             outliers.failed(&[rank(id)], now);
         }
         assert!(outliers.ranks.lock().unwrap().len() <= MAX_TRACKED);
+        for id in 0..(MAX_TRACKED as u64 * 3) {
+            outliers.answered(&[rank(id)], now);
+        }
+        assert!(outliers.answered.lock().unwrap().len() <= MAX_TRACKED);
     }
 }
