@@ -35,23 +35,24 @@ impl RefusalBody {
     }
 }
 
-/// The fate of a refusal whose body is `body` (empty when it could not be read).
-pub fn refusal_body(body: &[u8]) -> RefusalBody {
+/// The body of a refusal (empty when it could not be read) that may be relayed: the JSON
+/// object as it was checked, which is what goes out (re-encoded, not the bytes as they came:
+/// a key written twice is checked as its last copy, and only that copy may pass); or why not.
+pub fn relayable(body: &[u8]) -> Result<Value, RefusalBody> {
     if body.is_empty() {
-        return RefusalBody::Unreadable;
+        return Err(RefusalBody::Unreadable);
     }
     match serde_json::from_slice::<Value>(body) {
-        Ok(value @ Value::Object(_)) if !names_an_address(&value) => RefusalBody::Relayed,
-        _ => RefusalBody::Withheld,
+        Ok(value @ Value::Object(_)) if !names_an_address(&value) => Ok(value),
+        _ => Err(RefusalBody::Withheld),
     }
 }
 
-/// The words of a refusal [`refusal_body`] relays, when its body is not in OpenAI's shape
+/// The words of a refusal [`relayable`] lets through, when its body is not in OpenAI's shape
 /// (`{"error":{"message"}}`) and must be put in it: its `message` (the shape of Dynamo's
 /// frontend and vLLM), or `detail` (FastAPI's), or else the whole body. `None`: relayed as it
-/// came.
-pub fn backend_words(body: &[u8]) -> Option<String> {
-    let value = serde_json::from_slice::<Value>(body).ok()?;
+/// is.
+pub fn backend_words(value: &Value) -> Option<String> {
     if value.pointer("/error/message").is_some_and(Value::is_string) {
         return None;
     }
@@ -83,7 +84,7 @@ fn text_names_an_address(text: &str) -> bool {
         || text.split(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '`' | '(' | '[' | '=')).any(is_path)
         || text
             .split(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '.' | ':' | '-' | '_' | '[' | ']' | '%')))
-            .any(|token| token_is_address(token) || is_instance_id(token))
+            .any(|token| token_is_address(token) || token.split(['.', ':', '-', '_']).any(is_instance_id))
 }
 
 /// An absolute path of two parts or more (`/models/tiny/tokenizer.json`, `~/.cache/x`).
@@ -96,12 +97,15 @@ fn is_path(word: &str) -> bool {
 }
 
 /// Dynamo names a worker by its etcd lease id: a 64-bit number, written in decimal (up to 20
-/// digits; ids in practice have 19) or as 16 hex digits in its keys. A run of 16 or more digits
-/// is taken for one.
+/// digits; ids in practice have 19) or in hex in its keys (16 digits, 15 when the first is a
+/// zero left out). A run of 16 or more digits is taken for one, and so is one of 15 or 16 hex
+/// digits with a digit among them; glued to a word (`decode_7668682560356784121`,
+/// `generate:694d9a3f2d3e7f11`), too.
 fn is_instance_id(token: &str) -> bool {
     let decimal = token.len() >= 16 && token.bytes().all(|b| b.is_ascii_digit());
-    let hex =
-        token.len() == 16 && token.bytes().all(|b| b.is_ascii_hexdigit()) && token.bytes().any(|b| b.is_ascii_digit());
+    let hex = (15..=16).contains(&token.len())
+        && token.bytes().all(|b| b.is_ascii_hexdigit())
+        && token.bytes().any(|b| b.is_ascii_digit());
     decimal || hex
 }
 
@@ -139,7 +143,7 @@ mod tests {
     #[test]
     fn json_refusals_naming_no_address_are_relayed_and_everything_else_is_withheld() {
         use RefusalBody::*;
-        let rows: [(&str, RefusalBody); 34] = [
+        let rows: [(&str, RefusalBody); 38] = [
             // The real 1.6.1 frontend's refusal of a client's malformed body.
             (
                 r#"{"message":"Failed to deserialize the JSON body into the target type: key must be a string at line 1 column 2","type":"Bad Request","code":400}"#,
@@ -171,6 +175,11 @@ mod tests {
             (r#"{"message":"no instance 694d9a3f2d3e7f11"}"#, Withheld),
             (r#"{"error":{"message":"bad request","decode_worker_id":7668682560356784121}}"#, Withheld),
             (r#"{"decode_worker_id":7668682560356784121}"#, Withheld),
+            (r#"{"message":"no worker decode_7668682560356784121"}"#, Withheld),
+            (r#"{"message":"endpoint generate:694d9a3f2d3e7f11 is gone"}"#, Withheld),
+            (r#"{"message":"no instance 94d9a3f2d3e7f11"}"#, Withheld),
+            // A key written twice is checked as its last copy: see `a_key_written_twice_goes_out_as_checked`.
+            (r#"{"message":"upstream 10.0.3.7:8000 refused","message":"bad"}"#, Relayed),
             (r#"{"message":"too long","code":400,"limit":131072}"#, Relayed),
             (r#"{"message":"max_tokens 4096 exceeds 2048 for request 1234"}"#, Relayed),
             // Paths on the frontend's or a worker's machine.
@@ -182,8 +191,18 @@ mod tests {
             (r#"{"message":"a / on its own, or 1/2"}"#, Relayed),
         ];
         for (body, expected) in rows {
-            assert_eq!(refusal_body(body.as_bytes()), expected, "{body}");
+            assert_eq!(relayable(body.as_bytes()).err().unwrap_or(Relayed), expected, "{body}");
         }
+    }
+
+    /// Of a key written twice, a JSON reader takes one copy (serde_json the last, others the
+    /// first): the body relayed is the one checked, so the other never reaches the client.
+    #[test]
+    fn a_key_written_twice_goes_out_as_checked() -> anyhow::Result<()> {
+        let body = br#"{"error":{"message":"upstream 10.0.3.7:8000 refused","message":"bad request"}}"#;
+        let relayed = relayable(body).map_err(|fate| anyhow::anyhow!("{fate:?}"))?.to_string();
+        assert_eq!(relayed, r#"{"error":{"message":"bad request"}}"#);
+        Ok(())
     }
 
     #[test]
@@ -199,7 +218,8 @@ mod tests {
             (r#"{"error":"no"}"#, Some(r#"{"error":"no"}"#)),
         ];
         for (body, words) in rows {
-            assert_eq!(backend_words(body.as_bytes()).as_deref(), words, "{body}");
+            let value: Value = serde_json::from_str(body).unwrap_or_default();
+            assert_eq!(backend_words(&value).as_deref(), words, "{body}");
         }
     }
 }

@@ -25,6 +25,7 @@ use serde_json::json;
 use tokio::time::{Instant, Sleep};
 
 use super::breaker::ShimExchange;
+use super::disclosure::relayable;
 use super::ledger::DispatchEnd;
 use super::shim_body::ShimBody;
 
@@ -252,11 +253,14 @@ impl Body for RelayBody {
             if let Some(dispatch) = &mut this.dispatch {
                 dispatch.observe(&events);
             }
-            if !this.failed && carries_error_event(&events) {
-                tracing::warn!("the shim's stream carried an error event; relayed as it came");
+            if !carries_error_event(&events) {
+                return Poll::Ready(Some(Ok(Frame::data(events))));
+            }
+            if !this.failed {
+                tracing::warn!("the shim's stream carried an error event; relayed");
                 this.count_failure(Fault::Workers);
             }
-            return Poll::Ready(Some(Ok(Frame::data(events))));
+            return Poll::Ready(Some(Ok(Frame::data(withhold_addresses(events)))));
         }
     }
 
@@ -278,6 +282,34 @@ fn carries_error_event(data: &[u8]) -> bool {
         line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start().starts_with(b"{\"error\""))
     })
 }
+
+/// The error events of `events` that name an address, a path or a worker (as a refusal's body
+/// may not, `disclosure`) put in the router's words; every other line as it came (and `events`
+/// itself, uncopied, when none does).
+fn withhold_addresses(events: Bytes) -> Bytes {
+    let names_one = |line: &[u8]| {
+        let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).unwrap_or_default();
+        value.starts_with(b"{\"error\"") && relayable(value).is_err()
+    };
+    let lines = || events.split_inclusive(|b| *b == b'\n' || *b == b'\r');
+    if !lines().any(|line| names_one(line.trim_ascii_end())) {
+        return events;
+    }
+    let mut out = BytesMut::with_capacity(events.len());
+    for line in lines() {
+        let content = line.trim_ascii_end();
+        if names_one(content) {
+            out.extend_from_slice(WITHHELD_ERROR_EVENT.as_bytes());
+            out.extend_from_slice(&line[content.len()..]);
+        } else {
+            out.extend_from_slice(line);
+        }
+    }
+    out.freeze()
+}
+
+/// What a stream's error event naming an address becomes.
+const WITHHELD_ERROR_EVENT: &str = r#"data: {"error":{"message":"The model server failed the request; its own words named internal hosts or workers and are not relayed. Retry the request.","type":"server_error","code":"backend_failed"}}"#;
 
 /// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
 /// them. Lines end at LF, CRLF or CR.
@@ -355,7 +387,31 @@ pub fn sse_error_event(code: &str, message: &str) -> Bytes {
 
 #[cfg(test)]
 mod tests {
-    use super::{Lines, carries_error_event, carries_event, ends_with_done_marker, is_done_marker};
+    use bytes::Bytes;
+
+    use super::{
+        Lines, WITHHELD_ERROR_EVENT, carries_error_event, carries_event, ends_with_done_marker, is_done_marker,
+        withhold_addresses,
+    };
+
+    /// An error event naming an internal address or a worker goes out in the router's words,
+    /// its line ending kept; every other line as it came, and a chunk with none uncopied.
+    #[test]
+    fn error_events_naming_an_address_are_relayed_in_the_routers_words() {
+        let token = "data: {\"choices\":[{\"delta\":{\"content\":\"10.0.0.1\"}}]}\n\n";
+        let named = "data: {\"error\":{\"message\":\"worker 10.4.0.12:9000 died\",\"code\":503}}\r\n\r\n";
+        let plain = "data: {\"error\":{\"message\":\"Service temporarily unavailable\",\"code\":503}}\n\n";
+        let events = Bytes::from(format!("{token}{named}{plain}data: [DONE]\n\n"));
+        let out = withhold_addresses(events);
+        let text = String::from_utf8_lossy(&out);
+        assert!(!text.contains("10.4.0.12"), "{text}");
+        let expected = format!("{token}{WITHHELD_ERROR_EVENT}\r\n\r\n{plain}data: [DONE]\n\n");
+        assert_eq!(text, expected, "a token's text is no error event: as it came");
+        assert!(carries_error_event(&out), "still an error event");
+        let fine = Bytes::from(plain);
+        let same = withhold_addresses(fine.clone());
+        assert_eq!(same.as_ptr(), fine.as_ptr(), "uncopied");
+    }
 
     /// What each piece fed in turn releases: the prefix that ends an event, if any.
     fn releases(pieces: &[&[u8]]) -> Vec<Option<usize>> {

@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use super::breaker::ShimExchange;
 use super::classify::{self, Verdict, classify};
-use super::disclosure::{RefusalBody, backend_words, refusal_body};
+use super::disclosure::{RefusalBody, backend_words, relayable};
 use super::pool::ShimReplica;
 use super::relay::RelayBody;
 use super::shim_body::ShimBody;
@@ -236,13 +236,14 @@ impl http_body::Body for Charged {
 /// allows (as it came, or its words put in OpenAI's shape); otherwise its status with the
 /// router's words.
 fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> (Response, RefusalBody) {
-    let fate = refusal_body(&body);
-    let response = match fate {
-        RefusalBody::Relayed => match backend_words(&body) {
-            None => rebuild(status, shim_headers, Body::from(body)),
-            Some(words) => ApiError::reworded(status, &words).into_response(),
-        },
-        RefusalBody::Unreadable | RefusalBody::Withheld => ApiError::refused(status, fate).into_response(),
-    };
-    (response, fate)
+    match relayable(&body) {
+        Ok(value) => {
+            let response = match backend_words(&value) {
+                None => rebuild(status, shim_headers, Body::from(value.to_string())),
+                Some(words) => ApiError::reworded(status, &words).into_response(),
+            };
+            (response, RefusalBody::Relayed)
+        }
+        Err(fate) => (ApiError::refused(status, fate).into_response(), fate),
+    }
 }

@@ -75,6 +75,8 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     const OPENAI_SHAPED: &str =
         r#"{"error":{"message":"max_tokens must be at least 1","type":"invalid_request_error","code":null}}"#;
     const NAMES_HOST: &str = r#"{"message":"upstream 10.4.0.12:8000 rejected the body","code":400}"#;
+    // A key written twice: JSON readers take one copy or the other, so only the checked one goes.
+    const TWICE: &str = r#"{"error":{"message":"upstream 10.4.0.12:8000 refused","message":"max_tokens must be at least 1","type":"invalid_request_error"}}"#;
     let dead = "after_decode_sigkill_pinned_to_dead_decode";
     // (case, shim answer, streaming, status the client sees, error code or relayed as is)
     let rows: Vec<(&str, Reply, bool, u16, Option<&str>)> = vec![
@@ -92,6 +94,7 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         // What answers in the frontend's place may speak HTML, or name hosts: never relayed.
         ("refused by a proxy's page, streaming", refusal(413, "text/html", PROXY_PAGE), true, 413, WITHHELD),
         ("refusal naming an address, streaming", refusal(400, "application/json", NAMES_HOST), true, 400, WITHHELD),
+        ("a key written twice, streaming", refusal(400, "application/json", TWICE), true, 400, RELAYED),
         ("dead worker, live lease", disagg(dead)?, false, 503, DECODE_FAILED),
         ("dead worker, streaming", disagg(dead)?, true, 503, DECODE_FAILED),
         // The router's view was stale: its pinned worker left the frontend's. Not the client's
@@ -131,7 +134,10 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
             }
             None => {
                 assert_eq!(response.status().as_u16(), status, "{case}");
-                assert_eq!(response.bytes().await?, relayed, "{case}: relayed as is");
+                let body = response.bytes().await?;
+                assert!(!String::from_utf8_lossy(&body).contains("10.4.0.12"), "{case}: {body:?}");
+                let (seen, sent): (Value, Value) = (serde_json::from_slice(&body)?, serde_json::from_slice(&relayed)?);
+                assert_eq!(seen, sent, "{case}: relayed as the router read it");
             }
         }
     }
@@ -139,8 +145,8 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(11.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(18.0));
-    for (body, count) in [("relayed", 2.0), ("unreadable", 1.0), ("withheld", 2.0)] {
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(19.0));
+    for (body, count) in [("relayed", 3.0), ("unreadable", 1.0), ("withheld", 2.0)] {
         let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
         assert_eq!(sample(&metrics, &series), Some(count), "{series}");
     }
