@@ -447,6 +447,17 @@ mod tests {
         assert!(with_tokens.ends_with(br#""nvext":{"token_data":[1,2]}}"#), "{with_tokens:?}");
     }
 
+    /// A body rewritten to carry the router's tokens keeps the client's numbers as they were:
+    /// floats to the last digit (the sampling parameters, a tool's schema), and member order.
+    #[tokio::test]
+    async fn a_rewritten_body_keeps_the_clients_numbers() {
+        let text = r#"{"model":"m","messages":[{"content":"hi"}],"temperature":0.30000000000000004,"top_p":0.9,"seed":18446744073709551615,"logit_bias":{"5":-2.5e-300}}"#;
+        let request = parse(text).unwrap();
+        let out = request.outbound(Some(vec![1]), false).await.unwrap();
+        let sent = text.strip_suffix('}').unwrap_or(text);
+        assert_eq!(String::from_utf8_lossy(&out), format!(r#"{sent},"nvext":{{"token_data":[1]}}}}"#));
+    }
+
     /// A body of megabytes is read on the blocking pool, and read the same.
     #[tokio::test]
     async fn a_large_body_is_read_as_a_small_one_is() {
