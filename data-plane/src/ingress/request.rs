@@ -11,7 +11,7 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::json_shape::{Checked, Key, Keys, Scalar, Shape, UniqueObject};
 use crate::kv::request_cache_salt;
-use crate::routing::headers::{attach_token_data, strip_body_routing};
+use crate::routing::headers::{ENGINE_ROUTING_FIELDS, attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
 
 /// The largest request body accepted (the server refuses larger ones before reading them):
@@ -148,7 +148,8 @@ pub struct ChatRequest {
     pub stream: bool,
     /// The picker's estimate of the prompt's tokens, from its prompt fields.
     pub prompt_estimate: u64,
-    /// The body has an `nvext` member, which may hold routing fields to strip.
+    /// The body has an `nvext` member, which may hold routing fields to strip, or an engine's
+    /// own routing field ([`ENGINE_ROUTING_FIELDS`]).
     has_nvext: bool,
     /// The client's `x-tenant-id`: the request's cache salt, over the body's.
     tenant: Option<String>,
@@ -174,6 +175,8 @@ struct Members {
     /// `[null, null, null, 7]` would name a worker without naming a field.
     /// Its own fields unique: a second copy of one would ride past the strip.
     nvext: Option<UniqueObject>,
+    /// An engine's own routing field, to strip ([`ENGINE_ROUTING_FIELDS`]).
+    engine_routing: bool,
 }
 
 impl<'de> Deserialize<'de> for Members {
@@ -196,6 +199,10 @@ impl<'de> Deserialize<'de> for Members {
                         "tools" => members.tools = map.next_value()?,
                         "tool_choice" => members.tool_choice = map.next_value()?,
                         "nvext" => members.nvext = map.next_value()?,
+                        field if ENGINE_ROUTING_FIELDS.contains(&field) => {
+                            map.next_value::<Checked>()?;
+                            members.engine_routing = true;
+                        }
                         _ => {
                             map.next_value::<Checked>()?;
                         }
@@ -249,7 +256,14 @@ impl ChatRequest {
         let unrendered = matches!(&members.tool_choice, Some(Scalar::Str(choice)) if choice == "none");
         let tools = members.tools.filter(|_| !unrendered).map_or(0, |tools| tools.tokens);
         let prompt_estimate = messages.tokens.saturating_add(tools);
-        Ok(Self { raw, model, stream, prompt_estimate, has_nvext: members.nvext.is_some(), tenant: None })
+        Ok(Self {
+            raw,
+            model,
+            stream,
+            prompt_estimate,
+            has_nvext: members.nvext.is_some() || members.engine_routing,
+            tenant: None,
+        })
     }
 
     /// The request as sent with an `x-tenant-id` header: `tenant` salts its KV blocks.
@@ -456,6 +470,16 @@ mod tests {
         let out = request.outbound(Some(vec![1]), false).await.unwrap();
         let sent = text.strip_suffix('}').unwrap_or(text);
         assert_eq!(String::from_utf8_lossy(&out), format!(r#"{sent},"nvext":{{"token_data":[1]}}}}"#));
+    }
+
+    /// An engine's own routing fields go nowhere: vLLM's `kv_transfer_params` would have a
+    /// unified vLLM backend pull the prompt's KV from a host the client names.
+    #[tokio::test]
+    async fn an_engines_own_routing_fields_are_stripped() {
+        let text = r#"{"model":"m","messages":[{"content":"hi"}],"kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":5600},"bootstrap_host":"x","bootstrap_port":1,"bootstrap_room":2,"data_parallel_rank":1,"top_p":0.9}"#;
+        let request = parse(text).unwrap();
+        let out = request.outbound(None, false).await.unwrap();
+        assert_eq!(String::from_utf8_lossy(&out), r#"{"model":"m","messages":[{"content":"hi"}],"top_p":0.9}"#);
     }
 
     /// A body of megabytes is read on the blocking pool, and read the same.

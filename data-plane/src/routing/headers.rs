@@ -78,6 +78,14 @@ pub fn strip_client_routing(headers: &mut HeaderMap) {
 /// (`nvext.worker_id` in every answer): a disclosure, so only for a client that asked.
 const ECHO_PINS_FIELD: &str = "worker_id";
 
+/// Top-level request fields with which an engine's own OpenAI server (vLLM's, SGLang's) lets a
+/// request choose where its KV comes from or which rank serves it: vLLM's `kv_transfer_params`
+/// (a remote host and port to pull the prompt's KV from), SGLang's disaggregation bootstrap
+/// and data-parallel rank. A unified backend may be such a server rather than a Dynamo
+/// frontend; no client chooses them through the router.
+pub const ENGINE_ROUTING_FIELDS: [&str; 5] =
+    ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"];
+
 /// `nvext.annotations` starting with this ask a Dynamo frontend for the Gateway API inference
 /// extension's query-only first stage: the frontend's own router picks workers and answers with
 /// their ids (and the prompt's tokens) instead of a completion. A client of this router never
@@ -85,7 +93,8 @@ const ECHO_PINS_FIELD: &str = "worker_id";
 const QUERY_INSTANCE_ANNOTATION: &str = "query_instance_id";
 
 /// Removes the `nvext` routing fields of a request body and its query-only annotations, keeping
-/// every other `nvext` field; and, unless the client asked for disclosure (`disclose`), the
+/// every other `nvext` field, and the engines' own routing fields ([`ENGINE_ROUTING_FIELDS`]);
+/// and, unless the client asked for disclosure (`disclose`), the
 /// request for the pins' echo from `nvext.extra_fields`.
 ///
 /// An `nvext` object that held only routing fields is removed whole, so the frontend sees the
@@ -96,6 +105,7 @@ pub fn strip_body_routing(body: &mut Value, disclose: bool) {
     let Some(request) = body.as_object_mut() else {
         return;
     };
+    request.retain(|field, _| !ENGINE_ROUTING_FIELDS.contains(&field.as_str()));
     let nvext = match request.get_mut("nvext") {
         Some(Value::Object(nvext)) => nvext,
         None | Some(Value::Null) => return,
