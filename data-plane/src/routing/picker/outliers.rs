@@ -15,10 +15,10 @@
 //! not hung, and the request was merely long. Otherwise a client could eject healthy workers
 //! with a burst of requests too long to finish in time, all timing out together.
 
-use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use continuum_proto::fast_hash::FastMap;
 use continuum_proto::model::LoadKey;
 
 /// Consecutive failed pinned dispatches that eject a rank.
@@ -50,13 +50,14 @@ impl Record {
     }
 }
 
+/// Keyed by the fleet's ranks (pins the picker chose), so a fast hash will do.
 #[derive(Debug, Default)]
 pub struct Outliers {
-    ranks: Mutex<HashMap<LoadKey, Record>>,
+    ranks: Mutex<FastMap<LoadKey, Record>>,
     /// When each rank last answered a pinned dispatch (its first token, or a whole answer), at
     /// most [`MAX_TRACKED`] ranks, forgetting all when full (it only makes a rank's next
     /// timeout count against it).
-    answered: Mutex<HashMap<LoadKey, Instant>>,
+    answered: Mutex<FastMap<LoadKey, Instant>>,
 }
 
 impl Outliers {
