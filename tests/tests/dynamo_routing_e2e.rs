@@ -66,6 +66,10 @@ const NVEXT_ROUTING_FIELDS: [&str; 9] = [
     "token_data",
     "worker_id",
 ];
+/// Top-level fields with which an engine's own server (vLLM's, SGLang's) chooses a KV source or
+/// a rank: listed here for the same reason.
+const ENGINE_ROUTING_FIELDS: [&str; 5] =
+    ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_replicas_route_on_after_the_control_plane_and_a_decode_worker_die()
@@ -167,6 +171,10 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
                 field if field.ends_with("rank") => json!(5),
                 _ => json!(decode),
             };
+        }
+        // An engine's own (vLLM's remote KV source, SGLang's bootstrap and rank).
+        for field in ENGINE_ROUTING_FIELDS {
+            body[field] = json!({"remote_host": "10.0.0.9", "remote_port": 5600});
         }
         // The query-only first stage: the frontend's own router would pick and answer ids.
         body["nvext"]["annotations"] = json!(["query_instance_id:decode", "the client's own"]);
@@ -537,6 +545,9 @@ impl Fleet<'_> {
         let body: serde_json::Value = serde_json::from_slice(&request.body).context("the body")?;
         for field in NVEXT_ROUTING_FIELDS {
             ensure!(body["nvext"].get(field).is_none(), "nvext.{field} reached the frontend: {body}");
+        }
+        for field in ENGINE_ROUTING_FIELDS {
+            ensure!(body.get(field).is_none(), "{field} reached the frontend: {body}");
         }
         let annotations = body["nvext"]["annotations"].as_array().into_iter().flatten();
         let query_only = annotations.filter_map(|a| a.as_str()).any(|a| a.starts_with("query_instance_id"));
