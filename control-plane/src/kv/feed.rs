@@ -1,7 +1,7 @@
 //! The kv-events feed: each message from a worker rank's publisher goes through the
 //! [`KvIndexer`]'s gates into the shared index, and every result is counted.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
@@ -183,13 +183,23 @@ impl Feed for KvFeed {
 }
 
 /// Live worker ids and the ranks each declares: the index's identity gate. Instance ids are
-/// etcd lease ids, unique across namespaces.
+/// etcd lease ids, unique across namespaces. With each, how many of its ranks have a
+/// `kv-events` channel (one channel a rank).
 fn live_ranks(fleet: &Fleet) -> LiveRanks {
+    // A channel whose event source names no rank serves one of the worker's ranks.
+    let mut publishing: HashSet<(u64, Option<u32>)> = HashSet::new();
+    for publisher in fleet.publishers.iter().filter(|p| p.topic == Topic::KvEvents) {
+        if let Some(worker) = &publisher.worker {
+            publishing.insert((worker.instance_id, publisher.dp_rank));
+        }
+    }
     let mut live = HashMap::with_capacity(fleet.workers.len());
     for w in fleet.workers.iter() {
         // The same ranks the replicas pick among: a start rank without a size is rank 0.
-        let worker = LiveWorker { namespace: Arc::clone(&w.worker.key.namespace), ranks: w.worker.dp_ranks() };
-        live.insert(w.worker.key.instance_id, worker);
+        let (id, ranks) = (w.worker.key.instance_id, w.worker.dp_ranks());
+        let ranked = ranks.clone().filter(|rank| publishing.contains(&(id, Some(*rank)))).count();
+        let publishing = ranked.max(usize::from(publishing.contains(&(id, None))));
+        live.insert(id, LiveWorker { namespace: Arc::clone(&w.worker.key.namespace), ranks, publishing });
     }
     live
 }
@@ -208,6 +218,38 @@ mod tests {
             residency_domain: ResidencyDomain::Unspecified,
             data: KvEventData::Removed((0..blocks as u64).collect()),
         }
+    }
+
+    /// The index's room is shared among the ranks with a `kv-events` channel: a decode worker
+    /// of 1.6.1 (no channel) and a worker's silent ranks take none of it.
+    #[test]
+    fn only_ranks_that_publish_kv_events_share_the_index() {
+        use crate::discovery::{test_publisher, test_worker};
+        use continuum_proto::model::Role;
+        let mut fleet = Fleet::default();
+        for (id, role) in [(1, Role::Prefill), (2, Role::Decode)] {
+            let (key, mut worker) = test_worker("dynamo", id, role, "tiny");
+            worker.worker.dp_size = 4;
+            fleet.workers.insert(key, worker);
+        }
+        // Worker 1 publishes for ranks 0 and 2, once for rank 2 again; worker 2 only load.
+        let prefill = Some(continuum_proto::model::WorkerKey::new("dynamo", 1));
+        for (publisher, rank) in [(10, 0), (11, 2), (12, 2)] {
+            let channel =
+                Publisher { topic: Topic::KvEvents, dp_rank: Some(rank), ..test_publisher(publisher, prefill.clone()) };
+            fleet.publishers.insert(channel.key(), channel);
+        }
+        let load = test_publisher(20, Some(continuum_proto::model::WorkerKey::new("dynamo", 2)));
+        fleet.publishers.insert(load.key(), load);
+        let live = live_ranks(&fleet);
+        let publishing: Vec<(u64, usize, usize)> =
+            [1, 2].iter().map(|id| (*id, live[id].ranks.len(), live[id].publishing)).collect();
+        assert_eq!(publishing, [(1, 4, 2), (2, 4, 0)]);
+        let mut indexer = KvIndexer::default();
+        indexer.set_live(live);
+        use continuum_kv_index::{MAX_BLOCKS_PER_RANK, MAX_INDEX_BLOCKS};
+        assert_eq!(indexer.index().rank_share(), (MAX_INDEX_BLOCKS / 2).min(MAX_BLOCKS_PER_RANK), "two ranks publish");
+        assert!(indexer.index().rank_share() > MAX_INDEX_BLOCKS / 8, "not an eighth, for all eight ranks");
     }
 
     #[test]

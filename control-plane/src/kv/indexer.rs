@@ -66,6 +66,10 @@ pub struct LiveWorker {
     /// clear its blocks.
     pub namespace: Arc<str>,
     pub ranks: Range<u32>,
+    /// Of its ranks, those with a `kv-events` channel: the index's room is shared among those
+    /// alone (1.6.1's decode workers publish none, and a rank that publishes nothing holds no
+    /// blocks).
+    pub publishing: usize,
 }
 
 #[derive(Debug, Default)]
@@ -226,10 +230,11 @@ impl KvIndexer {
     }
 
     /// Replaces the live workers and their declared ranks at once; ranks no longer live lose
-    /// their blocks and cursors. Returns how many ranks were cleared from the index.
+    /// their blocks and cursors, and the index is shared among the ranks that publish. Returns
+    /// how many ranks were cleared from the index.
     pub fn set_live(&mut self, live: LiveRanks) -> usize {
         self.live = live;
-        let ranks = self.live.values().map(|worker| worker.ranks.len()).sum();
+        let ranks = self.live.values().map(|worker| worker.publishing.min(worker.ranks.len())).sum();
         self.index.share_among(ranks);
         let live = &self.live;
         for publisher in self.publishers.values_mut() {

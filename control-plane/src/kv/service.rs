@@ -350,7 +350,7 @@ mod tests {
     use crate::kv::{KvIndexer, LiveWorker};
 
     fn live(ranks: std::ops::Range<u32>) -> LiveWorker {
-        LiveWorker { namespace: "dynamo".into(), ranks }
+        LiveWorker { namespace: "dynamo".into(), publishing: ranks.len(), ranks }
     }
 
     /// A worker that departs takes its provisional chains out of `FindMatches` answers at once,

@@ -224,7 +224,7 @@ const WORKER: u64 = 7_668_682_560_356_784_048;
 
 /// Publisher `id` of the fixtures' namespace.
 fn live_in(namespace: &str, ranks: std::ops::Range<u32>) -> LiveWorker {
-    LiveWorker { namespace: namespace.into(), ranks }
+    LiveWorker { namespace: namespace.into(), publishing: ranks.len(), ranks }
 }
 
 fn key(id: u64) -> PublisherKey {
@@ -387,7 +387,7 @@ fn set_live_clears_departed_ranks_and_their_cursors() {
     assert_eq!(indexer.index().stats().nodes, 0);
 }
 
-/// The index is shared among every rank the live workers declare.
+/// The index is shared among every rank the live workers publish kv-events for (here, all).
 #[test]
 fn the_index_is_shared_among_the_live_ranks() {
     use continuum_kv_index::{MAX_BLOCKS_PER_RANK, MAX_INDEX_BLOCKS};
