@@ -121,6 +121,13 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.control_plane_token.is_some() && tls.is_none() && !is_loopback_url(&args.control_plane) {
+        tracing::warn!(
+            control_plane = %args.control_plane,
+            "--control-plane-token goes in the clear over http:// to a host that is not this one; use https:// \
+             (--control-plane-ca) unless the network between them is trusted"
+        );
+    }
     let config = FleetClientConfig { credentials, tls, ..FleetClientConfig::new(args.control_plane, replica_id) };
     // Before the start, so a SIGTERM while starting drains once started instead of killing.
     let mut signals = match Signals::install() {
@@ -150,6 +157,14 @@ async fn run(args: Args) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Whether an `http://` URL names this host (`localhost`, a loopback address): a token sent
+/// in the clear there stays on the machine.
+fn is_loopback_url(url: &str) -> bool {
+    let Ok(uri) = url.parse::<axum::http::Uri>() else { return false };
+    let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
+    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
 }
 
 /// TLS to the control plane, from the URL's scheme and the TLS flags, which must agree. The
@@ -209,6 +224,21 @@ impl Signals {
         tokio::select! {
             _ = self.terminate.recv() => Signal::Terminate,
             _ = self.interrupt.recv() => Signal::Interrupt,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback_url;
+
+    #[test]
+    fn only_this_hosts_urls_keep_a_clear_token_on_the_machine() {
+        for local in ["http://127.0.0.1:50051", "http://localhost:50051", "http://[::1]:50051", "http://127.3.2.1"] {
+            assert!(is_loopback_url(local), "{local}");
+        }
+        for remote in ["http://cp.other-node:50051", "http://10.0.0.7:50051", "http://[fd00::1]:1", "not a url"] {
+            assert!(!is_loopback_url(remote), "{remote}");
         }
     }
 }

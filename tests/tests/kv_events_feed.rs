@@ -127,7 +127,7 @@ async fn the_real_eviction_stream_indexed_over_zmtp_matches_the_same_stream_appl
 
     // The reference: the same frames applied in-process to a bare indexer.
     let mut reference = KvIndexer::new(Limits::default());
-    let live = LiveWorker { namespace: "dynamo".into(), ranks: 0..2 };
+    let live = LiveWorker { namespace: "dynamo".into(), ranks: 0..2, publishing: 2 };
     reference.set_live([(first.worker_id, live)].into_iter().collect());
     let publisher = PublisherKey { namespace: "dynamo".into(), publisher_id: first.publisher_id };
     let mapping = PublisherMapping { publisher, worker_id: first.worker_id, dp_rank: Some(first.dp_rank) };

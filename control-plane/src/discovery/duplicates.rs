@@ -37,11 +37,6 @@ impl Conflicts {
             }
         }
     }
-
-    /// Forgets conflicts whose identity fails `keep` (their namespace is no longer watched).
-    pub fn retain(&mut self, keep: impl Fn(&Identity) -> bool) {
-        self.reported.retain(|identity, _| keep(identity));
-    }
 }
 
 fn warn(identity: &Identity, keys: &BTreeSet<EtcdKey>) {

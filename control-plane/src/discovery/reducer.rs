@@ -266,19 +266,6 @@ impl Reducer {
         self.fleet.clone()
     }
 
-    /// Stops watching namespaces outside `keep` and drops their records, workers and
-    /// publishers. Kept namespaces are untouched.
-    pub fn prune_namespaces(&mut self, keep: &[String]) {
-        self.namespaces.retain(|ns| keep.iter().any(|k| **k == **ns));
-        for (keyspace, key) in self.store.keys_outside(&self.namespaces) {
-            self.store.remove(keyspace, &key);
-        }
-        let kept = |namespace: &Arc<str>| self.namespaces.contains(namespace);
-        self.fleet.workers.retain(|key, _| kept(&key.namespace));
-        self.fleet.publishers.retain(|key, _| kept(&key.namespace));
-        self.conflicts.retain(|identity| kept(identity.namespace()));
-    }
-
     /// Holds `kv`, replacing what its key held.
     fn put(&mut self, kv: KeyValue, now: SystemTime, prior: Option<&mut Store>, pass: &mut Pass) {
         if let Some(read) = self.read(kv, pass) {

@@ -59,13 +59,6 @@ impl Identity {
         }
     }
 
-    pub fn namespace(&self) -> &Arc<str> {
-        match self {
-            Identity::Instance(worker) | Identity::Card(worker, _) => &worker.namespace,
-            Identity::Channel(publisher) | Identity::Source(publisher) => &publisher.namespace,
-        }
-    }
-
     pub fn worker(&self) -> Option<&WorkerKey> {
         match self {
             Identity::Instance(worker) | Identity::Card(worker, _) => Some(worker),
@@ -208,15 +201,6 @@ impl Store {
     /// Every identity claimed by at least one held entry.
     pub fn identities(&self) -> impl Iterator<Item = &Identity> {
         self.claims.keys()
-    }
-
-    /// Keys held for namespaces outside `keep`.
-    pub fn keys_outside(&self, keep: &[Arc<str>]) -> Vec<(Keyspace, EtcdKey)> {
-        let outside = |entry: &Entry| !keep.contains(&entry.namespace);
-        Keyspace::ALL
-            .into_iter()
-            .flat_map(|ks| self.map(ks).iter().filter(|(_, e)| outside(e)).map(move |(key, _)| (ks, key.clone())))
-            .collect()
     }
 
     fn map(&self, keyspace: Keyspace) -> &BTreeMap<EtcdKey, Entry> {

@@ -3,7 +3,7 @@
 //! Read-only by construction: this module issues range gets and watches and nothing else (no
 //! put, delete, lease grant or keep-alive). One pass connects, range-gets the four prefixes of
 //! every watched namespace at one revision, folds them as a resync, opens a watch on each prefix
-//! at that revision (gapless; its own events repeat what the gets read), and folds every event
+//! from the revision after it (gapless: the gets hold that revision's writes), and folds every event
 //! until a stream ends. Then it waits a bounded,
 //! jittered backoff and starts over from scratch, which also recovers from compaction.
 //!

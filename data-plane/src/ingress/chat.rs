@@ -35,9 +35,12 @@ pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, b
 async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Result<Response, ApiError> {
     // Ingress. The client's routing body fields are stripped as the outbound body is made.
     let request = ChatRequest::read(body).await?.with_tenant(tenant);
-    // Pick.
-    let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
-    let routed = select::route(state, &view, &request).await?;
+    // Pick, on the view of the moment: held only while picking, since a request may run for
+    // minutes and the control plane publishes a view every few milliseconds under load.
+    let routed = {
+        let view = state.fleet.view().ok_or(SelectError::NoFleetView)?;
+        select::route(state, &view, &request).await?
+    };
     // Upstream request and relay.
     let attached = routed.token_data.is_some();
     let body = request.outbound(routed.token_data, disclose).await?;

@@ -88,8 +88,9 @@ fn populate() -> (KvHandle, Vec<Chain>) {
     let families: Vec<Vec<u64>> = (0..FAMILIES).map(|_| blocks(FAMILY_BLOCKS)).collect();
     let documents: Vec<(usize, Vec<u64>)> = (0..DOCUMENTS).map(|d| (d % FAMILIES, blocks(DOCUMENT_BLOCKS))).collect();
     let mut indexer = KvIndexer::new(Limits::default());
-    let live: LiveRanks =
-        (1..=WORKERS).map(|w| (w, LiveWorker { namespace: "bench".into(), ranks: 0..DP_SIZE })).collect();
+    let live: LiveRanks = (1..=WORKERS)
+        .map(|w| (w, LiveWorker { namespace: "bench".into(), ranks: 0..DP_SIZE, publishing: DP_SIZE as usize }))
+        .collect();
     indexer.set_live(live);
     let mut rng = StdRng::seed_from_u64(7);
     let mut chains = Vec::new();

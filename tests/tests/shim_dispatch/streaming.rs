@@ -256,6 +256,39 @@ async fn a_break_after_the_closing_done_cuts_nothing() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A request holds the fleet view it was picked on only while it picks: one in flight for
+/// minutes (a buffered answer is read whole before it is relayed) would otherwise keep an old
+/// view alive for each of the hundreds the control plane publishes meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_in_flight_holds_no_fleet_view() -> anyhow::Result<()> {
+    use continuum_control_plane::fleet::FleetChange;
+    let shim = StubShim::start().await?;
+    let harness = std::sync::Arc::new(
+        Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), DispatchSettings::default())
+            .await?,
+    );
+    let picked_on = harness.replica.fleet.view().ok_or_else(|| anyhow::anyhow!("no view"))?;
+    // A buffered request whose answer comes in two parts: in flight until the second.
+    let gate = shim.push_stream();
+    let client = std::sync::Arc::clone(&harness);
+    let request =
+        tokio::spawn(async move { client.post(&chat(MODEL, false)).await?.text().await.map_err(anyhow::Error::from) });
+    gate.send(Ok(Bytes::from(r#"{"id":"x","choices":[{"#))).await?;
+    eventually(Duration::from_secs(5), "the request reached the shim", || {
+        std::future::ready(shim.received().len() == 1)
+    })
+    .await?;
+    // A newer view replaces the one it was picked on.
+    let another = super::worker(DECODE_ID + 3, continuum_proto::model::Role::Decode, MODEL, 0);
+    harness.change(FleetChange { upsert: vec![another], ..FleetChange::default() }).await?;
+    assert_eq!(std::sync::Arc::strong_count(&picked_on), 1, "only this test holds the old view");
+    gate.send(Ok(Bytes::from(r#""index":0,"message":{"role":"assistant","content":"hi"}}]}"#))).await?;
+    drop(gate);
+    let answer = request.await??;
+    assert!(answer.contains("\"content\":\"hi\""), "{answer}");
+    Ok(())
+}
+
 /// An event that never ends is held back only so far: past the bound the stream breaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfinished_event_past_the_bound_ends_the_stream_with_an_error() -> anyhow::Result<()> {

@@ -67,24 +67,6 @@ fn percent_encoded_namespaces_match_their_watched_name() {
 }
 
 #[test]
-fn pruning_drops_only_removed_namespaces() {
-    let mut sim = Sim::watching(&["prod", "canary"]);
-    register_in(&mut sim, "prod", ID);
-    register_in(&mut sim, "canary", ID + 1);
-    let before = sim.worker_in("prod", ID);
-    sim.reducer.prune_namespaces(&["prod".to_owned()]);
-    assert_eq!(identities(&sim), (vec![pair("prod", ID)], vec![pair("prod", PUBLISHER)]));
-    assert_eq!(sim.worker_in("prod", ID), before, "kept workers are untouched");
-    let late = sim.put(
-        instance_key("canary", "prefill", "generate", ID + 2),
-        &endpoint_value("prefill", "generate", json!(ID + 2)),
-    );
-    assert_eq!(counts(&late), vec![(EventKind::Skipped, 1)], "a pruned namespace is no longer watched");
-    sim.delete(card_key("canary", "prefill", ID + 1));
-    assert_eq!(sim.reducer.namespaces().len(), 1);
-}
-
-#[test]
 fn resync_replaces_state_and_keeps_first_seen_for_persisting_identities() {
     let card = |name: &str| {
         let mut card = card_json("prefill");
