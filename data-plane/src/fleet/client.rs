@@ -125,7 +125,24 @@ enum SessionError {
     NotOpened,
 }
 
+/// Sessions in a row ended over a refused snapshot after which reconnecting slows to the
+/// backoff's longest delay.
+const REFUSED_SNAPSHOTS_BEFORE_SLOWEST: u32 = 3;
+
+/// Sessions in a row ended over a refused snapshot, after one that ended with `outcome`
+/// (`snapshot_applied`: it applied one), `before` such sessions.
+fn refused_in_a_row(before: u32, snapshot_applied: bool, outcome: &Result<(), SessionError>) -> u32 {
+    let refused = !snapshot_applied && outcome.as_ref().is_err_and(SessionError::ends_refused_updates);
+    if refused { before.saturating_add(1) } else { 0 }
+}
+
 impl SessionError {
+    /// The control plane ended the stream over updates this replica refused (its
+    /// `FAILED_PRECONDITION`): a snapshot, or deltas refused twice in a row.
+    fn ends_refused_updates(&self) -> bool {
+        matches!(self, SessionError::Status(status) if status.code() == Code::FailedPrecondition)
+    }
+
     /// Failures that an immediate retry will not fix get the longest delay.
     fn is_persistent(&self) -> bool {
         match self {
@@ -172,8 +189,11 @@ pub async fn run(
         tracing::error!("the dispatch reporter is already followed by another fleet client");
         return;
     };
+    // Sessions in a row the control plane ended for a snapshot this replica refused.
+    let mut refused_snapshots = 0u32;
     loop {
         let started = Instant::now();
+        let mut snapshot_applied = false;
         let outcome = tokio::select! {
             () = cancel.cancelled() => {
                 // Operations after this (the last answers of a drain) are not queued for a
@@ -181,7 +201,7 @@ pub async fn run(
                 reporter::detach(&mut reports);
                 return;
             }
-            outcome = follow(&config, &handle, &reporter, &mut reports, &metrics) => outcome,
+            outcome = follow(&config, &handle, &reporter, &mut reports, &metrics, &mut snapshot_applied) => outcome,
         };
         reporter::detach(&mut reports);
         handle.detach();
@@ -196,7 +216,12 @@ pub async fn run(
         if started.elapsed() >= STABLE_SESSION {
             backoff.reset();
         }
-        if outcome.as_ref().is_err_and(SessionError::is_persistent) {
+        // A snapshot refused again and again (a version this replica cannot read) would be
+        // sent again, megabytes each time, at the backoff's pace: after a few, at its slowest.
+        refused_snapshots = refused_in_a_row(refused_snapshots, snapshot_applied, &outcome);
+        if outcome.as_ref().is_err_and(SessionError::is_persistent)
+            || refused_snapshots >= REFUSED_SNAPSHOTS_BEFORE_SLOWEST
+        {
             backoff.saturate();
         }
         metrics.reconnects.inc();
@@ -214,6 +239,7 @@ async fn follow(
     reporter: &DispatchReporter,
     reports: &mut Reports,
     metrics: &Metrics,
+    snapshot_applied: &mut bool,
 ) -> Result<(), SessionError> {
     let endpoint = endpoint_off_the_runtime(config)
         .await
@@ -242,7 +268,6 @@ async fn follow(
     let mut last_report = Instant::now();
     // Every stream starts with a full snapshot: until one is applied, the view held is the
     // last stream's, stripped of its fleet-wide sums, and no delta can be known to fit it.
-    let mut snapshot_applied = false;
     loop {
         if !reports.attached() {
             // An operation found the report queue full: the stream's reports are no longer
@@ -251,7 +276,7 @@ async fn follow(
         }
         let reply = tokio::select! {
             update = updates.message() => match update? {
-                Some(update) => apply(handle, update, &mut snapshot_applied, metrics),
+                Some(update) => apply(handle, update, snapshot_applied, metrics),
                 None => return Ok(()),
             },
             Some(operation) = reports.recv() => {
@@ -348,6 +373,22 @@ mod tests {
 
     fn view(version: u64) -> FleetView {
         FleetView::new(version, [], [], Arc::new(DataPlaneConfig::default())).expect("a view")
+    }
+
+    /// Only sessions that ended over refused updates before any snapshot was applied count
+    /// toward the slowest reconnects; any other session starts the count over.
+    #[test]
+    fn sessions_ending_over_a_refused_snapshot_are_counted_in_a_row() {
+        let refused = || Err(SessionError::Status(Status::failed_precondition("refused snapshot")));
+        let mut count = 0;
+        for _ in 0..REFUSED_SNAPSHOTS_BEFORE_SLOWEST {
+            count = refused_in_a_row(count, false, &refused());
+        }
+        assert_eq!(count, REFUSED_SNAPSHOTS_BEFORE_SLOWEST);
+        assert_eq!(refused_in_a_row(count, true, &refused()), 0, "deltas refused after a snapshot applied");
+        assert_eq!(refused_in_a_row(count, false, &Err(SessionError::NotOpened)), 0);
+        assert_eq!(refused_in_a_row(count, false, &Err(SessionError::Status(Status::unavailable("gone")))), 0);
+        assert_eq!(refused_in_a_row(count, false, &Ok(())), 0);
     }
 
     fn update(version: u64, body: Body) -> pb::FleetUpdate {
