@@ -142,6 +142,52 @@ pub struct RuntimeConfig {
     pub default_thinking: Option<bool>,
 }
 
+/// Fields of a card set aside as unreadable, at most, before the typed subset is given up.
+const MAX_UNREADABLE_FIELDS: usize = 8;
+
+/// The card's typed subset, each unreadable field set aside rather than all of them (a newer
+/// Dynamo writing `kv_cache_block_size: "16"` must not cost the card its role, and the worker
+/// its routing), and why the first was unreadable.
+fn typed_leniently(card_json: &Value) -> (TypedCard, Option<String>) {
+    let mut card = std::borrow::Cow::Borrowed(card_json);
+    let mut first_error = None;
+    for _ in 0..=MAX_UNREADABLE_FIELDS {
+        match serde_path_to_error::deserialize::<_, TypedCard>(&*card) {
+            Ok(typed) => return (typed, first_error),
+            Err(error) => {
+                // serde quotes the value it refused, which a card may make megabytes long.
+                first_error.get_or_insert_with(|| super::records::excerpt(&error.to_string()));
+                if !remove_field(card.to_mut(), error.path()) {
+                    break;
+                }
+            }
+        }
+    }
+    (TypedCard::default(), first_error)
+}
+
+/// Removes the object member `path` names from `value`; whether there was one.
+fn remove_field(value: &mut Value, path: &serde_path_to_error::Path) -> bool {
+    use serde_path_to_error::Segment;
+    let segments: Vec<&Segment> = path.iter().collect();
+    let Some((Segment::Map { key }, parents)) = segments.split_last() else { return false };
+    let mut at = value;
+    for segment in parents {
+        at = match (segment, at) {
+            (Segment::Map { key }, Value::Object(members)) => match members.get_mut(key) {
+                Some(member) => member,
+                None => return false,
+            },
+            (Segment::Seq { index }, Value::Array(items)) => match items.get_mut(*index) {
+                Some(item) => item,
+                None => return false,
+            },
+            _ => return false,
+        };
+    }
+    at.as_object_mut().is_some_and(|members| members.remove(key).is_some())
+}
+
 impl Card {
     /// Parses `card_json` (`null` when the record has none). `record_bytes` is the size of the
     /// etcd value it came in: a card in a value past [`MAX_RETAINED_CARD_BYTES`] is measured
@@ -157,11 +203,7 @@ impl Card {
                 oversized: None,
             };
         }
-        let (mut typed, typed_error) = match TypedCard::deserialize(&card_json) {
-            Ok(typed) => (typed, None),
-            // serde quotes the value it refused, which a card may make megabytes long.
-            Err(error) => (TypedCard::default(), Some(super::records::excerpt(&error.to_string()))),
-        };
+        let (mut typed, typed_error) = typed_leniently(&card_json);
         let release = ["dynamo_version", "runtime_version", "version", "release"]
             .into_iter()
             .find_map(|field| card_json.get(field)?.as_str())
@@ -420,12 +462,23 @@ mod tests {
     }
 
     #[test]
-    fn typed_subset_failure_keeps_the_raw_card() {
-        let raw = json!({"display_name": "tiny", "kv_cache_block_size": "sixteen"});
-        let card = Card::parse(raw.clone(), 128);
-        assert!(card.typed_error.is_some());
-        assert_eq!(card.typed, TypedCard::default());
+    fn an_unreadable_field_costs_only_itself_and_the_raw_card_is_kept() {
+        let raw = json!({"display_name": "tiny", "kv_cache_block_size": "sixteen", "worker_type": "prefill",
+                         "runtime_config": {"total_kv_blocks": "many", "max_num_seqs": 8}});
+        let card = Card::parse(raw.clone(), 256);
+        assert!(
+            card.typed_error.as_deref().is_some_and(|e| e.contains("kv_cache_block_size")),
+            "{:?}",
+            card.typed_error
+        );
+        assert_eq!(card.role_claim(), Some(Role::Prefill), "the other fields are read");
+        assert_eq!(card.block_size(), None);
+        assert_eq!(card.capacity(), Capacity { max_num_seqs: Some(8), ..Capacity::default() });
         let kept: Option<Value> = card.raw.as_deref().and_then(|text| serde_json::from_str(text).ok());
         assert_eq!(kept, Some(raw), "kept whole, as compact text");
+        // A card that is no object at all has no typed subset.
+        let card = Card::parse(json!(["not", "a", "card"]), 64);
+        assert!(card.typed_error.is_some());
+        assert_eq!(card.typed, TypedCard::default());
     }
 }

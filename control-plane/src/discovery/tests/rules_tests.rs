@@ -140,14 +140,14 @@ fn adapter_cards_with_a_model_suffix_never_join() {
 }
 
 #[test]
-fn a_card_whose_typed_fields_fail_keeps_the_raw_card_and_the_worker() {
-    let card = json!({"display_name": "tiny", "worker_type": "decode", "kv_cache_block_size": "sixteen"});
+fn a_card_with_an_unreadable_field_keeps_its_other_fields_the_raw_card_and_the_worker() {
+    let card = json!({"display_name": "tiny", "worker_type": "prefill", "kv_cache_block_size": "sixteen"});
     let mut sim = Sim::new();
     sim.put(card_key(NS, "prefill", ID), &card_value("prefill", json!(ID), card.clone()));
     sim.put(instance_key(NS, "prefill", "generate", ID), &endpoint_value("prefill", "generate", json!(ID)));
     let worker = sim.worker(ID);
     let got = worker.map(|w| (w.worker.role, w.worker.model, w.worker.block_size, w.excluded, w.card));
-    assert_eq!(got, Some((Role::Prefill, String::new(), None, None, Some(std::sync::Arc::from(card.to_string())))));
+    assert_eq!(got, Some((Role::Prefill, "tiny".into(), None, None, Some(std::sync::Arc::from(card.to_string())))));
 }
 
 #[test]
