@@ -37,7 +37,9 @@ use crate::config::EtcdConfig;
 use crate::discovery::{Applied, KeyValue, Listing, Reducer, WatchEvent, keys};
 use crate::metrics::Metrics;
 
-/// Dial, authenticate and range-get must finish within this; the watches after it are unbounded.
+/// Dialling and authenticating, each page of the listing, and opening each watch must each
+/// finish within this (a listing that keeps moving is never cut: a large fleet over a slow link
+/// takes as many of these as it has pages); the watches after it are unbounded.
 pub const SEED_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The largest etcd response accepted. Above `MAX_RECORD_BYTES` (16 MiB), so an oversized
@@ -54,7 +56,7 @@ use heard::{Heard, Verdict};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
-    #[error("connecting and seeding took longer than {SEED_TIMEOUT:?}")]
+    #[error("connecting to etcd, or one page of its listing, took longer than {SEED_TIMEOUT:?}")]
     SeedTimeout,
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
@@ -156,9 +158,7 @@ async fn pass(
     watching_since: &mut Option<Instant>,
 ) -> Result<(), PassError> {
     let prefixes: Vec<String> = namespaces.iter().flat_map(|ns| prefixes(ns)).collect();
-    let (mut kv, mut watcher, seeded) = tokio::time::timeout(SEED_TIMEOUT, seed(config, &prefixes, reducer))
-        .await
-        .map_err(|_| PassError::SeedTimeout)??;
+    let (mut kv, mut watcher, seeded) = seed(config, &prefixes, reducer).await?;
     metrics.discovery_events.with_label_values(&["oversized"]).inc_by(seeded.stepped_over);
     off_the_runtime(|| {
         let applied = reducer.resync(seeded.listing, SystemTime::now());
@@ -322,11 +322,13 @@ async fn seed(
     prefixes: &[String],
     reducer: &Reducer,
 ) -> Result<(KvClient, WatchClient, Seeded), PassError> {
-    let client = Client::connect(&config.endpoints, Some(connect_options_read(config).await?)).await?;
+    let connect = async { Ok(Client::connect(&config.endpoints, Some(connect_options_read(config).await?)).await?) };
+    let client = within_seed_timeout(connect).await?;
     let mut kv = client.kv_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let watcher = client.watch_client().max_decoding_message_size(MAX_ETCD_MESSAGE_BYTES);
     let first = prefixes.first().map_or("v1/", String::as_str);
-    let counted = kv.get(first, Some(GetOptions::new().with_prefix().with_count_only())).await?;
+    let count = GetOptions::new().with_prefix().with_count_only();
+    let counted = within_seed_timeout(async { Ok(kv.get(first, Some(count)).await?) }).await?;
     let revision = counted.header().map_or(0, |h| h.revision());
     let mut seeded = Seeded { listing: Listing::default(), revision, stepped_over: 0 };
     for prefix in prefixes {
@@ -343,7 +345,11 @@ async fn list(kv: &mut KvClient, prefix: &[u8], reducer: &Reducer, seeded: &mut 
     let mut limit = PAGE_KEYS;
     loop {
         let page = GetOptions::new().with_range(end.clone()).with_limit(limit).with_revision(revision);
-        let response = match kv.get(from.clone(), Some(page)).await {
+        let response = match tokio::time::timeout(SEED_TIMEOUT, kv.get(from.clone(), Some(page))).await {
+            Err(_) => return Err(PassError::SeedTimeout),
+            Ok(response) => response,
+        };
+        let response = match response {
             Err(error) if too_large(&error) && limit > 1 => {
                 limit /= 2;
                 continue;
@@ -351,7 +357,8 @@ async fn list(kv: &mut KvClient, prefix: &[u8], reducer: &Reducer, seeded: &mut 
             Err(error) if too_large(&error) => {
                 // One value alone is past the bound: step over its key, read without it.
                 let key_only = GetOptions::new().with_range(end.clone()).with_limit(1).with_revision(revision);
-                let response = kv.get(from.clone(), Some(key_only.with_keys_only())).await?;
+                let keys_only = kv.get(from.clone(), Some(key_only.with_keys_only()));
+                let response = within_seed_timeout(async { Ok(keys_only.await?) }).await?;
                 let Some(skipped) = response.kvs().first() else { return Ok(()) };
                 tracing::warn!(
                     key = %String::from_utf8_lossy(skipped.key()),
@@ -383,6 +390,11 @@ async fn list(kv: &mut KvClient, prefix: &[u8], reducer: &Reducer, seeded: &mut 
         }
         limit = (limit * 2).min(PAGE_KEYS);
     }
+}
+
+/// `step`'s outcome, unless it takes longer than [`SEED_TIMEOUT`].
+async fn within_seed_timeout<T>(step: impl Future<Output = Result<T, PassError>>) -> Result<T, PassError> {
+    tokio::time::timeout(SEED_TIMEOUT, step).await.map_err(|_| PassError::SeedTimeout)?
 }
 
 /// Whether tonic refused an answer for exceeding [`MAX_ETCD_MESSAGE_BYTES`].
