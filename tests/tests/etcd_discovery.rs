@@ -235,8 +235,8 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     Ok(())
 }
 
-/// The check a silent watch stream gets: does etcd hold a write under its prefix newer than
-/// the revision the stream delivered? Only writes under that prefix count.
+/// The check a silent watch stream gets: did its prefix change after the revision the stream
+/// delivered (a key written, or one deleted)? Only changes under that prefix count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_stream_is_checked_for_writes_under_its_prefix_past_what_it_delivered() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
@@ -254,6 +254,11 @@ async fn a_silent_stream_is_checked_for_writes_under_its_prefix_past_what_it_del
     let after = kv.get("any", None).await?.header().map(|h| h.revision()).unwrap_or_default();
     assert_eq!(writes_after(&mut kv, &instances, after - 1, within).await, Some(false), "a write elsewhere");
     assert_eq!(writes_after(&mut kv, &cards, after - 1, within).await, Some(true));
+    // A delete (a lease expiring) leaves no key written after it: the count tells.
+    kv.delete(format!("{cards}other"), None).await?;
+    assert_eq!(writes_after(&mut kv, &cards, after, within).await, Some(true), "a key deleted");
+    let deleted = kv.get("any", None).await?.header().map(|h| h.revision()).unwrap_or_default();
+    assert_eq!(writes_after(&mut kv, &cards, deleted, within).await, Some(false), "nothing since");
     Ok(())
 }
 

@@ -270,18 +270,29 @@ fn off_the_runtime<R>(work: impl FnOnce() -> R) -> R {
     }
 }
 
-/// Whether the member holds a key under `prefix` written after `revision`, by a linearizable
-/// read (one key at most, without its value) answered within `within`; `None` when it does
-/// not answer in time: one cut off from its cluster (`require_leader`) or frozen. Not a
-/// count: etcd counts a range before it filters it by revision.
+/// Whether `prefix` changed after `revision`, by linearizable reads answered within `within`:
+/// a key written since (one at most, without its value; not a count, since etcd counts a range
+/// before it filters it by revision), or else a count of the prefix now unlike its count then,
+/// since a delete (a worker's lease expiring) leaves no key to find. `None` when the member
+/// does not answer in time (one cut off from its cluster, `require_leader`, or frozen), or no
+/// longer holds that revision (compacted past what the stream delivered).
 pub async fn writes_after(kv: &mut KvClient, prefix: &str, revision: i64, within: Duration) -> Option<bool> {
-    let newer = GetOptions::new()
-        .with_prefix()
-        .with_keys_only()
-        .with_min_mod_revision(revision.saturating_add(1))
-        .with_limit(1);
-    match tokio::time::timeout(within, kv.get(prefix, Some(newer))).await {
-        Ok(Ok(answer)) => Some(!answer.kvs().is_empty()),
+    let check = async {
+        let newer = GetOptions::new()
+            .with_prefix()
+            .with_keys_only()
+            .with_min_mod_revision(revision.saturating_add(1))
+            .with_limit(1);
+        if !kv.get(prefix, Some(newer)).await?.kvs().is_empty() {
+            return Ok(true);
+        }
+        let count = || GetOptions::new().with_prefix().with_count_only();
+        let now = kv.get(prefix, Some(count())).await?.count();
+        let then = kv.get(prefix, Some(count().with_revision(revision))).await?.count();
+        Ok::<_, etcd_client::Error>(now != then)
+    };
+    match tokio::time::timeout(within, check).await {
+        Ok(Ok(changed)) => Some(changed),
         _ => None,
     }
 }
