@@ -276,7 +276,7 @@ async fn follow(
         }
         let reply = tokio::select! {
             update = updates.message() => match update? {
-                Some(update) => apply(handle, update, snapshot_applied, metrics),
+                Some(update) => apply(handle, update, snapshot_applied, metrics).await,
                 None => return Ok(()),
             },
             Some(operation) = reports.recv() => {
@@ -305,11 +305,25 @@ async fn follow(
 /// say) is cut rather than sent whole.
 const MAX_REASON_CHARS: usize = 512;
 
+/// Updates larger than this (encoded) are turned into a view on the blocking pool: a large
+/// fleet's snapshot takes milliseconds to convert and build, which on a runtime thread every
+/// connection beside it would wait out (all of them on a one-thread runtime).
+const ON_THE_RUNTIME_UPDATE_BYTES: usize = 1 << 20;
+
 /// Applies one update to the handle, or explains why not; returns the reply to send.
-fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: &mut bool, metrics: &Metrics) -> Kind {
+async fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: &mut bool, metrics: &Metrics) -> Kind {
     let (version, nonce) = (update.version, update.nonce.clone());
     let before = handle.view();
-    match next_view(before.as_deref().filter(|_| *snapshot_applied), update) {
+    let held = before.clone().filter(|_| *snapshot_applied);
+    let next = if prost::Message::encoded_len(&update) > ON_THE_RUNTIME_UPDATE_BYTES {
+        let build = move || next_view(held.as_deref(), update);
+        tokio::task::spawn_blocking(build)
+            .await
+            .unwrap_or_else(|error| Err(format!("building the view failed: {error}")))
+    } else {
+        next_view(held.as_deref(), update)
+    };
+    match next {
         Ok((view, snapshot)) => {
             if let Some(before) = before.filter(|before| snapshot && before.version() > view.version()) {
                 tracing::info!(held = before.version(), received = view.version(), "fleet version went backwards");
@@ -402,6 +416,36 @@ mod tests {
     fn delta(version: u64, base: u64) -> pb::FleetUpdate {
         let delta = FleetDelta { base_version: base, version, ..FleetDelta::default() };
         update(version, Body::Delta(delta_to_wire(&delta, Instant::now())))
+    }
+
+    /// A snapshot past the runtime's share is built on the blocking pool, and applied the same.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_large_snapshot_is_built_off_the_runtime_and_applied() {
+        use continuum_proto::model::{Capacity, Role, Worker, WorkerKey};
+        let worker = |id: u64| {
+            Arc::new(Worker {
+                key: WorkerKey::new("dynamo", id),
+                role: Role::Decode,
+                model: format!("a-model-with-a-rather-long-name-{id:0>64}"),
+                component: "backend".into(),
+                endpoint: "generate".into(),
+                block_size: Some(16),
+                capacity: Capacity::default(),
+                dp_start_rank: 0,
+                dp_size: 0,
+                disaggregated_endpoint: None,
+                artifacts: None,
+            })
+        };
+        let large =
+            FleetView::new(7, (1..=10_000).map(worker), [], Arc::new(DataPlaneConfig::default())).expect("a view");
+        let update = update(7, Body::Snapshot(snapshot_to_wire(&large, Instant::now())));
+        assert!(prost::Message::encoded_len(&update) > ON_THE_RUNTIME_UPDATE_BYTES);
+        let (handle, metrics, mut applied) = (FleetHandle::default(), Metrics::new().expect("metrics"), false);
+        let reply = apply(&handle, update, &mut applied, &metrics).await;
+        assert!(matches!(reply, Kind::Ack(pb::Ack { version: 7, .. })), "{reply:?}");
+        assert!(applied);
+        assert_eq!(handle.view().map(|view| view.workers().len()), Some(10_000));
     }
 
     #[test]
