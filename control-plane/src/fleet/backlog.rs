@@ -437,7 +437,13 @@ impl Book {
             self.swept = Some(now);
         }
         let mut lost = Vec::new();
-        let book_windows = u32::try_from(self.held / rank::BOOK_WALK_BUDGET).unwrap_or(u32::MAX);
+        // Past the budget, every rank waits as many windows as the budget takes to visit the
+        // whole book (rounded up: a rank walked at every window would take the budget first
+        // every time, and the ranks after it would never be walked).
+        let book_windows = match self.held > rank::BOOK_WALK_BUDGET {
+            true => u32::try_from(self.held.div_ceil(rank::BOOK_WALK_BUDGET)).unwrap_or(u32::MAX),
+            false => 0,
+        };
         let mut visits_left = rank::BOOK_WALK_BUDGET;
         for (&key, rank) in &mut self.ranks {
             let sample = state.view().loads().get(&rank.key);

@@ -80,7 +80,7 @@ impl Dispatch {
 /// many visits a window, not all of them every window. Its sums are then that much older.
 pub(super) const WALK_BUDGET: usize = 4096;
 /// The same for the whole book: holding more dispatches than this over all its ranks, it walks
-/// each rank at most once every `held / BOOK_WALK_BUDGET` windows, and a window's walks stop
+/// each rank at most once every `held / BOOK_WALK_BUDGET` windows (rounded up), and a window's walks stop
 /// once they have visited this many (the ranks left are walked in the next). Many ranks each
 /// within [`WALK_BUDGET`] would otherwise cost a visit to every dispatch of the fleet every
 /// window: 64 replicas with 2,048 requests each in flight, 65 million visits a second.

@@ -1186,6 +1186,21 @@ fn a_full_book_spreads_its_walks_over_windows() {
     assert!(first > 0 && first < RANKS as usize, "{first} of {RANKS} ranks walked in one window");
     book.expire(&shown, t0 + 2 * BACKLOG_WINDOW);
     assert_eq!(measured(&book), RANKS as usize, "every rank walked within two windows");
+
+    // Half as much again past the budget: the ranks walked first must not take it at every
+    // window, so that those after them are never walked.
+    let per_rank = (3 * rank::BOOK_WALK_BUDGET / 2 / RANKS as usize) as u64;
+    let mut book = Book::default();
+    for dp in 0..RANKS {
+        let first = u64::from(dp) * per_rank;
+        let started = (first..first + per_rank).map(|id| started(id, dp, 16)).collect();
+        book.report(1, report(started, vec![]), t0, &state);
+    }
+    book.expire(&state, t0);
+    for window in 1..=3 {
+        book.expire(&shown, t0 + window * BACKLOG_WINDOW);
+    }
+    assert_eq!(measured(&book), RANKS as usize, "every rank walked within three windows");
 }
 
 /// A session whose flood of dispatches ended gives back the room it held for them, as each
