@@ -178,6 +178,14 @@ impl Feed for KvFeed {
     async fn set_live(&self, fleet: &Fleet) {
         // Gathered before the lock: lookups wait on it.
         let live = live_ranks(fleet);
+        // Departed ranks are cleared one to a hold of the lock, lookups between (they are not
+        // answered for a rank no longer live): a node's workers leaving together would
+        // otherwise hold the whole index for all their clears in a row, milliseconds each.
+        let departed = self.indexer.read().departed(&live);
+        for rank in departed {
+            self.indexer.write().clear_departed(rank);
+            tokio::task::yield_now().await;
+        }
         self.indexer.write().set_live(live);
     }
 }

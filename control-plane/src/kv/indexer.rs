@@ -18,7 +18,7 @@
 //!
 //! Cursors survive a session drop and reconnect: events missed meanwhile show up as a gap.
 //! A subscription disconnected or pending for [`KV_EVENTS_STALE_AFTER`] loses its ranks
-//! ([`KvIndexer::clear_stale`]), and one stopped for good loses them at once
+//! ([`KvIndexer::stale`]), and one stopped for good loses them at once
 //! ([`KvIndexer::drop_publisher`]). Silence alone is not staleness: an idle worker publishes
 //! nothing and still holds its cache.
 //!
@@ -258,6 +258,29 @@ impl KvIndexer {
         cleared
     }
 
+    /// The ranks the index holds blocks for that `live` does not declare: what
+    /// [`Self::set_live`] would clear, for a caller to clear one at a time first
+    /// ([`Self::clear_departed`]) rather than all under one hold of the lock.
+    pub fn departed(&self, live: &LiveRanks) -> Vec<RankKey> {
+        self.index.ranks().filter(|rank| !declares(live, *rank)).collect()
+    }
+
+    /// Clears one rank's blocks ahead of [`Self::set_live`] (see [`Self::departed`]); whether
+    /// it held any.
+    pub fn clear_departed(&mut self, rank: RankKey) -> bool {
+        self.index.clear_rank(rank) > 0
+    }
+
+    /// The publishers down for at least `stale_after` (normally [`KV_EVENTS_STALE_AFTER`]), for
+    /// a caller to drop one at a time ([`Self::drop_publisher`]), each to a hold of the lock.
+    pub fn stale(&self, now: Instant, stale_after: Duration) -> Vec<PublisherKey> {
+        self.publishers
+            .iter()
+            .filter(|(_, p)| p.down_since.is_some_and(|since| now.saturating_duration_since(since) >= stale_after))
+            .map(|(key, _)| key.clone())
+            .collect()
+    }
+
     /// The publisher's session ended (or is pending); cursors are kept. Calling it again while
     /// down keeps the first instant.
     pub fn publisher_down(&mut self, publisher: &PublisherKey, now: Instant) {
@@ -271,21 +294,6 @@ impl KvIndexer {
         if let Some(publisher) = self.publishers.get_mut(publisher) {
             publisher.down_since = None;
         }
-    }
-
-    /// Drops every publisher down for at least `stale_after` (normally [`KV_EVENTS_STALE_AFTER`])
-    /// as [`Self::drop_publisher`] does. Returns the publishers dropped, to log.
-    pub fn clear_stale(&mut self, now: Instant, stale_after: Duration) -> Vec<PublisherKey> {
-        let stale: Vec<PublisherKey> = self
-            .publishers
-            .iter()
-            .filter(|(_, p)| p.down_since.is_some_and(|since| now.saturating_duration_since(since) >= stale_after))
-            .map(|(key, _)| key.clone())
-            .collect();
-        for key in &stale {
-            self.drop_publisher(key);
-        }
-        stale
     }
 
     /// Each rank's longest contiguous prefix of a request's block tokens hashes.

@@ -302,17 +302,19 @@ async fn sweep(handle: KvHandle, metrics: SweepMetrics, cancel: CancellationToke
             () = cancel.cancelled() => return,
             _ = every.tick() => {}
         }
-        let stats = {
-            let mut indexer = indexer.write();
-            for publisher in indexer.clear_stale(Instant::now(), KV_EVENTS_STALE_AFTER) {
-                tracing::warn!(
-                    %publisher,
-                    after = ?KV_EVENTS_STALE_AFTER,
-                    "kv-events publisher unreachable for too long; its ranks' blocks were cleared"
-                );
-            }
-            indexer.index().stats()
-        };
+        // One stale publisher to a hold of the lock, lookups between: a partition that took
+        // many away at once would otherwise hold the index for all their clears in a row.
+        let stale = indexer.read().stale(Instant::now(), KV_EVENTS_STALE_AFTER);
+        for publisher in stale {
+            indexer.write().drop_publisher(&publisher);
+            tracing::warn!(
+                %publisher,
+                after = ?KV_EVENTS_STALE_AFTER,
+                "kv-events publisher unreachable for too long; its ranks' blocks were cleared"
+            );
+            tokio::task::yield_now().await;
+        }
+        let stats = indexer.read().index().stats();
         for (what, value) in [
             ("nodes", stats.nodes),
             ("ownerships", stats.ownerships),

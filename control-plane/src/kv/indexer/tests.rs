@@ -387,6 +387,25 @@ fn set_live_clears_departed_ranks_and_their_cursors() {
     assert_eq!(indexer.index().stats().nodes, 0);
 }
 
+/// The feed clears departed ranks one at a time before `set_live` (each to a hold of the
+/// lock): the same index as `set_live` alone leaves.
+#[test]
+fn departed_ranks_cleared_one_at_a_time_leave_what_set_live_would() {
+    let mut indexer = live_indexer(0..3);
+    let events = [stored(0, 1, None, &[1]), stored(1, 1, None, &[1, 2]), stored(2, 1, None, &[1])];
+    indexer.apply_events(&publisher(), &events);
+    let live = LiveRanks::from([(WORKER, live_in("dynamo", 1..2))]);
+    let mut departed = indexer.departed(&live);
+    departed.sort_by_key(|rank| rank.dp_rank);
+    assert_eq!(departed, [rank(0), rank(2)]);
+    for rank in departed {
+        assert!(indexer.clear_departed(rank));
+    }
+    assert_eq!(indexer.set_live(live), 0, "nothing left for it to clear");
+    assert_eq!(indexer.find_matches(&[1001, 1002]).as_slice(), [(rank(1), 2)]);
+    assert_eq!(indexer.cursor(&key(9), rank(0)), None, "its cursors went with set_live");
+}
+
 /// The index is shared among every rank the live workers publish kv-events for (here, all).
 #[test]
 fn the_index_is_shared_among_the_live_ranks() {
@@ -463,7 +482,7 @@ fn a_channel_with_the_same_id_in_another_namespace_touches_nothing_of_this_ones(
     let mut counts = KvCounts::default();
     indexer.message_lost(&elsewhere, &mut counts);
     indexer.publisher_down(&elsewhere, t0);
-    assert!(indexer.clear_stale(t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER).is_empty());
+    assert!(clear_stale(&mut indexer, t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER).is_empty());
     assert_eq!(indexer.drop_publisher(&elsewhere), 0);
     assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(0), 1)], "this namespace's blocks stand");
     assert_eq!(indexer.cursor(&key(9), rank(0)), Some(1));
@@ -480,15 +499,15 @@ fn a_subscription_down_for_the_stale_limit_loses_its_ranks_and_a_quiet_one_does_
     indexer.publisher_down(&key(9), t0);
     indexer.publisher_down(&key(9), t0 + Duration::from_secs(30));
     let just_before = t0 + KV_EVENTS_STALE_AFTER - Duration::from_millis(1);
-    assert!(indexer.clear_stale(just_before, KV_EVENTS_STALE_AFTER).is_empty());
-    assert_eq!(indexer.clear_stale(t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER), [key(9)]);
+    assert!(clear_stale(&mut indexer, just_before, KV_EVENTS_STALE_AFTER).is_empty());
+    assert_eq!(clear_stale(&mut indexer, t0 + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER), [key(9)]);
     assert_eq!(indexer.find_matches(&[1001]).as_slice(), [(rank(1), 1)], "publisher 10 was quiet, not down");
     assert_eq!(indexer.cursor(&key(9), rank(0)), None);
 
     // Down, then up again within the limit: cursors carry over and missed events show as a gap.
     indexer.publisher_down(&key(10), t0);
     indexer.publisher_up(&key(10));
-    assert!(indexer.clear_stale(t0 + Duration::from_secs(3600), KV_EVENTS_STALE_AFTER).is_empty());
+    assert!(clear_stale(&mut indexer, t0 + Duration::from_secs(3600), KV_EVENTS_STALE_AFTER).is_empty());
     let counts = indexer.apply_events(&other, &[stored(1, 5, None, &[3])]);
     assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
 }
@@ -522,4 +541,13 @@ fn a_publisher_of_another_namespace_does_not_speak_for_a_worker_of_this_one() {
     let cleared = event(0, 1, KvEventData::Cleared);
     assert_eq!(results(&indexer.apply_events(&stranger, &[cleared])), [("identity_mismatch", 1)]);
     assert_eq!(indexer.index().stats().ranks, 1, "the worker's blocks stay");
+}
+
+/// What the sweep does: drops each publisher down for `stale_after`; returns them.
+fn clear_stale(indexer: &mut KvIndexer, now: Instant, stale_after: Duration) -> Vec<PublisherKey> {
+    let stale = indexer.stale(now, stale_after);
+    for key in &stale {
+        indexer.drop_publisher(key);
+    }
+    stale
 }
