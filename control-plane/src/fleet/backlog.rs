@@ -92,8 +92,10 @@ pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
 /// A dispatch whose end never arrives stops counting after this long.
 pub const IN_FLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
 /// Outstanding dispatches (a request's start on one rank) one replica may hold in the book; more
-/// are refused and counted. Its ledger holds [`continuum_proto::MAX_REQUESTS_IN_FLIGHT`]
-/// requests, each pinned to two ranks at most, so an honest replica never reaches it.
+/// are refused and counted. A replica answers one request per client connection at a time, at
+/// most 16,384 connections (fewer than [`continuum_proto::MAX_REQUESTS_IN_FLIGHT`]), each
+/// request pinned to two ranks at most, and the book holds a dispatch until its end however
+/// long it runs: an honest replica never reaches it.
 pub const MAX_DISPATCHES_PER_REPLICA: usize = 2 * continuum_proto::MAX_REQUESTS_IN_FLIGHT;
 /// Outstanding dispatches the book holds across every replica, first come; past it only a
 /// replica holding less than an equal share of it (among the sessions that have reported) may
