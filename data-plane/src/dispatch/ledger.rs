@@ -174,8 +174,7 @@ impl DispatchEnd {
 
     /// Its answer ended whole (a stream that finished): its workers' failures start over.
     pub fn acquit(&self) {
-        let ranks: Vec<LoadKey> = self.ranks.iter().flatten().cloned().collect();
-        self.ledger.outliers().succeeded(&ranks, Instant::now());
+        self.ledger.outliers().succeeded(self.ranks.iter().flatten(), Instant::now());
     }
 }
 

@@ -109,8 +109,8 @@ impl Outliers {
     }
 
     /// A pinned dispatch on `ranks` answered whole at `now`: their failures start over.
-    pub fn succeeded(&self, ranks: &[LoadKey], now: Instant) {
-        self.answered(ranks, now);
+    pub fn succeeded<'k>(&self, ranks: impl IntoIterator<Item = &'k LoadKey> + Clone, now: Instant) {
+        self.answered(ranks.clone(), now);
         let mut held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
         if held.is_empty() {
             return;
