@@ -231,7 +231,7 @@ impl Metrics {
             )?,
             snapshot_age_seconds: Gauge::new(
                 "continuum_fleet_snapshot_age_seconds",
-                "Seconds the fleet view has been last-known-good instead of current (0 while connected)",
+                "Seconds the fleet view has been last-known-good instead of current (0 while connected, infinite before the first snapshot)",
             )?,
             disaggregated_errors,
             disaggregated_requests,
@@ -468,7 +468,9 @@ impl Metrics {
     pub fn render(&self, fleet: FleetStatus) -> String {
         self.view_version.set(fleet.version.map_or(0, |v| i64::try_from(v).unwrap_or(i64::MAX)));
         self.view_workers.set(i64::try_from(fleet.workers).unwrap_or(i64::MAX));
-        self.snapshot_age_seconds.set(fleet.snapshot_age.map_or(0.0, |a| a.as_secs_f64()));
+        // No view at all is older than any stale one: an alert on the age fires for a replica
+        // that never got a snapshot, which 0 would have shown as current.
+        self.snapshot_age_seconds.set(fleet.snapshot_age.map_or(f64::INFINITY, |a| a.as_secs_f64()));
         for (budget, held) in
             [("request", &crate::memory::REQUEST_BODIES), ("answer", &crate::memory::BUFFERED_ANSWERS)]
         {
@@ -478,5 +480,31 @@ impl Metrics {
         // Encoding into a Vec cannot fail for the text format; an error would only lose a scrape.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// The gauge's value as a scrape shows it (the encoder writes infinity as `inf`, which
+    /// Prometheus reads as Go's `ParseFloat` does).
+    fn scraped_age(metrics: &Metrics, status: FleetStatus) -> f64 {
+        let text = metrics.render(status);
+        let line = text.lines().find(|line| line.starts_with("continuum_fleet_snapshot_age_seconds ")).unwrap();
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn the_snapshot_age_is_infinite_until_a_snapshot_arrives() {
+        let metrics = Metrics::new().unwrap();
+        let status = |snapshot_age| FleetStatus { version: None, workers: 0, connected: false, snapshot_age };
+        assert_eq!(scraped_age(&metrics, status(None)), f64::INFINITY);
+        let current = FleetStatus { version: Some(7), connected: true, ..status(Some(Duration::ZERO)) };
+        assert_eq!(scraped_age(&metrics, current), 0.0);
+        let stale = FleetStatus { version: Some(7), ..status(Some(Duration::from_millis(2500))) };
+        assert_eq!(scraped_age(&metrics, stale), 2.5);
     }
 }
