@@ -17,6 +17,11 @@ use serde_json::Value;
 
 /// The largest card kept opaquely. A larger card keeps only its typed subset.
 pub const MAX_RETAINED_CARD_BYTES: usize = 1024 * 1024;
+/// The most bytes of opaque cards held at once, every worker's together: 16 KiB for each of
+/// [`MAX_RECORDS_PER_KEYSPACE`](super::MAX_RECORDS_PER_KEYSPACE) cards (Dynamo 1.6.1's are
+/// under 2 KiB). Without it, cards just under the per-card bound would hold 16 GiB. A card
+/// past it keeps only its typed subset, as an oversized one does, until others leave room.
+pub const MAX_RETAINED_CARDS_BYTES: usize = 256 * 1024 * 1024;
 
 /// A parsed model card.
 #[derive(Clone, Debug, PartialEq)]

@@ -10,7 +10,8 @@
 //! * `join`: the rules that turn held records into workers and publishers.
 //! * `duplicates`: reporting identities claimed by several keys (all of which are refused).
 //! * [`Reducer`]: the fold, with the memory bounds [`MAX_RECORD_BYTES`],
-//!   [`MAX_RETAINED_CARD_BYTES`], [`MAX_RECORDS_PER_KEYSPACE`] and [`MAX_SET_ASIDE_PER_KEYSPACE`].
+//!   [`MAX_RETAINED_CARD_BYTES`], [`MAX_RETAINED_CARDS_BYTES`], [`MAX_RECORDS_PER_KEYSPACE`]
+//!   and [`MAX_SET_ASIDE_PER_KEYSPACE`].
 
 mod applied;
 pub mod card;
@@ -28,7 +29,7 @@ mod wire_id;
 mod tests;
 
 pub use applied::{Applied, EventKind};
-pub use card::MAX_RETAINED_CARD_BYTES;
+pub use card::{MAX_RETAINED_CARD_BYTES, MAX_RETAINED_CARDS_BYTES};
 pub use entries::{Change, Entries};
 pub use fleet::{
     DiscoveredWorker, Exclusion, Fleet, MAX_DATA_PARALLEL_SIZE, MAX_NAME_BYTES, MAX_PATH_BYTES, Publisher,

@@ -123,6 +123,8 @@ pub struct Reducer {
     /// The materialised fleet, kept up to date per identity; `fleet()` hands out a clone.
     fleet: Fleet,
     capacity_warned: [bool; Keyspace::ALL.len()],
+    /// Whether a card's opaque form was dropped for the cards' byte budget since one last fitted.
+    card_budget_warned: bool,
     /// Keyspaces that refused a key for want of room since they were last listed.
     refused: [bool; Keyspace::ALL.len()],
     /// When the workers of the fleet this reducer succeeds were first seen: a worker its first
@@ -158,6 +160,7 @@ impl Reducer {
             conflicts: Conflicts::default(),
             fleet: Fleet::default(),
             capacity_warned: [false; Keyspace::ALL.len()],
+            card_budget_warned: false,
             refused: [false; Keyspace::ALL.len()],
             handed_over: BTreeMap::new(),
         }
@@ -168,6 +171,12 @@ impl Reducer {
     pub fn succeeding(namespaces: Vec<String>, previous: &Fleet) -> Self {
         let handed_over = previous.workers.iter().map(|w| (w.worker.key.clone(), w.first_seen)).collect();
         Self { handed_over, ..Self::new(namespaces) }
+    }
+
+    /// The same reducer holding at most `bytes` of opaque cards (the budget is 256 MiB).
+    #[cfg(test)]
+    pub(super) fn with_card_budget(self, bytes: usize) -> Self {
+        Self { store: Store::with_card_budget(bytes), ..self }
     }
 
     pub fn namespaces(&self) -> &[Arc<str>] {
@@ -236,7 +245,8 @@ impl Reducer {
         pass.applied.add(EventKind::Resync);
         pass.applied.merge(&listing.applied);
         self.refused = [false; Keyspace::ALL.len()];
-        let mut prior = std::mem::take(&mut self.store);
+        let emptied = self.store.emptied();
+        let mut prior = std::mem::replace(&mut self.store, emptied);
         pass.touched.extend(prior.identities().cloned());
         // Keys held before go first: a full keyspace keeps the workers it had, and new keys
         // take only the room left.
@@ -301,7 +311,7 @@ impl Reducer {
             }
             None => prior.as_deref_mut().and_then(|p| p.remove(keyspace, &etcd_key)),
         };
-        let parsed = match value {
+        let mut parsed = match value {
             Reading::Parsed(parsed) => parsed,
             Reading::Oversized(bytes) => {
                 refuse_oversized(&etcd_key, bytes, keyspace, &mut pass.applied);
@@ -339,6 +349,8 @@ impl Reducer {
             self.refused[keyspace.index()] = true;
             return;
         }
+        let dropped = self.store.fit_card(&mut parsed);
+        self.note_card_budget(&etcd_key, &parsed, dropped);
         pass.applied.add(kind_of(&parsed));
         log_record(&etcd_key, &parsed, previous.as_ref().map(|p| &p.parsed));
         let updated = match previous {
@@ -409,6 +421,26 @@ impl Reducer {
                 "discovery keyspace is full; new keys are refused until held keys are deleted"
             );
             *warned = true;
+        }
+    }
+
+    /// Warns that a card's opaque form was dropped for the cards' byte budget, once until a
+    /// card fits again.
+    fn note_card_budget(&mut self, key: &str, parsed: &Parsed, dropped: Option<usize>) {
+        match dropped {
+            Some(bytes) if !self.card_budget_warned => {
+                tracing::warn!(
+                    key = ?shown(key),
+                    bytes,
+                    budget = super::card::MAX_RETAINED_CARDS_BYTES,
+                    "model cards held fill their byte budget; new cards keep only their typed fields"
+                );
+                self.card_budget_warned = true;
+            }
+            None if matches!(parsed, Parsed::Model(record) if record.card.raw.is_some()) => {
+                self.card_budget_warned = false
+            }
+            _ => {}
         }
     }
 

@@ -9,6 +9,7 @@ use std::time::SystemTime;
 
 use continuum_proto::model::WorkerKey;
 
+use super::card::MAX_RETAINED_CARDS_BYTES;
 use super::fleet::PublisherKey;
 use super::keys::Keyspace;
 use super::records::Parsed;
@@ -97,6 +98,11 @@ impl fmt::Display for Identity {
 }
 
 impl Entry {
+    /// The bytes of opaque card this entry holds.
+    fn retained_card_bytes(&self) -> usize {
+        retained_card_bytes(&self.parsed)
+    }
+
     /// Held only to log its refusal once: no record the router reads.
     pub fn set_aside(&self) -> bool {
         matches!(self.parsed, Parsed::Unsupported(_) | Parsed::Malformed(_))
@@ -132,16 +138,54 @@ pub(super) enum Claim<'a> {
     Contested,
 }
 
+fn retained_card_bytes(parsed: &Parsed) -> usize {
+    match parsed {
+        Parsed::Model(record) => record.card.raw.as_ref().map_or(0, |raw| raw.len()),
+        _ => 0,
+    }
+}
+
 /// Held entries and the identity index.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(super) struct Store {
     keyspaces: [BTreeMap<EtcdKey, Entry>; 4],
     claims: BTreeMap<Identity, BTreeSet<EtcdKey>>,
     /// Per keyspace, how many of its entries are set aside ([`Entry::set_aside`]).
     set_aside: [usize; 4],
+    /// Bytes of opaque cards held, and the most there may be.
+    card_bytes: usize,
+    card_budget: usize,
+}
+
+impl Default for Store {
+    fn default() -> Self {
+        Self::with_card_budget(MAX_RETAINED_CARDS_BYTES)
+    }
 }
 
 impl Store {
+    pub fn with_card_budget(card_budget: usize) -> Self {
+        Self { keyspaces: Default::default(), claims: BTreeMap::new(), set_aside: [0; 4], card_bytes: 0, card_budget }
+    }
+
+    /// An empty store with this one's budgets.
+    pub fn emptied(&self) -> Self {
+        Self::with_card_budget(self.card_budget)
+    }
+
+    /// Drops the opaque card of `parsed` (a model record) when holding it would take the
+    /// cards held past their budget; how many bytes it had, if so. The caller removes what the
+    /// key held first, so a card replacing itself fits where it fitted.
+    pub fn fit_card(&self, parsed: &mut Parsed) -> Option<usize> {
+        let bytes = retained_card_bytes(parsed);
+        let Parsed::Model(record) = parsed else { return None };
+        if bytes == 0 || self.card_bytes.saturating_add(bytes) <= self.card_budget {
+            return None;
+        }
+        record.card.raw = None;
+        Some(bytes)
+    }
+
     /// Whether `keyspace` holds [`MAX_RECORDS_PER_KEYSPACE`] records, so a new key must be
     /// refused (keys set aside are not counted).
     pub fn is_full(&self, keyspace: Keyspace) -> bool {
@@ -166,6 +210,7 @@ impl Store {
             self.claims.entry(identity).or_default().insert(key.clone());
         }
         self.set_aside[keyspace.index()] += usize::from(entry.set_aside());
+        self.card_bytes += entry.retained_card_bytes();
         self.keyspaces[keyspace.index()].insert(key, entry);
     }
 
@@ -173,6 +218,7 @@ impl Store {
         let entry = self.keyspaces[keyspace.index()].remove(key)?;
         let set_aside = &mut self.set_aside[keyspace.index()];
         *set_aside = set_aside.saturating_sub(usize::from(entry.set_aside()));
+        self.card_bytes = self.card_bytes.saturating_sub(entry.retained_card_bytes());
         if let Some(identity) = entry.identity()
             && let Some(keys) = self.claims.get_mut(&identity)
         {

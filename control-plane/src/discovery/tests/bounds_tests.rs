@@ -1,4 +1,4 @@
-//! The three memory bounds on fleet-authored values, each hit exactly.
+//! The memory bounds on fleet-authored values, each hit exactly.
 
 use continuum_proto::model::Role;
 use serde_json::{Value, json};
@@ -8,7 +8,7 @@ use super::super::{
     MAX_SMALL_RECORD_BYTES,
 };
 use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key, t};
-use crate::discovery::{KeyValue, Listing};
+use crate::discovery::{KeyValue, Listing, Reducer};
 
 const ID: u64 = 0x6a6c_a228_814c_9742;
 
@@ -115,6 +115,44 @@ fn cards_above_max_retained_card_bytes_drop_the_blob_but_keep_typed_fields() -> 
         assert_eq!(worker.and_then(|w| w.card).is_some(), kept, "{what}: raw card");
     }
     Ok(())
+}
+
+#[test]
+fn opaque_cards_share_one_byte_budget_and_the_first_held_keep_their_room() {
+    let card_bytes = card_json("decode").to_string().len();
+    let mut sim = Sim::new();
+    sim.reducer = Reducer::new(vec![NS.into()]).with_card_budget(2 * card_bytes);
+    for id in 1..=3 {
+        sim.register("decode", id, "decode");
+    }
+    let kept = |sim: &Sim| -> Vec<(u64, bool)> {
+        sim.fleet().workers.iter().map(|w| (w.worker.key.instance_id, w.card.is_some())).collect()
+    };
+    let typed = |sim: &Sim| {
+        sim.fleet().workers.iter().all(|w| w.worker.role == Role::Decode && w.worker.block_size == Some(16))
+    };
+    assert_eq!(kept(&sim), [(1, true), (2, true), (3, false)], "the third card is over the budget");
+    assert!(typed(&sim), "every worker keeps its typed fields");
+
+    // A card re-written in place fits where it fitted; the one left out stays out.
+    sim.put(card_key(NS, "decode", 2), &card_value("decode", json!(2), card_json("decode")));
+    sim.put(card_key(NS, "decode", 3), &card_value("decode", json!(3), card_json("decode")));
+    assert_eq!(kept(&sim), [(1, true), (2, true), (3, false)]);
+
+    // A resync keeps the cards held before it; a departed worker's room goes to the next card.
+    let listing: Vec<KeyValue> = (1..=3)
+        .flat_map(|id| {
+            [
+                super::kv(card_key(NS, "decode", id), &card_value("decode", json!(id), card_json("decode"))),
+                super::kv(instance_key(NS, "decode", "generate", id), &endpoint_value("decode", "generate", json!(id))),
+            ]
+        })
+        .collect();
+    sim.apply(crate::discovery::WatchEvent::Resync(listing));
+    assert_eq!(kept(&sim), [(1, true), (2, true), (3, false)], "after a resync");
+    sim.delete(card_key(NS, "decode", 1));
+    sim.put(card_key(NS, "decode", 3), &card_value("decode", json!(3), card_json("decode")));
+    assert_eq!(kept(&sim), [(1, false), (2, true), (3, true)]);
 }
 
 #[test]
