@@ -79,6 +79,11 @@ struct Publisher {
     down_since: Option<Instant>,
 }
 
+/// Whether `publisher`'s subscription has been down for at least `stale_after` at `now`.
+fn is_stale(publisher: &Publisher, now: Instant, stale_after: Duration) -> bool {
+    publisher.down_since.is_some_and(|since| now.saturating_duration_since(since) >= stale_after)
+}
+
 /// Where one rank's events stand on one publisher.
 #[derive(Clone, Copy, Debug)]
 struct RankCursor {
@@ -272,13 +277,20 @@ impl KvIndexer {
     }
 
     /// The publishers down for at least `stale_after` (normally [`KV_EVENTS_STALE_AFTER`]), for
-    /// a caller to drop one at a time ([`Self::drop_publisher`]), each to a hold of the lock.
+    /// a caller to drop one at a time ([`Self::drop_if_stale`]), each to a hold of the lock.
     pub fn stale(&self, now: Instant, stale_after: Duration) -> Vec<PublisherKey> {
-        self.publishers
-            .iter()
-            .filter(|(_, p)| p.down_since.is_some_and(|since| now.saturating_duration_since(since) >= stale_after))
-            .map(|(key, _)| key.clone())
-            .collect()
+        self.publishers.iter().filter(|(_, p)| is_stale(p, now, stale_after)).map(|(key, _)| key.clone()).collect()
+    }
+
+    /// Drops `publisher` ([`Self::drop_publisher`]) if it is still down for at least
+    /// `stale_after`: between the listing of [`Self::stale`] and this hold of the lock it may
+    /// have come back, and what it published since must stand. Whether it was dropped.
+    pub fn drop_if_stale(&mut self, publisher: &PublisherKey, now: Instant, stale_after: Duration) -> bool {
+        if !self.publishers.get(publisher).is_some_and(|p| is_stale(p, now, stale_after)) {
+            return false;
+        }
+        self.drop_publisher(publisher);
+        true
     }
 
     /// The publisher's session ended (or is pending); cursors are kept. Calling it again while

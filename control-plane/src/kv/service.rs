@@ -306,7 +306,9 @@ async fn sweep(handle: KvHandle, metrics: SweepMetrics, cancel: CancellationToke
         // many away at once would otherwise hold the index for all their clears in a row.
         let stale = indexer.read().stale(Instant::now(), KV_EVENTS_STALE_AFTER);
         for publisher in stale {
-            indexer.write().drop_publisher(&publisher);
+            if !indexer.write().drop_if_stale(&publisher, Instant::now(), KV_EVENTS_STALE_AFTER) {
+                continue;
+            }
             tracing::warn!(
                 %publisher,
                 after = ?KV_EVENTS_STALE_AFTER,

@@ -546,8 +546,25 @@ fn a_publisher_of_another_namespace_does_not_speak_for_a_worker_of_this_one() {
 /// What the sweep does: drops each publisher down for `stale_after`; returns them.
 fn clear_stale(indexer: &mut KvIndexer, now: Instant, stale_after: Duration) -> Vec<PublisherKey> {
     let stale = indexer.stale(now, stale_after);
-    for key in &stale {
-        indexer.drop_publisher(key);
-    }
-    stale
+    stale.into_iter().filter(|key| indexer.drop_if_stale(key, now, stale_after)).collect()
+}
+
+/// The sweep lists stale publishers under one hold of the lock and drops each under another:
+/// one that came back in between, and published, keeps what it published.
+#[test]
+fn a_publisher_back_before_the_sweep_drops_it_keeps_its_blocks() {
+    let t0 = Instant::now();
+    let mut indexer = live_indexer(0..1);
+    indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1])]);
+    indexer.publisher_down(&key(9), t0);
+    let later = t0 + KV_EVENTS_STALE_AFTER;
+    assert_eq!(indexer.stale(later, KV_EVENTS_STALE_AFTER), [key(9)]);
+    indexer.publisher_up(&key(9));
+    indexer.apply_events(&publisher(), &[stored(0, 2, Some(1), &[2])]);
+    assert!(!indexer.drop_if_stale(&key(9), later, KV_EVENTS_STALE_AFTER), "back, so not stale");
+    assert_eq!(indexer.find_matches(&[1001, 1002]).as_slice(), [(rank(0), 2)]);
+    assert_eq!(indexer.cursor(&key(9), rank(0)), Some(2));
+    indexer.publisher_down(&key(9), later);
+    assert!(indexer.drop_if_stale(&key(9), later + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER));
+    assert_eq!(indexer.cursor(&key(9), rank(0)), None);
 }
