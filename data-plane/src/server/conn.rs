@@ -39,8 +39,12 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
 /// ...and after this long when it starts waiting while the server is crowded (its connection
 /// slots nearly all taken): it holds a slot a new client may need.
 pub const CROWDED_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
-/// A request's head and body must arrive within this long of its first byte.
+/// A request's head and body must arrive within this long of its first byte, and each byte's
+/// time at [`MIN_READ_BYTES_PER_SECOND`] longer: a large body on a slow uplink (8 MiB at
+/// 1 Mbit/s) still arrives, while a client that trickles a few bytes gains next to nothing.
 pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// The slowest average upload a request may take beyond [`REQUEST_READ_TIMEOUT`].
+pub const MIN_READ_BYTES_PER_SECOND: u64 = 64 << 10;
 /// A client that takes none of a response's bytes for this long is dropped: its connection,
 /// and the dispatch behind a stream, would otherwise be held for as long as it chose.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -90,6 +94,29 @@ async fn write_continue(stream: &mut TcpStream) -> Result<(), Stop> {
         io::ErrorKind::TimedOut => Stop::Stalled,
         _ => Stop::Quietly,
     })
+}
+
+/// When the rest of a request must have arrived: [`REQUEST_READ_TIMEOUT`] after its first
+/// bytes, later by the time of each byte read since at [`MIN_READ_BYTES_PER_SECOND`].
+#[derive(Debug)]
+struct ReadDeadline {
+    start: tokio::time::Instant,
+    received: u64,
+}
+
+impl ReadDeadline {
+    fn from_now() -> Self {
+        Self { start: tokio::time::Instant::now(), received: 0 }
+    }
+
+    fn received(&mut self, bytes: usize) {
+        self.received = self.received.saturating_add(u64::try_from(bytes).unwrap_or(u64::MAX));
+    }
+
+    fn at(&self) -> tokio::time::Instant {
+        let earned = Duration::from_millis(self.received.saturating_mul(1000) / MIN_READ_BYTES_PER_SECOND);
+        self.start + REQUEST_READ_TIMEOUT + earned
+    }
 }
 
 struct Connection {
@@ -225,10 +252,7 @@ impl Connection {
         if let Some(request) = self.buffered_request()? {
             return Ok(request);
         }
-        match tokio::time::timeout(REQUEST_READ_TIMEOUT, self.read_rest()).await {
-            Ok(request) => request,
-            Err(_) => Err(Stop::Refuse(HeadError::Timeout)),
-        }
+        self.read_rest(&mut ReadDeadline::from_now()).await
     }
 
     /// Drops the blank lines at the front of the read buffer; whether nothing else is there.
@@ -284,7 +308,7 @@ impl Connection {
         }
     }
 
-    async fn read_rest(&mut self) -> Result<(RequestHead, Bytes, Charge), Stop> {
+    async fn read_rest(&mut self, deadline: &mut ReadDeadline) -> Result<(RequestHead, Bytes, Charge), Stop> {
         // Parsed first as it is, then again only once its end has arrived (`head_due`).
         let mut scanned: usize = 0;
         let (head, head_length) = loop {
@@ -294,7 +318,7 @@ impl Connection {
                 break (head, length);
             }
             scanned = self.read.len();
-            self.fill().await?;
+            self.fill_by(deadline, usize::MAX).await?;
         };
         let (body, charge) = match head.body {
             BodyFraming::Length(length) => {
@@ -321,7 +345,7 @@ impl Connection {
                     if self.read.len() >= length {
                         break;
                     }
-                    self.fill_at_most(most).await?;
+                    self.fill_by(deadline, most).await?;
                 }
                 (self.take_body(head_length, length), charge)
             }
@@ -334,14 +358,14 @@ impl Connection {
                     }
                     write_continue(&mut self.stream).await?;
                 }
-                self.read_chunked(head_length).await?
+                self.read_chunked(head_length, deadline).await?
             }
         };
         Ok((head, body, charge))
     }
 
     /// A chunked body behind a head of `head` bytes, charged as it grows.
-    async fn read_chunked(&mut self, head: usize) -> Result<(Bytes, Charge), Stop> {
+    async fn read_chunked(&mut self, head: usize, deadline: &mut ReadDeadline) -> Result<(Bytes, Charge), Stop> {
         let mut decoder = Chunked::default();
         let mut body = BytesMut::new();
         let mut charge = Charge::default();
@@ -362,7 +386,7 @@ impl Connection {
                     Budget::shrink(&mut charge, body.len() + FREE_BYTES);
                     return Ok((body, charge));
                 }
-                Ok(Decoded::More) => self.fill().await?,
+                Ok(Decoded::More) => self.fill_by(deadline, usize::MAX).await?,
                 Err(WireError::Chunk(reason)) => return Err(Stop::Refuse(HeadError::Body(reason.into()))),
                 Err(error) => return Err(Stop::Refuse(HeadError::Body(error.to_string()))),
             }
@@ -394,18 +418,25 @@ impl Connection {
         reallocate(&mut self.read, capacity);
     }
 
-    /// Reads what has arrived; the client closing is an error here (a request was expected).
-    async fn fill(&mut self) -> io::Result<()> {
-        self.fill_at_most(usize::MAX).await
-    }
-
-    /// [`Self::fill`], reading `most` bytes at most.
-    async fn fill_at_most(&mut self, most: usize) -> io::Result<()> {
+    /// Reads what has arrived, `most` bytes at most; how many it read. The client closing is an
+    /// error here (a request was expected).
+    async fn fill_at_most(&mut self, most: usize) -> io::Result<usize> {
         self.make_room();
         let mut stream = (&mut self.stream).take(u64::try_from(most).unwrap_or(u64::MAX));
         match stream.read_buf(&mut self.read).await? {
             0 => Err(io::ErrorKind::UnexpectedEof.into()),
-            _ => Ok(()),
+            read => Ok(read),
+        }
+    }
+
+    /// [`Self::fill_at_most`] before the request's `deadline`, which the bytes read extend.
+    async fn fill_by(&mut self, deadline: &mut ReadDeadline, most: usize) -> Result<(), Stop> {
+        match tokio::time::timeout_at(deadline.at(), self.fill_at_most(most)).await {
+            Ok(read) => {
+                deadline.received(read?);
+                Ok(())
+            }
+            Err(_) => Err(Stop::Refuse(HeadError::Timeout)),
         }
     }
 

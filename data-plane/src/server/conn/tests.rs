@@ -136,6 +136,55 @@ fn a_responses_waits_on_its_client_add_up() {
     assert_eq!(patience.allow(large, false), Duration::from_secs(4));
 }
 
+/// Sends a head announcing a body of `body` bytes, then `step` bytes of it every `every`.
+fn trickle(client: TcpStream, body: usize, step: usize, every: Duration) -> tokio::task::JoinHandle<TcpStream> {
+    let mut client = client;
+    tokio::spawn(async move {
+        let head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {body}\r\n\r\n");
+        let _ = client.write_all(head.as_bytes()).await;
+        let mut sent = 0;
+        while sent < body {
+            tokio::time::sleep(every).await;
+            let part = step.min(body - sent);
+            if client.write_all(&vec![b'x'; part]).await.is_err() {
+                break;
+            }
+            sent += part;
+        }
+        client
+    })
+}
+
+/// A large body on a slow uplink takes longer than the request read timeout, and arrives:
+/// each byte read earns its time at the minimum rate. A client that trickles a few bytes
+/// earns next to nothing and is refused at about the timeout.
+#[tokio::test(start_paused = true)]
+async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    // 4 MiB at 128 KiB/s: 32 s, past the timeout, well within the time its bytes earn.
+    let body = 4 << 20;
+    let sending =
+        trickle(TcpStream::connect(listener.local_addr()?).await?, body, 64 << 10, Duration::from_millis(500));
+    let (server, _) = listener.accept().await?;
+    let started = tokio::time::Instant::now();
+    let mut conn = Connection::new(server);
+    let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    assert_eq!(read.len(), body);
+    assert!(started.elapsed() > REQUEST_READ_TIMEOUT, "{:?}: the upload outlasted the timeout", started.elapsed());
+    drop(sending.await);
+
+    let sending = trickle(TcpStream::connect(listener.local_addr()?).await?, body, 100, Duration::from_secs(5));
+    let (server, _) = listener.accept().await?;
+    let started = tokio::time::Instant::now();
+    let mut conn = Connection::new(server);
+    let refused = conn.read_request(&CancellationToken::new(), false).await;
+    assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a trickle is timed out");
+    let waited = started.elapsed();
+    assert!(waited >= REQUEST_READ_TIMEOUT && waited < REQUEST_READ_TIMEOUT + Duration::from_secs(1), "{waited:?}");
+    sending.abort();
+    Ok(())
+}
+
 /// A body's last read takes little past it: a client that sends megabytes behind its body
 /// does not get them read (uncharged) into the buffer while its response runs.
 #[tokio::test]
@@ -191,7 +240,7 @@ async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_b
     client.write_all(head.as_bytes()).await?;
     let mut conn = Connection::new(server);
     while conn.read.len() < head.len() {
-        conn.fill().await?;
+        conn.fill_at_most(usize::MAX).await?;
     }
     client.write_all(format!("x-more: {}\r\n\r\n", "y".repeat(1 << 10)).as_bytes()).await?;
     let Ok((head, _, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
