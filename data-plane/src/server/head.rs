@@ -446,6 +446,17 @@ mod tests {
             // A hop splitting lines on CRLF alone would see no Content-Length here.
             ("POST / HTTP/1.1\r\nhost: x\r\nx: y\ncontent-length: 40\r\n\r\n", "bare LF"),
             ("GET / HTTP/1.1\nhost: x\n\n", "bare LF"),
+            // What httparse refuses for us, pinned here: each is a way to hide a header from
+            // one hop and show it to the next.
+            ("POST / HTTP/1.1\r\nx: a\r\n content-length: 40\r\n\r\n", "malformed"),
+            ("POST / HTTP/1.1\r\nx: a\rcontent-length: 40\r\n\r\n", "malformed"),
+            ("POST / HTTP/1.1\r\ncontent-length : 5\r\n\r\n", "malformed"),
+            ("POST / HTTP/1.1\r\nx: a\0b\r\n\r\n", "malformed"),
+            ("POST / HTTP/1.1\r\ncontent-length: 5, 5\r\n\r\n", "not a number"),
+            ("POST / HTTP/1.1\r\ncontent-length: 5,6\r\n\r\n", "not a number"),
+            ("POST / HTTP/1.1\r\ntransfer-encoding: chunked,\r\n\r\n", "final `chunked`"),
+            ("POST / HTTP/1.1\r\ntransfer-encoding: identity\r\n\r\n", "final `chunked`"),
+            ("POST / HTTP/1.1\r\ntransfer-encoding:\r\n\r\n", "final `chunked`"),
         ];
         for (text, says) in rows {
             let error = refused(text);
