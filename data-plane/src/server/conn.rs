@@ -520,7 +520,7 @@ impl Connection {
             write_unless_stalled(&mut self.stream, &self.write, &mut patience).await?;
             return Ok(keep_alive);
         }
-        let mut frames = Frames { framing, ended: false, broken: false };
+        let mut frames = Frames::new(framing);
         frames.gather_ready(&mut body, &mut self.write);
         write_unless_stalled(&mut self.stream, &self.write, &mut patience).await?;
         while !frames.ended {
@@ -607,6 +607,9 @@ fn transfer_time(len: usize) -> Duration {
 /// Framing a response body's frames into the write buffer.
 struct Frames {
     framing: ResponseFraming,
+    /// Of a `Content-Length` answer, the bytes still owed: a body that ends short of its
+    /// length, or runs past it, would frame the next answer on the connection wrongly.
+    owed: u64,
     ended: bool,
     broken: bool,
 }
@@ -614,6 +617,14 @@ struct Frames {
 type Frame = Option<Result<http_body::Frame<Bytes>, axum::Error>>;
 
 impl Frames {
+    fn new(framing: ResponseFraming) -> Self {
+        let owed = match framing {
+            ResponseFraming::Length(length) => length,
+            _ => 0,
+        };
+        Self { framing, owed, ended: false, broken: false }
+    }
+
     /// Appends the frames the body has ready now, without waiting, until the buffer holds
     /// [`KEPT_WRITE_CAPACITY`]: behind a client reading slower than the shim sends, a stream's
     /// frames wait in the shim connection's socket, not in this buffer.
@@ -633,13 +644,28 @@ impl Frames {
                 let Ok(data) = frame.into_data() else { return };
                 match self.framing {
                     ResponseFraming::Chunked => encode_chunk(out, &data),
+                    ResponseFraming::Length(_) => {
+                        let fits = usize::try_from(self.owed).map_or(data.len(), |owed| owed.min(data.len()));
+                        out.extend_from_slice(&data[..fits]);
+                        self.owed -= fits as u64;
+                        if fits < data.len() {
+                            tracing::debug!(past = data.len() - fits, "a response body ran past its length");
+                            self.ended = true;
+                            self.broken = true;
+                        }
+                    }
                     _ => out.extend_from_slice(&data),
                 }
             }
             None => {
                 self.ended = true;
-                if self.framing == ResponseFraming::Chunked {
-                    out.extend_from_slice(LAST_CHUNK);
+                match self.framing {
+                    ResponseFraming::Chunked => out.extend_from_slice(LAST_CHUNK),
+                    ResponseFraming::Length(_) if self.owed > 0 => {
+                        tracing::debug!(short = self.owed, "a response body ended short of its length");
+                        self.broken = true;
+                    }
+                    _ => {}
                 }
             }
             Some(Err(error)) => {

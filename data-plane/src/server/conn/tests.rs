@@ -305,9 +305,26 @@ fn a_write_gathers_ready_frames_up_to_the_buffers_bound() {
     let event = Bytes::from(vec![b'x'; 1000]);
     let ready = futures::stream::iter((0..1000).map(move |_| Ok::<_, io::Error>(event.clone())));
     let mut body = Body::from_stream(ready);
-    let mut frames = Frames { framing: ResponseFraming::Chunked, ended: false, broken: false };
+    let mut frames = Frames::new(ResponseFraming::Chunked);
     let mut out = Vec::new();
     frames.gather_ready(&mut body, &mut out);
     assert!(!frames.ended, "the rest waits in the body");
     assert!(out.len() >= KEPT_WRITE_CAPACITY && out.len() < KEPT_WRITE_CAPACITY + 1024, "{} gathered", out.len());
+}
+
+/// An answer's body must be as long as the `Content-Length` written for it: one that ends
+/// short, or runs past it, breaks the connection rather than frame the next answer wrongly.
+#[test]
+fn a_body_other_than_its_length_breaks_the_connection() {
+    let data = |text: &'static str| Some(Ok(http_body::Frame::data(Bytes::from_static(text.as_bytes()))));
+    let written = |parts: Vec<Frame>| {
+        let (mut frames, mut out) = (Frames::new(ResponseFraming::Length(5)), Vec::new());
+        for part in parts {
+            frames.append(part, &mut out);
+        }
+        (String::from_utf8_lossy(&out).into_owned(), frames.ended, frames.broken)
+    };
+    assert_eq!(written(vec![data("abc"), data("de"), None]), ("abcde".into(), true, false));
+    assert_eq!(written(vec![data("abc"), None]), ("abc".into(), true, true), "short");
+    assert_eq!(written(vec![data("abc"), data("defg")]), ("abcde".into(), true, true), "past its length");
 }
