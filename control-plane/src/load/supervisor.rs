@@ -13,10 +13,11 @@
 //! * Reload: `max_staleness` applies at once; a `transport` or `direct_allow_cidrs` change
 //!   restarts only the subscriptions (each drops its samples when it connects again).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use continuum_proto::model::WorkerKey;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -411,15 +412,30 @@ impl<F: Feed> Actor<F> {
                     cap,
                     left_out = over_cap,
                     topic = topic.as_str(),
-                    "more publishers than subscriptions allowed; those naming no worker, then the highest publisher ids, are not subscribed"
+                    "more publishers than subscriptions allowed; those naming no worker, then the channels a worker has beyond those of others, then the highest publisher ids, are not subscribed"
                 );
             }
         }
         // Stable: ascending ids among the unbenched, then among the benched; within each, the
         // records that name no worker last (every sample of theirs is refused, so a pile of
-        // them must not crowd out the fleet's).
-        let mut order: Vec<(AdmissionKey, &Publisher)> = all.into_iter().collect();
-        order.sort_by_key(|(key, publisher)| (self.benched.contains(key), publisher.worker.is_none()));
+        // them must not crowd out the fleet's), and the workers taken in turn: every worker's
+        // first publisher before any worker's second, so that one registering hundreds of
+        // channels under low ids cannot take the places of the rest of the fleet.
+        let mut turns: HashMap<&WorkerKey, usize> = HashMap::new();
+        let mut order: Vec<(AdmissionKey, &Publisher, usize)> = all
+            .into_iter()
+            .map(|(key, publisher)| {
+                let turn = publisher.worker.as_ref().map_or(0, |worker| {
+                    let taken = turns.entry(worker).or_default();
+                    *taken += 1;
+                    *taken
+                });
+                (key, publisher, turn)
+            })
+            .collect();
+        order.sort_by_key(|(key, publisher, turn)| (self.benched.contains(key), publisher.worker.is_none(), *turn));
+        let order: Vec<(AdmissionKey, &Publisher)> =
+            order.into_iter().map(|(key, publisher, _)| (key, publisher)).collect();
         let cap = self.options.max_subscriptions;
         self.waiting = order.iter().skip(cap).filter(|(key, _)| !self.benched.contains(key)).count();
         order.into_iter().take(cap).collect()

@@ -209,6 +209,35 @@ async fn past_the_cap_publishers_naming_a_worker_come_first() {
     assert_eq!(admitted, [1, 1 << 50], "the named publisher, then the lowest id");
 }
 
+/// Past the cap, workers are taken in turn: one that registers many channels under low ids
+/// gets one place before any worker gets a second.
+#[tokio::test]
+async fn past_the_cap_each_worker_gets_a_place_before_any_gets_two() {
+    let worker = |id| Some(continuum_proto::model::WorkerKey::new("dynamo", id));
+    let mut fleet = Fleet::default();
+    for id in 1..=5 {
+        let greedy = crate::discovery::test_publisher(id, worker(9));
+        fleet.publishers.insert(greedy.key(), greedy);
+    }
+    for (id, owner) in [(100, 10), (200, 11)] {
+        let publisher = crate::discovery::test_publisher(id, worker(owner));
+        fleet.publishers.insert(publisher.key(), publisher);
+    }
+    let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
+    let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
+    let feed =
+        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
+    let options = LoadOptions { max_subscriptions: 4, ..LoadOptions::default() };
+    let mut supervisor = Supervisor::start(feed, broker, options, registry, CancellationToken::new());
+    let mut statuses = supervisor.statuses();
+    statuses.wait_for(|running| running.len() == 4).await.unwrap();
+    let mut admitted: Vec<u64> = statuses.borrow().iter().map(|s| s.publisher.publisher_id).collect();
+    supervisor.stop().await;
+    admitted.sort_unstable();
+    assert_eq!(admitted, [1, 2, 100, 200], "the greedy worker's first two, and one each for the others");
+}
+
 /// A publisher that accepts and never greets fails every session at the handshake timeout,
 /// which is longer here than a stable session: the time spent dialling and greeting is no
 /// session, so the backoff keeps growing and some wait runs past its first ceiling.
