@@ -194,7 +194,9 @@ impl Feed for KvFeed {
 /// etcd lease ids, unique across namespaces. With each, how many of its ranks have a
 /// `kv-events` channel (one channel a rank).
 fn live_ranks(fleet: &Fleet) -> LiveRanks {
-    // A channel whose event source names no rank serves one of the worker's ranks.
+    // A channel whose event source names no rank may speak for any of the worker's ranks (the
+    // indexer admits its events for each), so it shares the index as all of them: counted as
+    // one, a worker declaring 64 ranks could hold 64 ranks' shares for one.
     let mut publishing: HashSet<(u64, Option<u32>)> = HashSet::new();
     for publisher in fleet.publishers.iter().filter(|p| p.topic == Topic::KvEvents) {
         if let Some(worker) = &publisher.worker {
@@ -205,8 +207,10 @@ fn live_ranks(fleet: &Fleet) -> LiveRanks {
     for w in fleet.workers.iter() {
         // The same ranks the replicas pick among: a start rank without a size is rank 0.
         let (id, ranks) = (w.worker.key.instance_id, w.worker.dp_ranks());
-        let ranked = ranks.clone().filter(|rank| publishing.contains(&(id, Some(*rank)))).count();
-        let publishing = ranked.max(usize::from(publishing.contains(&(id, None))));
+        let publishing = match publishing.contains(&(id, None)) {
+            true => ranks.len(),
+            false => ranks.clone().filter(|rank| publishing.contains(&(id, Some(*rank)))).count(),
+        };
         live.insert(id, LiveWorker { namespace: Arc::clone(&w.worker.key.namespace), ranks, publishing });
     }
     live
@@ -258,6 +262,18 @@ mod tests {
         use continuum_kv_index::{MAX_BLOCKS_PER_RANK, MAX_INDEX_BLOCKS};
         assert_eq!(indexer.index().rank_share(), (MAX_INDEX_BLOCKS / 2).min(MAX_BLOCKS_PER_RANK), "two ranks publish");
         assert!(indexer.index().rank_share() > MAX_INDEX_BLOCKS / 8, "not an eighth, for all eight ranks");
+
+        // A channel naming no rank may store for any of worker 2's ranks: it shares as all four.
+        let rankless = Publisher {
+            topic: Topic::KvEvents,
+            dp_rank: None,
+            ..test_publisher(21, Some(continuum_proto::model::WorkerKey::new("dynamo", 2)))
+        };
+        fleet.publishers.insert(rankless.key(), rankless);
+        let live = live_ranks(&fleet);
+        assert_eq!([live[&1].publishing, live[&2].publishing], [2, 4]);
+        indexer.set_live(live);
+        assert_eq!(indexer.index().rank_share(), (MAX_INDEX_BLOCKS / 6).min(MAX_BLOCKS_PER_RANK), "six ranks");
     }
 
     #[test]
