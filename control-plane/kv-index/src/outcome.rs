@@ -87,7 +87,8 @@ impl Outcome {
         }
     }
 
-    pub(crate) fn add(&mut self, result: KvResult, blocks: usize) {
+    /// Counts `blocks` more under `result`.
+    pub fn add(&mut self, result: KvResult, blocks: usize) {
         let blocks = u32::try_from(blocks).unwrap_or(u32::MAX);
         let slot = &mut self.counts[result.slot()];
         *slot = slot.saturating_add(blocks);

@@ -2,12 +2,15 @@
 //! [`KvIndexer`]'s gates into the shared index, and every result is counted.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
-use super::decode::{KvEvent, decode_kv_events};
+use continuum_kv_index::{KvResult, Outcome};
+
+use super::decode::{KvEvent, KvEventData, decode_kv_events};
 use super::indexer::{KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, Topic};
@@ -57,19 +60,60 @@ impl KvFeed {
     fn count_one(&self, result: KvEventResult) {
         self.events.with_label_values(&[result.as_str()]).inc();
     }
+
+    /// Applies an event of more than [`BLOCKS_PER_HOLD`] blocks in parts, the lock let go and
+    /// the task yielding between them, and counts it once, as the whole of its parts. A rank
+    /// that leaves the fleet between two parts takes no more of them.
+    async fn apply_large(&self, mapping: &PublisherMapping, event: &KvEvent, counts: &mut KvCounts) {
+        let rank = match self.indexer.write().admit_event(mapping, event, counts) {
+            Ok(rank) => rank,
+            Err(refused) => return counts.add(refused),
+        };
+        let blocks = event.blocks();
+        let mut outcome = Outcome::default();
+        for part in parts(blocks, BLOCKS_PER_HOLD) {
+            let end = part.end;
+            let applied = {
+                let mut indexer = self.indexer.write();
+                if part.start > 0 && !indexer.is_live(rank) {
+                    break;
+                }
+                indexer.apply_part(rank, &event.data, part)
+            };
+            outcome.merge(&applied);
+            if let Some(result) = refuses_rest(&event.data, &applied) {
+                outcome.add(result, blocks - end);
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        counts.blocks.merge(&outcome);
+        counts.add(outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from));
+    }
 }
 
 /// The most blocks applied under one hold of the index's write lock (about 0.4 ms): every
 /// lookup waits on it, and a replica waits 2 ms for one, so a message of tens of thousands of
-/// blocks is applied in turns, the lock let go and the task yielding between them.
+/// blocks is applied in turns, the lock let go and the task yielding between them, and so is
+/// an event that large alone, in parts.
 const BLOCKS_PER_HOLD: usize = 2048;
 
-/// `events` in order, in runs of at most `max_blocks` blocks (an event larger than that alone).
-fn turns(events: &[KvEvent], max_blocks: usize) -> impl Iterator<Item = &[KvEvent]> {
+/// What one hold of the lock applies: a run of events, or a part of one too large for a hold.
+#[derive(Debug, PartialEq)]
+enum Turn<'e> {
+    Events(&'e [KvEvent]),
+    Large(&'e KvEvent),
+}
+
+/// `events` in order, in runs of at most `max_blocks` blocks; an event larger than that is a
+/// turn of its own, which [`KvFeed::apply_large`] applies in parts.
+fn turns(events: &[KvEvent], max_blocks: usize) -> impl Iterator<Item = Turn<'_>> {
     let mut rest = events;
     std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
+        let (first, _) = rest.split_first()?;
+        if first.blocks() > max_blocks {
+            rest = &rest[1..];
+            return Some(Turn::Large(first));
         }
         let mut blocks = 0;
         let over = rest.iter().position(|event| {
@@ -79,8 +123,21 @@ fn turns(events: &[KvEvent], max_blocks: usize) -> impl Iterator<Item = &[KvEven
         });
         let (turn, later) = rest.split_at(over.map_or(rest.len(), |at| at.max(1)));
         rest = later;
-        Some(turn)
+        Some(Turn::Events(turn))
     })
+}
+
+/// Of an event's `blocks`, the parts of at most `max_blocks` applied one to a hold.
+fn parts(blocks: usize, max_blocks: usize) -> impl Iterator<Item = Range<usize>> {
+    (0..blocks).step_by(max_blocks.max(1)).map(move |start| start..blocks.min(start + max_blocks.max(1)))
+}
+
+/// Whether a stored part refused the rest of its chain (its parent unknown, or the index
+/// full): the blocks after it would only find their parent missing, so they are counted under
+/// the same result without being applied, as one hold would have counted them.
+fn refuses_rest(data: &KvEventData, part: &Outcome) -> Option<KvResult> {
+    let KvEventData::Stored(_) = data else { return None };
+    [KvResult::UnknownParent, KvResult::OverCapacity].into_iter().find(|result| part.get(*result) > 0)
 }
 
 /// Whether a message numbered `sequence` comes after lost ones on its session, where the last
@@ -148,7 +205,10 @@ impl Feed for KvFeed {
                 }
                 let mut turns = turns(&batch.events, BLOCKS_PER_HOLD).peekable();
                 while let Some(turn) = turns.next() {
-                    counts.merge(&self.indexer.write().apply_events(&mapping, turn));
+                    match turn {
+                        Turn::Events(events) => counts.merge(&self.indexer.write().apply_events(&mapping, events)),
+                        Turn::Large(event) => self.apply_large(&mapping, event, &mut counts).await,
+                    }
                     if turns.peek().is_some() {
                         tokio::task::yield_now().await;
                     }
@@ -290,9 +350,79 @@ mod tests {
     fn a_large_message_is_applied_in_turns_in_order() {
         let sizes = [1000, 1000, 100, 3000, 2048, 1, 0];
         let events: Vec<KvEvent> = sizes.iter().enumerate().map(|(i, n)| removed(i as u64, *n)).collect();
-        let turns: Vec<Vec<u64>> = turns(&events, 2048).map(|turn| turn.iter().map(|e| e.event_id).collect()).collect();
-        // 1000 + 1000 + 100 would pass 2048; 3000 alone is over it; 2048 is at it.
-        assert_eq!(turns, [vec![0, 1], vec![2], vec![3], vec![4], vec![5, 6]]);
+        let turns: Vec<(bool, Vec<u64>)> = turns(&events, 2048)
+            .map(|turn| match turn {
+                Turn::Events(events) => (false, events.iter().map(|e| e.event_id).collect()),
+                Turn::Large(event) => (true, vec![event.event_id]),
+            })
+            .collect();
+        // 1000 + 1000 + 100 would pass 2048; 3000 alone is over it, applied in parts; 2048 is at it.
+        let expected = [(false, vec![0, 1]), (false, vec![2]), (true, vec![3]), (false, vec![4]), (false, vec![5, 6])];
+        assert_eq!(turns, expected);
         assert_eq!(super::turns(&[], 2048).count(), 0);
+        let parts: Vec<Range<usize>> = parts(5000, 2048).collect();
+        assert_eq!(parts, [0..2048, 2048..4096, 4096..5000]);
+        assert_eq!(super::parts(2048, 2048).count(), 1);
+    }
+
+    fn chain(event_id: u64, parent: Option<u64>, hashes: Range<u64>) -> KvEvent {
+        use continuum_kv_index::StoredBlock;
+        let blocks = hashes.map(|h| StoredBlock { block_hash: h, tokens_hash: h + (1 << 32) }).collect();
+        let data = KvEventData::Stored(crate::kv::decode::Stored { parent_hash: parent, start_position: None, blocks });
+        KvEvent { data, ..removed(event_id, 0) }
+    }
+
+    fn one_rank() -> (KvIndexer, PublisherMapping) {
+        let mut indexer = KvIndexer::default();
+        let worker = LiveWorker { namespace: "dynamo".into(), ranks: 0..1, publishing: 1 };
+        indexer.set_live(LiveRanks::from([(1, worker)]));
+        let publisher = crate::discovery::PublisherKey { namespace: "dynamo".into(), publisher_id: 5 };
+        (indexer, PublisherMapping { publisher, worker_id: 1, dp_rank: Some(0) })
+    }
+
+    fn feed(indexer: KvIndexer) -> KvFeed {
+        let events = IntCounterVec::new(prometheus::Opts::new("e", "e"), &["result"]).unwrap();
+        let gauge = IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap();
+        KvFeed { indexer: SharedKvIndexer::new(indexer), events, gauge, left_out: IntGauge::new("l", "l").unwrap() }
+    }
+
+    /// An event past one hold's blocks is applied in parts, the lock let go between them: the
+    /// index and the counts end as one hold would have left them.
+    #[tokio::test]
+    async fn an_event_too_large_for_one_hold_is_applied_in_parts_as_if_whole() {
+        let blocks = 4 * BLOCKS_PER_HOLD as u64 + 5;
+        let tokens: Vec<u64> = (0..blocks).map(|h| h + (1 << 32)).collect();
+        let events = [
+            chain(1, None, 0..blocks),
+            // Its parent is nowhere: every block refused, once as an event.
+            chain(2, Some(u64::MAX), blocks..2 * blocks),
+            // The chain's second half goes, then the rest of it, in one more part.
+            KvEvent { data: KvEventData::Removed((blocks / 2..blocks).collect()), ..removed(3, 0) },
+        ];
+        let (mut whole, mapping) = one_rank();
+        let feed = feed(one_rank().0);
+        // Between two parts the lock is free: a lookup then sees the chain's first parts.
+        let (mut first, mut seen) = (KvCounts::default(), Vec::new());
+        let watch = async {
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+                seen.push(feed.indexer.read().index().stats().ownerships);
+            }
+        };
+        tokio::join!(feed.apply_large(&mapping, &events[0], &mut first), watch);
+        let partial = |held: &usize| *held > 0 && held.is_multiple_of(BLOCKS_PER_HOLD) && *held < blocks as usize;
+        assert!(seen.iter().all(partial), "every look between two parts sees whole parts: {seen:?}");
+        let feed = self::feed(one_rank().0);
+        for (i, event) in events.iter().enumerate() {
+            let at_once = whole.apply_events(&mapping, std::slice::from_ref(event));
+            let mut in_parts = KvCounts::default();
+            feed.apply_large(&mapping, event, &mut in_parts).await;
+            assert_eq!(in_parts, at_once, "event {i}");
+            let parts = feed.indexer.read();
+            assert_eq!(parts.find_matches(&tokens).as_slice(), whole.find_matches(&tokens).as_slice(), "event {i}");
+            assert_eq!(parts.index().stats().ownerships, whole.index().stats().ownerships, "event {i}");
+        }
+        let whole = whole.find_matches(&tokens);
+        assert_eq!(whole.as_slice(), [(continuum_kv_index::RankKey { worker_id: 1, dp_rank: 0 }, blocks as u32 / 2)]);
     }
 }

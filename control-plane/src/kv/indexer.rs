@@ -29,7 +29,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use continuum_kv_index::{KvIndex, Limits, Matches, RankKey};
+use continuum_kv_index::{KvIndex, Limits, Matches, Outcome, RankKey};
 
 use super::decode::{DecodeError, KvEvent, KvEventBatch, KvEventData, decode_kv_events};
 use super::result::{KvCounts, KvEventResult};
@@ -170,9 +170,27 @@ impl KvIndexer {
     }
 
     fn apply_event(&mut self, publisher: &PublisherMapping, event: &KvEvent, counts: &mut KvCounts) -> KvEventResult {
+        let rank = match self.admit_event(publisher, event, counts) {
+            Ok(rank) => rank,
+            Err(refused) => return refused,
+        };
+        let outcome = self.apply_part(rank, &event.data, 0..event.blocks());
+        counts.blocks.merge(&outcome);
+        outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from)
+    }
+
+    /// Admits `event` from `publisher` and moves its rank's cursor: the rank to apply its data
+    /// to ([`Self::apply_part`]), or the result that refuses it. A gap the cursor shows clears
+    /// the rank first (counted).
+    pub fn admit_event(
+        &mut self,
+        publisher: &PublisherMapping,
+        event: &KvEvent,
+        counts: &mut KvCounts,
+    ) -> Result<RankKey, KvEventResult> {
         let rank = RankKey { worker_id: event.worker_id, dp_rank: event.dp_rank };
         if !self.admits(publisher, rank) {
-            return KvEventResult::IdentityMismatch;
+            return Err(KvEventResult::IdentityMismatch);
         }
         match self.advance_cursor(&publisher.publisher, rank, event.event_id) {
             Cursor::Next => {}
@@ -180,22 +198,34 @@ impl KvIndexer {
                 self.index.clear_rank(rank);
                 counts.add(KvEventResult::Gap);
             }
-            Cursor::Replay => return KvEventResult::Replay,
-            Cursor::Full => return KvEventResult::OverCapacity,
+            Cursor::Replay => return Err(KvEventResult::Replay),
+            Cursor::Full => return Err(KvEventResult::OverCapacity),
         }
         if !event.is_worker_device() {
-            return KvEventResult::OtherTier;
+            return Err(KvEventResult::OtherTier);
         }
-        let outcome = match &event.data {
-            KvEventData::Stored(stored) => self.index.apply_stored(rank, stored.parent_hash, &stored.blocks),
-            KvEventData::Removed(hashes) => self.index.apply_removed(rank, hashes),
+        Ok(rank)
+    }
+
+    /// Applies the `blocks` of an admitted event's `data` to `rank` (a clear names none, and
+    /// clears the rank): the whole event at once, or a large one in parts, each under a hold
+    /// of its own, in order. A stored part hangs under the block before it.
+    pub fn apply_part(&mut self, rank: RankKey, data: &KvEventData, blocks: Range<usize>) -> Outcome {
+        match data {
+            KvEventData::Stored(stored) => {
+                let parent = match blocks.start.checked_sub(1) {
+                    None => stored.parent_hash,
+                    Some(before) => stored.blocks.get(before).map(|block| block.block_hash),
+                };
+                let part = stored.blocks.get(blocks).unwrap_or_default();
+                self.index.apply_stored(rank, parent, part)
+            }
+            KvEventData::Removed(hashes) => self.index.apply_removed(rank, hashes.get(blocks).unwrap_or_default()),
             KvEventData::Cleared => {
                 self.index.clear_rank(rank);
-                return KvEventResult::Applied;
+                Outcome::default()
             }
-        };
-        counts.blocks.merge(&outcome);
-        outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from)
+        }
     }
 
     fn admits(&self, publisher: &PublisherMapping, rank: RankKey) -> bool {
