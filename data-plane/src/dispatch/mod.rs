@@ -49,7 +49,7 @@ pub use probe::ProbeSettings;
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
-use crate::routing::headers::{Pins, TENANT_ID, mark_routing_path, pins};
+use crate::routing::headers::{Pins, TENANT_ID, disclose_backend, mark_routing_path, pins};
 use crate::routing::picker::Selection;
 use respond::{Answer, Answered};
 
@@ -99,6 +99,15 @@ pub struct Plan {
     /// prompt's KV blocks with it over the body's salt.
     pub tenant: Option<HeaderValue>,
     pub route: Route,
+}
+
+/// How an unpinned send answers: `relay_errors`, any HTTP answer passed on as the backend
+/// gave it (plain unified routing), or only a success (a fallback); `disclose`, the backend's
+/// name on the answer (the client sent `x-backend`).
+#[derive(Clone, Copy, Debug)]
+struct Unpinned {
+    relay_errors: bool,
+    disclose: bool,
 }
 
 // Pinned is nearly every request's route, made once and moved into the dispatch: boxing it
@@ -229,12 +238,12 @@ impl Dispatcher {
             Route::Pinned(pinned) => self.pinned(plan.body, plan.stream, plan.disclose, &headers, pinned).await,
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);
-                self.unpinned(&plan.body, plan.stream, &headers, replicas, true).await.map_err(
-                    |failure| match failure {
-                        Failure::Overloaded => DispatchError::Overloaded,
-                        failure => DispatchError::UnifiedFailed(failure),
-                    },
-                )
+                let relay = Unpinned { relay_errors: true, disclose: plan.disclose };
+                self.unpinned(&plan.body, plan.stream, &headers, replicas, relay).await.map_err(|failure| match failure
+                {
+                    Failure::Overloaded => DispatchError::Overloaded,
+                    failure => DispatchError::UnifiedFailed(failure),
+                })
             }
         }
     }
@@ -314,7 +323,8 @@ impl Dispatcher {
         let Fallback { replicas: unified, body: resent } = *fallback;
         let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.
-        Box::pin(self.unpinned(&body, stream, headers, unified, false))
+        let fallback = Unpinned { relay_errors: false, disclose };
+        Box::pin(self.unpinned(&body, stream, headers, unified, fallback))
             .await
             .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins })
     }
@@ -357,27 +367,31 @@ impl Dispatcher {
         (outcome, blames_pins)
     }
 
-    /// Sends without pins. `relay_errors`: pass any HTTP answer through as is (plain unified
-    /// routing); otherwise (a fallback) only a success counts.
+    /// Sends without pins, and names the backend that answered when the client asked.
     async fn unpinned(
         &self,
         body: &Bytes,
         stream: bool,
         headers: &HeaderMap,
         replicas: Arc<[ShimReplica]>,
-        relay_errors: bool,
+        how: Unpinned,
     ) -> Result<Response, Failure> {
         let sent = tokio::time::Instant::now();
         let (replica, response) = self.send(&replicas, (headers, Pins::default()), body, stream).await?;
-        if relay_errors {
-            return self.pass_through(response, (stream, sent), replica).await;
+        let mut response = if how.relay_errors {
+            self.pass_through(response, (stream, sent), replica).await?
+        } else {
+            match self.answer(response, (stream, sent), None, (replica, None)).await.answer {
+                Answer::Relay(response) if response.status().is_success() => response,
+                Answer::Relay(response) => return Err(Failure::Status(response.status())),
+                Answer::PrefillRefused => return Err(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)),
+                Answer::Failed(failure) => return Err(failure),
+            }
+        };
+        if how.disclose {
+            disclose_backend(response.headers_mut(), &replica.name);
         }
-        match self.answer(response, (stream, sent), None, (replica, None)).await.answer {
-            Answer::Relay(response) if response.status().is_success() => Ok(response),
-            Answer::Relay(response) => Err(Failure::Status(response.status())),
-            Answer::PrefillRefused => Err(Failure::Status(StatusCode::SERVICE_UNAVAILABLE)),
-            Answer::Failed(failure) => Err(failure),
-        }
+        Ok(response)
     }
 
     /// Refreshes the breaker gauge: every replica of a configured pool, and no other. Health

@@ -212,17 +212,7 @@ pub fn asks_disclosure(name: &str) -> bool {
 /// Call it only when the request [`asks_disclosure`]. A backend name that is not a
 /// valid header value (names come from configuration) is left out rather than mangled.
 pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
-    for name in [DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK] {
-        headers.remove(name);
-    }
-    match HeaderValue::from_str(backend) {
-        Ok(value) => {
-            headers.insert(DISCLOSED_BACKEND, value);
-        }
-        Err(_) => {
-            headers.remove(DISCLOSED_BACKEND);
-        }
-    }
+    disclose_backend(headers, backend);
     insert_decimal(headers, DISCLOSED_DECODE_WORKER, selection.decode.worker.instance_id);
     if let Some(rank) = selection.decode.dp_rank {
         insert_decimal(headers, DISCLOSED_DECODE_DP_RANK, rank.into());
@@ -231,6 +221,24 @@ pub fn disclose(headers: &mut HeaderMap, backend: &str, selection: &Selection) {
         insert_decimal(headers, DISCLOSED_PREFILL_WORKER, prefill.worker.instance_id);
         if let Some(rank) = prefill.dp_rank {
             insert_decimal(headers, DISCLOSED_PREFILL_DP_RANK, rank.into());
+        }
+    }
+}
+
+/// Writes the backend that answered an unpinned request (plain unified routing, or the
+/// fallback of a failed pinned one), and no worker: none was chosen. Call it only when the
+/// request [`asks_disclosure`]; [`disclose`] writes the workers of a pinned one besides.
+pub fn disclose_backend(headers: &mut HeaderMap, backend: &str) {
+    for name in [DISCLOSED_DECODE_WORKER, DISCLOSED_DECODE_DP_RANK, DISCLOSED_PREFILL_WORKER, DISCLOSED_PREFILL_DP_RANK]
+    {
+        headers.remove(name);
+    }
+    match HeaderValue::from_str(backend) {
+        Ok(value) => {
+            headers.insert(DISCLOSED_BACKEND, value);
+        }
+        Err(_) => {
+            headers.remove(DISCLOSED_BACKEND);
         }
     }
 }

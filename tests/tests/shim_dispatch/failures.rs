@@ -180,8 +180,12 @@ async fn a_failed_pinned_request_falls_back_unpinned_to_the_models_unified_backe
     });
     let harness = Harness::start(disaggregated_fleet(), config).await?;
     shim.push(disagg("no_headers_nonstream")?);
-    let response = harness.post(&chat(MODEL, false)).await?;
+    let request = harness.http.post(harness.url("/v1/chat/completions")).header("x-backend", "");
+    let response = request.json(&chat(MODEL, false)).send().await?;
     assert_eq!(response.status(), 200, "the unified backend answered");
+    let disclosed = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    assert_eq!(disclosed("x-continuum-backend").as_deref(), Some("unified"), "the backend that answered");
+    assert_eq!(disclosed("x-continuum-decode-worker"), None, "no worker served it pinned");
     assert!(shim.received()[1].header("x-dynamo-worker-instance-id").is_some());
     assert_eq!(shim.received().len(), 2, "the pool saw only the pinned send");
     let resent = unified.received();
