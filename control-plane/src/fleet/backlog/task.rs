@@ -22,6 +22,12 @@ pub(super) const COMMAND_QUEUE: usize = 4096;
 /// its session ended, while the others' still find room. Honest replicas report every
 /// millisecond and come nowhere near it unless the book falls seconds behind.
 pub(super) const SESSION_SHARE: usize = 4;
+/// Room in the channel beyond the reports' for departures ([`BacklogBook::replica_gone`]),
+/// which share it to keep their order behind a session's last reports: a Watch stream ends
+/// once and supersedes at most one other, so at most two for each that may be open. Without
+/// it, departures queued behind a book running late would take places the reports' count
+/// promised, and honest sessions' reports would be refused.
+const DEPARTURE_ROOM: usize = 2 * crate::grpc::MAX_WATCH_STREAMS;
 
 /// About what a report holds in memory: its dispatches, their block hashes and namespaces (a
 /// replica's to fill, up to the message bound), its ends.
@@ -112,7 +118,8 @@ impl SessionReports {
             return false;
         }
         let command = Command::Report { replica, report, at: Instant::now(), bytes, share: Arc::clone(share) };
-        // The count bound above is the channel's capacity: this fails only as the book ends.
+        // The count bound above is the channel's capacity less the departures' room: this
+        // fails only as the book ends, or behind more departures than sessions could send.
         let sent = self.book.tx.try_send(command).is_ok();
         if !sent {
             queued.give_back(bytes);
@@ -136,10 +143,16 @@ impl BacklogBook {
         counters: BookCounters,
         cancel: CancellationToken,
     ) -> Self {
-        let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
-        let queued = Arc::new(QueuedReports::default());
-        tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, Arc::clone(&queued)), counters, cancel));
-        Self { tx, queued }
+        let (book, rx) = Self::unstarted();
+        let queued = Arc::clone(&book.queued);
+        tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, queued), counters, cancel));
+        book
+    }
+
+    /// The handle, and the queue its task will read.
+    fn unstarted() -> (Self, mpsc::Receiver<Command>) {
+        let (tx, rx) = mpsc::channel(COMMAND_QUEUE + DEPARTURE_ROOM);
+        (Self { tx, queued: Arc::default() }, rx)
     }
 
     /// A new session's way to report, with a share of the queue of its own.
@@ -246,4 +259,26 @@ fn publish(
         publisher.apply(change);
     }
     changed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Departures waiting in the queue of a book running late take none of the places the
+    /// reports' count promised: every session still reports its share.
+    #[tokio::test]
+    async fn departures_take_no_report_places() {
+        let (book, _unread) = BacklogBook::unstarted();
+        for replica in 0..64 {
+            book.replica_gone(replica).await;
+        }
+        let sessions: Vec<SessionReports> = (0..SESSION_SHARE).map(|_| book.session()).collect();
+        for session in &sessions {
+            for _ in 0..COMMAND_QUEUE / SESSION_SHARE {
+                assert!(session.report(1, pb::DispatchReport::default()), "a place the count promised");
+            }
+            assert!(!session.report(1, pb::DispatchReport::default()), "past the session's share");
+        }
+    }
 }
