@@ -110,8 +110,10 @@ async fn run(args: Args) -> ExitCode {
         }
     };
     let replica_id = args.replica_id.unwrap_or_else(default_replica_id);
-    if replica_id.is_empty() || replica_id.len() > MAX_REPLICA_ID_BYTES {
-        eprintln!("error: --replica-id must be 1 to {MAX_REPLICA_ID_BYTES} bytes, got {} bytes", replica_id.len());
+    if !continuum_proto::valid_replica_id(&replica_id) {
+        eprintln!(
+            "error: --replica-id must be 1 to {MAX_REPLICA_ID_BYTES} printable ASCII characters without spaces, got {replica_id:?}"
+        );
         return ExitCode::from(2);
     }
     let credentials = match args.control_plane_token.as_deref().map(Credentials::bearer).transpose() {

@@ -68,6 +68,13 @@ pub const MAX_DATA_PARALLEL_SIZE: u32 = 1024;
 /// Longest replica id a control plane accepts in a Hello; it appears in logs and the admin API.
 pub const MAX_REPLICA_ID_BYTES: usize = 128;
 
+/// Whether `id` may name a replica: 1 to [`MAX_REPLICA_ID_BYTES`] printable ASCII characters,
+/// no spaces (pod and host names, with a process id). It is written into log lines as it is,
+/// so a line break in it would forge lines of its own.
+pub fn valid_replica_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_REPLICA_ID_BYTES && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
 /// A dispatch reported with more decode blocks than this (16 Mi tokens at 16 a block) is
 /// refused by the control plane: no request is that long, and sums of it would drown every
 /// real one on its rank. A replica reports at most this.

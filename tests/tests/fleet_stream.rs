@@ -290,6 +290,24 @@ async fn a_replica_flooding_its_stream_still_gets_its_updates() -> anyhow::Resul
     Ok(())
 }
 
+/// A replica id goes into log lines as it is: one that could forge a line is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_whose_replica_id_would_forge_log_lines_is_refused() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let mut client = FleetClient::connect(control.url()).await?;
+    for (refused, id) in [("a line break", "r1\nINFO forged"), ("a space", "r 1"), ("nothing", "")] {
+        let (tx, rx) = mpsc::channel(1);
+        tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: id.into(), version: None })) })
+            .await?;
+        let status = client.watch(ReceiverStream::new(rx)).await.err().ok_or_else(|| anyhow::anyhow!("{refused}"))?;
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{refused}");
+        assert!(!status.message().contains(id) || id.is_empty(), "not echoed: {}", status.message());
+    }
+    assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_hello"]).get(), 3);
+    control.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_without_hello_is_refused() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;

@@ -200,10 +200,12 @@ impl FleetService {
                 return Err(refused("bad_hello", Status::invalid_argument("the first Watch message must be a Hello")));
             }
         };
-        if hello.replica_id.is_empty() || hello.replica_id.len() > MAX_REPLICA_ID_BYTES {
+        if !continuum_proto::valid_replica_id(&hello.replica_id) {
             return Err(refused(
                 "bad_hello",
-                Status::invalid_argument(format!("Hello.replica_id must be 1 to {MAX_REPLICA_ID_BYTES} bytes")),
+                Status::invalid_argument(format!(
+                    "Hello.replica_id must be 1 to {MAX_REPLICA_ID_BYTES} printable ASCII characters, without spaces"
+                )),
             ));
         }
         Ok(hello)

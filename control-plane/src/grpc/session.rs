@@ -399,14 +399,14 @@ impl Session {
         }
         match &self.last_snapshot {
             Some(snapshot) if snapshot.answered_by(&nack) => {
-                tracing::warn!(%replica, version = nack.version, %reason, "replica refused a full snapshot; ending its session");
+                tracing::warn!(%replica, version = nack.version, ?reason, "replica refused a full snapshot; ending its session");
                 return Err(Status::failed_precondition(format!(
                     "the replica refused the full snapshot at version {}; reconnect",
                     nack.version
                 )));
             }
             Some(snapshot) if snapshot.replaced(&nack) => {
-                tracing::debug!(%replica, version = nack.version, %reason, "a refused update was already replaced");
+                tracing::debug!(%replica, version = nack.version, ?reason, "a refused update was already replaced");
                 return Ok(());
             }
             _ => {}
@@ -414,17 +414,17 @@ impl Session {
         if self.held.is_none() {
             // A resync is already due: the deltas sent before it (which the replica refuses
             // too, none fitting its view any more) are mended by the same snapshot.
-            tracing::debug!(%replica, version = nack.version, %reason, "a refused update awaits the resync already due");
+            tracing::debug!(%replica, version = nack.version, ?reason, "a refused update awaits the resync already due");
             return Ok(());
         }
         let now = Instant::now();
         if self.last_resync.is_some_and(|at| now.duration_since(at) < RESYNC_INTERVAL) {
-            tracing::warn!(%replica, version = nack.version, %reason, "replica refused another fleet update soon after a resync; ending its session");
+            tracing::warn!(%replica, version = nack.version, ?reason, "replica refused another fleet update soon after a resync; ending its session");
             return Err(Status::failed_precondition(format!(
                 "the replica refused fleet updates twice within {RESYNC_INTERVAL:?}; reconnect"
             )));
         }
-        tracing::warn!(%replica, version = nack.version, %reason, "replica refused a fleet update; resyncing it with a full snapshot");
+        tracing::warn!(%replica, version = nack.version, ?reason, "replica refused a fleet update; resyncing it with a full snapshot");
         self.last_resync = Some(now);
         self.held = None;
         Ok(())
