@@ -450,6 +450,36 @@ mod tests {
         assert_eq!(last, [LastDispatch::default(); 2], "both as the sums hold them");
     }
 
+    /// A replay as large as the ledger holds leaves the operations after it their room: they
+    /// are reported while the new stream drains the replay, not refused, which would end the
+    /// stream and replay it all again on the next, and so on.
+    #[tokio::test]
+    async fn operations_after_a_replay_of_a_full_ledger_still_find_room() {
+        use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
+        use continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES;
+        let dropped = IntCounter::new("dropped", "dropped").expect("counter");
+        let reporter = Arc::new(DispatchReporter::new(dropped.clone()));
+        let ledger = Arc::new(DispatchLedger::new());
+        reporter.replay_from(Arc::clone(&ledger) as Arc<dyn InFlight>);
+        let mut rx = reporter.attached_receiver().expect("receiver");
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let long = MAX_DISPATCH_BLOCK_HASHES as u64;
+        let chain = |n: u64| PromptChain { block_size: 16, hashes: (n * long..(n + 1) * long).collect(), lookup: 0 };
+        let in_flight: Vec<DispatchEnd> = (0..(MAX_ACTIVE_BLOCK_HASHES / MAX_DISPATCH_BLOCK_HASHES) as u64)
+            .map(|n| DispatchEnd::record(&ledger, &reporter, &view, &aggregated(), long * 16, &chain(n), false))
+            .collect();
+        while rx.try_recv().is_some() {}
+        // The stream is lost; the next one opens with every chain the ledger holds replayed,
+        // all of it queued until the stream drains it.
+        assert!(reporter.attach(&mut rx) >= MAX_ACTIVE_BLOCK_HASHES / MAX_DISPATCH_BLOCK_HASHES, "every leg");
+        let after: Vec<DispatchEnd> = (0..64)
+            .map(|n| DispatchEnd::record(&ledger, &reporter, &view, &aggregated(), long * 16, &chain(1000 + n), false))
+            .collect();
+        assert!(rx.attached(), "64 dispatches of the longest chains after the replay, all reported");
+        assert_eq!(dropped.get(), 0);
+        drop((in_flight, after));
+    }
+
     /// A dispatch to an aggregated worker (no prefill pin).
     fn aggregated() -> Selection {
         Selection {

@@ -30,16 +30,14 @@ use crate::routing::picker::{DispatchId, NOT_REPORTED, Op, ReplayedLeg};
 /// Operations waiting to be reported; one batch per stream turn drains them.
 pub const REPORT_QUEUE: usize = 8192;
 /// Block hashes the queued operations may carry (33 MiB): with a control plane reading slowly,
-/// 8,192 operations of two 4,096-hash chains would hold half a gigabyte. Room for every chain
-/// the ledger holds, so that the operations replaying them when a stream opens always fit,
-/// and for one report's more. Past it the queue counts as full.
+/// 8,192 operations of two 4,096-hash chains would hold half a gigabyte. As many as the ledger
+/// holds, and one report's more; past it the queue counts as full. A replay's operations are
+/// not charged to it: what they carry is a copy of the ledger's chains, which the ledger
+/// bounds (4 Mi), and charged here they would leave the operations after a large replay no
+/// room until the stream had drained it, ending the stream, whose next one replays it all again.
 pub const MAX_QUEUED_BLOCK_HASHES: usize = continuum_proto::active::MAX_ACTIVE_BLOCK_HASHES + MAX_REPORT_BLOCK_HASHES;
-/// Block hashes one operation carries at most: two chains, or a replay's.
-const MAX_OPERATION_HASHES: usize = if MAX_REPLAYED_HASHES > 2 * MAX_DISPATCH_BLOCK_HASHES {
-    MAX_REPLAYED_HASHES
-} else {
-    2 * MAX_DISPATCH_BLOCK_HASHES
-};
+/// Block hashes one operation other than a replay's carries at most: two chains.
+const MAX_OPERATION_HASHES: usize = 2 * MAX_DISPATCH_BLOCK_HASHES;
 /// Events folded into one `DispatchReport` at most (a report never splits an operation, so it
 /// may hold one more).
 pub const MAX_REPORT_BATCH: usize = 512;
@@ -103,8 +101,17 @@ impl DispatchEvent {
 pub struct Operation {
     number: u64,
     events: Vec<DispatchEvent>,
-    /// The block hashes its events carry, charged to [`MAX_QUEUED_BLOCK_HASHES`] while queued.
+    /// The block hashes its events carry, charged to [`MAX_QUEUED_BLOCK_HASHES`] while queued
+    /// (none for a replay's: the ledger bounds those).
     hashes: usize,
+}
+
+/// What an operation's block hashes are charged to: [`MAX_QUEUED_BLOCK_HASHES`], or (a
+/// replay's) the ledger's own bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Charge {
+    Hashes,
+    Replay,
 }
 
 /// The numbers handed out so far; held while an operation is performed and queued.
@@ -319,13 +326,14 @@ impl DispatchReporter {
             };
             return perform(&mut report);
         }
-        self.numbered(&mut numbers, perform)
+        self.numbered(&mut numbers, Charge::Hashes, perform)
     }
 
     /// Performs one operation under the next number, and queues it whole (see
     /// [`Self::operation`]); the caller holds the numbers.
-    fn numbered<R>(&self, numbers: &mut Numbers, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
-        let room = self.queued_hashes.load(Ordering::Acquire) + MAX_OPERATION_HASHES <= MAX_QUEUED_BLOCK_HASHES;
+    fn numbered<R>(&self, numbers: &mut Numbers, charge: Charge, perform: impl FnOnce(&mut Report<'_>) -> R) -> R {
+        let room = charge == Charge::Replay
+            || self.queued_hashes.load(Ordering::Acquire) + MAX_OPERATION_HASHES <= MAX_QUEUED_BLOCK_HASHES;
         let place = self.tx.try_reserve().ok().filter(|_| room).ok_or(());
         if place.is_err() {
             // The stream's reports can no longer be whole: detached at once, while the queue the
@@ -347,7 +355,10 @@ impl DispatchReporter {
             numbers.next_op += 1;
             // An operation that reports nothing gives its place back.
             if !events.is_empty() {
-                let hashes = events.iter().map(DispatchEvent::hashes).sum();
+                let hashes = match charge {
+                    Charge::Hashes => events.iter().map(DispatchEvent::hashes).sum(),
+                    Charge::Replay => 0,
+                };
                 self.queued_hashes.fetch_add(hashes, Ordering::AcqRel);
                 place.send(Operation { number: op, events, hashes });
             }
@@ -372,7 +383,8 @@ impl DispatchReporter {
         let (mut left, mut legs) = (&ids[..], 0);
         while !left.is_empty() {
             let chunk = &left[..left.len().min(MAX_REPLAYED_PER_OPERATION)];
-            let (taken, replayed) = self.numbered(&mut numbers, |report| in_flight.replay(chunk, report));
+            let (taken, replayed) =
+                self.numbered(&mut numbers, Charge::Replay, |report| in_flight.replay(chunk, report));
             left = &left[taken.clamp(1, chunk.len())..];
             legs += replayed;
         }

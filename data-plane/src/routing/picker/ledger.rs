@@ -374,7 +374,8 @@ impl Rank {
         let op = reported_for(leg.op, op);
         self.changed(op, now, SinceFleet { decode_ended: freed, prefill_done: tokens, ..Default::default() });
         if self.oldest.is_none_or(|oldest| leg.at <= oldest) {
-            self.oldest = self.legs.iter().map(|leg| leg.at).min();
+            // Legs are held in the order they were recorded.
+            self.oldest = self.legs.front().map(|leg| leg.at);
         }
         leg.block_hashes.len()
     }
@@ -732,7 +733,7 @@ impl State {
                 expired.push(id);
                 freed_hashes += hashes;
             }
-            rank.oldest = rank.legs.iter().map(|leg| leg.at).min();
+            rank.oldest = rank.legs.front().map(|leg| leg.at);
             self.held_hashes -= freed_hashes;
             for id in expired {
                 self.remove_except(id, Some(key), now, NOT_REPORTED.into());

@@ -81,6 +81,9 @@ impl DispatchLedger {
         now: Instant,
     ) -> (usize, Vec<ReplayedLeg>) {
         let mut state = self.lock();
+        // Nothing counts longer than `UNANSWERED_FOR`: what has expired since the last sweep
+        // goes now, rather than be reported again to count in the fleet's sums afresh.
+        state.sweep(now);
         let mut replayed = Vec::new();
         let mut hashes = 0;
         for (taken, id) in ids.iter().enumerate() {

@@ -609,6 +609,25 @@ fn the_first_token_of_a_dispatch_from_an_earlier_stream_leaves_the_join_right() 
     assert_eq!((total.prefill_tokens, total.in_flight_decode_blocks), (0, 0), "nothing is left, nothing owed");
 }
 
+/// A dispatch past `UNANSWERED_FOR` counts nowhere: a new stream does not report it again,
+/// whether or not a sweep found it first.
+#[test]
+fn a_dispatch_past_the_unanswered_bound_is_not_replayed() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let old =
+        ledger.record(&alone(pin(1, None)), 160, 16, &[], t0, Recorded { op: op(), legs: [21, 0], buffered: false });
+    let later = t0 + UNANSWERED_FOR - Duration::from_millis(1);
+    let young =
+        ledger.record(&alone(pin(2, None)), 160, 16, &[], later, Recorded { op: op(), legs: [22, 0], buffered: false });
+    let stream_first = op();
+    let ids = ledger.dispatches_before(stream_first);
+    assert_eq!(ids, [old, young], "listed before the sweep");
+    let (_, legs) = ledger.replay_legs(&ids, usize::MAX, stream_first, stream_first, t0 + UNANSWERED_FOR);
+    let replayed: Vec<u64> = legs.iter().map(|leg| leg.report).collect();
+    assert_eq!(replayed, [22], "only the dispatch still within the bound");
+}
+
 /// A new stream (after a reconnect, or a control plane that restarted) holds none of the
 /// dispatches in flight: the ledger reports them again, under their first reports' ids and by
 /// an operation of the new stream, with what each still weighs and since when. From then on
