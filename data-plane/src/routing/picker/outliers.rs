@@ -7,8 +7,8 @@
 //! failures again to go. Pickers skip ejected ranks unless every candidate of a phase is ejected
 //! (then none is skipped: a guess beats refusing every request). A rank's record goes when its
 //! ejection ends, or [`EJECTION`] after a failure that ejected nothing, so a worker that left
-//! the fleet leaves no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered, forgetting
-//! all when full (it only resets counts).
+//! the fleet leaves no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered; when full,
+//! failures short of an ejection are forgotten first (it only resets counts).
 //!
 //! An answer that never came in time counts only against a rank that answered nothing else
 //! since the request was sent ([`Outliers::unanswered`]): a worker answering other requests is
@@ -66,6 +66,11 @@ impl Outliers {
     pub fn failed(&self, ranks: &[LoadKey], now: Instant) {
         let mut held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
         held.retain(|_, record| record.current(now));
+        if held.len() + ranks.len() > MAX_TRACKED {
+            // Failures short of an ejection go first: forgetting an ejection would put a rank
+            // that keeps failing back into every pick.
+            held.retain(|_, record| record.ejects(now));
+        }
         if held.len() + ranks.len() > MAX_TRACKED {
             held.clear();
         }
@@ -233,13 +238,18 @@ mod tests {
     }
 
     #[test]
-    fn memory_is_bounded() {
+    fn memory_is_bounded_and_ejections_outlast_a_burst_of_single_failures() {
         let outliers = Outliers::default();
         let now = Instant::now();
+        let dead = rank(u64::MAX);
+        for _ in 0..EJECT_AFTER {
+            outliers.failed(std::slice::from_ref(&dead), now);
+        }
         for id in 0..(MAX_TRACKED as u64 * 3) {
             outliers.failed(&[rank(id)], now);
         }
         assert!(outliers.ranks.lock().unwrap().len() <= MAX_TRACKED);
+        assert!(outliers.ejected(&dead, now), "the ejection is kept while single failures come and go");
         for id in 0..(MAX_TRACKED as u64 * 3) {
             outliers.answered(&[rank(id)], now);
         }
