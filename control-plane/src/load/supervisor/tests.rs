@@ -184,28 +184,33 @@ async fn a_record_that_keeps_changing_is_not_redialled_at_its_rate() {
     assert!((1..=2).contains(&dialled), "{dialled} connections for 40 changes");
 }
 
-/// Past the cap, records that name no worker (every sample of theirs would be refused) are
-/// admitted after those that do, whatever their ids.
-#[tokio::test]
-async fn past_the_cap_publishers_naming_a_worker_come_first() {
+/// The publishers of `publishers` a supervisor capped at `cap` subscriptions admits, by id
+/// (brokered: none is dialled).
+async fn admitted_past_the_cap(publishers: impl IntoIterator<Item = Publisher>, cap: usize) -> Vec<u64> {
     let mut fleet = Fleet::default();
-    for id in [1, 2] {
-        let publisher = publisher(id);
+    for publisher in publishers {
         fleet.publishers.insert(publisher.key(), publisher);
     }
-    let named = crate::discovery::test_publisher(1 << 50, Some(continuum_proto::model::WorkerKey::new("dynamo", 9)));
-    fleet.publishers.insert(named.key(), named);
     let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
     let feed =
         Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
     let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
-    let options = LoadOptions { max_subscriptions: 2, ..LoadOptions::default() };
+    let options = LoadOptions { max_subscriptions: cap, ..LoadOptions::default() };
     let mut supervisor = Supervisor::start(feed, broker, options, registry, CancellationToken::new());
     let mut statuses = supervisor.statuses();
-    statuses.wait_for(|running| running.len() == 2).await.unwrap();
-    let admitted: Vec<u64> = statuses.borrow().iter().map(|s| s.publisher.publisher_id).collect();
+    statuses.wait_for(|running| running.len() == cap).await.unwrap();
+    let admitted = statuses.borrow().iter().map(|s| s.publisher.publisher_id).collect();
     supervisor.stop().await;
+    admitted
+}
+
+/// Past the cap, records that name no worker (every sample of theirs would be refused) are
+/// admitted after those that do, whatever their ids.
+#[tokio::test]
+async fn past_the_cap_publishers_naming_a_worker_come_first() {
+    let named = crate::discovery::test_publisher(1 << 50, Some(continuum_proto::model::WorkerKey::new("dynamo", 9)));
+    let admitted = admitted_past_the_cap([publisher(1), publisher(2), named], 2).await;
     assert_eq!(admitted, [1, 1 << 50], "the named publisher, then the lowest id");
 }
 
@@ -213,27 +218,11 @@ async fn past_the_cap_publishers_naming_a_worker_come_first() {
 /// gets one place before any worker gets a second.
 #[tokio::test]
 async fn past_the_cap_each_worker_gets_a_place_before_any_gets_two() {
-    let worker = |id| Some(continuum_proto::model::WorkerKey::new("dynamo", id));
-    let mut fleet = Fleet::default();
-    for id in 1..=5 {
-        let greedy = crate::discovery::test_publisher(id, worker(9));
-        fleet.publishers.insert(greedy.key(), greedy);
-    }
-    for (id, owner) in [(100, 10), (200, 11)] {
-        let publisher = crate::discovery::test_publisher(id, worker(owner));
-        fleet.publishers.insert(publisher.key(), publisher);
-    }
-    let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
-    let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
-    let feed =
-        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
-    let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
-    let options = LoadOptions { max_subscriptions: 4, ..LoadOptions::default() };
-    let mut supervisor = Supervisor::start(feed, broker, options, registry, CancellationToken::new());
-    let mut statuses = supervisor.statuses();
-    statuses.wait_for(|running| running.len() == 4).await.unwrap();
-    let mut admitted: Vec<u64> = statuses.borrow().iter().map(|s| s.publisher.publisher_id).collect();
-    supervisor.stop().await;
+    let of = |id, worker| {
+        crate::discovery::test_publisher(id, Some(continuum_proto::model::WorkerKey::new("dynamo", worker)))
+    };
+    let greedy = (1..=5).map(|id| of(id, 9));
+    let mut admitted = admitted_past_the_cap(greedy.chain([of(100, 10), of(200, 11)]), 4).await;
     admitted.sort_unstable();
     assert_eq!(admitted, [1, 2, 100, 200], "the greedy worker's first two, and one each for the others");
 }
