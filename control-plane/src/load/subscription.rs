@@ -193,7 +193,9 @@ async fn connected_session<F: Feed>(
 ) -> Result<std::convert::Infallible, SessionEnd> {
     let stream = dial::dial(&publisher.address, policy.allow.as_deref(), ctx.limits.connect_timeout).await?;
     let topic = ctx.feed.topic().as_str();
-    let mut session = ZmtpSubscriber::handshake(stream, ctx.limits, topic.as_bytes()).await?;
+    // A worker's channels (one per rank) share one borrower's part of the large-message budget.
+    let borrower = publisher.worker.as_ref().map_or(publisher.publisher_id, |worker| worker.instance_id);
+    let mut session = ZmtpSubscriber::handshake(stream, ctx.limits, topic.as_bytes(), borrower).await?;
     *connected_at = Some(tokio::time::Instant::now());
     status.set(SubscriptionState::Connected);
     ctx.feed.connected(publisher).await;

@@ -111,7 +111,7 @@ async fn framed_rate(frames: &[(Vec<Vec<u8>>, u64)], run: Duration) -> anyhow::R
         #[allow(unreachable_code)]
         Ok::<(), std::io::Error>(())
     });
-    let mut session = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await?;
+    let mut session = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics", 1).await?;
     let started = Instant::now();
     let mut decoded = 0u64;
     let mut i = 0;
@@ -129,7 +129,7 @@ async fn framed_rate(frames: &[(Vec<Vec<u8>>, u64)], run: Duration) -> anyhow::R
 async fn idle_session_buffers() -> anyhow::Result<usize> {
     let (ours, mut peer) = tokio::io::duplex(4096);
     peer.write_all(&pub_handshake()).await?;
-    let session = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await?;
+    let session = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics", 1).await?;
     Ok(session.buffered_capacity())
 }
 

@@ -4,20 +4,22 @@
 //! [`MessageBudget`](super::MessageBudget) and repaid when the buffer shrinks or is dropped.
 
 use super::INITIAL_BUFFER_BYTES;
-use super::budget::{BudgetRef, FREE_BUFFER_BYTES};
+use super::budget::{Borrower, BudgetRef, FREE_BUFFER_BYTES};
 
 #[derive(Debug)]
 pub struct MessageBuffer {
     bytes: Vec<u8>,
     ceiling: usize,
     budget: BudgetRef,
+    /// Whose share of `budget` the loans count against.
+    borrower: Borrower,
     /// Bytes of capacity borrowed from `budget`: what was asked for past the free part.
     borrowed: usize,
 }
 
 impl MessageBuffer {
-    pub fn new(ceiling: usize, budget: BudgetRef) -> Self {
-        Self { bytes: Vec::with_capacity(INITIAL_BUFFER_BYTES.min(ceiling)), ceiling, budget, borrowed: 0 }
+    pub fn new(ceiling: usize, budget: BudgetRef, borrower: Borrower) -> Self {
+        Self { bytes: Vec::with_capacity(INITIAL_BUFFER_BYTES.min(ceiling)), ceiling, budget, borrower, borrowed: 0 }
     }
 
     /// Bytes borrowed from the budget now.
@@ -85,8 +87,8 @@ impl MessageBuffer {
         let loan = target.saturating_sub(FREE_BUFFER_BYTES).saturating_sub(self.borrowed);
         if loan > 0 {
             if overdraw {
-                self.budget.overdraw(loan);
-            } else if !self.budget.borrow(loan) {
+                self.budget.overdraw(loan, self.borrower);
+            } else if !self.budget.borrow(loan, self.borrower) {
                 return false;
             }
             self.borrowed += loan;
@@ -117,7 +119,7 @@ impl MessageBuffer {
     }
 
     fn repay(&mut self) {
-        self.budget.repay(std::mem::take(&mut self.borrowed));
+        self.budget.repay(std::mem::take(&mut self.borrowed), self.borrower);
     }
 }
 
@@ -138,7 +140,7 @@ mod tests {
 
     #[test]
     fn grows_by_powers_of_two_and_stops_at_the_ceiling() {
-        let mut buffer = MessageBuffer::new(16_660, budget(usize::MAX));
+        let mut buffer = MessageBuffer::new(16_660, budget(usize::MAX), 1);
         assert_eq!(buffer.capacity(), 512);
         buffer.extend(300);
         assert_eq!(buffer.capacity(), 512, "fits the first allocation");
@@ -155,22 +157,22 @@ mod tests {
 
     #[test]
     fn a_huge_declared_length_never_fits() {
-        let buffer = MessageBuffer::new(16_660, budget(usize::MAX));
+        let buffer = MessageBuffer::new(16_660, budget(usize::MAX), 1);
         assert!(!buffer.fits(1 << 63));
         assert!(!buffer.fits(u64::MAX));
     }
 
     #[test]
     fn reset_returns_the_buffer_to_its_first_size_and_repays_its_loan() {
-        let mut first = MessageBuffer::new(1 << 20, budget(usize::MAX));
+        let mut first = MessageBuffer::new(1 << 20, budget(usize::MAX), 1);
         first.extend(300);
         first.reset();
         assert_eq!((first.len(), first.capacity()), (0, 512), "kept as it was");
-        let mut grown = MessageBuffer::new(1 << 20, budget(usize::MAX));
+        let mut grown = MessageBuffer::new(1 << 20, budget(usize::MAX), 1);
         grown.extend(4000);
         grown.reset();
         assert_eq!((grown.len(), grown.capacity()), (0, 512));
-        let mut large = MessageBuffer::new(1 << 20, budget(usize::MAX));
+        let mut large = MessageBuffer::new(1 << 20, budget(usize::MAX), 1);
         large.extend(100_000);
         assert!(large.borrowed() > 0);
         large.reset();
@@ -179,8 +181,9 @@ mod tests {
 
     #[test]
     fn capacity_past_the_free_part_is_borrowed_and_repaid() {
-        let budget = budget(200 * 1024);
-        let mut buffer = MessageBuffer::new(1 << 20, budget);
+        // The buffer's borrower may hold 200 KiB of it.
+        let budget = budget(super::super::budget::BORROWER_SHARE * 200 * 1024);
+        let mut buffer = MessageBuffer::new(1 << 20, budget, 1);
         assert!(buffer.make_room(60_000, 512));
         buffer.extend(60_000);
         assert_eq!((budget.lent(), buffer.capacity()), (0, 64 * 1024), "64 KiB is the buffer's own");
@@ -199,7 +202,7 @@ mod tests {
 
     #[test]
     fn the_slack_is_held_only_once_borrowing_so_small_messages_stay_small() {
-        let mut buffer = MessageBuffer::new(1 << 20, budget(1 << 20));
+        let mut buffer = MessageBuffer::new(1 << 20, budget(1 << 20), 1);
         assert!(buffer.make_room(40, 512));
         assert_eq!(buffer.capacity(), 512, "an idle session keeps its 512 bytes");
         buffer.reset();
@@ -213,7 +216,7 @@ mod tests {
     #[test]
     fn a_growth_the_caller_could_not_refuse_overdraws() {
         let budget = budget(0);
-        let mut buffer = MessageBuffer::new(1 << 20, budget);
+        let mut buffer = MessageBuffer::new(1 << 20, budget, 1);
         assert!(buffer.make_room(FREE_BUFFER_BYTES, 0));
         buffer.extend(FREE_BUFFER_BYTES);
         assert!(!buffer.make_room(1, 0));

@@ -41,7 +41,10 @@ mod wire;
 
 use std::time::Duration;
 
-pub use budget::{BudgetRef, FREE_BUFFER_BYTES, LARGE_MESSAGE_BYTES, LARGE_MESSAGES, LOAN_DEADLINE, MessageBudget};
+pub use budget::{
+    BORROWER_SHARE, Borrower, BudgetRef, FREE_BUFFER_BYTES, LARGE_MESSAGE_BYTES, LARGE_MESSAGES, LOAN_DEADLINE,
+    MessageBudget,
+};
 pub use buffer::MessageBuffer;
 pub use subscriber::{Dropped, Incoming, Message, ZmtpSubscriber};
 pub use wire::{GREETING_BYTES, greeting, parse_greeting};

@@ -8,7 +8,7 @@ use std::ops::Range;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
 
-use super::budget::LOAN_DEADLINE;
+use super::budget::{Borrower, LOAN_DEADLINE};
 use super::buffer::MessageBuffer;
 use super::wire::{self, Command, GREETING_BYTES};
 use super::{MAX_COMMAND_BYTES, MAX_FRAMES_PER_MESSAGE, MAX_TOPIC_BYTES, READ_BUFFER_BYTES, WRITE_BUFFER_BYTES};
@@ -79,8 +79,9 @@ pub struct ZmtpSubscriber<S> {
 
 impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
     /// Greets the publisher, exchanges READY and subscribes to `topic`, all within
-    /// `limits.handshake_timeout`.
-    pub async fn handshake(stream: S, limits: ZmtpLimits, topic: &[u8]) -> Result<Self, ZmtpError> {
+    /// `limits.handshake_timeout`. Large messages borrow from `limits.budget` against
+    /// `borrower`'s share of it.
+    pub async fn handshake(stream: S, limits: ZmtpLimits, topic: &[u8], borrower: Borrower) -> Result<Self, ZmtpError> {
         if topic.len() + 3 > WRITE_BUFFER_BYTES {
             return Err(ZmtpError::Protocol("the subscription topic does not fit a write"));
         }
@@ -90,7 +91,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
             read: vec![0; READ_BUFFER_BYTES].into_boxed_slice(),
             window: 0..0,
             write: [0; WRITE_BUFFER_BYTES],
-            message: MessageBuffer::new(limits.buffer_ceiling(), limits.budget),
+            message: MessageBuffer::new(limits.buffer_ceiling(), limits.budget, borrower),
             frames: Vec::with_capacity(MAX_FRAMES_PER_MESSAGE),
         };
         match tokio::time::timeout(limits.handshake_timeout, session.greet(topic)).await {

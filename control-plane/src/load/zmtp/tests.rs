@@ -62,12 +62,21 @@ async fn subscriber_with(
     limits: ZmtpLimits,
     script: &[u8],
 ) -> (Result<ZmtpSubscriber<DuplexStream>, ZmtpError>, DuplexStream) {
+    subscriber_of(1, limits, script).await
+}
+
+/// [`subscriber_with`], its large messages borrowing against `borrower`'s share.
+async fn subscriber_of(
+    borrower: u64,
+    limits: ZmtpLimits,
+    script: &[u8],
+) -> (Result<ZmtpSubscriber<DuplexStream>, ZmtpError>, DuplexStream) {
     let (ours, mut peer) = duplex(PIPE_BYTES);
     let mut bytes = pub_greeting();
     bytes.extend(ready(b"PUB"));
     bytes.extend_from_slice(script);
     peer.write_all(&bytes).await.unwrap();
-    (ZmtpSubscriber::handshake(ours, limits, b"kv_metrics").await, peer)
+    (ZmtpSubscriber::handshake(ours, limits, b"kv_metrics", borrower).await, peer)
 }
 
 async fn next_message(session: &mut ZmtpSubscriber<DuplexStream>) -> Result<Vec<Vec<u8>>, String> {
@@ -139,14 +148,15 @@ async fn an_oversized_frame_is_skipped_unbuffered_and_the_next_message_arrives()
 
 #[tokio::test]
 async fn a_large_message_the_shared_budget_cannot_hold_is_skipped_and_the_loan_comes_back() {
-    // Room for one 200 KiB message past a buffer's free 64 KiB, not for two at once.
-    let budget = BudgetRef(Box::leak(Box::new(MessageBudget::new(192 * 1024))));
+    // Room for one 200 KiB message past a buffer's free 64 KiB, not for two at once, whoever
+    // borrows.
+    let budget = BudgetRef(Box::leak(Box::new(MessageBudget::with_share(192 * 1024, 192 * 1024))));
     let limits = ZmtpLimits { budget, ..ZmtpLimits::KV_EVENTS };
     let large = message(&[b"kv_metrics", &[0; 8], &[0; 8], &vec![7u8; 200 * 1024]]);
     let mut script = large.clone();
     script.extend(kv_message(2));
-    let (first, _p1) = subscriber_with(limits, &large).await;
-    let (second, _p2) = subscriber_with(limits, &script).await;
+    let (first, _p1) = subscriber_of(1, limits, &large).await;
+    let (second, _p2) = subscriber_of(2, limits, &script).await;
     let (mut first, mut second) = (first.unwrap(), second.unwrap());
 
     assert_eq!(next_message(&mut first).await.unwrap()[3].len(), 200 * 1024);
@@ -157,6 +167,26 @@ async fn a_large_message_the_shared_budget_cannot_hold_is_skipped_and_the_loan_c
     assert!(next_message(&mut second).await.is_ok(), "the session goes on");
     drop(first);
     assert_eq!(budget.lent(), 0, "repaid when the session ends");
+}
+
+/// One worker's channels share one borrower's part of the budget: a second large message of
+/// the same worker is dropped while the first holds its share, and another worker's is not.
+#[tokio::test]
+async fn a_workers_channels_hold_at_most_its_share_of_the_budget_together() {
+    // A borrower's share is room for one 200 KiB message past a buffer's free 64 KiB.
+    let budget = BudgetRef(Box::leak(Box::new(MessageBudget::with_share(4 << 20, 192 * 1024))));
+    let limits = ZmtpLimits { budget, ..ZmtpLimits::KV_EVENTS };
+    let large = message(&[b"kv_metrics", &[0; 8], &[0; 8], &vec![7u8; 200 * 1024]]);
+    let (first, _p1) = subscriber_of(7, limits, &large).await;
+    let (same_worker, _p2) = subscriber_of(7, limits, &large).await;
+    let (other_worker, _p3) = subscriber_of(8, limits, &large).await;
+    let (mut first, mut same_worker, mut other_worker) = (first.unwrap(), same_worker.unwrap(), other_worker.unwrap());
+    assert!(next_message(&mut first).await.is_ok());
+    assert_eq!(next_message(&mut same_worker).await, Err("dropped OverBudget".into()), "its worker's share is held");
+    assert!(next_message(&mut other_worker).await.is_ok(), "another worker's share is its own");
+    assert_eq!(budget.lent_to(7), budget.lent_to(8));
+    drop((first, other_worker));
+    assert_eq!(budget.lent(), 0, "repaid when the sessions end");
 }
 
 /// A loan is everyone's: a message that borrows must be whole soon after, or its session ends
@@ -293,7 +323,7 @@ async fn an_endless_greeting_times_out() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     });
-    let result = ZmtpSubscriber::handshake(ours, limits, b"kv_metrics").await;
+    let result = ZmtpSubscriber::handshake(ours, limits, b"kv_metrics", 1).await;
     assert!(matches!(result, Err(ZmtpError::HandshakeTimeout(_))), "{:?}", result.err());
     slowloris.abort();
 }
@@ -320,7 +350,7 @@ async fn handshake_refusals() {
     for (what, script) in cases {
         let (ours, mut peer) = duplex(PIPE_BYTES);
         peer.write_all(&script).await.unwrap();
-        let result = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await;
+        let result = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics", 1).await;
         let error = result.err().unwrap_or_else(|| panic!("{what} was accepted"));
         assert!(error.is_violation(), "{what}: {error}");
     }
@@ -432,7 +462,7 @@ async fn a_peers_error_reason_cannot_forge_a_log_line() {
     body.extend_from_slice(reason);
     let (ours, mut peer) = duplex(PIPE_BYTES);
     peer.write_all(&[pub_greeting(), command(&body)].concat()).await.unwrap();
-    let result = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics").await;
+    let result = ZmtpSubscriber::handshake(ours, ZmtpLimits::KV_METRICS, b"kv_metrics", 1).await;
     let Err(error) = result else { panic!("an ERROR ends the handshake") };
     let error = error.to_string();
     assert!(!error.contains('\n') && error.contains(r"no\n2026"), "{error}");
