@@ -10,7 +10,6 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
 use crate::dispatch::Dispatcher;
 use crate::fleet::{DispatchReporter, FleetHandle, MatchesClient};
@@ -19,6 +18,7 @@ use crate::ingress::KvRouting;
 use crate::kv::render::Renderer;
 use crate::metrics::Metrics;
 use crate::routing::picker::{DispatchLedger, KvAwarePicker, Picker};
+use crate::server::Draining;
 
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -33,7 +33,7 @@ pub struct AppState {
     /// KV-aware selection; `None` leaves every pick to `picker`.
     pub kv: Option<Arc<KvSelection>>,
     /// Set once the replica starts shutting down: readiness fails from then on.
-    pub draining: CancellationToken,
+    pub draining: Draining,
 }
 
 #[cfg(test)]
@@ -101,7 +101,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// load balancers stop choosing it while it finishes what it has.
 async fn readyz(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     let status = state.fleet.status(Instant::now());
-    let draining = state.draining.is_cancelled();
+    let draining = state.draining.is_on();
     let reason = if draining {
         Some("draining: the replica is shutting down")
     } else if status.version.is_none() {

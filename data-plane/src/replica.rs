@@ -143,7 +143,7 @@ impl Replica {
     /// connections are cut. The fleet stream runs to the end, so the control plane hears of
     /// every dispatch that ends meanwhile.
     pub async fn drain(mut self, delay: Duration, grace: Duration) {
-        self.stages.draining.cancel();
+        self.stages.draining.start();
         if !delay.is_zero() {
             tracing::info!(?delay, "draining: readiness fails; still answering while load balancers catch up");
             tokio::time::sleep(delay).await;

@@ -161,14 +161,14 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
             return app.state.metrics.abandoned();
         };
         // A draining replica answers, and asks the client to go elsewhere for the next request.
-        let keep_alive = asked_keep_alive && !stages.draining.is_cancelled();
+        let keep_alive = asked_keep_alive && !stages.draining.is_on();
         // The dispatch, which kept the body for a retry, is done with it: a stream's answer
         // runs on without it.
         drop(charge);
         match conn.write_response(response, version, keep_alive, head_only).await {
             // A stream answered keep-alive before the drain began may end during it: the
             // connection closes then, as every answer from the drain on says it will.
-            Ok(true) if stages.draining.is_cancelled() => return conn.close().await,
+            Ok(true) if stages.draining.is_on() => return conn.close().await,
             Ok(true) => {}
             Ok(false) => return conn.close().await,
             Err(error) => {

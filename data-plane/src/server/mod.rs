@@ -13,6 +13,7 @@ pub use conn::{MIN_WRITE_BYTES_PER_SECOND, WRITE_STALL_TIMEOUT};
 
 use std::io::ErrorKind;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -68,12 +69,27 @@ pub struct Stages {
     /// Draining: every response from now on closes its connection, so keep-alive clients
     /// reconnect (through a load balancer that has stopped choosing this replica) while the
     /// server still accepts and answers.
-    pub draining: CancellationToken,
+    pub draining: Draining,
     /// Closing: accepting stops and idle connections close; a connection answering a request
     /// finishes it first.
     pub closing: CancellationToken,
     /// Cut: the grace period is over and every connection still open is closed mid-answer.
     pub cut: CancellationToken,
+}
+
+/// Whether the replica drains: read after every answer, so a flag (one atomic load) rather
+/// than a `CancellationToken`, whose `is_cancelled` takes a mutex. Nothing waits on it.
+#[derive(Debug, Clone, Default)]
+pub struct Draining(Arc<AtomicBool>);
+
+impl Draining {
+    pub fn start(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
 }
 
 /// Descriptors kept for all but client connections and their shim connections: the listener,
