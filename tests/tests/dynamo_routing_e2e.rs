@@ -68,8 +68,16 @@ const NVEXT_ROUTING_FIELDS: [&str; 9] = [
 ];
 /// Top-level fields with which an engine's own server (vLLM's, SGLang's) chooses a KV source or
 /// a rank: listed here for the same reason.
-const ENGINE_ROUTING_FIELDS: [&str; 5] =
-    ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"];
+const ENGINE_ROUTING_FIELDS: [&str; 8] = [
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "routed_dp_rank",
+    "disagg_prefill_dp_rank",
+    "data_parallel_rank",
+];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_replicas_route_on_after_the_control_plane_and_a_decode_worker_die()

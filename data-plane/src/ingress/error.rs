@@ -87,6 +87,11 @@ impl From<RequestError> for ApiError {
                 "server_busy",
                 format!("The router is busy: {error}. Retry shortly."),
             ),
+            RequestError::Grows { .. } => ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                format!("The request is too large: {error}."),
+            ),
             error => ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", format!("Invalid request: {error}.")),
         }
     }

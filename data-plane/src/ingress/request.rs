@@ -128,7 +128,19 @@ pub enum RequestError {
     /// No room for the body's JSON tree within [`OUTBOUND_TREE_WAIT`]: larger bodies hold it.
     #[error("the replica holds as many large request bodies as it may")]
     Busy,
+    /// Rewritten (routing fields stripped, numbers written as JSON readers write them), the
+    /// body would grow past [`MAX_REWRITE_GROWTH`] times its size.
+    #[error(
+        "rewritten for the model server, the body would grow to {bytes} bytes, more than {MAX_REWRITE_GROWTH} times          its size: numbers in exponent form (1e15) are written out in full"
+    )]
+    Grows { bytes: usize },
 }
+
+/// How much larger than the client's body its rewrite may be, beside the rendered tokens it
+/// adds: the rewrite is held, uncharged, beside the charged body for the whole dispatch, and
+/// `1e15` written back is `1000000000000000.0`, so an 8 MiB body of such numbers would make
+/// some 36 MiB. No body written as clients write JSON comes near it.
+pub const MAX_REWRITE_GROWTH: usize = 2;
 
 /// How long making the outbound body waits for room for its tree; past it the request is
 /// refused as busy, rather than queued behind renders of large bodies for as long as they run.
@@ -327,6 +339,8 @@ impl ChatRequest {
             Err(RequestError::Busy) if !self.has_nvext => return Ok(self.raw.clone()),
             Err(error) => return Err(error),
         };
+        // The tokens added take at most 11 bytes each (ten digits and a comma).
+        let most = MAX_REWRITE_GROWTH * self.raw.len() + 11 * token_data.as_ref().map_or(0, Vec::len) + 64;
         let rewrite = move || {
             strip_body_routing(&mut tree.value, disclose);
             if let Some(tokens) = token_data {
@@ -335,7 +349,10 @@ impl ChatRequest {
             let body = serde_json::to_vec(&tree.value).map_err(RequestError::Json);
             // Freed here, off the runtime too.
             drop(std::mem::take(&mut tree.value));
-            body
+            match body {
+                Ok(body) if body.len() > most => Err(RequestError::Grows { bytes: body.len() }),
+                body => body,
+            }
         };
         match sized_work(self.raw.len(), Some(deadline), rewrite).await {
             Some(body) => Ok(Bytes::from(body?)),
@@ -472,11 +489,23 @@ mod tests {
         assert_eq!(String::from_utf8_lossy(&out), format!(r#"{sent},"nvext":{{"token_data":[1]}}}}"#));
     }
 
+    /// A rewrite may not grow a body past twice its size: numbers in exponent form are written
+    /// out in full, and the copy is held beside the charged body for the whole dispatch.
+    #[tokio::test]
+    async fn a_rewrite_that_would_more_than_double_the_body_is_refused() {
+        let numbers = |n: usize| vec!["1e15"; n].join(",");
+        let text = format!(r#"{{"model":"m","messages":[{{"content":"hi"}}],"nvext":{{}},"pad":[{}]}}"#, numbers(1000));
+        let refused = parse(&text).unwrap().outbound(None, false).await;
+        assert!(matches!(refused, Err(RequestError::Grows { bytes }) if bytes > 2 * text.len()), "{refused:?}");
+        let few = format!(r#"{{"model":"m","messages":[{{"content":"hi"}}],"nvext":{{}},"pad":[{}]}}"#, numbers(2));
+        assert!(parse(&few).unwrap().outbound(None, false).await.is_ok(), "a body that grows a little goes");
+    }
+
     /// An engine's own routing fields go nowhere: vLLM's `kv_transfer_params` would have a
     /// unified vLLM backend pull the prompt's KV from a host the client names.
     #[tokio::test]
     async fn an_engines_own_routing_fields_are_stripped() {
-        let text = r#"{"model":"m","messages":[{"content":"hi"}],"kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":5600},"bootstrap_host":"x","bootstrap_port":1,"bootstrap_room":2,"data_parallel_rank":1,"top_p":0.9}"#;
+        let text = r#"{"model":"m","messages":[{"content":"hi"}],"kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":5600},"bootstrap_host":"x","bootstrap_port":1,"bootstrap_room":2,"bootstrap_pair_key":"k","routed_dp_rank":1,"disagg_prefill_dp_rank":0,"data_parallel_rank":1,"top_p":0.9}"#;
         let request = parse(text).unwrap();
         let out = request.outbound(None, false).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&out), r#"{"model":"m","messages":[{"content":"hi"}],"top_p":0.9}"#);

@@ -81,10 +81,20 @@ const ECHO_PINS_FIELD: &str = "worker_id";
 /// Top-level request fields with which an engine's own OpenAI server (vLLM's, SGLang's) lets a
 /// request choose where its KV comes from or which rank serves it: vLLM's `kv_transfer_params`
 /// (a remote host and port to pull the prompt's KV from), SGLang's disaggregation bootstrap
-/// and data-parallel rank. A unified backend may be such a server rather than a Dynamo
-/// frontend; no client chooses them through the router.
-pub const ENGINE_ROUTING_FIELDS: [&str; 5] =
-    ["kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank"];
+/// (and its pairing key), its data-parallel rank (`routed_dp_rank`, and the deprecated
+/// `data_parallel_rank`) and the prefill rank a decode server is told holds the KV. A unified
+/// backend may be such a server rather than a Dynamo frontend; no client chooses them through
+/// the router.
+pub const ENGINE_ROUTING_FIELDS: [&str; 8] = [
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_pair_key",
+    "routed_dp_rank",
+    "disagg_prefill_dp_rank",
+    "data_parallel_rank",
+];
 
 /// `nvext.annotations` starting with this ask a Dynamo frontend for the Gateway API inference
 /// extension's query-only first stage: the frontend's own router picks workers and answers with
