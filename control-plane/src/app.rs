@@ -209,11 +209,15 @@ impl ControlPlane {
             }
             _ => None,
         };
+        // What may refuse the reload in discovery is checked first: the tokens, once replaced,
+        // have ended the streams opened with one they retire, which putting them back would
+        // not reopen.
+        let prepared = self.discovery.prepare(&config)?;
         // Before discovery publishes from the new configuration (and the data-plane config goes
         // out): a replica holding a token being revoked must not be sent either first. A
-        // refused reload puts the running tokens back.
+        // source that then fails to start puts the running tokens back.
         let running_tokens = self.fleet_tokens.send_replace(fleet_tokens(&config));
-        if let Err(error) = self.discovery.reload(&config).await {
+        if let Err(error) = self.discovery.apply(&config, prepared).await {
             self.fleet_tokens.send_replace(running_tokens);
             return Err(error.into());
         }

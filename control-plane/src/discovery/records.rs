@@ -133,7 +133,7 @@ pub const MAX_EXCERPT_CHARS: usize = 160;
 
 /// `text` cut to [`MAX_EXCERPT_CHARS`]: serde's errors quote the offending value, and a key
 /// held as malformed or unsupported must not keep a megabyte of it.
-pub(super) fn excerpt(text: &str) -> String {
+pub(crate) fn excerpt(text: &str) -> String {
     match text.char_indices().nth(MAX_EXCERPT_CHARS) {
         Some((end, _)) => format!("{}…", &text[..end]),
         None => text.to_owned(),

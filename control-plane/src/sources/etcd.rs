@@ -372,7 +372,8 @@ async fn list(kv: &mut KvClient, prefix: &[u8], reducer: &Reducer, seeded: &mut 
                 let response = within_seed_timeout(async { Ok(keys_only.await?) }).await?;
                 let Some(skipped) = response.kvs().first() else { return Ok(()) };
                 tracing::warn!(
-                    key = %String::from_utf8_lossy(skipped.key()),
+                    // Cut and escaped, as the reducer logs keys: the fleet writes them.
+                    key = ?crate::discovery::records::excerpt(&String::from_utf8_lossy(skipped.key())),
                     limit = MAX_ETCD_MESSAGE_BYTES,
                     "an etcd value is too large to read; refused"
                 );

@@ -81,11 +81,30 @@ impl DiscoverySupervisor {
         if self.config.dynamo.enabled { self.config.dynamo.discovery.source.as_str() } else { "disabled" }
     }
 
-    /// Applies a new configuration's discovery section. A new source that fails to start
-    /// gives way to the one that ran before, and the error says why: the reload is refused
-    /// whole, and the next one is judged against the configuration still running.
+    /// Applies a new configuration's discovery section ([`Self::prepare`], then
+    /// [`Self::apply`]).
     pub async fn reload(&mut self, new: &Config) -> Result<(), SourceError> {
+        let prepared = self.prepare(new)?;
+        self.apply(new, prepared).await
+    }
+
+    /// What may refuse `new` is checked, and taken, while the running source runs on
+    /// untouched: the source is one this build runs, and a new simulator's shim port is bound.
+    /// A caller with changes of its own to make (the Fleet tokens) makes them between this
+    /// and [`Self::apply`], so that a refused reload changes nothing at all.
+    pub fn prepare(&mut self, new: &Config) -> Result<Prepared, SourceError> {
         check_available(new)?;
+        let bound = match classify(&self.config, new) {
+            DiscoveryReload::Restart { .. } => self.bind_new_simulator(new)?,
+            DiscoveryReload::Keep | DiscoveryReload::Stop => None,
+        };
+        Ok(Prepared { bound })
+    }
+
+    /// Applies a new configuration's discovery section, `prepared` for it. A new source that
+    /// fails to start gives way to the one that ran before, and the error says why: the reload
+    /// is refused whole, and the next one is judged against the configuration still running.
+    pub async fn apply(&mut self, new: &Config, prepared: Prepared) -> Result<(), SourceError> {
         let action = classify(&self.config, new);
         let previous = std::mem::replace(&mut self.config, new.clone());
         match action {
@@ -97,15 +116,9 @@ impl DiscoverySupervisor {
                 tracing::info!("discovery stopped: dynamo.enabled is false");
             }
             DiscoveryReload::Restart { reason, registry } => {
-                // A new simulator takes its shim's port before the running source stops, so a
-                // port that is taken refuses the reload with the fleet untouched.
-                let bound = match self.bind_new_simulator(new) {
-                    Ok(bound) => bound,
-                    Err(error) => {
-                        self.config = previous;
-                        return Err(error.into());
-                    }
-                };
+                // A new simulator took its shim's port before the running source stops
+                // (`prepare`), so a port that is taken refused the reload with the fleet untouched.
+                let bound = prepared.bound;
                 tracing::info!(reason = reason.as_str(), "replacing the discovery watcher");
                 self.metrics.discovery_events.with_label_values(&["restart"]).inc();
                 self.stop().await;
@@ -197,6 +210,12 @@ impl DiscoverySupervisor {
         }
         Ok(())
     }
+}
+
+/// What [`DiscoverySupervisor::prepare`] took for a reload: the new simulator, bound.
+#[derive(Debug)]
+pub struct Prepared {
+    bound: Option<Simulator>,
 }
 
 fn simulates(config: &Config) -> bool {
