@@ -114,6 +114,7 @@ pub async fn run_with(
     let mut reducer = Reducer::succeeding(namespaces.clone(), &registry.current().fleet);
     let backoff = &config.watch_reconnect_backoff;
     let mut delay = backoff.initial;
+    let mut relists = RelistPacing::new(backoff.initial, backoff.max);
     loop {
         let mut watching_since = None;
         let outcome = tokio::select! {
@@ -121,10 +122,11 @@ pub async fn run_with(
             outcome = pass(&config, &namespaces, &mut reducer, &registry, &metrics, health, &mut watching_since) => outcome,
         };
         let sleep = match outcome {
-            // Planned, not a failure: the relist waits only the backoff's floor (so churn on a
-            // full keyspace cannot loop on relists) and leaves the failure backoff as it was,
-            // and discovery still reads as connected (an alert on it must not fire).
-            Err(PassError::RoomFreed) => backoff.initial,
+            // Planned, not a failure: the relist leaves the failure backoff as it was, and
+            // discovery still reads as connected (an alert on it must not fire). Relists in a
+            // row wait longer each time, as a full keyspace under churn would ask for one at
+            // every deletion, and each lists every key.
+            Err(PassError::RoomFreed) => relists.next(watching_since.map_or(Duration::ZERO, |since| since.elapsed())),
             outcome => {
                 metrics.discovery_connected.set(0);
                 if let Err(error) = outcome {
@@ -255,6 +257,33 @@ fn apply_events(
         registry.publish(reducer.fleet());
     }
     Ok(())
+}
+
+/// How long to wait before a relist asked for because a full keyspace freed room: the
+/// backoff's floor, doubling (to its ceiling) for each relist that follows a pass watched for
+/// less than the ceiling. A keyspace full under churn frees room at every deletion, and a
+/// relist reads every key; a relist now and then waits only the floor.
+#[derive(Debug)]
+struct RelistPacing {
+    floor: Duration,
+    ceiling: Duration,
+    next: Duration,
+}
+
+impl RelistPacing {
+    fn new(floor: Duration, ceiling: Duration) -> Self {
+        Self { floor, ceiling, next: floor }
+    }
+
+    /// The wait before this relist, the pass before it having watched for `watched`.
+    fn next(&mut self, watched: Duration) -> Duration {
+        if watched >= self.ceiling {
+            self.next = self.floor;
+        }
+        let wait = self.next;
+        self.next = self.next.saturating_mul(2).min(self.ceiling);
+        wait
+    }
 }
 
 /// A watch response whose values add up to more than this is folded off the runtime: parsing
@@ -505,6 +534,19 @@ fn count(applied: &Applied, metrics: &Metrics) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Relists in a row (a full keyspace under churn) wait longer each time, to the ceiling; a
+    /// relist after a pass that watched for the ceiling waits the floor again.
+    #[test]
+    fn relists_in_a_row_are_spaced_out() {
+        let (floor, ceiling) = (Duration::from_millis(500), Duration::from_secs(5));
+        let mut pacing = RelistPacing::new(floor, ceiling);
+        let brief = Duration::from_millis(10);
+        let waits: Vec<u64> = (0..6).map(|_| pacing.next(brief).as_millis() as u64).collect();
+        assert_eq!(waits, [500, 1000, 2000, 4000, 5000, 5000]);
+        assert_eq!(pacing.next(ceiling), floor, "after a pass that watched long enough");
+        assert_eq!(pacing.next(brief), 2 * floor);
+    }
 
     #[test]
     fn a_watch_creation_delivers_nothing_and_a_progress_answer_its_revision() {
