@@ -121,6 +121,7 @@ impl Guard {
         let peer = match &self.peers {
             None => None,
             Some((counts, most)) => {
+                let peer = peer_of(peer);
                 let mut held = counts.lock().unwrap_or_else(PoisonError::into_inner);
                 let count = held.entry(peer).or_default();
                 if *count >= *most {
@@ -182,6 +183,19 @@ pub struct Guarded<S> {
 }
 
 type PeerCounts = Arc<Mutex<HashMap<IpAddr, usize>>>;
+
+/// The peer a connection's address counts against: an IPv4 address (an IPv4-mapped IPv6 one
+/// as its IPv4 address), or an IPv6 address's /64, which one host commonly holds whole and
+/// may draw any number of addresses from.
+fn peer_of(address: IpAddr) -> IpAddr {
+    match address {
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(std::net::Ipv6Addr::from_bits(v6.to_bits() & !((1u128 << 64) - 1))),
+        },
+        v4 => v4,
+    }
+}
 
 /// A connection's place on its listener, and its peer's, given back when dropped.
 #[derive(Debug)]
@@ -419,7 +433,17 @@ mod tests {
         assert_eq!(counter.with_label_values(&["test", "peer_full"]).get(), 1);
         assert!(guard.admit((), other).is_some(), "another address still gets in");
         drop(first);
-        assert!(guard.admit((), LOCAL).is_some(), "a closed connection gives its share back");
+        let again = guard.admit((), LOCAL);
+        assert!(again.is_some(), "a closed connection gives its share back");
+
+        // One IPv6 host holds its /64 whole: its addresses count as one peer.
+        let host = |last: u16| IpAddr::from([0x2001, 0xdb8, 0, 1, 0, 0, 0, last]);
+        let held = [guard.admit((), host(1)), guard.admit((), host(2))];
+        assert!(held.iter().all(Option::is_some));
+        assert!(guard.admit((), host(3)).is_none(), "the same /64");
+        assert!(guard.admit((), IpAddr::from([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1])).is_some(), "another /64");
+        let mapped = IpAddr::V6(std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped());
+        assert!(guard.admit((), mapped).is_none(), "an IPv4-mapped address is its IPv4 address");
     }
 
     const LOCAL: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
