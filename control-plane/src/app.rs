@@ -166,12 +166,8 @@ impl ControlPlane {
         };
         let shutdown = cancel.clone();
         tasks.push(tokio::spawn(async move {
-            let listener = GuardedListener { listener: admin_listener, guard: admin_guard };
-            let serve =
-                axum::serve(listener, admin::router(admin_state)).with_graceful_shutdown(shutdown.cancelled_owned());
-            if let Err(error) = serve.await {
-                tracing::error!(%error, "admin HTTP server stopped");
-            }
+            let listener = GuardedListener::new(admin_listener, admin_guard);
+            listener.serve(admin::router(admin_state), shutdown).await;
         }));
         tracing::info!(%grpc_addr, %admin_addr, source = discovery.source(), "control plane started");
         started.disarm();

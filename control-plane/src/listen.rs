@@ -277,23 +277,58 @@ impl<S: Connected> Connected for Guarded<S> {
     }
 }
 
-/// The admin listener for axum: connections its guard admits.
+/// The admin listener: connections its guard admits, served by [`GuardedListener::serve`].
 #[derive(Debug)]
 pub struct GuardedListener {
-    pub listener: TcpListener,
-    pub guard: Guard,
+    listener: TcpListener,
+    guard: Guard,
+    head_timeout: Duration,
 }
 
-impl axum::serve::Listener for GuardedListener {
-    type Io = Guarded<TcpStream>;
-    type Addr = SocketAddr;
+/// How long the admin listener waits for the rest of a request's head once it began.
+pub const ADMIN_HEAD_TIMEOUT: Duration = Duration::from_secs(10);
 
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        self.guard.accept(&self.listener).await
+impl GuardedListener {
+    pub fn new(listener: TcpListener, guard: Guard) -> Self {
+        Self { listener, guard, head_timeout: ADMIN_HEAD_TIMEOUT }
     }
 
-    fn local_addr(&self) -> io::Result<Self::Addr> {
-        self.listener.local_addr()
+    #[cfg(test)]
+    fn head_within(self, head_timeout: Duration) -> Self {
+        Self { head_timeout, ..self }
+    }
+
+    /// Serves `router` on the connections the guard admits until `shutdown`, then lets the
+    /// requests under way finish. HTTP/1.1 alone, each request's head whole within
+    /// [`ADMIN_HEAD_TIMEOUT`]: the guard closes only a connection that falls silent, so a client
+    /// sending a header byte (or, over HTTP/2, a PING) now and then would otherwise hold its
+    /// place for as long as it liked, and a few addresses doing so would shut out the probes and
+    /// scrapers. Operators, probes and Prometheus all speak HTTP/1.1.
+    pub async fn serve(self, router: axum::Router, shutdown: tokio_util::sync::CancellationToken) {
+        let connections = tokio_util::task::TaskTracker::new();
+        loop {
+            let (io, _) = tokio::select! {
+                () = shutdown.cancelled() => break,
+                accepted = self.guard.accept(&self.listener) => accepted,
+            };
+            let service = hyper_util::service::TowerToHyperService::new(router.clone());
+            let (shutdown, head_timeout) = (shutdown.clone(), self.head_timeout);
+            connections.spawn(async move {
+                let mut http = hyper::server::conn::http1::Builder::new();
+                http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(head_timeout);
+                let connection = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+                tokio::pin!(connection);
+                tokio::select! {
+                    _ = connection.as_mut() => {}
+                    () = shutdown.cancelled() => {
+                        connection.as_mut().graceful_shutdown();
+                        let _ = connection.await;
+                    }
+                }
+            });
+        }
+        connections.close();
+        connections.wait().await;
     }
 }
 
@@ -373,12 +408,8 @@ mod tests {
         let admin_addr = admin.local_addr()?;
         let guard = Guard::admin(&metrics).silent_after(Duration::from_millis(300));
         let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
-        let shutdown = cancel.clone();
-        tokio::spawn(async move {
-            axum::serve(GuardedListener { listener: admin, guard }, router)
-                .with_graceful_shutdown(shutdown.cancelled_owned())
-                .await
-        });
+        let heads = Duration::from_millis(1000);
+        tokio::spawn(GuardedListener::new(admin, guard).head_within(heads).serve(router, cancel.clone()));
 
         let mut mute = TcpStream::connect(fleet_addr).await?;
         assert!(closed_within(&mut mute, Duration::from_secs(5)).await, "no preface: closed");
@@ -387,6 +418,20 @@ mod tests {
         stuck.write_all(b"GET / HTTP/1.1\r\n").await?;
         assert!(closed_within(&mut stuck, Duration::from_secs(5)).await, "a head never finished: closed");
         assert_eq!(silent("idle", "admin"), 1);
+        // A head sent a byte at a time, each within the silence allowed, is not waited on past
+        // the head's own time.
+        let mut trickling = TcpStream::connect(admin_addr).await?;
+        let started = Instant::now();
+        let mut cut = false;
+        for byte in b"GET / HTTP/1.1\r\nhost: cp\r\nx-slow: ".iter().cycle().take(200) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if trickling.write_all(&[*byte]).await.is_err() {
+                cut = true;
+                break;
+            }
+        }
+        let cut = cut || closed_within(&mut trickling, Duration::from_millis(100)).await;
+        assert!(cut && started.elapsed() < 4 * heads, "a trickled head is cut: {:?}", started.elapsed());
         // A whole request is answered as ever.
         let mut asking = TcpStream::connect(admin_addr).await?;
         asking.write_all(b"GET / HTTP/1.1\r\nhost: cp\r\nconnection: close\r\n\r\n").await?;
