@@ -13,3 +13,5 @@ pub mod listen;
 pub mod load;
 pub mod metrics;
 pub mod sources;
+#[cfg(test)]
+mod test_logs;

@@ -7,7 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use continuum_proto::model::WorkerKey;
 
@@ -79,6 +79,8 @@ pub struct Listing {
     applied: Applied,
     /// Per keyspace, the first new key left out for want of room.
     refused: [Option<EtcdKey>; Keyspace::ALL.len()],
+    /// Keys under the watched prefixes that are no Dynamo discovery keys.
+    strays: Strays,
 }
 
 impl Listing {
@@ -127,6 +129,9 @@ pub struct Reducer {
     card_budget_warned: bool,
     /// Keyspaces that refused a key for want of room since they were last listed.
     refused: [bool; Keyspace::ALL.len()],
+    /// When stray keys were last warned of, and how many were seen since without a warning.
+    stray_warned: Option<SystemTime>,
+    strays_unwarned: u64,
     /// When the workers of the fleet this reducer succeeds were first seen: a worker its first
     /// resync finds again keeps its `first_seen` across a reload that replaced the watcher.
     handed_over: BTreeMap<WorkerKey, SystemTime>,
@@ -137,7 +142,35 @@ pub struct Reducer {
 struct Pass {
     applied: Applied,
     touched: BTreeSet<Identity>,
+    strays: Strays,
 }
+
+/// Keys under the watched prefixes that are no Dynamo discovery keys, seen in one pass: how
+/// many, and the first (cut) with why. Counted as malformed each time; warned of at most once
+/// every [`STRAY_WARNING_EVERY`], since nothing in the key changes by its being written or
+/// listed again.
+#[derive(Debug, Default)]
+struct Strays {
+    seen: u64,
+    first: Option<(String, String)>,
+}
+
+impl Strays {
+    fn note(&mut self, key: &[u8], error: &dyn std::fmt::Display) {
+        self.seen += 1;
+        self.first.get_or_insert_with(|| (shown(&String::from_utf8_lossy(key)), error.to_string()));
+    }
+
+    fn merge(&mut self, other: Strays) {
+        self.seen += other.seen;
+        if self.first.is_none() {
+            self.first = other.first;
+        }
+    }
+}
+
+/// The least time between two warnings of stray keys.
+pub const STRAY_WARNING_EVERY: Duration = Duration::from_secs(60);
 
 impl Pass {
     fn touch(&mut self, entry: &Entry) {
@@ -162,6 +195,8 @@ impl Reducer {
             capacity_warned: [false; Keyspace::ALL.len()],
             card_budget_warned: false,
             refused: [false; Keyspace::ALL.len()],
+            stray_warned: None,
+            strays_unwarned: 0,
             handed_over: BTreeMap::new(),
         }
     }
@@ -197,7 +232,28 @@ impl Reducer {
                 return self.resync(listing, now);
             }
         }
+        self.warn_strays(std::mem::take(&mut pass.strays), now);
         self.refresh(pass, now)
+    }
+
+    /// Warns of the stray keys seen, unless it did within [`STRAY_WARNING_EVERY`]; those go
+    /// into the next warning's count.
+    fn warn_strays(&mut self, strays: Strays, now: SystemTime) {
+        self.strays_unwarned += strays.seen;
+        let Some((key, error)) = strays.first else { return };
+        let due =
+            self.stray_warned.is_none_or(|at| now.duration_since(at).is_ok_and(|since| since >= STRAY_WARNING_EVERY));
+        if !due {
+            return;
+        }
+        tracing::warn!(
+            key = ?key,
+            %error,
+            strays = self.strays_unwarned,
+            "etcd keys under the watched prefixes are not Dynamo discovery keys (counted as malformed; warned of at most once a minute)"
+        );
+        self.stray_warned = Some(now);
+        self.strays_unwarned = 0;
     }
 
     /// Adds `kv`, one record of a relist, to `listing`, as far as the resync that ends the
@@ -210,6 +266,7 @@ impl Reducer {
         let mut pass = Pass::default();
         let read = self.read(kv, &mut pass);
         listing.applied.merge(&pass.applied);
+        listing.strays.merge(pass.strays);
         let Some(read) = read else { return };
         if self.store.holds(read.etcd_key.as_bytes()) {
             listing.held.push(read);
@@ -240,10 +297,11 @@ impl Reducer {
     }
 
     /// Replaces everything held by what `listing` holds (see [`WatchEvent::Resync`]).
-    pub fn resync(&mut self, listing: Listing, now: SystemTime) -> Applied {
+    pub fn resync(&mut self, mut listing: Listing, now: SystemTime) -> Applied {
         let mut pass = Pass::default();
         pass.applied.add(EventKind::Resync);
         pass.applied.merge(&listing.applied);
+        self.warn_strays(std::mem::take(&mut listing.strays), now);
         self.refused = [false; Keyspace::ALL.len()];
         let emptied = self.store.emptied();
         let mut prior = std::mem::replace(&mut self.store, emptied);
@@ -393,7 +451,7 @@ impl Reducer {
                 None
             }
             Err(error) => {
-                tracing::warn!(key = ?shown(&String::from_utf8_lossy(key)), %error, "etcd key is not a Dynamo discovery key");
+                pass.strays.note(key, &error);
                 pass.applied.add(EventKind::Malformed);
                 None
             }

@@ -212,42 +212,15 @@ async fn connected_session<F: Feed>(
 
 #[cfg(test)]
 mod tests {
-    use std::io::Write;
-    use std::sync::{Arc, Mutex, PoisonError};
-
     use super::*;
-
-    /// What a test's own subscriber writes.
-    #[derive(Clone, Default)]
-    struct Written(Arc<Mutex<Vec<u8>>>);
-
-    impl Write for Written {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(buf);
-            Ok(buf.len())
-        }
-
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl tracing_subscriber::fmt::MakeWriter<'_> for Written {
-        type Writer = Written;
-
-        fn make_writer(&self) -> Written {
-            self.clone()
-        }
-    }
+    use crate::test_logs::{captured, warnings};
 
     #[test]
     fn a_refusal_that_repeats_is_counted_each_time_and_warned_of_once() {
-        let written = Written::default();
-        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(written.clone()).finish();
         let publisher = crate::discovery::test_publisher(0xaa, None);
         let refused = || SessionEnd::Dial(DialError::BadAddress);
         let lost = || SessionEnd::Zmtp(ZmtpError::Closed);
-        let counted: Vec<Option<Refusal>> = tracing::subscriber::with_default(subscriber, || {
+        let (counted, text): (Vec<Option<Refusal>>, String) = captured(|| {
             let mut warned = None;
             [refused(), refused(), refused(), lost(), refused()]
                 .iter()
@@ -256,8 +229,6 @@ mod tests {
         });
         let t = Some(Refusal::Transport);
         assert_eq!(counted, [t, t, t, None, t], "every refusal is counted");
-        let text = String::from_utf8_lossy(&written.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned();
-        let warnings = text.lines().filter(|line| line.contains(" WARN ")).count();
-        assert_eq!(warnings, 2, "once, and again after a session ended otherwise:\n{text}");
+        assert_eq!(warnings(&text), 2, "once, and again after a session ended otherwise:\n{text}");
     }
 }

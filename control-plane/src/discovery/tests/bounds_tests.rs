@@ -351,3 +351,29 @@ fn a_key_past_the_bound_is_refused_unread() {
     assert_eq!(counts(&applied), vec![(EventKind::Malformed, 1)]);
     assert!(!sim.reducer.holds(&long));
 }
+
+/// A key under a watched prefix that is no Dynamo discovery key is counted as malformed each
+/// time it is written, deleted or listed, and warned of at most once a minute: nothing about it
+/// changes by its coming again, and a writer repeating it would otherwise flood the log.
+#[test]
+fn stray_keys_are_counted_each_time_and_warned_of_once_a_minute() {
+    use crate::test_logs::{captured, warnings};
+    let stray = "v1/event_channels/namespace/dynamo/odd/shape";
+    let mut sim = Sim::new();
+    let (counted, text) = captured(|| {
+        let mut counted = Vec::new();
+        // The clock ticks a second an event: ten puts and a delete, then a minute's events.
+        for _ in 0..10 {
+            counted.push(counts(&sim.put(stray, &json!({}))));
+        }
+        counted.push(counts(&sim.delete(stray)));
+        for id in 0..60 {
+            sim.put(instance_key(NS, "decode", "generate", id), &endpoint_value("decode", "generate", json!(id)));
+        }
+        counted.push(counts(&sim.put(stray, &json!({}))));
+        counted
+    });
+    assert!(counted.iter().all(|c| c == &vec![(EventKind::Malformed, 1)]), "{counted:?}");
+    assert_eq!(warnings(&text), 2, "once, and again a minute later:\n{text}");
+    assert!(text.contains("strays=11"), "the second says how many came since the first:\n{text}");
+}
