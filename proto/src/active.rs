@@ -74,6 +74,15 @@ impl ActiveBlocks {
         u32::try_from(held).unwrap_or(u32::MAX)
     }
 
+    /// [`Self::depth`] of a prompt whose chain is already folded ([`prefix_hashes`]): a
+    /// caller asking for many ranks folds it once. A binary search, since the blocks held are
+    /// closed under prefixes (a request adds every leading block of its chain), so whether a
+    /// fold is held goes from true to false once along a chain.
+    pub fn depth_of_folded(&self, folded: &[u64]) -> u32 {
+        let held = folded.partition_point(|key| self.refs.contains_key(key));
+        u32::try_from(held).unwrap_or(u32::MAX)
+    }
+
     /// Distinct blocks held.
     pub fn total(&self) -> u64 {
         (self.refs.len() as u64).saturating_add(self.unhashed)
@@ -131,6 +140,10 @@ mod tests {
         assert_eq!(rank.total(), 7);
         assert_eq!(rank.depth(&[1, 2, 3, 4, 9, 5]), 4, "contiguous from the first block");
         assert_eq!(rank.depth(&[9, 1, 2]), 0);
+        for query in [&[1, 2, 3, 4, 9, 5][..], &[9, 1, 2], &[1, 2, 3, 4, 5, 6, 7], &[1], &[]] {
+            let folded: Vec<u64> = prefix_hashes(query).collect();
+            assert_eq!(rank.depth_of_folded(&folded), rank.depth(query), "{query:?}");
+        }
         assert_eq!(rank.remove(&[1, 2, 3], 4), 1, "the shared blocks stay: the second turn holds them");
         assert_eq!(rank.total(), 6);
         assert_eq!(rank.remove(&[1, 2, 3, 4, 5], 6), 6);

@@ -48,12 +48,17 @@ impl ActiveIndex {
     /// its active share is part of it), so a long query costs what the ranks hold of it, not
     /// its length once per rank under the index's lock.
     pub fn depths(&self, hashes: &[u64], ranks: impl IntoIterator<Item = (RankKey, u32)>) -> Vec<u32> {
+        // Folded once, before the lock the book's reports take too; then a binary search a
+        // rank, not a walk down its share of the chain.
+        let ranks: Vec<(RankKey, u32)> = ranks.into_iter().collect();
+        let deepest = ranks.iter().map(|(_, up_to)| *up_to as usize).max().unwrap_or(0).min(hashes.len());
+        let folded: Vec<u64> = continuum_proto::active::prefix_hashes(&hashes[..deepest]).collect();
         let held = self.lock();
         ranks
             .into_iter()
             .map(|(rank, up_to)| {
-                let prefix = hashes.get(..up_to as usize).unwrap_or(hashes);
-                held.get(&rank).map_or(0, |blocks| blocks.depth(prefix))
+                let prefix = folded.get(..up_to as usize).unwrap_or(&folded);
+                held.get(&rank).map_or(0, |blocks| blocks.depth_of_folded(prefix))
             })
             .collect()
     }
