@@ -1,6 +1,7 @@
 //! Where an artifact URL may lead. The URL comes from a worker's model card, so the router must
 //! not become the fleet's way into its own network: link-local addresses (the cloud metadata
-//! service at 169.254.169.254 among them), AWS's IPv6 and Alibaba's metadata addresses,
+//! service at 169.254.169.254 among them), AWS's and GCP's IPv6, Alibaba's and Azure's
+//! WireServer metadata addresses,
 //! unspecified, multicast and broadcast addresses are never connected to, whether a URL names
 //! them (an IPv4-mapped or NAT64 IPv6 address is judged as the IPv4 one it leads to), a redirect
 //! does, or a host name resolves to them. Loopback and private networks stay reachable: an operator's
@@ -17,8 +18,13 @@ use tower_service::Service;
 
 /// AWS's instance metadata service over IPv6.
 const AWS_METADATA_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x0ec2, 0, 0, 0, 0, 0, 0x0254);
+/// Google Cloud's metadata server over IPv6.
+const GCP_METADATA_V6: Ipv6Addr = Ipv6Addr::new(0xfd20, 0x00ce, 0, 0, 0, 0, 0, 0x0254);
 /// Alibaba Cloud's instance metadata service, outside the link-local range.
 const ALIBABA_METADATA: Ipv4Addr = Ipv4Addr::new(100, 100, 100, 200);
+/// Azure's WireServer (a VM's agent channel, credentials among what it serves), outside the
+/// link-local range.
+const AZURE_WIRESERVER: Ipv4Addr = Ipv4Addr::new(168, 63, 129, 16);
 
 /// Whether an artifact fetch may connect to `ip`.
 pub fn reachable(ip: IpAddr) -> bool {
@@ -33,11 +39,12 @@ pub fn reachable(ip: IpAddr) -> bool {
                 || v4.is_multicast()
                 || v4.is_broadcast()
                 || v4 == ALIBABA_METADATA
+                || v4 == AZURE_WIRESERVER
         }
         IpAddr::V6(v6) => {
             // fe80::/10, not yet stable as `is_unicast_link_local`.
             let link_local = v6.segments()[0] & 0xffc0 == 0xfe80;
-            link_local || v6.is_unspecified() || v6.is_multicast() || v6 == AWS_METADATA_V6
+            link_local || v6.is_unspecified() || v6.is_multicast() || [AWS_METADATA_V6, GCP_METADATA_V6].contains(&v6)
         }
     };
     !forbidden
@@ -88,7 +95,16 @@ mod tests {
 
     #[test]
     fn metadata_and_link_local_addresses_are_out_of_reach_and_private_ones_are_not() {
-        let refused = ["169.254.169.254", "fe80::1", "fd00:ec2::254", "::ffff:169.254.169.254", "0.0.0.0", "224.0.0.1"];
+        let refused = [
+            "169.254.169.254",
+            "fe80::1",
+            "fd00:ec2::254",
+            "fd20:ce::254",
+            "168.63.129.16",
+            "::ffff:169.254.169.254",
+            "0.0.0.0",
+            "224.0.0.1",
+        ];
         let elsewhere = ["64:ff9b::a9fe:a9fe", "100.100.100.200", "::ffff:100.100.100.200"];
         for refused in refused.into_iter().chain(elsewhere) {
             assert!(!reachable(refused.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))), "{refused}");
