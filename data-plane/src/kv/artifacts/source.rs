@@ -63,9 +63,15 @@ pub struct Schemes {
 
 impl Source {
     pub fn classify(path: &str, schemes: Schemes) -> Result<Self, SourceError> {
-        let malformed = || SourceError::Malformed(path.chars().take(200).collect());
+        let malformed = || SourceError::Malformed(shown(path));
         if let Some(rest) = path.strip_prefix("file://") {
-            return Ok(Source::Local(PathBuf::from(rest)));
+            // `file:///p` and `file://localhost/p`; a host elsewhere would be read here as the
+            // relative path `host/p`, from wherever the replica runs.
+            let local = rest.strip_prefix("localhost").unwrap_or(rest);
+            return match local.starts_with('/') {
+                true => Ok(Source::Local(PathBuf::from(local))),
+                false => Err(malformed()),
+            };
         }
         if path.starts_with("http://") || path.starts_with("https://") {
             if !schemes.allow_http {
@@ -201,7 +207,7 @@ impl Fetcher {
                 return Err(FetchError::Failed { uri: path.display().to_string(), reason: "not remote".into() });
             }
         };
-        let failed = |reason: String| FetchError::Failed { uri: uri.clone(), reason };
+        let failed = |reason: String| FetchError::Failed { uri: shown(&uri), reason };
         tokio::time::timeout(FETCH_TIMEOUT, self.follow(&uri, token.as_deref()))
             .await
             .map_err(|_| failed(format!("no complete response within {FETCH_TIMEOUT:?}")))?
@@ -214,13 +220,16 @@ impl Fetcher {
         let origin = (current.scheme().cloned(), current.authority().cloned());
         for _ in 0..=MAX_REDIRECTS {
             if !matches!(current.scheme_str(), Some("http" | "https")) {
-                return Err(fail(uri, &format!("{current} is neither http:// nor https://")));
+                return Err(fail(uri, &format!("{} is neither http:// nor https://", shown(&current.to_string()))));
             }
             // A name goes through the resolver, which drops such addresses; an address written
             // in the URL (or a redirect) never does.
             let literal = current.host().and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok());
             if literal.is_some_and(|ip| !reachable(ip)) {
-                return Err(fail(uri, &format!("{current} names an address artifact URLs may not reach")));
+                return Err(fail(
+                    uri,
+                    &format!("{} names an address artifact URLs may not reach", shown(&current.to_string())),
+                ));
             }
             let mut request = Request::get(current.clone());
             // The token goes to the configured endpoint only, never to where it redirects.
@@ -237,7 +246,10 @@ impl Fetcher {
                     .ok_or_else(|| fail(uri, "unusable redirect Location"))?;
                 // What TLS protected must not be re-fetched in the clear (and tampered with).
                 if current.scheme_str() == Some("https") && next.scheme_str() != Some("https") {
-                    return Err(fail(uri, &format!("refused a redirect from https:// down to {next}")));
+                    return Err(fail(
+                        uri,
+                        &format!("refused a redirect from https:// down to {}", shown(&next.to_string())),
+                    ));
                 }
                 current = next;
                 continue;
@@ -264,7 +276,25 @@ fn build_client(roots: &RootCertStore) -> Result<HttpsClient, TlsSetupError> {
 }
 
 fn fail(uri: &str, reason: &str) -> FetchError {
-    FetchError::Failed { uri: uri.to_string(), reason: reason.to_string() }
+    FetchError::Failed { uri: shown(uri), reason: reason.to_string() }
+}
+
+/// `uri` as errors and logs show it: without userinfo or query, where a card's URL may carry a
+/// password or a presigned URL's signature, which no log should.
+fn shown(uri: &str) -> String {
+    let shown = match uri.parse::<Uri>() {
+        Ok(parsed) => {
+            let port = parsed.port_u16().map(|port| format!(":{port}")).unwrap_or_default();
+            let query = if parsed.query().is_some() { "?…" } else { "" };
+            let (scheme, host) = (parsed.scheme_str().unwrap_or_default(), parsed.host().unwrap_or_default());
+            format!("{scheme}://{host}{port}{}{query}", parsed.path())
+        }
+        Err(_) => {
+            let before_query = uri.split(['?', '#']).next().unwrap_or_default();
+            before_query.rsplit('@').next().unwrap_or_default().to_owned()
+        }
+    };
+    shown.chars().take(200).collect()
 }
 
 fn resolve_redirect(base: &Uri, location: &str) -> Option<Uri> {
@@ -312,6 +342,27 @@ mod tests {
         let none = Schemes { allow_http: false, allow_hf: false };
         assert_eq!(Source::classify("/m/tokenizer.json", none), Ok(Source::Local("/m/tokenizer.json".into())));
         assert_eq!(Source::classify("file:///m/t.json", none), Ok(Source::Local("/m/t.json".into())));
+        assert_eq!(Source::classify("file://localhost/m/t.json", none), Ok(Source::Local("/m/t.json".into())));
+        // Read here, a host elsewhere would make `w/m/t.json` a path relative to the replica.
+        assert!(matches!(Source::classify("file://w/m/t.json", none), Err(SourceError::Malformed(_))));
+    }
+
+    /// A card's URL may carry a password or a presigned query: errors and logs show neither.
+    #[test]
+    fn a_url_is_shown_without_userinfo_or_query() {
+        let rows = [
+            (
+                "https://user:p4ss@mirror.internal:8443/m/t.json?X-Amz-Signature=abc",
+                "https://mirror.internal:8443/m/t.json?…",
+            ),
+            ("http://w/t.json", "http://w/t.json"),
+            ("not a uri user:p4ss@host/x?sig=abc", "host/x"),
+        ];
+        for (uri, expected) in rows {
+            assert_eq!(shown(uri), expected);
+        }
+        let failed = fail("https://user:p4ss@mirror.internal/t.json?sig=abc", "status 403").to_string();
+        assert!(!failed.contains("p4ss") && !failed.contains("sig=abc"), "{failed}");
     }
 
     #[test]
