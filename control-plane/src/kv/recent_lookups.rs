@@ -70,6 +70,10 @@ struct Reservation {
     /// Unknown until suggested or reported.
     rank: Option<RankKey>,
     tokens: u64,
+    /// The suggested rank's newest reservation before this one: its own again should a report
+    /// move this one elsewhere, so the rank that was only suggested is not taken for one just
+    /// reserved in tie-breaks.
+    suggested_after: u64,
 }
 
 /// What the control plane suggests to a lookup.
@@ -139,7 +143,8 @@ impl RecentLookups {
             self.by_key.insert(key, seq);
         }
         let rank = suggestion.map(Suggestion::rank);
-        self.reservations.push_back(Reservation { seq, key, at: now, rank, tokens });
+        let suggested_after = rank.map_or(0, |rank| self.last(&rank));
+        self.reservations.push_back(Reservation { seq, key, at: now, rank, tokens, suggested_after });
         if let Some(rank) = rank {
             self.remember(rank, seq);
         }
@@ -152,10 +157,20 @@ impl RecentLookups {
         let Some(&seq) = self.by_key.get(&self.slot(key)) else { return };
         // Numbers increase along the queue.
         let Ok(at) = self.reservations.binary_search_by_key(&seq, |r| r.seq) else { return };
-        if let Some(reservation) = self.reservations.get_mut(at) {
-            reservation.rank = Some(rank);
-            self.remember(rank, seq);
+        let Some(reservation) = self.reservations.get_mut(at) else { return };
+        let (suggested, before) = (reservation.rank.replace(rank), reservation.suggested_after);
+        if let Some(suggested) = suggested.filter(|suggested| *suggested != rank)
+            && let Some(last) = self.last_reserved.get_mut(&suggested)
+            && *last == seq
+        {
+            *last = before;
         }
+        self.remember(rank, seq);
+    }
+
+    /// `rank`'s newest reservation (0: none remembered).
+    fn last(&self, rank: &RankKey) -> u64 {
+        self.last_reserved.get(rank).copied().unwrap_or(0)
     }
 
     /// Reservations held (some may have lapsed since the last lookup).
@@ -207,8 +222,12 @@ impl RecentLookups {
                 any = true;
             }
         }
-        let last = |rank: &RankKey| self.last_reserved.get(rank).copied().unwrap_or(0);
-        let (least, _) = contenders.iter().zip(&reserved).min_by_key(|(rank, reserved)| (**reserved, last(rank)))?;
+        // A rank named twice weighs as it does the first time, not as one with nothing reserved.
+        let first = |rank: &RankKey| contenders.iter().position(|c| c == rank).unwrap_or(0);
+        let weighs = |at: usize| reserved.get(first(&contenders[at])).copied().unwrap_or(0);
+        let (least, _) = (0..contenders.len())
+            .map(|at| (&contenders[at], weighs(at)))
+            .min_by_key(|(rank, reserved)| (*reserved, self.last(rank)))?;
         let reserved_tokens = reserved.iter().fold(0_u64, |sum, tokens| sum.saturating_add(*tokens));
         Some(if any { Suggestion::Weighed { rank: *least, reserved_tokens } } else { Suggestion::TieBreak(*least) })
     }
@@ -246,6 +265,32 @@ mod tests {
         lookups.reported(a(3), Y);
         assert_eq!(lookups.answer(Some(a(4)), &[X, Y], 100, later + RESERVATION_WINDOW * 3), tie_break(X));
         assert_eq!(lookups.answer(Some(a(5)), &[], 100, now), None, "no contender, nothing to suggest");
+    }
+
+    /// A rank only suggested, whose request went elsewhere, is again the one reserved as long
+    /// ago as before: listed first or not, the rank that took the request loses the next tie.
+    #[test]
+    fn a_moved_reservation_gives_the_suggested_rank_its_place_in_tie_breaks_back() {
+        for later_order in [[X, Y], [Y, X]] {
+            let mut lookups = RecentLookups::default();
+            let now = Instant::now();
+            assert_eq!(lookups.answer(Some(a(1)), &[X, Y], 100, now), Some(Suggestion::TieBreak(X)));
+            lookups.reported(a(1), Y);
+            let later = now + RESERVATION_WINDOW;
+            let next = lookups.answer(Some(a(2)), &later_order, 100, later);
+            assert_eq!(next, Some(Suggestion::TieBreak(X)), "{later_order:?}: Y took the last request");
+        }
+    }
+
+    /// A rank a replica names twice among the contenders weighs what is reserved on it.
+    #[test]
+    fn a_contender_named_twice_weighs_what_it_holds() {
+        let mut lookups = RecentLookups::default();
+        let now = Instant::now();
+        lookups.answer(Some(a(1)), &[X], 900, now);
+        lookups.answer(Some(a(2)), &[Y], 100, now);
+        let answer = lookups.answer(Some(a(3)), &[X, X, Y], 100, now).map(Suggestion::rank);
+        assert_eq!(answer, Some(Y), "X holds 900 tokens however often it is named, Y 100");
     }
 
     #[test]
