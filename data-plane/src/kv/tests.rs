@@ -539,6 +539,10 @@ async fn files_missing_where_one_card_says_are_read_where_another_says() {
     h.store.load("tiny", &cards).await.unwrap();
     assert_eq!(count(&h.counter, "loaded"), 1);
     assert_eq!(count(&h.counter, "fetched"), 2, "each file once, from the copy that verified");
+    // The copies that failed on the way are counted too: a tampered copy is a finding even
+    // when another serves.
+    assert_eq!(count(&h.counter, "checksum_mismatch"), 1, "the corrupt tokenizer.json");
+    assert!(count(&h.counter, "fetch_failed") >= 2, "the missing copies");
     // With only the unreadable copies the load fails, as it did before any card was tried.
     let h = harness(pinned(&cards[0]));
     assert!(matches!(h.store.load("tiny", &cards[..2]).await, Err(LoadError::ChecksumMismatch { .. })));

@@ -281,7 +281,7 @@ fn fail(uri: &str, reason: &str) -> FetchError {
 
 /// `uri` as errors and logs show it: without userinfo or query, where a card's URL may carry a
 /// password or a presigned URL's signature, which no log should.
-fn shown(uri: &str) -> String {
+pub(crate) fn shown(uri: &str) -> String {
     let shown = match uri.parse::<Uri>() {
         Ok(parsed) => {
             let port = parsed.port_u16().map(|port| format!(":{port}")).unwrap_or_default();

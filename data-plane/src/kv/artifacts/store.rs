@@ -17,7 +17,7 @@ use tokio::sync::Semaphore;
 
 use super::cache::{BlobCache, CacheRead, EvictReason, MAX_ARTIFACT_BYTES, ReadError, read_bounded};
 use super::card::{ArtifactKey, CheckedFile, Checksum, ModelArtifacts};
-use super::source::{FETCH_TIMEOUT, FetchError, Fetcher, Source, SourceError};
+use super::source::{FETCH_TIMEOUT, FetchError, Fetcher, Source, SourceError, shown};
 use super::{ArtifactPolicy, ArtifactResult};
 use crate::kv::Fallback;
 use crate::kv::render::{self, ChatTemplate, PieceCache};
@@ -365,7 +365,14 @@ impl ArtifactStore {
         for other in copies.filter(|other| other.path != file.path) {
             match bytes {
                 Ok(_) => break,
-                Err(error) => failed.push(error),
+                Err(error) => {
+                    // Counted as it happens: a copy that fails (tampered with, say) while another
+                    // serves is as much a finding as the last failure the load is counted by.
+                    if let Some(result) = error.result() {
+                        self.count(result);
+                    }
+                    failed.push(error)
+                }
             }
             bytes = self.verified_source(other).await;
         }
@@ -394,17 +401,18 @@ impl ArtifactStore {
         let (checksum, read) = (file.checksum, bytes.clone());
         match tokio::task::spawn_blocking(move || checksum.matches(&read)).await {
             Ok(true) => Ok(bytes),
-            Ok(false) => Err(LoadError::ChecksumMismatch { path: file.path.clone(), checksum }),
+            Ok(false) => Err(LoadError::ChecksumMismatch { path: shown(&file.path), checksum }),
             Err(_) => Err(LoadError::Invalid("the checksum task failed".into())),
         }
     }
 
     async fn read_source(&self, file: &CheckedFile) -> Result<Vec<u8>, LoadError> {
-        let path = file.path.clone();
+        // As errors and logs show it: a card's URL may carry a password or a signature.
+        let path = shown(&file.path);
         if file.size.is_some_and(|size| size > MAX_ARTIFACT_BYTES) {
             return Err(LoadError::TooLarge { path });
         }
-        let source = Source::classify(&path, self.policy().schemes())
+        let source = Source::classify(&file.path, self.policy().schemes())
             .map_err(|source| LoadError::Source { path: path.clone(), source })?;
         match source {
             // Bounded in time as a fetch is: a stalled volume must not hold the load's permit.
