@@ -762,3 +762,46 @@ fn cache_salt_is_read_from_nvext_first() {
     assert_eq!(request_cache_salt(&json!({"nvext": {"cache_salt": "a"}, "cache_salt": ""})), Some("a"));
     assert_eq!(request_cache_salt(&json!({"cache_salt": ""})), None);
 }
+
+/// Cards whose copies never answer hold a load no longer than its deadline, not their
+/// fetches' 30 s each one after another; and a place several cards name is tried once.
+#[tokio::test(start_paused = true)]
+async fn a_load_whose_sources_never_answer_ends_at_its_deadline() {
+    use tokio::io::AsyncReadExt;
+
+    use crate::kv::artifacts::LOAD_DEADLINE;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = listener.local_addr().unwrap();
+    let asked = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let heard = Arc::clone(&asked);
+    // Reads each request's line and never answers.
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut connection, _)) = listener.accept().await {
+            let mut head = vec![0; 1024];
+            let read = connection.read(&mut head).await.unwrap_or(0);
+            let line = String::from_utf8_lossy(&head[..read]).lines().next().unwrap_or_default().to_owned();
+            heard.lock().unwrap().push(line.split(' ').nth(1).unwrap_or_default().to_owned());
+            held.push(connection);
+        }
+    });
+    let local = card_in(&fixture("tinymodel"));
+    // Card `card`'s tokenizer at place `n`; its config somewhere of its own, so that no two
+    // cards are the same card.
+    let at = |(card, n): (usize, usize)| {
+        let mut named = local.clone();
+        named.tokenizer.path = format!("http://{silent}/{n}/tokenizer.json");
+        named.tokenizer_config.path = format!("/nonexistent/{card}/tokenizer_config.json");
+        named
+    };
+    // Eight cards, two naming one place: seven places, 30 s each, past the load's deadline.
+    let cards: Vec<ModelArtifacts> = [0, 1, 1, 2, 3, 4, 5, 6].into_iter().enumerate().map(at).collect();
+    let h = harness(pinned(&local));
+    let started = tokio::time::Instant::now();
+    let failed = h.store.load("tiny", &cards).await;
+    assert!(matches!(&failed, Err(LoadError::Fetch(why)) if why.contains("within")), "{failed:?}");
+    assert_eq!(started.elapsed(), LOAD_DEADLINE);
+    let asked = asked.lock().unwrap().clone();
+    let places: Vec<String> = (0..4).map(|n| format!("/{n}/tokenizer.json")).collect();
+    assert_eq!(asked, places, "four places in 120 s, the one named twice once");
+}

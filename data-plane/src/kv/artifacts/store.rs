@@ -34,6 +34,10 @@ pub const FAILED_LOAD_RETRY: Duration = Duration::from_secs(300);
 const MAX_LOGGED_UNPINNED: usize = 4096;
 /// Cards with distinct file locations a load tries, in turn, for the same checksummed files.
 pub const MAX_CARD_SOURCES: usize = 8;
+/// A load's fetches, verifications and parse together: its three files from one copy each at
+/// the fetch's 30 s, and more. Without it, cards whose copies answer a byte a second would hold
+/// a load permit for 3 × 8 × 30 s, and two such models every other model's load.
+pub const LOAD_DEADLINE: Duration = Duration::from_secs(120);
 /// File operations running at once on the artifact cache, and on local sources, each. A read
 /// stalled on a volume (a hung network mount, a FIFO put where a tokenizer was) holds its
 /// blocking thread however long its caller waits, so each holds a permit until it returns:
@@ -289,7 +293,10 @@ impl ArtifactStore {
             (sources, places)
         };
         let _permit = self.inner.loads.acquire().await.map_err(|_| LoadError::RetryLater)?;
-        match self.load_now(&sources).await.and_then(|loaded| self.insert(loaded)) {
+        let loaded = tokio::time::timeout(LOAD_DEADLINE, self.load_now(&sources)).await.unwrap_or_else(|_| {
+            Err(LoadError::Fetch(format!("the artifacts were not loaded within {LOAD_DEADLINE:?}")))
+        });
+        match loaded.and_then(|loaded| self.insert(loaded)) {
             Ok(loaded) => {
                 self.state().retry_at.remove(&key);
                 self.count(ArtifactResult::Loaded);
@@ -362,7 +369,16 @@ impl ArtifactStore {
         }
         let mut failed = Vec::new();
         let mut bytes = self.verified_source(file).await;
-        for other in copies.filter(|other| other.path != file.path) {
+        // Each place once, however many cards name it.
+        let mut tried = vec![file.path.as_str()];
+        let copies = copies.filter(|other| {
+            let new = !tried.contains(&other.path.as_str());
+            if new {
+                tried.push(other.path.as_str());
+            }
+            new
+        });
+        for other in copies {
             match bytes {
                 Ok(_) => break,
                 Err(error) => {
