@@ -94,6 +94,11 @@ struct Preparer {
     /// The cache directory that last failed to open, and when: the failure is logged once,
     /// and opening it is tried again only after [`CACHE_DIR_RETRY`], not on every request.
     failed_dir: Option<(String, Instant)>,
+    /// The version of the newest fleet view whose policy was asked for. A request picked on an
+    /// older view (taken before a reload reached this replica) must not put the old policy
+    /// back: it would drop the new pins' tokenizers, prune their blobs, or reopen the old
+    /// cache directory over the new one.
+    newest_view: u64,
 }
 
 /// How long a KV artifact cache directory that failed to open is left before trying again.
@@ -143,7 +148,7 @@ impl KvRouting {
         body: impl Future<Output = Option<(Arc<Tree>, Option<String>)>>,
         contenders: &[(u64, u32)],
     ) -> Term {
-        let Some(prompt) = self.prompt(&view.config().kv_artifacts) else {
+        let Some(prompt) = self.prompt(&view.config().kv_artifacts, view.version()) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
         let Some(model_cards) = self.model_cards(view, model) else {
@@ -238,7 +243,7 @@ impl KvRouting {
         if !config.picker.kv_enabled {
             return;
         }
-        let prompt = match self.prompt(&config.kv_artifacts) {
+        let prompt = match self.prompt(&config.kv_artifacts, view.version()) {
             Some(prompt) => prompt,
             None => {
                 let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
@@ -293,8 +298,13 @@ impl KvRouting {
     /// one is file-system work (making the directory, reading a CA bundle) that a stalled
     /// volume could hold up indefinitely, so it runs on the blocking pool while requests go on
     /// without the KV term (`None`), as they do while a tokenizer loads.
-    fn prompt(&self, policy: &KvArtifactPolicy) -> Option<Arc<KvPrompt>> {
+    fn prompt(&self, policy: &KvArtifactPolicy, view_version: u64) -> Option<Arc<KvPrompt>> {
         let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
+        if view_version < preparer.newest_view {
+            // An older view's policy: the store held serves, unchanged.
+            return preparer.held.as_ref().map(|held| Arc::clone(&held.prompt));
+        }
+        preparer.newest_view = view_version;
         match preparer.held.as_mut() {
             Some(h) if h.policy == *policy => return Some(Arc::clone(&h.prompt)),
             Some(h) if h.policy.cache_dir == policy.cache_dir => {
@@ -331,7 +341,9 @@ impl KvRouting {
 impl KvRouting {
     /// The store for `policy`, once open (it opens on the blocking pool when first asked for).
     pub(crate) async fn open(&self, policy: &KvArtifactPolicy) -> anyhow::Result<Arc<KvPrompt>> {
-        opened(|| self.prompt(policy)).await
+        // As new as the newest view asked for yet.
+        let newest = || self.prompt.lock().unwrap_or_else(PoisonError::into_inner).newest_view;
+        opened(|| self.prompt(policy, newest())).await
     }
 }
 
@@ -551,11 +563,30 @@ mod tests {
         let file = tempfile::NamedTempFile::new()?;
         let policy = KvArtifactPolicy { cache_dir: format!("{}/kv", file.path().display()), ..Default::default() };
         let preparer = || routing.prompt.lock().unwrap_or_else(PoisonError::into_inner);
-        assert!(routing.prompt(&policy).is_none());
+        assert!(routing.prompt(&policy, 0).is_none());
         let first = opened(|| preparer().failed_dir.clone().map(|(_, at)| at)).await?;
-        assert!(routing.prompt(&policy).is_none());
+        assert!(routing.prompt(&policy, 0).is_none());
         assert!(preparer().opening.is_none(), "not tried again within {CACHE_DIR_RETRY:?}");
         assert_eq!(preparer().failed_dir.clone().map(|(_, at)| at), Some(first));
+        Ok(())
+    }
+
+    /// A request picked on a view older than one whose policy applied (it took its view before
+    /// a reload reached the replica) puts nothing back: the newer policy's store serves it.
+    #[tokio::test]
+    async fn an_older_views_policy_does_not_replace_a_newer_ones() -> anyhow::Result<()> {
+        let routing = routing()?;
+        let dir = tempfile::tempdir()?;
+        let old = KvArtifactPolicy { cache_dir: dir.path().join("kv").display().to_string(), ..Default::default() };
+        let new = KvArtifactPolicy { allow_hf: !old.allow_hf, ..old.clone() };
+        routing.prompt(&old, 1);
+        let opened = routing.open(&old).await?;
+        assert!(Arc::ptr_eq(&opened, &routing.prompt(&new, 3).expect("the same directory: held")));
+        let held = || routing.prompt.lock().unwrap().held.as_ref().map(|held| held.policy.clone());
+        assert_eq!(held(), Some(new.clone()));
+        let late = routing.prompt(&old, 2).expect("the store held serves");
+        assert!(Arc::ptr_eq(&opened, &late));
+        assert_eq!(held(), Some(new), "the older view's policy was not put back");
         Ok(())
     }
 
@@ -566,10 +597,10 @@ mod tests {
         let routing = routing()?;
         let dir = tempfile::tempdir()?;
         let policy = KvArtifactPolicy { cache_dir: dir.path().join("kv").display().to_string(), ..Default::default() };
-        assert!(routing.prompt(&policy).is_none(), "not waited for");
+        assert!(routing.prompt(&policy, 0).is_none(), "not waited for");
         let prompt = routing.open(&policy).await?;
         assert!(dir.path().join("kv/blobs").is_dir());
-        assert!(Arc::ptr_eq(&prompt, &routing.prompt(&policy).expect("held")), "opened once, then kept");
+        assert!(Arc::ptr_eq(&prompt, &routing.prompt(&policy, 0).expect("held")), "opened once, then kept");
         Ok(())
     }
 }
