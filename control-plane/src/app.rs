@@ -344,4 +344,28 @@ mod tests {
         config.admin.token = Some(Secret::new("t"));
         assert_eq!(untokened_off_host(&config, on_host, off_host), []);
     }
+
+    /// A reload that discovery refuses changes nothing, the Fleet tokens included: replaced
+    /// even for a moment, they would end the streams opened with one the reload retires, and
+    /// putting them back would not reopen those.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_reload_discovery_refuses_never_touches_the_fleet_tokens() -> anyhow::Result<()> {
+        let mut config = crate::config::embedded_default();
+        let any_port = SocketAddr::from(([127, 0, 0, 1], 0));
+        config.move_simulator_shim(any_port);
+        config.control_plane.grpc_listen = any_port;
+        config.admin.listen = any_port;
+        config.control_plane.token = Some(Secret::new("first-s3cret"));
+        config.control_plane.previous_token = Some(Secret::new("old-s3cret"));
+        let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+        let mut tokens = control.fleet_tokens.subscribe();
+        tokens.mark_unchanged();
+        let mut refused = config.clone();
+        refused.control_plane.previous_token = None;
+        refused.dynamo.discovery.source = crate::config::DiscoverySource::Kubernetes;
+        assert!(control.reload(refused).await.is_err(), "a source this build does not have");
+        assert!(!tokens.has_changed()?, "the Fleet tokens were never replaced");
+        control.shutdown().await;
+        Ok(())
+    }
 }
