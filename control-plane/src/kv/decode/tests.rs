@@ -437,19 +437,28 @@ fn labels_are_distinct_snake_case() {
 }
 
 mod fuzz {
-    //! Arbitrary frames, and real frames with arbitrary bytes flipped: decoding returns a label
-    //! or a batch, and never panics.
+    //! Arbitrary frames, and real frames with arbitrary bytes flipped: decoding never panics,
+    //! and what it accepts is within its bounds and names the publisher it was read from.
 
     use proptest::prelude::*;
 
     use super::*;
+
+    /// What any accepted batch must be: the expected publisher's, within the batch bounds (one
+    /// event alone may hold up to an event's).
+    fn accepted_is_bounded(decoded: &Result<KvEventBatch, DecodeError>, publisher: u64) -> bool {
+        let Ok(batch) = decoded else { return true };
+        let blocks: usize = batch.events.iter().map(KvEvent::blocks).sum();
+        let most = if batch.events.len() == 1 { MAX_BLOCKS_PER_EVENT } else { MAX_BLOCKS_PER_BATCH };
+        batch.publisher_id == publisher && batch.events.len() <= MAX_EVENTS_PER_BATCH && blocks <= most
+    }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(2048))]
 
         #[test]
         fn arbitrary_frames_never_panic(frames in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..300), 0..6)) {
-            let _ = decode(&frames, 1);
+            prop_assert!(accepted_is_bounded(&decode(&frames, 1), 1));
         }
 
         #[test]
@@ -460,12 +469,12 @@ mod fuzz {
                 let i = at.index(target.len());
                 target[i] = byte;
             }
-            let _ = decode(&frames, publisher);
+            prop_assert!(accepted_is_bounded(&decode(&frames, publisher), publisher));
         }
 
         #[test]
         fn arbitrary_payloads_never_panic(payload in proptest::collection::vec(any::<u8>(), 0..600)) {
-            let _ = decode(&message_with(&payload), 9);
+            prop_assert!(accepted_is_bounded(&decode(&message_with(&payload), 9), 9));
         }
     }
 }
