@@ -58,6 +58,17 @@ impl BlobCache {
     pub fn open(dir: &Path) -> io::Result<Self> {
         let blobs = dir.join("blobs");
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&blobs)?;
+        // And `dir` must not let others rename what is in it: in a directory others may write
+        // that is not sticky, anyone could move `blobs` aside and put a symlink in its place
+        // after the checks below, and the writes and the pruning would follow it.
+        let mode = fs::metadata(dir)?.mode();
+        if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+            return Err(io::Error::other(format!(
+                "{} is writable by other users and not sticky (mode {:o}): they could replace `blobs` with a symlink",
+                dir.display(),
+                mode & 0o7777
+            )));
+        }
         let made = fs::symlink_metadata(&blobs)?;
         if !made.file_type().is_dir() {
             return Err(io::Error::other(format!("{} is not a directory of its own (a symlink?)", blobs.display())));
@@ -226,6 +237,20 @@ mod tests {
 
     fn mode(path: &Path) -> u32 {
         fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    /// A cache directory others may write is accepted only if it is sticky, as `/tmp` is:
+    /// otherwise anyone could swap `blobs` for a symlink after it is checked.
+    #[test]
+    fn a_cache_directory_others_may_write_must_be_sticky() {
+        let root = tempfile::tempdir().unwrap();
+        let shared = root.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o777)).unwrap();
+        let refused = BlobCache::open(&shared).map(drop).unwrap_err().to_string();
+        assert!(refused.contains("not sticky"), "{refused}");
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o1777)).unwrap();
+        assert!(BlobCache::open(&shared).is_ok(), "sticky, as /tmp is");
     }
 
     /// A `blobs` made a symlink (by another user of a shared directory) is refused: its mode
