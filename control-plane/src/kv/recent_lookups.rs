@@ -60,6 +60,10 @@ pub struct RecentLookups {
     hasher: RandomState,
     /// Each rank's newest reservation, however old, for tie-breaks.
     last_reserved: HashMap<RankKey, u64>,
+    /// Reports that came before their lookup was answered (the replica's deadline passed and
+    /// it picked alone while the lookup waited on the index), by key, with when: the answer
+    /// reserves the rank the report names, not its own suggestion, which nothing could move.
+    early: HashMap<(u64, u64), (RankKey, Instant)>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -110,6 +114,7 @@ impl RecentLookups {
             by_key: HashMap::new(),
             hasher: RandomState::new(),
             last_reserved: HashMap::new(),
+            early: HashMap::new(),
         }
     }
 
@@ -142,7 +147,11 @@ impl RecentLookups {
         if let Some(key) = key {
             self.by_key.insert(key, seq);
         }
-        let rank = suggestion.map(Suggestion::rank);
+        // Its request went somewhere already: the reservation stands there.
+        let window = self.window;
+        let early = key.and_then(|key| self.early.remove(&key));
+        let reported = early.filter(|(_, at)| now.saturating_duration_since(*at) < window).map(|(rank, _)| rank);
+        let rank = reported.or(suggestion.map(Suggestion::rank));
         let suggested_after = rank.map_or(0, |rank| self.last(&rank));
         self.reservations.push_back(Reservation { seq, key, at: now, rank, tokens, suggested_after });
         if let Some(rank) = rank {
@@ -153,8 +162,16 @@ impl RecentLookups {
 
     /// The dispatch of the lookup `key` names went to `rank`: its reservation now stands
     /// there. An expired or unknown lookup is not found, and nothing changes.
-    pub fn reported(&mut self, key: LookupKey<'_>, rank: RankKey) {
-        let Some(&seq) = self.by_key.get(&self.slot(key)) else { return };
+    pub fn reported(&mut self, key: LookupKey<'_>, rank: RankKey, now: Instant) {
+        let slot = self.slot(key);
+        let Some(&seq) = self.by_key.get(&slot) else {
+            // Perhaps not answered yet: kept for its answer, as long as a reservation would be.
+            self.early.retain(|_, (_, at)| now.saturating_duration_since(*at) < self.window);
+            if key.lookup != 0 && self.early.len() < MAX_RESERVATIONS {
+                self.early.insert(slot, (rank, now));
+            }
+            return;
+        };
         // Numbers increase along the queue.
         let Ok(at) = self.reservations.binary_search_by_key(&seq, |r| r.seq) else { return };
         let Some(reservation) = self.reservations.get_mut(at) else { return };
@@ -262,7 +279,7 @@ mod tests {
         assert_eq!(lookups.answer(Some(a(2)), &[X, Y], 100, later), tie_break(Y));
         assert_eq!(lookups.answer(Some(a(3)), &[X, Y], 100, later + RESERVATION_WINDOW), tie_break(X));
         // Its request went to Y after all: X is now the one reserved longest ago.
-        lookups.reported(a(3), Y);
+        lookups.reported(a(3), Y, Instant::now());
         assert_eq!(lookups.answer(Some(a(4)), &[X, Y], 100, later + RESERVATION_WINDOW * 3), tie_break(X));
         assert_eq!(lookups.answer(Some(a(5)), &[], 100, now), None, "no contender, nothing to suggest");
     }
@@ -275,11 +292,33 @@ mod tests {
             let mut lookups = RecentLookups::default();
             let now = Instant::now();
             assert_eq!(lookups.answer(Some(a(1)), &[X, Y], 100, now), Some(Suggestion::TieBreak(X)));
-            lookups.reported(a(1), Y);
+            lookups.reported(a(1), Y, Instant::now());
             let later = now + RESERVATION_WINDOW;
             let next = lookups.answer(Some(a(2)), &later_order, 100, later);
             assert_eq!(next, Some(Suggestion::TieBreak(X)), "{later_order:?}: Y took the last request");
         }
+    }
+
+    /// A report that comes before its lookup is answered (the replica picked alone past its
+    /// deadline) still places the lookup's reservation: on the rank the request went to, not
+    /// on the suggestion the answer then makes, which nothing would move.
+    #[test]
+    fn a_report_before_its_answer_places_the_reservation() {
+        let mut lookups = RecentLookups::default();
+        let now = Instant::now();
+        lookups.reported(a(1), Y, now);
+        assert_eq!(
+            lookups.answer(Some(a(1)), &[X, Y], 900, now),
+            Some(Suggestion::TieBreak(X)),
+            "suggested all the same"
+        );
+        assert_eq!(weighed(&mut lookups, 100, now), Some(X), "its 900 tokens stand on Y, where the request went");
+        // Kept no longer than a reservation stands: a report that old places nothing.
+        lookups.reported(a(2), X, now);
+        let later = now + RESERVATION_WINDOW;
+        let suggested = lookups.answer(Some(a(2)), &[X, Y], 900, later);
+        assert_eq!(suggested, Some(Suggestion::TieBreak(Y)), "Y was reserved longest ago");
+        assert_eq!(weighed(&mut lookups, 100, later), Some(X), "the stale report was dropped: Y holds the 900");
     }
 
     /// A rank a replica names twice among the contenders weighs what is reserved on it.
@@ -307,12 +346,12 @@ mod tests {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
         lookups.answer(Some(a(1)), &[X, Y], 900, now);
-        lookups.reported(a(1), Y);
+        lookups.reported(a(1), Y, Instant::now());
         let small = lookups.answer(Some(a(2)), &[X, Y], 100, now);
         assert_eq!(small, Some(Suggestion::Weighed { rank: X, reserved_tokens: 900 }));
         assert_eq!(weighed(&mut lookups, 100, now), Some(X), "100 + 100 tokens against 900");
         // The small one's request went to Y after all (its replica saw something else).
-        lookups.reported(a(2), Y);
+        lookups.reported(a(2), Y, Instant::now());
         let answer = lookups.answer(None, &[X, Y], 100, now);
         assert_eq!(answer, Some(Suggestion::Weighed { rank: X, reserved_tokens: 1_100 }), "100 against 1,000");
     }
@@ -323,13 +362,13 @@ mod tests {
         let now = Instant::now();
         assert_eq!(lookups.answer(Some(a(7)), &[X, Y], 900, now), Some(Suggestion::TieBreak(X)));
         // Replica "b" numbers its own lookups, and its 7 is not a's.
-        lookups.reported(LookupKey { replica: "b", lookup: 7 }, Y);
+        lookups.reported(LookupKey { replica: "b", lookup: 7 }, Y, Instant::now());
         assert_eq!(weighed(&mut lookups, 100, now), Some(Y), "a's 900 tokens still stand on X");
         // Nor does a lookup without a number answer to a report of number 0.
         lookups.answer(None, &[], 5_000, now);
-        lookups.reported(a(0), X);
+        lookups.reported(a(0), X, Instant::now());
         assert_eq!(weighed(&mut lookups, 100, now), Some(Y));
-        lookups.reported(a(7), Y);
+        lookups.reported(a(7), Y, Instant::now());
         assert_eq!(weighed(&mut lookups, 100, now), Some(X), "a's own report moved it");
     }
 
@@ -344,7 +383,7 @@ mod tests {
         let lapsed = now + RESERVATION_WINDOW;
         lookups.answer(None, &[], 0, lapsed);
         assert_eq!(lookups.held(), 2, "the first reservation lapsed");
-        lookups.reported(a(1), X);
+        lookups.reported(a(1), X, Instant::now());
         assert_eq!(weighed(&mut lookups, 100, lapsed), Some(Y), "the newer one moved to X");
     }
 
@@ -354,7 +393,7 @@ mod tests {
         let now = Instant::now();
         for (n, rank) in [(1, Y), (2, X)] {
             lookups.answer(Some(a(n)), &[X, Y], 100, now);
-            lookups.reported(a(n), rank);
+            lookups.reported(a(n), rank, Instant::now());
         }
         assert_eq!(weighed(&mut lookups, 100, now), Some(Y));
     }
@@ -368,7 +407,7 @@ mod tests {
         assert_eq!(weighed(&mut lookups, 100, now + RESERVATION_WINDOW * 2), None, "every view counts them by now");
         assert_eq!(lookups.held(), 1, "only the latest lookup's reservation stands");
         assert!(lookups.by_key.is_empty(), "the lapsed lookup's key went with it");
-        lookups.reported(a(1), Y);
+        lookups.reported(a(1), Y, Instant::now());
         assert_eq!(lookups.held(), 1, "an expired lookup's report finds nothing");
     }
 
@@ -377,7 +416,7 @@ mod tests {
         let mut lookups = RecentLookups::default();
         let now = Instant::now();
         lookups.answer(Some(a(1)), &[], 100, now);
-        lookups.reported(a(1), RankKey { worker_id: 9, dp_rank: 3 });
+        lookups.reported(a(1), RankKey { worker_id: 9, dp_rank: 3 }, Instant::now());
         assert_eq!(lookups.answer(None, &[X, Y], 100, now), Some(Suggestion::TieBreak(X)), "no contender is reserved");
         let many: Vec<RankKey> =
             (0..=MAX_CONTENDERS as u64).map(|id| RankKey { worker_id: id + 1, dp_rank: 0 }).collect();
@@ -397,7 +436,7 @@ mod tests {
         for id in 0..MAX_REMEMBERED_RANKS as u64 * 2 {
             let key = LookupKey { replica: "b", lookup: id + 1 };
             lookups.answer(Some(key), &[], 100, now);
-            lookups.reported(key, RankKey { worker_id: id, dp_rank: 1 });
+            lookups.reported(key, RankKey { worker_id: id, dp_rank: 1 }, Instant::now());
         }
         assert!(lookups.last_reserved.len() <= MAX_REMEMBERED_RANKS);
         assert_eq!(lookups.by_key.len(), MAX_RESERVATIONS);

@@ -113,7 +113,7 @@ impl KvHandle {
 
     /// A dispatch report says which rank the request of the lookup `key` names went to.
     pub fn lookup_reported(&self, key: LookupKey<'_>, rank: RankKey) {
-        self.lookups().reported(key, rank);
+        self.lookups().reported(key, rank, Instant::now());
     }
 
     fn lookups(&self) -> MutexGuard<'_, RecentLookups> {
