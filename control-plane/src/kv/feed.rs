@@ -129,7 +129,8 @@ fn turns(events: &[KvEvent], max_blocks: usize) -> impl Iterator<Item = Turn<'_>
 
 /// Of an event's `blocks`, the parts of at most `max_blocks` applied one to a hold.
 fn parts(blocks: usize, max_blocks: usize) -> impl Iterator<Item = Range<usize>> {
-    (0..blocks).step_by(max_blocks.max(1)).map(move |start| start..blocks.min(start + max_blocks.max(1)))
+    let step = max_blocks.max(1);
+    (0..blocks).step_by(step).map(move |start| start..blocks.min(start + step))
 }
 
 /// Whether a stored part refused the rest of its chain (its parent unknown, or the index
@@ -267,9 +268,10 @@ fn live_ranks(fleet: &Fleet) -> LiveRanks {
     for w in fleet.workers.iter() {
         // The same ranks the replicas pick among: a start rank without a size is rank 0.
         let (id, ranks) = (w.worker.key.instance_id, w.worker.dp_ranks());
-        let publishing = match publishing.contains(&(id, None)) {
-            true => ranks.len(),
-            false => ranks.clone().filter(|rank| publishing.contains(&(id, Some(*rank)))).count(),
+        let publishing = if publishing.contains(&(id, None)) {
+            ranks.len()
+        } else {
+            ranks.clone().filter(|rank| publishing.contains(&(id, Some(*rank)))).count()
         };
         live.insert(id, LiveWorker { namespace: Arc::clone(&w.worker.key.namespace), ranks, publishing });
     }

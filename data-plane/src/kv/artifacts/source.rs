@@ -68,10 +68,7 @@ impl Source {
             // `file:///p` and `file://localhost/p`; a host elsewhere would be read here as the
             // relative path `host/p`, from wherever the replica runs.
             let local = rest.strip_prefix("localhost").unwrap_or(rest);
-            return match local.starts_with('/') {
-                true => Ok(Source::Local(PathBuf::from(local))),
-                false => Err(malformed()),
-            };
+            return if local.starts_with('/') { Ok(Source::Local(PathBuf::from(local))) } else { Err(malformed()) };
         }
         if path.starts_with("http://") || path.starts_with("https://") {
             if !schemes.allow_http {
