@@ -80,6 +80,7 @@ impl MessageBudget {
     }
 
     /// What `borrower` holds now.
+    #[cfg(test)]
     pub fn lent_to(&self, borrower: Borrower) -> usize {
         self.borrowers().get(&borrower).copied().unwrap_or(0)
     }
