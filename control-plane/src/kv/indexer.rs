@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::{KvIndex, Limits, Matches, Outcome, RankKey};
@@ -106,12 +106,44 @@ pub struct KvIndexer {
     index: KvIndex,
     live: LiveRanks,
     publishers: HashMap<PublisherKey, Publisher>,
+    /// Live ranks whose blocks were cleared since the provisional credit last looked
+    /// ([`Self::take_cleared`]): what it credited them before no longer stands either. Behind
+    /// its own lock, so a lookup holding the index's read lock can take it.
+    cleared: Mutex<Cleared>,
+}
+
+/// Most ranks [`Cleared`] lists; past it, it says "every rank, until now".
+const MAX_CLEARED_LISTED: usize = 4096;
+
+/// Ranks cleared (a gap, a `cleared` event, a lost message, a stale publisher), each with when.
+#[derive(Debug, Default)]
+pub struct Cleared {
+    pub ranks: Vec<(RankKey, Instant)>,
+    /// More were cleared than are listed: every rank counts as cleared at this instant.
+    pub all_at: Option<Instant>,
+}
+
+/// Notes that `rank` was cleared now.
+fn note_cleared(cleared: &Mutex<Cleared>, rank: RankKey) {
+    let mut cleared = cleared.lock().unwrap_or_else(PoisonError::into_inner);
+    let now = Instant::now();
+    if cleared.ranks.len() >= MAX_CLEARED_LISTED {
+        cleared.ranks.clear();
+        cleared.all_at = Some(now);
+    } else {
+        cleared.ranks.push((rank, now));
+    }
 }
 
 impl KvIndexer {
     /// An empty indexer whose index enforces `limits`; nothing is live until [`Self::set_live`].
     pub fn new(limits: Limits) -> Self {
-        KvIndexer { index: KvIndex::new(limits), live: LiveRanks::new(), publishers: HashMap::new() }
+        KvIndexer { index: KvIndex::new(limits), ..KvIndexer::default() }
+    }
+
+    /// The ranks cleared since the last call ([`Cleared`]).
+    pub fn take_cleared(&self) -> Cleared {
+        std::mem::take(&mut *self.cleared.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// Decodes one message from `publisher` and applies its events.
@@ -153,6 +185,7 @@ impl KvIndexer {
         for (rank, cursor) in &mut publisher.cursors {
             if !cursor.cleared_for_loss {
                 self.index.clear_rank(*rank);
+                note_cleared(&self.cleared, *rank);
                 counts.add(KvEventResult::Gap);
                 cursor.cleared_for_loss = true;
             }
@@ -196,6 +229,7 @@ impl KvIndexer {
             Cursor::Next => {}
             Cursor::Gap => {
                 self.index.clear_rank(rank);
+                note_cleared(&self.cleared, rank);
                 counts.add(KvEventResult::Gap);
             }
             Cursor::Replay => return Err(KvEventResult::Replay),
@@ -223,6 +257,7 @@ impl KvIndexer {
             KvEventData::Removed(hashes) => self.index.apply_removed(rank, hashes.get(blocks).unwrap_or_default()),
             KvEventData::Cleared => {
                 self.index.clear_rank(rank);
+                note_cleared(&self.cleared, rank);
                 Outcome::default()
             }
         }
@@ -286,6 +321,7 @@ impl KvIndexer {
         };
         let mut cleared = 0;
         for rank in publisher.cursors.keys() {
+            note_cleared(&self.cleared, *rank);
             if self.index.clear_rank(*rank) > 0 {
                 cleared += 1;
             }

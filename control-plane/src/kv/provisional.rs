@@ -16,8 +16,10 @@
 //! requests through different replicas land together too.
 //!
 //! Bounded: [`MAX_CHAINS_PER_RANK`] per rank, [`MAX_CHAINS`] and [`MAX_HASHES`] in all; past a
-//! bound the oldest chain goes (`evicted`). Every chain credited leaves once, under one label:
-//! `credited` = `expired` + `confirmed` + `evicted` + `departed` + `replaced` + the chains held.
+//! bound the oldest chain goes (`evicted`). A chain credited to a rank whose blocks are then
+//! cleared (a gap, a `cleared` event) goes at the next lookup (`cleared`). Every chain credited
+//! leaves once, under one label: `credited` = `expired` + `confirmed` + `evicted` + `departed` +
+//! `replaced` + `cleared` + the chains held.
 //! Pure: time is an argument.
 
 use std::collections::VecDeque;
@@ -54,10 +56,13 @@ pub enum ProvisionalResult {
     /// A later dispatch credited the rank a chain this one is a prefix of (the same prompt
     /// again, a conversation's next turn), which took its place.
     Replaced,
+    /// The rank's blocks were cleared after it was credited (a gap, a `cleared` event, a lost
+    /// message, a publisher gone stale): the prefix may be gone with them.
+    Cleared,
 }
 
 impl ProvisionalResult {
-    pub const ALL: [ProvisionalResult; 7] = [
+    pub const ALL: [ProvisionalResult; 8] = [
         ProvisionalResult::Credited,
         ProvisionalResult::Refused,
         ProvisionalResult::Expired,
@@ -65,6 +70,7 @@ impl ProvisionalResult {
         ProvisionalResult::Evicted,
         ProvisionalResult::Departed,
         ProvisionalResult::Replaced,
+        ProvisionalResult::Cleared,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -76,6 +82,7 @@ impl ProvisionalResult {
             ProvisionalResult::Evicted => "evicted",
             ProvisionalResult::Departed => "departed",
             ProvisionalResult::Replaced => "replaced",
+            ProvisionalResult::Cleared => "cleared",
         }
     }
 }
@@ -220,6 +227,24 @@ impl ProvisionalIndex {
     pub fn expire(&mut self, now: Instant) {
         let ttl = self.ttl;
         self.remove_where(|c| now.saturating_duration_since(c.credited) >= ttl, ProvisionalResult::Expired);
+    }
+
+    /// Drops the chains credited to a rank before its blocks were cleared (`cleared`, from the
+    /// index): what they promised the rank would hold may have gone with them.
+    pub fn forget_cleared(&mut self, cleared: &crate::kv::indexer::Cleared) {
+        if cleared.ranks.is_empty() && cleared.all_at.is_none() {
+            return;
+        }
+        let mut latest: FastMap<RankKey, Instant> = FastMap::default();
+        for (rank, at) in &cleared.ranks {
+            let when = latest.entry(*rank).or_insert(*at);
+            *when = (*when).max(*at);
+        }
+        let before = |c: &Chain, at: Option<&Instant>| at.is_some_and(|at| c.credited <= *at);
+        self.remove_where(
+            |c| before(c, cleared.all_at.as_ref()) || before(c, latest.get(&c.rank)),
+            ProvisionalResult::Cleared,
+        );
     }
 
     /// Drops chains of ranks `live` no longer admits.

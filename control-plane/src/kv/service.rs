@@ -71,9 +71,16 @@ impl KvHandle {
     /// What `FindMatches` answers: each rank's larger of its indexed and provisional overlap,
     /// ascending by score, or `None` while `dynamo.kv.enabled` is false.
     pub fn overlaps(&self, block_hashes: &[u64]) -> Option<Vec<(RankKey, u32)>> {
-        let indexed = self.find_matches(block_hashes)?;
+        let (indexed, cleared) = {
+            let indexer = self.indexer.read();
+            (self.enabled.load(Ordering::Relaxed).then(|| indexer.find_matches(block_hashes))?, indexer.take_cleared())
+        };
         let query = Folded::of(block_hashes);
-        let mut merged = self.provisional().merge(&query, indexed.as_slice(), Instant::now());
+        let mut merged = {
+            let mut provisional = self.provisional();
+            provisional.forget_cleared(&cleared);
+            provisional.merge(&query, indexed.as_slice(), Instant::now())
+        };
         // A departed rank's chains go at the next sweep; until then it is not answered.
         let indexer = self.indexer.read();
         merged.retain(|(rank, _)| indexer.is_live(*rank));
@@ -377,5 +384,41 @@ mod tests {
         assert_eq!(answered(&handle), [8], "worker 7 left");
         let refused = handle.credit_provisional(RankKey { worker_id: 7, dp_rank: 0 }, &[1, 2, 3]);
         assert_eq!(refused, ProvisionalResult::Refused, "and earns no new credit");
+    }
+
+    /// A rank whose blocks are cleared after a credit (here its own `cleared` event) is answered
+    /// without it from the next lookup: what the credit promised may have gone with them. A
+    /// credit after the clear stands.
+    #[test]
+    fn a_cleared_ranks_provisional_chain_is_not_answered() {
+        use crate::kv::decode::{KvEvent, KvEventData, ResidencyDomain, StorageTier};
+        use crate::kv::indexer::PublisherMapping;
+
+        let indexer = SharedKvIndexer::new(KvIndexer::new(Limits::default()));
+        indexer.write().set_live([(7, live(0..1)), (8, live(0..1))].into_iter().collect());
+        let handle = KvHandle::new(indexer.clone(), true);
+        handle.set_provisional_ttl(Duration::from_secs(60));
+        let rank = |worker_id| RankKey { worker_id, dp_rank: 0 };
+        for worker_id in [7, 8] {
+            assert_eq!(handle.credit_provisional(rank(worker_id), &[1, 2, 3]), ProvisionalResult::Credited);
+        }
+        let answered = |handle: &KvHandle| -> Vec<u64> {
+            handle.overlaps(&[1, 2, 3]).unwrap_or_default().iter().map(|(rank, _)| rank.worker_id).collect()
+        };
+        assert_eq!(answered(&handle), [7, 8]);
+        let publisher = crate::discovery::PublisherKey { namespace: "dynamo".into(), publisher_id: 70 };
+        let mapping = PublisherMapping { publisher, worker_id: 7, dp_rank: Some(0) };
+        let cleared = KvEvent {
+            worker_id: 7,
+            dp_rank: 0,
+            event_id: 1,
+            storage_tier: StorageTier::Device,
+            residency_domain: ResidencyDomain::Unspecified,
+            data: KvEventData::Cleared,
+        };
+        indexer.write().apply_events(&mapping, &[cleared]);
+        assert_eq!(answered(&handle), [8], "worker 7's credit went with its blocks");
+        assert_eq!(handle.credit_provisional(rank(7), &[1, 2, 3]), ProvisionalResult::Credited);
+        assert_eq!(answered(&handle), [7, 8], "a credit after the clear stands");
     }
 }
