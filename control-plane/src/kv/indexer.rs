@@ -123,16 +123,19 @@ pub struct Cleared {
     pub all_at: Option<Instant>,
 }
 
-/// Notes that `rank` was cleared now.
-fn note_cleared(cleared: &Mutex<Cleared>, rank: RankKey) {
-    let mut cleared = cleared.lock().unwrap_or_else(PoisonError::into_inner);
+/// Clears a live rank's blocks from `index`, noting it in `cleared` for the provisional
+/// credit (fields apart, so a caller iterating its publishers can clear). Returns what
+/// [`KvIndex::clear_rank`] does.
+fn clear_live(index: &mut KvIndex, cleared: &Mutex<Cleared>, rank: RankKey) -> usize {
+    let mut noted = cleared.lock().unwrap_or_else(PoisonError::into_inner);
     let now = Instant::now();
-    if cleared.ranks.len() >= MAX_CLEARED_LISTED {
-        cleared.ranks.clear();
-        cleared.all_at = Some(now);
+    if noted.ranks.len() >= MAX_CLEARED_LISTED {
+        noted.ranks.clear();
+        noted.all_at = Some(now);
     } else {
-        cleared.ranks.push((rank, now));
+        noted.ranks.push((rank, now));
     }
+    index.clear_rank(rank)
 }
 
 impl KvIndexer {
@@ -184,8 +187,7 @@ impl KvIndexer {
         let Some(publisher) = self.publishers.get_mut(publisher) else { return };
         for (rank, cursor) in &mut publisher.cursors {
             if !cursor.cleared_for_loss {
-                self.index.clear_rank(*rank);
-                note_cleared(&self.cleared, *rank);
+                clear_live(&mut self.index, &self.cleared, *rank);
                 counts.add(KvEventResult::Gap);
                 cursor.cleared_for_loss = true;
             }
@@ -228,8 +230,7 @@ impl KvIndexer {
         match self.advance_cursor(&publisher.publisher, rank, event.event_id) {
             Cursor::Next => {}
             Cursor::Gap => {
-                self.index.clear_rank(rank);
-                note_cleared(&self.cleared, rank);
+                clear_live(&mut self.index, &self.cleared, rank);
                 counts.add(KvEventResult::Gap);
             }
             Cursor::Replay => return Err(KvEventResult::Replay),
@@ -256,8 +257,7 @@ impl KvIndexer {
             }
             KvEventData::Removed(hashes) => self.index.apply_removed(rank, hashes.get(blocks).unwrap_or_default()),
             KvEventData::Cleared => {
-                self.index.clear_rank(rank);
-                note_cleared(&self.cleared, rank);
+                clear_live(&mut self.index, &self.cleared, rank);
                 Outcome::default()
             }
         }
@@ -321,8 +321,7 @@ impl KvIndexer {
         };
         let mut cleared = 0;
         for rank in publisher.cursors.keys() {
-            note_cleared(&self.cleared, *rank);
-            if self.index.clear_rank(*rank) > 0 {
+            if clear_live(&mut self.index, &self.cleared, *rank) > 0 {
                 cleared += 1;
             }
         }

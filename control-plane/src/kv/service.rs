@@ -71,10 +71,8 @@ impl KvHandle {
     /// What `FindMatches` answers: each rank's larger of its indexed and provisional overlap,
     /// ascending by score, or `None` while `dynamo.kv.enabled` is false.
     pub fn overlaps(&self, block_hashes: &[u64]) -> Option<Vec<(RankKey, u32)>> {
-        let (indexed, cleared) = {
-            let indexer = self.indexer.read();
-            (self.enabled.load(Ordering::Relaxed).then(|| indexer.find_matches(block_hashes))?, indexer.take_cleared())
-        };
+        let indexed = self.find_matches(block_hashes)?;
+        let cleared = self.indexer.read().take_cleared();
         let query = Folded::of(block_hashes);
         let mut merged = {
             let mut provisional = self.provisional();

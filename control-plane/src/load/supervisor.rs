@@ -434,11 +434,9 @@ impl<F: Feed> Actor<F> {
             })
             .collect();
         order.sort_by_key(|(key, publisher, turn)| (self.benched.contains(key), publisher.worker.is_none(), *turn));
-        let order: Vec<(AdmissionKey, &Publisher)> =
-            order.into_iter().map(|(key, publisher, _)| (key, publisher)).collect();
         let cap = self.options.max_subscriptions;
-        self.waiting = order.iter().skip(cap).filter(|(key, _)| !self.benched.contains(key)).count();
-        order.into_iter().take(cap).collect()
+        self.waiting = order.iter().skip(cap).filter(|(key, ..)| !self.benched.contains(key)).count();
+        order.into_iter().take(cap).map(|(key, publisher, _)| (key, publisher)).collect()
     }
 
     async fn apply_policy(&mut self, new: DialPolicy, fleet: &Fleet) {
