@@ -42,15 +42,16 @@ impl Dispatcher {
             if attempts == MAX_ATTEMPTS {
                 break;
             }
-            if !self.health.usable(&replica.name, &replica.url, Instant::now()) {
+            let (retry, now) = (attempts > 0, Instant::now());
+            // A retry asks first, so that a replica it would skip costs no retry budget.
+            if retry && !self.health.usable(&replica.name, &replica.url, now) {
                 continue;
             }
-            let retry = attempts > 0;
             if retry && !self.budget.withdraw() {
                 return Err(last.map_or(Failure::NoReplica, Failure::BudgetSpent));
             }
-            // A half-open breaker whose one probe another request took: no retry was made.
-            if !self.health.admit(&replica.name, &replica.url, Instant::now()) {
+            // Out, or a half-open breaker whose one probe another request took: no retry was made.
+            if !self.health.admit(&replica.name, &replica.url, now) {
                 if retry {
                     self.budget.refund();
                 }

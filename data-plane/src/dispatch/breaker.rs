@@ -345,15 +345,13 @@ impl ShimHealth {
     fn with<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
         let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
         // Looked up by `&str` first: a name is allocated only for a replica not seen before.
-        if !replicas.contains_key(name) {
-            replicas.insert(name.to_string(), Replica { url: url.to_string(), ..Replica::default() });
+        if let Some(entry) = replicas.get_mut(name) {
+            if entry.url != url {
+                *entry = Replica { url: url.to_string(), ..Replica::default() };
+            }
+            return f(entry, &self.settings);
         }
-        let Some(entry) = replicas.get_mut(name) else {
-            return f(&mut Replica { url: url.to_string(), ..Replica::default() }, &self.settings);
-        };
-        if entry.url != url {
-            *entry = Replica { url: url.to_string(), ..Replica::default() };
-        }
+        let entry = replicas.entry(name.to_string()).or_insert(Replica { url: url.to_string(), ..Replica::default() });
         f(entry, &self.settings)
     }
 }

@@ -13,7 +13,7 @@ use continuum_proto::{MAX_REPORTED_PREFILL_TOKENS, STALL_MIN_BLOCKS};
 
 use crate::fleet::{DispatchReporter, InFlight, MAX_REPLAYED_HASHES, Report};
 use crate::routing::picker::{
-    DispatchId, DispatchLedger, Pin, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size,
+    DispatchId, DispatchLedger, Few, Pin, PromptChain, Recorded, Selection, dispatch_block_size, pin_block_size,
     reported_blocks, usage_prompt_tokens,
 };
 
@@ -31,6 +31,9 @@ pub struct DispatchEnd {
     /// unanswered for its bound, and a stream may run for minutes).
     ranks: [Option<LoadKey>; 2],
     prefilled: bool,
+    /// When it was recorded, as good as sent: what a silent stream's ranks must have answered
+    /// something since, to be spared.
+    sent: Instant,
     /// What the prompt was sized by, until its answer states the tokens the model counted;
     /// `None` when the prompt was tokenized. Boxed, to keep every request's future small.
     estimated: Option<Box<Estimated>>,
@@ -75,6 +78,7 @@ impl DispatchEnd {
         let hashes = chain.at_block_size(block_size);
         let blocks = reported_blocks(prompt_tokens, block_size);
         let tokens = selection.uncached_prompt_tokens(prompt_tokens);
+        let sent = Instant::now();
         let (id, reported) = reporter.operation(|report| {
             let prefill = selection.prefill.as_ref().map(|pin| {
                 report.started(&pin.rank_key(), tokens, 0, chain.at_block_size(pin_block_size(view, pin)).to_vec())
@@ -99,7 +103,7 @@ impl DispatchEnd {
                 None => [decode, 0],
             };
             let recorded = Recorded { op: report.op(), legs, buffered };
-            let id = ledger.record(selection, prompt_tokens, block_size, hashes, Instant::now(), recorded);
+            let id = ledger.record(selection, prompt_tokens, block_size, hashes, sent, recorded);
             (id, [prefill, Some(decode)])
         });
         Self {
@@ -109,6 +113,7 @@ impl DispatchEnd {
             reported,
             ranks: [selection.prefill.as_ref().map(Pin::rank_key), Some(selection.decode.rank_key())],
             prefilled: false,
+            sent,
             estimated: None,
         }
     }
@@ -140,10 +145,11 @@ impl DispatchEnd {
             return;
         }
         // Its workers answer: a timeout of a request sent before now says nothing of them.
-        self.ledger.outliers().answered(self.ranks.iter().flatten(), Instant::now());
+        let now = Instant::now();
+        self.ledger.outliers().answered(self.ranks.iter().flatten(), now);
         let [prefill, decode] = &mut self.reported;
         self.reporter.operation(|report| {
-            self.ledger.prefilled(self.id, Instant::now(), report.change());
+            self.ledger.prefilled(self.id, now, report.change());
             if let Some(id) = prefill.take() {
                 report.prefilled(id);
                 report.ended(id);
@@ -166,10 +172,23 @@ impl DispatchEnd {
     /// worker's leg is proven done: only the rank decoding it is a suspect (one dead decode
     /// worker would otherwise eject every prefill rank that paired with it).
     pub fn blame(&self) {
+        self.ledger.outliers().failed(&self.owing(), Instant::now());
+    }
+
+    /// Its stream went silent for its idle timeout, its last event (if any) `last_event`: as
+    /// for a head that never came, a failure only of the ranks still owing an answer that
+    /// answered nothing else since (a prompt merely long, or a burst timing out together on a
+    /// busy rank, must not eject a rank that serves other requests meanwhile).
+    pub fn timed_out(&self, last_event: Option<Instant>) {
+        let since = last_event.unwrap_or(self.sent);
+        self.ledger.outliers().unanswered(&self.owing(), since, Instant::now());
+    }
+
+    /// The ranks its answer still waits on: both until its first token, then the decode rank.
+    fn owing(&self) -> Few<LoadKey> {
         let [prefill, decode] = &self.ranks;
         let prefill = prefill.as_ref().filter(|_| !self.prefilled);
-        let ranks: Vec<LoadKey> = prefill.into_iter().chain(decode).cloned().collect();
-        self.ledger.outliers().failed(&ranks, Instant::now());
+        prefill.into_iter().chain(decode).cloned().collect()
     }
 
     /// Its answer ended whole (a stream that finished): its workers' failures start over.

@@ -50,7 +50,7 @@ pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BOD
 
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
 use crate::routing::headers::{Pins, TENANT_ID, disclose_backend, mark_routing_path, pins};
-use crate::routing::picker::Selection;
+use crate::routing::picker::{Few, Selection};
 use respond::{Answer, Answered};
 
 /// Connecting to a shim replica; past it the next replica is tried.
@@ -274,7 +274,7 @@ impl Dispatcher {
         let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
         let mut counted = CountedPath { metrics: &self.metrics, path };
         let ledger = Arc::clone(dispatch.ledger());
-        let ranks: Vec<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
+        let ranks: Few<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
         let sent = Instant::now();
         let (outcome, blames_pins) =
             self.send_pinned(&body, stream, disclose, headers, &selection, &replicas, dispatch).await;

@@ -35,12 +35,21 @@ pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// the stream (no engine sends one; the usual are a few hundred bytes).
 pub const MAX_PARTIAL_EVENT_BYTES: usize = 1 << 20;
 
+/// How long a stream that sent its closing `[DONE]` may take to end its body (the last chunk,
+/// or the close): past it, the client's answer is ended as whole and the shim's connection
+/// dropped. Nothing after the marker is for the client, who would otherwise wait the whole
+/// idle timeout on a shim (or a proxy in front of it) holding the end back.
+pub const AFTER_DONE_GRACE: Duration = Duration::from_secs(1);
+
 /// Whose failure a broken stream is.
 #[derive(Debug, Clone, Copy)]
 enum Fault {
-    /// An error event in the stream, no event for the idle timeout, an event past the bound:
-    /// what the engine behind the pins did (or failed to do).
+    /// An error event in the stream, or an event past the bound: what the engine behind the
+    /// pins did.
     Workers,
+    /// No event for the idle timeout: the workers' failure only if they answered nothing else
+    /// meanwhile, as for a head that never came ([`DispatchEnd::timed_out`]).
+    Silent,
     /// The connection under the stream broke, or closed inside an event: the shim replica's
     /// failure (or the network's). 1.6.1 says a worker's death in band.
     Shim,
@@ -51,6 +60,8 @@ pub struct RelayBody {
     inner: ShimBody,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
+    /// When the last event came (`None`: none yet).
+    last_event: Option<Instant>,
     done: bool,
     /// Where the bytes received so far stand among SSE lines.
     lines: Lines,
@@ -82,6 +93,7 @@ impl RelayBody {
             inner,
             idle,
             deadline,
+            last_event: None,
             done: false,
             lines: Lines::default(),
             partial: BytesMut::new(),
@@ -112,7 +124,8 @@ impl RelayBody {
         match (fault, &self.dispatch) {
             (Fault::Shim, _) => self.shim.ended(false),
             (Fault::Workers, Some(dispatch)) => dispatch.blame(),
-            (Fault::Workers, None) => {}
+            (Fault::Silent, Some(dispatch)) => dispatch.timed_out(self.last_event.map(Instant::into_std)),
+            (Fault::Workers | Fault::Silent, None) => {}
         }
         self.failures.inc();
     }
@@ -191,8 +204,10 @@ impl Body for RelayBody {
                     // the closing `[DONE]` short of its blank line is completed. Any other
                     // event cut short (a close-delimited answer whose connection dropped looks
                     // just so) is a break, said as one: SSE would silently drop the half.
+                    // After the engine's error event, an end without `[DONE]` is how the
+                    // frontend ends a failed stream: the client has its error already.
                     let unfinished = std::mem::take(&mut this.partial);
-                    if !carries_event(&unfinished) && this.closed {
+                    if !carries_event(&unfinished) && (this.closed || this.failed) {
                         this.finish();
                         return Poll::Ready(None);
                     }
@@ -220,9 +235,14 @@ impl Body for RelayBody {
                 }
                 Poll::Pending => {
                     ready!(this.deadline.as_mut().poll(cx));
+                    if this.closed && !carries_event(&this.partial) {
+                        tracing::debug!("shim stream held its end back past the closing [DONE]; ended");
+                        this.finish();
+                        return Poll::Ready(None);
+                    }
                     tracing::warn!(idle = ?this.idle, "shim stream idle too long; ending it");
                     return this.fail(
-                        Fault::Workers,
+                        Fault::Silent,
                         "stream_timeout",
                         "The model server sent nothing for too long and the stream was ended. Retry the request.",
                     );
@@ -244,11 +264,16 @@ impl Body for RelayBody {
             // dispatch) forever, and its first one would end the prefill before the first
             // token. Nor is a piece of an event that never ends, a byte now and then.
             if carries_event(&events) {
-                if let Some(dispatch) = &mut this.dispatch {
+                // An error event is no first token: the prompt may never have been prefilled,
+                // and its prefill rank is as much a suspect as the decode rank.
+                if let Some(dispatch) = this.dispatch.as_mut().filter(|_| carries_answer(&events)) {
                     dispatch.prefilled();
                 }
-                this.deadline.as_mut().reset(Instant::now() + this.idle);
+                let now = Instant::now();
+                this.last_event = Some(now);
                 this.closed = ends_with_done_marker(&events);
+                let wait = if this.closed { AFTER_DONE_GRACE.min(this.idle) } else { this.idle };
+                this.deadline.as_mut().reset(now + wait);
             }
             if let Some(dispatch) = &mut this.dispatch {
                 dispatch.observe(&events);
@@ -278,9 +303,12 @@ impl Body for RelayBody {
 /// line's start is looked at: a token's text is inside a string there, never at the start.
 fn carries_error_event(data: &[u8]) -> bool {
     // Lines end at LF, CRLF or CR: split at either, a CRLF leaving an empty piece between.
-    data.split(|b| *b == b'\n' || *b == b'\r').any(|line| {
-        line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start().starts_with(b"{\"error\""))
-    })
+    data.split(|b| *b == b'\n' || *b == b'\r').any(is_error_line)
+}
+
+/// Whether one line is an error event's `data:` line.
+fn is_error_line(line: &[u8]) -> bool {
+    line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start().starts_with(b"{\"error\""))
 }
 
 /// The error events of `events` that name an address, a path or a worker (as a refusal's body
@@ -322,19 +350,27 @@ fn event_lines(data: &[u8]) -> impl Iterator<Item = &[u8]> {
     data.split(|b| *b == b'\n' || *b == b'\r').filter(|line| line.first().is_some_and(|first| *first != b':'))
 }
 
-/// Whether the last line of whole events is the closing `data: [DONE]`.
+/// Whether whole SSE events hold an event other than an error event: something the engine
+/// answered, which for the first one means the prompt was prefilled.
+fn carries_answer(data: &[u8]) -> bool {
+    event_lines(data).any(|line| !is_error_line(line))
+}
+
+/// Whether the last event line of whole events (comments after it aside) is the closing
+/// `data: [DONE]`.
 fn ends_with_done_marker(events: &[u8]) -> bool {
-    let events = events.trim_ascii_end();
-    let last = events.iter().rposition(|b| *b == b'\n' || *b == b'\r').map_or(events, |at| &events[at + 1..]);
-    is_done_marker(last)
+    event_lines(events).last().is_some_and(is_done_line)
 }
 
 /// Whether an unfinished event is the stream's closing `data: [DONE]`: that line alone, but
 /// for comments.
 fn is_done_marker(unfinished: &[u8]) -> bool {
     let mut lines = event_lines(unfinished);
-    let done = |line: &[u8]| line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii() == b"[DONE]");
-    lines.next().is_some_and(done) && lines.next().is_none()
+    lines.next().is_some_and(is_done_line) && lines.next().is_none()
+}
+
+fn is_done_line(line: &[u8]) -> bool {
+    line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii() == b"[DONE]")
 }
 
 /// Where a stream stands among SSE lines, which end at LF, CRLF or CR; an event ends at a blank
@@ -458,9 +494,12 @@ mod tests {
     }
 
     #[test]
-    fn whole_events_end_with_the_closing_marker_only_when_their_last_line_is_it() {
-        let cases: [(&[u8], bool); 6] = [
+    fn whole_events_end_with_the_closing_marker_only_when_their_last_event_line_is_it() {
+        let cases: [(&[u8], bool); 8] = [
             (b"data: [DONE]\n\n", true),
+            // A keep-alive comment after the marker, in the same read, hides nothing.
+            (b"data: [DONE]\n\n:\n\n", true),
+            (b"data: [DONE]\n\n: ping\r\n\r\n", true),
             (b"data: {\"choices\":[]}\n\ndata: [DONE]\r\n\r\n", true),
             (b"data:[DONE]\r\r", true),
             (b"data: [DONE]\n\ndata: {\"choices\":[]}\n\n", false),

@@ -233,6 +233,9 @@ impl ChatRequest {
     /// megabytes (every member checked, every prompt string counted) would hold up every
     /// connection beside it on a runtime thread.
     pub async fn read(raw: Bytes) -> Result<Self, RequestError> {
+        if raw.len() <= ON_THE_RUNTIME_BYTES {
+            return Self::parse(raw);
+        }
         let deadline = tokio::time::Instant::now() + LARGE_WORK_WAIT;
         sized_work(raw.len(), Some(deadline), move || Self::parse(raw)).await.ok_or(RequestError::Busy)?
     }

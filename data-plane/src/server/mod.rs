@@ -17,10 +17,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
+use prometheus::IntGauge;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::http::AppState;
 
@@ -128,7 +129,9 @@ pub async fn serve(listener: TcpListener, app: App, stages: Stages) {
 
 /// [`serve`], with `capacity` connections at once.
 async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity: usize) {
-    let connections = TaskTracker::new();
+    // The connection tasks, aborted together once the grace period is over. (A select on the
+    // cut inside each task would take its token's two locks at every wake of every connection.)
+    let mut connections = JoinSet::new();
     let slots = Arc::new(Slots::new(capacity));
     loop {
         let accepted = tokio::select! {
@@ -141,18 +144,16 @@ async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity
                 if let Err(error) = stream.set_nodelay(true) {
                     tracing::debug!(%error, "could not set TCP_NODELAY on a client connection");
                 }
-                let gauge = app.state.metrics.http_connections.clone();
-                gauge.inc();
+                // The set lets go of the connections that ended, so it holds about as many
+                // tasks as there are open connections (at most twice `capacity`).
+                while connections.try_join_next().is_some() {}
+                let open = Open::new(&app.state.metrics.http_connections, slot);
                 let (app, stages, slots) = (app.clone(), stages.clone(), Arc::clone(&slots));
                 connections.spawn(async move {
-                    // Dropping a connection cut mid-answer closes its socket and ends the
-                    // dispatch behind it.
-                    tokio::select! {
-                        () = conn::serve(stream, app, &stages, &slots) => {}
-                        () = stages.cut.cancelled() => {}
-                    }
-                    gauge.dec();
-                    drop(slot);
+                    // Aborted mid-answer, the task drops the connection, which closes its
+                    // socket and ends the dispatch behind it.
+                    conn::serve(stream, app, &stages, &slots).await;
+                    drop(open);
                 });
             }
             // The client gave up before it was accepted: nothing to do.
@@ -165,13 +166,34 @@ async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity
         }
     }
     drop(listener);
-    connections.close();
+    let all_ended = async { while connections.join_next().await.is_some() {} };
     tokio::select! {
-        () = connections.wait() => return,
+        () = all_ended => return,
         () = stages.cut.cancelled() => {}
     }
     tracing::warn!(connections = connections.len(), "the grace period is over: closing connections still answering");
-    connections.wait().await;
+    connections.abort_all();
+    while connections.join_next().await.is_some() {}
+}
+
+/// An open connection: counted on `continuum_http_connections` and holding its slot until it
+/// ends or is cut.
+struct Open {
+    gauge: IntGauge,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Open {
+    fn new(gauge: &IntGauge, slot: OwnedSemaphorePermit) -> Self {
+        gauge.inc();
+        Self { gauge: gauge.clone(), _slot: slot }
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.gauge.dec();
+    }
 }
 
 /// The next connection, once a slot is free for it. Accepted first: a slot taken ahead of the

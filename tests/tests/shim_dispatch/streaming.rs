@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::body::Bytes;
 use continuum_data_plane::dispatch::DispatchSettings;
-use continuum_data_plane::dispatch::relay::MAX_PARTIAL_EVENT_BYTES;
+use continuum_data_plane::dispatch::relay::{AFTER_DONE_GRACE, MAX_PARTIAL_EVENT_BYTES};
 use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_tests::eventually;
 use continuum_tests::shim_stub::{Frame, StubShim};
@@ -254,6 +254,109 @@ async fn a_break_after_the_closing_done_cuts_nothing() -> anyhow::Result<()> {
     assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
     Ok(())
+}
+
+/// A shim (or a proxy in front of it) that holds its body's end back after the closing
+/// `[DONE]`: the client's stream ends whole once [`AFTER_DONE_GRACE`] has passed, not at the
+/// idle timeout, and nothing is counted against anyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_end_is_held_back_after_done_ends_whole_soon_after() -> anyhow::Result<()> {
+    let Streaming { harness, gate, mut response, .. } = streaming(DispatchSettings::default()).await?;
+    for frame in [FIRST, DONE] {
+        gate.send(Ok(Bytes::from(frame))).await?;
+        assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
+    }
+    // The gate stays open: the shim never sends its last chunk.
+    let after = AFTER_DONE_GRACE + Duration::from_secs(5);
+    let end = tokio::time::timeout(after, next_text(&mut response)).await;
+    assert!(matches!(end, Ok(Ok(None))), "ended whole, well before the idle timeout: {end:?}");
+    let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#), Some(0.0));
+    assert!(harness.replica.ledger.is_empty());
+    assert!(harness.replica.ledger.outliers().is_empty(), "no strike");
+    drop(gate);
+    harness.stop().await;
+    Ok(())
+}
+
+/// An error event before any token is no first token: the prompt may never have been
+/// prefilled, so both workers are suspects (two such streams take both out of picking), and
+/// the frontend's end after it (no `[DONE]`) adds no second error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_event_before_any_token_blames_the_prefill_worker_too() -> anyhow::Result<()> {
+    use continuum_data_plane::routing::picker::EJECT_AFTER;
+    let shim = StubShim::start().await?;
+    let harness =
+        Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), DispatchSettings::default())
+            .await?;
+    for _ in 0..EJECT_AFTER {
+        let gate = shim.push_stream();
+        let mut response = harness.post(&chat(MODEL, true)).await?;
+        gate.send(Ok(Bytes::from(FRONTEND_503))).await?;
+        assert_eq!(next_text(&mut response).await?.as_deref(), Some(FRONTEND_503));
+        drop(gate);
+        assert_eq!(next_text(&mut response).await?, None, "the engine's error event was the stream's end");
+    }
+    let outliers = harness.replica.ledger.outliers();
+    let now = std::time::Instant::now();
+    for id in [PREFILL_ID, DECODE_ID] {
+        assert!(outliers.ejected(&rank(id), now), "worker {id} is out");
+    }
+    let metrics = harness.metrics().await?;
+    assert_eq!(
+        sample(&metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#),
+        Some(0.0),
+        "the shim served them"
+    );
+    harness.stop().await;
+    Ok(())
+}
+
+/// A stream silent for its idle timeout strikes its workers as a head that never came does:
+/// only those that answered nothing else since it was sent. Workers serving other requests
+/// meanwhile (a long prompt, a burst timing out together) stay in; silent ones go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_stream_strikes_only_workers_that_answered_nothing_meanwhile() -> anyhow::Result<()> {
+    use continuum_data_plane::routing::picker::EJECT_AFTER;
+    let shim = StubShim::start().await?;
+    let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(500), ..DispatchSettings::default() };
+    let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
+    let outliers = harness.replica.ledger.outliers();
+    let silent_streams = |answer_meanwhile: bool| {
+        let (harness, shim) = (&harness, &shim);
+        async move {
+            let mut open = Vec::new();
+            for _ in 0..EJECT_AFTER {
+                let gate = shim.push_stream();
+                open.push((gate, harness.post(&chat(MODEL, true)).await?));
+            }
+            if answer_meanwhile {
+                // The same two workers answer another request whole.
+                let answered = harness.post(&chat(MODEL, false)).await?;
+                anyhow::ensure!(answered.status() == 200, "{}", answered.status());
+            }
+            for (gate, mut response) in open {
+                let event = next_text(&mut response).await?.unwrap_or_default();
+                anyhow::ensure!(event_code(&event).as_deref() == Some("stream_timeout"), "{event}");
+                drop(gate);
+            }
+            anyhow::Ok(())
+        }
+    };
+    silent_streams(true).await?;
+    assert!(outliers.is_empty(), "workers that answered since are not struck");
+    silent_streams(false).await?;
+    let now = std::time::Instant::now();
+    for id in [PREFILL_ID, DECODE_ID] {
+        assert!(outliers.ejected(&rank(id), now), "worker {id} answered nothing: out");
+    }
+    harness.stop().await;
+    Ok(())
+}
+
+fn rank(id: u64) -> LoadKey {
+    LoadKey { worker: WorkerKey::new(NAMESPACE, id), dp_rank: 0 }
 }
 
 /// A request holds the fleet view it was picked on only while it picks: one in flight for

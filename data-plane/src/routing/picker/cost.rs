@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use continuum_proto::model::{Capacity, Load, LoadSample};
 
-use super::Reason;
 use super::ledger::{LastDispatch, RankBacklog};
+use super::{Few, Reason};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(super) enum Phase {
@@ -213,7 +213,7 @@ pub(super) struct Scored {
 /// Of the tied, those that went longest without a dispatch from the fleet remain: two ranks
 /// one request apart then take arrivals in turn, whichever replica sends them, where a
 /// replica's own cursor would send two in a row to one rank half the time.
-pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
+pub(super) fn contenders(scored: &[Scored]) -> (Reason, Few<usize>) {
     // Costs decide once some candidate has a fresh sample carrying the phase's field (even
     // one whose card lacks the capacity to cost it), if some candidate has a defined cost (a
     // quiet one's counts); with none anywhere there is nothing to compare.
@@ -223,7 +223,7 @@ pub(super) fn contenders(scored: &[Scored]) -> (Reason, Vec<usize>) {
     let healthy_exists = scored.iter().any(|s| s.cost.is_some() && !s.stalled);
     let eligible = |s: &Scored| s.cost.filter(|_| !(s.stalled && healthy_exists));
     let Some(best) = scored.iter().filter_map(eligible).min() else {
-        return (Reason::Load, Vec::new());
+        return (Reason::Load, Few::new());
     };
     (Reason::Load, longest_idle(scored, |s| eligible(s).is_some_and(|c| c.before_request() <= best)))
 }
@@ -239,7 +239,7 @@ pub(super) fn passes_stalls(scored: &[Scored]) -> impl Fn(&Scored) -> bool {
 }
 
 /// The indices of the candidates `among` selects that the fleet sent a dispatch longest ago.
-fn longest_idle(scored: &[Scored], among: impl Fn(&Scored) -> bool) -> Vec<usize> {
+fn longest_idle(scored: &[Scored], among: impl Fn(&Scored) -> bool) -> Few<usize> {
     LastDispatch::longest_idle(scored.iter().enumerate().filter(|(_, s)| among(s)).map(|(i, s)| (i, s.last_dispatch)))
 }
 

@@ -28,7 +28,7 @@ use prometheus::{GaugeVec, IntCounter};
 
 use super::outliers::Outliers;
 use super::sizing::PromptSizes;
-use super::{Pin, Selection};
+use super::{Few, Pin, Selection};
 use continuum_proto::fast_hash::FastMap;
 
 mod changes;
@@ -134,7 +134,7 @@ pub enum LastDispatch {
 impl LastDispatch {
     /// Of `candidates` (index, last dispatch), the indices of those the fleet sent a dispatch
     /// longest ago.
-    pub fn longest_idle(candidates: impl Iterator<Item = (usize, Self)> + Clone) -> Vec<usize> {
+    pub fn longest_idle(candidates: impl Iterator<Item = (usize, Self)> + Clone) -> Few<usize> {
         let longest = candidates.clone().map(|(_, last)| last).min();
         candidates.filter(|(_, last)| Some(*last) == longest).map(|(i, _)| i).collect()
     }
@@ -627,7 +627,7 @@ impl DispatchLedger {
         ranks: &[(K, Option<Instant>)],
         folded: Option<ReportsFolded>,
         now: Instant,
-    ) -> Vec<RankBacklog> {
+    ) -> Few<RankBacklog> {
         let mut state = self.lock();
         ranks
             .iter()

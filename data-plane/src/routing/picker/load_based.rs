@@ -18,7 +18,7 @@ use prometheus::{IntCounter, IntCounterVec};
 use super::candidates::{Candidate, PoolCache, Pools};
 use super::cost::{self, CostInputs, Phase, Scored, Standing};
 use super::ledger::{DispatchLedger, RankBacklog};
-use super::{PickRequest, Picker, REASONS, Reason, Selection};
+use super::{Few, PickRequest, Picker, REASONS, Reason, Selection};
 
 /// Round-robin cursors held at once. Models and namespaces come from the fleet, so the map is
 /// bounded; past the bound it starts over, which only resets rotation.
@@ -82,9 +82,9 @@ impl LoadBasedPicker {
 
     /// Each candidate's last sample and what the fleet's dispatches add to it: this
     /// replica's ledger joined with the fleet-wide backlogs, under one ledger acquisition.
-    pub(super) fn ranks<'v>(&self, view: &'v FleetView, candidates: &[Candidate], now: Instant) -> Vec<RankState<'v>> {
-        let mut views: Vec<(Option<&LoadSample>, Option<&Backlog>)> = Vec::with_capacity(candidates.len());
-        let mut queries = Vec::with_capacity(candidates.len());
+    pub(super) fn ranks<'v>(&self, view: &'v FleetView, candidates: &[Candidate], now: Instant) -> Few<RankState<'v>> {
+        let mut views: Few<(Option<&LoadSample>, Option<&Backlog>)> = Few::with_capacity(candidates.len());
+        let mut queries: Few<_> = Few::with_capacity(candidates.len());
         for candidate in candidates {
             let key = &candidate.load_key;
             let (sample, fleet) = (view.loads().get(key), view.backlogs().get(key));
@@ -108,12 +108,12 @@ impl LoadBasedPicker {
         candidates: &[Candidate],
         prompt_tokens: u64,
         now: Instant,
-    ) -> (Reason, Vec<usize>) {
+    ) -> (Reason, Few<usize>) {
         let params = &view.config().picker;
         let max_staleness = params.max_staleness;
         let prefill_load_scale = cost::weight(params.prefill_load_scale);
         let ranks = self.ranks(view, candidates, now);
-        let scored: Vec<Scored> = candidates
+        let scored: Few<Scored> = candidates
             .iter()
             .zip(&ranks)
             .map(|(candidate, rank)| {

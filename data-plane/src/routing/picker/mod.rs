@@ -35,6 +35,10 @@ pub use load_based::LoadBasedPicker;
 pub use outliers::{EJECT_AFTER, EJECTION, Outliers};
 pub use sizing::{PromptSizes, usage_prompt_tokens};
 
+/// A pick's per-candidate scratch list: pools hold a handful of ranks, so these stay inline
+/// (a pick used to allocate a dozen of them as vectors) and spill to the heap past eight.
+pub type Few<T> = smallvec::SmallVec<[T; 8]>;
+
 /// One worker rank to pin.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Pin {

@@ -141,7 +141,7 @@ impl Outliers {
         held.values().any(|record| record.ejects(now))
     }
 
-    #[cfg(test)]
+    /// Whether `rank` is ejected at `now`.
     pub fn ejected(&self, rank: &LoadKey, now: Instant) -> bool {
         let held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
         held.get(rank).is_some_and(|record| record.ejects(now))

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
-use prometheus::GaugeVec;
+use prometheus::{Gauge, GaugeVec};
 
 /// The most models whose ratio a replica keeps.
 pub const MAX_CALIBRATED_MODELS: usize = 256;
@@ -31,10 +31,13 @@ const LEARNING_RATE: f64 = 0.2;
 
 #[derive(Debug, Default)]
 pub struct PromptSizes {
-    factors: Mutex<HashMap<Box<str>, f64>>,
+    factors: Mutex<HashMap<Box<str>, Learnt>>,
     /// `continuum_prompt_estimate_ratio{model}`, when the replica registered it.
     gauge: Option<GaugeVec>,
 }
+
+/// A model's ratio, with its series of the gauge (resolved once, not per answer).
+type Learnt = (f64, Option<Gauge>);
 
 impl PromptSizes {
     /// Ratios that also show on `gauge` (label `model`; at most `MAX_CALIBRATED_MODELS`).
@@ -50,7 +53,7 @@ impl PromptSizes {
 
     /// The model's learnt ratio of counted to estimated tokens (1 before any answer).
     pub fn factor(&self, model: &str) -> f64 {
-        self.factors.lock().unwrap_or_else(PoisonError::into_inner).get(model).copied().unwrap_or(1.0)
+        self.factors.lock().unwrap_or_else(PoisonError::into_inner).get(model).map_or(1.0, |(factor, _)| *factor)
     }
 
     /// One answer: a prompt estimated at `estimate` tokens was counted as `counted`.
@@ -59,21 +62,22 @@ impl PromptSizes {
             return;
         }
         let mut factors = self.factors.lock().unwrap_or_else(PoisonError::into_inner);
-        let factor = if let Some(factor) = factors.get_mut(model) {
+        if let Some((factor, gauge)) = factors.get_mut(model) {
             *factor = next_factor(*factor, estimate, counted);
-            *factor
+            show(gauge.as_ref(), *factor);
         } else if factors.len() < MAX_CALIBRATED_MODELS {
             let factor = next_factor(1.0, estimate, counted);
-            factors.insert(model.into(), factor);
-            factor
-        } else {
-            return;
-        };
-        drop(factors);
-        // A gauge built with other labels only loses the figure; sizing goes on.
-        if let Some(gauge) = self.gauge.as_ref().and_then(|g| g.get_metric_with_label_values(&[model]).ok()) {
-            gauge.set(factor);
+            // A gauge built with other labels only loses the figure; sizing goes on.
+            let gauge = self.gauge.as_ref().and_then(|g| g.get_metric_with_label_values(&[model]).ok());
+            show(gauge.as_ref(), factor);
+            factors.insert(model.into(), (factor, gauge));
         }
+    }
+}
+
+fn show(gauge: Option<&Gauge>, factor: f64) {
+    if let Some(gauge) = gauge {
+        gauge.set(factor);
     }
 }
 
@@ -90,7 +94,7 @@ fn next_factor(current: f64, estimate: u64, counted: u64) -> f64 {
 pub fn usage_prompt_tokens(body: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"prompt_tokens\":";
     // From the end: `usage` closes an answer, which may be megabytes of choices before it.
-    let at = body.windows(KEY.len()).rposition(|window| window == KEY)?;
+    let at = memchr::memmem::rfind(body, KEY)?;
     let rest = body.get(at + KEY.len()..)?;
     let digits = rest.iter().skip_while(|b| b.is_ascii_whitespace());
     let mut value: u64 = 0;

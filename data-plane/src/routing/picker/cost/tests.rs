@@ -382,7 +382,8 @@ fn contender_rules() {
         ),
     ];
     for (name, scored, reason, expected) in cases {
-        assert_eq!(contenders(scored), (*reason, expected.clone()), "{name}");
+        let (got, chosen) = contenders(scored);
+        assert_eq!((got, chosen.into_vec()), (*reason, expected.clone()), "{name}");
     }
 }
 

@@ -387,7 +387,7 @@ pub(super) fn tie_width(prompt: Prompt, any_overlap: bool) -> f64 {
 
 /// Of `ties`, those the fleet sent a dispatch longest ago (see `cost::contenders`).
 fn longest_idle(ties: Vec<usize>, scored: &[Scored]) -> Vec<usize> {
-    LastDispatch::longest_idle(ties.iter().filter_map(|&i| Some((i, scored.get(i)?.last_dispatch))))
+    LastDispatch::longest_idle(ties.iter().filter_map(|&i| Some((i, scored.get(i)?.last_dispatch)))).into_vec()
 }
 
 /// `at`, when it is among `entries` with a cost at most `tie` above the lowest.
