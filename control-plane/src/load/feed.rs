@@ -72,9 +72,10 @@ impl LoadFeed {
 #[derive(Debug, Default)]
 pub struct StreamOrder {
     last: Option<u64>,
-    /// A message after `last` went unread (malformed, of an unknown version, too large): it
-    /// took a sequence number, so the next one is `last + 2`, and only a later one shows a gap.
-    unread: bool,
+    /// Messages after `last` that went unread (malformed, of an unknown version, too large):
+    /// each took a sequence number, so after two the next one is `last + 3`, and only a later
+    /// one shows a gap.
+    unread: u64,
 }
 
 impl Feed for LoadFeed {
@@ -117,7 +118,7 @@ impl Feed for LoadFeed {
                 // than stand until a later sequence shows one. Not a duplicate, nor one naming
                 // another publisher, which was never this stream's.
                 if matches!(event, LoadEvent::Malformed | LoadEvent::UnknownVersion | LoadEvent::Oversized) {
-                    order.unread = true;
+                    order.unread = order.unread.saturating_add(1);
                     self.drop_publisher(&publisher.key(), None).await;
                 }
             }
@@ -169,10 +170,10 @@ impl LoadFeed {
         // message would read as a gap and drop the publisher's samples for nothing.
         let gap = match order.last {
             Some(last) if m.sequence <= last => return Err(LoadEvent::Duplicate),
-            Some(last) => m.sequence > last.saturating_add(1 + u64::from(order.unread)),
+            Some(last) => m.sequence > last.saturating_add(1).saturating_add(order.unread),
             None => false,
         };
-        *order = StreamOrder { last: Some(m.sequence), unread: false };
+        *order = StreamOrder { last: Some(m.sequence), unread: 0 };
         let key = publisher.key();
         let mut store = self.store.lock();
         let removed = if gap {
@@ -355,6 +356,11 @@ mod tests {
         feed.message(&channel, &mut order, Err(Dropped::Oversized)).await;
         assert!(feed.accept(&channel, &mut order, message(6, 1)).is_ok());
         assert_eq!((count("oversized"), count("sequence_gap")), (2, 1), "5 never came");
+        // Two unread in a row take two numbers: the one after them is no gap either.
+        feed.message(&channel, &mut order, Err(Dropped::Oversized)).await;
+        feed.message(&channel, &mut order, Err(Dropped::Oversized)).await;
+        assert!(feed.accept(&channel, &mut order, message(9, 1)).is_ok());
+        assert_eq!((count("oversized"), count("sequence_gap")), (4, 1), "two messages lost, each counted once");
     }
 
     #[test]
