@@ -383,10 +383,11 @@ impl Fleet for FleetService {
             Vec::new()
         };
         let prompt_tokens = prompt_tokens.min(MAX_LOOKUP_PROMPT_TOKENS);
-        // A key too long for a replica id names no session's lookups; answered all the same.
-        let key = (replica_id.len() <= MAX_REPLICA_ID_BYTES).then_some(LookupKey { replica: &replica_id, lookup });
+        // A key that is no replica id (`Hello` refuses it) names no session's lookups; answered
+        // all the same, and logged escaped.
+        let key = continuum_proto::valid_replica_id(&replica_id).then_some(LookupKey { replica: &replica_id, lookup });
         let suggestion = self.kv.answer_lookup(key, &contenders, prompt_tokens);
-        tracing::debug!(target: "continuum_control_plane::lookups", replica = %replica_id, lookup, turn, ?suggestion, "lookup answered");
+        tracing::debug!(target: "continuum_control_plane::lookups", replica = ?replica_id, lookup, turn, ?suggestion, "lookup answered");
         let wire = |rank: RankKey| Some(pb::RankId { instance_id: rank.worker_id, dp_rank: rank.dp_rank });
         let (suggestion, tie_break, reserved_tokens) = match suggestion {
             Some(Suggestion::Weighed { rank, reserved_tokens }) => {

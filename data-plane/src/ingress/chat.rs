@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 
 use super::error::ApiError;
-use super::request::ChatRequest;
+use super::request::{ChatRequest, RequestError};
 use super::select::{self, SelectError};
 use crate::dispatch::{Pinned, Plan, Route};
 use crate::http::AppState;
@@ -33,8 +33,11 @@ pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, b
 }
 
 async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Result<Response, ApiError> {
-    // Ingress. The client's routing body fields are stripped as the outbound body is made.
+    // Ingress. The client's routing body fields are stripped as the outbound body is made,
+    // before anything is picked: a body refused then (its rewrite would grow past the bound,
+    // or found no room) leaves no dispatch recorded, no cursor moved and no prefix credited.
     let request = ChatRequest::read(body).await?.with_tenant(tenant);
+    let stripped = request.outbound(None, disclose).await?;
     // Pick, on the view of the moment: held only while picking, since a request may run for
     // minutes and the control plane publishes a view every few milliseconds under load.
     let routed = {
@@ -42,13 +45,22 @@ async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: B
         select::route(state, &view, &request).await?
     };
     // Upstream request and relay.
-    let attached = routed.token_data.is_some();
-    let body = request.outbound(routed.token_data, disclose).await?;
     let mut route = routed.route;
-    if attached && let Route::Pinned(Pinned { fallback: Some(fallback), .. }) = &mut route {
-        // A fallback backend is not a shim: the router's tokens are not for it.
-        fallback.body = Some(request.outbound(None, disclose).await?);
-    }
+    let body = match routed.token_data {
+        Some(tokens) => {
+            if let Route::Pinned(Pinned { fallback: Some(fallback), .. }) = &mut route {
+                // A fallback backend is not a shim: the router's tokens are not for it.
+                fallback.body = Some(stripped.clone());
+            }
+            // The tokens are a saving of the frontend's: without room to add them now, it
+            // tokenizes the prompt itself.
+            match request.outbound(Some(tokens), disclose).await {
+                Err(RequestError::Busy) => stripped,
+                body => body?,
+            }
+        }
+        None => stripped,
+    };
     // A tenant passed the frontend's own test for a header string when it was read.
     let tenant = request.tenant().and_then(|tenant| HeaderValue::from_str(tenant).ok());
     Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, route }).await?)

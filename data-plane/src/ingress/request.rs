@@ -167,6 +167,11 @@ pub struct ChatRequest {
     tenant: Option<String>,
 }
 
+/// Members the frontend reads into typed objects, which refuse a key that comes twice: so are
+/// they refused here, before a pick (a buffered request the frontend refuses comes back as the
+/// pinned dispatch's failure). Free-form ones (`metadata`, `logit_bias`) keep a repeat's last.
+const TYPED_OBJECTS: [&str; 4] = ["stream_options", "response_format", "prediction", "audio"];
+
 /// The members routing reads; everything else is only checked to be valid JSON ([`Checked`]),
 /// and no member may come twice (the frontend refuses a request with one twice; a rewrite of
 /// the body would keep only the last). None is built as a tree: a `model` of eight megabytes of
@@ -211,6 +216,9 @@ impl<'de> Deserialize<'de> for Members {
                         "tools" => members.tools = map.next_value()?,
                         "tool_choice" => members.tool_choice = map.next_value()?,
                         "nvext" => members.nvext = map.next_value()?,
+                        field if TYPED_OBJECTS.contains(&field) => {
+                            map.next_value::<UniqueObject>()?;
+                        }
                         field if ENGINE_ROUTING_FIELDS.contains(&field) => {
                             map.next_value::<Checked>()?;
                             members.engine_routing = true;
@@ -681,6 +689,17 @@ mod tests {
             (r#"{"model":"m","messages":[{"role":"user","content":"a","content":"b"}]}"#, "`content` twice"),
             (r#"{"model":"m","messages":[{}],"tools":[{"type":"function","type":"function"}]}"#, "`type` twice"),
             (r#"{"model":"m","messages":[{}],"a\u0062":1,"ab":2}"#, "`ab` twice"),
+            // Typed objects beside the prompt, and a content part's media: the frontend's types
+            // refuse a repeat there too.
+            (
+                r#"{"model":"m","messages":[{}],"stream_options":{"include_usage":true,"include_usage":false}}"#,
+                "`include_usage` twice",
+            ),
+            (r#"{"model":"m","messages":[{}],"response_format":{"type":"text","type":"json_object"}}"#, "`type` twice"),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"a","url":"b"}}]}]}"#,
+                "`url` twice",
+            ),
         ];
         for (body, says) in rows {
             let error = parse(body).unwrap_err();

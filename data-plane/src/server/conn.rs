@@ -97,7 +97,8 @@ async fn write_continue(stream: &mut TcpStream) -> Result<(), Stop> {
 }
 
 /// When the rest of a request must have arrived: [`REQUEST_READ_TIMEOUT`] after its first
-/// bytes, later by the time of each byte read since at [`MIN_READ_BYTES_PER_SECOND`].
+/// bytes, later by the time of each byte read since at [`MIN_READ_BYTES_PER_SECOND`], up to
+/// [`MAX_READ_CREDIT`] bytes of them.
 #[derive(Debug)]
 struct ReadDeadline {
     start: tokio::time::Instant,
@@ -110,7 +111,8 @@ impl ReadDeadline {
     }
 
     fn received(&mut self, bytes: usize) {
-        self.received = self.received.saturating_add(u64::try_from(bytes).unwrap_or(u64::MAX));
+        let credit = u64::try_from(MAX_READ_CREDIT).unwrap_or(u64::MAX);
+        self.received = self.received.saturating_add(u64::try_from(bytes).unwrap_or(u64::MAX)).min(credit);
     }
 
     fn at(&self) -> tokio::time::Instant {
@@ -118,6 +120,12 @@ impl ReadDeadline {
         self.start + REQUEST_READ_TIMEOUT + earned
     }
 }
+
+/// The most bytes of one request that earn it time: the largest head and body, and an eighth
+/// more for a chunked body's framing. Past it a request earns nothing, so a chunked body
+/// padded out with chunk extensions (4 KiB of them around each byte of body) cannot hold its
+/// connection for days at the minimum rate.
+const MAX_READ_CREDIT: usize = MAX_HEAD_BYTES + MAX_REQUEST_BODY_BYTES + MAX_REQUEST_BODY_BYTES / 8;
 
 struct Connection {
     stream: TcpStream,

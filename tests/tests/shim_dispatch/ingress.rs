@@ -40,6 +40,34 @@ async fn requests_that_cannot_be_routed_get_openai_errors() -> anyhow::Result<()
     Ok(())
 }
 
+/// A body refused as its outbound copy is made (its `nvext` must go, and its numbers, written
+/// short, would come out long enough to more than double it) is refused before the pick:
+/// nothing is picked, recorded, reported or sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_whose_rewrite_would_grow_past_its_bound_is_refused_before_the_pick() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let pad = vec!["1e15"; 2000].join(",");
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"nvext":{{"backend_instance_id":1}},"pad":[{pad}]}}"#
+    );
+    let url = harness.url("/v1/chat/completions");
+    let refused = harness.http.post(&url).header("content-type", "application/json").body(body).send().await?;
+    assert_eq!(error_of(refused).await?, (413, "request_too_large".into()));
+    let metrics = harness.metrics().await?;
+    let picked: f64 = metrics
+        .lines()
+        .filter(|line| line.starts_with("continuum_dynamo_selection_total{"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(picked, 0.0, "nothing was picked: {metrics}");
+    assert!(harness.replica.ledger.is_empty() && shim.received().is_empty());
+    // The same request without the padding is routed.
+    assert_eq!(harness.post(&chat(MODEL, false)).await?.status(), 200);
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;

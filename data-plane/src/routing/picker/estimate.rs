@@ -5,7 +5,7 @@ use std::fmt;
 
 use serde::de::{Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
-use crate::json_shape::{Checked, Key, Keys};
+use crate::json_shape::{Checked, Key, Keys, UniqueObject};
 
 /// English-like text runs about four characters per token…
 const CHARS_PER_TOKEN: u64 = 4;
@@ -99,7 +99,12 @@ impl<'de> Visitor<'de> for Text {
         let (mut tokens, mut keys) = (0u64, Keys::default());
         while let Some(Key(name)) = fields.next_key()? {
             if SKIPPED_FIELDS.contains(&name.as_ref()) {
-                fields.next_value::<Checked>()?;
+                // Not prompt text, but typed all the same (`image_url: {url, detail}`).
+                if self.unique_keys {
+                    fields.next_value::<UniqueObject>()?;
+                } else {
+                    fields.next_value::<Checked>()?;
+                }
             } else {
                 let free = FREE_FORM_FIELDS.contains(&name.as_ref());
                 let text = Text { unique_keys: self.unique_keys && !free };

@@ -185,6 +185,24 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
     Ok(())
 }
 
+/// What a request's bytes earn is capped at its largest size: a chunked body padded with
+/// framing (each byte of body behind a 4 KiB chunk extension) earns no more time than a whole
+/// body of the largest size, instead of days at the minimum rate.
+#[test]
+fn a_request_earns_time_for_no_more_bytes_than_its_largest_size() {
+    let mut deadline = ReadDeadline::from_now();
+    let longest = deadline.start
+        + REQUEST_READ_TIMEOUT
+        + Duration::from_millis(MAX_READ_CREDIT as u64 * 1000 / MIN_READ_BYTES_PER_SECOND);
+    deadline.received(MAX_REQUEST_BODY_BYTES);
+    assert!(deadline.at() < longest, "a whole body earns its time");
+    for _ in 0..8 << 20 {
+        deadline.received(4 << 10);
+    }
+    assert_eq!(deadline.at(), longest, "32 GiB of framing earns no more than the cap");
+    assert!(longest - deadline.start < Duration::from_secs(200), "{:?}", longest - deadline.start);
+}
+
 /// A body's last read takes little past it: a client that sends megabytes behind its body
 /// does not get them read (uncharged) into the buffer while its response runs.
 #[tokio::test]
