@@ -350,10 +350,11 @@ fn event_lines(data: &[u8]) -> impl Iterator<Item = &[u8]> {
     data.split(|b| *b == b'\n' || *b == b'\r').filter(|line| line.first().is_some_and(|first| *first != b':'))
 }
 
-/// Whether whole SSE events hold an event other than an error event: something the engine
-/// answered, which for the first one means the prompt was prefilled.
+/// Whether whole SSE events hold an event other than an error event or the closing marker
+/// (1.6.1 closes a failed stream with it): something the engine answered, which for the first
+/// one means the prompt was prefilled.
 fn carries_answer(data: &[u8]) -> bool {
-    event_lines(data).any(|line| !is_error_line(line))
+    event_lines(data).any(|line| !is_error_line(line) && !is_done_line(line))
 }
 
 /// Whether the last event line of whole events (comments after it aside) is the closing

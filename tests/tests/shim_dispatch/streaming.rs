@@ -282,7 +282,7 @@ async fn a_stream_whose_end_is_held_back_after_done_ends_whole_soon_after() -> a
 
 /// An error event before any token is no first token: the prompt may never have been
 /// prefilled, so both workers are suspects (two such streams take both out of picking), and
-/// the frontend's end after it (no `[DONE]`) adds no second error event.
+/// the frontend's end after it, with its closing `[DONE]` or without, adds no error event.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_error_event_before_any_token_blames_the_prefill_worker_too() -> anyhow::Result<()> {
     use continuum_data_plane::routing::picker::EJECT_AFTER;
@@ -290,11 +290,13 @@ async fn an_error_event_before_any_token_blames_the_prefill_worker_too() -> anyh
     let harness =
         Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), DispatchSettings::default())
             .await?;
-    for _ in 0..EJECT_AFTER {
+    let ends = [FRONTEND_503.to_string(), format!("{FRONTEND_503}{DONE}")];
+    assert_eq!(ends.len() as u32, EJECT_AFTER);
+    for end in ends {
         let gate = shim.push_stream();
         let mut response = harness.post(&chat(MODEL, true)).await?;
-        gate.send(Ok(Bytes::from(FRONTEND_503))).await?;
-        assert_eq!(next_text(&mut response).await?.as_deref(), Some(FRONTEND_503));
+        gate.send(Ok(Bytes::from(end.clone()))).await?;
+        assert_eq!(next_text(&mut response).await?, Some(end));
         drop(gate);
         assert_eq!(next_text(&mut response).await?, None, "the engine's error event was the stream's end");
     }
