@@ -13,7 +13,7 @@ use continuum_kv_index::{KvResult, Outcome};
 use super::decode::{KvEvent, KvEventData, decode_kv_events};
 use super::indexer::{KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
-use crate::discovery::{Fleet, Publisher, Topic};
+use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::load::zmtp::Message;
 use crate::load::{Dropped, Feed, Refusal};
 
@@ -61,6 +61,25 @@ impl KvFeed {
         self.events.with_label_values(&[result.as_str()]).inc();
     }
 
+    /// Applies one message's events in turns of at most [`BLOCKS_PER_HOLD`] blocks, yielding
+    /// between them. A message cut short between two turns (its session cancelled, as a reload
+    /// of the subscriptions does) stands applied in part, which no gap would show on the next
+    /// session: its publisher's ranks are cleared then, as on a gap.
+    async fn apply_turns(&self, mapping: &PublisherMapping, events: &[KvEvent], counts: &mut KvCounts) {
+        let mut cut_short = CutShort { feed: self, publisher: &mapping.publisher, armed: true };
+        let mut turns = turns(events, BLOCKS_PER_HOLD).peekable();
+        while let Some(turn) = turns.next() {
+            match turn {
+                Turn::Events(events) => counts.merge(&self.indexer.write().apply_events(mapping, events)),
+                Turn::Large(event) => self.apply_large(mapping, event, counts).await,
+            }
+            if turns.peek().is_some() {
+                tokio::task::yield_now().await;
+            }
+        }
+        cut_short.armed = false;
+    }
+
     /// Applies an event of more than [`BLOCKS_PER_HOLD`] blocks in parts, the lock let go and
     /// the task yielding between them, and counts it once, as the whole of its parts. A rank
     /// that leaves the fleet between two parts takes no more of them.
@@ -89,6 +108,23 @@ impl KvFeed {
         }
         counts.blocks.merge(&outcome);
         counts.add(outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from));
+    }
+}
+
+/// Clears a publisher's ranks as on a gap when dropped armed: its message was cut short.
+struct CutShort<'a> {
+    feed: &'a KvFeed,
+    publisher: &'a PublisherKey,
+    armed: bool,
+}
+
+impl Drop for CutShort<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut counts = KvCounts::default();
+            self.feed.indexer.write().message_lost(self.publisher, &mut counts);
+            self.feed.count(&counts);
+        }
     }
 }
 
@@ -204,16 +240,7 @@ impl Feed for KvFeed {
                     // Its removals among them, perhaps: the ranks are cleared as on a gap.
                     self.indexer.write().message_lost(&mapping.publisher, &mut counts);
                 }
-                let mut turns = turns(&batch.events, BLOCKS_PER_HOLD).peekable();
-                while let Some(turn) = turns.next() {
-                    match turn {
-                        Turn::Events(events) => counts.merge(&self.indexer.write().apply_events(&mapping, events)),
-                        Turn::Large(event) => self.apply_large(&mapping, event, &mut counts).await,
-                    }
-                    if turns.peek().is_some() {
-                        tokio::task::yield_now().await;
-                    }
-                }
+                self.apply_turns(&mapping, &batch.events, &mut counts).await;
                 counts
             }
             refused => self.indexer.write().apply_decoded(&mapping, refused),
@@ -386,6 +413,32 @@ mod tests {
         let events = IntCounterVec::new(prometheus::Opts::new("e", "e"), &["result"]).unwrap();
         let gauge = IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap();
         KvFeed { indexer: SharedKvIndexer::new(indexer), events, gauge, left_out: IntGauge::new("l", "l").unwrap() }
+    }
+
+    /// A message cut short between two turns (its session cancelled by a reload) clears its
+    /// publisher's ranks as on a gap, since the next session could not tell; one applied whole
+    /// does not.
+    #[tokio::test]
+    async fn a_message_cut_short_between_two_turns_clears_its_ranks_as_on_a_gap() {
+        let (_, mapping) = one_rank();
+        let feed = feed(one_rank().0);
+        let blocks = 3 * BLOCKS_PER_HOLD as u64;
+        let events = [chain(1, None, 0..blocks)];
+        let mut counts = KvCounts::default();
+        {
+            let applying = feed.apply_turns(&mapping, &events, &mut counts);
+            tokio::pin!(applying);
+            // One poll: the first part is applied, then the task yields, and is dropped.
+            assert!(futures::poll!(applying.as_mut()).is_pending());
+            let held = feed.indexer.read().index().stats().ownerships;
+            assert_eq!(held, BLOCKS_PER_HOLD, "a part was applied");
+        }
+        assert_eq!(feed.indexer.read().index().stats().ownerships, 0, "cleared as on a gap");
+        assert_eq!(feed.events.with_label_values(&["gap"]).get(), 1);
+
+        feed.apply_turns(&mapping, &[chain(2, None, 0..blocks)], &mut counts).await;
+        assert_eq!(feed.indexer.read().index().stats().ownerships, blocks as usize, "whole");
+        assert_eq!(feed.events.with_label_values(&["gap"]).get(), 1, "no gap");
     }
 
     /// An event past one hold's blocks is applied in parts, the lock let go between them: the
