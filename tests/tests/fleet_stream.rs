@@ -154,6 +154,56 @@ async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stay
     Ok(())
 }
 
+/// A replica that reads slowly while the fleet outruns the delta log between its reads is sent
+/// a snapshot only once it has applied the last one: never several in flight, each older than
+/// the fleet by the time it is read (with a 16,384-worker fleet, a megabyte each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_reader_behind_the_delta_log_has_one_snapshot_in_flight_at_most() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let (replies, mut updates) = open_watch(&control.url(), "slow").await?;
+    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    replies.send(ack(&first)).await?;
+    let mut view = fold(None, first)?;
+    let status = control.replicas.list().into_iter().next().ok_or_else(|| anyhow::anyhow!("no session"))?;
+    let sent = || status.snapshots_sent.load(std::sync::atomic::Ordering::Relaxed);
+    // Eight workers whose model names change: every change a version, every update large.
+    let big = "x".repeat(64 << 10);
+    let mut version = 0u64;
+    let mut change = || {
+        version += 1;
+        let model = format!("{big}{version}");
+        control
+            .publisher
+            .apply(FleetChange { upsert: vec![worker("dynamo", version % 8, &model)], ..Default::default() });
+    };
+    let (mut snapshots_read, mut most_ahead) = (1u64, 0u64);
+    let expected = loop {
+        if snapshots_read < 6 {
+            for _ in 0..DELTA_LOG_CAPACITY + 8 {
+                change();
+            }
+            // The session's turn: under the old rule it sent a snapshot into every slot the
+            // last read freed, while the replica was still to read the one before.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let update =
+            tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+        snapshots_read += u64::from(is_snapshot(&update));
+        most_ahead = most_ahead.max(sent().saturating_sub(snapshots_read));
+        replies.send(ack(&update)).await?;
+        view = fold(Some(view), update)?;
+        let expected = control.publisher.current();
+        if snapshots_read >= 6 && view.version() == expected.version() {
+            break expected;
+        }
+    };
+    assert!(view.same_content(expected.view()));
+    assert!(snapshots_read >= 6, "a replica past the delta log is resynced with snapshots");
+    assert_eq!(most_ahead, 1, "at most one snapshot sent and not yet read");
+    control.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;

@@ -86,6 +86,18 @@ impl FleetState {
         Some((FleetState { view, log, reports_folded }, delta))
     }
 
+    /// Whether a replica that holds `held` can only be caught up with a full snapshot: it
+    /// holds nothing yet, or a version the delta log no longer reaches. (A cheap test: it
+    /// merges nothing.)
+    pub fn needs_snapshot(&self, held: Option<u64>) -> bool {
+        match (held, self.log.front()) {
+            (None, _) => true,
+            (Some(held), _) if held == self.version() => false,
+            (Some(_), None) => true,
+            (Some(held), Some(first)) => held < first.base_version || held > self.version(),
+        }
+    }
+
     /// What to send a replica that holds `held` (None: nothing yet).
     pub fn catchup(&self, held: Option<u64>) -> Catchup {
         let Some(held) = held else { return Catchup::Snapshot(self.view.clone()) };

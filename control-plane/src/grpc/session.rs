@@ -148,6 +148,9 @@ pub(crate) struct Session {
     last_snapshot: Option<Sent>,
     /// When a refused delta last brought a snapshot ([`RESYNC_INTERVAL`]).
     last_resync: Option<Instant>,
+    /// The replica acknowledges the updates it applies (every Continuum replica does): its
+    /// next snapshot waits for the last one's acknowledgement.
+    acks: bool,
 }
 
 impl Session {
@@ -171,6 +174,7 @@ impl Session {
             held: None,
             last_snapshot: None,
             last_resync: None,
+            acks: false,
         }
     }
 
@@ -184,6 +188,7 @@ impl Session {
         let idle = tokio::time::Instant::now();
         loop {
             let has_work = self.behind();
+            let awaits_ack = has_work && self.awaits_ack();
             let stalled_at = match has_work {
                 true => *waiting_for_room.get_or_insert_with(tokio::time::Instant::now) + REPLICA_STALL_LIMIT,
                 false => {
@@ -195,7 +200,7 @@ impl Session {
             // own updates nor keep the stall deadline from being looked at.
             let event = tokio::select! {
                 message = self.inbound.message() => Event::Inbound(message),
-                permit = outbound.reserve(), if has_work => match permit {
+                permit = outbound.reserve(), if has_work && !awaits_ack => match permit {
                     Ok(permit) => Event::Room(permit),
                     Err(_) => return,
                 },
@@ -232,6 +237,9 @@ impl Session {
                     tracing::debug!(replica = %self.status.replica_id, %status, "watch stream ended");
                     return;
                 }
+                // The fleet moved on while the session waited for room: the replica's update
+                // became a snapshot, which waits for the last one's acknowledgement.
+                Event::Room(_) if self.awaits_ack() => {}
                 Event::Room(permit) => {
                     waiting_for_room = None;
                     match self.next_update() {
@@ -248,6 +256,17 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Whether the replica's next update, a snapshot, waits until it has applied the last one:
+    /// one slow to read would otherwise be sent a snapshot at every update it took, megabytes
+    /// each, held in its queue and in flight at once, each older than the fleet by the time it
+    /// is read. Only a replica that acknowledges what it applies (every Continuum replica) is
+    /// waited for; one that does not acknowledge in time meets the stall limit.
+    fn awaits_ack(&self) -> bool {
+        let acked = self.status.acked_version.load(Ordering::Relaxed);
+        let unacked = self.acks && self.last_snapshot.as_ref().is_some_and(|snapshot| acked < snapshot.version);
+        unacked && self.state.borrow().needs_snapshot(self.held)
     }
 
     /// Whether the replica is behind the newest state: the cheap test of every wake-up (a
@@ -311,6 +330,7 @@ impl Session {
     fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Status> {
         match request.kind {
             Some(Kind::Ack(ack)) => {
+                self.acks = true;
                 self.metrics.replica_replies.with_label_values(&["ack"]).inc();
                 self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
             }
