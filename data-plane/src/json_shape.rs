@@ -19,7 +19,8 @@ use serde::Deserialize;
 use serde::de::{self, MapAccess, SeqAccess, Visitor};
 
 /// A value that must be a string or a boolean, kept only if it is one. (`null` in an `Option`
-/// of it is `None`.)
+/// of it is `None`.) An object's own keys must not repeat: the members read so are typed in
+/// the frontend (`tool_choice` may be an object naming a function).
 #[derive(Debug, PartialEq, Eq)]
 pub enum Scalar {
     Str(String),
@@ -44,7 +45,7 @@ impl Shape {
 
 impl<'de> Deserialize<'de> for Scalar {
     fn deserialize<D: de::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        Ok(match deserializer.deserialize_any(KindOf { keep_text: true, unique_keys: false })? {
+        Ok(match deserializer.deserialize_any(KindOf { keep_text: true, unique_keys: true })? {
             Kind::Str(text) => Scalar::Str(text),
             Kind::Bool(value) => Scalar::Bool(value),
             Kind::Object | Kind::Other => Scalar::Other,

@@ -24,6 +24,11 @@ pub struct Pki {
 impl Pki {
     /// Generates a fresh CA and its certificates into `dir` (created if missing).
     pub fn generate(dir: &Path) -> anyhow::Result<Self> {
+        Self::generate_with_client_lifetime(dir, None)
+    }
+
+    /// [`Pki::generate`], with a client certificate valid for only `lifetime` from now.
+    pub fn generate_with_client_lifetime(dir: &Path, lifetime: Option<std::time::Duration>) -> anyhow::Result<Self> {
         std::fs::create_dir_all(dir)?;
         let mut ca_params = CertificateParams::new(Vec::new())?;
         ca_params.distinguished_name.push(DnType::CommonName, "continuum test CA");
@@ -43,8 +48,9 @@ impl Pki {
         // etcd also dials itself with the server certificate (its gRPC gateway), so it may
         // act as a client too.
         let server_usages = [ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        leaf(&ca, "etcd", &SERVER_NAMES, &server_usages, &pki.server_cert, &pki.server_key)?;
-        leaf(&ca, "router", &[], &[ExtendedKeyUsagePurpose::ClientAuth], &pki.client_cert, &pki.client_key)?;
+        leaf(&ca, "etcd", &SERVER_NAMES, &server_usages, &pki.server_cert, &pki.server_key, None)?;
+        let client_usages = [ExtendedKeyUsagePurpose::ClientAuth];
+        leaf(&ca, "router", &[], &client_usages, &pki.client_cert, &pki.client_key, lifetime)?;
         Ok(pki)
     }
 }
@@ -56,8 +62,14 @@ fn leaf(
     usages: &[ExtendedKeyUsagePurpose],
     cert_path: &Path,
     key_path: &Path,
+    lifetime: Option<std::time::Duration>,
 ) -> anyhow::Result<()> {
     let mut params = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())?;
+    if let Some(lifetime) = lifetime {
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::minutes(1);
+        params.not_after = now + lifetime;
+    }
     params.distinguished_name.push(DnType::CommonName, common_name);
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = usages.to_vec();

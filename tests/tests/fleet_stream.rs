@@ -965,6 +965,61 @@ async fn a_changed_client_ca_ends_the_streams_verified_against_the_old_one() -> 
     Ok(())
 }
 
+/// A client certificate is good for its validity, not for as long as its connection lasts:
+/// a replica's connection never goes quiet (its pings answered every 10 s), so one verified
+/// with a certificate that then expires is ended when it does, its Watch stream with it, and
+/// the replica must dial again with a valid one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_ends_when_the_client_certificate_it_was_verified_with_expires() -> anyhow::Result<()> {
+    use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
+    use continuum_data_plane::fleet::client_tls;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let pki = Pki::generate_with_client_lifetime(dir.path(), Some(Duration::from_secs(3)))?;
+    let mut config = embedded_on_loopback();
+    config.control_plane.tls = Some(ListenerTlsConfig {
+        cert: Some(pki.server_cert.clone()),
+        key: Some(Secret::new(pki.server_key.display().to_string())),
+        client_ca: Some(pki.ca_cert.clone()),
+    });
+    let control = ControlPlane::start(config, ListenOverrides::default()).await?;
+    let url = format!("https://127.0.0.1:{}", control.grpc_addr.port());
+    let tls = client_tls(&pki.ca_cert, Some((pki.client_cert.as_path(), pki.client_key.as_path())))?;
+    let channel =
+        tonic::transport::Endpoint::from_shared(url)?.tls_config(tls.domain_name("localhost"))?.connect().await?;
+    let mut client = FleetClient::new(channel).max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+    client.get_snapshot(pb::GetSnapshotRequest {}).await?;
+    let (replies, rx) = mpsc::channel(16);
+    let hello = pb::Hello { replica_id: "short-lived".into(), version: None };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }).await?;
+    let mut updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
+    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    replies.send(ack(&first)).await?;
+
+    // The certificate expires (its validity counts whole seconds): the stream ends with its
+    // connection, and every later call is refused.
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match updates.message().await {
+                Ok(Some(_)) => continue,
+                other => return other.map(|_| ()),
+            }
+        }
+    })
+    .await;
+    assert!(matches!(ended, Ok(Err(_)) | Ok(Ok(()))), "the Watch stream ended: {ended:?}");
+    eventually(CONVERGE, "calls are refused", || {
+        let mut client = client.clone();
+        async move { client.get_snapshot(pb::GetSnapshotRequest {}).await.is_err() }
+    })
+    .await?;
+    control.shutdown().await;
+    Ok(())
+}
+
 /// A reload whose certificate files do not read (a volume stalled on them) still applies: the
 /// running certificate is kept, and a token the reload revokes is revoked, within the read's
 /// bound rather than whenever the volume answers.

@@ -438,7 +438,7 @@ fn incoming_within(
                     // Handed over without waiting, so a completed handshake is never among
                     // those under way (which may be evicted). tonic takes each connection as it
                     // comes: a full queue means it is far behind, and the connection is dropped.
-                    Ok(Ok(stream)) => match ready.try_send(Ok(Verified { inner: stream, trust })) {
+                    Ok(Ok(stream)) => match ready.try_send(Ok(Verified::new(stream, trust))) {
                         Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => return,
                         Err(mpsc::error::TrySendError::Full(_)) => HandshakeFailure::Evicted,
                     },
@@ -457,13 +457,35 @@ fn incoming_within(
 }
 
 /// A Fleet connection that reads nothing more once the client CA it was verified against has
-/// changed: the calls on it (a replica's lookups, a Watch it would open anew) end with it, and
-/// the replica dials again, to be verified against the new CA. Writes go on, so the status that
-/// ends its Watch stream still reaches it.
+/// changed, or the client certificate it was verified with has expired: the calls on it (a
+/// replica's lookups, its Watch stream) end with it, and the replica dials again, to be
+/// verified anew. (A replica's connection never goes quiet, its pings answered every 10 s, so
+/// without this a certificate checked once would be good for as long as the connection
+/// lasted.) Writes go on, so the status that ends its Watch stream still reaches it.
 #[derive(Debug)]
 pub struct Verified {
     inner: TlsStream<Guarded<TcpStream>>,
     trust: watch::Receiver<u64>,
+    /// When the client's certificate expires (`None`: no client certificate).
+    expiry: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Verified {
+    fn new(inner: TlsStream<Guarded<TcpStream>>, trust: watch::Receiver<u64>) -> Self {
+        let leaf = inner.get_ref().1.peer_certificates().and_then(<[CertificateDer<'_>]>::first);
+        let expiry = leaf.and_then(not_after).map(|at| {
+            let left = at.duration_since(std::time::SystemTime::now()).unwrap_or_default();
+            Box::pin(tokio::time::sleep(left))
+        });
+        Self { inner, trust, expiry }
+    }
+}
+
+/// When a certificate stops being valid, if it parses.
+fn not_after(cert: &CertificateDer<'_>) -> Option<std::time::SystemTime> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    let seconds = u64::try_from(parsed.validity().not_after.timestamp()).ok()?;
+    std::time::UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
 }
 
 impl AsyncRead for Verified {
@@ -472,6 +494,12 @@ impl AsyncRead for Verified {
         if this.trust.has_changed().unwrap_or(false) {
             let revoked = "the client CA this connection was verified against changed";
             return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionAborted, revoked)));
+        }
+        if let Some(expiry) = &mut this.expiry
+            && expiry.as_mut().poll(cx).is_ready()
+        {
+            let expired = "the client certificate this connection was verified with expired";
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionAborted, expired)));
         }
         Pin::new(&mut this.inner).poll_read(cx, buf)
     }

@@ -696,6 +696,7 @@ mod tests {
                 "`include_usage` twice",
             ),
             (r#"{"model":"m","messages":[{}],"response_format":{"type":"text","type":"json_object"}}"#, "`type` twice"),
+            (r#"{"model":"m","messages":[{}],"tool_choice":{"type":"function","type":"none"}}"#, "`type` twice"),
             (
                 r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"a","url":"b"}}]}]}"#,
                 "`url` twice",
