@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admin::{self, AdminSettings, AdminState, Seeded};
 use crate::bearer;
-use crate::config::{Config, ControlPlaneConfig};
+use crate::config::{Config, ControlPlaneConfig, DiscoverySource};
 use crate::fleet::{FleetChange, FleetPublisher};
 use crate::gauges;
 use crate::grpc::tls::{self, TlsError};
@@ -71,6 +71,8 @@ pub enum ReloadError {
     Source(#[from] SourceError),
     #[error("control_plane.tls: {0}")]
     Tls(#[from] TlsError),
+    #[error("dynamo.discovery.etcd.tls: {0}")]
+    EtcdTls(String),
 }
 
 /// The tokens `config` leaves unset for listeners bound off-host, with their addresses.
@@ -205,6 +207,22 @@ impl ControlPlane {
             }
             _ => None,
         };
+        // A new etcd connection's TLS files too (on the blocking pool, as a stalled volume may
+        // hold a read): one that could never connect is refused, not put in the running
+        // watcher's place.
+        let (running, next) = (&self.config.dynamo, &config.dynamo);
+        let etcd = &next.discovery.etcd;
+        if next.enabled
+            && next.discovery.source == DiscoverySource::Etcd
+            && etcd.tls.is_some()
+            && (!running.enabled
+                || running.discovery.source != next.discovery.source
+                || running.discovery.etcd != *etcd)
+        {
+            let etcd = etcd.clone();
+            let checked = tokio::task::spawn_blocking(move || crate::sources::etcd::check_tls_files(&etcd)).await;
+            checked.unwrap_or_else(|error| Err(error.to_string())).map_err(ReloadError::EtcdTls)?;
+        }
         // What may refuse the reload in discovery is checked first: the tokens, once replaced,
         // have ended the streams opened with one they retire, which putting them back would
         // not reopen.

@@ -226,6 +226,51 @@ async fn a_reload_to_a_source_not_built_is_refused_and_the_running_one_stays() -
     Ok(())
 }
 
+/// A reload to etcd whose TLS files do not load is refused before the running source stops,
+/// saying which file and why: a watcher that could never connect would otherwise replace it,
+/// and the last fleet stay published with no watch behind it. Files that load are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_to_etcd_whose_tls_files_do_not_load_is_refused() -> anyhow::Result<()> {
+    use continuum_control_plane::config::{EtcdTlsConfig, Secret};
+    use continuum_tests::pki::Pki;
+
+    let (config, mut control) = simulated().await?;
+    let before = (restarts(&control), control.publisher.current().version());
+    let dir = tempfile::tempdir()?;
+    let pki = Pki::generate(dir.path())?;
+    let not_pem = dir.path().join("not.pem");
+    std::fs::write(&not_pem, "not a certificate")?;
+    let port = free_port()?;
+    let with_tls = |ca: &std::path::Path, key: &std::path::Path| {
+        let mut etcd = config.clone();
+        etcd.dynamo.discovery.source = DiscoverySource::Etcd;
+        etcd.dynamo.discovery.etcd.endpoints = vec![format!("https://{port}")];
+        etcd.dynamo.discovery.etcd.tls = Some(EtcdTlsConfig {
+            ca_cert: Some(ca.to_path_buf()),
+            client_cert: Some(pki.client_cert.clone()),
+            client_key: Some(Secret::new(key.display().to_string())),
+            server_name: None,
+        });
+        etcd
+    };
+    let cases = [
+        (with_tls(&dir.path().join("missing.pem"), &pki.client_key), "ca_cert"),
+        (with_tls(&not_pem, &pki.client_key), "holds no PEM certificate"),
+        (with_tls(&pki.ca_cert, &not_pem), "client_key"),
+    ];
+    for (refused, says) in cases {
+        let error = control.reload(refused).await.map(drop).expect_err("files that do not load");
+        assert!(error.to_string().contains(says), "{error}");
+        if says == "client_key" {
+            assert!(!error.to_string().contains(&*not_pem.to_string_lossy()), "the key's path is masked: {error}");
+        }
+    }
+    assert_eq!((restarts(&control), control.publisher.current().version()), before, "nothing was replaced");
+    control.reload(with_tls(&pki.ca_cert, &pki.client_key)).await?;
+    control.shutdown().await;
+    Ok(())
+}
+
 /// The shim address the simulated workers' cards name (their artifacts are served by it).
 fn carded_shim(control: &ControlPlane) -> Option<String> {
     let state = control.publisher.current();

@@ -513,6 +513,36 @@ fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
     Ok(options)
 }
 
+/// Reads and parses `config`'s TLS files as a pass would use them, saying what is wrong: a
+/// reload checks them before it stops the running watcher, rather than start one that could
+/// never connect (and, keeping the fleet it read last, would publish it with no watch behind).
+pub fn check_tls_files(config: &EtcdConfig) -> Result<(), String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let Some(tls) = &config.tls else { return Ok(()) };
+    let certificates = |what: &str, path: &std::path::Path| {
+        let pem = std::fs::read(path).map_err(|error| format!("{what} {}: {error}", path.display()))?;
+        match CertificateDer::pem_slice_iter(&pem).next() {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(error)) => Err(format!("{what} {} is not PEM ({error})", path.display())),
+            None => Err(format!("{what} {} holds no PEM certificate", path.display())),
+        }
+    };
+    if let Some(ca) = &tls.ca_cert {
+        certificates("ca_cert", ca)?;
+    }
+    if let Some(cert) = &tls.client_cert {
+        certificates("client_cert", cert)?;
+    }
+    if let Some(key) = &tls.client_key {
+        // The key's path is configured as a secret: named masked.
+        let masked = crate::config::MASK;
+        let pem = std::fs::read(key.expose()).map_err(|error| format!("client_key {masked}: {error}"))?;
+        PrivateKeyDer::from_pem_slice(&pem).map_err(|_| format!("client_key {masked} holds no PEM private key"))?;
+    }
+    Ok(())
+}
+
 fn read(path: &std::path::Path) -> Result<Vec<u8>, PassError> {
     std::fs::read(path).map_err(|source| PassError::Tls { path: path.display().to_string(), source })
 }

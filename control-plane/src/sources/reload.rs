@@ -92,7 +92,9 @@ fn classify_etcd(old: &Config, new: &Config) -> DiscoveryReload {
     let (oe, ne) = (&old.dynamo.discovery.etcd, &new.dynamo.discovery.etcd);
     let restart = |reason, registry| DiscoveryReload::Restart { reason, registry };
     let (old_ns, new_ns) = (old.namespaces(), new.namespaces());
-    if old_ns != new_ns {
+    // A list in another order names the same fleet.
+    let same = |a: &[String], b: &[String]| a.iter().all(|n| b.contains(n)) && b.iter().all(|n| a.contains(n));
+    if !same(&old_ns, &new_ns) {
         // A list that only gained or lost entries keeps its surviving graphs routable; a
         // changed scalar namespace is a different fleet.
         let lists = !oe.namespaces.is_empty() || !ne.namespaces.is_empty();
@@ -143,6 +145,7 @@ mod tests {
         let base = etcd("      namespaces: [a, b]\n");
         let cases = [
             ("identical", etcd("      namespaces: [a, b]\n"), DiscoveryReload::Keep),
+            ("reordered", etcd("      namespaces: [b, a]\n"), DiscoveryReload::Keep),
             (
                 "backoff only",
                 etcd("      namespaces: [a, b]\n      watch_reconnect_backoff: {initial: 1s, max: 1m}\n"),
