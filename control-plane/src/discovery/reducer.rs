@@ -81,6 +81,10 @@ pub struct Listing {
     refused: [Option<EtcdKey>; Keyspace::ALL.len()],
     /// Keys under the watched prefixes that are no Dynamo discovery keys.
     strays: Strays,
+    /// The opaque card text held, of the keys held and of the new ones: each within the
+    /// cards' budget, so that a relist holds no more than twice it whatever etcd holds (the
+    /// resync then fits them, the held first).
+    card_bytes: [usize; 2],
 }
 
 impl Listing {
@@ -91,6 +95,16 @@ impl Listing {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The opaque card text its reads hold.
+    #[cfg(test)]
+    pub(super) fn card_text_bytes(&self) -> usize {
+        let card = |read: &Read| match &read.value {
+            Reading::Parsed(Parsed::Model(record)) => record.card.raw.as_ref().map_or(0, |raw| raw.len()),
+            _ => 0,
+        };
+        self.held.iter().chain(&self.new).map(card).sum()
     }
 }
 
@@ -267,8 +281,12 @@ impl Reducer {
         let read = self.read(kv, &mut pass);
         listing.applied.merge(&pass.applied);
         listing.strays.merge(pass.strays);
-        let Some(read) = read else { return };
-        if self.store.holds(read.etcd_key.as_bytes()) {
+        let Some(mut read) = read else { return };
+        let held = self.store.holds(read.etcd_key.as_bytes());
+        if let Reading::Parsed(parsed) = &mut read.value {
+            self.store.fit_listed_card(parsed, &mut listing.card_bytes[usize::from(!held)]);
+        }
+        if held {
             listing.held.push(read);
             return;
         }

@@ -186,6 +186,18 @@ impl Store {
         Some(bytes)
     }
 
+    /// Drops the opaque card of `parsed` when holding it would take `used` (the card bytes of
+    /// a listing) past the cards' budget; otherwise counts it in `used`.
+    pub fn fit_listed_card(&self, parsed: &mut Parsed, used: &mut usize) {
+        let bytes = retained_card_bytes(parsed);
+        let Parsed::Model(record) = parsed else { return };
+        if used.saturating_add(bytes) <= self.card_budget {
+            *used += bytes;
+        } else {
+            record.card.raw = None;
+        }
+    }
+
     /// Whether `keyspace` holds [`MAX_RECORDS_PER_KEYSPACE`] records, so a new key must be
     /// refused (keys set aside are not counted).
     pub fn is_full(&self, keyspace: Keyspace) -> bool {

@@ -155,6 +155,35 @@ fn opaque_cards_share_one_byte_budget_and_the_first_held_keep_their_room() {
     assert_eq!(kept(&sim), [(1, false), (2, true), (3, true)]);
 }
 
+/// A relist holds no more card text than the cards' budget for the keys held and as much for
+/// new ones, whatever etcd holds: the text of cards past it is let go as they are listed (the
+/// resync would drop it anyway), not held until the listing ends.
+#[test]
+fn a_listing_holds_card_text_within_the_budget() {
+    let card_bytes = card_json("decode").to_string().len();
+    let mut sim = Sim::new();
+    sim.reducer = Reducer::new(vec![NS.into()]).with_card_budget(2 * card_bytes);
+    for id in 1..=2 {
+        sim.register("decode", id, "decode");
+    }
+    let card = |id: u64| super::kv(card_key(NS, "decode", id), &card_value("decode", json!(id), card_json("decode")));
+    let mut listing = Listing::default();
+    for id in (3..=100).chain(1..=2) {
+        sim.reducer.list(&mut listing, card(id));
+    }
+    for id in 1..=2 {
+        let instance = endpoint_value("decode", "generate", json!(id));
+        sim.reducer.list(&mut listing, super::kv(instance_key(NS, "decode", "generate", id), &instance));
+    }
+    assert_eq!(listing.len(), 102, "every card is listed, and the instances");
+    let held = listing.card_text_bytes();
+    assert!(held <= 4 * card_bytes, "{held} bytes of card text held, against a budget of {}", 2 * card_bytes);
+    sim.reducer.resync(listing, t(100));
+    let kept: Vec<u64> =
+        sim.fleet().workers.iter().filter(|w| w.card.is_some()).map(|w| w.worker.key.instance_id).collect();
+    assert_eq!(kept, [1, 2], "the held keep their cards");
+}
+
 #[test]
 fn endpoints_the_router_does_not_read_take_no_room() {
     let mut sim = Sim::new();
