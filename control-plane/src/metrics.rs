@@ -35,6 +35,8 @@ pub struct Metrics {
     pub watch_retired: IntCounter,
     /// Re-reads of `control_plane.tls`'s files that changed them, by `result` (applied, refused).
     pub fleet_tls_reloads: IntCounterVec,
+    /// When the served Fleet certificate expires (Unix seconds); 0 without TLS.
+    pub fleet_tls_certificate_not_after: IntGauge,
     /// Fleet connections whose TLS handshake did not complete, by `reason`
     /// (see `grpc::tls::HandshakeFailure`).
     pub fleet_tls_handshakes_failed: IntCounterVec,
@@ -137,6 +139,10 @@ impl Metrics {
                     "Changed control_plane.tls files read again, applied or refused (the running ones kept)",
                 ),
                 &["result"],
+            )?,
+            fleet_tls_certificate_not_after: IntGauge::new(
+                "continuum_fleet_tls_certificate_not_after_seconds",
+                "When the certificate the Fleet service serves expires, in Unix seconds (0 without TLS)",
             )?,
             fleet_tls_handshakes_failed: IntCounterVec::new(
                 Opts::new(
@@ -295,6 +301,7 @@ impl Metrics {
             Box::new(metrics.admin_unauthenticated.clone()),
             Box::new(metrics.watch_retired.clone()),
             Box::new(metrics.fleet_tls_reloads.clone()),
+            Box::new(metrics.fleet_tls_certificate_not_after.clone()),
             Box::new(metrics.fleet_tls_handshakes_failed.clone()),
             Box::new(metrics.connections_closed.clone()),
             Box::new(metrics.dispatch_reports_dropped.clone()),

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
-use prometheus::IntCounterVec;
+use prometheus::{IntCounterVec, IntGauge};
 use ring::digest::{Context, SHA256};
 use rustls::ServerConfig;
 use rustls::pki_types::pem::PemObject;
@@ -78,6 +78,11 @@ impl Files {
         let key = std::fs::read(key.expose())
             .map_err(|source| TlsError::Read { path: PathBuf::from(crate::config::MASK), source })?;
         Ok(Self { cert, key, client_ca: paths.client_ca.as_deref().map(read).transpose()? })
+    }
+
+    /// When the served certificate (the first of `cert`) stops being valid, if it parses.
+    fn not_after(&self) -> Option<std::time::SystemTime> {
+        not_after(&CertificateDer::pem_slice_iter(&self.cert).next()?.ok()?)
     }
 
     /// What tells one set of files from another, without keeping a copy of the key.
@@ -181,6 +186,7 @@ pub struct Prepared {
     digest: [u8; 32],
     trust: [u8; 32],
     config: Arc<ServerConfig>,
+    not_after: Option<std::time::SystemTime>,
 }
 
 impl std::fmt::Debug for Prepared {
@@ -194,7 +200,8 @@ impl std::fmt::Debug for Prepared {
 pub fn prepare(paths: &ListenerTlsConfig) -> Result<Prepared, TlsError> {
     let files = Files::read(paths)?;
     let config = files.server_config(paths)?;
-    Ok(Prepared { paths: paths.clone(), digest: files.digest(), trust: files.trust(), config })
+    let not_after = files.not_after();
+    Ok(Prepared { paths: paths.clone(), digest: files.digest(), trust: files.trust(), config, not_after })
 }
 
 /// The running TLS configuration and where its files are. Clones share it.
@@ -204,6 +211,8 @@ pub struct ServerTls {
     current: watch::Receiver<Arc<ServerConfig>>,
     reloads: IntCounterVec,
     handshakes_failed: IntCounterVec,
+    /// `continuum_fleet_tls_certificate_not_after_seconds`.
+    not_after: IntGauge,
 }
 
 struct State {
@@ -219,6 +228,9 @@ struct State {
     /// The last set of files refused, so that a set that keeps failing is reported once.
     refused: Option<Refused>,
     publish: watch::Sender<Arc<ServerConfig>>,
+    /// When the served certificate expires, and whether that was warned of.
+    not_after: Option<std::time::SystemTime>,
+    expiry_warned: bool,
 }
 
 #[derive(PartialEq, Eq)]
@@ -226,6 +238,9 @@ enum Refused {
     Files([u8; 32]),
     Unreadable(String),
 }
+
+/// How long before the served certificate expires the control plane warns of it.
+pub const EXPIRY_WARNING: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// What a refresh did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,16 +252,29 @@ pub enum Refresh {
 impl ServerTls {
     /// Loads `paths`' files, which must make a working configuration.
     pub fn load(paths: &ListenerTlsConfig, metrics: &Metrics) -> Result<Self, TlsError> {
-        let Prepared { paths, digest, trust, config } = prepare(paths)?;
+        let Prepared { paths, digest, trust, config, not_after } = prepare(paths)?;
         let (publish, current) = watch::channel(config);
         let trust_changes = watch::Sender::new(0);
-        let state = State { paths, digest, trust, trust_changes, generation: 0, refused: None, publish };
-        Ok(Self {
+        let state = State {
+            paths,
+            digest,
+            trust,
+            trust_changes,
+            generation: 0,
+            refused: None,
+            publish,
+            not_after,
+            expiry_warned: false,
+        };
+        let tls = Self {
             state: Arc::new(Mutex::new(state)),
             current,
             reloads: metrics.fleet_tls_reloads.clone(),
             handshakes_failed: metrics.fleet_tls_handshakes_failed.clone(),
-        })
+            not_after: metrics.fleet_tls_certificate_not_after.clone(),
+        };
+        tls.note_expiry(&mut tls.state());
+        Ok(tls)
     }
 
     /// Counts changes of the client CA: a connection verified against an earlier one may hold
@@ -272,6 +300,7 @@ impl ServerTls {
         };
         let read = Files::read(&paths);
         let mut state = self.state();
+        self.note_expiry(&mut state);
         if state.generation != generation {
             // Swapped meanwhile (files moved, or renewed ones read by another refresh): what
             // this one read may be older than what is served. The next refresh reads again.
@@ -285,8 +314,9 @@ impl ServerTls {
                     state.refused = None;
                     return Ok(Refresh::Unchanged);
                 }
-                let trust = files.trust();
-                let prepared = files.server_config(&paths).map(|config| Prepared { paths, digest, trust, config });
+                let (trust, not_after) = (files.trust(), files.not_after());
+                let prepared =
+                    files.server_config(&paths).map(|config| Prepared { paths, digest, trust, config, not_after });
                 (Refused::Files(digest), prepared)
             }
         };
@@ -303,6 +333,20 @@ impl ServerTls {
         }
     }
 
+    /// Shows when the served certificate expires, and warns once when that is less than
+    /// [`EXPIRY_WARNING`] away: files that stopped being renewed (an issuer down) are otherwise
+    /// noticed only as replicas' handshakes start failing once it has expired.
+    fn note_expiry(&self, state: &mut State) {
+        let Some(at) = state.not_after else { return };
+        let seconds = at.duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_secs());
+        self.not_after.set(i64::try_from(seconds).unwrap_or(i64::MAX));
+        let left = at.duration_since(std::time::SystemTime::now()).unwrap_or_default();
+        if left < EXPIRY_WARNING && !std::mem::replace(&mut state.expiry_warned, true) {
+            let expires = humantime::format_rfc3339_seconds(at);
+            tracing::warn!(%expires, "control_plane.tls: the served certificate expires within a day and no renewed one has loaded");
+        }
+    }
+
     /// Serves `prepared` (files that moved, checked by [`prepare`]) from the next connection on.
     pub fn apply(&self, prepared: Prepared) -> Refresh {
         let mut state = self.state();
@@ -312,9 +356,11 @@ impl ServerTls {
         self.swap(&mut state, prepared)
     }
 
-    fn swap(&self, state: &mut State, Prepared { paths, digest, trust, config }: Prepared) -> Refresh {
+    fn swap(&self, state: &mut State, Prepared { paths, digest, trust, config, not_after }: Prepared) -> Refresh {
         state.publish.send_replace(config);
         (state.paths, state.digest, state.refused) = (paths, digest, None);
+        (state.not_after, state.expiry_warned) = (not_after, false);
+        self.note_expiry(state);
         if std::mem::replace(&mut state.trust, trust) != trust {
             tracing::warn!(
                 "control_plane.tls: the client CA changed; ending the Watch streams verified against the old one"
@@ -680,6 +726,35 @@ mod tests {
         }
         write_pair(dir.path(), "two.test");
         assert_eq!(tls.refresh().expect("a current pair"), Refresh::Applied);
+    }
+
+    /// The served certificate's expiry shows on a gauge, and one less than a day away is warned
+    /// of once: files no longer renewed are otherwise noticed only as handshakes fail.
+    #[test]
+    fn the_served_certificates_expiry_shows_and_a_near_one_is_warned_of_once() {
+        use crate::test_logs::{captured, warnings};
+        let dir = tempfile::tempdir().expect("a directory");
+        write_pair(dir.path(), "far.test");
+        let metrics = Metrics::new().expect("metrics");
+        let (tls, logged) = captured(|| ServerTls::load(&paths(dir.path()), &metrics).expect("loads"));
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs();
+        let shown = || u64::try_from(metrics.fleet_tls_certificate_not_after.get()).expect("positive");
+        assert!(shown() > now + 365 * 24 * 3600, "far off: {}", shown());
+        assert_eq!(warnings(&logged), 0);
+
+        let expires = now + 3600;
+        let mut params = rcgen::CertificateParams::new(vec!["near.test".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        params.not_after = rcgen::date_time_ymd(1970, 1, 1) + Duration::from_secs(expires);
+        let key = rcgen::KeyPair::generate().expect("a key");
+        std::fs::write(dir.path().join("cert.pem"), params.self_signed(&key).expect("signed").pem()).expect("written");
+        std::fs::write(dir.path().join("key.pem"), key.serialize_pem()).expect("written");
+        let (refreshed, logged) = captured(|| tls.refresh());
+        assert_eq!(refreshed.expect("renewed"), Refresh::Applied);
+        assert_eq!(shown(), expires);
+        assert_eq!(warnings(&logged), 1, "{logged}");
+        let (_, logged) = captured(|| tls.refresh());
+        assert_eq!(warnings(&logged), 0, "once");
     }
 
     #[test]

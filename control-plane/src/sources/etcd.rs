@@ -130,6 +130,7 @@ pub async fn run_with(
             outcome => {
                 metrics.discovery_connected.set(0);
                 if let Err(error) = outcome {
+                    let error = with_causes(&error);
                     tracing::warn!(%error, "etcd discovery pass ended; resyncing after backoff");
                 }
                 // The floor comes back only after the watches held for a whole backoff ceiling,
@@ -513,6 +514,23 @@ fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
     Ok(options)
 }
 
+/// `error` and the causes under it, as far as they add words: tonic says only "transport
+/// error" of a connection it could not make, and its cause what failed (a certificate the
+/// server refused, a key that does not match, a name it does not carry).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            text.push_str(": ");
+            text.push_str(&said);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 /// Reads and parses `config`'s TLS files as a pass would use them, saying what is wrong: a
 /// reload checks them before it stops the running watcher, rather than start one that could
 /// never connect (and, keeping the fleet it read last, would publish it with no watch behind).
@@ -564,6 +582,21 @@ fn count(applied: &Applied, metrics: &Metrics) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A failure is logged with what its causes add: tonic's "transport error" alone says
+    /// nothing of the certificate the server refused.
+    #[test]
+    fn a_failure_is_told_with_its_causes() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("transport error")]
+        struct Transport(#[source] std::io::Error);
+        #[derive(Debug, thiserror::Error)]
+        #[error("transport error: {0}")]
+        struct Client(#[source] Transport);
+        let refused = std::io::Error::other("invalid peer certificate: UnknownIssuer");
+        let error = Client(Transport(refused));
+        assert_eq!(with_causes(&error), "transport error: transport error: invalid peer certificate: UnknownIssuer");
+    }
 
     /// Relists in a row (a full keyspace under churn) wait longer each time, to the ceiling; a
     /// relist after a pass that watched for the ceiling waits the floor again.
