@@ -211,14 +211,12 @@ impl ControlPlane {
         // hold a read): one that could never connect is refused, not put in the running
         // watcher's place.
         let (running, next) = (&self.config.dynamo, &config.dynamo);
-        let etcd = &next.discovery.etcd;
-        if next.enabled
-            && next.discovery.source == DiscoverySource::Etcd
-            && etcd.tls.is_some()
-            && (!running.enabled
-                || running.discovery.source != next.discovery.source
-                || running.discovery.etcd != *etcd)
-        {
+        let (was, etcd) = (&running.discovery.etcd, &next.discovery.etcd);
+        // As the reload classes have it: a watcher is replaced for a new connection only.
+        let connects_anew = !running.enabled
+            || running.discovery.source != next.discovery.source
+            || (&was.endpoints, &was.tls, &was.auth) != (&etcd.endpoints, &etcd.tls, &etcd.auth);
+        if next.enabled && next.discovery.source == DiscoverySource::Etcd && etcd.tls.is_some() && connects_anew {
             let etcd = etcd.clone();
             let checked = tokio::task::spawn_blocking(move || crate::sources::etcd::check_tls_files(&etcd)).await;
             checked.unwrap_or_else(|error| Err(error.to_string())).map_err(ReloadError::EtcdTls)?;

@@ -119,7 +119,7 @@ impl Metrics {
             )?,
             watch_stalled: IntCounter::new(
                 "continuum_fleet_watch_stalled_total",
-                "Watch streams ended because their replica read nothing for 10 s while updates waited",
+                "Watch streams ended because their replica read nothing (or acknowledged no snapshot) for 10 s while updates waited",
             )?,
             admin_unauthenticated: IntCounter::new(
                 "continuum_admin_unauthenticated_total",

@@ -85,6 +85,8 @@ pub struct Listing {
     /// cards' budget, so that a relist holds no more than twice it whatever etcd holds (the
     /// resync then fits them, the held first).
     card_bytes: [usize; 2],
+    /// The first card listed without its text, to warn of at the resync.
+    card_dropped: Option<(EtcdKey, usize)>,
 }
 
 impl Listing {
@@ -283,8 +285,10 @@ impl Reducer {
         listing.strays.merge(pass.strays);
         let Some(mut read) = read else { return };
         let held = self.store.holds(read.etcd_key.as_bytes());
-        if let Reading::Parsed(parsed) = &mut read.value {
-            self.store.fit_listed_card(parsed, &mut listing.card_bytes[usize::from(!held)]);
+        if let Reading::Parsed(parsed) = &mut read.value
+            && let Some(bytes) = self.store.fit_listed_card(parsed, &mut listing.card_bytes[usize::from(!held)])
+        {
+            listing.card_dropped.get_or_insert_with(|| (read.etcd_key.clone(), bytes));
         }
         if held {
             listing.held.push(read);
@@ -320,6 +324,7 @@ impl Reducer {
         pass.applied.add(EventKind::Resync);
         pass.applied.merge(&listing.applied);
         self.warn_strays(std::mem::take(&mut listing.strays), now);
+        let card_dropped = listing.card_dropped.take();
         self.refused = [false; Keyspace::ALL.len()];
         let emptied = self.store.emptied();
         let mut prior = std::mem::replace(&mut self.store, emptied);
@@ -328,6 +333,10 @@ impl Reducer {
         // take only the room left.
         for read in listing.held.into_iter().chain(listing.new) {
             self.admit(read, now, Some(&mut prior), &mut pass);
+        }
+        // A card the listing kept without its text is warned of as one the admission dropped.
+        if let Some((key, bytes)) = card_dropped {
+            self.warn_card_budget(&key, bytes);
         }
         for (keyspace, refused) in Keyspace::ALL.into_iter().zip(listing.refused) {
             if let Some(key) = refused {
@@ -504,20 +513,24 @@ impl Reducer {
     /// card fits again.
     fn note_card_budget(&mut self, key: &str, parsed: &Parsed, dropped: Option<usize>) {
         match dropped {
-            Some(bytes) if !self.card_budget_warned => {
-                tracing::warn!(
-                    key = ?shown(key),
-                    bytes,
-                    budget = super::card::MAX_RETAINED_CARDS_BYTES,
-                    "model cards held fill their byte budget; new cards keep only their typed fields"
-                );
-                self.card_budget_warned = true;
-            }
+            Some(bytes) => self.warn_card_budget(key, bytes),
             None if matches!(parsed, Parsed::Model(record) if record.card.raw.is_some()) => {
                 self.card_budget_warned = false
             }
-            _ => {}
+            None => {}
         }
+    }
+
+    fn warn_card_budget(&mut self, key: &str, bytes: usize) {
+        if std::mem::replace(&mut self.card_budget_warned, true) {
+            return;
+        }
+        tracing::warn!(
+            key = ?shown(key),
+            bytes,
+            budget = super::card::MAX_RETAINED_CARDS_BYTES,
+            "model cards held fill their byte budget; new cards keep only their typed fields"
+        );
     }
 
     /// Reports new conflicts and re-materialises every worker and publisher touched.

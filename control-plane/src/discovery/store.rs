@@ -187,15 +187,17 @@ impl Store {
     }
 
     /// Drops the opaque card of `parsed` when holding it would take `used` (the card bytes of
-    /// a listing) past the cards' budget; otherwise counts it in `used`.
-    pub fn fit_listed_card(&self, parsed: &mut Parsed, used: &mut usize) {
+    /// a listing) past the cards' budget, returning how many bytes it had; otherwise counts it
+    /// in `used`.
+    pub fn fit_listed_card(&self, parsed: &mut Parsed, used: &mut usize) -> Option<usize> {
         let bytes = retained_card_bytes(parsed);
-        let Parsed::Model(record) = parsed else { return };
+        let Parsed::Model(record) = parsed else { return None };
         if used.saturating_add(bytes) <= self.card_budget {
             *used += bytes;
-        } else {
-            record.card.raw = None;
+            return None;
         }
+        record.card.raw = None;
+        Some(bytes)
     }
 
     /// Whether `keyspace` holds [`MAX_RECORDS_PER_KEYSPACE`] records, so a new key must be

@@ -205,7 +205,8 @@ impl Session {
                     Err(_) => return,
                 },
                 () = tokio::time::sleep_until(stalled_at), if has_work => {
-                    tracing::warn!(replica = %self.status.replica_id, "the replica read nothing for {REPLICA_STALL_LIMIT:?}; ending its session");
+                    let stalled = if self.awaits_ack() { "acknowledged no snapshot sent" } else { "read nothing" };
+                    tracing::warn!(replica = %self.status.replica_id, "the replica {stalled} for {REPLICA_STALL_LIMIT:?}; ending its session");
                     self.metrics.watch_stalled.inc();
                     // It reads nothing, so no goodbye would reach it.
                     return;

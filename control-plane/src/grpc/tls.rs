@@ -80,9 +80,9 @@ impl Files {
         Ok(Self { cert, key, client_ca: paths.client_ca.as_deref().map(read).transpose()? })
     }
 
-    /// When the served certificate (the first of `cert`) stops being valid, if it parses.
-    fn not_after(&self) -> Option<std::time::SystemTime> {
-        not_after(&CertificateDer::pem_slice_iter(&self.cert).next()?.ok()?)
+    /// When the served certificate (the first of `cert`) is valid from and until, if it parses.
+    fn validity(&self) -> Option<Validity> {
+        validity(&CertificateDer::pem_slice_iter(&self.cert).next()?.ok()?)
     }
 
     /// What tells one set of files from another, without keeping a copy of the key.
@@ -186,7 +186,7 @@ pub struct Prepared {
     digest: [u8; 32],
     trust: [u8; 32],
     config: Arc<ServerConfig>,
-    not_after: Option<std::time::SystemTime>,
+    validity: Option<Validity>,
 }
 
 impl std::fmt::Debug for Prepared {
@@ -200,8 +200,8 @@ impl std::fmt::Debug for Prepared {
 pub fn prepare(paths: &ListenerTlsConfig) -> Result<Prepared, TlsError> {
     let files = Files::read(paths)?;
     let config = files.server_config(paths)?;
-    let not_after = files.not_after();
-    Ok(Prepared { paths: paths.clone(), digest: files.digest(), trust: files.trust(), config, not_after })
+    let validity = files.validity();
+    Ok(Prepared { paths: paths.clone(), digest: files.digest(), trust: files.trust(), config, validity })
 }
 
 /// The running TLS configuration and where its files are. Clones share it.
@@ -228,8 +228,8 @@ struct State {
     /// The last set of files refused, so that a set that keeps failing is reported once.
     refused: Option<Refused>,
     publish: watch::Sender<Arc<ServerConfig>>,
-    /// When the served certificate expires, and whether that was warned of.
-    not_after: Option<std::time::SystemTime>,
+    /// When the served certificate is valid, and whether its expiry was warned of.
+    validity: Option<Validity>,
     expiry_warned: bool,
 }
 
@@ -252,7 +252,7 @@ pub enum Refresh {
 impl ServerTls {
     /// Loads `paths`' files, which must make a working configuration.
     pub fn load(paths: &ListenerTlsConfig, metrics: &Metrics) -> Result<Self, TlsError> {
-        let Prepared { paths, digest, trust, config, not_after } = prepare(paths)?;
+        let Prepared { paths, digest, trust, config, validity } = prepare(paths)?;
         let (publish, current) = watch::channel(config);
         let trust_changes = watch::Sender::new(0);
         let state = State {
@@ -263,7 +263,7 @@ impl ServerTls {
             generation: 0,
             refused: None,
             publish,
-            not_after,
+            validity,
             expiry_warned: false,
         };
         let tls = Self {
@@ -314,9 +314,9 @@ impl ServerTls {
                     state.refused = None;
                     return Ok(Refresh::Unchanged);
                 }
-                let (trust, not_after) = (files.trust(), files.not_after());
+                let (trust, validity) = (files.trust(), files.validity());
                 let prepared =
-                    files.server_config(&paths).map(|config| Prepared { paths, digest, trust, config, not_after });
+                    files.server_config(&paths).map(|config| Prepared { paths, digest, trust, config, validity });
                 (Refused::Files(digest), prepared)
             }
         };
@@ -334,16 +334,19 @@ impl ServerTls {
     }
 
     /// Shows when the served certificate expires, and warns once when that is less than
-    /// [`EXPIRY_WARNING`] away: files that stopped being renewed (an issuer down) are otherwise
-    /// noticed only as replicas' handshakes start failing once it has expired.
+    /// [`EXPIRY_WARNING`] away, or a third of its lifetime for one issued for less (a mesh's
+    /// hour-long certificates are renewed well before): files that stopped being renewed (an
+    /// issuer down) are otherwise noticed only as replicas' handshakes start failing once it
+    /// has expired.
     fn note_expiry(&self, state: &mut State) {
-        let Some(at) = state.not_after else { return };
-        let seconds = at.duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_secs());
+        let Some(Validity { from, until }) = state.validity else { return };
+        let seconds = until.duration_since(std::time::UNIX_EPOCH).map_or(0, |since| since.as_secs());
         self.not_after.set(i64::try_from(seconds).unwrap_or(i64::MAX));
-        let left = at.duration_since(std::time::SystemTime::now()).unwrap_or_default();
-        if left < EXPIRY_WARNING && !std::mem::replace(&mut state.expiry_warned, true) {
-            let expires = humantime::format_rfc3339_seconds(at);
-            tracing::warn!(%expires, "control_plane.tls: the served certificate expires within a day and no renewed one has loaded");
+        let lifetime = until.duration_since(from).unwrap_or_default();
+        let left = until.duration_since(std::time::SystemTime::now()).unwrap_or_default();
+        if left < EXPIRY_WARNING.min(lifetime / 3) && !std::mem::replace(&mut state.expiry_warned, true) {
+            let expires = humantime::format_rfc3339_seconds(until);
+            tracing::warn!(%expires, "control_plane.tls: the served certificate expires soon and no renewed one has loaded");
         }
     }
 
@@ -356,10 +359,10 @@ impl ServerTls {
         self.swap(&mut state, prepared)
     }
 
-    fn swap(&self, state: &mut State, Prepared { paths, digest, trust, config, not_after }: Prepared) -> Refresh {
+    fn swap(&self, state: &mut State, Prepared { paths, digest, trust, config, validity }: Prepared) -> Refresh {
         state.publish.send_replace(config);
         (state.paths, state.digest, state.refused) = (paths, digest, None);
-        (state.not_after, state.expiry_warned) = (not_after, false);
+        (state.validity, state.expiry_warned) = (validity, false);
         self.note_expiry(state);
         if std::mem::replace(&mut state.trust, trust) != trust {
             tracing::warn!(
@@ -519,19 +522,29 @@ pub struct Verified {
 impl Verified {
     fn new(inner: TlsStream<Guarded<TcpStream>>, trust: watch::Receiver<u64>) -> Self {
         let leaf = inner.get_ref().1.peer_certificates().and_then(<[CertificateDer<'_>]>::first);
-        let expiry = leaf.and_then(not_after).map(|at| {
-            let left = at.duration_since(std::time::SystemTime::now()).unwrap_or_default();
+        let expiry = leaf.and_then(validity).map(|Validity { until, .. }| {
+            let left = until.duration_since(std::time::SystemTime::now()).unwrap_or_default();
             Box::pin(tokio::time::sleep(left))
         });
         Self { inner, trust, expiry }
     }
 }
 
-/// When a certificate stops being valid, if it parses.
-fn not_after(cert: &CertificateDer<'_>) -> Option<std::time::SystemTime> {
+/// When a certificate is valid: from, and until.
+#[derive(Clone, Copy, Debug)]
+struct Validity {
+    from: std::time::SystemTime,
+    until: std::time::SystemTime,
+}
+
+/// A certificate's validity, if it parses.
+fn validity(cert: &CertificateDer<'_>) -> Option<Validity> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
-    let seconds = u64::try_from(parsed.validity().not_after.timestamp()).ok()?;
-    std::time::UNIX_EPOCH.checked_add(Duration::from_secs(seconds))
+    let time = |at: x509_parser::time::ASN1Time| {
+        std::time::UNIX_EPOCH.checked_add(Duration::from_secs(u64::try_from(at.timestamp()).ok()?))
+    };
+    let from = time(parsed.validity().not_before).unwrap_or(std::time::UNIX_EPOCH);
+    Some(Validity { from, until: time(parsed.validity().not_after)? })
 }
 
 impl AsyncRead for Verified {
@@ -743,12 +756,23 @@ mod tests {
         assert_eq!(warnings(&logged), 0);
 
         let expires = now + 3600;
-        let mut params = rcgen::CertificateParams::new(vec!["near.test".to_owned()]).expect("params");
-        params.not_before = rcgen::date_time_ymd(2000, 1, 1);
-        params.not_after = rcgen::date_time_ymd(1970, 1, 1) + Duration::from_secs(expires);
-        let key = rcgen::KeyPair::generate().expect("a key");
-        std::fs::write(dir.path().join("cert.pem"), params.self_signed(&key).expect("signed").pem()).expect("written");
-        std::fs::write(dir.path().join("key.pem"), key.serialize_pem()).expect("written");
+        let write = |name: &str, issued: u64| {
+            let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).expect("params");
+            params.not_before = rcgen::date_time_ymd(1970, 1, 1) + Duration::from_secs(issued);
+            params.not_after = rcgen::date_time_ymd(1970, 1, 1) + Duration::from_secs(expires);
+            let key = rcgen::KeyPair::generate().expect("a key");
+            std::fs::write(dir.path().join("cert.pem"), params.self_signed(&key).expect("signed").pem())
+                .expect("written");
+            std::fs::write(dir.path().join("key.pem"), key.serialize_pem()).expect("written");
+        };
+        // Issued for an hour a minute ago, as a mesh's are: a third of its lifetime is left
+        // well after this, so nothing to warn of.
+        write("hourly.test", now - 60);
+        let (refreshed, logged) = captured(|| tls.refresh());
+        assert_eq!(refreshed.expect("renewed"), Refresh::Applied);
+        assert_eq!((shown(), warnings(&logged)), (expires, 0), "{logged}");
+        // Issued years ago and an hour from expiring: no renewal came.
+        write("near.test", now - 3 * 365 * 24 * 3600);
         let (refreshed, logged) = captured(|| tls.refresh());
         assert_eq!(refreshed.expect("renewed"), Refresh::Applied);
         assert_eq!(shown(), expires);

@@ -235,7 +235,8 @@ impl Body for RelayBody {
                 }
                 Poll::Pending => {
                     ready!(this.deadline.as_mut().poll(cx));
-                    if this.closed && !carries_event(&this.partial) {
+                    // Nothing after the closing marker is for the client, a fragment included.
+                    if this.closed {
                         tracing::debug!("shim stream held its end back past the closing [DONE]; ended");
                         this.finish();
                         return Poll::Ready(None);

@@ -52,11 +52,17 @@ async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: B
                 // A fallback backend is not a shim: the router's tokens are not for it.
                 fallback.body = Some(stripped.clone());
             }
-            // The tokens are a saving of the frontend's: without room to add them now, it
-            // tokenizes the prompt itself.
+            // The tokens are a saving of the frontend's: without room to add them now (or with
+            // a body whose rewrite would grow past the bound, one without `nvext` going out as
+            // sent), it tokenizes the prompt itself.
             match request.outbound(Some(tokens), disclose).await {
-                Err(RequestError::Busy) => stripped,
-                body => body?,
+                Ok(body) => {
+                    // Not held beside it for as long as the answer takes.
+                    drop(stripped);
+                    body
+                }
+                Err(RequestError::Busy | RequestError::Grows { .. }) => stripped,
+                Err(error) => return Err(error.into()),
             }
         }
         None => stripped,

@@ -178,7 +178,8 @@ fn a_listing_holds_card_text_within_the_budget() {
     assert_eq!(listing.len(), 102, "every card is listed, and the instances");
     let held = listing.card_text_bytes();
     assert!(held <= 4 * card_bytes, "{held} bytes of card text held, against a budget of {}", 2 * card_bytes);
-    sim.reducer.resync(listing, t(100));
+    let (_, logged) = crate::test_logs::captured(|| sim.reducer.resync(listing, t(100)));
+    assert_eq!(crate::test_logs::warnings(&logged), 1, "the budget is warned of: {logged}");
     let kept: Vec<u64> =
         sim.fleet().workers.iter().filter(|w| w.card.is_some()).map(|w| w.worker.key.instance_id).collect();
     assert_eq!(kept, [1, 2], "the held keep their cards");
