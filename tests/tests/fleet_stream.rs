@@ -645,6 +645,16 @@ fn embedded_on_loopback() -> continuum_control_plane::config::Config {
     config
 }
 
+/// Mutual TLS for the Fleet service: `pki`'s server certificate, and its CA for clients.
+fn mutual_tls(pki: &continuum_tests::pki::Pki) -> continuum_control_plane::config::ListenerTlsConfig {
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
+    ListenerTlsConfig {
+        cert: Some(pki.server_cert.clone()),
+        key: Some(Secret::new(pki.server_key.display().to_string())),
+        client_ca: Some(pki.ca_cert.clone()),
+    }
+}
+
 /// Replaces `to` with a copy of `from` whole, by a rename, as the kubelet does a Secret's
 /// files: a poll never reads half of one.
 fn replace(from: &std::path::Path, to: &std::path::Path) -> std::io::Result<()> {
@@ -753,7 +763,6 @@ async fn with_a_token_set_only_callers_presenting_it_reach_the_fleet_and_a_reloa
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_follow_the_fleet() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
     use continuum_data_plane::fleet::{FleetClientConfig, client_tls};
     use continuum_data_plane::replica::Replica;
     use continuum_tests::eventually;
@@ -762,11 +771,7 @@ async fn over_mutual_tls_only_replicas_holding_a_certificate_of_the_client_ca_fo
     let dir = tempfile::tempdir()?;
     let pki = Pki::generate(dir.path())?;
     let mut config = embedded_on_loopback();
-    config.control_plane.tls = Some(ListenerTlsConfig {
-        cert: Some(pki.server_cert.clone()),
-        key: Some(Secret::new(pki.server_key.display().to_string())),
-        client_ca: Some(pki.ca_cert.clone()),
-    });
+    config.control_plane.tls = Some(mutual_tls(&pki));
     let control = ControlPlane::start(config, ListenOverrides::default()).await?;
     let port = control.grpc_addr.port();
     let follow = async |name: &str, scheme: &str, identity: Option<(&std::path::Path, &std::path::Path)>| {
@@ -972,7 +977,6 @@ async fn a_changed_client_ca_ends_the_streams_verified_against_the_old_one() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_ends_when_the_client_certificate_it_was_verified_with_expires() -> anyhow::Result<()> {
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
     use continuum_data_plane::fleet::client_tls;
     use continuum_tests::eventually;
     use continuum_tests::pki::Pki;
@@ -980,11 +984,7 @@ async fn a_connection_ends_when_the_client_certificate_it_was_verified_with_expi
     let dir = tempfile::tempdir()?;
     let pki = Pki::generate_with_client_lifetime(dir.path(), Some(Duration::from_secs(3)))?;
     let mut config = embedded_on_loopback();
-    config.control_plane.tls = Some(ListenerTlsConfig {
-        cert: Some(pki.server_cert.clone()),
-        key: Some(Secret::new(pki.server_key.display().to_string())),
-        client_ca: Some(pki.ca_cert.clone()),
-    });
+    config.control_plane.tls = Some(mutual_tls(&pki));
     let control = ControlPlane::start(config, ListenOverrides::default()).await?;
     let url = format!("https://127.0.0.1:{}", control.grpc_addr.port());
     let tls = client_tls(&pki.ca_cert, Some((pki.client_cert.as_path(), pki.client_key.as_path())))?;
