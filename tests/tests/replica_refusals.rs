@@ -206,6 +206,45 @@ async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow
     Ok(())
 }
 
+/// A control plane stuck with its connection up (its pings answered) sends no update after
+/// the replica reports a dispatch, which it would fold into the fleet-wide backlogs and publish
+/// within milliseconds: the replica leaves the stream within [`REPLY_STALL_LIMIT`] of the report,
+/// long before a quiet replica's few bytes could fill the stream's window. A replica with
+/// nothing to report stays on a quiet stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaves_a_stream_that_answers_its_reports_with_no_update() -> anyhow::Result<()> {
+    use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
+    let (replies_tx, mut replies) = mpsc::unbounded_channel();
+    let (next_tx, next_rx) = mpsc::unbounded_channel();
+    let next = Arc::new(tokio::sync::Mutex::new(next_rx));
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let script = vec![snapshot(10, &[7])];
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(FleetServer::new(Scripted { script, replies: replies_tx, next }))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let replica = start_replicas(1, &url).await?.remove(0);
+    next_tx.send(())?;
+    let ack = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await?;
+    assert!(matches!(ack.and_then(|r| r.kind), Some(Kind::Ack(_))), "the snapshot is acked");
+
+    tokio::time::sleep(REPLY_STALL_LIMIT + Duration::from_secs(1)).await;
+    assert_eq!(replica.metrics.reconnects.get(), 0, "a quiet stream with nothing reported is kept");
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    let reported = Instant::now();
+    replica.reporter.operation(|report| report.started(&rank, 16, 1, vec![]));
+    continuum_tests::eventually(REPLY_STALL_LIMIT + Duration::from_secs(5), "the replica leaving", || async {
+        replica.metrics.reconnects.get() >= 1
+    })
+    .await?;
+    assert!(reported.elapsed() >= REPLY_STALL_LIMIT, "not before the limit: {:?}", reported.elapsed());
+    replica.shutdown().await;
+    server.abort();
+    Ok(())
+}
+
 /// A peer that accepts the connection and answers HTTP/2 but never opens the Watch stream.
 struct NeverOpens;
 

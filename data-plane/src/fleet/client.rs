@@ -121,6 +121,10 @@ enum SessionError {
     RepliesClosed,
     #[error("control plane read no reply for {REPLY_STALL_LIMIT:?}; leaving its stream")]
     RepliesStalled,
+    #[error(
+        "control plane sent no update for {REPLY_STALL_LIMIT:?} after dispatches were reported; leaving its stream"
+    )]
+    UpdatesStalled,
     #[error("control plane accepted the connection but opened no Watch stream within {WATCH_OPEN_TIMEOUT:?}")]
     NotOpened,
 }
@@ -159,6 +163,7 @@ impl SessionError {
             | SessionError::ReportsDropped
             | SessionError::RepliesClosed
             | SessionError::RepliesStalled
+            | SessionError::UpdatesStalled
             | SessionError::NotOpened => false,
         }
     }
@@ -266,6 +271,12 @@ async fn follow(
     }
     metrics.dispatches_replayed.inc_by(replayed as u64);
     let mut last_report = Instant::now();
+    // Since when a report of dispatch starts has gone unanswered by any update. The control
+    // plane folds a start into the fleet-wide backlogs and publishes them within milliseconds,
+    // so none for [`REPLY_STALL_LIMIT`] after one is a control plane that stopped (its
+    // connection up, its pings answered, reading what little this replica sends): left as
+    // one that reads nothing is, rather than routed on its frozen backlogs for as long.
+    let mut unanswered_since: Option<tokio::time::Instant> = None;
     // Every stream starts with a full snapshot: until one is applied, the view held is the
     // last stream's, stripped of its fleet-wide sums, and no delta can be known to fit it.
     loop {
@@ -274,11 +285,18 @@ async fn follow(
             // whole. A new stream starts both sides over with a replay.
             return Err(SessionError::ReportsDropped);
         }
+        let answer_due = unanswered_since.map(|since| since + REPLY_STALL_LIMIT);
         let reply = tokio::select! {
             update = updates.message() => match update? {
-                Some(update) => apply(handle, update, snapshot_applied, metrics).await,
+                Some(update) => {
+                    unanswered_since = None;
+                    apply(handle, update, snapshot_applied, metrics).await
+                }
                 None => return Ok(()),
             },
+            () = tokio::time::sleep_until(answer_due.unwrap_or_else(tokio::time::Instant::now)), if answer_due.is_some() => {
+                return Err(SessionError::UpdatesStalled);
+            }
             Some(operation) = reports.recv() => {
                 // At most one report per interval: under load the events of a whole interval
                 // share one message (and one wake-up of the control plane).
@@ -290,6 +308,9 @@ async fn follow(
                 let report = reporter::batch(operation, reports);
                 if report.started.is_empty() && report.ended.is_empty() && report.prefilled.is_empty() {
                     continue;
+                }
+                if !report.started.is_empty() {
+                    unanswered_since.get_or_insert_with(tokio::time::Instant::now);
                 }
                 Kind::Dispatches(report)
             }
