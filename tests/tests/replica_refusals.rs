@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use continuum_data_plane::replica::Replica;
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::model::{DataPlaneConfig, Load, LoadKey, LoadSample, WorkerKey};
 use continuum_proto::pb::{
@@ -166,19 +167,16 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
     Ok(())
 }
 
-/// A control plane that keeps its connection up but stops reading the stream (a stuck session
-/// task): the replica's replies back up, and once one has waited [`REPLY_STALL_LIMIT`] the
-/// replica leaves the stream instead of routing on its frozen fleet-wide backlogs for as long
-/// as the control plane stays stuck.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow::Result<()> {
-    use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
+/// A replica following a scripted control plane that sends one snapshot and, once it is
+/// acknowledged, holds the stream open and neither reads nor sends anything more (a stuck
+/// session task, its connection's pings still answered).
+async fn following_a_stuck_control_plane()
+-> anyhow::Result<(Replica, tokio::task::JoinHandle<Result<(), tonic::transport::Error>>)> {
     let (replies_tx, mut replies) = mpsc::unbounded_channel();
     let (next_tx, next_rx) = mpsc::unbounded_channel();
     let next = Arc::new(tokio::sync::Mutex::new(next_rx));
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    // One snapshot; after its ack the script holds the stream open and reads nothing more.
     let script = vec![snapshot(10, &[7])];
     let server = tokio::spawn(
         tonic::transport::Server::builder()
@@ -188,7 +186,18 @@ async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow
     let replica = start_replicas(1, &url).await?.remove(0);
     next_tx.send(())?;
     let ack = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await?;
-    assert!(matches!(ack.and_then(|r| r.kind), Some(Kind::Ack(_))), "the snapshot is acked");
+    anyhow::ensure!(matches!(ack.and_then(|r| r.kind), Some(Kind::Ack(_))), "the snapshot is acked");
+    Ok((replica, server))
+}
+
+/// A control plane that keeps its connection up but stops reading the stream (a stuck session
+/// task): the replica's replies back up, and once one has waited [`REPLY_STALL_LIMIT`] the
+/// replica leaves the stream instead of routing on its frozen fleet-wide backlogs for as long
+/// as the control plane stays stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow::Result<()> {
+    use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
+    let (replica, server) = following_a_stuck_control_plane().await?;
 
     // Reports of 32 KiB each fill the stream's flow-control window and the reply queue.
     let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
@@ -214,21 +223,7 @@ async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_leaves_a_stream_that_answers_its_reports_with_no_update() -> anyhow::Result<()> {
     use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
-    let (replies_tx, mut replies) = mpsc::unbounded_channel();
-    let (next_tx, next_rx) = mpsc::unbounded_channel();
-    let next = Arc::new(tokio::sync::Mutex::new(next_rx));
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let script = vec![snapshot(10, &[7])];
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(FleetServer::new(Scripted { script, replies: replies_tx, next }))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    let replica = start_replicas(1, &url).await?.remove(0);
-    next_tx.send(())?;
-    let ack = tokio::time::timeout(Duration::from_secs(10), replies.recv()).await?;
-    assert!(matches!(ack.and_then(|r| r.kind), Some(Kind::Ack(_))), "the snapshot is acked");
+    let (replica, server) = following_a_stuck_control_plane().await?;
 
     tokio::time::sleep(REPLY_STALL_LIMIT + Duration::from_secs(1)).await;
     assert_eq!(replica.metrics.reconnects.get(), 0, "a quiet stream with nothing reported is kept");

@@ -177,18 +177,13 @@ impl Store {
     /// cards held past their budget; how many bytes it had, if so. The caller removes what the
     /// key held first, so a card replacing itself fits where it fitted.
     pub fn fit_card(&self, parsed: &mut Parsed) -> Option<usize> {
-        let bytes = retained_card_bytes(parsed);
-        let Parsed::Model(record) = parsed else { return None };
-        if bytes == 0 || self.card_bytes.saturating_add(bytes) <= self.card_budget {
-            return None;
-        }
-        record.card.raw = None;
-        Some(bytes)
+        // Counted by the insert, not here.
+        self.fit_listed_card(parsed, &mut self.card_bytes.clone())
     }
 
     /// Drops the opaque card of `parsed` when holding it would take `used` (the card bytes of
-    /// a listing) past the cards' budget, returning how many bytes it had; otherwise counts it
-    /// in `used`.
+    /// a listing, or of the store) past the cards' budget, returning how many bytes it had;
+    /// otherwise counts it in `used`.
     pub fn fit_listed_card(&self, parsed: &mut Parsed, used: &mut usize) -> Option<usize> {
         let bytes = retained_card_bytes(parsed);
         let Parsed::Model(record) = parsed else { return None };
