@@ -51,6 +51,8 @@ pub struct Metrics {
     pub dispatch_chains_dropped: IntCounter,
     /// Dispatches replicas reported again on a new stream (started before it opened).
     pub dispatches_replayed: IntCounter,
+    /// Times the dispatch book started over empty after a panic in its task.
+    pub dispatch_book_restarts: IntCounter,
     /// Discovery events by `kind` (put, delete, resync, malformed, oversized, over_capacity,
     /// duplicate, unsupported, skipped, restart).
     pub discovery_events: IntCounterVec,
@@ -176,6 +178,10 @@ impl Metrics {
             dispatches_replayed: IntCounter::new(
                 "continuum_fleet_dispatches_replayed_total",
                 "Dispatch legs (one per pinned worker rank) replicas reported again on a new stream, started before it opened",
+            )?,
+            dispatch_book_restarts: IntCounter::new(
+                "continuum_fleet_dispatch_book_restarts_total",
+                "Times the fleet-wide dispatch book started over empty after an internal fault (a panic), ending every replica's stream so that it reports its dispatches again",
             )?,
             discovery_events: IntCounterVec::new(
                 Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),
@@ -308,6 +314,7 @@ impl Metrics {
             Box::new(metrics.dispatches_refused.clone()),
             Box::new(metrics.dispatch_chains_dropped.clone()),
             Box::new(metrics.dispatches_replayed.clone()),
+            Box::new(metrics.dispatch_book_restarts.clone()),
             Box::new(metrics.discovery_events.clone()),
             Box::new(metrics.config_reloads.clone()),
             Box::new(metrics.discovery_connected.clone()),

@@ -111,6 +111,25 @@ impl RoutedContinuum {
         self.wait_for_fleet(ns, "report the control plane gone", |fleet| fleet["connected"] == false).await
     }
 
+    /// Each replica's `continuum_dynamo_selection_total` for `role` and `reason` (0 before its
+    /// first such selection).
+    pub async fn selections(&self, ns: &NetNs, role: &str, reason: &str) -> anyhow::Result<Vec<f64>> {
+        let labels = [format!("role=\"{role}\""), format!("reason=\"{reason}\"")];
+        let mut counts = Vec::with_capacity(self.replicas.len());
+        for url in &self.replicas {
+            let (status, text) = ns.get(&format!("{url}/metrics")).await?;
+            ensure!(status == 200, "{url}/metrics answered {status}");
+            let count = text
+                .lines()
+                .filter(|line| line.starts_with("continuum_dynamo_selection_total{"))
+                .filter(|line| labels.iter().all(|label| line.contains(label.as_str())))
+                .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            counts.push(count);
+        }
+        Ok(counts)
+    }
+
     /// Waits until `holds` is true of every replica's `/readyz` `fleet` section.
     async fn wait_for_fleet(&self, ns: &NetNs, what: &str, holds: impl Fn(&Value) -> bool) -> anyhow::Result<()> {
         let deadline = Instant::now() + START_TIMEOUT;

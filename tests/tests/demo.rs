@@ -274,8 +274,9 @@ async fn a_killed_simulated_worker_is_routed_around_and_deregistered_when_its_le
     assert!(view.workers().values().all(|w| w.key.instance_id != first_decode));
     assert_eq!(ask().send().await?.status(), 200);
 
-    // The last decode worker gone, the model is gone: the shim answers as 1.6.1 does, and the
-    // replica refuses with its own error, at once.
+    // The last decode worker gone, the model is gone (its prefill workers alone serve no
+    // answer): the shim answers as 1.6.1 does, and the replica refuses with its own error
+    // without dispatching.
     assert_eq!(kill(second_decode.to_string()).await?.status(), 200);
     eventually(WAIT, "the last decode worker deregistered", || async { workers() == 2 }).await?;
     let direct = client
@@ -290,9 +291,9 @@ async fn a_killed_simulated_worker_is_routed_around_and_deregistered_when_its_le
     let listed: Value = client.get(format!("http://{shim}/v1/models")).send().await?.json().await?;
     assert_eq!(listed["data"], json!([]));
     let refused = ask().send().await?;
-    assert!(!refused.status().is_success());
+    let status = refused.status().as_u16();
     let body: Value = refused.json().await?;
-    assert!(body["error"]["code"].is_string(), "{body}");
+    assert_eq!((status, body["error"]["code"].as_str()), (404, Some("model_not_found")), "{body}");
 
     for replica in replicas {
         replica.shutdown().await;

@@ -250,18 +250,26 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         tokio::time::sleep(Duration::from_millis(500)).await;
         let status = ns.kill(continuum.control_plane_pid)?;
         killed.store(true, std::sync::atomic::Ordering::SeqCst);
-        anyhow::Ok(status)
+        let stale = continuum.selections(&ns, "decode", "round_robin_stale").await?;
+        anyhow::Ok((status, stale))
     };
-    let (status, first, second) = tokio::join!(killer, client(0), client(1));
-    let (status, (sent_first, decodes_first), (sent_second, decodes_second)) = (status?, first?, second?);
-    // They went on routing after the kill; by now both have seen the stream go.
+    let (killed, first, second) = tokio::join!(killer, client(0), client(1));
+    let ((status, stale_at_kill), (sent_first, decodes_first), (sent_second, decodes_second)) =
+        (killed?, first?, second?);
+    // They went on routing after the kill; by now both have seen the stream go, and their
+    // samples aged past `max_staleness`: each replica went on picking decode workers in turn.
     continuum.wait_for_disconnection(&ns).await?;
+    let stale_after = continuum.selections(&ns, "decode", "round_robin_stale").await?;
+    ensure!(
+        stale_after.iter().zip(&stale_at_kill).all(|(after, at_kill)| after > at_kill),
+        "every replica routes on stale samples once the control plane is gone: round_robin_stale decode selections {stale_at_kill:?} at the kill, {stale_after:?} after"
+    );
     let mut decodes_after_kill = decodes_first;
     for (decode, n) in decodes_second {
         *decodes_after_kill.entry(decode).or_default() += n;
     }
     report.push(format!(
-        "control plane SIGKILLed ({status}) while each replica had a client sending: {sent_first} and {sent_second} requests, all 200 with echo == disclosed, for {ROUTING_ON_LAST_KNOWN_GOOD_FOR:?} past the kill (twice max_staleness), in {:?}; both replicas then report the stream down",
+        "control plane SIGKILLed ({status}) while each replica had a client sending: {sent_first} and {sent_second} requests, all 200 with echo == disclosed, for {ROUTING_ON_LAST_KNOWN_GOOD_FOR:?} past the kill (twice max_staleness), in {:?}; both replicas then report the stream down; decode selections on stale samples {stale_at_kill:?} at the kill, {stale_after:?} after",
         phase.elapsed()
     ));
 

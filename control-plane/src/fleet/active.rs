@@ -63,9 +63,14 @@ impl ActiveIndex {
             .collect()
     }
 
+    /// Forgets every rank's blocks, as the book does when it starts over.
+    pub(super) fn clear(&self) {
+        self.lock().clear();
+    }
+
     /// Ranks with blocks in flight.
     #[cfg(test)]
-    fn ranks(&self) -> usize {
+    pub(super) fn ranks(&self) -> usize {
         self.lock().len()
     }
 

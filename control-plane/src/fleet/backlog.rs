@@ -81,7 +81,7 @@ mod rank;
 mod task;
 mod timing;
 use rank::{Dispatch, Rank};
-pub use task::{BacklogBook, BookCounters, SessionReports};
+pub use task::{BacklogBook, BookCounters, NotQueued, SessionReports};
 #[cfg(test)]
 use task::{COMMAND_QUEUE, SESSION_SHARE, report_bytes};
 use timing::Timing;

@@ -20,7 +20,7 @@ pub use active::ActiveIndex;
 pub(crate) use backlog::fit;
 pub use backlog::{
     BACKLOG_WINDOW, BacklogBook, BookCounters, DISPATCH_MAX_AGE, IN_FLIGHT_MAX_AGE, MAX_DISPATCHES,
-    MAX_DISPATCHES_PER_REPLICA, MAX_QUEUED_REPORT_BYTES, Refusal, SAMPLE_LAG, SessionReports,
+    MAX_DISPATCHES_PER_REPLICA, MAX_QUEUED_REPORT_BYTES, NotQueued, Refusal, SAMPLE_LAG, SessionReports,
 };
 pub use coalesce::{LOAD_COALESCE_WINDOW, LoadCoalescer};
 pub use state::{Catchup, DELTA_LOG_CAPACITY, FleetChange, FleetState};

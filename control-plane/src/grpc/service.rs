@@ -131,6 +131,7 @@ impl FleetService {
                 refused: metrics.dispatches_refused.clone(),
                 chains_dropped: metrics.dispatch_chains_dropped.clone(),
                 replayed: metrics.dispatches_replayed.clone(),
+                restarts: metrics.dispatch_book_restarts.clone(),
             },
             shutdown.clone(),
         );

@@ -18,7 +18,7 @@ use continuum_proto::{
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
-use crate::fleet::{Catchup, FleetState, SessionReports, fit};
+use crate::fleet::{Catchup, FleetState, NotQueued, SessionReports, fit};
 use crate::kv::{KvHandle, LookupKey};
 use crate::metrics::Metrics;
 
@@ -352,14 +352,22 @@ impl Session {
                     )));
                 }
                 self.credit_prefixes(&mut report);
-                if !self.book.report(self.session_id, report) {
-                    self.metrics.dispatch_reports_dropped.inc();
+                match self.book.report(self.session_id, report) {
+                    Ok(()) => {}
                     // The replica counts on the sums holding every operation up to the last one
                     // folded; with one missing they never would. A new session starts both
                     // sides over: the book forgets this one's dispatches, the replica its queue.
-                    return Err(Status::resource_exhausted(
-                        "the control plane fell behind folding dispatch reports and dropped one; reconnect",
-                    ));
+                    Err(NotQueued::Full) => {
+                        self.metrics.dispatch_reports_dropped.inc();
+                        return Err(Status::resource_exhausted(
+                            "the control plane fell behind folding dispatch reports and dropped one; reconnect",
+                        ));
+                    }
+                    Err(NotQueued::Restarted) => {
+                        return Err(Status::unavailable(
+                            "the control plane's dispatch book started over after an internal fault and holds none of this stream's dispatches; reconnect to report them again",
+                        ));
+                    }
                 }
             }
             Some(Kind::Hello(_)) | None => {

@@ -1,9 +1,17 @@
 //! The book's task, and the handle Watch sessions reach it by: reports and departures go over a
 //! bounded channel, bounded in bytes too, and the task publishes what moved (see the module
 //! above for when).
+//!
+//! A panic while the task folds or publishes (a bug: no report's content is meant to cause
+//! one) would otherwise end it silently and freeze every rank's backlog for good. The task
+//! catches it, drops the book, whose state it can no longer trust, for an empty one, withdraws
+//! the backlogs it had published and counts the restart; each session opened before it is
+//! ended at its next report, so that its replica reconnects and reports its dispatches in
+//! flight again.
 
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
 
 use continuum_proto::pb;
@@ -12,7 +20,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{BACKLOG_WINDOW, Book, MAX_QUEUED_REPORT_BYTES, Refusal, Refused};
-use crate::fleet::{ActiveIndex, FleetPublisher, FleetState};
+use crate::fleet::{ActiveIndex, FleetChange, FleetPublisher, FleetState};
 
 /// Reports waiting for the book; a full queue drops the report (and counts it) rather than
 /// stalling a Watch session.
@@ -44,8 +52,22 @@ pub(super) fn report_bytes(report: &pb::DispatchReport) -> usize {
 }
 
 enum Command {
-    Report { replica: u64, report: pb::DispatchReport, at: Instant, bytes: usize, share: Arc<QueuedReports> },
-    ReplicaGone { replica: u64 },
+    Report {
+        replica: u64,
+        report: pb::DispatchReport,
+        at: Instant,
+        bytes: usize,
+        share: Arc<QueuedReports>,
+        /// The book's generation the session reports to: a report sent before a restart
+        /// belongs to a session the restart ends, and is dropped unread.
+        generation: u64,
+    },
+    ReplicaGone {
+        replica: u64,
+    },
+    /// Panics inside the task, as a bug in the book would.
+    #[cfg(test)]
+    Fault,
 }
 
 /// What reports in the queue hold, estimated: all of them, or one session's.
@@ -87,6 +109,8 @@ pub struct BookCounters {
     pub chains_dropped: IntCounter,
     /// Dispatches reported again on a new stream.
     pub replayed: IntCounter,
+    /// Times the book was dropped for an empty one after a panic in its task.
+    pub restarts: IntCounter,
 }
 
 /// The handle the Watch service holds; each session reports through a [`SessionReports`].
@@ -95,6 +119,8 @@ pub struct BacklogBook {
     tx: mpsc::Sender<Command>,
     /// What the reports in the queue hold, estimated; the book's task gives it back.
     queued: Arc<QueuedReports>,
+    /// How many times the task restarted the book (see the module's comment).
+    generation: Arc<AtomicU64>,
 }
 
 /// One session's way to the book, holding at most a [`SESSION_SHARE`]th of its queue.
@@ -102,30 +128,47 @@ pub struct BacklogBook {
 pub struct SessionReports {
     book: BacklogBook,
     share: Arc<QueuedReports>,
+    /// The book's generation when the session opened: the book it reports to.
+    generation: u64,
+}
+
+/// Why a report was not queued for the book.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NotQueued {
+    /// The book's queue, or the session's share of it, is full (or the book has ended).
+    Full,
+    /// The book restarted after a fault since the session opened: it holds none of the
+    /// session's dispatches.
+    Restarted,
 }
 
 impl SessionReports {
-    /// Records a replica's report; `false` when the book's queue, or this session's share of
-    /// it, is full (in number, or in [`MAX_QUEUED_REPORT_BYTES`]).
-    pub fn report(&self, replica: u64, report: pb::DispatchReport) -> bool {
+    /// Queues a replica's report for the book: refused when the book's queue, or this
+    /// session's share of it, is full (in number, or in [`MAX_QUEUED_REPORT_BYTES`]), or when
+    /// the book is no longer the one the session's earlier reports went to.
+    pub fn report(&self, replica: u64, report: pb::DispatchReport) -> Result<(), NotQueued> {
+        let generation = self.book.generation.load(Ordering::Acquire);
+        if generation != self.generation {
+            return Err(NotQueued::Restarted);
+        }
         let bytes = report_bytes(&report);
         let (queued, share) = (&self.book.queued, &self.share);
         if !share.take(bytes, MAX_QUEUED_REPORT_BYTES / SESSION_SHARE, COMMAND_QUEUE / SESSION_SHARE) {
-            return false;
+            return Err(NotQueued::Full);
         }
         if !queued.take(bytes, MAX_QUEUED_REPORT_BYTES, COMMAND_QUEUE) {
             share.give_back(bytes);
-            return false;
+            return Err(NotQueued::Full);
         }
-        let command = Command::Report { replica, report, at: Instant::now(), bytes, share: Arc::clone(share) };
+        let command =
+            Command::Report { replica, report, at: Instant::now(), bytes, share: Arc::clone(share), generation };
         // The count bound above is the channel's capacity less the departures' room: this
         // fails only as the book ends, or behind more departures than sessions could send.
-        let sent = self.book.tx.try_send(command).is_ok();
-        if !sent {
+        self.book.tx.try_send(command).map_err(|_| {
             queued.give_back(bytes);
             share.give_back(bytes);
-        }
-        sent
+            NotQueued::Full
+        })
     }
 }
 
@@ -144,20 +187,27 @@ impl BacklogBook {
         cancel: CancellationToken,
     ) -> Self {
         let (book, rx) = Self::unstarted();
-        let queued = Arc::clone(&book.queued);
-        tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, queued), counters, cancel));
+        let (queued, generation) = (Arc::clone(&book.queued), Arc::clone(&book.generation));
+        tokio::spawn(run(publisher, Book { active, ..Book::default() }, (rx, queued, generation), counters, cancel));
         book
     }
 
     /// The handle, and the queue its task will read.
     fn unstarted() -> (Self, mpsc::Receiver<Command>) {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE + DEPARTURE_ROOM);
-        (Self { tx, queued: Arc::default() }, rx)
+        (Self { tx, queued: Arc::default(), generation: Arc::default() }, rx)
     }
 
     /// A new session's way to report, with a share of the queue of its own.
     pub fn session(&self) -> SessionReports {
-        SessionReports { book: self.clone(), share: Arc::default() }
+        let generation = self.generation.load(Ordering::Acquire);
+        SessionReports { book: self.clone(), share: Arc::default(), generation }
+    }
+
+    /// Makes the book's task panic, as a bug in the book would.
+    #[cfg(test)]
+    pub async fn fault(&self) {
+        let _ = self.tx.send(Command::Fault).await;
     }
 
     /// Forgets `replica`'s dispatches; waits for room in the queue, since a replica gone
@@ -171,7 +221,7 @@ impl BacklogBook {
 async fn run(
     publisher: FleetPublisher,
     mut book: Book,
-    (mut rx, queued): (mpsc::Receiver<Command>, Arc<QueuedReports>),
+    (mut rx, queued, generation): (mpsc::Receiver<Command>, Arc<QueuedReports>, Arc<AtomicU64>),
     counters: BookCounters,
     cancel: CancellationToken,
 ) {
@@ -192,21 +242,28 @@ async fn run(
             biased;
             () = cancel.cancelled() => return,
             command = rx.recv() => {
-                match command {
-                    Some(Command::Report { replica, report, at, bytes, share }) => {
+                let folded = match command {
+                    Some(Command::Report { replica, report, at, bytes, share, generation: sent_to }) => {
                         queued.give_back(bytes);
                         share.give_back(bytes);
-                        if share.ended.load(Ordering::Acquire) {
+                        if share.ended.load(Ordering::Acquire) || sent_to != generation.load(Ordering::Acquire) {
                             continue;
                         }
                         // The state itself, not the watch's guard: folding a report of a
                         // thousand dispatches must not hold off the fleet's next version (and
                         // every session reading the current one behind it).
                         let state = Arc::clone(&states.borrow());
-                        book.report(replica, report, at, &state);
+                        guarded(|| book.report(replica, report, at, &state))
                     }
-                    Some(Command::ReplicaGone { replica }) => book.replica_gone(replica, Instant::now()),
+                    Some(Command::ReplicaGone { replica }) => guarded(|| book.replica_gone(replica, Instant::now())),
+                    #[cfg(test)]
+                    Some(Command::Fault) => guarded(|| panic!("a fault injected by a test")),
                     None => return,
+                };
+                if folded.is_none() {
+                    restart(&mut book, &publisher, &generation, &counters);
+                    (refused, chains_dropped, replayed) = Default::default();
+                    continue;
                 }
                 // Leading edge: the first change after a quiet window goes out at once, so the
                 // other replicas learn of a lone dispatch or end without waiting up to a window
@@ -214,17 +271,30 @@ async fn run(
                 // otherwise pile onto the worker that looked free); a stream of reports is paced
                 // by the tick, one publication per window.
                 let paced = tokio::time::Instant::now();
-                if last_published.is_none_or(|at| paced.saturating_duration_since(at) >= BACKLOG_WINDOW)
-                    && publish(&mut book, &publisher, &mut states, Instant::now())
-                {
-                    last_published = Some(paced);
-                    // The next publication waits a whole window from this one.
-                    tick.reset();
+                if last_published.is_none_or(|at| paced.saturating_duration_since(at) >= BACKLOG_WINDOW) {
+                    match guarded(|| publish(&mut book, &publisher, &mut states, Instant::now())) {
+                        Some(true) => {
+                            last_published = Some(paced);
+                            // The next publication waits a whole window from this one.
+                            tick.reset();
+                        }
+                        Some(false) => {}
+                        None => {
+                            restart(&mut book, &publisher, &generation, &counters);
+                            (refused, chains_dropped, replayed) = Default::default();
+                        }
+                    }
                 }
             }
             _ = tick.tick(), if busy => {
-                if publish(&mut book, &publisher, &mut states, Instant::now()) {
-                    last_published = Some(tokio::time::Instant::now());
+                match guarded(|| publish(&mut book, &publisher, &mut states, Instant::now())) {
+                    Some(true) => last_published = Some(tokio::time::Instant::now()),
+                    Some(false) => {}
+                    None => {
+                        restart(&mut book, &publisher, &generation, &counters);
+                        (refused, chains_dropped, replayed) = Default::default();
+                        continue;
+                    }
                 }
                 for reason in Refusal::ALL {
                     let counted = book.refused.of(reason) - refused.of(reason);
@@ -236,6 +306,32 @@ async fn run(
             }
         }
     }
+}
+
+/// `step`'s result, or `None` when it panicked: the book it was changing can no longer be
+/// trusted (the panic itself is logged by the process's hook, with its place).
+fn guarded<T>(step: impl FnOnce() -> T) -> Option<T> {
+    std::panic::catch_unwind(AssertUnwindSafe(step)).ok()
+}
+
+/// Drops a book a panic left in an unknown state for an empty one: its published backlogs are
+/// withdrawn (every rank's, whoever published it) and so are the ranges of operations they
+/// held, the blocks in flight forgotten, and the generation moved on, which ends each session
+/// opened before at its next report (see [`NotQueued::Restarted`]).
+fn restart(book: &mut Book, publisher: &FleetPublisher, generation: &AtomicU64, counters: &BookCounters) {
+    generation.fetch_add(1, Ordering::AcqRel);
+    counters.restarts.inc();
+    tracing::error!(
+        "the dispatch book's task panicked; it starts over empty, and every replica reports its dispatches in flight again on a new stream"
+    );
+    book.active.clear();
+    *book = Book { active: book.active.clone(), ..Book::default() };
+    let published: Vec<_> = publisher.current().view().backlogs().keys().cloned().collect();
+    publisher.apply(FleetChange {
+        backlogs_removed: published,
+        reports_folded: Some(Arc::default()),
+        ..FleetChange::default()
+    });
 }
 
 /// Brings the book up to date with the newest samples and time, and publishes the sums that
@@ -276,9 +372,13 @@ mod tests {
         let sessions: Vec<SessionReports> = (0..SESSION_SHARE).map(|_| book.session()).collect();
         for session in &sessions {
             for _ in 0..COMMAND_QUEUE / SESSION_SHARE {
-                assert!(session.report(1, pb::DispatchReport::default()), "a place the count promised");
+                assert_eq!(session.report(1, pb::DispatchReport::default()), Ok(()), "a place the count promised");
             }
-            assert!(!session.report(1, pb::DispatchReport::default()), "past the session's share");
+            assert_eq!(
+                session.report(1, pb::DispatchReport::default()),
+                Err(NotQueued::Full),
+                "past the session's share"
+            );
         }
     }
 }

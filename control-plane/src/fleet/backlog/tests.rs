@@ -759,6 +759,7 @@ fn counters() -> BookCounters {
         refused: refused.expect("counter"),
         chains_dropped: counter("chains"),
         replayed: counter("replayed"),
+        restarts: counter("restarts"),
     }
 }
 
@@ -770,23 +771,60 @@ async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them
     let cancel = CancellationToken::new();
     let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters, cancel.clone()).session();
 
-    assert!(book.report(7, report(vec![started(1, 0, 64), started(2, 0, 64)], vec![])));
+    assert_eq!(book.report(7, report(vec![started(1, 0, 64), started(2, 0, 64)], vec![])), Ok(()));
     assert!(until_published(&publisher, 2).await, "the first report is published without time passing");
     // Ticks pass with nothing to publish; the book still holds the dispatches.
     tokio::time::advance(BACKLOG_WINDOW * 2 + BACKLOG_WINDOW / 2).await;
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
-    assert!(book.report(7, report(vec![], vec![1])));
+    assert_eq!(book.report(7, report(vec![], vec![1])), Ok(()));
     assert!(
         until_published(&publisher, 1).await,
         "an end after a quiet window reaches the replicas at once, not at the next tick"
     );
     // Right after a publication, the next change waits for the window to pass.
-    assert!(book.report(7, report(vec![], vec![2])));
+    assert_eq!(book.report(7, report(vec![], vec![2])), Ok(()));
     assert!(!until_published(&publisher, 0).await, "published twice within one window");
     tokio::time::advance(BACKLOG_WINDOW).await;
     assert!(until_published(&publisher, 0).await, "the tick publishes what the window held back");
+    cancel.cancel();
+}
+
+/// A panic in the book's task (a bug) starts the book over instead of freezing every rank's
+/// backlog for good: what it published is withdrawn, its blocks in flight forgotten, the
+/// restart counted; a session opened before it is refused (its replica reconnects and reports
+/// again, replaying its dispatches), and one opened after it is folded as ever.
+#[tokio::test(start_paused = true)]
+async fn a_panic_in_the_books_task_starts_it_over_empty_and_ends_the_sessions_opened_before() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    publisher.apply(FleetChange { upsert: vec![decode_worker(1)], ..FleetChange::default() });
+    let (counters, active, cancel) = (counters(), ActiveIndex::default(), CancellationToken::new());
+    let book = BacklogBook::spawn(publisher.clone(), active.clone(), counters.clone(), cancel.clone());
+    let before = book.session();
+    let chained = pb::DispatchStarted { block_hashes: vec![11, 12, 13, 14], ..started(1, 0, 64) };
+    assert_eq!(before.report(7, report(vec![chained, started(2, 0, 64)], vec![])), Ok(()));
+    assert!(until_published(&publisher, 2).await);
+    assert_eq!(active.ranks(), 1);
+
+    book.fault().await;
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(published_dispatches(&publisher), None, "the backlogs the book published are withdrawn");
+    assert_eq!(active.ranks(), 0, "and its blocks in flight");
+    assert_eq!(counters.restarts.get(), 1);
+    assert_eq!(
+        before.report(7, report(vec![], vec![1])),
+        Err(NotQueued::Restarted),
+        "a session the new book knows nothing of is ended"
+    );
+
+    let after = book.session();
+    let replayed = pb::DispatchStarted { replayed: true, ..started(2, 0, 64) };
+    assert_eq!(after.report(8, report(vec![replayed], vec![])), Ok(()));
+    tokio::time::advance(BACKLOG_WINDOW).await;
+    assert!(until_published(&publisher, 1).await, "the new book folds the replica's replay");
     cancel.cancel();
 }
 
@@ -911,18 +949,18 @@ async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() 
     let sessions: Vec<_> = (0..SESSION_SHARE).map(|_| book.session()).collect();
     let share = MAX_QUEUED_REPORT_BYTES / SESSION_SHARE / bytes;
     for (replica, session) in (1..).zip(&sessions) {
-        let accepted = (0..COMMAND_QUEUE).take_while(|_| session.report(replica, heavy())).count();
+        let accepted = (0..COMMAND_QUEUE).take_while(|_| session.report(replica, heavy()).is_ok()).count();
         assert!(accepted < COMMAND_QUEUE / SESSION_SHARE, "the byte bound is reached first");
         assert_eq!(accepted, share, "as many as fit in the session's share of {MAX_QUEUED_REPORT_BYTES} bytes");
     }
     // A fifth session's share has room; the queue's own bound does not.
     let left = MAX_QUEUED_REPORT_BYTES - SESSION_SHARE * share * bytes;
     let fifth = book.session();
-    let fitting = (0..COMMAND_QUEUE).take_while(|_| fifth.report(9, heavy())).count();
+    let fitting = (0..COMMAND_QUEUE).take_while(|_| fifth.report(9, heavy()).is_ok()).count();
     assert_eq!(fitting, left / bytes, "what the whole queue has left, not the fifth's share");
     // Once the book has taken them, there is room again.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(sessions[0].report(1, heavy()));
+    assert_eq!(sessions[0].report(1, heavy()), Ok(()));
     cancel.cancel();
 }
 
@@ -935,14 +973,15 @@ async fn a_flooding_session_leaves_room_in_the_queue_for_the_others() {
     let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters(), cancel.clone());
     let small = || report(vec![], vec![1]);
     let flooding = book.session();
-    let accepted = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, small())).count();
+    let accepted = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, small()).is_ok()).count();
     assert_eq!(accepted, COMMAND_QUEUE / SESSION_SHARE, "a share of the queue's reports");
     let honest = book.session();
-    assert!(honest.report(2, small()), "another session's report finds room");
+    assert_eq!(honest.report(2, small()), Ok(()), "another session's report finds room");
     let others: Vec<_> = (1..SESSION_SHARE).map(|_| book.session()).collect();
-    let held: usize = others.iter().map(|s| (0..COMMAND_QUEUE).take_while(|_| s.report(3, small())).count()).sum();
+    let held: usize =
+        others.iter().map(|s| (0..COMMAND_QUEUE).take_while(|_| s.report(3, small()).is_ok()).count()).sum();
     assert_eq!(accepted + 1 + held, COMMAND_QUEUE, "together, the sessions fill the whole queue");
-    assert!(!book.session().report(4, small()), "and no session finds room in a full one");
+    assert_eq!(book.session().report(4, small()), Err(NotQueued::Full), "and no session finds room in a full one");
     cancel.cancel();
 }
 
@@ -958,11 +997,11 @@ async fn the_reports_of_a_session_that_ended_are_dropped_unread() {
     // Each starts a dispatch on a rank this fleet does not have: folded, it is counted refused.
     let unknown = || report(vec![started(7, 0, 16)], vec![]);
     let flooding = book.session();
-    let queued = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, unknown())).count();
+    let queued = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, unknown()).is_ok()).count();
     assert_eq!(queued, COMMAND_QUEUE / SESSION_SHARE);
     drop(flooding);
     let honest = book.session();
-    assert!(honest.report(2, unknown()), "room for another session");
+    assert_eq!(honest.report(2, unknown()), Ok(()), "room for another session");
     let folded = || counters.refused.with_label_values(&[Refusal::UnknownRank.as_str()]).get();
     tokio::time::timeout(Duration::from_secs(5), async {
         while folded() == 0 {
