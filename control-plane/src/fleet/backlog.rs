@@ -65,6 +65,7 @@
 //! [`BACKLOG_WINDOW`] is published at once; after that, changes are published at most once per
 //! window. The task does not wake per window while the book holds nothing.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -119,6 +120,10 @@ pub(super) const PROGRESS_STEPS: u64 = 8;
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// Ended dispatches remembered per rank for that, at most.
 const MAX_ENDED_PER_RANK: usize = 4096;
+/// The most dispatches of ended sessions forgotten in one turn of the book's task (about a
+/// millisecond's work): a session that ended holding a hundred thousand is forgotten over
+/// many turns, other sessions' reports folded between them.
+const DEPARTURE_CHUNK: usize = 2048;
 /// Gives back what a vector of block hashes no longer holds once cut, when that is most of it:
 /// a dispatch keeps its chain for as long as it is in flight.
 pub(crate) fn fit(hashes: &mut Vec<u64>) {
@@ -228,6 +233,8 @@ struct Book {
     /// When `learned` was last pruned of ranks the fleet no longer has, and stale dispatches
     /// looked for.
     swept: Option<Instant>,
+    /// Sessions that ended with dispatches still to forget, in the order they ended.
+    departing: VecDeque<u64>,
 }
 
 /// What a settled rank keeps for its next dispatch.
@@ -422,11 +429,42 @@ impl Book {
         }
     }
 
+    /// Forgets a session's dispatches: at most [`DEPARTURE_CHUNK`] of them at once, the rest
+    /// by [`Book::forget_departed`] between the book's later turns. A session may hold a
+    /// hundred thousand, and every other session's reports wait while the book works.
     fn replica_gone(&mut self, replica: u64, now: Instant) {
-        for (id, key) in self.where_is.remove(&replica).unwrap_or_default() {
-            self.take_from(key, |rank, active, key| rank.forget((replica, id), now, active, key));
-        }
         self.folded.remove(&replica);
+        if self.where_is.contains_key(&replica) && !self.departing.contains(&replica) {
+            self.departing.push_back(replica);
+        }
+        self.forget_departed(now);
+    }
+
+    /// Whether sessions that ended still have dispatches to forget.
+    fn departing(&self) -> bool {
+        !self.departing.is_empty()
+    }
+
+    /// Forgets at most [`DEPARTURE_CHUNK`] dispatches of the sessions that ended, the first
+    /// to end first; whether some are left.
+    fn forget_departed(&mut self, now: Instant) -> bool {
+        let mut left = DEPARTURE_CHUNK;
+        while left > 0
+            && let Some(&session) = self.departing.front()
+        {
+            let ids: Vec<u64> =
+                self.where_is.get(&session).map_or_else(Vec::new, |held| held.keys().take(left).copied().collect());
+            if ids.is_empty() {
+                self.where_is.remove(&session);
+                self.departing.pop_front();
+                continue;
+            }
+            left -= ids.len();
+            for id in ids {
+                self.forget((session, id), now);
+            }
+        }
+        !self.departing.is_empty()
     }
 
     /// Measures new samples, drops dispatches whose end never came, and marks the ranks whose

@@ -329,8 +329,10 @@ impl Fleet for FleetService {
             }
             // The stream ends here, not once the book has forgotten the session.
             drop(goodbye);
-            replicas.remove(id);
+            // Queued before the session leaves the list: a stream its replica opens meanwhile
+            // finds it there and has it forgotten ahead of its replay, never after.
             book.replica_gone(id).await;
+            replicas.remove(id);
             metrics.replicas_connected.dec();
             tracing::info!(replica = %status.replica_id, "replica disconnected");
         });

@@ -226,18 +226,24 @@ async fn run(
     cancel: CancellationToken,
 ) {
     // What the counters already hold of the book's totals.
-    let (mut refused, mut chains_dropped, mut replayed) = (Refused::default(), 0, 0);
+    let mut exported: (Refused, u64, u64) = Default::default();
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // On the runtime's clock, as the tick is.
     let mut last_published: Option<tokio::time::Instant> = None;
     loop {
+        // A session that ended holding many dispatches is forgotten a chunk a turn, the
+        // runtime's other tasks and the book's other commands between.
+        if book.departing() {
+            if guarded(|| book.forget_departed(Instant::now())).is_none() {
+                restart(&mut book, &publisher, &generation, &counters, &mut exported);
+            }
+            tokio::task::yield_now().await;
+        }
         // With nothing held, nothing to publish and no count to export, the book sleeps until a
         // report comes instead of waking every window.
-        let busy = !book.ranks.is_empty()
-            || !book.dirty.is_empty()
-            || (book.refused, book.chains_dropped, book.replayed) != (refused, chains_dropped, replayed);
+        let busy = !book.ranks.is_empty() || !book.dirty.is_empty();
         tokio::select! {
             biased;
             () = cancel.cancelled() => return,
@@ -261,8 +267,7 @@ async fn run(
                     None => return,
                 };
                 if folded.is_none() {
-                    restart(&mut book, &publisher, &generation, &counters);
-                    (refused, chains_dropped, replayed) = Default::default();
+                    restart(&mut book, &publisher, &generation, &counters, &mut exported);
                     continue;
                 }
                 // Leading edge: the first change after a quiet window goes out at once, so the
@@ -280,8 +285,7 @@ async fn run(
                         }
                         Some(false) => {}
                         None => {
-                            restart(&mut book, &publisher, &generation, &counters);
-                            (refused, chains_dropped, replayed) = Default::default();
+                            restart(&mut book, &publisher, &generation, &counters, &mut exported);
                         }
                     }
                 }
@@ -291,21 +295,35 @@ async fn run(
                     Some(true) => last_published = Some(tokio::time::Instant::now()),
                     Some(false) => {}
                     None => {
-                        restart(&mut book, &publisher, &generation, &counters);
-                        (refused, chains_dropped, replayed) = Default::default();
+                        restart(&mut book, &publisher, &generation, &counters, &mut exported);
                         continue;
                     }
                 }
-                for reason in Refusal::ALL {
-                    let counted = book.refused.of(reason) - refused.of(reason);
-                    counters.refused.with_label_values(&[reason.as_str()]).inc_by(counted);
-                }
-                counters.chains_dropped.inc_by(book.chains_dropped - chains_dropped);
-                counters.replayed.inc_by(book.replayed - replayed);
-                (refused, chains_dropped, replayed) = (book.refused, book.chains_dropped, book.replayed);
             }
+            // Departures left, and neither a command nor the tick waiting: on to the next chunk.
+            () = std::future::ready(()), if book.departing() => continue,
+        }
+        // Every turn, not only the tick's: a book kept busy by reports (its queue never empty,
+        // so the biased select never reaches the tick) counts its refusals as it makes them.
+        export(&book, &counters, &mut exported);
+    }
+}
+
+/// What a book's counts have added since `exported`, added to its counters.
+fn export(book: &Book, counters: &BookCounters, exported: &mut (Refused, u64, u64)) {
+    let (refused, chains_dropped, replayed) = *exported;
+    if (book.refused, book.chains_dropped, book.replayed) == (refused, chains_dropped, replayed) {
+        return;
+    }
+    for reason in Refusal::ALL {
+        let counted = book.refused.of(reason) - refused.of(reason);
+        if counted > 0 {
+            counters.refused.with_label_values(&[reason.as_str()]).inc_by(counted);
         }
     }
+    counters.chains_dropped.inc_by(book.chains_dropped - chains_dropped);
+    counters.replayed.inc_by(book.replayed - replayed);
+    *exported = (book.refused, book.chains_dropped, book.replayed);
 }
 
 /// `step`'s result, or `None` when it panicked: the book it was changing can no longer be
@@ -316,11 +334,19 @@ fn guarded<T>(step: impl FnOnce() -> T) -> Option<T> {
 
 /// Drops a book a panic left in an unknown state for an empty one: its published backlogs are
 /// withdrawn (every rank's, whoever published it) and so are the ranges of operations they
-/// held, the blocks in flight forgotten, and the generation moved on, which ends each session
-/// opened before at its next report (see [`NotQueued::Restarted`]).
-fn restart(book: &mut Book, publisher: &FleetPublisher, generation: &AtomicU64, counters: &BookCounters) {
+/// held, the blocks in flight forgotten, its counts (as `exported` holds them) started over,
+/// and the generation moved on, which ends each session opened before at its next report
+/// (see [`NotQueued::Restarted`]).
+fn restart(
+    book: &mut Book,
+    publisher: &FleetPublisher,
+    generation: &AtomicU64,
+    counters: &BookCounters,
+    exported: &mut (Refused, u64, u64),
+) {
     generation.fetch_add(1, Ordering::AcqRel);
     counters.restarts.inc();
+    *exported = Default::default();
     tracing::error!(
         "the dispatch book's task panicked; it starts over empty, and every replica reports its dispatches in flight again on a new stream"
     );

@@ -902,8 +902,35 @@ fn the_book_holds_a_bounded_number_of_dispatches_and_replicas_filling_it_cannot_
     assert_eq!((book.held, book.refused.of(Refusal::BookFull)), (2 * MAX_DISPATCHES, refused + 1));
     // A replica's dispatches go with it, and only its own are looked at.
     book.replica_gone(0, Instant::now());
+    while book.forget_departed(Instant::now()) {}
     assert_eq!(book.held, 2 * MAX_DISPATCHES - each);
     assert!(!book.where_is.contains_key(&0));
+}
+
+/// A session that ended holding many dispatches is forgotten a chunk at a time, so that the
+/// book's other work waits for a chunk, not for all of them; every one goes in the end, and
+/// so does the session, its dispatches that ended meanwhile included.
+#[test]
+fn an_ended_session_is_forgotten_a_chunk_at_a_time() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let now = Instant::now();
+    fill(&mut book, &state, 1, 0, 2 * DEPARTURE_CHUNK + 10);
+    fill(&mut book, &state, 2, 0, 3);
+    book.replica_gone(1, now);
+    assert_eq!(book.held, DEPARTURE_CHUNK + 10 + 3, "one chunk forgotten at once");
+    assert!(book.departing());
+    // One of the rest ends meanwhile (a report queued before the session's end was seen).
+    let still_held = *book.where_is[&1].keys().next().expect("a dispatch left");
+    book.report(1, report(vec![], vec![still_held]), now, &state);
+    assert!(book.forget_departed(now), "a chunk at a time");
+    assert_eq!(book.held, 10 - 1 + 3);
+    assert!(!book.forget_departed(now), "the last of them");
+    assert_eq!((book.held, book.where_is.contains_key(&1)), (3, false));
+    let rank = book.ranks.get(&book_key(0)).map(|r| r.dispatches.len());
+    assert_eq!(rank, Some(3), "the other session's dispatches stay");
+    book.replica_gone(1, now);
+    assert!(!book.departing(), "a session gone twice is forgotten once");
 }
 
 /// A rank that held a flood of dispatches and now holds one keeps no room for the flood: the
@@ -1011,6 +1038,28 @@ async fn the_reports_of_a_session_that_ended_are_dropped_unread() {
     .await
     .expect("the honest report is folded");
     assert_eq!(folded(), 1, "only the live session's report was folded");
+    cancel.cancel();
+}
+
+/// A book kept busy by a queue that never empties (the biased select always finds a report
+/// first, so its tick does not run) still counts each refusal as it makes it: the counters
+/// are an operator's view of an overloaded book, exactly when they matter.
+#[tokio::test(start_paused = true)]
+async fn refusals_are_counted_while_queued_reports_keep_the_book_busy() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    let (counters, cancel) = (counters(), CancellationToken::new());
+    let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters.clone(), cancel.clone());
+    let sessions: Vec<SessionReports> = (0..SESSION_SHARE).map(|_| book.session()).collect();
+    let mut queued = 0;
+    for (replica, session) in (1..).zip(&sessions) {
+        // A dispatch on a rank this fleet does not have: folded, it is counted refused.
+        queued += (0..COMMAND_QUEUE)
+            .take_while(|_| session.report(replica, report(vec![started(7, 0, 16)], vec![])).is_ok())
+            .count();
+    }
+    tokio::task::yield_now().await;
+    let counted = counters.refused.with_label_values(&[Refusal::UnknownRank.as_str()]).get();
+    assert!(counted > 0 && (counted as usize) < queued, "{counted} of {queued} counted while the rest wait");
     cancel.cancel();
 }
 
