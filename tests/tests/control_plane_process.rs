@@ -312,8 +312,9 @@ async fn a_reload_stuck_on_its_file_does_not_keep_the_control_plane_from_exiting
     anyhow::ensure!(std::process::Command::new("mkfifo").arg(&config).status()?.success(), "mkfifo");
     let pid = control.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
     assert!(std::process::Command::new("kill").args(["-HUP", &pid]).status()?.success());
-    // The reload is under way (stuck in its read) before the stop comes.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The reload is under way, one of the process's threads blocked opening the FIFO, before
+    // the stop comes.
+    eventually(CONVERGE, "a thread blocked opening the FIFO", || async { blocked_on_a_fifo(&pid) }).await?;
     assert!(std::process::Command::new("kill").args(["-TERM", &pid]).status()?.success());
     let exit = tokio::time::timeout(Duration::from_secs(30), control.child.wait()).await;
     // Whatever happened, nothing stays blocked on the FIFO once the test is done with it.
@@ -321,6 +322,15 @@ async fn a_reload_stuck_on_its_file_does_not_keep_the_control_plane_from_exiting
     let exit = exit.map_err(|_| anyhow::anyhow!("the control plane did not exit with its reload stuck"))??;
     assert!(exit.success(), "a clean shutdown: {exit}");
     Ok(())
+}
+
+/// Whether a thread of process `pid` waits in the kernel for a FIFO's other end
+/// (`wait_for_partner`, where an `open` of a FIFO nobody writes blocks).
+fn blocked_on_a_fifo(pid: &str) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().any(|task| {
+        std::fs::read_to_string(task.path().join("wchan")).is_ok_and(|wchan| wchan.trim() == "wait_for_partner")
+    })
 }
 
 /// `O_NONBLOCK`: opening a FIFO for writing with no reader fails at once instead of blocking.

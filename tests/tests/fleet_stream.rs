@@ -1062,13 +1062,18 @@ async fn a_reload_stalled_on_its_certificate_files_still_revokes_a_token() -> an
     // Whatever happened, nothing stays blocked on the FIFO: release its readers, then put the
     // certificate back for the polls to come.
     let release = || std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(&cert).is_ok();
+    let mut released = 0;
     while release() {
+        released += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let restored = dir.path().join("restored.crt");
     std::fs::copy(&pki.server_cert, &restored)?;
     std::fs::rename(&restored, &cert)?;
     reloaded.map_err(|_| anyhow::anyhow!("the reload waited on the stalled files"))??;
+    // A writer could open the FIFO only while a reader had it open: the reload did try the
+    // stalled file (and was still stuck in it when it went on without it).
+    anyhow::ensure!(released > 0, "the reload never opened the stalled certificate file");
     revoked?;
     first.shutdown().await;
     control.shutdown().await;
