@@ -309,7 +309,14 @@ fn carries_error_event(data: &[u8]) -> bool {
 
 /// Whether one line is an error event's `data:` line.
 fn is_error_line(line: &[u8]) -> bool {
-    line.strip_prefix(b"data:").is_some_and(|value| value.trim_ascii_start().starts_with(b"{\"error\""))
+    line.strip_prefix(b"data:").is_some_and(opens_with_error_member)
+}
+
+/// Whether a `data:` line's value is a JSON object whose first member is `error`, white space
+/// allowed where JSON allows it.
+fn opens_with_error_member(value: &[u8]) -> bool {
+    let object = value.trim_ascii_start().strip_prefix(b"{");
+    object.is_some_and(|members| members.trim_ascii_start().starts_with(b"\"error\""))
 }
 
 /// The error events of `events` that name an address, a path or a worker (as a refusal's body
@@ -318,7 +325,7 @@ fn is_error_line(line: &[u8]) -> bool {
 fn withhold_addresses(events: Bytes) -> Bytes {
     let names_one = |line: &[u8]| {
         let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).unwrap_or_default();
-        value.starts_with(b"{\"error\"") && relayable(value).is_err()
+        opens_with_error_member(value) && relayable(value).is_err()
     };
     let lines = || events.split_inclusive(|b| *b == b'\n' || *b == b'\r');
     if !lines().any(|line| names_one(line.trim_ascii_end())) {
@@ -439,11 +446,13 @@ mod tests {
         let token = "data: {\"choices\":[{\"delta\":{\"content\":\"10.0.0.1\"}}]}\n\n";
         let named = "data: {\"error\":{\"message\":\"worker 10.4.0.12:9000 died\",\"code\":503}}\r\n\r\n";
         let plain = "data: {\"error\":{\"message\":\"Service temporarily unavailable\",\"code\":503}}\n\n";
-        let events = Bytes::from(format!("{token}{named}{plain}data: [DONE]\n\n"));
+        let spaced = "data: { \"error\": {\"message\": \"worker 10.4.0.13:9000 died\"}}\n\n";
+        let events = Bytes::from(format!("{token}{named}{plain}{spaced}data: [DONE]\n\n"));
         let out = withhold_addresses(events);
         let text = String::from_utf8_lossy(&out);
-        assert!(!text.contains("10.4.0.12"), "{text}");
-        let expected = format!("{token}{WITHHELD_ERROR_EVENT}\r\n\r\n{plain}data: [DONE]\n\n");
+        assert!(!text.contains("10.4.0.12") && !text.contains("10.4.0.13"), "{text}");
+        let expected =
+            format!("{token}{WITHHELD_ERROR_EVENT}\r\n\r\n{plain}{WITHHELD_ERROR_EVENT}\n\ndata: [DONE]\n\n");
         assert_eq!(text, expected, "a token's text is no error event: as it came");
         assert!(carries_error_event(&out), "still an error event");
         let fine = Bytes::from(plain);
@@ -485,6 +494,7 @@ mod tests {
         assert!(carries_error_event(frontend_503));
         assert!(carries_error_event(b"data: {\"id\":1}\n\ndata:{\"error\":\"x\"}\r\n\r\n"));
         assert!(carries_error_event(b"data: {\"id\":1}\r\rdata: {\"error\":\"x\"}\r\r"), "CR-only lines");
+        assert!(carries_error_event(b"data: { \"error\" : {\"message\":\"x\"}}\n\n"), "white space in the JSON");
         for fine in [
             &b"data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\n"[..],
             b"data: {\"choices\":[{\"delta\":{\"content\":\"{\\\"error\\\"\"}}]}\n\n",

@@ -9,7 +9,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use http_body::{Frame, SizeHint};
@@ -239,11 +239,40 @@ fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> 
     match relayable(&body) {
         Ok(value) => {
             let response = match backend_words(&value) {
-                None => rebuild(status, shim_headers, Body::from(value.to_string())),
+                // Re-encoded from the JSON read: JSON is what the client gets, whatever type
+                // the backend said its body had.
+                None => {
+                    let mut response = rebuild(status, shim_headers, Body::from(value.to_string()));
+                    let json = HeaderValue::from_static("application/json");
+                    response.headers_mut().insert(header::CONTENT_TYPE, json);
+                    response
+                }
                 Some(words) => ApiError::reworded(status, &words).into_response(),
             };
             (response, RefusalBody::Relayed)
         }
         Err(fate) => (ApiError::refused(status, fate).into_response(), fate),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refusal relayed in OpenAI's shape is JSON the router re-encoded: it goes out as JSON
+    /// whatever type the backend named (a browser must not render the client's own input that
+    /// a refusal quotes as markup).
+    #[test]
+    fn a_relayed_refusal_is_json_whatever_type_its_backend_named() {
+        let mut shim_headers = HeaderMap::new();
+        shim_headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html"));
+        let body = Bytes::from_static(br#"{"error":{"message":"<script>x</script> is not a model"}}"#);
+        let (response, fate) = relayed_refusal(StatusCode::BAD_REQUEST, shim_headers, body);
+        assert_eq!(fate, RefusalBody::Relayed);
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            response.headers().get(header::CONTENT_TYPE).map(HeaderValue::as_bytes),
+            Some(&b"application/json"[..])
+        );
     }
 }

@@ -328,8 +328,8 @@ impl Chunked {
     }
 }
 
-/// A chunk-size line's size: 1 to 16 hex digits, then nothing, or white space and `;`
-/// extensions. Anything looser (a sign, leading white space, a bare CR or LF, another control
+/// A chunk-size line's size: hex digits, at most 16 past any leading zeros (which RFC 9112
+/// allows however many), then nothing, or white space and `;` extensions. Anything looser (a sign, leading white space, a bare CR or LF, another control
 /// byte) is refused: a hop in front that split or read the line otherwise would see other chunk
 /// boundaries than this decoder, and could be handed a smuggled request.
 fn chunk_size(line: &[u8]) -> Option<u64> {
@@ -337,14 +337,18 @@ fn chunk_size(line: &[u8]) -> Option<u64> {
         return None;
     }
     let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
-    if !(1..=16).contains(&digits) {
+    let (digits, rest) = line.split_at(digits);
+    let significant = &digits[digits.iter().take_while(|b| **b == b'0').count()..];
+    if digits.is_empty() || significant.len() > 16 {
         return None;
     }
-    let (digits, rest) = line.split_at(digits);
     if !matches!(rest.trim_ascii_start().first(), None | Some(b';')) {
         return None;
     }
-    u64::from_str_radix(std::str::from_utf8(digits).ok()?, 16).ok()
+    match significant {
+        [] => Some(0),
+        _ => u64::from_str_radix(std::str::from_utf8(significant).ok()?, 16).ok(),
+    }
 }
 
 /// A control byte other than horizontal tab, which no chunk line or trailer may hold.
@@ -551,6 +555,7 @@ mod tests {
         assert_eq!(decode(b"zz\r\n"), Err(WireError::Chunk("chunk size")));
         assert_eq!(decode(b"2\r\nabc\r\n"), Err(WireError::Chunk("chunk not followed by CRLF")));
         assert_eq!(decode(b"11111111111111111\r\n"), Err(WireError::Chunk("chunk size")));
+        assert_eq!(decode(b"\r\n"), Err(WireError::Chunk("chunk size")), "no digit at all");
         assert_eq!(decode(&[b'1'; MAX_CHUNK_LINE_BYTES + 2]), Err(WireError::Chunk("line too long")));
         // Refused as well when the whole line, CRLF and all, came in one read.
         let mut long_extension = b"1;".to_vec();
@@ -569,6 +574,16 @@ mod tests {
             many_trailers.extend_from_slice(b"x-trailer: 12345678\r\n");
         }
         assert_eq!(decode(&many_trailers), Err(WireError::Chunk("trailers too long")));
+    }
+
+    /// Leading zeros count for nothing (RFC 9112 allows any number of them): only the
+    /// significant digits are held to 16.
+    #[test]
+    fn chunk_sizes_with_leading_zeros_are_read() {
+        let mut decoder = Chunked::default();
+        let mut buf = BytesMut::from(&b"000000000000000000005\r\nhello\r\n00000000000000000000\r\n\r\n"[..]);
+        assert_eq!(decoder.decode(&mut buf), Ok(Decoded::Data(Bytes::from_static(b"hello"))));
+        assert_eq!(decoder.decode(&mut buf), Ok(Decoded::End));
     }
 
     #[test]

@@ -45,6 +45,12 @@ pub const CROWDED_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The slowest average upload a request may take beyond [`REQUEST_READ_TIMEOUT`].
 pub const MIN_READ_BYTES_PER_SECOND: u64 = 64 << 10;
+/// Nor may a request's bytes stop coming for longer than this, whatever time they earned: a
+/// client that sent most of an 8 MiB body at once and then stopped would otherwise hold its
+/// buffer, charged against the process's budget for large bodies, for the two minutes and more
+/// those bytes earned. While the server is crowded, [`CROWDED_IDLE_TIMEOUT`] instead: a client
+/// that sends a byte and stops holds a slot a new client may need.
+pub const READ_STALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// A client that takes none of a response's bytes for this long is dropped: its connection,
 /// and the dispatch behind a stream, would otherwise be held for as long as it chose.
 pub const WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(60);
@@ -98,16 +104,29 @@ async fn write_continue(stream: &mut TcpStream) -> Result<(), Stop> {
 
 /// When the rest of a request must have arrived: [`REQUEST_READ_TIMEOUT`] after its first
 /// bytes, later by the time of each byte read since at [`MIN_READ_BYTES_PER_SECOND`], up to
-/// [`MAX_READ_CREDIT`] bytes of them.
+/// [`MAX_READ_CREDIT`] bytes of them; and each read within `stall` of the one before.
 #[derive(Debug)]
 struct ReadDeadline {
     start: tokio::time::Instant,
     received: u64,
+    stall: Duration,
 }
 
 impl ReadDeadline {
     fn from_now() -> Self {
-        Self { start: tokio::time::Instant::now(), received: 0 }
+        Self { start: tokio::time::Instant::now(), received: 0, stall: READ_STALL_TIMEOUT }
+    }
+
+    /// A request that began while the server was crowded: its reads may pause no longer than
+    /// an idle connection may wait then.
+    fn crowded(mut self) -> Self {
+        self.stall = CROWDED_IDLE_TIMEOUT;
+        self
+    }
+
+    /// When the next read must have come.
+    fn next_read_by(&self) -> tokio::time::Instant {
+        self.at().min(tokio::time::Instant::now() + self.stall)
     }
 
     fn received(&mut self, bytes: usize) {
@@ -260,7 +279,8 @@ impl Connection {
         if let Some(request) = self.buffered_request()? {
             return Ok(request);
         }
-        self.read_rest(&mut ReadDeadline::from_now()).await
+        let deadline = ReadDeadline::from_now();
+        self.read_rest(&mut if crowded { deadline.crowded() } else { deadline }).await
     }
 
     /// Drops the blank lines at the front of the read buffer; whether nothing else is there.
@@ -439,7 +459,7 @@ impl Connection {
 
     /// [`Self::fill_at_most`] before the request's `deadline`, which the bytes read extend.
     async fn fill_by(&mut self, deadline: &mut ReadDeadline, most: usize) -> Result<(), Stop> {
-        match tokio::time::timeout_at(deadline.at(), self.fill_at_most(most)).await {
+        match tokio::time::timeout_at(deadline.next_read_by(), self.fill_at_most(most)).await {
             Ok(read) => {
                 deadline.received(read?);
                 Ok(())

@@ -185,6 +185,43 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
     Ok(())
 }
 
+/// A client that sent most of a large body at once and then stopped is refused once its
+/// bytes have stopped for the stall timeout, not when the time they earned runs out (minutes
+/// later, its buffer charged against the budget for large bodies all the while); while the
+/// server is crowded, a head begun with one byte is refused after the crowded idle timeout.
+#[tokio::test(start_paused = true)]
+async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let body = 4 << 20;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let head = format!("POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: {body}\r\n\r\n");
+    let sending = tokio::spawn(async move {
+        client.write_all(head.as_bytes()).await?;
+        client.write_all(&vec![b'x'; body - 1]).await?;
+        // And nothing more: held open until the test ends.
+        std::future::pending::<io::Result<TcpStream>>().await
+    });
+    let mut conn = Connection::new(server);
+    let started = tokio::time::Instant::now();
+    let refused = conn.read_request(&CancellationToken::new(), false).await;
+    assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "refused when its bytes stopped");
+    let waited = started.elapsed();
+    assert!(waited >= READ_STALL_TIMEOUT && waited < REQUEST_READ_TIMEOUT, "{waited:?}");
+    sending.abort();
+
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    client.write_all(b"P").await?;
+    let mut conn = Connection::new(server);
+    let started = tokio::time::Instant::now();
+    let refused = conn.read_request(&CancellationToken::new(), true).await;
+    assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a head begun and stopped");
+    let waited = started.elapsed();
+    assert!(waited >= CROWDED_IDLE_TIMEOUT && waited < READ_STALL_TIMEOUT, "{waited:?}");
+    Ok(())
+}
+
 /// What a request's bytes earn is capped at its largest size: a chunked body padded with
 /// framing (each byte of body behind a 4 KiB chunk extension) earns no more time than a whole
 /// body of the largest size, instead of days at the minimum rate.
