@@ -12,6 +12,7 @@ use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::{KvArtifactPolicy, PromptDefaults, Role, Worker};
 use continuum_proto::view::{FleetView, WorkersMemo};
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
+use serde_json::Value;
 
 use super::recent::RecentAnswers;
 use super::request::Tree;
@@ -27,6 +28,9 @@ pub enum Term {
     Scored {
         /// Rendered prompt tokens.
         tokens: Vec<u32>,
+        /// Whether the request carries media ([`carries_media`]): its tokens stand for the
+        /// prompt's size only, not for what the frontend would send the worker.
+        media: bool,
         block_size: u32,
         overlaps: Overlaps,
         /// The prompt's block hashes at `block_size` (at most [`MAX_DISPATCH_BLOCK_HASHES`]),
@@ -44,6 +48,19 @@ pub enum Term {
         picked_before: u64,
     },
     Unavailable(KvSelectionResult),
+}
+
+/// Whether a chat request's messages carry media (images, video, audio). Dynamo mixes each
+/// item's own hash into the blocks that hold it, which a router that never fetches the items
+/// cannot: the chain it makes holds for the text before the first item only, so it is neither
+/// credited to other requests nor remembered for them, and the rendered tokens, placeholders
+/// where the items were, are not sent as the prompt's.
+fn carries_media(request: &Value) -> bool {
+    let messages = request.get("messages").and_then(Value::as_array).into_iter().flatten();
+    let parts = messages.filter_map(|message| message.get("content")?.as_array()).flatten();
+    parts
+        .map(|part| part.get("type").and_then(Value::as_str))
+        .any(|kind| matches!(kind, Some("image_url" | "video_url" | "audio_url" | "input_audio")))
 }
 
 /// The replica's KV machinery: the prompt preparer (built when the fleet's configuration first
@@ -164,6 +181,7 @@ impl KvRouting {
         let Some((body, cache_salt)) = body.await else {
             return Term::Unavailable(KvSelectionResult::RenderUnavailable);
         };
+        let media = carries_media(&body);
         let started = Instant::now();
         let prepared = prompt.render(resolved, body, cache_salt.as_deref(), None).await;
         self.prepare_seconds.observe(started.elapsed().as_secs_f64());
@@ -176,7 +194,12 @@ impl KvRouting {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
         let chain: Vec<u64> = hashes.iter().map(|h| h.0).collect();
-        let block_hashes = chain.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect();
+        // A chain past a media item's blocks names blocks no worker holds: the index's answer
+        // stops there by itself, but no other request may be credited with it.
+        let block_hashes = match media {
+            false => chain.iter().take(MAX_DISPATCH_BLOCK_HASHES).copied().collect(),
+            true => Vec::new(),
+        };
         let started = Instant::now();
         let isl_tokens = prepared.tokens.len() as u64;
         let picked_before = self.picked_so_far(model);
@@ -185,10 +208,12 @@ impl KvRouting {
         self.find_matches_seconds.observe(started.elapsed().as_secs_f64());
         let (overlaps, answer) = match answer {
             Ok(Matches { overlaps, turn, suggestion }) => {
-                self.recent.remember(&chain, &overlaps, Instant::now());
+                if !media {
+                    self.recent.remember(&chain, &overlaps, Instant::now());
+                }
                 (overlaps.into(), IndexAnswer::Answered { turn, suggestion })
             }
-            Err(error) => match self.recent.recall(&chain, Instant::now()) {
+            Err(error) => match self.recent.recall(&chain, Instant::now()).filter(|_| !media) {
                 Some(overlaps) => (overlaps.into(), IndexAnswer::Recent),
                 None => {
                     tracing::debug!(%error, "scoring without overlap credit");
@@ -201,7 +226,16 @@ impl KvRouting {
             },
         };
         let block_size = block_size.get();
-        Term::Scored { tokens: prepared.tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }
+        Term::Scored {
+            tokens: prepared.tokens,
+            media,
+            block_size,
+            overlaps,
+            block_hashes,
+            answer,
+            lookup,
+            picked_before,
+        }
     }
 
     /// A pick for a prompt of `tokens` to `model` was made.
@@ -467,6 +501,30 @@ mod tests {
     use continuum_proto::model::KvArtifactPolicy;
 
     use super::*;
+
+    /// Media is any image, video or audio part of any message's content; text parts, and
+    /// those words inside text, are not.
+    #[test]
+    fn media_is_an_image_video_or_audio_part_of_a_message() {
+        let request = |content: Value| {
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": "you see images"},
+                {"role": "user", "content": content},
+            ]})
+        };
+        for kind in ["image_url", "video_url", "audio_url", "input_audio"] {
+            let parts = serde_json::json!([{"type": "text", "text": "what is this"}, {"type": kind}]);
+            assert!(carries_media(&request(parts)), "{kind}");
+        }
+        for content in [
+            serde_json::json!("an image_url"),
+            serde_json::json!([{"type": "text", "text": "image_url"}]),
+            serde_json::json!([{"type": "refusal", "refusal": "no"}]),
+        ] {
+            assert!(!carries_media(&request(content.clone())), "{content}");
+        }
+        assert!(!carries_media(&serde_json::json!({"messages": "not an array"})));
+    }
     use crate::fleet::{FleetClientConfig, MatchesClient};
     use crate::metrics::Metrics;
 

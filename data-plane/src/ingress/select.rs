@@ -78,7 +78,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
         (
             Some(kv),
-            Some(Term::Scored { tokens, block_size, overlaps, block_hashes, answer, lookup, picked_before }),
+            Some(Term::Scored { tokens, media, block_size, overlaps, block_hashes, answer, lookup, picked_before }),
         ) => {
             let isl_tokens = tokens.len() as u64;
             let answer = answer.picked_meanwhile(kv.routing.picked_since(display, picked_before));
@@ -88,7 +88,8 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
             let chain = PromptChain { block_size, hashes: block_hashes, lookup };
-            (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, Some(tokens), chain)
+            let tokens = Some(tokens).filter(|_| !media);
+            (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, tokens, chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
             let estimate = sized(state, display, request);
