@@ -71,16 +71,22 @@ impl KvHandle {
     /// What `FindMatches` answers: each rank's larger of its indexed and provisional overlap,
     /// ascending by score, or `None` while `dynamo.kv.enabled` is false.
     pub fn overlaps(&self, block_hashes: &[u64]) -> Option<Vec<(RankKey, u32)>> {
-        let indexed = self.find_matches(block_hashes)?;
-        let cleared = self.indexer.read().take_cleared();
+        if !self.enabled.load(Ordering::Relaxed) {
+            return None;
+        }
+        // Folded before any lock. The index is read once for the whole answer: a lookup runs
+        // on the runtime's threads, and each read of a lock some kv-events batch is queued to
+        // write would wait out that batch's turn again.
         let query = Folded::of(block_hashes);
+        let indexer = self.indexer.read();
+        let indexed = indexer.find_matches(block_hashes);
+        let cleared = indexer.take_cleared();
         let mut merged = {
             let mut provisional = self.provisional();
             provisional.forget_cleared(&cleared);
             provisional.merge(&query, indexed.as_slice(), Instant::now())
         };
         // A departed rank's chains go at the next sweep; until then it is not answered.
-        let indexer = self.indexer.read();
         merged.retain(|(rank, _)| indexer.is_live(*rank));
         Some(merged)
     }
