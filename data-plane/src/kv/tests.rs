@@ -500,21 +500,26 @@ async fn a_failed_load_does_not_hold_up_the_same_files_named_elsewhere() {
 }
 
 /// What is no longer pinned leaves the disk cache, when the store opens and when the policy
-/// changes, as do temporary files a crashed process left; nothing else in it is touched.
+/// changes, as do temporary files a crashed process left (any other process's, once old: its
+/// pid may be this one's, in a container); nothing else in it is touched, nor a recent write
+/// of another process sharing the directory.
 #[tokio::test]
 async fn blobs_no_longer_pinned_leave_the_disk_cache() {
     let cache_dir = tempfile::tempdir().unwrap();
     let blobs = cache_dir.path().join("kv/blobs");
     std::fs::create_dir_all(&blobs).unwrap();
     let (kept, dropped) = (Checksum::of(b"kept"), Checksum::of(b"dropped"));
-    let ours = format!(".{}.{}.0.tmp", kept.hex(), std::process::id());
-    let crashed = format!(".{}.1.0.tmp", kept.hex());
-    for name in [kept.hex(), dropped.hex(), ours.clone(), crashed.clone(), "notes.txt".into()] {
+    let ours = format!(".{}.{}.0.tmp", kept.hex(), crate::kv::artifacts::BlobCache::writer_mark());
+    let crashed = format!(".{}.{}.0.tmp", kept.hex(), std::process::id());
+    let writing = format!(".{}.1.0.tmp", kept.hex());
+    for name in [kept.hex(), dropped.hex(), ours.clone(), crashed.clone(), writing.clone(), "notes.txt".into()] {
         std::fs::write(blobs.join(name), b"x").unwrap();
     }
+    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    std::fs::File::options().write(true).open(blobs.join(&crashed)).unwrap().set_modified(an_hour_ago).unwrap();
     let present = |name: &str| blobs.join(name).exists();
     let h = harness_in(cache_dir, [kept]);
-    assert!(present(&kept.hex()) && present(&ours) && present("notes.txt"));
+    assert!(present(&kept.hex()) && present(&ours) && present(&writing) && present("notes.txt"));
     assert!(!present(&dropped.hex()) && !present(&crashed), "pruned as the store opened");
     h.store.set_policy(ArtifactPolicy::new(h.cache_dir.path().join("kv")));
     for _ in 0..500 {

@@ -8,7 +8,9 @@ use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, SystemTime};
 
 use super::card::Checksum;
 
@@ -109,7 +111,7 @@ impl BlobCache {
         static WRITES: AtomicU64 = AtomicU64::new(0);
         let path = self.path(checksum);
         let write = WRITES.fetch_add(1, Ordering::Relaxed);
-        let temp = self.blobs.join(format!(".{}.{}.{write}.tmp", checksum.hex(), std::process::id()));
+        let temp = self.blobs.join(format!(".{}.{}.{write}.tmp", checksum.hex(), *WRITER));
         let result = (|| {
             let mut file = OpenOptions::new().write(true).create_new(true).mode(0o600).open(&temp)?;
             file.write_all(bytes)?;
@@ -128,21 +130,29 @@ impl BlobCache {
     /// Files that are neither are left alone: the directory is ours, what else is in it is not.
     pub fn prune(&self, keep: &BTreeSet<Checksum>) -> io::Result<usize> {
         let keep: HashSet<String> = keep.iter().map(Checksum::hex).collect();
-        let ours = format!(".{}.", std::process::id());
+        let ours = format!(".{}.", *WRITER);
         let mut removed = 0;
         for entry in fs::read_dir(&self.blobs)? {
             let entry = entry?;
             let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
             let blob = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit()) && !keep.contains(&name);
-            // `.{hex}.{pid}.{n}.tmp`: this process's may be a write under way.
+            // `.{hex}.{writer}.{n}.tmp`: this process's may be a write under way, and so may
+            // another's (replicas sharing the volume) while it is recent.
             let left_over = name.starts_with('.')
                 && name.ends_with(".tmp")
-                && !name.get(65..).is_some_and(|rest| rest.starts_with(&ours));
+                && !name.get(65..).is_some_and(|rest| rest.starts_with(&ours))
+                && entry.metadata().and_then(|m| m.modified()).is_ok_and(abandoned);
             if (blob || left_over) && fs::remove_file(entry.path()).is_ok() {
                 removed += 1;
             }
         }
         Ok(removed)
+    }
+
+    /// The mark this process's temporary files carry (see [`WRITER`]).
+    #[cfg(test)]
+    pub fn writer_mark() -> &'static str {
+        &WRITER
     }
 
     fn evict(&self, path: &Path, reason: EvictReason) -> io::Result<CacheRead> {
@@ -153,6 +163,19 @@ impl BlobCache {
             Err(e) => Err(e),
         }
     }
+}
+
+/// This process's mark on the temporary files it writes: drawn at random, not its pid, which
+/// a container's process shares with the one before it (pid 1 both), so that a file a crashed
+/// predecessor left is not taken for a write under way, nor its name met again.
+static WRITER: LazyLock<String> = LazyLock::new(|| format!("{:016x}", rand::random::<u64>()));
+
+/// Another process's temporary file untouched for this long is no write under way (a blob is
+/// at most 64 MiB, written at once): it was left by a crash.
+const ABANDONED_AFTER: Duration = Duration::from_secs(600);
+
+fn abandoned(modified: SystemTime) -> bool {
+    SystemTime::now().duration_since(modified).is_ok_and(|age| age >= ABANDONED_AFTER)
 }
 
 /// Whether `path`, owned by user `owner`, is the process's (running as user `us`).
