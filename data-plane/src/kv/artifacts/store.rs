@@ -275,9 +275,13 @@ impl ArtifactStore {
     /// recently.
     fn start_load(&self, state: &mut State, model: &str, cards: &[ModelArtifacts], now: Instant) {
         let Some(key) = cards.first().map(ModelArtifacts::key) else { return };
+        // Every request for the model asks while it loads (up to minutes): looked up first,
+        // before a walk over its workers' cards.
+        if state.loading.contains(&key) {
+            return;
+        }
         let sources = sources(cards);
         if !state.backing_off(key, places(&sources), now)
-            && !state.loading.contains(&key)
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
             state.loading.insert(key);
@@ -554,10 +558,11 @@ fn places(sources: &[ModelArtifacts]) -> u64 {
 /// [`MAX_CARD_SOURCES`] of them: a fleet whose workers all name the same paths gives one.
 fn sources(cards: &[ModelArtifacts]) -> Vec<ModelArtifacts> {
     let Some(key) = cards.first().map(ModelArtifacts::key) else { return Vec::new() };
-    let paths = |card: &ModelArtifacts| {
-        let template = card.chat_template.as_ref().map(|file| file.path.clone());
-        (card.tokenizer.path.clone(), card.tokenizer_config.path.clone(), template)
-    };
+    // Borrowed: a fleet of a thousand workers naming the same paths copies none of them.
+    fn paths(card: &ModelArtifacts) -> (&str, &str, Option<&str>) {
+        let template = card.chat_template.as_ref().map(|file| file.path.as_str());
+        (card.tokenizer.path.as_str(), card.tokenizer_config.path.as_str(), template)
+    }
     let mut seen = HashSet::new();
     cards.iter().filter(|card| card.key() == key && seen.insert(paths(card))).take(MAX_CARD_SOURCES).cloned().collect()
 }
