@@ -395,7 +395,8 @@ async fn opened<T>(ready: impl Fn() -> Option<T>) -> anyhow::Result<T> {
 
 /// Opens the store for `policy` and keeps it for the requests after, or remembers the failure
 /// (logged unless `logged` already) so that the directory is tried again only after
-/// [`CACHE_DIR_RETRY`], not on every request.
+/// [`CACHE_DIR_RETRY`], not on every request. An open that ends after another directory's
+/// began (a reload moved the cache while this one stalled on its volume) keeps nothing.
 fn open_store(
     preparer: &Mutex<Preparer>,
     policy: KvArtifactPolicy,
@@ -406,9 +407,10 @@ fn open_store(
     let store =
         ArtifactStore::new(artifact_policy(&policy), Fetcher::from_env(), counter, ArtifactStore::system_clock());
     let mut preparer = preparer.lock().unwrap_or_else(PoisonError::into_inner);
-    if preparer.opening.as_ref() == Some(&policy.cache_dir) {
-        preparer.opening = None;
+    if preparer.opening.as_ref() != Some(&policy.cache_dir) {
+        return None;
     }
+    preparer.opening = None;
     match store {
         Ok(store) => {
             let prompt = Arc::new(KvPrompt::new(store, renderer));
@@ -626,6 +628,36 @@ mod tests {
         assert!(routing.prompt(&policy, 0).is_none());
         assert!(preparer().opening.is_none(), "not tried again within {CACHE_DIR_RETRY:?}");
         assert_eq!(preparer().failed_dir.clone().map(|(_, at)| at), Some(first));
+        Ok(())
+    }
+
+    /// A directory whose open ends after another's began (it stalled on its volume while a
+    /// reload moved the cache) is not kept: it would replace the newer store.
+    #[tokio::test]
+    async fn an_open_overtaken_by_another_directorys_keeps_nothing() -> anyhow::Result<()> {
+        let routing = routing()?;
+        let dir = tempfile::tempdir()?;
+        let policy = |name: &str| KvArtifactPolicy {
+            cache_dir: dir.path().join(name).display().to_string(),
+            ..Default::default()
+        };
+        let (slow, newer) = (policy("slow"), policy("newer"));
+        let preparer = || routing.prompt.lock().unwrap_or_else(PoisonError::into_inner);
+        preparer().opening = Some(newer.cache_dir.clone());
+        let open = |policy: &KvArtifactPolicy| {
+            open_store(
+                &routing.prompt,
+                policy.clone(),
+                routing.artifacts_counter.clone(),
+                routing.renderer.clone(),
+                false,
+            )
+        };
+        assert!(open(&slow).is_none(), "overtaken");
+        assert!(preparer().held.is_none() && preparer().opening == Some(newer.cache_dir.clone()));
+        assert!(open(&newer).is_some(), "the directory being opened is kept");
+        assert_eq!(preparer().held.as_ref().map(|held| held.policy.cache_dir.clone()), Some(newer.cache_dir.clone()));
+        assert!(preparer().opening.is_none());
         Ok(())
     }
 
