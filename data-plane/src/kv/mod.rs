@@ -166,13 +166,15 @@ impl KvPrompt {
         sizes
     }
 
+    /// Counted and logged once per model and size, as the artifacts' other results are once
+    /// per load: counted per request, the series would be a request rate that hides them.
     fn unsupported_block_size(&self, model: &str, size: u32) {
-        self.store.record(ArtifactResult::Unsupported);
         let mut logged = self.logged_sizes.lock().unwrap_or_else(|e| e.into_inner());
         if logged.len() >= MAX_LOGGED_BLOCK_SIZES {
             logged.clear();
         }
         if logged.insert((model.to_string(), size)) {
+            self.store.record(ArtifactResult::Unsupported);
             tracing::warn!(
                 model,
                 size,

@@ -246,8 +246,14 @@ async fn prepare_uses_the_fleet_tokenizer_once_loaded() {
         kv.prepare("tiny", std::slice::from_ref(&card), Arc::new(request.clone()), &[8, 70_000], None, None).await;
     assert_eq!(bad_sizes, Err(Fallback::TokenizerUnavailable));
     assert_eq!(count(&h.counter, "unsupported"), 2);
-    let three = kv.prepare("tiny", &[card], Arc::new(request.clone()), &[16, 32, 64], None, None).await.unwrap();
+    let three = kv
+        .prepare("tiny", std::slice::from_ref(&card), Arc::new(request.clone()), &[16, 32, 64], None, None)
+        .await
+        .unwrap();
     assert_eq!(three.hashes.len(), 2, "at most two block sizes per model");
+    assert_eq!(count(&h.counter, "unsupported"), 3);
+    // Once per model and size, not per request: the count is no request rate.
+    kv.prepare("tiny", &[card], Arc::new(request.clone()), &[8, 16, 32, 64], None, None).await.unwrap();
     assert_eq!(count(&h.counter, "unsupported"), 3);
 }
 
