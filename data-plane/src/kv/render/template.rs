@@ -118,6 +118,13 @@ impl ChatTemplate {
 
     /// [`Self::render`] for a card whose `runtime_config` sets `defaults`.
     pub fn render_with(&self, request: &Json, defaults: PromptDefaults) -> Result<String, RenderError> {
+        // What the context copies whole from the body (its tools, its template arguments) is
+        // weighed there first: millions of values in them are refused before they are copied,
+        // not after, outside the budget that bounds the body's tree.
+        let copied = ["tools", "chat_template_args", "chat_template_kwargs"].map(|key| request.get(key));
+        if accumulation(copied.into_iter().flatten()) > MAX_ACCUMULATION {
+            return Err(RenderError::TooLarge);
+        }
         let (add_generation_prompt, continue_final) = context::generation_prompt(request)?;
         let tools = context::tools(request, defaults.keep_tools_when_tool_choice_none);
         let (name, shapes) =
@@ -129,7 +136,7 @@ impl ChatTemplate {
         for (key, value) in args {
             context.entry(key).or_insert(value);
         }
-        if accumulation(&context) > MAX_ACCUMULATION {
+        if accumulation(context.values()) > MAX_ACCUMULATION {
             return Err(RenderError::TooLarge);
         }
         let rendered = self.render_named(name, &context)?;
@@ -153,10 +160,10 @@ impl ChatTemplate {
     }
 }
 
-/// The context's weight (its strings' bytes, and [`VALUE_WEIGHT`] a value) times the length of
-/// its longest list, at any depth (a message's content parts, a tool's parameters): the most
-/// steps a loop over one of them takes.
-fn accumulation(context: &Map<String, Json>) -> u64 {
+/// The weight of `values` (their strings' bytes, and [`VALUE_WEIGHT`] a value) times the length
+/// of their longest list, at any depth (a message's content parts, a tool's parameters): the
+/// most steps a loop over one of them takes.
+fn accumulation<'a>(values: impl IntoIterator<Item = &'a Json>) -> u64 {
     /// Adds `value`'s weight to `weight` and raises `longest` to its longest list.
     fn walk(value: &Json, weight: &mut u64, longest: &mut usize) {
         *weight = weight.saturating_add(VALUE_WEIGHT);
@@ -176,7 +183,7 @@ fn accumulation(context: &Map<String, Json>) -> u64 {
         }
     }
     let (mut weight, mut longest) = (0u64, 0usize);
-    context.values().for_each(|value| walk(value, &mut weight, &mut longest));
+    values.into_iter().for_each(|value| walk(value, &mut weight, &mut longest));
     (longest.max(1) as u64).saturating_mul(weight)
 }
 
@@ -565,8 +572,8 @@ mod tests {
             context.insert("messages".into(), json!([message]));
             context
         };
-        assert!(accumulation(&context(20_000)) > MAX_ACCUMULATION, "{}", accumulation(&context(20_000)));
-        assert!(accumulation(&context(1_000)) < MAX_ACCUMULATION);
+        assert!(accumulation(context(20_000).values()) > MAX_ACCUMULATION);
+        assert!(accumulation(context(1_000).values()) < MAX_ACCUMULATION);
         let template = ChatTemplate::new(
             &json!({"chat_template": "{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}"}),
             None,
