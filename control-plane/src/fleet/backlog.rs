@@ -249,6 +249,12 @@ struct Learned {
 
 impl Book {
     fn report(&mut self, replica: u64, report: pb::DispatchReport, at: Instant, state: &FleetState) {
+        // A replay is a reconnected replica's dispatches again, under its new session: the
+        // sessions that ended are forgotten first, whatever is left of them, or the replayed
+        // dispatches would count twice (and take the room the old ones still hold) meanwhile.
+        if self.departing() && report.started.iter().any(|started| started.replayed) {
+            while self.forget_departed(at) {}
+        }
         // A session's reports arrive in the order its replica numbered them.
         if report.last_op > 0 {
             let (first_op, last_op) = (report.first_op, report.last_op);
@@ -434,7 +440,8 @@ impl Book {
     /// hundred thousand, and every other session's reports wait while the book works.
     fn replica_gone(&mut self, replica: u64, now: Instant) {
         self.folded.remove(&replica);
-        if self.where_is.contains_key(&replica) && !self.departing.contains(&replica) {
+        // Said twice, a session is queued twice: its second turn finds nothing left.
+        if self.where_is.contains_key(&replica) {
             self.departing.push_back(replica);
         }
         self.forget_departed(now);

@@ -329,10 +329,11 @@ impl Fleet for FleetService {
             }
             // The stream ends here, not once the book has forgotten the session.
             drop(goodbye);
-            // Queued before the session leaves the list: a stream its replica opens meanwhile
-            // finds it there and has it forgotten ahead of its replay, never after.
-            book.replica_gone(id).await;
+            // Off the list first: a stream its replica opens from here on is no second replica
+            // of the same id. Its replay, were it folded before this goodbye, has the book
+            // forget this session first (`Book::report`).
             replicas.remove(id);
+            book.replica_gone(id).await;
             metrics.replicas_connected.dec();
             tracing::info!(replica = %status.replica_id, "replica disconnected");
         });

@@ -84,8 +84,11 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             let answer = answer.picked_meanwhile(kv.routing.picked_since(display, picked_before));
             kv.routing.picked(display, isl_tokens);
             // A rendered prompt is counted as the model counts it: the load-only estimate of
-            // the requests that lose their KV term learns from every one that keeps it.
-            state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
+            // the requests that lose their KV term learns from every one that keeps it (but a
+            // prompt with media, whose items its render counts as placeholders).
+            if !media {
+                state.ledger.prompt_sizes().learn(display, request.prompt_estimate, isl_tokens);
+            }
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
             let chain = PromptChain { block_size, hashes: block_hashes, lookup };
             let tokens = Some(tokens).filter(|_| !media);

@@ -245,7 +245,8 @@ impl Connection {
     }
 
     /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
-    /// byte (and not at all once the server is closing), then [`REQUEST_READ_TIMEOUT`] for the rest.
+    /// byte (and not at all once the server is closing), then [`REQUEST_READ_TIMEOUT`] for the
+    /// rest, with no pause past [`READ_STALL_TIMEOUT`] (the first wait and the pauses shorter while `crowded`).
     async fn read_request(
         &mut self,
         closing: &CancellationToken,

@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::http::header::{CONNECTION, CONTENT_LENGTH, DATE, TRANSFER_ENCODING};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version};
 
-use super::conn::{MIN_READ_BYTES_PER_SECOND, READ_STALL_TIMEOUT, REQUEST_READ_TIMEOUT};
+use super::conn::{CROWDED_IDLE_TIMEOUT, MIN_READ_BYTES_PER_SECOND, READ_STALL_TIMEOUT, REQUEST_READ_TIMEOUT};
 use crate::dispatch::wire::{LengthError, content_length, has_token, listed_codings, transfer_codings, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::routing::headers::{TENANT_ID, asks_disclosure, is_routing_header, tenant};
@@ -39,10 +39,11 @@ pub enum HeadError {
     #[error("malformed chunked request body: {0}")]
     Body(String),
     #[error(
-        "the request did not arrive in time: within {} seconds of its first byte (longer by its bytes' time at {} KiB/s), with no pause in its bytes over {} seconds",
+        "the request did not arrive in time: within {} seconds of its first byte (longer by its bytes' time at {} KiB/s), with no pause in its bytes over {} seconds ({} while the server is crowded)",
         REQUEST_READ_TIMEOUT.as_secs(),
         MIN_READ_BYTES_PER_SECOND >> 10,
-        READ_STALL_TIMEOUT.as_secs()
+        READ_STALL_TIMEOUT.as_secs(),
+        CROWDED_IDLE_TIMEOUT.as_secs()
     )]
     Timeout,
     #[error("the replica holds as many large request bodies as it may")]

@@ -915,22 +915,40 @@ fn an_ended_session_is_forgotten_a_chunk_at_a_time() {
     let state = state_with(0);
     let mut book = Book::default();
     let now = Instant::now();
-    fill(&mut book, &state, 1, 0, 2 * DEPARTURE_CHUNK + 10);
+    fill(&mut book, &state, 1, 0, 3 * DEPARTURE_CHUNK + 10);
     fill(&mut book, &state, 2, 0, 3);
     book.replica_gone(1, now);
-    assert_eq!(book.held, DEPARTURE_CHUNK + 10 + 3, "one chunk forgotten at once");
+    assert_eq!(book.held, 2 * DEPARTURE_CHUNK + 10 + 3, "one chunk forgotten at once");
     assert!(book.departing());
+    // Said again while it departs: another chunk goes, and its second turn finds nothing.
+    book.replica_gone(1, now);
+    assert_eq!(book.held, DEPARTURE_CHUNK + 10 + 3);
     // One of the rest ends meanwhile (a report queued before the session's end was seen).
     let still_held = *book.where_is[&1].keys().next().expect("a dispatch left");
     book.report(1, report(vec![], vec![still_held]), now, &state);
     assert!(book.forget_departed(now), "a chunk at a time");
     assert_eq!(book.held, 10 - 1 + 3);
-    assert!(!book.forget_departed(now), "the last of them");
+    while book.forget_departed(now) {}
     assert_eq!((book.held, book.where_is.contains_key(&1)), (3, false));
     let rank = book.ranks.get(&book_key(0)).map(|r| r.dispatches.len());
     assert_eq!(rank, Some(3), "the other session's dispatches stay");
+    assert!(!book.departing());
+}
+
+/// A replay (a reconnected replica's dispatches, under its new session) is folded only once
+/// every session that ended is forgotten: the same dispatches never count twice.
+#[test]
+fn a_replay_waits_for_no_departure_to_be_forgotten_first() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let now = Instant::now();
+    fill(&mut book, &state, 1, 0, 2 * DEPARTURE_CHUNK);
     book.replica_gone(1, now);
-    assert!(!book.departing(), "a session gone twice is forgotten once");
+    assert!(book.departing());
+    let replayed = pb::DispatchStarted { replayed: true, ..started(0, 0, 16) };
+    book.report(2, report(vec![replayed], vec![]), now, &state);
+    assert!(!book.departing());
+    assert_eq!(book.held, 1, "the old session's dispatches gone before its replay was folded");
 }
 
 /// A rank that held a flood of dispatches and now holds one keeps no room for the flood: the

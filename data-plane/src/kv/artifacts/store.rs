@@ -224,13 +224,15 @@ impl ArtifactStore {
                 dropped.push(slot);
             }
         }
-        drop(state);
-        free_off_the_runtime(dropped);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let (store, pinned) = (self.clone(), policy.pinned_artifacts.clone());
             runtime.spawn_blocking(move || prune(&store.inner.cache, &pinned));
         }
+        // Swapped under the state lock, which `insert` checks a finished load's pin under: no
+        // set the old policy pinned is kept once the new one has dropped it.
         *self.inner.policy.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
+        drop(state);
+        free_off_the_runtime(dropped);
     }
 
     /// The request path: never waits. A loaded tokenizer, or the reason to score without a KV

@@ -461,11 +461,18 @@ fn join_reasoning(message: &mut Json) {
 /// set to "", and an object `parameters` given `type: object` and `properties: {}` (after its
 /// own keys) if it lacks them.
 pub fn tools(request: &Json, keep_when_choice_none: bool) -> Json {
-    let Some(Json::Array(tools)) = request.get("tools") else { return Json::Null };
-    if !keep_when_choice_none && request.get("tool_choice").and_then(Json::as_str) == Some("none") {
-        return Json::Null;
+    match given_tools(request, keep_when_choice_none) {
+        Some(Json::Array(tools)) => Json::Array(tools.iter().map(typed_tool).collect()),
+        _ => Json::Null,
     }
-    Json::Array(tools.iter().map(typed_tool).collect())
+}
+
+/// The body's `tools` array as [`tools`] takes it, before typing: `None` when it hands the
+/// template none.
+pub fn given_tools(request: &Json, keep_when_choice_none: bool) -> Option<&Json> {
+    let tools = request.get("tools").filter(|tools| tools.is_array())?;
+    let choice_none = request.get("tool_choice").and_then(Json::as_str) == Some("none");
+    (keep_when_choice_none || !choice_none).then_some(tools)
 }
 
 fn typed_tool(tool: &Json) -> Json {

@@ -121,7 +121,8 @@ impl ChatTemplate {
         // What the context copies whole from the body (its tools, its template arguments) is
         // weighed there first: millions of values in them are refused before they are copied,
         // not after, outside the budget that bounds the body's tree.
-        let copied = ["tools", "chat_template_args", "chat_template_kwargs"].map(|key| request.get(key));
+        let tools = context::given_tools(request, defaults.keep_tools_when_tool_choice_none);
+        let copied = [tools, request.get("chat_template_args"), request.get("chat_template_kwargs")];
         if accumulation(copied.into_iter().flatten()) > MAX_ACCUMULATION {
             return Err(RenderError::TooLarge);
         }
@@ -582,6 +583,21 @@ mod tests {
         let request = |parts: usize| json!({"messages": [{"role": "user", "content": vec![part.clone(); parts]}]});
         assert!(matches!(template.render(&request(20_000)), Err(RenderError::TooLarge)));
         assert_eq!(template.render(&request(1_000)).unwrap().len(), 1_000);
+    }
+
+    /// What the context copies whole (tools it keeps, template arguments) is weighed on the
+    /// body before it is copied; tools `tool_choice: "none"` drops are neither copied nor
+    /// weighed.
+    #[test]
+    fn tools_and_template_arguments_are_weighed_before_they_are_copied() {
+        let template = ChatTemplate::new(&json!({"chat_template": "{{ messages[0].content }}"}), None).unwrap();
+        let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
+        let request = |choice: &str| json!({"messages": [{"role": "user", "content": "hi"}], "tools": vec![tool.clone(); 20_000], "tool_choice": choice});
+        assert!(matches!(template.render(&request("auto")), Err(RenderError::TooLarge)));
+        assert_eq!(template.render(&request("none")).unwrap(), "hi", "dropped tools weigh nothing");
+        let kwargs =
+            json!({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": vec![0; 200_000]}});
+        assert!(matches!(template.render(&kwargs), Err(RenderError::TooLarge)));
     }
 
     #[test]
