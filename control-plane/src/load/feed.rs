@@ -76,7 +76,16 @@ pub struct StreamOrder {
     /// each took a sequence number, so after two the next one is `last + 3`, and only a later
     /// one shows a gap.
     unread: u64,
+    /// Messages in a row numbered at or below `last`.
+    behind: u32,
 }
+
+/// Messages in a row at or below the highest number seen that make the stream start over from
+/// the next, as after a gap. A publisher numbers its messages one by one and sends each once,
+/// so a run of them is no duplicate: the highest was out of its order (one message numbered
+/// far ahead, a counter that restarted), and refusing every message below it would freeze the
+/// worker's load at that one until the connection ended.
+const BEHIND_BEFORE_RESTART: u32 = 8;
 
 impl Feed for LoadFeed {
     type Session = StreamOrder;
@@ -169,11 +178,17 @@ impl LoadFeed {
         // whatever worker it names: a refused one still counts in the order, or the next
         // message would read as a gap and drop the publisher's samples for nothing.
         let gap = match order.last {
-            Some(last) if m.sequence <= last => return Err(LoadEvent::Duplicate),
+            Some(last) if m.sequence <= last => {
+                order.behind += 1;
+                if order.behind < BEHIND_BEFORE_RESTART {
+                    return Err(LoadEvent::Duplicate);
+                }
+                true
+            }
             Some(last) => m.sequence > last.saturating_add(1).saturating_add(order.unread),
             None => false,
         };
-        *order = StreamOrder { last: Some(m.sequence), unread: 0 };
+        *order = StreamOrder { last: Some(m.sequence), unread: 0, behind: 0 };
         let key = publisher.key();
         let mut store = self.store.lock();
         let removed = if gap {
@@ -341,6 +356,25 @@ mod tests {
         assert_eq!(held(feed.accept(&channel, &mut order, message(5, 9))), Ok((1, false)));
         assert_eq!((count("sequence_gap"), count("identity_mismatch")), (1, 2));
         assert_eq!(feed.accept(&channel, &mut order, message(5, 1)).err(), Some(LoadEvent::Duplicate));
+    }
+
+    /// One message numbered far ahead of its stream (a bit flipped, a hostile publisher) does
+    /// not freeze the worker's load there: a run of messages behind it starts the stream over,
+    /// its held samples dropped as after a gap.
+    #[tokio::test]
+    async fn a_run_of_messages_behind_the_highest_number_starts_the_stream_over() {
+        let (feed, _publisher, channel, count) = ordered_feed();
+        let mut order = StreamOrder::default();
+        let held = |accepted: Result<Accepted, LoadEvent>| accepted.map(|a| (a.removed.len(), a.sample.is_some()));
+        assert_eq!(held(feed.accept(&channel, &mut order, message(1, 1))), Ok((0, true)));
+        assert_eq!(held(feed.accept(&channel, &mut order, message(u64::MAX, 1))), Ok((1, true)), "a gap");
+        for sequence in 2..u64::from(BEHIND_BEFORE_RESTART) + 1 {
+            assert_eq!(held(feed.accept(&channel, &mut order, message(sequence, 1))), Err(LoadEvent::Duplicate));
+        }
+        let next = u64::from(BEHIND_BEFORE_RESTART) + 1;
+        assert_eq!(held(feed.accept(&channel, &mut order, message(next, 1))), Ok((1, true)), "taken up again");
+        assert_eq!(held(feed.accept(&channel, &mut order, message(next + 1, 1))), Ok((0, true)));
+        assert_eq!(count("sequence_gap"), 2);
     }
 
     /// A message left unread (too large, say) took a sequence number: the one after it is no
