@@ -3,11 +3,12 @@
 //! addresses, so DNS cannot change the answer between the policy check and the connection.
 //! Resolution and connection share [`ZmtpLimits::connect_timeout`](super::zmtp::ZmtpLimits).
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use socket2::{SockRef, TcpKeepalive};
 use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
 
 use super::zmtp::{KEEPALIVE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES};
 use crate::config::Cidr;
@@ -49,12 +50,36 @@ pub fn allowed(ip: IpAddr, allow: Option<&[Cidr]>) -> bool {
     allow.is_none_or(|cidrs| cidrs.iter().any(|c| c.contains(ip)))
 }
 
+/// Host names resolved at once, at most, by every subscription together.
+const MAX_RESOLVING: usize = 16;
+
+/// Room for [`MAX_RESOLVING`] resolutions; never closed.
+static RESOLVING: Semaphore = Semaphore::const_new(MAX_RESOLVING);
+
+/// `host`'s addresses with `port`. A name is resolved on the blocking pool, which the
+/// resolver's thread holds until the system's resolver returns (tens of seconds for a name
+/// nobody answers for), however long its caller waits: the room it takes in
+/// [`MAX_RESOLVING`] is held as long, so a fleet's worth of such names (a thousand
+/// subscriptions, redialling as they fail) takes a few of the pool's threads, not every one
+/// the configuration reload and the TLS refresh also run on. An address needs no resolver.
+async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, DialError> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(vec![SocketAddr::new(ip, port)]);
+    }
+    let room = RESOLVING.acquire().await.map_err(|closed| DialError::Resolve(std::io::Error::other(closed)))?;
+    let host = host.to_string();
+    let lookup = tokio::task::spawn_blocking(move || {
+        let _room = room;
+        (host.as_str(), port).to_socket_addrs().map(Iterator::collect)
+    });
+    lookup.await.map_err(|join| DialError::Resolve(std::io::Error::other(join)))?.map_err(DialError::Resolve)
+}
+
 /// Resolves `address` once and connects to the first allowed address that answers.
 pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> Result<TcpStream, DialError> {
     let (host, port) = parse_tcp_address(address)?;
     let attempt = async {
-        let resolved: Vec<SocketAddr> =
-            tokio::net::lookup_host((host, port)).await.map_err(DialError::Resolve)?.collect();
+        let resolved = resolve(host, port).await?;
         let permitted: Vec<SocketAddr> = resolved.iter().copied().filter(|a| allowed(a.ip(), allow)).collect();
         if permitted.is_empty() {
             return Err(DialError::NotAllowed(resolved.iter().map(SocketAddr::ip).collect()));
@@ -94,6 +119,22 @@ mod tests {
         {
             assert!(parse_tcp_address(bad).is_err(), "{bad}");
         }
+    }
+
+    /// Names are resolved a bounded number at a time, whoever waits for them: with every
+    /// place taken (resolutions stuck in the system's resolver), another name waits out its
+    /// dial's timeout, while an address literal, which needs no resolver, is dialled at once.
+    #[tokio::test]
+    async fn names_are_resolved_a_bounded_number_at_a_time_and_literals_need_none() {
+        let held = RESOLVING.acquire_many(MAX_RESOLVING as u32).await.expect("room");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("listener");
+        let literal = format!("tcp://127.0.0.1:{}", listener.local_addr().expect("address").port());
+        assert!(dial(&literal, None, Duration::from_secs(5)).await.is_ok(), "no resolver for an address");
+        let named = format!("tcp://localhost:{}", listener.local_addr().expect("address").port());
+        let waited = dial(&named, None, Duration::from_millis(100)).await;
+        assert!(matches!(waited, Err(DialError::Timeout(_))), "{waited:?}");
+        drop(held);
+        assert!(dial(&named, None, Duration::from_secs(5)).await.is_ok(), "resolved once there is room");
     }
 
     #[test]
