@@ -41,11 +41,18 @@ impl LoadFeed {
     /// Drops the publisher's samples, and removes them from the replicas' views with whatever
     /// an earlier, cancelled session of the same worker left unsent.
     async fn drop_publisher(&self, publisher: &PublisherKey, worker: Option<&WorkerKey>) {
-        let mut dropped = self.store.lock().drop_publisher(publisher);
-        if let Some(worker) = worker {
-            // A key also among `dropped` is removed twice, which changes nothing.
-            dropped.extend(self.unsent().iter().filter(|k| k.worker == *worker).cloned());
-        }
+        let dropped = {
+            let mut store = self.store.lock();
+            let mut dropped = store.drop_publisher(publisher);
+            if let Some(worker) = worker {
+                // Only those the store still lacks: another channel of the worker may hold a
+                // newer sample for the rank by now, which the replicas must keep. A key also
+                // among `dropped` is removed twice, which changes nothing.
+                let unsent = self.unsent();
+                dropped.extend(unsent.iter().filter(|k| k.worker == *worker && store.get(k).is_none()).cloned());
+            }
+            dropped
+        };
         self.remove(dropped).await;
     }
 
@@ -304,6 +311,25 @@ mod tests {
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
         assert_eq!(held(&publisher), 0, "the next session sent them");
         assert!(feed.unsent().is_empty());
+    }
+
+    /// A rank another channel of the worker has published for since is not among them: its
+    /// newer sample stays in the replicas' view.
+    #[tokio::test(start_paused = true)]
+    async fn an_unsent_removal_spares_a_rank_another_channel_published_for_since() {
+        let (feed, channel, publisher) = cancelled_session().await;
+        let other = crate::discovery::test_publisher(0xbb, Some(WorkerKey::new("dynamo", 1)));
+        let rank0 = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank: 0 };
+        let load = Load { kv_used_blocks: Some(9), ..Load::default() };
+        let sample = feed.store.lock().apply(rank0.clone(), &other.key(), 1, load, std::time::Instant::now());
+        feed.sink.submit(rank0.clone(), sample.expect("applied")).await;
+        feed.connected(&channel).await;
+        tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
+        let view = publisher.current();
+        let held: Vec<_> = view.view().loads().iter().filter(|(k, _)| k.worker.instance_id == 1).collect();
+        assert_eq!(held.len(), 1, "rank 1's removal went out, rank 0's did not");
+        assert_eq!(held[0].0, &rank0);
+        assert_eq!(held[0].1.load.kv_used_blocks, Some(9), "the other channel's sample");
     }
 
     /// No next session comes when the subscription stops for good (the publisher benched, or
