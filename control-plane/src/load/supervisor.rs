@@ -244,8 +244,9 @@ struct Start {
     backoff: Backoff,
 }
 
-/// Starts remembered at most; past it they are forgotten, and restarts wait no backoff
-/// until they are remembered again.
+/// Starts remembered at most; past it the oldest is forgotten for a new one (its publisher's
+/// next restart waits no backoff), never all of them: a record that flaps keeps its backoff
+/// however many others come and go.
 const MAX_REMEMBERED_STARTS: usize = 4 * MAX_LOAD_SUBSCRIPTIONS;
 
 impl Starts {
@@ -260,8 +261,11 @@ impl Starts {
     fn wait(&mut self, key: &AdmissionKey, now: Instant) -> Duration {
         let stable = self.stable;
         self.by_key.retain(|_, start| now.saturating_duration_since(start.at) < stable);
-        if self.by_key.len() >= MAX_REMEMBERED_STARTS {
-            self.by_key.clear();
+        if self.by_key.len() >= MAX_REMEMBERED_STARTS && !self.by_key.contains_key(key) {
+            let oldest = self.by_key.iter().min_by_key(|(_, start)| start.at).map(|(key, _)| key.clone());
+            if let Some(oldest) = oldest {
+                self.by_key.remove(&oldest);
+            }
         }
         match self.by_key.get_mut(key) {
             Some(start) => {

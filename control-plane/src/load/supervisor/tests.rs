@@ -141,6 +141,29 @@ fn a_restart_within_a_stable_session_waits_a_growing_backoff_and_a_late_one_none
     assert_eq!(starts.wait(&key, late), Duration::ZERO, "a stable session later, forgotten");
 }
 
+/// Past the starts remembered, the oldest is forgotten for a new one, not every one: a
+/// publisher restarting all along keeps its backoff through a churn of others.
+#[test]
+fn a_full_memory_of_starts_forgets_its_oldest_not_a_flapping_publisher() {
+    let options = LoadOptions::default();
+    let mut starts = Starts::new(&options);
+    let t0 = Instant::now();
+    let flapping: AdmissionKey = (0, Arc::from("dynamo"));
+    assert_eq!(starts.wait(&flapping, t0), Duration::ZERO);
+    let oldest: AdmissionKey = (1, Arc::from("dynamo"));
+    starts.wait(&oldest, t0);
+    for (id, at) in (2..).zip(1..MAX_REMEMBERED_STARTS as u64 - 1) {
+        starts.wait(&(id, Arc::from("dynamo")), t0 + Duration::from_micros(at));
+    }
+    assert_eq!(starts.by_key.len(), MAX_REMEMBERED_STARTS);
+    let later = t0 + Duration::from_millis(10);
+    assert!(starts.wait(&flapping, later) >= options.backoff_initial, "remembered: it waits");
+    starts.wait(&(u64::MAX, Arc::from("dynamo")), later);
+    assert_eq!(starts.by_key.len(), MAX_REMEMBERED_STARTS);
+    assert!(!starts.by_key.contains_key(&oldest), "the oldest start made room");
+    assert!(starts.wait(&flapping, later) >= options.backoff_initial, "the flapping one still waits");
+}
+
 /// A publisher whose record flips between two addresses every few milliseconds: each change
 /// restarts its subscription, and the restarts wait their backoff instead of dialling at the
 /// rate of the changes.
