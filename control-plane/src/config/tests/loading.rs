@@ -313,3 +313,27 @@ fn static_component_defaults_by_role() {
         config.dynamo.discovery.static_fleet.workers.iter().map(|w| w.component.as_deref()).collect();
     assert_eq!(components, vec![Some("prefill"), Some("backend"), Some("vllm")]);
 }
+
+/// A backend URL is refused unless the data plane would dial it as written: a host, and a
+/// port from 1 to 65535 when one is written (none is port 80), and the URL is not quoted.
+#[test]
+fn a_backend_url_is_refused_unless_it_is_dialled_as_written() {
+    for url in
+        ["http://10.0.0.5:80000", "http://shim:8O00", "http://shim:0", "http://shim:8000:9000", "http://[fd00::1"]
+    {
+        let found = diagnostics(&format!("backends: [{{name: u, url: '{url}'}}]"));
+        assert!(found.iter().any(|d| d.path == "backends[0].url"), "{url}: {found:?}");
+        assert!(!format!("{found:?}").contains(url), "not quoted: {found:?}");
+    }
+    for url in
+        ["http://shim:8000", "http://shim", "http://[fd00::1]:8000", "http://[fd00::1]", "http://10.0.0.5:8000/v1/"]
+    {
+        let found = diagnostics(&format!("backends: [{{name: u, url: '{url}'}}]"));
+        assert!(!found.iter().any(|d| d.path == "backends[0].url"), "{url}: {found:?}");
+    }
+    let found = diagnostics("backends: [{name: u, url: 'http://llm:8000/v1?api_key=sk-live-123'}]");
+    assert!(
+        found.iter().any(|d| d.path == "backends[0].url") && !format!("{found:?}").contains("sk-live"),
+        "{found:?}"
+    );
+}

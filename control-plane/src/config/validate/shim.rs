@@ -65,9 +65,11 @@ fn check_backends(backends: &[BackendConfig], report: &mut Report) {
     }
 }
 
-/// What is wrong with a backend URL, if anything. The data plane dials `http://host:port`, with
-/// an optional path the chat path is appended to; anything it would not dial as written is
-/// refused here rather than left out of routing at run time.
+/// What is wrong with a backend URL, if anything. The data plane dials `http://host:port` (port
+/// 80 when none is written), with an optional path the chat path is appended to; anything it
+/// would not dial as written is refused here rather than left out of routing, or dialled at
+/// another port, at run time. The URL is never quoted: its key path names it, and a query
+/// string or a user part may hold a credential.
 fn url_problem(url: &str) -> Option<String> {
     let (scheme, rest) = url.split_once("://").map_or((None, url), |(scheme, rest)| (Some(scheme), rest));
     let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
@@ -78,19 +80,33 @@ fn url_problem(url: &str) -> Option<String> {
         return Some("must not embed credentials (user:pass@host)".to_owned());
     }
     if scheme == Some("https") {
-        return Some(format!(
-            "`{url}` is https://; backends (shims and unified ones alike) are dialled over plain http:// only, \
+        return Some(
+            "is https://; backends (shims and unified ones alike) are dialled over plain http:// only, \
              from beside them inside the cluster"
-        ));
+                .to_owned(),
+        );
     }
     if scheme != Some("http") {
-        return Some(format!("`{url}` must be an http:// URL"));
+        return Some("must be an http:// URL".to_owned());
     }
     if authority.is_empty() || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Some(format!("`{url}` must name a host and contain no whitespace"));
+        return Some("must name a host and contain no whitespace".to_owned());
     }
     if tail.contains(['?', '#']) {
-        return Some(format!("`{url}` must have no query string or fragment: the chat path is appended to it"));
+        return Some("must have no query string or fragment: the chat path is appended to it".to_owned());
+    }
+    // As the data plane reads it: a host, and a port from 1 to 65535 when one is written.
+    let Ok(uri) = url.parse::<hyper::Uri>() else {
+        return Some(
+            "is not a URL the data plane can read: check the host's characters and an IPv6 host's brackets".to_owned(),
+        );
+    };
+    let written_port = authority.rsplit_once(':').filter(|(host, _)| !host.is_empty() && !authority.ends_with(']'));
+    if uri.host().is_none_or(str::is_empty) {
+        return Some("must name a host".to_owned());
+    }
+    if written_port.is_some() && uri.port_u16().is_none_or(|port| port == 0) {
+        return Some("has a port that is not a number from 1 to 65535".to_owned());
     }
     None
 }
