@@ -12,7 +12,7 @@ use super::path::is_within;
 use super::substitute::substitute_document;
 use super::validate::validate;
 
-/// The embedded default: a static demo fleet behind one local shim.
+/// The embedded default: a simulated fleet behind its own shim.
 const DEFAULT_YAML: &str = include_str!("default.yaml");
 
 /// A configuration that loaded without errors, and its warnings.

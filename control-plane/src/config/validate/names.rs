@@ -102,6 +102,9 @@ pub(super) fn duplicates<T: Eq + Hash>(items: impl Iterator<Item = T>) -> Vec<(u
 /// The shortest first reconnect delay: below it a source that drops every watch at once (the
 /// seed's etcd proxy) is redialled and re-listed in a hot loop.
 const MIN_RECONNECT_BACKOFF: Duration = Duration::from_millis(10);
+/// The longest reconnect delay: past it a source that failed a few times in a row is not
+/// tried again for hours (and a watch never lasts long enough to reset its backoff).
+const MAX_RECONNECT_BACKOFF: Duration = Duration::from_secs(3600);
 
 pub(super) fn check_backoff(report: &mut Report, path: &str, backoff: &BackoffConfig) {
     if backoff.initial < MIN_RECONNECT_BACKOFF {
@@ -114,6 +117,12 @@ pub(super) fn check_backoff(report: &mut Report, path: &str, backoff: &BackoffCo
         report.error(
             format!("{path}.max"),
             format!("must be >= initial ({})", humantime::format_duration(backoff.initial)),
+        );
+    }
+    if backoff.max > MAX_RECONNECT_BACKOFF {
+        report.error(
+            format!("{path}.max"),
+            "must be at most 1h (a longer one leaves a failed source untried for hours, and its watch never lasts long enough to reset it)",
         );
     }
 }

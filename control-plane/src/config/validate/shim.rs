@@ -23,10 +23,17 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     check_pools(config, &by_name, report);
     check_model_map(config, report);
     let listed = !shim.backends.is_empty() || !shim.pools.is_empty();
-    if listed && !(config.dynamo.enabled && config.disaggregated_serving.enabled) {
+    let pinning = config.dynamo.enabled && config.disaggregated_serving.enabled;
+    if listed && !pinning {
         report.warning(
             SHIM,
             "lists shim replicas but dynamo.enabled or disaggregated_serving.enabled is false: no request is pinned through them",
+        );
+    }
+    if !listed && pinning {
+        report.warning(
+            format!("{SHIM}.backends"),
+            "lists no shim replica: discovery and disaggregated serving are on, but no request can be pinned (requests go to unified backends, or are refused)",
         );
     }
 }
