@@ -4,7 +4,9 @@
 //!
 //! [`EJECT_AFTER`] consecutive failed pinned dispatches on a rank eject it for [`EJECTION`]; a
 //! success resets it, and so does the end of an ejection: a rank back from one needs as many
-//! failures again to go. Pickers skip ejected ranks unless every candidate of a phase is ejected
+//! failures again to go. An ejection under way runs its time whatever succeeds meanwhile (as
+//! Envoy's does): the successes it sees are of requests sent before it, long streams a worker
+//! that now refuses new requests still finishes, and each would let it fail two more. Pickers skip ejected ranks unless every candidate of a phase is ejected
 //! (then none is skipped: a guess beats refusing every request). A rank's record goes when its
 //! ejection ends, or [`EJECTION`] after a failure that ejected nothing, so a worker that left
 //! the fleet leaves no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered; when full,
@@ -113,7 +115,8 @@ impl Outliers {
         }
     }
 
-    /// A pinned dispatch on `ranks` answered whole at `now`: their failures start over.
+    /// A pinned dispatch on `ranks` answered whole at `now`: their failures start over, but
+    /// for an ejection under way, which runs its time.
     pub fn succeeded<'k>(&self, ranks: impl IntoIterator<Item = &'k LoadKey> + Clone, now: Instant) {
         self.answered(ranks.clone(), now);
         let mut held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
@@ -121,7 +124,9 @@ impl Outliers {
             return;
         }
         for rank in ranks {
-            held.remove(rank);
+            if held.get(rank).is_some_and(|record| !record.ejects(now)) {
+                held.remove(rank);
+            }
         }
     }
 
@@ -180,6 +185,9 @@ mod tests {
         assert!(!outliers.ejected(&rank(1), now), "a success in between resets the count");
         outliers.failed(&[rank(1)], now);
         assert!(outliers.ejected(&rank(1), now));
+        // A request sent before the ejection (a long stream) finishing well does not end it.
+        outliers.succeeded(&[rank(1)], now + Duration::from_secs(1));
+        assert!(outliers.ejected(&rank(1), now + Duration::from_secs(1)), "an ejection runs its time");
         assert!(outliers.ejected(&rank(1), now + EJECTION - Duration::from_millis(1)));
         assert!(!outliers.ejected(&rank(1), now + EJECTION), "back after the ejection time");
     }
