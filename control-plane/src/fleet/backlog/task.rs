@@ -241,8 +241,8 @@ async fn run(
             }
             tokio::task::yield_now().await;
         }
-        // With nothing held, nothing to publish and no count to export, the book sleeps until a
-        // report comes instead of waking every window.
+        // With nothing held and nothing to publish, the book sleeps until a command comes
+        // instead of waking every window.
         let busy = !book.ranks.is_empty() || !book.dirty.is_empty();
         tokio::select! {
             biased;
