@@ -6,7 +6,7 @@
 //! tokens under another salt, or an engine that re-hashes); the rare extra references are
 //! counted on the side so the common entry stays small.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::hash::Mixer;
 use crate::lookup::{Lookup, Probe};
@@ -93,7 +93,10 @@ impl Rank {
 pub(crate) struct Ranks {
     ids: HashMap<RankKey, u32>,
     slots: Vec<Option<Rank>>,
-    free: Vec<u32>,
+    /// Released ids below the highest in use, the lowest handed out first: ids stay as dense
+    /// as the ranks held now, not as the most ever held, so an owner set's bitset, and the
+    /// bound a match walks, shrink back after a crowd of ranks leaves.
+    free: BTreeSet<u32>,
 }
 
 impl Ranks {
@@ -112,7 +115,7 @@ impl Ranks {
             return id;
         }
         let rank = Rank { key, held: Lookup::default(), extra_refs: HashMap::new() };
-        let id = match self.free.pop() {
+        let id = match self.free.pop_first() {
             Some(id) => {
                 self.slots[id as usize] = Some(rank);
                 id
@@ -126,11 +129,18 @@ impl Ranks {
         id
     }
 
-    /// Forgets `id` and hands back what it held.
+    /// Forgets `id` and hands back what it held. Released ids at the top are let go whole.
     pub(crate) fn take(&mut self, id: u32) -> Option<Rank> {
         let rank = self.slots.get_mut(id as usize)?.take()?;
         self.ids.remove(&rank.key);
-        self.free.push(id);
+        self.free.insert(id);
+        while self.slots.last().is_some_and(Option::is_none) {
+            self.slots.pop();
+            self.free.remove(&u32::try_from(self.slots.len()).unwrap_or(u32::MAX));
+        }
+        if self.slots.len() * 4 <= self.slots.capacity() && self.slots.capacity() > 64 {
+            self.slots.shrink_to(self.slots.len() * 2);
+        }
         Some(rank)
     }
 
@@ -158,7 +168,8 @@ impl Ranks {
     pub(crate) fn heap_bytes(&self) -> usize {
         self.ids.capacity() * (size_of::<(RankKey, u32)>() + 1)
             + self.slots.capacity() * size_of::<Option<Rank>>()
-            + self.free.capacity() * size_of::<u32>()
+            // A B-tree set's nodes hold up to 11 keys and their links: about twice its keys.
+            + 2 * self.free.len() * size_of::<u32>()
             + self.iter().map(|(_, r)| r.heap_bytes()).sum::<usize>()
     }
 }
@@ -171,5 +182,36 @@ impl Rank {
 
     pub(crate) fn extra_refs_total(&self) -> usize {
         self.extra_refs.values().map(|n| *n as usize).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(worker_id: u64) -> RankKey {
+        RankKey { worker_id, dp_rank: 0 }
+    }
+
+    /// Ids are handed out lowest first and the bound shrinks as the top ones go: after a crowd
+    /// of ranks leaves, the next ranks take the low ids, not the crowd's highest.
+    #[test]
+    fn released_ids_are_reused_lowest_first_and_the_bound_shrinks_back() {
+        let mut ranks = Ranks::default();
+        let ids: Vec<u32> = (0..100).map(|w| ranks.intern(key(w))).collect();
+        assert_eq!(ids, (0..100).collect::<Vec<u32>>());
+        for id in [3, 7, 50] {
+            assert!(ranks.take(id).is_some());
+        }
+        assert_eq!(ranks.id_bound(), 100, "ids below the top in use keep the bound");
+        assert_eq!([ranks.intern(key(1000)), ranks.intern(key(1001))], [3, 7], "the lowest first");
+        for id in (0..100).filter(|id| ![3, 7, 50].contains(id)) {
+            ranks.take(id);
+        }
+        ranks.take(3);
+        ranks.take(7);
+        assert_eq!((ranks.id_bound(), ranks.len()), (0, 0), "every rank gone: no bound left");
+        assert_eq!(ranks.intern(key(2000)), 0);
+        assert_eq!(ranks.id_bound(), 1);
     }
 }

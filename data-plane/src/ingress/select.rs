@@ -71,6 +71,8 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let latest = term.as_ref().and_then(|_| state.fleet.view());
     let view = latest.as_deref().unwrap_or(view);
     let config = view.config();
+    // From here to the record, one pick at a time (no await until the record).
+    let turn = state.ledger.pick_turn();
     let now = Instant::now();
     let pools = state.dispatcher.pools(config);
     let usable = usable_namespaces(state, &pools, now);
@@ -115,6 +117,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let replicas = pools.pool(&selection.namespace);
     let mut dispatch =
         DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain, !request.stream);
+    drop(turn);
     if tokens.is_none() {
         dispatch.sized_by_estimate(display, request.prompt_estimate);
     }

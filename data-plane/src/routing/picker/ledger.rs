@@ -17,7 +17,7 @@
 use std::borrow::Borrow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_proto::MAX_REPORTED_DECODE_BLOCKS;
@@ -260,6 +260,8 @@ pub struct DispatchLedger {
     outliers: Outliers,
     /// How the load-only estimate compares with the tokens each model counts.
     prompt_sizes: PromptSizes,
+    /// Held from a pick's read of the ledger to its record ([`Self::pick_turn`]).
+    picking: Mutex<()>,
 }
 
 #[derive(Debug, Default)]
@@ -493,6 +495,14 @@ impl DispatchLedger {
         Self::with_capacity(LEDGER_CAPACITY)
     }
 
+    /// One pick at a time, from its read of the ledger to the record of what it chose: two
+    /// requests picked at once on the runtime's threads would each read the ledger without the
+    /// other's dispatch and land on the same worker, the burst the ledger is here to spread.
+    /// Held for microseconds (the pick and the record; no await between them).
+    pub fn pick_turn(&self) -> MutexGuard<'_, ()> {
+        self.picking.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The ranks this replica's pinned dispatches keep failing on; pickers skip them.
     pub fn outliers(&self) -> &Outliers {
         &self.outliers
@@ -518,6 +528,7 @@ impl DispatchLedger {
             refused_metric: None,
             outliers: Outliers::default(),
             prompt_sizes: PromptSizes::default(),
+            picking: Mutex::default(),
         }
     }
 
