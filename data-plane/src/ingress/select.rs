@@ -210,6 +210,7 @@ fn why_not(view: &FleetView, display: &str, usable: &[String], client_model: &st
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
     use bytes::Bytes;
@@ -307,6 +308,35 @@ mod tests {
         let routed = route(&state, &arrived, &request).await.expect("routed");
         let Route::Pinned(pinned) = routed.route else { panic!("disaggregated serving pins") };
         assert_eq!(pinned.selection.decode.worker.instance_id, 8);
+    }
+
+    /// One pick at a time, from its read of the ledger to the record of its choice: a pick
+    /// made while another holds its turn waits for that one's record (else both would read
+    /// the ledger without the other's dispatch and could land on the same worker).
+    #[tokio::test]
+    async fn a_pick_waits_for_the_pick_and_record_under_way() {
+        let state = AppState::for_tests();
+        let dir = tempfile::tempdir().expect("dir");
+        let fleet = view(1, 7, &dir.path().display().to_string());
+        state.fleet.store(fleet.clone());
+        let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hi"}]}"#);
+        let request = ChatRequest::parse(body).expect("request");
+        let (ledger, released) = (Arc::clone(&state.ledger), Arc::new(AtomicBool::new(false)));
+        let (taken, turn_taken) = std::sync::mpsc::channel();
+        let holder = std::thread::spawn({
+            let released = Arc::clone(&released);
+            move || {
+                let turn = ledger.pick_turn();
+                let _ = taken.send(());
+                std::thread::sleep(Duration::from_millis(300));
+                released.store(true, Ordering::SeqCst);
+                drop(turn);
+            }
+        });
+        turn_taken.recv().expect("the other pick holds its turn");
+        route(&state, &fleet, &request).await.expect("routed");
+        assert!(released.load(Ordering::SeqCst), "picked only once the other pick's turn was over");
+        holder.join().expect("the holder");
     }
 
     /// The tiny model's files as a worker's card streams them, and their checksums to pin.
