@@ -277,6 +277,9 @@ async fn follow(
     // connection up, its pings answered, reading what little this replica sends): left as
     // one that reads nothing is, rather than routed on its frozen backlogs for as long.
     let mut unanswered_since: Option<tokio::time::Instant> = None;
+    // An operation that found the report queue full ends the stream at once, whatever the loop
+    // waits on: most likely a send to a control plane reading slowly, how the queue filled.
+    let detached = reports.detached();
     // Every stream starts with a full snapshot: until one is applied, the view held is the
     // last stream's, stripped of its fleet-wide sums, and no delta can be known to fit it.
     loop {
@@ -297,6 +300,7 @@ async fn follow(
             () = tokio::time::sleep_until(answer_due.unwrap_or_else(tokio::time::Instant::now)), if answer_due.is_some() => {
                 return Err(SessionError::UpdatesStalled);
             }
+            () = detached.wait() => return Err(SessionError::ReportsDropped),
             Some(operation) = reports.recv() => {
                 // At most one report per interval: under load the events of a whole interval
                 // share one message (and one wake-up of the control plane).
@@ -315,9 +319,12 @@ async fn follow(
                 Kind::Dispatches(report)
             }
         };
-        match tokio::time::timeout(REPLY_STALL_LIMIT, replies.send(request(reply))).await {
-            Ok(sent) => sent.map_err(|_| SessionError::RepliesClosed)?,
-            Err(_) => return Err(SessionError::RepliesStalled),
+        tokio::select! {
+            sent = tokio::time::timeout(REPLY_STALL_LIMIT, replies.send(request(reply))) => match sent {
+                Ok(sent) => sent.map_err(|_| SessionError::RepliesClosed)?,
+                Err(_) => return Err(SessionError::RepliesStalled),
+            },
+            () = detached.wait() => return Err(SessionError::ReportsDropped),
         }
     }
 }

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use continuum_proto::model::LoadKey;
 use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
 use prometheus::IntCounter;
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 
 use crate::routing::picker::{DispatchId, NOT_REPORTED, Op, ReplayedLeg};
 
@@ -131,6 +131,8 @@ pub struct DispatchReporter {
     /// Whether a stream to the control plane is open to take the queue, and every operation
     /// since it opened is in the queue: otherwise operations are performed unnumbered.
     attached: Arc<AtomicBool>,
+    /// Woken when an operation finds the queue full and detaches the stream.
+    detached: Arc<Notify>,
     /// The block hashes the queued operations carry.
     queued_hashes: Arc<AtomicUsize>,
     dropped: IntCounter,
@@ -143,7 +145,32 @@ pub struct DispatchReporter {
 pub struct Reports {
     rx: mpsc::Receiver<Operation>,
     attached: Arc<AtomicBool>,
+    detached: Arc<Notify>,
     queued_hashes: Arc<AtomicUsize>,
+}
+
+/// What the fleet client waits on beside the queue, to end a stream as soon as its reports are
+/// no longer whole (see [`Reports::detached`]).
+#[derive(Debug, Clone)]
+pub struct Detached {
+    attached: Arc<AtomicBool>,
+    detached: Arc<Notify>,
+}
+
+impl Detached {
+    /// Resolves once an operation has found the queue full: the stream must end, whatever else
+    /// it is waiting on (a send to a control plane that reads slowly, which is how the queue
+    /// filled, may wait seconds).
+    pub async fn wait(&self) {
+        loop {
+            // A wake-up given before this wait began is kept for it (`notify_one`), and one left
+            // from an earlier stream finds this one still attached and waits again.
+            if !self.attached.load(Ordering::Acquire) {
+                return;
+            }
+            self.detached.notified().await;
+        }
+    }
 }
 
 impl Reports {
@@ -151,6 +178,11 @@ impl Reports {
     /// and the stream must end.
     pub fn attached(&self) -> bool {
         self.attached.load(Ordering::Acquire)
+    }
+
+    /// A handle apart from the queue that resolves when the stream detaches.
+    pub fn detached(&self) -> Detached {
+        Detached { attached: Arc::clone(&self.attached), detached: Arc::clone(&self.detached) }
     }
 
     /// The next operation; cancel-safe.
@@ -296,10 +328,15 @@ impl DispatchReporter {
     pub fn new(dropped: IntCounter) -> Self {
         let (tx, rx) = mpsc::channel(REPORT_QUEUE);
         let numbers = Numbers { next_op: 1, next_dispatch: 1, stream_first: 1 };
-        let (attached, queued_hashes) = (Arc::default(), Arc::default());
-        let reports = Reports { rx, attached: Arc::clone(&attached), queued_hashes: Arc::clone(&queued_hashes) };
+        let (attached, detached, queued_hashes) = (Arc::default(), Arc::default(), Arc::default());
+        let reports = Reports {
+            rx,
+            attached: Arc::clone(&attached),
+            detached: Arc::clone(&detached),
+            queued_hashes: Arc::clone(&queued_hashes),
+        };
         let (rx, numbers, in_flight) = (Mutex::new(Some(reports)), Mutex::new(numbers), OnceLock::new());
-        Self { tx, rx, numbers, attached, queued_hashes, dropped, in_flight }
+        Self { tx, rx, numbers, attached, detached, queued_hashes, dropped, in_flight }
     }
 
     /// Reports `in_flight`'s dispatches again whenever a stream opens (set once; later calls
@@ -341,6 +378,7 @@ impl DispatchReporter {
             // what is in flight.
             self.dropped.inc();
             self.attached.store(false, Ordering::Release);
+            self.detached.notify_one();
         }
         let op = if place.is_ok() { numbers.next_op } else { NOT_REPORTED };
         let mut report = Report {
@@ -478,6 +516,8 @@ fn discard(reports: &mut Reports) {
 
 #[cfg(test)]
 mod tests {
+    use std::future::Future;
+
     use continuum_proto::model::WorkerKey;
 
     use super::*;
@@ -606,12 +646,18 @@ mod tests {
             start(&reporter, 16, 1, Vec::new());
         }
         assert!(rx.attached());
+        // The fleet client waits on the stream beside its queue (a send that may take seconds).
+        let detached = rx.detached();
+        let mut waiting = std::pin::pin!(detached.wait());
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        assert!(waiting.as_mut().poll(&mut cx).is_pending(), "full, but every operation queued");
         let op = reporter.operation(|report| {
             report.ended(started);
             report.op()
         });
         assert_eq!(op, NOT_REPORTED, "a full queue");
         assert_eq!(reporter.dropped.get(), 1);
+        assert!(waiting.as_mut().poll(&mut cx).is_ready(), "the waiting client is woken at once");
         // The end is lost to this stream, which must end: the next one replays what is in
         // flight, so no start it held waits for an end that never comes.
         assert!(!rx.attached(), "the stream's reports are no longer whole");
