@@ -7,12 +7,17 @@
 //! catches it, drops the book, whose state it can no longer trust, for an empty one, withdraws
 //! the backlogs it had published and counts the restart; each session opened before it is
 //! ended at its next report, so that its replica reconnects and reports its dispatches in
-//! flight again.
+//! flight again. A fault that comes back at once (a report whose content trips the bug,
+//! replayed at every reconnect) would make that a loop ending every stream: past
+//! [`MAX_RESTARTS`] in [`RESTART_WINDOW`] the book gives up instead, and drops every report
+//! unread from then on, the streams left open. Each replica then counts its own dispatches
+//! alone, as a single-process router would, until the control plane restarts.
 
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use continuum_proto::pb;
 use prometheus::{IntCounter, IntCounterVec};
@@ -30,6 +35,10 @@ pub(super) const COMMAND_QUEUE: usize = 4096;
 /// its session ended, while the others' still find room. Honest replicas report every
 /// millisecond and come nowhere near it unless the book falls seconds behind.
 pub(super) const SESSION_SHARE: usize = 4;
+/// Restarts within [`RESTART_WINDOW`] past which the book gives up (see the module's comment).
+pub(super) const MAX_RESTARTS: usize = 3;
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
 /// Room in the channel beyond the reports' for departures ([`BacklogBook::replica_gone`]),
 /// which share it to keep their order behind a session's last reports: a Watch stream ends
 /// once and supersedes at most one other, so at most two for each that may be open. Without
@@ -227,6 +236,7 @@ async fn run(
 ) {
     // What the counters already hold of the book's totals.
     let mut exported: (Refused, u64, u64) = Default::default();
+    let mut faults = Faults { generation: Arc::clone(&generation), recent: VecDeque::new(), given_up: false };
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -237,7 +247,7 @@ async fn run(
         // runtime's other tasks and the book's other commands between.
         if book.departing() {
             if guarded(|| book.forget_departed(Instant::now())).is_none() {
-                restart(&mut book, &publisher, &generation, &counters, &mut exported);
+                faults.restart(&mut book, &publisher, &counters, &mut exported);
             }
             tokio::task::yield_now().await;
         }
@@ -252,7 +262,10 @@ async fn run(
                     Some(Command::Report { replica, report, at, bytes, share, generation: sent_to }) => {
                         queued.give_back(bytes);
                         share.give_back(bytes);
-                        if share.ended.load(Ordering::Acquire) || sent_to != generation.load(Ordering::Acquire) {
+                        if share.ended.load(Ordering::Acquire)
+                            || sent_to != generation.load(Ordering::Acquire)
+                            || faults.given_up
+                        {
                             continue;
                         }
                         // The state itself, not the watch's guard: folding a report of a
@@ -261,13 +274,14 @@ async fn run(
                         let state = Arc::clone(&states.borrow());
                         guarded(|| book.report(replica, report, at, &state))
                     }
+                    Some(Command::ReplicaGone { .. }) if faults.given_up => continue,
                     Some(Command::ReplicaGone { replica }) => guarded(|| book.replica_gone(replica, Instant::now())),
                     #[cfg(test)]
                     Some(Command::Fault) => guarded(|| panic!("a fault injected by a test")),
                     None => return,
                 };
                 if folded.is_none() {
-                    restart(&mut book, &publisher, &generation, &counters, &mut exported);
+                    faults.restart(&mut book, &publisher, &counters, &mut exported);
                     continue;
                 }
                 // Leading edge: the first change after a quiet window goes out at once, so the
@@ -285,7 +299,7 @@ async fn run(
                         }
                         Some(false) => {}
                         None => {
-                            restart(&mut book, &publisher, &generation, &counters, &mut exported);
+                            faults.restart(&mut book, &publisher, &counters, &mut exported);
                         }
                     }
                 }
@@ -295,7 +309,7 @@ async fn run(
                     Some(true) => last_published = Some(tokio::time::Instant::now()),
                     Some(false) => {}
                     None => {
-                        restart(&mut book, &publisher, &generation, &counters, &mut exported);
+                        faults.restart(&mut book, &publisher, &counters, &mut exported);
                         continue;
                     }
                 }
@@ -332,32 +346,56 @@ fn guarded<T>(step: impl FnOnce() -> T) -> Option<T> {
     std::panic::catch_unwind(AssertUnwindSafe(step)).ok()
 }
 
-/// Drops a book a panic left in an unknown state for an empty one: its published backlogs are
-/// withdrawn (every rank's, whoever published it) and so are the ranges of operations they
-/// held, the blocks in flight forgotten, its counts (as `exported` holds them) started over,
-/// and the generation moved on, which ends each session opened before at its next report
-/// (see [`NotQueued::Restarted`]).
-fn restart(
-    book: &mut Book,
-    publisher: &FleetPublisher,
-    generation: &AtomicU64,
-    counters: &BookCounters,
-    exported: &mut (Refused, u64, u64),
-) {
-    generation.fetch_add(1, Ordering::AcqRel);
-    counters.restarts.inc();
-    *exported = Default::default();
-    tracing::error!(
-        "the dispatch book's task panicked; it starts over empty, and every replica reports its dispatches in flight again on a new stream"
-    );
-    book.active.clear();
-    *book = Book { active: book.active.clone(), ..Book::default() };
-    let published: Vec<_> = publisher.current().view().backlogs().keys().cloned().collect();
-    publisher.apply(FleetChange {
-        backlogs_removed: published,
-        reports_folded: Some(Arc::default()),
-        ..FleetChange::default()
-    });
+/// The book's panics so far (see the module's comment).
+struct Faults {
+    /// Moved on at each restart: the sessions opened before it are ended.
+    generation: Arc<AtomicU64>,
+    /// When the restarts within [`RESTART_WINDOW`] came.
+    recent: VecDeque<Instant>,
+    /// Past [`MAX_RESTARTS`] of them: every report is dropped unread from then on.
+    given_up: bool,
+}
+
+impl Faults {
+    /// Drops a book a panic left in an unknown state for an empty one: its published backlogs
+    /// are withdrawn (every rank's, whoever published it) and so are the ranges of operations
+    /// they held, the blocks in flight forgotten, its counts (as `exported` holds them) started
+    /// over, and the generation moved on, which ends each session opened before at its next
+    /// report (see [`NotQueued::Restarted`]); or, past [`MAX_RESTARTS`] in
+    /// [`RESTART_WINDOW`], the sessions are left open and the book gives up.
+    fn restart(
+        &mut self,
+        book: &mut Book,
+        publisher: &FleetPublisher,
+        counters: &BookCounters,
+        exported: &mut (Refused, u64, u64),
+    ) {
+        counters.restarts.inc();
+        *exported = Default::default();
+        let now = Instant::now();
+        self.recent.retain(|at| now.saturating_duration_since(*at) < RESTART_WINDOW);
+        self.recent.push_back(now);
+        if self.recent.len() > MAX_RESTARTS {
+            self.given_up = true;
+            tracing::error!(
+                restarts = self.recent.len(),
+                "the dispatch book's task panicked again and again; it gives up: reports are dropped unread, and each replica counts its own dispatches alone until the control plane restarts"
+            );
+        } else {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+            tracing::error!(
+                "the dispatch book's task panicked; it starts over empty, and every replica reports its dispatches in flight again on a new stream"
+            );
+        }
+        book.active.clear();
+        *book = Book { active: book.active.clone(), ..Book::default() };
+        let published: Vec<_> = publisher.current().view().backlogs().keys().cloned().collect();
+        publisher.apply(FleetChange {
+            backlogs_removed: published,
+            reports_folded: Some(Arc::default()),
+            ..FleetChange::default()
+        });
+    }
 }
 
 /// Brings the book up to date with the newest samples and time, and publishes the sums that

@@ -828,6 +828,38 @@ async fn a_panic_in_the_books_task_starts_it_over_empty_and_ends_the_sessions_op
     cancel.cancel();
 }
 
+/// A fault that comes back at once (a report whose content trips it, replayed at every
+/// reconnect) does not make restarts a loop ending every stream: past the few a window allows,
+/// the book gives up, leaves the streams open and drops every report unread.
+#[tokio::test(start_paused = true)]
+async fn a_book_that_keeps_panicking_gives_up_and_leaves_the_streams_open() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    publisher.apply(FleetChange { upsert: vec![decode_worker(1)], ..FleetChange::default() });
+    let (counters, cancel) = (counters(), CancellationToken::new());
+    let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters.clone(), cancel.clone());
+    let settle = || async {
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    };
+    for _ in 0..task::MAX_RESTARTS {
+        book.fault().await;
+        settle().await;
+    }
+    let session = book.session();
+    assert_eq!(session.report(7, report(vec![started(1, 0, 64)], vec![])), Ok(()));
+    assert!(until_published(&publisher, 1).await, "restarted: the book still folds");
+    book.fault().await;
+    settle().await;
+    assert_eq!(counters.restarts.get(), task::MAX_RESTARTS as u64 + 1);
+    assert_eq!(published_dispatches(&publisher), None, "what it had published is withdrawn");
+    assert_eq!(session.report(7, report(vec![started(2, 0, 64)], vec![])), Ok(()), "the stream is left open");
+    tokio::time::advance(BACKLOG_WINDOW).await;
+    settle().await;
+    assert_eq!(published_dispatches(&publisher), None, "reports are dropped unread");
+    cancel.cancel();
+}
+
 #[test]
 fn a_worker_removed_and_added_again_gets_its_backlog_published_anew() {
     let commit = |state: &FleetState, change: FleetChange| match state.commit(change) {
