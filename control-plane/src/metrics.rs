@@ -181,7 +181,7 @@ impl Metrics {
             )?,
             dispatch_book_restarts: IntCounter::new(
                 "continuum_fleet_dispatch_book_restarts_total",
-                "Times the fleet-wide dispatch book started over empty after an internal fault (a panic), ending every replica's stream so that it reports its dispatches again",
+                "Times the fleet-wide dispatch book started over empty after an internal fault (a panic), ending every replica's stream so that it reports its dispatches again (past 3 in a minute it gives up and drops reports unread)",
             )?,
             discovery_events: IntCounterVec::new(
                 Opts::new("continuum_dynamo_discovery_events_total", "Discovery events by kind"),
