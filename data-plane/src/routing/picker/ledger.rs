@@ -20,19 +20,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use continuum_proto::MAX_REPORTED_DECODE_BLOCKS;
 use continuum_proto::active::{ActiveBlocks, MAX_ACTIVE_BLOCK_HASHES};
 use continuum_proto::model::{Backlog, LoadKey, ReportsFolded};
-use continuum_proto::view::FleetView;
 use prometheus::{GaugeVec, IntCounter};
 
 use super::outliers::Outliers;
 use super::sizing::PromptSizes;
-use super::{Few, Pin, Selection};
+use super::{Few, Selection};
 use continuum_proto::fast_hash::FastMap;
 
+mod blocks;
 mod changes;
 mod replay;
+
+pub use blocks::{PromptChain, dispatch_block_size, pin_block_size, prompt_blocks, reported_blocks};
 use changes::Changes;
 pub use replay::{Recorded, ReplayedLeg};
 
@@ -762,49 +763,6 @@ impl State {
             self.expire(key, now);
         }
     }
-}
-
-/// A prompt's prefix chain: the hashes of its full blocks at `block_size`, as the KV term
-/// computed them (empty without one), and this replica's number for the `FindMatches` lookup
-/// made for them (0: none).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PromptChain {
-    pub block_size: u32,
-    pub hashes: Vec<u64>,
-    pub lookup: u64,
-}
-
-impl PromptChain {
-    /// The chain as a rank of `block_size` holds it: none when its blocks are another size.
-    pub fn at_block_size(&self, block_size: u32) -> &[u64] {
-        if block_size == self.block_size { &self.hashes } else { &[] }
-    }
-}
-
-/// A dispatch's blocks on its decode rank as it is reported and recorded: its prompt's, at most
-/// what the control plane takes from one start ([`MAX_REPORTED_DECODE_BLOCKS`]), so that the
-/// ledger holds what the report said and a replay of it is never refused as implausible.
-pub fn reported_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
-    prompt_blocks(prompt_tokens, block_size).min(MAX_REPORTED_DECODE_BLOCKS)
-}
-
-/// The blocks a prompt of `prompt_tokens` fills at `block_size` (0 counts as 1): what its
-/// dispatch holds on its decode rank.
-pub fn prompt_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
-    prompt_tokens.div_ceil(u64::from(block_size.max(1)))
-}
-
-/// The block size to record a dispatch with: the decode worker's (see [`pin_block_size`]).
-pub fn dispatch_block_size(view: &FleetView, selection: &Selection) -> u32 {
-    pin_block_size(view, &selection.decode)
-}
-
-/// A pinned worker's block size, else [`FALLBACK_BLOCK_SIZE`].
-pub fn pin_block_size(view: &FleetView, pin: &Pin) -> u32 {
-    view.worker(&pin.worker)
-        .and_then(|worker| worker.block_size)
-        .filter(|size| *size > 0)
-        .unwrap_or(FALLBACK_BLOCK_SIZE)
 }
 
 #[cfg(test)]
