@@ -24,6 +24,16 @@ pub const REQUEST_BODY_BUDGET: usize = 512 << 20;
 /// Buffered answers held at once past [`FREE_BYTES`]: 32 answers of the largest size.
 pub const BUFFERED_ANSWER_BUDGET: usize = 1 << 30;
 
+/// Lets go of `value` on the blocking pool when called on a runtime: a large tree or a
+/// tokenizer's tables are hundreds of thousands of allocations to free, milliseconds every
+/// task on the runtime's thread would otherwise wait out. Inline without a runtime.
+pub fn free_off_the_runtime<T: Send + 'static>(value: T) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(move || drop(value))),
+        Err(_) => drop(value),
+    }
+}
+
 /// One process-wide budget of bytes.
 #[derive(Debug)]
 pub struct Budget {
@@ -89,7 +99,43 @@ pub struct Charge(Option<SemaphorePermit<'static>>);
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Arc, Mutex};
+
     use super::*;
+
+    /// Dropped where it was freed: the thread that ran its drop.
+    struct Freed(Arc<Mutex<Option<std::thread::ThreadId>>>);
+
+    impl Drop for Freed {
+        fn drop(&mut self) {
+            *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::thread::current().id());
+        }
+    }
+
+    /// What is let go of on a runtime is freed on the blocking pool, not on the runtime's
+    /// thread (here the test's own, a current-thread runtime), and at once without a runtime.
+    #[tokio::test]
+    async fn what_is_let_go_of_is_freed_off_the_runtime() {
+        let on = Arc::new(Mutex::new(None));
+        free_off_the_runtime(Freed(Arc::clone(&on)));
+        for _ in 0..1000 {
+            if on.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let freed_on = *on.lock().unwrap_or_else(|e| e.into_inner());
+        assert!(freed_on.is_some_and(|thread| thread != std::thread::current().id()), "{freed_on:?}");
+
+        let inline = Arc::new(Mutex::new(None));
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                free_off_the_runtime(Freed(Arc::clone(&inline)));
+                let freed_on = *inline.lock().unwrap_or_else(|e| e.into_inner());
+                assert_eq!(freed_on, Some(std::thread::current().id()), "no runtime: freed at once");
+            });
+        });
+    }
 
     #[test]
     fn bodies_past_the_free_size_share_the_budget_and_give_it_back() {

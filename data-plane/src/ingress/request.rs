@@ -11,6 +11,7 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 
 use crate::json_shape::{Checked, Key, Keys, Scalar, Shape, UniqueObject};
 use crate::kv::request_cache_salt;
+use crate::memory::free_off_the_runtime;
 use crate::routing::headers::{ENGINE_ROUTING_FIELDS, attach_token_data, strip_body_routing};
 use crate::routing::picker::PromptText;
 
@@ -98,10 +99,7 @@ impl Drop for Tree {
             return;
         }
         // Off the runtime, and its room given back only once the tree is gone.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let (value, room) = (std::mem::take(&mut self.value), self.room.take());
-            runtime.spawn_blocking(move || drop((value, room)));
-        }
+        free_off_the_runtime((std::mem::take(&mut self.value), self.room.take()));
     }
 }
 

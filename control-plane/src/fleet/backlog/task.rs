@@ -236,7 +236,7 @@ async fn run(
 ) {
     // What the counters already hold of the book's totals.
     let mut exported: (Refused, u64, u64) = Default::default();
-    let mut faults = Faults { generation: Arc::clone(&generation), recent: VecDeque::new(), given_up: false };
+    let mut faults = Faults { generation, recent: VecDeque::new(), given_up: false };
     let mut states: watch::Receiver<Arc<FleetState>> = publisher.subscribe();
     let mut tick = tokio::time::interval(BACKLOG_WINDOW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -263,7 +263,7 @@ async fn run(
                         queued.give_back(bytes);
                         share.give_back(bytes);
                         if share.ended.load(Ordering::Acquire)
-                            || sent_to != generation.load(Ordering::Acquire)
+                            || sent_to != faults.generation.load(Ordering::Acquire)
                             || faults.given_up
                         {
                             continue;

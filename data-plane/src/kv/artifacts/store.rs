@@ -21,6 +21,7 @@ use super::source::{FETCH_TIMEOUT, FetchError, Fetcher, Source, SourceError, sho
 use super::{ArtifactPolicy, ArtifactResult};
 use crate::kv::Fallback;
 use crate::kv::render::{self, ChatTemplate, PieceCache};
+use crate::memory::free_off_the_runtime;
 
 /// Loaded tokenizer + template sets kept in memory.
 pub const MAX_LOADED_TOKENIZERS: usize = 16;
@@ -159,20 +160,6 @@ struct Slot {
     used: Instant,
 }
 
-/// Lets go of sets the store no longer keeps after its lock is released, on the blocking
-/// pool: a tokenizer's vocabulary, merges and cached prompt pieces are hundreds of thousands of
-/// allocations to free, milliseconds every request's lookup (which takes the lock) and the
-/// runtime's other tasks would otherwise wait out. Inline without a runtime.
-fn free_off_the_runtime<T: Send + 'static>(dropped: Vec<T>) {
-    if dropped.is_empty() {
-        return;
-    }
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => drop(runtime.spawn_blocking(move || drop(dropped))),
-        Err(_) => drop(dropped),
-    }
-}
-
 impl ArtifactStore {
     /// `counter` is `continuum_dynamo_kv_artifacts_total`, labelled `result`. Opens (and
     /// tightens) the policy's cache directory.
@@ -232,6 +219,7 @@ impl ArtifactStore {
         // set the old policy pinned is kept once the new one has dropped it.
         *self.inner.policy.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(policy);
         drop(state);
+        // Their tokenizers freed after the lock, off the runtime.
         free_off_the_runtime(dropped);
     }
 
@@ -498,6 +486,7 @@ impl ArtifactStore {
         state.bytes += loaded.bytes;
         state.loaded.insert(loaded.key, Slot { artifacts: Arc::clone(&loaded), used: now });
         drop(state);
+        // Their tokenizers freed after the lock, off the runtime.
         free_off_the_runtime(dropped);
         Ok(loaded)
     }
@@ -620,40 +609,6 @@ fn merge_config_special_tokens(tokenizer: &mut Tokenizer, config: &Value) -> tok
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Dropped where it was freed: the thread that ran its drop.
-    struct Freed(Arc<Mutex<Option<std::thread::ThreadId>>>);
-
-    impl Drop for Freed {
-        fn drop(&mut self) {
-            *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::thread::current().id());
-        }
-    }
-
-    /// Sets the store lets go of are freed on the blocking pool, not on the runtime's thread
-    /// (here the test's own, a current-thread runtime), and at once without a runtime.
-    #[tokio::test]
-    async fn sets_let_go_are_freed_off_the_runtime() {
-        let on = Arc::new(Mutex::new(None));
-        free_off_the_runtime(vec![Freed(Arc::clone(&on))]);
-        for _ in 0..1000 {
-            if on.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let freed_on = *on.lock().unwrap_or_else(|e| e.into_inner());
-        assert!(freed_on.is_some_and(|thread| thread != std::thread::current().id()), "{freed_on:?}");
-
-        let inline = Arc::new(Mutex::new(None));
-        std::thread::scope(|scope| {
-            scope.spawn(|| {
-                free_off_the_runtime(vec![Freed(Arc::clone(&inline))]);
-                let freed_on = *inline.lock().unwrap_or_else(|e| e.into_inner());
-                assert_eq!(freed_on, Some(std::thread::current().id()), "no runtime: freed at once");
-            });
-        });
-    }
 
     /// File operations stalled on a volume keep their permits until they return: past
     /// [`MAX_ARTIFACT_FILE_JOBS`] another is refused at once, rather than strand one more of
