@@ -91,7 +91,7 @@ impl Dispatcher {
         match &outcome {
             // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).
             Ok(response) if response.status().is_success() => self.health.head_arrived(name, url, (sent, now)),
-            Ok(response) if is_gateway_failure(response.status()) => self.health.failed(name, url, now),
+            Ok(response) if is_gateway_failure(response.status()) => self.health.failed(name, url, (sent, now)),
             Ok(_) => self.health.answered(name, url, (sent, now)),
             // A buffered answer's head comes only once generation is done, so a hung worker
             // (or a long generation) looks just so: the shim's failure only if it answered
@@ -104,7 +104,7 @@ impl Dispatcher {
                     outcome = Err(SendError::ShimSilent(*after));
                 }
             }
-            Err(_) => self.health.failed(name, url, now),
+            Err(_) => self.health.failed(name, url, (sent, now)),
         }
         if let Err(error) = &outcome {
             tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");

@@ -156,12 +156,16 @@ impl Breaker {
         }
     }
 
-    pub fn on_failure(&mut self, now: Instant, settings: &BreakerSettings) {
+    /// A request `sent` then failed at `now`. One sent before the breaker opened (still
+    /// failing as it tripped) says nothing of the replica now: it neither reopens a breaker
+    /// whose trial is under way nor restarts an open one's cooldown.
+    pub fn on_failure(&mut self, (sent, now): (Instant, Instant), settings: &BreakerSettings) {
         self.state = match self.state {
             State::Closed { failures } if failures.saturating_add(1) < settings.failure_threshold => {
                 State::Closed { failures: failures + 1 }
             }
             State::Open { since } => State::Open { since },
+            State::Trial { opened } | State::HalfOpen { opened, .. } if sent < opened => self.state,
             State::Closed { .. } | State::Trial { .. } | State::HalfOpen { .. } => State::Open { since: now },
         };
     }
@@ -200,6 +204,13 @@ struct Replica {
     answered_at: Option<Instant>,
 }
 
+impl Replica {
+    /// A replica first seen at `url`: closed and up.
+    fn at(url: &str) -> Self {
+        Self { url: url.to_string(), ..Self::default() }
+    }
+}
+
 /// Where a relayed stream records its exchange's outcome on its shim replica's breaker once its
 /// body ends: whole (the shim served it, an error event of the engine's included), or broken
 /// under it (the shim's failure, or the network's; 1.6.1 says a worker's death in band).
@@ -208,21 +219,23 @@ pub struct ShimExchange {
     health: Arc<ShimHealth>,
     name: String,
     url: String,
+    sent: Instant,
 }
 
 impl ShimExchange {
-    pub fn new(health: &Arc<ShimHealth>, name: &str, url: &str) -> Self {
-        Self { health: Arc::clone(health), name: name.into(), url: url.into() }
+    pub fn new(health: &Arc<ShimHealth>, name: &str, url: &str, sent: Instant) -> Self {
+        Self { health: Arc::clone(health), name: name.into(), url: url.into(), sent }
     }
 
     pub fn ended(&self, served: bool) {
-        self.health.exchange_ended(&self.name, &self.url, served);
+        self.health.exchange_ended(&self.name, &self.url, (self.sent, served));
     }
 }
 
 /// The breakers and probe verdicts of every shim replica, by backend name (the operator's
 /// configuration names them, so a fast hash will do: each request looks its replica up a few
-/// times). A backend whose URL changed on reload starts over, closed and up.
+/// times). A backend whose URL changed on reload starts over, closed and up, and what is then
+/// reported of its old URL (a long stream's end, a probe sent before the reload) is not its.
 #[derive(Debug, Default)]
 pub struct ShimHealth {
     settings: BreakerSettings,
@@ -235,17 +248,17 @@ impl ShimHealth {
     }
 
     pub fn usable(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.usable(now, settings))
+        self.current(name, url, |r, settings| !r.probed.down() && r.breaker.usable(now, settings))
     }
 
     pub fn admit(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
+        self.current(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
     }
 
     /// A probe's outcome. A successful one also ends an open breaker's cooldown (see
     /// [`Breaker::end_cooldown`]).
     pub fn record_probe(&self, name: &str, url: &str, live: bool) {
-        self.with(name, url, |r, _| {
+        self.reported(name, url, |r, _| {
             let was_down = r.probed.down();
             if live {
                 r.probed = Probed::default();
@@ -274,12 +287,12 @@ impl ShimHealth {
     /// A success's body ended: whole (`served`, [`Breaker::on_served`]: the replica answers,
     /// which [`Self::record_unanswered`] asks of the time since a request was sent), or broken
     /// under its head, the replica's failure.
-    pub fn exchange_ended(&self, name: &str, url: &str, served: bool) {
+    pub fn exchange_ended(&self, name: &str, url: &str, (sent, served): (Instant, bool)) {
         let now = Instant::now();
         if !served {
-            return self.failed(name, url, now);
+            return self.failed(name, url, (sent, now));
         }
-        self.with(name, url, |r, _| {
+        self.reported(name, url, |r, _| {
             r.answered_at = Some(now);
             r.breaker.on_served();
         });
@@ -293,7 +306,7 @@ impl ShimHealth {
 
     /// The replica answered at `now`, which `answer` tells its breaker.
     fn answering(&self, name: &str, url: &str, now: Instant, answer: impl FnOnce(&mut Breaker)) {
-        self.with(name, url, |r, _| {
+        self.reported(name, url, |r, _| {
             r.answered_at = Some(now);
             let before = r.breaker.state();
             answer(&mut r.breaker);
@@ -306,12 +319,14 @@ impl ShimHealth {
     /// A request sent at `sent` got no response head in time: the replica's failure unless it
     /// answered another request since (then its chat path works, and the silence is the
     /// request's workers'). Whether it was counted as the replica's.
+    /// (A replica moved to another URL since is charged with nothing, and the silence is its
+    /// old address's: no worker is blamed either.)
     pub fn record_unanswered(&self, name: &str, url: &str, sent: Instant, now: Instant) -> bool {
-        let answered_since = self.with(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
-        if !answered_since {
-            self.failed(name, url, now);
+        let answered_since = self.reported(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
+        if answered_since == Some(false) {
+            self.failed(name, url, (sent, now));
         }
-        !answered_since
+        answered_since != Some(true)
     }
 
     /// A whole answer other than a success ([`Breaker::on_answered`]).
@@ -319,11 +334,12 @@ impl ShimHealth {
         self.answering(name, url, now, |breaker| breaker.on_answered(sent));
     }
 
-    /// The replica failed a request (no connection, no answer, a gateway's, a body cut short).
-    pub fn failed(&self, name: &str, url: &str, now: Instant) {
-        self.with(name, url, |r, settings| {
+    /// The replica failed a request `sent` then, at `now` (no connection, no answer, a
+    /// gateway's, a body cut short).
+    pub fn failed(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
+        self.reported(name, url, |r, settings| {
             let before = r.breaker.state();
-            r.breaker.on_failure(now, settings);
+            r.breaker.on_failure((sent, now), settings);
             let after = r.breaker.state();
             if before != after {
                 tracing::warn!(backend = name, ?before, ?after, "shim replica circuit breaker changed state");
@@ -342,17 +358,28 @@ impl ShimHealth {
             .collect()
     }
 
-    fn with<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
+    /// `f` on the replica `name` of the configuration in force, at `url`: one whose URL
+    /// changed starts over.
+    fn current<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
         let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
         // Looked up by `&str` first: a name is allocated only for a replica not seen before.
         if let Some(entry) = replicas.get_mut(name) {
             if entry.url != url {
-                *entry = Replica { url: url.to_string(), ..Replica::default() };
+                *entry = Replica::at(url);
             }
             return f(entry, &self.settings);
         }
-        let entry = replicas.entry(name.to_string()).or_insert(Replica { url: url.to_string(), ..Replica::default() });
-        f(entry, &self.settings)
+        f(replicas.entry(name.to_string()).or_insert_with(|| Replica::at(url)), &self.settings)
+    }
+
+    /// `f` on the replica `name` for an outcome of a request sent to `url`; `None` when the
+    /// replica has moved to another URL since, of which the old one says nothing.
+    fn reported<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> Option<T> {
+        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(entry) = replicas.get_mut(name) {
+            return (entry.url == url).then(|| f(entry, &self.settings));
+        }
+        Some(f(replicas.entry(name.to_string()).or_insert_with(|| Replica::at(url)), &self.settings))
     }
 }
 
@@ -364,7 +391,7 @@ mod tests {
 
     fn failed(breaker: &mut Breaker, times: u32, now: Instant) {
         for _ in 0..times {
-            breaker.on_failure(now, &SETTINGS);
+            breaker.on_failure((now, now), &SETTINGS);
         }
     }
 
@@ -434,7 +461,7 @@ mod tests {
         failed(&mut breaker, 3, now);
         let probe = now + SETTINGS.cooldown;
         assert!(breaker.admit(probe, &SETTINGS));
-        breaker.on_failure(probe, &SETTINGS);
+        breaker.on_failure((probe, probe), &SETTINGS);
         assert_eq!(breaker.state(), BreakerState::Open);
         assert!(!breaker.admit(probe + Duration::from_secs(9), &SETTINGS));
         assert!(breaker.admit(probe + SETTINGS.cooldown, &SETTINGS));
@@ -460,7 +487,7 @@ mod tests {
         assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown * 10), "no breaker probe either");
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
         for _ in 0..3 {
-            health.failed("shim", "http://a", now);
+            health.failed("shim", "http://a", (now, now));
         }
         health.record_probe("shim", "http://a", true);
         assert!(health.usable("shim", "http://a", now), "a live answer ends the open breaker's cooldown");
@@ -472,11 +499,11 @@ mod tests {
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
         // A failed trial opens it again, for a whole cooldown.
         for _ in 0..SETTINGS.failure_threshold {
-            health.failed("shim", "http://a", now);
+            health.failed("shim", "http://a", (now, now));
         }
         health.record_probe("shim", "http://a", true);
         assert!(health.admit("shim", "http://a", now));
-        health.failed("shim", "http://a", now);
+        health.failed("shim", "http://a", (now, now));
         assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown / 2));
         assert!(health.admit("shim", "http://a", now + SETTINGS.cooldown));
     }
@@ -493,7 +520,7 @@ mod tests {
         assert!(!health.usable("pooled", "http://a", now), "still probed, still down");
         assert!(health.usable("left", "http://a", now), "out of every pool: its own requests decide");
         for _ in 0..3 {
-            health.failed("left", "http://a", now);
+            health.failed("left", "http://a", (now, now));
         }
         health.clear_probes_except(|name| name == "pooled");
         assert!(!health.usable("left", "http://a", now), "its breaker stands");
@@ -507,7 +534,7 @@ mod tests {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for _ in 0..SETTINGS.failure_threshold {
-            health.failed("shim", "http://a", now);
+            health.failed("shim", "http://a", (now, now));
         }
         let sent_before = now - Duration::from_secs(1);
         health.answered("shim", "http://a", (sent_before, now + Duration::from_secs(1)));
@@ -523,12 +550,61 @@ mod tests {
         assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
     }
 
+    /// A request sent while the replica was failing, whose failure comes in after its breaker
+    /// opened, says nothing of the replica now: the trial under way decides.
+    #[test]
+    fn a_failure_of_a_request_sent_before_the_breaker_opened_leaves_its_trial_to_decide() {
+        let health = ShimHealth::new(SETTINGS);
+        let now = Instant::now();
+        for _ in 0..SETTINGS.failure_threshold {
+            health.failed("shim", "http://a", (now, now));
+        }
+        let trial = now + SETTINGS.cooldown;
+        assert!(health.admit("shim", "http://a", trial));
+        let sent_before = now - Duration::from_secs(1);
+        assert!(health.record_unanswered("shim", "http://a", sent_before, trial + Duration::from_millis(1)));
+        health.exchange_ended("shim", "http://a", (sent_before, false));
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
+        health.head_arrived("shim", "http://a", (trial, trial + Duration::from_millis(2)));
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
+        // The trial's own failure reopens it.
+        for _ in 0..SETTINGS.failure_threshold {
+            health.failed("shim", "http://a", (trial, trial));
+        }
+        let second = trial + SETTINGS.cooldown;
+        assert!(health.admit("shim", "http://a", second));
+        health.failed("shim", "http://a", (second, second + Duration::from_millis(1)));
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
+    }
+
+    /// After a reload moved a backend, what comes in about its old URL (a long stream ending,
+    /// a probe sent before the reload) is not about the new one.
+    #[test]
+    fn what_is_reported_of_a_replicas_old_url_leaves_its_new_one_alone() {
+        let health = ShimHealth::new(SETTINGS);
+        let now = Instant::now();
+        assert!(health.usable("shim", "http://b", now), "moved to b");
+        for _ in 0..SETTINGS.failure_threshold {
+            health.failed("shim", "http://b", (now, now));
+        }
+        health.exchange_ended("shim", "http://a", (now, true));
+        health.record_probe("shim", "http://a", true);
+        health.answered("shim", "http://a", (now, now));
+        assert!(health.record_unanswered("shim", "http://a", now, now), "its silence blames no worker");
+        assert!(!health.usable("shim", "http://b", now), "b's breaker stands open");
+        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
+        health.record_probe("shim", "http://b", false);
+        health.record_probe("shim", "http://b", false);
+        health.record_probe("shim", "http://a", true);
+        assert!(!health.usable("shim", "http://b", now + SETTINGS.cooldown), "b's failed probes stand");
+    }
+
     #[test]
     fn a_changed_url_starts_a_closed_breaker() {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for _ in 0..3 {
-            health.failed("shim", "http://a", now);
+            health.failed("shim", "http://a", (now, now));
         }
         assert!(!health.usable("shim", "http://a", now));
         assert!(health.usable("shim", "http://b", now));

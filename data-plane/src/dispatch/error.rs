@@ -67,6 +67,10 @@ pub enum DispatchError {
     /// This replica holds as many buffered answers as it may ([`crate::memory`]).
     #[error("the replica holds as many buffered answers as it may")]
     Overloaded,
+    /// No replica of the pinned namespace's pool would take the request, and no backend
+    /// serves the model unpinned: nothing was sent.
+    #[error("no shim replica of the pool would take the request, and no backend serves the model unpinned")]
+    NoShim,
     /// A plain unpinned request (disaggregated serving off) failed: no backend could be
     /// reached, or the one that answered failed.
     #[error("the unpinned request failed: {0}")]

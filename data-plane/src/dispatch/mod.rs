@@ -128,21 +128,25 @@ pub struct Pinned {
     pub selection: Selection,
     /// The selection's namespace pool.
     pub replicas: Arc<[ShimReplica]>,
-    /// Where a failed pinned request is sent once more; `None`: nowhere. Boxed: configured
-    /// rarely, and every request's future holds the field.
+    /// The backends serving the model unpinned, if any: where a request goes that no replica
+    /// of the pool took, and, with `fallback_to_unified`, a failed one once more. Boxed: few
+    /// deployments have them, and every request's future holds the field.
     pub fallback: Option<Box<Fallback>>,
     pub dispatch: DispatchEnd,
 }
 
+/// The model's unpinned backends, for the seed's fall-through and
 /// `disaggregated_serving.fallback_to_unified`'s one unpinned resend.
 #[derive(Debug)]
 pub struct Fallback {
     /// The backends serving the model unpinned (`backends[].models`). Not the pool: a
     /// direct-mode frontend refuses every request without pins (1.6.1 answers 500 or 400).
     pub replicas: Arc<[ShimReplica]>,
-    /// The body to resend when it differs from the pinned one: without the router's
+    /// The body to send when it differs from the pinned one: without the router's
     /// `nvext.token_data`, which only a shim reads.
     pub body: Option<Bytes>,
+    /// `fallback_to_unified`: a pinned request that failed is resent here.
+    pub on_failure: bool,
 }
 
 /// A pinned send's result: final (relayed, or refused without fallback), or a failure that
@@ -172,6 +176,14 @@ pub struct Dispatcher {
 struct CountedPath<'a> {
     metrics: &'a Metrics,
     path: RoutingPath,
+}
+
+/// A plain unpinned request's failure.
+fn unified_failed(failure: Failure) -> DispatchError {
+    match failure {
+        Failure::Overloaded => DispatchError::Overloaded,
+        failure => DispatchError::UnifiedFailed(failure),
+    }
 }
 
 impl Drop for CountedPath<'_> {
@@ -239,11 +251,7 @@ impl Dispatcher {
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);
                 let relay = Unpinned { relay_errors: true, disclose: plan.disclose };
-                self.unpinned(&plan.body, plan.stream, &headers, replicas, relay).await.map_err(|failure| match failure
-                {
-                    Failure::Overloaded => DispatchError::Overloaded,
-                    failure => DispatchError::UnifiedFailed(failure),
-                })
+                self.unpinned(&plan.body, plan.stream, &headers, replicas, relay).await.map_err(unified_failed)
             }
         }
     }
@@ -305,10 +313,23 @@ impl Dispatcher {
             // The workers answered; this replica had no room to hold the answer. Not theirs
             // to count, nor worth sending again.
             PinnedOutcome::Failed(Failure::Overloaded) => return Err(DispatchError::Overloaded),
+            // No replica of the pool would take it (a half-open breaker's one trial went to
+            // another request picked at the same time): nothing reached a shim or a worker, so
+            // it is no decode failure but what selection would have decided a moment later,
+            // the seed's fall-through to the model's unified backends.
+            PinnedOutcome::Failed(Failure::NoReplica) => {
+                counted.path = RoutingPath::Unified;
+                let Some(unified) = fallback else { return Err(DispatchError::NoShim) };
+                let Fallback { replicas, body: resent, .. } = *unified;
+                let plain = Unpinned { relay_errors: true, disclose };
+                let body = resent.unwrap_or(body);
+                return Box::pin(self.unpinned(&body, stream, headers, replicas, plain)).await.map_err(unified_failed);
+            }
             PinnedOutcome::Failed(failure) => failure,
         };
         // The decode arm. The pinned dispatch has ended, whatever the fallback does.
         self.metrics.error(ErrorPhase::Decode);
+        let fallback = fallback.filter(|unified| unified.on_failure);
         let fallback_to_unified = fallback.is_some();
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
         // An answer too large to buffer would be as large again from another backend.
@@ -320,7 +341,7 @@ impl Dispatcher {
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
         };
         counted.path = RoutingPath::UnifiedFallback;
-        let Fallback { replicas: unified, body: resent } = *fallback;
+        let Fallback { replicas: unified, body: resent, .. } = *fallback;
         let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.
         let fallback = Unpinned { relay_errors: false, disclose };
@@ -426,9 +447,87 @@ impl Dispatcher {
 
 #[cfg(test)]
 mod tests {
-    use continuum_proto::model::{Backend, ShimPool};
+    use continuum_proto::model::{Backend, ShimPool, WorkerKey};
+    use continuum_proto::view::FleetView;
+    use prometheus::IntCounter;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
+    use crate::fleet::DispatchReporter;
+    use crate::routing::picker::{DispatchLedger, Pin, PromptChain, Reason};
+
+    /// A backend that answers every request on its first connection with a small 200.
+    async fn answering_backend() -> std::io::Result<ShimReplica> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        tokio::spawn(async move {
+            let Ok((mut socket, _)) = listener.accept().await else { return };
+            let mut read = vec![0; 64 * 1024];
+            while socket.read(&mut read).await.is_ok_and(|n| n > 0) {
+                let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                if socket.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(replica("unified", &url))
+    }
+
+    fn replica(name: &str, url: &str) -> ShimReplica {
+        let endpoint = format!("{url}{}", pool::CHAT_COMPLETIONS_PATH).parse().expect("a valid endpoint");
+        ShimReplica { name: name.into(), url: url.into(), endpoint }
+    }
+
+    /// A pinned plan to `replicas`, recorded in a ledger of its own, falling through to
+    /// `unified` (never resent there on failure).
+    fn pinned_plan(replicas: &[ShimReplica], unified: Option<ShimReplica>) -> Plan {
+        let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
+        let ledger = Arc::new(DispatchLedger::new());
+        let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
+        let selection = Selection {
+            namespace: "dynamo".into(),
+            model: "tiny".into(),
+            decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
+            prefill: Some(Pin { worker: WorkerKey::new("dynamo", 1), dp_rank: None }),
+            decode_reason: Reason::Load,
+            prefill_reason: Some(Reason::Load),
+            cached_tokens: 0,
+        };
+        let dispatch = DispatchEnd::record(&ledger, &reporter, &view, &selection, 10, &PromptChain::default(), true);
+        let fallback =
+            unified.map(|unified| Box::new(Fallback { replicas: [unified].into(), body: None, on_failure: false }));
+        let route = Route::Pinned(Pinned { selection, replicas: replicas.into(), fallback, dispatch });
+        Plan { body: Bytes::from_static(b"{}"), stream: false, disclose: false, tenant: None, route }
+    }
+
+    /// Two requests picked in the same namespace while its one replica's breaker lets a
+    /// single trial through: the one that loses the trial reached no shim and no worker, so it
+    /// falls through to the model's unified backends, as selection would have sent it a
+    /// moment later, or is refused as a shim unavailable: not a decode failure.
+    #[tokio::test]
+    async fn a_pinned_request_no_replica_would_take_falls_through_and_fails_no_decode() -> anyhow::Result<()> {
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        // Never dialled: its breaker turns the request away first.
+        let shim = replica("shim", "http://127.0.0.1:9");
+        let now = Instant::now();
+        for _ in 0..BreakerSettings::default().failure_threshold {
+            dispatcher.health.failed(&shim.name, &shim.url, (now, now));
+        }
+        dispatcher.record_probe(&shim.name, &shim.url, true);
+        assert!(dispatcher.usable(&shim, now), "its trial is open to whichever request comes first");
+        assert!(dispatcher.health.admit(&shim.name, &shim.url, now), "another request took the trial");
+
+        let response = dispatcher.run(pinned_plan(std::slice::from_ref(&shim), Some(answering_backend().await?))).await;
+        assert_eq!(response.map(|r| r.status()).ok(), Some(StatusCode::OK), "the unified backend answered");
+        let refused = dispatcher.run(pinned_plan(std::slice::from_ref(&shim), None)).await;
+        assert!(matches!(refused, Err(DispatchError::NoShim)), "{refused:?}");
+
+        let counted = |vector: &prometheus::IntCounterVec, label: &str| vector.with_label_values(&[label]).get();
+        assert_eq!(counted(&dispatcher.metrics.disaggregated_errors, ErrorPhase::Decode.as_str()), 0);
+        assert_eq!(counted(&dispatcher.metrics.disaggregated_requests, RoutingPath::Unified.as_str()), 2);
+        assert_eq!(counted(&dispatcher.metrics.disaggregated_requests, RoutingPath::Disaggregated.as_str()), 0);
+        Ok(())
+    }
 
     #[test]
     fn exporting_the_gauge_keeps_the_breakers_of_backends_outside_every_pool() -> anyhow::Result<()> {
@@ -442,7 +541,7 @@ mod tests {
         let now = Instant::now();
         for name in ["pooled", "unified", "removed"] {
             for _ in 0..BreakerSettings::default().failure_threshold {
-                dispatcher.health.failed(name, &format!("http://{name}:8000"), now);
+                dispatcher.health.failed(name, &format!("http://{name}:8000"), (now, now));
             }
         }
         dispatcher.export_health(&config);
@@ -477,7 +576,7 @@ mod tests {
         };
         let now = Instant::now();
         for _ in 0..BreakerSettings::default().failure_threshold {
-            dispatcher.health.failed("b", "http://b:8000", now);
+            dispatcher.health.failed("b", "http://b:8000", (now, now));
         }
         dispatcher.export_health(&pooled(&["a", "b"]));
         assert_eq!(series(), [("a".to_string(), 0), ("b".to_string(), 2)]);

@@ -102,7 +102,10 @@ pub fn serving_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplic
 /// A direct-mode frontend refuses every request without pins (1.6.1 answers 500 or 400), so an
 /// unpinned resend or fall-through to one is a round trip sure to fail.
 pub fn unified_backends(config: &DataPlaneConfig, model: &str) -> Vec<ShimReplica> {
-    serving_backends(config, model).into_iter().filter(|replica| !is_pooled(config, &replica.name)).collect()
+    // Pool members are left out before their URLs are resolved: a pinned request asks this
+    // of every request's model, and most fleets have no other backend.
+    let serving = config.backends.iter().filter(|b| b.models.iter().any(|m| m == model) && !is_pooled(config, &b.name));
+    serving.filter_map(|b| replica(config, &b.name)).collect()
 }
 
 /// The models unpinned routing takes to a backend, as clients name them: those of every

@@ -132,7 +132,7 @@ impl Dispatcher {
                 Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
                 None => self.metrics.unpinned_stream_failures.clone(),
             };
-            let shim = ShimExchange::new(&self.health, &replica.name, &replica.url);
+            let shim = ShimExchange::new(&self.health, &replica.name, &replica.url, sent.into_std());
             Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), failures))
         } else {
             let timeout = self.settings.buffered_timeout;
@@ -146,7 +146,7 @@ impl Dispatcher {
                 Err(_) => None,
             };
             if let Some(served) = served {
-                self.health.exchange_ended(&replica.name, &replica.url, served);
+                self.health.exchange_ended(&replica.name, &replica.url, (sent.into_std(), served));
             }
             let (bytes, charge) = read?;
             if let Some(mut dispatch) = dispatch {

@@ -165,6 +165,12 @@ impl From<DispatchError> for ApiError {
                 decode_failed(&cause, fallback.as_ref(), stale_pins)
             }
             DispatchError::Overloaded => server_busy(),
+            DispatchError::NoShim => ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shim_unavailable",
+                "No Dynamo frontend replica is available for the workers this request was assigned to: every replica \
+                 is failing or recovering. Retry shortly.",
+            ),
             DispatchError::UnifiedFailed(cause) => unified_failed(&cause),
         }
     }

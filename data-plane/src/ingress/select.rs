@@ -121,12 +121,10 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     if tokens.is_none() {
         dispatch.sized_by_estimate(display, request.prompt_estimate);
     }
-    let fallback = config
-        .disaggregated_serving
-        .fallback_to_unified
-        .then(|| unified_backends(config, &request.model))
+    let on_failure = config.disaggregated_serving.fallback_to_unified;
+    let fallback = Some(unified_backends(config, &request.model))
         .filter(|unified| !unified.is_empty())
-        .map(|unified| Box::new(Fallback { replicas: unified.into(), body: None }));
+        .map(|unified| Box::new(Fallback { replicas: unified.into(), body: None, on_failure }));
     let token_data = tokens.filter(|_| config.picker.send_token_data);
     let pinned = Pinned { selection, replicas, fallback, dispatch };
     Ok(Routed { route: Route::Pinned(pinned), token_data })
