@@ -164,6 +164,29 @@ impl RelayBody {
     }
 }
 
+impl RelayBody {
+    /// Whether the idle deadline has passed, though the shim's body was never pending.
+    fn past_deadline(&self) -> bool {
+        Instant::now() >= self.deadline.deadline()
+    }
+
+    /// The idle deadline passed: the stream ends, whole when its closing marker was relayed.
+    fn expired(&mut self) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        // Nothing after the closing marker is for the client, a fragment included.
+        if self.closed {
+            tracing::debug!("shim stream held its end back past the closing [DONE]; ended");
+            self.finish();
+            return Poll::Ready(None);
+        }
+        tracing::warn!(idle = ?self.idle, "shim stream idle too long; ending it");
+        self.fail(
+            Fault::Silent,
+            "stream_timeout",
+            "The model server sent nothing for too long and the stream was ended. Retry the request.",
+        )
+    }
+}
+
 impl Body for RelayBody {
     type Data = Bytes;
     type Error = Infallible;
@@ -235,18 +258,7 @@ impl Body for RelayBody {
                 }
                 Poll::Pending => {
                     ready!(this.deadline.as_mut().poll(cx));
-                    // Nothing after the closing marker is for the client, a fragment included.
-                    if this.closed {
-                        tracing::debug!("shim stream held its end back past the closing [DONE]; ended");
-                        this.finish();
-                        return Poll::Ready(None);
-                    }
-                    tracing::warn!(idle = ?this.idle, "shim stream idle too long; ending it");
-                    return this.fail(
-                        Fault::Silent,
-                        "stream_timeout",
-                        "The model server sent nothing for too long and the stream was ended. Retry the request.",
-                    );
+                    return this.expired();
                 }
             };
             let Some(events) = this.whole_events(data) else {
@@ -257,6 +269,9 @@ impl Body for RelayBody {
                         "stream_interrupted",
                         "The model server sent an event too large to relay, and the stream was ended. Retry the request.",
                     );
+                }
+                if this.past_deadline() {
+                    return this.expired();
                 }
                 continue;
             };
@@ -275,6 +290,10 @@ impl Body for RelayBody {
                 this.closed = ends_with_done_marker(&events);
                 let wait = if this.closed { AFTER_DONE_GRACE.min(this.idle) } else { this.idle };
                 this.deadline.as_mut().reset(now + wait);
+            } else if this.past_deadline() {
+                // Comments that keep coming as fast as they are relayed never leave the shim's
+                // body pending, where the deadline is otherwise polled.
+                return this.expired();
             }
             if let Some(dispatch) = &mut this.dispatch {
                 dispatch.observe(&events);
@@ -458,6 +477,48 @@ mod tests {
         let fine = Bytes::from(plain);
         let same = withhold_addresses(fine.clone());
         assert_eq!(same.as_ptr(), fine.as_ptr(), "uncopied");
+    }
+
+    /// A shim (or a proxy in front of it) whose keep-alive comments come faster than they are
+    /// relayed never leaves its body pending, where the idle deadline is otherwise polled: the
+    /// stream ends at the deadline all the same.
+    #[tokio::test]
+    async fn comments_that_never_let_the_body_wait_still_end_the_stream_at_the_idle_deadline() -> anyhow::Result<()> {
+        use std::sync::Arc;
+        use std::time::Duration;
+
+        use http_body_util::BodyExt;
+        use tokio::io::AsyncWriteExt;
+
+        use super::super::breaker::{ShimExchange, ShimHealth};
+        use super::super::connections::{Conn, READ_CHUNK};
+        use super::super::shim_body::ShimBody;
+        use super::super::wire::Framing;
+        use super::RelayBody;
+
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(listener.local_addr()?), listener.accept());
+        let (mut server, _) = accepted?;
+        // Many reads' worth, all sent at once: every read of the relay finds more waiting.
+        let comments = ":\n\n".repeat(8 * READ_CHUNK / 3);
+        let writer = tokio::spawn(async move { server.write_all(comments.as_bytes()).await.map(|()| server) });
+        let shim = ShimExchange::new(&Arc::new(ShimHealth::default()), "shim", "http://a", std::time::Instant::now());
+        let idle = Duration::from_millis(50);
+        let inner = ShimBody::new(Conn::new(client?), Framing::UntilClose, None);
+        let mut body = RelayBody::new(inner, idle, (None, shim), prometheus::IntCounter::new("failed", "failed")?);
+        let first = body.frame().await.and_then(|frame| frame.ok()?.into_data().ok());
+        assert!(first.is_some_and(|data| data.starts_with(b":\n\n")), "comments are relayed");
+        tokio::time::sleep(idle * 3).await;
+        let next = body.frame().await.and_then(|frame| frame.ok()?.into_data().ok()).unwrap_or_default();
+        let text = String::from_utf8_lossy(&next);
+        assert!(
+            text.contains("stream_timeout"),
+            "the stream ends at its idle deadline, not with more comments: {text:.40}"
+        );
+        assert!(body.frame().await.is_none(), "and nothing follows");
+        writer.abort();
+        Ok(())
     }
 
     /// What each piece fed in turn releases: the prefix that ends an event, if any.

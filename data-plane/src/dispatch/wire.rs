@@ -321,11 +321,23 @@ impl Chunked {
                     if line.iter().any(|b| is_forbidden_in_line(*b)) {
                         return Err(WireError::Chunk("control byte in a trailer"));
                     }
+                    // A field, `name:` with the name a token, as strictly as a head's: a hop in
+                    // front that ended the body at the last chunk would read a line that is
+                    // no field (a request line, a folded line) as the next request's.
+                    if !is_field_line(&line) {
+                        return Err(WireError::Chunk("malformed trailer field"));
+                    }
                     *self = Chunked::Trailers(read);
                 }
             }
         }
     }
+}
+
+/// Whether a trailer line is a header field: a token, then `:` (RFC 9110 5.1, 5.6.2).
+fn is_field_line(line: &[u8]) -> bool {
+    let name_len = line.iter().position(|b| *b == b':').unwrap_or(0);
+    name_len > 0 && line[..name_len].iter().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(b))
 }
 
 /// A chunk-size line's size: hex digits, at most 16 past any leading zeros (which RFC 9112
@@ -569,6 +581,20 @@ mod tests {
             assert_eq!(decode(loose), Err(WireError::Chunk("chunk size")), "{:?}", String::from_utf8_lossy(loose));
         }
         assert_eq!(decode(b"0\r\nx: a\nb\r\n\r\n"), Err(WireError::Chunk("control byte in a trailer")));
+        // Lines that are no field: a request line a hop in front would take for the next
+        // request, a folded line, a field name with a space before its colon.
+        for loose in
+            [&b"0\r\nGET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"[..], b"0\r\n x: folded\r\n\r\n", b"0\r\nx : a\r\n\r\n"]
+        {
+            let refused = decode(loose);
+            assert_eq!(
+                refused,
+                Err(WireError::Chunk("malformed trailer field")),
+                "{:?}",
+                String::from_utf8_lossy(loose)
+            );
+        }
+        assert_eq!(decode(b"0\r\nx-checksum: abc\r\n\r\n"), Ok(Decoded::End), "a field is a trailer");
         let mut many_trailers = b"0\r\n".to_vec();
         for _ in 0..1000 {
             many_trailers.extend_from_slice(b"x-trailer: 12345678\r\n");

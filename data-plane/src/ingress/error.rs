@@ -242,13 +242,19 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
             "The request failed on its assigned workers: {what}, refusing the workers this router chose (its view of \
              the fleet was behind the frontend's){retried}. Retry the request: the router is told of the change."
         ),
+        // The unpinned backend refused the request itself: retrying would be refused again.
+        _ if let Some(Failure::Status(refused)) = fallback
+            && refuses_request(*refused) =>
+        {
+            format!(
+                "The request failed on its assigned workers: {what}, and the retry without worker pins was refused \
+                 ({}). Check the request: the model server may not accept it.",
+                refused.as_u16()
+            )
+        }
         // A refusal that may be of the request itself (the frontend checks some of it only once
         // it is pinned): retrying an invalid request would fail the same way.
-        Failure::Status(shim_status)
-            if shim_status.is_client_error()
-                && ![StatusCode::NOT_FOUND, StatusCode::REQUEST_TIMEOUT, StatusCode::TOO_MANY_REQUESTS]
-                    .contains(shim_status) =>
-        {
+        Failure::Status(shim_status) if refuses_request(*shim_status) => {
             format!(
                 "The request failed on its assigned workers: {what}{retried}. If it fails again, check the request: \
                  the frontend may have refused it (a streamed request is shown the frontend's reason)."
@@ -264,6 +270,13 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
         ),
     };
     ApiError::new(status, "disaggregated_decode_failed", message)
+}
+
+/// Whether a backend's 4xx may refuse the request itself, rather than say "not now" (408,
+/// 429) or "not here" (404: the model's workers are gone).
+fn refuses_request(status: StatusCode) -> bool {
+    status.is_client_error()
+        && ![StatusCode::NOT_FOUND, StatusCode::REQUEST_TIMEOUT, StatusCode::TOO_MANY_REQUESTS].contains(&status)
 }
 
 /// The most of a client's method a 405 echoes: real ones are a few letters.
@@ -289,6 +302,23 @@ mod tests {
             error.message
         );
         assert!(error.message.len() < 200, "{} bytes", error.message.len());
+    }
+
+    /// A fallback the unified backend refused as a bad request (a prompt past its context)
+    /// would be refused again: the client is told to check the request, not to retry it.
+    #[test]
+    fn a_fallback_refused_as_a_bad_request_says_to_check_the_request_not_to_retry() {
+        let server_error = Failure::Status(StatusCode::INTERNAL_SERVER_ERROR);
+        let refused = decode_failed(&server_error, Some(&Failure::Status(StatusCode::BAD_REQUEST)), false);
+        assert_eq!((refused.status, refused.code), (StatusCode::BAD_GATEWAY, "disaggregated_decode_failed"));
+        assert!(
+            refused.message.contains("refused (400)") && refused.message.contains("Check the request"),
+            "{}",
+            refused.message
+        );
+        assert!(!refused.message.contains("Retry"), "{}", refused.message);
+        let busy = decode_failed(&server_error, Some(&Failure::Status(StatusCode::TOO_MANY_REQUESTS)), false);
+        assert!(busy.message.contains("Retry"), "429 says not now: {}", busy.message);
     }
 
     #[test]

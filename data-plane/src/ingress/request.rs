@@ -129,7 +129,7 @@ pub enum RequestError {
     /// Rewritten (routing fields stripped, numbers written as JSON readers write them), the
     /// body would grow past [`MAX_REWRITE_GROWTH`] times its size.
     #[error(
-        "rewritten for the model server, the body would grow to {bytes} bytes, more than {MAX_REWRITE_GROWTH} times          its size: numbers in exponent form (1e15) are written out in full"
+        "rewritten for the model server, the body would grow to {bytes} bytes, more than {MAX_REWRITE_GROWTH} times its size: numbers in exponent form (1e15) are written out in full"
     )]
     Grows { bytes: usize },
 }
