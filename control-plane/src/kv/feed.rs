@@ -16,6 +16,7 @@ use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::load::zmtp::Message;
 use crate::load::{Dropped, Feed, Refusal};
+use crate::sources::Generation;
 
 /// The index behind one lock: event batches write, `FindMatches` reads.
 #[derive(Debug, Clone, Default)]
@@ -263,9 +264,9 @@ impl Feed for KvFeed {
         self.indexer.write().drop_publisher(&publisher.key());
     }
 
-    async fn set_live(&self, fleet: &Fleet) {
+    async fn set_live(&self, generation: &Generation) {
         // Gathered before the lock: lookups wait on it.
-        let live = live_ranks(fleet);
+        let live = live_ranks(&generation.fleet);
         // Departed ranks are cleared one to a hold of the lock, lookups between (they are not
         // answered for a rank no longer live): a node's workers leaving together would
         // otherwise hold the whole index for all their clears in a row, milliseconds each.

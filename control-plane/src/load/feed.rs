@@ -15,6 +15,7 @@ use super::subscription::{Dropped, Feed, Refusal};
 use super::zmtp::Message;
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::fleet::LoadCoalescer;
+use crate::sources::Generation;
 
 #[derive(Debug)]
 pub struct LoadFeed {
@@ -154,11 +155,11 @@ impl Feed for LoadFeed {
         self.drop_publisher(&publisher.key(), publisher.worker.as_ref()).await;
     }
 
-    async fn set_live(&self, fleet: &Fleet) {
-        let live = live_ranks(fleet);
+    async fn set_live(&self, generation: &Generation) {
+        let live = live_ranks(&generation.fleet);
         // A departed worker's unsent removals need no sending: its samples leave with it.
         self.unsent().retain(|k| live.get(&k.worker).is_some_and(|ranks| ranks.contains(&k.dp_rank)));
-        let evicted = self.store.lock().set_live_and_retain(live);
+        let evicted = self.store.lock().retain_live_at(generation.generation, live);
         self.remove(evicted).await;
     }
 }

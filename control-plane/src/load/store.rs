@@ -14,7 +14,7 @@
 //! * Staleness: [`LoadStore::fresh`] returns a sample only while it is younger than `max_age`;
 //!   [`LoadStore::reading`] tells a picker how to read a rank without a fresh sample.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -65,9 +65,13 @@ impl Reading {
 pub struct LoadStore {
     entries: HashMap<LoadKey, HeldSample>,
     /// The keys each publisher's samples are held under, to drop them on a reconnect or gap.
-    by_publisher: HashMap<PublisherKey, Vec<LoadKey>>,
-    /// Live workers and the ranks they serve.
+    /// A set: a worker with many ranks leaving, or two channels of one worker taking a rank in
+    /// turn, must cost a lookup per key under the store's lock, not a scan.
+    by_publisher: HashMap<PublisherKey, HashSet<LoadKey>>,
+    /// Live workers and the ranks they serve: the admission gate.
     live: HashMap<WorkerKey, Range<u32>>,
+    /// The registry generation the gate is of, when one said (see [`Self::open_gate`]).
+    live_generation: u64,
     max_staleness: Duration,
     capacity: usize,
     gauges: Option<LoadGauges>,
@@ -84,6 +88,7 @@ impl LoadStore {
             entries: HashMap::new(),
             by_publisher: HashMap::new(),
             live: HashMap::new(),
+            live_generation: 0,
             max_staleness: DEFAULT_MAX_STALENESS,
             capacity,
             gauges,
@@ -120,7 +125,7 @@ impl LoadStore {
             self.entries.insert(key.clone(), HeldSample { sample, publisher_id: publisher.publisher_id, sequence });
         let indexed = self.by_publisher.entry(publisher.clone()).or_default();
         if replaced.is_none_or(|held| held.publisher_id != publisher.publisher_id) {
-            indexed.push(key.clone());
+            indexed.insert(key.clone());
         }
         if let Some(gauges) = &self.gauges {
             gauges.set(&key, &load);
@@ -131,7 +136,7 @@ impl LoadStore {
     /// Drops every sample held from `publisher` (it reconnected, or skipped a sequence, or
     /// stopped); returns their keys.
     pub fn drop_publisher(&mut self, publisher: &PublisherKey) -> Vec<LoadKey> {
-        let keys = self.by_publisher.remove(publisher).unwrap_or_default();
+        let keys: Vec<LoadKey> = self.by_publisher.remove(publisher).unwrap_or_default().into_iter().collect();
         for key in &keys {
             self.entries.remove(key);
             if let Some(gauges) = &self.gauges {
@@ -141,10 +146,33 @@ impl LoadStore {
         keys
     }
 
+    /// Makes registry generation `generation`'s `live` ranks the admission gate, unless a
+    /// newer generation's already is. The registry opens it as it publishes, under the store's
+    /// lock: a sample for a rank that generation made live (a worker whose card grew, or whose
+    /// record came after its channel) is held from then on, not refused while the load
+    /// supervisor, which drops what left ([`Self::retain_live_at`]), has yet to get to it.
+    pub fn open_gate(&mut self, generation: u64, live: HashMap<WorkerKey, Range<u32>>) {
+        if generation > self.live_generation {
+            self.live = live;
+            self.live_generation = generation;
+        }
+    }
+
+    /// [`Self::set_live_and_retain`] for registry generation `generation`: a gate the registry
+    /// opened to a newer generation stands, and samples are retained against it.
+    pub fn retain_live_at(&mut self, generation: u64, live: HashMap<WorkerKey, Range<u32>>) -> Vec<LoadKey> {
+        self.open_gate(generation, live);
+        self.retain_live()
+    }
+
     /// Makes `live` the admission gate and drops samples for anything outside it (departed
     /// workers, ranks a worker no longer serves), with their gauge series; returns their keys.
     pub fn set_live_and_retain(&mut self, live: HashMap<WorkerKey, Range<u32>>) -> Vec<LoadKey> {
         self.live = live;
+        self.retain_live()
+    }
+
+    fn retain_live(&mut self) -> Vec<LoadKey> {
         let live = &self.live;
         let gone: Vec<LoadKey> = self
             .entries
@@ -167,7 +195,7 @@ impl LoadStore {
 
     fn unindex(&mut self, publisher: &PublisherKey, key: &LoadKey) {
         if let Some(keys) = self.by_publisher.get_mut(publisher) {
-            keys.retain(|k| k != key);
+            keys.remove(key);
             if keys.is_empty() {
                 self.by_publisher.remove(publisher);
             }

@@ -19,7 +19,8 @@ use super::dial::{self, DialError};
 use super::status::{SubscriptionState, SubscriptionStatus};
 use super::zmtp::{Incoming, Message, ZmtpError, ZmtpLimits, ZmtpSubscriber};
 use crate::config::{Cidr, LoadTransport};
-use crate::discovery::{Fleet, Publisher, Topic};
+use crate::discovery::{Publisher, Topic};
+use crate::sources::Generation;
 
 pub use super::zmtp::Dropped;
 
@@ -60,7 +61,7 @@ pub trait Feed: Send + Sync + 'static {
     /// The publisher's subscription stopped for good (departed, replaced or restarted).
     fn departed(&self, publisher: &Publisher) -> impl Future<Output = ()> + Send;
     /// A new registry generation: only its workers and ranks may be held.
-    fn set_live(&self, fleet: &Fleet) -> impl Future<Output = ()> + Send;
+    fn set_live(&self, generation: &Generation) -> impl Future<Output = ()> + Send;
 }
 
 /// What every subscription of one feed shares.

@@ -295,7 +295,7 @@ impl<F: Feed> Actor<F> {
         review.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let generation = Arc::clone(&registry.borrow_and_update());
-            self.reconcile(&generation.fleet).await;
+            self.reconcile(&generation).await;
             loop {
                 tokio::select! {
                     biased;
@@ -309,7 +309,7 @@ impl<F: Feed> Actor<F> {
                     }
                     _ = review.tick(), if self.waiting > 0 => {
                         if self.bench_unreachable(Instant::now()) {
-                            self.reconcile(&generation.fleet).await;
+                            self.reconcile(&generation).await;
                         }
                     }
                     changed = policy.changed(), if policy_open => {
@@ -319,7 +319,7 @@ impl<F: Feed> Actor<F> {
                             // The fleet as it stands now: one reload may change both, and the
                             // publishers it removed must not be dialled again under the new policy.
                             let current = Arc::clone(&registry.borrow_and_update());
-                            self.apply_policy(new, &current.fleet).await;
+                            self.apply_policy(new, &current).await;
                             break;
                         }
                     }
@@ -332,8 +332,9 @@ impl<F: Feed> Actor<F> {
         }
     }
 
-    async fn reconcile(&mut self, fleet: &Fleet) {
-        self.ctx.feed.set_live(fleet).await;
+    async fn reconcile(&mut self, generation: &Generation) {
+        let fleet = &generation.fleet;
+        self.ctx.feed.set_live(generation).await;
         let admitted = self.admitted(fleet);
         self.stop(&admitted, false).await;
         for (key, publisher) in admitted {
@@ -443,7 +444,7 @@ impl<F: Feed> Actor<F> {
         order.into_iter().take(cap).map(|(key, publisher, _)| (key, publisher)).collect()
     }
 
-    async fn apply_policy(&mut self, new: DialPolicy, fleet: &Fleet) {
+    async fn apply_policy(&mut self, new: DialPolicy, generation: &Generation) {
         if new == self.policy {
             return;
         }
@@ -452,9 +453,9 @@ impl<F: Feed> Actor<F> {
         tracing::info!(transport = ?self.policy.transport, topic, "restarting subscriptions under the new dial policy");
         // The same reload may have removed publishers: those depart, as a fleet change alone
         // would have made them; the rest restart.
-        let admitted = self.admitted(fleet);
+        let admitted = self.admitted(&generation.fleet);
         self.stop(&admitted, true).await;
-        self.reconcile(fleet).await;
+        self.reconcile(generation).await;
     }
 
     fn spawn(&self, publisher: Publisher, first_wait: Duration) -> Running {

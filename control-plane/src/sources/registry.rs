@@ -13,7 +13,7 @@ use continuum_proto::model::{LoadKey, Role};
 
 use crate::discovery::{Change, Fleet};
 use crate::fleet::{FleetChange, FleetPublisher};
-use crate::load::{LoadStore, SharedLoadStore};
+use crate::load::{LoadStore, SharedLoadStore, live_ranks};
 
 use super::mixing::{self, Mixing};
 
@@ -88,12 +88,16 @@ impl Registry {
         });
         mixing::warn(&mixed);
         if let Some(previous) = replaced {
-            let mut change = worker_changes(&previous.fleet, &self.current().fleet);
+            let current = self.current();
+            let mut change = worker_changes(&previous.fleet, &current.fleet);
+            // Worked out before the store's lock is taken: every subscription waits on it.
+            let live = self.loads.is_some().then(|| live_ranks(&current.fleet));
             // Held until the change is committed: a newer sample stored meanwhile would be
             // published before its worker is in the view, dropped, and then overtaken by the
             // older one read here.
-            let store = self.loads.as_ref().map(SharedLoadStore::lock);
-            if let Some(store) = &store {
+            let mut store = self.loads.as_ref().map(SharedLoadStore::lock);
+            if let (Some(store), Some(live)) = (store.as_mut(), live) {
+                store.open_gate(current.generation, live);
                 self.add_held_samples(store, &mut change);
             }
             self.publisher.apply(change);
@@ -184,6 +188,34 @@ mod tests {
         registry.publish(fleet);
         assert_eq!(view_ids(&publisher), [4]);
         assert_eq!(registry.current().generation, 3);
+    }
+
+    /// A rank a generation makes live is let into the store as the generation is published,
+    /// before the load supervisor gets to it (it may be busy stopping subscriptions for
+    /// seconds): its samples are held, not refused and lost. The supervisor, behind, does not
+    /// close the gate again.
+    #[test]
+    fn a_rank_a_generation_makes_live_is_admitted_as_it_is_published() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        let registry = Registry::new(publisher).with_loads(store.clone());
+        let (k1, mut worker) = discovered(1, Role::Decode, "m");
+        let mut fleet = Fleet::default();
+        fleet.workers.insert(k1.clone(), worker.clone());
+        registry.publish(fleet.clone());
+        let first = registry.current();
+        let source = PublisherKey { namespace: "dynamo".into(), publisher_id: 1 };
+        let rank1 = LoadKey { worker: k1.clone(), dp_rank: 1 };
+        let apply = |sequence| store.lock().apply(rank1.clone(), &source, sequence, Load::default(), Instant::now());
+        assert!(apply(1).is_err(), "rank 1 is not live yet");
+
+        worker.worker.dp_size = 2;
+        fleet.workers.insert(k1, worker);
+        registry.publish(fleet);
+        assert!(apply(2).is_ok(), "live as its generation is published");
+        let behind = crate::load::live_ranks(&first.fleet);
+        assert!(store.lock().retain_live_at(first.generation, behind).is_empty(), "kept");
+        assert!(apply(3).is_ok(), "a supervisor behind the registry leaves the gate open");
     }
 
     /// Samples the store took while a worker was out of the view (excluded, or without its

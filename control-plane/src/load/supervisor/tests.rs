@@ -83,7 +83,7 @@ impl Feed for Recording {
     async fn departed(&self, publisher: &Publisher) {
         let _ = self.departed.send(publisher.publisher_id);
     }
-    async fn set_live(&self, _fleet: &Fleet) {}
+    async fn set_live(&self, _generation: &Generation) {}
 }
 
 fn generation(generation: u64, ids: &[u64]) -> Arc<Generation> {
