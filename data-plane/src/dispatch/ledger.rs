@@ -170,9 +170,12 @@ impl DispatchEnd {
     /// Its answer broke off (a stream that failed after its head): its workers are suspects,
     /// as for a buffered answer whose body broke. Once its first token came, the prefill
     /// worker's leg is proven done: only the rank decoding it is a suspect (one dead decode
-    /// worker would otherwise eject every prefill rank that paired with it).
+    /// worker would otherwise eject every prefill rank that paired with it); before, of the
+    /// pair, the rank that answered nothing else since it was sent ([`Outliers::failed_since`]).
+    ///
+    /// [`Outliers::failed_since`]: crate::routing::picker::Outliers::failed_since
     pub fn blame(&self) {
-        self.ledger.outliers().failed(&self.owing(), Instant::now());
+        self.ledger.outliers().failed_since(&self.owing(), self.sent, Instant::now());
     }
 
     /// Its stream went silent for its idle timeout, its last event (if any) `last_event`: as

@@ -298,7 +298,7 @@ impl Dispatcher {
             PinnedOutcome::Failed(Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_)))
         );
         if blames_pins {
-            ledger.outliers().failed(&ranks, Instant::now());
+            ledger.outliers().failed_since(&ranks, sent, Instant::now());
         } else if unanswered {
             ledger.outliers().unanswered(&ranks, sent, Instant::now());
         }

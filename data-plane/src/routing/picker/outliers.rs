@@ -88,6 +88,19 @@ impl Outliers {
         }
     }
 
+    /// A pinned dispatch on `ranks`, sent at `sent`, failed at `now` in a way that points at
+    /// its workers, before its first token. A rank alone is counted. Of a prefill-decode pair
+    /// the failure may be either one's (1.6.1 answers one generic 500 whichever worker failed),
+    /// so a rank that answered another dispatch since `sent` is cleared of it: it works, and
+    /// the other is the suspect. One dead decode worker would otherwise eject every healthy
+    /// prefill rank paired with it.
+    pub fn failed_since(&self, ranks: &[LoadKey], sent: Instant, now: Instant) {
+        if ranks.len() < 2 {
+            return self.failed(ranks, now);
+        }
+        self.unanswered(ranks, sent, now);
+    }
+
     /// A pinned dispatch on `ranks` sent at `sent` got no answer in time (by `now`): a failure
     /// of the ranks that answered nothing else since.
     pub fn unanswered(&self, ranks: &[LoadKey], sent: Instant, now: Instant) {
@@ -243,6 +256,33 @@ mod tests {
         outliers.unanswered(&[rank(1)], later + Duration::from_secs(1), timed_out);
         outliers.unanswered(&[rank(1)], later + Duration::from_secs(1), timed_out);
         assert!(outliers.ejected(&rank(1), timed_out));
+    }
+
+    /// A pair's failure before its first token may be either worker's: the one that answers
+    /// other dispatches meanwhile is cleared, the other ejected. A rank alone is counted
+    /// whatever it answered: the failure can only be its own.
+    #[test]
+    fn a_pairs_failure_counts_against_the_rank_that_answered_nothing_since() {
+        let outliers = Outliers::default();
+        let (prefill, dead_decode) = (rank(1), rank(2));
+        let sent = Instant::now();
+        for turn in 1..=4 {
+            let now = sent + Duration::from_millis(10 * turn);
+            outliers.answered(&[prefill.clone(), rank(3)], now - Duration::from_millis(5));
+            outliers.failed_since(&[prefill.clone(), dead_decode.clone()], sent, now);
+        }
+        let now = sent + Duration::from_secs(1);
+        assert!(outliers.ejected(&dead_decode, now), "silent since: the suspect");
+        assert!(!outliers.ejected(&prefill, now), "it prefilled for another decode worker meanwhile");
+        // Both silent: both suspects, as before.
+        outliers.failed_since(&[rank(4), rank(5)], now, now);
+        outliers.failed_since(&[rank(4), rank(5)], now, now);
+        assert!(outliers.ejected(&rank(4), now) && outliers.ejected(&rank(5), now));
+        // Alone, a rank's failures are its own.
+        outliers.answered(&[rank(6)], now);
+        outliers.failed_since(&[rank(6)], sent, now);
+        outliers.failed_since(&[rank(6)], sent, now);
+        assert!(outliers.ejected(&rank(6), now));
     }
 
     #[test]
