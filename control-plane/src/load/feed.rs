@@ -10,7 +10,7 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::decode::{KvMetrics, decode_kv_metrics};
 use super::events::LoadEvent;
-use super::store::SharedLoadStore;
+use super::store::{Applied, SharedLoadStore};
 use super::subscription::{Dropped, Feed, Refusal};
 use super::zmtp::Message;
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
@@ -199,7 +199,7 @@ impl LoadFeed {
         *order = StreamOrder { last: Some(m.sequence), unread: 0, behind: 0 };
         let key = publisher.key();
         let mut store = self.store.lock();
-        let removed = if gap {
+        let mut removed = if gap {
             self.count(LoadEvent::SequenceGap);
             store.drop_publisher(&key)
         } else {
@@ -214,8 +214,13 @@ impl LoadFeed {
         let load_key = LoadKey { worker: WorkerKey::new(publisher.namespace.clone(), m.worker_id), dp_rank: m.dp_rank };
         let now = std::time::Instant::now();
         match store.apply(load_key.clone(), &key, m.sequence, m.load, now) {
-            Ok(sample) => {
+            Ok(Applied { sample, evicted }) => {
                 self.count(LoadEvent::Applied);
+                if let Some(evicted) = evicted {
+                    // The store was full, and the entry it gave up is lost like a refused one.
+                    self.count(LoadEvent::OverCapacity);
+                    removed.push(evicted);
+                }
                 Ok(Accepted { removed, sample: Some((load_key, sample)) })
             }
             Err(event) => {
@@ -284,7 +289,7 @@ mod tests {
         for dp_rank in 0..2 {
             let key = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank };
             let sample = store.lock().apply(key.clone(), &channel.key(), 1, load, std::time::Instant::now());
-            feed.sink.submit(key, sample.expect("applied")).await;
+            feed.sink.submit(key, sample.expect("applied").sample).await;
         }
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
         assert_eq!(held(&publisher), 2);
@@ -323,7 +328,7 @@ mod tests {
         let rank0 = LoadKey { worker: WorkerKey::new("dynamo", 1), dp_rank: 0 };
         let load = Load { kv_used_blocks: Some(9), ..Load::default() };
         let sample = feed.store.lock().apply(rank0.clone(), &other.key(), 1, load, std::time::Instant::now());
-        feed.sink.submit(rank0.clone(), sample.expect("applied")).await;
+        feed.sink.submit(rank0.clone(), sample.expect("applied").sample).await;
         feed.connected(&channel).await;
         tokio::time::sleep(LOAD_COALESCE_WINDOW * 2).await;
         let view = publisher.current();

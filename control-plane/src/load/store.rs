@@ -7,7 +7,9 @@
 //! registry generation), and none is held across an await.
 //!
 //! * Admission: only ranks of live workers (the registry's current generation) are held, and
-//!   at most [`MAX_LOAD_ENTRIES`] of them.
+//!   at most [`MAX_LOAD_ENTRIES`] of them. A full store makes room for a new rank of a worker
+//!   by giving up an entry of the worker holding the most, while that one holds at least two
+//!   more: each worker keeps a fair share, whatever ranks other workers' cards claim.
 //! * Order: a sample at or below the held sequence of the same publisher is a duplicate; a
 //!   sample from another publisher id (the worker's publisher restarted) replaces the held one
 //!   whatever its sequence.
@@ -25,6 +27,10 @@ use super::events::LoadEvent;
 use super::gauges::LoadGauges;
 use crate::discovery::PublisherKey;
 
+mod shares;
+
+use shares::Shares;
+
 /// The most (worker, dp rank) samples held.
 pub const MAX_LOAD_ENTRIES: usize = 65_536;
 /// `dynamo.load.max_staleness` when the configuration does not say.
@@ -36,6 +42,13 @@ pub struct HeldSample {
     pub sample: LoadSample,
     pub publisher_id: u64,
     pub sequence: u64,
+}
+
+/// A sample the store took, and the entry it gave up to make room for it, if any.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Applied {
+    pub sample: LoadSample,
+    pub evicted: Option<LoadKey>,
 }
 
 /// How a picker reads a rank.
@@ -68,6 +81,8 @@ pub struct LoadStore {
     /// A set: a worker with many ranks leaving, or two channels of one worker taking a rank in
     /// turn, must cost a lookup per key under the store's lock, not a scan.
     by_publisher: HashMap<PublisherKey, HashSet<LoadKey>>,
+    /// Entries each worker holds.
+    shares: Shares,
     /// Live workers and the ranks they serve: the admission gate.
     live: HashMap<WorkerKey, Range<u32>>,
     /// The registry generation the gate is of, when one said (see [`Self::open_gate`]).
@@ -87,6 +102,7 @@ impl LoadStore {
         Self {
             entries: HashMap::new(),
             by_publisher: HashMap::new(),
+            shares: Shares::default(),
             live: HashMap::new(),
             live_generation: 0,
             max_staleness: DEFAULT_MAX_STALENESS,
@@ -103,7 +119,7 @@ impl LoadStore {
         sequence: u64,
         load: Load,
         now: Instant,
-    ) -> Result<LoadSample, LoadEvent> {
+    ) -> Result<Applied, LoadEvent> {
         if !self.live.get(&key.worker).is_some_and(|ranks| ranks.contains(&key.dp_rank)) {
             return Err(LoadEvent::IdentityMismatch);
         }
@@ -116,13 +132,19 @@ impl LoadStore {
                     PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
                 self.unindex(&previous, &key);
             }
-            Some(_) => {}
-            None if self.entries.len() >= self.capacity => return Err(LoadEvent::OverCapacity),
-            None => {}
+            _ => {}
         }
+        let evicted = if self.entries.contains_key(&key) || self.entries.len() < self.capacity {
+            None
+        } else {
+            Some(self.make_room_for(&key.worker, now).ok_or(LoadEvent::OverCapacity)?)
+        };
         let sample = LoadSample { load, received_at: now };
         let replaced =
             self.entries.insert(key.clone(), HeldSample { sample, publisher_id: publisher.publisher_id, sequence });
+        if replaced.is_none() {
+            self.shares.add(&key.worker);
+        }
         let indexed = self.by_publisher.entry(publisher.clone()).or_default();
         if replaced.is_none_or(|held| held.publisher_id != publisher.publisher_id) {
             indexed.insert(key.clone());
@@ -130,18 +152,43 @@ impl LoadStore {
         if let Some(gauges) = &self.gauges {
             gauges.set(&key, &load);
         }
-        Ok(sample)
+        Ok(Applied { sample, evicted })
+    }
+
+    /// Gives up an entry of the worker holding the most, if it holds at least two more than
+    /// `worker`: one that reads as idle when it can (stale with no backlog, which reads as no
+    /// sample would), else its highest rank. The key given up, if any.
+    fn make_room_for(&mut self, worker: &WorkerKey, now: Instant) -> Option<LoadKey> {
+        let (largest, holds) = self.shares.largest()?;
+        if holds <= self.shares.of(worker).saturating_add(1) {
+            return None;
+        }
+        let ranks = self.live.get(largest)?.clone();
+        let held = ranks.rev().map(|dp_rank| LoadKey { worker: largest.clone(), dp_rank });
+        let held: Vec<LoadKey> = held.filter(|key| self.entries.contains_key(key)).collect();
+        let idle = held.iter().find(|key| self.reading(key, now) == Reading::Quiet);
+        let key = idle.or(held.first())?.clone();
+        self.remove(&key);
+        Some(key)
+    }
+
+    /// Drops `key`'s sample, its place in its publisher's index, its share and its gauges.
+    fn remove(&mut self, key: &LoadKey) {
+        let Some(held) = self.entries.remove(key) else { return };
+        let publisher = PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
+        self.unindex(&publisher, key);
+        self.shares.remove(&key.worker);
+        if let Some(gauges) = &self.gauges {
+            gauges.remove(key);
+        }
     }
 
     /// Drops every sample held from `publisher` (it reconnected, or skipped a sequence, or
     /// stopped); returns their keys.
     pub fn drop_publisher(&mut self, publisher: &PublisherKey) -> Vec<LoadKey> {
-        let keys: Vec<LoadKey> = self.by_publisher.remove(publisher).unwrap_or_default().into_iter().collect();
+        let keys: Vec<LoadKey> = self.by_publisher.get(publisher).into_iter().flatten().cloned().collect();
         for key in &keys {
-            self.entries.remove(key);
-            if let Some(gauges) = &self.gauges {
-                gauges.remove(key);
-            }
+            self.remove(key);
         }
         keys
     }
@@ -181,14 +228,7 @@ impl LoadStore {
             .cloned()
             .collect();
         for key in &gone {
-            if let Some(held) = self.entries.remove(key) {
-                let publisher =
-                    PublisherKey { namespace: key.worker.namespace.clone(), publisher_id: held.publisher_id };
-                self.unindex(&publisher, key);
-            }
-            if let Some(gauges) = &self.gauges {
-                gauges.remove(key);
-            }
+            self.remove(key);
         }
         gone
     }

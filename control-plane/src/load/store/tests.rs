@@ -74,6 +74,33 @@ fn the_store_refuses_new_keys_at_capacity_but_updates_held_ones() {
     assert_eq!(MAX_LOAD_ENTRIES, 65_536);
 }
 
+/// Workers whose cards claim many ranks cannot shut a later worker out of a full store: it
+/// makes room by giving up an entry of the worker holding the most, an idle-reading one first,
+/// until each holds its share; a worker already holding as much as the others is refused.
+#[test]
+fn a_full_store_makes_room_for_a_worker_holding_less_than_its_share() {
+    let mut store = LoadStore::with_capacity(4, None);
+    let live = |id| (WorkerKey::new("dynamo", id), 0..8);
+    store.set_live_and_retain(HashMap::from([live(1), live(2), live(3)]));
+    let (t0, later) = (Instant::now(), Instant::now() + DEFAULT_MAX_STALENESS * 2);
+    let idle = Load::default();
+    for rank in 0..4 {
+        let load = if rank == 1 { idle } else { used(1) };
+        store.apply(key(1, rank), &publisher(10), u64::from(rank), load, t0).unwrap();
+    }
+    let made_room = store.apply(key(2, 0), &publisher(20), 0, used(1), later).expect("room made");
+    assert_eq!(made_room.evicted, Some(key(1, 1)), "worker 1's stale idle rank reads as no sample would");
+    let made_room = store.apply(key(2, 1), &publisher(20), 1, used(1), later).expect("room made");
+    assert_eq!(made_room.evicted, Some(key(1, 3)), "then its highest rank");
+    assert_eq!(store.len(), 4);
+    assert_eq!(store.apply(key(2, 2), &publisher(20), 2, used(1), later), Err(LoadEvent::OverCapacity), "2 and 2");
+    assert!(store.apply(key(3, 0), &publisher(30), 0, used(1), later).is_ok_and(|a| a.evicted.is_some()));
+    assert_eq!(store.apply(key(3, 1), &publisher(30), 1, used(1), later), Err(LoadEvent::OverCapacity), "2, 1, 1");
+    let held_by_1 = (0..8).filter(|rank| store.get(&key(1, *rank)).is_some()).count();
+    assert_eq!(store.drop_publisher(&publisher(10)).len(), held_by_1, "the publisher index follows what went");
+    assert!(store.apply(key(3, 1), &publisher(30), 1, used(1), later).is_ok_and(|a| a.evicted.is_none()));
+}
+
 #[test]
 fn the_production_store_holds_65536_entries_and_refuses_the_next() {
     let mut store = LoadStore::new(None);
