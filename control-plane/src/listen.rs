@@ -38,6 +38,11 @@ pub const SILENT_FOR: Duration = Duration::from_secs(30);
 /// lookups), and the sessions are bounded at 1,024; the rest is room for tools, reconnects and
 /// callers the bound makes pay for each connection they hold.
 pub const MAX_FLEET_CONNECTIONS: usize = 16_384;
+/// Connections one peer address may hold on the Fleet listener: a replica holds one, and a
+/// host (or a NAT in front of many) some hundreds at most. A connection with no credential may
+/// stay open while it answers pings, so without it one host could fill the listener and shut
+/// out every replica that reconnects.
+pub const MAX_FLEET_CONNECTIONS_PER_PEER: usize = 256;
 /// Connections the admin listener holds at once: operators, scrapers and probes.
 pub const MAX_ADMIN_CONNECTIONS: usize = 256;
 /// Connections one peer address may hold on the admin listener.
@@ -97,6 +102,7 @@ impl Guard {
     /// The Fleet gRPC listener's: [`MAX_FLEET_CONNECTIONS`].
     pub fn fleet(metrics: &Metrics) -> Self {
         Self::new("fleet", MAX_FLEET_CONNECTIONS, metrics.connections_closed.clone())
+            .per_peer(MAX_FLEET_CONNECTIONS_PER_PEER)
     }
 
     /// The admin HTTP listener's: [`MAX_ADMIN_CONNECTIONS`].
@@ -466,6 +472,18 @@ mod tests {
 
     /// One address holding its share of a per-peer listener leaves room for the others, and
     /// gets its share back as its connections close.
+    #[tokio::test]
+    async fn one_address_cannot_fill_the_fleet_listener() -> anyhow::Result<()> {
+        let metrics = Metrics::new()?;
+        let guard = Guard::fleet(&metrics);
+        let (one, other) = (IpAddr::from([10, 0, 0, 1]), IpAddr::from([10, 0, 0, 2]));
+        let held: Vec<_> = (0..MAX_FLEET_CONNECTIONS_PER_PEER).filter_map(|_| guard.admit((), one)).collect();
+        assert_eq!(held.len(), MAX_FLEET_CONNECTIONS_PER_PEER);
+        assert!(guard.admit((), one).is_none(), "its share is taken");
+        assert!(guard.admit((), other).is_some(), "a replica elsewhere still gets in");
+        Ok(())
+    }
+
     #[tokio::test]
     async fn one_peer_cannot_take_a_per_peer_listener() {
         let counter = closed();

@@ -422,7 +422,10 @@ impl Reducer {
             if held_room {
                 self.gave_room_back(keyspace, pass);
             }
-            if previous.is_none() && self.store.set_aside_full(keyspace) {
+            // Only a key already set aside keeps its place past the bound: a record turned to
+            // junk takes a new one, or a writer could turn records to junk and write new ones,
+            // round after round, with nothing held in check.
+            if !previous.as_ref().is_some_and(Entry::set_aside) && self.store.set_aside_full(keyspace) {
                 pass.applied.add(kind_of(&parsed));
                 tracing::debug!(key = ?shown(&etcd_key), "etcd value refused and not held: too many are set aside");
                 return;

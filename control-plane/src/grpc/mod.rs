@@ -40,6 +40,17 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 /// a Watch handler waits at most before it answers with its stream.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// The largest message the health and reflection services read (a service or symbol name): they
+/// ask for no credential, and tonic sets aside room for a message's declared length as its
+/// header arrives, 4 MiB by default, which a stream may then leave unfinished for as long as
+/// its connection answers pings.
+pub const MAX_UNAUTHENTICATED_MESSAGE_BYTES: usize = 16 << 10;
+
+/// Streams one connection may make the server reset for the peer's protocol errors (hyper's
+/// own default, which tonic lifts): past it the connection is closed, so a peer cannot
+/// have stream after stream dispatched and reset at no cost to itself.
+pub const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("building gRPC reflection from the embedded descriptors failed: {0}")]
@@ -59,18 +70,20 @@ pub async fn serve(
     let gate = fleet.gate();
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<FleetServer<FleetService>>().await;
+    let health_service = health_service.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES);
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(continuum_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
-    let reflection_v1 = reflection().build_v1()?;
-    let reflection_v1alpha = reflection().build_v1alpha()?;
+    let reflection_v1 = reflection().build_v1()?.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES);
+    let reflection_v1alpha = reflection().build_v1alpha()?.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES);
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
         .timeout(CALL_TIMEOUT)
         .add_service(health_service)
         .add_service(reflection_v1)
@@ -99,4 +112,37 @@ pub async fn serve(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use continuum_proto::model::DataPlaneConfig;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+
+    use super::*;
+    use crate::fleet::FleetPublisher;
+    use crate::metrics::Metrics;
+
+    /// The services that ask for no credential read no message past a small bound: a caller
+    /// cannot have the server set aside megabytes for a message it never finishes.
+    #[tokio::test]
+    async fn a_caller_without_a_credential_is_read_no_large_message() -> anyhow::Result<()> {
+        let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let service = FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone());
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        tokio::spawn(serve((listener, Guard::fleet(&metrics)), service, None, cancel.clone()));
+        let mut client = HealthClient::new(tonic::transport::Channel::from_shared(url)?.connect().await?);
+        let small = client.check(HealthCheckRequest { service: String::new() }).await;
+        assert!(small.is_ok(), "{small:?}");
+        let large = HealthCheckRequest { service: "a".repeat(MAX_UNAUTHENTICATED_MESSAGE_BYTES) };
+        let refused = client.check(large).await.map(|_| ()).map_err(|status| status.code());
+        assert_eq!(refused, Err(tonic::Code::OutOfRange));
+        cancel.cancel();
+        Ok(())
+    }
 }

@@ -407,3 +407,27 @@ fn stray_keys_are_counted_each_time_and_warned_of_once_a_minute() {
     assert_eq!(warnings(&text), 2, "once, and again a minute later:\n{text}");
     assert!(text.contains("strays=11"), "the second says how many came since the first:\n{text}");
 }
+
+/// Records a writer turns to junk take the set-aside room like new junk does: only a key
+/// already set aside keeps its place past the bound, so a writer cannot hold more and more
+/// junk by writing records and then spoiling them, round after round.
+#[test]
+fn records_turned_to_junk_stay_within_the_set_aside_bound() {
+    let mut sim = Sim::new();
+    let key = |id| instance_key(NS, "decode", "generate", id);
+    let over = MAX_SET_ASIDE_PER_KEYSPACE as u64 + 5;
+    for id in 1..=over {
+        sim.put(key(id), &endpoint_value("decode", "generate", json!(id)));
+    }
+    let mut refused = 0;
+    for id in 1..=over {
+        refused += sim.put_raw(key(id), "not json").count(EventKind::Malformed);
+    }
+    let held = (1..=over).filter(|id| sim.reducer.holds(&key(*id))).count();
+    assert_eq!(held, MAX_SET_ASIDE_PER_KEYSPACE, "at most the bound is held");
+    assert_eq!(refused, over, "every spoiled record is counted");
+    assert!(sim.fleet().workers.is_empty(), "and none is a worker any more");
+    // One already set aside is still replaced in its place.
+    sim.put_raw(key(1), "still not json");
+    assert!(sim.reducer.holds(&key(1)));
+}
