@@ -148,9 +148,6 @@ pub(crate) struct Session {
     last_snapshot: Option<Sent>,
     /// When a refused delta last brought a snapshot ([`RESYNC_INTERVAL`]).
     last_resync: Option<Instant>,
-    /// The replica acknowledges the updates it applies (every Continuum replica does): its
-    /// next snapshot waits for the last one's acknowledgement.
-    acks: bool,
 }
 
 impl Session {
@@ -174,7 +171,6 @@ impl Session {
             held: None,
             last_snapshot: None,
             last_resync: None,
-            acks: false,
         }
     }
 
@@ -262,11 +258,13 @@ impl Session {
     /// Whether the replica's next update, a snapshot, waits until it has applied the last one:
     /// one slow to read would otherwise be sent a snapshot at every update it took, megabytes
     /// each, held in its queue and in flight at once, each older than the fleet by the time it
-    /// is read. Only a replica that acknowledges what it applies (every Continuum replica) is
-    /// waited for; one that does not acknowledge in time meets the stall limit.
+    /// is read. Its first snapshot too, before it has acknowledged anything: a mass reconnect
+    /// (a control plane restarted) is when replicas are slowest to apply one and the fleet
+    /// moves fastest. Every Continuum replica acknowledges what it applies; a client that does
+    /// not (grpcurl) meets the stall limit once it has fallen behind the delta log.
     fn awaits_ack(&self) -> bool {
         let acked = self.status.acked_version.load(Ordering::Relaxed);
-        let unacked = self.acks && self.last_snapshot.as_ref().is_some_and(|snapshot| acked < snapshot.version);
+        let unacked = self.last_snapshot.as_ref().is_some_and(|snapshot| acked < snapshot.version);
         unacked && self.state.borrow().needs_snapshot(self.held)
     }
 
@@ -331,7 +329,6 @@ impl Session {
     fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Status> {
         match request.kind {
             Some(Kind::Ack(ack)) => {
-                self.acks = true;
                 self.metrics.replica_replies.with_label_values(&["ack"]).inc();
                 self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
             }
