@@ -114,9 +114,16 @@ struct Preparer {
     /// The version of the newest fleet view whose policy was asked for. A request picked on an
     /// older view (taken before a reload reached this replica) must not put the old policy
     /// back: it would drop the new pins' tokenizers, prune their blobs, or reopen the old
-    /// cache directory over the new one.
-    newest_view: u64,
+    /// cache directory over the new one. With when it was first asked for: see
+    /// [`OLDER_VIEW_WINDOW`].
+    newest_view: (u64, Option<Instant>),
 }
+
+/// How long after a view's policy was asked for a lower version counts as an older view: a
+/// request takes its view as it arrives, milliseconds before it asks. Past it a lower version
+/// is a control plane restarted with a clock behind its predecessor's (versions start from the
+/// wall clock), whose views are the newest there are: its policy applies.
+pub const OLDER_VIEW_WINDOW: Duration = Duration::from_secs(10);
 
 /// How long a KV artifact cache directory that failed to open is left before trying again.
 pub const CACHE_DIR_RETRY: Duration = Duration::from_secs(30);
@@ -334,11 +341,14 @@ impl KvRouting {
     /// without the KV term (`None`), as they do while a tokenizer loads.
     fn prompt(&self, policy: &KvArtifactPolicy, view_version: u64) -> Option<Arc<KvPrompt>> {
         let mut preparer = self.prompt.lock().unwrap_or_else(PoisonError::into_inner);
-        if view_version < preparer.newest_view {
+        let (newest, asked_at) = preparer.newest_view;
+        if view_version < newest && asked_at.is_some_and(|at| at.elapsed() < OLDER_VIEW_WINDOW) {
             // An older view's policy: the store held serves, unchanged.
             return preparer.held.as_ref().map(|held| Arc::clone(&held.prompt));
         }
-        preparer.newest_view = view_version;
+        if view_version != newest || asked_at.is_none() {
+            preparer.newest_view = (view_version, Some(Instant::now()));
+        }
         match preparer.held.as_mut() {
             Some(h) if h.policy == *policy => return Some(Arc::clone(&h.prompt)),
             Some(h) if h.policy.cache_dir == policy.cache_dir => {
@@ -376,7 +386,7 @@ impl KvRouting {
     /// The store for `policy`, once open (it opens on the blocking pool when first asked for).
     pub(crate) async fn open(&self, policy: &KvArtifactPolicy) -> anyhow::Result<Arc<KvPrompt>> {
         // As new as the newest view asked for yet.
-        let newest = || self.prompt.lock().unwrap_or_else(PoisonError::into_inner).newest_view;
+        let newest = || self.prompt.lock().unwrap_or_else(PoisonError::into_inner).newest_view.0;
         opened(|| self.prompt(policy, newest())).await
     }
 }
@@ -676,7 +686,16 @@ mod tests {
         assert_eq!(held(), Some(new.clone()));
         let late = routing.prompt(&old, 2).expect("the store held serves");
         assert!(Arc::ptr_eq(&opened, &late));
-        assert_eq!(held(), Some(new), "the older view's policy was not put back");
+        assert_eq!(held(), Some(new.clone()), "the older view's policy was not put back");
+
+        // A control plane restarted with its clock behind: its views have lower versions, and
+        // once no request can still hold a view of the old one, they are the newest there are.
+        let restarted = KvArtifactPolicy { allow_hf: !new.allow_hf, ..new.clone() };
+        let asked_at = Instant::now() - OLDER_VIEW_WINDOW;
+        routing.prompt.lock().unwrap().newest_view.1 = Some(asked_at);
+        assert!(routing.prompt(&restarted, 2).is_some());
+        assert_eq!(held(), Some(restarted), "the restarted control plane's policy applies");
+        assert_eq!(routing.prompt(&new, 3).map(|_| held()), Some(Some(new)), "and versions count from there");
         Ok(())
     }
 
