@@ -147,6 +147,32 @@ pub struct RuntimeConfig {
     pub default_thinking: Option<bool>,
 }
 
+/// The fields a card may name its release in, in the order [`Card::parse`] looks: borrowed as
+/// written, so that a huge one costs nothing to skip.
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ReleaseFields<'a> {
+    #[serde(borrow)]
+    dynamo_version: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    runtime_version: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    version: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow)]
+    release: Option<&'a serde_json::value::RawValue>,
+}
+
+impl ReleaseFields<'_> {
+    /// The first that is a string, cut as an excerpt.
+    fn first(&self) -> Option<String> {
+        [self.dynamo_version, self.runtime_version, self.version, self.release]
+            .into_iter()
+            .flatten()
+            .find_map(|raw| serde_json::from_str::<String>(raw.get()).ok())
+            .map(|text| super::records::excerpt(&text))
+    }
+}
+
 /// Fields of a card set aside as unreadable, at most, before the typed subset is given up.
 const MAX_UNREADABLE_FIELDS: usize = 8;
 
@@ -228,6 +254,20 @@ impl Card {
         };
         let oversized = typed.drop_oversized();
         Self { typed, typed_error, raw, dropped_bytes, release, oversized }
+    }
+
+    /// The card of a value too large to keep it (past [`MAX_RETAINED_CARD_BYTES`]), from its
+    /// text as written, without a tree: its typed subset read strictly (an unreadable field
+    /// costs the whole subset, where [`Self::parse`] sets aside just that field, which takes a
+    /// tree to do), its size as written.
+    pub fn unretained(text: &str) -> Self {
+        let (mut typed, typed_error) = match serde_json::from_str::<TypedCard>(text) {
+            Ok(typed) => (typed, None),
+            Err(error) => (TypedCard::default(), Some(super::records::excerpt(&error.to_string()))),
+        };
+        let release = serde_json::from_str::<ReleaseFields<'_>>(text).ok().and_then(|fields| fields.first());
+        let oversized = typed.drop_oversized();
+        Self { typed, typed_error, raw: None, dropped_bytes: Some(text.len()), release, oversized }
     }
 
     /// A card with a non-empty `model_suffix` describes a LoRA adapter, not a worker's base model.
