@@ -5,11 +5,13 @@
 //! sees a new generation with an old fleet; a fleet equal to the current one (an idempotent
 //! resync) changes neither.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use tokio::sync::watch;
 
-use continuum_proto::model::{LoadKey, Role};
+use continuum_proto::model::{LoadKey, Role, WorkerKey};
 
 use crate::discovery::{Change, Fleet};
 use crate::fleet::{FleetChange, FleetPublisher};
@@ -108,19 +110,28 @@ impl Registry {
     /// worker already in the view gains (its card's ranks grew back, or arrived after a sample
     /// for them). The store drops a rank's sample before its removal is queued, so what it
     /// holds is never for a rank on its way out.
+    ///
+    /// It runs under the store's lock, which every subscription waits on: so it takes whichever
+    /// is fewer, a lookup per rank upserted or one pass over the samples held (a first load of a
+    /// large fleet, or cards claiming a thousand ranks each, upsert millions of ranks).
     fn add_held_samples(&self, store: &LoadStore, change: &mut FleetChange) {
         let state = self.publisher.current();
-        for worker in &change.upsert {
-            for dp_rank in worker.dp_ranks() {
-                let key = LoadKey { worker: worker.key.clone(), dp_rank };
-                if state.view().loads().get(&key).is_some() {
-                    continue;
-                }
-                if let Some(held) = store.get(&key) {
-                    change.loads.push((key, held.sample));
-                }
-            }
-        }
+        let entering = |key: &LoadKey| state.view().loads().get(key).is_none();
+        let ranks: usize = change.upsert.iter().map(|worker| worker.dp_ranks().len()).sum();
+        let held: Vec<_> = if ranks <= store.len() {
+            let keys = change
+                .upsert
+                .iter()
+                .flat_map(|worker| worker.dp_ranks().map(|dp_rank| LoadKey { worker: worker.key.clone(), dp_rank }));
+            keys.filter(|key| entering(key)).filter_map(|key| Some((key.clone(), store.get(&key)?.sample))).collect()
+        } else {
+            let upserted: HashMap<&WorkerKey, Range<u32>> =
+                change.upsert.iter().map(|worker| (&worker.key, worker.dp_ranks())).collect();
+            let serves = |key: &LoadKey| upserted.get(&key.worker).is_some_and(|ranks| ranks.contains(&key.dp_rank));
+            let held = store.iter().filter(|(key, _)| serves(key) && entering(key));
+            held.map(|(key, held)| (key.clone(), held.sample)).collect()
+        };
+        change.loads.extend(held);
     }
 }
 
@@ -216,6 +227,35 @@ mod tests {
         let behind = crate::load::live_ranks(&first.fleet);
         assert!(store.lock().retain_live_at(first.generation, behind).is_empty(), "kept");
         assert!(apply(3).is_ok(), "a supervisor behind the registry leaves the gate open");
+    }
+
+    /// A worker with more ranks than the store holds samples brings them all the same (found
+    /// by one pass over the store rather than a lookup per rank).
+    #[test]
+    fn a_worker_with_more_ranks_than_samples_held_brings_those_held() {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        let registry = Registry::new(publisher.clone()).with_loads(store.clone());
+        let (k1, mut worker) = discovered(1, Role::Decode, "m");
+        worker.worker.dp_size = 64;
+        worker.excluded = Some(Exclusion::RoleDisagreement { component: Role::Prefill, card: Role::Decode });
+        let mut fleet = Fleet::default();
+        fleet.workers.insert(k1.clone(), worker.clone());
+        registry.publish(fleet.clone());
+        let received = Instant::now() - Duration::from_secs(30);
+        let source = PublisherKey { namespace: "dynamo".into(), publisher_id: 1 };
+        for (sequence, dp_rank) in [(1, 3), (2, 40)] {
+            let rank = LoadKey { worker: k1.clone(), dp_rank };
+            store.lock().apply(rank, &source, sequence, Load::default(), received).expect("stored");
+        }
+
+        worker.excluded = None;
+        fleet.workers.insert(k1.clone(), worker);
+        registry.publish(fleet);
+        let view = publisher.current();
+        let held: Vec<(u32, Instant)> =
+            view.view().loads().iter().map(|(key, s)| (key.dp_rank, s.received_at)).collect();
+        assert_eq!(held, [(3, received), (40, received)]);
     }
 
     /// Samples the store took while a worker was out of the view (excluded, or without its
