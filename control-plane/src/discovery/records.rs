@@ -199,22 +199,10 @@ fn endpoint(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
     Ok(Parsed::Endpoint(EndpointRecord { instance_id, component, endpoint }))
 }
 
+/// A Model record's value, its card borrowed as written. Its `type` is borrowed too: the check
+/// of it ignores a tag that is not a string, as every record's does.
 #[derive(Deserialize)]
-struct ModelWire {
-    #[serde(default, deserialize_with = "wire_id::optional")]
-    instance_id: Option<u64>,
-    #[serde(default)]
-    component: Option<String>,
-    #[serde(default)]
-    endpoint: Option<String>,
-    #[serde(default)]
-    model_suffix: Option<String>,
-}
-
-/// [`ModelWire`] with its card as written, borrowed (see [`large_model`]). Its fields are
-/// listed again, not flattened: a flattened struct buffers every other member, the card too.
-#[derive(Deserialize)]
-struct LargeModelWire<'a> {
+struct ModelWire<'a> {
     #[serde(rename = "type", default, borrow)]
     kind: Option<&'a RawValue>,
     #[serde(default, deserialize_with = "wire_id::optional")]
@@ -251,53 +239,29 @@ fn filed_where_it_says(key: &ParsedKey, component: Option<&str>, endpoint: Optio
     check("endpoint", endpoint, key_endpoint)
 }
 
+/// A Model record, read without a JSON tree of the whole value: as a tree, a card of small
+/// values (an array of numbers) takes some eighty times its text, and a value may be 16 MiB. A
+/// card small enough to keep is read as a tree ([`Card::parse`]); a larger one keeps its typed
+/// subset, read strictly from its text ([`Card::unretained`]).
 fn model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
     let keyspace = Keyspace::Models;
-    if value.len() > MAX_RETAINED_CARD_BYTES {
-        return large_model(key, value);
-    }
-    let mut json = object(keyspace, value)?;
-    let card_json = json.as_object_mut().and_then(|fields| fields.remove("card_json")).unwrap_or(Value::Null);
-    let wire: ModelWire = typed(keyspace, json)?;
-    model_record(key, wire, || Card::parse(card_json, value.len()))
-}
-
-/// A Model record larger than a card may be kept, read without a JSON tree of the whole: as a
-/// tree, a card of small values (an array of numbers) takes some eighty times its text, and a
-/// value may be 16 MiB. A card too large to keep keeps its typed subset, read strictly from
-/// its text ([`Card::unretained`]).
-fn large_model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
-    let keyspace = Keyspace::Models;
-    let wire: LargeModelWire<'_> = serde_json::from_slice(value).map_err(json_error(keyspace))?;
+    let wire: ModelWire<'_> = serde_json::from_slice(value).map_err(json_error(keyspace))?;
     if let Some(found) = wire.kind.and_then(|kind| serde_json::from_str::<String>(kind.get()).ok())
         && found != keyspace.record_type()
     {
         return Err(RecordError::WrongType { found: excerpt(&found), keyspace, expected: keyspace.record_type() });
     }
-    let card_json = wire.card_json;
-    let wire = ModelWire {
-        instance_id: wire.instance_id,
-        component: wire.component,
-        endpoint: wire.endpoint,
-        model_suffix: wire.model_suffix,
-    };
-    model_record(key, wire, || match card_json.map(RawValue::get) {
+    let instance_id = keyed_by(key, wire.instance_id.ok_or_else(|| missing(keyspace, "instance_id"))?)?;
+    if wire.model_suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Ok(Parsed::Skipped(Skip::AdapterCard));
+    }
+    let card = match wire.card_json.map(RawValue::get) {
         None => Card::parse(Value::Null, 0),
-        // Small enough to keep, in a value made large by other members: read as any card is.
         Some(text) if text.len() <= MAX_RETAINED_CARD_BYTES => {
             serde_json::from_str(text).map_or_else(|_| Card::unretained(text), |card| Card::parse(card, text.len()))
         }
         Some(text) => Card::unretained(text),
-    })
-}
-
-fn model_record(key: &ParsedKey, wire: ModelWire, card: impl FnOnce() -> Card) -> Result<Parsed, RecordError> {
-    let keyspace = Keyspace::Models;
-    let instance_id = keyed_by(key, wire.instance_id.ok_or_else(|| missing(keyspace, "instance_id"))?)?;
-    if wire.model_suffix.is_some_and(|s| !s.is_empty()) {
-        return Ok(Parsed::Skipped(Skip::AdapterCard));
-    }
-    let card = card();
+    };
     if card.is_adapter() {
         return Ok(Parsed::Skipped(Skip::AdapterCard));
     }
