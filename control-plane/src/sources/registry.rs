@@ -163,6 +163,14 @@ mod tests {
         crate::discovery::test_worker("dynamo", id, role, model)
     }
 
+    /// A registry publishing to a view of its own, with a load store.
+    fn with_loads() -> (FleetPublisher, SharedLoadStore, Registry) {
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let store = SharedLoadStore::new(LoadStore::new(None));
+        let registry = Registry::new(publisher.clone()).with_loads(store.clone());
+        (publisher, store, registry)
+    }
+
     fn view_ids(publisher: &FleetPublisher) -> Vec<u64> {
         publisher.current().view().workers().keys().map(|k| k.instance_id).collect()
     }
@@ -207,9 +215,7 @@ mod tests {
     /// close the gate again.
     #[test]
     fn a_rank_a_generation_makes_live_is_admitted_as_it_is_published() {
-        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        let store = SharedLoadStore::new(LoadStore::new(None));
-        let registry = Registry::new(publisher).with_loads(store.clone());
+        let (_, store, registry) = with_loads();
         let (k1, mut worker) = discovered(1, Role::Decode, "m");
         let mut fleet = Fleet::default();
         fleet.workers.insert(k1.clone(), worker.clone());
@@ -233,9 +239,7 @@ mod tests {
     /// by one pass over the store rather than a lookup per rank).
     #[test]
     fn a_worker_with_more_ranks_than_samples_held_brings_those_held() {
-        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        let store = SharedLoadStore::new(LoadStore::new(None));
-        let registry = Registry::new(publisher.clone()).with_loads(store.clone());
+        let (publisher, store, registry) = with_loads();
         let (k1, mut worker) = discovered(1, Role::Decode, "m");
         worker.worker.dp_size = 64;
         worker.excluded = Some(Exclusion::RoleDisagreement { component: Role::Prefill, card: Role::Decode });
@@ -263,9 +267,7 @@ mod tests {
     /// since must not read as never published.
     #[test]
     fn a_worker_entering_the_view_brings_the_samples_held_for_it() {
-        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        let store = SharedLoadStore::new(LoadStore::new(None));
-        let registry = Registry::new(publisher.clone()).with_loads(store.clone());
+        let (publisher, store, registry) = with_loads();
         let (k1, mut worker) = discovered(1, Role::Decode, "m");
         let (k2, unknown) = discovered(2, Role::Unknown, "m");
         worker.excluded = Some(Exclusion::RoleDisagreement { component: Role::Prefill, card: Role::Decode });
@@ -308,9 +310,7 @@ mod tests {
     /// the sample the store still holds for the rank that returned.
     #[test]
     fn a_rank_returning_to_a_worker_in_the_view_brings_the_sample_held_for_it() {
-        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        let store = SharedLoadStore::new(LoadStore::new(None));
-        let registry = Registry::new(publisher.clone()).with_loads(store.clone());
+        let (publisher, store, registry) = with_loads();
         let (key, mut worker) = discovered(1, Role::Decode, "m");
         worker.worker.dp_size = 2;
         let mut fleet = Fleet::default();
