@@ -158,7 +158,9 @@ pub(super) fn pools(view: &FleetView, model: &str, namespaces: Option<&[String]>
         }
         let pairs = !roles.prefill.is_empty() && !roles.decode.is_empty();
         let aggregated = if pairs { &[][..] } else { &roles.aggregated[..] };
-        if !roles.prefill.is_empty() {
+        // Prefill workers without decode workers beside them pair with nobody (an aggregated
+        // winner prefills itself): listed, they would only take room from those who serve.
+        if pairs {
             pools.prefill.insert(namespace, take(roles.prefill.iter(), &mut room, &mut left_out));
         }
         let decode = take(roles.decode.iter().chain(aggregated), &mut room, &mut left_out);

@@ -77,6 +77,12 @@ struct Scoring<'a> {
 }
 
 impl Scoring<'_> {
+    /// The prompt in the rank's own blocks: its backlog and capacity are counted in them, and
+    /// a model may be served in two block sizes (the lookup's is the majority's).
+    fn prompt_for(&self, candidate: &Candidate) -> Prompt {
+        Prompt::new(self.prompt.isl, candidate.worker.block_size.unwrap_or(self.block_size))
+    }
+
     /// The rank's overlap; a rank whose card declares another block size cannot have matched
     /// hashes of this one.
     fn overlap(&self, candidate: &Candidate) -> u32 {
@@ -248,8 +254,8 @@ impl KvAwarePicker {
                     formula::rank_load(phase, rank.sample, rank.dispatched, handover, max_staleness, scoring.now);
                 let overlap = scoring.overlap(candidate);
                 let active = scoring.active_overlap(candidate);
-                let logit =
-                    load.map(|load| formula::worker_logit(load, overlap, active, scoring.prompt, &scoring.weights));
+                let prompt = scoring.prompt_for(candidate);
+                let logit = load.map(|load| formula::worker_logit(load, overlap, active, prompt, &scoring.weights));
                 let stale_cost = formula::stale_cost(
                     overlap,
                     rank.dispatched.queued_prefill_tokens(),

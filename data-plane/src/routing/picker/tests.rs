@@ -849,3 +849,13 @@ fn check_rank(worker: &Worker, dp_rank: Option<u32>) -> Result<(), TestCaseError
     }
     Ok(())
 }
+
+/// Prefill workers with no decode worker beside them pair with nobody: they take none of the
+/// room a pick weighs, which the aggregated workers that do serve need.
+#[test]
+fn prefill_ranks_that_cannot_pair_take_no_room() {
+    let prefill = (1..=64).map(|id| dp(worker("a", id, Role::Prefill), 1024));
+    let fleet = Fleet::new(prefill.chain([worker("a", 100, Role::Aggregated), worker("b", 200, Role::Aggregated)]));
+    let pools = PoolCache::default().get(&fleet.view(), "tiny", None);
+    assert_eq!((pools.decode.len(), pools.prefill.len()), (2, 0));
+}

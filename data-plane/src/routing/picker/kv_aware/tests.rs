@@ -953,3 +953,15 @@ fn aggregated_workers_decode_samples_do_not_shut_a_prefill_pool_out() {
     let held = overlaps(&[(3, 0, 4)]);
     assert_eq!(picks(&picker(), &fleet, scored(128, &held), 2), [(4, Some(3)); 2]);
 }
+
+/// A model served in two block sizes: each rank is costed in its own blocks, which its backlog
+/// and capacity are counted in. In the lookup's 16-token blocks worker 2 (64-token blocks, 650
+/// of 1,000 used) would need 400 more and read as full; in its own it needs 100, and its cost
+/// is well below worker 1's (500 used, 400 more).
+#[test]
+fn a_rank_of_another_block_size_is_costed_in_its_own_blocks() {
+    let large_blocks = Worker { block_size: Some(64), ..agg(2) };
+    let fleet = Fleet::new([agg(1), large_blocks]).sample(1, used(500), FRESH).sample(2, used(650), FRESH);
+    let none = Overlaps::default();
+    assert_eq!(picks(&picker(), &fleet, scored(6_400, &none), 3), [(2, None); 3]);
+}
