@@ -80,10 +80,12 @@ impl KvHandle {
         let query = Folded::of(block_hashes);
         let indexer = self.indexer.read();
         let indexed = indexer.find_matches(block_hashes);
-        let cleared = indexer.take_cleared();
         let mut merged = {
             let mut provisional = self.provisional();
-            provisional.forget_cleared(&cleared);
+            // Taken and forgotten under the provisional lock, as one step: a lookup that took
+            // the notes and waited for the lock would otherwise leave another, merging first,
+            // to answer chains the clears had voided.
+            provisional.forget_cleared(&indexer.take_cleared());
             provisional.merge(&query, indexed.as_slice(), Instant::now())
         };
         // A departed rank's chains go at the next sweep; until then it is not answered.
