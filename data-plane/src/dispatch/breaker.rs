@@ -232,14 +232,16 @@ impl ShimExchange {
     }
 }
 
-/// The breakers and probe verdicts of every shim replica, by backend name (the operator's
-/// configuration names them, so a fast hash will do: each request looks its replica up a few
-/// times). A backend whose URL changed on reload starts over, closed and up, and what is then
-/// reported of its old URL (a long stream's end, a probe sent before the reload) is not its.
+/// The breakers and probe verdicts of every shim replica, by backend name and URL (the
+/// operator's configuration names them, so a fast hash will do: each request looks its replica
+/// up a few times). A backend moved to another URL on reload starts over there, closed and up,
+/// and whatever still concerns its old URL (a long stream's end, a retry or fallback of a
+/// request routed before the reload, a probe sent before it) concerns the old URL's entry,
+/// which goes once the configuration no longer names it ([`Self::states`]).
 #[derive(Debug, Default)]
 pub struct ShimHealth {
     settings: BreakerSettings,
-    replicas: Mutex<FastMap<String, Replica>>,
+    replicas: Mutex<FastMap<String, Vec<Replica>>>,
 }
 
 impl ShimHealth {
@@ -248,17 +250,17 @@ impl ShimHealth {
     }
 
     pub fn usable(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.current(name, url, |r, settings| !r.probed.down() && r.breaker.usable(now, settings))
+        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.usable(now, settings))
     }
 
     pub fn admit(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.current(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
+        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
     }
 
     /// A probe's outcome. A successful one also ends an open breaker's cooldown (see
     /// [`Breaker::end_cooldown`]).
     pub fn record_probe(&self, name: &str, url: &str, live: bool) {
-        self.reported(name, url, |r, _| {
+        self.with(name, url, |r, _| {
             let was_down = r.probed.down();
             if live {
                 r.probed = Probed::default();
@@ -279,8 +281,10 @@ impl ShimHealth {
     /// routing for good. Its breaker, which its own requests renew, stands.
     pub fn clear_probes_except(&self, probed: impl Fn(&str) -> bool) {
         let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
-        for (_, replica) in replicas.iter_mut().filter(|(name, _)| !probed(name)) {
-            replica.probed = Probed::default();
+        for (_, urls) in replicas.iter_mut().filter(|(name, _)| !probed(name)) {
+            for replica in urls {
+                replica.probed = Probed::default();
+            }
         }
     }
 
@@ -292,7 +296,7 @@ impl ShimHealth {
         if !served {
             return self.failed(name, url, (sent, now));
         }
-        self.reported(name, url, |r, _| {
+        self.with(name, url, |r, _| {
             r.answered_at = Some(now);
             r.breaker.on_served();
         });
@@ -306,7 +310,7 @@ impl ShimHealth {
 
     /// The replica answered at `now`, which `answer` tells its breaker.
     fn answering(&self, name: &str, url: &str, now: Instant, answer: impl FnOnce(&mut Breaker)) {
-        self.reported(name, url, |r, _| {
+        self.with(name, url, |r, _| {
             r.answered_at = Some(now);
             let before = r.breaker.state();
             answer(&mut r.breaker);
@@ -319,14 +323,12 @@ impl ShimHealth {
     /// A request sent at `sent` got no response head in time: the replica's failure unless it
     /// answered another request since (then its chat path works, and the silence is the
     /// request's workers'). Whether it was counted as the replica's.
-    /// (A replica moved to another URL since is charged with nothing, and the silence is its
-    /// old address's: no worker is blamed either.)
     pub fn record_unanswered(&self, name: &str, url: &str, sent: Instant, now: Instant) -> bool {
-        let answered_since = self.reported(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
-        if answered_since == Some(false) {
+        let answered_since = self.with(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
+        if !answered_since {
             self.failed(name, url, (sent, now));
         }
-        answered_since != Some(true)
+        !answered_since
     }
 
     /// A whole answer other than a success ([`Breaker::on_answered`]).
@@ -337,7 +339,7 @@ impl ShimHealth {
     /// The replica failed a request `sent` then, at `now` (no connection, no answer, a
     /// gateway's, a body cut short).
     pub fn failed(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
-        self.reported(name, url, |r, settings| {
+        self.with(name, url, |r, settings| {
             let before = r.breaker.state();
             r.breaker.on_failure((sent, now), settings);
             let after = r.breaker.state();
@@ -348,40 +350,44 @@ impl ShimHealth {
     }
 
     /// Every replica's state, for the gauge (a replica down by its probes reads as open);
-    /// replicas no longer in `keep` are forgotten.
-    pub fn states(&self, keep: impl Fn(&str) -> bool) -> Vec<(String, BreakerState)> {
+    /// replicas whose (name, URL) `keep` leaves out are forgotten.
+    pub fn states(&self, keep: impl Fn(&str, &str) -> bool) -> Vec<(String, BreakerState)> {
         let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
-        replicas.retain(|name, _| keep(name));
-        replicas
-            .iter()
-            .map(|(name, r)| (name.clone(), if r.probed.down() { BreakerState::Open } else { r.breaker.state() }))
-            .collect()
+        replicas.retain(|name, urls| {
+            urls.retain(|replica| keep(name, &replica.url));
+            !urls.is_empty()
+        });
+        let state = |r: &Replica| if r.probed.down() { BreakerState::Open } else { r.breaker.state() };
+        replicas.iter().flat_map(|(name, urls)| urls.iter().map(|r| (name.clone(), state(r)))).collect()
     }
 
-    /// `f` on the replica `name` of the configuration in force, at `url`: one whose URL
-    /// changed starts over.
-    fn current<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
+    /// `f` on the replica `name` at `url`.
+    fn with<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
         let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
         // Looked up by `&str` first: a name is allocated only for a replica not seen before.
-        if let Some(entry) = replicas.get_mut(name) {
-            if entry.url != url {
-                *entry = Replica::at(url);
+        let urls = match replicas.get_mut(name) {
+            Some(urls) => urls,
+            None => replicas.entry(name.to_string()).or_default(),
+        };
+        let at = match urls.iter().position(|replica| replica.url == url) {
+            Some(at) => at,
+            None => {
+                // URLs a name had before reloads, which only requests routed before them
+                // still ask about: the oldest goes first.
+                if urls.len() >= MAX_URLS_PER_REPLICA {
+                    urls.remove(0);
+                }
+                urls.push(Replica::at(url));
+                urls.len() - 1
             }
-            return f(entry, &self.settings);
-        }
-        f(replicas.entry(name.to_string()).or_insert_with(|| Replica::at(url)), &self.settings)
-    }
-
-    /// `f` on the replica `name` for an outcome of a request sent to `url`; `None` when the
-    /// replica has moved to another URL since, of which the old one says nothing.
-    fn reported<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> Option<T> {
-        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(entry) = replicas.get_mut(name) {
-            return (entry.url == url).then(|| f(entry, &self.settings));
-        }
-        Some(f(replicas.entry(name.to_string()).or_insert_with(|| Replica::at(url)), &self.settings))
+        };
+        f(&mut urls[at], &self.settings)
     }
 }
+
+/// URLs one backend's health is kept for at once: the configured one, and those earlier
+/// configurations gave it while requests routed under them are still under way.
+const MAX_URLS_PER_REPLICA: usize = 4;
 
 #[cfg(test)]
 mod tests {
@@ -485,18 +491,18 @@ mod tests {
         health.record_probe("shim", "http://a", false);
         assert!(!health.usable("shim", "http://a", now));
         assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown * 10), "no breaker probe either");
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Open)]);
         for _ in 0..3 {
             health.failed("shim", "http://a", (now, now));
         }
         health.record_probe("shim", "http://a", true);
         assert!(health.usable("shim", "http://a", now), "a live answer ends the open breaker's cooldown");
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
         // One trial request, not a flood: `/live` answers whatever the chat path does.
         assert!(health.admit("shim", "http://a", now));
         assert!(!health.admit("shim", "http://a", now), "the trial is in flight");
         health.answered("shim", "http://a", (now, now));
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Closed)]);
         // A failed trial opens it again, for a whole cooldown.
         for _ in 0..SETTINGS.failure_threshold {
             health.failed("shim", "http://a", (now, now));
@@ -539,15 +545,15 @@ mod tests {
         let sent_before = now - Duration::from_secs(1);
         health.answered("shim", "http://a", (sent_before, now + Duration::from_secs(1)));
         assert!(!health.usable("shim", "http://a", now + Duration::from_secs(1)), "still cooling down");
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Open)]);
         let trial = now + SETTINGS.cooldown;
         assert!(health.admit("shim", "http://a", trial), "the trial");
         // Nor, once the trial is under way, does an older request decide for it.
         health.answered("shim", "http://a", (sent_before, trial + Duration::from_millis(5)));
         health.head_arrived("shim", "http://a", (sent_before, trial + Duration::from_millis(5)));
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
         health.answered("shim", "http://a", (trial, trial + Duration::from_millis(10)));
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Closed)]);
     }
 
     /// A request sent while the replica was failing, whose failure comes in after its breaker
@@ -564,9 +570,9 @@ mod tests {
         let sent_before = now - Duration::from_secs(1);
         assert!(health.record_unanswered("shim", "http://a", sent_before, trial + Duration::from_millis(1)));
         health.exchange_ended("shim", "http://a", (sent_before, false));
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
         health.head_arrived("shim", "http://a", (trial, trial + Duration::from_millis(2)));
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Closed)]);
         // The trial's own failure reopens it.
         for _ in 0..SETTINGS.failure_threshold {
             health.failed("shim", "http://a", (trial, trial));
@@ -574,13 +580,14 @@ mod tests {
         let second = trial + SETTINGS.cooldown;
         assert!(health.admit("shim", "http://a", second));
         health.failed("shim", "http://a", (second, second + Duration::from_millis(1)));
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
+        assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Open)]);
     }
 
-    /// After a reload moved a backend, what comes in about its old URL (a long stream ending,
-    /// a probe sent before the reload) is not about the new one.
+    /// After a reload moved a backend, whatever still concerns its old URL (a long stream
+    /// ending, a probe sent before the reload, a request routed before it asking to be let
+    /// through) concerns the old URL's entry, never the new one's.
     #[test]
-    fn what_is_reported_of_a_replicas_old_url_leaves_its_new_one_alone() {
+    fn what_concerns_a_replicas_old_url_leaves_its_new_one_alone() {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         assert!(health.usable("shim", "http://b", now), "moved to b");
@@ -590,13 +597,16 @@ mod tests {
         health.exchange_ended("shim", "http://a", (now, true));
         health.record_probe("shim", "http://a", true);
         health.answered("shim", "http://a", (now, now));
-        assert!(health.record_unanswered("shim", "http://a", now, now), "its silence blames no worker");
+        assert!(health.admit("shim", "http://a", now), "a request routed before the reload");
         assert!(!health.usable("shim", "http://b", now), "b's breaker stands open");
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Open)]);
         health.record_probe("shim", "http://b", false);
         health.record_probe("shim", "http://b", false);
         health.record_probe("shim", "http://a", true);
         assert!(!health.usable("shim", "http://b", now + SETTINGS.cooldown), "b's failed probes stand");
+        // Once the configuration names only b, a's entry goes.
+        let current = |_: &str, url: &str| url == "http://b";
+        assert_eq!(health.states(current), vec![("shim".to_string(), BreakerState::Open)]);
+        assert_eq!(health.states(|_, _| true).len(), 1, "a was forgotten");
     }
 
     #[test]
@@ -608,7 +618,19 @@ mod tests {
         }
         assert!(!health.usable("shim", "http://a", now));
         assert!(health.usable("shim", "http://b", now));
-        assert_eq!(health.states(|_| true), vec![("shim".to_string(), BreakerState::Closed)]);
-        assert!(health.states(|_| false).is_empty());
+        let moved = health.states(|_, url| url == "http://b");
+        assert_eq!(moved, vec![("shim".to_string(), BreakerState::Closed)]);
+        assert!(health.states(|_, _| false).is_empty());
+    }
+
+    /// A name keeps the health of a few URLs at most, however many reloads moved it.
+    #[test]
+    fn a_backend_moved_again_and_again_keeps_a_few_urls_health() {
+        let health = ShimHealth::new(SETTINGS);
+        let now = Instant::now();
+        for n in 0..100 {
+            assert!(health.usable("shim", &format!("http://{n}"), now));
+        }
+        assert_eq!(health.states(|_, _| true).len(), MAX_URLS_PER_REPLICA);
     }
 }

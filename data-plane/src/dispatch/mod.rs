@@ -419,7 +419,7 @@ impl Dispatcher {
     /// is forgotten only for backends no longer configured: a backend outside every pool still
     /// serves unified requests, behind its own breaker.
     pub fn export_health(&self, config: &DataPlaneConfig) {
-        let states = self.health.states(|name| config.backends.iter().any(|b| b.name == name));
+        let states = self.health.states(|name, url| config.backends.iter().any(|b| b.name == name && b.url == url));
         let gauge = &self.metrics.shim_replica_state;
         let mut values: BTreeMap<&str, i64> =
             config.shim_pools.iter().flat_map(|p| &p.backends).map(|name| (name.as_str(), 0)).collect();
