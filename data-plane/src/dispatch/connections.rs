@@ -6,6 +6,12 @@
 //! configured keeps nothing. At most [`MAX_IDLE_PER_AUTHORITY`] are kept per authority, each
 //! with buffers of at most [`KEPT_BUFFER_CAPACITY`], so the memory held is bounded by the
 //! configured replicas.
+//!
+//! A backend that closes idle connections sooner than [`IDLE_TIMEOUT`] (uvicorn, in front of
+//! vLLM or SGLang, after 5 s) would have requests written into connections it is closing, whose
+//! failure cannot be retried (the request may have arrived, and a chat completion is not
+//! idempotent). The youngest idle connection found closed teaches the authority's limit: from
+//! then on, none that old is reused ([`CLOSE_MARGIN`] short of it), for [`LEARNED_FOR`].
 
 use std::io::ErrorKind;
 use std::sync::{Mutex, PoisonError};
@@ -26,6 +32,14 @@ pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const READ_CHUNK: usize = 16 << 10;
 /// A buffer grown past this (a large prompt or answer) is let go before its connection idles.
 pub const KEPT_BUFFER_CAPACITY: usize = 64 << 10;
+/// How much younger than the youngest connection a backend closed a reused one must be.
+pub const CLOSE_MARGIN: Duration = Duration::from_secs(1);
+/// The least idle age up to which connections are reused, however young one was found closed
+/// (a backend restarting closes its connections at any age).
+pub const MIN_REUSE_AGE: Duration = Duration::from_secs(1);
+/// How long a learned limit stands before it is learned again: a restart's closes are not the
+/// backend's idle timeout, and a reload may put another backend at the same address.
+pub const LEARNED_FOR: Duration = Duration::from_secs(600);
 
 /// One HTTP/1.1 connection and the bytes read from it that nothing has consumed yet.
 #[derive(Debug)]
@@ -44,10 +58,26 @@ impl Conn {
     /// Whether the connection can carry another request: nothing unread, and the shim has not
     /// closed it or sent anything since. Costs no system call while the socket has not become
     /// readable since the last read.
-    fn reusable(&self) -> bool {
-        self.read.is_empty()
-            && matches!(self.stream.try_read(&mut [0u8; 1]), Err(error) if error.kind() == ErrorKind::WouldBlock)
+    fn state(&self) -> Idled {
+        if !self.read.is_empty() {
+            return Idled::Spoken;
+        }
+        match self.stream.try_read(&mut [0u8; 1]) {
+            Err(error) if error.kind() == ErrorKind::WouldBlock => Idled::Open,
+            Ok(0) | Err(_) => Idled::Closed,
+            Ok(_) => Idled::Spoken,
+        }
     }
+}
+
+/// What became of a connection while it was idle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Idled {
+    Open,
+    /// The backend closed (or reset) it.
+    Closed,
+    /// The backend sent something unasked.
+    Spoken,
 }
 
 #[derive(Debug, Default)]
@@ -61,16 +91,48 @@ struct Idle {
     by_authority: FastMap<String, Vec<(Conn, Instant)>>,
     /// When every list was last cleared of expired connections.
     swept: Option<Instant>,
+    /// By authority, the youngest idle age at which its backend had closed a connection, and
+    /// when that was learned.
+    closes: FastMap<String, (Duration, Instant)>,
+}
+
+impl Idle {
+    /// The idle age up to which a connection to `authority` is reused at `now`.
+    fn reuse_limit(&self, authority: &str, now: Instant) -> Duration {
+        if self.closes.is_empty() {
+            return IDLE_TIMEOUT;
+        }
+        match self.closes.get(authority) {
+            Some((age, learned)) if now.saturating_duration_since(*learned) < LEARNED_FOR => {
+                age.saturating_sub(CLOSE_MARGIN).max(MIN_REUSE_AGE).min(IDLE_TIMEOUT)
+            }
+            _ => IDLE_TIMEOUT,
+        }
+    }
 }
 
 impl IdleConnections {
     /// The most recently returned usable connection to `authority`, if any.
     pub fn take(&self, authority: &str, now: Instant) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let conns = idle.by_authority.get_mut(authority)?;
+        let limit = idle.reuse_limit(authority, now);
+        let Idle { by_authority, closes, .. } = &mut *idle;
+        let conns = by_authority.get_mut(authority)?;
         while let Some((conn, since)) = conns.pop() {
-            if now.saturating_duration_since(since) < IDLE_TIMEOUT && conn.reusable() {
-                return Some(conn);
+            let age = now.saturating_duration_since(since);
+            if age >= limit {
+                continue;
+            }
+            match conn.state() {
+                Idled::Open => return Some(conn),
+                Idled::Closed => {
+                    let learned =
+                        closes.get(authority).filter(|(_, at)| now.saturating_duration_since(*at) < LEARNED_FOR);
+                    if learned.is_none_or(|(youngest, _)| age < *youngest) {
+                        closes.insert(authority.to_string(), (age, now));
+                    }
+                }
+                Idled::Spoken => {}
             }
         }
         None
@@ -95,6 +157,7 @@ impl IdleConnections {
                 drop_expired(conns, now);
                 !conns.is_empty()
             });
+            idle.closes.retain(|_, (_, learned)| now.saturating_duration_since(*learned) < LEARNED_FOR);
             idle.swept = Some(now);
         }
         let conns = match idle.by_authority.get_mut(authority) {
@@ -155,6 +218,35 @@ mod tests {
         assert!(idle.take("a", now).is_some(), "the open connection is found under the broken ones");
         assert!(idle.take("a", now).is_none());
         assert!(idle.take("b", now).is_none());
+    }
+
+    /// A backend that closes idle connections after 5 s (uvicorn's default) teaches the pool
+    /// not to reuse one that old: a request written into a connection as it closes would fail,
+    /// and could not be sent again.
+    #[tokio::test]
+    async fn a_backends_idle_close_teaches_the_age_past_which_nothing_is_reused() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let idle = IdleConnections::default();
+        let t0 = Instant::now();
+        let (closed, server) = pair(&listener).await;
+        idle.put("a", closed, t0);
+        drop(server);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(idle.take("a", t0 + Duration::from_secs(5)).is_none(), "found closed at 5 s");
+        let t1 = t0 + Duration::from_secs(10);
+        let (old, _kept) = pair(&listener).await;
+        idle.put("a", old, t1);
+        assert!(idle.take("a", t1 + Duration::from_millis(4_500)).is_none(), "as old as closes come, less the margin");
+        let (young, _kept) = pair(&listener).await;
+        idle.put("a", young, t1);
+        assert!(idle.take("a", t1 + Duration::from_secs(3)).is_some(), "younger ones are reused");
+        // Learned for a while, not for good; and another authority learned nothing.
+        let (later, _kept) = pair(&listener).await;
+        idle.put("a", later, t1 + LEARNED_FOR);
+        assert!(idle.take("a", t1 + LEARNED_FOR + Duration::from_millis(4_500)).is_some());
+        let (other, _kept) = pair(&listener).await;
+        idle.put("b", other, t1);
+        assert!(idle.take("b", t1 + Duration::from_millis(4_500)).is_some());
     }
 
     #[tokio::test]
