@@ -17,6 +17,12 @@
 
 use tokio::sync::{Semaphore, SemaphorePermit};
 
+/// Tests that fill a process-wide budget take turns: `cargo test` runs a crate's tests on
+/// threads of one process, where two filling one budget at once would each wait for room the
+/// other holds (`cargo nextest` runs each test in a process of its own).
+#[cfg(test)]
+pub(crate) static FILLING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A body this small is not charged: its buffers are part of a connection's fixed cost.
 pub const FREE_BYTES: usize = 64 << 10;
 /// Request bodies held at once past [`FREE_BYTES`]: 64 bodies of the largest size.

@@ -403,6 +403,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_parse_abandoned_on_the_blocking_pool_holds_its_room_until_its_tree_is_gone() {
+        let _filling = crate::memory::FILLING.lock().await;
         let zeros = vec!["0"; (MAX_REQUEST_BODY_BYTES - 100) / 2].join(",");
         let request = parse(&format!(r#"{{"model":"m","messages":[{{"content":[{zeros}]}}]}}"#)).unwrap();
         let free = TREES.available_permits();
@@ -424,6 +425,7 @@ mod tests {
     /// pieces of it run or wait there at once, however many requests are dropped meanwhile.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn work_abandoned_on_the_blocking_pool_is_bounded() {
+        let _filling = crate::memory::FILLING.lock().await;
         let (release, released) = std::sync::mpsc::channel::<()>();
         let released = Arc::new(std::sync::Mutex::new(released));
         let started = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -462,6 +464,7 @@ mod tests {
     /// room: the KV term's render deadline bounds the wait.
     #[tokio::test(start_paused = true)]
     async fn a_tree_waits_for_its_turn_on_the_blocking_pool_only_so_long() {
+        let _filling = crate::memory::FILLING.lock().await;
         let content = "x".repeat(ON_THE_RUNTIME_BYTES);
         let request = parse(&format!(r#"{{"model":"m","messages":[{{"content":"{content}"}}]}}"#)).unwrap();
         let turns = OFF_RUNTIME.acquire_many(MAX_OFF_RUNTIME_WORK as u32).await.unwrap();
@@ -477,6 +480,7 @@ mod tests {
     /// it (the frontend tokenizes it itself); one with routing fields to strip cannot.
     #[tokio::test(start_paused = true)]
     async fn without_room_a_body_with_nothing_to_strip_goes_without_its_tokens() {
+        let _filling = crate::memory::FILLING.lock().await;
         let room = SMALL_TREES.acquire_many(MAX_SMALL_TREE_BYTES_IN_FLIGHT as u32).await.unwrap();
         let plain = parse(r#"{"model":"m","messages":[{"content":"hi"}]}"#).unwrap();
         assert_eq!(plain.outbound(Some(vec![1, 2]), false).await.unwrap(), plain.raw);
@@ -591,6 +595,7 @@ mod tests {
 
     #[tokio::test]
     async fn trees_wait_for_room_under_the_budget() {
+        let _filling = crate::memory::FILLING.lock().await;
         let large =
             parse(&format!(r#"{{"model":"m","messages":[{{}}],"pad":"{}"}}"#, "x".repeat(MAX_REQUEST_BODY_BYTES - 64)))
                 .unwrap();
@@ -608,6 +613,7 @@ mod tests {
     /// large body's, which takes a while on an idle machine too, is not cut short by it.
     #[tokio::test]
     async fn a_wait_for_a_tree_bounds_its_room_not_its_parse() {
+        let _filling = crate::memory::FILLING.lock().await;
         let numbers = vec!["1"; (MAX_REQUEST_BODY_BYTES - 64) / 2].join(",");
         let large = parse(&format!(r#"{{"model":"m","messages":[{{}}],"pad":[{numbers}]}}"#)).unwrap();
         let tree = large.tree_within(Duration::from_micros(1)).await;

@@ -481,6 +481,7 @@ mod tests {
     /// ones holding all of theirs make it go without, at once.
     #[tokio::test]
     async fn a_request_finding_no_room_for_its_tree_is_picked_on_its_estimate_at_once() {
+        let _filling = crate::memory::FILLING.lock().await;
         use crate::ingress::request::{MAX_SMALL_TREE_BYTES_IN_FLIGHT, MAX_TREE_BYTES_IN_FLIGHT, ON_THE_RUNTIME_BYTES};
         let state = AppState::for_tests();
         let dir = tempfile::tempdir().expect("dir");
