@@ -505,6 +505,21 @@ async fn a_failed_load_does_not_hold_up_the_same_files_named_elsewhere() {
     );
 }
 
+/// Two models sharing a tokenizer whose cards name places this replica cannot read (each
+/// worker's own disk) each wait out their own failure: loads taking turns between them do not
+/// start over at every request.
+#[tokio::test]
+async fn loads_from_two_unreadable_places_each_back_off() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (in_a, in_b) = (card_in(a.path()), card_in(b.path()));
+    let h = harness(pinned(&in_a));
+    assert!(matches!(h.store.load("a", std::slice::from_ref(&in_a)).await, Err(LoadError::Fetch(_))));
+    assert!(matches!(h.store.load("b", std::slice::from_ref(&in_b)).await, Err(LoadError::Fetch(_))));
+    assert!(matches!(h.store.load("a", std::slice::from_ref(&in_a)).await, Err(LoadError::RetryLater)));
+    assert!(matches!(h.store.load("b", std::slice::from_ref(&in_b)).await, Err(LoadError::RetryLater)));
+    assert_eq!(count(&h.counter, "fetch_failed"), 2, "one failed read of each place");
+}
+
 /// What is no longer pinned leaves the disk cache, when the store opens and when the policy
 /// changes, as do temporary files a crashed process left (any other process's, once old: its
 /// pid may be this one's, in a container); nothing else in it is touched, nor a recent write

@@ -31,6 +31,9 @@ pub const MAX_LOADED_BYTES: u64 = 256 << 20;
 pub const MAX_CONCURRENT_LOADS: usize = 2;
 /// How long a failed load is left alone before a request may start it again.
 pub const FAILED_LOAD_RETRY: Duration = Duration::from_secs(300);
+/// Failed loads remembered at once (each a key and the places it was read from); past it, and
+/// once those still backing off are all that is left, they start over.
+pub const MAX_FAILED_LOADS: usize = 1024;
 /// Distinct (model, checksum) pairs remembered so an unpinned checksum is logged once.
 const MAX_LOGGED_UNPINNED: usize = 4096;
 /// Cards with distinct file locations a load tries, in turn, for the same checksummed files.
@@ -147,10 +150,12 @@ struct Inner {
 struct State {
     loaded: HashMap<ArtifactKey, Slot>,
     bytes: u64,
-    /// After a failed load: until when, and from which places ([`places`]) it failed. Another
-    /// card naming the same files elsewhere (another deployment of the model, readable here)
-    /// is tried at once: a failure says nothing of places it did not read.
-    retry_at: HashMap<ArtifactKey, (Instant, u64)>,
+    /// After a failed load of a key from some places ([`places`]): until when. Another card
+    /// naming the same files elsewhere (another deployment of the model, readable here) is
+    /// tried at once, a failure saying nothing of places it did not read; but each set of
+    /// places waits out its own failure, however the loads of two models sharing a tokenizer
+    /// from unreadable places take turns. At most [`MAX_FAILED_LOADS`].
+    retry_at: HashMap<(ArtifactKey, u64), Instant>,
     loading: HashSet<ArtifactKey>,
     logged_unpinned: HashSet<(String, Checksum)>,
 }
@@ -310,7 +315,7 @@ impl ArtifactStore {
         });
         match loaded.and_then(|loaded| self.insert(loaded)) {
             Ok(loaded) => {
-                self.state().retry_at.remove(&key);
+                self.state().retry_at.retain(|(failed, _), _| *failed != key);
                 self.count(ArtifactResult::Loaded);
                 Ok(loaded)
             }
@@ -319,8 +324,13 @@ impl ArtifactStore {
                 if let Some(result) = error.result() {
                     self.count(result);
                 }
-                let retry = (self.inner.clock)() + FAILED_LOAD_RETRY;
-                self.state().retry_at.insert(key, (retry, places));
+                let now = (self.inner.clock)();
+                let mut state = self.state();
+                state.retry_at.retain(|_, until| now < *until);
+                if state.retry_at.len() >= MAX_FAILED_LOADS {
+                    state.retry_at.clear();
+                }
+                state.retry_at.insert((key, places), now + FAILED_LOAD_RETRY);
                 Err(error)
             }
         }
@@ -533,7 +543,7 @@ fn prune(cache: &BlobCache, pinned: &BTreeSet<Checksum>) {
 impl State {
     /// Whether a load of `key` from `places` waits out an earlier failure from the same places.
     fn backing_off(&self, key: ArtifactKey, places: u64, now: Instant) -> bool {
-        self.retry_at.get(&key).is_some_and(|(at, failed)| now < *at && *failed == places)
+        self.retry_at.get(&(key, places)).is_some_and(|until| now < *until)
     }
 }
 
