@@ -62,8 +62,15 @@ impl BlobCache {
         fs::DirBuilder::new().recursive(true).mode(0o700).create(&blobs)?;
         // And `dir` must not let others rename what is in it: in a directory others may write
         // that is not sticky, anyone could move `blobs` aside and put a symlink in its place
-        // after the checks below, and the writes and the pruning would follow it.
-        let mode = fs::metadata(dir)?.mode();
+        // after the checks below, and the writes and the pruning would follow it; and its
+        // owner may rename anything in it, so that must be this process's user or root (a
+        // volume's mount point).
+        let us = fs::metadata("/proc/self")?.uid();
+        let parent = fs::metadata(dir)?;
+        if parent.uid() != 0 {
+            ours(dir, parent.uid(), us)?;
+        }
+        let mode = parent.mode();
         if mode & 0o022 != 0 && mode & 0o1000 == 0 {
             return Err(io::Error::other(format!(
                 "{} is writable by other users and not sticky (mode {:o}): they could replace `blobs` with a symlink",
@@ -76,7 +83,7 @@ impl BlobCache {
             return Err(io::Error::other(format!("{} is not a directory of its own (a symlink?)", blobs.display())));
         }
         // `/proc/self` belongs to the process's effective user.
-        ours(&blobs, made.uid(), fs::metadata("/proc/self")?.uid())?;
+        ours(&blobs, made.uid(), us)?;
         fs::set_permissions(&blobs, fs::Permissions::from_mode(0o700))?;
         Ok(Self { blobs })
     }
@@ -243,6 +250,12 @@ mod tests {
         if fs::metadata("/proc/self").unwrap().uid() == 0 {
             std::os::unix::fs::chown(dir.path().join("blobs"), Some(65534), None).unwrap();
             assert!(BlobCache::open(dir.path()).is_err(), "another user's");
+            // Nor in a directory another user owns, who could rename `blobs` and put a symlink
+            // in its place later, whatever its mode.
+            let theirs = tempfile::tempdir().unwrap();
+            std::os::unix::fs::chown(theirs.path(), Some(65534), None).unwrap();
+            let refused = BlobCache::open(theirs.path()).unwrap_err().to_string();
+            assert!(refused.contains("belongs to user 65534"), "{refused}");
         }
     }
 
