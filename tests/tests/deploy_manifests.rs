@@ -153,6 +153,32 @@ fn both_pods_meet_the_restricted_pod_security_standard() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Both pods request CPU and memory and have a memory limit (a pod without is the first a
+/// node short of memory evicts: for the control plane, the singleton every replica follows),
+/// and the data plane runs as many runtime threads as CPUs it requests, not one per core of
+/// the node.
+#[test]
+fn both_pods_request_what_they_use_and_the_data_plane_threads_follow_its_cpu() -> anyhow::Result<()> {
+    for file in ["control-plane.yaml", "data-plane.yaml"] {
+        let manifests = documents(file)?;
+        let resources = &container(find(&manifests, "Deployment")?)?["resources"];
+        for (what, resource) in [("requests", "cpu"), ("requests", "memory"), ("limits", "memory")] {
+            ensure!(!resources[what][resource].is_null(), "{file}: resources.{what}.{resource}");
+        }
+    }
+    let manifests = documents("data-plane.yaml")?;
+    let data_plane = container(find(&manifests, "Deployment")?)?;
+    let threads = data_plane["env"]
+        .as_sequence()
+        .into_iter()
+        .flatten()
+        .find(|entry| entry["name"] == "CONTINUUM_WORKER_THREADS")
+        .map(|entry| &entry["valueFrom"]["resourceFieldRef"]["resource"]);
+    ensure!(threads.is_some_and(|r| r == "requests.cpu"), "CONTINUUM_WORKER_THREADS from requests.cpu: {threads:?}");
+    ensure!(env_names("continuum-data-plane")?.iter().any(|name| name == "CONTINUUM_WORKER_THREADS"));
+    Ok(())
+}
+
 #[test]
 fn ports_probes_and_addresses_agree() -> anyhow::Result<()> {
     let config = effective_config()?;
