@@ -127,7 +127,12 @@ impl BlobCache {
         })();
         if result.is_err() {
             let _ = fs::remove_file(&temp);
+            return result;
         }
+        // A write follows a download, at the process's peak of memory: where a predecessor was
+        // killed mid-write, and restarted too soon for the prune at open to take its file as
+        // abandoned. Writes are few (one a new artifact), so each looks again.
+        let _ = self.sweep(None);
         result
     }
 
@@ -136,13 +141,20 @@ impl BlobCache {
     /// tokenizer version would otherwise keep up to three 64 MiB blobs on disk for good.
     /// Files that are neither are left alone: the directory is ours, what else is in it is not.
     pub fn prune(&self, keep: &BTreeSet<Checksum>) -> io::Result<usize> {
-        let keep: HashSet<String> = keep.iter().map(Checksum::hex).collect();
+        self.sweep(Some(&keep.iter().map(Checksum::hex).collect()))
+    }
+
+    /// Removes other processes' abandoned temporary files, and with `keep`, the blobs it does
+    /// not name.
+    fn sweep(&self, keep: Option<&HashSet<String>>) -> io::Result<usize> {
         let ours = format!(".{}.", *WRITER);
         let mut removed = 0;
         for entry in fs::read_dir(&self.blobs)? {
             let entry = entry?;
             let Some(name) = entry.file_name().to_str().map(str::to_owned) else { continue };
-            let blob = name.len() == 64 && name.bytes().all(|b| b.is_ascii_hexdigit()) && !keep.contains(&name);
+            let blob = name.len() == 64
+                && name.bytes().all(|b| b.is_ascii_hexdigit())
+                && keep.is_some_and(|keep| !keep.contains(&name));
             // `.{hex}.{writer}.{n}.tmp`: this process's may be a write under way, and so may
             // another's (replicas sharing the volume) while it is recent.
             let left_over = name.starts_with('.')
@@ -235,6 +247,28 @@ mod tests {
 
     /// A `blobs` another user made first in a shared directory is not taken over: its owner
     /// could swap it for a symlink after the check.
+    /// A predecessor killed mid-write and restarted within minutes left a temporary file the
+    /// prune at open took for a write under way: the next write, once it is old, removes it.
+    /// Blobs no pin names wait for a prune: a write knows nothing of pins.
+    #[test]
+    fn a_write_removes_what_a_crashed_writer_left_once_it_is_old() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = BlobCache::open(dir.path()).unwrap();
+        let hex = Checksum::of(b"left").hex();
+        let (crashed, writing) = (format!(".{hex}.1.0.tmp"), format!(".{hex}.2.0.tmp"));
+        let unpinned = Checksum::of(b"unpinned").hex();
+        for name in [&crashed, &writing, &unpinned] {
+            fs::write(dir.path().join("blobs").join(name), b"x").unwrap();
+        }
+        let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+        let file = OpenOptions::new().write(true).open(dir.path().join("blobs").join(&crashed)).unwrap();
+        file.set_modified(an_hour_ago).unwrap();
+        cache.write(&Checksum::of(b"new"), b"new").unwrap();
+        let present = |name: &str| dir.path().join("blobs").join(name).exists();
+        assert!(!present(&crashed), "abandoned: removed");
+        assert!(present(&writing) && present(&unpinned), "a write under way, and a blob, are left");
+    }
+
     #[test]
     fn a_blobs_directory_another_user_owns_is_refused() {
         let path = Path::new("/shared/blobs");
