@@ -172,10 +172,11 @@ pub struct Dispatcher {
 }
 
 /// A pinned request's routing path, counted once however the request ends: answered, failed,
-/// or dropped mid-way when its client left (under the path it had taken by then).
+/// or dropped mid-way when its client left (under the path it had taken by then). `None`: it
+/// went nowhere, and is counted on no path.
 struct CountedPath<'a> {
     metrics: &'a Metrics,
-    path: RoutingPath,
+    path: Option<RoutingPath>,
 }
 
 /// A plain unpinned request's failure.
@@ -188,7 +189,9 @@ fn unified_failed(failure: Failure) -> DispatchError {
 
 impl Drop for CountedPath<'_> {
     fn drop(&mut self) {
-        self.metrics.routed(self.path);
+        if let Some(path) = self.path {
+            self.metrics.routed(path);
+        }
     }
 }
 
@@ -280,7 +283,7 @@ impl Dispatcher {
     ) -> Result<Response, DispatchError> {
         let Pinned { selection, replicas, fallback, dispatch } = pinned;
         let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
-        let mut counted = CountedPath { metrics: &self.metrics, path };
+        let mut counted = CountedPath { metrics: &self.metrics, path: Some(path) };
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Few<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
         let sent = Instant::now();
@@ -318,8 +321,11 @@ impl Dispatcher {
             // it is no decode failure but what selection would have decided a moment later,
             // the seed's fall-through to the model's unified backends.
             PinnedOutcome::Failed(Failure::NoReplica) => {
-                counted.path = RoutingPath::Unified;
-                let Some(unified) = fallback else { return Err(DispatchError::NoShim) };
+                let Some(unified) = fallback else {
+                    counted.path = None;
+                    return Err(DispatchError::NoShim);
+                };
+                counted.path = Some(RoutingPath::Unified);
                 let Fallback { replicas, body: resent, .. } = *unified;
                 let plain = Unpinned { relay_errors: true, disclose };
                 let body = resent.unwrap_or(body);
@@ -340,7 +346,7 @@ impl Dispatcher {
         let Some(fallback) = fallback else {
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
         };
-        counted.path = RoutingPath::UnifiedFallback;
+        counted.path = Some(RoutingPath::UnifiedFallback);
         let Fallback { replicas: unified, body: resent, .. } = *fallback;
         let body = resent.unwrap_or(body);
         // Boxed: the fallback is rare, and inline its future would enlarge every request's.
@@ -524,7 +530,11 @@ mod tests {
 
         let counted = |vector: &prometheus::IntCounterVec, label: &str| vector.with_label_values(&[label]).get();
         assert_eq!(counted(&dispatcher.metrics.disaggregated_errors, ErrorPhase::Decode.as_str()), 0);
-        assert_eq!(counted(&dispatcher.metrics.disaggregated_requests, RoutingPath::Unified.as_str()), 2);
+        assert_eq!(
+            counted(&dispatcher.metrics.disaggregated_requests, RoutingPath::Unified.as_str()),
+            1,
+            "the refused one went nowhere"
+        );
         assert_eq!(counted(&dispatcher.metrics.disaggregated_requests, RoutingPath::Disaggregated.as_str()), 0);
         Ok(())
     }
