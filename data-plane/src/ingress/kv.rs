@@ -216,11 +216,11 @@ impl KvRouting {
         let (overlaps, answer) = match answer {
             Ok(Matches { overlaps, turn, suggestion }) => {
                 if !media {
-                    self.recent.remember(&chain, &overlaps, Instant::now());
+                    self.recent.remember(model, &chain, &overlaps, Instant::now());
                 }
                 (overlaps.into(), IndexAnswer::Answered { turn, suggestion })
             }
-            Err(error) => match self.recent.recall(&chain, Instant::now()).filter(|_| !media) {
+            Err(error) => match self.recent.recall(model, &chain, Instant::now()).filter(|_| !media) {
                 Some(overlaps) => (overlaps.into(), IndexAnswer::Recent),
                 None => {
                     tracing::debug!(%error, "scoring without overlap credit");

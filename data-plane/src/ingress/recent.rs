@@ -54,15 +54,17 @@ struct Entry {
 }
 
 impl RecentAnswers {
-    /// Keeps `answer`, the index's reply for the prompt whose block hashes are `hashes`.
-    pub fn remember(&self, hashes: &[u64], answer: &[RankOverlap], now: Instant) {
+    /// Keeps `answer`, the index's reply for `model`'s prompt whose block hashes are `hashes`.
+    /// Kept by model: two models sharing a tokenizer (two sizes of one family) hash the same
+    /// prompt alike, and one's ranks are no answer for the other's.
+    pub fn remember(&self, model: &str, hashes: &[u64], answer: &[RankOverlap], now: Instant) {
         if hashes.is_empty() {
             return;
         }
         let answer: Arc<[RankOverlap]> = answer.into();
         // Hashed before the lock, as `recall` does: a long prompt's keys take a millisecond,
         // and every request's lookup shares this lock.
-        let kept: Vec<(u64, u32)> = prefix_keys(hashes)
+        let kept: Vec<(u64, u32)> = prefix_keys(model, hashes)
             .zip(1..)
             .filter(|(_, blocks)| blocks % EVERY == 0 || *blocks == hashes.len())
             .map(|(key, blocks)| (key, u32::try_from(blocks).unwrap_or(u32::MAX)))
@@ -81,10 +83,10 @@ impl RecentAnswers {
         inner.evict(now);
     }
 
-    /// The recent answer for the longest prefix of `hashes` that one was kept under, each
-    /// rank's blocks capped at that prefix's length.
-    pub fn recall(&self, hashes: &[u64], now: Instant) -> Option<Vec<RankOverlap>> {
-        let keys: Vec<u64> = prefix_keys(hashes).collect();
+    /// The recent answer for `model`'s longest prefix of `hashes` that one was kept under,
+    /// each rank's blocks capped at that prefix's length.
+    pub fn recall(&self, model: &str, hashes: &[u64], now: Instant) -> Option<Vec<RankOverlap>> {
+        let keys: Vec<u64> = prefix_keys(model, hashes).collect();
         let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         let entry = keys
             .iter()
@@ -121,9 +123,10 @@ impl Inner {
     }
 }
 
-/// One key per block naming the whole prefix up to it: block hashes are per block, not chained.
-fn prefix_keys(hashes: &[u64]) -> impl Iterator<Item = u64> + '_ {
-    hashes.iter().scan(0u64, |chain, hash| {
+/// One key per block naming the model and the whole prefix up to it: block hashes are per
+/// block, not chained.
+fn prefix_keys<'h>(model: &str, hashes: &'h [u64]) -> impl Iterator<Item = u64> + 'h {
+    hashes.iter().scan(xxh3_64_with_seed(model.as_bytes(), 0), |chain, hash| {
         *chain = xxh3_64_with_seed(&hash.to_le_bytes(), *chain);
         Some(*chain)
     })
@@ -144,29 +147,46 @@ mod tests {
             .collect()
     }
 
+    /// Two models sharing a tokenizer hash one prompt alike: each is recalled its own answer,
+    /// and a third none.
+    #[test]
+    fn answers_are_kept_by_model() {
+        let recent = RecentAnswers::default();
+        let t0 = Instant::now();
+        recent.remember("a", &chain(0..32), &held(&[(7, 0, 32, 0)]), t0);
+        recent.remember("b", &chain(0..32), &held(&[(8, 0, 32, 0)]), t0);
+        assert_eq!(recent.recall("a", &chain(0..32), t0), Some(held(&[(7, 0, 32, 0)])));
+        assert_eq!(recent.recall("b", &chain(0..32), t0), Some(held(&[(8, 0, 32, 0)])));
+        assert_eq!(recent.recall("c", &chain(0..32), t0), None);
+    }
+
     #[test]
     fn a_longer_prompt_finds_the_answer_for_its_prefix() {
         let recent = RecentAnswers::default();
         let t0 = Instant::now();
-        recent.remember(&chain(0..40), &held(&[(7, 0, 40, 36), (8, 1, 12, 0)]), t0);
-        assert_eq!(recent.recall(&chain(0..50), t0), Some(held(&[(7, 0, 40, 36), (8, 1, 12, 0)])), "the next turn");
+        recent.remember("m", &chain(0..40), &held(&[(7, 0, 40, 36), (8, 1, 12, 0)]), t0);
+        assert_eq!(
+            recent.recall("m", &chain(0..50), t0),
+            Some(held(&[(7, 0, 40, 36), (8, 1, 12, 0)])),
+            "the next turn"
+        );
         // Another user of the same first 32 blocks: the answer kept at block 32, capped there.
         let mut other = chain(0..32);
         other.extend(100..120);
-        assert_eq!(recent.recall(&other, t0), Some(held(&[(7, 0, 32, 32), (8, 1, 12, 0)])));
+        assert_eq!(recent.recall("m", &other, t0), Some(held(&[(7, 0, 32, 32), (8, 1, 12, 0)])));
         let mut stranger = vec![99];
         stranger.extend(1..40);
-        assert_eq!(recent.recall(&stranger, t0), None, "keys name whole prefixes, not single blocks");
+        assert_eq!(recent.recall("m", &stranger, t0), None, "keys name whole prefixes, not single blocks");
     }
 
     #[test]
     fn answers_stand_in_briefly_and_in_bounded_number() {
         let recent = RecentAnswers::default();
         let t0 = Instant::now();
-        recent.remember(&chain(0..16), &held(&[(7, 0, 16, 0)]), t0);
-        assert!(recent.recall(&chain(0..16), t0 + RECENT_FOR).is_none(), "too old");
+        recent.remember("m", &chain(0..16), &held(&[(7, 0, 16, 0)]), t0);
+        assert!(recent.recall("m", &chain(0..16), t0 + RECENT_FOR).is_none(), "too old");
         for n in 0..MAX_RECENT as u64 + 10 {
-            recent.remember(&[n + 1000], &held(&[(7, 0, 1, 0)]), t0);
+            recent.remember("m", &[n + 1000], &held(&[(7, 0, 1, 0)]), t0);
         }
         let inner = recent.inner.lock().expect("unpoisoned");
         assert_eq!(inner.by_prefix.len(), MAX_RECENT);
@@ -181,7 +201,7 @@ mod tests {
         let many: Vec<RankOverlap> =
             (0..8192).map(|id| RankOverlap { instance_id: id, dp_rank: 0, blocks: 1, active: 0 }).collect();
         for n in 0..1024 {
-            recent.remember(&[n], &many, t0);
+            recent.remember("m", &[n], &many, t0);
         }
         {
             let inner = recent.inner.lock().expect("unpoisoned");
@@ -191,8 +211,8 @@ mod tests {
             let named: usize = distinct.iter().map(|answer| answer.len()).sum();
             assert!(named <= MAX_HELD_RANKS && named == inner.held_ranks, "{named} ranks held");
         }
-        assert_eq!(recent.recall(&[1023], t0).map(|answer| answer.len()), Some(8192), "the newest stands in");
-        assert!(recent.recall(&[0], t0).is_none(), "the oldest went");
+        assert_eq!(recent.recall("m", &[1023], t0).map(|answer| answer.len()), Some(8192), "the newest stands in");
+        assert!(recent.recall("m", &[0], t0).is_none(), "the oldest went");
     }
 
     /// An answer kept under many prefixes of a long prompt counts once: its shorter prefixes
@@ -204,18 +224,22 @@ mod tests {
         let many: Vec<RankOverlap> =
             (0..4096).map(|id| RankOverlap { instance_id: id, dp_rank: 0, blocks: 16, active: 0 }).collect();
         let prompt = chain(0..8192);
-        recent.remember(&prompt, &many, t0);
+        recent.remember("m", &prompt, &many, t0);
         assert_eq!(recent.inner.lock().expect("unpoisoned").held_ranks, 4096);
-        assert_eq!(recent.recall(&prompt[..16], t0).map(|answer| answer.len()), Some(4096), "a short prefix stands in");
+        assert_eq!(
+            recent.recall("m", &prompt[..16], t0).map(|answer| answer.len()),
+            Some(4096),
+            "a short prefix stands in"
+        );
     }
 
     #[test]
     fn the_newest_answer_for_a_prefix_wins() {
         let recent = RecentAnswers::default();
         let t0 = Instant::now();
-        recent.remember(&chain(0..16), &held(&[(7, 0, 16, 0)]), t0);
-        recent.remember(&chain(0..16), &held(&[(8, 0, 16, 0)]), t0 + Duration::from_secs(1));
-        assert_eq!(recent.recall(&chain(0..16), t0 + Duration::from_secs(2)), Some(held(&[(8, 0, 16, 0)])));
-        assert!(recent.recall(&[], t0).is_none());
+        recent.remember("m", &chain(0..16), &held(&[(7, 0, 16, 0)]), t0);
+        recent.remember("m", &chain(0..16), &held(&[(8, 0, 16, 0)]), t0 + Duration::from_secs(1));
+        assert_eq!(recent.recall("m", &chain(0..16), t0 + Duration::from_secs(2)), Some(held(&[(8, 0, 16, 0)])));
+        assert!(recent.recall("m", &[], t0).is_none());
     }
 }
