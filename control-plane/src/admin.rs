@@ -275,9 +275,19 @@ fn worker_json(discovered: &DiscoveredWorker) -> Value {
         "disaggregated_endpoint": disaggregated.flatten(),
         "disaggregated_bootstrap": bootstrap,
         "excluded": discovered.excluded.map(|e| e.to_string()),
-        "first_seen": humantime::format_rfc3339_seconds(discovered.first_seen).to_string(),
-        "last_updated": humantime::format_rfc3339_seconds(discovered.last_updated).to_string(),
+        "first_seen": timestamp(discovered.first_seen),
+        "last_updated": timestamp(discovered.last_updated),
     })
+}
+
+/// RFC 3339 to the second with the offset written out (`+00:00`), as the reference document
+/// shows it: some readers (Python's `fromisoformat` before 3.11) refuse the `Z` form.
+fn timestamp(at: std::time::SystemTime) -> String {
+    let utc = humantime::format_rfc3339_seconds(at).to_string();
+    match utc.strip_suffix('Z') {
+        Some(time) => format!("{time}+00:00"),
+        None => utc,
+    }
 }
 
 async fn replicas(State(state): State<AdminState>) -> impl IntoResponse {
@@ -302,7 +312,15 @@ async fn replicas(State(state): State<AdminState>) -> impl IntoResponse {
 
 #[cfg(test)]
 mod tests {
-    use super::endpoint_path;
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use super::{endpoint_path, timestamp};
+
+    #[test]
+    fn timestamps_write_their_offset_as_the_reference_document_does() {
+        let at = UNIX_EPOCH + Duration::from_secs(1_790_136_662);
+        assert_eq!(timestamp(at), "2026-09-23T04:11:02+00:00");
+    }
 
     #[test]
     fn only_a_dynamo_endpoint_path_is_shown() {
