@@ -23,6 +23,7 @@ use crate::discovery::{DiscoveredWorker, Topic};
 use crate::fleet::FleetPublisher;
 use crate::grpc::Replicas;
 use crate::kv::KvView;
+use crate::listen::Peer;
 use crate::load::{LoadView, Reading, SubscriptionStatus, transport_label};
 use crate::metrics::Metrics;
 use crate::sources::Registry;
@@ -59,7 +60,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/admin/dynamo/workers", get(workers))
         .route("/admin/dynamo/loads", get(loads))
         .route("/admin/fleet/replicas", get(replicas))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
+        .route_layer(middleware::from_fn(audit));
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
@@ -78,6 +80,20 @@ async fn require_token(State(state): State<AdminState>, request: Request, next: 
             refuse_unauthenticated()
         }
     }
+}
+
+/// One line per admin call, under target `continuum::audit`: who called (the peer's address),
+/// what (method and path), the outcome (status: 401 a token refused) and how long it took.
+/// Never a credential: no header is logged.
+async fn audit(request: Request, next: Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    let peer = request.extensions().get::<Peer>().map_or_else(|| "unknown".to_owned(), |peer| peer.0.to_string());
+    let started = Instant::now();
+    let response = next.run(request).await;
+    let status = response.status().as_u16();
+    let millis = started.elapsed().as_secs_f64() * 1000.0;
+    tracing::info!(target: "continuum::audit", %method, path, %peer, status, millis, "admin call");
+    response
 }
 
 fn refuse_unauthenticated() -> Response {
@@ -315,6 +331,45 @@ mod tests {
     use std::time::{Duration, UNIX_EPOCH};
 
     use super::{endpoint_path, timestamp};
+
+    /// Every admin call leaves one audit line saying who called what and how it ended, a
+    /// refused one too; the credential it presented is never written.
+    #[test]
+    fn every_admin_call_is_audited_without_its_credentials() {
+        use axum::body::Body;
+        use axum::http::{Request, StatusCode};
+        use tower_service::Service;
+
+        let refusing = |request: axum::extract::Request| async move {
+            let authorized = request.headers().get("authorization").is_some_and(|v| v == "Bearer right");
+            if authorized { StatusCode::OK } else { StatusCode::UNAUTHORIZED }
+        };
+        let mut router = axum::Router::new()
+            .route("/admin/dynamo/workers", axum::routing::get(refusing))
+            .route_layer(axum::middleware::from_fn(super::audit));
+        let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
+        let peer = super::Peer("10.1.2.3:4567".parse().expect("an address"));
+        let (statuses, logged) = crate::test_logs::captured(|| {
+            runtime.block_on(async {
+                let mut statuses = Vec::new();
+                for token in ["Bearer right", "Bearer wrong-secret-value"] {
+                    let mut request = Request::get("/admin/dynamo/workers").header("authorization", token);
+                    request = request.extension(peer);
+                    let response = router.call(request.body(Body::empty()).expect("a request")).await;
+                    statuses.push(response.map(|r| r.status().as_u16()).ok());
+                }
+                statuses
+            })
+        });
+        assert_eq!(statuses, [Some(200), Some(401)]);
+        let lines: Vec<&str> = logged.lines().filter(|line| line.contains("continuum::audit")).collect();
+        assert_eq!(lines.len(), 2, "{logged}");
+        for (line, status) in lines.iter().zip(["status=200", "status=401"]) {
+            assert!(line.contains("method=GET") && line.contains("/admin/dynamo/workers"), "{line}");
+            assert!(line.contains("peer=10.1.2.3:4567") && line.contains(status), "{line}");
+        }
+        assert!(!logged.contains("secret") && !logged.contains("right"), "no credential: {logged}");
+    }
 
     #[test]
     fn timestamps_write_their_offset_as_the_reference_document_does() {

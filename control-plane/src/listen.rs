@@ -48,6 +48,10 @@ pub const MAX_ADMIN_CONNECTIONS: usize = 256;
 /// Connections one peer address may hold on the admin listener.
 pub const MAX_ADMIN_CONNECTIONS_PER_PEER: usize = 32;
 
+/// The address a request's connection came from, on each request an HTTP listener serves.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub SocketAddr);
+
 /// Why a connection was closed by its listener rather than by its peer or its server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Closed {
@@ -313,11 +317,12 @@ impl GuardedListener {
     pub async fn serve(self, router: axum::Router, shutdown: tokio_util::sync::CancellationToken) {
         let connections = tokio_util::task::TaskTracker::new();
         loop {
-            let (io, _) = tokio::select! {
+            let (io, peer) = tokio::select! {
                 () = shutdown.cancelled() => break,
                 accepted = self.guard.accept(&self.listener) => accepted,
             };
-            let service = hyper_util::service::TowerToHyperService::new(router.clone());
+            let router = router.clone().layer(axum::Extension(Peer(peer)));
+            let service = hyper_util::service::TowerToHyperService::new(router);
             let (shutdown, head_timeout) = (shutdown.clone(), self.head_timeout);
             connections.spawn(async move {
                 let mut http = hyper::server::conn::http1::Builder::new();
