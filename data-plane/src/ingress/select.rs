@@ -77,6 +77,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let pools = state.dispatcher.pools(config);
     let usable = usable_namespaces(state, &pools, now);
     let pick = |prompt_tokens| PickRequest { model: display, prompt_tokens, namespaces: Some(&*usable) };
+    // The KV picker's picks count toward the model's tokens picked (what a lookup's suggestion
+    // reaches past), once one is made: a request that falls through was dispatched nowhere.
+    let kv_picked = kv.filter(|_| term.is_some());
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
         (
             Some(kv),
@@ -84,7 +87,6 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         ) => {
             let isl_tokens = tokens.len() as u64;
             let answer = answer.picked_meanwhile(kv.routing.picked_since(display, picked_before));
-            kv.routing.picked(display, isl_tokens);
             // A rendered prompt is counted as the model counts it: the load-only estimate of
             // the requests that lose their KV term learns from every one that keeps it (but a
             // prompt with media, whose items its render counts as placeholders).
@@ -98,7 +100,6 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
             let estimate = sized(state, display, request);
-            kv.routing.picked(display, estimate);
             (
                 kv.picker.pick(view, &pick(estimate), KvTerm::Unavailable(result), now),
                 estimate,
@@ -114,6 +115,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let Some(selection) = selection else {
         return fall_through(config, why_not(view, display, &usable, &request.model), &request.model);
     };
+    if let Some(kv) = kv_picked {
+        kv.routing.picked(display, prompt_tokens);
+    }
     let replicas = pools.pool(&selection.namespace);
     let mut dispatch =
         DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain, !request.stream);
