@@ -136,6 +136,7 @@ fn dynamo_rows() -> Vec<Row> {
     vec![
         row("max_staleness floor", "dynamo: {load: {max_staleness: 50ms}}", Error, "dynamo.load.max_staleness", "between 100ms and 5m"),
         row("max_staleness ceiling", "dynamo: {load: {max_staleness: 10m}}", Error, "dynamo.load.max_staleness", "between 100ms and 5m"),
+        row("max_staleness finer than ms", "dynamo: {load: {max_staleness: 2s 500us}}", Error, "dynamo.load.max_staleness", "whole number of milliseconds"),
         row("max_staleness not a duration", "dynamo: {load: {max_staleness: soon}}", Error, "dynamo.load.max_staleness", "invalid duration"),
         row("direct_allow_cidrs entry", "dynamo: {load: {direct_allow_cidrs: ['10.0.0.0/8', '10.0.0.0/33']}}", Error, "dynamo.load.direct_allow_cidrs[1]", "prefix length"),
         row("direct_allow_cidrs bounded", format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(65, |i| format!("'10.{i}.0.0/16'"))), Error, "dynamo.load.direct_allow_cidrs", "at most 64"),
