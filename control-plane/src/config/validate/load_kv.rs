@@ -30,7 +30,7 @@ fn check_load(config: &Config, report: &mut Report) {
     let load = &config.dynamo.load;
     if !(MIN_MAX_STALENESS..=MAX_MAX_STALENESS).contains(&load.max_staleness) {
         report.error(format!("{LOAD}.max_staleness"), "must be between 100ms and 5m");
-    } else if load.max_staleness.subsec_nanos() % 1_000_000 != 0 {
+    } else if !load.max_staleness.subsec_nanos().is_multiple_of(1_000_000) {
         // Replicas are sent it in whole milliseconds: a finer part would make the two planes
         // read a sample's staleness differently.
         report.error(format!("{LOAD}.max_staleness"), "must be a whole number of milliseconds");
