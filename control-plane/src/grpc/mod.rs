@@ -126,16 +126,32 @@ mod tests {
     use crate::fleet::FleetPublisher;
     use crate::metrics::Metrics;
 
+    /// A Fleet service on an empty fleet, its own metrics and cancel token.
+    pub(crate) fn empty_fleet_service() -> anyhow::Result<(FleetService, Metrics, CancellationToken)> {
+        let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let service = FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone());
+        Ok((service, metrics, cancel))
+    }
+
+    /// Serves `service` on a loopback port of its own, plaintext, until `cancel`; its URL.
+    pub(crate) async fn serving(
+        service: FleetService,
+        metrics: &Metrics,
+        cancel: &CancellationToken,
+    ) -> anyhow::Result<String> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        tokio::spawn(serve((listener, Guard::fleet(metrics)), service, None, cancel.clone()));
+        Ok(url)
+    }
+
     /// The services that ask for no credential read no message past a small bound: a caller
     /// cannot have the server set aside megabytes for a message it never finishes.
     #[tokio::test]
     async fn a_caller_without_a_credential_is_read_no_large_message() -> anyhow::Result<()> {
-        let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());
-        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        let service = FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone());
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
-        tokio::spawn(serve((listener, Guard::fleet(&metrics)), service, None, cancel.clone()));
+        let (service, metrics, cancel) = empty_fleet_service()?;
+        let url = serving(service, &metrics, &cancel).await?;
         let mut client = HealthClient::new(tonic::transport::Channel::from_shared(url)?.connect().await?);
         let small = client.check(HealthCheckRequest { service: String::new() }).await;
         assert!(small.is_ok(), "{small:?}");

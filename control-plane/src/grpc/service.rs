@@ -434,21 +434,10 @@ mod tests {
     /// runs; past the places a new stream is refused, counted.
     #[tokio::test]
     async fn a_watch_stream_holds_its_place_until_it_is_dropped() -> anyhow::Result<()> {
-        use continuum_proto::model::DataPlaneConfig;
         use continuum_proto::pb::fleet_client::FleetClient;
 
-        let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());
-        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
-        let service =
-            FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone()).with_stream_places(1);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let url = format!("http://{}", listener.local_addr()?);
-        tokio::spawn(super::super::serve(
-            (listener, crate::listen::Guard::fleet(&metrics)),
-            service,
-            None,
-            cancel.clone(),
-        ));
+        let (service, metrics, cancel) = super::super::tests::empty_fleet_service()?;
+        let url = super::super::tests::serving(service.with_stream_places(1), &metrics, &cancel).await?;
         let hello =
             |id: &str| pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: id.into(), version: None })) };
         let open = |id: &'static str| {
