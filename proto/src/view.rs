@@ -241,10 +241,7 @@ impl FleetDelta {
             && self.backlogs_removed.is_empty()
     }
 
-    /// One delta equivalent to applying `deltas` in order. They must be consecutive. `None` for
-    /// none, or for a run that upserts a worker with other ranks than it upserted it with
-    /// earlier in the run: the ranks it gave up in between dropped their samples, which the
-    /// last upsert alone does not say (a snapshot does).
+    /// One delta equivalent to applying `deltas` in order. They must be consecutive.
     pub fn merge<'a>(deltas: impl IntoIterator<Item = &'a FleetDelta>) -> Option<FleetDelta> {
         let mut deltas = deltas.into_iter();
         let first = deltas.next()?;
@@ -256,7 +253,7 @@ impl FleetDelta {
             merged.add(delta);
             version = delta.version;
         }
-        (!merged.ranks_changed).then(|| merged.finish(first.base_version, version))
+        Some(merged.finish(first.base_version, version))
     }
 }
 
@@ -281,8 +278,6 @@ struct Merge {
     loads: BTreeMap<LoadKey, Option<LoadSample>>,
     backlogs: BTreeMap<LoadKey, Option<Backlog>>,
     config: Option<Arc<DataPlaneConfig>>,
-    /// A worker was upserted twice in the run with other ranks (see [`FleetDelta::merge`]).
-    ranks_changed: bool,
 }
 
 impl Merge {
@@ -300,9 +295,7 @@ impl Merge {
             let gave_up = |k: &LoadKey| !worker.serves_rank(k.dp_rank);
             drop_ranks(&mut self.loads, &worker.key, |(k, sample)| sample.is_some() && gave_up(k));
             drop_ranks(&mut self.backlogs, &worker.key, |(k, backlog)| backlog.is_some() && gave_up(k));
-            if let Some(earlier) = self.upserted.insert(worker.key.clone(), Arc::clone(worker)) {
-                self.ranks_changed |= earlier.dp_ranks() != worker.dp_ranks();
-            }
+            self.upserted.insert(worker.key.clone(), Arc::clone(worker));
         }
         for key in &delta.loads_removed {
             self.loads.insert(key.clone(), None);

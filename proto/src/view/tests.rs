@@ -179,20 +179,3 @@ fn a_worker_declaring_more_ranks_than_any_fleet_is_refused_on_the_wire() {
     let refused = wire(u32::MAX).map(|_| ()).map_err(|e| e.to_string());
     assert!(refused.as_ref().is_err_and(|e| e.contains("data-parallel ranks")), "{refused:?}");
 }
-
-/// A run that upserts a worker with fewer ranks and then with more again is not merged: the
-/// samples its first upsert dropped would stand in the merged delta. (A snapshot says it.)
-#[test]
-fn a_run_changing_a_workers_ranks_twice_is_not_merged() {
-    let base = FleetView::default()
-        .apply(&FleetDelta { upserted: vec![worker(1, 4)], loads: vec![(load_key(1, 3), sample(5))], ..delta(0) })
-        .expect("the base");
-    let narrower = FleetDelta { upserted: vec![worker(1, 2)], ..delta(1) };
-    let wider = FleetDelta { upserted: vec![worker(1, 4)], ..delta(2) };
-    let in_turn = base.apply(&narrower).and_then(|view| view.apply(&wider)).expect("applied in turn");
-    assert!(in_turn.loads().get(&load_key(1, 3)).is_none(), "rank 3's sample went with the narrower card");
-    assert!(FleetDelta::merge([&narrower, &wider]).is_none());
-    let same = FleetDelta { upserted: vec![worker(1, 4)], ..delta(2) };
-    let unchanged = FleetDelta { upserted: vec![worker(1, 4)], ..delta(1) };
-    assert!(FleetDelta::merge([&unchanged, &same]).is_some(), "the same ranks again merge");
-}
