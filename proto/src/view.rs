@@ -241,7 +241,10 @@ impl FleetDelta {
             && self.backlogs_removed.is_empty()
     }
 
-    /// One delta equivalent to applying `deltas` in order. They must be consecutive.
+    /// One delta equivalent to applying `deltas` in order. They must be consecutive, and each
+    /// that shrinks a worker's ranks must name the samples and backlogs of the ranks it gave
+    /// up in its removals, as the control plane's effective deltas do: the merge keeps a
+    /// worker's last upsert, which alone does not say what an earlier, narrower one dropped.
     pub fn merge<'a>(deltas: impl IntoIterator<Item = &'a FleetDelta>) -> Option<FleetDelta> {
         let mut deltas = deltas.into_iter();
         let first = deltas.next()?;
