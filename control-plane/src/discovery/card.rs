@@ -6,7 +6,6 @@
 //! The typed subset follows Dynamo's N-2 window: every field optional, unknown fields ignored.
 //! If the subset still fails to deserialise, the card keeps its raw form and no typed fields.
 
-use std::io;
 use std::sync::Arc;
 
 use continuum_proto::model::{Capacity, CheckedFile, ModelArtifacts, PromptDefaults, Role};
@@ -220,10 +219,9 @@ fn remove_field(value: &mut Value, path: &serde_path_to_error::Path) -> bool {
 }
 
 impl Card {
-    /// Parses `card_json` (`null` when the record has none). `record_bytes` is the size of the
-    /// etcd value it came in: a card in a value past [`MAX_RETAINED_CARD_BYTES`] is measured
-    /// before it is written, so that an oversized one is never copied.
-    pub fn parse(card_json: Value, record_bytes: usize) -> Self {
+    /// Parses `card_json` (`null` when the record has none), a card at most
+    /// [`MAX_RETAINED_CARD_BYTES`] as it came (a larger one is [`Self::unretained`]).
+    pub fn parse(card_json: Value) -> Self {
         if card_json.is_null() {
             return Self {
                 typed: TypedCard::default(),
@@ -239,18 +237,12 @@ impl Card {
             .into_iter()
             .find_map(|field| card_json.get(field)?.as_str())
             .map(super::records::excerpt);
-        // The value's size vouches for a small card only loosely (serde_json writes `1e15` back
-        // as `1000000000000000.0`), so a card is kept only as long as it is written; a large
-        // value's card is measured before it is written at all.
-        let measured = (record_bytes > MAX_RETAINED_CARD_BYTES).then(|| serialised_len(&card_json));
-        let written = match measured {
-            Some(size) if size > MAX_RETAINED_CARD_BYTES => Err(size),
-            _ => serde_json::to_string(&card_json).map_err(|_| usize::MAX),
-        };
-        let (raw, dropped_bytes) = match written {
+        // The size it came in vouches for a card only loosely (serde_json writes `1e15` back as
+        // `1000000000000000.0`), so a card is kept only as long as it is written.
+        let (raw, dropped_bytes) = match serde_json::to_string(&card_json) {
             Ok(text) if text.len() <= MAX_RETAINED_CARD_BYTES => (Some(Arc::from(text)), None),
             Ok(text) => (None, Some(text.len())),
-            Err(size) => (None, Some(size)),
+            Err(_) => (None, Some(usize::MAX)),
         };
         let oversized = typed.drop_oversized();
         Self { typed, typed_error, raw, dropped_bytes, release, oversized }
@@ -369,28 +361,6 @@ fn default_thinking_mode<'de, D: Deserializer<'de>>(deserializer: D) -> Result<O
     })
 }
 
-fn serialised_len(value: &Value) -> usize {
-    let mut counter = ByteCounter(0);
-    match serde_json::to_writer(&mut counter, value) {
-        Ok(()) => counter.0,
-        Err(_) => usize::MAX,
-    }
-}
-
-/// Measures a serialisation without allocating it.
-struct ByteCounter(usize);
-
-impl io::Write for ByteCounter {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0 = self.0.saturating_add(buf.len());
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -401,11 +371,10 @@ mod tests {
     fn a_card_is_kept_only_as_long_as_it_is_written_whatever_the_value_it_came_in() {
         // `1e15` is 4 bytes in the etcd value and 18 as serde_json writes it back.
         let numbers = Value::from(vec![1e15; MAX_RETAINED_CARD_BYTES / 5]);
-        let value_bytes = MAX_RETAINED_CARD_BYTES - 16;
-        let card = Card::parse(json!({ "pad": numbers }), value_bytes);
+        let card = Card::parse(json!({ "pad": numbers }));
         assert!(card.raw.is_none(), "a card written past the bound is not kept");
         assert!(card.dropped_bytes.is_some_and(|size| size > MAX_RETAINED_CARD_BYTES), "{:?}", card.dropped_bytes);
-        let small = Card::parse(json!({"worker_type": "decode"}), 64);
+        let small = Card::parse(json!({"worker_type": "decode"}));
         assert_eq!(small.raw.as_deref(), Some(r#"{"worker_type":"decode"}"#));
     }
 
@@ -421,7 +390,7 @@ mod tests {
             (json!({}), None),
         ];
         for (card, want) in cases {
-            assert_eq!(Card::parse(card.clone(), 64).role_claim(), want, "{card}");
+            assert_eq!(Card::parse(card.clone()).role_claim(), want, "{card}");
         }
     }
 
@@ -444,13 +413,13 @@ mod tests {
             (json!({"runtime_data": null}), false, None),
         ];
         for (runtime_config, keeps_tools, thinking) in cases {
-            let card = Card::parse(json!({"runtime_config": runtime_config, "tokenizer": tokenizer}), 512);
+            let card = Card::parse(json!({"runtime_config": runtime_config, "tokenizer": tokenizer}));
             assert_eq!(card.typed_error, None, "{runtime_config}");
             let defaults = card.artifacts().expect("a tokenizer").defaults;
             assert_eq!(keep(defaults), keeps_tools, "{runtime_config}");
             assert_eq!(defaults.default_thinking, thinking, "{runtime_config}");
         }
-        let no_files = Card::parse(json!({"runtime_config": {"exclude_tools_when_tool_choice_none": false}}), 128);
+        let no_files = Card::parse(json!({"runtime_config": {"exclude_tools_when_tool_choice_none": false}}));
         assert_eq!(no_files.artifacts(), None, "defaults alone render nothing");
     }
 
@@ -459,22 +428,22 @@ mod tests {
     #[test]
     fn a_field_past_its_bound_is_dropped_and_named() {
         let long = "n".repeat(4 << 20);
-        let card = Card::parse(json!({"display_name": long, "worker_type": "decode"}), (4 << 20) + 64);
+        let card = Card::parse(json!({"display_name": long, "worker_type": "decode"}));
         assert_eq!(card.typed.display_name, None);
         assert_eq!(card.oversized, Some(("model name", 4 << 20)));
         assert_eq!(card.role_claim(), Some(Role::Decode), "the rest of the card stands");
 
         let path = "p".repeat(MAX_PATH_BYTES + 1);
         let file = json!({"hf_tokenizer_json": {"path": path, "checksum": "blake3:00"}});
-        let card = Card::parse(json!({"display_name": "tiny", "tokenizer": file}), 8 << 10);
+        let card = Card::parse(json!({"display_name": "tiny", "tokenizer": file}));
         assert_eq!(card.oversized, Some(("artifact path", MAX_PATH_BYTES + 1)));
         assert_eq!((card.typed.tokenizer, card.typed.display_name.as_deref()), (None, Some("tiny")));
 
-        let card = Card::parse(json!({"display_name": "n".repeat(MAX_NAME_BYTES)}), 1 << 10);
+        let card = Card::parse(json!({"display_name": "n".repeat(MAX_NAME_BYTES)}));
         assert_eq!((card.oversized, card.typed.display_name.map(|n| n.len())), (None, Some(MAX_NAME_BYTES)));
 
         // An adapter's card stays one, however long its suffix: skipped, not a worker excluded.
-        let card = Card::parse(json!({"display_name": "tiny", "model_suffix": "s".repeat(4 << 10)}), 8 << 10);
+        let card = Card::parse(json!({"display_name": "tiny", "model_suffix": "s".repeat(4 << 10)}));
         assert!(card.is_adapter());
         assert_eq!((card.oversized, card.typed.model_suffix.map(|s| s.len() <= MAX_NAME_BYTES)), (None, Some(true)));
     }
@@ -489,7 +458,7 @@ mod tests {
             (json!(null), None),
         ];
         for (value, want) in cases {
-            let card = Card::parse(json!({"runtime_config": {"disaggregated_endpoint": value}}), 128);
+            let card = Card::parse(json!({"runtime_config": {"disaggregated_endpoint": value}}));
             assert_eq!(card.typed_error, None);
             assert_eq!(card.runtime_config().disaggregated_endpoint.as_deref(), want, "{value}");
         }
@@ -497,11 +466,8 @@ mod tests {
 
     #[test]
     fn zero_capacities_read_as_absent() {
-        let card = Card::parse(
-            json!({"kv_cache_block_size": 0, "context_length": 4096,
-                   "runtime_config": {"total_kv_blocks": 0, "max_num_seqs": 8, "context_length": 0}}),
-            256,
-        );
+        let card = Card::parse(json!({"kv_cache_block_size": 0, "context_length": 4096,
+                   "runtime_config": {"total_kv_blocks": 0, "max_num_seqs": 8, "context_length": 0}}));
         let want = Capacity { max_num_seqs: Some(8), context_length: Some(4096), ..Capacity::default() };
         assert_eq!((card.capacity(), card.block_size()), (want, None));
     }
@@ -510,7 +476,7 @@ mod tests {
     fn an_unreadable_field_costs_only_itself_and_the_raw_card_is_kept() {
         let raw = json!({"display_name": "tiny", "kv_cache_block_size": "sixteen", "worker_type": "prefill",
                          "runtime_config": {"total_kv_blocks": "many", "max_num_seqs": 8}});
-        let card = Card::parse(raw.clone(), 256);
+        let card = Card::parse(raw.clone());
         assert!(
             card.typed_error.as_deref().is_some_and(|e| e.contains("kv_cache_block_size")),
             "{:?}",
@@ -522,7 +488,7 @@ mod tests {
         let kept: Option<Value> = card.raw.as_deref().and_then(|text| serde_json::from_str(text).ok());
         assert_eq!(kept, Some(raw), "kept whole, as compact text");
         // A card that is no object at all has no typed subset.
-        let card = Card::parse(json!(["not", "a", "card"]), 64);
+        let card = Card::parse(json!(["not", "a", "card"]));
         assert!(card.typed_error.is_some());
         assert_eq!(card.typed, TypedCard::default());
     }

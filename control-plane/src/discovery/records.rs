@@ -256,9 +256,9 @@ fn model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
         return Ok(Parsed::Skipped(Skip::AdapterCard));
     }
     let card = match wire.card_json.map(RawValue::get) {
-        None => Card::parse(Value::Null, 0),
+        None => Card::parse(Value::Null),
         Some(text) if text.len() <= MAX_RETAINED_CARD_BYTES => {
-            serde_json::from_str(text).map_or_else(|_| Card::unretained(text), |card| Card::parse(card, text.len()))
+            serde_json::from_str(text).map_or_else(|_| Card::unretained(text), Card::parse)
         }
         Some(text) => Card::unretained(text),
     };

@@ -326,10 +326,8 @@ impl Dispatcher {
                     return Err(DispatchError::NoShim);
                 };
                 counted.path = Some(RoutingPath::Unified);
-                let Fallback { replicas, body: resent, .. } = *unified;
                 let plain = Unpinned { relay_errors: true, disclose };
-                let body = resent.unwrap_or(body);
-                return Box::pin(self.unpinned(&body, stream, headers, replicas, plain)).await.map_err(unified_failed);
+                return self.to_unified(*unified, body, (stream, headers), plain).await.map_err(unified_failed);
             }
             PinnedOutcome::Failed(failure) => failure,
         };
@@ -347,13 +345,25 @@ impl Dispatcher {
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
         };
         counted.path = Some(RoutingPath::UnifiedFallback);
-        let Fallback { replicas: unified, body: resent, .. } = *fallback;
-        let body = resent.unwrap_or(body);
-        // Boxed: the fallback is rare, and inline its future would enlarge every request's.
-        let fallback = Unpinned { relay_errors: false, disclose };
-        Box::pin(self.unpinned(&body, stream, headers, unified, fallback))
+        let resend = Unpinned { relay_errors: false, disclose };
+        self.to_unified(*fallback, body, (stream, headers), resend)
             .await
             .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins })
+    }
+
+    /// A pinned request sent unpinned to the model's unified backends instead: its body, or the
+    /// one made for them (without the router's tokens). Boxed: it is rare, and inline its
+    /// future would enlarge every request's.
+    async fn to_unified(
+        &self,
+        unified: Fallback,
+        body: Bytes,
+        (stream, headers): (bool, &HeaderMap),
+        how: Unpinned,
+    ) -> Result<Response, Failure> {
+        let Fallback { replicas, body: made, .. } = unified;
+        let body = made.unwrap_or(body);
+        Box::pin(self.unpinned(&body, stream, headers, replicas, how)).await
     }
 
     /// The pinned send and what its answer means, and whether a refusal blames the pinned
