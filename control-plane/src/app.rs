@@ -2,10 +2,12 @@
 //! Fleet gRPC server and the admin HTTP server. The binary and the tests both go through
 //! [`ControlPlane::start`].
 
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::FutureExt;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -62,6 +64,8 @@ pub struct ControlPlane {
     fleet_tokens: watch::Sender<Vec<bearer::Token>>,
     tls: Option<ServerTls>,
     cancel: CancellationToken,
+    /// Cancelled when a server (gRPC or admin) stops before the shutdown asked it to.
+    failed: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -149,13 +153,11 @@ impl ControlPlane {
         if let Some(tls) = &tls {
             tasks.push(tokio::spawn(tls.clone().follow_files(tls::RELOAD_INTERVAL, cancel.clone())));
         }
+        let failed = CancellationToken::new();
         let (shutdown, serving_tls) = (cancel.clone(), tls.clone());
         let (fleet_guard, admin_guard) = (Guard::fleet(&metrics), Guard::admin(&metrics));
-        tasks.push(tokio::spawn(async move {
-            if let Err(error) = grpc::serve((grpc_listener, fleet_guard), service, serving_tls, shutdown).await {
-                tracing::error!(%error, "Fleet gRPC server stopped");
-            }
-        }));
+        let serving = grpc::serve((grpc_listener, fleet_guard), service, serving_tls, shutdown);
+        tasks.push(tokio::spawn(watch_server("the Fleet gRPC server", serving, cancel.clone(), failed.clone())));
 
         let admin_state = AdminState {
             registry,
@@ -166,11 +168,9 @@ impl ControlPlane {
             load: load.view(),
             kv: kv.view(),
         };
-        let shutdown = cancel.clone();
-        tasks.push(tokio::spawn(async move {
-            let listener = GuardedListener::new(admin_listener, admin_guard);
-            listener.serve(admin::router(admin_state), shutdown).await;
-        }));
+        let listener = GuardedListener::new(admin_listener, admin_guard);
+        let serving = listener.serve(admin::router(admin_state), cancel.clone()).map(Ok::<(), Infallible>);
+        tasks.push(tokio::spawn(watch_server("the admin HTTP server", serving, cancel.clone(), failed.clone())));
         tracing::info!(%grpc_addr, %admin_addr, source = discovery.source(), "control plane started");
         started.disarm();
         Ok(Self {
@@ -187,8 +187,16 @@ impl ControlPlane {
             fleet_tokens,
             tls,
             cancel,
+            failed,
             tasks,
         })
+    }
+
+    /// Resolves when a server stopped before the shutdown asked it to (logged as it happened):
+    /// a control plane that serves no replicas must end with a failure for its supervisor to
+    /// restart it, not idle on as if healthy.
+    pub fn failed(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.failed.clone().cancelled_owned()
     }
 
     /// Applies a new configuration without a restart: the data plane's part goes out on the
@@ -319,6 +327,28 @@ impl ControlPlane {
     }
 }
 
+/// Runs a server to its end; an end (or an error) before `shutdown` is logged and cancels
+/// `failed`.
+async fn watch_server<E: std::fmt::Display>(
+    what: &'static str,
+    serving: impl Future<Output = Result<(), E>>,
+    shutdown: CancellationToken,
+    failed: CancellationToken,
+) {
+    let result = serving.await;
+    if shutdown.is_cancelled() {
+        if let Err(error) = result {
+            tracing::warn!(%error, "{what} failed while shutting down");
+        }
+        return;
+    }
+    match result {
+        Ok(()) => tracing::error!("{what} stopped on its own; the control plane exits"),
+        Err(error) => tracing::error!(%error, "{what} failed; the control plane exits"),
+    }
+    failed.cancel();
+}
+
 /// How long a reload waits for `control_plane.tls`'s unchanged files to be read again.
 const TLS_REFRESH_WAIT: Duration = Duration::from_secs(5);
 
@@ -383,5 +413,20 @@ mod tests {
         assert!(!tokens.has_changed()?, "the Fleet tokens were never replaced");
         control.shutdown().await;
         Ok(())
+    }
+
+    /// A server that stops on its own, with or without an error, fails the control plane; one
+    /// that stops because the shutdown asked it to does not.
+    #[tokio::test]
+    async fn a_server_that_stops_before_the_shutdown_fails_the_control_plane() {
+        for result in [Ok(()), Err("the listener broke")] {
+            let (shutdown, failed) = (CancellationToken::new(), CancellationToken::new());
+            watch_server("a server", async { result }, shutdown.clone(), failed.clone()).await;
+            assert!(failed.is_cancelled(), "{result:?} before the shutdown");
+        }
+        let (shutdown, failed) = (CancellationToken::new(), CancellationToken::new());
+        shutdown.cancel();
+        watch_server("a server", async { Err("closed mid-stream") }, shutdown, failed.clone()).await;
+        assert!(!failed.is_cancelled(), "an end the shutdown asked for");
     }
 }

@@ -181,23 +181,35 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
     );
     // A stop signal during a reload abandons it: a reload waiting on a stalled volume must not
     // leave the process deaf to the signals that end it.
-    while let Signal::Hangup = signals.recv().await {
+    let failed = control_plane.failed();
+    tokio::pin!(failed);
+    let mut code = 0;
+    loop {
         tokio::select! {
-            () = reload(&mut control_plane, file, shim) => {}
-            () = signals.stop() => {
-                tracing::warn!("a stop signal during a reload: abandoning the reload");
+            signal = signals.recv() => match signal {
+                Signal::Stop => break,
+                Signal::Hangup => tokio::select! {
+                    () = reload(&mut control_plane, file, shim) => {}
+                    () = signals.stop() => {
+                        tracing::warn!("a stop signal during a reload: abandoning the reload");
+                        break;
+                    }
+                },
+            },
+            () = &mut failed => {
+                code = 1;
                 break;
             }
         }
     }
     tracing::info!("shutting down");
-    let code = tokio::select! {
-        () = control_plane.shutdown() => 0,
+    tokio::select! {
+        () = control_plane.shutdown() => {}
         () = signals.stop() => {
             tracing::warn!("a second stop signal: exiting without finishing the shutdown");
-            1
+            code = 1;
         }
-    };
+    }
     // Exits here rather than returning: returning drops the runtime, which waits for every
     // blocking task, and a file read stalled on its volume would hold the process forever.
     std::process::exit(code)
