@@ -223,17 +223,28 @@ impl<'de> Deserialize<'de> for Key<'de> {
 }
 
 /// The keys one object has shown so far, to refuse the second of any: a list while they are
-/// few, a set past that (a body may hold an object of a hundred thousand keys).
+/// few, a set past that, up to [`MAX_UNIQUE_KEYS`].
 #[derive(Debug, Default)]
 pub struct Keys<'de> {
     few: Vec<Cow<'de, str>>,
     many: HashSet<Cow<'de, str>>,
 }
 
+/// Keys an object whose keys must be unique may hold. The request, its messages and their
+/// parts, `nvext` and the typed options have a few dozen fields at most; without a bound, a body
+/// of one object with a million short keys would build a set six times the body's size, off
+/// every memory budget the parse is under.
+pub const MAX_UNIQUE_KEYS: usize = 1024;
+
 impl<'de> Keys<'de> {
     const FEW: usize = 16;
 
     pub fn insert<E: de::Error>(&mut self, key: Cow<'de, str>) -> Result<(), E> {
+        if self.many.len() >= MAX_UNIQUE_KEYS {
+            return Err(E::custom(format_args!(
+                "an object holds more than {MAX_UNIQUE_KEYS} keys; a chat completion request's own objects have a few dozen"
+            )));
+        }
         let seen = match self.few.len() < Self::FEW {
             true => self.few.contains(&key),
             false => self.many.contains(&key),
@@ -268,6 +279,15 @@ mod tests {
         }
         assert_eq!(scalar("[0,"), None, "invalid JSON is still an error");
         assert!(Shape::is_object(r#" {"a": [1, {"b": 2}]} "#));
+        let object =
+            |keys: usize| format!("{{{}}}", (0..keys).map(|k| format!("\"k{k}\":0")).collect::<Vec<_>>().join(","));
+        assert!(serde_json::from_str::<UniqueObject>(&object(MAX_UNIQUE_KEYS)).is_ok());
+        let refused = serde_json::from_str::<UniqueObject>(&object(MAX_UNIQUE_KEYS + 1)).unwrap_err().to_string();
+        assert!(refused.contains("more than 1024 keys"), "{refused}");
+        assert!(
+            serde_json::from_str::<Checked>(&object(MAX_UNIQUE_KEYS * 4)).is_ok(),
+            "free-form objects are not bounded here"
+        );
         for not in ["[]", r#""{}""#, "1", "null", "{} {}", "{"] {
             assert!(!Shape::is_object(not), "{not}");
         }

@@ -107,6 +107,7 @@ async fn demo_routes_through_the_simulated_shim_and_streams_its_load() -> anyhow
     let idle = view.loads().keys().filter(|key| ![prefill, decode].contains(&key.worker.instance_id)).count();
     assert_eq!(idle, 0, "no sample from a worker no request reached");
     let view = replica.fleet.view().context("no fleet view")?;
+    assert!(!view.loads().is_empty(), "the replica holds the samples of the workers that served");
     assert!(view.loads().iter().all(|(key, sample)| key.dp_rank == 0 && sample.load.kv_used_blocks.is_some()));
 
     // A stream ends as the frontend's: a finish chunk with an empty delta, the usage it asked

@@ -55,7 +55,7 @@ const PIN_ALIASES: [&str; 5] =
     ["x-worker-instance-id", "x-prefill-instance-id", "x-dp-rank", "x-data-parallel-rank", "x-prefill-dp-rank"];
 /// Body fields that choose workers or ranks, or replace the prompt: listed here, not taken from
 /// the data plane, so that one it stopped stripping fails this test.
-const NVEXT_ROUTING_FIELDS: [&str; 9] = [
+const NVEXT_ROUTING_FIELDS: [&str; 10] = [
     "backend_instance_id",
     "prefill_worker_id",
     "decode_worker_id",
@@ -65,6 +65,7 @@ const NVEXT_ROUTING_FIELDS: [&str; 9] = [
     "data_parallel_rank",
     "token_data",
     "worker_id",
+    "routing_constraints",
 ];
 /// Top-level fields with which an engine's own server (vLLM's, SGLang's) chooses a KV source or
 /// a rank: listed here for the same reason.
@@ -176,6 +177,8 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
             body["nvext"][field] = match field {
                 "prefill_worker_id" => json!(prefill),
                 "token_data" => json!([1, 2, 3]),
+                // Taints no worker has: a frontend that saw it would refuse every worker.
+                "routing_constraints" => json!({"required_taints": ["gpu-a"]}),
                 field if field.ends_with("rank") => json!(5),
                 _ => json!(decode),
             };
@@ -299,7 +302,19 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
         futures::future::join_all(sends).await
     };
     let killing = async {
-        // Long enough for every stream's head and first tokens; far shorter than the streams.
+        // Once the frontend has been sent every stream (the tap's record), and a little longer
+        // for their heads and first tokens: far shorter than the streams.
+        let prompts: Vec<String> = (0..IN_FLIGHT_AT_DECODE_KILL).map(|i| format!("request {}:", 20_000 + i)).collect();
+        let all_sent = || -> anyhow::Result<bool> {
+            let bodies: Vec<String> =
+                tap.requests()?.iter().map(|r| String::from_utf8_lossy(&r.body).into_owned()).collect();
+            Ok(prompts.iter().all(|prompt| bodies.iter().any(|body| body.contains(prompt.as_str()))))
+        };
+        let deadline = Instant::now() + REQUEST_MAX_TIME;
+        while !all_sent()? {
+            ensure!(Instant::now() < deadline, "the streams to be cut never all reached the frontend");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
         ns.kill(victim.pid)
     };

@@ -438,7 +438,11 @@ mod tests {
                 }))
             })
             .collect();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while started.load(std::sync::atomic::Ordering::SeqCst) < MAX_OFF_RUNTIME_WORK {
+            assert!(tokio::time::Instant::now() < deadline, "the first pieces of work started");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         for request in &abandoned {
             request.abort();
         }

@@ -284,7 +284,7 @@ async fn a_worker_whose_buffered_answers_never_come_is_skipped_and_the_shim_stay
     // A breaker that two failures in a row would open: the hung worker's timeouts must not.
     let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
     let settings =
-        DispatchSettings { buffered_timeout: Duration::from_millis(300), breaker, ..DispatchSettings::default() };
+        DispatchSettings { buffered_timeout: Duration::from_secs(1), breaker, ..DispatchSettings::default() };
     let harness = Harness::start_with(fleet, config(&[("shim", shim.url())]), settings).await?;
     let to_hung = || {
         let pinned = |r: &continuum_tests::shim_stub::Received| {

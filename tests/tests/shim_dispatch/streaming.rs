@@ -323,7 +323,9 @@ async fn an_error_event_before_any_token_blames_the_prefill_worker_too() -> anyh
 async fn a_silent_stream_strikes_only_workers_that_answered_nothing_meanwhile() -> anyhow::Result<()> {
     use continuum_data_plane::routing::picker::EJECT_AFTER;
     let shim = StubShim::start().await?;
-    let settings = DispatchSettings { stream_idle_timeout: Duration::from_millis(500), ..DispatchSettings::default() };
+    // Long enough for the request answered meanwhile to end before the first stream's timeout
+    // on a loaded machine.
+    let settings = DispatchSettings { stream_idle_timeout: Duration::from_secs(2), ..DispatchSettings::default() };
     let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
     let outliers = harness.replica.ledger.outliers();
     let silent_streams = |answer_meanwhile: bool| {
