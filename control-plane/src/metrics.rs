@@ -22,7 +22,8 @@ pub struct Metrics {
     pub updates_sent: IntCounterVec,
     /// Replies from replicas, by `result` (ack, nack).
     pub replica_replies: IntCounterVec,
-    /// Watch streams refused before they started, by `reason` (no_hello, bad_hello, not_seeded, too_many_sessions).
+    /// Watch streams refused before they started, by `reason` (no_hello, bad_hello, not_seeded, too_many_sessions,
+    /// too_many_streams, bad_message).
     pub watch_refused: IntCounterVec,
     /// Watch streams ended because their replica id opened a new one.
     pub watch_superseded: IntCounter,
@@ -41,7 +42,7 @@ pub struct Metrics {
     /// (see `grpc::tls::HandshakeFailure`).
     pub fleet_tls_handshakes_failed: IntCounterVec,
     /// Connections a listener closed itself, by `listener` (fleet, admin) and `reason` (full,
-    /// silent; see `listen::Closed`).
+    /// peer_full, silent, idle; see `listen::Closed`).
     pub connections_closed: IntCounterVec,
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,

@@ -50,7 +50,8 @@ struct Args {
     /// environment variable: a command line is visible to every user of the host.
     #[arg(long, env = "CONTINUUM_CONTROL_PLANE_TOKEN", hide_env_values = true)]
     control_plane_token: Option<String>,
-    /// How long a KV overlap lookup may hold a request before it is scored without overlap credit.
+    /// How long a KV overlap lookup may hold a request before it is scored without a fresh answer
+    /// (on the replica's recent answer for the prompt's prefix, else without overlap credit).
     #[arg(long, env = "CONTINUUM_FIND_MATCHES_DEADLINE", default_value = "2ms", value_parser = humantime::parse_duration)]
     find_matches_deadline: std::time::Duration,
     /// Threads serving requests (default: one per core). With 1 the replica runs on a single

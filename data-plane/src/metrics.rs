@@ -32,7 +32,7 @@ pub struct Metrics {
     pub disaggregated_errors: IntCounterVec,
     /// Routed requests by `routing_path` ([`RoutingPath`]), once per request.
     pub disaggregated_requests: IntCounterVec,
-    /// Time until the response head, by `ingress` ([`Ingress`]) and `status_class` (2xx..5xx).
+    /// Time until the response head, by `ingress` ([`Ingress`]) and `status_class` (1xx..5xx).
     pub request_duration: HistogramVec,
     /// Each shim replica's circuit breaker by `backend` (configured names): 0 closed, 1
     /// half-open, 2 open.

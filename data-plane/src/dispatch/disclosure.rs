@@ -79,7 +79,7 @@ const INTERNAL_SUFFIXES: [&str; 6] = [".local", ".internal", ".svc", ".cluster",
 /// Whether `text` holds a URL, an IP address (with or without a port), a host with a port, a
 /// host name of an internal zone, an absolute file path, or what may be a worker's instance id.
 /// Errs toward yes: a false alarm costs the client the backend's wording, never its status.
-fn text_names_an_address(text: &str) -> bool {
+pub fn text_names_an_address(text: &str) -> bool {
     text.contains("://")
         || text.split(|c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '`' | '(' | '[' | '=')).any(is_path)
         || text

@@ -25,7 +25,7 @@ use serde_json::json;
 use tokio::time::{Instant, Sleep};
 
 use super::breaker::ShimExchange;
-use super::disclosure::relayable;
+use super::disclosure::{relayable, text_names_an_address};
 use super::ledger::DispatchEnd;
 use super::shim_body::ShimBody;
 
@@ -319,16 +319,20 @@ impl Body for RelayBody {
 }
 
 /// Whether whole SSE events hold an error event: a `data:` line whose JSON opens with an
-/// `error` member, the shape an OpenAI stream, and Dynamo's frontend, carry errors in. Only a
-/// line's start is looked at: a token's text is inside a string there, never at the start.
+/// `error` member, the shape an OpenAI stream, and Dynamo 1.6.1's frontend, carry errors in; or
+/// an event named `error`, as later frontends send a stream's failure (its words in comment
+/// lines, `event: error` then `: <why>`). Only a line's start is looked at: a token's text is
+/// inside a string there, never at the start.
 fn carries_error_event(data: &[u8]) -> bool {
     // Lines end at LF, CRLF or CR: split at either, a CRLF leaving an empty piece between.
     data.split(|b| *b == b'\n' || *b == b'\r').any(is_error_line)
 }
 
-/// Whether one line is an error event's `data:` line.
+/// Whether one line is an error event's `data:` line, or names its event `error`.
 fn is_error_line(line: &[u8]) -> bool {
+    let named_error = |name: &[u8]| name.strip_prefix(b" ").unwrap_or(name) == b"error";
     line.strip_prefix(b"data:").is_some_and(opens_with_error_member)
+        || line.strip_prefix(b"event:").is_some_and(named_error)
 }
 
 /// Whether a `data:` line's value is a JSON object whose first member is `error`, white space
@@ -339,12 +343,16 @@ fn opens_with_error_member(value: &[u8]) -> bool {
 }
 
 /// The error events of `events` that name an address, a path or a worker (as a refusal's body
-/// may not, `disclosure`) put in the router's words; every other line as it came (and `events`
-/// itself, uncopied, when none does).
+/// may not, `disclosure`) put in the router's words, and so are comment lines that do, which
+/// carry a later frontend's error text; every other line as it came (and `events` itself,
+/// uncopied, when none does). Called only on events that carry an error.
 fn withhold_addresses(events: Bytes) -> Bytes {
-    let names_one = |line: &[u8]| {
-        let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).unwrap_or_default();
-        opens_with_error_member(value) && relayable(value).is_err()
+    let names_one = |line: &[u8]| match line.strip_prefix(b":") {
+        Some(comment) => text_names_an_address(&String::from_utf8_lossy(comment)),
+        None => {
+            let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).unwrap_or_default();
+            opens_with_error_member(value) && relayable(value).is_err()
+        }
     };
     let lines = || events.split_inclusive(|b| *b == b'\n' || *b == b'\r');
     if !lines().any(|line| names_one(line.trim_ascii_end())) {
@@ -560,10 +568,27 @@ mod tests {
             &b"data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\n"[..],
             b"data: {\"choices\":[{\"delta\":{\"content\":\"{\\\"error\\\"\"}}]}\n\n",
             b": {\"error\": a comment}\n\n",
-            b"event: error\ndata: [DONE]\n\n",
+            b"event: errors\ndata: {}\n\n",
+            b"event: message\ndata: {}\n\n",
         ] {
             assert!(!carries_error_event(fine), "{:?}", String::from_utf8_lossy(fine));
         }
+        for named in [&b"event: error\n: Remote prefill failed\n\n"[..], b"event:error\r\n\r\n"] {
+            assert!(carries_error_event(named), "{:?}", String::from_utf8_lossy(named));
+        }
+    }
+
+    /// A later frontend's error event carries its words in comment lines: one naming a worker
+    /// or an address is withheld like an error `data:` line; a plain one goes as it came.
+    #[test]
+    fn an_error_events_comment_naming_a_worker_is_withheld() {
+        let named = Bytes::from_static(
+            b"event: error\n: Remote prefill failed: nvext.prefill_worker_id=7668682560356784121 does not identify a known worker at 10.4.0.12:9000\n\n",
+        );
+        let out = String::from_utf8_lossy(&withhold_addresses(named)).into_owned();
+        assert_eq!(out, format!("event: error\n{WITHHELD_ERROR_EVENT}\n\n"));
+        let plain = Bytes::from_static(b"event: error\n: Stream ended before generation completed\n\n");
+        assert_eq!(withhold_addresses(plain.clone()), plain);
     }
 
     #[test]
