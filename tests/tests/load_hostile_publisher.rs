@@ -282,20 +282,35 @@ async fn each_hostile_message_is_counted_under_its_label_within_bounds_while_a_h
     Ok(())
 }
 
+/// Channel records that name no worker, or a worker the fleet does not hold, are never dialled:
+/// every sample of theirs would be refused, and reading their messages would take from the
+/// large-message budget the fleet's workers share. The fleet's own channel beside them is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_channel_that_names_no_worker_sets_no_workers_load() -> anyhow::Result<()> {
-    let mut peer = RawPublisher::bind().await?;
+async fn a_channel_that_names_no_worker_in_the_fleet_is_not_dialled() -> anyhow::Result<()> {
+    let (mut nameless_peer, mut strange_peer) = (RawPublisher::bind().await?, RawPublisher::bind().await?);
+    let healthy_peer = RawPublisher::bind().await?;
     let load = TestLoad::start(&loopback_config(), test_options())?;
     // A channel record with no lease and no event source: discovery can name no worker for it.
     let nameless = continuum_control_plane::discovery::Publisher {
         worker: None,
-        ..kv_metrics_publisher(HOSTILE_PUBLISHER, HOSTILE_WORKER, peer.endpoint())
+        ..kv_metrics_publisher(HOSTILE_PUBLISHER, HOSTILE_WORKER, nameless_peer.endpoint())
     };
-    load.registry.publish(fleet(vec![worker(HOSTILE_WORKER, 1)], vec![nameless]));
-    let mut conn = peer.connection(WAIT).await?;
-    conn.send_frames(&hostile(1, 0, 9)).await?;
-    eventually(WAIT, "the sample refused", || async { load.events("identity_mismatch") == 1 }).await?;
+    // One naming a worker the fleet does not hold.
+    let strange = kv_metrics_publisher(SLOW_PUBLISHER, SLOW_WORKER, strange_peer.endpoint());
+    let healthy_publisher = kv_metrics_publisher(HEALTHY_PUBLISHER, HEALTHY_WORKER, healthy_peer.endpoint());
+    load.registry.publish(fleet(
+        vec![worker(HOSTILE_WORKER, 1), worker(HEALTHY_WORKER, 1)],
+        vec![nameless, strange, healthy_publisher],
+    ));
+    let healthy_task = tokio::spawn(healthy(healthy_peer));
+    eventually(WAIT, "the fleet's channel applied", || async { load.events("applied") > 0 }).await?;
+    assert!(load.subscription(HOSTILE_PUBLISHER).is_none(), "the nameless channel has no subscription");
+    assert!(load.subscription(SLOW_PUBLISHER).is_none(), "nor the one naming a worker not in the fleet");
+    for peer in [&mut nameless_peer, &mut strange_peer] {
+        assert!(peer.connection(Duration::from_millis(200)).await.is_err(), "never dialled");
+    }
     assert!(load.view.store.lock().get(&key(HOSTILE_WORKER, 0)).is_none(), "no load was set for the worker");
+    healthy_task.abort();
     load.stop().await;
     Ok(())
 }

@@ -398,10 +398,14 @@ impl<F: Feed> Actor<F> {
     /// The feed's publishers to run, at most the cap: the lowest ids first, those benched last.
     fn admitted<'a>(&mut self, fleet: &'a Fleet) -> BTreeMap<AdmissionKey, &'a Publisher> {
         let topic = self.ctx.feed.topic();
+        // Only the channels of workers in the fleet: every message of any other would be refused
+        // after it was read, and reading it would take its part of the large-message budget
+        // the fleet's workers share. A channel whose worker registers later is dialled then.
+        let speaks_for_a_worker = |p: &Publisher| p.worker.as_ref().is_some_and(|key| fleet.worker(key).is_some());
         let all: BTreeMap<AdmissionKey, &Publisher> = fleet
             .publishers
             .iter()
-            .filter(|p| p.topic == topic)
+            .filter(|p| p.topic == topic && speaks_for_a_worker(p))
             .map(|p| ((p.publisher_id, p.namespace.clone()), p))
             .collect();
         // A publisher benched stays so while it is in the fleet and no session with it succeeded.
@@ -417,15 +421,14 @@ impl<F: Feed> Actor<F> {
                     cap,
                     left_out = over_cap,
                     topic = topic.as_str(),
-                    "more publishers than subscriptions allowed; those naming no worker, then the channels a worker has beyond those of others, then the highest publisher ids, are not subscribed"
+                    "more publishers than subscriptions allowed; the channels a worker has beyond those of others, then the highest publisher ids, are not subscribed"
                 );
             }
         }
         // Stable: ascending ids among the unbenched, then among the benched; within each, the
-        // records that name no worker last (every sample of theirs is refused, so a pile of
-        // them must not crowd out the fleet's), and the workers taken in turn: every worker's
-        // first publisher before any worker's second, so that one registering hundreds of
-        // channels under low ids cannot take the places of the rest of the fleet.
+        // workers taken in turn: every worker's first publisher before any worker's second, so
+        // that one registering hundreds of channels under low ids cannot take the places of
+        // the rest of the fleet.
         let mut turns: HashMap<&WorkerKey, usize> = HashMap::new();
         let mut order: Vec<(AdmissionKey, &Publisher, usize)> = all
             .into_iter()
@@ -438,7 +441,7 @@ impl<F: Feed> Actor<F> {
                 (key, publisher, turn)
             })
             .collect();
-        order.sort_by_key(|(key, publisher, turn)| (self.benched.contains(key), publisher.worker.is_none(), *turn));
+        order.sort_by_key(|(key, _, turn)| (self.benched.contains(key), *turn));
         let cap = self.options.max_subscriptions;
         self.waiting = order.iter().skip(cap).filter(|(key, ..)| !self.benched.contains(key)).count();
         order.into_iter().take(cap).map(|(key, publisher, _)| (key, publisher)).collect()

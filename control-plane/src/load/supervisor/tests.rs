@@ -5,13 +5,29 @@ use super::*;
 use crate::config::LoadTransport;
 use crate::discovery::PublisherKey;
 use crate::discovery::Topic;
+use continuum_proto::model::Role;
 
 fn gauge() -> prometheus::IntGaugeVec {
     prometheus::IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap()
 }
 
+/// Publisher `id`, speaking for worker `id`.
 fn publisher(id: u64) -> Publisher {
-    crate::discovery::test_publisher(id, None)
+    crate::discovery::test_publisher(id, Some(continuum_proto::model::WorkerKey::new("dynamo", id)))
+}
+
+/// A fleet of `publishers` and the workers they name (the supervisor dials only those).
+fn fleet_of(publishers: impl IntoIterator<Item = Publisher>) -> Fleet {
+    let mut fleet = Fleet::default();
+    for publisher in publishers {
+        if let Some(worker) = &publisher.worker {
+            let (key, worker) =
+                crate::discovery::test_worker(&worker.namespace, worker.instance_id, Role::Aggregated, "m");
+            fleet.workers.insert(key, worker);
+        }
+        fleet.publishers.insert(publisher.key(), publisher);
+    }
+    fleet
 }
 
 fn running(id: u64, task: JoinHandle<()>, cancel: CancellationToken) -> Running {
@@ -87,12 +103,7 @@ impl Feed for Recording {
 }
 
 fn generation(generation: u64, ids: &[u64]) -> Arc<Generation> {
-    let mut fleet = Fleet::default();
-    for id in ids {
-        let publisher = publisher(*id);
-        fleet.publishers.insert(publisher.key(), publisher);
-    }
-    Arc::new(Generation { generation, fleet })
+    Arc::new(Generation { generation, fleet: fleet_of(ids.iter().map(|id| publisher(*id))) })
 }
 
 /// One reload that removes a publisher and changes the dial policy: the actor sees both at
@@ -184,9 +195,7 @@ async fn a_record_that_keeps_changing_is_not_redialled_at_its_rate() {
     }
     let at = |generation: u64, address: &str| {
         let publisher = Publisher { address: address.into(), ..publisher(7) };
-        let mut fleet = Fleet::default();
-        fleet.publishers.insert(publisher.key(), publisher);
-        Arc::new(Generation { generation, fleet })
+        Arc::new(Generation { generation, fleet: fleet_of([publisher]) })
     };
     let (registry_tx, registry) = tokio::sync::watch::channel(at(1, &addresses[0]));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
@@ -214,10 +223,7 @@ async fn a_record_that_keeps_changing_is_not_redialled_at_its_rate() {
 /// The publishers of `publishers` a supervisor capped at `cap` subscriptions admits, by id
 /// (brokered: none is dialled).
 async fn admitted_past_the_cap(publishers: impl IntoIterator<Item = Publisher>, cap: usize) -> Vec<u64> {
-    let mut fleet = Fleet::default();
-    for publisher in publishers {
-        fleet.publishers.insert(publisher.key(), publisher);
-    }
+    let fleet = fleet_of(publishers);
     let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
     let feed =
@@ -232,13 +238,36 @@ async fn admitted_past_the_cap(publishers: impl IntoIterator<Item = Publisher>, 
     admitted
 }
 
-/// Past the cap, records that name no worker (every sample of theirs would be refused) are
-/// admitted after those that do, whatever their ids.
+/// Records that name no worker, or one the fleet does not hold, are never dialled (every
+/// message of theirs would be refused after it was read), whatever their ids; the channel is
+/// dialled once its worker registers.
 #[tokio::test]
-async fn past_the_cap_publishers_naming_a_worker_come_first() {
-    let named = crate::discovery::test_publisher(1 << 50, Some(continuum_proto::model::WorkerKey::new("dynamo", 9)));
-    let admitted = admitted_past_the_cap([publisher(1), publisher(2), named], 2).await;
-    assert_eq!(admitted, [1, 1 << 50], "the named publisher, then the lowest id");
+async fn only_publishers_of_workers_in_the_fleet_are_dialled() {
+    let anonymous = crate::discovery::test_publisher(1, None);
+    let unknown = crate::discovery::test_publisher(2, Some(continuum_proto::model::WorkerKey::new("dynamo", 99)));
+    let mut fleet = fleet_of([anonymous, publisher(1 << 50)]);
+    fleet.publishers.insert(unknown.key(), unknown.clone());
+    let (registry_tx, registry) =
+        tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet: fleet.clone() }));
+    let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
+    let feed =
+        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
+    let mut supervisor = Supervisor::start(feed, broker, LoadOptions::default(), registry, CancellationToken::new());
+    let mut statuses = supervisor.statuses();
+    let ids = |statuses: &tokio::sync::watch::Receiver<Subscriptions>| -> Vec<u64> {
+        let mut ids: Vec<u64> = statuses.borrow().iter().map(|s| s.publisher.publisher_id).collect();
+        ids.sort_unstable();
+        ids
+    };
+    statuses.wait_for(|running| !running.is_empty()).await.unwrap();
+    assert_eq!(ids(&statuses), [1 << 50], "only the publisher of a worker in the fleet");
+    let (key, worker) = crate::discovery::test_worker("dynamo", 99, Role::Aggregated, "m");
+    fleet.workers.insert(key, worker);
+    registry_tx.send_replace(Arc::new(Generation { generation: 2, fleet }));
+    statuses.wait_for(|running| running.len() == 2).await.unwrap();
+    assert_eq!(ids(&statuses), [2, 1 << 50], "its worker registered: dialled");
+    supervisor.stop().await;
 }
 
 /// Past the cap, workers are taken in turn: one that registers many channels under low ids
@@ -269,9 +298,7 @@ async fn a_handshake_that_times_out_is_no_stable_session() {
             let _ = accepted_tx.send(tokio::time::Instant::now());
         }
     });
-    let mut fleet = Fleet::default();
-    let silent = Publisher { address, ..publisher(7) };
-    fleet.publishers.insert(silent.key(), silent);
+    let fleet = fleet_of([Publisher { address, ..publisher(7) }]);
     let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
     let feed =

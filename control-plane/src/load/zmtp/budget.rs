@@ -43,8 +43,8 @@ pub const BORROWER_SHARE: usize = 8;
 /// The process's one budget, which every subscription family's limits name.
 pub static LARGE_MESSAGES: MessageBudget = MessageBudget::new(LARGE_MESSAGE_BYTES);
 
-/// Who borrows: the worker a publisher speaks for (its instance id), else the publisher (its
-/// id), so that a pile of records naming no worker is held to a share each as well.
+/// Who borrows: the worker a publisher speaks for (its instance id). Only publishers of workers
+/// in the fleet are dialled, so a pile of records naming others borrows nothing.
 pub type Borrower = u64;
 
 /// Bytes lent to message buffers, up to a limit, and to each borrower up to its share.
