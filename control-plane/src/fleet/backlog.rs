@@ -65,7 +65,7 @@
 //! [`BACKLOG_WINDOW`] is published at once; after that, changes are published at most once per
 //! window. The task does not wake per window while the book holds nothing.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -222,6 +222,11 @@ struct Book {
     replayed: u64,
     /// Per replica (session), the operations its reports brought into the sums.
     folded: FastMap<u64, ReportsFolded>,
+    /// Sessions a start of which the book refused for want of room (it was on a rank the fleet
+    /// has): the sums lack it, so their range would tell the replica they hold it and it would
+    /// count it nowhere. They publish no range from then on, and the replica joins the sums
+    /// the cautious way (the larger of its own and the fleet's).
+    lossy: HashSet<u64>,
     /// Dispatches admitted since the book started: each rank's newest is stamped with the
     /// count, which orders ranks by how recently the fleet sent them one.
     dispatched: u64,
@@ -256,7 +261,7 @@ impl Book {
             while self.forget_departed(at) {}
         }
         // A session's reports arrive in the order its replica numbered them.
-        if report.last_op > 0 {
+        if report.last_op > 0 && !self.lossy.contains(&replica) {
             let (first_op, last_op) = (report.first_op, report.last_op);
             let folded = self.folded.entry(replica).or_insert(ReportsFolded { first_op, last_op });
             folded.last_op = folded.last_op.max(last_op);
@@ -293,7 +298,12 @@ impl Book {
     fn start(&mut self, replica: u64, started: pb::DispatchStarted, at: Instant, state: &FleetState) {
         let key = match self.admit_start(replica, &started, state) {
             Ok(key) => key,
-            Err(refusal) => return self.refused.count(refusal),
+            Err(refusal) => {
+                if matches!(refusal, Refusal::ReplicaFull | Refusal::BookFull) && self.lossy.insert(replica) {
+                    self.folded.remove(&replica);
+                }
+                return self.refused.count(refusal);
+            }
         };
         let id = (replica, started.id);
         // A repeated id replaces its dispatch, which did not end.
@@ -440,6 +450,7 @@ impl Book {
     /// hundred thousand, and every other session's reports wait while the book works.
     fn replica_gone(&mut self, replica: u64, now: Instant) {
         self.folded.remove(&replica);
+        self.lossy.remove(&replica);
         // Said twice, a session is queued twice: its second turn finds nothing left.
         if self.where_is.contains_key(&replica) {
             self.departing.push_back(replica);

@@ -481,6 +481,32 @@ fn a_replica_holds_a_bounded_number_of_dispatches() {
     assert_eq!((book.refused.of(Refusal::ReplicaFull), book.refused.total()), (10, 10));
 }
 
+/// Once the book refuses a session's start for want of room, the sums lack a dispatch its
+/// replica made: the session's range is published no more, so the replica counts its own
+/// dispatches beside the sums rather than trusting them to hold it. Other sessions keep theirs.
+#[test]
+fn a_session_whose_start_was_refused_for_room_publishes_no_range() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let numbered = |first_op, last_op, started| pb::DispatchReport { started, first_op, last_op, ..Default::default() };
+    book.report(2, numbered(1, 1, vec![started(1, 0, 16)]), t0, &state);
+    let fits = (0..MAX_DISPATCHES_PER_REPLICA as u64).map(|id| started(id, 0, 16)).collect();
+    book.report(1, numbered(1, 5, fits), t0, &state);
+    let folded = book.take_change(t0).reports_folded.expect("published with the sums");
+    assert_eq!(folded.get(&1), Some(&ReportsFolded { first_op: 1, last_op: 5 }));
+    let one_more = started(MAX_DISPATCHES_PER_REPLICA as u64, 0, 16);
+    book.report(1, numbered(6, 6, vec![one_more]), t0, &state);
+    assert_eq!(book.refused.of(Refusal::ReplicaFull), 1);
+    book.report(1, numbered(7, 7, vec![]), t0, &state);
+    book.report(2, numbered(2, 2, vec![started(2, 0, 16)]), t0, &state);
+    let folded = book.take_change(t0).reports_folded.expect("published with the sums");
+    assert_eq!(folded.get(&1), None, "the sums lack one of its dispatches: no range");
+    assert_eq!(folded.get(&2), Some(&ReportsFolded { first_op: 1, last_op: 2 }));
+    book.replica_gone(1, t0);
+    assert!(book.lossy.is_empty(), "forgotten with its session");
+}
+
 #[test]
 fn a_dispatch_no_request_could_be_is_refused_and_leaves_the_others_sums_whole() {
     let state = state_with(0);
