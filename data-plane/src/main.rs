@@ -68,14 +68,31 @@ struct Args {
     shutdown_grace: std::time::Duration,
 }
 
+/// More runtime threads than any machine has cores: a typo, refused before tokio allocates
+/// queues for them.
+const MAX_WORKER_THREADS: usize = 1024;
+/// `--find-matches-deadline`'s bounds: under a millisecond no lookup answers in time (the KV
+/// term would be off without a word), and past a second every KV-scored request would wait that
+/// long on a control plane that accepts and never answers.
+const MIN_FIND_MATCHES_DEADLINE: std::time::Duration = std::time::Duration::from_millis(1);
+const MAX_FIND_MATCHES_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .init();
     let args = Args::parse();
+    if !(MIN_FIND_MATCHES_DEADLINE..=MAX_FIND_MATCHES_DEADLINE).contains(&args.find_matches_deadline) {
+        eprintln!(
+            "error: --find-matches-deadline must be within {MIN_FIND_MATCHES_DEADLINE:?}..={MAX_FIND_MATCHES_DEADLINE:?}: \
+             a KV-scored request waits for its lookup that long at most, got {:?}",
+            args.find_matches_deadline
+        );
+        return ExitCode::from(2);
+    }
     let mut builder = match args.worker_threads {
-        Some(0) => {
-            eprintln!("error: --worker-threads must be at least 1");
+        Some(threads) if !(1..=MAX_WORKER_THREADS).contains(&threads) => {
+            eprintln!("error: --worker-threads must be within 1..={MAX_WORKER_THREADS}, got {threads}");
             return ExitCode::from(2);
         }
         Some(1) => tokio::runtime::Builder::new_current_thread(),

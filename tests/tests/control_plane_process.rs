@@ -87,7 +87,7 @@ fn a_replica_refuses_flags_it_could_never_follow_a_control_plane_with() -> anyho
     let binary = tools::binary("continuum-data-plane");
     let too_long = "r".repeat(129);
     let not_pem = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
-    let rows: [(&[&str], &str); 10] = [
+    let rows: [(&[&str], &str); 14] = [
         (&["--control-plane", "grpc://127.0.0.1:50051"], "http:// or https:// URL"),
         (&["--control-plane", "https://127.0.0.1:50051"], "needs --control-plane-ca"),
         (&["--control-plane", "https://127.0.0.1:50051", "--control-plane-ca", "/nonexistent/ca.pem"], "cannot read"),
@@ -99,6 +99,16 @@ fn a_replica_refuses_flags_it_could_never_follow_a_control_plane_with() -> anyho
         (&["--control-plane", "http://127.0.0.1:9", "--replica-id", &too_long], "1 to 128 printable ASCII characters"),
         // Written into log lines as it is: a line break would forge lines of its own.
         (&["--control-plane", "http://127.0.0.1:9", "--replica-id", "r1\nINFO forged"], "without spaces"),
+        (&["--control-plane", "http://127.0.0.1:9", "--worker-threads", "0"], "within 1..=1024"),
+        (&["--control-plane", "http://127.0.0.1:9", "--worker-threads", "1152921504606846976"], "within 1..=1024"),
+        (
+            &["--control-plane", "http://127.0.0.1:9", "--find-matches-deadline", "0s"],
+            "--find-matches-deadline must be",
+        ),
+        (
+            &["--control-plane", "http://127.0.0.1:9", "--find-matches-deadline", "1h"],
+            "--find-matches-deadline must be",
+        ),
     ];
     for (args, says) in rows {
         let out = run(&binary, args)?;

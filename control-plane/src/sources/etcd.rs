@@ -177,7 +177,7 @@ async fn pass(
         // that replayed it, for as long as it stayed the newest write. Until the next write
         // anywhere, etcd leaves progress requests of a watch starting past its revision
         // unanswered: the confirming read below tells that quiet from a frozen member.
-        let options = WatchOptions::new().with_prefix().with_start_revision(revision + 1).with_fragment();
+        let options = WatchOptions::new().with_prefix().with_start_revision(revision.saturating_add(1)).with_fragment();
         let opened = tokio::time::timeout(SEED_TIMEOUT, watcher.watch(prefix.as_str(), Some(options))).await;
         let (asker, responses) = opened.map_err(|_| PassError::SeedTimeout)??.split();
         askers.push(asker);

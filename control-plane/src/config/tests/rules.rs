@@ -200,6 +200,7 @@ fn listener_rows() -> Vec<Row> {
         row("event bus broker allowlist empty", event_bus(&format!("{{brokers: [{{id: b, token_hash: '{TOKEN}'}}]}}")), Warning, "dynamo.event_bus.brokers[0].namespaces", "any Dynamo namespace"),
         row("event bus kv_listener namespaces", event_bus(&format!("{{brokers: [{{id: l, role: kv_listener, token_hash: '{TOKEN}', namespaces: [dynamo], backends: [v]}}]}}")), Error, "dynamo.event_bus.brokers[0].namespaces", "role: broker"),
         row("event bus idle timeout", event_bus("{heartbeat_interval: 30s, idle_timeout: 30s}"), Error, "dynamo.event_bus.idle_timeout", "heartbeat_interval"),
+        row("event bus idle timeout bounded", event_bus("{idle_timeout: 500000000000y}"), Error, "dynamo.event_bus.idle_timeout", "at most 3600s"),
         row("event bus listen collides", format!("admin: {{listen: '0.0.0.0:7443'}}\n{}", event_bus(&format!("{{enabled: true, tls: {{cert: /c, key: /k}}, brokers: [{{id: b, token_hash: '{TOKEN}', namespaces: [dynamo]}}]}}"))), Error, "dynamo.event_bus.listen", "collides with admin.listen"),
         row("admin collides with grpc", "control_plane: {grpc_listen: '127.0.0.1:9000'}\nadmin: {listen: '0.0.0.0:9000', token: t}", Error, "admin.listen", "collides with control_plane.grpc_listen"),
         row("admin off-host without token", "admin: {listen: '0.0.0.0:9090'}", Warning, "admin.token", "not a loopback"),

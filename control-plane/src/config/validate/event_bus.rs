@@ -11,6 +11,10 @@ pub const MIN_SESSION_BUFFER_BYTES_PER_STREAM: u64 = 64 * 1024;
 
 const BASE: &str = "dynamo.event_bus";
 
+/// The longest heartbeat interval or idle timeout: a session silent for an hour is gone, and
+/// a bound keeps a deadline computed from them within what a clock can add.
+const MAX_SESSION_TIMING: std::time::Duration = std::time::Duration::from_secs(3600);
+
 pub(super) fn check(config: &Config, report: &mut Report) {
     let bus = &config.dynamo.event_bus;
     if bus.enabled {
@@ -57,6 +61,11 @@ fn check_limits(bus: &EventBusConfig, report: &mut Report) {
     }
     if bus.heartbeat_interval.is_zero() {
         report.error(format!("{BASE}.heartbeat_interval"), "must be greater than zero");
+    }
+    for (key, value) in [("heartbeat_interval", bus.heartbeat_interval), ("idle_timeout", bus.idle_timeout)] {
+        if value > MAX_SESSION_TIMING {
+            report.error(format!("{BASE}.{key}"), format!("must be at most {MAX_SESSION_TIMING:?}"));
+        }
     }
     if bus.idle_timeout <= bus.heartbeat_interval {
         report.error(
