@@ -666,12 +666,18 @@ async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() 
         loop {
             match old_updates.message().await {
                 Ok(Some(_)) => continue,
-                Ok(None) | Err(_) => return,
+                Ok(None) => return None,
+                Err(status) => return Some(status),
             }
         }
     })
     .await;
-    anyhow::ensure!(old_stream_ended.is_ok(), "the superseded stream is ended, though its client never closed it");
+    let Ok(ended) = old_stream_ended else {
+        anyhow::bail!("the superseded stream is ended, though its client never closed it");
+    };
+    // Saying why: a second replica running with the same id reads how to stop the churn.
+    let ended = anyhow::Context::context(ended, "the superseded stream ended without a status")?;
+    anyhow::ensure!(ended.code() == tonic::Code::Aborted && ended.message().contains("--replica-id"), "{ended:?}");
     let streams_of = |id: &str| control.replicas.list().iter().filter(|r| r.replica_id == id).count();
     continuum_tests::eventually(CONVERGE, "one stream listed per replica id", || async {
         streams_of("replica-a") == 1 && streams_of("replica-b") == 1

@@ -324,7 +324,19 @@ impl Fleet for FleetService {
                     );
                     super::session::say_goodbye(&goodbye, status).await;
                 }
-                () = ended.cancelled() => {}
+                () = ended.cancelled() => {
+                    // Not the shutdown: a newer stream of the same replica id replaced this
+                    // one. Its own replica has left it and reads nothing; another replica
+                    // configured with the same id learns why it lost its stream.
+                    if !shutdown.is_cancelled() {
+                        let status = Status::aborted(format!(
+                            "a newer Watch stream of replica id {} replaced this one; if another replica runs with \
+                             the same id, give each its own (--replica-id)",
+                            status.replica_id
+                        ));
+                        super::session::say_goodbye(&goodbye, status).await;
+                    }
+                }
                 () = serve => {}
             }
             // The stream ends here, not once the book has forgotten the session.

@@ -147,13 +147,17 @@ impl SessionError {
         matches!(self, SessionError::Status(status) if status.code() == Code::FailedPrecondition)
     }
 
-    /// Failures that an immediate retry will not fix get the longest delay.
+    /// Failures that an immediate retry will not fix get the longest delay. `ABORTED`: a newer
+    /// stream of this replica's id replaced this one, which, this replica having opened none,
+    /// is another replica configured with the same id; the two would otherwise end each
+    /// other's stream at the shortest delay.
     fn is_persistent(&self) -> bool {
         match self {
             SessionError::Endpoint(_) => true,
             SessionError::Status(status) => matches!(
                 status.code(),
                 Code::Unimplemented
+                    | Code::Aborted
                     | Code::InvalidArgument
                     | Code::PermissionDenied
                     | Code::Unauthenticated
