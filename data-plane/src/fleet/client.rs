@@ -353,7 +353,10 @@ async fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: 
             .await
             .unwrap_or_else(|error| Err(format!("building the view failed: {error}")))
     } else {
-        next_view(held.as_deref(), update)
+        // A fault in building it refuses the update, as on the blocking pool, rather than
+        // ending the stream's task and leaving the replica on a view it no longer follows.
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| next_view(held.as_deref(), update)))
+            .unwrap_or_else(|_| Err("building the view failed: it panicked".to_string()))
     };
     match next {
         Ok((view, snapshot)) => {
