@@ -296,7 +296,9 @@ fn merge_consecutive_users(messages: Vec<Json>) -> Vec<Json> {
 fn append_content(target: &mut Json, content: Json) {
     let Some(target) = target.as_object_mut() else { return };
     let text_part = |text: String| json!({"type": "text", "text": text});
-    let merged = match (target.remove("content").unwrap_or(Json::Null), content) {
+    // Taken in place, and put back there: the message's fields keep the typed order the
+    // frontend's renders them in (a removal would move its last field into the gap).
+    let merged = match (target.get_mut("content").map(Json::take).unwrap_or(Json::Null), content) {
         (Json::String(mut first), Json::String(second)) => {
             if !first.is_empty() && !second.is_empty() {
                 first.push_str("\n\n");
@@ -438,7 +440,8 @@ fn fold_reasoning(message: &mut Json) {
     };
     if let Some(message) = message.as_object_mut() {
         message.insert("content".into(), content);
-        message.remove("reasoning_content");
+        // Shifted out, not swapped: the fields after it keep their order.
+        message.shift_remove("reasoning_content");
     }
 }
 
@@ -556,6 +559,28 @@ mod tests {
         let calls = json!([call(&half)[0].clone(), call(&half)[0].clone()]);
         assert!(refused(calls).is_err(), "past {MAX_PARSED_ARGUMENTS_BYTES} bytes of arguments");
         assert!(refused(json!([{"role": "assistant", "content": "x", "partial": true}])).is_err());
+    }
+
+    /// A merged or folded message keeps its fields in the order the frontend's typed message
+    /// has them: a template printing whole messages (`message|tojson`) renders the same bytes.
+    #[test]
+    fn merging_and_folding_keep_the_fields_in_their_typed_order() {
+        let merge = Shapes { merge_consecutive_users: true, ..Shapes::default() };
+        let users =
+            json!([{"role": "user", "content": "a", "name": "n"}, {"role": "user", "content": "b", "name": "n"}]);
+        let one = shaped(json!([{"role": "user", "content": "a", "name": "n"}]), merge, ContentShape::default());
+        let merged = shaped(users, merge, ContentShape::default());
+        let keys = |message: &Json| message.as_object().map(|m| m.keys().cloned().collect::<Vec<_>>());
+        assert_eq!(keys(&merged[0]), keys(&one[0]), "{merged}");
+        assert_eq!(merged[0]["content"], "a\n\nb");
+        let turn = json!([{"role": "assistant", "content": "x", "reasoning_content": "why", "name": "n",
+                           "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}]);
+        let folded = shaped(turn.clone(), Shapes::default(), ContentShape::default());
+        let kept = shaped(turn, Shapes { reads_reasoning: true, ..Shapes::default() }, ContentShape::default());
+        let without_reasoning = |message: &Json| {
+            keys(message).map(|k| k.into_iter().filter(|k| k != "reasoning_content").collect::<Vec<_>>())
+        };
+        assert_eq!(keys(&folded[0]), without_reasoning(&kept[0]), "{folded}");
     }
 
     #[test]
