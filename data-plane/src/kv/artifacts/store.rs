@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use prometheus::IntCounterVec;
 use serde_json::Value;
 use tokenizers::{AddedToken, Tokenizer};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::cache::{BlobCache, CacheRead, EvictReason, MAX_ARTIFACT_BYTES, ReadError, read_bounded};
 use super::card::{ArtifactKey, CheckedFile, Checksum, ModelArtifacts};
@@ -27,7 +27,8 @@ use crate::memory::free_off_the_runtime;
 pub const MAX_LOADED_TOKENIZERS: usize = 16;
 /// Artifact bytes the loaded sets may add up to.
 pub const MAX_LOADED_BYTES: u64 = 256 << 20;
-/// Loads (fetch, verify, parse) running at once.
+/// Loads (fetch, verify, parse) running at once, a build abandoned past its deadline
+/// included until it ends.
 pub const MAX_CONCURRENT_LOADS: usize = 2;
 /// How long a failed load is left alone before a request may start it again.
 pub const FAILED_LOAD_RETRY: Duration = Duration::from_secs(300);
@@ -139,7 +140,7 @@ struct Inner {
     policy: Mutex<Arc<ArtifactPolicy>>,
     cache: BlobCache,
     fetcher: Fetcher,
-    loads: Semaphore,
+    loads: Arc<Semaphore>,
     state: Mutex<State>,
     counter: IntCounterVec,
     clock: Clock,
@@ -178,7 +179,7 @@ impl ArtifactStore {
             policy: Mutex::new(Arc::new(policy)),
             cache,
             fetcher,
-            loads: Semaphore::new(MAX_CONCURRENT_LOADS),
+            loads: Arc::new(Semaphore::new(MAX_CONCURRENT_LOADS)),
             state: Mutex::new(State::default()),
             counter,
             clock,
@@ -309,8 +310,8 @@ impl ArtifactStore {
             }
             (sources, places)
         };
-        let _permit = self.inner.loads.acquire().await.map_err(|_| LoadError::RetryLater)?;
-        let loaded = tokio::time::timeout(LOAD_DEADLINE, self.load_now(&sources)).await.unwrap_or_else(|_| {
+        let permit = Arc::clone(&self.inner.loads).acquire_owned().await.map_err(|_| LoadError::RetryLater)?;
+        let loaded = tokio::time::timeout(LOAD_DEADLINE, self.load_now(&sources, permit)).await.unwrap_or_else(|_| {
             Err(LoadError::Fetch(format!("the artifacts were not loaded within {LOAD_DEADLINE:?}")))
         });
         match loaded.and_then(|loaded| self.insert(loaded)) {
@@ -344,7 +345,14 @@ impl ArtifactStore {
 
     /// Builds the set `cards` name: the first card's files, read from wherever any of the
     /// cards ([`sources`] of one key) says they are.
-    async fn load_now(&self, cards: &[ModelArtifacts]) -> Result<Arc<LoadedArtifacts>, LoadError> {
+    /// `permit` is the load's room, held until the build ends: past the deadline the load is
+    /// abandoned but its build runs on (a render thread cannot be stopped), and a retry must
+    /// not start another beside it.
+    async fn load_now(
+        &self,
+        cards: &[ModelArtifacts],
+        permit: OwnedSemaphorePermit,
+    ) -> Result<Arc<LoadedArtifacts>, LoadError> {
         let tokenizer = self.resolve(cards.iter().map(|c| &c.tokenizer)).await?;
         let config = self.resolve(cards.iter().map(|c| &c.tokenizer_config)).await?;
         let template = match cards.iter().map(|c| c.chat_template.as_ref()).collect::<Option<Vec<_>>>() {
@@ -358,10 +366,13 @@ impl ArtifactStore {
             return Err(LoadError::Unpinned(checksum));
         }
         // On a render thread: compiling probes the template with renders, as deep as any.
-        let loaded = render::threads::spawn(move || build(key, &tokenizer, &config, template.as_deref()))
-            .await
-            .map_err(|_| LoadError::Invalid("the loading task failed".into()))?
-            .map(Arc::new)?;
+        let loaded = render::threads::spawn(move || {
+            let _permit = permit;
+            build(key, &tokenizer, &config, template.as_deref())
+        })
+        .await
+        .map_err(|_| LoadError::Invalid("the loading task failed".into()))?
+        .map(Arc::new)?;
         if let Some(warm) = self.inner.warm.get() {
             warm(Arc::clone(&loaded)).await;
         }
