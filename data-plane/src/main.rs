@@ -72,10 +72,11 @@ struct Args {
 /// queues for them.
 const MAX_WORKER_THREADS: usize = 1024;
 /// `--find-matches-deadline`'s bounds: under a millisecond no lookup answers in time (the KV
-/// term would be off without a word), and past a second every KV-scored request would wait that
-/// long on a control plane that accepts and never answers.
+/// term would be off without a word), and past ten seconds (a test on a loaded machine waits
+/// two) every KV-scored request would wait that long on a control plane that accepts and never
+/// answers.
 const MIN_FIND_MATCHES_DEADLINE: std::time::Duration = std::time::Duration::from_millis(1);
-const MAX_FIND_MATCHES_DEADLINE: std::time::Duration = std::time::Duration::from_secs(1);
+const MAX_FIND_MATCHES_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
