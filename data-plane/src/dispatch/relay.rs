@@ -305,7 +305,7 @@ impl Body for RelayBody {
                 tracing::warn!("the shim's stream carried an error event; relayed");
                 this.count_failure(Fault::Workers);
             }
-            return Poll::Ready(Some(Ok(Frame::data(withhold_addresses(events)))));
+            return Poll::Ready(Some(Ok(Frame::data(with_error_data(withhold_addresses(events))))));
         }
     }
 
@@ -330,9 +330,13 @@ fn carries_error_event(data: &[u8]) -> bool {
 
 /// Whether one line is an error event's `data:` line, or names its event `error`.
 fn is_error_line(line: &[u8]) -> bool {
-    let named_error = |name: &[u8]| name.strip_prefix(b" ").unwrap_or(name) == b"error";
     line.strip_prefix(b"data:").is_some_and(opens_with_error_member)
-        || line.strip_prefix(b"event:").is_some_and(named_error)
+        || line.strip_prefix(b"event:").is_some_and(names_error)
+}
+
+/// Whether an `event:` field's value is `error`.
+fn names_error(name: &[u8]) -> bool {
+    name.strip_prefix(b" ").unwrap_or(name) == b"error"
 }
 
 /// Whether a `data:` line's value is a JSON object whose first member is `error`, white space
@@ -343,29 +347,30 @@ fn opens_with_error_member(value: &[u8]) -> bool {
 }
 
 /// The error events of `events` that name an address, a path or a worker (as a refusal's body
-/// may not, `disclosure`) put in the router's words, and so are comment lines that do, which
-/// carry a later frontend's error text; every other line as it came (and `events` itself,
-/// uncopied, when none does). Called only on events that carry an error.
+/// may not, `disclosure`) put in the router's words, and comments that do (a later frontend's
+/// error text) left out; every other line as it came (and `events` itself, uncopied, when none
+/// does). Called only on events that carry an error.
 fn withhold_addresses(events: Bytes) -> Bytes {
-    let names_one = |line: &[u8]| match line.strip_prefix(b":") {
-        Some(comment) => text_names_an_address(&String::from_utf8_lossy(comment)),
+    let withheld = |line: &[u8]| match line.strip_prefix(b":") {
+        Some(comment) => text_names_an_address(&String::from_utf8_lossy(comment)).then_some(WITHHELD_COMMENT),
         None => {
             let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).unwrap_or_default();
-            opens_with_error_member(value) && relayable(value).is_err()
+            (opens_with_error_member(value) && relayable(value).is_err()).then_some(WITHHELD_ERROR_EVENT)
         }
     };
     let lines = || events.split_inclusive(|b| *b == b'\n' || *b == b'\r');
-    if !lines().any(|line| names_one(line.trim_ascii_end())) {
+    if !lines().any(|line| withheld(line.trim_ascii_end()).is_some()) {
         return events;
     }
     let mut out = BytesMut::with_capacity(events.len());
     for line in lines() {
         let content = line.trim_ascii_end();
-        if names_one(content) {
-            out.extend_from_slice(WITHHELD_ERROR_EVENT.as_bytes());
-            out.extend_from_slice(&line[content.len()..]);
-        } else {
-            out.extend_from_slice(line);
+        match withheld(content) {
+            Some(instead) => {
+                out.extend_from_slice(instead.as_bytes());
+                out.extend_from_slice(&line[content.len()..]);
+            }
+            None => out.extend_from_slice(line),
         }
     }
     out.freeze()
@@ -373,6 +378,35 @@ fn withhold_addresses(events: Bytes) -> Bytes {
 
 /// What a stream's error event naming an address becomes.
 const WITHHELD_ERROR_EVENT: &str = r#"data: {"error":{"message":"The model server failed the request; its own words named internal hosts or workers and are not relayed. Retry the request.","type":"server_error","code":"backend_failed"}}"#;
+/// What a comment naming an address becomes.
+const WITHHELD_COMMENT: &str = ": withheld";
+
+/// An event named `error` whose words are comments, which no SSE client reads: when `events`
+/// carry one and no `data:` error line, the router's error event follows it (ahead of a closing
+/// `data: [DONE]` in the same events), so the client reads that the stream failed.
+fn with_error_data(events: Bytes) -> Bytes {
+    let lines = || events.split(|b| *b == b'\n' || *b == b'\r');
+    let named = lines().any(|line| line.strip_prefix(b"event:").is_some_and(names_error));
+    if !named || lines().any(|line| line.strip_prefix(b"data:").is_some_and(opens_with_error_member)) {
+        return events;
+    }
+    let mut at = 0;
+    for line in events.split_inclusive(|b| *b == b'\n' || *b == b'\r') {
+        if is_done_line(line.trim_ascii_end()) {
+            break;
+        }
+        at += line.len();
+    }
+    let mut out = BytesMut::with_capacity(events.len() + NAMED_ERROR_EVENT.len() + 2);
+    out.extend_from_slice(&events[..at]);
+    out.extend_from_slice(NAMED_ERROR_EVENT.as_bytes());
+    out.extend_from_slice(b"\n\n");
+    out.extend_from_slice(&events[at..]);
+    out.freeze()
+}
+
+/// What follows an event named `error` that carries no `data:`.
+const NAMED_ERROR_EVENT: &str = r#"data: {"error":{"message":"The model server reported an error in the stream. Retry the request.","type":"server_error","code":"backend_failed"}}"#;
 
 /// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
 /// them. Lines end at LF, CRLF or CR.
@@ -462,8 +496,8 @@ mod tests {
     use bytes::Bytes;
 
     use super::{
-        Lines, WITHHELD_ERROR_EVENT, carries_error_event, carries_event, ends_with_done_marker, is_done_marker,
-        withhold_addresses,
+        Lines, NAMED_ERROR_EVENT, WITHHELD_COMMENT, WITHHELD_ERROR_EVENT, carries_error_event, carries_event,
+        ends_with_done_marker, is_done_marker, with_error_data, withhold_addresses,
     };
 
     /// An error event naming an internal address or a worker goes out in the router's words,
@@ -579,16 +613,23 @@ mod tests {
     }
 
     /// A later frontend's error event carries its words in comment lines: one naming a worker
-    /// or an address is withheld like an error `data:` line; a plain one goes as it came.
+    /// or an address is left out, a plain one goes as it came; and since no client reads
+    /// comments, the router's error event follows, ahead of the closing marker.
     #[test]
-    fn an_error_events_comment_naming_a_worker_is_withheld() {
+    fn an_error_event_in_comments_is_followed_by_the_routers_and_its_addresses_withheld() {
         let named = Bytes::from_static(
             b"event: error\n: Remote prefill failed: nvext.prefill_worker_id=7668682560356784121 does not identify a known worker at 10.4.0.12:9000\n\n",
         );
-        let out = String::from_utf8_lossy(&withhold_addresses(named)).into_owned();
-        assert_eq!(out, format!("event: error\n{WITHHELD_ERROR_EVENT}\n\n"));
-        let plain = Bytes::from_static(b"event: error\n: Stream ended before generation completed\n\n");
-        assert_eq!(withhold_addresses(plain.clone()), plain);
+        let out = String::from_utf8_lossy(&with_error_data(withhold_addresses(named))).into_owned();
+        assert_eq!(out, format!("event: error\n{WITHHELD_COMMENT}\n\n{NAMED_ERROR_EVENT}\n\n"));
+        let plain = "event: error\n: Stream ended before generation completed\n\n";
+        let closed = Bytes::from(format!("data: {{\"choices\":[]}}\n\n{plain}data: [DONE]\n\n"));
+        assert_eq!(withhold_addresses(closed.clone()), closed, "nothing named: uncopied");
+        let out = String::from_utf8_lossy(&with_error_data(closed)).into_owned();
+        assert_eq!(out, format!("data: {{\"choices\":[]}}\n\n{plain}{NAMED_ERROR_EVENT}\n\ndata: [DONE]\n\n"));
+        // One that carries its words as data needs nothing more.
+        let with_data = Bytes::from_static(b"event: error\ndata: {\"error\":{\"message\":\"x\"}}\n\n");
+        assert_eq!(with_error_data(with_data.clone()), with_data);
     }
 
     #[test]

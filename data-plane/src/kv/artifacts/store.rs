@@ -158,7 +158,23 @@ struct State {
     /// from unreadable places take turns. At most [`MAX_FAILED_LOADS`].
     retry_at: HashMap<(ArtifactKey, u64), Instant>,
     loading: HashSet<ArtifactKey>,
+    /// Keys whose build runs on a render thread, until it ends: a build abandoned past the
+    /// load deadline runs on (a thread cannot be stopped), and its key is not built again
+    /// beside it.
+    building: HashSet<ArtifactKey>,
     logged_unpinned: HashSet<(String, Checksum)>,
+}
+
+/// A key's place in [`State::building`], given back when the build ends.
+struct Building {
+    store: ArtifactStore,
+    key: ArtifactKey,
+}
+
+impl Drop for Building {
+    fn drop(&mut self) {
+        self.store.state().building.remove(&self.key);
+    }
 }
 
 struct Slot {
@@ -305,7 +321,7 @@ impl ArtifactStore {
             }
             let sources = sources(cards);
             let places = places(&sources);
-            if state.backing_off(key, places, now) {
+            if state.backing_off(key, places, now) || state.building.contains(&key) {
                 return Err(LoadError::RetryLater);
             }
             (sources, places)
@@ -346,8 +362,8 @@ impl ArtifactStore {
     /// Builds the set `cards` name: the first card's files, read from wherever any of the
     /// cards ([`sources`] of one key) says they are.
     /// `permit` is the load's room, held until the build ends: past the deadline the load is
-    /// abandoned but its build runs on (a render thread cannot be stopped), and a retry must
-    /// not start another beside it.
+    /// abandoned but its build runs on (a render thread cannot be stopped), holding the room
+    /// (and its key, which no retry builds again meanwhile).
     async fn load_now(
         &self,
         cards: &[ModelArtifacts],
@@ -366,8 +382,10 @@ impl ArtifactStore {
             return Err(LoadError::Unpinned(checksum));
         }
         // On a render thread: compiling probes the template with renders, as deep as any.
+        self.state().building.insert(key);
+        let building = Building { store: self.clone(), key };
         let loaded = render::threads::spawn(move || {
-            let _permit = permit;
+            let _held = (permit, building);
             build(key, &tokenizer, &config, template.as_deref())
         })
         .await
