@@ -327,15 +327,19 @@ impl ControlPlane {
     }
 }
 
-/// Runs a server to its end; an end (or an error) before `shutdown` is logged and cancels
-/// `failed`.
+/// Runs a server to its end; an end (an error, a panic) before `shutdown` is logged and
+/// cancels `failed`.
 async fn watch_server<E: std::fmt::Display>(
     what: &'static str,
     serving: impl Future<Output = Result<(), E>>,
     shutdown: CancellationToken,
     failed: CancellationToken,
 ) {
-    let result = serving.await;
+    let Ok(result) = std::panic::AssertUnwindSafe(serving).catch_unwind().await else {
+        tracing::error!("{what} panicked; the control plane exits");
+        failed.cancel();
+        return;
+    };
     if shutdown.is_cancelled() {
         if let Err(error) = result {
             tracing::warn!(%error, "{what} failed while shutting down");
@@ -424,6 +428,15 @@ mod tests {
             watch_server("a server", async { result }, shutdown.clone(), failed.clone()).await;
             assert!(failed.is_cancelled(), "{result:?} before the shutdown");
         }
+        let (shutdown, failed) = (CancellationToken::new(), CancellationToken::new());
+        let panics = async {
+            if failed.is_cancelled() {
+                return Ok(());
+            }
+            panic!("a bug in a server")
+        };
+        watch_server::<&str>("a server", panics, shutdown, failed.clone()).await;
+        assert!(failed.is_cancelled(), "a panic");
         let (shutdown, failed) = (CancellationToken::new(), CancellationToken::new());
         shutdown.cancel();
         watch_server("a server", async { Err("closed mid-stream") }, shutdown, failed.clone()).await;

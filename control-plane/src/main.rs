@@ -194,6 +194,10 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
                         tracing::warn!("a stop signal during a reload: abandoning the reload");
                         break;
                     }
+                    () = &mut failed => {
+                        code = 1;
+                        break;
+                    }
                 },
             },
             () = &mut failed => {
