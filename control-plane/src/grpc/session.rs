@@ -263,9 +263,13 @@ impl Session {
     /// moves fastest. Every Continuum replica acknowledges what it applies; a client that does
     /// not (grpcurl) meets the stall limit once it has fallen behind the delta log.
     fn awaits_ack(&self) -> bool {
+        self.snapshot_unacked() && self.state.borrow().needs_snapshot(self.held)
+    }
+
+    /// Whether the last snapshot sent is still to be acknowledged.
+    fn snapshot_unacked(&self) -> bool {
         let acked = self.status.acked_version.load(Ordering::Relaxed);
-        let unacked = self.last_snapshot.as_ref().is_some_and(|snapshot| acked < snapshot.version);
-        unacked && self.state.borrow().needs_snapshot(self.held)
+        self.last_snapshot.as_ref().is_some_and(|snapshot| acked < snapshot.version)
     }
 
     /// Whether the replica is behind the newest state: the cheap test of every wake-up (a
@@ -288,6 +292,11 @@ impl Session {
     fn next_update(&mut self) -> Result<Option<pb::FleetUpdate>, Status> {
         self.state.borrow_and_update();
         let Some((state, catchup)) = self.pending() else { return Ok(None) };
+        // The fleet may have outrun the delta log since `awaits_ack` looked: the snapshot it
+        // takes now waits for the last one's acknowledgement all the same.
+        if matches!(catchup, Catchup::Snapshot(_)) && self.snapshot_unacked() {
+            return Ok(None);
+        }
         let now = Instant::now();
         let (body, kind) = match catchup {
             Catchup::UpToDate => return Ok(None),
