@@ -92,13 +92,26 @@ struct RankCursor {
     /// Cleared for a lost message and counted as its gap: the jump the rank's next event shows
     /// is that same gap, on a rank nothing was applied to since.
     cleared_for_loss: bool,
+    /// Events in a row numbered more than [`FAR_BEHIND`] below `last`.
+    far_behind: u32,
 }
 
 impl RankCursor {
     fn at(last: u64) -> Self {
-        Self { last, cleared_for_loss: false }
+        Self { last, cleared_for_loss: false, far_behind: 0 }
     }
 }
+
+/// How far below a rank's last event id an event must be numbered to count as no replay: a
+/// publisher sends each event once, so a stream replayed (a duplicated channel) lags by the
+/// events of a moment, while a counter that started over, or one id far ahead of its order,
+/// leaves every later event this far behind.
+const FAR_BEHIND: u64 = 1 << 20;
+
+/// Events in a row [`FAR_BEHIND`] that make the rank start over from the next (cleared, as
+/// after a gap): refusing them all would freeze its blocks, removals included, until the
+/// publisher left. The load feed's rule for its messages (`BEHIND_BEFORE_RESTART`).
+const FAR_BEHIND_BEFORE_RESTART: u32 = 8;
 
 /// The device-tier KV index and the per-publisher state that guards it.
 #[derive(Debug, Default)]
@@ -280,10 +293,18 @@ impl KvIndexer {
         let cursors = &mut self.publishers.entry(publisher.clone()).or_default().cursors;
         let full = cursors.len() >= MAX_CURSORS_PER_PUBLISHER;
         match cursors.get_mut(&rank) {
-            Some(cursor) if event_id < cursor.last => Cursor::Replay,
+            Some(cursor) if event_id < cursor.last => {
+                cursor.far_behind = if cursor.last - event_id > FAR_BEHIND { cursor.far_behind + 1 } else { 0 };
+                if cursor.far_behind < FAR_BEHIND_BEFORE_RESTART {
+                    return Cursor::Replay;
+                }
+                *cursor = RankCursor::at(event_id);
+                Cursor::Gap
+            }
             Some(cursor) if event_id == cursor.last => {
                 // Applied from here: a loss after it clears the rank again.
                 cursor.cleared_for_loss = false;
+                cursor.far_behind = 0;
                 Cursor::Next
             }
             Some(cursor) => {

@@ -319,6 +319,33 @@ fn a_second_loss_after_the_step_went_on_clears_again() {
     assert_eq!(indexer.index().rank_blocks(rank(0)), 0);
 }
 
+/// One event numbered far ahead of its order (or a counter that started over) leaves every
+/// later event far behind: after a few in a row the rank starts over from them, cleared, rather
+/// than refusing its events (removals included) until the publisher leaves. A replay near the
+/// cursor stays a replay.
+#[test]
+fn events_far_behind_the_cursor_start_the_rank_over() {
+    let mut indexer = live_indexer(0..1);
+    indexer.apply_events(&publisher(), &[stored(0, 1, None, &[1])]);
+    assert_eq!(
+        results(&indexer.apply_events(&publisher(), &[stored(0, u64::MAX, None, &[2])])),
+        [("applied", 1), ("gap", 1)]
+    );
+    let behind: Vec<_> =
+        (2..2 + u64::from(FAR_BEHIND_BEFORE_RESTART) - 1).map(|id| stored(0, id, None, &[id + 100])).collect();
+    assert_eq!(results(&indexer.apply_events(&publisher(), &behind)), [("replay", FAR_BEHIND_BEFORE_RESTART - 1)]);
+    let next = 2 + u64::from(FAR_BEHIND_BEFORE_RESTART);
+    let counts = indexer.apply_events(&publisher(), &[stored(0, next, None, &[7]), stored(0, next + 1, Some(7), &[8])]);
+    assert_eq!(results(&counts), [("applied", 2), ("gap", 1)], "started over at {next}");
+    assert_eq!(indexer.index().rank_blocks(rank(0)), 2, "cleared, then what followed");
+
+    // Near the cursor, however many: replays.
+    let near: Vec<_> = (0..20).map(|_| stored(0, next, None, &[9])).collect();
+    let counts = indexer.apply_events(&publisher(), &[stored(0, next + 5, None, &[10])]);
+    assert_eq!(results(&counts), [("applied", 1), ("gap", 1)]);
+    assert_eq!(results(&indexer.apply_events(&publisher(), &near)), [("replay", 20)]);
+}
+
 #[test]
 fn the_first_event_sets_the_cursor_and_a_jump_clears_before_applying() {
     let mut indexer = live_indexer(0..1);
