@@ -182,11 +182,22 @@ fn refuses_rest(data: &KvEventData, part: &Outcome) -> Option<KvResult> {
 /// was `last` (a publisher numbers its messages one by one, the captures show); records it.
 /// Event ids cannot tell: the events of one engine step share an id and may span messages, so
 /// a lost message in the middle of a step leaves no hole in them.
+///
+/// A number far below the last (more than [`FAR_BEHIND_MESSAGES`]) is where the count stands:
+/// the last was out of its order (one message numbered far ahead), and keeping it would turn
+/// off loss detection for the rest of the session.
 fn lost_before(last: &mut Option<u64>, sequence: u64) -> bool {
     let lost = last.is_some_and(|last| sequence > last.saturating_add(1));
-    *last = Some(last.map_or(sequence, |last| last.max(sequence)));
+    *last = Some(match *last {
+        Some(last) if last.saturating_sub(sequence) <= FAR_BEHIND_MESSAGES => last.max(sequence),
+        _ => sequence,
+    });
     lost
 }
+
+/// How far below the last message number one must be to say where the count stands (a late
+/// duplicate is a few behind).
+const FAR_BEHIND_MESSAGES: u64 = 1 << 20;
 
 impl Feed for KvFeed {
     /// The last message number on this session. Event-id cursors live in the indexer: they
@@ -374,6 +385,11 @@ mod tests {
         assert_eq!(lost, [false, false, true, false, false, false, false, true]);
         assert_eq!(last, Some(12));
         assert!(!lost_before(&mut Some(u64::MAX), u64::MAX), "no overflow at the end of the count");
+        // One numbered far ahead does not turn the count off: the next, far behind it, is
+        // where it stands, and a skip after that is seen.
+        let mut last = Some(12);
+        let lost: Vec<bool> = [u64::MAX, 13, 14, 16].into_iter().map(|n| lost_before(&mut last, n)).collect();
+        assert_eq!(lost, [true, false, false, true]);
     }
 
     #[test]
