@@ -22,8 +22,8 @@ pub struct Metrics {
     pub updates_sent: IntCounterVec,
     /// Replies from replicas, by `result` (ack, nack).
     pub replica_replies: IntCounterVec,
-    /// Watch streams refused before they started, by `reason` (no_hello, bad_hello, not_seeded, too_many_sessions,
-    /// too_many_streams, bad_message).
+    /// Watch streams refused before they started, by `reason` (no_hello, bad_hello, not_seeded,
+    /// too_many_sessions, too_many_streams, bad_message).
     pub watch_refused: IntCounterVec,
     /// Watch streams ended because their replica id opened a new one.
     pub watch_superseded: IntCounter,

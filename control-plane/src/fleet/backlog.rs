@@ -223,8 +223,9 @@ struct Book {
     /// Per replica (session), the operations its reports brought into the sums.
     folded: FastMap<u64, ReportsFolded>,
     /// Sessions a start of which the book refused for want of room: the sums lack it, so their
-    /// range would tell the replica they hold it and it would count it nowhere. They publish no range from then on, and the replica joins the sums
-    /// the cautious way (the larger of its own and the fleet's).
+    /// range would tell the replica they hold it and it would count it nowhere. They publish
+    /// no range from then on, and the replica joins the sums the cautious way (the larger of
+    /// its own and the fleet's).
     lossy: HashSet<u64>,
     /// Dispatches admitted since the book started: each rank's newest is stamped with the
     /// count, which orders ranks by how recently the fleet sent them one.

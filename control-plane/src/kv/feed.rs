@@ -11,7 +11,7 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 use continuum_kv_index::{KvResult, Outcome};
 
 use super::decode::{KvEvent, KvEventData, decode_kv_events};
-use super::indexer::{KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
+use super::indexer::{FAR_BEHIND, KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::load::zmtp::Message;
@@ -183,21 +183,17 @@ fn refuses_rest(data: &KvEventData, part: &Outcome) -> Option<KvResult> {
 /// Event ids cannot tell: the events of one engine step share an id and may span messages, so
 /// a lost message in the middle of a step leaves no hole in them.
 ///
-/// A number far below the last (more than [`FAR_BEHIND_MESSAGES`]) is where the count stands:
+/// A number far below the last (more than [`FAR_BEHIND`]) is where the count stands:
 /// the last was out of its order (one message numbered far ahead), and keeping it would turn
 /// off loss detection for the rest of the session.
 fn lost_before(last: &mut Option<u64>, sequence: u64) -> bool {
     let lost = last.is_some_and(|last| sequence > last.saturating_add(1));
     *last = Some(match *last {
-        Some(last) if last.saturating_sub(sequence) <= FAR_BEHIND_MESSAGES => last.max(sequence),
+        Some(last) if last.saturating_sub(sequence) <= FAR_BEHIND => last.max(sequence),
         _ => sequence,
     });
     lost
 }
-
-/// How far below the last message number one must be to say where the count stands (a late
-/// duplicate is a few behind).
-const FAR_BEHIND_MESSAGES: u64 = 1 << 20;
 
 impl Feed for KvFeed {
     /// The last message number on this session. Event-id cursors live in the indexer: they

@@ -106,7 +106,8 @@ impl RankCursor {
 /// publisher sends each event once, so a stream replayed (a duplicated channel) lags by the
 /// events of a moment, while a counter that started over, or one id far ahead of its order,
 /// leaves every later event this far behind.
-const FAR_BEHIND: u64 = 1 << 20;
+/// The feed's message numbers take the same distance (`lost_before`).
+pub(super) const FAR_BEHIND: u64 = 1 << 20;
 
 /// Events in a row [`FAR_BEHIND`] that make the rank start over from the next (cleared, as
 /// after a gap): refusing them all would freeze its blocks, removals included, until the
