@@ -1288,6 +1288,45 @@ async fn a_replica_that_stops_reading_its_stream_is_let_go() -> anyhow::Result<(
     Ok(())
 }
 
+/// A change larger than a Fleet message may carry, to a fleet that is not, reaches the replica
+/// as the fleet's snapshot: the whole fleet replaced at once (every worker re-registered under
+/// a new instance id) names each old worker and each new one, twice what the fleet holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_larger_than_a_message_is_sent_as_the_smaller_snapshot() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    // Namespaces of 32 KiB: a removal names its worker's key, so the old workers weigh as much
+    // in the delta as the new ones. Each half is just past half the bound.
+    let namespace = "n".repeat(32 << 10);
+    let half = (MAX_FLEET_MESSAGE_BYTES as u64 >> 16) + 32;
+    let old: Vec<_> = (1..=half).map(|id| worker(&namespace, id, "m")).collect();
+    control.publisher.apply(FleetChange { upsert: old.clone(), ..Default::default() });
+    let (requests, mut updates) = open_watch(&control.url(), "replaced").await?;
+    let first = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+    assert!(is_snapshot(&first));
+    requests.send(ack(&first)).await?;
+    let view = fold(None, first)?;
+    continuum_tests::eventually(CONVERGE, "the snapshot acknowledged", || async {
+        control
+            .replicas
+            .list()
+            .first()
+            .is_some_and(|r| r.acked_version.load(std::sync::atomic::Ordering::Relaxed) == view.version())
+    })
+    .await?;
+    let new: Vec<_> = (half + 1..=2 * half).map(|id| worker(&namespace, id, "m")).collect();
+    let remove = old.iter().map(|w| w.key.clone()).collect();
+    control.publisher.apply(FleetChange { upsert: new, remove, ..Default::default() });
+    let next = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+    assert!(is_snapshot(&next), "the snapshot in place of the delta");
+    let view = fold(Some(view), next)?;
+    assert_eq!(view.workers().len() as u64, half);
+    assert!(view.workers().keys().all(|key| key.instance_id > half), "only the new workers");
+    let sent = |kind: &str| control.metrics.updates_sent.with_label_values(&[kind]).get();
+    assert_eq!((sent("snapshot"), sent("delta"), sent("too_large")), (2, 0, 0));
+    control.stop().await;
+    Ok(())
+}
+
 /// A fleet whose snapshot is larger than a Fleet message may carry is not sent (it could not
 /// be), nor counted as sent: the replica is told why, and keeps its last view.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -298,19 +298,33 @@ impl Session {
             return Ok(None);
         }
         let now = Instant::now();
-        let (body, kind) = match catchup {
-            Catchup::UpToDate => return Ok(None),
-            Catchup::Snapshot(view) => (Body::Snapshot(snapshot_to_wire(&view, now)), "snapshot"),
-            Catchup::Delta(delta) => (Body::Delta(delta_to_wire(&delta, now)), "delta"),
-        };
         let version = state.version();
-        let nonce = format!("{:016x}", rand::random::<u64>());
-        let snapshot = kind == "snapshot";
         let reports_folded = state.reports_folded(self.session_id).map(pb::ReportsFolded::from);
-        let update = pb::FleetUpdate { version, nonce: nonce.clone(), body: Some(body), reports_folded };
+        let nonce = format!("{:016x}", rand::random::<u64>());
+        let with_body = |body| pb::FleetUpdate { version, nonce: nonce.clone(), body: Some(body), reports_folded };
+        let mut update = match &catchup {
+            Catchup::UpToDate => return Ok(None),
+            Catchup::Snapshot(view) => with_body(Body::Snapshot(snapshot_to_wire(view, now))),
+            Catchup::Delta(delta) => with_body(Body::Delta(delta_to_wire(delta, now))),
+        };
+        // Past the bound the stream could not carry it. A delta merged over the whole log can
+        // outgrow the fleet it leads to (workers replaced over and over, others named only to
+        // be removed): the snapshot says the same in fewer bytes.
+        if matches!(catchup, Catchup::Delta(_)) && prost::Message::encoded_len(&update) > MAX_FLEET_MESSAGE_BYTES {
+            if self.snapshot_unacked() {
+                return Ok(None);
+            }
+            tracing::warn!(
+                replica = %self.status.replica_id, limit = MAX_FLEET_MESSAGE_BYTES,
+                "the changes since the replica's view are larger than a Fleet message may be; sending the fleet's snapshot instead"
+            );
+            update = with_body(Body::Snapshot(snapshot_to_wire(state.view(), now)));
+        }
+        let snapshot = matches!(update.body, Some(Body::Snapshot(_)));
+        let kind = if snapshot { "snapshot" } else { "delta" };
         if snapshot {
-            // Past the bound the stream could not carry it, and the replica would be sent the
-            // same snapshot at every reconnect: say why, to the operator and to the replica.
+            // The replica would be sent the same snapshot at every reconnect: say why, to the
+            // operator and to the replica.
             let bytes = prost::Message::encoded_len(&update);
             if bytes > MAX_FLEET_MESSAGE_BYTES {
                 self.metrics.updates_sent.with_label_values(&["too_large"]).inc();
