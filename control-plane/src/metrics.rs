@@ -4,10 +4,11 @@
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::config::LoadTransport;
+use crate::discovery::Topic;
 use crate::grpc::tls::HandshakeFailure;
 use crate::kv::{KvEventResult, ProvisionalResult};
 use crate::load::zmtp::LARGE_MESSAGES;
-use crate::load::{LoadEvent, LoadGauges, SubscriptionState, transport_label};
+use crate::load::{EndReason, LoadEvent, LoadGauges, SubscriptionState, transport_label};
 
 #[derive(Clone, Debug)]
 pub struct Metrics {
@@ -79,6 +80,8 @@ pub struct Metrics {
     pub kv_subscriptions: IntGaugeVec,
     /// Publishers of a `topic` (kv_metrics, kv-events) past the subscription cap, not subscribed.
     pub subscriptions_left_out: IntGaugeVec,
+    /// Subscription sessions ended, by `topic` and `reason` (see `load::EndReason`).
+    pub subscription_sessions_ended: IntCounterVec,
     /// The KV index's size: `nodes`, `ownerships`, `ranks`, `bytes`.
     pub kv_index: IntGaugeVec,
     /// What ZMTP message buffers borrow from the budget for large messages; read at each scrape.
@@ -238,6 +241,13 @@ impl Metrics {
                 ),
                 &["topic"],
             )?,
+            subscription_sessions_ended: IntCounterVec::new(
+                Opts::new(
+                    "continuum_dynamo_subscription_sessions_ended_total",
+                    "kv_metrics and kv-events sessions ended, by topic and reason",
+                ),
+                &["topic", "reason"],
+            )?,
             kv_index: IntGaugeVec::new(
                 Opts::new("continuum_dynamo_kv_index", "Size of the KV radix index"),
                 &["what"],
@@ -289,6 +299,11 @@ impl Metrics {
         for result in ProvisionalResult::ALL {
             metrics.kv_provisional.with_label_values(&[result.as_str()]);
         }
+        for topic in [Topic::KvMetrics, Topic::KvEvents] {
+            for reason in EndReason::ALL {
+                metrics.subscription_sessions_ended.with_label_values(&[topic.as_str(), reason.as_str()]);
+            }
+        }
         for state in SubscriptionState::ALL {
             for transport in [LoadTransport::Direct, LoadTransport::Broker] {
                 metrics.load_subscriptions.with_label_values(&[state.as_str(), transport_label(transport)]);
@@ -330,6 +345,7 @@ impl Metrics {
             Box::new(metrics.kv_events.clone()),
             Box::new(metrics.kv_subscriptions.clone()),
             Box::new(metrics.subscriptions_left_out.clone()),
+            Box::new(metrics.subscription_sessions_ended.clone()),
             Box::new(metrics.kv_index.clone()),
             Box::new(metrics.zmtp_borrowed.clone()),
             Box::new(metrics.kv_find_matches.clone()),

@@ -16,6 +16,10 @@ fn states(load: &TestLoad) -> Vec<(u64, Option<SubscriptionState>)> {
     load.view.subscriptions().iter().map(|s| (s.publisher.publisher_id, s.state())).collect()
 }
 
+fn ended(load: &TestLoad, reason: &str) -> u64 {
+    load.metrics.subscription_sessions_ended.with_label_values(&["kv_metrics", reason]).get()
+}
+
 fn gauge(load: &TestLoad, state: &str, transport: &str) -> i64 {
     load.metrics.load_subscriptions.with_label_values(&[state, transport]).get()
 }
@@ -106,10 +110,34 @@ async fn a_publisher_outside_direct_allow_cidrs_is_never_dialled() -> anyhow::Re
     eventually(WAIT, "a not_allowed refusal", || async { load.events("not_allowed") > 0 }).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(peer.try_connection().is_none(), "nothing connected to a 127.0.0.1 publisher under 10.0.0.0/8");
+    assert!(ended(&load, "not_allowed") > 0);
+    assert_eq!((ended(&load, "dial_failed"), ended(&load, "lost")), (0, 0));
     assert!(matches!(
         load.subscription(7).and_then(|s| s.state()),
         Some(SubscriptionState::Backoff | SubscriptionState::Connecting)
     ));
+    load.stop().await;
+    Ok(())
+}
+
+/// Why sessions end is counted: a publisher nobody listens for as a failed dial, one that
+/// hangs up after its handshake as a session lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_that_end_are_counted_by_why() -> anyhow::Result<()> {
+    let mut peer = RawPublisher::bind().await?;
+    let nobody = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let gone = format!("tcp://{}", nobody.local_addr()?);
+    drop(nobody);
+    let load = TestLoad::start(&loopback_config(), test_options())?;
+    load.registry.publish(fleet(
+        vec![worker(1, 1), worker(2, 1)],
+        vec![kv_metrics_publisher(7, 1, peer.endpoint()), kv_metrics_publisher(8, 2, gone)],
+    ));
+    eventually(WAIT, "a failed dial counted", || async { ended(&load, "dial_failed") > 0 }).await?;
+    assert_eq!(ended(&load, "lost"), 0, "the listening publisher's session goes on");
+    drop(peer.connection(WAIT).await?);
+    eventually(WAIT, "the hang-up counted", || async { ended(&load, "lost") == 1 }).await?;
+    assert_eq!((ended(&load, "refused"), ended(&load, "not_allowed")), (0, 0));
     load.stop().await;
     Ok(())
 }

@@ -15,7 +15,7 @@ use super::indexer::{FAR_BEHIND, KvIndexer, LiveRanks, LiveWorker, PublisherMapp
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::load::zmtp::Message;
-use crate::load::{Dropped, Feed, Refusal};
+use crate::load::{Dropped, Feed, Refusal, SessionEnds};
 use crate::sources::Generation;
 
 /// The index behind one lock: event batches write, `FindMatches` reads.
@@ -47,6 +47,8 @@ pub struct KvFeed {
     pub gauge: IntGaugeVec,
     /// `continuum_dynamo_subscriptions_left_out{topic="kv-events"}`.
     pub left_out: IntGauge,
+    /// `continuum_dynamo_subscription_sessions_ended_total{topic="kv-events"}`.
+    pub session_ends: SessionEnds,
 }
 
 impl KvFeed {
@@ -210,6 +212,10 @@ impl Feed for KvFeed {
 
     fn left_out(&self) -> &IntGauge {
         &self.left_out
+    }
+
+    fn session_ends(&self) -> &SessionEnds {
+        &self.session_ends
     }
 
     async fn connected(&self, publisher: &Publisher) {
@@ -425,7 +431,8 @@ mod tests {
     fn feed(indexer: KvIndexer) -> KvFeed {
         let events = IntCounterVec::new(prometheus::Opts::new("e", "e"), &["result"]).unwrap();
         let gauge = IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap();
-        KvFeed { indexer: SharedKvIndexer::new(indexer), events, gauge, left_out: IntGauge::new("l", "l").unwrap() }
+        let (left_out, session_ends) = (IntGauge::new("l", "l").unwrap(), SessionEnds::unregistered(Topic::KvEvents));
+        KvFeed { indexer: SharedKvIndexer::new(indexer), events, gauge, left_out, session_ends }
     }
 
     /// A message cut short between two turns (its session cancelled by a reload) clears its

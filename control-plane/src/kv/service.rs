@@ -20,6 +20,7 @@ use super::provisional::{Folded, ProvisionalIndex, ProvisionalResult};
 use super::recent_lookups::{LookupKey, RecentLookups, Suggestion};
 use crate::config::Config;
 use crate::discovery::Topic;
+use crate::load::SessionEnds;
 use crate::load::zmtp::ZmtpLimits;
 use crate::load::{LoadOptions, Subscriptions, Supervisor, dial_policy};
 use crate::metrics::Metrics;
@@ -182,6 +183,7 @@ struct FeedParts {
     events: prometheus::IntCounterVec,
     gauge: IntGaugeVec,
     left_out: prometheus::IntGauge,
+    session_ends: SessionEnds,
 }
 
 /// The subscription knobs for kv-events: the load defaults with the kv-events frame limits.
@@ -216,6 +218,7 @@ impl KvSupervisor {
                 events: metrics.kv_events.clone(),
                 gauge: metrics.kv_subscriptions.clone(),
                 left_out: metrics.subscriptions_left_out.with_label_values(&[Topic::KvEvents.as_str()]),
+                session_ends: SessionEnds::new(&metrics.subscription_sessions_ended, Topic::KvEvents),
             },
             subscriptions: None,
             registry,
@@ -270,6 +273,7 @@ impl KvSupervisor {
                     events: self.feed_parts.events.clone(),
                     gauge: self.feed_parts.gauge.clone(),
                     left_out: self.feed_parts.left_out.clone(),
+                    session_ends: self.feed_parts.session_ends.clone(),
                 };
                 let running =
                     Supervisor::start(feed, policy, self.options, self.registry.clone(), self.cancel.child_token());

@@ -11,7 +11,7 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 use super::decode::{KvMetrics, decode_kv_metrics};
 use super::events::LoadEvent;
 use super::store::{Applied, SharedLoadStore};
-use super::subscription::{Dropped, Feed, Refusal};
+use super::subscription::{Dropped, Feed, Refusal, SessionEnds};
 use super::zmtp::Message;
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::fleet::LoadCoalescer;
@@ -27,6 +27,8 @@ pub struct LoadFeed {
     pub gauge: IntGaugeVec,
     /// `continuum_dynamo_subscriptions_left_out{topic="kv_metrics"}`.
     pub left_out: IntGauge,
+    /// `continuum_dynamo_subscription_sessions_ended_total{topic="kv_metrics"}`.
+    pub session_ends: SessionEnds,
     /// Removals the store has made but the replicas may not have heard of: a session cancelled
     /// while it waited for room in the coalescer's queue would otherwise leave those samples in
     /// every replica's view until the rank publishes again, which an idle worker never does.
@@ -108,6 +110,10 @@ impl Feed for LoadFeed {
 
     fn left_out(&self) -> &IntGauge {
         &self.left_out
+    }
+
+    fn session_ends(&self) -> &SessionEnds {
+        &self.session_ends
     }
 
     async fn connected(&self, publisher: &Publisher) {
@@ -265,6 +271,7 @@ mod tests {
             events: IntCounterVec::new(Opts::new("events", "test"), &["result"]).expect("counter"),
             gauge: IntGaugeVec::new(Opts::new("gauge", "test"), &["state", "transport"]).expect("gauge"),
             left_out: IntGauge::new("left_out", "test").expect("gauge"),
+            session_ends: SessionEnds::unregistered(Topic::KvMetrics),
             unsent: Mutex::default(),
         }
     }

@@ -32,7 +32,7 @@ pub use feed::live_ranks;
 pub use gauges::LoadGauges;
 pub use status::{SubscriptionState, SubscriptionStatus, transport_label};
 pub use store::{Applied, HeldSample, LoadStore, MAX_LOAD_ENTRIES, Reading, SharedLoadStore};
-pub use subscription::{DialPolicy, Dropped, Feed, Refusal};
+pub use subscription::{DialPolicy, Dropped, EndReason, Feed, Refusal, SessionEnds};
 pub use supervisor::{
     LoadOptions, LoadSupervisor, LoadView, MAX_LOAD_SUBSCRIPTIONS, STOP_GRACE, Subscriptions, Supervisor, dial_policy,
 };

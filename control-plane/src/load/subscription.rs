@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus::{IntGauge, IntGaugeVec};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec};
 use tokio_util::sync::CancellationToken;
 
 use super::backoff::Backoff;
@@ -44,6 +44,8 @@ pub trait Feed: Send + Sync + 'static {
     fn gauge(&self) -> &IntGaugeVec;
     /// `continuum_dynamo_subscriptions_left_out{topic}` for this feed's topic.
     fn left_out(&self) -> &IntGauge;
+    /// `continuum_dynamo_subscription_sessions_ended_total{topic, reason}` for this feed's topic.
+    fn session_ends(&self) -> &SessionEnds;
     /// A session connected: what the publisher said before may be missing changes.
     fn connected(&self, publisher: &Publisher) -> impl Future<Output = ()> + Send;
     /// One received message, or one the transport dropped unread.
@@ -72,6 +74,71 @@ pub struct SubscriptionContext<F> {
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
     pub stable_session: Duration,
+}
+
+/// How a session ended, as counted: whether the publisher was never reached, was lost after
+/// its handshake, or was refused by either side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndReason {
+    /// Resolving, connecting or the handshake failed on the network (nothing listening, a
+    /// reset, a timeout): the usual sign of a worker gone or an address unreachable.
+    DialFailed,
+    /// The connection closed or broke after the handshake.
+    Lost,
+    /// The publisher broke ZMTP or a bound, or announced an address that is no address.
+    Refused,
+    /// The publisher's address resolves only outside `dynamo.load.direct_allow_cidrs`.
+    NotAllowed,
+}
+
+impl EndReason {
+    pub const ALL: [EndReason; 4] = [EndReason::DialFailed, EndReason::Lost, EndReason::Refused, EndReason::NotAllowed];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndReason::DialFailed => "dial_failed",
+            EndReason::Lost => "lost",
+            EndReason::Refused => "refused",
+            EndReason::NotAllowed => "not_allowed",
+        }
+    }
+
+    fn of(ended: &SessionEnd, handshaken: bool) -> Self {
+        match ended {
+            SessionEnd::Dial(DialError::NotAllowed(_)) => EndReason::NotAllowed,
+            SessionEnd::Dial(DialError::BadAddress) => EndReason::Refused,
+            SessionEnd::Dial(_) => EndReason::DialFailed,
+            SessionEnd::Zmtp(error) if error.is_violation() => EndReason::Refused,
+            SessionEnd::Zmtp(_) if handshaken => EndReason::Lost,
+            SessionEnd::Zmtp(_) => EndReason::DialFailed,
+        }
+    }
+}
+
+/// One topic's series of `continuum_dynamo_subscription_sessions_ended_total`, one per reason.
+#[derive(Clone, Debug)]
+pub struct SessionEnds([IntCounter; EndReason::ALL.len()]);
+
+impl SessionEnds {
+    pub fn new(counters: &IntCounterVec, topic: Topic) -> Self {
+        Self(EndReason::ALL.map(|reason| counters.with_label_values(&[topic.as_str(), reason.as_str()])))
+    }
+
+    /// Series registered nowhere, for a test's feed.
+    #[cfg(test)]
+    pub fn unregistered(topic: Topic) -> Self {
+        let counters = IntCounterVec::new(prometheus::Opts::new("ended", "test"), &["topic", "reason"]);
+        Self::new(&counters.expect("valid series"), topic)
+    }
+
+    /// How many sessions ended for `reason`.
+    pub fn get(&self, reason: EndReason) -> u64 {
+        self.0[reason as usize].get()
+    }
+
+    fn count(&self, reason: EndReason) {
+        self.0[reason as usize].inc();
+    }
 }
 
 /// How subscriptions reach their publishers; a change restarts them all.
@@ -127,6 +194,7 @@ pub async fn run<F: Feed>(
             ended = session(&ctx, &publisher, &policy, &status, &mut connected_at) => ended,
         };
         ctx.feed.disconnected(&publisher);
+        ctx.feed.session_ends().count(EndReason::of(&ended, connected_at.is_some()));
         if let Some(refusal) = report(ctx.feed.topic(), &publisher, &ended, &mut warned) {
             ctx.feed.refused(refusal);
         }
@@ -215,6 +283,27 @@ async fn connected_session<F: Feed>(
 mod tests {
     use super::*;
     use crate::test_logs::{captured, warnings};
+
+    #[test]
+    fn a_session_end_is_counted_by_where_it_failed() {
+        let io = || std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let cases = [
+            (SessionEnd::Dial(DialError::Connect(io())), false, EndReason::DialFailed),
+            (SessionEnd::Dial(DialError::Timeout(Duration::from_secs(1))), false, EndReason::DialFailed),
+            (SessionEnd::Dial(DialError::Resolve(io())), false, EndReason::DialFailed),
+            (SessionEnd::Dial(DialError::BadAddress), false, EndReason::Refused),
+            (SessionEnd::Dial(DialError::NotAllowed(Vec::new())), false, EndReason::NotAllowed),
+            (SessionEnd::Zmtp(ZmtpError::Closed), false, EndReason::DialFailed),
+            (SessionEnd::Zmtp(ZmtpError::Io(io())), false, EndReason::DialFailed),
+            (SessionEnd::Zmtp(ZmtpError::Closed), true, EndReason::Lost),
+            (SessionEnd::Zmtp(ZmtpError::Io(io())), true, EndReason::Lost),
+            (SessionEnd::Zmtp(ZmtpError::Protocol("bad greeting")), false, EndReason::Refused),
+            (SessionEnd::Zmtp(ZmtpError::MessageTimeout(Duration::from_secs(1))), true, EndReason::Refused),
+        ];
+        for (ended, handshaken, want) in cases {
+            assert_eq!(EndReason::of(&ended, handshaken), want, "{ended} (handshaken: {handshaken})");
+        }
+    }
 
     #[test]
     fn a_refusal_that_repeats_is_counted_each_time_and_warned_of_once() {

@@ -26,7 +26,7 @@ use super::backoff::{Backoff, RECONNECT_INITIAL, RECONNECT_MAX, STABLE_SESSION};
 use super::feed::LoadFeed;
 use super::status::SubscriptionStatus;
 use super::store::{LoadStore, SharedLoadStore};
-use super::subscription::{self, DialPolicy, Feed, SubscriptionContext};
+use super::subscription::{self, DialPolicy, Feed, SessionEnds, SubscriptionContext};
 use super::zmtp::ZmtpLimits;
 use crate::config::{LoadConfig, LoadTransport};
 use crate::discovery::{Fleet, Publisher, Topic};
@@ -109,6 +109,7 @@ impl LoadSupervisor {
             events: metrics.load_events.clone(),
             gauge: metrics.load_subscriptions.clone(),
             left_out: metrics.subscriptions_left_out.with_label_values(&[Topic::KvMetrics.as_str()]),
+            session_ends: SessionEnds::new(&metrics.subscription_sessions_ended, Topic::KvMetrics),
             unsent: Mutex::default(),
         };
         let subscriptions = Supervisor::start(feed, dial_policy(config), options, registry, cancel);

@@ -72,7 +72,15 @@ async fn stopping_cancels_all_at_once_and_aborts_what_outlives_the_grace() {
 struct Recording {
     gauge: prometheus::IntGaugeVec,
     left_out: prometheus::IntGauge,
+    session_ends: crate::load::SessionEnds,
     departed: tokio::sync::mpsc::UnboundedSender<u64>,
+}
+
+impl Recording {
+    fn new(departed: tokio::sync::mpsc::UnboundedSender<u64>) -> Self {
+        let session_ends = crate::load::SessionEnds::unregistered(Topic::KvMetrics);
+        Self { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), session_ends, departed }
+    }
 }
 
 impl Feed for Recording {
@@ -86,6 +94,9 @@ impl Feed for Recording {
     }
     fn left_out(&self) -> &prometheus::IntGauge {
         &self.left_out
+    }
+    fn session_ends(&self) -> &crate::load::SessionEnds {
+        &self.session_ends
     }
     async fn connected(&self, _publisher: &Publisher) {}
     async fn message(
@@ -113,8 +124,7 @@ fn generation(generation: u64, ids: &[u64]) -> Arc<Generation> {
 async fn a_publisher_removed_by_the_reload_that_changes_the_policy_departs() {
     let (registry_tx, registry) = tokio::sync::watch::channel(generation(1, &[7, 8]));
     let (departed_tx, mut departed) = tokio::sync::mpsc::unbounded_channel();
-    let feed =
-        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let feed = Recording::new(departed_tx);
     // Broker subscriptions wait without dialling, so nothing here touches the network.
     let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
     let cancel = CancellationToken::new();
@@ -199,8 +209,7 @@ async fn a_record_that_keeps_changing_is_not_redialled_at_its_rate() {
     };
     let (registry_tx, registry) = tokio::sync::watch::channel(at(1, &addresses[0]));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
-    let feed =
-        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let feed = Recording::new(departed_tx);
     let direct = DialPolicy { transport: LoadTransport::Direct, allow: None };
     let options = LoadOptions::default();
     let began = std::time::Instant::now();
@@ -226,8 +235,7 @@ async fn admitted_past_the_cap(publishers: impl IntoIterator<Item = Publisher>, 
     let fleet = fleet_of(publishers);
     let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
-    let feed =
-        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let feed = Recording::new(departed_tx);
     let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
     let options = LoadOptions { max_subscriptions: cap, ..LoadOptions::default() };
     let mut supervisor = Supervisor::start(feed, broker, options, registry, CancellationToken::new());
@@ -250,8 +258,7 @@ async fn only_publishers_of_workers_in_the_fleet_are_dialled() {
     let (registry_tx, registry) =
         tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet: fleet.clone() }));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
-    let feed =
-        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let feed = Recording::new(departed_tx);
     let broker = DialPolicy { transport: LoadTransport::Broker, allow: None };
     let mut supervisor = Supervisor::start(feed, broker, LoadOptions::default(), registry, CancellationToken::new());
     let mut statuses = supervisor.statuses();
@@ -301,8 +308,7 @@ async fn a_handshake_that_times_out_is_no_stable_session() {
     let fleet = fleet_of([Publisher { address, ..publisher(7) }]);
     let (_registry_tx, registry) = tokio::sync::watch::channel(Arc::new(Generation { generation: 1, fleet }));
     let (departed_tx, _departed) = tokio::sync::mpsc::unbounded_channel();
-    let feed =
-        Recording { gauge: gauge(), left_out: prometheus::IntGauge::new("l", "l").unwrap(), departed: departed_tx };
+    let feed = Recording::new(departed_tx);
     let handshake = Duration::from_millis(100);
     let options = LoadOptions {
         limits: ZmtpLimits { handshake_timeout: handshake, ..ZmtpLimits::KV_METRICS },
