@@ -10,6 +10,12 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+/// The smallest `kv_cache_block_size` the router hashes prompts for (a worker declaring another
+/// is routed on load alone).
+pub const MIN_BLOCK_SIZE: u32 = 16;
+/// The largest `kv_cache_block_size` the router hashes prompts for.
+pub const MAX_BLOCK_SIZE: u32 = 65_536;
+
 /// A worker's identity across the fleet: its Dynamo namespace and instance id.
 ///
 /// The instance id is the worker's etcd lease id. It is often above 2^53, so it is never

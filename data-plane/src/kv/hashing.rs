@@ -10,10 +10,7 @@ use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Dynamo's chain seed: the salt hash of a request with neither a LoRA nor a cache salt.
 pub const CHAIN_SEED: u64 = 1337;
-/// The smallest `kv_cache_block_size` the router will hash for.
-pub const MIN_BLOCK_SIZE: u32 = 16;
-/// The largest `kv_cache_block_size` the router will hash for.
-pub const MAX_BLOCK_SIZE: u32 = 65_536;
+pub use continuum_proto::model::{MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
 /// Distinct block sizes hashed per model (workers of one model may disagree during a rollout).
 pub const MAX_BLOCK_SIZES_PER_MODEL: usize = 2;
 

@@ -1,5 +1,7 @@
 //! `dynamo.discovery.simulator`: the embedded simulated fleet's size and shape.
 
+use continuum_proto::model::{MAX_BLOCK_SIZE, MIN_BLOCK_SIZE};
+
 use super::Report;
 use super::names::check_namespace;
 use crate::config::Config;
@@ -31,8 +33,15 @@ pub(super) fn check(config: &Config, report: &mut Report) {
     if simulator.decode == 0 {
         report.error(format!("{BASE}.decode"), "must be at least 1: decode (or aggregated) workers answer requests");
     }
-    if simulator.block_size == 0 {
-        report.error(format!("{BASE}.block_size"), "must be greater than zero");
+    // What replicas hash prompts for: outside it the simulated fleet would route on load alone.
+    if !(MIN_BLOCK_SIZE..=MAX_BLOCK_SIZE).contains(&simulator.block_size) {
+        report.error(
+            format!("{BASE}.block_size"),
+            format!(
+                "is {}; must be {MIN_BLOCK_SIZE} to {MAX_BLOCK_SIZE}, the block sizes replicas hash prompts for",
+                simulator.block_size
+            ),
+        );
     }
     if simulator.total_kv_blocks == 0 {
         report.error(format!("{BASE}.total_kv_blocks"), "must be greater than zero");
