@@ -30,6 +30,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::Connected;
 
+use crate::grpc::MAX_WATCH_SESSIONS;
 use crate::metrics::Metrics;
 
 /// A connection that sends nothing for this long is closed.
@@ -38,11 +39,14 @@ pub const SILENT_FOR: Duration = Duration::from_secs(30);
 /// lookups), and the sessions are bounded at 1,024; the rest is room for tools, reconnects and
 /// callers the bound makes pay for each connection they hold.
 pub const MAX_FLEET_CONNECTIONS: usize = 16_384;
-/// Connections one peer address may hold on the Fleet listener: a replica holds one, and a
-/// host (or a NAT in front of many) some hundreds at most. A connection with no credential may
-/// stay open while it answers pings, so without it one host could fill the listener and shut
-/// out every replica that reconnects.
-pub const MAX_FLEET_CONNECTIONS_PER_PEER: usize = 256;
+/// Connections one peer address may hold on the Fleet listener: every session's two and room
+/// for reconnects, since one address may front every replica (a service mesh's sidecar
+/// connects from loopback, a NAT from its own address). A connection with no credential may
+/// stay open while it answers pings, so without a share one host could fill the listener and
+/// shut out every replica that reconnects; with it, that takes seven.
+pub const MAX_FLEET_CONNECTIONS_PER_PEER: usize = 2 * MAX_WATCH_SESSIONS + 256;
+/// How often a listener may warn of a peer over its share.
+const PEER_FULL_WARN_EVERY: Duration = Duration::from_secs(60);
 /// Connections the admin listener holds at once: operators, scrapers and probes.
 pub const MAX_ADMIN_CONNECTIONS: usize = 256;
 /// Connections one peer address may hold on the admin listener.
@@ -88,6 +92,8 @@ pub struct Guard {
     closed: IntCounterVec,
     listener: &'static str,
     silent_for: Duration,
+    /// When a peer over its share was last warned of.
+    peer_full_warned: Arc<Mutex<Option<Instant>>>,
 }
 
 impl Guard {
@@ -95,7 +101,14 @@ impl Guard {
         for reason in Closed::ALL {
             closed.with_label_values(&[listener, reason.as_str()]);
         }
-        Self { slots: Arc::new(Semaphore::new(max_connections)), peers: None, closed, listener, silent_for: SILENT_FOR }
+        Self {
+            slots: Arc::new(Semaphore::new(max_connections)),
+            peers: None,
+            closed,
+            listener,
+            silent_for: SILENT_FOR,
+            peer_full_warned: Arc::default(),
+        }
     }
 
     /// At most `per_peer` connections from one address.
@@ -137,6 +150,7 @@ impl Guard {
                 if *count >= *most {
                     drop(held);
                     self.count(Closed::PeerFull);
+                    self.warn_peer_full(peer, *most);
                     return None;
                 }
                 *count += 1;
@@ -150,6 +164,22 @@ impl Guard {
             guard: self.clone(),
             _slot: Slot { _permit: slot, peer },
         })
+    }
+
+    /// Says why a peer's connections are closed, at most once a minute per listener: a proxy
+    /// or NAT fronting every replica fills one share, and would otherwise only show as
+    /// transport errors on the replicas.
+    fn warn_peer_full(&self, peer: IpAddr, most: usize) {
+        let mut last = self.peer_full_warned.lock().unwrap_or_else(PoisonError::into_inner);
+        if last.is_some_and(|at| at.elapsed() < PEER_FULL_WARN_EVERY) {
+            return;
+        }
+        *last = Some(Instant::now());
+        tracing::warn!(
+            listener = self.listener, %peer, most,
+            "one address holds the most connections the listener allows it; its new ones are closed \
+             (counted in continuum_connections_closed_total{{reason=\"peer_full\"}})"
+        );
     }
 
     fn count(&self, reason: Closed) {
@@ -475,15 +505,22 @@ mod tests {
         Ok(())
     }
 
-    /// One address holding its share of a per-peer listener leaves room for the others, and
-    /// gets its share back as its connections close.
+    /// Every replica may reach the Fleet listener through one address (a mesh's sidecar
+    /// connects from 127.0.0.6), yet that address cannot fill the listener: past its share,
+    /// others still get in.
     #[tokio::test]
-    async fn one_address_cannot_fill_the_fleet_listener() -> anyhow::Result<()> {
+    async fn one_address_fronts_every_replica_but_cannot_fill_the_fleet_listener() -> anyhow::Result<()> {
         let metrics = Metrics::new()?;
         let guard = Guard::fleet(&metrics);
-        let (one, other) = (IpAddr::from([10, 0, 0, 1]), IpAddr::from([10, 0, 0, 2]));
-        let held: Vec<_> = (0..MAX_FLEET_CONNECTIONS_PER_PEER).filter_map(|_| guard.admit((), one)).collect();
-        assert_eq!(held.len(), MAX_FLEET_CONNECTIONS_PER_PEER);
+        let (one, other) = (IpAddr::from([127, 0, 0, 6]), IpAddr::from([10, 0, 0, 2]));
+        let every_session: Vec<_> = (0..2 * MAX_WATCH_SESSIONS).filter_map(|_| guard.admit((), one)).collect();
+        assert_eq!(every_session.len(), 2 * MAX_WATCH_SESSIONS, "each session's Watch and lookups");
+        let held: Vec<_> = (every_session.len()..MAX_FLEET_CONNECTIONS).map_while(|_| guard.admit((), one)).collect();
+        assert_eq!(every_session.len() + held.len(), MAX_FLEET_CONNECTIONS_PER_PEER);
+        assert!(
+            guard.slots.available_permits() > MAX_FLEET_CONNECTIONS / 2,
+            "stopped by its share, far short of the listener"
+        );
         assert!(guard.admit((), one).is_none(), "its share is taken");
         assert!(guard.admit((), other).is_some(), "a replica elsewhere still gets in");
         Ok(())
@@ -497,8 +534,11 @@ mod tests {
         let first = guard.admit((), LOCAL);
         let second = guard.admit((), LOCAL);
         assert!(first.is_some() && second.is_some());
-        assert!(guard.admit((), LOCAL).is_none(), "its share is taken");
-        assert_eq!(counter.with_label_values(&["test", "peer_full"]).get(), 1);
+        let (refused, logged) = crate::test_logs::captured(|| [guard.admit((), LOCAL), guard.admit((), LOCAL)]);
+        assert!(refused.iter().all(Option::is_none), "its share is taken");
+        assert_eq!(counter.with_label_values(&["test", "peer_full"]).get(), 2, "each counted");
+        assert_eq!(crate::test_logs::warnings(&logged), 1, "warned of once:\n{logged}");
+        assert!(logged.contains("127.0.0.1"), "naming the address:\n{logged}");
         assert!(guard.admit((), other).is_some(), "another address still gets in");
         drop(first);
         let again = guard.admit((), LOCAL);

@@ -18,7 +18,7 @@ use tonic::service::interceptor::InterceptedService;
 use crate::listen::Guard;
 
 pub use gate::Gate;
-pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, MAX_WATCH_STREAMS, Replicas};
+pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
 pub use tls::ServerTls;
 pub use turns::MAX_TURN_MODELS;
