@@ -211,7 +211,8 @@ impl ControlPlane {
         let moved_tls = match (&self.tls, &config.control_plane.tls) {
             (Some(_), Some(paths)) if running_tls.as_ref() != Some(paths) => {
                 let paths = paths.clone();
-                Some(read_tls_files(move || tls::prepare(&paths)).await?)
+                let read = tokio::time::timeout(FILE_READ_WAIT, read_tls_files(move || tls::prepare(&paths))).await;
+                Some(read.map_err(|_| TlsError::Config(not_read_in_time()))??)
             }
             _ => None,
         };
@@ -226,8 +227,11 @@ impl ControlPlane {
             || (&was.endpoints, &was.tls, &was.auth) != (&etcd.endpoints, &etcd.tls, &etcd.auth);
         if next.enabled && next.discovery.source == DiscoverySource::Etcd && etcd.tls.is_some() && connects_anew {
             let etcd = etcd.clone();
-            let checked = tokio::task::spawn_blocking(move || crate::sources::etcd::check_tls_files(&etcd)).await;
-            checked.unwrap_or_else(|error| Err(error.to_string())).map_err(ReloadError::EtcdTls)?;
+            let check = tokio::task::spawn_blocking(move || crate::sources::etcd::check_tls_files(&etcd));
+            let checked = tokio::time::timeout(FILE_READ_WAIT, check).await.map_err(|_| not_read_in_time());
+            checked
+                .and_then(|joined| joined.unwrap_or_else(|error| Err(error.to_string())))
+                .map_err(ReloadError::EtcdTls)?;
         }
         // What may refuse the reload in discovery is checked first: the tokens, once replaced,
         // have ended the streams opened with one they retire, which putting them back would
@@ -275,10 +279,10 @@ impl ControlPlane {
                 // after it) open; the poll reads the files again later.
                 None => {
                     let tls = tls.clone();
-                    match tokio::time::timeout(TLS_REFRESH_WAIT, read_tls_files(move || tls.refresh())).await {
+                    match tokio::time::timeout(FILE_READ_WAIT, read_tls_files(move || tls.refresh())).await {
                         Ok(refreshed) => refreshed.inspect_err(warn_kept).is_ok(),
                         Err(_) => {
-                            tracing::warn!(wait = ?TLS_REFRESH_WAIT, "reload: control_plane.tls's files did not read in time; still serving the running certificate");
+                            tracing::warn!(wait = ?FILE_READ_WAIT, "reload: control_plane.tls's files did not read in time; still serving the running certificate");
                             true
                         }
                     }
@@ -353,8 +357,9 @@ async fn watch_server<E: std::fmt::Display>(
     failed.cancel();
 }
 
-/// How long a reload waits for `control_plane.tls`'s unchanged files to be read again.
-const TLS_REFRESH_WAIT: Duration = Duration::from_secs(5);
+/// How long a reload waits for a file it reads (its configuration, TLS certificates and keys):
+/// a volume stalled on a read must not hold the reload, and every reload after it, open.
+pub const FILE_READ_WAIT: Duration = Duration::from_secs(5);
 
 /// Reads TLS files on the blocking pool: a stalled volume must not hold a runtime thread (and
 /// the Fleet streams on it), here no more than in `ServerTls::follow_files`.
@@ -362,6 +367,11 @@ async fn read_tls_files<T: Send + 'static>(
     read: impl FnOnce() -> Result<T, TlsError> + Send + 'static,
 ) -> Result<T, TlsError> {
     tokio::task::spawn_blocking(read).await.unwrap_or_else(|error| Err(TlsError::Config(error.to_string())))
+}
+
+/// Why a reload was refused when its files would not read.
+fn not_read_in_time() -> String {
+    format!("the files did not read within {FILE_READ_WAIT:?} (a stalled volume?); the reload changed nothing")
 }
 
 fn warn_kept(error: &TlsError) {

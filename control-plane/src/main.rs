@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use continuum_control_plane::app::{ControlPlane, ListenOverrides};
+use continuum_control_plane::app::{ControlPlane, FILE_READ_WAIT, ListenOverrides};
 use continuum_control_plane::config::{self, ConfigError};
 use tokio::signal::unix::{self, SignalKind};
 
@@ -289,11 +289,18 @@ fn move_shim(config: &mut config::Config, addr: SocketAddr) -> Result<(), Vec<co
 /// applied.
 async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<SocketAddr>) -> bool {
     let path = file.to_path_buf();
-    let loaded = tokio::task::spawn_blocking(move || config::load_file(&path)).await;
-    let loaded = match loaded {
-        Ok(loaded) => loaded,
-        Err(error) => {
+    let load = tokio::task::spawn_blocking(move || config::load_file(&path));
+    let loaded = match tokio::time::timeout(FILE_READ_WAIT, load).await {
+        Ok(Ok(loaded)) => loaded,
+        Ok(Err(error)) => {
             tracing::error!(%error, "reading the configuration failed; keeping the running configuration");
+            return false;
+        }
+        Err(_) => {
+            tracing::error!(
+                file = %file.display(), wait = ?FILE_READ_WAIT,
+                "the configuration did not read in time (a stalled volume?); keeping the running configuration"
+            );
             return false;
         }
     };

@@ -1136,6 +1136,61 @@ async fn a_reload_stalled_on_its_certificate_files_still_revokes_a_token() -> an
     Ok(())
 }
 
+/// A reload that moves the certificate files to a volume stalled on them is refused within the
+/// read's bound, whole: the running certificate and tokens stay, and later reloads are not
+/// held behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_moving_its_certificate_files_to_a_stalled_volume_is_refused_in_time() -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+
+    use continuum_control_plane::app::{ControlPlane, FILE_READ_WAIT, ListenOverrides, ReloadError};
+    use continuum_control_plane::config::{ListenerTlsConfig, Secret};
+    use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
+    use continuum_data_plane::replica::Replica;
+    use continuum_tests::eventually;
+    use continuum_tests::pki::Pki;
+
+    let dir = tempfile::tempdir()?;
+    let pki = Pki::generate(&dir.path().join("pki"))?;
+    let mut config = embedded_on_loopback();
+    config.control_plane.token = Some(Secret::new("first-s3cret"));
+    let tls = |cert: &std::path::Path| ListenerTlsConfig {
+        cert: Some(cert.to_path_buf()),
+        key: Some(Secret::new(pki.server_key.display().to_string())),
+        client_ca: None,
+    };
+    config.control_plane.tls = Some(tls(&pki.server_cert));
+    let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
+    let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{}", control.grpc_addr.port()), "first");
+    follow.tls = Some(client_tls(&pki.ca_cert, None)?.domain_name("localhost").into());
+    follow.credentials = Credentials::bearer("first-s3cret")?;
+    let replica = Replica::start("127.0.0.1:0", follow).await?;
+    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
+    eventually(CONVERGE, "the replica holds the fleet", || async { workers(&replica) == 4 }).await?;
+    let stalled = dir.path().join("stalled.crt");
+    anyhow::ensure!(std::process::Command::new("mkfifo").arg(&stalled).status()?.success(), "mkfifo");
+    let mut moved = config.clone();
+    moved.control_plane.tls = Some(tls(&stalled));
+    moved.control_plane.token = Some(Secret::new("second-s3cret"));
+    let reloaded = tokio::time::timeout(FILE_READ_WAIT * 3, control.reload(moved)).await;
+    // Release the reader left on the FIFO, whatever happened.
+    while std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(&stalled).is_ok() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let refused = reloaded.map_err(|_| anyhow::anyhow!("the reload waited on the stalled files"))?;
+    assert!(
+        matches!(&refused, Err(ReloadError::Tls(error)) if error.to_string().contains("did not read")),
+        "{refused:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(control.metrics.watch_retired.get(), 0, "the running token kept: its stream goes on");
+    assert_eq!(control.replicas.list().len(), 1);
+    control.reload(config).await?;
+    replica.shutdown().await;
+    control.shutdown().await;
+    Ok(())
+}
+
 /// A replica's own certificate renewed in place: its Watch stream reads the files at every
 /// connection, and its lookups' connection is renewed when they change. No restart either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
