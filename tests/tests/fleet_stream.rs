@@ -1382,6 +1382,42 @@ async fn a_change_larger_than_a_message_is_sent_as_the_smaller_snapshot() -> any
     Ok(())
 }
 
+/// The same change while the replica has not acknowledged its first snapshot: the snapshot it
+/// needs waits for that acknowledgement, and a replica that never gives it is let go at the
+/// stall limit, as one that stops reading is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_owed_a_snapshot_in_place_of_a_large_change_is_let_go_if_it_never_acknowledges() -> anyhow::Result<()>
+{
+    use continuum_control_plane::grpc::REPLICA_STALL_LIMIT;
+    let control = TestControlPlane::start(publisher()).await?;
+    let namespace = "n".repeat(32 << 10);
+    let half = (MAX_FLEET_MESSAGE_BYTES as u64 >> 16) + 32;
+    let old: Vec<_> = (1..=half).map(|id| worker(&namespace, id, "m")).collect();
+    control.publisher.apply(FleetChange { upsert: old.clone(), ..Default::default() });
+    let (_requests, mut updates) = open_watch(&control.url(), "silent").await?;
+    let first = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+    assert!(is_snapshot(&first));
+    let new: Vec<_> = (half + 1..=2 * half).map(|id| worker(&namespace, id, "m")).collect();
+    let remove = old.iter().map(|w| w.key.clone()).collect();
+    control.publisher.apply(FleetChange { upsert: new, remove, ..Default::default() });
+    // Reading on, so the queue always has room: only the acknowledgement is missing.
+    let ended = tokio::time::timeout(REPLICA_STALL_LIMIT + CONVERGE, async {
+        loop {
+            match updates.message().await {
+                Ok(Some(update)) => {
+                    anyhow::ensure!(!is_snapshot(&update), "a second snapshot before the first was acknowledged")
+                }
+                Ok(None) | Err(_) => return Ok(()),
+            }
+        }
+    })
+    .await;
+    ended.map_err(|_| anyhow::anyhow!("the session neither sent the snapshot nor let the replica go"))??;
+    assert_eq!(control.metrics.watch_stalled.get(), 1, "let go at the stall limit");
+    control.stop().await;
+    Ok(())
+}
+
 /// A fleet whose snapshot is larger than a Fleet message may carry is not sent (it could not
 /// be), nor counted as sent: the replica is told why, and keeps its last view.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,6 +55,20 @@ pub struct Queued {
     update: pb::FleetUpdate,
 }
 
+/// Bytes a varint of a sample's age may grow by as [`Queued::taken`] ages it (from nothing, as
+/// an age of 0 is not written, to a tag and ten bytes).
+const AGING_BYTES_PER_SAMPLE: usize = 11;
+
+/// What `update` may take on the wire once its samples are aged by its wait in the queue.
+fn bytes_once_aged(update: &pb::FleetUpdate) -> usize {
+    let samples = match &update.body {
+        Some(Body::Snapshot(snapshot)) => snapshot.loads.len(),
+        Some(Body::Delta(delta)) => delta.loads.len(),
+        None => 0,
+    };
+    prost::Message::encoded_len(update).saturating_add(samples.saturating_mul(AGING_BYTES_PER_SAMPLE))
+}
+
 impl Queued {
     pub(crate) fn new(update: pb::FleetUpdate) -> Self {
         Self { built: Instant::now(), update }
@@ -310,8 +324,12 @@ impl Session {
         // Past the bound the stream could not carry it. A delta merged over the whole log can
         // outgrow the fleet it leads to (workers replaced over and over, others named only to
         // be removed): the snapshot says the same in fewer bytes.
-        if matches!(catchup, Catchup::Delta(_)) && prost::Message::encoded_len(&update) > MAX_FLEET_MESSAGE_BYTES {
+        if matches!(catchup, Catchup::Delta(_)) && bytes_once_aged(&update) > MAX_FLEET_MESSAGE_BYTES {
             if self.snapshot_unacked() {
+                // The replica needs a snapshot, which waits for the last one's acknowledgement:
+                // said so, the session stops building this delta at every wake-up and the
+                // stall limit runs while it waits.
+                self.held = None;
                 return Ok(None);
             }
             tracing::warn!(
@@ -325,7 +343,7 @@ impl Session {
         if snapshot {
             // The replica would be sent the same snapshot at every reconnect: say why, to the
             // operator and to the replica.
-            let bytes = prost::Message::encoded_len(&update);
+            let bytes = bytes_once_aged(&update);
             if bytes > MAX_FLEET_MESSAGE_BYTES {
                 self.metrics.updates_sent.with_label_values(&["too_large"]).inc();
                 tracing::error!(
@@ -525,5 +543,19 @@ mod tests {
         let update = pb::FleetUpdate { body: Some(Body::Snapshot(snapshot)), ..pb::FleetUpdate::default() };
         let Some(Body::Snapshot(snapshot)) = (Queued { built, update }.taken()).body else { panic!("a snapshot") };
         assert!(snapshot.loads[0].age_ms >= 1500);
+    }
+
+    /// The bound is checked on what the update may weigh once aged: samples of age 0 (not
+    /// written) aged to the most a varint holds fit within what was counted.
+    #[test]
+    fn an_update_is_measured_as_large_as_its_wait_may_make_it() {
+        let snapshot = pb::Snapshot { loads: vec![sample(0); 1000], ..pb::Snapshot::default() };
+        let update = pb::FleetUpdate { body: Some(Body::Snapshot(snapshot)), ..pb::FleetUpdate::default() };
+        let counted = bytes_once_aged(&update);
+        let mut aged = update.clone();
+        let Some(Body::Snapshot(snapshot)) = &mut aged.body else { panic!("a snapshot") };
+        snapshot.loads.iter_mut().for_each(|s| s.age_ms = u64::MAX);
+        assert!(prost::Message::encoded_len(&update) < counted);
+        assert!(prost::Message::encoded_len(&aged) <= counted, "{} > {counted}", prost::Message::encoded_len(&aged));
     }
 }

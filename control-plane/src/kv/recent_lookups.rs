@@ -64,6 +64,8 @@ pub struct RecentLookups {
     /// it picked alone while the lookup waited on the index), by key, with when: the answer
     /// reserves the rank the report names, not its own suggestion, which nothing could move.
     early: HashMap<(u64, u64), (RankKey, Instant)>,
+    /// When the first of `early` lapses, as of its last pass: no pass before then frees room.
+    early_full_until: Option<Instant>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -115,6 +117,7 @@ impl RecentLookups {
             hasher: RandomState::new(),
             last_reserved: HashMap::new(),
             early: HashMap::new(),
+            early_full_until: None,
         }
     }
 
@@ -166,8 +169,18 @@ impl RecentLookups {
         let slot = self.slot(key);
         let Some(&seq) = self.by_key.get(&slot) else {
             // Perhaps not answered yet: kept for its answer, as long as a reservation would be.
-            self.early.retain(|_, (_, at)| now.saturating_duration_since(*at) < self.window);
-            if key.lookup != 0 && self.early.len() < MAX_RESERVATIONS {
+            if key.lookup == 0 {
+                return;
+            }
+            if self.early.len() >= MAX_RESERVATIONS && self.early_full_until.is_none_or(|until| now >= until) {
+                let window = self.window;
+                self.early.retain(|_, (_, at)| now.saturating_duration_since(*at) < window);
+                // What is left lapses no sooner than its oldest: no pass over it until then,
+                // so a report of a thousand misses against a full set costs one pass, not one
+                // each, under the lock every lookup takes.
+                self.early_full_until = self.early.values().map(|(_, at)| *at + window).min();
+            }
+            if self.early.len() < MAX_RESERVATIONS {
                 self.early.insert(slot, (rank, now));
             }
             return;
@@ -319,6 +332,23 @@ mod tests {
         let suggested = lookups.answer(Some(a(2)), &[X, Y], 900, later);
         assert_eq!(suggested, Some(Suggestion::TieBreak(Y)), "Y was reserved longest ago");
         assert_eq!(weighed(&mut lookups, 100, later), Some(X), "the stale report was dropped: Y holds the 900");
+    }
+
+    /// Early reports are held at most [`MAX_RESERVATIONS`] at once: past that, new ones are
+    /// dropped until the held ones lapse, then kept again.
+    #[test]
+    fn early_reports_are_bounded_and_room_comes_back_as_they_lapse() {
+        let mut lookups = RecentLookups::default();
+        let now = Instant::now();
+        let count = MAX_RESERVATIONS as u64;
+        (1..=count * 2).for_each(|n| lookups.reported(a(n), Y, now));
+        assert_eq!(lookups.early.len(), MAX_RESERVATIONS);
+        assert_eq!(lookups.early_full_until, Some(now + RESERVATION_WINDOW), "full until the first lapses");
+        let later = now + RESERVATION_WINDOW;
+        lookups.reported(a(count * 2 + 1), X, later);
+        assert_eq!(lookups.early.len(), 1, "the lapsed ones gone, the new one held");
+        lookups.answer(Some(a(count * 2 + 1)), &[X, Y], 900, later);
+        assert_eq!(weighed(&mut lookups, 100, later), Some(Y), "its 900 tokens stand on X, where it went");
     }
 
     /// A rank a replica names twice among the contenders weighs what is reserved on it.
