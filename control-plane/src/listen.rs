@@ -68,10 +68,13 @@ pub enum Closed {
     /// It sent nothing more for [`SILENT_FOR`] (a keep-alive connection between requests, or
     /// a request head never finished): as a server closes an idle connection.
     Idle,
+    /// Its request head was not whole within [`ADMIN_HEAD_TIMEOUT`], however slowly its bytes
+    /// kept coming (admin only).
+    HeadTimeout,
 }
 
 impl Closed {
-    pub const ALL: [Closed; 4] = [Closed::Full, Closed::PeerFull, Closed::Silent, Closed::Idle];
+    pub const ALL: [Closed; 5] = [Closed::Full, Closed::PeerFull, Closed::Silent, Closed::Idle, Closed::HeadTimeout];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -79,6 +82,7 @@ impl Closed {
             Closed::PeerFull => "peer_full",
             Closed::Silent => "silent",
             Closed::Idle => "idle",
+            Closed::HeadTimeout => "head_timeout",
         }
     }
 }
@@ -353,14 +357,18 @@ impl GuardedListener {
             };
             let router = router.clone().layer(axum::Extension(Peer(peer)));
             let service = hyper_util::service::TowerToHyperService::new(router);
-            let (shutdown, head_timeout) = (shutdown.clone(), self.head_timeout);
+            let (shutdown, head_timeout, guard) = (shutdown.clone(), self.head_timeout, self.guard.clone());
             connections.spawn(async move {
                 let mut http = hyper::server::conn::http1::Builder::new();
                 http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(head_timeout);
                 let connection = http.serve_connection(hyper_util::rt::TokioIo::new(io), service);
                 tokio::pin!(connection);
                 tokio::select! {
-                    _ = connection.as_mut() => {}
+                    served = connection.as_mut() => {
+                        if served.is_err_and(|error| error.is_timeout()) {
+                            guard.count(Closed::HeadTimeout);
+                        }
+                    }
                     () = shutdown.cancelled() => {
                         connection.as_mut().graceful_shutdown();
                         let _ = connection.await;
@@ -473,6 +481,14 @@ mod tests {
         }
         let cut = cut || closed_within(&mut trickling, Duration::from_millis(100)).await;
         assert!(cut && started.elapsed() < 4 * heads, "a trickled head is cut: {:?}", started.elapsed());
+        // Counted as the server's task ends, a moment after the client sees the close.
+        for _ in 0..100 {
+            if silent("head_timeout", "admin") > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(silent("head_timeout", "admin"), 1, "counted as such");
         // A whole request is answered as ever.
         let mut asking = TcpStream::connect(admin_addr).await?;
         asking.write_all(b"GET / HTTP/1.1\r\nhost: cp\r\nconnection: close\r\n\r\n").await?;
