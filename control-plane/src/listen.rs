@@ -164,7 +164,7 @@ impl Guard {
         Some(Guarded {
             inner: stream,
             silence: Box::pin(tokio::time::sleep(self.silent_for)),
-            heard: false,
+            progress: Arc::default(),
             guard: self.clone(),
             _slot: Slot { _permit: slot, peer },
         })
@@ -220,8 +220,8 @@ impl Guard {
 pub struct Guarded<S> {
     inner: S,
     silence: Pin<Box<Sleep>>,
-    /// Whether the peer has sent anything yet.
-    heard: bool,
+    /// Where the conversation stands, shared with whoever serves the connection.
+    progress: Arc<Progress>,
     guard: Guard,
     _slot: Slot,
 }
@@ -266,6 +266,42 @@ impl<S> Guarded<S> {
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
+
+    /// Where the conversation stands, to tell why a server that timed it out closed it.
+    fn progress(&self) -> Arc<Progress> {
+        Arc::clone(&self.progress)
+    }
+}
+
+/// Where a connection's conversation stands: nothing heard yet, between requests (the last
+/// bytes went out), or within one (the last bytes came in).
+#[derive(Debug, Default)]
+struct Progress(std::sync::atomic::AtomicU8);
+
+impl Progress {
+    const SILENT: u8 = 0;
+    const BETWEEN: u8 = 1;
+    const WITHIN: u8 = 2;
+
+    fn heard(&self) {
+        self.0.store(Self::WITHIN, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Bytes went out: between requests, if any came in (an HTTP/2 server speaks first).
+    fn answered(&self) {
+        let relaxed = std::sync::atomic::Ordering::Relaxed;
+        let _ = self.0.compare_exchange(Self::WITHIN, Self::BETWEEN, relaxed, relaxed);
+    }
+
+    /// Why a connection closed while waiting on its peer is closed: `within` when it stopped
+    /// part way through a request.
+    fn closed_waiting(&self, within: Closed) -> Closed {
+        match self.0.load(std::sync::atomic::Ordering::Relaxed) {
+            Self::SILENT => Closed::Silent,
+            Self::BETWEEN => Closed::Idle,
+            _ => within,
+        }
+    }
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
@@ -275,11 +311,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
             Poll::Ready(Ok(())) if buf.filled().len() > before => {
                 let deadline = Instant::now() + self.guard.silent_for;
                 self.silence.as_mut().reset(deadline);
-                self.heard = true;
+                self.progress.heard();
                 Poll::Ready(Ok(()))
             }
             Poll::Pending if self.silence.as_mut().poll(cx).is_ready() => {
-                self.guard.count(if self.heard { Closed::Idle } else { Closed::Silent });
+                self.guard.count(self.progress.closed_waiting(Closed::Idle));
                 Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the peer sent nothing for too long")))
             }
             other => other,
@@ -289,7 +325,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
 
 impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let written = Pin::new(&mut self.inner).poll_write(cx, buf);
+        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
+            self.progress.answered();
+        }
+        written
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -305,7 +345,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let written = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
+            self.progress.answered();
+        }
+        written
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -358,6 +402,7 @@ impl GuardedListener {
             let router = router.clone().layer(axum::Extension(Peer(peer)));
             let service = hyper_util::service::TowerToHyperService::new(router);
             let (shutdown, head_timeout, guard) = (shutdown.clone(), self.head_timeout, self.guard.clone());
+            let progress = io.progress();
             connections.spawn(async move {
                 let mut http = hyper::server::conn::http1::Builder::new();
                 http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(head_timeout);
@@ -365,8 +410,10 @@ impl GuardedListener {
                 tokio::pin!(connection);
                 tokio::select! {
                     served = connection.as_mut() => {
+                        // Hyper's head timer also runs while a keep-alive connection waits for
+                        // its next request, and closes it before the guard's silence would.
                         if served.is_err_and(|error| error.is_timeout()) {
-                            guard.count(Closed::HeadTimeout);
+                            guard.count(progress.closed_waiting(Closed::HeadTimeout));
                         }
                     }
                     () = shutdown.cancelled() => {
@@ -495,6 +542,39 @@ mod tests {
         let mut answer = String::new();
         asking.read_to_string(&mut answer).await?;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        cancel.cancel();
+        Ok(())
+    }
+
+    /// The admin server's head timer also runs while a connection waits for a request, and
+    /// runs out before the guard's silence: what it closes is counted by where the connection
+    /// stood, a keep-alive one between requests as idle and one that never spoke as silent.
+    #[tokio::test]
+    async fn the_admin_server_counts_what_its_head_timer_closes_by_where_it_stood() -> anyhow::Result<()> {
+        let (metrics, cancel) = (Metrics::new()?, tokio_util::sync::CancellationToken::new());
+        let closed = |reason: &str| metrics.connections_closed.with_label_values(&["admin", reason]).get();
+        let admin = TcpListener::bind("127.0.0.1:0").await?;
+        let admin_addr = admin.local_addr()?;
+        let guard = Guard::admin(&metrics).silent_after(Duration::from_secs(60));
+        let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let listener = GuardedListener::new(admin, guard).head_within(Duration::from_millis(300));
+        tokio::spawn(listener.serve(router, cancel.clone()));
+
+        let mut kept_alive = TcpStream::connect(admin_addr).await?;
+        kept_alive.write_all(b"GET / HTTP/1.1\r\nhost: cp\r\n\r\n").await?;
+        let mut answer = [0u8; 12];
+        kept_alive.read_exact(&mut answer).await?;
+        assert_eq!(&answer, b"HTTP/1.1 200");
+        let mut mute = TcpStream::connect(admin_addr).await?;
+        assert!(closed_within(&mut kept_alive, Duration::from_secs(10)).await, "closed between requests");
+        assert!(closed_within(&mut mute, Duration::from_secs(10)).await, "closed having said nothing");
+        let counted = async {
+            while (closed("idle"), closed("silent")) != (1, 1) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), counted).await?;
+        assert_eq!(closed("head_timeout"), 0, "neither was part way through a head");
         cancel.cancel();
         Ok(())
     }
