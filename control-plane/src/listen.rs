@@ -43,7 +43,7 @@ pub const MAX_FLEET_CONNECTIONS: usize = 16_384;
 /// for reconnects, since one address may front every replica (a service mesh's sidecar
 /// connects from loopback, a NAT from its own address). A connection with no credential may
 /// stay open while it answers pings, so without a share one host could fill the listener and
-/// shut out every replica that reconnects; with it, that takes seven.
+/// shut out every replica that reconnects; with it, that takes eight.
 pub const MAX_FLEET_CONNECTIONS_PER_PEER: usize = 2 * MAX_WATCH_SESSIONS + 256;
 /// How often a listener may warn of a peer over its share.
 const PEER_FULL_WARN_EVERY: Duration = Duration::from_secs(60);

@@ -55,9 +55,9 @@ pub struct Queued {
     update: pb::FleetUpdate,
 }
 
-/// Bytes a varint of a sample's age may grow by as [`Queued::taken`] ages it (from nothing, as
-/// an age of 0 is not written, to a tag and ten bytes).
-const AGING_BYTES_PER_SAMPLE: usize = 11;
+/// Bytes a sample may grow by as [`Queued::taken`] ages it: its age from nothing (an age of 0
+/// is not written) to a tag and ten bytes, and its own length prefix by one.
+const AGING_BYTES_PER_SAMPLE: usize = 12;
 
 /// What `update` may take on the wire once its samples are aged by its wait in the queue.
 fn bytes_once_aged(update: &pb::FleetUpdate) -> usize {
@@ -275,7 +275,8 @@ impl Session {
     /// is read. Its first snapshot too, before it has acknowledged anything: a mass reconnect
     /// (a control plane restarted) is when replicas are slowest to apply one and the fleet
     /// moves fastest. Every Continuum replica acknowledges what it applies; a client that does
-    /// not (grpcurl) meets the stall limit once it has fallen behind the delta log.
+    /// not (grpcurl) meets the stall limit once it has fallen behind the delta log, or is owed
+    /// a snapshot in place of a change too large to send.
     fn awaits_ack(&self) -> bool {
         self.snapshot_unacked() && self.state.borrow().needs_snapshot(self.held)
     }
@@ -549,7 +550,11 @@ mod tests {
     /// written) aged to the most a varint holds fit within what was counted.
     #[test]
     fn an_update_is_measured_as_large_as_its_wait_may_make_it() {
-        let snapshot = pb::Snapshot { loads: vec![sample(0); 1000], ..pb::Snapshot::default() };
+        // Samples of 123 bytes, whose length prefix grows to two bytes as they age.
+        let key = pb::WorkerKey { namespace: "n".repeat(117), instance_id: 0 };
+        let padded = pb::LoadSample { key: Some(pb::LoadKey { worker: Some(key), dp_rank: 0 }), ..sample(0) };
+        assert_eq!(prost::Message::encoded_len(&padded), 123);
+        let snapshot = pb::Snapshot { loads: vec![padded; 1000], ..pb::Snapshot::default() };
         let update = pb::FleetUpdate { body: Some(Body::Snapshot(snapshot)), ..pb::FleetUpdate::default() };
         let counted = bytes_once_aged(&update);
         let mut aged = update.clone();

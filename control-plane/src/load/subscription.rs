@@ -80,12 +80,14 @@ pub struct SubscriptionContext<F> {
 /// its handshake, or was refused by either side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EndReason {
-    /// Resolving, connecting or the handshake failed on the network (nothing listening, a
-    /// reset, a timeout): the usual sign of a worker gone or an address unreachable.
+    /// Resolving or connecting failed (nothing listening, a reset, no answer in time), or the
+    /// connection closed before its handshake completed: the usual sign of a worker gone or
+    /// an address unreachable.
     DialFailed,
     /// The connection closed or broke after the handshake.
     Lost,
-    /// The publisher broke ZMTP or a bound, or announced an address that is no address.
+    /// The publisher broke ZMTP or a bound (a handshake not whole within its deadline among
+    /// them), or announced an address that is no address.
     Refused,
     /// The publisher's address resolves only outside `dynamo.load.direct_allow_cidrs`.
     NotAllowed,
@@ -129,11 +131,6 @@ impl SessionEnds {
     pub fn unregistered(topic: Topic) -> Self {
         let counters = IntCounterVec::new(prometheus::Opts::new("ended", "test"), &["topic", "reason"]);
         Self::new(&counters.expect("valid series"), topic)
-    }
-
-    /// How many sessions ended for `reason`.
-    pub fn get(&self, reason: EndReason) -> u64 {
-        self.0[reason as usize].get()
     }
 
     fn count(&self, reason: EndReason) {

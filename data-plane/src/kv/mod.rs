@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use futures::FutureExt;
 use serde_json::Value;
 
-use continuum_proto::model::PromptDefaults;
+use continuum_proto::model::{MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, PromptDefaults};
 
 use self::artifacts::{ArtifactResult, ArtifactStore, LoadedArtifacts, ModelArtifacts, fleet_key};
 use self::hashing::{BlockSize, MAX_BLOCK_SIZES_PER_MODEL, SaltHash};
@@ -178,7 +178,7 @@ impl KvPrompt {
             tracing::warn!(
                 model,
                 size,
-                "kv_cache_block_size is outside 16..=65536 or a third distinct size; not hashed for KV overlap"
+                "kv_cache_block_size is outside {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE} or a third distinct size; not hashed for KV overlap"
             );
         }
     }
