@@ -75,7 +75,7 @@ fn kv_config() -> anyhow::Result<Config> {
 
 fn options() -> LoadOptions {
     LoadOptions {
-        limits: ZmtpLimits { handshake_timeout: Duration::from_millis(300), ..ZmtpLimits::KV_EVENTS },
+        limits: ZmtpLimits { handshake_timeout: Duration::from_secs(5), ..ZmtpLimits::KV_EVENTS },
         backoff_initial: Duration::from_millis(20),
         backoff_max: Duration::from_millis(100),
         ..kv_options()
