@@ -260,8 +260,22 @@ pub async fn post_chat(
     headers: &[(&str, &str)],
     max_time: Duration,
 ) -> anyhow::Result<Outcome> {
+    post_chat_noting_head(ns, base, body, headers, max_time, None).await
+}
+
+/// [`post_chat`], writing the answer's head to `head` as soon as it arrives (curl's `-D`), so
+/// a test can tell a stream has begun while it runs.
+pub async fn post_chat_noting_head(
+    ns: &NetNs,
+    base: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+    max_time: Duration,
+    head: Option<&std::path::Path>,
+) -> anyhow::Result<Outcome> {
     let mut curl = ns.command("curl");
-    curl.args(["-sS", "-N", "--max-time", &format!("{:.1}", max_time.as_secs_f64()), "-D", "-"]);
+    curl.args(["-sS", "-N", "--max-time", &format!("{:.1}", max_time.as_secs_f64()), "-D"]);
+    curl.arg(head.map_or_else(|| "-".into(), |path| path.as_os_str().to_owned()));
     curl.args(["-H", "content-type: application/json"]);
     for (name, value) in headers {
         curl.args(["-H", &format!("{name}: {value}")]);
@@ -272,7 +286,10 @@ pub async fn post_chat(
     if output.status.code() == Some(CURL_TIMED_OUT) {
         return Ok(Outcome::TimedOut);
     }
-    let out = String::from_utf8(output.stdout)?;
+    let mut out = String::from_utf8(output.stdout)?;
+    if let Some(head) = head {
+        out.insert_str(0, &std::fs::read_to_string(head).unwrap_or_default());
+    }
     ensure!(output.status.success(), "curl {}: {} {out}", output.status, String::from_utf8_lossy(&output.stderr));
     Ok(Outcome::Answered(parse_curl(&out)?))
 }

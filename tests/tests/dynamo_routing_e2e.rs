@@ -14,7 +14,8 @@ use anyhow::{Context, bail, ensure};
 use continuum_data_plane::routing::picker::{EJECT_AFTER, EJECTION};
 use continuum_tests::dynamo::{self, InstanceWatch, Mocker, Mode};
 use continuum_tests::dynamo_routing::{
-    self, Answer, FRONTEND, Outcome, Pins, RoutedContinuum, buffered_echo, chat_body, post_chat, streamed_echo,
+    self, Answer, FRONTEND, Outcome, Pins, RoutedContinuum, buffered_echo, chat_body, post_chat, post_chat_noting_head,
+    streamed_echo,
 };
 use continuum_tests::netns::NetNs;
 use continuum_tests::wire_tap::{Tapped, WireTap};
@@ -290,32 +291,28 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
     // promptly (1.6.1's frontend sends an error event, relayed as it came, then `[DONE]`); the
     // survivor's run to their end.
     let phase = Instant::now();
+    let heads = tempfile::tempdir()?;
+    let head_of = |i: usize| heads.path().join(format!("head-{i}"));
     let streams = async {
         let sends = (0..IN_FLIGHT_AT_DECODE_KILL).map(|i| {
             let body = chat_body(20_000 + i, true, LONG_STREAM_TOKENS);
-            let fleet = &fleet;
+            let (fleet, head) = (&fleet, head_of(i));
             async move {
-                let outcome = fleet.send(i % 2, &[("x-backend", "any")], &body, LONG_STREAM_MAX_TIME).await;
+                let outcome = fleet.send_noting_head(i % 2, &body, LONG_STREAM_MAX_TIME, &head).await;
                 (i, outcome)
             }
         });
         futures::future::join_all(sends).await
     };
     let killing = async {
-        // Once the frontend has been sent every stream (the tap's record), and a little longer
-        // for their heads and first tokens: far shorter than the streams.
-        let prompts: Vec<String> = (0..IN_FLIGHT_AT_DECODE_KILL).map(|i| format!("request {}:", 20_000 + i)).collect();
-        let all_sent = || -> anyhow::Result<bool> {
-            let bodies: Vec<String> =
-                tap.requests()?.iter().map(|r| String::from_utf8_lossy(&r.body).into_owned()).collect();
-            Ok(prompts.iter().all(|prompt| bodies.iter().any(|body| body.contains(prompt.as_str()))))
-        };
+        // Once every stream's head has reached its client, however loaded the machine: far
+        // sooner than the streams end.
+        let begun = |i: usize| std::fs::read_to_string(head_of(i)).is_ok_and(|head| head.contains("\r\n\r\n"));
         let deadline = Instant::now() + REQUEST_MAX_TIME;
-        while !all_sent()? {
-            ensure!(Instant::now() < deadline, "the streams to be cut never all reached the frontend");
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        while !(0..IN_FLIGHT_AT_DECODE_KILL).all(begun) {
+            ensure!(Instant::now() < deadline, "the streams to be cut never all began");
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
         ns.kill(victim.pid)
     };
     let (streamed, killed) = tokio::join!(streams, killing);
@@ -451,6 +448,18 @@ impl Fleet<'_> {
         max_time: Duration,
     ) -> anyhow::Result<Outcome> {
         post_chat(self.ns, &self.replicas[replica], body, headers, max_time).await
+    }
+
+    /// [`Self::send`] with `x-backend`, the answer's head written to `head` as it arrives.
+    async fn send_noting_head(
+        &self,
+        replica: usize,
+        body: &serde_json::Value,
+        max_time: Duration,
+        head: &std::path::Path,
+    ) -> anyhow::Result<Outcome> {
+        let headers = [("x-backend", "any")];
+        post_chat_noting_head(self.ns, &self.replicas[replica], body, &headers, max_time, Some(head)).await
     }
 
     /// Sends through the first replica until one request succeeds, within [`WARM_UP_WITHIN`].

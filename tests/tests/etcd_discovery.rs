@@ -197,8 +197,9 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     let config = EtcdConfig { endpoints: vec![etcd.client_url.clone()], ..EtcdConfig::default() };
     let health = WatchHealth {
         progress_every: Duration::from_millis(300),
-        silent_after: Duration::from_secs(2),
-        confirm_within: Duration::from_secs(2),
+        // An etcd slowed by the other tests' etcds must still confirm within these.
+        silent_after: Duration::from_secs(3),
+        confirm_within: Duration::from_secs(3),
     };
     let cancel = CancellationToken::new();
     let task = tokio::spawn(run_with(
@@ -223,8 +224,9 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     let pid = etcd.pid().ok_or_else(|| anyhow::anyhow!("etcd runs"))?.to_string();
     let signal = |name: &str| std::process::Command::new("kill").args([name, pid.as_str()]).status();
     signal("-STOP")?;
-    // Within half the HTTP/2 keepalive's 20 s: noticed by silence, not by the keepalive.
-    let noticed = eventually(Duration::from_secs(10), "the pass ends", || async { !connected() }).await;
+    // Before the HTTP/2 keepalive's 20 s: noticed by silence (3 s and a 3 s confirming read), not
+    // by the keepalive.
+    let noticed = eventually(Duration::from_secs(15), "the pass ends", || async { !connected() }).await;
     signal("-CONT")?;
     noticed?;
     eventually(CONVERGE, "resynced once thawed", || async { connected() && resyncs() == 2 }).await?;

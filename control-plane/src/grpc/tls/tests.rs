@@ -21,6 +21,23 @@ fn counted(tls: &ServerTls, result: &str) -> u64 {
     tls.reloads.with_label_values(&[result]).get()
 }
 
+/// Waits until a thread of this process is blocked opening a FIFO nobody writes (the kernel's
+/// `wait_for_partner`): a fixed sleep would not know that the refresh got there.
+fn until_a_thread_waits_on_a_fifo() {
+    let waiting = || {
+        std::fs::read_dir("/proc/self/task").is_ok_and(|tasks| {
+            tasks.flatten().any(|task| {
+                std::fs::read_to_string(task.path().join("wchan")).is_ok_and(|w| w.trim() == "wait_for_partner")
+            })
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !waiting() {
+        assert!(std::time::Instant::now() < deadline, "no thread blocked on the FIFO within 10 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// A refresh whose read stalls on its volume (here a FIFO nobody writes: opening it
 /// blocks) holds no lock: the reload that moves the files elsewhere goes through.
 #[test]
@@ -36,7 +53,7 @@ fn a_stalled_read_does_not_hold_up_moving_the_files() {
     assert!(made.success());
     let refreshing = Arc::clone(&tls);
     let stuck = std::thread::spawn(move || refreshing.refresh().is_ok());
-    std::thread::sleep(Duration::from_millis(200));
+    until_a_thread_waits_on_a_fifo();
     let prepared = prepare(&paths(healthy.path())).expect("the healthy files load");
     let (done, applied) = std::sync::mpsc::channel();
     let moving = Arc::clone(&tls);
@@ -67,7 +84,7 @@ fn a_refresh_that_read_before_a_renewal_leaves_the_renewed_files_served() {
     assert!(std::process::Command::new("mkfifo").arg(&cert).status().expect("mkfifo runs").success());
     let slow_refresh = Arc::clone(&tls);
     let stuck = std::thread::spawn(move || slow_refresh.refresh());
-    std::thread::sleep(Duration::from_millis(200));
+    until_a_thread_waits_on_a_fifo();
     // The renewal lands where the FIFO was and another refresh serves it.
     std::fs::rename(&cert, &slow).expect("moved aside");
     write_pair(dir.path(), "two.test");
