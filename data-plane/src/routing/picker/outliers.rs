@@ -6,8 +6,8 @@
 //! success resets it, and so does the end of an ejection: a rank back from one needs as many
 //! failures again to go. An ejection under way runs its time whatever succeeds meanwhile (as
 //! Envoy's does): the successes it sees are of requests sent before it, long streams a worker
-//! that now refuses new requests still finishes, and each would let it fail two more. Pickers skip ejected ranks unless every candidate of a phase is ejected
-//! (then none is skipped: a guess beats refusing every request). A rank's record goes when its
+//! that now refuses new requests still finishes, and each would let it fail two more. Pickers skip ejected ranks, at most a third of a phase's
+//! candidates (at least one, never all: a guess beats refusing every request). A rank's record goes when its
 //! ejection ends, or [`EJECTION`] after a failure that ejected nothing, so a worker that left
 //! the fleet leaves no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered; when full,
 //! failures short of an ejection are forgotten first (it only resets counts).
@@ -29,6 +29,11 @@ pub const EJECT_AFTER: u32 = 2;
 pub const EJECTION: Duration = Duration::from_secs(10);
 /// Ranks whose failures are remembered at once.
 pub const MAX_TRACKED: usize = 4096;
+/// At most this share of a phase's candidates is skipped for its ejections (at least one, and
+/// never all): a request shape every worker answers with a 500 (a parser bug, a bad rollout)
+/// would otherwise eject all but one, which would then take the whole fleet's load. Envoy's
+/// `max_ejection_percent` does the same.
+pub const MAX_EJECTED_DIVISOR: usize = 3;
 
 #[derive(Debug, Clone, Copy)]
 struct Record {
@@ -165,15 +170,35 @@ impl Outliers {
         held.get(rank).is_some_and(|record| record.ejects(now))
     }
 
-    /// Drops the ejected ranks of `candidates`, unless that would drop them all; one look at
-    /// the records for both, so a rank ejected meanwhile cannot empty the list.
+    /// Drops the ejected ranks of `candidates`, at most a [`MAX_EJECTED_DIVISOR`]th of them
+    /// (at least one, never all): past that share, those ejected last, whose failures are the
+    /// most recent. One look at the records, so a rank ejected meanwhile cannot empty the list.
     pub fn filter<T>(&self, candidates: &mut Vec<T>, key: impl Fn(&T) -> LoadKey, now: Instant) {
         let held = self.ranks.lock().unwrap_or_else(PoisonError::into_inner);
-        let ejected = |c: &T| held.get(&key(c)).is_some_and(|record| record.ejects(now));
-        if held.is_empty() || candidates.iter().all(ejected) {
+        // One candidate (or none) is never skipped: a guess beats refusing every request.
+        if held.is_empty() || candidates.len() < 2 {
             return;
         }
-        candidates.retain(|c| !ejected(c));
+        let mut ejected: Vec<(Instant, usize)> = candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| {
+                held.get(&key(c)).and_then(|r| r.ejected_until).filter(|until| *until > now).map(|until| (until, i))
+            })
+            .collect();
+        if ejected.is_empty() {
+            return;
+        }
+        let most = (candidates.len() / MAX_EJECTED_DIVISOR).max(1);
+        ejected.sort_unstable_by(|a, b| b.cmp(a));
+        ejected.truncate(most);
+        let mut skipped: Vec<usize> = ejected.into_iter().map(|(_, i)| i).collect();
+        skipped.sort_unstable();
+        let mut index = 0;
+        candidates.retain(|_| {
+            index += 1;
+            skipped.binary_search(&(index - 1)).is_err()
+        });
     }
 }
 
@@ -222,6 +247,27 @@ mod tests {
         assert!(outliers.ranks.lock().unwrap_or_else(PoisonError::into_inner).is_empty());
     }
 
+    /// However many ranks are ejected, at most a third of a list is skipped (at least one):
+    /// those ejected last.
+    #[test]
+    fn filtering_skips_at_most_a_third_of_the_candidates_those_ejected_last() {
+        let outliers = Outliers::default();
+        let start = Instant::now();
+        let now = start + Duration::from_millis(5);
+        for (at, id) in (1..=5).enumerate() {
+            let failed_at = start + Duration::from_millis(at as u64);
+            for _ in 0..EJECT_AFTER {
+                outliers.failed(&[rank(id)], failed_at);
+            }
+        }
+        let mut six: Vec<LoadKey> = (1..=6).map(rank).collect();
+        outliers.filter(&mut six, Clone::clone, now);
+        assert_eq!(six, vec![rank(1), rank(2), rank(3), rank(6)], "two of six skipped: ranks 5 and 4, ejected last");
+        let mut two = vec![rank(1), rank(2)];
+        outliers.filter(&mut two, Clone::clone, now);
+        assert_eq!(two, vec![rank(1)], "one of two: the one ejected last");
+    }
+
     #[test]
     fn filtering_skips_ejected_ranks_unless_all_are() {
         let outliers = Outliers::default();
@@ -235,6 +281,9 @@ mod tests {
         let mut only_ejected = vec![rank(1)];
         outliers.filter(&mut only_ejected, Clone::clone, now);
         assert_eq!(only_ejected, vec![rank(1)], "a guess beats refusing every request");
+        let mut none: Vec<LoadKey> = Vec::new();
+        outliers.filter(&mut none, Clone::clone, now);
+        assert!(none.is_empty());
     }
 
     /// A request too long to be answered in time says nothing of a rank that answered others
