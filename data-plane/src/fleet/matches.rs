@@ -71,6 +71,8 @@ struct Reach {
     /// When the last lookup ran out of its deadline: a silence is the lookups' in a row, not
     /// one timeout and another an hour later.
     timed_out_ms: AtomicU64,
+    /// When the backoff was last warned of (0: never): at most once a minute.
+    warned_ms: AtomicU64,
     backoff: Mutex<Backoff>,
 }
 
@@ -81,7 +83,8 @@ impl Default for Reach {
     fn default() -> Self {
         let backoff = Mutex::new(Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX));
         let (unanswered_since_ms, timed_out_ms) = (AtomicU64::new(0), AtomicU64::new(0));
-        Self { skip_until_ms: AtomicU64::new(0), unanswered_since_ms, timed_out_ms, backoff }
+        let (skip_until_ms, warned_ms) = (AtomicU64::new(0), AtomicU64::new(0));
+        Self { skip_until_ms, unanswered_since_ms, timed_out_ms, warned_ms, backoff }
     }
 }
 
@@ -117,6 +120,16 @@ impl Reach {
         }
         let delay = u64::try_from(backoff.next_delay().as_millis()).unwrap_or(u64::MAX);
         self.skip_until_ms.store(now_ms.saturating_add(delay.max(1)), Ordering::Relaxed);
+        // Every request loses its KV term meanwhile: said, but not at every window.
+        let last = self.warned_ms.load(Ordering::Relaxed);
+        if last == 0 || now_ms.saturating_sub(last) >= 60_000 {
+            self.warned_ms.store(now_ms.max(1), Ordering::Relaxed);
+            tracing::warn!(
+                "KV lookups: the control plane could not be reached, or answered none within \
+                 --find-matches-deadline for a second; routing without overlap credit and trying again \
+                 with backoff (if it is slow rather than away, a longer deadline may suit)"
+            );
+        }
     }
 
     /// A lookup was answered: the next failure starts the backoff over.
@@ -455,6 +468,36 @@ mod tests {
         // One out of time, then nothing for an hour, then another: no silence of a second.
         reach.timed_out(3_700_000);
         assert!(!reach.skipping(3_700_000), "lookups out of time an hour apart are no outage");
+    }
+
+    /// Lookups backing off are warned of when they start, and again no sooner than a minute
+    /// later however many windows open meanwhile.
+    #[test]
+    fn a_backoff_is_warned_of_at_most_once_a_minute() {
+        #[derive(Clone, Default)]
+        struct Lines(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt().with_ansi(false).with_writer(move || writer.clone()).finish();
+        tracing::subscriber::with_default(subscriber, || {
+            let reach = Reach::default();
+            for now in [1, 30_000, 59_000, 61_000, 70_000] {
+                reach.reached();
+                reach.missed(now);
+                assert!(reach.skipping(now));
+            }
+        });
+        let text = String::from_utf8_lossy(&lines.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned();
+        assert_eq!(text.matches("KV lookups: the control plane could not be reached").count(), 2, "{text}");
     }
 
     /// The backoff's windows are no pause in the lookups: one out of time as a window ends

@@ -127,6 +127,24 @@ pub async fn serve(listener: TcpListener, app: App, stages: Stages) {
     serve_at_most(listener, app, stages, capacity).await;
 }
 
+/// How long a client connection may be silent before the kernel probes it, and between probes
+/// (three unanswered end it); and how long bytes written to it may go unacknowledged. A client
+/// gone without a FIN or a reset (its host lost, a NAT's mapping expired) would otherwise hold
+/// its dispatch, a worker generating for nobody, until the answer's own timeout.
+pub const CLIENT_KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+pub const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+pub const CLIENT_USER_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn keep_alive(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
+    let socket = socket2::SockRef::from(stream);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(CLIENT_KEEPALIVE_IDLE)
+        .with_interval(CLIENT_KEEPALIVE_INTERVAL)
+        .with_retries(3);
+    socket.set_tcp_keepalive(&keepalive)?;
+    socket.set_tcp_user_timeout(Some(CLIENT_USER_TIMEOUT))
+}
+
 /// [`serve`], with `capacity` connections at once.
 async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity: usize) {
     // The connection tasks, aborted together once the grace period is over. (A select on the
@@ -143,6 +161,9 @@ async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity
                 // Responses go out whole, so Nagle's algorithm could only hold one back.
                 if let Err(error) = stream.set_nodelay(true) {
                     tracing::debug!(%error, "could not set TCP_NODELAY on a client connection");
+                }
+                if let Err(error) = keep_alive(&stream) {
+                    tracing::debug!(%error, "could not set TCP keepalive on a client connection");
                 }
                 // The set lets go of the connections that ended, so it holds about as many
                 // tasks as there are open connections (at most twice `capacity`).
@@ -213,6 +234,22 @@ mod tests {
     use super::*;
     use crate::http::{self, AppState};
     use crate::server::conn::CROWDED_IDLE_TIMEOUT;
+
+    /// A client connection is probed when idle and given up when its bytes go unacknowledged.
+    #[tokio::test]
+    async fn client_connections_are_probed_by_tcp_keepalive() -> std::io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let _client = tokio::net::TcpStream::connect(listener.local_addr()?).await?;
+        let (stream, _) = listener.accept().await?;
+        keep_alive(&stream)?;
+        let socket = socket2::SockRef::from(&stream);
+        assert!(socket.keepalive()?);
+        assert_eq!(socket.tcp_keepalive_time()?, CLIENT_KEEPALIVE_IDLE);
+        assert_eq!(socket.tcp_keepalive_interval()?, CLIENT_KEEPALIVE_INTERVAL);
+        assert_eq!(socket.tcp_keepalive_retries()?, 3);
+        assert_eq!(socket.tcp_user_timeout()?, Some(CLIENT_USER_TIMEOUT));
+        Ok(())
+    }
 
     #[test]
     fn the_open_file_limit_bounds_the_connections_served_at_once() {
