@@ -39,6 +39,8 @@ pub struct Metrics {
     pub shim_replica_state: IntGaugeVec,
     /// Sends moved on to another shim replica after a connection failure.
     pub shim_retries: IntCounter,
+    /// Fallbacks to the unified backends not made because the retry budget was spent.
+    pub fallbacks_refused: IntCounter,
     /// Fleet streams ended because an operation found the report queue full.
     pub dispatch_reports_dropped: IntCounter,
     /// Dispatches in flight reported again when a new stream to the control plane opened.
@@ -262,6 +264,10 @@ impl Metrics {
                 "continuum_shim_retries_total",
                 "Sends moved on to another shim replica after a connection failure",
             )?,
+            fallbacks_refused: IntCounter::new(
+                "continuum_unified_fallbacks_refused_total",
+                "Failed pinned dispatches not resent to the unified backends: the retry budget was spent",
+            )?,
             selections: IntCounterVec::new(
                 Opts::new(
                     "continuum_dynamo_selection_total",
@@ -371,6 +377,7 @@ impl Metrics {
             Box::new(metrics.request_duration.clone()),
             Box::new(metrics.shim_replica_state.clone()),
             Box::new(metrics.shim_retries.clone()),
+            Box::new(metrics.fallbacks_refused.clone()),
             Box::new(metrics.http_refused.clone()),
             Box::new(metrics.backend_refusals.clone()),
             Box::new(metrics.chat_refusals.clone()),

@@ -344,6 +344,12 @@ impl Dispatcher {
         let Some(fallback) = fallback else {
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
         };
+        // The resend is a retry too, paid from the same budget: a pool failing every request
+        // (overloaded, answering 429) must not double the load on the unified backends.
+        if !self.budget.withdraw() {
+            self.metrics.fallbacks_refused.inc();
+            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
+        }
         counted.path = Some(RoutingPath::UnifiedFallback);
         let resend = Unpinned { relay_errors: false, disclose };
         self.to_unified(*fallback, body, (stream, headers), resend)

@@ -3,6 +3,7 @@
 
 use anyhow::Context;
 use axum::http::StatusCode;
+use continuum_data_plane::dispatch::budget::RESERVE_RETRIES;
 use continuum_data_plane::dispatch::{MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 use continuum_tests::shim_stub::{RefusingPort, Reply, StubShim, fixture_reply};
 use continuum_tests::tools;
@@ -218,6 +219,37 @@ async fn a_failed_pinned_request_falls_back_unpinned_to_the_models_unified_backe
         let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
         assert_eq!(sample(&metrics, &series), Some(0.0), "{series}: the client saw none");
     }
+    harness.stop().await;
+    Ok(())
+}
+
+/// Fallbacks are paid from the retry budget: a pool failing every request resends only some
+/// of them to the unified backends, the rest failing as with no fallback, counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallbacks_to_the_unified_backends_stop_when_the_retry_budget_is_spent() -> anyhow::Result<()> {
+    const REQUESTS: usize = 40;
+    let (shim, unified) = (StubShim::start().await?, StubShim::start().await?);
+    let mut config = config(&[("shim-a", shim.url())]);
+    config.disaggregated_serving.fallback_to_unified = true;
+    config.backends.push(continuum_proto::model::Backend {
+        name: "unified".into(),
+        url: unified.url(),
+        models: vec![MODEL.into()],
+    });
+    let harness = Harness::start(disaggregated_fleet(), config).await?;
+    let mut statuses = Vec::new();
+    for _ in 0..REQUESTS {
+        shim.push(disagg("no_headers_nonstream")?);
+        statuses.push(harness.post(&chat(MODEL, false)).await?.status().as_u16());
+    }
+    let fell_back = statuses.iter().filter(|s| **s == 200).count();
+    assert!(statuses[..RESERVE_RETRIES as usize].iter().all(|s| *s == 200), "the budget's reserve: {statuses:?}");
+    assert!(fell_back < REQUESTS, "every failure resent: {statuses:?}");
+    assert!(statuses.iter().all(|s| matches!(s, 200 | 502)), "{statuses:?}");
+    assert_eq!(unified.received().len(), fell_back);
+    let metrics = harness.metrics().await?;
+    let refused = sample(&metrics, "continuum_unified_fallbacks_refused_total");
+    assert_eq!(refused, Some((REQUESTS - fell_back) as f64));
     harness.stop().await;
     Ok(())
 }
