@@ -8,7 +8,6 @@
 //! its connection: a proxied request costs the wake-ups of its own sockets only.
 
 use std::io;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,6 +18,7 @@ use tokio::net::TcpStream;
 use tokio_util::io::read_buf;
 
 use super::connections::{Conn, IdleConnections, READ_CHUNK};
+use super::resolve::Resolver;
 use super::shim_body::{Return, ShimBody};
 use super::wire::{self, WireError};
 use crate::routing::headers::Pins;
@@ -82,11 +82,12 @@ impl SendError {
 pub struct ShimClient {
     idle: Arc<IdleConnections>,
     connect_timeout: Duration,
+    resolver: Arc<Resolver>,
 }
 
 impl ShimClient {
     pub fn new(connect_timeout: Duration) -> Self {
-        Self { idle: Arc::default(), connect_timeout }
+        Self { idle: Arc::default(), connect_timeout, resolver: Arc::default() }
     }
 
     /// Sends `request` and waits at most `head_timeout` for the response head.
@@ -179,18 +180,24 @@ impl ShimClient {
         Ok(response)
     }
 
-    /// A new connection to `authority`, trying each address it resolves to in turn.
+    /// A new connection to `authority`, trying each address it resolves to in turn, each
+    /// within its share of what is left of the connect timeout: one address that swallows
+    /// the handshake (a pod gone from a headless Service) does not starve the others.
     async fn connect(&self, authority: &str, port: u16) -> Result<Conn, SendError> {
+        let deadline = tokio::time::Instant::now() + self.connect_timeout;
         let dial = async {
-            let addrs: Vec<SocketAddr> = match authority.parse::<SocketAddr>() {
-                Ok(addr) => vec![addr],
-                Err(_) => tokio::net::lookup_host((host(authority), port)).await?.collect(),
-            };
+            let addrs = self.resolver.resolve(host(authority), port).await?;
             let mut last = io::Error::new(io::ErrorKind::NotFound, format!("{authority} resolved to no address"));
-            for addr in addrs {
-                match TcpStream::connect(addr).await {
-                    Ok(stream) => return Ok(stream),
-                    Err(error) => last = error,
+            for (tried, addr) in addrs.iter().enumerate() {
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                let share = left / u32::try_from(addrs.len() - tried).unwrap_or(u32::MAX);
+                match tokio::time::timeout(share, TcpStream::connect(addr)).await {
+                    Ok(Ok(stream)) => return Ok(stream),
+                    Ok(Err(error)) => last = error,
+                    Err(_) => {
+                        last =
+                            io::Error::new(io::ErrorKind::TimedOut, format!("no connection to {addr} within {share:?}"))
+                    }
                 }
             }
             Err(last)
@@ -309,14 +316,40 @@ mod tests {
     #[tokio::test]
     async fn shim_connections_notice_a_silent_host() -> io::Result<()> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?.to_string();
+        let addr = listener.local_addr()?;
         let client = ShimClient::new(Duration::from_secs(1));
-        let conn = client.connect(&addr, 0).await.map_err(io::Error::other)?;
+        let conn = client.connect(&addr.to_string(), addr.port()).await.map_err(io::Error::other)?;
         let socket = socket2::SockRef::from(&conn.stream);
         assert!(socket.keepalive()?);
         assert_eq!(socket.tcp_keepalive_time()?, SHIM_KEEPALIVE_IDLE);
         assert_eq!(socket.tcp_keepalive_interval()?, SHIM_KEEPALIVE_INTERVAL);
         assert_eq!(socket.tcp_user_timeout()?, Some(SHIM_USER_TIMEOUT));
+        Ok(())
+    }
+
+    /// An address that swallows the handshake (here a listener whose backlog is full, so the
+    /// kernel drops further SYNs) takes only its share of the connect timeout: the name's
+    /// next address still gets a connection within it.
+    #[tokio::test]
+    async fn an_address_that_swallows_the_handshake_leaves_time_for_the_next() -> io::Result<()> {
+        let full = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        full.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())?;
+        full.listen(0)?;
+        let swallowing = full.local_addr()?.as_socket().ok_or_else(|| io::Error::other("no address"))?;
+        // Never accepted: these fill the backlog, and the kernel drops the SYNs after them.
+        let mut fillers = Vec::new();
+        for _ in 0..4 {
+            fillers.push(tokio::spawn(TcpStream::connect(swallowing)));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let good = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let good_addr = good.local_addr()?;
+        let client = ShimClient::new(Duration::from_secs(2));
+        // One name, two addresses: the swallowing one first.
+        client.resolver.keep("pool.test:80".into(), Arc::from([swallowing, good_addr]));
+        let conn = client.connect("pool.test", 80).await.map_err(io::Error::other)?;
+        assert_eq!(conn.stream.peer_addr()?, good_addr);
+        fillers.iter().for_each(tokio::task::JoinHandle::abort);
         Ok(())
     }
 

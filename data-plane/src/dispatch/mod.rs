@@ -22,6 +22,7 @@ mod ledger;
 pub mod pool;
 pub mod probe;
 pub mod relay;
+mod resolve;
 mod respond;
 pub mod shim_body;
 pub mod wire;
