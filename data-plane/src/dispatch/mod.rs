@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use continuum_proto::model::DataPlaneConfig;
@@ -99,6 +99,8 @@ pub struct Plan {
     /// The client's tenant (`x-tenant-id`), sent on as it came: the frontend salts the
     /// prompt's KV blocks with it over the body's salt.
     pub tenant: Option<HeaderValue>,
+    /// The client's tracing headers, sent on as they came.
+    pub trace: Vec<(HeaderName, HeaderValue)>,
     pub route: Route,
 }
 
@@ -249,7 +251,7 @@ impl Dispatcher {
     }
 
     pub async fn run(&self, plan: Plan) -> Result<Response, DispatchError> {
-        let headers = self.request_headers(plan.stream, plan.tenant);
+        let headers = self.request_headers(plan.stream, plan.tenant, plan.trace);
         match plan.route {
             Route::Pinned(pinned) => self.pinned(plan.body, plan.stream, plan.disclose, &headers, pinned).await,
             Route::Unified { replicas } => {
@@ -261,17 +263,23 @@ impl Dispatcher {
     }
 
     /// The headers of a request to a shim: the dispatcher's own ([`attempt::shim_headers`]),
-    /// and the client's tenant when it named one.
-    fn request_headers(&self, stream: bool, tenant: Option<HeaderValue>) -> Cow<'_, HeaderMap> {
+    /// the client's tenant when it named one, and its tracing headers.
+    fn request_headers(
+        &self,
+        stream: bool,
+        tenant: Option<HeaderValue>,
+        trace: Vec<(HeaderName, HeaderValue)>,
+    ) -> Cow<'_, HeaderMap> {
         let own = &self.headers[usize::from(stream)];
-        match tenant {
-            None => Cow::Borrowed(own),
-            Some(tenant) => {
-                let mut headers = own.clone();
-                headers.insert(TENANT_ID, tenant);
-                Cow::Owned(headers)
-            }
+        if tenant.is_none() && trace.is_empty() {
+            return Cow::Borrowed(own);
         }
+        let mut headers = own.clone();
+        if let Some(tenant) = tenant {
+            headers.insert(TENANT_ID, tenant);
+        }
+        headers.extend(trace.into_iter().map(|(name, value)| (Some(name), value)));
+        Cow::Owned(headers)
     }
 
     async fn pinned(
@@ -520,7 +528,7 @@ mod tests {
         let fallback =
             unified.map(|unified| Box::new(Fallback { replicas: [unified].into(), body: None, on_failure: false }));
         let route = Route::Pinned(Pinned { selection, replicas: replicas.into(), fallback, dispatch });
-        Plan { body: Bytes::from_static(b"{}"), stream: false, disclose: false, tenant: None, route }
+        Plan { body: Bytes::from_static(b"{}"), stream: false, disclose: false, tenant: None, trace: Vec::new(), route }
     }
 
     /// Two requests picked in the same namespace while its one replica's breaker lets a

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use axum::http::HeaderValue;
+use axum::http::{HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 
@@ -15,24 +15,41 @@ use crate::dispatch::{Pinned, Plan, Route};
 use crate::http::AppState;
 use crate::metrics::Ingress;
 
+/// What a chat completion's head hands on, and all it hands on: no other header of the
+/// client's can reach a shim.
+#[derive(Debug, Default)]
+pub struct ChatHeaders {
+    /// The client asked (`x-backend`) to see the chosen backend and workers.
+    pub disclose: bool,
+    /// `x-tenant-id`, the frontend's cache salt.
+    pub tenant: Option<String>,
+    /// The tracing headers, sent on as they came ([`crate::routing::headers::trace`]).
+    pub trace: Vec<(HeaderName, HeaderValue)>,
+}
+
 /// One chat completion, answered and observed. The replica's server calls this directly, with
-/// none of the client's headers: only whether it asked for disclosure, and its tenant. So no
-/// other header of the client's can reach a shim; the outbound headers are the dispatcher's
-/// own, the pins, and the tenant (`x-tenant-id`, the frontend's cache salt).
-pub async fn respond(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Response {
+/// none of the client's headers but [`ChatHeaders`]: the outbound headers are the
+/// dispatcher's own, the pins, the tenant and the tracing headers. A client's `x-request-id`
+/// comes back on the answer, whatever it is.
+pub async fn respond(state: &AppState, client: ChatHeaders, body: Bytes) -> Response {
     let started = Instant::now();
-    let response = match serve(state, disclose, tenant, body).await {
+    let request_id = client.trace.iter().find(|(name, _)| name == "x-request-id").map(|(_, v)| v.clone());
+    let mut response = match serve(state, client, body).await {
         Ok(response) => response,
         Err(error) => {
             state.metrics.chat_refused(error.code);
             error.into_response()
         }
     };
+    if let Some(id) = request_id {
+        response.headers_mut().insert(HeaderName::from_static("x-request-id"), id);
+    }
     state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
     response
 }
 
-async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: Bytes) -> Result<Response, ApiError> {
+async fn serve(state: &AppState, client: ChatHeaders, body: Bytes) -> Result<Response, ApiError> {
+    let ChatHeaders { disclose, tenant, trace } = client;
     // Ingress. The client's routing body fields are stripped as the outbound body is made,
     // before anything is picked: a body refused then (its rewrite would grow past the bound,
     // or found no room) leaves no dispatch recorded, no cursor moved and no prefix credited.
@@ -69,5 +86,5 @@ async fn serve(state: &AppState, disclose: bool, tenant: Option<String>, body: B
     };
     // A tenant passed the frontend's own test for a header string when it was read.
     let tenant = request.tenant().and_then(|tenant| HeaderValue::from_str(tenant).ok());
-    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, route }).await?)
+    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, trace, route }).await?)
 }

@@ -199,6 +199,29 @@ pub fn strip_response(headers: &mut HeaderMap) {
 /// The header dynamo.frontend reads a request's cache salt from, over the body's.
 pub const TENANT_ID: &str = "x-tenant-id";
 
+/// The client's tracing headers a chat completion carries on to the shim, whose frontend joins
+/// its logs and spans on them (`x-request-id`, W3C `traceparent` and `tracestate`). Not
+/// routing: they pin nothing, and the frontend takes a request id of its own only from
+/// `x-dynamo-request-id`, which is stripped.
+pub const TRACE_HEADERS: [&str; 3] = ["x-request-id", "traceparent", "tracestate"];
+/// The longest tracing header value carried on.
+pub const MAX_TRACE_VALUE_BYTES: usize = 512;
+
+/// A request's tracing context: each of [`TRACE_HEADERS`] it sends exactly once, as a valid
+/// header value of at most [`MAX_TRACE_VALUE_BYTES`], sent on as it came. One sent twice is
+/// left out: which of the two a hop behind would read is anyone's guess.
+pub fn trace<'a, 'h>(headers: impl Iterator<Item = (&'a str, &'h [u8])> + Clone) -> Vec<(HeaderName, HeaderValue)> {
+    TRACE_HEADERS
+        .iter()
+        .filter_map(|name| {
+            let mut values = headers.clone().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v);
+            let value = values.next().filter(|_| values.next().is_none())?;
+            let value = HeaderValue::from_bytes(value.trim_ascii()).ok().filter(|v| !v.is_empty())?;
+            (value.len() <= MAX_TRACE_VALUE_BYTES).then(|| (HeaderName::from_static(name), value))
+        })
+        .collect()
+}
+
 /// A client's tenant as dynamo.frontend 1.6.1 reads it from `values` (every `x-tenant-id` the
 /// request carries, in order): the last that is a valid header string (visible ASCII) and not
 /// blank, trimmed. It salts the request's KV blocks, over any salt in the body.

@@ -13,7 +13,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version
 use super::conn::{CROWDED_IDLE_TIMEOUT, MIN_READ_BYTES_PER_SECOND, READ_STALL_TIMEOUT, REQUEST_READ_TIMEOUT};
 use crate::dispatch::wire::{LengthError, content_length, has_token, listed_codings, transfer_codings, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
-use crate::routing::headers::{TENANT_ID, asks_disclosure, is_routing_header, tenant};
+use crate::routing::headers::{TENANT_ID, asks_disclosure, is_routing_header, tenant, trace};
 
 /// The most headers a request head may carry.
 pub const MAX_HEADERS: usize = 64;
@@ -89,13 +89,16 @@ pub struct RequestHead {
     pub target: String,
     pub version: Version,
     pub route: Route,
-    /// The headers, for the router. Empty for a chat completion: none of the client's headers
-    /// is carried past its head, so none can reach a shim.
+    /// The headers, for the router. Empty for a chat completion: of the client's headers only
+    /// what [`RequestHead::disclose`], [`RequestHead::tenant`] and [`RequestHead::trace`] say
+    /// is carried past its head, so no other can reach a shim.
     pub headers: HeaderMap,
     /// The client asked to see the chosen backend and workers (`x-backend`).
     pub disclose: bool,
     /// The client's tenant (`x-tenant-id`), the cache salt the frontend would read from it.
     pub tenant: Option<String>,
+    /// A chat completion's tracing headers, carried on to the shim ([`trace`]).
+    pub trace: Vec<(HeaderName, HeaderValue)>,
     pub body: BodyFraming,
     /// Whether the connection may carry another request after this one's response.
     pub keep_alive: bool,
@@ -161,9 +164,9 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
     let expects_continue = version == Version::HTTP_11
         && values(raw, "expect").any(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
     let disclose = raw.iter().any(|h| asks_disclosure(h.name));
-    let tenant = match route {
-        Route::ChatCompletions => tenant(values(raw, TENANT_ID)),
-        Route::Router => None,
+    let (tenant, trace) = match route {
+        Route::ChatCompletions => (tenant(values(raw, TENANT_ID)), trace(raw.iter().map(|h| (h.name, h.value)))),
+        Route::Router => (None, Vec::new()),
     };
     let head = RequestHead {
         method,
@@ -173,6 +176,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         headers,
         disclose,
         tenant,
+        trace,
         body,
         keep_alive,
         expects_continue,

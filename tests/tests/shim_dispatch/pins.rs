@@ -90,8 +90,45 @@ async fn spoofed_client_pins_never_reach_the_shim() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A client's tracing headers reach the frontend as they came, buffered or streamed, and its
+/// `x-request-id` comes back on the answer, a refusal's too; the frontend's own request-id
+/// header is the router's to send, and is stripped like every `x-dynamo-*` header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_tracing_headers_reach_the_frontend_and_its_request_id_comes_back() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let send = |body: &serde_json::Value, id: &str| {
+        let request = harness.http.post(harness.url("/v1/chat/completions")).json(body);
+        request
+            .header("x-request-id", id)
+            .header("traceparent", parent)
+            .header("x-dynamo-request-id", "0af76519-16cd-43dd-8448-eb211c80319c")
+            .send()
+    };
+    for (stream, id) in [(false, "req-buffered"), (true, "req-streamed")] {
+        let mut body = chat(MODEL, stream);
+        body["stream"] = json!(stream);
+        let answer = send(&body, id).await?;
+        assert_eq!(answer.status(), 200);
+        assert_eq!(answer.headers().get("x-request-id").and_then(|v| v.to_str().ok()), Some(id), "echoed");
+    }
+    let refused = send(&json!({"model": MODEL}), "req-refused").await?;
+    assert_eq!(refused.status(), 400);
+    assert_eq!(refused.headers().get("x-request-id").and_then(|v| v.to_str().ok()), Some("req-refused"));
+    let received = shim.received();
+    assert_eq!(received.len(), 2, "the refused request reached no shim");
+    for (request, id) in received.iter().zip(["req-buffered", "req-streamed"]) {
+        assert_eq!(request.header("x-request-id"), Some(id));
+        assert_eq!(request.header("traceparent"), Some(parent));
+        assert_eq!(request.header("x-dynamo-request-id"), None, "the client's is stripped");
+    }
+    harness.stop().await;
+    Ok(())
+}
+
 /// dynamo.frontend salts a request's KV blocks with its `x-tenant-id` header over the body's
-/// salt: the one client header a shim request carries, as the frontend would read it.
+/// salt: a client header a shim request carries, as the frontend would read it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_tenant_reaches_the_frontend_and_its_body_goes_as_sent() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;

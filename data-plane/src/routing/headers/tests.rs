@@ -356,6 +356,42 @@ fn the_tenant_is_the_last_visible_non_blank_value_trimmed_as_the_frontend_reads_
 }
 
 #[test]
+fn tracing_headers_sent_once_and_valid_are_carried_on_as_they_came() {
+    let long = "t".repeat(MAX_TRACE_VALUE_BYTES + 1);
+    let parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    // (case, the request's headers, what is carried on)
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a [u8])>, Vec<(&'a str, &'a str)>);
+    let cases: Vec<Case<'_>> = vec![
+        ("none", vec![("content-type", b"application/json")], vec![]),
+        (
+            "each once, any case",
+            vec![("X-Request-Id", b"req-1"), ("TRACEPARENT", parent.as_bytes()), ("tracestate", b"k=v")],
+            vec![("x-request-id", "req-1"), ("traceparent", parent), ("tracestate", "k=v")],
+        ),
+        ("trimmed", vec![("x-request-id", b"  req-1 ")], vec![("x-request-id", "req-1")]),
+        (
+            "twice is left out",
+            vec![("x-request-id", b"a"), ("X-REQUEST-ID", b"b"), ("tracestate", b"k=v")],
+            vec![("tracestate", "k=v")],
+        ),
+        ("too long", vec![("x-request-id", long.as_bytes())], vec![]),
+        ("blank", vec![("x-request-id", b"  ")], vec![]),
+        ("no header string", vec![("x-request-id", b"a\x01b")], vec![]),
+        (
+            "the frontend's own id is routing, not tracing",
+            vec![("x-dynamo-request-id", b"0af76519-16cd-43dd-8448-eb211c80319c")],
+            vec![],
+        ),
+    ];
+    for (case, headers, expected) in cases {
+        let carried = trace(headers.iter().map(|(name, value)| (*name, *value)));
+        let carried: Vec<(&str, &str)> =
+            carried.iter().map(|(name, value)| (name.as_str(), value.to_str().unwrap_or("?"))).collect();
+        assert_eq!(carried, expected, "{case}");
+    }
+}
+
+#[test]
 fn the_routers_tokens_are_attached_whatever_nvext_the_body_kept() {
     let mut body = json!({"model": "m", "nvext": {"extra_fields": ["worker_id"]}});
     attach_token_data(&mut body, vec![1, 2]);
