@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod replica;
 pub mod routing;
 pub mod server;
+mod tcp;
 
 /// An error and every cause under it. hyper's and tonic's own messages ("client error
 /// (Connect)", "transport error") hide the cause, e.g. rustls's "invalid peer certificate:

@@ -212,13 +212,8 @@ impl ShimClient {
         };
         // Requests are written whole: Nagle's algorithm could only delay them.
         stream.set_nodelay(true).map_err(SendError::Connect)?;
-        let socket = socket2::SockRef::from(&stream);
-        let keepalive = socket2::TcpKeepalive::new()
-            .with_time(SHIM_KEEPALIVE_IDLE)
-            .with_interval(SHIM_KEEPALIVE_INTERVAL)
-            .with_retries(3);
-        socket.set_tcp_keepalive(&keepalive).map_err(SendError::Connect)?;
-        socket.set_tcp_user_timeout(Some(SHIM_USER_TIMEOUT)).map_err(SendError::Connect)?;
+        crate::tcp::probe_idle(&stream, SHIM_KEEPALIVE_IDLE, SHIM_KEEPALIVE_INTERVAL, SHIM_USER_TIMEOUT)
+            .map_err(SendError::Connect)?;
         Ok(Conn::new(stream))
     }
 }

@@ -342,28 +342,33 @@ impl Dispatcher {
         };
         // The decode arm. The pinned dispatch has ended, whatever the fallback does.
         self.metrics.error(ErrorPhase::Decode);
-        let fallback = fallback.filter(|unified| unified.on_failure);
+        // An answer too large to buffer would be as large again from another backend. The
+        // resend is a retry too, paid from the same budget: a pool failing every request
+        // (overloaded, answering 429) must not double the load on the unified backends.
+        let fallback =
+            fallback.filter(|unified| unified.on_failure && !matches!(failure, Failure::TooLarge(_))).filter(|_| {
+                let paid = self.budget.withdraw();
+                if !paid {
+                    self.metrics.fallbacks_refused.inc();
+                }
+                paid
+            });
         let fallback_to_unified = fallback.is_some();
         tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
-        // An answer too large to buffer would be as large again from another backend.
-        let fallback = fallback.filter(|_| !matches!(failure, Failure::TooLarge(_)));
         // Of the refusals that blame the pins, the 400s refused the pins themselves (an id the
         // frontend no longer knows, a rank out of bounds); a 5xx is the workers failing.
         let stale_pins = blames_pins && matches!(failure, Failure::Status(StatusCode::BAD_REQUEST));
         let Some(fallback) = fallback else {
             return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
         };
-        // The resend is a retry too, paid from the same budget: a pool failing every request
-        // (overloaded, answering 429) must not double the load on the unified backends.
-        if !self.budget.withdraw() {
-            self.metrics.fallbacks_refused.inc();
-            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
-        }
         counted.path = Some(RoutingPath::UnifiedFallback);
         let resend = Unpinned { relay_errors: false, disclose };
-        self.to_unified(*fallback, body, (stream, headers), resend)
-            .await
-            .map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins })
+        let resent = self.to_unified(*fallback, body, (stream, headers), resend).await;
+        // Nothing was sent (no unified replica would take it): no retry was made.
+        if matches!(resent, Err(Failure::NoReplica)) {
+            self.budget.refund();
+        }
+        resent.map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins })
     }
 
     /// A pinned request sent unpinned to the model's unified backends instead: its body, or the

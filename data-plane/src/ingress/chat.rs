@@ -1,5 +1,5 @@
 //! `POST /v1/chat/completions`, in the pipeline's explicit phases: ingress (read and validate;
-//! none of the client's headers is carried past its head) → pick → upstream request (the
+//! of the client's headers only [`ChatHeaders`] is carried past its head) → pick → upstream request (the
 //! client's routing body fields stripped, the pins written) → relay.
 
 use std::time::Instant;
@@ -14,6 +14,7 @@ use super::select::{self, SelectError};
 use crate::dispatch::{Pinned, Plan, Route};
 use crate::http::AppState;
 use crate::metrics::Ingress;
+use crate::routing::headers::REQUEST_ID;
 
 /// What a chat completion's head hands on, and all it hands on: no other header of the
 /// client's can reach a shim.
@@ -33,7 +34,7 @@ pub struct ChatHeaders {
 /// comes back on the answer, whatever it is.
 pub async fn respond(state: &AppState, client: ChatHeaders, body: Bytes) -> Response {
     let started = Instant::now();
-    let request_id = client.trace.iter().find(|(name, _)| name == "x-request-id").map(|(_, v)| v.clone());
+    let request_id = client.trace.iter().find(|(name, _)| name == REQUEST_ID).map(|(_, v)| v.clone());
     let mut response = match serve(state, client, body).await {
         Ok(response) => response,
         Err(error) => {
@@ -42,7 +43,7 @@ pub async fn respond(state: &AppState, client: ChatHeaders, body: Bytes) -> Resp
         }
     };
     if let Some(id) = request_id {
-        response.headers_mut().insert(HeaderName::from_static("x-request-id"), id);
+        response.headers_mut().insert(HeaderName::from_static(REQUEST_ID), id);
     }
     state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
     response

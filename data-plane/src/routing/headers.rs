@@ -203,12 +203,14 @@ pub const TENANT_ID: &str = "x-tenant-id";
 /// its logs and spans on them (`x-request-id`, W3C `traceparent` and `tracestate`). Not
 /// routing: they pin nothing, and the frontend takes a request id of its own only from
 /// `x-dynamo-request-id`, which is stripped.
-pub const TRACE_HEADERS: [&str; 3] = ["x-request-id", "traceparent", "tracestate"];
+pub const TRACE_HEADERS: [&str; 3] = [REQUEST_ID, "traceparent", "tracestate"];
+/// The tracing header a client's answer carries back.
+pub const REQUEST_ID: &str = "x-request-id";
 /// The longest tracing header value carried on.
 pub const MAX_TRACE_VALUE_BYTES: usize = 512;
 
-/// A request's tracing context: each of [`TRACE_HEADERS`] it sends exactly once, as a valid
-/// header value of at most [`MAX_TRACE_VALUE_BYTES`], sent on as it came. One sent twice is
+/// A request's tracing context: each of [`TRACE_HEADERS`] it sends exactly once, in visible
+/// ASCII, of at most [`MAX_TRACE_VALUE_BYTES`], sent on as it came. One sent twice is
 /// left out: which of the two a hop behind would read is anyone's guess.
 pub fn trace<'a, 'h>(headers: impl Iterator<Item = (&'a str, &'h [u8])> + Clone) -> Vec<(HeaderName, HeaderValue)> {
     TRACE_HEADERS
@@ -216,7 +218,8 @@ pub fn trace<'a, 'h>(headers: impl Iterator<Item = (&'a str, &'h [u8])> + Clone)
         .filter_map(|name| {
             let mut values = headers.clone().filter(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v);
             let value = values.next().filter(|_| values.next().is_none())?;
-            let value = HeaderValue::from_bytes(value.trim_ascii()).ok().filter(|v| !v.is_empty())?;
+            let value =
+                HeaderValue::from_bytes(value.trim_ascii()).ok().filter(|v| !v.is_empty() && v.to_str().is_ok())?;
             (value.len() <= MAX_TRACE_VALUE_BYTES).then(|| (HeaderName::from_static(name), value))
         })
         .collect()

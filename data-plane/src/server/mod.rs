@@ -136,13 +136,7 @@ pub const CLIENT_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 pub const CLIENT_USER_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn keep_alive(stream: &tokio::net::TcpStream) -> std::io::Result<()> {
-    let socket = socket2::SockRef::from(stream);
-    let keepalive = socket2::TcpKeepalive::new()
-        .with_time(CLIENT_KEEPALIVE_IDLE)
-        .with_interval(CLIENT_KEEPALIVE_INTERVAL)
-        .with_retries(3);
-    socket.set_tcp_keepalive(&keepalive)?;
-    socket.set_tcp_user_timeout(Some(CLIENT_USER_TIMEOUT))
+    crate::tcp::probe_idle(stream, CLIENT_KEEPALIVE_IDLE, CLIENT_KEEPALIVE_INTERVAL, CLIENT_USER_TIMEOUT)
 }
 
 /// [`serve`], with `capacity` connections at once.

@@ -27,7 +27,8 @@ fn until_a_thread_waits_on_a_fifo() {
     let waiting = || {
         std::fs::read_dir("/proc/self/task").is_ok_and(|tasks| {
             tasks.flatten().any(|task| {
-                std::fs::read_to_string(task.path().join("wchan")).is_ok_and(|w| w.trim() == "wait_for_partner")
+                std::fs::read_to_string(task.path().join("wchan"))
+                    .is_ok_and(|w| w.starts_with("wait_for_partner") || w.starts_with("fifo_open"))
             })
         })
     };

@@ -55,8 +55,9 @@ pub(super) struct Pools {
 }
 
 impl Pools {
-    /// Drops the ranks this replica's pinned dispatches keep failing on, per list, unless a
-    /// list would be left empty. Shared pools are copied only when some rank is ejected.
+    /// Drops the ranks this replica's pinned dispatches keep failing on, per list, at most a
+    /// third of it and never all ([`Outliers::filter`]). Shared pools are copied only when
+    /// some rank is ejected.
     pub fn skip_ejected(self: Arc<Self>, outliers: &Outliers, now: Instant) -> Arc<Self> {
         if !outliers.any_ejected(now) {
             return self;

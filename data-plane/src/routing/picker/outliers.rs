@@ -183,7 +183,7 @@ impl Outliers {
             .iter()
             .enumerate()
             .filter_map(|(i, c)| {
-                held.get(&key(c)).and_then(|r| r.ejected_until).filter(|until| *until > now).map(|until| (until, i))
+                held.get(&key(c)).filter(|r| r.ejects(now)).and_then(|r| r.ejected_until).map(|until| (until, i))
             })
             .collect();
         if ejected.is_empty() {
@@ -269,7 +269,7 @@ mod tests {
     }
 
     #[test]
-    fn filtering_skips_ejected_ranks_unless_all_are() {
+    fn filtering_never_skips_every_candidate() {
         let outliers = Outliers::default();
         let now = Instant::now();
         for _ in 0..EJECT_AFTER {
