@@ -1348,18 +1348,28 @@ async fn a_replica_that_stops_reading_its_stream_is_let_go() -> anyhow::Result<(
     Ok(())
 }
 
+/// A fleet of `half` workers just past half what a Fleet message may carry, and the change
+/// that replaces it whole (every worker re-registered under a new instance id), which names
+/// each old worker and each new one. Namespaces of 32 KiB: a removal names its worker's key,
+/// so the old workers weigh as much in the change as the new ones.
+fn a_fleet_and_its_replacement() -> (FleetChange, FleetChange, u64) {
+    let namespace = "n".repeat(32 << 10);
+    let half = (MAX_FLEET_MESSAGE_BYTES as u64 >> 16) + 32;
+    let old: Vec<_> = (1..=half).map(|id| worker(&namespace, id, "m")).collect();
+    let new: Vec<_> = (half + 1..=2 * half).map(|id| worker(&namespace, id, "m")).collect();
+    let remove = old.iter().map(|w| w.key.clone()).collect();
+    let fleet = FleetChange { upsert: old, ..Default::default() };
+    (fleet, FleetChange { upsert: new, remove, ..Default::default() }, half)
+}
+
 /// A change larger than a Fleet message may carry, to a fleet that is not, reaches the replica
 /// as the fleet's snapshot: the whole fleet replaced at once (every worker re-registered under
 /// a new instance id) names each old worker and each new one, twice what the fleet holds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_larger_than_a_message_is_sent_as_the_smaller_snapshot() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
-    // Namespaces of 32 KiB: a removal names its worker's key, so the old workers weigh as much
-    // in the delta as the new ones. Each half is just past half the bound.
-    let namespace = "n".repeat(32 << 10);
-    let half = (MAX_FLEET_MESSAGE_BYTES as u64 >> 16) + 32;
-    let old: Vec<_> = (1..=half).map(|id| worker(&namespace, id, "m")).collect();
-    control.publisher.apply(FleetChange { upsert: old.clone(), ..Default::default() });
+    let (fleet, replaced, half) = a_fleet_and_its_replacement();
+    control.publisher.apply(fleet);
     let (requests, mut updates) = open_watch(&control.url(), "replaced").await?;
     let first = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
     assert!(is_snapshot(&first));
@@ -1373,9 +1383,7 @@ async fn a_change_larger_than_a_message_is_sent_as_the_smaller_snapshot() -> any
             .is_some_and(|r| r.acked_version.load(std::sync::atomic::Ordering::Relaxed) == view.version())
     })
     .await?;
-    let new: Vec<_> = (half + 1..=2 * half).map(|id| worker(&namespace, id, "m")).collect();
-    let remove = old.iter().map(|w| w.key.clone()).collect();
-    control.publisher.apply(FleetChange { upsert: new, remove, ..Default::default() });
+    control.publisher.apply(replaced);
     let next = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
     assert!(is_snapshot(&next), "the snapshot in place of the delta");
     let view = fold(Some(view), next)?;
@@ -1395,16 +1403,12 @@ async fn a_replica_owed_a_snapshot_in_place_of_a_large_change_is_let_go_if_it_ne
 {
     use continuum_control_plane::grpc::REPLICA_STALL_LIMIT;
     let control = TestControlPlane::start(publisher()).await?;
-    let namespace = "n".repeat(32 << 10);
-    let half = (MAX_FLEET_MESSAGE_BYTES as u64 >> 16) + 32;
-    let old: Vec<_> = (1..=half).map(|id| worker(&namespace, id, "m")).collect();
-    control.publisher.apply(FleetChange { upsert: old.clone(), ..Default::default() });
+    let (fleet, replaced, _) = a_fleet_and_its_replacement();
+    control.publisher.apply(fleet);
     let (_requests, mut updates) = open_watch(&control.url(), "silent").await?;
     let first = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
     assert!(is_snapshot(&first));
-    let new: Vec<_> = (half + 1..=2 * half).map(|id| worker(&namespace, id, "m")).collect();
-    let remove = old.iter().map(|w| w.key.clone()).collect();
-    control.publisher.apply(FleetChange { upsert: new, remove, ..Default::default() });
+    control.publisher.apply(replaced);
     // Reading on, so the queue always has room: only the acknowledgement is missing.
     let ended = tokio::time::timeout(REPLICA_STALL_LIMIT + CONVERGE, async {
         loop {

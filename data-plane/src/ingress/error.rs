@@ -72,10 +72,20 @@ impl ApiError {
     }
 }
 
+/// What a 503 of the router's asks a client to wait before it tries again: its causes (no
+/// room for a large body, breakers open, a fleet without workers or a view) pass in seconds or
+/// need another replica, and OpenAI's clients honour the header over their own backoff.
+const RETRY_AFTER_SECONDS: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"message": self.message, "type": self.kind(), "code": self.code}});
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            let retry_after = axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS);
+            response.headers_mut().insert(axum::http::header::RETRY_AFTER, retry_after);
+        }
+        response
     }
 }
 
@@ -291,6 +301,17 @@ fn echo(model: &str) -> String {
 mod tests {
     use super::*;
     use crate::dispatch::SendError;
+
+    #[test]
+    fn a_503_asks_the_client_to_retry_after_a_second_and_nothing_else_does() {
+        let retry_after = |status, code| {
+            let response = ApiError::new(status, code, "x".to_string()).into_response();
+            response.headers().get("retry-after").map(|v| v.to_str().unwrap_or("?").to_owned())
+        };
+        assert_eq!(retry_after(StatusCode::SERVICE_UNAVAILABLE, "server_busy").as_deref(), Some("1"));
+        assert_eq!(retry_after(StatusCode::BAD_REQUEST, "invalid_request"), None);
+        assert_eq!(retry_after(StatusCode::BAD_GATEWAY, "disaggregated_decode_failed"), None);
+    }
 
     #[test]
     fn a_405_echoes_only_the_start_of_a_method_however_long() {
