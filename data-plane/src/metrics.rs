@@ -89,6 +89,8 @@ pub struct Metrics {
     /// Streamed answers of unpinned requests cut off mid-stream (pinned ones count in
     /// `disaggregated_errors{phase="decode"}`).
     pub unpinned_stream_failures: IntCounter,
+    /// Seconds from a streamed request's send to the shim until its first answer event.
+    pub stream_first_event: Histogram,
     /// The request path's series, looked up once rather than hashed by label on every request.
     hot: Arc<Hot>,
 }
@@ -171,6 +173,8 @@ impl Ingress {
 /// Latency buckets from a cached reply to a long buffered generation.
 const LATENCY_BUCKETS: [f64; 14] =
     [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 30.0, 120.0];
+/// A first token's wait: queueing and a prefill, from milliseconds to a long prompt's minute.
+const FIRST_EVENT_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 2.5, 5.0, 15.0, 60.0];
 /// `stage`s of `continuum_dynamo_kv_term_seconds`: rendering, tokenizing and hashing the
 /// prompt, then asking the control plane's index which ranks hold its prefix; and, within
 /// the first, the wait before the render ran (for a permit and a blocking-pool thread) and
@@ -337,6 +341,13 @@ impl Metrics {
                 "continuum_unpinned_stream_failures_total",
                 "Streamed answers of unpinned requests (unified routing, or the fallback of a pinned one) cut off mid-stream: broken, idle past the timeout, or an event past the bound",
             )?,
+            stream_first_event: Histogram::with_opts(
+                HistogramOpts::new(
+                    "continuum_stream_first_event_seconds",
+                    "Time from a streamed request's send to a backend until its first answer event (the first token, as its client sees it less the router's own time before the send)",
+                )
+                .buckets(FIRST_EVENT_BUCKETS.to_vec()),
+            )?,
             backend_refusals: IntCounterVec::new(
                 Opts::new(
                     "continuum_backend_refusals_total",
@@ -382,6 +393,7 @@ impl Metrics {
             Box::new(metrics.backend_refusals.clone()),
             Box::new(metrics.chat_refusals.clone()),
             Box::new(metrics.unpinned_stream_failures.clone()),
+            Box::new(metrics.stream_first_event.clone()),
             Box::new(metrics.http_connections.clone()),
             Box::new(metrics.http_connection_capacity.clone()),
             Box::new(metrics.body_bytes_held.clone()),

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
-use prometheus::IntCounter;
+use prometheus::{Histogram, IntCounter};
 use serde_json::json;
 use tokio::time::{Instant, Sleep};
 
@@ -72,6 +72,8 @@ pub struct RelayBody {
     shim: ShimExchange,
     /// Counts a stream that broke after it started.
     failures: IntCounter,
+    /// Observes the time from the send to the first answer event, once.
+    first_event: Option<(Histogram, Instant)>,
     /// The stream failed: in band (an error event, as 1.6.1 sends when the decode worker dies
     /// mid-stream, relayed as it came) or here. Counted, and blamed or charged, once, however
     /// it ends.
@@ -86,7 +88,7 @@ impl RelayBody {
         inner: ShimBody,
         idle: Duration,
         (dispatch, shim): (Option<DispatchEnd>, ShimExchange),
-        failures: IntCounter,
+        (failures, first_event): (IntCounter, (Histogram, Instant)),
     ) -> Self {
         let deadline = Box::pin(tokio::time::sleep(idle));
         Self {
@@ -100,6 +102,7 @@ impl RelayBody {
             dispatch,
             shim,
             failures,
+            first_event: Some(first_event),
             failed: false,
             closed: false,
         }
@@ -282,8 +285,13 @@ impl Body for RelayBody {
             if carries_event(&events) {
                 // An error event is no first token: the prompt may never have been prefilled,
                 // and its prefill rank is as much a suspect as the decode rank.
-                if let Some(dispatch) = this.dispatch.as_mut().filter(|_| carries_answer(&events)) {
-                    dispatch.prefilled();
+                if carries_answer(&events) {
+                    if let Some(dispatch) = this.dispatch.as_mut() {
+                        dispatch.prefilled();
+                    }
+                    if let Some((histogram, sent)) = this.first_event.take() {
+                        histogram.observe(sent.elapsed().as_secs_f64());
+                    }
                 }
                 let now = Instant::now();
                 this.last_event = Some(now);
@@ -548,7 +556,9 @@ mod tests {
         let shim = ShimExchange::new(&Arc::new(ShimHealth::default()), "shim", "http://a", std::time::Instant::now());
         let idle = Duration::from_millis(50);
         let inner = ShimBody::new(Conn::new(client?), Framing::UntilClose, None);
-        let mut body = RelayBody::new(inner, idle, (None, shim), prometheus::IntCounter::new("failed", "failed")?);
+        let first = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("first", "first"))?;
+        let counted = (prometheus::IntCounter::new("failed", "failed")?, (first, tokio::time::Instant::now()));
+        let mut body = RelayBody::new(inner, idle, (None, shim), counted);
         let first = body.frame().await.and_then(|frame| frame.ok()?.into_data().ok());
         assert!(first.is_some_and(|data| data.starts_with(b":\n\n")), "comments are relayed");
         tokio::time::sleep(idle * 3).await;

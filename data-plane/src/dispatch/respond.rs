@@ -133,7 +133,8 @@ impl Dispatcher {
                 None => self.metrics.unpinned_stream_failures.clone(),
             };
             let shim = ShimExchange::new(&self.health, &replica.name, &replica.url, sent.into_std());
-            Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), failures))
+            let counted = (failures, (self.metrics.stream_first_event.clone(), sent));
+            Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), counted))
         } else {
             let timeout = self.settings.buffered_timeout;
             let read = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, (sent + timeout, timeout)).await;

@@ -53,6 +53,10 @@ async fn sse_frames_are_relayed_one_at_a_time() -> anyhow::Result<()> {
     assert_eq!(harness.replica.ledger.len(), 1, "the dispatch is in flight while the stream is open");
 
     // Each frame is read by the client before the shim is allowed to send the next.
+    let first_events = async || {
+        anyhow::Ok(sample(&harness.metrics().await?, "continuum_stream_first_event_seconds_count"))
+    };
+    assert_eq!(first_events().await?, Some(0.0), "no answer event yet");
     for frame in [FIRST, SECOND, DONE] {
         gate.send(Ok(Bytes::from(frame))).await?;
         assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
@@ -60,6 +64,7 @@ async fn sse_frames_are_relayed_one_at_a_time() -> anyhow::Result<()> {
     drop(gate);
     assert_eq!(next_text(&mut response).await?, None);
     assert!(harness.replica.ledger.is_empty(), "the dispatch ended with the stream");
+    assert_eq!(first_events().await?, Some(1.0), "the first answer event's wait, observed once");
     harness.stop().await;
     Ok(())
 }
@@ -307,6 +312,7 @@ async fn an_error_event_before_any_token_blames_the_prefill_worker_too() -> anyh
         assert!(outliers.ejected(&rank(id), now), "worker {id} is out");
     }
     let metrics = harness.metrics().await?;
+    assert_eq!(sample(&metrics, "continuum_stream_first_event_seconds_count"), Some(0.0), "an error event is no answer");
     assert_eq!(
         sample(&metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#),
         Some(0.0),
