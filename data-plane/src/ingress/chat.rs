@@ -1,6 +1,6 @@
 //! `POST /v1/chat/completions`, in the pipeline's explicit phases: ingress (read and validate;
-//! of the client's headers only [`ChatHeaders`] is carried past its head) → pick → upstream request (the
-//! client's routing body fields stripped, the pins written) → relay.
+//! of the client's headers only [`ChatHeaders`] is carried past its head) → pick → upstream
+//! request (the client's routing body fields stripped, the pins written) → relay.
 
 use std::time::Instant;
 

@@ -53,9 +53,8 @@ async fn sse_frames_are_relayed_one_at_a_time() -> anyhow::Result<()> {
     assert_eq!(harness.replica.ledger.len(), 1, "the dispatch is in flight while the stream is open");
 
     // Each frame is read by the client before the shim is allowed to send the next.
-    let first_events = async || {
-        anyhow::Ok(sample(&harness.metrics().await?, "continuum_stream_first_event_seconds_count"))
-    };
+    let first_events =
+        async || anyhow::Ok(sample(&harness.metrics().await?, "continuum_stream_first_event_seconds_count"));
     assert_eq!(first_events().await?, Some(0.0), "no answer event yet");
     for frame in [FIRST, SECOND, DONE] {
         gate.send(Ok(Bytes::from(frame))).await?;
@@ -312,7 +311,11 @@ async fn an_error_event_before_any_token_blames_the_prefill_worker_too() -> anyh
         assert!(outliers.ejected(&rank(id), now), "worker {id} is out");
     }
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, "continuum_stream_first_event_seconds_count"), Some(0.0), "an error event is no answer");
+    assert_eq!(
+        sample(&metrics, "continuum_stream_first_event_seconds_count"),
+        Some(0.0),
+        "an error event is no answer"
+    );
     assert_eq!(
         sample(&metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#),
         Some(0.0),

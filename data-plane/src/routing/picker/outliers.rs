@@ -6,10 +6,11 @@
 //! success resets it, and so does the end of an ejection: a rank back from one needs as many
 //! failures again to go. An ejection under way runs its time whatever succeeds meanwhile (as
 //! Envoy's does): the successes it sees are of requests sent before it, long streams a worker
-//! that now refuses new requests still finishes, and each would let it fail two more. Pickers skip ejected ranks, at most a third of a phase's
-//! candidates (at least one, never all: a guess beats refusing every request). A rank's record goes when its
-//! ejection ends, or [`EJECTION`] after a failure that ejected nothing, so a worker that left
-//! the fleet leaves no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered; when full,
+//! that now refuses new requests still finishes, and each would let it fail two more. Pickers
+//! skip ejected ranks, at most a third of a phase's candidates (at least one, never all: a
+//! guess beats refusing every request). A rank's record goes when its ejection ends, or
+//! [`EJECTION`] after a failure that ejected nothing, so a worker that left the fleet leaves
+//! no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered; when full,
 //! failures short of an ejection are forgotten first (it only resets counts).
 //!
 //! An answer that never came in time counts only against a rank that answered nothing else
