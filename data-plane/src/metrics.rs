@@ -39,6 +39,8 @@ pub struct Metrics {
     pub shim_replica_state: IntGaugeVec,
     /// Sends moved on to another shim replica after a connection failure.
     pub shim_retries: IntCounter,
+    /// Sends to each shim replica (and unified backend) by `backend` and `outcome`.
+    pub shim_attempts: IntCounterVec,
     /// Fallbacks to the unified backends not made because the retry budget was spent.
     pub fallbacks_refused: IntCounter,
     /// Fleet streams ended because an operation found the report queue full.
@@ -268,6 +270,13 @@ impl Metrics {
                 "continuum_shim_retries_total",
                 "Sends moved on to another shim replica after a connection failure",
             )?,
+            shim_attempts: IntCounterVec::new(
+                Opts::new(
+                    "continuum_shim_attempts_total",
+                    "Requests sent to each configured backend (shim replica or unified backend), by what came back: success, client_error (4xx), server_error (5xx), gateway_failure (502 or 504 from a proxy in front), timeout (no head in time), connect_failed, broken (the exchange failed after the connection), other (1xx or 3xx)",
+                ),
+                &["backend", "outcome"],
+            )?,
             fallbacks_refused: IntCounter::new(
                 "continuum_unified_fallbacks_refused_total",
                 "Failed pinned dispatches not resent to the unified backends: the retry budget was spent",
@@ -389,6 +398,7 @@ impl Metrics {
             Box::new(metrics.shim_replica_state.clone()),
             Box::new(metrics.shim_retries.clone()),
             Box::new(metrics.fallbacks_refused.clone()),
+            Box::new(metrics.shim_attempts.clone()),
             Box::new(metrics.http_refused.clone()),
             Box::new(metrics.backend_refusals.clone()),
             Box::new(metrics.chat_refusals.clone()),

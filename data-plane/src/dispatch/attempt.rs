@@ -109,7 +109,22 @@ impl Dispatcher {
         if let Err(error) = &outcome {
             tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
         }
+        self.metrics.shim_attempts.with_label_values(&[replica.name.as_str(), outcome_label(&outcome)]).inc();
         outcome
+    }
+}
+
+/// An attempt's `outcome` label in `continuum_shim_attempts_total`.
+fn outcome_label(outcome: &Result<Response<ShimBody>, SendError>) -> &'static str {
+    match outcome {
+        Ok(response) if response.status().is_success() => "success",
+        Ok(response) if is_gateway_failure(response.status()) => "gateway_failure",
+        Ok(response) if response.status().is_client_error() => "client_error",
+        Ok(response) if response.status().is_server_error() => "server_error",
+        Ok(_) => "other",
+        Err(SendError::HeadTimeout(_) | SendError::ShimSilent(_)) => "timeout",
+        Err(SendError::Connect(_)) => "connect_failed",
+        Err(SendError::Write(_) | SendError::Exchange(_) | SendError::UnsupportedScheme(_)) => "broken",
     }
 }
 

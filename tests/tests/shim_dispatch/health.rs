@@ -399,6 +399,11 @@ async fn a_gateways_502_counts_against_the_shim_not_its_workers() -> anyhow::Res
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(2.0), "open");
     assert!(harness.replica.ledger.outliers().is_empty(), "no strike against the pinned workers");
+    let attempts = |outcome: &str| {
+        sample(&metrics, &format!(r#"continuum_shim_attempts_total{{backend="shim",outcome="{outcome}"}}"#))
+    };
+    assert_eq!(attempts("gateway_failure"), Some(2.0), "each counted under the replica by what came back");
+    assert_eq!(attempts("success"), None, "the third request found the breaker open: no attempt");
     harness.stop().await;
     Ok(())
 }

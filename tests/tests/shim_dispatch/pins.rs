@@ -5,7 +5,7 @@ use continuum_proto::model::Role;
 use continuum_tests::shim_stub::StubShim;
 use serde_json::{Value, json};
 
-use super::{CLIENT_MODEL, DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, worker};
+use super::{CLIENT_MODEL, DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, sample, worker};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pins_leave_in_decimal_and_the_body_keeps_the_client_model() -> anyhow::Result<()> {
@@ -123,6 +123,8 @@ async fn a_clients_tracing_headers_reach_the_frontend_and_its_request_id_comes_b
         assert_eq!(request.header("traceparent"), Some(parent));
         assert_eq!(request.header("x-dynamo-request-id"), None, "the client's is stripped");
     }
+    let attempts = r#"continuum_shim_attempts_total{backend="shim-a",outcome="success"}"#;
+    assert_eq!(sample(&harness.metrics().await?, attempts), Some(2.0), "two sends, and no attempt for the refusal");
     harness.stop().await;
     Ok(())
 }
