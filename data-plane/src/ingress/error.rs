@@ -21,11 +21,20 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// The router itself refused for want of room, a view or a worker, causes that pass in
+    /// seconds: the answer asks the client to retry after [`RETRY_AFTER_SECONDS`]. Not when a
+    /// backend said no (429, 503), whose own pace a fixed second would override.
+    pub retry_soon: bool,
 }
 
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self { status, code, message: message.into(), retry_soon: false }
+    }
+
+    /// The router's own 503, for a cause that passes in seconds.
+    fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
+        Self { retry_soon: true, ..Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message) }
     }
 
     /// A request for a path this replica does not serve (404), or not with this method (405).
@@ -72,7 +81,7 @@ impl ApiError {
     }
 }
 
-/// What a 503 of the router's asks a client to wait before it tries again: its causes (no
+/// What a 503 of the router's own asks a client to wait before it tries again: its causes (no
 /// room for a large body, breakers open, a fleet without workers or a view) pass in seconds or
 /// need another replica, and OpenAI's clients honour the header over their own backoff.
 const RETRY_AFTER_SECONDS: &str = "1";
@@ -81,7 +90,7 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"message": self.message, "type": self.kind(), "code": self.code}});
         let mut response = (self.status, Json(body)).into_response();
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        if self.retry_soon {
             let retry_after = axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS);
             response.headers_mut().insert(axum::http::header::RETRY_AFTER, retry_after);
         }
@@ -92,11 +101,9 @@ impl IntoResponse for ApiError {
 impl From<RequestError> for ApiError {
     fn from(error: RequestError) -> Self {
         match error {
-            RequestError::Busy => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "server_busy",
-                format!("The router is busy: {error}. Retry shortly."),
-            ),
+            RequestError::Busy => {
+                ApiError::unavailable("server_busy", format!("The router is busy: {error}. Retry shortly."))
+            }
             RequestError::Grows { .. } => ApiError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "request_too_large",
@@ -133,8 +140,7 @@ impl From<HeadError> for ApiError {
 impl From<SelectError> for ApiError {
     fn from(error: SelectError) -> Self {
         match error {
-            SelectError::NoFleetView => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+            SelectError::NoFleetView => ApiError::unavailable(
                 "fleet_unavailable",
                 "This router has not yet received the fleet from its control plane. Retry in a few seconds.",
             ),
@@ -146,16 +152,14 @@ impl From<SelectError> for ApiError {
                     echo(&model)
                 ),
             ),
-            SelectError::ShimUnavailable { model } => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+            SelectError::ShimUnavailable { model } => ApiError::unavailable(
                 "shim_unavailable",
                 format!(
                     "No Dynamo frontend replica is available for the workers serving {}: every replica is failing or none is configured. Retry shortly.",
                     echo(&model)
                 ),
             ),
-            SelectError::NoWorkers { model } => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+            SelectError::NoWorkers { model } => ApiError::unavailable(
                 "no_workers",
                 format!("No worker serving {} can take a request right now. Retry shortly.", echo(&model)),
             ),
@@ -175,8 +179,7 @@ impl From<DispatchError> for ApiError {
                 decode_failed(&cause, fallback.as_ref(), stale_pins)
             }
             DispatchError::Overloaded => server_busy(),
-            DispatchError::NoShim => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+            DispatchError::NoShim => ApiError::unavailable(
                 "shim_unavailable",
                 "No Dynamo frontend replica is available for the workers this request was assigned to: every replica \
                  is failing or recovering. Retry shortly.",
@@ -225,8 +228,7 @@ fn unified_failed(cause: &Failure) -> ApiError {
 
 /// This replica had no room to hold a buffered answer.
 fn server_busy() -> ApiError {
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
+    ApiError::unavailable(
         "server_busy",
         "The router holds as many buffered answers as it may. Retry shortly, or ask for a streamed answer.",
     )
@@ -303,14 +305,24 @@ mod tests {
     use crate::dispatch::SendError;
 
     #[test]
-    fn a_503_asks_the_client_to_retry_after_a_second_and_nothing_else_does() {
-        let retry_after = |status, code| {
-            let response = ApiError::new(status, code, "x".to_string()).into_response();
+    fn the_routers_own_503s_ask_the_client_to_retry_after_a_second_and_a_backends_do_not() {
+        let retry_after = |error: ApiError| {
+            let response = error.into_response();
             response.headers().get("retry-after").map(|v| v.to_str().unwrap_or("?").to_owned())
         };
-        assert_eq!(retry_after(StatusCode::SERVICE_UNAVAILABLE, "server_busy").as_deref(), Some("1"));
-        assert_eq!(retry_after(StatusCode::BAD_REQUEST, "invalid_request"), None);
-        assert_eq!(retry_after(StatusCode::BAD_GATEWAY, "disaggregated_decode_failed"), None);
+        assert_eq!(retry_after(RequestError::Busy.into()).as_deref(), Some("1"));
+        assert_eq!(retry_after(DispatchError::NoShim.into()).as_deref(), Some("1"));
+        assert_eq!(retry_after(SelectError::NoFleetView.into()).as_deref(), Some("1"));
+        let model = "m".to_string();
+        assert_eq!(retry_after(SelectError::NoWorkers { model }.into()).as_deref(), Some("1"));
+        // A backend's 503 becomes the router's 503 too, without the header: its own pace is
+        // not the router's to set.
+        let refused = DispatchError::UnifiedFailed(Failure::Status(StatusCode::SERVICE_UNAVAILABLE));
+        let answer: ApiError = refused.into();
+        assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry_after(answer), None);
+        let bad = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "x");
+        assert_eq!(retry_after(bad), None);
     }
 
     #[test]

@@ -396,14 +396,19 @@ async fn a_gateways_502_counts_against_the_shim_not_its_workers() -> anyhow::Res
         let (answered, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
         assert_eq!((answered, code.as_str()), (502, "disaggregated_decode_failed"), "{status}");
     }
+    // Open now: a third request reaches no replica, and no attempt is counted for it.
+    let (status, code) = error_of(harness.post(&chat(MODEL, false)).await?).await?;
+    assert_eq!((status, code.as_str()), (503, "shim_unavailable"));
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(2.0), "open");
     assert!(harness.replica.ledger.outliers().is_empty(), "no strike against the pinned workers");
-    let attempts = |outcome: &str| {
-        sample(&metrics, &format!(r#"continuum_shim_attempts_total{{backend="shim",outcome="{outcome}"}}"#))
-    };
-    assert_eq!(attempts("gateway_failure"), Some(2.0), "each counted under the replica by what came back");
-    assert_eq!(attempts("success"), None, "the third request found the breaker open: no attempt");
+    let attempts: f64 = metrics
+        .lines()
+        .filter(|line| line.starts_with("continuum_shim_attempts_total{"))
+        .filter_map(|line| line.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum();
+    let gateway = r#"continuum_shim_attempts_total{backend="shim",outcome="gateway_failure"}"#;
+    assert_eq!((sample(&metrics, gateway), attempts), (Some(2.0), 2.0), "each send counted by what came back");
     harness.stop().await;
     Ok(())
 }

@@ -124,6 +124,7 @@ async fn an_unpinned_stream_that_breaks_midway_is_counted_apart() -> anyhow::Res
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, "continuum_unpinned_stream_failures_total"), Some(1.0));
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert_eq!(sample(&metrics, "continuum_stream_first_event_seconds_count"), Some(1.0), "its first event's wait");
     assert!(shim.received().is_empty(), "the pool's shim took no part");
     harness.stop().await;
     Ok(())
