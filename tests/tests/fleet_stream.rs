@@ -1076,6 +1076,22 @@ async fn a_connection_ends_when_the_client_certificate_it_was_verified_with_expi
     Ok(())
 }
 
+/// A replica following `control` over TLS (trusting `pki`'s CA) with the token `first-s3cret`,
+/// once it holds the embedded fleet's four workers.
+async fn replica_over_tls(
+    control: &continuum_control_plane::app::ControlPlane,
+    pki: &continuum_tests::pki::Pki,
+) -> anyhow::Result<continuum_data_plane::replica::Replica> {
+    use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
+    let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{}", control.grpc_addr.port()), "first");
+    follow.tls = Some(client_tls(&pki.ca_cert, None)?.domain_name("localhost").into());
+    follow.credentials = Credentials::bearer("first-s3cret")?;
+    let replica = continuum_data_plane::replica::Replica::start("127.0.0.1:0", follow).await?;
+    let workers = || replica.fleet.view().map_or(0, |view| view.workers().len());
+    continuum_tests::eventually(CONVERGE, "the replica holds the fleet", || async { workers() == 4 }).await?;
+    Ok(replica)
+}
+
 /// A reload whose certificate files do not read (a volume stalled on them) still applies: the
 /// running certificate is kept, and a token the reload revokes is revoked, within the read's
 /// bound rather than whenever the volume answers.
@@ -1085,8 +1101,6 @@ async fn a_reload_stalled_on_its_certificate_files_still_revokes_a_token() -> an
 
     use continuum_control_plane::app::{ControlPlane, ListenOverrides};
     use continuum_control_plane::config::{ListenerTlsConfig, Secret};
-    use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
-    use continuum_data_plane::replica::Replica;
     use continuum_tests::eventually;
     use continuum_tests::pki::Pki;
 
@@ -1102,12 +1116,7 @@ async fn a_reload_stalled_on_its_certificate_files_still_revokes_a_token() -> an
         client_ca: None,
     });
     let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
-    let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{}", control.grpc_addr.port()), "first");
-    follow.tls = Some(client_tls(&pki.ca_cert, None)?.domain_name("localhost").into());
-    follow.credentials = Credentials::bearer("first-s3cret")?;
-    let first = Replica::start("127.0.0.1:0", follow).await?;
-    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
-    eventually(CONVERGE, "the replica holds the fleet", || async { workers(&first) == 4 }).await?;
+    let first = replica_over_tls(&control, &pki).await?;
 
     std::fs::remove_file(&cert)?;
     anyhow::ensure!(std::process::Command::new("mkfifo").arg(&cert).status()?.success(), "mkfifo");
@@ -1145,9 +1154,6 @@ async fn a_reload_moving_its_certificate_files_to_a_stalled_volume_is_refused_in
 
     use continuum_control_plane::app::{ControlPlane, FILE_READ_WAIT, ListenOverrides, ReloadError};
     use continuum_control_plane::config::{ListenerTlsConfig, Secret};
-    use continuum_data_plane::fleet::{Credentials, FleetClientConfig, client_tls};
-    use continuum_data_plane::replica::Replica;
-    use continuum_tests::eventually;
     use continuum_tests::pki::Pki;
 
     let dir = tempfile::tempdir()?;
@@ -1161,12 +1167,7 @@ async fn a_reload_moving_its_certificate_files_to_a_stalled_volume_is_refused_in
     };
     config.control_plane.tls = Some(tls(&pki.server_cert));
     let mut control = ControlPlane::start(config.clone(), ListenOverrides::default()).await?;
-    let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{}", control.grpc_addr.port()), "first");
-    follow.tls = Some(client_tls(&pki.ca_cert, None)?.domain_name("localhost").into());
-    follow.credentials = Credentials::bearer("first-s3cret")?;
-    let replica = Replica::start("127.0.0.1:0", follow).await?;
-    let workers = |replica: &Replica| replica.fleet.view().map_or(0, |view| view.workers().len());
-    eventually(CONVERGE, "the replica holds the fleet", || async { workers(&replica) == 4 }).await?;
+    let replica = replica_over_tls(&control, &pki).await?;
     let stalled = dir.path().join("stalled.crt");
     anyhow::ensure!(std::process::Command::new("mkfifo").arg(&stalled).status()?.success(), "mkfifo");
     let mut moved = config.clone();
