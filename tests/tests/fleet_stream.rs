@@ -91,6 +91,11 @@ async fn open_watch(
     Ok((tx, updates))
 }
 
+/// The stream's next update within [`CONVERGE`]; an error if it ended.
+async fn next_update(updates: &mut Streaming<pb::FleetUpdate>) -> anyhow::Result<pb::FleetUpdate> {
+    tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("the stream ended"))
+}
+
 fn ack(update: &pb::FleetUpdate) -> pb::WatchRequest {
     pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: update.version, nonce: update.nonce.clone() })) }
 }
@@ -142,8 +147,7 @@ async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stay
     let expected = control.publisher.current();
     let (mut resynced, mut read) = (false, 0u64);
     while view.version() != expected.version() {
-        let update =
-            tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+        let update = next_update(&mut updates).await?;
         resynced |= is_snapshot(&update);
         read += 1;
         replies.send(ack(&update)).await?;
@@ -189,8 +193,7 @@ async fn a_slow_reader_behind_the_delta_log_has_one_snapshot_in_flight_at_most()
             // last read freed, while the replica was still to read the one before.
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        let update =
-            tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+        let update = next_update(&mut updates).await?;
         snapshots_read += u64::from(is_snapshot(&update));
         most_ahead = most_ahead.max(sent().saturating_sub(snapshots_read));
         replies.send(ack(&update)).await?;
@@ -244,8 +247,7 @@ async fn a_replica_yet_to_acknowledge_its_first_snapshot_is_sent_no_second() -> 
     }
     let expected = control.publisher.current();
     while view.version() != expected.version() {
-        let update =
-            tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+        let update = next_update(&mut updates).await?;
         replies.send(ack(&update)).await?;
         view = fold(Some(view), update)?;
     }
@@ -265,8 +267,7 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     assert!(!is_snapshot(&delta));
     let nack = pb::Nack { version: delta.version, nonce: delta.nonce.clone(), reason: "test refuses it".into() };
     replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
-    let resync =
-        tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    let resync = next_update(&mut updates).await?;
     assert!(is_snapshot(&resync), "a refused delta is followed by a full snapshot");
     assert_eq!(resync.version, control.publisher.current().version());
     let nacks = control.metrics.replica_replies.with_label_values(&["nack"]).get();
@@ -277,8 +278,7 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     replies.send(pb::WatchRequest { kind: Some(Kind::Nack(stale)) }).await?;
     replies.send(ack(&resync)).await?;
     control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 2, "m")], ..Default::default() });
-    let next =
-        tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("stream ended"))?;
+    let next = next_update(&mut updates).await?;
     assert!(!is_snapshot(&next), "a delta, not another snapshot");
 
     // Another refused delta so soon after the resync ends the stream: one snapshot per refusal
@@ -310,8 +310,7 @@ async fn refusals_of_the_deltas_behind_a_refused_one_await_its_resync() -> anyho
         for _ in 0..2 {
             next_id += 1;
             control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", next_id, "m")], ..Default::default() });
-            let delta =
-                tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+            let delta = next_update(&mut updates).await?;
             anyhow::ensure!(!is_snapshot(&delta), "a delta");
             deltas.push(delta);
         }
@@ -1372,7 +1371,7 @@ async fn a_change_larger_than_a_message_is_sent_as_the_smaller_snapshot() -> any
     let (fleet, replaced, half) = a_fleet_and_its_replacement();
     control.publisher.apply(fleet);
     let (requests, mut updates) = open_watch(&control.url(), "replaced").await?;
-    let first = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+    let first = next_update(&mut updates).await?;
     assert!(is_snapshot(&first));
     requests.send(ack(&first)).await?;
     let view = fold(None, first)?;
@@ -1385,7 +1384,7 @@ async fn a_change_larger_than_a_message_is_sent_as_the_smaller_snapshot() -> any
     })
     .await?;
     control.publisher.apply(replaced);
-    let next = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+    let next = next_update(&mut updates).await?;
     assert!(is_snapshot(&next), "the snapshot in place of the delta");
     let view = fold(Some(view), next)?;
     assert_eq!(view.workers().len() as u64, half);
@@ -1407,7 +1406,7 @@ async fn a_replica_owed_a_snapshot_in_place_of_a_large_change_is_let_go_if_it_ne
     let (fleet, replaced, _) = a_fleet_and_its_replacement();
     control.publisher.apply(fleet);
     let (_requests, mut updates) = open_watch(&control.url(), "silent").await?;
-    let first = tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("ended"))?;
+    let first = next_update(&mut updates).await?;
     assert!(is_snapshot(&first));
     control.publisher.apply(replaced);
     // Reading on, so the queue always has room: only the acknowledgement is missing.

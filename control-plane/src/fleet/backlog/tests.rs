@@ -45,6 +45,11 @@ fn report(started: Vec<pb::DispatchStarted>, ended: Vec<u64>) -> pb::DispatchRep
     pb::DispatchReport { started, ended, ..pb::DispatchReport::default() }
 }
 
+/// A report of `started` that carries its replica's operations `first_op` to `last_op`.
+fn numbered(first_op: u64, last_op: u64, started: Vec<pb::DispatchStarted>) -> pb::DispatchReport {
+    pb::DispatchReport { started, first_op, last_op, ..pb::DispatchReport::default() }
+}
+
 fn sampled(state: &FleetState, dp_rank: u32, kv_used_blocks: u64, received_at: Instant) -> FleetState {
     let sample = LoadSample { load: Load { kv_used_blocks: Some(kv_used_blocks), ..Load::default() }, received_at };
     match state.commit(FleetChange { loads: vec![(rank(dp_rank), sample)], ..FleetChange::default() }) {
@@ -436,7 +441,6 @@ fn the_sums_say_which_of_each_replicas_operations_they_hold() {
     let state = state_with(0);
     let mut book = Book::default();
     let t0 = Instant::now();
-    let numbered = |first_op, last_op, started| pb::DispatchReport { started, first_op, last_op, ..Default::default() };
     // Replica 1's first report on this stream carries its operations 7 to 9 (it ran before).
     book.report(1, numbered(7, 9, vec![started(1, 0, 16)]), t0, &state);
     book.report(2, numbered(1, 1, vec![started(1, 0, 16)]), t0, &state);
@@ -489,7 +493,6 @@ fn a_session_whose_start_was_refused_for_room_publishes_no_range() {
     let state = state_with(0);
     let mut book = Book::default();
     let t0 = Instant::now();
-    let numbered = |first_op, last_op, started| pb::DispatchReport { started, first_op, last_op, ..Default::default() };
     book.report(2, numbered(1, 1, vec![started(1, 0, 16)]), t0, &state);
     let fits = (0..MAX_DISPATCHES_PER_REPLICA as u64).map(|id| started(id, 0, 16)).collect();
     book.report(1, numbered(1, 5, fits), t0, &state);
