@@ -86,7 +86,9 @@ impl Dispatcher {
         head_timeout: Duration,
     ) -> Result<Response<ShimBody>, SendError> {
         let sent = Instant::now();
+        let unfinished = Unfinished { dispatcher: self, backend: &replica.name };
         let mut outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
+        std::mem::forget(unfinished);
         let (name, url, now) = (&replica.name, &replica.url, Instant::now());
         match &outcome {
             // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).
@@ -111,6 +113,20 @@ impl Dispatcher {
         }
         self.metrics.shim_attempts.with_label_values(&[replica.name.as_str(), outcome_label(&outcome)]).inc();
         outcome
+    }
+}
+
+/// Counts a send dropped before its outcome came: its client left, or a shutdown's cut ended
+/// its connection (the request's future is dropped either way). The shim's health learns
+/// nothing from it.
+struct Unfinished<'a> {
+    dispatcher: &'a Dispatcher,
+    backend: &'a str,
+}
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        self.dispatcher.metrics.shim_attempts.with_label_values(&[self.backend, "client_left"]).inc();
     }
 }
 

@@ -466,19 +466,33 @@ impl Dispatcher {
         for (name, value) in &values {
             gauge.with_label_values(&[name]).set(*value);
         }
-        let exported = gauge.collect().into_iter().flat_map(|family| family.get_metric().to_vec());
-        let gone: Vec<String> = exported
-            .filter_map(|metric| metric.get_label().first().map(|label| label.value().to_string()))
+        let gone: Vec<String> = series_labels(gauge)
+            .into_iter()
+            .filter_map(|labels| labels.into_iter().next())
             .filter(|name| !values.contains_key(name.as_str()))
             .collect();
         for name in gone {
             let _ = gauge.remove_label_values(&[&name]);
+        }
+        // A backend no longer configured takes its attempt counts with it (Envoy drops a removed
+        // cluster's stats), so that renamed or churned backends do not pile up series.
+        let attempts = &self.metrics.shim_attempts;
+        let configured = |name: &str| config.backends.iter().any(|b| b.name == name);
+        for labels in series_labels(attempts).into_iter().filter(|labels| !configured(&labels[0])) {
+            let _ = attempts.remove_label_values(&labels.iter().map(String::as_str).collect::<Vec<_>>());
         }
     }
 
     fn next_start(&self) -> usize {
         self.cursor.fetch_add(1, Ordering::Relaxed)
     }
+}
+
+/// The label values of each series a metric vector exports, in its labels' order.
+fn series_labels(vector: &impl Collector) -> Vec<Vec<String>> {
+    let families = vector.collect();
+    let metrics = families.iter().flat_map(|family| family.get_metric());
+    metrics.map(|metric| metric.get_label().iter().map(|label| label.value().to_string()).collect()).collect()
 }
 
 #[cfg(test)]
@@ -592,6 +606,29 @@ mod tests {
         let on_gauge: Vec<&str> =
             families.iter().flat_map(|f| f.get_metric()).flat_map(|m| m.get_label()).map(|l| l.value()).collect();
         assert_eq!(on_gauge, ["pooled"], "only pooled replicas are on the gauge");
+        Ok(())
+    }
+
+    #[test]
+    fn exporting_the_health_drops_the_attempt_counts_of_backends_no_longer_configured() -> anyhow::Result<()> {
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        let backend = |name: &str| Backend { name: name.into(), url: format!("http://{name}:8000"), models: vec![] };
+        let config = DataPlaneConfig {
+            backends: vec![backend("pooled"), backend("unified")],
+            shim_pools: vec![ShimPool { namespace: "dynamo".into(), backends: vec!["pooled".into()] }],
+            ..DataPlaneConfig::default()
+        };
+        let attempts = &dispatcher.metrics.shim_attempts;
+        for (name, outcome) in
+            [("pooled", "success"), ("unified", "timeout"), ("removed", "success"), ("removed", "broken")]
+        {
+            attempts.with_label_values(&[name, outcome]).inc();
+        }
+        dispatcher.export_health(&config);
+        let mut kept = series_labels(attempts);
+        kept.sort();
+        assert_eq!(kept, [vec!["pooled".to_string(), "success".into()], vec!["unified".into(), "timeout".into()]]);
+        assert_eq!(attempts.with_label_values(&["unified", "timeout"]).get(), 1, "a configured backend's count stands");
         Ok(())
     }
 

@@ -316,7 +316,7 @@ async fn a_worker_whose_buffered_answers_never_come_is_skipped_and_the_shim_stay
 }
 
 /// A client that gives up before its answer's head (its worker hung) ends the dispatch at once,
-/// and is counted as nginx would log a 499.
+/// and is counted as nginx would log a 499; its send too, without blame on the shim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_before_its_answer_ends_its_dispatch_and_is_counted() -> anyhow::Result<()> {
     const HUNG: u64 = 0x5eed_0003;
@@ -341,6 +341,10 @@ async fn a_client_that_leaves_before_its_answer_ends_its_dispatch_and_is_counted
         harness.metrics().await.is_ok_and(|m| sample(&m, "continuum_http_requests_abandoned_total") == Some(1.0))
     })
     .await?;
+    let metrics = harness.metrics().await?;
+    let left = r#"continuum_shim_attempts_total{backend="shim",outcome="client_left"}"#;
+    assert_eq!(sample(&metrics, left), Some(1.0), "its send counted, as cut short by its client");
+    assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim"}"#), Some(0.0), "no blame");
     harness.stop().await;
     Ok(())
 }
