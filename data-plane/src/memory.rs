@@ -15,6 +15,7 @@
 //! Small bodies are free: most chat requests and answers stay under [`FREE_BYTES`], and they
 //! cost no accounting.
 
+use bytes::{Bytes, BytesMut};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
 /// Tests that fill a process-wide budget take turns: `cargo test` runs a crate's tests on
@@ -99,6 +100,51 @@ fn chargeable(bytes: usize) -> Option<u32> {
     (bytes > FREE_BYTES).then(|| u32::try_from(bytes).unwrap_or(u32::MAX))
 }
 
+/// Appends `data` to a body charged in `charge`, the charge covering the room the body holds
+/// rather than the bytes in it: a vector's doubling held up to twice what was charged, and 64
+/// uploads stalled just past a power of two held twice the budget. It doubles still (its
+/// length unknown, a body of many frames is copied a logarithmic number of times), but never
+/// past `most`, the largest body. False, the body unchanged, when the budget has no room.
+pub fn append_charged(
+    body: &mut BytesMut,
+    data: &[u8],
+    most: usize,
+    (budget, charge): (&'static Budget, &mut Charge),
+) -> bool {
+    let needed = body.len() + data.len();
+    if needed > body.capacity() {
+        let capacity = needed.max(2 * body.capacity()).min(most.max(needed));
+        if !budget.grow(charge, capacity) {
+            return false;
+        }
+        reallocate(body, capacity);
+    }
+    body.extend_from_slice(data);
+    true
+}
+
+/// A body grown by [`append_charged`], as it will be held, and its charge cut to match: one
+/// just past a power of two would hold nearly twice its length, so its spare room is let go
+/// with a copy.
+pub fn settle(body: BytesMut, charge: &mut Charge) -> Bytes {
+    let body = fitted(body);
+    Budget::shrink(charge, body.len() + FREE_BYTES);
+    body
+}
+
+/// Moves `buffer` into an allocation of exactly `capacity` (at least its length): `BytesMut`'s
+/// own growth doubles, past any bound the caller keeps.
+pub fn reallocate(buffer: &mut BytesMut, capacity: usize) {
+    let mut grown = BytesMut::with_capacity(capacity);
+    grown.extend_from_slice(buffer);
+    *buffer = grown;
+}
+
+/// `body`, in no more room than [`FREE_BYTES`] past its length.
+fn fitted(body: BytesMut) -> Bytes {
+    if body.capacity() - body.len() > FREE_BYTES { Bytes::copy_from_slice(&body) } else { body.freeze() }
+}
+
 /// What a body holds of its budget; given back when dropped.
 #[derive(Debug, Default)]
 pub struct Charge(Option<SemaphorePermit<'static>>);
@@ -108,6 +154,69 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
+
+    /// The largest body of these tests.
+    const MOST: usize = 8 << 20;
+
+    #[test]
+    fn a_body_is_held_in_no_more_room_than_it_is_charged_for() {
+        let mut grown = BytesMut::new();
+        for _ in 0..=(4 << 20) / 4096 {
+            grown.extend_from_slice(&[b'x'; 4096]);
+        }
+        assert!(grown.capacity() >= 2 * grown.len() - (8 << 10), "grown by doubling: {}", grown.capacity());
+        let len = grown.len();
+        let held = fitted(grown);
+        assert_eq!(held.len(), len);
+        // A `Bytes` frozen from a vector keeps the vector's capacity: what `try_into_mut` gets back.
+        let room = held.try_into_mut().map(|body| body.capacity()).ok();
+        assert!(room.is_some_and(|room| room <= len + FREE_BYTES), "{room:?} held for {len}");
+        let small = BytesMut::from(&b"{}"[..]);
+        assert_eq!(fitted(small), Bytes::from_static(b"{}"));
+    }
+
+    #[test]
+    fn a_body_grown_by_frames_holds_no_more_room_than_it_is_charged_for() {
+        static BUDGET: Budget = Budget::new(64 << 20);
+        let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+        // Chunks of an odd size, so that the body passes each power of two by a little.
+        let chunk = [b'x'; 8191];
+        while body.len() + chunk.len() <= MOST {
+            assert!(append_charged(&mut body, &chunk, MOST, (&BUDGET, &mut charge)));
+            assert!(
+                body.capacity() <= BUDGET.charged().max(FREE_BYTES),
+                "{} held, {} charged",
+                body.capacity(),
+                BUDGET.charged()
+            );
+        }
+        assert!(body.capacity() <= MOST, "never past the largest body: {}", body.capacity());
+        assert!(body.iter().all(|b| *b == b'x'));
+        drop((body, charge));
+        assert_eq!(BUDGET.charged(), 0);
+
+        // Whole, a body just past a power of two lets go of its spare room, and of the charge
+        // for it.
+        let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+        while body.len() <= 4 << 20 {
+            assert!(append_charged(&mut body, &chunk, MOST, (&BUDGET, &mut charge)));
+        }
+        let (len, charged) = (body.len(), BUDGET.charged());
+        assert!(charged > len + (1 << 20), "{charged} charged for {len} while growing");
+        settle(body, &mut charge);
+        assert!(BUDGET.charged() <= len + FREE_BYTES, "{} charged for {len}", BUDGET.charged());
+        drop(charge);
+        assert_eq!(BUDGET.charged(), 0);
+
+        // Past the budget's room: refused, the body as it was.
+        static SMALL: Budget = Budget::new(FREE_BYTES * 2);
+        let (mut body, mut charge) = (BytesMut::new(), Charge::default());
+        while append_charged(&mut body, &chunk, MOST, (&SMALL, &mut charge)) {}
+        assert!(body.len() <= FREE_BYTES * 2 && SMALL.charged() <= FREE_BYTES * 2);
+        let len = body.len();
+        assert!(!append_charged(&mut body, &chunk, MOST, (&SMALL, &mut charge)));
+        assert_eq!(body.len(), len);
+    }
 
     /// Dropped where it was freed: the thread that ran its drop.
     struct Freed(Arc<Mutex<Option<std::thread::ThreadId>>>);

@@ -24,7 +24,7 @@ use super::relay::RelayBody;
 use super::shim_body::ShimBody;
 use super::{DispatchEnd, Dispatcher, Failure};
 use crate::ingress::error::ApiError;
-use crate::memory::{BUFFERED_ANSWERS, Charge};
+use crate::memory::{BUFFERED_ANSWERS, Charge, append_charged, settle};
 use crate::metrics::ErrorPhase;
 use crate::routing::headers::{disclose, strip_response};
 use crate::routing::picker::Selection;
@@ -187,19 +187,25 @@ async fn read_whole(
                 false => Failure::Body(error.to_string()),
             })?;
             let Ok(data) = frame.into_data() else { continue };
-            let held = first.as_ref().map_or(joined.len(), Bytes::len);
-            if !BUFFERED_ANSWERS.grow(&mut charge, held + data.len()) {
+            let charged = match first.take() {
+                None if joined.is_empty() => {
+                    let fits = BUFFERED_ANSWERS.grow(&mut charge, data.len());
+                    first = Some(data);
+                    fits
+                }
+                // Charged for the room the joined answer holds, not only its bytes.
+                earlier => [earlier.unwrap_or_default(), data]
+                    .iter()
+                    .all(|part| append_charged(&mut joined, part, limit, (&BUFFERED_ANSWERS, &mut charge))),
+            };
+            if !charged {
                 return Err(Failure::Overloaded);
             }
-            match first.take() {
-                None if joined.is_empty() => first = Some(data),
-                earlier => {
-                    joined.extend_from_slice(&earlier.unwrap_or_default());
-                    joined.extend_from_slice(&data);
-                }
-            }
         }
-        Ok((first.unwrap_or_else(|| joined.freeze()), charge))
+        Ok(match first {
+            Some(only) => (only, charge),
+            None => (settle(joined, &mut charge), charge),
+        })
     };
     tokio::time::timeout_at(deadline, read).await.unwrap_or(Err(Failure::BodyTimeout(timeout)))
 }
@@ -259,6 +265,42 @@ fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An answer of many frames is joined in room it is charged for: the doubling of a joined
+    /// buffer held up to twice what was charged, past the process's budget of answers.
+    #[tokio::test]
+    async fn an_answer_of_many_frames_holds_no_more_room_than_it_is_charged_for() -> anyhow::Result<()> {
+        use tokio::io::AsyncWriteExt;
+
+        use super::super::connections::Conn;
+        use super::super::wire::Framing;
+        use crate::memory::{FILLING, FREE_BYTES};
+
+        let _turn = FILLING.lock().await;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(listener.local_addr()?), listener.accept());
+        let (mut server, _) = accepted?;
+        // Just past a power of two, in pieces: each read of the body is one frame.
+        let len = (3 << 20) + 1000;
+        let writer = tokio::spawn(async move {
+            for piece in vec![b'x'; len].chunks(16 << 10) {
+                server.write_all(piece).await?;
+            }
+            server.shutdown().await
+        });
+        let body = ShimBody::new(Conn::new(client?), Framing::UntilClose, None);
+        let deadline = (Instant::now() + Duration::from_secs(30), Duration::from_secs(30));
+        let (answer, charge) = read_whole(body, 32 << 20, deadline).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        writer.await??;
+        assert_eq!(answer.len(), len);
+        let charged = BUFFERED_ANSWERS.charged();
+        let held = answer.try_into_mut().map(|joined| joined.capacity()).map_err(|_| anyhow::anyhow!("shared"))?;
+        assert!(held <= charged && charged <= len + FREE_BYTES, "{held} held, {charged} charged for {len}");
+        drop(charge);
+        assert_eq!(BUFFERED_ANSWERS.charged(), 0);
+        Ok(())
+    }
 
     /// A refusal relayed in OpenAI's shape is JSON the router re-encoded: it goes out as JSON
     /// whatever type the backend named (a browser must not render the client's own input that

@@ -33,7 +33,7 @@ use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::ingress::chat::{self, ChatHeaders};
 use crate::ingress::error::ApiError;
-use crate::memory::{Budget, Charge, FREE_BYTES, REQUEST_BODIES};
+use crate::memory::{Charge, FREE_BYTES, REQUEST_BODIES, append_charged, reallocate, settle};
 
 /// A keep-alive connection with no request in progress is closed after this long.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
@@ -410,16 +410,13 @@ impl Connection {
                     return Err(Stop::Refuse(HeadError::BodyTooLarge));
                 }
                 Ok(Decoded::Data(data)) => {
-                    if !append_charged(&mut body, &data, (&REQUEST_BODIES, &mut charge)) {
+                    if !append_charged(&mut body, &data, MAX_REQUEST_BODY_BYTES, (&REQUEST_BODIES, &mut charge)) {
                         return Err(Stop::Refuse(HeadError::Busy));
                     }
                 }
                 Ok(Decoded::End) => {
                     self.release_large_read_buffer(head + body.len());
-                    let body = fitted(body);
-                    // Its length known, what the doubling held beyond it is given back.
-                    Budget::shrink(&mut charge, body.len() + FREE_BYTES);
-                    return Ok((body, charge));
+                    return Ok((settle(body, &mut charge), charge));
                 }
                 Ok(Decoded::More) => self.fill_by(deadline, usize::MAX).await?,
                 Err(WireError::Chunk(reason)) => return Err(Stop::Refuse(HeadError::Body(reason.into()))),
@@ -710,38 +707,6 @@ impl Frames {
             }
         }
     }
-}
-
-/// Appends `data` to a chunked body charged in `charge`, the charge covering the room the body
-/// holds rather than the bytes in it: a vector's doubling held up to twice what was charged,
-/// and 64 uploads stalled just past a power of two held twice the budget. It doubles still
-/// (its length unknown, a body of many chunks is copied a logarithmic number of times), but
-/// never past the largest body. False, the body unchanged, when the budget has no room.
-fn append_charged(body: &mut BytesMut, data: &[u8], (budget, charge): (&'static Budget, &mut Charge)) -> bool {
-    let needed = body.len() + data.len();
-    if needed > body.capacity() {
-        let capacity = needed.max(2 * body.capacity()).min(MAX_REQUEST_BODY_BYTES.max(needed));
-        if !budget.grow(charge, capacity) {
-            return false;
-        }
-        reallocate(body, capacity);
-    }
-    body.extend_from_slice(data);
-    true
-}
-
-/// Moves `buffer` into an allocation of exactly `capacity` (at least its length): `BytesMut`'s
-/// own growth doubles, past any bound the caller keeps.
-fn reallocate(buffer: &mut BytesMut, capacity: usize) {
-    let mut grown = BytesMut::with_capacity(capacity);
-    grown.extend_from_slice(buffer);
-    *buffer = grown;
-}
-
-/// A body grown by doubling, as it will be held: one just past a power of two would hold
-/// nearly twice what it is charged, so its spare room is let go with a copy.
-fn fitted(body: BytesMut) -> Bytes {
-    if body.capacity() - body.len() > FREE_BYTES { Bytes::copy_from_slice(&body) } else { body.freeze() }
 }
 
 #[cfg(test)]

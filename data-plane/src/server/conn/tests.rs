@@ -2,67 +2,6 @@ use tokio::net::TcpListener;
 
 use super::*;
 
-#[test]
-fn a_body_is_held_in_no_more_room_than_it_is_charged_for() {
-    let mut grown = BytesMut::new();
-    for _ in 0..=(4 << 20) / 4096 {
-        grown.extend_from_slice(&[b'x'; 4096]);
-    }
-    assert!(grown.capacity() >= 2 * grown.len() - (8 << 10), "grown by doubling: {}", grown.capacity());
-    let len = grown.len();
-    let held = fitted(grown);
-    assert_eq!(held.len(), len);
-    // A `Bytes` frozen from a vector keeps the vector's capacity: what `try_into_mut` gets back.
-    let room = held.try_into_mut().map(|body| body.capacity()).ok();
-    assert!(room.is_some_and(|room| room <= len + FREE_BYTES), "{room:?} held for {len}");
-    let small = BytesMut::from(&b"{}"[..]);
-    assert_eq!(fitted(small), Bytes::from_static(b"{}"));
-}
-
-#[test]
-fn a_chunked_body_holds_no_more_room_than_it_is_charged_for() {
-    static BUDGET: Budget = Budget::new(64 << 20);
-    let (mut body, mut charge) = (BytesMut::new(), Charge::default());
-    // Chunks of an odd size, so that the body passes each power of two by a little.
-    let chunk = [b'x'; 8191];
-    while body.len() + chunk.len() <= MAX_REQUEST_BODY_BYTES {
-        assert!(append_charged(&mut body, &chunk, (&BUDGET, &mut charge)));
-        assert!(
-            body.capacity() <= BUDGET.charged().max(FREE_BYTES),
-            "{} held, {} charged",
-            body.capacity(),
-            BUDGET.charged()
-        );
-    }
-    assert!(body.capacity() <= MAX_REQUEST_BODY_BYTES, "never past the largest body: {}", body.capacity());
-    assert!(body.iter().all(|b| *b == b'x'));
-    drop((body, charge));
-    assert_eq!(BUDGET.charged(), 0);
-
-    // Whole, a body just past a power of two lets go of its spare room, and of the charge
-    // for it.
-    let (mut body, mut charge) = (BytesMut::new(), Charge::default());
-    while body.len() <= 4 << 20 {
-        assert!(append_charged(&mut body, &chunk, (&BUDGET, &mut charge)));
-    }
-    let (len, charged) = (body.len(), BUDGET.charged());
-    assert!(charged > len + (1 << 20), "{charged} charged for {len} while growing");
-    let held = fitted(body);
-    Budget::shrink(&mut charge, held.len() + FREE_BYTES);
-    assert!(BUDGET.charged() <= len + FREE_BYTES, "{} charged for {len}", BUDGET.charged());
-    drop(charge);
-    assert_eq!(BUDGET.charged(), 0);
-
-    // Past the budget's room: refused, the body as it was.
-    static SMALL: Budget = Budget::new(FREE_BYTES * 2);
-    let (mut body, mut charge) = (BytesMut::new(), Charge::default());
-    while append_charged(&mut body, &chunk, (&SMALL, &mut charge)) {}
-    assert!(body.len() <= FREE_BYTES * 2 && SMALL.charged() <= FREE_BYTES * 2);
-    let len = body.len();
-    assert!(!append_charged(&mut body, &chunk, (&SMALL, &mut charge)));
-    assert_eq!(body.len(), len);
-}
-
 /// A client that reads nothing: the first writes fill the sockets' buffers, then the
 /// deadline (on the paused clock, which jumps ahead while the runtime idles) ends the wait.
 #[tokio::test(start_paused = true)]
