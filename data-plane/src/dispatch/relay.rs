@@ -122,6 +122,11 @@ impl RelayBody {
     /// or, for a `Fault::Shim`, charged to the shim replica.
     fn count_failure(&mut self, fault: Fault) {
         if std::mem::replace(&mut self.failed, true) {
+            // Counted already, by an error event, which charged the shim nothing: a break
+            // after it is the shim's failure (or the network's) all the same.
+            if matches!(fault, Fault::Shim) {
+                self.shim.ended(false);
+            }
             return;
         }
         match (fault, &self.dispatch) {
@@ -214,11 +219,6 @@ impl Body for RelayBody {
                 }
                 Poll::Ready(Some(Err(error))) => {
                     tracing::warn!(%error, "shim stream failed mid-way");
-                    // The connection broke: the shim's failure (or the network's) even after an
-                    // error event counted the stream's, which charged the shim nothing.
-                    if this.failed {
-                        this.shim.ended(false);
-                    }
                     return this.fail(
                         Fault::Shim,
                         "stream_interrupted",
@@ -357,23 +357,29 @@ fn opens_with_error_member(value: &[u8]) -> bool {
 /// The error events of `events` that name an address, a path or a worker (as a refusal's body
 /// may not, `disclosure`) put in the router's words, and comments that do (a later frontend's
 /// error text) left out; every other line as it came (and `events` itself, uncopied, when none
-/// does). Called only on events that carry an error.
+/// does). Of an event named `error`, every `data:` line is its error's words, whatever their
+/// shape; elsewhere only a `data:` line opening with an `error` member is (a token's text may
+/// name anything). Called only on events that carry an error.
 fn withhold_addresses(events: Bytes) -> Bytes {
-    let withheld = |line: &[u8]| match line.strip_prefix(b":") {
+    let withheld = |line: &[u8], in_named_error: bool| match line.strip_prefix(b":") {
         Some(comment) => text_names_an_address(&String::from_utf8_lossy(comment)).then_some(WITHHELD_COMMENT),
         None => {
-            let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii).unwrap_or_default();
-            (opens_with_error_member(value) && relayable(value).is_err()).then_some(WITHHELD_ERROR_EVENT)
+            let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii)?;
+            let named = match opens_with_error_member(value) {
+                true => relayable(value).is_err(),
+                false => in_named_error && text_names_an_address(&String::from_utf8_lossy(value)),
+            };
+            named.then_some(WITHHELD_ERROR_EVENT)
         }
     };
-    let lines = || events.split_inclusive(|b| *b == b'\n' || *b == b'\r');
-    if !lines().any(|line| withheld(line.trim_ascii_end()).is_some()) {
+    let lines = lines_by_event(&events);
+    if !lines.iter().any(|(line, named)| withheld(line.trim_ascii_end(), *named).is_some()) {
         return events;
     }
     let mut out = BytesMut::with_capacity(events.len());
-    for line in lines() {
+    for (line, named) in lines {
         let content = line.trim_ascii_end();
-        match withheld(content) {
+        match withheld(content, named) {
             Some(instead) => {
                 out.extend_from_slice(instead.as_bytes());
                 out.extend_from_slice(&line[content.len()..]);
@@ -382,6 +388,27 @@ fn withhold_addresses(events: Bytes) -> Bytes {
         }
     }
     out.freeze()
+}
+
+/// Each line of `events`, its ending kept, and whether its event is named `error` (an event's
+/// `event:` field may follow its `data:` lines). Lines end at LF, CRLF or CR; an event at a
+/// blank line.
+fn lines_by_event(events: &[u8]) -> Vec<(&[u8], bool)> {
+    let (mut lines, mut event_start, mut named, mut after_cr) = (Vec::new(), 0, false, false);
+    for line in events.split_inclusive(|b| *b == b'\n' || *b == b'\r') {
+        let content = line.trim_ascii_end();
+        // The LF of a CRLF ends the line before it; it is no blank line of its own.
+        let blank = content.is_empty() && !(after_cr && line == b"\n");
+        after_cr = line.ends_with(b"\r");
+        named |= content.strip_prefix(b"event:").is_some_and(names_error);
+        lines.push((line, false));
+        if blank {
+            lines[event_start..].iter_mut().for_each(|(_, in_named)| *in_named = named);
+            (event_start, named) = (lines.len(), false);
+        }
+    }
+    lines[event_start..].iter_mut().for_each(|(_, in_named)| *in_named = named);
+    lines
 }
 
 /// What a stream's error event naming an address becomes.
@@ -620,6 +647,24 @@ mod tests {
         for named in [&b"event: error\n: Remote prefill failed\n\n"[..], b"event:error\r\n\r\n"] {
             assert!(carries_error_event(named), "{:?}", String::from_utf8_lossy(named));
         }
+    }
+
+    /// An event named `error` carries its words in `data:` lines of any shape, all of them
+    /// checked; a token's text in another event of the same read is not.
+    #[test]
+    fn every_data_line_of_an_event_named_error_is_checked_for_addresses() {
+        let token = "data: {\"choices\":[{\"delta\":{\"content\":\"ssh 10.0.0.1:22\"}}]}\r\n\r\n";
+        let typed = "event: error\r\ndata: {\"type\":\"error\",\"message\":\"connect 10.4.0.12:9000 refused\"}\r\n\r\n";
+        let late_name = "data: worker 10.4.0.13:9000 died\ndata: again\nevent: error\n\n";
+        let plain = "event: error\ndata: the engine ran out of memory\n\n";
+        let events = Bytes::from(format!("{token}{typed}{late_name}{plain}"));
+        let out = String::from_utf8_lossy(&withhold_addresses(events)).into_owned();
+        let expected = format!(
+            "{token}event: error\r\n{WITHHELD_ERROR_EVENT}\r\n\r\n{WITHHELD_ERROR_EVENT}\ndata: again\nevent: error\n\n{plain}"
+        );
+        assert_eq!(out, expected, "a token's text passes; each error event's address does not");
+        let fine = Bytes::from(format!("{token}{plain}"));
+        assert_eq!(withhold_addresses(fine.clone()).as_ptr(), fine.as_ptr(), "nothing named: uncopied");
     }
 
     /// A later frontend's error event carries its words in comment lines: one naming a worker

@@ -215,8 +215,9 @@ async fn failed_streams_blame_their_workers_and_broken_ones_their_shim() -> anyh
     Ok(())
 }
 
-/// A connection that breaks under a stream is the shim's failure even after an error event
-/// counted the stream's: two such streams in a row open the shim's breaker.
+/// A connection that breaks under a stream, or a body that ends inside an event, is the shim's
+/// failure even after an error event counted the stream's: two such streams in a row open the
+/// shim's breaker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_break_after_an_error_event_is_still_charged_to_the_shim() -> anyhow::Result<()> {
     use continuum_data_plane::dispatch::BreakerSettings;
@@ -224,14 +225,15 @@ async fn a_break_after_an_error_event_is_still_charged_to_the_shim() -> anyhow::
     let breaker = BreakerSettings { failure_threshold: 2, cooldown: Duration::from_secs(60) };
     let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
     let harness = Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), settings).await?;
-    for _ in 0..2 {
+    for broken in [Err("connection reset".to_string()), Ok(Bytes::from_static(b"data: {\"choices\""))] {
         let gate = shim.push_stream();
         let mut response = harness.post(&chat(MODEL, true)).await?;
         for frame in [FIRST, FRONTEND_503] {
             gate.send(Ok(Bytes::from(frame))).await?;
             assert_eq!(next_text(&mut response).await?.as_deref(), Some(frame));
         }
-        gate.send(Err("connection reset".into())).await?;
+        // The connection reset, or the body ended (its last chunk sent) half an event in.
+        gate.send(broken).await?;
         drop(gate);
         while next_text(&mut response).await?.is_some() {}
     }
