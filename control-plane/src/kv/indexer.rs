@@ -45,8 +45,9 @@ pub const KV_EVENTS_STALE_AFTER: Duration = Duration::from_secs(60);
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PublisherMapping {
     /// The channel's namespace and `instance_id` (frames and envelope must carry the id). Its
-    /// cursors and health are kept under both: ids are unique per namespace only, and one
-    /// namespace's channel must not clear another's ranks.
+    /// cursors and health are kept under both: instance ids are etcd lease ids, unique across
+    /// namespaces, but a channel is one namespace's record, and one namespace's channel must
+    /// not clear another's ranks whatever ids a discovery source hands out.
     pub publisher: PublisherKey,
     /// The worker it publishes for (the channel key's lease, or the event source's `worker_id`).
     pub worker_id: u64,

@@ -51,6 +51,11 @@ impl Cost {
         Self { backlog: self.backlog - self.own, own: 0, ..self }
     }
 
+    /// Whether the backlog, the request's part included, is within the capacity.
+    fn fits(self) -> bool {
+        self.backlog <= self.capacity
+    }
+
     #[cfg(test)]
     pub(super) fn as_f64(self) -> f64 {
         self.backlog as f64 / self.capacity as f64
@@ -208,7 +213,10 @@ pub(super) struct Scored {
 /// prompts, the slowest hundredth saw 3.1 arrivals while they decoded against round-robin's
 /// 2.4, and their e2e p99 was 6% above its; `docs/benchmark-notes.md`, "Arrivals in turn"). A
 /// rank more than a request busier, counting its queued prefill at `prefill_load_scale`,
-/// still loses.
+/// still loses; and so does one the request would take past its capacity while the best's
+/// holds it (on unequal capacities "one request" weighs more on the smaller rank: a rank of
+/// 2,000 blocks at half its capacity would tie with one of 10,000 at three quarters, and a
+/// request of 1,500 blocks would overfill it).
 ///
 /// Of the tied, those that went longest without a dispatch from the fleet remain: two ranks
 /// one request apart then take arrivals in turn, whichever replica sends them, where a
@@ -225,7 +233,8 @@ pub(super) fn contenders(scored: &[Scored]) -> (Reason, Few<usize>) {
     let Some(best) = scored.iter().filter_map(eligible).min() else {
         return (Reason::Load, Few::new());
     };
-    (Reason::Load, longest_idle(scored, |s| eligible(s).is_some_and(|c| c.before_request() <= best)))
+    let ties = |c: Cost| c.before_request() <= best && (c.fits() || !best.fits());
+    (Reason::Load, longest_idle(scored, |s| eligible(s).is_some_and(ties)))
 }
 
 /// Where costs do not decide: whether a rank takes part in the rotation. The seed ignores a

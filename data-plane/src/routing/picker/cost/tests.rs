@@ -279,6 +279,20 @@ fn contender_rules() {
             vec![0, 1],
         ),
         (
+            // The small rank's 1,500 blocks of the request would take it past its capacity
+            // (3,500 of 2,000), the large one's not (7,500 of 10,000).
+            "a rank the request would overfill ties with none that it would not",
+            vec![with_request(7_500, 1_500, 10_000), with_request(2_500, 1_500, 2_000)],
+            Reason::Load,
+            vec![0],
+        ),
+        (
+            "ranks the request would all overfill tie as before",
+            vec![with_request(12_000, 1_500, 10_000), with_request(2_500, 1_500, 2_000)],
+            Reason::Load,
+            vec![0, 1],
+        ),
+        (
             "more than one request busier loses",
             vec![with_request(200, 10, 1000), with_request(189, 10, 1000)],
             Reason::Load,
