@@ -13,7 +13,10 @@
 //! running prefill while the other worker had none, and lost to round-robin by a fifth on TTFT
 //! p90 in every table (`docs/benchmark-notes.md`). Dynamo's KV router, with no overlap, counts the
 //! same queue at the same scale (`--router-prefill-load-scale`). A decode worker of a pair
-//! prefills nothing, so the term is zero there.
+//! prefills nothing, so the term is zero there. Divided by the rank's KV capacity like the rest
+//! of the cost, the queue weighs less on a larger rank though its wait is the same: on a fleet
+//! of unequal capacities Dynamo's cost, in blocks, would send fewer requests behind a large
+//! rank's queue. Equal capacities, the case measured, are unaffected.
 //!
 //! The fleet's dispatches add to the backlog (prefill tokens, decode blocks);
 //! where the control plane measured a rank's foreign load, the decode backlog is that plus the
