@@ -13,6 +13,7 @@ use super::request::{ChatRequest, RequestError};
 use super::select::{self, SelectError};
 use crate::dispatch::{Pinned, Plan, Route};
 use crate::http::AppState;
+use crate::memory::{Charge, REQUEST_BODIES};
 use crate::metrics::Ingress;
 use crate::routing::headers::REQUEST_ID;
 
@@ -64,6 +65,9 @@ async fn serve(state: &AppState, client: ChatHeaders, body: Bytes) -> Result<Res
     };
     // Upstream request and relay.
     let mut route = routed.route;
+    // A body the tokens grew past what small bodies are is charged like a request body for
+    // as long as the dispatch holds it.
+    let mut grown = Charge::default();
     let body = match routed.token_data {
         Some(tokens) => {
             if let Route::Pinned(Pinned { fallback: Some(fallback), .. }) = &mut route {
@@ -74,12 +78,12 @@ async fn serve(state: &AppState, client: ChatHeaders, body: Bytes) -> Result<Res
             // a body whose rewrite would grow past the bound, one without `nvext` going out as
             // sent), it tokenizes the prompt itself.
             match request.outbound(Some(tokens), disclose).await {
-                Ok(body) => {
+                Ok(body) if REQUEST_BODIES.grow(&mut grown, body.len()) => {
                     // Not held beside it for as long as the answer takes.
                     drop(stripped);
                     body
                 }
-                Err(RequestError::Busy | RequestError::Grows { .. }) => stripped,
+                Ok(_) | Err(RequestError::Busy | RequestError::Grows { .. }) => stripped,
                 Err(error) => return Err(error.into()),
             }
         }
@@ -87,5 +91,7 @@ async fn serve(state: &AppState, client: ChatHeaders, body: Bytes) -> Result<Res
     };
     // A tenant passed the frontend's own test for a header string when it was read.
     let tenant = request.tenant().and_then(|tenant| HeaderValue::from_str(tenant).ok());
-    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, trace, route }).await?)
+    let response = state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, trace, route }).await;
+    drop(grown);
+    Ok(response?)
 }

@@ -12,7 +12,7 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 use crate::json_shape::{Checked, Key, Keys, Scalar, Shape, UniqueObject};
 use crate::kv::request_cache_salt;
 use crate::memory::free_off_the_runtime;
-use crate::routing::headers::{ENGINE_ROUTING_FIELDS, attach_token_data, strip_body_routing};
+use crate::routing::headers::{ENGINE_ROUTING_FIELDS, strip_body_routing, with_token_data};
 use crate::routing::picker::PromptText;
 
 /// The largest request body accepted (the server refuses larger ones before reading them):
@@ -352,10 +352,11 @@ impl ChatRequest {
         let most = MAX_REWRITE_GROWTH * self.raw.len() + 11 * token_data.as_ref().map_or(0, Vec::len) + 64;
         let rewrite = move || {
             strip_body_routing(&mut tree.value, disclose);
-            if let Some(tokens) = token_data {
-                attach_token_data(&mut tree.value, tokens);
-            }
-            let body = serde_json::to_vec(&tree.value).map_err(RequestError::Json);
+            let body = match token_data {
+                Some(tokens) => with_token_data(&tree.value, &tokens),
+                None => serde_json::to_vec(&tree.value),
+            };
+            let body = body.map_err(RequestError::Json);
             // Freed here, off the runtime too.
             drop(std::mem::take(&mut tree.value));
             match body {

@@ -143,21 +143,55 @@ pub fn strip_body_routing(body: &mut Value, disclose: bool) {
     }
 }
 
-/// Hands the frontend the router's rendered prompt as `nvext.token_data`, so it skips
-/// tokenizing again (`kv.send_token_data`). Only after [`strip_body_routing`]: a client's own
-/// `token_data` never reaches a shim.
-pub fn attach_token_data(body: &mut Value, tokens: Vec<u32>) {
-    let Some(request) = body.as_object_mut() else {
-        return;
-    };
-    // Absent or null are the only other shapes `nvext` can have past the ingress and
-    // [`strip_body_routing`]; either becomes an object.
-    let nvext = request.entry("nvext").or_insert(Value::Null);
-    if !nvext.is_object() {
-        *nvext = Value::Object(serde_json::Map::new());
+/// The body, serialized, with the router's rendered prompt as `nvext.token_data`, so the
+/// frontend skips tokenizing again (`kv.send_token_data`). Only after [`strip_body_routing`]: a
+/// client's own `token_data` never reaches a shim. The tokens are written as they are read
+/// (a JSON value a token would take 32 bytes each, a million tokens 32 MiB), and `nvext` keeps
+/// its place among the body's members (absent or null, the only other shapes it can have past
+/// the ingress, it becomes an object at the end).
+pub fn with_token_data(body: &Value, tokens: &[u32]) -> serde_json::Result<Vec<u8>> {
+    serde_json::to_vec(&WithTokens { body, tokens })
+}
+
+struct WithTokens<'a> {
+    body: &'a Value,
+    tokens: &'a [u32],
+}
+
+impl serde::Serialize for WithTokens<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let Some(members) = self.body.as_object() else { return self.body.serialize(serializer) };
+        let tokens = self.tokens;
+        let mut map = serializer.serialize_map(None)?;
+        for (key, value) in members {
+            match key.as_str() {
+                "nvext" => map.serialize_entry(key, &Nvext { kept: value.as_object(), tokens })?,
+                _ => map.serialize_entry(key, value)?,
+            }
+        }
+        if !members.contains_key("nvext") {
+            map.serialize_entry("nvext", &Nvext { kept: None, tokens })?;
+        }
+        map.end()
     }
-    if let Value::Object(nvext) = nvext {
-        nvext.insert("token_data".into(), Value::from(tokens));
+}
+
+/// An `nvext` object's members, and the router's tokens in place of any `token_data`.
+struct Nvext<'a> {
+    kept: Option<&'a serde_json::Map<String, Value>>,
+    tokens: &'a [u32],
+}
+
+impl serde::Serialize for Nvext<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        for (key, value) in self.kept.into_iter().flatten().filter(|(key, _)| *key != "token_data") {
+            map.serialize_entry(key, value)?;
+        }
+        map.serialize_entry("token_data", self.tokens)?;
+        map.end()
     }
 }
 

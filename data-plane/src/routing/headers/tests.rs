@@ -393,14 +393,21 @@ fn tracing_headers_sent_once_and_valid_are_carried_on_as_they_came() {
 
 #[test]
 fn the_routers_tokens_are_attached_whatever_nvext_the_body_kept() {
-    let mut body = json!({"model": "m", "nvext": {"extra_fields": ["worker_id"]}});
-    attach_token_data(&mut body, vec![1, 2]);
-    assert_eq!(body["nvext"], json!({"extra_fields": ["worker_id"], "token_data": [1, 2]}));
-    let mut bare = json!({"model": "m"});
-    attach_token_data(&mut bare, vec![1, 2]);
-    assert_eq!(bare["nvext"], json!({"token_data": [1, 2]}));
+    let attached = |body: Value| -> Value {
+        let bytes = with_token_data(&body, &[1, 2]).unwrap_or_default();
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null)
+    };
+    let kept = attached(json!({"model": "m", "nvext": {"extra_fields": ["worker_id"]}, "stream": true}));
+    assert_eq!(
+        kept,
+        json!({"model": "m", "nvext": {"extra_fields": ["worker_id"], "token_data": [1, 2]}, "stream": true})
+    );
+    let keys: Vec<&String> = kept.as_object().map(|m| m.keys().collect()).unwrap_or_default();
+    assert_eq!(keys, ["model", "nvext", "stream"], "nvext keeps its place");
+    assert_eq!(attached(json!({"model": "m"}))["nvext"], json!({"token_data": [1, 2]}));
     // `"nvext": null` passes the ingress; the router's tokens still get through.
-    let mut null = json!({"model": "m", "nvext": null});
-    attach_token_data(&mut null, vec![1, 2]);
-    assert_eq!(null["nvext"], json!({"token_data": [1, 2]}));
+    assert_eq!(attached(json!({"model": "m", "nvext": null}))["nvext"], json!({"token_data": [1, 2]}));
+    // Only the router's tokens go, whatever else reached here.
+    let replaced = attached(json!({"model": "m", "nvext": {"token_data": [9, 9, 9]}}));
+    assert_eq!(replaced["nvext"], json!({"token_data": [1, 2]}));
 }
