@@ -1,9 +1,9 @@
 //! The kv-events feed: each message from a worker rank's publisher goes through the
 //! [`KvIndexer`]'s gates into the shared index, and every result is counted.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ops::Range;
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Instant;
 
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
@@ -49,9 +49,22 @@ pub struct KvFeed {
     pub left_out: IntGauge,
     /// `continuum_dynamo_subscription_sessions_ended_total{topic="kv-events"}`.
     pub session_ends: SessionEnds,
+    /// The instance ids last found live in two namespaces, reported when they change.
+    pub ambiguous: Mutex<BTreeSet<u64>>,
 }
 
 impl KvFeed {
+    fn report_ambiguous(&self, ambiguous: BTreeSet<u64>) {
+        let mut reported = self.ambiguous.lock().unwrap_or_else(PoisonError::into_inner);
+        if !ambiguous.is_empty() && *reported != ambiguous {
+            tracing::warn!(
+                instance_ids = ?ambiguous,
+                "workers of one instance id in two namespaces: none of them is in the KV index until one leaves (their kv-events are refused as identity_mismatch)"
+            );
+        }
+        *reported = ambiguous;
+    }
+
     fn count(&self, counts: &KvCounts) {
         for (result, n) in counts.iter() {
             if n > 0 {
@@ -279,7 +292,8 @@ impl Feed for KvFeed {
 
     async fn set_live(&self, generation: &Generation) {
         // Gathered before the lock: lookups wait on it.
-        let live = live_ranks(&generation.fleet);
+        let (live, ambiguous) = live_ranks(&generation.fleet);
+        self.report_ambiguous(ambiguous);
         // Departed ranks are cleared one to a hold of the lock, lookups between (they are not
         // answered for a rank no longer live): a node's workers leaving together would
         // otherwise hold the whole index for all their clears in a row, milliseconds each.
@@ -294,8 +308,11 @@ impl Feed for KvFeed {
 
 /// Live worker ids and the ranks each declares: the index's identity gate. Instance ids are
 /// etcd lease ids, unique across namespaces. With each, how many of its ranks have a
-/// `kv-events` channel (one channel a rank).
-fn live_ranks(fleet: &Fleet) -> LiveRanks {
+/// `kv-events` channel (one channel a rank). An id live in two namespaces (a record written
+/// without a lease, or forged) is left out, and returned: the index keeps blocks by id, and
+/// which namespace's worker is genuine cannot be told, as discovery refuses a contested
+/// identity whole.
+fn live_ranks(fleet: &Fleet) -> (LiveRanks, BTreeSet<u64>) {
     // A channel whose event source names no rank may speak for any of the worker's ranks (the
     // indexer admits its events for each), so it shares the index as all of them: counted as
     // one, a worker declaring 64 ranks could hold 64 ranks' shares for one.
@@ -305,7 +322,7 @@ fn live_ranks(fleet: &Fleet) -> LiveRanks {
             publishing.insert((worker.instance_id, publisher.dp_rank));
         }
     }
-    let mut live = HashMap::with_capacity(fleet.workers.len());
+    let (mut live, mut ambiguous) = (HashMap::with_capacity(fleet.workers.len()), BTreeSet::new());
     for w in fleet.workers.iter() {
         // The same ranks the replicas pick among: a start rank without a size is rank 0.
         let (id, ranks) = (w.worker.key.instance_id, w.worker.dp_ranks());
@@ -314,9 +331,14 @@ fn live_ranks(fleet: &Fleet) -> LiveRanks {
         } else {
             ranks.clone().filter(|rank| publishing.contains(&(id, Some(*rank)))).count()
         };
-        live.insert(id, LiveWorker { namespace: Arc::clone(&w.worker.key.namespace), ranks, publishing });
+        let namespace = &w.worker.key.namespace;
+        if live.get(&id).is_some_and(|other: &LiveWorker| other.namespace != *namespace) {
+            ambiguous.insert(id);
+        }
+        live.insert(id, LiveWorker { namespace: Arc::clone(namespace), ranks, publishing });
     }
-    live
+    live.retain(|id, _| !ambiguous.contains(id));
+    (live, ambiguous)
 }
 
 #[cfg(test)]
@@ -356,7 +378,7 @@ mod tests {
         }
         let load = test_publisher(20, Some(continuum_proto::model::WorkerKey::new("dynamo", 2)));
         fleet.publishers.insert(load.key(), load);
-        let live = live_ranks(&fleet);
+        let (live, _) = live_ranks(&fleet);
         let publishing: Vec<(u64, usize, usize)> =
             [1, 2].iter().map(|id| (*id, live[id].ranks.len(), live[id].publishing)).collect();
         assert_eq!(publishing, [(1, 4, 2), (2, 4, 0)]);
@@ -373,10 +395,32 @@ mod tests {
             ..test_publisher(21, Some(continuum_proto::model::WorkerKey::new("dynamo", 2)))
         };
         fleet.publishers.insert(rankless.key(), rankless);
-        let live = live_ranks(&fleet);
+        let (live, _) = live_ranks(&fleet);
         assert_eq!([live[&1].publishing, live[&2].publishing], [2, 4]);
         indexer.set_live(live);
         assert_eq!(indexer.index().rank_share(), (MAX_INDEX_BLOCKS / 6).min(MAX_BLOCKS_PER_RANK), "six ranks");
+    }
+
+    /// The index keeps blocks by instance id: an id live in two namespaces (a lease-less or
+    /// forged record beside the genuine worker) is no one's, so neither namespace's channel
+    /// stores or clears blocks under it; the other workers stay.
+    #[test]
+    fn an_instance_id_live_in_two_namespaces_is_left_out_of_the_index() {
+        use crate::discovery::test_worker;
+        use continuum_proto::model::Role;
+        let mut fleet = Fleet::default();
+        for (namespace, id) in [("dynamo", 7), ("zz", 7), ("dynamo", 8)] {
+            let (key, worker) = test_worker(namespace, id, Role::Prefill, "tiny");
+            fleet.workers.insert(key, worker);
+        }
+        let (live, ambiguous) = live_ranks(&fleet);
+        assert_eq!(ambiguous, BTreeSet::from([7]));
+        assert_eq!(live.keys().copied().collect::<Vec<_>>(), [8]);
+        fleet.workers.retain(|key, _| key.namespace.as_ref() != "zz");
+        let (live, ambiguous) = live_ranks(&fleet);
+        assert!(ambiguous.is_empty());
+        assert_eq!(live.keys().copied().collect::<BTreeSet<_>>(), BTreeSet::from([7, 8]), "once one leaves");
+        assert_eq!(live[&7].namespace.as_ref(), "dynamo");
     }
 
     #[test]
@@ -432,7 +476,14 @@ mod tests {
         let events = IntCounterVec::new(prometheus::Opts::new("e", "e"), &["result"]).unwrap();
         let gauge = IntGaugeVec::new(prometheus::Opts::new("g", "g"), &["state", "transport"]).unwrap();
         let (left_out, session_ends) = (IntGauge::new("l", "l").unwrap(), SessionEnds::unregistered(Topic::KvEvents));
-        KvFeed { indexer: SharedKvIndexer::new(indexer), events, gauge, left_out, session_ends }
+        KvFeed {
+            indexer: SharedKvIndexer::new(indexer),
+            events,
+            gauge,
+            left_out,
+            session_ends,
+            ambiguous: Mutex::default(),
+        }
     }
 
     /// A message cut short between two turns (its session cancelled by a reload) clears its

@@ -62,9 +62,8 @@ pub type LiveRanks = HashMap<u64, LiveWorker>;
 /// A live worker as the index's gate reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LiveWorker {
-    /// Only publishers of this namespace speak for it: ids are unique per namespace, and a
-    /// channel registered in another (whose event source names this worker) must not store or
-    /// clear its blocks.
+    /// Only publishers of this namespace speak for it: a channel registered in another (whose
+    /// event source names this worker) must not store or clear its blocks.
     pub namespace: Arc<str>,
     pub ranks: Range<u32>,
     /// Of its ranks, those with a `kv-events` channel: the index's room is shared among those

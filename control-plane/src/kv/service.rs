@@ -274,6 +274,7 @@ impl KvSupervisor {
                     gauge: self.feed_parts.gauge.clone(),
                     left_out: self.feed_parts.left_out.clone(),
                     session_ends: self.feed_parts.session_ends.clone(),
+                    ambiguous: Default::default(),
                 };
                 let running =
                     Supervisor::start(feed, policy, self.options, self.registry.clone(), self.cancel.child_token());
