@@ -8,7 +8,7 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 use super::card::{Card, MAX_RETAINED_CARD_BYTES};
-use super::fleet::Topic;
+use super::fleet::{MAX_NAME_BYTES, Topic};
 use super::keys::{KeyPath, Keyspace, ParsedKey};
 use super::wire_id;
 
@@ -57,6 +57,8 @@ pub enum RecordError {
     KeyPath { expected: &'static str, field: &'static str, value: String, segment: String },
     #[error("{expected} record names id {id:x}, but its key is attached to lease {lease:x}")]
     Lease { expected: &'static str, id: u64, lease: u64 },
+    #[error("{expected} record's {field} is {len} bytes long, more than any name ({most} at most)")]
+    NameTooLong { expected: &'static str, field: &'static str, len: usize, most: usize },
 }
 
 /// An Endpoint record under `v1/instances/`; only `generate` endpoints become one.
@@ -221,6 +223,14 @@ struct ModelWire<'a> {
 /// record filed under another path than its own would claim, or contest, the identity of the
 /// worker it names beside that worker's own record.
 fn filed_where_it_says(key: &ParsedKey, component: Option<&str>, endpoint: Option<&str>) -> Result<(), RecordError> {
+    // Kept with the record, and again as its identity: a key naming neither (a legacy card's)
+    // leaves nothing else to bound them by.
+    for (field, value) in [("component", component), ("endpoint", endpoint)] {
+        if let Some(len) = value.map(str::len).filter(|len| *len > MAX_NAME_BYTES) {
+            let expected = key.keyspace.record_type();
+            return Err(RecordError::NameTooLong { expected, field, len, most: MAX_NAME_BYTES });
+        }
+    }
     let KeyPath::Registry { component: key_component, endpoint: key_endpoint } = &key.path else {
         return Ok(());
     };

@@ -431,3 +431,33 @@ fn records_turned_to_junk_stay_within_the_set_aside_bound() {
     sim.put_raw(key(1), "still not json");
     assert!(sim.reducer.holds(&key(1)));
 }
+
+/// A card's component and endpoint are kept with it and again as its identity: under a key
+/// that names neither (a legacy card's), a name longer than any is malformed, not held.
+#[test]
+fn a_record_naming_a_component_longer_than_any_name_is_malformed() {
+    use super::super::MAX_NAME_BYTES;
+    use super::super::keys::classify;
+    use super::super::records::{Parsed, RecordError, parse};
+    let namespaces = [std::sync::Arc::from(NS)];
+    let legacy = classify(&namespaces, format!("v1/mdc/{NS}/tiny").as_bytes()).ok().flatten().expect("a card key");
+    let long = "a".repeat(MAX_NAME_BYTES + 1);
+    let cases = [
+        (&legacy, card_value(&long, json!(ID), card_json("prefill")), "component"),
+        (&legacy, json!({"type": "Model", "component": "c", "endpoint": long, "instance_id": ID}), "endpoint"),
+    ];
+    for (key, value, field) in cases {
+        let parsed = parse(key, value.to_string().as_bytes(), None);
+        let Parsed::Malformed(RecordError::NameTooLong { field: named, len, .. }) = parsed else {
+            panic!("{field}: not refused for its length")
+        };
+        assert_eq!((named, len), (field, MAX_NAME_BYTES + 1));
+    }
+    let longest = "a".repeat(MAX_NAME_BYTES);
+    let fits = parse(&legacy, card_value(&longest, json!(ID), card_json("prefill")).to_string().as_bytes(), None);
+    assert!(matches!(fits, Parsed::Model(_)), "a name at the bound is read");
+    let instance = instance_key(NS, &long, "generate", ID);
+    let instance = classify(&namespaces, instance.as_bytes()).ok().flatten().expect("an instance key");
+    let value = endpoint_value(&long, "generate", json!(ID));
+    assert!(matches!(parse(&instance, value.to_string().as_bytes(), None), Parsed::Malformed(_)), "instances too");
+}
