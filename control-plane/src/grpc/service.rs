@@ -53,6 +53,11 @@ pub struct Replicas {
 struct Open {
     status: Arc<ReplicaStatus>,
     ended: CancellationToken,
+    /// A later session of the replica has queued its departure for the book: another would
+    /// only repeat it. With its own goodbye, a session departs at most twice, the room the
+    /// book's queue keeps for departures; without the mark, k reconnects in a row while their
+    /// predecessors linger would queue on the order of k² of them.
+    forgotten: bool,
 }
 
 impl Replicas {
@@ -63,10 +68,10 @@ impl Replicas {
     /// Admits a session under a new id, ending every open session of the same replica id: a
     /// replica that reconnects has given up its old stream, whatever this side has noticed,
     /// and the dispatches reported on it are in flight under the new stream's count. Returns
-    /// the new id, how many live sessions it superseded, and the ids of every session of the
-    /// replica not yet removed (whose dispatches the book must forget before the new
-    /// session's first report); `None`, changing nothing, when [`MAX_WATCH_SESSIONS`] other
-    /// replicas hold one.
+    /// the new id, how many live sessions it superseded, and the ids of the replica's sessions
+    /// not yet removed nor handed to an earlier successor (whose dispatches the book must
+    /// forget before the new session's first report); `None`, changing nothing, when
+    /// [`MAX_WATCH_SESSIONS`] other replicas hold one.
     fn insert(&self, status: Arc<ReplicaStatus>, ended: CancellationToken) -> Option<(u64, usize, Vec<u64>)> {
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         // A session already ended but not yet removed is not ended again (nor counted).
@@ -80,9 +85,15 @@ impl Replicas {
             open.ended.cancel();
             superseded += 1;
         }
-        let previous = inner.iter().filter(|(_, open)| mine(open)).map(|(id, _)| *id).collect();
+        let mut previous = Vec::new();
+        for (id, open) in
+            inner.iter_mut().filter(|(_, open)| !open.forgotten && open.status.replica_id == status.replica_id)
+        {
+            open.forgotten = true;
+            previous.push(*id);
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        inner.insert(id, Open { status, ended });
+        inner.insert(id, Open { status, ended, forgotten: false });
         Some((id, superseded, previous))
     }
 
@@ -498,7 +509,7 @@ mod tests {
         // newest replica-7 session gone, a newcomer finds room though two superseded ones are
         // still listed.
         let (id, _, previous) = open("replica-7").expect("admitted");
-        assert_eq!(previous.len(), 2, "the superseded one, not yet removed, is forgotten again (idempotent)");
+        assert_eq!(previous.len(), 1, "the one superseded before was handed to its successor: not again");
         replicas.remove(id);
         assert!(open("a-newcomer").is_some(), "superseded sessions take no place");
     }
