@@ -137,6 +137,15 @@ impl KvEvent {
         worker_domain && (self.data == KvEventData::Cleared || self.storage_tier == StorageTier::Device)
     }
 
+    /// Bytes the decoded event holds for its blocks.
+    pub fn held_bytes(&self) -> usize {
+        match &self.data {
+            KvEventData::Stored(stored) => stored.blocks.capacity() * std::mem::size_of::<StoredBlock>(),
+            KvEventData::Removed(hashes) => hashes.capacity() * std::mem::size_of::<u64>(),
+            KvEventData::Cleared => 0,
+        }
+    }
+
     /// Block hashes the event names (stored blocks or removed hashes).
     pub fn blocks(&self) -> usize {
         match &self.data {

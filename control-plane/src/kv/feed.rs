@@ -10,11 +10,11 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
 use continuum_kv_index::{KvResult, Outcome};
 
-use super::decode::{KvEvent, KvEventData, decode_kv_events};
+use super::decode::{KvEvent, KvEventBatch, KvEventData, decode_kv_events};
 use super::indexer::{FAR_BEHIND, KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
-use crate::load::zmtp::Message;
+use crate::load::zmtp::{FREE_BUFFER_BYTES, LARGE_MESSAGES, Loan, Message, MessageBudget};
 use crate::load::{Dropped, Feed, Refusal, SessionEnds};
 use crate::sources::Generation;
 
@@ -258,11 +258,17 @@ impl Feed for KvFeed {
         };
         let mapping =
             PublisherMapping { publisher: publisher.key(), worker_id: worker.instance_id, dp_rank: publisher.dp_rank };
-        let frames = (0..message.len()).filter_map(|i| message.frame(i));
+        let frames = || (0..message.len()).filter_map(|i| message.frame(i));
+        let wire_bytes = frames().map(<[u8]>::len).sum::<usize>();
         // Decoded before the lock: it is the whole index's, and every lookup waits on it.
-        let counts = match decode_kv_events(frames, publisher.publisher_id) {
+        let counts = match decode_kv_events(frames(), publisher.publisher_id) {
             Ok(batch) => {
                 let mut counts = KvCounts::default();
+                let Some(_loan) = decoded_loan(&batch, wire_bytes, worker.instance_id, &LARGE_MESSAGES) else {
+                    counts.add(KvEventResult::OverBudget);
+                    self.indexer.write().message_lost(&mapping.publisher, &mut counts);
+                    return self.count(&counts);
+                };
                 if lost_before(last, batch.sequence) {
                     // Its removals among them, perhaps: the ranks are cleared as on a gap.
                     self.indexer.write().message_lost(&mapping.publisher, &mut counts);
@@ -304,6 +310,15 @@ impl Feed for KvFeed {
         }
         self.indexer.write().set_live(live);
     }
+}
+
+/// Decoded, a hash takes 8 bytes however short its encoding: a frame of one-byte hashes holds
+/// eight times its size. Past its frames (or the free buffer), a batch borrows from the budget
+/// its frames do, for as long as it is applied; `None` (to be dropped as an over-budget frame
+/// is) when the budget, or the worker's share of it, has no room.
+fn decoded_loan(batch: &KvEventBatch, wire_bytes: usize, worker: u64, budget: &'static MessageBudget) -> Option<Loan> {
+    let held = batch.events.iter().map(KvEvent::held_bytes).sum::<usize>();
+    budget.loan(held.saturating_sub(wire_bytes.max(FREE_BUFFER_BYTES)), worker)
 }
 
 /// Live worker ids and the ranks each declares: the index's identity gate. Instance ids are
@@ -484,6 +499,33 @@ mod tests {
             session_ends,
             ambiguous: Mutex::default(),
         }
+    }
+
+    /// A batch of short-encoded hashes holds more decoded than its frames did: what it holds
+    /// past them is lent from the frames' budget while it is applied, within the worker's share;
+    /// one encoded as Dynamo does (nine bytes a hash) borrows nothing.
+    #[test]
+    fn a_batch_decoded_past_its_frames_borrows_the_difference() {
+        static BUDGET: MessageBudget = MessageBudget::with_share(1 << 20, 1 << 19);
+        let hashes = 65_536;
+        let batch = |n: u64| KvEventBatch {
+            publisher_id: 5,
+            sequence: 1,
+            published_at: 0,
+            events: vec![KvEvent { data: KvEventData::Removed((0..n).collect()), ..removed(1, 0) }],
+        };
+        let fixints = batch(hashes);
+        let held = fixints.events[0].held_bytes();
+        assert!(held >= 8 * hashes as usize);
+        let loan = decoded_loan(&fixints, hashes as usize, 1, &BUDGET).expect("within the share");
+        assert_eq!(BUDGET.lent_to(1), held - FREE_BUFFER_BYTES, "past the free buffer");
+        assert!(decoded_loan(&fixints, hashes as usize, 1, &BUDGET).is_none(), "a second is past the share");
+        assert!(decoded_loan(&fixints, hashes as usize, 2, &BUDGET).is_some(), "another worker's share");
+        drop(loan);
+        assert_eq!(BUDGET.lent_to(1), 0, "repaid");
+        let as_dynamo = batch(hashes);
+        let _free = decoded_loan(&as_dynamo, 9 * hashes as usize, 3, &BUDGET).expect("nothing to borrow");
+        assert_eq!(BUDGET.lent_to(3), 0);
     }
 
     /// A message cut short between two turns (its session cancelled by a reload) clears its

@@ -127,6 +127,29 @@ impl MessageBudget {
     }
 }
 
+/// Bytes lent until dropped: what a decoded message holds beyond its frames.
+#[derive(Debug)]
+#[must_use = "the loan is repaid when dropped"]
+pub struct Loan {
+    budget: &'static MessageBudget,
+    n: usize,
+    borrower: Borrower,
+}
+
+impl MessageBudget {
+    /// [`Self::borrow`], repaid when the loan is dropped; `None` when it would pass the limit
+    /// or the borrower's share.
+    pub fn loan(&'static self, n: usize, borrower: Borrower) -> Option<Loan> {
+        (n == 0 || self.borrow(n, borrower)).then_some(Loan { budget: self, n, borrower })
+    }
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        self.budget.repay(self.n, self.borrower);
+    }
+}
+
 /// A `&'static` budget compared by address, so limits that name one stay `Copy` and `Eq`.
 #[derive(Clone, Copy, Debug)]
 pub struct BudgetRef(pub &'static MessageBudget);

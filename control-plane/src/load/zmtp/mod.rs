@@ -42,7 +42,7 @@ mod wire;
 use std::time::Duration;
 
 pub use budget::{
-    BORROWER_SHARE, Borrower, BudgetRef, FREE_BUFFER_BYTES, LARGE_MESSAGE_BYTES, LARGE_MESSAGES, LOAN_DEADLINE,
+    BORROWER_SHARE, Borrower, BudgetRef, FREE_BUFFER_BYTES, LARGE_MESSAGE_BYTES, LARGE_MESSAGES, LOAN_DEADLINE, Loan,
     MessageBudget,
 };
 pub use buffer::MessageBuffer;
