@@ -219,6 +219,8 @@ fn ports_probes_and_addresses_agree() -> anyhow::Result<()> {
     assert_eq!(url, format!("http://{name}:{grpc}"));
     let grpc_port = service["spec"]["ports"].as_sequence().and_then(|ports| ports.iter().find(|p| p["name"] == "grpc"));
     assert_eq!(grpc_port.map(|p| (&p["port"], &p["targetPort"])), Some((&Value::from(grpc), &Value::from("grpc"))));
+    // Only it: the admin API (whose /metrics names every worker) stays off the Service.
+    assert_eq!(service["spec"]["ports"].as_sequence().map(Vec::len), Some(1), "{:?}", service["spec"]["ports"]);
     // The KV artifact cache (its default path) lies on the writable volume.
     let cache = &data_container["volumeMounts"][0]["mountPath"];
     let artifacts = text(&config["dynamo"]["kv"]["artifact_cache_dir"])?;

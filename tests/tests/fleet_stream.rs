@@ -876,11 +876,16 @@ async fn a_silent_tls_peer_times_out_the_handshake_and_the_replica_tries_again()
     let pki = Pki::generate(dir.path())?;
     let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let port = silent.local_addr()?.port();
-    // Accepts every connection and holds it without a byte.
-    let held = tokio::spawn(async move {
-        let mut open = Vec::new();
-        while let Ok((stream, _)) = silent.accept().await {
-            open.push(stream);
+    // Accepts every connection and holds it without a byte, counting them.
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let held = tokio::spawn({
+        let accepted = std::sync::Arc::clone(&accepted);
+        async move {
+            let mut open = Vec::new();
+            while let Ok((stream, _)) = silent.accept().await {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                open.push(stream);
+            }
         }
     });
     let mut follow = FleetClientConfig::new(format!("https://127.0.0.1:{port}"), "patient");
@@ -890,6 +895,8 @@ async fn a_silent_tls_peer_times_out_the_handshake_and_the_replica_tries_again()
     let started = std::time::Instant::now();
     eventually(3 * TLS_HANDSHAKE_TIMEOUT, "an attempt given up", || async { reconnects.get() > 0 }).await?;
     assert!(started.elapsed() >= TLS_HANDSHAKE_TIMEOUT / 2, "not refused at once: the handshake was waited on");
+    let redialled = || async { accepted.load(std::sync::atomic::Ordering::Relaxed) >= 2 };
+    eventually(3 * TLS_HANDSHAKE_TIMEOUT, "a second connection", redialled).await?;
     replica.shutdown().await;
     held.abort();
     Ok(())

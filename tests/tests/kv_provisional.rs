@@ -184,8 +184,9 @@ async fn a_prefix_one_replica_pins_is_credited_to_its_rank_for_every_replica_unt
 
     // Replica A pins a request for it to FIRST; replica B's lookup now credits FIRST with the
     // whole prefix (not the blocks past it), and SECOND with nothing.
-    reporter.send(started(1, FIRST, prefix.clone())).await?;
+    // Taken before the send: the control plane may credit the pin before the send returns.
     let t0 = std::time::Instant::now();
+    reporter.send(started(1, FIRST, prefix.clone())).await?;
     until_overlaps(&second, &query, &[(FIRST, 12)], "replica B sees A's pin as FIRST's overlap").await?;
     // A query sharing only the first blocks scores only those.
     assert_eq!(overlaps(&mut second, &prefix[..5]).await?, [(FIRST, 5)]);

@@ -240,14 +240,16 @@ async fn a_replica_leaves_a_stream_that_answers_its_reports_with_no_update() -> 
     Ok(())
 }
 
-/// A peer that accepts the connection and answers HTTP/2 but never opens the Watch stream.
-struct NeverOpens;
+/// A peer that accepts the connection and answers HTTP/2 but never opens the Watch stream;
+/// it counts the calls.
+struct NeverOpens(Arc<std::sync::atomic::AtomicUsize>);
 
 #[tonic::async_trait]
 impl Fleet for NeverOpens {
     type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
 
     async fn watch(&self, _: Request<Streaming<pb::WatchRequest>>) -> Result<Response<Self::WatchStream>, Status> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         std::future::pending().await
     }
 
@@ -266,18 +268,22 @@ impl Fleet for NeverOpens {
 /// The replica does not wait on such a peer for good: it gives up the call and dials again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_call_never_answered_is_given_up_and_dialled_again() -> anyhow::Result<()> {
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
     let server = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(FleetServer::new(NeverOpens))
+            .add_service(FleetServer::new(NeverOpens(Arc::clone(&calls))))
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
     let replica = start_replicas(1, &url).await?.remove(0);
-    continuum_tests::eventually(Duration::from_secs(30), "a second dial", || async {
-        replica.metrics.reconnects.get() >= 1
+    // The first call given up is counted before the next dial: the peer seeing a second call
+    // is what says the replica dialled again.
+    continuum_tests::eventually(Duration::from_secs(60), "a second call", || async {
+        calls.load(std::sync::atomic::Ordering::Relaxed) >= 2
     })
     .await?;
+    assert!(replica.metrics.reconnects.get() >= 1, "the first given up, counted");
     replica.shutdown().await;
     server.abort();
     Ok(())
