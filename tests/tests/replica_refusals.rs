@@ -190,14 +190,65 @@ async fn following_a_stuck_control_plane()
     Ok((replica, server))
 }
 
-/// A control plane that keeps its connection up but stops reading the stream (a stuck session
-/// task): the replica's replies back up, and once one has waited [`REPLY_STALL_LIMIT`] the
-/// replica leaves the stream instead of routing on its frozen fleet-wide backlogs for as long
-/// as the control plane stays stuck.
+/// A control plane that reads the hello and nothing more, yet keeps sending: a snapshot, then
+/// an empty delta every 100 ms (so an update always follows a report, and only the replies
+/// stall).
+struct Deaf;
+
+#[tonic::async_trait]
+impl Fleet for Deaf {
+    type WatchStream = ReceiverStream<Result<pb::FleetUpdate, Status>>;
+
+    async fn watch(
+        &self,
+        request: Request<Streaming<pb::WatchRequest>>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            let _hello = inbound.message().await;
+            let mut update = snapshot(10, &[7]);
+            for version in 11.. {
+                if tx.send(Ok(update)).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                update = delta(version - 1, version, FleetDelta::default());
+            }
+            drop(inbound);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn get_snapshot(&self, _: Request<pb::GetSnapshotRequest>) -> Result<Response<pb::Snapshot>, Status> {
+        Err(Status::unimplemented("deaf"))
+    }
+
+    async fn find_matches(
+        &self,
+        _: Request<pb::FindMatchesRequest>,
+    ) -> Result<Response<pb::FindMatchesResponse>, Status> {
+        Err(Status::unimplemented("deaf"))
+    }
+}
+
+/// A control plane that keeps its connection up, and sends, but stops reading the stream (a
+/// stuck reader): the replica's replies back up, and once one has waited [`REPLY_STALL_LIMIT`]
+/// the replica leaves the stream instead of routing on its frozen fleet-wide backlogs for as
+/// long as the control plane stays stuck. Updates keep coming and no report is dropped: the
+/// replies' stall alone ends the stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow::Result<()> {
     use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
-    let (replica, server) = following_a_stuck_control_plane().await?;
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(FleetServer::new(Deaf))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let replica = start_replicas(1, &url).await?.remove(0);
+    wait_for_version(std::slice::from_ref(&replica), 10, Duration::from_secs(10)).await?;
 
     // Reports of 32 KiB each fill the stream's flow-control window and the reply queue.
     let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
@@ -210,6 +261,10 @@ async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow
         replica.metrics.reconnects.get() >= 1
     })
     .await?;
+    assert_eq!(replica.metrics.dispatch_reports_dropped.get(), 0, "left for the stalled replies, not a full queue");
+    // Updates were waiting whenever the replica could read: no report went unanswered by one.
+    let applied = replica.metrics.updates.with_label_values(&["applied"]).get();
+    assert!(applied >= 2, "deltas followed the snapshot: {applied} applied");
     replica.shutdown().await;
     server.abort();
     Ok(())
