@@ -453,8 +453,10 @@ impl tokio_stream::Stream for WatchUpdates {
 mod tests {
     use super::*;
 
-    /// A stream holds its place until its client lets go of it, not only while its session
-    /// runs; past the places a new stream is refused, counted.
+    /// An open stream holds its place; past the places a new stream is refused, counted, and
+    /// the place comes back once the stream is dropped. (That a place outlives its session
+    /// while the client holds a stream it never reads is the permit's: it goes with the
+    /// response body, which hyper drops only once the stream is done.)
     #[tokio::test]
     async fn a_watch_stream_holds_its_place_until_it_is_dropped() -> anyhow::Result<()> {
         use continuum_proto::pb::fleet_client::FleetClient;
