@@ -210,27 +210,29 @@ impl MatchesClient {
             let files = files.clone();
             tokio::task::spawn_blocking(move || files.stamp())
         };
-        let Ok(mut seen) = stamp().await else { return };
+        let Ok(seen) = stamp().await else { return };
+        let mut renewal = Renewal { seen, warned: None };
         loop {
             tokio::select! {
                 () = cancel.cancelled() => return,
                 () = tokio::time::sleep(interval) => {}
             }
             let Ok(now) = stamp().await else { continue };
-            if now == seen {
+            if !renewal.due(&now) {
                 continue;
             }
-            // A set that does not load (a half-written pair) is tried again at the next change.
-            seen = now;
             let (client, renewed) = (self.clone(), config.clone());
-            match tokio::task::spawn_blocking(move || client.renew(&renewed)).await {
-                Ok(Ok(())) => tracing::info!("KV lookups: reconnecting with the renewed --control-plane TLS files"),
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, "KV lookups: the renewed --control-plane TLS files do not load; keeping the current connection")
+            let failed = match tokio::task::spawn_blocking(move || client.renew(&renewed)).await {
+                Ok(Ok(())) => {
+                    tracing::info!("KV lookups: reconnecting with the renewed --control-plane TLS files");
+                    renewal.loaded(now);
+                    continue;
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "KV lookups: renewing the TLS connection failed; keeping the current one")
-                }
+                Ok(Err(error)) => format!("the renewed --control-plane TLS files do not load: {error}"),
+                Err(error) => format!("renewing the TLS connection failed: {error}"),
+            };
+            if renewal.failed(now) {
+                tracing::warn!("KV lookups: {failed}; keeping the current connection, trying again until they load");
             }
         }
     }
@@ -361,8 +363,54 @@ pub struct Matches {
     pub suggestion: Option<Suggested>,
 }
 
+/// When the lookups' TLS files are read again: whenever their stamp differs from the set
+/// loaded last. A set that does not load (a half-written pair, a read that failed) is tried
+/// again at every look until it does, and said once: taken as seen at its first failure, a set
+/// whose read failed for a moment would never be tried again, and the certificate in use would
+/// expire under it.
+#[derive(Debug)]
+struct Renewal<S> {
+    /// The stamp of the set in use.
+    seen: S,
+    /// The stamp of the last set said to have failed.
+    warned: Option<S>,
+}
+
+impl<S: PartialEq> Renewal<S> {
+    fn due(&self, now: &S) -> bool {
+        *now != self.seen
+    }
+
+    fn loaded(&mut self, now: S) {
+        (self.seen, self.warned) = (now, None);
+    }
+
+    /// Whether to say so: the first failure of this set.
+    fn failed(&mut self, now: S) -> bool {
+        let first = self.warned.as_ref() != Some(&now);
+        self.warned = Some(now);
+        first
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    /// A set that failed is tried again at every look until it loads, and said once; a
+    /// loaded one is not read again until it changes.
+    #[test]
+    fn tls_files_that_failed_to_load_are_tried_again_and_said_once() {
+        let mut renewal = super::Renewal { seen: 1, warned: None };
+        assert!(!renewal.due(&1));
+        assert!(renewal.due(&2));
+        assert!(renewal.failed(2), "said");
+        assert!(renewal.due(&2), "tried again though unchanged");
+        assert!(!renewal.failed(2), "not said again");
+        assert!(renewal.failed(3), "a new set's failure is said");
+        renewal.loaded(3);
+        assert!(!renewal.due(&3));
+        assert!(renewal.due(&4) && renewal.failed(4), "a later failure is said again");
+    }
+
     use std::sync::atomic::AtomicUsize;
 
     use super::*;
