@@ -170,14 +170,19 @@ async fn updates_that_do_not_apply_are_nacked_and_the_view_is_kept_until_the_res
 /// A replica following a scripted control plane that sends one snapshot and, once it is
 /// acknowledged, holds the stream open and neither reads nor sends anything more (a stuck
 /// session task, its connection's pings still answered).
-async fn following_a_stuck_control_plane()
--> anyhow::Result<(Replica, tokio::task::JoinHandle<Result<(), tonic::transport::Error>>)> {
+async fn following_a_stuck_control_plane(
+    folding: bool,
+) -> anyhow::Result<(Replica, tokio::task::JoinHandle<Result<(), tonic::transport::Error>>)> {
     let (replies_tx, mut replies) = mpsc::unbounded_channel();
     let (next_tx, next_rx) = mpsc::unbounded_channel();
     let next = Arc::new(tokio::sync::Mutex::new(next_rx));
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}", listener.local_addr()?);
-    let script = vec![snapshot(10, &[7])];
+    // `folding`: the snapshot says the control plane folds this stream's reports (a book that
+    // gave up never says so).
+    let mut first = snapshot(10, &[7]);
+    first.reports_folded = folding.then_some(pb::ReportsFolded { first_op: 0, last_op: 0 });
+    let script = vec![first];
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(FleetServer::new(Scripted { script, replies: replies_tx, next }))
@@ -278,7 +283,7 @@ async fn a_replica_leaves_a_stream_the_control_plane_stopped_reading() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_leaves_a_stream_that_answers_its_reports_with_no_update() -> anyhow::Result<()> {
     use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
-    let (replica, server) = following_a_stuck_control_plane().await?;
+    let (replica, server) = following_a_stuck_control_plane(true).await?;
 
     tokio::time::sleep(REPLY_STALL_LIMIT + Duration::from_secs(1)).await;
     assert_eq!(replica.metrics.reconnects.get(), 0, "a quiet stream with nothing reported is kept");
@@ -290,6 +295,22 @@ async fn a_replica_leaves_a_stream_that_answers_its_reports_with_no_update() -> 
     })
     .await?;
     assert!(reported.elapsed() >= REPLY_STALL_LIMIT, "not before the limit: {:?}", reported.elapsed());
+    replica.shutdown().await;
+    server.abort();
+    Ok(())
+}
+
+/// A control plane whose dispatch book gave up (it reads reports and drops them, by design)
+/// never says it folds this stream's reports: the replica stays on its stream, counting its own
+/// dispatches alone, rather than leave it every few seconds and replay them all for nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_stays_on_a_stream_that_never_said_it_folds_reports() -> anyhow::Result<()> {
+    use continuum_data_plane::fleet::REPLY_STALL_LIMIT;
+    let (replica, server) = following_a_stuck_control_plane(false).await?;
+    let rank = LoadKey { worker: WorkerKey::new("dynamo", 7), dp_rank: 0 };
+    replica.reporter.operation(|report| report.started(&rank, 16, 1, vec![]));
+    tokio::time::sleep(REPLY_STALL_LIMIT + Duration::from_secs(2)).await;
+    assert_eq!(replica.metrics.reconnects.get(), 0, "kept though its report went unanswered");
     replica.shutdown().await;
     server.abort();
     Ok(())

@@ -222,6 +222,10 @@ struct Book {
     replayed: u64,
     /// Per replica (session), the operations its reports brought into the sums.
     folded: FastMap<u64, ReportsFolded>,
+    /// A report was folded since the last change taken: published even when no sum moved
+    /// (starts refused, or a start and its end in one report), since a replica that hears
+    /// nothing after reporting a start takes the control plane for stuck and leaves.
+    folded_moved: bool,
     /// Sessions a start of which the book refused for want of room: the sums lack it, so their
     /// range would tell the replica they hold it and it would count it nowhere. They publish
     /// no range from then on, and the replica joins the sums the cautious way (the larger of
@@ -265,6 +269,7 @@ impl Book {
             let (first_op, last_op) = (report.first_op, report.last_op);
             let folded = self.folded.entry(replica).or_insert(ReportsFolded { first_op, last_op });
             folded.last_op = folded.last_op.max(last_op);
+            self.folded_moved = true;
         }
         // In the replica's order: each start after the first tokens and ends it performed
         // before it, the rest after the last start (a dispatch may start, begin answering and
@@ -565,8 +570,9 @@ impl Book {
                 change.backlogs.push((rank.key.clone(), backlog));
             }
         }
-        // Every report received so far is in the sums; the ranges go out with them, or not at all.
-        if !change.backlogs.is_empty() {
+        // Every report received so far is in the sums; the ranges go out with them, or alone
+        // when reports were folded that moved no sum.
+        if !change.backlogs.is_empty() || std::mem::take(&mut self.folded_moved) {
             change.reports_folded = Some(Arc::new(self.folded.clone()));
         }
         change

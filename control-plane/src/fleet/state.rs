@@ -37,7 +37,8 @@ pub struct FleetChange {
     pub backlogs: Vec<(LoadKey, Backlog)>,
     pub backlogs_removed: Vec<LoadKey>,
     /// Which reported operations the backlogs now hold, per session (replaces the map whole;
-    /// it goes out with the change it came with, never alone).
+    /// it goes out with the change it came with, or alone as a version that changes nothing
+    /// else when reports were folded that moved no sum).
     pub reports_folded: Option<Arc<FastMap<u64, ReportsFolded>>>,
 }
 
@@ -71,9 +72,10 @@ impl FleetState {
     /// The state after `change`, and the delta that was published, or `None` when the change
     /// is a no-op against this state (the version does not move).
     pub fn commit(&self, mut change: FleetChange) -> Option<(FleetState, Arc<FleetDelta>)> {
+        let folded_moved = change.reports_folded.as_ref().is_some_and(|folded| *folded != self.reports_folded);
         let reports_folded = change.reports_folded.take().unwrap_or_else(|| Arc::clone(&self.reports_folded));
         let delta = Arc::new(self.effective_delta(change));
-        if delta.is_empty() {
+        if delta.is_empty() && !folded_moved {
             return None;
         }
         // The effective delta only names known workers and ranks, so it always applies.
@@ -201,6 +203,7 @@ impl FleetChange {
             && self.config.is_none()
             && self.backlogs.is_empty()
             && self.backlogs_removed.is_empty()
+            && self.reports_folded.is_none()
     }
 }
 

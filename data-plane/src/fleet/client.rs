@@ -276,11 +276,14 @@ async fn follow(
     metrics.dispatches_replayed.inc_by(replayed as u64);
     let mut last_report = Instant::now();
     // Since when a report of dispatch starts has gone unanswered by any update. The control
-    // plane folds a start into the fleet-wide backlogs and publishes them within milliseconds,
-    // so none for [`REPLY_STALL_LIMIT`] after one is a control plane that stopped (its
-    // connection up, its pings answered, reading what little this replica sends): left as
-    // one that reads nothing is, rather than routed on its frozen backlogs for as long.
-    let mut unanswered_since: Option<tokio::time::Instant> = None;
+    // plane folds every report and publishes within milliseconds (the sums it moved, or
+    // which reports it folded when it moved none), so none for [`REPLY_STALL_LIMIT`] after
+    // one is a control plane that stopped (its connection up, its pings answered, reading
+    // what little this replica sends): left as one that reads nothing is, rather than routed
+    // on its frozen backlogs for as long. Only once the stream has said it folds this
+    // session's reports (`folding`): a control plane whose book gave up reads none, by design,
+    // and leaving it every few seconds would replay every dispatch to it for nothing.
+    let (mut unanswered_since, mut folding): (Option<tokio::time::Instant>, bool) = (None, false);
     // An operation that found the report queue full ends the stream at once, whatever the loop
     // waits on: most likely a send to a control plane reading slowly, how the queue filled.
     let detached = reports.detached();
@@ -297,6 +300,7 @@ async fn follow(
             update = updates.message() => match update? {
                 Some(update) => {
                     unanswered_since = None;
+                    folding |= update.reports_folded.is_some();
                     apply(handle, update, snapshot_applied, metrics).await
                 }
                 None => return Ok(()),
@@ -317,7 +321,7 @@ async fn follow(
                 if report.started.is_empty() && report.ended.is_empty() && report.prefilled.is_empty() {
                     continue;
                 }
-                if !report.started.is_empty() {
+                if !report.started.is_empty() && folding {
                     unanswered_since.get_or_insert_with(tokio::time::Instant::now);
                 }
                 Kind::Dispatches(report)

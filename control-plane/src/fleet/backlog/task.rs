@@ -410,11 +410,11 @@ fn publish(
         let state = Arc::clone(&states.borrow_and_update());
         book.expire(&state, now);
     }
-    if book.dirty.is_empty() {
+    if book.dirty.is_empty() && !book.folded_moved {
         return false;
     }
     let change = book.take_change(now);
-    let changed = !change.backlogs.is_empty();
+    let changed = !change.backlogs.is_empty() || change.reports_folded.is_some();
     if changed {
         publisher.apply(change);
     }

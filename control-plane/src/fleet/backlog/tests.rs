@@ -488,6 +488,31 @@ fn a_replica_holds_a_bounded_number_of_dispatches() {
 /// Once the book refuses a session's start for want of room, the sums lack a dispatch its
 /// replica made: the session's range is published no more, so the replica counts its own
 /// dispatches beside the sums rather than trusting them to hold it. Other sessions keep theirs.
+/// A report the book folds without moving a sum (its start refused here; a start and its end
+/// in one report likewise) still goes out, as a version whose only news is which reports the
+/// sums hold: a replica that hears nothing after reporting a start takes the control plane for
+/// stuck and leaves it.
+#[test]
+fn a_report_folded_without_moving_a_sum_is_published_as_folded() {
+    let state = state_with(0);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let mut stranger = started(1, 0, 16);
+    stranger.rank = Some((&LoadKey { worker: WorkerKey::new("dynamo", 99), dp_rank: 0 }).into());
+    book.report(1, numbered(1, 1, vec![stranger]), t0, &state);
+    let change = book.take_change(t0);
+    assert!(change.backlogs.is_empty(), "no sum moved");
+    let folded = change.reports_folded.clone().expect("published alone");
+    assert_eq!(folded.get(&1), Some(&ReportsFolded { first_op: 1, last_op: 1 }));
+    assert!(book.take_change(t0).reports_folded.is_none(), "once");
+    let (next, delta) = state.commit(change).expect("a version of its own");
+    assert!(delta.is_empty());
+    assert_eq!(next.version(), state.version() + 1);
+    assert_eq!(next.reports_folded(1), Some(ReportsFolded { first_op: 1, last_op: 1 }));
+    let again = FleetChange { reports_folded: Some(folded), ..FleetChange::default() };
+    assert!(next.commit(again).is_none(), "the same ranges again are no news");
+}
+
 #[test]
 fn a_session_whose_start_was_refused_for_room_publishes_no_range() {
     let state = state_with(0);
