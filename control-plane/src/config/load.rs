@@ -42,9 +42,9 @@ pub fn load_str(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Load
         let (line, column) = source.location().map_or((0, 0), |at| (at.line(), at.column()));
         ConfigError::Syntax { line, column, source }
     })?;
-    let mut diagnostics = substitute_document(&mut document, env);
+    let (mut diagnostics, keys) = substitute_document(&mut document, env);
     let (config, parse_diagnostics) = parse_lenient(document);
-    diagnostics.extend(parse_diagnostics);
+    diagnostics.extend(parse_diagnostics.into_iter().map(|diagnostic| keys.as_written(diagnostic)));
     let Some(mut config) = config else {
         return Err(ConfigError::Invalid(diagnostics));
     };

@@ -13,14 +13,34 @@ pub(super) type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 
 /// Substitutes in place. A value that cannot be substituted is reported at its key path and
 /// removed (a sequence item becomes `""`), so it takes its default and the rest of the
-/// document is still checked.
-pub(super) fn substitute_document(value: &mut Value, env: Env<'_>) -> Vec<Diagnostic> {
-    let mut diagnostics = Vec::new();
-    walk(value, &KeyPath::default(), env, &mut diagnostics);
-    diagnostics
+/// document is still checked. Returns those reports, and the keys substitution changed.
+pub(super) fn substitute_document(value: &mut Value, env: Env<'_>) -> (Vec<Diagnostic>, SubstitutedKeys) {
+    let (mut diagnostics, mut keys) = (Vec::new(), SubstitutedKeys::default());
+    walk(value, &KeyPath::default(), env, (&mut diagnostics, &mut keys));
+    (diagnostics, keys)
 }
 
-fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnostic>) {
+/// Mapping keys as substituted, with the text they were written as. A key written beside a
+/// variable (`admin: {token:${ADMIN_TOKEN}}`, the space after the colon missing, is one key
+/// `token:…` in YAML) holds its secret once substituted: a report naming that key (unknown,
+/// or of the wrong type) names it as written instead.
+#[derive(Debug, Default)]
+pub(super) struct SubstitutedKeys(Vec<(String, String)>);
+
+impl SubstitutedKeys {
+    /// `diagnostic` with every substituted key put back as it was written.
+    pub fn as_written(&self, mut diagnostic: Diagnostic) -> Diagnostic {
+        for (substituted, written) in &self.0 {
+            if !substituted.is_empty() {
+                diagnostic.path = diagnostic.path.replace(substituted.as_str(), written);
+                diagnostic.message = diagnostic.message.replace(substituted.as_str(), written);
+            }
+        }
+        diagnostic
+    }
+}
+
+fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, (out, keys): (&mut Vec<Diagnostic>, &mut SubstitutedKeys)) {
     match value {
         Value::String(text) => {
             if let Err(error) = substitute(text, env).map(|new| *text = new) {
@@ -30,7 +50,7 @@ fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnosti
         }
         Value::Sequence(items) => {
             for (index, item) in items.iter_mut().enumerate() {
-                walk(item, &path.child_index(index), env, out);
+                walk(item, &path.child_index(index), env, (out, keys));
             }
         }
         Value::Mapping(map) => {
@@ -41,7 +61,8 @@ fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnosti
             for (mut key, mut item) in entries {
                 if let Value::String(text) = &mut key {
                     match substitute(text, env) {
-                        Ok(new) => *text = new,
+                        Ok(new) if new != *text => keys.0.push((new.clone(), std::mem::replace(text, new))),
+                        Ok(_) => {}
                         Err(error) => {
                             out.push(Diagnostic::error(path.child_key(text.clone()).to_string(), error.message(false)));
                             continue;
@@ -50,7 +71,7 @@ fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnosti
                 }
                 let item_path = path.child_key(key_text(&key));
                 let before = out.len();
-                walk(&mut item, &item_path, env, out);
+                walk(&mut item, &item_path, env, (out, keys));
                 if out.len() > before && item.is_string() {
                     continue;
                 }
@@ -61,7 +82,7 @@ fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, out: &mut Vec<Diagnosti
                 map.insert(key, item);
             }
         }
-        Value::Tagged(tagged) => walk(&mut tagged.value, path, env, out),
+        Value::Tagged(tagged) => walk(&mut tagged.value, path, env, (out, keys)),
         Value::Null | Value::Bool(_) | Value::Number(_) => {}
     }
 }

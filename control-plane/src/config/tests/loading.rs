@@ -174,6 +174,26 @@ fn a_section_written_as_a_string_is_reported_without_its_value() {
     assert!(prefill.is_some_and(|d| d.message.contains("\"two\"")), "{found:?}");
 }
 
+/// Keys are substituted too, so a key written beside a variable (`token:${TOKEN}:`, a space
+/// missing and a colon too many) holds the secret once substituted. Reported unknown (or of
+/// the wrong type), it is named as written.
+#[test]
+fn a_key_that_substitution_filled_is_reported_as_written() {
+    let env = |name: &str| (name == "TOKEN").then(|| "s3cret-token".to_owned());
+    for yaml in [
+        "admin:\n  token:${TOKEN}:\n",
+        "dynamo: {discovery: {etcd: {auth: {username: u, \"password:${TOKEN}\": x}}}}",
+        "control_plane: {tls: {\"key ${TOKEN}\": {}}}",
+    ] {
+        let found = match load_str(yaml, &env) {
+            Err(ConfigError::Invalid(found)) => found,
+            other => panic!("{yaml}: expected diagnostics, got {other:?}"),
+        };
+        assert!(!format!("{found:?}").contains("s3cret"), "{yaml}: {found:?}");
+        assert!(found.iter().any(|d| d.path.ends_with("${TOKEN}")), "{yaml}: named as written: {found:?}");
+    }
+}
+
 #[test]
 fn a_mapping_key_that_is_not_a_string_is_reported_under_its_section_and_checking_goes_on() {
     let found = diagnostics("dynamo: {shim: {model_map: {1: Qwen/Qwen3-32B}}}\nadmin: {listen: nowhere}");
