@@ -71,10 +71,15 @@ pub enum Closed {
     /// Its request head was not whole within [`ADMIN_HEAD_TIMEOUT`], however slowly its bytes
     /// kept coming (admin only).
     HeadTimeout,
+    /// It read nothing of what was written to it for [`SILENT_FOR`]: an answer left unread
+    /// holds its connection's slot, and no read deadline sees it (the server does not read
+    /// while it writes).
+    Unread,
 }
 
 impl Closed {
-    pub const ALL: [Closed; 5] = [Closed::Full, Closed::PeerFull, Closed::Silent, Closed::Idle, Closed::HeadTimeout];
+    pub const ALL: [Closed; 6] =
+        [Closed::Full, Closed::PeerFull, Closed::Silent, Closed::Idle, Closed::HeadTimeout, Closed::Unread];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -83,6 +88,7 @@ impl Closed {
             Closed::Silent => "silent",
             Closed::Idle => "idle",
             Closed::HeadTimeout => "head_timeout",
+            Closed::Unread => "unread",
         }
     }
 }
@@ -164,6 +170,8 @@ impl Guard {
         Some(Guarded {
             inner: stream,
             silence: Box::pin(tokio::time::sleep(self.silent_for)),
+            unread: Box::pin(tokio::time::sleep(self.silent_for)),
+            write_blocked: false,
             progress: Arc::default(),
             guard: self.clone(),
             _slot: Slot { _permit: slot, peer },
@@ -220,6 +228,9 @@ impl Guard {
 pub struct Guarded<S> {
     inner: S,
     silence: Pin<Box<Sleep>>,
+    /// Armed when a write finds the peer's window shut, until one goes through.
+    unread: Pin<Box<Sleep>>,
+    write_blocked: bool,
     /// Where the conversation stands, shared with whoever serves the connection.
     progress: Arc<Progress>,
     guard: Guard,
@@ -270,6 +281,32 @@ impl<S> Guarded<S> {
     /// Where the conversation stands, to tell why a server that timed it out closed it.
     fn progress(&self) -> Arc<Progress> {
         Arc::clone(&self.progress)
+    }
+
+    /// A write's outcome, and the peer given up once writes have found its window shut for
+    /// as long as it may stay silent.
+    fn written(&mut self, cx: &mut Context<'_>, written: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        match written {
+            Poll::Ready(Ok(n)) => {
+                if n > 0 {
+                    self.progress.answered();
+                }
+                self.write_blocked = false;
+                Poll::Ready(Ok(n))
+            }
+            Poll::Pending => {
+                if !std::mem::replace(&mut self.write_blocked, true) {
+                    let deadline = Instant::now() + self.guard.silent_for;
+                    self.unread.as_mut().reset(deadline);
+                }
+                if self.unread.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                self.guard.count(Closed::Unread);
+                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the peer read nothing for too long")))
+            }
+            failed => failed,
+        }
     }
 }
 
@@ -326,10 +363,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
 impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let written = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
-            self.progress.answered();
-        }
-        written
+        self.written(cx, written)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -346,10 +380,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let written = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
-        if matches!(written, Poll::Ready(Ok(n)) if n > 0) {
-            self.progress.answered();
-        }
-        written
+        self.written(cx, written)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -463,6 +494,28 @@ mod tests {
         let silent = server.read(&mut buf).await;
         assert_eq!(silent.map_err(|e| e.kind()), Err(io::ErrorKind::TimedOut));
         assert_eq!(counter.with_label_values(&["test", "idle"]).get(), 1);
+        Ok(())
+    }
+
+    /// A peer that reads nothing of what is written to it holds no slot for good: once writes
+    /// have found its window shut for as long as it may stay silent, they fail, counted.
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_reads_nothing_is_let_go() -> io::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let counter = closed();
+        let guard = Guard::new("test", 4, counter.clone()).silent_after(Duration::from_secs(30));
+        let (_reads_nothing, server) = pair(&listener).await?;
+        let mut server = guard.admit(server, LOCAL).expect("room");
+        let chunk = vec![b'x'; 1 << 20];
+        let started = tokio::time::Instant::now();
+        let outcome = loop {
+            if let Err(error) = server.write_all(&chunk).await {
+                break error;
+            }
+        };
+        assert_eq!(outcome.kind(), io::ErrorKind::TimedOut);
+        assert!(started.elapsed() >= Duration::from_secs(30), "not before the limit: {:?}", started.elapsed());
+        assert_eq!(counter.with_label_values(&["test", "unread"]).get(), 1);
         Ok(())
     }
 
