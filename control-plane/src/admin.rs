@@ -56,18 +56,33 @@ pub struct AdminSettings {
 }
 
 pub fn router(state: AdminState) -> Router {
+    // Every `/admin/…` call is behind the token and audited, an unknown path's too: a probe
+    // of paths that do not exist is a call worth a line.
     let admin = Router::new()
-        .route("/admin/dynamo/workers", get(workers))
-        .route("/admin/dynamo/loads", get(loads))
-        .route("/admin/fleet/replicas", get(replicas))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token))
-        .route_layer(middleware::from_fn(audit));
+        .route("/dynamo/workers", get(workers))
+        .route("/dynamo/loads", get(loads))
+        .route("/fleet/replicas", get(replicas))
+        .fallback(|| async { StatusCode::NOT_FOUND })
+        .layer(middleware::from_fn_with_state(state.clone(), require_token));
+    // Audited outside the nest, where the path is still whole.
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .merge(admin)
+        .nest("/admin", admin)
+        .layer(middleware::from_fn(audit))
         .with_state(state)
+}
+
+/// Renders of the whole fleet (`/metrics`, the workers and loads listings) at once: each
+/// copies every worker or sample and builds its text on a runtime thread, and the loads copy
+/// holds the lock every kv_metrics sample takes. The admin listener's 256 connections asking
+/// together wait their turn rather than take every core and gigabytes between them.
+static RENDERS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(4);
+
+/// A turn to render; the semaphore is never closed.
+async fn render_turn() -> Option<tokio::sync::SemaphorePermit<'static>> {
+    RENDERS.acquire().await.ok()
 }
 
 async fn require_token(State(state): State<AdminState>, request: Request, next: Next) -> Response {
@@ -86,6 +101,10 @@ async fn require_token(State(state): State<AdminState>, request: Request, next: 
 /// what (method and path), the outcome (status: 401 a token refused) and how long it took.
 /// Never a credential: no header is logged.
 async fn audit(request: Request, next: Next) -> Response {
+    // Probes and scrapes are not admin calls.
+    if !is_admin_path(request.uri().path()) {
+        return next.run(request).await;
+    }
     let (method, path) = (request.method().clone(), request.uri().path().to_owned());
     let peer = request.extensions().get::<Peer>().map_or_else(|| "unknown".to_owned(), |peer| peer.0.to_string());
     let started = Instant::now();
@@ -94,6 +113,10 @@ async fn audit(request: Request, next: Next) -> Response {
     let millis = started.elapsed().as_secs_f64() * 1000.0;
     tracing::info!(target: "continuum::audit", %method, path, %peer, status, millis, "admin call");
     response
+}
+
+fn is_admin_path(path: &str) -> bool {
+    path == "/admin" || path.starts_with("/admin/")
 }
 
 fn refuse_unauthenticated() -> Response {
@@ -136,10 +159,12 @@ async fn readyz(State(state): State<AdminState>) -> impl IntoResponse {
 }
 
 async fn metrics(State(state): State<AdminState>) -> impl IntoResponse {
+    let _turn = render_turn().await;
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render())
 }
 
 async fn workers(State(state): State<AdminState>) -> impl IntoResponse {
+    let _turn = render_turn().await;
     let current = state.registry.current();
     let settings = state.settings.borrow().clone();
     let fleet = &current.fleet;
@@ -207,6 +232,7 @@ fn subscription_json(status: &SubscriptionStatus) -> Value {
 /// view with its version, so an operator (or a test) can compare what the store holds with
 /// what the replicas were sent.
 async fn loads(State(state): State<AdminState>) -> impl IntoResponse {
+    let _turn = render_turn().await;
     let now = Instant::now();
     let published = state.publisher.current();
     // Copied out under the store's lock, which every kv_metrics message takes; sorted and
@@ -344,16 +370,28 @@ mod tests {
             let authorized = request.headers().get("authorization").is_some_and(|v| v == "Bearer right");
             if authorized { StatusCode::OK } else { StatusCode::UNAUTHORIZED }
         };
+        // Nested as the admin API is, with its fallback, and audited outside the nest: an
+        // unknown admin path is audited too, a probe of `/healthz` is not.
+        let admin = axum::Router::new()
+            .route("/dynamo/workers", axum::routing::get(refusing))
+            .fallback(|| async { StatusCode::NOT_FOUND });
         let mut router = axum::Router::new()
-            .route("/admin/dynamo/workers", axum::routing::get(refusing))
-            .route_layer(axum::middleware::from_fn(super::audit));
+            .route("/healthz", axum::routing::get(|| async { "ok" }))
+            .nest("/admin", admin)
+            .layer(axum::middleware::from_fn(super::audit));
         let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
         let peer = super::Peer("10.1.2.3:4567".parse().expect("an address"));
         let (statuses, logged) = crate::test_logs::captured(|| {
             runtime.block_on(async {
                 let mut statuses = Vec::new();
-                for token in ["Bearer right", "Bearer wrong-secret-value"] {
-                    let mut request = Request::get("/admin/dynamo/workers").header("authorization", token);
+                let calls = [
+                    ("/admin/dynamo/workers", "Bearer right"),
+                    ("/admin/dynamo/workers", "Bearer wrong-secret-value"),
+                    ("/admin/reload", "Bearer right"),
+                    ("/healthz", "Bearer right"),
+                ];
+                for (path, token) in calls {
+                    let mut request = Request::get(path).header("authorization", token);
                     request = request.extension(peer);
                     let response = router.call(request.body(Body::empty()).expect("a request")).await;
                     statuses.push(response.map(|r| r.status().as_u16()).ok());
@@ -361,11 +399,16 @@ mod tests {
                 statuses
             })
         });
-        assert_eq!(statuses, [Some(200), Some(401)]);
+        assert_eq!(statuses, [Some(200), Some(401), Some(404), Some(200)]);
         let lines: Vec<&str> = logged.lines().filter(|line| line.contains("continuum::audit")).collect();
-        assert_eq!(lines.len(), 2, "{logged}");
-        for (line, status) in lines.iter().zip(["status=200", "status=401"]) {
-            assert!(line.contains("method=GET") && line.contains("/admin/dynamo/workers"), "{line}");
+        assert_eq!(lines.len(), 3, "{logged}");
+        let expected = [
+            ("/admin/dynamo/workers", "status=200"),
+            ("/admin/dynamo/workers", "status=401"),
+            ("/admin/reload", "status=404"),
+        ];
+        for (line, (path, status)) in lines.iter().zip(expected) {
+            assert!(line.contains("method=GET") && line.contains(&format!("path=\"{path}\"")), "{line}");
             assert!(line.contains("peer=10.1.2.3:4567") && line.contains(status), "{line}");
         }
         assert!(!logged.contains("secret") && !logged.contains("right"), "no credential: {logged}");
