@@ -250,9 +250,14 @@ impl ControlPlane {
         // fleet in place of its last-known-good view.
         self.settings.send_replace(admin_settings(&config, &self.discovery));
         self.load.reload(&config.dynamo.load);
-        self.kv.reload(&config).await;
+        // Out with the fleet discovery just published, not after KV's reload, which waits (up
+        // to 5 s) for the kv-events subscriptions to stop when KV is switched off: replicas
+        // would hold the new workers beside the old pools and model map meanwhile. Switched
+        // off, they stop looking prefixes up at once; switched on, the index starts without a
+        // wait.
         self.publisher
             .apply(FleetChange { config: Some(Arc::new(config.data_plane_config())), ..FleetChange::default() });
+        self.kv.reload(&config).await;
         // The bound addresses are named: a command-line override may have replaced the file's.
         for (what, old, new, serving) in [
             (
