@@ -113,6 +113,17 @@ fn report(file: &Path, error: &ConfigError) {
 }
 
 async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAddr>) -> ExitCode {
+    // Installed first, so that no signal takes its default action (ending the process) while
+    // the configuration is read or the control plane starts or reloads: a SIGHUP (a config
+    // reloader's, say, during a restart) is a reload to run once started, a SIGTERM or SIGINT
+    // a shutdown.
+    let mut signals = match Signals::install() {
+        Ok(signals) => signals,
+        Err(error) => {
+            eprintln!("error: cannot listen for SIGHUP, SIGTERM and SIGINT: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
     let mut config = match file {
         Some(file) => match config::load_file(file) {
             Ok(loaded) => {
@@ -158,16 +169,6 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
             tracing::warn!(%addr, "{flag} is not a loopback address and {key} is unset: anyone who reaches it is served");
         }
     }
-    // Installed before the start, so that no signal takes its default action (ending the
-    // process) while the control plane starts or reloads: a SIGHUP is a reload to run once
-    // started, a SIGTERM or SIGINT a shutdown.
-    let mut signals = match Signals::install() {
-        Ok(signals) => signals,
-        Err(error) => {
-            eprintln!("error: cannot listen for SIGHUP, SIGTERM and SIGINT: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
     let mut control_plane = match ControlPlane::start(config, listen).await {
         Ok(control_plane) => control_plane,
         Err(error) => {
