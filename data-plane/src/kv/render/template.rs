@@ -162,8 +162,9 @@ impl ChatTemplate {
 }
 
 /// The weight of `values` (their strings' bytes, and [`VALUE_WEIGHT`] a value) times the length
-/// of their longest list, at any depth (a message's content parts, a tool's parameters): the
-/// most steps a loop over one of them takes.
+/// of their longest list or object, at any depth (a message's content parts, a tool's
+/// parameters, whose properties a template loops over with `|items`): the most steps a loop
+/// over one of them takes.
 fn accumulation<'a>(values: impl IntoIterator<Item = &'a Json>) -> u64 {
     /// Adds `value`'s weight to `weight` and raises `longest` to its longest list.
     fn walk(value: &Json, weight: &mut u64, longest: &mut usize) {
@@ -175,6 +176,7 @@ fn accumulation<'a>(values: impl IntoIterator<Item = &'a Json>) -> u64 {
                 items.iter().for_each(|item| walk(item, weight, longest));
             }
             Json::Object(map) => {
+                *longest = (*longest).max(map.len());
                 for (key, value) in map {
                     *weight = weight.saturating_add(key.len() as u64);
                     walk(value, weight, longest);

@@ -53,6 +53,22 @@ fn the_longest_list_at_any_depth_bounds_the_loop() {
     assert_eq!(template.render(&request(1_000)).unwrap().len(), 1_000);
 }
 
+/// An object's members are looped over as a list's items are (`|items`): a tool whose
+/// parameters hold 400,000 properties weighs as a list of as many would.
+#[test]
+fn the_largest_object_at_any_depth_bounds_the_loop_too() {
+    let context = |properties: usize| {
+        let properties: Map<String, Json> =
+            (0..properties).map(|i| (format!("p{i}"), json!({"type": "string"}))).collect();
+        let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"properties": properties}}});
+        let mut context = Map::new();
+        context.insert("tools".into(), json!([tool]));
+        context
+    };
+    assert!(accumulation(context(400_000).values()) > MAX_ACCUMULATION);
+    assert!(accumulation(context(100).values()) < MAX_ACCUMULATION);
+}
+
 /// What the context copies whole (tools it keeps, template arguments) is weighed on the
 /// body before it is copied; tools `tool_choice: "none"` drops are neither copied nor
 /// weighed.
