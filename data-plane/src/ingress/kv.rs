@@ -17,7 +17,7 @@ use serde_json::Value;
 use super::recent::RecentAnswers;
 use super::request::Tree;
 use crate::fleet::{Matches, MatchesClient, MatchesError};
-use crate::kv::artifacts::{ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
+use crate::kv::artifacts::{ArtifactKey, ArtifactPolicy, ArtifactStore, Checksum, Fetcher, ModelArtifacts};
 use crate::kv::render::{RenderStages, Renderer};
 use crate::kv::{Fallback, KvPrompt};
 use crate::routing::picker::{IndexAnswer, KvSelectionResult, Overlaps};
@@ -46,8 +46,18 @@ pub enum Term {
         /// This replica's picked prompt tokens when the lookup went out (see
         /// [`KvRouting::picked_since`]).
         picked_before: u64,
+        /// The files `tokens` were rendered with, which every worker of the model agreed on
+        /// when they were.
+        artifacts: ArtifactKey,
     },
     Unavailable(KvSelectionResult),
+}
+
+/// Whether `worker`'s card names the files `key` says: tokens rendered with others are not
+/// its prompt (a worker that joined with other files since the render, in a rolling upgrade).
+pub fn renders_with(worker: &Worker, key: &ArtifactKey) -> bool {
+    let card = worker.artifacts.as_deref().and_then(|artifacts| ModelArtifacts::from_fleet(artifacts).ok());
+    card.is_some_and(|card| card.key() == *key)
 }
 
 /// Whether a chat request's messages carry media (images, video, audio). Dynamo mixes each
@@ -233,7 +243,11 @@ impl KvRouting {
             },
         };
         let block_size = block_size.get();
+        let Some(artifacts) = cards.first().map(ModelArtifacts::key) else {
+            return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
+        };
         Term::Scored {
+            artifacts,
             tokens: prepared.tokens,
             media,
             block_size,

@@ -9,13 +9,14 @@ use std::time::Instant;
 use continuum_proto::model::DataPlaneConfig;
 use continuum_proto::view::FleetView;
 
-use super::kv::Term;
+use super::kv::{Term, renders_with};
 use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends, unified_backends};
 use crate::dispatch::{DispatchEnd, Fallback, Pinned, Route};
 use crate::http::{AppState, KvSelection};
+use crate::kv::artifacts::ArtifactKey;
 use crate::kv::render::PERMIT_WAIT;
-use crate::routing::picker::{KvTerm, PickRequest, PromptChain};
+use crate::routing::picker::{KvTerm, PickRequest, Pin, PromptChain};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SelectError {
@@ -83,7 +84,17 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let (selection, prompt_tokens, tokens, chain) = match (kv, term) {
         (
             Some(kv),
-            Some(Term::Scored { tokens, media, block_size, overlaps, block_hashes, answer, lookup, picked_before }),
+            Some(Term::Scored {
+                tokens,
+                media,
+                block_size,
+                overlaps,
+                block_hashes,
+                answer,
+                lookup,
+                picked_before,
+                artifacts,
+            }),
         ) => {
             let isl_tokens = tokens.len() as u64;
             let answer = answer.picked_meanwhile(kv.routing.picked_since(display, picked_before));
@@ -95,7 +106,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
             }
             let scored = KvTerm::Scored { isl_tokens, block_size, overlaps: &overlaps, answer };
             let chain = PromptChain { block_size, hashes: block_hashes, lookup };
-            let tokens = Some(tokens).filter(|_| !media);
+            let tokens = Some(tokens).filter(|_| !media).map(|tokens| (tokens, artifacts));
             (kv.picker.pick(view, &pick(isl_tokens), scored, now), isl_tokens, tokens, chain)
         }
         (Some(kv), Some(Term::Unavailable(result))) => {
@@ -129,9 +140,16 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let fallback = Some(unified_backends(config, &request.model))
         .filter(|unified| !unified.is_empty())
         .map(|unified| Box::new(Fallback { replicas: unified.into(), body: None, on_failure }));
-    let token_data = tokens.filter(|_| config.picker.send_token_data);
+    // Picked on the view after the render: the tokens go only to workers whose cards name the
+    // files they were rendered with (else the frontend tokenizes the prompt itself).
+    let holds_files = |pin: &Pin, key: &ArtifactKey| view.worker(&pin.worker).is_some_and(|w| renders_with(w, key));
+    let token_data = tokens.filter(|(_, key)| {
+        config.picker.send_token_data
+            && holds_files(&selection.decode, key)
+            && selection.prefill.as_ref().is_none_or(|prefill| holds_files(prefill, key))
+    });
     let pinned = Pinned { selection, replicas, fallback, dispatch };
-    Ok(Routed { route: Route::Pinned(pinned), token_data })
+    Ok(Routed { route: Route::Pinned(pinned), token_data: token_data.map(|(tokens, _)| tokens) })
 }
 
 /// The KV term of `request`: its body rendered, tokenized and looked up in the control plane's
@@ -470,6 +488,28 @@ mod tests {
         );
         let buffered: Vec<bool> = report.started.iter().map(|started| started.buffered).collect();
         assert_eq!(buffered, [true], "no `stream` in the body: its answer comes whole");
+    }
+
+    /// The pick runs on the view after the render: a worker there whose card names other
+    /// files (it joined with them meanwhile, in a rolling upgrade) is not sent tokens rendered
+    /// with the old ones; its frontend tokenizes the prompt itself.
+    #[tokio::test]
+    async fn tokens_rendered_with_other_files_than_the_chosen_workers_are_not_sent() {
+        let state = AppState::for_tests();
+        let dir = tempfile::tempdir().expect("dir");
+        let fleet = tinymodel_fleet(&state, &dir).await;
+        let (mut upgraded, pinned) = tinymodel_card();
+        if let Some(tokenizer) = upgraded.tokenizer.as_mut() {
+            tokenizer.checksum = crate::kv::artifacts::Checksum::of(b"another tokenizer").to_string();
+        }
+        let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hello there"}]}"#);
+        let request = ChatRequest::parse(body).expect("request");
+        // While the prompt was rendered, worker 7 left and worker 8 came with other files.
+        state.fleet.store(kv_view(2, 8, Some(upgraded), &dir.path().display().to_string(), pinned));
+        let routed = route(&state, &fleet, &request).await.expect("routed");
+        let Route::Pinned(pinned) = routed.route else { panic!("disaggregated serving pins") };
+        assert_eq!(pinned.selection.decode.worker.instance_id, 8);
+        assert!(routed.token_data.is_none(), "tokens of the old files are not worker 8's prompt");
     }
 
     /// Requests whose bodies are `bytes` long, as many as fill `budget` bytes of trees while
