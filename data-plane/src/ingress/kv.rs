@@ -47,8 +47,8 @@ pub enum Term {
         /// [`KvRouting::picked_since`]).
         picked_before: u64,
         /// The files `tokens` were rendered with, which every worker of the model agreed on
-        /// when they were.
-        artifacts: ArtifactKey,
+        /// when they were (boxed: three checksums would make every `Term` as large).
+        artifacts: Box<ArtifactKey>,
     },
     Unavailable(KvSelectionResult),
 }
@@ -243,7 +243,7 @@ impl KvRouting {
             },
         };
         let block_size = block_size.get();
-        let Some(artifacts) = cards.first().map(ModelArtifacts::key) else {
+        let Some(artifacts) = cards.first().map(|card| Box::new(card.key())) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
         Term::Scored {
