@@ -4,7 +4,7 @@
 //!
 //! | shim answer | verdict |
 //! |---|---|
-//! | body opens with the refusal of a missing prefill id (any status), on a buffered request | `PrefillRefused`: 503, no retry, no fallback |
+//! | body opens with the refusal of a missing prefill id (any status), buffered or a stream's non-2xx head | `PrefillRefused`: 503, no retry, no fallback |
 //! | 4xx other than 408 and 429, on a streaming request, unless it refuses a pin or names the missing prefill id | `Relay`: passed to the client (its body as [`super::disclosure`] allows) |
 //! | anything else, 1.6.1's generic 500 and its 404 for a model whose workers left included | `DecodeFailed`: fallback or `disaggregated_decode_failed` |
 //!
@@ -26,10 +26,10 @@ pub enum Verdict {
 
 pub fn classify(status: StatusCode, body: &[u8], stream: bool) -> Verdict {
     if names_missing_prefill(body) {
-        // The seed's 503 is for a buffered request; a stream takes the failure arm, as every
-        // pre-stream failure of the shim does (the fallback, when configured, may serve it). Never
-        // relayed: the refusal is of the router's pairing, not of the client's request.
-        if stream { Verdict::DecodeFailed } else { Verdict::PrefillRefused }
+        // The seed's 503, for a buffered send and a stream's non-2xx head alike ("Direct-mode
+        // refusals on buffered sends and non-2xx streaming heads return 503"). Never relayed:
+        // the refusal is of the router's pairing, not of the client's request.
+        Verdict::PrefillRefused
     } else if stream && status.is_client_error() && !retryable_client_error(status) && !blames_pins(status, body) {
         // The client's own mistake. A refused pin (an id the frontend no longer knows, as
         // when a worker's lease expired before this replica heard) is the router's, and
@@ -134,9 +134,9 @@ mod tests {
             (500, GENERIC_500, false, DecodeFailed),
             (500, GENERIC_500, true, DecodeFailed),
             (500, NAMED_REFUSAL, false, PrefillRefused),
-            (503, NAMED_REFUSAL, true, DecodeFailed),
+            (503, NAMED_REFUSAL, true, PrefillRefused),
             (400, &NAMED_REFUSAL.to_ascii_lowercase(), false, PrefillRefused),
-            (400, NAMED_REFUSAL, true, DecodeFailed),
+            (400, NAMED_REFUSAL, true, PrefillRefused),
             (
                 500,
                 &format!(r#"{{"message":"{NAMED_REFUSAL}","type":"Internal Server Error","code":500}}"#),

@@ -102,8 +102,8 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
         // model named wrongly, so not the frontend's 404.
         ("model gone", disagg("after_lease_expiry_pinned_to_dead_decode")?, false, 502, DECODE_FAILED),
         ("names the prefill id", named_prefill_refusal()?, false, 503, PREFILL_REFUSED),
-        // The seed's 503 is for a buffered request; a stream takes the failure arm.
-        ("names the prefill id, streaming", named_prefill_refusal()?, true, 502, DECODE_FAILED),
+        // The seed's 503 for a stream's non-2xx head too.
+        ("names the prefill id, streaming", named_prefill_refusal()?, true, 503, PREFILL_REFUSED),
         ("refusal too large to read", oversized_refusal()?, false, 502, DECODE_FAILED),
         ("completion too large to relay", oversized_completion(), false, 502, DECODE_FAILED),
     ];
@@ -145,8 +145,8 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     }
     assert_eq!(shim.received().len(), rows_len, "no refusal is retried or re-picked");
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(1.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(12.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
+    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(11.0));
     assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(19.0));
     for (body, count) in [("relayed", 3.0), ("unreadable", 1.0), ("withheld", 2.0)] {
         let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
