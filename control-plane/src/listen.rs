@@ -4,7 +4,8 @@
 //! one that never sends the HTTP/2 preface, or stops inside a request head, would hold its
 //! socket for good, and enough of them would exhaust the process's descriptors (tonic then spins
 //! on a failing accept). So every accepted connection is [`Guarded`]: closed once it has sent
-//! nothing for [`SILENT_FOR`], and counted against a bound on the connections each listener
+//! nothing for [`SILENT_FOR`] (or, its window shut to what is written, read nothing for as
+//! long), and counted against a bound on the connections each listener
 //! holds (and, for the admin listener, each peer address), past which new ones are closed at
 //! once and counted. A live Fleet connection is never silent that long: the server pings every
 //! 10 s, idle or not, and the replica's HTTP/2 stack answers.
@@ -33,7 +34,8 @@ use tonic::transport::server::Connected;
 use crate::grpc::MAX_WATCH_SESSIONS;
 use crate::metrics::Metrics;
 
-/// A connection that sends nothing for this long is closed.
+/// A connection that sends nothing for this long is closed, and so is one that reads nothing of
+/// what is written to it for as long.
 pub const SILENT_FOR: Duration = Duration::from_secs(30);
 /// Connections the Fleet listener holds at once: a replica holds two (its Watch stream, its
 /// lookups), and the sessions are bounded at 1,024; the rest is room for tools, reconnects and

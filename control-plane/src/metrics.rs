@@ -160,7 +160,7 @@ impl Metrics {
             connections_closed: IntCounterVec::new(
                 Opts::new(
                     "continuum_connections_closed_total",
-                    "Connections a listener closed itself, by listener (fleet, admin) and reason: full (its most connections held already), peer_full (its address held its most), silent (nothing sent at all for 30 s) or idle (nothing more for 30 s)",
+                    "Connections a listener closed itself, by listener (fleet, admin) and reason: full (its most connections held already), peer_full (its address held its most), silent (nothing sent at all for 30 s), idle (nothing more for 30 s), head_timeout (an admin request head not whole within 10 s) or unread (it read nothing of what was written to it for 30 s)",
                 ),
                 &["listener", "reason"],
             )?,
@@ -254,7 +254,7 @@ impl Metrics {
             )?,
             zmtp_borrowed: IntGauge::new(
                 "continuum_dynamo_zmtp_borrowed_bytes",
-                "Bytes ZMTP message buffers borrow past their own 64 KiB from the budget for large messages",
+                "Bytes lent from the budget for large messages: ZMTP message buffers past their own 64 KiB, and decoded kv-events batches past their frames while applied",
             )?,
             kv_find_matches: IntCounterVec::new(
                 Opts::new("continuum_dynamo_kv_find_matches_total", "FindMatches calls by result"),

@@ -5,7 +5,8 @@
 //! connections × 8 MiB is 128 GiB). These budgets bound the sum, the way Envoy's overload
 //! manager bounds a proxy's heap.
 //!
-//! A body is charged as its bytes arrive, never for what it announces: a client that announces
+//! A body is charged as its bytes arrive, for the room it is held in (a buffer grown by
+//! doubling holds more than its bytes), never for what it announces: a client that announces
 //! 8 MiB and sends nothing holds nothing. A request body stays charged until its request has
 //! been dispatched and answered (for a stream, until its head: the dispatch keeps the body for
 //! a retry on another shim replica until then), a buffered answer until it is written. Past a

@@ -273,7 +273,7 @@ impl Metrics {
             shim_attempts: IntCounterVec::new(
                 Opts::new(
                     "continuum_shim_attempts_total",
-                    "Requests sent to each configured backend (shim replica or unified backend), by what came back: success, client_error (4xx), server_error (5xx), gateway_failure (502 or 504 from a proxy in front), timeout (no head in time), connect_failed, broken (the exchange failed after the connection), other (1xx or 3xx)",
+                    "Requests sent to each configured backend (shim replica or unified backend), by what came back: success, client_error (4xx), server_error (5xx), gateway_failure (502 or 504 from a proxy in front), timeout (no head in time), connect_failed, broken (the exchange failed after the connection), other (1xx or 3xx), client_left (the send went before its head came: its client left, or a shutdown cut it)",
                 ),
                 &["backend", "outcome"],
             )?,

@@ -280,9 +280,10 @@ async fn follow(
     // which reports it folded when it moved none), so none for [`REPLY_STALL_LIMIT`] after
     // one is a control plane that stopped (its connection up, its pings answered, reading
     // what little this replica sends): left as one that reads nothing is, rather than routed
-    // on its frozen backlogs for as long. Only once the stream has said it folds this
-    // session's reports (`folding`): a control plane whose book gave up reads none, by design,
-    // and leaving it every few seconds would replay every dispatch to it for nothing.
+    // on its frozen backlogs for as long. Only while the stream's latest update says it folds
+    // this session's reports (`folding`): a control plane whose book gave up (it withdrew the
+    // ranges) reads none by design, nor does it fold a session whose start it refused for room,
+    // and leaving either every few seconds would replay every dispatch for nothing.
     let (mut unanswered_since, mut folding): (Option<tokio::time::Instant>, bool) = (None, false);
     // An operation that found the report queue full ends the stream at once, whatever the loop
     // waits on: most likely a send to a control plane reading slowly, how the queue filled.
@@ -300,7 +301,7 @@ async fn follow(
             update = updates.message() => match update? {
                 Some(update) => {
                     unanswered_since = None;
-                    folding |= update.reports_folded.is_some();
+                    folding = update.reports_folded.is_some();
                     apply(handle, update, snapshot_applied, metrics).await
                 }
                 None => return Ok(()),

@@ -24,8 +24,8 @@ pub const RENDER_FUEL: u64 = 5_000_000;
 const PROBE_FUEL: u64 = RENDER_FUEL / 10;
 /// Bytes of rendered text one render may produce.
 pub const MAX_RENDERED_BYTES: usize = 1 << 20;
-/// What a render's context may weigh times its longest list (its messages, tools or
-/// documents). A template that builds a string one item at a time (DeepSeek's joins every
+/// What a render's context may weigh times its longest list or object (its messages, tools or
+/// documents, or a tool's parameters looped over with `|items`). A template that builds a string one item at a time (DeepSeek's joins every
 /// system message into one) copies the string so far at each step, about half this product in
 /// all, and neither fuel (counted per
 /// instruction, not per byte) nor the output cap (checked when the string is printed, after
@@ -166,7 +166,7 @@ impl ChatTemplate {
 /// parameters, whose properties a template loops over with `|items`): the most steps a loop
 /// over one of them takes.
 fn accumulation<'a>(values: impl IntoIterator<Item = &'a Json>) -> u64 {
-    /// Adds `value`'s weight to `weight` and raises `longest` to its longest list.
+    /// Adds `value`'s weight to `weight` and raises `longest` to its longest list or object.
     fn walk(value: &Json, weight: &mut u64, longest: &mut usize) {
         *weight = weight.saturating_add(VALUE_WEIGHT);
         match value {
