@@ -79,16 +79,55 @@ impl FleetClientConfig {
     }
 }
 
-/// [`FleetClientConfig::endpoint`] for a (re)connect: TLS files, read at every one, are read on
-/// the blocking pool, so a stalled volume holds no runtime thread while the control plane flaps.
-async fn endpoint_off_the_runtime(config: &FleetClientConfig) -> Result<Endpoint, EndpointError> {
-    if !matches!(config.tls, Some(ClientTls::Files(_))) {
-        return config.endpoint();
+/// How long a (re)connect waits for its TLS files to be read.
+pub const TLS_FILES_READ_WAIT: Duration = Duration::from_secs(5);
+
+/// [`FleetClientConfig::endpoint`] for each (re)connect. TLS files, read at every one, are read
+/// on the blocking pool, so a stalled volume holds no runtime thread while the control plane
+/// flaps; and a read that takes longer than its wait (a secrets volume stalled) is not waited
+/// on: the endpoint the files last made serves meanwhile, and the read goes on, one at a time,
+/// its outcome taken by a later connect. Without it, a replica whose control plane restarted
+/// while its volume stalled would stay disconnected for as long, routing without the fleet's
+/// backlogs, on files it had read before.
+struct Endpoints {
+    wait: Duration,
+    last_read: Option<Endpoint>,
+    reading: Option<tokio::task::JoinHandle<Result<Endpoint, EndpointError>>>,
+}
+
+impl Endpoints {
+    fn new(wait: Duration) -> Self {
+        Self { wait, last_read: None, reading: None }
     }
-    let config = config.clone();
-    tokio::task::spawn_blocking(move || config.endpoint())
-        .await
-        .unwrap_or_else(|error| Err(EndpointError::Unread(error.to_string())))
+
+    async fn next(&mut self, config: &FleetClientConfig) -> Result<Endpoint, EndpointError> {
+        if !matches!(config.tls, Some(ClientTls::Files(_))) {
+            return config.endpoint();
+        }
+        let mut reading = self.reading.take().unwrap_or_else(|| {
+            let config = config.clone();
+            tokio::task::spawn_blocking(move || config.endpoint())
+        });
+        match tokio::time::timeout(self.wait, &mut reading).await {
+            Ok(read) => {
+                let endpoint = read.unwrap_or_else(|error| Err(EndpointError::Unread(error.to_string())))?;
+                self.last_read = Some(endpoint.clone());
+                Ok(endpoint)
+            }
+            Err(_) => {
+                self.reading = Some(reading);
+                let wait = self.wait;
+                let last = self.last_read.clone();
+                if last.is_some() {
+                    tracing::warn!(
+                        ?wait,
+                        "the --control-plane TLS files were not read in time; connecting with those read last"
+                    );
+                }
+                last.ok_or_else(|| EndpointError::Unread(format!("the TLS files were not read within {wait:?}")))
+            }
+        }
+    }
 }
 
 /// Why [`FleetClientConfig`] names no endpoint to follow.
@@ -200,6 +239,7 @@ pub async fn run(
     };
     // Sessions in a row the control plane ended for a snapshot this replica refused.
     let mut refused_snapshots = 0u32;
+    let mut endpoints = Endpoints::new(TLS_FILES_READ_WAIT);
     loop {
         let started = Instant::now();
         let mut snapshot_applied = false;
@@ -210,7 +250,7 @@ pub async fn run(
                 reporter::detach(&mut reports);
                 return;
             }
-            outcome = follow(&config, &handle, &reporter, &mut reports, &metrics, &mut snapshot_applied) => outcome,
+            outcome = follow((&config, &mut endpoints), &handle, &reporter, &mut reports, &metrics, &mut snapshot_applied) => outcome,
         };
         reporter::detach(&mut reports);
         handle.detach();
@@ -243,14 +283,15 @@ pub async fn run(
 
 /// One stream: Hello, then apply updates and send dispatch reports until the stream ends.
 async fn follow(
-    config: &FleetClientConfig,
+    (config, endpoints): (&FleetClientConfig, &mut Endpoints),
     handle: &FleetHandle,
     reporter: &DispatchReporter,
     reports: &mut Reports,
     metrics: &Metrics,
     snapshot_applied: &mut bool,
 ) -> Result<(), SessionError> {
-    let endpoint = endpoint_off_the_runtime(config)
+    let endpoint = endpoints
+        .next(config)
         .await
         .map_err(SessionError::Endpoint)?
         .connect_timeout(CONNECT_TIMEOUT)
@@ -427,6 +468,49 @@ mod tests {
 
     fn view(version: u64) -> FleetView {
         FleetView::new(version, [], [], Arc::new(DataPlaneConfig::default())).expect("a view")
+    }
+
+    /// A TLS file that cannot be read in time (a stalled volume: here a FIFO no one writes)
+    /// costs a reconnect no more than the wait: the files read last serve, the read goes on
+    /// alone (a second connect starts no second one), and its outcome is taken once it ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tls_files_stalled_on_a_reconnect_are_not_waited_on_past_the_wait() -> anyhow::Result<()> {
+        use std::os::unix::fs::OpenOptionsExt;
+
+        let dir = tempfile::tempdir()?;
+        let ca = dir.path().join("ca.crt");
+        let pem = rcgen::generate_simple_self_signed(vec!["localhost".into()])?.cert.pem();
+        std::fs::write(&ca, &pem)?;
+        let mut config = FleetClientConfig::new("https://127.0.0.1:1", "stalled");
+        config.tls = Some(ClientTls::Files(crate::fleet::TlsFiles { ca: ca.clone(), identity: None }));
+        let wait = Duration::from_millis(200);
+        let mut endpoints = Endpoints::new(wait);
+        // Nothing read yet and nothing to fall back on: the stall is an error, in time.
+        std::fs::rename(&ca, dir.path().join("aside.crt"))?;
+        anyhow::ensure!(std::process::Command::new("mkfifo").arg(&ca).status()?.success(), "mkfifo");
+        let started = std::time::Instant::now();
+        assert!(matches!(endpoints.next(&config).await, Err(EndpointError::Unread(_))));
+        assert!(started.elapsed() < wait * 10, "waited {:?}", started.elapsed());
+        // Released, its read ends; the next connect takes it (nothing in the FIFO: no CA).
+        let release = || std::fs::OpenOptions::new().write(true).custom_flags(0o4000).open(&ca);
+        drop(release()?);
+        assert!(matches!(endpoints.next(&config).await, Err(EndpointError::TlsFiles(_))), "the stalled read's outcome");
+        // Read once, then stalled: the files read last serve, and one read at a time goes on.
+        std::fs::remove_file(&ca)?;
+        std::fs::write(&ca, &pem)?;
+        assert!(endpoints.next(&config).await.is_ok(), "read");
+        std::fs::remove_file(&ca)?;
+        anyhow::ensure!(std::process::Command::new("mkfifo").arg(&ca).status()?.success(), "mkfifo");
+        for _ in 0..3 {
+            let started = std::time::Instant::now();
+            assert!(endpoints.next(&config).await.is_ok(), "the last read's endpoint");
+            assert!(started.elapsed() < wait * 10, "waited {:?}", started.elapsed());
+        }
+        // Exactly one reader waits on the FIFO: one writer is let in, a second is not.
+        drop(release()?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(release().is_err(), "a second read was started");
+        Ok(())
     }
 
     /// Only sessions that ended over refused updates before any snapshot was applied count
