@@ -583,15 +583,20 @@ mod tests {
         Ok(())
     }
 
-    #[test]
-    fn exporting_the_gauge_keeps_the_breakers_of_backends_outside_every_pool() -> anyhow::Result<()> {
-        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+    /// Backend `pooled` in the `dynamo` namespace's shim pool, and `unified` outside every pool.
+    fn pooled_and_unified() -> DataPlaneConfig {
         let backend = |name: &str| Backend { name: name.into(), url: format!("http://{name}:8000"), models: vec![] };
-        let config = DataPlaneConfig {
+        DataPlaneConfig {
             backends: vec![backend("pooled"), backend("unified")],
             shim_pools: vec![ShimPool { namespace: "dynamo".into(), backends: vec!["pooled".into()] }],
             ..DataPlaneConfig::default()
-        };
+        }
+    }
+
+    #[test]
+    fn exporting_the_gauge_keeps_the_breakers_of_backends_outside_every_pool() -> anyhow::Result<()> {
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        let config = pooled_and_unified();
         let now = Instant::now();
         for name in ["pooled", "unified", "removed"] {
             for _ in 0..BreakerSettings::default().failure_threshold {
@@ -612,12 +617,7 @@ mod tests {
     #[test]
     fn exporting_the_health_drops_the_attempt_counts_of_backends_no_longer_configured() -> anyhow::Result<()> {
         let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
-        let backend = |name: &str| Backend { name: name.into(), url: format!("http://{name}:8000"), models: vec![] };
-        let config = DataPlaneConfig {
-            backends: vec![backend("pooled"), backend("unified")],
-            shim_pools: vec![ShimPool { namespace: "dynamo".into(), backends: vec!["pooled".into()] }],
-            ..DataPlaneConfig::default()
-        };
+        let config = pooled_and_unified();
         let attempts = &dispatcher.metrics.shim_attempts;
         for (name, outcome) in
             [("pooled", "success"), ("unified", "timeout"), ("removed", "success"), ("removed", "broken")]
