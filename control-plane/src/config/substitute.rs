@@ -6,7 +6,7 @@
 use serde_yaml_ng::Value;
 
 use super::diagnostic::Diagnostic;
-use super::path::KeyPath;
+use super::path::{KeyPath, is_within};
 
 /// Looks a variable up; `None` when unset.
 pub(super) type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
@@ -25,15 +25,28 @@ pub(super) fn substitute_document(value: &mut Value, env: Env<'_>) -> (Vec<Diagn
 /// `token:…` in YAML) holds its secret once substituted: a report naming that key (unknown,
 /// or of the wrong type) names it as written instead.
 #[derive(Debug, Default)]
-pub(super) struct SubstitutedKeys(Vec<(String, String)>);
+pub(super) struct SubstitutedKeys(Vec<SubstitutedKey>);
+
+/// One key substitution changed: its path and text as substituted, and as written.
+#[derive(Debug)]
+struct SubstitutedKey {
+    path: String,
+    path_as_written: String,
+    key: String,
+    key_as_written: String,
+}
 
 impl SubstitutedKeys {
-    /// `diagnostic` with every substituted key put back as it was written.
+    /// `diagnostic` with every substituted key put back as it was written: in its path, where
+    /// it is the key's or below it, and in its message where it names the key (`` `key` ``).
+    /// The deepest first, so that a key below another substituted one is found by the path
+    /// substitution gave it.
     pub fn as_written(&self, mut diagnostic: Diagnostic) -> Diagnostic {
-        for (substituted, written) in &self.0 {
-            if !substituted.is_empty() {
-                diagnostic.path = diagnostic.path.replace(substituted.as_str(), written);
-                diagnostic.message = diagnostic.message.replace(substituted.as_str(), written);
+        for key in self.0.iter().rev() {
+            if is_within(&diagnostic.path, &key.path) {
+                diagnostic.path = format!("{}{}", key.path_as_written, &diagnostic.path[key.path.len()..]);
+                let (named, as_written) = (format!("`{}`", key.key), format!("`{}`", key.key_as_written));
+                diagnostic.message = diagnostic.message.replace(&named, &as_written);
             }
         }
         diagnostic
@@ -61,7 +74,16 @@ fn walk(value: &mut Value, path: &KeyPath, env: Env<'_>, (out, keys): (&mut Vec<
             for (mut key, mut item) in entries {
                 if let Value::String(text) = &mut key {
                     match substitute(text, env) {
-                        Ok(new) if new != *text => keys.0.push((new.clone(), std::mem::replace(text, new))),
+                        Ok(new) if new != *text => {
+                            let (path_as_written, path_substituted) =
+                                (path.child_key(text.clone()), path.child_key(new.clone()));
+                            keys.0.push(SubstitutedKey {
+                                path: path_substituted.to_string(),
+                                path_as_written: path_as_written.to_string(),
+                                key: new.clone(),
+                                key_as_written: std::mem::replace(text, new),
+                            });
+                        }
                         Ok(_) => {}
                         Err(error) => {
                             out.push(Diagnostic::error(path.child_key(text.clone()).to_string(), error.message(false)));

@@ -192,6 +192,13 @@ fn a_key_that_substitution_filled_is_reported_as_written() {
         assert!(!format!("{found:?}").contains("s3cret"), "{yaml}: {found:?}");
         assert!(found.iter().any(|d| d.path.ends_with("${TOKEN}")), "{yaml}: named as written: {found:?}");
     }
+    // Only the substituted key's own reports are rewritten: a short key's text elsewhere stays.
+    let env = |name: &str| (name == "M").then(|| "a".to_owned());
+    let yaml = "dynamo: {shim: {model_map: {\"${M}\": 7}}}\nadmin: {listen: nowhere-at-all}";
+    let Err(ConfigError::Invalid(found)) = load_str(yaml, &env) else { panic!("expected diagnostics") };
+    let listen = found.iter().find(|d| d.path == "admin.listen").expect("the listen report");
+    assert!(!listen.message.contains("${M}") && listen.message.contains("address"), "{listen:?}");
+    assert!(found.iter().any(|d| d.path == "dynamo.shim.model_map.${M}"), "{found:?}");
 }
 
 #[test]
