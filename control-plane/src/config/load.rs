@@ -42,9 +42,13 @@ pub fn load_str(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Load
         let (line, column) = source.location().map_or((0, 0), |at| (at.line(), at.column()));
         ConfigError::Syntax { line, column, source }
     })?;
-    let (mut diagnostics, keys) = substitute_document(&mut document, env);
+    let (substitution_diagnostics, keys) = substitute_document(&mut document, env);
     let (config, parse_diagnostics) = parse_lenient(document);
-    diagnostics.extend(parse_diagnostics.into_iter().map(|diagnostic| keys.as_written(diagnostic)));
+    let mut diagnostics: Vec<Diagnostic> = substitution_diagnostics
+        .into_iter()
+        .chain(parse_diagnostics)
+        .map(|diagnostic| keys.as_written(diagnostic))
+        .collect();
     let Some(mut config) = config else {
         return Err(ConfigError::Invalid(diagnostics));
     };

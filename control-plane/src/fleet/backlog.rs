@@ -572,7 +572,8 @@ impl Book {
         }
         // Every report received so far is in the sums; the ranges go out with them, or alone
         // when reports were folded that moved no sum.
-        if !change.backlogs.is_empty() || std::mem::take(&mut self.folded_moved) {
+        let folded_moved = std::mem::take(&mut self.folded_moved);
+        if !change.backlogs.is_empty() || folded_moved {
             change.reports_folded = Some(Arc::new(self.folded.clone()));
         }
         change

@@ -182,6 +182,8 @@ fn a_key_that_substitution_filled_is_reported_as_written() {
     let env = |name: &str| (name == "TOKEN").then(|| "s3cret-token".to_owned());
     for yaml in [
         "admin:\n  token:${TOKEN}:\n",
+        // Reported by the substitution itself: the value's variable is not set.
+        "admin: {\"token:${TOKEN}\": \"${UNSET}\"}",
         "dynamo: {discovery: {etcd: {auth: {username: u, \"password:${TOKEN}\": x}}}}",
         "control_plane: {tls: {\"key ${TOKEN}\": {}}}",
     ] {

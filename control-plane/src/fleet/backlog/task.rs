@@ -253,7 +253,7 @@ async fn run(
         }
         // With nothing held and nothing to publish, the book sleeps until a command comes
         // instead of waking every window.
-        let busy = !book.ranks.is_empty() || !book.dirty.is_empty();
+        let busy = !book.ranks.is_empty() || !book.dirty.is_empty() || book.folded_moved;
         tokio::select! {
             biased;
             () = cancel.cancelled() => return,
@@ -415,10 +415,8 @@ fn publish(
     }
     let change = book.take_change(now);
     let changed = !change.backlogs.is_empty() || change.reports_folded.is_some();
-    if changed {
-        publisher.apply(change);
-    }
-    changed
+    // A publication only when the fleet's version moved (ranges already out are no news).
+    changed && publisher.apply(change).is_some()
 }
 
 #[cfg(test)]

@@ -845,6 +845,40 @@ async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them
     cancel.cancel();
 }
 
+/// A report that moves no sum, held back by the window after a publication, goes out at the
+/// tick even when the book holds no rank (and would otherwise sleep until the next command):
+/// its replica waits to hear it was folded.
+#[tokio::test(start_paused = true)]
+async fn a_folded_report_held_back_by_the_window_goes_out_at_the_tick() {
+    let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+    publisher.apply(FleetChange { upsert: vec![decode_worker(1)], ..FleetChange::default() });
+    let cancel = CancellationToken::new();
+    let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters(), cancel.clone()).session();
+    let folded = |publisher: &FleetPublisher| publisher.current().reports_folded(7);
+    let settle = || async {
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+    };
+    // Starts refused (a rank the fleet lacks): folded, no sum moved, no rank held.
+    let stranger = |id| {
+        let mut start = started(id, 0, 16);
+        start.rank = Some((&LoadKey { worker: WorkerKey::new("dynamo", 99), dp_rank: 0 }).into());
+        start
+    };
+    assert_eq!(book.report(7, numbered(1, 1, vec![stranger(1)])), Ok(()));
+    settle().await;
+    assert_eq!(folded(&publisher), Some(ReportsFolded { first_op: 1, last_op: 1 }), "published at once");
+    // Within the window: held back, then ticked out.
+    assert_eq!(book.report(7, numbered(2, 2, vec![stranger(2)])), Ok(()));
+    settle().await;
+    assert_eq!(folded(&publisher), Some(ReportsFolded { first_op: 1, last_op: 1 }), "held back by the window");
+    tokio::time::advance(BACKLOG_WINDOW * 2).await;
+    settle().await;
+    assert_eq!(folded(&publisher), Some(ReportsFolded { first_op: 1, last_op: 2 }), "out at the tick");
+    cancel.cancel();
+}
+
 /// A panic in the book's task (a bug) starts the book over instead of freezing every rank's
 /// backlog for good: what it published is withdrawn, its blocks in flight forgotten, the
 /// restart counted; a session opened before it is refused (its replica reconnects and reports
