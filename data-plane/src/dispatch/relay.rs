@@ -373,41 +373,70 @@ fn withhold_addresses(events: Bytes) -> Bytes {
         }
     };
     let lines = lines_by_event(&events);
-    if !lines.iter().any(|(line, named)| withheld(line.trim_ascii_end(), *named).is_some()) {
+    if !lines.iter().any(|line| withheld(line.text.trim_ascii_end(), line.in_named_error).is_some()) {
         return events;
     }
+    // An event named `error` one of whose `data:` lines is withheld goes with one line of the
+    // router's in place of all of them: its data is their lines joined, and the router's
+    // beside what is left of the engine's would be JSON no client could read.
+    // In the order of the lines, so sorted: looked up by halves (a frame may hold thousands).
+    let mut withheld_events: Vec<usize> = lines
+        .iter()
+        .filter(|line| line.in_named_error && line.text.starts_with(b"data:"))
+        .filter(|line| withheld(line.text.trim_ascii_end(), true).is_some())
+        .map(|line| line.event)
+        .collect();
+    withheld_events.dedup();
+    let mut said = None;
     let mut out = BytesMut::with_capacity(events.len());
-    for (line, named) in lines {
-        let content = line.trim_ascii_end();
-        match withheld(content, named) {
+    for line in lines {
+        let content = line.text.trim_ascii_end();
+        let whole_event = content.starts_with(b"data:") && withheld_events.binary_search(&line.event).is_ok();
+        let instead = match whole_event {
+            true if said == Some(line.event) => continue,
+            true => {
+                said = Some(line.event);
+                Some(WITHHELD_ERROR_EVENT)
+            }
+            false => withheld(content, line.in_named_error),
+        };
+        match instead {
             Some(instead) => {
                 out.extend_from_slice(instead.as_bytes());
-                out.extend_from_slice(&line[content.len()..]);
+                out.extend_from_slice(&line.text[content.len()..]);
             }
-            None => out.extend_from_slice(line),
+            None => out.extend_from_slice(line.text),
         }
     }
     out.freeze()
 }
 
+/// A line of whole SSE events, its ending kept: which event it belongs to (counted from 0) and
+/// whether that event is named `error`.
+struct EventLine<'a> {
+    text: &'a [u8],
+    event: usize,
+    in_named_error: bool,
+}
+
 /// Each line of `events`, its ending kept, and whether its event is named `error` (an event's
 /// `event:` field may follow its `data:` lines). Lines end at LF, CRLF or CR; an event at a
 /// blank line.
-fn lines_by_event(events: &[u8]) -> Vec<(&[u8], bool)> {
-    let (mut lines, mut event_start, mut named, mut after_cr) = (Vec::new(), 0, false, false);
-    for line in events.split_inclusive(|b| *b == b'\n' || *b == b'\r') {
-        let content = line.trim_ascii_end();
+fn lines_by_event(events: &[u8]) -> Vec<EventLine<'_>> {
+    let (mut lines, mut event_start, mut event, mut named, mut after_cr) = (Vec::new(), 0, 0, false, false);
+    for text in events.split_inclusive(|b| *b == b'\n' || *b == b'\r') {
+        let content = text.trim_ascii_end();
         // The LF of a CRLF ends the line before it; it is no blank line of its own.
-        let blank = content.is_empty() && !(after_cr && line == b"\n");
-        after_cr = line.ends_with(b"\r");
+        let blank = content.is_empty() && !(after_cr && text == b"\n");
+        after_cr = text.ends_with(b"\r");
         named |= content.strip_prefix(b"event:").is_some_and(names_error);
-        lines.push((line, false));
+        lines.push(EventLine { text, event, in_named_error: false });
         if blank {
-            lines[event_start..].iter_mut().for_each(|(_, in_named)| *in_named = named);
-            (event_start, named) = (lines.len(), false);
+            lines[event_start..].iter_mut().for_each(|line: &mut EventLine<'_>| line.in_named_error = named);
+            (event_start, event, named) = (lines.len(), event + 1, false);
         }
     }
-    lines[event_start..].iter_mut().for_each(|(_, in_named)| *in_named = named);
+    lines[event_start..].iter_mut().for_each(|line| line.in_named_error = named);
     lines
 }
 
@@ -650,7 +679,8 @@ mod tests {
     }
 
     /// An event named `error` carries its words in `data:` lines of any shape, all of them
-    /// checked; a token's text in another event of the same read is not.
+    /// checked, and one that names an address goes as one line of the router's in place of
+    /// all its `data:` lines; a token's text in another event of the same read is not checked.
     #[test]
     fn every_data_line_of_an_event_named_error_is_checked_for_addresses() {
         let token = "data: {\"choices\":[{\"delta\":{\"content\":\"ssh 10.0.0.1:22\"}}]}\r\n\r\n";
@@ -660,7 +690,7 @@ mod tests {
         let events = Bytes::from(format!("{token}{typed}{late_name}{plain}"));
         let out = String::from_utf8_lossy(&withhold_addresses(events)).into_owned();
         let expected = format!(
-            "{token}event: error\r\n{WITHHELD_ERROR_EVENT}\r\n\r\n{WITHHELD_ERROR_EVENT}\ndata: again\nevent: error\n\n{plain}"
+            "{token}event: error\r\n{WITHHELD_ERROR_EVENT}\r\n\r\n{WITHHELD_ERROR_EVENT}\nevent: error\n\n{plain}"
         );
         assert_eq!(out, expected, "a token's text passes; each error event's address does not");
         let fine = Bytes::from(format!("{token}{plain}"));

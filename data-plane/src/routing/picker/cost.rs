@@ -46,6 +46,10 @@ pub(super) struct Cost {
     capacity: u64,
     /// The part of `backlog` the request itself adds (its decode blocks); not compared.
     own: u64,
+    /// What the rank's KV cache would hold with the request (its decode backlog and the
+    /// request's blocks; not the queued prefill's weight, which is time, not memory); not
+    /// compared.
+    held: u64,
 }
 
 impl Cost {
@@ -54,9 +58,9 @@ impl Cost {
         Self { backlog: self.backlog - self.own, own: 0, ..self }
     }
 
-    /// Whether the backlog, the request's part included, is within the capacity.
+    /// Whether the rank's KV cache holds the request beside what it holds already.
     fn fits(self) -> bool {
-        self.backlog <= self.capacity
+        self.held <= self.capacity
     }
 
     #[cfg(test)]
@@ -165,7 +169,8 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
         Phase::Prefill => {
             let capacity = inputs.capacity.max_num_batched_tokens.filter(|n| *n > 0)?;
             let fresh = matches!(inputs.standing, Standing::Fresh(_)).then_some(sampled);
-            Some(Cost { backlog: inputs.dispatched.prefill_backlog(fresh), capacity, own: 0 })
+            let backlog = inputs.dispatched.prefill_backlog(fresh);
+            Some(Cost { backlog, capacity, own: 0, held: backlog })
         }
         Phase::Decode => {
             let capacity = inputs.capacity.total_kv_blocks.filter(|n| *n > 0)?;
@@ -180,8 +185,14 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
             let queued = inputs.queued_prefill_tokens.div_ceil(u64::from(block_size));
             // Rounded so that equal queues still tie exactly; the cast saturates.
             let queued = (inputs.prefill_load_scale * queued as f64).round() as u64;
+            let held = backlog.saturating_add(request);
             let backlog = backlog.saturating_add(queued);
-            Some(Cost { backlog: backlog.saturating_add(request), capacity, own: request.min(u64::MAX - backlog) })
+            Some(Cost {
+                backlog: backlog.saturating_add(request),
+                capacity,
+                own: request.min(u64::MAX - backlog),
+                held,
+            })
         }
     }
 }

@@ -216,28 +216,35 @@ fn a_rank_that_prefills_is_charged_its_queued_prefill() {
 
 #[test]
 fn costs_compare_exactly() {
-    let a = Cost { backlog: 1, capacity: 3, own: 0 };
-    let b = Cost { backlog: 2, capacity: 6, own: 1 };
-    let c = Cost { backlog: u64::MAX, capacity: u64::MAX - 1, own: 0 };
-    let d = Cost { backlog: u64::MAX - 1, capacity: u64::MAX - 2, own: 0 };
+    let a = Cost { backlog: 1, capacity: 3, own: 0, held: 1 };
+    let b = Cost { backlog: 2, capacity: 6, own: 1, held: 2 };
+    let c = Cost { backlog: u64::MAX, capacity: u64::MAX - 1, own: 0, held: u64::MAX };
+    let d = Cost { backlog: u64::MAX - 1, capacity: u64::MAX - 2, own: 0, held: u64::MAX - 1 };
     assert_eq!(a, b, "the request's own share is not compared");
     assert!(c < d, "(2^64-1)/(2^64-2) < (2^64-2)/(2^64-3), which f64 cannot tell apart");
 }
 
 fn scored(cost: Option<(u64, u64)>, fresh: bool, stalled: bool) -> Scored {
-    let cost = cost.map(|(backlog, capacity)| Cost { backlog, capacity, own: 0 });
+    let cost = cost.map(|(backlog, capacity)| Cost { backlog, capacity, own: 0, held: backlog });
     Scored { cost, fresh, heard: fresh, stalled, last_dispatch: LastDispatch::default() }
 }
 
 /// A fresh, healthy rank whose `backlog` (of `capacity`) includes the request's `own` blocks.
 fn with_request(backlog: u64, own: u64, capacity: u64) -> Scored {
     Scored {
-        cost: Some(Cost { backlog, capacity, own }),
+        cost: Some(Cost { backlog, capacity, own, held: backlog }),
         fresh: true,
         heard: true,
         stalled: false,
         last_dispatch: LastDispatch::default(),
     }
+}
+
+/// [`with_request`] for a rank whose `backlog` also weighs a queued prefill: its KV cache would
+/// hold only `held` with the request.
+fn with_queued_prefill(backlog: u64, own: u64, capacity: u64, held: u64) -> Scored {
+    let scored = with_request(backlog, own, capacity);
+    Scored { cost: scored.cost.map(|cost| Cost { held, ..cost }), ..scored }
 }
 
 /// `scored` as last sent a dispatch at `last_dispatch`.
@@ -285,6 +292,14 @@ fn contender_rules() {
             vec![with_request(7_500, 1_500, 10_000), with_request(2_500, 1_500, 2_000)],
             Reason::Load,
             vec![0],
+        ),
+        (
+            // 900 blocks used and 600 of the request hold 1,500 of its 2,000; a queued prefill
+            // weighs 600 more, which is time, not memory.
+            "a queued prefill's weight does not count as KV the request would overfill",
+            vec![with_request(7_500, 1_500, 10_000), with_queued_prefill(2_100, 600, 2_000, 1_500)],
+            Reason::Load,
+            vec![0, 1],
         ),
         (
             "ranks the request would all overfill tie as before",
