@@ -21,9 +21,9 @@ pub(super) fn substitute_document(value: &mut Value, env: Env<'_>) -> (Vec<Diagn
 }
 
 /// Mapping keys as substituted, with the text they were written as. A key written beside a
-/// variable (`admin: {token:${ADMIN_TOKEN}}`, the space after the colon missing, is one key
-/// `token:…` in YAML) holds its secret once substituted: a report naming that key (unknown,
-/// or of the wrong type) names it as written instead.
+/// variable (`token:${ADMIN_TOKEN}:` under `admin`, the space after the first colon missing,
+/// is one key `token:…` in YAML) holds its secret once substituted: a report naming that key
+/// (unknown, or of the wrong type) names it as written instead.
 #[derive(Debug, Default)]
 pub(super) struct SubstitutedKeys(Vec<SubstitutedKey>);
 
