@@ -49,6 +49,7 @@ pub use pool::{PoolCache, ShimPools, ShimReplica};
 pub use probe::ProbeSettings;
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
+use crate::ingress::request::OutboundBody;
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
 use crate::routing::headers::{Pins, TENANT_ID, disclose_backend, mark_routing_path, pins};
 use crate::routing::picker::{Few, Selection};
@@ -92,7 +93,8 @@ impl Default for DispatchSettings {
 /// One request, ready to send: the outbound body (the client's, stripped of routing) and where.
 #[derive(Debug)]
 pub struct Plan {
-    pub body: Bytes,
+    /// Only a body the ingress's hygiene made can be sent.
+    pub body: OutboundBody,
     pub stream: bool,
     /// The client asked (`x-backend`) to see the chosen backend and workers.
     pub disclose: bool,
@@ -147,7 +149,7 @@ pub struct Fallback {
     pub replicas: Arc<[ShimReplica]>,
     /// The body to send when it differs from the pinned one: without the router's
     /// `nvext.token_data`, which only a shim reads.
-    pub body: Option<Bytes>,
+    pub body: Option<OutboundBody>,
     /// `fallback_to_unified`: a pinned request that failed is resent here.
     pub on_failure: bool,
 }
@@ -253,11 +255,13 @@ impl Dispatcher {
     pub async fn run(&self, plan: Plan) -> Result<Response, DispatchError> {
         let headers = self.request_headers(plan.stream, plan.tenant, plan.trace);
         match plan.route {
-            Route::Pinned(pinned) => self.pinned(plan.body, plan.stream, plan.disclose, &headers, pinned).await,
+            Route::Pinned(pinned) => {
+                self.pinned(plan.body.into_bytes(), plan.stream, plan.disclose, &headers, pinned).await
+            }
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);
                 let relay = Unpinned { relay_errors: true, disclose: plan.disclose };
-                self.unpinned(&plan.body, plan.stream, &headers, replicas, relay).await.map_err(unified_failed)
+                self.unpinned(plan.body.bytes(), plan.stream, &headers, replicas, relay).await.map_err(unified_failed)
             }
         }
     }
@@ -382,7 +386,7 @@ impl Dispatcher {
         how: Unpinned,
     ) -> Result<Response, Failure> {
         let Fallback { replicas, body: made, .. } = unified;
-        let body = made.unwrap_or(body);
+        let body = made.map_or(body, OutboundBody::into_bytes);
         Box::pin(self.unpinned(&body, stream, headers, replicas, how)).await
     }
 
@@ -547,7 +551,14 @@ mod tests {
         let fallback =
             unified.map(|unified| Box::new(Fallback { replicas: [unified].into(), body: None, on_failure: false }));
         let route = Route::Pinned(Pinned { selection, replicas: replicas.into(), fallback, dispatch });
-        Plan { body: Bytes::from_static(b"{}"), stream: false, disclose: false, tenant: None, trace: Vec::new(), route }
+        Plan {
+            body: OutboundBody::for_tests(b"{}"),
+            stream: false,
+            disclose: false,
+            tenant: None,
+            trace: Vec::new(),
+            route,
+        }
     }
 
     /// Two requests picked in the same namespace while its one replica's breaker lets a

@@ -147,6 +147,38 @@ pub const OUTBOUND_TREE_WAIT: Duration = Duration::from_secs(2);
 /// ([`MAX_OFF_RUNTIME_WORK`]); past it the request is refused as busy.
 pub const LARGE_WORK_WAIT: Duration = Duration::from_secs(2);
 
+/// A body a shim may be sent: made only by [`ChatRequest::outbound`], the client's routing
+/// body fields stripped (or none there to strip, read so at the ingress). The dispatcher takes
+/// no other, so no body reaches a shim without the hygiene; the headers it sends are checked
+/// again as they are encoded (`dispatch::wire`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboundBody(Bytes);
+
+/// Read as the bytes it is; made only as above.
+impl std::ops::Deref for OutboundBody {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl OutboundBody {
+    pub fn bytes(&self) -> &Bytes {
+        &self.0
+    }
+
+    pub fn into_bytes(self) -> Bytes {
+        self.0
+    }
+
+    /// A body for the dispatcher's own tests, which have no client request.
+    #[cfg(test)]
+    pub(crate) fn for_tests(body: &'static [u8]) -> Self {
+        Self(Bytes::from_static(body))
+    }
+}
+
 /// A chat completion request as the client sent it, read in one pass without building a JSON
 /// tree: what routing needs is measured as the body is parsed, and the body itself is kept as
 /// bytes, forwarded as they came unless something in them must change ([`ChatRequest::outbound`]).
@@ -336,16 +368,16 @@ impl ChatRequest {
     /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
     /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
     /// forwarded byte for byte, without re-serializing it.
-    pub async fn outbound(&self, token_data: Option<Vec<u32>>, disclose: bool) -> Result<Bytes, RequestError> {
+    pub async fn outbound(&self, token_data: Option<Vec<u32>>, disclose: bool) -> Result<OutboundBody, RequestError> {
         if !self.has_nvext && token_data.is_none() {
-            return Ok(self.raw.clone());
+            return Ok(OutboundBody(self.raw.clone()));
         }
         let deadline = tokio::time::Instant::now() + OUTBOUND_TREE_WAIT;
         let mut tree = match self.tree_within(OUTBOUND_TREE_WAIT).await {
             Ok(tree) => tree,
             // Only the rendered tokens were to be added, a saving of the frontend's: it
             // tokenizes the prompt itself without them.
-            Err(RequestError::Busy) if !self.has_nvext => return Ok(self.raw.clone()),
+            Err(RequestError::Busy) if !self.has_nvext => return Ok(OutboundBody(self.raw.clone())),
             Err(error) => return Err(error),
         };
         // The tokens added take at most 11 bytes each (ten digits and a comma).
@@ -365,8 +397,8 @@ impl ChatRequest {
             }
         };
         match sized_work(self.raw.len(), Some(deadline), rewrite).await {
-            Some(body) => Ok(Bytes::from(body?)),
-            None if !self.has_nvext => Ok(self.raw.clone()),
+            Some(body) => Ok(OutboundBody(Bytes::from(body?))),
+            None if !self.has_nvext => Ok(OutboundBody(self.raw.clone())),
             None => Err(RequestError::Busy),
         }
     }
@@ -488,7 +520,7 @@ mod tests {
         let _filling = crate::memory::FILLING.lock().await;
         let room = SMALL_TREES.acquire_many(MAX_SMALL_TREE_BYTES_IN_FLIGHT as u32).await.unwrap();
         let plain = parse(r#"{"model":"m","messages":[{"content":"hi"}]}"#).unwrap();
-        assert_eq!(plain.outbound(Some(vec![1, 2]), false).await.unwrap(), plain.raw);
+        assert_eq!(plain.outbound(Some(vec![1, 2]), false).await.unwrap().into_bytes(), plain.raw);
         let routed = parse(r#"{"model":"m","messages":[{"content":"hi"}],"nvext":{"backend_instance_id":7}}"#).unwrap();
         assert!(matches!(routed.outbound(Some(vec![1, 2]), false).await, Err(RequestError::Busy)));
         drop(room);
@@ -565,7 +597,7 @@ mod tests {
         let tenant = request.clone().with_tenant(Some("tenant-a".into()));
         assert_eq!(tenant.cache_salt(&body), Some("tenant-a"));
         assert_eq!(
-            tenant.outbound(None, false).await.unwrap(),
+            tenant.outbound(None, false).await.unwrap().into_bytes(),
             request.raw,
             "the tenant goes as a header, the body as sent"
         );
@@ -576,7 +608,7 @@ mod tests {
         // Spacing and member order as the client wrote them: nothing was re-serialized.
         let text = r#"{ "messages": [{"role":"user","content":"hi"}],  "model":"m", "nvext_like": 1 }"#;
         let request = parse(text).unwrap();
-        assert_eq!(request.outbound(None, false).await.unwrap(), text.as_bytes());
+        assert_eq!(&*request.outbound(None, false).await.unwrap(), text.as_bytes());
     }
 
     #[tokio::test]
