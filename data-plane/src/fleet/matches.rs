@@ -46,8 +46,8 @@ pub struct MatchesClient {
     /// control plane takes a `FindMatches` call's replica id as the call states it, so numbers
     /// another replica could guess would let it stand its lookups in for this one's.
     numbered: Arc<AtomicU64>,
-    /// When a refused token was last warned about: seconds since `started` (0: never).
-    warned_at: Arc<AtomicU64>,
+    /// When a refused token was last warned about.
+    refusal_warned: Arc<OncePerMinute>,
     /// Whether lookups are worth making (shared by clones).
     reach: Arc<Reach>,
     started: Instant,
@@ -71,9 +71,23 @@ struct Reach {
     /// When the last lookup ran out of its deadline: a silence is the lookups' in a row, not
     /// one timeout and another an hour later.
     timed_out_ms: AtomicU64,
-    /// When the backoff was last warned of (0: never): at most once a minute.
-    warned_ms: AtomicU64,
+    /// When the backoff was last warned of.
+    warned: OncePerMinute,
     backoff: Mutex<Backoff>,
+}
+
+/// When a warning was last given, in milliseconds after the client's start (0: never): one a
+/// minute at most, however many requests meet its cause.
+#[derive(Debug, Default)]
+struct OncePerMinute(AtomicU64);
+
+impl OncePerMinute {
+    /// Whether a warning is due at `now_ms`; taken, if so, by this caller alone.
+    fn due(&self, now_ms: u64) -> bool {
+        let last = self.0.load(Ordering::Relaxed);
+        (last == 0 || now_ms.saturating_sub(last) >= 60_000)
+            && self.0.compare_exchange(last, now_ms.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok()
+    }
 }
 
 /// How long lookups may go unanswered (each out of its deadline) before they back off.
@@ -83,8 +97,8 @@ impl Default for Reach {
     fn default() -> Self {
         let backoff = Mutex::new(Backoff::new(RECONNECT_INITIAL, RECONNECT_MAX));
         let (unanswered_since_ms, timed_out_ms) = (AtomicU64::new(0), AtomicU64::new(0));
-        let (skip_until_ms, warned_ms) = (AtomicU64::new(0), AtomicU64::new(0));
-        Self { skip_until_ms, unanswered_since_ms, timed_out_ms, warned_ms, backoff }
+        let (skip_until_ms, warned) = (AtomicU64::new(0), OncePerMinute::default());
+        Self { skip_until_ms, unanswered_since_ms, timed_out_ms, warned, backoff }
     }
 }
 
@@ -121,9 +135,7 @@ impl Reach {
         let delay = u64::try_from(backoff.next_delay().as_millis()).unwrap_or(u64::MAX);
         self.skip_until_ms.store(now_ms.saturating_add(delay.max(1)), Ordering::Relaxed);
         // Every request loses its KV term meanwhile: said, but not at every window.
-        let last = self.warned_ms.load(Ordering::Relaxed);
-        if last == 0 || now_ms.saturating_sub(last) >= 60_000 {
-            self.warned_ms.store(now_ms.max(1), Ordering::Relaxed);
+        if self.warned.due(now_ms) {
             tracing::warn!(
                 "KV lookups: the control plane could not be reached, or answered none within \
                  --find-matches-deadline for a second; routing without overlap credit and trying again \
@@ -190,8 +202,8 @@ impl MatchesClient {
         let replica_id = config.replica_id.as_str().into();
         // Below 2^62: no replica hands out enough numbers to wrap to 0 (no lookup).
         let numbered = Arc::new(AtomicU64::new(rand::random::<u64>() >> 2));
-        let (warned_at, reach, started) = (Arc::default(), Arc::default(), Instant::now());
-        Ok(Self { client, deadline, replica_id, numbered, warned_at, reach, started })
+        let (refusal_warned, reach, started) = (Arc::default(), Arc::default(), Instant::now());
+        Ok(Self { client, deadline, replica_id, numbered, refusal_warned, reach, started })
     }
 
     /// Connects anew with `config`'s TLS files as they are now; lookups under way finish on
@@ -244,15 +256,17 @@ impl MatchesClient {
         if status.code() != tonic::Code::Unauthenticated {
             return;
         }
-        let now = self.started.elapsed().as_secs();
-        let last = self.warned_at.load(Ordering::Relaxed);
-        let due = last == 0 || now.saturating_sub(last) >= 60;
-        if due && self.warned_at.compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+        if self.refusal_warned.due(self.now_ms()) {
             tracing::warn!(
                 "the control plane refused this replica's token for KV lookups: routing without overlap \
                  credit until --control-plane-token matches control_plane.token (or previous_token)"
             );
         }
+    }
+
+    /// Milliseconds since the client's start: the clock of its backoff and warnings.
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
     pub fn deadline(&self) -> Duration {
@@ -279,8 +293,7 @@ impl MatchesClient {
         contenders: &[(u64, u32)],
         prompt_tokens: u64,
     ) -> Result<Matches, MatchesError> {
-        let now_ms = || u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
-        if self.reach.skipping(now_ms()) {
+        if self.reach.skipping(self.now_ms()) {
             return Err(MatchesError::Unreachable);
         }
         let mut client = Client::clone(&self.client.load());
@@ -298,7 +311,7 @@ impl MatchesClient {
         };
         let call = client.find_matches(request);
         let Ok(reply) = tokio::time::timeout(self.deadline, call).await else {
-            self.reach.timed_out(now_ms());
+            self.reach.timed_out(self.now_ms());
             return Err(MatchesError::Deadline(self.deadline));
         };
         let reply = match reply {
@@ -308,7 +321,7 @@ impl MatchesClient {
             }
             Err(status) => {
                 if unreached(&status) {
-                    self.reach.missed(now_ms());
+                    self.reach.missed(self.now_ms());
                 } else {
                     // Refused, but answered: the control plane is there.
                     self.reach.reached();
