@@ -373,7 +373,9 @@ fn withhold_addresses(events: Bytes) -> Bytes {
         }
     };
     let lines = lines_by_event(&events);
-    if !lines.iter().any(|line| withheld(line.text.trim_ascii_end(), line.in_named_error).is_some()) {
+    let verdicts: Vec<Option<&str>> =
+        lines.iter().map(|line| withheld(line.text.trim_ascii_end(), line.in_named_error)).collect();
+    if verdicts.iter().all(Option::is_none) {
         return events;
     }
     // An event named `error` one of whose `data:` lines is withheld goes with one line of the
@@ -382,14 +384,14 @@ fn withhold_addresses(events: Bytes) -> Bytes {
     // In the order of the lines, so sorted: looked up by halves (a frame may hold thousands).
     let mut withheld_events: Vec<usize> = lines
         .iter()
-        .filter(|line| line.in_named_error && line.text.starts_with(b"data:"))
-        .filter(|line| withheld(line.text.trim_ascii_end(), true).is_some())
-        .map(|line| line.event)
+        .zip(&verdicts)
+        .filter(|(line, verdict)| verdict.is_some() && line.in_named_error && line.text.starts_with(b"data:"))
+        .map(|(line, _)| line.event)
         .collect();
     withheld_events.dedup();
     let mut said = None;
     let mut out = BytesMut::with_capacity(events.len());
-    for line in lines {
+    for (line, verdict) in lines.into_iter().zip(verdicts) {
         let content = line.text.trim_ascii_end();
         let whole_event = content.starts_with(b"data:") && withheld_events.binary_search(&line.event).is_ok();
         let instead = match whole_event {
@@ -398,7 +400,7 @@ fn withhold_addresses(events: Bytes) -> Bytes {
                 said = Some(line.event);
                 Some(WITHHELD_ERROR_EVENT)
             }
-            false => withheld(content, line.in_named_error),
+            false => verdict,
         };
         match instead {
             Some(instead) => {

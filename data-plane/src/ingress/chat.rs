@@ -91,7 +91,5 @@ async fn serve(state: &AppState, client: ChatHeaders, body: Bytes) -> Result<Res
     };
     // A tenant passed the frontend's own test for a header string when it was read.
     let tenant = request.tenant().and_then(|tenant| HeaderValue::from_str(tenant).ok());
-    let response = state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, trace, route }).await;
-    drop(grown);
-    Ok(response?)
+    Ok(state.dispatcher.run(Plan { body, stream: request.stream, disclose, tenant, trace, route }).await?)
 }
