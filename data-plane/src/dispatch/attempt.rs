@@ -88,7 +88,7 @@ impl Dispatcher {
         let sent = Instant::now();
         let unfinished = Unfinished { dispatcher: self, backend: &replica.name };
         let mut outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
-        std::mem::forget(unfinished);
+        unfinished.finished();
         let (name, url, now) = (&replica.name, &replica.url, Instant::now());
         match &outcome {
             // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).
@@ -122,6 +122,13 @@ impl Dispatcher {
 struct Unfinished<'a> {
     dispatcher: &'a Dispatcher,
     backend: &'a str,
+}
+
+impl Unfinished<'_> {
+    /// The outcome came: counted by it instead.
+    fn finished(self) {
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for Unfinished<'_> {

@@ -106,6 +106,12 @@ impl MessageBudget {
         lent.is_ok()
     }
 
+    /// [`Self::borrow`], repaid when the loan is dropped; `None` when it would pass the limit
+    /// or the borrower's share.
+    pub fn loan(&'static self, n: usize, borrower: Borrower) -> Option<Loan> {
+        (n == 0 || self.borrow(n, borrower)).then_some(Loan { budget: self, n, borrower })
+    }
+
     /// Lends `n` bytes whatever the limit and share: for a growth the caller could not refuse.
     pub(super) fn overdraw(&self, n: usize, borrower: Borrower) {
         *self.borrowers().entry(borrower).or_default() += n;
@@ -134,14 +140,6 @@ pub struct Loan {
     budget: &'static MessageBudget,
     n: usize,
     borrower: Borrower,
-}
-
-impl MessageBudget {
-    /// [`Self::borrow`], repaid when the loan is dropped; `None` when it would pass the limit
-    /// or the borrower's share.
-    pub fn loan(&'static self, n: usize, borrower: Borrower) -> Option<Loan> {
-        (n == 0 || self.borrow(n, borrower)).then_some(Loan { budget: self, n, borrower })
-    }
 }
 
 impl Drop for Loan {
