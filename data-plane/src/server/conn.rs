@@ -31,7 +31,7 @@ use super::head::{
 use super::{App, Slots, Stages};
 use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
-use crate::ingress::chat::{self, ChatHeaders};
+use crate::ingress::chat;
 use crate::ingress::error::ApiError;
 use crate::memory::{Charge, FREE_BYTES, REQUEST_BODIES, append_charged, reallocate, settle};
 
@@ -212,12 +212,7 @@ impl App {
     /// The response to one request: chat completions on the fast path, the rest via the router.
     async fn respond(&self, head: RequestHead, body: Bytes) -> Response {
         if head.route == Route::ChatCompletions {
-            return chat::respond(
-                &self.state,
-                ChatHeaders { disclose: head.disclose, tenant: head.tenant, trace: head.trace },
-                body,
-            )
-            .await;
+            return chat::respond(&self.state, head.client, body).await;
         }
         let mut request = Request::new(Body::from(body));
         *request.method_mut() = head.method;

@@ -13,6 +13,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Version
 use super::conn::{CROWDED_IDLE_TIMEOUT, MIN_READ_BYTES_PER_SECOND, READ_STALL_TIMEOUT, REQUEST_READ_TIMEOUT};
 use crate::dispatch::wire::{LengthError, content_length, has_token, listed_codings, transfer_codings, values};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
+use crate::ingress::chat::ChatHeaders;
 use crate::routing::headers::{TENANT_ID, asks_disclosure, is_routing_header, tenant, trace};
 
 /// The most headers a request head may carry.
@@ -90,15 +91,11 @@ pub struct RequestHead {
     pub version: Version,
     pub route: Route,
     /// The headers, for the router. Empty for a chat completion: of the client's headers only
-    /// what [`RequestHead::disclose`], [`RequestHead::tenant`] and [`RequestHead::trace`] say
-    /// is carried past its head, so no other can reach a shim.
+    /// what [`RequestHead::client`] says is carried past its head, so no other can reach a shim.
     pub headers: HeaderMap,
-    /// The client asked to see the chosen backend and workers (`x-backend`).
-    pub disclose: bool,
-    /// The client's tenant (`x-tenant-id`), the cache salt the frontend would read from it.
-    pub tenant: Option<String>,
-    /// A chat completion's tracing headers, carried on to the shim ([`trace`]).
-    pub trace: Vec<(HeaderName, HeaderValue)>,
+    /// What the client's headers hand on: whether it asked for disclosure (any route), and a
+    /// chat completion's tenant and tracing headers ([`trace`]).
+    pub client: ChatHeaders,
     pub body: BodyFraming,
     /// Whether the connection may carry another request after this one's response.
     pub keep_alive: bool,
@@ -174,9 +171,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         version,
         route,
         headers,
-        disclose,
-        tenant,
-        trace,
+        client: ChatHeaders { disclose, tenant, trace },
         body,
         keep_alive,
         expects_continue,
@@ -399,11 +394,11 @@ mod tests {
             (h.method, h.target.as_str(), h.body),
             (Method::POST, "/v1/chat/completions?x=1", BodyFraming::Length(2))
         );
-        assert!(h.keep_alive && !h.expects_continue && !h.disclose);
+        assert!(h.keep_alive && !h.expects_continue && !h.client.disclose);
         assert_eq!(h.route, Route::ChatCompletions);
         assert!(h.headers.is_empty(), "no client header is kept for a chat completion");
         let h = head("GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Backend: \r\n\r\n");
-        assert_eq!((h.route, h.disclose, h.headers["host"].as_bytes()), (Route::Router, true, &b"x"[..]));
+        assert_eq!((h.route, h.client.disclose, h.headers["host"].as_bytes()), (Route::Router, true, &b"x"[..]));
         assert_eq!(head("GET /v1/chat/completions HTTP/1.1\r\n\r\n").route, Route::Router);
         let absolute = head("POST http://router:8080/v1/chat/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
         assert_eq!(absolute.route, Route::ChatCompletions, "an absolute-form target is routed by its path");
@@ -432,8 +427,12 @@ mod tests {
         assert!(head("POST / HTTP/1.1\r\nExpect: 100-Continue\r\ncontent-length: 1\r\n\r\n").expects_continue);
         let tenant =
             "POST /v1/chat/completions HTTP/1.1\r\nX-Tenant-Id: a\r\nx-tenant-id:  b \r\ncontent-length: 0\r\n\r\n";
-        assert_eq!(head(tenant).tenant.as_deref(), Some("b"), "the last value, trimmed");
-        assert_eq!(head("GET /v1/models HTTP/1.1\r\nx-tenant-id: a\r\n\r\n").tenant, None, "only a chat completion's");
+        assert_eq!(head(tenant).client.tenant.as_deref(), Some("b"), "the last value, trimmed");
+        assert_eq!(
+            head("GET /v1/models HTTP/1.1\r\nx-tenant-id: a\r\n\r\n").client.tenant,
+            None,
+            "only a chat completion's"
+        );
         assert!(!head("POST / HTTP/1.0\r\nexpect: 100-continue\r\ncontent-length: 1\r\n\r\n").expects_continue);
     }
 
