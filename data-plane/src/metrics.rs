@@ -204,11 +204,11 @@ const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 impl Metrics {
     pub fn new() -> Result<Self, prometheus::Error> {
         let disaggregated_errors = IntCounterVec::new(
-            Opts::new("continuum_disaggregated_errors_total", "Shim dispatch failures, by phase"),
+            Opts::new("disaggregated_errors_total", "Shim dispatch failures, by phase"),
             &["phase"],
         )?;
         let disaggregated_requests = IntCounterVec::new(
-            Opts::new("continuum_disaggregated_requests_total", "Routed requests, by the path they finally took"),
+            Opts::new("disaggregated_requests_total", "Routed requests, by the path they finally took"),
             &["routing_path"],
         )?;
         let hot = Arc::new(Hot {

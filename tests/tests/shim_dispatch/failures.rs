@@ -145,9 +145,9 @@ async fn real_frontend_refusals_reach_the_client_as_specified() -> anyhow::Resul
     }
     assert_eq!(shim.received().len(), rows_len, "no refusal is retried or re-picked");
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(11.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#), Some(19.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="orchestration"}"#), Some(2.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(11.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_requests_total{routing_path="disaggregated"}"#), Some(19.0));
     for (body, count) in [("relayed", 3.0), ("unreadable", 1.0), ("withheld", 2.0)] {
         let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
         assert_eq!(sample(&metrics, &series), Some(count), "{series}");
@@ -211,10 +211,7 @@ async fn a_failed_pinned_request_falls_back_unpinned_to_the_models_unified_backe
     assert_eq!((status, code.as_str()), (502, "disaggregated_decode_failed"));
 
     let metrics = harness.metrics().await?;
-    assert_eq!(
-        sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified_fallback"}"#),
-        Some(3.0)
-    );
+    assert_eq!(sample(&metrics, r#"disaggregated_requests_total{routing_path="unified_fallback"}"#), Some(3.0));
     for body in ["relayed", "unreadable", "withheld"] {
         let series = format!(r#"continuum_backend_refusals_total{{body="{body}"}}"#);
         assert_eq!(sample(&metrics, &series), Some(0.0), "{series}: the client saw none");
@@ -331,7 +328,7 @@ async fn a_request_the_fleet_cannot_take_falls_through_to_the_models_unified_bac
     assert_eq!(fell_through.len(), 2);
     assert!(fell_through[1].headers.keys().all(|name| !name.as_str().starts_with("x-dynamo-")), "no pins");
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(2.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_requests_total{routing_path="unified"}"#), Some(2.0));
     harness.stop().await;
     Ok(())
 }
@@ -347,7 +344,7 @@ async fn a_pinned_request_whose_client_leaves_is_counted_under_its_routing_path(
     let impatient = reqwest::Client::builder().timeout(std::time::Duration::from_millis(500)).build()?;
     let gave_up = impatient.post(harness.url("/v1/chat/completions")).json(&chat(MODEL, false)).send().await;
     assert!(gave_up.is_err_and(|error| error.is_timeout()), "the client gave up waiting");
-    let series = r#"continuum_disaggregated_requests_total{routing_path="disaggregated"}"#;
+    let series = r#"disaggregated_requests_total{routing_path="disaggregated"}"#;
     continuum_tests::eventually(super::CONVERGE, "the abandoned request counted", || async {
         harness.metrics().await.is_ok_and(|metrics| sample(&metrics, series) == Some(1.0))
     })

@@ -40,7 +40,7 @@ async fn connection_failures_retry_on_another_replica_with_the_same_pins() -> an
         Some(2.0),
         "the two requests that started on the dead replica moved on"
     );
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(0.0));
     assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
     Ok(())

@@ -480,7 +480,7 @@ async fn past_the_process_wide_body_budgets_large_bodies_are_refused_and_their_r
     shim.push(answer());
     let (status, code) = super::error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (503, "server_busy"), "the router's own overload, not the workers'");
-    let decode_errors = "continuum_disaggregated_errors_total{phase=\"decode\"}";
+    let decode_errors = "disaggregated_errors_total{phase=\"decode\"}";
     assert_eq!(sample(&harness.metrics().await?, decode_errors), Some(0.0), "not counted against the workers");
     drop(elsewhere);
     shim.push(answer());

@@ -249,7 +249,7 @@ async fn with_disaggregated_serving_off_requests_go_unpinned_to_backends_listing
     let (status, code) = super::error_of(harness.post(&chat(MODEL, false)).await?).await?;
     assert_eq!((status, code.as_str()), (502, "backend_failed"));
     let metrics = harness.metrics().await?;
-    assert_eq!(super::sample(&metrics, r#"continuum_disaggregated_requests_total{routing_path="unified"}"#), Some(5.0));
+    assert_eq!(super::sample(&metrics, r#"disaggregated_requests_total{routing_path="unified"}"#), Some(5.0));
     assert_eq!(super::sample(&metrics, r#"continuum_backend_refusals_total{body="relayed"}"#), Some(1.0));
     assert_eq!(super::sample(&metrics, r#"continuum_backend_refusals_total{body="withheld"}"#), Some(1.0));
     harness.stop().await;

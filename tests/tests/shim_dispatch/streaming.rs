@@ -79,7 +79,7 @@ async fn a_stream_that_breaks_midway_ends_with_an_error_event() -> anyhow::Resul
     assert_eq!(next_text(&mut response).await?, None, "the stream ends after the error event");
     assert!(harness.replica.ledger.is_empty());
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(1.0));
     harness.stop().await;
     Ok(())
 }
@@ -97,7 +97,7 @@ async fn a_stream_that_ends_before_its_closing_marker_ends_with_an_error_event()
     assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event}");
     assert_eq!(next_text(&mut response).await?, None, "the stream ends after the error event");
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(1.0));
     harness.stop().await;
     Ok(())
 }
@@ -123,7 +123,7 @@ async fn an_unpinned_stream_that_breaks_midway_is_counted_apart() -> anyhow::Res
     assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event}");
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, "continuum_unpinned_stream_failures_total"), Some(1.0));
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(0.0));
     assert_eq!(sample(&metrics, "continuum_stream_first_event_seconds_count"), Some(1.0), "its first event's wait");
     assert!(shim.received().is_empty(), "the pool's shim took no part");
     harness.stop().await;
@@ -239,7 +239,7 @@ async fn a_break_after_an_error_event_is_still_charged_to_the_shim() -> anyhow::
     }
     let metrics = harness.metrics().await?;
     assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#), Some(2.0), "open");
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(2.0), "once each");
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(2.0), "once each");
     harness.stop().await;
     Ok(())
 }
@@ -257,7 +257,7 @@ async fn a_break_after_the_closing_done_cuts_nothing() -> anyhow::Result<()> {
     drop(gate);
     assert_eq!(next_text(&mut response).await?, None, "no error event after [DONE]");
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(0.0));
     assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
     Ok(())
@@ -279,7 +279,7 @@ async fn a_stream_whose_end_is_held_back_after_done_ends_whole_soon_after() -> a
     let end = tokio::time::timeout(after, next_text(&mut response)).await;
     assert!(matches!(end, Ok(Ok(None))), "ended whole, well before the idle timeout: {end:?}");
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(0.0));
     assert_eq!(sample(&metrics, r#"continuum_shim_replica_state{backend="shim-a"}"#), Some(0.0));
     assert!(harness.replica.ledger.is_empty());
     assert!(harness.replica.ledger.outliers().is_empty(), "no strike");
@@ -445,7 +445,7 @@ async fn a_stream_ending_inside_an_event_ends_with_an_error() -> anyhow::Result<
     assert_eq!(event_code(&event).as_deref(), Some("stream_interrupted"), "{event}");
     assert_eq!(next_text(&mut response).await?, None);
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(1.0));
     assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
     Ok(())
@@ -463,7 +463,7 @@ async fn an_error_event_in_the_stream_is_relayed_and_counted_as_a_failure() -> a
     drop(gate);
     assert_eq!(next_text(&mut response).await?, None);
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(1.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(1.0));
     assert!(!harness.replica.ledger.outliers().is_empty(), "the pinned workers took a strike");
     assert!(harness.replica.ledger.is_empty());
     harness.stop().await;
@@ -481,7 +481,7 @@ async fn a_closing_done_without_its_blank_line_is_completed() -> anyhow::Result<
     assert_eq!(next_text(&mut response).await?.as_deref(), Some(DONE));
     assert_eq!(next_text(&mut response).await?, None);
     let metrics = harness.metrics().await?;
-    assert_eq!(sample(&metrics, r#"continuum_disaggregated_errors_total{phase="decode"}"#), Some(0.0));
+    assert_eq!(sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#), Some(0.0));
     harness.stop().await;
     Ok(())
 }
