@@ -482,13 +482,14 @@ mod tests {
     async fn a_silent_peer_is_closed_and_a_talking_one_is_not() -> io::Result<()> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let counter = closed();
-        // Writes every 150 ms against a 2 s limit: a loaded machine's late timer cannot make a
+        // Writes every 150 ms for 3 s against a 2 s limit: a read that did not put the limit off
+        // would time out while the peer talks, and a loaded machine's late timer cannot make a
         // talking peer look silent.
         let guard = Guard::new("test", 4, counter.clone()).silent_after(Duration::from_secs(2));
         let (mut client, server) = pair(&listener).await?;
         let mut server = guard.admit(server, LOCAL).expect("room");
         let mut buf = [0u8; 16];
-        for _ in 0..4 {
+        for _ in 0..20 {
             tokio::time::sleep(Duration::from_millis(150)).await;
             client.write_all(b"ping").await?;
             assert_eq!(server.read(&mut buf).await?, 4, "talking: kept");

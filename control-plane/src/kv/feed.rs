@@ -526,6 +526,13 @@ mod tests {
         let as_dynamo = batch(hashes);
         let _free = decoded_loan(&as_dynamo, 9 * hashes as usize, 3, &BUDGET).expect("nothing to borrow");
         assert_eq!(BUDGET.lent_to(3), 0);
+        // A small batch holding more than its few frames, but no more than the free buffer a
+        // subscription has anyway, borrows nothing.
+        let small = batch(4_096);
+        let held = small.events[0].held_bytes();
+        assert!(held > 4_096 && held <= FREE_BUFFER_BYTES, "{held}");
+        let _free = decoded_loan(&small, 4_096, 4, &BUDGET).expect("nothing to borrow");
+        assert_eq!(BUDGET.lent_to(4), 0, "within the free buffer");
     }
 
     /// A message cut short between two turns (its session cancelled by a reload) clears its

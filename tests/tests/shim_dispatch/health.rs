@@ -322,8 +322,12 @@ async fn a_client_that_leaves_before_its_answer_ends_its_dispatch_and_is_counted
     const HUNG: u64 = 0x5eed_0003;
     let shim = StubShim::start().await?;
     shim.hang_worker(HUNG);
-    let harness =
-        Harness::start(vec![worker(HUNG, Role::Aggregated, MODEL, 0)], config(&[("shim", shim.url())])).await?;
+    // One failure would open the breaker: were the client's leaving blamed on the shim, the
+    // state below would say so.
+    let breaker = BreakerSettings { failure_threshold: 1, ..BreakerSettings::default() };
+    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let fleet = vec![worker(HUNG, Role::Aggregated, MODEL, 0)];
+    let harness = Harness::start_with(fleet, config(&[("shim", shim.url())]), settings).await?;
     let mut received = shim.count();
     let body = chat(MODEL, false);
     let waiting = harness.post(&body);

@@ -459,5 +459,9 @@ fn a_record_naming_a_component_longer_than_any_name_is_malformed() {
     let instance = instance_key(NS, &long, "generate", ID);
     let instance = classify(&namespaces, instance.as_bytes()).ok().flatten().expect("an instance key");
     let value = endpoint_value(&long, "generate", json!(ID));
-    assert!(matches!(parse(&instance, value.to_string().as_bytes(), None), Parsed::Malformed(_)), "instances too");
+    let parsed = parse(&instance, value.to_string().as_bytes(), None);
+    let Parsed::Malformed(RecordError::NameTooLong { field: "component", len, .. }) = parsed else {
+        panic!("an instance naming a long component: not refused for its length")
+    };
+    assert_eq!(len, MAX_NAME_BYTES + 1, "instances too");
 }

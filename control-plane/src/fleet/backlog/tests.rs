@@ -485,9 +485,6 @@ fn a_replica_holds_a_bounded_number_of_dispatches() {
     assert_eq!((book.refused.of(Refusal::ReplicaFull), book.refused.total()), (10, 10));
 }
 
-/// Once the book refuses a session's start for want of room, the sums lack a dispatch its
-/// replica made: the session's range is published no more, so the replica counts its own
-/// dispatches beside the sums rather than trusting them to hold it. Other sessions keep theirs.
 /// A report the book folds without moving a sum (its start refused here; a start and its end
 /// in one report likewise) still goes out, as a version whose only news is which reports the
 /// sums hold: a replica that hears nothing after reporting a start takes the control plane for
@@ -513,6 +510,9 @@ fn a_report_folded_without_moving_a_sum_is_published_as_folded() {
     assert!(next.commit(again).is_none(), "the same ranges again are no news");
 }
 
+/// Once the book refuses a session's start for want of room, the sums lack a dispatch its
+/// replica made: the session's range is published no more, so the replica counts its own
+/// dispatches beside the sums rather than trusting them to hold it. Other sessions keep theirs.
 #[test]
 fn a_session_whose_start_was_refused_for_room_publishes_no_range() {
     let state = state_with(0);
