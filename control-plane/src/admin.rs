@@ -13,6 +13,7 @@ use axum::http::{StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use continuum_proto::log_budget::{LINES_PER_MINUTE, LogBudget};
 use continuum_proto::model::{LoadKey, LoadSample};
 use prometheus::IntCounter;
 use serde_json::{Value, json};
@@ -111,9 +112,23 @@ async fn audit(request: Request, next: Next) -> Response {
     let response = next.run(request).await;
     let status = response.status().as_u16();
     let millis = started.elapsed().as_secs_f64() * 1000.0;
-    tracing::info!(target: "continuum::audit", %method, path, %peer, status, millis, "admin call");
+    if status != StatusCode::UNAUTHORIZED.as_u16() {
+        tracing::info!(target: "continuum::audit", %method, path, %peer, status, millis, "admin call");
+        return response;
+    }
+    // A refused call needs no credential: whoever reaches the port can make them at will, with
+    // paths of their choosing. A few a minute are kept, their paths cut short, and the next
+    // line says how many were held back.
+    static REFUSED: LogBudget = LogBudget::per_minute(LINES_PER_MINUTE);
+    if let Some(held_back) = REFUSED.admit() {
+        let path = &path[..path.floor_char_boundary(MAX_REFUSED_PATH_LOGGED)];
+        tracing::info!(target: "continuum::audit", %method, path, %peer, status, millis, held_back, "admin call");
+    }
     response
 }
+
+/// The most of a refused admin call's path its audit line shows.
+const MAX_REFUSED_PATH_LOGGED: usize = 256;
 
 fn is_admin_path(path: &str) -> bool {
     path == "/admin" || path.starts_with("/admin/")
@@ -412,6 +427,49 @@ mod tests {
             assert!(line.contains("peer=10.1.2.3:4567") && line.contains(status), "{line}");
         }
         assert!(!logged.contains("secret") && !logged.contains("right"), "no credential: {logged}");
+    }
+
+    /// Refused calls (no credential needed) are logged a few a minute, their paths cut short,
+    /// and the line after a pause says how many were held back; calls let in are all logged.
+    #[test]
+    fn refused_admin_calls_are_logged_a_few_a_minute_and_calls_let_in_every_time() {
+        use axum::body::Body;
+        use axum::extract::Request;
+        use axum::http::StatusCode;
+        use axum::middleware::Next;
+        use axum::response::IntoResponse;
+        use tower_service::Service;
+
+        use super::{LINES_PER_MINUTE, MAX_REFUSED_PATH_LOGGED};
+
+        let admin = axum::Router::new().route("/dynamo/workers", axum::routing::get(|| async { "[]" }));
+        // The token is checked within the audit, as the admin API's is.
+        let mut router = axum::Router::new()
+            .nest("/admin", admin)
+            .layer(axum::middleware::from_fn(|request: Request, next: Next| async move {
+                let refused = request.headers().get("authorization").is_none();
+                if refused { StatusCode::UNAUTHORIZED.into_response() } else { next.run(request).await }
+            }))
+            .layer(axum::middleware::from_fn(super::audit));
+        let runtime = tokio::runtime::Builder::new_current_thread().build().expect("a runtime");
+        let long = format!("/admin/{}", "x".repeat(4096));
+        let (_, logged) = crate::test_logs::captured(|| {
+            runtime.block_on(async {
+                for round in 0..30 {
+                    let refused = Request::get(long.as_str()).body(Body::empty()).expect("a request");
+                    let _ = router.call(refused).await;
+                    if round % 10 == 0 {
+                        let let_in = Request::get("/admin/dynamo/workers").header("authorization", "Bearer t");
+                        let _ = router.call(let_in.body(Body::empty()).expect("a request")).await;
+                    }
+                }
+            })
+        });
+        let lines = |status: &str| logged.lines().filter(|line| line.contains(status)).count();
+        assert_eq!(lines("status=401"), LINES_PER_MINUTE as usize, "{logged}");
+        assert_eq!(lines("status=200"), 3, "{logged}");
+        let longest = logged.lines().map(str::len).max().unwrap_or(0);
+        assert!(longest < 200 + MAX_REFUSED_PATH_LOGGED, "a refused path is cut short: {longest} bytes");
     }
 
     #[test]

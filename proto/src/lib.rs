@@ -6,6 +6,7 @@
 pub mod active;
 pub mod convert;
 pub mod fast_hash;
+pub mod log_budget;
 pub mod model;
 pub mod os;
 pub mod view;

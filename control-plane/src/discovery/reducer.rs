@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use continuum_proto::model::WorkerKey;
+use continuum_proto::warn_limited;
 
 use super::applied::{Applied, EventKind};
 use super::duplicates::Conflicts;
@@ -128,7 +129,7 @@ enum Reading {
 /// Counts (and logs) a value refused unread for its size.
 fn refuse_oversized(key: &str, bytes: usize, keyspace: Keyspace, applied: &mut Applied) {
     let limit = max_record_bytes(keyspace);
-    tracing::warn!(key = ?shown(key), bytes, limit, "etcd value refused unread: too large");
+    warn_limited!(key = ?shown(key), bytes, limit, "etcd value refused unread: too large");
     applied.add(EventKind::Oversized);
 }
 
@@ -607,16 +608,17 @@ fn kind_of(parsed: &Parsed) -> EventKind {
 }
 
 /// Logs what a put deserves, once per key: a value is only logged when it differs in kind (or,
-/// for cards, in content) from what the key held before.
+/// for cards, in content) from what the key held before; and a few a minute of each warning, so
+/// that a key rewritten in a loop with a good value and a bad one does not flood the log.
 fn log_record(key: &str, parsed: &Parsed, previous: Option<&Parsed>) {
     match (parsed, previous) {
         (Parsed::Malformed(_), Some(Parsed::Malformed(_))) | (Parsed::Unsupported(_), Some(Parsed::Unsupported(_))) => {
         }
         (Parsed::Malformed(error), _) => {
-            tracing::warn!(key = ?shown(key), %error, "discovery record set aside: malformed")
+            warn_limited!(key = ?shown(key), %error, "discovery record set aside: malformed")
         }
         (Parsed::Unsupported(what), _) => {
-            tracing::warn!(
+            warn_limited!(
                 key = ?shown(key),
                 unsupported = %what,
                 "event channel set aside: the router subscribes only to direct ZMQ over tcp://"
@@ -624,10 +626,10 @@ fn log_record(key: &str, parsed: &Parsed, previous: Option<&Parsed>) {
         }
         (Parsed::Model(model), previous) if previous != Some(parsed) => {
             if let Some(error) = &model.card.typed_error {
-                tracing::warn!(key = ?shown(key), %error, "model card fields unreadable; the worker is kept with its raw card");
+                warn_limited!(key = ?shown(key), %error, "model card fields unreadable; the worker is kept with its raw card");
             }
             if let Some(bytes) = model.card.dropped_bytes {
-                tracing::warn!(
+                warn_limited!(
                     key = ?shown(key),
                     bytes,
                     limit = super::card::MAX_RETAINED_CARD_BYTES,

@@ -267,7 +267,7 @@ impl Fleet for FleetService {
         let ended = shutdown.child_token();
         let Some((id, superseded, previous)) = replicas.insert(Arc::clone(&status), ended.clone()) else {
             metrics.watch_refused.with_label_values(&["too_many_sessions"]).inc();
-            tracing::warn!(replica = %status.replica_id, "refusing a Watch stream: {MAX_WATCH_SESSIONS} replicas hold one");
+            continuum_proto::warn_limited!(replica = %status.replica_id, "refusing a Watch stream: {MAX_WATCH_SESSIONS} replicas hold one");
             return Err(Status::resource_exhausted(format!(
                 "the control plane serves at most {MAX_WATCH_SESSIONS} replicas at once; retry later"
             )));
@@ -275,7 +275,7 @@ impl Fleet for FleetService {
         if superseded > 0 {
             // Two live replicas configured with one id would take turns ending each other's
             // stream: the warning and the counter name it.
-            tracing::warn!(
+            continuum_proto::warn_limited!(
                 replica = %status.replica_id,
                 superseded,
                 "replica reconnected while its previous stream was open; ending that stream and \

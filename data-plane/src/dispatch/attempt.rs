@@ -108,8 +108,10 @@ impl Dispatcher {
             }
             Err(_) => self.health.failed(name, url, (sent, now)),
         }
+        // A shim that breaks most connections but not enough in a row to open its breaker
+        // fails most attempts: `continuum_shim_attempts_total` counts each.
         if let Err(error) = &outcome {
-            tracing::warn!(backend = %replica.name, %error, "shim dispatch attempt failed");
+            continuum_proto::warn_limited!(backend = %replica.name, %error, "shim dispatch attempt failed");
         }
         self.metrics.shim_attempts.with_label_values(&[replica.name.as_str(), outcome_label(&outcome)]).inc();
         outcome

@@ -358,7 +358,14 @@ impl Dispatcher {
                 paid
             });
         let fallback_to_unified = fallback.is_some();
-        tracing::warn!(namespace = %selection.namespace, error = %failure, fallback_to_unified, "pinned shim dispatch failed");
+        // Once per failed request, which a client's body the frontend refuses can cause at
+        // its request rate: `disaggregated_errors_total` counts them all.
+        continuum_proto::warn_limited!(
+            namespace = %selection.namespace,
+            error = %failure,
+            fallback_to_unified,
+            "pinned shim dispatch failed"
+        );
         // Of the refusals that blame the pins, the 400s refused the pins themselves (an id the
         // frontend no longer knows, a rank out of bounds); a 5xx is the workers failing.
         let stale_pins = blames_pins && matches!(failure, Failure::Status(StatusCode::BAD_REQUEST));

@@ -19,6 +19,7 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use continuum_proto::warn_limited;
 use http_body::{Body, Frame, SizeHint};
 use prometheus::{Histogram, IntCounter};
 use serde_json::json;
@@ -186,7 +187,7 @@ impl RelayBody {
             self.finish();
             return Poll::Ready(None);
         }
-        tracing::warn!(idle = ?self.idle, "shim stream idle too long; ending it");
+        warn_limited!(idle = ?self.idle, "shim stream idle too long; ending it");
         self.fail(
             Fault::Silent,
             "stream_timeout",
@@ -218,7 +219,7 @@ impl Body for RelayBody {
                     return Poll::Ready(None);
                 }
                 Poll::Ready(Some(Err(error))) => {
-                    tracing::warn!(%error, "shim stream failed mid-way");
+                    warn_limited!(%error, "shim stream failed mid-way");
                     return this.fail(
                         Fault::Shim,
                         "stream_interrupted",
@@ -241,7 +242,7 @@ impl Body for RelayBody {
                         // Between two events, short of the closing marker: a close-delimited
                         // answer whose connection dropped there, or a proxy's cut. The client
                         // would take the stream for whole.
-                        tracing::warn!("shim stream ended before its closing [DONE]");
+                        warn_limited!("shim stream ended before its closing [DONE]");
                         return this.fail(
                             Fault::Shim,
                             "stream_interrupted",
@@ -252,7 +253,7 @@ impl Body for RelayBody {
                         this.finish();
                         return Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")))));
                     }
-                    tracing::warn!("shim stream ended in the middle of an event");
+                    warn_limited!("shim stream ended in the middle of an event");
                     return this.fail(
                         Fault::Shim,
                         "stream_interrupted",
@@ -266,7 +267,7 @@ impl Body for RelayBody {
             };
             let Some(events) = this.whole_events(data) else {
                 if this.partial.len() > MAX_PARTIAL_EVENT_BYTES {
-                    tracing::warn!(limit = MAX_PARTIAL_EVENT_BYTES, "shim stream sent an event too large to relay");
+                    warn_limited!(limit = MAX_PARTIAL_EVENT_BYTES, "shim stream sent an event too large to relay");
                     return this.fail(
                         Fault::Workers,
                         "stream_interrupted",
@@ -310,7 +311,7 @@ impl Body for RelayBody {
                 return Poll::Ready(Some(Ok(Frame::data(events))));
             }
             if !this.failed {
-                tracing::warn!("the shim's stream carried an error event; relayed");
+                warn_limited!("the shim's stream carried an error event; relayed");
                 this.count_failure(Fault::Workers);
             }
             return Poll::Ready(Some(Ok(Frame::data(with_error_data(withhold_addresses(events))))));
