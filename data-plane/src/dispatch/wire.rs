@@ -134,7 +134,13 @@ pub fn parse_head(buf: &[u8]) -> Result<Option<(Head, usize)>, WireError> {
         };
         let code = response.code.unwrap_or(0);
         let status = StatusCode::from_u16(code).map_err(|_| WireError::Head(format!("status {code}")))?;
-        if status.is_informational() && status != StatusCode::SWITCHING_PROTOCOLS {
+        // RFC 9110 §15.2.2: a 101 answers only a request that asked to upgrade, which no
+        // request of the data plane's does; past it the connection speaks another protocol, so
+        // it is no answer and must never go back to the pool.
+        if status == StatusCode::SWITCHING_PROTOCOLS {
+            return Err(WireError::Head("101 Switching Protocols, to a request that asked for no upgrade".into()));
+        }
+        if status.is_informational() {
             offset += length;
             continue;
         }
@@ -517,6 +523,7 @@ mod tests {
         assert!(bad("HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").contains("content-length"));
         assert!(bad("HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n").contains("conflicting"));
         assert!(bad("SMTP ready\r\n\r\n").contains("malformed"));
+        assert!(bad("HTTP/1.1 101 Switching Protocols\r\ncontent-length: 0\r\n\r\n").contains("upgrade"));
         let endless = format!("HTTP/1.1 200 OK\r\nx: {}", "a".repeat(MAX_HEAD_BYTES));
         assert_eq!(parse_head(endless.as_bytes()).unwrap_err(), WireError::HeadTooLarge);
         let whole = format!("{endless}\r\n\r\n");
