@@ -319,16 +319,21 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Ends every Watch stream, stops the servers and waits for them, at most
-    /// [`SHUTDOWN_GRACE`] each: a client holding a stream open (a gRPC health `Watch`, which
-    /// ends only with the server) must not keep the process from exiting.
+    /// Ends every Watch stream, stops discovery, the subscriptions and the servers, and waits
+    /// for the servers [`SHUTDOWN_GRACE`] at most in all: a client holding a stream open (a
+    /// gRPC health `Watch`, which ends only with the server) must not keep the process from
+    /// exiting.
     pub async fn shutdown(mut self) {
+        // The Watch streams end first, so that no replica reads as connected to a control
+        // plane whose discovery has stopped: each knows at once that it routes on its last
+        // view, counting its own dispatches. Everything stops at once, each part as it can.
+        self.cancel.cancel();
+        let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
         self.discovery.stop().await;
         self.load.stop().await;
         self.kv.stop().await;
-        self.cancel.cancel();
         for mut task in self.tasks {
-            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task).await.is_err() {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
                 tracing::warn!(grace = ?SHUTDOWN_GRACE, "a server did not stop within its grace; closing it");
                 task.abort();
             }

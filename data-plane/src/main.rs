@@ -110,7 +110,7 @@ fn main() -> ExitCode {
             let code = runtime.block_on(run(args));
             // A blocking read stalled on a volume (the TLS files) would otherwise hold the
             // process past its grace period: dropping a runtime waits for its blocking pool.
-            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            runtime.shutdown_timeout(continuum_data_plane::replica::RUNTIME_SHUTDOWN_WAIT);
             code
         }
         Err(error) => {
@@ -172,7 +172,7 @@ async fn run(args: Args) -> ExitCode {
     };
     tracing::info!(drain_delay = ?delay, grace = ?args.shutdown_grace, "shutting down");
     tokio::select! {
-        () = replica.drain(delay, args.shutdown_grace) => ExitCode::SUCCESS,
+        clean = replica.drain(delay, args.shutdown_grace) => if clean { ExitCode::SUCCESS } else { ExitCode::FAILURE },
         _ = signals.recv() => {
             tracing::warn!("a second signal: exiting without finishing the drain");
             ExitCode::FAILURE

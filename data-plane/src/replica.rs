@@ -37,6 +37,12 @@ pub enum StartError {
 /// How long a drained replica waits for its background tasks (the fleet stream, the probes,
 /// the TLS renewal) to stop before it abandons them.
 const TASK_STOP_WAIT: Duration = Duration::from_secs(2);
+/// How long the binary's runtime waits, as it shuts down, for blocking work still running (a
+/// TLS file read stalled on its volume) before it exits anyway.
+pub const RUNTIME_SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
+/// The most a replica takes to exit past its drain delay and shutdown grace: a pod's
+/// termination grace period must leave room for it beside them.
+pub const EXIT_AFTER_GRACE: Duration = TASK_STOP_WAIT.saturating_add(RUNTIME_SHUTDOWN_WAIT);
 
 /// A running replica.
 #[derive(Debug)]
@@ -141,17 +147,24 @@ impl Replica {
     /// terminating pod's endpoints a moment after it signals it). Then accepting stops, idle
     /// connections close, and requests in flight get `grace` to finish before their
     /// connections are cut. The fleet stream runs to the end, so the control plane hears of
-    /// every dispatch that ends meanwhile.
-    pub async fn drain(mut self, delay: Duration, grace: Duration) {
+    /// every dispatch that ends meanwhile. Whether the server stopped as it should (not by a
+    /// panic), for the exit code.
+    pub async fn drain(mut self, delay: Duration, grace: Duration) -> bool {
         self.stages.draining.start();
         if !delay.is_zero() {
             tracing::info!(?delay, "draining: readiness fails; still answering while load balancers catch up");
             tokio::time::sleep(delay).await;
         }
         self.stages.closing.cancel();
-        if tokio::time::timeout(grace, &mut self.server).await.is_err() {
-            self.stages.cut.cancel();
-            let _ = self.server.await;
+        let server = match tokio::time::timeout(grace, &mut self.server).await {
+            Ok(stopped) => stopped,
+            Err(_) => {
+                self.stages.cut.cancel();
+                (&mut self.server).await
+            }
+        };
+        if let Err(error) = &server {
+            tracing::error!(%error, "the server's task failed while draining");
         }
         self.cancel.cancel();
         // Each stops at its next turn, but one may be waiting on the blocking pool (a stalled
@@ -162,6 +175,7 @@ impl Replica {
                 task.abort();
             }
         }
+        server.is_ok()
     }
 }
 

@@ -238,7 +238,12 @@ fn a_replicas_drain_is_seen_by_its_probes_and_fits_in_its_pods_termination_grace
     let period = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         .as_u64()
         .ok_or_else(|| anyhow!("no terminationGracePeriodSeconds"))?;
-    ensure!(delay + grace < Duration::from_secs(period), "{delay:?} + {grace:?} does not fit in {period} s");
+    // Past the grace the replica still stops its tasks and its runtime before it exits.
+    let exit = continuum_data_plane::replica::EXIT_AFTER_GRACE;
+    ensure!(
+        delay + grace + exit < Duration::from_secs(period),
+        "{delay:?} + {grace:?} + {exit:?} to exit does not fit in {period} s"
+    );
     // A load balancer probing readiness sees the drain before the delay is over.
     let readiness = &container(deployment)?["readinessProbe"];
     let probe_period = readiness["periodSeconds"].as_u64().unwrap_or(10);

@@ -14,6 +14,7 @@ use continuum_proto::{MAX_FLEET_MESSAGE_BYTES, MAX_INBOUND_FLEET_MESSAGE_BYTES};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
+use tonic_health::ServingStatus;
 
 use crate::listen::Guard;
 
@@ -98,17 +99,26 @@ pub async fn serve(
     // TCP_NODELAY: `Server::tcp_nodelay` covers only the sockets `serve` binds itself, and Nagle
     // would hold a small FindMatches reply for the client's delayed ACK (~40 ms, twenty times
     // the lookup's 2 ms deadline).
+    // A client watching the server's health hears that it goes, before its stream is cut.
+    let stopping = {
+        let shutdown = shutdown.clone();
+        async move {
+            shutdown.cancelled().await;
+            health.set_not_serving::<FleetServer<FleetService>>().await;
+            health.set_service_status("", ServingStatus::NotServing).await;
+        }
+    };
     match tls {
         Some(tls) => {
             let incoming = tls::incoming((listener, guard), &tls, shutdown.clone());
-            router.serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned()).await?;
+            router.serve_with_incoming_shutdown(incoming, stopping).await?;
         }
         None => {
             let incoming = futures::stream::unfold((listener, guard), |(listener, guard)| async move {
                 let (stream, _) = guard.accept(&listener).await;
                 Some((Ok::<_, std::io::Error>(stream), (listener, guard)))
             });
-            router.serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned()).await?;
+            router.serve_with_incoming_shutdown(incoming, stopping).await?;
         }
     }
     Ok(())

@@ -336,10 +336,15 @@ impl Fleet for FleetService {
                     super::session::say_goodbye(&goodbye, status).await;
                 }
                 () = ended.cancelled() => {
-                    // Not the shutdown: a newer stream of the same replica id replaced this
-                    // one. Its own replica has left it and reads nothing; another replica
-                    // configured with the same id learns why it lost its stream.
-                    if !shutdown.is_cancelled() {
+                    if shutdown.is_cancelled() {
+                        // The replica keeps routing on its last view, as it knows to from
+                        // here on, and dials again.
+                        let status = Status::unavailable("the control plane is shutting down");
+                        super::session::say_goodbye(&goodbye, status).await;
+                    } else {
+                        // A newer stream of the same replica id replaced this one. Its own
+                        // replica has left it and reads nothing; another replica configured
+                        // with the same id learns why it lost its stream.
                         let status = Status::aborted(format!(
                             "a newer Watch stream of replica id {} replaced this one; if another replica runs with \
                              the same id, give each its own (--replica-id)",
@@ -492,6 +497,45 @@ mod tests {
         });
         admitted.await??;
         cancel.cancel();
+        Ok(())
+    }
+
+    /// A shutdown tells each Watch stream why it ends, and a client watching the server's
+    /// health hears it go out of service before its stream is cut.
+    #[tokio::test]
+    async fn a_shutdown_says_so_on_each_watch_stream_and_to_health_watchers() -> anyhow::Result<()> {
+        use continuum_proto::pb::fleet_client::FleetClient;
+        use tonic_health::pb::health_check_response::ServingStatus;
+        use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+        let (service, metrics, cancel) = super::super::tests::empty_fleet_service()?;
+        let url = super::super::tests::serving(service, &metrics, &cancel).await?;
+        let channel = tonic::transport::Channel::from_shared(url)?.connect().await?;
+        let mut health =
+            HealthClient::new(channel.clone()).watch(HealthCheckRequest { service: String::new() }).await?.into_inner();
+        let serving = health.message().await?.map(|answer| answer.status);
+        assert_eq!(serving, Some(ServingStatus::Serving as i32));
+        let (tx, rx) = mpsc::channel(1);
+        let hello = pb::Hello { replica_id: "leaving".into(), version: None };
+        tx.send(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }).await?;
+        let mut updates = FleetClient::new(channel).watch(ReceiverStream::new(rx)).await?.into_inner();
+        assert!(updates.message().await?.is_some(), "the snapshot");
+
+        cancel.cancel();
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                match updates.message().await {
+                    Ok(Some(_)) => continue,
+                    ended => return ended.map(|_| ()),
+                }
+            }
+        });
+        let status = ended.await?.expect_err("the stream ends with a status");
+        assert_eq!(status.code(), tonic::Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("shutting down"), "{status:?}");
+        let heard = tokio::time::timeout(Duration::from_secs(10), health.message()).await?;
+        assert_eq!(heard?.map(|answer| answer.status), Some(ServingStatus::NotServing as i32));
+        drop(tx);
         Ok(())
     }
 
