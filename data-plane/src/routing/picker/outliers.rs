@@ -30,6 +30,13 @@ pub const EJECT_AFTER: u32 = 2;
 pub const EJECTION: Duration = Duration::from_secs(10);
 /// Ranks whose failures are remembered at once.
 pub const MAX_TRACKED: usize = 4096;
+/// Ranks whose last answer is remembered at once: every rank of a large fleet (16,384 workers
+/// of a rank or few each) answers, and one forgotten looks silent to its next timeout. About
+/// 3 MiB when full.
+pub const MAX_ANSWERING: usize = 65_536;
+/// An answer older than this says nothing of a request still waiting on its rank (none waits
+/// longer for its head: a buffered answer's timeout is 300 s), so it is the first forgotten.
+const ANSWER_RELEVANT_FOR: Duration = Duration::from_secs(3600);
 /// At most this share of a phase's candidates is skipped for its ejections (at least one, and
 /// never all): a request shape every worker answers with a 500 (a parser bug, a bad rollout)
 /// would otherwise eject all but one, which would then take the whole fleet's load. Envoy's
@@ -63,8 +70,8 @@ impl Record {
 pub struct Outliers {
     ranks: Mutex<FastMap<LoadKey, Record>>,
     /// When each rank last answered a pinned dispatch (its first token, or a whole answer), at
-    /// most [`MAX_TRACKED`] ranks, forgetting all when full (it only makes a rank's next
-    /// timeout count against it).
+    /// most [`MAX_ANSWERING`] ranks: when full, answers past [`ANSWER_RELEVANT_FOR`] go, and
+    /// all if none had (it only makes a rank's next timeout count against it).
     answered: Mutex<FastMap<LoadKey, Instant>>,
 }
 
@@ -127,8 +134,11 @@ impl Outliers {
                 *at = now;
                 continue;
             }
-            if answered.len() >= MAX_TRACKED {
-                answered.clear();
+            if answered.len() >= MAX_ANSWERING {
+                answered.retain(|_, at| now.saturating_duration_since(*at) < ANSWER_RELEVANT_FOR);
+                if answered.len() >= MAX_ANSWERING {
+                    answered.clear();
+                }
             }
             answered.insert(rank.clone(), now);
         }
@@ -348,9 +358,31 @@ mod tests {
         }
         assert!(outliers.ranks.lock().unwrap().len() <= MAX_TRACKED);
         assert!(outliers.ejected(&dead, now), "the ejection is kept while single failures come and go");
-        for id in 0..(MAX_TRACKED as u64 * 3) {
+    }
+
+    /// Every rank of a fleet larger than the failures remembered keeps its last answer, so a
+    /// request timing out on a rank that answered others since is no failure of it; answers
+    /// too old to matter are forgotten first when the table fills.
+    #[test]
+    fn a_large_fleet_keeps_every_ranks_answer_and_the_table_stays_bounded() {
+        let outliers = Outliers::default();
+        let sent = Instant::now();
+        let now = sent + Duration::from_secs(1);
+        let fleet = MAX_TRACKED as u64 * 4;
+        for id in 0..fleet {
             outliers.answered(&[rank(id)], now);
         }
-        assert!(outliers.answered.lock().unwrap().len() <= MAX_TRACKED);
+        for _ in 0..EJECT_AFTER {
+            outliers.unanswered(&[rank(0)], sent, now);
+        }
+        assert!(!outliers.ejected(&rank(0), now), "it answered others since");
+        // Old answers go first; the table never passes its bound.
+        let later = now + ANSWER_RELEVANT_FOR;
+        for id in fleet..(MAX_ANSWERING as u64 + 10) {
+            outliers.answered(&[rank(id)], later);
+        }
+        let answered = outliers.answered.lock().unwrap();
+        assert!(answered.len() <= MAX_ANSWERING);
+        assert!(answered.contains_key(&rank(MAX_ANSWERING as u64 + 9)), "the newest kept");
     }
 }

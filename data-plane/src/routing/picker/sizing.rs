@@ -15,7 +15,8 @@
 //! and a run of them no further than the bounds. The estimate covers only what the model is
 //! given (a chat body's messages, and its tools unless `tool_choice` is `"none"`), so a client
 //! cannot skew it with members the template never renders. At most [`MAX_CALIBRATED_MODELS`] models are
-//! learnt; others keep the plain estimate.
+//! kept: a new one past them takes the place (and the gauge series) of the model answered
+//! longest ago, so a fleet whose model names roll over keeps learning its current ones.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -31,13 +32,26 @@ const LEARNING_RATE: f64 = 0.2;
 
 #[derive(Debug, Default)]
 pub struct PromptSizes {
-    factors: Mutex<HashMap<Box<str>, Learnt>>,
+    factors: Mutex<Factors>,
     /// `continuum_prompt_estimate_ratio{model}`, when the replica registered it.
     gauge: Option<GaugeVec>,
 }
 
+#[derive(Debug, Default)]
+struct Factors {
+    by_model: HashMap<Box<str>, Learnt>,
+    /// Answers learnt from so far: each model's last one orders the models for eviction.
+    answers: u64,
+}
+
 /// A model's ratio, with its series of the gauge (resolved once, not per answer).
-type Learnt = (f64, Option<Gauge>);
+#[derive(Debug)]
+struct Learnt {
+    factor: f64,
+    gauge: Option<Gauge>,
+    /// The answer it last learnt from ([`Factors::answers`]).
+    last: u64,
+}
 
 impl PromptSizes {
     /// Ratios that also show on `gauge` (label `model`; at most `MAX_CALIBRATED_MODELS`).
@@ -53,7 +67,8 @@ impl PromptSizes {
 
     /// The model's learnt ratio of counted to estimated tokens (1 before any answer).
     pub fn factor(&self, model: &str) -> f64 {
-        self.factors.lock().unwrap_or_else(PoisonError::into_inner).get(model).map_or(1.0, |(factor, _)| *factor)
+        let factors = self.factors.lock().unwrap_or_else(PoisonError::into_inner);
+        factors.by_model.get(model).map_or(1.0, |learnt| learnt.factor)
     }
 
     /// One answer: a prompt estimated at `estimate` tokens was counted as `counted`.
@@ -62,16 +77,29 @@ impl PromptSizes {
             return;
         }
         let mut factors = self.factors.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((factor, gauge)) = factors.get_mut(model) {
-            *factor = next_factor(*factor, estimate, counted);
-            show(gauge.as_ref(), *factor);
-        } else if factors.len() < MAX_CALIBRATED_MODELS {
-            let factor = next_factor(1.0, estimate, counted);
-            // A gauge built with other labels only loses the figure; sizing goes on.
-            let gauge = self.gauge.as_ref().and_then(|g| g.get_metric_with_label_values(&[model]).ok());
-            show(gauge.as_ref(), factor);
-            factors.insert(model.into(), (factor, gauge));
+        factors.answers += 1;
+        let last = factors.answers;
+        if let Some(learnt) = factors.by_model.get_mut(model) {
+            learnt.factor = next_factor(learnt.factor, estimate, counted);
+            learnt.last = last;
+            show(learnt.gauge.as_ref(), learnt.factor);
+            return;
         }
+        if factors.by_model.len() >= MAX_CALIBRATED_MODELS {
+            // A scan of the few kept, only as a new model arrives at a full table.
+            let oldest = factors.by_model.iter().min_by_key(|(_, learnt)| learnt.last).map(|(name, _)| name.clone());
+            if let Some(oldest) = oldest {
+                factors.by_model.remove(&oldest);
+                if let Some(gauge) = &self.gauge {
+                    let _ = gauge.remove_label_values(&[&oldest]);
+                }
+            }
+        }
+        let factor = next_factor(1.0, estimate, counted);
+        // A gauge built with other labels only loses the figure; sizing goes on.
+        let gauge = self.gauge.as_ref().and_then(|g| g.get_metric_with_label_values(&[model]).ok());
+        show(gauge.as_ref(), factor);
+        factors.by_model.insert(model.into(), Learnt { factor, gauge, last });
     }
 }
 
@@ -148,13 +176,28 @@ mod tests {
     }
 
     #[test]
-    fn at_most_so_many_models_are_learnt() {
-        let sizes = PromptSizes::default();
-        for i in 0..MAX_CALIBRATED_MODELS + 10 {
-            sizes.learn(&format!("model-{i}"), 100, 200);
+    fn at_most_so_many_models_are_kept_and_a_new_one_takes_the_place_of_the_one_answered_longest_ago() {
+        let gauge = GaugeVec::new(prometheus::Opts::new("ratio", "ratio"), &["model"]).unwrap();
+        let sizes = PromptSizes::showing_on(gauge.clone());
+        let model = |i: usize| format!("model-{i}");
+        for i in 0..MAX_CALIBRATED_MODELS {
+            sizes.learn(&model(i), 100, 200);
         }
-        assert_eq!(sizes.factors.lock().unwrap().len(), MAX_CALIBRATED_MODELS);
-        assert_eq!(sizes.factor(&format!("model-{}", MAX_CALIBRATED_MODELS + 5)), 1.0);
+        // Model 0 answers again: model 1 is now the one answered longest ago.
+        sizes.learn(&model(0), 100, 200);
+        sizes.learn("newcomer", 100, 400);
+        assert_eq!(sizes.factors.lock().unwrap().by_model.len(), MAX_CALIBRATED_MODELS);
+        assert!(sizes.factor("newcomer") > 1.0, "learnt");
+        assert_eq!(sizes.factor(&model(1)), 1.0, "the one answered longest ago went");
+        assert!(sizes.factor(&model(0)) > 1.0 && sizes.factor(&model(2)) > 1.0, "the others stay");
+        assert!(gauge.get_metric_with_label_values(&["newcomer"]).unwrap().get() > 1.0);
+        let series: Vec<String> = prometheus::core::Collector::collect(&gauge)[0]
+            .get_metric()
+            .iter()
+            .map(|m| m.get_label()[0].value().to_owned())
+            .collect();
+        assert_eq!(series.len(), MAX_CALIBRATED_MODELS);
+        assert!(!series.contains(&model(1)), "its series went with it");
     }
 
     #[test]
