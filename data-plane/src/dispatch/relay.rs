@@ -444,36 +444,75 @@ fn lines_by_event(events: &[u8]) -> Vec<EventLine<'_>> {
 }
 
 /// What a stream's error event naming an address becomes.
-const WITHHELD_ERROR_EVENT: &str = r#"data: {"error":{"message":"The model server failed the request; its own words named internal hosts or workers and are not relayed. Retry the request.","type":"server_error","code":"backend_failed"}}"#;
+const WITHHELD_ERROR_EVENT: &str = r#"data: {"error":{"message":"The model server failed the request; its own words named internal hosts or workers and are not relayed. Retry the request.","type":"server_error","param":null,"code":"backend_failed"}}"#;
 /// What a comment naming an address becomes.
 const WITHHELD_COMMENT: &str = ": withheld";
 
-/// An event named `error` whose words are comments, which no SSE client reads: when `events`
-/// carry one and no `data:` error line, the router's error event follows it (ahead of a closing
-/// `data: [DONE]` in the same events), so the client reads that the stream failed.
+/// An event named `error` that carries no `data:` line opening with an `error` member goes
+/// whole, an unnamed error event of the router's in its place, which says the engine's words
+/// (its `data:` values and comments, addresses already withheld) if it had any. OpenAI's
+/// clients cannot read it as it came: openai-python parses the data of an event named `error`
+/// as JSON, failing on words in comments (no data at all) or in plain text, and takes a JSON
+/// object without an `error` member for a chunk; none of them reads comments.
 fn with_error_data(events: Bytes) -> Bytes {
-    let lines = || events.split(|b| *b == b'\n' || *b == b'\r');
-    let named = lines().any(|line| line.strip_prefix(b"event:").is_some_and(names_error));
-    if !named || lines().any(|line| line.strip_prefix(b"data:").is_some_and(opens_with_error_member)) {
+    let lines = lines_by_event(&events);
+    let error_data = |line: &EventLine<'_>| line.text.strip_prefix(b"data:").is_some_and(opens_with_error_member);
+    let mut unread: Vec<usize> = lines.iter().filter(|line| line.in_named_error).map(|line| line.event).collect();
+    unread.dedup();
+    unread.retain(|event| !lines.iter().any(|line| line.event == *event && error_data(line)));
+    if unread.is_empty() {
         return events;
     }
-    let mut at = 0;
-    for line in events.split_inclusive(|b| *b == b'\n' || *b == b'\r') {
-        if is_done_line(line.trim_ascii_end()) {
-            break;
+    let mut out = BytesMut::with_capacity(events.len() + 256);
+    let mut replaced = false;
+    for event in lines.chunk_by(|a, b| a.event == b.event) {
+        // The LF of the CRLF that ended the event before comes as this one's first line: it
+        // goes with that event, kept or replaced.
+        let rest = match event {
+            [first, rest @ ..] if first.text == b"\n" => {
+                if !replaced {
+                    out.extend_from_slice(first.text);
+                }
+                rest
+            }
+            whole => whole,
+        };
+        replaced = unread.binary_search(&event[0].event).is_ok();
+        if replaced {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(&engine_error(&engine_words(rest)));
+            out.extend_from_slice(b"\n\n");
+        } else {
+            rest.iter().for_each(|line| out.extend_from_slice(line.text));
         }
-        at += line.len();
     }
-    let mut out = BytesMut::with_capacity(events.len() + NAMED_ERROR_EVENT.len() + 2);
-    out.extend_from_slice(&events[..at]);
-    out.extend_from_slice(NAMED_ERROR_EVENT.as_bytes());
-    out.extend_from_slice(b"\n\n");
-    out.extend_from_slice(&events[at..]);
     out.freeze()
 }
 
-/// What follows an event named `error` that carries no `data:`.
-const NAMED_ERROR_EVENT: &str = r#"data: {"error":{"message":"The model server reported an error in the stream. Retry the request.","type":"server_error","code":"backend_failed"}}"#;
+/// The most of an engine's words about its error that the router's error event repeats.
+const MAX_ENGINE_WORDS_CHARS: usize = 512;
+
+/// What an event says in its `data:` values and comments, one space between lines, a comment
+/// withheld for an address left out.
+fn engine_words(event: &[EventLine<'_>]) -> String {
+    let words = event.iter().filter_map(|line| {
+        let content = line.text.trim_ascii_end();
+        let said = content.strip_prefix(b"data:").or_else(|| content.strip_prefix(b":"))?;
+        (content != WITHHELD_COMMENT.as_bytes()).then(|| String::from_utf8_lossy(said.trim_ascii()).into_owned())
+    });
+    let joined = words.filter(|said| !said.is_empty()).collect::<Vec<_>>().join(" ");
+    joined.chars().take(MAX_ENGINE_WORDS_CHARS).collect()
+}
+
+/// The router's error event's JSON for an engine's error event, with its words if any.
+fn engine_error(words: &str) -> Vec<u8> {
+    let message = match words {
+        "" => "The model server reported an error in the stream. Retry the request.".to_string(),
+        words => format!("The model server reported an error in the stream: {words}. Retry the request."),
+    };
+    let error = json!({"error": {"message": message, "type": "server_error", "param": null, "code": "backend_failed"}});
+    error.to_string().into_bytes()
+}
 
 /// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
 /// them. Lines end at LF, CRLF or CR.
@@ -554,7 +593,7 @@ impl Lines {
 
 /// One SSE event carrying an OpenAI-shaped error, as streaming clients expect mid-stream.
 pub fn sse_error_event(code: &str, message: &str) -> Bytes {
-    let error = json!({"error": {"message": message, "type": "server_error", "code": code}});
+    let error = json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}});
     Bytes::from(format!("data: {error}\n\n"))
 }
 
@@ -563,8 +602,8 @@ mod tests {
     use bytes::Bytes;
 
     use super::{
-        Lines, NAMED_ERROR_EVENT, WITHHELD_COMMENT, WITHHELD_ERROR_EVENT, carries_error_event, carries_event,
-        ends_with_done_marker, is_done_marker, with_error_data, withhold_addresses,
+        Lines, WITHHELD_ERROR_EVENT, carries_error_event, carries_event, ends_with_done_marker, engine_error,
+        is_done_marker, with_error_data, withhold_addresses,
     };
 
     /// An error event naming an internal address or a worker goes out in the router's words,
@@ -700,22 +739,41 @@ mod tests {
         assert_eq!(withhold_addresses(fine.clone()).as_ptr(), fine.as_ptr(), "nothing named: uncopied");
     }
 
-    /// A later frontend's error event carries its words in comment lines: one naming a worker
-    /// or an address is left out, a plain one goes as it came; and since no client reads
-    /// comments, the router's error event follows, ahead of the closing marker.
+    /// An event named `error` an OpenAI client cannot read (its words in comments, as a later
+    /// frontend sends them, or in data that is no JSON error) goes whole, the router's unnamed
+    /// error event in its place saying its words, those naming an address left out; the events
+    /// around it, the closing marker among them, go as they came.
     #[test]
-    fn an_error_event_in_comments_is_followed_by_the_routers_and_its_addresses_withheld() {
+    fn an_error_event_clients_cannot_read_is_replaced_by_the_routers_saying_its_words() {
+        let routers = |words: &str| format!("data: {}\n\n", String::from_utf8_lossy(&engine_error(words)));
         let named = Bytes::from_static(
             b"event: error\n: Remote prefill failed: nvext.prefill_worker_id=7668682560356784121 does not identify a known worker at 10.4.0.12:9000\n\n",
         );
         let out = String::from_utf8_lossy(&with_error_data(withhold_addresses(named))).into_owned();
-        assert_eq!(out, format!("event: error\n{WITHHELD_COMMENT}\n\n{NAMED_ERROR_EVENT}\n\n"));
+        assert_eq!(out, routers(""), "its only words withheld: the router's alone");
         let plain = "event: error\n: Stream ended before generation completed\n\n";
         let closed = Bytes::from(format!("data: {{\"choices\":[]}}\n\n{plain}data: [DONE]\n\n"));
         assert_eq!(withhold_addresses(closed.clone()), closed, "nothing named: uncopied");
         let out = String::from_utf8_lossy(&with_error_data(closed)).into_owned();
-        assert_eq!(out, format!("data: {{\"choices\":[]}}\n\n{plain}{NAMED_ERROR_EVENT}\n\ndata: [DONE]\n\n"));
-        // One that carries its words as data needs nothing more.
+        let said = routers("Stream ended before generation completed");
+        assert_eq!(out, format!("data: {{\"choices\":[]}}\n\n{said}data: [DONE]\n\n"));
+        assert!(
+            said.contains(r#""message":"The model server reported an error in the stream: Stream ended"#),
+            "{said}"
+        );
+        // Words as plain data, or as JSON of another shape, are no error a client reads; the
+        // CRLFs of the events around one replaced are kept whole.
+        let crlf = "data: {}\r\n\r\nevent: error\r\n: gone\r\n\r\ndata: [DONE]\r\n\r\n";
+        let out = with_error_data(Bytes::from(crlf));
+        assert_eq!(String::from_utf8_lossy(&out), format!("data: {{}}\r\n\r\n{}data: [DONE]\r\n\r\n", routers("gone")));
+        for (event, words) in [
+            ("event: error\r\ndata: the engine ran out of memory\r\n\r\n", "the engine ran out of memory"),
+            ("data: {\"type\":\"error\"}\nevent: error\n\n", r#"{"type":"error"}"#),
+        ] {
+            let out = with_error_data(Bytes::from(event));
+            assert_eq!(String::from_utf8_lossy(&out), routers(words), "{event:?}");
+        }
+        // One that carries its words as an error's data needs nothing more.
         let with_data = Bytes::from_static(b"event: error\ndata: {\"error\":{\"message\":\"x\"}}\n\n");
         assert_eq!(with_error_data(with_data.clone()), with_data);
     }

@@ -241,8 +241,18 @@ impl http_body::Body for Charged {
 
 /// A backend's refusal of the client's request (4xx), relayed when [`super::disclosure`]
 /// allows (as it came, or its words put in OpenAI's shape); otherwise its status with the
-/// router's words.
+/// router's words. Whichever words, the pace it asked for (`Retry-After`, a 429's) goes with
+/// it: an OpenAI client waits that long instead of its own half second.
 fn relayed_refusal(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> (Response, RefusalBody) {
+    let retry_after = shim_headers.get(header::RETRY_AFTER).cloned();
+    let (mut response, fate) = refusal_in_words(status, shim_headers, body);
+    if let Some(retry_after) = retry_after {
+        response.headers_mut().insert(header::RETRY_AFTER, retry_after);
+    }
+    (response, fate)
+}
+
+fn refusal_in_words(status: StatusCode, shim_headers: HeaderMap, body: Bytes) -> (Response, RefusalBody) {
     match relayable(&body) {
         Ok(value) => {
             let response = match backend_words(&value) {
@@ -317,5 +327,24 @@ mod tests {
             response.headers().get(header::CONTENT_TYPE).map(HeaderValue::as_bytes),
             Some(&b"application/json"[..])
         );
+    }
+
+    /// A refusal's `Retry-After` goes to the client whether its words are relayed as they came,
+    /// put in OpenAI's shape, or withheld.
+    #[test]
+    fn a_refusals_retry_after_is_relayed_whatever_becomes_of_its_words() {
+        let bodies: [&[u8]; 3] = [
+            br#"{"error":{"message":"slow down","type":"rate_limit"}}"#,
+            br#"{"detail":"slow down"}"#,
+            b"<html>upstream 10.0.0.7:8000 is busy</html>",
+        ];
+        for body in bodies {
+            let mut shim_headers = HeaderMap::new();
+            shim_headers.insert(header::RETRY_AFTER, HeaderValue::from_static("30"));
+            let (response, _) = relayed_refusal(StatusCode::TOO_MANY_REQUESTS, shim_headers, Bytes::from_static(body));
+            assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+            let retry_after = response.headers().get(header::RETRY_AFTER).map(HeaderValue::as_bytes);
+            assert_eq!(retry_after, Some(&b"30"[..]), "{}", String::from_utf8_lossy(body));
+        }
     }
 }

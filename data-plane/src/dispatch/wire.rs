@@ -5,7 +5,7 @@
 //! Only what a `dynamo.frontend` (a hyper server) sends needs reading: `Content-Length` or
 //! chunked bodies, a body running to the close otherwise, and no body where HTTP says so.
 
-use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use bytes::{Buf, Bytes, BytesMut};
 
@@ -40,10 +40,10 @@ pub enum Framing {
     UntilClose,
 }
 
-/// Response headers a client may see: the content's type and caching. The rest (hop-by-hop,
-/// `server`, `date`, anything a frontend adds) are read for the framing and dropped at the
-/// parse, so a relayed response never carries them.
-pub const RELAYED_HEADERS: [HeaderName; 2] = [CONTENT_TYPE, CACHE_CONTROL];
+/// Response headers a client may see: the content's type and caching, and the pace a refusal
+/// (a 429) asks for. The rest (hop-by-hop, `server`, `date`, anything a frontend adds) are read
+/// for the framing and dropped at the parse, so a relayed response never carries them.
+pub const RELAYED_HEADERS: [HeaderName; 3] = [CONTENT_TYPE, CACHE_CONTROL, RETRY_AFTER];
 
 /// A parsed response head.
 #[derive(Debug)]

@@ -1,9 +1,13 @@
 //! The HTTP edge for errors: every failure a client can see becomes an OpenAI-shaped body
-//! `{"error":{"message","type","code"}}` with a stable `code`, a message that says what happened
-//! and what to do, and never an internal address.
+//! `{"error":{"message","type","param","code"}}` with a stable `code`, a message that says what
+//! happened and what to do, and never an internal address. Where the router knows better than an
+//! OpenAI client's default (which retries 408, 409, 429 and every 5xx twice), the answer says
+//! so: `Retry-After` for a cause that passes in a second, `x-should-retry: false` (which both
+//! OpenAI SDKs obey) for one a retry would only repeat.
 
 use axum::Json;
-use axum::http::{Method, StatusCode};
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
@@ -21,20 +25,35 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    pub retry: Retry,
+}
+
+/// What an answer tells a client about trying again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retry {
+    /// Nothing: the client's own policy decides.
+    AsItSees,
     /// The router itself refused for want of room, a view or a worker, causes that pass in
-    /// seconds: the answer asks the client to retry after [`RETRY_AFTER_SECONDS`]. Not when a
-    /// backend said no (429, 503), whose own pace a fixed second would override.
-    pub retry_soon: bool,
+    /// seconds: retry after [`RETRY_AFTER_SECONDS`]. Not when a backend said no (429, 503),
+    /// whose own pace a fixed second would override.
+    Soon,
+    /// A retry would bring the same answer (an answer too large to hold, a request the model
+    /// server refused unpinned too): `x-should-retry: false`, though the status is a 5xx.
+    Never,
 }
 
 impl ApiError {
     fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into(), retry_soon: false }
+        Self { status, code, message: message.into(), retry: Retry::AsItSees }
     }
 
     /// The router's own 503, for a cause that passes in seconds.
     fn unavailable(code: &'static str, message: impl Into<String>) -> Self {
-        Self { retry_soon: true, ..Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message) }
+        Self { retry: Retry::Soon, ..Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message) }
+    }
+
+    fn not_to_retry(self) -> Self {
+        Self { retry: Retry::Never, ..self }
     }
 
     /// A request for a path this replica does not serve (404), or not with this method (405).
@@ -86,13 +105,22 @@ impl ApiError {
 /// need another replica, and OpenAI's clients honour the header over their own backoff.
 const RETRY_AFTER_SECONDS: &str = "1";
 
+/// The header OpenAI's SDKs read before their own retry policy: `false` stops a retry of a 5xx.
+const SHOULD_RETRY: &str = "x-should-retry";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"message": self.message, "type": self.kind(), "code": self.code}});
+        let body = json!({"error": {"message": self.message, "type": self.kind(), "param": null, "code": self.code}});
         let mut response = (self.status, Json(body)).into_response();
-        if self.retry_soon {
-            let retry_after = axum::http::HeaderValue::from_static(RETRY_AFTER_SECONDS);
-            response.headers_mut().insert(axum::http::header::RETRY_AFTER, retry_after);
+        let headers = response.headers_mut();
+        match self.retry {
+            Retry::AsItSees => {}
+            Retry::Soon => {
+                headers.insert(RETRY_AFTER, HeaderValue::from_static(RETRY_AFTER_SECONDS));
+            }
+            Retry::Never => {
+                headers.insert(HeaderName::from_static(SHOULD_RETRY), HeaderValue::from_static("false"));
+            }
         }
         response
     }
@@ -128,8 +156,7 @@ impl From<HeadError> for ApiError {
                 return ApiError::new(error.status(), "request_timeout", message);
             }
             HeadError::Busy => {
-                let message = format!("The router is busy: {error}. Retry shortly.");
-                return ApiError::new(error.status(), "server_busy", message);
+                return ApiError::unavailable("server_busy", format!("The router is busy: {error}. Retry shortly."));
             }
             HeadError::Malformed(_) | HeadError::Framing(_) | HeadError::Body(_) => ("invalid_request", ""),
         };
@@ -208,12 +235,12 @@ fn unified_failed(cause: &Failure) -> ApiError {
         _ if cause.is_unavailable() => {
             ("shim_unavailable", "No backend serving this model could take the request. Retry shortly.".to_string())
         }
-        Failure::TooLarge(limit) => (
-            "response_too_large",
-            format!(
+        Failure::TooLarge(limit) => {
+            let message = format!(
                 "The answer is larger than the {limit} bytes relayed unstreamed. Ask for it with \"stream\": true."
-            ),
-        ),
+            );
+            return ApiError::new(status, "response_too_large", message).not_to_retry();
+        }
         _ if cause.is_timeout() => {
             ("backend_timeout", "The backend serving this model did not answer in time.".to_string())
         }
@@ -281,7 +308,11 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
             "The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."
         ),
     };
-    ApiError::new(status, "disaggregated_decode_failed", message)
+    let error = ApiError::new(status, "disaggregated_decode_failed", message);
+    // The answer would be as large again; the model server refused the request unpinned too.
+    let same_again = matches!(cause, Failure::TooLarge(_))
+        || matches!(fallback, Some(Failure::Status(refused)) if refuses_request(*refused));
+    if same_again { error.not_to_retry() } else { error }
 }
 
 /// Whether a backend's 4xx may refuse the request itself, rather than say "not now" (408,
@@ -323,6 +354,37 @@ mod tests {
         assert_eq!(retry_after(answer), None);
         let bad = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "x");
         assert_eq!(retry_after(bad), None);
+        assert_eq!(retry_after(HeadError::Busy.into()).as_deref(), Some("1"), "the server's own busy too");
+    }
+
+    /// An OpenAI client retries every 5xx twice unless told not to: the answers a retry would
+    /// only repeat say so, the others leave it to the client. Every body has OpenAI's four
+    /// fields.
+    #[tokio::test]
+    async fn answers_a_retry_would_repeat_tell_the_client_not_to_retry() {
+        let should_retry = |error: ApiError| {
+            let response = error.into_response();
+            response.headers().get("x-should-retry").map(|v| v.to_str().unwrap_or("?").to_owned())
+        };
+        let too_large = Failure::TooLarge(32 << 20);
+        assert_eq!(should_retry(decode_failed(&too_large, None, false)).as_deref(), Some("false"));
+        assert_eq!(should_retry(DispatchError::UnifiedFailed(too_large).into()).as_deref(), Some("false"));
+        let server_error = Failure::Status(StatusCode::INTERNAL_SERVER_ERROR);
+        let bad_request = Failure::Status(StatusCode::BAD_REQUEST);
+        assert_eq!(should_retry(decode_failed(&server_error, Some(&bad_request), false)).as_deref(), Some("false"));
+        // A failure a retry may mend: the workers, or pins the frontend no longer knows.
+        assert_eq!(should_retry(decode_failed(&server_error, None, false)), None);
+        assert_eq!(should_retry(decode_failed(&bad_request, None, true)), None);
+        let overloaded = Failure::Status(StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(should_retry(decode_failed(&server_error, Some(&overloaded), false)), None);
+
+        let body = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "x").into_response().into_body();
+        let bytes = http_body_util::BodyExt::collect(body).await.expect("a body").to_bytes();
+        let value: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+        let mut fields: Vec<&str> = value["error"].as_object().expect("an error").keys().map(String::as_str).collect();
+        fields.sort_unstable();
+        assert_eq!(fields, ["code", "message", "param", "type"]);
+        assert!(value["error"]["param"].is_null());
     }
 
     #[test]

@@ -32,7 +32,7 @@ use crate::server::head::CHAT_COMPLETIONS;
 /// The ingresses the router serves. Request bodies reach it already bounded by the server
 /// ([`MAX_REQUEST_BODY_BYTES`]).
 pub fn routes() -> Router<Arc<AppState>> {
-    Router::new().route("/v1/models", get(models::list_models))
+    Router::new().route("/v1/models", get(models::list_models)).route("/v1/models/{*id}", get(models::retrieve_model))
 }
 
 /// What a request for no endpoint gets: an OpenAI-shaped 404 or 405, counted. Chat

@@ -1,13 +1,14 @@
 //! `GET /v1/models`: the models a chat completion can be routed for, under the ids clients use:
 //! those routable workers serve (a display name the model map targets listed under its client
-//! ids instead) and those unpinned routing takes to a backend listing them.
+//! ids instead) and those unpinned routing takes to a backend listing them. `GET
+//! /v1/models/{id}` answers one of them (OpenAI's `models.retrieve`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use continuum_proto::view::FleetView;
 use serde_json::json;
@@ -28,13 +29,27 @@ pub async fn list_models(State(state): State<Arc<AppState>>) -> Response {
     response
 }
 
+/// One model as the list shows it, or 404 `model_not_found`. An id may hold slashes
+/// (`Qwen/Qwen3-0.6B`), which OpenAI's clients send unescaped.
+pub async fn retrieve_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let started = Instant::now();
+    let response = match state.fleet.view() {
+        Some(view) if client_ids(&view).contains(&id) => Json(model_object(&id)).into_response(),
+        Some(_) => ApiError::from(SelectError::ModelNotFound { model: id }).into_response(),
+        None => ApiError::from(SelectError::NoFleetView).into_response(),
+    };
+    state.metrics.observe(Ingress::Models, response.status().as_u16(), started.elapsed().as_secs_f64());
+    response
+}
+
 fn models_body(view: &FleetView) -> serde_json::Value {
-    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let data: Vec<_> = client_ids(view)
-        .into_iter()
-        .map(|id| json!({"id": id, "object": "model", "created": created, "owned_by": "continuum"}))
-        .collect();
+    let data: Vec<_> = client_ids(view).iter().map(|id| model_object(id)).collect();
     json!({"object": "list", "data": data})
+}
+
+fn model_object(id: &str) -> serde_json::Value {
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    json!({"id": id, "object": "model", "created": created, "owned_by": "continuum"})
 }
 
 /// The client ids a chat completion can be routed for, sorted: the models that routable

@@ -95,6 +95,18 @@ async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Resu
     );
     assert_eq!(harness.post(&chat("solo", false)).await?.status(), 200, "a model listed is routed");
     assert!(models["data"].as_array().into_iter().flatten().all(|m| m["object"] == "model"));
+    // Each listed model is retrieved by its id (OpenAI's `models.retrieve`), slashes and all;
+    // one not listed is not found.
+    for id in ids {
+        let model: Value = harness.http.get(harness.url(&format!("/v1/models/{id}"))).send().await?.json().await?;
+        assert_eq!((model["id"].as_str(), model["object"].as_str()), (Some(id), Some("model")), "{model}");
+    }
+    for unlisted in ["prefill-only", "ghost", "no/such/model"] {
+        let answer = harness.http.get(harness.url(&format!("/v1/models/{unlisted}"))).send().await?;
+        assert_eq!(answer.status(), 404, "{unlisted}");
+        let error: Value = answer.json().await?;
+        assert_eq!(error["error"]["code"], "model_not_found", "{unlisted}");
+    }
     harness.stop().await;
     Ok(())
 }

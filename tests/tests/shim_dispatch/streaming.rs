@@ -288,6 +288,36 @@ async fn a_stream_whose_end_is_held_back_after_done_ends_whole_soon_after() -> a
     Ok(())
 }
 
+/// A later frontend's error event, named `error` with its words in comments, reaches the client
+/// as an error event OpenAI's clients read: unnamed, a JSON error in its data, saying the
+/// engine's words, the tokens before it and the closing marker as they came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_event_named_with_words_in_comments_reaches_the_client_as_a_json_error() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness =
+        Harness::start_with(disaggregated_fleet(), config(&[("shim-a", shim.url())]), DispatchSettings::default())
+            .await?;
+    let gate = shim.push_stream();
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    let token = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+    gate.send(Ok(Bytes::from(format!("{token}event: error\n: Stream ended before generation completed\n\n{DONE}"))))
+        .await?;
+    drop(gate);
+    let mut text = String::new();
+    while let Some(frame) = next_text(&mut response).await? {
+        text.push_str(&frame);
+    }
+    assert!(text.starts_with(token) && text.ends_with(DONE), "{text}");
+    assert!(!text.contains("event:") && !text.contains("\n:"), "nothing a client cannot read: {text}");
+    let error = text.lines().filter_map(|line| line.strip_prefix("data: ")).find(|data| data.contains("\"error\""));
+    let error: serde_json::Value = serde_json::from_str(error.unwrap_or("{}"))?;
+    assert_eq!(error["error"]["code"], "backend_failed", "{text}");
+    let message = error["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("Stream ended before generation completed"), "{message}");
+    harness.stop().await;
+    Ok(())
+}
+
 /// An error event before any token is no first token: the prompt may never have been
 /// prefilled, so both workers are suspects (two such streams take both out of picking), and
 /// the frontend's end after it, with its closing `[DONE]` or without, adds no error event.
