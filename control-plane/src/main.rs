@@ -125,7 +125,7 @@ async fn run(file: Option<&Path>, listen: ListenOverrides, shim: Option<SocketAd
         }
     };
     let mut config = match file {
-        Some(file) => match config::load_file(file) {
+        Some(file) => match read_first(file).await {
             Ok(loaded) => {
                 for diagnostic in &loaded.diagnostics {
                     tracing::warn!("{diagnostic}");
@@ -284,6 +284,28 @@ fn move_shim(config: &mut config::Config, addr: SocketAddr) -> Result<(), Vec<co
         tracing::warn!("{diagnostic}");
     }
     Ok(())
+}
+
+/// Loads `file` as the control plane starts, on the blocking pool: a volume that stalls it (a
+/// network mount gone away) ends the process with a clear error within [`FILE_READ_WAIT`],
+/// rather than leave it up, serving nothing, with no word of why. It exits at once: the read
+/// stalled holds a thread the runtime would otherwise wait on as it shuts down.
+async fn read_first(file: &Path) -> Result<config::Loaded, ConfigError> {
+    let path = file.to_path_buf();
+    match tokio::time::timeout(FILE_READ_WAIT, tokio::task::spawn_blocking(move || config::load_file(&path))).await {
+        Ok(Ok(loaded)) => loaded,
+        Ok(Err(error)) => {
+            eprintln!("error: reading {} failed: {error}", file.display());
+            std::process::exit(2)
+        }
+        Err(_) => {
+            eprintln!(
+                "error: {} did not read within {FILE_READ_WAIT:?} (a stalled volume?); not starting",
+                file.display()
+            );
+            std::process::exit(2)
+        }
+    }
 }
 
 /// Loads `file` (on the blocking pool: its volume may stall) and applies it; whether it was

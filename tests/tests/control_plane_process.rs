@@ -334,6 +334,42 @@ async fn a_reload_stuck_on_its_file_does_not_keep_the_control_plane_from_exiting
     Ok(())
 }
 
+/// A configuration file that does not read as the control plane starts (a stalled volume:
+/// here a FIFO no one writes) ends it with a clear error, rather than leave it up serving
+/// nothing.
+#[test]
+fn a_configuration_that_does_not_read_at_start_ends_the_process_with_a_clear_error() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let config = dir.path().join("stalled.yaml");
+    anyhow::ensure!(std::process::Command::new("mkfifo").arg(&config).status()?.success(), "mkfifo");
+    let mut child = std::process::Command::new(tools::binary("continuum-control-plane"))
+        .env_remove("CONTINUUM_CONFIG")
+        .arg("--config")
+        .arg(&config)
+        .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill()?;
+            child.wait()?;
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Whatever happened, nothing stays blocked on the FIFO once the test is done with it.
+    drop(std::fs::OpenOptions::new().write(true).custom_flags(libc_nonblock()).open(&config));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?, &mut stderr)?;
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "it must exit, refusing:\n{stderr}");
+    assert!(stderr.contains("did not read within"), "{stderr}");
+    Ok(())
+}
+
 /// Whether a thread of process `pid` waits in the kernel for a FIFO's other end
 /// (`wait_for_partner`, where an `open` of a FIFO nobody writes blocks).
 fn blocked_on_a_fifo(pid: &str) -> bool {

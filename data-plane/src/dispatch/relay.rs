@@ -456,10 +456,13 @@ const WITHHELD_COMMENT: &str = ": withheld";
 /// object without an `error` member for a chunk; none of them reads comments.
 fn with_error_data(events: Bytes) -> Bytes {
     let lines = lines_by_event(&events);
-    let error_data = |line: &EventLine<'_>| line.text.strip_prefix(b"data:").is_some_and(opens_with_error_member);
+    let error_data = |line: &&EventLine<'_>| line.text.strip_prefix(b"data:").is_some_and(opens_with_error_member);
+    // Both in the order of the events, so sorted.
+    let mut read: Vec<usize> = lines.iter().filter(error_data).map(|line| line.event).collect();
+    read.dedup();
     let mut unread: Vec<usize> = lines.iter().filter(|line| line.in_named_error).map(|line| line.event).collect();
     unread.dedup();
-    unread.retain(|event| !lines.iter().any(|line| line.event == *event && error_data(line)));
+    unread.retain(|event| read.binary_search(event).is_err());
     if unread.is_empty() {
         return events;
     }
@@ -479,9 +482,7 @@ fn with_error_data(events: Bytes) -> Bytes {
         };
         replaced = unread.binary_search(&event[0].event).is_ok();
         if replaced {
-            out.extend_from_slice(b"data: ");
-            out.extend_from_slice(&engine_error(&engine_words(rest)));
-            out.extend_from_slice(b"\n\n");
+            out.extend_from_slice(&sse_error_event("backend_failed", &engine_error(&engine_words(rest))));
         } else {
             rest.iter().for_each(|line| out.extend_from_slice(line.text));
         }
@@ -504,14 +505,12 @@ fn engine_words(event: &[EventLine<'_>]) -> String {
     joined.chars().take(MAX_ENGINE_WORDS_CHARS).collect()
 }
 
-/// The router's error event's JSON for an engine's error event, with its words if any.
-fn engine_error(words: &str) -> Vec<u8> {
-    let message = match words {
+/// The router's words for an engine's error event, with the engine's if any.
+fn engine_error(words: &str) -> String {
+    match words {
         "" => "The model server reported an error in the stream. Retry the request.".to_string(),
         words => format!("The model server reported an error in the stream: {words}. Retry the request."),
-    };
-    let error = json!({"error": {"message": message, "type": "server_error", "param": null, "code": "backend_failed"}});
-    error.to_string().into_bytes()
+    }
 }
 
 /// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
@@ -529,7 +528,15 @@ fn event_lines(data: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// (1.6.1 closes a failed stream with it): something the engine answered, which for the first
 /// one means the prompt was prefilled.
 fn carries_answer(data: &[u8]) -> bool {
-    event_lines(data).any(|line| !is_error_line(line) && !is_done_line(line))
+    let answer = |line: &[u8]| !is_error_line(line) && !is_done_line(line);
+    // Every line of an event named `error` is its error, whatever its data's shape (a name may
+    // follow the data it names): sorted out by event only where some event is named.
+    if memchr::memmem::find(data, b"event:").is_none() {
+        return event_lines(data).any(answer);
+    }
+    let named = lines_by_event(data);
+    let mut lines = named.iter().filter(|line| !line.in_named_error).map(|line| line.text.trim_ascii_end());
+    lines.any(|line| line.first().is_some_and(|first| *first != b':') && answer(line))
 }
 
 /// Whether the last event line of whole events (comments after it aside) is the closing
@@ -602,8 +609,8 @@ mod tests {
     use bytes::Bytes;
 
     use super::{
-        Lines, WITHHELD_ERROR_EVENT, carries_error_event, carries_event, ends_with_done_marker, engine_error,
-        is_done_marker, with_error_data, withhold_addresses,
+        Lines, WITHHELD_ERROR_EVENT, carries_answer, carries_error_event, carries_event, ends_with_done_marker,
+        engine_error, is_done_marker, sse_error_event, with_error_data, withhold_addresses,
     };
 
     /// An error event naming an internal address or a worker goes out in the router's words,
@@ -745,7 +752,9 @@ mod tests {
     /// around it, the closing marker among them, go as they came.
     #[test]
     fn an_error_event_clients_cannot_read_is_replaced_by_the_routers_saying_its_words() {
-        let routers = |words: &str| format!("data: {}\n\n", String::from_utf8_lossy(&engine_error(words)));
+        let routers = |words: &str| {
+            String::from_utf8_lossy(&sse_error_event("backend_failed", &engine_error(words))).into_owned()
+        };
         let named = Bytes::from_static(
             b"event: error\n: Remote prefill failed: nvext.prefill_worker_id=7668682560356784121 does not identify a known worker at 10.4.0.12:9000\n\n",
         );
@@ -776,6 +785,22 @@ mod tests {
         // One that carries its words as an error's data needs nothing more.
         let with_data = Bytes::from_static(b"event: error\ndata: {\"error\":{\"message\":\"x\"}}\n\n");
         assert_eq!(with_error_data(with_data.clone()), with_data);
+    }
+
+    /// An error event is no answer, whatever its data's shape; a token beside it is.
+    #[test]
+    fn an_error_event_of_any_shape_is_no_answer() {
+        let token = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        for errors in [
+            "data: {\"error\":{\"message\":\"x\"}}\n\ndata: [DONE]\n\n",
+            "event: error\ndata: the engine ran out of memory\n\n",
+            "data: {\"type\":\"error\"}\r\nevent: error\r\n\r\n: ping\n\n",
+            "event: error\n: words in comments\n\n",
+        ] {
+            assert!(!carries_answer(errors.as_bytes()), "{errors:?}");
+            assert!(carries_answer(format!("{errors}{token}").as_bytes()), "{errors:?} then a token");
+        }
+        assert!(carries_answer(b"event: message\ndata: {\"choices\":[]}\n\n"), "an event of another name");
     }
 
     #[test]

@@ -68,7 +68,9 @@ impl ApiError {
                     "{method} is not served at {path}. Chat completions are POST /v1/chat/completions; models are GET /v1/models."
                 )
             }
-            _ => format!("No endpoint at {path}. This router serves POST /v1/chat/completions and GET /v1/models."),
+            _ => format!(
+                "No endpoint at {path}. This router serves POST /v1/chat/completions, GET /v1/models and GET /v1/models/{{id}}."
+            ),
         };
         let code = if status == StatusCode::METHOD_NOT_ALLOWED { "method_not_allowed" } else { "not_found" };
         ApiError::new(status, code, message)
@@ -160,7 +162,10 @@ impl From<HeadError> for ApiError {
             }
             HeadError::Malformed(_) | HeadError::Framing(_) | HeadError::Body(_) => ("invalid_request", ""),
         };
-        ApiError::new(error.status(), code, format!("Invalid HTTP request: {error}.{advice}"))
+        let refused = ApiError::new(error.status(), code, format!("Invalid HTTP request: {error}.{advice}"));
+        // A 501 (RFC 9112 §6.1: a transfer coding the server does not know) is no failure a
+        // retry of the same request mends.
+        if refused.status.is_server_error() { refused.not_to_retry() } else { refused }
     }
 }
 
@@ -277,10 +282,6 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
         Failure::TooLarge(limit) => format!(
             "The request's answer is larger than the {limit} bytes relayed unstreamed{retried}. Ask for it with \"stream\": true."
         ),
-        Failure::Status(_) if stale_pins => format!(
-            "The request failed on its assigned workers: {what}, refusing the workers this router chose (its view of \
-             the fleet was behind the frontend's){retried}. Retry the request: the router is told of the change."
-        ),
         // The unpinned backend refused the request itself: retrying would be refused again.
         _ if let Some(Failure::Status(refused)) = fallback
             && refuses_request(*refused) =>
@@ -291,6 +292,10 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
                 refused.as_u16()
             )
         }
+        Failure::Status(_) if stale_pins => format!(
+            "The request failed on its assigned workers: {what}, refusing the workers this router chose (its view of \
+             the fleet was behind the frontend's){retried}. Retry the request: the router is told of the change."
+        ),
         // A refusal that may be of the request itself (the frontend checks some of it only once
         // it is pinned): retrying an invalid request would fail the same way.
         Failure::Status(shim_status) if refuses_request(*shim_status) => {
@@ -311,6 +316,7 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
     let error = ApiError::new(status, "disaggregated_decode_failed", message);
     // The answer would be as large again; the model server refused the request unpinned too.
     let same_again = matches!(cause, Failure::TooLarge(_))
+        || matches!(fallback, Some(Failure::TooLarge(_)))
         || matches!(fallback, Some(Failure::Status(refused)) if refuses_request(*refused));
     if same_again { error.not_to_retry() } else { error }
 }
@@ -355,6 +361,9 @@ mod tests {
         let bad = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "x");
         assert_eq!(retry_after(bad), None);
         assert_eq!(retry_after(HeadError::Busy.into()).as_deref(), Some("1"), "the server's own busy too");
+        let unknown_coding = ApiError::from(HeadError::UnsupportedCoding);
+        assert_eq!(unknown_coding.status, StatusCode::NOT_IMPLEMENTED);
+        assert_eq!(unknown_coding.retry, Retry::Never, "a 501 an OpenAI client would otherwise retry");
     }
 
     /// An OpenAI client retries every 5xx twice unless told not to: the answers a retry would
@@ -368,10 +377,19 @@ mod tests {
         };
         let too_large = Failure::TooLarge(32 << 20);
         assert_eq!(should_retry(decode_failed(&too_large, None, false)).as_deref(), Some("false"));
-        assert_eq!(should_retry(DispatchError::UnifiedFailed(too_large).into()).as_deref(), Some("false"));
+        assert_eq!(
+            should_retry(DispatchError::UnifiedFailed(Failure::TooLarge(32 << 20)).into()).as_deref(),
+            Some("false")
+        );
         let server_error = Failure::Status(StatusCode::INTERNAL_SERVER_ERROR);
         let bad_request = Failure::Status(StatusCode::BAD_REQUEST);
         assert_eq!(should_retry(decode_failed(&server_error, Some(&bad_request), false)).as_deref(), Some("false"));
+        assert_eq!(should_retry(decode_failed(&server_error, Some(&too_large), false)).as_deref(), Some("false"));
+        // Pins the frontend no longer knows, and the resend without them refused as a bad
+        // request too: the body says to check the request, as the header does.
+        let refused = decode_failed(&bad_request, Some(&bad_request), true);
+        assert!(refused.message.contains("Check the request"), "{}", refused.message);
+        assert_eq!(should_retry(refused).as_deref(), Some("false"));
         // A failure a retry may mend: the workers, or pins the frontend no longer knows.
         assert_eq!(should_retry(decode_failed(&server_error, None, false)), None);
         assert_eq!(should_retry(decode_failed(&bad_request, None, true)), None);

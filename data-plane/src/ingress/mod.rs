@@ -1,6 +1,6 @@
 //! The OpenAI traffic ingresses a replica serves beside its health and metrics endpoints:
 //! `POST /v1/chat/completions` (buffered, or streamed as SSE), which the replica's server calls
-//! directly ([`chat::respond`]), and `GET /v1/models`, served by the router with the rest.
+//! directly ([`chat::respond`]), and `GET /v1/models` (and `/v1/models/{id}`), served by the router with the rest.
 //! Handlers are thin: they read the request, call the routing and dispatch phases, and map
 //! errors to OpenAI-shaped bodies at this edge ([`error`]).
 

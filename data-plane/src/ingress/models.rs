@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use continuum_proto::view::FleetView;
@@ -31,8 +32,10 @@ pub async fn list_models(State(state): State<Arc<AppState>>) -> Response {
 
 /// One model as the list shows it, or 404 `model_not_found`. An id may hold slashes
 /// (`Qwen/Qwen3-0.6B`), which OpenAI's clients send unescaped.
-pub async fn retrieve_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+pub async fn retrieve_model(State(state): State<Arc<AppState>>, id: Result<Path<String>, PathRejection>) -> Response {
     let started = Instant::now();
+    // An id that does not decode (not UTF-8) names no model either.
+    let id = id.map_or_else(|_| String::new(), |Path(id)| id);
     let response = match state.fleet.view() {
         Some(view) if client_ids(&view).contains(&id) => Json(model_object(&id)).into_response(),
         Some(_) => ApiError::from(SelectError::ModelNotFound { model: id }).into_response(),
