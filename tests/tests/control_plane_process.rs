@@ -178,18 +178,7 @@ fn without_a_config_inside_a_pod_the_demo_fleet_is_refused() -> anyhow::Result<(
         ])
         .stderr(std::process::Stdio::piped())
         .spawn()?;
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break Some(status);
-        }
-        if std::time::Instant::now() > deadline {
-            child.kill()?;
-            child.wait()?;
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let status = exited_within(&mut child, Duration::from_secs(10))?;
     let mut stderr = String::new();
     std::io::Read::read_to_string(&mut child.stderr.take().ok_or_else(|| anyhow::anyhow!("no stderr"))?, &mut stderr)?;
     assert_eq!(status.and_then(|s| s.code()), Some(2), "it must exit at once, refusing:\n{stderr}");
@@ -349,18 +338,7 @@ fn a_configuration_that_does_not_read_at_start_ends_the_process_with_a_clear_err
         .args(["--grpc-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
         .stderr(std::process::Stdio::piped())
         .spawn()?;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break Some(status);
-        }
-        if std::time::Instant::now() > deadline {
-            child.kill()?;
-            child.wait()?;
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = exited_within(&mut child, Duration::from_secs(60))?;
     // Whatever happened, nothing stays blocked on the FIFO once the test is done with it.
     drop(std::fs::OpenOptions::new().write(true).custom_flags(libc_nonblock()).open(&config));
     let mut stderr = String::new();
@@ -368,6 +346,22 @@ fn a_configuration_that_does_not_read_at_start_ends_the_process_with_a_clear_err
     assert_eq!(status.and_then(|s| s.code()), Some(2), "it must exit, refusing:\n{stderr}");
     assert!(stderr.contains("did not read within"), "{stderr}");
     Ok(())
+}
+
+/// How `child` exited, if it did within `wait`; killed otherwise.
+fn exited_within(child: &mut std::process::Child, wait: Duration) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill()?;
+            child.wait()?;
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Whether a thread of process `pid` waits in the kernel for a FIFO's other end
