@@ -11,7 +11,12 @@ use continuum_control_plane::config::{self, ConfigError};
 use tokio::signal::unix::{self, SignalKind};
 
 #[derive(Debug, Parser)]
-#[command(version, about = "Continuum's control plane: discovery, load signals and the Fleet stream")]
+#[command(
+    version,
+    about = "Continuum's control plane: discovery, load signals and the Fleet stream",
+    after_help = "Also read from the environment:\n  [env: RUST_LOG] the log filter (default: info)\n  \
+        and any variable the configuration names as ${VAR}"
+)]
 struct Args {
     /// The YAML configuration. Without it, the embedded default runs: a simulated demo fleet
     /// and shim that need no etcd, Kubernetes or GPU (refused inside a Kubernetes pod).
@@ -24,7 +29,8 @@ struct Args {
     #[arg(long, env = "CONTINUUM_ADMIN_LISTEN")]
     admin_listen: Option<SocketAddr>,
     /// Overrides `dynamo.discovery.simulator.shim_listen`, and moves the backends that pointed
-    /// at the old address with it.
+    /// at the old address with it (only with `dynamo.discovery.source: simulator`; otherwise
+    /// ignored, with a warning).
     #[arg(long, env = "CONTINUUM_SIMULATOR_SHIM_LISTEN")]
     simulator_shim_listen: Option<SocketAddr>,
     #[command(subcommand)]

@@ -25,7 +25,15 @@ const BLOCKING_THREAD_KEEP_ALIVE: std::time::Duration = std::time::Duration::fro
 
 // No `Debug`: it would print `--control-plane-token`.
 #[derive(Parser)]
-#[command(version, about = "A stateless Continuum data-plane replica")]
+#[command(
+    version,
+    about = "A stateless Continuum data-plane replica",
+    after_help = "Also read from the environment:\n  \
+        [env: RUST_LOG] the log filter (default: info)\n  \
+        [env: CONTINUUM_ARTIFACT_CA_FILE] a PEM bundle trusted beside the system roots when fetching tokenizer files\n  \
+        [env: HF_ENDPOINT] the Hugging Face endpoint for hf:// artifacts (with dynamo.kv.allow_hf_artifacts)\n  \
+        [env: HF_TOKEN] the token sent to it"
+)]
 struct Args {
     /// Address to serve traffic, /healthz, /readyz and /metrics on.
     #[arg(long, env = "CONTINUUM_LISTEN", default_value = "127.0.0.1:8080")]
@@ -43,7 +51,8 @@ struct Args {
     /// The private key (PEM) of --control-plane-cert.
     #[arg(long, env = "CONTINUUM_CONTROL_PLANE_KEY", requires = "control_plane_cert")]
     control_plane_key: Option<PathBuf>,
-    /// This replica's name in the control plane's logs and admin API (default: host-pid).
+    /// This replica's name in the control plane's logs and admin API: 1 to 128 printable ASCII
+    /// characters without spaces (default: host-pid).
     #[arg(long, env = "CONTINUUM_REPLICA_ID")]
     replica_id: Option<String>,
     /// The control plane's `control_plane.token`, presented on every Fleet call. Prefer the
@@ -51,11 +60,12 @@ struct Args {
     #[arg(long, env = "CONTINUUM_CONTROL_PLANE_TOKEN", hide_env_values = true)]
     control_plane_token: Option<String>,
     /// How long a KV overlap lookup may hold a request before it is scored without a fresh answer
-    /// (on the replica's recent answer for the prompt's prefix, else without overlap credit).
+    /// (on the replica's recent answer for the prompt's prefix, else without overlap credit);
+    /// 1ms to 10s.
     #[arg(long, env = "CONTINUUM_FIND_MATCHES_DEADLINE", default_value = "2ms", value_parser = humantime::parse_duration)]
     find_matches_deadline: std::time::Duration,
-    /// Threads serving requests (default: one per core). With 1 the replica runs on a single
-    /// thread with no work stealing: the least CPU per request, as `bench-proxy` measures it.
+    /// Threads serving requests, 1 to 1024 (default: one per core). With 1 the replica runs on a
+    /// single thread with no work stealing: the least CPU per request, as `bench-proxy` measures it.
     #[arg(long, env = "CONTINUUM_WORKER_THREADS")]
     worker_threads: Option<usize>,
     /// On SIGTERM, how long readiness fails while the replica still answers, so load balancers
@@ -63,7 +73,8 @@ struct Args {
     #[arg(long, env = "CONTINUUM_DRAIN_DELAY", default_value = "5s", value_parser = humantime::parse_duration)]
     drain_delay: std::time::Duration,
     /// Once accepting stops, how long requests in flight may take to finish before their
-    /// connections are cut. Keep delay + grace under the pod's terminationGracePeriodSeconds.
+    /// connections are cut. Keep delay + grace + 3s (the replica's exit after the grace) under
+    /// the pod's terminationGracePeriodSeconds.
     #[arg(long, env = "CONTINUUM_SHUTDOWN_GRACE", default_value = "20s", value_parser = humantime::parse_duration)]
     shutdown_grace: std::time::Duration,
 }
