@@ -560,9 +560,11 @@ mod tests {
         tokio::spawn(crate::grpc::serve((fleet, guard), service, None, cancel.clone()));
         let admin = TcpListener::bind("127.0.0.1:0").await?;
         let admin_addr = admin.local_addr()?;
-        let guard = Guard::admin(&metrics).silent_after(Duration::from_millis(300));
+        // A byte every 100 ms against a silence of 1.5 s: a stalled runtime cannot make the
+        // trickling client below look silent before its head's own time (4 s) is up.
+        let guard = Guard::admin(&metrics).silent_after(Duration::from_millis(1500));
         let router = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
-        let heads = Duration::from_millis(1000);
+        let heads = Duration::from_secs(4);
         tokio::spawn(GuardedListener::new(admin, guard).head_within(heads).serve(router, cancel.clone()));
 
         let mut mute = TcpStream::connect(fleet_addr).await?;

@@ -202,7 +202,8 @@ async fn a_prefix_one_replica_pins_is_credited_to_its_rank_for_every_replica_unt
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zero_ttl_reloaded_in_turns_the_credit_off_so_the_same_report_credits_nothing() -> anyhow::Result<()> {
-    let mut plane = Plane::start("2s").await?;
+    // Long enough that a loaded machine's late report still finds the credit on.
+    let mut plane = Plane::start("60s").await?;
     let mut client = plane.client().await?;
     let reporter = watch(&mut client, "replica-a").await?;
     let prefix: Vec<u64> = (2_000..2_008).collect();
@@ -246,7 +247,7 @@ async fn the_blocks_a_dispatch_in_flight_holds_are_its_ranks_active_overlap_unti
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dispatch_for_a_rank_the_fleet_lacks_is_refused_and_counted_by_an_idle_book() -> anyhow::Result<()> {
-    let plane = Plane::start("2s").await?;
+    let plane = Plane::start("60s").await?;
     let mut client = plane.client().await?;
     let reporter = watch(&mut client, "replica-a").await?;
     // The book holds nothing, so it has no window to wake for but the count it owes.
@@ -260,7 +261,7 @@ async fn a_dispatch_for_a_rank_the_fleet_lacks_is_refused_and_counted_by_an_idle
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lookups_through_any_replica_are_numbered_per_model_in_the_order_they_are_answered() -> anyhow::Result<()> {
-    let plane = Plane::start("2s").await?;
+    let plane = Plane::start("60s").await?;
     let (mut first, mut second) = (plane.client().await?, plane.client().await?);
     // One sequence per model, whichever replica asks: what lets replicas that see the same tie
     // rotate it between them instead of each taking its own first contender. Another model's
