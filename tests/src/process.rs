@@ -19,7 +19,9 @@ pub struct ControlPlaneProcess {
 }
 
 impl ControlPlaneProcess {
-    /// Starts the binary with `config` and waits for its "listening" line.
+    /// Starts the binary with `config` and waits for its "listening" line. With port 0 in
+    /// `grpc_addr`, the port it bound is read from that line: no other test can take it in
+    /// between, as one chosen free beforehand could be.
     pub async fn start(config: &Path, grpc_addr: SocketAddr) -> anyhow::Result<Self> {
         Self::start_with(config, grpc_addr, &[]).await
     }
@@ -46,6 +48,8 @@ impl ControlPlaneProcess {
             .ok_or_else(|| anyhow::anyhow!("control plane exited before listening"))?;
         // "continuum-control-plane: Fleet gRPC on 127.0.0.1:1, admin HTTP on 127.0.0.1:2"
         let admin = banner.rsplit(' ').next().unwrap_or_default().parse()?;
+        let grpc = banner.split("Fleet gRPC on ").nth(1).and_then(|rest| rest.split(',').next());
+        let grpc_addr = grpc.ok_or_else(|| anyhow::anyhow!("no gRPC address in {banner:?}"))?.parse()?;
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
         Ok(Self { child, grpc_addr, admin_addr: admin })
     }
@@ -60,6 +64,9 @@ impl ControlPlaneProcess {
         Ok(())
     }
 }
+
+/// Any loopback port, for a server that reports the one it bound.
+pub const ANY_PORT: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
 
 /// A loopback port that was free a moment ago, for a server that is started (or restarted) on
 /// it later. It is drawn below the kernel's ephemeral range, where no other test's outgoing

@@ -7,7 +7,7 @@ use std::process::Output;
 use std::time::Duration;
 
 use continuum_proto::model::WorkerKey;
-use continuum_tests::process::{ControlPlaneProcess, free_port};
+use continuum_tests::process::{ANY_PORT, ControlPlaneProcess, free_port};
 use continuum_tests::{eventually, start_replicas, tools};
 
 const CONVERGE: Duration = Duration::from_secs(20);
@@ -123,7 +123,7 @@ fn a_replica_refuses_flags_it_could_never_follow_a_control_plane_with() -> anyho
 async fn grpcurl_lists_describes_and_reads_the_snapshot_over_reflection() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let config = static_config(dir.path(), "fleet.yaml", &[7_587_890_000_000_000_123, 2])?;
-    let control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let control = ControlPlaneProcess::start(&config, ANY_PORT).await?;
     let grpcurl = tools::grpcurl();
     let addr = control.grpc_addr.to_string();
 
@@ -218,7 +218,7 @@ fn config_validate_prints_key_paths_and_fails_on_errors() -> anyhow::Result<()> 
 async fn sighup_reloads_the_configuration_file_and_replicas_follow() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
-    let control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let control = ControlPlaneProcess::start(&config, ANY_PORT).await?;
     let replicas = start_replicas(1, &control.grpc_url()).await?;
     eventually(CONVERGE, "first fleet", || async { ids(&replicas[0]) == [1, 2] }).await?;
 
@@ -258,7 +258,7 @@ async fn sighup_reloads_the_configuration_file_and_replicas_follow() -> anyhow::
 async fn the_control_plane_told_to_terminate_behind_a_reload_exits_cleanly() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
-    let mut control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let mut control = ControlPlaneProcess::start(&config, ANY_PORT).await?;
     let replicas = start_replicas(1, &control.grpc_url()).await?;
     eventually(CONVERGE, "first fleet", || async { ids(&replicas[0]) == [1, 2] }).await?;
 
@@ -282,7 +282,7 @@ async fn a_reload_the_simulator_flag_makes_invalid_is_refused() -> anyhow::Resul
     let dir = tempfile::tempdir()?;
     let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
     let control =
-        ControlPlaneProcess::start_with(&config, free_port()?, &["--simulator-shim-listen", "127.0.0.1:0"]).await?;
+        ControlPlaneProcess::start_with(&config, ANY_PORT, &["--simulator-shim-listen", "127.0.0.1:0"]).await?;
     let simulated =
         "dynamo:\n  enabled: true\n  discovery:\n    source: simulator\nadmin:\n  listen: \"127.0.0.1:0\"\n";
     std::fs::write(&config, simulated)?;
@@ -306,7 +306,7 @@ async fn a_reload_the_simulator_flag_makes_invalid_is_refused() -> anyhow::Resul
 async fn a_reload_stuck_on_its_file_does_not_keep_the_control_plane_from_exiting() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
-    let mut control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let mut control = ControlPlaneProcess::start(&config, ANY_PORT).await?;
     std::fs::remove_file(&config)?;
     anyhow::ensure!(std::process::Command::new("mkfifo").arg(&config).status()?.success(), "mkfifo");
     let pid = control.child.id().ok_or_else(|| anyhow::anyhow!("no pid"))?.to_string();
@@ -384,7 +384,7 @@ fn libc_nonblock() -> i32 {
 async fn a_replica_told_to_terminate_fails_readiness_for_its_drain_delay_then_exits() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let config = static_config(dir.path(), "fleet.yaml", &[1, 2])?;
-    let control = ControlPlaneProcess::start(&config, free_port()?).await?;
+    let control = ControlPlaneProcess::start(&config, ANY_PORT).await?;
     let listen = free_port()?;
     let mut replica = tokio::process::Command::new(tools::binary("continuum-data-plane"))
         .args(["--listen", &listen.to_string(), "--control-plane", &control.grpc_url()])
