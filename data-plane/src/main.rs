@@ -30,7 +30,7 @@ const BLOCKING_THREAD_KEEP_ALIVE: std::time::Duration = std::time::Duration::fro
     about = "A stateless Continuum data-plane replica",
     after_help = "Also read from the environment:\n  \
         [env: RUST_LOG] the log filter (default: info)\n  \
-        [env: CONTINUUM_ARTIFACT_CA_FILE] a PEM bundle trusted beside the system roots when fetching tokenizer files\n  \
+        [env: CONTINUUM_ARTIFACT_CA_FILE] a PEM bundle trusted beside the compiled-in Mozilla roots when fetching tokenizer files\n  \
         [env: HF_ENDPOINT] the Hugging Face endpoint for hf:// artifacts (with dynamo.kv.allow_hf_artifacts)\n  \
         [env: HF_TOKEN] the token sent to it"
 )]

@@ -65,6 +65,9 @@ pub struct Metrics {
     pub kv_term_seconds: HistogramVec,
     /// Client connections open.
     pub http_connections: IntGauge,
+    /// `continuum_http_connections_waiting`: of those, the ones waiting for the first byte of
+    /// their next request (nginx's "Waiting").
+    pub http_connections_waiting: IntGauge,
     /// `continuum_http_connection_capacity`: client connections served at once at most, as
     /// the open-file limit allows.
     pub http_connection_capacity: IntGauge,
@@ -74,8 +77,8 @@ pub struct Metrics {
     /// `continuum_http_write_stalls_total`: connections dropped because the client took none
     /// of a response for the write-stall timeout, or took it too slowly.
     http_write_stalls: IntCounter,
-    /// `continuum_http_connections_shed_total`: idle connections closed because every
-    /// connection slot was taken.
+    /// `continuum_http_connections_shed_total`: idle connections closed early because they
+    /// began waiting with the connection slots nearly all taken.
     pub http_connections_shed: IntCounter,
     /// `continuum_http_requests_abandoned_total`: requests whose client closed its connection
     /// before their answer's head (nginx logs them as 499).
@@ -273,7 +276,7 @@ impl Metrics {
             shim_attempts: IntCounterVec::new(
                 Opts::new(
                     "continuum_shim_attempts_total",
-                    "Requests sent to each configured backend (shim replica or unified backend), by what came back: success, client_error (4xx), server_error (5xx), gateway_failure (502 or 504 from a proxy in front), timeout (no head in time), connect_failed, broken (the exchange failed after the connection), other (1xx or 3xx), client_left (the send went before its head came: its client left, or a shutdown cut it)",
+                    "Requests sent to each configured backend (shim replica or unified backend), by what came back: success, client_error (4xx), server_error (5xx), gateway_failure (502 or 504 from a proxy in front), timeout (no head in time), connect_failed, broken (the exchange failed after the connection), other (3xx), client_left (the send went before its head came: its client left, or a shutdown cut it)",
                 ),
                 &["backend", "outcome"],
             )?,
@@ -305,6 +308,10 @@ impl Metrics {
                 &["stage"],
             )?,
             http_connections: IntGauge::new("continuum_http_connections", "Client connections open")?,
+            http_connections_waiting: IntGauge::new(
+                "continuum_http_connections_waiting",
+                "Client connections open and waiting for the first byte of their next request (keep-alive between requests, or opened and silent)",
+            )?,
             http_connection_capacity: IntGauge::new(
                 "continuum_http_connection_capacity",
                 "Client connections served at once at most: 16,384, or fewer when the open-file limit leaves room for fewer",
@@ -318,7 +325,7 @@ impl Metrics {
             )?,
             http_connections_shed: IntCounter::new(
                 "continuum_http_connections_shed_total",
-                "Idle client connections (keep-alive between requests, or opened and silent) closed because every connection slot was taken",
+                "Idle client connections (keep-alive between requests, or opened and silent) closed after 2 s instead of 75 s because they began waiting with no more than a sixteenth of the connection slots free",
             )?,
             http_requests_abandoned: IntCounter::new(
                 "continuum_http_requests_abandoned_total",
@@ -405,6 +412,7 @@ impl Metrics {
             Box::new(metrics.unpinned_stream_failures.clone()),
             Box::new(metrics.stream_first_event.clone()),
             Box::new(metrics.http_connections.clone()),
+            Box::new(metrics.http_connections_waiting.clone()),
             Box::new(metrics.http_connection_capacity.clone()),
             Box::new(metrics.body_bytes_held.clone()),
             Box::new(metrics.http_write_stalls.clone()),

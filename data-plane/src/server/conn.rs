@@ -18,6 +18,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Buf, Bytes, BytesMut};
 use futures::FutureExt;
 use http_body_util::BodyExt;
+use prometheus::IntGauge;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
@@ -155,12 +156,29 @@ struct Connection {
     idle: Pin<Box<Sleep>>,
 }
 
+/// A connection waiting for its next request, counted on a gauge while it waits.
+struct Waiting<'g>(&'g IntGauge);
+
+impl<'g> Waiting<'g> {
+    fn on(gauge: &'g IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// Serves one connection until it closes; while `slots` are crowded, it waits idle for a
 /// request only [`CROWDED_IDLE_TIMEOUT`].
 pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &Slots) {
     let mut conn = Connection::new(stream);
     loop {
-        let (head, body, charge) = match conn.read_request(&stages.closing, slots.crowded()).await {
+        let waiting = &app.state.metrics.http_connections_waiting;
+        let (head, body, charge) = match conn.read_request(&stages.closing, slots.crowded(), waiting).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
             Err(Stop::Crowded) => {
@@ -248,10 +266,12 @@ impl Connection {
     /// The next request's head and whole body. Waits at most [`IDLE_TIMEOUT`] for its first
     /// byte (and not at all once the server is closing), then [`REQUEST_READ_TIMEOUT`] for the
     /// rest, with no pause past [`READ_STALL_TIMEOUT`] (the first wait and the pauses shorter while `crowded`).
+    /// Until the first byte comes, the connection counts on `waiting`.
     async fn read_request(
         &mut self,
         closing: &CancellationToken,
         crowded: bool,
+        waiting: &IntGauge,
     ) -> Result<(RequestHead, Bytes, Charge), Stop> {
         self.refresh_idle_deadline();
         if crowded {
@@ -261,6 +281,7 @@ impl Connection {
             }
         }
         let idled_out = if crowded { Stop::Crowded } else { Stop::Quietly };
+        let waited = Waiting::on(waiting);
         // Blank lines before a request line are ignored (RFC 9112 §2.2: some clients end a
         // body with an extra CRLF), and still idle: they move neither deadline.
         while self.skip_blank_lines() {
@@ -277,6 +298,7 @@ impl Connection {
                 },
             }
         }
+        drop(waited);
         // Usually the whole request came with its first bytes: no reading left to time.
         if let Some(request) = self.buffered_request()? {
             return Ok(request);

@@ -292,17 +292,32 @@ mod tests {
             anyhow::ensure!(head.starts_with(b"HTTP/1.1 "), "{:?}", String::from_utf8_lossy(&head));
             Ok(())
         };
+        let waiting = &state.metrics.http_connections_waiting;
         let mut idle = Vec::new();
         for _ in 0..CAPACITY {
             let mut stream = TcpStream::connect(addr).await?;
             ask(&mut stream).await?;
             idle.push(stream);
-            // Its connection back in its idle wait before the next one comes.
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Its connection back in its idle wait (and so past its look at the slots) before
+            // the next one comes.
+            let back = async {
+                while waiting.get() < idle.len() as i64 {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(10), back).await?;
         }
+        assert_eq!(waiting.get(), CAPACITY as i64, "every connection waits for its next request");
         let mut client = TcpStream::connect(addr).await?;
         ask(&mut client).await?;
         assert_eq!(state.metrics.http_connections_shed.get(), 1, "the one that came last gave way");
+        // The new client's and the two kept: waiting for their next requests.
+        let settled = async {
+            while waiting.get() != CAPACITY as i64 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), settled).await?;
         let mut last = idle.pop().expect("three");
         let mut rest = Vec::new();
         let closed = tokio::time::timeout(Duration::from_secs(5), last.read_to_end(&mut rest)).await;
@@ -322,6 +337,7 @@ mod tests {
         stages.closing.cancel();
         stages.cut.cancel();
         server.await?;
+        assert_eq!(waiting.get(), 0, "no connection is left counted as waiting once all closed");
         Ok(())
     }
 }

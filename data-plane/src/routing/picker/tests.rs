@@ -38,6 +38,15 @@ pub(super) fn agg(id: u64) -> Worker {
     worker("ns", id, Role::Aggregated)
 }
 
+fn with_capacity(mut worker: Worker, total_kv_blocks: u64, max_num_batched_tokens: u64) -> Worker {
+    worker.capacity = Capacity {
+        total_kv_blocks: Some(total_kv_blocks),
+        max_num_batched_tokens: Some(max_num_batched_tokens),
+        ..Capacity::default()
+    };
+    worker
+}
+
 fn dp(mut worker: Worker, dp_size: u32) -> Worker {
     worker.dp_size = dp_size;
     worker
@@ -136,6 +145,13 @@ fn decode_rules_table() {
             "fresh: lowest decode cost wins",
             Fleet::new([agg(1), agg(2)]).used(1, 0, 500, FRESH).used(2, 0, 100, FRESH),
             vec![2, 2, 2],
+            Reason::Load,
+        ),
+        (
+            "decode cost is a share of the worker's blocks, not a count of them",
+            // 1,000 of 4,000 blocks (0.25) against 500 of 1,000 (0.5).
+            Fleet::new([with_capacity(agg(1), 4000, 2048), agg(2)]).used(1, 0, 1000, FRESH).used(2, 0, 500, FRESH),
+            vec![1, 1],
             Reason::Load,
         ),
         (
@@ -334,7 +350,8 @@ fn a_worker_the_fleet_says_is_stalled_is_passed_over_while_another_has_a_cost() 
     let stalled = fleet.fleet_backlog(1, 0, Backlog { stalled: true, dispatches: 1, ..Backlog::default() });
     assert_eq!(decode_ids(&picker(), &stalled, 2), [2, 2]);
     let quiet = Fleet { loads: Vec::new(), max_staleness: Duration::from_secs(3), ..stalled };
-    assert!(decode_ids(&picker(), &quiet, 4).contains(&1), "no fresh sample anywhere: the stall is ignored");
+    // Rotation among both, as if neither were stalled.
+    assert_eq!(decode_ids(&picker(), &quiet, 4), [1, 2, 1, 2], "no fresh sample anywhere: the stall is ignored");
 }
 
 /// The stall rule in the prefill phase: prompts unanswered on a prefill worker for the stall
@@ -563,6 +580,20 @@ fn prefill_rules_table() {
             "fresh: fewest queued prefill tokens wins",
             prefill(2, 100, FRESH)(prefill(1, 5000, FRESH)(fleet())),
             vec![2, 2, 2],
+            Reason::Load,
+        ),
+        (
+            "prefill cost is a share of the worker's batch, not a count of tokens",
+            // 3,000 of 8,192 batched tokens (0.37) against 1,000 of 2,048 (0.49).
+            prefill(2, 1000, FRESH)(prefill(1, 3000, FRESH)(
+                Fleet::new([
+                    with_capacity(worker("a", 1, Role::Prefill), 1000, 8192),
+                    worker("a", 2, Role::Prefill),
+                    worker("a", 9, Role::Decode),
+                ])
+                .used(9, 0, 0, FRESH),
+            )),
+            vec![1, 1],
             Reason::Load,
         ),
         ("quiet (never published) competes as idle", prefill(1, 100, FRESH)(fleet()), vec![2, 2], Reason::Load),

@@ -2,6 +2,11 @@ use tokio::net::TcpListener;
 
 use super::*;
 
+/// A gauge of waiting connections no one reads.
+fn waiting() -> IntGauge {
+    IntGauge::new("waiting", "waiting").expect("a valid gauge")
+}
+
 /// A client that reads nothing: the first writes fill the sockets' buffers, then the
 /// deadline (on the paused clock, which jumps ahead while the runtime idles) ends the wait.
 #[tokio::test(start_paused = true)]
@@ -107,7 +112,9 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
     let (server, _) = listener.accept().await?;
     let started = tokio::time::Instant::now();
     let mut conn = Connection::new(server);
-    let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false, &waiting()).await else {
+        panic!("a request")
+    };
     assert_eq!(read.len(), body);
     assert!(started.elapsed() > REQUEST_READ_TIMEOUT, "{:?}: the upload outlasted the timeout", started.elapsed());
     drop(sending.await);
@@ -116,7 +123,7 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
     let (server, _) = listener.accept().await?;
     let started = tokio::time::Instant::now();
     let mut conn = Connection::new(server);
-    let refused = conn.read_request(&CancellationToken::new(), false).await;
+    let refused = conn.read_request(&CancellationToken::new(), false, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a trickle is timed out");
     let waited = started.elapsed();
     assert!(waited >= REQUEST_READ_TIMEOUT && waited < REQUEST_READ_TIMEOUT + Duration::from_secs(1), "{waited:?}");
@@ -143,7 +150,7 @@ async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::
     });
     let mut conn = Connection::new(server);
     let started = tokio::time::Instant::now();
-    let refused = conn.read_request(&CancellationToken::new(), false).await;
+    let refused = conn.read_request(&CancellationToken::new(), false, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "refused when its bytes stopped");
     let waited = started.elapsed();
     assert!(waited >= READ_STALL_TIMEOUT && waited < REQUEST_READ_TIMEOUT, "{waited:?}");
@@ -154,7 +161,7 @@ async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::
     client.write_all(b"P").await?;
     let mut conn = Connection::new(server);
     let started = tokio::time::Instant::now();
-    let refused = conn.read_request(&CancellationToken::new(), true).await;
+    let refused = conn.read_request(&CancellationToken::new(), true, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a head begun and stopped");
     let waited = started.elapsed();
     assert!(waited >= CROWDED_IDLE_TIMEOUT && waited < READ_STALL_TIMEOUT, "{waited:?}");
@@ -197,7 +204,9 @@ async fn a_bodys_reads_stop_a_read_past_its_end() -> io::Result<()> {
     // Everything is sent (or sits in the sockets' buffers) before the server reads.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let mut conn = Connection::new(server);
-    let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false, &waiting()).await else {
+        panic!("a request")
+    };
     assert_eq!(read.len(), body);
     assert!(conn.read.len() <= READ_CHUNK, "{} bytes read past the body", conn.read.len());
     sending.abort();
@@ -215,7 +224,9 @@ async fn a_large_request_head_leaves_no_large_buffer_behind() -> io::Result<()> 
     let request = format!("POST /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ncontent-length: 2\r\n\r\n{{}}");
     client.write_all(request.as_bytes()).await?;
     let mut conn = Connection::new(server);
-    let Ok((_, body, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    let Ok((_, body, _)) = conn.read_request(&CancellationToken::new(), false, &waiting()).await else {
+        panic!("a request")
+    };
     assert_eq!(&body[..], b"{}");
     assert!(conn.read.is_empty());
     assert!(!conn.read.try_reclaim(READ_CHUNK + 1), "the 40 KiB the head took is given back");
@@ -237,7 +248,9 @@ async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_b
         conn.fill_at_most(usize::MAX).await?;
     }
     client.write_all(format!("x-more: {}\r\n\r\n", "y".repeat(1 << 10)).as_bytes()).await?;
-    let Ok((head, _, _)) = conn.read_request(&CancellationToken::new(), false).await else { panic!("a request") };
+    let Ok((head, _, _)) = conn.read_request(&CancellationToken::new(), false, &waiting()).await else {
+        panic!("a request")
+    };
     assert_eq!(head.target, "/v1/models");
     assert!(!conn.read.try_reclaim(KEPT_READ_CAPACITY + 1), "the doubled buffer is given back");
     Ok(())
@@ -266,8 +279,8 @@ async fn a_body_uploading_is_held_in_no_more_room_than_it_is_charged_for() -> io
         Ok::<_, io::Error>(client)
     });
     let mut conn = Connection::new(server);
-    let cancel = CancellationToken::new();
-    let read = tokio::time::timeout(Duration::from_secs(2), conn.read_request(&cancel, false));
+    let (cancel, waiting) = (CancellationToken::new(), waiting());
+    let read = tokio::time::timeout(Duration::from_secs(2), conn.read_request(&cancel, false, &waiting));
     assert!(read.await.is_err(), "the body's last byte never came");
     let _client = writer.await.map_err(io::Error::other)??;
     assert_eq!(conn.read.len(), length - 1, "every byte sent was read");
