@@ -94,7 +94,10 @@ async fn four_replicas_spread_a_burst_between_samples_as_one_router_would() -> a
     // arrives once every replica counts this one (a few milliseconds: a 1 ms report batch, the
     // 2 ms backlog window, the stream), as a burst spread over a sample interval would; no
     // load sample arrives meanwhile. Waiting on it rather than a fixed pace keeps the test
-    // about the accounting, not about the machine's speed.
+    // about the accounting, not about the machine's speed. (All 64 in one instant, no
+    // accounting could spread: every replica would pick its 16 before any other's report could
+    // reach it, and the idle worker's head start outweighs 16. The 64 are still in flight
+    // together: each is held open until the end.)
     for wave in 0..REQUESTS / REPLICAS {
         for replica in &replicas {
             let url = format!("http://{}/v1/chat/completions", replica.local_addr);
