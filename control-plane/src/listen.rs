@@ -6,7 +6,7 @@
 //! on a failing accept). So every accepted connection is [`Guarded`]: closed once it has sent
 //! nothing for [`SILENT_FOR`] (or, its window shut to what is written, read nothing for as
 //! long), and counted against a bound on the connections each listener
-//! holds (and, for the admin listener, each peer address), past which new ones are closed at
+//! holds and each peer address holds on it, past which new ones are closed at
 //! once and counted. A live Fleet connection is never silent that long: the server pings every
 //! 10 s, idle or not, and the replica's HTTP/2 stack answers.
 //!
@@ -99,7 +99,8 @@ impl Closed {
 #[derive(Debug, Clone)]
 pub struct Guard {
     slots: Arc<Semaphore>,
-    /// Connections held per peer address, when bounded ([`MAX_ADMIN_CONNECTIONS_PER_PEER`]).
+    /// Connections held per peer address, when bounded ([`MAX_ADMIN_CONNECTIONS_PER_PEER`],
+    /// [`MAX_FLEET_CONNECTIONS_PER_PEER`]).
     peers: Option<(PeerCounts, usize)>,
     closed: IntCounterVec,
     listener: &'static str,

@@ -17,10 +17,10 @@ use tokio::signal::unix::{self, SignalKind};
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-/// How long an idle blocking-pool thread lives (tokio's default: 10 s). Prompts render on
-/// these threads; a burst after a quiet spell would otherwise start new ones and render slower
-/// (`data-plane/src/kv/render/warm.rs`). At most one thread per render permit (4–32) plus the
-/// rare artifact loads are idle at once.
+/// How long an idle blocking-pool thread lives (tokio's default: 10 s). Large request bodies
+/// parse on these threads (at most 16 at once, `ingress::request`), and artifact files are read
+/// on them: a burst of large bodies after a quiet spell finds its threads started. (Prompts
+/// render on threads of their own, `kv/render/threads.rs`, which never exit.)
 const BLOCKING_THREAD_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(600);
 
 // No `Debug`: it would print `--control-plane-token`.

@@ -182,7 +182,7 @@ const LATENCY_BUCKETS: [f64; 14] =
 const FIRST_EVENT_BUCKETS: [f64; 14] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 2.5, 5.0, 15.0, 60.0];
 /// `stage`s of `continuum_dynamo_kv_term_seconds`: rendering, tokenizing and hashing the
 /// prompt, then asking the control plane's index which ranks hold its prefix; and, within
-/// the first, the wait before the render ran (for a permit and a blocking-pool thread) and
+/// the first, the wait before the render ran (for a permit and a render thread) and
 /// the render's own run on that thread.
 pub const KV_TERM_STAGES: [&str; 4] = ["prepare", "find_matches", "queue", "render"];
 /// From a cached prompt's tens of microseconds to the lookup deadlines operators set.
@@ -302,7 +302,7 @@ impl Metrics {
             kv_term_seconds: HistogramVec::new(
                 HistogramOpts::new(
                     "continuum_dynamo_kv_term_seconds",
-                    "Time the KV term of a selection took, by stage: prepare (render, tokenize, hash the prompt), find_matches (the control plane's index lookup); queue is the part of prepare spent waiting for a render permit and a blocking-pool thread, render the part spent running on that thread",
+                    "Time the KV term of a selection took, by stage: prepare (render, tokenize, hash the prompt), find_matches (the control plane's index lookup); queue is the part of prepare spent waiting for a render permit and a render thread, render the part spent running on that thread",
                 )
                 .buckets(KV_TERM_BUCKETS.to_vec()),
                 &["stage"],

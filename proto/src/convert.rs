@@ -376,7 +376,7 @@ pub fn snapshot_to_wire(view: &FleetView, now: Instant) -> pb::Snapshot {
 }
 
 /// Decodes a whole view; the snapshot must be self-consistent (every sample for a known rank).
-pub fn snapshot_from_wire(snapshot: pb::Snapshot, now: Instant) -> Result<FleetView, DecodeError> {
+fn snapshot_from_wire(snapshot: pb::Snapshot, now: Instant) -> Result<FleetView, DecodeError> {
     let config = DataPlaneConfig::try_from(snapshot.config.ok_or(DecodeError::Missing("snapshot.config"))?)?;
     let workers = decode_workers(snapshot.workers)?;
     let loads = decode_loads(snapshot.loads, now)?;
@@ -397,7 +397,7 @@ pub fn delta_to_wire(delta: &FleetDelta, now: Instant) -> pb::Delta {
     }
 }
 
-pub fn delta_from_wire(version: u64, delta: pb::Delta, now: Instant) -> Result<FleetDelta, DecodeError> {
+fn delta_from_wire(version: u64, delta: pb::Delta, now: Instant) -> Result<FleetDelta, DecodeError> {
     Ok(FleetDelta {
         base_version: delta.base_version,
         version,

@@ -22,12 +22,6 @@ pub struct Loaded {
     pub diagnostics: Vec<Diagnostic>,
 }
 
-impl Loaded {
-    pub fn has_errors(&self) -> bool {
-        self.diagnostics.iter().any(Diagnostic::is_error)
-    }
-}
-
 /// Reads and loads a configuration file, substituting from the process environment.
 pub fn load_file(path: &Path) -> Result<Loaded, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
@@ -81,7 +75,8 @@ pub fn embedded_default() -> Config {
     load_str(DEFAULT_YAML, &|_| None).map(|loaded| loaded.config).unwrap_or_default()
 }
 
-/// The embedded default's text, for `config show --default` style readbacks.
+/// The embedded default's text.
+#[cfg(test)]
 pub fn embedded_default_yaml() -> &'static str {
     DEFAULT_YAML
 }

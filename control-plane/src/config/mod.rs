@@ -31,7 +31,9 @@ pub use discovery::{
     EtcdTlsConfig, KubernetesConfig, KubernetesModelConfig, StaticDiscoveryConfig, StaticWorkerConfig, WorkerRole,
 };
 pub use event_bus::{BrokerConfig, BrokerRole, EventBusConfig};
-pub use load::{Loaded, embedded_default, embedded_default_yaml, load_file, load_str};
+#[cfg(test)]
+pub use load::embedded_default_yaml;
+pub use load::{Loaded, embedded_default, load_file, load_str};
 pub use signals::{
     ConditionalDisaggregationConfig, DEFAULT_PROVISIONAL_TTL, KvConfig, LoadConfig, LoadTransport, ShimConfig,
     ShimPoolConfig,

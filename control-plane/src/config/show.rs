@@ -1,4 +1,4 @@
-//! The effective configuration as YAML for `config show` and the Admin API, with every secret
+//! The effective configuration as YAML for `config show`, with every secret
 //! replaced by the mask.
 //!
 //! Masking is structural: secrets are [`Secret`](super::Secret) values, whose only serialized

@@ -19,7 +19,7 @@ use tonic_health::ServingStatus;
 use crate::listen::Guard;
 
 pub use gate::Gate;
-pub use service::{FleetService, HELLO_TIMEOUT, MAX_REPLICA_ID_BYTES, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
+pub use service::{FleetService, HELLO_TIMEOUT, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
 pub use tls::ServerTls;
 pub use turns::MAX_TURN_MODELS;

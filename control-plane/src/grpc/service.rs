@@ -28,7 +28,7 @@ use crate::metrics::Metrics;
 /// How long a new stream may take to send its Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub use continuum_proto::MAX_REPLICA_ID_BYTES;
+use continuum_proto::MAX_REPLICA_ID_BYTES;
 
 /// Watch streams open at once, one per replica: each holds a queue of updates and up to
 /// [`MAX_DISPATCHES_PER_REPLICA`](crate::fleet::MAX_DISPATCHES_PER_REPLICA) dispatches, so a

@@ -58,6 +58,7 @@ impl Backoff {
         }
     }
 
+    #[cfg(test)]
     pub fn ceiling(&self) -> Duration {
         self.ceiling
     }

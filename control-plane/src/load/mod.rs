@@ -26,7 +26,6 @@ pub mod subscription;
 pub mod supervisor;
 pub mod zmtp;
 
-pub use backoff::{Backoff, RECONNECT_INITIAL, RECONNECT_MAX, STABLE_SESSION};
 pub use events::LoadEvent;
 pub use feed::live_ranks;
 pub use gauges::LoadGauges;

@@ -3,8 +3,8 @@
 //!
 //! Pure: every method takes the time it needs (`now`), so the staleness rules are tested
 //! without clocks. The shell shares it behind one mutex ([`SharedLoadStore`]); every
-//! operation is a few map lookups, except [`LoadStore::set_live_and_retain`] (once per
-//! registry generation), and none is held across an await.
+//! operation is a few map lookups, except [`LoadStore::retain_live_at`] (once per registry
+//! generation), and none is held across an await.
 //!
 //! * Admission: only ranks of live workers (the registry's current generation) are held, and
 //!   at most [`MAX_LOAD_ENTRIES`] of them. A full store makes room for a new rank of a worker
@@ -13,7 +13,7 @@
 //! * Order: a sample at or below the held sequence of the same publisher is a duplicate; a
 //!   sample from another publisher id (the worker's publisher restarted) replaces the held one
 //!   whatever its sequence.
-//! * Staleness: [`LoadStore::fresh`] returns a sample only while it is younger than `max_age`;
+//! * Staleness: [`LoadStore::fresh`] returns a sample only while it is at most `max_age` old;
 //!   [`LoadStore::reading`] tells a picker how to read a rank without a fresh sample.
 
 use std::collections::{HashMap, HashSet};
@@ -205,15 +205,16 @@ impl LoadStore {
         }
     }
 
-    /// [`Self::set_live_and_retain`] for registry generation `generation`: a gate the registry
-    /// opened to a newer generation stands, and samples are retained against it.
+    /// Makes `live` the admission gate, unless the registry opened it to a newer generation
+    /// already, and drops samples for anything outside the gate (departed workers, ranks a
+    /// worker no longer serves), with their gauge series; returns their keys.
     pub fn retain_live_at(&mut self, generation: u64, live: HashMap<WorkerKey, Range<u32>>) -> Vec<LoadKey> {
         self.open_gate(generation, live);
         self.retain_live()
     }
 
-    /// Makes `live` the admission gate and drops samples for anything outside it (departed
-    /// workers, ranks a worker no longer serves), with their gauge series; returns their keys.
+    /// [`Self::retain_live_at`] whatever the generation.
+    #[cfg(test)]
     pub fn set_live_and_retain(&mut self, live: HashMap<WorkerKey, Range<u32>>) -> Vec<LoadKey> {
         self.live = live;
         self.retain_live()

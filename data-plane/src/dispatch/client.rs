@@ -131,6 +131,7 @@ impl ShimClient {
     }
 
     /// Idle connections held to the authority (`host:port`) of `uri`.
+    #[cfg(test)]
     pub fn idle_connections(&self, uri: &Uri) -> usize {
         uri.authority().map_or(0, |a| self.idle.count(a.as_str()))
     }

@@ -171,11 +171,13 @@ impl IdleConnections {
     }
 
     /// Idle connections held for `authority`.
+    #[cfg(test)]
     pub fn count(&self, authority: &str) -> usize {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner).by_authority.get(authority).map_or(0, Vec::len)
     }
 
     /// Authorities with idle connections held.
+    #[cfg(test)]
     pub fn authorities(&self) -> usize {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner).by_authority.len()
     }

@@ -124,6 +124,7 @@ pub fn is_pooled(config: &DataPlaneConfig, name: &str) -> bool {
 
 /// `replicas` starting at `start` (modulo their number), so that successive requests spread
 /// over a pool and each retry moves on to the next replica.
+#[cfg(test)]
 pub fn rotated(mut replicas: Vec<ShimReplica>, start: usize) -> Vec<ShimReplica> {
     if !replicas.is_empty() {
         let len = replicas.len();

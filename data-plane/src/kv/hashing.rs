@@ -24,10 +24,6 @@ pub enum BlockSizeError {
         "kv_cache_block_size {0} is outside {MIN_BLOCK_SIZE}..={MAX_BLOCK_SIZE}; the model is scored without KV overlap"
     )]
     OutOfRange(u32),
-    #[error(
-        "the model's workers declare {0} different kv_cache_block_size values; at most {MAX_BLOCK_SIZES_PER_MODEL} are hashed"
-    )]
-    TooMany(usize),
 }
 
 impl BlockSize {
@@ -47,17 +43,6 @@ impl BlockSize {
         // u32 always fits usize on the 32- and 64-bit targets the router builds for.
         usize::try_from(self.0).unwrap_or(usize::MAX)
     }
-}
-
-/// The distinct, valid block sizes of one model's workers, smallest first.
-pub fn model_block_sizes(declared: &[u32]) -> Result<Vec<BlockSize>, BlockSizeError> {
-    let mut sizes = declared.iter().map(|&size| BlockSize::new(size)).collect::<Result<Vec<_>, _>>()?;
-    sizes.sort_unstable();
-    sizes.dedup();
-    if sizes.len() > MAX_BLOCK_SIZES_PER_MODEL {
-        return Err(BlockSizeError::TooMany(sizes.len()));
-    }
-    Ok(sizes)
 }
 
 /// The per-request seed every block hash of the request uses.
@@ -164,14 +149,10 @@ mod tests {
     }
 
     #[test]
-    fn block_sizes_are_bounded_and_deduplicated() {
+    fn block_sizes_are_bounded() {
         assert_eq!(BlockSize::new(15), Err(BlockSizeError::OutOfRange(15)));
         assert_eq!(BlockSize::new(65_537), Err(BlockSizeError::OutOfRange(65_537)));
         assert!(BlockSize::new(16).is_ok() && BlockSize::new(65_536).is_ok());
-        let sizes = model_block_sizes(&[64, 16, 64]).unwrap();
-        assert_eq!(sizes.iter().map(|s| s.get()).collect::<Vec<_>>(), [16, 64]);
-        assert_eq!(model_block_sizes(&[16, 32, 64]), Err(BlockSizeError::TooMany(3)));
-        assert_eq!(model_block_sizes(&[16, 0]), Err(BlockSizeError::OutOfRange(0)));
     }
 
     fn label() -> impl Strategy<Value = Option<String>> {

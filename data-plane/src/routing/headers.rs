@@ -66,14 +66,6 @@ pub fn is_routing_header(name: &str) -> bool {
     name.starts_with(DYNAMO_PREFIX) || PIN_ALIASES.contains(&name)
 }
 
-/// Removes every routing header (all values of each) a client sent.
-pub fn strip_client_routing(headers: &mut HeaderMap) {
-    let routing: Vec<HeaderName> = headers.keys().filter(|name| is_routing_header(name.as_str())).cloned().collect();
-    for name in routing {
-        headers.remove(name);
-    }
-}
-
 /// The `nvext.extra_fields` entry that makes the frontend echo the pins it used
 /// (`nvext.worker_id` in every answer): a disclosure, so only for a client that asked.
 const ECHO_PINS_FIELD: &str = "worker_id";
@@ -224,10 +216,14 @@ pub fn pins(selection: &Selection) -> Pins {
     ])
 }
 
-/// Removes every routing header from a shim response: no `x-dynamo-*` header (nor an alias,
-/// which would name a worker just the same) reaches the client.
+/// Removes every routing header (all values of each) from a shim response: no `x-dynamo-*`
+/// header (nor an alias, which would name a worker just the same) reaches the client. A
+/// client's are dropped as its request head is read ([`is_routing_header`]).
 pub fn strip_response(headers: &mut HeaderMap) {
-    strip_client_routing(headers);
+    let routing: Vec<HeaderName> = headers.keys().filter(|name| is_routing_header(name.as_str())).cloned().collect();
+    for name in routing {
+        headers.remove(name);
+    }
 }
 
 /// The header dynamo.frontend reads a request's cache salt from, over the body's.

@@ -58,7 +58,7 @@ impl ByteLevelBpe {
     /// The encoder for `tokenizer`, if its configuration is one this reproduces and it encodes
     /// the probe text as `tokenizer` does. Added tokens are the caller's to split out first.
     pub fn for_tokenizer(tokenizer: &Tokenizer) -> Result<Self, Unsupported> {
-        // Once per tokenizer load, on the blocking pool; the configuration is dropped after.
+        // Once per tokenizer load, on a render thread; the configuration is dropped after.
         let json = serde_json::to_value(tokenizer).map_err(|e| unsupported(e.to_string()))?;
         let encoder = Self::from_config(&json)?;
         let probe = match tokenizer.encode(PROBE, false) {

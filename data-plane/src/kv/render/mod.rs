@@ -86,7 +86,7 @@ pub struct Renderer {
 /// Where a render's time goes, observed per render that runs.
 #[derive(Debug, Clone)]
 pub struct RenderStages {
-    /// The wait for a permit and then for a blocking-pool thread to pick the job up.
+    /// The wait for a permit and then for a render thread to pick the job up.
     pub queued: Histogram,
     /// The job itself on that thread: template, encode, hash. What is left of a preparation's
     /// time beyond these two is the hand-back to the request's task.
@@ -126,7 +126,7 @@ impl Renderer {
         Arc::clone(&self.permits).try_acquire_owned().ok()
     }
 
-    /// Renders a probe prompt with `artifacts` on as many blocking-pool threads at once as
+    /// Renders a probe prompt with `artifacts` on as many render threads at once as
     /// there are permits, so the first burst of requests after a tokenizer loads renders on
     /// warm threads and memory (`warm.rs`). Each probe holds a permit, of those free, as a
     /// request's render does: renders of every kind together never outnumber the permits.

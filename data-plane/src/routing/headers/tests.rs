@@ -90,7 +90,7 @@ fn client_routing_headers_are_stripped_and_others_kept() {
     ];
     for (name, sent, kept) in cases {
         let mut map = headers(sent);
-        strip_client_routing(&mut map);
+        strip_response(&mut map);
         let mut expected: Vec<String> = kept.iter().map(|k| k.to_string()).collect();
         expected.sort();
         assert_eq!(names(&map), expected, "{name}");
@@ -153,7 +153,7 @@ fn no_client_routing_header_passes_the_ingress_or_the_encoder() {
 #[test]
 fn kept_headers_keep_every_value() {
     let mut map = headers(&[("accept", "a"), ("accept", "b"), ("x-dynamo-dp-rank", "1")]);
-    strip_client_routing(&mut map);
+    strip_response(&mut map);
     let values: Vec<&str> = map.get_all("accept").iter().map(|v| v.to_str().expect("ascii")).collect();
     assert_eq!(values, ["a", "b"]);
 }

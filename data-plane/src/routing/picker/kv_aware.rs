@@ -30,7 +30,6 @@ use prometheus::IntCounterVec;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-pub use self::formula::{CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD};
 use self::formula::{Draw, Logit, Prompt, Scored, Weights};
 pub use self::term::{IndexAnswer, KvSelectionResult, KvTerm, Overlaps, RankOverlap, Suggested};
 use super::candidates::{Candidate, Pools};
@@ -113,13 +112,15 @@ impl KvAwarePicker {
         Self { load: LoadBasedPicker::new(ledger, selections), kv_selections, rng: Mutex::new(StdRng::from_os_rng()) }
     }
 
-    /// The same picker with reproducible picks (tests, benchmarks): a seeded sampling sequence,
-    /// and ties rotating from the first contender.
+    /// The same picker with reproducible picks (tests): a seeded sampling sequence, and ties
+    /// rotating from the first contender.
+    #[cfg(test)]
     pub fn with_seed(self, seed: u64) -> Self {
         Self { load: self.load.from_first_contender(), rng: Mutex::new(StdRng::seed_from_u64(seed)), ..self }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.
+    #[cfg(test)]
     pub fn ledger(&self) -> &Arc<DispatchLedger> {
         self.load.ledger()
     }
@@ -129,11 +130,6 @@ impl KvAwarePicker {
     pub fn prefill_contenders(&self, view: &FleetView, request: &PickRequest<'_>, now: Instant) -> Vec<(u64, u32)> {
         let pools = self.load.pools(view, request, now);
         prefilling(&pools).iter().map(|c| (c.worker.key.instance_id, c.rank)).collect()
-    }
-
-    /// The load-only picker it falls back to (sharing its ledger and counters).
-    pub fn load_based(&self) -> &LoadBasedPicker {
-        &self.load
     }
 
     /// Chooses the workers for `request`, or `None` when no routable worker serves the model.

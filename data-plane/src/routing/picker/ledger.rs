@@ -33,7 +33,7 @@ mod blocks;
 mod changes;
 mod replay;
 
-pub use blocks::{PromptChain, dispatch_block_size, pin_block_size, prompt_blocks, reported_blocks};
+pub use blocks::{PromptChain, dispatch_block_size, pin_block_size, reported_blocks};
 use changes::Changes;
 pub use replay::{Recorded, ReplayedLeg};
 
@@ -78,6 +78,7 @@ impl DispatchId {
     /// What a refused record returns; ending it does nothing.
     pub const UNRECORDED: DispatchId = DispatchId(0);
 
+    #[cfg(test)]
     pub fn is_recorded(self) -> bool {
         self != Self::UNRECORDED
     }
@@ -622,11 +623,12 @@ impl DispatchLedger {
     pub fn prefilled(&self, id: DispatchId, now: Instant, op: impl Into<Op>) {
         let op = op.into();
         let mut state = self.lock();
-        let Some(keys) = state.dispatches.get(&id).cloned() else {
+        let State { dispatches, ranks, .. } = &mut *state;
+        let Some(keys) = dispatches.get(&id) else {
             return;
         };
         for key in keys.iter().flatten() {
-            if let Some(rank) = state.ranks.get_mut(key) {
+            if let Some(rank) = ranks.get_mut(key) {
                 rank.prefilled(id, now, op);
             }
         }

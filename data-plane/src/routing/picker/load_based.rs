@@ -66,11 +66,13 @@ impl LoadBasedPicker {
     }
 
     /// The same picker with every cursor starting at the first contender (a reproducible rotation).
+    #[cfg(test)]
     pub fn from_first_contender(self) -> Self {
         Self { cursor_start: 0, ..self }
     }
 
     /// The ledger the dispatch phase records this picker's pins in.
+    #[cfg(test)]
     pub fn ledger(&self) -> &Arc<DispatchLedger> {
         &self.ledger
     }

@@ -22,14 +22,10 @@ use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_proto::view::FleetView;
 
 pub use estimate::PromptText;
-pub use kv_aware::{
-    CONDITIONAL_EFF_ISL_RATIO_THRESHOLD, CONDITIONAL_EFF_ISL_THRESHOLD, IndexAnswer, KvAwarePicker, KvSelectionResult,
-    KvTerm, Overlaps, RankOverlap, Suggested,
-};
+pub use kv_aware::{IndexAnswer, KvAwarePicker, KvSelectionResult, KvTerm, Overlaps, RankOverlap, Suggested};
 pub use ledger::{
-    DispatchId, DispatchLedger, FALLBACK_BLOCK_SIZE, LEDGER_CAPACITY, LastDispatch, NOT_REPORTED, Op, PromptChain,
-    RankBacklog, Recorded, ReplayedLeg, STALL_AFTER, STALL_MIN_BLOCKS, UNANSWERED_FOR, dispatch_block_size,
-    pin_block_size, prompt_blocks, reported_blocks,
+    DispatchId, DispatchLedger, LEDGER_CAPACITY, LastDispatch, NOT_REPORTED, Op, PromptChain, RankBacklog, Recorded,
+    ReplayedLeg, STALL_AFTER, STALL_MIN_BLOCKS, UNANSWERED_FOR, dispatch_block_size, pin_block_size, reported_blocks,
 };
 pub use load_based::LoadBasedPicker;
 pub use outliers::{EJECT_AFTER, EJECTION, Outliers};

@@ -33,7 +33,7 @@ pub fn reported_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
 
 /// The blocks a prompt of `prompt_tokens` fills at `block_size` (0 counts as 1): what its
 /// dispatch holds on its decode rank.
-pub fn prompt_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
+fn prompt_blocks(prompt_tokens: u64, block_size: u32) -> u64 {
     prompt_tokens.div_ceil(u64::from(block_size.max(1)))
 }
 
