@@ -60,7 +60,13 @@ async fn main() -> ExitCode {
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Some(file) = file_given_as_command(&argv, |path| path.is_file()) {
+        let file = file.display();
+        eprintln!("error: {file} is a file, not a command; to run on it: continuum-control-plane --config {file}");
+        return ExitCode::from(2);
+    }
+    let args = Args::parse_from(argv);
     match args.command {
         Some(Command::Config { action: ConfigAction::Validate { file } }) => validate(&file),
         Some(Command::Config { action: ConfigAction::Show { file } }) => show(&file),
@@ -367,6 +373,41 @@ async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<
         Err(error) => {
             tracing::error!(%error, "configuration reload refused; keeping the running configuration");
             false
+        }
+    }
+}
+
+/// The file a newcomer gave where a command goes (`continuum-control-plane fleet.yaml`), which
+/// clap would refuse only as an unknown subcommand: the first argument, when it is no flag, no
+/// command and names a file (`is_file`).
+fn file_given_as_command(argv: &[std::ffi::OsString], is_file: impl Fn(&Path) -> bool) -> Option<&Path> {
+    let first = Path::new(argv.get(1)?);
+    let named = first.to_str().unwrap_or_default();
+    let command = named.starts_with('-') || ["config", "help"].contains(&named);
+    (!command && is_file(first)).then_some(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+    use std::path::Path;
+
+    use super::file_given_as_command;
+
+    #[test]
+    fn a_file_where_a_command_goes_is_pointed_to_its_flag() {
+        let argv = |args: &[&str]| -> Vec<OsString> { args.iter().map(OsString::from).collect() };
+        let any_file = |_: &Path| true;
+        let given = argv(&["continuum-control-plane", "fleet.yaml"]);
+        assert_eq!(file_given_as_command(&given, any_file), Some(Path::new("fleet.yaml")));
+        let missing = argv(&["continuum-control-plane", "nonsense"]);
+        assert_eq!(file_given_as_command(&missing, |_| false), None, "clap's own error for what is no file");
+        for fine in [
+            &["continuum-control-plane"][..],
+            &["continuum-control-plane", "--config", "fleet.yaml"],
+            &["continuum-control-plane", "config", "validate", "fleet.yaml"],
+        ] {
+            assert_eq!(file_given_as_command(&argv(fine), any_file), None, "{fine:?}");
         }
     }
 }

@@ -14,16 +14,4 @@ pub mod routing;
 pub mod server;
 mod tcp;
 
-/// An error and every cause under it. hyper's and tonic's own messages ("client error
-/// (Connect)", "transport error") hide the cause, e.g. rustls's "invalid peer certificate:
-/// UnknownIssuer"; the whole chain is what an operator needs.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut reason = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        reason.push_str(": ");
-        reason.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    reason
-}
+pub use continuum_proto::error_chain;

@@ -5,11 +5,14 @@
 
 pub mod active;
 pub mod convert;
+mod error_chain;
 pub mod fast_hash;
 pub mod log_budget;
 pub mod model;
 pub mod os;
 pub mod view;
+
+pub use error_chain::error_chain;
 
 /// Generated `continuum.fleet.v1` messages, client and server.
 #[allow(missing_debug_implementations, clippy::all)]

@@ -58,8 +58,9 @@ use heard::{Heard, Verdict};
 pub enum PassError {
     #[error("connecting to etcd, or one page of its listing, took longer than {SEED_TIMEOUT:?}")]
     SeedTimeout,
-    #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
+    /// Its text says the whole cause: tonic's own would repeat it as a debug dump.
+    #[error("etcd: {}", etcd_reason(.0))]
+    Etcd(etcd_client::Error),
     #[error("reading TLS material {path}: {source}")]
     Tls { path: String, source: std::io::Error },
     #[error("etcd cancelled the watch: {0}")]
@@ -130,7 +131,7 @@ pub async fn run_with(
             outcome => {
                 metrics.discovery_connected.set(0);
                 if let Err(error) = outcome {
-                    let error = with_causes(&error);
+                    let error = continuum_proto::error_chain(&error);
                     tracing::warn!(%error, "etcd discovery pass ended; resyncing after backoff");
                 }
                 // The floor comes back only after the watches held for a whole backoff ceiling,
@@ -514,23 +515,6 @@ fn connect_options(config: &EtcdConfig) -> Result<ConnectOptions, PassError> {
     Ok(options)
 }
 
-/// `error` and the causes under it, as far as they add words: tonic says only "transport
-/// error" of a connection it could not make, and its cause what failed (a certificate the
-/// server refused, a key that does not match, a name it does not carry).
-fn with_causes(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let said = cause.to_string();
-        if !text.contains(&said) {
-            text.push_str(": ");
-            text.push_str(&said);
-        }
-        source = cause.source();
-    }
-    text
-}
-
 /// Reads and parses `config`'s TLS files as a pass would use them, saying what is wrong: a
 /// reload checks them before it stops the running watcher, rather than start one that could
 /// never connect (and, keeping the fleet it read last, would publish it with no watch behind).
@@ -579,24 +563,34 @@ fn count(applied: &Applied, metrics: &Metrics) {
     }
 }
 
+impl From<etcd_client::Error> for PassError {
+    fn from(error: etcd_client::Error) -> Self {
+        Self::Etcd(error)
+    }
+}
+
+/// What an etcd call's failure says, readably: tonic prints a status's transport cause as a
+/// debug dump (`tonic::transport::Error(Transport, ConnectError(…))`), where its message, its
+/// code and the cause at the root (`Connection refused (os error 111)`) say it all.
+fn etcd_reason(error: &etcd_client::Error) -> String {
+    let etcd_client::Error::GRpcStatus(status) = error else { return error.to_string() };
+    let mut reason = format!("{} ({:?})", status.message(), status.code());
+    let mut root = None;
+    let mut cause = std::error::Error::source(status);
+    while let Some(next) = cause {
+        root = Some(next);
+        cause = next.source();
+    }
+    if let Some(root) = root.map(ToString::to_string).filter(|root| !reason.contains(root.as_str())) {
+        reason.push_str(": ");
+        reason.push_str(&root);
+    }
+    reason
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A failure is logged with what its causes add: tonic's "transport error" alone says
-    /// nothing of the certificate the server refused.
-    #[test]
-    fn a_failure_is_told_with_its_causes() {
-        #[derive(Debug, thiserror::Error)]
-        #[error("transport error")]
-        struct Transport(#[source] std::io::Error);
-        #[derive(Debug, thiserror::Error)]
-        #[error("transport error: {0}")]
-        struct Client(#[source] Transport);
-        let refused = std::io::Error::other("invalid peer certificate: UnknownIssuer");
-        let error = Client(Transport(refused));
-        assert_eq!(with_causes(&error), "transport error: transport error: invalid peer certificate: UnknownIssuer");
-    }
 
     /// Relists in a row (a full keyspace under churn) wait longer each time, to the ceiling; a
     /// relist after a pass that watched for the ceiling waits the floor again.
@@ -609,6 +603,23 @@ mod tests {
         assert_eq!(waits, [500, 1000, 2000, 4000, 5000, 5000]);
         assert_eq!(pacing.next(ceiling), floor, "after a pass that watched long enough");
         assert_eq!(pacing.next(brief), 2 * floor);
+    }
+
+    /// A failure is logged with its message, its code and the cause at its root, once each:
+    /// not tonic's debug dump of the transport error, nor "transport error" twice.
+    #[test]
+    fn an_etcd_failure_says_its_message_code_and_root_cause() {
+        let mut status = tonic::Status::unavailable("tcp connect error");
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "Connection refused (os error 111)");
+        status.set_source(std::sync::Arc::new(refused));
+        let error = PassError::from(etcd_client::Error::GRpcStatus(status));
+        assert_eq!(
+            continuum_proto::error_chain(&error),
+            "etcd: tcp connect error (Unavailable): Connection refused (os error 111)"
+        );
+        let certificate = std::io::Error::other("invalid peer certificate: UnknownIssuer");
+        let error = PassError::from(etcd_client::Error::IoError(certificate));
+        assert_eq!(continuum_proto::error_chain(&error), "etcd: io error: invalid peer certificate: UnknownIssuer");
     }
 
     #[test]

@@ -275,11 +275,16 @@ pub async fn run(
         reporter::detach(&mut reports);
         handle.detach();
         metrics.stream_connected.set(0);
+        // Before any view, there is none to keep: the replica refuses chat completions.
+        let kept = match handle.view() {
+            Some(_) => "keeping the last-known-good view",
+            None => "no fleet view yet, so chat completions are refused (503 fleet_unavailable) until one arrives",
+        };
         match &outcome {
-            Ok(()) => tracing::warn!("control plane closed the fleet stream; keeping the last-known-good view"),
+            Ok(()) => tracing::warn!("control plane closed the fleet stream; {kept}"),
             Err(error) => {
                 let error = crate::error_chain(error);
-                tracing::warn!(%error, "fleet stream lost; keeping the last-known-good view");
+                tracing::warn!(%error, "no fleet stream; {kept}");
             }
         }
         if started.elapsed() >= STABLE_SESSION {
