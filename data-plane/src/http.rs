@@ -30,8 +30,8 @@ pub struct AppState {
     /// Where pins and their ends are reported for fleet-wide accounting.
     pub reporter: Arc<DispatchReporter>,
     pub dispatcher: Arc<Dispatcher>,
-    /// KV-aware selection; `None` leaves every pick to `picker`.
-    pub kv: Option<Arc<KvSelection>>,
+    /// KV-aware selection, for models whose configuration turns it on (`picker.kv_enabled`).
+    pub kv: Arc<KvSelection>,
     /// Set once the replica starts shutting down: readiness fails from then on.
     pub draining: Draining,
 }
@@ -58,7 +58,7 @@ impl AppState {
             ledger,
             reporter: Arc::new(DispatchReporter::new(metrics.dispatch_reports_dropped.clone())),
             dispatcher: Arc::new(Dispatcher::new(DispatchSettings::default(), metrics.clone())),
-            kv: Some(Arc::new(kv)),
+            kv: Arc::new(kv),
             metrics,
             draining: Default::default(),
         }

@@ -125,7 +125,7 @@ impl Replica {
             ledger: Arc::clone(&ledger),
             reporter: Arc::clone(&reporter),
             dispatcher,
-            kv: Some(kv),
+            kv,
             draining: stages.draining.clone(),
         };
         let state = Arc::new(state);

@@ -271,7 +271,7 @@ mod tests {
             decode: pin(decode),
             prefill: prefill.map(pin),
             decode_reason: Reason::Load,
-            prefill_reason: Some(Reason::Load),
+            prefill_reason: Reason::Load,
             cached_tokens: 0,
         };
         let workers = [
@@ -326,7 +326,7 @@ mod tests {
             decode: pin(2),
             prefill: Some(pin(1)),
             decode_reason: Reason::Load,
-            prefill_reason: Some(Reason::Load),
+            prefill_reason: Reason::Load,
             cached_tokens: 0,
         };
         // Each step's report, folded alone.
@@ -350,7 +350,7 @@ mod tests {
         assert_eq!(lookups, [42, 0], "the leg that prefills names the lookup that scored the pick");
 
         // Without a prefill pin the decode rank prefills, and its leg names the lookup.
-        let aggregated = Selection { prefill: None, prefill_reason: None, ..selection };
+        let aggregated = Selection { prefill: None, prefill_reason: Reason::NoPrefillPool, ..selection };
         let _end = DispatchEnd::record(&ledger, &reporter, &view, &aggregated, 160, &chain, false);
         let lookups: Vec<u64> = next().started.iter().map(|s| s.lookup).collect();
         assert_eq!(lookups, [42]);
@@ -374,7 +374,7 @@ mod tests {
             decode: pin(decode),
             prefill: Some(pin(prefill)),
             decode_reason: Reason::Load,
-            prefill_reason: Some(Reason::Load),
+            prefill_reason: Reason::Load,
             cached_tokens: 0,
         };
         let chain = PromptChain::default();
@@ -510,7 +510,7 @@ mod tests {
             decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
             prefill: None,
             decode_reason: Reason::Load,
-            prefill_reason: None,
+            prefill_reason: Reason::NoPrefillPool,
             cached_tokens: 0,
         }
     }

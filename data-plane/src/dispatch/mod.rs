@@ -551,7 +551,7 @@ mod tests {
             decode: Pin { worker: WorkerKey::new("dynamo", 2), dp_rank: None },
             prefill: Some(Pin { worker: WorkerKey::new("dynamo", 1), dp_rank: None }),
             decode_reason: Reason::Load,
-            prefill_reason: Some(Reason::Load),
+            prefill_reason: Reason::Load,
             cached_tokens: 0,
         };
         let dispatch = DispatchEnd::record(&ledger, &reporter, &view, &selection, 10, &PromptChain::default(), true);

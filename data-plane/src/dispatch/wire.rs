@@ -468,7 +468,7 @@ mod tests {
             decode: pin(5),
             prefill: Some(pin(6)),
             decode_reason: Reason::Load,
-            prefill_reason: Some(Reason::Load),
+            prefill_reason: Reason::Load,
             cached_tokens: 0,
         };
         encode_request(&mut out, &Method::POST, &uri, &headers, pins(&selection), b"{}");

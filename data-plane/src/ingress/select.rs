@@ -49,7 +49,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         return Ok(Routed { route: Route::Unified { replicas: replicas.into() }, token_data: None });
     }
     let display = config.model_map.get(&request.model).map_or(request.model.as_str(), String::as_str);
-    let kv = state.kv.as_ref().filter(|_| config.picker.kv_enabled);
+    let kv = config.picker.kv_enabled.then_some(&state.kv);
     let term = match kv {
         Some(kv) => {
             // A request the fleet cannot take falls through before a render and a lookup are
@@ -384,7 +384,7 @@ mod tests {
         let (card, pinned) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), pinned);
         state.fleet.store(fleet.clone());
-        let kv = state.kv.as_ref().expect("KV selection");
+        let kv = &state.kv;
         let loaded = || state.metrics.kv_artifacts.with_label_values(&["loaded"]).get();
         kv.routing.prewarm(&fleet);
         // Generous: the load runs on the blocking pool, which the whole suite's tests share
@@ -413,7 +413,7 @@ mod tests {
         let fleet = FleetView::new(2, fleet.workers().values().cloned(), [], Arc::new(config)).expect("view");
         state.fleet.store(fleet.clone());
         // What a KV term's pick adds to the tokens the lookups weigh.
-        let kv = state.kv.as_ref().expect("KV selection");
+        let kv = &state.kv;
         let kv_terms = || kv.routing.picked_since("other", 0);
         let before = kv_terms();
         let body = Bytes::from_static(br#"{"model":"other","messages":[{"role":"user","content":"hi"}]}"#);
@@ -433,7 +433,7 @@ mod tests {
         let (card, _) = tinymodel_card();
         let fleet = kv_view(1, 7, Some(card), &dir.path().display().to_string(), Vec::new());
         state.fleet.store(fleet.clone());
-        let kv = state.kv.as_ref().expect("KV selection");
+        let kv = &state.kv;
         kv.routing.open(&fleet.config().kv_artifacts).await.expect("the artifact store opens");
         let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hi"}]}"#);
         let request = ChatRequest::parse(body).expect("the ingress accepts it");

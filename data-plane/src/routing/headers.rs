@@ -313,7 +313,7 @@ pub fn disclose_backend(headers: &mut HeaderMap, backend: &str) {
 /// let the decode worker prefill the request itself (the seed's bypass contract). A routing
 /// path names no worker, so every client sees it, whether or not it asked for disclosure.
 pub fn mark_routing_path(headers: &mut HeaderMap, selection: &Selection) {
-    if selection.prefill_reason == Some(Reason::ConditionalBypass) {
+    if selection.prefill_reason == Reason::ConditionalBypass {
         headers.insert(DISCLOSED_ROUTING_PATH, HeaderValue::from_static("unified"));
     } else {
         headers.remove(DISCLOSED_ROUTING_PATH);

@@ -34,7 +34,7 @@ fn selection(decode: Pin, prefill: Option<Pin>) -> Selection {
         namespace: Arc::from("dynamo"),
         model: "tiny".into(),
         decode,
-        prefill_reason: Some(if prefill.is_some() { Reason::Load } else { Reason::NoPrefillPool }),
+        prefill_reason: if prefill.is_some() { Reason::Load } else { Reason::NoPrefillPool },
         prefill,
         decode_reason: Reason::Load,
         cached_tokens: 0,
@@ -326,7 +326,7 @@ fn disclosure_names_backend_and_decimal_workers() {
 
 #[test]
 fn a_conditional_bypass_is_marked_as_the_unified_routing_path_without_disclosing_workers() {
-    let bypass = Selection { prefill_reason: Some(Reason::ConditionalBypass), ..selection(pin(5, None), None) };
+    let bypass = Selection { prefill_reason: Reason::ConditionalBypass, ..selection(pin(5, None), None) };
     let mut map = HeaderMap::new();
     mark_routing_path(&mut map, &bypass);
     assert_eq!(value(&map, DISCLOSED_ROUTING_PATH), Some("unified"));

@@ -170,13 +170,13 @@ impl KvAwarePicker {
                 decode: winner.candidate.pin(),
                 prefill: None,
                 decode_reason: winner.reason,
-                prefill_reason: Some(Reason::NoPrefillPool),
+                prefill_reason: Reason::NoPrefillPool,
                 cached_tokens: scoring.cached_tokens(winner.candidate),
             };
             return Some(self.finish(selection, overlap));
         }
         let selection = self.pair(&scoring, &pools, &winner, &request)?;
-        let bypassed = selection.prefill_reason == Some(Reason::ConditionalBypass);
+        let bypassed = selection.prefill_reason == Reason::ConditionalBypass;
         Some(self.finish(selection, if bypassed { KvSelectionResult::Bypass } else { overlap }))
     }
 
@@ -199,7 +199,7 @@ impl KvAwarePicker {
             decode: decode.pin(),
             prefill: Some(prefill.candidate.pin()),
             decode_reason,
-            prefill_reason: Some(prefill.reason),
+            prefill_reason: prefill.reason,
             cached_tokens: scoring.cached_tokens(prefill.candidate),
         };
         let cursor = (KV_CURSOR, Phase::Decode, request.model, &**namespace);
@@ -216,7 +216,7 @@ impl KvAwarePicker {
         }
         Some(Selection {
             prefill: None,
-            prefill_reason: Some(Reason::ConditionalBypass),
+            prefill_reason: Reason::ConditionalBypass,
             cached_tokens: scoring.cached_tokens(decode.candidate),
             ..selection(decode.candidate, Reason::ConditionalBypass)
         })
@@ -334,7 +334,7 @@ impl KvAwarePicker {
 
     fn finish(&self, selection: Selection, result: KvSelectionResult) -> Selection {
         self.load.count(DECODE, selection.decode_reason);
-        self.load.count(PREFILL, selection.prefill_reason.unwrap_or(Reason::NoPrefillPool));
+        self.load.count(PREFILL, selection.prefill_reason);
         self.count_result(result);
         selection
     }

@@ -234,7 +234,7 @@ impl Picker for LoadBasedPicker {
             decode: decode.pin(),
             prefill,
             decode_reason,
-            prefill_reason: Some(prefill_reason),
+            prefill_reason,
             cached_tokens: 0,
         })
     }

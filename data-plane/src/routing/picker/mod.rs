@@ -103,9 +103,9 @@ pub struct Selection {
     /// `None` for an aggregated decode worker or a namespace without prefill workers.
     pub prefill: Option<Pin>,
     pub decode_reason: Reason,
-    /// The pickers always set it: `NoPrefillPool` when `prefill` is `None`, or
-    /// `ConditionalBypass` when the decode worker prefills locally (`prefill` is `None` too).
-    pub prefill_reason: Option<Reason>,
+    /// Why `prefill` is what it is: `NoPrefillPool` when it is `None`, or `ConditionalBypass`
+    /// when the decode worker prefills locally (`prefill` is `None` too).
+    pub prefill_reason: Reason,
     /// Prompt tokens the rank that prefills already holds (its overlap, in the block size the
     /// KV lookup counted it in; KV-aware picks only): the prefill rank of a pair, or else the
     /// decode rank. It prefills only the rest.

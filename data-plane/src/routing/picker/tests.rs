@@ -508,9 +508,9 @@ fn mixed_namespaces() {
         let s = pick(&picker, &fleet);
         seen.insert(s.decode.worker.instance_id, (s.prefill.map(|p| p.worker.instance_id), s.prefill_reason));
     }
-    let no_pool = Some(Reason::NoPrefillPool);
+    let no_pool = Reason::NoPrefillPool;
     let expected = BTreeMap::from([
-        (2, (Some(1), Some(Reason::RoundRobinStale))),
+        (2, (Some(1), Reason::RoundRobinStale)),
         (4, (None, no_pool)),
         (5, (None, no_pool)),
         (7, (None, no_pool)),
@@ -534,7 +534,7 @@ fn graph_local_prefill_comes_from_the_decode_winners_namespace() {
     assert_eq!(&*s.namespace, "b");
     assert_eq!(s.decode.worker, WorkerKey::new("b", 5));
     assert_eq!(s.prefill, Some(Pin { worker: WorkerKey::new("b", 4), dp_rank: None }));
-    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::Load)));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Reason::Load));
 }
 
 /// Without the control plane's measure (its stream lost), a prefill worker's sample counts the
@@ -621,7 +621,7 @@ fn prefill_rules_table() {
         let picks: Vec<Selection> = expected.iter().map(|_| pick(&picker, &fleet)).collect();
         let ids: Vec<u64> = picks.iter().filter_map(|s| s.prefill.as_ref()).map(|p| p.worker.instance_id).collect();
         assert_eq!(ids, expected, "{rule}");
-        assert!(picks.iter().all(|s| s.prefill_reason == Some(reason)), "{rule}: {picks:?}");
+        assert!(picks.iter().all(|s| s.prefill_reason == reason), "{rule}: {picks:?}");
     }
 }
 
@@ -636,7 +636,7 @@ fn prefill_without_prefill_tokens_rotates() {
     let picks: Vec<_> = (0..4).map(|_| pick(&picker, &fleet)).collect();
     let ids: Vec<u64> = picks.iter().filter_map(|s| s.prefill.as_ref()).map(|p| p.worker.instance_id).collect();
     assert_eq!(ids, [1, 2, 1, 2]);
-    assert!(picks.iter().all(|s| s.prefill_reason == Some(Reason::RoundRobinStale)));
+    assert!(picks.iter().all(|s| s.prefill_reason == Reason::RoundRobinStale));
 }
 
 #[test]
@@ -856,7 +856,7 @@ proptest! {
                     check_rank(prefill, p.dp_rank)?;
                 }
                 None => {
-                    prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool));
+                    prop_assert_eq!(s.prefill_reason, Reason::NoPrefillPool);
                     prop_assert!(
                         !(decode.role == Role::Decode && pairs_here(Role::Prefill)),
                         "a decode worker pinned without the prefill pool beside it"

@@ -158,7 +158,7 @@ fn overlap_wins_against_equal_load() {
     let picker = counters.picker();
     assert_eq!(picks(&picker, &fleet, scored(128, &held), 3), [(2, None); 3]);
     let s = pick(&picker, &fleet, scored(128, &held));
-    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::NoPrefillPool)));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Reason::NoPrefillPool));
     assert_eq!(
         s.cached_tokens,
         4 * u64::from(BLOCK),
@@ -401,19 +401,19 @@ fn without_a_fresh_prefill_backlog_overlap_and_size_decide() {
     let counters = Counters::new();
     let picker = counters.picker();
     assert_eq!(picks(&picker, &fleet, scored(100, &held), 3), [(4, Some(2)); 3], "most overlap, load unknown");
-    assert_eq!(pick(&picker, &fleet, scored(100, &held)).prefill_reason, Some(Reason::KvAware));
+    assert_eq!(pick(&picker, &fleet, scored(100, &held)).prefill_reason, Reason::KvAware);
 
     let none = Overlaps::default();
     let picker = self::picker();
     let rotation = picks(&picker, &fleet, scored(100, &none), 4);
     assert_eq!(rotation, [(4, Some(1)), (4, Some(2)), (4, Some(3)), (4, Some(1))]);
-    assert_eq!(pick(&picker, &fleet, scored(100, &none)).prefill_reason, Some(Reason::RoundRobinStale));
+    assert_eq!(pick(&picker, &fleet, scored(100, &none)).prefill_reason, Reason::RoundRobinStale);
 
     let tied = overlaps(&[(1, 0, 2), (3, 0, 2)]);
     let picker = self::picker();
     let rotation = picks(&picker, &fleet, scored(100, &tied), 4);
     assert_eq!(rotation, [(4, Some(1)), (4, Some(3)), (4, Some(1)), (4, Some(3))], "only the tied rotate");
-    assert_eq!(pick(&picker, &fleet, scored(100, &tied)).prefill_reason, Some(Reason::RoundRobinStale));
+    assert_eq!(pick(&picker, &fleet, scored(100, &tied)).prefill_reason, Reason::RoundRobinStale);
 }
 
 /// The fleet's own prefill dispatches in flight are the one load signal left when prefill
@@ -568,7 +568,7 @@ fn the_kv_term_picks_the_prefill_worker_and_the_decode_worker_holding_the_prompt
         4 * u64::from(BLOCK),
         "the prefill winner's overlap: it prefills only the other 4 blocks"
     );
-    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Some(Reason::KvAware)));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::KvAware, Reason::KvAware));
     assert_eq!(counters.result(KvSelectionResult::Overlap), 1);
     assert_eq!(counters.selection("prefill", Reason::KvAware), 1);
     assert_eq!(counters.selection("decode", Reason::KvAware), 1);
@@ -596,7 +596,7 @@ fn prefill_workers_compete_only_beside_a_decode_worker() {
     // c is scored as aggregated: its aggregated worker 6 serves alone.
     let held = overlaps(&[(5, 0, 8), (6, 0, 6), (1, 0, 4)]);
     let s = pick(&picker(), &fleet, scored(128, &held));
-    assert_eq!((ids(&s), s.prefill_reason), ((6, None), Some(Reason::NoPrefillPool)));
+    assert_eq!((ids(&s), s.prefill_reason), ((6, None), Reason::NoPrefillPool));
 }
 
 #[test]
@@ -730,7 +730,7 @@ fn conditional_disaggregation_lets_the_decode_worker_holding_the_prefix_prefill(
     let counters = Counters::new();
     let s = pick(&counters.picker(), &fleet, scored(1024, &held));
     assert_eq!(ids(&s), (2, None));
-    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::ConditionalBypass, Some(Reason::ConditionalBypass)));
+    assert_eq!((s.decode_reason, s.prefill_reason), (Reason::ConditionalBypass, Reason::ConditionalBypass));
     assert_eq!(counters.result(KvSelectionResult::Bypass), 1);
     assert_eq!(counters.selection("decode", Reason::ConditionalBypass), 1);
 
@@ -797,7 +797,7 @@ fn an_unavailable_term_falls_back_to_load_only_selection_and_counts_its_result()
         let expected = load_only.pick(&fleet.view(), &request(), fleet.now).expect("a selection");
         assert_eq!(s, expected);
         assert_eq!(ids(&s), (3, Some(2)));
-        assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Some(Reason::Load)));
+        assert_eq!((s.decode_reason, s.prefill_reason), (Reason::Load, Reason::Load));
         assert_eq!(counters.result(result), 1);
     }
     assert_eq!(counters.selection("decode", Reason::Load), 2);
@@ -917,12 +917,12 @@ proptest! {
                     prop_assert_eq!(decode.role, Role::Decode);
                     prop_assert_eq!(&prefill.key.namespace, &decode.key.namespace);
                 }
-                None if s.prefill_reason == Some(Reason::ConditionalBypass) => {
+                None if s.prefill_reason == Reason::ConditionalBypass => {
                     prop_assert!(conditional, "a bypass without conditional disaggregation");
                     prop_assert_eq!(decode.role, Role::Decode);
                 }
                 None => {
-                    prop_assert_eq!(s.prefill_reason, Some(Reason::NoPrefillPool));
+                    prop_assert_eq!(s.prefill_reason, Reason::NoPrefillPool);
                     prop_assert!(!(here(Role::Prefill) && here(Role::Decode)), "a pair namespace served without prefill");
                 }
             }

@@ -25,13 +25,13 @@ fn pair(decode: u64, prefill: u64) -> Selection {
         decode: pin(decode, None),
         prefill: Some(pin(prefill, None)),
         decode_reason: Reason::Load,
-        prefill_reason: Some(Reason::Load),
+        prefill_reason: Reason::Load,
         cached_tokens: 0,
     }
 }
 
 fn alone(decode: Pin) -> Selection {
-    Selection { decode, prefill: None, prefill_reason: Some(Reason::NoPrefillPool), ..pair(0, 0) }
+    Selection { decode, prefill: None, prefill_reason: Reason::NoPrefillPool, ..pair(0, 0) }
 }
 
 thread_local! {
