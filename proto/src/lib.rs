@@ -9,6 +9,7 @@ mod error_chain;
 pub mod fast_hash;
 pub mod log_budget;
 pub mod model;
+pub mod net;
 pub mod os;
 pub mod view;
 

@@ -1,6 +1,6 @@
 //! `dynamo.discovery.etcd`: endpoints, scheme consistency, namespaces, TLS, auth and backoff.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv6Addr};
 
 use super::Report;
 use super::names::{check_backoff, check_namespace, check_namespace_list, dynamo_namespace_message};
@@ -72,33 +72,20 @@ fn warn_external(endpoints: &[(usize, Scheme, &str)], report: &mut Report) {
     }
 }
 
-/// The IPv4 address a NAT64 address (`64:ff9b::/96`) stands for.
-fn nat64(v6: Ipv6Addr) -> Option<Ipv4Addr> {
-    let [a, b, c, d, e, f, g, h] = v6.segments();
-    (a == 0x64 && b == 0xff9b && [c, d, e, f] == [0; 4]).then(|| {
-        let [g1, g2] = g.to_be_bytes();
-        let [h1, h2] = h.to_be_bytes();
-        Ipv4Addr::new(g1, g2, h1, h2)
-    })
-}
-
 /// Whether `ip` lies outside every loopback, private, shared (CGNAT), link-local, unique-local
 /// and unspecified range: an address a cluster-internal etcd would not have.
 fn appears_external(ip: IpAddr) -> bool {
-    match ip {
+    match continuum_proto::net::unmapped(ip) {
         IpAddr::V4(v4) => {
             let shared = v4.octets()[0] == 100 && (v4.octets()[1] & 0xc0) == 64;
             !(v4.is_loopback() || v4.is_private() || v4.is_link_local() || v4.is_unspecified() || shared)
         }
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped().or_else(|| nat64(v6)) {
-            Some(v4) => appears_external(IpAddr::V4(v4)),
-            None => {
-                let first = v6.segments()[0];
-                let unique_local = first & 0xfe00 == 0xfc00;
-                let link_local = first & 0xffc0 == 0xfe80;
-                !(v6.is_loopback() || v6.is_unspecified() || unique_local || link_local)
-            }
-        },
+        IpAddr::V6(v6) => {
+            let first = v6.segments()[0];
+            let unique_local = first & 0xfe00 == 0xfc00;
+            let link_local = first & 0xffc0 == 0xfe80;
+            !(v6.is_loopback() || v6.is_unspecified() || unique_local || link_local)
+        }
     }
 }
 

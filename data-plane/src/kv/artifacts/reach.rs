@@ -28,11 +28,7 @@ const AZURE_WIRESERVER: Ipv4Addr = Ipv4Addr::new(168, 63, 129, 16);
 
 /// Whether an artifact fetch may connect to `ip`.
 pub fn reachable(ip: IpAddr) -> bool {
-    let ip = match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().or_else(|| nat64(v6)).map_or(ip, IpAddr::V4),
-        v4 => v4,
-    };
-    let forbidden = match ip {
+    let forbidden = match continuum_proto::net::unmapped(ip) {
         IpAddr::V4(v4) => {
             v4.is_link_local()
                 || v4.is_unspecified()
@@ -48,13 +44,6 @@ pub fn reachable(ip: IpAddr) -> bool {
         }
     };
     !forbidden
-}
-
-/// The IPv4 address a NAT64 gateway (the well-known prefix `64:ff9b::/96`) would connect to.
-fn nat64(v6: Ipv6Addr) -> Option<Ipv4Addr> {
-    let [a, b, c, d, e, f, _, _] = v6.segments();
-    let [.., w, x, y, z] = v6.octets();
-    ([a, b, c, d, e, f] == [0x64, 0xff9b, 0, 0, 0, 0]).then_some(Ipv4Addr::new(w, x, y, z))
 }
 
 /// The system resolver, less the addresses [`reachable`] refuses; a name with none left fails.
