@@ -110,13 +110,18 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
         (self.message.capacity(), self.message.ceiling())
     }
 
+    /// Each write is flushed before a read waits on the peer's answer to it: over a buffered
+    /// stream (a broker's relay, say) the greeting or READY would otherwise wait unsent while
+    /// the handshake timed out.
     async fn greet(&mut self, topic: &[u8]) -> Result<(), ZmtpError> {
         self.stream.write_all(&wire::greeting()).await?;
+        self.stream.flush().await?;
         let mut peer = [0u8; GREETING_BYTES];
         self.read_exact(&mut peer).await?;
         wire::parse_greeting(&peer)?;
         let n = wire::ready_sub(&mut self.write);
         self.stream.write_all(&self.write[..n]).await?;
+        self.stream.flush().await?;
         let (header, size) = self.frame_header().await?;
         if !header.command {
             return Err(ZmtpError::Protocol("the peer sent a message before READY"));
@@ -236,6 +241,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
             Command::Ping { context } => {
                 let n = wire::pong(&mut self.write, context);
                 self.stream.write_all(&self.write[..n]).await?;
+                self.stream.flush().await?;
             }
             Command::Pong | Command::Other => {}
             Command::Ready { .. } => return Err(ZmtpError::Protocol("a second READY")),
