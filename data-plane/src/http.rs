@@ -30,7 +30,7 @@ pub struct AppState {
     /// Where pins and their ends are reported for fleet-wide accounting.
     pub reporter: Arc<DispatchReporter>,
     pub dispatcher: Arc<Dispatcher>,
-    /// KV-aware selection, for models whose configuration turns it on (`picker.kv_enabled`).
+    /// KV-aware selection, used while the fleet's configuration turns it on (`dynamo.kv.enabled`).
     pub kv: Arc<KvSelection>,
     /// Set once the replica starts shutting down: readiness fails from then on.
     pub draining: Draining,

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+use continuum_data_plane::clear_text::in_the_clear;
 use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::fleet::{ClientTls, Credentials, FleetClientConfig, TlsFiles};
 use continuum_data_plane::replica::Replica;
@@ -153,20 +154,11 @@ async fn run(args: Args) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if args.control_plane_token.is_some() && tls.is_none() && !is_loopback_url(&args.control_plane) {
+    if args.control_plane_token.is_some() && in_the_clear(&args.control_plane) {
         tracing::warn!(
             control_plane = %args.control_plane,
             "--control-plane-token goes in the clear over http:// to a host that is not this one; use https:// \
              (--control-plane-ca) unless the network between them is trusted"
-        );
-    }
-    let hf_endpoint = std::env::var("HF_ENDPOINT").ok();
-    let hf_token_set = std::env::var_os("HF_TOKEN").is_some_and(|token| !token.is_empty());
-    if let Some(endpoint) = token_in_clear(hf_endpoint.as_deref(), hf_token_set) {
-        tracing::warn!(
-            hf_endpoint = %endpoint,
-            "HF_TOKEN goes in the clear over http:// to a host that is not this one when tokenizer files are \
-             fetched; use an https:// HF_ENDPOINT unless the network to it is trusted"
         );
     }
     let config = FleetClientConfig { credentials, tls, ..FleetClientConfig::new(args.control_plane, replica_id) };
@@ -198,19 +190,6 @@ async fn run(args: Args) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// Whether an `http://` URL names this host (`localhost`, a loopback address): a token sent
-/// in the clear there stays on the machine.
-fn is_loopback_url(url: &str) -> bool {
-    let Ok(uri) = url.parse::<axum::http::Uri>() else { return false };
-    let host = uri.host().unwrap_or_default().trim_matches(['[', ']']);
-    host.eq_ignore_ascii_case("localhost") || host.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
-}
-
-/// The endpoint a set token would be sent to in the clear: an `http://` one off this host.
-fn token_in_clear(endpoint: Option<&str>, token_set: bool) -> Option<&str> {
-    endpoint.filter(|url| token_set && url.starts_with("http://") && !is_loopback_url(url))
 }
 
 /// TLS to the control plane, from the URL's scheme and the TLS flags, which must agree. The
@@ -271,30 +250,5 @@ impl Signals {
             _ = self.terminate.recv() => Signal::Terminate,
             _ = self.interrupt.recv() => Signal::Interrupt,
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{is_loopback_url, token_in_clear};
-
-    #[test]
-    fn only_this_hosts_urls_keep_a_clear_token_on_the_machine() {
-        for local in ["http://127.0.0.1:50051", "http://localhost:50051", "http://[::1]:50051", "http://127.3.2.1"] {
-            assert!(is_loopback_url(local), "{local}");
-        }
-        for remote in ["http://cp.other-node:50051", "http://10.0.0.7:50051", "http://[fd00::1]:1", "not a url"] {
-            assert!(!is_loopback_url(remote), "{remote}");
-        }
-    }
-
-    #[test]
-    fn a_token_for_an_http_endpoint_off_this_host_is_one_sent_in_the_clear() {
-        let mirror = "http://hf-mirror.internal:8080";
-        assert_eq!(token_in_clear(Some(mirror), true), Some(mirror));
-        assert_eq!(token_in_clear(Some(mirror), false), None, "no token, nothing to read");
-        assert_eq!(token_in_clear(Some("https://huggingface.co"), true), None);
-        assert_eq!(token_in_clear(Some("http://127.0.0.1:8000"), true), None, "stays on the machine");
-        assert_eq!(token_in_clear(None, true), None, "the default endpoint is https://");
     }
 }

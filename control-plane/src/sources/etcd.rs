@@ -572,16 +572,21 @@ impl From<etcd_client::Error> for PassError {
 /// What an etcd call's failure says, readably: tonic prints a status's transport cause as a
 /// debug dump (`tonic::transport::Error(Transport, ConnectError(…))`), where its message, its
 /// code and the cause at the root (`Connection refused (os error 111)`) say it all.
+/// A transport error (a TLS setting it could not use, say) is told with its root cause too: the
+/// client's error reports no source, so no chain would reach it.
 fn etcd_reason(error: &etcd_client::Error) -> String {
-    let etcd_client::Error::GRpcStatus(status) = error else { return error.to_string() };
-    let mut reason = format!("{} ({:?})", status.message(), status.code());
-    let mut root = None;
-    let mut cause = std::error::Error::source(status);
-    while let Some(next) = cause {
-        root = Some(next);
-        cause = next.source();
-    }
-    if let Some(root) = root.map(ToString::to_string).filter(|root| !reason.contains(root.as_str())) {
+    let (mut reason, cause) = match error {
+        etcd_client::Error::GRpcStatus(status) if status.message().is_empty() => {
+            (format!("{:?}", status.code()), std::error::Error::source(status))
+        }
+        etcd_client::Error::GRpcStatus(status) => {
+            (format!("{} ({:?})", status.message(), status.code()), std::error::Error::source(status))
+        }
+        etcd_client::Error::TransportError(transport) => (error.to_string(), std::error::Error::source(transport)),
+        other => return other.to_string(),
+    };
+    let root = std::iter::successors(cause, |cause| cause.source()).last().map(ToString::to_string);
+    if let Some(root) = root.filter(|root| !reason.contains(root.as_str())) {
         reason.push_str(": ");
         reason.push_str(&root);
     }
@@ -617,6 +622,10 @@ mod tests {
             continuum_proto::error_chain(&error),
             "etcd: tcp connect error (Unavailable): Connection refused (os error 111)"
         );
+        let mut silent = tonic::Status::unavailable("");
+        silent.set_source(std::sync::Arc::new(std::io::Error::other("Connection reset by peer (os error 104)")));
+        let error = PassError::from(etcd_client::Error::GRpcStatus(silent));
+        assert_eq!(continuum_proto::error_chain(&error), "etcd: Unavailable: Connection reset by peer (os error 104)");
         let certificate = std::io::Error::other("invalid peer certificate: UnknownIssuer");
         let error = PassError::from(etcd_client::Error::IoError(certificate));
         assert_eq!(continuum_proto::error_chain(&error), "etcd: io error: invalid peer certificate: UnknownIssuer");

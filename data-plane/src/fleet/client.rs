@@ -170,7 +170,9 @@ enum SessionError {
     Endpoint(EndpointError),
     #[error("cannot reach the control plane: {0}")]
     Connect(#[source] tonic::transport::Error),
-    #[error("control plane refused the stream: {0}")]
+    /// Its message and code: tonic's own text dumps the transport error under it as a debug
+    /// print, which the cause chain tells readably.
+    #[error("control plane refused the stream: {} ({:?})", .0.message(), .0.code())]
     Status(#[from] Status),
     #[error(
         "the dispatch report queue filled (the control plane reads too slowly); reconnecting to report whole again"

@@ -104,6 +104,31 @@ async fn the_handshake_sends_greeting_ready_as_sub_and_a_zmtp30_subscription() {
     assert_eq!(session.buffered_capacity(), 2048 + 64 + 512, "an idle session holds 2,624 bytes of buffers");
 }
 
+/// What the handshake waits on is flushed first: over a buffered stream, a publisher that
+/// answers only what it has read (its greeting after ours, its READY after ours) would
+/// otherwise wait on bytes still in the buffer, and the handshake would time out.
+#[tokio::test(start_paused = true)]
+async fn the_handshake_flushes_what_it_waits_on() {
+    let (ours, mut peer) = duplex(PIPE_BYTES);
+    let publisher = tokio::spawn(async move {
+        let mut greeting = [0u8; 64];
+        peer.read_exact(&mut greeting).await?;
+        peer.write_all(&pub_greeting()).await?;
+        let mut ready_sub = [0u8; 27];
+        peer.read_exact(&mut ready_sub).await?;
+        peer.write_all(&ready(b"PUB")).await?;
+        let mut subscription = [0u8; 13];
+        peer.read_exact(&mut subscription).await?;
+        peer.write_all(&kv_message(0)).await?;
+        std::io::Result::Ok(peer)
+    });
+    let buffered = tokio::io::BufStream::new(ours);
+    let handshake = ZmtpSubscriber::handshake(buffered, ZmtpLimits::KV_METRICS, b"kv_metrics", 1);
+    let mut session = handshake.await.expect("a handshake the publisher answered");
+    assert!(matches!(session.recv().await, Ok(Incoming::Message(_))), "the message after the subscription");
+    let _peer = publisher.await.expect("the publisher's task").expect("the publisher read each write");
+}
+
 #[tokio::test]
 async fn ping_is_answered_with_pong_carrying_its_context() {
     let mut ping = vec![4];

@@ -151,7 +151,15 @@ impl Fetcher {
     /// a private mirror fails closed (`fetch_failed`) rather than being trusted blindly.
     pub fn from_env() -> Self {
         let hf_endpoint = std::env::var("HF_ENDPOINT").unwrap_or_else(|_| DEFAULT_HF_ENDPOINT.to_string());
-        let fetcher = Self::new(hf_endpoint, std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()));
+        let hf_token = std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty());
+        if hf_token.is_some() && crate::clear_text::in_the_clear(&hf_endpoint) {
+            tracing::warn!(
+                hf_endpoint = %shown(&hf_endpoint),
+                "HF_TOKEN goes in the clear over http:// to a host that is not this one when tokenizer files are \
+                 fetched; use an https:// HF_ENDPOINT unless the network to it is trusted"
+            );
+        }
+        let fetcher = Self::new(hf_endpoint, hf_token);
         let Some(path) = std::env::var_os(ARTIFACT_CA_FILE_ENV).filter(|p| !p.is_empty()) else {
             return fetcher;
         };

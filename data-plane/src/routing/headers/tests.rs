@@ -45,10 +45,12 @@ fn value<'a>(map: &'a HeaderMap, name: &str) -> Option<&'a str> {
     map.get(name).map(|v| v.to_str().expect("ascii"))
 }
 
-/// Names as a header map holds them, lowercase: mixed case as a client sends it is the raw
-/// bytes' table below (`no_client_routing_header_passes_the_ingress_or_the_encoder`).
+/// The one rule ([`is_routing_header`]) the ingress, the encoder and a shim's response all
+/// apply, here through the response's strip. Names as a header map holds them, lowercase:
+/// mixed case as a client sends it is the raw bytes' table below
+/// (`no_client_routing_header_passes_the_ingress_or_the_encoder`).
 #[test]
-fn client_routing_headers_are_stripped_and_others_kept() {
+fn routing_headers_are_stripped_and_others_kept() {
     let cases: &[(&str, Pairs<'_>, &[&str])] = &[
         (
             "canonical pins",
