@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use continuum_control_plane::app::{ControlPlane, FILE_READ_WAIT, ListenOverrides};
 use continuum_control_plane::config::{self, ConfigError};
 use tokio::signal::unix::{self, SignalKind};
@@ -383,7 +383,8 @@ async fn apply_file(control_plane: &mut ControlPlane, file: &Path, shim: Option<
 fn file_given_as_command(argv: &[std::ffi::OsString], is_file: impl Fn(&Path) -> bool) -> Option<&Path> {
     let first = Path::new(argv.get(1)?);
     let named = first.to_str().unwrap_or_default();
-    let command = named.starts_with('-') || ["config", "help"].contains(&named);
+    let subcommand = Args::command().get_subcommands().any(|command| command.get_name() == named);
+    let command = named.starts_with('-') || named == "help" || subcommand;
     (!command && is_file(first)).then_some(first)
 }
 
