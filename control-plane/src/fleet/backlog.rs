@@ -87,8 +87,10 @@ pub use task::{BacklogBook, BookCounters, NotQueued, SessionReports};
 use task::{COMMAND_QUEUE, SESSION_SHARE, report_bytes};
 use timing::Timing;
 
-/// A dispatch no sample has answered adds its prefill tokens this long at most (the seed's 30
-/// seconds); a rank's record outlives its last end by at most this long.
+/// A buffered dispatch (whose answer comes whole, so no first token says its prompt is done)
+/// adds its prefill tokens this long at most (the seed's 30 seconds), unless its rank's
+/// timing says it was done sooner; a streamed one until its first token or its end. A rank's
+/// record outlives its last end by at most this long.
 pub const DISPATCH_MAX_AGE: Duration = Duration::from_secs(30);
 /// A dispatch whose end never arrives stops counting after this long.
 pub const IN_FLIGHT_MAX_AGE: Duration = Duration::from_secs(600);
