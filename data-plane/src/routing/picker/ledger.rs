@@ -372,8 +372,12 @@ impl Rank {
     /// Ends dispatch `id`'s leg by operation `op`; returns the hashes it held.
     fn take(&mut self, id: DispatchId, now: Instant, op: Op) -> usize {
         let Some(leg) = self.position(id).and_then(|index| self.legs.remove(index)) else { return 0 };
-        // A prompt still queued when its dispatch ends stops loading the rank now.
-        let tokens = leg.prefill_tokens;
+        // A prompt still queued when its dispatch ends stops loading the rank now. A buffered
+        // answer's is the exception for the join: no first token marks its prompt done, so the
+        // control plane deems it done by the rank's prefill time, perhaps long before the end,
+        // and taking it off sums that no longer hold it would read the rank idler than it is.
+        // Left to the end's fold, it reads busier for as long, at most.
+        let tokens = if leg.buffered { 0 } else { leg.prefill_tokens };
         let freed = self.forget(&leg);
         let op = reported_for(leg.op, op);
         self.changed(op, now, SinceFleet { decode_ended: freed, prefill_done: tokens, ..Default::default() });

@@ -521,6 +521,28 @@ fn the_fleet_sums_are_brought_up_to_date_with_this_replicas_own_dispatches() {
     assert_eq!(caught_up, Some(SinceFleet::default()), "sums holding every operation lack nothing");
 }
 
+/// A buffered answer's prompt, which the control plane deemed done by the rank's prefill time
+/// before the answer ended: its end does not take the prompt off sums that no longer hold it.
+#[test]
+fn the_end_of_a_buffered_answer_takes_no_prompt_off_sums_that_let_it_go() {
+    let ledger = DispatchLedger::new();
+    let t0 = Instant::now();
+    let buffered = Recorded { op: op(), legs: [31, 0], buffered: true };
+    let answer = ledger.record(&alone(pin(1, None)), 1600, 16, &[], t0, buffered);
+    let other =
+        ledger.record(&alone(pin(1, None)), 800, 16, &[], t0, Recorded { op: op(), legs: [32, 0], buffered: false });
+    let sums = folded(1, last_op());
+    // The sums hold the streamed prompt only: the buffered one was deemed done.
+    let fleet = Backlog { prefill_tokens: 800, decode_blocks: 150, dispatches: 2, ..Backlog::default() };
+    let t1 = t0 + Duration::from_secs(2);
+    ledger.end(answer, t1, op());
+    let queued = joined(&ledger, sums, t1).with_fleet(Some(&fleet)).prefill_tokens;
+    assert_eq!(queued, 800, "the streamed prompt still queued, not 800 - 1600");
+    // A streamed answer's end takes its prompt off: the sums hold it until a first token.
+    ledger.end(other, t1, op());
+    assert_eq!(joined(&ledger, sums, t1).with_fleet(Some(&fleet)).prefill_tokens, 0);
+}
+
 /// Two replicas each queue a prompt on a rank; the fleet's sums hold both. This replica then
 /// queues another. The rank has three prompts queued: the larger of the two views would count
 /// two, and a burst arriving through several replicas would stack its prompts on one worker.
