@@ -159,7 +159,8 @@ pub struct SinceFleet {
     pub decode_ended: u64,
     /// Prompt tokens they queued.
     pub prefill_started: u64,
-    /// Prompt tokens that stopped loading the rank: the response began, or the dispatch ended.
+    /// Prompt tokens that stopped loading the rank: the response began, or the dispatch ended
+    /// (a buffered answer's end excepted: see `Rank::take`).
     pub prefill_done: u64,
 }
 
