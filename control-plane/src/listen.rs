@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use continuum_proto::log_budget::LogBudget;
 use prometheus::IntCounterVec;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -47,8 +48,6 @@ pub const MAX_FLEET_CONNECTIONS: usize = 16_384;
 /// stay open while it answers pings, so without a share one host could fill the listener and
 /// shut out every replica that reconnects; with it, that takes eight.
 pub const MAX_FLEET_CONNECTIONS_PER_PEER: usize = 2 * MAX_WATCH_SESSIONS + 256;
-/// How often a listener may warn of a peer over its share.
-const PEER_FULL_WARN_EVERY: Duration = Duration::from_secs(60);
 /// Connections the admin listener holds at once: operators, scrapers and probes.
 pub const MAX_ADMIN_CONNECTIONS: usize = 256;
 /// Connections one peer address may hold on the admin listener.
@@ -105,8 +104,8 @@ pub struct Guard {
     closed: IntCounterVec,
     listener: &'static str,
     silent_for: Duration,
-    /// When a peer over its share was last warned of.
-    peer_full_warned: Arc<Mutex<Option<Instant>>>,
+    /// A line a minute about peers over their share, for this listener.
+    peer_full_warnings: Arc<LogBudget>,
 }
 
 impl Guard {
@@ -120,7 +119,7 @@ impl Guard {
             closed,
             listener,
             silent_for: SILENT_FOR,
-            peer_full_warned: Arc::default(),
+            peer_full_warnings: Arc::new(LogBudget::per_minute(1)),
         }
     }
 
@@ -185,13 +184,9 @@ impl Guard {
     /// or NAT fronting every replica fills one share, and would otherwise only show as
     /// transport errors on the replicas.
     fn warn_peer_full(&self, peer: IpAddr, most: usize) {
-        let mut last = self.peer_full_warned.lock().unwrap_or_else(PoisonError::into_inner);
-        if last.is_some_and(|at| at.elapsed() < PEER_FULL_WARN_EVERY) {
-            return;
-        }
-        *last = Some(Instant::now());
+        let Some(held_back) = self.peer_full_warnings.admit() else { return };
         tracing::warn!(
-            listener = self.listener, %peer, most,
+            listener = self.listener, %peer, most, held_back,
             "one address holds the most connections the listener allows it; its new ones are closed \
              (counted in continuum_connections_closed_total{{reason=\"peer_full\"}})"
         );
