@@ -254,14 +254,18 @@ impl Dispatcher {
 
     pub async fn run(&self, plan: Plan) -> Result<Response, DispatchError> {
         let headers = self.request_headers(plan.stream, plan.tenant, plan.trace);
+        // Boxed: a dispatch's future is most of a request's, and every future that awaits one
+        // holds it inline, so each of them would copy its kilobytes as it starts.
         match plan.route {
             Route::Pinned(pinned) => {
-                self.pinned(plan.body.into_bytes(), plan.stream, plan.disclose, &headers, pinned).await
+                Box::pin(self.pinned(plan.body.into_bytes(), plan.stream, plan.disclose, &headers, pinned)).await
             }
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);
                 let relay = Unpinned { relay_errors: true, disclose: plan.disclose };
-                self.unpinned(plan.body.bytes(), plan.stream, &headers, replicas, relay).await.map_err(unified_failed)
+                Box::pin(self.unpinned(plan.body.bytes(), plan.stream, &headers, replicas, relay))
+                    .await
+                    .map_err(unified_failed)
             }
         }
     }

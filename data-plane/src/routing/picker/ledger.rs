@@ -14,7 +14,6 @@
 //! One mutex guards the state; every critical section is a few map operations, and the picker
 //! queries all its candidates under a single acquisition.
 
-use std::borrow::Borrow;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -641,22 +640,36 @@ impl DispatchLedger {
 
     /// The backlog of each rank, given when its last sample was received (`None`: never), and
     /// which of this replica's operations the fleet's sums hold (`None`: unknown).
-    pub fn backlogs<K: Borrow<LoadKey>>(
+    #[cfg(test)]
+    pub fn backlogs<K: std::borrow::Borrow<LoadKey>>(
         &self,
         ranks: &[(K, Option<Instant>)],
         folded: Option<ReportsFolded>,
         now: Instant,
     ) -> Few<RankBacklog> {
+        self.backlogs_with(ranks.iter().map(|(key, sampled_at)| (key.borrow(), *sampled_at)), folded, now, |_, b| b)
+    }
+
+    /// What `each` makes of each rank's backlog (given its position, as [`Self::backlogs`]
+    /// gives it), under one acquisition of the ledger. Pickers keep what they need of every
+    /// candidate in one small vector instead of moving a vector of backlogs into another.
+    pub fn backlogs_with<'k, T>(
+        &self,
+        ranks: impl IntoIterator<Item = (&'k LoadKey, Option<Instant>)>,
+        folded: Option<ReportsFolded>,
+        now: Instant,
+        mut each: impl FnMut(usize, RankBacklog) -> T,
+    ) -> Few<T> {
         let mut state = self.lock();
         ranks
-            .iter()
-            .map(|(key, sampled_at)| {
-                let key = key.borrow();
-                let mut backlog = state.backlog(key, *sampled_at, now);
+            .into_iter()
+            .enumerate()
+            .map(|(i, (key, sampled_at))| {
+                let mut backlog = state.backlog(key, sampled_at, now);
                 let rank = state.ranks.get_mut(key);
                 backlog.last_dispatch = rank.as_deref().map_or_else(LastDispatch::default, |r| r.last_dispatch(folded));
                 backlog.since_fleet = folded.map(|folded| rank.map(|rank| rank.since(folded)).unwrap_or_default());
-                backlog
+                each(i, backlog)
             })
             .collect()
     }
