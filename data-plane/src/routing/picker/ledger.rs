@@ -400,6 +400,41 @@ impl Rank {
         self.legs.is_empty() && self.changes.is_empty()
     }
 
+    /// Whether its oldest leg is past [`UNANSWERED_FOR`] ([`State::expire`] drops it).
+    fn expires(&self, now: Instant) -> bool {
+        self.oldest.is_some_and(|oldest| now.saturating_duration_since(oldest) >= UNANSWERED_FOR)
+    }
+
+    /// What the rank's legs add to its last sample (received at `sampled_at`) now.
+    fn backlog(&mut self, sampled_at: Option<Instant>, now: Instant) -> RankBacklog {
+        let mut backlog = RankBacklog::default();
+        self.heard_at = self.heard_at.max(sampled_at);
+        let sampled_at = self.heard_at;
+        // Every leg is younger than the stall age and no sample answers any: the sums are it.
+        if let Some(oldest) = self.oldest
+            && now.saturating_duration_since(oldest) < STALL_AFTER
+            && sampled_at.is_none_or(|at| at <= oldest)
+        {
+            backlog.prefill_tokens = self.prefill_tokens;
+            backlog.unanswered_prefill_tokens = self.prefill_tokens;
+            backlog.decode_blocks = self.active.total();
+            backlog.in_flight_decode_blocks = self.active.total();
+            return backlog;
+        }
+        backlog.in_flight_decode_blocks = self.active.total();
+        backlog.prefill_tokens = self.prefill_tokens;
+        let unanswered = |leg: &&Leg| {
+            sampled_at.is_none_or(|at| at <= leg.at) && now.saturating_duration_since(leg.at) < UNANSWERED_FOR
+        };
+        for leg in self.legs.iter().filter(unanswered) {
+            backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.added).saturating_add(leg.inherited);
+            backlog.unanswered_prefill_tokens = backlog.unanswered_prefill_tokens.saturating_add(leg.prefill_tokens);
+            let waited = now.saturating_duration_since(leg.at);
+            backlog.stalled |= leg.stall_blocks >= STALL_MIN_BLOCKS && waited >= STALL_AFTER;
+        }
+        backlog
+    }
+
     /// What this replica's operations did to the rank that sums holding operations `folded`
     /// lack: those after the range, and the legs still in flight from before it (recorded
     /// before this stream's first report: the control plane never had them). What happens to
@@ -665,10 +700,16 @@ impl DispatchLedger {
             .into_iter()
             .enumerate()
             .map(|(i, (key, sampled_at))| {
-                let mut backlog = state.backlog(key, sampled_at, now);
-                let rank = state.ranks.get_mut(key);
-                backlog.last_dispatch = rank.as_deref().map_or_else(LastDispatch::default, |r| r.last_dispatch(folded));
-                backlog.since_fleet = folded.map(|folded| rank.map(|rank| rank.since(folded)).unwrap_or_default());
+                let backlog = match state.current(key, now) {
+                    Some(rank) => {
+                        let backlog = rank.backlog(sampled_at, now);
+                        let since_fleet = folded.map(|folded| rank.since(folded));
+                        RankBacklog { last_dispatch: rank.last_dispatch(folded), since_fleet, ..backlog }
+                    }
+                    None => {
+                        RankBacklog { since_fleet: folded.map(|_| SinceFleet::default()), ..RankBacklog::default() }
+                    }
+                };
                 each(i, backlog)
             })
             .collect()
@@ -718,37 +759,17 @@ impl State {
         }
     }
 
-    fn backlog(&mut self, key: &LoadKey, sampled_at: Option<Instant>, now: Instant) -> RankBacklog {
-        self.expire(key, now);
-        let mut backlog = RankBacklog::default();
-        let Some(rank) = self.ranks.get_mut(key) else {
-            return backlog;
-        };
-        rank.heard_at = rank.heard_at.max(sampled_at);
-        let sampled_at = rank.heard_at;
-        // Every leg is younger than the stall age and no sample answers any: the sums are it.
-        if let Some(oldest) = rank.oldest
-            && now.saturating_duration_since(oldest) < STALL_AFTER
-            && sampled_at.is_none_or(|at| at <= oldest)
-        {
-            backlog.prefill_tokens = rank.prefill_tokens;
-            backlog.unanswered_prefill_tokens = rank.prefill_tokens;
-            backlog.decode_blocks = rank.active.total();
-            backlog.in_flight_decode_blocks = rank.active.total();
-            return backlog;
+    /// Rank `key` as a pick reads it, once [`Self::expire`] has dropped what it no longer
+    /// holds; `None` if nothing is left of it.
+    fn current(&mut self, key: &LoadKey, now: Instant) -> Option<&mut Rank> {
+        let rank = self.ranks.get_mut(key)?;
+        rank.changes.forget(now);
+        if rank.expires(now) || rank.is_empty() {
+            self.expire(key, now);
         }
-        backlog.in_flight_decode_blocks = rank.active.total();
-        backlog.prefill_tokens = rank.prefill_tokens;
-        let unanswered = |leg: &&Leg| {
-            sampled_at.is_none_or(|at| at <= leg.at) && now.saturating_duration_since(leg.at) < UNANSWERED_FOR
-        };
-        for leg in rank.legs.iter().filter(unanswered) {
-            backlog.decode_blocks = backlog.decode_blocks.saturating_add(leg.added).saturating_add(leg.inherited);
-            backlog.unanswered_prefill_tokens = backlog.unanswered_prefill_tokens.saturating_add(leg.prefill_tokens);
-            let waited = now.saturating_duration_since(leg.at);
-            backlog.stalled |= leg.stall_blocks >= STALL_MIN_BLOCKS && waited >= STALL_AFTER;
-        }
-        backlog
+        // Looked up again: the borrow checker cannot yet see that the first borrow ends in
+        // the branch above.
+        self.ranks.get_mut(key)
     }
 
     /// Drops a rank's legs older than [`UNANSWERED_FOR`], with their dispatches, and the ended
@@ -758,7 +779,7 @@ impl State {
             return;
         };
         rank.changes.forget(now);
-        if rank.oldest.is_some_and(|oldest| now.saturating_duration_since(oldest) >= UNANSWERED_FOR) {
+        if rank.expires(now) {
             let mut expired = Vec::new();
             let mut freed_hashes = 0;
             while let Some((id, hashes)) = rank.pop_expired(now) {
