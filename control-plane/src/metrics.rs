@@ -115,7 +115,7 @@ impl Metrics {
             watch_refused: IntCounterVec::new(
                 Opts::new(
                     "continuum_fleet_watch_refused_total",
-                    "Watch streams refused, by reason: before the first update (bad_hello, not_seeded, too_many_sessions, ...), or later for a message that could not be read (bad_message: past the size bound, or not decodable)",
+                    "Watch streams refused, by reason: before the first update (bad_hello, not_seeded, too_many_sessions, ...), or later for a message that could not be read (bad_message: past the size bound, or not decodable) or that ends the session (bad_ack, bad_nack: a version never sent; report_too_large; reports_behind: the book's queue had no room; book_restarted; snapshot_refused; updates_refused: twice within the resync interval)",
                 ),
                 &["reason"],
             )?,

@@ -288,7 +288,27 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
     let ended = ended_status(&mut updates).await?;
     assert_eq!(ended.code(), tonic::Code::FailedPrecondition, "{ended:?}");
+    assert!(ended.message().contains("test refuses it"), "the replica's reason is in the end's status: {ended:?}");
     assert_eq!(control.metrics.updates_sent.with_label_values(&["snapshot"]).get(), 2, "the first and one resync");
+    assert_eq!(control.metrics.watch_refused.with_label_values(&["updates_refused"]).get(), 1);
+    control.stop().await;
+    Ok(())
+}
+
+/// An acknowledgement of a version the stream never sent would count as the acknowledgement
+/// of every snapshot to come, which then would never wait for the replica to take the last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_of_a_version_never_sent_ends_the_stream_and_is_counted() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let (replies, mut updates) = open_watch(&control.url(), "early-acker").await?;
+    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    replies.send(ack(&first)).await?;
+    let future = pb::Ack { version: first.version + 1_000, nonce: String::new() };
+    replies.send(pb::WatchRequest { kind: Some(Kind::Ack(future)) }).await?;
+    let ended = ended_status(&mut updates).await?;
+    assert_eq!(ended.code(), tonic::Code::InvalidArgument, "{ended:?}");
+    assert!(ended.message().contains("never sent"), "{ended:?}");
+    assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_ack"]).get(), 1);
     control.stop().await;
     Ok(())
 }

@@ -46,6 +46,20 @@ pub(crate) async fn say_goodbye(outbound: &Outbound, status: Status) {
     let _ = tokio::time::timeout(GOODBYE_WAIT, outbound.send(Err(status))).await;
 }
 
+/// Why a session ends on a replica's message: the `reason` label of
+/// `continuum_fleet_watch_refused_total`, and the status the replica is told.
+#[derive(Debug)]
+struct Refused {
+    reason: &'static str,
+    status: Status,
+}
+
+impl Refused {
+    fn new(reason: &'static str, status: Status) -> Self {
+        Self { reason, status }
+    }
+}
+
 /// An update waiting for its replica's stream to take it. Its samples' ages were measured when
 /// it was built; [`Queued::taken`] adds the time it waited, so a replica slow to read (a
 /// throttled CPU, a stalled network) does not take a sample for seconds fresher than it is.
@@ -228,8 +242,11 @@ impl Session {
             };
             match event {
                 Event::Inbound(Ok(Some(request))) => {
-                    if let Err(status) = self.on_request(request) {
-                        tracing::warn!(replica = %self.status.replica_id, %status, "ending the replica's session");
+                    if let Err(Refused { reason, status }) = self.on_request(request) {
+                        // Counted by reason; logged within a budget, since a replica holding
+                        // the token may open stream after stream only to be refused.
+                        self.metrics.watch_refused.with_label_values(&[reason]).inc();
+                        continuum_proto::warn_limited!(replica = %self.status.replica_id, reason, %status, "ending the replica's session");
                         // The stream ends either way, and the replica reconnects.
                         say_goodbye(&self.outbound, status).await;
                         return;
@@ -367,28 +384,46 @@ impl Session {
         Ok(Some(update))
     }
 
-    /// Takes one message from the replica; an error ends the session with that status.
-    fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Status> {
+    /// Takes one message from the replica; a refusal ends the session with its status.
+    fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Refused> {
         match request.kind {
             Some(Kind::Ack(ack)) => {
                 self.metrics.replica_replies.with_label_values(&["ack"]).inc();
+                // An acknowledgement of a version never sent would stand for every snapshot
+                // to come, and hold none of them back until the replica took it.
+                let sent = self.status.sent_version.load(Ordering::Relaxed);
+                if ack.version > sent {
+                    return Err(Refused::new(
+                        "bad_ack",
+                        Status::invalid_argument(format!(
+                            "an acknowledgement of version {}, which this stream never sent (its newest is {sent})",
+                            ack.version
+                        )),
+                    ));
+                }
                 self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
             }
             Some(Kind::Nack(nack)) => self.on_nack(nack)?,
             Some(Kind::Dispatches(mut report)) => {
                 if report.started.len() > MAX_REPORT_STARTED {
                     self.metrics.dispatch_reports_dropped.inc();
-                    return Err(Status::invalid_argument(format!(
-                        "a dispatch report starts {} dispatches; at most {MAX_REPORT_STARTED}",
-                        report.started.len()
-                    )));
+                    return Err(Refused::new(
+                        "report_too_large",
+                        Status::invalid_argument(format!(
+                            "a dispatch report starts {} dispatches; at most {MAX_REPORT_STARTED}",
+                            report.started.len()
+                        )),
+                    ));
                 }
                 let ends = report.ended.len().max(report.prefilled.len());
                 if ends > MAX_REPORT_ENDS {
                     self.metrics.dispatch_reports_dropped.inc();
-                    return Err(Status::invalid_argument(format!(
-                        "a dispatch report ends (or marks prefilled) {ends} dispatches; at most {MAX_REPORT_ENDS}"
-                    )));
+                    return Err(Refused::new(
+                        "report_too_large",
+                        Status::invalid_argument(format!(
+                            "a dispatch report ends (or marks prefilled) {ends} dispatches; at most {MAX_REPORT_ENDS}"
+                        )),
+                    ));
                 }
                 self.credit_prefixes(&mut report);
                 match self.book.report(self.session_id, report) {
@@ -398,13 +433,19 @@ impl Session {
                     // sides over: the book forgets this one's dispatches, the replica its queue.
                     Err(NotQueued::Full) => {
                         self.metrics.dispatch_reports_dropped.inc();
-                        return Err(Status::resource_exhausted(
-                            "the control plane fell behind folding dispatch reports and dropped one; reconnect",
+                        return Err(Refused::new(
+                            "reports_behind",
+                            Status::resource_exhausted(
+                                "the control plane fell behind folding dispatch reports and dropped one; reconnect",
+                            ),
                         ));
                     }
                     Err(NotQueued::Restarted) => {
-                        return Err(Status::unavailable(
-                            "the control plane's dispatch book started over after an internal fault and holds none of this stream's dispatches; reconnect to report them again",
+                        return Err(Refused::new(
+                            "book_restarted",
+                            Status::unavailable(
+                                "the control plane's dispatch book started over after an internal fault and holds none of this stream's dispatches; reconnect to report them again",
+                            ),
                         ));
                     }
                 }
@@ -452,7 +493,7 @@ impl Session {
     /// cannot be mended by another (under load each would be refused as fast as it is encoded,
     /// megabytes at a time): the session ends, and the replica keeps its last view and
     /// reconnects with its backoff.
-    fn on_nack(&mut self, nack: pb::Nack) -> Result<(), Status> {
+    fn on_nack(&mut self, nack: pb::Nack) -> Result<(), Refused> {
         self.metrics.replica_replies.with_label_values(&["nack"]).inc();
         self.status.nacks.fetch_add(1, Ordering::Relaxed);
         // The replica's words, logged: a line's worth of them.
@@ -460,18 +501,24 @@ impl Session {
         let replica = &self.status.replica_id;
         let sent = self.status.sent_version.load(Ordering::Relaxed);
         if nack.version > sent {
-            return Err(Status::invalid_argument(format!(
-                "a refusal of version {}, which this stream never sent (its newest is {sent})",
-                nack.version
-            )));
+            return Err(Refused::new(
+                "bad_nack",
+                Status::invalid_argument(format!(
+                    "a refusal of version {}, which this stream never sent (its newest is {sent})",
+                    nack.version
+                )),
+            ));
         }
         match &self.last_snapshot {
             Some(snapshot) if snapshot.answered_by(&nack) => {
-                tracing::warn!(%replica, version = nack.version, ?reason, "replica refused a full snapshot; ending its session");
-                return Err(Status::failed_precondition(format!(
-                    "the replica refused the full snapshot at version {}; reconnect",
-                    nack.version
-                )));
+                // The refusal's reason goes in the status the session ends with, logged then.
+                return Err(Refused::new(
+                    "snapshot_refused",
+                    Status::failed_precondition(format!(
+                        "the replica refused the full snapshot at version {} ({reason:?}); reconnect",
+                        nack.version
+                    )),
+                ));
             }
             Some(snapshot) if snapshot.replaced(&nack) => {
                 tracing::debug!(%replica, version = nack.version, ?reason, "a refused update was already replaced");
@@ -487,12 +534,15 @@ impl Session {
         }
         let now = Instant::now();
         if self.last_resync.is_some_and(|at| now.duration_since(at) < RESYNC_INTERVAL) {
-            tracing::warn!(%replica, version = nack.version, ?reason, "replica refused another fleet update soon after a resync; ending its session");
-            return Err(Status::failed_precondition(format!(
-                "the replica refused fleet updates twice within {RESYNC_INTERVAL:?}; reconnect"
-            )));
+            return Err(Refused::new(
+                "updates_refused",
+                Status::failed_precondition(format!(
+                    "the replica refused fleet updates twice within {RESYNC_INTERVAL:?} (the last at version {}: {reason:?}); reconnect",
+                    nack.version
+                )),
+            ));
         }
-        tracing::warn!(%replica, version = nack.version, ?reason, "replica refused a fleet update; resyncing it with a full snapshot");
+        continuum_proto::warn_limited!(%replica, version = nack.version, ?reason, "replica refused a fleet update; resyncing it with a full snapshot");
         self.last_resync = Some(now);
         self.held = None;
         Ok(())
