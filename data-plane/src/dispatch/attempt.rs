@@ -61,7 +61,7 @@ impl Dispatcher {
                 self.metrics.shim_retries.inc();
             }
             attempts += 1;
-            match self.attempt(replica, (headers, pins), body, head_timeout).await {
+            match self.attempt(replica, (headers, pins), body, (now, head_timeout)).await {
                 Ok(response) => return Ok((replica, response)),
                 Err(error) => {
                     let retry = error.before_request_sent();
@@ -77,16 +77,16 @@ impl Dispatcher {
 }
 
 impl Dispatcher {
-    /// One send to one replica, its outcome fed to the replica's breaker.
+    /// One send to one replica, admitted by its breaker at `sent`, its outcome fed to the
+    /// breaker.
     async fn attempt(
         &self,
         replica: &ShimReplica,
         (headers, pins): (&HeaderMap, Pins),
         body: &Bytes,
-        head_timeout: Duration,
+        (sent, head_timeout): (Instant, Duration),
     ) -> Result<Response<ShimBody>, SendError> {
-        let sent = Instant::now();
-        let unfinished = Unfinished { dispatcher: self, backend: &replica.name };
+        let unfinished = Unfinished { dispatcher: self, replica, sent };
         let mut outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
         unfinished.finished();
         let (name, url, now) = (&replica.name, &replica.url, Instant::now());
@@ -120,10 +120,13 @@ impl Dispatcher {
 
 /// Counts a send dropped before its outcome came: its client left, or a shutdown's cut ended
 /// its connection (the request's future is dropped either way). The shim's health learns
-/// nothing from it.
+/// nothing from it, but a trial it carried is handed on
+/// ([`ShimHealth::abandoned`](super::breaker::ShimHealth::abandoned)).
 struct Unfinished<'a> {
     dispatcher: &'a Dispatcher,
-    backend: &'a str,
+    replica: &'a ShimReplica,
+    /// When the breaker admitted the send.
+    sent: Instant,
 }
 
 impl Unfinished<'_> {
@@ -135,7 +138,9 @@ impl Unfinished<'_> {
 
 impl Drop for Unfinished<'_> {
     fn drop(&mut self) {
-        self.dispatcher.metrics.shim_attempts.with_label_values(&[self.backend, "client_left"]).inc();
+        let ShimReplica { name, url, .. } = self.replica;
+        self.dispatcher.metrics.shim_attempts.with_label_values(&[name.as_str(), "client_left"]).inc();
+        self.dispatcher.health.abandoned(name, url, self.sent);
     }
 }
 

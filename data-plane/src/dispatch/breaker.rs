@@ -156,6 +156,17 @@ impl Breaker {
         }
     }
 
+    /// The request `sent` then was dropped before its outcome came (its client left, or a
+    /// shutdown cut it): it says nothing of the replica. If it was the trial, the next request
+    /// is the trial, as the cooldown it waited out allows, instead of waiting out another.
+    pub fn abandoned(&mut self, sent: Instant) {
+        if let State::HalfOpen { probe_sent, opened } = self.state
+            && probe_sent == sent
+        {
+            self.state = State::Trial { opened };
+        }
+    }
+
     /// A request `sent` then failed at `now`. One sent before the breaker opened (still
     /// failing as it tripped) says nothing of the replica now: it neither reopens a breaker
     /// whose trial is under way nor restarts an open one's cooldown.
@@ -255,6 +266,11 @@ impl ShimHealth {
 
     pub fn admit(&self, name: &str, url: &str, now: Instant) -> bool {
         self.with(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
+    }
+
+    /// A request admitted at `sent` was dropped before its outcome came ([`Breaker::abandoned`]).
+    pub fn abandoned(&self, name: &str, url: &str, sent: Instant) {
+        self.with(name, url, |r, _| r.breaker.abandoned(sent));
     }
 
     /// A probe's outcome. A successful one also ends an open breaker's cooldown (see
@@ -412,6 +428,32 @@ mod tests {
         failed(&mut breaker, 1, now);
         assert_eq!(breaker.state(), BreakerState::Open);
         assert!(!breaker.admit(now + Duration::from_secs(9), &SETTINGS));
+    }
+
+    /// A trial whose client left before its outcome came hands the trial to the next request,
+    /// which need not wait out another cooldown; any other request dropped so changes nothing.
+    #[test]
+    fn an_abandoned_trial_lets_the_next_request_be_the_trial() {
+        let now = Instant::now();
+        let mut breaker = Breaker::default();
+        failed(&mut breaker, 3, now);
+        let trial = now + SETTINGS.cooldown;
+        assert!(breaker.admit(trial, &SETTINGS), "the trial");
+        let later = trial + Duration::from_secs(1);
+        assert!(!breaker.usable(later, &SETTINGS), "a trial under way keeps the others out");
+        breaker.abandoned(trial - Duration::from_millis(1));
+        assert!(!breaker.usable(later, &SETTINGS), "another request's drop changes nothing");
+        breaker.abandoned(trial);
+        assert!(breaker.admit(later, &SETTINGS), "the next request is the trial");
+        assert_eq!(breaker.state(), BreakerState::HalfOpen);
+        breaker.on_head(later);
+        assert_eq!(breaker.state(), BreakerState::Closed, "and its answer closes the breaker");
+
+        // A closed breaker's count is not touched by a drop.
+        failed(&mut breaker, 2, now);
+        breaker.abandoned(now);
+        failed(&mut breaker, 1, now);
+        assert_eq!(breaker.state(), BreakerState::Open);
     }
 
     /// A success's head closes a half-open breaker (its trial passed) but leaves a closed one's

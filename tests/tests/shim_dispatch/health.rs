@@ -354,6 +354,54 @@ async fn a_client_that_leaves_before_its_answer_ends_its_dispatch_and_is_counted
     Ok(())
 }
 
+/// A trial request whose client leaves before its answer says nothing of the replica: it hands
+/// the trial to the next request instead of keeping the replica out for another cooldown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trial_whose_client_leaves_hands_the_trial_to_the_next_request() -> anyhow::Result<()> {
+    use continuum_tests::shim_stub::Reply;
+    let shim = StubShim::start().await?;
+    // One failure opens the breaker for a minute; a live probe lets the next request through
+    // as its trial (`Breaker::end_cooldown`) within the probe's 50 ms.
+    let breaker = BreakerSettings { failure_threshold: 1, cooldown: Duration::from_secs(60) };
+    let probe = ProbeSettings { interval: Duration::from_millis(50), timeout: Duration::from_secs(5) };
+    let settings = DispatchSettings { breaker, probe, ..DispatchSettings::default() };
+    let fleet = vec![worker(DECODE_ID, Role::Aggregated, MODEL, 0)];
+    let harness = Harness::start_with(fleet, config(&[("shim", shim.url())]), settings).await?;
+    let state = r#"continuum_shim_replica_state{backend="shim"}"#;
+    shim.push(Reply::Fixed { status: axum::http::StatusCode::BAD_GATEWAY, content_type: None, body: "down".into() });
+    assert_ne!(harness.post(&chat(MODEL, false)).await?.status(), 200, "the shim's gateway failure");
+    eventually(Duration::from_secs(10), "a live probe to let a trial through", || async {
+        harness.metrics().await.is_ok_and(|m| sample(&m, state) == Some(1.0))
+    })
+    .await?;
+
+    // The trial hangs, and its client leaves.
+    shim.push(Reply::Hang);
+    let mut received = shim.count();
+    let sent = *received.borrow();
+    let body = chat(MODEL, false);
+    let trial = harness.post(&body);
+    let gave_up = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::select! {
+            _ = trial => false,
+            _ = received.wait_for(|n| *n > sent) => true,
+        }
+    });
+    assert!(gave_up.await?, "the trial reached the shim and hangs");
+    eventually(Duration::from_secs(10), "the abandoned trial counted", || async {
+        let left = r#"continuum_shim_attempts_total{backend="shim",outcome="client_left"}"#;
+        harness.metrics().await.is_ok_and(|m| sample(&m, left) == Some(1.0))
+    })
+    .await?;
+
+    // Well within the cooldown, the next request is the trial, and its answer closes the breaker.
+    let next = harness.post(&chat(MODEL, false)).await?;
+    assert_eq!(next.status(), 200, "the next request went through as the trial");
+    assert_eq!(sample(&harness.metrics().await?, state), Some(0.0), "closed by its answer");
+    harness.stop().await;
+    Ok(())
+}
+
 /// Unpinned requests (disaggregated serving off) follow the same rule: long generations timing
 /// out together say nothing against a backend that answered other requests meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
