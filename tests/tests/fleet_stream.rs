@@ -394,7 +394,9 @@ async fn a_replica_flooding_its_stream_still_gets_its_updates() -> anyhow::Resul
     let control = TestControlPlane::start(publisher()).await?;
     let mut client = FleetClient::connect(control.url()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
     let hello = pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "flood".into(), version: None })) };
-    let stale = pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: 1, nonce: "stale".into() })) };
+    // Of version 0, sent before any: an acknowledgement of a version not yet sent would end
+    // the stream (`an_ack_of_a_version_never_sent_ends_the_stream_and_is_counted`).
+    let stale = pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: 0, nonce: "stale".into() })) };
     // Never pending: every poll has the next message ready.
     let flood = tokio_stream::iter(std::iter::once(hello).chain(std::iter::repeat(stale)));
     let mut updates = client.watch(flood).await?.into_inner();

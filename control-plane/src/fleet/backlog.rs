@@ -134,6 +134,12 @@ pub(crate) fn fit(hashes: &mut Vec<u64>) {
     }
 }
 
+/// Whether a reported start is one a replica could have made: its prompt and blocks within
+/// what a replica reports at most. The book refuses others, and they credit no prefix.
+pub(crate) fn plausible(started: &pb::DispatchStarted) -> bool {
+    started.decode_blocks <= MAX_REPORTED_DECODE_BLOCKS && started.prefill_tokens <= MAX_REPORTED_PREFILL_TOKENS
+}
+
 /// Marks `rank` (kept under `key`) for the next publish check, once however often it moves.
 fn mark(dirty: &mut Vec<RankKey>, key: RankKey, rank: &mut Rank) {
     if !rank.dirty {
@@ -367,7 +373,7 @@ impl Book {
         let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
             return Err(Refusal::UnknownRank);
         };
-        if started.decode_blocks > MAX_REPORTED_DECODE_BLOCKS || started.prefill_tokens > MAX_REPORTED_PREFILL_TOKENS {
+        if !plausible(started) {
             return Err(Refusal::Implausible);
         }
         let held = self.where_is.get(&replica).map_or(0, |session| session.len());

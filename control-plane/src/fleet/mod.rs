@@ -17,11 +17,11 @@ use continuum_proto::model::DataPlaneConfig;
 use tokio::sync::watch;
 
 pub use active::ActiveIndex;
-pub(crate) use backlog::fit;
 pub use backlog::{
     BACKLOG_WINDOW, BacklogBook, BookCounters, DISPATCH_MAX_AGE, IN_FLIGHT_MAX_AGE, MAX_DISPATCHES,
     MAX_DISPATCHES_PER_REPLICA, MAX_QUEUED_REPORT_BYTES, NotQueued, Refusal, SAMPLE_LAG, SessionReports,
 };
+pub(crate) use backlog::{fit, plausible};
 pub use coalesce::{LOAD_COALESCE_WINDOW, LoadCoalescer};
 pub use state::{Catchup, DELTA_LOG_CAPACITY, FleetChange, FleetState};
 

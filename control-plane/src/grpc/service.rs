@@ -407,7 +407,7 @@ impl Fleet for FleetService {
             .collect();
         // Numbered last, so that two lookups answered in one order carry turns in that order.
         // Replicas rotate ties by it: a fleet-wide cursor that costs no round trip of its own.
-        let turn = self.turns.next(&model);
+        let turn = self.turns.next(&model, Instant::now());
         // More contenders than are weighed get no suggestion: not worth converting.
         let contenders: Vec<RankKey> = if contenders.len() <= MAX_CONTENDERS {
             contenders.iter().map(|c| RankKey { worker_id: c.instance_id, dp_rank: c.dp_rank }).collect()

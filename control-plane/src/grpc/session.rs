@@ -18,7 +18,7 @@ use continuum_proto::{
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
-use crate::fleet::{Catchup, FleetState, NotQueued, SessionReports, fit};
+use crate::fleet::{Catchup, FleetState, NotQueued, SessionReports, fit, plausible};
 use crate::kv::{KvHandle, LookupKey};
 use crate::metrics::Metrics;
 
@@ -465,16 +465,16 @@ impl Session {
     fn credit_prefixes(&self, report: &mut pb::DispatchReport) {
         let mut budget = MAX_REPORT_BLOCK_HASHES;
         for started in &mut report.started {
-            let hashes = &mut started.block_hashes;
-            hashes.truncate(MAX_DISPATCH_BLOCK_HASHES.min(budget));
+            started.block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES.min(budget));
             // What a cut chain no longer holds is given back: the book keeps it for minutes.
-            fit(hashes);
-            budget -= hashes.len();
+            fit(&mut started.block_hashes);
+            budget -= started.block_hashes.len();
             let rank = started.rank.as_ref().and_then(|k| Some((k.worker.as_ref()?.instance_id, k.dp_rank)));
             let Some((worker_id, dp_rank)) = rank else { continue };
             let rank = RankKey { worker_id, dp_rank };
-            // Credited and reserved when it first started, on the stream before.
-            if started.replayed {
+            // Credited and reserved when it first started, on the stream before; an
+            // implausible start, which the book refuses, is credited with nothing either.
+            if started.replayed || !plausible(started) {
                 continue;
             }
             if started.lookup != 0 {
@@ -482,8 +482,8 @@ impl Session {
                 let key = LookupKey { replica: &self.status.replica_id, lookup: started.lookup };
                 self.kv.lookup_reported(key, rank);
             }
-            if !hashes.is_empty() {
-                self.kv.credit_provisional(rank, hashes);
+            if !started.block_hashes.is_empty() {
+                self.kv.credit_provisional(rank, &started.block_hashes);
             }
         }
     }

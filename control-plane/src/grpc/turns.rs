@@ -8,36 +8,59 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
-/// Models counted at once. A new model past it starts every sequence over: a turn is only a
-/// rotation's starting point, so a restart costs at most one tie split the same way.
+/// Models counted at once. A new model past it takes the place of the models no lookup has
+/// named for [`IDLE`]; while none has idled so long, its lookups go unnumbered (turn 0, and
+/// replicas rotate ties by their own cursors). The names come from replicas: a flood of
+/// invented ones cannot start the sequences of the models in use over.
 pub const MAX_TURN_MODELS: usize = 4096;
+/// How long a model goes without a lookup before its sequence may be let go.
+const IDLE: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Default)]
 pub struct Turns {
     /// Keyed by the model name's hash, so a long name costs no more memory than a short one;
     /// seeded per process, since the names come over the network.
     hasher: RandomState,
-    next: Mutex<HashMap<u64, u64>>,
+    counted: Mutex<Counted>,
+}
+
+#[derive(Debug, Default)]
+struct Counted {
+    /// Per model, its last turn and when a lookup last named it.
+    next: HashMap<u64, (u64, Instant)>,
+    /// Full with none idle: no model idles out before then, so no pass looks for one.
+    full_until: Option<Instant>,
 }
 
 impl Turns {
-    /// The next turn for `model`: 1, 2, 3… (never 0, which means unnumbered).
-    pub fn next(&self, model: &str) -> u64 {
+    /// The next turn for `model`: 1, 2, 3…, or 0 (unnumbered) while the bound is taken by
+    /// models in use.
+    pub fn next(&self, model: &str, now: Instant) -> u64 {
         let key = self.hasher.hash_one(model);
-        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut counted = self.counted.lock().unwrap_or_else(PoisonError::into_inner);
+        let Counted { next, full_until } = &mut *counted;
         if next.len() >= MAX_TURN_MODELS && !next.contains_key(&key) {
-            next.clear();
+            if full_until.is_some_and(|until| now < until) {
+                return 0;
+            }
+            next.retain(|_, (_, named)| now.saturating_duration_since(*named) < IDLE);
+            if next.len() >= MAX_TURN_MODELS {
+                *full_until = next.values().map(|(_, named)| *named + IDLE).min();
+                return 0;
+            }
         }
-        let turn = next.entry(key).or_default();
+        let (turn, named) = next.entry(key).or_insert((0, now));
         *turn = turn.wrapping_add(1).max(1);
+        *named = now;
         *turn
     }
 
     /// Models counted now.
     #[cfg(test)]
     fn models(&self) -> usize {
-        self.next.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.counted.lock().unwrap_or_else(PoisonError::into_inner).next.len()
     }
 }
 
@@ -47,21 +70,31 @@ mod tests {
 
     #[test]
     fn each_model_counts_from_one_whatever_the_others_do() {
-        let turns = Turns::default();
-        let taken: Vec<u64> = ["a", "b", "a", "a", "b", ""].iter().map(|model| turns.next(model)).collect();
+        let (turns, now) = (Turns::default(), Instant::now());
+        let taken: Vec<u64> = ["a", "b", "a", "a", "b", ""].iter().map(|model| turns.next(model, now)).collect();
         assert_eq!(taken, [1, 1, 2, 3, 2, 1]);
     }
 
+    /// Invented names past the bound go unnumbered and leave the models in use counting on;
+    /// models idle past [`IDLE`] make room.
     #[test]
-    fn past_the_model_bound_the_sequences_start_over() {
-        let turns = Turns::default();
-        for model in 0..MAX_TURN_MODELS {
-            turns.next(&model.to_string());
+    fn past_the_model_bound_new_models_go_unnumbered_until_others_idle_out() {
+        let (turns, now) = (Turns::default(), Instant::now());
+        turns.next("in use", now);
+        for model in 1..MAX_TURN_MODELS {
+            turns.next(&model.to_string(), now);
         }
-        assert_eq!(turns.next("0"), 2, "a counted model goes on at the bound");
+        let later = now + IDLE / 2;
+        assert_eq!(turns.next("invented", later), 0, "no room: unnumbered");
+        assert_eq!(turns.next("in use", later), 2, "a counted model goes on at the bound");
+        assert_eq!(turns.next("another", later), 0);
         assert_eq!(turns.models(), MAX_TURN_MODELS);
-        assert_eq!(turns.next("new"), 1);
-        assert_eq!(turns.models(), 1);
-        assert_eq!(turns.next("0"), 1, "started over");
+
+        // The others idle out; the one named since stays and counts on.
+        let idle = now + IDLE;
+        assert_eq!(turns.next("new", idle), 1);
+        assert_eq!(turns.models(), 2);
+        assert_eq!(turns.next("in use", idle), 3);
+        assert_eq!(turns.next("1", idle), 1, "an idled-out model starts over");
     }
 }

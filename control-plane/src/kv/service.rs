@@ -114,9 +114,15 @@ impl KvHandle {
     }
 
     /// Suggests one of `contenders` to the lookup `key` names, for a prompt of `tokens` whose
-    /// request one of them will prefill, and reserves it (see [`RecentLookups`]).
+    /// request one of them will prefill, and reserves it (see [`RecentLookups`]). Only live
+    /// ranks are weighed: the contenders are a replica's to name, and invented ones would take
+    /// the places of the fleet's in what the lookups remember.
     pub fn answer_lookup(&self, key: Option<LookupKey<'_>>, contenders: &[RankKey], tokens: u64) -> Option<Suggestion> {
-        self.lookups().answer(key, contenders, tokens, Instant::now())
+        let live: Vec<RankKey> = {
+            let indexer = self.indexer.read();
+            contenders.iter().copied().filter(|rank| indexer.is_live(*rank)).collect()
+        };
+        self.lookups().answer(key, &live, tokens, Instant::now())
     }
 
     /// Sets how long a lookup's reservation stands; for tests, which cannot count on a
@@ -125,9 +131,12 @@ impl KvHandle {
         self.lookups().set_window(window);
     }
 
-    /// A dispatch report says which rank the request of the lookup `key` names went to.
+    /// A dispatch report says which rank the request of the lookup `key` names went to; one
+    /// that names no live rank says nothing the lookups may keep.
     pub fn lookup_reported(&self, key: LookupKey<'_>, rank: RankKey) {
-        self.lookups().reported(key, rank, Instant::now());
+        if self.indexer.read().is_live(rank) {
+            self.lookups().reported(key, rank, Instant::now());
+        }
     }
 
     fn lookups(&self) -> MutexGuard<'_, RecentLookups> {
@@ -395,6 +404,26 @@ mod tests {
         assert_eq!(answered(&handle), [8], "worker 7 left");
         let refused = handle.credit_provisional(RankKey { worker_id: 7, dp_rank: 0 }, &[1, 2, 3]);
         assert_eq!(refused, ProvisionalResult::Refused, "and earns no new credit");
+    }
+
+    /// A lookup's contenders and the rank its request went to are a replica's to name: ranks
+    /// no live worker declares are neither weighed nor kept, so they cannot take the places of
+    /// the fleet's in what the lookups remember.
+    #[test]
+    fn lookups_weigh_and_keep_live_ranks_only() {
+        let indexer = SharedKvIndexer::new(KvIndexer::new(Limits::default()));
+        indexer.write().set_live([(7, live(0..1)), (8, live(0..1))].into_iter().collect());
+        let handle = KvHandle::new(indexer, true);
+        let rank = |worker_id| RankKey { worker_id, dp_rank: 0 };
+        let suggested = |contenders: &[RankKey], key| handle.answer_lookup(key, contenders, 100).map(Suggestion::rank);
+        assert_eq!(suggested(&[rank(99)], None), None, "no live contender: no suggestion");
+
+        // Reported before its answer, to an invented rank: not kept, so the lookup's
+        // reservation stands on the rank it suggests, and the next lookup goes elsewhere.
+        let key = LookupKey { replica: "replica-1", lookup: 1 };
+        handle.lookup_reported(key, rank(99));
+        assert_eq!(suggested(&[rank(99), rank(7), rank(8)], Some(key)), Some(rank(7)));
+        assert_eq!(suggested(&[rank(7), rank(8)], None), Some(rank(8)), "7 holds the first reservation");
     }
 
     /// A rank whose blocks are cleared after a credit (here its own `cleared` event) is answered
