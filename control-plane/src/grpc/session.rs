@@ -242,7 +242,7 @@ impl Session {
             };
             match event {
                 Event::Inbound(Ok(Some(request))) => {
-                    if let Err(Refused { reason, status }) = self.on_request(request) {
+                    if let Err(Refused { reason, status }) = self.on_request(request).await {
                         // Counted by reason; logged within a budget, since a replica holding
                         // the token may open stream after stream only to be refused.
                         self.metrics.watch_refused.with_label_values(&[reason]).inc();
@@ -385,7 +385,7 @@ impl Session {
     }
 
     /// Takes one message from the replica; a refusal ends the session with its status.
-    fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Refused> {
+    async fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Refused> {
         match request.kind {
             Some(Kind::Ack(ack)) => {
                 self.metrics.replica_replies.with_label_values(&["ack"]).inc();
@@ -426,7 +426,7 @@ impl Session {
                     ));
                 }
                 self.credit_prefixes(&mut report);
-                match self.book.report(self.session_id, report) {
+                match self.book.report(self.session_id, report).await {
                     Ok(()) => {}
                     // The replica counts on the sums holding every operation up to the last one
                     // folded; with one missing they never would. A new session starts both

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use continuum_proto::pb;
 use prometheus::{IntCounter, IntCounterVec};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{BACKLOG_WINDOW, Book, MAX_QUEUED_REPORT_BYTES, Refusal, Refused};
@@ -32,9 +32,13 @@ use crate::fleet::{ActiveIndex, FleetChange, FleetPublisher, FleetState};
 pub(super) const COMMAND_QUEUE: usize = 4096;
 /// The part of the queue one session's reports may hold, in number and in bytes: a replica
 /// flooding the book (buggy, or holding the token and hostile) has its own reports refused and
-/// its session ended, while the others' still find room. Honest replicas report every
-/// millisecond and come nowhere near it unless the book falls seconds behind.
+/// its session ended. Honest replicas report every millisecond and come nowhere near it unless
+/// the book falls seconds behind. A few sessions may fill the queue within their shares; a
+/// session within its own then waits for room ([`ROOM_WAIT`]) instead of losing its report.
 pub(super) const SESSION_SHARE: usize = 4;
+/// How long a report within its session's share waits for room in a full queue before it is
+/// refused after all: the book is that far behind.
+const ROOM_WAIT: Duration = Duration::from_secs(5);
 /// Restarts within [`RESTART_WINDOW`] past which the book gives up (see the module's comment).
 pub(super) const MAX_RESTARTS: usize = 3;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
@@ -89,6 +93,8 @@ pub(super) struct QueuedReports {
     /// nothing, and a replica that floods the queue, is refused and reconnects leaves behind
     /// only what the book can discard at once, not a share the others' reports wait behind.
     ended: AtomicBool,
+    /// Told as room is given back: reports within their sessions' shares wait on it.
+    freed: Notify,
 }
 
 impl QueuedReports {
@@ -98,14 +104,43 @@ impl QueuedReports {
         let bytes_fit = self.bytes.fetch_add(bytes, Ordering::AcqRel) + bytes <= max_bytes;
         let reports_fit = self.reports.fetch_add(1, Ordering::AcqRel) < max_reports;
         if !(bytes_fit && reports_fit) {
-            self.give_back(bytes);
+            // Undone without a word: telling the waiters would wake them (and this one)
+            // to no room, over and over.
+            self.undo(bytes);
         }
         bytes_fit && reports_fit
     }
 
-    fn give_back(&self, bytes: usize) {
+    fn undo(&self, bytes: usize) {
         self.bytes.fetch_sub(bytes, Ordering::AcqRel);
         self.reports.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.undo(bytes);
+        self.freed.notify_waiters();
+    }
+
+    /// [`Self::take`], waiting up to [`ROOM_WAIT`] for room while `open`.
+    async fn take_within(
+        &self,
+        bytes: usize,
+        (max_bytes, max_reports): (usize, usize),
+        open: impl Fn() -> bool,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + ROOM_WAIT;
+        loop {
+            // Listening before the attempt: room given back between the two is not missed.
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if self.take(bytes, max_bytes, max_reports) {
+                return true;
+            }
+            if !open() || tokio::time::timeout_at(deadline, freed).await.is_err() {
+                return false;
+            }
+        }
     }
 }
 
@@ -152,10 +187,12 @@ pub enum NotQueued {
 }
 
 impl SessionReports {
-    /// Queues a replica's report for the book: refused when the book's queue, or this
-    /// session's share of it, is full (in number, or in [`MAX_QUEUED_REPORT_BYTES`]), or when
-    /// the book is no longer the one the session's earlier reports went to.
-    pub fn report(&self, replica: u64, report: pb::DispatchReport) -> Result<(), NotQueued> {
+    /// Queues a replica's report for the book: refused when this session's share of the
+    /// book's queue is full (in number, or in [`MAX_QUEUED_REPORT_BYTES`]), or when the book is
+    /// no longer the one the session's earlier reports went to. Within its share, a report
+    /// waits for room in a full queue (sessions flooding it up to their shares cannot end the
+    /// others'), refused only when none comes within [`ROOM_WAIT`].
+    pub async fn report(&self, replica: u64, report: pb::DispatchReport) -> Result<(), NotQueued> {
         let generation = self.book.generation.load(Ordering::Acquire);
         if generation != self.generation {
             return Err(NotQueued::Restarted);
@@ -165,10 +202,13 @@ impl SessionReports {
         if !share.take(bytes, MAX_QUEUED_REPORT_BYTES / SESSION_SHARE, COMMAND_QUEUE / SESSION_SHARE) {
             return Err(NotQueued::Full);
         }
-        if !queued.take(bytes, MAX_QUEUED_REPORT_BYTES, COMMAND_QUEUE) {
-            share.give_back(bytes);
+        // Given back if the wait ends without room, or is dropped.
+        let held = Held { share, bytes };
+        let open = || !self.book.tx.is_closed();
+        if !queued.take_within(bytes, (MAX_QUEUED_REPORT_BYTES, COMMAND_QUEUE), open).await {
             return Err(NotQueued::Full);
         }
+        std::mem::forget(held);
         let command =
             Command::Report { replica, report, at: Instant::now(), bytes, share: Arc::clone(share), generation };
         // The count bound above is the channel's capacity less the departures' room: this
@@ -178,6 +218,18 @@ impl SessionReports {
             share.give_back(bytes);
             NotQueued::Full
         })
+    }
+}
+
+/// Room a session's share holds for a report not yet queued.
+struct Held<'a> {
+    share: &'a QueuedReports,
+    bytes: usize,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.share.give_back(self.bytes);
     }
 }
 
@@ -434,13 +486,43 @@ mod tests {
         let sessions: Vec<SessionReports> = (0..SESSION_SHARE).map(|_| book.session()).collect();
         for session in &sessions {
             for _ in 0..COMMAND_QUEUE / SESSION_SHARE {
-                assert_eq!(session.report(1, pb::DispatchReport::default()), Ok(()), "a place the count promised");
+                let queued = session.report(1, pb::DispatchReport::default()).await;
+                assert_eq!(queued, Ok(()), "a place the count promised");
             }
             assert_eq!(
-                session.report(1, pb::DispatchReport::default()),
+                session.report(1, pb::DispatchReport::default()).await,
                 Err(NotQueued::Full),
                 "past the session's share"
             );
         }
+    }
+
+    /// Sessions that fill the queue within their shares (flooding it, or reporting to a book
+    /// running late) cannot make another session lose a report: it waits for room, and is
+    /// refused only past its own share.
+    #[tokio::test(start_paused = true)]
+    async fn a_report_within_its_share_waits_for_room_in_a_full_queue() {
+        let (book, mut queue) = BacklogBook::unstarted();
+        let flooders: Vec<SessionReports> = (0..SESSION_SHARE).map(|_| book.session()).collect();
+        for session in &flooders {
+            for _ in 0..COMMAND_QUEUE / SESSION_SHARE {
+                assert_eq!(session.report(1, pb::DispatchReport::default()).await, Ok(()));
+            }
+        }
+        let honest = book.session();
+        let report = honest.report(2, pb::DispatchReport::default());
+        tokio::pin!(report);
+        let waited = tokio::time::timeout(ROOM_WAIT / 2, report.as_mut()).await;
+        assert!(waited.is_err(), "it waits for room: {waited:?}");
+        // The book takes a report, as its task does, giving its room back.
+        let Some(Command::Report { bytes, share, .. }) = queue.recv().await else { panic!("a report") };
+        book.queued.give_back(bytes);
+        share.give_back(bytes);
+        assert_eq!(report.await, Ok(()), "queued in the room given back");
+
+        // With no room given back in time, it is refused after all.
+        let late = honest.report(2, pb::DispatchReport::default());
+        assert_eq!(late.await, Err(NotQueued::Full));
+        assert_eq!(honest.share.reports.load(Ordering::Acquire), 1, "the refused report's share given back");
     }
 }

@@ -3,11 +3,18 @@ use std::time::{Duration, Instant};
 use continuum_proto::STALL_AFTER;
 use continuum_proto::model::{Capacity, DataPlaneConfig, Load, LoadSample, Worker, WorkerKey};
 
+use futures::FutureExt;
 use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
 
 use super::*;
 use crate::fleet::{ActiveIndex, FleetPublisher};
+
+/// Whether `report` was queued at once: without waiting for room (which would let the book's
+/// task run and make some).
+fn queued_now(report: impl std::future::Future<Output = Result<(), NotQueued>>) -> bool {
+    report.now_or_never() == Some(Ok(()))
+}
 
 fn state_with(dp_size: u32) -> FleetState {
     let state = FleetState::new(1, Arc::new(DataPlaneConfig::default()));
@@ -825,20 +832,20 @@ async fn a_change_after_a_quiet_window_is_published_at_once_and_a_stream_of_them
     let cancel = CancellationToken::new();
     let book = BacklogBook::spawn(publisher.clone(), ActiveIndex::default(), counters, cancel.clone()).session();
 
-    assert_eq!(book.report(7, report(vec![started(1, 0, 64), started(2, 0, 64)], vec![])), Ok(()));
+    assert_eq!(book.report(7, report(vec![started(1, 0, 64), started(2, 0, 64)], vec![])).await, Ok(()));
     assert!(until_published(&publisher, 2).await, "the first report is published without time passing");
     // Ticks pass with nothing to publish; the book still holds the dispatches.
     tokio::time::advance(BACKLOG_WINDOW * 2 + BACKLOG_WINDOW / 2).await;
     for _ in 0..100 {
         tokio::task::yield_now().await;
     }
-    assert_eq!(book.report(7, report(vec![], vec![1])), Ok(()));
+    assert_eq!(book.report(7, report(vec![], vec![1])).await, Ok(()));
     assert!(
         until_published(&publisher, 1).await,
         "an end after a quiet window reaches the replicas at once, not at the next tick"
     );
     // Right after a publication, the next change waits for the window to pass.
-    assert_eq!(book.report(7, report(vec![], vec![2])), Ok(()));
+    assert_eq!(book.report(7, report(vec![], vec![2])).await, Ok(()));
     assert!(!until_published(&publisher, 0).await, "published twice within one window");
     tokio::time::advance(BACKLOG_WINDOW).await;
     assert!(until_published(&publisher, 0).await, "the tick publishes what the window held back");
@@ -866,11 +873,11 @@ async fn a_folded_report_held_back_by_the_window_goes_out_at_the_tick() {
         start.rank = Some((&LoadKey { worker: WorkerKey::new("dynamo", 99), dp_rank: 0 }).into());
         start
     };
-    assert_eq!(book.report(7, numbered(1, 1, vec![stranger(1)])), Ok(()));
+    assert_eq!(book.report(7, numbered(1, 1, vec![stranger(1)])).await, Ok(()));
     settle().await;
     assert_eq!(folded(&publisher), Some(ReportsFolded { first_op: 1, last_op: 1 }), "published at once");
     // Within the window: held back, then ticked out.
-    assert_eq!(book.report(7, numbered(2, 2, vec![stranger(2)])), Ok(()));
+    assert_eq!(book.report(7, numbered(2, 2, vec![stranger(2)])).await, Ok(()));
     settle().await;
     assert_eq!(folded(&publisher), Some(ReportsFolded { first_op: 1, last_op: 1 }), "held back by the window");
     tokio::time::advance(BACKLOG_WINDOW * 2).await;
@@ -891,7 +898,7 @@ async fn a_panic_in_the_books_task_starts_it_over_empty_and_ends_the_sessions_op
     let book = BacklogBook::spawn(publisher.clone(), active.clone(), counters.clone(), cancel.clone());
     let before = book.session();
     let chained = pb::DispatchStarted { block_hashes: vec![11, 12, 13, 14], ..started(1, 0, 64) };
-    assert_eq!(before.report(7, report(vec![chained, started(2, 0, 64)], vec![])), Ok(()));
+    assert_eq!(before.report(7, report(vec![chained, started(2, 0, 64)], vec![])).await, Ok(()));
     assert!(until_published(&publisher, 2).await);
     assert_eq!(active.ranks(), 1);
 
@@ -903,14 +910,14 @@ async fn a_panic_in_the_books_task_starts_it_over_empty_and_ends_the_sessions_op
     assert_eq!(active.ranks(), 0, "and its blocks in flight");
     assert_eq!(counters.restarts.get(), 1);
     assert_eq!(
-        before.report(7, report(vec![], vec![1])),
+        before.report(7, report(vec![], vec![1])).await,
         Err(NotQueued::Restarted),
         "a session the new book knows nothing of is ended"
     );
 
     let after = book.session();
     let replayed = pb::DispatchStarted { replayed: true, ..started(2, 0, 64) };
-    assert_eq!(after.report(8, report(vec![replayed], vec![])), Ok(()));
+    assert_eq!(after.report(8, report(vec![replayed], vec![])).await, Ok(()));
     tokio::time::advance(BACKLOG_WINDOW).await;
     assert!(until_published(&publisher, 1).await, "the new book folds the replica's replay");
     cancel.cancel();
@@ -935,13 +942,13 @@ async fn a_book_that_keeps_panicking_gives_up_and_leaves_the_streams_open() {
         settle().await;
     }
     let session = book.session();
-    assert_eq!(session.report(7, report(vec![started(1, 0, 64)], vec![])), Ok(()));
+    assert_eq!(session.report(7, report(vec![started(1, 0, 64)], vec![])).await, Ok(()));
     assert!(until_published(&publisher, 1).await, "restarted: the book still folds");
     book.fault().await;
     settle().await;
     assert_eq!(counters.restarts.get(), task::MAX_RESTARTS as u64 + 1);
     assert_eq!(published_dispatches(&publisher), None, "what it had published is withdrawn");
-    assert_eq!(session.report(7, report(vec![started(2, 0, 64)], vec![])), Ok(()), "the stream is left open");
+    assert_eq!(session.report(7, report(vec![started(2, 0, 64)], vec![])).await, Ok(()), "the stream is left open");
     tokio::time::advance(BACKLOG_WINDOW).await;
     settle().await;
     assert_eq!(published_dispatches(&publisher), None, "reports are dropped unread");
@@ -1114,18 +1121,20 @@ async fn reports_waiting_for_the_book_are_bounded_in_bytes_not_only_in_number() 
     let sessions: Vec<_> = (0..SESSION_SHARE).map(|_| book.session()).collect();
     let share = MAX_QUEUED_REPORT_BYTES / SESSION_SHARE / bytes;
     for (replica, session) in (1..).zip(&sessions) {
-        let accepted = (0..COMMAND_QUEUE).take_while(|_| session.report(replica, heavy()).is_ok()).count();
+        let accepted = (0..COMMAND_QUEUE).take_while(|_| queued_now(session.report(replica, heavy()))).count();
         assert!(accepted < COMMAND_QUEUE / SESSION_SHARE, "the byte bound is reached first");
         assert_eq!(accepted, share, "as many as fit in the session's share of {MAX_QUEUED_REPORT_BYTES} bytes");
     }
-    // A fifth session's share has room; the queue's own bound does not.
+    // A fifth session's share has room; the queue's own bound does not: past what it has left,
+    // the fifth's report waits for the book.
     let left = MAX_QUEUED_REPORT_BYTES - SESSION_SHARE * share * bytes;
     let fifth = book.session();
-    let fitting = (0..COMMAND_QUEUE).take_while(|_| fifth.report(9, heavy()).is_ok()).count();
+    let fitting = (0..COMMAND_QUEUE).take_while(|_| queued_now(fifth.report(9, heavy()))).count();
     assert_eq!(fitting, left / bytes, "what the whole queue has left, not the fifth's share");
+    assert_eq!(fifth.report(9, heavy()).now_or_never(), None, "the next one waits for room");
     // Once the book has taken them, there is room again.
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(sessions[0].report(1, heavy()), Ok(()));
+    assert_eq!(sessions[0].report(1, heavy()).await, Ok(()));
     cancel.cancel();
 }
 
@@ -1138,15 +1147,17 @@ async fn a_flooding_session_leaves_room_in_the_queue_for_the_others() {
     let book = BacklogBook::spawn(publisher, ActiveIndex::default(), counters(), cancel.clone());
     let small = || report(vec![], vec![1]);
     let flooding = book.session();
-    let accepted = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, small()).is_ok()).count();
+    let accepted = (0..COMMAND_QUEUE).take_while(|_| queued_now(flooding.report(1, small()))).count();
     assert_eq!(accepted, COMMAND_QUEUE / SESSION_SHARE, "a share of the queue's reports");
+    assert_eq!(flooding.report(1, small()).now_or_never(), Some(Err(NotQueued::Full)), "refused past it");
     let honest = book.session();
-    assert_eq!(honest.report(2, small()), Ok(()), "another session's report finds room");
+    assert_eq!(honest.report(2, small()).now_or_never(), Some(Ok(())), "another session's report finds room");
     let others: Vec<_> = (1..SESSION_SHARE).map(|_| book.session()).collect();
     let held: usize =
-        others.iter().map(|s| (0..COMMAND_QUEUE).take_while(|_| s.report(3, small()).is_ok()).count()).sum();
+        others.iter().map(|s| (0..COMMAND_QUEUE).take_while(|_| queued_now(s.report(3, small()))).count()).sum();
     assert_eq!(accepted + 1 + held, COMMAND_QUEUE, "together, the sessions fill the whole queue");
-    assert_eq!(book.session().report(4, small()), Err(NotQueued::Full), "and no session finds room in a full one");
+    // A session within its share waits for room in a full one, and finds it as the book folds.
+    assert_eq!(book.session().report(4, small()).await, Ok(()), "room made by the book");
     cancel.cancel();
 }
 
@@ -1162,11 +1173,11 @@ async fn the_reports_of_a_session_that_ended_are_dropped_unread() {
     // Each starts a dispatch on a rank this fleet does not have: folded, it is counted refused.
     let unknown = || report(vec![started(7, 0, 16)], vec![]);
     let flooding = book.session();
-    let queued = (0..COMMAND_QUEUE).take_while(|_| flooding.report(1, unknown()).is_ok()).count();
+    let queued = (0..COMMAND_QUEUE).take_while(|_| queued_now(flooding.report(1, unknown()))).count();
     assert_eq!(queued, COMMAND_QUEUE / SESSION_SHARE);
     drop(flooding);
     let honest = book.session();
-    assert_eq!(honest.report(2, unknown()), Ok(()), "room for another session");
+    assert_eq!(honest.report(2, unknown()).now_or_never(), Some(Ok(())), "room for another session");
     let folded = || counters.refused.with_label_values(&[Refusal::UnknownRank.as_str()]).get();
     tokio::time::timeout(Duration::from_secs(5), async {
         while folded() == 0 {
@@ -1192,7 +1203,7 @@ async fn refusals_are_counted_while_queued_reports_keep_the_book_busy() {
     for (replica, session) in (1..).zip(&sessions) {
         // A dispatch on a rank this fleet does not have: folded, it is counted refused.
         queued += (0..COMMAND_QUEUE)
-            .take_while(|_| session.report(replica, report(vec![started(7, 0, 16)], vec![])).is_ok())
+            .take_while(|_| queued_now(session.report(replica, report(vec![started(7, 0, 16)], vec![]))))
             .count();
     }
     tokio::task::yield_now().await;
