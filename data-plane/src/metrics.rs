@@ -189,7 +189,7 @@ pub const KV_TERM_STAGES: [&str; 4] = ["prepare", "find_matches", "queue", "rend
 const KV_TERM_BUCKETS: [f64; 12] =
     [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25];
 /// The `reason`s of `continuum_http_requests_refused_total`.
-const HEAD_REFUSALS: [&str; 11] = [
+const HEAD_REFUSALS: [&str; 12] = [
     "malformed",
     "head_too_large",
     "target_too_long",
@@ -201,6 +201,7 @@ const HEAD_REFUSALS: [&str; 11] = [
     "busy",
     "not_found",
     "method_not_allowed",
+    "pipelined_too_far",
 ];
 const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
 
@@ -342,7 +343,7 @@ impl Metrics {
             http_refused: IntCounterVec::new(
                 Opts::new(
                     "continuum_http_requests_refused_total",
-                    "Client requests refused before routing, by reason: unreadable as HTTP/1.1, no room for a large body, or for no endpoint",
+                    "Client requests refused before routing, by reason: unreadable as HTTP/1.1, no room for a large body, no endpoint, or pipelined past the 64 KiB kept while an answer is made (pipelined_too_far: the connection closes after that answer)",
                 ),
                 &["reason"],
             )?,
@@ -450,6 +451,12 @@ impl Metrics {
     /// Counts a request its client left before its answer's head.
     pub fn abandoned(&self) {
         self.http_requests_abandoned.inc();
+    }
+
+    /// The count of connections closed after their answer because their client pipelined
+    /// requests past the bound kept while the answer was made (the ones past it dropped).
+    pub fn pipelined_too_far(&self) -> IntCounter {
+        self.http_refused.with_label_values(&["pipelined_too_far"])
     }
 
     /// Counts an idle connection closed to free its slot.

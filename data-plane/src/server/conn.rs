@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Buf, Bytes, BytesMut};
 use futures::FutureExt;
 use http_body_util::BodyExt;
-use prometheus::IntGauge;
+use prometheus::{IntCounter, IntGauge};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
@@ -152,6 +152,12 @@ struct Connection {
     stream: TcpStream,
     read: BytesMut,
     write: Vec<u8>,
+    /// Where bytes pipelined past [`MAX_PIPELINED_BYTES`] are read to be dropped.
+    overflow: Box<[u8; 256]>,
+    /// Bytes were dropped so: the connection closes after the answer in progress.
+    overflowed: bool,
+    /// Counts a connection whose client pipelined so far, once, as it happens.
+    pipelined_too_far: IntCounter,
     /// When the connection idles out; one timer for the connection's life, moved forward.
     idle: Pin<Box<Sleep>>,
 }
@@ -175,7 +181,7 @@ impl Drop for Waiting<'_> {
 /// Serves one connection until it closes; while `slots` are crowded, it waits idle for a
 /// request only [`CROWDED_IDLE_TIMEOUT`].
 pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &Slots) {
-    let mut conn = Connection::new(stream);
+    let mut conn = Connection::new(stream, app.state.metrics.pipelined_too_far());
     loop {
         let waiting = &app.state.metrics.http_connections_waiting;
         let (head, body, charge) = match conn.read_request(&stages.closing, slots.crowded(), waiting).await {
@@ -207,7 +213,7 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
             return app.state.metrics.abandoned();
         };
         // A draining replica answers, and asks the client to go elsewhere for the next request.
-        let keep_alive = asked_keep_alive && !stages.draining.is_on();
+        let keep_alive = asked_keep_alive && !stages.draining.is_on() && !conn.overflowed;
         // The dispatch, which kept the body for a retry, is done with it: a stream's answer
         // runs on without it.
         drop(charge);
@@ -215,6 +221,8 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
             // A stream answered keep-alive before the drain began may end during it: the
             // connection closes then, as every answer from the drain on says it will.
             Ok(true) if stages.draining.is_on() => return conn.close().await,
+            // Requests were dropped under a stream: what follows is not where they began.
+            Ok(true) if conn.overflowed => return conn.close().await,
             Ok(true) => {}
             Ok(false) => return conn.close().await,
             Err(error) => {
@@ -253,12 +261,26 @@ impl App {
     }
 }
 
+/// One read from `stream`: kept in `read` while there is `room`, else into `overflow` to be
+/// dropped (whether it was, beside the count).
+async fn read_or_drop(
+    stream: &mut TcpStream,
+    read: &mut BytesMut,
+    overflow: &mut [u8],
+    room: bool,
+) -> io::Result<(usize, bool)> {
+    if room { stream.read_buf(read).await.map(|n| (n, false)) } else { stream.read(overflow).await.map(|n| (n, true)) }
+}
+
 impl Connection {
-    fn new(stream: TcpStream) -> Self {
+    fn new(stream: TcpStream, pipelined_too_far: IntCounter) -> Self {
         Self {
             stream,
+            pipelined_too_far,
             read: BytesMut::with_capacity(READ_CHUNK),
             write: Vec::with_capacity(1024),
+            overflow: Box::new([0; 256]),
+            overflowed: false,
             idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
         }
     }
@@ -514,16 +536,23 @@ impl Connection {
     /// Runs `work` (making a response, or waiting for its next frame) while watching the
     /// client: if it closes the connection first, `work` is dropped (which ends the dispatch
     /// behind it) and `None` returned. Bytes of a pipelined next request are kept for later,
-    /// up to a bound.
+    /// up to a bound; past it, what more comes is read only to see the client leave, and
+    /// dropped: the requests it belongs to cannot all be served, so the connection closes
+    /// after this answer ([`Self::overflowed`]).
     async fn until_client_leaves<T>(&mut self, mut work: impl Future<Output = T> + Unpin) -> Option<T> {
         loop {
             let room = self.read.len() < MAX_PIPELINED_BYTES;
             tokio::select! {
                 biased;
                 done = &mut work => return Some(done),
-                read = self.stream.read_buf(&mut self.read), if room => match read {
-                    Ok(0) | Err(_) => return None,
-                    Ok(_) => {}
+                read = read_or_drop(&mut self.stream, &mut self.read, &mut self.overflow[..], room) => match read {
+                    Ok((0, _)) | Err(_) => return None,
+                    Ok((_, dropped)) => {
+                        if dropped && !self.overflowed {
+                            self.pipelined_too_far.inc();
+                        }
+                        self.overflowed |= dropped;
+                    }
                 },
             }
         }

@@ -286,6 +286,50 @@ async fn a_client_that_leaves_before_its_buffered_answer_ends_its_dispatch() -> 
     Ok(())
 }
 
+/// Past the bytes kept of pipelined requests while an answer is made, the replica still reads
+/// (and drops) what comes, so a client that then leaves is seen to: its dispatch ends instead
+/// of running until its answer's timeout. An answer it stays for closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_pipelining_past_the_bound_is_still_seen_to_leave() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let body = serde_json::to_vec(&chat(MODEL, false))?;
+    let request = [chat_head("", body.len()).as_bytes(), &body].concat();
+    // Far past the 64 KiB kept (which one read may overshoot): some 400 KB of requests.
+    let flood: Vec<u8> = request.iter().copied().cycle().take(request.len() * 2_000).collect();
+    let ledger = &harness.replica.ledger;
+
+    // It leaves: its dispatch ends.
+    let gate = shim.push_stream();
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    stream.write_all(&request).await?;
+    eventually(PATIENCE, "the dispatch to be recorded", || async { ledger.len() == 1 }).await?;
+    stream.write_all(&flood).await?;
+    drop(stream);
+    eventually(PATIENCE, "the dispatch of the client that left to end", || async { ledger.is_empty() }).await?;
+    drop(gate);
+
+    // It stays: answered, then closed, the requests past the bound dropped and counted.
+    let gate = shim.push_stream();
+    let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
+    stream.write_all(&request).await?;
+    eventually(PATIENCE, "the dispatch to be recorded", || async { ledger.len() == 1 }).await?;
+    stream.write_all(&flood).await?;
+    let refused = r#"continuum_http_requests_refused_total{reason="pipelined_too_far"}"#;
+    // Counted as the replica drops what came past the bound, once for the connection.
+    eventually(PATIENCE, "the overflow counted", || async {
+        harness.metrics().await.is_ok_and(|m| sample(&m, refused) == Some(2.0))
+    })
+    .await?;
+    drop(gate);
+    let answer = read_answer(&mut stream, &mut Vec::new()).await?;
+    assert!(answer.head.contains("connection: close"), "{}", answer.head);
+    assert!(closes(&mut stream).await, "closed after the answer");
+    assert_eq!(sample(&harness.metrics().await?, refused), Some(2.0), "the first connection's, and this one's");
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn http_1_0_clients_are_answered_then_closed() -> anyhow::Result<()> {
     let shim = StubShim::start().await?;
