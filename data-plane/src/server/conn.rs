@@ -152,8 +152,9 @@ struct Connection {
     stream: TcpStream,
     read: BytesMut,
     write: Vec<u8>,
-    /// Where bytes pipelined past [`MAX_PIPELINED_BYTES`] are read to be dropped.
-    overflow: Box<[u8; 256]>,
+    /// Where bytes pipelined past [`MAX_PIPELINED_BYTES`] are read to be dropped; made when
+    /// first needed.
+    overflow: Option<Box<[u8; 256]>>,
     /// Bytes were dropped so: the connection closes after the answer in progress.
     overflowed: bool,
     /// Counts a connection whose client pipelined so far, once, as it happens.
@@ -266,10 +267,14 @@ impl App {
 async fn read_or_drop(
     stream: &mut TcpStream,
     read: &mut BytesMut,
-    overflow: &mut [u8],
+    overflow: &mut Option<Box<[u8; 256]>>,
     room: bool,
 ) -> io::Result<(usize, bool)> {
-    if room { stream.read_buf(read).await.map(|n| (n, false)) } else { stream.read(overflow).await.map(|n| (n, true)) }
+    if room {
+        return stream.read_buf(read).await.map(|n| (n, false));
+    }
+    let overflow = overflow.get_or_insert_with(|| Box::new([0; 256]));
+    stream.read(&mut overflow[..]).await.map(|n| (n, true))
 }
 
 impl Connection {
@@ -279,7 +284,7 @@ impl Connection {
             pipelined_too_far,
             read: BytesMut::with_capacity(READ_CHUNK),
             write: Vec::with_capacity(1024),
-            overflow: Box::new([0; 256]),
+            overflow: None,
             overflowed: false,
             idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
         }
@@ -545,7 +550,7 @@ impl Connection {
             tokio::select! {
                 biased;
                 done = &mut work => return Some(done),
-                read = read_or_drop(&mut self.stream, &mut self.read, &mut self.overflow[..], room) => match read {
+                read = read_or_drop(&mut self.stream, &mut self.read, &mut self.overflow, room) => match read {
                     Ok((0, _)) | Err(_) => return None,
                     Ok((_, dropped)) => {
                         if dropped && !self.overflowed {
