@@ -27,6 +27,11 @@ use crate::metrics::Metrics;
 
 /// How long a new stream may take to send its Hello.
 pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Watch streams read for their Hello at once. Until its Hello has come, a stream holds no
+/// stream place, but what it has sent of its first message (up to the inbound message bound);
+/// others wait their turn within the Hello's deadline. An honest Hello is read in well under a
+/// millisecond, so a reconnecting fleet hardly waits.
+pub const MAX_PENDING_HELLOS: usize = 64;
 
 use continuum_proto::MAX_REPLICA_ID_BYTES;
 
@@ -123,6 +128,8 @@ pub struct FleetService {
     trust: watch::Receiver<u64>,
     /// The places of the Watch streams open ([`MAX_WATCH_STREAMS`]).
     streams: Arc<Semaphore>,
+    /// The turns of the streams read for their Hello ([`MAX_PENDING_HELLOS`]).
+    hellos: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for FleetService {
@@ -150,8 +157,9 @@ impl FleetService {
         let seeded = Arc::new(|| true);
         let (tokens, trust) = (watch::channel(Vec::new()).1, watch::channel(0).1);
         let kv = KvHandle::default();
-        let streams = Arc::new(Semaphore::new(MAX_WATCH_STREAMS));
-        Self { publisher, replicas, metrics, shutdown, book, active, kv, turns, seeded, tokens, trust, streams }
+        let (streams, hellos) =
+            (Arc::new(Semaphore::new(MAX_WATCH_STREAMS)), Arc::new(Semaphore::new(MAX_PENDING_HELLOS)));
+        Self { publisher, replicas, metrics, shutdown, book, active, kv, turns, seeded, tokens, trust, streams, hellos }
     }
 
     /// Every call must present `authorization: Bearer <token>` with one of `tokens`, while it
@@ -193,13 +201,28 @@ impl FleetService {
         Self { streams: Arc::new(Semaphore::new(places)), ..self }
     }
 
-    /// The first message of a stream must be a Hello naming the replica.
+    #[cfg(test)]
+    fn with_hello_turns(self, hellos: Arc<Semaphore>) -> Self {
+        Self { hellos, ..self }
+    }
+
+    /// The first message of a stream must be a Hello naming the replica, within
+    /// [`HELLO_TIMEOUT`], read in one of [`MAX_PENDING_HELLOS`] turns.
     async fn read_hello(&self, inbound: &mut Streaming<pb::WatchRequest>) -> Result<pb::Hello, Status> {
-        let first = tokio::time::timeout(HELLO_TIMEOUT, inbound.message()).await;
+        let deadline = tokio::time::Instant::now() + HELLO_TIMEOUT;
         let refused = |reason: &str, status: Status| {
             self.metrics.watch_refused.with_label_values(&[reason]).inc();
             status
         };
+        let Ok(Ok(_turn)) = tokio::time::timeout_at(deadline, self.hellos.acquire()).await else {
+            return Err(refused(
+                "too_many_hellos",
+                Status::resource_exhausted(format!(
+                    "{MAX_PENDING_HELLOS} other Watch streams were read for their Hello for {HELLO_TIMEOUT:?}; retry later"
+                )),
+            ));
+        };
+        let first = tokio::time::timeout_at(deadline, inbound.message()).await;
         let hello = match first {
             Err(_) => {
                 return Err(refused("no_hello", Status::deadline_exceeded("no Hello within 10s of opening Watch")));
@@ -457,6 +480,47 @@ impl tokio_stream::Stream for WatchUpdates {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Streams are read for their Hello a few at once: one that sends none holds its turn
+    /// (until its deadline, or here until it closes), and the next waits for it.
+    #[tokio::test]
+    async fn streams_wait_their_turn_to_be_read_for_their_hello() -> anyhow::Result<()> {
+        use continuum_proto::pb::fleet_client::FleetClient;
+
+        let (service, metrics, cancel) = super::super::tests::empty_fleet_service()?;
+        let turns = Arc::new(Semaphore::new(1));
+        let url = super::super::tests::serving(service.with_hello_turns(Arc::clone(&turns)), &metrics, &cancel).await?;
+        let (silent_tx, silent_rx) = mpsc::channel::<pb::WatchRequest>(1);
+        let silent = {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let mut client = FleetClient::connect(url).await?;
+                anyhow::Ok(client.watch(ReceiverStream::new(silent_rx)).await.map(|_| ()))
+            })
+        };
+        let taken = tokio::time::timeout(Duration::from_secs(5), async {
+            while turns.available_permits() > 0 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        taken.await?;
+        let mut client = FleetClient::connect(url).await?;
+        let (tx, rx) = mpsc::channel(1);
+        let hello = pb::Hello { replica_id: "waiting".into(), version: None };
+        tx.send(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }).await?;
+        let waiting = client.watch(ReceiverStream::new(rx));
+        tokio::pin!(waiting);
+        let early = tokio::time::timeout(Duration::from_millis(300), waiting.as_mut()).await;
+        assert!(early.is_err(), "it waits while the silent stream holds the only turn");
+        drop(silent_tx);
+        let closed = silent.await??;
+        assert_eq!(closed.err().map(|status| status.code()), Some(tonic::Code::Cancelled), "closed without a Hello");
+        let admitted = tokio::time::timeout(Duration::from_secs(5), waiting).await?;
+        assert!(admitted.is_ok(), "then its turn came: {admitted:?}");
+        assert_eq!(metrics.watch_refused.with_label_values(&["no_hello"]).get(), 1);
+        cancel.cancel();
+        Ok(())
+    }
 
     /// An open stream holds its place; past the places a new stream is refused, counted, and
     /// the place comes back once the stream is dropped. (That a place outlives its session
