@@ -262,8 +262,8 @@ impl App {
     }
 }
 
-/// One read from `stream`: kept in `read` while there is `room`, else into `overflow` to be
-/// dropped (whether it was, beside the count).
+/// One read from `stream`, kept in `read` while there is `room`, else read into `overflow`
+/// to be dropped: how many bytes came, and whether they were dropped.
 async fn read_or_drop(
     stream: &mut TcpStream,
     read: &mut BytesMut,
