@@ -23,8 +23,7 @@ pub struct Metrics {
     pub updates_sent: IntCounterVec,
     /// Replies from replicas, by `result` (ack, nack).
     pub replica_replies: IntCounterVec,
-    /// Watch streams refused before they started, by `reason` (no_hello, bad_hello, not_seeded,
-    /// too_many_sessions, too_many_streams, bad_message).
+    /// Watch streams refused, by `reason` (every value is in docs/architecture.md's table).
     pub watch_refused: IntCounterVec,
     /// Watch streams ended because their replica id opened a new one.
     pub watch_superseded: IntCounter,
@@ -42,8 +41,8 @@ pub struct Metrics {
     /// Fleet connections whose TLS handshake did not complete, by `reason`
     /// (see `grpc::tls::HandshakeFailure`).
     pub fleet_tls_handshakes_failed: IntCounterVec,
-    /// Connections a listener closed itself, by `listener` (fleet, admin) and `reason` (full,
-    /// peer_full, silent, idle; see `listen::Closed`).
+    /// Connections a listener closed itself, by `listener` (fleet, admin) and `reason` (see
+    /// `listen::Closed`, and docs/architecture.md's table).
     pub connections_closed: IntCounterVec,
     /// Dispatch reports dropped because the backlog book was a full queue behind.
     pub dispatch_reports_dropped: IntCounter,
@@ -166,7 +165,7 @@ impl Metrics {
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
-                "Replica dispatch reports dropped, ending the replica's session: past a report's bounds, or the backlog book was behind",
+                "Replica dispatch reports dropped, ending the replica's session: past a report's bounds, past the session's share of the backlog book's queue, or with no room in the queue for 5 s",
             )?,
             dispatches_refused: IntCounterVec::new(
                 Opts::new(
@@ -197,7 +196,7 @@ impl Metrics {
             )?,
             discovery_connected: IntGauge::new(
                 "continuum_dynamo_discovery_connected",
-                "1 while every discovery watch is open",
+                "1 while discovery serves a fleet: every etcd watch open, or a static or simulated fleet; 0 when discovery is off or a watch is down",
             )?,
             registry_workers: IntGaugeVec::new(
                 Opts::new("continuum_dynamo_workers", "Discovered workers by role"),
