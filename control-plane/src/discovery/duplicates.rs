@@ -41,9 +41,11 @@ impl Conflicts {
 
 fn warn(identity: &Identity, keys: &BTreeSet<EtcdKey>) {
     let listed: Vec<&str> = keys.iter().take(MAX_LOGGED_KEYS).map(|k| &**k).collect();
-    tracing::warn!(
+    // Budgeted: a writer can keep changing the set of conflicting keys. Escaped: a card's
+    // component and endpoint are the fleet's.
+    continuum_proto::warn_limited!(
         kind = identity.record_kind(),
-        identity = %identity,
+        identity = ?identity.to_string(),
         conflicts = keys.len(),
         keys = ?listed,
         "several etcd keys claim one identity; all of them are refused until the extra keys are deleted"

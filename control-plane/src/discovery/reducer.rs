@@ -265,7 +265,8 @@ impl Reducer {
         }
         tracing::warn!(
             key = ?key,
-            %error,
+            // Escaped: the error quotes the key.
+            error = ?error.to_string(),
             strays = self.strays_unwarned,
             "etcd keys under the watched prefixes are not Dynamo discovery keys (counted as malformed; warned of at most once a minute)"
         );
@@ -572,9 +573,11 @@ impl Reducer {
         if let Some(exclusion) = next.as_ref().and_then(|w| w.excluded)
             && previous.and_then(|p| p.excluded) != Some(exclusion)
         {
-            tracing::warn!(
-                worker = %key,
-                %exclusion,
+            // Budgeted: a fleet that deletes and re-puts a bad card would warn on each put.
+            // Escaped: the namespace and the card's words are the fleet's.
+            warn_limited!(
+                worker = ?key.to_string(),
+                exclusion = ?exclusion.to_string(),
                 "Dynamo worker excluded from routing"
             );
         }
@@ -615,18 +618,19 @@ fn log_record(key: &str, parsed: &Parsed, previous: Option<&Parsed>) {
         (Parsed::Malformed(_), Some(Parsed::Malformed(_))) | (Parsed::Unsupported(_), Some(Parsed::Unsupported(_))) => {
         }
         (Parsed::Malformed(error), _) => {
-            warn_limited!(key = ?shown(key), %error, "discovery record set aside: malformed")
+            // Escaped: the error quotes what the record says.
+            warn_limited!(key = ?shown(key), error = ?error.to_string(), "discovery record set aside: malformed")
         }
         (Parsed::Unsupported(what), _) => {
             warn_limited!(
                 key = ?shown(key),
-                unsupported = %what,
+                unsupported = ?what.to_string(),
                 "event channel set aside: the router subscribes only to direct ZMQ over tcp://"
             );
         }
         (Parsed::Model(model), previous) if previous != Some(parsed) => {
             if let Some(error) = &model.card.typed_error {
-                warn_limited!(key = ?shown(key), %error, "model card fields unreadable; the worker is kept with its raw card");
+                warn_limited!(key = ?shown(key), error = ?error.to_string(), "model card fields unreadable; the worker is kept with its raw card");
             }
             if let Some(bytes) = model.card.dropped_bytes {
                 warn_limited!(

@@ -322,6 +322,7 @@ impl Fleet for FleetService {
         let mut trust = self.trust.clone();
         // Changes before this stream opened are not its own.
         trust.mark_unchanged();
+        let replica = Arc::clone(&status);
         tokio::spawn(async move {
             let serve = async move {
                 // Forgotten ahead of anything the new stream reports: it reports the same
@@ -333,7 +334,7 @@ impl Fleet for FleetService {
                 // A panic in the session must not skip the goodbye below: the book would hold
                 // its dispatches, and list it among the stream's sharers, until they aged out.
                 if AssertUnwindSafe(session.run()).catch_unwind().await.is_err() {
-                    tracing::error!("a Watch session panicked; forgetting it as if its stream had ended");
+                    tracing::error!(replica = %replica.replica_id, "a Watch session panicked; forgetting it as if its stream had ended");
                 }
             };
             // Biased, the credential's arms first: a stream whose token is retired, or whose

@@ -256,7 +256,7 @@ impl Session {
                 Event::Inbound(Err(status)) if unreadable(&status) => {
                     // The replica's stack is alive but sent what cannot be read: it is told
                     // (not left to take the stream's end for a clean one), and it is counted.
-                    tracing::warn!(replica = %self.status.replica_id, %status, "a message from the replica could not be read; ending its session");
+                    continuum_proto::warn_limited!(replica = %self.status.replica_id, %status, "a message from the replica could not be read; ending its session");
                     self.metrics.watch_refused.with_label_values(&["bad_message"]).inc();
                     say_goodbye(&self.outbound, status).await;
                     return;

@@ -493,7 +493,9 @@ fn incoming_within(
                     },
                     Ok(Err(error)) if error.kind() == io::ErrorKind::UnexpectedEof => HandshakeFailure::Closed,
                     Ok(Err(error)) => {
-                        tracing::debug!(?peer, %error, "a Fleet client's TLS handshake failed");
+                        // Warned of (within a budget): a replica with the wrong client CA or
+                        // certificate shows here first.
+                        continuum_proto::warn_limited!(?peer, %error, "a Fleet client's TLS handshake failed");
                         HandshakeFailure::Refused
                     }
                     Err(_) => HandshakeFailure::Timeout,

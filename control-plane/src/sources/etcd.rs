@@ -402,7 +402,7 @@ async fn list(kv: &mut KvClient, prefix: &[u8], reducer: &Reducer, seeded: &mut 
                 let keys_only = kv.get(from.clone(), Some(key_only.with_keys_only()));
                 let response = within_seed_timeout(async { Ok(keys_only.await?) }).await?;
                 let Some(skipped) = response.kvs().first() else { return Ok(()) };
-                tracing::warn!(
+                continuum_proto::warn_limited!(
                     // Cut and escaped, as the reducer logs keys: the fleet writes them.
                     key = ?crate::discovery::records::excerpt(&String::from_utf8_lossy(skipped.key())),
                     limit = MAX_ETCD_MESSAGE_BYTES,

@@ -110,9 +110,11 @@ fn routable(discovered: &DiscoveredWorker) -> Option<&Worker> {
 /// Logs the pairs that started mixing: [`MAX_NAMED_PAIRS`] by name, the rest summed up.
 pub fn warn(mixed: &[MixedPair]) {
     for pair in mixed.iter().take(MAX_NAMED_PAIRS) {
-        tracing::warn!(
-            namespace = %pair.namespace,
-            model = %pair.model,
+        // Budgeted: a worker toggled in and out would warn each time. Escaped: the model's
+        // name is the card's.
+        continuum_proto::warn_limited!(
+            namespace = ?pair.namespace,
+            model = ?pair.model,
             prefill = pair.roles.prefill,
             decode = pair.roles.decode,
             aggregated = pair.roles.aggregated,
@@ -122,7 +124,7 @@ pub fn warn(mixed: &[MixedPair]) {
         );
     }
     if mixed.len() > MAX_NAMED_PAIRS {
-        tracing::warn!(
+        continuum_proto::warn_limited!(
             shown = MAX_NAMED_PAIRS,
             suppressed = mixed.len() - MAX_NAMED_PAIRS,
             "more (namespace, model) pairs started mixing aggregated workers with prefill or decode workers"

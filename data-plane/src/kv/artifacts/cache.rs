@@ -175,7 +175,7 @@ impl BlobCache {
     }
 
     fn evict(&self, path: &Path, reason: EvictReason) -> io::Result<CacheRead> {
-        tracing::warn!(path = %path.display(), ?reason, "evicting a cached KV artifact that no longer matches its checksum");
+        tracing::warn!(path = ?path.display().to_string(), ?reason, "evicting a cached KV artifact");
         match fs::remove_file(path) {
             Ok(()) => Ok(CacheRead::Evicted(reason)),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(CacheRead::Evicted(reason)),

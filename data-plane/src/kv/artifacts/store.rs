@@ -337,7 +337,8 @@ impl ArtifactStore {
                 Ok(loaded)
             }
             Err(error) => {
-                tracing::warn!(model, %error, "KV tokenizer artifacts failed to load; the model is scored without KV overlap");
+                // Escaped: the error quotes the card's URIs.
+                tracing::warn!(model, error = ?error.to_string(), "KV tokenizer artifacts failed to load; the model is scored without KV overlap");
                 if let Some(result) = error.result() {
                     self.count(result);
                 }

@@ -73,10 +73,16 @@ pub fn spawn<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> on
             Ok(_) => state.threads += 1,
             Err(error) if state.threads == 0 => {
                 // Nothing would ever run the job: let it go, and the render falls back.
-                tracing::error!(%error, "cannot start a render thread; scoring without the KV term");
+                static BUDGET: continuum_proto::log_budget::LogBudget =
+                    continuum_proto::log_budget::LogBudget::per_minute(continuum_proto::log_budget::LINES_PER_MINUTE);
+                if let Some(held_back) = BUDGET.admit() {
+                    tracing::error!(held_back, %error, "cannot start a render thread; scoring without the KV term");
+                }
                 state.queue.pop_back();
             }
-            Err(error) => tracing::warn!(%error, "cannot start another render thread; the job waits for one"),
+            Err(error) => {
+                continuum_proto::warn_limited!(%error, "cannot start another render thread; the job waits for one")
+            }
         }
     }
     rx
