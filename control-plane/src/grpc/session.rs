@@ -384,6 +384,20 @@ impl Session {
         Ok(Some(update))
     }
 
+    /// A reply (`what`, refused as `reason`) about `version`, which the stream must have sent.
+    fn sent(&self, version: u64, (reason, what): (&'static str, &str)) -> Result<(), Refused> {
+        let sent = self.status.sent_version.load(Ordering::Relaxed);
+        if version <= sent {
+            return Ok(());
+        }
+        Err(Refused::new(
+            reason,
+            Status::invalid_argument(format!(
+                "{what} of version {version}, which this stream never sent (its newest is {sent})"
+            )),
+        ))
+    }
+
     /// Takes one message from the replica; a refusal ends the session with its status.
     async fn on_request(&mut self, request: pb::WatchRequest) -> Result<(), Refused> {
         match request.kind {
@@ -391,16 +405,7 @@ impl Session {
                 self.metrics.replica_replies.with_label_values(&["ack"]).inc();
                 // An acknowledgement of a version never sent would stand for every snapshot
                 // to come, and hold none of them back until the replica took it.
-                let sent = self.status.sent_version.load(Ordering::Relaxed);
-                if ack.version > sent {
-                    return Err(Refused::new(
-                        "bad_ack",
-                        Status::invalid_argument(format!(
-                            "an acknowledgement of version {}, which this stream never sent (its newest is {sent})",
-                            ack.version
-                        )),
-                    ));
-                }
+                self.sent(ack.version, ("bad_ack", "an acknowledgement"))?;
                 self.status.acked_version.fetch_max(ack.version, Ordering::Relaxed);
             }
             Some(Kind::Nack(nack)) => self.on_nack(nack)?,
@@ -499,16 +504,7 @@ impl Session {
         // The replica's words, logged: a line's worth of them.
         let reason: String = nack.reason.chars().take(256).collect();
         let replica = &self.status.replica_id;
-        let sent = self.status.sent_version.load(Ordering::Relaxed);
-        if nack.version > sent {
-            return Err(Refused::new(
-                "bad_nack",
-                Status::invalid_argument(format!(
-                    "a refusal of version {}, which this stream never sent (its newest is {sent})",
-                    nack.version
-                )),
-            ));
-        }
+        self.sent(nack.version, ("bad_nack", "a refusal"))?;
         match &self.last_snapshot {
             Some(snapshot) if snapshot.answered_by(&nack) => {
                 // The refusal's reason goes in the status the session ends with, logged then.
