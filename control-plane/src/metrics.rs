@@ -165,7 +165,7 @@ impl Metrics {
             )?,
             dispatch_reports_dropped: IntCounter::new(
                 "continuum_fleet_dispatch_reports_dropped_total",
-                "Replica dispatch reports dropped, ending the replica's session: past a report's bounds, past the session's share of the backlog book's queue, or with no room in the queue for 5 s",
+                "Replica dispatch reports dropped, ending the replica's session: past a report's bounds, past the session's share of the backlog book's queue, or with no room in the queue for 2 s",
             )?,
             dispatches_refused: IntCounterVec::new(
                 Opts::new(

@@ -343,7 +343,7 @@ impl Metrics {
             http_refused: IntCounterVec::new(
                 Opts::new(
                     "continuum_http_requests_refused_total",
-                    "Client requests refused before routing, by reason: unreadable as HTTP/1.1, no room for a large body, no endpoint, or pipelined past the 64 KiB kept while an answer is made (pipelined_too_far: the connection closes after that answer)",
+                    "Client requests refused before routing, by reason: unreadable as HTTP/1.1, no room for a large body, no endpoint, or pipelined past the 64 KiB kept while an answer is made (pipelined_too_far counts connections, each closed after that answer)",
                 ),
                 &["reason"],
             )?,
@@ -453,10 +453,10 @@ impl Metrics {
         self.http_requests_abandoned.inc();
     }
 
-    /// The count of connections closed after their answer because their client pipelined
-    /// requests past the bound kept while the answer was made (the ones past it dropped).
-    pub fn pipelined_too_far(&self) -> IntCounter {
-        self.http_refused.with_label_values(&["pipelined_too_far"])
+    /// Counts a connection closed after its answer because its client pipelined requests past
+    /// the bound kept while the answer was made (the ones past it dropped).
+    pub fn pipelined_too_far(&self) {
+        self.http_refused.with_label_values(&["pipelined_too_far"]).inc();
     }
 
     /// Counts an idle connection closed to free its slot.

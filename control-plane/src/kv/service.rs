@@ -116,7 +116,8 @@ impl KvHandle {
     /// Suggests one of `contenders` to the lookup `key` names, for a prompt of `tokens` whose
     /// request one of them will prefill, and reserves it (see [`RecentLookups`]). Only live
     /// ranks are weighed: the contenders are a replica's to name, and invented ones would take
-    /// the places of the fleet's in what the lookups remember.
+    /// the places of the fleet's in what the lookups remember. (A worker that just joined is
+    /// live once the KV feed has taken the fleet it joined, a moment after replicas see it.)
     pub fn answer_lookup(&self, key: Option<LookupKey<'_>>, contenders: &[RankKey], tokens: u64) -> Option<Suggestion> {
         let live: Vec<RankKey> = {
             let indexer = self.indexer.read();

@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Buf, Bytes, BytesMut};
 use futures::FutureExt;
 use http_body_util::BodyExt;
-use prometheus::{IntCounter, IntGauge};
+use prometheus::IntGauge;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
@@ -35,6 +35,7 @@ use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::ingress::chat;
 use crate::ingress::error::ApiError;
 use crate::memory::{Charge, FREE_BYTES, REQUEST_BODIES, append_charged, reallocate, settle};
+use crate::metrics::Metrics;
 
 /// A keep-alive connection with no request in progress is closed after this long.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
@@ -67,8 +68,11 @@ const READ_CHUNK: usize = 8 << 10;
 /// copied out, so neither a long response nor an idle connection holds it: idle keep-alive
 /// connections hold at most this much each, not the 64 KiB a large head grew theirs to.
 const KEPT_READ_CAPACITY: usize = 32 << 10;
-/// Bytes of pipelined requests read while a response is pending; past it, reading waits.
+/// Bytes of pipelined requests kept while a response is pending; past it, what comes is read
+/// only to see the client leave, and dropped.
 const MAX_PIPELINED_BYTES: usize = 64 << 10;
+/// What one read past [`MAX_PIPELINED_BYTES`] drops at most.
+const DISCARD_CHUNK: usize = 8 << 10;
 /// A write buffer grown past this (a large buffered answer) is let go once it is written.
 const KEPT_WRITE_CAPACITY: usize = 64 << 10;
 /// How far behind the idle timer may run before it is re-armed.
@@ -148,17 +152,17 @@ impl ReadDeadline {
 /// connection for days at the minimum rate.
 const MAX_READ_CREDIT: usize = MAX_HEAD_BYTES + MAX_REQUEST_BODY_BYTES + MAX_REQUEST_BODY_BYTES / 8;
 
-struct Connection {
+struct Connection<'m> {
     stream: TcpStream,
     read: BytesMut,
     write: Vec<u8>,
     /// Where bytes pipelined past [`MAX_PIPELINED_BYTES`] are read to be dropped; made when
     /// first needed.
-    overflow: Option<Box<[u8; 256]>>,
+    overflow: Option<Box<[u8; DISCARD_CHUNK]>>,
     /// Bytes were dropped so: the connection closes after the answer in progress.
     overflowed: bool,
-    /// Counts a connection whose client pipelined so far, once, as it happens.
-    pipelined_too_far: IntCounter,
+    /// Where a connection whose client pipelined so far is counted, once, as it happens.
+    metrics: &'m Metrics,
     /// When the connection idles out; one timer for the connection's life, moved forward.
     idle: Pin<Box<Sleep>>,
 }
@@ -182,7 +186,7 @@ impl Drop for Waiting<'_> {
 /// Serves one connection until it closes; while `slots` are crowded, it waits idle for a
 /// request only [`CROWDED_IDLE_TIMEOUT`].
 pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &Slots) {
-    let mut conn = Connection::new(stream, app.state.metrics.pipelined_too_far());
+    let mut conn = Connection::new(stream, &app.state.metrics);
     loop {
         let waiting = &app.state.metrics.http_connections_waiting;
         let (head, body, charge) = match conn.read_request(&stages.closing, slots.crowded(), waiting).await {
@@ -267,21 +271,21 @@ impl App {
 async fn read_or_drop(
     stream: &mut TcpStream,
     read: &mut BytesMut,
-    overflow: &mut Option<Box<[u8; 256]>>,
+    overflow: &mut Option<Box<[u8; DISCARD_CHUNK]>>,
     room: bool,
 ) -> io::Result<(usize, bool)> {
     if room {
         return stream.read_buf(read).await.map(|n| (n, false));
     }
-    let overflow = overflow.get_or_insert_with(|| Box::new([0; 256]));
+    let overflow = overflow.get_or_insert_with(|| Box::new([0; DISCARD_CHUNK]));
     stream.read(&mut overflow[..]).await.map(|n| (n, true))
 }
 
-impl Connection {
-    fn new(stream: TcpStream, pipelined_too_far: IntCounter) -> Self {
+impl<'m> Connection<'m> {
+    fn new(stream: TcpStream, metrics: &'m Metrics) -> Self {
         Self {
             stream,
-            pipelined_too_far,
+            metrics,
             read: BytesMut::with_capacity(READ_CHUNK),
             write: Vec::with_capacity(1024),
             overflow: None,
@@ -554,7 +558,7 @@ impl Connection {
                     Ok((0, _)) | Err(_) => return None,
                     Ok((_, dropped)) => {
                         if dropped && !self.overflowed {
-                            self.pipelined_too_far.inc();
+                            self.metrics.pipelined_too_far();
                         }
                         self.overflowed |= dropped;
                     }

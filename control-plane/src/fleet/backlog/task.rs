@@ -27,8 +27,8 @@ use tokio_util::sync::CancellationToken;
 use super::{BACKLOG_WINDOW, Book, MAX_QUEUED_REPORT_BYTES, Refusal, Refused};
 use crate::fleet::{ActiveIndex, FleetChange, FleetPublisher, FleetState};
 
-/// Reports waiting for the book; a full queue drops the report (and counts it) rather than
-/// stalling a Watch session.
+/// Reports waiting for the book. A report past its session's share is dropped (and counted);
+/// one within it waits for room at most [`ROOM_WAIT`], so a Watch session stalls no longer.
 pub(super) const COMMAND_QUEUE: usize = 4096;
 /// The part of the queue one session's reports may hold, in number and in bytes: a replica
 /// flooding the book (buggy, or holding the token and hostile) has its own reports refused and
@@ -37,8 +37,9 @@ pub(super) const COMMAND_QUEUE: usize = 4096;
 /// session within its own then waits for room ([`ROOM_WAIT`]) instead of losing its report.
 pub(super) const SESSION_SHARE: usize = 4;
 /// How long a report within its session's share waits for room in a full queue before it is
-/// refused after all: the book is that far behind.
-const ROOM_WAIT: Duration = Duration::from_secs(5);
+/// refused after all: the book is that far behind. The session reads and sends nothing
+/// meanwhile, so it is well within the replica's patience with a silent control plane (5 s).
+const ROOM_WAIT: Duration = Duration::from_secs(2);
 /// Restarts within [`RESTART_WINDOW`] past which the book gives up (see the module's comment).
 pub(super) const MAX_RESTARTS: usize = 3;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
@@ -93,7 +94,8 @@ pub(super) struct QueuedReports {
     /// nothing, and a replica that floods the queue, is refused and reconnects leaves behind
     /// only what the book can discard at once, not a share the others' reports wait behind.
     ended: AtomicBool,
-    /// Told as room is given back: reports within their sessions' shares wait on it.
+    /// The queue's: told as the book takes a report, waking the report waiting longest for
+    /// room (one at a time, in turn, whatever the number of sessions waiting).
     freed: Notify,
 }
 
@@ -104,21 +106,22 @@ impl QueuedReports {
         let bytes_fit = self.bytes.fetch_add(bytes, Ordering::AcqRel) + bytes <= max_bytes;
         let reports_fit = self.reports.fetch_add(1, Ordering::AcqRel) < max_reports;
         if !(bytes_fit && reports_fit) {
-            // Undone without a word: telling the waiters would wake them (and this one)
-            // to no room, over and over.
-            self.undo(bytes);
+            // Undone without a word: telling a waiter would wake it (or this one) to no room.
+            self.give_back(bytes);
         }
         bytes_fit && reports_fit
     }
 
-    fn undo(&self, bytes: usize) {
+    fn give_back(&self, bytes: usize) {
         self.bytes.fetch_sub(bytes, Ordering::AcqRel);
         self.reports.fetch_sub(1, Ordering::AcqRel);
     }
 
-    fn give_back(&self, bytes: usize) {
-        self.undo(bytes);
-        self.freed.notify_waiters();
+    /// [`Self::give_back`] of a report the book took from the queue: the report waiting
+    /// longest for room tries again.
+    fn free(&self, bytes: usize) {
+        self.give_back(bytes);
+        self.freed.notify_one();
     }
 
     /// [`Self::take`], waiting up to [`ROOM_WAIT`] for room while `open`.
@@ -179,7 +182,8 @@ pub struct SessionReports {
 /// Why a report was not queued for the book.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotQueued {
-    /// The book's queue, or the session's share of it, is full (or the book has ended).
+    /// The session's share of the book's queue is full, or the queue was for [`ROOM_WAIT`]
+    /// (or the book has ended).
     Full,
     /// The book restarted after a fault since the session opened: it holds none of the
     /// session's dispatches.
@@ -214,7 +218,7 @@ impl SessionReports {
         // The count bound above is the channel's capacity less the departures' room: this
         // fails only as the book ends, or behind more departures than sessions could send.
         self.book.tx.try_send(command).map_err(|_| {
-            queued.give_back(bytes);
+            queued.free(bytes);
             share.give_back(bytes);
             NotQueued::Full
         })
@@ -312,7 +316,7 @@ async fn run(
             command = rx.recv() => {
                 let folded = match command {
                     Some(Command::Report { replica, report, at, bytes, share, generation: sent_to }) => {
-                        queued.give_back(bytes);
+                        queued.free(bytes);
                         share.give_back(bytes);
                         if share.ended.load(Ordering::Acquire)
                             || sent_to != faults.generation.load(Ordering::Acquire)
@@ -516,7 +520,7 @@ mod tests {
         assert!(waited.is_err(), "it waits for room: {waited:?}");
         // The book takes a report, as its task does, giving its room back.
         let Some(Command::Report { bytes, share, .. }) = queue.recv().await else { panic!("a report") };
-        book.queued.give_back(bytes);
+        book.queued.free(bytes);
         share.give_back(bytes);
         assert_eq!(report.await, Ok(()), "queued in the room given back");
 

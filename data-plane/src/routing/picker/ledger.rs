@@ -685,9 +685,11 @@ impl DispatchLedger {
         self.backlogs_with(ranks.iter().map(|(key, sampled_at)| (key.borrow(), *sampled_at)), folded, now, |_, b| b)
     }
 
-    /// What `each` makes of each rank's backlog (given its position, as [`Self::backlogs`]
-    /// gives it), under one acquisition of the ledger. Pickers keep what they need of every
-    /// candidate in one small vector instead of moving a vector of backlogs into another.
+    /// What `each` makes of the backlog of each rank (given its position among `ranks`), under
+    /// one acquisition of the ledger: its own legs, given when the rank's last sample was
+    /// received (`None`: never), and which of this replica's operations the fleet's sums hold
+    /// (`folded`; `None`: unknown). Pickers keep what they need of every candidate in one small
+    /// vector instead of moving a vector of backlogs into another.
     pub fn backlogs_with<'k, T>(
         &self,
         ranks: impl IntoIterator<Item = (&'k LoadKey, Option<Instant>)>,

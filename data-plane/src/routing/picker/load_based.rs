@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 use continuum_proto::fast_hash::{FastHasher, FastMap};
-use continuum_proto::model::{LoadSample, Role};
+use continuum_proto::model::{Backlog, LoadSample, Role};
 use continuum_proto::view::FleetView;
 use prometheus::{IntCounter, IntCounterVec};
 
@@ -85,13 +85,15 @@ impl LoadBasedPicker {
     /// Each candidate's last sample and what the fleet's dispatches add to it: this
     /// replica's ledger joined with the fleet-wide backlogs, under one ledger acquisition.
     pub(super) fn ranks<'v>(&self, view: &'v FleetView, candidates: &[Candidate], now: Instant) -> Few<RankState<'v>> {
+        // Looked up before the ledger is: it is held only for what it holds.
         let (loads, fleet) = (view.loads(), view.backlogs());
-        let samples: Few<Option<&LoadSample>> = candidates.iter().map(|c| loads.get(&c.load_key)).collect();
+        let views: Few<(Option<&LoadSample>, Option<&Backlog>)> =
+            candidates.iter().map(|c| (loads.get(&c.load_key), fleet.get(&c.load_key))).collect();
         // The ledger keys dispatches by their pin.
-        let queries = candidates.iter().zip(&samples).map(|(c, sample)| (&c.pin_key, sample.map(|s| s.received_at)));
-        self.ledger.backlogs_with(queries, view.reports_folded(), now, |i, local| RankState {
-            sample: samples[i],
-            dispatched: local.with_fleet(fleet.get(&candidates[i].load_key)),
+        let queries = candidates.iter().zip(&views).map(|(c, (sample, _))| (&c.pin_key, sample.map(|s| s.received_at)));
+        self.ledger.backlogs_with(queries, view.reports_folded(), now, |i, local| {
+            let (sample, fleet) = views[i];
+            RankState { sample, dispatched: local.with_fleet(fleet) }
         })
     }
 

@@ -111,7 +111,8 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
         trickle(TcpStream::connect(listener.local_addr()?).await?, body, 64 << 10, Duration::from_millis(500));
     let (server, _) = listener.accept().await?;
     let started = tokio::time::Instant::now();
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false, &waiting()).await else {
         panic!("a request")
     };
@@ -122,7 +123,8 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
     let sending = trickle(TcpStream::connect(listener.local_addr()?).await?, body, 100, Duration::from_secs(5));
     let (server, _) = listener.accept().await?;
     let started = tokio::time::Instant::now();
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     let refused = conn.read_request(&CancellationToken::new(), false, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a trickle is timed out");
     let waited = started.elapsed();
@@ -148,7 +150,8 @@ async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::
         // And nothing more: held open until the test ends.
         std::future::pending::<io::Result<TcpStream>>().await
     });
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     let started = tokio::time::Instant::now();
     let refused = conn.read_request(&CancellationToken::new(), false, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "refused when its bytes stopped");
@@ -159,7 +162,8 @@ async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::
     let mut client = TcpStream::connect(listener.local_addr()?).await?;
     let (server, _) = listener.accept().await?;
     client.write_all(b"P").await?;
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     let started = tokio::time::Instant::now();
     let refused = conn.read_request(&CancellationToken::new(), true, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a head begun and stopped");
@@ -203,7 +207,8 @@ async fn a_bodys_reads_stop_a_read_past_its_end() -> io::Result<()> {
     });
     // Everything is sent (or sits in the sockets' buffers) before the server reads.
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     let Ok((_, read, _)) = conn.read_request(&CancellationToken::new(), false, &waiting()).await else {
         panic!("a request")
     };
@@ -223,7 +228,8 @@ async fn a_large_request_head_leaves_no_large_buffer_behind() -> io::Result<()> 
     let filler = "x".repeat(40 << 10);
     let request = format!("POST /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ncontent-length: 2\r\n\r\n{{}}");
     client.write_all(request.as_bytes()).await?;
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     let Ok((_, body, _)) = conn.read_request(&CancellationToken::new(), false, &waiting()).await else {
         panic!("a request")
     };
@@ -243,7 +249,8 @@ async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_b
     let filler = "x".repeat(KEPT_READ_CAPACITY - (2 << 10));
     let head = format!("GET /v1/models HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\n");
     client.write_all(head.as_bytes()).await?;
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     while conn.read.len() < head.len() {
         conn.fill_at_most(usize::MAX).await?;
     }
@@ -278,7 +285,8 @@ async fn a_body_uploading_is_held_in_no_more_room_than_it_is_charged_for() -> io
         }
         Ok::<_, io::Error>(client)
     });
-    let mut conn = Connection::new(server, IntCounter::new("c", "c").expect("a counter"));
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
     let (cancel, waiting) = (CancellationToken::new(), waiting());
     let read = tokio::time::timeout(Duration::from_secs(2), conn.read_request(&cancel, false, &waiting));
     assert!(read.await.is_err(), "the body's last byte never came");
