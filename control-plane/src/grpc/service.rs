@@ -31,7 +31,7 @@ pub const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 /// stream place, but what it has sent of its first message (up to the inbound message bound);
 /// others wait their turn within the Hello's deadline. An honest Hello is read in well under a
 /// millisecond, so a reconnecting fleet hardly waits.
-pub const MAX_PENDING_HELLOS: usize = 64;
+const MAX_PENDING_HELLOS: usize = 64;
 /// How long a stream may hold its turn for its Hello: an honest one was sent as the stream
 /// opened, so streams that hold turns without one cannot keep the others out for long.
 const HELLO_TURN: Duration = Duration::from_secs(1);

@@ -94,8 +94,14 @@ pub(super) struct QueuedReports {
     /// nothing, and a replica that floods the queue, is refused and reconnects leaves behind
     /// only what the book can discard at once, not a share the others' reports wait behind.
     ended: AtomicBool,
-    /// The queue's: told as the book takes a report, waking the report waiting longest for
-    /// room (one at a time, in turn, whatever the number of sessions waiting).
+}
+
+/// The whole queue's [`QueuedReports`], and its turns for the reports waiting for room.
+#[derive(Debug, Default)]
+pub(super) struct Queue {
+    held: QueuedReports,
+    /// Told as the book takes a report, waking the report waiting longest for room (one at a
+    /// time, in turn, whatever the number of sessions waiting).
     freed: Notify,
 }
 
@@ -116,28 +122,26 @@ impl QueuedReports {
         self.bytes.fetch_sub(bytes, Ordering::AcqRel);
         self.reports.fetch_sub(1, Ordering::AcqRel);
     }
+}
 
-    /// [`Self::give_back`] of a report the book took from the queue: the report waiting
-    /// longest for room tries again.
+impl Queue {
+    /// Gives back the room of a report the book took: the report waiting longest for room
+    /// tries again.
     fn free(&self, bytes: usize) {
-        self.give_back(bytes);
+        self.held.give_back(bytes);
         self.freed.notify_one();
     }
 
-    /// [`Self::take`], waiting up to [`ROOM_WAIT`] for room while `open`.
-    async fn take_within(
-        &self,
-        bytes: usize,
-        (max_bytes, max_reports): (usize, usize),
-        open: impl Fn() -> bool,
-    ) -> bool {
+    /// Room for one report of `bytes` within the queue's bounds, waiting up to [`ROOM_WAIT`]
+    /// for it while `open`.
+    async fn take_within(&self, bytes: usize, open: impl Fn() -> bool) -> bool {
         let deadline = tokio::time::Instant::now() + ROOM_WAIT;
         loop {
             // Listening before the attempt: room given back between the two is not missed.
             let freed = self.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            if self.take(bytes, max_bytes, max_reports) {
+            if self.held.take(bytes, MAX_QUEUED_REPORT_BYTES, COMMAND_QUEUE) {
                 return true;
             }
             if !open() || tokio::time::timeout_at(deadline, freed).await.is_err() {
@@ -165,7 +169,7 @@ pub struct BookCounters {
 pub struct BacklogBook {
     tx: mpsc::Sender<Command>,
     /// What the reports in the queue hold, estimated; the book's task gives it back.
-    queued: Arc<QueuedReports>,
+    queued: Arc<Queue>,
     /// How many times the task restarted the book (see the module's comment).
     generation: Arc<AtomicU64>,
 }
@@ -182,8 +186,8 @@ pub struct SessionReports {
 /// Why a report was not queued for the book.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotQueued {
-    /// The session's share of the book's queue is full, or the queue was for [`ROOM_WAIT`]
-    /// (or the book has ended).
+    /// The session's share of the book's queue is full, or the whole queue stayed full for
+    /// [`ROOM_WAIT`] (or the book has ended).
     Full,
     /// The book restarted after a fault since the session opened: it holds none of the
     /// session's dispatches.
@@ -209,7 +213,7 @@ impl SessionReports {
         // Given back if the wait ends without room, or is dropped.
         let held = Held { share, bytes };
         let open = || !self.book.tx.is_closed();
-        if !queued.take_within(bytes, (MAX_QUEUED_REPORT_BYTES, COMMAND_QUEUE), open).await {
+        if !queued.take_within(bytes, open).await {
             return Err(NotQueued::Full);
         }
         std::mem::forget(held);
@@ -286,7 +290,7 @@ impl BacklogBook {
 async fn run(
     publisher: FleetPublisher,
     mut book: Book,
-    (mut rx, queued, generation): (mpsc::Receiver<Command>, Arc<QueuedReports>, Arc<AtomicU64>),
+    (mut rx, queued, generation): (mpsc::Receiver<Command>, Arc<Queue>, Arc<AtomicU64>),
     counters: BookCounters,
     cancel: CancellationToken,
 ) {
