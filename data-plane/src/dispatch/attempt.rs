@@ -2,11 +2,13 @@
 //! next replica only when the connection failed (the request never reached a shim) and the
 //! retry budget allows. The same headers, pins included, go to every replica tried.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use axum::http::header::{ACCEPT, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderValue, Response, StatusCode};
 use bytes::Bytes;
+use futures::FutureExt;
 
 use super::budget::MAX_ATTEMPTS;
 use super::pool::{ShimReplica, rotation};
@@ -78,17 +80,31 @@ impl Dispatcher {
 
 impl Dispatcher {
     /// One send to one replica, admitted by its breaker at `sent`, its outcome fed to the
-    /// breaker.
-    async fn attempt(
+    /// breaker. Not an `async fn`: the client's future is handed on with what becomes of its
+    /// outcome, rather than built and moved into one more; dropped unfinished, it drops
+    /// [`Unfinished`] with it.
+    fn attempt<'a>(
+        &'a self,
+        replica: &'a ShimReplica,
+        (headers, pins): (&'a HeaderMap, Pins),
+        body: &'a Bytes,
+        (sent, head_timeout): (Instant, Duration),
+    ) -> impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a {
+        let unfinished = Unfinished { dispatcher: self, replica, sent };
+        let send = self.client.post(&replica.endpoint, headers, pins, body, head_timeout);
+        send.map(move |outcome| {
+            unfinished.finished();
+            self.outcome(replica, sent, outcome)
+        })
+    }
+
+    /// An attempt's outcome, fed to its replica's breaker and counted.
+    fn outcome(
         &self,
         replica: &ShimReplica,
-        (headers, pins): (&HeaderMap, Pins),
-        body: &Bytes,
-        (sent, head_timeout): (Instant, Duration),
+        sent: Instant,
+        mut outcome: Result<Response<ShimBody>, SendError>,
     ) -> Result<Response<ShimBody>, SendError> {
-        let unfinished = Unfinished { dispatcher: self, replica, sent };
-        let mut outcome = self.client.post(&replica.endpoint, headers, pins, body, head_timeout).await;
-        unfinished.finished();
         let (name, url, now) = (&replica.name, &replica.url, Instant::now());
         match &outcome {
             // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).

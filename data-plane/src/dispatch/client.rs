@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, Method, Request, Response, Uri};
 use bytes::{Buf, Bytes};
+use futures::FutureExt;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio_util::io::read_buf;
@@ -93,41 +94,29 @@ impl ShimClient {
     /// Sends `request` and waits at most `head_timeout` for the response head.
     pub async fn send(&self, request: Request<Bytes>, head_timeout: Duration) -> Result<Response<ShimBody>, SendError> {
         let (parts, body) = request.into_parts();
-        self.send_within(
-            head_timeout,
-            Outbound {
-                method: &parts.method,
-                uri: &parts.uri,
-                headers: &parts.headers,
-                pins: Pins::default(),
-                body: &body,
-            },
-        )
-        .await
+        let request = Outbound {
+            method: &parts.method,
+            uri: &parts.uri,
+            headers: &parts.headers,
+            pins: Pins::default(),
+            body: &body,
+        };
+        within(head_timeout, self.exchange(request)).await
     }
 
     /// POSTs `body` with `headers` and `pins` to `uri`, borrowing them (a retry sends the very
-    /// same), and waits at most `head_timeout` for the response head.
-    pub async fn post(
-        &self,
-        uri: &Uri,
-        headers: &HeaderMap,
+    /// same), and waits at most `head_timeout` for the response head. Not an `async fn`: the
+    /// exchange's future is handed to the caller as it is, rather than wrapped in one more
+    /// that every request would build and move.
+    pub fn post<'a>(
+        &'a self,
+        uri: &'a Uri,
+        headers: &'a HeaderMap,
         pins: Pins,
-        body: &[u8],
+        body: &'a [u8],
         head_timeout: Duration,
-    ) -> Result<Response<ShimBody>, SendError> {
-        self.send_within(head_timeout, Outbound { method: &Method::POST, uri, headers, pins, body }).await
-    }
-
-    async fn send_within(
-        &self,
-        head_timeout: Duration,
-        request: Outbound<'_>,
-    ) -> Result<Response<ShimBody>, SendError> {
-        match tokio::time::timeout(head_timeout, self.exchange(request)).await {
-            Err(_) => Err(SendError::HeadTimeout(head_timeout)),
-            Ok(outcome) => outcome,
-        }
+    ) -> impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a {
+        within(head_timeout, self.exchange(Outbound { method: &Method::POST, uri, headers, pins, body }))
     }
 
     /// Idle connections held to the authority (`host:port`) of `uri`.
@@ -174,7 +163,7 @@ impl ShimClient {
             }
         }
         let head = read_head(&mut conn).await.map_err(exchange)?;
-        let back = head.keep_alive.then(|| Return { idle: Arc::clone(&self.idle), authority: authority.to_string() });
+        let back = head.keep_alive.then(|| Return { idle: Arc::clone(&self.idle), authority: authority.clone() });
         let mut response = Response::new(ShimBody::new(conn, head.framing, back));
         *response.status_mut() = head.status;
         *response.headers_mut() = head.headers;
@@ -231,6 +220,15 @@ struct Outbound<'a> {
 
 fn exchange(error: ExchangeError) -> SendError {
     SendError::Exchange(error)
+}
+
+/// `exchange`, given at most `head_timeout` to bring a response head.
+fn within<F>(head_timeout: Duration, exchange: F) -> impl Future<Output = Result<Response<ShimBody>, SendError>>
+where
+    F: Future<Output = Result<Response<ShimBody>, SendError>>,
+{
+    tokio::time::timeout(head_timeout, exchange)
+        .map(move |outcome| outcome.unwrap_or(Err(SendError::HeadTimeout(head_timeout))))
 }
 
 /// Reads until a whole response head is in, leaving the bytes past it in the read buffer.

@@ -303,9 +303,36 @@ impl Dispatcher {
         let mut counted = CountedPath { metrics: &self.metrics, path: Some(path) };
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Few<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
-        let sent = Instant::now();
-        let (outcome, blames_pins) =
-            self.send_pinned(&body, stream, disclose, headers, &selection, &replicas, dispatch).await;
+        let sent = dispatch.sent();
+        // The pinned send and what its answer means, and whether a refusal blames the pinned
+        // workers. `dispatch` ends with the relayed body, or before the answer is known for
+        // anything else. Inline rather than a function of its own: each `async fn` level
+        // builds and moves its callee's future, kilobytes a request.
+        let (outcome, blames_pins) = match self.send(&replicas, (headers, pins(&selection)), &body, stream).await {
+            Err(failure) => (PinnedOutcome::Failed(failure), false),
+            Ok((replica, response)) => {
+                let shown = disclose.then_some((replica.name.as_str(), &selection));
+                let timed = (stream, tokio::time::Instant::from_std(sent));
+                let Answered { mut answer, blames_pins, refused } =
+                    self.answer(response, timed, Some(dispatch), (replica, shown)).await;
+                if let Answer::Relay(response) = &mut answer {
+                    mark_routing_path(response.headers_mut(), &selection);
+                }
+                if let Some(fate) = refused {
+                    self.metrics.refusal_relayed(fate);
+                }
+                let outcome = match answer {
+                    Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
+                    Answer::PrefillRefused => {
+                        self.metrics.error(ErrorPhase::Orchestration);
+                        let namespace = selection.namespace.clone();
+                        PinnedOutcome::Final(Err(DispatchError::PrefillRefused { namespace }))
+                    }
+                    Answer::Failed(failure) => PinnedOutcome::Failed(failure),
+                };
+                (outcome, blames_pins)
+            }
+        };
         // A refusal that blames the pins makes the pinned workers suspects, and so does an
         // answer that never came or never finished in time, if they answered nothing else
         // since it was sent: a buffered answer's head comes only once generation is done, so
@@ -399,44 +426,6 @@ impl Dispatcher {
         let Fallback { replicas, body: made, .. } = unified;
         let body = made.map_or(body, OutboundBody::into_bytes);
         Box::pin(self.unpinned(&body, stream, headers, replicas, how)).await
-    }
-
-    /// The pinned send and what its answer means, and whether a refusal blames the pinned
-    /// workers. `dispatch` ends with the relayed body, or before this returns for anything else.
-    #[allow(clippy::too_many_arguments)]
-    async fn send_pinned(
-        &self,
-        body: &Bytes,
-        stream: bool,
-        disclose: bool,
-        headers: &HeaderMap,
-        selection: &Selection,
-        replicas: &[ShimReplica],
-        dispatch: DispatchEnd,
-    ) -> (PinnedOutcome, bool) {
-        let sent = tokio::time::Instant::now();
-        let (replica, response) = match self.send(replicas, (headers, pins(selection)), body, stream).await {
-            Ok(sent) => sent,
-            Err(failure) => return (PinnedOutcome::Failed(failure), false),
-        };
-        let shown = disclose.then_some((replica.name.as_str(), selection));
-        let Answered { mut answer, blames_pins, refused } =
-            self.answer(response, (stream, sent), Some(dispatch), (replica, shown)).await;
-        if let Answer::Relay(response) = &mut answer {
-            mark_routing_path(response.headers_mut(), selection);
-        }
-        if let Some(fate) = refused {
-            self.metrics.refusal_relayed(fate);
-        }
-        let outcome = match answer {
-            Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
-            Answer::PrefillRefused => {
-                self.metrics.error(ErrorPhase::Orchestration);
-                PinnedOutcome::Final(Err(DispatchError::PrefillRefused { namespace: selection.namespace.clone() }))
-            }
-            Answer::Failed(failure) => PinnedOutcome::Failed(failure),
-        };
-        (outcome, blames_pins)
     }
 
     /// Sends without pins, and names the backend that answered when the client asked.

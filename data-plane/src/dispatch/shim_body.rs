@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use axum::http::uri::Authority;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio_util::io::poll_read_buf;
@@ -26,11 +27,12 @@ pub enum BodyError {
     Wire(#[from] WireError),
 }
 
-/// Where a connection returns once its body is read.
+/// Where a connection returns once its body is read. The authority is the request URI's own,
+/// shared: naming it costs no allocation.
 #[derive(Debug)]
 pub struct Return {
     pub idle: Arc<IdleConnections>,
-    pub authority: String,
+    pub authority: Authority,
 }
 
 #[derive(Debug)]
@@ -71,7 +73,7 @@ impl ShimBody {
     fn finish(&mut self) {
         self.left = Left::Done;
         if let (Some(conn), Some(back)) = (self.conn.take(), self.back.take()) {
-            back.idle.put(&back.authority, conn, Instant::now());
+            back.idle.put(back.authority.as_str(), conn, Instant::now());
         }
     }
 

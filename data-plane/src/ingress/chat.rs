@@ -2,11 +2,13 @@
 //! of the client's headers only [`ChatHeaders`] is carried past its head) → pick → upstream
 //! request (the client's routing body fields stripped, the pins written) → relay.
 
+use std::future::Future;
 use std::time::Instant;
 
 use axum::http::{HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
+use futures::FutureExt;
 
 use super::error::ApiError;
 use super::request::{ChatRequest, RequestError};
@@ -32,22 +34,25 @@ pub struct ChatHeaders {
 /// One chat completion, answered and observed. The replica's server calls this directly, with
 /// none of the client's headers but [`ChatHeaders`]: the outbound headers are the
 /// dispatcher's own, the pins, the tenant and the tracing headers. A client's `x-request-id`
-/// comes back on the answer, whatever it is.
-pub async fn respond(state: &AppState, client: ChatHeaders, body: Bytes) -> Response {
+/// comes back on the answer, whatever it is. Not an `async fn`: `serve`'s future is handed on
+/// as it is, with what becomes of its outcome, rather than built and moved into one more.
+pub fn respond(state: &AppState, client: ChatHeaders, body: Bytes) -> impl Future<Output = Response> + '_ {
     let started = Instant::now();
     let request_id = client.trace.iter().find(|(name, _)| name == REQUEST_ID).map(|(_, v)| v.clone());
-    let mut response = match serve(state, client, body).await {
-        Ok(response) => response,
-        Err(error) => {
-            state.metrics.chat_refused(error.code);
-            error.into_response()
+    serve(state, client, body).map(move |outcome| {
+        let mut response = match outcome {
+            Ok(response) => response,
+            Err(error) => {
+                state.metrics.chat_refused(error.code);
+                error.into_response()
+            }
+        };
+        if let Some(id) = request_id {
+            response.headers_mut().insert(HeaderName::from_static(REQUEST_ID), id);
         }
-    };
-    if let Some(id) = request_id {
-        response.headers_mut().insert(HeaderName::from_static(REQUEST_ID), id);
-    }
-    state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
-    response
+        state.metrics.observe(Ingress::ChatCompletions, response.status().as_u16(), started.elapsed().as_secs_f64());
+        response
+    })
 }
 
 async fn serve(state: &AppState, client: ChatHeaders, body: Bytes) -> Result<Response, ApiError> {

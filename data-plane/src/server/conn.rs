@@ -17,6 +17,7 @@ use axum::http::{HeaderMap, Method, Request, StatusCode, Version};
 use axum::response::{IntoResponse, Response};
 use bytes::{Buf, Bytes, BytesMut};
 use futures::FutureExt;
+use futures::future::Either;
 use http_body_util::BodyExt;
 use prometheus::IntGauge;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -211,10 +212,17 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
             }
         };
         let (asked_keep_alive, head_only, version) = (head.keep_alive, head.method == Method::HEAD, head.version);
-        // Boxed, and only while the request is answered: inline, its future (some 2.5 KB, the
+        // Boxed, and only while the request is answered: inline, its future (some 2 KB, the
         // dispatch's own boxed apart) would be part of the connection's task for the
-        // connection's whole life, every idle keep-alive connection's included.
-        let Some(response) = conn.until_client_leaves(Box::pin(app.respond(head, body))).await else {
+        // connection's whole life, every idle keep-alive connection's included. A chat
+        // completion's future is boxed as the handler makes it, not inside another's: each
+        // level of `async fn` would build and move the one below it.
+        let work = if head.route == Route::ChatCompletions {
+            Either::Left(Box::pin(chat::respond(&app.state, head.client, body)))
+        } else {
+            Either::Right(Box::pin(app.respond(head, body)))
+        };
+        let Some(response) = conn.until_client_leaves(work).await else {
             return app.state.metrics.abandoned();
         };
         // A draining replica answers, and asks the client to go elsewhere for the next request.
@@ -240,11 +248,8 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
 }
 
 impl App {
-    /// The response to one request: chat completions on the fast path, the rest via the router.
+    /// The response to one request other than a chat completion's, via the router.
     async fn respond(&self, head: RequestHead, body: Bytes) -> Response {
-        if head.route == Route::ChatCompletions {
-            return chat::respond(&self.state, head.client, body).await;
-        }
         let mut request = Request::new(Body::from(body));
         *request.method_mut() = head.method;
         *request.version_mut() = head.version;

@@ -19,8 +19,9 @@
 //! longest ago, so a fleet whose model names roll over keeps learning its current ones.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{LazyLock, Mutex, PoisonError};
 
+use memchr::memmem::FinderRev;
 use prometheus::{Gauge, GaugeVec};
 
 /// The most models whose ratio a replica keeps.
@@ -121,8 +122,10 @@ fn next_factor(current: f64, estimate: u64, counted: u64) -> f64 {
 /// closing `":` never appears there.
 pub fn usage_prompt_tokens(body: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"prompt_tokens\":";
+    // Built once: every answer is searched.
+    static FINDER: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(KEY));
     // From the end: `usage` closes an answer, which may be megabytes of choices before it.
-    let at = memchr::memmem::rfind(body, KEY)?;
+    let at = FINDER.rfind(body)?;
     let rest = body.get(at + KEY.len()..)?;
     let digits = rest.iter().skip_while(|b| b.is_ascii_whitespace());
     let mut value: u64 = 0;
