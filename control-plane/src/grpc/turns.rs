@@ -11,7 +11,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Models counted at once. A new model past it takes the place of the models no lookup has
-/// named for [`IDLE`]; while none has idled so long, its lookups go unnumbered (turn 0, and
+/// named for `IDLE`; while none has idled so long, its lookups go unnumbered (turn 0, and
 /// replicas rotate ties by their own cursors). The names come from replicas: a flood of
 /// invented ones cannot start the sequences of the models in use over.
 pub const MAX_TURN_MODELS: usize = 4096;
@@ -76,7 +76,7 @@ mod tests {
     }
 
     /// Invented names past the bound go unnumbered and leave the models in use counting on;
-    /// models idle past [`IDLE`] make room.
+    /// models idle past `IDLE` make room.
     #[test]
     fn past_the_model_bound_new_models_go_unnumbered_until_others_idle_out() {
         let (turns, now) = (Turns::default(), Instant::now());

@@ -18,7 +18,7 @@
 //!   that has lost its leader (`require_leader`: etcd then cancels them, and the pass resyncs).
 //! - A watch must be heard from: every [`WatchHealth::progress_every`] each stream is asked for
 //!   its progress. One silent for [`WatchHealth::silent_after`] is checked against the member
-//!   (see [`heard`]): a member that does not answer within [`WatchHealth::confirm_within`], or
+//!   (see `heard`): a member that does not answer within [`WatchHealth::confirm_within`], or
 //!   that holds a write under the stream's prefix the stream has still not delivered a check
 //!   later, ends the pass. An idle keyspace passes (no newer write); a frozen member or proxy,
 //!   or one stream stalled while the others and the reads go on, does not.

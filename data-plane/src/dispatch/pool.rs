@@ -122,8 +122,7 @@ pub fn is_pooled(config: &DataPlaneConfig, name: &str) -> bool {
     config.shim_pools.iter().any(|pool| pool.backends.iter().any(|b| b == name))
 }
 
-/// `replicas` starting at `start` (modulo their number), so that successive requests spread
-/// over a pool and each retry moves on to the next replica.
+/// [`rotation`], copied: what it must agree with.
 #[cfg(test)]
 pub fn rotated(mut replicas: Vec<ShimReplica>, start: usize) -> Vec<ShimReplica> {
     if !replicas.is_empty() {
@@ -133,7 +132,8 @@ pub fn rotated(mut replicas: Vec<ShimReplica>, start: usize) -> Vec<ShimReplica>
     replicas
 }
 
-/// [`rotated`] without the copy: `replicas` in that order, borrowed.
+/// `replicas` starting at `start` (modulo their number), borrowed: successive requests spread
+/// over a pool, and each retry moves on to the next replica.
 pub fn rotation(replicas: &[ShimReplica], start: usize) -> impl Iterator<Item = &ShimReplica> {
     let len = replicas.len();
     (0..len).filter_map(move |i| replicas.get((start % len + i) % len))

@@ -34,7 +34,7 @@ pub enum Retry {
     /// Nothing: the client's own policy decides.
     AsItSees,
     /// The router itself refused for want of room, a view or a worker, causes that pass in
-    /// seconds: retry after [`RETRY_AFTER_SECONDS`]. Not when a backend said no (429, 503),
+    /// seconds: retry after `RETRY_AFTER_SECONDS`. Not when a backend said no (429, 503),
     /// whose own pace a fixed second would override.
     Soon,
     /// A retry would bring the same answer (an answer too large to hold, a request the model

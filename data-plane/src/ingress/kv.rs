@@ -28,7 +28,7 @@ pub enum Term {
     Scored {
         /// Rendered prompt tokens.
         tokens: Vec<u32>,
-        /// Whether the request carries media ([`carries_media`]): its tokens, a placeholder
+        /// Whether the request carries media (`carries_media`): its tokens, a placeholder
         /// where each item was, are not what the frontend would send the worker, nor as many.
         media: bool,
         block_size: u32,

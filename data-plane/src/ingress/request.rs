@@ -25,7 +25,7 @@ pub const MAX_REQUEST_BODY_BYTES: usize = 8 << 20;
 /// size fit at once, about 1.3 GB of trees at the very worst.
 pub const MAX_TREE_BYTES_IN_FLIGHT: usize = 4 * MAX_REQUEST_BODY_BYTES;
 
-/// Bytes of bodies up to [`ON_THE_RUNTIME_BYTES`] whose trees may be held at once: a budget of
+/// Bytes of bodies up to `ON_THE_RUNTIME_BYTES` whose trees may be held at once: a budget of
 /// their own, since the large bodies' is fair (first come, first served) and a small request
 /// must not wait behind a large one for room it would fit in. About 330 MB of trees at the very
 /// worst, and thousands of ordinary requests' at once.
@@ -54,7 +54,7 @@ pub struct Tree {
 /// connection and stream beside it.
 pub(crate) const ON_THE_RUNTIME_BYTES: usize = 64 << 10;
 
-/// Work on bodies past [`ON_THE_RUNTIME_BYTES`] running or queued on the blocking pool at once.
+/// Work on bodies past `ON_THE_RUNTIME_BYTES` running or queued on the blocking pool at once.
 /// Handed over, such work runs to its end even when its request is dropped (its client left),
 /// holding its body after the connection has given the body's charge back: the permit, taken
 /// before the hand-over and held by the work, bounds what it holds to this many bodies.
@@ -64,7 +64,7 @@ pub const MAX_OFF_RUNTIME_WORK: usize = 16;
 
 static OFF_RUNTIME: Semaphore = Semaphore::const_new(MAX_OFF_RUNTIME_WORK);
 
-/// Runs `work`, for a body of `bytes`, where [`ON_THE_RUNTIME_BYTES`] says. Off the runtime it
+/// Runs `work`, for a body of `bytes`, where `ON_THE_RUNTIME_BYTES` says. Off the runtime it
 /// waits for its turn until `deadline` at most (`None`: as long as it takes); `None` without a
 /// turn by then, or if the work panicked.
 async fn sized_work<T: Send + 'static>(
@@ -267,7 +267,7 @@ impl<'de> Deserialize<'de> for Members {
 }
 
 impl ChatRequest {
-    /// [`ChatRequest::parse`] where [`ON_THE_RUNTIME_BYTES`] says: reading a body of
+    /// [`ChatRequest::parse`] where `ON_THE_RUNTIME_BYTES` says: reading a body of
     /// megabytes (every member checked, every prompt string counted) would hold up every
     /// connection beside it on a runtime thread.
     pub async fn read(raw: Bytes) -> Result<Self, RequestError> {

@@ -36,7 +36,7 @@ pub struct App {
 /// Client connections served at once. Past it the server stops accepting until one closes, so
 /// new clients wait (one accepted, the rest in the listen backlog): memory stays bounded (each connection holds at most
 /// `conn`'s buffers) however many clients connect. Near it, connections wait idle only briefly
-/// ([`Slots::crowded`]).
+/// (`Slots::crowded`).
 pub const MAX_CONNECTIONS: usize = 16_384;
 
 /// The part of the slots whose being free or not makes the server crowded: with no more than
@@ -212,7 +212,7 @@ impl Drop for Open {
 }
 
 /// The next connection, once a slot is free for it. Accepted first: a slot taken ahead of the
-/// connection would read as one more taken to [`Slots::crowded`]. Past the cap, one connection
+/// connection would read as one more taken to `Slots::crowded`. Past the cap, one connection
 /// waits here for its slot, and the rest in the listen backlog.
 async fn accept(listener: &TcpListener, slots: &Arc<Semaphore>) -> std::io::Result<(TcpStream, OwnedSemaphorePermit)> {
     let (stream, _) = listener.accept().await?;

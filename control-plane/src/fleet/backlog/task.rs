@@ -28,13 +28,13 @@ use super::{BACKLOG_WINDOW, Book, MAX_QUEUED_REPORT_BYTES, Refusal, Refused};
 use crate::fleet::{ActiveIndex, FleetChange, FleetPublisher, FleetState};
 
 /// Reports waiting for the book. A report past its session's share is dropped (and counted);
-/// one within it waits for room at most [`ROOM_WAIT`], so a Watch session stalls no longer.
+/// one within it waits for room at most `ROOM_WAIT`, so a Watch session stalls no longer.
 pub(super) const COMMAND_QUEUE: usize = 4096;
 /// The part of the queue one session's reports may hold, in number and in bytes: a replica
 /// flooding the book (buggy, or holding the token and hostile) has its own reports refused and
 /// its session ended. Honest replicas report every millisecond and come nowhere near it unless
 /// the book falls seconds behind. A few sessions may fill the queue within their shares; a
-/// session within its own then waits for room ([`ROOM_WAIT`]) instead of losing its report.
+/// session within its own then waits for room (`ROOM_WAIT`) instead of losing its report.
 pub(super) const SESSION_SHARE: usize = 4;
 /// How long a report within its session's share waits for room in a full queue before it is
 /// refused after all: the book is that far behind. The session reads and sends nothing
@@ -132,7 +132,7 @@ impl Queue {
         self.freed.notify_one();
     }
 
-    /// Room for one report of `bytes` within the queue's bounds, waiting up to [`ROOM_WAIT`]
+    /// Room for one report of `bytes` within the queue's bounds, waiting up to `ROOM_WAIT`
     /// for it while `open`.
     async fn take_within(&self, bytes: usize, open: impl Fn() -> bool) -> bool {
         let deadline = tokio::time::Instant::now() + ROOM_WAIT;
@@ -174,7 +174,7 @@ pub struct BacklogBook {
     generation: Arc<AtomicU64>,
 }
 
-/// One session's way to the book, holding at most a [`SESSION_SHARE`]th of its queue.
+/// One session's way to the book, holding at most a `SESSION_SHARE`th of its queue.
 #[derive(Debug)]
 pub struct SessionReports {
     book: BacklogBook,
@@ -187,7 +187,7 @@ pub struct SessionReports {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NotQueued {
     /// The session's share of the book's queue is full, or the whole queue stayed full for
-    /// [`ROOM_WAIT`] (or the book has ended).
+    /// `ROOM_WAIT` (or the book has ended).
     Full,
     /// The book restarted after a fault since the session opened: it holds none of the
     /// session's dispatches.
@@ -199,7 +199,7 @@ impl SessionReports {
     /// book's queue is full (in number, or in [`MAX_QUEUED_REPORT_BYTES`]), or when the book is
     /// no longer the one the session's earlier reports went to. Within its share, a report
     /// waits for room in a full queue (sessions flooding it up to their shares cannot end the
-    /// others'), refused only when none comes within [`ROOM_WAIT`].
+    /// others'), refused only when none comes within `ROOM_WAIT`.
     pub async fn report(&self, replica: u64, report: pb::DispatchReport) -> Result<(), NotQueued> {
         let generation = self.book.generation.load(Ordering::Acquire);
         if generation != self.generation {

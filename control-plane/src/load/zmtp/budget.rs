@@ -106,7 +106,7 @@ impl MessageBudget {
         lent.is_ok()
     }
 
-    /// [`Self::borrow`], repaid when the loan is dropped; `None` when it would pass the limit
+    /// `Self::borrow`, repaid when the loan is dropped; `None` when it would pass the limit
     /// or the borrower's share.
     pub fn loan(&'static self, n: usize, borrower: Borrower) -> Option<Loan> {
         (n == 0 || self.borrow(n, borrower)).then_some(Loan { budget: self, n, borrower })

@@ -183,7 +183,7 @@ impl Outliers {
         held.get(rank).is_some_and(|record| record.ejects(now))
     }
 
-    /// Drops the ejected ranks of `candidates`, at most a [`MAX_EJECTED_DIVISOR`]th of them
+    /// Drops the ejected ranks of `candidates`, at most a `MAX_EJECTED_DIVISOR`th of them
     /// (at least one, never all): past that share, those ejected last, whose failures are the
     /// most recent. One look at the records, so a rank ejected meanwhile cannot empty the list.
     pub fn filter<T>(&self, candidates: &mut Vec<T>, key: impl Fn(&T) -> LoadKey, now: Instant) {

@@ -42,7 +42,7 @@ pub fn dispatch_block_size(view: &FleetView, selection: &Selection) -> u32 {
     pin_block_size(view, &selection.decode)
 }
 
-/// A pinned worker's block size, else [`FALLBACK_BLOCK_SIZE`].
+/// A pinned worker's block size, else `FALLBACK_BLOCK_SIZE`.
 pub fn pin_block_size(view: &FleetView, pin: &Pin) -> u32 {
     view.worker(&pin.worker)
         .and_then(|worker| worker.block_size)
