@@ -2,6 +2,7 @@
 //! reflection in both `v1` and `v1alpha` (grpcurl 1.8.6 speaks only the latter).
 
 mod gate;
+mod lookup_budget;
 mod service;
 mod session;
 pub mod tls;
@@ -19,6 +20,7 @@ use tonic_health::ServingStatus;
 use crate::listen::Guard;
 
 pub use gate::Gate;
+pub use lookup_budget::{Budgeted, LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT};
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
 pub use tls::ServerTls;
@@ -68,7 +70,7 @@ pub async fn serve(
     tls: Option<ServerTls>,
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
-    let gate = fleet.gate();
+    let (gate, lookups) = (fleet.gate(), fleet.lookup_budget());
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<FleetServer<FleetService>>().await;
     let health_service = health_service.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES);
@@ -89,11 +91,14 @@ pub async fn serve(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(InterceptedService::new(
-            FleetServer::new(fleet)
-                .max_decoding_message_size(MAX_INBOUND_FLEET_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
-            gate,
+        .add_service(Budgeted::new(
+            InterceptedService::new(
+                FleetServer::new(fleet)
+                    .max_decoding_message_size(MAX_INBOUND_FLEET_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
+                gate,
+            ),
+            lookups,
         ));
     // Connections come through the listener's guard (see [`crate::listen`]), which also sets
     // TCP_NODELAY: `Server::tcp_nodelay` covers only the sockets `serve` binds itself, and Nagle
@@ -168,6 +173,42 @@ mod tests {
         let large = HealthCheckRequest { service: "a".repeat(MAX_UNAUTHENTICATED_MESSAGE_BYTES) };
         let refused = client.check(large).await.map(|_| ()).map_err(|status| status.code());
         assert_eq!(refused, Err(tonic::Code::OutOfRange));
+        cancel.cancel();
+        Ok(())
+    }
+
+    /// Lookups are charged to the process's budget as their bytes arrive: one that would
+    /// overdraw it is refused as such (not as a failed call), counted, and holds nothing after;
+    /// one within it reaches the handler (which, the KV index off here, refuses it its way).
+    #[tokio::test]
+    async fn a_lookup_past_the_budget_is_refused_before_it_is_read_whole() -> anyhow::Result<()> {
+        use continuum_proto::pb::{FindMatchesRequest, fleet_client::FleetClient};
+
+        let (service, metrics, cancel) = empty_fleet_service()?;
+        let service = service.with_lookup_budget(16 << 10);
+        let budget = service.lookup_budget();
+        let url = serving(service, &metrics, &cancel).await?;
+        let mut client = FleetClient::new(tonic::transport::Channel::from_shared(url)?.connect().await?);
+        let lookup = |hashes: u64| FindMatchesRequest {
+            block_hashes: (0..hashes).map(|h| h | 1 << 62).collect(),
+            model: "tiny".into(),
+            ..Default::default()
+        };
+        let refused = client.find_matches(lookup(4096)).await.expect_err("past the budget");
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+        let over_budget = metrics.kv_find_matches.with_label_values(&["over_budget"]);
+        assert_eq!(over_budget.get(), 1);
+        let within = client.find_matches(lookup(64)).await.expect_err("the KV index is off");
+        assert_eq!(within.code(), tonic::Code::FailedPrecondition, "{within:?}");
+        assert_eq!(over_budget.get(), 1);
+        // The server lets go of a call's body as it answers; the client may hear first.
+        for _ in 0..100 {
+            if budget.held() == 0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(budget.held(), 0, "both calls gave their bytes back");
         cancel.cancel();
         Ok(())
     }

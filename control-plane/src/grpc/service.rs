@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::gate::{Gate, Presented, retired};
+use super::lookup_budget::{LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT};
 use super::session::{Queued, REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
 use crate::bearer;
@@ -133,6 +134,8 @@ pub struct FleetService {
     streams: Arc<Semaphore>,
     /// The turns of the streams read for their Hello ([`MAX_PENDING_HELLOS`]).
     hellos: Arc<Semaphore>,
+    /// The bytes of lookups in flight, charged by the server's [`Budgeted`](super::Budgeted) wrapper.
+    lookups: Arc<LookupBudget>,
 }
 
 impl std::fmt::Debug for FleetService {
@@ -162,7 +165,35 @@ impl FleetService {
         let kv = KvHandle::default();
         let (streams, hellos) =
             (Arc::new(Semaphore::new(MAX_WATCH_STREAMS)), Arc::new(Semaphore::new(MAX_PENDING_HELLOS)));
-        Self { publisher, replicas, metrics, shutdown, book, active, kv, turns, seeded, tokens, trust, streams, hellos }
+        let over_budget = metrics.kv_find_matches.with_label_values(&["over_budget"]);
+        let lookups = Arc::new(LookupBudget::new(MAX_LOOKUP_BYTES_IN_FLIGHT, over_budget));
+        Self {
+            publisher,
+            replicas,
+            metrics,
+            shutdown,
+            book,
+            active,
+            kv,
+            turns,
+            seeded,
+            tokens,
+            trust,
+            streams,
+            hellos,
+            lookups,
+        }
+    }
+
+    /// Holds at most `bytes` of lookups in flight (else [`MAX_LOOKUP_BYTES_IN_FLIGHT`]).
+    pub fn with_lookup_budget(self, bytes: usize) -> Self {
+        let over_budget = self.metrics.kv_find_matches.with_label_values(&["over_budget"]);
+        Self { lookups: Arc::new(LookupBudget::new(bytes, over_budget)), ..self }
+    }
+
+    /// The budget the server charges this service's lookups to.
+    pub fn lookup_budget(&self) -> Arc<LookupBudget> {
+        Arc::clone(&self.lookups)
     }
 
     /// Every call must present `authorization: Bearer <token>` with one of `tokens`, while it
