@@ -57,6 +57,16 @@ struct Run {
     latency: Quantiles,
     /// The proxy's CPU time (user and kernel) per request, in µs; `None` for the baseline.
     cpu_us: Option<f64>,
+    /// The share of it spent in user space.
+    user_share: Option<f64>,
+}
+
+impl Run {
+    /// The CPU time per request split into user space and the kernel, in µs.
+    fn split_us(&self) -> Option<(f64, f64)> {
+        let (cpu, user) = (self.cpu_us?, self.user_share?);
+        Some((cpu * user, cpu * (1.0 - user)))
+    }
 }
 
 /// Requests of one path, one round's or every round's together: each one's latency, how long
@@ -65,8 +75,8 @@ struct Run {
 struct Pooled {
     samples: Vec<Duration>,
     elapsed: Duration,
-    /// The proxy's CPU time; 0 for the baseline.
-    cpu_ns: u64,
+    /// The proxy's CPU time; zero for the baseline.
+    cpu: CpuTime,
     /// The in-process control plane's CPU time while the path was measured.
     control_ns: u64,
 }
@@ -75,7 +85,7 @@ impl Pooled {
     fn add(&mut self, round: Pooled) {
         self.samples.extend(round.samples);
         self.elapsed += round.elapsed;
-        self.cpu_ns += round.cpu_ns;
+        self.cpu.add(round.cpu);
         self.control_ns += round.control_ns;
     }
 
@@ -83,7 +93,8 @@ impl Pooled {
         Run {
             rps: self.samples.len() as f64 / self.elapsed.as_secs_f64(),
             latency: Quantiles::of(self.samples.clone()),
-            cpu_us: (self.cpu_ns > 0).then(|| self.per_request_us(self.cpu_ns)),
+            cpu_us: (self.cpu.ns > 0).then(|| self.per_request_us(self.cpu.ns)),
+            user_share: self.cpu.user_share(),
         }
     }
 
@@ -302,11 +313,11 @@ async fn measure_round(
         let Target { name, addr, cpu } = &targets[i];
         let uri: Uri = format!("http://{addr}/v1/chat/completions").parse()?;
         drive(client, &uri, load.warmup, load.concurrency).await?;
-        let before = cpu.as_deref().map(cpu_ns).transpose()?;
+        let before = cpu.as_deref().map(cpu_time).transpose()?;
         let control_before = (i == DATA_PLANE).then(control_plane_ns).transpose()?;
         let mut measured = drive(client, &uri, load.requests, load.concurrency).await?;
         if let (Some(before), Some(path)) = (before, cpu.as_deref()) {
-            measured.cpu_ns = cpu_ns(path)? - before;
+            measured.cpu = cpu_time(path)?.since(before);
         }
         if let Some(before) = control_before {
             measured.control_ns = control_plane_ns()? - before;
@@ -360,6 +371,53 @@ fn cpu_ns(schedstat: &str) -> anyhow::Result<u64> {
     let text = std::fs::read_to_string(schedstat)?;
     let first = text.split_whitespace().next().unwrap_or_default();
     first.parse().map_err(|_| anyhow::anyhow!("{schedstat}: unexpected contents {text:?}"))
+}
+
+/// A process's or thread's time on a CPU: nanoseconds in all (`schedstat`), and the clock ticks
+/// it spent in user space and in the kernel (`stat`), which only split that total.
+#[derive(Debug, Default, Clone, Copy)]
+struct CpuTime {
+    ns: u64,
+    user_ticks: u64,
+    system_ticks: u64,
+}
+
+impl CpuTime {
+    fn add(&mut self, other: CpuTime) {
+        self.ns += other.ns;
+        self.user_ticks += other.user_ticks;
+        self.system_ticks += other.system_ticks;
+    }
+
+    fn since(self, before: CpuTime) -> CpuTime {
+        CpuTime {
+            ns: self.ns - before.ns,
+            user_ticks: self.user_ticks - before.user_ticks,
+            system_ticks: self.system_ticks - before.system_ticks,
+        }
+    }
+
+    /// The share of the time spent in user space, once any tick was counted.
+    fn user_share(&self) -> Option<f64> {
+        let ticks = self.user_ticks + self.system_ticks;
+        (ticks > 0).then(|| self.user_ticks as f64 / ticks as f64)
+    }
+}
+
+/// The CPU time of the process or thread whose `schedstat` is at `schedstat`; its `stat` is
+/// beside it.
+fn cpu_time(schedstat: &str) -> anyhow::Result<CpuTime> {
+    let ns = cpu_ns(schedstat)?;
+    let stat_path = format!("{}stat", schedstat.trim_end_matches("schedstat"));
+    let stat = std::fs::read_to_string(&stat_path)?;
+    // After the command name (which may hold spaces), the fields from the third on: `utime` is
+    // the 14th and `stime` the 15th.
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or(Vec::new(), |(_, rest)| rest.split_whitespace().collect());
+    let field = |n: usize| -> anyhow::Result<u64> {
+        let text = fields.get(n - 3).ok_or_else(|| anyhow::anyhow!("{stat_path}: no field {n}"))?;
+        text.parse().map_err(|_| anyhow::anyhow!("{stat_path}: field {n} is {text:?}"))
+    };
+    Ok(CpuTime { ns, user_ticks: field(14)?, system_ticks: field(15)? })
 }
 
 /// `total` requests from `concurrency` keep-alive callers; each latency runs from sending the
@@ -418,7 +476,11 @@ fn table(rounds: &[Round], pooled: &[Pooled; PATHS], load: Load, nginx: &str) ->
                 format!("{:.0}", added(run.latency.p99, d.latency.p99)),
             )
         });
-        let cpu = run.cpu_us.map_or("—".into(), |us| format!("{us:.1}"));
+        let cpu = match (run.cpu_us, run.split_us()) {
+            (Some(us), Some((user, kernel))) => format!("{us:.1} ({user:.1} + {kernel:.1})"),
+            (Some(us), None) => format!("{us:.1}"),
+            (None, _) => "—".into(),
+        };
         format!(
             "| {path} | {:.0} | {} | {} | {p50} | {p99} | {cpu} |\n",
             run.rps,
@@ -431,13 +493,21 @@ fn table(rounds: &[Round], pooled: &[Pooled; PATHS], load: Load, nginx: &str) ->
     let floor_each: Vec<String> = rounds.iter().map(|r| format!("{:.2}×", r.floor_rps_ratio())).collect();
     let cpu_ratio = all.cpu_ratio().unwrap_or(f64::NAN);
     let control_us = data_plane.control_us();
+    let split = match (all.data_plane.split_us(), all.nginx.split_us(), all.floor.split_us()) {
+        (Some((dp_user, dp_kernel)), Some((nginx_user, nginx_kernel)), Some((floor_user, _))) => format!(
+            "in user space the data plane spent **{:.2}×** nginx's time a request ({dp_user:.1} against {nginx_user:.1} µs; the floor {floor_user:.1}), in the kernel **{:.2}×** ({dp_kernel:.1} against {nginx_kernel:.1} µs)",
+            dp_user / nginx_user,
+            dp_kernel / nginx_kernel
+        ),
+        _ => "not measured (no clock ticks counted)".into(),
+    };
     let with_control =
         all.data_plane.cpu_us.zip(all.nginx.cpu_us).map_or(f64::NAN, |(dp, nginx)| (dp + control_us) / nginx);
     format!(
-        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request (µs) |\n|---|---|---|---|---|---|---|\n{}{}{}{}\n\
+        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request: all (user + kernel), µs |\n|---|---|---|---|---|---|---|\n{}{}{}{}\n\
          - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
          - Every figure pools a path's requests over all {} rounds: requests/s is their number over the time they took, the latencies their quantiles. Added latency is the path's quantile less the direct path's. The median round by throughput ratio (round {index}) gave {:.2}×/{:.2}×; every round's (throughput ratio / added-p99 ratio): {}.\n\
-         - CPU per request, data plane / nginx: **{cpu_ratio:.2}×**. It is the thread's (nginx: the process's) time on a CPU, user and kernel, during its path's measured requests, from `schedstat`; it steadies the comparison where throughput swings with how the scheduler places four busy threads on two cores. The in-process control plane's threads ran {control_us:.1} µs per data-plane request besides (folding the reports, streaming the backlogs), on the same cores: with it, **{with_control:.2}×**.\n\
+         - CPU per request, data plane / nginx: **{cpu_ratio:.2}×**. It is the thread's (nginx: the process's) time on a CPU, user and kernel, during its path's measured requests, from `schedstat`; it steadies the comparison where throughput swings with how the scheduler places four busy threads on two cores. The in-process control plane's threads ran {control_us:.1} µs per data-plane request besides (folding the reports, streaming the backlogs), on the same cores: with it, **{with_control:.2}×**. The split between user space and the kernel is by the clock ticks the proxy spent in each (`/proc/…/stat`): {split}.\n\
          - The floor, a relay on the data plane's runtime: throughput **{:.2}×** nginx's, added p99 **{:.2}×**, CPU per request **{:.2}×** (rounds: {}). It is a current-thread tokio runtime on a thread of its own, like the data plane's, that frames each request and answer by `Content-Length` with `httparse` and moves their bytes unchanged over one upstream connection per client connection: no header hygiene, no JSON, no pick, no ledger, no report. What parts it from nginx is the runtime; what parts the data plane from it is the data plane's work.\n\
          - Each path: {} requests per round at concurrency {} over keep-alive HTTP/1.1 after {} warm-up requests; the paths take turns, in an order rotating per round. Load average when done: {}.\n\
          - Same machine, same run, loopback. The stub, the load generator, each proxy (one thread each: nginx `worker_processes 1`, the data plane a current-thread runtime on a thread of its own, with its control-plane stream) and the in-process control plane share the cores, so these are relative numbers. The benchmark binary allocates with mimalloc and is built with the workspace's release profile (fat LTO, one codegen unit), as the data-plane binary is.\n\
