@@ -3,10 +3,11 @@
 //! A lookup's message (up to [`MAX_INBOUND_FLEET_MESSAGE_BYTES`]) is read whole before its
 //! handler runs, and a connection may hold [`MAX_STREAMS_PER_CONNECTION`] calls: a replica's
 //! token and a few connections would otherwise make the process hold gigabytes of lookups
-//! that are still arriving. Each call's body is charged, frame by frame as it arrives, to one
-//! process-wide budget, [`MAX_LOOKUP_BYTES_IN_FLIGHT`], and gives the bytes back once the call
-//! is answered (or dropped). A frame that would overdraw the budget fails its call with
-//! `RESOURCE_EXHAUSTED` at once, counted as `over_budget` in
+//! that are still arriving. Each call's messages are charged to one process-wide budget,
+//! [`MAX_LOOKUP_BYTES_IN_FLIGHT`], at the length each one's gRPC prefix declares, as soon as
+//! the prefix arrives: tonic sets aside room for that length then, before the bytes come. The
+//! call gives them back once it is answered (or dropped). A message that would overdraw the
+//! budget fails its call with `RESOURCE_EXHAUSTED` at once, counted as `over_budget` in
 //! `continuum_dynamo_kv_find_matches_total`; the replica picks that request on load alone, as
 //! it does for any lookup not answered. Every other call passes untouched: a Watch stream's
 //! messages are bounded by its session's own queue.
@@ -90,12 +91,54 @@ impl Drop for Charge {
     }
 }
 
-/// A lookup's body, charging each frame's bytes as it arrives.
+/// A lookup's body, charging each message's declared length as its prefix arrives.
 struct Charged {
     inner: Body,
     charge: Arc<Charge>,
-    /// The budget refused a frame: the body ends with that error.
+    framing: Framing,
+    /// The budget refused a message: the body ends with that error.
     refused: bool,
+}
+
+/// Where a body is in its gRPC framing: each message is a compressed flag, a 4-byte length,
+/// and that many bytes.
+#[derive(Debug, Default)]
+struct Framing {
+    /// The bytes of the current message's prefix read so far.
+    prefix: [u8; PREFIX],
+    prefix_read: usize,
+    /// The bytes of the current message's body yet to come, once its prefix is whole.
+    body_left: usize,
+}
+
+/// A gRPC message's prefix: a compressed flag and a big-endian length.
+const PREFIX: usize = 5;
+
+impl Framing {
+    /// Follows `data` through the framing; returns the bytes the messages whose prefix it
+    /// completed declare, prefixes included.
+    fn declared(&mut self, mut data: &[u8]) -> usize {
+        let mut declared = 0usize;
+        while !data.is_empty() {
+            if self.body_left > 0 {
+                let skipped = self.body_left.min(data.len());
+                self.body_left -= skipped;
+                data = &data[skipped..];
+                continue;
+            }
+            let taken = (PREFIX - self.prefix_read).min(data.len());
+            self.prefix[self.prefix_read..self.prefix_read + taken].copy_from_slice(&data[..taken]);
+            self.prefix_read += taken;
+            data = &data[taken..];
+            if self.prefix_read == PREFIX {
+                let [_, length @ ..] = self.prefix;
+                let length = u32::from_be_bytes(length) as usize;
+                declared = declared.saturating_add(PREFIX + length);
+                (self.prefix_read, self.body_left) = (0, length);
+            }
+        }
+        declared
+    }
 }
 
 impl http_body::Body for Charged {
@@ -107,12 +150,13 @@ impl http_body::Body for Charged {
             return Poll::Ready(None);
         }
         let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
-        if let Some(Ok(data)) = frame.as_ref().map(|frame| frame.as_ref().map(Frame::data_ref)) {
-            let bytes = data.map_or(0, Bytes::len);
-            if !self.charge.take(bytes) {
-                self.refused = true;
-                self.charge.budget.refused.inc();
-                let limit = self.charge.budget.limit;
+        if let Some(data) = frame.as_ref().and_then(|frame| frame.as_ref().ok()).and_then(Frame::data_ref) {
+            let this = &mut *self;
+            let declared = this.framing.declared(data);
+            if declared > 0 && !this.charge.take(declared) {
+                this.refused = true;
+                this.charge.budget.refused.inc();
+                let limit = this.charge.budget.limit;
                 return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
                     "the control plane holds {limit} bytes of lookups in flight at most; \
                      this one is answered by load alone"
@@ -167,7 +211,8 @@ where
         }
         let charge = Arc::new(Charge { budget: Arc::clone(&self.budget), held: AtomicUsize::new(0) });
         let body = Arc::clone(&charge);
-        let request = request.map(|inner| Body::new(Charged { inner, charge: body, refused: false }));
+        let request = request
+            .map(|inner| Body::new(Charged { inner, charge: body, framing: Framing::default(), refused: false }));
         // Held by the answer too: the decoded message lives until the handler is done with it.
         self.inner
             .call(request)
@@ -189,29 +234,56 @@ mod tests {
         Arc::new(LookupBudget::new(limit, IntCounter::new("refused", "refused").expect("counter")))
     }
 
-    fn charged(budget: &Arc<LookupBudget>, bytes: usize) -> Charged {
+    /// A body holding one gRPC message of `length` bytes, arriving as `cuts` frames.
+    fn message(length: usize, cuts: &[usize]) -> Vec<Bytes> {
+        let mut wire = vec![0u8];
+        wire.extend_from_slice(&u32::try_from(length).expect("small").to_be_bytes());
+        wire.resize(PREFIX + length, 7);
+        let mut frames = Vec::new();
+        let mut from = 0;
+        for &cut in cuts.iter().chain([&wire.len()]) {
+            frames.push(Bytes::copy_from_slice(&wire[from..cut]));
+            from = cut;
+        }
+        frames
+    }
+
+    fn charged(budget: &Arc<LookupBudget>, frames: Vec<Bytes>) -> Charged {
         let charge = Arc::new(Charge { budget: Arc::clone(budget), held: AtomicUsize::new(0) });
-        Charged { inner: Body::new(http_body_util::Full::new(Bytes::from(vec![0u8; bytes]))), charge, refused: false }
+        let stream = futures::stream::iter(frames.into_iter().map(|data| Ok::<_, Status>(Frame::data(data))));
+        let inner = Body::new(http_body_util::StreamBody::new(stream));
+        Charged { inner, charge, framing: Framing::default(), refused: false }
+    }
+
+    #[test]
+    fn a_message_is_charged_its_declared_length_once_its_prefix_is_whole() {
+        let mut framing = Framing::default();
+        let frames = message(1000, &[3, 5, 400]);
+        let declared: Vec<usize> = frames.iter().map(|frame| framing.declared(frame)).collect();
+        assert_eq!(declared, [0, 1005, 0, 0], "charged when the fifth prefix byte came, not as the rest did");
+        let mut two = message(10, &[]).concat();
+        two.extend_from_slice(&message(20, &[])[0]);
+        assert_eq!(Framing::default().declared(&two), 15 + 25, "two messages in one frame");
     }
 
     #[tokio::test]
     async fn bodies_are_charged_until_dropped_and_one_past_the_budget_is_refused() {
-        let budget = budget(100);
-        let mut first = charged(&budget, 60);
-        let frame = first.frame().await.expect("a frame").expect("within the budget");
-        assert_eq!(frame.data_ref().map(Bytes::len), Some(60));
-        assert_eq!(budget.held(), 60);
+        let budget = budget(2000);
+        // Only the prefix has come: the declared length is held all the same.
+        let mut first = charged(&budget, message(1195, &[5]));
+        assert!(first.frame().await.expect("a frame").is_ok(), "within the budget");
+        assert_eq!(budget.held(), 1200);
 
-        let mut second = charged(&budget, 50);
+        let mut second = charged(&budget, message(995, &[]));
         let refused = second.frame().await.expect("an answer").expect_err("past the budget");
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
         assert!(second.frame().await.is_none(), "a refused body ends");
         assert_eq!(budget.refused.get(), 1);
-        assert_eq!(budget.held(), 60, "a refused frame holds nothing");
+        assert_eq!(budget.held(), 1200, "a refused message holds nothing");
 
         drop(first);
         assert_eq!(budget.held(), 0, "a body dropped gives its bytes back");
-        let mut third = charged(&budget, 50);
+        let mut third = charged(&budget, message(995, &[]));
         assert!(third.frame().await.expect("a frame").is_ok(), "room again once the first let go");
         drop((second, third));
         assert_eq!(budget.held(), 0);

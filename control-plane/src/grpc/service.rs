@@ -165,8 +165,7 @@ impl FleetService {
         let kv = KvHandle::default();
         let (streams, hellos) =
             (Arc::new(Semaphore::new(MAX_WATCH_STREAMS)), Arc::new(Semaphore::new(MAX_PENDING_HELLOS)));
-        let over_budget = metrics.kv_find_matches.with_label_values(&["over_budget"]);
-        let lookups = Arc::new(LookupBudget::new(MAX_LOOKUP_BYTES_IN_FLIGHT, over_budget));
+        let lookups = lookups_budget(&metrics, MAX_LOOKUP_BYTES_IN_FLIGHT);
         Self {
             publisher,
             replicas,
@@ -186,9 +185,9 @@ impl FleetService {
     }
 
     /// Holds at most `bytes` of lookups in flight (else [`MAX_LOOKUP_BYTES_IN_FLIGHT`]).
+    #[cfg(test)]
     pub fn with_lookup_budget(self, bytes: usize) -> Self {
-        let over_budget = self.metrics.kv_find_matches.with_label_values(&["over_budget"]);
-        Self { lookups: Arc::new(LookupBudget::new(bytes, over_budget)), ..self }
+        Self { lookups: lookups_budget(&self.metrics, bytes), ..self }
     }
 
     /// The budget the server charges this service's lookups to.
@@ -496,6 +495,12 @@ impl Fleet for FleetService {
         let answer = pb::FindMatchesResponse { overlaps, turn, suggestion, tie_break, reserved_tokens };
         Ok(Response::new(answer))
     }
+}
+
+/// A budget of `bytes` for lookups in flight, its refusals counted as `over_budget`.
+fn lookups_budget(metrics: &Metrics, bytes: usize) -> Arc<LookupBudget> {
+    let over_budget = metrics.kv_find_matches.with_label_values(&["over_budget"]);
+    Arc::new(LookupBudget::new(bytes, over_budget))
 }
 
 /// A Watch stream's updates, holding the stream's place ([`MAX_WATCH_STREAMS`]) until tonic

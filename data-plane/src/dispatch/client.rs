@@ -105,9 +105,9 @@ impl ShimClient {
     }
 
     /// POSTs `body` with `headers` and `pins` to `uri`, borrowing them (a retry sends the very
-    /// same), and waits at most `head_timeout` for the response head. Not an `async fn`: the
-    /// exchange's future is handed to the caller as it is, rather than wrapped in one more
-    /// that every request would build and move.
+    /// same), and waits at most `head_timeout` for the response head, counted from this call.
+    /// Not an `async fn`: the exchange's future is handed to the caller as it is, rather than
+    /// wrapped in one more that every request would build and move.
     pub fn post<'a>(
         &'a self,
         uri: &'a Uri,
@@ -228,7 +228,7 @@ where
     F: Future<Output = Result<Response<ShimBody>, SendError>>,
 {
     tokio::time::timeout(head_timeout, exchange)
-        .map(move |outcome| outcome.unwrap_or(Err(SendError::HeadTimeout(head_timeout))))
+        .map(move |outcome| outcome.unwrap_or_else(|_| Err(SendError::HeadTimeout(head_timeout))))
 }
 
 /// Reads until a whole response head is in, leaving the bytes past it in the read buffer.

@@ -167,11 +167,6 @@ impl DispatchEnd {
         &self.ledger
     }
 
-    /// When it was recorded, as good as sent.
-    pub fn sent(&self) -> Instant {
-        self.sent
-    }
-
     /// Its answer broke off (a stream that failed after its head): its workers are suspects,
     /// as for a buffered answer whose body broke. Once its first token came, the prefill
     /// worker's leg is proven done: only the rank decoding it is a suspect (one dead decode

@@ -303,16 +303,20 @@ impl Dispatcher {
         let mut counted = CountedPath { metrics: &self.metrics, path: Some(path) };
         let ledger = Arc::clone(dispatch.ledger());
         let ranks: Few<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
-        let sent = dispatch.sent();
+        let (sent, timed_from) = (Instant::now(), tokio::time::Instant::now());
         // The pinned send and what its answer means, and whether a refusal blames the pinned
-        // workers. `dispatch` ends with the relayed body, or before the answer is known for
-        // anything else. Inline rather than a function of its own: each `async fn` level
-        // builds and moves its callee's future, kilobytes a request.
+        // workers. `dispatch` ends with the relayed body, or here for anything else: before a
+        // fallback's resend, which may take as long as a generation. Inline rather than a
+        // function of its own: each `async fn` level builds and moves its callee's future,
+        // kilobytes a request.
         let (outcome, blames_pins) = match self.send(&replicas, (headers, pins(&selection)), &body, stream).await {
-            Err(failure) => (PinnedOutcome::Failed(failure), false),
+            Err(failure) => {
+                drop(dispatch);
+                (PinnedOutcome::Failed(failure), false)
+            }
             Ok((replica, response)) => {
                 let shown = disclose.then_some((replica.name.as_str(), &selection));
-                let timed = (stream, tokio::time::Instant::from_std(sent));
+                let timed = (stream, timed_from);
                 let Answered { mut answer, blames_pins, refused } =
                     self.answer(response, timed, Some(dispatch), (replica, shown)).await;
                 if let Answer::Relay(response) = &mut answer {
@@ -535,8 +539,12 @@ mod tests {
     /// A pinned plan to `replicas`, recorded in a ledger of its own, falling through to
     /// `unified` (never resent there on failure).
     fn pinned_plan(replicas: &[ShimReplica], unified: Option<ShimReplica>) -> Plan {
+        pinned_plan_in(&Arc::new(DispatchLedger::new()), replicas, unified)
+    }
+
+    /// [`pinned_plan`], recorded in `ledger`.
+    fn pinned_plan_in(ledger: &Arc<DispatchLedger>, replicas: &[ShimReplica], unified: Option<ShimReplica>) -> Plan {
         let reporter = Arc::new(DispatchReporter::new(IntCounter::new("dropped", "dropped").expect("counter")));
-        let ledger = Arc::new(DispatchLedger::new());
         let view = FleetView::new(1, [], [], Arc::new(DataPlaneConfig::default())).expect("view");
         let selection = Selection {
             namespace: "dynamo".into(),
@@ -547,7 +555,7 @@ mod tests {
             prefill_reason: Reason::Load,
             cached_tokens: 0,
         };
-        let dispatch = DispatchEnd::record(&ledger, &reporter, &view, &selection, 10, &PromptChain::default(), true);
+        let dispatch = DispatchEnd::record(ledger, &reporter, &view, &selection, 10, &PromptChain::default(), true);
         let fallback =
             unified.map(|unified| Box::new(Fallback { replicas: [unified].into(), body: None, on_failure: false }));
         let route = Route::Pinned(Pinned { selection, replicas: replicas.into(), fallback, dispatch });
@@ -591,6 +599,45 @@ mod tests {
             "the refused one went nowhere"
         );
         assert_eq!(counted(&dispatcher.metrics.disaggregated_requests, RoutingPath::Disaggregated.as_str()), 0);
+        Ok(())
+    }
+
+    /// A pinned request whose send failed has ended its dispatch before it falls through to
+    /// the unified backends: the pinned workers do not carry it while another backend takes
+    /// it, for as long as that answer takes.
+    #[tokio::test]
+    async fn a_pinned_dispatch_that_failed_ends_before_its_fall_through() -> anyhow::Result<()> {
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        // Never dialled: its breaker is open.
+        let shim = replica("shim", "http://127.0.0.1:9");
+        let now = Instant::now();
+        for _ in 0..BreakerSettings::default().failure_threshold {
+            dispatcher.health.failed(&shim.name, &shim.url, (now, now));
+        }
+        // A unified backend that says when the request reached it, and answers when told.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let unified = replica("unified", &format!("http://{}", listener.local_addr()?));
+        let (reached, mut heard) = tokio::sync::mpsc::channel(1);
+        let answer = Arc::new(tokio::sync::Notify::new());
+        let told = Arc::clone(&answer);
+        tokio::spawn(async move {
+            let Ok((mut socket, _)) = listener.accept().await else { return };
+            let mut read = vec![0; 64 * 1024];
+            if socket.read(&mut read).await.is_ok_and(|n| n > 0) {
+                let _ = reached.send(()).await;
+                told.notified().await;
+                let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                let _ = socket.write_all(answer.as_bytes()).await;
+            }
+        });
+        let ledger = Arc::new(DispatchLedger::new());
+        let plan = pinned_plan_in(&ledger, std::slice::from_ref(&shim), Some(unified));
+        assert_eq!(ledger.len(), 1, "recorded when picked");
+        let run = tokio::spawn(async move { dispatcher.run(plan).await.map(|response| response.status()) });
+        heard.recv().await.expect("the unified backend was reached");
+        assert_eq!(ledger.len(), 0, "the pinned dispatch ended before the unified backend took the request");
+        answer.notify_one();
+        assert_eq!(run.await?.ok(), Some(StatusCode::OK));
         Ok(())
     }
 

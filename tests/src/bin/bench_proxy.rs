@@ -391,9 +391,9 @@ impl CpuTime {
 
     fn since(self, before: CpuTime) -> CpuTime {
         CpuTime {
-            ns: self.ns - before.ns,
-            user_ticks: self.user_ticks - before.user_ticks,
-            system_ticks: self.system_ticks - before.system_ticks,
+            ns: self.ns.saturating_sub(before.ns),
+            user_ticks: self.user_ticks.saturating_sub(before.user_ticks),
+            system_ticks: self.system_ticks.saturating_sub(before.system_ticks),
         }
     }
 
@@ -493,18 +493,24 @@ fn table(rounds: &[Round], pooled: &[Pooled; PATHS], load: Load, nginx: &str) ->
     let floor_each: Vec<String> = rounds.iter().map(|r| format!("{:.2}×", r.floor_rps_ratio())).collect();
     let cpu_ratio = all.cpu_ratio().unwrap_or(f64::NAN);
     let control_us = data_plane.control_us();
-    let split = match (all.data_plane.split_us(), all.nginx.split_us(), all.floor.split_us()) {
-        (Some((dp_user, dp_kernel)), Some((nginx_user, nginx_kernel)), Some((floor_user, _))) => format!(
-            "in user space the data plane spent **{:.2}×** nginx's time a request ({dp_user:.1} against {nginx_user:.1} µs; the floor {floor_user:.1}), in the kernel **{:.2}×** ({dp_kernel:.1} against {nginx_kernel:.1} µs)",
-            dp_user / nginx_user,
-            dp_kernel / nginx_kernel
-        ),
+    let split = match (all.data_plane.split_us(), all.nginx.split_us()) {
+        (Some((dp_user, dp_kernel)), Some((nginx_user, nginx_kernel))) => {
+            let floor = all
+                .floor
+                .split_us()
+                .map_or(String::new(), |(user, kernel)| format!("; the floor {user:.1} and {kernel:.1} µs"));
+            format!(
+                "in user space the data plane spent **{:.2}×** nginx's time a request ({dp_user:.1} against {nginx_user:.1} µs), in the kernel **{:.2}×** ({dp_kernel:.1} against {nginx_kernel:.1} µs){floor}",
+                dp_user / nginx_user,
+                dp_kernel / nginx_kernel
+            )
+        }
         _ => "not measured (no clock ticks counted)".into(),
     };
     let with_control =
         all.data_plane.cpu_us.zip(all.nginx.cpu_us).map_or(f64::NAN, |(dp, nginx)| (dp + control_us) / nginx);
     format!(
-        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request: all (user + kernel), µs |\n|---|---|---|---|---|---|---|\n{}{}{}{}\n\
+        "| path | requests/s | p50 (µs) | p99 (µs) | added p50 (µs) | added p99 (µs) | proxy CPU per request (µs): all (user + kernel) |\n|---|---|---|---|---|---|---|\n{}{}{}{}\n\
          - Data plane / nginx throughput: **{:.2}×** (target ≥ 1.0×); data plane / nginx added p99: **{:.2}×** (target ≤ 1.0×).\n\
          - Every figure pools a path's requests over all {} rounds: requests/s is their number over the time they took, the latencies their quantiles. Added latency is the path's quantile less the direct path's. The median round by throughput ratio (round {index}) gave {:.2}×/{:.2}×; every round's (throughput ratio / added-p99 ratio): {}.\n\
          - CPU per request, data plane / nginx: **{cpu_ratio:.2}×**. It is the thread's (nginx: the process's) time on a CPU, user and kernel, during its path's measured requests, from `schedstat`; it steadies the comparison where throughput swings with how the scheduler places four busy threads on two cores. The in-process control plane's threads ran {control_us:.1} µs per data-plane request besides (folding the reports, streaming the backlogs), on the same cores: with it, **{with_control:.2}×**. The split between user space and the kernel is by the clock ticks the proxy spent in each (`/proc/…/stat`): {split}.\n\
