@@ -28,53 +28,57 @@ pub(super) fn shim_headers(stream: bool) -> HeaderMap {
 }
 
 impl Dispatcher {
-    /// The first response head any replica of `replicas` gives, or why none did.
-    pub(super) async fn send<'r>(
-        &self,
-        replicas: &'r [ShimReplica],
-        (headers, pins): (&HeaderMap, Pins),
-        body: &Bytes,
+    /// The first response head any replica of `replicas` gives, or why none did. Not an
+    /// `async fn`: it would keep its arguments in its future beside the locals it binds them to.
+    #[allow(clippy::manual_async_fn)]
+    pub(super) fn send<'a>(
+        &'a self,
+        replicas: &'a [ShimReplica],
+        (headers, pins): (&'a HeaderMap, Pins),
+        body: &'a Bytes,
         stream: bool,
-    ) -> Result<(&'r ShimReplica, Response<ShimBody>), Failure> {
-        self.budget.deposit();
-        let head_timeout = if stream { self.settings.stream_head_timeout } else { self.settings.buffered_timeout };
-        let mut attempts = 0;
-        let mut last: Option<SendError> = None;
-        for replica in rotation(replicas, self.next_start()) {
-            if attempts == MAX_ATTEMPTS {
-                break;
-            }
-            let (retry, now) = (attempts > 0, Instant::now());
-            // A retry asks first, so that a replica it would skip costs no retry budget.
-            if retry && !self.health.usable(&replica.name, &replica.url, now) {
-                continue;
-            }
-            if retry && !self.budget.withdraw() {
-                return Err(last.map_or(Failure::NoReplica, Failure::BudgetSpent));
-            }
-            // Out, or a half-open breaker whose one probe another request took: no retry was made.
-            if !self.health.admit(&replica.name, &replica.url, now) {
-                if retry {
-                    self.budget.refund();
+    ) -> impl Future<Output = Result<(&'a ShimReplica, Response<ShimBody>), Failure>> + 'a {
+        async move {
+            self.budget.deposit();
+            let head_timeout = if stream { self.settings.stream_head_timeout } else { self.settings.buffered_timeout };
+            let mut attempts = 0;
+            let mut last: Option<SendError> = None;
+            for replica in rotation(replicas, self.next_start()) {
+                if attempts == MAX_ATTEMPTS {
+                    break;
                 }
-                continue;
-            }
-            if retry {
-                self.metrics.shim_retries.inc();
-            }
-            attempts += 1;
-            match self.attempt(replica, (headers, pins), body, (now, head_timeout)).await {
-                Ok(response) => return Ok((replica, response)),
-                Err(error) => {
-                    let retry = error.before_request_sent();
-                    last = Some(error);
-                    if !retry {
-                        break;
+                let (retry, now) = (attempts > 0, Instant::now());
+                // A retry asks first, so that a replica it would skip costs no retry budget.
+                if retry && !self.health.usable(&replica.name, &replica.url, now) {
+                    continue;
+                }
+                if retry && !self.budget.withdraw() {
+                    return Err(last.map_or(Failure::NoReplica, Failure::BudgetSpent));
+                }
+                // Out, or a half-open breaker whose one probe another request took: no retry was made.
+                if !self.health.admit(&replica.name, &replica.url, now) {
+                    if retry {
+                        self.budget.refund();
+                    }
+                    continue;
+                }
+                if retry {
+                    self.metrics.shim_retries.inc();
+                }
+                attempts += 1;
+                match self.attempt(replica, (headers, pins), body, (now, head_timeout)).await {
+                    Ok(response) => return Ok((replica, response)),
+                    Err(error) => {
+                        let retry = error.before_request_sent();
+                        last = Some(error);
+                        if !retry {
+                            break;
+                        }
                     }
                 }
             }
+            Err(last.map_or(Failure::NoReplica, Failure::Send))
         }
-        Err(last.map_or(Failure::NoReplica, Failure::Send))
     }
 }
 

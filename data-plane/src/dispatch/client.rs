@@ -125,49 +125,55 @@ impl ShimClient {
         uri.authority().map_or(0, |a| self.idle.count(a.as_str()))
     }
 
-    async fn exchange(&self, request: Outbound<'_>) -> Result<Response<ShimBody>, SendError> {
+    /// Not an `async fn`: it would keep `request` in its future beside the parts it binds.
+    fn exchange<'a>(
+        &'a self,
+        request: Outbound<'a>,
+    ) -> impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a {
         let Outbound { method, uri, headers, pins, body } = request;
-        // Plain HTTP only (the shim runs beside the workers): an https:// shim is refused
-        // before anything is sent rather than spoken to in plaintext.
-        if uri.scheme_str() != Some("http") {
-            return Err(SendError::UnsupportedScheme(uri.clone()));
-        }
-        let authority = uri.authority().ok_or_else(|| exchange(ExchangeError::Uri(uri.clone())))?;
-        // One scheduler turn before writing: the other requests ready on this thread get their
-        // turn first, so writes to the shims leave in bursts and a shim that went idle is woken
-        // once per burst rather than once per request (wake-ups are most of a loopback send's
-        // cost). The exchange is otherwise unchanged; only its write waits for the turn.
-        tokio::task::yield_now().await;
-        let reused = self.idle.take(authority.as_str(), Instant::now());
-        let was_reused = reused.is_some();
-        let mut conn = match reused {
-            Some(conn) => conn,
-            // Boxed, here and below: a new connection is the rare case, and its future inline
-            // would be moved with every request's (the ancestors' futures are as large as it).
-            None => Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?,
-        };
-        conn.write.clear();
-        wire::encode_request(&mut conn.write, method, uri, headers, pins, body);
-        if let Err(error) = conn.stream.write_all(&conn.write).await {
-            // A server may answer before it has read the whole request (a 413 for a body past
-            // its limit) and close: that answer, if it came, is the outcome. Nothing else is
-            // read from a connection that failed a write, and it is not kept.
-            if !was_reused {
-                return early_answer(conn, error).await;
+        async move {
+            // Plain HTTP only (the shim runs beside the workers): an https:// shim is refused
+            // before anything is sent rather than spoken to in plaintext.
+            if uri.scheme_str() != Some("http") {
+                return Err(SendError::UnsupportedScheme(uri.clone()));
             }
-            let mut fresh = Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?;
-            std::mem::swap(&mut fresh.write, &mut conn.write);
-            conn = fresh;
+            let authority = uri.authority().ok_or_else(|| exchange(ExchangeError::Uri(uri.clone())))?;
+            // One scheduler turn before writing: the other requests ready on this thread get their
+            // turn first, so writes to the shims leave in bursts and a shim that went idle is woken
+            // once per burst rather than once per request (wake-ups are most of a loopback send's
+            // cost). The exchange is otherwise unchanged; only its write waits for the turn.
+            tokio::task::yield_now().await;
+            let reused = self.idle.take(authority.as_str(), Instant::now());
+            let was_reused = reused.is_some();
+            let mut conn = match reused {
+                Some(conn) => conn,
+                // Boxed, here and below: a new connection is the rare case, and its future inline
+                // would be moved with every request's (the ancestors' futures are as large as it).
+                None => Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?,
+            };
+            conn.write.clear();
+            wire::encode_request(&mut conn.write, method, uri, headers, pins, body);
             if let Err(error) = conn.stream.write_all(&conn.write).await {
-                return early_answer(conn, error).await;
+                // A server may answer before it has read the whole request (a 413 for a body past
+                // its limit) and close: that answer, if it came, is the outcome. Nothing else is
+                // read from a connection that failed a write, and it is not kept.
+                if !was_reused {
+                    return early_answer(conn, error).await;
+                }
+                let mut fresh = Box::pin(self.connect(authority.as_str(), authority.port_u16().unwrap_or(80))).await?;
+                std::mem::swap(&mut fresh.write, &mut conn.write);
+                conn = fresh;
+                if let Err(error) = conn.stream.write_all(&conn.write).await {
+                    return early_answer(conn, error).await;
+                }
             }
+            let head = read_head(&mut conn).await.map_err(exchange)?;
+            let back = head.keep_alive.then(|| Return { idle: Arc::clone(&self.idle), authority: authority.clone() });
+            let mut response = Response::new(ShimBody::new(conn, head.framing, back));
+            *response.status_mut() = head.status;
+            *response.headers_mut() = head.headers;
+            Ok(response)
         }
-        let head = read_head(&mut conn).await.map_err(exchange)?;
-        let back = head.keep_alive.then(|| Return { idle: Arc::clone(&self.idle), authority: authority.clone() });
-        let mut response = Response::new(ShimBody::new(conn, head.framing, back));
-        *response.status_mut() = head.status;
-        *response.headers_mut() = head.headers;
-        Ok(response)
     }
 
     /// A new connection to `authority`, trying each address it resolves to in turn, each

@@ -290,131 +290,144 @@ impl Dispatcher {
         Cow::Owned(headers)
     }
 
-    async fn pinned(
-        &self,
+    /// Not an `async fn`: its arguments would stay in the future beside the locals made from
+    /// them, and this future is a request's largest.
+    fn pinned<'a>(
+        &'a self,
         body: Bytes,
         stream: bool,
         disclose: bool,
-        headers: &HeaderMap,
+        headers: &'a HeaderMap,
         pinned: Pinned,
-    ) -> Result<Response, DispatchError> {
+    ) -> impl Future<Output = Result<Response, DispatchError>> + 'a {
         let Pinned { selection, replicas, fallback, dispatch } = pinned;
-        let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
-        let mut counted = CountedPath { metrics: &self.metrics, path: Some(path) };
-        let ledger = Arc::clone(dispatch.ledger());
-        let ranks: Few<_> = selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect();
-        let (sent, timed_from) = (Instant::now(), tokio::time::Instant::now());
-        // The pinned send and what its answer means, and whether a refusal blames the pinned
-        // workers. `dispatch` ends with the relayed body, or here for anything else: before a
-        // fallback's resend, which may take as long as a generation. Inline rather than a
-        // function of its own: each `async fn` level builds and moves its callee's future,
-        // kilobytes a request.
-        let (outcome, blames_pins) = match self.send(&replicas, (headers, pins(&selection)), &body, stream).await {
-            Err(failure) => {
-                drop(dispatch);
-                (PinnedOutcome::Failed(failure), false)
-            }
-            Ok((replica, response)) => {
-                let shown = disclose.then_some((replica.name.as_str(), &selection));
-                let timed = (stream, timed_from);
-                let Answered { mut answer, blames_pins, refused } =
-                    self.answer(response, timed, Some(dispatch), (replica, shown)).await;
-                if let Answer::Relay(response) = &mut answer {
-                    mark_routing_path(response.headers_mut(), &selection);
+        async move {
+            let path = if selection.prefill.is_some() { RoutingPath::Disaggregated } else { RoutingPath::Aggregated };
+            let mut counted = CountedPath { metrics: &self.metrics, path: Some(path) };
+            let ledger = Arc::clone(dispatch.ledger());
+            // Made where an outcome needs them, not held across the awaits (a future holds every
+            // local that lives across one).
+            let ranks = || -> Few<_> {
+                selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect()
+            };
+            let (sent, timed_from) = (Instant::now(), tokio::time::Instant::now());
+            // The pinned send and what its answer means, and whether a refusal blames the pinned
+            // workers. `dispatch` ends with the relayed body, or here for anything else: before a
+            // fallback's resend, which may take as long as a generation. Inline rather than a
+            // function of its own: each `async fn` level builds and moves its callee's future,
+            // kilobytes a request.
+            let (outcome, blames_pins) = match self.send(&replicas, (headers, pins(&selection)), &body, stream).await {
+                Err(failure) => {
+                    drop(dispatch);
+                    (PinnedOutcome::Failed(failure), false)
                 }
-                if let Some(fate) = refused {
-                    self.metrics.refusal_relayed(fate);
-                }
-                let outcome = match answer {
-                    Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
-                    Answer::PrefillRefused => {
-                        self.metrics.error(ErrorPhase::Orchestration);
-                        let namespace = selection.namespace.clone();
-                        PinnedOutcome::Final(Err(DispatchError::PrefillRefused { namespace }))
+                Ok((replica, response)) => {
+                    let shown = disclose.then_some((replica.name.as_str(), &selection));
+                    let timed = (stream, timed_from);
+                    let Answered { mut answer, blames_pins, refused } =
+                        self.answer(response, timed, Some(dispatch), (replica, shown)).await;
+                    if let Answer::Relay(response) = &mut answer {
+                        mark_routing_path(response.headers_mut(), &selection);
                     }
-                    Answer::Failed(failure) => PinnedOutcome::Failed(failure),
-                };
-                (outcome, blames_pins)
-            }
-        };
-        // A refusal that blames the pins makes the pinned workers suspects, and so does an
-        // answer that never came or never finished in time, if they answered nothing else
-        // since it was sent: a buffered answer's head comes only once generation is done, so
-        // a hung worker shows as a head that never came, but so does a request merely too
-        // long (`Outliers::unanswered`). A shim that could not be reached, or answered
-        // nothing at all, or whose connection broke under the body, says nothing about them
-        // (it is charged with it), nor does a refusal of the client's request.
-        let unanswered = matches!(
-            outcome,
-            PinnedOutcome::Failed(Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_)))
-        );
-        if blames_pins {
-            ledger.outliers().failed_since(&ranks, sent, Instant::now());
-        } else if unanswered {
-            ledger.outliers().unanswered(&ranks, sent, Instant::now());
-        }
-        let failure = match outcome {
-            PinnedOutcome::Final(outcome) => {
-                // A stream's workers are acquitted or blamed by how it ends (`RelayBody`).
-                if !stream && outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
-                    ledger.outliers().succeeded(&ranks, Instant::now());
+                    if let Some(fate) = refused {
+                        self.metrics.refusal_relayed(fate);
+                    }
+                    let outcome = match answer {
+                        Answer::Relay(response) => PinnedOutcome::Final(Ok(response)),
+                        Answer::PrefillRefused => {
+                            self.metrics.error(ErrorPhase::Orchestration);
+                            let namespace = selection.namespace.clone();
+                            PinnedOutcome::Final(Err(DispatchError::PrefillRefused { namespace }))
+                        }
+                        Answer::Failed(failure) => PinnedOutcome::Failed(failure),
+                    };
+                    (outcome, blames_pins)
                 }
-                return outcome;
+            };
+            // A refusal that blames the pins makes the pinned workers suspects, and so does an
+            // answer that never came or never finished in time, if they answered nothing else
+            // since it was sent: a buffered answer's head comes only once generation is done, so
+            // a hung worker shows as a head that never came, but so does a request merely too
+            // long (`Outliers::unanswered`). A shim that could not be reached, or answered
+            // nothing at all, or whose connection broke under the body, says nothing about them
+            // (it is charged with it), nor does a refusal of the client's request.
+            let unanswered = matches!(
+                outcome,
+                PinnedOutcome::Failed(Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_)))
+            );
+            if blames_pins {
+                ledger.outliers().failed_since(&ranks(), sent, Instant::now());
+            } else if unanswered {
+                ledger.outliers().unanswered(&ranks(), sent, Instant::now());
             }
-            // The workers answered; this replica had no room to hold the answer. Not theirs
-            // to count, nor worth sending again.
-            PinnedOutcome::Failed(Failure::Overloaded) => return Err(DispatchError::Overloaded),
-            // No replica of the pool would take it (a half-open breaker's one trial went to
-            // another request picked at the same time): nothing reached a shim or a worker, so
-            // it is no decode failure but what selection would have decided a moment later,
-            // the seed's fall-through to the model's unified backends.
-            PinnedOutcome::Failed(Failure::NoReplica) => {
-                let Some(unified) = fallback else {
-                    counted.path = None;
-                    return Err(DispatchError::NoShim);
-                };
-                counted.path = Some(RoutingPath::Unified);
-                let plain = Unpinned { relay_errors: true, disclose };
-                return self.to_unified(*unified, body, (stream, headers), plain).await.map_err(unified_failed);
-            }
-            PinnedOutcome::Failed(failure) => failure,
-        };
-        // The decode arm. The pinned dispatch has ended, whatever the fallback does.
-        self.metrics.error(ErrorPhase::Decode);
-        // An answer too large to buffer would be as large again from another backend. The
-        // resend is a retry too, paid from the same budget: a pool failing every request
-        // (overloaded, answering 429) must not double the load on the unified backends.
-        let fallback =
-            fallback.filter(|unified| unified.on_failure && !matches!(failure, Failure::TooLarge(_))).filter(|_| {
-                let paid = self.budget.withdraw();
-                if !paid {
-                    self.metrics.fallbacks_refused.inc();
+            let failure = match outcome {
+                PinnedOutcome::Final(outcome) => {
+                    // A stream's workers are acquitted or blamed by how it ends (`RelayBody`).
+                    if !stream && outcome.as_ref().is_ok_and(|response| response.status().is_success()) {
+                        ledger.outliers().succeeded(&ranks(), Instant::now());
+                    }
+                    return outcome;
                 }
-                paid
-            });
-        let fallback_to_unified = fallback.is_some();
-        // Once per failed request, which a client's body the frontend refuses can cause at
-        // its request rate: `disaggregated_errors_total` counts them all.
-        continuum_proto::warn_limited!(
-            namespace = %selection.namespace,
-            error = %failure,
-            fallback_to_unified,
-            "pinned shim dispatch failed"
-        );
-        // Of the refusals that blame the pins, the 400s refused the pins themselves (an id the
-        // frontend no longer knows, a rank out of bounds); a 5xx is the workers failing.
-        let stale_pins = blames_pins && matches!(failure, Failure::Status(StatusCode::BAD_REQUEST));
-        let Some(fallback) = fallback else {
-            return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
-        };
-        counted.path = Some(RoutingPath::UnifiedFallback);
-        let resend = Unpinned { relay_errors: false, disclose };
-        let resent = self.to_unified(*fallback, body, (stream, headers), resend).await;
-        // Nothing was sent (no unified replica would take it): no retry was made.
-        if matches!(resent, Err(Failure::NoReplica)) {
-            self.budget.refund();
+                // The workers answered; this replica had no room to hold the answer. Not theirs
+                // to count, nor worth sending again.
+                PinnedOutcome::Failed(Failure::Overloaded) => return Err(DispatchError::Overloaded),
+                // No replica of the pool would take it (a half-open breaker's one trial went to
+                // another request picked at the same time): nothing reached a shim or a worker, so
+                // it is no decode failure but what selection would have decided a moment later,
+                // the seed's fall-through to the model's unified backends.
+                PinnedOutcome::Failed(Failure::NoReplica) => {
+                    let Some(unified) = fallback else {
+                        counted.path = None;
+                        return Err(DispatchError::NoShim);
+                    };
+                    counted.path = Some(RoutingPath::Unified);
+                    let plain = Unpinned { relay_errors: true, disclose };
+                    return self.to_unified(*unified, body, (stream, headers), plain).await.map_err(unified_failed);
+                }
+                PinnedOutcome::Failed(failure) => failure,
+            };
+            // The decode arm. The pinned dispatch has ended, whatever the fallback does.
+            self.metrics.error(ErrorPhase::Decode);
+            // An answer too large to buffer would be as large again from another backend. The
+            // resend is a retry too, paid from the same budget: a pool failing every request
+            // (overloaded, answering 429) must not double the load on the unified backends.
+            let fallback = fallback
+                .filter(|unified| unified.on_failure && !matches!(failure, Failure::TooLarge(_)))
+                .filter(|_| {
+                    let paid = self.budget.withdraw();
+                    if !paid {
+                        self.metrics.fallbacks_refused.inc();
+                    }
+                    paid
+                });
+            let fallback_to_unified = fallback.is_some();
+            // Once per failed request, which a client's body the frontend refuses can cause at
+            // its request rate: `disaggregated_errors_total` counts them all.
+            continuum_proto::warn_limited!(
+                namespace = %selection.namespace,
+                error = %failure,
+                fallback_to_unified,
+                "pinned shim dispatch failed"
+            );
+            // Of the refusals that blame the pins, the 400s refused the pins themselves (an id the
+            // frontend no longer knows, a rank out of bounds); a 5xx is the workers failing.
+            let stale_pins = blames_pins && matches!(failure, Failure::Status(StatusCode::BAD_REQUEST));
+            let Some(fallback) = fallback else {
+                return Err(DispatchError::DecodeFailed { cause: failure, fallback: None, stale_pins });
+            };
+            counted.path = Some(RoutingPath::UnifiedFallback);
+            let resend = Unpinned { relay_errors: false, disclose };
+            let resent = self.to_unified(*fallback, body, (stream, headers), resend).await;
+            // Nothing was sent (no unified replica would take it): no retry was made.
+            if matches!(resent, Err(Failure::NoReplica)) {
+                self.budget.refund();
+            }
+            resent.map_err(|fallback| DispatchError::DecodeFailed {
+                cause: failure,
+                fallback: Some(fallback),
+                stale_pins,
+            })
         }
-        resent.map_err(|fallback| DispatchError::DecodeFailed { cause: failure, fallback: Some(fallback), stale_pins })
     }
 
     /// A pinned request sent unpinned to the model's unified backends instead: its body, or the

@@ -56,40 +56,44 @@ pub(super) struct Answered {
 
 impl Dispatcher {
     /// What a pinned (or fallback) response means. `dispatch` ends when the relayed body ends,
-    /// or here for anything not relayed. `shown` is what to disclose.
-    pub(super) async fn answer(
-        &self,
+    /// or here for anything not relayed. `shown` is what to disclose. Not an `async fn`, nor is
+    /// [`Self::success`]: an `async fn` keeps its arguments in its future beside the locals it
+    /// binds them to, and a response is some 250 bytes.
+    pub(super) fn answer<'a>(
+        &'a self,
         response: Response<ShimBody>,
         (stream, sent): (bool, Instant),
         dispatch: Option<DispatchEnd>,
-        (replica, shown): (&ShimReplica, Option<(&str, &Selection)>),
-    ) -> Answered {
+        (replica, shown): (&'a ShimReplica, Option<(&'a str, &'a Selection)>),
+    ) -> impl Future<Output = Answered> + 'a {
         let status = response.status();
-        let (mut blames_pins, mut refused) = (false, None);
-        let mut answer = if status.is_success() {
-            match self.success(response, (stream, sent), dispatch, replica).await {
-                Ok(response) => Answer::Relay(response),
-                Err(failure) => Answer::Failed(failure),
-            }
-        } else {
-            drop(dispatch);
-            let (parts, body) = response.into_parts();
-            let body = read_error_body(body).await;
-            blames_pins = classify::blames_pins(status, &body);
-            match classify(status, &body, stream) {
-                Verdict::PrefillRefused => Answer::PrefillRefused,
-                Verdict::Relay => {
-                    let (response, fate) = relayed_refusal(status, parts.headers, body);
-                    refused = Some(fate);
-                    Answer::Relay(response)
+        async move {
+            let (mut blames_pins, mut refused) = (false, None);
+            let mut answer = if status.is_success() {
+                match self.success(response, (stream, sent), dispatch, replica).await {
+                    Ok(response) => Answer::Relay(response),
+                    Err(failure) => Answer::Failed(failure),
                 }
-                Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
+            } else {
+                drop(dispatch);
+                let (parts, body) = response.into_parts();
+                let body = read_error_body(body).await;
+                blames_pins = classify::blames_pins(status, &body);
+                match classify(status, &body, stream) {
+                    Verdict::PrefillRefused => Answer::PrefillRefused,
+                    Verdict::Relay => {
+                        let (response, fate) = relayed_refusal(status, parts.headers, body);
+                        refused = Some(fate);
+                        Answer::Relay(response)
+                    }
+                    Verdict::DecodeFailed => Answer::Failed(Failure::Status(status)),
+                }
+            };
+            if let (Answer::Relay(response), Some((backend, selection))) = (&mut answer, shown) {
+                disclose(response.headers_mut(), backend, selection);
             }
-        };
-        if let (Answer::Relay(response), Some((backend, selection))) = (&mut answer, shown) {
-            disclose(response.headers_mut(), backend, selection);
+            Answered { answer, blames_pins, refused }
         }
-        Answered { answer, blames_pins, refused }
     }
 
     /// A backend's answer to a plain unpinned request: a success or a refusal of the client's
@@ -119,43 +123,45 @@ impl Dispatcher {
     /// A success relayed: a stream as its events come, a buffered answer read whole within
     /// what is left of the exchange's [`super::DispatchSettings::buffered_timeout`] since it
     /// was `sent` (the wait for the head took the rest).
-    async fn success(
-        &self,
+    fn success<'a>(
+        &'a self,
         response: Response<ShimBody>,
         (stream, sent): (bool, Instant),
         dispatch: Option<DispatchEnd>,
-        replica: &ShimReplica,
-    ) -> Result<Response, Failure> {
+        replica: &'a ShimReplica,
+    ) -> impl Future<Output = Result<Response, Failure>> + 'a {
         let (parts, body) = response.into_parts();
-        let body = if stream {
-            let failures = match dispatch {
-                Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
-                None => self.metrics.unpinned_stream_failures.clone(),
+        async move {
+            let body = if stream {
+                let failures = match dispatch {
+                    Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
+                    None => self.metrics.unpinned_stream_failures.clone(),
+                };
+                let shim = ShimExchange::new(&self.health, &replica.name, &replica.url, sent.into_std());
+                let counted = (failures, (self.metrics.stream_first_event.clone(), sent));
+                Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), counted))
+            } else {
+                let timeout = self.settings.buffered_timeout;
+                let read = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, (sent + timeout, timeout)).await;
+                // The exchange's outcome on the shim's breaker: a body broken after its head (which
+                // a buffered answer sends only once generation is done) is the shim's failure, or
+                // the network's, not its workers'; one too slow says nothing of the shim.
+                let served = match &read {
+                    Ok(_) | Err(Failure::TooLarge(_) | Failure::Overloaded) => Some(true),
+                    Err(Failure::Body(_)) => Some(false),
+                    Err(_) => None,
+                };
+                if let Some(served) = served {
+                    self.health.exchange_ended(&replica.name, &replica.url, (sent.into_std(), served));
+                }
+                let (bytes, charge) = read?;
+                if let Some(mut dispatch) = dispatch {
+                    dispatch.observe(&bytes);
+                }
+                Body::new(Charged { bytes: Some(bytes), _charge: charge })
             };
-            let shim = ShimExchange::new(&self.health, &replica.name, &replica.url, sent.into_std());
-            let counted = (failures, (self.metrics.stream_first_event.clone(), sent));
-            Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), counted))
-        } else {
-            let timeout = self.settings.buffered_timeout;
-            let read = read_whole(body, MAX_BUFFERED_RESPONSE_BYTES, (sent + timeout, timeout)).await;
-            // The exchange's outcome on the shim's breaker: a body broken after its head (which
-            // a buffered answer sends only once generation is done) is the shim's failure, or
-            // the network's, not its workers'; one too slow says nothing of the shim.
-            let served = match &read {
-                Ok(_) | Err(Failure::TooLarge(_) | Failure::Overloaded) => Some(true),
-                Err(Failure::Body(_)) => Some(false),
-                Err(_) => None,
-            };
-            if let Some(served) = served {
-                self.health.exchange_ended(&replica.name, &replica.url, (sent.into_std(), served));
-            }
-            let (bytes, charge) = read?;
-            if let Some(mut dispatch) = dispatch {
-                dispatch.observe(&bytes);
-            }
-            Body::new(Charged { bytes: Some(bytes), _charge: charge })
-        };
-        Ok(rebuild(parts.status, parts.headers, body))
+            Ok(rebuild(parts.status, parts.headers, body))
+        }
     }
 }
 
