@@ -37,6 +37,7 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use bytes::Bytes;
 use continuum_proto::model::DataPlaneConfig;
+use futures::future::Either;
 use prometheus::core::Collector;
 
 pub use breaker::{BreakerSettings, ShimHealth};
@@ -252,20 +253,22 @@ impl Dispatcher {
         self.health.usable(&replica.name, &replica.url, now)
     }
 
-    pub async fn run(&self, plan: Plan) -> Result<Response, DispatchError> {
-        let headers = self.request_headers(plan.stream, plan.tenant, plan.trace);
-        // Boxed: a dispatch's future is most of a request's, and every future that awaits one
-        // holds it inline, so each of them would copy its kilobytes as it starts.
-        match plan.route {
+    /// The dispatch's future, boxed: it is most of a request's, and every future that awaits
+    /// one holds it inline, so each of them would copy its kilobytes as it starts. Not an
+    /// `async fn`: the caller awaits the box itself, not a future around it holding the plan.
+    pub fn run(&self, plan: Plan) -> impl Future<Output = Result<Response, DispatchError>> + '_ {
+        let Plan { body, stream, disclose, tenant, trace, route } = plan;
+        let headers = self.request_headers(stream, tenant, trace);
+        match route {
             Route::Pinned(pinned) => {
-                Box::pin(self.pinned(plan.body.into_bytes(), plan.stream, plan.disclose, &headers, pinned)).await
+                Either::Left(Box::pin(self.pinned(body.into_bytes(), stream, disclose, headers, pinned)))
             }
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);
-                let relay = Unpinned { relay_errors: true, disclose: plan.disclose };
-                Box::pin(self.unpinned(plan.body.bytes(), plan.stream, &headers, replicas, relay))
-                    .await
-                    .map_err(unified_failed)
+                let relay = Unpinned { relay_errors: true, disclose };
+                Either::Right(Box::pin(async move {
+                    self.unpinned(body.bytes(), stream, &headers, replicas, relay).await.map_err(unified_failed)
+                }))
             }
         }
     }
@@ -297,7 +300,7 @@ impl Dispatcher {
         body: Bytes,
         stream: bool,
         disclose: bool,
-        headers: &'a HeaderMap,
+        headers: Cow<'a, HeaderMap>,
         pinned: Pinned,
     ) -> impl Future<Output = Result<Response, DispatchError>> + 'a {
         let Pinned { selection, replicas, fallback, dispatch } = pinned;
@@ -316,7 +319,7 @@ impl Dispatcher {
             // fallback's resend, which may take as long as a generation. Inline rather than a
             // function of its own: each `async fn` level builds and moves its callee's future,
             // kilobytes a request.
-            let (outcome, blames_pins) = match self.send(&replicas, (headers, pins(&selection)), &body, stream).await {
+            let (outcome, blames_pins) = match self.send(&replicas, (&headers, pins(&selection)), &body, stream).await {
                 Err(failure) => {
                     drop(dispatch);
                     (PinnedOutcome::Failed(failure), false)
@@ -382,7 +385,7 @@ impl Dispatcher {
                     };
                     counted.path = Some(RoutingPath::Unified);
                     let plain = Unpinned { relay_errors: true, disclose };
-                    return self.to_unified(*unified, body, (stream, headers), plain).await.map_err(unified_failed);
+                    return self.to_unified(*unified, body, (stream, &headers), plain).await.map_err(unified_failed);
                 }
                 PinnedOutcome::Failed(failure) => failure,
             };
@@ -417,7 +420,7 @@ impl Dispatcher {
             };
             counted.path = Some(RoutingPath::UnifiedFallback);
             let resend = Unpinned { relay_errors: false, disclose };
-            let resent = self.to_unified(*fallback, body, (stream, headers), resend).await;
+            let resent = self.to_unified(*fallback, body, (stream, &headers), resend).await;
             // Nothing was sent (no unified replica would take it): no retry was made.
             if matches!(resent, Err(Failure::NoReplica)) {
                 self.budget.refund();

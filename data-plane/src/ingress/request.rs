@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures::future::Either;
 use serde::Deserialize;
 use serde::de::{MapAccess, Visitor};
 use serde_json::Value;
@@ -270,12 +271,16 @@ impl ChatRequest {
     /// [`ChatRequest::parse`] where `ON_THE_RUNTIME_BYTES` says: reading a body of
     /// megabytes (every member checked, every prompt string counted) would hold up every
     /// connection beside it on a runtime thread.
-    pub async fn read(raw: Bytes) -> Result<Self, RequestError> {
+    /// Not an `async fn`: a small body is parsed here and then, and only a large one's wait
+    /// (boxed) is part of the future every request awaits.
+    pub fn read(raw: Bytes) -> impl Future<Output = Result<Self, RequestError>> {
         if raw.len() <= ON_THE_RUNTIME_BYTES {
-            return Self::parse(raw);
+            return Either::Left(std::future::ready(Self::parse(raw)));
         }
-        let deadline = tokio::time::Instant::now() + LARGE_WORK_WAIT;
-        sized_work(raw.len(), Some(deadline), move || Self::parse(raw)).await.ok_or(RequestError::Busy)?
+        Either::Right(Box::pin(async move {
+            let deadline = tokio::time::Instant::now() + LARGE_WORK_WAIT;
+            sized_work(raw.len(), Some(deadline), move || Self::parse(raw)).await.ok_or(RequestError::Busy)?
+        }))
     }
 
     pub fn parse(raw: Bytes) -> Result<Self, RequestError> {
@@ -368,10 +373,20 @@ impl ChatRequest {
     /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
     /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
     /// forwarded byte for byte, without re-serializing it.
-    pub async fn outbound(&self, token_data: Option<Vec<u32>>, disclose: bool) -> Result<OutboundBody, RequestError> {
+    /// Not an `async fn`, for [`ChatRequest::read`]'s reason: only a rewrite's work is boxed.
+    pub fn outbound(
+        &self,
+        token_data: Option<Vec<u32>>,
+        disclose: bool,
+    ) -> impl Future<Output = Result<OutboundBody, RequestError>> + '_ {
         if !self.has_nvext && token_data.is_none() {
-            return Ok(OutboundBody(self.raw.clone()));
+            return Either::Left(std::future::ready(Ok(OutboundBody(self.raw.clone()))));
         }
+        Either::Right(Box::pin(self.rewritten(token_data, disclose)))
+    }
+
+    /// [`ChatRequest::outbound`] when the body must change.
+    async fn rewritten(&self, token_data: Option<Vec<u32>>, disclose: bool) -> Result<OutboundBody, RequestError> {
         let deadline = tokio::time::Instant::now() + OUTBOUND_TREE_WAIT;
         let mut tree = match self.tree_within(OUTBOUND_TREE_WAIT).await {
             Ok(tree) => tree,
