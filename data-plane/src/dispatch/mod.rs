@@ -585,19 +585,25 @@ mod tests {
         }
     }
 
+    /// A dispatcher whose one shim replica's breaker has opened (the replica is never dialled:
+    /// the breaker turns requests away first), and when it opened.
+    fn with_open_breaker() -> anyhow::Result<(Dispatcher, ShimReplica, Instant)> {
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        let shim = replica("shim", "http://127.0.0.1:9");
+        let now = Instant::now();
+        for _ in 0..BreakerSettings::default().failure_threshold {
+            dispatcher.health.failed(&shim.name, &shim.url, (now, now));
+        }
+        Ok((dispatcher, shim, now))
+    }
+
     /// Two requests picked in the same namespace while its one replica's breaker lets a
     /// single trial through: the one that loses the trial reached no shim and no worker, so it
     /// falls through to the model's unified backends, as selection would have sent it a
     /// moment later, or is refused as a shim unavailable: not a decode failure.
     #[tokio::test]
     async fn a_pinned_request_no_replica_would_take_falls_through_and_fails_no_decode() -> anyhow::Result<()> {
-        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
-        // Never dialled: its breaker turns the request away first.
-        let shim = replica("shim", "http://127.0.0.1:9");
-        let now = Instant::now();
-        for _ in 0..BreakerSettings::default().failure_threshold {
-            dispatcher.health.failed(&shim.name, &shim.url, (now, now));
-        }
+        let (dispatcher, shim, now) = with_open_breaker()?;
         dispatcher.record_probe(&shim.name, &shim.url, true);
         assert!(dispatcher.usable(&shim, now), "its trial is open to whichever request comes first");
         assert!(dispatcher.health.admit(&shim.name, &shim.url, now), "another request took the trial");
@@ -623,13 +629,7 @@ mod tests {
     /// it, for as long as that answer takes.
     #[tokio::test]
     async fn a_pinned_dispatch_that_failed_ends_before_its_fall_through() -> anyhow::Result<()> {
-        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
-        // Never dialled: its breaker is open.
-        let shim = replica("shim", "http://127.0.0.1:9");
-        let now = Instant::now();
-        for _ in 0..BreakerSettings::default().failure_threshold {
-            dispatcher.health.failed(&shim.name, &shim.url, (now, now));
-        }
+        let (dispatcher, shim, _) = with_open_breaker()?;
         // A unified backend that says when the request reached it, and answers when told.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let unified = replica("unified", &format!("http://{}", listener.local_addr()?));
