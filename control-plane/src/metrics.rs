@@ -90,6 +90,7 @@ pub struct Metrics {
     /// FindMatches answers that suggested a rank weighed against recent lookups (some had gone
     /// to a contender); tie-breaks are not counted.
     pub kv_find_matches_suggested: IntCounter,
+    pub kv_lookup_bytes_held: IntGauge,
     /// Provisional prefix chains by `result` (see `kv::ProvisionalResult`).
     pub kv_provisional: IntCounterVec,
     /// Provisional chains held: `chains`, `hashes`.
@@ -263,6 +264,10 @@ impl Metrics {
                 "continuum_dynamo_kv_find_matches_suggested_total",
                 "FindMatches answers that suggested a rank, weighing the lookups of the last few milliseconds",
             )?,
+            kv_lookup_bytes_held: IntGauge::new(
+                "continuum_dynamo_kv_lookup_bytes_held",
+                "Bytes the FindMatches calls in flight hold of their budget (256 MiB): the length each message declares",
+            )?,
             kv_provisional: IntCounterVec::new(
                 Opts::new(
                     "continuum_dynamo_kv_provisional_total",
@@ -349,6 +354,7 @@ impl Metrics {
             Box::new(metrics.zmtp_borrowed.clone()),
             Box::new(metrics.kv_find_matches.clone()),
             Box::new(metrics.kv_find_matches_suggested.clone()),
+            Box::new(metrics.kv_lookup_bytes_held.clone()),
             Box::new(metrics.kv_provisional.clone()),
             Box::new(metrics.kv_provisional_held.clone()),
         ] {

@@ -25,7 +25,7 @@ use bytes::Bytes;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use http_body::{Frame, SizeHint};
-use prometheus::IntCounter;
+use prometheus::{IntCounter, IntGauge};
 use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::http::Request;
@@ -46,20 +46,32 @@ pub struct LookupBudget {
     held: AtomicUsize,
     /// `continuum_dynamo_kv_find_matches_total{result="over_budget"}`.
     refused: IntCounter,
+    /// `continuum_dynamo_kv_lookup_bytes_held`: what `held` holds.
+    gauge: IntGauge,
 }
 
 impl LookupBudget {
-    pub fn new(limit: usize, refused: IntCounter) -> Self {
-        Self { limit, held: AtomicUsize::new(0), refused }
+    pub fn new(limit: usize, refused: IntCounter, gauge: IntGauge) -> Self {
+        Self { limit, held: AtomicUsize::new(0), refused, gauge }
     }
 
     /// Takes `bytes` if they fit under the limit with what is held.
     fn take(&self, bytes: usize) -> bool {
-        self.held
+        let taken = self
+            .held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 held.checked_add(bytes).filter(|after| *after <= self.limit)
             })
-            .is_ok()
+            .is_ok();
+        if taken {
+            self.gauge.add(i64::try_from(bytes).unwrap_or(i64::MAX));
+        }
+        taken
+    }
+
+    fn give_back(&self, bytes: usize) {
+        self.held.fetch_sub(bytes, Ordering::AcqRel);
+        self.gauge.sub(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// Bytes held by the calls in flight.
@@ -87,7 +99,7 @@ impl Charge {
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        self.budget.held.fetch_sub(*self.held.get_mut(), Ordering::AcqRel);
+        self.budget.give_back(*self.held.get_mut());
     }
 }
 
@@ -231,7 +243,8 @@ mod tests {
     use super::*;
 
     fn budget(limit: usize) -> Arc<LookupBudget> {
-        Arc::new(LookupBudget::new(limit, IntCounter::new("refused", "refused").expect("counter")))
+        let refused = IntCounter::new("refused", "refused").expect("counter");
+        Arc::new(LookupBudget::new(limit, refused, IntGauge::new("held", "held").expect("gauge")))
     }
 
     /// A body holding one gRPC message of `length` bytes, arriving as `cuts` frames.
@@ -273,6 +286,7 @@ mod tests {
         let mut first = charged(&budget, message(1195, &[5]));
         assert!(first.frame().await.expect("a frame").is_ok(), "within the budget");
         assert_eq!(budget.held(), 1200);
+        assert_eq!(budget.gauge.get(), 1200, "the gauge shows what is held");
 
         let mut second = charged(&budget, message(995, &[]));
         let refused = second.frame().await.expect("an answer").expect_err("past the budget");
@@ -283,6 +297,7 @@ mod tests {
 
         drop(first);
         assert_eq!(budget.held(), 0, "a body dropped gives its bytes back");
+        assert_eq!(budget.gauge.get(), 0);
         let mut third = charged(&budget, message(995, &[]));
         assert!(third.frame().await.expect("a frame").is_ok(), "room again once the first let go");
         drop((second, third));

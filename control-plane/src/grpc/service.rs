@@ -500,7 +500,7 @@ impl Fleet for FleetService {
 /// A budget of `bytes` for lookups in flight, its refusals counted as `over_budget`.
 fn lookups_budget(metrics: &Metrics, bytes: usize) -> Arc<LookupBudget> {
     let over_budget = metrics.kv_find_matches.with_label_values(&["over_budget"]);
-    Arc::new(LookupBudget::new(bytes, over_budget))
+    Arc::new(LookupBudget::new(bytes, over_budget, metrics.kv_lookup_bytes_held.clone()))
 }
 
 /// A Watch stream's updates, holding the stream's place ([`MAX_WATCH_STREAMS`]) until tonic
