@@ -12,7 +12,6 @@
 //! it does for any lookup not answered. Every other call passes untouched: a Watch stream's
 //! messages are bounded by its session's own queue.
 //!
-//! [`MAX_INBOUND_FLEET_MESSAGE_BYTES`]: continuum_proto::MAX_INBOUND_FLEET_MESSAGE_BYTES
 //! [`MAX_STREAMS_PER_CONNECTION`]: super::MAX_STREAMS_PER_CONNECTION
 
 use std::convert::Infallible;
@@ -22,6 +21,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use continuum_proto::MAX_INBOUND_FLEET_MESSAGE_BYTES;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use http_body::{Frame, SizeHint};
@@ -32,8 +32,9 @@ use tonic::codegen::http::Request;
 use tonic::server::NamedService;
 use tower_service::Service;
 
-/// The bytes of lookup messages held at once, raw, across every call. A lookup of a
-/// 128k-token prompt at 16 tokens a block is some 80 KiB: thousands of ordinary lookups fit.
+/// The bytes of lookup messages held at once, as their prefixes declare them, across every
+/// call. A lookup of a 128k-token prompt at 16 tokens a block is some 80 KiB: thousands of
+/// ordinary lookups fit.
 pub const MAX_LOOKUP_BYTES_IN_FLIGHT: usize = 256 << 20;
 
 /// The path of the one call charged.
@@ -128,7 +129,8 @@ const PREFIX: usize = 5;
 
 impl Framing {
     /// Follows `data` through the framing; returns the bytes the messages whose prefix it
-    /// completed declare, prefixes included.
+    /// completed declare, prefixes included. A length past what the server reads at all is
+    /// charged as that most: the server refuses it (`OUT_OF_RANGE`) without setting room aside.
     fn declared(&mut self, mut data: &[u8]) -> usize {
         let mut declared = 0usize;
         while !data.is_empty() {
@@ -145,7 +147,7 @@ impl Framing {
             if self.prefix_read == PREFIX {
                 let [_, length @ ..] = self.prefix;
                 let length = u32::from_be_bytes(length) as usize;
-                declared = declared.saturating_add(PREFIX + length);
+                declared = declared.saturating_add(PREFIX + length.min(MAX_INBOUND_FLEET_MESSAGE_BYTES));
                 (self.prefix_read, self.body_left) = (0, length);
             }
         }
@@ -277,6 +279,12 @@ mod tests {
         let mut two = message(10, &[]).concat();
         two.extend_from_slice(&message(20, &[])[0]);
         assert_eq!(Framing::default().declared(&two), 15 + 25, "two messages in one frame");
+        let huge = [0, 0xff, 0xff, 0xff, 0xff];
+        assert_eq!(
+            Framing::default().declared(&huge),
+            PREFIX + MAX_INBOUND_FLEET_MESSAGE_BYTES,
+            "no more than the server would read"
+        );
     }
 
     #[tokio::test]
