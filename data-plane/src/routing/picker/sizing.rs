@@ -18,9 +18,9 @@
 //! kept: a new one past them takes the place (and the gauge series) of the model answered
 //! longest ago, so a fleet whose model names roll over keeps learning its current ones.
 
-use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, PoisonError};
 
+use continuum_proto::fast_hash::FastMap;
 use memchr::memmem::FinderRev;
 use prometheus::{Gauge, GaugeVec};
 
@@ -40,7 +40,8 @@ pub struct PromptSizes {
 
 #[derive(Debug, Default)]
 struct Factors {
-    by_model: HashMap<Box<str>, Learnt>,
+    /// Keyed by the fleet's model names (a model is learnt only once a worker answered it).
+    by_model: FastMap<Box<str>, Learnt>,
     /// Answers learnt from so far: each model's last one orders the models for eviction.
     answers: u64,
 }
