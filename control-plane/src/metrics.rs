@@ -90,6 +90,7 @@ pub struct Metrics {
     /// FindMatches answers that suggested a rank weighed against recent lookups (some had gone
     /// to a contender); tie-breaks are not counted.
     pub kv_find_matches_suggested: IntCounter,
+    /// The bytes the lookups in flight hold of their budget (`grpc::MAX_LOOKUP_BYTES_IN_FLIGHT`).
     pub kv_lookup_bytes_held: IntGauge,
     /// Provisional prefix chains by `result` (see `kv::ProvisionalResult`).
     pub kv_provisional: IntCounterVec,
@@ -266,7 +267,7 @@ impl Metrics {
             )?,
             kv_lookup_bytes_held: IntGauge::new(
                 "continuum_dynamo_kv_lookup_bytes_held",
-                "Bytes the FindMatches calls in flight hold of their budget (256 MiB): the length each message declares",
+                "Bytes the FindMatches calls in flight hold of their budget: the length each message declares",
             )?,
             kv_provisional: IntCounterVec::new(
                 Opts::new(

@@ -4,9 +4,10 @@
 //! handler runs, and a connection may hold [`MAX_STREAMS_PER_CONNECTION`] calls: a replica's
 //! token and a few connections would otherwise make the process hold gigabytes of lookups
 //! that are still arriving. Each call's messages are charged to one process-wide budget,
-//! [`MAX_LOOKUP_BYTES_IN_FLIGHT`], at the length each one's gRPC prefix declares, as soon as
-//! the prefix arrives: tonic sets aside room for that length then, before the bytes come. The
-//! call gives them back once it is answered (or dropped). A message that would overdraw the
+//! [`MAX_LOOKUP_BYTES_IN_FLIGHT`], at the length each one's gRPC prefix declares (at most what
+//! the server reads of one message; past that tonic refuses it, `OUT_OF_RANGE`), as soon as the
+//! prefix arrives: tonic sets aside room for that length then, before the bytes come. The call
+//! gives them back once it is answered (or dropped). A message that would overdraw the
 //! budget fails its call with `RESOURCE_EXHAUSTED` at once, counted as `over_budget` in
 //! `continuum_dynamo_kv_find_matches_total`; the replica picks that request on load alone, as
 //! it does for any lookup not answered. Every other call passes untouched: a Watch stream's

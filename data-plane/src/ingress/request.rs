@@ -271,6 +271,7 @@ impl ChatRequest {
     /// [`ChatRequest::parse`] where `ON_THE_RUNTIME_BYTES` says: reading a body of
     /// megabytes (every member checked, every prompt string counted) would hold up every
     /// connection beside it on a runtime thread.
+    ///
     /// Not an `async fn`: a small body is parsed here and then, and only a large one's wait
     /// (boxed) is part of the future every request awaits.
     pub fn read(raw: Bytes) -> impl Future<Output = Result<Self, RequestError>> {
@@ -373,6 +374,7 @@ impl ChatRequest {
     /// The body to send to a shim: the client's `nvext` routing fields stripped and, when
     /// given, the rendered prompt attached as `nvext.token_data`. A body with neither to do is
     /// forwarded byte for byte, without re-serializing it.
+    ///
     /// Not an `async fn`, for [`ChatRequest::read`]'s reason: only a rewrite's work is boxed.
     pub fn outbound(
         &self,

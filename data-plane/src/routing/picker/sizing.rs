@@ -40,7 +40,8 @@ pub struct PromptSizes {
 
 #[derive(Debug, Default)]
 struct Factors {
-    /// Keyed by the fleet's model names (a model is learnt only once a worker answered it).
+    /// Keyed by the fleet's model names: a model is learnt only once the fleet serves it (a
+    /// pick, or a render for a model the picker serves).
     by_model: FastMap<Box<str>, Learnt>,
     /// Answers learnt from so far: each model's last one orders the models for eviction.
     answers: u64,
