@@ -116,7 +116,7 @@ fn fold(view: Option<FleetView>, update: pb::FleetUpdate) -> anyhow::Result<Flee
 async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stays_bounded() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
     let (replies, mut updates) = open_watch(&control.url(), "stalled").await?;
-    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let first = next_update(&mut updates).await?;
     assert!(is_snapshot(&first), "the first update on a stream is a full snapshot");
     // Applied and acknowledged, as a replica does, before it stops reading.
     replies.send(ack(&first)).await?;
@@ -168,7 +168,7 @@ async fn a_replica_that_stops_reading_resumes_with_a_snapshot_and_its_queue_stay
 async fn a_slow_reader_behind_the_delta_log_has_one_snapshot_in_flight_at_most() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
     let (replies, mut updates) = open_watch(&control.url(), "slow").await?;
-    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let first = next_update(&mut updates).await?;
     replies.send(ack(&first)).await?;
     let mut view = fold(None, first)?;
     let status = control.replicas.list().into_iter().next().ok_or_else(|| anyhow::anyhow!("no session"))?;
@@ -217,7 +217,7 @@ async fn a_slow_reader_behind_the_delta_log_has_one_snapshot_in_flight_at_most()
 async fn a_replica_yet_to_acknowledge_its_first_snapshot_is_sent_no_second() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
     let (replies, mut updates) = open_watch(&control.url(), "starting").await?;
-    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let first = next_update(&mut updates).await?;
     assert!(is_snapshot(&first));
     let status = control.replicas.list().into_iter().next().ok_or_else(|| anyhow::anyhow!("no session"))?;
     let sent = || status.snapshots_sent.load(std::sync::atomic::Ordering::Relaxed);
@@ -260,7 +260,7 @@ async fn a_replica_yet_to_acknowledge_its_first_snapshot_is_sent_no_second() -> 
 async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
     let (replies, mut updates) = open_watch(&control.url(), "refuser").await?;
-    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let first = next_update(&mut updates).await?;
     replies.send(ack(&first)).await?;
     control.publisher.apply(FleetChange { upsert: vec![worker("dynamo", 1, "m")], ..Default::default() });
     let delta = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no delta"))?;
@@ -301,7 +301,7 @@ async fn a_nack_is_answered_with_a_full_snapshot() -> anyhow::Result<()> {
 async fn an_ack_of_a_version_never_sent_ends_the_stream_and_is_counted() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
     let (replies, mut updates) = open_watch(&control.url(), "early-acker").await?;
-    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let first = next_update(&mut updates).await?;
     replies.send(ack(&first)).await?;
     let future = pb::Ack { version: first.version + 1_000, nonce: String::new() };
     replies.send(pb::WatchRequest { kind: Some(Kind::Ack(future)) }).await?;
@@ -324,7 +324,7 @@ async fn refusals_of_the_deltas_behind_a_refused_one_await_its_resync() -> anyho
     // it sends the resync, as its turn falls; a round that ended the stream would fail.
     for round in 0..8 {
         let (replies, mut updates) = open_watch(&control.url(), &format!("refuser-{round}")).await?;
-        let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+        let first = next_update(&mut updates).await?;
         replies.send(ack(&first)).await?;
         let mut deltas = Vec::new();
         for _ in 0..2 {
@@ -360,14 +360,14 @@ async fn refusals_of_the_deltas_behind_a_refused_one_await_its_resync() -> anyho
 async fn a_refused_snapshot_or_a_refusal_of_nothing_sent_ends_the_stream() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
     let (replies, mut updates) = open_watch(&control.url(), "refuser").await?;
-    let snapshot = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let snapshot = next_update(&mut updates).await?;
     let nack = pb::Nack { version: snapshot.version, nonce: snapshot.nonce.clone(), reason: "refused".into() };
     replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
     let ended = ended_status(&mut updates).await?;
     assert_eq!(ended.code(), tonic::Code::FailedPrecondition, "{ended:?}");
 
     let (replies, mut updates) = open_watch(&control.url(), "refuser").await?;
-    let snapshot = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let snapshot = next_update(&mut updates).await?;
     let nack = pb::Nack { version: u64::MAX, nonce: snapshot.nonce.clone(), reason: "never sent".into() };
     replies.send(pb::WatchRequest { kind: Some(Kind::Nack(nack)) }).await?;
     let ended = ended_status(&mut updates).await?;
@@ -1080,7 +1080,7 @@ async fn a_connection_ends_when_the_client_certificate_it_was_verified_with_expi
     let hello = pb::Hello { replica_id: "short-lived".into(), version: None };
     replies.send(pb::WatchRequest { kind: Some(Kind::Hello(hello)) }).await?;
     let mut updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
-    let first = updates.message().await?.ok_or_else(|| anyhow::anyhow!("no first update"))?;
+    let first = next_update(&mut updates).await?;
     replies.send(ack(&first)).await?;
 
     // The certificate expires (its validity counts whole seconds): the stream ends with its

@@ -2,7 +2,6 @@
 //! next replica only when the connection failed (the request never reached a shim) and the
 //! retry budget allows. The same headers, pins included, go to every replica tried.
 
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 use axum::http::header::{ACCEPT, CONTENT_TYPE};

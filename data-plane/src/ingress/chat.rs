@@ -2,7 +2,6 @@
 //! of the client's headers only [`ChatHeaders`] is carried past its head) → pick → upstream
 //! request (the client's routing body fields stripped, the pins written) → relay.
 
-use std::future::Future;
 use std::time::Instant;
 
 use axum::http::{HeaderName, HeaderValue};
