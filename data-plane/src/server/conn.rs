@@ -23,7 +23,7 @@ use prometheus::IntGauge;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::WaitForCancellationFuture;
 use tower_service::Service;
 
 use super::head::{
@@ -188,9 +188,12 @@ impl Drop for Waiting<'_> {
 /// request only [`CROWDED_IDLE_TIMEOUT`].
 pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &Slots) {
     let mut conn = Connection::new(stream, &app.state.metrics);
+    // One wait for the server's closing for the connection's life: made afresh for each
+    // request, it would join and leave the token's list of waiters, under its lock, each time.
+    let mut closing = std::pin::pin!(stages.closing.cancelled());
     loop {
         let waiting = &app.state.metrics.http_connections_waiting;
-        let (head, body, charge) = match conn.read_request(&stages.closing, slots.crowded(), waiting).await {
+        let (head, body, charge) = match conn.read_request(closing.as_mut(), slots.crowded(), waiting).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
             Err(Stop::Crowded) => {
@@ -305,7 +308,7 @@ impl<'m> Connection<'m> {
     /// Until the first byte comes, the connection counts on `waiting`.
     async fn read_request(
         &mut self,
-        closing: &CancellationToken,
+        mut closing: Pin<&mut WaitForCancellationFuture<'_>>,
         crowded: bool,
         waiting: &IntGauge,
     ) -> Result<(RequestHead, Bytes, Charge), Stop> {
@@ -327,7 +330,7 @@ impl<'m> Connection<'m> {
                 biased;
                 // The deadlines first: a client that keeps sending blank lines is still idle.
                 () = idle.as_mut() => return Err(idled_out),
-                () = closing.cancelled() => return Err(Stop::Quietly),
+                () = closing.as_mut() => return Err(Stop::Quietly),
                 read = stream.read_buf(read) => match read {
                     Ok(0) | Err(_) => return Err(Stop::Quietly),
                     Ok(_) => {}

@@ -271,6 +271,62 @@ mod tests {
         Ok(())
     }
 
+    /// One whole answer to a request `stream` sent: its head, then as many bytes as its
+    /// `content-length` says.
+    async fn read_answer(stream: &mut TcpStream) -> anyhow::Result<String> {
+        let mut answer = Vec::new();
+        let mut byte = [0u8; 1];
+        while !answer.ends_with(b"\r\n\r\n") {
+            stream.read_exact(&mut byte).await?;
+            answer.push(byte[0]);
+        }
+        let head = String::from_utf8(answer)?;
+        let length = head
+            .lines()
+            .find_map(|line| line.strip_prefix("content-length: "))
+            .ok_or_else(|| anyhow::anyhow!("no content-length in {head:?}"))?
+            .trim()
+            .parse()?;
+        let mut body = vec![0u8; length];
+        stream.read_exact(&mut body).await?;
+        Ok(head + &String::from_utf8_lossy(&body))
+    }
+
+    /// A keep-alive connection waiting for its next request closes as soon as the server
+    /// begins to close, however many requests it served (each wait reuses the connection's
+    /// one wait for the closing), without the grace period's cut.
+    #[tokio::test]
+    async fn closing_ends_a_connection_that_waits_between_requests() -> anyhow::Result<()> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(AppState::for_tests());
+        let app = App { router: http::router(Arc::clone(&state)), state: Arc::clone(&state) };
+        let stages = Stages::default();
+        let server = tokio::spawn(serve_at_most(listener, app, stages.clone(), 4));
+        let mut client = TcpStream::connect(addr).await?;
+        for _ in 0..3 {
+            client.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await?;
+            let answer = tokio::time::timeout(Duration::from_secs(5), read_answer(&mut client)).await??;
+            // Without a fleet yet the answer is a 503, on a connection kept open all the same.
+            anyhow::ensure!(answer.starts_with("HTTP/1.1 ") && !answer.contains("connection: close"), "{answer}");
+        }
+        let waiting = &state.metrics.http_connections_waiting;
+        let back = async {
+            while waiting.get() < 1 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), back).await?;
+        stages.closing.cancel();
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut rest)).await;
+        assert!(matches!(closed, Ok(Ok(0))), "closed with nothing more said: {closed:?}");
+        tokio::time::timeout(Duration::from_secs(5), server).await??;
+        assert!(!stages.cut.is_cancelled(), "no cut was needed");
+        assert_eq!(waiting.get(), 0);
+        Ok(())
+    }
+
     /// With nearly every slot held, a connection waiting idle waits only briefly: a new client
     /// gets the slot of the one that went idle last, while those idle before the crowding keep
     /// theirs.

@@ -26,6 +26,9 @@ pub(super) struct Changes {
     /// updates of the view while every pick asks, and what happened through an operation
     /// never changes (later operations only add entries after it).
     asked: Option<(u64, SinceFleet)>,
+    /// When the first entry is forgotten: kept here because every pick asks, and the entry
+    /// itself lies a thousand changes back, on a line of memory long out of the cache.
+    first_expires: Option<Instant>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -43,7 +46,12 @@ impl Changes {
         match self.entries.back_mut() {
             // One operation's effects on a rank (a prompt queued and its blocks held) are one entry.
             Some(last) if last.op == op => last.totals = totals,
-            _ => self.entries.push_back(Change { op, at, totals }),
+            _ => {
+                if self.entries.is_empty() {
+                    self.first_expires = Some(at + CHANGE_MEMORY);
+                }
+                self.entries.push_back(Change { op, at, totals });
+            }
         }
         // The bound, without reading the oldest entry's time: age is the sweep's to enforce.
         if self.entries.len() > CHANGES_PER_RANK {
@@ -95,11 +103,9 @@ impl Changes {
         low
     }
 
-    /// Drops changes older than [`CHANGE_MEMORY`], and the oldest past [`CHANGES_PER_RANK`].
+    /// Drops changes older than [`CHANGE_MEMORY`] ([`Self::record`] keeps the count bound).
     pub(super) fn forget(&mut self, now: Instant) {
-        while self.entries.len() > CHANGES_PER_RANK
-            || self.entries.front().is_some_and(|c| now.saturating_duration_since(c.at) >= CHANGE_MEMORY)
-        {
+        while self.first_expires.is_some_and(|expires| now >= expires) {
             self.drop_oldest();
         }
     }
@@ -109,6 +115,7 @@ impl Changes {
             self.forgotten = change.totals;
             self.forgotten_through = change.op;
         }
+        self.first_expires = self.entries.front().map(|first| first.at + CHANGE_MEMORY);
     }
 
     pub(super) fn is_empty(&self) -> bool {
@@ -214,5 +221,17 @@ mod tests {
         assert_eq!(changes.after(1), None);
         assert_eq!(known(&mut changes, 2), started(CHANGES_PER_RANK as u64));
         assert_eq!(known(&mut changes, 3), started(CHANGES_PER_RANK as u64 - 1));
+        // The age rule follows the first entry the bound left, not the one it dropped.
+        let newest = later + Duration::from_millis(10);
+        changes.record(3 + CHANGES_PER_RANK as u64, newest, started(1));
+        changes.forget(later + CHANGE_MEMORY - Duration::from_millis(1));
+        assert_eq!(changes.entries.len(), CHANGES_PER_RANK, "nothing is a memory old yet");
+        changes.forget(later + CHANGE_MEMORY);
+        assert_eq!(changes.entries.len(), 1, "all but the newest are a memory old");
+        changes.forget(newest + CHANGE_MEMORY);
+        assert!(changes.is_empty());
+        changes.record(4 + CHANGES_PER_RANK as u64, newest + CHANGE_MEMORY, started(1));
+        changes.forget(newest + CHANGE_MEMORY + Duration::from_millis(999));
+        assert_eq!(changes.entries.len(), 1, "a change recorded into an empty memory is kept its whole memory");
     }
 }
