@@ -1,6 +1,7 @@
 //! nginx (the Debian package) as a keep-alive reverse proxy in front of one upstream, run as a
 //! child process from a generated configuration in its own temporary directory; the benchmarks'
-//! reference proxy. Killed by its PID when dropped.
+//! reference proxy. Killed by its PID when dropped, and by the kernel when the process that
+//! started it dies without dropping it (a SIGTERM runs no destructor).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -28,14 +29,9 @@ pub struct Nginx {
 impl Nginx {
     /// The `nginx` binary on `PATH` (or `/usr/sbin`), or how to install it.
     pub fn binary() -> anyhow::Result<PathBuf> {
-        let path = std::env::var_os("PATH").unwrap_or_default();
-        std::env::split_paths(&path)
-            .chain([PathBuf::from("/usr/sbin")])
-            .map(|dir| dir.join("nginx"))
-            .find(|candidate| candidate.is_file())
-            .ok_or_else(|| {
-                anyhow::anyhow!("nginx is not installed; install the Debian package: apt-get install -y nginx")
-            })
+        on_path("nginx").ok_or_else(|| {
+            anyhow::anyhow!("nginx is not installed; install the Debian package: apt-get install -y nginx")
+        })
     }
 
     /// Starts nginx (one process, one event loop) in front of `upstream` and waits until it
@@ -46,7 +42,7 @@ impl Nginx {
         let addr = free_port()?;
         let conf = dir.path().join("nginx.conf");
         std::fs::write(&conf, config(dir.path(), addr, upstream))?;
-        let child = Command::new(&binary)
+        let child = dies_with_parent(&binary)
             .arg("-p")
             .arg(dir.path())
             .arg("-e")
@@ -113,6 +109,30 @@ fn config(dir: &Path, listen: SocketAddr, upstream: SocketAddr) -> String {
          \x20     proxy_pass http://stub;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n\
          \x20   }}\n  }}\n}}\n"
     )
+}
+
+/// `name` on `PATH` or in `/usr/sbin`.
+fn on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin")])
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
+/// A command running `binary` that the kernel kills (SIGKILL) when the thread that spawned it
+/// ends: through util-linux's `setpriv --pdeathsig`, which sets the signal and then executes
+/// `binary` in its place (same PID). The workspace forbids the `unsafe` a `pre_exec` hook takes.
+/// Without `setpriv` (it is in an essential Debian package), a plain command.
+fn dies_with_parent(binary: &Path) -> Command {
+    match on_path("setpriv") {
+        Some(setpriv) => {
+            let mut command = Command::new(setpriv);
+            command.args(["--pdeathsig", "KILL", "--"]).arg(binary);
+            command
+        }
+        None => Command::new(binary),
+    }
 }
 
 /// `nginx -v` prints e.g. "nginx version: nginx/1.22.1" on stderr.
