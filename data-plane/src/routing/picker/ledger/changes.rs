@@ -12,6 +12,10 @@ use super::SinceFleet;
 pub(super) const CHANGE_MEMORY: Duration = Duration::from_secs(1);
 /// …and how many per rank at most.
 pub(super) const CHANGES_PER_RANK: usize = 1024;
+/// Past that bound the oldest are dropped this many at once. Dropping reads only the last of
+/// them (for the totals it leaves behind): a rank recording at the bound, as every busy one
+/// does, would otherwise read its oldest entry, long out of the cache, at every record.
+const FORGET_CHUNK: usize = 64;
 
 #[derive(Debug, Default)]
 pub(super) struct Changes {
@@ -53,9 +57,8 @@ impl Changes {
                 self.entries.push_back(Change { op, at, totals });
             }
         }
-        // The bound, without reading the oldest entry's time: age is the sweep's to enforce.
         if self.entries.len() > CHANGES_PER_RANK {
-            self.drop_oldest();
+            self.drop_first(self.entries.len() - (CHANGES_PER_RANK - FORGET_CHUNK));
         }
     }
 
@@ -106,15 +109,18 @@ impl Changes {
     /// Drops changes older than [`CHANGE_MEMORY`] ([`Self::record`] keeps the count bound).
     pub(super) fn forget(&mut self, now: Instant) {
         while self.first_expires.is_some_and(|expires| now >= expires) {
-            self.drop_oldest();
+            self.drop_first(1);
         }
     }
 
-    fn drop_oldest(&mut self) {
-        if let Some(change) = self.entries.pop_front() {
-            self.forgotten = change.totals;
-            self.forgotten_through = change.op;
+    /// Drops the `count` oldest changes, reading only the last of them.
+    fn drop_first(&mut self, count: usize) {
+        let count = count.min(self.entries.len());
+        if let Some(last) = count.checked_sub(1).and_then(|index| self.entries.get(index)) {
+            self.forgotten = last.totals;
+            self.forgotten_through = last.op;
         }
+        self.entries.drain(..count);
         self.first_expires = self.entries.front().map(|first| first.at + CHANGE_MEMORY);
     }
 
@@ -214,23 +220,31 @@ mod tests {
         assert_eq!(changes.entries.len(), 1, "the first is forgotten a memory later");
         assert_eq!(changes.after(0), None, "sums without operation 1 lack a change no longer known");
         assert_eq!(known(&mut changes, 1), ended(3));
-        for op in 3..3 + CHANGES_PER_RANK as u64 {
+        // Operation 2 and the next up to the bound are all kept…
+        let top = 2 + CHANGES_PER_RANK as u64;
+        for op in 3..top {
             changes.record(op, later, started(1));
         }
-        assert_eq!(changes.entries.len(), CHANGES_PER_RANK, "the bound dropped the oldest, operation 2");
-        assert_eq!(changes.after(1), None);
-        assert_eq!(known(&mut changes, 2), started(CHANGES_PER_RANK as u64));
-        assert_eq!(known(&mut changes, 3), started(CHANGES_PER_RANK as u64 - 1));
-        // The age rule follows the first entry the bound left, not the one it dropped.
+        assert_eq!(changes.entries.len(), CHANGES_PER_RANK, "up to the bound, nothing is dropped");
+        assert_eq!(known(&mut changes, 1), SinceFleet { decode_started: CHANGES_PER_RANK as u64 - 1, ..ended(3) });
+        // …and one more drops a chunk of the oldest: operations 2 to 2 + FORGET_CHUNK.
+        changes.record(top, later, started(1));
+        assert_eq!(changes.entries.len(), CHANGES_PER_RANK - FORGET_CHUNK);
+        let last_forgotten = 2 + FORGET_CHUNK as u64;
+        assert_eq!(changes.after(last_forgotten - 1), None, "sums without operation {last_forgotten} lack it");
+        let kept = top - last_forgotten;
+        assert_eq!(known(&mut changes, last_forgotten), started(kept), "the totals of the rest are exact");
+        assert_eq!(known(&mut changes, top - 1), started(1));
+        // The age rule follows the first entry the bound left, not the ones it dropped.
         let newest = later + Duration::from_millis(10);
-        changes.record(3 + CHANGES_PER_RANK as u64, newest, started(1));
+        changes.record(top + 1, newest, started(1));
         changes.forget(later + CHANGE_MEMORY - Duration::from_millis(1));
-        assert_eq!(changes.entries.len(), CHANGES_PER_RANK, "nothing is a memory old yet");
+        assert_eq!(changes.entries.len(), CHANGES_PER_RANK - FORGET_CHUNK + 1, "nothing is a memory old yet");
         changes.forget(later + CHANGE_MEMORY);
         assert_eq!(changes.entries.len(), 1, "all but the newest are a memory old");
         changes.forget(newest + CHANGE_MEMORY);
         assert!(changes.is_empty());
-        changes.record(4 + CHANGES_PER_RANK as u64, newest + CHANGE_MEMORY, started(1));
+        changes.record(top + 2, newest + CHANGE_MEMORY, started(1));
         changes.forget(newest + CHANGE_MEMORY + Duration::from_millis(999));
         assert_eq!(changes.entries.len(), 1, "a change recorded into an empty memory is kept its whole memory");
     }
