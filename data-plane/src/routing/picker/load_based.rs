@@ -85,6 +85,18 @@ impl LoadBasedPicker {
     /// Each candidate's last sample and what the fleet's dispatches add to it: this
     /// replica's ledger joined with the fleet-wide backlogs, under one ledger acquisition.
     pub(super) fn ranks<'v>(&self, view: &'v FleetView, candidates: &[Candidate], now: Instant) -> Few<RankState<'v>> {
+        self.ranks_with(view, candidates, now, |_, rank| rank)
+    }
+
+    /// What `each` makes of each candidate's [`RankState`] (given its position among
+    /// `candidates`): a caller that keeps only a little of each keeps no vector of them.
+    fn ranks_with<'v, T>(
+        &self,
+        view: &'v FleetView,
+        candidates: &[Candidate],
+        now: Instant,
+        mut each: impl FnMut(usize, RankState<'v>) -> T,
+    ) -> Few<T> {
         // Looked up before the ledger is: it is held only for what it holds.
         let (loads, fleet) = (view.loads(), view.backlogs());
         let views: Few<(Option<&LoadSample>, Option<&Backlog>)> =
@@ -93,7 +105,7 @@ impl LoadBasedPicker {
         let queries = candidates.iter().zip(&views).map(|(c, (sample, _))| (&c.pin_key, sample.map(|s| s.received_at)));
         self.ledger.backlogs_with(queries, view.reports_folded(), now, |i, local| {
             let (sample, fleet) = views[i];
-            RankState { sample, dispatched: local.with_fleet(fleet) }
+            each(i, RankState { sample, dispatched: local.with_fleet(fleet) })
         })
     }
 
@@ -109,43 +121,44 @@ impl LoadBasedPicker {
         let params = &view.config().picker;
         let max_staleness = params.max_staleness;
         let prefill_load_scale = cost::weight(params.prefill_load_scale);
-        let ranks = self.ranks(view, candidates, now);
-        let scored: Few<Scored> = candidates
-            .iter()
-            .zip(&ranks)
-            .map(|(candidate, rank)| {
-                let standing = cost::standing(phase, rank.sample, max_staleness, now);
-                let handover = candidate.hands_over;
-                let queued_prefill_tokens = match phase {
-                    Phase::Prefill => 0,
-                    // The fleet's dispatches queue prefill only on a rank that prefills them.
-                    Phase::Decode if handover => rank.dispatched.queued_prefill_tokens(),
-                    Phase::Decode => rank.dispatched.prefill_backlog(cost::fresh_load(
-                        Phase::Prefill,
-                        rank.sample,
-                        max_staleness,
-                        now,
-                    )),
-                };
-                let inputs = CostInputs {
-                    capacity: &candidate.worker.capacity,
-                    block_size: candidate.worker.block_size,
-                    prompt_tokens,
-                    standing,
-                    dispatched: rank.dispatched,
-                    handover,
-                    queued_prefill_tokens,
-                    prefill_load_scale,
-                };
-                let fresh = matches!(standing, Standing::Fresh(_));
-                let heard = rank.sample.is_some_and(|sample| sample.age(now) < max_staleness);
-                let (stalled, last_dispatch) = (rank.dispatched.stalled, rank.dispatched.last_dispatch);
-                Scored { cost: cost::cost(phase, &inputs), fresh, heard, stalled, last_dispatch }
-            })
-            .collect();
-        if tracing::enabled!(target: "continuum_data_plane::routing::pick", tracing::Level::DEBUG) {
+        let score = |candidate: &Candidate, rank: &RankState<'_>| {
+            let standing = cost::standing(phase, rank.sample, max_staleness, now);
+            let handover = candidate.hands_over;
+            let queued_prefill_tokens = match phase {
+                Phase::Prefill => 0,
+                // The fleet's dispatches queue prefill only on a rank that prefills them.
+                Phase::Decode if handover => rank.dispatched.queued_prefill_tokens(),
+                Phase::Decode => {
+                    rank.dispatched.prefill_backlog(cost::fresh_load(Phase::Prefill, rank.sample, max_staleness, now))
+                }
+            };
+            let inputs = CostInputs {
+                capacity: &candidate.worker.capacity,
+                block_size: candidate.worker.block_size,
+                prompt_tokens,
+                standing,
+                dispatched: rank.dispatched,
+                handover,
+                queued_prefill_tokens,
+                prefill_load_scale,
+            };
+            let fresh = matches!(standing, Standing::Fresh(_));
+            let heard = rank.sample.is_some_and(|sample| sample.age(now) < max_staleness);
+            let (stalled, last_dispatch) = (rank.dispatched.stalled, rank.dispatched.last_dispatch);
+            Scored { cost: cost::cost(phase, &inputs), fresh, heard, stalled, last_dispatch }
+        };
+        let scored: Few<Scored> = if tracing::enabled!(target: "continuum_data_plane::routing::pick", tracing::Level::DEBUG)
+        {
+            let ranks = self.ranks(view, candidates, now);
+            let scored: Few<Scored> =
+                candidates.iter().zip(&ranks).map(|(candidate, rank)| score(candidate, rank)).collect();
             explain(phase, candidates, &ranks, &scored, max_staleness, now);
-        }
+            scored
+        } else {
+            // Scored as the ledger gives each rank: the ranks' states (some 150 bytes each) are
+            // never kept side by side.
+            self.ranks_with(view, candidates, now, |i, rank| score(&candidates[i], &rank))
+        };
         cost::contenders(&scored)
     }
 

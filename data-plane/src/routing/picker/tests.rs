@@ -406,6 +406,45 @@ fn a_burst_between_samples_spreads_thanks_to_the_ledger() {
     assert_eq!(counts, BTreeMap::from([(1, 11), (2, 9)]), "worker 1 fills up to its peer's load, then they alternate");
 }
 
+/// The costs logged at debug level are those the picks use: picking with the log on chooses
+/// as picking with it off, request for request.
+#[test]
+fn picks_explained_at_debug_level_are_the_picks_made_without() {
+    #[derive(Clone, Default)]
+    struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let fleet = Fleet::new([agg(1), agg(2)]).used(1, 0, 0, FRESH).used(2, 0, 40, FRESH);
+    let burst = |picker: &LoadBasedPicker| -> Vec<u64> {
+        (0..12)
+            .map(|_| {
+                let selection = pick(picker, &fleet);
+                record(picker, &selection, 160, fleet.now);
+                selection.decode.worker.instance_id
+            })
+            .collect()
+    };
+    let quiet = burst(&picker());
+    assert!(quiet.contains(&1) && quiet.contains(&2), "the costs, not one worker, decide: {quiet:?}");
+    let lines = Lines::default();
+    let writer = lines.clone();
+    let subscriber =
+        tracing_subscriber::fmt().with_max_level(tracing::Level::DEBUG).with_writer(move || writer.clone()).finish();
+    let explained = tracing::subscriber::with_default(subscriber, || burst(&picker()));
+    assert_eq!(explained, quiet);
+    let logged =
+        String::from_utf8_lossy(&lines.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)).into_owned();
+    assert_eq!(logged.matches("Decode:").count(), 12, "{logged}");
+    assert!(logged.contains("1/0[") && logged.contains("cost"), "{logged}");
+}
+
 #[test]
 fn an_aggregated_worker_still_prefilling_is_charged_its_queue() {
     // Worker 1 has just been sent a 320-token prompt (20 blocks to decode, 20 to prefill first);
