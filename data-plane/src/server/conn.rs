@@ -23,7 +23,6 @@ use prometheus::IntGauge;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
-use tokio_util::sync::WaitForCancellationFuture;
 use tower_service::Service;
 
 use super::head::{
@@ -308,7 +307,7 @@ impl<'m> Connection<'m> {
     /// Until the first byte comes, the connection counts on `waiting`.
     async fn read_request(
         &mut self,
-        mut closing: Pin<&mut WaitForCancellationFuture<'_>>,
+        mut closing: Pin<&mut impl Future<Output = ()>>,
         crowded: bool,
         waiting: &IntGauge,
     ) -> Result<(RequestHead, Bytes, Charge), Stop> {

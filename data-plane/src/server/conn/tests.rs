@@ -1,7 +1,11 @@
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 use super::*;
+
+/// The wait for a server's closing, of a server that never closes.
+fn never_closing() -> std::future::Pending<()> {
+    std::future::pending()
+}
 
 /// A gauge of waiting connections no one reads.
 fn waiting() -> IntGauge {
@@ -114,9 +118,7 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
     let started = tokio::time::Instant::now();
     let metrics = Metrics::new().expect("metrics");
     let mut conn = Connection::new(server, &metrics);
-    let Ok((_, read, _)) =
-        conn.read_request(std::pin::pin!(CancellationToken::new().cancelled()), false, &waiting()).await
-    else {
+    let Ok((_, read, _)) = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await else {
         panic!("a request")
     };
     assert_eq!(read.len(), body);
@@ -128,7 +130,7 @@ async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Re
     let started = tokio::time::Instant::now();
     let metrics = Metrics::new().expect("metrics");
     let mut conn = Connection::new(server, &metrics);
-    let refused = conn.read_request(std::pin::pin!(CancellationToken::new().cancelled()), false, &waiting()).await;
+    let refused = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a trickle is timed out");
     let waited = started.elapsed();
     assert!(waited >= REQUEST_READ_TIMEOUT && waited < REQUEST_READ_TIMEOUT + Duration::from_secs(1), "{waited:?}");
@@ -156,7 +158,7 @@ async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::
     let metrics = Metrics::new().expect("metrics");
     let mut conn = Connection::new(server, &metrics);
     let started = tokio::time::Instant::now();
-    let refused = conn.read_request(std::pin::pin!(CancellationToken::new().cancelled()), false, &waiting()).await;
+    let refused = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "refused when its bytes stopped");
     let waited = started.elapsed();
     assert!(waited >= READ_STALL_TIMEOUT && waited < REQUEST_READ_TIMEOUT, "{waited:?}");
@@ -168,7 +170,7 @@ async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::
     let metrics = Metrics::new().expect("metrics");
     let mut conn = Connection::new(server, &metrics);
     let started = tokio::time::Instant::now();
-    let refused = conn.read_request(std::pin::pin!(CancellationToken::new().cancelled()), true, &waiting()).await;
+    let refused = conn.read_request(std::pin::pin!(never_closing()), true, &waiting()).await;
     assert!(matches!(refused, Err(Stop::Refuse(HeadError::Timeout))), "a head begun and stopped");
     let waited = started.elapsed();
     assert!(waited >= CROWDED_IDLE_TIMEOUT && waited < READ_STALL_TIMEOUT, "{waited:?}");
@@ -212,9 +214,7 @@ async fn a_bodys_reads_stop_a_read_past_its_end() -> io::Result<()> {
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let metrics = Metrics::new().expect("metrics");
     let mut conn = Connection::new(server, &metrics);
-    let Ok((_, read, _)) =
-        conn.read_request(std::pin::pin!(CancellationToken::new().cancelled()), false, &waiting()).await
-    else {
+    let Ok((_, read, _)) = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await else {
         panic!("a request")
     };
     assert_eq!(read.len(), body);
@@ -235,9 +235,7 @@ async fn a_large_request_head_leaves_no_large_buffer_behind() -> io::Result<()> 
     client.write_all(request.as_bytes()).await?;
     let metrics = Metrics::new().expect("metrics");
     let mut conn = Connection::new(server, &metrics);
-    let Ok((_, body, _)) =
-        conn.read_request(std::pin::pin!(CancellationToken::new().cancelled()), false, &waiting()).await
-    else {
+    let Ok((_, body, _)) = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await else {
         panic!("a request")
     };
     assert_eq!(&body[..], b"{}");
@@ -262,9 +260,7 @@ async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_b
         conn.fill_at_most(usize::MAX).await?;
     }
     client.write_all(format!("x-more: {}\r\n\r\n", "y".repeat(1 << 10)).as_bytes()).await?;
-    let Ok((head, _, _)) =
-        conn.read_request(std::pin::pin!(CancellationToken::new().cancelled()), false, &waiting()).await
-    else {
+    let Ok((head, _, _)) = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await else {
         panic!("a request")
     };
     assert_eq!(head.target, "/v1/models");
@@ -296,8 +292,7 @@ async fn a_body_uploading_is_held_in_no_more_room_than_it_is_charged_for() -> io
     });
     let metrics = Metrics::new().expect("metrics");
     let mut conn = Connection::new(server, &metrics);
-    let (cancel, waiting) = (CancellationToken::new(), waiting());
-    let closing = std::pin::pin!(cancel.cancelled());
+    let (closing, waiting) = (std::pin::pin!(never_closing()), waiting());
     let read = tokio::time::timeout(Duration::from_secs(2), conn.read_request(closing, false, &waiting));
     assert!(read.await.is_err(), "the body's last byte never came");
     let _client = writer.await.map_err(io::Error::other)??;
