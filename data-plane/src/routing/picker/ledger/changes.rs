@@ -16,6 +16,7 @@ pub(super) const CHANGES_PER_RANK: usize = 1024;
 /// them (for the totals it leaves behind): a rank recording at the bound, as every busy one
 /// does, would otherwise read its oldest entry, long out of the cache, at every record.
 const FORGET_CHUNK: usize = 64;
+const _: () = assert!(FORGET_CHUNK < CHANGES_PER_RANK);
 
 #[derive(Debug, Default)]
 pub(super) struct Changes {
@@ -30,8 +31,8 @@ pub(super) struct Changes {
     /// updates of the view while every pick asks, and what happened through an operation
     /// never changes (later operations only add entries after it).
     asked: Option<(u64, SinceFleet)>,
-    /// When the first entry is forgotten: kept here because every pick asks, and the entry
-    /// itself lies a thousand changes back, on a line of memory long out of the cache.
+    /// When the first entry is forgotten (`None`: never, or no entry): kept here because every
+    /// pick asks, and the entry itself lies a thousand changes back, out of the cache.
     first_expires: Option<Instant>,
 }
 
@@ -52,7 +53,7 @@ impl Changes {
             Some(last) if last.op == op => last.totals = totals,
             _ => {
                 if self.entries.is_empty() {
-                    self.first_expires = Some(at + CHANGE_MEMORY);
+                    self.first_expires = at.checked_add(CHANGE_MEMORY);
                 }
                 self.entries.push_back(Change { op, at, totals });
             }
@@ -121,7 +122,7 @@ impl Changes {
             self.forgotten_through = last.op;
         }
         self.entries.drain(..count);
-        self.first_expires = self.entries.front().map(|first| first.at + CHANGE_MEMORY);
+        self.first_expires = self.entries.front().and_then(|first| first.at.checked_add(CHANGE_MEMORY));
     }
 
     pub(super) fn is_empty(&self) -> bool {
