@@ -94,7 +94,7 @@ impl Dispatcher {
         (sent, head_timeout): (Instant, Duration),
     ) -> impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a {
         let unfinished = Unfinished { dispatcher: self, replica, sent };
-        let send = self.client.post(&replica.endpoint, headers, pins, body, head_timeout);
+        let send = self.client.post(&replica.endpoint, headers, pins, body, (sent, head_timeout));
         send.map(move |outcome| {
             unfinished.finished();
             self.outcome(replica, sent, outcome)

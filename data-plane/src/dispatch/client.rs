@@ -101,22 +101,25 @@ impl ShimClient {
             pins: Pins::default(),
             body: &body,
         };
-        within(head_timeout, self.exchange(request)).await
+        let since = Instant::now();
+        within((since, head_timeout), self.exchange(request, since)).await
     }
 
     /// POSTs `body` with `headers` and `pins` to `uri`, borrowing them (a retry sends the very
-    /// same), and waits at most `head_timeout` for the response head, counted from this call.
-    /// Not an `async fn`: the exchange's future is handed to the caller as it is, rather than
-    /// wrapped in one more that every request would build and move.
+    /// same), and waits at most `head_timeout` for the response head, counted from `since`
+    /// (the caller's clock reading as it sends: the attempt's start). Not an `async fn`: the
+    /// exchange's future is handed to the caller as it is, rather than wrapped in one more that
+    /// every request would build and move.
     pub fn post<'a>(
         &'a self,
         uri: &'a Uri,
         headers: &'a HeaderMap,
         pins: Pins,
         body: &'a [u8],
-        head_timeout: Duration,
+        (since, head_timeout): (Instant, Duration),
     ) -> impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a {
-        within(head_timeout, self.exchange(Outbound { method: &Method::POST, uri, headers, pins, body }))
+        let request = Outbound { method: &Method::POST, uri, headers, pins, body };
+        within((since, head_timeout), self.exchange(request, since))
     }
 
     /// Idle connections held to the authority (`host:port`) of `uri`.
@@ -126,9 +129,11 @@ impl ShimClient {
     }
 
     /// Not an `async fn`: it would keep `request` in its future beside the parts it binds.
+    /// Idle connections are taken as of `now`, the clock read as the request was sent.
     fn exchange<'a>(
         &'a self,
         request: Outbound<'a>,
+        now: Instant,
     ) -> impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a {
         let Outbound { method, uri, headers, pins, body } = request;
         async move {
@@ -143,7 +148,7 @@ impl ShimClient {
             // once per burst rather than once per request (wake-ups are most of a loopback send's
             // cost). The exchange is otherwise unchanged; only its write waits for the turn.
             tokio::task::yield_now().await;
-            let reused = self.idle.take(authority.as_str(), Instant::now());
+            let reused = self.idle.take(authority.as_str(), now);
             let was_reused = reused.is_some();
             let mut conn = match reused {
                 Some(conn) => conn,
@@ -228,12 +233,18 @@ fn exchange(error: ExchangeError) -> SendError {
     SendError::Exchange(error)
 }
 
-/// `exchange`, given at most `head_timeout` to bring a response head.
-fn within<F>(head_timeout: Duration, exchange: F) -> impl Future<Output = Result<Response<ShimBody>, SendError>>
+/// `exchange`, given at most `head_timeout` from `since` to bring a response head. The clock
+/// was read for the attempt already: a timeout from now would read it again, for every request.
+fn within<F>(
+    (since, head_timeout): (Instant, Duration),
+    exchange: F,
+) -> impl Future<Output = Result<Response<ShimBody>, SendError>>
 where
     F: Future<Output = Result<Response<ShimBody>, SendError>>,
 {
-    tokio::time::timeout(head_timeout, exchange)
+    // A timeout past what the clock can hold is a year (tokio's own far future is longer).
+    let deadline = since.checked_add(head_timeout).unwrap_or_else(|| since + Duration::from_secs(365 * 86_400));
+    tokio::time::timeout_at(deadline.into(), exchange)
         .map(move |outcome| outcome.unwrap_or_else(|_| Err(SendError::HeadTimeout(head_timeout))))
 }
 
