@@ -532,13 +532,21 @@ mod tests {
 
     /// A backend that answers every request on its first connection with a small 200.
     async fn answering_backend() -> std::io::Result<ShimReplica> {
+        answering_with("{}").await
+    }
+
+    /// A backend that answers every request it reads with `body`.
+    async fn answering_with(body: &'static str) -> std::io::Result<ShimReplica> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let url = format!("http://{}", listener.local_addr()?);
         tokio::spawn(async move {
             let Ok((mut socket, _)) = listener.accept().await else { return };
             let mut read = vec![0; 64 * 1024];
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
             while socket.read(&mut read).await.is_ok_and(|n| n > 0) {
-                let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
                 if socket.write_all(answer.as_bytes()).await.is_err() {
                     return;
                 }
@@ -654,6 +662,33 @@ mod tests {
         assert_eq!(ledger.len(), 0, "the pinned dispatch ended before the unified backend took the request");
         answer.notify_one();
         assert_eq!(run.await?.ok(), Some(StatusCode::OK));
+        Ok(())
+    }
+
+    /// A buffered answer's dispatch ends once the answer is written (its body dropped), as a
+    /// stream's ends with its last event, and its usage calibrates the estimate then: the
+    /// ledger's and the report's work for the end follows the client's answer.
+    #[tokio::test]
+    async fn a_buffered_answers_dispatch_ends_once_the_answer_is_written() -> anyhow::Result<()> {
+        use http_body_util::BodyExt;
+        let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":1}}"#;
+        let shim = answering_with(usage).await?;
+        let ledger = Arc::new(DispatchLedger::new());
+        let mut plan = pinned_plan_in(&ledger, std::slice::from_ref(&shim), None);
+        let Route::Pinned(Pinned { dispatch, .. }) = &mut plan.route else { unreachable!("a pinned plan") };
+        dispatch.sized_by_estimate("tiny", 10);
+
+        let response = dispatcher.run(plan).await?;
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(ledger.len(), 1, "answered, not yet written: the dispatch still loads its workers");
+        assert_eq!(ledger.prompt_sizes().factor("tiny"), 1.0, "nothing learnt before the answer is written");
+
+        let written = response.into_body().collect().await?.to_bytes();
+        assert_eq!(written, usage.as_bytes());
+        assert_eq!(ledger.len(), 0, "the dispatch ended with its written body");
+        let learnt = ledger.prompt_sizes().factor("tiny");
+        assert!(learnt > 1.0, "the usage counted four times the estimate: {learnt}");
         Ok(())
     }
 

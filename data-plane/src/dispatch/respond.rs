@@ -155,10 +155,8 @@ impl Dispatcher {
                     self.health.exchange_ended(&replica.name, &replica.url, (sent.into_std(), served));
                 }
                 let (bytes, charge) = read?;
-                if let Some(mut dispatch) = dispatch {
-                    dispatch.observe(&bytes);
-                }
-                Body::new(Charged { bytes: Some(bytes), _charge: charge })
+                let ends = dispatch.map(|dispatch| (dispatch, bytes.clone()));
+                Body::new(Charged { bytes: Some(bytes), _charge: charge, ends })
             };
             Ok(rebuild(parts.status, parts.headers, body))
         }
@@ -222,10 +220,22 @@ async fn read_error_body(body: ShimBody) -> Bytes {
     read_whole(body, MAX_ERROR_BODY_BYTES, deadline).await.map(|(bytes, _)| bytes).unwrap_or_default()
 }
 
-/// A buffered answer, holding its charge until it is written.
+/// A buffered answer, holding its charge until it is written, and its dispatch with a handle
+/// on its bytes: the dispatch ends when the body is dropped, once written (as a stream's ends
+/// with its last event), so that the ledger's and the report's work for the end, and learning
+/// from the answer's usage, follow the client's answer rather than hold it back.
 struct Charged {
     bytes: Option<Bytes>,
     _charge: Charge,
+    ends: Option<(DispatchEnd, Bytes)>,
+}
+
+impl Drop for Charged {
+    fn drop(&mut self) {
+        if let Some((mut dispatch, answer)) = self.ends.take() {
+            dispatch.observe(&answer);
+        }
+    }
 }
 
 impl http_body::Body for Charged {
