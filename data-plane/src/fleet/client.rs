@@ -170,10 +170,11 @@ enum SessionError {
     Endpoint(EndpointError),
     #[error("cannot reach the control plane: {0}")]
     Connect(#[source] tonic::transport::Error),
-    /// Its message and code: tonic's own text dumps the transport error under it as a debug
-    /// print, which the cause chain tells readably.
-    #[error("control plane refused the stream: {} ({:?})", .0.message(), .0.code())]
-    Status(#[from] Status),
+    /// A status that ended the stream: the control plane's refusal, or the connection breaking
+    /// under the stream, which tonic reports as a status carrying the transport's error
+    /// ([`stream_ended`]).
+    #[error("{}", stream_ended(.0))]
+    Status(Status),
     #[error(
         "the dispatch report queue filled (the control plane reads too slowly); reconnecting to report whole again"
     )]
@@ -188,6 +189,22 @@ enum SessionError {
     UpdatesStalled,
     #[error("control plane accepted the connection but opened no Watch stream within {WATCH_OPEN_TIMEOUT:?}")]
     NotOpened,
+}
+
+impl From<Status> for SessionError {
+    fn from(status: Status) -> Self {
+        SessionError::Status(status)
+    }
+}
+
+/// What ended a stream with `status`: a connection that broke under it (a control plane
+/// killed, a proxy between that reset it) as its transport error's cause chain, rather than
+/// as a refusal with tonic's debug print of that error; a refusal as its message and code.
+fn stream_ended(status: &Status) -> String {
+    match std::error::Error::source(status) {
+        Some(cause) => format!("the fleet stream broke: {}", crate::error_chain(cause)),
+        None => format!("control plane refused the stream: {} ({:?})", status.message(), status.code()),
+    }
 }
 
 /// Sessions in a row ended over a refused snapshot after which reconnecting slows to the
@@ -544,6 +561,20 @@ mod tests {
         assert!(endpoints.reading.is_some(), "the stalled read goes on");
         drop(release()?);
         Ok(())
+    }
+
+    /// A stream whose connection broke (tonic's status carrying the transport's error) is told
+    /// as broken, with its cause once; a status the control plane sent, as a refusal.
+    #[test]
+    fn a_broken_stream_is_told_by_its_cause_and_a_refusal_by_its_words() {
+        let mut broken = Status::unknown("h2 protocol error: error reading a body from connection");
+        broken.set_source(Arc::new(std::io::Error::new(std::io::ErrorKind::ConnectionReset, "connection reset")));
+        assert_eq!(crate::error_chain(&SessionError::from(broken)), "the fleet stream broke: connection reset");
+        let refused = SessionError::from(Status::failed_precondition("refused snapshot"));
+        assert_eq!(
+            crate::error_chain(&refused),
+            "control plane refused the stream: refused snapshot (FailedPrecondition)"
+        );
     }
 
     /// Only sessions that ended over refused updates before any snapshot was applied count
