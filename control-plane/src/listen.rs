@@ -32,7 +32,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::Connected;
 
-use crate::grpc::MAX_WATCH_SESSIONS;
+use crate::grpc::{ConnectionLookups, MAX_WATCH_SESSIONS};
 use crate::metrics::Metrics;
 
 /// A connection that sends nothing for this long is closed, and so is one that reads nothing of
@@ -175,6 +175,7 @@ impl Guard {
             unread: Box::pin(tokio::time::sleep(self.silent_for)),
             write_blocked: false,
             progress: Arc::default(),
+            lookups: ConnectionLookups::default(),
             guard: self.clone(),
             _slot: Slot { _permit: slot, peer },
         })
@@ -231,6 +232,9 @@ pub struct Guarded<S> {
     write_blocked: bool,
     /// Where the conversation stands, shared with whoever serves the connection.
     progress: Arc<Progress>,
+    /// What the connection's `FindMatches` calls hold of the lookup budget: its
+    /// `ConnectInfo`, which tonic hands to each call made on it.
+    lookups: ConnectionLookups,
     guard: Guard,
     _slot: Slot,
 }
@@ -386,11 +390,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     }
 }
 
-impl<S: Connected> Connected for Guarded<S> {
-    type ConnectInfo = S::ConnectInfo;
+/// A connection's calls learn of it what the lookup budget needs, the same over TLS or not
+/// (no handler reads the peer's address or certificates from a request).
+impl<S> Connected for Guarded<S> {
+    type ConnectInfo = ConnectionLookups;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        self.lookups.clone()
     }
 }
 

@@ -85,7 +85,8 @@ pub struct Metrics {
     pub kv_index: IntGaugeVec,
     /// What ZMTP message buffers borrow from the budget for large messages; read at each scrape.
     zmtp_borrowed: IntGauge,
-    /// FindMatches calls by `result` (ok, disabled, too_many_hashes).
+    /// FindMatches calls by `result` (ok, disabled, too_many_hashes, over_budget,
+    /// over_connection_budget).
     pub kv_find_matches: IntCounterVec,
     /// FindMatches answers that suggested a rank weighed against recent lookups (some had gone
     /// to a contender); tie-breaks are not counted.

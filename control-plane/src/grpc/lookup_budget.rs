@@ -13,6 +13,12 @@
 //! it does for any lookup not answered. Every other call passes untouched: a Watch stream's
 //! messages are bounded by its session's own queue.
 //!
+//! One connection's calls hold at most [`MAX_LOOKUP_BYTES_PER_CONNECTION`] of the budget
+//! between them (`over_connection_budget` past it): a replica looks up over one connection of
+//! its own, so one replica that floods its lookups (a bug, a burst of huge prompts) leaves the
+//! rest of the budget to the others instead of refusing theirs. A token holder opening many
+//! connections can still fill the whole budget; the process stays within it all the same.
+//!
 //! [`MAX_STREAMS_PER_CONNECTION`]: super::MAX_STREAMS_PER_CONNECTION
 
 use std::convert::Infallible;
@@ -37,6 +43,10 @@ use tower_service::Service;
 /// call. A lookup of a 128k-token prompt at 16 tokens a block is some 80 KiB: thousands of
 /// ordinary lookups fit.
 pub const MAX_LOOKUP_BYTES_IN_FLIGHT: usize = 256 << 20;
+/// The most of it one connection's calls hold at once: an eighth, so that one replica's
+/// lookups leave room for seven more's at their worst. Still some 400 lookups of 128k-token
+/// prompts at once.
+pub const MAX_LOOKUP_BYTES_PER_CONNECTION: usize = MAX_LOOKUP_BYTES_IN_FLIGHT / 8;
 
 /// The path of the one call charged.
 const FIND_MATCHES: &str = "/continuum.fleet.v1.Fleet/FindMatches";
@@ -45,26 +55,45 @@ const FIND_MATCHES: &str = "/continuum.fleet.v1.Fleet/FindMatches";
 #[derive(Debug)]
 pub struct LookupBudget {
     limit: usize,
+    /// The most one connection's calls hold of it.
+    per_connection: usize,
     held: AtomicUsize,
-    /// `continuum_dynamo_kv_find_matches_total{result="over_budget"}`.
-    refused: IntCounter,
+    refused: Refusals,
     /// `continuum_dynamo_kv_lookup_bytes_held`: what `held` holds.
     gauge: IntGauge,
 }
 
+/// Where lookups the budget refused are counted, by the bound they would have passed.
+#[derive(Debug)]
+pub struct Refusals {
+    /// `continuum_dynamo_kv_find_matches_total{result="over_budget"}`: the process's.
+    pub over_budget: IntCounter,
+    /// `…{result="over_connection_budget"}`: their connection's share.
+    pub over_connection_budget: IntCounter,
+}
+
+/// What one connection's calls hold of the budget. The listener gives each connection one,
+/// and tonic hands it to every call made on it (it is the connection's `ConnectInfo`).
+#[derive(Clone, Debug, Default)]
+pub struct ConnectionLookups(Arc<AtomicUsize>);
+
+/// Takes `bytes` into `held` if that leaves it at most `limit`.
+fn take_within(held: &AtomicUsize, bytes: usize, limit: usize) -> bool {
+    held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+        held.checked_add(bytes).filter(|after| *after <= limit)
+    })
+    .is_ok()
+}
+
 impl LookupBudget {
-    pub fn new(limit: usize, refused: IntCounter, gauge: IntGauge) -> Self {
-        Self { limit, held: AtomicUsize::new(0), refused, gauge }
+    /// A budget of `limit` bytes, `per_connection` of them at most for one connection's calls.
+    pub fn new((limit, per_connection): (usize, usize), refused: Refusals, gauge: IntGauge) -> Self {
+        Self { limit, per_connection, held: AtomicUsize::new(0), refused, gauge }
     }
 
     /// Takes `bytes` if they fit under the limit with what is held.
     fn take(&self, bytes: usize) -> bool {
-        let taken = self
-            .held
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
-                held.checked_add(bytes).filter(|after| *after <= self.limit)
-            })
-            .is_ok();
+        let taken = take_within(&self.held, bytes, self.limit);
         if taken {
             self.gauge.add(i64::try_from(bytes).unwrap_or(i64::MAX));
         }
@@ -82,26 +111,64 @@ impl LookupBudget {
     }
 }
 
-/// What one call holds of the budget; given back when both its body and its answer are done.
+/// What one call holds of the budget, and of its connection's share (none for a call that
+/// came without one); given back when both its body and its answer are done.
 #[derive(Debug)]
 struct Charge {
     budget: Arc<LookupBudget>,
+    connection: Option<ConnectionLookups>,
     held: AtomicUsize,
 }
 
+/// The bound a message would have passed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Over {
+    Budget,
+    ConnectionShare,
+}
+
 impl Charge {
-    fn take(&self, bytes: usize) -> bool {
-        let taken = self.budget.take(bytes);
-        if taken {
-            self.held.fetch_add(bytes, Ordering::AcqRel);
+    fn new(budget: &Arc<LookupBudget>, connection: Option<ConnectionLookups>) -> Self {
+        Self { budget: Arc::clone(budget), connection, held: AtomicUsize::new(0) }
+    }
+
+    /// The process's budget first: when both are full, the refusal says the control plane is.
+    fn take(&self, bytes: usize) -> Result<(), Over> {
+        if !self.budget.take(bytes) {
+            return Err(Over::Budget);
         }
-        taken
+        if let Some(ConnectionLookups(held)) = &self.connection
+            && !take_within(held, bytes, self.budget.per_connection)
+        {
+            self.budget.give_back(bytes);
+            return Err(Over::ConnectionShare);
+        }
+        self.held.fetch_add(bytes, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Counts a refusal past `over`, and says it to the caller.
+    fn refuse(&self, over: Over) -> Status {
+        let (counted, bound, whose) = match over {
+            Over::Budget => (&self.budget.refused.over_budget, self.budget.limit, "the control plane holds"),
+            Over::ConnectionShare => {
+                (&self.budget.refused.over_connection_budget, self.budget.per_connection, "one connection's calls hold")
+            }
+        };
+        counted.inc();
+        Status::resource_exhausted(format!(
+            "{whose} {bound} bytes of lookups in flight at most; this one is answered by load alone"
+        ))
     }
 }
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        self.budget.give_back(*self.held.get_mut());
+        let held = *self.held.get_mut();
+        self.budget.give_back(held);
+        if let Some(ConnectionLookups(connection)) = &self.connection {
+            connection.fetch_sub(held, Ordering::AcqRel);
+        }
     }
 }
 
@@ -168,14 +235,11 @@ impl http_body::Body for Charged {
         if let Some(data) = frame.as_ref().and_then(|frame| frame.as_ref().ok()).and_then(Frame::data_ref) {
             let this = &mut *self;
             let declared = this.framing.declared(data);
-            if declared > 0 && !this.charge.take(declared) {
+            if declared > 0
+                && let Err(over) = this.charge.take(declared)
+            {
                 this.refused = true;
-                this.charge.budget.refused.inc();
-                let limit = this.charge.budget.limit;
-                return Poll::Ready(Some(Err(Status::resource_exhausted(format!(
-                    "the control plane holds {limit} bytes of lookups in flight at most; \
-                     this one is answered by load alone"
-                )))));
+                return Poll::Ready(Some(Err(this.charge.refuse(over))));
             }
         }
         Poll::Ready(frame)
@@ -224,7 +288,9 @@ where
         if request.uri().path() != FIND_MATCHES {
             return self.inner.call(request).boxed();
         }
-        let charge = Arc::new(Charge { budget: Arc::clone(&self.budget), held: AtomicUsize::new(0) });
+        // The connection's share, as the listener made it: absent, the process's bound alone.
+        let connection = request.extensions().get::<ConnectionLookups>().cloned();
+        let charge = Arc::new(Charge::new(&self.budget, connection));
         let body = Arc::clone(&charge);
         let request = request
             .map(|inner| Body::new(Charged { inner, charge: body, framing: Framing::default(), refused: false }));
@@ -246,8 +312,13 @@ mod tests {
     use super::*;
 
     fn budget(limit: usize) -> Arc<LookupBudget> {
-        let refused = IntCounter::new("refused", "refused").expect("counter");
-        Arc::new(LookupBudget::new(limit, refused, IntGauge::new("held", "held").expect("gauge")))
+        shared_budget(limit, limit)
+    }
+
+    fn shared_budget(limit: usize, per_connection: usize) -> Arc<LookupBudget> {
+        let counter = |name: &str| IntCounter::new(name, name).expect("counter");
+        let refused = Refusals { over_budget: counter("over"), over_connection_budget: counter("over_connection") };
+        Arc::new(LookupBudget::new((limit, per_connection), refused, IntGauge::new("held", "held").expect("gauge")))
     }
 
     /// A body holding one gRPC message of `length` bytes, arriving as `cuts` frames.
@@ -265,7 +336,12 @@ mod tests {
     }
 
     fn charged(budget: &Arc<LookupBudget>, frames: Vec<Bytes>) -> Charged {
-        let charge = Arc::new(Charge { budget: Arc::clone(budget), held: AtomicUsize::new(0) });
+        charged_on(budget, None, frames)
+    }
+
+    /// A lookup's body on `connection` (none: a call without one).
+    fn charged_on(budget: &Arc<LookupBudget>, connection: Option<&ConnectionLookups>, frames: Vec<Bytes>) -> Charged {
+        let charge = Arc::new(Charge::new(budget, connection.cloned()));
         let stream = futures::stream::iter(frames.into_iter().map(|data| Ok::<_, Status>(Frame::data(data))));
         let inner = Body::new(http_body_util::StreamBody::new(stream));
         Charged { inner, charge, framing: Framing::default(), refused: false }
@@ -301,7 +377,7 @@ mod tests {
         let refused = second.frame().await.expect("an answer").expect_err("past the budget");
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
         assert!(second.frame().await.is_none(), "a refused body ends");
-        assert_eq!(budget.refused.get(), 1);
+        assert_eq!(budget.refused.over_budget.get(), 1);
         assert_eq!(budget.held(), 1200, "a refused message holds nothing");
 
         drop(first);
@@ -311,5 +387,39 @@ mod tests {
         assert!(third.frame().await.expect("a frame").is_ok(), "room again once the first let go");
         drop((second, third));
         assert_eq!(budget.held(), 0);
+    }
+
+    /// One connection's calls hold at most its share: past it, a lookup is refused as over
+    /// the connection's share (not the process's budget, which has room), while a call on
+    /// another connection still fits; a share comes back as its calls let go.
+    #[tokio::test]
+    async fn one_connections_lookups_hold_at_most_its_share() {
+        let budget = shared_budget(4000, 1500);
+        let (busy, other) = (ConnectionLookups::default(), ConnectionLookups::default());
+        let mut first = charged_on(&budget, Some(&busy), message(995, &[]));
+        assert!(first.frame().await.expect("a frame").is_ok(), "within the share");
+
+        let mut second = charged_on(&budget, Some(&busy), message(995, &[]));
+        let refused = second.frame().await.expect("an answer").expect_err("past the connection's share");
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        assert!(refused.message().contains("one connection's calls hold 1500 bytes"), "{}", refused.message());
+        assert_eq!((budget.refused.over_connection_budget.get(), budget.refused.over_budget.get()), (1, 0));
+        assert_eq!(budget.held(), 1000, "the refused message gave the process's bytes back");
+
+        let mut elsewhere = charged_on(&budget, Some(&other), message(995, &[]));
+        assert!(elsewhere.frame().await.expect("a frame").is_ok(), "another connection has its own share");
+        let mut unshared = charged_on(&budget, None, message(1995, &[]));
+        assert!(unshared.frame().await.expect("a frame").is_ok(), "a call without a connection: the budget alone");
+        assert_eq!(budget.held(), 4000);
+
+        // Past both bounds at once, the process's is the one said.
+        let mut again = charged_on(&budget, Some(&other), message(995, &[]));
+        let full = again.frame().await.expect("an answer").expect_err("the process's budget is full");
+        assert!(full.message().contains("the control plane holds 4000 bytes"), "{}", full.message());
+        assert_eq!((budget.refused.over_connection_budget.get(), budget.refused.over_budget.get()), (1, 1));
+        drop((first, second, elsewhere, unshared, again));
+        assert_eq!(budget.held(), 0);
+        let mut after = charged_on(&budget, Some(&busy), message(1495, &[]));
+        assert!(after.frame().await.expect("a frame").is_ok(), "the connection's share came back whole");
     }
 }

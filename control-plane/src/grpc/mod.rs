@@ -20,7 +20,9 @@ use tonic_health::ServingStatus;
 use crate::listen::Guard;
 
 pub use gate::Gate;
-pub use lookup_budget::{Budgeted, LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT};
+pub use lookup_budget::{
+    Budgeted, ConnectionLookups, LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT, MAX_LOOKUP_BYTES_PER_CONNECTION,
+};
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
 pub use tls::ServerTls;
@@ -177,6 +179,34 @@ mod tests {
         Ok(())
     }
 
+    /// A connection's lookups are charged to its own share too, which the listener hands the
+    /// call as the connection's `ConnectInfo`: past the share a lookup is refused as such while
+    /// the process's budget has room, and a smaller one on the same connection still goes.
+    #[tokio::test]
+    async fn a_connections_lookups_hold_at_most_its_share_of_the_budget() -> anyhow::Result<()> {
+        use continuum_proto::pb::{FindMatchesRequest, fleet_client::FleetClient};
+
+        let (service, metrics, cancel) = empty_fleet_service()?;
+        let service = service.with_lookup_budget((64 << 10, 16 << 10));
+        let url = serving(service, &metrics, &cancel).await?;
+        let mut client = FleetClient::new(tonic::transport::Channel::from_shared(url)?.connect().await?);
+        let lookup = |hashes: u64| FindMatchesRequest {
+            block_hashes: (0..hashes).map(|h| h | 1 << 62).collect(),
+            model: "tiny".into(),
+            ..Default::default()
+        };
+        // Some 37 KiB: within the process's 64 KiB, past the connection's 16 KiB.
+        let refused = client.find_matches(lookup(4096)).await.expect_err("past the connection's share");
+        assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
+        assert!(refused.message().contains("one connection's calls hold"), "{}", refused.message());
+        let counted = |result: &str| metrics.kv_find_matches.with_label_values(&[result]).get();
+        assert_eq!((counted("over_connection_budget"), counted("over_budget")), (1, 0));
+        let within = client.find_matches(lookup(64)).await.expect_err("the KV index is off");
+        assert_eq!(within.code(), tonic::Code::FailedPrecondition, "{within:?}");
+        cancel.cancel();
+        Ok(())
+    }
+
     /// Lookups are charged to the process's budget as their bytes arrive: one that would
     /// overdraw it is refused as such (not as a failed call), counted, and holds nothing after;
     /// one within it reaches the handler (which, the KV index off here, refuses it its way).
@@ -185,7 +215,7 @@ mod tests {
         use continuum_proto::pb::{FindMatchesRequest, fleet_client::FleetClient};
 
         let (service, metrics, cancel) = empty_fleet_service()?;
-        let service = service.with_lookup_budget(16 << 10);
+        let service = service.with_lookup_budget((16 << 10, 16 << 10));
         let budget = service.lookup_budget();
         let url = serving(service, &metrics, &cancel).await?;
         let mut client = FleetClient::new(tonic::transport::Channel::from_shared(url)?.connect().await?);

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::gate::{Gate, Presented, retired};
-use super::lookup_budget::{LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT};
+use super::lookup_budget::{LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT, MAX_LOOKUP_BYTES_PER_CONNECTION, Refusals};
 use super::session::{Queued, REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
 use crate::bearer;
@@ -165,7 +165,7 @@ impl FleetService {
         let kv = KvHandle::default();
         let (streams, hellos) =
             (Arc::new(Semaphore::new(MAX_WATCH_STREAMS)), Arc::new(Semaphore::new(MAX_PENDING_HELLOS)));
-        let lookups = lookups_budget(&metrics, MAX_LOOKUP_BYTES_IN_FLIGHT);
+        let lookups = lookups_budget(&metrics, (MAX_LOOKUP_BYTES_IN_FLIGHT, MAX_LOOKUP_BYTES_PER_CONNECTION));
         Self {
             publisher,
             replicas,
@@ -184,10 +184,12 @@ impl FleetService {
         }
     }
 
-    /// Holds at most `bytes` of lookups in flight (else [`MAX_LOOKUP_BYTES_IN_FLIGHT`]).
+    /// Holds at most `bytes` of lookups in flight, `per_connection` of them for one
+    /// connection's calls (else [`MAX_LOOKUP_BYTES_IN_FLIGHT`] and
+    /// [`MAX_LOOKUP_BYTES_PER_CONNECTION`]).
     #[cfg(test)]
-    pub fn with_lookup_budget(self, bytes: usize) -> Self {
-        Self { lookups: lookups_budget(&self.metrics, bytes), ..self }
+    pub fn with_lookup_budget(self, (bytes, per_connection): (usize, usize)) -> Self {
+        Self { lookups: lookups_budget(&self.metrics, (bytes, per_connection)), ..self }
     }
 
     /// The budget the server charges this service's lookups to.
@@ -497,10 +499,13 @@ impl Fleet for FleetService {
     }
 }
 
-/// A budget of `bytes` for lookups in flight, its refusals counted as `over_budget`.
-fn lookups_budget(metrics: &Metrics, bytes: usize) -> Arc<LookupBudget> {
-    let over_budget = metrics.kv_find_matches.with_label_values(&["over_budget"]);
-    Arc::new(LookupBudget::new(bytes, over_budget, metrics.kv_lookup_bytes_held.clone()))
+/// A budget of `bytes` for lookups in flight, `per_connection` of them for one connection's
+/// calls; its refusals counted as `over_budget` and `over_connection_budget`.
+fn lookups_budget(metrics: &Metrics, (bytes, per_connection): (usize, usize)) -> Arc<LookupBudget> {
+    let refused = |result: &str| metrics.kv_find_matches.with_label_values(&[result]);
+    let refused =
+        Refusals { over_budget: refused("over_budget"), over_connection_budget: refused("over_connection_budget") };
+    Arc::new(LookupBudget::new((bytes, per_connection), refused, metrics.kv_lookup_bytes_held.clone()))
 }
 
 /// A Watch stream's updates, holding the stream's place ([`MAX_WATCH_STREAMS`]) until tonic

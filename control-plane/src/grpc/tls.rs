@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Connected;
 
 use crate::config::ListenerTlsConfig;
+use crate::grpc::ConnectionLookups;
 use crate::listen::{Guard, Guarded};
 use crate::metrics::Metrics;
 
@@ -592,11 +593,13 @@ impl AsyncWrite for Verified {
     }
 }
 
+/// The connection's own, under the TLS session: the lookup budget finds it as on a plaintext
+/// connection.
 impl Connected for Verified {
-    type ConnectInfo = <TlsStream<Guarded<TcpStream>> as Connected>::ConnectInfo;
+    type ConnectInfo = ConnectionLookups;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        self.inner.get_ref().0.connect_info()
     }
 }
 
