@@ -182,14 +182,46 @@ mod tests {
     /// A connection's lookups are charged to its own share too, which the listener hands the
     /// call as the connection's `ConnectInfo`: past the share a lookup is refused as such while
     /// the process's budget has room, and a smaller one on the same connection still goes.
+    /// Over TLS as over plaintext.
     #[tokio::test]
     async fn a_connections_lookups_hold_at_most_its_share_of_the_budget() -> anyhow::Result<()> {
-        use continuum_proto::pb::{FindMatchesRequest, fleet_client::FleetClient};
+        use continuum_proto::pb::fleet_client::FleetClient;
+        use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
-        let (service, metrics, cancel) = empty_fleet_service()?;
-        let service = service.with_lookup_budget((64 << 10, 16 << 10));
-        let url = serving(service, &metrics, &cancel).await?;
-        let mut client = FleetClient::new(tonic::transport::Channel::from_shared(url)?.connect().await?);
+        let dir = tempfile::tempdir()?;
+        let pair = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()])?;
+        std::fs::write(dir.path().join("cert.pem"), pair.cert.pem())?;
+        std::fs::write(dir.path().join("key.pem"), pair.signing_key.serialize_pem())?;
+        for over_tls in [false, true] {
+            let (service, metrics, cancel) = empty_fleet_service()?;
+            let service = service.with_lookup_budget((64 << 10, 16 << 10));
+            let channel = if over_tls {
+                let paths = crate::config::ListenerTlsConfig {
+                    cert: Some(dir.path().join("cert.pem")),
+                    key: Some(crate::config::Secret::new(dir.path().join("key.pem").display().to_string())),
+                    client_ca: None,
+                };
+                let tls = ServerTls::load(&paths, &metrics)?;
+                let listener = TcpListener::bind("127.0.0.1:0").await?;
+                let port = listener.local_addr()?.port();
+                tokio::spawn(serve((listener, Guard::fleet(&metrics)), service, Some(tls), cancel.clone()));
+                let roots = Certificate::from_pem(std::fs::read(dir.path().join("cert.pem"))?);
+                let client_tls = ClientTlsConfig::new().ca_certificate(roots).domain_name("localhost");
+                Channel::from_shared(format!("https://127.0.0.1:{port}"))?.tls_config(client_tls)?.connect().await?
+            } else {
+                Channel::from_shared(serving(service, &metrics, &cancel).await?)?.connect().await?
+            };
+            connection_share_holds(FleetClient::new(channel), &metrics).await?;
+            cancel.cancel();
+        }
+        Ok(())
+    }
+
+    async fn connection_share_holds(
+        mut client: continuum_proto::pb::fleet_client::FleetClient<tonic::transport::Channel>,
+        metrics: &Metrics,
+    ) -> anyhow::Result<()> {
+        use continuum_proto::pb::FindMatchesRequest;
         let lookup = |hashes: u64| FindMatchesRequest {
             block_hashes: (0..hashes).map(|h| h | 1 << 62).collect(),
             model: "tiny".into(),
@@ -203,7 +235,6 @@ mod tests {
         assert_eq!((counted("over_connection_budget"), counted("over_budget")), (1, 0));
         let within = client.find_matches(lookup(64)).await.expect_err("the KV index is off");
         assert_eq!(within.code(), tonic::Code::FailedPrecondition, "{within:?}");
-        cancel.cancel();
         Ok(())
     }
 
