@@ -217,16 +217,20 @@ mod tests {
         Ok(())
     }
 
+    /// A lookup of `hashes` block hashes, each taking 9 bytes on the wire.
+    fn lookup(hashes: u64) -> continuum_proto::pb::FindMatchesRequest {
+        continuum_proto::pb::FindMatchesRequest {
+            block_hashes: (0..hashes).map(|h| h | 1 << 62).collect(),
+            model: "tiny".into(),
+            ..Default::default()
+        }
+    }
+
+    /// On `client`'s connection, served with a 64 KiB budget and 16 KiB shares.
     async fn connection_share_holds(
         mut client: continuum_proto::pb::fleet_client::FleetClient<tonic::transport::Channel>,
         metrics: &Metrics,
     ) -> anyhow::Result<()> {
-        use continuum_proto::pb::FindMatchesRequest;
-        let lookup = |hashes: u64| FindMatchesRequest {
-            block_hashes: (0..hashes).map(|h| h | 1 << 62).collect(),
-            model: "tiny".into(),
-            ..Default::default()
-        };
         // Some 37 KiB: within the process's 64 KiB, past the connection's 16 KiB.
         let refused = client.find_matches(lookup(4096)).await.expect_err("past the connection's share");
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
@@ -243,18 +247,13 @@ mod tests {
     /// one within it reaches the handler (which, the KV index off here, refuses it its way).
     #[tokio::test]
     async fn a_lookup_past_the_budget_is_refused_before_it_is_read_whole() -> anyhow::Result<()> {
-        use continuum_proto::pb::{FindMatchesRequest, fleet_client::FleetClient};
+        use continuum_proto::pb::fleet_client::FleetClient;
 
         let (service, metrics, cancel) = empty_fleet_service()?;
         let service = service.with_lookup_budget((16 << 10, 16 << 10));
         let budget = service.lookup_budget();
         let url = serving(service, &metrics, &cancel).await?;
         let mut client = FleetClient::new(tonic::transport::Channel::from_shared(url)?.connect().await?);
-        let lookup = |hashes: u64| FindMatchesRequest {
-            block_hashes: (0..hashes).map(|h| h | 1 << 62).collect(),
-            model: "tiny".into(),
-            ..Default::default()
-        };
         let refused = client.find_matches(lookup(4096)).await.expect_err("past the budget");
         assert_eq!(refused.code(), tonic::Code::ResourceExhausted, "{refused:?}");
         let over_budget = metrics.kv_find_matches.with_label_values(&["over_budget"]);
