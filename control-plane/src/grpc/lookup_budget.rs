@@ -121,7 +121,7 @@ struct Charge {
 }
 
 /// The bound a message would have passed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 enum Over {
     Budget,
     ConnectionShare,

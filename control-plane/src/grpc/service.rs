@@ -502,9 +502,9 @@ impl Fleet for FleetService {
 /// A budget of `bytes` for lookups in flight, `per_connection` of them for one connection's
 /// calls; its refusals counted as `over_budget` and `over_connection_budget`.
 fn lookups_budget(metrics: &Metrics, (bytes, per_connection): (usize, usize)) -> Arc<LookupBudget> {
-    let refused = |result: &str| metrics.kv_find_matches.with_label_values(&[result]);
+    let counted = |result: &str| metrics.kv_find_matches.with_label_values(&[result]);
     let refused =
-        Refusals { over_budget: refused("over_budget"), over_connection_budget: refused("over_connection_budget") };
+        Refusals { over_budget: counted("over_budget"), over_connection_budget: counted("over_connection_budget") };
     Arc::new(LookupBudget::new((bytes, per_connection), refused, metrics.kv_lookup_bytes_held.clone()))
 }
 
