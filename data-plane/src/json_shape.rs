@@ -17,6 +17,7 @@ use std::collections::HashSet;
 
 use serde::Deserialize;
 use serde::de::{self, MapAccess, SeqAccess, Visitor};
+use smallvec::SmallVec;
 
 /// A value that must be a string or a boolean, kept only if it is one. (`null` in an `Option`
 /// of it is `None`.) An object's own keys must not repeat: the members read so are typed in
@@ -223,10 +224,11 @@ impl<'de> Deserialize<'de> for Key<'de> {
 }
 
 /// The keys one object has shown so far, to refuse the second of any: a list while they are
-/// few, a set past that, up to [`MAX_UNIQUE_KEYS`].
+/// few (on the stack for the first eight: a request and each of its messages is an object), a
+/// set past that, up to [`MAX_UNIQUE_KEYS`].
 #[derive(Debug, Default)]
 pub struct Keys<'de> {
-    few: Vec<Cow<'de, str>>,
+    few: SmallVec<[Cow<'de, str>; 8]>,
     many: HashSet<Cow<'de, str>>,
 }
 

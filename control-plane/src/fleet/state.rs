@@ -112,7 +112,10 @@ impl FleetState {
         }
         // Versions in the log are consecutive, so the delta based on `held` sits at this index.
         let start = usize::try_from(held - first.base_version).unwrap_or(usize::MAX);
-        match FleetDelta::merge(self.log.iter().skip(start).map(Arc::as_ref)) {
+        // `Vector::skip` splits the tree in O(log n); an iterator's `skip` would step through
+        // every delta before `start`, the whole log for a replica one version behind.
+        let pending = self.log.skip(start);
+        match FleetDelta::merge(pending.iter().map(Arc::as_ref)) {
             Some(delta) => Catchup::Delta(delta),
             None => Catchup::Snapshot(self.view.clone()),
         }

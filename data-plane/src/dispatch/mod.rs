@@ -313,7 +313,8 @@ impl Dispatcher {
             let ranks = || -> Few<_> {
                 selection.prefill.iter().chain([&selection.decode]).map(|pin| pin.rank_key()).collect()
             };
-            let (sent, timed_from) = (Instant::now(), tokio::time::Instant::now());
+            let sent = Instant::now();
+            let timed_from = tokio::time::Instant::from_std(sent);
             // The pinned send and what its answer means, and whether a refusal blames the pinned
             // workers. `dispatch` ends with the relayed body, or here for anything else: before a
             // fallback's resend, which may take as long as a generation. Inline rather than a

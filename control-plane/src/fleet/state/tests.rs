@@ -71,6 +71,23 @@ fn a_replica_within_the_log_gets_one_merged_delta_that_converges() {
 }
 
 #[test]
+fn a_replica_a_few_versions_behind_a_full_log_gets_the_deltas_since_its_own() {
+    let mut s = state();
+    let mut held = Vec::new();
+    for id in 0..(DELTA_LOG_CAPACITY as u64 + 40) {
+        s = s.commit(upsert(vec![worker(id % 7, &format!("m{id}"))])).unwrap().0;
+        held.push(s.view().clone());
+    }
+    // Replicas at several places in the log, which has dropped its oldest deltas.
+    for behind in [1, 3, 10, DELTA_LOG_CAPACITY - 1] {
+        let replica = &held[held.len() - 1 - behind];
+        let Catchup::Delta(delta) = s.catchup(Some(replica.version())) else { panic!("{behind} behind: a delta") };
+        assert_eq!(delta.base_version, replica.version(), "{behind} behind");
+        assert!(replica.apply(&delta).unwrap().same_content(s.view()), "{behind} behind converges");
+    }
+}
+
+#[test]
 fn a_replica_behind_the_log_or_new_gets_a_snapshot() {
     let mut s = state();
     let start = s.version();
