@@ -360,6 +360,14 @@ impl From<pb::ReportsFolded> for ReportsFolded {
     }
 }
 
+impl pb::DispatchStarted {
+    /// The rank this start names: its own `rank`, else its place in its report's `ranks`;
+    /// `None` for neither (an index past the table's end).
+    pub fn rank_in<'a>(&'a self, ranks: &'a [pb::LoadKey]) -> Option<&'a pb::LoadKey> {
+        self.rank.as_ref().or_else(|| ranks.get(usize::try_from(self.rank_index).ok()?))
+    }
+}
+
 fn decode_backlogs(backlogs: Vec<pb::Backlog>) -> Result<Vec<(LoadKey, Backlog)>, DecodeError> {
     backlogs.into_iter().map(backlog_from_wire).collect()
 }

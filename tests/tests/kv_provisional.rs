@@ -406,9 +406,14 @@ async fn what_one_caller_sends_is_bounded_before_it_is_believed() -> anyhow::Res
         })
         .collect();
     let ended = (0..=continuum_proto::MAX_REPORT_ENDS as u64).collect();
+    // A start names one rank at most: a table of more ranks than starts is no report.
+    let key =
+        pb::LoadKey { worker: Some(pb::WorkerKey { namespace: "dynamo".into(), instance_id: FIRST }), dp_rank: 0 };
+    let one = started.first().cloned().into_iter().collect();
     let oversized = [
         ("flood", pb::DispatchReport { started, ..Default::default() }),
         ("ends", pb::DispatchReport { ended, ..Default::default() }),
+        ("ranks", pb::DispatchReport { started: one, ranks: vec![key; 2], ..Default::default() }),
     ];
     let mut reporter = plane.client().await?;
     for (replica_id, report) in oversized {

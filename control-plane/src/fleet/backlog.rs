@@ -284,6 +284,7 @@ impl Book {
         // end within one report).
         let (mut prefilled, mut ended) = (report.prefilled.into_iter(), report.ended.into_iter());
         let (mut prefilled_taken, mut ended_taken) = (0, 0);
+        let ranks = report.ranks;
         for started in report.started {
             while prefilled_taken < started.after_prefilled
                 && let Some(id) = prefilled.next()
@@ -297,7 +298,7 @@ impl Book {
                 self.end((replica, id), at);
                 ended_taken += 1;
             }
-            self.start(replica, started, at, state);
+            self.start(replica, started, &ranks, at, state);
         }
         for id in prefilled {
             self.prefilled((replica, id), at);
@@ -308,8 +309,15 @@ impl Book {
     }
 
     /// One reported start: admitted onto its rank, or refused and counted.
-    fn start(&mut self, replica: u64, started: pb::DispatchStarted, at: Instant, state: &FleetState) {
-        let key = match self.admit_start(replica, &started, state) {
+    fn start(
+        &mut self,
+        replica: u64,
+        started: pb::DispatchStarted,
+        ranks: &[pb::LoadKey],
+        at: Instant,
+        state: &FleetState,
+    ) {
+        let key = match self.admit_start(replica, &started, ranks, state) {
             Ok(key) => key,
             Err(refusal) => {
                 if matches!(refusal, Refusal::ReplicaFull | Refusal::BookFull) && self.lossy.insert(replica) {
@@ -362,15 +370,17 @@ impl Book {
         self.held += 1;
     }
 
-    /// The rank `replica` may start `started` on: a plausible dispatch, on a rank the fleet has
-    /// (given its record here), within the replica's bound and the book's.
+    /// The rank `replica` may start `started` on (named by it or by its place in its report's
+    /// `ranks`): a plausible dispatch, on a rank the fleet has (given its record here), within
+    /// the replica's bound and the book's.
     fn admit_start(
         &mut self,
         replica: u64,
         started: &pb::DispatchStarted,
+        ranks: &[pb::LoadKey],
         state: &FleetState,
     ) -> Result<RankKey, Refusal> {
-        let Some((reported, key)) = started.rank.as_ref().and_then(|r| Some((r, reported_rank(r)?))) else {
+        let Some((reported, key)) = started.rank_in(ranks).and_then(|r| Some((r, reported_rank(r)?))) else {
             return Err(Refusal::UnknownRank);
         };
         if !plausible(started) {

@@ -420,6 +420,18 @@ impl Session {
                         )),
                     ));
                 }
+                // A start names one rank at most, so a longer table is no report's.
+                if report.ranks.len() > report.started.len() {
+                    self.metrics.dispatch_reports_dropped.inc();
+                    return Err(Refused::new(
+                        "report_too_large",
+                        Status::invalid_argument(format!(
+                            "a dispatch report names {} ranks for {} dispatches started; at most one each",
+                            report.ranks.len(),
+                            report.started.len()
+                        )),
+                    ));
+                }
                 let ends = report.ended.len().max(report.prefilled.len());
                 if ends > MAX_REPORT_ENDS {
                     self.metrics.dispatch_reports_dropped.inc();
@@ -469,12 +481,13 @@ impl Session {
     /// per-report bounds a chain is cut; its prefix is still a chain.
     fn credit_prefixes(&self, report: &mut pb::DispatchReport) {
         let mut budget = MAX_REPORT_BLOCK_HASHES;
+        let ranks = &report.ranks;
         for started in &mut report.started {
             started.block_hashes.truncate(MAX_DISPATCH_BLOCK_HASHES.min(budget));
             // What a cut chain no longer holds is given back: the book keeps it for minutes.
             fit(&mut started.block_hashes);
             budget -= started.block_hashes.len();
-            let rank = started.rank.as_ref().and_then(|k| Some((k.worker.as_ref()?.instance_id, k.dp_rank)));
+            let rank = started.rank_in(ranks).and_then(|k| Some((k.worker.as_ref()?.instance_id, k.dp_rank)));
             let Some((worker_id, dp_rank)) = rank else { continue };
             let rank = RankKey { worker_id, dp_rank };
             // Credited and reserved when it first started, on the stream before; an

@@ -20,6 +20,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
+use continuum_proto::fast_hash::FastMap;
 use continuum_proto::model::LoadKey;
 use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_REPORT_BLOCK_HASHES, pb};
 use prometheus::IntCounter;
@@ -451,6 +452,8 @@ impl DispatchReporter {
 /// provisional credit are lost.
 pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchReport {
     let mut report = pb::DispatchReport { first_op: first.number, ..pb::DispatchReport::default() };
+    // Each rank's place in `report.ranks`, which names it once for all its starts.
+    let mut ranks: FastMap<LoadKey, u32> = FastMap::default();
     let mut hashes_left = MAX_REPORT_BLOCK_HASHES;
     let mut events = 0;
     let mut next = Some(first);
@@ -474,10 +477,15 @@ pub(crate) fn batch(first: Operation, reports: &mut Reports) -> pb::DispatchRepo
                         block_hashes = Vec::new();
                     }
                     hashes_left -= block_hashes.len();
-                    let rank = Some((&rank).into());
+                    let rank_index = *ranks.entry(rank).or_insert_with_key(|rank| {
+                        report.ranks.push(rank.into());
+                        // At most one rank for each start, and a report's starts are bounded.
+                        u32::try_from(report.ranks.len() - 1).unwrap_or(u32::MAX)
+                    });
                     report.started.push(pb::DispatchStarted {
                         id,
-                        rank,
+                        rank: None,
+                        rank_index,
                         prefill_tokens,
                         decode_blocks,
                         block_hashes,
@@ -595,6 +603,32 @@ mod tests {
         assert_eq!(report.ended, [ids.0, ids.1]);
         let rest = next_report(&mut rx);
         assert_eq!((rest.first_op, rest.last_op), (last + 1, last + 1));
+    }
+
+    /// A report names each rank once, in `ranks`, and each start names its rank by its place
+    /// there: a thousand dispatches to four ranks carry four keys.
+    #[test]
+    fn a_report_names_each_rank_once_and_its_starts_by_their_place() {
+        let (reporter, mut rx) = reporter();
+        let other = LoadKey { worker: WorkerKey::new("other", 9), dp_rank: 1 };
+        for rank in [rank(), other.clone(), rank(), rank(), other.clone()] {
+            reporter.operation(|report| report.started(&rank, 64, 0, Vec::new()));
+        }
+        let report = next_report(&mut rx);
+        assert_eq!(report.ranks, [pb::LoadKey::from(&rank()), pb::LoadKey::from(&other)]);
+        assert!(report.started.iter().all(|started| started.rank.is_none()), "no start carries its key");
+        let named: Vec<Option<LoadKey>> = report
+            .started
+            .iter()
+            .map(|started| started.rank_in(&report.ranks).cloned().and_then(|key| key.try_into().ok()))
+            .collect();
+        assert_eq!(named, [rank(), other.clone(), rank(), rank(), other].map(Some));
+        let second = {
+            reporter.operation(|report| report.started(&rank(), 64, 0, Vec::new()));
+            next_report(&mut rx)
+        };
+        assert_eq!(second.ranks.len(), 1, "each report's table is its own");
+        assert_eq!(second.started[0].rank_index, 0);
     }
 
     /// Each start says how many of the report's first tokens and ends came before it, so the

@@ -54,15 +54,19 @@ const DEPARTURE_ROOM: usize = 2 * crate::grpc::MAX_WATCH_STREAMS;
 /// About what a report holds in memory: its dispatches, their block hashes and namespaces (a
 /// replica's to fill, up to the message bound), its ends.
 pub(super) fn report_bytes(report: &pb::DispatchReport) -> usize {
-    let started = report.started.iter().map(|started| {
-        let namespace = started.rank.as_ref().and_then(|rank| rank.worker.as_ref()).map_or(0, |w| w.namespace.len());
-        std::mem::size_of::<pb::DispatchStarted>()
+    let rank_bytes = |rank: &pb::LoadKey| {
+        std::mem::size_of::<pb::LoadKey>()
             + std::mem::size_of::<pb::WorkerKey>()
-            + namespace
+            + rank.worker.as_ref().map_or(0, |w| w.namespace.len())
+    };
+    let started = report.started.iter().map(|started| {
+        std::mem::size_of::<pb::DispatchStarted>()
+            + started.rank.as_ref().map_or(0, rank_bytes)
             + started.block_hashes.len() * std::mem::size_of::<u64>()
     });
+    let ranks = report.ranks.iter().map(rank_bytes);
     let ends = (report.ended.len() + report.prefilled.len()) * std::mem::size_of::<u64>();
-    std::mem::size_of::<pb::DispatchReport>() + started.sum::<usize>() + ends
+    std::mem::size_of::<pb::DispatchReport>() + started.sum::<usize>() + ranks.sum::<usize>() + ends
 }
 
 enum Command {

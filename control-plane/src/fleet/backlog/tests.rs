@@ -176,6 +176,25 @@ fn reports_for_ranks_the_fleet_does_not_have_are_refused() {
     assert!(book.take_change(Instant::now()).backlogs.is_empty());
 }
 
+/// Starts that name their rank by its place in the report's `ranks` land on it, as starts that
+/// name it themselves (replicas before the table) do; a place past the table's end is no rank.
+#[test]
+fn starts_name_their_rank_by_its_place_in_the_reports_table() {
+    let state = state_with(2);
+    let mut book = Book::default();
+    let t0 = Instant::now();
+    let by_place = |id, rank_index| pb::DispatchStarted { rank: None, rank_index, ..started(id, 0, 16) };
+    let table = pb::DispatchReport {
+        ranks: vec![(&rank(1)).into(), (&rank(0)).into()],
+        ..report(vec![by_place(1, 0), by_place(2, 1), by_place(3, 0), started(4, 0, 16), by_place(5, 2)], vec![])
+    };
+    book.report(1, table, t0, &state);
+    assert_eq!((book.refused.of(Refusal::UnknownRank), book.refused.total()), (1, 1), "place 2 of 2");
+    let mut placed: Vec<(u64, RankKey)> = book.where_is[&1].iter().map(|(id, key)| (*id, *key)).collect();
+    placed.sort_by_key(|(id, _)| *id);
+    assert_eq!(placed, [(1, book_key(1)), (2, book_key(0)), (3, book_key(1)), (4, book_key(0))]);
+}
+
 #[test]
 fn a_held_rank_takes_reports_only_under_its_own_namespace_and_while_its_worker_serves() {
     let state = state_with(0);
