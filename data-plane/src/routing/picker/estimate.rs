@@ -123,15 +123,13 @@ fn string_tokens(text: &str) -> u64 {
         // Most prompt text: a byte is a character, and a word starts where a byte that is not
         // whitespace follows one that is (or the start). The same counts as below, a fraction
         // of the work.
-        let starts = text.as_bytes().iter().scan(true, |after_space, byte| {
+        let (words, _) = text.bytes().fold((0usize, true), |(words, after_space), byte| {
             // As `char::is_whitespace` (Unicode's White_Space) reads ASCII: tab to carriage
             // return, vertical tab included (`u8::is_ascii_whitespace` leaves it out), and space.
             let space = matches!(byte, b'\t'..=b'\r' | b' ');
-            let starts = *after_space && !space;
-            *after_space = space;
-            Some(starts)
+            (words + usize::from(after_space && !space), space)
         });
-        (text.len(), starts.filter(|starts| *starts).count())
+        (text.len(), words)
     } else {
         (text.chars().count(), text.split_whitespace().count())
     };
