@@ -1,6 +1,7 @@
 //! A Continuum data-plane replica: stateless, configured with little more than its listen
 //! address and the control plane's address. Everything else arrives on the Fleet stream.
 
+mod boxed;
 pub mod clear_text;
 pub mod dispatch;
 pub mod fleet;

@@ -8,6 +8,7 @@
 //! its connection: a proxied request costs the wake-ups of its own sockets only.
 
 use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +23,7 @@ use super::connections::{Conn, IdleConnections, READ_CHUNK};
 use super::resolve::Resolver;
 use super::shim_body::{Return, ShimBody};
 use super::wire::{self, WireError};
+use crate::boxed::built_in_box;
 use crate::routing::headers::Pins;
 
 #[derive(Debug, thiserror::Error)]
@@ -130,13 +132,17 @@ impl ShimClient {
 
     /// Not an `async fn`: it would keep `request` in its future beside the parts it binds.
     /// Idle connections are taken as of `now`, the clock read as the request was sent.
+    ///
+    /// Built in a box of its own ([`built_in_box`]): its future would be copied whole at each
+    /// level that wraps it on its way to the request's (the timeout, the breaker's outcome, the
+    /// attempt loop).
     fn exchange<'a>(
         &'a self,
         request: Outbound<'a>,
         now: Instant,
-    ) -> impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a {
+    ) -> Pin<Box<impl Future<Output = Result<Response<ShimBody>, SendError>> + 'a>> {
         let Outbound { method, uri, headers, pins, body } = request;
-        async move {
+        built_in_box(move || async move {
             // Plain HTTP only (the shim runs beside the workers): an https:// shim is refused
             // before anything is sent rather than spoken to in plaintext.
             if uri.scheme_str() != Some("http") {
@@ -178,7 +184,7 @@ impl ShimClient {
             *response.status_mut() = head.status;
             *response.headers_mut() = head.headers;
             Ok(response)
-        }
+        })
     }
 
     /// A new connection to `authority`, trying each address it resolves to in turn, each

@@ -50,6 +50,7 @@ pub use pool::{PoolCache, ShimPools, ShimReplica};
 pub use probe::ProbeSettings;
 pub use respond::{ERROR_BODY_TIMEOUT, MAX_BUFFERED_RESPONSE_BYTES, MAX_ERROR_BODY_BYTES};
 
+use crate::boxed::built_in_box;
 use crate::ingress::request::OutboundBody;
 use crate::metrics::{ErrorPhase, Metrics, RoutingPath};
 use crate::routing::headers::{Pins, TENANT_ID, disclose_backend, mark_routing_path, pins};
@@ -253,15 +254,16 @@ impl Dispatcher {
         self.health.usable(&replica.name, &replica.url, now)
     }
 
-    /// The dispatch's future, boxed: it is most of a request's, and every future that awaits
-    /// one holds it inline, so each of them would copy its kilobytes as it starts. Not an
+    /// The dispatch's future, built in its box ([`built_in_box`]): it is most of a request's,
+    /// and every future that awaits one holds it inline, so each of them would copy its
+    /// kilobytes as it starts. Not an
     /// `async fn`: the caller awaits the box itself, not a future around it holding the plan.
     pub fn run(&self, plan: Plan) -> impl Future<Output = Result<Response, DispatchError>> + '_ {
         let Plan { body, stream, disclose, tenant, trace, route } = plan;
         let headers = self.request_headers(stream, tenant, trace);
         match route {
             Route::Pinned(pinned) => {
-                Either::Left(Box::pin(self.pinned(body.into_bytes(), stream, disclose, headers, pinned)))
+                Either::Left(built_in_box(|| self.pinned(body.into_bytes(), stream, disclose, headers, pinned)))
             }
             Route::Unified { replicas } => {
                 self.metrics.routed(RoutingPath::Unified);

@@ -30,6 +30,7 @@ use super::head::{
     encode_response, http_date, parse_request,
 };
 use super::{App, Slots, Stages};
+use crate::boxed::built_in_box;
 use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
 use crate::ingress::MAX_REQUEST_BODY_BYTES;
 use crate::ingress::chat;
@@ -217,10 +218,10 @@ pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &
         // Boxed, and only while the request is answered: inline, its future (some 2 KB, the
         // dispatch's own boxed apart) would be part of the connection's task for the
         // connection's whole life, every idle keep-alive connection's included. A chat
-        // completion's future is boxed as the handler makes it, not inside another's: each
-        // level of `async fn` would build and move the one below it.
+        // completion's future is built in its box ([`built_in_box`]), not inside another's:
+        // each level of `async fn` would build and move the one below it.
         let work = if head.route == Route::ChatCompletions {
-            Either::Left(Box::pin(chat::respond(&app.state, head.client, body)))
+            Either::Left(built_in_box(|| chat::respond(&app.state, head.client, body)))
         } else {
             Either::Right(Box::pin(app.respond(head, body)))
         };
