@@ -119,15 +119,25 @@ fn next_factor(current: f64, estimate: u64, counted: u64) -> f64 {
     ((1.0 - LEARNING_RATE) * current.ln() + LEARNING_RATE * observed.ln()).exp().clamp(low, high)
 }
 
+/// Colons from an answer's end tried for the `prompt_tokens` key before a substring search.
+const KEY_COLONS_TRIED: usize = 16;
+
 /// The `prompt_tokens` of an OpenAI `usage` object in a response body or SSE chunk, if there is
 /// one. Model text cannot fake it: inside a JSON string every quote is escaped, so the key's
 /// closing `":` never appears there.
 pub fn usage_prompt_tokens(body: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"prompt_tokens\":";
-    // Built once: every answer is searched.
-    static FINDER: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(KEY));
     // From the end: `usage` closes an answer, which may be megabytes of choices before it.
-    let at = FINDER.rfind(body)?;
+    // The key ends in a colon, and the last few colons are found faster than any substring
+    // search sets out (`usage` has three); past them (model text may hold any number) the
+    // substring search, built once, takes over.
+    static FINDER: LazyLock<FinderRev<'static>> = LazyLock::new(|| FinderRev::new(KEY));
+    let mut colons = memchr::memrchr_iter(b':', body);
+    let near_the_end = colons.by_ref().take(KEY_COLONS_TRIED).find(|&colon| body[..=colon].ends_with(KEY));
+    let at = match near_the_end {
+        Some(colon) => colon + 1 - KEY.len(),
+        None => FINDER.rfind(body)?,
+    };
     let rest = body.get(at + KEY.len()..)?;
     let digits = rest.iter().skip_while(|b| b.is_ascii_whitespace());
     let mut value: u64 = 0;
@@ -228,8 +238,14 @@ mod tests {
             ("not a number", br#"{"usage":{"prompt_tokens":null}}"#, None),
             ("too large", br#"{"usage":{"prompt_tokens":99999999999999999999999}}"#, None),
         ];
+        let colons = ":".repeat(KEY_COLONS_TRIED * 2);
+        let past_the_colons_tried = format!(r#"{{"usage":{{"prompt_tokens":7}},"x":"{colons}"}}"#);
+        let cases = cases.iter().copied().chain([
+            ("past the colons tried", past_the_colons_tried.as_bytes(), Some(7)),
+            ("the last of two", br#"{"usage":{"prompt_tokens":1},"usage":{"prompt_tokens":2}}"#, Some(2)),
+        ]);
         for (name, body, expected) in cases {
-            assert_eq!(usage_prompt_tokens(body), *expected, "{name}");
+            assert_eq!(usage_prompt_tokens(body), expected, "{name}");
         }
     }
 }
