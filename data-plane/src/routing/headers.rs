@@ -313,10 +313,12 @@ pub fn disclose_backend(headers: &mut HeaderMap, backend: &str) {
 /// let the decode worker prefill the request itself (the seed's bypass contract). A routing
 /// path names no worker, so every client sees it, whether or not it asked for disclosure.
 pub fn mark_routing_path(headers: &mut HeaderMap, selection: &Selection) {
+    // A name made once: given as a string, the map would check and parse it for every answer.
+    const ROUTING_PATH: HeaderName = HeaderName::from_static(DISCLOSED_ROUTING_PATH);
     if selection.prefill_reason == Reason::ConditionalBypass {
-        headers.insert(DISCLOSED_ROUTING_PATH, HeaderValue::from_static("unified"));
+        headers.insert(ROUTING_PATH, HeaderValue::from_static("unified"));
     } else {
-        headers.remove(DISCLOSED_ROUTING_PATH);
+        headers.remove(ROUTING_PATH);
     }
 }
 
