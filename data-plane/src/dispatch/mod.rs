@@ -256,8 +256,8 @@ impl Dispatcher {
 
     /// The dispatch's future, built in its box ([`built_in_box`]): it is most of a request's,
     /// and every future that awaits one holds it inline, so each of them would copy its
-    /// kilobytes as it starts. Not an
-    /// `async fn`: the caller awaits the box itself, not a future around it holding the plan.
+    /// kilobytes as it starts. Not an `async fn`: the caller awaits the box itself, not a
+    /// future around it holding the plan.
     pub fn run(&self, plan: Plan) -> impl Future<Output = Result<Response, DispatchError>> + '_ {
         let Plan { body, stream, disclose, tenant, trace, route } = plan;
         let headers = self.request_headers(stream, tenant, trace);
