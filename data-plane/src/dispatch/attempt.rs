@@ -48,14 +48,14 @@ impl Dispatcher {
                 }
                 let (retry, now) = (attempts > 0, Instant::now());
                 // A retry asks first, so that a replica it would skip costs no retry budget.
-                if retry && !self.health.usable(&replica.name, &replica.url, now) {
+                if retry && !self.health.of(replica).usable(now) {
                     continue;
                 }
                 if retry && !self.budget.withdraw() {
                     return Err(last.map_or(Failure::NoReplica, Failure::BudgetSpent));
                 }
                 // Out, or a half-open breaker whose one probe another request took: no retry was made.
-                if !self.health.admit(&replica.name, &replica.url, now) {
+                if !self.health.of(replica).admit(now) {
                     if retry {
                         self.budget.refund();
                     }
@@ -108,12 +108,12 @@ impl Dispatcher {
         sent: Instant,
         mut outcome: Result<Response<ShimBody>, SendError>,
     ) -> Result<Response<ShimBody>, SendError> {
-        let (name, url, now) = (&replica.name, &replica.url, Instant::now());
+        let (health, now) = (self.health.of(replica), Instant::now());
         match &outcome {
             // A success's outcome is its body's: recorded when it ends (`Dispatcher::success`).
-            Ok(response) if response.status().is_success() => self.health.head_arrived(name, url, (sent, now)),
-            Ok(response) if is_gateway_failure(response.status()) => self.health.failed(name, url, (sent, now)),
-            Ok(_) => self.health.answered(name, url, (sent, now)),
+            Ok(response) if response.status().is_success() => health.head_arrived((sent, now)),
+            Ok(response) if is_gateway_failure(response.status()) => health.failed((sent, now)),
+            Ok(_) => health.answered((sent, now)),
             // A buffered answer's head comes only once generation is done, so a hung worker
             // (or a long generation) looks just so: the shim's failure only if it answered
             // nothing else meanwhile, and then its alone (counted against it, a few requests
@@ -121,11 +121,11 @@ impl Dispatcher {
             // worker well; blamed on the pins, a hung shim would eject workers that serve
             // every other shim well). `Dispatcher::pinned` blames the pins of a `HeadTimeout`.
             Err(SendError::HeadTimeout(after)) => {
-                if self.health.record_unanswered(name, url, sent, now) {
+                if health.record_unanswered(sent, now) {
                     outcome = Err(SendError::ShimSilent(*after));
                 }
             }
-            Err(_) => self.health.failed(name, url, (sent, now)),
+            Err(_) => health.failed((sent, now)),
         }
         // A shim that breaks most connections but not enough in a row to open its breaker
         // fails most attempts: `continuum_shim_attempts_total` counts each.
@@ -157,9 +157,9 @@ impl Unfinished<'_> {
 
 impl Drop for Unfinished<'_> {
     fn drop(&mut self) {
-        let ShimReplica { name, url, .. } = self.replica;
-        self.dispatcher.metrics.shim_attempts.with_label_values(&[name.as_str(), "client_left"]).inc();
-        self.dispatcher.health.abandoned(name, url, self.sent);
+        let name = self.replica.name.as_str();
+        self.dispatcher.metrics.shim_attempts.with_label_values(&[name, "client_left"]).inc();
+        self.dispatcher.health.of(self.replica).abandoned(self.sent);
     }
 }
 

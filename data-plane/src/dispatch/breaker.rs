@@ -16,10 +16,13 @@
 //! reopens the breaker. A probe that never reports (its request was cancelled) is replaced by
 //! another once a further cooldown has passed.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::borrow::Cow;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_proto::fast_hash::FastMap;
+
+use super::pool::ShimReplica;
 
 /// Consecutive failures that open a replica's breaker.
 pub const FAILURE_THRESHOLD: u32 = 5;
@@ -206,20 +209,13 @@ impl Probed {
     }
 }
 
+/// A replica first seen: closed and up.
 #[derive(Debug, Clone, Default)]
 struct Replica {
-    url: String,
     breaker: Breaker,
     probed: Probed,
     /// When it last answered a request (any answer that proves it alive).
     answered_at: Option<Instant>,
-}
-
-impl Replica {
-    /// A replica first seen at `url`: closed and up.
-    fn at(url: &str) -> Self {
-        Self { url: url.to_string(), ..Self::default() }
-    }
 }
 
 /// Where a relayed stream records its exchange's outcome on its shim replica's breaker once its
@@ -227,32 +223,53 @@ impl Replica {
 /// under it (the shim's failure, or the network's; 1.6.1 says a worker's death in band).
 #[derive(Debug)]
 pub struct ShimExchange {
-    health: Arc<ShimHealth>,
+    settings: BreakerSettings,
     name: String,
-    url: String,
+    shared: Shared,
     sent: Instant,
 }
 
 impl ShimExchange {
-    pub fn new(health: &Arc<ShimHealth>, name: &str, url: &str, sent: Instant) -> Self {
-        Self { health: Arc::clone(health), name: name.into(), url: url.into(), sent }
+    pub fn new(health: &ShimHealth, replica: &ShimReplica, sent: Instant) -> Self {
+        let shared = Arc::clone(&health.of(replica).shared);
+        Self { settings: health.settings, name: replica.name.clone(), shared, sent }
     }
 
     pub fn ended(&self, served: bool) {
-        self.health.exchange_ended(&self.name, &self.url, (self.sent, served));
+        let replica = ReplicaHealth { settings: &self.settings, name: &self.name, shared: Cow::Borrowed(&self.shared) };
+        replica.exchange_ended((self.sent, served));
     }
 }
 
+/// One replica's health, shared by the map and by the [`ShimReplica`]s that name it.
+type Shared = Arc<Mutex<Replica>>;
+
+/// Where a [`ShimReplica`] keeps its replica's health once it has looked it up: its requests
+/// then reach it without the map, which a request would otherwise look up by name and URL, under
+/// the map's lock, four times. Not part of what the replica is: any two are equal.
+#[derive(Debug, Clone, Default)]
+pub struct HealthSlot(OnceLock<Shared>);
+
+impl PartialEq for HealthSlot {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for HealthSlot {}
+
 /// The breakers and probe verdicts of every shim replica, by backend name and URL (the
-/// operator's configuration names them, so a fast hash will do: each request looks its replica
-/// up a few times). A backend moved to another URL on reload starts over there, closed and up,
-/// and whatever still concerns its old URL (a long stream's end, a retry or fallback of a
-/// request routed before the reload, a probe sent before it) concerns the old URL's entry,
-/// which goes once the configuration no longer names it ([`Self::states`]).
+/// operator's configuration names them, so a fast hash will do). A backend moved to another URL
+/// on reload starts over there, closed and up, and whatever still concerns its old URL (a long
+/// stream's end, a retry or fallback of a request routed before the reload, a probe sent before
+/// it) concerns the old URL's entry, which goes once the configuration no longer names it
+/// ([`Self::states`]); a request routed before then holds on to the entry it found, and what it
+/// records there goes with it.
 #[derive(Debug, Default)]
 pub struct ShimHealth {
     settings: BreakerSettings,
-    replicas: Mutex<FastMap<String, Vec<Replica>>>,
+    /// By name, then URL.
+    replicas: Mutex<FastMap<String, Vec<(String, Shared)>>>,
 }
 
 impl ShimHealth {
@@ -260,23 +277,100 @@ impl ShimHealth {
         Self { settings, replicas: Mutex::default() }
     }
 
-    pub fn usable(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.usable(now, settings))
+    /// The replica `name` at `url`, found in the map.
+    pub fn at<'a>(&'a self, name: &'a str, url: &str) -> ReplicaHealth<'a> {
+        ReplicaHealth { settings: &self.settings, name, shared: Cow::Owned(self.shared(name, url)) }
     }
 
-    pub fn admit(&self, name: &str, url: &str, now: Instant) -> bool {
-        self.with(name, url, |r, settings| !r.probed.down() && r.breaker.admit(now, settings))
+    /// The replica `replica` names: found in the map the first time, then through the slot it
+    /// keeps ([`HealthSlot`]).
+    pub fn of<'a>(&'a self, replica: &'a ShimReplica) -> ReplicaHealth<'a> {
+        let shared = replica.health.0.get_or_init(|| self.shared(&replica.name, &replica.url));
+        ReplicaHealth { settings: &self.settings, name: &replica.name, shared: Cow::Borrowed(shared) }
+    }
+
+    /// Clears the probe verdicts of the replicas `probed` leaves out: a backend that left every
+    /// pool is probed no more, and a verdict nothing renews would keep it out of unified
+    /// routing for good. Its breaker, which its own requests renew, stands.
+    pub fn clear_probes_except(&self, probed: impl Fn(&str) -> bool) {
+        let replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
+        for (_, urls) in replicas.iter().filter(|(name, _)| !probed(name)) {
+            for (_, replica) in urls {
+                lock(replica).probed = Probed::default();
+            }
+        }
+    }
+
+    /// Every replica's state, for the gauge (a replica down by its probes reads as open);
+    /// replicas whose (name, URL) `keep` leaves out are forgotten.
+    pub fn states(&self, keep: impl Fn(&str, &str) -> bool) -> Vec<(String, BreakerState)> {
+        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
+        replicas.retain(|name, urls| {
+            urls.retain(|(url, _)| keep(name, url));
+            !urls.is_empty()
+        });
+        let state = |r: &Shared| {
+            let r = lock(r);
+            if r.probed.down() { BreakerState::Open } else { r.breaker.state() }
+        };
+        replicas.iter().flat_map(|(name, urls)| urls.iter().map(|(_, r)| (name.clone(), state(r)))).collect()
+    }
+
+    /// The entry of the replica `name` at `url`, made if it has none.
+    fn shared(&self, name: &str, url: &str) -> Shared {
+        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
+        // Looked up by `&str` first: a name is allocated only for a replica not seen before.
+        let urls = match replicas.get_mut(name) {
+            Some(urls) => urls,
+            None => replicas.entry(name.to_string()).or_default(),
+        };
+        if let Some((_, replica)) = urls.iter().find(|(at, _)| at == url) {
+            return Arc::clone(replica);
+        }
+        // URLs a name had before reloads, which only requests routed before them still ask
+        // about: the oldest goes first.
+        if urls.len() >= MAX_URLS_PER_REPLICA {
+            urls.remove(0);
+        }
+        let replica = Shared::default();
+        urls.push((url.to_string(), Arc::clone(&replica)));
+        replica
+    }
+}
+
+fn lock(replica: &Shared) -> MutexGuard<'_, Replica> {
+    replica.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One replica's breaker and probe verdict, as a request or a probe reaches it
+/// ([`ShimHealth::at`], [`ShimHealth::of`]).
+#[derive(Debug)]
+pub struct ReplicaHealth<'a> {
+    settings: &'a BreakerSettings,
+    /// The backend's name, for the log.
+    name: &'a str,
+    shared: Cow<'a, Shared>,
+}
+
+impl ReplicaHealth<'_> {
+    pub fn usable(&self, now: Instant) -> bool {
+        self.with(|r, settings| !r.probed.down() && r.breaker.usable(now, settings))
+    }
+
+    pub fn admit(&self, now: Instant) -> bool {
+        self.with(|r, settings| !r.probed.down() && r.breaker.admit(now, settings))
     }
 
     /// A request admitted at `sent` was dropped before its outcome came ([`Breaker::abandoned`]).
-    pub fn abandoned(&self, name: &str, url: &str, sent: Instant) {
-        self.with(name, url, |r, _| r.breaker.abandoned(sent));
+    pub fn abandoned(&self, sent: Instant) {
+        self.with(|r, _| r.breaker.abandoned(sent));
     }
 
     /// A probe's outcome. A successful one also ends an open breaker's cooldown (see
     /// [`Breaker::end_cooldown`]).
-    pub fn record_probe(&self, name: &str, url: &str, live: bool) {
-        self.with(name, url, |r, _| {
+    pub fn record_probe(&self, live: bool) {
+        let name = self.name;
+        self.with(|r, _| {
             let was_down = r.probed.down();
             if live {
                 r.probed = Probed::default();
@@ -292,27 +386,15 @@ impl ShimHealth {
         });
     }
 
-    /// Clears the probe verdicts of the replicas `probed` leaves out: a backend that left every
-    /// pool is probed no more, and a verdict nothing renews would keep it out of unified
-    /// routing for good. Its breaker, which its own requests renew, stands.
-    pub fn clear_probes_except(&self, probed: impl Fn(&str) -> bool) {
-        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
-        for (_, urls) in replicas.iter_mut().filter(|(name, _)| !probed(name)) {
-            for replica in urls {
-                replica.probed = Probed::default();
-            }
-        }
-    }
-
     /// A success's body ended: whole (`served`, [`Breaker::on_served`]: the replica answers,
     /// which [`Self::record_unanswered`] asks of the time since a request was sent), or broken
     /// under its head, the replica's failure.
-    pub fn exchange_ended(&self, name: &str, url: &str, (sent, served): (Instant, bool)) {
+    pub fn exchange_ended(&self, (sent, served): (Instant, bool)) {
         let now = Instant::now();
         if !served {
-            return self.failed(name, url, (sent, now));
+            return self.failed((sent, now));
         }
-        self.with(name, url, |r, _| {
+        self.with(|r, _| {
             r.answered_at = Some(now);
             r.breaker.on_served();
         });
@@ -320,13 +402,14 @@ impl ShimHealth {
 
     /// A success answer's head arrived ([`Breaker::on_head`]); its body's end records the
     /// exchange's outcome.
-    pub fn head_arrived(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
-        self.answering(name, url, now, |breaker| breaker.on_head(sent));
+    pub fn head_arrived(&self, (sent, now): (Instant, Instant)) {
+        self.answering(now, |breaker| breaker.on_head(sent));
     }
 
     /// The replica answered at `now`, which `answer` tells its breaker.
-    fn answering(&self, name: &str, url: &str, now: Instant, answer: impl FnOnce(&mut Breaker)) {
-        self.with(name, url, |r, _| {
+    fn answering(&self, now: Instant, answer: impl FnOnce(&mut Breaker)) {
+        let name = self.name;
+        self.with(|r, _| {
             r.answered_at = Some(now);
             let before = r.breaker.state();
             answer(&mut r.breaker);
@@ -339,23 +422,24 @@ impl ShimHealth {
     /// A request sent at `sent` got no response head in time: the replica's failure unless it
     /// answered another request since (then its chat path works, and the silence is the
     /// request's workers'). Whether it was counted as the replica's.
-    pub fn record_unanswered(&self, name: &str, url: &str, sent: Instant, now: Instant) -> bool {
-        let answered_since = self.with(name, url, |r, _| r.answered_at.is_some_and(|at| at >= sent));
+    pub fn record_unanswered(&self, sent: Instant, now: Instant) -> bool {
+        let answered_since = self.with(|r, _| r.answered_at.is_some_and(|at| at >= sent));
         if !answered_since {
-            self.failed(name, url, (sent, now));
+            self.failed((sent, now));
         }
         !answered_since
     }
 
     /// A whole answer other than a success ([`Breaker::on_answered`]).
-    pub fn answered(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
-        self.answering(name, url, now, |breaker| breaker.on_answered(sent));
+    pub fn answered(&self, (sent, now): (Instant, Instant)) {
+        self.answering(now, |breaker| breaker.on_answered(sent));
     }
 
     /// The replica failed a request `sent` then, at `now` (no connection, no answer, a
     /// gateway's, a body cut short).
-    pub fn failed(&self, name: &str, url: &str, (sent, now): (Instant, Instant)) {
-        self.with(name, url, |r, settings| {
+    pub fn failed(&self, (sent, now): (Instant, Instant)) {
+        let name = self.name;
+        self.with(|r, settings| {
             let before = r.breaker.state();
             r.breaker.on_failure((sent, now), settings);
             let after = r.breaker.state();
@@ -365,39 +449,9 @@ impl ShimHealth {
         });
     }
 
-    /// Every replica's state, for the gauge (a replica down by its probes reads as open);
-    /// replicas whose (name, URL) `keep` leaves out are forgotten.
-    pub fn states(&self, keep: impl Fn(&str, &str) -> bool) -> Vec<(String, BreakerState)> {
-        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
-        replicas.retain(|name, urls| {
-            urls.retain(|replica| keep(name, &replica.url));
-            !urls.is_empty()
-        });
-        let state = |r: &Replica| if r.probed.down() { BreakerState::Open } else { r.breaker.state() };
-        replicas.iter().flat_map(|(name, urls)| urls.iter().map(|r| (name.clone(), state(r)))).collect()
-    }
-
-    /// `f` on the replica `name` at `url`.
-    fn with<T>(&self, name: &str, url: &str, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
-        let mut replicas = self.replicas.lock().unwrap_or_else(PoisonError::into_inner);
-        // Looked up by `&str` first: a name is allocated only for a replica not seen before.
-        let urls = match replicas.get_mut(name) {
-            Some(urls) => urls,
-            None => replicas.entry(name.to_string()).or_default(),
-        };
-        let at = match urls.iter().position(|replica| replica.url == url) {
-            Some(at) => at,
-            None => {
-                // URLs a name had before reloads, which only requests routed before them
-                // still ask about: the oldest goes first.
-                if urls.len() >= MAX_URLS_PER_REPLICA {
-                    urls.remove(0);
-                }
-                urls.push(Replica::at(url));
-                urls.len() - 1
-            }
-        };
-        f(&mut urls[at], &self.settings)
+    /// `f` on the replica, under its own lock.
+    fn with<T>(&self, f: impl FnOnce(&mut Replica, &BreakerSettings) -> T) -> T {
+        f(&mut lock(&self.shared), self.settings)
     }
 }
 
@@ -528,32 +582,32 @@ mod tests {
     fn two_failed_probes_take_a_replica_out_and_one_live_probe_brings_it_back_for_one_trial_request() {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
-        health.record_probe("shim", "http://a", false);
-        assert!(health.usable("shim", "http://a", now), "one failed probe is not enough");
-        health.record_probe("shim", "http://a", false);
-        assert!(!health.usable("shim", "http://a", now));
-        assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown * 10), "no breaker probe either");
+        health.at("shim", "http://a").record_probe(false);
+        assert!(health.at("shim", "http://a").usable(now), "one failed probe is not enough");
+        health.at("shim", "http://a").record_probe(false);
+        assert!(!health.at("shim", "http://a").usable(now));
+        assert!(!health.at("shim", "http://a").admit(now + SETTINGS.cooldown * 10), "no breaker probe either");
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Open)]);
         for _ in 0..3 {
-            health.failed("shim", "http://a", (now, now));
+            health.at("shim", "http://a").failed((now, now));
         }
-        health.record_probe("shim", "http://a", true);
-        assert!(health.usable("shim", "http://a", now), "a live answer ends the open breaker's cooldown");
+        health.at("shim", "http://a").record_probe(true);
+        assert!(health.at("shim", "http://a").usable(now), "a live answer ends the open breaker's cooldown");
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
         // One trial request, not a flood: `/live` answers whatever the chat path does.
-        assert!(health.admit("shim", "http://a", now));
-        assert!(!health.admit("shim", "http://a", now), "the trial is in flight");
-        health.answered("shim", "http://a", (now, now));
+        assert!(health.at("shim", "http://a").admit(now));
+        assert!(!health.at("shim", "http://a").admit(now), "the trial is in flight");
+        health.at("shim", "http://a").answered((now, now));
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Closed)]);
         // A failed trial opens it again, for a whole cooldown.
         for _ in 0..SETTINGS.failure_threshold {
-            health.failed("shim", "http://a", (now, now));
+            health.at("shim", "http://a").failed((now, now));
         }
-        health.record_probe("shim", "http://a", true);
-        assert!(health.admit("shim", "http://a", now));
-        health.failed("shim", "http://a", (now, now));
-        assert!(!health.admit("shim", "http://a", now + SETTINGS.cooldown / 2));
-        assert!(health.admit("shim", "http://a", now + SETTINGS.cooldown));
+        health.at("shim", "http://a").record_probe(true);
+        assert!(health.at("shim", "http://a").admit(now));
+        health.at("shim", "http://a").failed((now, now));
+        assert!(!health.at("shim", "http://a").admit(now + SETTINGS.cooldown / 2));
+        assert!(health.at("shim", "http://a").admit(now + SETTINGS.cooldown));
     }
 
     #[test]
@@ -561,17 +615,17 @@ mod tests {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for name in ["pooled", "left"] {
-            health.record_probe(name, "http://a", false);
-            health.record_probe(name, "http://a", false);
+            health.at(name, "http://a").record_probe(false);
+            health.at(name, "http://a").record_probe(false);
         }
         health.clear_probes_except(|name| name == "pooled");
-        assert!(!health.usable("pooled", "http://a", now), "still probed, still down");
-        assert!(health.usable("left", "http://a", now), "out of every pool: its own requests decide");
+        assert!(!health.at("pooled", "http://a").usable(now), "still probed, still down");
+        assert!(health.at("left", "http://a").usable(now), "out of every pool: its own requests decide");
         for _ in 0..3 {
-            health.failed("left", "http://a", (now, now));
+            health.at("left", "http://a").failed((now, now));
         }
         health.clear_probes_except(|name| name == "pooled");
-        assert!(!health.usable("left", "http://a", now), "its breaker stands");
+        assert!(!health.at("left", "http://a").usable(now), "its breaker stands");
     }
 
     /// Requests in flight as a breaker opens go on being answered: a refusal or a 500 of one of
@@ -582,19 +636,19 @@ mod tests {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for _ in 0..SETTINGS.failure_threshold {
-            health.failed("shim", "http://a", (now, now));
+            health.at("shim", "http://a").failed((now, now));
         }
         let sent_before = now - Duration::from_secs(1);
-        health.answered("shim", "http://a", (sent_before, now + Duration::from_secs(1)));
-        assert!(!health.usable("shim", "http://a", now + Duration::from_secs(1)), "still cooling down");
+        health.at("shim", "http://a").answered((sent_before, now + Duration::from_secs(1)));
+        assert!(!health.at("shim", "http://a").usable(now + Duration::from_secs(1)), "still cooling down");
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Open)]);
         let trial = now + SETTINGS.cooldown;
-        assert!(health.admit("shim", "http://a", trial), "the trial");
+        assert!(health.at("shim", "http://a").admit(trial), "the trial");
         // Nor, once the trial is under way, does an older request decide for it.
-        health.answered("shim", "http://a", (sent_before, trial + Duration::from_millis(5)));
-        health.head_arrived("shim", "http://a", (sent_before, trial + Duration::from_millis(5)));
+        health.at("shim", "http://a").answered((sent_before, trial + Duration::from_millis(5)));
+        health.at("shim", "http://a").head_arrived((sent_before, trial + Duration::from_millis(5)));
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
-        health.answered("shim", "http://a", (trial, trial + Duration::from_millis(10)));
+        health.at("shim", "http://a").answered((trial, trial + Duration::from_millis(10)));
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Closed)]);
     }
 
@@ -605,23 +659,23 @@ mod tests {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for _ in 0..SETTINGS.failure_threshold {
-            health.failed("shim", "http://a", (now, now));
+            health.at("shim", "http://a").failed((now, now));
         }
         let trial = now + SETTINGS.cooldown;
-        assert!(health.admit("shim", "http://a", trial));
+        assert!(health.at("shim", "http://a").admit(trial));
         let sent_before = now - Duration::from_secs(1);
-        assert!(health.record_unanswered("shim", "http://a", sent_before, trial + Duration::from_millis(1)));
-        health.exchange_ended("shim", "http://a", (sent_before, false));
+        assert!(health.at("shim", "http://a").record_unanswered(sent_before, trial + Duration::from_millis(1)));
+        health.at("shim", "http://a").exchange_ended((sent_before, false));
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::HalfOpen)]);
-        health.head_arrived("shim", "http://a", (trial, trial + Duration::from_millis(2)));
+        health.at("shim", "http://a").head_arrived((trial, trial + Duration::from_millis(2)));
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Closed)]);
         // The trial's own failure reopens it.
         for _ in 0..SETTINGS.failure_threshold {
-            health.failed("shim", "http://a", (trial, trial));
+            health.at("shim", "http://a").failed((trial, trial));
         }
         let second = trial + SETTINGS.cooldown;
-        assert!(health.admit("shim", "http://a", second));
-        health.failed("shim", "http://a", (second, second + Duration::from_millis(1)));
+        assert!(health.at("shim", "http://a").admit(second));
+        health.at("shim", "http://a").failed((second, second + Duration::from_millis(1)));
         assert_eq!(health.states(|_, _| true), vec![("shim".to_string(), BreakerState::Open)]);
     }
 
@@ -632,19 +686,19 @@ mod tests {
     fn what_concerns_a_replicas_old_url_leaves_its_new_one_alone() {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
-        assert!(health.usable("shim", "http://b", now), "moved to b");
+        assert!(health.at("shim", "http://b").usable(now), "moved to b");
         for _ in 0..SETTINGS.failure_threshold {
-            health.failed("shim", "http://b", (now, now));
+            health.at("shim", "http://b").failed((now, now));
         }
-        health.exchange_ended("shim", "http://a", (now, true));
-        health.record_probe("shim", "http://a", true);
-        health.answered("shim", "http://a", (now, now));
-        assert!(health.admit("shim", "http://a", now), "a request routed before the reload");
-        assert!(!health.usable("shim", "http://b", now), "b's breaker stands open");
-        health.record_probe("shim", "http://b", false);
-        health.record_probe("shim", "http://b", false);
-        health.record_probe("shim", "http://a", true);
-        assert!(!health.usable("shim", "http://b", now + SETTINGS.cooldown), "b's failed probes stand");
+        health.at("shim", "http://a").exchange_ended((now, true));
+        health.at("shim", "http://a").record_probe(true);
+        health.at("shim", "http://a").answered((now, now));
+        assert!(health.at("shim", "http://a").admit(now), "a request routed before the reload");
+        assert!(!health.at("shim", "http://b").usable(now), "b's breaker stands open");
+        health.at("shim", "http://b").record_probe(false);
+        health.at("shim", "http://b").record_probe(false);
+        health.at("shim", "http://a").record_probe(true);
+        assert!(!health.at("shim", "http://b").usable(now + SETTINGS.cooldown), "b's failed probes stand");
         // Once the configuration names only b, a's entry goes.
         let current = |_: &str, url: &str| url == "http://b";
         assert_eq!(health.states(current), vec![("shim".to_string(), BreakerState::Open)]);
@@ -656,10 +710,10 @@ mod tests {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for _ in 0..3 {
-            health.failed("shim", "http://a", (now, now));
+            health.at("shim", "http://a").failed((now, now));
         }
-        assert!(!health.usable("shim", "http://a", now));
-        assert!(health.usable("shim", "http://b", now));
+        assert!(!health.at("shim", "http://a").usable(now));
+        assert!(health.at("shim", "http://b").usable(now));
         let moved = health.states(|_, url| url == "http://b");
         assert_eq!(moved, vec![("shim".to_string(), BreakerState::Closed)]);
         assert!(health.states(|_, _| false).is_empty());
@@ -671,8 +725,34 @@ mod tests {
         let health = ShimHealth::new(SETTINGS);
         let now = Instant::now();
         for n in 0..100 {
-            assert!(health.usable("shim", &format!("http://{n}"), now));
+            assert!(health.at("shim", &format!("http://{n}")).usable(now));
         }
         assert_eq!(health.states(|_, _| true).len(), MAX_URLS_PER_REPLICA);
+    }
+
+    /// A replica's requests reach its health through the slot it keeps, the same entry its name
+    /// and URL find in the map: what either records, the other sees. Once a reload has dropped
+    /// its URL, what a request routed before then records stays with the entry it held.
+    #[test]
+    fn a_replicas_slot_and_its_name_reach_the_same_breaker() {
+        let health = ShimHealth::new(SETTINGS);
+        let now = Instant::now();
+        let replica = ShimReplica::for_tests("shim", "http://a");
+        for _ in 0..SETTINGS.failure_threshold {
+            health.of(&replica).failed((now, now));
+        }
+        assert!(!health.at("shim", "http://a").usable(now), "the slot's failures opened the breaker by name");
+        health.at("shim", "http://a").record_probe(true);
+        assert!(health.of(&replica).admit(now), "a live probe by name ended the cooldown the slot reads");
+        assert!(!health.of(&replica.clone()).admit(now), "the trial is taken");
+
+        // The configuration moves the backend: the old URL's entry goes from the map.
+        health.states(|_, url| url == "http://b");
+        assert!(health.at("shim", "http://a").admit(now), "a new entry for the old URL, closed");
+        for _ in 0..SETTINGS.failure_threshold {
+            health.of(&replica).failed((now, now));
+        }
+        assert!(health.at("shim", "http://a").usable(now), "the request routed before kept its own");
+        assert!(health.at("shim", "http://b").usable(now));
     }
 }

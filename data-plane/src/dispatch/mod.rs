@@ -40,7 +40,7 @@ use continuum_proto::model::DataPlaneConfig;
 use futures::future::Either;
 use prometheus::core::Collector;
 
-pub use breaker::{BreakerSettings, ShimHealth};
+pub use breaker::{BreakerSettings, HealthSlot, ShimHealth};
 pub use budget::RetryBudget;
 pub use client::{ExchangeError, SendError, ShimClient};
 pub use connections::{IDLE_TIMEOUT, MAX_IDLE_PER_AUTHORITY};
@@ -241,7 +241,7 @@ impl Dispatcher {
     }
 
     pub fn record_probe(&self, name: &str, url: &str, live: bool) {
-        self.health.record_probe(name, url, live);
+        self.health.at(name, url).record_probe(live);
     }
 
     /// See [`ShimHealth::clear_probes_except`].
@@ -251,7 +251,7 @@ impl Dispatcher {
 
     /// Whether a request to `replica` would be let through now.
     pub fn usable(&self, replica: &ShimReplica, now: Instant) -> bool {
-        self.health.usable(&replica.name, &replica.url, now)
+        self.health.of(replica).usable(now)
     }
 
     /// The dispatch's future, built in its box ([`built_in_box`]): it is most of a request's,
@@ -559,8 +559,7 @@ mod tests {
     }
 
     fn replica(name: &str, url: &str) -> ShimReplica {
-        let endpoint = format!("{url}{}", pool::CHAT_COMPLETIONS_PATH).parse().expect("a valid endpoint");
-        ShimReplica { name: name.into(), url: url.into(), endpoint }
+        ShimReplica::for_tests(name, url)
     }
 
     /// A pinned plan to `replicas`, recorded in a ledger of its own, falling through to
@@ -603,7 +602,7 @@ mod tests {
         let shim = replica("shim", "http://127.0.0.1:9");
         let now = Instant::now();
         for _ in 0..BreakerSettings::default().failure_threshold {
-            dispatcher.health.failed(&shim.name, &shim.url, (now, now));
+            dispatcher.health.at(&shim.name, &shim.url).failed((now, now));
         }
         Ok((dispatcher, shim, now))
     }
@@ -617,7 +616,7 @@ mod tests {
         let (dispatcher, shim, now) = with_open_breaker()?;
         dispatcher.record_probe(&shim.name, &shim.url, true);
         assert!(dispatcher.usable(&shim, now), "its trial is open to whichever request comes first");
-        assert!(dispatcher.health.admit(&shim.name, &shim.url, now), "another request took the trial");
+        assert!(dispatcher.health.at(&shim.name, &shim.url).admit(now), "another request took the trial");
 
         let response = dispatcher.run(pinned_plan(std::slice::from_ref(&shim), Some(answering_backend().await?))).await;
         assert_eq!(response.map(|r| r.status()).ok(), Some(StatusCode::OK), "the unified backend answered");
@@ -712,13 +711,13 @@ mod tests {
         let now = Instant::now();
         for name in ["pooled", "unified", "removed"] {
             for _ in 0..BreakerSettings::default().failure_threshold {
-                dispatcher.health.failed(name, &format!("http://{name}:8000"), (now, now));
+                dispatcher.health.at(name, &format!("http://{name}:8000")).failed((now, now));
             }
         }
         dispatcher.export_health(&config);
-        assert!(!dispatcher.health.usable("unified", "http://unified:8000", now), "its open breaker stands");
-        assert!(!dispatcher.health.usable("pooled", "http://pooled:8000", now));
-        assert!(dispatcher.health.usable("removed", "http://removed:8000", now), "a backend gone is forgotten");
+        assert!(!dispatcher.health.at("unified", "http://unified:8000").usable(now), "its open breaker stands");
+        assert!(!dispatcher.health.at("pooled", "http://pooled:8000").usable(now));
+        assert!(dispatcher.health.at("removed", "http://removed:8000").usable(now), "a backend gone is forgotten");
         let families = prometheus::core::Collector::collect(&dispatcher.metrics.shim_replica_state);
         let on_gauge: Vec<&str> =
             families.iter().flat_map(|f| f.get_metric()).flat_map(|m| m.get_label()).map(|l| l.value()).collect();
@@ -765,7 +764,7 @@ mod tests {
         };
         let now = Instant::now();
         for _ in 0..BreakerSettings::default().failure_threshold {
-            dispatcher.health.failed("b", "http://b:8000", (now, now));
+            dispatcher.health.at("b", "http://b:8000").failed((now, now));
         }
         dispatcher.export_health(&pooled(&["a", "b"]));
         assert_eq!(series(), [("a".to_string(), 0), ("b".to_string(), 2)]);

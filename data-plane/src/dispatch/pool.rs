@@ -7,6 +7,8 @@ use arc_swap::ArcSwapOption;
 use axum::http::Uri;
 use continuum_proto::model::DataPlaneConfig;
 
+use super::breaker::HealthSlot;
+
 /// The OpenAI chat ingress every shim replica serves.
 pub const CHAT_COMPLETIONS_PATH: &str = "/v1/chat/completions";
 
@@ -20,6 +22,17 @@ pub struct ShimReplica {
     pub url: String,
     /// The chat completions endpoint on it.
     pub endpoint: Uri,
+    /// Its breaker and probe verdict, once a request has looked them up.
+    pub health: HealthSlot,
+}
+
+impl ShimReplica {
+    /// A replica named `name` at `url`, for tests that build no configuration.
+    #[cfg(test)]
+    pub(crate) fn for_tests(name: &str, url: &str) -> Self {
+        let endpoint = format!("{url}{CHAT_COMPLETIONS_PATH}").parse().expect("a valid endpoint");
+        Self { name: name.into(), url: url.into(), endpoint, health: HealthSlot::default() }
+    }
 }
 
 /// The replicas of `namespace`'s pool that have a dialable URL, in configuration order.
@@ -142,7 +155,12 @@ pub fn rotation(replicas: &[ShimReplica], start: usize) -> impl Iterator<Item = 
 fn replica(config: &DataPlaneConfig, name: &str) -> Option<ShimReplica> {
     let backend = config.backends.iter().find(|b| b.name == name)?;
     match endpoint(&backend.url) {
-        Some(endpoint) => Some(ShimReplica { name: backend.name.clone(), url: backend.url.clone(), endpoint }),
+        Some(endpoint) => Some(ShimReplica {
+            name: backend.name.clone(),
+            url: backend.url.clone(),
+            endpoint,
+            health: HealthSlot::default(),
+        }),
         None => {
             tracing::debug!(backend = name, "shim backend URL is not a dialable http:// URL; skipping it");
             None

@@ -137,7 +137,7 @@ impl Dispatcher {
                     Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
                     None => self.metrics.unpinned_stream_failures.clone(),
                 };
-                let shim = ShimExchange::new(&self.health, &replica.name, &replica.url, sent.into_std());
+                let shim = ShimExchange::new(&self.health, replica, sent.into_std());
                 let counted = (failures, (self.metrics.stream_first_event.clone(), sent));
                 Body::new(RelayBody::new(body, self.settings.stream_idle_timeout, (dispatch, shim), counted))
             } else {
@@ -152,7 +152,7 @@ impl Dispatcher {
                     Err(_) => None,
                 };
                 if let Some(served) = served {
-                    self.health.exchange_ended(&replica.name, &replica.url, (sent.into_std(), served));
+                    self.health.of(replica).exchange_ended((sent.into_std(), served));
                 }
                 let (bytes, charge) = read?;
                 let ends = dispatch.map(|dispatch| (dispatch, bytes.clone()));

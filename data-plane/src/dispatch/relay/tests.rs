@@ -30,7 +30,6 @@ fn error_events_naming_an_address_are_relayed_in_the_routers_words() {
 /// stream ends at the deadline all the same.
 #[tokio::test]
 async fn comments_that_never_let_the_body_wait_still_end_the_stream_at_the_idle_deadline() -> anyhow::Result<()> {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use http_body_util::BodyExt;
@@ -38,6 +37,7 @@ async fn comments_that_never_let_the_body_wait_still_end_the_stream_at_the_idle_
 
     use super::super::breaker::{ShimExchange, ShimHealth};
     use super::super::connections::{Conn, READ_CHUNK};
+    use super::super::pool::ShimReplica;
     use super::super::shim_body::ShimBody;
     use super::super::wire::Framing;
     use super::RelayBody;
@@ -48,7 +48,11 @@ async fn comments_that_never_let_the_body_wait_still_end_the_stream_at_the_idle_
     // Many reads' worth, all sent at once: every read of the relay finds more waiting.
     let comments = ":\n\n".repeat(8 * READ_CHUNK / 3);
     let writer = tokio::spawn(async move { server.write_all(comments.as_bytes()).await.map(|()| server) });
-    let shim = ShimExchange::new(&Arc::new(ShimHealth::default()), "shim", "http://a", std::time::Instant::now());
+    let shim = ShimExchange::new(
+        &ShimHealth::default(),
+        &ShimReplica::for_tests("shim", "http://a"),
+        std::time::Instant::now(),
+    );
     let idle = Duration::from_millis(50);
     let inner = ShimBody::new(Conn::new(client?), Framing::UntilClose, None);
     let first = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("first", "first"))?;
