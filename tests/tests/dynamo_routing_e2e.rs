@@ -71,10 +71,11 @@ const NVEXT_ROUTING_FIELDS: [&str; 10] = [
     "worker_id",
     "routing_constraints",
 ];
-/// Top-level fields with which an engine's own server (vLLM's, SGLang's) chooses a KV source or
-/// a rank: listed here for the same reason.
-const ENGINE_ROUTING_FIELDS: [&str; 8] = [
+/// Top-level fields with which an engine's own server (vLLM's, SGLang's, TensorRT-LLM's)
+/// chooses a KV source or a rank: listed here for the same reason.
+const ENGINE_ROUTING_FIELDS: [&str; 9] = [
     "kv_transfer_params",
+    "disaggregated_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",
@@ -191,7 +192,8 @@ async fn disaggregated_pins_are_the_pickers_spoofs_never_reach_the_frontend_and_
                 _ => json!(decode),
             };
         }
-        // An engine's own (vLLM's remote KV source, SGLang's bootstrap and rank).
+        // An engine's own (vLLM's remote KV source, SGLang's bootstrap and rank, TensorRT-LLM's
+        // context phase).
         for field in ENGINE_ROUTING_FIELDS {
             body[field] = json!({"remote_host": "10.0.0.9", "remote_port": 5600});
         }

@@ -254,7 +254,6 @@ where
         .map(move |outcome| outcome.unwrap_or_else(|_| Err(SendError::HeadTimeout(head_timeout))))
 }
 
-/// Reads until a whole response head is in, leaving the bytes past it in the read buffer.
 /// The outcome of a request whose write failed with `error` on a new connection. A server may
 /// answer before it has read the whole request (a 413 for a body past its limit) and close:
 /// that refusal, if it came, is the outcome. Nothing else is read from the connection, which
@@ -271,6 +270,7 @@ async fn early_answer(mut conn: Conn, error: io::Error) -> Result<Response<ShimB
     Ok(response)
 }
 
+/// Reads until a whole response head is in, leaving the bytes past it in the read buffer.
 async fn read_head(conn: &mut Conn) -> Result<wire::Head, ExchangeError> {
     conn.read.clear();
     let mut scanned: usize = 0;

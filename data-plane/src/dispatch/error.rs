@@ -20,6 +20,11 @@ pub enum Failure {
     Status(StatusCode),
     #[error("the shim's response body failed: {0}")]
     Body(String),
+    /// A streamed request answered with a success that is no event stream (JSON, or nothing
+    /// under a 204): relayed, it would reach the client as a success holding an error event,
+    /// or as an empty one.
+    #[error("the shim answered a streamed request {0} without an event stream")]
+    NotAnEventStream(StatusCode),
     #[error("the shim's response did not finish within {0:?}")]
     BodyTimeout(Duration),
     /// A buffered answer past the relay's bound: the request's own (its generation is that
@@ -40,7 +45,11 @@ impl Failure {
             Failure::Status(status) => {
                 *status == StatusCode::SERVICE_UNAVAILABLE || *status == StatusCode::TOO_MANY_REQUESTS
             }
-            Failure::Body(_) | Failure::BodyTimeout(_) | Failure::TooLarge(_) | Failure::Overloaded => false,
+            Failure::Body(_)
+            | Failure::NotAnEventStream(_)
+            | Failure::BodyTimeout(_)
+            | Failure::TooLarge(_)
+            | Failure::Overloaded => false,
         }
     }
 

@@ -397,6 +397,9 @@ impl Dispatcher {
             // An answer too large to buffer would be as large again from another backend. The
             // resend is a retry too, paid from the same budget: a pool failing every request
             // (overloaded, answering 429) must not double the load on the unified backends.
+            // After a timeout, a broken body or a 5xx the pinned workers may have generated the
+            // answer already, so the resend may generate it twice: the seed's price of an answer
+            // (`fallback_to_unified`), paid only where `on_failure` is set.
             let fallback = fallback
                 .filter(|unified| unified.on_failure && !matches!(failure, Failure::TooLarge(_)))
                 .filter(|_| {

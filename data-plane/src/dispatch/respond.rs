@@ -133,6 +133,11 @@ impl Dispatcher {
         let (parts, body) = response.into_parts();
         async move {
             let body = if stream {
+                if !is_event_stream(parts.status, &parts.headers) {
+                    // The shim's failure: the workers were not asked for this.
+                    self.health.of(replica).exchange_ended((sent.into_std(), false));
+                    return Err(Failure::NotAnEventStream(parts.status));
+                }
                 let failures = match dispatch {
                     Some(_) => self.metrics.disaggregated_errors.with_label_values(&[ErrorPhase::Decode.as_str()]),
                     None => self.metrics.unpinned_stream_failures.clone(),
@@ -161,6 +166,16 @@ impl Dispatcher {
             Ok(rebuild(parts.status, parts.headers, body))
         }
     }
+}
+
+/// Whether a streamed request's success is relayable event by event: a 200 whose content type,
+/// if it names one, is `text/event-stream` (parameters such as a charset aside).
+fn is_event_stream(status: StatusCode, headers: &HeaderMap) -> bool {
+    let is_sse = |value: &HeaderValue| {
+        let media_type = value.as_bytes().split(|b| *b == b';').next().unwrap_or_default();
+        media_type.trim_ascii().eq_ignore_ascii_case(b"text/event-stream")
+    };
+    status == StatusCode::OK && headers.get(header::CONTENT_TYPE).is_none_or(is_sse)
 }
 
 /// A client response with the shim's status and headers: only the relayable ones were kept

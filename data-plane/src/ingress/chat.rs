@@ -83,7 +83,8 @@ async fn serve(state: &AppState, client: ChatHeaders, body: Bytes) -> Result<Res
             // sent), it tokenizes the prompt itself.
             match request.outbound(Some(tokens), disclose).await {
                 Ok(body) if REQUEST_BODIES.grow(&mut grown, body.len()) => {
-                    // Not held beside it for as long as the answer takes.
+                    // Not held here beside it for as long as the answer takes (a fallback
+                    // backend keeps its own handle on it, for its body).
                     drop(stripped);
                     body
                 }

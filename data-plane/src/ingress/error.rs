@@ -253,6 +253,13 @@ fn unified_failed(cause: &Failure) -> ApiError {
             "backend_failed",
             format!("The backend serving this model failed the request (it answered {}).", backend.as_u16()),
         ),
+        Failure::NotAnEventStream(backend) => (
+            "backend_failed",
+            format!(
+                "The backend serving this model answered the streamed request with {} but no event stream.",
+                backend.as_u16()
+            ),
+        ),
         _ => ("backend_failed", "The exchange with the backend serving this model broke off.".to_string()),
     };
     ApiError::new(status, code, message)
@@ -272,6 +279,9 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
     let status = failure_status(cause);
     let what = match cause {
         Failure::Status(shim_status) => format!("the Dynamo frontend answered {}", shim_status.as_u16()),
+        Failure::NotAnEventStream(shim_status) => {
+            format!("the Dynamo frontend answered {} but no event stream", shim_status.as_u16())
+        }
         _ if cause.is_unavailable() => "no Dynamo frontend replica could be reached".to_string(),
         _ if cause.is_timeout() => "the Dynamo frontend did not answer in time".to_string(),
         _ => "the exchange with the Dynamo frontend broke off".to_string(),
@@ -505,6 +515,9 @@ mod tests {
         assert_eq!(answer(Failure::BodyTimeout(std::time::Duration::from_secs(1))), (504, "backend_timeout"));
         assert_eq!(answer(Failure::TooLarge(1 << 25)), (502, "response_too_large"));
         assert_eq!(answer(Failure::Body("reset".into())), (502, "backend_failed"));
+        assert_eq!(answer(Failure::NotAnEventStream(StatusCode::NO_CONTENT)), (502, "backend_failed"));
+        let not_a_stream = unified_failed(&Failure::NotAnEventStream(StatusCode::OK));
+        assert!(not_a_stream.message.contains("200 but no event stream"), "{}", not_a_stream.message);
         let failed = unified_failed(&Failure::Status(StatusCode::INTERNAL_SERVER_ERROR));
         assert!(failed.message.contains("answered 500"), "{}", failed.message);
     }

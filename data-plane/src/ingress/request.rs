@@ -112,6 +112,15 @@ impl std::ops::Deref for Tree {
     }
 }
 
+/// What a JSON error says of the body: a key given twice, or more keys than an object may hold,
+/// is valid JSON (RFC 8259) the ingress refuses, not a syntax error.
+fn json_verdict(error: &serde_json::Error) -> &'static str {
+    match error.is_data() {
+        true => "the request body's JSON is refused",
+        false => "the request body is not valid JSON",
+    }
+}
+
 impl std::borrow::Borrow<Value> for Tree {
     fn borrow(&self) -> &Value {
         &self.value
@@ -120,7 +129,8 @@ impl std::borrow::Borrow<Value> for Tree {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
-    #[error("the request body is not valid JSON: {0}")]
+    /// Not JSON, or JSON the ingress will not read (a key twice in one object, too many keys).
+    #[error("{verdict}: {0}", verdict = json_verdict(.0))]
     Json(#[source] serde_json::Error),
     #[error("{0}")]
     Shape(&'static str),
@@ -579,7 +589,7 @@ mod tests {
     /// unified vLLM backend pull the prompt's KV from a host the client names.
     #[tokio::test]
     async fn an_engines_own_routing_fields_are_stripped() {
-        let text = r#"{"model":"m","messages":[{"content":"hi"}],"kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":5600},"bootstrap_host":"x","bootstrap_port":1,"bootstrap_room":2,"bootstrap_pair_key":"k","routed_dp_rank":1,"disagg_prefill_dp_rank":0,"data_parallel_rank":1,"top_p":0.9}"#;
+        let text = r#"{"model":"m","messages":[{"content":"hi"}],"kv_transfer_params":{"remote_host":"10.0.0.9","remote_port":5600},"disaggregated_params":{"request_type":"generation_only","ctx_request_id":7},"bootstrap_host":"x","bootstrap_port":1,"bootstrap_room":2,"bootstrap_pair_key":"k","routed_dp_rank":1,"disagg_prefill_dp_rank":0,"data_parallel_rank":1,"top_p":0.9}"#;
         let request = parse(text).unwrap();
         let out = request.outbound(None, false).await.unwrap();
         assert_eq!(String::from_utf8_lossy(&out), r#"{"model":"m","messages":[{"content":"hi"}],"top_p":0.9}"#);
@@ -715,7 +725,7 @@ mod tests {
             ("", "not valid JSON"),
             ("[1", "not valid JSON"),
             (r#"{"model":"m","messages":[{}]} trailing"#, "not valid JSON"),
-            (r#"{"model":"m","model":"n","messages":[{}]}"#, "not valid JSON"),
+            (r#"{"model":"m","model":"n","messages":[{}]}"#, "JSON is refused: an object holds the key `model` twice"),
             (r#"{"model":"m","messages":{}}"#, "`messages`"),
             (r#"{"model":"m","messages":"hi"}"#, "`messages`"),
             ("[1]", "must be a JSON object"),

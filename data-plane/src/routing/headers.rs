@@ -70,15 +70,18 @@ pub fn is_routing_header(name: &str) -> bool {
 /// (`nvext.worker_id` in every answer): a disclosure, so only for a client that asked.
 const ECHO_PINS_FIELD: &str = "worker_id";
 
-/// Top-level request fields with which an engine's own OpenAI server (vLLM's, SGLang's) lets a
-/// request choose where its KV comes from or which rank serves it: vLLM's `kv_transfer_params`
-/// (a remote host and port to pull the prompt's KV from), SGLang's disaggregation bootstrap
-/// (and its pairing key), its data-parallel rank (`routed_dp_rank`, and the deprecated
-/// `data_parallel_rank`) and the prefill rank a decode server is told holds the KV. A unified
+/// Top-level request fields with which an engine's own OpenAI server (vLLM's, SGLang's,
+/// TensorRT-LLM's) lets a request choose where its KV comes from or which rank serves it:
+/// vLLM's `kv_transfer_params` (a remote host and port to pull the prompt's KV from), SGLang's
+/// disaggregation bootstrap (and its pairing key), its data-parallel rank (`routed_dp_rank`,
+/// and the deprecated `data_parallel_rank`) and the prefill rank a decode server is told holds
+/// the KV, and TensorRT-LLM's `disaggregated_params` (a `generation_only` request decodes from
+/// the context phase a `ctx_request_id` names, as Dynamo's TensorRT-LLM worker takes it). A unified
 /// backend may be such a server rather than a Dynamo frontend; no client chooses them through
 /// the router.
-pub const ENGINE_ROUTING_FIELDS: [&str; 8] = [
+pub const ENGINE_ROUTING_FIELDS: [&str; 9] = [
     "kv_transfer_params",
+    "disaggregated_params",
     "bootstrap_host",
     "bootstrap_port",
     "bootstrap_room",

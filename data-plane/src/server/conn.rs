@@ -350,6 +350,8 @@ impl<'m> Connection<'m> {
     fn skip_blank_lines(&mut self) -> bool {
         let blank = self.read.iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
         self.read.advance(blank);
+        // Tens of kilobytes of them, pipelined under the last answer, are not held while idle.
+        self.release_large_read_buffer(blank);
         self.read.is_empty()
     }
 
@@ -392,9 +394,12 @@ impl<'m> Connection<'m> {
     /// back if it is large: the body is copied out, and the response may stream for minutes.
     /// The allocation is at least the bytes passed and the room left past them (`capacity()`
     /// counts only that room), which a head that arrived in parts, or pipelined requests read
-    /// under an answer, may have doubled however small each request was.
+    /// under an answer, may have doubled however small each request was. It is kept while
+    /// what is left fills half of it or more (requests pipelined behind a small one): copying
+    /// that out would copy the same bytes again for each of them.
     fn release_large_read_buffer(&mut self, passed: usize) {
-        if passed + self.read.capacity() > KEPT_READ_CAPACITY {
+        let allocation = passed + self.read.capacity();
+        if allocation > KEPT_READ_CAPACITY && allocation >= 2 * self.read.len().max(READ_CHUNK) {
             self.read = BytesMut::from(&self.read[..]);
         }
     }
@@ -409,7 +414,10 @@ impl<'m> Connection<'m> {
                 break (head, length);
             }
             scanned = self.read.len();
-            self.fill_by(deadline, usize::MAX).await?;
+            // A head that never ends is refused once past the bound, so the buffer need grow
+            // no further than that and a read (doubling would take it to twice the bound).
+            self.grow_toward(MAX_HEAD_BYTES + READ_CHUNK);
+            self.fill_by(deadline, (MAX_HEAD_BYTES + READ_CHUNK).saturating_sub(scanned).max(1)).await?;
         };
         let (body, charge) = match head.body {
             BodyFraming::Length(length) => {

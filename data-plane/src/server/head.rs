@@ -22,7 +22,9 @@ pub const MAX_HEADERS: usize = 64;
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
 
 /// Why a request head was refused; each maps to the status the client is answered with, after
-/// which the connection closes (its framing can no longer be trusted).
+/// which the connection closes (its framing can no longer be trusted). A target that parsed as
+/// the head did but is no URI is the one refusal a whole, framed request gets: the connection
+/// goes on.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HeadError {
     #[error("malformed request head: {0}")]

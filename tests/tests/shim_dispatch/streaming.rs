@@ -4,11 +4,12 @@
 use std::time::Duration;
 
 use axum::body::Bytes;
+use axum::http::StatusCode;
 use continuum_data_plane::dispatch::DispatchSettings;
 use continuum_data_plane::dispatch::relay::{AFTER_DONE_GRACE, MAX_PARTIAL_EVENT_BYTES};
 use continuum_proto::model::{LoadKey, WorkerKey};
 use continuum_tests::eventually;
-use continuum_tests::shim_stub::{Frame, StubShim};
+use continuum_tests::shim_stub::{Frame, Reply, StubShim};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
@@ -653,6 +654,47 @@ async fn an_open_stream_loads_its_ranks_fleet_wide_until_it_ends() -> anyhow::Re
         idle(PREFILL_ID) && idle(DECODE_ID)
     })
     .await?;
+    harness.stop().await;
+    Ok(())
+}
+
+/// A streamed request the shim answers with a success that is no event stream (a JSON
+/// completion, or nothing under a 204) fails as an exchange broken by the shim, said so, rather
+/// than reaching the client as a success holding an error event or as an empty one. A stream
+/// whose content type carries a charset is one all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_request_answered_without_an_event_stream_fails_and_says_so() -> anyhow::Result<()> {
+    let shim = StubShim::start().await?;
+    let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
+    let replies = [
+        (StatusCode::OK, Some("application/json"), r#"{"choices":[]}"#, "200 but no event stream"),
+        (StatusCode::NO_CONTENT, None, "", "204 but no event stream"),
+    ];
+    for (at, (status, content_type, body, said)) in replies.into_iter().enumerate() {
+        shim.push(Reply::Fixed { status, content_type: content_type.map(str::to_string), body: Bytes::from(body) });
+        let response = harness.post(&chat(MODEL, true)).await?;
+        assert_eq!(response.status(), 502, "{said}");
+        let error: Value = response.json().await?;
+        assert_eq!(error["error"]["code"], "disaggregated_decode_failed", "{error}");
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(said), "{message}");
+        assert!(harness.replica.ledger.is_empty(), "the dispatch ended");
+        let metrics = harness.metrics().await?;
+        let failures = sample(&metrics, r#"disaggregated_errors_total{phase="decode"}"#);
+        assert_eq!(failures, Some((at + 1) as f64));
+    }
+    shim.push(Reply::Fixed {
+        status: StatusCode::OK,
+        content_type: Some("text/event-stream; charset=utf-8".into()),
+        body: Bytes::from(format!("{FIRST}{DONE}")),
+    });
+    let mut response = harness.post(&chat(MODEL, true)).await?;
+    assert_eq!(response.status(), 200);
+    let mut relayed = String::new();
+    while let Some(text) = next_text(&mut response).await? {
+        relayed.push_str(&text);
+    }
+    assert_eq!(relayed, format!("{FIRST}{DONE}"));
     harness.stop().await;
     Ok(())
 }

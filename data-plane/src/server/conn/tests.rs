@@ -268,6 +268,80 @@ async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_b
     Ok(())
 }
 
+/// A head that never ends is refused past its bound, its buffer grown to no more than the
+/// bound and a read: not doubled to twice the bound, for every connection a client opens.
+#[tokio::test]
+async fn a_head_that_never_ends_grows_its_buffer_no_further_than_the_bound() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let head = format!("GET /v1/models HTTP/1.1\r\nx-filler: {}", "x".repeat(2 * MAX_HEAD_BYTES));
+    let writer = tokio::spawn(async move { client.write_all(head.as_bytes()).await.map(|()| client) });
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
+    let refused = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await;
+    assert!(matches!(refused, Err(Stop::Refuse(HeadError::TooLarge))), "refused past the bound");
+    assert!(conn.read.len() > MAX_HEAD_BYTES, "read up to the bound: {}", conn.read.len());
+    assert!(conn.read.capacity() <= MAX_HEAD_BYTES + READ_CHUNK, "{} held", conn.read.capacity());
+    writer.abort();
+    Ok(())
+}
+
+/// Blank lines pipelined behind a request are skipped, and the room they took is given back
+/// before the connection idles.
+#[tokio::test]
+async fn blank_lines_pipelined_behind_a_request_leave_no_large_buffer_behind() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let blank = "\r\n".repeat(32 << 10);
+    let sent = format!("GET /v1/models HTTP/1.1\r\nhost: r\r\n\r\n{blank}");
+    client.write_all(sent.as_bytes()).await?;
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
+    while conn.read.len() < sent.len() {
+        conn.fill_at_most(usize::MAX).await?;
+    }
+    let Ok((head, _, _)) = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await else {
+        panic!("a request")
+    };
+    assert_eq!(head.target, "/v1/models");
+    assert!(conn.read.len() >= blank.len(), "the blank lines wait in the buffer");
+    // The next request's wait: it skips them, then idles until the test stops waiting.
+    let (closing, waiting) = (std::pin::pin!(never_closing()), waiting());
+    let next = tokio::time::timeout(Duration::from_millis(50), conn.read_request(closing, false, &waiting));
+    assert!(next.await.is_err(), "no request came");
+    assert!(conn.read.is_empty());
+    assert!(!conn.read.try_reclaim(KEPT_READ_CAPACITY + 1), "the 64 KiB of blank lines are given back");
+    Ok(())
+}
+
+/// Requests pipelined behind a small one stay where they are read: the buffer is not copied
+/// for each request taken from its front.
+#[tokio::test]
+async fn requests_pipelined_behind_a_small_one_are_not_copied_for_each() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let request = "GET /v1/models HTTP/1.1\r\nhost: r\r\n\r\n";
+    let pipelined = request.repeat((40 << 10) / request.len());
+    client.write_all(pipelined.as_bytes()).await?;
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
+    while conn.read.len() < pipelined.len() {
+        conn.fill_at_most(usize::MAX).await?;
+    }
+    for _ in 0..3 {
+        let before = conn.read.as_ptr();
+        let Ok((head, _, _)) = conn.read_request(std::pin::pin!(never_closing()), false, &waiting()).await else {
+            panic!("a request")
+        };
+        assert_eq!(head.target, "/v1/models");
+        assert_eq!(conn.read.as_ptr(), before.wrapping_add(request.len()), "the rest was not moved");
+    }
+    Ok(())
+}
+
 /// A body announced by its length and sent in part holds no more than it is charged for.
 #[tokio::test]
 async fn a_body_uploading_is_held_in_no_more_room_than_it_is_charged_for() -> io::Result<()> {
