@@ -89,6 +89,12 @@ impl Budget {
         chargeable(bytes).is_none_or(|wanted| usize::try_from(wanted).is_ok_and(|w| w <= self.room.available_permits()))
     }
 
+    /// Whether more than half the budget is charged: bodies that take their time then hold
+    /// room others may need.
+    pub fn crowded(&self) -> bool {
+        self.charged() > self.size / 2
+    }
+
     /// Bytes charged now.
     pub fn charged(&self) -> usize {
         self.size.saturating_sub(self.room.available_permits())

@@ -46,6 +46,9 @@ pub const CROWDED_IDLE_TIMEOUT: Duration = Duration::from_secs(2);
 /// A request's head and body must arrive within this long of its first byte, and each byte's
 /// time at [`MIN_READ_BYTES_PER_SECOND`] longer: a large body on a slow uplink (8 MiB at
 /// 1 Mbit/s) still arrives, while a client that trickles a few bytes gains next to nothing.
+/// While more than half the budget for large bodies is charged, bytes earn nothing: clients
+/// that sent most of a large body at once and then a byte now and then, each just inside the
+/// stall timeout, would otherwise hold the budget for minutes for the upload of one.
 pub const REQUEST_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The slowest average upload a request may take beyond [`REQUEST_READ_TIMEOUT`].
 pub const MIN_READ_BYTES_PER_SECOND: u64 = 64 << 10;
@@ -142,7 +145,10 @@ impl ReadDeadline {
     }
 
     fn at(&self) -> tokio::time::Instant {
-        let earned = Duration::from_millis(self.received.saturating_mul(1000) / MIN_READ_BYTES_PER_SECOND);
+        let earned = match REQUEST_BODIES.crowded() {
+            true => Duration::ZERO,
+            false => Duration::from_millis(self.received.saturating_mul(1000) / MIN_READ_BYTES_PER_SECOND),
+        };
         self.start + REQUEST_READ_TIMEOUT + earned
     }
 }

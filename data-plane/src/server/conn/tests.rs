@@ -109,6 +109,8 @@ fn trickle(client: TcpStream, body: usize, step: usize, every: Duration) -> toki
 /// earns next to nothing and is refused at about the timeout.
 #[tokio::test(start_paused = true)]
 async fn a_slow_upload_may_take_its_bytes_time_and_a_trickle_may_not() -> io::Result<()> {
+    // Not while another test fills the budget for large bodies: bytes would earn nothing.
+    let _turn = crate::memory::FILLING.lock().await;
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     // 4 MiB at 128 KiB/s: 32 s, past the timeout, well within the time its bytes earn.
     let body = 4 << 20;
@@ -182,6 +184,7 @@ async fn a_request_whose_bytes_stop_is_refused_after_the_stall_timeout() -> io::
 /// body of the largest size, instead of days at the minimum rate.
 #[test]
 fn a_request_earns_time_for_no_more_bytes_than_its_largest_size() {
+    let _turn = crate::memory::FILLING.blocking_lock();
     let mut deadline = ReadDeadline::from_now();
     let longest = deadline.start
         + REQUEST_READ_TIMEOUT
@@ -193,6 +196,22 @@ fn a_request_earns_time_for_no_more_bytes_than_its_largest_size() {
     }
     assert_eq!(deadline.at(), longest, "32 GiB of framing earns no more than the cap");
     assert!(longest - deadline.start < Duration::from_secs(200), "{:?}", longest - deadline.start);
+}
+
+/// While more than half the budget for large bodies is charged, a request's bytes earn it no
+/// time: each must arrive within the timeout of its first byte, and holds its room no longer.
+#[tokio::test]
+async fn under_pressure_on_the_body_budget_bytes_earn_no_time() {
+    let _turn = crate::memory::FILLING.lock().await;
+    let mut deadline = ReadDeadline::from_now();
+    deadline.received(4 << 20);
+    let earned = deadline.at();
+    assert!(earned > deadline.start + REQUEST_READ_TIMEOUT + Duration::from_secs(60), "4 MiB earn a minute");
+    let mut others = Charge::default();
+    assert!(REQUEST_BODIES.grow(&mut others, crate::memory::REQUEST_BODY_BUDGET / 2 + 1));
+    assert_eq!(deadline.at(), deadline.start + REQUEST_READ_TIMEOUT, "nothing earned under pressure");
+    drop(others);
+    assert_eq!(deadline.at(), earned, "earned again once the room is back");
 }
 
 /// A body's last read takes little past it: a client that sends megabytes behind its body
