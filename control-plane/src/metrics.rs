@@ -31,6 +31,8 @@ pub struct Metrics {
     pub watch_stalled: IntCounter,
     /// Fleet calls refused for want of `control_plane.token`.
     pub unauthenticated: IntCounter,
+    /// gRPC health checks refused because `MAX_OPEN_CALLS` were in flight.
+    pub open_calls_refused: IntCounter,
     /// Admin API calls refused for want of `admin.token`.
     pub admin_unauthenticated: IntCounter,
     pub watch_retired: IntCounter,
@@ -136,6 +138,10 @@ impl Metrics {
             unauthenticated: IntCounter::new(
                 "continuum_fleet_unauthenticated_total",
                 "Fleet gRPC calls refused because they did not present control_plane.token",
+            )?,
+            open_calls_refused: IntCounter::new(
+                "continuum_fleet_open_calls_refused_total",
+                "gRPC health checks (which ask for no token) refused because 64 were in flight already",
             )?,
             watch_retired: IntCounter::new(
                 "continuum_fleet_watch_retired_total",
@@ -326,6 +332,7 @@ impl Metrics {
             Box::new(metrics.watch_superseded.clone()),
             Box::new(metrics.watch_stalled.clone()),
             Box::new(metrics.unauthenticated.clone()),
+            Box::new(metrics.open_calls_refused.clone()),
             Box::new(metrics.admin_unauthenticated.clone()),
             Box::new(metrics.watch_retired.clone()),
             Box::new(metrics.fleet_tls_reloads.clone()),

@@ -28,16 +28,25 @@ pub struct Gate {
     pub unauthenticated: IntCounter,
 }
 
-impl Interceptor for Gate {
-    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        let presented = Token::presented(request.metadata().get("authorization").map(|value| value.as_bytes()));
+impl Gate {
+    /// What a call whose `authorization` header is `authorization` presented, if it is
+    /// admitted; counted and refused if not.
+    pub fn admit(&self, authorization: Option<&[u8]>) -> Result<Presented, Status> {
+        let presented = Token::presented(authorization);
         if !bearer::admits(&self.tokens.borrow(), presented.as_ref()) {
             self.unauthenticated.inc();
             return Err(Status::unauthenticated(
                 "send authorization: Bearer <control_plane.token> (a replica's --control-plane-token)",
             ));
         }
-        request.extensions_mut().insert(Presented(presented));
+        Ok(Presented(presented))
+    }
+}
+
+impl Interceptor for Gate {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        let presented = self.admit(request.metadata().get("authorization").map(|value| value.as_bytes()))?;
+        request.extensions_mut().insert(presented);
         Ok(request)
     }
 }

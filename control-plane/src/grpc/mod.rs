@@ -1,8 +1,10 @@
 //! The control plane's gRPC server: `continuum.fleet.v1.Fleet`, `grpc.health.v1` and server
-//! reflection in both `v1` and `v1alpha` (grpcurl 1.8.6 speaks only the latter).
+//! reflection in both `v1` and `v1alpha` (grpcurl 1.8.6 speaks only the latter). Every call
+//! asks for `control_plane.token` but a health `Check` ([`open`]).
 
 mod gate;
 mod lookup_budget;
+mod open;
 mod service;
 mod session;
 pub mod tls;
@@ -23,6 +25,7 @@ pub use gate::Gate;
 pub use lookup_budget::{
     Budgeted, ConnectionLookups, LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT, MAX_LOOKUP_BYTES_PER_CONNECTION,
 };
+pub use open::MAX_OPEN_CALLS;
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
 pub use tls::ServerTls;
@@ -45,10 +48,9 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 1024;
 /// a Watch handler waits at most before it answers with its stream.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(15);
 
-/// The largest message the health and reflection services read (a service or symbol name): they
-/// ask for no credential, and tonic sets aside room for a message's declared length as its
-/// header arrives, 4 MiB by default, which a stream may then leave unfinished for as long as
-/// its connection answers pings.
+/// The largest message the health and reflection services read (a service or symbol name):
+/// a health check asks for no credential, and tonic sets aside room for a message's declared
+/// length as its header arrives, 4 MiB by default, which a call may then leave unfinished.
 pub const MAX_UNAUTHENTICATED_MESSAGE_BYTES: usize = 16 << 10;
 
 /// Streams one connection may make the server reset for the peer's protocol errors (hyper's
@@ -75,14 +77,25 @@ pub async fn serve(
     let (gate, lookups) = (fleet.gate(), fleet.lookup_budget());
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<FleetServer<FleetService>>().await;
-    let health_service = health_service.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES);
+    let health_service = open::Open::new(
+        health_service.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES),
+        gate.clone(),
+        fleet.open_calls_refused(),
+    );
     let reflection = || {
         tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(continuum_proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
-    let reflection_v1 = reflection().build_v1()?.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES);
-    let reflection_v1alpha = reflection().build_v1alpha()?.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES);
+    // A stream each, held for as long as its caller likes: for the token's holders only.
+    let reflection_v1 = InterceptedService::new(
+        reflection().build_v1()?.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES),
+        gate.clone(),
+    );
+    let reflection_v1alpha = InterceptedService::new(
+        reflection().build_v1alpha()?.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES),
+        gate.clone(),
+    );
     let router = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
@@ -161,6 +174,53 @@ mod tests {
         let url = format!("http://{}", listener.local_addr()?);
         tokio::spawn(serve((listener, Guard::fleet(metrics)), service, None, cancel.clone()));
         Ok(url)
+    }
+
+    /// With a token set, a health check is all a caller without it reaches: the health
+    /// service's stream and reflection ask for the token as the Fleet calls do.
+    #[tokio::test]
+    async fn without_the_token_a_caller_reaches_only_the_health_check() -> anyhow::Result<()> {
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::v1::{ServerReflectionRequest, server_reflection_response::MessageResponse};
+
+        let (service, metrics, cancel) = empty_fleet_service()?;
+        let (_set, tokens) = tokio::sync::watch::channel(vec![crate::bearer::Token::new("s3cret")]);
+        let url = serving(service.with_tokens(tokens), &metrics, &cancel).await?;
+        let channel = tonic::transport::Channel::from_shared(url)?.connect().await?;
+        let with_token = |mut request: tonic::Request<()>| {
+            request.metadata_mut().insert("authorization", "Bearer s3cret".parse().expect("ascii"));
+            Ok(request)
+        };
+
+        let mut health = HealthClient::new(channel.clone());
+        assert!(health.check(HealthCheckRequest { service: String::new() }).await.is_ok(), "probes need no token");
+        let watch = health.watch(HealthCheckRequest { service: String::new() }).await;
+        assert_eq!(watch.map(|_| ()).map_err(|s| s.code()), Err(tonic::Code::Unauthenticated));
+        let mut health = HealthClient::with_interceptor(channel.clone(), with_token);
+        assert!(
+            health.watch(HealthCheckRequest { service: String::new() }).await.is_ok(),
+            "the token's holder watches"
+        );
+
+        let list = || {
+            let request = ServerReflectionRequest {
+                host: String::new(),
+                message_request: Some(MessageRequest::ListServices(String::new())),
+            };
+            tokio_stream::iter([request])
+        };
+        let mut reflection = ServerReflectionClient::new(channel.clone());
+        let refused = reflection.server_reflection_info(list()).await.map(|_| ()).map_err(|s| s.code());
+        assert_eq!(refused, Err(tonic::Code::Unauthenticated));
+        let mut reflection = ServerReflectionClient::with_interceptor(channel, with_token);
+        let mut answers = reflection.server_reflection_info(list()).await?.into_inner();
+        let answer = answers.message().await?.and_then(|a| a.message_response);
+        assert!(matches!(answer, Some(MessageResponse::ListServicesResponse(_))), "{answer:?}");
+        assert_eq!(metrics.unauthenticated.get(), 2, "each refusal counted");
+        cancel.cancel();
+        Ok(())
     }
 
     /// The services that ask for no credential read no message past a small bound: a caller

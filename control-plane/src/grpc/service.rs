@@ -218,6 +218,11 @@ impl FleetService {
         Gate { tokens: self.tokens.clone(), unauthenticated: self.metrics.unauthenticated.clone() }
     }
 
+    /// Where health checks refused past [`super::MAX_OPEN_CALLS`] are counted.
+    pub fn open_calls_refused(&self) -> prometheus::IntCounter {
+        self.metrics.open_calls_refused.clone()
+    }
+
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
     pub fn with_kv(self, kv: KvHandle) -> Self {
         Self { kv, ..self }
