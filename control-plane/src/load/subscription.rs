@@ -195,7 +195,14 @@ pub async fn run<F: Feed>(
         if let Some(refusal) = report(ctx.feed.topic(), &publisher, &ended, &mut warned) {
             ctx.feed.refused(refusal);
         }
-        let lasted = connected_at.map_or(Duration::ZERO, |at: tokio::time::Instant| at.elapsed());
+        // One the publisher ended by breaking the protocol or a bound is no stable session,
+        // however long it lasted: one that broke a bound every half minute would otherwise be
+        // dialled again within a second each time.
+        let violated = matches!(&ended, SessionEnd::Zmtp(error) if error.is_violation());
+        let lasted = match connected_at {
+            Some(at) if !violated => at.elapsed(),
+            _ => Duration::ZERO,
+        };
         backoff.session_ended(lasted, ctx.stable_session);
         status.set(SubscriptionState::Backoff);
         tokio::select! {

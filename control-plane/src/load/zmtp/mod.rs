@@ -15,7 +15,8 @@
 //! | [`ZmtpLimits::max_message_bytes`] | topic + 2 ids + frame = 16,660 B | 1 MiB + 271 B | one 4-frame message |
 //! | [`MAX_FRAMES_PER_MESSAGE`] | 4 | 4 | topic, publisher id, sequence, frame |
 //! | [`MAX_COMMAND_BYTES`] | 512 B | 512 B | READY with a few properties; PING carries ≤ 16 B |
-//! | [`ZmtpLimits::max_discard_bytes`] | 1 MiB | 16 MiB | larger frames are skipped unread up to here, past it the session ends |
+//! | [`ZmtpLimits::max_discard_bytes`] | 1 MiB | 16 MiB | larger frames are skipped unread up to here, past it the session ends; so do a message's skipped frames together |
+//! | [`MAX_SKIPPED_FRAMES`] | 64 | 64 | frames of one message skipped unread; past it the session ends |
 //! | [`INITIAL_BUFFER_BYTES`] | 512 B, doubling up to the message ceiling | same | grow on demand |
 //! | [`LARGE_MESSAGE_BYTES`] | (never reached: a message fits the free 64 KiB) | 64 MiB, all subscriptions together | message buffers past 64 KiB borrow from one budget |
 //! | [`READ_BUFFER_BYTES`] / [`WRITE_BUFFER_BYTES`] | 2 KiB / 64 B | same | the greeting is exactly 64 B |
@@ -30,7 +31,10 @@
 //! A frame over `max_frame_bytes` (or a message over `max_message_bytes`, or a fifth frame) is
 //! not buffered: its bytes are read through the 2 KiB read buffer and dropped, and the message is
 //! reported as [`Dropped`], so one bad message does not end a healthy session. A declared length
-//! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once. A frame
+//! over `max_discard_bytes` (a frame length of 2^63, say) ends the session at once, and so does a
+//! message whose skipped frames add up to more, or number more than [`MAX_SKIPPED_FRAMES`]: a
+//! publisher sending one endless message of frames just under the bound would otherwise keep the
+//! control plane reading and dropping them for as long as it liked. A frame
 //! whose room the process-wide budget for large messages cannot lend (`budget`) is skipped
 //! the same way, its message reported as [`Dropped::OverBudget`].
 
@@ -53,6 +57,9 @@ pub use wire::{GREETING_BYTES, greeting, parse_greeting};
 pub const MAX_TOPIC_BYTES: usize = 255;
 /// Frames in one message: topic, publisher id, sequence, Dynamo frame.
 pub const MAX_FRAMES_PER_MESSAGE: usize = 4;
+/// Frames of one message skipped unread (past [`MAX_FRAMES_PER_MESSAGE`], or each too large)
+/// before the session ends: no publisher here sends a message of more than four.
+pub const MAX_SKIPPED_FRAMES: usize = 64;
 /// Longest command frame (READY, PING, ERROR…) accepted.
 pub const MAX_COMMAND_BYTES: usize = 512;
 /// The message buffer's first capacity; it doubles on demand up to its ceiling.
@@ -140,6 +147,8 @@ pub enum ZmtpError {
     Protocol(&'static str),
     #[error("a frame declares {declared} bytes, over the {ceiling}-byte ceiling")]
     FrameTooLarge { declared: u64, ceiling: u64 },
+    #[error("a message's skipped frames pass {frames} frames or {ceiling} bytes")]
+    SkippedTooMuch { frames: usize, ceiling: u64 },
     #[error("the publisher sent ERROR: {0}")]
     PeerError(String),
     #[error("a message began but was not whole within {0:?}")]

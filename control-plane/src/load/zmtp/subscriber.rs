@@ -11,7 +11,10 @@ use tokio::time::Instant;
 use super::budget::{Borrower, LOAN_DEADLINE};
 use super::buffer::MessageBuffer;
 use super::wire::{self, Command, GREETING_BYTES};
-use super::{MAX_COMMAND_BYTES, MAX_FRAMES_PER_MESSAGE, MAX_TOPIC_BYTES, READ_BUFFER_BYTES, WRITE_BUFFER_BYTES};
+use super::{
+    MAX_COMMAND_BYTES, MAX_FRAMES_PER_MESSAGE, MAX_SKIPPED_FRAMES, MAX_TOPIC_BYTES, READ_BUFFER_BYTES,
+    WRITE_BUFFER_BYTES,
+};
 use super::{ZmtpError, ZmtpLimits};
 
 /// A message that arrived but was not buffered; the session goes on.
@@ -169,6 +172,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
         self.frames.clear();
         let mut dropped = None;
         let mut index = 0usize;
+        // Frames and bytes of this message skipped unread.
+        let (mut skipped_frames, mut skipped_bytes) = (0usize, 0u64);
         // Set once the message borrows past a command's slack: the rest of it, headers and
         // commands between its frames included, must come by then.
         let mut loan: Option<Instant> = None;
@@ -181,7 +186,16 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
                 }
                 continue;
             }
-            match self.admit(index, size)? {
+            let admitted = self.admit(index, size)?;
+            if admitted.is_some() || dropped.is_some() {
+                skipped_frames += 1;
+                skipped_bytes = skipped_bytes.saturating_add(size);
+                let ceiling = self.limits.max_discard_bytes;
+                if skipped_frames > MAX_SKIPPED_FRAMES || skipped_bytes > ceiling {
+                    return Err(ZmtpError::SkippedTooMuch { frames: MAX_SKIPPED_FRAMES, ceiling });
+                }
+            }
+            match admitted {
                 Some(reason) => {
                     dropped.get_or_insert(reason);
                     on_loan(loan, self.discard(size)).await?;

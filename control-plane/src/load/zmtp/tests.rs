@@ -421,6 +421,35 @@ async fn a_frame_skipped_past_the_discard_bound_ends_the_session() {
     assert!(matches!(error, ZmtpError::FrameTooLarge { .. }), "{error}");
 }
 
+/// One endless message of frames each within the bounds, skipped one by one, would keep the
+/// session reading and dropping them for as long as the publisher liked: past
+/// [`MAX_SKIPPED_FRAMES`] frames, or `max_discard_bytes` skipped in all, the session ends.
+#[tokio::test]
+async fn a_message_whose_skipped_frames_add_up_past_the_bounds_ends_the_session() {
+    // Empty frames past the fourth: they cost nothing each, but they never end.
+    let many: Vec<u8> = (0..MAX_FRAMES_PER_MESSAGE + MAX_SKIPPED_FRAMES + 1).flat_map(|_| frame(true, b"")).collect();
+    // Frames each over the frame bound and under the discard bound (here 64 KiB, so that the
+    // script fits the pipe): together past it.
+    let limits = ZmtpLimits { max_discard_bytes: 64 << 10, ..ZmtpLimits::KV_METRICS };
+    let large = vec![0u8; limits.max_frame_bytes + 1];
+    let count = usize::try_from(limits.max_discard_bytes).unwrap() / large.len() + 1;
+    let heavy: Vec<u8> = (0..count).flat_map(|_| frame(true, &large)).collect();
+    for (what, script) in [("frames", many), ("bytes", heavy)] {
+        let (session, _peer) = subscriber_with(limits, &script).await;
+        let error = session.unwrap().recv().await.err().unwrap_or_else(|| panic!("{what}: a message"));
+        assert!(matches!(error, ZmtpError::SkippedTooMuch { .. }), "{what}: {error}");
+        assert!(error.is_violation(), "{what}");
+    }
+    // Within both, a message past the frame bound is dropped and the session goes on.
+    let mut script = frame(true, b"kv_metrics");
+    script.extend(frame(false, &large));
+    script.extend(kv_message(1));
+    let (session, _peer) = subscriber(&script).await;
+    let mut session = session.unwrap();
+    assert_eq!(next_message(&mut session).await, Err("dropped Oversized".into()));
+    assert!(next_message(&mut session).await.is_ok(), "the next message is read");
+}
+
 mod fuzz {
     //! Arbitrary bytes from a subscribed publisher: the session may end, but it never panics,
     //! never buffers past its ceiling, and never hangs on bytes it has.
