@@ -1,7 +1,9 @@
 //! Dialling a publisher's fleet-authored `tcp://host:port`: resolve the host once, keep only
 //! the addresses `dynamo.load.direct_allow_cidrs` allows, and connect to one of those very
 //! addresses, so DNS cannot change the answer between the policy check and the connection.
-//! Resolution and connection share [`ZmtpLimits::connect_timeout`](super::zmtp::ZmtpLimits).
+//! Resolution and connection share [`ZmtpLimits::connect_timeout`](super::zmtp::ZmtpLimits),
+//! each address tried getting its share of what is left: one that swallows the handshake (a
+//! firewall dropping the SYN) leaves time for the next.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
@@ -10,7 +12,7 @@ use socket2::{SockRef, TcpKeepalive};
 use tokio::net::TcpStream;
 use tokio::sync::Semaphore;
 
-use super::zmtp::{KEEPALIVE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES};
+use super::zmtp::{KEEPALIVE, KEEPALIVE_INTERVAL, KEEPALIVE_PROBES, UNACKNOWLEDGED_LIMIT};
 use crate::config::Cidr;
 
 #[derive(Debug, thiserror::Error)]
@@ -78,22 +80,32 @@ async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, DialError> {
 /// Resolves `address` once and connects to the first allowed address that answers.
 pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> Result<TcpStream, DialError> {
     let (host, port) = parse_tcp_address(address)?;
+    let deadline = tokio::time::Instant::now() + timeout;
     let attempt = async {
         let resolved = resolve(host, port).await?;
         let permitted: Vec<SocketAddr> = resolved.iter().copied().filter(|a| allowed(a.ip(), allow)).collect();
         if permitted.is_empty() {
             return Err(DialError::NotAllowed(resolved.iter().map(SocketAddr::ip).collect()));
         }
-        let mut last = None;
-        for addr in permitted {
-            match TcpStream::connect(addr).await.and_then(keep_alive) {
-                Ok(stream) => return Ok(stream),
-                Err(error) => last = Some(error),
-            }
-        }
-        Err(DialError::Connect(last.unwrap_or_else(|| std::io::ErrorKind::NotConnected.into())))
+        connect_first(&permitted, deadline).await
     };
-    tokio::time::timeout(timeout, attempt).await.unwrap_or(Err(DialError::Timeout(timeout)))
+    tokio::time::timeout_at(deadline, attempt).await.unwrap_or(Err(DialError::Timeout(timeout)))
+}
+
+/// The first of `addresses` to accept a connection by `deadline`, each given its share of the
+/// time left when it is tried.
+async fn connect_first(addresses: &[SocketAddr], deadline: tokio::time::Instant) -> Result<TcpStream, DialError> {
+    let mut last = None;
+    for (tried, addr) in addresses.iter().enumerate() {
+        let left = u32::try_from(addresses.len() - tried).unwrap_or(u32::MAX);
+        let share = deadline.saturating_duration_since(tokio::time::Instant::now()) / left;
+        let connected = tokio::time::timeout(share, TcpStream::connect(addr)).await;
+        match connected.unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into())).and_then(keep_alive) {
+            Ok(stream) => return Ok(stream),
+            Err(error) => last = Some(error),
+        }
+    }
+    Err(DialError::Connect(last.unwrap_or_else(|| std::io::ErrorKind::NotConnected.into())))
 }
 
 /// Turns TCP keepalive on: a publisher may stay silent for hours by design, and without probes
@@ -101,7 +113,9 @@ pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> R
 fn keep_alive(stream: TcpStream) -> std::io::Result<TcpStream> {
     let probes =
         TcpKeepalive::new().with_time(KEEPALIVE).with_interval(KEEPALIVE_INTERVAL).with_retries(KEEPALIVE_PROBES);
-    SockRef::from(&stream).set_tcp_keepalive(&probes)?;
+    let socket = SockRef::from(&stream);
+    socket.set_tcp_keepalive(&probes)?;
+    socket.set_tcp_user_timeout(Some(UNACKNOWLEDGED_LIMIT))?;
     Ok(stream)
 }
 
@@ -137,6 +151,29 @@ mod tests {
         assert!(dial(&named, None, Duration::from_secs(5)).await.is_ok(), "resolved once there is room");
     }
 
+    /// An address that swallows the handshake (here a listener whose queue is full, so the
+    /// kernel drops the SYN) takes only its share of the time: the next address is dialled.
+    #[tokio::test]
+    async fn an_address_that_swallows_the_handshake_leaves_time_for_the_next() {
+        let swallowing = tokio::net::TcpSocket::new_v4().unwrap();
+        swallowing.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let swallowing = swallowing.listen(1).unwrap();
+        let black_hole = swallowing.local_addr().unwrap();
+        let mut queued = Vec::new();
+        loop {
+            match tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(black_hole)).await {
+                Ok(connected) => queued.push(connected.unwrap()),
+                Err(_) => break,
+            }
+            assert!(queued.len() < 64, "the listener's queue never filled");
+        }
+        let answering = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(4);
+        let dialled = connect_first(&[black_hole, answering.local_addr().unwrap()], deadline).await;
+        assert_eq!(dialled.unwrap().peer_addr().unwrap(), answering.local_addr().unwrap());
+        assert!(tokio::time::Instant::now() < deadline, "within the dial's time");
+    }
+
     #[test]
     fn the_allow_list_admits_only_its_networks() {
         let allow: Vec<Cidr> = ["10.0.0.0/8", "fd00::/8"].iter().filter_map(|c| c.parse().ok()).collect();
@@ -161,5 +198,6 @@ mod tests {
         let socket = SockRef::from(&dialled);
         assert!(socket.keepalive().unwrap(), "a silent publisher's connection is probed");
         assert_eq!(socket.tcp_keepalive_time().unwrap(), KEEPALIVE);
+        assert_eq!(socket.tcp_user_timeout().unwrap(), Some(UNACKNOWLEDGED_LIMIT), "unacknowledged bytes end it");
     }
 }

@@ -26,8 +26,9 @@
 //! | [`LOAN_DEADLINE`] | (never borrows) | 2 s | a message's first borrowed byte to its last (trickled or paused loans) |
 //!
 //! Between messages a session waits without a deadline (publishers speak when something
-//! changes); the dialled connection keeps TCP keepalive on ([`KEEPALIVE`]), so a peer gone
-//! without a word (a partition, an expired NAT entry) ends the session within about a minute.
+//! changes); the dialled connection keeps TCP keepalive on ([`KEEPALIVE`]) and gives up on bytes
+//! left unacknowledged ([`UNACKNOWLEDGED_LIMIT`]), so a peer gone without a word (a partition,
+//! an expired NAT entry) ends the session within about a minute.
 //! A frame over `max_frame_bytes` (or a message over `max_message_bytes`, or a fifth frame) is
 //! not buffered: its bytes are read through the 2 KiB read buffer and dropped, and the message is
 //! reported as [`Dropped`], so one bad message does not end a healthy session. A declared length
@@ -79,6 +80,10 @@ pub const MESSAGE_TIMEOUT: Duration = Duration::from_secs(30);
 pub const KEEPALIVE: Duration = Duration::from_secs(30);
 pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 pub const KEEPALIVE_PROBES: u32 = 3;
+/// Bytes sent to a publisher (a subscription, a PONG) unacknowledged this long end the
+/// connection too: keepalive does not probe while they are in flight, and the kernel's own
+/// retransmissions would keep a partitioned session up for a quarter of an hour.
+pub const UNACKNOWLEDGED_LIMIT: Duration = Duration::from_secs(60);
 /// Dynamo's frame header before the envelope: version byte and u32 length.
 pub const DYNAMO_FRAME_HEADER_BYTES: usize = 5;
 /// The largest kv_metrics envelope (the seed's 16 KiB).
