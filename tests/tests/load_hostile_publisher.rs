@@ -21,7 +21,7 @@ const HOSTILE_WORKER: u64 = 0x200;
 const HOSTILE_PUBLISHER: u64 = 2000;
 const SLOW_WORKER: u64 = 0x300;
 const SLOW_PUBLISHER: u64 = 3000;
-/// Past the 5 s handshake deadline the slowloris case waits on, with room for a loaded machine.
+/// Past the 10 s handshake deadline the slowloris case waits on, with room for a loaded machine.
 const WAIT: Duration = Duration::from_secs(15);
 
 const LABELS: [&str; 11] = [

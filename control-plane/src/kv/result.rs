@@ -19,7 +19,8 @@ pub enum KvEventResult {
     UnknownParent,
     /// An index ceiling refused blocks, or the publisher already has its 4,096 rank cursors.
     OverCapacity,
-    /// An event id at or below the rank's cursor: skipped.
+    /// An event id below the rank's cursor: skipped. (One equal to it is the same engine
+    /// step's next event, and applied.)
     Replay,
     /// An event id past the next expected one: the rank was cleared before the event was
     /// applied. Counted in addition to the event's own result.

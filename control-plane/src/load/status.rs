@@ -59,7 +59,7 @@ pub fn transport_label(transport: LoadTransport) -> &'static str {
 
 #[derive(Debug)]
 pub struct SubscriptionStatus {
-    /// `kv_metrics` (the kv-events family will share this type).
+    /// `kv_metrics` or `kv-events`.
     pub family: &'static str,
     pub publisher: PublisherKey,
     pub component: Option<String>,

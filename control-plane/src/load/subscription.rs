@@ -2,8 +2,10 @@
 //! and hands each message to its [`Feed`] (kv_metrics → the load store, kv-events → the KV
 //! index), until cancelled.
 //!
-//! Lifecycle: `connecting` → `connected` (the feed forgets what the publisher told it before,
-//! since changes may have been missed while away) → on any failure `backoff` with full jitter →
+//! Lifecycle: `connecting` → `connected` (the feed is told, and does what its family needs of
+//! a publisher that may have spoken while away: the load feed forgets its samples, the kv feed
+//! keeps its blocks and lets the event ids that follow tell whether any were missed) → on any
+//! failure `backoff`, a delay drawn between the floor and a ceiling that doubles per failure →
 //! `connecting` again. Under `transport: broker`, which this build cannot carry, it stays
 //! `pending` and never dials directly.
 

@@ -4,8 +4,9 @@
 //! * Every generation: the feed's live gate is replaced (`Feed::set_live`), departed or
 //!   changed publishers' tasks are cancelled together (each gets [`STOP_GRACE`], then is
 //!   aborted) and what they held dropped (`Feed::departed`), and new publishers' tasks start.
-//! * Admission: at most [`MAX_LOAD_SUBSCRIPTIONS`] run, the lowest publisher ids first, so a
-//!   fleet cannot exhaust the process's file descriptors; when some go, the next are admitted.
+//! * Admission: at most [`MAX_LOAD_SUBSCRIPTIONS`] run, every worker's first publisher before
+//!   any worker's second (the lowest ids first within a turn), so a fleet cannot exhaust the
+//!   process's file descriptors, nor one worker's hundreds of channels take the others' places; when some go, the next are admitted.
 //!   While publishers wait beyond the cap, an admitted one that has never connected within
 //!   [`YIELD_AFTER`] gives its place to the next (its record may name an address that cannot
 //!   be reached); from then on it is admitted after every other, when there is room, until a

@@ -354,8 +354,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> ZmtpSubscriber<S> {
     }
 }
 
-/// A peer's ERROR reason as it may be logged: control characters (a line break among them)
-/// escaped, so a peer cannot forge log lines of its own.
 /// `read`, by the message's loan deadline when it holds one.
 async fn on_loan<T>(loan: Option<Instant>, read: impl Future<Output = Result<T, ZmtpError>>) -> Result<T, ZmtpError> {
     match loan {
@@ -366,6 +364,8 @@ async fn on_loan<T>(loan: Option<Instant>, read: impl Future<Output = Result<T, 
     }
 }
 
+/// A peer's ERROR reason as it may be logged: control characters (a line break among them)
+/// escaped, so a peer cannot forge log lines of its own.
 fn peer_reason(reason: &[u8]) -> String {
     String::from_utf8_lossy(reason).escape_debug().to_string()
 }

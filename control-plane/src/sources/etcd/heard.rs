@@ -9,8 +9,9 @@
 //! at the next check, it is stalled, and the pass ends. A member that does not answer the
 //! check in time is frozen or cut off (`require_leader`), and the pass ends too.
 //!
-//! A missed delete is not seen this way (a deleted key is not there to read): the next put
-//! under the prefix shows it.
+//! A deleted key is not there to read, so the check also compares the prefix's key count now
+//! with its count at the stream's revision ([`super::writes_after`]): a delete the stream has not
+//! delivered shows as a count unlike it.
 
 use std::time::{Duration, Instant};
 
