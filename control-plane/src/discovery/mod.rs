@@ -10,8 +10,8 @@
 //! * `join`: the rules that turn held records into workers and publishers.
 //! * `duplicates`: reporting identities claimed by several keys (all of which are refused).
 //! * [`Reducer`]: the fold, with the memory bounds [`MAX_RECORD_BYTES`],
-//!   [`MAX_RETAINED_CARD_BYTES`], [`MAX_RETAINED_CARDS_BYTES`], [`MAX_RECORDS_PER_KEYSPACE`]
-//!   and [`MAX_SET_ASIDE_PER_KEYSPACE`].
+//!   [`MAX_RETAINED_CARD_BYTES`], [`MAX_RETAINED_CARDS_BYTES`], [`MAX_RECORDS_PER_KEYSPACE`],
+//!   [`MAX_RECORDS_PER_LEASE`] and [`MAX_SET_ASIDE_PER_KEYSPACE`].
 
 mod applied;
 pub mod card;
@@ -37,7 +37,7 @@ pub use fleet::{
 };
 pub use join::{component_role, resolve_role};
 pub use reducer::{KeyValue, Listing, MAX_RECORD_BYTES, MAX_SMALL_RECORD_BYTES, Reducer, WatchEvent, max_record_bytes};
-pub use store::{MAX_RECORDS_PER_KEYSPACE, MAX_SET_ASIDE_PER_KEYSPACE};
+pub use store::{MAX_RECORDS_PER_KEYSPACE, MAX_RECORDS_PER_LEASE, MAX_SET_ASIDE_PER_KEYSPACE};
 pub use wire_id::parse_hex;
 
 /// A discovered worker `id` of `namespace` with `role`, serving `model`, for tests.

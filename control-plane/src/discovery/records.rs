@@ -31,6 +31,13 @@ pub enum Parsed {
     Malformed(RecordError),
 }
 
+impl Parsed {
+    /// Whether it is a record the router holds (and bounds), not a value skipped or set aside.
+    pub fn is_record(&self) -> bool {
+        matches!(self, Parsed::Endpoint(_) | Parsed::Model(_) | Parsed::Channel(_) | Parsed::Source(_))
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Skip {
     NotGenerate,

@@ -18,7 +18,9 @@ use super::fleet::{Fleet, PublisherKey};
 use super::join;
 use super::keys::{self, Keyspace, ParsedKey};
 use super::records::{self, Parsed};
-use super::store::{Entry, EtcdKey, Identity, MAX_RECORDS_PER_KEYSPACE, MAX_SET_ASIDE_PER_KEYSPACE, Store};
+use super::store::{
+    Entry, EtcdKey, Identity, MAX_RECORDS_PER_KEYSPACE, MAX_RECORDS_PER_LEASE, MAX_SET_ASIDE_PER_KEYSPACE, Store,
+};
 
 /// The largest etcd value parsed; larger values are refused unread. An order of magnitude
 /// above etcd's default 1.5 MiB `--max-request-bytes`.
@@ -76,6 +78,8 @@ pub struct Listing {
     /// Per keyspace, the new records and set-aside values in `new`.
     records: [usize; Keyspace::ALL.len()],
     set_aside: [usize; Keyspace::ALL.len()],
+    /// Per keyspace and lease, the records of `held` and `new` on it.
+    per_lease: BTreeMap<(usize, u64), usize>,
     /// What listing refused, counted as the resync's.
     applied: Applied,
     /// Per keyspace, the first new key left out for want of room.
@@ -117,6 +121,7 @@ struct Read {
     key: ParsedKey,
     etcd_key: EtcdKey,
     value: Reading,
+    lease: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -148,6 +153,8 @@ pub struct Reducer {
     refused: [bool; Keyspace::ALL.len()],
     /// When stray keys were last warned of, and how many were seen since without a warning.
     stray_warned: Option<SystemTime>,
+    /// When a lease's full share was last warned of.
+    lease_warned: Option<SystemTime>,
     strays_unwarned: u64,
     /// When the workers of the fleet this reducer succeeds were first seen: a worker its first
     /// resync finds again keeps its `first_seen` across a reload that replaced the watcher.
@@ -213,6 +220,7 @@ impl Reducer {
             card_budget_warned: false,
             refused: [false; Keyspace::ALL.len()],
             stray_warned: None,
+            lease_warned: None,
             strays_unwarned: 0,
             handed_over: BTreeMap::new(),
         }
@@ -292,12 +300,26 @@ impl Reducer {
         {
             listing.card_dropped.get_or_insert_with(|| (read.etcd_key.clone(), bytes));
         }
+        let keyspace = read.key.keyspace;
+        let index = keyspace.index();
+        let is_record = matches!(&read.value, Reading::Parsed(parsed) if parsed.is_record());
+        let lease_held =
+            read.lease.filter(|_| is_record).map(|lease| listing.per_lease.entry((index, lease)).or_default());
         if held {
+            if let Some(lease_held) = lease_held {
+                *lease_held += 1;
+            }
             listing.held.push(read);
             return;
         }
-        let keyspace = read.key.keyspace;
-        let index = keyspace.index();
+        if let Some(lease_held) = lease_held {
+            // As the resync would refuse it: the lease's share is taken.
+            if *lease_held >= MAX_RECORDS_PER_LEASE {
+                listing.applied.add(EventKind::OverCapacity);
+                return;
+            }
+            *lease_held += 1;
+        }
         match &read.value {
             Reading::Oversized(bytes) => refuse_oversized(&read.etcd_key, *bytes, keyspace, &mut listing.applied),
             Reading::Parsed(Parsed::Skipped(_)) => listing.applied.add(EventKind::Skipped),
@@ -378,14 +400,14 @@ impl Reducer {
             bytes if bytes > max_record_bytes(key.keyspace) => Reading::Oversized(bytes),
             _ => Reading::Parsed(records::parse(&key, &kv.value, kv.lease)),
         };
-        Some(Read { key, etcd_key, value })
+        Some(Read { key, etcd_key, value, lease: kv.lease })
     }
 
     /// Holds what `read` found, replacing what its key held. During a resync `prior` is the
     /// state before it, so unchanged values keep their timestamps and set-aside values are not
     /// logged again.
     fn admit(&mut self, read: Read, now: SystemTime, mut prior: Option<&mut Store>, pass: &mut Pass) {
-        let Read { key, etcd_key, value } = read;
+        let Read { key, etcd_key, value, lease } = read;
         let keyspace = key.keyspace;
         let held = self.store.remove(keyspace, &etcd_key);
         // Whether the key took room in its keyspace until now: a set-aside value takes none,
@@ -438,6 +460,13 @@ impl Reducer {
             pass.applied.add(EventKind::OverCapacity);
             self.refused[keyspace.index()] = true;
             return;
+        } else if !held_room && self.store.lease_is_full(keyspace, lease) {
+            // Its lease's share is taken: the rest of the keyspace is for other processes. Only
+            // its own keys' deletes give the room back, and its writer keeps writing them, so
+            // no relist is wanted for it.
+            pass.applied.add(EventKind::OverCapacity);
+            self.warn_lease_full(keyspace, lease, &etcd_key, now);
+            return;
         }
         let dropped = self.store.fit_card(&mut parsed);
         self.note_card_budget(&etcd_key, &parsed, dropped);
@@ -447,7 +476,7 @@ impl Reducer {
             Some(previous) if prior.is_some() && previous.parsed == parsed => previous.updated,
             _ => now,
         };
-        let entry = Entry { namespace: key.namespace, parsed, updated };
+        let entry = Entry { namespace: key.namespace, parsed, updated, lease };
         pass.touch(&entry);
         self.store.insert(keyspace, etcd_key, entry);
     }
@@ -498,6 +527,24 @@ impl Reducer {
         }
         self.warn_full(keyspace, key);
         false
+    }
+
+    /// Warns that `lease` holds its share of `keyspace`, at most once a minute across leases:
+    /// one process writing keys by the thousand would otherwise warn for each.
+    fn warn_lease_full(&mut self, keyspace: Keyspace, lease: Option<u64>, key: &str, now: SystemTime) {
+        let due =
+            self.lease_warned.is_none_or(|at| now.duration_since(at).is_ok_and(|since| since >= STRAY_WARNING_EVERY));
+        if !due {
+            return;
+        }
+        self.lease_warned = Some(now);
+        tracing::warn!(
+            %keyspace,
+            lease = ?lease.map(|lease| format!("{lease:x}")),
+            limit = MAX_RECORDS_PER_LEASE,
+            key = ?shown(key),
+            "one etcd lease's keys hold as many records as a lease may; its new keys are refused (warned of at most once a minute)"
+        );
     }
 
     /// Warns that `keyspace` refused `key` for want of room, once until it has room again.

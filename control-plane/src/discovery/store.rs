@@ -17,6 +17,13 @@ use super::records::Parsed;
 /// The most distinct keys held per keyspace (instances, cards, channels and sources each).
 /// At the bound, held keys still update so live workers keep heartbeating; new keys are refused.
 pub const MAX_RECORDS_PER_KEYSPACE: usize = 16_384;
+/// The most records keys on one etcd lease (one worker process) hold per keyspace. A Dynamo
+/// 1.6.1 process writes a handful (an instance per endpoint, a card per model, a channel per
+/// topic and dp rank); one writing keys by the thousand under its lease (a bug, or a hostile
+/// writer) would otherwise fill the keyspace, and every worker registering after it, in any
+/// namespace, would be refused until its lease expired. Keys with no lease (static
+/// registrations, tools) are bounded by the keyspace alone.
+pub const MAX_RECORDS_PER_LEASE: usize = 256;
 /// Keys a keyspace holds only so that their refusal is logged once (a value that is malformed,
 /// or of a kind the router cannot use), at most. They take none of the keyspace's room for
 /// records, so junk cannot refuse a real worker; past this many, a new one is counted but not
@@ -31,6 +38,8 @@ pub(super) struct Entry {
     pub namespace: Arc<str>,
     pub parsed: Parsed,
     pub updated: SystemTime,
+    /// The etcd lease the key hangs on (`None`: none).
+    pub lease: Option<u64>,
 }
 
 /// Which base card a Model record is: scoped to a component and endpoint, or legacy (both
@@ -152,6 +161,8 @@ pub(super) struct Store {
     claims: BTreeMap<Identity, BTreeSet<EtcdKey>>,
     /// Per keyspace, how many of its entries are set aside ([`Entry::set_aside`]).
     set_aside: [usize; 4],
+    /// Per keyspace and lease, the records (not set aside) its keys hold.
+    per_lease: BTreeMap<(usize, u64), usize>,
     /// Bytes of opaque cards held, and the most there may be.
     card_bytes: usize,
     card_budget: usize,
@@ -165,7 +176,14 @@ impl Default for Store {
 
 impl Store {
     pub fn with_card_budget(card_budget: usize) -> Self {
-        Self { keyspaces: Default::default(), claims: BTreeMap::new(), set_aside: [0; 4], card_bytes: 0, card_budget }
+        Self {
+            keyspaces: Default::default(),
+            claims: BTreeMap::new(),
+            set_aside: [0; 4],
+            per_lease: BTreeMap::new(),
+            card_bytes: 0,
+            card_budget,
+        }
     }
 
     /// An empty store with this one's budgets.
@@ -201,6 +219,14 @@ impl Store {
         self.map(keyspace).len() - self.set_aside[keyspace.index()] >= MAX_RECORDS_PER_KEYSPACE
     }
 
+    /// Whether keys on `lease` hold [`MAX_RECORDS_PER_LEASE`] records in `keyspace`, so a new
+    /// one must be refused (never for keys with no lease).
+    pub fn lease_is_full(&self, keyspace: Keyspace, lease: Option<u64>) -> bool {
+        lease.is_some_and(|lease| {
+            self.per_lease.get(&(keyspace.index(), lease)).is_some_and(|held| *held >= MAX_RECORDS_PER_LEASE)
+        })
+    }
+
     /// Whether `keyspace` sets aside [`MAX_SET_ASIDE_PER_KEYSPACE`] keys, so a new refused
     /// value is not held.
     pub fn set_aside_full(&self, keyspace: Keyspace) -> bool {
@@ -219,6 +245,9 @@ impl Store {
             self.claims.entry(identity).or_default().insert(key.clone());
         }
         self.set_aside[keyspace.index()] += usize::from(entry.set_aside());
+        if let Some(lease) = entry.lease.filter(|_| !entry.set_aside()) {
+            *self.per_lease.entry((keyspace.index(), lease)).or_default() += 1;
+        }
         self.card_bytes += entry.retained_card_bytes();
         self.keyspaces[keyspace.index()].insert(key, entry);
     }
@@ -227,6 +256,14 @@ impl Store {
         let entry = self.keyspaces[keyspace.index()].remove(key)?;
         let set_aside = &mut self.set_aside[keyspace.index()];
         *set_aside = set_aside.saturating_sub(usize::from(entry.set_aside()));
+        if let Some(lease) = entry.lease.filter(|_| !entry.set_aside())
+            && let Some(held) = self.per_lease.get_mut(&(keyspace.index(), lease))
+        {
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                self.per_lease.remove(&(keyspace.index(), lease));
+            }
+        }
         self.card_bytes = self.card_bytes.saturating_sub(entry.retained_card_bytes());
         if let Some(identity) = entry.identity()
             && let Some(keys) = self.claims.get_mut(&identity)

@@ -4,10 +4,12 @@ use continuum_proto::model::Role;
 use serde_json::{Value, json};
 
 use super::super::{
-    EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RETAINED_CARD_BYTES, MAX_SET_ASIDE_PER_KEYSPACE,
-    MAX_SMALL_RECORD_BYTES,
+    EventKind, MAX_RECORD_BYTES, MAX_RECORDS_PER_KEYSPACE, MAX_RECORDS_PER_LEASE, MAX_RETAINED_CARD_BYTES,
+    MAX_SET_ASIDE_PER_KEYSPACE, MAX_SMALL_RECORD_BYTES,
 };
-use super::{NS, Sim, card_json, card_key, card_value, counts, endpoint_value, instance_key, t};
+use super::{
+    NS, Sim, card_json, card_key, card_value, channel_key, channel_value, counts, endpoint_value, instance_key, t, zmq,
+};
 use crate::discovery::{KeyValue, Listing, Reducer};
 
 const ID: u64 = 0x6a6c_a228_814c_9742;
@@ -257,6 +259,51 @@ fn a_full_keyspace_refuses_new_keys_but_updates_held_ones() {
     );
     assert!(!sim.delete(junk).relist_wanted());
     assert!(sim.delete(key(4)).relist_wanted(), "a record's delete still does");
+}
+
+/// One process writing records by the thousand under its lease (event channels of made-up
+/// publisher ids, each a valid record) takes no more than its lease's share of the keyspace:
+/// its keys past it are refused, its held keys still update, and every other process still
+/// registers; a resync refuses the same keys. Keys with no lease are bounded by the keyspace
+/// alone.
+#[test]
+fn one_lease_holds_no_more_than_its_share_of_a_keyspace() {
+    let channel = |publisher: u64| {
+        let value = channel_value("kv_metrics", publisher, zmq("tcp://10.0.0.7:41000"));
+        super::kv(channel_key(NS, "backend", "kv_metrics", publisher), &value)
+    };
+    let share = MAX_RECORDS_PER_LEASE as u64;
+    let mut sim = Sim::new();
+    for publisher in 1..=share {
+        let applied = sim.apply(super::WatchEvent::Put(channel(publisher).with_lease(ID)));
+        assert_eq!(counts(&applied), vec![(EventKind::Put, 1)], "{publisher}: within the share");
+    }
+    let refused = sim.apply(super::WatchEvent::Put(channel(share + 1).with_lease(ID)));
+    assert_eq!(counts(&refused), vec![(EventKind::OverCapacity, 1)], "past the lease's share");
+    assert!(!refused.relist_wanted());
+    let again = sim.apply(super::WatchEvent::Put(channel(1).with_lease(ID)));
+    assert_eq!(counts(&again), vec![(EventKind::Put, 1)], "a held key still updates");
+    let other = sim.apply(super::WatchEvent::Put(channel(10 * share).with_lease(ID + 1)));
+    assert_eq!(counts(&other), vec![(EventKind::Put, 1)], "another process registers");
+    sim.delete(channel_key(NS, "backend", "kv_metrics", 1));
+    let room = sim.apply(super::WatchEvent::Put(channel(share + 1).with_lease(ID)));
+    assert_eq!(counts(&room), vec![(EventKind::Put, 1)], "its own delete gave it room");
+
+    // A resync listing more of the lease's keys than its share keeps the share, held keys
+    // first, wherever they are listed.
+    let relisted: Vec<KeyValue> = (1..=share + 10).rev().map(|p| channel(p).with_lease(ID)).collect();
+    let applied = sim.apply(super::WatchEvent::Resync(relisted));
+    assert_eq!(applied.count(EventKind::OverCapacity), 10);
+    let kept: Vec<u64> =
+        (1..=share + 10).filter(|p| sim.reducer.holds(&channel_key(NS, "backend", "kv_metrics", *p))).collect();
+    assert_eq!(kept, (2..=share + 1).collect::<Vec<_>>(), "the keys it held are the ones it keeps");
+
+    // Without a lease, only the keyspace bounds them.
+    let mut sim = Sim::new();
+    for publisher in 1..=share + 1 {
+        let put = sim.apply(super::WatchEvent::Put(channel(publisher)));
+        assert_eq!(counts(&put), vec![(EventKind::Put, 1)], "{publisher}");
+    }
 }
 
 #[test]
