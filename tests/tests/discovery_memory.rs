@@ -15,24 +15,57 @@ static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
 const ID: u64 = 0x6a6c_a228_814c_9742;
 
-/// A card value of nearly the largest size read, its card padded with small numbers (an
-/// unknown field, which the router ignores) beside the fields its typed subset reads.
-fn large_card_record() -> Vec<u8> {
+/// Where a card's padding goes: an unknown field, which the router ignores, or a field of its
+/// typed subset that is read leniently (through a tree of its own when it is small).
+#[derive(Clone, Copy, Debug)]
+enum Padded {
+    Unknown,
+    RuntimeData,
+    OtherArtifactKind,
+}
+
+/// A card value of nearly the largest size read, its card padded with small numbers beside the
+/// fields its typed subset reads.
+fn large_card_record(padded: Padded) -> Vec<u8> {
     let numbers = (MAX_RECORD_BYTES - 4096) / 2;
-    let pad = vec!["0"; numbers].join(",");
+    let pad = format!("[{}]", vec!["0"; numbers].join(","));
+    let (unknown, runtime_data, tokenizer) = match padded {
+        Padded::Unknown => (pad.as_str(), "{}", "{}"),
+        Padded::RuntimeData => ("0", pad.as_str(), "{}"),
+        Padded::OtherArtifactKind => ("0", "{}", pad.as_str()),
+    };
+    let tokenizer = format!(r#"{{"gguf":{tokenizer}}}"#);
     format!(
         r#"{{"type":"Model","namespace":"dynamo","component":"prefill","endpoint":"generate","instance_id":{ID},
            "card_json":{{"display_name":"tiny","worker_type":"prefill","kv_cache_block_size":16,
-           "runtime_config":{{"total_kv_blocks":1024,"max_num_seqs":256,"max_num_batched_tokens":8192}},
-           "pad":[{pad}]}}}}"#
+           "runtime_config":{{"total_kv_blocks":1024,"max_num_seqs":256,"max_num_batched_tokens":8192,
+           "runtime_data":{runtime_data}}},"tokenizer":{tokenizer},"pad":{unknown}}}}}"#
     )
     .into_bytes()
 }
 
 #[test]
 fn reading_a_card_too_large_to_keep_allocates_less_than_its_size() {
+    let (record, allocated) = read_large_card(Padded::Unknown);
+    assert!(allocated < record.len(), "reading a {} byte card allocated {allocated} bytes", record.len());
+}
+
+/// A field read leniently (`runtime_data`, an artifact slot of a kind the router does not read)
+/// that holds megabytes is read as absent: its text may be copied, but no tree of it is built
+/// (one would take some eighty times the text).
+#[test]
+fn a_large_value_in_a_field_read_leniently_builds_no_tree() {
+    for padded in [Padded::RuntimeData, Padded::OtherArtifactKind] {
+        let (record, allocated) = read_large_card(padded);
+        assert!(allocated < 2 * record.len(), "{padded:?}: a {} byte card allocated {allocated} bytes", record.len());
+    }
+}
+
+/// Reads the card padded as `padded`, then its worker's instance; the record and the bytes
+/// allocated while the card was read.
+fn read_large_card(padded: Padded) -> (Vec<u8>, usize) {
     let mut reducer = Reducer::new(vec!["dynamo".into()]);
-    let record = large_card_record();
+    let record = large_card_record(padded);
     assert!(record.len() <= MAX_RECORD_BYTES && record.len() > MAX_RECORD_BYTES / 2);
     let card = KeyValue::new(format!("v1/mdc/dynamo/prefill/generate/{ID:x}"), record.clone());
     let instance = json!({
@@ -47,7 +80,6 @@ fn reading_a_card_too_large_to_keep_allocates_less_than_its_size() {
 
     // Everything allocated while it was read, whatever was freed meanwhile: more than its peak.
     let allocated = stats.bytes_allocated + stats.bytes_reallocated.max(0) as usize;
-    assert!(allocated < record.len(), "reading a {} byte card allocated {allocated} bytes", record.len());
     let fleet = reducer.fleet();
     let worker = fleet.worker(&WorkerKey::new("dynamo", ID)).expect("the worker is published");
     assert_eq!(
@@ -56,4 +88,5 @@ fn reading_a_card_too_large_to_keep_allocates_less_than_its_size() {
         "with its card's typed subset"
     );
     assert!(worker.card.is_none(), "but not the card itself, past the bound");
+    (record, allocated)
 }

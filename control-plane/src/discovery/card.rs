@@ -13,6 +13,7 @@ use continuum_proto::model::{Capacity, CheckedFile, ModelArtifacts, PromptDefaul
 use super::fleet::{MAX_NAME_BYTES, MAX_PATH_BYTES};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
+use serde_json::value::RawValue;
 
 /// The largest card kept opaquely. A larger card keeps only its typed subset.
 pub const MAX_RETAINED_CARD_BYTES: usize = 1024 * 1024;
@@ -116,11 +117,14 @@ impl<'de> Deserialize<'de> for ArtifactSlot {
             #[serde(default)]
             size: u64,
         }
-        let tagged = std::collections::BTreeMap::<String, Value>::deserialize(deserializer)?;
+        // Each kind's value as its text, not a tree: another kind's may be anything, of any size.
+        let tagged = std::collections::BTreeMap::<String, Box<RawValue>>::deserialize(deserializer)?;
         let file = tagged
             .into_iter()
-            .filter(|(kind, _)| RENDERABLE_KINDS.contains(&kind.as_str()))
-            .find_map(|(_, value)| Record::deserialize(value).ok());
+            .filter(|(kind, raw)| {
+                RENDERABLE_KINDS.contains(&kind.as_str()) && raw.get().len() <= MAX_LENIENT_FIELD_BYTES
+            })
+            .find_map(|(_, raw)| serde_json::from_str::<Record>(raw.get()).ok());
         Ok(Self(file.map(|r| CheckedFile { uri: r.path, checksum: r.checksum, size: r.size })))
     }
 }
@@ -333,13 +337,29 @@ fn nonzero(value: Option<u64>) -> Option<u64> {
     value.filter(|&v| v > 0)
 }
 
+/// The text of a field read leniently (a name, a flag, a small object) past which it reads as
+/// absent: such a field is read through a tree, which takes some eighty times its text, and a
+/// card past [`MAX_RETAINED_CARD_BYTES`] is otherwise read without one. The bound is that size,
+/// so no field costs more than a card read whole does.
+const MAX_LENIENT_FIELD_BYTES: usize = MAX_RETAINED_CARD_BYTES;
+
+/// A field's value as a tree, `None` if its text is past [`MAX_LENIENT_FIELD_BYTES`] (its text is
+/// copied, but no tree is built) or it is no JSON value.
+fn small_value<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Value>, D::Error> {
+    let raw = Box::<RawValue>::deserialize(deserializer)?;
+    Ok(match raw.get().len() <= MAX_LENIENT_FIELD_BYTES {
+        true => serde_json::from_str(raw.get()).ok(),
+        false => None,
+    })
+}
+
 /// The seed documents a string (`dynamo/decode/generate`); SGLang prefill workers write
 /// `{bootstrap_host, bootstrap_port}`. Both are kept as text; other shapes read as absent
 /// rather than failing the whole typed subset.
 fn disaggregated_endpoint<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
-    Ok(match Value::deserialize(deserializer)? {
-        Value::String(text) => Some(text),
-        Value::Object(fields) => match (fields.get("bootstrap_host"), fields.get("bootstrap_port")) {
+    Ok(match small_value(deserializer)? {
+        Some(Value::String(text)) => Some(text),
+        Some(Value::Object(fields)) => match (fields.get("bootstrap_host"), fields.get("bootstrap_port")) {
             (Some(Value::String(host)), Some(Value::Number(port))) => Some(format!("{host}:{port}")),
             (Some(Value::String(host)), _) => Some(host.clone()),
             _ => None,
@@ -349,11 +369,11 @@ fn disaggregated_endpoint<'de, D: Deserializer<'de>>(deserializer: D) -> Result<
 }
 
 fn lenient_bool<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<bool>, D::Error> {
-    Ok(Value::deserialize(deserializer)?.as_bool())
+    Ok(small_value(deserializer)?.and_then(|value| value.as_bool()))
 }
 
 fn default_thinking_mode<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<bool>, D::Error> {
-    let data = Value::deserialize(deserializer)?;
+    let data = small_value(deserializer)?.unwrap_or_default();
     Ok(match data.get("default_thinking_mode").and_then(Value::as_str) {
         Some("enabled") => Some(true),
         Some("disabled") => Some(false),
