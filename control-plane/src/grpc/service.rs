@@ -486,10 +486,13 @@ impl Fleet for FleetService {
         };
         let prompt_tokens = prompt_tokens.min(MAX_LOOKUP_PROMPT_TOKENS);
         // A key that is no replica id (`Hello` refuses it) names no session's lookups; answered
-        // all the same, and logged escaped.
-        let key = continuum_proto::valid_replica_id(&replica_id).then_some(LookupKey { replica: &replica_id, lookup });
+        // all the same.
+        let valid = continuum_proto::valid_replica_id(&replica_id);
+        let key = valid.then_some(LookupKey { replica: &replica_id, lookup });
         let suggestion = self.kv.answer_lookup(key, &contenders, prompt_tokens);
-        tracing::debug!(target: "continuum_control_plane::lookups", replica = ?replica_id, lookup, turn, ?suggestion, "lookup answered");
+        // A caller's id that is none is not logged whole: it may be megabytes.
+        let replica = if valid { replica_id.as_str() } else { "(not a replica id)" };
+        tracing::debug!(target: "continuum_control_plane::lookups", replica, lookup, turn, ?suggestion, "lookup answered");
         let wire = |rank: RankKey| Some(pb::RankId { instance_id: rank.worker_id, dp_rank: rank.dp_rank });
         let (suggestion, tie_break, reserved_tokens) = match suggestion {
             Some(Suggestion::Weighed { rank, reserved_tokens }) => {
