@@ -10,10 +10,12 @@
 //! once and counted. A live Fleet connection is never silent that long: the server pings every
 //! 10 s, idle or not, and the replica's HTTP/2 stack answers.
 //!
-//! A caller without a token can still hold connections that answer pings: the bounds cap what
-//! that costs (descriptors, memory), and an admin listener's few legitimate peers (a scraper,
-//! the kubelet's probes) keep room whatever one other address holds. Where callers must be kept
-//! out altogether, `control_plane.tls.client_ca` refuses them at the handshake.
+//! A Fleet connection that makes no call the token admits within [`SILENT_FOR`] of its accept
+//! is closed too: a caller without the token (health checks ask for none) could otherwise hold
+//! connections by answering pings, and eight addresses would fill the listener. The admin
+//! listener's few legitimate peers (a scraper, the kubelet's probes) keep room whatever one
+//! other address holds. Where callers must be kept out altogether,
+//! `control_plane.tls.client_ca` refuses them at the handshake.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -32,7 +34,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tonic::transport::server::Connected;
 
-use crate::grpc::{ConnectionLookups, MAX_WATCH_SESSIONS};
+use crate::grpc::{FleetConnection, MAX_WATCH_SESSIONS};
 use crate::metrics::Metrics;
 
 /// A connection that sends nothing for this long is closed, and so is one that reads nothing of
@@ -76,11 +78,20 @@ pub enum Closed {
     /// holds its connection's slot, and no read deadline sees it (the server does not read
     /// while it writes).
     Unread,
+    /// It made no call the token admits within [`SILENT_FOR`] of its accept (Fleet only).
+    NoCall,
 }
 
 impl Closed {
-    pub const ALL: [Closed; 6] =
-        [Closed::Full, Closed::PeerFull, Closed::Silent, Closed::Idle, Closed::HeadTimeout, Closed::Unread];
+    pub const ALL: [Closed; 7] = [
+        Closed::Full,
+        Closed::PeerFull,
+        Closed::Silent,
+        Closed::Idle,
+        Closed::HeadTimeout,
+        Closed::Unread,
+        Closed::NoCall,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -90,6 +101,7 @@ impl Closed {
             Closed::Idle => "idle",
             Closed::HeadTimeout => "head_timeout",
             Closed::Unread => "unread",
+            Closed::NoCall => "no_call",
         }
     }
 }
@@ -104,6 +116,8 @@ pub struct Guard {
     closed: IntCounterVec,
     listener: &'static str,
     silent_for: Duration,
+    /// How long a connection may go without a call the token admits (Fleet only).
+    call_within: Option<Duration>,
     /// A line a minute about peers over their share, for this listener.
     peer_full_warnings: Arc<LogBudget>,
 }
@@ -119,6 +133,7 @@ impl Guard {
             closed,
             listener,
             silent_for: SILENT_FOR,
+            call_within: None,
             peer_full_warnings: Arc::new(LogBudget::per_minute(1)),
         }
     }
@@ -130,8 +145,8 @@ impl Guard {
 
     /// The Fleet gRPC listener's: [`MAX_FLEET_CONNECTIONS`].
     pub fn fleet(metrics: &Metrics) -> Self {
-        Self::new("fleet", MAX_FLEET_CONNECTIONS, metrics.connections_closed.clone())
-            .per_peer(MAX_FLEET_CONNECTIONS_PER_PEER)
+        let guard = Self::new("fleet", MAX_FLEET_CONNECTIONS, metrics.connections_closed.clone());
+        Self { call_within: Some(SILENT_FOR), ..guard.per_peer(MAX_FLEET_CONNECTIONS_PER_PEER) }
     }
 
     /// The admin HTTP listener's: [`MAX_ADMIN_CONNECTIONS`].
@@ -143,6 +158,12 @@ impl Guard {
     #[cfg(test)]
     pub(crate) fn silent_after(mut self, silent_for: Duration) -> Self {
         self.silent_for = silent_for;
+        self
+    }
+
+    #[cfg(test)]
+    pub(crate) fn calls_within(mut self, within: Duration) -> Self {
+        self.call_within = Some(within);
         self
     }
 
@@ -175,7 +196,8 @@ impl Guard {
             unread: Box::pin(tokio::time::sleep(self.silent_for)),
             write_blocked: false,
             progress: Arc::default(),
-            lookups: ConnectionLookups::default(),
+            connection: FleetConnection::default(),
+            uncalled: self.call_within.map(|within| Box::pin(tokio::time::sleep(within))),
             guard: self.clone(),
             _slot: Slot { _permit: slot, peer },
         })
@@ -232,9 +254,12 @@ pub struct Guarded<S> {
     write_blocked: bool,
     /// Where the conversation stands, shared with whoever serves the connection.
     progress: Arc<Progress>,
-    /// What the connection's `FindMatches` calls hold of the lookup budget: its
-    /// `ConnectInfo`, which tonic hands to each call made on it.
-    lookups: ConnectionLookups,
+    /// What each call learns of its connection (its `ConnectInfo`, which tonic hands to each
+    /// call made on it): its lookups' share of the budget, whether a call was admitted.
+    connection: FleetConnection,
+    /// Runs out when the connection must have made a call the token admits; `None` once it
+    /// has (or on a listener that asks none).
+    uncalled: Option<Pin<Box<Sleep>>>,
     guard: Guard,
     _slot: Slot,
 }
@@ -345,6 +370,17 @@ impl Progress {
 
 impl<S: AsyncRead + Unpin> AsyncRead for Guarded<S> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        // Checked at every read until a call is admitted: pings answered keep the reads coming,
+        // and a connection that sends nothing is woken by the timer.
+        let this = &mut *self;
+        if let Some(uncalled) = this.uncalled.as_mut() {
+            if this.connection.admitted.get() {
+                this.uncalled = None;
+            } else if uncalled.as_mut().poll(cx).is_ready() {
+                this.guard.count(Closed::NoCall);
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "no call was admitted in time")));
+            }
+        }
         let before = buf.filled().len();
         match Pin::new(&mut self.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) if buf.filled().len() > before => {
@@ -390,13 +426,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Guarded<S> {
     }
 }
 
-/// A connection's calls learn of it what the lookup budget needs, the same over TLS or not
-/// (no handler reads the peer's address or certificates from a request).
+/// A connection's calls learn of it what the lookup budget and the no-call rule need, the same
+/// over TLS or not (no handler reads the peer's address or certificates from a request).
 impl<S> Connected for Guarded<S> {
-    type ConnectInfo = ConnectionLookups;
+    type ConnectInfo = FleetConnection;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.lookups.clone()
+        self.connection.clone()
     }
 }
 
@@ -604,6 +640,57 @@ mod tests {
         let mut answer = String::new();
         asking.read_to_string(&mut answer).await?;
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        cancel.cancel();
+        Ok(())
+    }
+
+    /// A Fleet connection that makes no call the token admits (a health check asks for none)
+    /// is closed once its window is out, however it answers pings; one that made one stays.
+    #[tokio::test]
+    async fn a_fleet_connection_without_an_admitted_call_is_closed() -> anyhow::Result<()> {
+        use std::sync::Arc;
+
+        use continuum_proto::model::DataPlaneConfig;
+        use continuum_proto::pb::GetSnapshotRequest;
+        use continuum_proto::pb::fleet_client::FleetClient;
+        use tokio_util::sync::CancellationToken;
+        use tonic::transport::Channel;
+        use tonic_health::pb::HealthCheckRequest;
+        use tonic_health::pb::health_client::HealthClient;
+
+        use crate::fleet::FleetPublisher;
+        use crate::grpc::{FleetService, Replicas};
+
+        let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());
+        let publisher = FleetPublisher::starting_at(1, Arc::new(DataPlaneConfig::default()));
+        let (_set, tokens) = tokio::sync::watch::channel(vec![crate::bearer::Token::new("s3cret")]);
+        let service = FleetService::new(publisher, Replicas::default(), metrics.clone(), cancel.clone());
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let window = Duration::from_millis(300);
+        let guard = Guard::fleet(&metrics).calls_within(window);
+        tokio::spawn(crate::grpc::serve((listener, guard), service.with_tokens(tokens), None, cancel.clone()));
+        let no_call = || metrics.connections_closed.with_label_values(&["fleet", "no_call"]).get();
+
+        // Kept open (the channel held) after its check, as a health checker's connection is.
+        let mut probe = HealthClient::new(Channel::from_shared(url.clone())?.connect().await?);
+        probe.check(HealthCheckRequest { service: String::new() }).await?;
+        let replica = Channel::from_shared(url)?.connect().await?;
+        let with_token = |mut request: tonic::Request<()>| {
+            request.metadata_mut().insert("authorization", "Bearer s3cret".parse().expect("ascii"));
+            Ok(request)
+        };
+        let mut fleet = FleetClient::with_interceptor(replica, with_token);
+        fleet.get_snapshot(GetSnapshotRequest {}).await?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while no_call() == 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(no_call(), 1, "the health checker's connection, closed");
+        tokio::time::sleep(2 * window).await;
+        assert_eq!(no_call(), 1, "the replica's connection made a call: kept");
+        fleet.get_snapshot(GetSnapshotRequest {}).await?;
+        drop(probe);
         cancel.cancel();
         Ok(())
     }

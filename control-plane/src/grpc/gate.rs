@@ -9,12 +9,43 @@
 //! ended when that token is retired ([`retired`]): rotating a leaked token out then locks the
 //! holder out of the stream it opened with it, while honest replicas reconnect with theirs.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use prometheus::IntCounter;
 use tokio::sync::watch;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
+use super::ConnectionLookups;
 use crate::bearer::{self, Token};
+
+/// What each call learns of its connection, the same over TLS or not: the listener makes one
+/// per connection, and tonic hands it to every call made on it (the connection's
+/// `ConnectInfo`).
+#[derive(Clone, Debug, Default)]
+pub struct FleetConnection {
+    /// What the connection's lookups hold of the lookup budget.
+    pub lookups: ConnectionLookups,
+    /// Whether a call on it got past the gate: one that makes none within its window is closed
+    /// by the listener (`crate::listen`), so that callers without the token cannot hold the
+    /// listener's places by answering pings.
+    pub admitted: CallAdmitted,
+}
+
+/// Set once a call on the connection is admitted.
+#[derive(Clone, Debug, Default)]
+pub struct CallAdmitted(Arc<AtomicBool>);
+
+impl CallAdmitted {
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
 
 /// What an admitted call presented as its bearer token (`None`: no `authorization`).
 #[derive(Clone, Copy, Debug)]
@@ -46,6 +77,9 @@ impl Gate {
 impl Interceptor for Gate {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
         let presented = self.admit(request.metadata().get("authorization").map(|value| value.as_bytes()))?;
+        if let Some(connection) = request.extensions().get::<FleetConnection>() {
+            connection.admitted.set();
+        }
         request.extensions_mut().insert(presented);
         Ok(request)
     }

@@ -73,7 +73,8 @@ pub struct Refusals {
 }
 
 /// What one connection's calls hold of the budget. The listener gives each connection one,
-/// and tonic hands it to every call made on it (it is the connection's `ConnectInfo`).
+/// and tonic hands it to every call made on it (in the connection's `ConnectInfo`,
+/// [`super::FleetConnection`]).
 #[derive(Clone, Debug, Default)]
 pub struct ConnectionLookups(Arc<AtomicUsize>);
 
@@ -289,7 +290,7 @@ where
             return self.inner.call(request).boxed();
         }
         // The connection's share, as the listener made it: absent, the process's bound alone.
-        let connection = request.extensions().get::<ConnectionLookups>().cloned();
+        let connection = request.extensions().get::<super::FleetConnection>().map(|c| c.lookups.clone());
         let charge = Arc::new(Charge::new(&self.budget, connection));
         let body = Arc::clone(&charge);
         let request = request

@@ -21,7 +21,7 @@ use tonic_health::ServingStatus;
 
 use crate::listen::Guard;
 
-pub use gate::Gate;
+pub use gate::{CallAdmitted, FleetConnection, Gate};
 pub use lookup_budget::{
     Budgeted, ConnectionLookups, LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT, MAX_LOOKUP_BYTES_PER_CONNECTION,
 };

@@ -72,7 +72,12 @@ where
         if request.uri().path() == HEALTH_WATCH {
             let authorization = request.headers().get(header::AUTHORIZATION).map(|value| value.as_bytes());
             return match self.gate.admit(authorization) {
-                Ok(_) => self.inner.call(request).boxed(),
+                Ok(_) => {
+                    if let Some(connection) = request.extensions().get::<super::FleetConnection>() {
+                        connection.admitted.set();
+                    }
+                    self.inner.call(request).boxed()
+                }
                 Err(refused) => futures::future::ready(Ok(refused.into_http())).boxed(),
             };
         }

@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::Connected;
 
 use crate::config::ListenerTlsConfig;
-use crate::grpc::ConnectionLookups;
+use crate::grpc::FleetConnection;
 use crate::listen::{Guard, Guarded};
 use crate::metrics::Metrics;
 
@@ -596,7 +596,7 @@ impl AsyncWrite for Verified {
 /// The connection's own, under the TLS session: the lookup budget finds it as on a plaintext
 /// connection.
 impl Connected for Verified {
-    type ConnectInfo = ConnectionLookups;
+    type ConnectInfo = FleetConnection;
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.inner.get_ref().0.connect_info()
