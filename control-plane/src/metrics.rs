@@ -31,8 +31,9 @@ pub struct Metrics {
     pub watch_stalled: IntCounter,
     /// Fleet calls refused for want of `control_plane.token`.
     pub unauthenticated: IntCounter,
-    /// gRPC health checks refused because `MAX_OPEN_CALLS` were in flight.
-    pub open_calls_refused: IntCounter,
+    /// gRPC calls refused because as many of their kind were in flight as the process allows,
+    /// by `call` (health_check: `MAX_OPEN_CALLS`; get_snapshot: `MAX_SNAPSHOT_CALLS`).
+    pub calls_refused: IntCounterVec,
     /// Admin API calls refused for want of `admin.token`.
     pub admin_unauthenticated: IntCounter,
     pub watch_retired: IntCounter,
@@ -139,9 +140,12 @@ impl Metrics {
                 "continuum_fleet_unauthenticated_total",
                 "Fleet gRPC calls refused because they did not present control_plane.token",
             )?,
-            open_calls_refused: IntCounter::new(
-                "continuum_fleet_open_calls_refused_total",
-                "gRPC health checks (which ask for no token) refused because 64 were in flight already",
+            calls_refused: IntCounterVec::new(
+                Opts::new(
+                    "continuum_fleet_calls_refused_total",
+                    "gRPC calls refused because as many of their kind were in flight as the process allows (health_check: 64, get_snapshot: 4)",
+                ),
+                &["call"],
             )?,
             watch_retired: IntCounter::new(
                 "continuum_fleet_watch_retired_total",
@@ -332,7 +336,7 @@ impl Metrics {
             Box::new(metrics.watch_superseded.clone()),
             Box::new(metrics.watch_stalled.clone()),
             Box::new(metrics.unauthenticated.clone()),
-            Box::new(metrics.open_calls_refused.clone()),
+            Box::new(metrics.calls_refused.clone()),
             Box::new(metrics.admin_unauthenticated.clone()),
             Box::new(metrics.watch_retired.clone()),
             Box::new(metrics.fleet_tls_reloads.clone()),

@@ -7,6 +7,7 @@ mod lookup_budget;
 mod open;
 mod service;
 mod session;
+mod snapshot_calls;
 pub mod tls;
 mod turns;
 
@@ -28,6 +29,7 @@ pub use lookup_budget::{
 pub use open::MAX_OPEN_CALLS;
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
+pub use snapshot_calls::MAX_SNAPSHOT_CALLS;
 pub use tls::ServerTls;
 pub use turns::MAX_TURN_MODELS;
 
@@ -75,12 +77,13 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let (gate, lookups) = (fleet.gate(), fleet.lookup_budget());
+    let snapshots_refused = fleet.calls_refused("get_snapshot");
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<FleetServer<FleetService>>().await;
     let health_service = open::Open::new(
         health_service.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES),
         gate.clone(),
-        fleet.open_calls_refused(),
+        fleet.calls_refused("health_check"),
     );
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -106,14 +109,17 @@ pub async fn serve(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(Budgeted::new(
-            InterceptedService::new(
-                FleetServer::new(fleet)
-                    .max_decoding_message_size(MAX_INBOUND_FLEET_MESSAGE_BYTES)
-                    .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
-                gate,
+        .add_service(snapshot_calls::SnapshotCalls::new(
+            Budgeted::new(
+                InterceptedService::new(
+                    FleetServer::new(fleet)
+                        .max_decoding_message_size(MAX_INBOUND_FLEET_MESSAGE_BYTES)
+                        .max_encoding_message_size(MAX_FLEET_MESSAGE_BYTES),
+                    gate,
+                ),
+                lookups,
             ),
-            lookups,
+            snapshots_refused,
         ));
     // Connections come through the listener's guard (see [`crate::listen`]), which also sets
     // TCP_NODELAY: `Server::tcp_nodelay` covers only the sockets `serve` binds itself, and Nagle

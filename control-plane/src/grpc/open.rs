@@ -7,7 +7,7 @@
 //! streams the listener's connections may hold, callers without a token could have the
 //! process set aside gigabytes that way. So `Check` calls in flight are bounded across the
 //! process ([`MAX_OPEN_CALLS`]); past it one is refused at once (`RESOURCE_EXHAUSTED`,
-//! counted in `continuum_fleet_open_calls_refused_total`). A probe's call is answered within
+//! counted in `continuum_fleet_calls_refused_total{call="health_check"}`). A probe's call is answered within
 //! microseconds, so the bound is reached only by callers holding theirs open. `Watch`, a stream
 //! its caller may keep for good, asks for the token as the Fleet calls do (and reflection does,
 //! through the [`Gate`] itself).

@@ -218,9 +218,9 @@ impl FleetService {
         Gate { tokens: self.tokens.clone(), unauthenticated: self.metrics.unauthenticated.clone() }
     }
 
-    /// Where health checks refused past [`super::MAX_OPEN_CALLS`] are counted.
-    pub fn open_calls_refused(&self) -> prometheus::IntCounter {
-        self.metrics.open_calls_refused.clone()
+    /// Where calls of kind `call` refused for want of room are counted.
+    pub fn calls_refused(&self, call: &str) -> prometheus::IntCounter {
+        self.metrics.calls_refused.with_label_values(&[call])
     }
 
     /// Answers `FindMatches` from `kv` (without it, every call is refused as disabled).
