@@ -26,7 +26,10 @@ use std::path::PathBuf;
 /// The operator's artifact rules (`dynamo.kv.*`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArtifactPolicy {
-    /// Fetch `http(s)://` artifacts (a worker's own metadata URL). Default true.
+    /// Fetch `http(s)://` artifacts (an operator's mirror, a worker's own metadata URL). Default
+    /// true. Any host a card names is asked, loopback and private networks included, but for
+    /// the metadata and link-local addresses `reach` refuses; only bytes matching a pinned
+    /// checksum are kept, so a card naming another host costs that host a GET and nothing more.
     pub allow_http_artifacts: bool,
     /// Fetch `hf://` artifacts from `HF_ENDPOINT`. Default false: public egress is opt-in.
     pub allow_hf_artifacts: bool,

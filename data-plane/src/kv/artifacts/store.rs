@@ -560,7 +560,6 @@ impl ArtifactStore {
     }
 }
 
-/// Parses verified bytes into a tokenizer and template (blocking: run on a render thread).
 /// Removes from `cache` what `pinned` no longer names (see [`BlobCache::prune`]). Blocking.
 fn prune(cache: &BlobCache, pinned: &BTreeSet<Checksum>) {
     match cache.prune(pinned) {
@@ -598,6 +597,7 @@ fn sources(cards: &[ModelArtifacts]) -> Vec<ModelArtifacts> {
     cards.iter().filter(|card| card.key() == key && seen.insert(paths(card))).take(MAX_CARD_SOURCES).cloned().collect()
 }
 
+/// Parses verified bytes into a tokenizer and template (blocking: run on a render thread).
 fn build(
     key: ArtifactKey,
     tokenizer_json: &[u8],
