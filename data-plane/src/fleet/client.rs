@@ -35,7 +35,8 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Dispatch reports go out at most this often. Well under the control plane's backlog window
 /// (2 ms), so a report still reaches the next publication of the fleet-wide backlogs.
 pub const REPORT_INTERVAL: Duration = Duration::from_millis(1);
-/// Replies (acks, nacks) waiting to be sent; one per update received, so a handful suffices.
+/// Replies waiting to be sent: an ack or nack per update received, and the dispatch reports,
+/// at most one per [`REPORT_INTERVAL`]; a handful suffices.
 const REPLY_QUEUE: usize = 8;
 /// How long a reply (an ack, a report) may wait for room on the stream. A control plane whose
 /// connection stays up (its HTTP/2 pings answered) but that reads nothing for this long is
@@ -84,9 +85,9 @@ pub const TLS_FILES_READ_WAIT: Duration = Duration::from_secs(5);
 
 /// [`FleetClientConfig::endpoint`] for each (re)connect. TLS files, read at every one, are read
 /// on the blocking pool, so a stalled volume holds no runtime thread while the control plane
-/// flaps; and a read that takes longer than its wait (a secrets volume stalled) is not waited
-/// on: the endpoint the files last made serves meanwhile, and the read goes on, one at a time,
-/// its outcome taken by a later connect. Without it, a replica whose control plane restarted
+/// flaps; and a read that takes longer than its wait ([`TLS_FILES_READ_WAIT`], a secrets
+/// volume stalled) is waited on no longer: the endpoint the files last made serves meanwhile,
+/// and the read goes on, one at a time, its outcome taken by a later connect. Without it, a replica whose control plane restarted
 /// while its volume stalled would stay disconnected for as long, routing without the fleet's
 /// backlogs, on files it had read before.
 struct Endpoints {
@@ -450,12 +451,17 @@ async fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: 
     };
     match next {
         Ok((view, snapshot)) => {
-            if let Some(before) = before.filter(|before| snapshot && before.version() > view.version()) {
+            if let Some(before) = before.as_ref().filter(|before| snapshot && before.version() > view.version()) {
                 tracing::info!(held = before.version(), received = view.version(), "fleet version went backwards");
             }
             metrics.updates.with_label_values(&["applied"]).inc();
             metrics.stream_connected.set(1);
             handle.store(view);
+            // A snapshot shares nothing with the view it replaces, which this may hold last:
+            // freed here, a large fleet's would hold up every connection on this runtime.
+            if snapshot && let Some(before) = before {
+                crate::memory::free_off_the_runtime(before);
+            }
             *snapshot_applied |= snapshot;
             Kind::Ack(pb::Ack { version, nonce })
         }

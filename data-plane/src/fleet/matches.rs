@@ -18,7 +18,8 @@ use super::credentials::{ClientTls, Credentials};
 use crate::routing::picker::{RankOverlap, Suggested};
 
 /// The default deadline of one lookup (seed: "the FindMatches call under a deadline (default
-/// ≤ 2 ms)"): past it the request is scored without overlap credit.
+/// ≤ 2 ms)"): past it the request is scored without overlap credit. Tokio's timer counts in
+/// whole milliseconds, rounding up, so a lookup is given up 2 to 3 ms after it began.
 pub const FIND_MATCHES_DEADLINE: Duration = Duration::from_millis(2);
 /// Connecting to the control plane for lookups, and its answer to a keep-alive ping.
 const MATCHES_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
