@@ -58,6 +58,12 @@ impl ByteLevelBpe {
     /// The encoder for `tokenizer`, if its configuration is one this reproduces and it encodes
     /// the probe text as `tokenizer` does. Added tokens are the caller's to split out first.
     pub fn for_tokenizer(tokenizer: &Tokenizer) -> Result<Self, Unsupported> {
+        // Asked first, of the loaded model: the configuration as a tree takes several times a
+        // tokenizer's file, for nothing when it is no BPE (a SentencePiece Unigram of tens of
+        // megabytes, say).
+        if !matches!(tokenizer.get_model(), tokenizers::models::ModelWrapper::BPE(_)) {
+            return Err(unsupported("model other than BPE"));
+        }
         // Once per tokenizer load, on a render thread; the configuration is dropped after.
         let json = serde_json::to_value(tokenizer).map_err(|e| unsupported(e.to_string()))?;
         let encoder = Self::from_config(&json)?;

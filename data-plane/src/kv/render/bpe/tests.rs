@@ -118,6 +118,20 @@ fn other_configurations_are_declined_with_a_reason() {
     }
 }
 
+/// A loaded tokenizer whose model is no BPE is declined before its configuration is turned
+/// into a tree (several times the size of its file).
+#[test]
+fn a_tokenizer_of_another_model_is_declined_from_its_model_alone() {
+    let word_level = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"[UNK]": 0, "a": 1}, "unk_token": "[UNK]"}
+    });
+    let why = ByteLevelBpe::for_tokenizer(&tokenizer(&word_level)).expect_err("declined").to_string();
+    assert!(why.contains("model other than BPE"), "{why}");
+    assert!(ByteLevelBpe::for_tokenizer(&tokenizer(&tiny_json())).is_ok(), "the fixture's BPE is taken");
+}
+
 #[test]
 fn the_byte_alphabet_is_gpt2s() {
     let symbols = byte_symbols();
