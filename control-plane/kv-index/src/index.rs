@@ -1,7 +1,7 @@
 //! `KvIndex`: applies a rank's stored / removed / cleared events to the tree under the ceilings.
 
 use crate::hash::Mixer;
-use crate::limits::{Limits, MIN_RANK_SHARE_DIVISOR};
+use crate::limits::Limits;
 use crate::lookup::Probe;
 use crate::outcome::{KvResult, Outcome};
 use crate::ranks::{RankKey, Ranks};
@@ -65,15 +65,15 @@ impl KvIndex {
     }
 
     /// Shares the index among the fleet's `ranks`: each may hold at most an equal share of its
-    /// blocks (never less than [`MIN_RANK_SHARE_DIVISOR`]th of them, nor more than
-    /// [`Limits::max_blocks_per_rank`]). Without it a few ranks caching a great deal would fill
-    /// the index, and every other rank's blocks would be refused for as long as they stayed: no
-    /// overlap for them, however much of a prompt they hold. A rank past a new, smaller share
+    /// blocks (nor more than [`Limits::max_blocks_per_rank`]). Without it a few ranks caching a
+    /// great deal would fill the index, and every other rank's blocks would be refused for as
+    /// long as they stayed: no overlap for them, however much of a prompt they hold. The shares
+    /// add up to no more than the index however many ranks there are (a floor under them would
+    /// let the first ranks of a fleet past its size fill it). A rank past a new, smaller share
     /// keeps what it holds and adds nothing until its evictions bring it under.
     pub fn share_among(&mut self, ranks: usize) {
-        let floor = self.limits.max_blocks / MIN_RANK_SHARE_DIVISOR;
         let share = self.limits.max_blocks.checked_div(ranks).unwrap_or(usize::MAX);
-        self.rank_cap = share.max(floor).min(self.limits.max_blocks_per_rank);
+        self.rank_cap = share.min(self.limits.max_blocks_per_rank);
     }
 
     /// The ceilings this index enforces.

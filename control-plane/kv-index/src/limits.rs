@@ -13,9 +13,6 @@ pub const MAX_BLOCKS_PER_RANK: usize = 262_144;
 pub const MAX_INDEX_OWNERSHIPS: usize = 8_388_608;
 /// Distinct ranks that may own one node at most.
 pub const MAX_OWNERS_PER_NODE: usize = 4_096;
-/// However many ranks the fleet has, each may hold at least this fraction of the index's blocks
-/// (see [`crate::KvIndex::share_among`]).
-pub const MIN_RANK_SHARE_DIVISOR: usize = 256;
 
 /// The ceilings one index enforces. [`Limits::default`] is the seed's; tests shrink them to hit
 /// each one with a handful of events.

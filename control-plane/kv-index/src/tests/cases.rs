@@ -204,6 +204,23 @@ fn shared_among_ranks_each_holds_at_most_its_share() {
     index.check_invariants();
 }
 
+/// However many ranks share it, their shares add up to no more than the index: a fleet larger
+/// than the index has room for at a few hundred blocks each still gives every rank its share,
+/// rather than the first ranks filling it and locking the rest out.
+#[test]
+fn shares_add_up_to_no_more_than_the_index_however_many_ranks() {
+    let ranks = 512u64;
+    let mut index = KvIndex::new(tiny(ranks as usize, 100, 10_000, 10_000));
+    index.share_among(ranks as usize);
+    assert_eq!(index.rank_share(), 1);
+    for id in 1..=ranks {
+        let outcome = index.apply_stored(rank(id), None, &chain(&[10 * id, 10 * id + 1]));
+        assert_eq!((outcome.get(KvResult::Applied), outcome.get(KvResult::OverCapacity)), (1, 1), "rank {id}");
+    }
+    assert_eq!(index.stats().nodes, ranks as usize, "the index is full, each rank holding its share");
+    index.check_invariants();
+}
+
 #[test]
 fn ownership_ceiling_is_shared_by_all_ranks() {
     let mut index = KvIndex::new(tiny(100, 100, 3, 100));
