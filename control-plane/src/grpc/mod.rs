@@ -1,13 +1,14 @@
 //! The control plane's gRPC server: `continuum.fleet.v1.Fleet`, `grpc.health.v1` and server
 //! reflection in both `v1` and `v1alpha` (grpcurl 1.8.6 speaks only the latter). Every call
-//! asks for `control_plane.token` but a health `Check` ([`open`]).
+//! asks for `control_plane.token` but a health `Check` ([`open`]), and health checks and
+//! snapshots in flight are bounded ([`bounded`]).
 
+mod bounded;
 mod gate;
 mod lookup_budget;
 mod open;
 mod service;
 mod session;
-mod snapshot_calls;
 pub mod tls;
 mod turns;
 
@@ -22,14 +23,13 @@ use tonic_health::ServingStatus;
 
 use crate::listen::Guard;
 
+pub use bounded::{MAX_OPEN_CALLS, MAX_SNAPSHOT_CALLS};
 pub use gate::{CallAdmitted, FleetConnection, Gate};
 pub use lookup_budget::{
     Budgeted, ConnectionLookups, LookupBudget, MAX_LOOKUP_BYTES_IN_FLIGHT, MAX_LOOKUP_BYTES_PER_CONNECTION,
 };
-pub use open::MAX_OPEN_CALLS;
 pub use service::{FleetService, HELLO_TIMEOUT, MAX_WATCH_SESSIONS, MAX_WATCH_STREAMS, Replicas};
 pub use session::{REPLICA_QUEUE_CAPACITY, REPLICA_STALL_LIMIT, ReplicaStatus};
-pub use snapshot_calls::MAX_SNAPSHOT_CALLS;
 pub use tls::ServerTls;
 pub use turns::MAX_TURN_MODELS;
 
@@ -77,13 +77,13 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<(), ServeError> {
     let (gate, lookups) = (fleet.gate(), fleet.lookup_budget());
-    let snapshots_refused = fleet.calls_refused("get_snapshot");
+    let snapshots_refused = fleet.calls_refused(bounded::SNAPSHOTS.label);
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<FleetServer<FleetService>>().await;
-    let health_service = open::Open::new(
-        health_service.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES),
-        gate.clone(),
-        fleet.calls_refused("health_check"),
+    let health_service = bounded::Bounded::new(
+        open::Open::new(health_service.max_decoding_message_size(MAX_UNAUTHENTICATED_MESSAGE_BYTES), gate.clone()),
+        bounded::HEALTH_CHECKS,
+        fleet.calls_refused(bounded::HEALTH_CHECKS.label),
     );
     let reflection = || {
         tonic_reflection::server::Builder::configure()
@@ -109,7 +109,7 @@ pub async fn serve(
         .add_service(health_service)
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha)
-        .add_service(snapshot_calls::SnapshotCalls::new(
+        .add_service(bounded::Bounded::new(
             Budgeted::new(
                 InterceptedService::new(
                     FleetServer::new(fleet)
@@ -119,6 +119,7 @@ pub async fn serve(
                 ),
                 lookups,
             ),
+            bounded::SNAPSHOTS,
             snapshots_refused,
         ));
     // Connections come through the listener's guard (see [`crate::listen`]), which also sets
