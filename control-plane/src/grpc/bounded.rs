@@ -135,33 +135,10 @@ mod tests {
     use tonic::Code;
 
     use super::*;
-
-    /// A service answering every call at once with a one-frame body.
-    #[derive(Clone)]
-    struct Answers;
-
-    impl Service<Request<Body>> for Answers {
-        type Response = Response<Body>;
-        type Error = Infallible;
-        type Future = futures::future::Ready<Result<Response<Body>, Infallible>>;
-
-        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn call(&mut self, _: Request<Body>) -> Self::Future {
-            futures::future::ready(Ok(Response::new(Body::new(http_body_util::Full::new(Bytes::from_static(
-                b"fleet",
-            ))))))
-        }
-    }
+    use crate::grpc::tests::{Answers, code};
 
     fn call(path: &str) -> Request<Body> {
         Request::builder().uri(path).body(Body::default()).expect("a request")
-    }
-
-    fn code(answer: &Response<Body>) -> Option<Code> {
-        Status::from_header_map(answer.headers()).map(|status| status.code())
     }
 
     /// Calls of a kind are answered a few at a time, each holding its room until its body is

@@ -163,6 +163,30 @@ mod tests {
     use crate::fleet::FleetPublisher;
     use crate::metrics::Metrics;
 
+    /// A service answering every call at once with a one-frame body, `fleet`.
+    #[derive(Clone)]
+    pub(crate) struct Answers;
+
+    impl tower_service::Service<tonic::codegen::http::Request<tonic::body::Body>> for Answers {
+        type Response = tonic::codegen::http::Response<tonic::body::Body>;
+        type Error = std::convert::Infallible;
+        type Future = futures::future::Ready<Result<Self::Response, Self::Error>>;
+
+        fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+            let body = http_body_util::Full::new(bytes::Bytes::from_static(b"fleet"));
+            futures::future::ready(Ok(tonic::codegen::http::Response::new(tonic::body::Body::new(body))))
+        }
+    }
+
+    /// The gRPC status an answer carries in its head, if it is an error.
+    pub(crate) fn code(answer: &tonic::codegen::http::Response<tonic::body::Body>) -> Option<tonic::Code> {
+        tonic::Status::from_header_map(answer.headers()).map(|status| status.code())
+    }
+
     /// A Fleet service on an empty fleet, its own metrics and cancel token.
     pub(crate) fn empty_fleet_service() -> anyhow::Result<(FleetService, Metrics, CancellationToken)> {
         let (metrics, cancel) = (Metrics::new()?, CancellationToken::new());

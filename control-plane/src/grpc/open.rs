@@ -68,28 +68,11 @@ where
 mod tests {
     use prometheus::IntCounter;
     use tokio::sync::watch;
-    use tonic::{Code, Status};
+    use tonic::Code;
 
     use super::*;
     use crate::bearer::Token;
-
-    /// A health service answering every call at once.
-    #[derive(Clone)]
-    struct Answers;
-
-    impl Service<Request<Body>> for Answers {
-        type Response = Response<Body>;
-        type Error = Infallible;
-        type Future = futures::future::Ready<Result<Response<Body>, Infallible>>;
-
-        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
-            Poll::Ready(Ok(()))
-        }
-
-        fn call(&mut self, _: Request<Body>) -> Self::Future {
-            futures::future::ready(Ok(Response::new(Body::default())))
-        }
-    }
+    use crate::grpc::tests::{Answers, code};
 
     fn call(path: &str, authorization: Option<&str>) -> Request<Body> {
         let mut request = Request::builder().uri(path);
@@ -99,11 +82,6 @@ mod tests {
         let mut request = request.body(Body::default()).expect("a request");
         request.extensions_mut().insert(FleetConnection::default());
         request
-    }
-
-    /// The gRPC status an answer carries in its head, if it is an error.
-    fn code(answer: &Response<Body>) -> Option<Code> {
-        Status::from_header_map(answer.headers()).map(|status| status.code())
     }
 
     #[tokio::test]
