@@ -1,13 +1,15 @@
 //! etcd discovery against a real etcd (Debian `etcd-server`): get-then-watch is gapless, a
 //! restarted etcd resyncs without losing or doubling anything, oversized values are refused
-//! while their neighbours apply, a keyspace larger than one response is read in pages, and a
-//! frozen member is noticed by its silence. The test writes the records as the workers would;
+//! while their neighbours apply, a keyspace larger than one response is read in pages, a full
+//! keyspace's relist waits while the watches go on, and a frozen member is noticed by its
+//! silence. The test writes the records as the workers would;
 //! the control plane only reads.
 
 use std::time::Duration;
 
 use continuum_control_plane::app::{ControlPlane, ListenOverrides};
-use continuum_control_plane::config::{self, EtcdConfig};
+use continuum_control_plane::config::{self, BackoffConfig, EtcdConfig};
+use continuum_control_plane::discovery::MAX_RECORDS_PER_KEYSPACE;
 use continuum_control_plane::metrics::Metrics;
 use continuum_control_plane::sources::Registry;
 use continuum_control_plane::sources::etcd::{MAX_ETCD_MESSAGE_BYTES, WatchHealth, prefixes, run_with, writes_after};
@@ -232,6 +234,65 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     eventually(CONVERGE, "resynced once thawed", || async { connected() && resyncs() == 2 }).await?;
     put_workers(&etcd, [lease(2)]).await?;
     eventually(CONVERGE, "and watching again", || async { workers() == 2 }).await?;
+    cancel.cancel();
+    task.await?;
+    Ok(())
+}
+
+/// A full keyspace that frees room asks for a relist (Dynamo writes a key once: what it refused
+/// comes back only by listing again), paced by the reconnect backoff. While the relist waits,
+/// the watches go on: a worker deregistering meanwhile leaves the fleet at once, not after the
+/// wait, and the refused worker is listed when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_for_freed_room_waits_its_turn_while_the_watches_go_on() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let etcd = Etcd::start(dir.path(), &[]).await?;
+    put_workers(&etcd, (1..=4).map(lease)).await?;
+    // The instances keyspace filled with bare instance records (no card: never workers).
+    let mut kv = etcd.client().await?.kv_client();
+    let filler = MAX_RECORDS_PER_KEYSPACE - 4;
+    for chunk in (0..filler as u64).collect::<Vec<_>>().chunks(128) {
+        let puts = chunk.iter().map(|i| {
+            let (key, value) = decode_worker_records("dynamo", lease(1_000 + i), "tiny").remove(1);
+            etcd_client::TxnOp::put(key, value, None)
+        });
+        kv.txn(etcd_client::Txn::new().and_then(puts.collect::<Vec<_>>())).await?;
+    }
+    let registry = Registry::new(continuum_tests::publisher());
+    let metrics = Metrics::new()?;
+    let backoff = BackoffConfig { initial: Duration::from_secs(4), max: Duration::from_secs(8) };
+    let config = EtcdConfig {
+        endpoints: vec![etcd.client_url.clone()],
+        watch_reconnect_backoff: backoff,
+        ..EtcdConfig::default()
+    };
+    let cancel = CancellationToken::new();
+    let task = tokio::spawn(run_with(
+        config,
+        vec!["dynamo".into()],
+        registry.clone(),
+        metrics.clone(),
+        WatchHealth::default(),
+        cancel.clone(),
+    ));
+    let resyncs = || metrics.discovery_events.with_label_values(&["resync"]).get();
+    let holds = |id: u64| registry.current().fleet.workers.iter().any(|found| found.worker.key.instance_id == id);
+    eventually(CONVERGE, "the four workers", || async { (1..=4).all(|i| holds(lease(i))) }).await?;
+
+    put_workers(&etcd, [lease(5)]).await?;
+    let refused = || metrics.discovery_events.with_label_values(&["over_capacity"]).get();
+    eventually(CONVERGE, "the fifth worker's instance refused", || async { refused() >= 1 }).await?;
+    assert!(!holds(lease(5)));
+
+    // Its room freed, a relist is asked for; the deletion after it is still watched.
+    delete_worker(&etcd, lease(1)).await?;
+    delete_worker(&etcd, lease(2)).await?;
+    eventually(Duration::from_secs(3), "both deletions, by watch", || async { !holds(lease(1)) && !holds(lease(2)) })
+        .await?;
+    assert_eq!((resyncs(), metrics.discovery_connected.get()), (1, 1), "the relist still waits its pacing");
+    eventually(CONVERGE, "the refused worker, listed by the relist", || async { holds(lease(5)) }).await?;
+    assert_eq!(resyncs(), 2);
+    assert!((3..=4).all(|i| holds(lease(i))) && !holds(lease(1)) && !holds(lease(2)));
     cancel.cancel();
     task.await?;
     Ok(())

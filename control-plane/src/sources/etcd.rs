@@ -115,19 +115,18 @@ pub async fn run_with(
     let mut reducer = Reducer::succeeding(namespaces.clone(), &registry.current().fleet);
     let backoff = &config.watch_reconnect_backoff;
     let mut delay = backoff.initial;
-    let mut relists = RelistPacing::new(backoff.initial, backoff.max);
+    let mut timing = PassTiming { relists: RelistPacing::new(backoff.initial, backoff.max), watching_since: None };
     loop {
-        let mut watching_since = None;
+        timing.watching_since = None;
         let outcome = tokio::select! {
             () = cancel.cancelled() => return,
-            outcome = pass(&config, &namespaces, &mut reducer, &registry, &metrics, health, &mut watching_since) => outcome,
+            outcome = pass(&config, &namespaces, &mut reducer, &registry, &metrics, health, &mut timing) => outcome,
         };
         let sleep = match outcome {
             // Planned, not a failure: the relist leaves the failure backoff as it was, and
-            // discovery still reads as connected (an alert on it must not fire). Relists in a
-            // row wait longer each time, as a full keyspace under churn would ask for one at
-            // every deletion, and each lists every key.
-            Err(PassError::RoomFreed) => relists.next(watching_since.map_or(Duration::ZERO, |since| since.elapsed())),
+            // discovery still reads as connected (an alert on it must not fire). The pass
+            // waited out the relist's pacing while it still watched, so it starts at once.
+            Err(PassError::RoomFreed) => Duration::ZERO,
             outcome => {
                 metrics.discovery_connected.set(0);
                 if let Err(error) = outcome {
@@ -137,7 +136,7 @@ pub async fn run_with(
                 // The floor comes back only after the watches held for a whole backoff ceiling,
                 // so an etcd (or proxy) that serves gets but drops watches cannot drive a
                 // reconnect storm.
-                if watching_since.is_some_and(|since: Instant| since.elapsed() >= backoff.max) {
+                if timing.watching_since.is_some_and(|since: Instant| since.elapsed() >= backoff.max) {
                     delay = backoff.initial;
                 }
                 let sleep = delay.mul_f64(0.5 + rand::random::<f64>() / 2.0);
@@ -159,7 +158,7 @@ async fn pass(
     registry: &Registry,
     metrics: &Metrics,
     health: WatchHealth,
-    watching_since: &mut Option<Instant>,
+    timing: &mut PassTiming,
 ) -> Result<(), PassError> {
     let prefixes: Vec<String> = namespaces.iter().flat_map(|ns| prefixes(ns)).collect();
     let (mut kv, mut watcher, seeded) = seed(config, &prefixes, reducer).await?;
@@ -189,15 +188,20 @@ async fn pass(
         streams.push(responses.map(move |response| (index, response)));
     }
     metrics.discovery_connected.set(1);
-    *watching_since = Some(Instant::now());
+    timing.watching_since = Some(Instant::now());
     let mut heard = Heard::new(prefixes.len(), revision, Instant::now());
     // Not at once: a watch still catching up may leave the request unanswered.
     let first = tokio::time::Instant::now() + health.progress_every;
     let mut progress = tokio::time::interval_at(first, health.progress_every);
     progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When a full keyspace freed room, the relist that lists its refused keys waits its pacing
+    // while this pass goes on watching: the keys held keep updating and deleted workers keep
+    // leaving the fleet until it starts.
+    let mut relist_at: Option<tokio::time::Instant> = None;
     loop {
         let (index, response) = tokio::select! {
             next = streams.next() => next.ok_or(PassError::Ended)?,
+            () = until(relist_at) => return Err(PassError::RoomFreed),
             _ = progress.tick() => {
                 for (index, delivered) in heard.silent(Instant::now(), health.silent_after) {
                     let prefix = &prefixes[index];
@@ -223,23 +227,37 @@ async fn pass(
             return Err(PassError::Cancelled(response.cancel_reason().to_string()));
         }
         let bytes: usize = response.events().iter().filter_map(|e| e.kv()).map(|kv| kv.value().len()).sum();
-        if bytes > ON_THE_RUNTIME_BYTES {
-            off_the_runtime(|| apply_events(&response, reducer, registry, metrics))?;
+        let relist_wanted = if bytes > ON_THE_RUNTIME_BYTES {
+            off_the_runtime(|| apply_events(&response, reducer, registry, metrics))
         } else {
-            apply_events(&response, reducer, registry, metrics)?;
+            apply_events(&response, reducer, registry, metrics)
+        };
+        if relist_wanted && relist_at.is_none() {
+            let watched = timing.watching_since.map_or(Duration::ZERO, |since| since.elapsed());
+            relist_at = Some(tokio::time::Instant::now() + timing.relists.next(watched));
         }
     }
 }
 
+/// Fires at `deadline`; never without one.
+async fn until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Folds one watch response's events into the reducer, publishing the fleet if it changed.
+/// Whether one of them freed room in a keyspace that refused keys, which only a relist lists.
 fn apply_events(
     response: &etcd_client::WatchResponse,
     reducer: &mut Reducer,
     registry: &Registry,
     metrics: &Metrics,
-) -> Result<(), PassError> {
+) -> bool {
     let now = SystemTime::now();
     let mut changed = false;
+    let mut relist_wanted = false;
     for event in response.events() {
         let Some(kv) = event.kv() else { continue };
         let folded = match event.event_type() {
@@ -248,23 +266,28 @@ fn apply_events(
         };
         let applied = reducer.apply(folded, now);
         changed |= applied.fleet_changed();
+        relist_wanted |= applied.relist_wanted();
         count(&applied, metrics);
-        if applied.relist_wanted() {
-            registry.publish(reducer.fleet());
-            return Err(PassError::RoomFreed);
-        }
     }
     // Heartbeat re-puts change nothing; only a changed fleet is rebuilt and published.
     if changed {
         registry.publish(reducer.fleet());
     }
-    Ok(())
+    relist_wanted
 }
 
-/// How long to wait before a relist asked for because a full keyspace freed room: the
-/// backoff's floor, doubling (to its ceiling) for each relist that follows a pass watched for
-/// less than the ceiling. A keyspace full under churn frees room at every deletion, and a
-/// relist reads every key; a relist now and then waits only the floor.
+/// What one pass leaves to those after it.
+#[derive(Debug)]
+struct PassTiming {
+    relists: RelistPacing,
+    /// When this pass's watches opened, if they did.
+    watching_since: Option<Instant>,
+}
+
+/// How long a pass goes on watching before the relist asked for because a full keyspace freed
+/// room: the backoff's floor, doubling (to its ceiling) for each relist asked for by a pass
+/// that had watched for less than the ceiling. A keyspace full under churn frees room at every
+/// deletion, and a relist reads every key; a relist now and then waits only the floor.
 #[derive(Debug)]
 struct RelistPacing {
     floor: Duration,
@@ -277,7 +300,7 @@ impl RelistPacing {
         Self { floor, ceiling, next: floor }
     }
 
-    /// The wait before this relist, the pass before it having watched for `watched`.
+    /// The wait before this relist, the pass asking for it having watched for `watched`.
     fn next(&mut self, watched: Duration) -> Duration {
         if watched >= self.ceiling {
             self.next = self.floor;
