@@ -30,6 +30,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::{KvIndex, Limits, Matches, Outcome, RankKey};
+use continuum_proto::fast_hash::FastMap;
 
 use super::decode::{DecodeError, KvEvent, KvEventBatch, KvEventData, decode_kv_events};
 use super::result::{KvCounts, KvEventResult};
@@ -127,13 +128,16 @@ pub struct KvIndexer {
 }
 
 /// Most ranks [`Cleared`] lists; past it, it says "every rank, until now".
-const MAX_CLEARED_LISTED: usize = 4096;
+pub(crate) const MAX_CLEARED_LISTED: usize = 4096;
 
-/// Ranks cleared (a gap, a `cleared` event, a lost message, a stale publisher), each with when.
+/// Ranks cleared (a gap, a `cleared` event, a lost message, a stale publisher), each with when
+/// it was last.
 #[derive(Debug, Default)]
 pub struct Cleared {
-    pub ranks: Vec<(RankKey, Instant)>,
-    /// More were cleared than are listed: every rank counts as cleared at this instant.
+    /// One entry a rank, however often it was cleared: a publisher clearing its own rank over
+    /// and over must not fill the list and void every other rank's credit through `all_at`.
+    pub ranks: FastMap<RankKey, Instant>,
+    /// More ranks were cleared than are listed: every rank counts as cleared at this instant.
     pub all_at: Option<Instant>,
 }
 
@@ -143,11 +147,11 @@ pub struct Cleared {
 fn clear_live(index: &mut KvIndex, cleared: &Mutex<Cleared>, rank: RankKey) -> usize {
     let mut noted = cleared.lock().unwrap_or_else(PoisonError::into_inner);
     let now = Instant::now();
-    if noted.ranks.len() >= MAX_CLEARED_LISTED {
+    if noted.ranks.len() >= MAX_CLEARED_LISTED && !noted.ranks.contains_key(&rank) {
         noted.ranks.clear();
         noted.all_at = Some(now);
     } else {
-        noted.ranks.push((rank, now));
+        noted.ranks.insert(rank, now);
     }
     index.clear_rank(rank)
 }

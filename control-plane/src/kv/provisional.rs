@@ -235,14 +235,9 @@ impl ProvisionalIndex {
         if cleared.ranks.is_empty() && cleared.all_at.is_none() {
             return;
         }
-        let mut latest: FastMap<RankKey, Instant> = FastMap::default();
-        for (rank, at) in &cleared.ranks {
-            let when = latest.entry(*rank).or_insert(*at);
-            *when = (*when).max(*at);
-        }
         let before = |c: &Chain, at: Option<&Instant>| at.is_some_and(|at| c.credited <= *at);
         self.remove_where(
-            |c| before(c, cleared.all_at.as_ref()) || before(c, latest.get(&c.rank)),
+            |c| before(c, cleared.all_at.as_ref()) || before(c, cleared.ranks.get(&c.rank)),
             ProvisionalResult::Cleared,
         );
     }
