@@ -86,6 +86,12 @@ impl KvIndex {
         self.rank_cap
     }
 
+    /// `(rank, engine block)` ownerships held: [`IndexStats::ownerships`] without the rest of
+    /// the stats.
+    pub fn ownerships(&self) -> usize {
+        self.ownerships
+    }
+
     /// Applies a `stored` event: `blocks` form a chain under `parent_hash` (an engine hash the
     /// rank already holds, or `None` for the root). See the crate documentation for results.
     pub fn apply_stored(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 
-use continuum_kv_index::{KvResult, Outcome};
+use continuum_kv_index::{KvResult, Outcome, RankKey};
 
 use super::decode::{KvEvent, KvEventBatch, KvEventData, decode_kv_events};
 use super::indexer::{FAR_BEHIND, KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
@@ -77,6 +77,13 @@ impl KvFeed {
         self.events.with_label_values(&[result.as_str()]).inc();
     }
 
+    /// A message of `publisher` was lost: its ranks are cleared as on a gap
+    /// ([`KvIndexer::message_lost`]), one to a hold of the lock.
+    async fn lose_message(&self, publisher: &PublisherKey, counts: &mut KvCounts) {
+        let ranks = self.indexer.write().lose_message(publisher, counts);
+        clear_each(&self.indexer, ranks).await;
+    }
+
     /// Applies one message's events in turns of at most [`BLOCKS_PER_HOLD`] blocks, yielding
     /// between them. A message cut short between two turns (its session cancelled, as a reload
     /// of the subscriptions does) stands applied in part, which no gap would show on the next
@@ -86,7 +93,16 @@ impl KvFeed {
         let mut turns = turns(events, BLOCKS_PER_HOLD).peekable();
         while let Some(turn) = turns.next() {
             match turn {
-                Turn::Events(events) => counts.merge(&self.indexer.write().apply_events(mapping, events)),
+                Turn::Events(mut events) => loop {
+                    // A turn's events name at most a hold's blocks; those a gap or a clear
+                    // drops may take it past, and end the hold early.
+                    let applied = self.indexer.write().apply_events_within(mapping, events, BLOCKS_PER_HOLD, counts);
+                    events = &events[applied..];
+                    if events.is_empty() {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                },
                 Turn::Large(event) => self.apply_large(mapping, event, counts).await,
             }
             if turns.peek().is_some() {
@@ -124,6 +140,15 @@ impl KvFeed {
         }
         counts.blocks.merge(&outcome);
         counts.add(outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from));
+    }
+}
+
+/// Clears `ranks` one to a hold of the index's lock, lookups between: one rank's clear takes
+/// milliseconds at most (`docs/kv.md`), a publisher's every rank in one hold as many times that.
+pub(super) async fn clear_each(indexer: &SharedKvIndexer, ranks: Vec<RankKey>) {
+    for rank in ranks {
+        indexer.write().clear_rank(rank);
+        tokio::task::yield_now().await;
     }
 }
 
@@ -247,7 +272,7 @@ impl Feed for KvFeed {
                     Dropped::TooManyFrames => KvEventResult::Malformed,
                     _ => KvEventResult::Oversized,
                 });
-                self.indexer.write().message_lost(&publisher.key(), &mut counts);
+                self.lose_message(&publisher.key(), &mut counts).await;
                 return self.count(&counts);
             }
             Err(Dropped::TopicTooLong) => return self.count_one(KvEventResult::TopicMismatch),
@@ -266,17 +291,24 @@ impl Feed for KvFeed {
                 let mut counts = KvCounts::default();
                 let Some(_loan) = decoded_loan(&batch, wire_bytes, worker.instance_id, &LARGE_MESSAGES) else {
                     counts.add(KvEventResult::OverBudget);
-                    self.indexer.write().message_lost(&mapping.publisher, &mut counts);
+                    self.lose_message(&mapping.publisher, &mut counts).await;
                     return self.count(&counts);
                 };
                 if lost_before(last, batch.sequence) {
                     // Its removals among them, perhaps: the ranks are cleared as on a gap.
-                    self.indexer.write().message_lost(&mapping.publisher, &mut counts);
+                    self.lose_message(&mapping.publisher, &mut counts).await;
                 }
                 self.apply_turns(&mapping, &batch.events, &mut counts).await;
                 counts
             }
-            refused => self.indexer.write().apply_decoded(&mapping, refused),
+            Err(refused) => {
+                let mut counts = KvCounts::default();
+                counts.add(refused.into());
+                if refused.loses_events() {
+                    self.lose_message(&mapping.publisher, &mut counts).await;
+                }
+                counts
+            }
         };
         self.count(&counts);
     }
@@ -293,7 +325,8 @@ impl Feed for KvFeed {
     }
 
     async fn departed(&self, publisher: &Publisher) {
-        self.indexer.write().drop_publisher(&publisher.key());
+        let ranks = self.indexer.write().take_publisher(&publisher.key());
+        clear_each(&self.indexer, ranks).await;
     }
 
     async fn set_live(&self, generation: &Generation) {

@@ -202,24 +202,68 @@ impl KvIndexer {
     /// Cursors stay, so a replay is still skipped; the jump the next event shows is this gap,
     /// not another.
     pub fn message_lost(&mut self, publisher: &PublisherKey, counts: &mut KvCounts) {
-        let Some(publisher) = self.publishers.get_mut(publisher) else { return };
+        for rank in self.lose_message(publisher, counts) {
+            self.clear_rank(rank);
+        }
+    }
+
+    /// [`Self::message_lost`] but for the clearing: the ranks to clear, counted as gaps, for a
+    /// caller to clear one to a hold of its lock ([`Self::clear_rank`]). A publisher may speak
+    /// for a worker's every rank, and all their blocks cleared in one hold would keep every
+    /// lookup waiting for as long.
+    pub fn lose_message(&mut self, publisher: &PublisherKey, counts: &mut KvCounts) -> Vec<RankKey> {
+        let Some(publisher) = self.publishers.get_mut(publisher) else { return Vec::new() };
+        let mut lost = Vec::new();
         for (rank, cursor) in &mut publisher.cursors {
             if !cursor.cleared_for_loss {
-                clear_live(&mut self.index, &self.cleared, *rank);
+                lost.push(*rank);
                 counts.add(KvEventResult::Gap);
                 cursor.cleared_for_loss = true;
             }
         }
+        lost
+    }
+
+    /// Clears one rank's blocks, noted for the provisional credit; how many it held.
+    pub fn clear_rank(&mut self, rank: RankKey) -> usize {
+        clear_live(&mut self.index, &self.cleared, rank)
     }
 
     /// Applies decoded events from `publisher`, in order.
     pub fn apply_events(&mut self, publisher: &PublisherMapping, events: &[KvEvent]) -> KvCounts {
         let mut counts = KvCounts::default();
-        for event in events {
-            let result = self.apply_event(publisher, event, &mut counts);
-            counts.add(result);
+        let mut rest = events;
+        while !rest.is_empty() {
+            let applied = self.apply_events_within(publisher, rest, usize::MAX, &mut counts);
+            rest = &rest[applied..];
         }
         counts
+    }
+
+    /// Applies the first of `events` from `publisher`, in order, until they have touched
+    /// `blocks` blocks (those they name, and those a clear or a gap dropped): how many it
+    /// applied, one at least. What one hold of the lock does: a gap clears a rank's every
+    /// block, so a run of events each gapping another rank is work of their ranks' size, not
+    /// of the blocks they name.
+    pub fn apply_events_within(
+        &mut self,
+        publisher: &PublisherMapping,
+        events: &[KvEvent],
+        blocks: usize,
+        counts: &mut KvCounts,
+    ) -> usize {
+        let mut touched = 0usize;
+        for (i, event) in events.iter().enumerate() {
+            if i > 0 && touched >= blocks {
+                return i;
+            }
+            let before = self.index.ownerships();
+            let result = self.apply_event(publisher, event, counts);
+            counts.add(result);
+            let dropped = before.saturating_sub(self.index.ownerships());
+            touched = touched.saturating_add(event.blocks().max(dropped));
+        }
+        events.len()
     }
 
     fn apply_event(&mut self, publisher: &PublisherMapping, event: &KvEvent, counts: &mut KvCounts) -> KvEventResult {
@@ -342,16 +386,19 @@ impl KvIndexer {
     /// The publisher's subscription stopped for good: its ranks lose their blocks and cursors.
     /// Returns how many ranks were cleared.
     pub fn drop_publisher(&mut self, publisher: &PublisherKey) -> usize {
-        let Some(publisher) = self.publishers.remove(publisher) else {
-            return 0;
-        };
         let mut cleared = 0;
-        for rank in publisher.cursors.keys() {
-            if clear_live(&mut self.index, &self.cleared, *rank) > 0 {
+        for rank in self.take_publisher(publisher) {
+            if self.clear_rank(rank) > 0 {
                 cleared += 1;
             }
         }
         cleared
+    }
+
+    /// [`Self::drop_publisher`] but for the clearing: the publisher's ranks, for a caller to
+    /// clear one to a hold of its lock ([`Self::clear_rank`]).
+    pub fn take_publisher(&mut self, publisher: &PublisherKey) -> Vec<RankKey> {
+        self.publishers.remove(publisher).map(|publisher| publisher.cursors.into_keys().collect()).unwrap_or_default()
     }
 
     /// The ranks the index holds blocks for that `live` does not declare: what
@@ -377,11 +424,23 @@ impl KvIndexer {
     /// `stale_after`: between the listing of [`Self::stale`] and this hold of the lock it may
     /// have come back, and what it published since must stand. Whether it was dropped.
     pub fn drop_if_stale(&mut self, publisher: &PublisherKey, now: Instant, stale_after: Duration) -> bool {
-        if !self.publishers.get(publisher).is_some_and(|p| is_stale(p, now, stale_after)) {
-            return false;
+        let Some(ranks) = self.take_if_stale(publisher, now, stale_after) else { return false };
+        for rank in ranks {
+            self.clear_rank(rank);
         }
-        self.drop_publisher(publisher);
         true
+    }
+
+    /// [`Self::drop_if_stale`] but for the clearing: the stale publisher's ranks, for a caller
+    /// to clear one to a hold of its lock ([`Self::clear_rank`]).
+    pub fn take_if_stale(
+        &mut self,
+        publisher: &PublisherKey,
+        now: Instant,
+        stale_after: Duration,
+    ) -> Option<Vec<RankKey>> {
+        let stale = self.publishers.get(publisher).is_some_and(|p| is_stale(p, now, stale_after));
+        stale.then(|| self.take_publisher(publisher))
     }
 
     /// The publisher's session ended (or is pending); cursors are kept. Calling it again while

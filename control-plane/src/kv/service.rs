@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use super::feed::{KvFeed, SharedKvIndexer};
+use super::feed::{KvFeed, SharedKvIndexer, clear_each};
 use super::indexer::{KV_EVENTS_STALE_AFTER, KvIndexer};
 use super::provisional::{Folded, ProvisionalIndex, ProvisionalResult};
 use super::recent_lookups::{LookupKey, RecentLookups, Suggestion};
@@ -334,15 +334,15 @@ async fn sweep(handle: KvHandle, metrics: SweepMetrics, cancel: CancellationToke
         // many away at once would otherwise hold the index for all their clears in a row.
         let stale = indexer.read().stale(Instant::now(), KV_EVENTS_STALE_AFTER);
         for publisher in stale {
-            if !indexer.write().drop_if_stale(&publisher, Instant::now(), KV_EVENTS_STALE_AFTER) {
+            let Some(ranks) = indexer.write().take_if_stale(&publisher, Instant::now(), KV_EVENTS_STALE_AFTER) else {
                 continue;
-            }
+            };
+            clear_each(indexer, ranks).await;
             tracing::warn!(
                 %publisher,
                 after = ?KV_EVENTS_STALE_AFTER,
                 "kv-events publisher unreachable for too long; its ranks' blocks were cleared"
             );
-            tokio::task::yield_now().await;
         }
         let stats = indexer.read().index().stats();
         for (what, value) in [

@@ -487,6 +487,54 @@ fn a_publisher_holds_at_most_4096_rank_cursors() {
     assert_eq!(results(&indexer.apply_events(&another, &[event(ranks, 1, KvEventData::Cleared)])), [("applied", 1)]);
 }
 
+/// One hold of the lock applies events until they touched a hold's blocks, counting what a
+/// gap or a clear dropped: a message of one-block events, each a gap on another full rank, is
+/// the ranks' size in work, and takes a hold a rank. The rest applies in the holds after.
+#[test]
+fn a_hold_ends_after_the_blocks_a_gap_or_a_clear_dropped() {
+    let mut indexer = live_indexer(0..4);
+    let chain: Vec<u64> = (1..=50).collect();
+    let filled: Vec<KvEvent> = (0..4).map(|r| stored(r, 1, None, &chain)).collect();
+    indexer.apply_events(&publisher(), &filled);
+    // Event 3 after 1: each one a gap, clearing its rank's 50 blocks.
+    let gaps: Vec<KvEvent> = (0..4).map(|r| stored(r, 3, None, &[100])).collect();
+    let mut counts = KvCounts::default();
+    assert_eq!(indexer.apply_events_within(&publisher(), &gaps, 40, &mut counts), 1, "one rank's clear fills a hold");
+    assert_eq!((0..4).map(|r| indexer.index().rank_blocks(rank(r))).collect::<Vec<_>>(), [1, 50, 50, 50]);
+    assert_eq!(indexer.apply_events_within(&publisher(), &gaps[1..], 200, &mut counts), 3, "room for all three");
+    assert_eq!(results(&counts), [("applied", 4), ("gap", 4)]);
+    let cleared = [event(0, 4, KvEventData::Cleared), event(1, 4, KvEventData::Cleared)];
+    assert_eq!(indexer.apply_events_within(&publisher(), &cleared, 1, &mut counts), 1, "a clear ends the hold too");
+    // Events that drop nothing are weighed by the blocks they name.
+    let small: Vec<KvEvent> = (0..4).map(|r| stored(r, 5, Some(100), &[101, 102])).collect();
+    assert_eq!(indexer.apply_events_within(&publisher(), &small, 4, &mut counts), 2);
+}
+
+/// A lost message's ranks, and a departed publisher's, are handed out to clear one at a time;
+/// counted (as gaps) and forgotten at once, as [`KvIndexer::message_lost`] and
+/// [`KvIndexer::drop_publisher`] do them whole.
+#[test]
+fn a_publishers_ranks_are_handed_out_to_clear_one_to_a_hold() {
+    let mut indexer = live_indexer(0..3);
+    let filled: Vec<KvEvent> = (0..3).map(|r| stored(r, 1, None, &[1, 2])).collect();
+    indexer.apply_events(&publisher(), &filled);
+    let mut counts = KvCounts::default();
+    let mut lost = indexer.lose_message(&key(9), &mut counts);
+    lost.sort_unstable();
+    assert_eq!(lost, [rank(0), rank(1), rank(2)]);
+    assert_eq!(results(&counts), [("gap", 3)]);
+    assert!(indexer.lose_message(&key(9), &mut counts).is_empty(), "one loss, handed out once");
+    assert_eq!(indexer.index().rank_blocks(rank(1)), 2, "nothing cleared until the caller does");
+    assert_eq!(indexer.clear_rank(rank(1)), 2);
+    assert_eq!(indexer.index().rank_blocks(rank(1)), 0);
+
+    let mut gone = indexer.take_publisher(&key(9));
+    gone.sort_unstable();
+    assert_eq!(gone, [rank(0), rank(1), rank(2)]);
+    assert_eq!(indexer.cursor(&key(9), rank(0)), None, "its cursors go at once");
+    assert!(indexer.take_publisher(&key(9)).is_empty());
+}
+
 #[test]
 fn a_publisher_stopped_for_good_loses_its_ranks_at_once() {
     let mut indexer = live_indexer(0..2);
