@@ -194,7 +194,8 @@ fn turns(events: &[KvEvent], max_blocks: usize) -> impl Iterator<Item = Turn<'_>
         }
         let mut blocks = 0;
         let over = rest.iter().position(|event| {
-            // A clear (no blocks named) costs a rank's worth of work too.
+            // A clear names no blocks: one here; what it drops ends its hold early
+            // (`KvIndexer::apply_events_within`).
             blocks += event.blocks().max(1);
             blocks > max_blocks
         });
