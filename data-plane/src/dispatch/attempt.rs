@@ -38,7 +38,6 @@ impl Dispatcher {
         stream: bool,
     ) -> impl Future<Output = Result<(&'a ShimReplica, Response<ShimBody>), Failure>> + 'a {
         async move {
-            self.budget.deposit();
             let head_timeout = if stream { self.settings.stream_head_timeout } else { self.settings.buffered_timeout };
             let mut attempts = 0;
             let mut last: Option<SendError> = None;

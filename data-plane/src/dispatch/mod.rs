@@ -260,6 +260,9 @@ impl Dispatcher {
     /// future around it holding the plan.
     pub fn run(&self, plan: Plan) -> impl Future<Output = Result<Response, DispatchError>> + '_ {
         let Plan { body, stream, disclose, tenant, trace, route } = plan;
+        // Once a request, however many sends it takes (a fall-through or a fallback to the
+        // unified backends is a send of its own, paid from the budget as a retry is).
+        self.budget.deposit();
         let headers = self.request_headers(stream, tenant, trace);
         match route {
             Route::Pinned(pinned) => {

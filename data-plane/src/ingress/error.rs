@@ -14,7 +14,7 @@ use serde_json::json;
 use super::request::RequestError;
 use super::select::SelectError;
 use crate::dispatch::disclosure::RefusalBody;
-use crate::dispatch::{DispatchError, Failure};
+use crate::dispatch::{DispatchError, Failure, SendError};
 use crate::server::head::HeadError;
 
 /// Client-supplied model names are echoed in messages, cut to this many characters.
@@ -238,7 +238,13 @@ fn unified_failed(cause: &Failure) -> ApiError {
     let status = failure_status(cause);
     let (code, message) = match cause {
         _ if cause.is_unavailable() => {
-            ("shim_unavailable", "No backend serving this model could take the request. Retry shortly.".to_string())
+            let message = "No backend serving this model could take the request. Retry shortly.";
+            return match cause {
+                // The backend's own 503 or 429: its pace is not the router's to set.
+                Failure::Status(_) => ApiError::new(status, "shim_unavailable", message),
+                // No backend would take it, or none could be reached: the router's own 503.
+                _ => ApiError::unavailable("shim_unavailable", message),
+            };
         }
         Failure::TooLarge(limit) => {
             let message = format!(
@@ -319,6 +325,11 @@ fn decode_failed(cause: &Failure, fallback: Option<&Failure>, stale_pins: bool) 
             "No Dynamo frontend replica could be reached, so the request never reached the workers assigned to \
              it{retried}. Retry shortly."
         ),
+        // The frontend fell silent, or the connection to it broke: the router charges the
+        // frontend (its breaker), not the workers, and so does its message.
+        Failure::Send(SendError::ShimSilent(_) | SendError::Exchange(_)) | Failure::Body(_) => format!(
+            "The request failed between this router and the Dynamo frontend: {what}{retried}. Retry the request."
+        ),
         _ => format!(
             "The request failed on its assigned workers: {what}{retried}. Retry the request; if it keeps failing, the workers may be restarting."
         ),
@@ -349,7 +360,6 @@ fn echo(model: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dispatch::SendError;
 
     #[test]
     fn the_routers_own_503s_ask_the_client_to_retry_after_a_second_and_a_backends_do_not() {
@@ -359,6 +369,11 @@ mod tests {
         };
         assert_eq!(retry_after(RequestError::Busy.into()).as_deref(), Some("1"));
         assert_eq!(retry_after(DispatchError::NoShim.into()).as_deref(), Some("1"));
+        // Unified routing's own: no backend would take the request, or none could be reached.
+        let refused = || SendError::Connect(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        for own in [Failure::NoReplica, Failure::BudgetSpent(refused()), Failure::Send(refused())] {
+            assert_eq!(retry_after(DispatchError::UnifiedFailed(own).into()).as_deref(), Some("1"));
+        }
         assert_eq!(retry_after(SelectError::NoFleetView.into()).as_deref(), Some("1"));
         let model = "m".to_string();
         assert_eq!(retry_after(SelectError::NoWorkers { model }.into()).as_deref(), Some("1"));
@@ -368,6 +383,8 @@ mod tests {
         let answer: ApiError = refused.into();
         assert_eq!(answer.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(retry_after(answer), None);
+        let slow_down = DispatchError::UnifiedFailed(Failure::Status(StatusCode::TOO_MANY_REQUESTS));
+        assert_eq!(retry_after(slow_down.into()), None);
         let bad = ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", "x");
         assert_eq!(retry_after(bad), None);
         assert_eq!(retry_after(HeadError::Busy.into()).as_deref(), Some("1"), "the server's own busy too");
@@ -481,6 +498,20 @@ mod tests {
             assert!(
                 error.message.contains("never reached the workers") && !error.message.contains("failed on its"),
                 "{unreached}: {}",
+                error.message
+            );
+        }
+        // The frontend fell silent or its connection broke: the router blames it, not the workers.
+        for frontends in [
+            Failure::Send(SendError::ShimSilent(std::time::Duration::from_secs(300))),
+            Failure::Send(SendError::Exchange(crate::dispatch::ExchangeError::Closed)),
+            Failure::Body("connection reset".into()),
+        ] {
+            let error = decode_failed(&frontends, None, false);
+            assert!(
+                error.message.contains("between this router and the Dynamo frontend")
+                    && !error.message.contains("workers may be restarting"),
+                "{frontends}: {}",
                 error.message
             );
         }
