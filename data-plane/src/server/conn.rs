@@ -352,9 +352,18 @@ impl<'m> Connection<'m> {
         self.read_rest(&mut if crowded { deadline.crowded() } else { deadline }).await
     }
 
-    /// Drops the blank lines at the front of the read buffer; whether nothing else is there.
+    /// Drops the blank lines at the front of the read buffer (CRLF, or a bare LF, which RFC
+    /// 9112 §2.2 lets a server take as a line's end); whether nothing else is there. A bare CR
+    /// stays, for the head's parser to refuse: that section says it is invalid.
     fn skip_blank_lines(&mut self) -> bool {
-        let blank = self.read.iter().take_while(|b| matches!(b, b'\r' | b'\n')).count();
+        let mut blank = 0;
+        loop {
+            match self.read.get(blank..) {
+                Some([b'\r', b'\n', ..]) => blank += 2,
+                Some([b'\n', ..]) => blank += 1,
+                _ => break,
+            }
+        }
         self.read.advance(blank);
         // Tens of kilobytes of them, pipelined under the last answer, are not held while idle.
         self.release_large_read_buffer(blank);

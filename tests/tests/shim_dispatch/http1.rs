@@ -158,8 +158,10 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
     let shim = StubShim::start().await?;
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
     let long_target = format!("GET /{} HTTP/1.1\r\n", "a".repeat(70_000));
-    let rows: [(&str, u16, &str); 11] = [
+    let rows: [(&str, u16, &str); 12] = [
         ("GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n", 400, "malformed"),
+        // Empty lines may come before a request line; a bare CR may not (RFC 9112 §2.2).
+        ("\r\n\rGET /healthz HTTP/1.1\r\nhost: x\r\n\r\n", 400, "malformed"),
         ("GET / HTTP/1.1\r\n\r\n", 400, "malformed"),
         ("GET / HTTP/1.1\r\nhost: x\r\nhost: y\r\n\r\n", 400, "malformed"),
         (
