@@ -1,9 +1,13 @@
 //! What leaves for the shim: the picker's pins in decimal, the client's model id, and nothing a
 //! client sent about routing; and what comes back: no pin, unless the client asked.
 
+use std::time::Duration;
+
 use continuum_proto::model::Role;
 use continuum_tests::shim_stub::StubShim;
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 use super::{CLIENT_MODEL, DECODE_ID, Harness, MODEL, PREFILL_ID, chat, config, disaggregated_fleet, sample, worker};
 
@@ -58,11 +62,22 @@ async fn spoofed_client_pins_never_reach_the_shim() -> anyhow::Result<()> {
     });
     for stream in [false, true] {
         body["stream"] = json!(stream);
-        let mut request = harness.http.post(harness.url("/v1/chat/completions")).json(&body);
+        // Over a raw socket, so each name goes on the wire in the case written here (an HTTP
+        // client library would lowercase them), each twice.
+        let body = serde_json::to_vec(&body)?;
+        let mut head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n",
+            body.len()
+        );
         for name in spoofed {
-            request = request.header(name, "12345").header(name, "0x3039");
+            head.push_str(&format!("{name}: 12345\r\n{name}: 0x3039\r\n"));
         }
-        assert_eq!(request.send().await?.status(), 200);
+        let mut client = TcpStream::connect(harness.replica.local_addr).await?;
+        client.write_all(&[head.as_bytes(), b"\r\n", &body].concat()).await?;
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut answer)).await??;
+        assert!(answer.starts_with(b"HTTP/1.1 200 "), "{}", String::from_utf8_lossy(&answer));
     }
 
     let expected = [
