@@ -247,7 +247,10 @@ pub(super) fn contenders(scored: &[Scored]) -> (Reason, Few<usize>) {
     let Some(best) = scored.iter().filter_map(eligible).min() else {
         return (Reason::Load, Few::new());
     };
-    let ties = |c: Cost| c.before_request() <= best && (c.fits() || !best.fits());
+    // Whether a cheapest rank holds the request: any of them, as equal costs may differ in
+    // what they hold, and the first of them found is the candidates' order, not a rule.
+    let room_at_best = scored.iter().filter_map(eligible).any(|c| c == best && c.fits());
+    let ties = |c: Cost| c.before_request() <= best && (c.fits() || !room_at_best);
     (Reason::Load, longest_idle(scored, |s| eligible(s).is_some_and(ties)))
 }
 

@@ -302,6 +302,20 @@ fn contender_rules() {
             vec![0, 1],
         ),
         (
+            // Equal costs (1,001 of 1,000), in either order: the first would hold 1,001
+            // blocks, the second 901 (its queued prefill weighs 100 more, as time).
+            "of equally cheap ranks, one the request would overfill ties with none",
+            vec![with_request(1_001, 2, 1_000), with_queued_prefill(1_001, 2, 1_000, 901)],
+            Reason::Load,
+            vec![1],
+        ),
+        (
+            "of equally cheap ranks, one the request would overfill ties with none, in any order",
+            vec![with_queued_prefill(1_001, 2, 1_000, 901), with_request(1_001, 2, 1_000)],
+            Reason::Load,
+            vec![0],
+        ),
+        (
             "ranks the request would all overfill tie as before",
             vec![with_request(12_000, 1_500, 10_000), with_request(2_500, 1_500, 2_000)],
             Reason::Load,
