@@ -44,6 +44,8 @@ pub struct KvIndex {
     pub(crate) ranks: Ranks,
     pub(crate) mixer: Mixer,
     pub(crate) ownerships: usize,
+    /// What the index has done, in blocks' worth ([`KvIndex::work`]).
+    work: u64,
 }
 
 /// Why one block could not be stored.
@@ -61,7 +63,7 @@ impl KvIndex {
         let mixer = Mixer::random();
         let limits = limits.clamped();
         let rank_cap = limits.max_blocks_per_rank;
-        KvIndex { limits, rank_cap, tree: Tree::new(mixer), ranks: Ranks::default(), mixer, ownerships: 0 }
+        KvIndex { limits, rank_cap, tree: Tree::new(mixer), ranks: Ranks::default(), mixer, ownerships: 0, work: 0 }
     }
 
     /// Shares the index among the fleet's `ranks`: each may hold at most an equal share of its
@@ -86,15 +88,33 @@ impl KvIndex {
         self.rank_cap
     }
 
-    /// `(rank, engine block)` ownerships held: [`IndexStats::ownerships`] without the rest of
-    /// the stats.
-    pub fn ownerships(&self) -> usize {
-        self.ownerships
+    /// A running count of the work the events applied so far took, in blocks' worth: the
+    /// blocks they named, those a clear dropped, and what dropping orphans' subtrees took
+    /// (their blocks, and a pass over each owner's lookup). For a caller bounding what it
+    /// applies under one hold of a lock: what an event costs is not always what it names.
+    pub fn work(&self) -> u64 {
+        self.work
     }
 
     /// Applies a `stored` event: `blocks` form a chain under `parent_hash` (an engine hash the
     /// rank already holds, or `None` for the root). See the crate documentation for results.
     pub fn apply_stored(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {
+        let outcome = self.store_chain(rank, parent_hash, blocks);
+        self.drop_orphans();
+        outcome
+    }
+
+    /// [`KvIndex::apply_stored`] for one part of an event applied in parts: a block its moves
+    /// leave without owners keeps what lies under it until the event's last part has been
+    /// applied and [`KvIndex::drop_orphans`] called, so the parts end as the whole event would
+    /// (an event applied in between may drop them first: the tree ends the same, only the
+    /// results of the later parts' blocks under them differ).
+    pub fn apply_stored_part(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {
+        self.store_chain(rank, parent_hash, blocks)
+    }
+
+    fn store_chain(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {
+        self.work += blocks.len() as u64;
         let mut outcome = Outcome::default();
         let mut id = self.ranks.id(rank);
         let at = match parent_hash {
@@ -143,6 +163,26 @@ impl KvIndex {
 
     /// Applies a `removed` event: the rank stops holding each of `block_hashes`.
     pub fn apply_removed(&mut self, rank: RankKey, block_hashes: &[u64]) -> Outcome {
+        let outcome = self.remove_hashes(rank, block_hashes);
+        self.drop_orphans();
+        if let Some(id) = self.ranks.id(rank) {
+            self.forget_if_empty(id);
+        }
+        outcome
+    }
+
+    /// [`KvIndex::apply_removed`] for one part of an event applied in parts: see
+    /// [`KvIndex::apply_stored_part`].
+    pub fn apply_removed_part(&mut self, rank: RankKey, block_hashes: &[u64]) -> Outcome {
+        let outcome = self.remove_hashes(rank, block_hashes);
+        if let Some(id) = self.ranks.id(rank) {
+            self.forget_if_empty(id);
+        }
+        outcome
+    }
+
+    fn remove_hashes(&mut self, rank: RankKey, block_hashes: &[u64]) -> Outcome {
+        self.work += block_hashes.len() as u64;
         let mut outcome = Outcome::default();
         let Some(id) = self.ranks.id(rank) else {
             outcome.add(KvResult::UnknownBlock, block_hashes.len());
@@ -162,7 +202,6 @@ impl KvIndex {
                 None => outcome.add(KvResult::UnknownBlock, 1),
             }
         }
-        self.forget_if_empty(id);
         outcome
     }
 
@@ -183,6 +222,8 @@ impl KvIndex {
             self.tree.remove_owner(run, id);
         }
         self.ownerships -= held.len();
+        self.work += held.len() as u64;
+        self.drop_orphans();
         held.len()
     }
 
@@ -404,6 +445,42 @@ impl KvIndex {
         if let Some(from) = walk.pending.take() {
             let run = self.tree.add_owner_range(walk.at.run, from, walk.at.end, id);
             walk.at = Position { run, end: self.tree.len(run) };
+        }
+    }
+
+    /// Drops what lies under each block left without owners while it had descendants, for every
+    /// rank holding any of it, as Dynamo's router does (its `children.clear()` when a block's
+    /// last worker goes): no match can reach past a block no rank holds, and kept, such a block
+    /// would be owned and counted by no rank, so a rank that removed the heads of its chains
+    /// while storing under their tails could fill the index past its share. The engine hashes
+    /// naming what was dropped are unknown from then on (later events naming them count
+    /// `unknown_parent` or `unknown_block`), as to Dynamo's router they lead nowhere.
+    pub fn drop_orphans(&mut self) {
+        for orphan in self.tree.take_orphans() {
+            let below = self.tree.descendants(orphan);
+            // The dropped blocks, by segment: a run's blocks are a range of its segment.
+            let mut dropped: std::collections::HashMap<u32, Vec<std::ops::Range<u32>>> =
+                std::collections::HashMap::new();
+            let mut owners: Vec<u32> = Vec::new();
+            for &run in &below {
+                let (segment, offsets) = self.tree.blocks_of(run);
+                self.work += offsets.len() as u64;
+                dropped.entry(segment).or_default().push(offsets);
+                self.tree.owners(run).for_each(|owner| owners.push(owner));
+            }
+            owners.sort_unstable();
+            owners.dedup();
+            let is_dropped = |block: BlockRef| {
+                dropped.get(&block.segment).is_some_and(|ranges| ranges.iter().any(|r| r.contains(&block.offset)))
+            };
+            for owner in owners {
+                let Some(rank) = self.ranks.get_mut(owner) else { continue };
+                // A pass over its lookup's slots: some 16 of them a block's worth.
+                self.work += (rank.lookup_slots() / 16) as u64;
+                self.ownerships -= rank.release_where(&self.mixer, is_dropped);
+                self.forget_if_empty(owner);
+            }
+            self.tree.free_subtree(orphan, &below);
         }
     }
 

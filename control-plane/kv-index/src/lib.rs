@@ -30,13 +30,18 @@
 //!   owning the block until its last such hash is removed.
 //! - [`KvIndex::apply_removed`]`(rank, block_hashes)`: drops those engine hashes (`applied`), or
 //!   counts `unknown_block` for hashes the rank does not hold. The rank keeps the block's
-//!   descendants it holds: they no longer score (matches are contiguous) but still anchor later
-//!   `stored` events that name them as parent.
+//!   descendants it holds while another rank still holds the block (they no longer score for
+//!   it, matches being contiguous, but still anchor later `stored` events that name them as
+//!   parent). A block whose last owner removes it (or moves its hash away, or is cleared)
+//!   takes everything under it, for every rank, as Dynamo's router clears its children: no
+//!   match can pass a block no rank holds, and the hashes naming what went are unknown from
+//!   then on.
 //! - [`KvIndex::clear_rank`] drops everything a rank holds (`cleared` events, gaps);
 //!   [`KvIndex::retain_ranks`] clears the ranks a predicate rejects (departed workers).
 //!
-//! A block lives while a rank owns it or it has descendants; the last owner leaving a leaf frees
-//! it and every ancestor left empty. A rank that holds nothing is forgotten.
+//! A block lives while a rank owns it: every block in the tree is some rank's, so the tree holds
+//! no more blocks than the ranks' shares add up to. The last owner leaving a block frees it, what
+//! lies under it, and every ancestor left empty. A rank that holds nothing is forgotten.
 //!
 //! # Bounds
 //!

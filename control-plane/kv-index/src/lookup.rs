@@ -49,6 +49,10 @@ impl Lookup {
         self.len
     }
 
+    pub(crate) fn slots(&self) -> usize {
+        self.slots.len()
+    }
+
     #[inline]
     fn home(&self, mixer: &Mixer, block_hash: u64) -> usize {
         (mixer.one(block_hash) as usize) & (self.slots.len() - 1)
@@ -146,6 +150,28 @@ impl Lookup {
             self.resize(mixer, (self.len * 2).next_power_of_two().max(MIN_SLOTS));
         }
         Some(block)
+    }
+
+    /// Keeps the entries whose block `keep` accepts; how many it dropped. One pass over the
+    /// table and one rebuild of it: for dropping many entries at once.
+    pub(crate) fn retain(&mut self, mixer: &Mixer, mut keep: impl FnMut(BlockRef) -> bool) -> usize {
+        let before = self.len;
+        let kept: Vec<Slot> = self.slots.iter().filter(|s| !s.is_empty() && keep(s.block)).copied().collect();
+        if kept.len() == before {
+            return 0;
+        }
+        self.len = kept.len();
+        let slots = (self.len * 2).next_power_of_two().max(MIN_SLOTS).min(self.slots.len());
+        self.slots = vec![VACANT; slots];
+        let mask = slots - 1;
+        for slot in kept {
+            let mut i = self.home(mixer, slot.block_hash);
+            while !self.slots[i].is_empty() {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = slot;
+        }
+        before - self.len
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = BlockRef> + '_ {

@@ -80,6 +80,21 @@ impl Rank {
         true
     }
 
+    /// Drops every engine hash naming a block `dropped` accepts, and their extra references;
+    /// how many hashes went.
+    pub(crate) fn release_where(&mut self, mixer: &Mixer, dropped: impl Fn(BlockRef) -> bool) -> usize {
+        let released = self.held.retain(mixer, |block| !dropped(block));
+        if released > 0 && !self.extra_refs.is_empty() {
+            self.extra_refs.retain(|key, _| !dropped(BlockRef::from_key(*key)));
+        }
+        released
+    }
+
+    /// The slots of its lookup (what a pass over it reads).
+    pub(crate) fn lookup_slots(&self) -> usize {
+        self.held.slots()
+    }
+
     pub(crate) fn blocks(&self) -> impl Iterator<Item = BlockRef> + '_ {
         self.held.iter()
     }

@@ -16,8 +16,11 @@
 //! Runs and segments live in fixed-size chunks addressed by `u32` (a growing `Vec` would keep up
 //! to half its capacity idle after a doubling; a chunk wastes at most one chunk). A run's first
 //! child is linked from the run itself; further children go in one table mapping
-//! `(parent, first tokens_hash)` to the child, 16 bytes an entry. A run lives while some rank
-//! owns it or it has children; freed slots are reused.
+//! `(parent, first tokens_hash)` to the child, 16 bytes an entry; a run's children are also a
+//! list (from the first, through their sibling links), so a subtree can be walked. A run lives
+//! while some rank owns it; one whose last owner leaves while it has children is an orphan
+//! ([`Tree::take_orphans`]): the index drops everything under it, as Dynamo's router does, and
+//! it goes with them. Freed slots are reused.
 
 use hashbrown::HashTable;
 
@@ -44,6 +47,10 @@ impl BlockRef {
     pub(crate) fn key(self) -> u64 {
         (u64::from(self.segment) << 32) | u64::from(self.offset)
     }
+
+    pub(crate) fn from_key(key: u64) -> BlockRef {
+        BlockRef { segment: (key >> 32) as u32, offset: key as u32 }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -58,8 +65,12 @@ struct Run {
     parent: u32,
     /// All children: `first_child` (if not `NONE`) and those in the edge table.
     children: u32,
-    /// The child linked from here rather than from the table.
+    /// The child linked from here rather than from the table, and the first of the list of
+    /// all of them.
     first_child: u32,
+    /// The next and the previous child of the parent's list (`NONE` at its ends).
+    next_sibling: u32,
+    prev_sibling: u32,
     owners: Owners,
 }
 
@@ -155,6 +166,9 @@ pub(crate) struct Tree {
     mixer: Mixer,
     /// Bytes held by owner lists that spilled to the heap and by segments, kept current.
     spilled: usize,
+    /// Runs left without owners while they had children since the last
+    /// [`Tree::take_orphans`] (some may have been owned or freed since).
+    orphans: Vec<u32>,
 }
 
 impl Tree {
@@ -167,8 +181,15 @@ impl Tree {
             live_runs: 0,
             mixer,
             spilled: 0,
+            orphans: Vec::new(),
         };
-        tree.runs.alloc(Run { parent: FREED, first_child: NONE, ..Run::default() });
+        tree.runs.alloc(Run {
+            parent: FREED,
+            first_child: NONE,
+            next_sibling: NONE,
+            prev_sibling: NONE,
+            ..Run::default()
+        });
         tree
     }
 
@@ -254,6 +275,8 @@ impl Tree {
             parent,
             children: 0,
             first_child: NONE,
+            next_sibling: NONE,
+            prev_sibling: NONE,
             owners: Owners::One(rank),
         });
         let s = self.segments.get_mut(segment);
@@ -296,8 +319,22 @@ impl Tree {
         let (segment, start, parent, first_hash) = (r.segment, r.start, r.parent, r.first_hash);
         let owners = r.owners.clone();
         self.spilled += owners.heap_bytes();
-        let prefix =
-            self.runs.alloc(Run { first_hash, segment, start, len: at, parent, children: 1, first_child: run, owners });
+        let orphan = owners.is_empty();
+        let prefix = self.runs.alloc(Run {
+            first_hash,
+            segment,
+            start,
+            len: at,
+            parent,
+            children: 1,
+            first_child: run,
+            next_sibling: NONE,
+            prev_sibling: NONE,
+            owners,
+        });
+        if orphan {
+            self.orphans.push(prefix);
+        }
         self.relink(parent, first_hash, run, prefix);
         let s = self.segments.get_mut(segment);
         let index = s.run_index(start);
@@ -359,11 +396,70 @@ impl Tree {
     }
 
     /// Drops `rank` from a whole run's owners (the rank holds none of its blocks any more), then
-    /// frees what is left without owners and children.
+    /// frees what is left without owners and children; a run left without owners that has
+    /// children is noted as an orphan.
     pub(crate) fn remove_owner(&mut self, run: u32, rank: u32) {
-        if self.edit_owners(run, |owners| owners.remove(rank)) {
+        if !self.edit_owners(run, |owners| owners.remove(rank)) {
+            return;
+        }
+        let r = self.runs.get(run);
+        if r.owners.is_empty() && r.children > 0 {
+            self.orphans.push(run);
+        } else {
             self.prune(run);
         }
+    }
+
+    /// The runs that are orphans now (no owner, children), each once, forgetting the rest of
+    /// those noted: what [`Tree::descendants`] and [`Tree::free_subtree`] are for.
+    pub(crate) fn take_orphans(&mut self) -> Vec<u32> {
+        let mut orphans = std::mem::take(&mut self.orphans);
+        orphans.sort_unstable();
+        orphans.dedup();
+        orphans.retain(|&run| {
+            let r = self.runs.get(run);
+            run != ROOT && r.parent != FREED && r.owners.is_empty() && r.children > 0
+        });
+        orphans
+    }
+
+    /// Every run below `run`, each after its parent.
+    pub(crate) fn descendants(&self, run: u32) -> Vec<u32> {
+        let mut found = Vec::new();
+        let mut stack = vec![self.runs.get(run).first_child];
+        while let Some(child) = stack.pop() {
+            if child == NONE {
+                continue;
+            }
+            let c = self.runs.get(child);
+            found.push(child);
+            stack.push(c.next_sibling);
+            stack.push(c.first_child);
+        }
+        found
+    }
+
+    /// Frees `below` (an orphan's [`Tree::descendants`], its owners already told), then the
+    /// orphan and every ancestor left without owners and children.
+    pub(crate) fn free_subtree(&mut self, orphan: u32, below: &[u32]) {
+        for &run in below {
+            self.edit_owners(run, |owners| {
+                *owners = Owners::Empty;
+                true
+            });
+        }
+        // Children before parents: each run is childless, and its segment's last, when freed.
+        for &run in below.iter().rev().chain([orphan].iter()) {
+            if self.runs.get(run).parent != FREED {
+                self.prune(run);
+            }
+        }
+    }
+
+    /// The blocks of `run`: its segment and their offsets there.
+    pub(crate) fn blocks_of(&self, run: u32) -> (u32, std::ops::Range<u32>) {
+        let r = self.runs.get(run);
+        (r.segment, r.start..r.start + r.len)
     }
 
     pub(crate) fn heap_bytes(&self) -> usize {
@@ -382,17 +478,38 @@ impl Tree {
     fn link(&mut self, parent: u32, tokens_hash: u64, child: u32) {
         let p = self.runs.get_mut(parent);
         p.children += 1;
-        if p.first_child == NONE {
+        let head = p.first_child;
+        if head == NONE {
             p.first_child = child;
             return;
+        }
+        // Listed second, after the first child (which stays the one linked from the parent).
+        let after = self.runs.get(head).next_sibling;
+        let c = self.runs.get_mut(child);
+        (c.prev_sibling, c.next_sibling) = (head, after);
+        self.runs.get_mut(head).next_sibling = child;
+        if after != NONE {
+            self.runs.get_mut(after).prev_sibling = child;
         }
         let mixer = self.mixer;
         let hash = mixer.pair(tokens_hash, parent);
         self.edges.insert_unique(hash, Edge { tokens_hash, parent, child }, |e| mixer.pair(e.tokens_hash, e.parent));
     }
 
-    /// Points `parent`'s link to `old` (first tokens hash `tokens_hash`) at `new`.
+    /// Puts `new` in `old`'s place among `parent`'s children (`old`'s first tokens hash is
+    /// `tokens_hash`); `old` is left unlisted.
     fn relink(&mut self, parent: u32, tokens_hash: u64, old: u32, new: u32) {
+        let o = self.runs.get_mut(old);
+        let (prev, next) = (o.prev_sibling, o.next_sibling);
+        (o.prev_sibling, o.next_sibling) = (NONE, NONE);
+        let n = self.runs.get_mut(new);
+        (n.prev_sibling, n.next_sibling) = (prev, next);
+        if prev != NONE {
+            self.runs.get_mut(prev).next_sibling = new;
+        }
+        if next != NONE {
+            self.runs.get_mut(next).prev_sibling = new;
+        }
         let p = self.runs.get_mut(parent);
         if p.first_child == old {
             p.first_child = new;
@@ -428,9 +545,11 @@ impl Tree {
                 return;
             }
             let (parent, first_hash, segment, start, len) = (r.parent, r.first_hash, r.segment, r.start, r.len);
+            let (prev, next) = (r.prev_sibling, r.next_sibling);
             let freed = self.runs.get_mut(run);
             freed.parent = FREED;
             freed.owners = Owners::Empty;
+            (freed.prev_sibling, freed.next_sibling) = (NONE, NONE);
             self.runs.release(run);
             self.live_runs -= 1;
             self.blocks -= len as usize;
@@ -447,11 +566,25 @@ impl Tree {
             let p = self.runs.get_mut(parent);
             p.children -= 1;
             if p.first_child == run {
-                p.first_child = NONE;
+                // The next child takes its place as the one linked from the parent, out of the
+                // table.
+                p.first_child = next;
+                if next != NONE {
+                    let n = self.runs.get_mut(next);
+                    n.prev_sibling = NONE;
+                    let hash = self.mixer.pair(n.first_hash, parent);
+                    if let Ok(entry) = self.edges.find_entry(hash, |e| e.child == next) {
+                        entry.remove();
+                    }
+                }
             } else {
                 let hash = self.mixer.pair(first_hash, parent);
                 if let Ok(entry) = self.edges.find_entry(hash, |e| e.child == run) {
                     entry.remove();
+                }
+                self.runs.get_mut(prev).next_sibling = next;
+                if next != NONE {
+                    self.runs.get_mut(next).prev_sibling = prev;
                 }
             }
             run = parent;
@@ -499,12 +632,23 @@ impl Tree {
             assert_eq!(run.children, children.get(&id).copied().unwrap_or(0), "child count of {id}");
             run.owners.check();
             spilled += run.owners.heap_bytes();
+            // Its children's list holds every child once, each naming it as parent.
+            let mut listed = Vec::new();
+            let mut child = run.first_child;
+            let mut prev = NONE;
+            while child != NONE {
+                let c = self.runs.get(child);
+                assert_eq!((c.parent, c.prev_sibling), (id, prev), "child {child} listed under {id}");
+                listed.push(child);
+                (prev, child) = (child, c.next_sibling);
+            }
+            assert_eq!(listed.len() as u32, run.children, "children listed under {id}");
             if id == ROOT {
                 assert!(run.owners.is_empty());
                 continue;
             }
             assert!(run.len > 0, "empty run {id}");
-            assert!(run.children > 0 || !run.owners.is_empty(), "orphan run {id}");
+            assert!(!run.owners.is_empty(), "run {id} has no owner");
             assert_eq!(run.first_hash, self.hash_at(id, 0));
             blocks += run.len as usize;
             segments.insert(run.segment);

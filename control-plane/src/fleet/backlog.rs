@@ -285,6 +285,9 @@ impl Book {
         let (mut prefilled, mut ended) = (report.prefilled.into_iter(), report.ended.into_iter());
         let (mut prefilled_taken, mut ended_taken) = (0, 0);
         let ranks = report.ranks;
+        // The table's entries the fleet does not have, each found out once: a thousand starts
+        // naming one entry must not look it up (and copy its namespace) a thousand times.
+        let mut unknown = vec![false; ranks.len()];
         for started in report.started {
             while prefilled_taken < started.after_prefilled
                 && let Some(id) = prefilled.next()
@@ -298,7 +301,7 @@ impl Book {
                 self.end((replica, id), at);
                 ended_taken += 1;
             }
-            self.start(replica, started, &ranks, at, state);
+            self.start(replica, started, (&ranks, &mut unknown), at, state);
         }
         for id in prefilled {
             self.prefilled((replica, id), at);
@@ -313,13 +316,23 @@ impl Book {
         &mut self,
         replica: u64,
         started: pb::DispatchStarted,
-        ranks: &[pb::LoadKey],
+        (ranks, unknown): (&[pb::LoadKey], &mut [bool]),
         at: Instant,
         state: &FleetState,
     ) {
+        // Named by its place in the table (not by a rank of its own): one found unknown before.
+        let entry = started.rank.is_none().then(|| usize::try_from(started.rank_index).ok()).flatten();
+        if entry.is_some_and(|entry| unknown.get(entry).copied().unwrap_or(false)) {
+            return self.refused.count(Refusal::UnknownRank);
+        }
         let key = match self.admit_start(replica, &started, ranks, state) {
             Ok(key) => key,
             Err(refusal) => {
+                if refusal == Refusal::UnknownRank
+                    && let Some(seen) = entry.and_then(|entry| unknown.get_mut(entry))
+                {
+                    *seen = true;
+                }
                 if matches!(refusal, Refusal::ReplicaFull | Refusal::BookFull) && self.lossy.insert(replica) {
                     self.folded.remove(&replica);
                 }

@@ -138,6 +138,7 @@ impl KvFeed {
             }
             tokio::task::yield_now().await;
         }
+        self.indexer.write().settle();
         counts.blocks.merge(&outcome);
         counts.add(outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from));
     }

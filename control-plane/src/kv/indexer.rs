@@ -240,11 +240,11 @@ impl KvIndexer {
         counts
     }
 
-    /// Applies the first of `events` from `publisher`, in order, until they have touched
-    /// `blocks` blocks (those they name, and those a clear or a gap dropped): how many it
-    /// applied, one at least. What one hold of the lock does: a gap clears a rank's every
-    /// block, so a run of events each gapping another rank is work of their ranks' size, not
-    /// of the blocks they name.
+    /// Applies the first of `events` from `publisher`, in order, until they have done `blocks`
+    /// blocks' worth of work ([`KvIndex::work`]: those they name, those a clear or a gap
+    /// dropped, what dropping orphaned blocks took): how many it applied, one at least. What
+    /// one hold of the lock does: a gap clears a rank's every block, so a run of events each
+    /// gapping another rank is work of their ranks' size, not of the blocks they name.
     pub fn apply_events_within(
         &mut self,
         publisher: &PublisherMapping,
@@ -257,11 +257,12 @@ impl KvIndexer {
             if i > 0 && touched >= blocks {
                 return i;
             }
-            let before = self.index.ownerships();
+            let before = self.index.work();
             let result = self.apply_event(publisher, event, counts);
             counts.add(result);
-            let dropped = before.saturating_sub(self.index.ownerships());
-            touched = touched.saturating_add(event.blocks().max(dropped));
+            // An event refused before the index (one naming no block) costs one all the same.
+            let work = usize::try_from(self.index.work() - before).unwrap_or(usize::MAX);
+            touched = touched.saturating_add(work.max(1));
         }
         events.len()
     }
@@ -272,6 +273,7 @@ impl KvIndexer {
             Err(refused) => return refused,
         };
         let outcome = self.apply_part(rank, &event.data, 0..event.blocks());
+        self.settle();
         counts.blocks.merge(&outcome);
         outcome.summary().map_or(KvEventResult::Applied, KvEventResult::from)
     }
@@ -306,7 +308,9 @@ impl KvIndexer {
 
     /// Applies the `blocks` of an admitted event's `data` to `rank` (a clear names none, and
     /// clears the rank): the whole event at once, or a large one in parts, each under a hold
-    /// of its own, in order. A stored part hangs under the block before it.
+    /// of its own, in order. A stored part hangs under the block before it. What the event's
+    /// blocks leave without owners keeps what lies under it until [`Self::settle`], once the
+    /// event is applied, so that its parts end as the whole would.
     pub fn apply_part(&mut self, rank: RankKey, data: &KvEventData, blocks: Range<usize>) -> Outcome {
         match data {
             KvEventData::Stored(stored) => {
@@ -315,14 +319,20 @@ impl KvIndexer {
                     Some(before) => stored.blocks.get(before).map(|block| block.block_hash),
                 };
                 let part = stored.blocks.get(blocks).unwrap_or_default();
-                self.index.apply_stored(rank, parent, part)
+                self.index.apply_stored_part(rank, parent, part)
             }
-            KvEventData::Removed(hashes) => self.index.apply_removed(rank, hashes.get(blocks).unwrap_or_default()),
+            KvEventData::Removed(hashes) => self.index.apply_removed_part(rank, hashes.get(blocks).unwrap_or_default()),
             KvEventData::Cleared => {
                 clear_live(&mut self.index, &self.cleared, rank);
                 Outcome::default()
             }
         }
+    }
+
+    /// Drops what lies under the blocks an event left without owners ([`KvIndex::drop_orphans`]):
+    /// after the last of its parts.
+    pub fn settle(&mut self) {
+        self.index.drop_orphans();
     }
 
     fn admits(&self, publisher: &PublisherMapping, rank: RankKey) -> bool {

@@ -104,14 +104,82 @@ fn removing_frees_empty_chains_up_to_a_shared_parent() {
     index.check_invariants();
 }
 
+/// A block whose last owner removes it takes what lies under it, for every rank (Dynamo's
+/// router clears its children): no match could pass it. The hashes naming what went are
+/// unknown from then on.
 #[test]
-fn removing_a_middle_block_keeps_its_descendants_as_parents() {
+fn removing_a_middle_block_its_last_owner_held_drops_what_lies_under_it() {
     let mut index = KvIndex::default();
     index.apply_stored(rank(1), None, &chain(&[1, 2, 3]));
+    index.apply_stored(rank(2), None, &chain(&[1, 2, 4]));
     index.apply_removed(rank(1), &[engine(2)]);
-    assert_eq!(sorted(&index, &[1, 2, 3]), vec![(rank(1), 1)]);
-    let outcome = index.apply_stored(rank(1), Some(engine(3)), &chain(&[4]));
-    assert_eq!(outcome.get(KvResult::Applied), 1);
+    assert_eq!(sorted(&index, &[1, 2, 3]), vec![(rank(1), 1), (rank(2), 2)], "rank 2 still holds block 2");
+    assert_eq!(index.stats().nodes, 4, "1, 2, 3 and 4: block 2 is rank 2's");
+    index.apply_removed(rank(2), &[engine(2)]);
+    assert_eq!(sorted(&index, &[1, 2, 4]), vec![(rank(1), 1), (rank(2), 1)]);
+    assert_eq!(index.stats().nodes, 1, "blocks 3 and 4 went with block 2");
+    assert_eq!((index.rank_blocks(rank(1)), index.rank_blocks(rank(2))), (1, 1));
+    let under = index.apply_stored(rank(1), Some(engine(3)), &chain(&[6]));
+    assert_eq!(under.get(KvResult::UnknownParent), 1, "block 3 is gone");
+    assert_eq!(index.apply_removed(rank(2), &[engine(4)]).get(KvResult::UnknownBlock), 1);
+    index.check_invariants();
+}
+
+/// A rank removing the heads of its chains while it stores under their tails (an engine
+/// evicting from the root end) holds every block the tree keeps for it: it cannot fill the
+/// index past its share, and other ranks' blocks still fit.
+#[test]
+fn a_rank_removing_heads_while_storing_under_tails_holds_no_more_than_its_share() {
+    let mut index = KvIndex::new(tiny(64, 16, 1024, 8));
+    index.share_among(4);
+    let mut tail = None;
+    for head in 0..200u64 {
+        let stored = index.apply_stored(rank(1), tail, &chain(&[1000 + head]));
+        if stored.get(KvResult::UnknownParent) > 0 {
+            // Its tail went with the head removed last time: a new chain at the root.
+            index.apply_stored(rank(1), None, &chain(&[1000 + head]));
+        }
+        tail = Some(engine(1000 + head));
+        if head % 2 == 1 {
+            index.apply_removed(rank(1), &[engine(1000 + head - 1)]);
+        }
+        assert!(index.stats().nodes <= index.rank_blocks(rank(1)), "a block the tree keeps that no rank holds");
+        index.check_invariants();
+    }
+    let other = index.apply_stored(rank(2), None, &chain(&[1, 2, 3, 4, 5, 6, 7, 8]));
+    assert_eq!(other.get(KvResult::Applied), 8, "room for another rank's share");
+}
+
+/// Dropping an orphan's subtree takes a pass over each owner's lookup, however few blocks went:
+/// the work an event is weighed by says so, for a caller bounding what one hold applies.
+#[test]
+fn dropping_what_lies_under_an_orphan_weighs_the_owners_lookups() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &chain(&(10_000..14_096).collect::<Vec<_>>()));
+    index.apply_stored(rank(1), None, &chain(&[1, 2]));
+    let before = index.work();
+    index.apply_stored(rank(1), None, &chain(&[3]));
+    assert_eq!(index.work() - before, 1, "a block named, no more");
+    let before = index.work();
+    index.apply_removed(rank(1), &[engine(1)]);
+    assert_eq!(index.rank_blocks(rank(1)), 4_097, "block 2 went with block 1");
+    assert!(index.work() - before >= 256, "a pass over 4,000 entries: {}", index.work() - before);
+    index.check_invariants();
+}
+
+/// A hash moved under a block below its old one leaves the old block an orphan whose subtree
+/// holds the new one: all of it goes, and the index stays whole.
+#[test]
+fn a_hash_moved_below_its_old_block_goes_with_it() {
+    let mut index = KvIndex::default();
+    index.apply_stored(rank(1), None, &[StoredBlock { block_hash: 5, tokens_hash: 1 }]);
+    let moved = index.apply_stored(
+        rank(1),
+        Some(5),
+        &[StoredBlock { block_hash: 5, tokens_hash: 2 }, StoredBlock { block_hash: 6, tokens_hash: 3 }],
+    );
+    assert_eq!(moved.get(KvResult::Applied), 2);
+    assert_eq!((index.stats().nodes, index.stats().ownerships, index.stats().ranks), (0, 0, 0));
     index.check_invariants();
 }
 

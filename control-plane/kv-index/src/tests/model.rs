@@ -95,6 +95,16 @@ impl Model {
         outcome
     }
 
+    /// Dynamo's rule, as the index keeps it after each event: a block no rank holds takes what
+    /// lies under it, for every rank.
+    fn drop_orphans(&mut self) {
+        let held: BTreeSet<Path> = self.ranks.values().flat_map(|h| h.values().cloned()).collect();
+        for paths in self.ranks.values_mut() {
+            paths.retain(|_, path| (1..path.len()).all(|n| held.contains(&path[..n])));
+        }
+        self.ranks.retain(|_, paths| !paths.is_empty());
+    }
+
     /// Each rank's held paths, to score queries against.
     fn paths(&self) -> Vec<(RankKey, BTreeSet<&[u64]>)> {
         self.ranks.iter().map(|(r, held)| (key(*r), held.values().map(Vec::as_slice).collect())).collect()
@@ -167,6 +177,7 @@ fn run(limits: Option<Limits>, ops: &[Op], match_every: usize) {
                 assert_eq!(cleared, before - model.ranks.len());
             }
         }
+        model.drop_orphans();
         index.check_invariants();
         let stats = index.stats();
         assert_eq!(stats.nodes, model.nodes().len(), "after {op:?}");

@@ -195,6 +195,23 @@ fn starts_name_their_rank_by_its_place_in_the_reports_table() {
     assert_eq!(placed, [(1, book_key(1)), (2, book_key(0)), (3, book_key(1)), (4, book_key(0))]);
 }
 
+/// A table entry the fleet does not have refuses every start naming it (found out once a
+/// report: a thousand starts naming one huge unknown entry cost one look, not a thousand
+/// copies of it), and the entries beside it still take theirs.
+#[test]
+fn every_start_naming_an_unknown_table_entry_is_refused_and_the_rest_land() {
+    let state = state_with(1);
+    let mut book = Book::default();
+    let by_place = |id, rank_index| pb::DispatchStarted { rank: None, rank_index, ..started(id, 0, 16) };
+    let huge = LoadKey { worker: WorkerKey::new("n".repeat(1 << 20).as_str(), 99), dp_rank: 0 };
+    let mut starts: Vec<pb::DispatchStarted> = (1..=1_000).map(|id| by_place(id, 0)).collect();
+    starts.push(by_place(1_001, 1));
+    let table = pb::DispatchReport { ranks: vec![(&huge).into(), (&rank(0)).into()], ..report(starts, vec![]) };
+    book.report(1, table, Instant::now(), &state);
+    assert_eq!((book.refused.of(Refusal::UnknownRank), book.refused.total()), (1_000, 1_000));
+    assert_eq!(book.where_is[&1].keys().copied().collect::<Vec<_>>(), [1_001]);
+}
+
 #[test]
 fn a_held_rank_takes_reports_only_under_its_own_namespace_and_while_its_worker_serves() {
     let state = state_with(0);
