@@ -458,21 +458,21 @@ impl KvIndex {
     pub fn drop_orphans(&mut self) {
         for orphan in self.tree.take_orphans() {
             let below = self.tree.descendants(orphan);
-            // The dropped blocks, by segment: a run's blocks are a range of its segment.
-            let mut dropped: std::collections::HashMap<u32, Vec<std::ops::Range<u32>>> =
-                std::collections::HashMap::new();
+            // The dropped blocks, by segment: one range of each, since a segment's runs form a
+            // chain and so the subtree holds all of a segment's runs from its first one there.
+            let mut dropped: std::collections::HashMap<u32, std::ops::Range<u32>> = std::collections::HashMap::new();
             let mut owners: Vec<u32> = Vec::new();
             for &run in &below {
                 let (segment, offsets) = self.tree.blocks_of(run);
                 self.work += offsets.len() as u64;
-                dropped.entry(segment).or_default().push(offsets);
+                let range = dropped.entry(segment).or_insert(offsets.clone());
+                *range = range.start.min(offsets.start)..range.end.max(offsets.end);
                 self.tree.owners(run).for_each(|owner| owners.push(owner));
             }
             owners.sort_unstable();
             owners.dedup();
-            let is_dropped = |block: BlockRef| {
-                dropped.get(&block.segment).is_some_and(|ranges| ranges.iter().any(|r| r.contains(&block.offset)))
-            };
+            let is_dropped =
+                |block: BlockRef| dropped.get(&block.segment).is_some_and(|range| range.contains(&block.offset));
             for owner in owners {
                 let Some(rank) = self.ranks.get_mut(owner) else { continue };
                 // A pass over its lookup's slots: some 16 of them a block's worth.
