@@ -260,7 +260,7 @@ async fn a_relist_for_freed_room_waits_its_turn_while_the_watches_go_on() -> any
     }
     let registry = Registry::new(continuum_tests::publisher());
     let metrics = Metrics::new()?;
-    let backoff = BackoffConfig { initial: Duration::from_secs(4), max: Duration::from_secs(8) };
+    let backoff = BackoffConfig { initial: Duration::from_secs(8), max: Duration::from_secs(16) };
     let config = EtcdConfig {
         endpoints: vec![etcd.client_url.clone()],
         watch_reconnect_backoff: backoff,
