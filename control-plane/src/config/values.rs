@@ -59,18 +59,46 @@ impl Serialize for Secret {
 
 /// `std::time::Duration` as a humantime string (`"500ms"`, `"30s"`).
 pub(super) mod duration {
+    use std::fmt;
     use std::time::Duration;
 
-    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+    use serde::de::{Error, Visitor};
+    use serde::{Deserializer, Serializer};
 
     pub fn serialize<S: Serializer>(value: &Duration, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.collect_str(&humantime::format_duration(*value))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Duration, D::Error> {
-        let text = String::deserialize(deserializer)?;
-        humantime::parse_duration(&text)
-            .map_err(|e| D::Error::custom(format!("invalid duration `{text}` ({e}); write e.g. \"500ms\" or \"30s\"")))
+        deserializer.deserialize_any(DurationVisitor)
+    }
+
+    struct DurationVisitor;
+
+    impl Visitor<'_> for DurationVisitor {
+        type Value = Duration;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a duration with its unit, such as \"500ms\" or \"30s\"")
+        }
+
+        fn visit_str<E: Error>(self, text: &str) -> Result<Duration, E> {
+            humantime::parse_duration(text)
+                .map_err(|e| E::custom(format!("invalid duration `{text}` ({e}); write e.g. \"500ms\" or \"30s\"")))
+        }
+
+        // A bare number has no unit: say which forms it may take rather than "expected a string".
+        fn visit_u64<E: Error>(self, value: u64) -> Result<Duration, E> {
+            Err(E::custom(format!("a duration needs its unit: write \"{value}s\" or \"{value}ms\", not {value}")))
+        }
+
+        fn visit_i64<E: Error>(self, value: i64) -> Result<Duration, E> {
+            Err(E::custom(format!("a duration needs its unit, and is never negative: {value}")))
+        }
+
+        fn visit_f64<E: Error>(self, value: f64) -> Result<Duration, E> {
+            Err(E::custom(format!("a duration needs its unit: write e.g. \"{value}s\", not {value}")))
+        }
     }
 }
 

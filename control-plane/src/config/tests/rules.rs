@@ -140,6 +140,7 @@ fn dynamo_rows() -> Vec<Row> {
         row("max_staleness ceiling", "dynamo: {load: {max_staleness: 10m}}", Error, "dynamo.load.max_staleness", "between 100ms and 5m"),
         row("max_staleness finer than ms", "dynamo: {load: {max_staleness: 2s 500us}}", Error, "dynamo.load.max_staleness", "whole number of milliseconds"),
         row("max_staleness not a duration", "dynamo: {load: {max_staleness: soon}}", Error, "dynamo.load.max_staleness", "invalid duration"),
+        row("max_staleness a bare number", "dynamo: {load: {max_staleness: 3}}", Error, "dynamo.load.max_staleness", "write \"3s\" or \"3ms\""),
         row("direct_allow_cidrs entry", "dynamo: {load: {direct_allow_cidrs: ['10.0.0.0/8', '10.0.0.0/33']}}", Error, "dynamo.load.direct_allow_cidrs[1]", "prefix length"),
         row("direct_allow_cidrs bounded", format!("dynamo: {{load: {{direct_allow_cidrs: {}}}}}", list(65, |i| format!("'10.{i}.0.0/16'"))), Error, "dynamo.load.direct_allow_cidrs", "at most 64"),
         row("direct_allow_cidrs unset", etcd("{endpoints: ['a:2379']}"), Warning, "dynamo.load.direct_allow_cidrs", "Pod CIDRs"),
