@@ -52,6 +52,23 @@ async fn delete_worker(etcd: &Etcd, id: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// etcd discovery of namespace `dynamo` run by hand, outside a control plane.
+struct Watcher {
+    registry: Registry,
+    metrics: Metrics,
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Watcher {
+    fn start(config: EtcdConfig, health: WatchHealth) -> anyhow::Result<Self> {
+        let (registry, metrics, cancel) =
+            (Registry::new(continuum_tests::publisher()), Metrics::new()?, CancellationToken::new());
+        let run = run_with(config, vec!["dynamo".into()], registry.clone(), metrics.clone(), health, cancel.clone());
+        Ok(Self { registry, metrics, cancel, task: tokio::spawn(run) })
+    }
+}
+
 /// Lease-like ids above 2^53, as real workers have.
 fn lease(i: u64) -> u64 {
     7_587_890_000_000_000 + i
@@ -194,8 +211,6 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
     let dir = tempfile::tempdir()?;
     let etcd = Etcd::start(dir.path(), &[]).await?;
     put_workers(&etcd, [lease(1)]).await?;
-    let registry = Registry::new(continuum_tests::publisher());
-    let metrics = Metrics::new()?;
     let config = EtcdConfig { endpoints: vec![etcd.client_url.clone()], ..EtcdConfig::default() };
     let health = WatchHealth {
         progress_every: Duration::from_millis(300),
@@ -203,15 +218,7 @@ async fn a_frozen_etcd_is_noticed_by_its_silence_and_a_quiet_one_is_not() -> any
         silent_after: Duration::from_secs(3),
         confirm_within: Duration::from_secs(3),
     };
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(run_with(
-        config,
-        vec!["dynamo".into()],
-        registry.clone(),
-        metrics.clone(),
-        health,
-        cancel.clone(),
-    ));
+    let Watcher { registry, metrics, cancel, task } = Watcher::start(config, health)?;
     let resyncs = || metrics.discovery_events.with_label_values(&["resync"]).get();
     let connected = || metrics.discovery_connected.get() == 1;
     eventually(CONVERGE, "watching", || async { connected() }).await?;
@@ -258,23 +265,13 @@ async fn a_relist_for_freed_room_waits_its_turn_while_the_watches_go_on() -> any
         });
         kv.txn(etcd_client::Txn::new().and_then(puts.collect::<Vec<_>>())).await?;
     }
-    let registry = Registry::new(continuum_tests::publisher());
-    let metrics = Metrics::new()?;
     let backoff = BackoffConfig { initial: Duration::from_secs(8), max: Duration::from_secs(16) };
     let config = EtcdConfig {
         endpoints: vec![etcd.client_url.clone()],
         watch_reconnect_backoff: backoff,
         ..EtcdConfig::default()
     };
-    let cancel = CancellationToken::new();
-    let task = tokio::spawn(run_with(
-        config,
-        vec!["dynamo".into()],
-        registry.clone(),
-        metrics.clone(),
-        WatchHealth::default(),
-        cancel.clone(),
-    ));
+    let Watcher { registry, metrics, cancel, task } = Watcher::start(config, WatchHealth::default())?;
     let resyncs = || metrics.discovery_events.with_label_values(&["resync"]).get();
     let holds = |id: u64| registry.current().fleet.workers.iter().any(|found| found.worker.key.instance_id == id);
     eventually(CONVERGE, "the four workers", || async { (1..=4).all(|i| holds(lease(i))) }).await?;
