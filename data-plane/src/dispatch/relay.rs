@@ -327,91 +327,116 @@ impl Body for RelayBody {
     }
 }
 
-/// Whether whole SSE events hold an error event: a `data:` line whose JSON opens with an
-/// `error` member, the shape an OpenAI stream, and Dynamo 1.6.1's frontend, carry errors in; or
-/// an event named `error`, as later frontends send a stream's failure (its words in comment
-/// lines, `event: error` then `: <why>`). Only a line's start is looked at: a token's text is
-/// inside a string there, never at the start.
+/// Whether whole SSE events hold an error event ([`is_error_event`]). Every error event has
+/// `error` in it, so most frames are ruled out by one search.
 fn carries_error_event(data: &[u8]) -> bool {
-    // Lines end at LF, CRLF or CR: split at either, a CRLF leaving an empty piece between.
-    data.split(|b| *b == b'\n' || *b == b'\r').any(is_error_line)
+    memchr::memmem::find(data, b"error").is_some() && events_of(&lines_by_event(data)).any(is_error_event)
 }
 
-/// Whether one line is an error event's `data:` line, or names its event `error`.
-fn is_error_line(line: &[u8]) -> bool {
-    line.strip_prefix(b"data:").is_some_and(opens_with_error_member)
-        || line.strip_prefix(b"event:").is_some_and(names_error)
+/// Whether an event is an error event: one whose data (its `data:` values joined, as a client
+/// reads them) is a JSON object whose first member is `error`, the shape an OpenAI stream, and
+/// Dynamo 1.6.1's frontend, carry errors in; or one named `error`, as later frontends send a
+/// stream's failure (its words in comment lines, `event: error` then `: <why>`). Only the
+/// data's start is looked at: a token's text is inside a string there, never at the start.
+fn is_error_event(event: &[EventLine<'_>]) -> bool {
+    event.first().is_some_and(|line| line.in_named_error) || opens_with_error_member(data_values(event))
+}
+
+/// The events of [`lines_by_event`]'s lines, each its lines.
+fn events_of<'l, 'a>(lines: &'l [EventLine<'a>]) -> impl Iterator<Item = &'l [EventLine<'a>]> {
+    lines.chunk_by(|a, b| a.event == b.event)
+}
+
+/// Whether a line (its ending cut) is a `data` field: `data`, or `data:` and its value. A field
+/// is named up to its first colon, so `data ` or `dataX:` is none.
+fn is_data_line(content: &[u8]) -> bool {
+    content == b"data" || content.starts_with(b"data:")
+}
+
+/// The values of an event's `data` fields, in order: each after `data:` and the one space a
+/// value may start with.
+fn data_values<'l>(event: &'l [EventLine<'_>]) -> impl Iterator<Item = &'l [u8]> + Clone {
+    event.iter().map(|line| line.text.trim_ascii_end()).filter(|content| is_data_line(content)).map(|content| {
+        let value = content.strip_prefix(b"data:").unwrap_or_default();
+        value.strip_prefix(b" ").unwrap_or(value)
+    })
+}
+
+/// Whether data values, joined, are a JSON object whose first member is `error`, white space
+/// allowed where JSON allows it (the line breaks between values among it).
+fn opens_with_error_member<'v>(values: impl Iterator<Item = &'v [u8]>) -> bool {
+    const OPENING: &[u8] = b"{\"error\"";
+    let mut opening = values.flat_map(|value| value.iter().copied()).filter(|b| !b.is_ascii_whitespace());
+    OPENING.iter().all(|expected| opening.next() == Some(*expected))
+}
+
+/// Each error event's data checked whole (its `data:` values joined, as a client reads them):
+/// one opening with an `error` member goes out as the router read it, re-encoded on one line (a
+/// key written twice as the copy that was checked), or in the router's words when it names an
+/// address, a path or a worker (as a refusal's body may not, `disclosure`); of an event named
+/// `error`, whose data is its words whatever their shape, data naming one goes in the router's
+/// words. Comments naming one are left out; every other line goes as it came (and `events`
+/// itself, uncopied, when nothing changed). Called only on events that carry an error.
+fn withhold_addresses(events: Bytes) -> Bytes {
+    let lines = lines_by_event(&events);
+    let mut out = BytesMut::with_capacity(events.len());
+    let mut changed = false;
+    for event in events_of(&lines) {
+        let values = data_values(event);
+        let data = || values.clone().collect::<Vec<_>>().join(&b'\n');
+        let instead: Option<Vec<u8>> = if opens_with_error_member(values.clone()) {
+            Some(match relayable(&data()) {
+                Ok(value) => format!("data: {value}").into_bytes(),
+                Err(_) => WITHHELD_ERROR_EVENT.as_bytes().to_vec(),
+            })
+        } else if event.first().is_some_and(|line| line.in_named_error)
+            && text_names_an_address(&String::from_utf8_lossy(&data()))
+        {
+            Some(WITHHELD_ERROR_EVENT.as_bytes().to_vec())
+        } else {
+            None
+        };
+        // One data line that reads as its replacement already (compact JSON, each key once).
+        let instead = instead.filter(|instead| {
+            let mut data = event.iter().map(|line| line.text.trim_ascii_end()).filter(|content| is_data_line(content));
+            !(data.next() == Some(instead.as_slice()) && data.next().is_none())
+        });
+        let (mut said, mut lf_of_dropped_crlf) = (false, false);
+        for line in event {
+            // The LF of a CRLF ending a data line left out goes with it.
+            if std::mem::take(&mut lf_of_dropped_crlf) && line.text == b"\n" {
+                continue;
+            }
+            let content = line.text.trim_ascii_end();
+            let ending = &line.text[content.len()..];
+            let names_an_address = |comment: &[u8]| text_names_an_address(&String::from_utf8_lossy(comment));
+            match &instead {
+                // The event's data, all its lines, as one line in their place.
+                Some(instead) if is_data_line(content) => {
+                    changed = true;
+                    if said {
+                        lf_of_dropped_crlf = ending == b"\r";
+                    } else {
+                        out.extend_from_slice(instead);
+                        out.extend_from_slice(ending);
+                        said = true;
+                    }
+                }
+                _ if content.strip_prefix(b":").is_some_and(names_an_address) => {
+                    changed = true;
+                    out.extend_from_slice(WITHHELD_COMMENT.as_bytes());
+                    out.extend_from_slice(ending);
+                }
+                _ => out.extend_from_slice(line.text),
+            }
+        }
+    }
+    if changed { out.freeze() } else { events }
 }
 
 /// Whether an `event:` field's value is `error`.
 fn names_error(name: &[u8]) -> bool {
     name.strip_prefix(b" ").unwrap_or(name) == b"error"
-}
-
-/// Whether a `data:` line's value is a JSON object whose first member is `error`, white space
-/// allowed where JSON allows it.
-fn opens_with_error_member(value: &[u8]) -> bool {
-    let object = value.trim_ascii_start().strip_prefix(b"{");
-    object.is_some_and(|members| members.trim_ascii_start().starts_with(b"\"error\""))
-}
-
-/// The error events of `events` that name an address, a path or a worker (as a refusal's body
-/// may not, `disclosure`) put in the router's words, and comments that do (a later frontend's
-/// error text) left out; every other line as it came (and `events` itself, uncopied, when none
-/// does). Of an event named `error`, every `data:` line is its error's words, whatever their
-/// shape; elsewhere only a `data:` line opening with an `error` member is (a token's text may
-/// name anything). Called only on events that carry an error.
-fn withhold_addresses(events: Bytes) -> Bytes {
-    let withheld = |line: &[u8], in_named_error: bool| match line.strip_prefix(b":") {
-        Some(comment) => text_names_an_address(&String::from_utf8_lossy(comment)).then_some(WITHHELD_COMMENT),
-        None => {
-            let value = line.strip_prefix(b"data:").map(<[u8]>::trim_ascii)?;
-            let named = match opens_with_error_member(value) {
-                true => relayable(value).is_err(),
-                false => in_named_error && text_names_an_address(&String::from_utf8_lossy(value)),
-            };
-            named.then_some(WITHHELD_ERROR_EVENT)
-        }
-    };
-    let lines = lines_by_event(&events);
-    let verdicts: Vec<Option<&str>> =
-        lines.iter().map(|line| withheld(line.text.trim_ascii_end(), line.in_named_error)).collect();
-    if verdicts.iter().all(Option::is_none) {
-        return events;
-    }
-    // An event named `error` one of whose `data:` lines is withheld goes with one line of the
-    // router's in place of all of them: its data is their lines joined, and the router's
-    // beside what is left of the engine's would be JSON no client could read.
-    // In the order of the lines, so sorted: looked up by halves (a frame may hold thousands).
-    let mut withheld_events: Vec<usize> = lines
-        .iter()
-        .zip(&verdicts)
-        .filter(|(line, verdict)| verdict.is_some() && line.in_named_error && line.text.starts_with(b"data:"))
-        .map(|(line, _)| line.event)
-        .collect();
-    withheld_events.dedup();
-    let mut said = None;
-    let mut out = BytesMut::with_capacity(events.len());
-    for (line, verdict) in lines.into_iter().zip(verdicts) {
-        let content = line.text.trim_ascii_end();
-        let whole_event = content.starts_with(b"data:") && withheld_events.binary_search(&line.event).is_ok();
-        let instead = match whole_event {
-            true if said == Some(line.event) => continue,
-            true => {
-                said = Some(line.event);
-                Some(WITHHELD_ERROR_EVENT)
-            }
-            false => verdict,
-        };
-        match instead {
-            Some(instead) => {
-                out.extend_from_slice(instead.as_bytes());
-                out.extend_from_slice(&line.text[content.len()..]);
-            }
-            None => out.extend_from_slice(line.text),
-        }
-    }
-    out.freeze()
 }
 
 /// A line of whole SSE events, its ending kept: which event it belongs to (counted from 0) and
@@ -456,13 +481,11 @@ const WITHHELD_COMMENT: &str = ": withheld";
 /// object without an `error` member for a chunk; none of them reads comments.
 fn with_error_data(events: Bytes) -> Bytes {
     let lines = lines_by_event(&events);
-    let error_data = |line: &&EventLine<'_>| line.text.strip_prefix(b"data:").is_some_and(opens_with_error_member);
-    // Both in the order of the events, so sorted.
-    let mut read: Vec<usize> = lines.iter().filter(error_data).map(|line| line.event).collect();
-    read.dedup();
-    let mut unread: Vec<usize> = lines.iter().filter(|line| line.in_named_error).map(|line| line.event).collect();
-    unread.dedup();
-    unread.retain(|event| read.binary_search(event).is_err());
+    // In the order of the events, so sorted.
+    let unread: Vec<usize> = events_of(&lines)
+        .filter(|event| event[0].in_named_error && !opens_with_error_member(data_values(event)))
+        .map(|event| event[0].event)
+        .collect();
     if unread.is_empty() {
         return events;
     }
@@ -513,42 +536,42 @@ fn engine_error(words: &str) -> String {
     }
 }
 
-/// Whether whole SSE events hold anything but comments (`:` lines) and the blank lines between
-/// them. Lines end at LF, CRLF or CR.
+/// Whether whole SSE events hold an event a client is given: one with data, or one named
+/// `error` (which goes as the router's error event if it has none). Comments (`:` lines),
+/// and blocks of other fields alone (`id:`, `retry:`, `event: ping`), which a client's reader
+/// dispatches nothing for, are none. Lines end at LF, CRLF or CR.
 fn carries_event(data: &[u8]) -> bool {
-    event_lines(data).next().is_some()
+    data_lines(data).next().is_some()
+        || data.split(|b| *b == b'\n' || *b == b'\r').any(|line| line.strip_prefix(b"event:").is_some_and(names_error))
 }
 
-/// The lines of `data` that are neither blank nor comments.
-fn event_lines(data: &[u8]) -> impl Iterator<Item = &[u8]> {
-    data.split(|b| *b == b'\n' || *b == b'\r').filter(|line| line.first().is_some_and(|first| *first != b':'))
+/// The `data` lines of `data`.
+fn data_lines(data: &[u8]) -> impl Iterator<Item = &[u8]> {
+    data.split(|b| *b == b'\n' || *b == b'\r').filter(|line| is_data_line(line))
 }
 
 /// Whether whole SSE events hold an event other than an error event or the closing marker
 /// (1.6.1 closes a failed stream with it): something the engine answered, which for the first
 /// one means the prompt was prefilled.
 fn carries_answer(data: &[u8]) -> bool {
-    let answer = |line: &[u8]| !is_error_line(line) && !is_done_line(line);
-    // Every line of an event named `error` is its error, whatever its data's shape (a name may
-    // follow the data it names): sorted out by event only where some event is named.
-    if memchr::memmem::find(data, b"event:").is_none() {
-        return event_lines(data).any(answer);
+    // Without an error event among them, any data but the marker is an answer.
+    if memchr::memmem::find(data, b"error").is_none() {
+        return data_lines(data).any(|line| !is_done_line(line));
     }
-    let named = lines_by_event(data);
-    let mut lines = named.iter().filter(|line| !line.in_named_error).map(|line| line.text.trim_ascii_end());
-    lines.any(|line| line.first().is_some_and(|first| *first != b':') && answer(line))
+    let lines = lines_by_event(data);
+    events_of(&lines)
+        .any(|event| !is_error_event(event) && data_values(event).any(|value| value.trim_ascii() != b"[DONE]"))
 }
 
-/// Whether the last event line of whole events (comments after it aside) is the closing
+/// Whether the last data line of whole events (other lines after it aside) is the closing
 /// `data: [DONE]`.
 fn ends_with_done_marker(events: &[u8]) -> bool {
-    event_lines(events).last().is_some_and(is_done_line)
+    data_lines(events).last().is_some_and(is_done_line)
 }
 
-/// Whether an unfinished event is the stream's closing `data: [DONE]`: that line alone, but
-/// for comments.
+/// Whether an unfinished event is the stream's closing `data: [DONE]`: its one data line.
 fn is_done_marker(unfinished: &[u8]) -> bool {
-    let mut lines = event_lines(unfinished);
+    let mut lines = data_lines(unfinished);
     lines.next().is_some_and(is_done_line) && lines.next().is_none()
 }
 

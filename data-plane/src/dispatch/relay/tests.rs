@@ -25,6 +25,28 @@ fn error_events_naming_an_address_are_relayed_in_the_routers_words() {
     assert_eq!(same.as_ptr(), fine.as_ptr(), "uncopied");
 }
 
+/// An error event's data is checked as a client reads it: a key written twice goes out as the
+/// copy that was checked, and data spread over several `data:` lines is checked joined, and
+/// goes as one line.
+#[test]
+fn an_error_events_data_is_checked_whole_as_a_client_reads_it() {
+    let twice =
+        Bytes::from_static(b"data: {\"error\":{\"message\":\"worker 10.4.0.12:9000 died\",\"message\":\"x\"}}\n\n");
+    assert_eq!(&withhold_addresses(twice)[..], b"data: {\"error\":{\"message\":\"x\"}}\n\n");
+    let split_address = Bytes::from_static(
+        b"data: {\"error\":{\"message\":\"boom\",\r\ndata: \"upstream\":\"10.0.0.7:8000\"}}\r\n\r\n",
+    );
+    assert!(carries_error_event(&split_address));
+    let out = withhold_addresses(split_address);
+    assert_eq!(String::from_utf8_lossy(&out), format!("{WITHHELD_ERROR_EVENT}\r\n\r\n"));
+    let opened_late = Bytes::from_static(b"data: {\ndata: \"error\":{\"message\":\"at 10.0.0.7:8000\"}}\n\n");
+    assert!(carries_error_event(&opened_late), "an error event, however its lines fall");
+    assert!(!carries_answer(&opened_late), "no answer: the first token is still to come");
+    assert_eq!(String::from_utf8_lossy(&withhold_addresses(opened_late)), format!("{WITHHELD_ERROR_EVENT}\n\n"));
+    let readable = Bytes::from_static(b"data: {\"error\":\ndata:  {\"message\":\"out of memory\"}}\n\n");
+    assert_eq!(&withhold_addresses(readable)[..], b"data: {\"error\":{\"message\":\"out of memory\"}}\n\n", "one line");
+}
+
 /// A shim (or a proxy in front of it) whose keep-alive comments come faster than they are
 /// relayed never leaves its body pending, where the idle deadline is otherwise polled: the
 /// stream ends at the deadline all the same.
@@ -225,16 +247,23 @@ fn only_a_data_line_of_done_is_the_closing_marker() {
     }
 }
 
+/// What a client's SSE reader dispatches is an event: data (or an event named `error`, which
+/// the router turns into one). Comments, and blocks of other fields alone, are none: they
+/// neither keep a stalled stream open nor mark its first token.
 #[test]
-fn only_comments_and_blank_lines_are_no_event() {
+fn only_events_with_data_are_events() {
     for quiet in [&b":\n\n"[..], b": keep-alive\r\n\r\n", b"", b"\n", b":\n\n:\n\n"] {
         assert!(!carries_event(quiet), "{:?}", String::from_utf8_lossy(quiet));
     }
     for quiet in [&b": a\r\r"[..], b":\r:\r\r"] {
         assert!(!carries_event(quiet), "CR-only lines: {:?}", String::from_utf8_lossy(quiet));
     }
+    for fields in [&b"id: 1\n\n"[..], b"retry: 1000\n\n", b"event: ping\n\n", b" \n\n", b"\"}]}\n\n", b"dataX: 1\n\n"] {
+        assert!(!carries_event(fields), "no data: {:?}", String::from_utf8_lossy(fields));
+        assert!(!carries_answer(fields), "no answer: {:?}", String::from_utf8_lossy(fields));
+    }
     for event in
-        [&b"data: {}\n\n"[..], b":\n\ndata: [DONE]\n\n", b"\"}]}\n\n", b"event: error\r\n", b": ka\rdata: {}\r\r"]
+        [&b"data: {}\n\n"[..], b":\n\ndata: [DONE]\n\n", b"data\n\n", b"event: error\r\n", b": ka\rdata: {}\r\r"]
     {
         assert!(carries_event(event), "{:?}", String::from_utf8_lossy(event));
     }
