@@ -7,6 +7,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use continuum_proto::MAX_DATA_PARALLEL_SIZE;
 use continuum_proto::model::WorkerKey;
 
 use super::card::MAX_RETAINED_CARDS_BYTES;
@@ -18,12 +19,15 @@ use super::records::Parsed;
 /// At the bound, held keys still update so live workers keep heartbeating; new keys are refused.
 pub const MAX_RECORDS_PER_KEYSPACE: usize = 16_384;
 /// The most records keys on one etcd lease (one worker process) hold per keyspace. A Dynamo
-/// 1.6.1 process writes a handful (an instance per endpoint, a card per model, a channel per
-/// topic and dp rank); one writing keys by the thousand under its lease (a bug, or a hostile
-/// writer) would otherwise fill the keyspace, and every worker registering after it, in any
-/// namespace, would be refused until its lease expired. Keys with no lease (static
-/// registrations, tools) are bounded by the keyspace alone.
-pub const MAX_RECORDS_PER_LEASE: usize = 256;
+/// 1.6.1 process writes a handful (an instance per endpoint, a card per model), and a channel
+/// and an event source per topic and dp rank: as many as a worker of the most ranks routed
+/// ([`MAX_DATA_PARALLEL_SIZE`]) writes, and a margin. One writing keys by the thousand under
+/// its lease (a bug, or a hostile writer) would otherwise fill the keyspace, and every worker
+/// registering after it, in any namespace, would be refused until its lease expired. Keys with
+/// no lease (static registrations, tools) are bounded by the keyspace alone.
+pub const MAX_RECORDS_PER_LEASE: usize = MAX_DATA_PARALLEL_SIZE as usize + 64;
+// A worker of the most ranks routed holds its channel a rank and its kv_metrics channel.
+const _: () = assert!(MAX_RECORDS_PER_LEASE > MAX_DATA_PARALLEL_SIZE as usize + 1);
 /// Keys a keyspace holds only so that their refusal is logged once (a value that is malformed,
 /// or of a kind the router cannot use), at most. They take none of the keyspace's room for
 /// records, so junk cannot refuse a real worker; past this many, a new one is counted but not
