@@ -46,6 +46,9 @@ pub struct Card {
 #[serde(default)]
 pub struct TypedCard {
     pub display_name: Option<String>,
+    /// The model's name where a card has no `display_name` (the seed: "display_name, then
+    /// name"); 1.6.1's cards all have one.
+    pub name: Option<String>,
     pub worker_type: Option<String>,
     pub kv_cache_block_size: Option<u32>,
     pub model_suffix: Option<String>,
@@ -74,6 +77,7 @@ impl TypedCard {
             }
         };
         check(&mut self.display_name, "model name", MAX_NAME_BYTES);
+        check(&mut self.name, "model name", MAX_NAME_BYTES);
         // Read only for what it claims: no real value comes near the bound.
         check(&mut self.worker_type, "worker type", MAX_NAME_BYTES);
         // Read only for whether there is one (an adapter's card, skipped whatever its size).
@@ -179,10 +183,17 @@ impl ReleaseFields<'_> {
 /// Fields of a card set aside as unreadable, at most, before the typed subset is given up.
 const MAX_UNREADABLE_FIELDS: usize = 8;
 
+/// Why a card that is no JSON object has no typed fields.
+const NOT_AN_OBJECT: &str = "a model card is a JSON object";
+
 /// The card's typed subset, each unreadable field set aside rather than all of them (a newer
 /// Dynamo writing `kv_cache_block_size: "16"` must not cost the card its role, and the worker
 /// its routing), and why the first was unreadable.
 fn typed_leniently(card_json: &Value) -> (TypedCard, Option<String>) {
+    // serde reads a struct from an array too, field by field in order: a card is an object.
+    if !card_json.is_object() {
+        return (TypedCard::default(), Some(NOT_AN_OBJECT.to_string()));
+    }
     let mut card = std::borrow::Cow::Borrowed(card_json);
     let mut first_error = None;
     for _ in 0..=MAX_UNREADABLE_FIELDS {
@@ -258,6 +269,7 @@ impl Card {
     /// tree to do), its size as written.
     pub fn unretained(text: &str) -> Self {
         let (mut typed, typed_error) = match serde_json::from_str::<TypedCard>(text) {
+            _ if !text.trim_ascii_start().starts_with('{') => (TypedCard::default(), Some(NOT_AN_OBJECT.to_string())),
             Ok(typed) => (typed, None),
             Err(error) => (TypedCard::default(), Some(super::records::excerpt(&error.to_string()))),
         };
@@ -508,8 +520,11 @@ mod tests {
         let kept: Option<Value> = card.raw.as_deref().and_then(|text| serde_json::from_str(text).ok());
         assert_eq!(kept, Some(raw), "kept whole, as compact text");
         // A card that is no object at all has no typed subset.
+        // (serde would read one from an array, field by field).
         let card = Card::parse(json!(["not", "a", "card"]));
         assert!(card.typed_error.is_some());
         assert_eq!(card.typed, TypedCard::default());
+        let card = Card::unretained(r#" ["shown", "named", "decode"]"#);
+        assert_eq!((card.typed_error.as_deref(), card.typed), (Some(NOT_AN_OBJECT), TypedCard::default()));
     }
 }

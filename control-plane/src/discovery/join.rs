@@ -90,7 +90,7 @@ fn describe(key: &WorkerKey, instance: &EndpointRecord, card: Option<&Card>) -> 
     let worker = Worker {
         key: key.clone(),
         role,
-        model: card.and_then(|c| c.typed.display_name.clone()).unwrap_or_default(),
+        model: card.and_then(|c| c.typed.display_name.clone().or_else(|| c.typed.name.clone())).unwrap_or_default(),
         component: instance.component.clone(),
         endpoint: instance.endpoint.clone(),
         block_size: card.and_then(Card::block_size),

@@ -190,6 +190,21 @@ fn card_fields_fill_the_worker() {
     assert_eq!(got, Some((vec![2, 3, 4, 5], "Qwen/Qwen3-32B".into(), Some(64), want, 2, 4)));
 }
 
+/// The model is the card's `display_name`, then its `name` (the seed's order).
+#[test]
+fn the_model_is_the_cards_display_name_then_its_name() {
+    for (card, model) in [
+        (json!({"display_name": "shown", "name": "named", "worker_type": "decode"}), "shown"),
+        (json!({"name": "named", "worker_type": "decode"}), "named"),
+        (json!({"worker_type": "decode"}), ""),
+    ] {
+        let mut sim = Sim::new();
+        sim.put(card_key(NS, "decode", ID), &card_value("decode", json!(ID), card));
+        sim.put(instance_key(NS, "decode", "generate", ID), &endpoint_value("decode", "generate", json!(ID)));
+        assert_eq!(sim.worker(ID).map(|w| w.worker.model), Some(model.to_string()));
+    }
+}
+
 #[test]
 fn a_cardless_worker_declares_no_data_parallelism() {
     let mut sim = Sim::new();
