@@ -29,6 +29,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use rand::Rng;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -76,13 +77,31 @@ pub const MAX_BODY_BYTES: usize = 32 << 20;
 
 pub fn router(shim: Arc<Shim>) -> Router {
     Router::new()
-        .route("/v1/chat/completions", post(chat))
+        .route("/v1/chat/completions", post(chat).layer(axum::middleware::from_fn(body_room)))
         .route("/v1/models", get(models))
         .route("/artifacts/{name}", get(artifacts::serve))
         .route("/simulator/workers/{id}/kill", post(kill))
         .route("/live", get(|| async { axum::Json(json!({"status": "live", "message": "Service is live"})) }))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(shim)
+}
+
+/// The bytes of chat request bodies the shim holds at once, at most: each request waits for
+/// room for its declared length (a chunked one for the largest body) before its body is read,
+/// so clients sending large bodies by the hundred queue rather than take the process's memory
+/// (the shim runs inside the control plane).
+const BODIES_IN_FLIGHT: usize = 256 << 20;
+/// [`BODIES_IN_FLIGHT`] in kibibytes, a permit each.
+static BODY_ROOM: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(BODIES_IN_FLIGHT >> 10);
+const _: () = assert!(BODIES_IN_FLIGHT >= MAX_BODY_BYTES, "the largest body must fit");
+
+async fn body_room(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let declared = request.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    let kibibytes = declared.unwrap_or(MAX_BODY_BYTES).min(MAX_BODY_BYTES).div_ceil(1 << 10).max(1);
+    let Ok(_room) = BODY_ROOM.acquire_many(u32::try_from(kibibytes).unwrap_or(u32::MAX)).await else {
+        return StatusCode::SERVICE_UNAVAILABLE.into_response();
+    };
+    next.run(request).await
 }
 
 async fn models(State(shim): State<Arc<Shim>>) -> Response {
@@ -108,40 +127,188 @@ async fn kill(State(shim): State<Arc<Shim>>, Path(id): Path<String>) -> Response
     axum::Json(json!({"killed": worker.worker_id, "deregistered_in_seconds": lease})).into_response()
 }
 
-/// A chat request as the shim reads it: the prompt's token ids (`nvext.token_data`, which
-/// the replica sends when `send_token_data` is on) as four bytes each, the rest as JSON. As a
-/// JSON tree a 32 MiB body of ids would take hundreds of megabytes.
+/// A chat request as the shim reads it, without a tree of the whole: the fields it uses (each
+/// at most [`MAX_FIELD_BYTES`] as written), the prompt's token ids (`nvext.token_data`, which
+/// the replica sends when `send_token_data` is on) as four bytes each, and of the messages only
+/// their text's length; every other field is skipped unread. As a JSON tree a 32 MiB body
+/// would take gigabytes, for as long as the request is answered.
 #[derive(serde::Deserialize)]
-struct ChatBody {
+struct ChatBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream_options: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_completion_tokens: Option<&'a RawValue>,
     #[serde(default)]
-    nvext: Option<Nvext>,
-    #[serde(flatten)]
-    rest: serde_json::Map<String, Value>,
+    messages: Option<TextLength>,
+    #[serde(borrow, default)]
+    nvext: Option<Nvext<'a>>,
 }
 
 #[derive(serde::Deserialize)]
-struct Nvext {
+struct Nvext<'a> {
     #[serde(default)]
     token_data: Option<Vec<u32>>,
-    #[serde(flatten)]
-    rest: serde_json::Map<String, Value>,
+    #[serde(borrow, default)]
+    extra_fields: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    backend_instance_id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prefill_worker_id: Option<&'a RawValue>,
 }
 
-impl ChatBody {
-    /// The request without its token ids, and the ids (none when it carries none).
-    fn split(self) -> (Value, Vec<u32>) {
-        let mut request = self.rest;
-        let tokens = self.nvext.and_then(|nvext| {
-            request.insert("nvext".into(), Value::Object(nvext.rest));
-            nvext.token_data
-        });
-        (Value::Object(request), tokens.unwrap_or_default())
+/// The most a field the shim reads as JSON may take as written (the messages and token ids
+/// aside, which are read as they stream past).
+const MAX_FIELD_BYTES: usize = 64 << 10;
+
+/// The request as the shim reads it: its small fields as JSON, the length of its messages'
+/// text, and its token ids.
+struct ChatRequest {
+    fields: Value,
+    text: usize,
+    tokens: Vec<u32>,
+}
+
+impl ChatBody<'_> {
+    fn read(self) -> Result<ChatRequest, String> {
+        let mut fields = serde_json::Map::new();
+        let top = [
+            ("model", self.model),
+            ("stream", self.stream),
+            ("stream_options", self.stream_options),
+            ("max_tokens", self.max_tokens),
+            ("max_completion_tokens", self.max_completion_tokens),
+        ];
+        read_fields(&mut fields, top)?;
+        let mut tokens = Vec::new();
+        if let Some(nvext) = self.nvext {
+            let mut read = serde_json::Map::new();
+            let own = [
+                ("extra_fields", nvext.extra_fields),
+                ("backend_instance_id", nvext.backend_instance_id),
+                ("prefill_worker_id", nvext.prefill_worker_id),
+            ];
+            read_fields(&mut read, own)?;
+            fields.insert("nvext".into(), Value::Object(read));
+            tokens = nvext.token_data.unwrap_or_default();
+        }
+        let text = self.messages.map_or(0, |messages| messages.0);
+        Ok(ChatRequest { fields: Value::Object(fields), text, tokens })
+    }
+}
+
+/// Reads each field present as JSON, refusing one past [`MAX_FIELD_BYTES`].
+fn read_fields<'a>(
+    into: &mut serde_json::Map<String, Value>,
+    fields: impl IntoIterator<Item = (&'static str, Option<&'a RawValue>)>,
+) -> Result<(), String> {
+    for (name, raw) in fields {
+        let Some(raw) = raw else { continue };
+        if raw.get().len() > MAX_FIELD_BYTES {
+            return Err(format!("{name} is longer than {MAX_FIELD_BYTES} bytes"));
+        }
+        into.insert(name.into(), serde_json::from_str(raw.get()).map_err(|e| e.to_string())?);
+    }
+    Ok(())
+}
+
+/// The bytes of text the strings among the messages' `content` hold, read as they stream past.
+struct TextLength(usize);
+
+impl<'de> serde::Deserialize<'de> for TextLength {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(Counting(Level::Messages)).map(TextLength)
+    }
+}
+
+/// Where [`Counting`] reads: the message list, one message, or a message's content.
+#[derive(Clone, Copy)]
+enum Level {
+    Messages,
+    Message,
+    Content,
+}
+
+struct Counting(Level);
+
+impl<'de> serde::de::DeserializeSeed<'de> for Counting {
+    type Value = usize;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<usize, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for Counting {
+    type Value = usize;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("chat messages")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<usize, E> {
+        Ok(if matches!(self.0, Level::Content) { text.len() } else { 0 })
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<usize, A::Error> {
+        let mut total = 0usize;
+        let item = match self.0 {
+            Level::Messages => Level::Message,
+            // A content of parts, or anything else in a list: no text the shim counts.
+            _ => {
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                return Ok(0);
+            }
+        };
+        while let Some(text) = seq.next_element_seed(Counting(item))? {
+            total = total.saturating_add(text);
+        }
+        Ok(total)
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<usize, A::Error> {
+        let mut total = 0usize;
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if matches!(self.0, Level::Message) && key == "content" {
+                total = total.saturating_add(map.next_value_seed(Counting(Level::Content))?);
+            } else {
+                map.next_value::<serde::de::IgnoredAny>()?;
+            }
+        }
+        Ok(total)
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<usize, E> {
+        Ok(0)
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<usize, E> {
+        Ok(0)
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<usize, E> {
+        Ok(0)
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<usize, E> {
+        Ok(0)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<usize, E> {
+        Ok(0)
     }
 }
 
 async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) -> Response {
-    let (request, tokens) = match serde_json::from_slice::<ChatBody>(&body) {
-        Ok(request) => request.split(),
+    let read = serde_json::from_slice::<ChatBody<'_>>(&body).map_err(|e| e.to_string()).and_then(ChatBody::read);
+    drop(body);
+    let ChatRequest { fields: request, text, tokens } = match read {
+        Ok(request) => request,
         Err(error) => {
             let message = format!("Failed to deserialize the JSON body into the target type: {error}");
             return refuse(&Refusal { status: StatusCode::BAD_REQUEST, message });
@@ -186,7 +353,7 @@ async fn chat(State(shim): State<Arc<Shim>>, headers: HeaderMap, body: Bytes) ->
     if decode.life() == Life::Killed {
         return refuse(&Refusal::unavailable());
     }
-    let mut plan = Plan::new(&shim, &request, &tokens, pins);
+    let mut plan = Plan::new(&shim, &request, (text, &tokens), pins);
     // The sequence's blocks, prompt and answer together, as an engine pages them.
     let blocks = (plan.prompt_tokens + plan.tokens).div_ceil(shim.block_size);
     decode.touch();
@@ -253,10 +420,9 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(shim: &Shim, request: &Value, tokens: &[u32], pins: Pins) -> Self {
-        let text: usize = request["messages"]
-            .as_array()
-            .map_or(0, |m| m.iter().filter_map(|m| m["content"].as_str()).map(str::len).sum());
+    /// The answer to `request`, whose messages hold `text` bytes of text and whose prompt is
+    /// `tokens` when the replica sent them.
+    fn new(shim: &Shim, request: &Value, (text, tokens): (usize, &[u32]), pins: Pins) -> Self {
         let estimate = u64::try_from(text / 4).unwrap_or(u64::MAX).saturating_add(8);
         let prompt_tokens = if tokens.is_empty() { estimate } else { tokens.len() as u64 };
         let asked = request["max_tokens"].as_u64().or_else(|| request["max_completion_tokens"].as_u64());
@@ -376,4 +542,81 @@ fn refuse(refusal: &Refusal) -> Response {
 
 fn now_secs() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn read(body: &Value) -> Result<ChatRequest, String> {
+        let text = body.to_string();
+        serde_json::from_str::<ChatBody<'_>>(&text).map_err(|e| e.to_string()).and_then(ChatBody::read)
+    }
+
+    /// The shim reads what it uses and skips the rest unread: the messages only for their
+    /// text's length (a content of parts counts none), the token ids as numbers.
+    #[test]
+    fn a_request_is_read_for_what_the_shim_uses() -> Result<(), String> {
+        let body = json!({
+            "model": "tiny", "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello"}, {"content": [{"type": "text", "text": "x"}]},
+                         {"role": "assistant", "content": "abc", "name": "n"}, {"role": "user"}],
+            "tools": [{"type": "function"}], "temperature": 0.5,
+            "nvext": {"token_data": [1, 2, 3], "extra_fields": ["worker_id"], "backend_instance_id": 7, "ignore_eos": true},
+        });
+        let ChatRequest { fields, text, tokens } = read(&body)?;
+        assert_eq!((text, tokens), (8, vec![1, 2, 3]));
+        let expected = json!({"model": "tiny", "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 4,
+                              "nvext": {"extra_fields": ["worker_id"], "backend_instance_id": 7}});
+        assert_eq!(fields, expected);
+        // A key written with escapes is the same key.
+        let escaped: ChatBody<'_> =
+            serde_json::from_str(r#"{"messages":[{"\u0063ontent":"four"}]}"#).map_err(|e| e.to_string())?;
+        assert_eq!(escaped.read()?.text, 4);
+        Ok(())
+    }
+
+    /// A request waits for room for its declared body before the body is read, and goes on
+    /// once room is given back.
+    #[tokio::test]
+    async fn a_body_waits_for_room_before_it_is_read() {
+        use tower_service::Service;
+
+        let echo = post(|body: Bytes| async move { body.len().to_string() });
+        let mut app: Router = Router::new().route("/", echo.layer(axum::middleware::from_fn(body_room)));
+        let request = |length: usize| {
+            axum::http::Request::post("/")
+                .header(header::CONTENT_LENGTH, length)
+                .body(Body::from(vec![b'x'; length]))
+                .expect("a request")
+        };
+        let all_but_one_kib = u32::try_from((BODIES_IN_FLIGHT >> 10) - 1).expect("permits");
+        let held = BODY_ROOM.acquire_many(all_but_one_kib).await.expect("room");
+        let small = app.call(request(1 << 10)).await.expect("answered");
+        assert_eq!(small.status(), StatusCode::OK, "one KiB fits what is left");
+        let large = tokio::spawn({
+            let mut app = app.clone();
+            async move { app.call(request(2 << 10)).await.map(|answer| answer.status()) }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!large.is_finished(), "two KiB wait for room");
+        drop(held);
+        let answered = tokio::time::timeout(Duration::from_secs(5), large).await;
+        assert!(matches!(answered, Ok(Ok(Ok(StatusCode::OK)))), "{answered:?}");
+    }
+
+    /// A field the shim reads as JSON is refused past its bound; the messages and token ids,
+    /// read as they pass, have none but the body's.
+    #[test]
+    fn a_field_read_as_json_has_a_bound() -> Result<(), String> {
+        let long = "x".repeat(MAX_FIELD_BYTES);
+        let refused = read(&json!({"model": long})).err().unwrap_or_default();
+        assert!(refused.contains("model is longer than"), "{refused}");
+        let messages = json!({"messages": [{"content": "x".repeat(4 * MAX_FIELD_BYTES)}], "nvext": {"token_data": vec![7u32; 100_000]}});
+        let ChatRequest { text, tokens, .. } = read(&messages)?;
+        assert_eq!((text, tokens.len()), (4 * MAX_FIELD_BYTES, 100_000));
+        Ok(())
+    }
 }
