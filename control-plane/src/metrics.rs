@@ -172,7 +172,7 @@ impl Metrics {
             connections_closed: IntCounterVec::new(
                 Opts::new(
                     "continuum_connections_closed_total",
-                    "Connections a listener closed itself, by listener (fleet, admin) and reason: full (its most connections held already), peer_full (its address held its most), silent (nothing sent at all for 30 s), idle (nothing more for 30 s), head_timeout (an admin request head not whole within 10 s) or unread (it read nothing of what was written to it for 30 s)",
+                    "Connections a listener closed itself, by listener (fleet, admin) and reason: full (its most connections held already), peer_full (its address held its most), silent (nothing sent at all for 30 s), idle (nothing more for 30 s), no_call (a fleet connection that opened no admitted call within 30 s), head_timeout (an admin request head not whole within 10 s) or unread (it read nothing of what was written to it for 30 s)",
                 ),
                 &["listener", "reason"],
             )?,
