@@ -70,16 +70,25 @@ pub fn client_ids(view: &FleetView) -> BTreeSet<String> {
     let served: BTreeSet<&str> = view
         .workers()
         .values()
-        .filter(|w| w.role.serves_model() && pooled.contains(&*w.key.namespace))
+        // A worker without a model name (its card not yet read, or refused) serves no request:
+        // a chat completion names its model.
+        .filter(|w| w.role.serves_model() && !w.model.is_empty() && pooled.contains(&*w.key.namespace))
         .map(|w| w.model.as_str())
         .collect();
     served.into_iter().flat_map(|display| ids_for(display, &config.model_map)).chain(unpinned).collect()
 }
 
+/// The client ids that reach the workers of display name `display`: the `model_map` keys that
+/// name it, or else the name itself, unless that is a key mapping elsewhere (a request for it
+/// goes to that model's workers, not these).
 fn ids_for(display: &str, model_map: &BTreeMap<String, String>) -> Vec<String> {
     let aliases: Vec<String> =
         model_map.iter().filter(|(_, target)| *target == display).map(|(id, _)| id.clone()).collect();
-    if aliases.is_empty() { vec![display.to_string()] } else { aliases }
+    match model_map.get(display) {
+        _ if !aliases.is_empty() => aliases,
+        Some(elsewhere) if elsewhere != display => Vec::new(),
+        _ => vec![display.to_string()],
+    }
 }
 
 #[cfg(test)]
@@ -94,5 +103,9 @@ mod tests {
         ]);
         assert_eq!(ids_for("Qwen/Qwen3", &map), ["q3", "qwen"]);
         assert_eq!(ids_for("tiny", &map), ["tiny"]);
+        // Workers whose own name is a client id mapped to another model: no id reaches them.
+        assert!(ids_for("qwen", &map).is_empty());
+        let to_itself = BTreeMap::from([("tiny".to_string(), "tiny".to_string())]);
+        assert_eq!(ids_for("tiny", &to_itself), ["tiny"]);
     }
 }

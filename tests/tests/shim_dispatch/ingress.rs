@@ -75,6 +75,8 @@ async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Resu
     workers.push(worker(11, Role::Aggregated, "plain", 0));
     workers.push(worker(12, Role::Unknown, "ghost", 0));
     workers.push(worker(14, Role::Prefill, "prefill-only", 0));
+    // A decode worker whose card was not read yet: no model name, nothing to list.
+    workers.push(worker(15, Role::Decode, "", 0));
     let mut unpooled = (*worker(13, Role::Aggregated, "elsewhere", 0)).clone();
     unpooled.key = WorkerKey::new("no-pool", 13);
     workers.push(unpooled.into());
@@ -91,7 +93,7 @@ async fn models_are_those_of_routable_workers_under_client_ids() -> anyhow::Resu
         ids,
         ["plain", "solo", CLIENT_MODEL],
         "mapped names under their client id, and unified backends' models; unknown roles, prefill-only \
-         models and unpooled namespaces left out"
+         models, workers without a model name and unpooled namespaces left out"
     );
     assert_eq!(harness.post(&chat("solo", false)).await?.status(), 200, "a model listed is routed");
     assert!(models["data"].as_array().into_iter().flatten().all(|m| m["object"] == "model"));
