@@ -6,7 +6,7 @@ use continuum_proto::model::{
 };
 
 use super::Config;
-use super::discovery::DiscoverySource;
+use super::discovery::{DEFAULT_DYNAMO_NAMESPACE, DiscoverySource};
 use super::types::{BackendConfig, BackendRole};
 
 impl Config {
@@ -60,7 +60,13 @@ impl Config {
         let shim = &self.dynamo.shim;
         let shim_pools = if shim.pools.is_empty() {
             let replicas = usable(&shim.backends);
-            let namespaces = if replicas.is_empty() { Vec::new() } else { self.namespaces() };
+            let namespaces = match self.namespaces() {
+                _ if replicas.is_empty() => Vec::new(),
+                // A static fleet of no workers names no namespace: its shim backends are still a
+                // pool's, never unified backends that plain requests would go to unpinned.
+                namespaces if namespaces.is_empty() => vec![DEFAULT_DYNAMO_NAMESPACE.to_owned()],
+                namespaces => namespaces,
+            };
             namespaces.into_iter().map(|namespace| ShimPool { namespace, backends: replicas.clone() }).collect()
         } else {
             let pools = shim.pools.iter();

@@ -79,6 +79,22 @@ dynamo:
     assert!(config.disaggregated_serving.enabled && config.disaggregated_serving.fallback_to_unified);
 }
 
+/// A static fleet of no workers names no namespace; its shim backends stay a pool's members
+/// (plain requests never go to a direct-mode shim unpinned).
+#[test]
+fn a_static_fleet_of_no_workers_keeps_its_shim_backends_in_a_pool() {
+    let yaml = "
+backends: [{name: frontend, url: 'http://f:8000', models: [m]}]
+disaggregated_serving: {enabled: true}
+dynamo:
+  enabled: true
+  discovery: {source: static, static: {workers: []}}
+  shim: {backends: [frontend]}
+";
+    let pools = loaded(yaml).config.data_plane_config().shim_pools;
+    assert_eq!(pools, vec![ShimPool { namespace: "dynamo".into(), backends: vec!["frontend".into()] }]);
+}
+
 #[test]
 fn data_plane_config_takes_pools_per_namespace() {
     let yaml = "
