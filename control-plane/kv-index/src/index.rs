@@ -99,7 +99,7 @@ impl KvIndex {
     /// Applies a `stored` event: `blocks` form a chain under `parent_hash` (an engine hash the
     /// rank already holds, or `None` for the root). See the crate documentation for results.
     pub fn apply_stored(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {
-        let outcome = self.store_chain(rank, parent_hash, blocks);
+        let outcome = self.apply_stored_part(rank, parent_hash, blocks);
         self.drop_orphans();
         outcome
     }
@@ -110,10 +110,6 @@ impl KvIndex {
     /// (an event applied in between may drop them first: the tree ends the same, only the
     /// results of the later parts' blocks under them differ).
     pub fn apply_stored_part(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {
-        self.store_chain(rank, parent_hash, blocks)
-    }
-
-    fn store_chain(&mut self, rank: RankKey, parent_hash: Option<u64>, blocks: &[StoredBlock]) -> Outcome {
         self.work += blocks.len() as u64;
         let mut outcome = Outcome::default();
         let mut id = self.ranks.id(rank);
@@ -163,25 +159,15 @@ impl KvIndex {
 
     /// Applies a `removed` event: the rank stops holding each of `block_hashes`.
     pub fn apply_removed(&mut self, rank: RankKey, block_hashes: &[u64]) -> Outcome {
-        let outcome = self.remove_hashes(rank, block_hashes);
+        let outcome = self.apply_removed_part(rank, block_hashes);
+        // It forgets every owner it leaves holding nothing.
         self.drop_orphans();
-        if let Some(id) = self.ranks.id(rank) {
-            self.forget_if_empty(id);
-        }
         outcome
     }
 
     /// [`KvIndex::apply_removed`] for one part of an event applied in parts: see
     /// [`KvIndex::apply_stored_part`].
     pub fn apply_removed_part(&mut self, rank: RankKey, block_hashes: &[u64]) -> Outcome {
-        let outcome = self.remove_hashes(rank, block_hashes);
-        if let Some(id) = self.ranks.id(rank) {
-            self.forget_if_empty(id);
-        }
-        outcome
-    }
-
-    fn remove_hashes(&mut self, rank: RankKey, block_hashes: &[u64]) -> Outcome {
         self.work += block_hashes.len() as u64;
         let mut outcome = Outcome::default();
         let Some(id) = self.ranks.id(rank) else {
@@ -202,6 +188,7 @@ impl KvIndex {
                 None => outcome.add(KvResult::UnknownBlock, 1),
             }
         }
+        self.forget_if_empty(id);
         outcome
     }
 

@@ -19,7 +19,7 @@
 //! Cursors survive a session drop and reconnect: events missed meanwhile show up as a gap.
 //! A subscription disconnected or pending for [`KV_EVENTS_STALE_AFTER`] loses its ranks
 //! ([`KvIndexer::stale`]), and one stopped for good loses them at once
-//! ([`KvIndexer::drop_publisher`]). Silence alone is not staleness: an idle worker publishes
+//! ([`KvIndexer::take_publisher`]). Silence alone is not staleness: an idle worker publishes
 //! nothing and still holds its cache.
 //!
 //! Pure: time is an argument, and nothing here blocks or spawns.
@@ -393,20 +393,8 @@ impl KvIndexer {
         self.index.retain_ranks(|rank| declares(live, rank))
     }
 
-    /// The publisher's subscription stopped for good: its ranks lose their blocks and cursors.
-    /// Returns how many ranks were cleared.
-    pub fn drop_publisher(&mut self, publisher: &PublisherKey) -> usize {
-        let mut cleared = 0;
-        for rank in self.take_publisher(publisher) {
-            if self.clear_rank(rank) > 0 {
-                cleared += 1;
-            }
-        }
-        cleared
-    }
-
-    /// [`Self::drop_publisher`] but for the clearing: the publisher's ranks, for a caller to
-    /// clear one to a hold of its lock ([`Self::clear_rank`]).
+    /// The publisher's subscription stopped for good: it loses its cursors, and its ranks, handed
+    /// back, are for the caller to clear one to a hold of its lock ([`Self::clear_rank`]).
     pub fn take_publisher(&mut self, publisher: &PublisherKey) -> Vec<RankKey> {
         self.publishers.remove(publisher).map(|publisher| publisher.cursors.into_keys().collect()).unwrap_or_default()
     }
@@ -425,24 +413,14 @@ impl KvIndexer {
     }
 
     /// The publishers down for at least `stale_after` (normally [`KV_EVENTS_STALE_AFTER`]), for
-    /// a caller to drop one at a time ([`Self::drop_if_stale`]), each to a hold of the lock.
+    /// a caller to drop one at a time ([`Self::take_if_stale`]), each to a hold of the lock.
     pub fn stale(&self, now: Instant, stale_after: Duration) -> Vec<PublisherKey> {
         self.publishers.iter().filter(|(_, p)| is_stale(p, now, stale_after)).map(|(key, _)| key.clone()).collect()
     }
 
-    /// Drops `publisher` ([`Self::drop_publisher`]) if it is still down for at least
-    /// `stale_after`: between the listing of [`Self::stale`] and this hold of the lock it may
-    /// have come back, and what it published since must stand. Whether it was dropped.
-    pub fn drop_if_stale(&mut self, publisher: &PublisherKey, now: Instant, stale_after: Duration) -> bool {
-        let Some(ranks) = self.take_if_stale(publisher, now, stale_after) else { return false };
-        for rank in ranks {
-            self.clear_rank(rank);
-        }
-        true
-    }
-
-    /// [`Self::drop_if_stale`] but for the clearing: the stale publisher's ranks, for a caller
-    /// to clear one to a hold of its lock ([`Self::clear_rank`]).
+    /// [`Self::take_publisher`] if `publisher` is still down for at least `stale_after`: between
+    /// the listing of [`Self::stale`] and this hold of the lock it may have come back, and what
+    /// it published since must stand.
     pub fn take_if_stale(
         &mut self,
         publisher: &PublisherKey,

@@ -541,8 +541,8 @@ fn engine_error(words: &str) -> String {
 /// and blocks of other fields alone (`id:`, `retry:`, `event: ping`), which a client's reader
 /// dispatches nothing for, are none. Lines end at LF, CRLF or CR.
 fn carries_event(data: &[u8]) -> bool {
-    data_lines(data).next().is_some()
-        || data.split(|b| *b == b'\n' || *b == b'\r').any(|line| line.strip_prefix(b"event:").is_some_and(names_error))
+    let event = |line: &[u8]| is_data_line(line) || line.strip_prefix(b"event:").is_some_and(names_error);
+    data.split(|b| *b == b'\n' || *b == b'\r').any(event)
 }
 
 /// The `data` lines of `data`.

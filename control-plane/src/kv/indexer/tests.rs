@@ -643,3 +643,22 @@ fn a_publisher_back_before_the_sweep_drops_it_keeps_its_blocks() {
     assert!(indexer.drop_if_stale(&key(9), later + KV_EVENTS_STALE_AFTER, KV_EVENTS_STALE_AFTER));
     assert_eq!(indexer.cursor(&key(9), rank(0)), None);
 }
+
+/// What the feed and the sweep do a rank at a time, done at once, for the tests.
+impl KvIndexer {
+    fn drop_publisher(&mut self, publisher: &PublisherKey) -> usize {
+        let mut cleared = 0;
+        for rank in self.take_publisher(publisher) {
+            cleared += usize::from(self.clear_rank(rank) > 0);
+        }
+        cleared
+    }
+
+    fn drop_if_stale(&mut self, publisher: &PublisherKey, now: Instant, stale_after: Duration) -> bool {
+        let Some(ranks) = self.take_if_stale(publisher, now, stale_after) else { return false };
+        for rank in ranks {
+            self.clear_rank(rank);
+        }
+        true
+    }
+}
