@@ -125,8 +125,10 @@ mod tests {
 
     #[test]
     fn distinct_keys_hash_apart_and_equal_keys_together() {
-        let build = BuildHasherDefault::<FastHasher>::default();
-        assert_eq!(build.hash_one(("ns", 7u64)), build.hash_one(("ns", 7u64)));
+        let (build, other) = (BuildHasherDefault::<FastHasher>::default(), BuildHasherDefault::<FastHasher>::default());
+        // Equal keys of different owners and places, through two builders: one hash.
+        let owned = (String::from("xns").split_off(1), 7u64);
+        assert_eq!(build.hash_one(&owned), other.hash_one(("ns", 7u64)));
         assert_ne!(build.hash_one(("ns", 7u64)), build.hash_one(("ns", 8u64)));
         assert_ne!(build.hash_one("abcdefgh"), build.hash_one("abcdefgh\0"));
     }

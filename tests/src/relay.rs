@@ -124,25 +124,28 @@ mod tests {
     async fn requests_and_answers_pass_through_unchanged() -> anyhow::Result<()> {
         let upstream = TcpListener::bind("127.0.0.1:0").await?;
         let upstream_addr = upstream.local_addr()?;
+        let requests =
+            ["POST / HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc", "POST /b HTTP/1.1\r\ncontent-length: 2\r\n\r\nhi"];
+        let response = |answer: &str| format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{answer}", answer.len());
         let shim = tokio::spawn(async move {
             let (mut conn, _) = upstream.accept().await?;
             let mut buffer = Vec::new();
-            for answer in ["one", "two"] {
+            for (request, answer) in requests.iter().zip(["one", "two"]) {
                 let length = read_message(&mut conn, &mut buffer, Kind::Request).await?.unwrap_or_default();
+                assert_eq!(&buffer[..length], request.as_bytes(), "the request as the client sent it");
                 buffer.drain(..length);
-                let response = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{answer}", answer.len());
-                conn.write_all(response.as_bytes()).await?;
+                conn.write_all(response(answer).as_bytes()).await?;
             }
             anyhow::Ok(())
         });
         let relay = Relay::start(upstream_addr).await?;
         let mut client = TcpStream::connect(relay.addr).await?;
         let mut buffer = Vec::new();
-        for expected in ["one", "two"] {
-            client.write_all(b"POST / HTTP/1.1\r\ncontent-length: 2\r\n\r\nhi").await?;
-            let length = read_message(&mut client, &mut buffer, Kind::Response).await?;
-            assert!(buffer[..length.unwrap_or_default()].ends_with(expected.as_bytes()));
-            buffer.clear();
+        for (request, expected) in requests.iter().zip(["one", "two"]) {
+            client.write_all(request.as_bytes()).await?;
+            let length = read_message(&mut client, &mut buffer, Kind::Response).await?.unwrap_or_default();
+            assert_eq!(&buffer[..length], response(expected).as_bytes(), "the answer as the upstream wrote it");
+            buffer.drain(..length);
         }
         shim.await??;
         Ok(())

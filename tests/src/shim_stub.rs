@@ -244,11 +244,12 @@ fn sse(body: Body) -> Response {
     ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], body).into_response()
 }
 
-/// A completion naming the pins received, shaped like 1.6.1's `nvext.worker_id` echo.
+/// A completion naming the pins received, shaped like 1.6.1's `nvext.worker_id` echo. Its id
+/// names the request's `user` where it has one, so a test can tell the answers apart.
 fn echo(headers: &HeaderMap, body: &Value) -> Value {
     let pin = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     json!({
-        "id": "chatcmpl-stub",
+        "id": format!("chatcmpl-{}", body["user"].as_str().unwrap_or("stub")),
         "object": "chat.completion",
         "model": body["model"],
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "stub"}, "finish_reason": "stop"}],

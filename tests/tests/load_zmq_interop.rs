@@ -95,7 +95,9 @@ async fn a_zeromq_crate_publisher_is_read_like_a_dynamo_worker() -> anyhow::Resu
     load.registry.publish(fleet(vec![worker(6, 1)], vec![kv_metrics_publisher(88, 6, endpoint.to_string())]));
     // A PUB drops what it sends before the subscription arrives: send until one lands.
     let deadline = std::time::Instant::now() + WAIT;
+    let mut sent = 0;
     for sequence in 1.. {
+        sent = sequence;
         let frames =
             KvMetricsSample { publisher_id: 88, sequence, worker_id: 6, dp_rank: 0, kv_used_blocks: sequence }.frames();
         let message = ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>())
@@ -110,6 +112,9 @@ async fn a_zeromq_crate_publisher_is_read_like_a_dynamo_worker() -> anyhow::Resu
         }
     }
     assert_eq!(load.events("transport_refused"), 0);
+    // Each sample says as many used blocks as its sequence number: the one held is one sent.
+    let held = load.view.store.lock().get(&key(6)).and_then(|h| h.sample.load.kv_used_blocks);
+    assert!(held.is_some_and(|blocks| (1..=sent).contains(&blocks)), "held {held:?} of samples 1..={sent}");
     load.stop().await;
     Ok(())
 }

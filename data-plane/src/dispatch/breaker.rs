@@ -575,7 +575,10 @@ mod tests {
         let mut breaker = Breaker::default();
         failed(&mut breaker, 3, now);
         assert!(breaker.admit(now + SETTINGS.cooldown, &SETTINGS));
+        let just_before = now + SETTINGS.cooldown * 2 - Duration::from_millis(1);
+        assert!(!breaker.admit(just_before, &SETTINGS), "the silent probe holds its place for a cooldown");
         assert!(breaker.admit(now + SETTINGS.cooldown * 2, &SETTINGS));
+        assert!(!breaker.admit(now + SETTINGS.cooldown * 2, &SETTINGS), "one replacement, not a flood");
     }
 
     #[test]

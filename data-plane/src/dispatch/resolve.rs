@@ -16,7 +16,10 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock, so tests can age an answer by pausing it.
+use tokio::time::Instant;
 
 /// How long an answer is used without asking again.
 pub const FRESH_FOR: Duration = Duration::from_secs(5);
@@ -125,14 +128,6 @@ mod tests {
         resolver.lock().answers.get(key).map(|answer| answer.at)
     }
 
-    /// An answer as old as `age`, or `None` where the clock has not run that long (a host
-    /// just booted).
-    fn aged(resolver: &Resolver, key: &str, addrs: &[SocketAddr], age: Duration) -> Option<()> {
-        let at = Instant::now().checked_sub(age)?;
-        resolver.lock().answers.insert(key.into(), Answer { addrs: Arc::from(addrs), at });
-        Some(())
-    }
-
     #[tokio::test]
     async fn literals_need_no_resolver_and_names_are_asked_once_while_fresh() -> io::Result<()> {
         let resolver = Arc::new(Resolver::default());
@@ -149,17 +144,20 @@ mod tests {
 
     /// Past its freshness an answer still serves at once while a lookup refreshes it behind;
     /// one that fails leaves it as it was. Past [`STALE_FOR`] a connection waits for a lookup.
-    #[tokio::test]
+    /// The clock is paused and moved on by hand (a lookup in flight holds it still).
+    #[tokio::test(start_paused = true)]
     async fn a_stale_answer_serves_at_once_while_the_name_is_looked_up_again() -> io::Result<()> {
         let resolver = Arc::new(Resolver::default());
-        let addrs = ["10.0.0.7:8000".parse::<SocketAddr>().expect("address")];
+        let addrs: Arc<[SocketAddr]> = Arc::from(["10.0.0.7:8000".parse::<SocketAddr>().expect("address")]);
         // Names the system resolver refuses without asking anyone: no query leaves the host.
         let (gone, moved) = ("shim\0gone", "localhost");
-        let (stale, too_old) = (FRESH_FOR + Duration::from_secs(1), STALE_FOR + Duration::from_secs(1));
-        let Some(()) = aged(&resolver, &format!("{gone}:8000"), &addrs, stale) else { return Ok(()) };
+        let (gone_key, moved_key) = (format!("{gone}:8000"), format!("{moved}:8000"));
+        resolver.keep(gone_key.clone(), Arc::clone(&addrs));
+        resolver.keep(moved_key.clone(), Arc::clone(&addrs));
+        let kept = held_at(&resolver, &gone_key).expect("kept");
+        tokio::time::advance(FRESH_FOR + Duration::from_secs(1)).await;
         assert_eq!(resolver.resolve(gone, 8000).await?, addrs.to_vec(), "the stale answer, at once");
         // A refresh that succeeds replaces the answer: `localhost` was held as 10.0.0.7.
-        aged(&resolver, &format!("{moved}:8000"), &addrs, stale);
         assert_eq!(resolver.resolve(moved, 8000).await?, addrs.to_vec(), "the stale answer, at once");
         let refreshed = async {
             while !resolver.lock().refreshing.is_empty() {
@@ -167,13 +165,12 @@ mod tests {
             }
         };
         tokio::time::timeout(Duration::from_secs(10), refreshed).await.map_err(io::Error::other)?;
-        let held = |key: &str| resolver.lock().answers.get(key).map(|a| (a.addrs.to_vec(), a.at.elapsed() >= stale));
-        let refreshed = held("localhost:8000").map(|(addrs, _)| addrs.iter().all(|a| a.ip().is_loopback()));
+        let held = |key: &str| resolver.lock().answers.get(key).map(|a| (a.addrs.to_vec(), a.at));
+        let refreshed = held(&moved_key).map(|(addrs, _)| addrs.iter().all(|a| a.ip().is_loopback()));
         assert_eq!(refreshed, Some(true), "a refresh that succeeded replaced the answer");
-        assert_eq!(held(&format!("{gone}:8000")), Some((addrs.to_vec(), true)), "a failed one kept it as it was");
-        if aged(&resolver, &format!("{gone}:8000"), &addrs, too_old).is_some() {
-            assert!(resolver.resolve(gone, 8000).await.is_err(), "too old to stand in");
-        }
+        assert_eq!(held(&gone_key), Some((addrs.to_vec(), kept)), "a failed one kept it as it was");
+        tokio::time::advance(STALE_FOR).await;
+        assert!(resolver.resolve(gone, 8000).await.is_err(), "too old to stand in");
         Ok(())
     }
 

@@ -44,10 +44,14 @@ mod tests {
     #[test]
     fn delays_stay_under_a_doubling_ceiling_capped_at_max() {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_millis(700));
-        for ceiling in [100, 200, 400, 700, 700] {
+        // The ceiling each delay was drawn under, and the one the next will be: it doubles.
+        for (ceiling, next) in [(100, 200), (200, 400), (400, 700), (700, 700), (700, 700)] {
+            assert_eq!(backoff.current, Duration::from_millis(ceiling));
             assert!(backoff.next_delay() <= Duration::from_millis(ceiling));
+            assert_eq!(backoff.current, Duration::from_millis(next));
         }
         backoff.reset();
+        assert_eq!((backoff.current, backoff.floor), (Duration::from_millis(100), Duration::ZERO));
         assert!(backoff.next_delay() <= Duration::from_millis(100));
         backoff.saturate();
         for _ in 0..100 {
@@ -55,6 +59,7 @@ mod tests {
             assert!(delay >= Duration::from_millis(350) && delay <= Duration::from_millis(700), "{delay:?}");
         }
         backoff.reset();
-        assert!(backoff.next_delay() <= Duration::from_millis(100), "a stable session starts over");
+        assert_eq!(backoff.current, Duration::from_millis(100), "a stable session starts over");
+        assert!(backoff.next_delay() <= Duration::from_millis(100));
     }
 }

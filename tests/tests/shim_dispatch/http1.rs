@@ -74,20 +74,24 @@ async fn pipelined_requests_are_answered_in_order_on_one_connection() -> anyhow:
     let shim = StubShim::start().await?;
     let harness = Harness::start(disaggregated_fleet(), config(&[("shim-a", shim.url())])).await?;
     let mut stream = TcpStream::connect(harness.replica.local_addr).await?;
-    let body = serde_json::to_vec(&chat(MODEL, false))?;
     let mut wire = Vec::new();
-    for _ in 0..3 {
+    for user in ["r0", "r1", "r2"] {
+        let mut body = chat(MODEL, false);
+        body["user"] = user.into();
+        let body = serde_json::to_vec(&body)?;
         wire.extend_from_slice(chat_head("", body.len()).as_bytes());
         wire.extend_from_slice(&body);
     }
     wire.extend_from_slice(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n");
     stream.write_all(&wire).await?;
     let mut pending = Vec::new();
-    for _ in 0..3 {
+    for user in ["r0", "r1", "r2"] {
         let answer = read_answer(&mut stream, &mut pending).await?;
         assert_eq!(answer.status, 200, "{answer:?}");
         assert!(!answer.head.contains("x-dynamo"), "{}", answer.head);
         assert_eq!(object_of(&answer)?, "chat.completion");
+        let id = serde_json::from_slice::<Value>(&answer.body)?["id"].clone();
+        assert_eq!(id, format!("chatcmpl-{user}"), "each answer in its request's place");
     }
     let health = read_answer(&mut stream, &mut pending).await?;
     assert_eq!((health.status, health.body.as_slice()), (200, &b"ok\n"[..]), "the router's endpoints, in turn");

@@ -303,17 +303,21 @@ mod tests {
     /// and answered, not refused by the web framework's 2 MiB default.
     #[tokio::test]
     async fn the_shim_reads_a_body_as_large_as_a_replica_sends() {
-        let (_simulator, addr) = serve().await;
+        let (simulator, addr) = serve().await;
+        let pins = format!(
+            "x-dynamo-prefill-instance-id: {}\r\nx-dynamo-worker-instance-id: {}\r\n",
+            simulator.shim.prefill[0].worker_id, simulator.shim.decode[0].worker_id
+        );
         let content = "word ".repeat(1 << 20);
         let body =
             serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
-        assert_ne!(post(addr, "", &body).await, "413", "a 5 MiB body");
+        assert_eq!(post(addr, &pins, &body).await, "200", "a 5 MiB body");
         // Token ids are read as such, not as a JSON tree: a million of them is answered, and
         // one that is not a token id is refused as the body's error.
         let tokens: Vec<u32> = (0..1 << 20).collect();
         let body = serde_json::json!({"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                                       "nvext": {"token_data": tokens}});
-        assert_ne!(post(addr, "", &body).await, "413", "a million token ids");
+        assert_eq!(post(addr, &pins, &body).await, "200", "a million token ids");
         let body = serde_json::json!({"model": "tiny", "messages": [], "nvext": {"token_data": [-1]}});
         assert_eq!(post(addr, "", &body).await, "400");
     }
