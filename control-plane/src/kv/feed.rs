@@ -11,7 +11,7 @@ use prometheus::{IntCounterVec, IntGauge, IntGaugeVec};
 use continuum_kv_index::{KvResult, Outcome, RankKey};
 
 use super::decode::{KvEvent, KvEventBatch, KvEventData, decode_kv_events};
-use super::indexer::{FAR_BEHIND, KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
+use super::indexer::{KvIndexer, LiveRanks, LiveWorker, PublisherMapping};
 use super::result::{KvCounts, KvEventResult};
 use crate::discovery::{Fleet, Publisher, PublisherKey, Topic};
 use crate::load::zmtp::{FREE_BUFFER_BYTES, LARGE_MESSAGES, Loan, Message, MessageBudget};
@@ -146,8 +146,24 @@ impl KvFeed {
 
 /// Clears `ranks` one to a hold of the index's lock, lookups between: one rank's clear takes
 /// milliseconds at most (`docs/kv.md`), a publisher's every rank in one hold as many times that.
+/// Cancelled part way (its subscription stopped by a reload), it clears the rest at once: they
+/// were counted as cleared, and a lost message's ranks are marked so, which hides the jump
+/// their next event shows.
 pub(super) async fn clear_each(indexer: &SharedKvIndexer, ranks: Vec<RankKey>) {
-    for rank in ranks {
+    struct Rest<'a> {
+        indexer: &'a SharedKvIndexer,
+        ranks: std::vec::IntoIter<RankKey>,
+    }
+    impl Drop for Rest<'_> {
+        fn drop(&mut self) {
+            if self.ranks.len() > 0 {
+                let mut indexer = self.indexer.write();
+                self.ranks.by_ref().for_each(|rank| _ = indexer.clear_rank(rank));
+            }
+        }
+    }
+    let mut rest = Rest { indexer, ranks: ranks.into_iter() };
+    for rank in rest.ranks.by_ref() {
         indexer.write().clear_rank(rank);
         tokio::task::yield_now().await;
     }
@@ -220,27 +236,10 @@ fn refuses_rest(data: &KvEventData, part: &Outcome) -> Option<KvResult> {
     [KvResult::UnknownParent, KvResult::OverCapacity].into_iter().find(|result| part.get(*result) > 0)
 }
 
-/// Whether a message numbered `sequence` comes after lost ones on its session, where the last
-/// was `last` (a publisher numbers its messages one by one, the captures show); records it.
-/// Event ids cannot tell: the events of one engine step share an id and may span messages, so
-/// a lost message in the middle of a step leaves no hole in them.
-///
-/// A number far below the last (more than [`FAR_BEHIND`]) is where the count stands:
-/// the last was out of its order (one message numbered far ahead), and keeping it would turn
-/// off loss detection for the rest of the session.
-fn lost_before(last: &mut Option<u64>, sequence: u64) -> bool {
-    let lost = last.is_some_and(|last| sequence > last.saturating_add(1));
-    *last = Some(match *last {
-        Some(last) if last.saturating_sub(sequence) <= FAR_BEHIND => last.max(sequence),
-        _ => sequence,
-    });
-    lost
-}
-
 impl Feed for KvFeed {
-    /// The last message number on this session. Event-id cursors live in the indexer: they
-    /// must outlive a reconnect, so a gap spanning it is seen.
-    type Session = Option<u64>;
+    /// Nothing: message numbers and event-id cursors live in the indexer, since they must
+    /// outlive a reconnect for a loss spanning it to be seen.
+    type Session = ();
 
     fn topic(&self) -> Topic {
         Topic::KvEvents
@@ -262,7 +261,7 @@ impl Feed for KvFeed {
         self.indexer.write().publisher_up(&publisher.key());
     }
 
-    async fn message(&self, publisher: &Publisher, last: &mut Option<u64>, message: Result<Message<'_>, Dropped>) {
+    async fn message(&self, publisher: &Publisher, _: &mut (), message: Result<Message<'_>, Dropped>) {
         let message = match message {
             Ok(message) => message,
             Err(reason @ (Dropped::Oversized | Dropped::OverBudget | Dropped::TooManyFrames)) => {
@@ -296,10 +295,10 @@ impl Feed for KvFeed {
                     self.lose_message(&mapping.publisher, &mut counts).await;
                     return self.count(&counts);
                 };
-                if lost_before(last, batch.sequence) {
-                    // Its removals among them, perhaps: the ranks are cleared as on a gap.
-                    self.lose_message(&mapping.publisher, &mut counts).await;
-                }
+                // Messages lost before it (their removals among them, perhaps): the ranks are
+                // cleared as on a gap.
+                let lost = self.indexer.write().numbered(&mapping.publisher, batch.sequence, &mut counts);
+                clear_each(&self.indexer, lost).await;
                 self.apply_turns(&mapping, &batch.events, &mut counts).await;
                 counts
             }
@@ -474,21 +473,6 @@ mod tests {
     }
 
     #[test]
-    fn a_message_number_past_the_next_says_messages_were_lost() {
-        let mut last = None;
-        let lost: Vec<bool> = [4, 5, 7, 8, 8, 6, 9, 12].into_iter().map(|n| lost_before(&mut last, n)).collect();
-        // The first sets the count; 7 skips 6; a repeat or an older one loses nothing; 12 skips two.
-        assert_eq!(lost, [false, false, true, false, false, false, false, true]);
-        assert_eq!(last, Some(12));
-        assert!(!lost_before(&mut Some(u64::MAX), u64::MAX), "no overflow at the end of the count");
-        // One numbered far ahead does not turn the count off: the next, far behind it, is
-        // where it stands, and a skip after that is seen.
-        let mut last = Some(12);
-        let lost: Vec<bool> = [u64::MAX, 13, 14, 16].into_iter().map(|n| lost_before(&mut last, n)).collect();
-        assert_eq!(lost, [true, false, false, true]);
-    }
-
-    #[test]
     fn a_large_message_is_applied_in_turns_in_order() {
         let sizes = [1000, 1000, 100, 3000, 2048, 1, 0];
         let events: Vec<KvEvent> = sizes.iter().enumerate().map(|(i, n)| removed(i as u64, *n)).collect();
@@ -594,6 +578,28 @@ mod tests {
         feed.apply_turns(&mapping, &[chain(2, None, 0..blocks)], &mut counts).await;
         assert_eq!(feed.indexer.read().index().stats().ownerships, blocks as usize, "whole");
         assert_eq!(feed.events.with_label_values(&["gap"]).get(), 1, "no gap");
+    }
+
+    /// Ranks handed out to clear one to a hold are cleared, all of them, even when the task
+    /// clearing them is cancelled between two: a lost message marks them cleared, and a rank
+    /// so marked but not cleared would keep its blocks past the next gap.
+    #[tokio::test]
+    async fn ranks_to_clear_are_cleared_even_when_the_clearing_is_cancelled() {
+        let mut indexer = KvIndexer::default();
+        indexer.set_live(LiveRanks::from([(1, LiveWorker { namespace: "dynamo".into(), ranks: 0..3, publishing: 3 })]));
+        let publisher = crate::discovery::PublisherKey { namespace: "dynamo".into(), publisher_id: 5 };
+        let mapping = PublisherMapping { publisher: publisher.clone(), worker_id: 1, dp_rank: None };
+        let events: Vec<KvEvent> = (0..3).map(|r| KvEvent { dp_rank: r, ..chain(1, None, 0..4) }).collect();
+        indexer.apply_events(&mapping, &events);
+        let feed = feed(indexer);
+        let ranks = feed.indexer.write().lose_message(&publisher, &mut KvCounts::default());
+        {
+            let clearing = clear_each(&feed.indexer, ranks);
+            tokio::pin!(clearing);
+            assert!(futures::poll!(clearing.as_mut()).is_pending(), "one rank cleared, then a yield");
+            assert_eq!(feed.indexer.read().index().stats().ownerships, 8, "two ranks still hold theirs");
+        }
+        assert_eq!(feed.indexer.read().index().stats().ownerships, 0, "the rest cleared as it was dropped");
     }
 
     /// An event past one hold's blocks is applied in parts, the lock let go between them: the

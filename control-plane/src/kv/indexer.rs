@@ -78,6 +78,11 @@ struct Publisher {
     cursors: HashMap<RankKey, RankCursor>,
     /// Since when the subscription has been down, if it is.
     down_since: Option<Instant>,
+    /// The number of its last message: a publisher numbers its messages one by one whether
+    /// anyone listens or not, so the first of a new session shows what went unheard.
+    sequence: Option<u64>,
+    /// No message has come on its current session yet.
+    new_session: bool,
 }
 
 /// Whether `publisher`'s subscription has been down for at least `stale_after` at `now`.
@@ -107,8 +112,31 @@ impl RankCursor {
 /// publisher sends each event once, so a stream replayed (a duplicated channel) lags by the
 /// events of a moment, while a counter that started over, or one id far ahead of its order,
 /// leaves every later event this far behind.
-/// The feed's message numbers take the same distance (`lost_before`).
-pub(super) const FAR_BEHIND: u64 = 1 << 20;
+/// Message numbers take the same distance ([`lost_before`]).
+const FAR_BEHIND: u64 = 1 << 20;
+
+/// Whether a message numbered `sequence` comes after lost ones, where the last was `last`
+/// (a publisher numbers its messages one by one, the captures show); records it. Event ids
+/// cannot tell: the events of one engine step share an id and may span messages, so a lost
+/// message in the middle of a step leaves no hole in them.
+///
+/// Within a session, a number far below the last (more than [`FAR_BEHIND`]) is where the count
+/// stands: the last was out of its order (one message numbered far ahead), and keeping it
+/// would turn off loss detection for the rest of the session. The first message of a session
+/// numbered at or below the last says the count started over (the publisher restarted, its
+/// cache with it), and what it published before the session went unheard.
+fn lost_before(last: &mut Option<u64>, sequence: u64, first_of_session: bool) -> bool {
+    let lost = match *last {
+        None => false,
+        Some(last) if first_of_session => last.checked_add(1) != Some(sequence),
+        Some(last) => sequence > last.saturating_add(1),
+    };
+    *last = Some(match *last {
+        Some(last) if !first_of_session && last.saturating_sub(sequence) <= FAR_BEHIND => last.max(sequence),
+        _ => sequence,
+    });
+    lost
+}
 
 /// Events in a row [`FAR_BEHIND`] that make the rank start over from the next (cleared, as
 /// after a gap): refusing them all would freeze its blocks, removals included, until the
@@ -439,10 +467,23 @@ impl KvIndexer {
         }
     }
 
-    /// The publisher's session is up again.
+    /// The publisher's session is up (again).
     pub fn publisher_up(&mut self, publisher: &PublisherKey) {
-        if let Some(publisher) = self.publishers.get_mut(publisher) {
-            publisher.down_since = None;
+        let publisher = self.publishers.entry(publisher.clone()).or_default();
+        publisher.down_since = None;
+        publisher.new_session = true;
+    }
+
+    /// `publisher`'s message numbered `sequence` arrived: the ranks to clear (counted as gaps,
+    /// see [`Self::lose_message`]) if messages were lost before it, on this session or while
+    /// none was up.
+    pub fn numbered(&mut self, publisher: &PublisherKey, sequence: u64, counts: &mut KvCounts) -> Vec<RankKey> {
+        let entry = self.publishers.entry(publisher.clone()).or_default();
+        let first_of_session = std::mem::take(&mut entry.new_session);
+        if lost_before(&mut entry.sequence, sequence, first_of_session) {
+            self.lose_message(publisher, counts)
+        } else {
+            Vec::new()
         }
     }
 

@@ -25,6 +25,10 @@ pub enum DialError {
         "the publisher's host resolves to {0:?}, none inside dynamo.load.direct_allow_cidrs; add the worker Pod network"
     )]
     NotAllowed(Vec<IpAddr>),
+    #[error(
+        "the publisher's host resolves to {0:?}, which no connection reaches (an unspecified, multicast or broadcast address: a worker advertising the address it binds?)"
+    )]
+    Unroutable(Vec<IpAddr>),
     #[error("connecting: {0}")]
     Connect(std::io::Error),
     #[error("no connection within {0:?}")]
@@ -50,6 +54,13 @@ pub fn allowed(ip: IpAddr, allow: Option<&[Cidr]>) -> bool {
         v4 => v4,
     };
     allow.is_none_or(|cidrs| cidrs.iter().any(|c| c.contains(ip)))
+}
+
+/// Whether a connection to `ip` can reach a publisher at all. Dynamo binds its PUB sockets on
+/// `0.0.0.0`; a record that advertised that would have the control plane dial its own host.
+fn routable(ip: IpAddr) -> bool {
+    let broadcast = matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
+    !(ip.is_unspecified() || ip.is_multicast() || broadcast)
 }
 
 /// Host names resolved at once, at most, by every subscription together.
@@ -83,9 +94,17 @@ pub async fn dial(address: &str, allow: Option<&[Cidr]>, timeout: Duration) -> R
     let deadline = tokio::time::Instant::now() + timeout;
     let attempt = async {
         let resolved = resolve(host, port).await?;
-        let permitted: Vec<SocketAddr> = resolved.iter().copied().filter(|a| allowed(a.ip(), allow)).collect();
+        let ips = || resolved.iter().map(SocketAddr::ip).collect();
+        if resolved.is_empty() {
+            return Err(DialError::Resolve(std::io::Error::other(format!("{host} resolved to no address"))));
+        }
+        let routable: Vec<SocketAddr> = resolved.iter().copied().filter(|a| routable(a.ip())).collect();
+        if routable.is_empty() {
+            return Err(DialError::Unroutable(ips()));
+        }
+        let permitted: Vec<SocketAddr> = routable.into_iter().filter(|a| allowed(a.ip(), allow)).collect();
         if permitted.is_empty() {
-            return Err(DialError::NotAllowed(resolved.iter().map(SocketAddr::ip).collect()));
+            return Err(DialError::NotAllowed(ips()));
         }
         connect_first(&permitted, deadline).await
     };
@@ -183,6 +202,23 @@ mod tests {
         assert!(!allowed("127.0.0.1".parse().unwrap(), Some(&allow)));
         assert!(!allowed("192.168.0.1".parse().unwrap(), Some(&[])), "an empty list allows nothing");
         assert!(allowed("192.168.0.1".parse().unwrap(), None), "no list allows anything");
+    }
+
+    /// What a worker binds (`0.0.0.0`) rather than what reaches it is never dialled, whatever
+    /// the allow list: on Linux it would reach the control plane's own host.
+    #[tokio::test]
+    async fn an_unspecified_or_multicast_address_is_never_dialled() {
+        let listener = tokio::net::TcpListener::bind("0.0.0.0:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let everything: Vec<Cidr> = vec!["0.0.0.0/0".parse().unwrap()];
+        for host in ["0.0.0.0", "[::]", "224.0.0.1", "255.255.255.255"] {
+            for allow in [None, Some(everything.as_slice())] {
+                let refused = dial(&format!("tcp://{host}:{port}"), allow, Duration::from_secs(2)).await;
+                assert!(matches!(refused, Err(DialError::Unroutable(_))), "{host}: {refused:?}");
+            }
+        }
+        let accepted = tokio::time::timeout(Duration::from_millis(50), listener.accept()).await;
+        assert!(accepted.is_err(), "nothing reached the host's own listener");
     }
 
     #[tokio::test]

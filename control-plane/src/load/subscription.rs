@@ -110,7 +110,7 @@ impl EndReason {
     fn of(ended: &SessionEnd, handshaken: bool) -> Self {
         match ended {
             SessionEnd::Dial(DialError::NotAllowed(_)) => EndReason::NotAllowed,
-            SessionEnd::Dial(DialError::BadAddress) => EndReason::Refused,
+            SessionEnd::Dial(DialError::BadAddress | DialError::Unroutable(_)) => EndReason::Refused,
             SessionEnd::Dial(_) => EndReason::DialFailed,
             SessionEnd::Zmtp(error) if error.is_violation() => EndReason::Refused,
             SessionEnd::Zmtp(_) if handshaken => EndReason::Lost,
@@ -232,6 +232,9 @@ fn report(
         }
         SessionEnd::Dial(DialError::NotAllowed(_)) => (Refusal::NotAllowed, "publisher not dialled: not allowed"),
         SessionEnd::Dial(DialError::BadAddress) => (Refusal::Transport, "publisher not dialled: not an address"),
+        SessionEnd::Dial(DialError::Unroutable(_)) => {
+            (Refusal::Transport, "publisher not dialled: its address reaches no publisher")
+        }
         _ => {
             *warned = None;
             tracing::debug!(publisher_id = id, namespace, topic, error = %ended, "session ended");
@@ -298,6 +301,7 @@ mod tests {
             (SessionEnd::Dial(DialError::Timeout(Duration::from_secs(1))), false, EndReason::DialFailed),
             (SessionEnd::Dial(DialError::Resolve(io())), false, EndReason::DialFailed),
             (SessionEnd::Dial(DialError::BadAddress), false, EndReason::Refused),
+            (SessionEnd::Dial(DialError::Unroutable(Vec::new())), false, EndReason::Refused),
             (SessionEnd::Dial(DialError::NotAllowed(Vec::new())), false, EndReason::NotAllowed),
             (SessionEnd::Zmtp(ZmtpError::Closed), false, EndReason::DialFailed),
             (SessionEnd::Zmtp(ZmtpError::Io(io())), false, EndReason::DialFailed),

@@ -319,6 +319,56 @@ fn a_second_loss_after_the_step_went_on_clears_again() {
     assert_eq!(indexer.index().rank_blocks(rank(0)), 0);
 }
 
+#[test]
+fn a_message_number_past_the_next_says_messages_were_lost() {
+    let mut last = None;
+    let lost: Vec<bool> = [4, 5, 7, 8, 8, 6, 9, 12].into_iter().map(|n| lost_before(&mut last, n, false)).collect();
+    // The first sets the count; 7 skips 6; a repeat or an older one loses nothing; 12 skips two.
+    assert_eq!(lost, [false, false, true, false, false, false, false, true]);
+    assert_eq!(last, Some(12));
+    assert!(!lost_before(&mut Some(u64::MAX), u64::MAX, false), "no overflow at the end of the count");
+    // One numbered far ahead does not turn the count off: the next, far behind it, is
+    // where it stands, and a skip after that is seen.
+    let mut last = Some(12);
+    let lost: Vec<bool> = [u64::MAX, 13, 14, 16].into_iter().map(|n| lost_before(&mut last, n, false)).collect();
+    assert_eq!(lost, [true, false, false, true]);
+    // A session's first message: only the next number lost nothing; one at or below the last
+    // says the count started over, and is where it stands.
+    for (first, lost, now) in [(17, false, 17), (18, true, 18), (16, true, 16), (3, true, 3)] {
+        let mut last = Some(16);
+        assert_eq!((lost_before(&mut last, first, true), last), (lost, Some(now)), "first {first}");
+    }
+    assert!(!lost_before(&mut None, 40, true), "the first ever: nothing known lost");
+}
+
+/// What a publisher sent while no session listened is lost, and its next message's number
+/// says so even where the event ids cannot (the lost message was the end of the step the last
+/// heard message began): its ranks are cleared as on a gap.
+#[test]
+fn messages_published_while_no_session_listened_are_a_gap() {
+    let mut indexer = live_indexer(0..2);
+    let (mut counts, t0) = (KvCounts::default(), Instant::now());
+    indexer.publisher_up(&key(9));
+    assert!(indexer.numbered(&key(9), 10, &mut counts).is_empty());
+    indexer.apply_events(&publisher(), &[stored(0, 100, None, &[1]), stored(1, 100, None, &[1])]);
+    // A reconnect that missed nothing: the next number.
+    indexer.publisher_down(&key(9), t0);
+    indexer.publisher_up(&key(9));
+    assert!(indexer.numbered(&key(9), 11, &mut counts).is_empty());
+    assert_eq!(results(&counts), [], "nothing lost");
+    // Message 12 (step 100's removal of block 1) went out while the session was down.
+    indexer.publisher_down(&key(9), t0);
+    indexer.publisher_up(&key(9));
+    let mut lost = indexer.numbered(&key(9), 13, &mut counts);
+    lost.sort_unstable();
+    assert_eq!(lost, [rank(0), rank(1)]);
+    assert_eq!(results(&counts), [("gap", 2)]);
+    lost.into_iter().for_each(|rank| _ = indexer.clear_rank(rank));
+    let counts = indexer.apply_events(&publisher(), &[stored(0, 101, None, &[2])]);
+    assert_eq!(results(&counts), [("applied", 1)], "the next step's id is no second gap");
+    assert!(indexer.find_matches(&[1001]).is_empty(), "block 1, removed unheard, is gone");
+}
+
 /// One event numbered far ahead of its order (or a counter that started over) leaves every
 /// later event far behind: after a few in a row the rank starts over from them, cleared, rather
 /// than refusing its events (removals included) until the publisher leaves. A replay near the
