@@ -88,6 +88,27 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
     ensure!(decode.is_some() && echoed["decode_worker_id"].as_u64() == decode, "{head}\n{body}");
     ensure!(prefill.is_some() && echoed["prefill_worker_id"].as_u64() == prefill, "{head}\n{body}");
 
+    // The README's shared-prefix example, run as shown, back to back: the second prompt goes
+    // to the prefill worker that cached the first, and finds its system message there.
+    let example: Vec<&str> =
+        readme.lines().skip_while(|l| !l.starts_with("ask() {")).take_while(|l| !l.starts_with("```")).collect();
+    ensure!(example.last().is_some_and(|l| l.starts_with("ask '")), "the README's ask() example: {example:?}");
+    let example = example.join("\n").replace("127.0.0.1:8080", &listen.to_string());
+    let output = tokio::process::Command::new("bash")
+        .args(["-c", &example])
+        .env("NO_PROXY", "*")
+        .env("no_proxy", "*")
+        .output()
+        .await?;
+    ensure!(output.status.success(), "the README's example failed: {output:?}");
+    let printed = String::from_utf8(output.stdout)?;
+    let values = |prefix: &str| -> Vec<u64> {
+        printed.lines().filter_map(|l| l.strip_prefix(prefix)?.trim().parse().ok()).collect()
+    };
+    let (holders, cached) = (values("x-continuum-prefill-worker: "), values("\"cached_tokens\":"));
+    ensure!(holders.len() == 2 && holders[0] == holders[1], "one prefill worker for both prompts: {printed}");
+    ensure!(cached.len() == 2 && cached[0] == 0 && cached[1] > 0, "the second found the first's prefix: {printed}");
+
     stopped.interrupt()?;
     let status = tokio::time::timeout(STOPPED_WITHIN, demo.wait()).await.context("the demo did not stop")??;
     ensure!(!status.success(), "the demo exits non-zero when stopped ({status})");
