@@ -11,6 +11,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(protos, ["proto"])?;
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out.join("fleet_descriptor.bin"), prost::Message::encode_to_vec(&fds))?;
-    tonic_prost_build::configure().compile_fds(fds)?;
+    // Every message is judged from its wire bytes before it is decoded (src/codec.rs).
+    tonic_prost_build::configure().codec_path("crate::codec::BoundedCodec").compile_fds(fds)?;
     Ok(())
 }

@@ -88,8 +88,9 @@ pub struct Metrics {
     pub kv_index: IntGaugeVec,
     /// What ZMTP message buffers borrow from the budget for large messages; read at each scrape.
     zmtp_borrowed: IntGauge,
-    /// FindMatches calls by `result` (ok, disabled, too_many_hashes, over_budget,
-    /// over_connection_budget).
+    /// FindMatches calls by `result` (ok, disabled, too_large, over_budget,
+    /// over_connection_budget). `too_large` is the codec's count of lookups refused before
+    /// they were decoded, read at each scrape.
     pub kv_find_matches: IntCounterVec,
     /// FindMatches answers that suggested a rank weighed against recent lookups (some had gone
     /// to a contender); tie-breaks are not counted.
@@ -383,6 +384,8 @@ impl Metrics {
     /// The text exposition of every metric.
     pub fn render(&self) -> String {
         self.zmtp_borrowed.set(i64::try_from(LARGE_MESSAGES.lent()).unwrap_or(i64::MAX));
+        let too_large = self.kv_find_matches.with_label_values(&["too_large"]);
+        too_large.inc_by(continuum_proto::codec::lookups_refused().saturating_sub(too_large.get()));
         let mut out = Vec::new();
         // Encoding into a Vec cannot fail for the text format; an error would only lose a scrape.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

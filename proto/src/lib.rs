@@ -4,6 +4,7 @@
 //! the count of a rank's blocks in flight both planes keep ([`active`]).
 
 pub mod active;
+pub mod codec;
 pub mod convert;
 mod error_chain;
 pub mod fast_hash;
@@ -60,6 +61,14 @@ pub const MAX_REPORT_STARTED: usize = 1024;
 /// events, so this leaves wide room (a replica that finds its queue full ends the stream rather
 /// than keep ends aside); a report past it is refused whole.
 pub const MAX_REPORT_ENDS: usize = 16_384;
+
+/// Block hashes one lookup asks about at most: a replica renders at most 1,048,576 tokens, in
+/// blocks of 16 at least. A lookup past it is refused before it is decoded ([`codec`]).
+pub const MAX_LOOKUP_BLOCK_HASHES: usize = 65_536;
+
+/// Contenders one lookup names at most: the control plane weighs no more for a suggestion, so
+/// a replica with more names none; a lookup naming more is refused before it is decoded.
+pub const MAX_LOOKUP_CONTENDERS: usize = 64;
 
 /// Tokens a lookup may say its prompt has, as many as a replica renders (1,048,576); a larger
 /// claim is taken as this many, so one lookup cannot outweigh every other on its rank.

@@ -468,6 +468,49 @@ async fn a_message_past_the_bound_ends_the_stream_with_its_reason() -> anyhow::R
     Ok(())
 }
 
+/// Messages within the byte bound whose counts are past the limits are refused before they are
+/// decoded: two million empty starts (4 MiB on the wire, some 240 MiB decoded) end the session,
+/// and a lookup of too many hashes fails its call, each counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_past_their_counts_are_refused_before_they_are_decoded() -> anyhow::Result<()> {
+    let control = TestControlPlane::start(publisher()).await?;
+    let mut client = FleetClient::connect(control.url()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
+    let (tx, rx) = mpsc::channel(2);
+    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "empty".into(), version: None })) })
+        .await?;
+    let mut updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
+    assert!(tokio::time::timeout(CONVERGE, updates.message()).await??.as_ref().is_some_and(is_snapshot));
+    let empty_starts = (MAX_INBOUND_FLEET_MESSAGE_BYTES - 64) / 2;
+    let report =
+        pb::DispatchReport { started: vec![pb::DispatchStarted::default(); empty_starts], ..Default::default() };
+    tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(report)) }).await?;
+    let ended = loop {
+        match tokio::time::timeout(CONVERGE, updates.message()).await? {
+            Ok(Some(_)) => continue,
+            other => break other,
+        }
+    };
+    let status = ended.err().ok_or_else(|| anyhow::anyhow!("the stream ended as if cleanly"))?;
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+    assert!(status.message().contains(&format!("starts number {empty_starts}; at most 1024")), "{status}");
+    assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_message"]).get(), 1);
+
+    let lookup =
+        pb::FindMatchesRequest { block_hashes: vec![7; 65_537], replica_id: "empty".into(), ..Default::default() };
+    let refused = client.find_matches(lookup).await.expect_err("too many hashes");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused}");
+    let rendered = control.metrics.render();
+    assert!(
+        rendered
+            .lines()
+            .any(|l| l.starts_with("continuum_dynamo_kv_find_matches_total{result=\"too_large\"} ")
+                && !l.ends_with(" 0")),
+        "counted: {rendered}"
+    );
+    control.stop().await;
+    Ok(())
+}
+
 /// A lookup whose request never comes whole is given up after the call timeout, not held for
 /// as long as its connection lives.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -340,8 +340,12 @@ impl Book {
             }
         };
         let id = (replica, started.id);
-        // A repeated id replaces its dispatch, which did not end.
-        self.forget(id, at);
+        // A repeated id (no replica sends one: ids are per stream) replaces its dispatch as if
+        // it had never been. Forgotten as at a stream's end, it would stay on as foreign load
+        // beside the new one, the rank counted twice until its next sample.
+        self.take(id, |rank, active, key| {
+            rank.remove(id, active, key).map_or(0, |(dispatch, _)| dispatch.block_hashes.len())
+        });
         // Admitted, so held: ends never remove a record.
         let Some(rank) = self.ranks.get_mut(&key) else { return };
         let (prompt_tokens, decode_blocks) = rank.at_most_whole(started.prefill_tokens, started.decode_blocks);

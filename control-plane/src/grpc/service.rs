@@ -23,7 +23,7 @@ use super::session::{Queued, REPLICA_QUEUE_CAPACITY, ReplicaStatus, Session};
 use super::turns::Turns;
 use crate::bearer;
 use crate::fleet::{ActiveIndex, BacklogBook, BookCounters, FleetPublisher};
-use crate::kv::{KvHandle, LookupKey, MAX_CONTENDERS, MAX_FIND_MATCHES_HASHES, Suggestion};
+use crate::kv::{KvHandle, LookupKey, Suggestion};
 use crate::metrics::Metrics;
 
 /// How long a new stream may take to send its Hello.
@@ -450,13 +450,6 @@ impl Fleet for FleetService {
         let pb::FindMatchesRequest { block_hashes: hashes, model, contenders, prompt_tokens, replica_id, lookup } =
             request.into_inner();
         let count = |result: &str| self.metrics.kv_find_matches.with_label_values(&[result]).inc();
-        if hashes.len() > MAX_FIND_MATCHES_HASHES {
-            count("too_many_hashes");
-            return Err(Status::invalid_argument(format!(
-                "{} block hashes; at most {MAX_FIND_MATCHES_HASHES} are looked up",
-                hashes.len()
-            )));
-        }
         let Some(overlaps) = self.kv.overlaps(&hashes) else {
             count("disabled");
             return Err(Status::failed_precondition("the KV index is off: dynamo.kv.enabled is false"));
@@ -478,12 +471,9 @@ impl Fleet for FleetService {
         // Numbered last, so that two lookups answered in one order carry turns in that order.
         // Replicas rotate ties by it: a fleet-wide cursor that costs no round trip of its own.
         let turn = self.turns.next(&model, Instant::now());
-        // More contenders than are weighed get no suggestion: not worth converting.
-        let contenders: Vec<RankKey> = if contenders.len() <= MAX_CONTENDERS {
-            contenders.iter().map(|c| RankKey { worker_id: c.instance_id, dp_rank: c.dp_rank }).collect()
-        } else {
-            Vec::new()
-        };
+        // At most `MAX_LOOKUP_CONTENDERS` (the codec refused more) and as many hashes.
+        let contenders: Vec<RankKey> =
+            contenders.iter().map(|c| RankKey { worker_id: c.instance_id, dp_rank: c.dp_rank }).collect();
         let prompt_tokens = prompt_tokens.min(MAX_LOOKUP_PROMPT_TOKENS);
         // A key that is no replica id (`Hello` refuses it) names no session's lookups; answered
         // all the same.

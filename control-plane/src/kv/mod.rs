@@ -27,9 +27,9 @@ pub use indexer::{
     KV_EVENTS_STALE_AFTER, KvIndexer, LiveRanks, LiveWorker, MAX_CURSORS_PER_PUBLISHER, PublisherMapping,
 };
 pub use provisional::{Folded, ProvisionalCounts, ProvisionalIndex, ProvisionalResult};
-pub use recent_lookups::{LookupKey, MAX_CONTENDERS, RecentLookups, Suggestion};
+pub use recent_lookups::{LookupKey, RecentLookups, Suggestion};
 pub use result::{KvCounts, KvEventResult};
-pub use service::{KvHandle, KvSupervisor, KvView, MAX_FIND_MATCHES_HASHES, kv_options};
+pub use service::{KvHandle, KvSupervisor, KvView, kv_options};
 
 #[cfg(test)]
 pub(crate) mod fixtures;

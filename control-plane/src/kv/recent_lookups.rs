@@ -21,6 +21,7 @@ use std::hash::{BuildHasher, RandomState};
 use std::time::{Duration, Instant};
 
 use continuum_kv_index::RankKey;
+use continuum_proto::MAX_LOOKUP_CONTENDERS;
 
 /// How long a lookup's reservation stands: past the time its dispatch takes to be reported
 /// (at most 1 ms), folded and streamed back (the backlog window, 2 ms), after which every
@@ -29,9 +30,6 @@ pub const RESERVATION_WINDOW: Duration = Duration::from_millis(8);
 /// Most reservations held; past it the oldest go first. A burst larger than this within the
 /// window is beyond what two cores serve, and losing a reservation costs one suggestion.
 pub const MAX_RESERVATIONS: usize = 1024;
-/// Most contenders a lookup is weighed against; with more, no rank is suggested, so that one
-/// lookup's cost stays bounded whatever a replica sends.
-pub const MAX_CONTENDERS: usize = 64;
 /// Most ranks whose last reservation is remembered for tie-breaks; past it the memory starts
 /// over, which costs a tie-break or two the order a round robin would give them.
 pub const MAX_REMEMBERED_RANKS: usize = 4096;
@@ -241,7 +239,7 @@ impl RecentLookups {
     /// The contender with the fewest tokens reserved when any has a reservation standing, else
     /// the one reserved longest ago; of equals, the one reserved longest ago, then the first.
     fn suggest(&self, contenders: &[RankKey]) -> Option<Suggestion> {
-        if contenders.len() > MAX_CONTENDERS {
+        if contenders.len() > MAX_LOOKUP_CONTENDERS {
             return None;
         }
         let mut reserved = vec![0_u64; contenders.len()];
@@ -450,7 +448,7 @@ mod tests {
         lookups.reported(a(1), RankKey { worker_id: 9, dp_rank: 3 }, Instant::now());
         assert_eq!(lookups.answer(None, &[X, Y], 100, now), Some(Suggestion::TieBreak(X)), "no contender is reserved");
         let many: Vec<RankKey> =
-            (0..=MAX_CONTENDERS as u64).map(|id| RankKey { worker_id: id + 1, dp_rank: 0 }).collect();
+            (0..=MAX_LOOKUP_CONTENDERS as u64).map(|id| RankKey { worker_id: id + 1, dp_rank: 0 }).collect();
         assert_eq!(lookups.answer(None, &many, 100, now), None);
     }
 

@@ -28,9 +28,6 @@ use crate::sources::Generation;
 
 /// How often stale publishers are looked for and the index gauges refreshed.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(5);
-/// Most block hashes one `FindMatches` call may carry: a 1,048,576-token prompt (the render
-/// cap) in 16-token blocks, the smallest block size.
-pub const MAX_FIND_MATCHES_HASHES: usize = 65_536;
 
 /// What `FindMatches` reads: the index, when the KV term is on.
 #[derive(Debug, Clone, Default)]

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use continuum_proto::MAX_LOOKUP_CONTENDERS;
 use continuum_proto::pb::{self, fleet_client::FleetClient};
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
@@ -298,7 +299,10 @@ impl MatchesClient {
             return Err(MatchesError::Unreachable);
         }
         let mut client = Client::clone(&self.client.load());
-        let contenders = contenders.iter().map(|&(instance_id, dp_rank)| pb::RankId { instance_id, dp_rank }).collect();
+        // The control plane weighs at most this many for a suggestion, and refuses a lookup
+        // naming more: past it, none are named.
+        let named = if contenders.len() <= MAX_LOOKUP_CONTENDERS { contenders } else { &[] };
+        let contenders = named.iter().map(|&(instance_id, dp_rank)| pb::RankId { instance_id, dp_rank }).collect();
         // No rank can hold more of the prefix than was asked about: a reply claiming more
         // would win every pick, so it is taken at the chain's length.
         let asked = u32::try_from(block_hashes.len()).unwrap_or(u32::MAX);

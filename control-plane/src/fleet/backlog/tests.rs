@@ -325,6 +325,26 @@ fn load_the_fleet_did_not_send_is_foreign() {
     assert_eq!(sums(&book.take_change(t0)), [], "foreign: 400 shown - 100 in flight, unchanged");
 }
 
+/// A start repeating a live dispatch's id (a broken replica) replaces it: the rank counts the
+/// one dispatch once, with no part of it left over as foreign load.
+#[test]
+fn a_repeated_start_replaces_its_dispatch_without_counting_it_twice() {
+    let t0 = Instant::now();
+    let state = sampled(&state_with(0), 0, 0, t0);
+    let mut book = Book::default();
+    let later = t0 + Duration::from_millis(1);
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), later, &state);
+    let shown = sampled(&state, 0, 100, later + Duration::from_millis(1));
+    book.expire(&shown, later + Duration::from_millis(1));
+    assert_eq!(sums(&book.take_change(later)), [(0, 1600, 100, 1, Some(0))], "the sample shows it, none foreign");
+    book.report(1, report(vec![started(1, 0, 1600)], vec![]), later + Duration::from_millis(2), &shown);
+    book.expire(&shown, later + Duration::from_millis(2));
+    let change = book.take_change(later);
+    assert!(sums(&change).iter().all(|s| *s == (0, 1600, 100, 1, Some(0))), "once, none foreign: {:?}", sums(&change));
+    assert_eq!(book.ranks.get(&book_key(0)).map(|r| r.backlog().decode_blocks), Some(100));
+    assert_eq!(book.ranks.get(&book_key(0)).map(|r| r.backlog().foreign_decode_blocks), Some(Some(0)));
+}
+
 /// A dispatch a replica reports again on a new stream (`replayed`, begun `age_ms` before the
 /// report): counted in the sums as any other, and measured against samples from when it began,
 /// so a sample taken since does not count it as foreign load. It is not the rank's newest

@@ -1,0 +1,338 @@
+//! The Fleet service's codec: prost's, except that a message is judged from its wire bytes
+//! before it is decoded.
+//!
+//! prost decodes a message whole, and the counts a receiver checks afterwards come too late
+//! for memory: an empty entry of a repeated message field is two bytes on the wire and a
+//! hundred or more once decoded, so a 4 MiB dispatch report of empty starts would be some
+//! 240 MiB before the control plane could refuse it for starting too many. [`WireLimits`]
+//! counts what a message would hold by walking its fields (no allocation) and refuses one past
+//! the limits its receiver holds it to anyway, so what a message decodes to is bounded by
+//! those limits, not by its size on the wire.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prost::Message;
+use prost::bytes::Buf;
+use prost::encoding::{WireType, decode_key, decode_varint};
+use tonic::Status;
+use tonic::codec::{Codec, DecodeBuf, Decoder};
+use tonic_prost::ProstEncoder;
+
+use crate::pb;
+use crate::{
+    MAX_LOOKUP_BLOCK_HASHES, MAX_LOOKUP_CONTENDERS, MAX_REPORT_BLOCK_HASHES, MAX_REPORT_ENDS, MAX_REPORT_STARTED,
+};
+
+/// The most a control message of a Watch stream (a hello, an acknowledgement, a refusal) may
+/// take on the wire: ids, nonces and a reason, all short.
+pub const MAX_WATCH_CONTROL_BYTES: usize = 8 << 10;
+
+/// What a message may hold, judged from its wire bytes before it is decoded. Messages only the
+/// control plane sends are trusted as they are (a replica bounds them by their size).
+pub trait WireLimits {
+    /// Refuses `wire` if the message it encodes holds more than its receiver allows.
+    fn check(wire: &[u8]) -> Result<(), Status> {
+        let _ = wire;
+        Ok(())
+    }
+}
+
+impl WireLimits for pb::FleetUpdate {}
+impl WireLimits for pb::Snapshot {}
+impl WireLimits for pb::GetSnapshotRequest {}
+impl WireLimits for pb::FindMatchesResponse {}
+
+impl WireLimits for pb::WatchRequest {
+    fn check(wire: &[u8]) -> Result<(), Status> {
+        for field in Fields(wire) {
+            match field? {
+                // `dispatches`: a report, as large as its counts allow.
+                (4, Field::Len(report)) => check_report(report)?,
+                (_, Field::Len(control)) if control.len() > MAX_WATCH_CONTROL_BYTES => {
+                    return Err(refused(format!(
+                        "a watch control message of {} bytes; at most {MAX_WATCH_CONTROL_BYTES}",
+                        control.len()
+                    )));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Lookups refused before they were decoded, since the process started.
+static LOOKUPS_REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// How many lookups this process refused before decoding them (a control plane's
+/// `continuum_dynamo_kv_find_matches_total{result="too_large"}`).
+pub fn lookups_refused() -> u64 {
+    LOOKUPS_REFUSED.load(Ordering::Relaxed)
+}
+
+impl WireLimits for pb::FindMatchesRequest {
+    fn check(wire: &[u8]) -> Result<(), Status> {
+        let checked = check_lookup(wire);
+        if checked.is_err() {
+            LOOKUPS_REFUSED.fetch_add(1, Ordering::Relaxed);
+        }
+        checked
+    }
+}
+
+fn check_lookup(wire: &[u8]) -> Result<(), Status> {
+    let (mut hashes, mut contenders) = (0, 0);
+    for field in Fields(wire) {
+        match field? {
+            (1, field) => hashes += field.varints(),
+            (3, Field::Len(_)) => contenders += 1,
+            _ => {}
+        }
+    }
+    within("a lookup's block hashes", hashes, MAX_LOOKUP_BLOCK_HASHES)?;
+    within("a lookup's contenders", contenders, MAX_LOOKUP_CONTENDERS)
+}
+
+/// A `DispatchReport`: its starts and their ranks, their block hashes, its ends and first
+/// tokens, each within the count the control plane refuses a decoded report past (hashes
+/// past the report's bound it would cut; no replica sends them).
+fn check_report(wire: &[u8]) -> Result<(), Status> {
+    let (mut started, mut ranks, mut ended, mut prefilled, mut hashes) = (0, 0, 0, 0, 0);
+    for field in Fields(wire) {
+        match field? {
+            (1, Field::Len(start)) => {
+                started += 1;
+                for field in Fields(start) {
+                    if let (5, field) = field? {
+                        hashes += field.varints();
+                    }
+                }
+            }
+            (2, field) => ended += field.varints(),
+            (3, field) => prefilled += field.varints(),
+            (6, Field::Len(_)) => ranks += 1,
+            _ => {}
+        }
+    }
+    within("a dispatch report's starts", started, MAX_REPORT_STARTED)?;
+    within("a dispatch report's ranks", ranks, MAX_REPORT_STARTED)?;
+    within("a dispatch report's ends", ended, MAX_REPORT_ENDS)?;
+    within("a dispatch report's first tokens", prefilled, MAX_REPORT_ENDS)?;
+    within("a dispatch report's block hashes", hashes, MAX_REPORT_BLOCK_HASHES)
+}
+
+fn within(what: &str, count: usize, limit: usize) -> Result<(), Status> {
+    if count > limit {
+        return Err(refused(format!("{what} number {count}; at most {limit}")));
+    }
+    Ok(())
+}
+
+/// Refused before decoding: the receiver ends the call, or the stream, as for a message it
+/// cannot read.
+fn refused(why: String) -> Status {
+    Status::invalid_argument(why)
+}
+
+/// One field of a message on the wire, as much of it as counting needs.
+enum Field<'a> {
+    Varint,
+    Len(&'a [u8]),
+    Fixed,
+}
+
+impl Field<'_> {
+    /// The integers a repeated integer field holds in this occurrence: one unpacked, or as many
+    /// as a packed run has final bytes.
+    fn varints(&self) -> usize {
+        match self {
+            Field::Varint | Field::Fixed => 1,
+            Field::Len(packed) => packed.iter().filter(|byte| **byte < 0x80).count(),
+        }
+    }
+}
+
+/// The fields of a message, in wire order, each with its number; a malformed one ends them.
+struct Fields<'a>(&'a [u8]);
+
+impl<'a> Iterator for Fields<'a> {
+    type Item = Result<(u32, Field<'a>), Status>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let field = next_field(&mut self.0);
+        if field.is_err() {
+            self.0 = &[];
+        }
+        Some(field)
+    }
+}
+
+fn next_field<'a>(wire: &mut &'a [u8]) -> Result<(u32, Field<'a>), Status> {
+    let malformed = |what: &str| refused(format!("a malformed message: {what}"));
+    let (number, wire_type) = decode_key(wire).map_err(|_| malformed("a bad field key"))?;
+    let field = match wire_type {
+        WireType::Varint => {
+            decode_varint(wire).map_err(|_| malformed("a bad varint"))?;
+            Field::Varint
+        }
+        WireType::LengthDelimited => {
+            let len = decode_varint(wire).map_err(|_| malformed("a bad length"))?;
+            let len =
+                usize::try_from(len).ok().filter(|len| *len <= wire.len()).ok_or_else(|| malformed("truncated"))?;
+            let (value, rest) = wire.split_at(len);
+            *wire = rest;
+            Field::Len(value)
+        }
+        WireType::SixtyFourBit | WireType::ThirtyTwoBit => {
+            let len = if wire_type == WireType::SixtyFourBit { 8 } else { 4 };
+            if wire.len() < len {
+                return Err(malformed("truncated"));
+            }
+            wire.advance(len);
+            Field::Fixed
+        }
+        // No Fleet message has a group.
+        WireType::StartGroup | WireType::EndGroup => return Err(malformed("a group")),
+    };
+    Ok((number, field))
+}
+
+/// prost's codec with [`WireLimits`] checked before each decode (`tonic-prost-build`'s
+/// `codec_path` for the Fleet service: its client and server both use it).
+#[derive(Debug, Clone)]
+pub struct BoundedCodec<T, U>(PhantomData<(T, U)>);
+
+impl<T, U> Default for BoundedCodec<T, U> {
+    fn default() -> Self {
+        Self(PhantomData)
+    }
+}
+
+impl<T, U> Codec for BoundedCodec<T, U>
+where
+    T: Message + Send + 'static,
+    U: Message + Default + WireLimits + Send + 'static,
+{
+    type Encode = T;
+    type Decode = U;
+    type Encoder = ProstEncoder<T>;
+    type Decoder = BoundedDecoder<U>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        ProstEncoder::default()
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        BoundedDecoder(PhantomData)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct BoundedDecoder<U>(PhantomData<U>);
+
+impl<U: Message + Default + WireLimits> Decoder for BoundedDecoder<U> {
+    type Item = U;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
+        // The message's bytes, split off tonic's buffer without a copy.
+        let wire = buf.copy_to_bytes(buf.remaining());
+        U::check(&wire)?;
+        // As prost's codec maps a decode error.
+        U::decode(wire).map(Some).map_err(|error| Status::internal(error.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(report: pb::DispatchReport) -> Vec<u8> {
+        pb::WatchRequest { kind: Some(pb::watch_request::Kind::Dispatches(report)) }.encode_to_vec()
+    }
+
+    fn started(hashes: usize) -> pb::DispatchStarted {
+        pb::DispatchStarted { id: 1, block_hashes: (0..hashes as u64).map(|h| h << 40).collect(), ..Default::default() }
+    }
+
+    /// A report at every limit passes; one past any is refused before it is decoded. Empty
+    /// starts are the cheapest on the wire: two bytes each, over a hundred decoded.
+    #[test]
+    fn a_report_past_a_count_is_refused_from_its_wire_bytes() {
+        let full = pb::DispatchReport {
+            started: (0..MAX_REPORT_STARTED).map(|_| started(MAX_REPORT_BLOCK_HASHES / MAX_REPORT_STARTED)).collect(),
+            ranks: vec![pb::LoadKey::default(); MAX_REPORT_STARTED],
+            ended: (0..MAX_REPORT_ENDS as u64).collect(),
+            prefilled: vec![u64::MAX; MAX_REPORT_ENDS],
+            ..Default::default()
+        };
+        assert!(pb::WatchRequest::check(&report(full.clone())).is_ok());
+        let over = [
+            pb::DispatchReport {
+                started: vec![pb::DispatchStarted::default(); MAX_REPORT_STARTED + 1],
+                ..Default::default()
+            },
+            pb::DispatchReport { ranks: vec![pb::LoadKey::default(); MAX_REPORT_STARTED + 1], ..Default::default() },
+            pb::DispatchReport { ended: vec![0; MAX_REPORT_ENDS + 1], ..Default::default() },
+            pb::DispatchReport { prefilled: vec![1 << 63; MAX_REPORT_ENDS + 1], ..Default::default() },
+            pb::DispatchReport { started: vec![started(MAX_REPORT_BLOCK_HASHES + 1)], ..Default::default() },
+            pb::DispatchReport { started: vec![started(MAX_REPORT_BLOCK_HASHES / 2 + 1); 2], ..full },
+        ];
+        for (i, report) in over.into_iter().enumerate() {
+            let refused = pb::WatchRequest::check(&self::report(report)).expect_err("over a limit");
+            assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{i}: {refused}");
+        }
+    }
+
+    /// Unpacked integers (each its own field, as prost also accepts) count one each.
+    #[test]
+    fn unpacked_ends_count_one_each() {
+        let watch = |ends: u64| {
+            let mut report = Vec::new();
+            for id in 0..ends {
+                prost::encoding::uint64::encode(2, &id, &mut report);
+            }
+            let mut wire = Vec::new();
+            prost::encoding::bytes::encode(4, &report, &mut wire);
+            pb::WatchRequest::check(&wire)
+        };
+        assert!(watch(MAX_REPORT_ENDS as u64).is_ok());
+        let refused = watch(MAX_REPORT_ENDS as u64 + 1).expect_err("one end too many");
+        assert!(refused.message().contains("ends number 16385"), "{refused}");
+    }
+
+    #[test]
+    fn control_messages_are_small_and_lookups_bounded() {
+        let hello = |id: String| pb::WatchRequest {
+            kind: Some(pb::watch_request::Kind::Hello(pb::Hello { replica_id: id, version: None })),
+        };
+        assert!(pb::WatchRequest::check(&hello("replica-1".into()).encode_to_vec()).is_ok());
+        assert!(pb::WatchRequest::check(&hello("x".repeat(MAX_WATCH_CONTROL_BYTES)).encode_to_vec()).is_err());
+        let lookup = |hashes: usize, contenders: usize| pb::FindMatchesRequest {
+            block_hashes: vec![u64::MAX; hashes],
+            contenders: vec![pb::RankId::default(); contenders],
+            ..Default::default()
+        };
+        let check = |l: pb::FindMatchesRequest| pb::FindMatchesRequest::check(&l.encode_to_vec());
+        assert!(check(lookup(MAX_LOOKUP_BLOCK_HASHES, MAX_LOOKUP_CONTENDERS)).is_ok());
+        assert!(check(lookup(MAX_LOOKUP_BLOCK_HASHES + 1, 0)).is_err());
+        assert!(check(lookup(0, MAX_LOOKUP_CONTENDERS + 1)).is_err());
+    }
+
+    /// What cannot be walked is refused, not passed on to a decoder that might read it
+    /// otherwise; trailing garbage and truncations alike.
+    #[test]
+    fn malformed_wire_is_refused() {
+        let mut wire = report(pb::DispatchReport { started: vec![started(3)], ..Default::default() });
+        for cut in 1..wire.len() {
+            // Every cut of a report's frame leaves its length past the bytes left.
+            assert!(pb::WatchRequest::check(&wire[..cut]).is_err(), "cut at {cut}");
+        }
+        wire.push(0x0b); // field 1 as a group
+        assert!(pb::WatchRequest::check(&wire).is_err());
+    }
+}
