@@ -12,7 +12,6 @@ use continuum_proto::MAX_DISPATCH_BLOCK_HASHES;
 use continuum_proto::model::{KvArtifactPolicy, PromptDefaults, Role, Worker};
 use continuum_proto::view::{FleetView, WorkersMemo};
 use prometheus::{Histogram, HistogramVec, IntCounterVec};
-use serde_json::Value;
 
 use super::recent::RecentAnswers;
 use super::request::Tree;
@@ -28,7 +27,7 @@ pub enum Term {
     Scored {
         /// Rendered prompt tokens.
         tokens: Vec<u32>,
-        /// Whether the request carries media (`carries_media`): its tokens, a placeholder
+        /// Whether the request carries media (`PreparedPrompt::media`): its tokens, a placeholder
         /// where each item was, are not what the frontend would send the worker, nor as many.
         media: bool,
         block_size: u32,
@@ -58,19 +57,6 @@ pub enum Term {
 pub fn renders_with(worker: &Worker, key: &ArtifactKey) -> bool {
     let card = worker.artifacts.as_deref().and_then(|artifacts| ModelArtifacts::from_fleet(artifacts).ok());
     card.is_some_and(|card| card.key() == *key)
-}
-
-/// Whether a chat request's messages carry media (images, video, audio). Dynamo mixes each
-/// item's own hash into the blocks that hold it, which a router that never fetches the items
-/// cannot: the chain it makes holds for the text before the first item only, so it is neither
-/// credited to other requests nor remembered for them, and the rendered tokens, placeholders
-/// where the items were, are not sent as the prompt's.
-fn carries_media(request: &Value) -> bool {
-    let messages = request.get("messages").and_then(Value::as_array).into_iter().flatten();
-    let parts = messages.filter_map(|message| message.get("content")?.as_array()).flatten();
-    parts
-        .map(|part| part.get("type").and_then(Value::as_str))
-        .any(|kind| matches!(kind, Some("image_url" | "video_url" | "audio_url" | "input_audio")))
 }
 
 /// The replica's KV machinery: the prompt preparer (built when the fleet's configuration first
@@ -196,9 +182,10 @@ impl KvRouting {
             Err(fallback) => return Term::Unavailable(selection_result(fallback)),
         };
         let Some((body, cache_salt)) = body.await else {
+            // It may hold the tokenizer's last reference (see `Renderer::prepare`).
+            crate::memory::free_off_the_runtime(resolved);
             return Term::Unavailable(KvSelectionResult::RenderUnavailable);
         };
-        let media = carries_media(&body);
         let started = Instant::now();
         let prepared = prompt.render(resolved, body, cache_salt.as_deref(), None).await;
         self.prepare_seconds.observe(started.elapsed().as_secs_f64());
@@ -206,6 +193,7 @@ impl KvRouting {
             Ok(prepared) => prepared,
             Err(fallback) => return Term::Unavailable(selection_result(fallback)),
         };
+        let media = prepared.media;
         // The fleet's most common block size: ranks of another size earn no credit.
         let Some((block_size, hashes)) = prepared.hashes.first() else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
@@ -528,29 +516,6 @@ mod tests {
 
     use super::*;
 
-    /// Media is any image, video or audio part of any message's content; text parts, and
-    /// those words inside text, are not.
-    #[test]
-    fn media_is_an_image_video_or_audio_part_of_a_message() {
-        let request = |content: Value| {
-            serde_json::json!({"model": "m", "messages": [
-                {"role": "system", "content": "you see images"},
-                {"role": "user", "content": content},
-            ]})
-        };
-        for kind in ["image_url", "video_url", "audio_url", "input_audio"] {
-            let parts = serde_json::json!([{"type": "text", "text": "what is this"}, {"type": kind}]);
-            assert!(carries_media(&request(parts)), "{kind}");
-        }
-        for content in [
-            serde_json::json!("an image_url"),
-            serde_json::json!([{"type": "text", "text": "image_url"}]),
-            serde_json::json!([{"type": "refusal", "refusal": "no"}]),
-        ] {
-            assert!(!carries_media(&request(content.clone())), "{content}");
-        }
-        assert!(!carries_media(&serde_json::json!({"messages": "not an array"})));
-    }
     use crate::fleet::{FleetClientConfig, MatchesClient};
     use crate::metrics::Metrics;
 

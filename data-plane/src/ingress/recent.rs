@@ -29,6 +29,15 @@ pub const MAX_HELD_RANKS: usize = 1 << 20;
 /// Besides under its whole prompt, an answer is kept under every this many blocks of it, so a
 /// request sharing only a leading part (another user of the same system prompt) finds it.
 const EVERY: usize = 16;
+/// Keys one answer is kept under at most, besides its whole prompt's: a long prompt's are
+/// spread wider apart (every 1,024 blocks for the longest, 65,536), so that a few long prompts
+/// cannot take every key from the conversations around them.
+const MAX_KEYS_PER_ANSWER: usize = 64;
+
+/// How many blocks apart an answer for a prompt of `blocks` is kept.
+fn spacing(blocks: usize) -> usize {
+    blocks.div_ceil(MAX_KEYS_PER_ANSWER).next_multiple_of(EVERY).max(EVERY)
+}
 
 #[derive(Debug, Default)]
 pub struct RecentAnswers {
@@ -64,9 +73,10 @@ impl RecentAnswers {
         let answer: Arc<[RankOverlap]> = answer.into();
         // Hashed before the lock, as `recall` does: a long prompt's keys take a millisecond,
         // and every request's lookup shares this lock.
+        let every = spacing(hashes.len());
         let kept: Vec<(u64, u32)> = prefix_keys(model, hashes)
             .zip(1..)
-            .filter(|(_, blocks)| blocks % EVERY == 0 || *blocks == hashes.len())
+            .filter(|(_, blocks)| blocks % every == 0 || *blocks == hashes.len())
             .map(|(key, blocks)| (key, u32::try_from(blocks).unwrap_or(u32::MAX)))
             .collect();
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
@@ -192,6 +202,25 @@ mod tests {
         assert_eq!(inner.by_prefix.len(), MAX_RECENT);
     }
 
+    /// A long prompt's answer takes a bounded number of keys, spread along it: the
+    /// conversations kept before it keep theirs, and a request sharing part of it finds the
+    /// answer at the nearest key below.
+    #[test]
+    fn a_long_prompt_takes_a_bounded_number_of_keys() {
+        assert_eq!((spacing(1), spacing(1024), spacing(1025), spacing(65_536)), (16, 16, 32, 1024));
+        let recent = RecentAnswers::default();
+        let t0 = Instant::now();
+        for n in 0..MAX_RECENT as u64 - 200 {
+            recent.remember("m", &[n + (1 << 40)], &held(&[(7, 0, 1, 0)]), t0);
+        }
+        recent.remember("m", &chain(0..65_536), &held(&[(8, 0, 65_536, 0)]), t0);
+        assert_eq!(recent.inner.lock().expect("unpoisoned").by_prefix.len(), MAX_RECENT - 200 + 64);
+        assert_eq!(recent.recall("m", &[1 << 40], t0), Some(held(&[(7, 0, 1, 0)])), "the first kept its key");
+        let mut part = chain(0..3_000);
+        part.push(u64::MAX);
+        assert_eq!(recent.recall("m", &part, t0), Some(held(&[(8, 0, 2_048, 0)])), "at the key below 3,000");
+    }
+
     /// Answers naming thousands of ranks each are kept within the bound on ranks, not only on
     /// keys; the newest stand in still.
     #[test]
@@ -227,7 +256,7 @@ mod tests {
         recent.remember("m", &prompt, &many, t0);
         assert_eq!(recent.inner.lock().expect("unpoisoned").held_ranks, 4096);
         assert_eq!(
-            recent.recall("m", &prompt[..16], t0).map(|answer| answer.len()),
+            recent.recall("m", &prompt[..spacing(prompt.len())], t0).map(|answer| answer.len()),
             Some(4096),
             "a short prefix stands in"
         );

@@ -68,6 +68,9 @@ pub struct PreparedPrompt {
     pub tokens: Vec<u32>,
     /// Block hashes for each requested block size, in the order the sizes were given.
     pub hashes: Vec<(BlockSize, Vec<LocalBlockHash>)>,
+    /// Whether the request carries media ([`carries_media`]); found by the render's job, off
+    /// the runtime, since a body may hold hundreds of thousands of content parts.
+    pub media: bool,
 }
 
 impl PreparedPrompt {
@@ -151,10 +154,15 @@ impl Renderer {
         R: Borrow<Value> + Send + Sync + 'static,
     {
         let started = tokio::time::Instant::now();
-        let permit = tokio::time::timeout(self.limits.permit_wait, self.permits.clone().acquire_owned())
-            .await
-            .map_err(|_| Fallback::RenderUnavailable)?
-            .map_err(|_| Fallback::RenderUnavailable)?;
+        let permit = match tokio::time::timeout(self.limits.permit_wait, self.permits.clone().acquire_owned()).await {
+            Ok(Ok(permit)) => permit,
+            Ok(Err(_)) | Err(_) => {
+                // Perhaps the tokenizer's last holder, evicted meanwhile: its tables are freed
+                // off the runtime, as the store frees them.
+                crate::memory::free_off_the_runtime(artifacts);
+                return Err(Fallback::RenderUnavailable);
+            }
+        };
         let (sizes, max_tokens) = (block_sizes.to_vec(), self.limits.max_tokens);
         let stages = self.stages.clone();
         let job = threads::spawn(move || {
@@ -209,7 +217,20 @@ pub fn prepare_blocking(
         return Err(Fallback::PromptTooLarge);
     }
     let hashes = block_sizes.iter().map(|&size| (size, block_hashes(&tokens, size, salt))).collect();
-    Ok(PreparedPrompt { tokens, hashes })
+    Ok(PreparedPrompt { tokens, hashes, media: carries_media(request) })
+}
+
+/// Whether a chat request's messages carry media (images, video, audio). Dynamo mixes each
+/// item's own hash into the blocks that hold it, which a router that never fetches the items
+/// cannot: the chain it makes holds for the text before the first item only, so it is neither
+/// credited to other requests nor remembered for them, and the rendered tokens, placeholders
+/// where the items were, are not sent as the prompt's.
+fn carries_media(request: &Value) -> bool {
+    let messages = request.get("messages").and_then(Value::as_array).into_iter().flatten();
+    let parts = messages.filter_map(|message| message.get("content")?.as_array()).flatten();
+    parts
+        .map(|part| part.get("type").and_then(Value::as_str))
+        .any(|kind| matches!(kind, Some("image_url" | "video_url" | "audio_url" | "input_audio")))
 }
 
 /// dynamo.frontend encodes a rendered chat prompt with `add_special_tokens = false`: the
@@ -225,4 +246,33 @@ fn encode_within(artifacts: &LoadedArtifacts, text: &str, isolation: Option<u64>
         tracing::debug!(%error, "tokenizer encode failed");
         Fallback::RenderUnavailable
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Media is any image, video or audio part of any message's content; text parts, and
+    /// those words inside text, are not.
+    #[test]
+    fn media_is_an_image_video_or_audio_part_of_a_message() {
+        let request = |content: Value| {
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": "you see images"},
+                {"role": "user", "content": content},
+            ]})
+        };
+        for kind in ["image_url", "video_url", "audio_url", "input_audio"] {
+            let parts = serde_json::json!([{"type": "text", "text": "what is this"}, {"type": kind}]);
+            assert!(carries_media(&request(parts)), "{kind}");
+        }
+        for content in [
+            serde_json::json!("an image_url"),
+            serde_json::json!([{"type": "text", "text": "image_url"}]),
+            serde_json::json!([{"type": "refusal", "refusal": "no"}]),
+        ] {
+            assert!(!carries_media(&request(content.clone())), "{content}");
+        }
+        assert!(!carries_media(&serde_json::json!({"messages": "not an array"})));
+    }
 }
