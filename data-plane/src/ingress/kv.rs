@@ -45,18 +45,27 @@ pub enum Term {
         /// This replica's picked prompt tokens when the lookup went out (see
         /// [`KvRouting::picked_since`]).
         picked_before: u64,
-        /// The files `tokens` were rendered with, which every worker of the model agreed on
-        /// when they were (boxed: three checksums would make every `Term` as large).
-        artifacts: Box<ArtifactKey>,
+        /// What `tokens` were rendered with, which every worker of the model agreed on when
+        /// they were (boxed: three checksums would make every `Term` as large).
+        artifacts: Box<RenderedWith>,
     },
     Unavailable(KvSelectionResult),
 }
 
-/// Whether `worker`'s card names the files `key` says: tokens rendered with others are not
-/// its prompt (a worker that joined with other files since the render, in a rolling upgrade).
-pub fn renders_with(worker: &Worker, key: &ArtifactKey) -> bool {
+/// What a render's tokens depend on besides the request: the model's files, and the prompt
+/// defaults its cards ask for (a `default_thinking` changes the text the template writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RenderedWith {
+    pub files: ArtifactKey,
+    pub defaults: PromptDefaults,
+}
+
+/// Whether `worker`'s card names the files and defaults `rendered` says: tokens rendered with
+/// others are not its prompt (a worker that joined with other files or a changed
+/// `runtime_config` since the render, in a rolling upgrade).
+pub fn renders_with(worker: &Worker, rendered: &RenderedWith) -> bool {
     let card = worker.artifacts.as_deref().and_then(|artifacts| ModelArtifacts::from_fleet(artifacts).ok());
-    card.is_some_and(|card| card.key() == *key)
+    card.is_some_and(|card| card.key() == rendered.files && card.defaults == rendered.defaults)
 }
 
 /// The replica's KV machinery: the prompt preparer (built when the fleet's configuration first
@@ -231,7 +240,8 @@ impl KvRouting {
             },
         };
         let block_size = block_size.get();
-        let Some(artifacts) = cards.first().map(|card| Box::new(card.key())) else {
+        let rendered = |card: &ModelArtifacts| Box::new(RenderedWith { files: card.key(), defaults: card.defaults });
+        let Some(artifacts) = cards.first().map(rendered) else {
             return Term::Unavailable(KvSelectionResult::TokenizerUnavailable);
         };
         Term::Scored {

@@ -9,12 +9,11 @@ use std::time::Instant;
 use continuum_proto::model::DataPlaneConfig;
 use continuum_proto::view::FleetView;
 
-use super::kv::{Term, renders_with};
+use super::kv::{RenderedWith, Term, renders_with};
 use super::request::ChatRequest;
 use crate::dispatch::pool::{ShimPools, ShimReplica, serving_backends, unified_backends};
 use crate::dispatch::{DispatchEnd, Fallback, Pinned, Route};
 use crate::http::{AppState, KvSelection};
-use crate::kv::artifacts::ArtifactKey;
 use crate::kv::render::PERMIT_WAIT;
 use crate::routing::picker::{KvTerm, PickRequest, Pin, PromptChain};
 
@@ -142,7 +141,7 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
         .map(|unified| Box::new(Fallback { replicas: unified.into(), body: None, on_failure }));
     // Picked on the view after the render: the tokens go only to workers whose cards name the
     // files they were rendered with (else the frontend tokenizes the prompt itself).
-    let holds_files = |pin: &Pin, key: &ArtifactKey| view.worker(&pin.worker).is_some_and(|w| renders_with(w, key));
+    let holds_files = |pin: &Pin, key: &RenderedWith| view.worker(&pin.worker).is_some_and(|w| renders_with(w, key));
     let token_data = tokens.filter(|(_, key)| {
         config.picker.send_token_data
             && holds_files(&selection.decode, key)
@@ -491,25 +490,36 @@ mod tests {
     }
 
     /// The pick runs on the view after the render: a worker there whose card names other
-    /// files (it joined with them meanwhile, in a rolling upgrade) is not sent tokens rendered
-    /// with the old ones; its frontend tokenizes the prompt itself.
+    /// files, or other prompt defaults (it joined with them meanwhile, in a rolling upgrade),
+    /// is not sent tokens rendered with the old ones; its frontend tokenizes the prompt itself.
     #[tokio::test]
-    async fn tokens_rendered_with_other_files_than_the_chosen_workers_are_not_sent() {
-        let state = AppState::for_tests();
-        let dir = tempfile::tempdir().expect("dir");
-        let fleet = tinymodel_fleet(&state, &dir).await;
-        let (mut upgraded, pinned) = tinymodel_card();
-        if let Some(tokenizer) = upgraded.tokenizer.as_mut() {
-            tokenizer.checksum = crate::kv::artifacts::Checksum::of(b"another tokenizer").to_string();
+    async fn tokens_rendered_with_other_files_or_defaults_than_the_chosen_workers_are_not_sent() {
+        type Change = fn(&mut continuum_proto::model::ModelArtifacts);
+        let changes: [(&str, Change); 2] = [
+            ("files", |card| {
+                if let Some(tokenizer) = card.tokenizer.as_mut() {
+                    tokenizer.checksum = crate::kv::artifacts::Checksum::of(b"another tokenizer").to_string();
+                }
+            }),
+            ("defaults", |card| {
+                card.defaults.default_thinking = Some(!card.defaults.default_thinking.unwrap_or(false))
+            }),
+        ];
+        for (what, change) in changes {
+            let state = AppState::for_tests();
+            let dir = tempfile::tempdir().expect("dir");
+            let fleet = tinymodel_fleet(&state, &dir).await;
+            let (mut upgraded, pinned) = tinymodel_card();
+            change(&mut upgraded);
+            let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hello there"}]}"#);
+            let request = ChatRequest::parse(body).expect("request");
+            // While the prompt was rendered, worker 7 left and worker 8 came with other ones.
+            state.fleet.store(kv_view(2, 8, Some(upgraded), &dir.path().display().to_string(), pinned));
+            let routed = route(&state, &fleet, &request).await.expect("routed");
+            let Route::Pinned(pinned) = routed.route else { panic!("disaggregated serving pins") };
+            assert_eq!(pinned.selection.decode.worker.instance_id, 8, "{what}");
+            assert!(routed.token_data.is_none(), "tokens of the old {what} are not worker 8's prompt");
         }
-        let body = Bytes::from_static(br#"{"model":"tiny","messages":[{"role":"user","content":"hello there"}]}"#);
-        let request = ChatRequest::parse(body).expect("request");
-        // While the prompt was rendered, worker 7 left and worker 8 came with other files.
-        state.fleet.store(kv_view(2, 8, Some(upgraded), &dir.path().display().to_string(), pinned));
-        let routed = route(&state, &fleet, &request).await.expect("routed");
-        let Route::Pinned(pinned) = routed.route else { panic!("disaggregated serving pins") };
-        assert_eq!(pinned.selection.decode.worker.instance_id, 8);
-        assert!(routed.token_data.is_none(), "tokens of the old files are not worker 8's prompt");
     }
 
     /// Requests whose bodies are `bytes` long, as many as fill `budget` bytes of trees while
