@@ -543,6 +543,12 @@ async fn blobs_no_longer_pinned_leave_the_disk_cache() {
     let h = harness_in(cache_dir, [kept]);
     assert!(present(&kept.hex()) && present(&ours) && present(&writing) && present("notes.txt"));
     assert!(!present(&dropped.hex()) && !present(&crashed), "pruned as the store opened");
+    // With every cache file permit taken (a stalled volume), a reload strands no thread on it.
+    let stalled = crate::kv::artifacts::hold_cache_file_jobs();
+    h.store.set_policy(ArtifactPolicy::new(h.cache_dir.path().join("kv")));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(present(&kept.hex()), "not pruned while no cache file permit is free");
+    drop(stalled);
     h.store.set_policy(ArtifactPolicy::new(h.cache_dir.path().join("kv")));
     for _ in 0..500 {
         if !present(&kept.hex()) {

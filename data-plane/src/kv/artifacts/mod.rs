@@ -15,6 +15,8 @@ mod store;
 pub use cache::{BlobCache, MAX_ARTIFACT_BYTES};
 pub use card::{ArtifactKey, CardError, CheckedFile, Checksum, ChecksumError, ModelArtifacts, fleet_key};
 pub use source::{ARTIFACT_CA_FILE_ENV, DEFAULT_HF_ENDPOINT, Fetcher, Schemes, Source, SourceError, TlsSetupError};
+#[cfg(test)]
+pub(crate) use store::hold_cache_file_jobs;
 pub use store::{
     ArtifactStore, Clock, FAILED_LOAD_RETRY, LOAD_DEADLINE, LoadError, LoadedArtifacts, MAX_CONCURRENT_LOADS,
     MAX_LOADED_BYTES, MAX_LOADED_TOKENIZERS, Warm,

@@ -52,6 +52,12 @@ pub const MAX_ARTIFACT_FILE_JOBS: usize = 4;
 static CACHE_FILE_JOBS: Semaphore = Semaphore::const_new(MAX_ARTIFACT_FILE_JOBS);
 static SOURCE_FILE_JOBS: Semaphore = Semaphore::const_new(MAX_ARTIFACT_FILE_JOBS);
 
+/// Every cache file permit, held as operations stuck on a stalled volume would hold them.
+#[cfg(test)]
+pub(crate) fn hold_cache_file_jobs() -> tokio::sync::SemaphorePermit<'static> {
+    CACHE_FILE_JOBS.try_acquire_many(MAX_ARTIFACT_FILE_JOBS as u32).expect("no cache file job running")
+}
+
 /// Runs the file operation `work` on the blocking pool under one of `jobs`' permits, and waits
 /// for it at most [`FETCH_TIMEOUT`]; what went wrong otherwise, said.
 async fn file_job<T: Send + 'static>(
@@ -233,9 +239,17 @@ impl ArtifactStore {
                 dropped.push(slot);
             }
         }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        // Under a cache file permit, as every other operation on the cache: on a stalled volume
+        // each reload would otherwise strand one more blocking thread. With none free the prune
+        // waits for the next policy change; the files it would remove are only unpinned ones.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current()
+            && let Ok(permit) = CACHE_FILE_JOBS.try_acquire()
+        {
             let (store, pinned) = (self.clone(), policy.pinned_artifacts.clone());
-            runtime.spawn_blocking(move || prune(&store.inner.cache, &pinned));
+            runtime.spawn_blocking(move || {
+                let _held = permit;
+                prune(&store.inner.cache, &pinned)
+            });
         }
         // Swapped under the state lock, which `insert` checks a finished load's pin under: no
         // set the old policy pinned is kept once the new one has dropped it.
