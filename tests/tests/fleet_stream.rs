@@ -723,6 +723,8 @@ async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() 
     let (_other_tx, _other_updates) = open_watch(&control.url(), "replica-b").await?;
     assert_eq!(control.metrics.watch_superseded.get(), 0);
     let (_new_tx, _new_updates) = open_watch(&control.url(), "replica-a").await?;
+    let streams_of = |id: &str| control.replicas.list().iter().filter(|r| r.replica_id == id).count();
+    assert_eq!(streams_of("replica-a"), 1, "the superseded session is not listed beside its successor");
     continuum_tests::eventually(CONVERGE, "the old stream's dispatch forgotten", || async { dispatches() == 0 })
         .await?;
     assert_eq!(control.metrics.watch_superseded.get(), 1);
@@ -742,7 +744,6 @@ async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() 
     // Saying why: a second replica running with the same id reads how to stop the churn.
     let ended = anyhow::Context::context(ended, "the superseded stream ended without a status")?;
     anyhow::ensure!(ended.code() == tonic::Code::Aborted && ended.message().contains("--replica-id"), "{ended:?}");
-    let streams_of = |id: &str| control.replicas.list().iter().filter(|r| r.replica_id == id).count();
     continuum_tests::eventually(CONVERGE, "one stream listed per replica id", || async {
         streams_of("replica-a") == 1 && streams_of("replica-b") == 1
     })

@@ -70,8 +70,11 @@ struct Open {
 }
 
 impl Replicas {
+    /// The live sessions: one ended (superseded by its replica's reconnect, or going) is not
+    /// listed while it is being removed, so a replica is listed once and `/readyz` counts it once.
     pub fn list(&self) -> Vec<Arc<ReplicaStatus>> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner).values().map(|open| open.status.clone()).collect()
+        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        inner.values().filter(|open| !open.ended.is_cancelled()).map(|open| open.status.clone()).collect()
     }
 
     /// Admits a session under a new id, ending every open session of the same replica id: a
