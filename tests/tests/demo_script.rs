@@ -69,14 +69,7 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
     );
 
     // The banner's command, run as printed.
-    let output = tokio::process::Command::new("bash")
-        .args(["-c", &command])
-        .env("NO_PROXY", "*")
-        .env("no_proxy", "*")
-        .output()
-        .await?;
-    ensure!(output.status.success(), "the printed command failed: {output:?}");
-    let answer = String::from_utf8(output.stdout)?;
+    let answer = shell(&command).await.context("the printed command")?;
     let (head, body) = answer.split_once("\r\n\r\n").context("a head and a body")?;
     ensure!(head.starts_with("HTTP/1.1 200"), "{head}");
     let pinned = |name: &str| {
@@ -94,14 +87,7 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
         readme.lines().skip_while(|l| !l.starts_with("ask() {")).take_while(|l| !l.starts_with("```")).collect();
     ensure!(example.last().is_some_and(|l| l.starts_with("ask '")), "the README's ask() example: {example:?}");
     let example = example.join("\n").replace("127.0.0.1:8080", &listen.to_string());
-    let output = tokio::process::Command::new("bash")
-        .args(["-c", &example])
-        .env("NO_PROXY", "*")
-        .env("no_proxy", "*")
-        .output()
-        .await?;
-    ensure!(output.status.success(), "the README's example failed: {output:?}");
-    let printed = String::from_utf8(output.stdout)?;
+    let printed = shell(&example).await.context("the README's example")?;
     let values = |prefix: &str| -> Vec<u64> {
         printed.lines().filter_map(|l| l.strip_prefix(prefix)?.trim().parse().ok()).collect()
     };
@@ -118,6 +104,14 @@ async fn the_readmes_first_command_routes_the_request_its_banner_prints_and_stop
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
+}
+
+/// What `script` prints, run by bash as a newcomer's shell would (no proxy for loopback);
+/// an error if it fails.
+async fn shell(script: &str) -> anyhow::Result<String> {
+    let output = Command::new("bash").args(["-c", script]).env("NO_PROXY", "*").env("no_proxy", "*").output().await?;
+    ensure!(output.status.success(), "failed: {output:?}");
+    Ok(String::from_utf8(output.stdout)?)
 }
 
 /// A command printed over `lines`, each but the last ending in a backslash, as one line.

@@ -96,6 +96,17 @@ async fn next_update(updates: &mut Streaming<pb::FleetUpdate>) -> anyhow::Result
     tokio::time::timeout(CONVERGE, updates.message()).await??.ok_or_else(|| anyhow::anyhow!("the stream ended"))
 }
 
+/// The status the stream ends with, past the updates before it; an error if it ends cleanly.
+async fn end_status(updates: &mut Streaming<pb::FleetUpdate>) -> anyhow::Result<tonic::Status> {
+    loop {
+        match tokio::time::timeout(CONVERGE, updates.message()).await? {
+            Ok(Some(_)) => continue,
+            Ok(None) => anyhow::bail!("the stream ended as if cleanly"),
+            Err(status) => return Ok(status),
+        }
+    }
+}
+
 fn ack(update: &pb::FleetUpdate) -> pb::WatchRequest {
     pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: update.version, nonce: update.nonce.clone() })) }
 }
@@ -447,21 +458,11 @@ async fn a_stream_without_hello_is_refused() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_past_the_bound_ends_the_stream_with_its_reason() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
-    let mut client = FleetClient::connect(control.url()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
-    let (tx, rx) = mpsc::channel(2);
-    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "big".into(), version: None })) })
-        .await?;
-    let mut updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
-    assert!(tokio::time::timeout(CONVERGE, updates.message()).await??.as_ref().is_some_and(is_snapshot));
+    let (tx, mut updates) = open_watch(&control.url(), "big").await?;
+    assert!(is_snapshot(&next_update(&mut updates).await?));
     let huge = "x".repeat(MAX_INBOUND_FLEET_MESSAGE_BYTES + 1);
     tx.send(pb::WatchRequest { kind: Some(Kind::Ack(pb::Ack { version: 1, nonce: huge })) }).await?;
-    let ended = loop {
-        match tokio::time::timeout(CONVERGE, updates.message()).await? {
-            Ok(Some(_)) => continue,
-            other => break other,
-        }
-    };
-    let status = ended.err().ok_or_else(|| anyhow::anyhow!("the stream ended as if cleanly"))?;
+    let status = end_status(&mut updates).await?;
     assert_eq!(status.code(), tonic::Code::OutOfRange, "{status}");
     assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_message"]).get(), 1);
     control.stop().await;
@@ -474,29 +475,20 @@ async fn a_message_past_the_bound_ends_the_stream_with_its_reason() -> anyhow::R
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_past_their_counts_are_refused_before_they_are_decoded() -> anyhow::Result<()> {
     let control = TestControlPlane::start(publisher()).await?;
-    let mut client = FleetClient::connect(control.url()).await?.max_decoding_message_size(MAX_FLEET_MESSAGE_BYTES);
-    let (tx, rx) = mpsc::channel(2);
-    tx.send(pb::WatchRequest { kind: Some(Kind::Hello(pb::Hello { replica_id: "empty".into(), version: None })) })
-        .await?;
-    let mut updates = client.watch(ReceiverStream::new(rx)).await?.into_inner();
-    assert!(tokio::time::timeout(CONVERGE, updates.message()).await??.as_ref().is_some_and(is_snapshot));
+    let (tx, mut updates) = open_watch(&control.url(), "empty").await?;
+    assert!(is_snapshot(&next_update(&mut updates).await?));
     let empty_starts = (MAX_INBOUND_FLEET_MESSAGE_BYTES - 64) / 2;
     let report =
         pb::DispatchReport { started: vec![pb::DispatchStarted::default(); empty_starts], ..Default::default() };
     tx.send(pb::WatchRequest { kind: Some(Kind::Dispatches(report)) }).await?;
-    let ended = loop {
-        match tokio::time::timeout(CONVERGE, updates.message()).await? {
-            Ok(Some(_)) => continue,
-            other => break other,
-        }
-    };
-    let status = ended.err().ok_or_else(|| anyhow::anyhow!("the stream ended as if cleanly"))?;
+    let status = end_status(&mut updates).await?;
     assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
     assert!(status.message().contains(&format!("starts number {empty_starts}; at most 1024")), "{status}");
     assert_eq!(control.metrics.watch_refused.with_label_values(&["bad_message"]).get(), 1);
 
     let lookup =
         pb::FindMatchesRequest { block_hashes: vec![7; 65_537], replica_id: "empty".into(), ..Default::default() };
+    let mut client = FleetClient::connect(control.url()).await?;
     let refused = client.find_matches(lookup).await.expect_err("too many hashes");
     assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused}");
     let rendered = control.metrics.render();
@@ -728,21 +720,9 @@ async fn a_reconnecting_replica_supersedes_its_open_stream_and_its_dispatches() 
     continuum_tests::eventually(CONVERGE, "the old stream's dispatch forgotten", || async { dispatches() == 0 })
         .await?;
     assert_eq!(control.metrics.watch_superseded.get(), 1);
-    let old_stream_ended = tokio::time::timeout(CONVERGE, async {
-        loop {
-            match old_updates.message().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => return None,
-                Err(status) => return Some(status),
-            }
-        }
-    })
-    .await;
-    let Ok(ended) = old_stream_ended else {
-        anyhow::bail!("the superseded stream is ended, though its client never closed it");
-    };
-    // Saying why: a second replica running with the same id reads how to stop the churn.
-    let ended = anyhow::Context::context(ended, "the superseded stream ended without a status")?;
+    // Ended, though its client never closed it, and saying why: a second replica running with
+    // the same id reads how to stop the churn.
+    let ended = end_status(&mut old_updates).await?;
     anyhow::ensure!(ended.code() == tonic::Code::Aborted && ended.message().contains("--replica-id"), "{ended:?}");
     continuum_tests::eventually(CONVERGE, "one stream listed per replica id", || async {
         streams_of("replica-a") == 1 && streams_of("replica-b") == 1
