@@ -45,10 +45,13 @@ impl WireLimits for pb::FindMatchesResponse {}
 
 impl WireLimits for pb::WatchRequest {
     fn check(wire: &[u8]) -> Result<(), Status> {
+        // A field given more than once is merged into one by the decoder, its lists joined:
+        // every occurrence's counts add up.
+        let mut report = ReportCounts::default();
         for field in Fields(wire) {
             match field? {
                 // `dispatches`: a report, as large as its counts allow.
-                (4, Field::Len(report)) => check_report(report)?,
+                (4, Field::Len(part)) => report.add(part)?,
                 (_, Field::Len(control)) if control.len() > MAX_WATCH_CONTROL_BYTES => {
                     return Err(refused(format!(
                         "a watch control message of {} bytes; at most {MAX_WATCH_CONTROL_BYTES}",
@@ -58,7 +61,7 @@ impl WireLimits for pb::WatchRequest {
                 _ => {}
             }
         }
-        Ok(())
+        report.check()
     }
 }
 
@@ -94,32 +97,47 @@ fn check_lookup(wire: &[u8]) -> Result<(), Status> {
     within("a lookup's contenders", contenders, MAX_LOOKUP_CONTENDERS)
 }
 
-/// A `DispatchReport`: its starts and their ranks, their block hashes, its ends and first
-/// tokens, each within the count the control plane refuses a decoded report past (hashes
-/// past the report's bound it would cut; no replica sends them).
-fn check_report(wire: &[u8]) -> Result<(), Status> {
-    let (mut started, mut ranks, mut ended, mut prefilled, mut hashes) = (0, 0, 0, 0, 0);
-    for field in Fields(wire) {
-        match field? {
-            (1, Field::Len(start)) => {
-                started += 1;
-                for field in Fields(start) {
-                    if let (5, field) = field? {
-                        hashes += field.varints();
+/// What a `DispatchReport` holds: its starts and their ranks, their block hashes, its ends
+/// and first tokens, each to be within the count the control plane refuses a decoded report
+/// past (hashes past the report's bound it would cut; no replica sends them).
+#[derive(Default)]
+struct ReportCounts {
+    started: usize,
+    ranks: usize,
+    ended: usize,
+    prefilled: usize,
+    hashes: usize,
+}
+
+impl ReportCounts {
+    /// Counts one occurrence of the report's bytes.
+    fn add(&mut self, wire: &[u8]) -> Result<(), Status> {
+        for field in Fields(wire) {
+            match field? {
+                (1, Field::Len(start)) => {
+                    self.started += 1;
+                    for field in Fields(start) {
+                        if let (5, field) = field? {
+                            self.hashes += field.varints();
+                        }
                     }
                 }
+                (2, field) => self.ended += field.varints(),
+                (3, field) => self.prefilled += field.varints(),
+                (6, Field::Len(_)) => self.ranks += 1,
+                _ => {}
             }
-            (2, field) => ended += field.varints(),
-            (3, field) => prefilled += field.varints(),
-            (6, Field::Len(_)) => ranks += 1,
-            _ => {}
         }
+        Ok(())
     }
-    within("a dispatch report's starts", started, MAX_REPORT_STARTED)?;
-    within("a dispatch report's ranks", ranks, MAX_REPORT_STARTED)?;
-    within("a dispatch report's ends", ended, MAX_REPORT_ENDS)?;
-    within("a dispatch report's first tokens", prefilled, MAX_REPORT_ENDS)?;
-    within("a dispatch report's block hashes", hashes, MAX_REPORT_BLOCK_HASHES)
+
+    fn check(&self) -> Result<(), Status> {
+        within("a dispatch report's starts", self.started, MAX_REPORT_STARTED)?;
+        within("a dispatch report's ranks", self.ranks, MAX_REPORT_STARTED)?;
+        within("a dispatch report's ends", self.ended, MAX_REPORT_ENDS)?;
+        within("a dispatch report's first tokens", self.prefilled, MAX_REPORT_ENDS)?;
+        within("a dispatch report's block hashes", self.hashes, MAX_REPORT_BLOCK_HASHES)
+    }
 }
 
 fn within(what: &str, count: usize, limit: usize) -> Result<(), Status> {
@@ -286,6 +304,21 @@ mod tests {
             let refused = pb::WatchRequest::check(&self::report(report)).expect_err("over a limit");
             assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{i}: {refused}");
         }
+    }
+
+    /// A report given in several parts (the decoder joins them) is counted whole.
+    #[test]
+    fn a_report_in_parts_is_counted_whole() {
+        let half = report(pb::DispatchReport {
+            started: vec![pb::DispatchStarted::default(); MAX_REPORT_STARTED / 2 + 1],
+            ..Default::default()
+        });
+        assert!(pb::WatchRequest::check(&half).is_ok());
+        let twice = [half.clone(), half].concat();
+        let joined = pb::WatchRequest::decode(twice.as_slice()).expect("decodes");
+        let Some(pb::watch_request::Kind::Dispatches(joined)) = joined.kind else { panic!("a report") };
+        assert_eq!(joined.started.len(), MAX_REPORT_STARTED + 2, "prost joins the parts");
+        assert!(pb::WatchRequest::check(&twice).is_err(), "and so does the count");
     }
 
     /// Unpacked integers (each its own field, as prost also accepts) count one each.
