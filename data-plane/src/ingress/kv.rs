@@ -98,8 +98,8 @@ type ModelCache = WorkersMemo<HashMap<String, Option<Arc<ModelCards>>>>;
 /// Most models whose cards are kept at once; past it the cache starts over.
 const MAX_CACHED_MODELS: usize = 256;
 
-/// The cards of every routable worker serving a model, and their block sizes, most common
-/// first.
+/// The cards of every routable worker serving a model, and their block sizes, the one most
+/// common among the workers that hold prompts first (see [`model_artifacts`]).
 #[derive(Debug)]
 struct ModelCards {
     cards: Vec<ModelArtifacts>,
@@ -470,19 +470,24 @@ fn serves(worker: &Worker, model: &str) -> bool {
 fn model_artifacts(view: &FleetView, model: &str) -> Option<ModelCards> {
     let defaults = rendering_defaults(view, model)?;
     let mut cards = Vec::new();
-    let mut sizes: Vec<(u32, usize)> = Vec::new();
+    // (size, workers holding prompts of that size, workers of that size)
+    let mut sizes: Vec<(u32, usize, usize)> = Vec::new();
     for worker in view.workers().values().filter(|w| serves(w, model)) {
         let card = ModelArtifacts::from_fleet(worker.artifacts.as_deref()?).ok()?;
         cards.push(ModelArtifacts { defaults, ..card });
         if let Some(size) = worker.block_size {
-            match sizes.iter_mut().find(|(s, _)| *s == size) {
-                Some((_, n)) => *n += 1,
-                None => sizes.push((size, 1)),
+            // The lookup is for the ranks that hold prompts, whose kv-events fill the index: a
+            // disaggregated fleet's decode workers publish none (Dynamo 1.6.1), and however many
+            // of them run at another size, hashes at theirs would find no prefill rank's blocks.
+            let holds_prompts = usize::from(worker.role != Role::Decode);
+            match sizes.iter_mut().find(|(s, _, _)| *s == size) {
+                Some((_, holding, all)) => (*holding, *all) = (*holding + holds_prompts, *all + 1),
+                None => sizes.push((size, holds_prompts, 1)),
             }
         }
     }
-    sizes.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    Some(ModelCards { cards, block_sizes: sizes.into_iter().map(|(s, _)| s).collect() })
+    sizes.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.cmp(&a.2)).then(a.0.cmp(&b.0)));
+    Some(ModelCards { cards, block_sizes: sizes.into_iter().map(|(s, _, _)| s).collect() })
 }
 
 /// The prompt defaults `model`'s prompts render with: the frontend renders with a decode or
@@ -612,6 +617,19 @@ mod tests {
         assert_eq!(thinking, [Some(false), Some(false)], "the decode worker's, for every card");
         let torn = view(vec![worker(1, Role::Decode, None), worker(2, Role::Decode, Some(false))])?;
         assert!(model_artifacts(&torn, "tiny").is_none(), "decode workers that would render apart");
+
+        // Block sizes: the prefill workers' first, however many decode workers run another.
+        let sized = |id, role, size| Worker { block_size: Some(size), ..worker(id, role, Some(false)) };
+        let fleet = view(vec![
+            sized(1, Role::Prefill, 32),
+            sized(2, Role::Decode, 16),
+            sized(3, Role::Decode, 16),
+            sized(4, Role::Decode, 16),
+        ])?;
+        assert_eq!(model_artifacts(&fleet, "tiny").map(|c| c.block_sizes), Some(vec![32, 16]));
+        let decode_only =
+            view(vec![sized(2, Role::Decode, 64), sized(3, Role::Decode, 16), sized(4, Role::Decode, 16)])?;
+        assert_eq!(model_artifacts(&decode_only, "tiny").map(|c| c.block_sizes), Some(vec![16, 64]), "most common");
         Ok(())
     }
 
