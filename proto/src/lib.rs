@@ -35,11 +35,10 @@ pub const MAX_STALENESS: std::time::Duration = std::time::Duration::from_secs(30
 /// large load tables without letting a broken peer make the other side buffer without bound.
 pub const MAX_FLEET_MESSAGE_BYTES: usize = 64 << 20;
 
-/// Largest message a control plane decodes from a replica. What replicas send is small: a
+/// Largest message a control plane reads from a replica. What replicas send is small: a
 /// dispatch report of at most [`MAX_REPORT_STARTED`] dispatches and 65,536 block hashes, or a
-/// lookup of 65,536 hashes, each under 1 MiB. A message is decoded whole before it can be
-/// judged, so the bound is what one call can make the control plane allocate (a zero hash is
-/// one byte on the wire and eight in memory).
+/// lookup of 65,536 hashes, each under 1 MiB. What a message within it decodes to is bounded
+/// by its counts, which the [`codec`] checks on its wire bytes before decoding it.
 pub const MAX_INBOUND_FLEET_MESSAGE_BYTES: usize = 4 << 20;
 
 /// Requests one replica holds in flight at most (its ledger's capacity); each is reported as a
@@ -54,12 +53,13 @@ pub const STALL_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
 pub const STALL_MIN_BLOCKS: u64 = 2;
 
 /// Dispatches one report may start: a replica batches at most 512 events and never splits an
-/// operation, so twice that leaves room; a report past it is refused whole.
+/// operation, so twice that leaves room; a report past it is refused whole, before it is
+/// decoded ([`codec`]).
 pub const MAX_REPORT_STARTED: usize = 1024;
 
 /// Ends (and, separately, first tokens) one report may carry: a replica batches at most 512
 /// events, so this leaves wide room (a replica that finds its queue full ends the stream rather
-/// than keep ends aside); a report past it is refused whole.
+/// than keep ends aside); a report past it is refused whole, before it is decoded.
 pub const MAX_REPORT_ENDS: usize = 16_384;
 
 /// Block hashes one lookup asks about at most: a replica renders at most 1,048,576 tokens, in

@@ -12,9 +12,7 @@ use std::time::Instant;
 use continuum_kv_index::RankKey;
 use continuum_proto::convert::{delta_to_wire, snapshot_to_wire};
 use continuum_proto::pb::{self, fleet_update::Body, watch_request::Kind};
-use continuum_proto::{
-    MAX_DISPATCH_BLOCK_HASHES, MAX_FLEET_MESSAGE_BYTES, MAX_REPORT_BLOCK_HASHES, MAX_REPORT_ENDS, MAX_REPORT_STARTED,
-};
+use continuum_proto::{MAX_DISPATCH_BLOCK_HASHES, MAX_FLEET_MESSAGE_BYTES, MAX_REPORT_BLOCK_HASHES};
 use tokio::sync::{mpsc, watch};
 use tonic::{Status, Streaming};
 
@@ -410,17 +408,9 @@ impl Session {
             }
             Some(Kind::Nack(nack)) => self.on_nack(nack)?,
             Some(Kind::Dispatches(mut report)) => {
-                if report.started.len() > MAX_REPORT_STARTED {
-                    self.metrics.dispatch_reports_dropped.inc();
-                    return Err(Refused::new(
-                        "report_too_large",
-                        Status::invalid_argument(format!(
-                            "a dispatch report starts {} dispatches; at most {MAX_REPORT_STARTED}",
-                            report.started.len()
-                        )),
-                    ));
-                }
-                // A start names one rank at most, so a longer table is no report's.
+                // Its starts, ends, first tokens and hashes are within their counts: the codec
+                // refused it before decoding otherwise (`continuum_proto::codec`). A start names
+                // one rank at most, so a longer table is no report's.
                 if report.ranks.len() > report.started.len() {
                     self.metrics.dispatch_reports_dropped.inc();
                     return Err(Refused::new(
@@ -429,16 +419,6 @@ impl Session {
                             "a dispatch report names {} ranks for {} dispatches started; at most one each",
                             report.ranks.len(),
                             report.started.len()
-                        )),
-                    ));
-                }
-                let ends = report.ended.len().max(report.prefilled.len());
-                if ends > MAX_REPORT_ENDS {
-                    self.metrics.dispatch_reports_dropped.inc();
-                    return Err(Refused::new(
-                        "report_too_large",
-                        Status::invalid_argument(format!(
-                            "a dispatch report ends (or marks prefilled) {ends} dispatches; at most {MAX_REPORT_ENDS}"
                         )),
                     ));
                 }
