@@ -122,7 +122,11 @@ struct Chain {
 pub struct ProvisionalIndex {
     /// Zero turns the credit off.
     ttl: Duration,
+    /// In the order credited, which is the order of their `credited` instants: each credit is
+    /// stamped under the lock that orders them, so the expired are always the front's.
     chains: VecDeque<Chain>,
+    /// How many of `chains` each rank holds, so a credit need not count them.
+    per_rank: FastMap<RankKey, usize>,
     hashes: usize,
     counts: ProvisionalCounts,
 }
@@ -146,6 +150,7 @@ impl ProvisionalIndex {
     pub fn clear(&mut self) {
         self.counts.add(ProvisionalResult::Evicted, self.chains.len() as u64);
         self.chains.clear();
+        self.per_rank.clear();
         self.hashes = 0;
     }
 
@@ -162,18 +167,23 @@ impl ProvisionalIndex {
         }
         self.expire(now);
         let prefix = hashes.clone();
-        self.remove_where(|c| c.rank == rank && is_prefix(&c.prefix, &prefix), ProvisionalResult::Replaced);
-        while self.chains.iter().filter(|c| c.rank == rank).count() >= MAX_CHAINS_PER_RANK {
+        // One walk of the chains held, and only when the rank holds any.
+        if self.held_by(rank) > 0 {
+            self.remove_where(|c| c.rank == rank && is_prefix(&c.prefix, &prefix), ProvisionalResult::Replaced);
+        }
+        while self.held_by(rank) >= MAX_CHAINS_PER_RANK {
             self.remove_where(|c| c.rank == rank, ProvisionalResult::Evicted);
         }
         // Oldest first, at the front: each chain pushed out costs one step, however many a
         // long chain needs room from.
         while self.chains.len() >= MAX_CHAINS || self.hashes + hashes.len() > MAX_HASHES {
-            let Some(oldest) = self.chains.pop_front() else { break };
-            self.hashes -= oldest.prefix.len();
+            if self.pop_oldest().is_none() {
+                break;
+            }
             self.counts.add(ProvisionalResult::Evicted, 1);
         }
         self.hashes += hashes.len();
+        *self.per_rank.entry(rank).or_default() += 1;
         self.chains.push_back(Chain { rank, prefix, credited: now });
         self.counts.add(ProvisionalResult::Credited, 1);
         ProvisionalResult::Credited
@@ -223,10 +233,26 @@ impl ProvisionalIndex {
         merged
     }
 
-    /// Drops chains whose TTL has passed.
+    /// Drops chains whose TTL has passed: the oldest, at the front.
     pub fn expire(&mut self, now: Instant) {
         let ttl = self.ttl;
-        self.remove_where(|c| now.saturating_duration_since(c.credited) >= ttl, ProvisionalResult::Expired);
+        while self.chains.front().is_some_and(|c| now.saturating_duration_since(c.credited) >= ttl) {
+            self.pop_oldest();
+            self.counts.add(ProvisionalResult::Expired, 1);
+        }
+    }
+
+    /// How many chains `rank` holds.
+    fn held_by(&self, rank: RankKey) -> usize {
+        self.per_rank.get(&rank).copied().unwrap_or(0)
+    }
+
+    /// Takes the oldest chain out (uncounted).
+    fn pop_oldest(&mut self) -> Option<Chain> {
+        let oldest = self.chains.pop_front()?;
+        self.hashes -= oldest.prefix.len();
+        forget_one(&mut self.per_rank, oldest.rank);
+        Some(oldest)
     }
 
     /// Drops the chains credited to a rank before its blocks were cleared (`cleared`, from the
@@ -263,16 +289,28 @@ impl ProvisionalIndex {
         let only_oldest = counted == ProvisionalResult::Evicted;
         let mut removed = 0;
         let mut hashes = 0;
+        let per_rank = &mut self.per_rank;
         self.chains.retain(|c| {
             let gone = doomed(c) && !(only_oldest && removed > 0);
             if gone {
                 removed += 1;
                 hashes += c.prefix.len();
+                forget_one(per_rank, c.rank);
             }
             !gone
         });
         self.hashes -= hashes;
         self.counts.add(counted, removed);
+    }
+}
+
+/// One chain of `rank` gone from `per_rank`'s count; a rank holding none leaves the map.
+fn forget_one(per_rank: &mut FastMap<RankKey, usize>, rank: RankKey) {
+    if let Some(held) = per_rank.get_mut(&rank) {
+        *held -= 1;
+        if *held == 0 {
+            per_rank.remove(&rank);
+        }
     }
 }
 

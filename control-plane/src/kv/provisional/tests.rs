@@ -197,6 +197,12 @@ fn every_credited_chain_is_accounted_for_once() {
         }
         total
     };
+    // Each rank's count of its chains is the chains' own, whatever took some away.
+    let per_rank_true = |index: &ProvisionalIndex| {
+        let mut counted: FastMap<RankKey, usize> = FastMap::default();
+        index.chains.iter().for_each(|c| *counted.entry(c.rank).or_default() += 1);
+        counted == index.per_rank
+    };
     let balanced = |counts: ProvisionalCounts, held: usize| {
         let gone = [
             ProvisionalResult::Expired,
@@ -213,7 +219,7 @@ fn every_credited_chain_is_accounted_for_once() {
     index.credit(rank(1), &Folded::of(&chain(10, 4)), true, now);
     let counts = take(&mut index);
     assert_eq!(counts.get(ProvisionalResult::Replaced), 2);
-    assert!(balanced(counts, index.size().0));
+    assert!(balanced(counts, index.size().0) && per_rank_true(&index));
     // Confirmed by the index, pushed out by a rank's bound, departed.
     index.merge(&Folded::of(&chain(10, 4)), &[(rank(1), 4)], now);
     for i in 0..=MAX_CHAINS_PER_RANK as u64 {
@@ -226,7 +232,7 @@ fn every_credited_chain_is_accounted_for_once() {
         [ProvisionalResult::Confirmed, ProvisionalResult::Evicted, ProvisionalResult::Departed].map(|r| counts.get(r)),
         [1, 1, 1]
     );
-    assert!(balanced(counts, index.size().0));
+    assert!(balanced(counts, index.size().0) && per_rank_true(&index));
     // Expired, then the credit turned off with a chain held.
     index.expire(now + TTL);
     index.credit(rank(4), &Folded::of(&chain(7, 2)), true, now + TTL);
@@ -234,7 +240,7 @@ fn every_credited_chain_is_accounted_for_once() {
     let counts = take(&mut index);
     assert_eq!(counts.get(ProvisionalResult::Expired), MAX_CHAINS_PER_RANK as u64);
     assert_eq!(index.size(), (0, 0));
-    assert!(balanced(counts, 0));
+    assert!(balanced(counts, 0) && index.per_rank.is_empty());
 }
 
 /// A chain past its TTL that no sweep has reached is expired, not confirmed, even when the
