@@ -177,7 +177,7 @@ impl ProvisionalIndex {
         // Oldest first, at the front: each chain pushed out costs one step, however many a
         // long chain needs room from.
         while self.chains.len() >= MAX_CHAINS || self.hashes + hashes.len() > MAX_HASHES {
-            if self.pop_oldest().is_none() {
+            if !self.pop_oldest() {
                 break;
             }
             self.counts.add(ProvisionalResult::Evicted, 1);
@@ -247,12 +247,12 @@ impl ProvisionalIndex {
         self.per_rank.get(&rank).copied().unwrap_or(0)
     }
 
-    /// Takes the oldest chain out (uncounted).
-    fn pop_oldest(&mut self) -> Option<Chain> {
-        let oldest = self.chains.pop_front()?;
+    /// Takes the oldest chain out (uncounted); whether there was one.
+    fn pop_oldest(&mut self) -> bool {
+        let Some(oldest) = self.chains.pop_front() else { return false };
         self.hashes -= oldest.prefix.len();
         forget_one(&mut self.per_rank, oldest.rank);
-        Some(oldest)
+        true
     }
 
     /// Drops the chains credited to a rank before its blocks were cleared (`cleared`, from the
