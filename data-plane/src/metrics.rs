@@ -489,6 +489,8 @@ impl Metrics {
             HeadError::Malformed(_) => "malformed",
             HeadError::TooLarge => "head_too_large",
             HeadError::TargetTooLong => "target_too_long",
+            HeadError::FieldTooLong(_) => "field_too_long",
+            HeadError::Version => "version",
             HeadError::UnsupportedCoding => "unsupported_coding",
             HeadError::BodyTooLarge => "body_too_large",
             HeadError::Framing(_) => "framing",

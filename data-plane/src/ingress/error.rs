@@ -150,6 +150,8 @@ impl From<HeadError> for ApiError {
             HeadError::BodyTooLarge => ("request_too_large", " Shorten the prompt or send large content by reference."),
             HeadError::TooLarge => ("request_head_too_large", " Send fewer or shorter headers."),
             HeadError::TargetTooLong => ("request_target_too_long", " Send a shorter path and query."),
+            HeadError::FieldTooLong(_) => ("request_header_too_large", " Send a shorter value."),
+            HeadError::Version => ("http_version_not_supported", " Send HTTP/1.1."),
             HeadError::UnsupportedCoding => {
                 ("unsupported_transfer_coding", " Send the body plain, with Content-Length or chunked alone.")
             }

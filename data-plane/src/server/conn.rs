@@ -426,6 +426,10 @@ impl<'m> Connection<'m> {
             let due = scanned == 0 || head_due(&self.read, scanned, MAX_HEAD_BYTES);
             if due && let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
                 self.read.advance(length);
+                // A head of tens of kilobytes grew the buffer for itself: it is let go before a
+                // body that may take its time, so a connection holds no more than its head's
+                // target and tenant (each at most 8 KiB) and a free body beside its budgets.
+                self.release_large_read_buffer(length);
                 break (head, length);
             }
             scanned = self.read.len();

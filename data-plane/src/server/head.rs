@@ -20,6 +20,11 @@ use crate::routing::headers::{TENANT_ID, asks_disclosure, is_routing_header, ten
 pub const MAX_HEADERS: usize = 64;
 /// The largest request head accepted.
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
+/// The longest request target, and the longest `x-tenant-id`: the parts of a head a request
+/// keeps beyond its read buffer while its body arrives, so they bound what each of thousands of
+/// connections holds outside any budget (nginx refuses a request line past 8 KiB by default).
+pub const MAX_TARGET_BYTES: usize = 8 << 10;
+pub const MAX_TENANT_BYTES: usize = 8 << 10;
 
 /// Why a request head was refused; each maps to the status the client is answered with, after
 /// which the connection closes (its framing can no longer be trusted). A target that parsed as
@@ -31,8 +36,12 @@ pub enum HeadError {
     Malformed(String),
     #[error("the request head is larger than {MAX_HEAD_BYTES} bytes or has more than {MAX_HEADERS} headers")]
     TooLarge,
-    #[error("the request target is longer than {MAX_HEAD_BYTES} bytes")]
+    #[error("the request target is longer than {MAX_TARGET_BYTES} bytes")]
     TargetTooLong,
+    #[error("the {0} header is longer than {MAX_TENANT_BYTES} bytes")]
+    FieldTooLong(&'static str),
+    #[error("the request is not HTTP/1.0 or HTTP/1.1")]
+    Version,
     #[error("the request body is sent with a transfer coding other than `chunked` alone")]
     UnsupportedCoding,
     #[error("the request body is larger than {MAX_REQUEST_BODY_BYTES} bytes")]
@@ -58,7 +67,8 @@ impl HeadError {
         match self {
             HeadError::Malformed(_) | HeadError::Framing(_) | HeadError::Body(_) => StatusCode::BAD_REQUEST,
             HeadError::Timeout => StatusCode::REQUEST_TIMEOUT,
-            HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadError::TooLarge | HeadError::FieldTooLong(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadError::Version => StatusCode::HTTP_VERSION_NOT_SUPPORTED,
             HeadError::TargetTooLong => StatusCode::URI_TOO_LONG,
             HeadError::UnsupportedCoding => StatusCode::NOT_IMPLEMENTED,
             HeadError::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -126,6 +136,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => return Err(HeadError::TooLarge),
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(httparse::Error::Version) => return Err(HeadError::Version),
         Err(error) => return Err(HeadError::Malformed(error.to_string())),
     };
     if length > MAX_HEAD_BYTES {
@@ -138,13 +149,13 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         .map_err(|_| HeadError::Malformed("method".into()))?;
     let version = if request.version == Some(1) { Version::HTTP_11 } else { Version::HTTP_10 };
     let target = request.path.unwrap_or("/");
-    let path = origin_path(target).split(['?', '#']).next().unwrap_or_default();
+    if target.len() > MAX_TARGET_BYTES {
+        return Err(HeadError::TargetTooLong);
+    }
+    let path = origin_path(target)?.split(['?', '#']).next().unwrap_or_default();
     let route = if method == Method::POST && path == CHAT_COMPLETIONS { Route::ChatCompletions } else { Route::Router };
     let raw = &*request.headers;
-    // RFC 9112 §3.2: an HTTP/1.1 request names its host exactly once.
-    if version == Version::HTTP_11 && values(raw, "host").count() != 1 {
-        return Err(HeadError::Malformed("an HTTP/1.1 request must carry exactly one Host header".into()));
-    }
+    check_host(raw, version)?;
     let headers = match route {
         Route::ChatCompletions => HeaderMap::new(),
         Route::Router => header_map(raw)?,
@@ -164,7 +175,12 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
         && values(raw, "expect").any(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
     let disclose = raw.iter().any(|h| asks_disclosure(h.name));
     let (tenant, trace) = match route {
-        Route::ChatCompletions => (tenant(values(raw, TENANT_ID)), trace(raw.iter().map(|h| (h.name, h.value)))),
+        Route::ChatCompletions => {
+            if values(raw, TENANT_ID).any(|value| value.len() > MAX_TENANT_BYTES) {
+                return Err(HeadError::FieldTooLong(TENANT_ID));
+            }
+            (tenant(values(raw, TENANT_ID)), trace(raw.iter().map(|h| (h.name, h.value))))
+        }
         Route::Router => (None, Vec::new()),
     };
     let head = RequestHead {
@@ -184,22 +200,47 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<(RequestHead, usize)>, HeadErr
 /// The path the server answers itself, by POST.
 pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
 
-/// The path and query of a request target: an absolute-form target (`http://host/path`, which
-/// RFC 9112 §3.2.2 has servers accept) less its scheme and authority.
-fn origin_path(target: &str) -> &str {
-    if target.starts_with('/') {
+/// The path and query of a request target: an origin-form target as it is, an absolute-form
+/// one (`http://host/path`, which RFC 9112 §3.2.2 has servers accept) less its scheme and
+/// authority, `*` (OPTIONS) as it is. Anything else, or a byte no URI holds (httparse lets
+/// some through: `<`, `"`, a backtick, non-ASCII), is refused on every route alike: a hop in
+/// front that reads such a target its own way must not see another path than the one routed.
+fn origin_path(target: &str) -> Result<&str, HeadError> {
+    let malformed = || HeadError::Malformed("request target: not a path, `*` or an http(s) URL".into());
+    if !target.bytes().all(|b| b.is_ascii_graphic() && !b"<>\"{}|\\^`".contains(&b)) {
+        return Err(malformed());
+    }
+    if target.starts_with('/') || target == "*" {
         // Origin form: a `://` is in its query (`?cb=http://…`), not a scheme.
-        return target;
+        return Ok(target);
     }
-    match target.split_once("://") {
-        // The authority ends at the first `/`, `?` or `#` (RFC 3986 §3.2): `http://x?/v1/…`
-        // has the path `/`, and `/v1/…` is its query.
-        Some((_, rest)) => match rest.find(['/', '?', '#']) {
-            Some(at) if rest[at..].starts_with('/') => &rest[at..],
-            _ => "/",
-        },
-        None => target,
+    let rest = ["http://", "https://"]
+        .iter()
+        .find(|scheme| target.get(..scheme.len()).is_some_and(|s| s.eq_ignore_ascii_case(scheme)))
+        .map(|scheme| &target[scheme.len()..])
+        .ok_or_else(malformed)?;
+    // The authority ends at the first `/`, `?` or `#` (RFC 3986 §3.2): `http://x?/v1/…` has
+    // the path `/`, and `/v1/…` is its query.
+    Ok(match rest.find(['/', '?', '#']) {
+        Some(at) if rest[at..].starts_with('/') => &rest[at..],
+        _ => "/",
+    })
+}
+
+/// RFC 9112 §3.2: a request names its host at most once (an HTTP/1.1 one exactly once), and
+/// as a host, with no white space or path in it; otherwise it is a 400. A hop in front that
+/// takes the first of two, or reads `a b` its own way, would route by another host.
+fn check_host(raw: &[httparse::Header<'_>], version: Version) -> Result<(), HeadError> {
+    let mut hosts = values(raw, "host");
+    let (first, more) = (hosts.next(), hosts.next().is_some());
+    if more || (first.is_none() && version == Version::HTTP_11) {
+        return Err(HeadError::Malformed("a request must carry one Host header (HTTP/1.1: exactly one)".into()));
     }
+    let valid = |b: &u8| b.is_ascii_graphic() && !b"/?#@\"<>{}|\\^`".contains(b);
+    if first.is_some_and(|host| !host.trim_ascii().iter().all(valid)) {
+        return Err(HeadError::Malformed("the Host header is not a host (and port)".into()));
+    }
+    Ok(())
 }
 
 fn header_map(raw: &[httparse::Header<'_>]) -> Result<HeaderMap, HeadError> {
@@ -492,15 +533,70 @@ mod tests {
     }
 
     #[test]
-    fn an_http11_request_names_its_host_once() {
+    fn a_request_names_its_host_once_and_as_a_host() {
         let host = |text: &str| parse_request(text.as_bytes());
-        for text in ["GET / HTTP/1.1\r\n\r\n", "GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n"] {
+        let rows = [
+            ("GET / HTTP/1.1\r\n\r\n", "one Host"),
+            ("GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n", "one Host"),
+            ("GET / HTTP/1.0\r\nHost: a\r\nhost: b\r\n\r\n", "one Host"),
+            ("GET / HTTP/1.1\r\nHost: a b\r\n\r\n", "not a host"),
+            ("GET / HTTP/1.1\r\nHost: a/b\r\n\r\n", "not a host"),
+            ("GET / HTTP/1.0\r\nHost: user@a\r\n\r\n", "not a host"),
+        ];
+        for (text, says) in rows {
             let error = host(text).unwrap_err();
-            assert!(error.to_string().contains("exactly one Host"), "{text:?}: {error}");
+            assert!(error.to_string().contains(says), "{text:?}: {error}");
             assert_eq!(error.status(), StatusCode::BAD_REQUEST);
         }
-        assert!(host("GET / HTTP/1.1\r\nHOST: a\r\n\r\n").unwrap().is_some());
-        assert!(host("GET / HTTP/1.0\r\n\r\n").unwrap().is_some(), "HTTP/1.0 has no such rule");
+        for text in ["GET / HTTP/1.1\r\nHOST: a\r\n\r\n", "GET / HTTP/1.1\r\nHost: [::1]:8080 \r\n\r\n"] {
+            assert!(host(text).unwrap().is_some(), "{text:?}");
+        }
+        assert!(host("GET / HTTP/1.0\r\n\r\n").unwrap().is_some(), "HTTP/1.0 need not name one");
+    }
+
+    #[test]
+    fn a_target_is_a_path_star_or_http_url_within_its_bound_on_every_route() {
+        let refused = |text: String| parse(&text).unwrap_err();
+        for target in [
+            "x?y=http://a/v1/chat/completions",
+            "ftp://a/v1/chat/completions",
+            "/v1/chat/completions<script>",
+            "/v1/chat/completions?q=\"",
+            "/v1/chat/compl\u{e9}tions",
+        ] {
+            for method in ["POST", "GET"] {
+                let error = refused(format!("{method} {target} HTTP/1.1\r\ncontent-length: 0\r\n\r\n"));
+                assert!(error.to_string().contains("request target"), "{method} {target}: {error}");
+                assert_eq!(error.status(), StatusCode::BAD_REQUEST, "{method} {target}");
+            }
+        }
+        let https = head("POST HTTPS://r/v1/chat/completions HTTP/1.1\r\ncontent-length: 0\r\n\r\n");
+        assert_eq!(https.route, Route::ChatCompletions, "a scheme in any case");
+        assert_eq!(head("OPTIONS * HTTP/1.1\r\n\r\n").target, "*");
+        let at_bound = format!("/v1/chat/completions?{}", "q".repeat(MAX_TARGET_BYTES - 21));
+        assert_eq!(at_bound.len(), MAX_TARGET_BYTES);
+        assert!(parse(&format!("POST {at_bound} HTTP/1.1\r\ncontent-length: 0\r\n\r\n")).is_ok());
+        let past = refused(format!("POST {at_bound}q HTTP/1.1\r\ncontent-length: 0\r\n\r\n"));
+        assert_eq!((past.clone(), past.status()), (HeadError::TargetTooLong, StatusCode::URI_TOO_LONG));
+    }
+
+    #[test]
+    fn a_tenant_past_its_bound_and_an_unknown_version_are_refused_with_their_statuses() {
+        let tenant = |value: &str| {
+            let text =
+                format!("POST /v1/chat/completions HTTP/1.1\r\nx-tenant-id: {value}\r\ncontent-length: 0\r\n\r\n");
+            parse(&text)
+        };
+        let at_bound = "t".repeat(MAX_TENANT_BYTES);
+        assert_eq!(tenant(&at_bound).unwrap().unwrap().0.client.tenant.as_deref(), Some(at_bound.as_str()));
+        let error = tenant(&format!("{at_bound}t")).unwrap_err();
+        assert_eq!(error, HeadError::FieldTooLong(TENANT_ID));
+        assert_eq!(error.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+        assert!(error.to_string().contains("x-tenant-id"), "{error}");
+        for version in ["HTTP/2.0", "HTTP/1.2", "HTTP/3"] {
+            let error = parse_request(format!("GET / {version}\r\nhost: x\r\n\r\n").as_bytes()).unwrap_err();
+            assert_eq!((error.clone(), error.status()), (HeadError::Version, StatusCode::HTTP_VERSION_NOT_SUPPORTED));
+        }
     }
 
     #[test]

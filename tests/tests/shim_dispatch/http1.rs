@@ -216,8 +216,7 @@ async fn heads_that_cannot_be_trusted_are_refused_counted_and_closed() -> anyhow
         let after = sample(&harness.metrics().await?, &series).unwrap_or(0.0);
         assert_eq!(after - before, 1.0, "{wire:?}: counted once under {series}");
     }
-    // A target httparse reads but a URI may not hold: refused and counted, and the request
-    // was read whole, so the connection may carry on.
+    // A target httparse reads but a URI may not hold: refused with the head, and counted.
     let series = "continuum_http_requests_refused_total{reason=\"malformed\"}";
     let before = sample(&harness.metrics().await?, series).unwrap_or(0.0);
     let mut stream = TcpStream::connect(harness.replica.local_addr).await?;

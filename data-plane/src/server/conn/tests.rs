@@ -287,6 +287,32 @@ async fn a_request_under_the_kept_size_that_doubled_the_buffer_leaves_no_large_b
     Ok(())
 }
 
+/// A large head's buffer is let go once the head is read: a body trickling behind it does not
+/// keep the tens of kilobytes its head took, on each of thousands of connections.
+#[tokio::test]
+async fn a_large_heads_buffer_is_let_go_before_its_body_arrives() -> io::Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let mut client = TcpStream::connect(listener.local_addr()?).await?;
+    let (server, _) = listener.accept().await?;
+    let filler = "x".repeat(40 << 10);
+    let sent = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\nx-filler: {filler}\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    );
+    client.write_all(sent.as_bytes()).await?;
+    let metrics = Metrics::new().expect("metrics");
+    let mut conn = Connection::new(server, &metrics);
+    while conn.read.len() < sent.len() {
+        conn.fill_at_most(usize::MAX).await?;
+    }
+    assert!(conn.read.capacity() > KEPT_READ_CAPACITY, "the head took a large buffer");
+    let (closing, waiting) = (std::pin::pin!(never_closing()), waiting());
+    let reading = conn.read_request(closing, false, &waiting);
+    // Everything sent is read already: the request now waits for the rest of its body.
+    assert!(tokio::time::timeout(Duration::from_millis(100), reading).await.is_err(), "the body goes on");
+    assert!(!conn.read.try_reclaim(KEPT_READ_CAPACITY + 1), "the head's buffer is given back");
+    Ok(())
+}
+
 /// A head that never ends is refused past its bound, its buffer grown to no more than the
 /// bound and a read: not doubled to twice the bound, for every connection a client opens.
 #[tokio::test]
