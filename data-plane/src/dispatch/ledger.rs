@@ -184,7 +184,7 @@ impl DispatchEnd {
     /// busy rank, must not eject a rank that serves other requests meanwhile).
     pub fn timed_out(&self, last_event: Option<Instant>) {
         let since = last_event.unwrap_or(self.sent);
-        self.ledger.outliers().unanswered(&self.owing(), since, Instant::now());
+        self.ledger.outliers().failed_unless_answering(&self.owing(), since, Instant::now());
     }
 
     /// The ranks its answer still waits on: both until its first token, then the decode rank.

@@ -355,19 +355,18 @@ impl Dispatcher {
             };
             // A refusal that blames the pins makes the pinned workers suspects, and so does an
             // answer that never came or never finished in time, if they answered nothing else
-            // since it was sent: a buffered answer's head comes only once generation is done, so
-            // a hung worker shows as a head that never came, but so does a request merely too
-            // long (`Outliers::unanswered`). A shim that could not be reached, or answered
+            // since it was sent (`Outliers::failed_unless_answering`): a buffered answer's head
+            // comes only once generation is done, so a hung worker shows as a head that never
+            // came, but so does a request merely too long; and a frontend that lost its workers
+            // refuses every pin while they answer through other replicas. A shim that could not be reached, or answered
             // nothing at all, or whose connection broke under the body, says nothing about them
             // (it is charged with it), nor does a refusal of the client's request.
             let unanswered = matches!(
                 outcome,
                 PinnedOutcome::Failed(Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_)))
             );
-            if blames_pins {
-                ledger.outliers().failed_since(&ranks(), sent, Instant::now());
-            } else if unanswered {
-                ledger.outliers().unanswered(&ranks(), sent, Instant::now());
+            if blames_pins || unanswered {
+                ledger.outliers().failed_unless_answering(&ranks(), sent, Instant::now());
             }
             let failure = match outcome {
                 PinnedOutcome::Final(outcome) => {
@@ -530,13 +529,14 @@ fn series_labels(vector: &impl Collector) -> Vec<Vec<String>> {
 
 #[cfg(test)]
 mod tests {
-    use continuum_proto::model::{Backend, ShimPool, WorkerKey};
+    use continuum_proto::model::{Backend, LoadKey, ShimPool, WorkerKey};
     use continuum_proto::view::FleetView;
     use prometheus::IntCounter;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     use super::*;
     use crate::fleet::DispatchReporter;
+    use crate::routing::picker::EJECT_AFTER;
     use crate::routing::picker::{DispatchLedger, Pin, PromptChain, Reason};
 
     /// A backend that answers every request on its first connection with a small 200.
@@ -697,6 +697,69 @@ mod tests {
         assert_eq!(ledger.len(), 0, "the dispatch ended with its written body");
         let learnt = ledger.prompt_sizes().factor("tiny");
         assert!(learnt > 1.0, "the usage counted four times the estimate: {learnt}");
+        Ok(())
+    }
+
+    /// A shim replica that answers every request, on every connection, with 1.6.1's generic
+    /// 500: a frontend that lost its workers while its `/live` still answers. With `others`,
+    /// the pinned ranks answer other requests (through other replicas) as each one arrives.
+    async fn failing_every_pin(others: Option<Arc<DispatchLedger>>) -> std::io::Result<ShimReplica> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let others = others.clone();
+                tokio::spawn(async move {
+                    let body =
+                        r#"{"message":"Failed to generate completions","type":"Internal Server Error","code":500}"#;
+                    let answer = format!(
+                        "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let mut read = vec![0; 64 * 1024];
+                    while socket.read(&mut read).await.is_ok_and(|n| n > 0) {
+                        if let Some(ledger) = &others {
+                            ledger.outliers().answered(pinned_ranks().iter(), Instant::now());
+                        }
+                        if socket.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Ok(replica("broken", &url))
+    }
+
+    /// The ranks [`pinned_plan`] pins.
+    fn pinned_ranks() -> [LoadKey; 2] {
+        [1, 2].map(|id| Pin { worker: WorkerKey::new("dynamo", id), dp_rank: None }.rank_key())
+    }
+
+    /// Pinned failures through a replica whose workers answer other requests meanwhile
+    /// (through other replicas) are not theirs: a frontend that lost its workers must not eject
+    /// healthy ones every other replica serves. The same failures while the workers answer
+    /// nothing else are theirs, and eject them.
+    #[tokio::test]
+    async fn pinned_failures_eject_no_worker_that_answers_others_meanwhile() -> anyhow::Result<()> {
+        for (workers_answer_others, paired) in [(true, true), (true, false), (false, true), (false, false)] {
+            let dispatcher = Dispatcher::new(DispatchSettings::default(), Metrics::new()?);
+            let ledger = Arc::new(DispatchLedger::new());
+            let broken = failing_every_pin(workers_answer_others.then(|| Arc::clone(&ledger))).await?;
+            for _ in 0..EJECT_AFTER {
+                let mut plan = pinned_plan_in(&ledger, std::slice::from_ref(&broken), None);
+                if let Route::Pinned(Pinned { selection, .. }) = &mut plan.route
+                    && !paired
+                {
+                    // An aggregated worker's pin: the rank alone.
+                    selection.prefill = None;
+                }
+                let failed = dispatcher.run(plan).await.map(|response| response.status());
+                assert!(!failed.as_ref().is_ok_and(StatusCode::is_success), "{failed:?}");
+            }
+            let ejected = ledger.outliers().any_ejected(Instant::now());
+            assert_eq!(ejected, !workers_answer_others, "answering others: {workers_answer_others}, paired: {paired}");
+        }
         Ok(())
     }
 

@@ -14,7 +14,7 @@
 //! failures short of an ejection are forgotten first (it only resets counts).
 //!
 //! An answer that never came in time counts only against a rank that answered nothing else
-//! since the request was sent ([`Outliers::unanswered`]): a worker answering other requests is
+//! since the request was sent ([`Outliers::failed_unless_answering`]): a worker answering other requests is
 //! not hung, and the request was merely long. Otherwise a client could eject healthy workers
 //! with a burst of requests too long to finish in time, all timing out together.
 
@@ -101,8 +101,8 @@ impl Outliers {
         }
     }
 
-    /// A pinned dispatch on `ranks`, sent at `sent`, failed at `now` in a way that points at
-    /// its workers, before its first token. A rank alone is counted. Of a prefill-decode pair
+    /// A pinned dispatch's answer on `ranks`, sent at `sent`, broke off at `now` under its head,
+    /// which points at its workers (`DispatchEnd::blame`). A rank alone is counted. Of a pair
     /// the failure may be either one's (1.6.1 answers one generic 500 whichever worker failed),
     /// so a rank that answered another dispatch since `sent` is cleared of it: it works, and
     /// the other is the suspect. One dead decode worker would otherwise eject every healthy
@@ -111,12 +111,16 @@ impl Outliers {
         if ranks.len() < 2 {
             return self.failed(ranks, now);
         }
-        self.unanswered(ranks, sent, now);
+        self.failed_unless_answering(ranks, sent, now);
     }
 
-    /// A pinned dispatch on `ranks` sent at `sent` got no answer in time (by `now`): a failure
-    /// of the ranks that answered nothing else since.
-    pub fn unanswered(&self, ranks: &[LoadKey], sent: Instant, now: Instant) {
+    /// A pinned dispatch on `ranks` sent at `sent` failed by `now` with no answer in time, or
+    /// with an answer that blames them (a 5xx, a 404, a refusal of their ids): a failure of the
+    /// ranks that answered nothing else since, through any shim replica. One that did works:
+    /// the request was merely long, or its shim replica failed it (a frontend that lost its
+    /// discovery, or restarted, answers every pin so while its `/live` says 200), and blamed
+    /// on the workers such a replica would eject healthy ones every other replica serves.
+    pub fn failed_unless_answering(&self, ranks: &[LoadKey], sent: Instant, now: Instant) {
         let silent: Vec<LoadKey> = {
             let answered = self.answered.lock().unwrap_or_else(PoisonError::into_inner);
             ranks.iter().filter(|rank| answered.get(*rank).is_none_or(|at| *at < sent)).cloned().collect()
@@ -310,13 +314,13 @@ mod tests {
         outliers.answered(&[rank(1)], later);
         let timed_out = sent + Duration::from_secs(300);
         for _ in 0..20 {
-            outliers.unanswered(&[rank(1), rank(2)], sent, timed_out);
+            outliers.failed_unless_answering(&[rank(1), rank(2)], sent, timed_out);
         }
         assert!(!outliers.ejected(&rank(1), timed_out), "it answered others meanwhile");
         assert!(outliers.ejected(&rank(2), timed_out), "silent since: hung");
         // An answer before the request was sent clears nothing.
-        outliers.unanswered(&[rank(1)], later + Duration::from_secs(1), timed_out);
-        outliers.unanswered(&[rank(1)], later + Duration::from_secs(1), timed_out);
+        outliers.failed_unless_answering(&[rank(1)], later + Duration::from_secs(1), timed_out);
+        outliers.failed_unless_answering(&[rank(1)], later + Duration::from_secs(1), timed_out);
         assert!(outliers.ejected(&rank(1), timed_out));
     }
 
@@ -375,7 +379,7 @@ mod tests {
             outliers.answered(&[rank(id)], now);
         }
         for _ in 0..EJECT_AFTER {
-            outliers.unanswered(&[rank(0)], sent, now);
+            outliers.failed_unless_answering(&[rank(0)], sent, now);
         }
         assert!(!outliers.ejected(&rank(0), now), "it answered others since");
         // Old answers go first; the table never passes its bound.
