@@ -110,25 +110,26 @@ async fn audit(request: Request, next: Next) -> Response {
     let peer = request.extensions().get::<Peer>().map_or_else(|| "unknown".to_owned(), |peer| peer.0.to_string());
     let started = Instant::now();
     let response = next.run(request).await;
-    let status = response.status().as_u16();
+    let status = response.status();
     let millis = started.elapsed().as_secs_f64() * 1000.0;
-    if status != StatusCode::UNAUTHORIZED.as_u16() {
-        tracing::info!(target: "continuum::audit", %method, path, %peer, status, millis, "admin call");
+    // A path is the caller's to choose, up to the head's bound: each line shows the start of it.
+    let path = &path[..path.floor_char_boundary(MAX_PATH_LOGGED)];
+    let status_code = status.as_u16();
+    if status != StatusCode::UNAUTHORIZED {
+        tracing::info!(target: "continuum::audit", %method, path, %peer, status = status_code, millis, "admin call");
         return response;
     }
-    // A refused call needs no credential: whoever reaches the port can make them at will, with
-    // paths of their choosing. A few a minute are kept, their paths cut short, and the next
-    // line says how many were held back.
+    // A refused call needs no credential: whoever reaches the port can make them at will. A
+    // few a minute are kept, and the next line says how many were held back.
     static REFUSED: LogBudget = LogBudget::per_minute(LINES_PER_MINUTE);
     if let Some(held_back) = REFUSED.admit() {
-        let path = &path[..path.floor_char_boundary(MAX_REFUSED_PATH_LOGGED)];
-        tracing::info!(target: "continuum::audit", %method, path, %peer, status, millis, held_back, "admin call");
+        tracing::info!(target: "continuum::audit", %method, path, %peer, status = status_code, millis, held_back, "admin call");
     }
     response
 }
 
-/// The most of a refused admin call's path its audit line shows.
-const MAX_REFUSED_PATH_LOGGED: usize = 256;
+/// The most of an admin call's path its audit line shows.
+const MAX_PATH_LOGGED: usize = 256;
 
 fn is_admin_path(path: &str) -> bool {
     path == "/admin" || path.starts_with("/admin/")
@@ -429,8 +430,8 @@ mod tests {
         assert!(!logged.contains("secret") && !logged.contains("right"), "no credential: {logged}");
     }
 
-    /// Refused calls (no credential needed) are logged a few a minute, their paths cut short,
-    /// and the line after a pause says how many were held back; calls let in are all logged.
+    /// Refused calls (no credential needed) are logged a few a minute, and the line after a
+    /// pause says how many were held back; calls let in are all logged; every path cut short.
     #[test]
     fn refused_admin_calls_are_logged_a_few_a_minute_and_calls_let_in_every_time() {
         use axum::body::Body;
@@ -440,7 +441,7 @@ mod tests {
         use axum::response::IntoResponse;
         use tower_service::Service;
 
-        use super::{LINES_PER_MINUTE, MAX_REFUSED_PATH_LOGGED};
+        use super::{LINES_PER_MINUTE, MAX_PATH_LOGGED};
 
         let admin = axum::Router::new().route("/dynamo/workers", axum::routing::get(|| async { "[]" }));
         // The token is checked within the audit, as the admin API's is.
@@ -462,6 +463,11 @@ mod tests {
                         let let_in = Request::get("/admin/dynamo/workers").header("authorization", "Bearer t");
                         let _ = router.call(let_in.body(Body::empty()).expect("a request")).await;
                     }
+                    if round == 0 {
+                        // Let in, to a path the API does not have: logged, and cut short too.
+                        let let_in = Request::get(long.as_str()).header("authorization", "Bearer t");
+                        let _ = router.call(let_in.body(Body::empty()).expect("a request")).await;
+                    }
                 }
             })
         });
@@ -470,9 +476,9 @@ mod tests {
         // may have spent a line of it on its own refused call.
         let refused = lines("status=401");
         assert!((LINES_PER_MINUTE as usize - 1..=LINES_PER_MINUTE as usize).contains(&refused), "{refused}: {logged}");
-        assert_eq!(lines("status=200"), 3, "{logged}");
+        assert_eq!((lines("status=200"), lines("status=404")), (3, 1), "{logged}");
         let longest = logged.lines().map(str::len).max().unwrap_or(0);
-        assert!(longest < 200 + MAX_REFUSED_PATH_LOGGED, "a refused path is cut short: {longest} bytes");
+        assert!(longest < 200 + MAX_PATH_LOGGED, "every path is cut short: {longest} bytes");
     }
 
     #[test]

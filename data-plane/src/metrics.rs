@@ -39,6 +39,7 @@ pub struct Metrics {
     pub shim_replica_state: IntGaugeVec,
     /// Sends moved on to another shim replica after a connection failure.
     pub shim_retries: IntCounter,
+    pub shim_retries_refused: IntCounter,
     /// Sends to each shim replica (and unified backend) by `backend` and `outcome`.
     pub shim_attempts: IntCounterVec,
     /// Fallbacks to the unified backends not made because the retry budget was spent.
@@ -274,6 +275,10 @@ impl Metrics {
                 "continuum_shim_retries_total",
                 "Sends moved on to another shim replica after a connection failure",
             )?,
+            shim_retries_refused: IntCounter::new(
+                "continuum_shim_retries_refused_total",
+                "Sends not moved on to another shim replica after a connection failure because the retry budget was spent",
+            )?,
             shim_attempts: IntCounterVec::new(
                 Opts::new(
                     "continuum_shim_attempts_total",
@@ -405,6 +410,7 @@ impl Metrics {
             Box::new(metrics.request_duration.clone()),
             Box::new(metrics.shim_replica_state.clone()),
             Box::new(metrics.shim_retries.clone()),
+            Box::new(metrics.shim_retries_refused.clone()),
             Box::new(metrics.fallbacks_refused.clone()),
             Box::new(metrics.shim_attempts.clone()),
             Box::new(metrics.http_refused.clone()),

@@ -283,7 +283,20 @@ fn model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
         return Ok(Parsed::Skipped(Skip::AdapterCard));
     }
     filed_where_it_says(key, wire.component.as_deref(), wire.endpoint.as_deref())?;
-    let (component, endpoint) = (wire.component.unwrap_or_default(), wire.endpoint.unwrap_or_default());
+    let named = |field: Option<String>| field.filter(|f| !f.is_empty());
+    let (component, endpoint) = match (named(wire.component), named(wire.endpoint)) {
+        // Both left empty: a legacy card, which joins on the instance id alone (the seed's rule).
+        (None, None) => (String::new(), String::new()),
+        // One of them named: a scoped card, the other as its key files it (every field of a
+        // record is optional across Dynamo's N-2 window), as an instance record's are.
+        (component, endpoint) => {
+            let (key_component, key_endpoint) = match &key.path {
+                KeyPath::Registry { component, endpoint } => (component.clone(), endpoint.clone()),
+                KeyPath::Event { .. } => (None, None),
+            };
+            (component.or(key_component).unwrap_or_default(), endpoint.or(key_endpoint).unwrap_or_default())
+        }
+    };
     Ok(Parsed::Model(Box::new(ModelRecord { instance_id, component, endpoint, card })))
 }
 

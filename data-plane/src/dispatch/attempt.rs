@@ -51,6 +51,7 @@ impl Dispatcher {
                     continue;
                 }
                 if retry && !self.budget.withdraw() {
+                    self.metrics.shim_retries_refused.inc();
                     return Err(last.map_or(Failure::NoReplica, Failure::BudgetSpent));
                 }
                 // Out, or a half-open breaker whose one probe another request took: no retry was made.

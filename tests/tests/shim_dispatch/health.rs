@@ -46,6 +46,35 @@ async fn connection_failures_retry_on_another_replica_with_the_same_pins() -> an
     Ok(())
 }
 
+/// Retries on another replica are paid from the retry budget: once it is spent, a send that
+/// failed to connect is not moved on, its client gets the failure, and the refusal is counted
+/// (a spent budget told apart from an unreachable pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_the_budget_cannot_pay_is_not_made_and_is_counted() -> anyhow::Result<()> {
+    const REQUESTS: usize = 60;
+    let shim = StubShim::start().await?;
+    let dead = RefusingPort::reserve()?;
+    // A breaker that never opens: every request starting on the dead replica needs a retry.
+    let breaker = BreakerSettings { failure_threshold: u32::MAX, ..BreakerSettings::default() };
+    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let pool = config(&[("shim-dead", dead.url()), ("shim-live", shim.url())]);
+    let harness = Harness::start_with(disaggregated_fleet(), pool, settings).await?;
+    let mut failed = 0;
+    for _ in 0..REQUESTS {
+        let response = harness.post(&chat(MODEL, false)).await?;
+        failed += usize::from(response.status() != 200);
+        response.bytes().await?;
+    }
+    let metrics = harness.metrics().await?;
+    let retried = sample(&metrics, "continuum_shim_retries_total").unwrap_or(0.0);
+    let refused = sample(&metrics, "continuum_shim_retries_refused_total").unwrap_or(0.0);
+    assert_eq!(retried + refused, (REQUESTS / 2) as f64, "every other request started on the dead replica");
+    assert!(refused > 0.0, "the budget ran out: {retried} retried");
+    assert_eq!(refused, failed as f64, "each refused retry is a failed request");
+    harness.stop().await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_breaker_opens_after_failures_and_closes_when_the_replica_returns() -> anyhow::Result<()> {
     let refusing = RefusingPort::reserve()?;

@@ -108,6 +108,21 @@ fn legacy_card_joins_on_instance_id_and_a_scoped_card_wins() {
     assert_eq!(model(&sim).as_deref(), Some("legacy"));
 }
 
+/// A card naming one of its component and endpoint (every field is optional across the N-2
+/// window) takes the other from its key, as an instance record does, and joins its worker.
+#[test]
+fn a_card_naming_half_its_scope_takes_the_rest_from_its_key() {
+    for missing in ["endpoint", "component"] {
+        let mut sim = Sim::new();
+        let mut card = card_value("prefill", json!(ID), card_json("prefill"));
+        card.as_object_mut().expect("an object").remove(missing);
+        sim.put(card_key(NS, "prefill", ID), &card);
+        sim.put(instance_key(NS, "prefill", "generate", ID), &endpoint_value("prefill", "generate", json!(ID)));
+        let model = sim.worker(ID).map(|w| w.worker.model);
+        assert_eq!(model.as_deref(), Some("tiny"), "{missing} missing: the card joins");
+    }
+}
+
 #[test]
 fn scoped_card_for_another_component_does_not_join() {
     let mut sim = Sim::new();
