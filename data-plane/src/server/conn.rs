@@ -22,6 +22,7 @@ use http_body_util::BodyExt;
 use prometheus::IntGauge;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::futures::Notified;
 use tokio::time::Sleep;
 use tower_service::Service;
 
@@ -172,6 +173,43 @@ struct Connection<'m> {
     metrics: &'m Metrics,
     /// When the connection idles out; one timer for the connection's life, moved forward.
     idle: Pin<Box<Sleep>>,
+    /// What wakes it, waiting idle, as the server becomes crowded (none in tests that serve
+    /// no server).
+    crowding: Option<CrowdWatch<'m>>,
+}
+
+/// A connection's watch on its server becoming crowded ([`Slots::took_one`]): one registration
+/// for the connection's life, made again only after it fires, rather than one per request.
+struct CrowdWatch<'s> {
+    slots: &'s Slots,
+    notified: Pin<Box<Notified<'s>>>,
+}
+
+impl<'s> CrowdWatch<'s> {
+    fn new(slots: &'s Slots) -> Self {
+        Self { slots, notified: Box::pin(slots.crowding.notified()) }
+    }
+
+    /// Completes once the server has become crowded and still is, and watches for the next
+    /// time: a crowding that came and went while the connection was answering is no reason
+    /// to hurry its next wait.
+    async fn began(&mut self) {
+        loop {
+            self.notified.as_mut().await;
+            self.notified.set(self.slots.crowding.notified());
+            if self.slots.crowded() {
+                return;
+            }
+        }
+    }
+}
+
+/// [`CrowdWatch::began`], or never without a watch.
+async fn crowding_began(watch: &mut Option<CrowdWatch<'_>>) {
+    match watch {
+        Some(watch) => watch.began().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// A connection waiting for its next request, counted on a gauge while it waits.
@@ -194,6 +232,7 @@ impl Drop for Waiting<'_> {
 /// request only [`CROWDED_IDLE_TIMEOUT`].
 pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &Slots) {
     let mut conn = Connection::new(stream, &app.state.metrics);
+    conn.crowding = Some(CrowdWatch::new(slots));
     // One wait for the server's closing for the connection's life: made afresh for each
     // request, it would join and leave the token's list of waiters, under its lock, each time.
     let mut closing = std::pin::pin!(stages.closing.cancelled());
@@ -305,6 +344,7 @@ impl<'m> Connection<'m> {
             overflow: None,
             overflowed: false,
             idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
+            crowding: None,
         }
     }
 
@@ -325,18 +365,27 @@ impl<'m> Connection<'m> {
                 self.idle.as_mut().reset(soon);
             }
         }
-        let idled_out = if crowded { Stop::Crowded } else { Stop::Quietly };
+        let mut idled_out = if crowded { Stop::Crowded } else { Stop::Quietly };
         let waited = Waiting::on(waiting);
         // Blank lines before a request line are ignored (RFC 9112 §2.2: some clients end a
         // body with an extra CRLF), and still idle: they move neither deadline.
         while self.skip_blank_lines() {
             self.make_room();
-            let Connection { stream, read, idle, .. } = self;
+            let Connection { stream, read, idle, crowding, .. } = self;
             tokio::select! {
                 biased;
                 // The deadlines first: a client that keeps sending blank lines is still idle.
                 () = idle.as_mut() => return Err(idled_out),
                 () = closing.as_mut() => return Err(Stop::Quietly),
+                // The server became crowded while this connection waited: it waits no longer
+                // than one that began waiting then.
+                () = crowding_began(crowding) => {
+                    let soon = tokio::time::Instant::now() + CROWDED_IDLE_TIMEOUT;
+                    if soon < idle.deadline() {
+                        idle.as_mut().reset(soon);
+                        idled_out = Stop::Crowded;
+                    }
+                }
                 read = stream.read_buf(read) => match read {
                     Ok(0) | Err(_) => return Err(Stop::Quietly),
                     Ok(_) => {}

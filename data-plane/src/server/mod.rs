@@ -19,7 +19,7 @@ use std::time::Duration;
 use axum::Router;
 use prometheus::IntGauge;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -48,11 +48,29 @@ const CROWDED_SHARE: usize = 16;
 pub(super) struct Slots {
     free: Arc<Semaphore>,
     crowded_at: usize,
+    /// Wakes the connections waiting idle as the server becomes crowded (`Self::took_one`).
+    pub(super) crowding: Notify,
+    /// Whether the last connection accepted found the server crowded.
+    was_crowded: AtomicBool,
 }
 
 impl Slots {
     fn new(capacity: usize) -> Self {
-        Self { free: Arc::new(Semaphore::new(capacity)), crowded_at: capacity / CROWDED_SHARE }
+        let (crowding, was_crowded) = (Notify::new(), AtomicBool::new(false));
+        Self { free: Arc::new(Semaphore::new(capacity)), crowded_at: capacity / CROWDED_SHARE, crowding, was_crowded }
+    }
+
+    /// A connection took its slot. If that made the server crowded, every connection waiting
+    /// idle since before is woken and waits only `CROWDED_IDLE_TIMEOUT` more, as those that
+    /// start waiting while it is crowded do: otherwise the connections a client opened and
+    /// left silent before the crowding (15 of every 16 slots) would keep their slots for the
+    /// whole idle timeout, and open them again as soon as they were closed, while real clients
+    /// competed for the rest. nginx closes its idle connections when it runs short so.
+    fn took_one(&self) {
+        let crowded = self.crowded();
+        if self.was_crowded.swap(crowded, Ordering::Relaxed) != crowded && crowded {
+            self.crowding.notify_waiters();
+        }
     }
 
     /// Whether a connection starting to wait idle should wait only briefly, as nginx reuses
@@ -152,6 +170,7 @@ async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity
         };
         match accepted {
             Ok((stream, slot)) => {
+                slots.took_one();
                 // Responses go out whole, so Nagle's algorithm could only hold one back.
                 if let Err(error) = stream.set_nodelay(true) {
                     tracing::debug!(%error, "could not set TCP_NODELAY on a client connection");
@@ -327,11 +346,10 @@ mod tests {
         Ok(())
     }
 
-    /// With nearly every slot held, a connection waiting idle waits only briefly: a new client
-    /// gets the slot of the one that went idle last, while those idle before the crowding keep
-    /// theirs.
+    /// With nearly every slot held, connections waiting idle wait only briefly, those idle from
+    /// before the crowding too: a new client gets a slot; without the crowding they wait on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn near_capacity_an_idle_connection_gives_its_slot_to_a_new_one() -> anyhow::Result<()> {
+    async fn near_capacity_idle_connections_give_their_slots_to_new_ones() -> anyhow::Result<()> {
         const CAPACITY: usize = 3;
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
@@ -339,8 +357,7 @@ mod tests {
         let app = App { router: http::router(Arc::clone(&state)), state: Arc::clone(&state) };
         let stages = Stages::default();
         let server = tokio::spawn(serve_at_most(listener, app, stages.clone(), CAPACITY));
-        // Keep-alive clients, one after another, each idle after one request: only the last
-        // starts waiting with the server crowded.
+        // Keep-alive clients, one after another, each idle after one request.
         let ask = async |stream: &mut TcpStream| -> anyhow::Result<()> {
             stream.write_all(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n").await?;
             let mut head = [0u8; 12];
@@ -349,46 +366,35 @@ mod tests {
             Ok(())
         };
         let waiting = &state.metrics.http_connections_waiting;
+        let shed = || state.metrics.http_connections_shed.get();
         let mut idle = Vec::new();
-        for _ in 0..CAPACITY {
+        let mut open_one = async || -> anyhow::Result<()> {
             let mut stream = TcpStream::connect(addr).await?;
             ask(&mut stream).await?;
             idle.push(stream);
-            // Its connection back in its idle wait (and so past its look at the slots) before
-            // the next one comes.
+            // Its connection back in its idle wait before the next one comes.
             let back = async {
                 while waiting.get() < idle.len() as i64 {
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }
             };
-            tokio::time::timeout(Duration::from_secs(10), back).await?;
-        }
-        assert_eq!(waiting.get(), CAPACITY as i64, "every connection waits for its next request");
+            Ok(tokio::time::timeout(Duration::from_secs(10), back).await?)
+        };
+        open_one().await?;
+        open_one().await?;
+        // Not crowded: they may wait longer than a crowded server's idle timeout.
+        tokio::time::sleep(CROWDED_IDLE_TIMEOUT + Duration::from_millis(500)).await;
+        assert_eq!((waiting.get(), shed()), (2, 0), "both wait on");
+        // The last slot taken: the server is crowded, and every idle connection, those that
+        // waited from before too, waits only the crowded timeout more.
+        open_one().await?;
         let mut client = TcpStream::connect(addr).await?;
         ask(&mut client).await?;
-        assert_eq!(state.metrics.http_connections_shed.get(), 1, "the one that came last gave way");
-        // The new client's and the two kept: waiting for their next requests.
-        let settled = async {
-            while waiting.get() != CAPACITY as i64 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), settled).await?;
-        let mut last = idle.pop().expect("three");
-        let mut rest = Vec::new();
-        let closed = tokio::time::timeout(Duration::from_secs(5), last.read_to_end(&mut rest)).await;
-        assert!(matches!(closed, Ok(Ok(_))), "the last one was closed: {closed:?}");
+        assert_eq!(shed(), CAPACITY as u64, "every idle connection gave way, not only the last");
         for mut stream in idle {
-            // What is left of its answer, then nothing: open, not closed.
-            let mut rest = vec![0u8; 64 << 10];
-            let open = loop {
-                match tokio::time::timeout(Duration::from_millis(200), stream.read(&mut rest)).await {
-                    Err(_) => break true,
-                    Ok(Ok(0) | Err(_)) => break false,
-                    Ok(Ok(_)) => {}
-                }
-            };
-            assert!(open, "a connection idle from before the crowding is still open");
+            let mut rest = Vec::new();
+            let closed = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest)).await;
+            assert!(matches!(closed, Ok(Ok(_))), "closed: {closed:?}");
         }
         stages.closing.cancel();
         stages.cut.cancel();
