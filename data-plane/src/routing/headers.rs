@@ -260,7 +260,8 @@ pub fn trace<'a, 'h>(headers: impl Iterator<Item = (&'a str, &'h [u8])> + Clone)
 
 /// A client's tenant as dynamo.frontend 1.6.1 reads it from `values` (every `x-tenant-id` the
 /// request carries, in order): the last that is a valid header string (visible ASCII) and not
-/// blank, trimmed. It salts the request's KV blocks, over any salt in the body.
+/// blank, trimmed. It salts the request's KV blocks, over any salt in the body. Reads every
+/// value, whichever it keeps (the server measures them as it reads).
 pub fn tenant<'a>(values: impl Iterator<Item = &'a [u8]>) -> Option<String> {
     let visible = |b: &u8| *b == b'\t' || (0x20..0x7f).contains(b);
     values

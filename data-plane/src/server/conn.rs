@@ -24,6 +24,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::futures::Notified;
 use tokio::time::Sleep;
+use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
 use super::head::{
@@ -173,42 +174,49 @@ struct Connection<'m> {
     metrics: &'m Metrics,
     /// When the connection idles out; one timer for the connection's life, moved forward.
     idle: Pin<Box<Sleep>>,
-    /// What wakes it, waiting idle, as the server becomes crowded (none in tests that serve
-    /// no server).
-    crowding: Option<CrowdWatch<'m>>,
 }
 
-/// A connection's watch on its server becoming crowded ([`Slots::took_one`]): one registration
-/// for the connection's life, made again only after it fires, rather than one per request.
-struct CrowdWatch<'s> {
+/// Why the server calls off a connection's wait for its next request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdleCall {
+    /// The server is closing: a connection waiting idle closes.
+    Closing,
+    /// The server became crowded: the wait goes on no longer than [`CROWDED_IDLE_TIMEOUT`].
+    Crowded,
+}
+
+/// A connection's watch on the server's calls to its connections waiting idle ([`IdleCall`],
+/// [`Slots::idle_call`]): one registration for the connection's life, made again only after
+/// a call came, where one per request would join and leave the list of waiters, under its
+/// lock, each time (and waiting on the closing token and the crowding apart, twice).
+struct IdleCalls<'s> {
     slots: &'s Slots,
+    closing: &'s CancellationToken,
     notified: Pin<Box<Notified<'s>>>,
+    closed: bool,
 }
 
-impl<'s> CrowdWatch<'s> {
-    fn new(slots: &'s Slots) -> Self {
-        Self { slots, notified: Box::pin(slots.crowding.notified()) }
+impl<'s> IdleCalls<'s> {
+    fn new(slots: &'s Slots, closing: &'s CancellationToken) -> Self {
+        let notified = Box::pin(slots.idle_call.notified());
+        // After the registration: a closing from before it is seen here, one after it calls.
+        Self { slots, closing, notified, closed: closing.is_cancelled() }
     }
 
-    /// Completes once the server has become crowded and still is, and watches for the next
-    /// time: a crowding that came and went while the connection was answering is no reason
-    /// to hurry its next wait.
-    async fn began(&mut self) {
+    /// The next call that concerns a connection waiting now. A crowding that came and went
+    /// while the connection was answering is no reason to hurry its next wait.
+    async fn next(&mut self) -> IdleCall {
         loop {
+            if self.closed {
+                return IdleCall::Closing;
+            }
             self.notified.as_mut().await;
-            self.notified.set(self.slots.crowding.notified());
-            if self.slots.crowded() {
-                return;
+            self.notified.set(self.slots.idle_call.notified());
+            self.closed = self.closing.is_cancelled();
+            if !self.closed && self.slots.crowded() {
+                return IdleCall::Crowded;
             }
         }
-    }
-}
-
-/// [`CrowdWatch::began`], or never without a watch.
-async fn crowding_began(watch: &mut Option<CrowdWatch<'_>>) {
-    match watch {
-        Some(watch) => watch.began().await,
-        None => std::future::pending().await,
     }
 }
 
@@ -232,13 +240,11 @@ impl Drop for Waiting<'_> {
 /// request only [`CROWDED_IDLE_TIMEOUT`].
 pub(super) async fn serve(stream: TcpStream, app: App, stages: &Stages, slots: &Slots) {
     let mut conn = Connection::new(stream, &app.state.metrics);
-    conn.crowding = Some(CrowdWatch::new(slots));
-    // One wait for the server's closing for the connection's life: made afresh for each
-    // request, it would join and leave the token's list of waiters, under its lock, each time.
-    let mut closing = std::pin::pin!(stages.closing.cancelled());
+    let mut calls = IdleCalls::new(slots, &stages.closing);
     loop {
         let waiting = &app.state.metrics.http_connections_waiting;
-        let (head, body, charge) = match conn.read_request(closing.as_mut(), slots.crowded(), waiting).await {
+        let call = std::pin::pin!(calls.next());
+        let (head, body, charge) = match conn.read_request(call, slots.crowded(), waiting).await {
             Ok(request) => request,
             Err(Stop::Quietly) => return,
             Err(Stop::Crowded) => {
@@ -344,7 +350,6 @@ impl<'m> Connection<'m> {
             overflow: None,
             overflowed: false,
             idle: Box::pin(tokio::time::sleep(IDLE_TIMEOUT)),
-            crowding: None,
         }
     }
 
@@ -354,7 +359,7 @@ impl<'m> Connection<'m> {
     /// Until the first byte comes, the connection counts on `waiting`.
     async fn read_request(
         &mut self,
-        mut closing: Pin<&mut impl Future<Output = ()>>,
+        mut call: Pin<&mut impl Future<Output = IdleCall>>,
         crowded: bool,
         waiting: &IntGauge,
     ) -> Result<(RequestHead, Bytes, Charge), Stop> {
@@ -366,26 +371,31 @@ impl<'m> Connection<'m> {
             }
         }
         let mut idled_out = if crowded { Stop::Crowded } else { Stop::Quietly };
+        // A call, once come, is not waited for again in this wait (its future is done).
+        let mut called = false;
         let waited = Waiting::on(waiting);
         // Blank lines before a request line are ignored (RFC 9112 §2.2: some clients end a
         // body with an extra CRLF), and still idle: they move neither deadline.
         while self.skip_blank_lines() {
             self.make_room();
-            let Connection { stream, read, idle, crowding, .. } = self;
+            let Connection { stream, read, idle, .. } = self;
             tokio::select! {
                 biased;
                 // The deadlines first: a client that keeps sending blank lines is still idle.
                 () = idle.as_mut() => return Err(idled_out),
-                () = closing.as_mut() => return Err(Stop::Quietly),
-                // The server became crowded while this connection waited: it waits no longer
-                // than one that began waiting then.
-                () = crowding_began(crowding) => {
-                    let soon = tokio::time::Instant::now() + CROWDED_IDLE_TIMEOUT;
-                    if soon < idle.deadline() {
-                        idle.as_mut().reset(soon);
-                        idled_out = Stop::Crowded;
+                next = call.as_mut(), if !called => match next {
+                    IdleCall::Closing => return Err(Stop::Quietly),
+                    // The server became crowded while this connection waited: it waits no
+                    // longer than one that began waiting then.
+                    IdleCall::Crowded => {
+                        called = true;
+                        let soon = tokio::time::Instant::now() + CROWDED_IDLE_TIMEOUT;
+                        if soon < idle.deadline() {
+                            idle.as_mut().reset(soon);
+                            idled_out = Stop::Crowded;
+                        }
                     }
-                }
+                },
                 read = stream.read_buf(read) => match read {
                     Ok(0) | Err(_) => return Err(Stop::Quietly),
                     Ok(_) => {}

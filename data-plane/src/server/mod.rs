@@ -48,16 +48,17 @@ const CROWDED_SHARE: usize = 16;
 pub(super) struct Slots {
     free: Arc<Semaphore>,
     crowded_at: usize,
-    /// Wakes the connections waiting idle as the server becomes crowded (`Self::took_one`).
-    pub(super) crowding: Notify,
+    /// Wakes the connections waiting idle: the server is closing, or became crowded
+    /// (`Self::took_one`). One signal for both, so that a connection waits on one.
+    pub(super) idle_call: Notify,
     /// Whether the last connection accepted found the server crowded.
     was_crowded: AtomicBool,
 }
 
 impl Slots {
     fn new(capacity: usize) -> Self {
-        let (crowding, was_crowded) = (Notify::new(), AtomicBool::new(false));
-        Self { free: Arc::new(Semaphore::new(capacity)), crowded_at: capacity / CROWDED_SHARE, crowding, was_crowded }
+        let (idle_call, was_crowded) = (Notify::new(), AtomicBool::new(false));
+        Self { free: Arc::new(Semaphore::new(capacity)), crowded_at: capacity / CROWDED_SHARE, idle_call, was_crowded }
     }
 
     /// A connection took its slot. If that made the server crowded, every connection waiting
@@ -69,7 +70,7 @@ impl Slots {
     fn took_one(&self) {
         let crowded = self.crowded();
         if self.was_crowded.swap(crowded, Ordering::Relaxed) != crowded && crowded {
-            self.crowding.notify_waiters();
+            self.idle_call.notify_waiters();
         }
     }
 
@@ -200,6 +201,8 @@ async fn serve_at_most(listener: TcpListener, app: App, stages: Stages, capacity
         }
     }
     drop(listener);
+    // Connections waiting idle close now; those answering finish first.
+    slots.idle_call.notify_waiters();
     let all_ended = async { while connections.join_next().await.is_some() {} };
     tokio::select! {
         () = all_ended => return,

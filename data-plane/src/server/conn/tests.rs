@@ -2,8 +2,8 @@ use tokio::net::TcpListener;
 
 use super::*;
 
-/// The wait for a server's closing, of a server that never closes.
-fn never_closing() -> std::future::Pending<()> {
+/// The calls of a server that never closes nor becomes crowded.
+fn never_closing() -> std::future::Pending<IdleCall> {
     std::future::pending()
 }
 
