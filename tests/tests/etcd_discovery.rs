@@ -296,6 +296,15 @@ async fn a_relist_for_freed_room_waits_its_turn_while_the_watches_go_on() -> any
     Ok(())
 }
 
+/// [`writes_after`]'s verdict on `prefix` after `revision`, checking the revision it says it
+/// read at: the store's as the check began (none is written meanwhile here).
+async fn changed(kv: &mut etcd_client::KvClient, prefix: &str, revision: i64) -> Option<bool> {
+    let checked = writes_after(kv, prefix, revision, Duration::from_secs(5)).await;
+    let store = kv.get("any", None).await.ok().and_then(|r| r.header().map(|h| h.revision()));
+    assert_eq!(checked.map(|c| c.at), store, "{prefix} after {revision}");
+    checked.map(|c| c.changed)
+}
+
 /// The check a silent watch stream gets: did its prefix change after the revision the stream
 /// delivered (a key written, or one deleted)? Only changes under that prefix count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -305,21 +314,20 @@ async fn a_silent_stream_is_checked_for_writes_under_its_prefix_past_what_it_del
     put_workers(&etcd, [lease(1)]).await?;
     let mut kv = etcd.client().await?.kv_client();
     let [instances, cards, ..] = prefixes("dynamo");
-    let within = Duration::from_secs(5);
     let now = kv.get("any", None).await?.header().map(|h| h.revision()).unwrap_or_default();
-    assert_eq!(writes_after(&mut kv, &instances, now, within).await, Some(false), "nothing newer");
-    assert_eq!(writes_after(&mut kv, &instances, 0, within).await, Some(true), "the instance written");
+    assert_eq!(changed(&mut kv, &instances, now).await, Some(false), "nothing newer");
+    assert_eq!(changed(&mut kv, &instances, 0).await, Some(true), "the instance written");
     put_workers(&etcd, [lease(2)]).await?;
-    assert_eq!(writes_after(&mut kv, &instances, now, within).await, Some(true), "a new instance");
+    assert_eq!(changed(&mut kv, &instances, now).await, Some(true), "a new instance");
     kv.put(format!("{cards}other"), "{}", None).await?;
     let after = kv.get("any", None).await?.header().map(|h| h.revision()).unwrap_or_default();
-    assert_eq!(writes_after(&mut kv, &instances, after - 1, within).await, Some(false), "a write elsewhere");
-    assert_eq!(writes_after(&mut kv, &cards, after - 1, within).await, Some(true));
+    assert_eq!(changed(&mut kv, &instances, after - 1).await, Some(false), "a write elsewhere");
+    assert_eq!(changed(&mut kv, &cards, after - 1).await, Some(true));
     // A delete (a lease expiring) leaves no key written after it: the count tells.
     kv.delete(format!("{cards}other"), None).await?;
-    assert_eq!(writes_after(&mut kv, &cards, after, within).await, Some(true), "a key deleted");
+    assert_eq!(changed(&mut kv, &cards, after).await, Some(true), "a key deleted");
     let deleted = kv.get("any", None).await?.header().map(|h| h.revision()).unwrap_or_default();
-    assert_eq!(writes_after(&mut kv, &cards, deleted, within).await, Some(false), "nothing since");
+    assert_eq!(changed(&mut kv, &cards, deleted).await, Some(false), "nothing since");
     Ok(())
 }
 

@@ -70,9 +70,9 @@ pub enum PassError {
     #[error("a watch stream ended")]
     Ended,
     #[error(
-        "a watch stream went unheard for {0:?}, progress requests included, and etcd did not answer a check; resyncing"
+        "the watch on {prefix} went unheard for {after:?}, progress requests included, and etcd did not answer a check of it in time (or no longer holds the revision it delivered); resyncing"
     )]
-    Silent(Duration),
+    Silent { prefix: String, after: Duration },
     #[error("the watch on {prefix} went unheard while etcd holds writes under it past revision {revision}; resyncing")]
     Stalled { prefix: String, revision: i64 },
     #[error("a full discovery keyspace has room again; listing it anew for the keys it refused")]
@@ -205,10 +205,10 @@ async fn pass(
             _ = progress.tick() => {
                 for (index, delivered) in heard.silent(Instant::now(), health.silent_after) {
                     let prefix = &prefixes[index];
-                    let Some(holds_newer) = writes_after(&mut kv, prefix, delivered, health.confirm_within).await else {
-                        return Err(PassError::Silent(health.silent_after));
+                    let Some(checked) = writes_after(&mut kv, prefix, delivered, health.confirm_within).await else {
+                        return Err(PassError::Silent { prefix: prefix.clone(), after: health.silent_after });
                     };
-                    if heard.checked(index, holds_newer, Instant::now()) == Verdict::Stalled {
+                    if heard.checked(index, checked, Instant::now()) == Verdict::Stalled {
                         return Err(PassError::Stalled { prefix: prefix.clone(), revision: delivered });
                     }
                 }
@@ -324,29 +324,42 @@ fn off_the_runtime<R>(work: impl FnOnce() -> R) -> R {
     }
 }
 
-/// Whether `prefix` changed after `revision`, by linearizable reads answered within `within`:
-/// a key written since (one at most, without its value; not a count, since etcd counts a range
-/// before it filters it by revision), or else a count of the prefix now unlike its count then,
-/// since a delete (a worker's lease expiring) leaves no key to find. `None` when the member
-/// does not answer in time (one cut off from its cluster, `require_leader`, or frozen), or no
-/// longer holds that revision (compacted past what the stream delivered).
-pub async fn writes_after(kv: &mut KvClient, prefix: &str, revision: i64, within: Duration) -> Option<bool> {
+/// What a check of a silent stream's prefix found ([`writes_after`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checked {
+    /// The prefix changed after the revision the stream delivered.
+    pub changed: bool,
+    /// The store's revision the check read at: unchanged, the stream has all up to it.
+    pub at: i64,
+}
+
+/// Whether `prefix` changed after `revision`, by linearizable reads answered within `within`,
+/// all at the store's revision as the check began: a key written since (one at most, without
+/// its value; not a count, since etcd counts a range before it filters it by revision), or else
+/// a count of the prefix unlike its count then, since a delete (a worker's lease expiring)
+/// leaves no key to find. `None` when the member does not answer in time (one cut off from its
+/// cluster, `require_leader`, or frozen), or no longer holds that revision (compacted past what
+/// the stream delivered: a quiet check moves the stream's revision to its own, so a stream
+/// that stays quiet is checked at a recent one).
+pub async fn writes_after(kv: &mut KvClient, prefix: &str, revision: i64, within: Duration) -> Option<Checked> {
     let check = async {
         let newer = GetOptions::new()
             .with_prefix()
             .with_keys_only()
             .with_min_mod_revision(revision.saturating_add(1))
             .with_limit(1);
-        if !kv.get(prefix, Some(newer)).await?.kvs().is_empty() {
-            return Ok(true);
+        let found = kv.get(prefix, Some(newer)).await?;
+        let at = found.header().map_or(revision, |header| header.revision());
+        if !found.kvs().is_empty() {
+            return Ok(Checked { changed: true, at });
         }
-        let count = || GetOptions::new().with_prefix().with_count_only();
-        let now = kv.get(prefix, Some(count())).await?.count();
-        let then = kv.get(prefix, Some(count().with_revision(revision))).await?.count();
-        Ok::<_, etcd_client::Error>(now != then)
+        let count = |at: i64| GetOptions::new().with_prefix().with_count_only().with_revision(at);
+        let now = kv.get(prefix, Some(count(at))).await?.count();
+        let then = kv.get(prefix, Some(count(revision))).await?.count();
+        Ok::<_, etcd_client::Error>(Checked { changed: now != then, at })
     };
     match tokio::time::timeout(within, check).await {
-        Ok(Ok(changed)) => Some(changed),
+        Ok(Ok(checked)) => Some(checked),
         _ => None,
     }
 }

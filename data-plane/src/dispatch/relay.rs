@@ -8,7 +8,10 @@
 //!
 //! Only whole events reach the client. A frame is relayed up to its last blank line at once,
 //! without a copy; what follows (the start of an event the next frame finishes) waits for the
-//! rest of its event, [`MAX_PARTIAL_EVENT_BYTES`] at most. In SSE a blank line delivers whatever
+//! rest of its event, [`MAX_PARTIAL_EVENT_BYTES`] at most, and past what a small body holds free
+//! charged to the process's budget for buffered answers (`crate::memory`): thousands of streams
+//! each holding a large unfinished event would otherwise hold gigabytes that no bound counts. In
+//! SSE a blank line delivers whatever
 //! data came before it, so a break relayed mid-event could only be followed by the broken
 //! event's half, delivered as an event of its own (invalid JSON, which OpenAI's clients fail on
 //! before they read the error after it). Held back, the half is never sent.
@@ -29,6 +32,7 @@ use super::breaker::ShimExchange;
 use super::disclosure::{relayable, text_names_an_address};
 use super::ledger::DispatchEnd;
 use super::shim_body::ShimBody;
+use crate::memory::{BUFFERED_ANSWERS, Charge, append_charged};
 
 /// No event from the shim for this long ends a relayed stream with an error event.
 pub const STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -54,7 +58,13 @@ enum Fault {
     /// The connection under the stream broke, or closed inside an event: the shim replica's
     /// failure (or the network's). 1.6.1 says a worker's death in band.
     Shim,
+    /// The replica had no room to hold an unfinished event: its own load, no one's failure.
+    Overloaded,
 }
+
+/// The process's budget had no room for an unfinished event's bytes.
+#[derive(Debug)]
+struct NoRoom;
 
 #[derive(Debug)]
 pub struct RelayBody {
@@ -66,8 +76,9 @@ pub struct RelayBody {
     done: bool,
     /// Where the bytes received so far stand among SSE lines.
     lines: Lines,
-    /// The received start of an event not yet ended, held back.
+    /// The received start of an event not yet ended, held back, and what it is charged.
     partial: BytesMut,
+    partial_charge: Charge,
     dispatch: Option<DispatchEnd>,
     /// The shim replica streaming it, told how the exchange ended.
     shim: ShimExchange,
@@ -100,6 +111,7 @@ impl RelayBody {
             done: false,
             lines: Lines::default(),
             partial: BytesMut::new(),
+            partial_charge: Charge::default(),
             dispatch,
             shim,
             failures,
@@ -134,7 +146,7 @@ impl RelayBody {
             (Fault::Shim, _) => self.shim.ended(false),
             (Fault::Workers, Some(dispatch)) => dispatch.blame(),
             (Fault::Silent, Some(dispatch)) => dispatch.timed_out(self.last_event.map(Instant::into_std)),
-            (Fault::Workers | Fault::Silent, None) => {}
+            (Fault::Workers | Fault::Silent, None) | (Fault::Overloaded, _) => {}
         }
         self.failures.inc();
     }
@@ -150,26 +162,35 @@ impl RelayBody {
         self.dispatch = None;
         // The unfinished event is not sent: the client has seen only whole events.
         self.partial = BytesMut::new();
+        self.partial_charge = Charge::default();
         Poll::Ready(Some(Ok(Frame::data(sse_error_event(code, message)))))
     }
 
     /// The whole events `data` ends (with the held start of the first), or `None` while they
     /// are all still unfinished; the rest is held back.
-    fn whole_events(&mut self, data: Bytes) -> Option<Bytes> {
+    fn whole_events(&mut self, data: Bytes) -> Result<Option<Bytes>, NoRoom> {
         let Some(end) = self.lines.feed(&data) else {
-            self.partial.extend_from_slice(&data);
-            return None;
+            self.hold(&data)?;
+            return Ok(None);
         };
         let mut data = data;
         let rest = data.split_off(end);
         let events = if self.partial.is_empty() {
             data
         } else {
-            self.partial.extend_from_slice(&data);
+            self.hold(&data)?;
+            // Handed on to be written: no longer held here, nor charged.
+            self.partial_charge = Charge::default();
             std::mem::take(&mut self.partial).freeze()
         };
-        self.partial.extend_from_slice(&rest);
-        Some(events)
+        self.hold(&rest)?;
+        Ok(Some(events))
+    }
+
+    /// Holds `data` behind the unfinished event's start, charged past what is free.
+    fn hold(&mut self, data: &[u8]) -> Result<(), NoRoom> {
+        let budget = (&BUFFERED_ANSWERS, &mut self.partial_charge);
+        append_charged(&mut self.partial, data, MAX_PARTIAL_EVENT_BYTES, budget).then_some(()).ok_or(NoRoom)
     }
 }
 
@@ -265,7 +286,17 @@ impl Body for RelayBody {
                     return this.expired();
                 }
             };
-            let Some(events) = this.whole_events(data) else {
+            let whole = match this.whole_events(data) {
+                Ok(whole) => whole,
+                Err(NoRoom) => {
+                    return this.fail(
+                        Fault::Overloaded,
+                        "server_busy",
+                        "The router holds as many unfinished stream events as it may, and the stream was ended. Retry shortly.",
+                    );
+                }
+            };
+            let Some(events) = whole else {
                 if this.partial.len() > MAX_PARTIAL_EVENT_BYTES {
                     warn_limited!(limit = MAX_PARTIAL_EVENT_BYTES, "shim stream sent an event too large to relay");
                     return this.fail(

@@ -15,6 +15,8 @@
 
 use std::time::{Duration, Instant};
 
+use super::Checked;
+
 /// How a pass tells a stalled watch from a quiet one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct WatchHealth {
@@ -78,13 +80,16 @@ impl Heard {
         self.0.iter().enumerate().filter(silent).map(|(index, stream)| (index, stream.revision)).collect()
     }
 
-    /// Stream `index` was checked at `now`: the member `holds_newer` writes under its prefix
-    /// than it delivered.
-    pub fn checked(&mut self, index: usize, holds_newer: bool, now: Instant) -> Verdict {
+    /// Stream `index` was checked at `now`: whether the member holds newer writes under its
+    /// prefix than it delivered, as of the revision the check read at. Quiet, the stream has
+    /// every write up to that revision: its next check reads there, not at a revision etcd
+    /// may have compacted since (which would fail the check, and end the pass, for a prefix
+    /// merely quiet for long).
+    pub fn checked(&mut self, index: usize, checked: Checked, now: Instant) -> Verdict {
         let Some(stream) = self.0.get_mut(index) else { return Verdict::Quiet };
-        match (holds_newer, stream.suspect) {
+        match (checked.changed, stream.suspect) {
             (false, _) => {
-                *stream = Stream { at: now, suspect: false, ..*stream };
+                *stream = Stream { at: now, revision: stream.revision.max(checked.at), suspect: false };
                 Verdict::Quiet
             }
             (true, false) => {
@@ -119,19 +124,27 @@ mod tests {
         let after = Duration::from_secs(25);
         let mut heard = Heard::new(2, 7, t0);
         let first_check = t0 + after;
-        // Nothing newer under either prefix: quiet, and heard from as of the check.
-        assert_eq!(heard.checked(0, false, first_check), Verdict::Quiet);
+        let quiet = |at| Checked { changed: false, at };
+        let newer = |at| Checked { changed: true, at };
+        // Nothing newer under either prefix as of revision 9: quiet, and heard from as of the
+        // check, with every write up to the revision it read at.
+        assert_eq!(heard.checked(0, quiet(9), first_check), Verdict::Quiet);
         assert_eq!(heard.silent(first_check, after), [(1, 7)]);
         // A newer write: perhaps on its way. Delivered before the next check, all is well.
-        assert_eq!(heard.checked(1, true, first_check), Verdict::Suspect);
+        assert_eq!(heard.checked(1, newer(11), first_check), Verdict::Suspect);
         heard.from(1, 12, first_check + Duration::from_secs(1));
         let later = first_check + Duration::from_secs(1) + after;
-        assert_eq!(heard.silent(later, after), [(0, 7), (1, 12)], "the revision delivered is the one checked");
-        assert_eq!(heard.checked(1, true, later), Verdict::Suspect, "an answer cleared the suspicion");
+        assert_eq!(
+            heard.silent(later, after),
+            [(0, 9), (1, 12)],
+            "each is checked at what it has, a quiet one's check's"
+        );
+        assert_eq!(heard.checked(1, newer(14), later), Verdict::Suspect, "an answer cleared the suspicion");
         // Still silent, still behind, a check later: stalled.
-        assert_eq!(heard.checked(1, true, later + Duration::from_secs(10)), Verdict::Stalled);
-        // A progress answer never moves a stream's revision back.
+        assert_eq!(heard.checked(1, newer(14), later + Duration::from_secs(10)), Verdict::Stalled);
+        // Neither a progress answer nor a quiet check moves a stream's revision back.
         heard.from(0, 3, later);
-        assert_eq!(heard.silent(later + after, after)[0], (0, 7));
+        assert_eq!(heard.checked(0, quiet(5), later), Verdict::Quiet);
+        assert_eq!(heard.silent(later + after, after)[0], (0, 9));
     }
 }

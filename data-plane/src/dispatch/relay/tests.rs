@@ -268,3 +268,72 @@ fn only_events_with_data_are_events() {
         assert!(carries_event(event), "{:?}", String::from_utf8_lossy(event));
     }
 }
+
+/// An unfinished event past what a small body holds free is charged to the process's budget
+/// for buffered answers while it is held, and the charge comes back as the event is relayed;
+/// with no room in the budget, the stream ends with the router's own busy error, blaming no one.
+#[tokio::test]
+async fn an_unfinished_event_is_charged_while_held_and_refused_past_the_budget() -> anyhow::Result<()> {
+    use std::time::Duration;
+
+    use http_body_util::BodyExt;
+    use tokio::io::AsyncWriteExt;
+
+    use super::super::breaker::{ShimExchange, ShimHealth};
+    use super::super::connections::Conn;
+    use super::super::pool::ShimReplica;
+    use super::super::shim_body::ShimBody;
+    use super::super::wire::Framing;
+    use super::RelayBody;
+    use crate::memory::{BUFFERED_ANSWERS, Charge, FILLING, FREE_BYTES};
+
+    let _turn = FILLING.lock().await;
+    let event_start = format!("data: {{\"x\":\"{}", "x".repeat(2 * FREE_BYTES));
+    for room in [true, false] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(listener.local_addr()?), listener.accept());
+        let (mut server, _) = accepted?;
+        let shim = ShimExchange::new(
+            &ShimHealth::default(),
+            &ShimReplica::for_tests("shim", "http://a"),
+            std::time::Instant::now(),
+        );
+        let inner = ShimBody::new(Conn::new(client?), Framing::UntilClose, None);
+        let first = prometheus::Histogram::with_opts(prometheus::HistogramOpts::new("first", "first"))?;
+        let failed = prometheus::IntCounter::new("failed", "failed")?;
+        let counted = (failed.clone(), (first, tokio::time::Instant::now()));
+        let mut body = RelayBody::new(inner, Duration::from_secs(30), (None, shim), counted);
+        // All of the budget but what a free body holds, taken by others.
+        let (baseline, mut others) = (BUFFERED_ANSWERS.charged(), Charge::default());
+        if !room {
+            let rest = crate::memory::BUFFERED_ANSWER_BUDGET - baseline - FREE_BYTES;
+            assert!(BUFFERED_ANSWERS.grow(&mut others, rest));
+        }
+        let before = BUFFERED_ANSWERS.charged();
+        server.write_all(b"data: {}\n\n").await?;
+        let relayed = body.frame().await.and_then(|frame| frame.ok()?.into_data().ok()).unwrap_or_default();
+        assert_eq!(&relayed[..], b"data: {}\n\n");
+        server.write_all(event_start.as_bytes()).await?;
+        if room {
+            server.write_all(b"\"}\n\n").await?;
+            let relayed = body.frame().await.and_then(|frame| frame.ok()?.into_data().ok()).unwrap_or_default();
+            assert_eq!(relayed.len(), event_start.len() + 4, "the event, whole");
+            assert_eq!(BUFFERED_ANSWERS.charged(), before, "its charge came back as it was relayed");
+            // Held, it was charged: a second one, left unfinished, is.
+            server.write_all(event_start.as_bytes()).await?;
+            let pending = tokio::time::timeout(Duration::from_millis(200), body.frame()).await;
+            assert!(pending.is_err(), "nothing whole to relay");
+            assert!(BUFFERED_ANSWERS.charged() > before + FREE_BYTES, "held past the free part, charged");
+        } else {
+            let next = body.frame().await.and_then(|frame| frame.ok()?.into_data().ok()).unwrap_or_default();
+            let text = String::from_utf8_lossy(&next);
+            assert!(text.contains("server_busy"), "{text:.80}");
+            assert!(body.frame().await.is_none(), "and nothing follows");
+            assert_eq!(failed.get(), 1, "counted as a failed stream");
+        }
+        drop((body, others));
+        assert_eq!(BUFFERED_ANSWERS.charged(), baseline, "every charge came back");
+    }
+    Ok(())
+}
