@@ -63,6 +63,12 @@ impl Cost {
         self.held <= self.capacity
     }
 
+    /// Whether the rank, with the request, keeps [`TIE_HEADROOM`] of its KV cache free: what a
+    /// rank busier than the best needs to tie with it (see [`contenders`]).
+    fn keeps_headroom(self) -> bool {
+        self.held <= self.capacity - self.capacity / TIE_HEADROOM
+    }
+
     #[cfg(test)]
     pub(super) fn as_f64(self) -> f64 {
         self.backlog as f64 / self.capacity as f64
@@ -197,6 +203,12 @@ pub(super) fn cost(phase: Phase, inputs: &CostInputs<'_>) -> Option<Cost> {
     }
 }
 
+/// A rank busier than the best ties with it only while the request leaves it an eighth of its
+/// KV cache free: the tie is one request wide, and a request that is a large part of a rank
+/// (a long prompt) would otherwise tie a nearly full rank with an empty one and, the nearly
+/// full one idle longer, fill it to its last blocks, where the engine preempts for the answer's.
+pub(super) const TIE_HEADROOM: u64 = 8;
+
 /// One candidate as the choice rule sees it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Scored {
@@ -230,7 +242,9 @@ pub(super) struct Scored {
 /// still loses; and so does one the request would take past its capacity while the best's
 /// holds it (on unequal capacities "one request" weighs more on the smaller rank: a rank of
 /// 2,000 blocks at half its capacity would tie with one of 10,000 at three quarters, and a
-/// request of 1,500 blocks would overfill it).
+/// request of 1,500 blocks would overfill it); and a busier rank the request would leave with
+/// less than [`TIE_HEADROOM`] of its cache free ties with none (an equal cost still does, and
+/// so does every rank when the best has no room for the request either).
 ///
 /// Of the tied, those that went longest without a dispatch from the fleet remain: two ranks
 /// one request apart then take arrivals in turn, whichever replica sends them, where a
@@ -250,7 +264,8 @@ pub(super) fn contenders(scored: &[Scored]) -> (Reason, Few<usize>) {
     // Whether a cheapest rank holds the request: any of them, as equal costs may differ in
     // what they hold, and the first of them found is the candidates' order, not a rule.
     let room_at_best = scored.iter().filter_map(eligible).any(|c| c == best && c.fits());
-    let ties = |c: Cost| c.before_request() <= best && (c.fits() || !room_at_best);
+    let wide_tie = |c: Cost| c.before_request() <= best && (c.keeps_headroom() || !room_at_best);
+    let ties = |c: Cost| (c == best || wide_tie(c)) && (c.fits() || !room_at_best);
     (Reason::Load, longest_idle(scored, |s| eligible(s).is_some_and(ties)))
 }
 

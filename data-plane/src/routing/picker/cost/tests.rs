@@ -294,6 +294,21 @@ fn contender_rules() {
             vec![0],
         ),
         (
+            // A prompt of 6,250 blocks: the empty rank's cost with it is the busier one's
+            // without it (3,500 used), but that one would hold 9,750 of its 10,000, past seven
+            // eighths: the empty rank alone takes it.
+            "a long request ties no rank it would leave nearly full with the best",
+            vec![with_request(6_250, 6_250, 10_000), with_request(9_750, 6_250, 10_000)],
+            Reason::Load,
+            vec![0],
+        ),
+        (
+            "an equal cost ties whatever it leaves free",
+            vec![with_request(9_500, 500, 10_000), with_request(9_500, 500, 10_000)],
+            Reason::Load,
+            vec![0, 1],
+        ),
+        (
             // 900 blocks used and 600 of the request hold 1,500 of its 2,000; a queued prefill
             // weighs 600 more, which is time, not memory.
             "a queued prefill's weight does not count as KV the request would overfill",
