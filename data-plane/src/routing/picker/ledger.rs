@@ -427,9 +427,7 @@ impl DispatchLedger {
         let Recorded { op, legs: [first_report, second_report], buffered } = recorded.into();
         let blocks = reported_blocks(prompt_tokens, block_size);
         let mut state = self.lock();
-        if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
-            state.sweep(now);
-        }
+        state.sweep_unless_within(now, SWEEP_EVERY);
         if state.dispatches.len() >= self.capacity {
             drop(state);
             self.refused.fetch_add(1, Ordering::Relaxed);
@@ -486,9 +484,7 @@ impl DispatchLedger {
     pub fn end(&self, id: DispatchId, now: Instant, op: impl Into<Op>) {
         let mut state = self.lock();
         state.remove(id, now, op.into());
-        if state.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY) {
-            state.sweep(now);
-        }
+        state.sweep_unless_within(now, SWEEP_EVERY);
     }
 
     /// The dispatch's response began (operation `op`): its prompt no longer loads the rank that
@@ -630,6 +626,13 @@ impl State {
         }
         if self.ranks.get(key).is_some_and(Rank::is_empty) {
             self.ranks.remove(key);
+        }
+    }
+
+    /// [`Self::sweep`], unless the last one was less than `within` before `now`.
+    fn sweep_unless_within(&mut self, now: Instant, within: Duration) {
+        if self.last_sweep.is_none_or(|at| now.saturating_duration_since(at) >= within) {
+            self.sweep(now);
         }
     }
 

@@ -81,9 +81,16 @@ impl DispatchLedger {
         now: Instant,
     ) -> (usize, Vec<ReplayedLeg>) {
         let mut state = self.lock();
-        // Nothing counts longer than `UNANSWERED_FOR`: what has expired since the last sweep
-        // goes now, rather than be reported again to count in the fleet's sums afresh.
-        state.sweep(now);
+        // Nothing counts longer than `UNANSWERED_FOR`: what the ranks of these dispatches hold
+        // that has expired since the last sweep goes now, rather than be reported again to
+        // count in the fleet's sums afresh. Their ranks only: a sweep walks every rank, and a
+        // replay of tens of thousands of dispatches, in chunks, holds up every dispatch
+        // recorded meanwhile.
+        let ranks: Vec<LoadKey> =
+            ids.iter().filter_map(|id| state.dispatches.get(id)).flatten().flatten().cloned().collect();
+        for rank in &ranks {
+            state.expire(rank, now);
+        }
         let mut replayed = Vec::new();
         let mut hashes = 0;
         for (taken, id) in ids.iter().enumerate() {
