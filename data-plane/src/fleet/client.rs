@@ -480,10 +480,21 @@ async fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: 
 /// The view after `update`, and whether it was a snapshot: a snapshot replaces, a delta must
 /// fit `held`, the view this stream's updates built (none before its first snapshot). Its
 /// backlogs hold the reported operations the update names, and no others. The update's
-/// version must be the one its body brings the view to, the version its ack will name.
+/// version must be the one its body brings the view to, the version its ack will name. A
+/// snapshot older than `held` is refused: within one stream, one control plane's versions only
+/// grow (a restarted one opens a new stream, whose first snapshot may be older than the view
+/// held), so an older one is a replayed or misrouted message, and would bring back workers
+/// since removed.
 fn next_view(held: Option<&FleetView>, update: pb::FleetUpdate) -> Result<(FleetView, bool), String> {
     let (version, folded) = (update.version, update.reports_folded.map(ReportsFolded::from));
     let (view, snapshot) = match update_from_wire(update, Instant::now()).map_err(|e| e.to_string())? {
+        Update::Snapshot(view) if held.is_some_and(|held| view.version() < held.version()) => {
+            let held = held.map_or(0, FleetView::version);
+            return Err(format!(
+                "a snapshot at version {} is older than version {held}, which this stream brought already",
+                view.version()
+            ));
+        }
         Update::Snapshot(view) => (view, true),
         Update::Delta(delta) => match held {
             Some(held) => (held.apply(&delta).map_err(|e| e.to_string())?, false),
@@ -654,5 +665,11 @@ mod tests {
         // A delta's target is its update's version; a snapshot carries its own as well.
         let refused = next_view(Some(&next), snapshot(20, 19)).expect_err("the versions disagree");
         assert!(refused.contains("names version 20 but brings the view to 19"), "{refused}");
+        // Within the stream, a snapshot older than the view it built is refused; one as new or
+        // newer replaces it.
+        let older = next_view(Some(&next), snapshot(5, 5)).expect_err("older than the stream's view");
+        assert!(older.contains("older than version 6"), "{older}");
+        let (same, applied) = next_view(Some(&next), snapshot(6, 6)).expect("as new");
+        assert_eq!((same.version(), applied), (6, true));
     }
 }
