@@ -201,6 +201,9 @@ pub struct ChatRequest {
     pub stream: bool,
     /// The picker's estimate of the prompt's tokens, from its prompt fields.
     pub prompt_estimate: u64,
+    /// The prompt holds media, which the estimate leaves out: its answer's count of the prompt
+    /// teaches the estimate nothing.
+    pub prompt_has_media: bool,
     /// The body has an `nvext` member, which may hold routing fields to strip, or an engine's
     /// own routing field ([`ENGINE_ROUTING_FIELDS`]).
     has_nvext: bool,
@@ -337,6 +340,7 @@ impl ChatRequest {
             model,
             stream,
             prompt_estimate,
+            prompt_has_media: messages.media,
             has_nvext: members.nvext.is_some() || members.engine_routing,
             tenant: None,
         })
@@ -456,6 +460,10 @@ mod tests {
         assert!(!parse(r#"{"model":"m","messages":[{}],"stream":null}"#).unwrap().stream);
         let prompt_fields = r#"{"model":"m","messages":[{"content":"abcdefgh"}],"tools":[{"n":"abcd"}]}"#;
         assert_eq!(parse(prompt_fields).unwrap().prompt_estimate, 2 + 2);
+        assert!(!request.prompt_has_media && !parse(prompt_fields).unwrap().prompt_has_media);
+        let image =
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"u"}}]}]}"#;
+        assert!(parse(image).unwrap().prompt_has_media, "an image in the prompt");
         // Members the chat template does not render are not the prompt.
         let unrendered =
             r#"{"model":"m","messages":[{"content":"abcdefgh"}],"prompt":"abcd","input":"abcd","system":"abcd"}"#;

@@ -132,7 +132,9 @@ pub async fn route(state: &AppState, view: &FleetView, request: &ChatRequest) ->
     let mut dispatch =
         DispatchEnd::record(&state.ledger, &state.reporter, view, &selection, prompt_tokens, &chain, !request.stream);
     drop(turn);
-    if tokens.is_none() {
+    // Sized by the estimate, its answer's count of the prompt calibrates it; not a prompt with
+    // media, which the count includes and the estimate leaves out.
+    if tokens.is_none() && !request.prompt_has_media {
         dispatch.sized_by_estimate(display, request.prompt_estimate);
     }
     let on_failure = config.disaggregated_serving.fallback_to_unified;

@@ -28,6 +28,9 @@ pub struct PromptText {
     pub tokens: u64,
     /// The number of items when the field is an array.
     pub items: Option<usize>,
+    /// It holds media (an image, audio, a file), which the estimate leaves out and the model
+    /// counts: an answer's count of its prompt says nothing of how far the estimate is off.
+    pub media: bool,
 }
 
 impl<'de> Deserialize<'de> for PromptText {
@@ -63,7 +66,7 @@ impl<'de> Visitor<'de> for Text {
     }
 
     fn visit_str<E>(self, text: &str) -> Result<PromptText, E> {
-        Ok(PromptText { tokens: string_tokens(text), items: None })
+        Ok(PromptText { tokens: string_tokens(text), items: None, media: false })
     }
 
     fn visit_bool<E>(self, _: bool) -> Result<PromptText, E> {
@@ -87,18 +90,20 @@ impl<'de> Visitor<'de> for Text {
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut items: A) -> Result<PromptText, A::Error> {
-        let (mut tokens, mut count) = (0u64, 0usize);
+        let (mut tokens, mut count, mut media) = (0u64, 0usize, false);
         while let Some(item) = items.next_element_seed(self)? {
             tokens = tokens.saturating_add(item.tokens);
+            media |= item.media;
             count += 1;
         }
-        Ok(PromptText { tokens, items: Some(count) })
+        Ok(PromptText { tokens, items: Some(count), media })
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut fields: A) -> Result<PromptText, A::Error> {
-        let (mut tokens, mut keys) = (0u64, Keys::default());
+        let (mut tokens, mut keys, mut media) = (0u64, Keys::default(), false);
         while let Some(Key(name)) = fields.next_key()? {
             if SKIPPED_FIELDS.contains(&name.as_ref()) {
+                media |= name != "type";
                 // Not prompt text, but typed all the same (`image_url: {url, detail}`).
                 if self.unique_keys {
                     fields.next_value::<UniqueObject>()?;
@@ -107,14 +112,15 @@ impl<'de> Visitor<'de> for Text {
                 }
             } else {
                 let free = FREE_FORM_FIELDS.contains(&name.as_ref());
-                let text = Text { unique_keys: self.unique_keys && !free };
-                tokens = tokens.saturating_add(fields.next_value_seed(text)?.tokens);
+                let text = fields.next_value_seed(Text { unique_keys: self.unique_keys && !free })?;
+                tokens = tokens.saturating_add(text.tokens);
+                media |= text.media;
             }
             if self.unique_keys {
                 keys.insert(name)?;
             }
         }
-        Ok(PromptText { tokens, items: None })
+        Ok(PromptText { tokens, items: None, media })
     }
 }
 
@@ -191,6 +197,20 @@ mod tests {
         ];
         for (name, body, expected) in cases {
             assert_eq!(estimate(body), *expected, "{name}");
+        }
+    }
+
+    /// A prompt holding media says so, however deep its part; text parts and their `type`
+    /// tags are no media.
+    #[test]
+    fn media_anywhere_in_the_messages_is_told() {
+        let media =
+            |messages: Value| serde_json::from_value::<PromptText>(messages).map(|text| text.media).expect("messages");
+        let part = |part: Value| json!([{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]);
+        assert!(!media(json!([{"role": "user", "content": "hi"}])));
+        assert!(!media(part(json!({"type": "text", "text": "more"}))));
+        for field in ["image_url", "input_audio", "image", "file", "source"] {
+            assert!(media(part(json!({"type": field, field: {"url": "data:…"}}))), "{field}");
         }
     }
 
