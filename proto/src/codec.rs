@@ -28,8 +28,8 @@ use crate::{
 /// take on the wire: ids, nonces and a reason, all short.
 pub const MAX_WATCH_CONTROL_BYTES: usize = 8 << 10;
 
-/// What a message may hold, judged from its wire bytes before it is decoded. Messages only the
-/// control plane sends are trusted as they are (a replica bounds them by their size).
+/// What a message may hold, judged from its wire bytes before it is decoded. A message only the
+/// control plane sends is bounded by its size and, for a fleet's, by what it would decode to.
 pub trait WireLimits {
     /// Refuses `wire` if the message it encodes holds more than its receiver allows.
     fn check(wire: &[u8]) -> Result<(), Status> {
@@ -38,10 +38,66 @@ pub trait WireLimits {
     }
 }
 
-impl WireLimits for pb::FleetUpdate {}
-impl WireLimits for pb::Snapshot {}
 impl WireLimits for pb::GetSnapshotRequest {}
 impl WireLimits for pb::FindMatchesResponse {}
+
+/// The most a fleet update (or snapshot) may decode to, as its entries' sizes once decoded (a
+/// struct each, besides the bytes they hold) and its bytes tell it. The largest a control plane
+/// sends, 64 MiB of workers at the smallest a real one takes on the wire (its key, role and
+/// model in some 40 bytes), decodes to well under it; 64 MiB of empty entries, two bytes each,
+/// would decode to some 200 times their size, and every replica following would run out of
+/// memory together. One past it ends the stream before it is decoded; the replica keeps its
+/// view, and dials again.
+pub const MAX_DECODED_FLEET_UPDATE_BYTES: usize = 1 << 30;
+
+/// A snapshot's repeated message fields, by number, and what one entry of each decodes to
+/// besides its bytes.
+const SNAPSHOT_ENTRIES: [(u32, usize); 3] =
+    [(2, size_of::<pb::Worker>()), (3, size_of::<pb::LoadSample>()), (5, size_of::<pb::Backlog>())];
+/// A delta's.
+const DELTA_ENTRIES: [(u32, usize); 6] = [
+    (2, size_of::<pb::Worker>()),
+    (3, size_of::<pb::WorkerKey>()),
+    (4, size_of::<pb::LoadSample>()),
+    (5, size_of::<pb::LoadKey>()),
+    (7, size_of::<pb::Backlog>()),
+    (8, size_of::<pb::LoadKey>()),
+];
+
+impl WireLimits for pb::FleetUpdate {
+    fn check(wire: &[u8]) -> Result<(), Status> {
+        let mut decoded = wire.len();
+        for field in Fields(wire) {
+            match field? {
+                (3, Field::Len(snapshot)) => decoded = decoded.saturating_add(entries(snapshot, &SNAPSHOT_ENTRIES)?),
+                (4, Field::Len(delta)) => decoded = decoded.saturating_add(entries(delta, &DELTA_ENTRIES)?),
+                _ => {}
+            }
+        }
+        within("a fleet update's bytes once decoded", decoded, MAX_DECODED_FLEET_UPDATE_BYTES)
+    }
+}
+
+impl WireLimits for pb::Snapshot {
+    fn check(wire: &[u8]) -> Result<(), Status> {
+        let decoded = wire.len().saturating_add(entries(wire, &SNAPSHOT_ENTRIES)?);
+        within("a fleet snapshot's bytes once decoded", decoded, MAX_DECODED_FLEET_UPDATE_BYTES)
+    }
+}
+
+/// What the entries of `wire`'s repeated message fields `sizes` names take once decoded, besides
+/// their bytes.
+fn entries(wire: &[u8], sizes: &[(u32, usize)]) -> Result<usize, Status> {
+    let mut decoded = 0usize;
+    for field in Fields(wire) {
+        if let (number, Field::Len(_)) = field?
+            && let Some((_, size)) = sizes.iter().find(|(entry, _)| *entry == number)
+        {
+            decoded = decoded.saturating_add(*size);
+        }
+    }
+    Ok(decoded)
+}
 
 impl WireLimits for pb::WatchRequest {
     fn check(wire: &[u8]) -> Result<(), Status> {
@@ -358,6 +414,43 @@ mod tests {
 
     /// What cannot be walked is refused, not passed on to a decoder that might read it
     /// otherwise; trailing garbage and truncations alike.
+    /// A fleet update is judged by what it would decode to: a snapshot of real workers passes,
+    /// one as large of empty entries (two bytes each on the wire) is refused before it is
+    /// decoded, in a snapshot or a delta, sent alone or in an update.
+    #[test]
+    fn a_fleet_update_past_what_it_may_decode_to_is_refused_from_its_wire_bytes() {
+        let worker = |id: u64| pb::Worker {
+            key: Some(pb::WorkerKey { namespace: "dynamo".into(), instance_id: id }),
+            model: "Qwen/Qwen3-0.6B".into(),
+            component: "backend".into(),
+            endpoint: "generate".into(),
+            ..Default::default()
+        };
+        let fleet = pb::Snapshot { workers: (0..16_384).map(worker).collect(), ..Default::default() };
+        let update = |body| pb::FleetUpdate { body: Some(body), ..Default::default() }.encode_to_vec();
+        assert!(pb::FleetUpdate::check(&update(pb::fleet_update::Body::Snapshot(fleet.clone()))).is_ok());
+        assert!(pb::Snapshot::check(&fleet.encode_to_vec()).is_ok());
+        // Empty entries of one field, by hand: a length-delimited field of length zero each.
+        let empties = |field: u8, count: usize| [field << 3 | 2, 0].repeat(count);
+        let enough = MAX_DECODED_FLEET_UPDATE_BYTES / size_of::<pb::Worker>() + 1;
+        let wrapped = |field: u8, body: Vec<u8>| {
+            let mut wire = vec![field << 3 | 2];
+            prost::encoding::encode_varint(body.len() as u64, &mut wire);
+            wire.extend(body);
+            wire
+        };
+        for (what, wire) in [
+            ("a snapshot's workers", wrapped(3, empties(2, enough))),
+            ("a delta's upserted workers", wrapped(4, empties(2, enough))),
+        ] {
+            let refused = pb::FleetUpdate::check(&wire).expect_err(what);
+            assert!(refused.message().contains("once decoded"), "{what}: {refused}");
+        }
+        assert!(pb::Snapshot::check(&empties(2, enough)).is_err(), "a snapshot alone");
+        let removed = MAX_DECODED_FLEET_UPDATE_BYTES / size_of::<pb::WorkerKey>() + 1;
+        assert!(pb::FleetUpdate::check(&wrapped(4, empties(3, removed))).is_err(), "a delta's removed keys");
+    }
+
     #[test]
     fn malformed_wire_is_refused() {
         let mut wire = report(pb::DispatchReport { started: vec![started(3)], ..Default::default() });
