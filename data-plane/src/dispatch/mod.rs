@@ -358,9 +358,10 @@ impl Dispatcher {
             // since it was sent (`Outliers::failed_unless_answering`): a buffered answer's head
             // comes only once generation is done, so a hung worker shows as a head that never
             // came, but so does a request merely too long; and a frontend that lost its workers
-            // refuses every pin while they answer through other replicas. A shim that could not be reached, or answered
-            // nothing at all, or whose connection broke under the body, says nothing about them
-            // (it is charged with it), nor does a refusal of the client's request.
+            // refuses every pin while they answer through other replicas. A shim that could not
+            // be reached, or answered nothing at all, or whose connection broke under the body,
+            // says nothing about them (it is charged with it), nor does a refusal of the
+            // client's request.
             let unanswered = matches!(
                 outcome,
                 PinnedOutcome::Failed(Failure::BodyTimeout(_) | Failure::Send(SendError::HeadTimeout(_)))
@@ -536,8 +537,7 @@ mod tests {
 
     use super::*;
     use crate::fleet::DispatchReporter;
-    use crate::routing::picker::EJECT_AFTER;
-    use crate::routing::picker::{DispatchLedger, Pin, PromptChain, Reason};
+    use crate::routing::picker::{DispatchLedger, EJECT_AFTER, Pin, PromptChain, Reason};
 
     /// A backend that answers every request on its first connection with a small 200.
     async fn answering_backend() -> std::io::Result<ShimReplica> {

@@ -393,7 +393,14 @@ mod tests {
         open_one().await?;
         let mut client = TcpStream::connect(addr).await?;
         ask(&mut client).await?;
-        assert_eq!(shed(), CAPACITY as u64, "every idle connection gave way, not only the last");
+        // The first to go let the client in; the others' deadlines came with it.
+        let all_gave_way = async {
+            while shed() < CAPACITY as u64 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        let gave_way = tokio::time::timeout(CROWDED_IDLE_TIMEOUT * 2, all_gave_way).await;
+        assert!(gave_way.is_ok(), "every idle connection gave way, not only the last: {} did", shed());
         for mut stream in idle {
             let mut rest = Vec::new();
             let closed = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut rest)).await;

@@ -13,10 +13,11 @@
 //! no trace. Bounded: at most [`MAX_TRACKED`] ranks are remembered; when full,
 //! failures short of an ejection are forgotten first (it only resets counts).
 //!
-//! An answer that never came in time counts only against a rank that answered nothing else
-//! since the request was sent ([`Outliers::failed_unless_answering`]): a worker answering other requests is
-//! not hung, and the request was merely long. Otherwise a client could eject healthy workers
-//! with a burst of requests too long to finish in time, all timing out together.
+//! An answer that never came in time, or one that blames the pins, counts only against a rank
+//! that answered nothing else since the request was sent ([`Outliers::failed_unless_answering`]):
+//! a worker answering other requests is not hung, and the request was merely long (or its shim
+//! replica failed it). Otherwise a client could eject healthy workers with a burst of requests
+//! too long to finish in time, all timing out together.
 
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
