@@ -54,9 +54,11 @@ async fn a_retry_the_budget_cannot_pay_is_not_made_and_is_counted() -> anyhow::R
     const REQUESTS: usize = 60;
     let shim = StubShim::start().await?;
     let dead = RefusingPort::reserve()?;
-    // A breaker that never opens: every request starting on the dead replica needs a retry.
+    // A breaker that never opens, and probes too far apart to take the dead replica out: every
+    // request starting on it needs a retry, however slowly the machine runs them.
     let breaker = BreakerSettings { failure_threshold: u32::MAX, ..BreakerSettings::default() };
-    let settings = DispatchSettings { breaker, ..DispatchSettings::default() };
+    let probe = ProbeSettings { interval: Duration::from_secs(3600), ..ProbeSettings::default() };
+    let settings = DispatchSettings { breaker, probe, ..DispatchSettings::default() };
     let pool = config(&[("shim-dead", dead.url()), ("shim-live", shim.url())]);
     let harness = Harness::start_with(disaggregated_fleet(), pool, settings).await?;
     let mut failed = 0;
