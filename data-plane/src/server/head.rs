@@ -20,10 +20,12 @@ use crate::routing::headers::{TENANT_ID, asks_disclosure, is_routing_header, ten
 pub const MAX_HEADERS: usize = 64;
 /// The largest request head accepted.
 pub const MAX_HEAD_BYTES: usize = 64 << 10;
-/// The longest request target, and the longest `x-tenant-id`: the parts of a head a request
-/// keeps beyond its read buffer while its body arrives, so they bound what each of thousands of
-/// connections holds outside any budget (nginx refuses a request line past 8 KiB by default).
+/// The longest request target: with [`MAX_TENANT_BYTES`], what a request keeps of its head
+/// beyond its read buffer while its body arrives, so together they bound what each of
+/// thousands of connections holds outside any budget (nginx refuses a request line past 8 KiB
+/// by default).
 pub const MAX_TARGET_BYTES: usize = 8 << 10;
+/// The longest `x-tenant-id` (see [`MAX_TARGET_BYTES`]).
 pub const MAX_TENANT_BYTES: usize = 8 << 10;
 
 /// Why a request head was refused; each maps to the status the client is answered with, after
