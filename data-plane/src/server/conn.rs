@@ -22,15 +22,14 @@ use http_body_util::BodyExt;
 use prometheus::IntGauge;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::sync::futures::Notified;
 use tokio::time::Sleep;
-use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
 use super::head::{
     BodyFraming, HeadError, LAST_CHUNK, MAX_HEAD_BYTES, Persistence, RequestHead, ResponseFraming, Route, encode_chunk,
     encode_response, http_date, parse_request,
 };
+use super::idle::{IdleCall, IdleCalls, Waiting};
 use super::{App, Slots, Stages};
 use crate::boxed::built_in_box;
 use crate::dispatch::wire::{Chunked, Decoded, WireError, head_due};
@@ -174,66 +173,6 @@ struct Connection<'m> {
     metrics: &'m Metrics,
     /// When the connection idles out; one timer for the connection's life, moved forward.
     idle: Pin<Box<Sleep>>,
-}
-
-/// Why the server calls off a connection's wait for its next request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum IdleCall {
-    /// The server is closing: a connection waiting idle closes.
-    Closing,
-    /// The server became crowded: the wait goes on no longer than [`CROWDED_IDLE_TIMEOUT`].
-    Crowded,
-}
-
-/// A connection's watch on the server's calls to its connections waiting idle ([`IdleCall`],
-/// [`Slots::idle_call`]): one registration for the connection's life, made again only after
-/// a call came, where one per request would join and leave the list of waiters, under its
-/// lock, each time (and waiting on the closing token and the crowding apart, twice).
-struct IdleCalls<'s> {
-    slots: &'s Slots,
-    closing: &'s CancellationToken,
-    notified: Pin<Box<Notified<'s>>>,
-    closed: bool,
-}
-
-impl<'s> IdleCalls<'s> {
-    fn new(slots: &'s Slots, closing: &'s CancellationToken) -> Self {
-        let notified = Box::pin(slots.idle_call.notified());
-        // After the registration: a closing from before it is seen here, one after it calls.
-        Self { slots, closing, notified, closed: closing.is_cancelled() }
-    }
-
-    /// The next call that concerns a connection waiting now. A crowding that came and went
-    /// while the connection was answering is no reason to hurry its next wait.
-    async fn next(&mut self) -> IdleCall {
-        loop {
-            if self.closed {
-                return IdleCall::Closing;
-            }
-            self.notified.as_mut().await;
-            self.notified.set(self.slots.idle_call.notified());
-            self.closed = self.closing.is_cancelled();
-            if !self.closed && self.slots.crowded() {
-                return IdleCall::Crowded;
-            }
-        }
-    }
-}
-
-/// A connection waiting for its next request, counted on a gauge while it waits.
-struct Waiting<'g>(&'g IntGauge);
-
-impl<'g> Waiting<'g> {
-    fn on(gauge: &'g IntGauge) -> Self {
-        gauge.inc();
-        Self(gauge)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
 }
 
 /// Serves one connection until it closes; while `slots` are crowded, it waits idle for a
@@ -385,8 +324,7 @@ impl<'m> Connection<'m> {
                 () = idle.as_mut() => return Err(idled_out),
                 next = call.as_mut(), if !called => match next {
                     IdleCall::Closing => return Err(Stop::Quietly),
-                    // The server became crowded while this connection waited: it waits no
-                    // longer than one that began waiting then.
+                    // Crowded while it waited: it waits no longer than a wait begun now.
                     IdleCall::Crowded => {
                         called = true;
                         let soon = tokio::time::Instant::now() + CROWDED_IDLE_TIMEOUT;
@@ -485,9 +423,8 @@ impl<'m> Connection<'m> {
             let due = scanned == 0 || head_due(&self.read, scanned, MAX_HEAD_BYTES);
             if due && let Some((head, length)) = parse_request(&self.read).map_err(Stop::Refuse)? {
                 self.read.advance(length);
-                // A head of tens of kilobytes grew the buffer for itself: it is let go before a
-                // body that may take its time, so a connection holds no more than its head's
-                // target and tenant (each at most 8 KiB) and a free body beside its budgets.
+                // A large head's buffer goes before a body that may take its time: beside its
+                // budgets a connection holds its target and tenant (8 KiB each) and a free body.
                 self.release_large_read_buffer(length);
                 break (head, length);
             }

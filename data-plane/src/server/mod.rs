@@ -8,6 +8,7 @@
 
 mod conn;
 pub mod head;
+mod idle;
 
 pub use conn::{MIN_WRITE_BYTES_PER_SECOND, WRITE_STALL_TIMEOUT};
 
