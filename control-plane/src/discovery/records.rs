@@ -196,16 +196,21 @@ fn endpoint(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
         return Err(RecordError::KeyWithoutId { expected: key.keyspace.record_type() });
     }
     filed_where_it_says(key, wire.component.as_deref(), wire.endpoint.as_deref())?;
-    let (key_component, key_endpoint) = match &key.path {
-        KeyPath::Registry { component, endpoint } => (component.clone(), endpoint.clone()),
-        KeyPath::Event { .. } => (None, None),
-    };
+    let (key_component, key_endpoint) = registry_scope(key);
     let component = wire.component.filter(|c| !c.is_empty()).or(key_component).unwrap_or_default();
     let endpoint = wire.endpoint.filter(|e| !e.is_empty()).or(key_endpoint).unwrap_or_default();
     if endpoint != GENERATE_ENDPOINT {
         return Ok(Parsed::Skipped(Skip::NotGenerate));
     }
     Ok(Parsed::Endpoint(EndpointRecord { instance_id, component, endpoint }))
+}
+
+/// The component and endpoint a registry key (an instance's, a card's) files its record under.
+fn registry_scope(key: &ParsedKey) -> (Option<String>, Option<String>) {
+    match &key.path {
+        KeyPath::Registry { component, endpoint } => (component.clone(), endpoint.clone()),
+        KeyPath::Event { .. } => (None, None),
+    }
 }
 
 /// A Model record's value, its card borrowed as written. Its `type` is borrowed too: the check
@@ -290,10 +295,7 @@ fn model(key: &ParsedKey, value: &[u8]) -> Result<Parsed, RecordError> {
         // One of them named: a scoped card, the other as its key files it (every field of a
         // record is optional across Dynamo's N-2 window), as an instance record's are.
         (component, endpoint) => {
-            let (key_component, key_endpoint) = match &key.path {
-                KeyPath::Registry { component, endpoint } => (component.clone(), endpoint.clone()),
-                KeyPath::Event { .. } => (None, None),
-            };
+            let (key_component, key_endpoint) = registry_scope(key);
             (component.or(key_component).unwrap_or_default(), endpoint.or(key_endpoint).unwrap_or_default())
         }
     };

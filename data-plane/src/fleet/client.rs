@@ -488,14 +488,16 @@ async fn apply(handle: &FleetHandle, update: pb::FleetUpdate, snapshot_applied: 
 fn next_view(held: Option<&FleetView>, update: pb::FleetUpdate) -> Result<(FleetView, bool), String> {
     let (version, folded) = (update.version, update.reports_folded.map(ReportsFolded::from));
     let (view, snapshot) = match update_from_wire(update, Instant::now()).map_err(|e| e.to_string())? {
-        Update::Snapshot(view) if held.is_some_and(|held| view.version() < held.version()) => {
-            let held = held.map_or(0, FleetView::version);
-            return Err(format!(
-                "a snapshot at version {} is older than version {held}, which this stream brought already",
-                view.version()
-            ));
+        Update::Snapshot(view) => {
+            if let Some(held) = held.filter(|held| view.version() < held.version()) {
+                return Err(format!(
+                    "a snapshot at version {} is older than version {}, which this stream brought already",
+                    view.version(),
+                    held.version()
+                ));
+            }
+            (view, true)
         }
-        Update::Snapshot(view) => (view, true),
         Update::Delta(delta) => match held {
             Some(held) => (held.apply(&delta).map_err(|e| e.to_string())?, false),
             None => {
